@@ -1,0 +1,5 @@
+#include "framework/version.hpp"
+
+namespace meshtrain {
+const char* framework_version() { return MESHTRAIN_VERSION; }
+}  // namespace meshtrain
