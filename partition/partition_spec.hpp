@@ -1,0 +1,75 @@
+#pragma once
+// PartitionSpec: how each dimension of a tensor is split over mesh axes (DESIGN.md s4).
+// One entry per dimension: None (not split), one axis, or a tuple of axes (split over
+// their product, read major to minor). Written as text `P(fsdp, tp)`, `P((fsdp,dp), None)`,
+// `P()`; in TOML as `[]`, `["fsdp", "tp"]`, `[["fsdp","dp"], ""]` ("" = None).
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "partition/mesh.hpp"
+
+namespace meshtrain {
+
+// One dimension of a spec: the mesh axes it is split over, major to minor; empty = None.
+struct SpecEntry {
+  std::vector<std::string> axes;
+  bool is_none() const { return axes.empty(); }
+  bool operator==(const SpecEntry& o) const { return axes == o.axes; }
+  bool operator!=(const SpecEntry& o) const { return axes != o.axes; }
+};
+
+struct PartitionSpec {
+  std::vector<SpecEntry> entries;
+
+  PartitionSpec() = default;
+  explicit PartitionSpec(std::vector<SpecEntry> e) : entries(std::move(e)) {}
+
+  // Parses `P(fsdp, tp)`, `P((fsdp,dp), None)`, `P()`; also accepts the same without the
+  // leading P. Throws bad_input naming the text and what is wrong (including an axis that
+  // appears twice).
+  static PartitionSpec parse(std::string_view text);
+
+  // `P(fsdp, tp)`, `P((fsdp, dp), None)`, `P()`: parse(to_string()) == *this.
+  std::string to_string() const;
+
+  size_t size() const { return entries.size(); }
+  bool is_replicated() const;  // no entry names an axis
+  // Every axis named by the spec, in order of appearance.
+  std::vector<std::string> axes() const;
+
+  // Throws bad_input when an axis is not in the mesh (naming `parameter` and the axis), or
+  // when an axis appears twice.
+  void check_axes(const Mesh& mesh, const std::string& parameter) const;
+
+  // The spec trimmed (or padded with None) to `rank` entries.
+  PartitionSpec with_rank(size_t rank) const;
+
+  bool operator==(const PartitionSpec& o) const { return entries == o.entries; }
+  bool operator!=(const PartitionSpec& o) const { return entries != o.entries; }
+};
+
+// The block of a global tensor that one rank holds under a spec: per dimension the
+// offset and extent. Requires every split dimension to divide by its axis product.
+struct ShardBox {
+  std::vector<int64_t> offset;
+  std::vector<int64_t> extent;
+  int64_t elements() const;
+};
+
+// Throws bad_input naming the parameter, dimension, size and axis product when a split
+// dimension does not divide, and when the spec is longer than the shape.
+void check_divisible(const std::vector<int64_t>& shape, const PartitionSpec& spec, const Mesh& mesh,
+                     const std::string& parameter);
+
+// The local shape of every rank (identical on all ranks because splits must divide).
+std::vector<int64_t> local_shape(const std::vector<int64_t>& shape, const PartitionSpec& spec,
+                                 const Mesh& mesh);
+
+// The block held by `rank`. Replicated dimensions give offset 0 and the full extent.
+ShardBox shard_box(const std::vector<int64_t>& shape, const PartitionSpec& spec, const Mesh& mesh,
+                   int rank);
+
+}  // namespace meshtrain
