@@ -1,0 +1,82 @@
+#include "framework/metrics.hpp"
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "partition/error.hpp"
+
+namespace meshtrain {
+
+MetricsLog::MetricsLog(const std::string& output_dir, bool writer)
+    : path_(output_dir + "/metrics.jsonl") {
+  if (!writer) return;
+  std::error_code ec;
+  std::filesystem::create_directories(output_dir, ec);
+  if (ec) {
+    MESHTRAIN_BAD_INPUT("cannot create the output directory '", output_dir,
+                        "' (run.output_dir): ", ec.message());
+  }
+  file_ = std::fopen(path_.c_str(), "w");
+  if (!file_) {
+    MESHTRAIN_BAD_INPUT("cannot open '", path_, "' for writing: ", std::strerror(errno));
+  }
+}
+
+MetricsLog::~MetricsLog() {
+  if (file_) std::fclose(file_);
+}
+
+void MetricsLog::write_line(const std::string& json) {
+  std::fputs(json.c_str(), file_);
+  std::fputc('\n', file_);
+  // Flushed per event so a crashed or interrupted run keeps what it logged.
+  std::fflush(file_);
+}
+
+void MetricsLog::log(const LogEvent& e) {
+  if (!file_) return;
+  std::printf("step %6lld/%lld  epoch %3lld  loss %.5f  %9.1f samples/s  ETA %s\n",
+              static_cast<long long>(e.step), static_cast<long long>(e.total_steps),
+              static_cast<long long>(e.epoch), e.loss, e.samples_per_s,
+              format_duration(e.eta_s).c_str());
+  std::fflush(stdout);
+  nlohmann::json j = {{"event", "log"},
+                      {"step", e.step},
+                      {"epoch", e.epoch},
+                      {"loss", e.loss},
+                      {"samples_per_s", e.samples_per_s}};
+  write_line(j.dump());
+}
+
+void MetricsLog::eval(const EvalEvent& e) {
+  if (!file_) return;
+  nlohmann::json j = {{"event", "eval"}, {"step", e.step}, {"test_loss", e.test_loss}};
+  if (std::isnan(e.test_accuracy)) {
+    std::printf("eval at step %lld: test loss %.5f\n", static_cast<long long>(e.step), e.test_loss);
+  } else {
+    std::printf("eval at step %lld: test loss %.5f  test accuracy %.4f\n",
+                static_cast<long long>(e.step), e.test_loss, e.test_accuracy);
+    j["test_accuracy"] = e.test_accuracy;
+  }
+  std::fflush(stdout);
+  write_line(j.dump());
+}
+
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const long long s = std::llround(seconds);
+  char buffer[32];
+  if (s >= 3600) {
+    std::snprintf(buffer, sizeof buffer, "%lldh%02lldm", s / 3600, (s % 3600) / 60);
+  } else if (s >= 60) {
+    std::snprintf(buffer, sizeof buffer, "%lldm%02llds", s / 60, s % 60);
+  } else {
+    std::snprintf(buffer, sizeof buffer, "%llds", s);
+  }
+  return buffer;
+}
+
+}  // namespace meshtrain
