@@ -1,0 +1,155 @@
+#pragma once
+// A communicator over one group of ranks (a mesh axis or a tuple of axes), in the spirit
+// of Aluminum: a small, move-only object whose operations take Kokkos Views of float.
+//
+// Two halves:
+// - The public operations (all_gather, reduce_scatter, all_reduce, broadcast, shift,
+//   all_to_all, barrier) are written once, here and in communicator.cpp: they check the
+//   shapes, pack and unpack dim-1 blocks through the communicator's scratch buffer, and
+//   call the backend on contiguous buffers.
+// - A backend (impl/mpi_communicator.hpp, impl/nccl_communicator.hpp) implements the
+//   protected `raw_*` functions on contiguous buffers in the default memory space. It
+//   never sees a View, a dimension or a layout.
+//
+// Every blocking operation fails with a runtime Error naming the operation and the group
+// ("all_reduce on axis (tp) did not complete within 5 s: a rank did not join") when it
+// waits longer than timeout_seconds() (env MESHTRAIN_COLLECTIVE_TIMEOUT, default 300 s).
+//
+// Semantics of the tiled operations (as jax.lax.all_gather(tiled=True) and
+// psum_scatter(scatter_dimension=dim, tiled=True)), for a group of size n, this rank i:
+//   all_gather(send [r, c], recv, 0): recv [n*r, c], rows [j*r, (j+1)*r) come from rank j.
+//   all_gather(send [r, c], recv, 1): recv [r, n*c], cols [j*c, (j+1)*c) come from rank j.
+//   reduce_scatter(send [n*r, c], recv [r, c], 0): recv = sum over ranks of send rows
+//     [i*r, (i+1)*r); with dim 1, send [r, n*c] and the column block i.
+// Dim-1 operations stage through the scratch buffer (n*r*c floats, grown on first use and
+// kept; reserve_scratch() preallocates it so later calls do not allocate).
+
+#include <Kokkos_Core.hpp>
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "partition/error.hpp"
+
+namespace meshtrain {
+
+using VectorView =
+    Kokkos::View<float*, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+using ConstVectorView =
+    Kokkos::View<const float*, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+// 2-D views may be row-strided (a column block of a LayoutRight matrix obtained with
+// Kokkos::subview(m, rows, cols) keeps LayoutRight with stride(0) > extent(1)); operations
+// that need contiguous memory check span_is_contiguous() and say so.
+using MatrixView =
+    Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+using ConstMatrixView =
+    Kokkos::View<const float**, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+
+enum class ReduceOp { sum, mean };
+
+// `value` as an int for an MPI/NCCL count; throws a runtime Error naming `what` when it
+// does not fit.
+int checked_int(std::size_t value, const char* what);
+
+// Seconds a blocking collective may wait: env MESHTRAIN_COLLECTIVE_TIMEOUT (a positive
+// number), default 300. Throws bad_input when the variable is set but not a positive number.
+double collective_timeout_from_env();
+
+// A pending non-blocking operation (shift). Move-only; wait() completes it (throws a
+// runtime Error on timeout or backend failure). The destructor of a pending request waits
+// for it (errors swallowed) so buffers are never released under a running transfer.
+class Request {
+ public:
+  class Impl {
+   public:
+    virtual ~Impl() = default;
+    virtual bool test() = 0;  // true once complete
+    virtual void wait() = 0;  // blocks until complete or throws
+  };
+
+  Request() = default;
+  explicit Request(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  Request(Request&&) noexcept = default;
+  Request& operator=(Request&& other) noexcept;
+  Request(const Request&) = delete;
+  Request& operator=(const Request&) = delete;
+  ~Request();
+
+  void wait();  // no-op for an empty or completed request
+  bool test();  // true when empty or complete
+  bool pending() const { return impl_ != nullptr; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int size() const { return size_; }
+  int rank() const { return rank_; }
+  // How errors name this group: "axis (tp)", "axes (fsdp, dp)", "world".
+  const std::string& description() const { return description_; }
+  double timeout_seconds() const { return timeout_seconds_; }
+  void set_timeout_seconds(double seconds);
+
+  // Tiled all-gather (see the header comment). send and recv must not overlap.
+  void all_gather(ConstVectorView send, VectorView recv);
+  void all_gather(ConstMatrixView send, MatrixView recv, int dim);
+  // Tiled reduce-scatter with sum.
+  void reduce_scatter(ConstVectorView send, VectorView recv);
+  void reduce_scatter(ConstMatrixView send, MatrixView recv, int dim);
+  // In place; mean divides the sum by size(). data must be contiguous.
+  void all_reduce(VectorView data, ReduceOp op = ReduceOp::sum);
+  void all_reduce(MatrixView data, ReduceOp op = ReduceOp::sum);
+  void broadcast(VectorView data, int root);
+  void broadcast(MatrixView data, int root);
+  // Non-blocking ppermute: sends `send` to rank (i + offset) mod n and receives into
+  // `recv` from rank (i - offset) mod n; both buffers must stay alive and untouched until
+  // the Request completes. Shapes must be equal on sender and receiver. Several shifts may
+  // be in flight at once (bidirectional rings) if every rank starts them in the same order.
+  Request shift(ConstVectorView send, VectorView recv, int offset);
+  Request shift(ConstMatrixView send, MatrixView recv, int offset);
+  // Equal blocks along dim 0: send [n*b, c] block j goes to rank j; recv [n*b, c] block j
+  // comes from rank j.
+  void all_to_all(ConstMatrixView send, MatrixView recv);
+  void barrier();
+
+  // Grows the scratch buffer used by dim-1 operations to at least `floats`.
+  void reserve_scratch(std::size_t floats);
+  std::size_t scratch_bytes() const { return scratch_.extent(0) * sizeof(float); }
+
+ protected:
+  Communicator(int size, int rank, std::string description);
+  Communicator(Communicator&&) = default;
+  Communicator& operator=(Communicator&&) = default;
+
+  // --- backend: contiguous buffers in the default memory space; `op` names the public
+  // operation for error messages. Counts are floats. They return when the data is ready
+  // to read (a stream-based backend synchronizes before returning).
+  virtual void raw_all_gather(const float* send, float* recv, std::size_t count_per_rank,
+                              const char* op) = 0;
+  virtual void raw_reduce_scatter_sum(const float* send, float* recv, std::size_t count_per_rank,
+                                      const char* op) = 0;
+  virtual void raw_all_reduce_sum(float* data, std::size_t count, const char* op) = 0;
+  virtual void raw_broadcast(float* data, std::size_t count, int root, const char* op) = 0;
+  virtual Request raw_shift(const float* send, float* recv, std::size_t count, int offset,
+                            const char* op) = 0;
+  virtual void raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
+                              const char* op) = 0;
+  virtual void raw_barrier(const char* op) = 0;
+
+ private:
+  float* scratch(std::size_t floats);
+
+  int size_ = 1;
+  int rank_ = 0;
+  std::string description_;
+  double timeout_seconds_ = 300.0;
+  Kokkos::View<float*, Kokkos::LayoutRight> scratch_;  // dim-1 staging, grown on demand
+};
+
+}  // namespace meshtrain
