@@ -1,0 +1,146 @@
+// Fashion-MNIST from its IDX files (gzip), read with zlib.
+//
+// IDX: a big-endian header, magic 0x00000803 (uint8, 3 dims: count, rows, cols) for
+// images and 0x00000801 (uint8, 1 dim: count) for labels, then the bytes.
+
+#include <zlib.h>
+
+#include <sys/stat.h>
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+
+#include "framework/data.hpp"
+#include "partition/error.hpp"
+
+namespace meshtrain {
+
+namespace {
+
+constexpr uint32_t kImagesMagic = 0x00000803;
+constexpr uint32_t kLabelsMagic = 0x00000801;
+constexpr int64_t kFashionClasses = 10;
+
+// Owns a gzFile; reads exactly the bytes asked for or throws bad_input naming the path.
+class GzReader {
+ public:
+  explicit GzReader(const std::string& path) : path_(path) {
+    struct stat info {};
+    if (::stat(path.c_str(), &info) != 0) {
+      MESHTRAIN_BAD_INPUT("cannot read the data file '", path, "': ", std::strerror(errno));
+    }
+    file_ = gzopen(path.c_str(), "rb");
+    if (file_ == nullptr) {
+      MESHTRAIN_BAD_INPUT("cannot open the data file '", path,
+                          "' with zlib: ", errno != 0 ? std::strerror(errno) : "out of memory");
+    }
+  }
+  ~GzReader() {
+    if (file_ != nullptr) gzclose(file_);
+  }
+  GzReader(const GzReader&) = delete;
+  GzReader& operator=(const GzReader&) = delete;
+
+  // Reads `bytes` bytes into `out`; `what` names the part for messages ("the header").
+  void read(void* out, int64_t bytes, const char* what) {
+    auto* dst = static_cast<unsigned char*>(out);
+    int64_t done = 0;
+    while (done < bytes) {
+      const int64_t chunk = std::min<int64_t>(bytes - done, 1 << 30);  // gzread takes an int
+      const int got = gzread(file_, dst + done, static_cast<unsigned>(chunk));
+      if (got < 0) {
+        int code = 0;
+        const char* message = gzerror(file_, &code);
+        MESHTRAIN_BAD_INPUT("the data file '", path_, "' is not a readable gzip file (reading ",
+                            what, "): ", message);
+      }
+      if (got == 0) {
+        int code = 0;
+        const char* message = gzerror(file_, &code);
+        MESHTRAIN_BAD_INPUT("the data file '", path_, "' is truncated: ", what, " needs ", bytes,
+                            " bytes but only ", done, " could be read",
+                            code != Z_OK ? std::string(" (zlib: ") + message + ")" : "");
+      }
+      done += got;
+    }
+  }
+
+  uint32_t read_be32(const char* what) {
+    std::array<unsigned char, 4> b{};
+    read(b.data(), 4, what);
+    return (uint32_t{b[0]} << 24) | (uint32_t{b[1]} << 16) | (uint32_t{b[2]} << 8) | uint32_t{b[3]};
+  }
+
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  gzFile file_ = nullptr;
+};
+
+std::string hex(uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "0x%08x", v);
+  return buf;
+}
+
+void check_magic(const GzReader& in, uint32_t magic, uint32_t expected, const char* kind) {
+  if (magic != expected) {
+    MESHTRAIN_BAD_INPUT("the data file '", in.path(), "' is not an IDX ", kind,
+                        " file: magic number ", hex(magic), ", expected ", hex(expected));
+  }
+}
+
+}  // namespace
+
+Dataset load_fashion_mnist(const std::string& dir, Split split) {
+  const std::string prefix = dir + "/" + (split == Split::train ? "train" : "t10k");
+  const std::string images_path = prefix + "-images-idx3-ubyte.gz";
+  const std::string labels_path = prefix + "-labels-idx1-ubyte.gz";
+
+  Dataset d;
+  d.description = std::string("Fashion-MNIST ") + split_name(split) + " set (" + images_path + ")";
+  d.num_classes = kFashionClasses;
+
+  {
+    GzReader in(images_path);
+    check_magic(in, in.read_be32("the magic number"), kImagesMagic, "image (idx3, uint8)");
+    const uint32_t count = in.read_be32("the image count");
+    const uint32_t rows = in.read_be32("the image height");
+    const uint32_t cols = in.read_be32("the image width");
+    // Bounds keep the byte count far from overflow; Fashion-MNIST is 60000 x 28 x 28.
+    if (count == 0 || count > (1u << 28) || rows == 0 || cols == 0 || rows > 4096 || cols > 4096) {
+      MESHTRAIN_BAD_INPUT("the data file '", images_path, "' has an implausible header: ", count,
+                          " images of ", rows, "x", cols, " pixels");
+    }
+    d.num_samples = count;
+    d.features = int64_t{rows} * cols;
+    d.pixels.resize(static_cast<size_t>(d.num_samples * d.features));
+    in.read(d.pixels.data(), d.num_samples * d.features, "the pixels");
+  }
+  {
+    GzReader in(labels_path);
+    check_magic(in, in.read_be32("the magic number"), kLabelsMagic, "label (idx1, uint8)");
+    const uint32_t count = in.read_be32("the label count");
+    if (count != d.num_samples) {
+      MESHTRAIN_BAD_INPUT("the data file '", labels_path, "' has ", count, " labels but '",
+                          images_path, "' has ", d.num_samples, " images");
+    }
+    std::vector<uint8_t> raw(count);
+    in.read(raw.data(), count, "the labels");
+    d.labels.resize(count);
+    for (uint32_t i = 0; i < count; ++i) {
+      if (raw[i] >= kFashionClasses) {
+        MESHTRAIN_BAD_INPUT("the data file '", labels_path, "' has label ", int{raw[i]},
+                            " at index ", i, ", outside [0, ", kFashionClasses, ")");
+      }
+      d.labels[i] = raw[i];
+    }
+  }
+  return d;
+}
+
+}  // namespace meshtrain
