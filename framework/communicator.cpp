@@ -1,0 +1,289 @@
+// The backend-independent half of Communicator: shape checks, dim-1 packing through the
+// scratch buffer, and the mean of all_reduce. Backends only move contiguous buffers.
+
+#include "framework/communicator.hpp"
+
+#include <climits>
+#include <cstdlib>
+#include <string>
+
+namespace meshtrain {
+
+int checked_int(std::size_t value, const char* what) {
+  if (value > static_cast<std::size_t>(INT_MAX)) {
+    MESHTRAIN_FAIL(what, " is ", value, ", more than a single MPI/NCCL call can take (", INT_MAX,
+                   "); split the tensor or use more ranks");
+  }
+  return static_cast<int>(value);
+}
+
+double collective_timeout_from_env() {
+  const char* text = std::getenv("MESHTRAIN_COLLECTIVE_TIMEOUT");
+  if (text == nullptr || *text == '\0') return 300.0;
+  char* end = nullptr;
+  const double seconds = std::strtod(text, &end);
+  if (end == text || *end != '\0' || !(seconds > 0.0)) {
+    MESHTRAIN_BAD_INPUT("environment variable MESHTRAIN_COLLECTIVE_TIMEOUT='", text,
+                        "' is not a positive number of seconds");
+  }
+  return seconds;
+}
+
+// ---------------------------------------------------------------------------- Request
+
+Request& Request::operator=(Request&& other) noexcept {
+  if (this != &other) {
+    if (impl_) {
+      try {
+        impl_->wait();
+      } catch (...) {
+      }
+    }
+    impl_ = std::move(other.impl_);
+  }
+  return *this;
+}
+
+Request::~Request() {
+  if (!impl_) return;
+  try {
+    impl_->wait();
+  } catch (...) {
+    // A destructor cannot report; the timeout already bounded the wait.
+  }
+}
+
+void Request::wait() {
+  if (!impl_) return;
+  // Release the request even when waiting throws: it is not waited on twice.
+  std::unique_ptr<Impl> impl = std::move(impl_);
+  impl->wait();
+}
+
+bool Request::test() {
+  if (!impl_) return true;
+  if (!impl_->test()) return false;
+  impl_.reset();
+  return true;
+}
+
+// ----------------------------------------------------------------------- Communicator
+
+namespace {
+
+template <class View>
+void require_contiguous(const View& v, const char* op, const char* which) {
+  if (!v.span_is_contiguous()) {
+    MESHTRAIN_BAD_INPUT(op, ": the ", which,
+                        " view is not contiguous (a column block of a matrix); pass a "
+                        "contiguous view");
+  }
+}
+
+bool overlaps(const float* a, std::size_t na, const float* b, std::size_t nb) {
+  if (na == 0 || nb == 0) return false;
+  return a < b + nb && b < a + na;
+}
+
+void require_disjoint(const float* a, std::size_t na, const float* b, std::size_t nb,
+                      const char* op) {
+  if (overlaps(a, na, b, nb)) {
+    MESHTRAIN_BAD_INPUT(op, ": the send and receive views overlap; use separate buffers");
+  }
+}
+
+void require_dim(int dim, const char* op) {
+  if (dim != 0 && dim != 1) MESHTRAIN_BAD_INPUT(op, ": dim must be 0 or 1, got ", dim);
+}
+
+}  // namespace
+
+Communicator::Communicator(int size, int rank, std::string description)
+    : size_(size),
+      rank_(rank),
+      description_(std::move(description)),
+      timeout_seconds_(collective_timeout_from_env()) {
+  MESHTRAIN_REQUIRE(size >= 1 && rank >= 0 && rank < size, "communicator ", description_,
+                    " has an invalid rank ", rank, " of ", size);
+}
+
+void Communicator::set_timeout_seconds(double seconds) {
+  if (!(seconds > 0.0)) {
+    MESHTRAIN_BAD_INPUT("collective timeout must be a positive number of seconds, got ", seconds);
+  }
+  timeout_seconds_ = seconds;
+}
+
+void Communicator::reserve_scratch(std::size_t floats) {
+  if (scratch_.extent(0) >= floats) return;
+  scratch_ = Kokkos::View<float*, Kokkos::LayoutRight>(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshtrain::comm_scratch"), floats);
+}
+
+float* Communicator::scratch(std::size_t floats) {
+  reserve_scratch(floats);
+  return scratch_.data();
+}
+
+void Communicator::all_gather(ConstVectorView send, VectorView recv) {
+  const char* op = "all_gather";
+  const std::size_t count = send.extent(0);
+  if (recv.extent(0) != count * static_cast<std::size_t>(size_)) {
+    MESHTRAIN_BAD_INPUT(op, " on ", description_, ": receive length ", recv.extent(0), " is not ",
+                        size_, " x send length ", count);
+  }
+  require_disjoint(send.data(), count, recv.data(), recv.extent(0), op);
+  raw_all_gather(send.data(), recv.data(), count, op);
+}
+
+void Communicator::all_gather(ConstMatrixView send, MatrixView recv, int dim) {
+  const char* op = "all_gather";
+  require_dim(dim, op);
+  const std::size_t n = static_cast<std::size_t>(size_);
+  const std::size_t r = send.extent(0), c = send.extent(1);
+  const bool ok = dim == 0 ? (recv.extent(0) == n * r && recv.extent(1) == c)
+                           : (recv.extent(0) == r && recv.extent(1) == n * c);
+  if (!ok) {
+    MESHTRAIN_BAD_INPUT(op, " on ", description_, " along dim ", dim, ": receive shape [",
+                        recv.extent(0), ", ", recv.extent(1), "] does not match send shape [", r,
+                        ", ", c, "] gathered over ", n, " ranks");
+  }
+  require_contiguous(send, op, "send");
+  require_disjoint(send.data(), r * c, recv.data(), recv.span(), op);
+  if (dim == 0 || n == 1 || r == 1) {
+    // Dim 0 (and the degenerate dim-1 cases) is the flat gather.
+    require_contiguous(recv, op, "receive");
+    raw_all_gather(send.data(), recv.data(), r * c, op);
+    return;
+  }
+  // Gather [n][r][c] blocks into the scratch buffer, then place block j at columns j*c.
+  float* staging = scratch(n * r * c);
+  raw_all_gather(send.data(), staging, r * c, op);
+  const ConstVectorView stage(staging, n * r * c);
+  Kokkos::parallel_for(
+      "meshtrain::all_gather_unpack_dim1",
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          {0, 0}, {static_cast<int64_t>(r), static_cast<int64_t>(n * c)}),
+      KOKKOS_LAMBDA(const int64_t row, const int64_t col) {
+        const int64_t j = col / static_cast<int64_t>(c), cc = col % static_cast<int64_t>(c);
+        recv(row, col) = stage((j * static_cast<int64_t>(r) + row) * static_cast<int64_t>(c) + cc);
+      });
+  Kokkos::fence();
+}
+
+void Communicator::reduce_scatter(ConstVectorView send, VectorView recv) {
+  const char* op = "reduce_scatter";
+  const std::size_t count = recv.extent(0);
+  if (send.extent(0) != count * static_cast<std::size_t>(size_)) {
+    MESHTRAIN_BAD_INPUT(op, " on ", description_, ": send length ", send.extent(0), " is not ",
+                        size_, " x receive length ", count);
+  }
+  require_disjoint(send.data(), send.extent(0), recv.data(), count, op);
+  raw_reduce_scatter_sum(send.data(), recv.data(), count, op);
+}
+
+void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim) {
+  const char* op = "reduce_scatter";
+  require_dim(dim, op);
+  const std::size_t n = static_cast<std::size_t>(size_);
+  const std::size_t r = recv.extent(0), c = recv.extent(1);
+  const bool ok = dim == 0 ? (send.extent(0) == n * r && send.extent(1) == c)
+                           : (send.extent(0) == r && send.extent(1) == n * c);
+  if (!ok) {
+    MESHTRAIN_BAD_INPUT(op, " on ", description_, " along dim ", dim, ": send shape [",
+                        send.extent(0), ", ", send.extent(1), "] does not match receive shape [", r,
+                        ", ", c, "] scattered over ", n, " ranks");
+  }
+  require_contiguous(recv, op, "receive");
+  require_disjoint(send.data(), send.span(), recv.data(), r * c, op);
+  if (dim == 0 || n == 1 || r == 1) {
+    require_contiguous(send, op, "send");
+    raw_reduce_scatter_sum(send.data(), recv.data(), r * c, op);
+    return;
+  }
+  // Pack column block j of send into block j of [n][r][c] staging, then scatter flat.
+  float* staging = scratch(n * r * c);
+  const VectorView stage(staging, n * r * c);
+  Kokkos::parallel_for(
+      "meshtrain::reduce_scatter_pack_dim1",
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          {0, 0}, {static_cast<int64_t>(r), static_cast<int64_t>(n * c)}),
+      KOKKOS_LAMBDA(const int64_t row, const int64_t col) {
+        const int64_t j = col / static_cast<int64_t>(c), cc = col % static_cast<int64_t>(c);
+        stage((j * static_cast<int64_t>(r) + row) * static_cast<int64_t>(c) + cc) = send(row, col);
+      });
+  Kokkos::fence();
+  raw_reduce_scatter_sum(staging, recv.data(), r * c, op);
+}
+
+void Communicator::all_reduce(VectorView data, ReduceOp reduce) {
+  raw_all_reduce_sum(data.data(), data.extent(0), "all_reduce");
+  if (reduce == ReduceOp::mean && size_ > 1) {
+    const float scale = 1.0f / static_cast<float>(size_);
+    Kokkos::parallel_for(
+        "meshtrain::all_reduce_mean_scale", data.extent(0),
+        KOKKOS_LAMBDA(const std::size_t k) { data(k) *= scale; });
+    Kokkos::fence();
+  }
+}
+
+void Communicator::all_reduce(MatrixView data, ReduceOp reduce) {
+  require_contiguous(data, "all_reduce", "data");
+  all_reduce(VectorView(data.data(), data.span()), reduce);
+}
+
+void Communicator::broadcast(VectorView data, int root) {
+  if (root < 0 || root >= size_) {
+    MESHTRAIN_BAD_INPUT("broadcast on ", description_, ": root ", root, " is not a rank of ",
+                        size_);
+  }
+  raw_broadcast(data.data(), data.extent(0), root, "broadcast");
+}
+
+void Communicator::broadcast(MatrixView data, int root) {
+  require_contiguous(data, "broadcast", "data");
+  broadcast(VectorView(data.data(), data.span()), root);
+}
+
+Request Communicator::shift(ConstVectorView send, VectorView recv, int offset) {
+  const char* op = "shift";
+  if (send.extent(0) != recv.extent(0)) {
+    MESHTRAIN_BAD_INPUT(op, " on ", description_, ": send length ", send.extent(0),
+                        " differs from receive length ", recv.extent(0));
+  }
+  require_disjoint(send.data(), send.extent(0), recv.data(), recv.extent(0), op);
+  return raw_shift(send.data(), recv.data(), send.extent(0), offset, op);
+}
+
+Request Communicator::shift(ConstMatrixView send, MatrixView recv, int offset) {
+  if (send.extent(0) != recv.extent(0) || send.extent(1) != recv.extent(1)) {
+    MESHTRAIN_BAD_INPUT("shift on ", description_, ": send shape [", send.extent(0), ", ",
+                        send.extent(1), "] differs from receive shape [", recv.extent(0), ", ",
+                        recv.extent(1), "]");
+  }
+  require_contiguous(send, "shift", "send");
+  require_contiguous(recv, "shift", "receive");
+  return shift(ConstVectorView(send.data(), send.span()), VectorView(recv.data(), recv.span()),
+               offset);
+}
+
+void Communicator::all_to_all(ConstMatrixView send, MatrixView recv) {
+  const char* op = "all_to_all";
+  const std::size_t n = static_cast<std::size_t>(size_);
+  if (send.extent(0) != recv.extent(0) || send.extent(1) != recv.extent(1) ||
+      send.extent(0) % n != 0) {
+    MESHTRAIN_BAD_INPUT(op, " on ", description_, ": send [", send.extent(0), ", ", send.extent(1),
+                        "] and receive [", recv.extent(0), ", ", recv.extent(1),
+                        "] must have the same shape with dim 0 divisible by ", n, " ranks");
+  }
+  require_contiguous(send, op, "send");
+  require_contiguous(recv, op, "receive");
+  require_disjoint(send.data(), send.span(), recv.data(), recv.span(), op);
+  raw_all_to_all(send.data(), recv.data(), send.span() / n, op);
+}
+
+void Communicator::barrier() {
+  raw_barrier("barrier");
+}
+
+}  // namespace meshtrain

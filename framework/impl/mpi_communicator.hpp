@@ -1,0 +1,63 @@
+#pragma once
+// The MPI backend of Communicator. Every operation is non-blocking MPI (MPI_Iallgather,
+// MPI_Iallreduce, ...) completed by polling MPI_Testall against the communicator's
+// deadline, so a rank that never joins turns into an Error instead of a hang. Errors carry
+// MPI_Error_string; the communicator is set to MPI_ERRORS_RETURN.
+//
+// After a timeout the communicator is broken: the abandoned MPI request may still write
+// into the caller's buffer when the late rank arrives, so every later operation on it
+// throws. The usual reaction to the Error is to abort the job (see runtime.hpp).
+//
+// Buffers are host memory here (MPI without CUDA awareness); the default Kokkos memory
+// space must be host-accessible for this backend.
+
+#include <mpi.h>
+
+#include <memory>
+#include <string>
+
+#include "framework/communicator.hpp"
+
+namespace meshtrain {
+
+// Throws a runtime Error "<what> failed: <MPI_Error_string>" when code is not MPI_SUCCESS.
+void check_mpi(int code, const char* what);
+
+class MpiCommunicator final : public Communicator {
+ public:
+  // Takes ownership of `comm` (freed when the last user is gone; never MPI_COMM_WORLD or
+  // MPI_COMM_SELF, which are not freed). `description` names the group in errors.
+  static MpiCommunicator adopt(MPI_Comm comm, std::string description);
+  // A private duplicate of `comm` (so its traffic never mixes with the caller's).
+  static MpiCommunicator duplicate(MPI_Comm comm, std::string description);
+
+  MpiCommunicator(MpiCommunicator&&) = default;
+  MpiCommunicator& operator=(MpiCommunicator&&) = default;
+  ~MpiCommunicator() override = default;
+
+  MPI_Comm native() const;
+
+  struct State;  // shared with pending requests: the MPI_Comm, its name, a broken flag
+
+ protected:
+  void raw_all_gather(const float* send, float* recv, std::size_t count_per_rank,
+                      const char* op) override;
+  void raw_reduce_scatter_sum(const float* send, float* recv, std::size_t count_per_rank,
+                              const char* op) override;
+  void raw_all_reduce_sum(float* data, std::size_t count, const char* op) override;
+  void raw_broadcast(float* data, std::size_t count, int root, const char* op) override;
+  Request raw_shift(const float* send, float* recv, std::size_t count, int offset,
+                    const char* op) override;
+  void raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
+                      const char* op) override;
+  void raw_barrier(const char* op) override;
+
+ private:
+  MpiCommunicator(std::shared_ptr<State> state, int size, int rank, std::string description);
+  // Waits for `request` until the timeout; throws naming `op` and breaks the communicator.
+  void complete(MPI_Request request, const char* op);
+
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace meshtrain
