@@ -1,2 +1,6 @@
 # partition/: pure C++ unit tests (no mpiexec needed).
-meshtrain_add_test(NAME partition_test SOURCES partition/mesh_test.cpp LIBS meshtrain_partition)
+meshtrain_add_test(NAME partition_test
+                   SOURCES partition/mesh_test.cpp partition/partition_spec_test.cpp
+                           partition/planner_test.cpp partition/logical_axes_test.cpp
+                           partition/sharding_picture_test.cpp
+                   LIBS meshtrain_partition)

@@ -1,0 +1,86 @@
+#include "partition/rules.hpp"
+
+#include <sstream>
+
+#include "partition/error.hpp"
+
+namespace meshtrain {
+
+namespace {
+
+PartitionRule preset_rule(const std::string& pattern, const std::string& spec) {
+  return PartitionRule{pattern, PartitionSpec::parse(spec), true};
+}
+
+std::string joined_preset_names() {
+  std::string out;
+  for (const auto& name : preset_names()) out += (out.empty() ? "" : ", ") + name;
+  return out;
+}
+
+}  // namespace
+
+const std::vector<std::string>& preset_names() {
+  static const std::vector<std::string> names = {"dp",    "fsdp",    "tp",        "fsdp_tp",
+                                                 "dp_tp", "dp_fsdp", "replicated"};
+  return names;
+}
+
+std::vector<PartitionRule> preset_rules(const std::string& preset) {
+  // Weights are [in, out] (y = x W + b). Data-parallel axes never shard parameters: dp
+  // replicates them, so "dp_x" shards like "x" and the batch is split over dp as well.
+  std::vector<PartitionRule> rules;
+  if (preset == "dp" || preset == "replicated") {
+    // Nothing but the catch-all.
+  } else if (preset == "fsdp" || preset == "dp_fsdp") {
+    rules = {preset_rule("weight$", "P(fsdp, None)"), preset_rule("bias$", "P(fsdp)")};
+  } else if (preset == "tp" || preset == "dp_tp") {
+    rules = {preset_rule("weight$", "P(tp, None)"), preset_rule("bias$", "P(tp)")};
+  } else if (preset == "fsdp_tp") {
+    rules = {preset_rule("weight$", "P(tp, fsdp)"), preset_rule("bias$", "P(tp)")};
+  } else {
+    MESHTRAIN_BAD_INPUT("unknown partition preset '", preset,
+                        "' (known presets: ", joined_preset_names(), ")");
+  }
+  rules.push_back(preset_rule(".*", "P()"));
+  return rules;
+}
+
+std::vector<std::regex> compile_rules(const std::vector<PartitionRule>& rules) {
+  std::vector<std::regex> compiled;
+  compiled.reserve(rules.size());
+  for (size_t i = 0; i < rules.size(); ++i) {
+    try {
+      compiled.emplace_back(rules[i].pattern, std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      MESHTRAIN_BAD_INPUT("partition rule ", i, " has an invalid regex '", rules[i].pattern,
+                          "': ", e.what());
+    }
+  }
+  return compiled;
+}
+
+int first_matching_rule(const std::vector<std::regex>& compiled, const std::string& name) {
+  for (size_t i = 0; i < compiled.size(); ++i) {
+    if (std::regex_search(name, compiled[i])) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+std::string describe_rule(const std::vector<PartitionRule>& rules, int index) {
+  const PartitionRule& rule = rules.at(static_cast<size_t>(index));
+  std::ostringstream out;
+  out << "rule " << index << " '" << rule.pattern << "' -> " << rule.spec.to_string();
+  return out.str();
+}
+
+std::string describe_rules(const std::vector<PartitionRule>& rules) {
+  if (rules.empty()) return "(no rules)";
+  std::string out;
+  for (size_t i = 0; i < rules.size(); ++i) {
+    out += (i ? "; " : "") + describe_rule(rules, static_cast<int>(i));
+  }
+  return out;
+}
+
+}  // namespace meshtrain

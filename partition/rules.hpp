@@ -1,0 +1,41 @@
+#pragma once
+// Partition rules (DESIGN.md section 5): an ordered list of (regex, spec). The first rule
+// whose regex is found anywhere in a parameter's '/'-joined name gives its spec.
+
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "partition/partition_spec.hpp"
+
+namespace meshtrain {
+
+struct PartitionRule {
+  std::string pattern;  // ECMAScript regex, searched (not full match)
+  PartitionSpec spec;
+  bool replicate_if_indivisible = false;  // true for preset rules: a dim that does not divide
+                                          // by its axis product is replicated (the plan says
+                                          // why) instead of being an error
+};
+
+// Rules of a named preset for the MLP: "dp", "fsdp", "tp", "fsdp_tp", "dp_tp", "dp_fsdp"
+// (also "replicated"). Every preset ends with a catch-all `.*` -> P(). Unknown name:
+// bad_input naming it and listing the known ones.
+std::vector<PartitionRule> preset_rules(const std::string& preset);
+
+// The preset names preset_rules() knows, in a stable order.
+const std::vector<std::string>& preset_names();
+
+// Compiles every rule's pattern (ECMAScript). Throws bad_input naming the rule's index, its
+// pattern and what std::regex objects to, for the first invalid one.
+std::vector<std::regex> compile_rules(const std::vector<PartitionRule>& rules);
+
+// Index of the first rule whose compiled pattern is found in `name`, or -1.
+int first_matching_rule(const std::vector<std::regex>& compiled, const std::string& name);
+
+// "rule 1 'bias$' -> P(fsdp)"
+std::string describe_rule(const std::vector<PartitionRule>& rules, int index);
+// Every rule, "; "-separated, or "(no rules)".
+std::string describe_rules(const std::vector<PartitionRule>& rules);
+
+}  // namespace meshtrain
