@@ -1,0 +1,203 @@
+// Multi-rank tests of batch slicing: the union over ranks of their slices of step s is
+// the single-rank global batch of step s, for several meshes, at NP 1, 2 and 4; tp ranks
+// share a slice; the schedule is the same on every rank; evaluation covers the test
+// split exactly once.
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <map>
+
+#include "framework/data.hpp"
+
+namespace meshtrain {
+namespace {
+
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+int world_size() {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+// A classification set whose values say where they came from: x[s, c] = s + c / 100,
+// label = s mod 10.
+Dataset numbered_dataset(int64_t n, int64_t f) {
+  Dataset d;
+  d.description = "numbered test set";
+  d.num_samples = n;
+  d.features = f;
+  d.num_classes = 10;
+  for (int64_t s = 0; s < n; ++s) {
+    for (int64_t c = 0; c < f; ++c) d.inputs.push_back(static_cast<float>(s) + c / 100.0f);
+    d.labels.push_back(static_cast<int32_t>(s % 10));
+  }
+  return d;
+}
+
+// The meshes of `world` ranks to test, each with the logical batch axes (fsdp, dp).
+std::vector<Mesh> meshes_of(int world) {
+  std::vector<std::vector<std::pair<std::string, int>>> shapes;
+  if (world == 1) shapes = {{{"dp", 1}, {"fsdp", 1}, {"tp", 1}}};
+  if (world == 2) shapes = {{{"dp", 2}}, {{"fsdp", 2}}, {{"tp", 2}}, {{"dp", 1}, {"fsdp", 2}}};
+  if (world == 4) {
+    shapes = {
+        {{"dp", 4}}, {{"dp", 2}, {"fsdp", 2}}, {{"fsdp", 2}, {"tp", 2}}, {{"dp", 2}, {"tp", 2}}};
+  }
+  if (world == 8) shapes = {{{"dp", 2}, {"fsdp", 2}, {"tp", 2}}, {{"fsdp", 8}}};
+  // Every known axis present (absent ones of size 1), in the default order.
+  std::vector<Mesh> meshes;
+  for (const auto& s : shapes) {
+    std::vector<std::pair<std::string, int>> full;
+    for (const auto& name : Mesh::known_axes()) {
+      int size = 1;
+      for (const auto& [n, v] : s) {
+        if (n == name) size = v;
+      }
+      full.emplace_back(name, size);
+    }
+    meshes.push_back(Mesh::create(full, world));
+  }
+  return meshes;
+}
+
+const std::vector<std::string> kBatchAxes = {"fsdp", "dp"};
+
+// Every rank recomputes every rank's slice locally, for meshes of 1, 2, 4 and 8 ranks:
+// the slices tile the global batch and tp ranks share theirs.
+TEST(BatchSlicing, SlicesOfAllRanksTileTheGlobalBatch) {
+  const Dataset d = numbered_dataset(50, 3);
+  const int64_t batch = 8;
+  BatchSchedule schedule(d.num_samples, batch, true, 11);
+  for (int world : {1, 2, 4, 8}) {
+    for (const Mesh& mesh : meshes_of(world)) {
+      for (int64_t step : {0, 5, 6, 13}) {  // 6 steps per epoch: crosses epochs
+        const auto global = schedule.global_batch_samples(step);
+        std::map<int64_t, std::vector<int>> owners;  // global row -> ranks holding it
+        for (int rank = 0; rank < world; ++rank) {
+          const BatchSlice slice = make_batch_slice(mesh, rank, kBatchAxes, batch);
+          EXPECT_EQ(slice.count, mesh.size_of({"fsdp", "dp"}));
+          BatchInputs x("x", slice.rows, 3);
+          BatchLabels labels("labels", slice.rows);
+          fill_batch(d, schedule, step, slice, x, labels);
+          for (int64_t r = 0; r < slice.rows; ++r) {
+            const int64_t row = slice.begin() + r;
+            owners[row].push_back(rank);
+            EXPECT_EQ(x(r, 0), static_cast<float>(global[row]));
+            EXPECT_EQ(labels(r), global[row] % 10);
+          }
+        }
+        // Every row is held by the same number of ranks (the replicas over non-batch
+        // axes, e.g. tp), and together they cover the batch.
+        ASSERT_EQ(static_cast<int64_t>(owners.size()), batch) << mesh.describe();
+        const size_t replicas = world / mesh.size_of({"fsdp", "dp"});
+        for (const auto& [row, ranks] : owners) {
+          EXPECT_EQ(ranks.size(), replicas) << mesh.describe() << " row " << row;
+          // Ranks holding the same row differ only on tp.
+          for (int rank : ranks) {
+            EXPECT_EQ(mesh.group_color(rank, {"tp"}) == mesh.group_color(ranks[0], {"tp"}), true)
+                << mesh.describe();
+          }
+        }
+      }
+    }
+  }
+}
+
+// The real thing: each rank fills only its own slice; the rows gathered over
+// MPI_COMM_WORLD equal the single-rank global batch.
+TEST(BatchSlicing, GatheredSlicesEqualTheSingleRankBatch) {
+  const int world = world_size();
+  const int rank = world_rank();
+  const Dataset d = numbered_dataset(70, 5);
+  const int64_t batch = 8;
+  BatchSchedule schedule(d.num_samples, batch, true, 3);
+  BatchSchedule reference(d.num_samples, batch, true, 3);  // the single-rank view
+  for (const Mesh& mesh : meshes_of(world)) {
+    const BatchSlice slice = make_batch_slice(mesh, rank, kBatchAxes, batch);
+    BatchInputs x("x", slice.rows, d.features);  // allocated once, refilled every step
+    BatchLabels labels("labels", slice.rows);
+    for (int64_t step = 0; step < 20; ++step) {  // 8 steps per epoch
+      fill_batch(d, schedule, step, slice, x, labels);
+      const int n = static_cast<int>(slice.rows * d.features);
+      std::vector<float> all_x(static_cast<size_t>(n) * world);
+      std::vector<int32_t> all_labels(static_cast<size_t>(slice.rows) * world);
+      ASSERT_EQ(MPI_Allgather(x.data(), n, MPI_FLOAT, all_x.data(), n, MPI_FLOAT, MPI_COMM_WORLD),
+                MPI_SUCCESS);
+      ASSERT_EQ(
+          MPI_Allgather(labels.data(), static_cast<int>(slice.rows), MPI_INT32_T, all_labels.data(),
+                        static_cast<int>(slice.rows), MPI_INT32_T, MPI_COMM_WORLD),
+          MPI_SUCCESS);
+      const auto global = reference.global_batch_samples(step);
+      std::vector<int> covered(batch, 0);
+      for (int r = 0; r < world; ++r) {
+        const int64_t index = mesh.group_index(r, kBatchAxes);
+        for (int64_t i = 0; i < slice.rows; ++i) {
+          const int64_t row = index * slice.rows + i;
+          ++covered[row];
+          const int64_t sample = global[row];
+          EXPECT_EQ(all_labels[r * slice.rows + i], sample % 10);
+          for (int64_t c = 0; c < d.features; ++c) {
+            EXPECT_EQ(all_x[(r * slice.rows + i) * d.features + c],
+                      d.inputs[sample * d.features + c])
+                << mesh.describe() << " step " << step << " rank " << r;
+          }
+        }
+      }
+      for (int64_t row = 0; row < batch; ++row) {
+        EXPECT_EQ(covered[row], world / mesh.size_of(kBatchAxes)) << mesh.describe();
+      }
+    }
+  }
+}
+
+// The shuffle depends on (seed, epoch) only: every rank, whatever the world size, gets
+// the same permutation (checked by min/max over ranks of a hash).
+TEST(BatchSlicing, PermutationIsIdenticalOnEveryRank) {
+  BatchSchedule schedule(1000, 32, true, 99);
+  for (int64_t epoch : {0, 1, 7}) {
+    const auto perm = schedule.permutation(epoch);
+    uint64_t hash = 1469598103934665603ULL;
+    for (int64_t v : perm) hash = (hash ^ static_cast<uint64_t>(v)) * 1099511628211ULL;
+    uint64_t lo = 0, hi = 0;
+    ASSERT_EQ(MPI_Allreduce(&hash, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD), MPI_SUCCESS);
+    ASSERT_EQ(MPI_Allreduce(&hash, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD), MPI_SUCCESS);
+    EXPECT_EQ(lo, hi) << "epoch " << epoch;
+  }
+}
+
+// Evaluation sharded over the batch axes: summing the valid rows and the labels of the
+// rows each rank reports (over one batch group) counts every test sample exactly once.
+TEST(BatchSlicing, EvaluationCoversTheTestSplitOnce) {
+  const int world = world_size();
+  const int rank = world_rank();
+  const Dataset d = numbered_dataset(23, 2);  // 23 samples: the last batch is partial
+  const int64_t eval_batch = 8;
+  const EvalSchedule eval = EvalSchedule::create(d.num_samples, eval_batch);
+  ASSERT_EQ(eval.num_batches, 3);
+  for (const Mesh& mesh : meshes_of(world)) {
+    const BatchSlice slice =
+        make_batch_slice(mesh, rank, kBatchAxes, eval_batch, "data.eval_batch_size");
+    BatchInputs x("x", slice.rows, d.features);
+    BatchLabels labels("labels", slice.rows);
+    int64_t local[2] = {0, 0};  // valid rows, sum of their sample numbers
+    for (int64_t b = 0; b < eval.num_batches; ++b) {
+      const int64_t valid = fill_eval_batch(d, eval, b, slice, x, labels);
+      local[0] += valid;
+      for (int64_t r = 0; r < valid; ++r) local[1] += static_cast<int64_t>(x(r, 0));
+      for (int64_t r = valid; r < slice.rows; ++r) EXPECT_EQ(x(r, 0), 0.0f);
+    }
+    int64_t total[2] = {0, 0};
+    ASSERT_EQ(MPI_Allreduce(local, total, 2, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD), MPI_SUCCESS);
+    const int64_t replicas = world / mesh.size_of(kBatchAxes);
+    EXPECT_EQ(total[0], d.num_samples * replicas) << mesh.describe();
+    EXPECT_EQ(total[1], replicas * (d.num_samples * (d.num_samples - 1) / 2)) << mesh.describe();
+  }
+}
+
+}  // namespace
+}  // namespace meshtrain
