@@ -11,6 +11,8 @@
 
 #include "partition/mesh.hpp"
 #include "partition/partition_spec.hpp"
+#include "partition/planner.hpp"
+#include "partition/rules.hpp"
 
 namespace meshtrain {
 
@@ -24,6 +26,7 @@ struct MeshSection {
   // (axis, size) in mesh order dp, fsdp, ep, tp, sp; absent axes are 1; one may be -1.
   std::vector<std::pair<std::string, int>> axes;
   Mesh resolve(int world_size) const;  // Mesh::create with "[mesh]" as the source
+  std::string source = "[mesh]";        // "<file> [mesh]" once loaded, for messages
 };
 
 struct ModelSection {
@@ -103,5 +106,19 @@ RunConfig load_config(const std::string& path, const std::vector<std::string>& o
 // The same from TOML text; `file` is only used in messages.
 RunConfig parse_config(const std::string& text, const std::string& file,
                        const std::vector<std::string>& overrides = {});
+
+// After loading, model.loss is never "auto": it is resolved to mse for synthetic data and to
+// cross_entropy otherwise. model.sizes has at least two entries and train has exactly one
+// of epochs and steps. An override of train.steps drops the file's train.epochs (and the
+// other way round) unless both are overridden.
+
+// The rules of a run: the user's [partition] rules first (replicate_if_indivisible=false),
+// then the preset's rules (if any). No rules and no preset: bad_input naming [partition]
+// of the file.
+std::vector<PartitionRule> partition_rules(const RunConfig& config);
+
+// min_sharding_size from [partition]; optimizer_slots from [optimizer] (adamw 2, sgd with
+// momentum 1, plain sgd 0); 4-byte floats.
+PlanOptions plan_options(const RunConfig& config);
 
 }  // namespace meshtrain

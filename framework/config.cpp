@@ -1,0 +1,657 @@
+// Loads a run's TOML file (DESIGN.md section 9) into a RunConfig. Every key is checked
+// here, once, so the rest of the program can trust the values: an unknown section or key,
+// a wrong type or an out-of-range value is a bad_input Error that names the file, the
+// line and the key ("configs/x.toml:12: [optimizer] lr must be positive, got -0.1").
+// Values set with --set carry their override as their source, so their errors name it.
+
+#include "framework/config.hpp"
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "partition/error.hpp"
+#include "partition/logical_axes.hpp"
+
+namespace meshtrain {
+
+namespace {
+
+// The schema: every section and its keys, in the order the documentation lists them.
+const std::vector<std::pair<std::string, std::vector<std::string>>>& schema() {
+  static const std::vector<std::pair<std::string, std::vector<std::string>>> sections = {
+      {"run", {"name", "seed", "output_dir"}},
+      {"mesh", {"dp", "fsdp", "ep", "tp", "sp"}},
+      {"model", {"kind", "sizes", "activation", "init", "loss"}},
+      {"partition", {"preset", "min_sharding_size", "rules", "logical_axes", "collective_matmul"}},
+      {"data",
+       {"source", "path", "test_path", "batch_size", "shuffle", "synthetic_samples",
+        "eval_batch_size"}},
+      {"optimizer", {"kind", "lr", "momentum", "betas", "eps", "weight_decay", "clip_norm"}},
+      {"train", {"epochs", "steps", "log_every", "eval_every"}},
+      {"checkpoint", {"every_steps", "keep", "resume", "dir"}},
+  };
+  return sections;
+}
+
+const std::vector<std::string>* schema_keys(const std::string& section) {
+  for (const auto& [name, keys] : schema()) {
+    if (name == section) return &keys;
+  }
+  return nullptr;
+}
+
+const char* const kFashionMnistDefaultPath = "/usr/share/datasets/fashion-mnist";
+
+std::string join(const std::vector<std::string>& items, const char* separator = ", ") {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (i) out += separator;
+    out += items[i];
+  }
+  return out;
+}
+
+bool contains(const std::vector<std::string>& items, const std::string& item) {
+  return std::find(items.begin(), items.end(), item) != items.end();
+}
+
+const char* type_name(toml::node_type type) {
+  switch (type) {
+    case toml::node_type::table:
+      return "a table";
+    case toml::node_type::array:
+      return "an array";
+    case toml::node_type::string:
+      return "a string";
+    case toml::node_type::integer:
+      return "an integer";
+    case toml::node_type::floating_point:
+      return "a float";
+    case toml::node_type::boolean:
+      return "a boolean";
+    case toml::node_type::date:
+      return "a date";
+    case toml::node_type::time:
+      return "a time";
+    case toml::node_type::date_time:
+      return "a date-time";
+    default:
+      return "nothing";
+  }
+}
+
+// A value as it would be written in TOML ("-0.1", "\"relu\"", "[1, 2]").
+std::string render(const toml::node& node) {
+  if (node.is_table()) return "a table";
+  std::ostringstream out;
+  node.visit([&](const auto& concrete) { out << concrete; });
+  return out.str();
+}
+
+// Reads the sections of one parsed file. Holds the file name for messages.
+class Reader {
+ public:
+  explicit Reader(std::string file) : file_(std::move(file)) {}
+
+  // "file:line" for a node read from the file; "file (--set k=v)" for one from an override.
+  std::string at(const toml::source_region& source) const {
+    if (source.path && *source.path != file_) return file_ + " (" + *source.path + ")";
+    if (source.begin.line > 0) return file_ + ":" + std::to_string(source.begin.line);
+    return file_;
+  }
+
+  // One section of the file (an empty table when the section is absent).
+  class Section {
+   public:
+    Section(const Reader& reader, std::string name, const toml::table* table)
+        : reader_(reader), name_(std::move(name)), table_(table ? table : &empty_) {}
+
+    const toml::node* find(const std::string& key) const { return table_->get(key); }
+    bool has(const std::string& key) const { return find(key) != nullptr; }
+
+    // Throws bad_input "<file:line>: [section] key <parts>" at the key's value, or at the
+    // section (file only) when the key is absent.
+    template <class... Parts>
+    [[noreturn]] void fail(const std::string& key, Parts&&... parts) const {
+      const toml::node* node = find(key);
+      fail_at(node ? node->source() : table_->source(), key, std::forward<Parts>(parts)...);
+    }
+    template <class... Parts>
+    [[noreturn]] void fail_at(const toml::source_region& source, const std::string& key,
+                              Parts&&... parts) const {
+      MESHTRAIN_BAD_INPUT(reader_.at(source), ": [", name_, "] ", key, " ",
+                          std::forward<Parts>(parts)...);
+    }
+    // "<file:line>: [section] <subject>: <parts>", for entries such as "rule 0".
+    template <class... Parts>
+    [[noreturn]] void fail_about(const toml::source_region& source, const std::string& subject,
+                                 Parts&&... parts) const {
+      MESHTRAIN_BAD_INPUT(reader_.at(source), ": [", name_, "] ", subject, ": ",
+                          std::forward<Parts>(parts)...);
+    }
+    [[noreturn]] void wrong_type(const std::string& key, const toml::node& node,
+                                 const char* expected) const {
+      fail_at(node.source(), key, "must be ", expected, ", got ", type_name(node.type()), " ",
+              render(node));
+    }
+
+    std::optional<int64_t> integer(const std::string& key) const {
+      const toml::node* node = find(key);
+      if (!node) return std::nullopt;
+      if (!node->is_integer()) wrong_type(key, *node, "an integer");
+      return node->as_integer()->get();
+    }
+    int64_t integer(const std::string& key, int64_t fallback, int64_t minimum) const {
+      int64_t value = integer(key).value_or(fallback);
+      if (value < minimum) {
+        fail(key, "must be ", minimum == 1 ? "at least 1" : "non-negative", ", got ", value);
+      }
+      return value;
+    }
+    std::optional<double> number(const std::string& key) const {
+      const toml::node* node = find(key);
+      if (!node) return std::nullopt;
+      if (node->is_integer()) return static_cast<double>(node->as_integer()->get());
+      if (!node->is_floating_point()) wrong_type(key, *node, "a number");
+      double value = node->as_floating_point()->get();
+      if (!std::isfinite(value)) fail(key, "must be a finite number, got ", render(*node));
+      return value;
+    }
+    std::optional<std::string> string(const std::string& key) const {
+      const toml::node* node = find(key);
+      if (!node) return std::nullopt;
+      if (!node->is_string()) wrong_type(key, *node, "a string");
+      return node->as_string()->get();
+    }
+    std::string choice(const std::string& key, const std::string& fallback,
+                       const std::vector<std::string>& options) const {
+      std::string value = string(key).value_or(fallback);
+      if (!contains(options, value)) {
+        fail(key, "must be one of ", join(options, " | "), ", got \"", value, "\"");
+      }
+      return value;
+    }
+    bool boolean(const std::string& key, bool fallback) const {
+      const toml::node* node = find(key);
+      if (!node) return fallback;
+      if (!node->is_boolean()) wrong_type(key, *node, "true or false");
+      return node->as_boolean()->get();
+    }
+
+    const std::string& name() const { return name_; }
+    const toml::table& table() const { return *table_; }
+
+   private:
+    static inline const toml::table empty_{};
+    const Reader& reader_;
+    std::string name_;
+    const toml::table* table_;
+  };
+
+  Section section(const toml::table& root, const std::string& name) const {
+    return Section(*this, name, root.get_as<toml::table>(name));
+  }
+
+  // Unknown sections, keys outside a section and unknown keys, at the line of the key.
+  void check_structure(const toml::table& root) const {
+    std::vector<std::string> section_names;
+    for (const auto& [name, keys] : schema()) section_names.push_back(name);
+    for (const auto& [key, node] : root) {
+      const std::string name(key.str());
+      const std::vector<std::string>* keys = schema_keys(name);
+      if (!keys) {
+        if (node.is_table()) {
+          MESHTRAIN_BAD_INPUT(at(key.source()), ": unknown section [", name,
+                              "] (known sections: ", join(section_names), ")");
+        }
+        MESHTRAIN_BAD_INPUT(at(key.source()), ": key '", name,
+                            "' must be inside a section (known sections: ", join(section_names),
+                            ")");
+      }
+      if (!node.is_table()) {
+        MESHTRAIN_BAD_INPUT(at(key.source()), ": '", name, "' must be a section [", name, "], got ",
+                            type_name(node.type()), " ", render(node));
+      }
+      for (const auto& [inner, value] : *node.as_table()) {
+        if (!contains(*keys, std::string(inner.str()))) {
+          MESHTRAIN_BAD_INPUT(at(inner.source()), ": [", name, "] unknown key '", inner.str(),
+                              "' (known keys: ", join(*keys), ")");
+        }
+      }
+    }
+  }
+
+  const std::string& file() const { return file_; }
+
+ private:
+  std::string file_;
+};
+
+using Section = Reader::Section;
+
+void read_run(const Section& s, RunSection& run) {
+  run.name = s.string("name").value_or(run.name);
+  if (run.name.empty()) s.fail("name", "must not be empty");
+  run.seed = static_cast<uint64_t>(s.integer("seed", 0, 0));
+  run.output_dir = s.string("output_dir").value_or("runs/" + run.name);
+  if (run.output_dir.empty()) s.fail("output_dir", "must not be empty");
+}
+
+void read_mesh(const Section& s, const std::string& file, MeshSection& mesh) {
+  mesh.axes.clear();
+  mesh.source = file + " [mesh]";
+  std::string inferred;
+  for (const std::string& axis : Mesh::known_axes()) {
+    int64_t size = s.integer(axis).value_or(1);
+    if (size == 0 || size < -1 || size > INT_MAX) {
+      s.fail(axis, "must be a positive size (or -1 for what is left of the world), got ", size);
+    }
+    if (size == -1) {
+      if (!inferred.empty()) {
+        s.fail(axis, "is -1 but so is ", inferred, "; only one axis may take what is left");
+      }
+      inferred = axis;
+    }
+    mesh.axes.emplace_back(axis, static_cast<int>(size));
+  }
+}
+
+void read_model(const Section& s, const std::string& data_source, ModelSection& model) {
+  model.kind = s.choice("kind", model.kind, {"mlp"});
+  const toml::node* sizes = s.find("sizes");
+  if (!sizes) s.fail("sizes", "is required, e.g. sizes = [784, 512, 512, 10]");
+  if (!sizes->is_array()) s.wrong_type("sizes", *sizes, "an array of layer widths");
+  const toml::array& array = *sizes->as_array();
+  if (array.size() < 2) {
+    s.fail("sizes", "needs at least 2 entries (input and output width), got ", render(array));
+  }
+  model.sizes.clear();
+  for (size_t i = 0; i < array.size(); ++i) {
+    const toml::node& entry = array[i];
+    if (!entry.is_integer() || entry.as_integer()->get() < 1) {
+      s.fail_at(entry.source().begin.line > 0 ? entry.source() : array.source(), "sizes",
+                "entries must be positive integers, got ", render(entry), " at index ", i);
+    }
+    model.sizes.push_back(entry.as_integer()->get());
+  }
+  model.activation = s.choice("activation", model.activation, {"relu", "tanh", "gelu"});
+  model.init = s.choice("init", model.init, {"he_normal", "xavier_uniform", "normal"});
+  model.loss = s.choice("loss", model.loss, {"auto", "cross_entropy", "mse"});
+  if (model.loss == "auto") model.loss = data_source == "synthetic" ? "mse" : "cross_entropy";
+}
+
+// One spec entry: "" (None), "axis", or ["axis", ...] (a tuple, major to minor).
+SpecEntry read_spec_entry(const Section& s, const std::string& what, const toml::node& node) {
+  SpecEntry entry;
+  if (node.is_string()) {
+    const std::string& axis = node.as_string()->get();
+    if (!axis.empty()) entry.axes.push_back(axis);
+    return entry;
+  }
+  if (node.is_array()) {
+    for (const toml::node& inner : *node.as_array()) {
+      if (!inner.is_string() || inner.as_string()->get().empty()) {
+        s.fail_about(node.source(), what, "a tuple entry must list mesh axis names, got ",
+                     render(node));
+      }
+      entry.axes.push_back(inner.as_string()->get());
+    }
+    return entry;
+  }
+  s.fail_about(node.source(), what,
+               "a spec entry must be \"\" (None), an axis name or an array of axis names, got ",
+               render(node));
+}
+
+// An axis the mesh does not know, or one named twice, in a spec read from `source`.
+void check_spec_axes(const Section& s, const std::string& what, const toml::source_region& source,
+                     const PartitionSpec& spec, const std::string& text) {
+  std::set<std::string> seen;
+  for (const std::string& axis : spec.axes()) {
+    if (!contains(Mesh::known_axes(), axis)) {
+      s.fail_about(source, what, text, " names unknown mesh axis '", axis,
+                   "' (known axes: ", join(Mesh::known_axes()), ")");
+    }
+    if (!seen.insert(axis).second) {
+      s.fail_about(source, what, text, " names mesh axis '", axis,
+                   "' more than once; an axis may split only one dimension");
+    }
+  }
+}
+
+PartitionRuleText read_rule(const Section& s, size_t index, const toml::node& node) {
+  const std::string what = "rule " + std::to_string(index);
+  const toml::array* pair = node.as_array();
+  if (!pair || pair->size() != 2 || !(*pair)[0].is_string()) {
+    s.fail_about(node.source(), what, "must be [regex, spec], got ", render(node));
+  }
+  PartitionRuleText rule;
+  rule.pattern = (*pair)[0].as_string()->get();
+  try {
+    std::regex compiled(rule.pattern, std::regex::ECMAScript);
+  } catch (const std::regex_error& e) {
+    s.fail_about(node.source(), what, "regex '", rule.pattern, "' does not compile (", e.what(),
+                 ")");
+  }
+  const toml::node& spec = (*pair)[1];
+  if (spec.is_string()) {
+    try {
+      rule.spec = PartitionSpec::parse(spec.as_string()->get());
+    } catch (const Error& e) {
+      s.fail_about(node.source(), what, e.what());
+    }
+  } else if (spec.is_array()) {
+    for (const toml::node& entry : *spec.as_array()) {
+      rule.spec.entries.push_back(read_spec_entry(s, what, entry));
+    }
+  } else {
+    s.fail_about(node.source(), what,
+                 "the spec must be an array like [\"fsdp\", \"tp\"] or a string like "
+                 "\"P(fsdp, tp)\", got ",
+                 render(spec));
+  }
+  check_spec_axes(s, what, node.source(), rule.spec, "spec " + render(spec));
+  return rule;
+}
+
+void read_partition(const Section& s, PartitionSection& partition) {
+  std::vector<std::string> presets = preset_names();
+  partition.preset = s.string("preset").value_or("");
+  if (!partition.preset.empty() && !contains(presets, partition.preset)) {
+    s.fail("preset", "must be one of ", join(presets, " | "), ", got \"", partition.preset, "\"");
+  }
+  partition.min_sharding_size = s.integer("min_sharding_size", partition.min_sharding_size, 0);
+  partition.collective_matmul = s.choice("collective_matmul", partition.collective_matmul,
+                                         {"naive", "ring", "bidirectional", "auto"});
+
+  partition.rules.clear();
+  if (const toml::node* rules = s.find("rules")) {
+    if (!rules->is_array()) s.wrong_type("rules", *rules, "an array of [regex, spec] pairs");
+    const toml::array& array = *rules->as_array();
+    for (size_t i = 0; i < array.size(); ++i) {
+      partition.rules.push_back(read_rule(s, i, array[i]));
+    }
+  }
+
+  partition.logical_axes.clear();
+  if (const toml::node* axes = s.find("logical_axes")) {
+    if (!axes->is_table())
+      s.wrong_type("logical_axes", *axes, "a table like { batch = [\"fsdp\", \"dp\"] }");
+    for (const auto& [key, node] : *axes->as_table()) {
+      const std::string name(key.str());
+      const std::string what = "logical_axes." + name;
+      if (!contains(LogicalAxes::names(), name)) {
+        s.fail_about(key.source(), "logical_axes", "unknown logical axis '", name,
+                     "' (known: ", join(LogicalAxes::names()), ")");
+      }
+      std::vector<std::string> mesh_axes;
+      if (node.is_string()) {
+        if (!node.as_string()->get().empty()) mesh_axes.push_back(node.as_string()->get());
+      } else if (node.is_array()) {
+        for (const toml::node& inner : *node.as_array()) {
+          if (!inner.is_string() || inner.as_string()->get().empty()) {
+            s.fail_about(node.source(), what, "must be a mesh axis name or an array of them, got ",
+                         render(node));
+          }
+          mesh_axes.push_back(inner.as_string()->get());
+        }
+      } else {
+        s.fail_about(node.source(), what, "must be a mesh axis name or an array of them, got ",
+                     render(node));
+      }
+      check_spec_axes(s, what, node.source(), PartitionSpec({SpecEntry{mesh_axes}}),
+                      "mesh axes " + render(node));
+      partition.logical_axes[name] = mesh_axes;
+    }
+  }
+}
+
+void read_data(const Section& s, DataSection& data) {
+  data.source = s.choice("source", data.source, {"fashion_mnist", "synthetic", "hdf5"});
+  data.path = s.string("path").value_or("");
+  if (data.source == "fashion_mnist" && data.path.empty()) data.path = kFashionMnistDefaultPath;
+  if (data.source == "hdf5" && data.path.empty()) {
+    s.fail("path", "is required when source = \"hdf5\" (the training file)");
+  }
+  data.test_path = s.string("test_path").value_or("");
+  data.batch_size = s.integer("batch_size", data.batch_size, 1);
+  data.shuffle = s.boolean("shuffle", data.shuffle);
+  data.synthetic_samples = s.integer("synthetic_samples", data.synthetic_samples, 1);
+  data.eval_batch_size = s.integer("eval_batch_size", data.eval_batch_size, 1);
+}
+
+void read_optimizer(const Section& s, OptimizerSection& opt) {
+  opt.kind = s.choice("kind", opt.kind, {"sgd", "adamw"});
+  opt.lr = s.number("lr").value_or(opt.lr);
+  if (!(opt.lr > 0)) s.fail("lr", "must be positive, got ", opt.lr);
+  opt.momentum = s.number("momentum").value_or(opt.momentum);
+  if (opt.momentum < 0 || opt.momentum >= 1)
+    s.fail("momentum", "must be in [0, 1), got ", opt.momentum);
+  if (const toml::node* betas = s.find("betas")) {
+    const toml::array* array = betas->as_array();
+    if (!array || array->size() != 2 || !(*array)[0].is_number() || !(*array)[1].is_number()) {
+      s.fail("betas", "must be two numbers [beta1, beta2], got ", render(*betas));
+    }
+    auto value = [](const toml::node& n) {
+      return n.is_integer() ? static_cast<double>(n.as_integer()->get())
+                            : n.as_floating_point()->get();
+    };
+    opt.betas = {value((*array)[0]), value((*array)[1])};
+    for (double beta : {opt.betas.first, opt.betas.second}) {
+      if (!(beta >= 0 && beta < 1)) s.fail("betas", "must each be in [0, 1), got ", render(*betas));
+    }
+  }
+  opt.eps = s.number("eps").value_or(opt.eps);
+  if (!(opt.eps > 0)) s.fail("eps", "must be positive, got ", opt.eps);
+  opt.weight_decay = s.number("weight_decay").value_or(opt.weight_decay);
+  if (opt.weight_decay < 0) s.fail("weight_decay", "must be non-negative, got ", opt.weight_decay);
+  opt.clip_norm = s.number("clip_norm").value_or(opt.clip_norm);
+  if (opt.clip_norm < 0) s.fail("clip_norm", "must be non-negative (0 = off), got ", opt.clip_norm);
+}
+
+void read_train(const Section& s, const Reader& reader, TrainSection& train) {
+  train.epochs = s.integer("epochs");
+  train.steps = s.integer("steps");
+  if (train.epochs && train.steps) {
+    s.fail("steps", "and epochs are both set; give exactly one of them");
+  }
+  if (!train.epochs && !train.steps) {
+    MESHTRAIN_BAD_INPUT(reader.at(s.table().source()),
+                        ": [train] needs exactly one of epochs and steps, got neither");
+  }
+  if (train.epochs && *train.epochs < 1)
+    s.fail("epochs", "must be at least 1, got ", *train.epochs);
+  if (train.steps && *train.steps < 1) s.fail("steps", "must be at least 1, got ", *train.steps);
+  train.log_every = s.integer("log_every", train.log_every, 1);
+  train.eval_every = s.integer("eval_every", train.eval_every, 0);
+}
+
+void read_checkpoint(const Section& s, const std::string& output_dir, CheckpointSection& ckpt) {
+  ckpt.every_steps = s.integer("every_steps", ckpt.every_steps, 0);
+  ckpt.keep = s.integer("keep", ckpt.keep, 1);
+  ckpt.resume = s.boolean("resume", ckpt.resume);
+  ckpt.dir = s.string("dir").value_or(output_dir + "/checkpoints");
+  if (ckpt.dir.empty()) s.fail("dir", "must not be empty");
+}
+
+// Parses TOML text, turning a syntax error into one sentence with file, line and column.
+toml::table parse_toml(const std::string& text, const std::string& source) {
+  try {
+    return toml::parse(text, source);
+  } catch (const toml::parse_error& e) {
+    const auto& begin = e.source().begin;
+    MESHTRAIN_BAD_INPUT(source, ":", begin.line, ":", begin.column,
+                        ": invalid TOML: ", e.description());
+  }
+}
+
+// Applies one "section.key=value" override to the parsed file. The value keeps the
+// override text as its source, so later errors about it name the override. Returns
+// "section.key".
+std::string apply_override(toml::table& root, const std::string& override_text,
+                           const std::string& file) {
+  const std::string origin = "--set " + override_text;
+  const size_t equals = override_text.find('=');
+  if (equals == std::string::npos) {
+    MESHTRAIN_BAD_INPUT(file, ": override '", override_text,
+                        "' must look like section.key=value (e.g. train.steps=20)");
+  }
+  auto trim = [](std::string text) {
+    const char* space = " \t";
+    text.erase(0, text.find_first_not_of(space));
+    text.erase(text.find_last_not_of(space) + 1);
+    return text;
+  };
+  const std::string path = trim(override_text.substr(0, equals));
+  const std::string value_text = trim(override_text.substr(equals + 1));
+
+  std::vector<std::string> parts;
+  std::stringstream split(path);
+  for (std::string part; std::getline(split, part, '.');) parts.push_back(part);
+  std::vector<std::string> section_names;
+  for (const auto& [name, keys] : schema()) section_names.push_back(name);
+  if (parts.size() < 2 || !schema_keys(parts[0])) {
+    MESHTRAIN_BAD_INPUT(file, ": override '", override_text, "' does not name a section.key (",
+                        "known sections: ", join(section_names), ")");
+  }
+  const std::vector<std::string>& keys = *schema_keys(parts[0]);
+  const bool logical_axis =
+      parts.size() == 3 && parts[0] == "partition" && parts[1] == "logical_axes";
+  if (!contains(keys, parts[1]) || (parts.size() > 2 && !logical_axis)) {
+    MESHTRAIN_BAD_INPUT(file, ": override '", override_text, "' names unknown key '", path, "' ([",
+                        parts[0], "] keys: ", join(keys), ")");
+  }
+
+  // The value as TOML ("20", "[784, 256, 10]", "\"runs/a\""), else as a bare string.
+  toml::table parsed;
+  bool is_toml = false;
+  try {
+    parsed = toml::parse("v = " + value_text + "\n", origin);
+    is_toml = parsed.size() == 1 && parsed.contains("v");
+  } catch (const toml::parse_error&) {
+  }
+  if (!is_toml) {
+    toml::table as_string;
+    as_string.insert("v", value_text);
+    std::ostringstream text;
+    text << as_string;
+    parsed = toml::parse(text.str(), origin);
+  }
+  toml::node* value = parsed.get("v");
+
+  toml::table* target = &root;
+  for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    toml::node* existing = target->get(parts[i]);
+    if (!existing) {
+      target = target->insert(parts[i], toml::table{}).first->second.as_table();
+    } else if (existing->is_table()) {
+      target = existing->as_table();
+    } else {
+      MESHTRAIN_BAD_INPUT(file, ": override '", override_text, "' cannot set a key inside '",
+                          parts[i], "', which is ", type_name(existing->type()));
+    }
+  }
+  // Moving the node keeps its source (the override); copying would drop it.
+  value->visit(
+      [&](auto& concrete) { target->insert_or_assign(parts.back(), std::move(concrete)); });
+  return parts[0] + "." + parts[1];
+}
+
+}  // namespace
+
+Mesh MeshSection::resolve(int world_size) const {
+  return Mesh::create(axes, world_size, source);
+}
+
+RunConfig parse_config(const std::string& text, const std::string& file,
+                       const std::vector<std::string>& overrides) {
+  toml::table root = parse_toml(text, file);
+
+  std::set<std::string> overridden;
+  for (const std::string& override_text : overrides) {
+    overridden.insert(apply_override(root, override_text, file));
+  }
+  // Overriding one of train.epochs / train.steps replaces the other.
+  if (toml::table* train = root.get_as<toml::table>("train")) {
+    const bool steps = overridden.count("train.steps") > 0;
+    const bool epochs = overridden.count("train.epochs") > 0;
+    if (steps && !epochs) train->erase("epochs");
+    if (epochs && !steps) train->erase("steps");
+  }
+
+  Reader reader(file);
+  reader.check_structure(root);
+
+  RunConfig config;
+  config.file = file;
+  std::ostringstream effective;
+  effective << root;
+  config.text = effective.str();
+
+  read_run(reader.section(root, "run"), config.run);
+  read_mesh(reader.section(root, "mesh"), file, config.mesh);
+  read_data(reader.section(root, "data"), config.data);
+  read_model(reader.section(root, "model"), config.data.source, config.model);
+  read_partition(reader.section(root, "partition"), config.partition);
+  read_optimizer(reader.section(root, "optimizer"), config.optimizer);
+  read_train(reader.section(root, "train"), reader, config.train);
+  read_checkpoint(reader.section(root, "checkpoint"), config.run.output_dir, config.checkpoint);
+  return config;
+}
+
+RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) {
+    MESHTRAIN_BAD_INPUT("config file '", path, "' does not exist");
+  }
+  if (std::filesystem::is_directory(path, ec)) {
+    MESHTRAIN_BAD_INPUT("config file '", path, "' is a directory, not a TOML file");
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) MESHTRAIN_BAD_INPUT("cannot open config file '", path, "': ", std::strerror(errno));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) MESHTRAIN_BAD_INPUT("cannot read config file '", path, "': ", std::strerror(errno));
+  return parse_config(text.str(), path, overrides);
+}
+
+std::vector<PartitionRule> partition_rules(const RunConfig& config) {
+  std::vector<PartitionRule> rules;
+  for (const PartitionRuleText& rule : config.partition.rules) {
+    rules.push_back(PartitionRule{rule.pattern, rule.spec, false});
+  }
+  if (!config.partition.preset.empty()) {
+    for (PartitionRule& rule : preset_rules(config.partition.preset))
+      rules.push_back(std::move(rule));
+  }
+  if (rules.empty()) {
+    MESHTRAIN_BAD_INPUT(
+        config.file, ": [partition] has neither a preset nor rules; set preset = ", "\"dp\" (or ",
+        join(preset_names(), ", "), ") or rules = [[regex, spec], ...]");
+  }
+  return rules;
+}
+
+PlanOptions plan_options(const RunConfig& config) {
+  PlanOptions options;
+  options.min_sharding_size = config.partition.min_sharding_size;
+  options.bytes_per_element = 4;
+  if (config.optimizer.kind == "adamw") {
+    options.optimizer_slots = 2;
+  } else {
+    options.optimizer_slots = config.optimizer.momentum > 0 ? 1 : 0;
+  }
+  return options;
+}
+
+}  // namespace meshtrain

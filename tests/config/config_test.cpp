@@ -1,0 +1,475 @@
+// Config loading: every key parsed, every kind of bad input named by file, line and key,
+// --set overrides, and every shipped config in configs/ loads.
+
+#include "framework/config.hpp"
+
+#include <gtest/gtest.h>
+
+#include <toml++/toml.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "tests/test_support.hpp"
+
+namespace meshtrain {
+namespace {
+
+using testing::expect_bad_input;
+
+const char* const kFile = "t.toml";
+
+// Lines 1-4; a test's extra sections start at line 5.
+std::string minimal(const std::string& extra = "") {
+  return "[model]\n"
+         "sizes = [4, 3]\n"
+         "[train]\n"
+         "steps = 5\n" +
+         extra;
+}
+
+RunConfig parse(const std::string& text, const std::vector<std::string>& overrides = {}) {
+  return parse_config(text, kFile, overrides);
+}
+
+void expect_config_error(const std::string& text, std::initializer_list<std::string> fragments,
+                         const std::vector<std::string>& overrides = {}) {
+  SCOPED_TRACE(text);
+  expect_bad_input([&] { parse(text, overrides); }, fragments);
+}
+
+TEST(Config, ReadsEveryKey) {
+  const std::string text = R"toml([run]
+name = "every"
+seed = 42
+output_dir = "out/every"
+[mesh]
+dp = 2
+fsdp = -1
+ep = 1
+tp = 4
+sp = 1
+[model]
+kind = "mlp"
+sizes = [10, 20, 5]
+activation = "gelu"
+init = "xavier_uniform"
+loss = "mse"
+[partition]
+preset = "fsdp_tp"
+min_sharding_size = 7
+rules = [["layers/0/weight", ["fsdp", "tp"]], ["bias$", [["fsdp", "dp"], ""]], ["x", []], ["y", "P(tp, None)"]]
+logical_axes = { batch = ["fsdp", "dp"], hidden = "tp" }
+collective_matmul = "ring"
+[data]
+source = "hdf5"
+path = "train.h5"
+test_path = "test.h5"
+batch_size = 64
+shuffle = false
+synthetic_samples = 100
+eval_batch_size = 50
+[optimizer]
+kind = "sgd"
+lr = 0.5
+momentum = 0.8
+betas = [0.5, 0.6]
+eps = 1e-6
+weight_decay = 0.01
+clip_norm = 1
+[train]
+epochs = 3
+log_every = 7
+eval_every = 9
+[checkpoint]
+every_steps = 11
+keep = 3
+resume = true
+dir = "ckpt"
+)toml";
+  const RunConfig c = parse(text);
+  EXPECT_EQ(c.file, kFile);
+  EXPECT_EQ(c.run.name, "every");
+  EXPECT_EQ(c.run.seed, 42u);
+  EXPECT_EQ(c.run.output_dir, "out/every");
+  const std::vector<std::pair<std::string, int>> axes = {
+      {"dp", 2}, {"fsdp", -1}, {"ep", 1}, {"tp", 4}, {"sp", 1}};
+  EXPECT_EQ(c.mesh.axes, axes);
+  EXPECT_EQ(c.mesh.resolve(16).axis_size("fsdp"), 2);
+  EXPECT_EQ(c.model.kind, "mlp");
+  EXPECT_EQ(c.model.sizes, (std::vector<int64_t>{10, 20, 5}));
+  EXPECT_EQ(c.model.activation, "gelu");
+  EXPECT_EQ(c.model.init, "xavier_uniform");
+  EXPECT_EQ(c.model.loss, "mse");
+  EXPECT_EQ(c.partition.preset, "fsdp_tp");
+  EXPECT_EQ(c.partition.min_sharding_size, 7);
+  ASSERT_EQ(c.partition.rules.size(), 4u);
+  EXPECT_EQ(c.partition.rules[0].pattern, "layers/0/weight");
+  EXPECT_EQ(c.partition.rules[0].spec, PartitionSpec::parse("P(fsdp, tp)"));
+  EXPECT_EQ(c.partition.rules[1].spec, PartitionSpec::parse("P((fsdp, dp), None)"));
+  EXPECT_EQ(c.partition.rules[2].spec, PartitionSpec::parse("P()"));
+  EXPECT_EQ(c.partition.rules[3].spec, PartitionSpec::parse("P(tp, None)"));
+  EXPECT_EQ(c.partition.logical_axes.at("batch"), (std::vector<std::string>{"fsdp", "dp"}));
+  EXPECT_EQ(c.partition.logical_axes.at("hidden"), (std::vector<std::string>{"tp"}));
+  EXPECT_EQ(c.partition.collective_matmul, "ring");
+  EXPECT_EQ(c.data.source, "hdf5");
+  EXPECT_EQ(c.data.path, "train.h5");
+  EXPECT_EQ(c.data.test_path, "test.h5");
+  EXPECT_EQ(c.data.batch_size, 64);
+  EXPECT_FALSE(c.data.shuffle);
+  EXPECT_EQ(c.data.synthetic_samples, 100);
+  EXPECT_EQ(c.data.eval_batch_size, 50);
+  EXPECT_EQ(c.optimizer.kind, "sgd");
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 0.5);
+  EXPECT_DOUBLE_EQ(c.optimizer.momentum, 0.8);
+  EXPECT_DOUBLE_EQ(c.optimizer.betas.first, 0.5);
+  EXPECT_DOUBLE_EQ(c.optimizer.betas.second, 0.6);
+  EXPECT_DOUBLE_EQ(c.optimizer.eps, 1e-6);
+  EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, 0.01);
+  EXPECT_DOUBLE_EQ(c.optimizer.clip_norm, 1.0);
+  EXPECT_EQ(c.train.epochs, std::optional<int64_t>(3));
+  EXPECT_FALSE(c.train.steps.has_value());
+  EXPECT_EQ(c.train.log_every, 7);
+  EXPECT_EQ(c.train.eval_every, 9);
+  EXPECT_EQ(c.checkpoint.every_steps, 11);
+  EXPECT_EQ(c.checkpoint.keep, 3);
+  EXPECT_TRUE(c.checkpoint.resume);
+  EXPECT_EQ(c.checkpoint.dir, "ckpt");
+
+  // User rules come first, then the preset's; plan options follow the config.
+  const std::vector<PartitionRule> rules = partition_rules(c);
+  ASSERT_GT(rules.size(), 4u);
+  EXPECT_EQ(rules[0].pattern, "layers/0/weight");
+  EXPECT_FALSE(rules[0].replicate_if_indivisible);
+  EXPECT_EQ(rules[3].spec, PartitionSpec::parse("P(tp, None)"));
+  const std::vector<PartitionRule> preset = preset_rules("fsdp_tp");
+  EXPECT_EQ(rules.size(), 4 + preset.size());
+  EXPECT_EQ(rules[4].pattern, preset[0].pattern);
+  const PlanOptions options = plan_options(c);
+  EXPECT_EQ(options.min_sharding_size, 7);
+  EXPECT_EQ(options.optimizer_slots, 1);  // sgd with momentum
+  EXPECT_EQ(options.bytes_per_element, 4);
+}
+
+TEST(Config, Defaults) {
+  const RunConfig c = parse(minimal());
+  EXPECT_EQ(c.run.name, "run");
+  EXPECT_EQ(c.run.output_dir, "runs/run");
+  EXPECT_EQ(c.checkpoint.dir, "runs/run/checkpoints");
+  EXPECT_EQ(c.data.source, "fashion_mnist");
+  EXPECT_EQ(c.data.path, "/usr/share/datasets/fashion-mnist");
+  EXPECT_EQ(c.model.loss, "cross_entropy");  // auto, for classification data
+  EXPECT_EQ(c.mesh.axes.size(), 5u);
+  EXPECT_EQ(c.mesh.resolve(1), Mesh::single());
+  EXPECT_EQ(c.train.steps, std::optional<int64_t>(5));
+  EXPECT_EQ(c.train.log_every, 50);
+  EXPECT_EQ(c.partition.min_sharding_size, 16384);
+  EXPECT_EQ(c.partition.collective_matmul, "auto");
+  EXPECT_EQ(plan_options(c).optimizer_slots, 2);  // adamw
+
+  const RunConfig named = parse(minimal("[run]\nname = \"abc\"\n[data]\nsource = \"synthetic\"\n"));
+  EXPECT_EQ(named.run.output_dir, "runs/abc");
+  EXPECT_EQ(named.checkpoint.dir, "runs/abc/checkpoints");
+  EXPECT_EQ(named.model.loss, "mse");  // auto, for synthetic regression data
+  EXPECT_EQ(named.data.path, "");
+
+  const RunConfig plain_sgd = parse(minimal("[optimizer]\nkind = \"sgd\"\nmomentum = 0\nlr = 1\n"));
+  EXPECT_EQ(plan_options(plain_sgd).optimizer_slots, 0);
+  EXPECT_DOUBLE_EQ(plain_sgd.optimizer.lr, 1.0);  // an integer is a number too
+}
+
+TEST(Config, NoRulesAndNoPresetIsAnErrorOfThePartitionSection) {
+  const RunConfig c = parse(minimal());
+  expect_bad_input([&] { partition_rules(c); }, {kFile, "[partition]", "preset", "rules"});
+  const RunConfig rules_only = parse(minimal("[partition]\nrules = [[\".*\", []]]\n"));
+  ASSERT_EQ(partition_rules(rules_only).size(), 1u);
+  EXPECT_FALSE(partition_rules(rules_only)[0].replicate_if_indivisible);
+}
+
+TEST(Config, StructureErrorsNameFileLineAndKey) {
+  expect_config_error(minimal("[optimiser]\nlr = 1\n"),
+                      {"t.toml:5", "[optimiser]", "unknown section"});
+  expect_config_error(minimal("[optimizer]\nlrr = 1\n"),
+                      {"t.toml:6", "[optimizer]", "'lrr'", "lr, momentum"});
+  expect_config_error("seed = 1\n" + minimal(), {"t.toml:1", "'seed'", "inside a section"});
+  expect_config_error("run = 3\n" + minimal(), {"t.toml:1", "'run'", "section [run]"});
+}
+
+TEST(Config, TypeErrorsNameFileLineAndKey) {
+  expect_config_error(minimal("[optimizer]\nlr = \"fast\"\n"),
+                      {"t.toml:6", "[optimizer] lr", "a number", "'fast'"});
+  expect_config_error(minimal("[data]\nbatch_size = 1.5\n"),
+                      {"t.toml:6", "[data] batch_size", "an integer"});
+  expect_config_error(minimal("[data]\nshuffle = \"yes\"\n"),
+                      {"t.toml:6", "[data] shuffle", "true or false"});
+  expect_config_error(minimal("[run]\nname = 3\n"), {"t.toml:6", "[run] name", "a string"});
+  expect_config_error(minimal("[mesh]\ntp = \"2\"\n"), {"t.toml:6", "[mesh] tp", "an integer"});
+  expect_config_error("[model]\nsizes = 784\n[train]\nsteps = 1\n",
+                      {"t.toml:2", "[model] sizes", "an array"});
+  expect_config_error("[model]\nsizes = [784, \"10\"]\n[train]\nsteps = 1\n",
+                      {"t.toml:2", "[model] sizes", "positive integers", "index 1"});
+  expect_config_error(minimal("[partition]\nrules = \"dp\"\n"),
+                      {"t.toml:6", "[partition] rules", "[regex, spec]"});
+  expect_config_error(minimal("[partition]\nlogical_axes = [\"tp\"]\n"),
+                      {"t.toml:6", "[partition] logical_axes", "a table"});
+}
+
+TEST(Config, RangeErrorsNameFileLineKeyAndValue) {
+  struct Case {
+    std::string extra;
+    std::vector<std::string> fragments;
+  };
+  const std::vector<Case> cases = {
+      {"[optimizer]\nlr = -0.1\n", {"t.toml:6: [optimizer] lr must be positive, got -0.1"}},
+      {"[optimizer]\nlr = 0\n", {"t.toml:6", "[optimizer] lr", "positive"}},
+      {"[optimizer]\nmomentum = 1.0\n", {"t.toml:6", "[optimizer] momentum", "[0, 1)"}},
+      {"[optimizer]\nbetas = [0.9, 1.0]\n", {"t.toml:6", "[optimizer] betas", "[0, 1)"}},
+      {"[optimizer]\nbetas = [0.9]\n", {"t.toml:6", "[optimizer] betas", "two numbers"}},
+      {"[optimizer]\nbetas = [-0.1, 0.9]\n", {"t.toml:6", "[optimizer] betas"}},
+      {"[optimizer]\neps = 0\n", {"t.toml:6", "[optimizer] eps", "positive"}},
+      {"[optimizer]\nweight_decay = -1\n", {"t.toml:6", "[optimizer] weight_decay", "-1"}},
+      {"[optimizer]\nclip_norm = -1\n", {"t.toml:6", "[optimizer] clip_norm"}},
+      {"[optimizer]\nkind = \"adam\"\n",
+       {"t.toml:6", "[optimizer] kind", "sgd | adamw", "\"adam\""}},
+      {"[data]\nbatch_size = 0\n", {"t.toml:6", "[data] batch_size", "at least 1", "got 0"}},
+      {"[data]\neval_batch_size = 0\n", {"t.toml:6", "[data] eval_batch_size"}},
+      {"[data]\nsynthetic_samples = -5\n", {"t.toml:6", "[data] synthetic_samples"}},
+      {"[data]\nsource = \"csv\"\n", {"t.toml:6", "[data] source", "\"csv\""}},
+      {"[data]\nsource = \"hdf5\"\n", {"[data] path", "hdf5"}},
+      {"[run]\nseed = -1\n", {"t.toml:6", "[run] seed", "non-negative"}},
+      {"[run]\nname = \"\"\n", {"t.toml:6", "[run] name", "empty"}},
+      {"[mesh]\ntp = 0\n", {"t.toml:6", "[mesh] tp", "got 0"}},
+      {"[mesh]\ndp = -2\n", {"t.toml:6", "[mesh] dp", "got -2"}},
+      {"[mesh]\ndp = -1\ntp = -1\n", {"t.toml:7", "[mesh] tp", "dp", "only one"}},
+      {"[partition]\npreset = \"zero3\"\n",
+       {"t.toml:6", "[partition] preset", "\"zero3\"", "fsdp_tp"}},
+      {"[partition]\nmin_sharding_size = -1\n", {"t.toml:6", "[partition] min_sharding_size"}},
+      {"[partition]\ncollective_matmul = \"tree\"\n",
+       {"t.toml:6", "[partition] collective_matmul", "naive | ring | bidirectional | auto",
+        "\"tree\""}},
+      {"[checkpoint]\nkeep = 0\n", {"t.toml:6", "[checkpoint] keep", "at least 1"}},
+      {"[checkpoint]\nevery_steps = -1\n", {"t.toml:6", "[checkpoint] every_steps"}},
+      {"[checkpoint]\nresume = 1\n", {"t.toml:6", "[checkpoint] resume"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.extra);
+    try {
+      parse(minimal(c.extra));
+      ADD_FAILURE() << "no error for " << c.extra;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::bad_input);
+      for (const std::string& fragment : c.fragments) {
+        EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)
+            << "expected '" << fragment << "' in: " << e.what();
+      }
+    }
+  }
+}
+
+TEST(Config, ModelErrors) {
+  const std::string train = "[train]\nsteps = 1\n";
+  expect_config_error("[model]\nsizes = [784]\n" + train,
+                      {"t.toml:2", "[model] sizes", "at least 2"});
+  expect_config_error("[model]\nsizes = [784, 0, 10]\n" + train,
+                      {"t.toml:2", "[model] sizes", "got 0"});
+  expect_config_error("[model]\nactivation = \"relu\"\n" + train,
+                      {"t.toml", "[model] sizes", "required"});
+  expect_config_error(train, {"t.toml", "[model] sizes", "required"});
+  expect_config_error("[model]\nsizes = [4, 2]\nactivation = \"sigmoid\"\n" + train,
+                      {"t.toml:3", "[model] activation", "\"sigmoid\"", "relu | tanh | gelu"});
+  expect_config_error("[model]\nsizes = [4, 2]\ninit = \"zeros\"\n" + train,
+                      {"t.toml:3", "[model] init", "\"zeros\""});
+  expect_config_error("[model]\nsizes = [4, 2]\nloss = \"hinge\"\n" + train,
+                      {"t.toml:3", "[model] loss", "\"hinge\""});
+  expect_config_error("[model]\nsizes = [4, 2]\nkind = \"cnn\"\n" + train,
+                      {"t.toml:3", "[model] kind", "\"cnn\""});
+}
+
+TEST(Config, TrainNeedsExactlyOneOfEpochsAndSteps) {
+  expect_config_error("[model]\nsizes = [4, 2]\n[train]\nepochs = 1\nsteps = 2\n",
+                      {"t.toml:5", "[train] steps", "epochs", "exactly one"});
+  expect_config_error("[model]\nsizes = [4, 2]\n[train]\nlog_every = 2\n",
+                      {"t.toml", "[train]", "neither"});
+  expect_config_error("[model]\nsizes = [4, 2]\n", {"t.toml", "[train]", "epochs", "steps"});
+  expect_config_error("[model]\nsizes = [4, 2]\n[train]\nepochs = 0\n",
+                      {"t.toml:4", "[train] epochs", "got 0"});
+  expect_config_error("[model]\nsizes = [4, 2]\n[train]\nsteps = -5\n",
+                      {"t.toml:4", "[train] steps", "got -5"});
+  expect_config_error("[model]\nsizes = [4, 2]\n[train]\nsteps = 5\nlog_every = 0\n",
+                      {"t.toml:5", "[train] log_every", "at least 1"});
+  expect_config_error("[model]\nsizes = [4, 2]\n[train]\nsteps = 5\neval_every = -1\n",
+                      {"t.toml:5", "[train] eval_every", "non-negative"});
+}
+
+TEST(Config, PartitionRuleErrorsNameFileLineAndRule) {
+  // Line 6 holds the rules array; the bad rule is on line 7 or 8.
+  expect_config_error(
+      minimal("[partition]\nrules = [\n  [\"a\", []],\n  [\"weight\", [\"fsdp\", \"fsdp\"]],\n]\n"),
+      {"t.toml:8", "[partition] rule 1", "'fsdp'", "more than once"});
+  expect_config_error(
+      minimal("[partition]\nrules = [\n  [\"weight\", [[\"fsdp\", \"tp\"], \"tp\"]],\n]\n"),
+      {"t.toml:7", "[partition] rule 0", "'tp'", "more than once"});
+  expect_config_error(minimal("[partition]\nrules = [\n  [\"weight\", \"P(tp, tp)\"],\n]\n"),
+                      {"t.toml:7", "[partition] rule 0", "tp"});
+  expect_config_error(minimal("[partition]\nrules = [\n  [\"weight\", [\"model\"]],\n]\n"),
+                      {"t.toml:7", "[partition] rule 0", "unknown mesh axis 'model'"});
+  expect_config_error(minimal("[partition]\nrules = [\n  [\"layers/(\", []],\n]\n"),
+                      {"t.toml:7", "[partition] rule 0", "regex 'layers/('", "does not compile"});
+  expect_config_error(minimal("[partition]\nrules = [\n  [\"weight\"],\n]\n"),
+                      {"t.toml:7", "[partition] rule 0", "[regex, spec]"});
+  expect_config_error(minimal("[partition]\nrules = [\n  [\"weight\", 3],\n]\n"),
+                      {"t.toml:7", "[partition] rule 0", "spec"});
+  expect_config_error(minimal("[partition]\nrules = [\n  [\"weight\", [3]],\n]\n"),
+                      {"t.toml:7", "[partition] rule 0", "spec entry"});
+  expect_config_error(minimal("[partition]\nrules = [\n  [\"weight\", \"Q(tp\"],\n]\n"),
+                      {"t.toml:7", "[partition] rule 0", "Q(tp"});
+  expect_config_error(minimal("[partition]\nlogical_axes = { batch = [\"fsdp\", \"fsdp\"] }\n"),
+                      {"t.toml:6", "logical_axes.batch", "more than once"});
+  expect_config_error(minimal("[partition]\nlogical_axes = { batch = \"model\" }\n"),
+                      {"t.toml:6", "logical_axes.batch", "unknown mesh axis 'model'"});
+  expect_config_error(minimal("[partition]\nlogical_axes = { batchh = \"dp\" }\n"),
+                      {"t.toml:6", "logical_axes", "'batchh'"});
+}
+
+TEST(Config, MalformedTomlIsOneSentenceWithLineAndColumn) {
+  try {
+    parse("[model]\nsizes = [4, 3\n[train]\n");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_EQ(e.kind(), ErrorKind::bad_input);
+    EXPECT_EQ(message.rfind("t.toml:", 0), 0u) << message;
+    EXPECT_NE(message.find("invalid TOML"), std::string::npos) << message;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  }
+  expect_config_error("[model]\nsizes = = 3\n", {"t.toml:2:", "invalid TOML"});
+}
+
+TEST(Config, MeshErrorsNameTheFile) {
+  const RunConfig c = parse(minimal("[mesh]\ndp = 2\ntp = 4\n"));
+  EXPECT_EQ(c.mesh.resolve(8).axis_size("tp"), 4);
+  expect_bad_input([&] { c.mesh.resolve(7); }, {"t.toml [mesh]", "7"});
+}
+
+TEST(Config, OverridesReadTomlValues) {
+  const RunConfig c =
+      parse(minimal(),
+            {"train.steps=20", "model.sizes=[784, 256, 10]", "run.output_dir=\"runs/a\"",
+             "data.shuffle=false", "optimizer.lr=0.25", "partition.logical_axes.batch=[\"dp\"]",
+             "partition.rules=[[\"bias$\", \"P(tp)\"]]"});
+  EXPECT_EQ(c.train.steps, std::optional<int64_t>(20));
+  EXPECT_EQ(c.model.sizes, (std::vector<int64_t>{784, 256, 10}));
+  EXPECT_EQ(c.run.output_dir, "runs/a");
+  EXPECT_FALSE(c.data.shuffle);
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 0.25);
+  EXPECT_EQ(c.partition.logical_axes.at("batch"), std::vector<std::string>{"dp"});
+  ASSERT_EQ(c.partition.rules.size(), 1u);
+  EXPECT_EQ(c.partition.rules[0].spec, PartitionSpec::parse("P(tp)"));
+
+  // The effective text holds the overrides and reads back to the same config.
+  EXPECT_NE(c.text.find("runs/a"), std::string::npos) << c.text;
+  const RunConfig again = parse_config(c.text, "again.toml");
+  EXPECT_EQ(again.train.steps, c.train.steps);
+  EXPECT_EQ(again.model.sizes, c.model.sizes);
+  EXPECT_EQ(again.run.output_dir, c.run.output_dir);
+  EXPECT_EQ(again.partition.rules[0].spec, c.partition.rules[0].spec);
+}
+
+TEST(Config, OverrideBareWordIsAString) {
+  const RunConfig c = parse(minimal(), {"run.output_dir=runs/a", "run.name = my-run"});
+  EXPECT_EQ(c.run.output_dir, "runs/a");
+  EXPECT_EQ(c.run.name, "my-run");
+  const RunConfig spec = parse(minimal(), {"partition.rules=[[\"w\", \"P(fsdp, tp)\"]]"});
+  EXPECT_EQ(spec.partition.rules[0].spec, PartitionSpec::parse("P(fsdp, tp)"));
+}
+
+TEST(Config, OverrideOfStepsReplacesEpochs) {
+  const std::string text = "[model]\nsizes = [4, 2]\n[train]\nepochs = 3\n";
+  const RunConfig steps = parse(text, {"train.steps=20"});
+  EXPECT_EQ(steps.train.steps, std::optional<int64_t>(20));
+  EXPECT_FALSE(steps.train.epochs.has_value());
+  const RunConfig epochs = parse(minimal(), {"train.epochs=2"});
+  EXPECT_EQ(epochs.train.epochs, std::optional<int64_t>(2));
+  EXPECT_FALSE(epochs.train.steps.has_value());
+  expect_config_error(text, {"[train] steps", "exactly one"}, {"train.steps=1", "train.epochs=1"});
+}
+
+TEST(Config, OverrideErrorsNameTheOverride) {
+  expect_config_error(minimal(), {"'optimizer.lrr=1'", "unknown key", "lr"}, {"optimizer.lrr=1"});
+  expect_config_error(minimal(), {"'optimiser.lr=1'", "section"}, {"optimiser.lr=1"});
+  expect_config_error(minimal(), {"'lr=1'"}, {"lr=1"});
+  expect_config_error(minimal(), {"'train.steps'", "section.key=value"}, {"train.steps"});
+  expect_config_error(minimal(), {"'train.steps.x=1'", "unknown key"}, {"train.steps.x=1"});
+  // A value out of range names the override it came from.
+  expect_config_error(minimal(), {"t.toml (--set train.steps=-3)", "[train] steps", "got -3"},
+                      {"train.steps=-3"});
+  expect_config_error(minimal(), {"t.toml (--set model.sizes=[4, 0])", "[model] sizes"},
+                      {"model.sizes=[4, 0]"});
+  expect_config_error(minimal(),
+                      {"--set data.batch_size=many", "[data] batch_size", "an integer", "'many'"},
+                      {"data.batch_size=many"});
+}
+
+std::string source_dir() {
+  return MESHTRAIN_SOURCE_DIR;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+TEST(Config, LoadConfigReadsFilesAndNamesMissingOnes) {
+  expect_bad_input([] { load_config("/nonexistent/x.toml"); },
+                   {"/nonexistent/x.toml", "does not exist"});
+  expect_bad_input([] { load_config(source_dir()); }, {"directory"});
+}
+
+TEST(Config, EveryShippedConfigLoads) {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(source_dir() + "/configs")) {
+    if (entry.path().extension() != ".toml") continue;
+    SCOPED_TRACE(entry.path().string());
+    ++count;
+    const RunConfig c = load_config(entry.path().string());
+    EXPECT_EQ(c.run.name, entry.path().stem().string());
+    EXPECT_FALSE(partition_rules(c).empty());
+    EXPECT_NO_THROW(c.mesh.resolve(8));
+  }
+  EXPECT_GE(count, 5);
+}
+
+TEST(Config, FashionMnistConfigsDifferOnlyInRunMeshAndPartition) {
+  std::string reference;
+  for (const char* layout : {"dp", "fsdp", "tp", "fsdp_tp"}) {
+    SCOPED_TRACE(layout);
+    const std::string path = source_dir() + "/configs/fashion_mnist_" + layout + ".toml";
+    toml::table table = toml::parse(read_file(path), path);
+    for (const char* section : {"run", "mesh", "partition"}) table.erase(section);
+    std::ostringstream rest;
+    rest << table;
+    if (reference.empty()) reference = rest.str();
+    EXPECT_EQ(rest.str(), reference);
+
+    const RunConfig c = load_config(path);
+    EXPECT_EQ(c.partition.preset, layout);
+    EXPECT_EQ(c.partition.min_sharding_size, 0);
+    EXPECT_EQ(c.model.sizes, (std::vector<int64_t>{784, 512, 512, 10}));
+    EXPECT_EQ(c.optimizer.kind, "adamw");
+    EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-3);
+    EXPECT_EQ(c.data.batch_size, 128);
+  }
+  const RunConfig fsdp_tp = load_config(source_dir() + "/configs/fashion_mnist_fsdp_tp.toml");
+  const Mesh mesh = fsdp_tp.mesh.resolve(8);
+  EXPECT_EQ(mesh.axis_size("fsdp"), 4);
+  EXPECT_EQ(mesh.axis_size("tp"), 2);
+  EXPECT_EQ(
+      load_config(source_dir() + "/configs/fashion_mnist_tp.toml").mesh.resolve(4).axis_size("tp"),
+      4);
+}
+
+}  // namespace
+}  // namespace meshtrain
