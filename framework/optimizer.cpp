@@ -1,0 +1,178 @@
+#include "framework/optimizer.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <cmath>
+
+#include "partition/error.hpp"
+
+namespace meshtrain {
+namespace {
+
+#if KOKKOS_VERSION >= 30700
+namespace kmath = ::Kokkos;
+#else
+namespace kmath = ::Kokkos::Experimental;
+#endif
+
+void check_same_layout(const ShardedTensor& a, const ShardedTensor& b, const char* what) {
+  MESHTRAIN_REQUIRE(a.local.extent(0) == b.local.extent(0) && a.global_shape == b.global_shape,
+                    "optimizer: ", what, " '", b.name, "' does not match parameter '", a.name,
+                    "' (", b.local.extent(0), " local elements, expected ", a.local.extent(0), ")");
+}
+
+void sgd_update(Vector p, Vector g, Vector buf, float lr, float momentum, float wd, bool first) {
+  Kokkos::parallel_for(
+      "meshtrain::sgd_step", Kokkos::RangePolicy<>(0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
+        const float grad = g(i) + wd * p(i);
+        const float b = first ? grad : momentum * buf(i) + grad;
+        buf(i) = b;
+        p(i) -= lr * b;
+      });
+}
+
+void adamw_update(Vector p, Vector g, Vector m, Vector v, float lr, float beta1, float beta2,
+                  float eps, float wd, float correction1, float correction2) {
+  Kokkos::parallel_for(
+      "meshtrain::adamw_step", Kokkos::RangePolicy<>(0, p.extent(0)),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const float grad = g(i);
+        const float mi = beta1 * m(i) + (1.0f - beta1) * grad;
+        const float vi = beta2 * v(i) + (1.0f - beta2) * grad * grad;
+        m(i) = mi;
+        v(i) = vi;
+        const float m_hat = mi / correction1;
+        const float v_hat = vi / correction2;
+        p(i) = p(i) * (1.0f - lr * wd) - lr * m_hat / (kmath::sqrt(v_hat) + eps);
+      });
+}
+
+double sum_of_squares(const Vector& g) {
+  double total = 0.0;
+  Kokkos::parallel_reduce(
+      "meshtrain::grad_sum_of_squares", Kokkos::RangePolicy<>(0, g.extent(0)),
+      KOKKOS_LAMBDA(const int64_t i, double& acc) {
+        acc += static_cast<double>(g(i)) * static_cast<double>(g(i));
+      },
+      total);
+  return total;
+}
+
+void scale(Vector g, float factor) {
+  Kokkos::parallel_for(
+      "meshtrain::grad_scale", Kokkos::RangePolicy<>(0, g.extent(0)),
+      KOKKOS_LAMBDA(const int64_t i) { g(i) *= factor; });
+}
+
+}  // namespace
+
+OptimizerKind parse_optimizer_kind(const std::string& name, const std::string& key) {
+  if (name == "sgd") return OptimizerKind::sgd;
+  if (name == "adamw") return OptimizerKind::adamw;
+  MESHTRAIN_BAD_INPUT(key, " = '", name, "' is not an optimizer; use sgd or adamw");
+}
+
+Optimizer::Optimizer(const OptimizerSettings& settings, const std::vector<ShardedTensor>& params)
+    : settings_(settings) {
+  slot_names_ = settings.kind == OptimizerKind::sgd ? std::vector<std::string>{"momentum"}
+                                                    : std::vector<std::string>{"m", "v"};
+  for (const auto& slot_name : slot_names_) {
+    std::vector<ShardedTensor> state;
+    state.reserve(params.size());
+    for (const auto& p : params) {
+      ShardedTensor s;
+      s.name = p.name;
+      s.global_shape = p.global_shape;
+      s.spec = p.spec;
+      s.box = p.box;
+      s.local = Vector(slot_name + ":" + p.name, p.local.extent(0));  // zero-filled
+      state.push_back(std::move(s));
+    }
+    slots_.push_back(std::move(state));
+  }
+}
+
+std::vector<ShardedTensor>& Optimizer::slot(const std::string& name) {
+  for (size_t s = 0; s < slot_names_.size(); ++s) {
+    if (slot_names_[s] == name) return slots_[s];
+  }
+  MESHTRAIN_BAD_INPUT("optimizer state slot '", name, "' does not exist for this optimizer");
+}
+
+const std::vector<ShardedTensor>& Optimizer::slot(const std::string& name) const {
+  return const_cast<Optimizer*>(this)->slot(name);
+}
+
+void Optimizer::step(std::vector<ShardedTensor>& params, const std::vector<ShardedTensor>& grads,
+                     float lr) {
+  const size_t n = slots_.front().size();
+  MESHTRAIN_REQUIRE(params.size() == n && grads.size() == n, "optimizer step: got ", params.size(),
+                    " parameters and ", grads.size(), " gradients, expected ", n);
+  const bool first = step_count_ == 0;
+  ++step_count_;
+  const auto& s = settings_;
+  if (s.kind == OptimizerKind::sgd) {
+    for (size_t i = 0; i < n; ++i) {
+      check_same_layout(slots_[0][i], params[i], "parameter");
+      check_same_layout(params[i], grads[i], "gradient");
+      sgd_update(params[i].local, grads[i].local, slots_[0][i].local, lr, s.momentum,
+                 s.weight_decay, first);
+    }
+    return;
+  }
+  const double t = static_cast<double>(step_count_);
+  const float correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(s.beta1), t));
+  const float correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(s.beta2), t));
+  for (size_t i = 0; i < n; ++i) {
+    check_same_layout(slots_[0][i], params[i], "parameter");
+    check_same_layout(params[i], grads[i], "gradient");
+    adamw_update(params[i].local, grads[i].local, slots_[0][i].local, slots_[1][i].local, lr,
+                 s.beta1, s.beta2, s.eps, s.weight_decay, correction1, correction2);
+  }
+}
+
+GradientClipper::GradientClipper(const Mesh& mesh, int rank,
+                                 const std::vector<ShardedTensor>& grads)
+    : buffer_("meshtrain::grad_norm", 2), host_(Kokkos::create_mirror_view(buffer_)) {
+  const std::vector<int> coordinates = mesh.coordinates(rank);
+  for (const auto& g : grads) {
+    const std::vector<std::string> named = g.spec.axes();
+    bool counted = true;
+    for (size_t a = 0; a < mesh.axes().size(); ++a) {
+      bool in_spec = false;
+      for (const auto& name : named) in_spec = in_spec || name == mesh.axes()[a].name;
+      if (!in_spec && coordinates[a] != 0) counted = false;
+    }
+    counted_.push_back(counted);
+  }
+}
+
+double GradientClipper::global_norm(const std::vector<ShardedTensor>& grads, Communicator& world) {
+  MESHTRAIN_REQUIRE(grads.size() == counted_.size(), "gradient clipping: got ", grads.size(),
+                    " gradients, expected ", counted_.size());
+  double local = 0.0;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (counted_[i]) local += sum_of_squares(grads[i].local);
+  }
+  const float hi = static_cast<float>(local);
+  const float lo = static_cast<float>(local - static_cast<double>(hi));
+  auto& host = host_;
+  host(0) = hi;
+  host(1) = lo;
+  Kokkos::deep_copy(buffer_, host);
+  world.all_reduce(VectorView(buffer_.data(), 2), ReduceOp::sum);
+  Kokkos::deep_copy(host, buffer_);
+  const double total = static_cast<double>(host(0)) + static_cast<double>(host(1));
+  return std::sqrt(total > 0.0 ? total : 0.0);
+}
+
+double GradientClipper::clip(std::vector<ShardedTensor>& grads, double max_norm,
+                             Communicator& world) {
+  const double norm = global_norm(grads, world);
+  if (max_norm > 0.0 && norm > max_norm) {
+    const float factor = static_cast<float>(max_norm / (norm + 1e-6));
+    for (auto& g : grads) scale(g.local, factor);
+  }
+  return norm;
+}
+
+}  // namespace meshtrain

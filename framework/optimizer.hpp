@@ -1,0 +1,89 @@
+#pragma once
+// Optimizers over sharded parameters, and global-norm gradient clipping.
+//
+// Each state tensor is a ShardedTensor with exactly its parameter's name, spec and box, so
+// it is stored, checkpointed and resharded like the parameter. All state is allocated at
+// construction; step() allocates nothing.
+//
+//   sgd:   momentum buffer b (slot "momentum"); with weight_decay wd (coupled, L2 as in
+//          torch.optim.SGD): g' = g + wd * p;  b = momentum * b + g' (b = g' on the first
+//          step);  p -= lr * b.  momentum = 0 is plain SGD (the slot still exists).
+//   adamw: slots "m" and "v" (torch.optim.AdamW): p *= 1 - lr * wd;  m = b1 m + (1 - b1) g;
+//          v = b2 v + (1 - b2) g^2;  p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+// The step counter t (after step() it is the number of steps taken) is checkpointed too.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "framework/communicator.hpp"
+#include "framework/sharded_tensor.hpp"
+#include "partition/mesh.hpp"
+
+namespace meshtrain {
+
+enum class OptimizerKind { sgd, adamw };
+
+struct OptimizerSettings {
+  OptimizerKind kind = OptimizerKind::adamw;
+  float momentum = 0.9f;  // sgd
+  float beta1 = 0.9f;     // adamw
+  float beta2 = 0.999f;   // adamw
+  float eps = 1e-8f;      // adamw
+  float weight_decay = 0.0f;
+};
+
+// "sgd" | "adamw"; throws bad_input naming `key` and the value otherwise.
+OptimizerKind parse_optimizer_kind(const std::string& name,
+                                   const std::string& key = "optimizer.kind");
+
+class Optimizer {
+ public:
+  // Allocates the state slots (zero) shaped like `params` (same names, specs, boxes).
+  Optimizer(const OptimizerSettings& settings, const std::vector<ShardedTensor>& params);
+
+  // One update of every parameter from its gradient (same order as at construction).
+  // Throws a runtime Error if the lists do not match the construction's in size or shape.
+  void step(std::vector<ShardedTensor>& params, const std::vector<ShardedTensor>& grads, float lr);
+
+  const OptimizerSettings& settings() const { return settings_; }
+  // The slot names: {"momentum"} for sgd, {"m", "v"} for adamw.
+  const std::vector<std::string>& slot_names() const { return slot_names_; }
+  // The state tensors of a slot, one per parameter in construction order (checkpoints read
+  // and overwrite them in place). Throws bad_input for an unknown slot name.
+  std::vector<ShardedTensor>& slot(const std::string& name);
+  const std::vector<ShardedTensor>& slot(const std::string& name) const;
+
+  int64_t step_count() const { return step_count_; }
+  void set_step_count(int64_t steps) { step_count_ = steps; }  // when loading a checkpoint
+
+ private:
+  OptimizerSettings settings_;
+  std::vector<std::string> slot_names_;
+  std::vector<std::vector<ShardedTensor>> slots_;  // [slot][parameter]
+  int64_t step_count_ = 0;
+};
+
+// Global-norm gradient clipping (torch.nn.utils.clip_grad_norm_). The norm counts every
+// global element once: a rank adds the squares of a gradient's block only if it is the
+// replica with coordinate 0 on every mesh axis the gradient's spec does not name, so a
+// block replicated over some axes is counted once. Then ONE all-reduce over the world
+// (the sum travels as two floats, hi + lo, so it keeps about double precision).
+class GradientClipper {
+ public:
+  // `grads` fixes which blocks this rank counts; mesh and rank are this run's.
+  GradientClipper(const Mesh& mesh, int rank, const std::vector<ShardedTensor>& grads);
+
+  // The global L2 norm of all gradients. `world` is the communicator of all ranks.
+  double global_norm(const std::vector<ShardedTensor>& grads, Communicator& world);
+  // Computes the global norm and, when it exceeds max_norm > 0, scales every gradient by
+  // max_norm / (norm + 1e-6). Returns the norm before clipping.
+  double clip(std::vector<ShardedTensor>& grads, double max_norm, Communicator& world);
+
+ private:
+  std::vector<bool> counted_;  // per gradient: does this rank hold the counted replica
+  Kokkos::View<float*, Kokkos::LayoutRight> buffer_;  // 2 floats: hi, lo
+  Kokkos::View<float*, Kokkos::LayoutRight>::HostMirror host_;
+};
+
+}  // namespace meshtrain

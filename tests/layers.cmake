@@ -1,0 +1,3 @@
+# layers/ and the model-side framework pieces (init, optimizers): unit and multi-rank tests.
+meshtrain_add_test(NAME layers_init_test SOURCES layers/init_test.cpp
+                   LIBS meshtrain_framework NP 1 2 4 TIMEOUT 120)
