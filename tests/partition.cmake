@@ -4,3 +4,7 @@ meshtrain_add_test(NAME partition_test
                            partition/planner_test.cpp partition/logical_axes_test.cpp
                            partition/sharding_picture_test.cpp
                    LIBS meshtrain_partition)
+# `meshtrain plan` output (apps/plan.cpp compiled in: apps/ is an executable, not a library).
+meshtrain_add_test(NAME plan_print_test
+                   SOURCES partition/plan_print_test.cpp ${PROJECT_SOURCE_DIR}/apps/plan.cpp
+                   LIBS meshtrain_framework)

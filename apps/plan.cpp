@@ -1,0 +1,172 @@
+#include "apps/plan.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+#include "framework/config.hpp"
+#include "partition/sharding_picture.hpp"
+
+namespace meshtrain {
+
+namespace {
+
+// Meshes up to this many ranks get a picture per parameter in the text output.
+constexpr int kMaxPictureRanks = 16;
+constexpr int kPictureWidth = 80;
+
+std::string joined_notes(const std::vector<std::string>& notes) {
+  std::string out;
+  for (const auto& note : notes) out += (out.empty() ? "" : "; ") + note;
+  return out;
+}
+
+nlohmann::ordered_json spec_json(const PartitionSpec& spec) {
+  nlohmann::ordered_json entries = nlohmann::ordered_json::array();
+  for (const auto& entry : spec.entries) {
+    if (entry.is_none()) {
+      entries.push_back(nullptr);
+    } else if (entry.axes.size() == 1) {
+      entries.push_back(entry.axes[0]);
+    } else {
+      entries.push_back(entry.axes);
+    }
+  }
+  return entries;
+}
+
+// Left-aligned columns separated by two spaces; the last column is not padded.
+void write_table(const std::vector<std::vector<std::string>>& rows, std::ostream& out) {
+  std::vector<size_t> widths;
+  for (const auto& row : rows) {
+    widths.resize(std::max(widths.size(), row.size()), 0);
+    for (size_t c = 0; c < row.size(); ++c) widths[c] = std::max(widths[c], row[c].size());
+  }
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t c = 0; c < row.size(); ++c) {
+      line += row[c];
+      if (c + 1 < row.size()) line += std::string(widths[c] - row[c].size() + 2, ' ');
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    out << line << "\n";
+  }
+}
+
+}  // namespace
+
+void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>& rules,
+                     const PlanOptions& options, const std::string& source, std::ostream& out) {
+  const Mesh& mesh = plan.mesh;
+  out << "plan of " << (source.empty() ? "(config)" : source) << " for " << mesh.world_size()
+      << (mesh.world_size() == 1 ? " rank" : " ranks") << "\n";
+  out << "mesh: " << mesh.short_description() << "  [" << mesh.describe() << "]\n";
+  out << "options: min_sharding_size " << options.min_sharding_size << ", "
+      << options.bytes_per_element << " bytes per element, " << options.optimizer_slots
+      << " optimizer slot" << (options.optimizer_slots == 1 ? "" : "s") << " per parameter\n";
+  out << "rules:\n";
+  for (size_t i = 0; i < rules.size(); ++i) {
+    out << "  " << describe_rule(rules, static_cast<int>(i))
+        << (rules[i].replicate_if_indivisible && !rules[i].spec.is_replicated()
+                ? "  (preset: dims that do not divide are replicated)"
+                : "")
+        << "\n";
+  }
+  out << "\n";
+
+  std::vector<std::vector<std::string>> rows = {
+      {"parameter", "shape", "rule", "spec", "local shape", "bytes/rank", "replicas", "notes"}};
+  for (const auto& p : plan.parameters) {
+    rows.push_back({p.name, format_shape(p.shape), p.rule < 0 ? "-" : std::to_string(p.rule),
+                    p.spec.to_string(), format_shape(p.local_shape), format_bytes(p.bytes_per_rank),
+                    std::to_string(p.replicas), joined_notes(p.notes)});
+  }
+  write_table(rows, out);
+
+  const PlanTotals& t = plan.totals;
+  const int64_t per_rank = t.parameter_bytes + t.gradient_bytes + t.optimizer_bytes;
+  out << "\nper rank:\n";
+  write_table({{"  parameters", format_bytes(t.parameter_bytes)},
+               {"  gradients", format_bytes(t.gradient_bytes)},
+               {"  optimizer state", format_bytes(t.optimizer_bytes)},
+               {"  total", format_bytes(per_rank)},
+               {"unsharded model", format_bytes(t.global_parameter_bytes)}},
+              out);
+
+  if (!plan.unused_rules.empty()) {
+    out << "\nunused rules (gave the spec of no parameter):\n";
+    for (int i : plan.unused_rules) out << "  " << describe_rule(rules, i) << "\n";
+  }
+
+  if (mesh.world_size() <= kMaxPictureRanks) {
+    bool first = true;
+    for (const auto& p : plan.parameters) {
+      const std::string picture =
+          sharding_picture(p.shape, p.spec, mesh, kMaxPictureRanks, kPictureWidth);
+      if (picture.empty()) continue;
+      if (first) out << "\nranks holding each block:\n";
+      first = false;
+      out << "\n"
+          << p.name << " " << format_shape(p.shape) << " " << p.spec.to_string() << "\n"
+          << picture;
+    }
+  } else {
+    out << "\n(no sharding pictures for meshes of more than " << kMaxPictureRanks << " ranks)\n";
+  }
+}
+
+nlohmann::ordered_json plan_to_json(const ShardingPlan& plan,
+                                    const std::vector<PartitionRule>& rules,
+                                    const PlanOptions& options, const std::string& source) {
+  using json = nlohmann::ordered_json;
+  json doc;
+  doc["config"] = source;
+  json axes = json::object();
+  for (const auto& axis : plan.mesh.axes()) axes[axis.name] = axis.size;
+  doc["mesh"] = {{"world_size", plan.mesh.world_size()}, {"axes", axes}};
+  doc["options"] = {{"min_sharding_size", options.min_sharding_size},
+                    {"bytes_per_element", options.bytes_per_element},
+                    {"optimizer_slots", options.optimizer_slots}};
+  json rule_list = json::array();
+  for (size_t i = 0; i < rules.size(); ++i) {
+    rule_list.push_back({{"index", i},
+                         {"pattern", rules[i].pattern},
+                         {"spec", spec_json(rules[i].spec)},
+                         {"replicate_if_indivisible", rules[i].replicate_if_indivisible}});
+  }
+  doc["rules"] = rule_list;
+  json parameters = json::array();
+  for (const auto& p : plan.parameters) {
+    parameters.push_back({{"name", p.name},
+                          {"shape", p.shape},
+                          {"rule", p.rule},
+                          {"spec", spec_json(p.spec)},
+                          {"local_shape", p.local_shape},
+                          {"bytes_per_rank", p.bytes_per_rank},
+                          {"replicas", p.replicas},
+                          {"notes", p.notes}});
+  }
+  doc["parameters"] = parameters;
+  const PlanTotals& t = plan.totals;
+  doc["totals"] = {{"parameter_bytes", t.parameter_bytes},
+                   {"gradient_bytes", t.gradient_bytes},
+                   {"optimizer_bytes", t.optimizer_bytes},
+                   {"bytes_per_rank", t.parameter_bytes + t.gradient_bytes + t.optimizer_bytes},
+                   {"global_parameter_bytes", t.global_parameter_bytes}};
+  doc["unused_rules"] = plan.unused_rules;
+  return doc;
+}
+
+void print_plan(const RunConfig& config, int world_size, bool json, std::ostream& out) {
+  const Mesh mesh = config.mesh.resolve(world_size);
+  const std::vector<PartitionRule> rules = partition_rules(config);
+  const PlanOptions options = plan_options(config);
+  const ShardingPlan plan =
+      make_plan(mlp_parameter_shapes(config.model.sizes), mesh, rules, options);
+  if (json) {
+    out << plan_to_json(plan, rules, options, config.file).dump(2) << "\n";
+  } else {
+    write_plan_text(plan, rules, options, config.file, out);
+  }
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,35 @@
+#pragma once
+// `meshtrain plan`: how each parameter of a run is sharded over the mesh and how many bytes
+// every rank holds. Pure planning (no MPI), so it answers for any world size.
+
+#include <nlohmann/json.hpp>
+
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "partition/planner.hpp"
+#include "partition/rules.hpp"
+
+namespace meshtrain {
+
+struct RunConfig;
+
+// Prints the plan of `config` for `world_size` ranks: header, table, totals, unused rules and
+// sharding pictures (meshes of up to 16 ranks), or with `json` one JSON document. Throws
+// meshtrain::Error on bad input.
+void print_plan(const RunConfig& config, int world_size, bool json, std::ostream& out);
+
+// The text form of `plan`; `source` names the config file in the header.
+void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>& rules,
+                     const PlanOptions& options, const std::string& source, std::ostream& out);
+
+// The JSON form: {"config", "mesh": {"world_size", "axes": {name: size, ...} in mesh order},
+// "options", "rules", "parameters": [{"name", "shape", "rule", "spec", "local_shape",
+// "bytes_per_rank", "replicas", "notes"}], "totals", "unused_rules"}. A spec entry is null,
+// an axis name, or a list of axis names.
+nlohmann::ordered_json plan_to_json(const ShardingPlan& plan,
+                                    const std::vector<PartitionRule>& rules,
+                                    const PlanOptions& options, const std::string& source);
+
+}  // namespace meshtrain
