@@ -1,0 +1,524 @@
+#include "framework/collective_matmul.hpp"
+
+#include <KokkosBlas3_gemm.hpp>
+#include <array>
+#include <utility>
+
+namespace meshtrain {
+
+namespace {
+
+using Range = std::pair<std::size_t, std::size_t>;  // [first, second)
+
+std::size_t length(const Range& r) {
+  return r.second - r.first;
+}
+
+// Rows (dim 0) and columns (dim 1) of op(X).
+std::size_t op_rows(const GemmOperand& x) {
+  return x.matrix.extent(x.transpose ? 1 : 0);
+}
+std::size_t op_cols(const GemmOperand& x) {
+  return x.matrix.extent(x.transpose ? 0 : 1);
+}
+
+// op(X)[rows, :] and op(X)[:, cols] as the stored sub-block of X (no copy).
+GemmOperand op_row_block(const GemmOperand& x, const Range& rows) {
+  if (x.transpose) return {Kokkos::subview(x.matrix, Kokkos::ALL, rows), true};
+  return {Kokkos::subview(x.matrix, rows, Kokkos::ALL), false};
+}
+GemmOperand op_col_block(const GemmOperand& x, const Range& cols) {
+  if (x.transpose) return {Kokkos::subview(x.matrix, cols, Kokkos::ALL), true};
+  return {Kokkos::subview(x.matrix, Kokkos::ALL, cols), false};
+}
+
+void add_into(float* target, const float* source, std::size_t count) {
+  const VectorView t(target, count);
+  const ConstVectorView s(source, count);
+  Kokkos::parallel_for(
+      "meshtrain::collective_matmul_accumulate", count,
+      KOKKOS_LAMBDA(const std::size_t k) { t(k) += s(k); });
+}
+
+void require_contiguous_block(const ConstMatrixView& m, const char* op, const char* which) {
+  if (!m.span_is_contiguous()) {
+    MESHTRAIN_BAD_INPUT(op, ": the ", which, " block must be contiguous (not a column block)");
+  }
+}
+
+std::size_t block_floats(std::size_t rows, std::size_t cols) {
+  return rows * cols;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ names
+
+CollectiveMatmulAlgorithm parse_collective_matmul_algorithm(const std::string& text) {
+  if (text == "naive") return CollectiveMatmulAlgorithm::naive;
+  if (text == "ring") return CollectiveMatmulAlgorithm::ring;
+  if (text == "bidirectional") return CollectiveMatmulAlgorithm::bidirectional;
+  if (text == "auto") return CollectiveMatmulAlgorithm::automatic;
+  MESHTRAIN_BAD_INPUT("collective matmul algorithm '", text,
+                      "' is not one of naive, ring, bidirectional, auto");
+}
+
+const char* to_string(CollectiveMatmulAlgorithm algorithm) {
+  switch (algorithm) {
+    case CollectiveMatmulAlgorithm::naive:
+      return "naive";
+    case CollectiveMatmulAlgorithm::ring:
+      return "ring";
+    case CollectiveMatmulAlgorithm::bidirectional:
+      return "bidirectional";
+    case CollectiveMatmulAlgorithm::automatic:
+      return "auto";
+  }
+  return "?";
+}
+
+CollectiveMatmulAlgorithm resolve_collective_matmul_algorithm(CollectiveMatmulAlgorithm algorithm,
+                                                              int ranks, std::size_t block_bytes) {
+  if (algorithm != CollectiveMatmulAlgorithm::automatic) return algorithm;
+  constexpr std::size_t kLatencyBoundBytes = std::size_t{1} << 20;
+  if (ranks <= 1 || block_bytes < kLatencyBoundBytes) return CollectiveMatmulAlgorithm::naive;
+  return ranks == 2 ? CollectiveMatmulAlgorithm::ring : CollectiveMatmulAlgorithm::bidirectional;
+}
+
+// -------------------------------------------------------------------------- workspace
+
+void CollectiveMatmulWorkspace::reserve(std::size_t bytes) {
+  const std::size_t floats = (bytes + sizeof(float) - 1) / sizeof(float);
+  if (buffer_.extent(0) >= floats) return;
+  buffer_ = Kokkos::View<float*, Kokkos::LayoutRight>(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshtrain::collective_matmul_workspace"),
+      floats);
+}
+
+float* CollectiveMatmulWorkspace::acquire(std::size_t floats) {
+  reserve(floats * sizeof(float));
+  last_call_bytes_ = floats * sizeof(float);
+  return buffer_.data();
+}
+
+// ------------------------------------------------------------------------------- gemm
+
+void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c) {
+  const std::size_t m = op_rows(a), k = op_cols(a), n = op_cols(b);
+  if (op_rows(b) != k || c.extent(0) != m || c.extent(1) != n) {
+    MESHTRAIN_BAD_INPUT("gemm: op(A) is [", m, ", ", k, "], op(B) is [", op_rows(b), ", ", n,
+                        "] and C is [", c.extent(0), ", ", c.extent(1),
+                        "]; expected op(A) [M, K] @ op(B) [K, N] = C [M, N]");
+  }
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    if (beta == 0.0f) {
+      Kokkos::deep_copy(c, 0.0f);
+    } else if (beta != 1.0f) {
+      Kokkos::parallel_for(
+          "meshtrain::gemm_scale",
+          Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+              {0, 0}, {static_cast<int64_t>(m), static_cast<int64_t>(n)}),
+          KOKKOS_LAMBDA(const int64_t r, const int64_t col) { c(r, col) *= beta; });
+    }
+    return;
+  }
+  // The BLAS call takes int extents and leading dimensions.
+  checked_int(m, "gemm M");
+  checked_int(n, "gemm N");
+  checked_int(k, "gemm K");
+  checked_int(a.matrix.stride(0), "gemm leading dimension of A");
+  checked_int(b.matrix.stride(0), "gemm leading dimension of B");
+  checked_int(c.stride(0), "gemm leading dimension of C");
+  KokkosBlas::gemm(a.transpose ? "T" : "N", b.transpose ? "T" : "N", 1.0f, a.matrix, b.matrix, beta,
+                   c);
+}
+
+// -------------------------------------------------------------- all-gather matmul
+
+namespace {
+
+// The geometry of one all_gather_matmul call.
+struct GatherPlan {
+  const char* op = "all_gather_matmul";
+  GatherSide side = GatherSide::right;
+  int gather_dim = 0;
+  int n = 1;
+  int i = 0;
+  GemmOperand gathered;  // this rank's block
+  GemmOperand other;
+  std::size_t block_rows = 0, block_cols = 0;  // stored block extents
+  std::size_t k = 0;                           // contraction length of the full product
+  MatrixView c;
+
+  // GEMM of one piece of the full gathered operand: stored rows [row0, row0+rows) and
+  // cols [col0, col0+cols) of it, held contiguously in `piece`. beta 0 when the piece
+  // spans all of K (pieces then write disjoint parts of C), 1 otherwise (C zeroed first).
+  void multiply_piece(const float* piece, std::size_t row0, std::size_t rows, std::size_t col0,
+                      std::size_t cols) const {
+    if (rows == 0 || cols == 0) return;
+    const GemmOperand p{ConstMatrixView(piece, rows, cols), gathered.transpose};
+    const Range stored_rows{row0, row0 + rows}, stored_cols{col0, col0 + cols};
+    // op(piece) covers op rows/cols of the full operand:
+    const Range op_r = gathered.transpose ? stored_cols : stored_rows;
+    const Range op_c = gathered.transpose ? stored_rows : stored_cols;
+    if (side == GatherSide::left) {  // op_r in M, op_c in K
+      const float beta = length(op_c) == k ? 0.0f : 1.0f;
+      gemm(p, op_row_block(other, op_c), beta, Kokkos::subview(c, op_r, Kokkos::ALL));
+    } else {  // op_r in K, op_c in N
+      const float beta = length(op_r) == k ? 0.0f : 1.0f;
+      gemm(op_col_block(other, op_r), p, beta, Kokkos::subview(c, Kokkos::ALL, op_c));
+    }
+  }
+
+  // Piece `rows` [sub0, sub0+rows) of block j.
+  void multiply_block_rows(const float* piece, int j, std::size_t sub0, std::size_t rows) const {
+    const std::size_t jj = static_cast<std::size_t>(j);
+    if (gather_dim == 0) {
+      multiply_piece(piece, jj * block_rows + sub0, rows, 0, block_cols);
+    } else {
+      multiply_piece(piece, sub0, rows, jj * block_cols, block_cols);
+    }
+  }
+
+  // Whether pieces split K (then C accumulates and is zeroed first). Blocks split the
+  // stored gather_dim; bidirectional halves split stored dim 0.
+  bool splits_k(int stored_dim) const {
+    const int op_dim = gathered.transpose ? 1 - stored_dim : stored_dim;
+    return side == GatherSide::left ? op_dim == 1 : op_dim == 0;
+  }
+};
+
+GatherPlan plan_gather(Communicator& comm, GatherSide side, int gather_dim, GemmOperand a,
+                       GemmOperand b, MatrixView c) {
+  GatherPlan plan;
+  const char* op = plan.op;
+  if (gather_dim != 0 && gather_dim != 1) {
+    MESHTRAIN_BAD_INPUT(op, ": gather_dim must be 0 or 1, got ", gather_dim);
+  }
+  plan.side = side;
+  plan.gather_dim = gather_dim;
+  plan.n = comm.size();
+  plan.i = comm.rank();
+  plan.gathered = side == GatherSide::left ? a : b;
+  plan.other = side == GatherSide::left ? b : a;
+  plan.block_rows = plan.gathered.matrix.extent(0);
+  plan.block_cols = plan.gathered.matrix.extent(1);
+  plan.c = c;
+  const std::size_t n = static_cast<std::size_t>(plan.n);
+  const std::size_t full_rows = gather_dim == 0 ? n * plan.block_rows : plan.block_rows;
+  const std::size_t full_cols = gather_dim == 1 ? n * plan.block_cols : plan.block_cols;
+  const std::size_t g_op_rows = plan.gathered.transpose ? full_cols : full_rows;
+  const std::size_t g_op_cols = plan.gathered.transpose ? full_rows : full_cols;
+  const std::size_t m = side == GatherSide::left ? g_op_rows : op_rows(a);
+  const std::size_t k_left = side == GatherSide::left ? g_op_cols : op_cols(a);
+  const std::size_t k_right = side == GatherSide::right ? g_op_rows : op_rows(b);
+  const std::size_t cols = side == GatherSide::right ? g_op_cols : op_cols(b);
+  const char* gathered_name = side == GatherSide::left ? "lhs" : "rhs";
+  const char* other_name = side == GatherSide::left ? "rhs" : "lhs";
+  if (k_left != k_right) {
+    // The other operand's K must be n blocks of the gathered one.
+    const std::size_t other_k = side == GatherSide::left ? k_right : k_left;
+    const std::size_t gathered_k = side == GatherSide::left ? k_left : k_right;
+    if (other_k % n != 0) {
+      MESHTRAIN_BAD_INPUT(op, " on ", comm.description(), ": K = ", other_k, " of the ", other_name,
+                          " is not divisible by the ", n, " ranks");
+    }
+    MESHTRAIN_BAD_INPUT(op, " on ", comm.description(), ": K = ", other_k, " of the ", other_name,
+                        " does not match K = ", gathered_k, " of the gathered ", gathered_name,
+                        " (", n, " ranks x its block)");
+  }
+  if (c.extent(0) != m || c.extent(1) != cols) {
+    // Which output dim the gathered dim lands on (if it is not K).
+    const int gathered_op_dim = plan.gathered.transpose ? 1 - gather_dim : gather_dim;
+    const bool c_dim0_gathered = side == GatherSide::left && gathered_op_dim == 0;
+    const bool c_dim1_gathered = side == GatherSide::right && gathered_op_dim == 1;
+    if (c_dim0_gathered && c.extent(0) % n != 0) {
+      MESHTRAIN_BAD_INPUT(op, " on ", comm.description(), ": output dim 0 (M = ", c.extent(0),
+                          ") is not divisible by the ", n, " ranks");
+    }
+    if (c_dim1_gathered && c.extent(1) % n != 0) {
+      MESHTRAIN_BAD_INPUT(op, " on ", comm.description(), ": output dim 1 (N = ", c.extent(1),
+                          ") is not divisible by the ", n, " ranks");
+    }
+    MESHTRAIN_BAD_INPUT(op, " on ", comm.description(), ": the output is [", c.extent(0), ", ",
+                        c.extent(1), "], expected [", m, ", ", cols, "]");
+  }
+  plan.k = k_left;
+  require_contiguous_block(plan.gathered.matrix, op, "gathered");
+  return plan;
+}
+
+void gather_naive(const GatherPlan& plan, Communicator& comm, CollectiveMatmulWorkspace& ws) {
+  const std::size_t block = block_floats(plan.block_rows, plan.block_cols);
+  const std::size_t n = static_cast<std::size_t>(plan.n);
+  float* full = ws.acquire(n * block);
+  comm.all_gather(ConstVectorView(plan.gathered.matrix.data(), block), VectorView(full, n * block));
+  if (plan.gather_dim == 0) {
+    plan.multiply_piece(full, 0, n * plan.block_rows, 0, plan.block_cols);
+    return;
+  }
+  if (plan.splits_k(1)) Kokkos::deep_copy(plan.c, 0.0f);
+  for (int j = 0; j < plan.n; ++j)
+    plan.multiply_block_rows(full + j * block, j, 0, plan.block_rows);
+}
+
+void gather_ring(const GatherPlan& plan, Communicator& comm, CollectiveMatmulWorkspace& ws) {
+  const std::size_t block = block_floats(plan.block_rows, plan.block_cols);
+  float* buffers = ws.acquire(2 * block);
+  if (plan.splits_k(plan.gather_dim)) Kokkos::deep_copy(plan.c, 0.0f);
+  const float* in_hand = plan.gathered.matrix.data();
+  for (int s = 0; s < plan.n; ++s) {
+    float* next = buffers + (s % 2) * block;
+    Request moving;
+    if (s + 1 < plan.n) {
+      moving = comm.shift(ConstVectorView(in_hand, block), VectorView(next, block), +1);
+    }
+    const int source = ((plan.i - s) % plan.n + plan.n) % plan.n;
+    plan.multiply_block_rows(in_hand, source, 0, plan.block_rows);
+    moving.wait();
+    in_hand = next;
+  }
+}
+
+void gather_bidirectional(const GatherPlan& plan, Communicator& comm,
+                          CollectiveMatmulWorkspace& ws) {
+  const std::size_t lo_rows = plan.block_rows / 2, hi_rows = plan.block_rows - lo_rows;
+  const std::size_t lo = lo_rows * plan.block_cols, hi = hi_rows * plan.block_cols;
+  float* buffers = ws.acquire(2 * (lo + hi));
+  float* lo_buf[2] = {buffers, buffers + lo};
+  float* hi_buf[2] = {buffers + 2 * lo, buffers + 2 * lo + hi};
+  if (plan.splits_k(plan.gather_dim) || plan.splits_k(0)) Kokkos::deep_copy(plan.c, 0.0f);
+  const float* lo_in = plan.gathered.matrix.data();  // stored rows [0, lo_rows) of the block
+  const float* hi_in = lo_in + lo;                   // stored rows [lo_rows, block_rows)
+  for (int s = 0; s < plan.n; ++s) {
+    Request lo_moving, hi_moving;
+    if (s + 1 < plan.n) {  // every rank starts lo (up) before hi (down)
+      lo_moving = comm.shift(ConstVectorView(lo_in, lo), VectorView(lo_buf[s % 2], lo), +1);
+      hi_moving = comm.shift(ConstVectorView(hi_in, hi), VectorView(hi_buf[s % 2], hi), -1);
+    }
+    const int lo_source = ((plan.i - s) % plan.n + plan.n) % plan.n;
+    const int hi_source = (plan.i + s) % plan.n;
+    plan.multiply_block_rows(lo_in, lo_source, 0, lo_rows);
+    plan.multiply_block_rows(hi_in, hi_source, lo_rows, hi_rows);
+    lo_moving.wait();
+    hi_moving.wait();
+    lo_in = lo_buf[s % 2];
+    hi_in = hi_buf[s % 2];
+  }
+}
+
+}  // namespace
+
+void all_gather_matmul(Communicator& comm, GatherSide side, int gather_dim, GemmOperand a,
+                       GemmOperand b, MatrixView c, CollectiveMatmulAlgorithm algorithm,
+                       CollectiveMatmulWorkspace& workspace) {
+  const GatherPlan plan = plan_gather(comm, side, gather_dim, a, b, c);
+  const std::size_t block_bytes = plan.block_rows * plan.block_cols * sizeof(float);
+  switch (resolve_collective_matmul_algorithm(algorithm, plan.n, block_bytes)) {
+    case CollectiveMatmulAlgorithm::ring:
+      gather_ring(plan, comm, workspace);
+      break;
+    case CollectiveMatmulAlgorithm::bidirectional:
+      gather_bidirectional(plan, comm, workspace);
+      break;
+    default:
+      gather_naive(plan, comm, workspace);
+      break;
+  }
+  Kokkos::fence();
+}
+
+// ----------------------------------------------------------- matmul reduce-scatter
+
+namespace {
+
+struct ScatterPlan {
+  int scatter_dim = 0;
+  int n = 1;
+  int i = 0;
+  GemmOperand a, b;
+  std::size_t m = 0, cols = 0;                 // the full product is [m, cols]
+  std::size_t block_rows = 0, block_cols = 0;  // C's extents
+
+  // op(A)[rows] @ op(B)[:, cols] of block t's stored rows [sub0, sub0+rows) into `out`.
+  void compute(int t, std::size_t sub0, std::size_t rows, float* out) const {
+    if (rows == 0 || block_cols == 0) return;
+    const std::size_t tt = static_cast<std::size_t>(t);
+    Range r{sub0, sub0 + rows}, col_range{0, cols};
+    if (scatter_dim == 0) {
+      r = Range{tt * block_rows + sub0, tt * block_rows + sub0 + rows};
+    } else {
+      col_range = Range{tt * block_cols, (tt + 1) * block_cols};
+    }
+    gemm(op_row_block(a, r), op_col_block(b, col_range), 0.0f, MatrixView(out, rows, block_cols));
+  }
+};
+
+ScatterPlan plan_scatter(Communicator& comm, int scatter_dim, GemmOperand a, GemmOperand b,
+                         MatrixView c) {
+  const char* op = "matmul_reduce_scatter";
+  if (scatter_dim != 0 && scatter_dim != 1) {
+    MESHTRAIN_BAD_INPUT(op, ": scatter_dim must be 0 or 1, got ", scatter_dim);
+  }
+  ScatterPlan plan;
+  plan.scatter_dim = scatter_dim;
+  plan.n = comm.size();
+  plan.i = comm.rank();
+  plan.a = a;
+  plan.b = b;
+  plan.m = op_rows(a);
+  plan.cols = op_cols(b);
+  if (op_cols(a) != op_rows(b)) {
+    MESHTRAIN_BAD_INPUT(op, " on ", comm.description(), ": K = ", op_cols(a), " of the lhs ",
+                        "does not match K = ", op_rows(b), " of the rhs");
+  }
+  const std::size_t n = static_cast<std::size_t>(plan.n);
+  const std::size_t scattered = scatter_dim == 0 ? plan.m : plan.cols;
+  if (scattered % n != 0) {
+    MESHTRAIN_BAD_INPUT(op, " on ", comm.description(), ": the scattered dimension ", scatter_dim,
+                        " (", scatter_dim == 0 ? "M" : "N", " = ", scattered,
+                        ") is not divisible by the ", n, " ranks");
+  }
+  plan.block_rows = scatter_dim == 0 ? plan.m / n : plan.m;
+  plan.block_cols = scatter_dim == 1 ? plan.cols / n : plan.cols;
+  if (c.extent(0) != plan.block_rows || c.extent(1) != plan.block_cols) {
+    MESHTRAIN_BAD_INPUT(op, " on ", comm.description(), ": the output is [", c.extent(0), ", ",
+                        c.extent(1), "], expected [", plan.block_rows, ", ", plan.block_cols,
+                        "] (the product [", plan.m, ", ", plan.cols, "] scattered along dim ",
+                        scatter_dim, " over ", n, " ranks)");
+  }
+  return plan;
+}
+
+void scatter_naive(const ScatterPlan& plan, Communicator& comm, MatrixView c,
+                   CollectiveMatmulWorkspace& ws) {
+  const std::size_t block = plan.block_rows * plan.block_cols;
+  const std::size_t n = static_cast<std::size_t>(plan.n);
+  const bool c_contiguous = c.span_is_contiguous();
+  float* product = ws.acquire((n + (c_contiguous ? 0 : 1)) * block);
+  if (plan.scatter_dim == 0) {
+    gemm(plan.a, plan.b, 0.0f, MatrixView(product, plan.m, plan.cols));
+  } else {  // the product as n stacked column blocks: block t at product + t * block
+    for (int t = 0; t < plan.n; ++t) plan.compute(t, 0, plan.block_rows, product + t * block);
+  }
+  float* result = c_contiguous ? c.data() : product + n * block;
+  comm.reduce_scatter(ConstVectorView(product, n * block), VectorView(result, block));
+  if (!c_contiguous) {
+    Kokkos::deep_copy(c, ConstMatrixView(result, plan.block_rows, plan.block_cols));
+  }
+}
+
+// One travelling stream of partial sums (a whole block for ring, a half for bidirectional):
+// rows [sub0, sub0+rows) of each block, moving by `offset` each step, starting at block
+// first_block and visiting first_block + step * direction... and ending at this rank.
+struct PartialStream {
+  std::size_t sub0 = 0, rows = 0, floats = 0;
+  int offset = 0;                 // +1 or -1
+  std::array<float*, 3> buffers;  // rotation: step s computes into buffers[s % 3]
+  Request moving;
+  float* acc = nullptr;
+
+  // Block whose partial sum this rank adds at step s. What rank i holds at step s reaches
+  // rank i + offset at step s + 1 and must end, at step n-1, on its own block's rank:
+  // block (i + offset * (n - 1 - s)) mod n (offset -1: i + s + 1, as in the notebook).
+  int block_at(int s, int i, int n) const {
+    const int t = (i + offset * (n - 1 - s)) % n;
+    return t < 0 ? t + n : t;
+  }
+};
+
+void scatter_streams(const ScatterPlan& plan, Communicator& comm, MatrixView c,
+                     CollectiveMatmulWorkspace& ws, PartialStream* streams, int count) {
+  const int n = plan.n;
+  const bool c_contiguous = c.span_is_contiguous();
+  std::size_t need = 0;
+  for (int k = 0; k < count; ++k) need += streams[k].floats * (c_contiguous ? 2 : 3);
+  // (3 per stream when C is not contiguous: two rotating buffers and its share of C's copy)
+  float* free_memory = ws.acquire(need);
+  // The streams' final buffers are consecutive rows of C (or of a staging block).
+  float* c_data = c.data();
+  if (!c_contiguous) {
+    c_data = free_memory;
+    free_memory += plan.block_rows * plan.block_cols;
+  }
+  std::size_t c_offset = 0;
+  for (int k = 0; k < count; ++k) {
+    PartialStream& st = streams[k];
+    // The last step computes into buffers[(n-1) % 3]: make that C's rows of this stream.
+    float* final_buffer = c_data + c_offset;
+    c_offset += st.floats;
+    int w = 0;
+    for (int slot = 0; slot < 3; ++slot) {
+      if (slot == (n - 1) % 3) {
+        st.buffers[static_cast<std::size_t>(slot)] = final_buffer;
+      } else {
+        st.buffers[static_cast<std::size_t>(slot)] = free_memory + w * st.floats;
+        ++w;
+      }
+    }
+    free_memory += 2 * st.floats;
+  }
+  for (int s = 0; s < n; ++s) {
+    for (int k = 0; k < count; ++k) {  // start every stream's hop first (same order everywhere)
+      PartialStream& st = streams[k];
+      if (s == 0) continue;
+      float* incoming = st.buffers[static_cast<std::size_t>((s + 1) % 3)];
+      st.moving = comm.shift(ConstVectorView(st.acc, st.floats), VectorView(incoming, st.floats),
+                             st.offset);
+    }
+    for (int k = 0; k < count; ++k) {  // overlap: this rank's contribution to the next block
+      PartialStream& st = streams[k];
+      plan.compute(st.block_at(s, plan.i, n), st.sub0, st.rows,
+                   st.buffers[static_cast<std::size_t>(s % 3)]);
+    }
+    for (int k = 0; k < count; ++k) {
+      PartialStream& st = streams[k];
+      float* mine = st.buffers[static_cast<std::size_t>(s % 3)];
+      if (s > 0) {
+        st.moving.wait();
+        add_into(mine, st.buffers[static_cast<std::size_t>((s + 1) % 3)], st.floats);
+      }
+      st.acc = mine;
+    }
+  }
+  if (!c_contiguous) {
+    Kokkos::fence();
+    Kokkos::deep_copy(c, ConstMatrixView(c_data, plan.block_rows, plan.block_cols));
+  }
+}
+
+}  // namespace
+
+void matmul_reduce_scatter(Communicator& comm, int scatter_dim, GemmOperand a, GemmOperand b,
+                           MatrixView c, CollectiveMatmulAlgorithm algorithm,
+                           CollectiveMatmulWorkspace& workspace) {
+  const ScatterPlan plan = plan_scatter(comm, scatter_dim, a, b, c);
+  const std::size_t block = plan.block_rows * plan.block_cols;
+  const auto chosen = resolve_collective_matmul_algorithm(algorithm, plan.n, block * sizeof(float));
+  if (chosen == CollectiveMatmulAlgorithm::ring) {
+    PartialStream stream;
+    stream.sub0 = 0;
+    stream.rows = plan.block_rows;
+    stream.floats = block;
+    stream.offset = -1;  // partial sums move to rank i-1, as in the notebook
+    scatter_streams(plan, comm, c, workspace, &stream, 1);
+  } else if (chosen == CollectiveMatmulAlgorithm::bidirectional) {
+    PartialStream streams[2];
+    const std::size_t lo_rows = plan.block_rows / 2;
+    streams[0].sub0 = 0;
+    streams[0].rows = lo_rows;
+    streams[0].floats = lo_rows * plan.block_cols;
+    streams[0].offset = +1;
+    streams[1].sub0 = lo_rows;
+    streams[1].rows = plan.block_rows - lo_rows;
+    streams[1].floats = streams[1].rows * plan.block_cols;
+    streams[1].offset = -1;
+    scatter_streams(plan, comm, c, workspace, streams, 2);
+  } else {
+    scatter_naive(plan, comm, c, workspace);
+  }
+  Kokkos::fence();
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,107 @@
+#pragma once
+// Collective matmuls over one communicator (a mesh axis or axis tuple) of size n, this
+// rank i (DESIGN.md section 7; the shard_map notebook's matmul_allgather and
+// matmul_psumscatter, generalized to either side, either dim and transposed operands).
+//
+// Operands are given as stored (LayoutRight, possibly row-strided column blocks) with a
+// transpose flag, as for KokkosBlas::gemm: op(X) = transpose ? Xᵀ : X, op(A) is [M, K],
+// op(B) is [K, N], C is the output.
+//
+// all_gather_matmul(comm, side, gather_dim, A, B, C):
+//   the operand on `side` is this rank's block of a matrix split over comm along its
+//   stored dim `gather_dim` (the tiled all_gather of the blocks, rank order, is the full
+//   operand); C = op(A_full) @ op(B) (side left) or op(A) @ op(B_full) (side right).
+//   Examples (TP Linear, W [in, out] split over tp on dim 0):
+//     out = lhs @ all_gather(rhs_block, dim 0)      side right, gather_dim 0
+//     dX_local = all_gather(dY, dim 1) @ W_localᵀ   side left,  gather_dim 1, B transposed
+//     dW_local = X_localᵀ @ all_gather(dY, dim 1)   side right, gather_dim 1, A transposed
+//   The gathered block must be contiguous.
+//
+// matmul_reduce_scatter(comm, scatter_dim, A, B, C):
+//   C = the tiled reduce_scatter (sum) of op(A) @ op(B) [M, N] along scatter_dim: C is
+//   [M/n, N] (dim 0) or [M, N/n] (dim 1), the block i of the sum over ranks.
+//
+// Algorithms:
+//   naive          one all_gather into the workspace then the GEMM (one call when the
+//                  gathered dim is the stored dim 0; one per block otherwise, which saves
+//                  an unpack copy) / the product in the workspace, then one reduce_scatter.
+//                  Extra memory: n blocks.
+//   ring           n steps; each multiplies the block in hand while the next one moves one
+//                  hop (Communicator::shift, overlapped). For the reduce-scatter the partial
+//                  sums travel and each rank adds its contribution to the passing block.
+//                  Extra memory: 2 blocks.
+//   bidirectional  each block split in two halves (by stored rows) that travel in opposite
+//                  directions (n-1 hops each, half the bytes per hop, both link directions
+//                  busy). Extra memory: 2 blocks.
+//   auto           naive when n == 1 or the travelling block is below 1 MiB (latency bound:
+//                  one collective beats n-1 hops); otherwise ring for n == 2 (both halves
+//                  would go to the same peer) and bidirectional for n > 2.
+// A "block" is the travelling operand: the gathered block, or the [M/n, N] / [M, N/n]
+// output block of the reduce-scatter. ring/bidirectional reduce-scatter use C itself as
+// the third rotating buffer; a non-contiguous C costs one more block.
+//
+// Shapes that do not split over n are bad_input naming the dimension, its size and n.
+// Every rank of comm must call with the same algorithm and shapes.
+
+#include <cstddef>
+#include <string>
+
+#include "framework/communicator.hpp"
+
+namespace meshtrain {
+
+enum class CollectiveMatmulAlgorithm { naive, ring, bidirectional, automatic };
+
+// "naive" | "ring" | "bidirectional" | "auto"; anything else is bad_input listing them.
+CollectiveMatmulAlgorithm parse_collective_matmul_algorithm(const std::string& text);
+const char* to_string(CollectiveMatmulAlgorithm algorithm);
+// What `automatic` becomes for a communicator of `ranks` and a travelling block of
+// `block_bytes` (other algorithms are returned as they are).
+CollectiveMatmulAlgorithm resolve_collective_matmul_algorithm(CollectiveMatmulAlgorithm algorithm,
+                                                              int ranks, std::size_t block_bytes);
+
+// A GEMM operand as stored, and whether the GEMM uses its transpose.
+struct GemmOperand {
+  ConstMatrixView matrix;
+  bool transpose = false;
+};
+inline GemmOperand plain(ConstMatrixView m) {
+  return {m, false};
+}
+inline GemmOperand transposed(ConstMatrixView m) {
+  return {m, true};
+}
+
+enum class GatherSide { left, right };
+
+// Scratch memory of the collective matmuls: one buffer, grown on first use (or by
+// reserve) and reused, so later calls with the same shapes do not allocate. Not shared
+// between concurrent calls.
+class CollectiveMatmulWorkspace {
+ public:
+  void reserve(std::size_t bytes);
+  std::size_t capacity_bytes() const { return buffer_.extent(0) * sizeof(float); }
+  // Extra bytes the last call used (its peak workspace memory).
+  std::size_t last_call_bytes() const { return last_call_bytes_; }
+
+  // For the algorithms: `floats` contiguous floats, valid until the next acquire.
+  float* acquire(std::size_t floats);
+
+ private:
+  Kokkos::View<float*, Kokkos::LayoutRight> buffer_;
+  std::size_t last_call_bytes_ = 0;
+};
+
+void all_gather_matmul(Communicator& comm, GatherSide side, int gather_dim, GemmOperand a,
+                       GemmOperand b, MatrixView c, CollectiveMatmulAlgorithm algorithm,
+                       CollectiveMatmulWorkspace& workspace);
+
+void matmul_reduce_scatter(Communicator& comm, int scatter_dim, GemmOperand a, GemmOperand b,
+                           MatrixView c, CollectiveMatmulAlgorithm algorithm,
+                           CollectiveMatmulWorkspace& workspace);
+
+// C = beta * C + op(A) @ op(B) through KokkosBlas::gemm, for any extents (empty ones
+// included); views may be row-strided. Shapes are checked (bad_input naming them).
+void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c);
+
+}  // namespace meshtrain

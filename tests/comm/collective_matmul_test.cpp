@@ -1,0 +1,297 @@
+// all_gather_matmul and matmul_reduce_scatter, every algorithm, against the product of the
+// full operands computed on one rank (double, reference_gemm): either gathered side and
+// dim, transposed operands, odd blocks (3 rows per rank), non-square shapes, strided
+// outputs, on the world and on sub-communicators of an fsdp x tp mesh whose groups hold
+// different data. Also: workspace peak memory (ring/bidirectional: 2 blocks, not n) and
+// reuse, non-divisible shapes, and KokkosBlas::gemm on LayoutRight (strided) views.
+// Tolerance: |got - want| <= 1e-5 * (1 + max |want|) (see comm_test_util.hpp).
+
+#include "framework/collective_matmul.hpp"
+
+#include <gtest/gtest.h>
+
+#include <array>
+
+#include "comm_test_util.hpp"
+#include "tests/test_support.hpp"
+
+namespace meshtrain::testing {
+namespace {
+
+const std::array<CollectiveMatmulAlgorithm, 4> kAlgorithms = {
+    CollectiveMatmulAlgorithm::naive, CollectiveMatmulAlgorithm::ring,
+    CollectiveMatmulAlgorithm::bidirectional, CollectiveMatmulAlgorithm::automatic};
+
+std::string describe(const Group& g, CollectiveMatmulAlgorithm alg, const std::string& rest) {
+  return std::string(to_string(alg)) + " on " + g.name + " " + rest;
+}
+
+// Stored shape of an operand whose op() is [rows, cols].
+std::pair<std::size_t, std::size_t> stored(std::size_t rows, std::size_t cols, bool t) {
+  return t ? std::make_pair(cols, rows) : std::make_pair(rows, cols);
+}
+
+// One all_gather_matmul case on group g; `strided_c` writes into a column block of a wider
+// matrix.
+void check_all_gather_case(const Group& g, CollectiveMatmulAlgorithm alg, GatherSide side,
+                           int gather_dim, bool ta, bool tb, bool strided_c,
+                           CollectiveMatmulWorkspace& ws) {
+  Communicator& comm = *g.comm;
+  const std::size_t n = static_cast<std::size_t>(comm.size());
+  const std::size_t i = static_cast<std::size_t>(comm.rank());
+  std::size_t m = 5, k = 4, cols = 6;
+  const bool g_trans = side == GatherSide::left ? ta : tb;
+  const int op_dim = g_trans ? 1 - gather_dim : gather_dim;
+  std::size_t& gathered =
+      side == GatherSide::left ? (op_dim == 0 ? m : k) : (op_dim == 0 ? k : cols);
+  gathered = 3 * n;  // blocks of 3
+  const auto [ar, ac] = stored(m, k, ta);
+  const auto [br, bc] = stored(k, cols, tb);
+  // The gathered operand is the same on every rank of the group; the other one is local.
+  const uint64_t full_seed = g.seed * 17 + 1, local_seed = g.seed * 17 + 2 + 100 * i;
+  HostMatrix a_full = make_matrix("a", ar, ac, side == GatherSide::left ? full_seed : local_seed);
+  HostMatrix b_full = make_matrix("b", br, bc, side == GatherSide::right ? full_seed : local_seed);
+  HostMatrix& g_full = side == GatherSide::left ? a_full : b_full;
+  const std::size_t gr = gather_dim == 0 ? g_full.extent(0) / n : g_full.extent(0);
+  const std::size_t gc = gather_dim == 1 ? g_full.extent(1) / n : g_full.extent(1);
+  HostMatrix block =
+      copy_block(g_full, gather_dim == 0 ? i * gr : 0, gr, gather_dim == 1 ? i * gc : 0, gc);
+  std::vector<double> want;
+  reference_gemm(a_full, ta, b_full, tb, want);
+
+  HostMatrix c_store("c", m, cols + (strided_c ? 3 : 0));
+  MatrixView c = Kokkos::subview(
+      c_store, Kokkos::ALL,
+      std::make_pair<std::size_t, std::size_t>(strided_c ? 1 : 0, (strided_c ? 1 : 0) + cols));
+  Kokkos::deep_copy(c_store, 7.0f);  // garbage that must be overwritten
+  const GemmOperand a{side == GatherSide::left ? ConstMatrixView(block) : ConstMatrixView(a_full),
+                      ta};
+  const GemmOperand b{side == GatherSide::right ? ConstMatrixView(block) : ConstMatrixView(b_full),
+                      tb};
+  all_gather_matmul(comm, side, gather_dim, a, b, c, alg, ws);
+  expect_matches(c, want, 0, 0, cols,
+                 describe(g, alg,
+                          std::string("all_gather_matmul side ") +
+                              (side == GatherSide::left ? "left" : "right") + " dim " +
+                              std::to_string(gather_dim) + " ta " + std::to_string(ta) + " tb " +
+                              std::to_string(tb) + (strided_c ? " strided C" : "")));
+  if (strided_c) {
+    for (std::size_t r = 0; r < m; ++r) {
+      ASSERT_EQ(c_store(r, 0), 7.0f) << "wrote outside C";
+      ASSERT_EQ(c_store(r, cols + 1), 7.0f) << "wrote outside C";
+    }
+  }
+}
+
+void check_reduce_scatter_case(const Group& g, CollectiveMatmulAlgorithm alg, int scatter_dim,
+                               bool ta, bool tb, bool strided_c, CollectiveMatmulWorkspace& ws) {
+  Communicator& comm = *g.comm;
+  const std::size_t n = static_cast<std::size_t>(comm.size());
+  const std::size_t i = static_cast<std::size_t>(comm.rank());
+  const std::size_t m = scatter_dim == 0 ? 3 * n : 5, k = 7, cols = scatter_dim == 1 ? 3 * n : 6;
+  const auto [ar, ac] = stored(m, k, ta);
+  const auto [br, bc] = stored(k, cols, tb);
+  auto a_of = [&](std::size_t r) { return make_matrix("a", ar, ac, g.seed * 19 + 1 + 100 * r); };
+  auto b_of = [&](std::size_t r) { return make_matrix("b", br, bc, g.seed * 19 + 2 + 100 * r); };
+  std::vector<double> want;
+  for (std::size_t r = 0; r < n; ++r) reference_gemm(a_of(r), ta, b_of(r), tb, want);
+  const std::size_t c_rows = scatter_dim == 0 ? 3 : m, c_cols = scatter_dim == 1 ? 3 : cols;
+  HostMatrix c_store("c", c_rows, c_cols + (strided_c ? 2 : 0));
+  Kokkos::deep_copy(c_store, 7.0f);
+  MatrixView c = Kokkos::subview(
+      c_store, Kokkos::ALL,
+      std::make_pair<std::size_t, std::size_t>(strided_c ? 1 : 0, (strided_c ? 1 : 0) + c_cols));
+  HostMatrix a_mine = a_of(i), b_mine = b_of(i);
+  matmul_reduce_scatter(comm, scatter_dim, {a_mine, ta}, {b_mine, tb}, c, alg, ws);
+  expect_matches(c, want, scatter_dim == 0 ? i * 3 : 0, scatter_dim == 1 ? i * 3 : 0, cols,
+                 describe(g, alg,
+                          "matmul_reduce_scatter dim " + std::to_string(scatter_dim) + " ta " +
+                              std::to_string(ta) + " tb " + std::to_string(tb) +
+                              (strided_c ? " strided C" : "")));
+  if (strided_c) {
+    for (std::size_t r = 0; r < c_rows; ++r) {
+      ASSERT_EQ(c_store(r, 0), 7.0f) << "wrote outside C";
+      ASSERT_EQ(c_store(r, c_cols + 1), 7.0f) << "wrote outside C";
+    }
+  }
+}
+
+TEST(CollectiveMatmul, AllGatherMatmulMatchesTheFullProduct) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    const bool world = g.comm->size() == world_size();
+    for (CollectiveMatmulAlgorithm alg : kAlgorithms) {
+      CollectiveMatmulWorkspace ws;
+      for (GatherSide side : {GatherSide::left, GatherSide::right})
+        for (int dim = 0; dim < 2; ++dim)
+          for (bool ta : {false, true})
+            for (bool tb : {false, true}) {
+              check_all_gather_case(g, alg, side, dim, ta, tb, false, ws);
+              if (world) check_all_gather_case(g, alg, side, dim, ta, tb, true, ws);
+            }
+    }
+  }
+}
+
+TEST(CollectiveMatmul, MatmulReduceScatterMatchesTheFullProduct) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    const bool world = g.comm->size() == world_size();
+    for (CollectiveMatmulAlgorithm alg : kAlgorithms) {
+      CollectiveMatmulWorkspace ws;
+      for (int dim = 0; dim < 2; ++dim)
+        for (bool ta : {false, true})
+          for (bool tb : {false, true}) {
+            check_reduce_scatter_case(g, alg, dim, ta, tb, false, ws);
+            if (world) check_reduce_scatter_case(g, alg, dim, ta, tb, true, ws);
+          }
+    }
+  }
+}
+
+// The TP layer's three products (DESIGN.md section 6) spelled as the layer will call them.
+TEST(CollectiveMatmul, TensorParallelLinearProducts) {
+  TestGroups tg;
+  const Group& g = tg.groups()[1];  // the tp axis
+  Communicator& tp = *g.comm;
+  const std::size_t n = static_cast<std::size_t>(tp.size()),
+                    i = static_cast<std::size_t>(tp.rank());
+  const std::size_t batch = 4, in = 3 * n, out = 5 * n;
+  HostMatrix x = make_matrix("x", batch, in, g.seed + 1), w = make_matrix("w", in, out, g.seed + 2);
+  HostMatrix dy = make_matrix("dy", batch, out, g.seed + 3);
+  HostMatrix x_local = copy_block(x, 0, batch, i * 3, 3), w_local = copy_block(w, i * 3, 3, 0, out);
+  HostMatrix dy_local = copy_block(dy, 0, batch, i * 5, 5);
+  for (CollectiveMatmulAlgorithm alg : kAlgorithms) {
+    CollectiveMatmulWorkspace ws;
+    // forward: Y_local = reduce_scatter(X_local @ W_local) over output features
+    HostMatrix y_local("y", batch, 5);
+    matmul_reduce_scatter(tp, 1, plain(x_local), plain(w_local), y_local, alg, ws);
+    std::vector<double> y;
+    reference_gemm(x, false, w, false, y);
+    expect_matches(y_local, y, 0, i * 5, out, describe(g, alg, "TP forward"));
+    // dX_local = all_gather(dY, dim 1) @ W_localᵀ
+    HostMatrix dx_local("dx", batch, 3);
+    all_gather_matmul(tp, GatherSide::left, 1, plain(dy_local), transposed(w_local), dx_local, alg,
+                      ws);
+    std::vector<double> dx;
+    reference_gemm(dy, false, w, true, dx);
+    expect_matches(dx_local, dx, 0, i * 3, in, describe(g, alg, "TP dX"));
+    // dW_local = X_localᵀ @ all_gather(dY, dim 1)
+    HostMatrix dw_local("dw", 3, out);
+    all_gather_matmul(tp, GatherSide::right, 1, transposed(x_local), plain(dy_local), dw_local, alg,
+                      ws);
+    std::vector<double> dw;
+    reference_gemm(x, true, dy, false, dw);
+    expect_matches(dw_local, dw, i * 3, 0, out, describe(g, alg, "TP dW"));
+  }
+}
+
+TEST(CollectiveMatmul, RingAndBidirectionalHoldTwoBlocksNotN) {
+  MeshCommunicators comms(Mesh::create({{"dp", -1}}, world_size()));
+  Communicator& comm = comms.get({"dp"});
+  const std::size_t n = static_cast<std::size_t>(comm.size());
+  const std::size_t rows = 6, cols = 10;  // a block; the gathered operand is n blocks
+  const std::size_t block_bytes = rows * cols * sizeof(float);
+  HostMatrix lhs = make_matrix("lhs", 8, rows * n, 1), block = make_matrix("blk", rows, cols, 2);
+  HostMatrix out("out", 8, cols);
+  HostMatrix rs_a = make_matrix("rs_a", rows * n, 5, 3), rs_b = make_matrix("rs_b", 5, cols, 4);
+  HostMatrix rs_out("rs_out", rows, cols);
+  for (CollectiveMatmulAlgorithm alg : kAlgorithms) {
+    CollectiveMatmulWorkspace ws;
+    all_gather_matmul(comm, GatherSide::right, 0, plain(lhs), plain(block), out, alg, ws);
+    const std::size_t ag_bytes = ws.last_call_bytes();
+    matmul_reduce_scatter(comm, 0, plain(rs_a), plain(rs_b), rs_out, alg, ws);
+    const std::size_t rs_bytes = ws.last_call_bytes();
+    const std::size_t capacity = ws.capacity_bytes();
+    const float* buffer = ws.acquire(0);
+    // A second round of the same shapes allocates nothing.
+    all_gather_matmul(comm, GatherSide::right, 0, plain(lhs), plain(block), out, alg, ws);
+    matmul_reduce_scatter(comm, 0, plain(rs_a), plain(rs_b), rs_out, alg, ws);
+    EXPECT_EQ(ws.capacity_bytes(), capacity) << to_string(alg);
+    EXPECT_EQ(ws.acquire(0), buffer) << to_string(alg);
+    const auto chosen = resolve_collective_matmul_algorithm(alg, comm.size(), block_bytes);
+    if (chosen == CollectiveMatmulAlgorithm::naive) {
+      EXPECT_EQ(ag_bytes, n * block_bytes) << "naive holds the gathered operand";
+      EXPECT_EQ(rs_bytes, n * block_bytes) << "naive holds the full product";
+    } else {
+      EXPECT_LE(ag_bytes, 2 * block_bytes) << to_string(alg) << " all_gather_matmul at n " << n;
+      EXPECT_LE(rs_bytes, 2 * block_bytes) << to_string(alg) << " matmul_reduce_scatter at n " << n;
+    }
+  }
+}
+
+TEST(CollectiveMatmul, NonDivisibleShapesAreBadInput) {
+  MeshCommunicators comms(Mesh::create({{"tp", -1}}, world_size()));
+  Communicator& tp = comms.get({"tp"});
+  const std::size_t n = static_cast<std::size_t>(tp.size());
+  if (n < 2) GTEST_SKIP() << "every shape divides one rank";
+  CollectiveMatmulWorkspace ws;
+  const std::string ranks = std::to_string(n) + " ranks";
+  HostMatrix a("a", 3 * n + 1, 4), b("b", 4, 6), c("c", 3, 6);
+  expect_bad_input(
+      [&] {
+        matmul_reduce_scatter(tp, 0, plain(a), plain(b), c, CollectiveMatmulAlgorithm::ring, ws);
+      },
+      {"matmul_reduce_scatter", "axis (tp)", "dimension 0", "M = " + std::to_string(3 * n + 1),
+       ranks});
+  HostMatrix a2("a2", 4, 5), b2("b2", 5, 2 * n + 1), c2("c2", 4, 2);
+  expect_bad_input(
+      [&] {
+        matmul_reduce_scatter(tp, 1, plain(a2), plain(b2), c2, CollectiveMatmulAlgorithm::naive,
+                              ws);
+      },
+      {"dimension 1", "N = " + std::to_string(2 * n + 1), ranks});
+  HostMatrix lhs("lhs", 5, 3 * n + 1), blk("blk", 3, 6), out("out", 5, 6);
+  expect_bad_input(
+      [&] {
+        all_gather_matmul(tp, GatherSide::right, 0, plain(lhs), plain(blk), out,
+                          CollectiveMatmulAlgorithm::bidirectional, ws);
+      },
+      {"all_gather_matmul", "K = " + std::to_string(3 * n + 1), "not divisible", ranks});
+  HostMatrix dy("dy", 4, 5), w("w", 3, 5 * n), dx_wrong("dx", 4, 7);
+  expect_bad_input(
+      [&] {
+        all_gather_matmul(tp, GatherSide::left, 1, plain(dy), transposed(w), dx_wrong,
+                          CollectiveMatmulAlgorithm::ring, ws);
+      },
+      {"output is [4, 7]", "expected [4, 3]"});
+  expect_bad_input([] { parse_collective_matmul_algorithm("fast"); },
+                   {"'fast'", "naive, ring, bidirectional, auto"});
+  EXPECT_EQ(parse_collective_matmul_algorithm("bidirectional"),
+            CollectiveMatmulAlgorithm::bidirectional);
+}
+
+// KokkosBlas::gemm (Debian KokkosKernels 3.4 with the BLAS TPL) on LayoutRight views,
+// transposed and row-strided (column blocks), against the double reference.
+TEST(CollectiveMatmul, GemmOnLayoutRightAndStridedViews) {
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      const std::size_t m = 37, k = 29, n = 23;
+      const auto [ar, ac] = stored(m, k, ta);
+      const auto [br, bc] = stored(k, n, tb);
+      // Operands as column blocks [1, 1+cols) of wider matrices: stride(0) > extent(1).
+      HostMatrix a_store = make_matrix("a", ar, ac + 3, 11),
+                 b_store = make_matrix("b", br, bc + 2, 12);
+      ConstMatrixView a = Kokkos::subview(a_store, Kokkos::ALL,
+                                          std::make_pair<std::size_t, std::size_t>(1, 1 + ac));
+      ConstMatrixView b = Kokkos::subview(b_store, Kokkos::ALL,
+                                          std::make_pair<std::size_t, std::size_t>(1, 1 + bc));
+      ASSERT_EQ(a.stride(0), ac + 3);
+      HostMatrix a_copy = copy_block(a_store, 0, ar, 1, ac),
+                 b_copy = copy_block(b_store, 0, br, 1, bc);
+      std::vector<double> want;
+      reference_gemm(a_copy, ta, b_copy, tb, want);
+      HostMatrix c_store("c", m, n + 4);
+      MatrixView c =
+          Kokkos::subview(c_store, Kokkos::ALL, std::make_pair<std::size_t, std::size_t>(2, 2 + n));
+      gemm({a, ta}, {b, tb}, 0.0f, c);
+      expect_matches(c, want, 0, 0, n,
+                     "gemm ta " + std::to_string(ta) + " tb " + std::to_string(tb));
+      HostMatrix c_plain("c_plain", m, n);
+      gemm({a_copy, ta}, {b_copy, tb}, 0.0f, c_plain);
+      expect_matches(c_plain, want, 0, 0, n, "contiguous gemm");
+    }
+}
+
+}  // namespace
+}  // namespace meshtrain::testing

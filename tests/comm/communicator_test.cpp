@@ -1,0 +1,221 @@
+// Every collective of Communicator (MPI backend) against the same result computed on one
+// rank from the full data, on the world and on sub-communicators of an fsdp x tp mesh;
+// the timeout of a collective a rank never joins; bad input.
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "comm_test_util.hpp"
+#include "framework/impl/mpi_communicator.hpp"
+#include "tests/test_support.hpp"
+
+namespace meshtrain::testing {
+namespace {
+
+// Block of group rank j as sent by that rank: rows x cols from (seed, j).
+HostMatrix rank_block(const Group& g, int j, std::size_t rows, std::size_t cols, int salt = 0) {
+  return make_matrix("block", rows, cols, g.seed * 131 + static_cast<uint64_t>(j) * 7 + salt);
+}
+
+TEST(Communicator, AllGatherBothDimsAndVectors) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    Communicator& comm = *g.comm;
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    const std::size_t r = 3, c = 5;  // odd blocks
+    HostMatrix mine = rank_block(g, comm.rank(), r, c);
+    for (int dim = 0; dim < 2; ++dim) {
+      HostMatrix out("out", dim == 0 ? n * r : r, dim == 1 ? n * c : c);
+      comm.all_gather(mine, out, dim);
+      std::vector<double> want(out.extent(0) * out.extent(1));
+      for (std::size_t j = 0; j < n; ++j) {
+        HostMatrix b = rank_block(g, static_cast<int>(j), r, c);
+        for (std::size_t x = 0; x < r; ++x)
+          for (std::size_t y = 0; y < c; ++y) {
+            const std::size_t row = dim == 0 ? j * r + x : x, col = dim == 1 ? j * c + y : y;
+            want[row * out.extent(1) + col] = b(x, y);
+          }
+      }
+      expect_matches(out, want, 0, 0, out.extent(1),
+                     "all_gather dim " + std::to_string(dim) + " on " + g.name);
+    }
+    // 1-D: the flat block.
+    Kokkos::View<float*> flat("flat", n * r * c);
+    comm.all_gather(ConstVectorView(mine.data(), r * c), flat);
+    for (std::size_t j = 0; j < n; ++j) {
+      HostMatrix b = rank_block(g, static_cast<int>(j), r, c);
+      for (std::size_t k = 0; k < r * c; ++k) {
+        ASSERT_EQ(flat(j * r * c + k), b.data()[k]) << "1-D all_gather on " << g.name;
+      }
+    }
+  }
+}
+
+TEST(Communicator, ReduceScatterBothDimsAndVectors) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    Communicator& comm = *g.comm;
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    const std::size_t i = static_cast<std::size_t>(comm.rank());
+    const std::size_t r = 3, c = 5;
+    for (int dim = 0; dim < 2; ++dim) {
+      const std::size_t rows = dim == 0 ? n * r : r, cols = dim == 1 ? n * c : c;
+      HostMatrix mine = rank_block(g, comm.rank(), rows, cols, 1);
+      HostMatrix out("out", r, c);
+      comm.reduce_scatter(mine, out, dim);
+      std::vector<double> sum(rows * cols, 0.0);
+      for (std::size_t j = 0; j < n; ++j) {
+        HostMatrix b = rank_block(g, static_cast<int>(j), rows, cols, 1);
+        for (std::size_t k = 0; k < rows * cols; ++k) sum[k] += b.data()[k];
+      }
+      expect_matches(out, sum, dim == 0 ? i * r : 0, dim == 1 ? i * c : 0, cols,
+                     "reduce_scatter dim " + std::to_string(dim) + " on " + g.name);
+    }
+    HostMatrix flat_in = rank_block(g, comm.rank(), 1, n * 4, 2);
+    Kokkos::View<float*> flat_out("flat_out", 4);
+    comm.reduce_scatter(ConstVectorView(flat_in.data(), n * 4), flat_out);
+    for (std::size_t k = 0; k < 4; ++k) {
+      double s = 0;
+      for (std::size_t j = 0; j < n; ++j)
+        s += rank_block(g, static_cast<int>(j), 1, n * 4, 2)(0, i * 4 + k);
+      EXPECT_NEAR(flat_out(k), s, 1e-5 * (1 + std::fabs(s))) << "1-D reduce_scatter on " << g.name;
+    }
+  }
+}
+
+TEST(Communicator, AllReduceBroadcastAllToAll) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    Communicator& comm = *g.comm;
+    const int n = comm.size();
+    const std::size_t i = static_cast<std::size_t>(comm.rank());
+    for (ReduceOp op : {ReduceOp::sum, ReduceOp::mean}) {
+      HostMatrix data = rank_block(g, comm.rank(), 3, 7, 3);
+      comm.all_reduce(MatrixView(data), op);
+      std::vector<double> want(21, 0.0);
+      for (int j = 0; j < n; ++j) {
+        HostMatrix b = rank_block(g, j, 3, 7, 3);
+        for (std::size_t k = 0; k < 21; ++k) want[k] += b.data()[k];
+      }
+      if (op == ReduceOp::mean)
+        for (double& w : want) w /= n;
+      expect_matches(
+          data, want, 0, 0, 7,
+          std::string("all_reduce ") + (op == ReduceOp::mean ? "mean" : "sum") + " on " + g.name);
+    }
+    // broadcast from the last rank
+    HostMatrix data = rank_block(g, comm.rank(), 2, 5, 4);
+    comm.broadcast(MatrixView(data), n - 1);
+    HostMatrix root = rank_block(g, n - 1, 2, 5, 4);
+    for (std::size_t k = 0; k < 10; ++k) ASSERT_EQ(data.data()[k], root.data()[k]) << g.name;
+    // all_to_all: block j of my send goes to rank j
+    const std::size_t b = 3, c = 2;
+    HostMatrix send = rank_block(g, comm.rank(), n * b, c, 5);
+    HostMatrix recv("recv", n * b, c);
+    comm.all_to_all(send, recv);
+    for (int j = 0; j < n; ++j) {
+      HostMatrix theirs = rank_block(g, j, n * b, c, 5);
+      for (std::size_t x = 0; x < b; ++x)
+        for (std::size_t y = 0; y < c; ++y)
+          ASSERT_EQ(recv(j * b + x, y), theirs(i * b + x, y)) << "all_to_all on " << g.name;
+    }
+    comm.barrier();
+  }
+}
+
+TEST(Communicator, ShiftIsNonBlockingAndRoutesByOffset) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    Communicator& comm = *g.comm;
+    const int n = comm.size();
+    for (int offset : {1, -1, 2, n + 1}) {
+      HostMatrix send = rank_block(g, comm.rank(), 3, 4, 6);
+      HostMatrix recv("recv", 3, 4);
+      Request request = comm.shift(send, recv, offset);
+      request.wait();
+      EXPECT_FALSE(request.pending());
+      const int from = ((comm.rank() - offset) % n + n) % n;
+      HostMatrix want = rank_block(g, from, 3, 4, 6);
+      for (std::size_t k = 0; k < 12; ++k)
+        ASSERT_EQ(recv.data()[k], want.data()[k]) << "shift " << offset << " on " << g.name;
+    }
+    // Two shifts in flight in opposite directions (as the bidirectional ring does).
+    HostMatrix up_send = rank_block(g, comm.rank(), 2, 3, 7),
+               dn_send = rank_block(g, comm.rank(), 2, 3, 8);
+    HostMatrix up_recv("up", 2, 3), dn_recv("dn", 2, 3);
+    Request up = comm.shift(up_send, up_recv, +1);
+    Request dn = comm.shift(dn_send, dn_recv, -1);
+    while (!up.test()) {
+    }
+    dn.wait();
+    HostMatrix up_want = rank_block(g, (comm.rank() - 1 + n) % n, 2, 3, 7);
+    HostMatrix dn_want = rank_block(g, (comm.rank() + 1) % n, 2, 3, 8);
+    for (std::size_t k = 0; k < 6; ++k) {
+      ASSERT_EQ(up_recv.data()[k], up_want.data()[k]) << g.name;
+      ASSERT_EQ(dn_recv.data()[k], dn_want.data()[k]) << g.name;
+    }
+  }
+}
+
+TEST(Communicator, MeshCommunicatorsCacheAndRejectUnknownAxes) {
+  MeshCommunicators comms(Mesh::create({{"dp", -1}}, world_size()));
+  Communicator& a = comms.get({"dp"});
+  Communicator& b = comms.get({"dp"});
+  EXPECT_EQ(&a, &b);
+  EXPECT_EQ(a.size(), world_size());
+  EXPECT_EQ(a.description(), "axis (dp)");
+  Communicator& none = comms.get({});
+  EXPECT_EQ(none.size(), 1);
+  expect_bad_input([&] { comms.get({"tp", "dp"}); }, {"'tp'", "axes (tp, dp)"});
+  expect_bad_input(
+      [&] {
+        MeshCommunicators wrong(Mesh::create({{"dp", world_size() + 1}}, world_size() + 1));
+      },
+      {"needs", std::to_string(world_size() + 1), "ranks"});
+}
+
+TEST(Communicator, BadShapesAndCounts) {
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "world");
+  const std::size_t n = static_cast<std::size_t>(comm.size());
+  HostMatrix send("send", 3, 4), wrong("wrong", 3 * n + 1, 4);
+  expect_bad_input([&] { comm.all_gather(send, wrong, 0); }, {"all_gather", "dim 0", "[3, 4]"});
+  expect_bad_input([&] { comm.all_gather(send, wrong, 2); }, {"dim must be 0 or 1"});
+  expect_bad_input([&] { comm.reduce_scatter(wrong, send, 1); }, {"reduce_scatter", "dim 1"});
+  HostMatrix big("big", 4, 8);
+  MatrixView column_block = Kokkos::subview(big, Kokkos::ALL, std::make_pair(0, 4));
+  expect_bad_input([&] { comm.all_reduce(column_block); }, {"all_reduce", "not contiguous"});
+  expect_bad_input([&] { comm.broadcast(MatrixView(send), static_cast<int>(n)); }, {"root"});
+  Kokkos::View<float*> shared("shared", 2 * n);
+  expect_bad_input(
+      [&] { comm.all_gather(ConstVectorView(shared.data(), 2), VectorView(shared.data(), 2 * n)); },
+      {"overlap"});
+  expect_error([] { checked_int(std::size_t{1} << 33, "all_gather count"); }, ErrorKind::runtime,
+               {"all_gather count", "8589934592"});
+  expect_bad_input([&] { comm.set_timeout_seconds(0); }, {"timeout"});
+}
+
+TEST(Communicator, TimeoutNamesTheOperationWhenARankDoesNotJoin) {
+  if (world_size() < 2) GTEST_SKIP() << "needs two ranks";
+  const int rank = world_rank();
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (tp)");
+  Kokkos::View<float*> data("data", 4);  // alive until the late rank has joined
+  if (rank != 1) {
+    comm.set_timeout_seconds(1.0);
+    expect_error([&] { comm.all_reduce(data); }, ErrorKind::runtime,
+                 {"all_reduce on axis (tp) did not complete within 1 s", "a rank did not join"});
+    // The communicator refuses further work instead of mixing up messages.
+    expect_error([&] { comm.barrier(); }, ErrorKind::runtime, {"barrier", "unusable"});
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank == 1) {
+    // Rank 1 joins late: its all_reduce matches the others' abandoned one (they progress it
+    // in the barrier below), so nothing is left pending when the test ends.
+    comm.set_timeout_seconds(60.0);
+    comm.all_reduce(data);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+}  // namespace
+}  // namespace meshtrain::testing
