@@ -1,9 +1,125 @@
-// Placeholder until the command lands: prints the version.
-#include <cstdio>
+// The `meshtrain` command (DESIGN.md section 10). Each subcommand parses its own
+// arguments, then calls into the library; this file is the only place that turns a
+// meshtrain::Error into an exit status: 2 for bad input, 1 for a failure while running.
+//
+//   meshtrain plan CONFIG [--world N] [--json] [--set section.key=value ...]
+//   (to come) meshtrain train CONFIG [--set ...]          under mpirun
+//   (to come) meshtrain inspect CHECKPOINT.h5 [--verify]
 
+#include <CLI/CLI.hpp>
+
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "apps/plan.hpp"
+#include "framework/config.hpp"
 #include "framework/version.hpp"
+#include "partition/error.hpp"
 
-int main() {
-  std::printf("meshtrain %s\n", meshtrain::framework_version());
-  return 0;
+namespace {
+
+constexpr int kExitBadInput = 2;
+constexpr int kExitFailure = 1;
+
+// A rank count: an integer from 1 to INT_MAX.
+const CLI::Validator kRankCount(
+    [](std::string& text) -> std::string {
+      errno = 0;
+      char* end = nullptr;
+      const long value = std::strtol(text.c_str(), &end, 10);
+      if (text.empty() || *end != '\0' || errno != 0 || value < 1 || value > INT_MAX) {
+        return "expected a number of ranks from 1 to " + std::to_string(INT_MAX) + ", got '" +
+               text + "'";
+      }
+      return {};
+    },
+    "N");
+
+// Adds the repeatable `--set section.key=value` option: one value per --set, so a
+// positional argument after it is not swallowed.
+void add_set_option(CLI::App& command, std::vector<std::string>& overrides) {
+  command
+      .add_option("--set", overrides,
+                  "Override a config key, e.g. --set train.steps=20 or "
+                  "--set 'model.sizes=[784, 256, 10]' (repeatable)")
+      ->type_name("SECTION.KEY=VALUE")
+      ->allow_extra_args(false)
+      ->take_all();
+}
+
+// --- plan: how a run's parameters are sharded, without MPI --------------------------------
+struct PlanArgs {
+  std::string config;
+  int world = 1;
+  bool json = false;
+  std::vector<std::string> overrides;
+};
+
+void add_plan_command(CLI::App& app, PlanArgs& args) {
+  CLI::App* plan = app.add_subcommand(
+      "plan",
+      "Show how each parameter of a run is sharded over the mesh, and the bytes per "
+      "rank, for any world size (no MPI needed)");
+  plan->add_option("config", args.config, "The run's TOML file")->required();
+  plan->add_option("--world", args.world, "Number of ranks to plan for (default 1)")
+      ->check(kRankCount);
+  plan->add_flag("--json", args.json, "Print the plan as one JSON object");
+  add_set_option(*plan, args.overrides);
+}
+
+int run_plan(const PlanArgs& args) {
+  const meshtrain::RunConfig config = meshtrain::load_config(args.config, args.overrides);
+  meshtrain::print_plan(config, args.world, args.json, std::cout);
+  std::cout.flush();
+  return std::cout ? 0 : kExitFailure;
+}
+
+// --- train: to come (runs under mpirun; initializes MPI only for this subcommand) ---------
+// --- inspect: to come (reads a checkpoint's HDF5 file; --verify checks every dataset) ----
+
+bool verbose() {
+  const char* value = std::getenv("MESHTRAIN_VERBOSE");
+  return value && *value && std::string(value) != "0";
+}
+
+int report(const meshtrain::Error& e) {
+  std::cerr << "meshtrain: error: " << e.what() << "\n";
+  if (verbose()) std::cerr << "meshtrain: thrown at " << e.where() << "\n";
+  return e.kind() == meshtrain::ErrorKind::bad_input ? kExitBadInput : kExitFailure;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"meshtrain: train MLPs sharded over a device mesh by partition rules", "meshtrain"};
+  app.set_version_flag("--version", std::string("meshtrain ") + meshtrain::framework_version());
+  app.require_subcommand(1);
+  // CLI11's own errors (unknown option, missing argument) as one line, exit status 2.
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    return std::string("meshtrain: error: ") + e.what() + " (see meshtrain --help)\n";
+  });
+
+  PlanArgs plan_args;
+  add_plan_command(app, plan_args);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int status = app.exit(e);  // prints help, the version or the error
+    return status == 0 ? 0 : kExitBadInput;
+  }
+
+  try {
+    if (app.got_subcommand("plan")) return run_plan(plan_args);
+  } catch (const meshtrain::Error& e) {
+    return report(e);
+  } catch (const std::exception& e) {
+    std::cerr << "meshtrain: error: unexpected failure: " << e.what() << "\n";
+    return kExitFailure;
+  }
+  return kExitBadInput;  // unreachable: require_subcommand(1) accepted no other command
 }

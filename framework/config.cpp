@@ -360,7 +360,7 @@ PartitionRuleText read_rule(const Section& s, size_t index, const toml::node& no
                  "\"P(fsdp, tp)\", got ",
                  render(spec));
   }
-  check_spec_axes(s, what, node.source(), rule.spec, "spec " + render(spec));
+  check_spec_axes(s, what, node.source(), rule.spec, "spec " + rule.spec.to_string());
   return rule;
 }
 

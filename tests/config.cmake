@@ -2,3 +2,52 @@
 # handling: unit tests without mpiexec, command tests through tests/cli/expect_exit.sh.
 meshtrain_add_test(NAME config_test SOURCES config/config_test.cpp LIBS meshtrain_framework)
 target_compile_definitions(config_test PRIVATE MESHTRAIN_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
+
+# `meshtrain plan` from the command line: bad input exits 2 with one sentence naming what is
+# wrong; good input exits 0. Fixtures live in tests/cli/.
+set(_cli ${CMAKE_CURRENT_SOURCE_DIR}/cli)
+set(_configs ${PROJECT_SOURCE_DIR}/configs)
+function(meshtrain_cli_test name status stderr_regex)
+  meshtrain_add_command_test(NAME cli_${name} TIMEOUT 30
+    COMMAND sh ${_cli}/expect_exit.sh ${status} ${stderr_regex} ${ARGN})
+endfunction()
+set(_meshtrain $<TARGET_FILE:meshtrain>)
+
+meshtrain_cli_test(plan_malformed_toml 2
+  "^meshtrain: error: .*malformed\\.toml:5:1: invalid TOML: "
+  -- ${_meshtrain} plan ${_cli}/malformed.toml)
+meshtrain_cli_test(plan_repeated_axis 2
+  "^meshtrain: error: .*repeated_axis\\.toml:9: \\[partition\\] rule 1: spec .* names mesh axis 'tp' more than once"
+  -- ${_meshtrain} plan ${_cli}/repeated_axis.toml)
+meshtrain_cli_test(plan_bad_regex 2
+  "^meshtrain: error: .*bad_regex\\.toml:8: \\[partition\\] rule 0: regex 'layers/\\(\\[0-9\\]\\+/weight' does not compile"
+  -- ${_meshtrain} plan ${_cli}/bad_regex.toml)
+meshtrain_cli_test(plan_world_does_not_fit_mesh 2
+  "^meshtrain: error: .*mesh_2x4\\.toml \\[mesh\\]: .*dp=2.*tp=4.*world size is 7"
+  -- ${_meshtrain} plan ${_cli}/mesh_2x4.toml --world 7)
+meshtrain_cli_test(plan_missing_config 2
+  "^meshtrain: error: config file '.*no_such\\.toml' does not exist$"
+  -- ${_meshtrain} plan ${_cli}/no_such.toml)
+meshtrain_cli_test(plan_set_unknown_key 2
+  "^meshtrain: error: .*override 'optimizer\\.lrr=1' names unknown key"
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_dp.toml --set optimizer.lrr=1)
+meshtrain_cli_test(plan_set_bad_value 2
+  "^meshtrain: error: .*fashion_mnist_dp\\.toml \\(--set train\\.steps=0\\): \\[train\\] steps must be at least 1, got 0$"
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_dp.toml --set train.steps=0)
+meshtrain_cli_test(plan_unknown_option 2 "^meshtrain: error: .*--frobnicate"
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_dp.toml --frobnicate)
+meshtrain_cli_test(plan_bad_world 2 "^meshtrain: error: --world"
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_dp.toml --world 0)
+meshtrain_cli_test(no_subcommand 2 "^meshtrain: error: .*subcommand" -- ${_meshtrain})
+meshtrain_cli_test(verbose_names_throw_site 2 "thrown at .*config\\.cpp:[0-9]+" --any-lines
+  -- env MESHTRAIN_VERBOSE=1 ${_meshtrain} plan ${_cli}/no_such.toml)
+meshtrain_cli_test(version 0 - --stdout "^meshtrain [0-9]+\\.[0-9]+\\.[0-9]+"
+  -- ${_meshtrain} --version)
+meshtrain_cli_test(plan_fsdp_tp_4096 0 - --stdout "4096 ranks"
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_fsdp_tp.toml --world 4096)
+meshtrain_cli_test(plan_set_overrides 0 - --stdout "\\[784, 256\\]"
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_dp.toml --set "model.sizes=[784, 256, 10]"
+     --set run.output_dir=runs/x --world 2)
+meshtrain_add_command_test(NAME cli_plan_json TIMEOUT 30
+  COMMAND sh ${_cli}/plan_json.sh ${_meshtrain} ${_configs}/fashion_mnist_fsdp_tp.toml 4
+          layers/0/weight "[392, 256]")
