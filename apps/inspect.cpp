@@ -1,0 +1,64 @@
+#include "apps/inspect.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+#include "framework/checkpoint.hpp"
+
+namespace meshtrain {
+
+namespace {
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << '[';
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << ']';
+  return out.str();
+}
+
+}  // namespace
+
+int inspect_command(const std::string& path, bool verify, std::ostream& out) {
+  const CheckpointListing listing = list_checkpoint(path);
+  const CheckpointInfo& info = listing.info;
+  const TrainState& s = info.train_state;
+  out << "checkpoint: " << path << "\n";
+  out << "framework version: " << info.framework_version << "\n";
+  out << "step: " << s.step << "\n";
+  out << "mesh: " << info.mesh << " (" << info.world_size << " ranks)\n";
+  out << "train state: epoch=" << s.epoch << " batch_in_epoch=" << s.batch_in_epoch
+      << " seed=" << s.seed << " rng_offset=" << s.rng_offset
+      << " optimizer_step=" << s.optimizer_step << "\n";
+
+  // Columns: path, dtype, shape, spec, storage.
+  size_t width = 0;
+  for (const auto& d : listing.datasets) width = std::max(width, d.path.size());
+  out << "datasets (" << listing.datasets.size() << "):\n";
+  for (const auto& d : listing.datasets) {
+    std::string storage = d.chunk.empty() ? "contiguous" : "chunks " + shape_text(d.chunk);
+    if (d.fletcher32) storage += ", fletcher32";
+    std::string padded = d.path;
+    padded.resize(width, ' ');
+    out << "  " << padded << "  " << d.dtype << "  " << shape_text(d.shape) << "  "
+        << (d.spec.empty() ? "-" : d.spec) << "  (" << storage << ")\n";
+  }
+
+  out << "config:\n";
+  std::istringstream config(info.config_text);
+  std::string line;
+  bool any = false;
+  while (std::getline(config, line)) {
+    out << "  " << line << "\n";
+    any = true;
+  }
+  if (!any) out << "  (none)\n";
+
+  if (verify) {
+    const int64_t checked = verify_checkpoint(path);
+    out << "verify: " << checked << " datasets read, all checksums match\n";
+  }
+  return 0;
+}
+
+}  // namespace meshtrain

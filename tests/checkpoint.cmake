@@ -1,0 +1,20 @@
+# Checkpoints: resharding round trips, keep/latest, bad input, corruption, inspect, h5dump.
+find_program(MESHTRAIN_H5DUMP h5dump)
+if(MESHTRAIN_H5DUMP)
+  meshtrain_add_test(NAME checkpoint_test SOURCES checkpoint/checkpoint_test.cpp
+                     ${PROJECT_SOURCE_DIR}/apps/inspect.cpp
+                     LIBS meshtrain_framework NP 1 2 4 TIMEOUT 120)
+  target_compile_definitions(checkpoint_test PRIVATE MESHTRAIN_H5DUMP="${MESHTRAIN_H5DUMP}")
+else()
+  message(WARNING "h5dump not found (Debian: hdf5-tools): checkpoint_test is not built")
+endif()
+
+# Crash tests: a save killed at each fault point leaves the previous checkpoint loadable.
+add_executable(checkpoint_fault_tool checkpoint/checkpoint_fault_tool.cpp)
+target_link_libraries(checkpoint_fault_tool PRIVATE meshtrain_framework)
+foreach(np 2)
+  meshtrain_add_command_test(NAME checkpoint_crash_np${np} TIMEOUT 240
+    COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/checkpoint/crash_test.sh $<TARGET_FILE:checkpoint_fault_tool>
+            ${np} ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+  set_tests_properties(checkpoint_crash_np${np} PROPERTIES PROCESSORS ${np})
+endforeach()
