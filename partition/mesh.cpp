@@ -7,6 +7,11 @@
 
 namespace meshtrain {
 
+namespace {
+// Mesh products are capped here so absurd sizes cannot overflow.
+constexpr long long kProductCap = 1LL << 40;
+}  // namespace
+
 const std::vector<std::string>& Mesh::known_axes() {
   static const std::vector<std::string> axes = {"dp", "fsdp", "ep", "tp", "sp"};
   return axes;
@@ -40,11 +45,7 @@ Mesh Mesh::create(const std::vector<std::pair<std::string, int>>& requested, int
       MESHTRAIN_BAD_INPUT(source, ": mesh axis '", name, "' has size ", size,
                           "; sizes must be positive (or -1 for 'the rest of the world')");
     } else {
-      product *= size;
-      if (product > world_size) {
-        // Keep checking the product below; this only avoids overflow on absurd sizes.
-        product = static_cast<long long>(world_size) + 1;
-      }
+      product = product > kProductCap / size ? kProductCap : product * size;
     }
     mesh.axes_.push_back({name, size});
   }
@@ -56,10 +57,9 @@ Mesh Mesh::create(const std::vector<std::pair<std::string, int>>& requested, int
     }
     mesh.axes_[inferred].size = static_cast<int>(world_size / product);
   } else if (product != world_size) {
-    MESHTRAIN_BAD_INPUT(source, ": mesh ", mesh.describe(), " has ",
-                        product > world_size ? "more than " : "", product > world_size ? world_size : product,
-                        " ranks but the world size is ", world_size,
-                        " (set one axis to -1 to take what is left)");
+    MESHTRAIN_BAD_INPUT(
+        source, ": mesh ", mesh.describe(), " has ", product >= kProductCap ? "over " : "", product,
+        " ranks but the world size is ", world_size, " (set one axis to -1 to take what is left)");
   }
   return mesh;
 }
@@ -81,7 +81,9 @@ int Mesh::axis_index(const std::string& name) const {
   MESHTRAIN_BAD_INPUT("the mesh (", describe(), ") has no axis '", name, "'");
 }
 
-int Mesh::axis_size(const std::string& name) const { return axes_[axis_index(name)].size; }
+int Mesh::axis_size(const std::string& name) const {
+  return axes_[axis_index(name)].size;
+}
 
 int Mesh::size_of(const std::vector<std::string>& names) const {
   int product = 1;
