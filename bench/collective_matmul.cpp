@@ -1,0 +1,192 @@
+// Collective matmul benchmark: prints one JSON line per measurement on rank 0.
+//
+//   OPENBLAS_NUM_THREADS=1 mpirun -np 2 build/bin/bench_collective_matmul \
+//       --m 256 --k 4096 --n 4096 --kind all --algorithm all --repeats 5
+//
+// Shapes (n ranks; the notebook's layouts):
+//   all_gather:     out [M, N] = lhs [M, K] @ all_gather(rhs_block [K/n, N], dim 0)
+//   reduce_scatter: out [M, N/n] (--scatter-dim 1, the TP forward) or [M/n, N] (0)
+//                   = reduce_scatter(lhs [M, K/n] @ rhs [K/n, N])
+// Each line: time per call (median over repeats of the slowest rank), GFLOP/s per rank,
+// the bytes each rank receives, the workspace bytes of the call. Then "local_gemm": the
+// same per-rank GEMM without communication (all ranks at once, as in the collective), and
+// "single_rank_sgemm": the full M x K x N sgemm on rank 0 alone while the others wait.
+
+#include <mpi.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "framework/collective_matmul.hpp"
+#include "framework/runtime.hpp"
+
+namespace {
+
+using meshtrain::CollectiveMatmulAlgorithm;
+using Matrix = Kokkos::View<float**, Kokkos::LayoutRight>;
+
+Matrix filled(const std::string& label, std::size_t rows, std::size_t cols, float seed) {
+  Matrix m(label, rows, cols);
+  Kokkos::parallel_for(
+      "meshtrain::bench_fill", rows * cols, KOKKOS_LAMBDA(const std::size_t k) {
+        m.data()[k] =
+            static_cast<float>((k * 2654435761u + static_cast<std::size_t>(seed * 97)) % 1000) /
+                1000.0f -
+            0.5f;
+      });
+  Kokkos::fence();
+  return m;
+}
+
+// Median over `repeats` of the slowest rank's time of fn (after one warm-up call).
+double median_time(int repeats, const std::function<void()>& fn, MPI_Comm comm) {
+  fn();
+  std::vector<double> times;
+  for (int r = 0; r < repeats; ++r) {
+    MPI_Barrier(comm);
+    const double start = MPI_Wtime();
+    fn();
+    double elapsed = MPI_Wtime() - start, slowest = 0.0;
+    MPI_Allreduce(&elapsed, &slowest, 1, MPI_DOUBLE, MPI_MAX, comm);
+    times.push_back(slowest);
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  meshtrain::Runtime runtime(argc, argv);
+  return meshtrain::run_or_abort([&] {
+    CLI::App app{"Benchmark of all_gather_matmul and matmul_reduce_scatter"};
+    std::size_t m = 2048, k = 2048, n = 2048;
+    int repeats = 5, scatter_dim = 1;
+    std::string algorithm = "all", kind = "all";
+    app.add_option("--m", m, "rows of lhs and of the output");
+    app.add_option("--k", k, "contraction length (full)");
+    app.add_option("--n", n, "columns of rhs and of the output");
+    app.add_option("--algorithm", algorithm, "naive|ring|bidirectional|auto|all");
+    app.add_option("--kind", kind, "all_gather|reduce_scatter|all");
+    app.add_option("--repeats", repeats, "timed calls per measurement (median)");
+    app.add_option("--scatter-dim", scatter_dim, "reduce_scatter output dim (1 = TP forward)");
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      if (runtime.world_rank() == 0) app.exit(e);
+      return e.get_exit_code();
+    }
+    std::vector<CollectiveMatmulAlgorithm> algorithms;
+    if (algorithm == "all") {
+      algorithms = {CollectiveMatmulAlgorithm::naive, CollectiveMatmulAlgorithm::ring,
+                    CollectiveMatmulAlgorithm::bidirectional, CollectiveMatmulAlgorithm::automatic};
+    } else {
+      algorithms = {meshtrain::parse_collective_matmul_algorithm(algorithm)};
+    }
+    meshtrain::MeshCommunicators comms(
+        meshtrain::Mesh::create({{"tp", -1}}, runtime.world_size(), "bench"));
+    meshtrain::Communicator& tp = comms.get({"tp"});
+    const std::size_t ranks = static_cast<std::size_t>(tp.size());
+    if (k % ranks != 0 || (scatter_dim == 0 ? m : n) % ranks != 0) {
+      MESHTRAIN_BAD_INPUT("--k ", k, " and the scattered dimension must be divisible by ", ranks,
+                          " ranks");
+    }
+    const bool root = runtime.world_rank() == 0;
+    auto emit = [&](const nlohmann::json& line) {
+      if (root) std::printf("%s\n", line.dump().c_str());
+      std::fflush(stdout);
+    };
+    const nlohmann::json shape = {{"M", m}, {"K", k}, {"N", n}, {"ranks", ranks}};
+
+    // The full M x K x N sgemm on rank 0 alone (the others wait): the per-core reference.
+    double single_rank_gflops = 0.0;
+    {
+      Matrix a = filled("a", m, k, 5.0f), b = filled("b", k, n, 6.0f), c("c", m, n);
+      std::vector<double> times;
+      meshtrain::gemm(meshtrain::plain(a), meshtrain::plain(b), 0.0f, c);
+      for (int r = 0; r < repeats && root; ++r) {
+        const double start = MPI_Wtime();
+        meshtrain::gemm(meshtrain::plain(a), meshtrain::plain(b), 0.0f, c);
+        times.push_back(MPI_Wtime() - start);
+      }
+      MPI_Barrier(MPI_COMM_WORLD);
+      if (root) {
+        std::sort(times.begin(), times.end());
+        const double t = times[times.size() / 2];
+        single_rank_gflops = 2.0 * m * k * n / t * 1e-9;
+        nlohmann::json line = shape;
+        line["op"] = "single_rank_sgemm";
+        line["time_s"] = t;
+        line["gflops"] = single_rank_gflops;
+        emit(line);
+      }
+    }
+
+    std::vector<std::string> kinds = {kind};
+    if (kind == "all") kinds = {"all_gather", "reduce_scatter"};
+    for (const std::string& which : kinds) {
+      if (which != "all_gather" && which != "reduce_scatter") {
+        MESHTRAIN_BAD_INPUT("--kind '", which, "' is not one of all_gather, reduce_scatter, all");
+      }
+      const bool gather = which == "all_gather";
+      const std::size_t local_k = gather ? k : k / ranks;
+      Matrix lhs = filled("lhs", m, local_k, 1.0f + tp.rank());
+      Matrix rhs = filled("rhs", gather ? k / ranks : local_k, n, 2.0f + tp.rank());
+      Matrix out = gather ? Matrix("out", m, n)
+                          : Matrix("out", scatter_dim == 0 ? m / ranks : m,
+                                   scatter_dim == 1 ? n / ranks : n);
+      const double flops = 2.0 * static_cast<double>(m) * local_k * n;  // per rank
+      const std::size_t block_bytes =
+          (gather ? (k / ranks) * n : out.extent(0) * out.extent(1)) * sizeof(float);
+      double naive_time = 0.0;
+      for (CollectiveMatmulAlgorithm alg : algorithms) {
+        meshtrain::CollectiveMatmulWorkspace ws;
+        auto call = [&] {
+          if (gather) {
+            meshtrain::all_gather_matmul(tp, meshtrain::GatherSide::right, 0, meshtrain::plain(lhs),
+                                         meshtrain::plain(rhs), out, alg, ws);
+          } else {
+            meshtrain::matmul_reduce_scatter(tp, scatter_dim, meshtrain::plain(lhs),
+                                             meshtrain::plain(rhs), out, alg, ws);
+          }
+        };
+        const double t = median_time(repeats, call, MPI_COMM_WORLD);
+        if (alg == CollectiveMatmulAlgorithm::naive) naive_time = t;
+        nlohmann::json line = shape;
+        line["op"] = gather ? "all_gather_matmul" : "matmul_reduce_scatter";
+        line["algorithm"] = meshtrain::to_string(alg);
+        line["resolved"] = meshtrain::to_string(
+            meshtrain::resolve_collective_matmul_algorithm(alg, tp.size(), block_bytes));
+        if (!gather) line["scatter_dim"] = scatter_dim;
+        line["time_s"] = t;
+        line["gflops"] = flops / t * 1e-9;
+        if (naive_time > 0.0) line["time_over_naive"] = t / naive_time;
+        line["bytes_moved_per_rank"] = (ranks - 1) * block_bytes;
+        line["workspace_bytes"] = ws.last_call_bytes();
+        line["block_bytes"] = block_bytes;
+        emit(line);
+      }
+      // The same per-rank GEMM without communication, every rank at once.
+      Matrix b = filled("b", local_k, n, 6.0f), c("c", m, n);
+      const double t = median_time(
+          repeats, [&] { meshtrain::gemm(meshtrain::plain(lhs), meshtrain::plain(b), 0.0f, c); },
+          MPI_COMM_WORLD);
+      nlohmann::json line = shape;
+      line["op"] = "local_gemm";
+      line["for"] = gather ? "all_gather_matmul" : "matmul_reduce_scatter";
+      line["gemm_mkn"] = {m, local_k, n};
+      line["time_s"] = t;
+      line["gflops"] = 2.0 * m * local_k * n / t * 1e-9;
+      if (single_rank_gflops > 0.0) {
+        line["over_single_rank_sgemm"] = line["gflops"].get<double>() / single_rank_gflops;
+      }
+      emit(line);
+    }
+    return 0;
+  });
+}
