@@ -1,0 +1,663 @@
+// The NCCL backend: set-up from an MPI group, operations on the communicator's stream,
+// completion polled against the deadline, abort on timeout or asynchronous error.
+
+#include "framework/impl/nccl_communicator.hpp"
+
+#include <sched.h>
+
+#include <chrono>
+#include <cstdint>
+#include <ctime>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "framework/impl/mpi_communicator.hpp"
+
+namespace meshtrain {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Clock::time_point deadline_after(double seconds) {
+  return Clock::now() +
+         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+// Spin briefly, then leave the core to others (ranks may share cores with the host code).
+void pause_poll(long polls) {
+  if (polls > 2000) {
+    const timespec pause{0, 20000};  // 20 us
+    nanosleep(&pause, nullptr);
+  } else {
+    sched_yield();
+  }
+}
+
+std::string seconds_text(double seconds) {
+  std::ostringstream out;
+  out << seconds;
+  return out.str();
+}
+
+std::string cuda_text(cudaError_t code) {
+  return std::string(cudaGetErrorString(code)) + " (" + cudaGetErrorName(code) + ")";
+}
+
+void check_cuda(cudaError_t code, const std::string& what) {
+  if (code == cudaSuccess) return;
+  cudaGetLastError();  // clear a non-sticky error so later calls do not report it again
+  MESHTRAIN_FAIL(what, " failed: ", cuda_text(code));
+}
+
+// NCCL's result string plus its last-error detail, which names the actual cause.
+std::string nccl_text(ncclResult_t code, ncclComm_t comm) {
+  std::string text = ncclGetErrorString(code);
+  const char* detail = ncclGetLastError(comm);
+  if (detail != nullptr && *detail != '\0') text += std::string(" (") + detail + ")";
+  return text;
+}
+
+// Number of usable CUDA devices; 0 with the reason in `why` when there is none.
+int cuda_device_count(std::string* why) {
+  int count = 0;
+  const cudaError_t code = cudaGetDeviceCount(&count);
+  if (code != cudaSuccess) {
+    cudaGetLastError();
+    if (why) *why = "cudaGetDeviceCount: " + cuda_text(code);
+    return 0;
+  }
+  if (count <= 0 && why) *why = "cudaGetDeviceCount found no device";
+  return count > 0 ? count : 0;
+}
+
+// count_per_rank x ranks floats, checked so the byte size cannot overflow. NCCL takes
+// size_t counts, so no count becomes an int here.
+std::size_t checked_total(std::size_t count_per_rank, int ranks, const char* what) {
+  const std::size_t n = static_cast<std::size_t>(ranks);
+  if (count_per_rank > SIZE_MAX / sizeof(float) / n) {
+    MESHTRAIN_FAIL(what, " of ", count_per_rank, " floats x ", ranks,
+                   " ranks does not fit in the address space");
+  }
+  return count_per_rank * n;
+}
+
+bool overlaps(const float* a, std::size_t na, const float* b, std::size_t nb) {
+  if (na == 0 || nb == 0) return false;
+  return a < b + nb && b < a + na;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ State
+
+struct NcclCommunicator::State {
+  ncclComm_t comm = nullptr;
+  cudaStream_t stream = nullptr;
+  int device = -1;
+  float* barrier_word = nullptr;  // one device float all-reduced by barrier()
+  std::string description;
+  std::string broken;  // non-empty after an abort: why the communicator is unusable
+  double destroy_timeout = 300.0;
+  std::vector<cudaEvent_t> free_events;  // recycled by shift requests
+
+  State() = default;
+  State(const State&) = delete;
+  State& operator=(const State&) = delete;
+
+  ~State() {
+    if (device >= 0) cudaSetDevice(device);
+    if (comm != nullptr) {
+      // Finalize (flush and quiesce with the peers), bounded by the timeout; a peer that
+      // is gone or an error turns it into an abort. Destructors cannot report.
+      bool clean = false;
+      ncclResult_t code = ncclCommFinalize(comm);
+      if (code == ncclSuccess || code == ncclInProgress) {
+        const Clock::time_point deadline = deadline_after(destroy_timeout);
+        for (long polls = 0;; ++polls) {
+          ncclResult_t state = ncclSuccess;
+          if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) break;
+          if (state == ncclSuccess) {
+            clean = true;
+            break;
+          }
+          if (state != ncclInProgress || Clock::now() > deadline) break;
+          pause_poll(polls);
+        }
+      }
+      if (clean) {
+        ncclCommDestroy(comm);
+      } else {
+        ncclCommAbort(comm);
+      }
+      comm = nullptr;
+    }
+    for (cudaEvent_t event : free_events) cudaEventDestroy(event);
+    if (barrier_word != nullptr) cudaFree(barrier_word);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+    cudaGetLastError();
+  }
+
+  void require_usable(const char* op) const {
+    if (!broken.empty()) {
+      MESHTRAIN_FAIL(op, " on ", description, " refused: the NCCL communicator is unusable after ",
+                     broken);
+    }
+  }
+
+  // Aborts the NCCL communicator (stopping its kernels) and marks this state unusable.
+  void abort(const std::string& why) {
+    if (broken.empty()) broken = why;
+    if (comm != nullptr) {
+      ncclCommAbort(comm);
+      comm = nullptr;
+    }
+  }
+
+  [[noreturn]] void fail_abort(const std::string& message) {
+    abort("an earlier error (" + message + ")");
+    MESHTRAIN_FAIL(message);
+  }
+
+  [[noreturn]] void fail_timeout(const char* op, double timeout) {
+    fail_abort(std::string(op) + " on " + description + " did not complete within " +
+               seconds_text(timeout) + " s: a rank did not join");
+  }
+
+  // Throws (after aborting) when NCCL reports an asynchronous error; true while NCCL is
+  // still working on the last call (ncclInProgress).
+  bool nccl_in_progress(const char* op) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t code = ncclCommGetAsyncError(comm, &state);
+    if (code != ncclSuccess) {
+      fail_abort(std::string(op) + " on " + description +
+                 ": ncclCommGetAsyncError failed: " + nccl_text(code, comm));
+    }
+    if (state == ncclSuccess) return false;
+    if (state == ncclInProgress) return true;
+    fail_abort(std::string(op) + " on " + description + " failed: NCCL reported " +
+               nccl_text(state, comm));
+  }
+
+  // An NCCL call inside a group (or ncclGroupStart): errors abort and throw.
+  void check_call(ncclResult_t code, const char* op, const char* call) {
+    if (code == ncclSuccess || code == ncclInProgress) return;
+    fail_abort(std::string(op) + " on " + description + ": " + call +
+               " failed: " + nccl_text(code, comm));
+  }
+
+  // Handles the return code of an NCCL call in non-blocking mode: errors abort and throw;
+  // ncclInProgress is polled until NCCL has finished the call (connections to peers are
+  // set up here, so the deadline applies).
+  void enqueued(ncclResult_t code, const char* op, const char* call, Clock::time_point deadline,
+                double timeout) {
+    if (code != ncclSuccess && code != ncclInProgress) {
+      fail_abort(std::string(op) + " on " + description + ": " + call +
+                 " failed: " + nccl_text(code, comm));
+    }
+    for (long polls = 0; nccl_in_progress(op); ++polls) {
+      if (Clock::now() > deadline) fail_timeout(op, timeout);
+      pause_poll(polls);
+    }
+  }
+
+  // Polls until `event` (the whole stream when null) has completed, NCCL reports an error
+  // or the deadline passes.
+  void wait_for(cudaEvent_t event, const char* op, Clock::time_point deadline, double timeout) {
+    for (long polls = 0;; ++polls) {
+      const cudaError_t done = event != nullptr ? cudaEventQuery(event) : cudaStreamQuery(stream);
+      if (done != cudaSuccess && done != cudaErrorNotReady) {
+        cudaGetLastError();
+        fail_abort(std::string(op) + " on " + description +
+                   ": the CUDA stream failed: " + cuda_text(done));
+      }
+      nccl_in_progress(op);  // throws on an asynchronous NCCL error
+      if (done == cudaSuccess) return;
+      if (Clock::now() > deadline) fail_timeout(op, timeout);
+      pause_poll(polls);
+    }
+  }
+
+  cudaEvent_t acquire_event() {
+    if (!free_events.empty()) {
+      cudaEvent_t event = free_events.back();
+      free_events.pop_back();
+      return event;
+    }
+    cudaEvent_t event = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+               "cudaEventCreateWithFlags for a shift on " + description);
+    return event;
+  }
+
+  void release_event(cudaEvent_t event) { free_events.push_back(event); }
+};
+
+namespace {
+
+using State = NcclCommunicator::State;
+
+// A pending shift: an event recorded on the stream after its send and receive.
+class NcclShiftRequest final : public Request::Impl {
+ public:
+  NcclShiftRequest(std::shared_ptr<State> state, cudaEvent_t event, double timeout, const char* op)
+      : state_(std::move(state)), event_(event), timeout_(timeout), op_(op) {}
+  ~NcclShiftRequest() override { state_->release_event(event_); }
+  cudaEvent_t event() const { return event_; }
+
+  bool test() override {
+    if (done_) return true;
+    state_->require_usable(op_);
+    cudaSetDevice(state_->device);
+    const cudaError_t code = cudaEventQuery(event_);
+    if (code == cudaErrorNotReady) {
+      state_->nccl_in_progress(op_);  // throws on an asynchronous NCCL error
+      return false;
+    }
+    if (code != cudaSuccess) {
+      cudaGetLastError();
+      state_->fail_abort(std::string(op_) + " on " + state_->description +
+                         ": the CUDA stream failed: " + cuda_text(code));
+    }
+    done_ = true;
+    return true;
+  }
+
+  void wait() override {
+    if (done_) return;
+    state_->require_usable(op_);
+    cudaSetDevice(state_->device);
+    state_->wait_for(event_, op_, deadline_after(timeout_), timeout_);
+    done_ = true;
+  }
+
+ private:
+  std::shared_ptr<State> state_;
+  cudaEvent_t event_;
+  double timeout_;
+  const char* op_;
+  bool done_ = false;
+};
+
+// Device buffers only: a host pointer is bad input with the reason and the remedy.
+void require_device_buffer(const State& state, const void* data, const char* op,
+                           const char* which) {
+  if (data == nullptr) {
+    MESHTRAIN_BAD_INPUT(op, " on ", state.description, ": the ", which,
+                        " buffer is a null pointer");
+  }
+  cudaPointerAttributes attributes{};
+  const cudaError_t code = cudaPointerGetAttributes(&attributes, data);
+  if (code != cudaSuccess) {
+    cudaGetLastError();
+    MESHTRAIN_FAIL(op, " on ", state.description, ": cudaPointerGetAttributes of the ", which,
+                   " buffer failed: ", cuda_text(code));
+  }
+  if (attributes.type == cudaMemoryTypeManaged) return;
+  if (attributes.type == cudaMemoryTypeDevice) {
+    if (attributes.device != state.device) {
+      MESHTRAIN_BAD_INPUT(op, " on ", state.description, ": the ", which,
+                          " buffer is memory of CUDA device ", attributes.device,
+                          " but this NCCL communicator runs on device ", state.device);
+    }
+    return;
+  }
+  MESHTRAIN_BAD_INPUT(op, " on ", state.description, ": the ", which, " buffer is ",
+                      attributes.type == cudaMemoryTypeHost ? "pinned host memory" : "host memory",
+                      ", but the NCCL backend needs CUDA device memory: use a CUDA-enabled Kokkos "
+                      "(default memory space CudaSpace) for Kokkos Views, or pass device buffers "
+                      "to NcclCommunicator::",
+                      op, "_device");
+}
+
+void require_disjoint(const State& state, const float* a, std::size_t na, const float* b,
+                      std::size_t nb, const char* op) {
+  if (overlaps(a, na, b, nb)) {
+    MESHTRAIN_BAD_INPUT(op, " on ", state.description,
+                        ": the send and receive buffers overlap; use separate buffers");
+  }
+}
+
+// MPI_Ibcast completed by polling against the deadline (a rank that never joins the
+// set-up becomes an Error, as in the collectives).
+void broadcast_bytes(void* data, int bytes, MPI_Comm comm, double timeout,
+                     const std::string& description) {
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Ibcast(data, bytes, MPI_BYTE, 0, comm, &request),
+            ("MPI_Ibcast of the NCCL id for " + description).c_str());
+  const Clock::time_point deadline = deadline_after(timeout);
+  for (long polls = 0;; ++polls) {
+    int done = 0;
+    check_mpi(MPI_Test(&request, &done, MPI_STATUS_IGNORE),
+              ("MPI_Test of the NCCL id broadcast for " + description).c_str());
+    if (done) return;
+    if (Clock::now() > deadline) {
+      MESHTRAIN_FAIL("NCCL set-up on ", description,
+                     ": the broadcast of the NCCL id did not "
+                     "complete within ",
+                     seconds_text(timeout), " s: a rank did not join");
+    }
+    pause_poll(polls);
+  }
+}
+
+// What rank 0 of the group sends to the others: the id, or why it has none.
+struct IdMessage {
+  ncclUniqueId id;
+  int ok;
+  char error[256];
+};
+
+}  // namespace
+
+// ------------------------------------------------------------------- free functions
+
+bool nccl_device_available() noexcept {
+  return cuda_device_count(nullptr) > 0;
+}
+
+int select_cuda_device(MPI_Comm comm) {
+  std::string why;
+  const int count = cuda_device_count(&why);
+  if (count == 0) MESHTRAIN_FAIL("the NCCL backend needs a CUDA device, but ", why);
+  MPI_Comm node = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+            "MPI_Comm_split_type (ranks of one node) for the CUDA device choice");
+  int local_rank = 0;
+  const int rank_code = MPI_Comm_rank(node, &local_rank);
+  MPI_Comm_free(&node);
+  check_mpi(rank_code, "MPI_Comm_rank of the node communicator");
+  const int device = local_rank % count;
+  check_cuda(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
+  return device;
+}
+
+std::unique_ptr<Communicator> make_nccl_communicator(MPI_Comm group,
+                                                     const std::string& description) {
+  // The factory owns `group`: freed on success and on failure alike.
+  struct FreeGroup {
+    MPI_Comm comm;
+    ~FreeGroup() {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (!finalized && comm != MPI_COMM_NULL && comm != MPI_COMM_WORLD && comm != MPI_COMM_SELF) {
+        MPI_Comm_free(&comm);
+      }
+    }
+  } owned{group};
+  return std::make_unique<NcclCommunicator>(NcclCommunicator::create(group, description));
+}
+
+// ---------------------------------------------------------------- NcclCommunicator
+
+NcclCommunicator::NcclCommunicator(std::shared_ptr<State> state, int size, int rank,
+                                   std::string description)
+    : Communicator(size, rank, std::move(description)), state_(std::move(state)) {}
+
+NcclCommunicator::~NcclCommunicator() {
+  if (state_) state_->destroy_timeout = timeout_seconds();
+}
+
+NcclCommunicator NcclCommunicator::create(MPI_Comm group, std::string description) {
+  MESHTRAIN_REQUIRE(group != MPI_COMM_NULL, "cannot build an NCCL communicator for ", description,
+                    " from MPI_COMM_NULL");
+  const double timeout = collective_timeout_from_env();
+  std::string why;
+  if (cuda_device_count(&why) == 0) {
+    MESHTRAIN_FAIL("the NCCL communicator of ", description, " needs a CUDA device, but ", why);
+  }
+  int size = 0, rank = 0;
+  check_mpi(MPI_Comm_size(group, &size), "MPI_Comm_size");
+  check_mpi(MPI_Comm_rank(group, &rank), "MPI_Comm_rank");
+
+  auto state = std::make_shared<State>();
+  state->description = description;
+  state->destroy_timeout = timeout;
+  check_cuda(cudaGetDevice(&state->device), "cudaGetDevice for " + description);
+
+  // Rank 0 creates the id; a failure there is sent along so no rank waits for nothing.
+  IdMessage message{};
+  if (rank == 0) {
+    const ncclResult_t code = ncclGetUniqueId(&message.id);
+    message.ok = code == ncclSuccess ? 1 : 0;
+    if (!message.ok) {
+      const std::string text = nccl_text(code, nullptr);
+      text.copy(message.error, sizeof(message.error) - 1);
+    }
+  }
+  broadcast_bytes(&message, static_cast<int>(sizeof(message)), group, timeout, description);
+  if (!message.ok) {
+    MESHTRAIN_FAIL("NCCL set-up on ", description,
+                   ": ncclGetUniqueId failed on rank 0 of the "
+                   "group: ",
+                   std::string(message.error));
+  }
+
+  check_cuda(cudaStreamCreateWithFlags(&state->stream, cudaStreamDefault),
+             "cudaStreamCreateWithFlags for " + description);
+  check_cuda(cudaMalloc(reinterpret_cast<void**>(&state->barrier_word), sizeof(float)),
+             "cudaMalloc of the barrier word for " + description);
+  check_cuda(cudaMemset(state->barrier_word, 0, sizeof(float)),
+             "cudaMemset of the barrier word for " + description);
+
+  // Non-blocking mode: the set-up (which waits for every rank) is polled, not blocking.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  const ncclResult_t code = ncclCommInitRankConfig(&state->comm, size, message.id, rank, &config);
+  if (code != ncclSuccess && code != ncclInProgress) {
+    const std::string text = nccl_text(code, state->comm);
+    state->abort("a failed set-up");
+    MESHTRAIN_FAIL("NCCL set-up on ", description, ": ncclCommInitRankConfig (rank ", rank, " of ",
+                   size, ", CUDA device ", state->device, ") failed: ", text);
+  }
+  const Clock::time_point deadline = deadline_after(timeout);
+  for (long polls = 0; state->nccl_in_progress("NCCL set-up"); ++polls) {
+    if (Clock::now() > deadline) state->fail_timeout("NCCL set-up", timeout);
+    pause_poll(polls);
+  }
+  return NcclCommunicator(std::move(state), size, rank, std::move(description));
+}
+
+int NcclCommunicator::device() const {
+  return state_ ? state_->device : -1;
+}
+
+cudaStream_t NcclCommunicator::stream() const {
+  return state_ ? state_->stream : nullptr;
+}
+
+namespace {
+
+// Before enqueuing: the communicator is usable, Kokkos' kernels that wrote the send
+// buffers have finished, and the communicator's device is current.
+State& begin(const std::shared_ptr<State>& state, const char* op) {
+  MESHTRAIN_REQUIRE(state != nullptr, op, " on a moved-from NCCL communicator");
+  state->require_usable(op);
+  if (Kokkos::is_initialized()) Kokkos::fence();
+  check_cuda(cudaSetDevice(state->device),
+             std::string(op) + " on " + state->description + ": cudaSetDevice");
+  return *state;
+}
+
+}  // namespace
+
+void NcclCommunicator::raw_all_gather(const float* send, float* recv, std::size_t count_per_rank,
+                                      const char* op) {
+  State& s = begin(state_, op);
+  if (count_per_rank == 0) return;
+  checked_total(count_per_rank, size(), "all_gather receive buffer");
+  require_device_buffer(s, send, op, "send");
+  require_device_buffer(s, recv, op, "receive");
+  const double timeout = timeout_seconds();
+  const Clock::time_point deadline = deadline_after(timeout);
+  s.enqueued(ncclAllGather(send, recv, count_per_rank, ncclFloat, s.comm, s.stream), op,
+             "ncclAllGather", deadline, timeout);
+  s.wait_for(nullptr, op, deadline, timeout);
+}
+
+void NcclCommunicator::raw_reduce_scatter_sum(const float* send, float* recv,
+                                              std::size_t count_per_rank, const char* op) {
+  State& s = begin(state_, op);
+  if (count_per_rank == 0) return;
+  checked_total(count_per_rank, size(), "reduce_scatter send buffer");
+  require_device_buffer(s, send, op, "send");
+  require_device_buffer(s, recv, op, "receive");
+  const double timeout = timeout_seconds();
+  const Clock::time_point deadline = deadline_after(timeout);
+  s.enqueued(ncclReduceScatter(send, recv, count_per_rank, ncclFloat, ncclSum, s.comm, s.stream),
+             op, "ncclReduceScatter", deadline, timeout);
+  s.wait_for(nullptr, op, deadline, timeout);
+}
+
+void NcclCommunicator::all_reduce_with(float* data, std::size_t count, ncclRedOp_t reduce,
+                                       const char* op) {
+  State& s = begin(state_, op);
+  if (count == 0) return;
+  require_device_buffer(s, data, op, "data");
+  const double timeout = timeout_seconds();
+  const Clock::time_point deadline = deadline_after(timeout);
+  s.enqueued(ncclAllReduce(data, data, count, ncclFloat, reduce, s.comm, s.stream), op,
+             "ncclAllReduce", deadline, timeout);
+  s.wait_for(nullptr, op, deadline, timeout);
+}
+
+void NcclCommunicator::raw_all_reduce_sum(float* data, std::size_t count, const char* op) {
+  all_reduce_with(data, count, ncclSum, op);
+}
+
+void NcclCommunicator::raw_broadcast(float* data, std::size_t count, int root, const char* op) {
+  State& s = begin(state_, op);
+  if (count == 0) return;
+  require_device_buffer(s, data, op, "data");
+  const double timeout = timeout_seconds();
+  const Clock::time_point deadline = deadline_after(timeout);
+  s.enqueued(ncclBroadcast(data, data, count, ncclFloat, root, s.comm, s.stream), op,
+             "ncclBroadcast", deadline, timeout);
+  s.wait_for(nullptr, op, deadline, timeout);
+}
+
+Request NcclCommunicator::raw_shift(const float* send, float* recv, std::size_t count, int offset,
+                                    const char* op) {
+  State& s = begin(state_, op);
+  if (count == 0) return Request();
+  checked_total(count, 1, "shift buffer");
+  require_device_buffer(s, send, op, "send");
+  require_device_buffer(s, recv, op, "receive");
+  const int n = size();
+  const int k = ((offset % n) + n) % n;
+  const int to = (rank() + k) % n;
+  const int from = (rank() - k + n) % n;
+  const double timeout = timeout_seconds();
+  const Clock::time_point deadline = deadline_after(timeout);
+  // The request (and its event) exists before anything is enqueued, so a failure below
+  // never leaves a transfer running without a Request that waits for it.
+  auto pending = std::make_unique<NcclShiftRequest>(state_, s.acquire_event(), timeout, op);
+  if (k == 0) {
+    check_cuda(
+        cudaMemcpyAsync(recv, send, count * sizeof(float), cudaMemcpyDeviceToDevice, s.stream),
+        std::string(op) + " on " + s.description + ": cudaMemcpyAsync");
+  } else {
+    s.check_call(ncclGroupStart(), op, "ncclGroupStart");
+    const ncclResult_t sent = ncclSend(send, count, ncclFloat, to, s.comm, s.stream);
+    const ncclResult_t received =
+        sent == ncclSuccess ? ncclRecv(recv, count, ncclFloat, from, s.comm, s.stream) : sent;
+    const ncclResult_t ended = ncclGroupEnd();  // closes the group even after an error
+    s.check_call(sent, op, "ncclSend");
+    s.check_call(received, op, "ncclRecv");
+    s.enqueued(ended, op, "ncclGroupEnd", deadline, timeout);
+  }
+  const cudaError_t recorded = cudaEventRecord(pending->event(), s.stream);
+  if (recorded != cudaSuccess) {
+    cudaGetLastError();
+    // The transfer is queued but cannot be waited for: stop it.
+    s.fail_abort(std::string(op) + " on " + s.description +
+                 ": cudaEventRecord failed: " + cuda_text(recorded));
+  }
+  return Request(std::move(pending));
+}
+
+void NcclCommunicator::raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
+                                      const char* op) {
+  State& s = begin(state_, op);
+  if (count_per_rank == 0) return;
+  checked_total(count_per_rank, size(), "all_to_all buffer");
+  require_device_buffer(s, send, op, "send");
+  require_device_buffer(s, recv, op, "receive");
+  const double timeout = timeout_seconds();
+  const Clock::time_point deadline = deadline_after(timeout);
+  // Block j of send goes to rank j, block j of recv comes from rank j: one group of
+  // point-to-point calls, so NCCL schedules them together without deadlock.
+  s.check_call(ncclGroupStart(), op, "ncclGroupStart");
+  ncclResult_t failed = ncclSuccess;
+  const char* failed_call = "";
+  for (int j = 0; j < size() && failed == ncclSuccess; ++j) {
+    const std::size_t at = static_cast<std::size_t>(j) * count_per_rank;
+    failed = ncclSend(send + at, count_per_rank, ncclFloat, j, s.comm, s.stream);
+    failed_call = "ncclSend";
+    if (failed == ncclSuccess) {
+      failed = ncclRecv(recv + at, count_per_rank, ncclFloat, j, s.comm, s.stream);
+      failed_call = "ncclRecv";
+    }
+  }
+  const ncclResult_t ended = ncclGroupEnd();  // closes the group even after an error
+  s.check_call(failed, op, failed_call);
+  s.enqueued(ended, op, "ncclGroupEnd", deadline, timeout);
+  s.wait_for(nullptr, op, deadline, timeout);
+}
+
+void NcclCommunicator::raw_barrier(const char* op) {
+  State& s = begin(state_, op);
+  const double timeout = timeout_seconds();
+  const Clock::time_point deadline = deadline_after(timeout);
+  s.enqueued(ncclAllReduce(s.barrier_word, s.barrier_word, 1, ncclFloat, ncclSum, s.comm, s.stream),
+             op, "ncclAllReduce", deadline, timeout);
+  s.wait_for(nullptr, op, deadline, timeout);
+}
+
+// --------------------------------------------------------- device-buffer operations
+
+void NcclCommunicator::all_gather_device(const float* send, float* recv,
+                                         std::size_t count_per_rank) {
+  const char* op = "all_gather";
+  const std::size_t total = checked_total(count_per_rank, size(), "all_gather receive buffer");
+  if (state_) require_disjoint(*state_, send, count_per_rank, recv, total, op);
+  raw_all_gather(send, recv, count_per_rank, op);
+}
+
+void NcclCommunicator::reduce_scatter_device(const float* send, float* recv,
+                                             std::size_t count_per_rank) {
+  const char* op = "reduce_scatter";
+  const std::size_t total = checked_total(count_per_rank, size(), "reduce_scatter send buffer");
+  if (state_) require_disjoint(*state_, send, total, recv, count_per_rank, op);
+  raw_reduce_scatter_sum(send, recv, count_per_rank, op);
+}
+
+void NcclCommunicator::all_reduce_device(float* data, std::size_t count, ReduceOp op) {
+  all_reduce_with(data, count, op == ReduceOp::mean ? ncclAvg : ncclSum, "all_reduce");
+}
+
+void NcclCommunicator::broadcast_device(float* data, std::size_t count, int root) {
+  if (root < 0 || root >= size()) {
+    MESHTRAIN_BAD_INPUT("broadcast on ", description(), ": root ", root, " is not a rank of ",
+                        size());
+  }
+  raw_broadcast(data, count, root, "broadcast");
+}
+
+Request NcclCommunicator::shift_device(const float* send, float* recv, std::size_t count,
+                                       int offset) {
+  const char* op = "shift";
+  if (state_) require_disjoint(*state_, send, count, recv, count, op);
+  return raw_shift(send, recv, count, offset, op);
+}
+
+void NcclCommunicator::all_to_all_device(const float* send, float* recv,
+                                         std::size_t count_per_rank) {
+  const char* op = "all_to_all";
+  const std::size_t total = checked_total(count_per_rank, size(), "all_to_all buffer");
+  if (state_) require_disjoint(*state_, send, total, recv, total, op);
+  raw_all_to_all(send, recv, count_per_rank, op);
+}
+
+}  // namespace meshtrain

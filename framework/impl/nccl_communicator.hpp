@@ -1,0 +1,107 @@
+#pragma once
+// The NCCL backend of Communicator (compiled only when CUDA and NCCL are found, with
+// MESHTRAIN_HAVE_NCCL=1; include this header only under `#if MESHTRAIN_HAVE_NCCL`).
+//
+// One NcclCommunicator is one NCCL communicator over the ranks of an MPI group, on the
+// CUDA device that is current when it is built (select_cuda_device picks one per local
+// rank), with a CUDA stream of its own. Every operation is enqueued on that stream and
+// then polled (cudaStreamQuery / cudaEventQuery and ncclCommGetAsyncError) until it
+// completes or timeout_seconds() pass; on a timeout or an asynchronous NCCL error the
+// NCCL communicator is aborted (ncclCommAbort) and an Error naming the operation and the
+// group is thrown; every later operation on it throws. The communicator is created in
+// NCCL's non-blocking mode, so its set-up and every NCCL call are bounded by the same
+// deadline instead of hanging on a rank that never joins.
+//
+// Memory: NCCL moves device memory only. The View operations of Communicator pass
+// their Views' pointers straight to NCCL, so they work when Kokkos' default memory space
+// is CUDA device (or managed) memory, i.e. with a CUDA-enabled Kokkos. With a host-only
+// Kokkos (Debian's Serial build) every View operation fails with a bad_input Error saying
+// that the NCCL backend needs device memory; nothing is staged through host copies
+// behind the caller's back. Code that owns CUDA buffers calls the *_device functions
+// below with device pointers; they work with any Kokkos.
+//
+// Ordering: an operation starts after Kokkos::fence() and, since the stream is a blocking
+// CUDA stream, after work already queued on the legacy default stream. Work on other
+// non-blocking streams that writes a send buffer must be synchronized by the caller.
+
+#include <cuda_runtime_api.h>
+#include <mpi.h>
+#include <nccl.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "framework/communicator.hpp"
+
+namespace meshtrain {
+
+// True when at least one CUDA device can be used (cudaGetDeviceCount > 0). Never throws:
+// without a driver or a device it returns false.
+bool nccl_device_available() noexcept;
+
+// Collective over `comm` (MPI_COMM_WORLD in a program): the ranks of `comm` on one node
+// are numbered 0, 1, ... and local rank l makes device (l % device count) current.
+// Returns that device. Throws a runtime Error when no CUDA device can be used. Call it
+// once per process before building NCCL communicators.
+int select_cuda_device(MPI_Comm comm);
+
+// The factory for MeshCommunicators (a CommunicatorFactory): an NcclCommunicator over
+// `group` on the current CUDA device. Takes ownership of `group` (freed once NCCL is set
+// up; never MPI_COMM_WORLD or MPI_COMM_SELF). Collective over `group`.
+std::unique_ptr<Communicator> make_nccl_communicator(MPI_Comm group,
+                                                     const std::string& description);
+
+class NcclCommunicator final : public Communicator {
+ public:
+  // Collective over `group`: rank 0 of the group calls ncclGetUniqueId, MPI broadcasts
+  // it, every rank joins ncclCommInitRankConfig on the current CUDA device. `group` is only
+  // used here (not owned, not kept). `description` names the group in errors. Throws a
+  // runtime Error when there is no CUDA device or NCCL set-up fails or times out.
+  static NcclCommunicator create(MPI_Comm group, std::string description);
+
+  NcclCommunicator(NcclCommunicator&&) = default;
+  NcclCommunicator& operator=(NcclCommunicator&&) = default;
+  // Finalizes and destroys the NCCL communicator (aborting it if that does not finish
+  // within the timeout) and destroys the stream. A pending shift keeps them alive.
+  ~NcclCommunicator() override;
+
+  int device() const;           // the CUDA device of this communicator
+  cudaStream_t stream() const;  // the stream every operation runs on (owned)
+
+  // --- device-buffer operations: the same semantics as the View operations of the same
+  // name on flat buffers, for pointers to CUDA device (or managed) memory of device().
+  // Host pointers are a bad_input Error. Each returns when the result can be read.
+  void all_gather_device(const float* send, float* recv, std::size_t count_per_rank);
+  void reduce_scatter_device(const float* send, float* recv, std::size_t count_per_rank);
+  // In place; mean is NCCL's ncclAvg.
+  void all_reduce_device(float* data, std::size_t count, ReduceOp op = ReduceOp::sum);
+  void broadcast_device(float* data, std::size_t count, int root);
+  // Non-blocking: the Request completes when both the send and the receive are done.
+  Request shift_device(const float* send, float* recv, std::size_t count, int offset);
+  // send and recv hold size() blocks of count_per_rank floats each.
+  void all_to_all_device(const float* send, float* recv, std::size_t count_per_rank);
+
+  struct State;  // shared with pending shift requests: comm, stream, device, broken flag
+
+ protected:
+  void raw_all_gather(const float* send, float* recv, std::size_t count_per_rank,
+                      const char* op) override;
+  void raw_reduce_scatter_sum(const float* send, float* recv, std::size_t count_per_rank,
+                              const char* op) override;
+  void raw_all_reduce_sum(float* data, std::size_t count, const char* op) override;
+  void raw_broadcast(float* data, std::size_t count, int root, const char* op) override;
+  Request raw_shift(const float* send, float* recv, std::size_t count, int offset,
+                    const char* op) override;
+  void raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
+                      const char* op) override;
+  void raw_barrier(const char* op) override;
+
+ private:
+  NcclCommunicator(std::shared_ptr<State> state, int size, int rank, std::string description);
+  void all_reduce_with(float* data, std::size_t count, ncclRedOp_t reduce, const char* op);
+
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace meshtrain
