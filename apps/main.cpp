@@ -3,8 +3,8 @@
 // meshtrain::Error into an exit status: 2 for bad input, 1 for a failure while running.
 //
 //   meshtrain plan CONFIG [--world N] [--json] [--set section.key=value ...]
-//   (to come) meshtrain train CONFIG [--set ...]          under mpirun
-//   (to come) meshtrain inspect CHECKPOINT.h5 [--verify]
+//   mpirun -np N meshtrain train CONFIG [--set ...]
+//   meshtrain inspect CHECKPOINT.h5 [--verify]
 
 #include <CLI/CLI.hpp>
 
@@ -15,8 +15,11 @@
 #include <string>
 #include <vector>
 
+#include "apps/inspect.hpp"
 #include "apps/plan.hpp"
+#include "apps/train.hpp"
 #include "framework/config.hpp"
+#include "framework/runtime.hpp"
 #include "framework/version.hpp"
 #include "partition/error.hpp"
 
@@ -78,8 +81,41 @@ int run_plan(const PlanArgs& args) {
   return std::cout ? 0 : kExitFailure;
 }
 
-// --- train: to come (runs under mpirun; initializes MPI only for this subcommand) ---------
-// --- inspect: to come (reads a checkpoint's HDF5 file; --verify checks every dataset) ----
+// --- train: runs under mpirun; MPI is initialized for this subcommand only -------------
+struct TrainArgs {
+  std::string config;
+  std::vector<std::string> overrides;
+};
+
+void add_train_command(CLI::App& app, TrainArgs& args) {
+  CLI::App* train = app.add_subcommand(
+      "train",
+      "Train the run's MLP on the mesh of the MPI world (mpirun -np N meshtrain train ...)");
+  train->add_option("config", args.config, "The run's TOML file")->required();
+  add_set_option(*train, args.overrides);
+}
+
+// Errors on some ranks only end every rank (no rank is left waiting in a collective);
+// setup errors that every rank sees are printed once by train_command itself.
+int run_train(const TrainArgs& args, int& argc, char**& argv) {
+  meshtrain::Runtime runtime(argc, argv);
+  return meshtrain::run_or_abort(
+      [&] { return meshtrain::train_command(args.config, args.overrides, runtime); });
+}
+
+// --- inspect: a checkpoint's step, mesh, config and datasets (no MPI launch needed) ----
+struct InspectArgs {
+  std::string checkpoint;
+  bool verify = false;
+};
+
+void add_inspect_command(CLI::App& app, InspectArgs& args) {
+  CLI::App* inspect = app.add_subcommand(
+      "inspect", "Show a checkpoint's step, mesh, config and datasets (shapes, dtypes, specs)");
+  inspect->add_option("checkpoint", args.checkpoint, "A checkpoint file (ckpt-*.h5)")->required();
+  inspect->add_flag("--verify", args.verify,
+                    "Read every dataset and check its Fletcher32 checksum");
+}
 
 bool verbose() {
   const char* value = std::getenv("MESHTRAIN_VERBOSE");
@@ -105,6 +141,10 @@ int main(int argc, char** argv) {
 
   PlanArgs plan_args;
   add_plan_command(app, plan_args);
+  TrainArgs train_args;
+  add_train_command(app, train_args);
+  InspectArgs inspect_args;
+  add_inspect_command(app, inspect_args);
 
   try {
     app.parse(argc, argv);
@@ -115,6 +155,10 @@ int main(int argc, char** argv) {
 
   try {
     if (app.got_subcommand("plan")) return run_plan(plan_args);
+    if (app.got_subcommand("train")) return run_train(train_args, argc, argv);
+    if (app.got_subcommand("inspect")) {
+      return meshtrain::inspect_command(inspect_args.checkpoint, inspect_args.verify, std::cout);
+    }
   } catch (const meshtrain::Error& e) {
     return report(e);
   } catch (const std::exception& e) {

@@ -33,9 +33,7 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& schema() {
       {"mesh", {"dp", "fsdp", "ep", "tp", "sp"}},
       {"model", {"kind", "sizes", "activation", "init", "loss"}},
       {"partition", {"preset", "min_sharding_size", "rules", "logical_axes", "collective_matmul"}},
-      {"data",
-       {"source", "path", "test_path", "batch_size", "shuffle", "synthetic_samples",
-        "eval_batch_size"}},
+      {"data", {"source", "path", "test_path", "batch_size", "shuffle", "synthetic_samples"}},
       {"optimizer", {"kind", "lr", "momentum", "betas", "eps", "weight_decay", "clip_norm"}},
       {"train", {"epochs", "steps", "log_every", "eval_every"}},
       {"checkpoint", {"every_steps", "keep", "resume", "dir"}},
@@ -427,7 +425,6 @@ void read_data(const Section& s, DataSection& data) {
   data.batch_size = s.integer("batch_size", data.batch_size, 1);
   data.shuffle = s.boolean("shuffle", data.shuffle);
   data.synthetic_samples = s.integer("synthetic_samples", data.synthetic_samples, 1);
-  data.eval_batch_size = s.integer("eval_batch_size", data.eval_batch_size, 1);
 }
 
 void read_optimizer(const Section& s, OptimizerSection& opt) {

@@ -57,7 +57,6 @@ struct DataSection {
   int64_t batch_size = 128;  // global
   bool shuffle = true;
   int64_t synthetic_samples = 4096;
-  int64_t eval_batch_size = 1000;  // global
 };
 
 struct OptimizerSection {

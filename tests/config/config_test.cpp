@@ -69,7 +69,6 @@ test_path = "test.h5"
 batch_size = 64
 shuffle = false
 synthetic_samples = 100
-eval_batch_size = 50
 [optimizer]
 kind = "sgd"
 lr = 0.5
@@ -119,7 +118,6 @@ dir = "ckpt"
   EXPECT_EQ(c.data.batch_size, 64);
   EXPECT_FALSE(c.data.shuffle);
   EXPECT_EQ(c.data.synthetic_samples, 100);
-  EXPECT_EQ(c.data.eval_batch_size, 50);
   EXPECT_EQ(c.optimizer.kind, "sgd");
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 0.5);
   EXPECT_DOUBLE_EQ(c.optimizer.momentum, 0.8);
@@ -233,7 +231,6 @@ TEST(Config, RangeErrorsNameFileLineKeyAndValue) {
       {"[optimizer]\nkind = \"adam\"\n",
        {"t.toml:6", "[optimizer] kind", "sgd | adamw", "\"adam\""}},
       {"[data]\nbatch_size = 0\n", {"t.toml:6", "[data] batch_size", "at least 1", "got 0"}},
-      {"[data]\neval_batch_size = 0\n", {"t.toml:6", "[data] eval_batch_size"}},
       {"[data]\nsynthetic_samples = -5\n", {"t.toml:6", "[data] synthetic_samples"}},
       {"[data]\nsource = \"csv\"\n", {"t.toml:6", "[data] source", "\"csv\""}},
       {"[data]\nsource = \"hdf5\"\n", {"[data] path", "hdf5"}},
