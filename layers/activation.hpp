@@ -1,0 +1,27 @@
+#pragma once
+// Elementwise activations, forward and backward. They work on any layout (a block of an
+// activation is activated independently of the others).
+//   relu  max(z, 0); derivative 1 for z > 0, else 0
+//   tanh  tanh(z);   derivative 1 - tanh(z)^2
+//   gelu  the tanh approximation (as jax.nn.gelu(approximate=True) and GELU(approximate=
+//         "tanh") in PyTorch): 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))
+//   none  identity
+
+#include <string>
+
+#include "framework/sharded_tensor.hpp"
+
+namespace meshtrain {
+
+enum class Activation { relu, tanh, gelu, none };
+
+// "relu" | "tanh" | "gelu" | "none"; bad_input naming `key` and the value otherwise.
+Activation parse_activation(const std::string& name, const std::string& key = "model.activation");
+const char* to_string(Activation activation);
+
+// out = f(z); out may be z itself.
+void activation_forward(Activation activation, UnmanagedMatrix z, UnmanagedMatrix out);
+// grad = grad * f'(z), in place; `z` is the forward input.
+void activation_backward(Activation activation, UnmanagedMatrix z, UnmanagedMatrix grad);
+
+}  // namespace meshtrain

@@ -1,0 +1,66 @@
+#pragma once
+// What every layer needs to know about the mesh: which mesh axes split the batch rows
+// (the logical axis `batch`, default (fsdp, dp)), which one splits the features (the
+// logical axis `hidden`, default tp), and the communicators of this rank's groups.
+//
+// Layers ask for their communicators at construction only. MeshCommunicators::get is
+// collective the first time a tuple is asked for, and every rank builds the same layers
+// in the same order from the same specs, so the calls line up on every rank.
+
+#include <string>
+#include <vector>
+
+#include "framework/collective_matmul.hpp"
+#include "framework/communicator.hpp"
+#include "framework/runtime.hpp"
+#include "partition/logical_axes.hpp"
+#include "partition/mesh.hpp"
+
+namespace meshtrain {
+
+// How the feature (column) dimension of an activation is laid out over the feature axis:
+// every rank has all features, or rank t of the feature axis has the column block t.
+enum class FeatureLayout { replicated, split };
+const char* to_string(FeatureLayout layout);
+
+class ParallelContext {
+ public:
+  // batch_axes: mesh axes of the batch rows, major to minor; feature_axis: the mesh axis
+  // of the features ("" = none). Axes the mesh lacks are dropped (they are of size 1).
+  // Throws bad_input when the feature axis (size > 1) also splits the batch.
+  ParallelContext(MeshCommunicators& comms, std::vector<std::string> batch_axes,
+                  std::string feature_axis,
+                  CollectiveMatmulAlgorithm matmul = CollectiveMatmulAlgorithm::automatic);
+  // From the logical axes: batch = axes_of("batch"), features = axes_of("hidden") (at
+  // most one mesh axis; bad_input otherwise).
+  static ParallelContext from_logical_axes(
+      MeshCommunicators& comms, const LogicalAxes& logical,
+      CollectiveMatmulAlgorithm matmul = CollectiveMatmulAlgorithm::automatic);
+
+  const Mesh& mesh() const { return comms_->mesh(); }
+  int rank() const { return comms_->rank(); }
+  const std::vector<std::string>& batch_axes() const { return batch_axes_; }
+  const std::string& feature_axis() const { return feature_axis_; }
+  CollectiveMatmulAlgorithm matmul_algorithm() const { return matmul_; }
+
+  // Size of the feature axis (1 when there is none) and this rank's index on it.
+  int feature_parallel() const;
+  int feature_index() const;
+  // Product of the batch axes' sizes and this rank's index in that group.
+  int batch_parallel() const;
+  int batch_index() const;
+  bool is_batch_axis(const std::string& axis) const;
+
+  // `axes` without those of size 1 (order kept).
+  std::vector<std::string> active(const std::vector<std::string>& axes) const;
+  // The communicator over active(axes), or nullptr when that is empty (nothing to do).
+  Communicator* comm(const std::vector<std::string>& axes);
+
+ private:
+  MeshCommunicators* comms_;
+  std::vector<std::string> batch_axes_;
+  std::string feature_axis_;
+  CollectiveMatmulAlgorithm matmul_;
+};
+
+}  // namespace meshtrain

@@ -1,0 +1,145 @@
+#pragma once
+// A fully connected layer y = x W + b with W [in, out], b [out], in every layout of
+// DESIGN.md section 6, derived from the parameters' specs, never written per combination:
+//
+// Compute layout
+//   TP  (the weight's dim-0 entry starts with the feature axis, size T > 1): the layer
+//       works on the feature block t of its input, x_c [rows, in/T], and its weight rows
+//       W_c [in/T, out]. Forward: matmul_reduce_scatter over the feature axis (scatter
+//       dim 1) -> output split [rows, out/T], + the bias block t. When out does not divide
+//       by T, the partial product is all-reduced instead and the output stays replicated.
+//       Backward: dX_c = all_gather(dY, dim 1) @ W_cᵀ and dW_c = X_cᵀ @ all_gather(dY, dim 1)
+//       (all_gather_matmul, transposes through the GEMM flags).
+//   replicated (otherwise): x_c [rows, in] (a split input is all-gathered over the feature
+//       axis first), W_c the full weight, output replicated.
+//   A TP layer fed a replicated input (the first layer, or after a non-divisible output)
+//   takes its column block locally; its input gradient is all-gathered back.
+// Storage
+//   Every other axis in the weight's spec (and every axis of the bias's spec beyond the
+//   compute block) is storage: all-gathered into a shared scratch buffer right before use,
+//   in forward AND again in backward (nothing is kept from forward), and the gradient is
+//   reduce-scattered back over the same axes.
+// Batch
+//   Rows are split over the batch axes. Weight-gradient contributions are summed over the
+//   batch axes: by the storage reduce-scatter for batch axes that are also storage axes
+//   (FSDP), by an all-reduce over the remaining ones (DP). Storage axes that are not batch
+//   axes hold identical contributions (replicated compute), so the reduce-scatter over
+//   them is divided by their size. The bias gradient (small) is one all-reduce of the
+//   full-width vector over the batch axes (and the feature axis when the output is
+//   split), then this rank's block is kept.
+// The loss is a mean over the global batch, so gradients are sums over ranks, and equal
+// the single-rank gradients.
+//
+// Buffers: the layer owns its activations for backward (input as used, output) and its
+// input gradient; gathered weights and gradient staging live in a LinearScratch shared by
+// all layers of a model. Nothing is allocated in forward() or backward().
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "framework/collective_matmul.hpp"
+#include "framework/sharded_tensor.hpp"
+#include "layers/context.hpp"
+
+namespace meshtrain {
+
+// Floats of scratch a layer needs; a model allocates the maximum over its layers.
+struct LinearScratchNeeds {
+  size_t weight = 0;  // gathered compute block of the weight
+  size_t grad = 0;    // compute block of the weight gradient
+  size_t stage = 0;   // between the two gathers / reduce-scatters of a 2-D storage split
+  size_t bias = 0;    // gathered bias / full-width bias gradient
+  size_t matmul = 0;  // collective matmul workspace (bytes)
+  void merge(const LinearScratchNeeds& o);
+};
+
+struct LinearScratch {
+  Vector weight;
+  Vector grad;
+  Vector stage;
+  Vector bias;
+  CollectiveMatmulWorkspace matmul;
+  explicit LinearScratch(const LinearScratchNeeds& needs = {});
+};
+
+class Linear {
+ public:
+  // `weight` [in, out] and `bias` [out] as allocated (their specs and boxes fix the
+  // layout); `input_layout` is how the input's features arrive; `rows` is the local batch.
+  // Asks the context for the communicators it needs (collective; see context.hpp).
+  // Throws bad_input when the shapes do not agree or a split does not divide.
+  Linear(const ShardedTensor& weight, const ShardedTensor& bias, FeatureLayout input_layout,
+         int64_t rows, ParallelContext& context);
+
+  // y = x W + b. x: [rows, input_width()]. Returns the output [rows, output_width()],
+  // owned by the layer (valid until the next forward). x must stay valid until backward.
+  UnmanagedMatrix forward(const ShardedTensor& weight, const ShardedTensor& bias, UnmanagedMatrix x,
+                          LinearScratch& scratch);
+
+  // From dY [rows, output_width()]: writes the weight and bias gradients (overwriting
+  // them) and, when need_input_grad, returns dX [rows, input_width()] (owned by the
+  // layer); otherwise an empty view.
+  UnmanagedMatrix backward(const ShardedTensor& weight, ShardedTensor& weight_grad,
+                           ShardedTensor& bias_grad, UnmanagedMatrix dy, bool need_input_grad,
+                           LinearScratch& scratch);
+
+  int64_t in() const { return in_; }
+  int64_t out() const { return out_; }
+  FeatureLayout input_layout() const { return input_layout_; }
+  FeatureLayout output_layout() const {
+    return split_output_ ? FeatureLayout::split : FeatureLayout::replicated;
+  }
+  int64_t input_width() const;    // local columns of the input as it arrives
+  int64_t output_width() const;   // local columns of the output
+  int64_t output_offset() const;  // first global output column held here
+  bool tensor_parallel() const { return compute_tp_; }
+  // The output of the last forward (the pre-activation, kept for backward).
+  UnmanagedMatrix output() const { return output_; }
+  const LinearScratchNeeds& scratch_needs() const { return needs_; }
+  // One line for logs: "layers/0: TP in 784 (split 196) -> out 128 (split 32), weight
+  // gathered over (fsdp) on dim 1, grads +all-reduce (dp)".
+  std::string describe() const;
+
+ private:
+  UnmanagedMatrix compute_weight(const ShardedTensor& weight, LinearScratch& scratch);
+  const float* compute_bias(const ShardedTensor& bias, LinearScratch& scratch);
+
+  std::string name_;
+  int64_t in_ = 0, out_ = 0, rows_ = 0;
+  int tp_ = 1, tp_index_ = 0;
+  bool compute_tp_ = false;
+  bool split_output_ = false;
+  FeatureLayout input_layout_ = FeatureLayout::replicated;
+  int64_t in_c_ = 0;       // rows of the compute block of W (= columns of x_c)
+  int64_t out_local_ = 0;  // columns of the output
+
+  // Weight storage -> compute block: gathers over these active axes, dim 0 then dim 1.
+  std::vector<std::string> gather0_, gather1_;
+  Communicator* gather0_comm_ = nullptr;
+  Communicator* gather1_comm_ = nullptr;
+  int64_t stored_rows_ = 0, stored_cols_ = 0;  // the weight's local block
+  float nonbatch_scale_ = 1.0f;                // 1 / size of non-batch gather axes
+  std::vector<std::string> weight_allreduce_;  // batch axes not covered by the gathers
+  Communicator* weight_allreduce_comm_ = nullptr;
+
+  // Bias: gather over bias_gather_ gives the block [bias_gathered_offset_, +extent).
+  std::vector<std::string> bias_gather_;
+  Communicator* bias_gather_comm_ = nullptr;
+  int64_t bias_gathered_offset_ = 0;
+  int64_t bias_stored_offset_ = 0, bias_stored_extent_ = 0;
+  std::vector<std::string> bias_reduce_;
+  Communicator* bias_reduce_comm_ = nullptr;
+
+  Communicator* tp_comm_ = nullptr;
+  CollectiveMatmulAlgorithm algorithm_ = CollectiveMatmulAlgorithm::automatic;
+
+  Matrix x_c_;  // the input as used, when it is not the caller's view
+  UnmanagedMatrix x_used_;
+  Matrix output_;  // [rows, out_local]
+  Matrix dx_c_;    // [rows, in_c]
+  Matrix dx_;      // [rows, input_width] when it differs from dx_c_
+  LinearScratchNeeds needs_;
+};
+
+}  // namespace meshtrain

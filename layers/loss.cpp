@@ -1,0 +1,195 @@
+#include "layers/loss.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <cmath>
+
+#include "partition/error.hpp"
+
+namespace meshtrain {
+namespace {
+
+#if KOKKOS_VERSION >= 30700
+namespace kmath = ::Kokkos;
+#else
+namespace kmath = ::Kokkos::Experimental;
+#endif
+
+using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
+
+}  // namespace
+
+LossKind parse_loss_kind(const std::string& name, const std::string& key) {
+  if (name == "cross_entropy") return LossKind::cross_entropy;
+  if (name == "mse") return LossKind::mse;
+  MESHTRAIN_BAD_INPUT(key, " = '", name, "' is not a loss; use cross_entropy or mse");
+}
+
+const char* to_string(LossKind kind) {
+  return kind == LossKind::cross_entropy ? "cross_entropy" : "mse";
+}
+
+Loss::Loss(LossKind kind, ParallelContext& context, int64_t rows, int64_t width,
+           FeatureLayout layout)
+    : kind_(kind), rows_(rows), width_(width) {
+  tp_ = context.feature_parallel();
+  tp_index_ = context.feature_index();
+  split_ = tp_ > 1 && layout == FeatureLayout::split;
+  if (split_ && width_ % tp_ != 0) {
+    MESHTRAIN_BAD_INPUT("the loss cannot split ", width_, " outputs over mesh axis '",
+                        context.feature_axis(), "' of size ", tp_);
+  }
+  local_width_ = split_ ? width_ / tp_ : width_;
+  offset_ = split_ ? tp_index_ * local_width_ : 0;
+  if (!split_) tp_index_ = 0;
+  global_rows_ = rows_ * context.batch_parallel();
+
+  std::vector<std::string> scalar_axes = context.active(context.batch_axes());
+  if (split_ && kind_ == LossKind::mse) scalar_axes.push_back(context.feature_axis());
+  if (split_) tp_comm_ = context.comm({context.feature_axis()});
+  scalar_comm_ = context.comm(scalar_axes);
+
+  gradient_ = Matrix("meshtrain::loss_gradient", rows_, local_width_);
+  row_max_local_ = Matrix("meshtrain::loss_row_max", rows_, 1);
+  row_max_all_ = Matrix("meshtrain::loss_row_max_all", rows_, split_ ? tp_ : 1);
+  row_stats_ = Matrix("meshtrain::loss_row_stats", rows_, 3);
+  row_loss_ = Vector("meshtrain::loss_rows", rows_);
+  scalars_ = Vector("meshtrain::loss_scalars", 4);
+  scalars_host_ = Kokkos::create_mirror_view(scalars_);
+  if (tp_comm_) tp_comm_->reserve_scratch(static_cast<size_t>(rows_ * tp_));
+}
+
+LossResult Loss::finish(double local_sum, double local_correct, double local_count) {
+  const float hi = static_cast<float>(local_sum);
+  scalars_host_(0) = hi;
+  scalars_host_(1) = static_cast<float>(local_sum - static_cast<double>(hi));
+  scalars_host_(2) = static_cast<float>(local_correct);
+  scalars_host_(3) = static_cast<float>(local_count);
+  if (scalar_comm_) {
+    Kokkos::deep_copy(scalars_, scalars_host_);
+    scalar_comm_->all_reduce(VectorView(scalars_.data(), 4));
+    Kokkos::deep_copy(scalars_host_, scalars_);
+  }
+  LossResult r;
+  r.loss_sum = static_cast<double>(scalars_host_(0)) + static_cast<double>(scalars_host_(1));
+  r.correct = static_cast<int64_t>(std::llround(scalars_host_(2)));
+  r.count = static_cast<int64_t>(std::llround(scalars_host_(3)));
+  r.loss = r.count > 0 ? r.loss_sum / static_cast<double>(r.count) : 0.0;
+  return r;
+}
+
+LossResult Loss::cross_entropy(UnmanagedMatrix logits, LabelView labels, bool with_gradient,
+                               int64_t valid_rows) {
+  MESHTRAIN_REQUIRE(kind_ == LossKind::cross_entropy, "Loss::cross_entropy on a ", to_string(kind_),
+                    " loss");
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(logits.extent(0)) == rows_ &&
+                        static_cast<int64_t>(logits.extent(1)) == local_width_ &&
+                        static_cast<int64_t>(labels.extent(0)) >= rows_,
+                    "cross_entropy: logits are [", logits.extent(0), ", ", logits.extent(1),
+                    "], expected [", rows_, ", ", local_width_, "]");
+  const int64_t valid = valid_rows < 0 ? rows_ : std::min(valid_rows, rows_);
+  const int64_t lw = local_width_;
+  const int64_t offset = offset_;
+  const int my_index = tp_index_;
+  const float inv_n = 1.0f / static_cast<float>(global_rows_);
+  auto row_max = row_max_local_;
+  auto row_max_all = split_ ? row_max_all_ : row_max_local_;
+  auto stats = row_stats_;
+  auto row_loss = row_loss_;
+  auto grad = gradient_;
+
+  Kokkos::parallel_for(
+      "meshtrain::cross_entropy_row_max", Kokkos::RangePolicy<>(0, rows_),
+      KOKKOS_LAMBDA(const int64_t i) {
+        float m = logits(i, 0);
+        for (int64_t j = 1; j < lw; ++j) m = logits(i, j) > m ? logits(i, j) : m;
+        row_max(i, 0) = m;
+      });
+  if (split_) tp_comm_->all_gather(UnmanagedMatrix(row_max_local_), row_max_all_, 1);
+  const int64_t parts = static_cast<int64_t>(row_max_all.extent(1));
+  Kokkos::parallel_for(
+      "meshtrain::cross_entropy_row_stats", Kokkos::RangePolicy<>(0, rows_),
+      KOKKOS_LAMBDA(const int64_t i) {
+        float m = row_max_all(i, 0);
+        int owner = 0;
+        for (int64_t t = 1; t < parts; ++t) {
+          if (row_max_all(i, t) > m) {
+            m = row_max_all(i, t);
+            owner = static_cast<int>(t);
+          }
+        }
+        float s = 0.0f;
+        for (int64_t j = 0; j < lw; ++j) s += kmath::exp(logits(i, j) - m);
+        const int64_t label = labels(i) - offset;
+        const float label_logit = (label >= 0 && label < lw) ? logits(i, label) : 0.0f;
+        float hit = 0.0f;
+        if (owner == my_index) {
+          int64_t arg = 0;
+          while (arg < lw - 1 && logits(i, arg) != m) ++arg;
+          hit = (arg + offset == labels(i)) ? 1.0f : 0.0f;
+        }
+        stats(i, 0) = s;
+        stats(i, 1) = label_logit;
+        stats(i, 2) = hit;
+        row_max(i, 0) = m;  // the global maximum from here on
+      });
+  if (split_) tp_comm_->all_reduce(UnmanagedMatrix(row_stats_));
+  Kokkos::parallel_for(
+      "meshtrain::cross_entropy_rows", Kokkos::RangePolicy<>(0, rows_),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const float m = row_max(i, 0);
+        const float s = stats(i, 0);
+        row_loss(i) = i < valid ? kmath::log(s) + m - stats(i, 1) : 0.0f;
+        if (with_gradient) {
+          const int64_t label = labels(i) - offset;
+          for (int64_t j = 0; j < lw; ++j) {
+            const float p = kmath::exp(logits(i, j) - m) / s;
+            grad(i, j) = i < valid ? (p - (j == label ? 1.0f : 0.0f)) * inv_n : 0.0f;
+          }
+        }
+      });
+  double sum = 0.0, correct = 0.0;
+  Kokkos::parallel_reduce(
+      "meshtrain::cross_entropy_sum", Kokkos::RangePolicy<>(0, valid),
+      KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += row_loss(i); }, sum);
+  Kokkos::parallel_reduce(
+      "meshtrain::cross_entropy_hits", Kokkos::RangePolicy<>(0, valid),
+      KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += stats(i, 2); }, correct);
+  return finish(sum, correct, static_cast<double>(valid));
+}
+
+LossResult Loss::mse(UnmanagedMatrix logits, UnmanagedMatrix targets, bool with_gradient,
+                     int64_t valid_rows) {
+  MESHTRAIN_REQUIRE(kind_ == LossKind::mse, "Loss::mse on a ", to_string(kind_), " loss");
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(logits.extent(0)) == rows_ &&
+                        static_cast<int64_t>(logits.extent(1)) == local_width_ &&
+                        static_cast<int64_t>(targets.extent(0)) >= rows_ &&
+                        static_cast<int64_t>(targets.extent(1)) == width_,
+                    "mse: outputs are [", logits.extent(0), ", ", logits.extent(1),
+                    "] and targets [", targets.extent(0), ", ", targets.extent(1), "], expected [",
+                    rows_, ", ", local_width_, "] and [", rows_, ", ", width_, "]");
+  const int64_t valid = valid_rows < 0 ? rows_ : std::min(valid_rows, rows_);
+  const int64_t lw = local_width_;
+  const int64_t offset = offset_;
+  const float scale = 2.0f / static_cast<float>(global_rows_);
+  auto row_loss = row_loss_;
+  auto grad = gradient_;
+  Kokkos::parallel_for(
+      "meshtrain::mse_rows", Kokkos::RangePolicy<>(0, rows_), KOKKOS_LAMBDA(const int64_t i) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < lw; ++j) {
+          const float d = logits(i, j) - targets(i, offset + j);
+          s += d * d;
+          if (with_gradient) grad(i, j) = i < valid ? scale * d : 0.0f;
+        }
+        row_loss(i) = i < valid ? s : 0.0f;
+      });
+  double sum = 0.0;
+  Kokkos::parallel_reduce(
+      "meshtrain::mse_sum", Kokkos::RangePolicy<>(0, valid),
+      KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += row_loss(i); }, sum);
+  // A split mse reduces over the feature axis too: count the rows on feature rank 0 only.
+  const double count = (split_ && tp_index_ != 0) ? 0.0 : static_cast<double>(valid);
+  return finish(sum, 0.0, count);
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,80 @@
+#pragma once
+// Losses over the model output (logits), a mean over the GLOBAL batch, with the gradient
+// w.r.t. the local logits (already divided by the global batch, so layer gradients summed
+// over the batch ranks equal the single-rank ones).
+//
+//   cross_entropy  softmax cross-entropy with integer labels: mean over rows of
+//                  logsumexp(l) - l[label]; also counts argmax hits (accuracy).
+//   mse            as the reference notebook: mean over rows of the sum over outputs of
+//                  (y - t)^2; gradient 2 (y - t) / N.
+// The logits may be replicated over the feature axis or split over it (column block t on
+// feature rank t): a split softmax finds the row maximum with an all-gather over the
+// feature axis and sums exp / label logit / argmax hit with one all-reduce over it.
+// The scalars (loss sum, hits, rows) are then all-reduced over the batch axes (and the
+// feature axis for a split mse), once per call.
+//
+// Labels and targets are given for this rank's rows with all columns (targets [rows,
+// width]); a split loss reads its own columns. Rows at or after `valid_rows` are padding
+// (evaluation): they add nothing, and the mean divides by the global count of valid rows.
+// The gradient assumes every row is valid (training).
+
+#include <cstdint>
+#include <string>
+
+#include "framework/sharded_tensor.hpp"
+#include "layers/context.hpp"
+
+namespace meshtrain {
+
+enum class LossKind { cross_entropy, mse };
+// "cross_entropy" | "mse"; bad_input naming `key` and the value otherwise.
+LossKind parse_loss_kind(const std::string& name, const std::string& key = "model.loss");
+const char* to_string(LossKind kind);
+
+struct LossResult {
+  double loss = 0.0;      // mean over the valid rows of the global batch
+  double loss_sum = 0.0;  // sum over the valid rows of the global batch
+  int64_t correct = 0;    // cross_entropy: rows whose argmax is the label (global)
+  int64_t count = 0;      // valid rows (global)
+};
+
+using LabelView = Kokkos::View<const int32_t*>;
+
+class Loss {
+ public:
+  // rows: local batch rows; width: global number of outputs; layout/offset: how the logits
+  // arrive (Mlp::output_layout(), Mlp::output_offset()). Collective (communicators).
+  Loss(LossKind kind, ParallelContext& context, int64_t rows, int64_t width, FeatureLayout layout);
+
+  // Loss of the local logits [rows, local width]; when with_gradient, gradient() holds
+  // dLoss/dLogits afterwards. Labels: [rows] in [0, width) (cross_entropy only).
+  LossResult cross_entropy(UnmanagedMatrix logits, LabelView labels, bool with_gradient = true,
+                           int64_t valid_rows = -1);
+  // Targets: [rows, width] (mse only).
+  LossResult mse(UnmanagedMatrix logits, UnmanagedMatrix targets, bool with_gradient = true,
+                 int64_t valid_rows = -1);
+
+  UnmanagedMatrix gradient() const { return gradient_; }
+  LossKind kind() const { return kind_; }
+  int64_t local_width() const { return local_width_; }
+  int64_t column_offset() const { return offset_; }
+
+ private:
+  LossResult finish(double local_sum, double local_correct, double local_count);
+
+  LossKind kind_;
+  int64_t rows_, width_, local_width_, offset_ = 0;
+  int64_t global_rows_ = 0;
+  bool split_ = false;
+  int tp_ = 1, tp_index_ = 0;
+  Communicator* tp_comm_ = nullptr;
+  Communicator* scalar_comm_ = nullptr;  // batch axes (+ feature axis for split mse)
+  Matrix gradient_;                      // [rows, local width]
+  Matrix row_max_local_, row_max_all_;   // [rows, 1], [rows, tp]
+  Matrix row_stats_;                     // [rows, 3]: sum exp, label logit, hit
+  Vector row_loss_;                      // [rows]
+  Vector scalars_;                       // 3
+  Kokkos::View<float*>::HostMirror scalars_host_;
+};
+
+}  // namespace meshtrain

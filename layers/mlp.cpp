@@ -1,0 +1,78 @@
+#include "layers/mlp.hpp"
+
+#include "partition/error.hpp"
+
+namespace meshtrain {
+
+SpecLookup specs_from_plan(const ShardingPlan& plan) {
+  return [&plan](const std::string& name) { return plan.find(name).spec; };
+}
+
+Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLookup& spec_of,
+         ParallelContext& context, int64_t local_rows)
+    : sizes_(sizes), activation_(activation), rows_(local_rows) {
+  if (local_rows < 1)
+    MESHTRAIN_BAD_INPUT("the local batch must have at least one row, got ", local_rows);
+  const std::vector<ParameterShape> shapes = mlp_parameter_shapes(sizes);  // checks sizes
+  const Mesh& mesh = context.mesh();
+  for (const auto& p : shapes) {
+    const PartitionSpec spec = spec_of(p.name);
+    spec.check_axes(mesh, p.name);
+    check_divisible(p.shape, spec, mesh, p.name);
+    params_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
+    grads_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
+  }
+  const size_t n = sizes.size() - 1;
+  layers_.reserve(n);
+  LinearScratchNeeds needs;
+  FeatureLayout layout = FeatureLayout::replicated;  // x arrives with all features
+  for (size_t i = 0; i < n; ++i) {
+    layers_.emplace_back(params_[2 * i], params_[2 * i + 1], layout, rows_, context);
+    needs.merge(layers_.back().scratch_needs());
+    layout = layers_.back().output_layout();
+    if (i + 1 < n) {
+      activated_.push_back(Matrix("layers/" + std::to_string(i) + "/activation", rows_,
+                                  layers_.back().output_width()));
+    }
+  }
+  scratch_ = LinearScratch(needs);
+}
+
+void Mlp::initialize(InitScheme scheme, uint64_t seed) {
+  for (auto& p : params_) meshtrain::initialize(p, scheme, seed);
+}
+
+UnmanagedMatrix Mlp::forward(UnmanagedMatrix x) {
+  UnmanagedMatrix input = x;
+  UnmanagedMatrix z;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    z = layers_[i].forward(params_[2 * i], params_[2 * i + 1], input, scratch_);
+    if (i + 1 < layers_.size()) {
+      activation_forward(activation_, z, activated_[i]);
+      input = activated_[i];
+    }
+  }
+  return z;
+}
+
+void Mlp::backward(UnmanagedMatrix output_grad) {
+  UnmanagedMatrix grad = output_grad;
+  for (size_t k = layers_.size(); k-- > 0;) {
+    Linear& layer = layers_[k];
+    UnmanagedMatrix dx =
+        layer.backward(params_[2 * k], grads_[2 * k], grads_[2 * k + 1], grad, k > 0, scratch_);
+    if (k > 0) {
+      // dx is owned by layer k; the pre-activation of layer k-1 is its output buffer.
+      activation_backward(activation_, layers_[k - 1].output(), dx);
+      grad = dx;
+    }
+  }
+}
+
+std::vector<std::string> Mlp::describe() const {
+  std::vector<std::string> out;
+  for (const auto& l : layers_) out.push_back(l.describe());
+  return out;
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,87 @@
+#pragma once
+// A multi-layer perceptron of any depth: sizes [in, hidden..., out] give layers
+// i = 0 .. n-2 with parameters "layers/<i>/weight" [sizes[i], sizes[i+1]] and
+// "layers/<i>/bias" [sizes[i+1]]; the activation runs between layers, none after the last.
+//
+// The model owns its parameters and gradients (ShardedTensors under the specs given),
+// every activation kept for backward, and the scratch shared by its layers, all allocated
+// at construction for a fixed local batch: forward() and backward() allocate nothing.
+//
+// Driving it (llm.c style; see apps/train.cpp):
+//   Mlp model(sizes, activation, spec_of, context, local_rows);
+//   model.initialize(InitScheme::he_normal, seed);
+//   Loss loss(LossKind::cross_entropy, context, local_rows, sizes.back(), model.output_layout());
+//   Optimizer opt(settings, model.parameters());
+//   GradientClipper clipper(mesh, rank, model.gradients());
+//   each step:
+//     UnmanagedMatrix logits = model.forward(x);          // x [local_rows, sizes[0]]
+//     LossResult r = loss.cross_entropy(logits, labels);   // or loss.mse(logits, targets)
+//     model.backward(loss.gradient());
+//     clipper.clip(model.gradients(), clip_norm, world);   // optional
+//     opt.step(model.parameters(), model.gradients(), lr);
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "framework/init.hpp"
+#include "framework/sharded_tensor.hpp"
+#include "layers/activation.hpp"
+#include "layers/context.hpp"
+#include "layers/linear.hpp"
+#include "partition/planner.hpp"
+
+namespace meshtrain {
+
+using SpecLookup = std::function<PartitionSpec(const std::string& parameter)>;
+// The specs of a plan (ShardingPlan::find; bad_input for a name the plan lacks).
+SpecLookup specs_from_plan(const ShardingPlan& plan);
+
+class Mlp {
+ public:
+  // Throws bad_input for fewer than two sizes, a size below 1, or specs whose splits do
+  // not divide. Collective: every rank must construct the same model.
+  Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLookup& spec_of,
+      ParallelContext& context, int64_t local_rows);
+  Mlp(const Mlp&) = delete;
+  Mlp& operator=(const Mlp&) = delete;
+
+  // Fills every parameter's local block (framework/init.hpp): same global weights on any
+  // mesh for the same seed.
+  void initialize(InitScheme scheme, uint64_t seed);
+
+  // x: this rank's rows with all input features [local_rows, sizes[0]]; it must stay
+  // valid until backward(). Returns the output [local_rows, output_width()] (owned by the
+  // model, valid until the next forward).
+  UnmanagedMatrix forward(UnmanagedMatrix x);
+  // dLoss/dOutput [local_rows, output_width()]: overwrites every gradient.
+  void backward(UnmanagedMatrix output_grad);
+
+  // weight, bias of layer 0, then of layer 1, ... (names as in the class comment).
+  std::vector<ShardedTensor>& parameters() { return params_; }
+  const std::vector<ShardedTensor>& parameters() const { return params_; }
+  std::vector<ShardedTensor>& gradients() { return grads_; }
+  const std::vector<ShardedTensor>& gradients() const { return grads_; }
+
+  const std::vector<int64_t>& sizes() const { return sizes_; }
+  int64_t local_rows() const { return rows_; }
+  FeatureLayout output_layout() const { return layers_.back().output_layout(); }
+  int64_t output_width() const { return layers_.back().output_width(); }  // local columns
+  int64_t output_offset() const { return layers_.back().output_offset(); }
+  const std::vector<Linear>& layers() const { return layers_; }
+  // One line per layer (Linear::describe).
+  std::vector<std::string> describe() const;
+
+ private:
+  std::vector<int64_t> sizes_;
+  Activation activation_;
+  int64_t rows_;
+  std::vector<ShardedTensor> params_;
+  std::vector<ShardedTensor> grads_;
+  std::vector<Linear> layers_;
+  std::vector<Matrix> activated_;  // f(z_i) for i < last: the input of layer i+1
+  LinearScratch scratch_;
+};
+
+}  // namespace meshtrain

@@ -1,0 +1,472 @@
+// The MLP in every layout computes the single-rank function: for each mesh below, the
+// loss of the first steps and EVERY gradient (gathered to full shape) equal those of a
+// plain double-precision reference computed in this test (independent loops, no layer
+// code), and so does the global gradient norm used for clipping.
+//
+// Models: the reference notebook's (784, 128 x5, 8), relu, MSE, SGD with momentum; and
+// 784-64-64-10, tanh, cross-entropy, AdamW with clipping (10 outputs do not divide by
+// 4: the last layer all-reduces and keeps its output replicated). Global batch 32.
+// Tolerance: per tensor, max |got - ref| <= 1e-4 * max |ref| (+1e-7 absolute); the loss
+// and the norm within 1e-4 relative.
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "framework/init.hpp"
+#include "framework/optimizer.hpp"
+#include "framework/runtime.hpp"
+#include "layers/context.hpp"
+#include "layers/loss.hpp"
+#include "layers/mlp.hpp"
+#include "partition/planner.hpp"
+#include "partition/rules.hpp"
+
+namespace meshtrain {
+namespace {
+
+constexpr double kRelTol = 1e-4;
+constexpr int64_t kBatch = 32;
+constexpr uint64_t kSeed = 42;
+
+int world_size() {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+using Tensor = std::vector<double>;
+
+struct ModelCase {
+  std::string name;
+  std::vector<int64_t> sizes;
+  Activation activation;
+  LossKind loss;
+  InitScheme init;
+  OptimizerSettings optimizer;
+  float lr;
+  double clip;  // 0 = off
+  int steps;
+};
+
+ModelCase notebook_model() {
+  OptimizerSettings sgd;
+  sgd.kind = OptimizerKind::sgd;
+  sgd.momentum = 0.9f;
+  sgd.weight_decay = 0.01f;
+  return {"notebook",
+          {784, 128, 128, 128, 128, 128, 8},
+          Activation::relu,
+          LossKind::mse,
+          InitScheme::normal,
+          sgd,
+          0.01f,
+          0.0,
+          3};
+}
+
+ModelCase classifier_model() {
+  OptimizerSettings adamw;
+  adamw.kind = OptimizerKind::adamw;
+  adamw.weight_decay = 0.1f;
+  return {"classifier",
+          {784, 64, 64, 10},
+          Activation::tanh,
+          LossKind::cross_entropy,
+          InitScheme::he_normal,
+          adamw,
+          1e-3f,
+          0.5,
+          3};
+}
+
+// ---- the data: global batch, the same for every mesh -------------------------------------
+struct Batch {
+  Tensor x;        // [B, in]
+  Tensor targets;  // [B, out]
+  std::vector<int32_t> labels;
+};
+
+Batch make_batch(const ModelCase& m, int step) {
+  const int64_t in = m.sizes.front(), out = m.sizes.back();
+  Batch b;
+  b.x.resize(kBatch * in);
+  b.targets.resize(kBatch * out);
+  b.labels.resize(kBatch);
+  const uint64_t s = kSeed + 1000 * static_cast<uint64_t>(step);
+  for (int64_t i = 0; i < kBatch * in; ++i) b.x[i] = counter_normal(s, name_stream("x"), i);
+  for (int64_t i = 0; i < kBatch * out; ++i) b.targets[i] = counter_normal(s, name_stream("t"), i);
+  for (int64_t i = 0; i < kBatch; ++i) {
+    b.labels[i] = static_cast<int32_t>(counter_uniform(s, name_stream("y"), i) * out);
+  }
+  return b;
+}
+
+// ---- the reference: plain loops in double ------------------------------------------------
+double act(Activation a, double z) {
+  switch (a) {
+    case Activation::relu:
+      return z > 0 ? z : 0;
+    case Activation::tanh:
+      return std::tanh(z);
+    default:
+      return z;
+  }
+}
+double act_grad(Activation a, double z) {
+  switch (a) {
+    case Activation::relu:
+      return z > 0 ? 1 : 0;
+    case Activation::tanh:
+      return 1 - std::tanh(z) * std::tanh(z);
+    default:
+      return 1;
+  }
+}
+
+struct Reference {
+  ModelCase m;
+  std::vector<Tensor> params, grads, slot1, slot2;
+  int64_t t = 0;
+
+  // Loss of the batch; fills grads.
+  double loss_and_grads(const Batch& b) {
+    const size_t n = m.sizes.size() - 1;
+    std::vector<Tensor> a(n + 1), z(n);
+    a[0] = b.x;
+    for (size_t l = 0; l < n; ++l) {
+      const int64_t in = m.sizes[l], out = m.sizes[l + 1];
+      const Tensor& w = params[2 * l];
+      const Tensor& bias = params[2 * l + 1];
+      z[l].assign(kBatch * out, 0.0);
+      for (int64_t i = 0; i < kBatch; ++i)
+        for (int64_t k = 0; k < in; ++k) {
+          const double xv = a[l][i * in + k];
+          for (int64_t j = 0; j < out; ++j) z[l][i * out + j] += xv * w[k * out + j];
+        }
+      for (int64_t i = 0; i < kBatch; ++i)
+        for (int64_t j = 0; j < out; ++j) z[l][i * out + j] += bias[j];
+      a[l + 1] = z[l];
+      if (l + 1 < n)
+        for (auto& v : a[l + 1]) v = act(m.activation, v);
+    }
+    const int64_t out = m.sizes.back();
+    const Tensor& y = a[n];
+    Tensor dy(kBatch * out);
+    double loss = 0;
+    for (int64_t i = 0; i < kBatch; ++i) {
+      if (m.loss == LossKind::mse) {
+        for (int64_t j = 0; j < out; ++j) {
+          const double d = y[i * out + j] - b.targets[i * out + j];
+          loss += d * d;
+          dy[i * out + j] = 2 * d / kBatch;
+        }
+      } else {
+        double mx = y[i * out];
+        for (int64_t j = 1; j < out; ++j) mx = std::max(mx, y[i * out + j]);
+        double s = 0;
+        for (int64_t j = 0; j < out; ++j) s += std::exp(y[i * out + j] - mx);
+        loss += std::log(s) + mx - y[i * out + b.labels[i]];
+        for (int64_t j = 0; j < out; ++j) {
+          dy[i * out + j] = (std::exp(y[i * out + j] - mx) / s - (j == b.labels[i])) / kBatch;
+        }
+      }
+    }
+    Tensor grad = dy;
+    for (size_t l = n; l-- > 0;) {
+      const int64_t in = m.sizes[l], o = m.sizes[l + 1];
+      if (l + 1 < n)
+        for (int64_t i = 0; i < kBatch * o; ++i) grad[i] *= act_grad(m.activation, z[l][i]);
+      Tensor& gw = grads[2 * l];
+      Tensor& gb = grads[2 * l + 1];
+      std::fill(gw.begin(), gw.end(), 0.0);
+      std::fill(gb.begin(), gb.end(), 0.0);
+      for (int64_t i = 0; i < kBatch; ++i)
+        for (int64_t k = 0; k < in; ++k) {
+          const double xv = a[l][i * in + k];
+          for (int64_t j = 0; j < o; ++j) gw[k * o + j] += xv * grad[i * o + j];
+        }
+      for (int64_t i = 0; i < kBatch; ++i)
+        for (int64_t j = 0; j < o; ++j) gb[j] += grad[i * o + j];
+      if (l > 0) {
+        Tensor gx(kBatch * in, 0.0);
+        const Tensor& w = params[2 * l];
+        for (int64_t i = 0; i < kBatch; ++i)
+          for (int64_t k = 0; k < in; ++k) {
+            double s = 0;
+            for (int64_t j = 0; j < o; ++j) s += grad[i * o + j] * w[k * o + j];
+            gx[i * in + k] = s;
+          }
+        grad = gx;
+      }
+    }
+    return loss / kBatch;
+  }
+
+  double clip() {
+    double sq = 0;
+    for (const auto& g : grads)
+      for (double v : g) sq += v * v;
+    const double norm = std::sqrt(sq);
+    if (m.clip > 0 && norm > m.clip) {
+      for (auto& g : grads)
+        for (double& v : g) v *= m.clip / (norm + 1e-6);
+    }
+    return norm;
+  }
+
+  void step() {
+    const auto& s = m.optimizer;
+    ++t;
+    for (size_t p = 0; p < params.size(); ++p) {
+      for (size_t i = 0; i < params[p].size(); ++i) {
+        double& w = params[p][i];
+        const double g = grads[p][i];
+        if (s.kind == OptimizerKind::sgd) {
+          const double gg = g + s.weight_decay * w;
+          slot1[p][i] = t == 1 ? gg : s.momentum * slot1[p][i] + gg;
+          w -= m.lr * slot1[p][i];
+        } else {
+          slot1[p][i] = s.beta1 * slot1[p][i] + (1 - s.beta1) * g;
+          slot2[p][i] = s.beta2 * slot2[p][i] + (1 - s.beta2) * g * g;
+          const double mh = slot1[p][i] / (1 - std::pow(double(s.beta1), double(t)));
+          const double vh = slot2[p][i] / (1 - std::pow(double(s.beta2), double(t)));
+          w = w * (1 - m.lr * s.weight_decay) - m.lr * mh / (std::sqrt(vh) + s.eps);
+        }
+      }
+    }
+  }
+};
+
+Tensor to_host(const ShardedTensor& t) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), t.local);
+  return Tensor(h.data(), h.data() + h.extent(0));
+}
+
+Reference make_reference(const ModelCase& m) {
+  Reference r;
+  r.m = m;
+  const Mesh single = Mesh::single();
+  for (const auto& p : mlp_parameter_shapes(m.sizes)) {
+    ShardedTensor t = ShardedTensor::allocate(p.name, p.shape, PartitionSpec(), single, 0);
+    initialize(t, m.init, kSeed);
+    r.params.push_back(to_host(t));
+    r.grads.emplace_back(r.params.back().size(), 0.0);
+    r.slot1.emplace_back(r.params.back().size(), 0.0);
+    r.slot2.emplace_back(r.params.back().size(), 0.0);
+  }
+  return r;
+}
+
+// The full tensor from every rank's block: the replica with coordinate 0 on the axes the
+// spec does not name writes its block, the rest add zeros.
+Tensor gather_full(const ShardedTensor& t, const Mesh& mesh, int rank) {
+  int64_t total = 1;
+  for (auto d : t.global_shape) total *= d;
+  Tensor full(total, 0.0);
+  const auto named = t.spec.axes();
+  bool writer = true;
+  for (const auto& a : mesh.axes()) {
+    bool in_spec = false;
+    for (const auto& n : named) in_spec = in_spec || n == a.name;
+    if (!in_spec && mesh.coordinate(rank, a.name) != 0) writer = false;
+  }
+  if (writer) {
+    const Tensor local = to_host(t);
+    const int64_t cols = t.global_shape.size() == 2 ? t.global_shape[1] : 1;
+    const int64_t lcols = t.global_shape.size() == 2 ? t.box.extent[1] : 1;
+    for (int64_t i = 0; i < static_cast<int64_t>(local.size()); ++i) {
+      if (t.global_shape.size() == 2) {
+        full[(i / lcols + t.box.offset[0]) * cols + i % lcols + t.box.offset[1]] = local[i];
+      } else {
+        full[i + t.box.offset[0]] = local[i];
+      }
+    }
+  }
+  MPI_Allreduce(MPI_IN_PLACE, full.data(), static_cast<int>(total), MPI_DOUBLE, MPI_SUM,
+                MPI_COMM_WORLD);
+  return full;
+}
+
+void expect_close(const Tensor& got, const Tensor& ref, const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  double max_ref = 0, max_err = 0;
+  size_t worst = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    max_ref = std::max(max_ref, std::abs(ref[i]));
+    const double e = std::abs(got[i] - ref[i]);
+    if (e > max_err) {
+      max_err = e;
+      worst = i;
+    }
+  }
+  EXPECT_LE(max_err, kRelTol * max_ref + 1e-7)
+      << what << ": element " << worst << " is " << got[worst] << ", reference " << ref[worst]
+      << " (max |ref| " << max_ref << ")";
+}
+
+// ---- the meshes and layouts --------------------------------------------------------------
+struct LayoutCase {
+  std::string name;
+  std::vector<std::pair<std::string, int>> mesh;
+  std::string preset;         // planner preset, or "" for `custom`
+  int64_t min_sharding_size;  // for presets
+  std::function<std::string(const std::string& param)> custom;  // spec text per parameter
+  CollectiveMatmulAlgorithm algorithm = CollectiveMatmulAlgorithm::automatic;
+};
+
+std::string custom_spec(const std::string& weight, const std::string& bias, const std::string& p) {
+  return p.size() >= 6 && p.compare(p.size() - 6, 6, "weight") == 0 ? weight : bias;
+}
+
+std::vector<LayoutCase> layouts_for(int n) {
+  using A = CollectiveMatmulAlgorithm;
+  auto custom = [](std::string w, std::string b) {
+    return [w, b](const std::string& p) { return custom_spec(w, b, p); };
+  };
+  std::vector<LayoutCase> c;
+  if (n == 1) {
+    c.push_back({"single", {{"dp", 1}}, "dp", 0, {}});
+    c.push_back({"single_fsdp_tp_specs", {{"fsdp", 1}, {"tp", 1}}, "fsdp_tp", 0, {}});
+  } else if (n == 2) {
+    c.push_back({"dp2", {{"dp", 2}}, "dp", 0, {}});
+    c.push_back({"fsdp2", {{"fsdp", 2}}, "fsdp", 0, {}});
+    c.push_back({"tp2", {{"tp", 2}}, "tp", 0, {}, A::naive});
+    c.push_back({"tp2_ring", {{"tp", 2}}, "tp", 0, {}, A::ring});
+  } else if (n == 4) {
+    c.push_back({"dp4", {{"dp", 4}}, "dp", 0, {}});
+    c.push_back({"fsdp4", {{"fsdp", 4}}, "fsdp", 0, {}});
+    c.push_back({"tp4", {{"tp", 4}}, "tp", 0, {}, A::bidirectional});
+    c.push_back({"tp4_planner_default", {{"tp", 4}}, "tp", 16384, {}});
+    c.push_back({"fsdp2_tp2", {{"fsdp", 2}, {"tp", 2}}, "fsdp_tp", 0, {}, A::ring});
+    c.push_back({"dp2_tp2", {{"dp", 2}, {"tp", 2}}, "dp_tp", 0, {}});
+    c.push_back({"dp2_fsdp2", {{"dp", 2}, {"fsdp", 2}}, "dp_fsdp", 0, {}});
+    // Storage layouts no preset gives: tp as a storage axis on dim 1 (non-batch copies),
+    // a dim-0 tuple with tp first, a bias gathered then sliced, storage over dp.
+    c.push_back({"fsdp2_tp2_storage_2d",
+                 {{"fsdp", 2}, {"tp", 2}},
+                 "",
+                 0,
+                 custom("P(fsdp, tp)", "P(fsdp)")});
+    c.push_back({"fsdp2_tp2_tuple",
+                 {{"fsdp", 2}, {"tp", 2}},
+                 "",
+                 0,
+                 custom("P((tp, fsdp), None)", "P((fsdp, tp))")});
+    c.push_back({"dp2_fsdp2_tuple",
+                 {{"dp", 2}, {"fsdp", 2}},
+                 "",
+                 0,
+                 custom("P((fsdp, dp), None)", "P(dp)")});
+    c.push_back(
+        {"dp2_tp2_dp_storage", {{"dp", 2}, {"tp", 2}}, "", 0, custom("P(tp, dp)", "P(tp)")});
+  } else if (n == 8) {
+    c.push_back({"fsdp2_tp4", {{"fsdp", 2}, {"tp", 4}}, "fsdp_tp", 0, {}});
+    c.push_back({"dp2_tp4", {{"dp", 2}, {"tp", 4}}, "dp_tp", 0, {}, A::bidirectional});
+    c.push_back({"dp2_fsdp4", {{"dp", 2}, {"fsdp", 4}}, "dp_fsdp", 0, {}});
+    c.push_back({"dp2_fsdp2_tp2", {{"dp", 2}, {"fsdp", 2}, {"tp", 2}}, "fsdp_tp", 0, {}});
+  }
+  return c;
+}
+
+// Replaces split dims that do not divide by None (like the planner's fallback).
+PartitionSpec fitted(PartitionSpec spec, const std::vector<int64_t>& shape, const Mesh& mesh) {
+  spec = spec.with_rank(shape.size());
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] % mesh.size_of(spec.entries[d].axes) != 0) spec.entries[d].axes.clear();
+  }
+  return spec;
+}
+
+void run_case(const ModelCase& m, const LayoutCase& layout) {
+  SCOPED_TRACE(m.name + " on " + layout.name);
+  const Mesh mesh = Mesh::create(layout.mesh, world_size());
+  MeshCommunicators comms(mesh);
+  std::vector<std::string> all_axes;
+  for (const auto& a : mesh.axes()) all_axes.push_back(a.name);
+  Communicator& world = comms.get(all_axes);
+  ParallelContext context(comms, {"fsdp", "dp"}, "tp", layout.algorithm);
+
+  ShardingPlan plan;
+  SpecLookup spec_of;
+  if (!layout.preset.empty()) {
+    PlanOptions options;
+    options.min_sharding_size = layout.min_sharding_size;
+    plan = make_plan(mlp_parameter_shapes(m.sizes), mesh, preset_rules(layout.preset), options);
+    spec_of = specs_from_plan(plan);
+  } else {
+    std::map<std::string, std::vector<int64_t>> shapes;
+    for (const auto& p : mlp_parameter_shapes(m.sizes)) shapes[p.name] = p.shape;
+    spec_of = [&, shapes](const std::string& name) {
+      return fitted(PartitionSpec::parse(layout.custom(name)), shapes.at(name), mesh);
+    };
+  }
+
+  const int64_t rows = kBatch / context.batch_parallel();
+  Mlp model(m.sizes, m.activation, spec_of, context, rows);
+  model.initialize(m.init, kSeed);
+  Loss loss(m.loss, context, rows, m.sizes.back(), model.output_layout());
+  Optimizer optimizer(m.optimizer, model.parameters());
+  GradientClipper clipper(mesh, context.rank(), model.gradients());
+  Reference ref = make_reference(m);
+
+  const int64_t in = m.sizes.front(), out = m.sizes.back();
+  Matrix x("x", rows, in);
+  Matrix targets("targets", rows, out);
+  Kokkos::View<int32_t*> labels("labels", rows);
+  auto xh = Kokkos::create_mirror_view(x);
+  auto th = Kokkos::create_mirror_view(targets);
+  auto lh = Kokkos::create_mirror_view(labels);
+  const int64_t first = context.batch_index() * rows;
+
+  for (int step = 0; step < m.steps; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const Batch b = make_batch(m, step);
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t k = 0; k < in; ++k) xh(i, k) = static_cast<float>(b.x[(first + i) * in + k]);
+      for (int64_t j = 0; j < out; ++j)
+        th(i, j) = static_cast<float>(b.targets[(first + i) * out + j]);
+      lh(i) = b.labels[first + i];
+    }
+    Kokkos::deep_copy(x, xh);
+    Kokkos::deep_copy(targets, th);
+    Kokkos::deep_copy(labels, lh);
+
+    UnmanagedMatrix logits = model.forward(x);
+    const LossResult r =
+        m.loss == LossKind::mse ? loss.mse(logits, targets) : loss.cross_entropy(logits, labels);
+    model.backward(loss.gradient());
+    const double ref_loss = ref.loss_and_grads(b);
+    EXPECT_NEAR(r.loss, ref_loss, kRelTol * std::abs(ref_loss)) << "loss";
+    EXPECT_EQ(r.count, kBatch);
+    for (size_t p = 0; p < ref.grads.size(); ++p) {
+      expect_close(
+          gather_full(model.gradients()[p], mesh, context.rank()), ref.grads[p],
+          "gradient of " + model.gradients()[p].name + " " + model.gradients()[p].spec.to_string());
+    }
+    const double norm = clipper.clip(model.gradients(), m.clip, world);
+    const double ref_norm = ref.clip();
+    EXPECT_NEAR(norm, ref_norm, kRelTol * ref_norm) << "global gradient norm";
+    optimizer.step(model.parameters(), model.gradients(), m.lr);
+    ref.step();
+  }
+  for (size_t p = 0; p < ref.params.size(); ++p) {
+    expect_close(gather_full(model.parameters()[p], mesh, context.rank()), ref.params[p],
+                 "parameter " + model.parameters()[p].name + " after the steps");
+  }
+}
+
+TEST(Mlp, NotebookModelMseSgdMatchesSingleRank) {
+  for (const auto& layout : layouts_for(world_size())) run_case(notebook_model(), layout);
+}
+
+TEST(Mlp, ClassifierCrossEntropyAdamwClipMatchesSingleRank) {
+  for (const auto& layout : layouts_for(world_size())) run_case(classifier_model(), layout);
+}
+
+}  // namespace
+}  // namespace meshtrain
