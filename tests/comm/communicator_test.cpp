@@ -4,7 +4,8 @@
 
 #include <gtest/gtest.h>
 
-#include <thread>
+#include <cstdlib>
+#include <stdexcept>
 
 #include "comm_test_util.hpp"
 #include "framework/impl/mpi_communicator.hpp"
@@ -193,6 +194,22 @@ TEST(Communicator, BadShapesAndCounts) {
   expect_error([] { checked_int(std::size_t{1} << 33, "all_gather count"); }, ErrorKind::runtime,
                {"all_gather count", "8589934592"});
   expect_bad_input([&] { comm.set_timeout_seconds(0); }, {"timeout"});
+}
+
+TEST(Communicator, TimeoutFromEnvironmentAndHelpers) {
+  ::setenv("MESHTRAIN_COLLECTIVE_TIMEOUT", "2.5", 1);
+  EXPECT_EQ(collective_timeout_from_env(), 2.5);
+  EXPECT_EQ(MpiCommunicator::duplicate(MPI_COMM_WORLD, "world").timeout_seconds(), 2.5);
+  ::setenv("MESHTRAIN_COLLECTIVE_TIMEOUT", "soon", 1);
+  expect_bad_input([] { collective_timeout_from_env(); },
+                   {"MESHTRAIN_COLLECTIVE_TIMEOUT", "'soon'"});
+  ::unsetenv("MESHTRAIN_COLLECTIVE_TIMEOUT");
+  EXPECT_EQ(collective_timeout_from_env(), 300.0);
+  EXPECT_EQ(describe_axes({"tp"}), "axis (tp)");
+  EXPECT_EQ(describe_axes({"fsdp", "dp"}), "axes (fsdp, dp)");
+  EXPECT_EQ(exit_status_for(Error(ErrorKind::bad_input, "x", __FILE__, __LINE__)), 2);
+  EXPECT_EQ(exit_status_for(Error(ErrorKind::runtime, "x", __FILE__, __LINE__)), 1);
+  EXPECT_EQ(exit_status_for(std::runtime_error("x")), 1);
 }
 
 TEST(Communicator, TimeoutNamesTheOperationWhenARankDoesNotJoin) {
