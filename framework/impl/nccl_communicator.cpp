@@ -147,10 +147,12 @@ struct NcclCommunicator::State {
   }
 
   // Aborts the NCCL communicator (stopping its kernels) and marks this state unusable.
+  // Only called on the way to an Error, which already says what went wrong, so abort's own
+  // result is not reported.
   void abort(const std::string& why) {
     if (broken.empty()) broken = why;
     if (comm != nullptr) {
-      ncclCommAbort(comm);
+      (void)ncclCommAbort(comm);
       comm = nullptr;
     }
   }
@@ -249,7 +251,8 @@ class NcclShiftRequest final : public Request::Impl {
   bool test() override {
     if (done_) return true;
     state_->require_usable(op_);
-    cudaSetDevice(state_->device);
+    check_cuda(cudaSetDevice(state_->device),
+               std::string(op_) + " on " + state_->description + ": cudaSetDevice");
     const cudaError_t code = cudaEventQuery(event_);
     if (code == cudaErrorNotReady) {
       state_->nccl_in_progress(op_);  // throws on an asynchronous NCCL error
@@ -267,7 +270,8 @@ class NcclShiftRequest final : public Request::Impl {
   void wait() override {
     if (done_) return;
     state_->require_usable(op_);
-    cudaSetDevice(state_->device);
+    check_cuda(cudaSetDevice(state_->device),
+               std::string(op_) + " on " + state_->description + ": cudaSetDevice");
     state_->wait_for(event_, op_, deadline_after(timeout_), timeout_);
     done_ = true;
   }
@@ -361,6 +365,16 @@ int select_cuda_device(MPI_Comm comm) {
   std::string why;
   const int count = cuda_device_count(&why);
   if (count == 0) MESHTRAIN_FAIL("the NCCL backend needs a CUDA device, but ", why);
+#if defined(KOKKOS_ENABLE_CUDA)
+  // A CUDA Kokkos has already bound this process to a device; NCCL must use the same one
+  // so that Views are memory of the communicator's device.
+  if (Kokkos::is_initialized()) {
+    const int kokkos_device = Kokkos::Cuda().cuda_device();
+    check_cuda(cudaSetDevice(kokkos_device),
+               "cudaSetDevice(" + std::to_string(kokkos_device) + ") (Kokkos' device)");
+    return kokkos_device;
+  }
+#endif
   MPI_Comm node = MPI_COMM_NULL;
   check_mpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
             "MPI_Comm_split_type (ranks of one node) for the CUDA device choice");

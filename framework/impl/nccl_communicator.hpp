@@ -41,9 +41,11 @@ namespace meshtrain {
 bool nccl_device_available() noexcept;
 
 // Collective over `comm` (MPI_COMM_WORLD in a program): the ranks of `comm` on one node
-// are numbered 0, 1, ... and local rank l makes device (l % device count) current.
-// Returns that device. Throws a runtime Error when no CUDA device can be used. Call it
-// once per process before building NCCL communicators.
+// are numbered 0, 1, ... and local rank l makes device (l % device count) current. With a
+// CUDA-enabled Kokkos already initialized it makes Kokkos' device current instead, so
+// Views live on the communicator's device. Returns the device. Throws a runtime Error
+// when no CUDA device can be used. Call it once per process, after Kokkos::initialize and
+// before building NCCL communicators.
 int select_cuda_device(MPI_Comm comm);
 
 // The factory for MeshCommunicators (a CommunicatorFactory): an NcclCommunicator over
