@@ -89,8 +89,8 @@ void expect_block_of_full(const std::string& name, const std::vector<int64_t>& s
 
 TEST(Init, ShardsAreBlocksOfTheUnshardedTensor) {
   for (const Mesh& mesh : meshes_for(world_size())) {
-    for (InitScheme scheme :
-         {InitScheme::he_normal, InitScheme::xavier_uniform, InitScheme::normal}) {
+    // normal draws (he_normal differs only by the scale) and uniform draws.
+    for (InitScheme scheme : {InitScheme::normal, InitScheme::xavier_uniform}) {
       for (const auto& spec : kWeightSpecs) {
         expect_block_of_full("layers/0/weight", {784, 128}, spec, mesh, scheme);
         expect_block_of_full("layers/1/weight", {64, 8}, spec, mesh, scheme);

@@ -409,6 +409,22 @@ void run_case(const ModelCase& m, const LayoutCase& layout) {
   const int64_t rows = kBatch / context.batch_parallel();
   Mlp model(m.sizes, m.activation, spec_of, context, rows);
   model.initialize(m.init, kSeed);
+  // The layouts really are the ones the case is about.
+  const int tp = context.feature_parallel();
+  if (tp > 1 && layout.preset.find("tp") != std::string::npos) {
+    for (const auto& l : model.layers()) {
+      const bool small = l.in() * l.out() < layout.min_sharding_size;
+      EXPECT_EQ(l.tensor_parallel(), !small) << l.describe();
+    }
+    EXPECT_EQ(model.output_layout() == FeatureLayout::split,
+              m.sizes.back() % tp == 0 && model.layers().back().tensor_parallel())
+        << model.layers().back().describe();
+  }
+  if (mesh.has_axis("fsdp") && mesh.axis_size("fsdp") > 1 &&
+      layout.preset.find("fsdp") != std::string::npos) {
+    EXPECT_NE(model.layers().front().describe().find("gathered over (fsdp)"), std::string::npos)
+        << model.layers().front().describe();
+  }
   Loss loss(m.loss, context, rows, m.sizes.back(), model.output_layout());
   Optimizer optimizer(m.optimizer, model.parameters());
   GradientClipper clipper(mesh, context.rank(), model.gradients());
