@@ -344,19 +344,23 @@ bool writes_block(const Mesh& mesh, int rank, const PartitionSpec& spec) {
 }
 
 // Selects a tensor's box in a file dataspace (none when `select` is false) and makes the
-// matching 1-D memory space.
+// matching memory space: the box's own shape (not 1-D), so HDF5 maps chunks to memory by
+// shape instead of element by element.
 void select_box(const ShardedTensor& t, bool select, hid_t file_space, Handle& mem_space,
                 ErrorKind kind, const std::string& what) {
-  const hsize_t elements = static_cast<hsize_t>(std::max<int64_t>(t.box.elements(), 1));
-  mem_space = hdf5::make(H5Screate_simple(1, &elements, nullptr), H5Sclose, kind, what);
+  std::vector<hsize_t> start(t.box.offset.begin(), t.box.offset.end());
+  std::vector<hsize_t> count(t.box.extent.begin(), t.box.extent.end());
+  if (start.empty()) start = {0}, count = {1};  // a scalar, stored as [1]
+  std::vector<hsize_t> mem_dims(count);
+  for (auto& d : mem_dims) d = std::max<hsize_t>(d, 1);
+  mem_space =
+      hdf5::make(H5Screate_simple(static_cast<int>(mem_dims.size()), mem_dims.data(), nullptr),
+                 H5Sclose, kind, what);
   if (!select || t.box.elements() == 0) {
     hdf5::check(H5Sselect_none(file_space), kind, what);
     hdf5::check(H5Sselect_none(mem_space), kind, what);
     return;
   }
-  std::vector<hsize_t> start(t.box.offset.begin(), t.box.offset.end());
-  std::vector<hsize_t> count(t.box.extent.begin(), t.box.extent.end());
-  if (start.empty()) start = {0}, count = {1};
   hdf5::check(
       H5Sselect_hyperslab(file_space, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr),
       kind, what);
@@ -671,7 +675,8 @@ std::string save_checkpoint(const CheckpointContents& contents, const std::strin
       const std::vector<hsize_t> chunk = chunk_dims(t);
       hdf5::check(H5Pset_chunk(dcpl, static_cast<int>(chunk.size()), chunk.data()), fail, what);
       hdf5::check(H5Pset_fletcher32(dcpl), fail, what);
-      // Every chunk is written below: skip writing fill values first.
+      // Every chunk is written below, so no fill values are needed. (HDF5 1.10 with MPI-IO
+      // allocates chunks at creation and still fills filtered ones; newer HDF5 skips it.)
       hdf5::check(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER), fail, what);
       Handle space =
           hdf5::make(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),

@@ -1,0 +1,203 @@
+// Checkpoint throughput: save and load of the 784-4096-4096-10 MLP with AdamW state
+// (params + m + v, float32) in FSDP over all ranks, compared with a plain sequential POSIX
+// write (+ fsync) and read of the same number of bytes in the same directory.
+//
+//   mpirun -np 2 build/bin/checkpoint_bench [--dir DIR] [--repeats N]
+//
+// Prints one JSON line per operation: bytes, seconds (best of N), GB/s, the POSIX GB/s
+// and their ratio. Page caches of both files are dropped (posix_fadvise DONTNEED after
+// fsync) before every read, so reads come from the disk in both cases.
+
+#include <fcntl.h>
+#include <mpi.h>
+#include <unistd.h>
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "framework/checkpoint.hpp"
+#include "partition/error.hpp"
+
+namespace {
+
+using namespace meshtrain;
+namespace fs = std::filesystem;
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+CheckpointContents mlp_contents(const Mesh& mesh, int rank) {
+  const std::vector<int64_t> sizes = {784, 4096, 4096, 10};
+  CheckpointContents c;
+  c.mesh = mesh;
+  c.train_state.step = 1;
+  c.config_text = "[model]\nsizes = [784, 4096, 4096, 10]\n";
+  c.opt_state = {{"m", {}}, {"v", {}}};
+  const int fsdp = mesh.axis_size("fsdp");
+  for (size_t l = 0; l + 1 < sizes.size(); ++l) {
+    const std::string prefix = "layers/" + std::to_string(l) + "/";
+    const PartitionSpec weight_spec = PartitionSpec::parse("P(fsdp, None)");
+    const PartitionSpec bias_spec =
+        PartitionSpec::parse(sizes[l + 1] % fsdp == 0 ? "P(fsdp)" : "P()");
+    for (int slot = 0; slot < 3; ++slot) {
+      auto w = ShardedTensor::allocate(prefix + "weight", {sizes[l], sizes[l + 1]}, weight_spec,
+                                       mesh, rank);
+      auto b = ShardedTensor::allocate(prefix + "bias", {sizes[l + 1]}, bias_spec, mesh, rank);
+      Kokkos::deep_copy(w.local, 0.5f + slot);
+      Kokkos::deep_copy(b.local, 0.25f + slot);
+      auto& list = slot == 0 ? c.params : c.opt_state[slot - 1].tensors;
+      list.push_back(w);
+      list.push_back(b);
+    }
+  }
+  return c;
+}
+
+int64_t global_bytes(const CheckpointContents& c) {
+  int64_t elements = 0;
+  auto add = [&](const ShardedTensor& t) {
+    int64_t n = 1;
+    for (auto d : t.global_shape) n *= d;
+    elements += n;
+  };
+  for (const auto& t : c.params) add(t);
+  for (const auto& s : c.opt_state)
+    for (const auto& t : s.tensors) add(t);
+  return elements * 4;
+}
+
+void check_os(bool ok, const std::string& what) {
+  if (!ok) MESHTRAIN_FAIL(what, ": ", std::strerror(errno));
+}
+
+void drop_cache(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  check_os(fd >= 0, "open " + path);
+  check_os(::fsync(fd) == 0, "fsync " + path);
+  check_os(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) == 0, "posix_fadvise " + path);
+  ::close(fd);
+}
+
+// Sequential write of `bytes` + fsync; returns seconds.
+double posix_write(const std::string& path, int64_t bytes, std::vector<char>& buffer) {
+  const double t0 = now();
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  check_os(fd >= 0, "open " + path);
+  for (int64_t done = 0; done < bytes;) {
+    const size_t n =
+        static_cast<size_t>(std::min<int64_t>(bytes - done, static_cast<int64_t>(buffer.size())));
+    const ssize_t w = ::write(fd, buffer.data(), n);
+    check_os(w > 0, "write " + path);
+    done += w;
+  }
+  check_os(::fsync(fd) == 0, "fsync " + path);
+  check_os(::close(fd) == 0, "close " + path);
+  return now() - t0;
+}
+
+double posix_read(const std::string& path, int64_t bytes, std::vector<char>& buffer) {
+  const double t0 = now();
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  check_os(fd >= 0, "open " + path);
+  for (int64_t done = 0; done < bytes;) {
+    const ssize_t r = ::read(fd, buffer.data(), buffer.size());
+    check_os(r > 0, "read " + path);
+    done += r;
+  }
+  ::close(fd);
+  return now() - t0;
+}
+
+int run(int argc, char** argv) {
+  int rank = 0;
+  int size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  std::string dir = "/tmp/meshtrain-checkpoint-bench";
+  int repeats = 3;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string key = argv[i];
+    if (key == "--dir")
+      dir = argv[i + 1];
+    else if (key == "--repeats")
+      repeats = std::max(1, std::atoi(argv[i + 1]));
+  }
+  const Mesh mesh = Mesh::create({{"fsdp", size}}, size);
+  CheckpointContents contents = mlp_contents(mesh, rank);
+  CheckpointContents into = mlp_contents(mesh, rank);
+  const int64_t bytes = global_bytes(contents);
+  const std::string posix_path = dir + "/posix-sequential.bin";
+  std::vector<char> buffer(size_t{8} << 20, 'x');
+  if (rank == 0) fs::create_directories(dir);
+
+  double save_best = std::numeric_limits<double>::max(), load_best = save_best;
+  double write_best = save_best, read_best = save_best;
+  for (int r = 0; r < repeats; ++r) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    double t0 = now();
+    const std::string path = save_checkpoint(contents, dir, 1, MPI_COMM_WORLD);
+    MPI_Barrier(MPI_COMM_WORLD);
+    save_best = std::min(save_best, now() - t0);
+    if (rank == 0) drop_cache(path);
+    MPI_Barrier(MPI_COMM_WORLD);
+    t0 = now();
+    load_checkpoint(dir, into, MPI_COMM_WORLD);
+    MPI_Barrier(MPI_COMM_WORLD);
+    load_best = std::min(load_best, now() - t0);
+    if (rank == 0) {
+      write_best = std::min(write_best, posix_write(posix_path, bytes, buffer));
+      drop_cache(posix_path);
+      read_best = std::min(read_best, posix_read(posix_path, bytes, buffer));
+    }
+  }
+  if (rank == 0) {
+    fs::remove_all(dir);
+    const double gb = static_cast<double>(bytes) / 1e9;
+    for (const auto& [op, t, base] :
+         {std::tuple{"save", save_best, write_best}, std::tuple{"load", load_best, read_best}}) {
+      nlohmann::json line = {{"bench", "checkpoint"},
+                             {"op", op},
+                             {"model", "784-4096-4096-10 adamw (params+m+v)"},
+                             {"np", size},
+                             {"mesh", mesh.describe()},
+                             {"bytes", bytes},
+                             {"seconds", t},
+                             {"gb_per_s", gb / t},
+                             {"posix_seconds", base},
+                             {"posix_gb_per_s", gb / base},
+                             {"ratio_to_posix", base / t},
+                             {"repeats", repeats}};
+      std::printf("%s\n", line.dump().c_str());
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  Kokkos::initialize(argc, argv);
+  int status = 0;
+  try {
+    status = run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "checkpoint_bench: %s\n", e.what());
+    status = 1;
+  }
+  Kokkos::finalize();
+  if (status != 0) MPI_Abort(MPI_COMM_WORLD, status);
+  MPI_Finalize();
+  return status;
+}
