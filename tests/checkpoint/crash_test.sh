@@ -35,7 +35,9 @@ for case in "after_dataset:1 1" "after_dataset:8 1" "before_close 1" "before_ren
       [ -f "$dir/ckpt-000002.h5.tmp" ] || fail "$point: no temporary file was left"
       [ -f "$dir/ckpt-000002.h5" ] && fail "$point: an incomplete checkpoint was renamed" ;;
   esac
-  # The next complete save takes over and removes the leftovers of the crash.
+  # The next complete save takes over and removes the leftovers of the crash (checked for
+  # two of the points, to keep the test short).
+  case $point in after_dataset:8|before_latest) ;; *) echo "ok: $point"; continue ;; esac
   "${mpi[@]}" "$tool" save "$dir" 3 >"$work/log" 2>&1 || { fail "$point: save after the crash failed"; cat "$work/log"; }
   "${mpi[@]}" "$tool" check "$dir" 3 >"$work/log" 2>&1 || { fail "$point: step 3 does not load"; cat "$work/log"; }
   ls "$dir" | grep -q '\.tmp$' && fail "$point: leftovers remain: $(ls "$dir")"
