@@ -443,9 +443,7 @@ NcclCommunicator NcclCommunicator::create(MPI_Comm group, std::string descriptio
   broadcast_bytes(&message, static_cast<int>(sizeof(message)), group, timeout, description);
   if (!message.ok) {
     MESHTRAIN_FAIL("NCCL set-up on ", description,
-                   ": ncclGetUniqueId failed on rank 0 of the "
-                   "group: ",
-                   std::string(message.error));
+                   ": ncclGetUniqueId failed on rank 0 of the group: ", std::string(message.error));
   }
 
   check_cuda(cudaStreamCreateWithFlags(&state->stream, cudaStreamDefault),
