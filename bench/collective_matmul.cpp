@@ -8,9 +8,10 @@
 //   reduce_scatter: out [M, N/n] (--scatter-dim 1, the TP forward) or [M/n, N] (0)
 //                   = reduce_scatter(lhs [M, K/n] @ rhs [K/n, N])
 // Each line: time per call (median over repeats of the slowest rank), GFLOP/s per rank,
-// the bytes each rank receives, the workspace bytes of the call. Then "local_gemm": the
-// same per-rank GEMM without communication (all ranks at once, as in the collective), and
-// "single_rank_sgemm": the full M x K x N sgemm on rank 0 alone while the others wait.
+// time over naive's, the bytes each rank receives, the workspace bytes of the call. Then
+// "local_gemm": the same per-rank GEMM without communication (all ranks at once, as in the
+// collective) and "single_rank_sgemm": the full M x K x N sgemm on rank 0 alone while the
+// others wait. All variants are timed interleaved, round by round.
 
 #include <mpi.h>
 
@@ -43,20 +44,29 @@ Matrix filled(const std::string& label, std::size_t rows, std::size_t cols, floa
   return m;
 }
 
-// Median over `repeats` of the slowest rank's time of fn (after one warm-up call).
-double median_time(int repeats, const std::function<void()>& fn, MPI_Comm comm) {
-  fn();
-  std::vector<double> times;
+// Medians over `repeats` rounds of the slowest rank's time of each fn (after one warm-up
+// call each). The calls are interleaved round by round, so a change in the machine's load
+// (other jobs on shared cores) hits every variant alike and the ratios stay meaningful.
+std::vector<double> median_times(int repeats, const std::vector<std::function<void()>>& fns,
+                                 MPI_Comm comm) {
+  for (const auto& fn : fns) fn();
+  std::vector<std::vector<double>> times(fns.size());
   for (int r = 0; r < repeats; ++r) {
-    MPI_Barrier(comm);
-    const double start = MPI_Wtime();
-    fn();
-    double elapsed = MPI_Wtime() - start, slowest = 0.0;
-    MPI_Allreduce(&elapsed, &slowest, 1, MPI_DOUBLE, MPI_MAX, comm);
-    times.push_back(slowest);
+    for (std::size_t f = 0; f < fns.size(); ++f) {
+      MPI_Barrier(comm);
+      const double start = MPI_Wtime();
+      fns[f]();
+      double elapsed = MPI_Wtime() - start, slowest = 0.0;
+      MPI_Allreduce(&elapsed, &slowest, 1, MPI_DOUBLE, MPI_MAX, comm);
+      times[f].push_back(slowest);
+    }
   }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  std::vector<double> medians;
+  for (auto& t : times) {
+    std::sort(t.begin(), t.end());
+    medians.push_back(t[t.size() / 2]);
+  }
+  return medians;
 }
 
 }  // namespace
@@ -103,30 +113,6 @@ int main(int argc, char** argv) {
     };
     const nlohmann::json shape = {{"M", m}, {"K", k}, {"N", n}, {"ranks", ranks}};
 
-    // The full M x K x N sgemm on rank 0 alone (the others wait): the per-core reference.
-    double single_rank_gflops = 0.0;
-    {
-      Matrix a = filled("a", m, k, 5.0f), b = filled("b", k, n, 6.0f), c("c", m, n);
-      std::vector<double> times;
-      meshtrain::gemm(meshtrain::plain(a), meshtrain::plain(b), 0.0f, c);
-      for (int r = 0; r < repeats && root; ++r) {
-        const double start = MPI_Wtime();
-        meshtrain::gemm(meshtrain::plain(a), meshtrain::plain(b), 0.0f, c);
-        times.push_back(MPI_Wtime() - start);
-      }
-      MPI_Barrier(MPI_COMM_WORLD);
-      if (root) {
-        std::sort(times.begin(), times.end());
-        const double t = times[times.size() / 2];
-        single_rank_gflops = 2.0 * m * k * n / t * 1e-9;
-        nlohmann::json line = shape;
-        line["op"] = "single_rank_sgemm";
-        line["time_s"] = t;
-        line["gflops"] = single_rank_gflops;
-        emit(line);
-      }
-    }
-
     std::vector<std::string> kinds = {kind};
     if (kind == "all") kinds = {"all_gather", "reduce_scatter"};
     for (const std::string& which : kinds) {
@@ -134,58 +120,81 @@ int main(int argc, char** argv) {
         MESHTRAIN_BAD_INPUT("--kind '", which, "' is not one of all_gather, reduce_scatter, all");
       }
       const bool gather = which == "all_gather";
+      const char* op = gather ? "all_gather_matmul" : "matmul_reduce_scatter";
       const std::size_t local_k = gather ? k : k / ranks;
       Matrix lhs = filled("lhs", m, local_k, 1.0f + tp.rank());
       Matrix rhs = filled("rhs", gather ? k / ranks : local_k, n, 2.0f + tp.rank());
       Matrix out = gather ? Matrix("out", m, n)
                           : Matrix("out", scatter_dim == 0 ? m / ranks : m,
                                    scatter_dim == 1 ? n / ranks : n);
-      const double flops = 2.0 * static_cast<double>(m) * local_k * n;  // per rank
       const std::size_t block_bytes =
           (gather ? (k / ranks) * n : out.extent(0) * out.extent(1)) * sizeof(float);
-      double naive_time = 0.0;
-      for (CollectiveMatmulAlgorithm alg : algorithms) {
-        meshtrain::CollectiveMatmulWorkspace ws;
-        auto call = [&] {
+      // Variants timed together: each algorithm, the per-rank GEMM without communication
+      // (every rank at once, as inside the collective), and the full M x K x N sgemm on
+      // rank 0 alone (the others wait): the per-core reference rate.
+      std::vector<meshtrain::CollectiveMatmulWorkspace> workspaces(algorithms.size());
+      std::vector<std::function<void()>> variants;
+      for (std::size_t v = 0; v < algorithms.size(); ++v) {
+        variants.push_back([&, v] {
           if (gather) {
             meshtrain::all_gather_matmul(tp, meshtrain::GatherSide::right, 0, meshtrain::plain(lhs),
-                                         meshtrain::plain(rhs), out, alg, ws);
+                                         meshtrain::plain(rhs), out, algorithms[v], workspaces[v]);
           } else {
             meshtrain::matmul_reduce_scatter(tp, scatter_dim, meshtrain::plain(lhs),
-                                             meshtrain::plain(rhs), out, alg, ws);
+                                             meshtrain::plain(rhs), out, algorithms[v],
+                                             workspaces[v]);
           }
-        };
-        const double t = median_time(repeats, call, MPI_COMM_WORLD);
-        if (alg == CollectiveMatmulAlgorithm::naive) naive_time = t;
+        });
+      }
+      Matrix local_b = filled("local_b", local_k, n, 6.0f), local_c("local_c", m, n);
+      variants.push_back([&] {
+        meshtrain::gemm(meshtrain::plain(lhs), meshtrain::plain(local_b), 0.0f, local_c);
+      });
+      Matrix full_a = root ? filled("full_a", m, k, 5.0f) : Matrix("full_a", 0, 0);
+      Matrix full_b = root ? filled("full_b", k, n, 6.0f) : Matrix("full_b", 0, 0);
+      Matrix full_c = root ? Matrix("full_c", m, n) : Matrix("full_c", 0, 0);
+      variants.push_back([&] {
+        if (root) meshtrain::gemm(meshtrain::plain(full_a), meshtrain::plain(full_b), 0.0f, full_c);
+      });
+      const std::vector<double> t = median_times(repeats, variants, MPI_COMM_WORLD);
+
+      const double flops = 2.0 * static_cast<double>(m) * local_k * n;  // per rank
+      const double single_time = t.back(), local_time = t[t.size() - 2];
+      const double single_gflops = 2.0 * m * k * n / single_time * 1e-9;
+      double naive_time = 0.0;
+      for (std::size_t v = 0; v < algorithms.size(); ++v) {
+        if (algorithms[v] == CollectiveMatmulAlgorithm::naive) naive_time = t[v];
+      }
+      for (std::size_t v = 0; v < algorithms.size(); ++v) {
         nlohmann::json line = shape;
-        line["op"] = gather ? "all_gather_matmul" : "matmul_reduce_scatter";
-        line["algorithm"] = meshtrain::to_string(alg);
+        line["op"] = op;
+        line["algorithm"] = meshtrain::to_string(algorithms[v]);
         line["resolved"] = meshtrain::to_string(
-            meshtrain::resolve_collective_matmul_algorithm(alg, tp.size(), block_bytes));
+            meshtrain::resolve_collective_matmul_algorithm(algorithms[v], tp.size(), block_bytes));
         if (!gather) line["scatter_dim"] = scatter_dim;
-        line["time_s"] = t;
-        line["gflops"] = flops / t * 1e-9;
-        if (naive_time > 0.0) line["time_over_naive"] = t / naive_time;
+        line["time_s"] = t[v];
+        line["gflops"] = flops / t[v] * 1e-9;
+        if (naive_time > 0.0) line["time_over_naive"] = t[v] / naive_time;
         line["bytes_moved_per_rank"] = (ranks - 1) * block_bytes;
-        line["workspace_bytes"] = ws.last_call_bytes();
+        line["workspace_bytes"] = workspaces[v].last_call_bytes();
         line["block_bytes"] = block_bytes;
         emit(line);
       }
-      // The same per-rank GEMM without communication, every rank at once.
-      Matrix b = filled("b", local_k, n, 6.0f), c("c", m, n);
-      const double t = median_time(
-          repeats, [&] { meshtrain::gemm(meshtrain::plain(lhs), meshtrain::plain(b), 0.0f, c); },
-          MPI_COMM_WORLD);
-      nlohmann::json line = shape;
-      line["op"] = "local_gemm";
-      line["for"] = gather ? "all_gather_matmul" : "matmul_reduce_scatter";
-      line["gemm_mkn"] = {m, local_k, n};
-      line["time_s"] = t;
-      line["gflops"] = 2.0 * m * local_k * n / t * 1e-9;
-      if (single_rank_gflops > 0.0) {
-        line["over_single_rank_sgemm"] = line["gflops"].get<double>() / single_rank_gflops;
-      }
-      emit(line);
+      nlohmann::json local = shape;
+      local["op"] = "local_gemm";
+      local["for"] = op;
+      local["gemm_mkn"] = {m, local_k, n};
+      local["time_s"] = local_time;
+      local["gflops"] = flops / local_time * 1e-9;
+      local["over_single_rank_sgemm"] = flops / local_time * 1e-9 / single_gflops;
+      emit(local);
+      nlohmann::json single = shape;
+      single["op"] = "single_rank_sgemm";
+      single["for"] = op;
+      single["gemm_mkn"] = {m, k, n};
+      single["time_s"] = single_time;
+      single["gflops"] = single_gflops;
+      emit(single);
     }
     return 0;
   });
