@@ -1,6 +1,6 @@
 // all_gather_matmul and matmul_reduce_scatter, every algorithm, against the product of the
 // full operands computed on one rank (double, reference_gemm): either gathered side and
-// dim, transposed operands, odd blocks (3 rows per rank), non-square shapes, strided
+// dim, transposed operands, odd blocks (3 rows per rank), square and non-square shapes, strided
 // outputs, on the world and on sub-communicators of an fsdp x tp mesh whose groups hold
 // different data. Also: workspace peak memory (ring/bidirectional: 2 blocks, not n) and
 // reuse, non-divisible shapes, and KokkosBlas::gemm on LayoutRight (strided) views.
@@ -35,7 +35,7 @@ std::pair<std::size_t, std::size_t> stored(std::size_t rows, std::size_t cols, b
 // matrix.
 void check_all_gather_case(const Group& g, CollectiveMatmulAlgorithm alg, GatherSide side,
                            int gather_dim, bool ta, bool tb, bool strided_c,
-                           CollectiveMatmulWorkspace& ws) {
+                           CollectiveMatmulWorkspace& ws, bool square = false) {
   Communicator& comm = *g.comm;
   const std::size_t n = static_cast<std::size_t>(comm.size());
   const std::size_t i = static_cast<std::size_t>(comm.rank());
@@ -45,6 +45,7 @@ void check_all_gather_case(const Group& g, CollectiveMatmulAlgorithm alg, Gather
   std::size_t& gathered =
       side == GatherSide::left ? (op_dim == 0 ? m : k) : (op_dim == 0 ? k : cols);
   gathered = 3 * n;  // blocks of 3
+  if (square) m = k = cols = 3 * n;
   const auto [ar, ac] = stored(m, k, ta);
   const auto [br, bc] = stored(k, cols, tb);
   // The gathered operand is the same on every rank of the group; the other one is local.
@@ -84,11 +85,13 @@ void check_all_gather_case(const Group& g, CollectiveMatmulAlgorithm alg, Gather
 }
 
 void check_reduce_scatter_case(const Group& g, CollectiveMatmulAlgorithm alg, int scatter_dim,
-                               bool ta, bool tb, bool strided_c, CollectiveMatmulWorkspace& ws) {
+                               bool ta, bool tb, bool strided_c, CollectiveMatmulWorkspace& ws,
+                               bool square = false) {
   Communicator& comm = *g.comm;
   const std::size_t n = static_cast<std::size_t>(comm.size());
   const std::size_t i = static_cast<std::size_t>(comm.rank());
-  const std::size_t m = scatter_dim == 0 ? 3 * n : 5, k = 7, cols = scatter_dim == 1 ? 3 * n : 6;
+  const std::size_t m = square || scatter_dim == 0 ? 3 * n : 5, k = square ? 3 * n : 7,
+                    cols = square || scatter_dim == 1 ? 3 * n : 6;
   const auto [ar, ac] = stored(m, k, ta);
   const auto [br, bc] = stored(k, cols, tb);
   auto a_of = [&](std::size_t r) { return make_matrix("a", ar, ac, g.seed * 19 + 1 + 100 * r); };
@@ -128,6 +131,7 @@ TEST(CollectiveMatmul, AllGatherMatmulMatchesTheFullProduct) {
             for (bool tb : {false, true}) {
               check_all_gather_case(g, alg, side, dim, ta, tb, false, ws);
               if (world) check_all_gather_case(g, alg, side, dim, ta, tb, true, ws);
+              if (world) check_all_gather_case(g, alg, side, dim, ta, tb, false, ws, true);
             }
     }
   }
@@ -144,6 +148,7 @@ TEST(CollectiveMatmul, MatmulReduceScatterMatchesTheFullProduct) {
           for (bool tb : {false, true}) {
             check_reduce_scatter_case(g, alg, dim, ta, tb, false, ws);
             if (world) check_reduce_scatter_case(g, alg, dim, ta, tb, true, ws);
+            if (world) check_reduce_scatter_case(g, alg, dim, ta, tb, false, ws, true);
           }
     }
   }
