@@ -13,7 +13,15 @@ set(MESHTRAIN_MPIEXEC_FLAGS "" CACHE STRING "Extra flags for mpiexec in tests")
 execute_process(COMMAND ${MESHTRAIN_MPIEXEC} --version OUTPUT_VARIABLE _mpiexec_version
                 ERROR_QUIET)
 set(_mpi_flags ${MESHTRAIN_MPIEXEC_FLAGS})
-set(MESHTRAIN_TEST_ENVIRONMENT OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1)
+# A hung collective fails with an error naming the operation well before ctest's timeout.
+set(MESHTRAIN_TEST_ENVIRONMENT OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MESHTRAIN_COLLECTIVE_TIMEOUT=60)
+# Debian's OpenBLAS mistakes some AVX-512 virtual CPUs for "Prescott" and uses generic kernels.
+if(EXISTS /proc/cpuinfo)
+  file(READ /proc/cpuinfo _cpuinfo)
+  if(_cpuinfo MATCHES "avx512f")
+    list(APPEND MESHTRAIN_TEST_ENVIRONMENT OPENBLAS_CORETYPE=SkylakeX)
+  endif()
+endif()
 if(_mpiexec_version MATCHES "Open MPI|OpenRTE")
   # Run as root in containers, more ranks than cores, and let waiting ranks yield the core.
   list(APPEND _mpi_flags --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
