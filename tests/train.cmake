@@ -1,0 +1,95 @@
+# The trainer: memory per rank under DP and FSDP (GoogleTest), and `meshtrain train` from
+# the command line: bad input and failures exit with ONE "meshtrain: error" sentence for
+# the whole job (tests/train/expect_error.sh), short runs on several meshes write
+# metrics.jsonl and agree on the first logged loss (tests/train/expect_run.sh). Every test
+# has a timeout, so a rank left hanging fails the test.
+meshtrain_add_test(NAME train_memory_test SOURCES train/memory_test.cpp
+                   LIBS meshtrain_layers NP 2 4 TIMEOUT 60)
+
+# Writes the small HDF5 classification sets the command tests read.
+add_executable(train_write_dataset train/write_dataset_tool.cpp)
+target_link_libraries(train_write_dataset PRIVATE meshtrain::hdf5)
+
+set(_train ${CMAKE_CURRENT_SOURCE_DIR}/train)
+set(_train_runs ${CMAKE_CURRENT_BINARY_DIR}/train_runs)
+set(_train_configs ${PROJECT_SOURCE_DIR}/configs)
+# A small model and a short run, so each test takes seconds.
+set(_train_small --set "model.sizes=[784, 64, 10]" --set train.steps=20 --set train.log_every=5)
+
+# mpirun -np NP meshtrain train ... (the test flags: oversubscribed, yielding ranks).
+function(_train_mpirun out np)
+  set(${out} ${MESHTRAIN_MPIEXEC} ${MPIEXEC_NUMPROC_FLAG} ${np} ${MESHTRAIN_MPIEXEC_TEST_FLAGS}
+      $<TARGET_FILE:meshtrain> train PARENT_SCOPE)
+endfunction()
+
+function(_train_slots test np)
+  set(slots ${np})
+  if(slots GREATER 2)
+    set(slots 2)
+  endif()
+  set_tests_properties(${test} PROPERTIES PROCESSORS ${slots})
+endfunction()
+
+# --- Bad input (exit 2) and a failure while training (exit 1), at NP 2. -----------------
+function(train_error_test name status regex)
+  _train_mpirun(mpirun 2)
+  meshtrain_add_command_test(NAME train_${name}_np2 TIMEOUT 60
+    COMMAND sh ${_train}/expect_error.sh ${status} ${regex} -- ${mpirun} ${ARGN})
+  _train_slots(train_${name}_np2 2)
+endfunction()
+
+train_error_test(sizes_do_not_match_data 2
+  "^meshtrain: error: model\\.sizes\\[0\\] = 785 does not match the 784 input features"
+  ${_train_configs}/fashion_mnist_dp.toml --set "model.sizes=[785, 64, 10]")
+
+train_error_test(missing_data_file 2
+  "^meshtrain: error: .*'/nonexistent\\.h5'.*No such file"
+  ${_train_configs}/fashion_mnist_dp.toml --set data.source=hdf5 --set data.path=/nonexistent.h5)
+
+# A label out of range: /y[37] = 12 with 10 classes, in a file the fixture writes.
+set(_bad_labels ${_train_runs}/bad_labels.h5)
+meshtrain_add_command_test(NAME train_write_bad_labels TIMEOUT 30
+  COMMAND sh -c "mkdir -p ${_train_runs} && $<TARGET_FILE:train_write_dataset> ${_bad_labels} 64 784 10 37 12")
+set_tests_properties(train_write_bad_labels PROPERTIES FIXTURES_SETUP train_bad_labels)
+train_error_test(label_out_of_range 2
+  "^meshtrain: error: .*bad_labels\\.h5.*/y\\[37\\] = 12 is outside .0, 10\\)"
+  ${_train_configs}/fashion_mnist_dp.toml --set data.source=hdf5 --set data.path=${_bad_labels}
+  --set data.batch_size=32 ${_train_small})
+set_tests_properties(train_label_out_of_range_np2 PROPERTIES FIXTURES_REQUIRED train_bad_labels)
+
+# Plain SGD with a huge step: the loss becomes NaN / inf after the first update. Every
+# rank must stop (the timeout proves none hangs), with one sentence naming optimizer.lr.
+train_error_test(nan_loss 1
+  "^meshtrain: error: the training loss became .* at step [0-9]+. lower optimizer\\.lr"
+  ${_train_configs}/fashion_mnist_dp.toml --set optimizer.kind=sgd --set optimizer.momentum=0
+  --set optimizer.lr=1e30 --set run.output_dir=${_train_runs}/nan_loss ${_train_small})
+
+# --- Short runs: 20 steps logged every 5 -> 4 log events; the first logged loss equals
+# the one-rank DP run's (the fixture every other run compares with). ----------------------
+function(train_run_test preset np)
+  set(test train_run_${preset}_np${np})
+  set(out ${_train_runs}/${preset}_np${np})
+  set(reference ${_train_runs}/dp_np1)
+  if(preset STREQUAL "dp" AND np EQUAL 1)
+    set(reference -)
+  endif()
+  _train_mpirun(mpirun ${np})
+  meshtrain_add_command_test(NAME ${test} TIMEOUT 120
+    COMMAND sh ${_train}/expect_run.sh ${out} 4 ${reference} -- ${mpirun}
+            ${_train_configs}/fashion_mnist_${preset}.toml ${_train_small}
+            --set run.output_dir=${out})
+  _train_slots(${test} ${np})
+  if(reference STREQUAL "-")
+    set_tests_properties(${test} PROPERTIES FIXTURES_SETUP train_reference)
+  else()
+    set_tests_properties(${test} PROPERTIES FIXTURES_REQUIRED train_reference)
+  endif()
+endfunction()
+
+train_run_test(dp 1)
+train_run_test(dp 2)
+foreach(preset tp fsdp fsdp_tp)
+  foreach(np 2 4)
+    train_run_test(${preset} ${np})
+  endforeach()
+endforeach()

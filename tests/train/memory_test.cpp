@@ -1,0 +1,133 @@
+// Memory per rank of the trainer's model under DP and FSDP on the same world: the
+// 784-512-512-10 MLP with AdamW, built as apps/train.cpp builds it (Mlp + Optimizer from
+// the preset's plan). FSDP must hold about 1/n of DP's parameter, gradient and optimizer
+// state bytes per rank (measured as the sum of the ShardedTensors' local sizes), and the
+// planner's totals must say the same as the tensors actually allocated.
+//
+// The bound: FSDP's bytes per rank are DP's / n plus (1 - 1/n) of the tensors the fsdp
+// preset leaves replicated, so fsdp_bytes * n / dp_bytes = 1 + (n - 1) * R / 669,706 for R
+// replicated elements out of the model's 669,706. The test asserts the ratio is in
+// [1, 1 + (n - 1) * R_max / 669,706] with R_max the most the rules allow:
+//   min_sharding_size 0:     R_max = 10    (the last bias does not divide by 4);
+//                            bound 1.000045 at n = 4, so replicating any weight fails.
+//   min_sharding_size 16384: R_max = 6,154 (every bias, 1,034, and the 512 x 10 weight,
+//                            5,120, are below the threshold); bound 1.0276 at n = 4.
+// Not sharding at all gives n.
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "framework/optimizer.hpp"
+#include "framework/runtime.hpp"
+#include "layers/mlp.hpp"
+#include "partition/logical_axes.hpp"
+#include "partition/planner.hpp"
+#include "partition/rules.hpp"
+
+namespace meshtrain {
+namespace {
+
+const std::vector<int64_t> kSizes = {784, 512, 512, 10};
+constexpr int64_t kParameters = 784 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10;  // 669,706
+
+int world_size() {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+int64_t local_bytes(const std::vector<ShardedTensor>& tensors) {
+  int64_t bytes = 0;
+  for (const auto& t : tensors) bytes += static_cast<int64_t>(t.local.extent(0) * sizeof(float));
+  return bytes;
+}
+
+struct Footprint {  // bytes on this rank
+  int64_t parameters = 0, gradients = 0, optimizer_state = 0;
+  PlanTotals plan;
+};
+
+// Builds the model and AdamW for `preset` on a one-axis mesh of the whole world.
+Footprint build(const std::string& preset, const std::string& axis, int64_t min_sharding_size) {
+  const Mesh mesh = Mesh::create({{axis, world_size()}}, world_size());
+  PlanOptions options;
+  options.min_sharding_size = min_sharding_size;  // optimizer_slots 2: AdamW
+  const ShardingPlan plan =
+      make_plan(mlp_parameter_shapes(kSizes), mesh, preset_rules(preset), options);
+  MeshCommunicators comms(mesh);
+  ParallelContext context = ParallelContext::from_logical_axes(comms, LogicalAxes());
+  const int64_t rows = 8;  // any local batch: activations are not counted here
+  Mlp model(kSizes, Activation::relu, specs_from_plan(plan), context, rows);
+  OptimizerSettings settings;
+  settings.kind = OptimizerKind::adamw;
+  Optimizer optimizer(settings, model.parameters());
+
+  Footprint f;
+  f.parameters = local_bytes(model.parameters());
+  f.gradients = local_bytes(model.gradients());
+  for (const std::string& slot : optimizer.slot_names()) {
+    f.optimizer_state += local_bytes(optimizer.slot(slot));
+  }
+  f.plan = plan.totals;
+  return f;
+}
+
+struct Case {
+  int64_t min_sharding_size;
+  int64_t max_replicated;  // elements the fsdp preset may leave replicated (R_max above)
+};
+
+class MemoryTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MemoryTest, FsdpHoldsAboutOneNthOfDpPerRank) {
+  const int n = world_size();
+  const int64_t min_sharding_size = GetParam().min_sharding_size;
+  const double bound =
+      1.0 + static_cast<double>(n - 1) * GetParam().max_replicated / kParameters + 1e-12;
+  const Footprint dp = build("dp", "dp", min_sharding_size);
+  const Footprint fsdp = build("fsdp", "fsdp", min_sharding_size);
+
+  // DP holds the whole model on every rank; AdamW holds two slots (m, v).
+  EXPECT_EQ(dp.parameters, kParameters * 4);
+  EXPECT_EQ(dp.gradients, dp.parameters);
+  EXPECT_EQ(dp.optimizer_state, 2 * dp.parameters);
+  // Gradients and optimizer state exist only for the local shard.
+  EXPECT_EQ(fsdp.gradients, fsdp.parameters);
+  EXPECT_EQ(fsdp.optimizer_state, 2 * fsdp.parameters);
+
+  struct Pair {
+    const char* what;
+    int64_t dp_bytes, fsdp_bytes;
+  };
+  const std::vector<Pair> pairs = {{"parameters", dp.parameters, fsdp.parameters},
+                                   {"gradients", dp.gradients, fsdp.gradients},
+                                   {"optimizer_state", dp.optimizer_state, fsdp.optimizer_state}};
+  for (const auto& [what, dp_bytes, fsdp_bytes] : pairs) {
+    const double ratio = static_cast<double>(fsdp_bytes) * n / static_cast<double>(dp_bytes);
+    EXPECT_GE(ratio, 1.0) << what << ": fsdp " << fsdp_bytes << " B, dp " << dp_bytes << " B";
+    EXPECT_LE(ratio, bound) << what << ": fsdp " << fsdp_bytes << " B per rank is not about 1/" << n
+                            << " of dp's " << dp_bytes << " B";
+  }
+
+  // The planner predicts what the model and the optimizer allocate.
+  for (const Footprint* f : {&dp, &fsdp}) {
+    SCOPED_TRACE(f == &dp ? "dp" : "fsdp");
+    EXPECT_EQ(f->plan.parameter_bytes, f->parameters);
+    EXPECT_EQ(f->plan.gradient_bytes, f->gradients);
+    EXPECT_EQ(f->plan.optimizer_bytes, f->optimizer_state);
+    EXPECT_EQ(f->plan.global_parameter_bytes, kParameters * 4);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(MinShardingSize, MemoryTest,
+                         ::testing::Values(Case{0, 10}, Case{16384, 1034 + 5120}),
+                         [](const auto& info) {
+                           return "min" + std::to_string(info.param.min_sharding_size);
+                         });
+
+}  // namespace
+}  // namespace meshtrain
