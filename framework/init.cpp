@@ -3,17 +3,11 @@
 #include <Kokkos_Core.hpp>
 #include <cmath>
 
+#include "framework/kokkos_math.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {
 namespace {
-
-// Kokkos moved its math functions out of Experimental in 3.7.
-#if KOKKOS_VERSION >= 30700
-namespace kmath = ::Kokkos;
-#else
-namespace kmath = ::Kokkos::Experimental;
-#endif
 
 constexpr int kMaxRank = 4;
 

@@ -3,16 +3,11 @@
 #include <Kokkos_Core.hpp>
 #include <cmath>
 
+#include "framework/kokkos_math.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {
 namespace {
-
-#if KOKKOS_VERSION >= 30700
-namespace kmath = ::Kokkos;
-#else
-namespace kmath = ::Kokkos::Experimental;
-#endif
 
 void check_same_layout(const ShardedTensor& a, const ShardedTensor& b, const char* what) {
   MESHTRAIN_REQUIRE(a.local.extent(0) == b.local.extent(0) && a.global_shape == b.global_shape,

@@ -2,16 +2,11 @@
 
 #include <Kokkos_Core.hpp>
 
+#include "framework/kokkos_math.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {
 namespace {
-
-#if KOKKOS_VERSION >= 30700
-namespace kmath = ::Kokkos;
-#else
-namespace kmath = ::Kokkos::Experimental;
-#endif
 
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kGeluCubic = 0.044715f;

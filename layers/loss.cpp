@@ -3,16 +3,11 @@
 #include <Kokkos_Core.hpp>
 #include <cmath>
 
+#include "framework/kokkos_math.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {
 namespace {
-
-#if KOKKOS_VERSION >= 30700
-namespace kmath = ::Kokkos;
-#else
-namespace kmath = ::Kokkos::Experimental;
-#endif
 
 using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 
