@@ -1,0 +1,431 @@
+#!/usr/bin/env python3
+"""End-to-end resume tests of `meshtrain train` under mpirun (DESIGN.md sections 8 and 10).
+
+    resume_test.py CASE --meshtrain BIN --configs DIR --work DIR [--h5dump BIN] [--h5ls BIN]
+                   [--optimizer adamw|sgd] [--preset fsdp] -- MPIEXEC [FLAGS...]
+
+CASE is one of
+  same_mesh     12 uninterrupted steps against 6 steps + a resumed run to step 12 on the
+                same mesh: the losses of steps 7..12 and the final checkpoint's parameters
+                and optimizer state are bit for bit the same.
+  other_mesh    save at step 6 on np 4 (fsdp=2 x tp=2), resume on np 2 (dp) and np 1 (dp):
+                the losses of steps 7..12 and the final parameters match the uninterrupted
+                run to the stated tolerances.
+  interrupted   a save killed half-way (MESHTRAIN_FAULT_INJECT=after_dataset:2) exits
+                non-zero without hanging, leaves step 6 as `latest` and verifiable, and a
+                third run resumes from it to the same losses as the uninterrupted run.
+  inspect       `meshtrain inspect` prints a trainer checkpoint's step, mesh and config; a
+                flipped byte in a parameter's data makes `inspect --verify` and a resuming
+                `train` exit 2 naming the dataset.
+
+Every run uses a small model (784-64-10), logs every step (metrics.jsonl holds each step's
+loss) and writes under --work, which is emptied first. Exit status: 0 pass, 1 fail, 77 skip
+(a needed HDF5 tool is missing).
+"""
+
+import argparse
+import array
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+SMALL = ["--set", "model.sizes=[784, 64, 10]", "--set", "train.log_every=1"]
+# A run that hangs fails the test here (and ctest's TIMEOUT backs this up).
+RUN_TIMEOUT_S = 60
+# Other meshes reduce in another order: float32 rounding differs, the function does not.
+LOSS_RTOL = 1e-4
+PARAM_ATOL = 1e-5  # |a - b| <= PARAM_ATOL + PARAM_RTOL * |b| for every element
+PARAM_RTOL = 1e-4
+
+
+class Failure(Exception):
+    pass
+
+
+class Context:
+    def __init__(self, args):
+        self.meshtrain = args.meshtrain
+        self.configs = args.configs
+        self.work = args.work
+        self.h5dump = args.h5dump
+        self.h5ls = args.h5ls
+        self.mpiexec = args.mpiexec
+        self.optimizer = args.optimizer
+        self.failures = []
+
+    def config(self, preset):
+        return os.path.join(self.configs, "fashion_mnist_%s.toml" % preset)
+
+    def optimizer_sets(self):
+        if self.optimizer == "sgd":
+            return ["--set", 'optimizer.kind="sgd"', "--set", "optimizer.lr=0.05",
+                    "--set", "optimizer.momentum=0.9"]
+        return ["--set", 'optimizer.kind="adamw"']
+
+    def check(self, condition, message):
+        if not condition:
+            print("FAIL: " + message, file=sys.stderr)
+            self.failures.append(message)
+        return condition
+
+
+def run(cmd, env_extra=None, timeout=RUN_TIMEOUT_S):
+    """Runs a command; returns (status, stdout, stderr). A timeout is a failure."""
+    env = dict(os.environ)
+    env.pop("MESHTRAIN_FAULT_INJECT", None)
+    if env_extra:
+        env.update(env_extra)
+    try:
+        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           timeout=timeout, universal_newlines=True)
+    except subprocess.TimeoutExpired as e:
+        raise Failure("command hung (no exit in %d s): %s\n--- stdout:\n%s\n--- stderr:\n%s" %
+                      (timeout, " ".join(cmd), e.stdout, e.stderr))
+    return p.returncode, p.stdout, p.stderr
+
+
+def train(ctx, np, preset, output_dir, steps, extra=(), env_extra=None, expect_status=0):
+    """mpirun -np NP meshtrain train CONFIG ...; checks the exit status."""
+    cmd = (ctx.mpiexec[:1] + ["-n", str(np)] + ctx.mpiexec[1:] +
+           [ctx.meshtrain, "train", ctx.config(preset)] + SMALL + ctx.optimizer_sets() +
+           ["--set", "train.steps=%d" % steps, "--set", 'run.output_dir="%s"' % output_dir] +
+           list(extra))
+    status, out, err = run(cmd, env_extra)
+    ok = (status == expect_status if expect_status is not None else status != 0)
+    if not ok:
+        raise Failure("exit status %d, expected %s: %s\n--- stdout:\n%s\n--- stderr:\n%s" %
+                      (status, expect_status if expect_status is not None else "non-zero",
+                       " ".join(cmd), out[-4000:], err[-4000:]))
+    return status, out, err
+
+
+def losses(output_dir):
+    """{step: loss as the JSON text} of the log events in OUTPUT_DIR/metrics.jsonl."""
+    result = {}
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        for line in f:
+            # parse_float=str keeps the number's text: equal text <=> equal double.
+            event = json.loads(line, parse_float=str)
+            if event.get("event") != "log":
+                continue
+            step = event["step"]
+            if step in result:
+                raise Failure("%s/metrics.jsonl logs step %d twice" % (output_dir, step))
+            result[step] = event["loss"]
+    return result
+
+
+def expect_losses(ctx, what, got, reference, steps, rtol=None):
+    """The losses of `steps` in `got` equal `reference`'s (exactly, or to rtol relative)."""
+    for step in steps:
+        if not ctx.check(step in got, "%s: no loss logged for step %d" % (what, step)):
+            continue
+        a, b = got[step], reference[step]
+        if rtol is None:
+            ctx.check(a == b and float(a) == float(b),
+                      "%s: step %d loss %s, uninterrupted run %s (must be identical)" %
+                      (what, step, a, b))
+        else:
+            ctx.check(abs(float(a) - float(b)) <= rtol * abs(float(b)),
+                      "%s: step %d loss %s differs from the uninterrupted run's %s by more "
+                      "than %g relative" % (what, step, a, b, rtol))
+
+
+def inspect(ctx, path, verify=False):
+    cmd = [ctx.meshtrain, "inspect", path] + (["--verify"] if verify else [])
+    return run(cmd)
+
+
+def dataset_names(ctx, path, prefixes=("/params/", "/opt_state/")):
+    """The datasets `meshtrain inspect` lists under the given groups."""
+    status, out, err = inspect(ctx, path)
+    if status != 0:
+        raise Failure("meshtrain inspect %s exited %d: %s" % (path, status, err))
+    names = [m.group(1) for m in re.finditer(r"^  (/\S+) +float32", out, re.M)]
+    names = [n for n in names if n.startswith(prefixes)]
+    if not names or not any(n.startswith("/params/") for n in names):
+        raise Failure("meshtrain inspect %s lists no parameter datasets:\n%s" % (path, out))
+    return names
+
+
+def raw_dataset(ctx, path, name):
+    """The bytes of one dataset as little-endian float32 (h5dump -b LE)."""
+    out = os.path.join(ctx.work, "dump.bin")
+    if os.path.exists(out):
+        os.remove(out)
+    status, _, err = run([ctx.h5dump, "-d", name, "-b", "LE", "-o", out, path])
+    if status != 0 or not os.path.exists(out):
+        raise Failure("h5dump -d %s %s failed (%d): %s" % (name, path, status, err))
+    with open(out, "rb") as f:
+        return f.read()
+
+
+def floats(data):
+    values = array.array("f")
+    values.frombytes(data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values
+
+
+def compare_checkpoints(ctx, what, got, reference, exact, prefixes=("/params/", "/opt_state/")):
+    """Every dataset under `prefixes` of `reference` is in `got`, bit for bit or to tolerance."""
+    names = dataset_names(ctx, reference, prefixes)
+    ctx.check(dataset_names(ctx, got, prefixes) == names,
+              "%s: %s and %s hold different datasets" % (what, got, reference))
+    for name in names:
+        a, b = raw_dataset(ctx, got, name), raw_dataset(ctx, reference, name)
+        if exact:
+            ctx.check(a == b, "%s: %s of %s differs from the uninterrupted run's (%s)" %
+                      (what, name, got, reference))
+            continue
+        fa, fb = floats(a), floats(b)
+        if not ctx.check(len(fa) == len(fb), "%s: %s has %d values, expected %d" %
+                         (what, name, len(fa), len(fb))):
+            continue
+        worst = max(range(len(fa)), key=lambda i: abs(fa[i] - fb[i]) - PARAM_RTOL * abs(fb[i]))
+        ctx.check(abs(fa[worst] - fb[worst]) <= PARAM_ATOL + PARAM_RTOL * abs(fb[worst]),
+                  "%s: %s[%d] = %r, uninterrupted run %r (tolerance %g + %g relative)" %
+                  (what, name, worst, fa[worst], fb[worst], PARAM_ATOL, PARAM_RTOL))
+
+
+def read_latest(ckpt_dir):
+    with open(os.path.join(ckpt_dir, "latest")) as f:
+        return f.read().strip()
+
+
+def need_tools(ctx, *tools):
+    for tool in tools:
+        if not getattr(ctx, tool):
+            print("SKIP: %s not found (Debian: hdf5-tools)" % tool)
+            sys.exit(77)
+
+
+# --- The cases ----------------------------------------------------------------------------
+
+def case_same_mesh(ctx, preset):
+    need_tools(ctx, "h5dump")
+    np = 2
+    a = os.path.join(ctx.work, "uninterrupted")
+    b = os.path.join(ctx.work, "resumed")
+    train(ctx, np, preset, a, 12)
+    train(ctx, np, preset, b, 6, ["--set", "checkpoint.every_steps=6"])
+    ref = losses(a)
+    ctx.check(sorted(ref) == list(range(1, 13)), "uninterrupted run logged steps %s" % sorted(ref))
+    expect_losses(ctx, "first 6 steps", losses(b), ref, range(1, 7))
+    _, out, _ = train(ctx, np, preset, b, 12,
+                      ["--set", "checkpoint.every_steps=6", "--set", "checkpoint.resume=true"])
+    ctx.check(re.search(r"resumed from \S*ckpt-000006\.h5 at step 6", out),
+              "the second run does not say it resumed from step 6:\n" + out)
+    expect_losses(ctx, "resumed run", losses(b), ref, range(7, 13))
+
+    final_a = os.path.join(a, "checkpoints", "ckpt-000012.h5")
+    final_b = os.path.join(b, "checkpoints", "ckpt-000012.h5")
+    for path in (final_a, final_b):
+        status, out, err = inspect(ctx, path, verify=True)
+        ctx.check(status == 0, "meshtrain inspect --verify %s exited %d: %s" % (path, status, err))
+        ctx.check("step: 12\n" in out and "optimizer_step=12" in out,
+                  "%s is not at step 12 / optimizer step 12:\n%s" % (path, out))
+    ctx.check(read_latest(os.path.join(b, "checkpoints")) == "ckpt-000012.h5",
+              "latest does not name ckpt-000012.h5 after the resumed run")
+    compare_checkpoints(ctx, "final checkpoint", final_b, final_a, exact=True)
+
+
+def case_other_mesh(ctx):
+    need_tools(ctx, "h5dump")
+    ref_dir = os.path.join(ctx.work, "uninterrupted_np1")
+    saved = os.path.join(ctx.work, "fsdp_tp_np4")
+    train(ctx, 1, "dp", ref_dir, 12)
+    _, out, _ = train(ctx, 4, "fsdp_tp", saved, 6, ["--set", "checkpoint.every_steps=6"])
+    ctx.check("fsdp=2" in out and "tp=2" in out, "np 4 fsdp_tp is not fsdp=2 x tp=2:\n" + out)
+    ref = losses(ref_dir)
+    expect_losses(ctx, "np 4 fsdp x tp, first 6 steps", losses(saved), ref, range(1, 7),
+                  LOSS_RTOL)
+    status, out, _ = inspect(ctx, os.path.join(saved, "checkpoints", "ckpt-000006.h5"))
+    ctx.check(re.search(r"^mesh: dp=1 fsdp=2 ep=1 tp=2 sp=1 \(4 ranks\)$", out, re.M),
+              "the checkpoint's mesh is not fsdp=2 x tp=2 on 4 ranks:\n" + out)
+    final_ref = os.path.join(ref_dir, "checkpoints", "ckpt-000012.h5")
+    for np in (2, 1):
+        what = "resumed on np %d (dp)" % np
+        out_dir = os.path.join(ctx.work, "resumed_dp_np%d" % np)
+        ckpt_dir = os.path.join(out_dir, "checkpoints")
+        shutil.copytree(os.path.join(saved, "checkpoints"), ckpt_dir)
+        _, out, _ = train(ctx, np, "dp", out_dir, 12,
+                          ["--set", 'checkpoint.dir="%s"' % ckpt_dir,
+                           "--set", "checkpoint.resume=true"])
+        ctx.check(re.search(r"resumed from \S*ckpt-000006\.h5 at step 6 \(saved on "
+                            r"dp=1 fsdp=2 ep=1 tp=2 sp=1\)", out),
+                  "%s: does not say it resumed from the np 4 step-6 checkpoint:\n%s" % (what, out))
+        got = losses(out_dir)
+        ctx.check(sorted(got) == list(range(7, 13)),
+                  "%s: logged steps %s, expected 7..12" % (what, sorted(got)))
+        expect_losses(ctx, what, got, ref, range(7, 13), LOSS_RTOL)
+        compare_checkpoints(ctx, what + ", final parameters",
+                            os.path.join(ckpt_dir, "ckpt-000012.h5"), final_ref, exact=False,
+                            prefixes=("/params/",))
+
+
+def case_interrupted(ctx, preset):
+    np = 2
+    a = os.path.join(ctx.work, "uninterrupted")
+    b = os.path.join(ctx.work, "interrupted")
+    ckpt_dir = os.path.join(b, "checkpoints")
+    resume = ["--set", "checkpoint.every_steps=6", "--set", "checkpoint.resume=true"]
+    train(ctx, np, preset, a, 12)
+    train(ctx, np, preset, b, 6, ["--set", "checkpoint.every_steps=6"])
+    ctx.check(read_latest(ckpt_dir) == "ckpt-000006.h5", "latest does not name step 6")
+    # The second run trains 7..12, then dies while writing step 12's second dataset.
+    status, out, err = train(ctx, np, preset, b, 12, resume,
+                             env_extra={"MESHTRAIN_FAULT_INJECT": "after_dataset:2"},
+                             expect_status=None)
+    ctx.check("fault injected" in out + err, "no 'fault injected' message:\n" + out + err)
+    ctx.check(read_latest(ckpt_dir) == "ckpt-000006.h5",
+              "after the interrupted save latest names %r, expected ckpt-000006.h5" %
+              read_latest(ckpt_dir))
+    ctx.check(not os.path.exists(os.path.join(ckpt_dir, "ckpt-000012.h5")),
+              "the interrupted save left a complete-looking ckpt-000012.h5")
+    status, out, err = inspect(ctx, os.path.join(ckpt_dir, "ckpt-000006.h5"), verify=True)
+    ctx.check(status == 0 and "step: 6\n" in out,
+              "inspect --verify of step 6 after the crash exited %d:\n%s%s" % (status, out, err))
+    # The third run resumes from step 6 and ends where the uninterrupted run ended.
+    _, out, _ = train(ctx, np, preset, b, 12, resume)
+    ctx.check(re.search(r"resumed from \S*ckpt-000006\.h5 at step 6", out),
+              "the third run does not say it resumed from step 6:\n" + out)
+    expect_losses(ctx, "run after the crash", losses(b), losses(a), range(7, 13))
+    ctx.check(read_latest(ckpt_dir) == "ckpt-000012.h5", "latest does not name step 12 at the end")
+    leftovers = [n for n in os.listdir(ckpt_dir) if n.endswith(".tmp")]
+    ctx.check(not leftovers, "the crashed save's temporary files remain: %s" % leftovers)
+    status, _, err = inspect(ctx, os.path.join(ckpt_dir, "ckpt-000012.h5"), verify=True)
+    ctx.check(status == 0, "inspect --verify of step 12 exited %d: %s" % (status, err))
+    if ctx.h5dump:
+        compare_checkpoints(ctx, "final checkpoint", os.path.join(ckpt_dir, "ckpt-000012.h5"),
+                            os.path.join(a, "checkpoints", "ckpt-000012.h5"), exact=True)
+
+
+def chunk_address(ctx, path, dataset):
+    """File offset and size of the first stored chunk of `dataset` (h5ls -v -a)."""
+    status, out, err = run([ctx.h5ls, "-v", "-a", path + dataset])
+    if status != 0:
+        raise Failure("h5ls -v -a %s%s failed (%d): %s" % (path, dataset, status, err))
+    # The chunk table: "0x00000000   100356       5013 [0, 0, 0]" = flags, stored bytes
+    # (data + the Fletcher32 checksum), file address, logical offset.
+    chunks = re.findall(r"^\s*0x[0-9a-fA-F]+\s+(\d+)\s+(\d+)\s+\[", out, re.M)
+    if not chunks:
+        raise Failure("cannot find the chunk addresses in h5ls' output:\n" + out)
+    size, address = chunks[0]
+    return int(address), int(size)
+
+
+def case_inspect(ctx, preset):
+    need_tools(ctx, "h5ls")
+    np = 2
+    run_dir = os.path.join(ctx.work, "run")
+    train(ctx, np, preset, run_dir, 6, ["--set", "run.name=resume-inspect"])
+    path = os.path.join(run_dir, "checkpoints", "ckpt-000006.h5")
+    status, out, err = inspect(ctx, path, verify=True)
+    ctx.check(status == 0, "inspect --verify exited %d: %s" % (status, err))
+    for pattern in [r"^step: 6$",
+                    r"^mesh: dp=1 fsdp=2 ep=1 tp=1 sp=1 \(2 ranks\)$",
+                    r"^  /params/layers/0/weight +float32  \[784, 64\]  P\(fsdp, None\)",
+                    r"^  /opt_state/\w+/layers/1/bias +float32  \[10\]",
+                    r"^config:$",
+                    r"^  +name = [\"']resume-inspect[\"']$",
+                    r"^  +sizes = \[ 784, 64, 10 \]$|^  +sizes = \[784, 64, 10\]$",
+                    r"^  +steps = 6$",
+                    r"^verify: \d+ datasets read, all checksums match$"]:
+        ctx.check(re.search(pattern, out, re.M),
+                  "inspect output does not match /%s/:\n%s" % (pattern, out))
+
+    # Flip one byte in the middle of the weight's first stored chunk, in a copy.
+    bad_dir = os.path.join(ctx.work, "corrupt")
+    shutil.copytree(os.path.join(run_dir, "checkpoints"), bad_dir)
+    bad = os.path.join(bad_dir, "ckpt-000006.h5")
+    dataset = "/params/layers/0/weight"
+    address, size = chunk_address(ctx, bad, dataset)
+    with open(bad, "r+b") as f:
+        f.seek(address + size // 2)
+        byte = f.read(1)
+        f.seek(address + size // 2)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+    status, out, err = inspect(ctx, bad, verify=True)
+    ctx.check(status == 2, "inspect --verify of a corrupt checkpoint exited %d, expected 2" %
+              status)
+    ctx.check(re.search(r"^meshtrain: error: .*" + re.escape(dataset), err) and
+              err.count("\n") == 1,
+              "inspect --verify does not report the corrupt dataset in one line:\n" + err)
+
+    status, out, err = train(ctx, np, preset, os.path.join(ctx.work, "resume_corrupt"), 12,
+                             ["--set", 'checkpoint.dir="%s"' % bad_dir,
+                              "--set", "checkpoint.resume=true"], expect_status=2)
+    # The load fails on every rank alike; the message may name the rank that printed it.
+    ctx.check(re.search(r"^meshtrain: error( on rank \d+)?: .*" + re.escape(dataset) +
+                        r".*corrupt", err, re.M),
+              "train does not name the corrupt dataset:\n" + err)
+    errors = [l for l in err.splitlines() if l.startswith("meshtrain: error")]
+    ctx.check(len(errors) == 1, "train printed %d error lines, expected one sentence for the "
+              "job:\n%s" % (len(errors), err))
+    ctx.check("resumed from" not in out, "train resumed from a corrupt checkpoint:\n" + out)
+    ctx.check(not os.path.exists(os.path.join(ctx.work, "resume_corrupt", "metrics.jsonl")) or
+              not losses(os.path.join(ctx.work, "resume_corrupt")),
+              "train logged steps after failing to load the corrupt checkpoint")
+
+    # Resuming a model of another shape is bad input naming the parameter and both shapes.
+    status, out, err = train(ctx, np, preset, os.path.join(ctx.work, "resume_other_shape"), 12,
+                             ["--set", 'checkpoint.dir="%s"' % os.path.dirname(path),
+                              "--set", "checkpoint.resume=true",
+                              "--set", "model.sizes=[784, 32, 10]"], expect_status=2)
+    ctx.check(re.search(r"^meshtrain: error( on rank \d+)?: .*layers/0/weight.*"
+                        r"(\[784, 64\].*\[784, 32\]|\[784, 32\].*\[784, 64\])", err, re.M),
+              "train does not name the parameter and both shapes:\n" + err)
+    errors = [l for l in err.splitlines() if l.startswith("meshtrain: error")]
+    ctx.check(len(errors) == 1, "train printed %d error lines for a shape mismatch, expected "
+              "one sentence for the job:\n%s" % (len(errors), err))
+
+
+def main():
+    argv = sys.argv[1:]
+    if "--" not in argv:
+        print(__doc__, file=sys.stderr)
+        return 64
+    split = argv.index("--")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("case", choices=["same_mesh", "other_mesh", "interrupted", "inspect"])
+    parser.add_argument("--meshtrain", required=True)
+    parser.add_argument("--configs", required=True)
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--h5dump", default="")
+    parser.add_argument("--h5ls", default="")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    parser.add_argument("--preset", default="fsdp")
+    args = parser.parse_args(argv[:split])
+    args.mpiexec = argv[split + 1:]
+    if not args.mpiexec:
+        parser.error("no mpiexec command after --")
+    shutil.rmtree(args.work, ignore_errors=True)
+    os.makedirs(args.work)
+    ctx = Context(args)
+    try:
+        if args.case == "same_mesh":
+            case_same_mesh(ctx, args.preset)
+        elif args.case == "other_mesh":
+            case_other_mesh(ctx)
+        elif args.case == "interrupted":
+            case_interrupted(ctx, args.preset)
+        else:
+            case_inspect(ctx, args.preset)
+    except Failure as e:
+        print("FAIL: %s" % e, file=sys.stderr)
+        return 1
+    if ctx.failures:
+        print("%d check(s) failed" % len(ctx.failures), file=sys.stderr)
+        return 1
+    print("ok: %s (%s, %s)" % (args.case, args.preset, args.optimizer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
