@@ -4,20 +4,9 @@
 #include <sstream>
 
 #include "framework/checkpoint.hpp"
+#include "partition/planner.hpp"
 
 namespace meshtrain {
-
-namespace {
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << '[';
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << ']';
-  return out.str();
-}
-
-}  // namespace
 
 int inspect_command(const std::string& path, bool verify, std::ostream& out) {
   const CheckpointListing listing = list_checkpoint(path);
@@ -36,11 +25,11 @@ int inspect_command(const std::string& path, bool verify, std::ostream& out) {
   for (const auto& d : listing.datasets) width = std::max(width, d.path.size());
   out << "datasets (" << listing.datasets.size() << "):\n";
   for (const auto& d : listing.datasets) {
-    std::string storage = d.chunk.empty() ? "contiguous" : "chunks " + shape_text(d.chunk);
+    std::string storage = d.chunk.empty() ? "contiguous" : "chunks " + format_shape(d.chunk);
     if (d.fletcher32) storage += ", fletcher32";
     std::string padded = d.path;
     padded.resize(width, ' ');
-    out << "  " << padded << "  " << d.dtype << "  " << shape_text(d.shape) << "  "
+    out << "  " << padded << "  " << d.dtype << "  " << format_shape(d.shape) << "  "
         << (d.spec.empty() ? "-" : d.spec) << "  (" << storage << ")\n";
   }
 

@@ -19,6 +19,7 @@
 #include "framework/impl/hdf5_util.hpp"
 #include "framework/version.hpp"
 #include "partition/error.hpp"
+#include "partition/planner.hpp"
 
 namespace meshtrain {
 
@@ -271,12 +272,12 @@ void check_tensor(const ShardedTensor& t, const std::string& label) {
   const size_t rank = t.global_shape.size();
   MESHTRAIN_REQUIRE(t.box.offset.size() == rank && t.box.extent.size() == rank,
                     "checkpoint: ", label, " has a box of rank ", t.box.extent.size(),
-                    " for a global shape ", hdf5::shape_text(t.global_shape));
+                    " for a global shape ", format_shape(t.global_shape));
   for (size_t d = 0; d < rank; ++d) {
     MESHTRAIN_REQUIRE(t.box.offset[d] >= 0 && t.box.extent[d] >= 0 &&
                           t.box.offset[d] + t.box.extent[d] <= t.global_shape[d],
                       "checkpoint: ", label, " has a box outside its shape ",
-                      hdf5::shape_text(t.global_shape));
+                      format_shape(t.global_shape));
   }
   MESHTRAIN_REQUIRE(static_cast<int64_t>(t.local.extent(0)) == t.box.elements(),
                     "checkpoint: ", label, " holds ", t.local.extent(0), " values but its box has ",
@@ -511,7 +512,7 @@ void check_parameter_names(hid_t file, const CheckpointContents& into, const std
   for (const auto& t : into.params) {
     if (in_file.count(t.name) == 0) {
       MESHTRAIN_BAD_INPUT("checkpoint '", path, "' has no parameter '", t.name,
-                          "' (the model's has shape ", hdf5::shape_text(t.global_shape), ")");
+                          "' (the model's has shape ", format_shape(t.global_shape), ")");
     }
   }
   for (const auto& name : stored) {
@@ -519,8 +520,7 @@ void check_parameter_names(hid_t file, const CheckpointContents& into, const std
       Handle d = hdf5::make(H5Dopen2(file, ("/params/" + name).c_str(), H5P_DEFAULT), H5Dclose,
                             ErrorKind::bad_input, "cannot open '/params/" + name + "' in " + where);
       MESHTRAIN_BAD_INPUT("checkpoint '", path, "' has parameter '", name, "' with shape ",
-                          hdf5::shape_text(logical_shape(d, where)),
-                          " that the model does not have");
+                          format_shape(logical_shape(d, where)), " that the model does not have");
     }
   }
   for (const auto& slot : into.opt_state) {
@@ -537,14 +537,14 @@ void read_dataset(hid_t file, const DatasetEntry& entry, const std::string& path
   const std::string where = "checkpoint '" + path + "'";
   if (!hdf5::path_exists(file, entry.path, bad, where)) {
     MESHTRAIN_BAD_INPUT("checkpoint '", path, "' has no dataset '", entry.path, "' for ",
-                        entry.label, " (shape ", hdf5::shape_text(t.global_shape), ")");
+                        entry.label, " (shape ", format_shape(t.global_shape), ")");
   }
   const std::string what = "cannot read dataset '" + entry.path + "' in " + where;
   Handle dataset = hdf5::make(H5Dopen2(file, entry.path.c_str(), H5P_DEFAULT), H5Dclose, bad, what);
   const std::vector<int64_t> shape = logical_shape(dataset, what);
   if (shape != t.global_shape) {
-    MESHTRAIN_BAD_INPUT(entry.label, " has shape ", hdf5::shape_text(shape), " in checkpoint '",
-                        path, "' but ", hdf5::shape_text(t.global_shape), " in the model");
+    MESHTRAIN_BAD_INPUT(entry.label, " has shape ", format_shape(shape), " in checkpoint '", path,
+                        "' but ", format_shape(t.global_shape), " in the model");
   }
   {
     Handle type = hdf5::make(H5Dget_type(dataset), H5Tclose, bad, what);

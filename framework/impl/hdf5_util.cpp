@@ -251,12 +251,4 @@ std::vector<int64_t> dataset_shape(hid_t dataset, ErrorKind kind, const std::str
   return std::vector<int64_t>(dims.begin(), dims.end());
 }
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << '[';
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << ']';
-  return out.str();
-}
-
 }  // namespace meshtrain::hdf5

@@ -77,7 +77,4 @@ bool path_exists(hid_t file, const std::string& path, ErrorKind kind, const std:
 // The dimensions of a dataset's dataspace (empty for a scalar dataspace).
 std::vector<int64_t> dataset_shape(hid_t dataset, ErrorKind kind, const std::string& what);
 
-// "[784, 512]"
-std::string shape_text(const std::vector<int64_t>& shape);
-
 }  // namespace meshtrain::hdf5
