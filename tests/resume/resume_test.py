@@ -103,7 +103,9 @@ def train(ctx, np, preset, output_dir, steps, extra=(), env_extra=None, expect_s
 
 
 def losses(output_dir):
-    """{step: loss as the JSON text} of the log events in OUTPUT_DIR/metrics.jsonl."""
+    """{step: loss as the JSON text} of the log events in OUTPUT_DIR/metrics.jsonl. A step
+    logged twice (a run that crashed after it, then resumed, in an appended log) keeps the
+    last value, the one of the run that continued."""
     result = {}
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         for line in f:
@@ -111,10 +113,7 @@ def losses(output_dir):
             event = json.loads(line, parse_float=str)
             if event.get("event") != "log":
                 continue
-            step = event["step"]
-            if step in result:
-                raise Failure("%s/metrics.jsonl logs step %d twice" % (output_dir, step))
-            result[step] = event["loss"]
+            result[event["step"]] = event["loss"]
     return result
 
 
@@ -281,6 +280,7 @@ def case_interrupted(ctx, preset):
     status, out, err = train(ctx, np, preset, b, 12, resume,
                              env_extra={"MESHTRAIN_FAULT_INJECT": "after_dataset:2"},
                              expect_status=None)
+    print("the save killed at after_dataset:2 ended the job with exit status %d" % status)
     ctx.check("fault injected" in out + err, "no 'fault injected' message:\n" + out + err)
     ctx.check(read_latest(ckpt_dir) == "ckpt-000006.h5",
               "after the interrupted save latest names %r, expected ckpt-000006.h5" %
