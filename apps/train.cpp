@@ -24,6 +24,7 @@
 #include "framework/runtime.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
+#include "partition/error.hpp"
 #include "partition/logical_axes.hpp"
 #include "partition/planner.hpp"
 
@@ -203,7 +204,17 @@ int train_command(const std::string& config_path, const std::vector<std::string>
     std::optional<std::string> latest;
     agree([&] { latest = find_latest_checkpoint(config.checkpoint.dir); });
     if (latest) {
-      const CheckpointInfo info = load_checkpoint(*latest, checkpoint, MPI_COMM_WORLD);
+      // load_checkpoint throws the same error on every rank, after the same collectives.
+      CheckpointInfo info;
+      agree([&] {
+        info = load_checkpoint(*latest, checkpoint, MPI_COMM_WORLD);
+        if (info.train_state.seed != config.run.seed) {
+          MESHTRAIN_BAD_INPUT("checkpoint '", info.path,
+                              "' was saved by a run with run.seed = ", info.train_state.seed,
+                              " but ", config.file, " has run.seed = ", config.run.seed,
+                              ": resuming would change the data order");
+        }
+      });
       first_step = info.train_state.step;
       optimizer.set_step_count(info.train_state.optimizer_step);
       if (rank0) {
@@ -215,7 +226,8 @@ int train_command(const std::string& config_path, const std::vector<std::string>
     }
   }
 
-  MetricsLog metrics(config.run.output_dir, rank0);
+  // A resumed run appends to the metrics of the run it continues.
+  MetricsLog metrics(config.run.output_dir, rank0, /*append=*/first_step > 0);
   if (rank0) {
     std::printf(
         "meshtrain train %s: %d ranks, mesh %s, batch %lld (%lld rows per rank), %lld steps\n",

@@ -10,7 +10,7 @@
 
 namespace meshtrain {
 
-MetricsLog::MetricsLog(const std::string& output_dir, bool writer)
+MetricsLog::MetricsLog(const std::string& output_dir, bool writer, bool append)
     : path_(output_dir + "/metrics.jsonl") {
   if (!writer) return;
   std::error_code ec;
@@ -19,7 +19,7 @@ MetricsLog::MetricsLog(const std::string& output_dir, bool writer)
     MESHTRAIN_BAD_INPUT("cannot create the output directory '", output_dir,
                         "' (run.output_dir): ", ec.message());
   }
-  file_ = std::fopen(path_.c_str(), "w");
+  file_ = std::fopen(path_.c_str(), append ? "a" : "w");
   if (!file_) {
     MESHTRAIN_BAD_INPUT("cannot open '", path_, "' for writing: ", std::strerror(errno));
   }

@@ -27,8 +27,9 @@ struct EvalEvent {
 
 class MetricsLog {
  public:
-  // Creates output_dir (and parents) and truncates metrics.jsonl when `writer` is true.
-  MetricsLog(const std::string& output_dir, bool writer);
+  // Creates output_dir (and parents) and opens metrics.jsonl when `writer` is true:
+  // truncated for a new run, appended to when `append` (a resumed run).
+  MetricsLog(const std::string& output_dir, bool writer, bool append = false);
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
