@@ -1,0 +1,390 @@
+// Training-step benchmark: the MLP of `meshtrain train` (Mlp, cross-entropy Loss, AdamW),
+// built exactly as apps/train.cpp builds it, timed over full steps (forward, loss,
+// backward, optimizer step) on a mesh made from the world size. Prints ONE JSON line on
+// rank 0 with the step time, the throughput and how it compares with a roofline made of
+// rank 0's single-thread sgemm rate.
+//
+//   OPENBLAS_NUM_THREADS=1 mpirun -np 2 build/bin/bench_train_step \
+//       --sizes 784,4096,4096,10 --batch 256 --mode fsdp --steps 10 --warmup 2
+//
+// Modes and their meshes (N ranks): dp -> dp=N, fsdp -> fsdp=N, tp -> tp=N,
+// fsdp_tp -> fsdp=N/2 x tp=2, dp_tp -> dp=N/2 x tp=2, dp_fsdp -> dp=N/2 x fsdp=2; the
+// partition preset of the same name, min_sharding_size 0 (every tensor that divides is
+// sharded).
+//
+// The batch (random inputs, labels row % classes, the same global rows on every mesh) is
+// filled once before timing: data loading is not measured. Each timed step is bracketed
+// by MPI_Barrier, so a step's time is the slowest rank's. The JSON line also counts the
+// Kokkos allocations and C++ heap allocations (operator new) made inside the timed steps:
+// both should be 0 (--trace-allocations N prints where the first N heap ones come from).
+//
+//   flops_per_step          6 * batch * sum(in * out)   (forward 2, backward 4)
+//   roofline_samples_per_s  ranks * sgemm_gflops * 1e9 / (flops_per_step / batch)
+//   ratio                   samples_per_s / roofline_samples_per_s
+
+#include <execinfo.h>
+#include <mpi.h>
+#include <sys/resource.h>
+
+#include <CLI/CLI.hpp>
+#include <KokkosBlas3_gemm.hpp>
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <new>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "framework/collective_matmul.hpp"
+#include "framework/data.hpp"
+#include "framework/init.hpp"
+#include "framework/optimizer.hpp"
+#include "framework/runtime.hpp"
+#include "layers/loss.hpp"
+#include "layers/mlp.hpp"
+#include "partition/logical_axes.hpp"
+#include "partition/planner.hpp"
+#include "partition/rules.hpp"
+
+// --- Heap allocation counter: counts operator new while `g_count_heap` is set, and prints
+// the call stacks of the first `g_trace_left` of them (--trace-allocations). -------------
+namespace {
+std::atomic<bool> g_count_heap{false};
+std::atomic<int64_t> g_heap_allocations{0};
+std::atomic<int> g_trace_left{0};
+thread_local bool t_tracing = false;
+
+void trace_allocation(std::size_t bytes) {
+  if (t_tracing || g_trace_left.load() <= 0) return;
+  t_tracing = true;
+  --g_trace_left;
+  void* frames[24];
+  const int depth = backtrace(frames, 24);
+  std::fprintf(stderr, "heap allocation of %zu bytes inside a timed step:\n", bytes);
+  backtrace_symbols_fd(frames, depth, 2);
+  t_tracing = false;
+}
+}  // namespace
+
+void* operator new(std::size_t bytes) {
+  if (g_count_heap.load(std::memory_order_relaxed)) {
+    ++g_heap_allocations;
+    trace_allocation(bytes);
+  }
+  if (void* p = std::malloc(bytes ? bytes : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t) noexcept {
+  std::free(p);
+}
+
+namespace {
+
+using meshtrain::Matrix;
+using meshtrain::Mesh;
+
+int64_t g_kokkos_allocations = 0;
+bool g_trace_kokkos = false;
+void count_kokkos_allocation(const Kokkos::Profiling::SpaceHandle, const char* label, const void*,
+                             const uint64_t bytes) {
+  ++g_kokkos_allocations;
+  if (g_trace_kokkos) {
+    std::fprintf(stderr, "Kokkos allocation '%s' of %llu bytes inside a timed step\n", label,
+                 static_cast<unsigned long long>(bytes));
+  }
+}
+
+std::vector<int64_t> parse_sizes(const std::string& text) {
+  std::vector<int64_t> sizes;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    char* end = nullptr;
+    const long long value = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || value < 1) {
+      MESHTRAIN_BAD_INPUT("--sizes '", text, "': '", item, "' is not a positive integer");
+    }
+    sizes.push_back(value);
+  }
+  if (sizes.size() < 2) MESHTRAIN_BAD_INPUT("--sizes '", text, "' needs at least two sizes");
+  return sizes;
+}
+
+// The mesh of a mode for `world` ranks (the pairs of the combined modes are neighbours).
+Mesh mesh_for_mode(const std::string& mode, int world) {
+  std::vector<std::pair<std::string, int>> axes;
+  if (mode == "dp" || mode == "fsdp" || mode == "tp") {
+    axes = {{mode, world}};
+  } else if (mode == "fsdp_tp") {
+    axes = {{"fsdp", -1}, {"tp", 2}};
+  } else if (mode == "dp_tp") {
+    axes = {{"dp", -1}, {"tp", 2}};
+  } else if (mode == "dp_fsdp") {
+    axes = {{"dp", -1}, {"fsdp", 2}};
+  } else {
+    MESHTRAIN_BAD_INPUT("--mode '", mode, "' is not one of dp, fsdp, tp, fsdp_tp, dp_tp, dp_fsdp");
+  }
+  return Mesh::create(axes, world, "--mode " + mode);
+}
+
+int64_t local_bytes(const std::vector<meshtrain::ShardedTensor>& tensors) {
+  int64_t bytes = 0;
+  for (const auto& t : tensors) bytes += static_cast<int64_t>(t.local.extent(0) * sizeof(float));
+  return bytes;
+}
+
+int64_t max_over_ranks(int64_t value) {
+  long long in = value, out = 0;
+  MPI_Allreduce(&in, &out, 1, MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD);
+  return out;
+}
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+// Single-thread sgemm rate of C [m, n] = A [m, k] B [k, n] on this rank (GFLOP/s, median
+// of `repeats` after one warm-up call).
+double sgemm_gflops(int64_t m, int64_t k, int64_t n, int repeats) {
+  Matrix a("meshtrain::bench_a", m, k), b("meshtrain::bench_b", k, n),
+      c("meshtrain::bench_c", m, n);
+  Kokkos::deep_copy(a, 0.5f);
+  Kokkos::deep_copy(b, 0.25f);
+  KokkosBlas::gemm("N", "N", 1.0f, a, b, 0.0f, c);
+  std::vector<double> times;
+  for (int r = 0; r < repeats; ++r) {
+    const double start = MPI_Wtime();
+    KokkosBlas::gemm("N", "N", 1.0f, a, b, 0.0f, c);
+    Kokkos::fence();
+    times.push_back(MPI_Wtime() - start);
+  }
+  return 2.0 * m * k * n / median(times) * 1e-9;
+}
+
+// A field of /proc/self/status in bytes: "VmRSS:" (resident now) or "VmHWM:" (peak so
+// far); 0 if unknown.
+int64_t proc_status_bytes(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const size_t length = std::string(field).size();
+  while (std::getline(in, line)) {
+    if (line.compare(0, length, field) == 0) return std::atoll(line.c_str() + length) * 1024;
+  }
+  return 0;
+}
+
+std::string load_average() {
+  std::ifstream in("/proc/loadavg");
+  std::string one, five, fifteen;
+  in >> one >> five >> fifteen;
+  return one + " " + five + " " + fifteen;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  meshtrain::Runtime runtime(argc, argv);
+  return meshtrain::run_or_abort([&] {
+    CLI::App app{"Timed training steps of the meshtrain MLP (one JSON line on rank 0)"};
+    std::string sizes_text = "784,4096,4096,10", mode = "dp", algorithm = "auto";
+    int64_t batch = 256;
+    int steps = 10, warmup = 2, sgemm_size = 2048, sgemm_repeats = 3;
+    uint64_t seed = 0;
+    app.add_option("--sizes", sizes_text, "model.sizes, comma-separated (in, hidden..., out)");
+    app.add_option("--batch", batch, "global batch size");
+    app.add_option("--mode", mode, "dp|fsdp|tp|fsdp_tp|dp_tp|dp_fsdp");
+    app.add_option("--steps", steps, "timed steps (median reported)")->check(CLI::PositiveNumber);
+    app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
+    app.add_option("--algorithm", algorithm, "collective matmul: naive|ring|bidirectional|auto");
+    app.add_option("--sgemm-size", sgemm_size, "edge of the square reference sgemm")
+        ->check(CLI::PositiveNumber);
+    app.add_option("--seed", seed, "weights and inputs");
+    int trace_allocations = 0;
+    app.add_option("--trace-allocations", trace_allocations,
+                   "print the call stacks of the first N heap allocations in timed steps "
+                   "(rank 0)");
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      if (runtime.world_rank() == 0) app.exit(e);
+      return e.get_exit_code() == 0 ? 0 : 2;
+    }
+    const int rank = runtime.world_rank();
+    const int world = runtime.world_size();
+    const std::string load_at_start = load_average();
+    // The largest rank's resident set and peak resident set after each setup stage.
+    nlohmann::json rss_stages;
+    auto note_rss = [&](const char* stage) {
+      rss_stages[stage] = {{"rss", max_over_ranks(proc_status_bytes("VmRSS:"))},
+                           {"peak", max_over_ranks(proc_status_bytes("VmHWM:"))}};
+    };
+    note_rss("start");
+
+    // --- The model as apps/train.cpp builds it. ------------------------------------------
+    const std::vector<int64_t> sizes = parse_sizes(sizes_text);
+    const Mesh mesh = mesh_for_mode(mode, world);
+    meshtrain::PlanOptions options;
+    options.min_sharding_size = 0;
+    const meshtrain::ShardingPlan plan = meshtrain::make_plan(
+        meshtrain::mlp_parameter_shapes(sizes), mesh, meshtrain::preset_rules(mode), options);
+    const meshtrain::LogicalAxes logical;
+    const meshtrain::BatchSlice slice =
+        meshtrain::make_batch_slice(mesh, rank, logical.axes_of("batch"), batch, "--batch");
+    meshtrain::MeshCommunicators comms(mesh);
+    meshtrain::ParallelContext context = meshtrain::ParallelContext::from_logical_axes(
+        comms, logical, meshtrain::parse_collective_matmul_algorithm(algorithm));
+    meshtrain::Mlp model(sizes, meshtrain::Activation::relu, meshtrain::specs_from_plan(plan),
+                         context, slice.rows);
+    note_rss("model_built");
+    model.initialize(meshtrain::InitScheme::he_normal, seed);
+    note_rss("model_initialized");
+    meshtrain::Loss loss(meshtrain::LossKind::cross_entropy, context, slice.rows, sizes.back(),
+                         model.output_layout());
+    meshtrain::OptimizerSettings settings;  // AdamW, the config defaults
+    meshtrain::Optimizer optimizer(settings, model.parameters());
+    const float lr = 1e-3f;
+    note_rss("optimizer_built");
+
+    // --- One batch, filled once: this rank's rows of a global batch fixed by the seed. ---
+    meshtrain::BatchInputs x("meshtrain::bench_batch_x", slice.rows, sizes.front());
+    meshtrain::BatchLabels labels("meshtrain::bench_batch_labels", slice.rows);
+    {
+      auto hx = Kokkos::create_mirror_view(x);
+      auto hl = Kokkos::create_mirror_view(labels);
+      for (int64_t r = 0; r < slice.rows; ++r) {
+        const int64_t global_row = slice.begin() + r;
+        std::mt19937_64 rng(seed * 1000003u + static_cast<uint64_t>(global_row));
+        std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+        for (int64_t f = 0; f < sizes.front(); ++f) hx(r, f) = uniform(rng);
+        hl(r) = static_cast<int32_t>(global_row % sizes.back());
+      }
+      Kokkos::deep_copy(x, hx);
+      Kokkos::deep_copy(labels, hl);
+    }
+    const meshtrain::UnmanagedMatrix inputs(x.data(), x.extent(0), x.extent(1));
+
+    double first_loss = 0.0;
+    auto step = [&] {
+      meshtrain::UnmanagedMatrix output = model.forward(inputs);
+      const meshtrain::LossResult result = loss.cross_entropy(output, labels, true);
+      model.backward(loss.gradient());
+      optimizer.step(model.parameters(), model.gradients(), lr);
+      return result.loss;
+    };
+
+    // --- Steps: warm-up, then timed (allocations counted inside the timed ones). --------
+    for (int s = 0; s < warmup; ++s) {
+      const double l = step();
+      if (s == 0) first_loss = l;
+    }
+    note_rss("after_warmup");
+    std::vector<double> times;
+    double last_loss = 0.0;
+    g_kokkos_allocations = 0;
+    g_heap_allocations = 0;
+    if (rank == 0) g_trace_left = trace_allocations;
+    g_trace_kokkos = rank == 0 && trace_allocations > 0;
+    for (int s = 0; s < steps; ++s) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      const double start = MPI_Wtime();
+      Kokkos::Tools::Experimental::set_allocate_data_callback(count_kokkos_allocation);
+      g_count_heap = true;
+      last_loss = step();
+      Kokkos::fence();
+      g_count_heap = false;
+      Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+      MPI_Barrier(MPI_COMM_WORLD);
+      times.push_back(MPI_Wtime() - start);
+      if (warmup == 0 && s == 0) first_loss = last_loss;
+    }
+    note_rss("after_timed_steps");
+    const int64_t kokkos_allocations = max_over_ranks(g_kokkos_allocations);
+    const int64_t heap_allocations = max_over_ranks(g_heap_allocations);
+    const double step_time = median(times);
+
+    // --- Memory: peak RSS and the model's own bytes (max over ranks). ------------------
+    int64_t state_bytes = 0;
+    for (const std::string& slot : optimizer.slot_names()) {
+      state_bytes += local_bytes(optimizer.slot(slot));
+    }
+    const int64_t param_bytes = max_over_ranks(local_bytes(model.parameters()));
+    const int64_t grad_bytes = max_over_ranks(local_bytes(model.gradients()));
+    const int64_t opt_bytes = max_over_ranks(state_bytes);
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);
+    const int64_t peak_rss = max_over_ranks(static_cast<int64_t>(usage.ru_maxrss) * 1024);
+
+    // --- The roofline: rank 0's single-thread sgemm (the others wait). ----------------
+    double sgemm = 0.0, layer_sgemm = 0.0;
+    int64_t widest = 0;  // the layer with the most multiply-adds, at the full batch
+    for (size_t i = 0; i + 1 < sizes.size(); ++i) {
+      if (sizes[i] * sizes[i + 1] > sizes[widest] * sizes[widest + 1]) widest = i;
+    }
+    if (rank == 0) {
+      sgemm = sgemm_gflops(sgemm_size, sgemm_size, sgemm_size, sgemm_repeats);
+      layer_sgemm = sgemm_gflops(batch, sizes[widest], sizes[widest + 1], sgemm_repeats);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+
+    if (rank == 0) {
+      double multiply_adds = 0.0;
+      for (size_t i = 0; i + 1 < sizes.size(); ++i)
+        multiply_adds += double(sizes[i]) * sizes[i + 1];
+      const double flops_per_step = 6.0 * batch * multiply_adds;
+      const double samples_per_s = batch / step_time;
+      const double roofline = world * sgemm * 1e9 / (flops_per_step / batch);
+      nlohmann::json line;
+      line["bench"] = "train_step";
+      line["mode"] = mode;
+      line["mesh"] = mesh.short_description();
+      line["sizes"] = sizes;
+      line["batch"] = batch;
+      line["rows_per_rank"] = slice.rows;
+      line["ranks"] = world;
+      line["algorithm"] = algorithm;
+      line["steps"] = steps;
+      line["warmup"] = warmup;
+      line["step_time_median_s"] = step_time;
+      line["step_time_min_s"] = *std::min_element(times.begin(), times.end());
+      line["step_time_max_s"] = *std::max_element(times.begin(), times.end());
+      line["samples_per_s"] = samples_per_s;
+      line["flops_per_step"] = flops_per_step;
+      line["gflops_per_rank"] = flops_per_step / step_time / world * 1e-9;
+      line["single_rank_sgemm_gflops"] = sgemm;
+      line["sgemm_shape"] = {sgemm_size, sgemm_size, sgemm_size};
+      line["layer_sgemm_gflops"] = layer_sgemm;
+      line["layer_sgemm_shape"] = {batch, sizes[widest], sizes[widest + 1]};
+      line["roofline_samples_per_s"] = roofline;
+      line["ratio"] = samples_per_s / roofline;
+      line["peak_rss_bytes_max_rank"] = peak_rss;
+      line["rss_bytes_max_rank_by_stage"] = rss_stages;
+      line["model_bytes_per_rank"] = {{"parameters", param_bytes},
+                                      {"gradients", grad_bytes},
+                                      {"optimizer_state", opt_bytes},
+                                      {"total", param_bytes + grad_bytes + opt_bytes}};
+      line["plan_bytes_per_rank"] = {{"parameters", plan.totals.parameter_bytes},
+                                     {"gradients", plan.totals.gradient_bytes},
+                                     {"optimizer_state", plan.totals.optimizer_bytes}};
+      line["kokkos_allocations_in_timed_steps"] = kokkos_allocations;
+      line["heap_allocations_in_timed_steps"] = heap_allocations;
+      line["first_loss"] = first_loss;
+      line["last_loss"] = last_loss;
+      line["loadavg_start"] = load_at_start;
+      line["loadavg_end"] = load_average();
+      std::printf("%s\n", line.dump().c_str());
+      std::fflush(stdout);
+    }
+    return 0;
+  });
+}
