@@ -70,6 +70,26 @@ void agree(const std::function<void()>& phase) {
   throw Reported{agreed[1]};
 }
 
+void check_mpi_call(int code, const char* call) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  MESHTRAIN_FAIL(call, " failed: ", std::string(text, static_cast<size_t>(length)));
+}
+
+// Rank 0's value on every rank.
+std::optional<std::string> broadcast_from_rank0(const std::optional<std::string>& value) {
+  long long length = value ? static_cast<long long>(value->size()) : -1;
+  check_mpi_call(MPI_Bcast(&length, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD), "MPI_Bcast");
+  if (length < 0) return std::nullopt;
+  std::string text = value.value_or(std::string(static_cast<size_t>(length), '\0'));
+  check_mpi_call(MPI_Bcast(text.data(), checked_int(text.size(), "checkpoint path length"),
+                           MPI_CHAR, 0, MPI_COMM_WORLD),
+                 "MPI_Bcast");
+  return text;
+}
+
 // The batch buffers of one rank: inputs and either labels or targets.
 struct Batch {
   BatchInputs x;
@@ -176,6 +196,7 @@ int train_command(const std::string& config_path, const std::vector<std::string>
   Optimizer optimizer(settings, model.parameters());
   GradientClipper clipper(*mesh, rank, model.gradients());
   const float lr = static_cast<float>(config.optimizer.lr);
+  Communicator& world = runtime.world();  // created here: its first use is collective
 
   Batch batch(*train_data, slice->rows, sizes.front());
   const EvalSchedule eval_schedule = EvalSchedule::create(test_data->num_samples, global_batch);
@@ -201,8 +222,13 @@ int train_command(const std::string& config_path, const std::vector<std::string>
 
   int64_t first_step = 0;
   if (config.checkpoint.resume) {
+    // Rank 0 reads the pointer and every rank follows its answer: on a lagging shared
+    // file system another rank might not see the pointer yet, and must not start alone.
     std::optional<std::string> latest;
-    agree([&] { latest = find_latest_checkpoint(config.checkpoint.dir); });
+    agree([&] {
+      if (rank0) latest = find_latest_checkpoint(config.checkpoint.dir);
+    });
+    latest = broadcast_from_rank0(latest);
     if (latest) {
       // load_checkpoint throws the same error on every rank, after the same collectives.
       CheckpointInfo info;
@@ -264,7 +290,7 @@ int train_command(const std::string& config_path, const std::vector<std::string>
     }
     model.backward(loss.gradient());
     if (config.optimizer.clip_norm > 0) {
-      clipper.clip(model.gradients(), config.optimizer.clip_norm, runtime.world());
+      clipper.clip(model.gradients(), config.optimizer.clip_norm, world);
     }
     optimizer.step(model.parameters(), model.gradients(), lr);
 
