@@ -21,6 +21,9 @@
 //   flops_per_step          6 * batch * sum(in * out)   (forward 2, backward 4)
 //   roofline_samples_per_s  ranks * sgemm_gflops * 1e9 / (flops_per_step / batch)
 //   ratio                   samples_per_s / roofline_samples_per_s
+//   ratio_cpu               the same from CPU times (step: the largest rank's; sgemm: rank
+//                           0's), which sharing the cores with other processes does not
+//                           inflate; on an idle machine it is close to `ratio`
 
 #include <execinfo.h>
 #include <mpi.h>
@@ -156,20 +159,34 @@ double median(std::vector<double> values) {
 
 // Single-thread sgemm rate of C [m, n] = A [m, k] B [k, n] on this rank (GFLOP/s, median
 // of `repeats` after one warm-up call).
-double sgemm_gflops(int64_t m, int64_t k, int64_t n, int repeats) {
+// CPU time of this process (all its threads) in seconds.
+double process_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+struct Rate {
+  double wall = 0.0;  // GFLOP/s over wall-clock time
+  double cpu = 0.0;   // GFLOP/s over this process's CPU time (insensitive to time-sharing)
+};
+
+Rate sgemm_gflops(int64_t m, int64_t k, int64_t n, int repeats) {
   Matrix a("meshtrain::bench_a", m, k), b("meshtrain::bench_b", k, n),
       c("meshtrain::bench_c", m, n);
   Kokkos::deep_copy(a, 0.5f);
   Kokkos::deep_copy(b, 0.25f);
   KokkosBlas::gemm("N", "N", 1.0f, a, b, 0.0f, c);
-  std::vector<double> times;
+  std::vector<double> times, cpu_times;
   for (int r = 0; r < repeats; ++r) {
-    const double start = MPI_Wtime();
+    const double start = MPI_Wtime(), cpu_start = process_cpu_seconds();
     KokkosBlas::gemm("N", "N", 1.0f, a, b, 0.0f, c);
     Kokkos::fence();
     times.push_back(MPI_Wtime() - start);
+    cpu_times.push_back(process_cpu_seconds() - cpu_start);
   }
-  return 2.0 * m * k * n / median(times) * 1e-9;
+  const double flops = 2.0 * m * k * n;
+  return {flops / median(times) * 1e-9, flops / median(cpu_times) * 1e-9};
 }
 
 // A field of /proc/self/status in bytes: "VmRSS:" (resident now) or "VmHWM:" (peak so
@@ -289,7 +306,7 @@ int main(int argc, char** argv) {
       if (s == 0) first_loss = l;
     }
     note_rss("after_warmup");
-    std::vector<double> times;
+    std::vector<double> times, cpu_times;  // per step: wall, the largest rank's CPU time
     double last_loss = 0.0;
     g_kokkos_allocations = 0;
     g_heap_allocations = 0;
@@ -297,21 +314,25 @@ int main(int argc, char** argv) {
     g_trace_kokkos = rank == 0 && trace_allocations > 0;
     for (int s = 0; s < steps; ++s) {
       MPI_Barrier(MPI_COMM_WORLD);
-      const double start = MPI_Wtime();
+      const double start = MPI_Wtime(), cpu_start = process_cpu_seconds();
       Kokkos::Tools::Experimental::set_allocate_data_callback(count_kokkos_allocation);
       g_count_heap = true;
       last_loss = step();
       Kokkos::fence();
       g_count_heap = false;
       Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+      double cpu = process_cpu_seconds() - cpu_start;
       MPI_Barrier(MPI_COMM_WORLD);
       times.push_back(MPI_Wtime() - start);
+      MPI_Allreduce(MPI_IN_PLACE, &cpu, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+      cpu_times.push_back(cpu);
       if (warmup == 0 && s == 0) first_loss = last_loss;
     }
     note_rss("after_timed_steps");
     const int64_t kokkos_allocations = max_over_ranks(g_kokkos_allocations);
     const int64_t heap_allocations = max_over_ranks(g_heap_allocations);
     const double step_time = median(times);
+    const double step_cpu_time = median(cpu_times);
 
     // --- Memory: peak RSS and the model's own bytes (max over ranks). ------------------
     int64_t state_bytes = 0;
@@ -326,7 +347,7 @@ int main(int argc, char** argv) {
     const int64_t peak_rss = max_over_ranks(static_cast<int64_t>(usage.ru_maxrss) * 1024);
 
     // --- The roofline: rank 0's single-thread sgemm (the others wait). ----------------
-    double sgemm = 0.0, layer_sgemm = 0.0;
+    Rate sgemm, layer_sgemm;
     int64_t widest = 0;  // the layer with the most multiply-adds, at the full batch
     for (size_t i = 0; i + 1 < sizes.size(); ++i) {
       if (sizes[i] * sizes[i + 1] > sizes[widest] * sizes[widest + 1]) widest = i;
@@ -343,7 +364,10 @@ int main(int argc, char** argv) {
         multiply_adds += double(sizes[i]) * sizes[i + 1];
       const double flops_per_step = 6.0 * batch * multiply_adds;
       const double samples_per_s = batch / step_time;
-      const double roofline = world * sgemm * 1e9 / (flops_per_step / batch);
+      const double roofline = world * sgemm.wall * 1e9 / (flops_per_step / batch);
+      // The same with CPU times (step: the largest rank's), which time-sharing with other
+      // processes does not inflate: what the ratio would be on an idle machine.
+      const double roofline_cpu = world * sgemm.cpu * 1e9 / (flops_per_step / batch);
       nlohmann::json line;
       line["bench"] = "train_step";
       line["mode"] = mode;
@@ -361,12 +385,15 @@ int main(int argc, char** argv) {
       line["samples_per_s"] = samples_per_s;
       line["flops_per_step"] = flops_per_step;
       line["gflops_per_rank"] = flops_per_step / step_time / world * 1e-9;
-      line["single_rank_sgemm_gflops"] = sgemm;
+      line["single_rank_sgemm_gflops"] = sgemm.wall;
       line["sgemm_shape"] = {sgemm_size, sgemm_size, sgemm_size};
-      line["layer_sgemm_gflops"] = layer_sgemm;
+      line["layer_sgemm_gflops"] = layer_sgemm.wall;
       line["layer_sgemm_shape"] = {batch, sizes[widest], sizes[widest + 1]};
       line["roofline_samples_per_s"] = roofline;
       line["ratio"] = samples_per_s / roofline;
+      line["step_cpu_time_median_s"] = step_cpu_time;
+      line["single_rank_sgemm_gflops_cpu"] = sgemm.cpu;
+      line["ratio_cpu"] = (batch / step_cpu_time) / roofline_cpu;
       line["peak_rss_bytes_max_rank"] = peak_rss;
       line["rss_bytes_max_rank_by_stage"] = rss_stages;
       line["model_bytes_per_rank"] = {{"parameters", param_bytes},
