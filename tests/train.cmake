@@ -46,6 +46,12 @@ train_error_test(missing_data_file 2
   "^meshtrain: error: .*'/nonexistent\\.h5'.*No such file"
   ${_train_configs}/fashion_mnist_dp.toml --set data.source=hdf5 --set data.path=/nonexistent.h5)
 
+# An output directory that cannot be created (under /proc): exit 2 naming run.output_dir.
+train_error_test(output_dir_not_writable 2
+  "^meshtrain: error.*'/proc/meshtrain_no_such_dir'.*run\\.output_dir"
+  ${_train_configs}/fashion_mnist_dp.toml --set run.output_dir=/proc/meshtrain_no_such_dir
+  ${_train_small})
+
 # A label out of range: /y[37] = 12 with 10 classes, in a file the fixture writes.
 set(_bad_labels ${_train_runs}/bad_labels.h5)
 meshtrain_add_command_test(NAME train_write_bad_labels TIMEOUT 30
