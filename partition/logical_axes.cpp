@@ -3,16 +3,11 @@
 #include <algorithm>
 
 #include "partition/error.hpp"
+#include "partition/text.hpp"
 
 namespace meshtrain {
 
 namespace {
-
-std::string joined(const std::vector<std::string>& items) {
-  std::string out;
-  for (const auto& item : items) out += (out.empty() ? "" : ", ") + item;
-  return out;
-}
 
 bool contains(const std::vector<std::string>& items, const std::string& item) {
   return std::find(items.begin(), items.end(), item) != items.end();
@@ -39,13 +34,13 @@ LogicalAxes LogicalAxes::with_overrides(
   for (const auto& [logical, mesh_axes] : overrides) {
     if (!contains(names(), logical)) {
       MESHTRAIN_BAD_INPUT(source, ": unknown logical axis '", logical,
-                          "' (known logical axes: ", joined(names()), ")");
+                          "' (known logical axes: ", join(names()), ")");
     }
     std::vector<std::string> seen;
     for (const auto& axis : mesh_axes) {
       if (!contains(Mesh::known_axes(), axis)) {
         MESHTRAIN_BAD_INPUT(source, ": logical axis '", logical, "' maps to unknown mesh axis '",
-                            axis, "' (known mesh axes: ", joined(Mesh::known_axes()), ")");
+                            axis, "' (known mesh axes: ", join(Mesh::known_axes()), ")");
       }
       if (contains(seen, axis)) {
         MESHTRAIN_BAD_INPUT(source, ": logical axis '", logical, "' lists mesh axis '", axis,
@@ -61,8 +56,8 @@ LogicalAxes LogicalAxes::with_overrides(
 std::vector<std::string> LogicalAxes::axes_of(const std::string& logical) const {
   auto it = mapping.find(logical);
   if (it == mapping.end()) {
-    MESHTRAIN_BAD_INPUT("unknown logical axis '", logical,
-                        "' (known logical axes: ", joined(names()), ")");
+    MESHTRAIN_BAD_INPUT("unknown logical axis '", logical, "' (known logical axes: ", join(names()),
+                        ")");
   }
   return it->second;
 }
@@ -75,7 +70,7 @@ PartitionSpec LogicalAxes::spec(const std::vector<std::string>& logical_dims) co
     if (!logical.empty() && logical != "None") entry.axes = axes_of(logical);
     for (const auto& axis : entry.axes) {
       if (contains(used, axis)) {
-        MESHTRAIN_BAD_INPUT("logical axes (", joined(logical_dims), ") use mesh axis '", axis,
+        MESHTRAIN_BAD_INPUT("logical axes (", join(logical_dims), ") use mesh axis '", axis,
                             "' twice ('", logical, "' maps to it too)");
       }
       used.push_back(axis);

@@ -3,6 +3,7 @@
 #include <sstream>
 
 #include "partition/error.hpp"
+#include "partition/text.hpp"
 
 namespace meshtrain {
 
@@ -10,12 +11,6 @@ namespace {
 
 PartitionRule preset_rule(const std::string& pattern, const std::string& spec) {
   return PartitionRule{pattern, PartitionSpec::parse(spec), true};
-}
-
-std::string joined_preset_names() {
-  std::string out;
-  for (const auto& name : preset_names()) out += (out.empty() ? "" : ", ") + name;
-  return out;
 }
 
 }  // namespace
@@ -40,7 +35,7 @@ std::vector<PartitionRule> preset_rules(const std::string& preset) {
     rules = {preset_rule("weight$", "P(tp, fsdp)"), preset_rule("bias$", "P(tp)")};
   } else {
     MESHTRAIN_BAD_INPUT("unknown partition preset '", preset,
-                        "' (known presets: ", joined_preset_names(), ")");
+                        "' (known presets: ", join(preset_names()), ")");
   }
   rules.push_back(preset_rule(".*", "P()"));
   return rules;
