@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <climits>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -21,6 +20,7 @@
 
 #include "partition/error.hpp"
 #include "partition/logical_axes.hpp"
+#include "partition/text.hpp"
 
 namespace meshtrain {
 
@@ -49,15 +49,6 @@ const std::vector<std::string>* schema_keys(const std::string& section) {
 }
 
 const char* const kFashionMnistDefaultPath = "/usr/share/datasets/fashion-mnist";
-
-std::string join(const std::vector<std::string>& items, const char* separator = ", ") {
-  std::string out;
-  for (size_t i = 0; i < items.size(); ++i) {
-    if (i) out += separator;
-    out += items[i];
-  }
-  return out;
-}
 
 bool contains(const std::vector<std::string>& items, const std::string& item) {
   return std::find(items.begin(), items.end(), item) != items.end();
@@ -248,18 +239,14 @@ void read_run(const Section& s, RunSection& run) {
 void read_mesh(const Section& s, const std::string& file, MeshSection& mesh) {
   mesh.axes.clear();
   mesh.source = file + " [mesh]";
+  // Sizes are checked here, by Mesh's own rule, to name the key's line; the world size that
+  // completes the check is known only when the mesh is resolved.
   std::string inferred;
   for (const std::string& axis : Mesh::known_axes()) {
-    int64_t size = s.integer(axis).value_or(1);
-    if (size == 0 || size < -1 || size > INT_MAX) {
-      s.fail(axis, "must be a positive size (or -1 for what is left of the world), got ", size);
-    }
-    if (size == -1) {
-      if (!inferred.empty()) {
-        s.fail(axis, "is -1 but so is ", inferred, "; only one axis may take what is left");
-      }
-      inferred = axis;
-    }
+    const int64_t size = s.integer(axis).value_or(1);
+    const std::string problem = mesh_axis_size_problem(size, inferred);
+    if (!problem.empty()) s.fail(axis, problem);
+    if (size == -1) inferred = axis;
     mesh.axes.emplace_back(axis, static_cast<int>(size));
   }
 }
@@ -314,16 +301,16 @@ SpecEntry read_spec_entry(const Section& s, const std::string& what, const toml:
 // An axis the mesh does not know, or one named twice, in a spec read from `source`.
 void check_spec_axes(const Section& s, const std::string& what, const toml::source_region& source,
                      const PartitionSpec& spec, const std::string& text) {
-  std::set<std::string> seen;
   for (const std::string& axis : spec.axes()) {
     if (!contains(Mesh::known_axes(), axis)) {
       s.fail_about(source, what, text, " names unknown mesh axis '", axis,
                    "' (known axes: ", join(Mesh::known_axes()), ")");
     }
-    if (!seen.insert(axis).second) {
-      s.fail_about(source, what, text, " names mesh axis '", axis,
-                   "' more than once; an axis may split only one dimension");
-    }
+  }
+  const std::string repeated = spec.repeated_axis();
+  if (!repeated.empty()) {
+    s.fail_about(source, what, text, " names mesh axis '", repeated,
+                 "' more than once; an axis may split only one dimension");
   }
 }
 

@@ -1,6 +1,7 @@
 #include "partition/mesh.hpp"
 
 #include <algorithm>
+#include <climits>
 #include <sstream>
 
 #include "partition/error.hpp"
@@ -11,6 +12,17 @@ namespace {
 // Mesh products are capped here so absurd sizes cannot overflow.
 constexpr long long kProductCap = 1LL << 40;
 }  // namespace
+
+std::string mesh_axis_size_problem(long long size, const std::string& inferred_axis) {
+  if (size == 0 || size < -1 || size > INT_MAX) {
+    return "must be a positive size (or -1 for what is left of the world), got " +
+           std::to_string(size);
+  }
+  if (size == -1 && !inferred_axis.empty()) {
+    return "is -1 but so is '" + inferred_axis + "'; only one axis may take what is left";
+  }
+  return "";
+}
 
 const std::vector<std::string>& Mesh::known_axes() {
   static const std::vector<std::string> axes = {"dp", "fsdp", "ep", "tp", "sp"};
@@ -35,15 +47,11 @@ Mesh Mesh::create(const std::vector<std::pair<std::string, int>>& requested, int
     for (const auto& axis : mesh.axes_) {
       if (axis.name == name) MESHTRAIN_BAD_INPUT(source, ": mesh axis '", name, "' is repeated");
     }
+    const std::string problem =
+        mesh_axis_size_problem(size, inferred >= 0 ? mesh.axes_[inferred].name : "");
+    if (!problem.empty()) MESHTRAIN_BAD_INPUT(source, ": mesh axis '", name, "' ", problem);
     if (size == -1) {
-      if (inferred >= 0) {
-        MESHTRAIN_BAD_INPUT(source, ": only one mesh axis may be -1, but '",
-                            mesh.axes_[inferred].name, "' and '", name, "' both are");
-      }
       inferred = static_cast<int>(mesh.axes_.size());
-    } else if (size < 1) {
-      MESHTRAIN_BAD_INPUT(source, ": mesh axis '", name, "' has size ", size,
-                          "; sizes must be positive (or -1 for 'the rest of the world')");
     } else {
       product = product > kProductCap / size ? kProductCap : product * size;
     }

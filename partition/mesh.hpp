@@ -19,6 +19,12 @@ struct MeshAxis {
   int size = 1;
 };
 
+// Why `size` cannot be the size of a mesh axis when `inferred_axis` ("" if none) is already
+// -1, as a phrase that follows the axis: "must be a positive size (or -1 for what is left of
+// the world), got 0" or "is -1 but so is 'dp'; only one axis may take what is left"; "" when
+// it can. Shared by Mesh::create and the config reader (which names the key's line).
+std::string mesh_axis_size_problem(long long size, const std::string& inferred_axis);
+
 class Mesh {
  public:
   // The axis names meshtrain knows, in the default order.

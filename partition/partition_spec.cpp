@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "partition/error.hpp"
+#include "partition/text.hpp"
 
 namespace meshtrain {
 
@@ -148,52 +149,17 @@ class SpecReader {
   size_t pos_ = 0;
 };
 
-// The first axis named twice by `spec`, or "" if none is.
-std::string repeated_axis(const PartitionSpec& spec) {
-  std::vector<std::string> seen;
-  for (const auto& entry : spec.entries) {
-    for (const auto& axis : entry.axes) {
-      if (std::find(seen.begin(), seen.end(), axis) != seen.end()) return axis;
-      seen.push_back(axis);
-    }
-  }
-  return "";
-}
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "]";
-  return out.str();
-}
-
-// "tp=4", "(fsdp, dp)=4 (fsdp=2 x dp=2)".
-std::string axis_product_text(const SpecEntry& entry, const Mesh& mesh) {
-  std::ostringstream out;
-  if (entry.axes.size() == 1) {
-    out << entry.axes[0] << "=" << mesh.axis_size(entry.axes[0]);
-    return out.str();
-  }
-  out << "(";
-  for (size_t i = 0; i < entry.axes.size(); ++i) out << (i ? ", " : "") << entry.axes[i];
-  out << ")=" << mesh.size_of(entry.axes) << " (";
-  for (size_t i = 0; i < entry.axes.size(); ++i) {
-    out << (i ? " x " : "") << entry.axes[i] << "=" << mesh.axis_size(entry.axes[i]);
-  }
-  out << ")";
-  return out.str();
+// The phrase after "spec ..." or "partition spec '...'" for an axis named twice.
+std::string twice_text(const std::string& axis) {
+  return "names mesh axis '" + axis + "' twice; an axis may split only one dimension, once";
 }
 
 }  // namespace
 
 PartitionSpec PartitionSpec::parse(std::string_view text) {
   PartitionSpec spec = SpecReader(text).read();
-  const std::string axis = repeated_axis(spec);
-  if (!axis.empty()) {
-    MESHTRAIN_BAD_INPUT("partition spec '", text, "' names mesh axis '", axis,
-                        "' twice; an axis may split only one dimension, once");
-  }
+  const std::string axis = spec.repeated_axis();
+  if (!axis.empty()) MESHTRAIN_BAD_INPUT("partition spec '", text, "' ", twice_text(axis));
   return spec;
 }
 
@@ -208,9 +174,7 @@ std::string PartitionSpec::to_string() const {
     } else if (axes.size() == 1) {
       out << axes[0];
     } else {
-      out << "(";
-      for (size_t j = 0; j < axes.size(); ++j) out << (j ? ", " : "") << axes[j];
-      out << ")";
+      out << "(" << join(axes) << ")";
     }
   }
   out << ")";
@@ -228,17 +192,30 @@ std::vector<std::string> PartitionSpec::axes() const {
   return all;
 }
 
-void PartitionSpec::check_axes(const Mesh& mesh, const std::string& parameter) const {
+std::string PartitionSpec::repeated_axis() const {
+  std::vector<std::string> seen;
+  for (const auto& axis : axes()) {
+    if (std::find(seen.begin(), seen.end(), axis) != seen.end()) return axis;
+    seen.push_back(axis);
+  }
+  return "";
+}
+
+std::string PartitionSpec::axes_problem(const Mesh& mesh) const {
   for (const auto& axis : axes()) {
     if (!mesh.has_axis(axis)) {
-      MESHTRAIN_BAD_INPUT("parameter '", parameter, "': spec ", to_string(), " names mesh axis '",
-                          axis, "', which the mesh (", mesh.describe(), ") does not have");
+      return "names mesh axis '" + axis + "', which the mesh (" + mesh.describe() +
+             ") does not have";
     }
   }
-  const std::string axis = repeated_axis(*this);
-  if (!axis.empty()) {
-    MESHTRAIN_BAD_INPUT("parameter '", parameter, "': spec ", to_string(), " names mesh axis '",
-                        axis, "' twice; an axis may split only one dimension, once");
+  const std::string axis = repeated_axis();
+  return axis.empty() ? "" : twice_text(axis);
+}
+
+void PartitionSpec::check_axes(const Mesh& mesh, const std::string& parameter) const {
+  const std::string problem = axes_problem(mesh);
+  if (!problem.empty()) {
+    MESHTRAIN_BAD_INPUT("parameter '", parameter, "': spec ", to_string(), " ", problem);
   }
 }
 
@@ -254,23 +231,56 @@ int64_t ShardBox::elements() const {
   return n;
 }
 
+std::string format_shape(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << "]";
+  return out.str();
+}
+
+std::string axis_product_text(const SpecEntry& entry, const Mesh& mesh) {
+  const std::string axes = entry.axes.size() == 1 ? entry.axes[0] : "(" + join(entry.axes) + ")";
+  return axes + "=" + std::to_string(mesh.size_of(entry.axes));
+}
+
+int first_indivisible_dim(const std::vector<int64_t>& shape, const PartitionSpec& spec,
+                          const Mesh& mesh) {
+  MESHTRAIN_REQUIRE(spec.size() <= shape.size(), "spec ", spec.to_string(),
+                    " is longer than the shape ", format_shape(shape));
+  for (size_t d = 0; d < spec.size(); ++d) {
+    const SpecEntry& entry = spec.entries[d];
+    if (!entry.is_none() && shape[d] % mesh.size_of(entry.axes) != 0) return static_cast<int>(d);
+  }
+  return -1;
+}
+
+std::string indivisible_dim_text(const std::vector<int64_t>& shape, const PartitionSpec& spec,
+                                 const Mesh& mesh, int dim) {
+  const SpecEntry& entry = spec.entries.at(static_cast<size_t>(dim));
+  std::ostringstream out;
+  out << "dim " << dim << " (size " << shape.at(static_cast<size_t>(dim)) << ") does not divide by "
+      << axis_product_text(entry, mesh) << " (axis product " << mesh.size_of(entry.axes);
+  for (size_t i = 0; entry.axes.size() > 1 && i < entry.axes.size(); ++i) {
+    out << (i ? " x " : ": ") << entry.axes[i] << "=" << mesh.axis_size(entry.axes[i]);
+  }
+  out << ")";
+  return out.str();
+}
+
 void check_divisible(const std::vector<int64_t>& shape, const PartitionSpec& spec, const Mesh& mesh,
                      const std::string& parameter) {
   if (spec.size() > shape.size()) {
     MESHTRAIN_BAD_INPUT("parameter '", parameter, "': spec ", spec.to_string(), " has ",
-                        spec.size(), " entries but the tensor ", shape_text(shape), " has rank ",
+                        spec.size(), " entries but the tensor ", format_shape(shape), " has rank ",
                         shape.size());
   }
   spec.check_axes(mesh, parameter);
-  for (size_t d = 0; d < spec.size(); ++d) {
-    const SpecEntry& entry = spec.entries[d];
-    if (entry.is_none()) continue;
-    const int64_t k = mesh.size_of(entry.axes);
-    if (shape[d] % k != 0) {
-      MESHTRAIN_BAD_INPUT("parameter '", parameter, "' ", shape_text(shape), ": dim ", d, " (size ",
-                          shape[d], ") does not divide by its axis product ",
-                          axis_product_text(entry, mesh), " under spec ", spec.to_string());
-    }
+  const int dim = first_indivisible_dim(shape, spec, mesh);
+  if (dim >= 0) {
+    MESHTRAIN_BAD_INPUT("parameter '", parameter, "' ", format_shape(shape), ": ",
+                        indivisible_dim_text(shape, spec, mesh, dim), " under spec ",
+                        spec.to_string());
   }
 }
 

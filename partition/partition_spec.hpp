@@ -40,6 +40,12 @@ struct PartitionSpec {
   // Every axis named by the spec, in order of appearance.
   std::vector<std::string> axes() const;
 
+  // The first axis the spec names twice, or "" when each appears once.
+  std::string repeated_axis() const;
+  // What is wrong with the spec's axes on `mesh`, as a phrase that follows "spec P(...)":
+  // "names mesh axis 'x', which the mesh (dp=2 ...) does not have" or "names mesh axis 'tp'
+  // twice; ..."; "" when every axis is in the mesh, once.
+  std::string axes_problem(const Mesh& mesh) const;
   // Throws bad_input when an axis is not in the mesh (naming `parameter` and the axis), or
   // when an axis appears twice.
   void check_axes(const Mesh& mesh, const std::string& parameter) const;
@@ -58,6 +64,22 @@ struct ShardBox {
   std::vector<int64_t> extent;
   int64_t elements() const;
 };
+
+// "[784, 512]"
+std::string format_shape(const std::vector<int64_t>& shape);
+
+// A spec entry's axes and the product of their sizes: "tp=4", "(fsdp, dp)=8".
+std::string axis_product_text(const SpecEntry& entry, const Mesh& mesh);
+
+// The first dimension that `spec` splits and whose size does not divide by its axis product,
+// or -1 when every split divides. The spec must be no longer than the shape and name only
+// axes of the mesh.
+int first_indivisible_dim(const std::vector<int64_t>& shape, const PartitionSpec& spec,
+                          const Mesh& mesh);
+// Why dimension `dim` does not divide: "dim 0 (size 10) does not divide by tp=4 (axis product
+// 4)", "dim 1 (size 6) does not divide by (fsdp, tp)=8 (axis product 8: fsdp=2 x tp=4)".
+std::string indivisible_dim_text(const std::vector<int64_t>& shape, const PartitionSpec& spec,
+                                 const Mesh& mesh, int dim);
 
 // Throws bad_input naming the parameter, dimension, size and axis product when a split
 // dimension does not divide, and when the spec is longer than the shape.

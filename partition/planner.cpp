@@ -1,9 +1,7 @@
 #include "partition/planner.hpp"
 
-#include <algorithm>
 #include <cstdio>
 #include <set>
-#include <sstream>
 
 #include "partition/error.hpp"
 
@@ -27,20 +25,6 @@ int64_t element_count(const std::vector<int64_t>& shape, const std::string& name
   return n;
 }
 
-// "tp=4", "(fsdp, dp)=8"
-std::string axis_product_text(const SpecEntry& entry, const Mesh& mesh) {
-  std::ostringstream out;
-  if (entry.axes.size() == 1) {
-    out << entry.axes[0];
-  } else {
-    out << "(";
-    for (size_t i = 0; i < entry.axes.size(); ++i) out << (i ? ", " : "") << entry.axes[i];
-    out << ")";
-  }
-  out << "=" << mesh.size_of(entry.axes);
-  return out.str();
-}
-
 void check_options(const PlanOptions& options) {
   if (options.min_sharding_size < 0) {
     MESHTRAIN_BAD_INPUT("min_sharding_size must be 0 or more, got ", options.min_sharding_size);
@@ -56,19 +40,10 @@ void check_options(const PlanOptions& options) {
 // The rule's spec must only name axes the mesh has, each once.
 void check_rule_axes(const PartitionSpec& spec, const Mesh& mesh, const std::string& parameter,
                      const std::vector<PartitionRule>& rules, int rule) {
-  std::vector<std::string> seen;
-  for (const auto& axis : spec.axes()) {
-    if (!mesh.has_axis(axis)) {
-      MESHTRAIN_BAD_INPUT("parameter '", parameter, "' matched ", describe_rule(rules, rule),
-                          ", whose spec names mesh axis '", axis, "', which the mesh (",
-                          mesh.describe(), ") does not have");
-    }
-    if (std::find(seen.begin(), seen.end(), axis) != seen.end()) {
-      MESHTRAIN_BAD_INPUT("parameter '", parameter, "' matched ", describe_rule(rules, rule),
-                          ", whose spec names mesh axis '", axis,
-                          "' twice; an axis may split only one dimension, once");
-    }
-    seen.push_back(axis);
+  const std::string problem = spec.axes_problem(mesh);
+  if (!problem.empty()) {
+    MESHTRAIN_BAD_INPUT("parameter '", parameter, "' matched ", describe_rule(rules, rule),
+                        ", whose spec ", problem);
   }
 }
 
@@ -158,17 +133,14 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
                           std::to_string(p.shape.size()) + ": trimmed to " + trimmed.to_string());
         p.spec = trimmed;
       }
-      for (size_t d = 0; d < p.spec.size(); ++d) {
-        SpecEntry& entry = p.spec.entries[d];
-        if (entry.is_none()) continue;
-        const int64_t k = mesh.size_of(entry.axes);
-        if (p.shape[d] % k == 0) continue;
+      // Each dim that does not divide is an error, or replicated (dims in increasing order).
+      for (int d; (d = first_indivisible_dim(p.shape, p.spec, mesh)) >= 0;) {
         if (!rule.replicate_if_indivisible) {
-          MESHTRAIN_BAD_INPUT("parameter '", p.name, "' ", format_shape(p.shape), ": dim ", d,
-                              " has size ", p.shape[d], ", which does not divide by ",
-                              axis_product_text(entry, mesh), " (axis product ", k, ") of ",
+          MESHTRAIN_BAD_INPUT("parameter '", p.name, "' ", format_shape(p.shape), ": ",
+                              indivisible_dim_text(p.shape, p.spec, mesh, d), " of ",
                               describe_rule(rules, p.rule));
         }
+        SpecEntry& entry = p.spec.entries[static_cast<size_t>(d)];
         p.notes.push_back("dim " + std::to_string(d) + " (" + std::to_string(p.shape[d]) +
                           ") does not divide by " + axis_product_text(entry, mesh) +
                           ": replicated");
@@ -201,14 +173,6 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
     if (!used[i]) plan.unused_rules.push_back(static_cast<int>(i));
   }
   return plan;
-}
-
-std::string format_shape(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "]";
-  return out.str();
 }
 
 std::string format_bytes(int64_t bytes) {

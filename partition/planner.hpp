@@ -66,8 +66,7 @@ struct ShardingPlan {
 ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh& mesh,
                        const std::vector<PartitionRule>& rules, const PlanOptions& options);
 
-// "[784, 512]"
-std::string format_shape(const std::vector<int64_t>& shape);
+// format_shape ("[784, 512]") is declared in partition_spec.hpp.
 // "512 B", "1.50 KiB", "3.06 MiB", "2.00 GiB" (binary units).
 std::string format_bytes(int64_t bytes);
 
