@@ -187,30 +187,34 @@ std::string read_string_attribute(hid_t object, const std::string& name, ErrorKi
   return buffer;
 }
 
-int64_t read_int_attribute(hid_t object, const std::string& name, ErrorKind kind,
-                           const std::string& where) {
+namespace {
+
+// One integer attribute read as `memory_type` (H5T_NATIVE_INT64 or H5T_NATIVE_UINT64, which
+// are run-time handles and so cannot be template arguments); HDF5 converts the stored type.
+template <class Integer>
+Integer read_integer_attribute(hid_t object, const std::string& name, hid_t memory_type,
+                               ErrorKind kind, const std::string& where) {
   const std::string what = "cannot read attribute '" + name + "' of " + where;
   Handle attr = open_attribute(object, name, kind, where);
   if (attribute_class(attr, kind, what) != H5T_INTEGER ||
       attribute_elements(attr, kind, what) != 1) {
     throw_error(kind, "attribute '" + name + "' of " + where + " is not an integer");
   }
-  int64_t value = 0;
-  check(H5Aread(attr, H5T_NATIVE_INT64, &value), kind, what);
+  Integer value = 0;
+  check(H5Aread(attr, memory_type, &value), kind, what);
   return value;
+}
+
+}  // namespace
+
+int64_t read_int_attribute(hid_t object, const std::string& name, ErrorKind kind,
+                           const std::string& where) {
+  return read_integer_attribute<int64_t>(object, name, H5T_NATIVE_INT64, kind, where);
 }
 
 uint64_t read_uint_attribute(hid_t object, const std::string& name, ErrorKind kind,
                              const std::string& where) {
-  const std::string what = "cannot read attribute '" + name + "' of " + where;
-  Handle attr = open_attribute(object, name, kind, where);
-  if (attribute_class(attr, kind, what) != H5T_INTEGER ||
-      attribute_elements(attr, kind, what) != 1) {
-    throw_error(kind, "attribute '" + name + "' of " + where + " is not an integer");
-  }
-  uint64_t value = 0;
-  check(H5Aread(attr, H5T_NATIVE_UINT64, &value), kind, what);
-  return value;
+  return read_integer_attribute<uint64_t>(object, name, H5T_NATIVE_UINT64, kind, where);
 }
 
 std::vector<int64_t> read_int_array_attribute(hid_t object, const std::string& name, ErrorKind kind,
