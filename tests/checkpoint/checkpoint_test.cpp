@@ -28,18 +28,6 @@ namespace fs = std::filesystem;
 using testing::count_all_mismatches;
 using testing::test_contents;
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-
-int world_size() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
-
 // A fresh directory shared by all ranks (made by rank 0), removed after the test.
 class CheckpointTest : public ::testing::Test {
  protected:

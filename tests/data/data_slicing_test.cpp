@@ -1,5 +1,5 @@
 // Multi-rank tests of batch slicing: the union over ranks of their slices of step s is
-// the single-rank global batch of step s, for several meshes, at NP 1, 2 and 4; tp ranks
+// the single-rank global batch of step s, for several meshes, at NP 1, 2, 4 and 8; tp ranks
 // share a slice; the schedule is the same on every rank; evaluation covers the test
 // split exactly once.
 
@@ -9,20 +9,10 @@
 #include <map>
 
 #include "framework/data.hpp"
+#include "tests/test_support.hpp"
 
 namespace meshtrain {
 namespace {
-
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
 
 // A classification set whose values say where they came from: x[s, c] = s + c / 100,
 // label = s mod 10.
@@ -48,7 +38,10 @@ std::vector<Mesh> meshes_of(int world) {
     shapes = {
         {{"dp", 4}}, {{"dp", 2}, {"fsdp", 2}}, {{"fsdp", 2}, {"tp", 2}}, {{"dp", 2}, {"tp", 2}}};
   }
-  if (world == 8) shapes = {{{"dp", 2}, {"fsdp", 2}, {"tp", 2}}, {{"fsdp", 8}}};
+  if (world == 8) {
+    // 2x4: the batch tuple (fsdp, dp) is read fsdp-major while ranks are dp-major.
+    shapes = {{{"dp", 2}, {"fsdp", 2}, {"tp", 2}}, {{"fsdp", 8}}, {{"dp", 2}, {"fsdp", 4}}};
+  }
   // Every known axis present (absent ones of size 1), in the default order.
   std::vector<Mesh> meshes;
   for (const auto& s : shapes) {

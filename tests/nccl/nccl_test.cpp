@@ -35,18 +35,6 @@ namespace {
 
 constexpr const char* kNoDevice = "no CUDA device: NCCL backend compiled but not run";
 
-int world_rank() {
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
-}
-
-int world_size() {
-  int size = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  return size;
-}
-
 // Whether the GPU tests run, decided identically on every rank (collective on first use;
 // every rank runs the tests in the same order).
 struct GpuPlan {
