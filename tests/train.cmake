@@ -1,6 +1,6 @@
 # The trainer: memory per rank under DP and FSDP (GoogleTest), and `meshtrain train` from
 # the command line: bad input and failures exit with ONE "meshtrain: error" sentence for
-# the whole job (tests/train/expect_error.sh), short runs on several meshes write
+# the whole job (tests/cli/expect_exit.sh --error-line), short runs on several meshes write
 # metrics.jsonl and agree on the first logged loss (tests/train/expect_run.sh). Every test
 # has a timeout, so a rank left hanging fails the test.
 meshtrain_add_test(NAME train_memory_test SOURCES train/memory_test.cpp
@@ -11,6 +11,7 @@ add_executable(train_write_dataset train/write_dataset_tool.cpp)
 target_link_libraries(train_write_dataset PRIVATE meshtrain::hdf5)
 
 set(_train ${CMAKE_CURRENT_SOURCE_DIR}/train)
+set(_expect_exit ${CMAKE_CURRENT_SOURCE_DIR}/cli/expect_exit.sh)
 set(_train_runs ${CMAKE_CURRENT_BINARY_DIR}/train_runs)
 set(_train_configs ${PROJECT_SOURCE_DIR}/configs)
 # A small model and a short run, so each test takes seconds.
@@ -34,7 +35,7 @@ endfunction()
 function(train_error_test name status regex)
   _train_mpirun(mpirun 2)
   meshtrain_add_command_test(NAME train_${name}_np2 TIMEOUT 60
-    COMMAND sh ${_train}/expect_error.sh ${status} ${regex} -- ${mpirun} ${ARGN})
+    COMMAND sh ${_expect_exit} ${status} ${regex} --error-line -- ${mpirun} ${ARGN})
   _train_slots(train_${name}_np2 2)
 endfunction()
 
