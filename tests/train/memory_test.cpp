@@ -27,18 +27,13 @@
 #include "partition/logical_axes.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
+#include "tests/test_support.hpp"
 
 namespace meshtrain {
 namespace {
 
 const std::vector<int64_t> kSizes = {784, 512, 512, 10};
 constexpr int64_t kParameters = 784 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10;  // 669,706
-
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
 
 int64_t local_bytes(const std::vector<ShardedTensor>& tensors) {
   int64_t bytes = 0;
