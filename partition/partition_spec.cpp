@@ -64,13 +64,7 @@ class SpecReader {
     skip_spaces();
     while (!at_end() && peek() != close) {
       entries.push_back(read_entry());
-      skip_spaces();
-      if (!at_end() && peek() == ',') {
-        ++pos_;
-        skip_spaces();
-      } else {
-        break;
-      }
+      if (!take_comma()) break;
     }
     return entries;
   }
@@ -84,13 +78,7 @@ class SpecReader {
         const std::string name = read_name();
         if (name == "None") fail("None cannot be part of a tuple of axes");
         entry.axes.push_back(name);
-        skip_spaces();
-        if (!at_end() && peek() == ',') {
-          ++pos_;
-          skip_spaces();
-        } else {
-          break;
-        }
+        if (!take_comma()) break;
       }
       expect(')');
       return entry;  // `()` is None, as in JAX
@@ -118,6 +106,16 @@ class SpecReader {
       ++pos_;
     }
     return name;
+  }
+
+  // Skips spaces, then a ',' and the spaces after it; false when no ',' follows (the end of
+  // a list).
+  bool take_comma() {
+    skip_spaces();
+    if (at_end() || peek() != ',') return false;
+    ++pos_;
+    skip_spaces();
+    return true;
   }
 
   void expect(char c) {
