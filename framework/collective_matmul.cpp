@@ -1,8 +1,16 @@
 #include "framework/collective_matmul.hpp"
 
+#include <KokkosKernels_config.h>
 #include <KokkosBlas3_gemm.hpp>
+#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS)
+#include <KokkosBlas_Host_tpl.hpp>
+#endif
+#include <algorithm>
 #include <array>
+#include <type_traits>
 #include <utility>
+
+#include "framework/kernel_label.hpp"
 
 namespace meshtrain {
 
@@ -36,13 +44,33 @@ void add_into(float* target, const float* source, std::size_t count) {
   const VectorView t(target, count);
   const ConstVectorView s(source, count);
   Kokkos::parallel_for(
-      "meshtrain::collective_matmul_accumulate", count,
+      MESHTRAIN_LABEL("meshtrain::collective_matmul_accumulate"), count,
       KOKKOS_LAMBDA(const std::size_t k) { t(k) += s(k); });
 }
 
-void require_contiguous_block(const ConstMatrixView& m, const char* op, const char* which) {
+// C = 0 and C = source. Kokkos::deep_copy does the same, but the kernels it launches for a
+// scalar or a row-strided view carry labels that Kokkos 3.4 turns into a std::string (a
+// heap allocation) at every call; these kernels label themselves once.
+void set_zero(MatrixView c) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::collective_matmul_zero"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          {0, 0}, {static_cast<int64_t>(c.extent(0)), static_cast<int64_t>(c.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t r, const int64_t col) { c(r, col) = 0.0f; });
+}
+void copy_into(MatrixView c, ConstMatrixView source) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::collective_matmul_copy"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          {0, 0}, {static_cast<int64_t>(c.extent(0)), static_cast<int64_t>(c.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t r, const int64_t col) { c(r, col) = source(r, col); });
+}
+
+void require_contiguous_block(const ConstMatrixView& m, const Communicator& comm, const char* op,
+                              const char* which) {
   if (!m.span_is_contiguous()) {
-    MESHTRAIN_BAD_INPUT(op, ": the ", which, " block must be contiguous (not a column block)");
+    MESHTRAIN_BAD_INPUT(op, " on ", comm.description(), ": the ", which,
+                        " block must be contiguous (not a column block)");
   }
 }
 
@@ -113,10 +141,10 @@ void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c) {
   if (m == 0 || n == 0) return;
   if (k == 0) {
     if (beta == 0.0f) {
-      Kokkos::deep_copy(c, 0.0f);
+      set_zero(c);
     } else if (beta != 1.0f) {
       Kokkos::parallel_for(
-          "meshtrain::gemm_scale",
+          MESHTRAIN_LABEL("meshtrain::gemm_scale"),
           Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
               {0, 0}, {static_cast<int64_t>(m), static_cast<int64_t>(n)}),
           KOKKOS_LAMBDA(const int64_t r, const int64_t col) { c(r, col) *= beta; });
@@ -130,6 +158,23 @@ void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c) {
   checked_int(a.matrix.stride(0), "gemm leading dimension of A");
   checked_int(b.matrix.stride(0), "gemm leading dimension of B");
   checked_int(c.stride(0), "gemm leading dimension of C");
+#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS)
+  if constexpr (std::is_same<MatrixView::memory_space, Kokkos::HostSpace>::value) {
+    // Host memory and a BLAS underneath: the BLAS call that KokkosBlas::gemm makes, without
+    // its profiling region, whose std::string label ("KokkosBlas::gemm[TPL_BLAS,float]")
+    // is a heap allocation at every call in KokkosKernels 3.4. Row-major C = op(A) op(B)
+    // is column-major Cᵀ = op(B)ᵀ op(A)ᵀ, so B goes first, as in KokkosBlas.
+    const auto ld = [](std::size_t stride, std::size_t cols) {
+      return static_cast<int>(std::max<std::size_t>({stride, cols, 1}));
+    };
+    KokkosBlas::Impl::HostBlas<float>::gemm(
+        b.transpose ? 'T' : 'N', a.transpose ? 'T' : 'N', static_cast<int>(n), static_cast<int>(m),
+        static_cast<int>(k), 1.0f, b.matrix.data(), ld(b.matrix.stride(0), b.matrix.extent(1)),
+        a.matrix.data(), ld(a.matrix.stride(0), a.matrix.extent(1)), beta, c.data(),
+        ld(c.stride(0), c.extent(1)));
+    return;
+  }
+#endif
   KokkosBlas::gemm(a.transpose ? "T" : "N", b.transpose ? "T" : "N", 1.0f, a.matrix, b.matrix, beta,
                    c);
 }
@@ -245,7 +290,7 @@ GatherPlan plan_gather(Communicator& comm, GatherSide side, int gather_dim, Gemm
                         c.extent(1), "], expected [", m, ", ", cols, "]");
   }
   plan.k = k_left;
-  require_contiguous_block(plan.gathered.matrix, op, "gathered");
+  require_contiguous_block(plan.gathered.matrix, comm, op, "gathered");
   return plan;
 }
 
@@ -258,7 +303,7 @@ void gather_naive(const GatherPlan& plan, Communicator& comm, CollectiveMatmulWo
     plan.multiply_piece(full, 0, n * plan.block_rows, 0, plan.block_cols);
     return;
   }
-  if (plan.splits_k(1)) Kokkos::deep_copy(plan.c, 0.0f);
+  if (plan.splits_k(1)) set_zero(plan.c);
   for (int j = 0; j < plan.n; ++j)
     plan.multiply_block_rows(full + j * block, j, 0, plan.block_rows);
 }
@@ -266,7 +311,7 @@ void gather_naive(const GatherPlan& plan, Communicator& comm, CollectiveMatmulWo
 void gather_ring(const GatherPlan& plan, Communicator& comm, CollectiveMatmulWorkspace& ws) {
   const std::size_t block = block_floats(plan.block_rows, plan.block_cols);
   float* buffers = ws.acquire(2 * block);
-  if (plan.splits_k(plan.gather_dim)) Kokkos::deep_copy(plan.c, 0.0f);
+  if (plan.splits_k(plan.gather_dim)) set_zero(plan.c);
   const float* in_hand = plan.gathered.matrix.data();
   for (int s = 0; s < plan.n; ++s) {
     float* next = buffers + (s % 2) * block;
@@ -288,7 +333,7 @@ void gather_bidirectional(const GatherPlan& plan, Communicator& comm,
   float* buffers = ws.acquire(2 * (lo + hi));
   float* lo_buf[2] = {buffers, buffers + lo};
   float* hi_buf[2] = {buffers + 2 * lo, buffers + 2 * lo + hi};
-  if (plan.splits_k(plan.gather_dim) || plan.splits_k(0)) Kokkos::deep_copy(plan.c, 0.0f);
+  if (plan.splits_k(plan.gather_dim) || plan.splits_k(0)) set_zero(plan.c);
   const float* lo_in = plan.gathered.matrix.data();  // stored rows [0, lo_rows) of the block
   const float* hi_in = lo_in + lo;                   // stored rows [lo_rows, block_rows)
   for (int s = 0; s < plan.n; ++s) {
@@ -405,7 +450,7 @@ void scatter_naive(const ScatterPlan& plan, Communicator& comm, MatrixView c,
   float* result = c_contiguous ? c.data() : product + n * block;
   comm.reduce_scatter(ConstVectorView(product, n * block), VectorView(result, block));
   if (!c_contiguous) {
-    Kokkos::deep_copy(c, ConstMatrixView(result, plan.block_rows, plan.block_cols));
+    copy_into(c, ConstMatrixView(result, plan.block_rows, plan.block_cols));
   }
 }
 
@@ -484,7 +529,7 @@ void scatter_streams(const ScatterPlan& plan, Communicator& comm, MatrixView c,
   }
   if (!c_contiguous) {
     Kokkos::fence();
-    Kokkos::deep_copy(c, ConstMatrixView(c_data, plan.block_rows, plan.block_cols));
+    copy_into(c, ConstMatrixView(c_data, plan.block_rows, plan.block_cols));
   }
 }
 

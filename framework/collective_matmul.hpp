@@ -101,7 +101,9 @@ void matmul_reduce_scatter(Communicator& comm, int scatter_dim, GemmOperand a, G
                            CollectiveMatmulWorkspace& workspace);
 
 // C = beta * C + op(A) @ op(B) through KokkosBlas::gemm, for any extents (empty ones
-// included); views may be row-strided. Shapes are checked (bad_input naming them).
+// included); views may be row-strided. Shapes are checked (bad_input naming them). On
+// host memory it calls KokkosKernels' BLAS wrapper directly (the call KokkosBlas::gemm
+// makes), skipping a profiling label that allocates at every call.
 void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c);
 
 }  // namespace meshtrain

@@ -3,6 +3,7 @@
 #include <Kokkos_Core.hpp>
 #include <cmath>
 
+#include "framework/kernel_label.hpp"
 #include "framework/kokkos_math.hpp"
 #include "partition/error.hpp"
 
@@ -83,7 +84,7 @@ void fill_block(ShardedTensor& t, Draw draw, uint64_t seed, float scale, float l
   const uint64_t key = stream_key(seed, name_stream(t.name));
   Vector out = t.local;
   Kokkos::parallel_for(
-      "meshtrain::init_block", Kokkos::RangePolicy<>(0, out.extent(0)),
+      MESHTRAIN_LABEL("meshtrain::init_block"), Kokkos::RangePolicy<>(0, out.extent(0)),
       KOKKOS_LAMBDA(const int64_t i) {
         if (draw == Draw::zero) {
           out(i) = 0.0f;
@@ -141,7 +142,7 @@ float counter_normal(uint64_t seed, uint64_t stream, uint64_t index) {
 void fill_normal(Vector out, uint64_t seed, uint64_t stream, uint64_t first_index, float stddev) {
   const uint64_t key = stream_key(seed, stream);
   Kokkos::parallel_for(
-      "meshtrain::fill_normal", Kokkos::RangePolicy<>(0, out.extent(0)),
+      MESHTRAIN_LABEL("meshtrain::fill_normal"), Kokkos::RangePolicy<>(0, out.extent(0)),
       KOKKOS_LAMBDA(const int64_t i) {
         out(i) = stddev * normal_at(key, first_index + static_cast<uint64_t>(i));
       });
@@ -151,7 +152,7 @@ void fill_uniform(Vector out, uint64_t seed, uint64_t stream, uint64_t first_ind
                   float high) {
   const uint64_t key = stream_key(seed, stream);
   Kokkos::parallel_for(
-      "meshtrain::fill_uniform", Kokkos::RangePolicy<>(0, out.extent(0)),
+      MESHTRAIN_LABEL("meshtrain::fill_uniform"), Kokkos::RangePolicy<>(0, out.extent(0)),
       KOKKOS_LAMBDA(const int64_t i) {
         out(i) = low + (high - low) * uniform_at(key, first_index + static_cast<uint64_t>(i));
       });

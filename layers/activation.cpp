@@ -2,6 +2,7 @@
 
 #include <Kokkos_Core.hpp>
 
+#include "framework/kernel_label.hpp"
 #include "framework/kokkos_math.hpp"
 #include "partition/error.hpp"
 
@@ -47,18 +48,20 @@ void activation_forward(Activation activation, UnmanagedMatrix z, UnmanagedMatri
   switch (activation) {
     case Activation::relu:
       Kokkos::parallel_for(
-          "meshtrain::relu_forward", range_of(z), KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+          MESHTRAIN_LABEL("meshtrain::relu_forward"), range_of(z),
+          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
             out(i, j) = z(i, j) > 0.0f ? z(i, j) : 0.0f;
           });
       return;
     case Activation::tanh:
       Kokkos::parallel_for(
-          "meshtrain::tanh_forward", range_of(z),
+          MESHTRAIN_LABEL("meshtrain::tanh_forward"), range_of(z),
           KOKKOS_LAMBDA(const int64_t i, const int64_t j) { out(i, j) = kmath::tanh(z(i, j)); });
       return;
     case Activation::gelu:
       Kokkos::parallel_for(
-          "meshtrain::gelu_forward", range_of(z), KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+          MESHTRAIN_LABEL("meshtrain::gelu_forward"), range_of(z),
+          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
             const float x = z(i, j);
             const float inner = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
             out(i, j) = 0.5f * x * (1.0f + kmath::tanh(inner));
@@ -76,20 +79,23 @@ void activation_backward(Activation activation, UnmanagedMatrix z, UnmanagedMatr
   switch (activation) {
     case Activation::relu:
       Kokkos::parallel_for(
-          "meshtrain::relu_backward", range_of(z), KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+          MESHTRAIN_LABEL("meshtrain::relu_backward"), range_of(z),
+          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
             if (!(z(i, j) > 0.0f)) grad(i, j) = 0.0f;
           });
       return;
     case Activation::tanh:
       Kokkos::parallel_for(
-          "meshtrain::tanh_backward", range_of(z), KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+          MESHTRAIN_LABEL("meshtrain::tanh_backward"), range_of(z),
+          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
             const float t = kmath::tanh(z(i, j));
             grad(i, j) *= 1.0f - t * t;
           });
       return;
     case Activation::gelu:
       Kokkos::parallel_for(
-          "meshtrain::gelu_backward", range_of(z), KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+          MESHTRAIN_LABEL("meshtrain::gelu_backward"), range_of(z),
+          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
             const float x = z(i, j);
             const float inner = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
             const float t = kmath::tanh(inner);

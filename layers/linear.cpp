@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "framework/kernel_label.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {
@@ -24,14 +25,14 @@ std::string tuple_text(const std::vector<std::string>& axes) {
 // dst = src[:, offset : offset + dst.cols]
 void copy_columns(UnmanagedMatrix src, int64_t offset, UnmanagedMatrix dst) {
   Kokkos::parallel_for(
-      "meshtrain::linear_take_columns",
+      MESHTRAIN_LABEL("meshtrain::linear_take_columns"),
       Range2({0, 0}, {static_cast<int64_t>(dst.extent(0)), static_cast<int64_t>(dst.extent(1))}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) = src(i, offset + j); });
 }
 
 void scale_matrix(UnmanagedMatrix m, float factor) {
   Kokkos::parallel_for(
-      "meshtrain::linear_scale_grad",
+      MESHTRAIN_LABEL("meshtrain::linear_scale_grad"),
       Range2({0, 0}, {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { m(i, j) *= factor; });
 }
@@ -226,7 +227,7 @@ UnmanagedMatrix Linear::forward(const ShardedTensor& weight, const ShardedTensor
   }
   const float* b = compute_bias(bias, scratch);
   Kokkos::parallel_for(
-      "meshtrain::linear_add_bias",
+      MESHTRAIN_LABEL("meshtrain::linear_add_bias"),
       Range2({0, 0}, {static_cast<int64_t>(y.extent(0)), static_cast<int64_t>(y.extent(1))}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { y(i, j) += b[j]; });
   return y;
@@ -296,7 +297,7 @@ UnmanagedMatrix Linear::backward(const ShardedTensor& weight, ShardedTensor& wei
   const int64_t offset = output_offset();
   const int64_t rows = rows_;
   Kokkos::parallel_for(
-      "meshtrain::linear_bias_grad", Kokkos::RangePolicy<>(0, width),
+      MESHTRAIN_LABEL("meshtrain::linear_bias_grad"), Kokkos::RangePolicy<>(0, width),
       KOKKOS_LAMBDA(const int64_t j) {
         float sum = 0.0f;
         if (j >= offset && j < offset + static_cast<int64_t>(dy.extent(1))) {
@@ -308,7 +309,8 @@ UnmanagedMatrix Linear::backward(const ShardedTensor& weight, ShardedTensor& wei
   Vector bg = bias_grad.local;
   const int64_t stored_offset = bias_stored_offset_;
   Kokkos::parallel_for(
-      "meshtrain::linear_bias_grad_block", Kokkos::RangePolicy<>(0, bias_stored_extent_),
+      MESHTRAIN_LABEL("meshtrain::linear_bias_grad_block"),
+      Kokkos::RangePolicy<>(0, bias_stored_extent_),
       KOKKOS_LAMBDA(const int64_t j) { bg(j) = full[stored_offset + j]; });
   return dx;
 }
