@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <string>
 
+#include "framework/kernel_label.hpp"
+
 namespace meshtrain {
 
 int checked_int(std::size_t value, const char* what) {
@@ -31,39 +33,51 @@ double collective_timeout_from_env() {
 
 // ---------------------------------------------------------------------------- Request
 
+void Request::finish() noexcept {
+  if (impl_ == nullptr) return;
+  Impl* impl = impl_;
+  impl_ = nullptr;
+  try {
+    impl->wait();
+  } catch (...) {
+    // A destructor cannot report; the timeout already bounded the wait.
+  }
+  impl->release();
+}
+
 Request& Request::operator=(Request&& other) noexcept {
   if (this != &other) {
-    if (impl_) {
-      try {
-        impl_->wait();
-      } catch (...) {
-      }
-    }
-    impl_ = std::move(other.impl_);
+    finish();
+    impl_ = other.impl_;
+    other.impl_ = nullptr;
   }
   return *this;
 }
 
 Request::~Request() {
-  if (!impl_) return;
-  try {
-    impl_->wait();
-  } catch (...) {
-    // A destructor cannot report; the timeout already bounded the wait.
-  }
+  finish();
 }
 
 void Request::wait() {
-  if (!impl_) return;
+  if (impl_ == nullptr) return;
   // Release the request even when waiting throws: it is not waited on twice.
-  std::unique_ptr<Impl> impl = std::move(impl_);
-  impl->wait();
+  Impl* impl = impl_;
+  impl_ = nullptr;
+  try {
+    impl->wait();
+  } catch (...) {
+    impl->release();
+    throw;
+  }
+  impl->release();
 }
 
 bool Request::test() {
-  if (!impl_) return true;
+  if (impl_ == nullptr) return true;
   if (!impl_->test()) return false;
-  impl_.reset();
+  Impl* impl = impl_;
+  impl_ = nullptr;
+  impl->release();
   return true;
 }
 
@@ -72,9 +86,10 @@ bool Request::test() {
 namespace {
 
 template <class View>
-void require_contiguous(const View& v, const char* op, const char* which) {
+void require_contiguous(const View& v, const std::string& group, const char* op,
+                        const char* which) {
   if (!v.span_is_contiguous()) {
-    MESHTRAIN_BAD_INPUT(op, ": the ", which,
+    MESHTRAIN_BAD_INPUT(op, " on ", group, ": the ", which,
                         " view is not contiguous (a column block of a matrix); pass a "
                         "contiguous view");
   }
@@ -86,14 +101,17 @@ bool overlaps(const float* a, std::size_t na, const float* b, std::size_t nb) {
 }
 
 void require_disjoint(const float* a, std::size_t na, const float* b, std::size_t nb,
-                      const char* op) {
+                      const std::string& group, const char* op) {
   if (overlaps(a, na, b, nb)) {
-    MESHTRAIN_BAD_INPUT(op, ": the send and receive views overlap; use separate buffers");
+    MESHTRAIN_BAD_INPUT(op, " on ", group,
+                        ": the send and receive views overlap; use separate buffers");
   }
 }
 
-void require_dim(int dim, const char* op) {
-  if (dim != 0 && dim != 1) MESHTRAIN_BAD_INPUT(op, ": dim must be 0 or 1, got ", dim);
+void require_dim(int dim, const std::string& group, const char* op) {
+  if (dim != 0 && dim != 1) {
+    MESHTRAIN_BAD_INPUT(op, " on ", group, ": dim must be 0 or 1, got ", dim);
+  }
 }
 
 }  // namespace
@@ -132,13 +150,13 @@ void Communicator::all_gather(ConstVectorView send, VectorView recv) {
     MESHTRAIN_BAD_INPUT(op, " on ", description_, ": receive length ", recv.extent(0), " is not ",
                         size_, " x send length ", count);
   }
-  require_disjoint(send.data(), count, recv.data(), recv.extent(0), op);
+  require_disjoint(send.data(), count, recv.data(), recv.extent(0), description_, op);
   raw_all_gather(send.data(), recv.data(), count, op);
 }
 
 void Communicator::all_gather(ConstMatrixView send, MatrixView recv, int dim) {
   const char* op = "all_gather";
-  require_dim(dim, op);
+  require_dim(dim, description_, op);
   const std::size_t n = static_cast<std::size_t>(size_);
   const std::size_t r = send.extent(0), c = send.extent(1);
   const bool ok = dim == 0 ? (recv.extent(0) == n * r && recv.extent(1) == c)
@@ -148,11 +166,11 @@ void Communicator::all_gather(ConstMatrixView send, MatrixView recv, int dim) {
                         recv.extent(0), ", ", recv.extent(1), "] does not match send shape [", r,
                         ", ", c, "] gathered over ", n, " ranks");
   }
-  require_contiguous(send, op, "send");
-  require_disjoint(send.data(), r * c, recv.data(), recv.span(), op);
+  require_contiguous(send, description_, op, "send");
+  require_disjoint(send.data(), r * c, recv.data(), recv.span(), description_, op);
   if (dim == 0 || n == 1 || r == 1) {
     // Dim 0 (and the degenerate dim-1 cases) is the flat gather.
-    require_contiguous(recv, op, "receive");
+    require_contiguous(recv, description_, op, "receive");
     raw_all_gather(send.data(), recv.data(), r * c, op);
     return;
   }
@@ -161,7 +179,7 @@ void Communicator::all_gather(ConstMatrixView send, MatrixView recv, int dim) {
   raw_all_gather(send.data(), staging, r * c, op);
   const ConstVectorView stage(staging, n * r * c);
   Kokkos::parallel_for(
-      "meshtrain::all_gather_unpack_dim1",
+      MESHTRAIN_LABEL("meshtrain::all_gather_unpack_dim1"),
       Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
           {0, 0}, {static_cast<int64_t>(r), static_cast<int64_t>(n * c)}),
       KOKKOS_LAMBDA(const int64_t row, const int64_t col) {
@@ -178,13 +196,13 @@ void Communicator::reduce_scatter(ConstVectorView send, VectorView recv) {
     MESHTRAIN_BAD_INPUT(op, " on ", description_, ": send length ", send.extent(0), " is not ",
                         size_, " x receive length ", count);
   }
-  require_disjoint(send.data(), send.extent(0), recv.data(), count, op);
+  require_disjoint(send.data(), send.extent(0), recv.data(), count, description_, op);
   raw_reduce_scatter_sum(send.data(), recv.data(), count, op);
 }
 
 void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim) {
   const char* op = "reduce_scatter";
-  require_dim(dim, op);
+  require_dim(dim, description_, op);
   const std::size_t n = static_cast<std::size_t>(size_);
   const std::size_t r = recv.extent(0), c = recv.extent(1);
   const bool ok = dim == 0 ? (send.extent(0) == n * r && send.extent(1) == c)
@@ -194,10 +212,10 @@ void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim
                         send.extent(0), ", ", send.extent(1), "] does not match receive shape [", r,
                         ", ", c, "] scattered over ", n, " ranks");
   }
-  require_contiguous(recv, op, "receive");
-  require_disjoint(send.data(), send.span(), recv.data(), r * c, op);
+  require_contiguous(recv, description_, op, "receive");
+  require_disjoint(send.data(), send.span(), recv.data(), r * c, description_, op);
   if (dim == 0 || n == 1 || r == 1) {
-    require_contiguous(send, op, "send");
+    require_contiguous(send, description_, op, "send");
     raw_reduce_scatter_sum(send.data(), recv.data(), r * c, op);
     return;
   }
@@ -205,7 +223,7 @@ void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim
   float* staging = scratch(n * r * c);
   const VectorView stage(staging, n * r * c);
   Kokkos::parallel_for(
-      "meshtrain::reduce_scatter_pack_dim1",
+      MESHTRAIN_LABEL("meshtrain::reduce_scatter_pack_dim1"),
       Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
           {0, 0}, {static_cast<int64_t>(r), static_cast<int64_t>(n * c)}),
       KOKKOS_LAMBDA(const int64_t row, const int64_t col) {
@@ -221,14 +239,25 @@ void Communicator::all_reduce(VectorView data, ReduceOp reduce) {
   if (reduce == ReduceOp::mean && size_ > 1) {
     const float scale = 1.0f / static_cast<float>(size_);
     Kokkos::parallel_for(
-        "meshtrain::all_reduce_mean_scale", data.extent(0),
+        MESHTRAIN_LABEL("meshtrain::all_reduce_mean_scale"), data.extent(0),
+        KOKKOS_LAMBDA(const std::size_t k) { data(k) *= scale; });
+    Kokkos::fence();
+  }
+}
+
+void Communicator::all_reduce(DoubleVectorView data, ReduceOp reduce) {
+  raw_all_reduce_sum_f64(data.data(), data.extent(0), "all_reduce");
+  if (reduce == ReduceOp::mean && size_ > 1) {
+    const double scale = 1.0 / static_cast<double>(size_);
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::all_reduce_mean_scale_f64"), data.extent(0),
         KOKKOS_LAMBDA(const std::size_t k) { data(k) *= scale; });
     Kokkos::fence();
   }
 }
 
 void Communicator::all_reduce(MatrixView data, ReduceOp reduce) {
-  require_contiguous(data, "all_reduce", "data");
+  require_contiguous(data, description_, "all_reduce", "data");
   all_reduce(VectorView(data.data(), data.span()), reduce);
 }
 
@@ -241,7 +270,7 @@ void Communicator::broadcast(VectorView data, int root) {
 }
 
 void Communicator::broadcast(MatrixView data, int root) {
-  require_contiguous(data, "broadcast", "data");
+  require_contiguous(data, description_, "broadcast", "data");
   broadcast(VectorView(data.data(), data.span()), root);
 }
 
@@ -251,7 +280,7 @@ Request Communicator::shift(ConstVectorView send, VectorView recv, int offset) {
     MESHTRAIN_BAD_INPUT(op, " on ", description_, ": send length ", send.extent(0),
                         " differs from receive length ", recv.extent(0));
   }
-  require_disjoint(send.data(), send.extent(0), recv.data(), recv.extent(0), op);
+  require_disjoint(send.data(), send.extent(0), recv.data(), recv.extent(0), description_, op);
   return raw_shift(send.data(), recv.data(), send.extent(0), offset, op);
 }
 
@@ -261,8 +290,8 @@ Request Communicator::shift(ConstMatrixView send, MatrixView recv, int offset) {
                         send.extent(1), "] differs from receive shape [", recv.extent(0), ", ",
                         recv.extent(1), "]");
   }
-  require_contiguous(send, "shift", "send");
-  require_contiguous(recv, "shift", "receive");
+  require_contiguous(send, description_, "shift", "send");
+  require_contiguous(recv, description_, "shift", "receive");
   return shift(ConstVectorView(send.data(), send.span()), VectorView(recv.data(), recv.span()),
                offset);
 }
@@ -276,9 +305,9 @@ void Communicator::all_to_all(ConstMatrixView send, MatrixView recv) {
                         "] and receive [", recv.extent(0), ", ", recv.extent(1),
                         "] must have the same shape with dim 0 divisible by ", n, " ranks");
   }
-  require_contiguous(send, op, "send");
-  require_contiguous(recv, op, "receive");
-  require_disjoint(send.data(), send.span(), recv.data(), recv.span(), op);
+  require_contiguous(send, description_, op, "send");
+  require_contiguous(recv, description_, op, "receive");
+  require_disjoint(send.data(), send.span(), recv.data(), recv.span(), description_, op);
   raw_all_to_all(send.data(), recv.data(), send.span() / n, op);
 }
 

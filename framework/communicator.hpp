@@ -44,6 +44,9 @@ using MatrixView =
     Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 using ConstMatrixView =
     Kokkos::View<const float**, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+// Doubles, for reductions of scalars (loss sums, norms, counts) that float would round.
+using DoubleVectorView =
+    Kokkos::View<double*, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 
 enum class ReduceOp { sum, mean };
 
@@ -58,18 +61,29 @@ double collective_timeout_from_env();
 // A pending non-blocking operation (shift). Move-only; wait() completes it (throws a
 // runtime Error on timeout or backend failure). The destructor of a pending request waits
 // for it (errors swallowed) so buffers are never released under a running transfer.
+//
+// Ownership: a Request borrows its Impl from the backend, which keeps a pool of them so
+// that shifts allocate nothing once the pool has grown to the number of shifts in flight.
+// The Request hands the Impl back with Impl::release() exactly once: when it completes
+// (wait() or a true test()), when wait() throws, or when the Request is destroyed or
+// assigned over. The backend keeps whatever the Impl needs (its communicator's state)
+// alive until then.
 class Request {
  public:
   class Impl {
    public:
-    virtual ~Impl() = default;
     virtual bool test() = 0;  // true once complete
     virtual void wait() = 0;  // blocks until complete or throws
+    // Gives the Impl back to the backend; the Request never touches it again.
+    virtual void release() noexcept = 0;
+
+   protected:
+    virtual ~Impl() = default;  // only the backend's pool destroys an Impl
   };
 
   Request() = default;
-  explicit Request(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-  Request(Request&&) noexcept = default;
+  explicit Request(Impl* impl) noexcept : impl_(impl) {}
+  Request(Request&& other) noexcept : impl_(other.impl_) { other.impl_ = nullptr; }
   Request& operator=(Request&& other) noexcept;
   Request(const Request&) = delete;
   Request& operator=(const Request&) = delete;
@@ -80,7 +94,9 @@ class Request {
   bool pending() const { return impl_ != nullptr; }
 
  private:
-  std::unique_ptr<Impl> impl_;
+  void finish() noexcept;  // waits (errors swallowed) and releases a pending Impl
+
+  Impl* impl_ = nullptr;  // borrowed from the backend's pool, see above
 };
 
 class Communicator {
@@ -105,6 +121,8 @@ class Communicator {
   // In place; mean divides the sum by size(). data must be contiguous.
   void all_reduce(VectorView data, ReduceOp op = ReduceOp::sum);
   void all_reduce(MatrixView data, ReduceOp op = ReduceOp::sum);
+  // The same in double precision (sums of many scalars stay exact to 2^53).
+  void all_reduce(DoubleVectorView data, ReduceOp op = ReduceOp::sum);
   void broadcast(VectorView data, int root);
   void broadcast(MatrixView data, int root);
   // Non-blocking ppermute: sends `send` to rank (i + offset) mod n and receives into
@@ -135,6 +153,7 @@ class Communicator {
   virtual void raw_reduce_scatter_sum(const float* send, float* recv, std::size_t count_per_rank,
                                       const char* op) = 0;
   virtual void raw_all_reduce_sum(float* data, std::size_t count, const char* op) = 0;
+  virtual void raw_all_reduce_sum_f64(double* data, std::size_t count, const char* op) = 0;
   virtual void raw_broadcast(float* data, std::size_t count, int root, const char* op) = 0;
   virtual Request raw_shift(const float* send, float* recv, std::size_t count, int offset,
                             const char* op) = 0;

@@ -19,6 +19,10 @@ void check_mpi(int code, const char* what) {
   MESHTRAIN_FAIL(what, " failed: ", std::string(text, static_cast<std::size_t>(length)));
 }
 
+namespace {
+class MpiShiftSlot;
+}  // namespace
+
 struct MpiCommunicator::State {
   MPI_Comm comm = MPI_COMM_NULL;
   std::string description;
@@ -26,19 +30,16 @@ struct MpiCommunicator::State {
   // Requests given up on after a timeout. They cannot be freed (MPI forbids freeing a
   // collective's request), so they are kept and tested once more when the state goes.
   std::vector<MPI_Request> abandoned;
+  // The pool of shift requests: every slot ever made (owned here), and the free ones as
+  // an intrusive list. A slot in use holds a reference to this state, so the state (and
+  // the slot) outlive the communicator while a Request is pending.
+  std::vector<std::unique_ptr<MpiShiftSlot>> shift_slots;
+  MpiShiftSlot* free_shift_slots = nullptr;
 
-  ~State() {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (finalized) return;
-    for (MPI_Request& r : abandoned) {
-      int done = 0;
-      MPI_Test(&r, &done, MPI_STATUS_IGNORE);
-    }
-    if (comm != MPI_COMM_NULL && comm != MPI_COMM_WORLD && comm != MPI_COMM_SELF) {
-      MPI_Comm_free(&comm);  // deferred by MPI until pending operations finish
-    }
-  }
+  State() = default;
+  State(const State&) = delete;
+  State& operator=(const State&) = delete;
+  ~State();
 
   void require_usable(const char* op) const {
     if (!broken.empty()) {
@@ -46,6 +47,13 @@ struct MpiCommunicator::State {
                      broken);
     }
   }
+
+  // Throws "<op> on <group>: <call> failed: <MPI_Error_string>" unless code is MPI_SUCCESS.
+  // The text is built only on failure: the success path allocates nothing.
+  void check(int code, const char* op, const char* call) const {
+    if (code != MPI_SUCCESS) fail_call(code, op, call);
+  }
+  [[noreturn]] void fail_call(int code, const char* op, const char* call) const;
 };
 
 namespace {
@@ -81,7 +89,9 @@ std::string timeout_text(double seconds) {
 [[noreturn]] void throw_timeout(MpiCommunicator::State& state, MPI_Request* requests, int count,
                                 double timeout, const char* op) {
   for (int k = 0; k < count; ++k) {
-    if (requests[k] != MPI_REQUEST_NULL) state.abandoned.push_back(requests[k]);
+    if (requests[k] == MPI_REQUEST_NULL) continue;
+    state.abandoned.push_back(requests[k]);
+    requests[k] = MPI_REQUEST_NULL;  // owned by state.abandoned from here on
   }
   const std::string message = std::string(op) + " on " + state.description +
                               " did not complete within " + timeout_text(timeout) +
@@ -90,16 +100,24 @@ std::string timeout_text(double seconds) {
   MESHTRAIN_FAIL(message);
 }
 
-std::string name_op(const char* op, const char* mpi_call) {
-  return std::string(op) + " (" + mpi_call + ")";
-}
-
-// The two requests of one shift, completed against the deadline taken at wait().
-class MpiShiftRequest final : public Request::Impl {
+// One shift's two MPI requests (receive, send), completed against the deadline taken at
+// wait(). Pooled in MpiCommunicator::State: acquire_shift_slot() takes a free slot (or
+// makes one when every slot is in flight), Request::Impl::release() puts it back.
+class MpiShiftSlot final : public Request::Impl {
  public:
-  MpiShiftRequest(std::shared_ptr<MpiCommunicator::State> state, double timeout, const char* op)
-      : state_(std::move(state)), timeout_(timeout), op_(op) {}
-  MPI_Request* requests() { return requests_; }
+  explicit MpiShiftSlot(MpiCommunicator::State& owner) : owner_(owner) {}
+  ~MpiShiftSlot() override = default;
+
+  // Readies a free slot for one shift; `state` is the owner, kept alive while in use.
+  void start(std::shared_ptr<MpiCommunicator::State> state, double timeout, const char* op) {
+    state_ = std::move(state);
+    timeout_ = timeout;
+    op_ = op;
+    requests_[0] = requests_[1] = MPI_REQUEST_NULL;
+  }
+  MPI_Request& receive() { return requests_[0]; }
+  MPI_Request& send() { return requests_[1]; }
+  MpiShiftSlot*& next_free() { return next_free_; }
 
   bool test() override {
     int done = 0;
@@ -108,16 +126,34 @@ class MpiShiftRequest final : public Request::Impl {
   }
   void wait() override {
     if (!wait_all_until(requests_, 2, timeout_, op_)) {
-      throw_timeout(*state_, requests_, 2, timeout_, op_);
+      throw_timeout(owner_, requests_, 2, timeout_, op_);
     }
   }
-  ~MpiShiftRequest() override = default;
+  void release() noexcept override {
+    // A request still live here (a failed MPI_Testall) may yet write into the caller's
+    // buffer: keep it for the state's destructor and refuse further use.
+    for (MPI_Request& r : requests_) {
+      if (r == MPI_REQUEST_NULL) continue;
+      try {
+        owner_.abandoned.push_back(r);
+        if (owner_.broken.empty()) owner_.broken = "a shift that failed while in flight";
+      } catch (...) {
+      }
+      r = MPI_REQUEST_NULL;
+    }
+    next_free_ = owner_.free_shift_slots;
+    owner_.free_shift_slots = this;
+    // Last: when this was the last reference to the state, the state (and this slot) go.
+    std::shared_ptr<MpiCommunicator::State> keep = std::move(state_);
+  }
 
  private:
-  std::shared_ptr<MpiCommunicator::State> state_;
+  MpiCommunicator::State& owner_;
+  std::shared_ptr<MpiCommunicator::State> state_;  // set while in use
   MPI_Request requests_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-  double timeout_;
-  const char* op_;
+  double timeout_ = 0.0;
+  const char* op_ = "shift";
+  MpiShiftSlot* next_free_ = nullptr;
 };
 
 int rank_of(MPI_Comm comm) {
@@ -138,7 +174,45 @@ int size_of(MPI_Comm comm) {
 // shifts in the same order, which the Communicator contract requires.)
 constexpr int kShiftTagBase = 1000;
 
+// A free slot of the pool, readied for one shift; a new slot only when all are in flight.
+MpiShiftSlot& acquire_shift_slot(const std::shared_ptr<MpiCommunicator::State>& state,
+                                 double timeout, const char* op) {
+  MpiShiftSlot* slot = state->free_shift_slots;
+  if (slot != nullptr) {
+    state->free_shift_slots = slot->next_free();
+  } else {
+    state->shift_slots.push_back(std::make_unique<MpiShiftSlot>(*state));
+    slot = state->shift_slots.back().get();
+  }
+  slot->next_free() = nullptr;
+  slot->start(state, timeout, op);
+  return *slot;
+}
+
 }  // namespace
+
+MpiCommunicator::State::~State() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  for (MPI_Request& r : abandoned) {
+    int done = 0;
+    MPI_Test(&r, &done, MPI_STATUS_IGNORE);
+  }
+  if (comm != MPI_COMM_NULL && comm != MPI_COMM_WORLD && comm != MPI_COMM_SELF) {
+    MPI_Comm_free(&comm);  // deferred by MPI until pending operations finish
+  }
+}
+
+void MpiCommunicator::State::fail_call(int code, const char* op, const char* call) const {
+  char text[MPI_MAX_ERROR_STRING] = {0};
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) {
+    MESHTRAIN_FAIL(op, " on ", description, ": ", call, " failed with MPI error code ", code);
+  }
+  MESHTRAIN_FAIL(op, " on ", description, ": ", call,
+                 " failed: ", std::string(text, static_cast<std::size_t>(length)));
+}
 
 MpiCommunicator::MpiCommunicator(std::shared_ptr<State> state, int size, int rank,
                                  std::string description)
@@ -147,19 +221,25 @@ MpiCommunicator::MpiCommunicator(std::shared_ptr<State> state, int size, int ran
 MpiCommunicator MpiCommunicator::adopt(MPI_Comm comm, std::string description) {
   MESHTRAIN_REQUIRE(comm != MPI_COMM_NULL, "cannot build a communicator for ", description,
                     " from MPI_COMM_NULL");
-  auto state = std::make_shared<State>();
-  state->comm = comm;
-  state->description = description;
+  // Everything that can fail comes first: `comm` is owned only once the state holds it.
   check_mpi(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   const int size = size_of(comm);
   const int rank = rank_of(comm);
+  auto state = std::make_shared<State>();
+  state->description = description;
+  state->comm = comm;
   return MpiCommunicator(std::move(state), size, rank, std::move(description));
 }
 
 MpiCommunicator MpiCommunicator::duplicate(MPI_Comm comm, std::string description) {
   MPI_Comm copy = MPI_COMM_NULL;
   check_mpi(MPI_Comm_dup(comm, &copy), "MPI_Comm_dup");
-  return adopt(copy, std::move(description));
+  try {
+    return adopt(copy, std::move(description));
+  } catch (...) {
+    MPI_Comm_free(&copy);
+    throw;
+  }
 }
 
 MPI_Comm MpiCommunicator::native() const {
@@ -178,8 +258,9 @@ void MpiCommunicator::raw_all_gather(const float* send, float* recv, std::size_t
   const int count = checked_int(count_per_rank, "all_gather count per rank");
   Kokkos::fence();
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Iallgather(send, count, MPI_FLOAT, recv, count, MPI_FLOAT, state_->comm, &request),
-            name_op(op, "MPI_Iallgather").c_str());
+  state_->check(
+      MPI_Iallgather(send, count, MPI_FLOAT, recv, count, MPI_FLOAT, state_->comm, &request), op,
+      "MPI_Iallgather");
   complete(request, op);
 }
 
@@ -189,9 +270,9 @@ void MpiCommunicator::raw_reduce_scatter_sum(const float* send, float* recv,
   const int count = checked_int(count_per_rank, "reduce_scatter count per rank");
   Kokkos::fence();
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(
-      MPI_Ireduce_scatter_block(send, recv, count, MPI_FLOAT, MPI_SUM, state_->comm, &request),
-      name_op(op, "MPI_Ireduce_scatter_block").c_str());
+  state_->check(
+      MPI_Ireduce_scatter_block(send, recv, count, MPI_FLOAT, MPI_SUM, state_->comm, &request), op,
+      "MPI_Ireduce_scatter_block");
   complete(request, op);
 }
 
@@ -200,8 +281,18 @@ void MpiCommunicator::raw_all_reduce_sum(float* data, std::size_t count, const c
   const int n = checked_int(count, "all_reduce count");
   Kokkos::fence();
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, data, n, MPI_FLOAT, MPI_SUM, state_->comm, &request),
-            name_op(op, "MPI_Iallreduce").c_str());
+  state_->check(MPI_Iallreduce(MPI_IN_PLACE, data, n, MPI_FLOAT, MPI_SUM, state_->comm, &request),
+                op, "MPI_Iallreduce");
+  complete(request, op);
+}
+
+void MpiCommunicator::raw_all_reduce_sum_f64(double* data, std::size_t count, const char* op) {
+  state_->require_usable(op);
+  const int n = checked_int(count, "all_reduce count");
+  Kokkos::fence();
+  MPI_Request request = MPI_REQUEST_NULL;
+  state_->check(MPI_Iallreduce(MPI_IN_PLACE, data, n, MPI_DOUBLE, MPI_SUM, state_->comm, &request),
+                op, "MPI_Iallreduce");
   complete(request, op);
 }
 
@@ -210,8 +301,7 @@ void MpiCommunicator::raw_broadcast(float* data, std::size_t count, int root, co
   const int n = checked_int(count, "broadcast count");
   Kokkos::fence();
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Ibcast(data, n, MPI_FLOAT, root, state_->comm, &request),
-            name_op(op, "MPI_Ibcast").c_str());
+  state_->check(MPI_Ibcast(data, n, MPI_FLOAT, root, state_->comm, &request), op, "MPI_Ibcast");
   complete(request, op);
 }
 
@@ -225,12 +315,32 @@ Request MpiCommunicator::raw_shift(const float* send, float* recv, std::size_t c
   const int from = (rank() - k + size) % size;
   const int tag = kShiftTagBase + k % 30000;
   Kokkos::fence();
-  auto pending = std::make_unique<MpiShiftRequest>(state_, timeout_seconds(), op);
-  check_mpi(MPI_Irecv(recv, n, MPI_FLOAT, from, tag, state_->comm, &pending->requests()[0]),
-            name_op(op, "MPI_Irecv").c_str());
-  check_mpi(MPI_Isend(send, n, MPI_FLOAT, to, tag, state_->comm, &pending->requests()[1]),
-            name_op(op, "MPI_Isend").c_str());
-  return Request(std::move(pending));
+  MpiShiftSlot& slot = acquire_shift_slot(state_, timeout_seconds(), op);
+  const int received = MPI_Irecv(recv, n, MPI_FLOAT, from, tag, state_->comm, &slot.receive());
+  if (received != MPI_SUCCESS) {
+    slot.receive() = MPI_REQUEST_NULL;  // nothing was posted
+    slot.release();
+    state_->fail_call(received, op, "MPI_Irecv");
+  }
+  const int sent = MPI_Isend(send, n, MPI_FLOAT, to, tag, state_->comm, &slot.send());
+  if (sent != MPI_SUCCESS) {
+    // The receive is already posted into the caller's buffer: cancel it and wait until
+    // MPI lets go of the buffer. If it does not within the timeout, the slot keeps it as
+    // abandoned and the communicator is unusable from here on (see release()).
+    slot.send() = MPI_REQUEST_NULL;
+    if (MPI_Cancel(&slot.receive()) == MPI_SUCCESS) {
+      const double start = MPI_Wtime();
+      int done = 0;
+      while (MPI_Test(&slot.receive(), &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done &&
+             MPI_Wtime() - start < timeout_seconds()) {
+        sched_yield();
+      }
+      if (done) slot.receive() = MPI_REQUEST_NULL;
+    }
+    slot.release();
+    state_->fail_call(sent, op, "MPI_Isend");
+  }
+  return Request(&slot);
 }
 
 void MpiCommunicator::raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
@@ -239,15 +349,16 @@ void MpiCommunicator::raw_all_to_all(const float* send, float* recv, std::size_t
   const int count = checked_int(count_per_rank, "all_to_all count per rank");
   Kokkos::fence();
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Ialltoall(send, count, MPI_FLOAT, recv, count, MPI_FLOAT, state_->comm, &request),
-            name_op(op, "MPI_Ialltoall").c_str());
+  state_->check(
+      MPI_Ialltoall(send, count, MPI_FLOAT, recv, count, MPI_FLOAT, state_->comm, &request), op,
+      "MPI_Ialltoall");
   complete(request, op);
 }
 
 void MpiCommunicator::raw_barrier(const char* op) {
   state_->require_usable(op);
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Ibarrier(state_->comm, &request), name_op(op, "MPI_Ibarrier").c_str());
+  state_->check(MPI_Ibarrier(state_->comm, &request), op, "MPI_Ibarrier");
   complete(request, op);
 }
 

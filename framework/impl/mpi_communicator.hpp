@@ -6,7 +6,9 @@
 //
 // After a timeout the communicator is broken: the abandoned MPI request may still write
 // into the caller's buffer when the late rank arrives, so every later operation on it
-// throws. The usual reaction to the Error is to abort the job (see runtime.hpp).
+// throws. The same holds when a shift's send fails to start and its already posted
+// receive cannot be cancelled within the timeout. The usual reaction to the Error is to
+// abort the job (see runtime.hpp).
 //
 // Buffers are host memory here (MPI without CUDA awareness); the default Kokkos memory
 // space must be host-accessible for this backend.
@@ -25,8 +27,9 @@ void check_mpi(int code, const char* what);
 
 class MpiCommunicator final : public Communicator {
  public:
-  // Takes ownership of `comm` (freed when the last user is gone; never MPI_COMM_WORLD or
-  // MPI_COMM_SELF, which are not freed). `description` names the group in errors.
+  // Takes ownership of `comm` when it returns (freed when the last user is gone; never
+  // MPI_COMM_WORLD or MPI_COMM_SELF, which are not freed); when it throws, `comm` is still
+  // the caller's. `description` names the group in errors.
   static MpiCommunicator adopt(MPI_Comm comm, std::string description);
   // A private duplicate of `comm` (so its traffic never mixes with the caller's).
   static MpiCommunicator duplicate(MPI_Comm comm, std::string description);
@@ -37,7 +40,9 @@ class MpiCommunicator final : public Communicator {
 
   MPI_Comm native() const;
 
-  struct State;  // shared with pending requests: the MPI_Comm, its name, a broken flag
+  // Shared with pending requests: the MPI_Comm, its name, a broken flag, and the pool of
+  // shift requests (reused, so shifts allocate nothing in steady state).
+  struct State;
 
  protected:
   void raw_all_gather(const float* send, float* recv, std::size_t count_per_rank,
@@ -45,6 +50,7 @@ class MpiCommunicator final : public Communicator {
   void raw_reduce_scatter_sum(const float* send, float* recv, std::size_t count_per_rank,
                               const char* op) override;
   void raw_all_reduce_sum(float* data, std::size_t count, const char* op) override;
+  void raw_all_reduce_sum_f64(double* data, std::size_t count, const char* op) override;
   void raw_broadcast(float* data, std::size_t count, int root, const char* op) override;
   Request raw_shift(const float* send, float* recv, std::size_t count, int offset,
                     const char* op) override;

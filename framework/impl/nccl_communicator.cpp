@@ -51,6 +51,17 @@ void check_cuda(cudaError_t code, const std::string& what) {
   MESHTRAIN_FAIL(what, " failed: ", cuda_text(code));
 }
 
+// "<op> on <group>: <call> failed: ..." for calls inside operations: the text is built
+// only on failure, so the success path allocates nothing.
+[[noreturn]] void fail_cuda(cudaError_t code, const char* op, const std::string& group,
+                            const char* call) {
+  cudaGetLastError();
+  MESHTRAIN_FAIL(op, " on ", group, ": ", call, " failed: ", cuda_text(code));
+}
+void check_cuda(cudaError_t code, const char* op, const std::string& group, const char* call) {
+  if (code != cudaSuccess) fail_cuda(code, op, group, call);
+}
+
 // NCCL's result string plus its last-error detail, which names the actual cause.
 std::string nccl_text(ncclResult_t code, ncclComm_t comm) {
   std::string text = ncclGetErrorString(code);
@@ -92,6 +103,12 @@ bool overlaps(const float* a, std::size_t na, const float* b, std::size_t nb) {
 
 // ------------------------------------------------------------------------------ State
 
+class NcclShiftSlot;
+// Deletes a slot of the shift pool (defined with the slot, below).
+struct NcclShiftSlotDeleter {
+  void operator()(NcclShiftSlot* slot) const noexcept;
+};
+
 struct NcclCommunicator::State {
   ncclComm_t comm = nullptr;
   cudaStream_t stream = nullptr;
@@ -101,6 +118,11 @@ struct NcclCommunicator::State {
   std::string broken;  // non-empty after an abort: why the communicator is unusable
   double destroy_timeout = 300.0;
   std::vector<cudaEvent_t> free_events;  // recycled by shift requests
+  // The pool of shift requests: every slot ever made (owned here), the free ones as an
+  // intrusive list. A slot in use holds a reference to this state, so a pending Request
+  // keeps the state alive after the communicator is gone.
+  std::vector<std::unique_ptr<NcclShiftSlot, NcclShiftSlotDeleter>> shift_slots;
+  NcclShiftSlot* free_shift_slots = nullptr;
 
   State() = default;
   State(const State&) = delete;
@@ -228,40 +250,48 @@ struct NcclCommunicator::State {
       return event;
     }
     cudaEvent_t event = nullptr;
-    check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
-               "cudaEventCreateWithFlags for a shift on " + description);
+    check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "shift", description,
+               "cudaEventCreateWithFlags");
     return event;
   }
 
   void release_event(cudaEvent_t event) { free_events.push_back(event); }
 };
 
-namespace {
-
 using State = NcclCommunicator::State;
 
-// A pending shift: an event recorded on the stream after its send and receive.
-class NcclShiftRequest final : public Request::Impl {
+// A pending shift: an event recorded on the stream after its send and receive. Pooled in
+// State: acquire_shift_slot() takes a free slot (or makes one when all are in flight) and
+// an event, Request::Impl::release() gives both back.
+class NcclShiftSlot final : public Request::Impl {
  public:
-  NcclShiftRequest(std::shared_ptr<State> state, cudaEvent_t event, double timeout, const char* op)
-      : state_(std::move(state)), event_(event), timeout_(timeout), op_(op) {}
-  ~NcclShiftRequest() override { state_->release_event(event_); }
+  explicit NcclShiftSlot(State& owner) : owner_(owner) {}
+  ~NcclShiftSlot() override = default;
+
+  // Readies a free slot for one shift; `state` is the owner, kept alive while in use.
+  void start(std::shared_ptr<State> state, double timeout, const char* op) {
+    event_ = owner_.acquire_event();
+    state_ = std::move(state);
+    timeout_ = timeout;
+    op_ = op;
+    done_ = false;
+  }
   cudaEvent_t event() const { return event_; }
+  NcclShiftSlot*& next_free() { return next_free_; }
 
   bool test() override {
     if (done_) return true;
-    state_->require_usable(op_);
-    check_cuda(cudaSetDevice(state_->device),
-               std::string(op_) + " on " + state_->description + ": cudaSetDevice");
+    owner_.require_usable(op_);
+    check_cuda(cudaSetDevice(owner_.device), op_, owner_.description, "cudaSetDevice");
     const cudaError_t code = cudaEventQuery(event_);
     if (code == cudaErrorNotReady) {
-      state_->nccl_in_progress(op_);  // throws on an asynchronous NCCL error
+      owner_.nccl_in_progress(op_);  // throws on an asynchronous NCCL error
       return false;
     }
     if (code != cudaSuccess) {
       cudaGetLastError();
-      state_->fail_abort(std::string(op_) + " on " + state_->description +
-                         ": the CUDA stream failed: " + cuda_text(code));
+      owner_.fail_abort(std::string(op_) + " on " + owner_.description +
+                        ": the CUDA stream failed: " + cuda_text(code));
     }
     done_ = true;
     return true;
@@ -269,20 +299,60 @@ class NcclShiftRequest final : public Request::Impl {
 
   void wait() override {
     if (done_) return;
-    state_->require_usable(op_);
-    check_cuda(cudaSetDevice(state_->device),
-               std::string(op_) + " on " + state_->description + ": cudaSetDevice");
-    state_->wait_for(event_, op_, deadline_after(timeout_), timeout_);
+    owner_.require_usable(op_);
+    check_cuda(cudaSetDevice(owner_.device), op_, owner_.description, "cudaSetDevice");
+    owner_.wait_for(event_, op_, deadline_after(timeout_), timeout_);
     done_ = true;
   }
 
+  void release() noexcept override {
+    // free_events keeps its capacity, so giving the event back allocates nothing once
+    // the pool has grown to the number of shifts in flight.
+    if (event_ != nullptr) {
+      try {
+        owner_.release_event(event_);
+      } catch (...) {
+        cudaEventDestroy(event_);
+      }
+      event_ = nullptr;
+    }
+    next_free_ = owner_.free_shift_slots;
+    owner_.free_shift_slots = this;
+    // Last: when this was the last reference to the state, the state (and this slot) go.
+    std::shared_ptr<State> keep = std::move(state_);
+  }
+
  private:
-  std::shared_ptr<State> state_;
-  cudaEvent_t event_;
-  double timeout_;
-  const char* op_;
+  State& owner_;
+  std::shared_ptr<State> state_;  // set while in use
+  cudaEvent_t event_ = nullptr;
+  double timeout_ = 0.0;
+  const char* op_ = "shift";
   bool done_ = false;
+  NcclShiftSlot* next_free_ = nullptr;
 };
+
+void NcclShiftSlotDeleter::operator()(NcclShiftSlot* slot) const noexcept {
+  delete slot;
+}
+
+namespace {
+
+// A free slot of the pool with a fresh event, ready for one shift.
+NcclShiftSlot& acquire_shift_slot(const std::shared_ptr<State>& state, double timeout,
+                                  const char* op) {
+  NcclShiftSlot* slot = state->free_shift_slots;
+  if (slot == nullptr) {
+    state->shift_slots.emplace_back(new NcclShiftSlot(*state));
+    slot = state->shift_slots.back().get();
+    slot->next_free() = nullptr;
+    state->free_shift_slots = slot;
+  }
+  slot->start(state, timeout, op);  // may throw (no event): the slot stays free
+  state->free_shift_slots = slot->next_free();
+  slot->next_free() = nullptr;
+  return *slot;
+}
 
 // Device buffers only: a host pointer is bad input with the reason and the remedy.
 void require_device_buffer(const State& state, const void* data, const char* op,
@@ -389,18 +459,13 @@ int select_cuda_device(MPI_Comm comm) {
 
 std::unique_ptr<Communicator> make_nccl_communicator(MPI_Comm group,
                                                      const std::string& description) {
-  // The factory owns `group`: freed on success and on failure alike.
-  struct FreeGroup {
-    MPI_Comm comm;
-    ~FreeGroup() {
-      int finalized = 0;
-      MPI_Finalized(&finalized);
-      if (!finalized && comm != MPI_COMM_NULL && comm != MPI_COMM_WORLD && comm != MPI_COMM_SELF) {
-        MPI_Comm_free(&comm);
-      }
-    }
-  } owned{group};
-  return std::make_unique<NcclCommunicator>(NcclCommunicator::create(group, description));
+  // The factory owns `group` once it returns (see CommunicatorFactory): NCCL does not need
+  // it after set-up, so it is freed here; on failure it is still the caller's.
+  auto comm = std::make_unique<NcclCommunicator>(NcclCommunicator::create(group, description));
+  if (group != MPI_COMM_WORLD && group != MPI_COMM_SELF) {
+    check_mpi(MPI_Comm_free(&group), ("MPI_Comm_free of the group of " + description).c_str());
+  }
+  return comm;
 }
 
 // ---------------------------------------------------------------- NcclCommunicator
@@ -487,8 +552,7 @@ State& begin(const std::shared_ptr<State>& state, const char* op) {
   MESHTRAIN_REQUIRE(state != nullptr, op, " on a moved-from NCCL communicator");
   state->require_usable(op);
   if (Kokkos::is_initialized()) Kokkos::fence();
-  check_cuda(cudaSetDevice(state->device),
-             std::string(op) + " on " + state->description + ": cudaSetDevice");
+  check_cuda(cudaSetDevice(state->device), op, state->description, "cudaSetDevice");
   return *state;
 }
 
@@ -538,6 +602,17 @@ void NcclCommunicator::raw_all_reduce_sum(float* data, std::size_t count, const 
   all_reduce_with(data, count, ncclSum, op);
 }
 
+void NcclCommunicator::raw_all_reduce_sum_f64(double* data, std::size_t count, const char* op) {
+  State& s = begin(state_, op);
+  if (count == 0) return;
+  require_device_buffer(s, data, op, "data");
+  const double timeout = timeout_seconds();
+  const Clock::time_point deadline = deadline_after(timeout);
+  s.enqueued(ncclAllReduce(data, data, count, ncclFloat64, ncclSum, s.comm, s.stream), op,
+             "ncclAllReduce", deadline, timeout);
+  s.wait_for(nullptr, op, deadline, timeout);
+}
+
 void NcclCommunicator::raw_broadcast(float* data, std::size_t count, int root, const char* op) {
   State& s = begin(state_, op);
   if (count == 0) return;
@@ -562,13 +637,19 @@ Request NcclCommunicator::raw_shift(const float* send, float* recv, std::size_t 
   const int from = (rank() - k + n) % n;
   const double timeout = timeout_seconds();
   const Clock::time_point deadline = deadline_after(timeout);
-  // The request (and its event) exists before anything is enqueued, so a failure below
-  // never leaves a transfer running without a Request that waits for it.
-  auto pending = std::make_unique<NcclShiftRequest>(state_, s.acquire_event(), timeout, op);
+  // The request (and its event) exists before anything is enqueued; a failure below gives
+  // it back to the pool (after an abort, nothing is left running).
+  NcclShiftSlot& pending = acquire_shift_slot(state_, timeout, op);
+  struct GiveBackOnThrow {
+    NcclShiftSlot* slot;
+    ~GiveBackOnThrow() {
+      if (slot != nullptr) slot->release();
+    }
+  } guard{&pending};
   if (k == 0) {
     check_cuda(
-        cudaMemcpyAsync(recv, send, count * sizeof(float), cudaMemcpyDeviceToDevice, s.stream),
-        std::string(op) + " on " + s.description + ": cudaMemcpyAsync");
+        cudaMemcpyAsync(recv, send, count * sizeof(float), cudaMemcpyDeviceToDevice, s.stream), op,
+        s.description, "cudaMemcpyAsync");
   } else {
     s.check_call(ncclGroupStart(), op, "ncclGroupStart");
     const ncclResult_t sent = ncclSend(send, count, ncclFloat, to, s.comm, s.stream);
@@ -579,14 +660,15 @@ Request NcclCommunicator::raw_shift(const float* send, float* recv, std::size_t 
     s.check_call(received, op, "ncclRecv");
     s.enqueued(ended, op, "ncclGroupEnd", deadline, timeout);
   }
-  const cudaError_t recorded = cudaEventRecord(pending->event(), s.stream);
+  const cudaError_t recorded = cudaEventRecord(pending.event(), s.stream);
   if (recorded != cudaSuccess) {
     cudaGetLastError();
     // The transfer is queued but cannot be waited for: stop it.
     s.fail_abort(std::string(op) + " on " + s.description +
                  ": cudaEventRecord failed: " + cuda_text(recorded));
   }
-  return Request(std::move(pending));
+  guard.slot = nullptr;
+  return Request(&pending);
 }
 
 void NcclCommunicator::raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,

@@ -49,8 +49,9 @@ bool nccl_device_available() noexcept;
 int select_cuda_device(MPI_Comm comm);
 
 // The factory for MeshCommunicators (a CommunicatorFactory): an NcclCommunicator over
-// `group` on the current CUDA device. Takes ownership of `group` (freed once NCCL is set
-// up; never MPI_COMM_WORLD or MPI_COMM_SELF). Collective over `group`.
+// `group` on the current CUDA device. Takes ownership of `group` when it returns (freed
+// once NCCL is set up; never MPI_COMM_WORLD or MPI_COMM_SELF); when it throws, `group` is
+// still the caller's. Collective over `group`.
 std::unique_ptr<Communicator> make_nccl_communicator(MPI_Comm group,
                                                      const std::string& description);
 
@@ -84,7 +85,9 @@ class NcclCommunicator final : public Communicator {
   // send and recv hold size() blocks of count_per_rank floats each.
   void all_to_all_device(const float* send, float* recv, std::size_t count_per_rank);
 
-  struct State;  // shared with pending shift requests: comm, stream, device, broken flag
+  // Shared with pending shift requests: comm, stream, device, broken flag, and the pool of
+  // shift requests and their events (reused, so shifts allocate nothing in steady state).
+  struct State;
 
  protected:
   void raw_all_gather(const float* send, float* recv, std::size_t count_per_rank,
@@ -92,6 +95,7 @@ class NcclCommunicator final : public Communicator {
   void raw_reduce_scatter_sum(const float* send, float* recv, std::size_t count_per_rank,
                               const char* op) override;
   void raw_all_reduce_sum(float* data, std::size_t count, const char* op) override;
+  void raw_all_reduce_sum_f64(double* data, std::size_t count, const char* op) override;
   void raw_broadcast(float* data, std::size_t count, int root, const char* op) override;
   Request raw_shift(const float* send, float* recv, std::size_t count, int offset,
                     const char* op) override;
