@@ -3,6 +3,7 @@
 #include <Kokkos_Core.hpp>
 #include <cmath>
 
+#include "framework/kernel_label.hpp"
 #include "framework/kokkos_math.hpp"
 #include "partition/error.hpp"
 
@@ -17,7 +18,8 @@ void check_same_layout(const ShardedTensor& a, const ShardedTensor& b, const cha
 
 void sgd_update(Vector p, Vector g, Vector buf, float lr, float momentum, float wd, bool first) {
   Kokkos::parallel_for(
-      "meshtrain::sgd_step", Kokkos::RangePolicy<>(0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
+      MESHTRAIN_LABEL("meshtrain::sgd_step"), Kokkos::RangePolicy<>(0, p.extent(0)),
+      KOKKOS_LAMBDA(const int64_t i) {
         const float grad = g(i) + wd * p(i);
         const float b = first ? grad : momentum * buf(i) + grad;
         buf(i) = b;
@@ -28,7 +30,7 @@ void sgd_update(Vector p, Vector g, Vector buf, float lr, float momentum, float 
 void adamw_update(Vector p, Vector g, Vector m, Vector v, float lr, float beta1, float beta2,
                   float eps, float wd, float correction1, float correction2) {
   Kokkos::parallel_for(
-      "meshtrain::adamw_step", Kokkos::RangePolicy<>(0, p.extent(0)),
+      MESHTRAIN_LABEL("meshtrain::adamw_step"), Kokkos::RangePolicy<>(0, p.extent(0)),
       KOKKOS_LAMBDA(const int64_t i) {
         const float grad = g(i);
         const float mi = beta1 * m(i) + (1.0f - beta1) * grad;
@@ -44,7 +46,7 @@ void adamw_update(Vector p, Vector g, Vector m, Vector v, float lr, float beta1,
 double sum_of_squares(const Vector& g) {
   double total = 0.0;
   Kokkos::parallel_reduce(
-      "meshtrain::grad_sum_of_squares", Kokkos::RangePolicy<>(0, g.extent(0)),
+      MESHTRAIN_LABEL("meshtrain::grad_sum_of_squares"), Kokkos::RangePolicy<>(0, g.extent(0)),
       KOKKOS_LAMBDA(const int64_t i, double& acc) {
         acc += static_cast<double>(g(i)) * static_cast<double>(g(i));
       },
@@ -54,7 +56,7 @@ double sum_of_squares(const Vector& g) {
 
 void scale(Vector g, float factor) {
   Kokkos::parallel_for(
-      "meshtrain::grad_scale", Kokkos::RangePolicy<>(0, g.extent(0)),
+      MESHTRAIN_LABEL("meshtrain::grad_scale"), Kokkos::RangePolicy<>(0, g.extent(0)),
       KOKKOS_LAMBDA(const int64_t i) { g(i) *= factor; });
 }
 
@@ -127,7 +129,7 @@ void Optimizer::step(std::vector<ShardedTensor>& params, const std::vector<Shard
 
 GradientClipper::GradientClipper(const Mesh& mesh, int rank,
                                  const std::vector<ShardedTensor>& grads)
-    : buffer_("meshtrain::grad_norm", 2), host_(Kokkos::create_mirror_view(buffer_)) {
+    : buffer_("meshtrain::grad_norm", 1), host_(Kokkos::create_mirror_view(buffer_)) {
   const std::vector<int> coordinates = mesh.coordinates(rank);
   for (const auto& g : grads) {
     const std::vector<std::string> named = g.spec.axes();
@@ -148,15 +150,11 @@ double GradientClipper::global_norm(const std::vector<ShardedTensor>& grads, Com
   for (size_t i = 0; i < grads.size(); ++i) {
     if (counted_[i]) local += sum_of_squares(grads[i].local);
   }
-  const float hi = static_cast<float>(local);
-  const float lo = static_cast<float>(local - static_cast<double>(hi));
-  auto& host = host_;
-  host(0) = hi;
-  host(1) = lo;
-  Kokkos::deep_copy(buffer_, host);
-  world.all_reduce(VectorView(buffer_.data(), 2), ReduceOp::sum);
-  Kokkos::deep_copy(host, buffer_);
-  const double total = static_cast<double>(host(0)) + static_cast<double>(host(1));
+  host_(0) = local;
+  Kokkos::deep_copy(buffer_, host_);
+  world.all_reduce(DoubleVectorView(buffer_.data(), 1), ReduceOp::sum);
+  Kokkos::deep_copy(host_, buffer_);
+  const double total = host_(0);
   return std::sqrt(total > 0.0 ? total : 0.0);
 }
 

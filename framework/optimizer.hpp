@@ -68,7 +68,7 @@ class Optimizer {
 // global element once: a rank adds the squares of a gradient's block only if it is the
 // replica with coordinate 0 on every mesh axis the gradient's spec does not name, so a
 // block replicated over some axes is counted once. Then ONE all-reduce over the world
-// (the sum travels as two floats, hi + lo, so it keeps about double precision).
+// (in double: the sum of squares is not rounded to float).
 class GradientClipper {
  public:
   // `grads` fixes which blocks this rank counts; mesh and rank are this run's.
@@ -82,8 +82,8 @@ class GradientClipper {
 
  private:
   std::vector<bool> counted_;  // per gradient: does this rank hold the counted replica
-  Kokkos::View<float*, Kokkos::LayoutRight> buffer_;  // 2 floats: hi, lo
-  Kokkos::View<float*, Kokkos::LayoutRight>::HostMirror host_;
+  Kokkos::View<double*, Kokkos::LayoutRight> buffer_;  // 1 double: the sum of squares
+  Kokkos::View<double*, Kokkos::LayoutRight>::HostMirror host_;
 };
 
 }  // namespace meshtrain

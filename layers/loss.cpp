@@ -3,6 +3,7 @@
 #include <Kokkos_Core.hpp>
 #include <cmath>
 
+#include "framework/kernel_label.hpp"
 #include "framework/kokkos_math.hpp"
 #include "partition/error.hpp"
 
@@ -48,26 +49,24 @@ Loss::Loss(LossKind kind, ParallelContext& context, int64_t rows, int64_t width,
   row_max_all_ = Matrix("meshtrain::loss_row_max_all", rows_, split_ ? tp_ : 1);
   row_stats_ = Matrix("meshtrain::loss_row_stats", rows_, 3);
   row_loss_ = Vector("meshtrain::loss_rows", rows_);
-  scalars_ = Vector("meshtrain::loss_scalars", 4);
+  scalars_ = Kokkos::View<double*, Kokkos::LayoutRight>("meshtrain::loss_scalars", 3);
   scalars_host_ = Kokkos::create_mirror_view(scalars_);
   if (tp_comm_) tp_comm_->reserve_scratch(static_cast<size_t>(rows_ * tp_));
 }
 
 LossResult Loss::finish(double local_sum, double local_correct, double local_count) {
-  const float hi = static_cast<float>(local_sum);
-  scalars_host_(0) = hi;
-  scalars_host_(1) = static_cast<float>(local_sum - static_cast<double>(hi));
-  scalars_host_(2) = static_cast<float>(local_correct);
-  scalars_host_(3) = static_cast<float>(local_count);
+  scalars_host_(0) = local_sum;
+  scalars_host_(1) = local_correct;
+  scalars_host_(2) = local_count;
   if (scalar_comm_) {
     Kokkos::deep_copy(scalars_, scalars_host_);
-    scalar_comm_->all_reduce(VectorView(scalars_.data(), 4));
+    scalar_comm_->all_reduce(DoubleVectorView(scalars_.data(), 3));
     Kokkos::deep_copy(scalars_host_, scalars_);
   }
   LossResult r;
-  r.loss_sum = static_cast<double>(scalars_host_(0)) + static_cast<double>(scalars_host_(1));
-  r.correct = static_cast<int64_t>(std::llround(scalars_host_(2)));
-  r.count = static_cast<int64_t>(std::llround(scalars_host_(3)));
+  r.loss_sum = scalars_host_(0);
+  r.correct = static_cast<int64_t>(std::llround(scalars_host_(1)));
+  r.count = static_cast<int64_t>(std::llround(scalars_host_(2)));
   r.loss = r.count > 0 ? r.loss_sum / static_cast<double>(r.count) : 0.0;
   return r;
 }
@@ -93,7 +92,7 @@ LossResult Loss::cross_entropy(UnmanagedMatrix logits, LabelView labels, bool wi
   auto grad = gradient_;
 
   Kokkos::parallel_for(
-      "meshtrain::cross_entropy_row_max", Kokkos::RangePolicy<>(0, rows_),
+      MESHTRAIN_LABEL("meshtrain::cross_entropy_row_max"), Kokkos::RangePolicy<>(0, rows_),
       KOKKOS_LAMBDA(const int64_t i) {
         float m = logits(i, 0);
         for (int64_t j = 1; j < lw; ++j) m = logits(i, j) > m ? logits(i, j) : m;
@@ -102,7 +101,7 @@ LossResult Loss::cross_entropy(UnmanagedMatrix logits, LabelView labels, bool wi
   if (split_) tp_comm_->all_gather(UnmanagedMatrix(row_max_local_), row_max_all_, 1);
   const int64_t parts = static_cast<int64_t>(row_max_all.extent(1));
   Kokkos::parallel_for(
-      "meshtrain::cross_entropy_row_stats", Kokkos::RangePolicy<>(0, rows_),
+      MESHTRAIN_LABEL("meshtrain::cross_entropy_row_stats"), Kokkos::RangePolicy<>(0, rows_),
       KOKKOS_LAMBDA(const int64_t i) {
         float m = row_max_all(i, 0);
         int owner = 0;
@@ -129,7 +128,7 @@ LossResult Loss::cross_entropy(UnmanagedMatrix logits, LabelView labels, bool wi
       });
   if (split_) tp_comm_->all_reduce(UnmanagedMatrix(row_stats_));
   Kokkos::parallel_for(
-      "meshtrain::cross_entropy_rows", Kokkos::RangePolicy<>(0, rows_),
+      MESHTRAIN_LABEL("meshtrain::cross_entropy_rows"), Kokkos::RangePolicy<>(0, rows_),
       KOKKOS_LAMBDA(const int64_t i) {
         const float m = row_max(i, 0);
         const float s = stats(i, 0);
@@ -144,10 +143,10 @@ LossResult Loss::cross_entropy(UnmanagedMatrix logits, LabelView labels, bool wi
       });
   double sum = 0.0, correct = 0.0;
   Kokkos::parallel_reduce(
-      "meshtrain::cross_entropy_sum", Kokkos::RangePolicy<>(0, valid),
+      MESHTRAIN_LABEL("meshtrain::cross_entropy_sum"), Kokkos::RangePolicy<>(0, valid),
       KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += row_loss(i); }, sum);
   Kokkos::parallel_reduce(
-      "meshtrain::cross_entropy_hits", Kokkos::RangePolicy<>(0, valid),
+      MESHTRAIN_LABEL("meshtrain::cross_entropy_hits"), Kokkos::RangePolicy<>(0, valid),
       KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += stats(i, 2); }, correct);
   return finish(sum, correct, static_cast<double>(valid));
 }
@@ -169,7 +168,8 @@ LossResult Loss::mse(UnmanagedMatrix logits, UnmanagedMatrix targets, bool with_
   auto row_loss = row_loss_;
   auto grad = gradient_;
   Kokkos::parallel_for(
-      "meshtrain::mse_rows", Kokkos::RangePolicy<>(0, rows_), KOKKOS_LAMBDA(const int64_t i) {
+      MESHTRAIN_LABEL("meshtrain::mse_rows"), Kokkos::RangePolicy<>(0, rows_),
+      KOKKOS_LAMBDA(const int64_t i) {
         float s = 0.0f;
         for (int64_t j = 0; j < lw; ++j) {
           const float d = logits(i, j) - targets(i, offset + j);
@@ -180,7 +180,7 @@ LossResult Loss::mse(UnmanagedMatrix logits, UnmanagedMatrix targets, bool with_
       });
   double sum = 0.0;
   Kokkos::parallel_reduce(
-      "meshtrain::mse_sum", Kokkos::RangePolicy<>(0, valid),
+      MESHTRAIN_LABEL("meshtrain::mse_sum"), Kokkos::RangePolicy<>(0, valid),
       KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += row_loss(i); }, sum);
   // A split mse reduces over the feature axis too: count the rows on feature rank 0 only.
   const double count = (split_ && tp_index_ != 0) ? 0.0 : static_cast<double>(valid);

@@ -10,8 +10,8 @@
 // The logits may be replicated over the feature axis or split over it (column block t on
 // feature rank t): a split softmax finds the row maximum with an all-gather over the
 // feature axis and sums exp / label logit / argmax hit with one all-reduce over it.
-// The scalars (loss sum, hits, rows) are then all-reduced over the batch axes (and the
-// feature axis for a split mse), once per call.
+// The scalars (loss sum, hits, rows) are then all-reduced in double over the batch axes
+// (and the feature axis for a split mse), once per call.
 //
 // Labels and targets are given for this rank's rows with all columns (targets [rows,
 // width]); a split loss reads its own columns. Rows at or after `valid_rows` are padding
@@ -73,8 +73,9 @@ class Loss {
   Matrix row_max_local_, row_max_all_;   // [rows, 1], [rows, tp]
   Matrix row_stats_;                     // [rows, 3]: sum exp, label logit, hit
   Vector row_loss_;                      // [rows]
-  Vector scalars_;                       // 3
-  Kokkos::View<float*>::HostMirror scalars_host_;
+  // 3 doubles: loss sum, hits, rows (exact counts; the sum is not rounded to float)
+  Kokkos::View<double*, Kokkos::LayoutRight> scalars_;
+  Kokkos::View<double*, Kokkos::LayoutRight>::HostMirror scalars_host_;
 };
 
 }  // namespace meshtrain
