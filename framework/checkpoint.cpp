@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <regex>
@@ -17,6 +18,7 @@
 #include <sstream>
 
 #include "framework/impl/hdf5_util.hpp"
+#include "framework/runtime.hpp"
 #include "framework/version.hpp"
 #include "partition/error.hpp"
 #include "partition/planner.hpp"
@@ -75,42 +77,10 @@ class PrivateComm {
   int size_ = 1;
 };
 
-// Every rank learns whether any failed; if one did, all throw the error of the lowest
-// failing rank (same kind, same message), so no rank goes on into a collective call alone.
-void agree(const PrivateComm& comm, bool failed, ErrorKind kind, const std::string& message) {
-  const int mine = failed ? comm.rank() : comm.size();
-  int first = comm.size();
-  check_mpi(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm.get()),
-            "MPI_Allreduce (checkpoint status)");
-  if (first == comm.size()) return;
-  int header[2] = {static_cast<int>(kind), checked_count(message.size(), "error message")};
-  check_mpi(MPI_Bcast(header, 2, MPI_INT, first, comm.get()), "MPI_Bcast (checkpoint error)");
-  std::string text =
-      comm.rank() == first ? message : std::string(static_cast<size_t>(header[1]), '\0');
-  if (header[1] > 0) {
-    check_mpi(MPI_Bcast(text.data(), header[1], MPI_CHAR, first, comm.get()),
-              "MPI_Bcast (checkpoint error)");
-  }
-  throw Error(static_cast<ErrorKind>(header[0]), text, __FILE__, __LINE__);
-}
-
-// Runs one step on every rank, then agrees on the outcome (see agree()).
-template <class Step>
-void collectively(const PrivateComm& comm, Step&& step) {
-  bool failed = false;
-  ErrorKind kind = ErrorKind::runtime;
-  std::string message;
-  try {
-    step();
-  } catch (const Error& e) {
-    failed = true;
-    kind = e.kind();
-    message = e.what();
-  } catch (const std::exception& e) {
-    failed = true;
-    message = e.what();
-  }
-  agree(comm, failed, kind, message);
+// Runs one phase on every rank; if it failed on any, every rank throws the error of the
+// lowest failing rank (see run_agreed), so no rank goes on into a collective call alone.
+void collectively(const PrivateComm& comm, const std::function<void()>& phase) {
+  if (auto error = run_agreed(comm.get(), phase)) throw *error;
 }
 
 void broadcast_string(const PrivateComm& comm, std::string& text, int root) {

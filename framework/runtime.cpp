@@ -93,7 +93,14 @@ Communicator& MeshCommunicators::get(const std::vector<std::string>& axes) {
   const std::string description = describe_axes(axes);
   check_mpi(MPI_Comm_split(parent_, color, key, &group),
             ("MPI_Comm_split for " + description).c_str());
-  std::unique_ptr<Communicator> comm = factory_(group, description);
+  std::unique_ptr<Communicator> comm;
+  try {
+    comm = factory_(group, description);
+  } catch (...) {
+    // The factory owns `group` only when it returns.
+    MPI_Comm_free(&group);
+    throw;
+  }
   MESHTRAIN_REQUIRE(comm && comm->size() == mesh_.size_of(axes) && comm->rank() == key,
                     "the communicator of ", description, " has rank ", comm ? comm->rank() : -1,
                     " of ", comm ? comm->size() : -1, ", expected ", key, " of ",
@@ -105,6 +112,47 @@ Communicator& MeshCommunicators::get(const std::vector<std::string>& axes) {
 
 void MeshCommunicators::create(const std::vector<std::vector<std::string>>& tuples) {
   for (const auto& axes : tuples) get(axes);
+}
+
+std::optional<Error> run_agreed(MPI_Comm comm, const std::function<void()>& phase) {
+  bool failed = false;
+  ErrorKind kind = ErrorKind::runtime;
+  std::string message;
+  std::optional<Error> mine;
+  try {
+    phase();
+  } catch (const Error& e) {
+    failed = true;
+    kind = e.kind();
+    message = e.what();
+    mine = e;
+  } catch (const std::exception& e) {
+    failed = true;
+    message = std::string("unexpected failure: ") + e.what();
+  } catch (...) {
+    failed = true;
+    message = "unexpected failure: an exception that is not a std::exception";
+  }
+  int rank = 0, size = 1;
+  check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank (agreeing on a phase's outcome)");
+  check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size (agreeing on a phase's outcome)");
+  // The lowest failing rank, or size when none failed.
+  const int candidate = failed ? rank : size;
+  int first = size;
+  check_mpi(MPI_Allreduce(&candidate, &first, 1, MPI_INT, MPI_MIN, comm),
+            "MPI_Allreduce (agreeing on a phase's outcome)");
+  if (first == size) return std::nullopt;
+  int header[2] = {static_cast<int>(kind), 0};
+  if (rank == first) header[1] = checked_int(message.size(), "the length of an error message");
+  check_mpi(MPI_Bcast(header, 2, MPI_INT, first, comm),
+            "MPI_Bcast (the failing rank's error kind)");
+  if (rank != first) message.assign(static_cast<std::size_t>(header[1]), '\0');
+  if (header[1] > 0) {
+    check_mpi(MPI_Bcast(message.data(), header[1], MPI_CHAR, first, comm),
+              "MPI_Bcast (the failing rank's error message)");
+  }
+  if (rank == first && mine) return mine;  // keeps where it was thrown
+  return Error(static_cast<ErrorKind>(header[0]), message, __FILE__, __LINE__);
 }
 
 int exit_status_for(const std::exception& error) {

@@ -14,6 +14,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,7 +47,8 @@ class Runtime {
 };
 
 // Builds the backend communicator of one group from the MPI communicator of that group
-// (obtained by MPI_Comm_split; the factory takes ownership of it) and its description.
+// (obtained by MPI_Comm_split) and its description. Ownership of `group` passes to the
+// factory when it returns; when it throws, `group` is still the caller's, who frees it.
 using CommunicatorFactory =
     std::function<std::unique_ptr<Communicator>(MPI_Comm group, const std::string& description)>;
 // The MPI backend (the default factory).
@@ -84,6 +86,18 @@ class MeshCommunicators {
   CommunicatorFactory factory_;
   std::map<std::vector<std::string>, std::unique_ptr<Communicator>> comms_;
 };
+
+// Runs `phase` on this rank, then agrees with every rank of `comm` on the outcome
+// (collective over `comm`: every rank must call it). Returns nullopt when the phase
+// succeeded on every rank; otherwise the error of the lowest failing rank, the same kind
+// and message on every rank, so that all ranks take the same path (for example all throw
+// it) and none goes on into a collective call alone. An exception that is not a
+// meshtrain::Error becomes a runtime Error "unexpected failure: <what()>".
+// Throws a runtime Error (with MPI_Error_string) when an MPI call of the agreement itself
+// fails; `comm` should use MPI_ERRORS_RETURN for that to be reported instead of aborting.
+//
+//   if (auto error = run_agreed(comm, [&] { write_my_part(); })) throw *error;
+std::optional<Error> run_agreed(MPI_Comm comm, const std::function<void()>& phase);
 
 // Exit status for an error: 2 for bad_input, 1 for anything else.
 int exit_status_for(const std::exception& error);
