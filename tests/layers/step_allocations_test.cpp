@@ -1,0 +1,247 @@
+// A full training step allocates nothing on the heap: global operator new is replaced in
+// this executable by a counting version, and the count over steps 2..4 (step 1 warms the
+// workspaces up) of forward, loss, backward, GradientClipper::clip and Optimizer::step must
+// be 0 on every rank, for the dp, fsdp, tp and fsdp x tp meshes and every collective-matmul
+// algorithm (ring and bidirectional ones move blocks with shifts). C++ allocations only:
+// what MPI allocates with malloc inside its own calls is not counted.
+// MESHTRAIN_TRACE_ALLOCATIONS=N prints the call stacks of the first N counted allocations.
+
+#include <execinfo.h>
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <Kokkos_Core.hpp>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "framework/init.hpp"
+#include "framework/optimizer.hpp"
+#include "framework/runtime.hpp"
+#include "layers/loss.hpp"
+#include "layers/mlp.hpp"
+#include "partition/planner.hpp"
+#include "partition/rules.hpp"
+
+// --- counting operator new: counts while g_window_open is set -------------------------
+
+namespace {
+
+std::atomic<bool> g_window_open{false};
+std::atomic<long> g_allocations{0};
+int g_trace_left = 0;
+bool g_tracing = false;  // no counting while a trace is printed
+
+void on_allocation(std::size_t bytes) {
+  if (!g_window_open.load(std::memory_order_relaxed) || g_tracing) return;
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (g_trace_left <= 0) return;
+  --g_trace_left;
+  g_tracing = true;
+  void* frames[32];
+  const int depth = backtrace(frames, 32);
+  std::fprintf(stderr, "heap allocation of %zu bytes inside a training step:\n", bytes);
+  backtrace_symbols_fd(frames, depth, 2);  // writes to stderr without allocating
+  g_tracing = false;
+}
+
+void* allocate(std::size_t bytes) {
+  on_allocation(bytes);
+  if (void* p = std::malloc(bytes ? bytes : 1)) return p;
+  throw std::bad_alloc();
+}
+
+void* allocate_aligned(std::size_t bytes, std::size_t alignment) {
+  on_allocation(bytes);
+  const std::size_t rounded = (bytes + alignment - 1) / alignment * alignment;
+  if (void* p = std::aligned_alloc(alignment, rounded ? rounded : alignment)) return p;
+  throw std::bad_alloc();
+}
+
+}  // namespace
+
+void* operator new(std::size_t bytes) {
+  return allocate(bytes);
+}
+void* operator new[](std::size_t bytes) {
+  return allocate(bytes);
+}
+void* operator new(std::size_t bytes, const std::nothrow_t&) noexcept {
+  try {
+    return allocate(bytes);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t bytes, const std::nothrow_t&) noexcept {
+  try {
+    return allocate(bytes);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new(std::size_t bytes, std::align_val_t a) {
+  return allocate_aligned(bytes, static_cast<std::size_t>(a));
+}
+void* operator new[](std::size_t bytes, std::align_val_t a) {
+  return allocate_aligned(bytes, static_cast<std::size_t>(a));
+}
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept {
+  std::free(p);
+}
+
+namespace meshtrain {
+namespace {
+
+// Counts the heap allocations made while it is open.
+class AllocationWindow {
+ public:
+  AllocationWindow() {
+    const char* trace = std::getenv("MESHTRAIN_TRACE_ALLOCATIONS");
+    g_trace_left = trace != nullptr ? std::atoi(trace) : 0;
+    g_allocations = 0;
+    g_window_open = true;
+  }
+  ~AllocationWindow() { g_window_open = false; }
+  long close() {
+    g_window_open = false;
+    return g_allocations.load();
+  }
+};
+
+int world_size() {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+struct MeshCase {
+  std::string preset;
+  std::vector<std::pair<std::string, int>> axes;
+};
+
+std::vector<MeshCase> mesh_cases() {
+  const int n = world_size();
+  std::vector<MeshCase> cases = {{"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}, {"tp", {{"tp", n}}}};
+  if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
+  return cases;
+}
+
+const char* name_of(CollectiveMatmulAlgorithm a) {
+  switch (a) {
+    case CollectiveMatmulAlgorithm::naive:
+      return "naive";
+    case CollectiveMatmulAlgorithm::ring:
+      return "ring";
+    case CollectiveMatmulAlgorithm::bidirectional:
+      return "bidirectional";
+    default:
+      return "auto";
+  }
+}
+
+// Steps 2..4 of a small MLP's training on `mesh_case`; returns the heap allocations they
+// made on this rank.
+long allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgorithm algorithm,
+                          LossKind loss_kind, OptimizerKind optimizer_kind) {
+  const int n = world_size();
+  const Mesh mesh = Mesh::create(mesh_case.axes, n);
+  MeshCommunicators comms(mesh);
+  std::vector<std::string> all;
+  for (const auto& a : mesh.axes()) all.push_back(a.name);
+  Communicator& world = comms.get(all);
+  ParallelContext context(comms, {"fsdp", "dp"}, "tp", algorithm);
+  const std::vector<int64_t> sizes = {32, 24, 16, 8};  // every width divides by 2 and 4
+  const ShardingPlan plan =
+      make_plan(mlp_parameter_shapes(sizes), mesh, preset_rules(mesh_case.preset), PlanOptions{0});
+  const int64_t rows = 16 / context.batch_parallel();
+  Mlp model(sizes, Activation::gelu, specs_from_plan(plan), context, rows);
+  model.initialize(InitScheme::he_normal, 7);
+  Loss loss(loss_kind, context, rows, sizes.back(), model.output_layout());
+  OptimizerSettings settings;
+  settings.kind = optimizer_kind;
+  Optimizer optimizer(settings, model.parameters());
+  GradientClipper clipper(mesh, context.rank(), model.gradients());
+  Matrix x("x", rows, sizes.front());
+  Kokkos::deep_copy(x, 0.25f);
+  Kokkos::View<int32_t*> labels("labels", rows);
+  Kokkos::deep_copy(labels, 3);
+  Matrix targets("targets", rows, sizes.back());
+  Kokkos::deep_copy(targets, 0.5f);
+  auto step = [&] {
+    UnmanagedMatrix out = model.forward(x);
+    if (loss_kind == LossKind::cross_entropy) {
+      loss.cross_entropy(out, labels);
+    } else {
+      loss.mse(out, targets);
+    }
+    model.backward(loss.gradient());
+    clipper.clip(model.gradients(), 0.5, world);  // small: clipping scales the gradients
+    optimizer.step(model.parameters(), model.gradients(), 1e-3f);
+  };
+  step();  // step 1: workspaces and scratch buffers reach their size
+  AllocationWindow window;
+  for (int s = 2; s <= 4; ++s) step();
+  return window.close();
+}
+
+TEST(TrainingStep, AllocatesNothingOnTheHeap) {
+  for (const MeshCase& c : mesh_cases()) {
+    for (CollectiveMatmulAlgorithm algorithm :
+         {CollectiveMatmulAlgorithm::naive, CollectiveMatmulAlgorithm::ring,
+          CollectiveMatmulAlgorithm::bidirectional}) {
+      if (c.preset != "tp" && c.preset != "fsdp_tp" &&
+          algorithm != CollectiveMatmulAlgorithm::naive) {
+        continue;  // without a feature axis no collective matmul runs
+      }
+      SCOPED_TRACE(c.preset + ", " + name_of(algorithm) + ", cross_entropy + adamw");
+      EXPECT_EQ(allocations_in_steps(c, algorithm, LossKind::cross_entropy, OptimizerKind::adamw),
+                0)
+          << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+    }
+    SCOPED_TRACE(c.preset + ", bidirectional, mse + sgd");
+    EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::bidirectional, LossKind::mse,
+                                   OptimizerKind::sgd),
+              0)
+        << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+  }
+}
+
+// The counter sees what the step must not do (so the test above can fail): a heap string,
+// and a Kokkos kernel launched with a long literal label, which Kokkos 3.4 turns into a
+// std::string at every launch.
+TEST(TrainingStep, CounterSeesAllocations) {
+  Vector v("v", 4);
+  AllocationWindow window;
+  Kokkos::parallel_for(
+      "meshtrain::a_label_longer_than_fifteen", 4, KOKKOS_LAMBDA(const int k) { v(k) = 1.0f; });
+  const long counted = window.close();
+  EXPECT_GE(counted, 1);
+}
+
+}  // namespace
+}  // namespace meshtrain
