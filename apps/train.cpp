@@ -7,10 +7,13 @@
 #include <mpi.h>
 
 #include <Kokkos_Core.hpp>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <exception>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -76,6 +79,21 @@ void check_mpi_call(int code, const char* call) {
   int length = 0;
   MPI_Error_string(code, text, &length);
   MESHTRAIN_FAIL(call, " failed: ", std::string(text, static_cast<size_t>(length)));
+}
+
+// Creates `dir` (and its parents) and checks that a file can be made in it; bad_input
+// naming the config key otherwise.
+void ensure_writable_directory(const std::string& dir, const char* key) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  const std::string probe = dir + "/.meshtrain-write-test";
+  std::FILE* file = ec ? nullptr : std::fopen(probe.c_str(), "w");
+  if (!file) {
+    MESHTRAIN_BAD_INPUT("cannot write to the directory '", dir, "' (", key,
+                        "): ", ec ? ec.message() : std::strerror(errno));
+  }
+  std::fclose(file);
+  std::remove(probe.c_str());
 }
 
 // Rank 0's value on every rank.
@@ -253,7 +271,13 @@ int train_command(const std::string& config_path, const std::vector<std::string>
   }
 
   // A resumed run appends to the metrics of the run it continues.
-  MetricsLog metrics(config.run.output_dir, rank0, /*append=*/first_step > 0);
+  // Output and checkpoint directories are made (and found writable) before the first step,
+  // not discovered unusable at the end of the run. A resumed run appends to its metrics.
+  std::optional<MetricsLog> metrics;
+  agree([&] {
+    metrics.emplace(config.run.output_dir, rank0, /*append=*/first_step > 0);
+    if (rank0) ensure_writable_directory(config.checkpoint.dir, "checkpoint.dir");
+  });
   if (rank0) {
     std::printf(
         "meshtrain train %s: %d ranks, mesh %s, batch %lld (%lld rows per rank), %lld steps\n",
@@ -282,9 +306,10 @@ int train_command(const std::string& config_path, const std::vector<std::string>
     if (!std::isfinite(result.loss)) {
       if (rank0) {
         std::fprintf(stderr,
-                     "meshtrain: error: the training loss became %g at step %lld; lower "
+                     "meshtrain: error: the training loss became %s at step %lld; lower "
                      "optimizer.lr (now %g) or set optimizer.clip_norm\n",
-                     result.loss, static_cast<long long>(step + 1), config.optimizer.lr);
+                     std::isnan(result.loss) ? "NaN" : "infinite", static_cast<long long>(step + 1),
+                     config.optimizer.lr);
       }
       return 1;
     }
@@ -306,7 +331,7 @@ int train_command(const std::string& config_path, const std::vector<std::string>
       event.loss = window_loss / window_steps;
       event.samples_per_s = elapsed > 0 ? window_steps * global_batch / elapsed : 0.0;
       event.eta_s = (total_steps - done) * elapsed / window_steps;
-      metrics.log(event);
+      metrics->log(event);
       window_start = Clock::now();
       window_loss = 0.0;
       window_steps = 0;
@@ -314,7 +339,7 @@ int train_command(const std::string& config_path, const std::vector<std::string>
     const bool eval_now = config.train.eval_every > 0 && done % config.train.eval_every == 0;
     if ((eval_now || done == total_steps) && eval_schedule.num_batches > 0) {
       last_eval = evaluate(model, loss, *test_data, eval_schedule, *slice, batch, done);
-      metrics.eval(*last_eval);
+      metrics->eval(*last_eval);
     }
     const bool checkpoint_now =
         config.checkpoint.every_steps > 0 && done % config.checkpoint.every_steps == 0;

@@ -53,6 +53,12 @@ train_error_test(output_dir_not_writable 2
   ${_train_configs}/fashion_mnist_dp.toml --set run.output_dir=/proc/meshtrain_no_such_dir
   ${_train_small})
 
+# A checkpoint directory that cannot be made is found before the first step, not at the end.
+train_error_test(checkpoint_dir_not_writable 2
+  "^meshtrain: error.*'/proc/meshtrain_no_such_dir'.*checkpoint\\.dir"
+  ${_train_configs}/fashion_mnist_dp.toml --set checkpoint.dir=/proc/meshtrain_no_such_dir
+  --set run.output_dir=${_train_runs}/checkpoint_dir_not_writable ${_train_small})
+
 # A label out of range: /y[37] = 12 with 10 classes, in a file the fixture writes.
 set(_bad_labels ${_train_runs}/bad_labels.h5)
 meshtrain_add_command_test(NAME train_write_bad_labels TIMEOUT 30
