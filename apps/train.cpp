@@ -45,40 +45,18 @@ struct Reported {
   int exit_status;
 };
 
-// Runs one setup phase on every rank and agrees on the outcome. When the phase threw on
-// any rank, the lowest such rank prints its message (one sentence for the whole job, not
-// one per rank) and every rank throws Reported. A phase must not contain collectives that
-// a failing rank would skip; those phases run unguarded (run_or_abort ends every rank).
+// Runs one setup phase on every rank and agrees on the outcome (run_agreed). When it threw
+// on any rank, rank 0 prints the lowest failing rank's message (one sentence for the whole
+// job, not one per rank) and every rank throws Reported. A phase must not contain
+// collectives that a failing rank would skip; those phases run unguarded (run_or_abort ends
+// every rank).
 void agree(const std::function<void()>& phase) {
-  std::string message;
-  int status = 0;
-  try {
-    phase();
-  } catch (const Error& e) {
-    message = e.what();
-    status = exit_status_for(e);
-  } catch (const std::exception& e) {
-    message = std::string("unexpected failure: ") + e.what();
-    status = 1;
+  if (std::optional<Error> error = run_agreed(MPI_COMM_WORLD, phase)) {
+    int rank = 0;
+    check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
+    if (rank == 0) std::fprintf(stderr, "meshtrain: error: %s\n", error->what());
+    throw Reported{exit_status_for(*error)};
   }
-  int rank = 0, size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  int first_failing[2] = {status ? rank : size, status};  // {lowest failing rank, status}
-  int agreed[2] = {0, 0};
-  MPI_Allreduce(&first_failing[0], &agreed[0], 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  MPI_Allreduce(&first_failing[1], &agreed[1], 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (agreed[0] == size) return;
-  if (rank == agreed[0]) std::fprintf(stderr, "meshtrain: error: %s\n", message.c_str());
-  throw Reported{agreed[1]};
-}
-
-void check_mpi_call(int code, const char* call) {
-  if (code == MPI_SUCCESS) return;
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  MPI_Error_string(code, text, &length);
-  MESHTRAIN_FAIL(call, " failed: ", std::string(text, static_cast<size_t>(length)));
 }
 
 // Creates `dir` (and its parents) and checks that a file can be made in it; bad_input
@@ -99,12 +77,12 @@ void ensure_writable_directory(const std::string& dir, const char* key) {
 // Rank 0's value on every rank.
 std::optional<std::string> broadcast_from_rank0(const std::optional<std::string>& value) {
   long long length = value ? static_cast<long long>(value->size()) : -1;
-  check_mpi_call(MPI_Bcast(&length, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD), "MPI_Bcast");
+  check_mpi(MPI_Bcast(&length, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD), "MPI_Bcast");
   if (length < 0) return std::nullopt;
   std::string text = value.value_or(std::string(static_cast<size_t>(length), '\0'));
-  check_mpi_call(MPI_Bcast(text.data(), checked_int(text.size(), "checkpoint path length"),
-                           MPI_CHAR, 0, MPI_COMM_WORLD),
-                 "MPI_Bcast");
+  check_mpi(MPI_Bcast(text.data(), checked_int(text.size(), "checkpoint path length"), MPI_CHAR, 0,
+                      MPI_COMM_WORLD),
+            "MPI_Bcast");
   return text;
 }
 

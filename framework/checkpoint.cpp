@@ -38,22 +38,6 @@ constexpr int64_t kMaxChunkBytes = int64_t{4} << 20;
 
 // --- MPI --------------------------------------------------------------------------------
 
-void check_mpi(int rc, const char* what) {
-  if (rc == MPI_SUCCESS) return;
-  char text[MPI_MAX_ERROR_STRING] = {0};
-  int length = 0;
-  if (MPI_Error_string(rc, text, &length) != MPI_SUCCESS)
-    std::snprintf(text, sizeof text, "code %d", rc);
-  MESHTRAIN_FAIL(what, " failed: ", text);
-}
-
-int checked_count(size_t value, const char* what) {
-  if (value > static_cast<size_t>(std::numeric_limits<int>::max())) {
-    MESHTRAIN_FAIL(what, " has ", value, " elements, more than an MPI count can hold");
-  }
-  return static_cast<int>(value);
-}
-
 // A private duplicate of the caller's communicator that returns MPI errors instead of
 // aborting, so each can be reported with MPI_Error_string.
 class PrivateComm {
@@ -84,7 +68,7 @@ void collectively(const PrivateComm& comm, const std::function<void()>& phase) {
 }
 
 void broadcast_string(const PrivateComm& comm, std::string& text, int root) {
-  int length = checked_count(text.size(), "string");
+  int length = checked_int(text.size(), "string length");
   check_mpi(MPI_Bcast(&length, 1, MPI_INT, root, comm.get()), "MPI_Bcast (checkpoint)");
   text.resize(static_cast<size_t>(length));
   if (length > 0)

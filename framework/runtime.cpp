@@ -7,8 +7,19 @@
 #include <sstream>
 
 #include "framework/impl/mpi_communicator.hpp"
+#include "partition/text.hpp"
 
 namespace meshtrain {
+
+void check_mpi(int code, const char* what) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING] = {0};
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) {
+    MESHTRAIN_FAIL(what, " failed with MPI error code ", code);
+  }
+  MESHTRAIN_FAIL(what, " failed: ", std::string(text, static_cast<std::size_t>(length)));
+}
 
 Runtime::Runtime(int& argc, char**& argv) {
   int initialized = 0;
@@ -18,6 +29,8 @@ Runtime::Runtime(int& argc, char**& argv) {
     check_mpi(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
     owns_mpi_ = true;
   }
+  // Every MPI call of meshtrain checks its return code and reports MPI's own message.
+  check_mpi(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world_size_), "MPI_Comm_size");
   if (!Kokkos::is_initialized()) {
@@ -48,11 +61,7 @@ std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm group,
 
 std::string describe_axes(const std::vector<std::string>& axes) {
   if (axes.empty()) return "no axis";
-  std::ostringstream out;
-  out << (axes.size() == 1 ? "axis (" : "axes (");
-  for (std::size_t k = 0; k < axes.size(); ++k) out << (k ? ", " : "") << axes[k];
-  out << ")";
-  return out.str();
+  return (axes.size() == 1 ? "axis (" : "axes (") + join(axes) + ")";
 }
 
 MeshCommunicators::MeshCommunicators(Mesh mesh, MPI_Comm parent, CommunicatorFactory factory)

@@ -99,6 +99,9 @@ class MeshCommunicators {
 //   if (auto error = run_agreed(comm, [&] { write_my_part(); })) throw *error;
 std::optional<Error> run_agreed(MPI_Comm comm, const std::function<void()>& phase);
 
+// Throws a runtime Error "<what> failed: <MPI_Error_string>" when code is not MPI_SUCCESS.
+void check_mpi(int code, const char* what);
+
 // Exit status for an error: 2 for bad_input, 1 for anything else.
 int exit_status_for(const std::exception& error);
 

@@ -7,17 +7,9 @@
 #include <string>
 #include <vector>
 
-namespace meshtrain {
+#include "framework/runtime.hpp"
 
-void check_mpi(int code, const char* what) {
-  if (code == MPI_SUCCESS) return;
-  char text[MPI_MAX_ERROR_STRING] = {0};
-  int length = 0;
-  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) {
-    MESHTRAIN_FAIL(what, " failed with MPI error code ", code);
-  }
-  MESHTRAIN_FAIL(what, " failed: ", std::string(text, static_cast<std::size_t>(length)));
-}
+namespace meshtrain {
 
 namespace {
 class MpiShiftSlot;

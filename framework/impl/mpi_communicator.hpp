@@ -22,9 +22,6 @@
 
 namespace meshtrain {
 
-// Throws a runtime Error "<what> failed: <MPI_Error_string>" when code is not MPI_SUCCESS.
-void check_mpi(int code, const char* what);
-
 class MpiCommunicator final : public Communicator {
  public:
   // Takes ownership of `comm` when it returns (freed when the last user is gone; never

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "framework/impl/mpi_communicator.hpp"
+#include "framework/runtime.hpp"
 
 namespace meshtrain {
 

@@ -17,21 +17,11 @@
 #include "framework/communicator.hpp"
 #include "framework/runtime.hpp"
 #include "partition/mesh.hpp"
+#include "tests/test_support.hpp"
 
 namespace meshtrain::testing {
 
 using HostMatrix = Kokkos::View<float**, Kokkos::LayoutRight>;
-
-inline int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-inline int world_size() {
-  int s = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &s);
-  return s;
-}
 
 // A value in [-1, 1) that depends only on (seed, row, col): operands are rebuilt identically
 // on every rank, and different seeds (groups, ranks) give different data.

@@ -154,6 +154,8 @@ TEST(NcclBackend, WithoutDeviceConstructionIsAClearError) {
   ASSERT_EQ(MPI_Comm_dup(MPI_COMM_WORLD, &group), MPI_SUCCESS);
   expect_error([group] { make_nccl_communicator(group, "axis (tp)"); }, ErrorKind::runtime,
                {"NCCL communicator of axis (tp)", "needs a CUDA device", "cudaGetDeviceCount"});
+  // A factory owns the group only when it succeeds.
+  MPI_Comm_free(&group);
 }
 
 TEST(NcclBackend, AllGatherMatchesMpi) {
