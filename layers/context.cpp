@@ -6,38 +6,22 @@
 
 namespace meshtrain {
 
-const char* to_string(FeatureLayout layout) {
-  return layout == FeatureLayout::split ? "split" : "replicated";
-}
-
 ParallelContext::ParallelContext(MeshCommunicators& comms, std::vector<std::string> batch_axes,
                                  std::string feature_axis, CollectiveMatmulAlgorithm matmul)
     : comms_(&comms),
       batch_axes_(std::move(batch_axes)),
       feature_axis_(std::move(feature_axis)),
       matmul_(matmul) {
-  // An axis the mesh does not have is of size 1: it splits nothing.
-  std::vector<std::string> present;
-  for (const auto& axis : batch_axes_) {
-    if (mesh().has_axis(axis)) present.push_back(axis);
-  }
-  batch_axes_ = present;
-  if (!feature_axis_.empty() && !mesh().has_axis(feature_axis_)) feature_axis_.clear();
-  if (feature_parallel() > 1 && is_batch_axis(feature_axis_)) {
-    MESHTRAIN_BAD_INPUT("mesh axis '", feature_axis_,
-                        "' cannot split both the batch and the features");
-  }
+  const LayerAxes axes = layer_axes_on(mesh(), {batch_axes_, feature_axis_});
+  batch_axes_ = axes.batch;
+  feature_axis_ = axes.feature;
 }
 
 ParallelContext ParallelContext::from_logical_axes(MeshCommunicators& comms,
                                                    const LogicalAxes& logical,
                                                    CollectiveMatmulAlgorithm matmul) {
-  const std::vector<std::string> hidden = logical.axes_of("hidden");
-  if (hidden.size() > 1) {
-    MESHTRAIN_BAD_INPUT("logical axis 'hidden' maps to ", hidden.size(),
-                        " mesh axes; the MLP layers split features over at most one");
-  }
-  return ParallelContext(comms, logical.axes_of("batch"), hidden.empty() ? "" : hidden[0], matmul);
+  LayerAxes axes = layer_axes(logical);
+  return ParallelContext(comms, std::move(axes.batch), std::move(axes.feature), matmul);
 }
 
 int ParallelContext::feature_parallel() const {

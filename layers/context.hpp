@@ -13,26 +13,22 @@
 #include "framework/collective_matmul.hpp"
 #include "framework/communicator.hpp"
 #include "framework/runtime.hpp"
+#include "partition/linear_layout.hpp"  // FeatureLayout, LayerAxes
 #include "partition/logical_axes.hpp"
 #include "partition/mesh.hpp"
 
 namespace meshtrain {
 
-// How the feature (column) dimension of an activation is laid out over the feature axis:
-// every rank has all features, or rank t of the feature axis has the column block t.
-enum class FeatureLayout { replicated, split };
-const char* to_string(FeatureLayout layout);
-
 class ParallelContext {
  public:
   // batch_axes: mesh axes of the batch rows, major to minor; feature_axis: the mesh axis
   // of the features ("" = none). Axes the mesh lacks are dropped (they are of size 1).
-  // Throws bad_input when the feature axis (size > 1) also splits the batch.
+  // Throws bad_input when the feature axis (size > 1) also splits the batch (layer_axes_on).
   ParallelContext(MeshCommunicators& comms, std::vector<std::string> batch_axes,
                   std::string feature_axis,
                   CollectiveMatmulAlgorithm matmul = CollectiveMatmulAlgorithm::automatic);
-  // From the logical axes: batch = axes_of("batch"), features = axes_of("hidden") (at
-  // most one mesh axis; bad_input otherwise).
+  // From the logical axes (layer_axes): batch = axes_of("batch"), features =
+  // axes_of("hidden") (at most one mesh axis; bad_input otherwise).
   static ParallelContext from_logical_axes(
       MeshCommunicators& comms, const LogicalAxes& logical,
       CollectiveMatmulAlgorithm matmul = CollectiveMatmulAlgorithm::automatic);

@@ -2,31 +2,26 @@
 // A fully connected layer y = x W + b with W [in, out], b [out], in every layout of
 // DESIGN.md section 6, derived from the parameters' specs, never written per combination:
 //
+// The layout (TP or replicated compute, storage gathers, batch all-reduces, the bias, and
+// the all-reduce fallback when out does not divide by the feature axis) is decided by
+// decide_linear_layout (partition/linear_layout.hpp), which the planner reports too.
+//
 // Compute layout
-//   TP  (the weight's dim-0 entry starts with the feature axis, size T > 1): the layer
-//       works on the feature block t of its input, x_c [rows, in/T], and its weight rows
-//       W_c [in/T, out]. Forward: matmul_reduce_scatter over the feature axis (scatter
-//       dim 1) -> output split [rows, out/T], + the bias block t. When out does not divide
-//       by T, the partial product is all-reduced instead and the output stays replicated.
+//   TP: the layer works on the feature block t of its input, x_c [rows, in/T], and its
+//       weight rows W_c [in/T, out]. Forward: matmul_reduce_scatter over the feature axis
+//       (scatter dim 1) -> output split [rows, out/T], + the bias block t; or, when out
+//       does not divide by T, the partial product all-reduced (output replicated).
 //       Backward: dX_c = all_gather(dY, dim 1) @ W_cᵀ and dW_c = X_cᵀ @ all_gather(dY, dim 1)
 //       (all_gather_matmul, transposes through the GEMM flags).
-//   replicated (otherwise): x_c [rows, in] (a split input is all-gathered over the feature
-//       axis first), W_c the full weight, output replicated.
+//   replicated: x_c [rows, in] (a split input is all-gathered over the feature axis
+//       first), W_c the full weight, output replicated.
 //   A TP layer fed a replicated input (the first layer, or after a non-divisible output)
 //   takes its column block locally; its input gradient is all-gathered back.
-// Storage
-//   Every other axis in the weight's spec (and every axis of the bias's spec beyond the
-//   compute block) is storage: all-gathered into a shared scratch buffer right before use,
-//   in forward AND again in backward (nothing is kept from forward), and the gradient is
-//   reduce-scattered back over the same axes.
-// Batch
-//   Rows are split over the batch axes. Weight-gradient contributions are summed over the
-//   batch axes: by the storage reduce-scatter for batch axes that are also storage axes
-//   (FSDP), by an all-reduce over the remaining ones (DP). Storage axes that are not batch
-//   axes hold identical contributions (replicated compute), so the reduce-scatter over
-//   them is divided by their size. The bias gradient (small) is one all-reduce of the
-//   full-width vector over the batch axes (and the feature axis when the output is
-//   split), then this rank's block is kept.
+// Storage: gathered into a shared scratch buffer right before use, in forward AND again in
+//   backward (nothing is kept from forward); the gradient is reduce-scattered back over the
+//   same axes, divided by the size of the gathered non-batch axes (identical copies), then
+//   all-reduced over the batch axes the storage does not split (DP). The bias gradient is
+//   one all-reduce of the full-width vector, then this rank's block is kept.
 // The loss is a mean over the global batch, so gradients are sums over ranks, and equal
 // the single-rank gradients.
 //
@@ -41,6 +36,7 @@
 #include "framework/collective_matmul.hpp"
 #include "framework/sharded_tensor.hpp"
 #include "layers/context.hpp"
+#include "partition/linear_layout.hpp"
 
 namespace meshtrain {
 
@@ -84,51 +80,39 @@ class Linear {
                            ShardedTensor& bias_grad, UnmanagedMatrix dy, bool need_input_grad,
                            LinearScratch& scratch);
 
-  int64_t in() const { return in_; }
-  int64_t out() const { return out_; }
-  FeatureLayout input_layout() const { return input_layout_; }
-  FeatureLayout output_layout() const {
-    return split_output_ ? FeatureLayout::split : FeatureLayout::replicated;
-  }
-  int64_t input_width() const;    // local columns of the input as it arrives
-  int64_t output_width() const;   // local columns of the output
+  int64_t in() const { return layout_.in; }
+  int64_t out() const { return layout_.out; }
+  FeatureLayout input_layout() const { return layout_.input_layout; }
+  FeatureLayout output_layout() const { return layout_.output_layout(); }
+  int64_t input_width() const { return layout_.input_width(); }  // local input columns
+  int64_t output_width() const { return layout_.out_local; }     // local output columns
   int64_t output_offset() const;  // first global output column held here
-  bool tensor_parallel() const { return compute_tp_; }
+  bool tensor_parallel() const { return layout_.tensor_parallel; }
+  const LinearLayout& layout() const { return layout_; }
   // The output of the last forward (the pre-activation, kept for backward).
   UnmanagedMatrix output() const { return output_; }
   const LinearScratchNeeds& scratch_needs() const { return needs_; }
-  // One line for logs: "layers/0: TP in 784 (split 196) -> out 128 (split 32), weight
-  // gathered over (fsdp) on dim 1, grads +all-reduce (dp)".
+  // One line for logs, "<layer>: " + describe_linear_layout: "layers/0: TP in 784 -> out
+  // 128 (split 32), weight gathered over (fsdp) on dim 1, grads all-reduced over (dp)".
   std::string describe() const;
 
  private:
   UnmanagedMatrix compute_weight(const ShardedTensor& weight, LinearScratch& scratch);
   const float* compute_bias(const ShardedTensor& bias, LinearScratch& scratch);
 
-  std::string name_;
-  int64_t in_ = 0, out_ = 0, rows_ = 0;
-  int tp_ = 1, tp_index_ = 0;
-  bool compute_tp_ = false;
-  bool split_output_ = false;
-  FeatureLayout input_layout_ = FeatureLayout::replicated;
-  int64_t in_c_ = 0;       // rows of the compute block of W (= columns of x_c)
-  int64_t out_local_ = 0;  // columns of the output
+  LinearLayout layout_;
+  int64_t rows_ = 0;
+  int tp_index_ = 0;
 
-  // Weight storage -> compute block: gathers over these active axes, dim 0 then dim 1.
-  std::vector<std::string> gather0_, gather1_;
+  // Communicators of the layout's gathers and reductions (nullptr: nothing to do).
   Communicator* gather0_comm_ = nullptr;
   Communicator* gather1_comm_ = nullptr;
-  int64_t stored_rows_ = 0, stored_cols_ = 0;  // the weight's local block
-  float nonbatch_scale_ = 1.0f;                // 1 / size of non-batch gather axes
-  std::vector<std::string> weight_allreduce_;  // batch axes not covered by the gathers
+  float nonbatch_scale_ = 1.0f;  // 1 / layout_.nonbatch_replication
   Communicator* weight_allreduce_comm_ = nullptr;
-
-  // Bias: gather over bias_gather_ gives the block [bias_gathered_offset_, +extent).
-  std::vector<std::string> bias_gather_;
+  // Bias: the gather gives the block [bias_gathered_offset_, +extent).
   Communicator* bias_gather_comm_ = nullptr;
   int64_t bias_gathered_offset_ = 0;
-  int64_t bias_stored_offset_ = 0, bias_stored_extent_ = 0;
-  std::vector<std::string> bias_reduce_;
+  int64_t bias_stored_offset_ = 0;
   Communicator* bias_reduce_comm_ = nullptr;
 
   Communicator* tp_comm_ = nullptr;

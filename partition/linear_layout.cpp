@@ -1,0 +1,260 @@
+#include "partition/linear_layout.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+#include "partition/error.hpp"
+#include "partition/text.hpp"
+
+namespace meshtrain {
+
+namespace {
+
+bool contains(const std::vector<std::string>& list, const std::string& item) {
+  return std::find(list.begin(), list.end(), item) != list.end();
+}
+
+std::string tuple_text(const std::vector<std::string>& axes) {
+  return "(" + join(axes) + ")";
+}
+
+// `axes` without those the mesh lacks or has with size 1 (order kept).
+std::vector<std::string> active(const Mesh& mesh, const std::vector<std::string>& axes) {
+  std::vector<std::string> out;
+  for (const auto& a : axes) {
+    if (mesh.has_axis(a) && mesh.axis_size(a) > 1) out.push_back(a);
+  }
+  return out;
+}
+
+int64_t elements_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (__builtin_mul_overflow(n, d, &n)) {
+      MESHTRAIN_BAD_INPUT("a collective operand ", format_shape(shape),
+                          " has more elements than fit in 64 bits");
+    }
+  }
+  return n;
+}
+
+}  // namespace
+
+const char* to_string(FeatureLayout layout) {
+  return layout == FeatureLayout::split ? "split" : "replicated";
+}
+
+const char* to_string(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::all_gather:
+      return "all-gather";
+    case CollectiveKind::reduce_scatter:
+      return "reduce-scatter";
+    default:
+      return "all-reduce";
+  }
+}
+
+LayerAxes layer_axes(const LogicalAxes& logical) {
+  const std::vector<std::string> hidden = logical.axes_of("hidden");
+  if (hidden.size() > 1) {
+    MESHTRAIN_BAD_INPUT("logical axis 'hidden' maps to ", hidden.size(),
+                        " mesh axes; the MLP layers split features over at most one");
+  }
+  return LayerAxes{logical.axes_of("batch"), hidden.empty() ? "" : hidden[0]};
+}
+
+LayerAxes layer_axes_on(const Mesh& mesh, LayerAxes axes) {
+  std::vector<std::string> present;
+  for (const auto& axis : axes.batch) {
+    if (mesh.has_axis(axis)) present.push_back(axis);
+  }
+  axes.batch = present;
+  if (!axes.feature.empty() && !mesh.has_axis(axes.feature)) axes.feature.clear();
+  if (!axes.feature.empty() && mesh.axis_size(axes.feature) > 1 &&
+      contains(axes.batch, axes.feature)) {
+    MESHTRAIN_BAD_INPUT("mesh axis '", axes.feature,
+                        "' cannot split both the batch and the features");
+  }
+  return axes;
+}
+
+std::string linear_layer_name(const std::string& weight_name) {
+  const std::string suffix = "/weight";
+  if (weight_name.size() > suffix.size() &&
+      weight_name.compare(weight_name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    return weight_name.substr(0, weight_name.size() - suffix.size());
+  }
+  return weight_name;
+}
+
+LinearLayout decide_linear_layout(const std::string& layer, const LinearParameter& weight,
+                                  const LinearParameter& bias, const Mesh& mesh,
+                                  const LayerAxes& requested_axes, FeatureLayout input_layout) {
+  if (weight.shape.size() != 2 || bias.shape.size() != 1 || bias.shape[0] != weight.shape[1]) {
+    MESHTRAIN_BAD_INPUT(
+        "linear layer '", layer, "' needs a weight [in, out] and a bias [out]; got '", weight.name,
+        "' of rank ", weight.shape.size(), " and '", bias.name, "' of rank ", bias.shape.size());
+  }
+  const LayerAxes axes = layer_axes_on(mesh, requested_axes);
+  const std::string& feature = axes.feature;
+  const std::vector<std::string> batch = active(mesh, axes.batch);
+
+  LinearLayout l;
+  l.layer = layer;
+  l.in = weight.shape[0];
+  l.out = weight.shape[1];
+  l.feature_axis = feature;
+  l.tp = feature.empty() ? 1 : mesh.axis_size(feature);
+  l.input_layout = l.tp > 1 ? input_layout : FeatureLayout::replicated;
+
+  const PartitionSpec wspec = weight.spec.with_rank(2);
+  const PartitionSpec bspec = bias.spec.with_rank(1);
+  std::vector<std::string> dim0 = active(mesh, wspec.entries[0].axes);
+  const std::vector<std::string> dim1 = active(mesh, wspec.entries[1].axes);
+  l.tensor_parallel = l.tp > 1 && !dim0.empty() && dim0.front() == feature;
+  if (l.tensor_parallel) dim0.erase(dim0.begin());
+  if ((l.tensor_parallel || l.input_layout == FeatureLayout::split) && l.in % l.tp != 0) {
+    MESHTRAIN_BAD_INPUT("linear layer '", layer, "': its ", l.in,
+                        " input features do not split over mesh axis '", feature, "' of size ",
+                        l.tp);
+  }
+  l.split_output = l.tensor_parallel && l.out % l.tp == 0;
+  l.in_compute = l.tensor_parallel ? l.in / l.tp : l.in;
+  l.out_local = l.split_output ? l.out / l.tp : l.out;
+
+  // Weight: storage -> compute block.
+  l.weight_gather_dim0 = dim0;
+  l.weight_gather_dim1 = dim1;
+  l.stored_rows = l.in_compute / mesh.size_of(dim0);
+  l.stored_cols = l.out / mesh.size_of(dim1);
+  for (const auto& gathered : {l.weight_gather_dim0, l.weight_gather_dim1}) {
+    for (const auto& a : gathered) {
+      if (!contains(axes.batch, a)) l.nonbatch_replication *= mesh.axis_size(a);
+    }
+  }
+  for (const auto& a : batch) {
+    if (!contains(dim0, a) && !contains(dim1, a)) l.weight_allreduce.push_back(a);
+  }
+
+  // Bias: storage -> compute block.
+  const std::vector<std::string> bentry = active(mesh, bspec.entries[0].axes);
+  l.bias_stored = l.out / mesh.size_of(bentry);
+  if (l.split_output && !bentry.empty() && bentry.front() == feature) {
+    l.bias_gather.assign(bentry.begin() + 1, bentry.end());
+    l.bias_gather_sliced = true;
+  } else {
+    l.bias_gather = bentry;
+  }
+  l.bias_reduce = batch;
+  if (l.split_output) l.bias_reduce.push_back(feature);
+
+  if (l.tensor_parallel && !l.split_output) {
+    l.notes.push_back("output features " + std::to_string(l.out) + " do not divide by " + feature +
+                      "=" + std::to_string(l.tp) + ": the layer all-reduces its output over " +
+                      feature + " and keeps it replicated");
+  }
+  if (l.tp > 1 && !l.tensor_parallel) {
+    l.notes.push_back("not tensor parallel (the weight's dim 0 is not split over " + feature +
+                      " first): every " + feature + " rank computes the whole layer");
+  }
+  return l;
+}
+
+std::string describe_linear_layout(const LinearLayout& l) {
+  std::ostringstream s;
+  s << (l.tensor_parallel ? "TP" : "replicated") << " in " << l.in;
+  if (l.input_layout == FeatureLayout::split) s << " (split " << l.in / l.tp << ")";
+  s << " -> out " << l.out;
+  if (l.split_output) s << " (split " << l.out_local << ")";
+  if (l.tensor_parallel && !l.split_output) {
+    s << " (all-reduced, replicated: " << l.out << " % " << l.tp << " != 0)";
+  }
+  if (!l.weight_gather_dim0.empty()) {
+    s << ", weight gathered over " << tuple_text(l.weight_gather_dim0) << " on dim 0";
+  }
+  if (!l.weight_gather_dim1.empty()) {
+    s << ", weight gathered over " << tuple_text(l.weight_gather_dim1) << " on dim 1";
+  }
+  if (!l.weight_allreduce.empty()) {
+    s << ", grads all-reduced over " << tuple_text(l.weight_allreduce);
+  }
+  return s.str();
+}
+
+int64_t collective_bytes_per_rank(CollectiveKind kind, int64_t bytes, int ranks) {
+  MESHTRAIN_REQUIRE(bytes >= 0 && ranks >= 1, "collective of ", bytes, " bytes over ", ranks,
+                    " ranks");
+  const __int128 moved = static_cast<__int128>(bytes) * (ranks - 1) *
+                         (kind == CollectiveKind::all_reduce ? 2 : 1) / ranks;
+  if (moved > INT64_MAX) MESHTRAIN_BAD_INPUT("a collective of ", bytes, " bytes overflows 64 bits");
+  return static_cast<int64_t>(moved);
+}
+
+std::vector<LayerCollective> linear_step_collectives(const LinearLayout& l, const Mesh& mesh,
+                                                     int64_t rows, bool input_grad,
+                                                     int64_t bytes_per_element) {
+  MESHTRAIN_REQUIRE(rows >= 0 && bytes_per_element >= 1, "rows ", rows, ", bytes_per_element ",
+                    bytes_per_element);
+  std::vector<LayerCollective> out;
+  auto add = [&](const char* phase, CollectiveKind kind, const char* operand,
+                 const std::vector<std::string>& axes, std::vector<int64_t> shape) {
+    if (axes.empty()) return;
+    LayerCollective c{phase, kind, operand, axes, mesh.size_of(axes), std::move(shape), 0};
+    int64_t bytes = 0;
+    if (__builtin_mul_overflow(elements_of(c.shape), bytes_per_element, &bytes)) {
+      MESHTRAIN_BAD_INPUT("a collective operand ", format_shape(c.shape),
+                          " has more bytes than fit in 64 bits");
+    }
+    c.bytes_per_rank = collective_bytes_per_rank(kind, bytes, c.ranks);
+    out.push_back(std::move(c));
+  };
+  const bool activations = rows > 0;
+  const std::vector<std::string> features =
+      l.tp > 1 ? std::vector<std::string>{l.feature_axis} : std::vector<std::string>{};
+  const auto& g0 = l.weight_gather_dim0;
+  const auto& g1 = l.weight_gather_dim1;
+  auto gather_weight = [&](const char* phase) {
+    add(phase, CollectiveKind::all_gather, "weight", g0, {l.in_compute, l.stored_cols});
+    add(phase, CollectiveKind::all_gather, "weight", g1, {l.in_compute, l.out});
+  };
+
+  // Forward: the input in its compute layout, the weight, the output, the bias.
+  if (activations && l.gathers_input()) {
+    add("forward", CollectiveKind::all_gather, "input", features, {rows, l.in});
+  }
+  gather_weight("forward");
+  if (activations && l.tensor_parallel) {
+    add("forward", l.split_output ? CollectiveKind::reduce_scatter : CollectiveKind::all_reduce,
+        "output", features, {rows, l.out});
+  }
+  add("forward", CollectiveKind::all_gather, "bias", l.bias_gather,
+      {l.bias_stored * mesh.size_of(l.bias_gather)});
+
+  // Backward: the weight again, dY gathered for the weight gradient (and again for the
+  // input gradient), the input gradient back to its layout, the gradients to storage.
+  gather_weight("backward");
+  if (activations && l.split_output) {
+    add("backward", CollectiveKind::all_gather, "output gradient", features, {rows, l.out});
+  }
+  if (activations && input_grad) {
+    if (l.split_output) {
+      add("backward", CollectiveKind::all_gather, "output gradient", features, {rows, l.out});
+    }
+    if (l.slices_input()) {
+      add("backward", CollectiveKind::all_gather, "input gradient", features, {rows, l.in});
+    }
+  }
+  if (!g0.empty()) {
+    add("backward", CollectiveKind::reduce_scatter, "weight gradient", g0, {l.in_compute, l.out});
+    add("backward", CollectiveKind::reduce_scatter, "weight gradient", g1, {l.stored_rows, l.out});
+  } else {
+    add("backward", CollectiveKind::reduce_scatter, "weight gradient", g1, {l.in_compute, l.out});
+  }
+  add("backward", CollectiveKind::all_reduce, "weight gradient", l.weight_allreduce,
+      {l.stored_rows, l.stored_cols});
+  add("backward", CollectiveKind::all_reduce, "bias gradient", l.bias_reduce, {l.out});
+  return out;
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,144 @@
+#pragma once
+// The compute layout of a fully connected layer y = x W + b (W [in, out], b [out]) and the
+// collectives it runs per training step, decided from the parameters' specs alone
+// (DESIGN.md section 6). Pure arithmetic, no MPI or Kokkos: layers/linear.cpp builds its
+// buffers and communicators from this decision, and the planner reports it, so the two
+// cannot disagree.
+//
+// The decision (feature axis of size T, batch axes B; "active" = in the mesh, size > 1):
+//   TP when T > 1 and the weight's dim-0 entry starts with the feature axis: the layer
+//     works on the feature block of its input (in/T columns) and the matching weight rows.
+//     Its output is reduce-scattered over the features (split, out/T columns) when out
+//     divides by T; otherwise all-reduced and kept replicated (the note says so).
+//   replicated otherwise: full input (gathered over the feature axis when it arrives
+//     split), full weight, replicated output.
+//   Storage: the remaining active axes of the weight's dim-0 entry and those of its dim-1
+//     entry are gathered before use (forward and again backward) and the gradient is
+//     reduce-scattered over them; the gradient is divided by the size of the gathered axes
+//     that are not batch axes (replicated compute: identical contributions). Batch axes
+//     the gathers do not cover get a weight-gradient all-reduce.
+//   Bias: gathered over its active axes, except that a split output whose bias entry
+//     starts with the feature axis gathers only the rest (its block is then the compute
+//     block); its gradient is one all-reduce of the full-width vector over the batch axes
+//     (and the feature axis when the output is split).
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "partition/logical_axes.hpp"
+#include "partition/mesh.hpp"
+#include "partition/partition_spec.hpp"
+
+namespace meshtrain {
+
+// How the feature (column) dimension of an activation is laid out over the feature axis:
+// every rank has all features, or rank t of the feature axis has the column block t.
+enum class FeatureLayout { replicated, split };
+const char* to_string(FeatureLayout layout);
+
+// The mesh axes layers split the batch rows over and the one they split features over.
+struct LayerAxes {
+  std::vector<std::string> batch;  // major to minor
+  std::string feature;             // "" = none
+};
+// From the logical axes: batch = axes_of("batch"), feature = axes_of("hidden"), which must
+// be at most one mesh axis (bad_input otherwise).
+LayerAxes layer_axes(const LogicalAxes& logical);
+// `axes` on `mesh`: axes the mesh lacks dropped (they are of size 1). Throws bad_input when
+// the feature axis (size > 1) also splits the batch.
+LayerAxes layer_axes_on(const Mesh& mesh, LayerAxes axes);
+
+// A parameter as the layout sees it.
+struct LinearParameter {
+  std::string name;
+  std::vector<int64_t> shape;
+  PartitionSpec spec;
+};
+
+struct LinearLayout {
+  std::string layer;  // "layers/0"
+  int64_t in = 0, out = 0;
+  std::string feature_axis;  // "" when the mesh has none
+  int tp = 1;                // size of the feature axis
+  bool tensor_parallel = false;
+  bool split_output = false;  // TP and out % tp == 0
+  FeatureLayout input_layout = FeatureLayout::replicated;
+  int64_t in_compute = 0;  // rows of the weight's compute block (columns of the input used)
+  int64_t out_local = 0;   // columns of the output
+  int64_t stored_rows = 0, stored_cols = 0;  // the weight's local block
+
+  // Weight storage -> compute block: gathers over these active axes, dim 0 then dim 1.
+  std::vector<std::string> weight_gather_dim0, weight_gather_dim1;
+  // Batch axes the gathers do not cover: the weight gradient is all-reduced over them.
+  std::vector<std::string> weight_allreduce;
+  // Product of the sizes of the gathered axes that are not batch axes (gradient divisor).
+  int nonbatch_replication = 1;
+
+  // Bias: all-gathered over bias_gather; with bias_gather_sliced the gathered vector is the
+  // compute block (it starts at the output offset), otherwise the full vector.
+  std::vector<std::string> bias_gather;
+  bool bias_gather_sliced = false;
+  int64_t bias_stored = 0;               // local bias elements
+  std::vector<std::string> bias_reduce;  // the bias gradient's all-reduce axes
+
+  std::vector<std::string> notes;  // for the plan: the all-reduce fallback, replicated compute
+
+  // A TP layer fed a replicated input slices its block locally (and all-gathers the input
+  // gradient back); a replicated layer fed a split input all-gathers it first.
+  bool slices_input() const { return tensor_parallel && input_layout == FeatureLayout::replicated; }
+  bool gathers_input() const { return !tensor_parallel && input_layout == FeatureLayout::split; }
+  int64_t input_width() const { return input_layout == FeatureLayout::split ? in / tp : in; }
+  FeatureLayout output_layout() const {
+    return split_output ? FeatureLayout::split : FeatureLayout::replicated;
+  }
+};
+
+// The layer name of a weight: "layers/0/weight" -> "layers/0" (other names unchanged).
+std::string linear_layer_name(const std::string& weight_name);
+
+// Decides the layout of layer `layer` (see the top of this file). `input_layout` is how
+// the input's features arrive (taken as replicated when the feature axis has size 1).
+// Throws bad_input when the weight is not [in, out] with a bias [out], when the input
+// features do not split over the feature axis but must, or when the feature axis also
+// splits the batch. The specs must name only axes of the mesh (checked by the planner).
+LinearLayout decide_linear_layout(const std::string& layer, const LinearParameter& weight,
+                                  const LinearParameter& bias, const Mesh& mesh,
+                                  const LayerAxes& axes, FeatureLayout input_layout);
+
+// "TP in 784 (split 196) -> out 128 (split 32), weight gathered over (fsdp) on dim 1,
+// grads all-reduced over (dp)" (without the layer name).
+std::string describe_linear_layout(const LinearLayout& layout);
+
+// ---- collectives per training step ---------------------------------------------------
+// Cost model (per rank, ring algorithms, as NCCL and most MPI libraries use for large
+// messages): over a group of n ranks, an all-gather or a reduce-scatter whose full
+// (gathered / unreduced) operand is S bytes moves S * (n - 1) / n bytes through each rank;
+// an all-reduce of S bytes moves 2 * S * (n - 1) / n (a reduce-scatter then an all-gather).
+// Rounded down to whole bytes. The collective matmuls (ring, bidirectional) move the same
+// blocks as the plain collective they replace, so they count the same.
+enum class CollectiveKind { all_gather, reduce_scatter, all_reduce };
+const char* to_string(CollectiveKind kind);
+
+struct LayerCollective {
+  std::string phase;  // "forward" or "backward"
+  CollectiveKind kind;
+  std::string operand;            // "weight", "bias", "input", "output", "output gradient", ...
+  std::vector<std::string> axes;  // the group (active axes)
+  int ranks = 1;                  // its size
+  std::vector<int64_t> shape;     // the full operand (gathered / unreduced), elements
+  int64_t bytes_per_rank = 0;     // per the cost model above
+};
+
+// Bytes one rank moves in a collective of `kind` on a full operand of `bytes` over `ranks`.
+int64_t collective_bytes_per_rank(CollectiveKind kind, int64_t bytes, int ranks);
+
+// The collectives one training step (forward, then backward) of the layer runs, in order.
+// `rows`: the local batch rows; 0 = unknown, the activation-sized ones (input, output and
+// their gradients) are then left out. `input_grad`: whether backward computes the input
+// gradient (not for the first layer of a model).
+std::vector<LayerCollective> linear_step_collectives(const LinearLayout& layout, const Mesh& mesh,
+                                                     int64_t rows, bool input_grad,
+                                                     int64_t bytes_per_element);
+
+}  // namespace meshtrain
