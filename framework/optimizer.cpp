@@ -29,6 +29,9 @@ void sgd_update(Vector p, Vector g, Vector buf, float lr, float momentum, float 
 
 void adamw_update(Vector p, Vector g, Vector m, Vector v, float lr, float beta1, float beta2,
                   float eps, float wd, float correction1, float correction2) {
+  const float step_size = lr / correction1;
+  const float inv_correction2 = 1.0f / correction2;
+  const float decay = 1.0f - lr * wd;
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::adamw_step"), Kokkos::RangePolicy<>(0, p.extent(0)),
       KOKKOS_LAMBDA(const int64_t i) {
@@ -37,9 +40,8 @@ void adamw_update(Vector p, Vector g, Vector m, Vector v, float lr, float beta1,
         const float vi = beta2 * v(i) + (1.0f - beta2) * grad * grad;
         m(i) = mi;
         v(i) = vi;
-        const float m_hat = mi / correction1;
-        const float v_hat = vi / correction2;
-        p(i) = p(i) * (1.0f - lr * wd) - lr * m_hat / (kmath::sqrt(v_hat) + eps);
+        // m_hat = m / c1 and v_hat = v / c2, with the divisions by c1, c2 hoisted out.
+        p(i) = p(i) * decay - step_size * mi / (kmath::sqrt(vi * inv_correction2) + eps);
       });
 }
 

@@ -2,6 +2,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <ctime>
 #include <sstream>
 #include <string>
@@ -270,12 +271,20 @@ void MpiCommunicator::raw_reduce_scatter_sum(const float* send, float* recv,
 
 void MpiCommunicator::raw_all_reduce_sum(float* data, std::size_t count, const char* op) {
   state_->require_usable(op);
-  const int n = checked_int(count, "all_reduce count");
+  checked_int(count, "all_reduce count");
   Kokkos::fence();
-  MPI_Request request = MPI_REQUEST_NULL;
-  state_->check(MPI_Iallreduce(MPI_IN_PLACE, data, n, MPI_FLOAT, MPI_SUM, state_->comm, &request),
-                op, "MPI_Iallreduce");
-  complete(request, op);
+  // In pieces: Open MPI's non-blocking collectives allocate a temporary as large as the
+  // message on every call, which for a DP gradient (tens of MiB) means fresh pages, and
+  // page faults, at every step. Pieces keep that temporary small and reused by malloc.
+  constexpr std::size_t kPieceFloats = std::size_t{1} << 20;  // 4 MiB
+  for (std::size_t offset = 0; offset < count; offset += kPieceFloats) {
+    const int n = static_cast<int>(std::min(kPieceFloats, count - offset));
+    MPI_Request request = MPI_REQUEST_NULL;
+    state_->check(
+        MPI_Iallreduce(MPI_IN_PLACE, data + offset, n, MPI_FLOAT, MPI_SUM, state_->comm, &request),
+        op, "MPI_Iallreduce");
+    complete(request, op);
+  }
 }
 
 void MpiCommunicator::raw_all_reduce_sum_f64(double* data, std::size_t count, const char* op) {
