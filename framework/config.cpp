@@ -19,6 +19,7 @@
 #include <sstream>
 
 #include "partition/error.hpp"
+#include "partition/linear_layout.hpp"
 #include "partition/logical_axes.hpp"
 #include "partition/text.hpp"
 
@@ -635,6 +636,10 @@ PlanOptions plan_options(const RunConfig& config) {
   } else {
     options.optimizer_slots = config.optimizer.momentum > 0 ? 1 : 0;
   }
+  const LayerAxes axes = layer_axes(LogicalAxes::with_overrides(config.partition.logical_axes));
+  options.batch_axes = axes.batch;
+  options.feature_axis = axes.feature;
+  options.global_batch = config.data.batch_size;
   return options;
 }
 

@@ -117,7 +117,9 @@ RunConfig parse_config(const std::string& text, const std::string& file,
 std::vector<PartitionRule> partition_rules(const RunConfig& config);
 
 // min_sharding_size from [partition]; optimizer_slots from [optimizer] (adamw 2, sgd with
-// momentum 1, plain sgd 0); 4-byte floats.
+// momentum 1, plain sgd 0); 4-byte floats; the layers' batch and feature axes from the
+// logical axes `batch` and `hidden` (with [partition] logical_axes applied; bad_input when
+// `hidden` maps to more than one mesh axis); global_batch = data.batch_size.
 PlanOptions plan_options(const RunConfig& config);
 
 }  // namespace meshtrain

@@ -4,6 +4,7 @@
 #include <set>
 
 #include "partition/error.hpp"
+#include "partition/text.hpp"
 
 namespace meshtrain {
 
@@ -35,6 +36,9 @@ void check_options(const PlanOptions& options) {
   if (options.optimizer_slots < 0) {
     MESHTRAIN_BAD_INPUT("optimizer_slots must be 0 or more, got ", options.optimizer_slots);
   }
+  if (options.global_batch < 0) {
+    MESHTRAIN_BAD_INPUT("the global batch must be 0 (unknown) or more, got ", options.global_batch);
+  }
 }
 
 // The rule's spec must only name axes the mesh has, each once.
@@ -63,7 +67,63 @@ int64_t checked_mul(int64_t a, int64_t b) {
   return product;
 }
 
+// Each layer's layout and collectives, chained like Mlp: the first layer's input has all
+// features and computes no input gradient; each next input is the previous output.
+void plan_layers(ShardingPlan& plan, const std::vector<LinearLayerParameters>& layers,
+                 const PlanOptions& options) {
+  if (layers.empty()) return;
+  const Mesh& mesh = plan.mesh;
+  const LayerAxes axes = layer_axes_on(mesh, {options.batch_axes, options.feature_axis});
+  if (options.global_batch > 0) {
+    // A batch that does not divide is the trainer's error; the plan still answers (for
+    // what-if meshes) without the activation collectives, and says why.
+    const int shards = mesh.size_of(axes.batch);
+    if (options.global_batch % shards == 0) {
+      plan.local_batch_rows = options.global_batch / shards;
+    } else {
+      plan.notes.push_back("global batch " + std::to_string(options.global_batch) +
+                           " does not divide by the " + std::to_string(shards) +
+                           " batch shards (mesh axes " + join(axes.batch) +
+                           "): activation collectives left out");
+    }
+  }
+  auto parameter = [&plan](const std::string& name, const std::string& layer) {
+    for (const auto& p : plan.parameters) {
+      if (p.name == name) return LinearParameter{p.name, p.shape, p.spec};
+    }
+    MESHTRAIN_BAD_INPUT("layer '", layer, "' uses parameter '", name,
+                        "', which the model does not have");
+  };
+  FeatureLayout input = FeatureLayout::replicated;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    LayerPlan l;
+    l.name = linear_layer_name(layers[i].weight);
+    l.layout = decide_linear_layout(l.name, parameter(layers[i].weight, l.name),
+                                    parameter(layers[i].bias, l.name), mesh, axes, input);
+    l.compute = describe_linear_layout(l.layout);
+    l.collectives = linear_step_collectives(l.layout, mesh, plan.local_batch_rows, i > 0,
+                                            options.bytes_per_element);
+    for (const auto& c : l.collectives) {
+      l.collective_bytes_per_step = checked_add(l.collective_bytes_per_step, c.bytes_per_rank);
+    }
+    l.notes = l.layout.notes;
+    plan.totals.collective_bytes_per_step =
+        checked_add(plan.totals.collective_bytes_per_step, l.collective_bytes_per_step);
+    input = l.layout.output_layout();
+    plan.layers.push_back(std::move(l));
+  }
+}
+
 }  // namespace
+
+std::vector<LinearLayerParameters> mlp_linear_layers(const std::vector<int64_t>& sizes) {
+  std::vector<LinearLayerParameters> layers;
+  for (size_t i = 0; i + 1 < sizes.size(); ++i) {
+    const std::string prefix = "layers/" + std::to_string(i) + "/";
+    layers.push_back({prefix + "weight", prefix + "bias"});
+  }
+  return layers;
+}
 
 std::vector<ParameterShape> mlp_parameter_shapes(const std::vector<int64_t>& sizes) {
   if (sizes.size() < 2) {
@@ -92,7 +152,8 @@ const ParameterPlan& ShardingPlan::find(const std::string& name) const {
 }
 
 ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh& mesh,
-                       const std::vector<PartitionRule>& rules, const PlanOptions& options) {
+                       const std::vector<PartitionRule>& rules, const PlanOptions& options,
+                       const std::vector<LinearLayerParameters>& layers) {
   check_options(options);
   const std::vector<std::regex> compiled = compile_rules(rules);
 
@@ -172,6 +233,7 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
   for (size_t i = 0; i < rules.size(); ++i) {
     if (!used[i]) plan.unused_rules.push_back(static_cast<int>(i));
   }
+  plan_layers(plan, layers, options);
   return plan;
 }
 

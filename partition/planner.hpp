@@ -1,12 +1,16 @@
 #pragma once
 // The planner (DESIGN.md section 5): model shapes + mesh + rules -> for every parameter
-// the matched rule, final spec, local shape and bytes per rank, and the totals per rank.
+// the matched rule, final spec, local shape and bytes per rank, and the totals per rank;
+// given the model's linear layers, also each layer's compute layout (decide_linear_layout,
+// the same decision the layers make) and the collectives it runs per training step with
+// the bytes each moves per rank.
 // Pure arithmetic on shapes (no per-rank loops), so a 4096-rank plan is instant.
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "partition/linear_layout.hpp"
 #include "partition/mesh.hpp"
 #include "partition/partition_spec.hpp"
 #include "partition/rules.hpp"
@@ -22,10 +26,24 @@ struct ParameterShape {
 // weight before bias. Throws bad_input for fewer than two sizes or a size below 1.
 std::vector<ParameterShape> mlp_parameter_shapes(const std::vector<int64_t>& sizes);
 
+// The linear layers of a model, in the order they run (each one's input is the previous
+// one's output; the first one's input has all features and needs no gradient), by the
+// names of their parameters. The layer is named after its weight ("layers/0/weight" ->
+// "layers/0").
+struct LinearLayerParameters {
+  std::string weight, bias;
+};
+// The MLP's: layers/<i>/weight and layers/<i>/bias for i = 0 .. sizes.size() - 2.
+std::vector<LinearLayerParameters> mlp_linear_layers(const std::vector<int64_t>& sizes);
+
 struct PlanOptions {
   int64_t min_sharding_size = 16384;  // reference default: smaller tensors are replicated
   int64_t bytes_per_element = 4;      // float32
   int optimizer_slots = 2;            // AdamW m and v
+  // For the layers' layouts and collectives (the logical axes `batch` and `hidden`).
+  std::vector<std::string> batch_axes = {"fsdp", "dp"};
+  std::string feature_axis = "tp";  // "" = none
+  int64_t global_batch = 0;         // rows per step; 0 = unknown (activation collectives left out)
 };
 
 struct ParameterPlan {
@@ -39,14 +57,30 @@ struct ParameterPlan {
   int64_t replicas = 1;            // ranks holding each block (world / split product)
 };
 
+// One linear layer: its compute layout and what it communicates per training step.
+struct LayerPlan {
+  std::string name;  // "layers/0"
+  LinearLayout layout;
+  std::string compute;  // describe_linear_layout(layout), as Linear::describe() after "name: "
+  std::vector<LayerCollective> collectives;  // forward then backward, in the order run
+  int64_t collective_bytes_per_step = 0;     // per rank, sum over `collectives`
+  std::vector<std::string> notes;            // the layout's notes (e.g. the all-reduce fallback)
+};
+
 struct PlanTotals {  // bytes per rank
   int64_t parameter_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0;
-  int64_t global_parameter_bytes = 0;  // unsharded model size
+  int64_t global_parameter_bytes = 0;     // unsharded model size
+  int64_t collective_bytes_per_step = 0;  // moved by the layers' collectives (cost model of
+                                          // partition/linear_layout.hpp); 0 without layers
 };
 
 struct ShardingPlan {
   Mesh mesh;
   std::vector<ParameterPlan> parameters;  // in input order
+  std::vector<LayerPlan> layers;          // in the order given to make_plan
+  int64_t local_batch_rows = 0;           // global_batch / batch shards; 0 = unknown
+  std::vector<std::string> notes;         // about the plan as a whole (a batch that does not
+                                          // divide by the batch shards)
   PlanTotals totals;
   std::vector<int> unused_rules;  // indices of rules that gave the spec of no parameter
   const ParameterPlan& find(const std::string& name) const;  // throws bad_input if absent
@@ -63,8 +97,13 @@ struct ShardingPlan {
 // Also bad_input: an invalid regex (all checked up front, naming index and pattern), a
 // spec axis the mesh lacks or an axis repeated in a spec (naming parameter and rule),
 // duplicate parameter names, negative sizes, and nonsensical options.
+// With `layers`, each layer's layout and collectives are planned too (options' batch axes,
+// feature axis and global batch); bad_input also for a layer naming a parameter the model
+// lacks and what decide_linear_layout rejects. A global batch that does not divide by the
+// product of the batch axes is noted (plan.notes) and the activation collectives left out.
 ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh& mesh,
-                       const std::vector<PartitionRule>& rules, const PlanOptions& options);
+                       const std::vector<PartitionRule>& rules, const PlanOptions& options,
+                       const std::vector<LinearLayerParameters>& layers = {});
 
 // format_shape ("[784, 512]") is declared in partition_spec.hpp.
 // "512 B", "1.50 KiB", "3.06 MiB", "2.00 GiB" (binary units).

@@ -1,0 +1,263 @@
+// The layout decision of a Linear layer (partition/linear_layout.hpp) and the collectives
+// the planner reports per training step, with bytes per rank checked against hand
+// computations for 784-512-512-10 at a global batch of 128 (float32):
+//   ring model: all-gather / reduce-scatter of S bytes over n ranks: S (n-1)/n per rank,
+//   all-reduce: 2 S (n-1)/n.
+#include "partition/linear_layout.hpp"
+
+#include <gtest/gtest.h>
+
+#include "partition/planner.hpp"
+#include "partition/rules.hpp"
+#include "tests/test_support.hpp"
+
+namespace meshtrain {
+namespace {
+
+using testing::expect_bad_input;
+
+const std::vector<int64_t> kMnist = {784, 512, 512, 10};
+constexpr int64_t kBatch = 128;
+
+Mesh mesh_of(std::vector<std::pair<std::string, int>> axes) {
+  int world = 1;
+  for (const auto& a : axes) world *= a.second;
+  return Mesh::create(axes, world);
+}
+
+ShardingPlan mnist_plan(const Mesh& mesh, const std::string& preset, int64_t batch = kBatch) {
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.global_batch = batch;
+  return make_plan(mlp_parameter_shapes(kMnist), mesh, preset_rules(preset), options,
+                   mlp_linear_layers(kMnist));
+}
+
+LinearParameter param(const std::string& name, std::vector<int64_t> shape,
+                      const std::string& spec) {
+  return LinearParameter{name, std::move(shape), PartitionSpec::parse(spec)};
+}
+
+bool has_note(const std::vector<std::string>& notes, const std::string& fragment) {
+  for (const auto& n : notes) {
+    if (n.find(fragment) != std::string::npos) return true;
+  }
+  return false;
+}
+
+TEST(CollectiveCost, RingModel) {
+  EXPECT_EQ(collective_bytes_per_rank(CollectiveKind::all_gather, 4096, 4), 3072);
+  EXPECT_EQ(collective_bytes_per_rank(CollectiveKind::reduce_scatter, 4096, 4), 3072);
+  EXPECT_EQ(collective_bytes_per_rank(CollectiveKind::all_reduce, 4096, 4), 6144);
+  EXPECT_EQ(collective_bytes_per_rank(CollectiveKind::all_reduce, 4096, 1), 0);
+  EXPECT_EQ(collective_bytes_per_rank(CollectiveKind::all_reduce, 40, 3), 53);  // rounded down
+}
+
+TEST(LinearLayout, NamesAndAxes) {
+  EXPECT_EQ(linear_layer_name("layers/3/weight"), "layers/3");
+  EXPECT_EQ(linear_layer_name("proj"), "proj");
+  const Mesh mesh = mesh_of({{"dp", 2}, {"tp", 2}});
+  // Axes the mesh lacks are dropped (they are of size 1).
+  const LayerAxes axes = layer_axes_on(mesh, {{"fsdp", "dp", "nosuch"}, "tp"});
+  EXPECT_EQ(axes.batch, (std::vector<std::string>{"dp"}));
+  EXPECT_EQ(axes.feature, "tp");
+  expect_bad_input(
+      [&] {
+        layer_axes_on(mesh, {{"tp"}, "tp"});
+      },
+      {"'tp'", "both the batch and the features"});
+  EXPECT_NO_THROW(layer_axes_on(mesh_of({{"dp", 2}}), {{"tp"}, "tp"}));  // tp of size 1
+  LogicalAxes logical;
+  EXPECT_EQ(layer_axes(logical).feature, "tp");
+  logical.mapping["hidden"] = {"tp", "sp"};
+  expect_bad_input([&] { layer_axes(logical); }, {"'hidden'", "2 mesh axes"});
+}
+
+TEST(LinearLayout, TensorParallelDecision) {
+  const Mesh mesh = mesh_of({{"fsdp", 2}, {"tp", 4}});
+  const LayerAxes axes{{"fsdp", "dp"}, "tp"};
+  // Dim 0 starts with tp: TP; fsdp on dim 1 is storage; out divides: split output.
+  LinearLayout l = decide_linear_layout(
+      "layers/0", param("layers/0/weight", {784, 512}, "P(tp, fsdp)"),
+      param("layers/0/bias", {512}, "P(tp)"), mesh, axes, FeatureLayout::replicated);
+  EXPECT_TRUE(l.tensor_parallel);
+  EXPECT_TRUE(l.split_output);
+  EXPECT_EQ(l.in_compute, 196);
+  EXPECT_EQ(l.out_local, 128);
+  EXPECT_EQ(l.stored_rows, 196);
+  EXPECT_EQ(l.stored_cols, 256);
+  EXPECT_TRUE(l.weight_gather_dim0.empty());
+  EXPECT_EQ(l.weight_gather_dim1, (std::vector<std::string>{"fsdp"}));
+  EXPECT_TRUE(l.weight_allreduce.empty());  // fsdp is a batch axis: the reduce-scatter sums
+  EXPECT_EQ(l.nonbatch_replication, 1);
+  EXPECT_TRUE(l.bias_gather.empty());
+  EXPECT_TRUE(l.bias_gather_sliced);
+  EXPECT_EQ(l.bias_reduce, (std::vector<std::string>{"fsdp", "tp"}));
+  EXPECT_TRUE(l.slices_input());
+  EXPECT_EQ(describe_linear_layout(l),
+            "TP in 784 -> out 512 (split 128), weight gathered over (fsdp) on dim 1");
+  EXPECT_TRUE(l.notes.empty());
+
+  // 10 outputs over tp=4: all-reduced and replicated, and the notes say so.
+  l = decide_linear_layout("layers/2", param("layers/2/weight", {512, 10}, "P(tp, None)"),
+                           param("layers/2/bias", {10}, "P()"), mesh, axes, FeatureLayout::split);
+  EXPECT_TRUE(l.tensor_parallel);
+  EXPECT_FALSE(l.split_output);
+  EXPECT_EQ(l.output_layout(), FeatureLayout::replicated);
+  EXPECT_EQ(l.out_local, 10);
+  EXPECT_EQ(l.weight_allreduce, (std::vector<std::string>{"fsdp"}));
+  EXPECT_EQ(l.bias_reduce, (std::vector<std::string>{"fsdp"}));
+  EXPECT_EQ(describe_linear_layout(l),
+            "TP in 512 (split 128) -> out 10 (all-reduced, replicated: 10 % 4 != 0), grads "
+            "all-reduced over (fsdp)");
+  EXPECT_TRUE(has_note(l.notes, "output features 10 do not divide by tp=4"));
+  EXPECT_TRUE(has_note(l.notes, "all-reduces its output over tp and keeps it replicated"));
+
+  // tp second in the dim-0 tuple: storage, not TP; a split input is gathered; tp is not a
+  // batch axis, so its copies divide the gradient.
+  l = decide_linear_layout("x", param("x/weight", {512, 64}, "P((fsdp, tp), None)"),
+                           param("x/bias", {64}, "P(fsdp)"), mesh, axes, FeatureLayout::split);
+  EXPECT_FALSE(l.tensor_parallel);
+  EXPECT_TRUE(l.gathers_input());
+  EXPECT_EQ(l.weight_gather_dim0, (std::vector<std::string>{"fsdp", "tp"}));
+  EXPECT_EQ(l.nonbatch_replication, 4);
+  EXPECT_EQ(l.bias_gather, (std::vector<std::string>{"fsdp"}));
+  EXPECT_FALSE(l.bias_gather_sliced);
+  EXPECT_TRUE(has_note(l.notes, "not tensor parallel"));
+}
+
+TEST(LinearLayout, BadInputNamesTheLayer) {
+  const Mesh mesh = mesh_of({{"tp", 4}});
+  const LayerAxes axes{{"fsdp", "dp"}, "tp"};
+  expect_bad_input(
+      [&] {
+        decide_linear_layout("layers/0", param("layers/0/weight", {8, 4}, "P()"),
+                             param("layers/0/bias", {4, 1}, "P()"), mesh, axes,
+                             FeatureLayout::replicated);
+      },
+      {"linear layer 'layers/0'", "'layers/0/bias' of rank 2"});
+  expect_bad_input(
+      [&] {
+        decide_linear_layout("layers/1", param("layers/1/weight", {10, 8}, "P(tp, None)"),
+                             param("layers/1/bias", {8}, "P()"), mesh, axes,
+                             FeatureLayout::replicated);
+      },
+      {"linear layer 'layers/1'", "10 input features", "'tp' of size 4"});
+}
+
+// dp=2: every parameter replicated; each gradient all-reduced over dp (2 S (n-1)/n = S).
+TEST(PlannerCollectives, DataParallelAllReducesEveryGradient) {
+  const ShardingPlan plan = mnist_plan(mesh_of({{"dp", 2}}), "dp");
+  EXPECT_EQ(plan.local_batch_rows, 64);
+  ASSERT_EQ(plan.layers.size(), 3u);
+  for (const auto& l : plan.layers) {
+    ASSERT_EQ(l.collectives.size(), 2u) << l.name;
+    EXPECT_EQ(l.collectives[0].operand, "weight gradient");
+    EXPECT_EQ(l.collectives[0].kind, CollectiveKind::all_reduce);
+    EXPECT_EQ(l.collectives[0].axes, (std::vector<std::string>{"dp"}));
+    EXPECT_EQ(l.collectives[1].operand, "bias gradient");
+    EXPECT_EQ(l.compute.find("replicated in"), 0u) << l.compute;
+    EXPECT_TRUE(l.notes.empty());
+  }
+  EXPECT_EQ(plan.layers[0].collectives[0].bytes_per_rank, 784 * 512 * 4);
+  EXPECT_EQ(plan.layers[2].collectives[1].bytes_per_rank, 10 * 4);
+  // 669706 parameters of 4 bytes.
+  EXPECT_EQ(plan.totals.collective_bytes_per_step, 669706 * 4);
+}
+
+// fsdp=4: each weight gathered in forward and again in backward, its gradient
+// reduce-scattered: 3 x S x 3/4; biases of 512 gathered (S x 3/4) and their gradients
+// all-reduced (2 S x 3/4); the 10-bias does not divide by 4: replicated, only all-reduced.
+TEST(PlannerCollectives, FsdpGathersAndReduceScatters) {
+  const ShardingPlan plan = mnist_plan(mesh_of({{"fsdp", 4}}), "fsdp");
+  EXPECT_EQ(plan.local_batch_rows, 32);
+  const LayerPlan& l0 = plan.layers[0];
+  ASSERT_EQ(l0.collectives.size(), 5u);
+  EXPECT_EQ(l0.collectives[0].phase, "forward");
+  EXPECT_EQ(l0.collectives[0].kind, CollectiveKind::all_gather);
+  EXPECT_EQ(l0.collectives[0].shape, (std::vector<int64_t>{784, 512}));
+  EXPECT_EQ(l0.collectives[0].bytes_per_rank, 784 * 512 * 4 * 3 / 4);  // 1204224
+  EXPECT_EQ(l0.collectives[1].operand, "bias");
+  EXPECT_EQ(l0.collectives[2].phase, "backward");
+  EXPECT_EQ(l0.collectives[2].operand, "weight");
+  EXPECT_EQ(l0.collectives[3].kind, CollectiveKind::reduce_scatter);
+  EXPECT_EQ(l0.collectives[4].operand, "bias gradient");
+  EXPECT_EQ(l0.collective_bytes_per_step, 3 * 1204224 + 1536 + 3072);             // 3617280
+  EXPECT_EQ(plan.layers[1].collective_bytes_per_step, 3 * 786432 + 1536 + 3072);  // 2363904
+  EXPECT_EQ(plan.layers[2].collective_bytes_per_step, 3 * 15360 + 60);            // 46140
+  EXPECT_EQ(plan.totals.collective_bytes_per_step, 3617280 + 2363904 + 46140);
+}
+
+// tp=4, 128 rows on every rank. Layer 0 (input replicated, first layer: no input
+// gradient): reduce-scatter of the output [128, 512] (262144 B x 3/4 = 196608), all-gather
+// of dY for the weight gradient (196608), bias-gradient all-reduce over tp (2 x 2048 x 3/4
+// = 3072). Layer 1: the same plus dY gathered again for the input gradient. Layer 2 (10
+// outputs): only the all-reduce of its output [128, 10] (2 x 5120 x 3/4 = 7680).
+TEST(PlannerCollectives, TensorParallelWithAllReduceFallback) {
+  const ShardingPlan plan = mnist_plan(mesh_of({{"tp", 4}}), "tp");
+  EXPECT_EQ(plan.local_batch_rows, 128);
+  EXPECT_EQ(plan.layers[0].compute, "TP in 784 -> out 512 (split 128)");
+  EXPECT_EQ(plan.layers[0].collective_bytes_per_step, 2 * 196608 + 3072);
+  EXPECT_EQ(plan.layers[1].compute, "TP in 512 (split 128) -> out 512 (split 128)");
+  EXPECT_EQ(plan.layers[1].collective_bytes_per_step, 3 * 196608 + 3072);
+  const LayerPlan& last = plan.layers[2];
+  EXPECT_EQ(last.compute, "TP in 512 (split 128) -> out 10 (all-reduced, replicated: 10 % 4 != 0)");
+  ASSERT_EQ(last.collectives.size(), 1u);
+  EXPECT_EQ(last.collectives[0].kind, CollectiveKind::all_reduce);
+  EXPECT_EQ(last.collectives[0].operand, "output");
+  EXPECT_EQ(last.collectives[0].shape, (std::vector<int64_t>{128, 10}));
+  EXPECT_EQ(last.collectives[0].bytes_per_rank, 7680);
+  EXPECT_TRUE(has_note(last.notes, "do not divide by tp=4"));
+  EXPECT_TRUE(has_note(last.notes, "keeps it replicated"));
+  EXPECT_EQ(plan.totals.collective_bytes_per_step, 396288 + 592896 + 7680);  // 996864
+}
+
+// Without a global batch, or with one that does not divide, the activation collectives are
+// left out (and the plan says why in the second case); parameter collectives stay.
+TEST(PlannerCollectives, UnknownOrIndivisibleBatch) {
+  const Mesh mesh = mesh_of({{"tp", 4}});
+  const ShardingPlan unknown = mnist_plan(mesh, "tp", 0);
+  EXPECT_EQ(unknown.local_batch_rows, 0);
+  EXPECT_TRUE(unknown.notes.empty());
+  EXPECT_EQ(unknown.totals.collective_bytes_per_step, 2 * 3072);  // the two bias gradients
+  const ShardingPlan odd = mnist_plan(mesh_of({{"dp", 3}}), "dp", 100);
+  EXPECT_EQ(odd.local_batch_rows, 0);
+  ASSERT_EQ(odd.notes.size(), 1u);
+  EXPECT_NE(odd.notes[0].find("global batch 100 does not divide by the 3 batch shards"),
+            std::string::npos)
+      << odd.notes[0];
+  // Without layers the planner reports none (and does not judge the batch).
+  PlanOptions options;
+  options.global_batch = 100;
+  const ShardingPlan none =
+      make_plan(mlp_parameter_shapes(kMnist), mesh_of({{"dp", 3}}), preset_rules("dp"), options);
+  EXPECT_TRUE(none.layers.empty());
+  EXPECT_EQ(none.totals.collective_bytes_per_step, 0);
+}
+
+TEST(PlannerCollectives, BadLayerList) {
+  const Mesh mesh = mesh_of({{"tp", 2}});
+  PlanOptions options;
+  expect_bad_input(
+      [&] {
+        make_plan(mlp_parameter_shapes(kMnist), mesh, preset_rules("tp"), options,
+                  {{"layers/0/weight", "layers/9/bias"}});
+      },
+      {"layer 'layers/0'", "'layers/9/bias'"});
+  options.global_batch = -1;
+  expect_bad_input(
+      [&] { make_plan(mlp_parameter_shapes(kMnist), mesh, preset_rules("tp"), options); },
+      {"global batch", "-1"});
+  // The feature axis may not split the batch too.
+  options.global_batch = 0;
+  options.batch_axes = {"tp"};
+  expect_bad_input(
+      [&] {
+        make_plan(mlp_parameter_shapes(kMnist), mesh, preset_rules("tp"), options,
+                  mlp_linear_layers(kMnist));
+      },
+      {"'tp'", "both the batch and the features"});
+}
+
+}  // namespace
+}  // namespace meshtrain
