@@ -52,6 +52,41 @@ void write_table(const std::vector<std::vector<std::string>>& rows, std::ostream
   }
 }
 
+// The group of a collective: "tp=4", "(fsdp, dp)=8".
+std::string group_text(const LayerCollective& c, const Mesh& mesh) {
+  return axis_product_text(SpecEntry{c.axes}, mesh);
+}
+
+void write_layers_text(const ShardingPlan& plan, const PlanOptions& options, std::ostream& out) {
+  out << "\nlayers (collectives per training step, bytes moved per rank";
+  if (plan.local_batch_rows > 0) {
+    out << "; global batch " << options.global_batch << " = " << plan.local_batch_rows
+        << " rows per rank";
+  } else if (options.global_batch == 0) {
+    out << "; global batch unknown: activation collectives left out";
+  }
+  out << "):\n";
+  for (const auto& note : plan.notes) out << "note: " << note << "\n";
+  for (const auto& l : plan.layers) {
+    out << l.name << ": " << l.compute << "\n";
+    for (const auto& note : l.notes) out << "  note: " << note << "\n";
+    if (l.collectives.empty()) {
+      out << "  no collectives\n";
+      continue;
+    }
+    std::vector<std::vector<std::string>> rows = {
+        {"  phase", "collective", "operand", "shape", "group", "bytes/rank"}};
+    for (const auto& c : l.collectives) {
+      rows.push_back({"  " + c.phase, to_string(c.kind), c.operand, format_shape(c.shape),
+                      group_text(c, plan.mesh), format_bytes(c.bytes_per_rank)});
+    }
+    rows.push_back({"  total", "", "", "", "", format_bytes(l.collective_bytes_per_step)});
+    write_table(rows, out);
+  }
+  out << "collectives per rank per step: " << format_bytes(plan.totals.collective_bytes_per_step)
+      << "\n";
+}
+
 }  // namespace
 
 void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>& rules,
@@ -92,6 +127,8 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
                {"unsharded model", format_bytes(t.global_parameter_bytes)}},
               out);
 
+  if (!plan.layers.empty()) write_layers_text(plan, options, out);
+
   if (!plan.unused_rules.empty()) {
     out << "\nunused rules (gave the spec of no parameter):\n";
     for (int i : plan.unused_rules) out << "  " << describe_rule(rules, i) << "\n";
@@ -125,7 +162,10 @@ nlohmann::ordered_json plan_to_json(const ShardingPlan& plan,
   doc["mesh"] = {{"world_size", plan.mesh.world_size()}, {"axes", axes}};
   doc["options"] = {{"min_sharding_size", options.min_sharding_size},
                     {"bytes_per_element", options.bytes_per_element},
-                    {"optimizer_slots", options.optimizer_slots}};
+                    {"optimizer_slots", options.optimizer_slots},
+                    {"batch_axes", options.batch_axes},
+                    {"feature_axis", options.feature_axis},
+                    {"global_batch", options.global_batch}};
   json rule_list = json::array();
   for (size_t i = 0; i < rules.size(); ++i) {
     rule_list.push_back({{"index", i},
@@ -146,12 +186,37 @@ nlohmann::ordered_json plan_to_json(const ShardingPlan& plan,
                           {"notes", p.notes}});
   }
   doc["parameters"] = parameters;
+  doc["local_batch_rows"] = plan.local_batch_rows;
+  json layers = json::array();
+  for (const auto& l : plan.layers) {
+    json collectives = json::array();
+    for (const auto& c : l.collectives) {
+      collectives.push_back({{"phase", c.phase},
+                             {"kind", to_string(c.kind)},
+                             {"operand", c.operand},
+                             {"axes", c.axes},
+                             {"ranks", c.ranks},
+                             {"shape", c.shape},
+                             {"bytes_per_rank", c.bytes_per_rank}});
+    }
+    layers.push_back({{"name", l.name},
+                      {"compute", l.compute},
+                      {"tensor_parallel", l.layout.tensor_parallel},
+                      {"input_layout", to_string(l.layout.input_layout)},
+                      {"output_layout", to_string(l.layout.output_layout())},
+                      {"collectives", collectives},
+                      {"collective_bytes_per_step", l.collective_bytes_per_step},
+                      {"notes", l.notes}});
+  }
+  doc["layers"] = layers;
+  doc["notes"] = plan.notes;
   const PlanTotals& t = plan.totals;
   doc["totals"] = {{"parameter_bytes", t.parameter_bytes},
                    {"gradient_bytes", t.gradient_bytes},
                    {"optimizer_bytes", t.optimizer_bytes},
                    {"bytes_per_rank", t.parameter_bytes + t.gradient_bytes + t.optimizer_bytes},
-                   {"global_parameter_bytes", t.global_parameter_bytes}};
+                   {"global_parameter_bytes", t.global_parameter_bytes},
+                   {"collective_bytes_per_step", t.collective_bytes_per_step}};
   doc["unused_rules"] = plan.unused_rules;
   return doc;
 }
@@ -160,8 +225,8 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   const Mesh mesh = config.mesh.resolve(world_size);
   const std::vector<PartitionRule> rules = partition_rules(config);
   const PlanOptions options = plan_options(config);
-  const ShardingPlan plan =
-      make_plan(mlp_parameter_shapes(config.model.sizes), mesh, rules, options);
+  const ShardingPlan plan = make_plan(mlp_parameter_shapes(config.model.sizes), mesh, rules,
+                                      options, mlp_linear_layers(config.model.sizes));
   if (json) {
     out << plan_to_json(plan, rules, options, config.file).dump(2) << "\n";
   } else {

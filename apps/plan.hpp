@@ -15,9 +15,10 @@ namespace meshtrain {
 
 struct RunConfig;
 
-// Prints the plan of `config` for `world_size` ranks: header, table, totals, unused rules and
-// sharding pictures (meshes of up to 16 ranks), or with `json` one JSON document. Throws
-// meshtrain::Error on bad input.
+// Prints the plan of `config` for `world_size` ranks: header, table, totals, the layers
+// (compute layout, notes, collectives per training step with bytes per rank), unused rules
+// and sharding pictures (meshes of up to 16 ranks), or with `json` one JSON document.
+// Throws meshtrain::Error on bad input.
 void print_plan(const RunConfig& config, int world_size, bool json, std::ostream& out);
 
 // The text form of `plan`; `source` names the config file in the header.
@@ -26,8 +27,11 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
 
 // The JSON form: {"config", "mesh": {"world_size", "axes": {name: size, ...} in mesh order},
 // "options", "rules", "parameters": [{"name", "shape", "rule", "spec", "local_shape",
-// "bytes_per_rank", "replicas", "notes"}], "totals", "unused_rules"}. A spec entry is null,
-// an axis name, or a list of axis names.
+// "bytes_per_rank", "replicas", "notes"}], "local_batch_rows", "layers": [{"name", "compute",
+// "tensor_parallel", "input_layout", "output_layout", "collectives": [{"phase", "kind",
+// "operand", "axes", "ranks", "shape", "bytes_per_rank"}], "collective_bytes_per_step",
+// "notes"}], "notes" (about the whole plan), "totals" (with "collective_bytes_per_step"),
+// "unused_rules"}. A spec entry is null, an axis name, or a list of axis names.
 nlohmann::ordered_json plan_to_json(const ShardingPlan& plan,
                                     const std::vector<PartitionRule>& rules,
                                     const PlanOptions& options, const std::string& source);

@@ -66,6 +66,37 @@ TEST(PlanPrint, TextHasHeaderTableTotalsAndPictures) {
                   "+---+---+\n");
 }
 
+// The layers section: each layer's compute layout and collectives per training step with
+// bytes per rank. fsdp=2 x tp=2, global batch 128 (64 rows per rank): layer 0 gathers its
+// weight block [392, 512] over fsdp (802816 B x 1/2 = 392 KiB) and reduce-scatters its output
+// [64, 512] over tp (131072 B x 1/2 = 64 KiB). With tp=4 the 10-output layer all-reduces.
+TEST(PlanPrint, TextHasLayersWithCollectives) {
+  const RunConfig config = parse_config(kConfig, "fsdp_tp.toml");
+  const std::string text = plan_text(config, 4, false);
+  expect_contains(text, "global batch 128 = 64 rows per rank");
+  expect_contains(text,
+                  "layers/0: TP in 784 -> out 512 (split 256), weight gathered over (fsdp) on "
+                  "dim 1\n");
+  expect_contains(
+      text, "forward   all-gather      weight           [392, 512]  fsdp=2        392.00 KiB");
+  expect_contains(text,
+                  "forward   reduce-scatter  output           [64, 512]   tp=2          64.00 KiB");
+  expect_contains(text,
+                  "backward  all-reduce      bias gradient    [512]       (fsdp, tp)=4  3.00 KiB");
+  // 2343740 B in all (see JsonDocument).
+  expect_contains(text, "collectives per rank per step: 2.24 MiB");
+
+  const RunConfig tp4 = parse_config(kConfig, "tp.toml", {"partition.preset=tp", "mesh.tp=4"});
+  const std::string tp_text = plan_text(tp4, 4, false);
+  expect_contains(
+      tp_text,
+      "layers/2: TP in 512 (split 128) -> out 10 (all-reduced, replicated: 10 % 4 != 0)\n"
+      "  note: output features 10 do not divide by tp=4: the layer all-reduces "
+      "its output over tp and keeps it replicated\n");
+  // 2 x (128 x 10 x 4 B) x 3/4.
+  expect_contains(tp_text, "forward  all-reduce  output   [128, 10]  tp=4   7.50 KiB");
+}
+
 TEST(PlanPrint, TextNotesFallbacksAndSkipsPicturesOnLargeMeshes) {
   const RunConfig config = parse_config(kConfig, "fsdp_tp.toml");
   const std::string text = plan_text(config, 4096, false);
@@ -73,6 +104,10 @@ TEST(PlanPrint, TextNotesFallbacksAndSkipsPicturesOnLargeMeshes) {
   expect_contains(text, "dim 1 (512) does not divide by fsdp=2048: replicated");
   expect_contains(text, "no sharding pictures");
   EXPECT_EQ(text.find("+---"), std::string::npos);
+  // 128 rows do not split over 2048 batch shards: the plan still answers, and says so.
+  expect_contains(text,
+                  "note: global batch 128 does not divide by the 2048 batch shards (mesh axes "
+                  "fsdp, dp): activation collectives left out");
 }
 
 TEST(PlanPrint, JsonDocument) {
@@ -94,6 +129,36 @@ TEST(PlanPrint, JsonDocument) {
   EXPECT_EQ(doc["totals"]["optimizer_bytes"], 2 * 670740);
   EXPECT_EQ(doc["totals"]["global_parameter_bytes"], 669706 * 4);
   EXPECT_EQ(doc["unused_rules"], nlohmann::json({2}));
+  // The layers: compute layout, collectives with bytes per rank, and the total per step.
+  EXPECT_EQ(doc["options"]["batch_axes"], nlohmann::json({"fsdp", "dp"}));
+  EXPECT_EQ(doc["options"]["feature_axis"], "tp");
+  EXPECT_EQ(doc["options"]["global_batch"], 128);
+  EXPECT_EQ(doc["local_batch_rows"], 64);
+  ASSERT_EQ(doc["layers"].size(), 3u);
+  const auto& l2 = doc["layers"][2];
+  EXPECT_EQ(l2["name"], "layers/2");
+  EXPECT_EQ(l2["compute"],
+            "TP in 512 (split 256) -> out 10 (split 5), weight gathered over (fsdp) on dim 1");
+  EXPECT_EQ(l2["tensor_parallel"], true);
+  EXPECT_EQ(l2["input_layout"], "split");
+  EXPECT_EQ(l2["output_layout"], "split");
+  ASSERT_EQ(l2["collectives"].size(), 7u);
+  const auto& rs = l2["collectives"][1];
+  EXPECT_EQ(rs["phase"], "forward");
+  EXPECT_EQ(rs["kind"], "reduce-scatter");
+  EXPECT_EQ(rs["operand"], "output");
+  EXPECT_EQ(rs["axes"], nlohmann::json({"tp"}));
+  EXPECT_EQ(rs["ranks"], 2);
+  EXPECT_EQ(rs["shape"], nlohmann::json({64, 10}));
+  EXPECT_EQ(rs["bytes_per_rank"], 64 * 10 * 4 / 2);
+  // Layer 2: weight [256, 10] over fsdp 3 x 5120, activations [64, 10] over tp 3 x 1280,
+  // bias gradient 2 x 40 x 3/4 = 60.
+  EXPECT_EQ(l2["collective_bytes_per_step"], 19260);
+  // Layers 0 and 1: 3 x 401408 + 2 x 65536 + 3072 and 3 x 262144 + 3 x 65536 + 3072.
+  EXPECT_EQ(doc["layers"][0]["collective_bytes_per_step"], 1338368);
+  EXPECT_EQ(doc["layers"][1]["collective_bytes_per_step"], 986112);
+  EXPECT_EQ(doc["totals"]["collective_bytes_per_step"], 1338368 + 986112 + 19260);
+  EXPECT_TRUE(doc["notes"].empty());
   // Mesh axes keep mesh order; None entries are null, tuples are lists.
   const auto ordered = nlohmann::ordered_json::parse(plan_text(config, 4, true));
   std::vector<std::string> axes;
@@ -104,6 +169,20 @@ TEST(PlanPrint, JsonDocument) {
       {"partition.preset=dp", R"(partition.rules=[["weight", [["fsdp", "tp"], ""]]])"});
   const auto doc2 = nlohmann::json::parse(plan_text(batch, 4, true));
   EXPECT_EQ(doc2["parameters"][0]["spec"], nlohmann::json::parse(R"([["fsdp", "tp"], null])"));
+}
+
+// plan_options takes the layers' axes from [partition] logical_axes and the batch from
+// data.batch_size.
+TEST(PlanPrint, LogicalAxesAndBatchSizeReachTheLayers) {
+  const RunConfig config = parse_config(
+      kConfig, "axes.toml", {R"(partition.logical_axes.batch=["dp"])", "data.batch_size=32"});
+  const auto doc = nlohmann::json::parse(plan_text(config, 4, true));
+  EXPECT_EQ(doc["options"]["batch_axes"], nlohmann::json({"dp"}));
+  EXPECT_EQ(doc["options"]["global_batch"], 32);
+  EXPECT_EQ(doc["local_batch_rows"], 32);  // dp has size 1: every rank has the whole batch
+  // fsdp is now pure storage: its gathers stay, nothing is all-reduced over it.
+  EXPECT_EQ(doc["layers"][0]["collectives"][5]["operand"], "bias gradient");
+  EXPECT_EQ(doc["layers"][0]["collectives"][5]["axes"], nlohmann::json({"tp"}));
 }
 
 TEST(PlanPrint, BadInputNamesTheProblem) {
