@@ -8,6 +8,8 @@
 // 4: the last layer all-reduces and keeps its output replicated). Global batch 32.
 // Tolerance: per tensor, max |got - ref| <= 1e-4 * max |ref| (+1e-7 absolute); the loss
 // and the norm within 1e-4 relative.
+// For every mesh, the planner's per-layer layout (make_plan with the model's layers, what
+// `meshtrain plan` prints) is the one the built Linear layers report.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -310,24 +312,26 @@ void expect_close(const Tensor& got, const Tensor& ref, const std::string& what)
 }
 
 // ---- the meshes and layouts --------------------------------------------------------------
+struct CustomSpecs {
+  std::string weight, bias;  // spec text of every weight / bias; "" = use the preset
+};
+
 struct LayoutCase {
   std::string name;
   std::vector<std::pair<std::string, int>> mesh;
   std::string preset;         // planner preset, or "" for `custom`
   int64_t min_sharding_size;  // for presets
-  std::function<std::string(const std::string& param)> custom;  // spec text per parameter
+  CustomSpecs custom;
   CollectiveMatmulAlgorithm algorithm = CollectiveMatmulAlgorithm::automatic;
 };
 
-std::string custom_spec(const std::string& weight, const std::string& bias, const std::string& p) {
-  return p.size() >= 6 && p.compare(p.size() - 6, 6, "weight") == 0 ? weight : bias;
+bool is_weight(const std::string& p) {
+  return p.size() >= 6 && p.compare(p.size() - 6, 6, "weight") == 0;
 }
 
 std::vector<LayoutCase> layouts_for(int n) {
   using A = CollectiveMatmulAlgorithm;
-  auto custom = [](std::string w, std::string b) {
-    return [w, b](const std::string& p) { return custom_spec(w, b, p); };
-  };
+  auto custom = [](std::string w, std::string b) { return CustomSpecs{w, b}; };
   std::vector<LayoutCase> c;
   if (n == 1) {
     c.push_back({"single", {{"dp", 1}}, "dp", 0, {}});
@@ -382,6 +386,49 @@ PartitionSpec fitted(PartitionSpec spec, const std::vector<int64_t>& shape, cons
   return spec;
 }
 
+// The planner (`meshtrain plan`) reports for every layer the layout the built layers use:
+// the same specs, the same describe() line, the same TP decision and output layout, and
+// the local batch rows the model was built for.
+void expect_planner_agrees(const ModelCase& m, const LayoutCase& layout, const Mesh& mesh,
+                           const Mlp& model) {
+  std::vector<PartitionRule> rules;
+  PlanOptions options;
+  if (!layout.preset.empty()) {
+    rules = preset_rules(layout.preset);
+    options.min_sharding_size = layout.min_sharding_size;
+  } else {  // as fitted(): dims that do not divide are replicated
+    rules = {PartitionRule{"weight$", PartitionSpec::parse(layout.custom.weight), true},
+             PartitionRule{".*", PartitionSpec::parse(layout.custom.bias), true}};
+    options.min_sharding_size = 0;
+  }
+  options.batch_axes = {"fsdp", "dp"};  // as the ParallelContext of run_case
+  options.feature_axis = "tp";
+  options.global_batch = kBatch;
+  const ShardingPlan plan =
+      make_plan(mlp_parameter_shapes(m.sizes), mesh, rules, options, mlp_linear_layers(m.sizes));
+  EXPECT_EQ(plan.local_batch_rows, model.local_rows());
+  for (const auto& p : model.parameters()) {
+    EXPECT_EQ(plan.find(p.name).spec, p.spec) << p.name;
+  }
+  ASSERT_EQ(plan.layers.size(), model.layers().size());
+  for (size_t i = 0; i < plan.layers.size(); ++i) {
+    const LayerPlan& planned = plan.layers[i];
+    const Linear& built = model.layers()[i];
+    EXPECT_EQ(planned.name + ": " + planned.compute, built.describe());
+    EXPECT_EQ(planned.layout.tensor_parallel, built.tensor_parallel()) << built.describe();
+    EXPECT_EQ(planned.layout.output_layout(), built.output_layout()) << built.describe();
+    EXPECT_EQ(planned.layout.out_local, built.output_width()) << built.describe();
+    // The all-reduce fallback is in the plan's notes exactly when the layer uses it.
+    bool fallback_noted = false;
+    for (const auto& note : planned.notes) {
+      fallback_noted = fallback_noted || note.find("keeps it replicated") != std::string::npos;
+    }
+    EXPECT_EQ(fallback_noted,
+              built.tensor_parallel() && built.output_layout() == FeatureLayout::replicated)
+        << built.describe();
+  }
+}
+
 void run_case(const ModelCase& m, const LayoutCase& layout) {
   SCOPED_TRACE(m.name + " on " + layout.name);
   const Mesh mesh = Mesh::create(layout.mesh, world_size());
@@ -402,7 +449,8 @@ void run_case(const ModelCase& m, const LayoutCase& layout) {
     std::map<std::string, std::vector<int64_t>> shapes;
     for (const auto& p : mlp_parameter_shapes(m.sizes)) shapes[p.name] = p.shape;
     spec_of = [&, shapes](const std::string& name) {
-      return fitted(PartitionSpec::parse(layout.custom(name)), shapes.at(name), mesh);
+      const std::string& text = is_weight(name) ? layout.custom.weight : layout.custom.bias;
+      return fitted(PartitionSpec::parse(text), shapes.at(name), mesh);
     };
   }
 
@@ -425,6 +473,7 @@ void run_case(const ModelCase& m, const LayoutCase& layout) {
     EXPECT_NE(model.layers().front().describe().find("gathered over (fsdp)"), std::string::npos)
         << model.layers().front().describe();
   }
+  expect_planner_agrees(m, layout, mesh, model);
   Loss loss(m.loss, context, rows, m.sizes.back(), model.output_layout());
   Optimizer optimizer(m.optimizer, model.parameters());
   GradientClipper clipper(mesh, context.rank(), model.gradients());
