@@ -149,8 +149,9 @@ int train_command(const std::string& config_path, const std::vector<std::string>
   agree([&] {
     config = load_config(config_path, overrides);
     mesh = config.mesh.resolve(runtime.world_size());
+    // The same plan `meshtrain plan` prints, layer layouts included.
     plan = make_plan(mlp_parameter_shapes(config.model.sizes), *mesh, partition_rules(config),
-                     plan_options(config));
+                     plan_options(config), mlp_linear_layers(config.model.sizes));
     logical = LogicalAxes::with_overrides(config.partition.logical_axes);
   });
   const std::vector<int64_t>& sizes = config.model.sizes;
