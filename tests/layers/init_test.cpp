@@ -16,17 +16,6 @@
 namespace meshtrain {
 namespace {
 
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-
 std::vector<Mesh> meshes_for(int n) {
   std::vector<std::vector<std::pair<std::string, int>>> shapes = {
       {{"dp", n}},

@@ -27,6 +27,7 @@
 #include "layers/mlp.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
+#include "tests/test_support.hpp"
 
 namespace meshtrain {
 namespace {
@@ -34,12 +35,6 @@ namespace {
 constexpr double kRelTol = 1e-4;
 constexpr int64_t kBatch = 32;
 constexpr uint64_t kSeed = 42;
-
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
 
 using Tensor = std::vector<double>;
 

@@ -25,6 +25,7 @@
 #include "layers/mlp.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
+#include "tests/test_support.hpp"
 
 // --- counting operator new: counts while g_window_open is set -------------------------
 
@@ -132,12 +133,6 @@ class AllocationWindow {
     return g_allocations.load();
   }
 };
-
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
 
 struct MeshCase {
   std::string preset;

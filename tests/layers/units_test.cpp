@@ -24,12 +24,6 @@
 namespace meshtrain {
 namespace {
 
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
-
 TEST(Activation, BackwardMatchesFiniteDifferences) {
   const int n = 41;
   Matrix z("z", 1, n), out("out", 1, n), g("g", 1, n);
