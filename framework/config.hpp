@@ -26,15 +26,15 @@ struct MeshSection {
   // (axis, size) in mesh order dp, fsdp, ep, tp, sp; absent axes are 1; one may be -1.
   std::vector<std::pair<std::string, int>> axes;
   Mesh resolve(int world_size) const;  // Mesh::create with "[mesh]" as the source
-  std::string source = "[mesh]";        // "<file> [mesh]" once loaded, for messages
+  std::string source = "[mesh]";       // "<file> [mesh]" once loaded, for messages
 };
 
 struct ModelSection {
   std::string kind = "mlp";
-  std::vector<int64_t> sizes;        // [in, hidden..., out], at least two, all positive
-  std::string activation = "relu";   // relu | tanh | gelu
-  std::string init = "he_normal";    // he_normal | xavier_uniform | normal
-  std::string loss = "auto";         // auto | cross_entropy | mse (auto: mse for synthetic)
+  std::vector<int64_t> sizes;       // [in, hidden..., out], at least two, all positive
+  std::string activation = "relu";  // relu | tanh | gelu
+  std::string init = "he_normal";   // he_normal | xavier_uniform | normal
+  std::string loss = "auto";        // auto | cross_entropy | mse (auto: mse for synthetic)
 };
 
 struct PartitionRuleText {
@@ -43,17 +43,17 @@ struct PartitionRuleText {
 };
 
 struct PartitionSection {
-  std::string preset;                      // "" | dp | fsdp | tp | fsdp_tp | dp_tp | dp_fsdp
-  int64_t min_sharding_size = 16384;       // the reference's default
-  std::vector<PartitionRuleText> rules;    // tried before the preset's rules
+  std::string preset;                    // "" | dp | fsdp | tp | fsdp_tp | dp_tp | dp_fsdp
+  int64_t min_sharding_size = 16384;     // the reference's default
+  std::vector<PartitionRuleText> rules;  // tried before the preset's rules
   std::map<std::string, std::vector<std::string>> logical_axes;  // overrides
   std::string collective_matmul = "auto";  // naive | ring | bidirectional | auto
 };
 
 struct DataSection {
   std::string source = "fashion_mnist";  // fashion_mnist | synthetic | hdf5
-  std::string path;       // fashion_mnist: directory of IDX files; hdf5: training file
-  std::string test_path;  // hdf5: test file (optional)
+  std::string path;          // fashion_mnist: directory of IDX files; hdf5: training file
+  std::string test_path;     // hdf5: test file (optional)
   int64_t batch_size = 128;  // global
   bool shuffle = true;
   int64_t synthetic_samples = 4096;

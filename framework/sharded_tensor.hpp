@@ -20,11 +20,11 @@ using UnmanagedMatrix =
     Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 
 struct ShardedTensor {
-  std::string name;                 // '/'-joined, e.g. "layers/0/weight"
+  std::string name;  // '/'-joined, e.g. "layers/0/weight"
   std::vector<int64_t> global_shape;
-  PartitionSpec spec;               // storage layout
-  ShardBox box;                     // the block this rank holds
-  Vector local;                     // box.elements() values, row-major over box.extent
+  PartitionSpec spec;  // storage layout
+  ShardBox box;        // the block this rank holds
+  Vector local;        // box.elements() values, row-major over box.extent
 
   // Allocates the local block of `rank` (zero-filled); the label is the name.
   static ShardedTensor allocate(const std::string& name, const std::vector<int64_t>& global_shape,

@@ -1,5 +1,7 @@
 #include "framework/version.hpp"
 
 namespace meshtrain {
-const char* framework_version() { return MESHTRAIN_VERSION; }
+const char* framework_version() {
+  return MESHTRAIN_VERSION;
+}
 }  // namespace meshtrain

@@ -46,18 +46,18 @@ std::string concat(Parts&&... parts) {
 }  // namespace meshtrain
 
 // MESHTRAIN_BAD_INPUT("mesh axis '", name, "' is repeated") throws Error{bad_input}.
-#define MESHTRAIN_BAD_INPUT(...)                                                               \
-  throw ::meshtrain::Error(::meshtrain::ErrorKind::bad_input,                                  \
+#define MESHTRAIN_BAD_INPUT(...)                              \
+  throw ::meshtrain::Error(::meshtrain::ErrorKind::bad_input, \
                            ::meshtrain::detail::concat(__VA_ARGS__), __FILE__, __LINE__)
 
 // MESHTRAIN_FAIL("MPI_Allreduce failed: ", mpi_message) throws Error{runtime}.
-#define MESHTRAIN_FAIL(...)                                                                    \
-  throw ::meshtrain::Error(::meshtrain::ErrorKind::runtime,                                    \
+#define MESHTRAIN_FAIL(...)                                 \
+  throw ::meshtrain::Error(::meshtrain::ErrorKind::runtime, \
                            ::meshtrain::detail::concat(__VA_ARGS__), __FILE__, __LINE__)
 
 // MESHTRAIN_REQUIRE(cond, "message parts"...) throws Error{runtime} when cond is false:
 // for invariants of the library itself, not for user input.
-#define MESHTRAIN_REQUIRE(cond, ...)                                                           \
-  do {                                                                                         \
-    if (!(cond)) MESHTRAIN_FAIL(__VA_ARGS__);                                                  \
+#define MESHTRAIN_REQUIRE(cond, ...)          \
+  do {                                        \
+    if (!(cond)) MESHTRAIN_FAIL(__VA_ARGS__); \
   } while (0)

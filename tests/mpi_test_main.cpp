@@ -42,9 +42,7 @@ int main(int argc, char** argv) {
   }
 
   int local_failed = 0;
-  {
-    local_failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
-  }
+  { local_failed = RUN_ALL_TESTS() != 0 ? 1 : 0; }
   int any_failed = 0;
   MPI_Allreduce(&local_failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   if (rank == 0 && any_failed && !local_failed) {

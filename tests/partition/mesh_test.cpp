@@ -36,8 +36,7 @@ TEST(Mesh, AxisGroupsAreNeighboursForTheFastAxis) {
   EXPECT_EQ(mesh.group_ranks(5, {"fsdp"}), (std::vector<int>{1, 5}));
   EXPECT_EQ(mesh.group_index(5, {"tp"}), 1);
   EXPECT_EQ(mesh.group_index(5, {"fsdp"}), 1);
-  EXPECT_EQ(mesh.all_groups({"tp"}),
-            (std::vector<std::vector<int>>{{0, 1, 2, 3}, {4, 5, 6, 7}}));
+  EXPECT_EQ(mesh.all_groups({"tp"}), (std::vector<std::vector<int>>{{0, 1, 2, 3}, {4, 5, 6, 7}}));
   EXPECT_EQ(mesh.all_groups({"fsdp"}).size(), 4u);
   EXPECT_NE(mesh.group_color(0, {"tp"}), mesh.group_color(4, {"tp"}));
   EXPECT_EQ(mesh.group_color(1, {"tp"}), mesh.group_color(3, {"tp"}));
