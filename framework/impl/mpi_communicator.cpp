@@ -245,65 +245,58 @@ void MpiCommunicator::complete(MPI_Request request, const char* op) {
   }
 }
 
-void MpiCommunicator::raw_all_gather(const float* send, float* recv, std::size_t count_per_rank,
-                                     const char* op) {
+template <class Start>
+void MpiCommunicator::run(const char* op, const char* call, Start&& start) {
   state_->require_usable(op);
-  const int count = checked_int(count_per_rank, "all_gather count per rank");
   Kokkos::fence();
   MPI_Request request = MPI_REQUEST_NULL;
-  state_->check(
-      MPI_Iallgather(send, count, MPI_FLOAT, recv, count, MPI_FLOAT, state_->comm, &request), op,
-      "MPI_Iallgather");
+  state_->check(start(&request), op, call);
   complete(request, op);
+}
+
+void MpiCommunicator::raw_all_gather(const float* send, float* recv, std::size_t count_per_rank,
+                                     const char* op) {
+  const int count = checked_int(count_per_rank, "all_gather count per rank");
+  run(op, "MPI_Iallgather", [&](MPI_Request* request) {
+    return MPI_Iallgather(send, count, MPI_FLOAT, recv, count, MPI_FLOAT, state_->comm, request);
+  });
 }
 
 void MpiCommunicator::raw_reduce_scatter_sum(const float* send, float* recv,
                                              std::size_t count_per_rank, const char* op) {
-  state_->require_usable(op);
   const int count = checked_int(count_per_rank, "reduce_scatter count per rank");
-  Kokkos::fence();
-  MPI_Request request = MPI_REQUEST_NULL;
-  state_->check(
-      MPI_Ireduce_scatter_block(send, recv, count, MPI_FLOAT, MPI_SUM, state_->comm, &request), op,
-      "MPI_Ireduce_scatter_block");
-  complete(request, op);
+  run(op, "MPI_Ireduce_scatter_block", [&](MPI_Request* request) {
+    return MPI_Ireduce_scatter_block(send, recv, count, MPI_FLOAT, MPI_SUM, state_->comm, request);
+  });
 }
 
 void MpiCommunicator::raw_all_reduce_sum(float* data, std::size_t count, const char* op) {
-  state_->require_usable(op);
   checked_int(count, "all_reduce count");
-  Kokkos::fence();
   // In pieces: Open MPI's non-blocking collectives allocate a temporary as large as the
   // message on every call, which for a DP gradient (tens of MiB) means fresh pages, and
   // page faults, at every step. Pieces keep that temporary small and reused by malloc.
   constexpr std::size_t kPieceFloats = std::size_t{1} << 20;  // 4 MiB
   for (std::size_t offset = 0; offset < count; offset += kPieceFloats) {
     const int n = static_cast<int>(std::min(kPieceFloats, count - offset));
-    MPI_Request request = MPI_REQUEST_NULL;
-    state_->check(
-        MPI_Iallreduce(MPI_IN_PLACE, data + offset, n, MPI_FLOAT, MPI_SUM, state_->comm, &request),
-        op, "MPI_Iallreduce");
-    complete(request, op);
+    run(op, "MPI_Iallreduce", [&](MPI_Request* request) {
+      return MPI_Iallreduce(MPI_IN_PLACE, data + offset, n, MPI_FLOAT, MPI_SUM, state_->comm,
+                            request);
+    });
   }
 }
 
 void MpiCommunicator::raw_all_reduce_sum_f64(double* data, std::size_t count, const char* op) {
-  state_->require_usable(op);
   const int n = checked_int(count, "all_reduce count");
-  Kokkos::fence();
-  MPI_Request request = MPI_REQUEST_NULL;
-  state_->check(MPI_Iallreduce(MPI_IN_PLACE, data, n, MPI_DOUBLE, MPI_SUM, state_->comm, &request),
-                op, "MPI_Iallreduce");
-  complete(request, op);
+  run(op, "MPI_Iallreduce", [&](MPI_Request* request) {
+    return MPI_Iallreduce(MPI_IN_PLACE, data, n, MPI_DOUBLE, MPI_SUM, state_->comm, request);
+  });
 }
 
 void MpiCommunicator::raw_broadcast(float* data, std::size_t count, int root, const char* op) {
-  state_->require_usable(op);
   const int n = checked_int(count, "broadcast count");
-  Kokkos::fence();
-  MPI_Request request = MPI_REQUEST_NULL;
-  state_->check(MPI_Ibcast(data, n, MPI_FLOAT, root, state_->comm, &request), op, "MPI_Ibcast");
-  complete(request, op);
+  run(op, "MPI_Ibcast", [&](MPI_Request* request) {
+    return MPI_Ibcast(data, n, MPI_FLOAT, root, state_->comm, request);
+  });
 }
 
 Request MpiCommunicator::raw_shift(const float* send, float* recv, std::size_t count, int offset,
@@ -346,21 +339,15 @@ Request MpiCommunicator::raw_shift(const float* send, float* recv, std::size_t c
 
 void MpiCommunicator::raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
                                      const char* op) {
-  state_->require_usable(op);
   const int count = checked_int(count_per_rank, "all_to_all count per rank");
-  Kokkos::fence();
-  MPI_Request request = MPI_REQUEST_NULL;
-  state_->check(
-      MPI_Ialltoall(send, count, MPI_FLOAT, recv, count, MPI_FLOAT, state_->comm, &request), op,
-      "MPI_Ialltoall");
-  complete(request, op);
+  run(op, "MPI_Ialltoall", [&](MPI_Request* request) {
+    return MPI_Ialltoall(send, count, MPI_FLOAT, recv, count, MPI_FLOAT, state_->comm, request);
+  });
 }
 
 void MpiCommunicator::raw_barrier(const char* op) {
-  state_->require_usable(op);
-  MPI_Request request = MPI_REQUEST_NULL;
-  state_->check(MPI_Ibarrier(state_->comm, &request), op, "MPI_Ibarrier");
-  complete(request, op);
+  run(op, "MPI_Ibarrier",
+      [&](MPI_Request* request) { return MPI_Ibarrier(state_->comm, request); });
 }
 
 }  // namespace meshtrain

@@ -59,6 +59,11 @@ class MpiCommunicator final : public Communicator {
   MpiCommunicator(std::shared_ptr<State> state, int size, int rank, std::string description);
   // Waits for `request` until the timeout; throws naming `op` and breaks the communicator.
   void complete(MPI_Request request, const char* op);
+  // The shape of every blocking operation: check the communicator is usable, let pending
+  // kernels finish, start one non-blocking MPI call (`start` gets the request to fill and
+  // returns the MPI code of `call`), then wait for it under the timeout.
+  template <class Start>
+  void run(const char* op, const char* call, Start&& start);
 
   std::shared_ptr<State> state_;
 };

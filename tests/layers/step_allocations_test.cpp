@@ -146,19 +146,6 @@ std::vector<MeshCase> mesh_cases() {
   return cases;
 }
 
-const char* name_of(CollectiveMatmulAlgorithm a) {
-  switch (a) {
-    case CollectiveMatmulAlgorithm::naive:
-      return "naive";
-    case CollectiveMatmulAlgorithm::ring:
-      return "ring";
-    case CollectiveMatmulAlgorithm::bidirectional:
-      return "bidirectional";
-    default:
-      return "auto";
-  }
-}
-
 // Steps 2..4 of a small MLP's training on `mesh_case`; returns the heap allocations they
 // made on this rank.
 long allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgorithm algorithm,
@@ -213,7 +200,7 @@ TEST(TrainingStep, AllocatesNothingOnTheHeap) {
           algorithm != CollectiveMatmulAlgorithm::naive) {
         continue;  // without a feature axis no collective matmul runs
       }
-      SCOPED_TRACE(c.preset + ", " + name_of(algorithm) + ", cross_entropy + adamw");
+      SCOPED_TRACE(c.preset + ", " + to_string(algorithm) + ", cross_entropy + adamw");
       EXPECT_EQ(allocations_in_steps(c, algorithm, LossKind::cross_entropy, OptimizerKind::adamw),
                 0)
           << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
