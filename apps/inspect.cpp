@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include "framework/checkpoint.hpp"
+#include "framework/io/checkpoint.hpp"
 #include "partition/planner.hpp"
 
 namespace meshtrain {

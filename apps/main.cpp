@@ -18,9 +18,9 @@
 #include "apps/inspect.hpp"
 #include "apps/plan.hpp"
 #include "apps/train.hpp"
-#include "framework/config.hpp"
-#include "framework/runtime.hpp"
-#include "framework/version.hpp"
+#include "framework/train/config.hpp"
+#include "framework/core/runtime.hpp"
+#include "framework/core/version.hpp"
 #include "partition/error.hpp"
 
 namespace {

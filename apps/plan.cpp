@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include "framework/config.hpp"
+#include "framework/train/config.hpp"
 #include "partition/sharding_picture.hpp"
 
 namespace meshtrain {

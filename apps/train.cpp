@@ -18,13 +18,13 @@
 #include <limits>
 #include <optional>
 
-#include "framework/checkpoint.hpp"
-#include "framework/config.hpp"
-#include "framework/data.hpp"
-#include "framework/init.hpp"
-#include "framework/metrics.hpp"
-#include "framework/optimizer.hpp"
-#include "framework/runtime.hpp"
+#include "framework/io/checkpoint.hpp"
+#include "framework/train/config.hpp"
+#include "framework/io/data.hpp"
+#include "framework/train/init.hpp"
+#include "framework/io/metrics.hpp"
+#include "framework/train/optimizer.hpp"
+#include "framework/core/runtime.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
 #include "partition/error.hpp"

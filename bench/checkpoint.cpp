@@ -25,7 +25,7 @@
 #include <tuple>
 #include <vector>
 
-#include "framework/checkpoint.hpp"
+#include "framework/io/checkpoint.hpp"
 #include "partition/error.hpp"
 
 namespace {

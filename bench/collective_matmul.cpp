@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
-#include "framework/collective_matmul.hpp"
-#include "framework/runtime.hpp"
+#include "framework/comm/collective_matmul.hpp"
+#include "framework/core/runtime.hpp"
 
 namespace {
 

@@ -45,11 +45,11 @@
 #include <string>
 #include <vector>
 
-#include "framework/collective_matmul.hpp"
-#include "framework/data.hpp"
-#include "framework/init.hpp"
-#include "framework/optimizer.hpp"
-#include "framework/runtime.hpp"
+#include "framework/comm/collective_matmul.hpp"
+#include "framework/io/data.hpp"
+#include "framework/train/init.hpp"
+#include "framework/train/optimizer.hpp"
+#include "framework/core/runtime.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
 #include "partition/logical_axes.hpp"

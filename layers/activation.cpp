@@ -2,8 +2,8 @@
 
 #include <Kokkos_Core.hpp>
 
-#include "framework/kernel_label.hpp"
-#include "framework/kokkos_math.hpp"
+#include "framework/core/kernel_label.hpp"
+#include "framework/core/kokkos_math.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {

@@ -9,7 +9,7 @@
 
 #include <string>
 
-#include "framework/sharded_tensor.hpp"
+#include "framework/core/sharded_tensor.hpp"
 
 namespace meshtrain {
 

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "framework/collective_matmul.hpp"
-#include "framework/communicator.hpp"
-#include "framework/runtime.hpp"
+#include "framework/comm/collective_matmul.hpp"
+#include "framework/comm/communicator.hpp"
+#include "framework/core/runtime.hpp"
 #include "partition/linear_layout.hpp"  // FeatureLayout, LayerAxes
 #include "partition/logical_axes.hpp"
 #include "partition/mesh.hpp"

@@ -3,7 +3,7 @@
 #include <Kokkos_Core.hpp>
 #include <algorithm>
 
-#include "framework/kernel_label.hpp"
+#include "framework/core/kernel_label.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {

@@ -33,8 +33,8 @@
 #include <string>
 #include <vector>
 
-#include "framework/collective_matmul.hpp"
-#include "framework/sharded_tensor.hpp"
+#include "framework/comm/collective_matmul.hpp"
+#include "framework/core/sharded_tensor.hpp"
 #include "layers/context.hpp"
 #include "partition/linear_layout.hpp"
 

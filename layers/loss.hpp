@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <string>
 
-#include "framework/sharded_tensor.hpp"
+#include "framework/core/sharded_tensor.hpp"
 #include "layers/context.hpp"
 
 namespace meshtrain {

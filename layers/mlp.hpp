@@ -25,8 +25,8 @@
 #include <string>
 #include <vector>
 
-#include "framework/init.hpp"
-#include "framework/sharded_tensor.hpp"
+#include "framework/train/init.hpp"
+#include "framework/core/sharded_tensor.hpp"
 #include "layers/activation.hpp"
 #include "layers/context.hpp"
 #include "layers/linear.hpp"
@@ -47,7 +47,7 @@ class Mlp {
   Mlp(const Mlp&) = delete;
   Mlp& operator=(const Mlp&) = delete;
 
-  // Fills every parameter's local block (framework/init.hpp): same global weights on any
+  // Fills every parameter's local block (framework/train/init.hpp): same global weights on any
   // mesh for the same seed.
   void initialize(InitScheme scheme, uint64_t seed);
 

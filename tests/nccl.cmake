@@ -1,4 +1,4 @@
-# NCCL backend (framework/impl/nccl_communicator.*): every operation on device buffers
+# NCCL backend (framework/comm/backends/nccl_communicator.*): every operation on device buffers
 # against MPI, the View API, bad input, timeout and abort, the factory on mesh axes.
 # Registered only when CUDA and NCCL are found; without a CUDA device at run time the GPU
 # tests skip ("no CUDA device: NCCL backend compiled but not run") and only the check of

@@ -11,7 +11,7 @@
 #include <cstdio>
 #include <string>
 
-#include "framework/checkpoint.hpp"
+#include "framework/io/checkpoint.hpp"
 #include "tests/checkpoint/checkpoint_test_data.hpp"
 
 namespace {

@@ -16,8 +16,8 @@
 #include <sstream>
 
 #include "apps/inspect.hpp"
-#include "framework/checkpoint.hpp"
-#include "framework/version.hpp"
+#include "framework/io/checkpoint.hpp"
+#include "framework/core/version.hpp"
 #include "tests/checkpoint/checkpoint_test_data.hpp"
 #include "tests/test_support.hpp"
 

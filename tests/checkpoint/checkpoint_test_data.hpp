@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "framework/checkpoint.hpp"
+#include "framework/io/checkpoint.hpp"
 #include "partition/mesh.hpp"
 #include "partition/partition_spec.hpp"
 

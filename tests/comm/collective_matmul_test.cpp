@@ -6,7 +6,7 @@
 // reuse, non-divisible shapes, and KokkosBlas::gemm on LayoutRight (strided) views.
 // Tolerance: |got - want| <= 1e-5 * (1 + max |want|) (see comm_test_util.hpp).
 
-#include "framework/collective_matmul.hpp"
+#include "framework/comm/collective_matmul.hpp"
 
 #include <gtest/gtest.h>
 

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "framework/communicator.hpp"
-#include "framework/runtime.hpp"
+#include "framework/comm/communicator.hpp"
+#include "framework/core/runtime.hpp"
 #include "partition/mesh.hpp"
 #include "tests/test_support.hpp"
 

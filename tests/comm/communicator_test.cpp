@@ -8,7 +8,7 @@
 #include <stdexcept>
 
 #include "comm_test_util.hpp"
-#include "framework/impl/mpi_communicator.hpp"
+#include "framework/comm/backends/mpi_communicator.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain::testing {

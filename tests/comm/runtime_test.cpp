@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "framework/impl/mpi_communicator.hpp"
-#include "framework/runtime.hpp"
+#include "framework/comm/backends/mpi_communicator.hpp"
+#include "framework/core/runtime.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain::testing {

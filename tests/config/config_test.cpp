@@ -1,7 +1,7 @@
 // Config loading: every key parsed, every kind of bad input named by file, line and key,
 // --set overrides, and every shipped config in configs/ loads.
 
-#include "framework/config.hpp"
+#include "framework/train/config.hpp"
 
 #include <gtest/gtest.h>
 

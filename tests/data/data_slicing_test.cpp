@@ -8,7 +8,7 @@
 
 #include <map>
 
-#include "framework/data.hpp"
+#include "framework/io/data.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain {

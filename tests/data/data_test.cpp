@@ -13,7 +13,7 @@
 #include <numeric>
 #include <set>
 
-#include "framework/data.hpp"
+#include "framework/io/data.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain {

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "framework/init.hpp"
-#include "framework/sharded_tensor.hpp"
+#include "framework/train/init.hpp"
+#include "framework/core/sharded_tensor.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain {

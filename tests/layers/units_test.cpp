@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "framework/init.hpp"
-#include "framework/optimizer.hpp"
-#include "framework/runtime.hpp"
+#include "framework/train/init.hpp"
+#include "framework/train/optimizer.hpp"
+#include "framework/core/runtime.hpp"
 #include "layers/activation.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"

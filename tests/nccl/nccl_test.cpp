@@ -1,4 +1,4 @@
-// The NCCL backend (framework/impl/nccl_communicator.hpp): every operation on device
+// The NCCL backend (framework/comm/backends/nccl_communicator.hpp): every operation on device
 // buffers against the same operation done by MPI on host copies of the same data; the
 // View API; bad input; a timeout that aborts the communicator; the factory on mesh axes.
 //
@@ -25,8 +25,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "framework/impl/nccl_communicator.hpp"
-#include "framework/runtime.hpp"
+#include "framework/comm/backends/nccl_communicator.hpp"
+#include "framework/core/runtime.hpp"
 #include "partition/mesh.hpp"
 #include "tests/test_support.hpp"
 

@@ -5,7 +5,7 @@
 
 #include <sstream>
 
-#include "framework/config.hpp"
+#include "framework/train/config.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain {

@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "framework/optimizer.hpp"
-#include "framework/runtime.hpp"
+#include "framework/train/optimizer.hpp"
+#include "framework/core/runtime.hpp"
 #include "layers/mlp.hpp"
 #include "partition/logical_axes.hpp"
 #include "partition/planner.hpp"

@@ -13,7 +13,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "framework/data.hpp"
+#include "framework/io/data.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {

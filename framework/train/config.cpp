@@ -4,7 +4,7 @@
 // line and the key ("configs/x.toml:12: [optimizer] lr must be positive, got -0.1").
 // Values set with --set carry their override as their source, so their errors name it.
 
-#include "framework/config.hpp"
+#include "framework/train/config.hpp"
 
 #include <toml++/toml.h>
 

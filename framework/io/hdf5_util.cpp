@@ -1,4 +1,4 @@
-#include "framework/impl/hdf5_util.hpp"
+#include "framework/io/hdf5_util.hpp"
 
 #include <sstream>
 

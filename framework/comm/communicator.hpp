@@ -7,7 +7,7 @@
 //   all_to_all, barrier) are written once, here and in communicator.cpp: they check the
 //   shapes, pack and unpack dim-1 blocks through the communicator's scratch buffer, and
 //   call the backend on contiguous buffers.
-// - A backend (impl/mpi_communicator.hpp, impl/nccl_communicator.hpp) implements the
+// - A backend (backends/mpi_communicator.hpp, backends/nccl_communicator.hpp) implements the
 //   protected `raw_*` functions on contiguous buffers in the default memory space. It
 //   never sees a View, a dimension or a layout.
 //

@@ -1,10 +1,10 @@
-#include "framework/optimizer.hpp"
+#include "framework/train/optimizer.hpp"
 
 #include <Kokkos_Core.hpp>
 #include <cmath>
 
-#include "framework/kernel_label.hpp"
-#include "framework/kokkos_math.hpp"
+#include "framework/core/kernel_label.hpp"
+#include "framework/core/kokkos_math.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {

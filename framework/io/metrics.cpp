@@ -1,4 +1,4 @@
-#include "framework/metrics.hpp"
+#include "framework/io/metrics.hpp"
 
 #include <cerrno>
 #include <cmath>

@@ -32,7 +32,7 @@
 #include <memory>
 #include <string>
 
-#include "framework/communicator.hpp"
+#include "framework/comm/communicator.hpp"
 
 namespace meshtrain {
 

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "framework/communicator.hpp"
+#include "framework/comm/communicator.hpp"
 #include "partition/error.hpp"
 #include "partition/mesh.hpp"
 

@@ -1,4 +1,4 @@
-#include "framework/collective_matmul.hpp"
+#include "framework/comm/collective_matmul.hpp"
 
 #include <KokkosKernels_config.h>
 #include <KokkosBlas3_gemm.hpp>
@@ -10,7 +10,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "framework/kernel_label.hpp"
+#include "framework/core/kernel_label.hpp"
 
 namespace meshtrain {
 

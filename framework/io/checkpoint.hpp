@@ -35,7 +35,7 @@
 #include <string>
 #include <vector>
 
-#include "framework/sharded_tensor.hpp"
+#include "framework/core/sharded_tensor.hpp"
 #include "partition/mesh.hpp"
 
 namespace meshtrain {

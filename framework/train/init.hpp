@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <string>
 
-#include "framework/sharded_tensor.hpp"
+#include "framework/core/sharded_tensor.hpp"
 
 namespace meshtrain {
 

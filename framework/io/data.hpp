@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "framework/config.hpp"
+#include "framework/train/config.hpp"
 #include "partition/mesh.hpp"
 
 namespace meshtrain {

@@ -12,7 +12,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "framework/data.hpp"
+#include "framework/io/data.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {

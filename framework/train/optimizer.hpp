@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "framework/communicator.hpp"
-#include "framework/sharded_tensor.hpp"
+#include "framework/comm/communicator.hpp"
+#include "framework/core/sharded_tensor.hpp"
 #include "partition/mesh.hpp"
 
 namespace meshtrain {

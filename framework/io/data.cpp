@@ -1,4 +1,4 @@
-#include "framework/data.hpp"
+#include "framework/io/data.hpp"
 
 #include <algorithm>
 #include <cmath>

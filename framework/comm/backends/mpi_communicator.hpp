@@ -18,7 +18,7 @@
 #include <memory>
 #include <string>
 
-#include "framework/communicator.hpp"
+#include "framework/comm/communicator.hpp"
 
 namespace meshtrain {
 

@@ -1,13 +1,13 @@
 // The backend-independent half of Communicator: shape checks, dim-1 packing through the
 // scratch buffer, and the mean of all_reduce. Backends only move contiguous buffers.
 
-#include "framework/communicator.hpp"
+#include "framework/comm/communicator.hpp"
 
 #include <climits>
 #include <cstdlib>
 #include <string>
 
-#include "framework/kernel_label.hpp"
+#include "framework/core/kernel_label.hpp"
 
 namespace meshtrain {
 

@@ -1,4 +1,4 @@
-#include "framework/impl/mpi_communicator.hpp"
+#include "framework/comm/backends/mpi_communicator.hpp"
 
 #include <sched.h>
 
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "framework/runtime.hpp"
+#include "framework/core/runtime.hpp"
 
 namespace meshtrain {
 

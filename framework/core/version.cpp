@@ -1,4 +1,4 @@
-#include "framework/version.hpp"
+#include "framework/core/version.hpp"
 
 namespace meshtrain {
 const char* framework_version() {

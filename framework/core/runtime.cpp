@@ -1,4 +1,4 @@
-#include "framework/runtime.hpp"
+#include "framework/core/runtime.hpp"
 
 #include <Kokkos_Core.hpp>
 #include <cstdio>
@@ -6,7 +6,7 @@
 #include <exception>
 #include <sstream>
 
-#include "framework/impl/mpi_communicator.hpp"
+#include "framework/comm/backends/mpi_communicator.hpp"
 #include "partition/text.hpp"
 
 namespace meshtrain {

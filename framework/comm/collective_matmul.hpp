@@ -46,7 +46,7 @@
 #include <cstddef>
 #include <string>
 
-#include "framework/communicator.hpp"
+#include "framework/comm/communicator.hpp"
 
 namespace meshtrain {
 

@@ -1,7 +1,7 @@
 // The NCCL backend: set-up from an MPI group, operations on the communicator's stream,
 // completion polled against the deadline, abort on timeout or asynchronous error.
 
-#include "framework/impl/nccl_communicator.hpp"
+#include "framework/comm/backends/nccl_communicator.hpp"
 
 #include <sched.h>
 
@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "framework/impl/mpi_communicator.hpp"
-#include "framework/runtime.hpp"
+#include "framework/comm/backends/mpi_communicator.hpp"
+#include "framework/core/runtime.hpp"
 
 namespace meshtrain {
 

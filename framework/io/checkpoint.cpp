@@ -1,4 +1,4 @@
-#include "framework/checkpoint.hpp"
+#include "framework/io/checkpoint.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -17,9 +17,9 @@
 #include <set>
 #include <sstream>
 
-#include "framework/impl/hdf5_util.hpp"
-#include "framework/runtime.hpp"
-#include "framework/version.hpp"
+#include "framework/io/hdf5_util.hpp"
+#include "framework/core/runtime.hpp"
+#include "framework/core/version.hpp"
 #include "partition/error.hpp"
 #include "partition/planner.hpp"
 
