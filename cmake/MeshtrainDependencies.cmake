@@ -1,23 +1,47 @@
 # Finds every dependency of meshtrain and exposes it as a target named meshtrain::<dep>,
 # so the rest of the build does not care which layout (Debian or upstream) was found.
 
-# --- Kokkos + KokkosKernels -------------------------------------------------------------
-# Upstream installs export Kokkos::kokkos and Kokkos::kokkoskernels. Debian's Trilinos
-# packages export trilinos_kokkoskernels (pulling in the Kokkos core libraries) with the
-# headers in <prefix>/include/trilinos, and a Kokkos::kokkos whose include dir is wrong.
-find_package(KokkosKernels REQUIRED)
+# --- Kokkos ------------------------------------------------------------------------------
+# An upstream install (Kokkos 4.x, e.g. built with CUDA: pass -DKokkos_ROOT=<prefix> and
+# its bin/nvcc_wrapper as CMAKE_CXX_COMPILER) exports Kokkos::kokkos. Debian's Trilinos
+# packages (Kokkos 3.4, Serial) export trilinos_kokkoscore with the headers in
+# <prefix>/include/trilinos, and a Kokkos::kokkos whose include dir is wrong.
+find_package(Kokkos REQUIRED)
 add_library(meshtrain_kokkos INTERFACE)
 add_library(meshtrain::kokkos ALIAS meshtrain_kokkos)
-if(TARGET Kokkos::kokkoskernels)
-  message(STATUS "meshtrain: upstream Kokkos/KokkosKernels")
-  target_link_libraries(meshtrain_kokkos INTERFACE Kokkos::kokkoskernels)
-elseif(TARGET trilinos_kokkoskernels)
-  find_path(MESHTRAIN_KOKKOS_INCLUDE_DIR Kokkos_Core.hpp PATH_SUFFIXES trilinos REQUIRED)
-  message(STATUS "meshtrain: Debian Trilinos Kokkos/KokkosKernels (${MESHTRAIN_KOKKOS_INCLUDE_DIR})")
-  target_include_directories(meshtrain_kokkos SYSTEM INTERFACE ${MESHTRAIN_KOKKOS_INCLUDE_DIR})
-  target_link_libraries(meshtrain_kokkos INTERFACE trilinos_kokkoskernels)
+find_path(MESHTRAIN_KOKKOS_TRILINOS_INCLUDE_DIR Kokkos_Core.hpp PATH_SUFFIXES trilinos
+          NO_CACHE)
+if(TARGET trilinos_kokkoscore AND MESHTRAIN_KOKKOS_TRILINOS_INCLUDE_DIR)
+  message(STATUS "meshtrain: Debian Trilinos Kokkos ${Kokkos_VERSION} (${MESHTRAIN_KOKKOS_TRILINOS_INCLUDE_DIR})")
+  target_include_directories(meshtrain_kokkos SYSTEM INTERFACE ${MESHTRAIN_KOKKOS_TRILINOS_INCLUDE_DIR})
+  target_link_libraries(meshtrain_kokkos INTERFACE trilinos_kokkoscore)
+elseif(TARGET Kokkos::kokkos)
+  message(STATUS "meshtrain: Kokkos ${Kokkos_VERSION} (devices: ${Kokkos_DEVICES})")
+  target_link_libraries(meshtrain_kokkos INTERFACE Kokkos::kokkos)
 else()
-  message(FATAL_ERROR "KokkosKernels was found but exports neither Kokkos::kokkoskernels nor trilinos_kokkoskernels")
+  message(FATAL_ERROR "Kokkos was found but exports neither Kokkos::kokkos nor trilinos_kokkoscore")
+endif()
+# Set by upstream Kokkos' package config when it was built with CUDA (never by Debian's).
+set(MESHTRAIN_KOKKOS_CUDA OFF)
+if(Kokkos_ENABLE_CUDA)
+  set(MESHTRAIN_KOKKOS_CUDA ON)
+endif()
+
+# --- GEMM: CBLAS (OpenBLAS) on host memory, cuBLAS on CUDA memory --------------------------
+set(BLA_VENDOR OpenBLAS)
+find_package(BLAS REQUIRED)
+find_path(MESHTRAIN_CBLAS_INCLUDE_DIR cblas.h PATH_SUFFIXES openblas REQUIRED)
+add_library(meshtrain_blas INTERFACE)
+add_library(meshtrain::blas ALIAS meshtrain_blas)
+target_include_directories(meshtrain_blas SYSTEM INTERFACE ${MESHTRAIN_CBLAS_INCLUDE_DIR})
+target_link_libraries(meshtrain_blas INTERFACE BLAS::BLAS)
+if(MESHTRAIN_KOKKOS_CUDA)
+  if(NOT CUDAToolkit_ROOT AND EXISTS /usr/local/cuda)
+    set(CUDAToolkit_ROOT /usr/local/cuda)
+  endif()
+  find_package(CUDAToolkit REQUIRED)
+  target_link_libraries(meshtrain_blas INTERFACE CUDA::cublas CUDA::cudart)
+  message(STATUS "meshtrain: GEMM through cuBLAS ${CUDAToolkit_VERSION} on CUDA memory")
 endif()
 
 # --- MPI -----------------------------------------------------------------------------------

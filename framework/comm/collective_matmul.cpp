@@ -1,10 +1,5 @@
 #include "framework/comm/collective_matmul.hpp"
 
-#include <KokkosKernels_config.h>
-#include <KokkosBlas3_gemm.hpp>
-#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS)
-#include <KokkosBlas_Host_tpl.hpp>
-#endif
 #include <algorithm>
 #include <array>
 #include <type_traits>
@@ -20,14 +15,6 @@ using Range = std::pair<std::size_t, std::size_t>;  // [first, second)
 
 std::size_t length(const Range& r) {
   return r.second - r.first;
-}
-
-// Rows (dim 0) and columns (dim 1) of op(X).
-std::size_t op_rows(const GemmOperand& x) {
-  return x.matrix.extent(x.transpose ? 1 : 0);
-}
-std::size_t op_cols(const GemmOperand& x) {
-  return x.matrix.extent(x.transpose ? 0 : 1);
 }
 
 // op(X)[rows, :] and op(X)[:, cols] as the stored sub-block of X (no copy).
@@ -127,56 +114,6 @@ float* CollectiveMatmulWorkspace::acquire(std::size_t floats) {
   reserve(floats * sizeof(float));
   last_call_bytes_ = floats * sizeof(float);
   return buffer_.data();
-}
-
-// ------------------------------------------------------------------------------- gemm
-
-void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c) {
-  const std::size_t m = op_rows(a), k = op_cols(a), n = op_cols(b);
-  if (op_rows(b) != k || c.extent(0) != m || c.extent(1) != n) {
-    MESHTRAIN_BAD_INPUT("gemm: op(A) is [", m, ", ", k, "], op(B) is [", op_rows(b), ", ", n,
-                        "] and C is [", c.extent(0), ", ", c.extent(1),
-                        "]; expected op(A) [M, K] @ op(B) [K, N] = C [M, N]");
-  }
-  if (m == 0 || n == 0) return;
-  if (k == 0) {
-    if (beta == 0.0f) {
-      set_zero(c);
-    } else if (beta != 1.0f) {
-      Kokkos::parallel_for(
-          MESHTRAIN_LABEL("meshtrain::gemm_scale"),
-          Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
-              {0, 0}, {static_cast<int64_t>(m), static_cast<int64_t>(n)}),
-          KOKKOS_LAMBDA(const int64_t r, const int64_t col) { c(r, col) *= beta; });
-    }
-    return;
-  }
-  // The BLAS call takes int extents and leading dimensions.
-  checked_int(m, "gemm M");
-  checked_int(n, "gemm N");
-  checked_int(k, "gemm K");
-  checked_int(a.matrix.stride(0), "gemm leading dimension of A");
-  checked_int(b.matrix.stride(0), "gemm leading dimension of B");
-  checked_int(c.stride(0), "gemm leading dimension of C");
-#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS)
-  if constexpr (std::is_same<MatrixView::memory_space, Kokkos::HostSpace>::value) {
-    // Host memory and a BLAS underneath: the BLAS call that KokkosBlas::gemm makes, without
-    // its profiling region, whose std::string label ("KokkosBlas::gemm[TPL_BLAS,float]")
-    // is a heap allocation at every call in KokkosKernels 3.4. Row-major C = op(A) op(B)
-    // is column-major Cᵀ = op(B)ᵀ op(A)ᵀ, so B goes first, as in KokkosBlas.
-    const auto ld = [](std::size_t stride, std::size_t cols) {
-      return static_cast<int>(std::max<std::size_t>({stride, cols, 1}));
-    };
-    KokkosBlas::Impl::HostBlas<float>::gemm(
-        b.transpose ? 'T' : 'N', a.transpose ? 'T' : 'N', static_cast<int>(n), static_cast<int>(m),
-        static_cast<int>(k), 1.0f, b.matrix.data(), ld(b.matrix.stride(0), b.matrix.extent(1)),
-        a.matrix.data(), ld(a.matrix.stride(0), a.matrix.extent(1)), beta, c.data(),
-        ld(c.stride(0), c.extent(1)));
-    return;
-  }
-#endif
-  KokkosBlas::gemm(a.transpose ? "T" : "N", b.transpose ? "T" : "N", 1.0f, a.matrix, b.matrix, beta,
-                   c);
 }
 
 // -------------------------------------------------------------- all-gather matmul

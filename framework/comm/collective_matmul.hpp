@@ -4,8 +4,8 @@
 // matmul_psumscatter, generalized to either side, either dim and transposed operands).
 //
 // Operands are given as stored (LayoutRight, possibly row-strided column blocks) with a
-// transpose flag, as for KokkosBlas::gemm: op(X) = transpose ? Xᵀ : X, op(A) is [M, K],
-// op(B) is [K, N], C is the output.
+// transpose flag, as for gemm() (framework/core/gemm.hpp): op(X) = transpose ? Xᵀ : X, op(A) is [M,
+// K], op(B) is [K, N], C is the output.
 //
 // all_gather_matmul(comm, side, gather_dim, A, B, C):
 //   the operand on `side` is this rank's block of a matrix split over comm along its
@@ -47,6 +47,7 @@
 #include <string>
 
 #include "framework/comm/communicator.hpp"
+#include "framework/core/gemm.hpp"
 
 namespace meshtrain {
 
@@ -59,18 +60,6 @@ const char* to_string(CollectiveMatmulAlgorithm algorithm);
 // `block_bytes` (other algorithms are returned as they are).
 CollectiveMatmulAlgorithm resolve_collective_matmul_algorithm(CollectiveMatmulAlgorithm algorithm,
                                                               int ranks, std::size_t block_bytes);
-
-// A GEMM operand as stored, and whether the GEMM uses its transpose.
-struct GemmOperand {
-  ConstMatrixView matrix;
-  bool transpose = false;
-};
-inline GemmOperand plain(ConstMatrixView m) {
-  return {m, false};
-}
-inline GemmOperand transposed(ConstMatrixView m) {
-  return {m, true};
-}
 
 enum class GatherSide { left, right };
 
@@ -99,11 +88,5 @@ void all_gather_matmul(Communicator& comm, GatherSide side, int gather_dim, Gemm
 void matmul_reduce_scatter(Communicator& comm, int scatter_dim, GemmOperand a, GemmOperand b,
                            MatrixView c, CollectiveMatmulAlgorithm algorithm,
                            CollectiveMatmulWorkspace& workspace);
-
-// C = beta * C + op(A) @ op(B) through KokkosBlas::gemm, for any extents (empty ones
-// included); views may be row-strided. Shapes are checked (bad_input naming them). On
-// host memory it calls KokkosKernels' BLAS wrapper directly (the call KokkosBlas::gemm
-// makes), skipping a profiling label that allocates at every call.
-void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c);
 
 }  // namespace meshtrain

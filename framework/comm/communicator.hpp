@@ -29,24 +29,10 @@
 #include <memory>
 #include <string>
 
+#include "framework/core/views.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {
-
-using VectorView =
-    Kokkos::View<float*, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-using ConstVectorView =
-    Kokkos::View<const float*, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-// 2-D views may be row-strided (a column block of a LayoutRight matrix obtained with
-// Kokkos::subview(m, rows, cols) keeps LayoutRight with stride(0) > extent(1)); operations
-// that need contiguous memory check span_is_contiguous() and say so.
-using MatrixView =
-    Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-using ConstMatrixView =
-    Kokkos::View<const float**, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-// Doubles, for reductions of scalars (loss sums, norms, counts) that float would round.
-using DoubleVectorView =
-    Kokkos::View<double*, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 
 enum class ReduceOp { sum, mean };
 

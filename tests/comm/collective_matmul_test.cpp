@@ -3,7 +3,7 @@
 // dim, transposed operands, odd blocks (3 rows per rank), square and non-square shapes, strided
 // outputs, on the world and on sub-communicators of an fsdp x tp mesh whose groups hold
 // different data. Also: workspace peak memory (ring/bidirectional: 2 blocks, not n) and
-// reuse, non-divisible shapes, and KokkosBlas::gemm on LayoutRight (strided) views.
+// reuse, non-divisible shapes, and gemm() on LayoutRight (strided) views.
 // Tolerance: |got - want| <= 1e-5 * (1 + max |want|) (see comm_test_util.hpp).
 
 #include "framework/comm/collective_matmul.hpp"
@@ -266,7 +266,7 @@ TEST(CollectiveMatmul, NonDivisibleShapesAreBadInput) {
             CollectiveMatmulAlgorithm::bidirectional);
 }
 
-// KokkosBlas::gemm (Debian KokkosKernels 3.4 with the BLAS TPL) on LayoutRight views,
+// gemm() (CBLAS on host memory) on LayoutRight views,
 // transposed and row-strided (column blocks), against the double reference.
 TEST(CollectiveMatmul, GemmOnLayoutRightAndStridedViews) {
   for (bool ta : {false, true})
@@ -296,6 +296,65 @@ TEST(CollectiveMatmul, GemmOnLayoutRightAndStridedViews) {
       gemm({a_copy, ta}, {b_copy, tb}, 0.0f, c_plain);
       expect_matches(c_plain, want, 0, 0, n, "contiguous gemm");
     }
+}
+
+// beta: C = beta * C + op(A) @ op(B), accumulating (beta 1, 0.5) and overwriting (beta 0,
+// even over NaN, as BLAS does); K = 0 leaves beta * C; empty M or N is a no-op.
+TEST(Gemm, BetaAccumulatesScalesAndOverwrites) {
+  const std::size_t m = 5, k = 7, n = 3;
+  HostMatrix a = make_matrix("a", m, k, 21), b = make_matrix("b", k, n, 22);
+  std::vector<double> product;
+  reference_gemm(a, false, b, false, product);
+  for (float beta : {1.0f, 0.5f, 0.0f}) {
+    HostMatrix c = make_matrix("c", m, n, 23);
+    HostMatrix c0 = copy_block(c, 0, m, 0, n);
+    if (beta == 0.0f) Kokkos::deep_copy(c, std::nanf(""));
+    gemm(plain(a), plain(b), beta, c);
+    std::vector<double> want(product);
+    for (std::size_t r = 0; r < m; ++r)
+      for (std::size_t col = 0; col < n; ++col) want[r * n + col] += beta * c0(r, col);
+    expect_matches(c, want, 0, 0, n, "beta " + std::to_string(beta));
+  }
+  HostMatrix empty_a("empty_a", m, 0), empty_b("empty_b", 0, n);
+  HostMatrix scaled = make_matrix("scaled", m, n, 24);
+  HostMatrix before = copy_block(scaled, 0, m, 0, n);
+  gemm(plain(empty_a), plain(empty_b), 0.5f, scaled);
+  for (std::size_t r = 0; r < m; ++r)
+    for (std::size_t col = 0; col < n; ++col) EXPECT_EQ(scaled(r, col), 0.5f * before(r, col));
+  HostMatrix cleared("cleared", m, n);
+  Kokkos::deep_copy(cleared, std::nanf(""));
+  gemm(plain(empty_a), plain(empty_b), 0.0f, cleared);
+  for (std::size_t r = 0; r < m; ++r)
+    for (std::size_t col = 0; col < n; ++col) EXPECT_EQ(cleared(r, col), 0.0f);
+  HostMatrix no_rows("no_rows", 0, n);
+  gemm(plain(HostMatrix("a0", 0, k)), plain(b), 0.0f, no_rows);  // nothing to do, no error
+}
+
+TEST(Gemm, ShapesThatDoNotChainAreBadInput) {
+  HostMatrix a("a", 4, 3), b("b", 2, 5), c("c", 4, 5);
+  expect_bad_input([&] { gemm(plain(a), plain(b), 0.0f, c); },
+                   {"gemm: op(A) is [4, 3], op(B) is [2, 5] and C is [4, 5]"});
+  HostMatrix b_ok("b_ok", 3, 5), c_wrong("c_wrong", 5, 4);
+  expect_bad_input([&] { gemm(plain(a), plain(b_ok), 0.0f, c_wrong); }, {"C is [5, 4]"});
+}
+
+// [runtime] matmul_precision: parsed by name; on host memory (CBLAS) tf32 computes in
+// fp32, so both give the same bits.
+TEST(Gemm, MatmulPrecision) {
+  EXPECT_EQ(parse_matmul_precision("fp32"), MatmulPrecision::fp32);
+  EXPECT_EQ(parse_matmul_precision("tf32"), MatmulPrecision::tf32);
+  EXPECT_STREQ(to_string(MatmulPrecision::tf32), "tf32");
+  expect_bad_input([] { parse_matmul_precision("bf16"); }, {"'bf16'", "fp32 or tf32"});
+  EXPECT_EQ(matmul_precision(), MatmulPrecision::fp32);  // the default, as in PyTorch
+  if (kDeviceMemoryIsHostInaccessible) GTEST_SKIP() << "tf32 rounds on a GPU";
+  HostMatrix a = make_matrix("a", 33, 65, 31), b = make_matrix("b", 65, 17, 32);
+  HostMatrix fp32("fp32", 33, 17), tf32("tf32", 33, 17);
+  gemm(plain(a), plain(b), 0.0f, fp32);
+  set_matmul_precision(MatmulPrecision::tf32);
+  gemm(plain(a), plain(b), 0.0f, tf32);
+  set_matmul_precision(MatmulPrecision::fp32);
+  for (std::size_t r = 0; r < 33; ++r)
+    for (std::size_t col = 0; col < 17; ++col) EXPECT_EQ(fp32(r, col), tf32(r, col));
 }
 
 }  // namespace

@@ -1,0 +1,31 @@
+#pragma once
+// The views that meshtrain's operations take: float (and double) data in the default
+// memory space, LayoutRight, unmanaged (the caller owns the allocation).
+//
+// 2-D views may be row-strided: a column block of a LayoutRight matrix obtained with
+// Kokkos::subview(m, rows, cols) keeps LayoutRight with stride(0) > extent(1). Operations
+// that need contiguous memory check span_is_contiguous() and say so.
+
+#include <Kokkos_Core.hpp>
+
+namespace meshtrain {
+
+using VectorView =
+    Kokkos::View<float*, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+using ConstVectorView =
+    Kokkos::View<const float*, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+using MatrixView =
+    Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+using ConstMatrixView =
+    Kokkos::View<const float**, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+// Doubles, for reductions of scalars (loss sums, norms, counts) that float would round.
+using DoubleVectorView =
+    Kokkos::View<double*, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+
+// True when the default memory space is device memory the host cannot dereference (CUDA):
+// host code then reaches it only through explicit copies.
+inline constexpr bool kDeviceMemoryIsHostInaccessible =
+    !Kokkos::SpaceAccessibility<Kokkos::HostSpace,
+                                Kokkos::DefaultExecutionSpace::memory_space>::accessible;
+
+}  // namespace meshtrain
