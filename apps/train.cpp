@@ -18,13 +18,15 @@
 #include <limits>
 #include <optional>
 
-#include "framework/io/checkpoint.hpp"
-#include "framework/train/config.hpp"
-#include "framework/io/data.hpp"
-#include "framework/train/init.hpp"
-#include "framework/io/metrics.hpp"
-#include "framework/train/optimizer.hpp"
+#include "framework/comm/backend.hpp"
+#include "framework/core/gemm.hpp"
 #include "framework/core/runtime.hpp"
+#include "framework/io/checkpoint.hpp"
+#include "framework/io/data.hpp"
+#include "framework/io/metrics.hpp"
+#include "framework/train/config.hpp"
+#include "framework/train/init.hpp"
+#include "framework/train/optimizer.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
 #include "partition/error.hpp"
@@ -146,8 +148,11 @@ int train_command(const std::string& config_path, const std::vector<std::string>
   std::optional<Mesh> mesh;
   std::optional<ShardingPlan> plan;
   std::optional<LogicalAxes> logical;
+  CommBackend backend = CommBackend::mpi;
   agree([&] {
     config = load_config(config_path, overrides);
+    backend = resolve_comm_backend(config.runtime.backend);
+    set_matmul_precision(parse_matmul_precision(config.runtime.matmul_precision));
     mesh = config.mesh.resolve(runtime.world_size());
     // The same plan `meshtrain plan` prints, layer layouts included.
     plan = make_plan(mlp_parameter_shapes(config.model.sizes), *mesh, partition_rules(config),
@@ -173,7 +178,7 @@ int train_command(const std::string& config_path, const std::vector<std::string>
       config.train.steps ? *config.train.steps : *config.train.epochs * schedule->steps_per_epoch();
 
   // --- Model, loss, optimizer: collective construction, identical on every rank. --------
-  MeshCommunicators comms(*mesh);
+  MeshCommunicators comms(*mesh, MPI_COMM_WORLD, prepare_comm_backend(backend, MPI_COMM_WORLD));
   CollectiveMatmulAlgorithm algorithm =
       parse_collective_matmul_algorithm(config.partition.collective_matmul);
   ParallelContext context = ParallelContext::from_logical_axes(comms, *logical, algorithm);
@@ -259,10 +264,12 @@ int train_command(const std::string& config_path, const std::vector<std::string>
   });
   if (rank0) {
     std::printf(
-        "meshtrain train %s: %d ranks, mesh %s, batch %lld (%lld rows per rank), %lld steps\n",
+        "meshtrain train %s: %d ranks, mesh %s, batch %lld (%lld rows per rank), %lld steps\n"
+        "  compute on %s, communication %s, matmul precision %s\n",
         config.file.c_str(), mesh->world_size(), mesh->short_description().c_str(),
         static_cast<long long>(global_batch), static_cast<long long>(slice->rows),
-        static_cast<long long>(total_steps));
+        static_cast<long long>(total_steps), Kokkos::DefaultExecutionSpace::name(),
+        to_string(backend), to_string(matmul_precision()));
     for (const std::string& line : model.describe()) std::printf("  %s\n", line.c_str());
     std::fflush(stdout);
   }

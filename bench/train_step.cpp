@@ -30,7 +30,6 @@
 #include <sys/resource.h>
 
 #include <CLI/CLI.hpp>
-#include <KokkosBlas3_gemm.hpp>
 #include <Kokkos_Core.hpp>
 #include <algorithm>
 #include <atomic>
@@ -45,11 +44,12 @@
 #include <string>
 #include <vector>
 
+#include "framework/comm/backend.hpp"
 #include "framework/comm/collective_matmul.hpp"
+#include "framework/core/runtime.hpp"
 #include "framework/io/data.hpp"
 #include "framework/train/init.hpp"
 #include "framework/train/optimizer.hpp"
-#include "framework/core/runtime.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
 #include "partition/logical_axes.hpp"
@@ -176,11 +176,11 @@ Rate sgemm_gflops(int64_t m, int64_t k, int64_t n, int repeats) {
       c("meshtrain::bench_c", m, n);
   Kokkos::deep_copy(a, 0.5f);
   Kokkos::deep_copy(b, 0.25f);
-  KokkosBlas::gemm("N", "N", 1.0f, a, b, 0.0f, c);
+  meshtrain::gemm(meshtrain::plain(a), meshtrain::plain(b), 0.0f, c);
   std::vector<double> times, cpu_times;
   for (int r = 0; r < repeats; ++r) {
     const double start = MPI_Wtime(), cpu_start = process_cpu_seconds();
-    KokkosBlas::gemm("N", "N", 1.0f, a, b, 0.0f, c);
+    meshtrain::gemm(meshtrain::plain(a), meshtrain::plain(b), 0.0f, c);
     Kokkos::fence();
     times.push_back(MPI_Wtime() - start);
     cpu_times.push_back(process_cpu_seconds() - cpu_start);
@@ -215,6 +215,7 @@ int main(int argc, char** argv) {
   return meshtrain::run_or_abort([&] {
     CLI::App app{"Timed training steps of the meshtrain MLP (one JSON line on rank 0)"};
     std::string sizes_text = "784,4096,4096,10", mode = "dp", algorithm = "auto";
+    std::string backend_name = "auto", precision = "fp32";
     int64_t batch = 256;
     int steps = 10, warmup = 2, sgemm_size = 2048, sgemm_repeats = 3;
     uint64_t seed = 0;
@@ -227,6 +228,8 @@ int main(int argc, char** argv) {
     app.add_option("--sgemm-size", sgemm_size, "edge of the square reference sgemm")
         ->check(CLI::PositiveNumber);
     app.add_option("--seed", seed, "weights and inputs");
+    app.add_option("--backend", backend_name, "runtime.backend: auto|mpi|nccl");
+    app.add_option("--precision", precision, "runtime.matmul_precision: fp32|tf32");
     int trace_allocations = 0;
     app.add_option("--trace-allocations", trace_allocations,
                    "print the call stacks of the first N heap allocations in timed steps "
@@ -258,7 +261,10 @@ int main(int argc, char** argv) {
     const meshtrain::LogicalAxes logical;
     const meshtrain::BatchSlice slice =
         meshtrain::make_batch_slice(mesh, rank, logical.axes_of("batch"), batch, "--batch");
-    meshtrain::MeshCommunicators comms(mesh);
+    const meshtrain::CommBackend backend = meshtrain::resolve_comm_backend(backend_name);
+    meshtrain::set_matmul_precision(meshtrain::parse_matmul_precision(precision));
+    meshtrain::MeshCommunicators comms(mesh, MPI_COMM_WORLD,
+                                       meshtrain::prepare_comm_backend(backend, MPI_COMM_WORLD));
     meshtrain::ParallelContext context = meshtrain::ParallelContext::from_logical_axes(
         comms, logical, meshtrain::parse_collective_matmul_algorithm(algorithm));
     meshtrain::Mlp model(sizes, meshtrain::Activation::relu, meshtrain::specs_from_plan(plan),
@@ -377,6 +383,9 @@ int main(int argc, char** argv) {
       line["rows_per_rank"] = slice.rows;
       line["ranks"] = world;
       line["algorithm"] = algorithm;
+      line["backend"] = meshtrain::to_string(backend);
+      line["precision"] = precision;
+      line["execution_space"] = Kokkos::DefaultExecutionSpace::name();
       line["steps"] = steps;
       line["warmup"] = warmup;
       line["step_time_median_s"] = step_time;

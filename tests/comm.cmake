@@ -14,6 +14,7 @@ meshtrain_add_command_test(NAME comm_abort_np2 TIMEOUT 90
   COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/comm/expect_abort.sh $<TARGET_FILE:comm_abort_tool>
           ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
 set_tests_properties(comm_abort_np2 PROPERTIES PROCESSORS 2)
-# run_agreed, all_reduce in double, pooled shift requests, a throwing communicator factory.
+# run_agreed, all_reduce in double, pooled shift requests, a throwing communicator factory,
+# the communication backend choice.
 meshtrain_add_test(NAME comm_runtime_test SOURCES comm/runtime_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 TIMEOUT 60)

@@ -77,6 +77,16 @@ train_error_test(nan_loss 1
   ${_train_configs}/fashion_mnist_dp.toml --set optimizer.kind=sgd --set optimizer.momentum=0
   --set optimizer.lr=1e30 --set run.output_dir=${_train_runs}/nan_loss ${_train_small})
 
+# [runtime] backend = "nccl" on a build that computes on the CPU: one sentence naming the
+# key, before anything is trained. (A CUDA + NCCL build accepts it; its GPU runs are in
+# scripts/gpu-check.)
+if(NOT MESHTRAIN_KOKKOS_CUDA)
+  train_error_test(nccl_on_cpu_build 2
+    "^meshtrain: error: runtime\\.backend = \"nccl\" needs a build"
+    ${_train_configs}/fashion_mnist_dp.toml --set runtime.backend=nccl
+    --set run.output_dir=${_train_runs}/nccl_on_cpu_build ${_train_small})
+endif()
+
 # --- Short runs: 20 steps logged every 5 -> 4 log events; the first logged loss equals
 # the one-rank DP run's (the fixture every other run compares with). ----------------------
 function(train_run_test preset np)

@@ -38,6 +38,7 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& schema() {
       {"optimizer", {"kind", "lr", "momentum", "betas", "eps", "weight_decay", "clip_norm"}},
       {"train", {"epochs", "steps", "log_every", "eval_every"}},
       {"checkpoint", {"every_steps", "keep", "resume", "dir"}},
+      {"runtime", {"backend", "matmul_precision"}},
   };
   return sections;
 }
@@ -469,6 +470,12 @@ void read_checkpoint(const Section& s, const std::string& output_dir, Checkpoint
   if (ckpt.dir.empty()) s.fail("dir", "must not be empty");
 }
 
+void read_runtime(const Section& s, RuntimeSection& runtime) {
+  runtime.backend = s.choice("backend", runtime.backend, {"auto", "mpi", "nccl"});
+  runtime.matmul_precision =
+      s.choice("matmul_precision", runtime.matmul_precision, {"fp32", "tf32"});
+}
+
 // Parses TOML text, turning a syntax error into one sentence with file, line and column.
 toml::table parse_toml(const std::string& text, const std::string& source) {
   try {
@@ -591,6 +598,7 @@ RunConfig parse_config(const std::string& text, const std::string& file,
   read_optimizer(reader.section(root, "optimizer"), config.optimizer);
   read_train(reader.section(root, "train"), reader, config.train);
   read_checkpoint(reader.section(root, "checkpoint"), config.run.output_dir, config.checkpoint);
+  read_runtime(reader.section(root, "runtime"), config.runtime);
   return config;
 }
 

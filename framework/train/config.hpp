@@ -83,6 +83,13 @@ struct CheckpointSection {
   std::string dir;  // default: "<output_dir>/checkpoints"
 };
 
+struct RuntimeSection {
+  // Who moves tensors between ranks: mpi | nccl | auto (nccl when the build has CUDA Kokkos
+  // and NCCL, mpi otherwise). MPI stays the control plane either way.
+  std::string backend = "auto";
+  std::string matmul_precision = "fp32";  // fp32 | tf32 (cuBLAS only; see core/gemm.hpp)
+};
+
 struct RunConfig {
   std::string file;  // where it was read from (for messages)
   std::string text;  // the TOML text after --set overrides (stored in checkpoints)
@@ -94,6 +101,7 @@ struct RunConfig {
   OptimizerSection optimizer;
   TrainSection train;
   CheckpointSection checkpoint;
+  RuntimeSection runtime;
 };
 
 // Reads `path`, applies `overrides` ("section.key=value", value read as a TOML value, or

@@ -1,6 +1,7 @@
 // run_agreed (every rank ends a phase with the lowest failing rank's error), all_reduce in
 // double (exact where float rounds), pooled shift requests (reused; a pending one outlives
-// its communicator), and a factory that throws on MeshCommunicators::get.
+// its communicator), a factory that throws on MeshCommunicators::get, and the choice of
+// the communication backend ([runtime] backend).
 
 #include <gtest/gtest.h>
 
@@ -10,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "framework/comm/backend.hpp"
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/core/runtime.hpp"
 #include "tests/test_support.hpp"
@@ -134,6 +136,38 @@ TEST(MeshCommunicators, FactoryFailureComesThroughAndLeavesTheMeshUsable) {
   EXPECT_FALSE(comms.has({"dp"}));
   Communicator& dp = comms.get({"dp"});
   EXPECT_EQ(dp.size(), n);
+}
+
+// [runtime] backend: auto resolves by what the build has; nccl where the build cannot run
+// it, and unknown names, are one sentence naming runtime.backend.
+TEST(CommBackend, ResolvesForThisBuild) {
+  EXPECT_EQ(resolve_comm_backend("mpi"), CommBackend::mpi);
+  EXPECT_EQ(resolve_comm_backend("auto"),
+            build_supports_nccl() ? CommBackend::nccl : CommBackend::mpi);
+  if (build_supports_nccl()) {
+    EXPECT_EQ(resolve_comm_backend("nccl"), CommBackend::nccl);
+  } else {
+    expect_bad_input([] { resolve_comm_backend("nccl"); },
+                     {"runtime.backend = \"nccl\" needs a build", "use runtime.backend = \"mpi\""});
+  }
+  expect_bad_input([] { resolve_comm_backend("gloo"); },
+                   {"runtime.backend = \"gloo\" is not a backend", "auto, mpi or nccl"});
+}
+
+// The MPI backend's factory builds working communicators for every mesh group.
+TEST(CommBackend, MpiFactoryBuildsTheMeshGroups) {
+  const int n = world_size();
+  const int tp = n % 2 == 0 ? 2 : 1;
+  MeshCommunicators comms(Mesh::create({{"fsdp", n / tp}, {"tp", tp}}, n), MPI_COMM_WORLD,
+                          prepare_comm_backend(CommBackend::mpi, MPI_COMM_WORLD));
+  Communicator& group = comms.get({"tp"});
+  EXPECT_EQ(group.size(), tp);
+  Kokkos::View<double*, Kokkos::LayoutRight> ones("ones", 1);
+  Kokkos::deep_copy(ones, 1.0);
+  group.all_reduce(DoubleVectorView(ones.data(), 1));
+  double sum = 0.0;
+  Kokkos::deep_copy(sum, Kokkos::subview(ones, 0));
+  EXPECT_EQ(sum, static_cast<double>(tp));
 }
 
 }  // namespace

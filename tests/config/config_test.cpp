@@ -164,6 +164,8 @@ TEST(Config, Defaults) {
   EXPECT_EQ(c.train.log_every, 50);
   EXPECT_EQ(c.partition.min_sharding_size, 16384);
   EXPECT_EQ(c.partition.collective_matmul, "auto");
+  EXPECT_EQ(c.runtime.backend, "auto");
+  EXPECT_EQ(c.runtime.matmul_precision, "fp32");
   EXPECT_EQ(plan_options(c).optimizer_slots, 2);  // adamw
 
   const RunConfig named = parse(minimal("[run]\nname = \"abc\"\n[data]\nsource = \"synthetic\"\n"));
@@ -175,6 +177,15 @@ TEST(Config, Defaults) {
   const RunConfig plain_sgd = parse(minimal("[optimizer]\nkind = \"sgd\"\nmomentum = 0\nlr = 1\n"));
   EXPECT_EQ(plan_options(plain_sgd).optimizer_slots, 0);
   EXPECT_DOUBLE_EQ(plain_sgd.optimizer.lr, 1.0);  // an integer is a number too
+}
+
+TEST(Config, RuntimeSectionAndItsOverrides) {
+  const RunConfig c = parse(minimal("[runtime]\nbackend = \"mpi\"\nmatmul_precision = \"tf32\"\n"));
+  EXPECT_EQ(c.runtime.backend, "mpi");
+  EXPECT_EQ(c.runtime.matmul_precision, "tf32");
+  const RunConfig set = parse(minimal(), {"runtime.backend=nccl", "runtime.matmul_precision=fp32"});
+  EXPECT_EQ(set.runtime.backend, "nccl");
+  EXPECT_EQ(set.runtime.matmul_precision, "fp32");
 }
 
 TEST(Config, NoRulesAndNoPresetIsAnErrorOfThePartitionSection) {
@@ -233,6 +244,10 @@ TEST(Config, RangeErrorsNameFileLineKeyAndValue) {
       {"[data]\nbatch_size = 0\n", {"t.toml:6", "[data] batch_size", "at least 1", "got 0"}},
       {"[data]\nsynthetic_samples = -5\n", {"t.toml:6", "[data] synthetic_samples"}},
       {"[data]\nsource = \"csv\"\n", {"t.toml:6", "[data] source", "\"csv\""}},
+      {"[runtime]\nbackend = \"gloo\"\n",
+       {"t.toml:6", "[runtime] backend", "auto | mpi | nccl", "\"gloo\""}},
+      {"[runtime]\nmatmul_precision = \"bf16\"\n",
+       {"t.toml:6", "[runtime] matmul_precision", "fp32 | tf32", "\"bf16\""}},
       {"[data]\nsource = \"hdf5\"\n", {"[data] path", "hdf5"}},
       {"[run]\nseed = -1\n", {"t.toml:6", "[run] seed", "non-negative"}},
       {"[run]\nname = \"\"\n", {"t.toml:6", "[run] name", "empty"}},

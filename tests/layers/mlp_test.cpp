@@ -19,14 +19,15 @@
 #include <string>
 #include <vector>
 
+#include "framework/core/runtime.hpp"
 #include "framework/train/init.hpp"
 #include "framework/train/optimizer.hpp"
-#include "framework/core/runtime.hpp"
 #include "layers/context.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
+#include "tests/test_backend.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain {
@@ -427,7 +428,7 @@ void expect_planner_agrees(const ModelCase& m, const LayoutCase& layout, const M
 void run_case(const ModelCase& m, const LayoutCase& layout) {
   SCOPED_TRACE(m.name + " on " + layout.name);
   const Mesh mesh = Mesh::create(layout.mesh, world_size());
-  MeshCommunicators comms(mesh);
+  MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
   std::vector<std::string> all_axes;
   for (const auto& a : mesh.axes()) all_axes.push_back(a.name);
   Communicator& world = comms.get(all_axes);

@@ -1,0 +1,100 @@
+#include "framework/comm/backend.hpp"
+
+#include <cstdlib>
+
+#if MESHTRAIN_HAVE_NCCL
+#include "framework/comm/backends/nccl_communicator.hpp"
+#endif
+#include "partition/error.hpp"
+
+namespace meshtrain {
+
+namespace {
+
+#if MESHTRAIN_HAVE_NCCL && defined(KOKKOS_ENABLE_CUDA)
+constexpr bool kBuildSupportsNccl = true;
+#else
+constexpr bool kBuildSupportsNccl = false;
+#endif
+
+#if MESHTRAIN_HAVE_NCCL && defined(KOKKOS_ENABLE_CUDA)
+// Ranks on this node (those sharing memory with this one).
+int ranks_on_this_node(MPI_Comm world) {
+  MPI_Comm node = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+            "MPI_Comm_split_type (the ranks of one node)");
+  int size = 0;
+  const int code = MPI_Comm_size(node, &size);
+  MPI_Comm_free(&node);
+  check_mpi(code, "MPI_Comm_size of the node communicator");
+  return size;
+}
+
+int cuda_devices() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+#endif
+
+}  // namespace
+
+const char* to_string(CommBackend backend) {
+  return backend == CommBackend::nccl ? "nccl" : "mpi";
+}
+
+bool build_supports_nccl() {
+  return kBuildSupportsNccl;
+}
+
+CommBackend resolve_comm_backend(const std::string& requested) {
+  if (requested == "mpi") return CommBackend::mpi;
+  if (requested == "auto") return kBuildSupportsNccl ? CommBackend::nccl : CommBackend::mpi;
+  if (requested == "nccl") {
+    if (kBuildSupportsNccl) return CommBackend::nccl;
+#if MESHTRAIN_HAVE_NCCL
+    MESHTRAIN_BAD_INPUT(
+        "runtime.backend = \"nccl\" needs a build against a CUDA-enabled Kokkos; this one "
+        "computes on the CPU (NCCL moves device memory only): use runtime.backend = \"mpi\"");
+#else
+    MESHTRAIN_BAD_INPUT(
+        "runtime.backend = \"nccl\" needs a build with CUDA Kokkos and NCCL; this one has "
+        "neither: use runtime.backend = \"mpi\"");
+#endif
+  }
+  MESHTRAIN_BAD_INPUT("runtime.backend = \"", requested,
+                      "\" is not a backend (expected auto, mpi or nccl)");
+}
+
+CommunicatorFactory prepare_comm_backend(CommBackend backend, MPI_Comm world) {
+  if (backend == CommBackend::mpi) return make_mpi_communicator;
+#if MESHTRAIN_HAVE_NCCL && defined(KOKKOS_ENABLE_CUDA)
+  if (auto error = run_agreed(world, [&] {
+        const int ranks = ranks_on_this_node(world);
+        const int devices = cuda_devices();
+        // NCCL_HOSTID set: each rank declares a host of its own (ranks sharing a GPU over
+        // sockets, an experiment NCCL may or may not accept); NCCL has the last word then.
+        const bool own_hosts = std::getenv("NCCL_HOSTID") != nullptr;
+        if (ranks > devices && !own_hosts) {
+          MESHTRAIN_BAD_INPUT(
+              "runtime.backend = \"nccl\" needs one GPU per rank, but a node runs ", ranks,
+              " ranks and has ", devices,
+              " GPU(s) (NCCL refuses two ranks of one communicator on one GPU): start at most ",
+              devices, " ranks per node, or use runtime.backend = \"mpi\" to share GPUs");
+        }
+        select_cuda_device(world);
+      })) {
+    throw *error;
+  }
+  return make_nccl_communicator;
+#else
+  (void)world;
+  MESHTRAIN_BAD_INPUT("runtime.backend = \"", to_string(backend),
+                      "\" is not available in this build");
+#endif
+}
+
+}  // namespace meshtrain
