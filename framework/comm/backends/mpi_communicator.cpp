@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "framework/comm/backends/host_staging.hpp"
 #include "framework/core/runtime.hpp"
 
 namespace meshtrain {
@@ -28,6 +29,8 @@ struct MpiCommunicator::State {
   // the slot) outlive the communicator while a Request is pending.
   std::vector<std::unique_ptr<MpiShiftSlot>> shift_slots;
   MpiShiftSlot* free_shift_slots = nullptr;
+  // Host copies for the blocking operations when Kokkos' memory is device memory.
+  HostStaging staging;
 
   State() = default;
   State(const State&) = delete;
@@ -107,6 +110,18 @@ class MpiShiftSlot final : public Request::Impl {
     timeout_ = timeout;
     op_ = op;
     requests_[0] = requests_[1] = MPI_REQUEST_NULL;
+    recv_ = nullptr;
+    count_ = 0;
+  }
+  // MPI's buffers for this shift (host copies when memory is on the device); the received
+  // data reaches `recv` when the shift completes.
+  const float* send_buffer(const float* send, std::size_t count) {
+    return staging_.send_buffer(send, count);
+  }
+  float* receive_buffer(float* recv, std::size_t count) {
+    recv_ = recv;
+    count_ = count;
+    return staging_.receive_buffer(recv, count, /*copy_in=*/false);
   }
   MPI_Request& receive() { return requests_[0]; }
   MPI_Request& send() { return requests_[1]; }
@@ -115,12 +130,14 @@ class MpiShiftSlot final : public Request::Impl {
   bool test() override {
     int done = 0;
     check_mpi(MPI_Testall(2, requests_, &done, MPI_STATUSES_IGNORE), op_);
+    if (done) staging_.finish_receive(recv_, count_);
     return done != 0;
   }
   void wait() override {
     if (!wait_all_until(requests_, 2, timeout_, op_)) {
       throw_timeout(owner_, requests_, 2, timeout_, op_);
     }
+    staging_.finish_receive(recv_, count_);
   }
   void release() noexcept override {
     // A request still live here (a failed MPI_Testall) may yet write into the caller's
@@ -144,6 +161,9 @@ class MpiShiftSlot final : public Request::Impl {
   MpiCommunicator::State& owner_;
   std::shared_ptr<MpiCommunicator::State> state_;  // set while in use
   MPI_Request requests_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  HostStaging staging_;  // each slot its own: several shifts may be in flight
+  float* recv_ = nullptr;
+  std::size_t count_ = 0;
   double timeout_ = 0.0;
   const char* op_ = "shift";
   MpiShiftSlot* next_free_ = nullptr;
@@ -257,17 +277,27 @@ void MpiCommunicator::run(const char* op, const char* call, Start&& start) {
 void MpiCommunicator::raw_all_gather(const float* send, float* recv, std::size_t count_per_rank,
                                      const char* op) {
   const int count = checked_int(count_per_rank, "all_gather count per rank");
+  const std::size_t total = count_per_rank * static_cast<std::size_t>(size());
+  HostStaging& staging = state_->staging;
   run(op, "MPI_Iallgather", [&](MPI_Request* request) {
-    return MPI_Iallgather(send, count, MPI_FLOAT, recv, count, MPI_FLOAT, state_->comm, request);
+    return MPI_Iallgather(staging.send_buffer(send, count_per_rank), count, MPI_FLOAT,
+                          staging.receive_buffer(recv, total, false), count, MPI_FLOAT,
+                          state_->comm, request);
   });
+  staging.finish_receive(recv, total);
 }
 
 void MpiCommunicator::raw_reduce_scatter_sum(const float* send, float* recv,
                                              std::size_t count_per_rank, const char* op) {
   const int count = checked_int(count_per_rank, "reduce_scatter count per rank");
+  const std::size_t total = count_per_rank * static_cast<std::size_t>(size());
+  HostStaging& staging = state_->staging;
   run(op, "MPI_Ireduce_scatter_block", [&](MPI_Request* request) {
-    return MPI_Ireduce_scatter_block(send, recv, count, MPI_FLOAT, MPI_SUM, state_->comm, request);
+    return MPI_Ireduce_scatter_block(staging.send_buffer(send, total),
+                                     staging.receive_buffer(recv, count_per_rank, false), count,
+                                     MPI_FLOAT, MPI_SUM, state_->comm, request);
   });
+  staging.finish_receive(recv, count_per_rank);
 }
 
 void MpiCommunicator::raw_all_reduce_sum(float* data, std::size_t count, const char* op) {
@@ -276,27 +306,37 @@ void MpiCommunicator::raw_all_reduce_sum(float* data, std::size_t count, const c
   // message on every call, which for a DP gradient (tens of MiB) means fresh pages, and
   // page faults, at every step. Pieces keep that temporary small and reused by malloc.
   constexpr std::size_t kPieceFloats = std::size_t{1} << 20;  // 4 MiB
+  HostStaging& staging = state_->staging;
   for (std::size_t offset = 0; offset < count; offset += kPieceFloats) {
-    const int n = static_cast<int>(std::min(kPieceFloats, count - offset));
+    const std::size_t piece = std::min(kPieceFloats, count - offset);
+    const int n = static_cast<int>(piece);
     run(op, "MPI_Iallreduce", [&](MPI_Request* request) {
-      return MPI_Iallreduce(MPI_IN_PLACE, data + offset, n, MPI_FLOAT, MPI_SUM, state_->comm,
-                            request);
+      return MPI_Iallreduce(MPI_IN_PLACE, staging.receive_buffer(data + offset, piece, true), n,
+                            MPI_FLOAT, MPI_SUM, state_->comm, request);
     });
+    staging.finish_receive(data + offset, piece);
   }
 }
 
 void MpiCommunicator::raw_all_reduce_sum_f64(double* data, std::size_t count, const char* op) {
   const int n = checked_int(count, "all_reduce count");
+  HostStaging& staging = state_->staging;
   run(op, "MPI_Iallreduce", [&](MPI_Request* request) {
-    return MPI_Iallreduce(MPI_IN_PLACE, data, n, MPI_DOUBLE, MPI_SUM, state_->comm, request);
+    return MPI_Iallreduce(MPI_IN_PLACE, staging.receive_buffer(data, count, true), n, MPI_DOUBLE,
+                          MPI_SUM, state_->comm, request);
   });
+  staging.finish_receive(data, count);
 }
 
 void MpiCommunicator::raw_broadcast(float* data, std::size_t count, int root, const char* op) {
   const int n = checked_int(count, "broadcast count");
+  HostStaging& staging = state_->staging;
+  const bool sends = rank() == root;
   run(op, "MPI_Ibcast", [&](MPI_Request* request) {
-    return MPI_Ibcast(data, n, MPI_FLOAT, root, state_->comm, request);
+    return MPI_Ibcast(staging.receive_buffer(data, count, /*copy_in=*/sends), n, MPI_FLOAT, root,
+                      state_->comm, request);
   });
+  if (!sends) staging.finish_receive(data, count);
 }
 
 Request MpiCommunicator::raw_shift(const float* send, float* recv, std::size_t count, int offset,
@@ -310,13 +350,15 @@ Request MpiCommunicator::raw_shift(const float* send, float* recv, std::size_t c
   const int tag = kShiftTagBase + k % 30000;
   Kokkos::fence();
   MpiShiftSlot& slot = acquire_shift_slot(state_, timeout_seconds(), op);
-  const int received = MPI_Irecv(recv, n, MPI_FLOAT, from, tag, state_->comm, &slot.receive());
+  const float* send_mpi = slot.send_buffer(send, count);
+  const int received = MPI_Irecv(slot.receive_buffer(recv, count), n, MPI_FLOAT, from, tag,
+                                 state_->comm, &slot.receive());
   if (received != MPI_SUCCESS) {
     slot.receive() = MPI_REQUEST_NULL;  // nothing was posted
     slot.release();
     state_->fail_call(received, op, "MPI_Irecv");
   }
-  const int sent = MPI_Isend(send, n, MPI_FLOAT, to, tag, state_->comm, &slot.send());
+  const int sent = MPI_Isend(send_mpi, n, MPI_FLOAT, to, tag, state_->comm, &slot.send());
   if (sent != MPI_SUCCESS) {
     // The receive is already posted into the caller's buffer: cancel it and wait until
     // MPI lets go of the buffer. If it does not within the timeout, the slot keeps it as
@@ -340,9 +382,14 @@ Request MpiCommunicator::raw_shift(const float* send, float* recv, std::size_t c
 void MpiCommunicator::raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
                                      const char* op) {
   const int count = checked_int(count_per_rank, "all_to_all count per rank");
+  const std::size_t total = count_per_rank * static_cast<std::size_t>(size());
+  HostStaging& staging = state_->staging;
   run(op, "MPI_Ialltoall", [&](MPI_Request* request) {
-    return MPI_Ialltoall(send, count, MPI_FLOAT, recv, count, MPI_FLOAT, state_->comm, request);
+    return MPI_Ialltoall(staging.send_buffer(send, total), count, MPI_FLOAT,
+                         staging.receive_buffer(recv, total, false), count, MPI_FLOAT, state_->comm,
+                         request);
   });
+  staging.finish_receive(recv, total);
 }
 
 void MpiCommunicator::raw_barrier(const char* op) {

@@ -10,8 +10,10 @@
 // receive cannot be cancelled within the timeout. The usual reaction to the Error is to
 // abort the job (see runtime.hpp).
 //
-// Buffers are host memory here (MPI without CUDA awareness); the default Kokkos memory
-// space must be host-accessible for this backend.
+// Memory: MPI gets the caller's buffers when Kokkos' memory is host memory. With device
+// memory (a CUDA Kokkos) every operation stages through pinned host buffers
+// (host_staging.hpp), because the MPI meshtrain is built with need not be CUDA-aware; so
+// several ranks can share one GPU with this backend.
 
 #include <mpi.h>
 
