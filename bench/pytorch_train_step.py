@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""The training step of bench_train_step, in PyTorch eager: the same MLP (Linear + ReLU,
+y = x W + b), cross-entropy, AdamW, batch and sizes, timed over full steps (forward, loss,
+backward, optimizer step) on one device. Prints ONE JSON line, like bench_train_step, so
+the two can be compared in one run:
+
+    python3 bench/pytorch_train_step.py --sizes 784,4096,4096,10 --batch 256 --precision fp32
+
+--precision tf32 sets torch.backends.cuda.matmul.allow_tf32 (PyTorch's default is fp32).
+Also reports the GEMM rate of torch.mm on the widest layer's shape at the batch
+(gemm_tflops), the rate the step's GEMM FLOPs are compared with.
+"""
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+
+def timed(fn, steps, sync):
+    times = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), min(times), max(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="784,4096,4096,10")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--precision", choices=["fp32", "tf32"], default="fp32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    args = parser.parse_args()
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
+    torch.manual_seed(0)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    layers = []
+    for i in range(len(sizes) - 1):
+        layers.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
+        if i + 2 < len(sizes):
+            layers.append(torch.nn.ReLU())
+    model = torch.nn.Sequential(*layers).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999),
+                                  eps=1e-8, weight_decay=0.0)
+    x = torch.randn(args.batch, sizes[0], device=device)
+    labels = torch.arange(args.batch, device=device) % sizes[-1]
+    loss_fn = torch.nn.CrossEntropyLoss()
+    losses = []
+
+    def step():
+        optimizer.zero_grad(set_to_none=False)
+        loss = loss_fn(model(x), labels)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss)
+
+    for _ in range(args.warmup):
+        step()
+    median, fastest, slowest = timed(step, args.steps, sync)
+
+    # The GEMM rate on the widest layer at the batch (forward shape), same precision.
+    widest = max(range(len(sizes) - 1), key=lambda i: sizes[i] * sizes[i + 1])
+    a = torch.randn(args.batch, sizes[widest], device=device)
+    b = torch.randn(sizes[widest], sizes[widest + 1], device=device)
+    for _ in range(3):
+        torch.mm(a, b)
+    gemm_time, _, _ = timed(lambda: torch.mm(a, b), 20, sync)
+    gemm_tflops = 2.0 * args.batch * sizes[widest] * sizes[widest + 1] / gemm_time * 1e-12
+
+    multiply_adds = sum(sizes[i] * sizes[i + 1] for i in range(len(sizes) - 1))
+    flops_per_step = 6.0 * args.batch * multiply_adds
+    line = {
+        "bench": "pytorch_train_step",
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "sizes": sizes,
+        "batch": args.batch,
+        "precision": args.precision,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "step_time_median_s": median,
+        "step_time_min_s": fastest,
+        "step_time_max_s": slowest,
+        "samples_per_s": args.batch / median,
+        "flops_per_step": flops_per_step,
+        "tflops": flops_per_step / median * 1e-12,
+        "layer_gemm_shape": [args.batch, sizes[widest], sizes[widest + 1]],
+        "layer_gemm_tflops": gemm_tflops,
+        "fraction_of_gemm_rate": flops_per_step / median * 1e-12 / gemm_tflops,
+        "first_loss": float(losses[0]),
+        "last_loss": float(losses[-1]),
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+    print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
