@@ -5,6 +5,9 @@
 # has a timeout, so a rank left hanging fails the test.
 meshtrain_add_test(NAME train_memory_test SOURCES train/memory_test.cpp
                    LIBS meshtrain_layers NP 2 4 TIMEOUT 60)
+# Learning-rate schedules against hand-computed values.
+meshtrain_add_test(NAME train_lr_schedule_test SOURCES train/lr_schedule_test.cpp
+                   LIBS meshtrain_framework TIMEOUT 30)
 
 # Writes the small HDF5 classification sets the command tests read.
 add_executable(train_write_dataset train/write_dataset_tool.cpp)
