@@ -79,3 +79,13 @@ endif()
 
 # --- CUDA + NCCL (optional) ----------------------------------------------------------------
 include(MeshtrainNCCL)
+
+# --- Host-only translation units in a CUDA build ----------------------------------------
+# nvcc's front end cannot parse toml++ 3, so in a build whose compiler is Kokkos'
+# nvcc_wrapper the files that use toml++ (and no Kokkos) are compiled by the host compiler
+# alone. Call from the CMakeLists.txt that adds the files to a target.
+function(meshtrain_compile_on_host_only)
+  if(CMAKE_CXX_COMPILER MATCHES "nvcc_wrapper")
+    set_source_files_properties(${ARGN} PROPERTIES COMPILE_OPTIONS --host-only)
+  endif()
+endfunction()

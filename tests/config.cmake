@@ -2,6 +2,7 @@
 # handling: unit tests without mpiexec, command tests through tests/cli/expect_exit.sh.
 meshtrain_add_test(NAME config_test SOURCES config/config_test.cpp LIBS meshtrain_framework)
 target_compile_definitions(config_test PRIVATE MESHTRAIN_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
+meshtrain_compile_on_host_only(${CMAKE_CURRENT_SOURCE_DIR}/config/config_test.cpp)
 
 # `meshtrain plan` from the command line: bad input exits 2 with one sentence naming what is
 # wrong; good input exits 0. Fixtures live in tests/cli/.
