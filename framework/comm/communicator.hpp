@@ -29,24 +29,10 @@
 #include <memory>
 #include <string>
 
+#include "framework/core/views.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {
-
-using VectorView =
-    Kokkos::View<float*, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-using ConstVectorView =
-    Kokkos::View<const float*, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-// 2-D views may be row-strided (a column block of a LayoutRight matrix obtained with
-// Kokkos::subview(m, rows, cols) keeps LayoutRight with stride(0) > extent(1)); operations
-// that need contiguous memory check span_is_contiguous() and say so.
-using MatrixView =
-    Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-using ConstMatrixView =
-    Kokkos::View<const float**, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-// Doubles, for reductions of scalars (loss sums, norms, counts) that float would round.
-using DoubleVectorView =
-    Kokkos::View<double*, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 
 enum class ReduceOp { sum, mean };
 
@@ -138,7 +124,6 @@ class Communicator {
 
   // Grows the scratch buffer used by dim-1 operations to at least `floats`.
   void reserve_scratch(std::size_t floats);
-  std::size_t scratch_bytes() const { return scratch_.extent(0) * sizeof(float); }
 
  protected:
   Communicator(int size, int rank, std::string description);

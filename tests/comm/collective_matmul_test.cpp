@@ -154,7 +154,8 @@ TEST(CollectiveMatmul, MatmulReduceScatterMatchesTheFullProduct) {
   }
 }
 
-// The TP layer's three products (DESIGN.md section 6) spelled as the layer will call them.
+// The TP layer's three products (docs/design.md, "Training modes") spelled as the layer will call
+// them.
 TEST(CollectiveMatmul, TensorParallelLinearProducts) {
   TestGroups tg;
   const Group& g = tg.groups()[1];  // the tp axis
