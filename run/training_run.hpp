@@ -95,6 +95,7 @@ class TrainingRun {
   StepResult step_on_loaded_batch();
 
   // Loss (and accuracy for classification) over the whole test split, at the current step.
+  // It uses the batch buffers: load_batch again before step_on_loaded_batch.
   EvalEvent evaluate();
   // Saves a checkpoint of the current step under checkpoint.dir (keeping checkpoint.keep);
   // returns its path.

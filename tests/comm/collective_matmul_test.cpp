@@ -262,7 +262,7 @@ TEST(CollectiveMatmul, NonDivisibleShapesAreBadInput) {
       },
       {"output is [4, 7]", "expected [4, 3]"});
   expect_bad_input([] { parse_collective_matmul_algorithm("fast"); },
-                   {"'fast'", "naive, ring, bidirectional, auto"});
+                   {"'fast'", "naive | ring | bidirectional | auto"});
   EXPECT_EQ(parse_collective_matmul_algorithm("bidirectional"),
             CollectiveMatmulAlgorithm::bidirectional);
 }
