@@ -1,4 +1,4 @@
-// The `meshtrain` command (DESIGN.md section 10). Each subcommand parses its own
+// The `meshtrain` command (README, "Running"). Each subcommand parses its own
 // arguments, then calls into the library; this file is the only place that turns a
 // meshtrain::Error into an exit status: 2 for bad input, 1 for a failure while running.
 //
@@ -15,12 +15,13 @@
 #include <string>
 #include <vector>
 
+#include "apps/exit_policy.hpp"
 #include "apps/inspect.hpp"
 #include "apps/plan.hpp"
 #include "apps/train.hpp"
-#include "framework/train/config.hpp"
 #include "framework/core/runtime.hpp"
 #include "framework/core/version.hpp"
+#include "framework/train/config.hpp"
 #include "partition/error.hpp"
 
 namespace {
@@ -96,11 +97,11 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
 }
 
 // Errors on some ranks only end every rank (no rank is left waiting in a collective);
-// setup errors that every rank sees are printed once by train_command itself.
+// errors every rank agreed on are printed once by train_command itself.
 int run_train(const TrainArgs& args, int& argc, char**& argv) {
   meshtrain::Runtime runtime(argc, argv);
   return meshtrain::run_or_abort(
-      [&] { return meshtrain::train_command(args.config, args.overrides, runtime); });
+      [&] { return meshtrain::train_command(args.config, args.overrides); });
 }
 
 // --- inspect: a checkpoint's step, mesh, config and datasets (no MPI launch needed) ----

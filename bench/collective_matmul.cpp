@@ -23,7 +23,9 @@
 #include <string>
 #include <vector>
 
+#include "apps/exit_policy.hpp"
 #include "framework/comm/collective_matmul.hpp"
+#include "framework/comm/mesh_communicators.hpp"
 #include "framework/core/runtime.hpp"
 
 namespace {

@@ -1,8 +1,8 @@
-// Training-step benchmark: the MLP of `meshtrain train` (Mlp, cross-entropy Loss, AdamW),
-// built exactly as apps/train.cpp builds it, timed over full steps (forward, loss,
-// backward, optimizer step) on a mesh made from the world size. Prints ONE JSON line on
-// rank 0 with the step time, the throughput and how it compares with a roofline made of
-// rank 0's single-thread sgemm rate.
+// Training-step benchmark: a TrainingRun (run/training_run.hpp, what `meshtrain train`
+// runs: Mlp, cross-entropy Loss, AdamW) timed over full steps (forward, loss, backward,
+// optimizer step; TrainingRun::step_on_loaded_batch) on a mesh made from the world size. Prints ONE
+// JSON line on rank 0 with the step time, the throughput and how it compares with a roofline made
+// of rank 0's single-thread sgemm rate.
 //
 //   OPENBLAS_NUM_THREADS=1 mpirun -np 2 build/bin/bench_train_step \
 //       --sizes 784,4096,4096,10 --batch 256 --mode fsdp --steps 10 --warmup 2
@@ -12,9 +12,9 @@
 // partition preset of the same name, min_sharding_size 0 (every tensor that divides is
 // sharded).
 //
-// The batch (random inputs, labels row % classes, the same global rows on every mesh) is
-// filled once before timing: data loading is not measured. Each timed step is bracketed
-// by MPI_Barrier, so a step's time is the slowest rank's. The JSON line also counts the
+// The data is one global batch made in code (random inputs, labels row % classes, the same
+// rows on every mesh), loaded once before timing: data loading is not measured. Each timed step is
+// bracketed by MPI_Barrier, so a step's time is the slowest rank's. The JSON line also counts the
 // Kokkos allocations and C++ heap allocations (operator new) made inside the timed steps:
 // both should be 0 (--trace-allocations N prints where the first N heap ones come from).
 //
@@ -44,17 +44,10 @@
 #include <string>
 #include <vector>
 
-#include "framework/comm/backend.hpp"
-#include "framework/comm/collective_matmul.hpp"
+#include "apps/exit_policy.hpp"
+#include "framework/core/gemm.hpp"
 #include "framework/core/runtime.hpp"
-#include "framework/io/data.hpp"
-#include "framework/train/init.hpp"
-#include "framework/train/optimizer.hpp"
-#include "layers/loss.hpp"
-#include "layers/mlp.hpp"
-#include "partition/logical_axes.hpp"
-#include "partition/planner.hpp"
-#include "partition/rules.hpp"
+#include "run/training_run.hpp"
 
 // --- Heap allocation counter: counts operator new while `g_count_heap` is set, and prints
 // the call stacks of the first `g_trace_left` of them (--trace-allocations). -------------
@@ -123,8 +116,8 @@ std::vector<int64_t> parse_sizes(const std::string& text) {
   return sizes;
 }
 
-// The mesh of a mode for `world` ranks (the pairs of the combined modes are neighbours).
-Mesh mesh_for_mode(const std::string& mode, int world) {
+// The mesh axes of a mode for `world` ranks (the pairs of the combined modes are neighbours).
+std::vector<std::pair<std::string, int>> axes_for_mode(const std::string& mode, int world) {
   std::vector<std::pair<std::string, int>> axes;
   if (mode == "dp" || mode == "fsdp" || mode == "tp") {
     axes = {{mode, world}};
@@ -137,7 +130,26 @@ Mesh mesh_for_mode(const std::string& mode, int world) {
   } else {
     MESHTRAIN_BAD_INPUT("--mode '", mode, "' is not one of dp, fsdp, tp, fsdp_tp, dp_tp, dp_fsdp");
   }
-  return Mesh::create(axes, world, "--mode " + mode);
+  return axes;
+}
+
+// One global batch of `batch` rows: inputs uniform in [0, 1) from (seed, row), labels
+// row % classes; the same rows on every mesh.
+meshtrain::Dataset one_batch(int64_t batch, int64_t features, int64_t classes, uint64_t seed) {
+  meshtrain::Dataset data;
+  data.description = "the benchmark's batch";
+  data.num_samples = batch;
+  data.features = features;
+  data.num_classes = classes;
+  data.inputs.resize(static_cast<size_t>(batch * features));
+  data.labels.resize(static_cast<size_t>(batch));
+  for (int64_t r = 0; r < batch; ++r) {
+    std::mt19937_64 rng(seed * 1000003u + static_cast<uint64_t>(r));
+    std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+    for (int64_t f = 0; f < features; ++f) data.inputs[r * features + f] = uniform(rng);
+    data.labels[r] = static_cast<int32_t>(r % classes);
+  }
+  return data;
 }
 
 int64_t local_bytes(const std::vector<meshtrain::ShardedTensor>& tensors) {
@@ -215,7 +227,7 @@ int main(int argc, char** argv) {
   return meshtrain::run_or_abort([&] {
     CLI::App app{"Timed training steps of the meshtrain MLP (one JSON line on rank 0)"};
     std::string sizes_text = "784,4096,4096,10", mode = "dp", algorithm = "auto";
-    std::string backend_name = "auto", precision = "fp32";
+    std::string backend = "auto", precision = "fp32";
     int64_t batch = 256;
     int steps = 10, warmup = 2, sgemm_size = 2048, sgemm_repeats = 3;
     uint64_t seed = 0;
@@ -228,7 +240,7 @@ int main(int argc, char** argv) {
     app.add_option("--sgemm-size", sgemm_size, "edge of the square reference sgemm")
         ->check(CLI::PositiveNumber);
     app.add_option("--seed", seed, "weights and inputs");
-    app.add_option("--backend", backend_name, "runtime.backend: auto|mpi|nccl");
+    app.add_option("--backend", backend, "runtime.backend: auto|mpi|nccl");
     app.add_option("--precision", precision, "runtime.matmul_precision: fp32|tf32");
     int trace_allocations = 0;
     app.add_option("--trace-allocations", trace_allocations,
@@ -251,60 +263,37 @@ int main(int argc, char** argv) {
     };
     note_rss("start");
 
-    // --- The model as apps/train.cpp builds it. ------------------------------------------
+    // --- The run: mesh, plan, model, loss and AdamW (the config defaults). ---------------
     const std::vector<int64_t> sizes = parse_sizes(sizes_text);
-    const Mesh mesh = mesh_for_mode(mode, world);
-    meshtrain::PlanOptions options;
-    options.min_sharding_size = 0;
-    const meshtrain::ShardingPlan plan = meshtrain::make_plan(
-        meshtrain::mlp_parameter_shapes(sizes), mesh, meshtrain::preset_rules(mode), options);
-    const meshtrain::LogicalAxes logical;
-    const meshtrain::BatchSlice slice =
-        meshtrain::make_batch_slice(mesh, rank, logical.axes_of("batch"), batch, "--batch");
-    const meshtrain::CommBackend backend = meshtrain::resolve_comm_backend(backend_name);
-    meshtrain::set_matmul_precision(meshtrain::parse_matmul_precision(precision));
-    meshtrain::MeshCommunicators comms(mesh, MPI_COMM_WORLD,
-                                       meshtrain::prepare_comm_backend(backend, MPI_COMM_WORLD));
-    meshtrain::ParallelContext context = meshtrain::ParallelContext::from_logical_axes(
-        comms, logical, meshtrain::parse_collective_matmul_algorithm(algorithm));
-    meshtrain::Mlp model(sizes, meshtrain::Activation::relu, meshtrain::specs_from_plan(plan),
-                         context, slice.rows);
-    note_rss("model_built");
-    model.initialize(meshtrain::InitScheme::he_normal, seed);
-    note_rss("model_initialized");
-    meshtrain::Loss loss(meshtrain::LossKind::cross_entropy, context, slice.rows, sizes.back(),
-                         model.output_layout());
-    meshtrain::OptimizerSettings settings;  // AdamW, the config defaults
-    meshtrain::Optimizer optimizer(settings, model.parameters());
-    const float lr = 1e-3f;
-    note_rss("optimizer_built");
-
-    // --- One batch, filled once: this rank's rows of a global batch fixed by the seed. ---
-    meshtrain::BatchInputs x("meshtrain::bench_batch_x", slice.rows, sizes.front());
-    meshtrain::BatchLabels labels("meshtrain::bench_batch_labels", slice.rows);
-    {
-      auto hx = Kokkos::create_mirror_view(x);
-      auto hl = Kokkos::create_mirror_view(labels);
-      for (int64_t r = 0; r < slice.rows; ++r) {
-        const int64_t global_row = slice.begin() + r;
-        std::mt19937_64 rng(seed * 1000003u + static_cast<uint64_t>(global_row));
-        std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
-        for (int64_t f = 0; f < sizes.front(); ++f) hx(r, f) = uniform(rng);
-        hl(r) = static_cast<int32_t>(global_row % sizes.back());
-      }
-      Kokkos::deep_copy(x, hx);
-      Kokkos::deep_copy(labels, hl);
-    }
-    const meshtrain::UnmanagedMatrix inputs(x.data(), x.extent(0), x.extent(1));
+    meshtrain::RunConfig config;
+    config.file = "bench_train_step";
+    config.run.seed = seed;
+    config.run.output_dir = "/tmp/meshtrain-bench-train-step";  // nothing is written
+    config.mesh.axes = axes_for_mode(mode, world);
+    config.mesh.source = "--mode " + mode;
+    config.model.sizes = sizes;
+    config.model.loss = "cross_entropy";
+    config.partition.preset = mode;
+    config.partition.min_sharding_size = 0;  // every tensor that divides is sharded
+    config.partition.collective_matmul = algorithm;
+    config.data.batch_size = batch;
+    config.data.shuffle = false;
+    config.train.steps = warmup + steps;
+    config.runtime.backend = backend;
+    config.runtime.matmul_precision = precision;
+    meshtrain::RunData data;
+    data.train = one_batch(batch, sizes.front(), sizes.back(), seed);
+    meshtrain::TrainingRun run(config, {}, std::move(data));
+    meshtrain::Mlp& model = run.model();
+    meshtrain::Optimizer& optimizer = run.optimizer();
+    const meshtrain::ShardingPlan& plan = run.plan();
+    const Mesh& mesh = run.mesh();
+    const meshtrain::BatchSlice& slice = run.batch_slice();
+    note_rss("run_built");
+    run.load_batch(0);
 
     double first_loss = 0.0;
-    auto step = [&] {
-      meshtrain::UnmanagedMatrix output = model.forward(inputs);
-      const meshtrain::LossResult result = loss.cross_entropy(output, labels, true);
-      model.backward(loss.gradient());
-      optimizer.step(model.parameters(), model.gradients(), lr);
-      return result.loss;
-    };
+    auto step = [&] { return run.step_on_loaded_batch().loss; };
 
     // --- Steps: warm-up, then timed (allocations counted inside the timed ones). --------
     for (int s = 0; s < warmup; ++s) {
@@ -383,7 +372,7 @@ int main(int argc, char** argv) {
       line["rows_per_rank"] = slice.rows;
       line["ranks"] = world;
       line["algorithm"] = algorithm;
-      line["backend"] = meshtrain::to_string(backend);
+      line["backend"] = meshtrain::to_string(run.backend());
       line["precision"] = precision;
       line["execution_space"] = Kokkos::DefaultExecutionSpace::name();
       line["steps"] = steps;

@@ -14,35 +14,13 @@ constexpr float kGeluCubic = 0.044715f;
 
 using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 
-Range2 range_of(const UnmanagedMatrix& m) {
+Range2 range_of(const MatrixView& m) {
   return Range2({0, 0}, {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))});
 }
 
 }  // namespace
 
-Activation parse_activation(const std::string& name, const std::string& key) {
-  if (name == "relu") return Activation::relu;
-  if (name == "tanh") return Activation::tanh;
-  if (name == "gelu") return Activation::gelu;
-  if (name == "none") return Activation::none;
-  MESHTRAIN_BAD_INPUT(key, " = '", name, "' is not an activation; use relu, tanh, gelu or none");
-}
-
-const char* to_string(Activation activation) {
-  switch (activation) {
-    case Activation::relu:
-      return "relu";
-    case Activation::tanh:
-      return "tanh";
-    case Activation::gelu:
-      return "gelu";
-    case Activation::none:
-      return "none";
-  }
-  return "?";
-}
-
-void activation_forward(Activation activation, UnmanagedMatrix z, UnmanagedMatrix out) {
+void activation_forward(Activation activation, MatrixView z, MatrixView out) {
   MESHTRAIN_REQUIRE(z.extent(0) == out.extent(0) && z.extent(1) == out.extent(1),
                     "activation_forward: shapes differ");
   switch (activation) {
@@ -73,7 +51,7 @@ void activation_forward(Activation activation, UnmanagedMatrix z, UnmanagedMatri
   }
 }
 
-void activation_backward(Activation activation, UnmanagedMatrix z, UnmanagedMatrix grad) {
+void activation_backward(Activation activation, MatrixView z, MatrixView grad) {
   MESHTRAIN_REQUIRE(z.extent(0) == grad.extent(0) && z.extent(1) == grad.extent(1),
                     "activation_backward: shapes differ");
   switch (activation) {

@@ -9,19 +9,14 @@
 
 #include <string>
 
+#include "framework/core/choices.hpp"  // Activation, its names
 #include "framework/core/sharded_tensor.hpp"
 
 namespace meshtrain {
 
-enum class Activation { relu, tanh, gelu, none };
-
-// "relu" | "tanh" | "gelu" | "none"; bad_input naming `key` and the value otherwise.
-Activation parse_activation(const std::string& name, const std::string& key = "model.activation");
-const char* to_string(Activation activation);
-
 // out = f(z); out may be z itself.
-void activation_forward(Activation activation, UnmanagedMatrix z, UnmanagedMatrix out);
+void activation_forward(Activation activation, MatrixView z, MatrixView out);
 // grad = grad * f'(z), in place; `z` is the forward input.
-void activation_backward(Activation activation, UnmanagedMatrix z, UnmanagedMatrix grad);
+void activation_backward(Activation activation, MatrixView z, MatrixView grad);
 
 }  // namespace meshtrain

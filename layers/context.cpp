@@ -40,10 +40,6 @@ int ParallelContext::batch_index() const {
   return batch_axes_.empty() ? 0 : mesh().group_index(rank(), batch_axes_);
 }
 
-bool ParallelContext::is_batch_axis(const std::string& axis) const {
-  return std::find(batch_axes_.begin(), batch_axes_.end(), axis) != batch_axes_.end();
-}
-
 std::vector<std::string> ParallelContext::active(const std::vector<std::string>& axes) const {
   std::vector<std::string> out;
   for (const auto& a : axes) {

@@ -12,7 +12,7 @@
 
 #include "framework/comm/collective_matmul.hpp"
 #include "framework/comm/communicator.hpp"
-#include "framework/core/runtime.hpp"
+#include "framework/comm/mesh_communicators.hpp"
 #include "partition/linear_layout.hpp"  // FeatureLayout, LayerAxes
 #include "partition/logical_axes.hpp"
 #include "partition/mesh.hpp"
@@ -45,7 +45,6 @@ class ParallelContext {
   // Product of the batch axes' sizes and this rank's index in that group.
   int batch_parallel() const;
   int batch_index() const;
-  bool is_batch_axis(const std::string& axis) const;
 
   // `axes` without those of size 1 (order kept).
   std::vector<std::string> active(const std::vector<std::string>& axes) const;

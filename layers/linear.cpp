@@ -12,14 +12,14 @@ namespace {
 using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 
 // dst = src[:, offset : offset + dst.cols]
-void copy_columns(UnmanagedMatrix src, int64_t offset, UnmanagedMatrix dst) {
+void copy_columns(MatrixView src, int64_t offset, MatrixView dst) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::linear_take_columns"),
       Range2({0, 0}, {static_cast<int64_t>(dst.extent(0)), static_cast<int64_t>(dst.extent(1))}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) = src(i, offset + j); });
 }
 
-void scale_matrix(UnmanagedMatrix m, float factor) {
+void scale_matrix(MatrixView m, float factor) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::linear_scale_grad"),
       Range2({0, 0}, {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))}),
@@ -105,12 +105,12 @@ int64_t Linear::output_offset() const {
   return layout_.split_output ? tp_index_ * layout_.out_local : 0;
 }
 
-UnmanagedMatrix Linear::compute_weight(const ShardedTensor& weight, LinearScratch& scratch) {
-  UnmanagedMatrix stored = weight.matrix();
+MatrixView Linear::compute_weight(const ShardedTensor& weight, LinearScratch& scratch) {
+  MatrixView stored = weight.matrix();
   if (!gather0_comm_ && !gather1_comm_) return stored;
-  UnmanagedMatrix full(scratch.weight.data(), layout_.in_compute, layout_.out);
+  MatrixView full(scratch.weight.data(), layout_.in_compute, layout_.out);
   if (gather0_comm_ && gather1_comm_) {
-    UnmanagedMatrix stage(scratch.stage.data(), layout_.in_compute, layout_.stored_cols);
+    MatrixView stage(scratch.stage.data(), layout_.in_compute, layout_.stored_cols);
     gather0_comm_->all_gather(stored, stage, 0);
     gather1_comm_->all_gather(stage, full, 1);
   } else if (gather0_comm_) {
@@ -132,8 +132,8 @@ const float* Linear::compute_bias(const ShardedTensor& bias, LinearScratch& scra
   return gathered + (output_offset() - bias_gathered_offset_);
 }
 
-UnmanagedMatrix Linear::forward(const ShardedTensor& weight, const ShardedTensor& bias,
-                                UnmanagedMatrix x, LinearScratch& scratch) {
+MatrixView Linear::forward(const ShardedTensor& weight, const ShardedTensor& bias, MatrixView x,
+                           LinearScratch& scratch) {
   MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
                         static_cast<int64_t>(x.extent(1)) == input_width(),
                     "linear layer '", layout_.layer, "': input is [", x.extent(0), ", ",
@@ -147,8 +147,8 @@ UnmanagedMatrix Linear::forward(const ShardedTensor& weight, const ShardedTensor
   } else {
     x_used_ = x;
   }
-  UnmanagedMatrix w = compute_weight(weight, scratch);
-  UnmanagedMatrix y = output_;
+  MatrixView w = compute_weight(weight, scratch);
+  MatrixView y = output_;
   if (layout_.split_output) {
     matmul_reduce_scatter(*tp_comm_, 1, plain(x_used_), plain(w), y, algorithm_, scratch.matmul);
   } else {
@@ -163,21 +163,20 @@ UnmanagedMatrix Linear::forward(const ShardedTensor& weight, const ShardedTensor
   return y;
 }
 
-UnmanagedMatrix Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_grad,
-                                 ShardedTensor& bias_grad, UnmanagedMatrix dy, bool need_input_grad,
-                                 LinearScratch& scratch) {
+MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_grad,
+                            ShardedTensor& bias_grad, MatrixView dy, bool need_input_grad,
+                            LinearScratch& scratch) {
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == rows_ &&
                         static_cast<int64_t>(dy.extent(1)) == layout_.out_local,
                     "linear layer '", layout_.layer, "': output gradient is [", dy.extent(0), ", ",
                     dy.extent(1), "], expected [", rows_, ", ", layout_.out_local, "]");
   // Gathered again, not kept from forward.
-  UnmanagedMatrix w = compute_weight(weight, scratch);
+  MatrixView w = compute_weight(weight, scratch);
 
   // Weight gradient, compute block: X_cᵀ @ dY (dY all-gathered over features when split).
   const bool direct = !gather0_comm_ && !gather1_comm_;
-  UnmanagedMatrix g = direct
-                          ? weight_grad.matrix()
-                          : UnmanagedMatrix(scratch.grad.data(), layout_.in_compute, layout_.out);
+  MatrixView g = direct ? weight_grad.matrix()
+                        : MatrixView(scratch.grad.data(), layout_.in_compute, layout_.out);
   if (layout_.split_output) {
     all_gather_matmul(*tp_comm_, GatherSide::right, 1, transposed(x_used_), plain(dy), g,
                       algorithm_, scratch.matmul);
@@ -186,7 +185,7 @@ UnmanagedMatrix Linear::backward(const ShardedTensor& weight, ShardedTensor& wei
   }
 
   // Input gradient: dY @ W_cᵀ, then back to the input's layout.
-  UnmanagedMatrix dx;
+  MatrixView dx;
   if (need_input_grad) {
     if (layout_.split_output) {
       all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(dy), transposed(w), dx_c_, algorithm_,
@@ -195,7 +194,7 @@ UnmanagedMatrix Linear::backward(const ShardedTensor& weight, ShardedTensor& wei
       gemm(plain(dy), transposed(w), 0.0f, dx_c_);
     }
     if (layout_.slices_input()) {
-      tp_comm_->all_gather(UnmanagedMatrix(dx_c_), dx_, 1);
+      tp_comm_->all_gather(MatrixView(dx_c_), dx_, 1);
       dx = dx_;
     } else if (layout_.gathers_input()) {
       copy_columns(dx_c_, tp_index_ * layout_.input_width(), dx_);
@@ -208,9 +207,9 @@ UnmanagedMatrix Linear::backward(const ShardedTensor& weight, ShardedTensor& wei
   // Weight gradient back to storage: reduce-scatter over the gathered axes (sum over the
   // batch ones; non-batch ones hold equal copies, hence the scale), then all-reduce over
   // the batch axes the storage does not split.
-  UnmanagedMatrix dst = weight_grad.matrix();
+  MatrixView dst = weight_grad.matrix();
   if (gather0_comm_ && gather1_comm_) {
-    UnmanagedMatrix stage(scratch.stage.data(), layout_.stored_rows, layout_.out);
+    MatrixView stage(scratch.stage.data(), layout_.stored_rows, layout_.out);
     gather0_comm_->reduce_scatter(g, stage, 0);
     gather1_comm_->reduce_scatter(stage, dst, 1);
   } else if (gather0_comm_) {

@@ -1,6 +1,7 @@
 #pragma once
 // A fully connected layer y = x W + b with W [in, out], b [out], in every layout of
-// DESIGN.md section 6, derived from the parameters' specs, never written per combination:
+// docs/design.md, "Training modes", derived from the parameters' specs, never written per
+// combination:
 //
 // The layout (TP or replicated compute, storage gathers, batch all-reduces, the bias, and
 // the all-reduce fallback when out does not divide by the feature axis) is decided by
@@ -70,15 +71,15 @@ class Linear {
 
   // y = x W + b. x: [rows, input_width()]. Returns the output [rows, output_width()],
   // owned by the layer (valid until the next forward). x must stay valid until backward.
-  UnmanagedMatrix forward(const ShardedTensor& weight, const ShardedTensor& bias, UnmanagedMatrix x,
-                          LinearScratch& scratch);
+  MatrixView forward(const ShardedTensor& weight, const ShardedTensor& bias, MatrixView x,
+                     LinearScratch& scratch);
 
   // From dY [rows, output_width()]: writes the weight and bias gradients (overwriting
   // them) and, when need_input_grad, returns dX [rows, input_width()] (owned by the
   // layer); otherwise an empty view.
-  UnmanagedMatrix backward(const ShardedTensor& weight, ShardedTensor& weight_grad,
-                           ShardedTensor& bias_grad, UnmanagedMatrix dy, bool need_input_grad,
-                           LinearScratch& scratch);
+  MatrixView backward(const ShardedTensor& weight, ShardedTensor& weight_grad,
+                      ShardedTensor& bias_grad, MatrixView dy, bool need_input_grad,
+                      LinearScratch& scratch);
 
   int64_t in() const { return layout_.in; }
   int64_t out() const { return layout_.out; }
@@ -90,14 +91,14 @@ class Linear {
   bool tensor_parallel() const { return layout_.tensor_parallel; }
   const LinearLayout& layout() const { return layout_; }
   // The output of the last forward (the pre-activation, kept for backward).
-  UnmanagedMatrix output() const { return output_; }
+  MatrixView output() const { return output_; }
   const LinearScratchNeeds& scratch_needs() const { return needs_; }
   // One line for logs, "<layer>: " + describe_linear_layout: "layers/0: TP in 784 -> out
   // 128 (split 32), weight gathered over (fsdp) on dim 1, grads all-reduced over (dp)".
   std::string describe() const;
 
  private:
-  UnmanagedMatrix compute_weight(const ShardedTensor& weight, LinearScratch& scratch);
+  MatrixView compute_weight(const ShardedTensor& weight, LinearScratch& scratch);
   const float* compute_bias(const ShardedTensor& bias, LinearScratch& scratch);
 
   LinearLayout layout_;
@@ -119,7 +120,7 @@ class Linear {
   CollectiveMatmulAlgorithm algorithm_ = CollectiveMatmulAlgorithm::automatic;
 
   Matrix x_c_;  // the input as used, when it is not the caller's view
-  UnmanagedMatrix x_used_;
+  MatrixView x_used_;
   Matrix output_;  // [rows, out_local]
   Matrix dx_c_;    // [rows, in_c]
   Matrix dx_;      // [rows, input_width] when it differs from dx_c_

@@ -14,16 +14,6 @@ using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 
 }  // namespace
 
-LossKind parse_loss_kind(const std::string& name, const std::string& key) {
-  if (name == "cross_entropy") return LossKind::cross_entropy;
-  if (name == "mse") return LossKind::mse;
-  MESHTRAIN_BAD_INPUT(key, " = '", name, "' is not a loss; use cross_entropy or mse");
-}
-
-const char* to_string(LossKind kind) {
-  return kind == LossKind::cross_entropy ? "cross_entropy" : "mse";
-}
-
 Loss::Loss(LossKind kind, ParallelContext& context, int64_t rows, int64_t width,
            FeatureLayout layout)
     : kind_(kind), rows_(rows), width_(width) {
@@ -71,7 +61,7 @@ LossResult Loss::finish(double local_sum, double local_correct, double local_cou
   return r;
 }
 
-LossResult Loss::cross_entropy(UnmanagedMatrix logits, LabelView labels, bool with_gradient,
+LossResult Loss::cross_entropy(MatrixView logits, LabelView labels, bool with_gradient,
                                int64_t valid_rows) {
   MESHTRAIN_REQUIRE(kind_ == LossKind::cross_entropy, "Loss::cross_entropy on a ", to_string(kind_),
                     " loss");
@@ -98,7 +88,7 @@ LossResult Loss::cross_entropy(UnmanagedMatrix logits, LabelView labels, bool wi
         for (int64_t j = 1; j < lw; ++j) m = logits(i, j) > m ? logits(i, j) : m;
         row_max(i, 0) = m;
       });
-  if (split_) tp_comm_->all_gather(UnmanagedMatrix(row_max_local_), row_max_all_, 1);
+  if (split_) tp_comm_->all_gather(MatrixView(row_max_local_), row_max_all_, 1);
   const int64_t parts = static_cast<int64_t>(row_max_all.extent(1));
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::cross_entropy_row_stats"), Kokkos::RangePolicy<>(0, rows_),
@@ -126,7 +116,7 @@ LossResult Loss::cross_entropy(UnmanagedMatrix logits, LabelView labels, bool wi
         stats(i, 2) = hit;
         row_max(i, 0) = m;  // the global maximum from here on
       });
-  if (split_) tp_comm_->all_reduce(UnmanagedMatrix(row_stats_));
+  if (split_) tp_comm_->all_reduce(MatrixView(row_stats_));
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::cross_entropy_rows"), Kokkos::RangePolicy<>(0, rows_),
       KOKKOS_LAMBDA(const int64_t i) {
@@ -151,7 +141,7 @@ LossResult Loss::cross_entropy(UnmanagedMatrix logits, LabelView labels, bool wi
   return finish(sum, correct, static_cast<double>(valid));
 }
 
-LossResult Loss::mse(UnmanagedMatrix logits, UnmanagedMatrix targets, bool with_gradient,
+LossResult Loss::mse(MatrixView logits, MatrixView targets, bool with_gradient,
                      int64_t valid_rows) {
   MESHTRAIN_REQUIRE(kind_ == LossKind::mse, "Loss::mse on a ", to_string(kind_), " loss");
   MESHTRAIN_REQUIRE(static_cast<int64_t>(logits.extent(0)) == rows_ &&

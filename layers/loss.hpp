@@ -21,15 +21,11 @@
 #include <cstdint>
 #include <string>
 
+#include "framework/core/choices.hpp"  // LossKind, its names
 #include "framework/core/sharded_tensor.hpp"
 #include "layers/context.hpp"
 
 namespace meshtrain {
-
-enum class LossKind { cross_entropy, mse };
-// "cross_entropy" | "mse"; bad_input naming `key` and the value otherwise.
-LossKind parse_loss_kind(const std::string& name, const std::string& key = "model.loss");
-const char* to_string(LossKind kind);
 
 struct LossResult {
   double loss = 0.0;      // mean over the valid rows of the global batch
@@ -48,16 +44,15 @@ class Loss {
 
   // Loss of the local logits [rows, local width]; when with_gradient, gradient() holds
   // dLoss/dLogits afterwards. Labels: [rows] in [0, width) (cross_entropy only).
-  LossResult cross_entropy(UnmanagedMatrix logits, LabelView labels, bool with_gradient = true,
+  LossResult cross_entropy(MatrixView logits, LabelView labels, bool with_gradient = true,
                            int64_t valid_rows = -1);
   // Targets: [rows, width] (mse only).
-  LossResult mse(UnmanagedMatrix logits, UnmanagedMatrix targets, bool with_gradient = true,
+  LossResult mse(MatrixView logits, MatrixView targets, bool with_gradient = true,
                  int64_t valid_rows = -1);
 
-  UnmanagedMatrix gradient() const { return gradient_; }
+  MatrixView gradient() const { return gradient_; }
   LossKind kind() const { return kind_; }
   int64_t local_width() const { return local_width_; }
-  int64_t column_offset() const { return offset_; }
 
  private:
   LossResult finish(double local_sum, double local_correct, double local_count);

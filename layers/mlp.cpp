@@ -42,9 +42,9 @@ void Mlp::initialize(InitScheme scheme, uint64_t seed) {
   for (auto& p : params_) meshtrain::initialize(p, scheme, seed);
 }
 
-UnmanagedMatrix Mlp::forward(UnmanagedMatrix x) {
-  UnmanagedMatrix input = x;
-  UnmanagedMatrix z;
+MatrixView Mlp::forward(MatrixView x) {
+  MatrixView input = x;
+  MatrixView z;
   for (size_t i = 0; i < layers_.size(); ++i) {
     z = layers_[i].forward(params_[2 * i], params_[2 * i + 1], input, scratch_);
     if (i + 1 < layers_.size()) {
@@ -55,11 +55,11 @@ UnmanagedMatrix Mlp::forward(UnmanagedMatrix x) {
   return z;
 }
 
-void Mlp::backward(UnmanagedMatrix output_grad) {
-  UnmanagedMatrix grad = output_grad;
+void Mlp::backward(MatrixView output_grad) {
+  MatrixView grad = output_grad;
   for (size_t k = layers_.size(); k-- > 0;) {
     Linear& layer = layers_[k];
-    UnmanagedMatrix dx =
+    MatrixView dx =
         layer.backward(params_[2 * k], grads_[2 * k], grads_[2 * k + 1], grad, k > 0, scratch_);
     if (k > 0) {
       // dx is owned by layer k; the pre-activation of layer k-1 is its output buffer.

@@ -14,7 +14,7 @@
 //   Optimizer opt(settings, model.parameters());
 //   GradientClipper clipper(mesh, rank, model.gradients());
 //   each step:
-//     UnmanagedMatrix logits = model.forward(x);          // x [local_rows, sizes[0]]
+//     MatrixView logits = model.forward(x);          // x [local_rows, sizes[0]]
 //     LossResult r = loss.cross_entropy(logits, labels);   // or loss.mse(logits, targets)
 //     model.backward(loss.gradient());
 //     clipper.clip(model.gradients(), clip_norm, world);   // optional
@@ -25,8 +25,8 @@
 #include <string>
 #include <vector>
 
-#include "framework/train/init.hpp"
 #include "framework/core/sharded_tensor.hpp"
+#include "framework/train/init.hpp"
 #include "layers/activation.hpp"
 #include "layers/context.hpp"
 #include "layers/linear.hpp"
@@ -54,9 +54,9 @@ class Mlp {
   // x: this rank's rows with all input features [local_rows, sizes[0]]; it must stay
   // valid until backward(). Returns the output [local_rows, output_width()] (owned by the
   // model, valid until the next forward).
-  UnmanagedMatrix forward(UnmanagedMatrix x);
+  MatrixView forward(MatrixView x);
   // dLoss/dOutput [local_rows, output_width()]: overwrites every gradient.
-  void backward(UnmanagedMatrix output_grad);
+  void backward(MatrixView output_grad);
 
   // weight, bias of layer 0, then of layer 1, ... (names as in the class comment).
   std::vector<ShardedTensor>& parameters() { return params_; }

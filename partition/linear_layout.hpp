@@ -1,9 +1,9 @@
 #pragma once
 // The compute layout of a fully connected layer y = x W + b (W [in, out], b [out]) and the
 // collectives it runs per training step, decided from the parameters' specs alone
-// (DESIGN.md section 6). Pure arithmetic, no MPI or Kokkos: layers/linear.cpp builds its
-// buffers and communicators from this decision, and the planner reports it, so the two
-// cannot disagree.
+// (docs/design.md, "Training modes"). Pure arithmetic, no MPI or Kokkos: layers/linear.cpp builds
+// its buffers and communicators from this decision, and the planner reports it, so the two cannot
+// disagree.
 //
 // The decision (feature axis of size T, batch axes B; "active" = in the mesh, size > 1):
 //   TP when T > 1 and the weight's dim-0 entry starts with the feature axis: the layer

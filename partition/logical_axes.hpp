@@ -1,7 +1,7 @@
 #pragma once
-// Logical axes (DESIGN.md section 5, `PartitionAxis` in the reference): model-level axis
-// names mapped onto mesh axes, so layers say "this dim is the batch" and the config says
-// which mesh axes the batch is split over.
+// Logical axes (docs/design.md, "Partition rules", `PartitionAxis` in the reference): model-level
+// axis names mapped onto mesh axes, so layers say "this dim is the batch" and the config says which
+// mesh axes the batch is split over.
 //
 // Defaults: batch -> (fsdp, dp), sequence / query_sequence / key_sequence -> sp,
 // hidden / mlp_intermediate / head / vocab -> tp, expert -> ep, and attention_dim /

@@ -1,7 +1,7 @@
 #pragma once
-// PartitionSpec: how each dimension of a tensor is split over mesh axes (DESIGN.md s4).
-// One entry per dimension: None (not split), one axis, or a tuple of axes (split over
-// their product, read major to minor). Written as text `P(fsdp, tp)`, `P((fsdp,dp), None)`,
+// PartitionSpec: how each dimension of a tensor is split over mesh axes (docs/design.md,
+// "PartitionSpec"). One entry per dimension: None (not split), one axis, or a tuple of axes (split
+// over their product, read major to minor). Written as text `P(fsdp, tp)`, `P((fsdp,dp), None)`,
 // `P()`; in TOML as `[]`, `["fsdp", "tp"]`, `[["fsdp","dp"], ""]` ("" = None).
 
 #include <cstdint>

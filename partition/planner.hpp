@@ -1,6 +1,6 @@
 #pragma once
-// The planner (DESIGN.md section 5): model shapes + mesh + rules -> for every parameter
-// the matched rule, final spec, local shape and bytes per rank, and the totals per rank;
+// The planner (docs/design.md, "Partition rules"): model shapes + mesh + rules -> for every
+// parameter the matched rule, final spec, local shape and bytes per rank, and the totals per rank;
 // given the model's linear layers, also each layer's compute layout (decide_linear_layout,
 // the same decision the layers make) and the collectives it runs per training step with
 // the bytes each moves per rank.
@@ -86,7 +86,7 @@ struct ShardingPlan {
   const ParameterPlan& find(const std::string& name) const;  // throws bad_input if absent
 };
 
-// Applies the rules in order (DESIGN.md section 5):
+// Applies the rules in order (docs/design.md, "Partition rules"):
 // 1. a scalar is replicated (rule -1);
 // 2. the first rule whose regex is found in the name gives the spec; none: bad_input
 //    naming the parameter and listing the rules;

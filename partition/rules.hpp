@@ -1,6 +1,6 @@
 #pragma once
-// Partition rules (DESIGN.md section 5): an ordered list of (regex, spec). The first rule
-// whose regex is found anywhere in a parameter's '/'-joined name gives its spec.
+// Partition rules (docs/design.md, "Partition rules"): an ordered list of (regex, spec). The first
+// rule whose regex is found anywhere in a parameter's '/'-joined name gives its spec.
 
 #include <regex>
 #include <string>

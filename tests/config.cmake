@@ -3,6 +3,9 @@
 meshtrain_add_test(NAME config_test SOURCES config/config_test.cpp LIBS meshtrain_framework)
 target_compile_definitions(config_test PRIVATE MESHTRAIN_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 meshtrain_compile_on_host_only(${CMAKE_CURRENT_SOURCE_DIR}/config/config_test.cpp)
+# One table per option (framework/core/choices.hpp) shared by the reader and the parsers;
+# check_config for a RunConfig made in code.
+meshtrain_add_test(NAME config_choices_test SOURCES config/choices_test.cpp LIBS meshtrain_framework)
 
 # `meshtrain plan` from the command line: bad input exits 2 with one sentence naming what is
 # wrong; good input exits 0. Fixtures live in tests/cli/.

@@ -5,7 +5,3 @@ meshtrain_add_test(NAME layers_mlp_test SOURCES layers/mlp_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300)
 meshtrain_add_test(NAME layers_units_test SOURCES layers/units_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120)
-# A training step (forward, loss, backward, clipping, optimizer) allocates nothing on the
-# heap: operator new is counted over steps 2..4 on dp, fsdp, tp and fsdp x tp meshes.
-meshtrain_add_test(NAME layers_step_allocations_test SOURCES layers/step_allocations_test.cpp
-                   LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120)

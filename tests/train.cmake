@@ -4,7 +4,16 @@
 # metrics.jsonl and agree on the first logged loss (tests/train/expect_run.sh). Every test
 # has a timeout, so a rank left hanging fails the test.
 meshtrain_add_test(NAME train_memory_test SOURCES train/memory_test.cpp
-                   LIBS meshtrain_layers NP 2 4 TIMEOUT 60)
+                   LIBS meshtrain_run NP 2 4 TIMEOUT 60)
+# TrainingRun's C++ API: a config made in code on dp, fsdp, tp and fsdp x tp meshes against
+# a one-rank run; train()'s events, save and an exact resume; agreed bad input.
+meshtrain_add_test(NAME train_training_run_test SOURCES train/training_run_test.cpp
+                   LIBS meshtrain_run NP 1 2 4 TIMEOUT 120)
+# A training step (TrainingRun::step: batch, forward, loss, backward, clipping, optimizer)
+# allocates nothing on the heap: operator new is counted over steps 2..4 on dp, fsdp, tp
+# and fsdp x tp meshes.
+meshtrain_add_test(NAME train_step_allocations_test SOURCES train/step_allocations_test.cpp
+                   LIBS meshtrain_run NP 1 2 4 TIMEOUT 120)
 # Learning-rate schedules against hand-computed values.
 meshtrain_add_test(NAME train_lr_schedule_test SOURCES train/lr_schedule_test.cpp
                    LIBS meshtrain_framework TIMEOUT 30)

@@ -2,9 +2,12 @@
 
 #include <cstdlib>
 
+#include "framework/comm/backends/mpi_communicator.hpp"
 #if MESHTRAIN_HAVE_NCCL
 #include "framework/comm/backends/nccl_communicator.hpp"
 #endif
+#include "framework/comm/failure_agreement.hpp"
+#include "framework/comm/mpi_util.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {
@@ -50,23 +53,29 @@ bool build_supports_nccl() {
   return kBuildSupportsNccl;
 }
 
-CommBackend resolve_comm_backend(const std::string& requested) {
-  if (requested == "mpi") return CommBackend::mpi;
-  if (requested == "auto") return kBuildSupportsNccl ? CommBackend::nccl : CommBackend::mpi;
-  if (requested == "nccl") {
-    if (kBuildSupportsNccl) return CommBackend::nccl;
-#if MESHTRAIN_HAVE_NCCL
-    MESHTRAIN_BAD_INPUT(
-        "runtime.backend = \"nccl\" needs a build against a CUDA-enabled Kokkos; this one "
-        "computes on the CPU (NCCL moves device memory only): use runtime.backend = \"mpi\"");
-#else
-    MESHTRAIN_BAD_INPUT(
-        "runtime.backend = \"nccl\" needs a build with CUDA Kokkos and NCCL; this one has "
-        "neither: use runtime.backend = \"mpi\"");
-#endif
+CommBackend resolve_comm_backend(CommBackendChoice requested) {
+  switch (requested) {
+    case CommBackendChoice::mpi:
+      return CommBackend::mpi;
+    case CommBackendChoice::automatic:
+      return kBuildSupportsNccl ? CommBackend::nccl : CommBackend::mpi;
+    case CommBackendChoice::nccl:
+      break;
   }
-  MESHTRAIN_BAD_INPUT("runtime.backend = \"", requested,
-                      "\" is not a backend (expected auto, mpi or nccl)");
+  if (kBuildSupportsNccl) return CommBackend::nccl;
+#if MESHTRAIN_HAVE_NCCL
+  MESHTRAIN_BAD_INPUT(
+      "runtime.backend = \"nccl\" needs a build against a CUDA-enabled Kokkos; this one "
+      "computes on the CPU (NCCL moves device memory only): use runtime.backend = \"mpi\"");
+#else
+  MESHTRAIN_BAD_INPUT(
+      "runtime.backend = \"nccl\" needs a build with CUDA Kokkos and NCCL; this one has "
+      "neither: use runtime.backend = \"mpi\"");
+#endif
+}
+
+CommBackend resolve_comm_backend(const std::string& requested) {
+  return resolve_comm_backend(parse_comm_backend(requested));
 }
 
 CommunicatorFactory prepare_comm_backend(CommBackend backend, MPI_Comm world) {

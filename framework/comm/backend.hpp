@@ -13,7 +13,8 @@
 
 #include <string>
 
-#include "framework/core/runtime.hpp"
+#include "framework/comm/mesh_communicators.hpp"
+#include "framework/core/choices.hpp"
 
 namespace meshtrain {
 
@@ -25,8 +26,10 @@ const char* to_string(CommBackend backend);
 // NCCL found at configure time.
 bool build_supports_nccl();
 
-// "auto" | "mpi" | "nccl" resolved for this build. bad_input naming runtime.backend for an
-// unknown name and for nccl on a build that cannot run it.
+// The [runtime] backend choice resolved for this build: automatic -> nccl or mpi; nccl on a
+// build that cannot run it is bad_input naming runtime.backend.
+CommBackend resolve_comm_backend(CommBackendChoice requested);
+// The same from its name (parse_comm_backend: bad_input for an unknown one).
 CommBackend resolve_comm_backend(const std::string& requested);
 
 // Readies the process for `backend` and returns the factory MeshCommunicators builds each

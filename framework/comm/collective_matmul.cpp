@@ -69,29 +69,6 @@ std::size_t block_floats(std::size_t rows, std::size_t cols) {
 
 // ------------------------------------------------------------------------------ names
 
-CollectiveMatmulAlgorithm parse_collective_matmul_algorithm(const std::string& text) {
-  if (text == "naive") return CollectiveMatmulAlgorithm::naive;
-  if (text == "ring") return CollectiveMatmulAlgorithm::ring;
-  if (text == "bidirectional") return CollectiveMatmulAlgorithm::bidirectional;
-  if (text == "auto") return CollectiveMatmulAlgorithm::automatic;
-  MESHTRAIN_BAD_INPUT("collective matmul algorithm '", text,
-                      "' is not one of naive, ring, bidirectional, auto");
-}
-
-const char* to_string(CollectiveMatmulAlgorithm algorithm) {
-  switch (algorithm) {
-    case CollectiveMatmulAlgorithm::naive:
-      return "naive";
-    case CollectiveMatmulAlgorithm::ring:
-      return "ring";
-    case CollectiveMatmulAlgorithm::bidirectional:
-      return "bidirectional";
-    case CollectiveMatmulAlgorithm::automatic:
-      return "auto";
-  }
-  return "?";
-}
-
 CollectiveMatmulAlgorithm resolve_collective_matmul_algorithm(CollectiveMatmulAlgorithm algorithm,
                                                               int ranks, std::size_t block_bytes) {
   if (algorithm != CollectiveMatmulAlgorithm::automatic) return algorithm;

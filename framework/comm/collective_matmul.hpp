@@ -1,6 +1,6 @@
 #pragma once
 // Collective matmuls over one communicator (a mesh axis or axis tuple) of size n, this
-// rank i (DESIGN.md section 7; the shard_map notebook's matmul_allgather and
+// rank i (docs/design.md, "Collective matmuls"; the shard_map notebook's matmul_allgather and
 // matmul_psumscatter, generalized to either side, either dim and transposed operands).
 //
 // Operands are given as stored (LayoutRight, possibly row-strided column blocks) with a
@@ -47,15 +47,13 @@
 #include <string>
 
 #include "framework/comm/communicator.hpp"
+#include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
 
 namespace meshtrain {
 
-enum class CollectiveMatmulAlgorithm { naive, ring, bidirectional, automatic };
-
-// "naive" | "ring" | "bidirectional" | "auto"; anything else is bad_input listing them.
-CollectiveMatmulAlgorithm parse_collective_matmul_algorithm(const std::string& text);
-const char* to_string(CollectiveMatmulAlgorithm algorithm);
+// CollectiveMatmulAlgorithm and its names ("naive" | "ring" | "bidirectional" | "auto"):
+// framework/core/choices.hpp.
 // What `automatic` becomes for a communicator of `ranks` and a travelling block of
 // `block_bytes` (other algorithms are returned as they are).
 CollectiveMatmulAlgorithm resolve_collective_matmul_algorithm(CollectiveMatmulAlgorithm algorithm,

@@ -124,7 +124,6 @@ class Communicator {
 
   // Grows the scratch buffer used by dim-1 operations to at least `floats`.
   void reserve_scratch(std::size_t floats);
-  std::size_t scratch_bytes() const { return scratch_.extent(0) * sizeof(float); }
 
  protected:
   Communicator(int size, int rank, std::string description);

@@ -49,16 +49,6 @@ void scale(MatrixView c, float beta) {
 
 }  // namespace
 
-MatmulPrecision parse_matmul_precision(const std::string& text) {
-  if (text == "fp32") return MatmulPrecision::fp32;
-  if (text == "tf32") return MatmulPrecision::tf32;
-  MESHTRAIN_BAD_INPUT("unknown matmul precision '", text, "' (expected fp32 or tf32)");
-}
-
-const char* to_string(MatmulPrecision precision) {
-  return precision == MatmulPrecision::tf32 ? "tf32" : "fp32";
-}
-
 void set_matmul_precision(MatmulPrecision precision) {
   g_matmul_precision = precision;
 }

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <string>
 
+#include "framework/core/choices.hpp"
 #include "framework/core/views.hpp"
 
 namespace meshtrain {
@@ -37,15 +38,10 @@ inline std::size_t op_cols(const GemmOperand& x) {
   return x.matrix.extent(x.transpose ? 0 : 1);
 }
 
-// How float GEMMs may round, as torch.backends.cuda.matmul.allow_tf32: fp32 computes in
-// full float precision (the default, as in PyTorch); tf32 lets cuBLAS use TF32 tensor cores
-// (10-bit mantissa inputs, float accumulation). On host memory both compute in fp32.
-enum class MatmulPrecision { fp32, tf32 };
-
-// "fp32" | "tf32"; anything else is bad_input listing them.
-MatmulPrecision parse_matmul_precision(const std::string& text);
-const char* to_string(MatmulPrecision precision);
-
+// How float GEMMs may round (MatmulPrecision, framework/core/choices.hpp), as
+// torch.backends.cuda.matmul.allow_tf32: fp32 computes in full float precision (the
+// default, as in PyTorch); tf32 lets cuBLAS use TF32 tensor cores (10-bit mantissa
+// inputs, float accumulation). On host memory both compute in fp32.
 // Process-wide, like PyTorch's setting: every later gemm() uses it.
 void set_matmul_precision(MatmulPrecision precision);
 MatmulPrecision matmul_precision();

@@ -9,15 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "framework/core/views.hpp"
 #include "partition/mesh.hpp"
 #include "partition/partition_spec.hpp"
 
 namespace meshtrain {
-
-using Vector = Kokkos::View<float*, Kokkos::LayoutRight>;
-using Matrix = Kokkos::View<float**, Kokkos::LayoutRight>;
-using UnmanagedMatrix =
-    Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 
 struct ShardedTensor {
   std::string name;  // '/'-joined, e.g. "layers/0/weight"
@@ -39,10 +35,10 @@ struct ShardedTensor {
   }
 
   // The local block as a matrix (2-D tensors; a 1-D tensor is one row).
-  UnmanagedMatrix matrix() const {
+  MatrixView matrix() const {
     const size_t rows = box.extent.size() == 2 ? static_cast<size_t>(box.extent[0]) : 1;
     const size_t cols = box.extent.empty() ? 1 : static_cast<size_t>(box.extent.back());
-    return UnmanagedMatrix(local.data(), rows, cols);
+    return MatrixView(local.data(), rows, cols);
   }
 };
 

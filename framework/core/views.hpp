@@ -1,14 +1,21 @@
 #pragma once
-// The views that meshtrain's operations take: float (and double) data in the default
-// memory space, LayoutRight, unmanaged (the caller owns the allocation).
-//
-// 2-D views may be row-strided: a column block of a LayoutRight matrix obtained with
-// Kokkos::subview(m, rows, cols) keeps LayoutRight with stride(0) > extent(1). Operations
+// The Kokkos View types of meshtrain, one name per idea:
+//   Vector, Matrix              owning, row-major (LayoutRight), float
+//   VectorView, MatrixView      non-owning views of someone else's floats (a tensor's
+//                               block, a layer's output, a batch): what functions take
+//   Const*View                  the same, read-only
+//   DoubleVectorView            doubles, for reductions of scalars (loss sums, norms,
+//                               counts) that float would round
+// 2-D views may be row-strided (a column block of a LayoutRight matrix obtained with
+// Kokkos::subview(m, rows, cols) keeps LayoutRight with stride(0) > extent(1)); operations
 // that need contiguous memory check span_is_contiguous() and say so.
 
 #include <Kokkos_Core.hpp>
 
 namespace meshtrain {
+
+using Vector = Kokkos::View<float*, Kokkos::LayoutRight>;
+using Matrix = Kokkos::View<float**, Kokkos::LayoutRight>;
 
 using VectorView =
     Kokkos::View<float*, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;

@@ -17,9 +17,11 @@
 #include <set>
 #include <sstream>
 
-#include "framework/io/hdf5_util.hpp"
-#include "framework/core/runtime.hpp"
+#include "framework/comm/communicator.hpp"  // checked_int
+#include "framework/comm/failure_agreement.hpp"
+#include "framework/comm/mpi_util.hpp"
 #include "framework/core/version.hpp"
+#include "framework/io/hdf5_util.hpp"
 #include "partition/error.hpp"
 #include "partition/planner.hpp"
 

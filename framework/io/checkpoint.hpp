@@ -1,6 +1,6 @@
 #pragma once
-// Checkpoints (DESIGN.md section 8): one HDF5 file per checkpoint, written collectively
-// through MPI-IO. Layout of <dir>/ckpt-<step, 6+ digits>.h5:
+// Checkpoints (docs/design.md, "Checkpoints (HDF5)"): one HDF5 file per checkpoint, written
+// collectively through MPI-IO. Layout of <dir>/ckpt-<step, 6+ digits>.h5:
 //
 //   /                       attributes: format, step, mesh ("dp=1 fsdp=4 ..."), mesh_axes,
 //                           mesh_sizes, world_size, framework_version, config (TOML text)

@@ -244,8 +244,8 @@ namespace {
 // the labels/targets, and zeros rows [valid, x.extent(0)). Works through host mirrors,
 // which are the views themselves for host-accessible memory (no allocation).
 template <class SampleOf>
-void copy_rows(const Dataset& d, int64_t valid, SampleOf sample_of, const BatchInputs& x,
-               const BatchLabels* labels, const BatchTargets* targets) {
+void copy_rows(const Dataset& d, int64_t valid, SampleOf sample_of, const Matrix& x,
+               const BatchLabels* labels, const Matrix* targets) {
   const int64_t rows = static_cast<int64_t>(x.extent(0));
   MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(1)) == d.features, "fill_batch: x has ",
                     x.extent(1), " columns but the ", d.description, " has ", d.features,
@@ -297,7 +297,7 @@ void copy_rows(const Dataset& d, int64_t valid, SampleOf sample_of, const BatchI
 }
 
 void check_train_slice(const Dataset& d, const BatchSchedule& schedule, const BatchSlice& slice,
-                       const BatchInputs& x) {
+                       const Matrix& x) {
   MESHTRAIN_REQUIRE(schedule.num_samples() == d.num_samples, "fill_batch: the schedule is for ",
                     schedule.num_samples(), " samples but the ", d.description, " has ",
                     d.num_samples);
@@ -309,7 +309,7 @@ void check_train_slice(const Dataset& d, const BatchSchedule& schedule, const Ba
 }
 
 void check_eval_slice(const Dataset& d, const EvalSchedule& schedule, int64_t batch,
-                      const BatchSlice& slice, const BatchInputs& x) {
+                      const BatchSlice& slice, const Matrix& x) {
   MESHTRAIN_REQUIRE(schedule.num_samples == d.num_samples, "fill_eval_batch: the schedule is for ",
                     schedule.num_samples, " samples but the ", d.description, " has ",
                     d.num_samples);
@@ -330,7 +330,7 @@ int64_t eval_valid_rows(const EvalSchedule& schedule, int64_t batch, const Batch
 }  // namespace
 
 void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step,
-                const BatchSlice& slice, const BatchInputs& x, const BatchLabels& labels) {
+                const BatchSlice& slice, const Matrix& x, const BatchLabels& labels) {
   check_train_slice(data, schedule, slice, x);
   const int64_t begin = slice.begin();
   copy_rows(
@@ -339,7 +339,7 @@ void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step
 }
 
 void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step,
-                const BatchSlice& slice, const BatchInputs& x, const BatchTargets& targets) {
+                const BatchSlice& slice, const Matrix& x, const Matrix& targets) {
   check_train_slice(data, schedule, slice, x);
   const int64_t begin = slice.begin();
   copy_rows(
@@ -348,7 +348,7 @@ void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step
 }
 
 int64_t fill_eval_batch(const Dataset& data, const EvalSchedule& schedule, int64_t batch,
-                        const BatchSlice& slice, const BatchInputs& x, const BatchLabels& labels) {
+                        const BatchSlice& slice, const Matrix& x, const BatchLabels& labels) {
   check_eval_slice(data, schedule, batch, slice, x);
   const int64_t first = batch * schedule.global_batch + slice.begin();
   const int64_t valid = eval_valid_rows(schedule, batch, slice);
@@ -358,8 +358,7 @@ int64_t fill_eval_batch(const Dataset& data, const EvalSchedule& schedule, int64
 }
 
 int64_t fill_eval_batch(const Dataset& data, const EvalSchedule& schedule, int64_t batch,
-                        const BatchSlice& slice, const BatchInputs& x,
-                        const BatchTargets& targets) {
+                        const BatchSlice& slice, const Matrix& x, const Matrix& targets) {
   check_eval_slice(data, schedule, batch, slice, x);
   const int64_t first = batch * schedule.global_batch + slice.begin();
   const int64_t valid = eval_valid_rows(schedule, batch, slice);

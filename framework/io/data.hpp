@@ -1,5 +1,5 @@
 #pragma once
-// Training and test data (DESIGN.md sections 6 and 9, issue 4).
+// Training and test data (docs/design.md, "Training modes" and "Configuration (TOML)", issue 4).
 //
 // Every rank holds the whole dataset (Fashion-MNIST is 47 MB as bytes) and computes the
 // same global batch of a step from (seed, step) alone; it then copies only its own rows,
@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "framework/core/views.hpp"
 #include "framework/train/config.hpp"
 #include "partition/mesh.hpp"
 
@@ -138,18 +139,17 @@ class BatchSchedule {
   mutable std::vector<int64_t> cached_order_;
 };
 
-using BatchInputs = Kokkos::View<float**, Kokkos::LayoutRight>;
+// Batch inputs and regression targets are Matrix [rows, width]; class labels are:
 using BatchLabels = Kokkos::View<int32_t*>;
-using BatchTargets = Kokkos::View<float**, Kokkos::LayoutRight>;
 
 // Writes this rank's rows of the global batch of `step` into preallocated views:
 // x [slice.rows, features] and labels [slice.rows] (classification) or targets
 // [slice.rows, target_width] (regression). Wrong shapes or the wrong kind of target are
 // internal errors (MESHTRAIN_REQUIRE).
 void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step,
-                const BatchSlice& slice, const BatchInputs& x, const BatchLabels& labels);
+                const BatchSlice& slice, const Matrix& x, const BatchLabels& labels);
 void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step,
-                const BatchSlice& slice, const BatchInputs& x, const BatchTargets& targets);
+                const BatchSlice& slice, const Matrix& x, const Matrix& targets);
 
 // Evaluation over a (test) split in sample order, in global batches of `global_batch`
 // rows sharded over the batch axes like training batches (make_batch_slice with
@@ -168,8 +168,8 @@ struct EvalSchedule {
 };
 
 int64_t fill_eval_batch(const Dataset& data, const EvalSchedule& schedule, int64_t batch,
-                        const BatchSlice& slice, const BatchInputs& x, const BatchLabels& labels);
+                        const BatchSlice& slice, const Matrix& x, const BatchLabels& labels);
 int64_t fill_eval_batch(const Dataset& data, const EvalSchedule& schedule, int64_t batch,
-                        const BatchSlice& slice, const BatchInputs& x, const BatchTargets& targets);
+                        const BatchSlice& slice, const Matrix& x, const Matrix& targets);
 
 }  // namespace meshtrain

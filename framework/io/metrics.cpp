@@ -38,11 +38,6 @@ void MetricsLog::write_line(const std::string& json) {
 
 void MetricsLog::log(const LogEvent& e) {
   if (!file_) return;
-  std::printf("step %6lld/%lld  epoch %3lld  loss %.5f  %9.1f samples/s  ETA %s\n",
-              static_cast<long long>(e.step), static_cast<long long>(e.total_steps),
-              static_cast<long long>(e.epoch), e.loss, e.samples_per_s,
-              format_duration(e.eta_s).c_str());
-  std::fflush(stdout);
   nlohmann::json j = {{"event", "log"},
                       {"step", e.step},
                       {"epoch", e.epoch},
@@ -54,15 +49,29 @@ void MetricsLog::log(const LogEvent& e) {
 void MetricsLog::eval(const EvalEvent& e) {
   if (!file_) return;
   nlohmann::json j = {{"event", "eval"}, {"step", e.step}, {"test_loss", e.test_loss}};
-  if (std::isnan(e.test_accuracy)) {
-    std::printf("eval at step %lld: test loss %.5f\n", static_cast<long long>(e.step), e.test_loss);
-  } else {
-    std::printf("eval at step %lld: test loss %.5f  test accuracy %.4f\n",
-                static_cast<long long>(e.step), e.test_loss, e.test_accuracy);
-    j["test_accuracy"] = e.test_accuracy;
-  }
-  std::fflush(stdout);
+  if (!std::isnan(e.test_accuracy)) j["test_accuracy"] = e.test_accuracy;
   write_line(j.dump());
+}
+
+std::string format_log_line(const LogEvent& e) {
+  char line[160];
+  std::snprintf(
+      line, sizeof line, "step %6lld/%lld  epoch %3lld  loss %.5f  %9.1f samples/s  ETA %s",
+      static_cast<long long>(e.step), static_cast<long long>(e.total_steps),
+      static_cast<long long>(e.epoch), e.loss, e.samples_per_s, format_duration(e.eta_s).c_str());
+  return line;
+}
+
+std::string format_eval_line(const EvalEvent& e) {
+  char line[160];
+  if (std::isnan(e.test_accuracy)) {
+    std::snprintf(line, sizeof line, "eval at step %lld: test loss %.5f",
+                  static_cast<long long>(e.step), e.test_loss);
+  } else {
+    std::snprintf(line, sizeof line, "eval at step %lld: test loss %.5f  test accuracy %.4f",
+                  static_cast<long long>(e.step), e.test_loss, e.test_accuracy);
+  }
+  return line;
 }
 
 std::string format_duration(double seconds) {

@@ -1,7 +1,8 @@
 #pragma once
-// What a run reports: the progress line on rank 0 and OUTPUT_DIR/metrics.jsonl, one JSON
-// object per log or eval event (DESIGN.md section 10). Only rank 0 owns a MetricsLog
-// that writes; on other ranks every call is a no-op, so the training loop needs no ifs.
+// What a run reports: OUTPUT_DIR/metrics.jsonl, one JSON object per log or eval event
+// (the schema is in the README, "What the output means"), and the same events as the
+// progress lines a program prints. Only rank 0 owns a MetricsLog that writes; on other
+// ranks every call is a no-op, so the training loop needs no ifs.
 
 #include <cstdint>
 #include <cstdio>
@@ -34,8 +35,8 @@ class MetricsLog {
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
 
-  void log(const LogEvent& event);    // progress line on stdout + JSON line
-  void eval(const EvalEvent& event);  // eval line on stdout + JSON line
+  void log(const LogEvent& event);    // one JSON line
+  void eval(const EvalEvent& event);  // one JSON line
   const std::string& path() const { return path_; }
 
  private:
@@ -43,6 +44,11 @@ class MetricsLog {
   std::FILE* file_ = nullptr;
   std::string path_;
 };
+
+// "step    100/4680  epoch   0  loss 0.53138     7714.8 samples/s  ETA 1m02s"
+std::string format_log_line(const LogEvent& event);
+// "eval at step 100: test loss 0.41234  test accuracy 0.8512" (no accuracy for regression)
+std::string format_eval_line(const EvalEvent& event);
 
 // "1h02m", "3m05s", "12s"
 std::string format_duration(double seconds);

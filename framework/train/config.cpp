@@ -1,5 +1,5 @@
-// Loads a run's TOML file (DESIGN.md section 9) into a RunConfig. Every key is checked
-// here, once, so the rest of the program can trust the values: an unknown section or key,
+// Loads a run's TOML file (docs/design.md, "Configuration (TOML)") into a RunConfig. Every key is
+// checked here, once, so the rest of the program can trust the values: an unknown section or key,
 // a wrong type or an out-of-range value is a bad_input Error that names the file, the
 // line and the key ("configs/x.toml:12: [optimizer] lr must be positive, got -0.1").
 // Values set with --set carry their override as their source, so their errors name it.
@@ -7,6 +7,7 @@
 #include "framework/train/config.hpp"
 
 #include <toml++/toml.h>
+#include "framework/core/choices.hpp"
 
 #include <algorithm>
 #include <cerrno>
@@ -271,9 +272,11 @@ void read_model(const Section& s, const std::string& data_source, ModelSection& 
     }
     model.sizes.push_back(entry.as_integer()->get());
   }
-  model.activation = s.choice("activation", model.activation, {"relu", "tanh", "gelu"});
-  model.init = s.choice("init", model.init, {"he_normal", "xavier_uniform", "normal"});
-  model.loss = s.choice("loss", model.loss, {"auto", "cross_entropy", "mse"});
+  model.activation = s.choice("activation", model.activation, choice_names(activation_choices()));
+  model.init = s.choice("init", model.init, choice_names(init_scheme_choices()));
+  std::vector<std::string> losses = choice_names(loss_kind_choices());
+  losses.insert(losses.begin(), "auto");
+  model.loss = s.choice("loss", model.loss, losses);
   if (model.loss == "auto") model.loss = data_source == "synthetic" ? "mse" : "cross_entropy";
 }
 
@@ -359,7 +362,7 @@ void read_partition(const Section& s, PartitionSection& partition) {
   }
   partition.min_sharding_size = s.integer("min_sharding_size", partition.min_sharding_size, 0);
   partition.collective_matmul = s.choice("collective_matmul", partition.collective_matmul,
-                                         {"naive", "ring", "bidirectional", "auto"});
+                                         choice_names(collective_matmul_choices()));
 
   partition.rules.clear();
   if (const toml::node* rules = s.find("rules")) {
@@ -417,7 +420,7 @@ void read_data(const Section& s, DataSection& data) {
 }
 
 void read_optimizer(const Section& s, OptimizerSection& opt) {
-  opt.kind = s.choice("kind", opt.kind, {"sgd", "adamw"});
+  opt.kind = s.choice("kind", opt.kind, choice_names(optimizer_kind_choices()));
   opt.lr = s.number("lr").value_or(opt.lr);
   if (!(opt.lr > 0)) s.fail("lr", "must be positive, got ", opt.lr);
   opt.momentum = s.number("momentum").value_or(opt.momentum);
@@ -471,9 +474,9 @@ void read_checkpoint(const Section& s, const std::string& output_dir, Checkpoint
 }
 
 void read_runtime(const Section& s, RuntimeSection& runtime) {
-  runtime.backend = s.choice("backend", runtime.backend, {"auto", "mpi", "nccl"});
-  runtime.matmul_precision =
-      s.choice("matmul_precision", runtime.matmul_precision, {"fp32", "tf32"});
+  runtime.backend = s.choice("backend", runtime.backend, choice_names(comm_backend_choices()));
+  runtime.matmul_precision = s.choice("matmul_precision", runtime.matmul_precision,
+                                      choice_names(matmul_precision_choices()));
 }
 
 // Parses TOML text, turning a syntax error into one sentence with file, line and column.

@@ -1,6 +1,6 @@
 #pragma once
-// A run, as described by a TOML file (DESIGN.md section 9). Plain data: load_config()
-// parses and checks every key, so the rest of the program can trust these values.
+// A run, as described by a TOML file (docs/design.md, "Configuration (TOML)"). Plain data:
+// load_config() parses and checks every key, so the rest of the program can trust these values.
 
 #include <cstdint>
 #include <map>
@@ -32,8 +32,8 @@ struct MeshSection {
 struct ModelSection {
   std::string kind = "mlp";
   std::vector<int64_t> sizes;       // [in, hidden..., out], at least two, all positive
-  std::string activation = "relu";  // relu | tanh | gelu
-  std::string init = "he_normal";   // he_normal | xavier_uniform | normal
+  std::string activation = "relu";  // relu | tanh | gelu | none
+  std::string init = "he_normal";   // he_normal | xavier_uniform | normal | zeros
   std::string loss = "auto";        // auto | cross_entropy | mse (auto: mse for synthetic)
 };
 
@@ -91,7 +91,7 @@ struct RuntimeSection {
 };
 
 struct RunConfig {
-  std::string file;  // where it was read from (for messages)
+  std::string file;  // where it was read from (for messages); empty when made in code
   std::string text;  // the TOML text after --set overrides (stored in checkpoints)
   RunSection run;
   MeshSection mesh;
@@ -118,6 +118,14 @@ RunConfig parse_config(const std::string& text, const std::string& file,
 // cross_entropy otherwise. model.sizes has at least two entries and train has exactly one
 // of epochs and steps. An override of train.steps drops the file's train.epochs (and the
 // other way round) unless both are overridden.
+
+// The checks load_config makes, for a RunConfig filled in code (the C++ API): every value
+// in range, every option a known name (framework/core/choices.hpp), exactly one of
+// train.epochs and train.steps, every partition rule's regex compiles and its spec names
+// known mesh axes. Empty run.output_dir and checkpoint.dir get load_config's defaults
+// ("runs/<run.name>", "<output_dir>/checkpoints"). Throws bad_input naming the key
+// ("<config.file>: model.sizes ..."; config.file defaults to "the run config").
+void check_config(RunConfig& config);
 
 // The rules of a run: the user's [partition] rules first (replicate_if_indivisible=false),
 // then the preset's rules (if any). No rules and no preset: bad_input naming [partition]

@@ -98,30 +98,6 @@ void fill_block(ShardedTensor& t, Draw draw, uint64_t seed, float scale, float l
 
 }  // namespace
 
-InitScheme parse_init_scheme(const std::string& name, const std::string& key) {
-  if (name == "he_normal") return InitScheme::he_normal;
-  if (name == "xavier_uniform") return InitScheme::xavier_uniform;
-  if (name == "normal") return InitScheme::normal;
-  if (name == "zeros") return InitScheme::zeros;
-  MESHTRAIN_BAD_INPUT(key, " = '", name,
-                      "' is not an initialization scheme; use he_normal, xavier_uniform, normal "
-                      "or zeros");
-}
-
-std::string to_string(InitScheme scheme) {
-  switch (scheme) {
-    case InitScheme::he_normal:
-      return "he_normal";
-    case InitScheme::xavier_uniform:
-      return "xavier_uniform";
-    case InitScheme::normal:
-      return "normal";
-    case InitScheme::zeros:
-      return "zeros";
-  }
-  return "?";
-}
-
 uint64_t name_stream(const std::string& name) {
   uint64_t h = 0xcbf29ce484222325ull;
   for (unsigned char c : name) {
@@ -137,25 +113,6 @@ float counter_uniform(uint64_t seed, uint64_t stream, uint64_t index) {
 
 float counter_normal(uint64_t seed, uint64_t stream, uint64_t index) {
   return normal_at(stream_key(seed, stream), index);
-}
-
-void fill_normal(Vector out, uint64_t seed, uint64_t stream, uint64_t first_index, float stddev) {
-  const uint64_t key = stream_key(seed, stream);
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::fill_normal"), Kokkos::RangePolicy<>(0, out.extent(0)),
-      KOKKOS_LAMBDA(const int64_t i) {
-        out(i) = stddev * normal_at(key, first_index + static_cast<uint64_t>(i));
-      });
-}
-
-void fill_uniform(Vector out, uint64_t seed, uint64_t stream, uint64_t first_index, float low,
-                  float high) {
-  const uint64_t key = stream_key(seed, stream);
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::fill_uniform"), Kokkos::RangePolicy<>(0, out.extent(0)),
-      KOKKOS_LAMBDA(const int64_t i) {
-        out(i) = low + (high - low) * uniform_at(key, first_index + static_cast<uint64_t>(i));
-      });
 }
 
 void initialize(ShardedTensor& t, InitScheme scheme, uint64_t seed) {

@@ -17,16 +17,10 @@
 #include <cstdint>
 #include <string>
 
+#include "framework/core/choices.hpp"  // InitScheme, its names
 #include "framework/core/sharded_tensor.hpp"
 
 namespace meshtrain {
-
-enum class InitScheme { he_normal, xavier_uniform, normal, zeros };
-
-// "he_normal" | "xavier_uniform" | "normal" | "zeros"; throws bad_input naming `key` and
-// the value otherwise.
-InitScheme parse_init_scheme(const std::string& name, const std::string& key = "model.init");
-std::string to_string(InitScheme scheme);
 
 // 64-bit FNV-1a hash of a name: the stream of a tensor.
 uint64_t name_stream(const std::string& name);
@@ -41,11 +35,5 @@ float counter_uniform(uint64_t seed, uint64_t stream, uint64_t index);
 // standard normal: Box-Muller on the pair (2k, 2k+1) of uniforms, element 2k takes the
 // cosine branch and 2k+1 the sine branch, so both halves of a pair are used.
 float counter_normal(uint64_t seed, uint64_t stream, uint64_t index);
-
-// Fills `out` (flat, `count` elements) with normal / uniform values of global flat indices
-// first_index .. first_index + count - 1 (a contiguous row block of a row-major tensor).
-void fill_normal(Vector out, uint64_t seed, uint64_t stream, uint64_t first_index, float stddev);
-void fill_uniform(Vector out, uint64_t seed, uint64_t stream, uint64_t first_index, float low,
-                  float high);
 
 }  // namespace meshtrain

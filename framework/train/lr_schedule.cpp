@@ -3,29 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "partition/error.hpp"
-
 namespace meshtrain {
-
-LrScheduleKind parse_lr_schedule(const std::string& name, const std::string& key) {
-  if (name == "constant") return LrScheduleKind::constant;
-  if (name == "linear") return LrScheduleKind::linear;
-  if (name == "cosine") return LrScheduleKind::cosine;
-  MESHTRAIN_BAD_INPUT(key, " = \"", name,
-                      "\" is not a schedule (expected constant, linear or cosine)");
-}
-
-const char* to_string(LrScheduleKind kind) {
-  switch (kind) {
-    case LrScheduleKind::linear:
-      return "linear";
-    case LrScheduleKind::cosine:
-      return "cosine";
-    case LrScheduleKind::constant:
-      break;
-  }
-  return "constant";
-}
 
 double LrSchedule::at(int64_t step) const {
   if (step < warmup_steps) {

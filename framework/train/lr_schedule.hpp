@@ -12,16 +12,10 @@
 // step index, so a resumed run continues the schedule exactly.
 
 #include <cstdint>
-#include <string>
+
+#include "framework/core/choices.hpp"
 
 namespace meshtrain {
-
-enum class LrScheduleKind { constant, linear, cosine };
-
-// "constant" | "linear" | "cosine"; bad_input naming `key` otherwise.
-LrScheduleKind parse_lr_schedule(const std::string& name,
-                                 const std::string& key = "optimizer.schedule");
-const char* to_string(LrScheduleKind kind);
 
 struct LrSchedule {
   LrScheduleKind kind = LrScheduleKind::constant;

@@ -64,12 +64,6 @@ void scale(Vector g, float factor) {
 
 }  // namespace
 
-OptimizerKind parse_optimizer_kind(const std::string& name, const std::string& key) {
-  if (name == "sgd") return OptimizerKind::sgd;
-  if (name == "adamw") return OptimizerKind::adamw;
-  MESHTRAIN_BAD_INPUT(key, " = '", name, "' is not an optimizer; use sgd or adamw");
-}
-
 Optimizer::Optimizer(const OptimizerSettings& settings, const std::vector<ShardedTensor>& params)
     : settings_(settings) {
   slot_names_ = settings.kind == OptimizerKind::sgd ? std::vector<std::string>{"momentum"}

@@ -17,12 +17,11 @@
 #include <vector>
 
 #include "framework/comm/communicator.hpp"
+#include "framework/core/choices.hpp"  // OptimizerKind, its names
 #include "framework/core/sharded_tensor.hpp"
 #include "partition/mesh.hpp"
 
 namespace meshtrain {
-
-enum class OptimizerKind { sgd, adamw };
 
 struct OptimizerSettings {
   OptimizerKind kind = OptimizerKind::adamw;
@@ -32,10 +31,6 @@ struct OptimizerSettings {
   float eps = 1e-8f;      // adamw
   float weight_decay = 0.0f;
 };
-
-// "sgd" | "adamw"; throws bad_input naming `key` and the value otherwise.
-OptimizerKind parse_optimizer_kind(const std::string& name,
-                                   const std::string& key = "optimizer.kind");
 
 class Optimizer {
  public:

@@ -2,6 +2,7 @@
 // the whole job with the error's exit status (2 for bad input) instead of leaving the
 // waiting ranks hanging. Driven by expect_abort.sh.
 
+#include "apps/exit_policy.hpp"
 #include "framework/core/runtime.hpp"
 
 int main(int argc, char** argv) {

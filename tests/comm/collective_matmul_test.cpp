@@ -154,7 +154,8 @@ TEST(CollectiveMatmul, MatmulReduceScatterMatchesTheFullProduct) {
   }
 }
 
-// The TP layer's three products (DESIGN.md section 6) spelled as the layer will call them.
+// The TP layer's three products (docs/design.md, "Training modes") spelled as the layer will call
+// them.
 TEST(CollectiveMatmul, TensorParallelLinearProducts) {
   TestGroups tg;
   const Group& g = tg.groups()[1];  // the tp axis
@@ -261,7 +262,7 @@ TEST(CollectiveMatmul, NonDivisibleShapesAreBadInput) {
       },
       {"output is [4, 7]", "expected [4, 3]"});
   expect_bad_input([] { parse_collective_matmul_algorithm("fast"); },
-                   {"'fast'", "naive, ring, bidirectional, auto"});
+                   {"'fast'", "naive | ring | bidirectional | auto"});
   EXPECT_EQ(parse_collective_matmul_algorithm("bidirectional"),
             CollectiveMatmulAlgorithm::bidirectional);
 }
@@ -344,7 +345,8 @@ TEST(Gemm, MatmulPrecision) {
   EXPECT_EQ(parse_matmul_precision("fp32"), MatmulPrecision::fp32);
   EXPECT_EQ(parse_matmul_precision("tf32"), MatmulPrecision::tf32);
   EXPECT_STREQ(to_string(MatmulPrecision::tf32), "tf32");
-  expect_bad_input([] { parse_matmul_precision("bf16"); }, {"'bf16'", "fp32 or tf32"});
+  expect_bad_input([] { parse_matmul_precision("bf16"); },
+                   {"runtime.matmul_precision = 'bf16' is not one of fp32 | tf32"});
   EXPECT_EQ(matmul_precision(), MatmulPrecision::fp32);  // the default, as in PyTorch
   if (kDeviceMemoryIsHostInaccessible) GTEST_SKIP() << "tf32 rounds on a GPU";
   HostMatrix a = make_matrix("a", 33, 65, 31), b = make_matrix("b", 65, 17, 32);

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "framework/comm/communicator.hpp"
-#include "framework/core/runtime.hpp"
+#include "framework/comm/mesh_communicators.hpp"
 #include "partition/mesh.hpp"
 #include "tests/test_support.hpp"
 

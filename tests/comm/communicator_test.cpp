@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include "apps/exit_policy.hpp"
 #include "comm_test_util.hpp"
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "tests/test_support.hpp"

@@ -1,7 +1,6 @@
-// run_agreed (every rank ends a phase with the lowest failing rank's error), all_reduce in
-// double (exact where float rounds), pooled shift requests (reused; a pending one outlives
-// its communicator), a factory that throws on MeshCommunicators::get, and the choice of
-// the communication backend ([runtime] backend).
+// all_reduce in double (exact where float rounds), pooled shift requests (reused; a pending
+// one outlives its communicator), a factory that throws on MeshCommunicators::get, and the
+// choice of the communication backend ([runtime] backend).
 
 #include <gtest/gtest.h>
 
@@ -13,48 +12,13 @@
 
 #include "framework/comm/backend.hpp"
 #include "framework/comm/backends/mpi_communicator.hpp"
-#include "framework/core/runtime.hpp"
+#include "framework/comm/mesh_communicators.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain::testing {
 namespace {
 
 using HostDoubles = Kokkos::View<double*, Kokkos::LayoutRight, Kokkos::HostSpace>;
-
-TEST(RunAgreed, SuccessOnEveryRankIsNullopt) {
-  int calls = 0;
-  EXPECT_FALSE(run_agreed(MPI_COMM_WORLD, [&] { ++calls; }).has_value());
-  EXPECT_EQ(calls, 1);
-}
-
-TEST(RunAgreed, EveryRankGetsTheLowestFailingRanksError) {
-  const int n = world_size();
-  const int rank = world_rank();
-  // Ranks n-1 and (when n > 2) 1 fail with different kinds and messages; the lowest wins.
-  const int lowest = n > 2 ? 1 : n - 1;
-  auto error = run_agreed(MPI_COMM_WORLD, [&] {
-    if (rank == n - 1) MESHTRAIN_BAD_INPUT("rank ", rank, " found a bad key 'model.width'");
-    if (n > 2 && rank == 1) MESHTRAIN_FAIL("rank ", rank, " could not write 'part-1.h5'");
-  });
-  ASSERT_TRUE(error.has_value());
-  const bool bad_input = lowest == n - 1;
-  EXPECT_EQ(error->kind(), bad_input ? ErrorKind::bad_input : ErrorKind::runtime);
-  const std::string want = bad_input
-                               ? "rank " + std::to_string(lowest) + " found a bad key 'model.width'"
-                               : "rank " + std::to_string(lowest) + " could not write 'part-1.h5'";
-  EXPECT_EQ(std::string(error->what()), want);
-}
-
-TEST(RunAgreed, OtherExceptionsBecomeUnexpectedRuntimeFailures) {
-  auto error = run_agreed(MPI_COMM_WORLD, [] {
-    if (world_rank() == 0) throw std::out_of_range("map::at");
-  });
-  ASSERT_TRUE(error.has_value());
-  EXPECT_EQ(error->kind(), ErrorKind::runtime);
-  EXPECT_EQ(std::string(error->what()), "unexpected failure: map::at");
-  // The agreed error can be thrown as is.
-  expect_error([&] { throw *error; }, ErrorKind::runtime, {"unexpected failure", "map::at"});
-}
 
 TEST(AllReduceDouble, SumsExactlyWhereFloatRounds) {
   MpiCommunicator comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "world");
@@ -151,7 +115,7 @@ TEST(CommBackend, ResolvesForThisBuild) {
                      {"runtime.backend = \"nccl\" needs a build", "use runtime.backend = \"mpi\""});
   }
   expect_bad_input([] { resolve_comm_backend("gloo"); },
-                   {"runtime.backend = \"gloo\" is not a backend", "auto, mpi or nccl"});
+                   {"runtime.backend = 'gloo' is not one of auto | mpi | nccl"});
 }
 
 // The MPI backend's factory builds working communicators for every mesh group.

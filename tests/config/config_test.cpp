@@ -290,8 +290,8 @@ TEST(Config, ModelErrors) {
   expect_config_error(train, {"t.toml", "[model] sizes", "required"});
   expect_config_error("[model]\nsizes = [4, 2]\nactivation = \"sigmoid\"\n" + train,
                       {"t.toml:3", "[model] activation", "\"sigmoid\"", "relu | tanh | gelu"});
-  expect_config_error("[model]\nsizes = [4, 2]\ninit = \"zeros\"\n" + train,
-                      {"t.toml:3", "[model] init", "\"zeros\""});
+  expect_config_error("[model]\nsizes = [4, 2]\ninit = \"ones\"\n" + train,
+                      {"t.toml:3", "[model] init", "\"ones\"", "zeros"});
   expect_config_error("[model]\nsizes = [4, 2]\nloss = \"hinge\"\n" + train,
                       {"t.toml:3", "[model] loss", "\"hinge\""});
   expect_config_error("[model]\nsizes = [4, 2]\nkind = \"cnn\"\n" + train,

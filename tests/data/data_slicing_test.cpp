@@ -74,7 +74,7 @@ TEST(BatchSlicing, SlicesOfAllRanksTileTheGlobalBatch) {
         for (int rank = 0; rank < world; ++rank) {
           const BatchSlice slice = make_batch_slice(mesh, rank, kBatchAxes, batch);
           EXPECT_EQ(slice.count, mesh.size_of({"fsdp", "dp"}));
-          BatchInputs x("x", slice.rows, 3);
+          Matrix x("x", slice.rows, 3);
           BatchLabels labels("labels", slice.rows);
           fill_batch(d, schedule, step, slice, x, labels);
           for (int64_t r = 0; r < slice.rows; ++r) {
@@ -112,7 +112,7 @@ TEST(BatchSlicing, GatheredSlicesEqualTheSingleRankBatch) {
   BatchSchedule reference(d.num_samples, batch, true, 3);  // the single-rank view
   for (const Mesh& mesh : meshes_of(world)) {
     const BatchSlice slice = make_batch_slice(mesh, rank, kBatchAxes, batch);
-    BatchInputs x("x", slice.rows, d.features);  // allocated once, refilled every step
+    Matrix x("x", slice.rows, d.features);  // allocated once, refilled every step
     BatchLabels labels("labels", slice.rows);
     for (int64_t step = 0; step < 20; ++step) {  // 8 steps per epoch
       fill_batch(d, schedule, step, slice, x, labels);
@@ -175,7 +175,7 @@ TEST(BatchSlicing, EvaluationCoversTheTestSplitOnce) {
   for (const Mesh& mesh : meshes_of(world)) {
     const BatchSlice slice =
         make_batch_slice(mesh, rank, kBatchAxes, eval_batch, "data.eval_batch_size");
-    BatchInputs x("x", slice.rows, d.features);
+    Matrix x("x", slice.rows, d.features);
     BatchLabels labels("labels", slice.rows);
     int64_t local[2] = {0, 0};  // valid rows, sum of their sample numbers
     for (int64_t b = 0; b < eval.num_batches; ++b) {

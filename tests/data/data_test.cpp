@@ -76,7 +76,7 @@ TEST(FashionMnist, TrainAndTestSplitsLoad) {
   // A batch is scaled to [0, 1] and uses the full range.
   BatchSchedule schedule(train.num_samples, 500, true, 1);
   const BatchSlice slice = make_batch_slice(Mesh::single(), 0, {"fsdp", "dp"}, 500);
-  BatchInputs x("x", 500, 784);
+  Matrix x("x", 500, 784);
   BatchLabels labels("labels", 500);
   fill_batch(train, schedule, 0, slice, x, labels);
   float lo = 1e9f, hi = -1e9f;
@@ -323,7 +323,7 @@ TEST(Hdf5Dataset, LabelsRoundTrip) {
   // Batches carry the file's rows.
   BatchSchedule schedule(d.num_samples, 5, false, 0);
   const BatchSlice slice = make_batch_slice(Mesh::single(), 0, {"fsdp", "dp"}, 5);
-  BatchInputs bx("x", 5, 3);
+  Matrix bx("x", 5, 3);
   BatchLabels bl("y", 5);
   fill_batch(d, schedule, 1, slice, bx, bl);  // identity order: rows 5..9
   for (int r = 0; r < 5; ++r) {
@@ -497,8 +497,8 @@ TEST(EvalSchedule, LastBatchIsPaddedAndMasked) {
   for (int64_t b = 0; b < eval.num_batches; ++b) {
     for (int rank = 0; rank < 2; ++rank) {
       const BatchSlice slice = make_batch_slice(mesh, rank, {"dp"}, 4, "data.eval_batch_size");
-      BatchInputs x("x", 2, 3);
-      BatchTargets t("t", 2, 2);
+      Matrix x("x", 2, 3);
+      Matrix t("t", 2, 2);
       const int64_t valid = fill_eval_batch(d, eval, b, slice, x, t);
       // Batch 2 holds samples 8, 9: rank 0 gets both, rank 1 only padding.
       EXPECT_EQ(valid, b < 2 ? 2 : (rank == 0 ? 2 : 0)) << "batch " << b << " rank " << rank;

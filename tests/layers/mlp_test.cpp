@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "framework/core/runtime.hpp"
+#include "framework/comm/mesh_communicators.hpp"
 #include "framework/train/init.hpp"
 #include "framework/train/optimizer.hpp"
 #include "layers/context.hpp"
@@ -497,7 +497,7 @@ void run_case(const ModelCase& m, const LayoutCase& layout) {
     Kokkos::deep_copy(targets, th);
     Kokkos::deep_copy(labels, lh);
 
-    UnmanagedMatrix logits = model.forward(x);
+    MatrixView logits = model.forward(x);
     const LossResult r =
         m.loss == LossKind::mse ? loss.mse(logits, targets) : loss.cross_entropy(logits, labels);
     model.backward(loss.gradient());

@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "framework/comm/mesh_communicators.hpp"
 #include "framework/train/init.hpp"
 #include "framework/train/optimizer.hpp"
-#include "framework/core/runtime.hpp"
 #include "layers/activation.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
@@ -138,7 +138,7 @@ TEST(Mlp, TrainingStepsAllocateNothing) {
     Kokkos::View<int32_t*> labels("labels", rows);
     Kokkos::deep_copy(labels, 3);
     auto step = [&] {
-      UnmanagedMatrix out = model.forward(x);
+      MatrixView out = model.forward(x);
       loss.cross_entropy(out, labels);
       model.backward(loss.gradient());
       clipper.clip(model.gradients(), 1.0, world);

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""End-to-end resume tests of `meshtrain train` under mpirun (DESIGN.md sections 8 and 10).
+"""End-to-end resume tests of `meshtrain train` under mpirun (docs/design.md, "Checkpoints (HDF5)" and "The command").
 
     resume_test.py CASE --meshtrain BIN --configs DIR --work DIR [--h5dump BIN] [--h5ls BIN]
                    [--optimizer adamw|sgd] [--preset fsdp] -- MPIEXEC [FLAGS...]

@@ -1,8 +1,8 @@
 // Memory per rank of the trainer's model under DP and FSDP on the same world: the
-// 784-512-512-10 MLP with AdamW, built as apps/train.cpp builds it (Mlp + Optimizer from
-// the preset's plan). FSDP must hold about 1/n of DP's parameter, gradient and optimizer
-// state bytes per rank (measured as the sum of the ShardedTensors' local sizes), and the
-// planner's totals must say the same as the tensors actually allocated.
+// 784-512-512-10 MLP with AdamW, as a TrainingRun builds it (what `meshtrain train` runs). FSDP
+// must hold about 1/n of DP's parameter, gradient and optimizer state bytes per rank (measured as
+// the sum of the ShardedTensors' local sizes), and the planner's totals must say the same as the
+// tensors actually allocated.
 //
 // The bound: FSDP's bytes per rank are DP's / n plus (1 - 1/n) of the tensors the fsdp
 // preset leaves replicated, so fsdp_bytes * n / dp_bytes = 1 + (n - 1) * R / 669,706 for R
@@ -21,12 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "framework/train/optimizer.hpp"
-#include "framework/core/runtime.hpp"
-#include "layers/mlp.hpp"
-#include "partition/logical_axes.hpp"
-#include "partition/planner.hpp"
-#include "partition/rules.hpp"
+#include "run/training_run.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain {
@@ -46,28 +41,32 @@ struct Footprint {  // bytes on this rank
   PlanTotals plan;
 };
 
-// Builds the model and AdamW for `preset` on a one-axis mesh of the whole world.
+// A training run of the model with AdamW for `preset` on a one-axis mesh of the whole
+// world, on a small classification set made in code (activations are not counted here).
 Footprint build(const std::string& preset, const std::string& axis, int64_t min_sharding_size) {
-  const Mesh mesh = Mesh::create({{axis, world_size()}}, world_size());
-  PlanOptions options;
-  options.min_sharding_size = min_sharding_size;  // optimizer_slots 2: AdamW
-  const ShardingPlan plan =
-      make_plan(mlp_parameter_shapes(kSizes), mesh, preset_rules(preset), options);
-  MeshCommunicators comms(mesh);
-  ParallelContext context = ParallelContext::from_logical_axes(comms, LogicalAxes());
-  const int64_t rows = 8;  // any local batch: activations are not counted here
-  Mlp model(kSizes, Activation::relu, specs_from_plan(plan), context, rows);
-  OptimizerSettings settings;
-  settings.kind = OptimizerKind::adamw;
-  Optimizer optimizer(settings, model.parameters());
+  RunConfig config;
+  config.mesh.axes = {{axis, world_size()}};
+  config.model.sizes = kSizes;
+  config.partition.preset = preset;
+  config.partition.min_sharding_size = min_sharding_size;
+  config.optimizer.kind = "adamw";
+  config.data.batch_size = 8;
+  config.train.steps = 1;
+  Dataset train;
+  train.num_samples = 8;
+  train.features = kSizes.front();
+  train.inputs.assign(8 * kSizes.front(), 0.5f);
+  train.num_classes = kSizes.back();
+  train.labels.assign(8, 1);
+  TrainingRun run(config, {}, RunData{std::move(train), Dataset{}});
 
   Footprint f;
-  f.parameters = local_bytes(model.parameters());
-  f.gradients = local_bytes(model.gradients());
-  for (const std::string& slot : optimizer.slot_names()) {
-    f.optimizer_state += local_bytes(optimizer.slot(slot));
+  f.parameters = local_bytes(run.model().parameters());
+  f.gradients = local_bytes(run.model().gradients());
+  for (const std::string& slot : run.optimizer().slot_names()) {
+    f.optimizer_state += local_bytes(run.optimizer().slot(slot));
   }
-  f.plan = plan.totals;
+  f.plan = run.plan().totals;
   return f;
 }
 

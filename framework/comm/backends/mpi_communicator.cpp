@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "framework/comm/backends/host_staging.hpp"
-#include "framework/core/runtime.hpp"
+#include "framework/comm/mpi_util.hpp"
 
 namespace meshtrain {
 
@@ -53,28 +53,6 @@ struct MpiCommunicator::State {
 };
 
 namespace {
-
-// Polls `requests` until all complete or `timeout` seconds pass. MPI_Testall also drives
-// MPI's progress (non-blocking collectives advance only inside MPI calls), so it is called
-// back to back, yielding the core in between as Open MPI's mpi_yield_when_idle does: short
-// waits stay fast and oversubscribed ranks share cores. After half a second of waiting
-// (a rank is late, latency no longer matters) it sleeps 200 us between polls.
-bool wait_all_until(MPI_Request* requests, int count, double timeout, const char* op) {
-  const double start = MPI_Wtime();
-  for (;;) {
-    int done = 0;
-    check_mpi(MPI_Testall(count, requests, &done, MPI_STATUSES_IGNORE), op);
-    if (done) return true;
-    const double waited = MPI_Wtime() - start;
-    if (waited > timeout) return false;
-    if (waited > 0.5) {
-      const timespec pause{0, 200000};
-      nanosleep(&pause, nullptr);
-    } else {
-      sched_yield();
-    }
-  }
-}
 
 std::string timeout_text(double seconds) {
   std::ostringstream out;
@@ -231,6 +209,11 @@ MpiCommunicator::MpiCommunicator(std::shared_ptr<State> state, int size, int ran
                                  std::string description)
     : Communicator(size, rank, std::move(description)), state_(std::move(state)) {}
 
+std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm group,
+                                                    const std::string& description) {
+  return std::make_unique<MpiCommunicator>(MpiCommunicator::adopt(group, description));
+}
+
 MpiCommunicator MpiCommunicator::adopt(MPI_Comm comm, std::string description) {
   MESHTRAIN_REQUIRE(comm != MPI_COMM_NULL, "cannot build a communicator for ", description,
                     " from MPI_COMM_NULL");
@@ -253,10 +236,6 @@ MpiCommunicator MpiCommunicator::duplicate(MPI_Comm comm, std::string descriptio
     MPI_Comm_free(&copy);
     throw;
   }
-}
-
-MPI_Comm MpiCommunicator::native() const {
-  return state_ ? state_->comm : MPI_COMM_NULL;
 }
 
 void MpiCommunicator::complete(MPI_Request request, const char* op) {

@@ -8,7 +8,7 @@
 // into the caller's buffer when the late rank arrives, so every later operation on it
 // throws. The same holds when a shift's send fails to start and its already posted
 // receive cannot be cancelled within the timeout. The usual reaction to the Error is to
-// abort the job (see runtime.hpp).
+// abort the job (apps/exit_policy.hpp).
 //
 // Memory: MPI gets the caller's buffers when Kokkos' memory is host memory. With device
 // memory (a CUDA Kokkos) every operation stages through pinned host buffers
@@ -36,8 +36,6 @@ class MpiCommunicator final : public Communicator {
   MpiCommunicator(MpiCommunicator&&) = default;
   MpiCommunicator& operator=(MpiCommunicator&&) = default;
   ~MpiCommunicator() override = default;
-
-  MPI_Comm native() const;
 
   // Shared with pending requests: the MPI_Comm, its name, a broken flag, and the pool of
   // shift requests (reused, so shifts allocate nothing in steady state).
@@ -69,5 +67,8 @@ class MpiCommunicator final : public Communicator {
 
   std::shared_ptr<State> state_;
 };
+
+// The MPI backend as a CommunicatorFactory (mesh_communicators.hpp): adopts `group`.
+std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm group, const std::string& description);
 
 }  // namespace meshtrain

@@ -13,7 +13,8 @@
 #include <vector>
 
 #include "framework/comm/backends/mpi_communicator.hpp"
-#include "framework/core/runtime.hpp"
+#include "framework/comm/mesh_communicators.hpp"
+#include "framework/comm/mpi_util.hpp"
 
 namespace meshtrain {
 

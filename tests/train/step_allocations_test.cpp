@@ -1,9 +1,9 @@
 // A full training step allocates nothing on the heap: global operator new is replaced in
 // this executable by a counting version, and the count over steps 2..4 (step 1 warms the
-// workspaces up) of forward, loss, backward, GradientClipper::clip and Optimizer::step must
-// be 0 on every rank, for the dp, fsdp, tp and fsdp x tp meshes and every collective-matmul
-// algorithm (ring and bidirectional ones move blocks with shifts). C++ allocations only:
-// what MPI allocates with malloc inside its own calls is not counted.
+// workspaces up) of TrainingRun::step (batch loading, forward, loss, backward, gradient
+// clipping, optimizer update) must be 0 on every rank, for the dp, fsdp, tp and fsdp x tp meshes
+// and every collective-matmul algorithm (ring and bidirectional ones move blocks with shifts). C++
+// allocations only: what MPI allocates with malloc inside its own calls is not counted.
 // MESHTRAIN_TRACE_ALLOCATIONS=N prints the call stacks of the first N counted allocations.
 
 #include <execinfo.h>
@@ -18,13 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "framework/train/init.hpp"
-#include "framework/train/optimizer.hpp"
-#include "framework/core/runtime.hpp"
-#include "layers/loss.hpp"
-#include "layers/mlp.hpp"
-#include "partition/planner.hpp"
-#include "partition/rules.hpp"
+#include "run/training_run.hpp"
 #include "tests/test_support.hpp"
 
 // --- counting operator new: counts while g_window_open is set -------------------------
@@ -146,48 +140,44 @@ std::vector<MeshCase> mesh_cases() {
   return cases;
 }
 
-// Steps 2..4 of a small MLP's training on `mesh_case`; returns the heap allocations they
-// made on this rank.
+// 16 samples of 32 inputs (0.25) with label 3 (classification) or 8 targets of 0.5.
+Dataset small_data(LossKind loss_kind) {
+  Dataset d;
+  d.description = "the test's data";
+  d.num_samples = 16;
+  d.features = 32;
+  d.inputs.assign(16 * 32, 0.25f);
+  if (loss_kind == LossKind::cross_entropy) {
+    d.num_classes = 8;
+    d.labels.assign(16, 3);
+  } else {
+    d.target_width = 8;
+    d.targets.assign(16 * 8, 0.5f);
+  }
+  return d;
+}
+
+// Steps 2..4 of a small MLP's training run on `mesh_case`; returns the heap allocations
+// they made on this rank.
 long allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgorithm algorithm,
                           LossKind loss_kind, OptimizerKind optimizer_kind) {
-  const int n = world_size();
-  const Mesh mesh = Mesh::create(mesh_case.axes, n);
-  MeshCommunicators comms(mesh);
-  std::vector<std::string> all;
-  for (const auto& a : mesh.axes()) all.push_back(a.name);
-  Communicator& world = comms.get(all);
-  ParallelContext context(comms, {"fsdp", "dp"}, "tp", algorithm);
-  const std::vector<int64_t> sizes = {32, 24, 16, 8};  // every width divides by 2 and 4
-  const ShardingPlan plan =
-      make_plan(mlp_parameter_shapes(sizes), mesh, preset_rules(mesh_case.preset), PlanOptions{0});
-  const int64_t rows = 16 / context.batch_parallel();
-  Mlp model(sizes, Activation::gelu, specs_from_plan(plan), context, rows);
-  model.initialize(InitScheme::he_normal, 7);
-  Loss loss(loss_kind, context, rows, sizes.back(), model.output_layout());
-  OptimizerSettings settings;
-  settings.kind = optimizer_kind;
-  Optimizer optimizer(settings, model.parameters());
-  GradientClipper clipper(mesh, context.rank(), model.gradients());
-  Matrix x("x", rows, sizes.front());
-  Kokkos::deep_copy(x, 0.25f);
-  Kokkos::View<int32_t*> labels("labels", rows);
-  Kokkos::deep_copy(labels, 3);
-  Matrix targets("targets", rows, sizes.back());
-  Kokkos::deep_copy(targets, 0.5f);
-  auto step = [&] {
-    UnmanagedMatrix out = model.forward(x);
-    if (loss_kind == LossKind::cross_entropy) {
-      loss.cross_entropy(out, labels);
-    } else {
-      loss.mse(out, targets);
-    }
-    model.backward(loss.gradient());
-    clipper.clip(model.gradients(), 0.5, world);  // small: clipping scales the gradients
-    optimizer.step(model.parameters(), model.gradients(), 1e-3f);
-  };
-  step();  // step 1: workspaces and scratch buffers reach their size
+  RunConfig config;
+  config.mesh.axes = mesh_case.axes;
+  config.model.sizes = {32, 24, 16, 8};  // every width divides by 2 and 4
+  config.model.activation = "gelu";
+  config.model.loss = to_string(loss_kind);
+  config.partition.preset = mesh_case.preset;
+  config.partition.min_sharding_size = 0;
+  config.partition.collective_matmul = to_string(algorithm);
+  config.optimizer.kind = to_string(optimizer_kind);
+  config.optimizer.clip_norm = 0.5;  // small: clipping scales the gradients
+  config.data.batch_size = 16;
+  config.train.steps = 4;
+  config.run.seed = 7;
+  TrainingRun run(config, {}, RunData{small_data(loss_kind), Dataset{}});
+  run.step();  // step 1: workspaces and scratch buffers reach their size
   AllocationWindow window;
-  for (int s = 2; s <= 4; ++s) step();
+  for (int s = 2; s <= 4; ++s) run.step();
   return window.close();
 }
 

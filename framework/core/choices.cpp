@@ -1,0 +1,136 @@
+#include "framework/core/choices.hpp"
+
+#include "partition/error.hpp"
+#include "partition/text.hpp"
+
+namespace meshtrain {
+namespace {
+
+template <class Enum>
+Enum parse(const ChoiceTable<Enum>& table, const std::string& name, const std::string& key) {
+  for (const auto& [text, value] : table) {
+    if (text == name) return value;
+  }
+  MESHTRAIN_BAD_INPUT(key, " = '", name, "' is not one of ", join(choice_names(table), " | "));
+}
+
+template <class Enum>
+const char* name_of(const ChoiceTable<Enum>& table, Enum value) {
+  for (const auto& [text, entry] : table) {
+    if (entry == value) return text.c_str();
+  }
+  return "?";
+}
+
+}  // namespace
+
+const ChoiceTable<Activation>& activation_choices() {
+  static const ChoiceTable<Activation> table = {{"relu", Activation::relu},
+                                                {"tanh", Activation::tanh},
+                                                {"gelu", Activation::gelu},
+                                                {"none", Activation::none}};
+  return table;
+}
+
+const ChoiceTable<InitScheme>& init_scheme_choices() {
+  static const ChoiceTable<InitScheme> table = {{"he_normal", InitScheme::he_normal},
+                                                {"xavier_uniform", InitScheme::xavier_uniform},
+                                                {"normal", InitScheme::normal},
+                                                {"zeros", InitScheme::zeros}};
+  return table;
+}
+
+const ChoiceTable<LossKind>& loss_kind_choices() {
+  static const ChoiceTable<LossKind> table = {{"cross_entropy", LossKind::cross_entropy},
+                                              {"mse", LossKind::mse}};
+  return table;
+}
+
+const ChoiceTable<OptimizerKind>& optimizer_kind_choices() {
+  static const ChoiceTable<OptimizerKind> table = {{"sgd", OptimizerKind::sgd},
+                                                   {"adamw", OptimizerKind::adamw}};
+  return table;
+}
+
+const ChoiceTable<CollectiveMatmulAlgorithm>& collective_matmul_choices() {
+  static const ChoiceTable<CollectiveMatmulAlgorithm> table = {
+      {"naive", CollectiveMatmulAlgorithm::naive},
+      {"ring", CollectiveMatmulAlgorithm::ring},
+      {"bidirectional", CollectiveMatmulAlgorithm::bidirectional},
+      {"auto", CollectiveMatmulAlgorithm::automatic}};
+  return table;
+}
+
+const ChoiceTable<LrScheduleKind>& lr_schedule_choices() {
+  static const ChoiceTable<LrScheduleKind> table = {{"constant", LrScheduleKind::constant},
+                                                    {"linear", LrScheduleKind::linear},
+                                                    {"cosine", LrScheduleKind::cosine}};
+  return table;
+}
+
+const ChoiceTable<CommBackendChoice>& comm_backend_choices() {
+  static const ChoiceTable<CommBackendChoice> table = {{"auto", CommBackendChoice::automatic},
+                                                       {"mpi", CommBackendChoice::mpi},
+                                                       {"nccl", CommBackendChoice::nccl}};
+  return table;
+}
+
+const ChoiceTable<MatmulPrecision>& matmul_precision_choices() {
+  static const ChoiceTable<MatmulPrecision> table = {{"fp32", MatmulPrecision::fp32},
+                                                     {"tf32", MatmulPrecision::tf32}};
+  return table;
+}
+
+Activation parse_activation(const std::string& name, const std::string& key) {
+  return parse(activation_choices(), name, key);
+}
+InitScheme parse_init_scheme(const std::string& name, const std::string& key) {
+  return parse(init_scheme_choices(), name, key);
+}
+LossKind parse_loss_kind(const std::string& name, const std::string& key) {
+  return parse(loss_kind_choices(), name, key);
+}
+OptimizerKind parse_optimizer_kind(const std::string& name, const std::string& key) {
+  return parse(optimizer_kind_choices(), name, key);
+}
+CollectiveMatmulAlgorithm parse_collective_matmul_algorithm(const std::string& name,
+                                                            const std::string& key) {
+  return parse(collective_matmul_choices(), name, key);
+}
+
+LrScheduleKind parse_lr_schedule(const std::string& name, const std::string& key) {
+  return parse(lr_schedule_choices(), name, key);
+}
+CommBackendChoice parse_comm_backend(const std::string& name, const std::string& key) {
+  return parse(comm_backend_choices(), name, key);
+}
+MatmulPrecision parse_matmul_precision(const std::string& name, const std::string& key) {
+  return parse(matmul_precision_choices(), name, key);
+}
+
+const char* to_string(Activation value) {
+  return name_of(activation_choices(), value);
+}
+const char* to_string(InitScheme value) {
+  return name_of(init_scheme_choices(), value);
+}
+const char* to_string(LossKind value) {
+  return name_of(loss_kind_choices(), value);
+}
+const char* to_string(OptimizerKind value) {
+  return name_of(optimizer_kind_choices(), value);
+}
+const char* to_string(CollectiveMatmulAlgorithm value) {
+  return name_of(collective_matmul_choices(), value);
+}
+const char* to_string(LrScheduleKind value) {
+  return name_of(lr_schedule_choices(), value);
+}
+const char* to_string(CommBackendChoice value) {
+  return name_of(comm_backend_choices(), value);
+}
+const char* to_string(MatmulPrecision value) {
+  return name_of(matmul_precision_choices(), value);
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,78 @@
+#pragma once
+// The named options of a run, in one place: each enum with the one table of its names.
+// The config reader offers exactly these names, and the code that turns a name into a
+// value (parse_*) reads the same table, so the two cannot disagree.
+//
+// clang-format off
+//   model.activation              Activation                 relu | tanh | gelu | none
+//   model.init                    InitScheme                 he_normal | xavier_uniform | normal | zeros
+//   model.loss                    LossKind                   cross_entropy | mse (config: also auto)
+//   optimizer.kind                OptimizerKind              sgd | adamw
+//   optimizer.schedule            LrScheduleKind             constant | linear | cosine
+//   partition.collective_matmul   CollectiveMatmulAlgorithm  naive | ring | bidirectional | auto
+//   runtime.backend               CommBackendChoice          auto | mpi | nccl
+//   runtime.matmul_precision      MatmulPrecision            fp32 | tf32
+// clang-format on
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace meshtrain {
+
+enum class Activation { relu, tanh, gelu, none };  // none: the identity
+enum class InitScheme { he_normal, xavier_uniform, normal, zeros };
+enum class LossKind { cross_entropy, mse };
+enum class OptimizerKind { sgd, adamw };
+enum class CollectiveMatmulAlgorithm { naive, ring, bidirectional, automatic };
+enum class LrScheduleKind { constant, linear, cosine };
+enum class CommBackendChoice { automatic, mpi, nccl };
+// How float GEMMs may round (see framework/core/gemm.hpp).
+enum class MatmulPrecision { fp32, tf32 };
+
+// The names of each enum's values, in declaration order.
+template <class Enum>
+using ChoiceTable = std::vector<std::pair<std::string, Enum>>;
+const ChoiceTable<Activation>& activation_choices();
+const ChoiceTable<InitScheme>& init_scheme_choices();
+const ChoiceTable<LossKind>& loss_kind_choices();
+const ChoiceTable<OptimizerKind>& optimizer_kind_choices();
+const ChoiceTable<CollectiveMatmulAlgorithm>& collective_matmul_choices();
+const ChoiceTable<LrScheduleKind>& lr_schedule_choices();
+const ChoiceTable<CommBackendChoice>& comm_backend_choices();
+const ChoiceTable<MatmulPrecision>& matmul_precision_choices();
+
+// The names of a table, for the config reader's "must be one of" and for messages.
+template <class Enum>
+std::vector<std::string> choice_names(const ChoiceTable<Enum>& table) {
+  std::vector<std::string> names;
+  for (const auto& entry : table) names.push_back(entry.first);
+  return names;
+}
+
+// Name -> value; bad_input "<key> = '<name>' is not one of a | b | c" otherwise.
+Activation parse_activation(const std::string& name, const std::string& key = "model.activation");
+InitScheme parse_init_scheme(const std::string& name, const std::string& key = "model.init");
+LossKind parse_loss_kind(const std::string& name, const std::string& key = "model.loss");
+OptimizerKind parse_optimizer_kind(const std::string& name,
+                                   const std::string& key = "optimizer.kind");
+CollectiveMatmulAlgorithm parse_collective_matmul_algorithm(
+    const std::string& name, const std::string& key = "partition.collective_matmul");
+LrScheduleKind parse_lr_schedule(const std::string& name,
+                                 const std::string& key = "optimizer.schedule");
+CommBackendChoice parse_comm_backend(const std::string& name,
+                                     const std::string& key = "runtime.backend");
+MatmulPrecision parse_matmul_precision(const std::string& name,
+                                       const std::string& key = "runtime.matmul_precision");
+
+// Value -> name.
+const char* to_string(Activation value);
+const char* to_string(InitScheme value);
+const char* to_string(LossKind value);
+const char* to_string(OptimizerKind value);
+const char* to_string(CollectiveMatmulAlgorithm value);
+const char* to_string(LrScheduleKind value);
+const char* to_string(CommBackendChoice value);
+const char* to_string(MatmulPrecision value);
+
+}  // namespace meshtrain

@@ -1,0 +1,123 @@
+// check_config: the value checks of load_config for a RunConfig made in code. The TOML
+// reader (config.cpp) checks the same values as it reads them, naming the line.
+
+#include <cmath>
+#include <regex>
+#include <string>
+
+#include "framework/core/choices.hpp"
+#include "framework/train/config.hpp"
+#include "partition/error.hpp"
+#include "partition/text.hpp"
+
+namespace meshtrain {
+namespace {
+
+bool contains(const std::vector<std::string>& items, const std::string& item) {
+  for (const std::string& i : items) {
+    if (i == item) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+void check_config(RunConfig& config) {
+  if (config.file.empty()) config.file = "the run config";
+  const std::string& where = config.file;
+  auto fail = [&](const std::string& key, const auto&... parts) {
+    MESHTRAIN_BAD_INPUT(where, ": ", key, " ", parts...);
+  };
+  // An option name the tables of choices.hpp do not know ("model.activation = 'x' ...").
+  auto check_option = [&](const auto& parse) {
+    try {
+      parse();
+    } catch (const Error& e) {
+      MESHTRAIN_BAD_INPUT(where, ": ", e.what());
+    }
+  };
+
+  if (config.run.name.empty()) fail("run.name", "must not be empty");
+  if (config.run.output_dir.empty()) config.run.output_dir = "runs/" + config.run.name;
+  if (config.checkpoint.dir.empty()) config.checkpoint.dir = config.run.output_dir + "/checkpoints";
+
+  if (config.model.kind != "mlp") fail("model.kind", "must be mlp, got '", config.model.kind, "'");
+  if (config.model.sizes.size() < 2) {
+    fail("model.sizes", "needs at least 2 entries (input and output width), got ",
+         config.model.sizes.size());
+  }
+  for (size_t i = 0; i < config.model.sizes.size(); ++i) {
+    if (config.model.sizes[i] < 1) {
+      fail("model.sizes", "entries must be positive integers, got ", config.model.sizes[i],
+           " at index ", i);
+    }
+  }
+  check_option([&] { parse_activation(config.model.activation); });
+  check_option([&] { parse_init_scheme(config.model.init); });
+  if (config.model.loss != "auto") check_option([&] { parse_loss_kind(config.model.loss); });
+
+  if (config.partition.min_sharding_size < 0) {
+    fail("partition.min_sharding_size", "must be non-negative, got ",
+         config.partition.min_sharding_size);
+  }
+  check_option([&] { parse_collective_matmul_algorithm(config.partition.collective_matmul); });
+  for (size_t i = 0; i < config.partition.rules.size(); ++i) {
+    const PartitionRuleText& rule = config.partition.rules[i];
+    try {
+      std::regex compiled(rule.pattern, std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      fail("partition.rules", "rule ", i, ": regex '", rule.pattern, "' does not compile (",
+           e.what(), ")");
+    }
+    for (const std::string& axis : rule.spec.axes()) {
+      if (!contains(Mesh::known_axes(), axis)) {
+        fail("partition.rules", "rule ", i, ": spec ", rule.spec.to_string(),
+             " names unknown mesh axis '", axis, "' (known axes: ", join(Mesh::known_axes()), ")");
+      }
+    }
+    if (!rule.spec.repeated_axis().empty()) {
+      fail("partition.rules", "rule ", i, ": spec ", rule.spec.to_string(), " names mesh axis '",
+           rule.spec.repeated_axis(), "' more than once");
+    }
+  }
+
+  const std::string& source = config.data.source;
+  if (source != "fashion_mnist" && source != "synthetic" && source != "hdf5") {
+    fail("data.source", "must be one of fashion_mnist | synthetic | hdf5, got '", source, "'");
+  }
+  if (config.data.batch_size < 1) fail("data.batch_size", "must be at least 1");
+  if (config.data.synthetic_samples < 1) fail("data.synthetic_samples", "must be at least 1");
+
+  const OptimizerSection& opt = config.optimizer;
+  check_option([&] { parse_optimizer_kind(opt.kind); });
+  if (!(opt.lr > 0) || !std::isfinite(opt.lr))
+    fail("optimizer.lr", "must be positive, got ", opt.lr);
+  if (!(opt.momentum >= 0 && opt.momentum < 1)) {
+    fail("optimizer.momentum", "must be in [0, 1), got ", opt.momentum);
+  }
+  for (double beta : {opt.betas.first, opt.betas.second}) {
+    if (!(beta >= 0 && beta < 1)) fail("optimizer.betas", "must each be in [0, 1), got ", beta);
+  }
+  if (!(opt.eps > 0)) fail("optimizer.eps", "must be positive, got ", opt.eps);
+  if (!(opt.weight_decay >= 0)) {
+    fail("optimizer.weight_decay", "must be non-negative, got ", opt.weight_decay);
+  }
+  if (!(opt.clip_norm >= 0))
+    fail("optimizer.clip_norm", "must be non-negative, got ", opt.clip_norm);
+
+  const TrainSection& train = config.train;
+  if (train.epochs.has_value() == train.steps.has_value()) {
+    fail("train.steps", "and train.epochs: give exactly one of them");
+  }
+  if (train.epochs && *train.epochs < 1) fail("train.epochs", "must be at least 1");
+  if (train.steps && *train.steps < 1) fail("train.steps", "must be at least 1");
+  if (train.log_every < 1) fail("train.log_every", "must be at least 1");
+  if (train.eval_every < 0) fail("train.eval_every", "must be non-negative");
+
+  if (config.checkpoint.every_steps < 0) fail("checkpoint.every_steps", "must be non-negative");
+  if (config.checkpoint.keep < 1) fail("checkpoint.keep", "must be at least 1");
+  check_option([&] { parse_comm_backend(config.runtime.backend); });
+  check_option([&] { parse_matmul_precision(config.runtime.matmul_precision); });
+}
+
+}  // namespace meshtrain

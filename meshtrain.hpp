@@ -1,0 +1,26 @@
+#pragma once
+// meshtrain, in one include: what a program needs to build a mesh, partition rules, a
+// model and a training run in code (or from TOML), and to run it under mpirun.
+//
+//   #include <meshtrain/meshtrain.hpp>
+//   meshtrain::Runtime runtime(argc, argv);
+//   meshtrain::RunConfig config;  ...  meshtrain::TrainingRun run(config);  run.train();
+//
+// docs/library.md walks through it; examples/train_mlp is a complete program.
+
+#include "framework/comm/backend.hpp"
+#include "framework/comm/failure_agreement.hpp"
+#include "framework/comm/mesh_communicators.hpp"
+#include "framework/core/choices.hpp"
+#include "framework/core/gemm.hpp"
+#include "framework/core/runtime.hpp"
+#include "framework/io/checkpoint.hpp"
+#include "framework/io/data.hpp"
+#include "framework/io/metrics.hpp"
+#include "framework/train/config.hpp"
+#include "layers/mlp.hpp"
+#include "partition/mesh.hpp"
+#include "partition/partition_spec.hpp"
+#include "partition/planner.hpp"
+#include "partition/rules.hpp"
+#include "run/training_run.hpp"

@@ -1,0 +1,171 @@
+#pragma once
+// One training run, as a library type: what `meshtrain train` does, for any program.
+// Built from a RunConfig (read from TOML with load_config, or filled in code; see
+// docs/library.md), it sets up, in this order and before the first step:
+//   the mesh (config.mesh on the MPI world) -> the sharding plan (the one `meshtrain plan`
+//   prints) -> the mesh's communicators -> the data and this rank's slice of every batch
+//   -> the model (Mlp), its loss and optimizer -> the checkpoint view of the live tensors
+//   -> resume from the latest checkpoint when config.checkpoint.resume.
+// Everything a step touches is allocated then: step() allocates nothing.
+//
+//   meshtrain::Runtime runtime(argc, argv);       // MPI + Kokkos, outlives the run
+//   meshtrain::TrainingRun run(config, events);    // collective over MPI_COMM_WORLD
+//   run.train();          // the remaining steps, with log/eval events and checkpoints
+//   // or by hand:  while (!run.finished()) run.step();  run.evaluate();  run.save();
+//
+// Errors: set-up errors (bad config, data, mesh, checkpoint) are agreed over the ranks
+// and thrown as AgreedError, the same on every rank, as is a non-finite training loss;
+// the caller may print it once and return. Any other Error struck only some ranks: the
+// program should end every rank (apps/exit_policy.hpp). Every method is collective:
+// every rank calls the same methods in the same order.
+
+#include <mpi.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "framework/comm/backend.hpp"
+#include "framework/comm/failure_agreement.hpp"  // AgreedError
+#include "framework/comm/mesh_communicators.hpp"
+#include "framework/io/checkpoint.hpp"
+#include "framework/io/data.hpp"
+#include "framework/io/metrics.hpp"
+#include "framework/train/config.hpp"
+#include "framework/train/optimizer.hpp"
+#include "layers/context.hpp"
+#include "layers/loss.hpp"
+#include "layers/mlp.hpp"
+#include "partition/logical_axes.hpp"
+#include "partition/planner.hpp"
+
+namespace meshtrain {
+
+// What a run reports while train() runs, on every rank (print on rank 0 only). Each may be
+// empty. metrics.jsonl (rank 0, under run.output_dir) gets the log and eval events too.
+struct RunEvents {
+  std::function<void(const LogEvent&)> on_log;    // every train.log_every steps and at the end
+  std::function<void(const EvalEvent&)> on_eval;  // every train.eval_every steps and at the end
+  std::function<void(int64_t step, const std::string& path)> on_checkpoint;  // after each save
+};
+
+// Training and test data given in code instead of config.data (a program's own data). The
+// test split may be empty (num_samples 0): evaluation then has nothing to do.
+struct RunData {
+  Dataset train;
+  Dataset test;
+};
+
+// The result of one step: the steps done so far and the step's loss (mean over the
+// global batch, the same on every rank).
+struct StepResult {
+  int64_t step = 0;
+  double loss = 0.0;
+};
+
+// What train() did.
+struct RunSummary {
+  int64_t steps_run = 0;  // steps taken by this call (0 when resumed at or past the end)
+  double wall_s = 0.0;
+  double samples_per_s = 0.0;
+  std::optional<EvalEvent> last_eval;
+};
+
+class TrainingRun {
+ public:
+  // Collective over `comm` (a Runtime must exist; the mesh spans comm's ranks). Checks
+  // the config (check_config), loads config.data unless `data` is given, builds
+  // everything above and resumes when config.checkpoint.resume. Writes nothing to disk.
+  explicit TrainingRun(RunConfig config, RunEvents events = {},
+                       std::optional<RunData> data = std::nullopt, MPI_Comm comm = MPI_COMM_WORLD);
+  ~TrainingRun();
+  TrainingRun(const TrainingRun&) = delete;
+  TrainingRun& operator=(const TrainingRun&) = delete;
+
+  // One training step on the next global batch: this rank's rows of it, then
+  // step_on_loaded_batch(). Throws AgreedError when the loss is not finite.
+  StepResult step();
+  // Writes this rank's rows of the global batch of `step` into the batch buffers.
+  void load_batch(int64_t step);
+  // The step itself, on the batch in the buffers: forward, loss, backward, clipping,
+  // optimizer update. Allocates nothing. (Benchmarks time this alone.)
+  StepResult step_on_loaded_batch();
+
+  // Loss (and accuracy for classification) over the whole test split, at the current step.
+  // It uses the batch buffers: load_batch again before step_on_loaded_batch.
+  EvalEvent evaluate();
+  // Saves a checkpoint of the current step under checkpoint.dir (keeping checkpoint.keep);
+  // returns its path.
+  std::string save();
+  // Runs the remaining steps up to total_steps(): creates run.output_dir (metrics.jsonl)
+  // and checkpoint.dir first (bad_input when not writable), emits the events, evaluates
+  // every train.eval_every steps and at the end, saves every checkpoint.every_steps and
+  // at the end.
+  RunSummary train();
+
+  const RunConfig& config() const { return config_; }
+  const Mesh& mesh() const { return *mesh_; }
+  const ShardingPlan& plan() const { return *plan_; }
+  const BatchSlice& batch_slice() const { return slice_; }
+  CommBackend backend() const { return backend_; }
+  Mlp& model() { return *model_; }
+  Loss& loss() { return *loss_; }
+  Optimizer& optimizer() { return *optimizer_; }
+  int64_t steps_done() const { return steps_done_; }
+  int64_t total_steps() const { return total_steps_; }
+  bool finished() const { return steps_done_ >= total_steps_; }
+  // The checkpoint this run resumed from (nullopt for a fresh start).
+  const std::optional<CheckpointInfo>& resumed_from() const { return resumed_from_; }
+  // Lines describing the run: the mesh, batch and steps, then one per layer.
+  std::vector<std::string> describe() const;
+
+ private:
+  LossResult compute_loss(MatrixView output, bool with_gradient, int64_t valid_rows = -1);
+  void resume();
+  void log_step(const StepResult& result);
+
+  RunConfig config_;
+  RunEvents events_;
+  MPI_Comm comm_ = MPI_COMM_NULL;  // the caller's; the run's ranks
+  int rank_ = 0;
+  std::optional<Mesh> mesh_;
+  std::optional<ShardingPlan> plan_;
+  std::optional<LogicalAxes> logical_;
+  RunData data_;
+  std::optional<BatchSchedule> schedule_;
+  BatchSlice slice_;
+  EvalSchedule eval_schedule_;
+  int64_t total_steps_ = 0;
+  int64_t steps_done_ = 0;
+  CommBackend backend_ = CommBackend::mpi;
+
+  // Declared in dependency order: destroyed in reverse, the communicators last.
+  std::unique_ptr<MeshCommunicators> comms_;
+  Communicator* world_ = nullptr;  // the group over every mesh axis (owned by comms_)
+  std::optional<ParallelContext> context_;
+  std::unique_ptr<Mlp> model_;
+  std::unique_ptr<Loss> loss_;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<GradientClipper> clipper_;
+  float lr_ = 0.0f;
+
+  // This rank's rows of one batch: inputs and either labels or targets.
+  Matrix x_;
+  BatchLabels labels_;
+  Matrix targets_;
+
+  CheckpointContents checkpoint_;  // views of the live tensors: a save writes them
+  std::optional<CheckpointInfo> resumed_from_;
+
+  // train(): metrics.jsonl and the loss window since the last log event.
+  std::unique_ptr<MetricsLog> metrics_;
+  std::chrono::steady_clock::time_point window_start_;
+  double window_loss_ = 0.0;
+  int64_t window_steps_ = 0;
+};
+
+}  // namespace meshtrain

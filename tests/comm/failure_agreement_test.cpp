@@ -1,0 +1,75 @@
+// run_agreed: every rank ends a phase with the lowest failing rank's error, and a rank
+// that never joins the agreement turns into an error on the others, not a hang.
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "framework/comm/failure_agreement.hpp"
+#include "framework/comm/mpi_util.hpp"
+#include "tests/test_support.hpp"
+
+namespace meshtrain::testing {
+namespace {
+
+TEST(RunAgreed, SuccessOnEveryRankIsNullopt) {
+  int calls = 0;
+  EXPECT_FALSE(run_agreed(MPI_COMM_WORLD, [&] { ++calls; }).has_value());
+  EXPECT_EQ(calls, 1);
+}
+
+TEST(RunAgreed, EveryRankGetsTheLowestFailingRanksError) {
+  const int n = world_size();
+  const int rank = world_rank();
+  // Ranks n-1 and (when n > 2) 1 fail with different kinds and messages; the lowest wins.
+  const int lowest = n > 2 ? 1 : n - 1;
+  auto error = run_agreed(MPI_COMM_WORLD, [&] {
+    if (rank == n - 1) MESHTRAIN_BAD_INPUT("rank ", rank, " found a bad key 'model.width'");
+    if (n > 2 && rank == 1) MESHTRAIN_FAIL("rank ", rank, " could not write 'part-1.h5'");
+  });
+  ASSERT_TRUE(error.has_value());
+  const bool bad_input = lowest == n - 1;
+  EXPECT_EQ(error->kind(), bad_input ? ErrorKind::bad_input : ErrorKind::runtime);
+  const std::string want = bad_input
+                               ? "rank " + std::to_string(lowest) + " found a bad key 'model.width'"
+                               : "rank " + std::to_string(lowest) + " could not write 'part-1.h5'";
+  EXPECT_EQ(std::string(error->what()), want);
+}
+
+TEST(RunAgreed, OtherExceptionsBecomeUnexpectedRuntimeFailures) {
+  auto error = run_agreed(MPI_COMM_WORLD, [] {
+    if (world_rank() == 0) throw std::out_of_range("map::at");
+  });
+  ASSERT_TRUE(error.has_value());
+  EXPECT_EQ(error->kind(), ErrorKind::runtime);
+  EXPECT_EQ(std::string(error->what()), "unexpected failure: map::at");
+  // The agreed error can be thrown as is.
+  expect_error([&] { throw *error; }, ErrorKind::runtime, {"unexpected failure", "map::at"});
+}
+
+// The last rank never joins: every other rank gets a runtime Error naming the agreement
+// within the timeout. The agreement runs on a private communicator, which is left behind
+// (its abandoned request may never complete), so the world stays usable.
+TEST(RunAgreed, ARankThatNeverJoinsTimesOut) {
+  const int n = world_size();
+  if (n < 2) GTEST_SKIP() << "needs a rank that does not join";
+  MPI_Comm comm = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &comm), "MPI_Comm_dup");
+  check_mpi(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+  if (world_rank() != n - 1) {
+    const double start = MPI_Wtime();
+    expect_error(
+        [&] {
+          run_agreed(
+              comm, [] {}, /*timeout_seconds=*/0.5);
+        },
+        ErrorKind::runtime, {"agreeing on a phase's outcome", "did not complete within 0.5 s"});
+    EXPECT_LT(MPI_Wtime() - start, 30.0);
+  }
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+}
+
+}  // namespace
+}  // namespace meshtrain::testing

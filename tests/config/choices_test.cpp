@@ -1,0 +1,121 @@
+// The named options (framework/core/choices.hpp): the config reader offers exactly the
+// names the parse_* functions accept, and a RunConfig made in code is checked like one
+// read from TOML (check_config), naming the key.
+
+#include <gtest/gtest.h>
+
+#include "framework/core/choices.hpp"
+#include "framework/train/config.hpp"
+#include "tests/test_support.hpp"
+
+namespace meshtrain {
+namespace {
+
+using testing::expect_bad_input;
+
+const std::string kTrain = "[train]\nsteps = 5\n";
+
+// Every name of a table round-trips through parse and to_string, and the TOML reader
+// accepts it for `key`.
+template <class Enum, class Parse>
+void expect_config_and_parser_agree(const ChoiceTable<Enum>& table, Parse parse,
+                                    const std::string& section, const std::string& key) {
+  for (const auto& [name, value] : table) {
+    SCOPED_TRACE(section + "." + key + " = " + name);
+    EXPECT_EQ(parse(name), value);
+    EXPECT_EQ(std::string(to_string(value)), name);
+    const std::string entry = key + " = \"" + name + "\"\n";
+    const std::string text = "[model]\nsizes = [4, 3]\n" + (section == "model" ? entry : "") +
+                             kTrain + (section == "model" ? "" : "[" + section + "]\n" + entry);
+    EXPECT_NO_THROW(parse_config(text, "t.toml"));
+  }
+}
+
+TEST(Choices, TheConfigAcceptsExactlyWhatTheParsersAccept) {
+  expect_config_and_parser_agree(
+      activation_choices(), [](const std::string& n) { return parse_activation(n); }, "model",
+      "activation");
+  expect_config_and_parser_agree(
+      init_scheme_choices(), [](const std::string& n) { return parse_init_scheme(n); }, "model",
+      "init");
+  expect_config_and_parser_agree(
+      loss_kind_choices(), [](const std::string& n) { return parse_loss_kind(n); }, "model",
+      "loss");
+  expect_config_and_parser_agree(
+      optimizer_kind_choices(), [](const std::string& n) { return parse_optimizer_kind(n); },
+      "optimizer", "kind");
+  expect_config_and_parser_agree(
+      collective_matmul_choices(),
+      [](const std::string& n) { return parse_collective_matmul_algorithm(n); }, "partition",
+      "collective_matmul");
+}
+
+TEST(Choices, AnUnknownNameListsTheKnownOnes) {
+  expect_bad_input([] { parse_activation("sigmoid"); },
+                   {"model.activation = 'sigmoid'", "relu | tanh | gelu | none"});
+  expect_bad_input([] { parse_optimizer_kind("lamb", "my.optimizer"); },
+                   {"my.optimizer = 'lamb'", "sgd | adamw"});
+}
+
+RunConfig valid_config() {
+  RunConfig config;
+  config.mesh.axes = {{"fsdp", -1}};
+  config.model.sizes = {8, 4, 2};
+  config.partition.rules = {{"weight", PartitionSpec::parse("P(fsdp, None)")},
+                            {"bias", PartitionSpec::parse("P()")}};
+  config.train.steps = 10;
+  return config;
+}
+
+TEST(CheckConfig, AConfigMadeInCodeGetsTheDefaultsOfLoadConfig) {
+  RunConfig config = valid_config();
+  config.run.name = "mine";
+  check_config(config);
+  EXPECT_EQ(config.run.output_dir, "runs/mine");
+  EXPECT_EQ(config.checkpoint.dir, "runs/mine/checkpoints");
+  EXPECT_EQ(config.file, "the run config");
+}
+
+TEST(CheckConfig, NamesTheKeyOfABadValue) {
+  struct Case {
+    void (*spoil)(RunConfig&);
+    std::vector<std::string> fragments;
+  };
+  const std::vector<Case> cases = {
+      {[](RunConfig& c) { c.model.sizes = {8}; }, {"model.sizes", "at least 2"}},
+      {[](RunConfig& c) {
+         c.model.sizes = {8, 0};
+       },
+       {"model.sizes", "index 1"}},
+      {[](RunConfig& c) { c.model.activation = "sigmoid"; }, {"model.activation", "sigmoid"}},
+      {[](RunConfig& c) { c.optimizer.kind = "lamb"; }, {"optimizer.kind", "lamb"}},
+      {[](RunConfig& c) { c.optimizer.lr = 0; }, {"optimizer.lr", "positive"}},
+      {[](RunConfig& c) { c.data.batch_size = 0; }, {"data.batch_size", "at least 1"}},
+      {[](RunConfig& c) { c.train.epochs = 2; }, {"train.steps", "exactly one"}},
+      {[](RunConfig& c) { c.partition.rules[0].pattern = "(["; },
+       {"partition.rules", "rule 0", "does not compile"}},
+      {[](RunConfig& c) { c.partition.rules[1].spec = PartitionSpec::parse("P(xp)"); },
+       {"partition.rules", "rule 1", "unknown mesh axis 'xp'"}},
+      {[](RunConfig& c) { c.checkpoint.keep = 0; }, {"checkpoint.keep", "at least 1"}},
+  };
+  for (const Case& c : cases) {
+    RunConfig config = valid_config();
+    config.file = "code.cpp";
+    c.spoil(config);
+    SCOPED_TRACE(c.fragments.front());
+    try {
+      check_config(config);
+      ADD_FAILURE() << "check_config accepted a bad value";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::bad_input);
+      const std::string message = e.what();
+      EXPECT_EQ(message.rfind("code.cpp: ", 0), 0u) << message;
+      for (const std::string& fragment : c.fragments) {
+        EXPECT_NE(message.find(fragment), std::string::npos) << message;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace meshtrain

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs meshtrain from the build tree into a temporary prefix, builds
+# examples/train_mlp against the installed package alone (find_package(meshtrain)), runs
+# it at np 2 and checks that it trained and saved a checkpoint.
+#   install_example.sh BUILD_DIR EXAMPLE_SOURCE_DIR MPIEXEC [MPIEXEC FLAGS...]
+set -euo pipefail
+build_dir=$1
+example_dir=$2
+shift 2
+work=$(mktemp -d "${TMPDIR:-/tmp}/meshtrain-install-test.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+
+cmake --install "$build_dir" --prefix "$work/prefix" > "$work/install.log"
+test -f "$work/prefix/include/meshtrain/meshtrain.hpp"
+cmake -S "$example_dir" -B "$work/build" -DCMAKE_PREFIX_PATH="$work/prefix" \
+      -DCMAKE_BUILD_TYPE=Release > "$work/configure.log" || { cat "$work/configure.log"; exit 1; }
+cmake --build "$work/build" -j 2 > "$work/build.log" || { cat "$work/build.log"; exit 1; }
+
+"$@" -np 2 "$work/build/train_mlp" "$work/run" | tee "$work/run.log"
+grep -q '^step 40/40 loss' "$work/run.log"
+grep -q '^checkpoint .*ckpt-000040\.h5 (step 40)' "$work/run.log"
+test -f "$work/run/checkpoints/ckpt-000040.h5"
+test -s "$work/run/metrics.jsonl"
+echo "install_example: installed, built against the package, trained and saved a checkpoint"
