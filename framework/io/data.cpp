@@ -226,7 +226,8 @@ std::vector<int64_t> BatchSchedule::global_batch_samples(int64_t step) const {
 
 EvalSchedule EvalSchedule::create(int64_t num_samples, int64_t global_batch) {
   if (global_batch < 1) {
-    MESHTRAIN_BAD_INPUT("data.eval_batch_size = ", global_batch, " must be positive");
+    MESHTRAIN_BAD_INPUT("data.batch_size = ", global_batch,
+                        " must be positive (evaluation uses batches of the same size)");
   }
   EvalSchedule s;
   s.num_samples = num_samples;

@@ -152,9 +152,9 @@ void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step
                 const BatchSlice& slice, const BatchInputs& x, const BatchTargets& targets);
 
 // Evaluation over a (test) split in sample order, in global batches of `global_batch`
-// rows sharded over the batch axes like training batches (make_batch_slice with
-// "data.eval_batch_size"). The last batch may be partial: it is padded, not dropped, so
-// every sample is evaluated exactly once and every batch has the same shape. Padded rows
+// rows (data.batch_size), sharded over the batch axes like training batches. The last
+// batch may be partial: it is padded, not dropped, so every sample is evaluated exactly
+// once and every batch has the same shape. Padded rows
 // are zeros (label 0, target 0) and always come after the valid rows, so in each rank's
 // slice the valid rows are a prefix: fill_eval_batch returns their number, and the
 // caller counts only those rows and reduces (correct, loss sum, count) over the batch
@@ -163,7 +163,8 @@ struct EvalSchedule {
   int64_t num_samples = 0;
   int64_t global_batch = 0;
   int64_t num_batches = 0;  // ceil(num_samples / global_batch); 0 for an empty split
-  // Throws bad_input naming data.eval_batch_size when it is not positive.
+  // Throws bad_input naming data.batch_size (the evaluation batch too) when it is not
+  // positive.
   static EvalSchedule create(int64_t num_samples, int64_t global_batch);
 };
 
