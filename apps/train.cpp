@@ -166,6 +166,8 @@ int train_command(const std::string& config_path, const std::vector<std::string>
         load_dataset(config.data, Split::train, config.run.seed, sizes.front(), sizes.back());
     test_data =
         load_dataset(config.data, Split::test, config.run.seed, sizes.front(), sizes.back());
+    check_loss_fits_data(config.model.loss, config.data, *train_data);
+    check_loss_fits_data(config.model.loss, config.data, *test_data);
     schedule.emplace(train_data->num_samples, global_batch, config.data.shuffle, config.run.seed);
     slice = make_batch_slice(*mesh, rank, logical->axes_of("batch"), global_batch);
   });

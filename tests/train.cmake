@@ -59,6 +59,17 @@ train_error_test(checkpoint_dir_not_writable 2
   ${_train_configs}/fashion_mnist_dp.toml --set checkpoint.dir=/proc/meshtrain_no_such_dir
   --set run.output_dir=${_train_runs}/checkpoint_dir_not_writable ${_train_small})
 
+# A loss that does not fit the data's targets (issue 9, bug 1): refused at set-up naming
+# model.loss and data.source, not an MPI_Abort on a shape mismatch at the first step.
+train_error_test(loss_mse_with_class_labels 2
+  "^meshtrain: error: model\\.loss = .mse. needs regression targets, but data\\.source = .fashion_mnist. gives 10 class labels"
+  ${_train_configs}/fashion_mnist_dp.toml --set model.loss=mse
+  --set run.output_dir=${_train_runs}/loss_mse_with_class_labels ${_train_small})
+train_error_test(loss_cross_entropy_with_regression_targets 2
+  "^meshtrain: error: model\\.loss = .cross_entropy. needs class labels, but data\\.source = .synthetic. gives regression targets of width 10"
+  ${_train_configs}/fashion_mnist_dp.toml --set data.source=synthetic --set model.loss=cross_entropy
+  --set run.output_dir=${_train_runs}/loss_cross_entropy_with_regression ${_train_small})
+
 # A label out of range: /y[37] = 12 with 10 classes, in a file the fixture writes.
 set(_bad_labels ${_train_runs}/bad_labels.h5)
 meshtrain_add_command_test(NAME train_write_bad_labels TIMEOUT 30

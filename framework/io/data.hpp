@@ -82,6 +82,12 @@ Dataset load_hdf5_dataset(const std::string& path, int64_t num_classes);
 Dataset load_dataset(const DataSection& data, Split split, uint64_t seed, int64_t input_width,
                      int64_t output_width);
 
+// model.loss against the kind of targets of a loaded split: cross_entropy needs class
+// labels, mse regression targets. A mismatch is a bad_input Error naming model.loss and
+// data.source, found at set-up rather than as a shape error at the first step. An empty
+// split (no test file) has no targets and passes.
+void check_loss_fits_data(const std::string& loss, const DataSection& data, const Dataset& split);
+
 // Which rows of every global batch this rank copies. The batch is split over the batch
 // axes (the mesh axes of the logical axis `batch`, e.g. {"fsdp", "dp"}); the rank's index
 // in that group picks rows [index * rows, (index + 1) * rows) with rows = B / count.
