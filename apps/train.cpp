@@ -161,6 +161,7 @@ int train_command(const std::string& config_path, const std::vector<std::string>
   std::optional<Dataset> train_data, test_data;
   std::optional<BatchSchedule> schedule;
   std::optional<BatchSlice> slice;
+  int64_t total_steps = 0;
   agree([&] {
     train_data =
         load_dataset(config.data, Split::train, config.run.seed, sizes.front(), sizes.back());
@@ -170,9 +171,8 @@ int train_command(const std::string& config_path, const std::vector<std::string>
     check_loss_fits_data(config.model.loss, config.data, *test_data);
     schedule.emplace(train_data->num_samples, global_batch, config.data.shuffle, config.run.seed);
     slice = make_batch_slice(*mesh, rank, logical->axes_of("batch"), global_batch);
+    total_steps = training_steps(config, schedule->steps_per_epoch());
   });
-  const int64_t total_steps =
-      config.train.steps ? *config.train.steps : *config.train.epochs * schedule->steps_per_epoch();
 
   // --- Model, loss, optimizer: collective construction, identical on every rank. --------
   MeshCommunicators comms(*mesh);

@@ -70,6 +70,12 @@ train_error_test(loss_cross_entropy_with_regression_targets 2
   ${_train_configs}/fashion_mnist_dp.toml --set data.source=synthetic --set model.loss=cross_entropy
   --set run.output_dir=${_train_runs}/loss_cross_entropy_with_regression ${_train_small})
 
+# `train` needs a training length, `plan` does not (issue 9, bug 9): one sentence naming
+# [train], exit 2.
+train_error_test(without_train_section 2
+  "^meshtrain: error: .*no_train\\.toml: \\[train\\] needs exactly one of epochs and steps"
+  ${CMAKE_CURRENT_SOURCE_DIR}/cli/no_train.toml --set run.output_dir=${_train_runs}/no_train)
+
 # A label out of range: /y[37] = 12 with 10 classes, in a file the fixture writes.
 set(_bad_labels ${_train_runs}/bad_labels.h5)
 meshtrain_add_command_test(NAME train_write_bad_labels TIMEOUT 30

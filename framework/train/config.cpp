@@ -444,15 +444,11 @@ void read_optimizer(const Section& s, OptimizerSection& opt) {
   if (opt.clip_norm < 0) s.fail("clip_norm", "must be non-negative (0 = off), got ", opt.clip_norm);
 }
 
-void read_train(const Section& s, const Reader& reader, TrainSection& train) {
+void read_train(const Section& s, TrainSection& train) {
   train.epochs = s.integer("epochs");
   train.steps = s.integer("steps");
   if (train.epochs && train.steps) {
     s.fail("steps", "and epochs are both set; give exactly one of them");
-  }
-  if (!train.epochs && !train.steps) {
-    MESHTRAIN_BAD_INPUT(reader.at(s.table().source()),
-                        ": [train] needs exactly one of epochs and steps, got neither");
   }
   if (train.epochs && *train.epochs < 1)
     s.fail("epochs", "must be at least 1, got ", *train.epochs);
@@ -589,9 +585,16 @@ RunConfig parse_config(const std::string& text, const std::string& file,
   read_model(reader.section(root, "model"), config.data.source, config.model);
   read_partition(reader.section(root, "partition"), config.partition);
   read_optimizer(reader.section(root, "optimizer"), config.optimizer);
-  read_train(reader.section(root, "train"), reader, config.train);
+  read_train(reader.section(root, "train"), config.train);
   read_checkpoint(reader.section(root, "checkpoint"), config.run.output_dir, config.checkpoint);
   return config;
+}
+
+int64_t training_steps(const RunConfig& config, int64_t steps_per_epoch) {
+  if (config.train.steps) return *config.train.steps;
+  if (config.train.epochs) return *config.train.epochs * steps_per_epoch;
+  MESHTRAIN_BAD_INPUT(config.file,
+                      ": [train] needs exactly one of epochs and steps to train, got neither");
 }
 
 RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {

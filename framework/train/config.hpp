@@ -70,7 +70,7 @@ struct OptimizerSection {
 };
 
 struct TrainSection {
-  std::optional<int64_t> epochs;  // exactly one of epochs and steps
+  std::optional<int64_t> epochs;  // at most one of epochs and steps (train needs one)
   std::optional<int64_t> steps;
   int64_t log_every = 50;
   int64_t eval_every = 0;  // 0 = only at the end
@@ -107,9 +107,15 @@ RunConfig parse_config(const std::string& text, const std::string& file,
                        const std::vector<std::string>& overrides = {});
 
 // After loading, model.loss is never "auto": it is resolved to mse for synthetic data and to
-// cross_entropy otherwise. model.sizes has at least two entries and train has exactly one
-// of epochs and steps. An override of train.steps drops the file's train.epochs (and the
-// other way round) unless both are overridden.
+// cross_entropy otherwise. model.sizes has at least two entries and train has at most one
+// of epochs and steps (planning needs neither; training_steps() asks for one). An override
+// of train.steps drops the file's train.epochs (and the other way round) unless both are
+// overridden.
+
+// The length of the training run in optimizer steps: train.steps, or train.epochs times
+// `steps_per_epoch`. Only training needs it: bad_input naming the file and [train] when
+// neither is set.
+int64_t training_steps(const RunConfig& config, int64_t steps_per_epoch);
 
 // The rules of a run: the user's [partition] rules first (replicate_if_indivisible=false),
 // then the preset's rules (if any). No rules and no preset: bad_input naming [partition]

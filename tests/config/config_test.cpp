@@ -286,9 +286,16 @@ TEST(Config, ModelErrors) {
 TEST(Config, TrainNeedsExactlyOneOfEpochsAndSteps) {
   expect_config_error("[model]\nsizes = [4, 2]\n[train]\nepochs = 1\nsteps = 2\n",
                       {"t.toml:5", "[train] steps", "epochs", "exactly one"});
-  expect_config_error("[model]\nsizes = [4, 2]\n[train]\nlog_every = 2\n",
-                      {"t.toml", "[train]", "neither"});
-  expect_config_error("[model]\nsizes = [4, 2]\n", {"t.toml", "[train]", "epochs", "steps"});
+  // Neither loads (`meshtrain plan` needs no training length); training_steps() refuses.
+  for (const char* text :
+       {"[model]\nsizes = [4, 2]\n[train]\nlog_every = 2\n", "[model]\nsizes = [4, 2]\n"}) {
+    SCOPED_TRACE(text);
+    const RunConfig c = parse(text);
+    EXPECT_FALSE(c.train.epochs.has_value() || c.train.steps.has_value());
+    expect_bad_input([&] { training_steps(c, 10); }, {"t.toml", "[train]", "epochs", "neither"});
+  }
+  EXPECT_EQ(training_steps(parse(minimal("")), 10), 5);  // train.steps = 5
+  EXPECT_EQ(training_steps(parse("[model]\nsizes = [4, 2]\n[train]\nepochs = 3\n"), 10), 30);
   expect_config_error("[model]\nsizes = [4, 2]\n[train]\nepochs = 0\n",
                       {"t.toml:4", "[train] epochs", "got 0"});
   expect_config_error("[model]\nsizes = [4, 2]\n[train]\nsteps = -5\n",
