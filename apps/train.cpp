@@ -24,6 +24,7 @@
 #include "framework/train/init.hpp"
 #include "framework/io/metrics.hpp"
 #include "framework/train/optimizer.hpp"
+#include "framework/train/resume.hpp"
 #include "framework/core/runtime.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
@@ -229,17 +230,13 @@ int train_command(const std::string& config_path, const std::vector<std::string>
     });
     latest = broadcast_from_rank0(latest);
     if (latest) {
+      // Same data order and model, and a step before the end, before any tensor is read.
+      agree([&] {
+        if (rank0) check_resume_compatible(config, list_checkpoint(*latest).info, total_steps);
+      });
       // load_checkpoint throws the same error on every rank, after the same collectives.
       CheckpointInfo info;
-      agree([&] {
-        info = load_checkpoint(*latest, checkpoint, MPI_COMM_WORLD);
-        if (info.train_state.seed != config.run.seed) {
-          MESHTRAIN_BAD_INPUT("checkpoint '", info.path,
-                              "' was saved by a run with run.seed = ", info.train_state.seed,
-                              " but ", config.file, " has run.seed = ", config.run.seed,
-                              ": resuming would change the data order");
-        }
-      });
+      agree([&] { info = load_checkpoint(*latest, checkpoint, MPI_COMM_WORLD); });
       first_step = info.train_state.step;
       optimizer.set_step_count(info.train_state.optimizer_step);
       if (rank0) {
@@ -330,7 +327,12 @@ int train_command(const std::string& config_path, const std::vector<std::string>
   // --- Summary. -------------------------------------------------------------------------
   const double wall = seconds_since(run_start);
   const int64_t steps_run = total_steps - first_step;
-  if (rank0) {
+  if (rank0 && steps_run == 0) {
+    std::printf(
+        "done: the checkpoint is at step %lld, the last step of the run: nothing to "
+        "train\n",
+        static_cast<long long>(first_step));
+  } else if (rank0) {
     std::printf("done: %lld steps in %s (%.1f s), %.1f samples/s",
                 static_cast<long long>(steps_run), format_duration(wall).c_str(), wall,
                 wall > 0 ? steps_run * global_batch / wall : 0.0);
