@@ -293,7 +293,18 @@ int train_command(const std::string& config_path, const std::vector<std::string>
     }
     model.backward(loss.gradient());
     if (config.optimizer.clip_norm > 0) {
-      clipper.clip(model.gradients(), config.optimizer.clip_norm, world);
+      // The norm is reduced over the ranks too: every rank stops here together.
+      const double norm = clipper.clip(model.gradients(), config.optimizer.clip_norm, world);
+      if (!std::isfinite(norm)) {
+        if (rank0) {
+          std::fprintf(stderr,
+                       "meshtrain: error: the gradient norm became %s at step %lld (the gradient "
+                       "of %s is not finite); lower optimizer.lr (now %g)\n",
+                       std::isnan(norm) ? "NaN" : "infinite", static_cast<long long>(step + 1),
+                       clipper.non_finite_gradient().c_str(), config.optimizer.lr);
+        }
+        return 1;
+      }
     }
     optimizer.step(model.parameters(), model.gradients(), lr);
 

@@ -6,6 +6,10 @@
 meshtrain_add_test(NAME train_memory_test SOURCES train/memory_test.cpp
                    LIBS meshtrain_layers NP 2 4 TIMEOUT 60)
 
+# Gradient clipping with a NaN or infinite gradient (issue 9, bug 4).
+meshtrain_add_test(NAME train_clipper_test SOURCES train/clipper_test.cpp
+                   LIBS meshtrain_layers NP 1 2 4 TIMEOUT 60)
+
 # Writes the small HDF5 classification sets the command tests read.
 add_executable(train_write_dataset train/write_dataset_tool.cpp)
 target_link_libraries(train_write_dataset PRIVATE meshtrain::hdf5)

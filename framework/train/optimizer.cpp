@@ -131,7 +131,7 @@ void Optimizer::step(std::vector<ShardedTensor>& params, const std::vector<Shard
 
 GradientClipper::GradientClipper(const Mesh& mesh, int rank,
                                  const std::vector<ShardedTensor>& grads)
-    : buffer_("meshtrain::grad_norm", 1), host_(Kokkos::create_mirror_view(buffer_)) {
+    : buffer_("meshtrain::grad_norm", grads.size()), host_(Kokkos::create_mirror_view(buffer_)) {
   const std::vector<int> coordinates = mesh.coordinates(rank);
   for (const auto& g : grads) {
     const std::vector<std::string> named = g.spec.axes();
@@ -142,27 +142,37 @@ GradientClipper::GradientClipper(const Mesh& mesh, int rank,
       if (!in_spec && coordinates[a] != 0) counted = false;
     }
     counted_.push_back(counted);
+    names_.push_back(g.name);
   }
 }
 
 double GradientClipper::global_norm(const std::vector<ShardedTensor>& grads, Communicator& world) {
   MESHTRAIN_REQUIRE(grads.size() == counted_.size(), "gradient clipping: got ", grads.size(),
                     " gradients, expected ", counted_.size());
-  double local = 0.0;
   for (size_t i = 0; i < grads.size(); ++i) {
-    if (counted_[i]) local += sum_of_squares(grads[i].local);
+    host_(i) = counted_[i] ? sum_of_squares(grads[i].local) : 0.0;
   }
-  host_(0) = local;
   Kokkos::deep_copy(buffer_, host_);
-  world.all_reduce(DoubleVectorView(buffer_.data(), 1), ReduceOp::sum);
+  world.all_reduce(DoubleVectorView(buffer_.data(), buffer_.extent(0)), ReduceOp::sum);
   Kokkos::deep_copy(host_, buffer_);
-  const double total = host_(0);
-  return std::sqrt(total > 0.0 ? total : 0.0);
+  double total = 0.0;
+  for (size_t i = 0; i < grads.size(); ++i) total += host_(i);
+  non_finite_.clear();
+  if (!std::isfinite(total)) non_finite_ = first_non_finite_gradient();
+  return std::sqrt(total);  // NaN stays NaN (a comparison with max_norm would hide it)
+}
+
+std::string GradientClipper::first_non_finite_gradient() const {
+  for (size_t i = 0; i < names_.size(); ++i) {
+    if (!std::isfinite(host_(i))) return names_[i];
+  }
+  return {};
 }
 
 double GradientClipper::clip(std::vector<ShardedTensor>& grads, double max_norm,
                              Communicator& world) {
   const double norm = global_norm(grads, world);
+  if (!std::isfinite(norm)) return norm;  // scaling would turn an infinity into NaN
   if (max_norm > 0.0 && norm > max_norm) {
     const float factor = static_cast<float>(max_norm / (norm + 1e-6));
     for (auto& g : grads) scale(g.local, factor);

@@ -67,23 +67,36 @@ class Optimizer {
 // Global-norm gradient clipping (torch.nn.utils.clip_grad_norm_). The norm counts every
 // global element once: a rank adds the squares of a gradient's block only if it is the
 // replica with coordinate 0 on every mesh axis the gradient's spec does not name, so a
-// block replicated over some axes is counted once. Then ONE all-reduce over the world
-// (in double: the sum of squares is not rounded to float).
+// block replicated over some axes is counted once. Then ONE all-reduce over the world of
+// one double per gradient (in double: the sum of squares is not rounded to float), so
+// every rank also knows which gradient made a norm NaN or infinite.
 class GradientClipper {
  public:
   // `grads` fixes which blocks this rank counts; mesh and rank are this run's.
   GradientClipper(const Mesh& mesh, int rank, const std::vector<ShardedTensor>& grads);
 
-  // The global L2 norm of all gradients. `world` is the communicator of all ranks.
+  // The global L2 norm of all gradients, NaN or infinite when a gradient element is.
+  // `world` is the communicator of all ranks.
   double global_norm(const std::vector<ShardedTensor>& grads, Communicator& world);
   // Computes the global norm and, when it exceeds max_norm > 0, scales every gradient by
-  // max_norm / (norm + 1e-6). Returns the norm before clipping.
+  // max_norm / (norm + 1e-6). Returns the norm before clipping. A NaN or infinite norm is
+  // returned as it is and nothing is scaled: the caller must stop (non_finite_gradient()
+  // names the gradient).
   double clip(std::vector<ShardedTensor>& grads, double max_norm, Communicator& world);
 
+  // After a global_norm() that was not finite: the name of the first gradient (in the
+  // order of `grads`) whose sum of squares was NaN or infinite; the same on every rank.
+  // Empty after a finite norm.
+  const std::string& non_finite_gradient() const { return non_finite_; }
+
  private:
-  std::vector<bool> counted_;  // per gradient: does this rank hold the counted replica
-  Kokkos::View<double*, Kokkos::LayoutRight> buffer_;  // 1 double: the sum of squares
+  std::string first_non_finite_gradient() const;  // from the reduced sums in host_
+
+  std::vector<bool> counted_;       // per gradient: does this rank hold the counted replica
+  std::vector<std::string> names_;  // per gradient
+  Kokkos::View<double*, Kokkos::LayoutRight> buffer_;  // per gradient: its sum of squares
   Kokkos::View<double*, Kokkos::LayoutRight>::HostMirror host_;
+  std::string non_finite_;
 };
 
 }  // namespace meshtrain
