@@ -18,6 +18,7 @@
 #include <set>
 #include <sstream>
 
+#include "framework/train/optimizer.hpp"
 #include "partition/error.hpp"
 #include "partition/linear_layout.hpp"
 #include "partition/logical_axes.hpp"
@@ -634,11 +635,11 @@ PlanOptions plan_options(const RunConfig& config) {
   PlanOptions options;
   options.min_sharding_size = config.partition.min_sharding_size;
   options.bytes_per_element = 4;
-  if (config.optimizer.kind == "adamw") {
-    options.optimizer_slots = 2;
-  } else {
-    options.optimizer_slots = config.optimizer.momentum > 0 ? 1 : 0;
-  }
+  // The slots the optimizer allocates, from the one function that decides them.
+  OptimizerSettings settings;
+  settings.kind = parse_optimizer_kind(config.optimizer.kind);
+  settings.momentum = static_cast<float>(config.optimizer.momentum);
+  options.optimizer_slots = static_cast<int>(optimizer_slot_names(settings).size());
   const LayerAxes axes = layer_axes(LogicalAxes::with_overrides(config.partition.logical_axes));
   options.batch_axes = axes.batch;
   options.feature_axis = axes.feature;

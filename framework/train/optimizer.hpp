@@ -7,7 +7,8 @@
 //
 //   sgd:   momentum buffer b (slot "momentum"); with weight_decay wd (coupled, L2 as in
 //          torch.optim.SGD): g' = g + wd * p;  b = momentum * b + g' (b = g' on the first
-//          step);  p -= lr * b.  momentum = 0 is plain SGD (the slot still exists).
+//          step);  p -= lr * b.  momentum = 0 is plain SGD, p -= lr * g', with no slot (as
+//          plan_options() counts it: the plan's memory is what training allocates).
 //   adamw: slots "m" and "v" (torch.optim.AdamW): p *= 1 - lr * wd;  m = b1 m + (1 - b1) g;
 //          v = b2 v + (1 - b2) g^2;  p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 // The step counter t (after step() it is the number of steps taken) is checkpointed too.
@@ -37,6 +38,10 @@ struct OptimizerSettings {
 OptimizerKind parse_optimizer_kind(const std::string& name,
                                    const std::string& key = "optimizer.kind");
 
+// The state slots of an optimizer: {"m", "v"} for adamw, {"momentum"} for sgd with
+// momentum, none for plain sgd.
+std::vector<std::string> optimizer_slot_names(const OptimizerSettings& settings);
+
 class Optimizer {
  public:
   // Allocates the state slots (zero) shaped like `params` (same names, specs, boxes).
@@ -47,7 +52,7 @@ class Optimizer {
   void step(std::vector<ShardedTensor>& params, const std::vector<ShardedTensor>& grads, float lr);
 
   const OptimizerSettings& settings() const { return settings_; }
-  // The slot names: {"momentum"} for sgd, {"m", "v"} for adamw.
+  // The slot names: optimizer_slot_names(settings()).
   const std::vector<std::string>& slot_names() const { return slot_names_; }
   // The state tensors of a slot, one per parameter in construction order (checkpoints read
   // and overwrite them in place). Throws bad_input for an unknown slot name.
@@ -61,6 +66,9 @@ class Optimizer {
   OptimizerSettings settings_;
   std::vector<std::string> slot_names_;
   std::vector<std::vector<ShardedTensor>> slots_;  // [slot][parameter]
+  std::vector<ShardedTensor> layout_;              // per parameter: name, shape, spec (no data)
+  std::vector<int64_t> local_sizes_;               // per parameter: local elements
+  void check_same_layout(size_t i, const ShardedTensor& b, const char* what) const;
   int64_t step_count_ = 0;
 };
 
