@@ -234,5 +234,28 @@ TEST(Communicator, TimeoutNamesTheOperationWhenARankDoesNotJoin) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// A collective whose completion fails (MPI_Testall reports an error; here the ranks
+// disagree on the broadcast's count, so the receivers' messages are truncated) leaves the
+// communicator unusable, as a timeout does (issue 9, bug 6): a later call is refused
+// instead of matching the failed call's leftovers. Open MPI reports a request's error
+// through MPI_COMM_WORLD's handler, which Runtime sets to MPI_ERRORS_RETURN as done here.
+TEST(Communicator, FailedCompletionMakesTheCommunicatorUnusable) {
+  if (world_size() < 2) GTEST_SKIP() << "needs two ranks";
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  const int rank = world_rank();
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (tp)");
+  comm.set_timeout_seconds(3.0);
+  Kokkos::View<float*> data("data", rank == 0 ? 16 : 1);
+  if (rank == 0) {
+    comm.broadcast(data, 0);  // the root's sends complete
+  } else {
+    // Truncated (MPI_Testall fails), or never reached by a truncated forwarding rank.
+    expect_error([&] { comm.broadcast(data, 0); }, ErrorKind::runtime, {"broadcast on axis (tp)"});
+    expect_error([&] { comm.barrier(); }, ErrorKind::runtime, {"barrier", "unusable"});
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_ARE_FATAL);
+}
+
 }  // namespace
 }  // namespace meshtrain::testing

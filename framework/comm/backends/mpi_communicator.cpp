@@ -19,7 +19,7 @@ class MpiShiftSlot;
 struct MpiCommunicator::State {
   MPI_Comm comm = MPI_COMM_NULL;
   std::string description;
-  std::string broken;  // non-empty after a timeout: why the communicator is unusable
+  std::string broken;  // non-empty after a timeout or a failed completion: why it is unusable
   // Requests given up on after a timeout. They cannot be freed (MPI forbids freeing a
   // collective's request), so they are kept and tested once more when the state goes.
   std::vector<MPI_Request> abandoned;
@@ -51,17 +51,41 @@ struct MpiCommunicator::State {
 
 namespace {
 
+// Hands the requests still live in `requests` to `state.abandoned` (they may yet write into
+// the caller's buffers, and MPI forbids freeing a collective's request) and marks the
+// communicator unusable for the reason `why`.
+void abandon(MpiCommunicator::State& state, MPI_Request* requests, int count,
+             const std::string& why) {
+  for (int k = 0; k < count; ++k) {
+    if (requests[k] == MPI_REQUEST_NULL) continue;
+    state.abandoned.push_back(requests[k]);
+    requests[k] = MPI_REQUEST_NULL;  // owned by state.abandoned from here on
+  }
+  if (state.broken.empty()) state.broken = why;
+}
+
+// MPI_Testall of requests in flight; an error abandons the live ones (as a timeout does)
+// before it is thrown, so no request is dropped and the communicator is not used again.
+bool test_all(MpiCommunicator::State& state, MPI_Request* requests, int count, const char* op) {
+  int done = 0;
+  const int code = MPI_Testall(count, requests, &done, MPI_STATUSES_IGNORE);
+  if (code != MPI_SUCCESS) {
+    abandon(state, requests, count, std::string("a failed ") + op);
+    state.fail_call(code, op, "MPI_Testall");
+  }
+  return done != 0;
+}
+
 // Polls `requests` until all complete or `timeout` seconds pass. MPI_Testall also drives
 // MPI's progress (non-blocking collectives advance only inside MPI calls), so it is called
 // back to back, yielding the core in between as Open MPI's mpi_yield_when_idle does: short
 // waits stay fast and oversubscribed ranks share cores. After half a second of waiting
 // (a rank is late, latency no longer matters) it sleeps 200 us between polls.
-bool wait_all_until(MPI_Request* requests, int count, double timeout, const char* op) {
+bool wait_all_until(MpiCommunicator::State& state, MPI_Request* requests, int count, double timeout,
+                    const char* op) {
   const double start = MPI_Wtime();
   for (;;) {
-    int done = 0;
-    check_mpi(MPI_Testall(count, requests, &done, MPI_STATUSES_IGNORE), op);
-    if (done) return true;
+    if (test_all(state, requests, count, op)) return true;
     const double waited = MPI_Wtime() - start;
     if (waited > timeout) return false;
     if (waited > 0.5) {
@@ -81,15 +105,10 @@ std::string timeout_text(double seconds) {
 
 [[noreturn]] void throw_timeout(MpiCommunicator::State& state, MPI_Request* requests, int count,
                                 double timeout, const char* op) {
-  for (int k = 0; k < count; ++k) {
-    if (requests[k] == MPI_REQUEST_NULL) continue;
-    state.abandoned.push_back(requests[k]);
-    requests[k] = MPI_REQUEST_NULL;  // owned by state.abandoned from here on
-  }
   const std::string message = std::string(op) + " on " + state.description +
                               " did not complete within " + timeout_text(timeout) +
                               " s: a rank did not join";
-  state.broken = "an earlier timeout (" + message + ")";
+  abandon(state, requests, count, "an earlier timeout (" + message + ")");
   MESHTRAIN_FAIL(message);
 }
 
@@ -112,13 +131,9 @@ class MpiShiftSlot final : public Request::Impl {
   MPI_Request& send() { return requests_[1]; }
   MpiShiftSlot*& next_free() { return next_free_; }
 
-  bool test() override {
-    int done = 0;
-    check_mpi(MPI_Testall(2, requests_, &done, MPI_STATUSES_IGNORE), op_);
-    return done != 0;
-  }
+  bool test() override { return test_all(owner_, requests_, 2, op_); }
   void wait() override {
-    if (!wait_all_until(requests_, 2, timeout_, op_)) {
+    if (!wait_all_until(owner_, requests_, 2, timeout_, op_)) {
       throw_timeout(owner_, requests_, 2, timeout_, op_);
     }
   }
@@ -240,7 +255,7 @@ MPI_Comm MpiCommunicator::native() const {
 }
 
 void MpiCommunicator::complete(MPI_Request request, const char* op) {
-  if (!wait_all_until(&request, 1, timeout_seconds(), op)) {
+  if (!wait_all_until(*state_, &request, 1, timeout_seconds(), op)) {
     throw_timeout(*state_, &request, 1, timeout_seconds(), op);
   }
 }

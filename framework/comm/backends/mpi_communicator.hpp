@@ -57,7 +57,8 @@ class MpiCommunicator final : public Communicator {
 
  private:
   MpiCommunicator(std::shared_ptr<State> state, int size, int rank, std::string description);
-  // Waits for `request` until the timeout; throws naming `op` and breaks the communicator.
+  // Waits for `request` until the timeout; throws naming `op` and breaks the communicator
+  // on a timeout or a failed completion.
   void complete(MPI_Request request, const char* op);
   // The shape of every blocking operation: check the communicator is usable, let pending
   // kernels finish, start one non-blocking MPI call (`start` gets the request to fill and
