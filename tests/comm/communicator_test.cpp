@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/mman.h>
+
+#include <climits>
 #include <cstdlib>
 #include <stdexcept>
 
@@ -255,6 +258,27 @@ TEST(Communicator, FailedCompletionMakesTheCommunicatorUnusable) {
   }
   MPI_Barrier(MPI_COMM_WORLD);
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_ARE_FATAL);
+}
+
+// all_reduce already sends in pieces, so a count above INT_MAX is fine (issue 9, bug 7).
+// One rank only: 8 GiB of floats per rank is more than a test machine holds, but on one
+// rank the buffer is mapped without being touched (MAP_NORESERVE) and MPI leaves an
+// in-place reduction over one rank alone, so only the pages written here are used.
+TEST(Communicator, AllReduceTakesMoreThanIntMaxElements) {
+  if (world_size() != 1) GTEST_SKIP() << "one rank: the buffer is 8 GiB per rank";
+  const std::size_t count = static_cast<std::size_t>(INT_MAX) + 17;
+  const std::size_t bytes = count * sizeof(float);
+  void* memory = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (memory == MAP_FAILED) GTEST_SKIP() << "cannot map " << bytes << " bytes";
+  float* data = static_cast<float*>(memory);
+  data[0] = 1.0f;
+  data[count - 1] = 2.0f;
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "world");
+  EXPECT_NO_THROW(comm.all_reduce(VectorView(data, count)));
+  EXPECT_EQ(data[0], 1.0f);
+  EXPECT_EQ(data[count - 1], 2.0f);
+  munmap(memory, bytes);
 }
 
 }  // namespace

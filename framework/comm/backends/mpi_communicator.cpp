@@ -285,26 +285,29 @@ void MpiCommunicator::raw_reduce_scatter_sum(const float* send, float* recv,
   });
 }
 
-void MpiCommunicator::raw_all_reduce_sum(float* data, std::size_t count, const char* op) {
-  checked_int(count, "all_reduce count");
-  // In pieces: Open MPI's non-blocking collectives allocate a temporary as large as the
-  // message on every call, which for a DP gradient (tens of MiB) means fresh pages, and
-  // page faults, at every step. Pieces keep that temporary small and reused by malloc.
-  constexpr std::size_t kPieceFloats = std::size_t{1} << 20;  // 4 MiB
-  for (std::size_t offset = 0; offset < count; offset += kPieceFloats) {
-    const int n = static_cast<int>(std::min(kPieceFloats, count - offset));
+// In pieces of 4 MiB: Open MPI's non-blocking collectives allocate a temporary as large as
+// the message on every call, which for a DP gradient (tens of MiB) means fresh pages, and
+// page faults, at every step. Pieces keep that temporary small and reused by malloc, and
+// each piece's count fits an int however large `count` is.
+template <class T>
+void MpiCommunicator::all_reduce_in_pieces(T* data, std::size_t count, MPI_Datatype type,
+                                           const char* op) {
+  constexpr std::size_t kPieceBytes = std::size_t{4} << 20;
+  constexpr std::size_t kPiece = kPieceBytes / sizeof(T);
+  for (std::size_t offset = 0; offset < count; offset += kPiece) {
+    const int n = static_cast<int>(std::min(kPiece, count - offset));
     run(op, "MPI_Iallreduce", [&](MPI_Request* request) {
-      return MPI_Iallreduce(MPI_IN_PLACE, data + offset, n, MPI_FLOAT, MPI_SUM, state_->comm,
-                            request);
+      return MPI_Iallreduce(MPI_IN_PLACE, data + offset, n, type, MPI_SUM, state_->comm, request);
     });
   }
 }
 
+void MpiCommunicator::raw_all_reduce_sum(float* data, std::size_t count, const char* op) {
+  all_reduce_in_pieces(data, count, MPI_FLOAT, op);
+}
+
 void MpiCommunicator::raw_all_reduce_sum_f64(double* data, std::size_t count, const char* op) {
-  const int n = checked_int(count, "all_reduce count");
-  run(op, "MPI_Iallreduce", [&](MPI_Request* request) {
-    return MPI_Iallreduce(MPI_IN_PLACE, data, n, MPI_DOUBLE, MPI_SUM, state_->comm, request);
-  });
+  all_reduce_in_pieces(data, count, MPI_DOUBLE, op);
 }
 
 void MpiCommunicator::raw_broadcast(float* data, std::size_t count, int root, const char* op) {

@@ -65,6 +65,9 @@ class MpiCommunicator final : public Communicator {
   // returns the MPI code of `call`), then wait for it under the timeout.
   template <class Start>
   void run(const char* op, const char* call, Start&& start);
+  // An in-place sum in pieces whose counts each fit an int (any total count).
+  template <class T>
+  void all_reduce_in_pieces(T* data, std::size_t count, MPI_Datatype type, const char* op);
 
   std::shared_ptr<State> state_;
 };
