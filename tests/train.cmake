@@ -91,6 +91,18 @@ train_error_test(label_out_of_range 2
   --set data.batch_size=32 ${_train_small})
 set_tests_properties(train_label_out_of_range_np2 PROPERTIES FIXTURES_REQUIRED train_bad_labels)
 
+# A metrics file that cannot be written (a full disk: metrics.jsonl is a link to
+# /dev/full) ends the run with exit 1 naming the file (issue 9, bug 8), instead of a run
+# that silently logs nothing.
+set(_disk_full ${_train_runs}/metrics_disk_full)
+meshtrain_add_command_test(NAME train_metrics_disk_full_setup TIMEOUT 30
+  COMMAND sh -c "mkdir -p ${_disk_full} && ln -sf /dev/full ${_disk_full}/metrics.jsonl")
+set_tests_properties(train_metrics_disk_full_setup PROPERTIES FIXTURES_SETUP train_disk_full)
+train_error_test(metrics_disk_full 1
+  "^meshtrain: error.*cannot write to '.*metrics_disk_full/metrics\\.jsonl' \\(run\\.output_dir\\): No space left on device"
+  ${_train_configs}/fashion_mnist_dp.toml --set run.output_dir=${_disk_full} ${_train_small})
+set_tests_properties(train_metrics_disk_full_np2 PROPERTIES FIXTURES_REQUIRED train_disk_full)
+
 # Plain SGD with a huge step: the loss becomes NaN / inf after the first update. Every
 # rank must stop (the timeout proves none hangs), with one sentence naming optimizer.lr.
 train_error_test(nan_loss 1

@@ -34,8 +34,10 @@ class MetricsLog {
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
 
-  void log(const LogEvent& event);    // progress line on stdout + JSON line
-  void eval(const EvalEvent& event);  // eval line on stdout + JSON line
+  // Each writes the progress line on stdout and one JSON line, flushed; a failed write
+  // throws a runtime Error naming the file and the system's reason.
+  void log(const LogEvent& event);
+  void eval(const EvalEvent& event);
   const std::string& path() const { return path_; }
 
  private:

@@ -136,5 +136,14 @@ TEST(MeshCommunicators, FactoryFailureComesThroughAndLeavesTheMeshUsable) {
   EXPECT_EQ(dp.size(), n);
 }
 
+// Runtime refuses an MPI that provides less thread support than it asked for (issue 9,
+// bug 8: MPI_Init_thread's `provided` was ignored). The levels are MPI's own constants.
+TEST(Runtime, RequireThreadLevelNamesBothLevels) {
+  expect_error([] { require_thread_level(MPI_THREAD_SINGLE, MPI_THREAD_FUNNELED); },
+               ErrorKind::runtime, {"provides MPI_THREAD_SINGLE", "needs MPI_THREAD_FUNNELED"});
+  EXPECT_NO_THROW(require_thread_level(MPI_THREAD_FUNNELED, MPI_THREAD_FUNNELED));
+  EXPECT_NO_THROW(require_thread_level(MPI_THREAD_MULTIPLE, MPI_THREAD_FUNNELED));
+}
+
 }  // namespace
 }  // namespace meshtrain::testing
