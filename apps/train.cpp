@@ -60,7 +60,11 @@ int train_command(const std::string& config_path, const std::vector<std::string>
   }
 
   const RunSummary summary = run.train();
-  if (rank0) {
+  if (rank0 && summary.steps_run == 0) {
+    std::printf(
+        "done: the checkpoint is at step %lld, the last step of the run: nothing to train\n",
+        static_cast<long long>(run.steps_done()));
+  } else if (rank0) {
     std::printf("done: %lld steps in %s (%.1f s), %.1f samples/s",
                 static_cast<long long>(summary.steps_run), format_duration(summary.wall_s).c_str(),
                 summary.wall_s, summary.samples_per_s);

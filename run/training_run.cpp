@@ -16,6 +16,7 @@
 #include "framework/comm/mpi_util.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
+#include "framework/train/resume.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {
@@ -111,16 +112,17 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
       data_.train = load_dataset(config_.data, Split::train, seed, sizes.front(), sizes.back());
       data_.test = load_dataset(config_.data, Split::test, seed, sizes.front(), sizes.back());
     }
+    if (config_.model.loss == "auto") {
+      config_.model.loss = data_.train.classification() ? "cross_entropy" : "mse";
+    }
+    check_loss_fits_data(config_.model.loss, config_.data, data_.train);
+    check_loss_fits_data(config_.model.loss, config_.data, data_.test);
     schedule_.emplace(data_.train.num_samples, global_batch, config_.data.shuffle,
                       config_.run.seed);
     slice_ = make_batch_slice(*mesh_, rank_, logical_->axes_of("batch"), global_batch);
     eval_schedule_ = EvalSchedule::create(data_.test.num_samples, global_batch);
-    if (config_.model.loss == "auto") {
-      config_.model.loss = data_.train.classification() ? "cross_entropy" : "mse";
-    }
+    total_steps_ = training_steps(config_, schedule_->steps_per_epoch());
   });
-  total_steps_ = config_.train.steps ? *config_.train.steps
-                                     : *config_.train.epochs * schedule_->steps_per_epoch();
 
   // --- Model, loss, optimizer: collective construction, identical on every rank. --------
   comms_ =
@@ -147,6 +149,8 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
 
   // The checkpoint views the live tensors (no copies): a save writes them, a load fills them.
   checkpoint_.mesh = *mesh_;
+  // A run made in code has no file text: its checkpoints store the config as TOML.
+  if (config_.text.empty()) config_.text = config_to_toml(config_);
   checkpoint_.config_text = config_.text;
   checkpoint_.params = model_->parameters();
   for (const std::string& slot : optimizer_->slot_names()) {
@@ -166,17 +170,13 @@ void TrainingRun::resume() {
   });
   latest = broadcast_from_rank0(latest, comm_);
   if (!latest) return;
+  // Same data order and model, and a step before the end, before any tensor is read.
+  on_every_rank(comm_, [&] {
+    if (rank_ == 0) check_resume_compatible(config_, list_checkpoint(*latest).info, total_steps_);
+  });
   // load_checkpoint throws the same error on every rank, after the same collectives.
   CheckpointInfo info;
-  on_every_rank(comm_, [&] {
-    info = load_checkpoint(*latest, checkpoint_, comm_);
-    if (info.train_state.seed != config_.run.seed) {
-      MESHTRAIN_BAD_INPUT("checkpoint '", info.path,
-                          "' was saved by a run with run.seed = ", info.train_state.seed, " but ",
-                          config_.file, " has run.seed = ", config_.run.seed,
-                          ": resuming would change the data order");
-    }
-  });
+  on_every_rank(comm_, [&] { info = load_checkpoint(*latest, checkpoint_, comm_); });
   steps_done_ = info.train_state.step;
   optimizer_->set_step_count(info.train_state.optimizer_step);
   resumed_from_ = info;
@@ -217,7 +217,17 @@ StepResult TrainingRun::step_on_loaded_batch() {
   }
   model_->backward(loss_->gradient());
   if (config_.optimizer.clip_norm > 0) {
-    clipper_->clip(model_->gradients(), config_.optimizer.clip_norm, *world_);
+    // The norm is reduced over the ranks too: every rank stops here together.
+    const double norm = clipper_->clip(model_->gradients(), config_.optimizer.clip_norm, *world_);
+    if (!std::isfinite(norm)) {
+      throw AgreedError(Error(
+          ErrorKind::runtime,
+          detail::concat("the gradient norm became ", std::isnan(norm) ? "NaN" : "infinite",
+                         " at step ", steps_done_ + 1, " (the gradient of ",
+                         clipper_->non_finite_gradient(),
+                         " is not finite); lower optimizer.lr (now ", config_.optimizer.lr, ")"),
+          __FILE__, __LINE__));
+    }
   }
   optimizer_->step(model_->parameters(), model_->gradients(), lr_);
   ++steps_done_;

@@ -52,6 +52,9 @@ meshtrain_cli_test(plan_fsdp_tp_4096 0 - --stdout "4096 ranks"
 meshtrain_cli_test(plan_set_overrides 0 - --stdout "\\[784, 256\\]"
   -- ${_meshtrain} plan ${_configs}/fashion_mnist_dp.toml --set "model.sizes=[784, 256, 10]"
      --set run.output_dir=runs/x --world 2)
+# Planning needs no training length: a config without [train] plans (issue 9, bug 9).
+meshtrain_cli_test(plan_without_train 0 - --stdout "^plan of .*no_train\\.toml for 4 ranks"
+  -- ${_meshtrain} plan ${_cli}/no_train.toml --world 4)
 meshtrain_add_command_test(NAME cli_plan_json TIMEOUT 30
   COMMAND sh ${_cli}/plan_json.sh ${_meshtrain} ${_configs}/fashion_mnist_fsdp_tp.toml 4
           layers/0/weight "[392, 256]")

@@ -39,3 +39,6 @@ resume_test(other_mesh other_mesh)
 resume_test(interrupted_save interrupted --preset fsdp)
 # 4. inspect shows the trainer's checkpoint; a flipped byte is refused by inspect and train.
 resume_test(inspect_corrupt inspect --preset fsdp)
+# 5. A resumed run keeps the saved data order and model (issue 9, bug 3); at or past the
+#    run's last step.
+resume_test(compatibility compatibility --preset fsdp)

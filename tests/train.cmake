@@ -18,6 +18,10 @@ meshtrain_add_test(NAME train_step_allocations_test SOURCES train/step_allocatio
 meshtrain_add_test(NAME train_lr_schedule_test SOURCES train/lr_schedule_test.cpp
                    LIBS meshtrain_framework TIMEOUT 30)
 
+# Gradient clipping with a NaN or infinite gradient (issue 9, bug 4).
+meshtrain_add_test(NAME train_clipper_test SOURCES train/clipper_test.cpp
+                   LIBS meshtrain_layers NP 1 2 4 TIMEOUT 60)
+
 # Writes the small HDF5 classification sets the command tests read.
 add_executable(train_write_dataset train/write_dataset_tool.cpp)
 target_link_libraries(train_write_dataset PRIVATE meshtrain::hdf5)
@@ -71,6 +75,23 @@ train_error_test(checkpoint_dir_not_writable 2
   ${_train_configs}/fashion_mnist_dp.toml --set checkpoint.dir=/proc/meshtrain_no_such_dir
   --set run.output_dir=${_train_runs}/checkpoint_dir_not_writable ${_train_small})
 
+# A loss that does not fit the data's targets (issue 9, bug 1): refused at set-up naming
+# model.loss and data.source, not an MPI_Abort on a shape mismatch at the first step.
+train_error_test(loss_mse_with_class_labels 2
+  "^meshtrain: error: model\\.loss = .mse. needs regression targets, but data\\.source = .fashion_mnist. gives 10 class labels"
+  ${_train_configs}/fashion_mnist_dp.toml --set model.loss=mse
+  --set run.output_dir=${_train_runs}/loss_mse_with_class_labels ${_train_small})
+train_error_test(loss_cross_entropy_with_regression_targets 2
+  "^meshtrain: error: model\\.loss = .cross_entropy. needs class labels, but data\\.source = .synthetic. gives regression targets of width 10"
+  ${_train_configs}/fashion_mnist_dp.toml --set data.source=synthetic --set model.loss=cross_entropy
+  --set run.output_dir=${_train_runs}/loss_cross_entropy_with_regression ${_train_small})
+
+# `train` needs a training length, `plan` does not (issue 9, bug 9): one sentence naming
+# [train], exit 2.
+train_error_test(without_train_section 2
+  "^meshtrain: error: .*no_train\\.toml: \\[train\\] needs exactly one of epochs and steps"
+  ${CMAKE_CURRENT_SOURCE_DIR}/cli/no_train.toml --set run.output_dir=${_train_runs}/no_train)
+
 # A label out of range: /y[37] = 12 with 10 classes, in a file the fixture writes.
 set(_bad_labels ${_train_runs}/bad_labels.h5)
 meshtrain_add_command_test(NAME train_write_bad_labels TIMEOUT 30
@@ -81,6 +102,18 @@ train_error_test(label_out_of_range 2
   ${_train_configs}/fashion_mnist_dp.toml --set data.source=hdf5 --set data.path=${_bad_labels}
   --set data.batch_size=32 ${_train_small})
 set_tests_properties(train_label_out_of_range_np2 PROPERTIES FIXTURES_REQUIRED train_bad_labels)
+
+# A metrics file that cannot be written (a full disk: metrics.jsonl is a link to
+# /dev/full) ends the run with exit 1 naming the file (issue 9, bug 8), instead of a run
+# that silently logs nothing.
+set(_disk_full ${_train_runs}/metrics_disk_full)
+meshtrain_add_command_test(NAME train_metrics_disk_full_setup TIMEOUT 30
+  COMMAND sh -c "mkdir -p ${_disk_full} && ln -sf /dev/full ${_disk_full}/metrics.jsonl")
+set_tests_properties(train_metrics_disk_full_setup PROPERTIES FIXTURES_SETUP train_disk_full)
+train_error_test(metrics_disk_full 1
+  "^meshtrain: error.*cannot write to '.*metrics_disk_full/metrics\\.jsonl' \\(run\\.output_dir\\): No space left on device"
+  ${_train_configs}/fashion_mnist_dp.toml --set run.output_dir=${_disk_full} ${_train_small})
+set_tests_properties(train_metrics_disk_full_np2 PROPERTIES FIXTURES_REQUIRED train_disk_full)
 
 # Plain SGD with a huge step: the loss becomes NaN / inf after the first update. Every
 # rank must stop (the timeout proves none hangs), with one sentence naming optimizer.lr.

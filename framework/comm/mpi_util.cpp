@@ -21,19 +21,15 @@ void check_mpi(int code, const char* what) {
 }
 
 bool wait_all_until(MPI_Request* requests, int count, double timeout, const char* op) {
-  const double start = MPI_Wtime();
-  for (;;) {
-    int done = 0;
-    check_mpi(MPI_Testall(count, requests, &done, MPI_STATUSES_IGNORE), op);
-    if (done) return true;
-    const double waited = MPI_Wtime() - start;
-    if (waited > timeout) return false;
-    if (waited > 0.5) {
-      const timespec pause{0, 200000};
-      nanosleep(&pause, nullptr);
-    } else {
-      sched_yield();
-    }
+  return wait_all_until(requests, count, timeout, [op](int code) { check_mpi(code, op); });
+}
+
+void detail::pause_between_polls(double waited) {
+  if (waited > 0.5) {
+    const timespec pause{0, 200000};
+    nanosleep(&pause, nullptr);
+  } else {
+    sched_yield();
   }
 }
 

@@ -6,6 +6,11 @@
 
 namespace meshtrain {
 
+namespace detail {
+// sched_yield() for the first half second of a wait, then 200 us sleeps.
+void pause_between_polls(double waited);
+}  // namespace detail
+
 // Throws a runtime Error "<what> failed: <MPI_Error_string>" when code is not MPI_SUCCESS.
 void check_mpi(int code, const char* what);
 
@@ -14,8 +19,22 @@ void check_mpi(int code, const char* what);
 // (non-blocking collectives advance only inside MPI calls), so it is called back to back,
 // yielding the core in between as Open MPI's mpi_yield_when_idle does: short waits stay
 // fast and oversubscribed ranks share cores. After half a second of waiting (a rank is
-// late, latency no longer matters) it sleeps 200 us between polls. Throws (check_mpi,
-// naming `op`) when MPI_Testall fails.
+// late, latency no longer matters) it sleeps 200 us between polls. When MPI_Testall fails,
+// `on_failure(code)` is called and must throw; the plain form throws through check_mpi,
+// naming `op`. A timeout of 0 tests once.
+template <class OnFailure>
+bool wait_all_until(MPI_Request* requests, int count, double timeout, OnFailure&& on_failure) {
+  const double start = MPI_Wtime();
+  for (;;) {
+    int done = 0;
+    const int code = MPI_Testall(count, requests, &done, MPI_STATUSES_IGNORE);
+    if (code != MPI_SUCCESS) on_failure(code);
+    if (done) return true;
+    const double waited = MPI_Wtime() - start;
+    if (waited >= timeout) return false;
+    detail::pause_between_polls(waited);
+  }
+}
 bool wait_all_until(MPI_Request* requests, int count, double timeout, const char* op);
 
 }  // namespace meshtrain

@@ -9,6 +9,24 @@
 
 namespace meshtrain {
 
+namespace {
+const char* thread_level_name(int level) {
+  if (level == MPI_THREAD_SINGLE) return "MPI_THREAD_SINGLE";
+  if (level == MPI_THREAD_FUNNELED) return "MPI_THREAD_FUNNELED";
+  if (level == MPI_THREAD_SERIALIZED) return "MPI_THREAD_SERIALIZED";
+  if (level == MPI_THREAD_MULTIPLE) return "MPI_THREAD_MULTIPLE";
+  return "an unknown thread level";
+}
+}  // namespace
+
+void require_thread_level(int provided, int required) {
+  if (provided >= required) return;  // the levels are ordered SINGLE < ... < MULTIPLE
+  MESHTRAIN_FAIL("the MPI library provides ", thread_level_name(provided), " (", provided,
+                 ") but meshtrain needs ", thread_level_name(required), " (", required,
+                 "): Kokkos runs threads beside the thread that calls MPI; use an MPI built "
+                 "with thread support");
+}
+
 Runtime::Runtime(int& argc, char**& argv) {
   int initialized = 0;
   check_mpi(MPI_Initialized(&initialized), "MPI_Initialized");
@@ -16,6 +34,12 @@ Runtime::Runtime(int& argc, char**& argv) {
     int provided = 0;
     check_mpi(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
     owns_mpi_ = true;
+    try {
+      require_thread_level(provided, MPI_THREAD_FUNNELED);
+    } catch (...) {
+      MPI_Finalize();
+      throw;
+    }
   }
   // Every MPI call of meshtrain checks its return code and reports MPI's own message.
   check_mpi(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");

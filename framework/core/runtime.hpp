@@ -12,10 +12,15 @@
 
 namespace meshtrain {
 
+// Throws a runtime Error naming both levels when MPI_Init_thread `provided` less thread
+// support than `required` (e.g. MPI_THREAD_SINGLE for MPI_THREAD_FUNNELED).
+void require_thread_level(int provided, int required);
+
 class Runtime {
  public:
-  // MPI_Init_thread (MPI_THREAD_FUNNELED) then Kokkos::initialize. Either step is skipped
-  // when already done by someone else, who then also owns the matching finalize.
+  // MPI_Init_thread (MPI_THREAD_FUNNELED; a runtime Error when MPI provides less) then
+  // Kokkos::initialize. Either step is skipped when already done by someone else, who then
+  // also owns the matching finalize.
   Runtime(int& argc, char**& argv);
   ~Runtime();  // Kokkos::finalize, then MPI_Finalize (only what this object initialized)
   Runtime(const Runtime&) = delete;

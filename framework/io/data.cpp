@@ -148,6 +148,19 @@ Dataset load_dataset(const DataSection& data, Split split, uint64_t seed, int64_
   return d;
 }
 
+void check_loss_fits_data(const std::string& loss, const DataSection& data, const Dataset& split) {
+  if (split.num_samples == 0) return;
+  const bool wants_labels = loss == "cross_entropy";
+  if (wants_labels == split.classification()) return;
+  const std::string targets =
+      split.classification() ? std::to_string(split.num_classes) + " class labels"
+                             : "regression targets of width " + std::to_string(split.target_width);
+  MESHTRAIN_BAD_INPUT(
+      "model.loss = \"", loss, "\" needs ", wants_labels ? "class labels" : "regression targets",
+      ", but data.source = \"", data.source, "\" gives ", targets, " (the ", split.description,
+      "): set model.loss = \"", wants_labels ? "mse" : "cross_entropy", "\"");
+}
+
 // ---------------------------------------------------------------------------------------
 // Slices and schedules
 
@@ -226,7 +239,8 @@ std::vector<int64_t> BatchSchedule::global_batch_samples(int64_t step) const {
 
 EvalSchedule EvalSchedule::create(int64_t num_samples, int64_t global_batch) {
   if (global_batch < 1) {
-    MESHTRAIN_BAD_INPUT("data.eval_batch_size = ", global_batch, " must be positive");
+    MESHTRAIN_BAD_INPUT("data.batch_size = ", global_batch,
+                        " must be positive (evaluation uses batches of the same size)");
   }
   EvalSchedule s;
   s.num_samples = num_samples;

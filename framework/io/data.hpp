@@ -83,6 +83,12 @@ Dataset load_hdf5_dataset(const std::string& path, int64_t num_classes);
 Dataset load_dataset(const DataSection& data, Split split, uint64_t seed, int64_t input_width,
                      int64_t output_width);
 
+// model.loss against the kind of targets of a loaded split: cross_entropy needs class
+// labels, mse regression targets. A mismatch is a bad_input Error naming model.loss and
+// data.source, found at set-up rather than as a shape error at the first step. An empty
+// split (no test file) has no targets and passes.
+void check_loss_fits_data(const std::string& loss, const DataSection& data, const Dataset& split);
+
 // Which rows of every global batch this rank copies. The batch is split over the batch
 // axes (the mesh axes of the logical axis `batch`, e.g. {"fsdp", "dp"}); the rank's index
 // in that group picks rows [index * rows, (index + 1) * rows) with rows = B / count.
@@ -152,9 +158,9 @@ void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step
                 const BatchSlice& slice, const Matrix& x, const Matrix& targets);
 
 // Evaluation over a (test) split in sample order, in global batches of `global_batch`
-// rows sharded over the batch axes like training batches (make_batch_slice with
-// "data.eval_batch_size"). The last batch may be partial: it is padded, not dropped, so
-// every sample is evaluated exactly once and every batch has the same shape. Padded rows
+// rows (data.batch_size), sharded over the batch axes like training batches. The last
+// batch may be partial: it is padded, not dropped, so every sample is evaluated exactly
+// once and every batch has the same shape. Padded rows
 // are zeros (label 0, target 0) and always come after the valid rows, so in each rank's
 // slice the valid rows are a prefix: fill_eval_batch returns their number, and the
 // caller counts only those rows and reduces (correct, loss sum, count) over the batch
@@ -163,7 +169,8 @@ struct EvalSchedule {
   int64_t num_samples = 0;
   int64_t global_batch = 0;
   int64_t num_batches = 0;  // ceil(num_samples / global_batch); 0 for an empty split
-  // Throws bad_input naming data.eval_batch_size when it is not positive.
+  // Throws bad_input naming data.batch_size (the evaluation batch too) when it is not
+  // positive.
   static EvalSchedule create(int64_t num_samples, int64_t global_batch);
 };
 

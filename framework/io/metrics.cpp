@@ -30,10 +30,12 @@ MetricsLog::~MetricsLog() {
 }
 
 void MetricsLog::write_line(const std::string& json) {
-  std::fputs(json.c_str(), file_);
-  std::fputc('\n', file_);
-  // Flushed per event so a crashed or interrupted run keeps what it logged.
-  std::fflush(file_);
+  // Flushed per event so a crashed or interrupted run keeps what it logged; a full disk
+  // or a lost file system is an error, not a silently missing record.
+  if (std::fputs(json.c_str(), file_) == EOF || std::fputc('\n', file_) == EOF ||
+      std::fflush(file_) != 0) {
+    MESHTRAIN_FAIL("cannot write to '", path_, "' (run.output_dir): ", std::strerror(errno));
+  }
 }
 
 void MetricsLog::log(const LogEvent& e) {

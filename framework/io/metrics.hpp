@@ -35,8 +35,10 @@ class MetricsLog {
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
 
-  void log(const LogEvent& event);    // one JSON line
-  void eval(const EvalEvent& event);  // one JSON line
+  // Each writes one JSON line, flushed; a failed write throws a runtime Error naming the
+  // file and the system's reason.
+  void log(const LogEvent& event);
+  void eval(const EvalEvent& event);
   const std::string& path() const { return path_; }
 
  private:

@@ -19,6 +19,7 @@
 #include <set>
 #include <sstream>
 
+#include "framework/train/optimizer.hpp"
 #include "partition/error.hpp"
 #include "partition/linear_layout.hpp"
 #include "partition/logical_axes.hpp"
@@ -448,15 +449,11 @@ void read_optimizer(const Section& s, OptimizerSection& opt) {
   if (opt.clip_norm < 0) s.fail("clip_norm", "must be non-negative (0 = off), got ", opt.clip_norm);
 }
 
-void read_train(const Section& s, const Reader& reader, TrainSection& train) {
+void read_train(const Section& s, TrainSection& train) {
   train.epochs = s.integer("epochs");
   train.steps = s.integer("steps");
   if (train.epochs && train.steps) {
     s.fail("steps", "and epochs are both set; give exactly one of them");
-  }
-  if (!train.epochs && !train.steps) {
-    MESHTRAIN_BAD_INPUT(reader.at(s.table().source()),
-                        ": [train] needs exactly one of epochs and steps, got neither");
   }
   if (train.epochs && *train.epochs < 1)
     s.fail("epochs", "must be at least 1, got ", *train.epochs);
@@ -599,10 +596,17 @@ RunConfig parse_config(const std::string& text, const std::string& file,
   read_model(reader.section(root, "model"), config.data.source, config.model);
   read_partition(reader.section(root, "partition"), config.partition);
   read_optimizer(reader.section(root, "optimizer"), config.optimizer);
-  read_train(reader.section(root, "train"), reader, config.train);
+  read_train(reader.section(root, "train"), config.train);
   read_checkpoint(reader.section(root, "checkpoint"), config.run.output_dir, config.checkpoint);
   read_runtime(reader.section(root, "runtime"), config.runtime);
   return config;
+}
+
+int64_t training_steps(const RunConfig& config, int64_t steps_per_epoch) {
+  if (config.train.steps) return *config.train.steps;
+  if (config.train.epochs) return *config.train.epochs * steps_per_epoch;
+  MESHTRAIN_BAD_INPUT(config.file,
+                      ": [train] needs exactly one of epochs and steps to train, got neither");
 }
 
 RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
@@ -619,6 +623,66 @@ RunConfig load_config(const std::string& path, const std::vector<std::string>& o
   text << in.rdbuf();
   if (in.bad()) MESHTRAIN_BAD_INPUT("cannot read config file '", path, "': ", std::strerror(errno));
   return parse_config(text.str(), path, overrides);
+}
+
+std::string config_to_toml(const RunConfig& config) {
+  toml::table run{{"name", config.run.name},
+                  {"seed", static_cast<int64_t>(config.run.seed)},
+                  {"output_dir", config.run.output_dir}};
+  toml::table mesh;
+  for (const auto& [axis, size] : config.mesh.axes) mesh.insert(axis, size);
+  toml::array sizes;
+  for (int64_t size : config.model.sizes) sizes.push_back(size);
+  toml::table model{{"kind", config.model.kind},
+                    {"sizes", sizes},
+                    {"activation", config.model.activation},
+                    {"init", config.model.init},
+                    {"loss", config.model.loss}};
+  toml::array rules;
+  for (const PartitionRuleText& rule : config.partition.rules) {
+    rules.push_back(toml::array{rule.pattern, rule.spec.to_string()});
+  }
+  toml::table logical_axes;
+  for (const auto& [name, axes] : config.partition.logical_axes) {
+    toml::array mesh_axes;
+    for (const std::string& axis : axes) mesh_axes.push_back(axis);
+    logical_axes.insert(name, mesh_axes);
+  }
+  toml::table partition{{"min_sharding_size", config.partition.min_sharding_size},
+                        {"rules", rules},
+                        {"logical_axes", logical_axes},
+                        {"collective_matmul", config.partition.collective_matmul}};
+  if (!config.partition.preset.empty()) partition.insert("preset", config.partition.preset);
+  toml::table data{{"source", config.data.source},
+                   {"batch_size", config.data.batch_size},
+                   {"shuffle", config.data.shuffle},
+                   {"synthetic_samples", config.data.synthetic_samples}};
+  if (!config.data.path.empty()) data.insert("path", config.data.path);
+  if (!config.data.test_path.empty()) data.insert("test_path", config.data.test_path);
+  const OptimizerSection& opt = config.optimizer;
+  toml::table optimizer{{"kind", opt.kind},
+                        {"lr", opt.lr},
+                        {"momentum", opt.momentum},
+                        {"betas", toml::array{opt.betas.first, opt.betas.second}},
+                        {"eps", opt.eps},
+                        {"weight_decay", opt.weight_decay},
+                        {"clip_norm", opt.clip_norm}};
+  toml::table train{{"log_every", config.train.log_every}, {"eval_every", config.train.eval_every}};
+  if (config.train.epochs) train.insert("epochs", *config.train.epochs);
+  if (config.train.steps) train.insert("steps", *config.train.steps);
+  toml::table checkpoint{{"every_steps", config.checkpoint.every_steps},
+                         {"keep", config.checkpoint.keep},
+                         {"resume", config.checkpoint.resume},
+                         {"dir", config.checkpoint.dir}};
+  toml::table runtime{{"backend", config.runtime.backend},
+                      {"matmul_precision", config.runtime.matmul_precision}};
+  toml::table root{
+      {"run", run},        {"mesh", mesh},           {"model", model}, {"partition", partition},
+      {"data", data},      {"optimizer", optimizer}, {"train", train}, {"checkpoint", checkpoint},
+      {"runtime", runtime}};
+  std::ostringstream out;
+  out << root;
+  return out.str();
 }
 
 std::vector<PartitionRule> partition_rules(const RunConfig& config) {
@@ -642,11 +706,11 @@ PlanOptions plan_options(const RunConfig& config) {
   PlanOptions options;
   options.min_sharding_size = config.partition.min_sharding_size;
   options.bytes_per_element = 4;
-  if (config.optimizer.kind == "adamw") {
-    options.optimizer_slots = 2;
-  } else {
-    options.optimizer_slots = config.optimizer.momentum > 0 ? 1 : 0;
-  }
+  // The slots the optimizer allocates, from the one function that decides them.
+  OptimizerSettings settings;
+  settings.kind = parse_optimizer_kind(config.optimizer.kind);
+  settings.momentum = static_cast<float>(config.optimizer.momentum);
+  options.optimizer_slots = static_cast<int>(optimizer_slot_names(settings).size());
   const LayerAxes axes = layer_axes(LogicalAxes::with_overrides(config.partition.logical_axes));
   options.batch_axes = axes.batch;
   options.feature_axis = axes.feature;

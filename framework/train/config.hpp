@@ -70,7 +70,7 @@ struct OptimizerSection {
 };
 
 struct TrainSection {
-  std::optional<int64_t> epochs;  // exactly one of epochs and steps
+  std::optional<int64_t> epochs;  // at most one of epochs and steps (train needs one)
   std::optional<int64_t> steps;
   int64_t log_every = 50;
   int64_t eval_every = 0;  // 0 = only at the end
@@ -114,10 +114,21 @@ RunConfig load_config(const std::string& path, const std::vector<std::string>& o
 RunConfig parse_config(const std::string& text, const std::string& file,
                        const std::vector<std::string>& overrides = {});
 
+// The TOML text of `config` (every key of the schema that has a value), such that
+// parse_config(config_to_toml(c)) reads the same values back. A run made in code stores it
+// in its checkpoints, as a run from a file stores that file's text.
+std::string config_to_toml(const RunConfig& config);
+
 // After loading, model.loss is never "auto": it is resolved to mse for synthetic data and to
-// cross_entropy otherwise. model.sizes has at least two entries and train has exactly one
-// of epochs and steps. An override of train.steps drops the file's train.epochs (and the
-// other way round) unless both are overridden.
+// cross_entropy otherwise. model.sizes has at least two entries and train has at most one
+// of epochs and steps (planning needs neither; training_steps() asks for one). An override
+// of train.steps drops the file's train.epochs (and the other way round) unless both are
+// overridden.
+
+// The length of the training run in optimizer steps: train.steps, or train.epochs times
+// `steps_per_epoch`. Only training needs it: bad_input naming the file and [train] when
+// neither is set.
+int64_t training_steps(const RunConfig& config, int64_t steps_per_epoch);
 
 // The checks load_config makes, for a RunConfig filled in code (the C++ API): every value
 // in range, every option a known name (framework/core/choices.hpp), exactly one of

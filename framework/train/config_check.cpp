@@ -106,8 +106,10 @@ void check_config(RunConfig& config) {
     fail("optimizer.clip_norm", "must be non-negative, got ", opt.clip_norm);
 
   const TrainSection& train = config.train;
-  if (train.epochs.has_value() == train.steps.has_value()) {
-    fail("train.steps", "and train.epochs: give exactly one of them");
+  // Neither is fine until the run trains (training_steps says so then): planning does not
+  // need a training length.
+  if (train.epochs && train.steps) {
+    fail("train.steps", "and train.epochs are both set: give exactly one of them");
   }
   if (train.epochs && *train.epochs < 1) fail("train.epochs", "must be at least 1");
   if (train.steps && *train.steps < 1) fail("train.steps", "must be at least 1");

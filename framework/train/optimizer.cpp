@@ -10,12 +10,6 @@
 namespace meshtrain {
 namespace {
 
-void check_same_layout(const ShardedTensor& a, const ShardedTensor& b, const char* what) {
-  MESHTRAIN_REQUIRE(a.local.extent(0) == b.local.extent(0) && a.global_shape == b.global_shape,
-                    "optimizer: ", what, " '", b.name, "' does not match parameter '", a.name,
-                    "' (", b.local.extent(0), " local elements, expected ", a.local.extent(0), ")");
-}
-
 void sgd_update(Vector p, Vector g, Vector buf, float lr, float momentum, float wd, bool first) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::sgd_step"), Kokkos::RangePolicy<>(0, p.extent(0)),
@@ -25,6 +19,13 @@ void sgd_update(Vector p, Vector g, Vector buf, float lr, float momentum, float 
         buf(i) = b;
         p(i) -= lr * b;
       });
+}
+
+// Plain SGD (momentum 0): no state, so no slot is allocated (the plan counts none).
+void sgd_plain_update(Vector p, Vector g, float lr, float wd) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::sgd_plain_step"), Kokkos::RangePolicy<>(0, p.extent(0)),
+      KOKKOS_LAMBDA(const int64_t i) { p(i) -= lr * (g(i) + wd * p(i)); });
 }
 
 void adamw_update(Vector p, Vector g, Vector m, Vector v, float lr, float beta1, float beta2,
@@ -64,10 +65,15 @@ void scale(Vector g, float factor) {
 
 }  // namespace
 
+std::vector<std::string> optimizer_slot_names(const OptimizerSettings& settings) {
+  if (settings.kind == OptimizerKind::adamw) return {"m", "v"};
+  if (settings.momentum != 0.0f) return {"momentum"};
+  return {};
+}
+
 Optimizer::Optimizer(const OptimizerSettings& settings, const std::vector<ShardedTensor>& params)
     : settings_(settings) {
-  slot_names_ = settings.kind == OptimizerKind::sgd ? std::vector<std::string>{"momentum"}
-                                                    : std::vector<std::string>{"m", "v"};
+  slot_names_ = optimizer_slot_names(settings);
   for (const auto& slot_name : slot_names_) {
     std::vector<ShardedTensor> state;
     state.reserve(params.size());
@@ -82,6 +88,20 @@ Optimizer::Optimizer(const OptimizerSettings& settings, const std::vector<Sharde
     }
     slots_.push_back(std::move(state));
   }
+  for (const auto& p : params) {
+    ShardedTensor layout = p;  // shape only: the step checks its arguments against it
+    layout.local = Vector();
+    layout_.push_back(std::move(layout));
+    local_sizes_.push_back(static_cast<int64_t>(p.local.extent(0)));
+  }
+}
+
+void Optimizer::check_same_layout(size_t i, const ShardedTensor& b, const char* what) const {
+  const ShardedTensor& a = layout_[i];
+  MESHTRAIN_REQUIRE(local_sizes_[i] == static_cast<int64_t>(b.local.extent(0)) &&
+                        a.global_shape == b.global_shape,
+                    "optimizer: ", what, " '", b.name, "' does not match parameter '", a.name,
+                    "' (", b.local.extent(0), " local elements, expected ", local_sizes_[i], ")");
 }
 
 std::vector<ShardedTensor>& Optimizer::slot(const std::string& name) {
@@ -97,18 +117,24 @@ const std::vector<ShardedTensor>& Optimizer::slot(const std::string& name) const
 
 void Optimizer::step(std::vector<ShardedTensor>& params, const std::vector<ShardedTensor>& grads,
                      float lr) {
-  const size_t n = slots_.front().size();
+  const size_t n = layout_.size();
   MESHTRAIN_REQUIRE(params.size() == n && grads.size() == n, "optimizer step: got ", params.size(),
                     " parameters and ", grads.size(), " gradients, expected ", n);
   const bool first = step_count_ == 0;
   ++step_count_;
   const auto& s = settings_;
+  for (size_t i = 0; i < n; ++i) {
+    check_same_layout(i, params[i], "parameter");
+    check_same_layout(i, grads[i], "gradient");
+  }
   if (s.kind == OptimizerKind::sgd) {
     for (size_t i = 0; i < n; ++i) {
-      check_same_layout(slots_[0][i], params[i], "parameter");
-      check_same_layout(params[i], grads[i], "gradient");
-      sgd_update(params[i].local, grads[i].local, slots_[0][i].local, lr, s.momentum,
-                 s.weight_decay, first);
+      if (slots_.empty()) {
+        sgd_plain_update(params[i].local, grads[i].local, lr, s.weight_decay);
+      } else {
+        sgd_update(params[i].local, grads[i].local, slots_[0][i].local, lr, s.momentum,
+                   s.weight_decay, first);
+      }
     }
     return;
   }
@@ -116,8 +142,6 @@ void Optimizer::step(std::vector<ShardedTensor>& params, const std::vector<Shard
   const float correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(s.beta1), t));
   const float correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(s.beta2), t));
   for (size_t i = 0; i < n; ++i) {
-    check_same_layout(slots_[0][i], params[i], "parameter");
-    check_same_layout(params[i], grads[i], "gradient");
     adamw_update(params[i].local, grads[i].local, slots_[0][i].local, slots_[1][i].local, lr,
                  s.beta1, s.beta2, s.eps, s.weight_decay, correction1, correction2);
   }
@@ -125,7 +149,7 @@ void Optimizer::step(std::vector<ShardedTensor>& params, const std::vector<Shard
 
 GradientClipper::GradientClipper(const Mesh& mesh, int rank,
                                  const std::vector<ShardedTensor>& grads)
-    : buffer_("meshtrain::grad_norm", 1), host_(Kokkos::create_mirror_view(buffer_)) {
+    : buffer_("meshtrain::grad_norm", grads.size()), host_(Kokkos::create_mirror_view(buffer_)) {
   const std::vector<int> coordinates = mesh.coordinates(rank);
   for (const auto& g : grads) {
     const std::vector<std::string> named = g.spec.axes();
@@ -136,27 +160,37 @@ GradientClipper::GradientClipper(const Mesh& mesh, int rank,
       if (!in_spec && coordinates[a] != 0) counted = false;
     }
     counted_.push_back(counted);
+    names_.push_back(g.name);
   }
 }
 
 double GradientClipper::global_norm(const std::vector<ShardedTensor>& grads, Communicator& world) {
   MESHTRAIN_REQUIRE(grads.size() == counted_.size(), "gradient clipping: got ", grads.size(),
                     " gradients, expected ", counted_.size());
-  double local = 0.0;
   for (size_t i = 0; i < grads.size(); ++i) {
-    if (counted_[i]) local += sum_of_squares(grads[i].local);
+    host_(i) = counted_[i] ? sum_of_squares(grads[i].local) : 0.0;
   }
-  host_(0) = local;
   Kokkos::deep_copy(buffer_, host_);
-  world.all_reduce(DoubleVectorView(buffer_.data(), 1), ReduceOp::sum);
+  world.all_reduce(DoubleVectorView(buffer_.data(), buffer_.extent(0)), ReduceOp::sum);
   Kokkos::deep_copy(host_, buffer_);
-  const double total = host_(0);
-  return std::sqrt(total > 0.0 ? total : 0.0);
+  double total = 0.0;
+  for (size_t i = 0; i < grads.size(); ++i) total += host_(i);
+  non_finite_.clear();
+  if (!std::isfinite(total)) non_finite_ = first_non_finite_gradient();
+  return std::sqrt(total);  // NaN stays NaN (a comparison with max_norm would hide it)
+}
+
+std::string GradientClipper::first_non_finite_gradient() const {
+  for (size_t i = 0; i < names_.size(); ++i) {
+    if (!std::isfinite(host_(i))) return names_[i];
+  }
+  return {};
 }
 
 double GradientClipper::clip(std::vector<ShardedTensor>& grads, double max_norm,
                              Communicator& world) {
   const double norm = global_norm(grads, world);
+  if (!std::isfinite(norm)) return norm;  // scaling would turn an infinity into NaN
   if (max_norm > 0.0 && norm > max_norm) {
     const float factor = static_cast<float>(max_norm / (norm + 1e-6));
     for (auto& g : grads) scale(g.local, factor);

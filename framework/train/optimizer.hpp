@@ -7,7 +7,8 @@
 //
 //   sgd:   momentum buffer b (slot "momentum"); with weight_decay wd (coupled, L2 as in
 //          torch.optim.SGD): g' = g + wd * p;  b = momentum * b + g' (b = g' on the first
-//          step);  p -= lr * b.  momentum = 0 is plain SGD (the slot still exists).
+//          step);  p -= lr * b.  momentum = 0 is plain SGD, p -= lr * g', with no slot (as
+//          plan_options() counts it: the plan's memory is what training allocates).
 //   adamw: slots "m" and "v" (torch.optim.AdamW): p *= 1 - lr * wd;  m = b1 m + (1 - b1) g;
 //          v = b2 v + (1 - b2) g^2;  p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 // The step counter t (after step() it is the number of steps taken) is checkpointed too.
@@ -32,6 +33,10 @@ struct OptimizerSettings {
   float weight_decay = 0.0f;
 };
 
+// The state slots of an optimizer: {"m", "v"} for adamw, {"momentum"} for sgd with
+// momentum, none for plain sgd.
+std::vector<std::string> optimizer_slot_names(const OptimizerSettings& settings);
+
 class Optimizer {
  public:
   // Allocates the state slots (zero) shaped like `params` (same names, specs, boxes).
@@ -42,7 +47,7 @@ class Optimizer {
   void step(std::vector<ShardedTensor>& params, const std::vector<ShardedTensor>& grads, float lr);
 
   const OptimizerSettings& settings() const { return settings_; }
-  // The slot names: {"momentum"} for sgd, {"m", "v"} for adamw.
+  // The slot names: optimizer_slot_names(settings()).
   const std::vector<std::string>& slot_names() const { return slot_names_; }
   // The state tensors of a slot, one per parameter in construction order (checkpoints read
   // and overwrite them in place). Throws bad_input for an unknown slot name.
@@ -56,29 +61,45 @@ class Optimizer {
   OptimizerSettings settings_;
   std::vector<std::string> slot_names_;
   std::vector<std::vector<ShardedTensor>> slots_;  // [slot][parameter]
+  std::vector<ShardedTensor> layout_;              // per parameter: name, shape, spec (no data)
+  std::vector<int64_t> local_sizes_;               // per parameter: local elements
+  void check_same_layout(size_t i, const ShardedTensor& b, const char* what) const;
   int64_t step_count_ = 0;
 };
 
 // Global-norm gradient clipping (torch.nn.utils.clip_grad_norm_). The norm counts every
 // global element once: a rank adds the squares of a gradient's block only if it is the
 // replica with coordinate 0 on every mesh axis the gradient's spec does not name, so a
-// block replicated over some axes is counted once. Then ONE all-reduce over the world
-// (in double: the sum of squares is not rounded to float).
+// block replicated over some axes is counted once. Then ONE all-reduce over the world of
+// one double per gradient (in double: the sum of squares is not rounded to float), so
+// every rank also knows which gradient made a norm NaN or infinite.
 class GradientClipper {
  public:
   // `grads` fixes which blocks this rank counts; mesh and rank are this run's.
   GradientClipper(const Mesh& mesh, int rank, const std::vector<ShardedTensor>& grads);
 
-  // The global L2 norm of all gradients. `world` is the communicator of all ranks.
+  // The global L2 norm of all gradients, NaN or infinite when a gradient element is.
+  // `world` is the communicator of all ranks.
   double global_norm(const std::vector<ShardedTensor>& grads, Communicator& world);
   // Computes the global norm and, when it exceeds max_norm > 0, scales every gradient by
-  // max_norm / (norm + 1e-6). Returns the norm before clipping.
+  // max_norm / (norm + 1e-6). Returns the norm before clipping. A NaN or infinite norm is
+  // returned as it is and nothing is scaled: the caller must stop (non_finite_gradient()
+  // names the gradient).
   double clip(std::vector<ShardedTensor>& grads, double max_norm, Communicator& world);
 
+  // After a global_norm() that was not finite: the name of the first gradient (in the
+  // order of `grads`) whose sum of squares was NaN or infinite; the same on every rank.
+  // Empty after a finite norm.
+  const std::string& non_finite_gradient() const { return non_finite_; }
+
  private:
-  std::vector<bool> counted_;  // per gradient: does this rank hold the counted replica
-  Kokkos::View<double*, Kokkos::LayoutRight> buffer_;  // 1 double: the sum of squares
+  std::string first_non_finite_gradient() const;  // from the reduced sums in host_
+
+  std::vector<bool> counted_;       // per gradient: does this rank hold the counted replica
+  std::vector<std::string> names_;  // per gradient
+  Kokkos::View<double*, Kokkos::LayoutRight> buffer_;  // per gradient: its sum of squares
   Kokkos::View<double*, Kokkos::LayoutRight>::HostMirror host_;
+  std::string non_finite_;
 };
 
 }  // namespace meshtrain

@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/mman.h>
+
+#include <climits>
 #include <cstdlib>
 #include <stdexcept>
 
@@ -233,6 +236,50 @@ TEST(Communicator, TimeoutNamesTheOperationWhenARankDoesNotJoin) {
     comm.all_reduce(data);
   }
   MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// A collective whose completion fails (MPI_Testall reports an error; here the ranks
+// disagree on the broadcast's count, so the receivers' messages are truncated) leaves the
+// communicator unusable, as a timeout does (issue 9, bug 6): a later call is refused
+// instead of matching the failed call's leftovers. Open MPI reports a request's error
+// through MPI_COMM_WORLD's handler, which Runtime sets to MPI_ERRORS_RETURN as done here.
+TEST(Communicator, FailedCompletionMakesTheCommunicatorUnusable) {
+  if (world_size() < 2) GTEST_SKIP() << "needs two ranks";
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  const int rank = world_rank();
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (tp)");
+  comm.set_timeout_seconds(3.0);
+  Kokkos::View<float*> data("data", rank == 0 ? 16 : 1);
+  if (rank == 0) {
+    comm.broadcast(data, 0);  // the root's sends complete
+  } else {
+    // Truncated (MPI_Testall fails), or never reached by a truncated forwarding rank.
+    expect_error([&] { comm.broadcast(data, 0); }, ErrorKind::runtime, {"broadcast on axis (tp)"});
+    expect_error([&] { comm.barrier(); }, ErrorKind::runtime, {"barrier", "unusable"});
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_ARE_FATAL);
+}
+
+// all_reduce already sends in pieces, so a count above INT_MAX is fine (issue 9, bug 7).
+// One rank only: 8 GiB of floats per rank is more than a test machine holds, but on one
+// rank the buffer is mapped without being touched (MAP_NORESERVE) and MPI leaves an
+// in-place reduction over one rank alone, so only the pages written here are used.
+TEST(Communicator, AllReduceTakesMoreThanIntMaxElements) {
+  if (world_size() != 1) GTEST_SKIP() << "one rank: the buffer is 8 GiB per rank";
+  const std::size_t count = static_cast<std::size_t>(INT_MAX) + 17;
+  const std::size_t bytes = count * sizeof(float);
+  void* memory = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (memory == MAP_FAILED) GTEST_SKIP() << "cannot map " << bytes << " bytes";
+  float* data = static_cast<float*>(memory);
+  data[0] = 1.0f;
+  data[count - 1] = 2.0f;
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "world");
+  EXPECT_NO_THROW(comm.all_reduce(VectorView(data, count)));
+  EXPECT_EQ(data[0], 1.0f);
+  EXPECT_EQ(data[count - 1], 2.0f);
+  munmap(memory, bytes);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "framework/comm/backend.hpp"
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/comm/mesh_communicators.hpp"
+#include "framework/core/runtime.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain::testing {
@@ -132,6 +133,15 @@ TEST(CommBackend, MpiFactoryBuildsTheMeshGroups) {
   double sum = 0.0;
   Kokkos::deep_copy(sum, Kokkos::subview(ones, 0));
   EXPECT_EQ(sum, static_cast<double>(tp));
+}
+
+// Runtime refuses an MPI that provides less thread support than it asked for (issue 9,
+// bug 8: MPI_Init_thread's `provided` was ignored). The levels are MPI's own constants.
+TEST(Runtime, RequireThreadLevelNamesBothLevels) {
+  expect_error([] { require_thread_level(MPI_THREAD_SINGLE, MPI_THREAD_FUNNELED); },
+               ErrorKind::runtime, {"provides MPI_THREAD_SINGLE", "needs MPI_THREAD_FUNNELED"});
+  EXPECT_NO_THROW(require_thread_level(MPI_THREAD_FUNNELED, MPI_THREAD_FUNNELED));
+  EXPECT_NO_THROW(require_thread_level(MPI_THREAD_MULTIPLE, MPI_THREAD_FUNNELED));
 }
 
 }  // namespace

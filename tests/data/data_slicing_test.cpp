@@ -173,8 +173,7 @@ TEST(BatchSlicing, EvaluationCoversTheTestSplitOnce) {
   const EvalSchedule eval = EvalSchedule::create(d.num_samples, eval_batch);
   ASSERT_EQ(eval.num_batches, 3);
   for (const Mesh& mesh : meshes_of(world)) {
-    const BatchSlice slice =
-        make_batch_slice(mesh, rank, kBatchAxes, eval_batch, "data.eval_batch_size");
+    const BatchSlice slice = make_batch_slice(mesh, rank, kBatchAxes, eval_batch);
     Matrix x("x", slice.rows, d.features);
     BatchLabels labels("labels", slice.rows);
     int64_t local[2] = {0, 0};  // valid rows, sum of their sample numbers

@@ -17,6 +17,9 @@ CASE is one of
   inspect       `meshtrain inspect` prints a trainer checkpoint's step, mesh and config; a
                 flipped byte in a parameter's data makes `inspect --verify` and a resuming
                 `train` exit 2 naming the dataset.
+  compatibility resuming with another run.seed, data.batch_size, data.shuffle, data.source
+                or model.sizes exits 2 naming the key; a checkpoint at the run's last step
+                has nothing to train, one past it exits 2 naming train.steps.
 
 Every run uses a small model (784-64-10), logs every step (metrics.jsonl holds each step's
 loss) and writes under --work, which is emptied first. Exit status: 0 pass, 1 fail, 77 skip
@@ -373,17 +376,59 @@ def case_inspect(ctx, preset):
               not losses(os.path.join(ctx.work, "resume_corrupt")),
               "train logged steps after failing to load the corrupt checkpoint")
 
-    # Resuming a model of another shape is bad input naming the parameter and both shapes.
+    # Resuming a model of another shape is bad input naming model.sizes and both values.
     status, out, err = train(ctx, np, preset, os.path.join(ctx.work, "resume_other_shape"), 12,
                              ["--set", 'checkpoint.dir="%s"' % os.path.dirname(path),
                               "--set", "checkpoint.resume=true",
                               "--set", "model.sizes=[784, 32, 10]"], expect_status=2)
-    ctx.check(re.search(r"^meshtrain: error( on rank \d+)?: .*layers/0/weight.*"
-                        r"(\[784, 64\].*\[784, 32\]|\[784, 32\].*\[784, 64\])", err, re.M),
-              "train does not name the parameter and both shapes:\n" + err)
+    ctx.check(re.search(r"^meshtrain: error( on rank \d+)?: .*model\.sizes = \[784, 64, 10\].*"
+                        r"model\.sizes = \[784, 32, 10\]", err, re.M),
+              "train does not name model.sizes and both values:\n" + err)
     errors = [l for l in err.splitlines() if l.startswith("meshtrain: error")]
     ctx.check(len(errors) == 1, "train printed %d error lines for a shape mismatch, expected "
               "one sentence for the job:\n%s" % (len(errors), err))
+
+
+def case_compatibility(ctx, preset):
+    """A resumed run keeps the saved run's data order and model (issue 9, bug 3)."""
+    np = 2
+    saved = os.path.join(ctx.work, "saved")
+    train(ctx, np, preset, saved, 6)
+    ckpt = os.path.join(saved, "checkpoints")
+    resume = ["--set", 'checkpoint.dir="%s"' % ckpt, "--set", "checkpoint.resume=true"]
+    changes = [("run.seed", ["--set", "run.seed=1"], "0", "1"),
+               ("data.batch_size", ["--set", "data.batch_size=64"], "128", "64"),
+               ("data.shuffle", ["--set", "data.shuffle=false"], "true", "false"),
+               ("data.source", ["--set", 'data.source="synthetic"', "--set", 'model.loss="mse"'],
+                '"fashion_mnist"', '"synthetic"'),
+               ("model.sizes", ["--set", "model.sizes=[784, 32, 10]"], "[784, 64, 10]",
+                "[784, 32, 10]")]
+    for key, sets, was, now in changes:
+        status, out, err = train(ctx, np, preset, os.path.join(ctx.work, "changed_" + key), 12,
+                                 resume + sets, expect_status=None)
+        ctx.check(status == 2, "resuming with another %s exited %d, expected 2" % (key, status))
+        errors = [l for l in err.splitlines() if l.startswith("meshtrain: error")]
+        pattern = (r"^meshtrain: error: checkpoint '\S*ckpt-000006\.h5' was saved by a run with " +
+                   re.escape("%s = %s" % (key, was)) + r" but \S+ has " +
+                   re.escape("%s = %s" % (key, now)))
+        ctx.check(len(errors) == 1 and re.search(pattern, errors[0]),
+                  "resuming with another %s: expected one error line matching /%s/:\n%s" %
+                  (key, pattern, err))
+        ctx.check("resumed from" not in out, "resumed despite another %s:\n%s" % (key, out))
+
+    # At the run's last step there is nothing to train (not "done: -N steps")...
+    _, out, _ = train(ctx, np, preset, os.path.join(ctx.work, "at_end"), 6, resume)
+    ctx.check(re.search(r"^done: the checkpoint is at step 6, the last step of the run: "
+                        r"nothing to train$", out, re.M) and "done: -" not in out,
+              "resuming at the last step does not say there is nothing to train:\n" + out)
+    # ...and past it the run is refused naming train.steps.
+    _, out, err = train(ctx, np, preset, os.path.join(ctx.work, "past_end"), 4, resume,
+                        expect_status=2)
+    errors = [l for l in err.splitlines() if l.startswith("meshtrain: error")]
+    ctx.check(len(errors) == 1 and re.search(r"is at step 6, past the last step 4 .*"
+                                             r"train\.steps = 4", errors[0]),
+              "resuming past the last step is not one error naming train.steps:\n" + err)
+    ctx.check("done: -" not in out, "resuming past the last step printed:\n" + out)
 
 
 def main():
@@ -393,7 +438,8 @@ def main():
         return 64
     split = argv.index("--")
     parser = argparse.ArgumentParser()
-    parser.add_argument("case", choices=["same_mesh", "other_mesh", "interrupted", "inspect"])
+    parser.add_argument("case", choices=["same_mesh", "other_mesh", "interrupted", "inspect",
+                                         "compatibility"])
     parser.add_argument("--meshtrain", required=True)
     parser.add_argument("--configs", required=True)
     parser.add_argument("--work", required=True)
@@ -415,6 +461,8 @@ def main():
             case_other_mesh(ctx)
         elif args.case == "interrupted":
             case_interrupted(ctx, args.preset)
+        elif args.case == "compatibility":
+            case_compatibility(ctx, args.preset)
         else:
             case_inspect(ctx, args.preset)
     except Failure as e:

@@ -20,7 +20,7 @@ class MpiShiftSlot;
 struct MpiCommunicator::State {
   MPI_Comm comm = MPI_COMM_NULL;
   std::string description;
-  std::string broken;  // non-empty after a timeout: why the communicator is unusable
+  std::string broken;  // non-empty after a timeout or a failed completion: why it is unusable
   // Requests given up on after a timeout. They cannot be freed (MPI forbids freeing a
   // collective's request), so they are kept and tested once more when the state goes.
   std::vector<MPI_Request> abandoned;
@@ -54,6 +54,30 @@ struct MpiCommunicator::State {
 
 namespace {
 
+// Hands the requests still live in `requests` to `state.abandoned` (they may yet write into
+// the caller's buffers, and MPI forbids freeing a collective's request) and marks the
+// communicator unusable for the reason `why`.
+void abandon(MpiCommunicator::State& state, MPI_Request* requests, int count,
+             const std::string& why) {
+  for (int k = 0; k < count; ++k) {
+    if (requests[k] == MPI_REQUEST_NULL) continue;
+    state.abandoned.push_back(requests[k]);
+    requests[k] = MPI_REQUEST_NULL;  // owned by state.abandoned from here on
+  }
+  if (state.broken.empty()) state.broken = why;
+}
+
+// wait_all_until (mpi_util.hpp) on this communicator's requests: a failed MPI_Testall
+// abandons the live requests (as a timeout does) before it is thrown, so no request is
+// dropped and the communicator is not used again. A timeout of 0 tests once.
+bool wait_all_until(MpiCommunicator::State& state, MPI_Request* requests, int count, double timeout,
+                    const char* op) {
+  return meshtrain::wait_all_until(requests, count, timeout, [&](int code) {
+    abandon(state, requests, count, std::string("a failed ") + op);
+    state.fail_call(code, op, "MPI_Testall");
+  });
+}
+
 std::string timeout_text(double seconds) {
   std::ostringstream out;
   out << seconds;
@@ -62,15 +86,10 @@ std::string timeout_text(double seconds) {
 
 [[noreturn]] void throw_timeout(MpiCommunicator::State& state, MPI_Request* requests, int count,
                                 double timeout, const char* op) {
-  for (int k = 0; k < count; ++k) {
-    if (requests[k] == MPI_REQUEST_NULL) continue;
-    state.abandoned.push_back(requests[k]);
-    requests[k] = MPI_REQUEST_NULL;  // owned by state.abandoned from here on
-  }
   const std::string message = std::string(op) + " on " + state.description +
                               " did not complete within " + timeout_text(timeout) +
                               " s: a rank did not join";
-  state.broken = "an earlier timeout (" + message + ")";
+  abandon(state, requests, count, "an earlier timeout (" + message + ")");
   MESHTRAIN_FAIL(message);
 }
 
@@ -106,13 +125,12 @@ class MpiShiftSlot final : public Request::Impl {
   MpiShiftSlot*& next_free() { return next_free_; }
 
   bool test() override {
-    int done = 0;
-    check_mpi(MPI_Testall(2, requests_, &done, MPI_STATUSES_IGNORE), op_);
+    const bool done = wait_all_until(owner_, requests_, 2, 0.0, op_);
     if (done) staging_.finish_receive(recv_, count_);
-    return done != 0;
+    return done;
   }
   void wait() override {
-    if (!wait_all_until(requests_, 2, timeout_, op_)) {
+    if (!wait_all_until(owner_, requests_, 2, timeout_, op_)) {
       throw_timeout(owner_, requests_, 2, timeout_, op_);
     }
     staging_.finish_receive(recv_, count_);
@@ -239,7 +257,7 @@ MpiCommunicator MpiCommunicator::duplicate(MPI_Comm comm, std::string descriptio
 }
 
 void MpiCommunicator::complete(MPI_Request request, const char* op) {
-  if (!wait_all_until(&request, 1, timeout_seconds(), op)) {
+  if (!wait_all_until(*state_, &request, 1, timeout_seconds(), op)) {
     throw_timeout(*state_, &request, 1, timeout_seconds(), op);
   }
 }
@@ -279,32 +297,34 @@ void MpiCommunicator::raw_reduce_scatter_sum(const float* send, float* recv,
   staging.finish_receive(recv, count_per_rank);
 }
 
-void MpiCommunicator::raw_all_reduce_sum(float* data, std::size_t count, const char* op) {
-  checked_int(count, "all_reduce count");
-  // In pieces: Open MPI's non-blocking collectives allocate a temporary as large as the
-  // message on every call, which for a DP gradient (tens of MiB) means fresh pages, and
-  // page faults, at every step. Pieces keep that temporary small and reused by malloc.
-  constexpr std::size_t kPieceFloats = std::size_t{1} << 20;  // 4 MiB
+// In pieces of 4 MiB: Open MPI's non-blocking collectives allocate a temporary as large as
+// the message on every call, which for a DP gradient (tens of MiB) means fresh pages, and
+// page faults, at every step. Pieces keep that temporary small and reused by malloc, and
+// each piece's count fits an int however large `count` is. With device memory each piece
+// is staged through the host (host_staging.hpp).
+template <class T>
+void MpiCommunicator::all_reduce_in_pieces(T* data, std::size_t count, MPI_Datatype type,
+                                           const char* op) {
+  constexpr std::size_t kPieceBytes = std::size_t{4} << 20;
+  constexpr std::size_t kPiece = kPieceBytes / sizeof(T);
   HostStaging& staging = state_->staging;
-  for (std::size_t offset = 0; offset < count; offset += kPieceFloats) {
-    const std::size_t piece = std::min(kPieceFloats, count - offset);
+  for (std::size_t offset = 0; offset < count; offset += kPiece) {
+    const std::size_t piece = std::min(kPiece, count - offset);
     const int n = static_cast<int>(piece);
     run(op, "MPI_Iallreduce", [&](MPI_Request* request) {
       return MPI_Iallreduce(MPI_IN_PLACE, staging.receive_buffer(data + offset, piece, true), n,
-                            MPI_FLOAT, MPI_SUM, state_->comm, request);
+                            type, MPI_SUM, state_->comm, request);
     });
     staging.finish_receive(data + offset, piece);
   }
 }
 
+void MpiCommunicator::raw_all_reduce_sum(float* data, std::size_t count, const char* op) {
+  all_reduce_in_pieces(data, count, MPI_FLOAT, op);
+}
+
 void MpiCommunicator::raw_all_reduce_sum_f64(double* data, std::size_t count, const char* op) {
-  const int n = checked_int(count, "all_reduce count");
-  HostStaging& staging = state_->staging;
-  run(op, "MPI_Iallreduce", [&](MPI_Request* request) {
-    return MPI_Iallreduce(MPI_IN_PLACE, staging.receive_buffer(data, count, true), n, MPI_DOUBLE,
-                          MPI_SUM, state_->comm, request);
-  });
-  staging.finish_receive(data, count);
+  all_reduce_in_pieces(data, count, MPI_DOUBLE, op);
 }
 
 void MpiCommunicator::raw_broadcast(float* data, std::size_t count, int root, const char* op) {

@@ -57,13 +57,17 @@ class MpiCommunicator final : public Communicator {
 
  private:
   MpiCommunicator(std::shared_ptr<State> state, int size, int rank, std::string description);
-  // Waits for `request` until the timeout; throws naming `op` and breaks the communicator.
+  // Waits for `request` until the timeout; throws naming `op` and breaks the communicator
+  // on a timeout or a failed completion.
   void complete(MPI_Request request, const char* op);
   // The shape of every blocking operation: check the communicator is usable, let pending
   // kernels finish, start one non-blocking MPI call (`start` gets the request to fill and
   // returns the MPI code of `call`), then wait for it under the timeout.
   template <class Start>
   void run(const char* op, const char* call, Start&& start);
+  // An in-place sum in pieces whose counts each fit an int (any total count).
+  template <class T>
+  void all_reduce_in_pieces(T* data, std::size_t count, MPI_Datatype type, const char* op);
 
   std::shared_ptr<State> state_;
 };

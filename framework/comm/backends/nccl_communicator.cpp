@@ -8,8 +8,10 @@
 #include <chrono>
 #include <cstdint>
 #include <ctime>
+#include <memory>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "framework/comm/backends/mpi_communicator.hpp"
@@ -395,35 +397,55 @@ void require_disjoint(const State& state, const float* a, std::size_t na, const 
   }
 }
 
-// MPI_Ibcast completed by polling against the deadline (a rank that never joins the
-// set-up becomes an Error, as in the collectives).
-void broadcast_bytes(void* data, int bytes, MPI_Comm comm, double timeout,
-                     const std::string& description) {
-  MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Ibcast(data, bytes, MPI_BYTE, 0, comm, &request),
-            ("MPI_Ibcast of the NCCL id for " + description).c_str());
-  const Clock::time_point deadline = deadline_after(timeout);
-  for (long polls = 0;; ++polls) {
-    int done = 0;
-    check_mpi(MPI_Test(&request, &done, MPI_STATUS_IGNORE),
-              ("MPI_Test of the NCCL id broadcast for " + description).c_str());
-    if (done) return;
-    if (Clock::now() > deadline) {
-      MESHTRAIN_FAIL("NCCL set-up on ", description,
-                     ": the broadcast of the NCCL id did not "
-                     "complete within ",
-                     seconds_text(timeout), " s: a rank did not join");
-    }
-    pause_poll(polls);
-  }
-}
-
 // What rank 0 of the group sends to the others: the id, or why it has none.
 struct IdMessage {
   ncclUniqueId id;
   int ok;
   char error[256];
 };
+
+// A set-up broadcast given up on (timeout or a failed MPI_Test): MPI may still write into
+// its buffer and forbids freeing a collective's request, so both are kept, never freed,
+// for the rest of the process.
+void keep_abandoned(MPI_Request request, std::unique_ptr<IdMessage> buffer) {
+  if (request == MPI_REQUEST_NULL) return;  // nothing in flight: the buffer may go
+  static auto* kept = new std::vector<std::pair<MPI_Request, IdMessage*>>();
+  try {
+    kept->emplace_back(request, buffer.get());
+  } catch (...) {
+  }
+  buffer.release();  // deliberately leaked: see above
+}
+
+// Rank 0's message on every rank of `comm`: MPI_Ibcast completed by polling against the
+// deadline (a rank that never joins the set-up becomes an Error, as in the collectives).
+// The message travels in a heap buffer that keep_abandoned() keeps alive when the wait is
+// given up, so a late broadcast never writes into a dead stack frame.
+IdMessage broadcast_id(const IdMessage& mine, MPI_Comm comm, double timeout,
+                       const std::string& description) {
+  auto buffer = std::make_unique<IdMessage>(mine);
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(
+      MPI_Ibcast(buffer.get(), static_cast<int>(sizeof(IdMessage)), MPI_BYTE, 0, comm, &request),
+      ("MPI_Ibcast of the NCCL id for " + description).c_str());
+  const Clock::time_point deadline = deadline_after(timeout);
+  for (long polls = 0;; ++polls) {
+    int done = 0;
+    const int code = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (code != MPI_SUCCESS) {
+      keep_abandoned(request, std::move(buffer));
+      check_mpi(code, ("MPI_Test of the NCCL id broadcast for " + description).c_str());
+    }
+    if (done) return *buffer;
+    if (Clock::now() > deadline) {
+      keep_abandoned(request, std::move(buffer));
+      MESHTRAIN_FAIL("NCCL set-up on ", description,
+                     ": the broadcast of the NCCL id did not complete within ",
+                     seconds_text(timeout), " s: a rank did not join");
+    }
+    pause_poll(polls);
+  }
+}
 
 }  // namespace
 
@@ -507,7 +529,7 @@ NcclCommunicator NcclCommunicator::create(MPI_Comm group, std::string descriptio
       text.copy(message.error, sizeof(message.error) - 1);
     }
   }
-  broadcast_bytes(&message, static_cast<int>(sizeof(message)), group, timeout, description);
+  message = broadcast_id(message, group, timeout, description);
   if (!message.ok) {
     MESHTRAIN_FAIL("NCCL set-up on ", description,
                    ": ncclGetUniqueId failed on rank 0 of the group: ", std::string(message.error));

@@ -1,0 +1,24 @@
+#pragma once
+// Resuming a run from a checkpoint: what the resumed run must share with the run that
+// saved it. The data order of step s is a pure function of (run.seed, the training set,
+// data.batch_size, data.shuffle) and the parameters' shapes follow model.sizes, so a
+// change to any of those would silently train on another order (or fail later). The
+// mesh, the partition and the world size may differ: a checkpoint is resharded on load.
+
+#include <cstdint>
+
+#include "framework/io/checkpoint.hpp"
+#include "framework/train/config.hpp"
+
+namespace meshtrain {
+
+// Compares `config` with the config stored in the checkpoint `saved` (and its train
+// state). Throws a bad_input Error naming the checkpoint, the key and both values when
+// run.seed, data.source, data.path, data.synthetic_samples (synthetic data),
+// data.batch_size, data.shuffle or model.sizes differ, or when the checkpoint's step is
+// past `total_steps`, the last step of this run (naming train.steps / train.epochs).
+// Not collective.
+void check_resume_compatible(const RunConfig& config, const CheckpointInfo& saved,
+                             int64_t total_steps);
+
+}  // namespace meshtrain
