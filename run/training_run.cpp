@@ -146,6 +146,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   } else {
     targets_ = Matrix("meshtrain::batch_targets", slice_.rows, data_.train.output_width());
   }
+  batch_staging_ = make_batch_staging(x_, labels_, targets_);
 
   // The checkpoint views the live tensors (no copies): a save writes them, a load fills them.
   checkpoint_.mesh = *mesh_;
@@ -184,9 +185,9 @@ void TrainingRun::resume() {
 
 void TrainingRun::load_batch(int64_t step) {
   if (data_.train.classification()) {
-    fill_batch(data_.train, *schedule_, step, slice_, x_, labels_);
+    fill_batch(data_.train, *schedule_, step, slice_, x_, labels_, &batch_staging_);
   } else {
-    fill_batch(data_.train, *schedule_, step, slice_, x_, targets_);
+    fill_batch(data_.train, *schedule_, step, slice_, x_, targets_, &batch_staging_);
   }
 }
 

@@ -157,6 +157,7 @@ class TrainingRun {
   Matrix x_;
   BatchLabels labels_;
   Matrix targets_;
+  BatchStaging batch_staging_;  // where a batch is assembled on the host (see data.hpp)
 
   CheckpointContents checkpoint_;  // views of the live tensors: a save writes them
   std::optional<CheckpointInfo> resumed_from_;

@@ -1,7 +1,11 @@
 # Config loading (framework/train/config.cpp) and the `meshtrain` command's argument and error
 # handling: unit tests without mpiexec, command tests through tests/cli/expect_exit.sh.
 meshtrain_add_test(NAME config_test SOURCES config/config_test.cpp LIBS meshtrain_framework)
-target_compile_definitions(config_test PRIVATE MESHTRAIN_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
+# The source directory reaches the test through a generated header, not -D"...": nvcc_wrapper
+# --host-only (below, for CUDA builds) does not pass a quoted definition through intact.
+file(CONFIGURE OUTPUT ${CMAKE_CURRENT_BINARY_DIR}/generated/tests/source_dir.hpp
+     CONTENT "#pragma once\n#define MESHTRAIN_SOURCE_DIR \"${PROJECT_SOURCE_DIR}\"\n")
+target_include_directories(config_test PRIVATE ${CMAKE_CURRENT_BINARY_DIR}/generated)
 meshtrain_compile_on_host_only(${CMAKE_CURRENT_SOURCE_DIR}/config/config_test.cpp)
 # One table per option (framework/core/choices.hpp) shared by the reader and the parsers;
 # check_config for a RunConfig made in code.

@@ -255,11 +255,13 @@ EvalSchedule EvalSchedule::create(int64_t num_samples, int64_t global_batch) {
 namespace {
 
 // Copies `valid` samples (sample_of(r) for r < valid) into rows [0, valid) of x and of
-// the labels/targets, and zeros rows [valid, x.extent(0)). Works through host mirrors,
-// which are the views themselves for host-accessible memory (no allocation).
+// the labels/targets, and zeros rows [valid, x.extent(0)). Works in `staging` or, without
+// it, in host mirrors made for the call; either is the views themselves when Kokkos' memory
+// is host memory (no allocation, and the deep_copy below is a no-op).
 template <class SampleOf>
 void copy_rows(const Dataset& d, int64_t valid, SampleOf sample_of, const Matrix& x,
-               const BatchLabels* labels, const Matrix* targets) {
+               const BatchLabels* labels, const Matrix* targets,
+               const BatchStaging* staging = nullptr) {
   const int64_t rows = static_cast<int64_t>(x.extent(0));
   MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(1)) == d.features, "fill_batch: x has ",
                     x.extent(1), " columns but the ", d.description, " has ", d.features,
@@ -267,7 +269,9 @@ void copy_rows(const Dataset& d, int64_t valid, SampleOf sample_of, const Matrix
   MESHTRAIN_REQUIRE(valid >= 0 && valid <= rows, "fill_batch: ", valid, " valid rows for ", rows,
                     " rows");
   const int64_t f = d.features;
-  auto hx = Kokkos::create_mirror_view(x);
+  using StagedMatrix = decltype(BatchStaging::x);
+  const StagedMatrix hx =
+      staging ? staging->x : StagedMatrix(Kokkos::create_mirror_view(BatchStagingSpace(), x));
   const float pixel_scale = 1.0f / 255.0f;
   for (int64_t r = 0; r < valid; ++r) {
     const int64_t s = sample_of(r);
@@ -289,7 +293,10 @@ void copy_rows(const Dataset& d, int64_t valid, SampleOf sample_of, const Matrix
                       ", which has regression targets");
     MESHTRAIN_REQUIRE(static_cast<int64_t>(labels->extent(0)) == rows, "fill_batch: labels have ",
                       labels->extent(0), " rows, x has ", rows);
-    auto hl = Kokkos::create_mirror_view(*labels);
+    using StagedLabels = decltype(BatchStaging::labels);
+    const StagedLabels hl =
+        staging ? staging->labels
+                : StagedLabels(Kokkos::create_mirror_view(BatchStagingSpace(), *labels));
     for (int64_t r = 0; r < rows; ++r) hl(r) = r < valid ? d.labels[sample_of(r)] : 0;
     Kokkos::deep_copy(*labels, hl);
   }
@@ -301,7 +308,9 @@ void copy_rows(const Dataset& d, int64_t valid, SampleOf sample_of, const Matrix
                           static_cast<int64_t>(targets->extent(1)) == w,
                       "fill_batch: targets are ", targets->extent(0), "x", targets->extent(1),
                       ", expected ", rows, "x", w);
-    auto ht = Kokkos::create_mirror_view(*targets);
+    const StagedMatrix ht =
+        staging ? staging->targets
+                : StagedMatrix(Kokkos::create_mirror_view(BatchStagingSpace(), *targets));
     for (int64_t r = 0; r < rows; ++r) {
       const float* src = r < valid ? d.targets.data() + sample_of(r) * w : nullptr;
       for (int64_t c = 0; c < w; ++c) ht(r, c) = src ? src[c] : 0.0f;
@@ -343,22 +352,30 @@ int64_t eval_valid_rows(const EvalSchedule& schedule, int64_t batch, const Batch
 
 }  // namespace
 
+BatchStaging make_batch_staging(const Matrix& x, const BatchLabels& labels, const Matrix& targets) {
+  return {Kokkos::create_mirror_view(BatchStagingSpace(), x),
+          Kokkos::create_mirror_view(BatchStagingSpace(), labels),
+          Kokkos::create_mirror_view(BatchStagingSpace(), targets)};
+}
+
 void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step,
-                const BatchSlice& slice, const Matrix& x, const BatchLabels& labels) {
+                const BatchSlice& slice, const Matrix& x, const BatchLabels& labels,
+                const BatchStaging* staging) {
   check_train_slice(data, schedule, slice, x);
   const int64_t begin = slice.begin();
   copy_rows(
       data, slice.rows, [&](int64_t r) { return schedule.sample(step, begin + r); }, x, &labels,
-      nullptr);
+      nullptr, staging);
 }
 
 void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step,
-                const BatchSlice& slice, const Matrix& x, const Matrix& targets) {
+                const BatchSlice& slice, const Matrix& x, const Matrix& targets,
+                const BatchStaging* staging) {
   check_train_slice(data, schedule, slice, x);
   const int64_t begin = slice.begin();
   copy_rows(
       data, slice.rows, [&](int64_t r) { return schedule.sample(step, begin + r); }, x, nullptr,
-      &targets);
+      &targets, staging);
 }
 
 int64_t fill_eval_batch(const Dataset& data, const EvalSchedule& schedule, int64_t batch,

@@ -148,14 +148,33 @@ class BatchSchedule {
 // Batch inputs and regression targets are Matrix [rows, width]; class labels are:
 using BatchLabels = Kokkos::View<int32_t*>;
 
+// Host memory a batch is assembled in before its one copy to Kokkos' memory: pinned host
+// memory with a CUDA Kokkos (allocated once by make_batch_staging, reused every step), and
+// the batch views themselves when Kokkos' memory is host memory (no copy at all).
+#if defined(KOKKOS_ENABLE_CUDA)
+using BatchStagingSpace = Kokkos::CudaHostPinnedSpace;
+#else
+using BatchStagingSpace = Kokkos::HostSpace;
+#endif
+struct BatchStaging {
+  Kokkos::View<float**, Kokkos::LayoutRight, BatchStagingSpace> x;
+  Kokkos::View<int32_t*, BatchLabels::array_layout, BatchStagingSpace> labels;
+  Kokkos::View<float**, Kokkos::LayoutRight, BatchStagingSpace> targets;
+};
+// Staging shaped like the batch views (labels or targets may be empty views).
+BatchStaging make_batch_staging(const Matrix& x, const BatchLabels& labels, const Matrix& targets);
+
 // Writes this rank's rows of the global batch of `step` into preallocated views:
 // x [slice.rows, features] and labels [slice.rows] (classification) or targets
-// [slice.rows, target_width] (regression). Wrong shapes or the wrong kind of target are
-// internal errors (MESHTRAIN_REQUIRE).
+// [slice.rows, target_width] (regression), assembled in `staging` (made for these views)
+// or, without it, in host mirrors made for the call. Wrong shapes or the wrong kind of
+// target are internal errors (MESHTRAIN_REQUIRE).
 void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step,
-                const BatchSlice& slice, const Matrix& x, const BatchLabels& labels);
+                const BatchSlice& slice, const Matrix& x, const BatchLabels& labels,
+                const BatchStaging* staging = nullptr);
 void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step,
-                const BatchSlice& slice, const Matrix& x, const Matrix& targets);
+                const BatchSlice& slice, const Matrix& x, const Matrix& targets,
+                const BatchStaging* staging = nullptr);
 
 // Evaluation over a (test) split in sample order, in global batches of `global_batch`
 // rows (data.batch_size), sharded over the batch axes like training batches. The last

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "tests/source_dir.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain {
