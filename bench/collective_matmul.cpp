@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "apps/exit_policy.hpp"
+#include "framework/comm/backend.hpp"
 #include "framework/comm/collective_matmul.hpp"
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/core/runtime.hpp"
@@ -79,7 +80,7 @@ int main(int argc, char** argv) {
     CLI::App app{"Benchmark of all_gather_matmul and matmul_reduce_scatter"};
     std::size_t m = 2048, k = 2048, n = 2048;
     int repeats = 5, scatter_dim = 1;
-    std::string algorithm = "all", kind = "all";
+    std::string algorithm = "all", kind = "all", backend = "auto", precision = "fp32";
     app.add_option("--m", m, "rows of lhs and of the output");
     app.add_option("--k", k, "contraction length (full)");
     app.add_option("--n", n, "columns of rhs and of the output");
@@ -87,6 +88,8 @@ int main(int argc, char** argv) {
     app.add_option("--kind", kind, "all_gather|reduce_scatter|all");
     app.add_option("--repeats", repeats, "timed calls per measurement (median)");
     app.add_option("--scatter-dim", scatter_dim, "reduce_scatter output dim (1 = TP forward)");
+    app.add_option("--backend", backend, "runtime.backend: auto|mpi|nccl");
+    app.add_option("--precision", precision, "runtime.matmul_precision: fp32|tf32");
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
@@ -100,8 +103,10 @@ int main(int argc, char** argv) {
     } else {
       algorithms = {meshtrain::parse_collective_matmul_algorithm(algorithm)};
     }
+    meshtrain::set_matmul_precision(meshtrain::parse_matmul_precision(precision));
     meshtrain::MeshCommunicators comms(
-        meshtrain::Mesh::create({{"tp", -1}}, runtime.world_size(), "bench"));
+        meshtrain::Mesh::create({{"tp", -1}}, runtime.world_size(), "bench"), MPI_COMM_WORLD,
+        meshtrain::prepare_comm_backend(meshtrain::resolve_comm_backend(backend), MPI_COMM_WORLD));
     meshtrain::Communicator& tp = comms.get({"tp"});
     const std::size_t ranks = static_cast<std::size_t>(tp.size());
     if (k % ranks != 0 || (scatter_dim == 0 ? m : n) % ranks != 0) {
@@ -113,7 +118,13 @@ int main(int argc, char** argv) {
       if (root) std::printf("%s\n", line.dump().c_str());
       std::fflush(stdout);
     };
-    const nlohmann::json shape = {{"M", m}, {"K", k}, {"N", n}, {"ranks", ranks}};
+    const nlohmann::json shape = {{"M", m},
+                                  {"K", k},
+                                  {"N", n},
+                                  {"ranks", ranks},
+                                  {"backend", backend},
+                                  {"precision", precision},
+                                  {"execution_space", Kokkos::DefaultExecutionSpace::name()}};
 
     std::vector<std::string> kinds = {kind};
     if (kind == "all") kinds = {"all_gather", "reduce_scatter"};
