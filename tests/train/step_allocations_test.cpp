@@ -1,10 +1,13 @@
-// A full training step allocates nothing on the heap: global operator new is replaced in
+// A full training step allocates nothing: neither on the heap nor through Kokkos (device
+// memory in a CUDA build). Global operator new is replaced in
 // this executable by a counting version, and the count over steps 2..4 (step 1 warms the
 // workspaces up) of TrainingRun::step (batch loading, forward, loss, backward, gradient
 // clipping, optimizer update) must be 0 on every rank, for the dp, fsdp, tp and fsdp x tp meshes
 // and every collective-matmul algorithm (ring and bidirectional ones move blocks with shifts). C++
 // allocations only: what MPI allocates with malloc inside its own calls is not counted.
-// MESHTRAIN_TRACE_ALLOCATIONS=N prints the call stacks of the first N counted allocations.
+// Kokkos allocations (any memory space) are counted through Kokkos' allocate-data tool
+// callback over the same steps. MESHTRAIN_TRACE_ALLOCATIONS=N prints the call stacks of
+// the first N counted heap allocations.
 
 #include <execinfo.h>
 #include <gtest/gtest.h>
@@ -12,9 +15,11 @@
 
 #include <Kokkos_Core.hpp>
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <new>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -27,6 +32,13 @@ namespace {
 
 std::atomic<bool> g_window_open{false};
 std::atomic<long> g_allocations{0};
+std::atomic<long> g_kokkos_allocations{0};  // Kokkos View allocations while the window is open
+
+void count_kokkos_allocation(Kokkos::Profiling::SpaceHandle, const char*, const void*, uint64_t) {
+  if (g_window_open.load(std::memory_order_relaxed)) {
+    g_kokkos_allocations.fetch_add(1, std::memory_order_relaxed);
+  }
+}
 int g_trace_left = 0;
 bool g_tracing = false;  // no counting while a trace is printed
 
@@ -119,12 +131,23 @@ class AllocationWindow {
     const char* trace = std::getenv("MESHTRAIN_TRACE_ALLOCATIONS");
     g_trace_left = trace != nullptr ? std::atoi(trace) : 0;
     g_allocations = 0;
+    g_kokkos_allocations = 0;
+    Kokkos::Tools::Experimental::set_allocate_data_callback(count_kokkos_allocation);
     g_window_open = true;
   }
-  ~AllocationWindow() { g_window_open = false; }
+  ~AllocationWindow() { stop(); }
+  // Heap allocations in the window.
   long close() {
-    g_window_open = false;
+    stop();
     return g_allocations.load();
+  }
+  // Kokkos allocations in the window (valid after close()).
+  long kokkos_allocations() const { return g_kokkos_allocations.load(); }
+
+ private:
+  void stop() {
+    g_window_open = false;
+    Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
   }
 };
 
@@ -159,8 +182,18 @@ Dataset small_data(LossKind loss_kind) {
 
 // Steps 2..4 of a small MLP's training run on `mesh_case`; returns the heap allocations
 // they made on this rank.
-long allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgorithm algorithm,
-                          LossKind loss_kind, OptimizerKind optimizer_kind) {
+// Heap and Kokkos allocations counted over some steps.
+struct Allocations {
+  long heap = 0;
+  long kokkos = 0;
+  bool operator==(const Allocations& o) const { return heap == o.heap && kokkos == o.kokkos; }
+};
+std::ostream& operator<<(std::ostream& out, const Allocations& a) {
+  return out << a.heap << " heap and " << a.kokkos << " Kokkos allocations";
+}
+
+Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgorithm algorithm,
+                                 LossKind loss_kind, OptimizerKind optimizer_kind) {
   RunConfig config;
   config.mesh.axes = mesh_case.axes;
   config.model.sizes = {32, 24, 16, 8};  // every width divides by 2 and 4
@@ -178,7 +211,8 @@ long allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgorithm a
   run.step();  // step 1: workspaces and scratch buffers reach their size
   AllocationWindow window;
   for (int s = 2; s <= 4; ++s) run.step();
-  return window.close();
+  const long heap = window.close();
+  return {heap, window.kokkos_allocations()};
 }
 
 TEST(TrainingStep, AllocatesNothingOnTheHeap) {
@@ -192,13 +226,13 @@ TEST(TrainingStep, AllocatesNothingOnTheHeap) {
       }
       SCOPED_TRACE(c.preset + ", " + to_string(algorithm) + ", cross_entropy + adamw");
       EXPECT_EQ(allocations_in_steps(c, algorithm, LossKind::cross_entropy, OptimizerKind::adamw),
-                0)
+                Allocations{})
           << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
     }
     SCOPED_TRACE(c.preset + ", bidirectional, mse + sgd");
     EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::bidirectional, LossKind::mse,
                                    OptimizerKind::sgd),
-              0)
+              Allocations{})
         << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
   }
 }
@@ -213,6 +247,14 @@ TEST(TrainingStep, CounterSeesAllocations) {
       "meshtrain::a_label_longer_than_fifteen", 4, KOKKOS_LAMBDA(const int k) { v(k) = 1.0f; });
   const long counted = window.close();
   EXPECT_GE(counted, 1);
+}
+
+// ... and a View allocated inside the window is a Kokkos allocation.
+TEST(TrainingStep, CounterSeesKokkosAllocations) {
+  AllocationWindow window;
+  Vector v("v", 4);
+  window.close();
+  EXPECT_EQ(window.kokkos_allocations(), 1);
 }
 
 }  // namespace
