@@ -206,15 +206,25 @@ int train_command(const std::string& config_path, const std::vector<std::string>
   for (const std::string& slot : optimizer.slot_names()) {
     checkpoint.opt_state.push_back({slot, optimizer.slot(slot)});
   }
+  // Saves run in the background when checkpoint.async is on: the writer copies the tensors
+  // before the next optimizer step (wait_snapshot), each step polls for completion, and the
+  // end of the run waits. A failed save is one error for the whole job (agree). Any other
+  // way out of this function joins the writer (~Checkpointer) and leaves `latest` as it was.
+  Checkpointer checkpointer(MPI_COMM_WORLD, config.checkpoint.async);
+  auto report = [&](const std::optional<std::string>& path) {
+    if (rank0 && path) std::printf("checkpoint %s\n", path->c_str());
+  };
   auto save = [&](int64_t step) {
     checkpoint.train_state.step = step;
     checkpoint.train_state.epoch = schedule->epoch_of(step);
     checkpoint.train_state.batch_in_epoch = step % schedule->steps_per_epoch();
     checkpoint.train_state.seed = config.run.seed;
     checkpoint.train_state.optimizer_step = optimizer.step_count();
-    const std::string path =
-        save_checkpoint(checkpoint, config.checkpoint.dir, config.checkpoint.keep, MPI_COMM_WORLD);
-    if (rank0) std::printf("checkpoint %s\n", path.c_str());
+    agree([&] {
+      report(checkpointer.wait());  // the previous one, when still in flight
+      checkpointer.save(checkpoint, config.checkpoint.dir, config.checkpoint.keep);
+      if (!checkpointer.async()) report(checkpointer.wait());
+    });
   };
 
   int64_t first_step = 0;
@@ -296,6 +306,7 @@ int train_command(const std::string& config_path, const std::vector<std::string>
     if (config.optimizer.clip_norm > 0) {
       clipper.clip(model.gradients(), config.optimizer.clip_norm, world);
     }
+    checkpointer.wait_snapshot();  // a save in flight has copied the tensors it writes
     optimizer.step(model.parameters(), model.gradients(), lr);
 
     const int64_t done = step + 1;
@@ -322,8 +333,13 @@ int train_command(const std::string& config_path, const std::vector<std::string>
     }
     const bool checkpoint_now =
         config.checkpoint.every_steps > 0 && done % config.checkpoint.every_steps == 0;
-    if (checkpoint_now || done == total_steps) save(done);
+    if (checkpoint_now || done == total_steps) {
+      save(done);
+    } else if (checkpointer.in_flight()) {
+      agree([&] { report(checkpointer.poll()); });
+    }
   }
+  agree([&] { report(checkpointer.wait()); });
 
   // --- Summary. -------------------------------------------------------------------------
   const double wall = seconds_since(run_start);

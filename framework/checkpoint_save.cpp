@@ -138,6 +138,17 @@ struct SaveJob {
   std::mutex mutex;
   std::condition_variable staged_cv;
   bool staged = false;  // guarded by mutex
+
+  // After the writes: rank 0's finisher thread (POSIX only) makes the file complete.
+  bool finishing = false;  // main thread: the checksums are stored, the finisher started
+  std::thread finisher;
+  std::exception_ptr finish_error;
+  std::atomic<bool> files_done{false};
+
+  ~SaveJob() {
+    if (thread.joinable()) thread.join();
+    if (finisher.joinable()) finisher.join();
+  }
 };
 
 }  // namespace checkpoint_format
@@ -280,6 +291,55 @@ void store_checksums(const SaveJob& job, const std::vector<uint32_t>& crcs) {
   file.close("cannot close " + where);
 }
 
+// Rank 0's finisher: makes the complete file the latest checkpoint (POSIX only).
+void run_finisher(SaveJob& job) {
+  try {
+    fsync_path(job.tmp_path, false);  // what the checksums changed
+    fault_point("before_rename");
+    rename_path(job.tmp_path, job.final_path);
+    fsync_path(job.dir, true);
+    fault_point("before_latest");
+    write_latest(job.dir, job.file_name);
+    fault_point("before_cleanup");
+    remove_old_checkpoints(job.dir, job.file_name, job.keep);
+  } catch (...) {
+    job.finish_error = std::current_exception();
+  }
+  job.files_done = true;
+}
+
+// Main thread, every rank, once the writers are done (or to wait for them): agrees on their
+// outcome, gathers the CRC-32s, and rank 0 stores them and starts its finisher. A failure
+// drops the temporary file and throws on every rank.
+void finish_writes(const PrivateComm& comm, SaveJob& job) {
+  if (job.thread.joinable()) job.thread.join();
+  hdf5::silence_errors();
+  try {
+    collectively(comm, [&] {
+      if (job.error) std::rethrow_exception(job.error);
+      checked_int(job.pieces.size() * sizeof(Piece), "the checksums of a checkpoint (bytes)");
+    });
+    const std::vector<Piece> pieces = gather_pieces(comm, job.pieces);
+    collectively(comm, [&] {
+      if (comm.rank() == 0)
+        store_checksums(job, combine_pieces(pieces, job.dataset_bytes, job.entries));
+    });
+  } catch (...) {
+    // Every writer has stopped (each rank joined its own before agreeing).
+    if (comm.rank() == 0) {
+      std::error_code ec;
+      fs::remove(job.tmp_path, ec);
+    }
+    throw;
+  }
+  job.finishing = true;
+  if (comm.rank() == 0) {
+    job.finisher = std::thread(run_finisher, std::ref(job));
+  } else {
+    job.files_done = true;
+  }
+}
+
 }  // namespace
 
 void set_checkpoint_fault_hook(CheckpointFaultHook hook) {
@@ -311,9 +371,7 @@ struct Checkpointer::Staging {
 Checkpointer::Checkpointer(MPI_Comm comm, bool async)
     : comm_(std::make_unique<PrivateComm>(comm)), async_(async) {}
 
-Checkpointer::~Checkpointer() {
-  if (job_ && job_->thread.joinable()) job_->thread.join();
-}
+Checkpointer::~Checkpointer() = default;  // ~SaveJob joins the threads
 
 std::string Checkpointer::save(const CheckpointContents& contents, const std::string& dir,
                                int64_t keep) {
@@ -325,68 +383,77 @@ std::string Checkpointer::save(const CheckpointContents& contents, const std::st
   job->keep = keep;
   const bool stage = async_ || !kTensorsOnHost;
 
-  // Phase 1: local work only, then agreement.
-  collectively(comm, [&] {
-    MESHTRAIN_REQUIRE(contents.mesh.world_size() == comm.size(), "checkpoint: the mesh (",
-                      contents.mesh.describe(), ") has ", contents.mesh.world_size(),
-                      " ranks but the communicator has ", comm.size());
-    MESHTRAIN_REQUIRE(!dir.empty(), "checkpoint: the directory is empty");
-    MESHTRAIN_REQUIRE(contents.train_state.step >= 0, "checkpoint: negative step ",
-                      contents.train_state.step);
-    job->entries = dataset_entries(contents, comm.rank());
-    job->file_name = checkpoint_file_name(contents.train_state.step);
-    job->final_path = (fs::path(dir) / job->file_name).string();
-    job->tmp_path = job->final_path + ".tmp";
-    int64_t staged_elements = 0;
-    for (const DatasetEntry& entry : job->entries) {
-      job->dataset_bytes.push_back(global_elements(entry.tensor->global_shape) * 4);
-      if (entry.owner) staged_elements += entry.tensor->box.elements();
-    }
-    fault_point("prepare");
-    if (stage && (!staging_ || static_cast<int64_t>(staging_->view.extent(0)) < staged_elements)) {
-      staging_.reset();
-      auto staging = std::make_unique<Staging>();
-      staging->view = StagingView(
-          Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshtrain::checkpoint_staging"),
-          static_cast<size_t>(staged_elements));
-      staging_ = std::move(staging);
-    }
-    int64_t next = 0;
-    for (size_t i = 0; i < job->entries.size(); ++i) {
-      const DatasetEntry& entry = job->entries[i];
-      if (!entry.owner) continue;
-      const ShardedTensor& t = *entry.tensor;
-      SaveJob::Block block;
-      block.dataset = static_cast<int64_t>(i);
-      block.meta = t;
-      block.meta.local = Vector();
-      const int64_t n = t.box.elements();
-      if constexpr (kTensorsOnHost) {
-        block.mirror = Kokkos::create_mirror_view(Kokkos::HostSpace(), t.local);  // no copy
-        block.source = block.mirror.data();
-        if (stage) block.staged = staging_->view.data() + next;
-      } else {
-        // Device tensors: copied into the (pinned) staging buffer now, before save returns.
-        HostFloats target(staging_->view.data() + next, static_cast<size_t>(n));
-        Kokkos::deep_copy(target, t.local);
-        block.source = target.data();
+  // Phase 1: local work only, then agreement. On failure rank 0 drops the file it created.
+  try {
+    collectively(comm, [&] {
+      MESHTRAIN_REQUIRE(contents.mesh.world_size() == comm.size(), "checkpoint: the mesh (",
+                        contents.mesh.describe(), ") has ", contents.mesh.world_size(),
+                        " ranks but the communicator has ", comm.size());
+      MESHTRAIN_REQUIRE(!dir.empty(), "checkpoint: the directory is empty");
+      MESHTRAIN_REQUIRE(contents.train_state.step >= 0, "checkpoint: negative step ",
+                        contents.train_state.step);
+      job->entries = dataset_entries(contents, comm.rank());
+      job->file_name = checkpoint_file_name(contents.train_state.step);
+      job->final_path = (fs::path(dir) / job->file_name).string();
+      job->tmp_path = job->final_path + ".tmp";
+      int64_t staged_elements = 0;
+      for (const DatasetEntry& entry : job->entries) {
+        job->dataset_bytes.push_back(global_elements(entry.tensor->global_shape) * 4);
+        if (entry.owner) staged_elements += entry.tensor->box.elements();
       }
-      next += n;
-      job->blocks.push_back(std::move(block));
-    }
-    if (comm.rank() == 0) {
+      fault_point("prepare");
+      if (stage &&
+          (!staging_ || static_cast<int64_t>(staging_->view.extent(0)) < staged_elements)) {
+        staging_.reset();
+        auto staging = std::make_unique<Staging>();
+        staging->view = StagingView(
+            Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshtrain::checkpoint_staging"),
+            static_cast<size_t>(staged_elements));
+        staging_ = std::move(staging);
+      }
+      int64_t next = 0;
+      for (size_t i = 0; i < job->entries.size(); ++i) {
+        const DatasetEntry& entry = job->entries[i];
+        if (!entry.owner) continue;
+        const ShardedTensor& t = *entry.tensor;
+        SaveJob::Block block;
+        block.dataset = static_cast<int64_t>(i);
+        block.meta = t;
+        block.meta.local = Vector();
+        const int64_t n = t.box.elements();
+        if constexpr (kTensorsOnHost) {
+          block.mirror = Kokkos::create_mirror_view(Kokkos::HostSpace(), t.local);  // no copy
+          block.source = block.mirror.data();
+          if (stage) block.staged = staging_->view.data() + next;
+        } else {
+          // Device tensors: copied into the (pinned) staging buffer now, before save returns.
+          HostFloats target(staging_->view.data() + next, static_cast<size_t>(n));
+          Kokkos::deep_copy(target, t.local);
+          block.source = target.data();
+        }
+        next += n;
+        job->blocks.push_back(std::move(block));
+      }
+      if (comm.rank() == 0) {
+        std::error_code ec;
+        fs::create_directories(dir, ec);
+        if (ec) MESHTRAIN_FAIL("cannot create checkpoint directory '", dir, "': ", ec.message());
+        fs::remove(job->tmp_path, ec);
+        if (ec) MESHTRAIN_FAIL("cannot remove the stale '", job->tmp_path, "': ", ec.message());
+        job->offsets = create_file(*job, contents);
+      } else {
+        job->offsets.assign(job->entries.size(), 0);
+      }
+      checked_int(job->offsets.size(), "checkpoint dataset count");
+    });
+  } catch (...) {
+    if (comm.rank() == 0 && !job->tmp_path.empty()) {
       std::error_code ec;
-      fs::create_directories(dir, ec);
-      if (ec) MESHTRAIN_FAIL("cannot create checkpoint directory '", dir, "': ", ec.message());
       fs::remove(job->tmp_path, ec);
-      if (ec) MESHTRAIN_FAIL("cannot remove the stale '", job->tmp_path, "': ", ec.message());
-      job->offsets = create_file(*job, contents);
-    } else {
-      job->offsets.assign(job->entries.size(), 0);
     }
-    checked_int(job->offsets.size(), "checkpoint dataset count");
-  });
-  // Rank 0's offsets on every rank (every rank has the same datasets: phase 1 checked them).
+    throw;
+  }
+  // Rank 0's offsets on every rank (the contents, and so the datasets, are alike on all).
   check_mpi(MPI_Bcast(job->offsets.data(), static_cast<int>(job->offsets.size()), MPI_INT64_T, 0,
                       comm.get()),
             "MPI_Bcast (checkpoint dataset offsets)");
@@ -413,11 +480,21 @@ void Checkpointer::wait_snapshot() {
 
 std::optional<std::string> Checkpointer::poll() {
   if (!job_) return std::nullopt;
-  const int mine = job_->finished ? 1 : 0;
+  SaveJob& job = *job_;
+  const int mine = (job.finishing ? job.files_done.load() : job.finished.load()) ? 1 : 0;
   int all = 0;
   check_mpi(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, comm_->get()),
             "MPI_Allreduce (checkpoint write finished)");
   if (all == 0) return std::nullopt;
+  if (!job.finishing) {
+    try {
+      finish_writes(*comm_, job);
+    } catch (...) {
+      job_.reset();
+      throw;
+    }
+    return std::nullopt;
+  }
   return wait();
 }
 
@@ -425,36 +502,10 @@ std::optional<std::string> Checkpointer::wait() {
   if (!job_) return std::nullopt;
   // Whatever happens below, this save is no longer in flight.
   const std::unique_ptr<SaveJob> job = std::move(job_);
-  if (job->thread.joinable()) job->thread.join();
-  const PrivateComm& comm = *comm_;
-  hdf5::silence_errors();
-
-  // Phase 3: agree on the writers' outcome, then complete on rank 0.
-  try {
-    collectively(comm, [&] {
-      if (job->error) std::rethrow_exception(job->error);
-      checked_int(job->pieces.size() * sizeof(Piece), "the checksums of a checkpoint (bytes)");
-    });
-  } catch (...) {
-    // Every writer has stopped (each rank joined its own before agreeing): drop the file.
-    if (comm.rank() == 0) {
-      std::error_code ec;
-      fs::remove(job->tmp_path, ec);
-    }
-    throw;
-  }
-  const std::vector<Piece> pieces = gather_pieces(comm, job->pieces);
-  collectively(comm, [&] {
-    if (comm.rank() != 0) return;
-    store_checksums(*job, combine_pieces(pieces, job->dataset_bytes, job->entries));
-    fsync_path(job->tmp_path, false);  // what the checksums changed
-    fault_point("before_rename");
-    rename_path(job->tmp_path, job->final_path);
-    fsync_path(job->dir, true);
-    fault_point("before_latest");
-    write_latest(job->dir, job->file_name);
-    fault_point("before_cleanup");
-    remove_old_checkpoints(job->dir, job->file_name, job->keep);
+  if (!job->finishing) finish_writes(*comm_, *job);
+  if (job->finisher.joinable()) job->finisher.join();
+  collectively(*comm_, [&] {
+    if (job->finish_error) std::rethrow_exception(job->finish_error);
   });
   return job->final_path;
 }

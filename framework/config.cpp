@@ -37,7 +37,7 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& schema() {
       {"data", {"source", "path", "test_path", "batch_size", "shuffle", "synthetic_samples"}},
       {"optimizer", {"kind", "lr", "momentum", "betas", "eps", "weight_decay", "clip_norm"}},
       {"train", {"epochs", "steps", "log_every", "eval_every"}},
-      {"checkpoint", {"every_steps", "keep", "resume", "dir"}},
+      {"checkpoint", {"every_steps", "keep", "resume", "dir", "async"}},
   };
   return sections;
 }
@@ -465,6 +465,7 @@ void read_checkpoint(const Section& s, const std::string& output_dir, Checkpoint
   ckpt.every_steps = s.integer("every_steps", ckpt.every_steps, 0);
   ckpt.keep = s.integer("keep", ckpt.keep, 1);
   ckpt.resume = s.boolean("resume", ckpt.resume);
+  ckpt.async = s.boolean("async", ckpt.async);
   ckpt.dir = s.string("dir").value_or(output_dir + "/checkpoints");
   if (ckpt.dir.empty()) s.fail("dir", "must not be empty");
 }

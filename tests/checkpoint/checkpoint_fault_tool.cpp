@@ -4,55 +4,21 @@
 //                                   the main thread keeps running MPI "steps"
 //   checkpoint_fault_tool check DIR STEP   loads DIR's latest onto tp = world and exits 0 when
 //                                   it is STEP's checkpoint with exact values and it verifies
-// Fault injection (this tool only, through the library's test hook):
-//   MESHTRAIN_TEST_FAULT=<point>[:<count>]   a point of checkpoint_testing.hpp
-//   MESHTRAIN_TEST_FAULT_RANK=<rank>         only on that rank (default: every rank)
-//   MESHTRAIN_TEST_FAULT_ACTION=abort|kill|throw   abort() (default), SIGKILL, or throw
+// Fault injection: tests/checkpoint/fault_hook.hpp (MESHTRAIN_TEST_FAULT...).
 // Exit status: 0 success, 1 mismatch or error (rank 0 prints the error once).
 
 #include <mpi.h>
-#include <signal.h>
 
 #include <Kokkos_Core.hpp>
 #include <cstdio>
 #include <cstdlib>
-#include <stdexcept>
 #include <string>
 
 #include "framework/checkpoint.hpp"
-#include "framework/checkpoint_testing.hpp"
 #include "tests/checkpoint/checkpoint_test_data.hpp"
+#include "tests/checkpoint/fault_hook.hpp"
 
 namespace {
-
-std::string fault_point;
-int64_t fault_count = 0;
-std::string fault_action = "abort";
-
-void fault_hook(const char* point, int64_t count) {
-  if (fault_point != point || count != fault_count) return;
-  std::fprintf(stderr, "checkpoint_fault_tool: fault injected at %s:%lld (%s)\n", point,
-               static_cast<long long>(count), fault_action.c_str());
-  std::fflush(stderr);
-  if (fault_action == "throw") throw std::runtime_error("fault injected at " + fault_point);
-  if (fault_action == "kill") raise(SIGKILL);
-  std::abort();
-}
-
-void install_fault_hook(int rank) {
-  const char* point = std::getenv("MESHTRAIN_TEST_FAULT");
-  if (point == nullptr || point[0] == '\0') return;
-  const char* only = std::getenv("MESHTRAIN_TEST_FAULT_RANK");
-  if (only != nullptr && only[0] != '\0' && std::atoi(only) != rank) return;
-  if (const char* action = std::getenv("MESHTRAIN_TEST_FAULT_ACTION")) fault_action = action;
-  fault_point = point;
-  const size_t colon = fault_point.find(':');
-  if (colon != std::string::npos) {
-    fault_count = std::stoll(fault_point.substr(colon + 1));
-    fault_point.resize(colon);
-  }
-  meshtrain::set_checkpoint_fault_hook(fault_hook);
-}
 
 int run(const std::string& command, const std::string& dir, int64_t step, bool async) {
   using namespace meshtrain;
@@ -103,7 +69,7 @@ int main(int argc, char** argv) {
   Kokkos::initialize(argc, argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  install_fault_hook(rank);
+  meshtrain::testing::install_fault_hook_from_environment(rank);
   int status = 1;
   if (argc == 4 || argc == 5) {
     try {
