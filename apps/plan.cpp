@@ -125,8 +125,7 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
       {"  parameters", format_bytes(t.parameter_bytes)},
       {"  gradients", format_bytes(t.gradient_bytes)},
       {"  optimizer state", format_bytes(t.optimizer_bytes)}};
-  if (staging_bytes > 0)
-    memory.push_back({"  checkpoint staging (async)", format_bytes(staging_bytes)});
+  if (staging_bytes > 0) memory.push_back({"  staging (ckpt)", format_bytes(staging_bytes)});
   memory.push_back({"  total", format_bytes(per_rank)});
   memory.push_back({"unsharded model", format_bytes(t.global_parameter_bytes)});
   write_table(memory, out);
@@ -236,7 +235,7 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   const int64_t staging =
       config.checkpoint.async ? plan.totals.parameter_bytes + plan.totals.optimizer_bytes : 0;
   if (json) {
-    nlohmann::json doc = plan_to_json(plan, rules, options, config.file);
+    auto doc = plan_to_json(plan, rules, options, config.file);
     doc["totals"]["checkpoint_staging_bytes"] = staging;
     doc["totals"]["bytes_per_rank"] = doc["totals"]["bytes_per_rank"].get<int64_t>() + staging;
     out << doc.dump(2) << "\n";

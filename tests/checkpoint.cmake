@@ -31,3 +31,14 @@ foreach(np 1 2 4)
             ${np} ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
   set_tests_properties(checkpoint_crash_np${np} PROPERTIES PROCESSORS ${np})
 endforeach()
+
+# The plan counts the asynchronous checkpoint's staging buffer (parameters + optimizer state
+# per rank for FSDP AdamW on 2 ranks: 1339412 + 2678824 bytes), and nothing when saves are sync.
+meshtrain_add_command_test(NAME checkpoint_plan_counts_staging
+  COMMAND $<TARGET_FILE:meshtrain> plan ${PROJECT_SOURCE_DIR}/configs/fashion_mnist_fsdp.toml
+          --world 2 --json
+  PASS_REGULAR_EXPRESSION "\"checkpoint_staging_bytes\": 4018236")
+meshtrain_add_command_test(NAME checkpoint_plan_sync_has_no_staging
+  COMMAND $<TARGET_FILE:meshtrain> plan ${PROJECT_SOURCE_DIR}/configs/fashion_mnist_fsdp.toml
+          --world 2 --json --set checkpoint.async=false
+  PASS_REGULAR_EXPRESSION "\"checkpoint_staging_bytes\": 0\n")
