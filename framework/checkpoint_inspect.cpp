@@ -59,6 +59,7 @@ std::vector<std::string> dataset_names(hid_t file, const std::string& where) {
 }  // namespace
 
 CheckpointListing list_checkpoint(const std::string& path) {
+  std::lock_guard<std::mutex> lock(hdf5::global_mutex());
   Handle file = open_serial(path);
   CheckpointListing listing;
   listing.info = read_metadata(file, path);
@@ -89,6 +90,7 @@ CheckpointListing list_checkpoint(const std::string& path) {
 }
 
 int64_t verify_checkpoint(const std::string& path) {
+  std::lock_guard<std::mutex> lock(hdf5::global_mutex());
   Handle file = open_serial(path);
   const ErrorKind bad = ErrorKind::bad_input;
   const std::string where = "checkpoint '" + path + "'";

@@ -187,7 +187,6 @@ std::optional<std::string> find_latest_checkpoint(const std::string& dir) {
 
 CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& into,
                                MPI_Comm user_comm) {
-  hdf5::silence_errors();
   PrivateComm comm(user_comm);
   const ErrorKind bad = ErrorKind::bad_input;
   std::vector<DatasetEntry> entries;
@@ -213,6 +212,7 @@ CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& i
     std::vector<int64_t> offsets;
     std::vector<typename Vector::HostMirror> hosts;
     {
+      std::lock_guard<std::mutex> lock(hdf5::global_mutex());
       Handle file = open_serial(path);
       info = read_metadata(file, path);
       crc_format = read_format(file, path) == kFormat;

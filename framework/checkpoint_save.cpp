@@ -291,9 +291,15 @@ void store_checksums(const SaveJob& job, const std::vector<uint32_t>& crcs) {
   file.close("cannot close " + where);
 }
 
-// Rank 0's finisher: makes the complete file the latest checkpoint (POSIX only).
-void run_finisher(SaveJob& job) {
+// Rank 0's finisher: stores each dataset's CRC-32 (HDF5, under its lock) and makes the
+// complete file the latest checkpoint.
+void run_finisher(SaveJob& job, std::vector<Piece> pieces) {
   try {
+    {
+      std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+      hdf5::silence_errors();
+      store_checksums(job, combine_pieces(std::move(pieces), job.dataset_bytes, job.entries));
+    }
     fsync_path(job.tmp_path, false);  // what the checksums changed
     fault_point("before_rename");
     rename_path(job.tmp_path, job.final_path);
@@ -309,21 +315,17 @@ void run_finisher(SaveJob& job) {
 }
 
 // Main thread, every rank, once the writers are done (or to wait for them): agrees on their
-// outcome, gathers the CRC-32s, and rank 0 stores them and starts its finisher. A failure
-// drops the temporary file and throws on every rank.
+// outcome, gathers the CRC-32s at rank 0 and starts its finisher. A failure drops the
+// temporary file and throws on every rank.
 void finish_writes(const PrivateComm& comm, SaveJob& job) {
   if (job.thread.joinable()) job.thread.join();
-  hdf5::silence_errors();
+  std::vector<Piece> pieces;  // rank 0: every rank's
   try {
     collectively(comm, [&] {
       if (job.error) std::rethrow_exception(job.error);
       checked_int(job.pieces.size() * sizeof(Piece), "the checksums of a checkpoint (bytes)");
     });
-    const std::vector<Piece> pieces = gather_pieces(comm, job.pieces);
-    collectively(comm, [&] {
-      if (comm.rank() == 0)
-        store_checksums(job, combine_pieces(pieces, job.dataset_bytes, job.entries));
-    });
+    pieces = gather_pieces(comm, job.pieces);
   } catch (...) {
     // Every writer has stopped (each rank joined its own before agreeing).
     if (comm.rank() == 0) {
@@ -334,7 +336,7 @@ void finish_writes(const PrivateComm& comm, SaveJob& job) {
   }
   job.finishing = true;
   if (comm.rank() == 0) {
-    job.finisher = std::thread(run_finisher, std::ref(job));
+    job.finisher = std::thread(run_finisher, std::ref(job), std::move(pieces));
   } else {
     job.files_done = true;
   }
@@ -375,7 +377,6 @@ Checkpointer::~Checkpointer() = default;  // ~SaveJob joins the threads
 
 std::string Checkpointer::save(const CheckpointContents& contents, const std::string& dir,
                                int64_t keep) {
-  hdf5::silence_errors();
   wait();
   const PrivateComm& comm = *comm_;
   auto job = std::make_unique<SaveJob>();
@@ -440,6 +441,8 @@ std::string Checkpointer::save(const CheckpointContents& contents, const std::st
         if (ec) MESHTRAIN_FAIL("cannot create checkpoint directory '", dir, "': ", ec.message());
         fs::remove(job->tmp_path, ec);
         if (ec) MESHTRAIN_FAIL("cannot remove the stale '", job->tmp_path, "': ", ec.message());
+        std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+        hdf5::silence_errors();
         job->offsets = create_file(*job, contents);
       } else {
         job->offsets.assign(job->entries.size(), 0);
