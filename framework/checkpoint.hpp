@@ -24,10 +24,12 @@
 // Asynchronous saves (Checkpointer with async = true): save() returns once the write is
 // started; a writer thread per rank copies the tensors into a staging buffer allocated once
 // (pinned host memory on CUDA builds, where the copy is made before save() returns), then
-// writes the file. The writer thread makes no MPI and no HDF5 call: every MPI and HDF5 call is
-// made by the thread that calls the Checkpointer, so MPI_THREAD_FUNNELED suffices and HDF5
-// needs no thread safety. The caller must call wait_snapshot() before it changes the tensors
-// (the optimizer step), and poll() or wait() to finish the checkpoint (rename, latest).
+// writes the file. Every MPI call is made by the thread that calls the Checkpointer (so
+// MPI_THREAD_FUNNELED suffices); the writer threads make no MPI and no HDF5 call; rank 0's
+// finisher thread (checksums, rename, latest) calls HDF5 only under hdf5::global_mutex(),
+// which the checkpoint functions all hold around their HDF5 calls. The caller must call
+// wait_snapshot() before it changes the tensors (the optimizer step), and poll() each step or
+// wait() to finish the checkpoint.
 //
 // Loading reads each rank's block under the tensors' own (new) spec and mesh, so a
 // checkpoint restores onto any mesh and world size with the same parameter names and
@@ -154,10 +156,6 @@ class Checkpointer {
   std::unique_ptr<Staging> staging_;
   std::unique_ptr<checkpoint_format::SaveJob> job_;
 };
-
-// Bytes of the staging buffer an asynchronous Checkpointer allocates on `rank` for `contents`
-// (the blocks that rank writes).
-int64_t checkpoint_staging_bytes(const CheckpointContents& contents, int rank);
 
 // The checkpoint that `dir`/latest names, or nullopt when `dir` has no latest pointer.
 // Throws bad_input naming the pointer when it is unreadable, garbled, or names a file that

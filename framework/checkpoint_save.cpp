@@ -10,9 +10,12 @@
 //   2. writer (a thread when async, else inline), POSIX only: copy host tensors into the
 //      staging buffer (async) and signal wait_snapshot(); pwrite each block's runs at their
 //      offsets, CRC-32 of each run; fsync. Errors are kept for phase 3.
-//   3. main thread (wait/poll): join the writer; agree on its outcome; gather the CRC-32s at
-//      rank 0; rank 0 stores each dataset's CRC-32, fsyncs, renames, writes latest and removes
-//      old checkpoints. Agreed, so a failure is one error on every rank.
+//   3. main thread (poll/wait), every rank: join the writer; agree on its outcome; gather the
+//      CRC-32s at rank 0, which starts its finisher thread: combine and store the CRC-32s
+//      (HDF5, under hdf5::global_mutex), fsync, rename, write latest, remove old checkpoints.
+//   4. main thread (poll/wait): once rank 0's finisher is done, agree on its outcome.
+// So no collective call follows a point where one rank alone can fail, and a failure is one
+// error, the same on every rank.
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -356,14 +359,6 @@ std::string checkpoint_file_name(int64_t step) {
 
 const char* latest_pointer_name() {
   return "latest";
-}
-
-int64_t checkpoint_staging_bytes(const CheckpointContents& contents, int rank) {
-  int64_t bytes = 0;
-  for (const DatasetEntry& entry : dataset_entries(contents, rank)) {
-    if (entry.owner) bytes += entry.tensor->box.elements() * 4;
-  }
-  return bytes;
 }
 
 struct Checkpointer::Staging {

@@ -7,7 +7,12 @@ endif()
 meshtrain_add_test(NAME checkpoint_test SOURCES checkpoint/checkpoint_test.cpp
                    ${PROJECT_SOURCE_DIR}/apps/inspect.cpp
                    LIBS meshtrain_framework NP 1 2 4 TIMEOUT 120)
-target_compile_definitions(checkpoint_test PRIVATE MESHTRAIN_H5DUMP="${MESHTRAIN_H5DUMP}")
+find_program(MESHTRAIN_H5REPACK h5repack)
+if(NOT MESHTRAIN_H5REPACK)
+  set(MESHTRAIN_H5REPACK "")
+endif()
+target_compile_definitions(checkpoint_test PRIVATE MESHTRAIN_H5DUMP="${MESHTRAIN_H5DUMP}"
+                                                   MESHTRAIN_H5REPACK="${MESHTRAIN_H5REPACK}")
 # The same tests with asynchronous saves.
 foreach(np 1 2 4)
   add_test(NAME checkpoint_test_async_np${np}
