@@ -135,9 +135,11 @@ class Checkpointer {
   // once when no save is in flight). Call it before changing them.
   void wait_snapshot();
 
-  // When the write in flight has finished on every rank, completes the checkpoint (CRC-32s,
-  // rename, latest, clean-up) and returns its path; nullopt otherwise (one MPI_Allreduce of
-  // an int while a write is in flight, nothing when none is). Throws the save's error.
+  // Moves the write in flight on when every rank has finished its part (as every rank saw it
+  // at the previous poll: one MPI_Iallreduce of an int per call, read at the next, so no poll
+  // waits for a slower rank) and returns the checkpoint's path once it is complete (CRC-32s,
+  // rename, latest, clean-up); nullopt otherwise, and at once when nothing is in flight.
+  // Throws the save's error.
   std::optional<std::string> poll();
 
   // Waits for the write in flight and completes it; returns its path (nullopt when none was

@@ -148,6 +148,11 @@ struct SaveJob {
   std::exception_ptr finish_error;
   std::atomic<bool> files_done{false};
 
+  // poll(): the MPI_Iallreduce of "done here" started by the last poll, read by the next.
+  MPI_Request poll_request = MPI_REQUEST_NULL;
+  int poll_mine = 0;
+  int poll_all = 0;
+
   ~SaveJob() {
     if (thread.joinable()) thread.join();
     if (finisher.joinable()) finisher.join();
@@ -476,30 +481,40 @@ void Checkpointer::wait_snapshot() {
   job_->staged_cv.wait(lock, [&] { return job_->staged; });
 }
 
+// Each poll reads the agreement started by the previous one (it has completed meanwhile, in
+// the step's own MPI calls) and starts the next, so a poll does not wait for slower ranks;
+// every rank acts on the same answer at the same poll.
 std::optional<std::string> Checkpointer::poll() {
   if (!job_) return std::nullopt;
   SaveJob& job = *job_;
-  const int mine = (job.finishing ? job.files_done.load() : job.finished.load()) ? 1 : 0;
-  int all = 0;
-  check_mpi(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, comm_->get()),
-            "MPI_Allreduce (checkpoint write finished)");
-  if (all == 0) return std::nullopt;
-  if (!job.finishing) {
-    try {
-      finish_writes(*comm_, job);
-    } catch (...) {
-      job_.reset();
-      throw;
+  if (job.poll_request != MPI_REQUEST_NULL) {
+    check_mpi(MPI_Wait(&job.poll_request, MPI_STATUS_IGNORE),
+              "MPI_Wait (checkpoint write finished)");
+    if (job.poll_all != 0) {
+      if (job.finishing) return wait();
+      try {
+        finish_writes(*comm_, job);
+      } catch (...) {
+        job_.reset();
+        throw;
+      }
     }
-    return std::nullopt;
   }
-  return wait();
+  job.poll_mine = (job.finishing ? job.files_done.load() : job.finished.load()) ? 1 : 0;
+  check_mpi(MPI_Iallreduce(&job.poll_mine, &job.poll_all, 1, MPI_INT, MPI_MIN, comm_->get(),
+                           &job.poll_request),
+            "MPI_Iallreduce (checkpoint write finished)");
+  return std::nullopt;
 }
 
 std::optional<std::string> Checkpointer::wait() {
   if (!job_) return std::nullopt;
   // Whatever happens below, this save is no longer in flight.
   const std::unique_ptr<SaveJob> job = std::move(job_);
+  if (job->poll_request != MPI_REQUEST_NULL) {
+    check_mpi(MPI_Wait(&job->poll_request, MPI_STATUS_IGNORE),
+              "MPI_Wait (checkpoint write finished)");
+  }
   if (!job->finishing) finish_writes(*comm_, *job);
   if (job->finisher.joinable()) job->finisher.join();
   collectively(*comm_, [&] {
