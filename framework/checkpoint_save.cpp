@@ -28,6 +28,7 @@
 #include <cstring>
 #include <filesystem>
 #include <regex>
+#include <system_error>
 
 #include "framework/checkpoint.hpp"
 #include "framework/checkpoint_format.hpp"
@@ -466,7 +467,11 @@ std::string Checkpointer::save(const CheckpointContents& contents, const std::st
   if (async_) {
     SaveJob& running = *job;
     job_ = std::move(job);
-    running.thread = std::thread(run_writer, std::ref(running));
+    try {
+      running.thread = std::thread(run_writer, std::ref(running));
+    } catch (const std::system_error&) {
+      run_writer(running);  // no thread to be had: write now, the checkpoint stays correct
+    }
     return path;
   }
   run_writer(*job);
