@@ -26,7 +26,7 @@ int inspect_command(const std::string& path, bool verify, std::ostream& out) {
   out << "datasets (" << listing.datasets.size() << "):\n";
   for (const auto& d : listing.datasets) {
     std::string storage = d.chunk.empty() ? "contiguous" : "chunks " + format_shape(d.chunk);
-    if (d.fletcher32) storage += ", fletcher32";
+    if (!d.checksum.empty()) storage += ", " + d.checksum;
     std::string padded = d.path;
     padded.resize(width, ' ');
     out << "  " << padded << "  " << d.dtype << "  " << format_shape(d.shape) << "  "

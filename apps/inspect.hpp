@@ -9,7 +9,7 @@
 namespace meshtrain {
 
 // Prints the listing of `path` to `out`; with `verify`, also reads every dataset fully and
-// checks its Fletcher32 checksum. Returns 0. Throws bad_input naming the file (or the
+// checks its checksum (CRC-32, or Fletcher32 in format-1 files). Returns 0. Throws bad_input naming the file (or the
 // dataset that fails its checksum).
 int inspect_command(const std::string& path, bool verify, std::ostream& out);
 

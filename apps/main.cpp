@@ -115,7 +115,7 @@ void add_inspect_command(CLI::App& app, InspectArgs& args) {
       "inspect", "Show a checkpoint's step, mesh, config and datasets (shapes, dtypes, specs)");
   inspect->add_option("checkpoint", args.checkpoint, "A checkpoint file (ckpt-*.h5)")->required();
   inspect->add_flag("--verify", args.verify,
-                    "Read every dataset and check its Fletcher32 checksum");
+                    "Read every dataset and check its checksum");
 }
 
 bool verbose() {

@@ -90,7 +90,8 @@ void write_layers_text(const ShardingPlan& plan, const PlanOptions& options, std
 }  // namespace
 
 void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>& rules,
-                     const PlanOptions& options, const std::string& source, std::ostream& out) {
+                     const PlanOptions& options, const std::string& source, std::ostream& out,
+                     int64_t staging_bytes) {
   const Mesh& mesh = plan.mesh;
   out << "plan of " << (source.empty() ? "(config)" : source) << " for " << mesh.world_size()
       << (mesh.world_size() == 1 ? " rank" : " ranks") << "\n";
@@ -118,14 +119,16 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
   write_table(rows, out);
 
   const PlanTotals& t = plan.totals;
-  const int64_t per_rank = t.parameter_bytes + t.gradient_bytes + t.optimizer_bytes;
+  const int64_t per_rank = t.parameter_bytes + t.gradient_bytes + t.optimizer_bytes + staging_bytes;
   out << "\nper rank:\n";
-  write_table({{"  parameters", format_bytes(t.parameter_bytes)},
-               {"  gradients", format_bytes(t.gradient_bytes)},
-               {"  optimizer state", format_bytes(t.optimizer_bytes)},
-               {"  total", format_bytes(per_rank)},
-               {"unsharded model", format_bytes(t.global_parameter_bytes)}},
-              out);
+  std::vector<std::vector<std::string>> memory = {
+      {"  parameters", format_bytes(t.parameter_bytes)},
+      {"  gradients", format_bytes(t.gradient_bytes)},
+      {"  optimizer state", format_bytes(t.optimizer_bytes)}};
+  if (staging_bytes > 0) memory.push_back({"  staging (ckpt)", format_bytes(staging_bytes)});
+  memory.push_back({"  total", format_bytes(per_rank)});
+  memory.push_back({"unsharded model", format_bytes(t.global_parameter_bytes)});
+  write_table(memory, out);
 
   if (!plan.layers.empty()) write_layers_text(plan, options, out);
 
@@ -227,10 +230,17 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   const PlanOptions options = plan_options(config);
   const ShardingPlan plan = make_plan(mlp_parameter_shapes(config.model.sizes), mesh, rules,
                                       options, mlp_linear_layers(config.model.sizes));
+  // An asynchronous checkpoint stages the blocks a rank writes: at most its parameters and
+  // optimizer state (exactly those on rank 0, which writes every block it holds).
+  const int64_t staging =
+      config.checkpoint.async ? plan.totals.parameter_bytes + plan.totals.optimizer_bytes : 0;
   if (json) {
-    out << plan_to_json(plan, rules, options, config.file).dump(2) << "\n";
+    auto doc = plan_to_json(plan, rules, options, config.file);
+    doc["totals"]["checkpoint_staging_bytes"] = staging;
+    doc["totals"]["bytes_per_rank"] = doc["totals"]["bytes_per_rank"].get<int64_t>() + staging;
+    out << doc.dump(2) << "\n";
   } else {
-    write_plan_text(plan, rules, options, config.file, out);
+    write_plan_text(plan, rules, options, config.file, out, staging);
   }
 }
 

@@ -22,8 +22,11 @@ struct RunConfig;
 void print_plan(const RunConfig& config, int world_size, bool json, std::ostream& out);
 
 // The text form of `plan`; `source` names the config file in the header.
+// `staging_bytes`: the asynchronous checkpoint's staging buffer per rank (0 when saves are
+// synchronous), shown and counted in the per-rank total.
 void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>& rules,
-                     const PlanOptions& options, const std::string& source, std::ostream& out);
+                     const PlanOptions& options, const std::string& source, std::ostream& out,
+                     int64_t staging_bytes = 0);
 
 // The JSON form: {"config", "mesh": {"world_size", "axes": {name: size, ...} in mesh order},
 // "options", "rules", "parameters": [{"name", "shape", "rule", "spec", "local_shape",

@@ -153,6 +153,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   // A run made in code has no file text: its checkpoints store the config as TOML.
   if (config_.text.empty()) config_.text = config_to_toml(config_);
   checkpoint_.config_text = config_.text;
+  checkpointer_ = std::make_unique<Checkpointer>(comm_, config_.checkpoint.async);
   checkpoint_.params = model_->parameters();
   for (const std::string& slot : optimizer_->slot_names()) {
     checkpoint_.opt_state.push_back({slot, optimizer_->slot(slot)});
@@ -230,6 +231,7 @@ StepResult TrainingRun::step_on_loaded_batch() {
           __FILE__, __LINE__));
     }
   }
+  checkpointer_->wait_snapshot();  // a save in flight has copied the tensors it writes
   optimizer_->step(model_->parameters(), model_->gradients(), lr_);
   ++steps_done_;
   return {steps_done_, result.loss};
@@ -258,14 +260,40 @@ EvalEvent TrainingRun::evaluate() {
   return event;
 }
 
-std::string TrainingRun::save() {
+std::string TrainingRun::start_save() {
+  // The train state is copied by save() (the tensors by the staging copy), so changing it
+  // here does not touch a checkpoint in flight.
   TrainState& state = checkpoint_.train_state;
   state.step = steps_done_;
   state.epoch = schedule_->epoch_of(steps_done_);
   state.batch_in_epoch = steps_done_ % schedule_->steps_per_epoch();
   state.seed = config_.run.seed;
   state.optimizer_step = optimizer_->step_count();
-  return save_checkpoint(checkpoint_, config_.checkpoint.dir, config_.checkpoint.keep, comm_);
+  std::string path;
+  on_every_rank(comm_, [&] {
+    report_checkpoint(checkpointer_->wait());  // the previous one, when still in flight
+    in_flight_step_ = steps_done_;
+    path = checkpointer_->save(checkpoint_, config_.checkpoint.dir, config_.checkpoint.keep);
+    if (!checkpointer_->async()) report_checkpoint(checkpointer_->wait());
+  });
+  return path;
+}
+
+std::optional<std::string> TrainingRun::finish_save() {
+  std::optional<std::string> path;
+  on_every_rank(comm_, [&] { path = checkpointer_->wait(); });
+  report_checkpoint(path);
+  return path;
+}
+
+std::string TrainingRun::save() {
+  const std::string path = start_save();
+  finish_save();
+  return path;
+}
+
+void TrainingRun::report_checkpoint(const std::optional<std::string>& path) {
+  if (path && events_.on_checkpoint) events_.on_checkpoint(in_flight_step_, *path);
 }
 
 void TrainingRun::log_step(const StepResult& result) {
@@ -316,10 +344,12 @@ RunSummary TrainingRun::train() {
     const bool save_now =
         config_.checkpoint.every_steps > 0 && done % config_.checkpoint.every_steps == 0;
     if (save_now || done == total_steps_) {
-      const std::string path = save();
-      if (events_.on_checkpoint) events_.on_checkpoint(done, path);
+      start_save();
+    } else if (checkpointer_->in_flight()) {
+      on_every_rank(comm_, [&] { report_checkpoint(checkpointer_->poll()); });
     }
   }
+  finish_save();
   summary.wall_s = seconds_since(start);
   summary.steps_run = steps_done_ - first_step;
   summary.samples_per_s =

@@ -98,9 +98,16 @@ class TrainingRun {
   // Loss (and accuracy for classification) over the whole test split, at the current step.
   // It uses the batch buffers: load_batch again before step_on_loaded_batch.
   EvalEvent evaluate();
-  // Saves a checkpoint of the current step under checkpoint.dir (keeping checkpoint.keep);
-  // returns its path.
+  // Saves a checkpoint of the current step under checkpoint.dir (keeping checkpoint.keep)
+  // and returns its path once it is complete. Collective.
   std::string save();
+  // The same in two halves, as train() uses them: start_save() completes a checkpoint still
+  // in flight, then starts this step's (written in the background when checkpoint.async:
+  // the tensors are copied to a staging buffer before the next optimizer step) and returns
+  // the path it will have; finish_save() waits for the one in flight and returns its path
+  // (nullopt when none). on_checkpoint fires as each one completes. Collective.
+  std::string start_save();
+  std::optional<std::string> finish_save();
   // Runs the remaining steps up to total_steps(): creates run.output_dir (metrics.jsonl)
   // and checkpoint.dir first (bad_input when not writable), emits the events, evaluates
   // every train.eval_every steps and at the end, saves every checkpoint.every_steps and
@@ -127,6 +134,7 @@ class TrainingRun {
   LossResult compute_loss(MatrixView output, bool with_gradient, int64_t valid_rows = -1);
   void resume();
   void log_step(const StepResult& result);
+  void report_checkpoint(const std::optional<std::string>& path);
 
   RunConfig config_;
   RunEvents events_;
@@ -159,7 +167,9 @@ class TrainingRun {
   Matrix targets_;
   BatchStaging batch_staging_;  // where a batch is assembled on the host (see data.hpp)
 
-  CheckpointContents checkpoint_;  // views of the live tensors: a save writes them
+  CheckpointContents checkpoint_;               // views of the live tensors: a save writes them
+  std::unique_ptr<Checkpointer> checkpointer_;  // the writer (a thread when async)
+  int64_t in_flight_step_ = 0;                  // the step of the last checkpoint started
   std::optional<CheckpointInfo> resumed_from_;
 
   // train(): metrics.jsonl and the loss window since the last log event.

@@ -7,14 +7,43 @@ endif()
 meshtrain_add_test(NAME checkpoint_test SOURCES checkpoint/checkpoint_test.cpp
                    ${PROJECT_SOURCE_DIR}/apps/inspect.cpp
                    LIBS meshtrain_framework NP 1 2 4 TIMEOUT 120)
-target_compile_definitions(checkpoint_test PRIVATE MESHTRAIN_H5DUMP="${MESHTRAIN_H5DUMP}")
+find_program(MESHTRAIN_H5REPACK h5repack)
+if(NOT MESHTRAIN_H5REPACK)
+  set(MESHTRAIN_H5REPACK "")
+endif()
+target_compile_definitions(checkpoint_test PRIVATE MESHTRAIN_H5DUMP="${MESHTRAIN_H5DUMP}"
+                                                   MESHTRAIN_H5REPACK="${MESHTRAIN_H5REPACK}")
+# The same tests with asynchronous saves.
+foreach(np 1 2 4)
+  add_test(NAME checkpoint_test_async_np${np}
+           COMMAND ${MESHTRAIN_MPIEXEC} ${MPIEXEC_NUMPROC_FLAG} ${np} ${MESHTRAIN_MPIEXEC_TEST_FLAGS}
+                   $<TARGET_FILE:checkpoint_test>)
+  set(slots ${np})
+  if(slots GREATER 2)
+    set(slots 2)
+  endif()
+  set_tests_properties(checkpoint_test_async_np${np} PROPERTIES TIMEOUT 120 PROCESSORS ${slots}
+                       ENVIRONMENT "${MESHTRAIN_TEST_ENVIRONMENT};MESHTRAIN_TEST_CHECKPOINT_ASYNC=1")
+endforeach()
 
-# Crash tests: a save killed at each fault point leaves the previous checkpoint loadable.
+# Crash tests: a save killed (sync, or one rank during an async save) or failing on one rank
+# at each fault point leaves the previous checkpoint latest and loadable.
 add_executable(checkpoint_fault_tool checkpoint/checkpoint_fault_tool.cpp)
 target_link_libraries(checkpoint_fault_tool PRIVATE meshtrain_framework)
-foreach(np 2)
+foreach(np 1 2 4)
   meshtrain_add_command_test(NAME checkpoint_crash_np${np} TIMEOUT 240
     COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/checkpoint/crash_test.sh $<TARGET_FILE:checkpoint_fault_tool>
             ${np} ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
   set_tests_properties(checkpoint_crash_np${np} PROPERTIES PROCESSORS ${np})
 endforeach()
+
+# The plan counts the asynchronous checkpoint's staging buffer (parameters + optimizer state
+# per rank for FSDP AdamW on 2 ranks: 1339412 + 2678824 bytes), and nothing when saves are sync.
+meshtrain_add_command_test(NAME checkpoint_plan_counts_staging
+  COMMAND $<TARGET_FILE:meshtrain> plan ${PROJECT_SOURCE_DIR}/configs/fashion_mnist_fsdp.toml
+          --world 2 --json
+  PASS_REGULAR_EXPRESSION "\"checkpoint_staging_bytes\": 4018236")
+meshtrain_add_command_test(NAME checkpoint_plan_sync_has_no_staging
+  COMMAND $<TARGET_FILE:meshtrain> plan ${PROJECT_SOURCE_DIR}/configs/fashion_mnist_fsdp.toml
+          --world 2 --json --set checkpoint.async=false
+  PASS_REGULAR_EXPRESSION "\"checkpoint_staging_bytes\": 0\n")

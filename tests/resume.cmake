@@ -18,27 +18,42 @@ foreach(_tool MESHTRAIN_H5DUMP MESHTRAIN_H5LS)
   endif()
 endforeach()
 
+# The command with the checkpoint fault hook (test only), for the interrupted-save cases.
+add_executable(meshtrain_with_faults resume/meshtrain_with_faults.cpp
+               ${PROJECT_SOURCE_DIR}/apps/main.cpp)
+target_link_libraries(meshtrain_with_faults PRIVATE meshtrain_command)
+set_source_files_properties(${PROJECT_SOURCE_DIR}/apps/main.cpp TARGET_DIRECTORY meshtrain_with_faults
+                            PROPERTIES COMPILE_DEFINITIONS main=meshtrain_command_main)
+
 set(_resume_runs ${CMAKE_CURRENT_BINARY_DIR}/resume_runs)
 function(resume_test name case)
   meshtrain_add_command_test(NAME resume_${name} TIMEOUT 90
     COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/resume/resume_test.py ${case}
             --meshtrain $<TARGET_FILE:meshtrain> --configs ${PROJECT_SOURCE_DIR}/configs
+            --meshtrain-with-faults $<TARGET_FILE:meshtrain_with_faults>
             --work ${_resume_runs}/${name} --h5dump "${MESHTRAIN_H5DUMP}"
             --h5ls "${MESHTRAIN_H5LS}" ${ARGN}
             -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
   set_tests_properties(resume_${name} PROPERTIES PROCESSORS 2 SKIP_RETURN_CODE 77)
 endfunction()
 
+# Saves are asynchronous (the default) unless a case says --sync.
 # 1. Same mesh (np 2), bit for bit: losses of steps 7..12 and the final checkpoint.
 resume_test(same_mesh_fsdp_adamw same_mesh --preset fsdp --optimizer adamw)
+resume_test(same_mesh_fsdp_adamw_sync same_mesh --preset fsdp --optimizer adamw --sync)
 resume_test(same_mesh_fsdp_sgd same_mesh --preset fsdp --optimizer sgd)
 resume_test(same_mesh_fsdp_tp_adamw same_mesh --preset fsdp_tp --optimizer adamw)
 # 2. Saved on np 4 (fsdp=2 x tp=2), resumed on np 2 and np 1 (dp), to 1e-4.
 resume_test(other_mesh other_mesh)
-# 3. A save killed while writing step 12 leaves step 6 loadable; the next run resumes.
-resume_test(interrupted_save interrupted --preset fsdp)
+resume_test(other_mesh_sync other_mesh --sync)
+# 3. A save killed while writing step 12 leaves step 6 loadable; the next run resumes:
+#    synchronous, every rank aborting; asynchronous, rank 1 killed while its writer thread
+#    writes and its main thread waits for it.
+resume_test(interrupted_save interrupted --preset fsdp --sync)
+resume_test(interrupted_async_save interrupted --preset fsdp --fault-rank 1 --fault-action kill)
 # 4. inspect shows the trainer's checkpoint; a flipped byte is refused by inspect and train.
 resume_test(inspect_corrupt inspect --preset fsdp)
+resume_test(inspect_corrupt_sync inspect --preset fsdp --sync)
 # 5. A resumed run keeps the saved data order and model (issue 9, bug 3); at or past the
 #    run's last step.
 resume_test(compatibility compatibility --preset fsdp)

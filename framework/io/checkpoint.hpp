@@ -1,38 +1,52 @@
 #pragma once
-// Checkpoints (docs/design.md, "Checkpoints (HDF5)"): one HDF5 file per checkpoint, written
-// collectively through MPI-IO. Layout of <dir>/ckpt-<step, 6+ digits>.h5:
+// Checkpoints: one HDF5 file per checkpoint. Layout of <dir>/ckpt-<step, 6+ digits>.h5:
 //
 //   /                       attributes: format, step, mesh ("dp=1 fsdp=4 ..."), mesh_axes,
 //                           mesh_sizes, world_size, framework_version, config (TOML text)
-//   /params/<name>          float32, the global shape; attribute spec = "P(fsdp, None)"
+//   /params/<name>          float32, the global shape, contiguous; attributes spec =
+//                           "P(fsdp, None)" and crc32 (of its raw bytes, as zlib.crc32)
 //   /opt_state/<slot>/<name> the same for each optimizer slot ("m", "v", "momentum")
 //   /train_state            group; attributes step, epoch, batch_in_epoch, seed,
 //                           rng_offset, optimizer_step
 //
-// Every dataset is chunked with a Fletcher32 checksum, so a flipped byte is an error on
-// load. Each rank writes its own hyperslab (collective transfer); of the ranks holding the
-// same replicated block only the one with coordinate 0 on every axis outside the spec
-// writes it. A rank-0 (scalar) tensor is stored as shape [1] with attribute scalar = 1.
+// A rank-0 (scalar) tensor is stored as shape [1] with attribute scalar = 1. A flipped byte
+// fails the dataset's CRC-32 on load and in verify_checkpoint. Of the ranks holding the same
+// replicated block only the one with coordinate 0 on every axis outside the spec writes it.
 //
-// A save goes to "<name>.tmp", is flushed (MPI_File_sync), closed, fsync'd and renamed;
-// then <dir>/latest (the file name of the newest complete checkpoint, one line) is
-// replaced atomically, and only then are checkpoints beyond `keep` removed. An
-// interrupted save therefore leaves the previous checkpoint loadable.
+// How a save runs (checkpoint_save.cpp): rank 0 creates the file's structure (serial HDF5,
+// space allocated, no data) as "<name>.tmp"; every rank then writes its blocks' bytes at their
+// offsets with POSIX pwrite, computing CRC-32s as it goes, and fsyncs; rank 0 combines the
+// CRC-32s, stores them, fsyncs and renames the file; then <dir>/latest (the file name of the
+// newest complete checkpoint, one line) is replaced atomically, and only then are checkpoints
+// beyond `keep` removed. An interrupted or failed save therefore leaves the previous
+// checkpoint as latest, loadable.
+//
+// Asynchronous saves (Checkpointer with async = true): save() returns once the write is
+// started; a writer thread per rank copies the tensors into a staging buffer allocated once
+// (pinned host memory on CUDA builds, where the copy is made before save() returns), then
+// writes the file. Every MPI call is made by the thread that calls the Checkpointer (so
+// MPI_THREAD_FUNNELED suffices); the writer threads make no MPI and no HDF5 call; rank 0's
+// finisher thread (checksums, rename, latest) calls HDF5 only under hdf5::global_mutex(),
+// which the checkpoint functions all hold around their HDF5 calls. The caller must call
+// wait_snapshot() before it changes the tensors (the optimizer step), and poll() each step or
+// wait() to finish the checkpoint.
 //
 // Loading reads each rank's block under the tensors' own (new) spec and mesh, so a
 // checkpoint restores onto any mesh and world size with the same parameter names and
 // shapes. All ranks agree on every failure: each function throws the same Error on every
-// rank of the communicator (the message of the lowest failing rank).
-//
-// Fault injection (tests): env MESHTRAIN_FAULT_INJECT = after_dataset:<n> | before_close |
-// before_rename | before_latest | before_cleanup makes save_checkpoint abort the process
-// (std::abort) at that point.
+// rank of the communicator (the message of the lowest failing rank). No collective call
+// follows a point where one rank alone can fail without the ranks agreeing first.
 
 #include <mpi.h>
 
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "framework/core/sharded_tensor.hpp"
@@ -88,11 +102,62 @@ std::string checkpoint_file_name(int64_t step);
 const char* latest_pointer_name();
 
 // Writes a checkpoint of `contents` into `dir` (created when missing) and returns its
-// path. Collective over `comm`. keep >= 1: checkpoints retained after this one is complete
-// (this one included); keep <= 0 retains all. Throws runtime Errors (the same on every
-// rank) with HDF5's / MPI's / the OS's own text when writing fails.
+// path, synchronously (a Checkpointer with async = false). Collective over `comm`. keep >= 1:
+// checkpoints retained after this one is complete (this one included); keep <= 0 retains all.
+// Throws runtime Errors (the same on every rank) with HDF5's / MPI's / the OS's own text when
+// writing fails.
 std::string save_checkpoint(const CheckpointContents& contents, const std::string& dir,
                             int64_t keep, MPI_Comm comm);
+
+namespace checkpoint_format {
+struct SaveJob;
+class PrivateComm;
+}  // namespace checkpoint_format
+
+// Saves checkpoints of one run, synchronously or in the background. Every member function is
+// collective over the communicator unless it says otherwise, and must be called from the
+// thread that makes the program's MPI calls.
+class Checkpointer {
+ public:
+  Checkpointer(MPI_Comm comm, bool async);
+  // Waits for the writer thread (not collective: the checkpoint in flight stays a .tmp file
+  // and `latest` keeps naming the previous one). Call wait() first to complete it.
+  ~Checkpointer();
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
+
+  // Starts a checkpoint of `contents` into `dir` (see save_checkpoint) and returns the path it
+  // will have. Waits for (and completes) the one in flight first. With async = false it
+  // returns when the checkpoint is complete. Throws as save_checkpoint, on every rank.
+  std::string save(const CheckpointContents& contents, const std::string& dir, int64_t keep);
+
+  // Not collective: returns once the tensors given to the last save() have been copied (at
+  // once when no save is in flight). Call it before changing them.
+  void wait_snapshot();
+
+  // Moves the write in flight on when every rank has finished its part (as every rank saw it
+  // at the previous poll: one MPI_Iallreduce of an int per call, read at the next, so no poll
+  // waits for a slower rank) and returns the checkpoint's path once it is complete (CRC-32s,
+  // rename, latest, clean-up); nullopt otherwise, and at once when nothing is in flight.
+  // Throws the save's error.
+  std::optional<std::string> poll();
+
+  // Waits for the write in flight and completes it; returns its path (nullopt when none was
+  // in flight). Throws the save's error (the same on every rank; the checkpoint is not made).
+  std::optional<std::string> wait();
+
+  bool in_flight() const { return job_ != nullptr; }
+  bool async() const { return async_; }
+
+ private:
+  std::unique_ptr<checkpoint_format::PrivateComm> comm_;
+  bool async_ = true;
+  // The staging buffer (this rank's blocks), allocated by the first asynchronous save and
+  // kept; grown only when a later save holds more.
+  struct Staging;
+  std::unique_ptr<Staging> staging_;
+  std::unique_ptr<checkpoint_format::SaveJob> job_;
+};
 
 // The checkpoint that `dir`/latest names, or nullopt when `dir` has no latest pointer.
 // Throws bad_input naming the pointer when it is unreadable, garbled, or names a file that
@@ -116,7 +181,7 @@ struct DatasetListing {
   std::string dtype;           // "float32", "int64", ...
   std::string spec;            // the spec attribute ("" when absent)
   std::vector<int64_t> chunk;  // empty when not chunked
-  bool fletcher32 = false;
+  std::string checksum;        // "crc32", "fletcher32" (format 1) or "" (none)
 };
 
 struct CheckpointListing {
@@ -128,9 +193,9 @@ struct CheckpointListing {
 // naming the file when it cannot be opened or is not a meshtrain checkpoint.
 CheckpointListing list_checkpoint(const std::string& path);
 
-// Reads every dataset of a checkpoint fully (serial driver). Throws bad_input naming the
-// dataset and the file when one fails its checksum or cannot be read. Returns the number
-// of datasets read.
+// Reads every dataset of a checkpoint fully (serial driver) and checks its checksum. Throws
+// bad_input naming the dataset and the file when one fails its checksum or cannot be read.
+// Returns the number of datasets read.
 int64_t verify_checkpoint(const std::string& path);
 
 }  // namespace meshtrain

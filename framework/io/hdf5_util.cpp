@@ -27,6 +27,11 @@ herr_t collect_entry(unsigned /*n*/, const H5E_error2_t* err, void* data) {
 
 }  // namespace
 
+std::mutex& global_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
 void silence_errors() {
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
 }

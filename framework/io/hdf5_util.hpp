@@ -7,12 +7,18 @@
 #include <hdf5.h>
 
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "partition/error.hpp"
 
 namespace meshtrain::hdf5 {
+
+// HDF5 as Debian builds it (parallel) is not thread safe: the checkpoint code, whose rank-0
+// finisher thread stores checksums while the main thread may open another file, holds this
+// lock around every HDF5 call it makes.
+std::mutex& global_mutex();
 
 // Turns off HDF5's automatic printing of error stacks (we collect them instead). Cheap;
 // called at the start of every public entry point.

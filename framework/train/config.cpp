@@ -39,7 +39,7 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& schema() {
       {"data", {"source", "path", "test_path", "batch_size", "shuffle", "synthetic_samples"}},
       {"optimizer", {"kind", "lr", "momentum", "betas", "eps", "weight_decay", "clip_norm"}},
       {"train", {"epochs", "steps", "log_every", "eval_every"}},
-      {"checkpoint", {"every_steps", "keep", "resume", "dir"}},
+      {"checkpoint", {"every_steps", "keep", "resume", "dir", "async"}},
       {"runtime", {"backend", "matmul_precision"}},
   };
   return sections;
@@ -466,6 +466,7 @@ void read_checkpoint(const Section& s, const std::string& output_dir, Checkpoint
   ckpt.every_steps = s.integer("every_steps", ckpt.every_steps, 0);
   ckpt.keep = s.integer("keep", ckpt.keep, 1);
   ckpt.resume = s.boolean("resume", ckpt.resume);
+  ckpt.async = s.boolean("async", ckpt.async);
   ckpt.dir = s.string("dir").value_or(output_dir + "/checkpoints");
   if (ckpt.dir.empty()) s.fail("dir", "must not be empty");
 }
@@ -673,6 +674,7 @@ std::string config_to_toml(const RunConfig& config) {
   toml::table checkpoint{{"every_steps", config.checkpoint.every_steps},
                          {"keep", config.checkpoint.keep},
                          {"resume", config.checkpoint.resume},
+                         {"async", config.checkpoint.async},
                          {"dir", config.checkpoint.dir}};
   toml::table runtime{{"backend", config.runtime.backend},
                       {"matmul_precision", config.runtime.matmul_precision}};

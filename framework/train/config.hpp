@@ -81,6 +81,9 @@ struct CheckpointSection {
   int64_t keep = 2;
   bool resume = false;
   std::string dir;  // default: "<output_dir>/checkpoints"
+  // Write in the background: each save copies this rank's blocks into a staging buffer
+  // (allocated once, counted by the plan) and training goes on while it is written.
+  bool async = true;
 };
 
 struct RuntimeSection {

@@ -1,5 +1,8 @@
 // Checkpoints: save on one mesh, restore on another (exact values), keep/latest handling,
 // bad input (model mismatch, pointer, corruption) agreed by all ranks, inspect, h5dump.
+// Registered twice: saves synchronous, and (MESHTRAIN_TEST_CHECKPOINT_ASYNC=1) through an
+// asynchronous Checkpointer whose caller overwrites the tensors as soon as wait_snapshot()
+// returns, so the file must hold the staged values.
 // Runs at NP 1, 2 and 4; meshes are sized from the world so every case runs at every NP
 // (at NP 4 the full cases of the brief: fsdp=4 -> dp=2, tp=2 -> 1 rank, fsdp=2 x tp=2 ->
 // tp=4, 1 rank -> fsdp=2 x tp=2).
@@ -9,10 +12,13 @@
 #include <mpi.h>
 #include <stdlib.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "apps/inspect.hpp"
@@ -27,6 +33,36 @@ namespace {
 namespace fs = std::filesystem;
 using testing::count_all_mismatches;
 using testing::test_contents;
+
+bool async_saves() {
+  const char* value = std::getenv("MESHTRAIN_TEST_CHECKPOINT_ASYNC");
+  return value != nullptr && std::string(value) == "1";
+}
+
+// save_checkpoint, or an asynchronous save whose caller changes the tensors right after the
+// snapshot (as the optimizer would) and keeps running collectives until the file is complete.
+std::string save(const CheckpointContents& contents, const std::string& dir, int64_t keep,
+                 MPI_Comm comm) {
+  if (!async_saves()) return save_checkpoint(contents, dir, keep, comm);
+  Checkpointer checkpointer(comm, /*async=*/true);
+  const std::string path = checkpointer.save(contents, dir, keep);
+  EXPECT_TRUE(checkpointer.in_flight());
+  checkpointer.wait_snapshot();
+  auto overwrite = [](const ShardedTensor& t) {
+    Kokkos::deep_copy(t.local, std::numeric_limits<float>::quiet_NaN());
+  };
+  for (const auto& t : contents.params) overwrite(t);
+  for (const auto& slot : contents.opt_state)
+    for (const auto& t : slot.tensors) overwrite(t);
+  std::optional<std::string> done;
+  while (!done) {
+    MPI_Barrier(comm);
+    done = checkpointer.poll();
+  }
+  EXPECT_EQ(*done, path);
+  EXPECT_FALSE(checkpointer.in_flight());
+  return path;
+}
 
 // A fresh directory shared by all ranks (made by rank 0), removed after the test.
 class CheckpointTest : public ::testing::Test {
@@ -67,7 +103,7 @@ class CheckpointTest : public ::testing::Test {
       int r = 0;
       MPI_Comm_rank(save_comm, &r);
       const CheckpointContents saved = test_contents(save_mesh, r, save_layout, step, true);
-      const std::string path = save_checkpoint(saved, dir_, 2, save_comm);
+      const std::string path = save(saved, dir_, 2, save_comm);
       EXPECT_EQ(path, dir_ + "/" + checkpoint_file_name(step));
       MPI_Comm_free(&save_comm);
     }
@@ -96,8 +132,7 @@ class CheckpointTest : public ::testing::Test {
   // Saves the test contents at `step` on all ranks with fsdp = world size.
   std::string save_fsdp(int64_t step, int64_t keep = 2) {
     const Mesh mesh = Mesh::create({{"fsdp", world_size()}}, world_size());
-    return save_checkpoint(test_contents(mesh, world_rank(), "fsdp", step, true), dir_, keep,
-                           MPI_COMM_WORLD);
+    return save(test_contents(mesh, world_rank(), "fsdp", step, true), dir_, keep, MPI_COMM_WORLD);
   }
 
   // Empty contents for all ranks with tp = world size.
@@ -218,25 +253,18 @@ TEST_F(CheckpointTest, ModelMismatchIsBadInputNamingParameterAndShapes) {
   testing::expect_bad_input([&] { load_checkpoint(dir_, momentum, MPI_COMM_WORLD); }, {"momentum"});
 }
 
-// Flips one byte in the middle of the stored chunk of `dataset` (serial HDF5 to find it).
+// Flips one byte in the middle of the stored data of `dataset` (serial HDF5 to find it).
 void flip_byte_in_dataset(const std::string& file, const std::string& dataset) {
   hid_t f = H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
   ASSERT_GE(f, 0);
   hid_t d = H5Dopen2(f, dataset.c_str(), H5P_DEFAULT);
   ASSERT_GE(d, 0);
-  hid_t space = H5Dget_space(d);
-  ASSERT_GE(space, 0);
-  hsize_t nchunks = 0;
-  ASSERT_GE(H5Dget_num_chunks(d, space, &nchunks), 0);
-  ASSERT_GE(nchunks, 1u);
-  hsize_t offset[2] = {0, 0};
-  unsigned mask = 0;
-  haddr_t address = 0;
-  hsize_t size = 0;
-  ASSERT_GE(H5Dget_chunk_info(d, space, 0, offset, &mask, &address, &size), 0);
-  H5Sclose(space);
+  const haddr_t address = H5Dget_offset(d);  // contiguous
+  const hsize_t size = H5Dget_storage_size(d);
   H5Dclose(d);
   H5Fclose(f);
+  ASSERT_NE(address, HADDR_UNDEF);
+  ASSERT_GT(size, 0u);
   std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
   io.seekg(static_cast<std::streamoff>(address + size / 2));
   char byte = 0;
@@ -276,14 +304,33 @@ TEST_F(CheckpointTest, InspectPrintsStepMeshDatasetsSpecsAndConfig) {
   for (const std::string fragment :
        {std::string("step: 11"), mesh.describe(), std::string("/params/layers/0/weight  "),
         std::string("float32  [8, 12]  P(fsdp, None)"), std::string("/opt_state/v/layers/1/bias"),
-        std::string("/params/scale"), std::string("fletcher32"),
+        std::string("/params/scale"), std::string("contiguous, crc32"),
         std::string("name = \"checkpoint-test\""), std::string("verify: 15 datasets read")}) {
     EXPECT_NE(text.find(fragment), std::string::npos) << "missing '" << fragment << "' in:\n"
                                                       << text;
   }
   const CheckpointListing listing = list_checkpoint(path);
   ASSERT_EQ(listing.datasets.size(), 15u);
-  for (const auto& d : listing.datasets) EXPECT_TRUE(d.fletcher32) << d.path;
+  for (const auto& d : listing.datasets) EXPECT_EQ(d.checksum, "crc32") << d.path;
+  // The stored CRC-32 is zlib's crc32 of the dataset's bytes (what Python's zlib.crc32 gives).
+  hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  for (const auto& d : listing.datasets) {
+    hid_t ds = H5Dopen2(f, d.path.c_str(), H5P_DEFAULT);
+    ASSERT_GE(ds, 0);
+    std::vector<float> values(static_cast<size_t>(H5Dget_storage_size(ds) / 4));
+    ASSERT_GE(H5Dread(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data()), 0);
+    hid_t attr = H5Aopen(ds, "crc32", H5P_DEFAULT);
+    ASSERT_GE(attr, 0);
+    uint64_t stored = 0;
+    ASSERT_GE(H5Aread(attr, H5T_NATIVE_UINT64, &stored), 0);
+    const uLong expected = crc32(0L, reinterpret_cast<const Bytef*>(values.data()),
+                                 static_cast<uInt>(values.size() * 4));
+    EXPECT_EQ(stored, expected) << d.path;
+    H5Aclose(attr);
+    H5Dclose(ds);
+  }
+  H5Fclose(f);
   testing::expect_bad_input([&] { list_checkpoint(dir_ + "/absent.h5"); }, {dir_ + "/absent.h5"});
 }
 
@@ -314,6 +361,67 @@ TEST_F(CheckpointTest, H5dumpReadsParameterValues) {
   ASSERT_EQ(dumped.size(), 96u) << output;
   for (int64_t i = 0; i < 96; ++i)
     EXPECT_EQ(dumped[i], testing::test_value(0, i, 13)) << "element " << i;
+}
+
+// Checkpoints of format 1 (chunked datasets with HDF5's Fletcher32 filter, no crc32) still
+// load, and a flipped byte in them is still reported. Made from a format-2 file by h5repack.
+TEST_F(CheckpointTest, Format1FletcherFilesLoad) {
+  if (std::string(MESHTRAIN_H5REPACK).empty()) GTEST_SKIP() << "h5repack (hdf5-tools) is missing";
+  const std::string path = save_fsdp(15);
+  const std::string old = dir_ + "/" + checkpoint_file_name(16);
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() == 0) {
+    const std::string command =
+        std::string(MESHTRAIN_H5REPACK) + " -f FLET " + path + " " + old + " 2>&1";
+    ASSERT_EQ(std::system(command.c_str()), 0) << command;
+    hid_t f = H5Fopen(old.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    ASSERT_GE(H5Adelete(f, "format"), 0);
+    hid_t type = H5Tcopy(H5T_C_S1);
+    const std::string format = "meshtrain-checkpoint-1";
+    H5Tset_size(type, format.size() + 1);
+    hid_t space = H5Screate(H5S_SCALAR);
+    hid_t attr = H5Acreate2(f, "format", type, space, H5P_DEFAULT, H5P_DEFAULT);
+    ASSERT_GE(H5Awrite(attr, type, format.c_str()), 0);
+    H5Aclose(attr);
+    H5Sclose(space);
+    H5Tclose(type);
+    for (const auto& d : list_checkpoint(old).datasets) {
+      ASSERT_GE(H5Adelete_by_name(f, d.path.c_str(), "crc32", H5P_DEFAULT), 0) << d.path;
+    }
+    H5Fclose(f);
+    const CheckpointListing listing = list_checkpoint(old);
+    for (const auto& d : listing.datasets) EXPECT_EQ(d.checksum, "fletcher32") << d.path;
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  CheckpointContents into = empty_tp();
+  EXPECT_EQ(load_checkpoint(old, into, MPI_COMM_WORLD).train_state.step, 15);
+  EXPECT_EQ(count_all_mismatches(into, 15), 0);
+  if (world_rank() == 0) {
+    EXPECT_EQ(verify_checkpoint(old), 15);
+    hid_t f = H5Fopen(old.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+    hid_t d = H5Dopen2(f, "/params/layers/0/weight", H5P_DEFAULT);
+    hid_t space = H5Dget_space(d);
+    hsize_t offset[2] = {0, 0};
+    unsigned mask = 0;
+    haddr_t address = 0;
+    hsize_t size = 0;
+    ASSERT_GE(H5Dget_chunk_info(d, space, 0, offset, &mask, &address, &size), 0);
+    H5Sclose(space);
+    H5Dclose(d);
+    H5Fclose(f);
+    std::fstream io(old, std::ios::in | std::ios::out | std::ios::binary);
+    io.seekg(static_cast<std::streamoff>(address + size / 2));
+    char byte = 0;
+    io.read(&byte, 1);
+    io.seekp(static_cast<std::streamoff>(address + size / 2));
+    io.put(static_cast<char>(byte ^ 0x5a));
+    ASSERT_TRUE(io.good());
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  CheckpointContents again = empty_tp();
+  testing::expect_bad_input([&] { load_checkpoint(old, again, MPI_COMM_WORLD); },
+                            {"/params/layers/0/weight", old, "corrupt"});
 }
 
 }  // namespace

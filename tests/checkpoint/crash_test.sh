@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Kills checkpoint saves half-way (MESHTRAIN_FAULT_INJECT) and checks that the previous
-# checkpoint is still the latest and loads exactly, and that the next save succeeds.
+# Kills or fails checkpoint saves half-way (the fault tool's test hook) and checks that the
+# previous checkpoint is still the latest, loads exactly and verifies, that no incomplete
+# checkpoint is named complete, that a failure on one rank is reported once, and that the
+# next save succeeds.
 # Usage: crash_test.sh TOOL NP MPIEXEC [MPIEXEC FLAGS...]
 set -u
 tool=$1
 np=$2
 shift 2
 mpi=("$@" -n "$np")
+last=$((np - 1))  # the rank that fails alone
 work=$(mktemp -d /tmp/meshtrain-crash-XXXXXX)
 trap 'rm -rf "$work"' EXIT
 failures=0
@@ -16,7 +19,15 @@ fail() {
   failures=$((failures + 1))
 }
 
-# point, step that must be latest after the crash
+# Saves step 3 and checks it loads, and that no temporary file is left.
+next_save_takes_over() {
+  local dir=$1 name=$2 mode=$3
+  "${mpi[@]}" "$tool" save "$dir" 3 $mode >"$work/log" 2>&1 || { fail "$name: save after the crash failed"; cat "$work/log"; }
+  "${mpi[@]}" "$tool" check "$dir" 3 >"$work/log" 2>&1 || { fail "$name: step 3 does not load"; cat "$work/log"; }
+  ls "$dir" | grep -q '\.tmp$' && fail "$name: leftovers remain: $(ls "$dir")"
+}
+
+# Synchronous saves killed (abort on every rank) at each point; the step that must be latest.
 for case in "after_dataset:1 1" "after_dataset:8 1" "before_close 1" "before_rename 1" \
             "before_latest 1" "before_cleanup 2"; do
   set -- $case
@@ -24,7 +35,7 @@ for case in "after_dataset:1 1" "after_dataset:8 1" "before_close 1" "before_ren
   expect=$2
   dir="$work/${point//:/_}"
   "${mpi[@]}" "$tool" save "$dir" 1 >"$work/log" 2>&1 || { fail "$point: first save failed"; cat "$work/log"; continue; }
-  if MESHTRAIN_FAULT_INJECT=$point "${mpi[@]}" "$tool" save "$dir" 2 >"$work/log" 2>&1; then
+  if MESHTRAIN_TEST_FAULT=$point "${mpi[@]}" "$tool" save "$dir" 2 >"$work/log" 2>&1; then
     fail "$point: the injected save did not abort"
   fi
   grep -q "fault injected" "$work/log" || fail "$point: no 'fault injected' message"
@@ -35,13 +46,47 @@ for case in "after_dataset:1 1" "after_dataset:8 1" "before_close 1" "before_ren
       [ -f "$dir/ckpt-000002.h5.tmp" ] || fail "$point: no temporary file was left"
       [ -f "$dir/ckpt-000002.h5" ] && fail "$point: an incomplete checkpoint was renamed" ;;
   esac
-  # The next complete save takes over and removes the leftovers of the crash (checked for
-  # two of the points, to keep the test short).
-  case $point in after_dataset:8|before_latest) ;; *) echo "ok: $point"; continue ;; esac
-  "${mpi[@]}" "$tool" save "$dir" 3 >"$work/log" 2>&1 || { fail "$point: save after the crash failed"; cat "$work/log"; }
-  "${mpi[@]}" "$tool" check "$dir" 3 >"$work/log" 2>&1 || { fail "$point: step 3 does not load"; cat "$work/log"; }
-  ls "$dir" | grep -q '\.tmp$' && fail "$point: leftovers remain: $(ls "$dir")"
-  echo "ok: $point"
+  # The next complete save takes over and removes the leftovers (two of the points).
+  case $point in after_dataset:8|before_latest) next_save_takes_over "$dir" "$point" "" ;; esac
+  echo "ok: sync $point"
+done
+
+# Asynchronous saves: one rank is killed (SIGKILL) while its writer thread is in the middle of
+# the file and its main thread runs collectives; the job dies, the previous checkpoint stays
+# latest and verifies, and a resumed job saves the next one.
+for point in snapshot after_dataset:2 before_close; do
+  dir="$work/async_${point//:/_}"
+  "${mpi[@]}" "$tool" save "$dir" 1 async >"$work/log" 2>&1 || { fail "async $point: first save failed"; cat "$work/log"; continue; }
+  if MESHTRAIN_TEST_FAULT=$point MESHTRAIN_TEST_FAULT_RANK=$last MESHTRAIN_TEST_FAULT_ACTION=kill \
+       "${mpi[@]}" "$tool" save "$dir" 2 async >"$work/log" 2>&1; then
+    fail "async $point: the killed save did not fail"
+  fi
+  grep -q "fault injected" "$work/log" || { fail "async $point: no 'fault injected' message"; cat "$work/log"; }
+  "${mpi[@]}" "$tool" check "$dir" 1 >"$work/log" 2>&1 || { fail "async $point: latest is not step 1"; cat "$work/log"; }
+  [ -f "$dir/ckpt-000002.h5" ] && fail "async $point: an incomplete checkpoint was renamed"
+  next_save_takes_over "$dir" "async $point" async
+  echo "ok: async kill at $point on rank $last"
+done
+
+# A save that fails on one rank only (before the file exists, and in its writer): every rank
+# stops with the same error, printed once; no checkpoint of that step, no temporary file.
+for case in "prepare sync" "after_dataset:1 async" "snapshot async"; do
+  set -- $case
+  point=$1
+  mode=$2
+  [ "$mode" = sync ] && mode=""
+  dir="$work/fail_${point//:/_}"
+  "${mpi[@]}" "$tool" save "$dir" 1 >"$work/log" 2>&1 || { fail "fail $point: first save failed"; cat "$work/log"; continue; }
+  if MESHTRAIN_TEST_FAULT=$point MESHTRAIN_TEST_FAULT_RANK=$last MESHTRAIN_TEST_FAULT_ACTION=throw \
+       "${mpi[@]}" "$tool" save "$dir" 2 $mode >"$work/log" 2>&1; then
+    fail "fail $point: the failed save exited 0"
+  fi
+  errors=$(grep -c "^error: .*fault injected at ${point%%:*}" "$work/log")
+  [ "$errors" = 1 ] || { fail "fail $point: the error was printed $errors times, expected once"; cat "$work/log"; }
+  "${mpi[@]}" "$tool" check "$dir" 1 >"$work/log" 2>&1 || { fail "fail $point: latest is not step 1"; cat "$work/log"; }
+  [ -e "$dir/ckpt-000002.h5" ] && fail "fail $point: the failed checkpoint was named complete"
+  [ -e "$dir/ckpt-000002.h5.tmp" ] && fail "fail $point: the failed checkpoint's temporary file remains"
+  echo "ok: one-rank failure at $point ($2)"
 done
 
 if [ "$failures" -ne 0 ]; then

@@ -239,6 +239,7 @@ dir = "ckpt"
   EXPECT_EQ(b.checkpoint.every_steps, a.checkpoint.every_steps);
   EXPECT_EQ(b.checkpoint.keep, a.checkpoint.keep);
   EXPECT_EQ(b.checkpoint.resume, a.checkpoint.resume);
+  EXPECT_EQ(b.checkpoint.async, a.checkpoint.async);
   EXPECT_EQ(b.checkpoint.dir, a.checkpoint.dir);
   EXPECT_EQ(b.runtime.backend, a.runtime.backend);
   EXPECT_EQ(b.runtime.matmul_precision, a.runtime.matmul_precision);

@@ -11,7 +11,8 @@ CASE is one of
   other_mesh    save at step 6 on np 4 (fsdp=2 x tp=2), resume on np 2 (dp) and np 1 (dp):
                 the losses of steps 7..12 and the final parameters match the uninterrupted
                 run to the stated tolerances.
-  interrupted   a save killed half-way (MESHTRAIN_FAULT_INJECT=after_dataset:2) exits
+  interrupted   a save killed half-way (MESHTRAIN_TEST_FAULT=after_dataset:2, through the
+                test-only meshtrain_with_faults; on every rank or, with --fault-rank, on one) exits
                 non-zero without hanging, leaves step 6 as `latest` and verifiable, and a
                 third run resumes from it to the same losses as the uninterrupted run.
   inspect       `meshtrain inspect` prints a trainer checkpoint's step, mesh and config; a
@@ -57,6 +58,10 @@ class Context:
         self.h5ls = args.h5ls
         self.mpiexec = args.mpiexec
         self.optimizer = args.optimizer
+        self.sync = args.sync
+        self.meshtrain_with_faults = args.meshtrain_with_faults or args.meshtrain
+        self.fault_rank = args.fault_rank
+        self.fault_action = args.fault_action
         self.failures = []
 
     def config(self, preset):
@@ -68,6 +73,9 @@ class Context:
                     "--set", "optimizer.momentum=0.9"]
         return ["--set", 'optimizer.kind="adamw"']
 
+    def async_sets(self):
+        return ["--set", "checkpoint.async=false"] if self.sync else []
+
     def check(self, condition, message):
         if not condition:
             print("FAIL: " + message, file=sys.stderr)
@@ -78,7 +86,8 @@ class Context:
 def run(cmd, env_extra=None, timeout=RUN_TIMEOUT_S):
     """Runs a command; returns (status, stdout, stderr). A timeout is a failure."""
     env = dict(os.environ)
-    env.pop("MESHTRAIN_FAULT_INJECT", None)
+    for name in ("MESHTRAIN_TEST_FAULT", "MESHTRAIN_TEST_FAULT_RANK", "MESHTRAIN_TEST_FAULT_ACTION"):
+        env.pop(name, None)
     if env_extra:
         env.update(env_extra)
     try:
@@ -90,10 +99,12 @@ def run(cmd, env_extra=None, timeout=RUN_TIMEOUT_S):
     return p.returncode, p.stdout, p.stderr
 
 
-def train(ctx, np, preset, output_dir, steps, extra=(), env_extra=None, expect_status=0):
+def train(ctx, np, preset, output_dir, steps, extra=(), env_extra=None, expect_status=0,
+          program=None):
     """mpirun -np NP meshtrain train CONFIG ...; checks the exit status."""
     cmd = (ctx.mpiexec[:1] + ["-n", str(np)] + ctx.mpiexec[1:] +
-           [ctx.meshtrain, "train", ctx.config(preset)] + SMALL + ctx.optimizer_sets() +
+           [program or ctx.meshtrain, "train", ctx.config(preset)] + SMALL +
+           ctx.optimizer_sets() + ctx.async_sets() +
            ["--set", "train.steps=%d" % steps, "--set", 'run.output_dir="%s"' % output_dir] +
            list(extra))
     status, out, err = run(cmd, env_extra)
@@ -280,9 +291,12 @@ def case_interrupted(ctx, preset):
     train(ctx, np, preset, b, 6, ["--set", "checkpoint.every_steps=6"])
     ctx.check(read_latest(ckpt_dir) == "ckpt-000006.h5", "latest does not name step 6")
     # The second run trains 7..12, then dies while writing step 12's second dataset.
-    status, out, err = train(ctx, np, preset, b, 12, resume,
-                             env_extra={"MESHTRAIN_FAULT_INJECT": "after_dataset:2"},
-                             expect_status=None)
+    fault = {"MESHTRAIN_TEST_FAULT": "after_dataset:2",
+             "MESHTRAIN_TEST_FAULT_ACTION": ctx.fault_action}
+    if ctx.fault_rank is not None:
+        fault["MESHTRAIN_TEST_FAULT_RANK"] = str(ctx.fault_rank)
+    status, out, err = train(ctx, np, preset, b, 12, resume, env_extra=fault,
+                             expect_status=None, program=ctx.meshtrain_with_faults)
     print("the save killed at after_dataset:2 ended the job with exit status %d" % status)
     ctx.check("fault injected" in out + err, "no 'fault injected' message:\n" + out + err)
     ctx.check(read_latest(ckpt_dir) == "ckpt-000006.h5",
@@ -308,18 +322,16 @@ def case_interrupted(ctx, preset):
                             os.path.join(a, "checkpoints", "ckpt-000012.h5"), exact=True)
 
 
-def chunk_address(ctx, path, dataset):
-    """File offset and size of the first stored chunk of `dataset` (h5ls -v -a)."""
+def data_address(ctx, path, dataset):
+    """File offset and size of the stored data of a contiguous `dataset` (h5ls -v -a)."""
     status, out, err = run([ctx.h5ls, "-v", "-a", path + dataset])
     if status != 0:
         raise Failure("h5ls -v -a %s%s failed (%d): %s" % (path, dataset, status, err))
-    # The chunk table: "0x00000000   100356       5013 [0, 0, 0]" = flags, stored bytes
-    # (data + the Fletcher32 checksum), file address, logical offset.
-    chunks = re.findall(r"^\s*0x[0-9a-fA-F]+\s+(\d+)\s+(\d+)\s+\[", out, re.M)
-    if not chunks:
-        raise Failure("cannot find the chunk addresses in h5ls' output:\n" + out)
-    size, address = chunks[0]
-    return int(address), int(size)
+    address = re.search(r"^\s*Address:\s+(\d+)", out, re.M)
+    size = re.search(r"^\s*Storage:\s+(\d+) logical bytes", out, re.M)
+    if not address or not size:
+        raise Failure("cannot find the data address in h5ls' output:\n" + out)
+    return int(address.group(1)), int(size.group(1))
 
 
 def case_inspect(ctx, preset):
@@ -342,12 +354,12 @@ def case_inspect(ctx, preset):
         ctx.check(re.search(pattern, out, re.M),
                   "inspect output does not match /%s/:\n%s" % (pattern, out))
 
-    # Flip one byte in the middle of the weight's first stored chunk, in a copy.
+    # Flip one byte in the middle of the weight's stored data, in a copy.
     bad_dir = os.path.join(ctx.work, "corrupt")
     shutil.copytree(os.path.join(run_dir, "checkpoints"), bad_dir)
     bad = os.path.join(bad_dir, "ckpt-000006.h5")
     dataset = "/params/layers/0/weight"
-    address, size = chunk_address(ctx, bad, dataset)
+    address, size = data_address(ctx, bad, dataset)
     with open(bad, "r+b") as f:
         f.seek(address + size // 2)
         byte = f.read(1)
@@ -445,6 +457,10 @@ def main():
     parser.add_argument("--work", required=True)
     parser.add_argument("--h5dump", default="")
     parser.add_argument("--h5ls", default="")
+    parser.add_argument("--meshtrain-with-faults", default="")
+    parser.add_argument("--sync", action="store_true", help="checkpoint.async = false")
+    parser.add_argument("--fault-rank", type=int, default=None)
+    parser.add_argument("--fault-action", choices=["abort", "kill"], default="abort")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--preset", default="fsdp")
     args = parser.parse_args(argv[:split])

@@ -1,0 +1,400 @@
+#include "framework/io/checkpoint_format.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <zlib.h>
+#if MESHTRAIN_HAVE_ISAL
+#include <isa-l/crc.h>
+#endif
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <set>
+
+#include "framework/comm/failure_agreement.hpp"
+#include "framework/comm/mpi_util.hpp"
+#include "framework/core/version.hpp"
+#include "partition/error.hpp"
+#include "partition/planner.hpp"
+
+namespace meshtrain::checkpoint_format {
+
+namespace fs = std::filesystem;
+using hdf5::Handle;
+
+// --- MPI ---------------------------------------------------------------------------------
+
+PrivateComm::PrivateComm(MPI_Comm comm) {
+  check_mpi(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup (checkpoint)");
+  check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+  check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+  check_mpi(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+}
+
+PrivateComm::~PrivateComm() {
+  MPI_Comm_free(&comm_);
+}
+
+void collectively(const PrivateComm& comm, const std::function<void()>& phase) {
+  if (auto error = run_agreed(comm.get(), phase)) throw *error;
+}
+
+// --- tensors -----------------------------------------------------------------------------
+
+namespace {
+
+void check_name(const std::string& name, const std::string& what) {
+  const bool bad = name.empty() || name.front() == '/' || name.back() == '/' ||
+                   name.find("//") != std::string::npos || name.find('.') == 0;
+  MESHTRAIN_REQUIRE(!bad, "checkpoint: ", what, " name '", name,
+                    "' is not a valid '/'-joined name");
+}
+
+void check_tensor(const ShardedTensor& t, const std::string& label) {
+  const size_t rank = t.global_shape.size();
+  MESHTRAIN_REQUIRE(t.box.offset.size() == rank && t.box.extent.size() == rank,
+                    "checkpoint: ", label, " has a box of rank ", t.box.extent.size(),
+                    " for a global shape ", format_shape(t.global_shape));
+  for (size_t d = 0; d < rank; ++d) {
+    MESHTRAIN_REQUIRE(t.box.offset[d] >= 0 && t.box.extent[d] >= 0 &&
+                          t.box.offset[d] + t.box.extent[d] <= t.global_shape[d],
+                      "checkpoint: ", label, " has a box outside its shape ",
+                      format_shape(t.global_shape));
+  }
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(t.local.extent(0)) == t.box.elements(),
+                    "checkpoint: ", label, " holds ", t.local.extent(0), " values but its box has ",
+                    t.box.elements());
+}
+
+}  // namespace
+
+bool owns_block(const Mesh& mesh, int rank, const PartitionSpec& spec) {
+  const std::vector<std::string> used = spec.axes();
+  const std::vector<int> coords = mesh.coordinates(rank);
+  for (size_t a = 0; a < mesh.axes().size(); ++a) {
+    const bool in_spec = std::find(used.begin(), used.end(), mesh.axes()[a].name) != used.end();
+    if (!in_spec && coords[a] != 0) return false;
+  }
+  return true;
+}
+
+std::vector<DatasetEntry> dataset_entries(const CheckpointContents& c, int rank) {
+  std::vector<DatasetEntry> entries;
+  std::set<std::string> seen;
+  auto add = [&](const std::string& path, const std::string& label, const ShardedTensor& t) {
+    MESHTRAIN_REQUIRE(seen.insert(path).second, "checkpoint: ", label, " appears twice");
+    check_tensor(t, label);
+    entries.push_back(
+        {path, label, const_cast<ShardedTensor*>(&t), owns_block(c.mesh, rank, t.spec)});
+  };
+  for (const auto& t : c.params) {
+    check_name(t.name, "parameter");
+    add("/params/" + t.name, "parameter '" + t.name + "'", t);
+  }
+  for (const auto& slot : c.opt_state) {
+    check_name(slot.name, "optimizer slot");
+    MESHTRAIN_REQUIRE(slot.name.find('/') == std::string::npos, "checkpoint: optimizer slot name '",
+                      slot.name, "' contains '/'");
+    for (const auto& t : slot.tensors) {
+      check_name(t.name, "optimizer state");
+      add("/opt_state/" + slot.name + "/" + t.name,
+          "optimizer state '" + slot.name + "' of parameter '" + t.name + "'", t);
+    }
+  }
+  return entries;
+}
+
+std::vector<hsize_t> stored_dims(const std::vector<int64_t>& shape) {
+  if (shape.empty()) return {1};
+  return std::vector<hsize_t>(shape.begin(), shape.end());
+}
+
+int64_t global_elements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+void for_each_run(const ShardedTensor& t,
+                  const std::function<void(int64_t local, int64_t global, int64_t count)>& fn) {
+  const int64_t elements = t.box.elements();
+  if (elements == 0) return;
+  const size_t rank = t.global_shape.size();
+  if (rank == 0) return fn(0, 0, 1);
+  // The trailing dimensions the box covers whole are one run with the first one it splits.
+  size_t split = rank - 1;
+  while (split > 0 && t.box.extent[split] == t.global_shape[split]) --split;
+  int64_t run = 1;
+  for (size_t d = split; d < rank; ++d) run *= t.box.extent[d];
+  std::vector<int64_t> stride(rank, 1);
+  for (size_t d = rank - 1; d > 0; --d) stride[d - 1] = stride[d] * t.global_shape[d];
+  std::vector<int64_t> index(split, 0);  // position in the leading dimensions of the box
+  for (int64_t local = 0; local < elements; local += run) {
+    int64_t global = 0;
+    for (size_t d = 0; d < rank; ++d)
+      global += (t.box.offset[d] + (d < split ? index[d] : 0)) * stride[d];
+    fn(local, global, run);
+    for (size_t d = split; d-- > 0;) {
+      if (++index[d] < t.box.extent[d]) break;
+      index[d] = 0;
+    }
+  }
+}
+
+// --- checksums -----------------------------------------------------------------------------
+
+uint32_t crc32_update(uint32_t crc, const void* data, size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+#if MESHTRAIN_HAVE_ISAL
+  return crc32_gzip_refl(crc, p, bytes);
+#else
+  // zlib takes a uInt length: feed it in pieces below 4 GiB.
+  while (bytes > 0) {
+    const uInt n = static_cast<uInt>(std::min<size_t>(bytes, size_t{1} << 30));
+    crc = static_cast<uint32_t>(::crc32(crc, p, n));
+    p += n;
+    bytes -= n;
+  }
+  return crc;
+#endif
+}
+
+void append_piece(std::vector<Piece>& pieces, const Piece& piece) {
+  if (!pieces.empty()) {
+    Piece& last = pieces.back();
+    if (last.dataset == piece.dataset && last.offset + last.length == piece.offset) {
+      last.crc = static_cast<uint32_t>(crc32_combine(last.crc, piece.crc, piece.length));
+      last.length += piece.length;
+      return;
+    }
+  }
+  pieces.push_back(piece);
+}
+
+std::vector<Piece> gather_pieces(const PrivateComm& comm, const std::vector<Piece>& mine) {
+  static_assert(sizeof(Piece) == 32, "Piece is sent as bytes");
+  const int bytes = static_cast<int>(mine.size() * sizeof(Piece));  // checked by the caller
+  std::vector<int> counts(comm.rank() == 0 ? static_cast<size_t>(comm.size()) : 0);
+  check_mpi(MPI_Gather(&bytes, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, comm.get()),
+            "MPI_Gather (checkpoint checksums)");
+  std::vector<int> displs(counts.size(), 0);
+  int64_t total = 0;
+  for (size_t r = 0; r < counts.size(); ++r) {
+    displs[r] = static_cast<int>(total);
+    total += counts[r];
+  }
+  // Rank 0 receives at most INT_MAX bytes: a million pieces per rank is far beyond any model.
+  std::vector<Piece> all(static_cast<size_t>(total) / sizeof(Piece));
+  check_mpi(MPI_Gatherv(mine.data(), bytes, MPI_BYTE, all.data(), counts.data(), displs.data(),
+                        MPI_BYTE, 0, comm.get()),
+            "MPI_Gatherv (checkpoint checksums)");
+  return all;
+}
+
+std::vector<uint32_t> combine_pieces(std::vector<Piece> pieces,
+                                     const std::vector<int64_t>& dataset_bytes,
+                                     const std::vector<DatasetEntry>& entries) {
+  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
+    return a.dataset != b.dataset ? a.dataset < b.dataset : a.offset < b.offset;
+  });
+  std::vector<uint32_t> crcs(dataset_bytes.size(), 0);
+  std::vector<int64_t> covered(dataset_bytes.size(), 0);
+  // Most pieces have one of a few lengths: build zlib's combine operator once per length.
+  std::map<int64_t, uLong> operators;
+  for (const Piece& p : pieces) {
+    MESHTRAIN_REQUIRE(p.dataset >= 0 && p.dataset < static_cast<int64_t>(crcs.size()),
+                      "checkpoint: a checksum names dataset ", p.dataset, " of ", crcs.size());
+    const size_t i = static_cast<size_t>(p.dataset);
+    MESHTRAIN_REQUIRE(p.offset == covered[i], "checkpoint: the blocks of ", entries[i].label,
+                      " do not tile it (a block starts at byte ", p.offset, ", expected ",
+                      covered[i], ")");
+    if (covered[i] == 0) {
+      crcs[i] = p.crc;
+    } else {
+#if ZLIB_VERNUM >= 0x12c0
+      auto op = operators.find(p.length);
+      if (op == operators.end())
+        op = operators.emplace(p.length, crc32_combine_gen(p.length)).first;
+      crcs[i] = static_cast<uint32_t>(crc32_combine_op(crcs[i], p.crc, op->second));
+#else
+      crcs[i] = static_cast<uint32_t>(crc32_combine(crcs[i], p.crc, p.length));
+#endif
+    }
+    covered[i] += p.length;
+  }
+  for (size_t i = 0; i < crcs.size(); ++i) {
+    MESHTRAIN_REQUIRE(covered[i] == dataset_bytes[i], "checkpoint: the blocks of ",
+                      entries[i].label, " cover ", covered[i], " of its ", dataset_bytes[i],
+                      " bytes");
+  }
+  return crcs;
+}
+
+// --- metadata ----------------------------------------------------------------------------
+
+void write_metadata(hid_t file, const CheckpointContents& c) {
+  const TrainState& state = c.train_state;
+  const std::string& config = c.config_text;
+  std::string axes;
+  std::vector<int64_t> sizes;
+  for (const auto& axis : c.mesh.axes()) {
+    axes += (axes.empty() ? "" : ",") + axis.name;
+    sizes.push_back(axis.size);
+  }
+  hdf5::write_attribute(file, "format", std::string(kFormat));
+  hdf5::write_attribute(file, "step", state.step);
+  hdf5::write_attribute(file, "mesh", c.mesh.describe());
+  hdf5::write_attribute(file, "mesh_axes", axes);
+  hdf5::write_attribute(file, "mesh_sizes", sizes);
+  hdf5::write_attribute(file, "world_size", static_cast<int64_t>(c.mesh.world_size()));
+  hdf5::write_attribute(file, "framework_version", std::string(framework_version()));
+  hdf5::write_attribute(file, "config", config);
+
+  Handle group = hdf5::make(H5Gcreate2(file, "/train_state", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                            H5Gclose, ErrorKind::runtime, "cannot create group '/train_state'");
+  hdf5::write_attribute(group, "step", state.step);
+  hdf5::write_attribute(group, "epoch", state.epoch);
+  hdf5::write_attribute(group, "batch_in_epoch", state.batch_in_epoch);
+  hdf5::write_attribute(group, "seed", state.seed);
+  hdf5::write_attribute(group, "rng_offset", state.rng_offset);
+  hdf5::write_attribute(group, "optimizer_step", state.optimizer_step);
+  group.close("cannot close group '/train_state'");
+}
+
+std::string read_format(hid_t file, const std::string& path) {
+  const ErrorKind bad = ErrorKind::bad_input;
+  const std::string where = "checkpoint '" + path + "'";
+  if (!hdf5::has_attribute(file, "format", bad, where)) {
+    MESHTRAIN_BAD_INPUT("'", path,
+                        "' is not a meshtrain checkpoint (its root has no 'format' attribute)");
+  }
+  const std::string format = hdf5::read_string_attribute(file, "format", bad, where);
+  if (format != kFormat && format != kFormatFletcher) {
+    MESHTRAIN_BAD_INPUT("checkpoint '", path, "' has format '", format, "'; this meshtrain reads '",
+                        kFormat, "' and '", kFormatFletcher, "'");
+  }
+  return format;
+}
+
+CheckpointInfo read_metadata(hid_t file, const std::string& path) {
+  const ErrorKind bad = ErrorKind::bad_input;
+  const std::string where = "checkpoint '" + path + "'";
+  read_format(file, path);
+  CheckpointInfo info;
+  info.path = path;
+  info.mesh = hdf5::read_string_attribute(file, "mesh", bad, where);
+  info.world_size = hdf5::read_int_attribute(file, "world_size", bad, where);
+  info.framework_version = hdf5::read_string_attribute(file, "framework_version", bad, where);
+  info.config_text = hdf5::read_string_attribute(file, "config", bad, where);
+  if (!hdf5::path_exists(file, "/train_state", bad, where)) {
+    MESHTRAIN_BAD_INPUT("checkpoint '", path, "' has no '/train_state' group");
+  }
+  Handle group = hdf5::make(H5Gopen2(file, "/train_state", H5P_DEFAULT), H5Gclose, bad,
+                            "cannot open '/train_state' in " + where);
+  const std::string gwhere = "'/train_state' in " + where;
+  TrainState& s = info.train_state;
+  s.step = hdf5::read_int_attribute(group, "step", bad, gwhere);
+  s.epoch = hdf5::read_int_attribute(group, "epoch", bad, gwhere);
+  s.batch_in_epoch = hdf5::read_int_attribute(group, "batch_in_epoch", bad, gwhere);
+  s.seed = hdf5::read_uint_attribute(group, "seed", bad, gwhere);
+  s.rng_offset = hdf5::read_uint_attribute(group, "rng_offset", bad, gwhere);
+  s.optimizer_step = hdf5::read_int_attribute(group, "optimizer_step", bad, gwhere);
+  return info;
+}
+
+void collect_datasets(hid_t file, const std::string& group_path, const std::string& prefix,
+                      std::vector<std::string>& out, const std::string& where) {
+  const ErrorKind bad = ErrorKind::bad_input;
+  Handle group = hdf5::make(H5Gopen2(file, group_path.c_str(), H5P_DEFAULT), H5Gclose, bad,
+                            "cannot open group '" + group_path + "' in " + where);
+  H5G_info_t info;
+  hdf5::check(H5Gget_info(group, &info), bad, "cannot list group '" + group_path + "' in " + where);
+  for (hsize_t i = 0; i < info.nlinks; ++i) {
+    const ssize_t length =
+        H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT);
+    if (length < 0) hdf5::check(-1, bad, "cannot list group '" + group_path + "' in " + where);
+    std::string name(static_cast<size_t>(length) + 1, '\0');
+    if (H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, name.data(), name.size(),
+                           H5P_DEFAULT) < 0) {
+      hdf5::check(-1, bad, "cannot list group '" + group_path + "' in " + where);
+    }
+    name.resize(static_cast<size_t>(length));
+    const std::string child = (group_path == "/" ? "" : group_path) + "/" + name;
+    Handle object = hdf5::make(H5Oopen(file, child.c_str(), H5P_DEFAULT), H5Oclose, bad,
+                               "cannot open '" + child + "' in " + where);
+    const H5I_type_t type = H5Iget_type(object);
+    if (type == H5I_GROUP) {
+      collect_datasets(file, child, prefix + name + "/", out, where);
+    } else if (type == H5I_DATASET) {
+      out.push_back(prefix + name);
+    }
+  }
+}
+
+std::vector<int64_t> logical_shape(hid_t dataset, const std::string& what) {
+  std::vector<int64_t> shape = hdf5::dataset_shape(dataset, ErrorKind::bad_input, what);
+  if (hdf5::has_attribute(dataset, "scalar", ErrorKind::bad_input, what) &&
+      hdf5::read_int_attribute(dataset, "scalar", ErrorKind::bad_input, what) == 1) {
+    shape.clear();
+  }
+  return shape;
+}
+
+namespace {
+bool is_checksum_failure(const std::string& hdf5_text) {
+  return hdf5_text.find("Fletcher32") != std::string::npos ||
+         hdf5_text.find("checksum") != std::string::npos;
+}
+}  // namespace
+
+[[noreturn]] void throw_read_failure(const std::string& dataset, const std::string& path) {
+  const std::string text = hdf5::take_error_text();
+  if (is_checksum_failure(text)) {
+    MESHTRAIN_BAD_INPUT("dataset '", dataset, "' in checkpoint '", path,
+                        "' is corrupt (Fletcher32 checksum mismatch): ", text);
+  }
+  MESHTRAIN_BAD_INPUT("cannot read dataset '", dataset, "' in checkpoint '", path, "': ", text);
+}
+
+Handle open_serial(const std::string& path, unsigned flags) {
+  hdf5::silence_errors();
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec))
+    MESHTRAIN_BAD_INPUT("checkpoint '", path, "' does not exist or is not a file");
+  return hdf5::make(H5Fopen(path.c_str(), flags, H5P_DEFAULT), H5Fclose, ErrorKind::bad_input,
+                    "cannot open checkpoint '" + path + "' as an HDF5 file");
+}
+
+// --- files -------------------------------------------------------------------------------
+
+const std::regex& checkpoint_name_pattern() {
+  static const std::regex pattern(R"(ckpt-([0-9]+)\.h5)");
+  return pattern;
+}
+
+std::string os_error(int err) {
+  return std::strerror(err);
+}
+
+void fsync_path(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
+  if (fd < 0) MESHTRAIN_FAIL("cannot open '", path, "' to sync it: ", os_error(errno));
+  if (::fsync(fd) != 0) {
+    const int err = errno;
+    ::close(fd);
+    MESHTRAIN_FAIL("fsync of '", path, "' failed: ", os_error(err));
+  }
+  if (::close(fd) != 0) MESHTRAIN_FAIL("closing '", path, "' failed: ", os_error(errno));
+}
+
+void rename_path(const std::string& from, const std::string& to) {
+  if (std::rename(from.c_str(), to.c_str()) != 0) {
+    MESHTRAIN_FAIL("cannot rename '", from, "' to '", to, "': ", os_error(errno));
+  }
+}
+
+}  // namespace meshtrain::checkpoint_format

@@ -1,0 +1,286 @@
+// Loading checkpoints: finding the latest, and reading each rank's blocks under the new mesh
+// (resharding) with every dataset's checksum checked.
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <cerrno>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "framework/comm/communicator.hpp"  // checked_int
+#include "framework/comm/failure_agreement.hpp"
+#include "framework/comm/mpi_util.hpp"
+#include "framework/io/checkpoint.hpp"
+#include "framework/io/checkpoint_format.hpp"
+#include "framework/io/hdf5_util.hpp"
+#include "partition/error.hpp"
+#include "partition/planner.hpp"
+
+namespace meshtrain {
+
+namespace fs = std::filesystem;
+using hdf5::Handle;
+using namespace checkpoint_format;
+
+namespace {
+
+// Reads of at most this many bytes, each checksummed right after it arrives (while the
+// kernel's read-ahead fetches the next).
+constexpr int64_t kSliceBytes = int64_t{4} << 20;
+
+void broadcast_string(const PrivateComm& comm, std::string& text, int root) {
+  int length = checked_int(text.size(), "string length");
+  check_mpi(MPI_Bcast(&length, 1, MPI_INT, root, comm.get()), "MPI_Bcast (checkpoint)");
+  text.resize(static_cast<size_t>(length));
+  if (length > 0)
+    check_mpi(MPI_Bcast(text.data(), length, MPI_CHAR, root, comm.get()), "MPI_Bcast (checkpoint)");
+}
+
+void check_parameter_names(hid_t file, const CheckpointContents& into, const std::string& path) {
+  const std::string where = "checkpoint '" + path + "'";
+  std::vector<std::string> stored;
+  if (hdf5::path_exists(file, "/params", ErrorKind::bad_input, where)) {
+    collect_datasets(file, "/params", "", stored, where);
+  }
+  std::set<std::string> model;
+  for (const auto& t : into.params) model.insert(t.name);
+  const std::set<std::string> in_file(stored.begin(), stored.end());
+  for (const auto& t : into.params) {
+    if (in_file.count(t.name) == 0) {
+      MESHTRAIN_BAD_INPUT("checkpoint '", path, "' has no parameter '", t.name,
+                          "' (the model's has shape ", format_shape(t.global_shape), ")");
+    }
+  }
+  for (const auto& name : stored) {
+    if (model.count(name) == 0) {
+      Handle d = hdf5::make(H5Dopen2(file, ("/params/" + name).c_str(), H5P_DEFAULT), H5Dclose,
+                            ErrorKind::bad_input, "cannot open '/params/" + name + "' in " + where);
+      MESHTRAIN_BAD_INPUT("checkpoint '", path, "' has parameter '", name, "' with shape ",
+                          format_shape(logical_shape(d, where)), " that the model does not have");
+    }
+  }
+  for (const auto& slot : into.opt_state) {
+    if (!hdf5::path_exists(file, "/opt_state/" + slot.name, ErrorKind::bad_input, where)) {
+      MESHTRAIN_BAD_INPUT("checkpoint '", path, "' has no optimizer state '", slot.name,
+                          "' (group '/opt_state/", slot.name, "')");
+    }
+  }
+}
+
+std::string resolve_checkpoint_path(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    std::optional<std::string> latest = find_latest_checkpoint(path);
+    if (!latest) {
+      MESHTRAIN_BAD_INPUT("checkpoint directory '", path, "' has no '", latest_pointer_name(),
+                          "' pointer (no complete checkpoint was saved there)");
+    }
+    return *latest;
+  }
+  if (!fs::exists(path, ec)) MESHTRAIN_BAD_INPUT("checkpoint '", path, "' does not exist");
+  if (!fs::is_regular_file(path, ec)) MESHTRAIN_BAD_INPUT("checkpoint '", path, "' is not a file");
+  return path;
+}
+
+// Checks a dataset against the model's tensor: present, the same shape, floating point.
+Handle open_dataset(hid_t file, const DatasetEntry& entry, const std::string& path) {
+  const ErrorKind bad = ErrorKind::bad_input;
+  const ShardedTensor& t = *entry.tensor;
+  const std::string where = "checkpoint '" + path + "'";
+  if (!hdf5::path_exists(file, entry.path, bad, where)) {
+    MESHTRAIN_BAD_INPUT("checkpoint '", path, "' has no dataset '", entry.path, "' for ",
+                        entry.label, " (shape ", format_shape(t.global_shape), ")");
+  }
+  const std::string what = "cannot read dataset '" + entry.path + "' in " + where;
+  Handle dataset = hdf5::make(H5Dopen2(file, entry.path.c_str(), H5P_DEFAULT), H5Dclose, bad, what);
+  const std::vector<int64_t> shape = logical_shape(dataset, what);
+  if (shape != t.global_shape) {
+    MESHTRAIN_BAD_INPUT(entry.label, " has shape ", format_shape(shape), " in checkpoint '", path,
+                        "' but ", format_shape(t.global_shape), " in the model");
+  }
+  Handle type = hdf5::make(H5Dget_type(dataset), H5Tclose, bad, what);
+  if (H5Tget_class(type) != H5T_FLOAT || H5Tget_size(type) != 4) {
+    MESHTRAIN_BAD_INPUT("dataset '", entry.path, "' in checkpoint '", path, "' is not float32");
+  }
+  return dataset;
+}
+
+// Format 1: HDF5 reads the box (Fletcher32 checked by its filter).
+void read_with_hdf5(hid_t dataset, const DatasetEntry& entry, const std::string& path,
+                    float* host) {
+  const ErrorKind bad = ErrorKind::bad_input;
+  const ShardedTensor& t = *entry.tensor;
+  if (t.box.elements() == 0) return;
+  const std::string what = "cannot read dataset '" + entry.path + "' in checkpoint '" + path + "'";
+  std::vector<hsize_t> start(t.box.offset.begin(), t.box.offset.end());
+  std::vector<hsize_t> count(t.box.extent.begin(), t.box.extent.end());
+  if (start.empty()) start = {0}, count = {1};  // a scalar, stored as [1]
+  Handle file_space = hdf5::make(H5Dget_space(dataset), H5Sclose, bad, what);
+  hdf5::check(
+      H5Sselect_hyperslab(file_space, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr),
+      bad, what);
+  Handle mem_space = hdf5::make(
+      H5Screate_simple(static_cast<int>(count.size()), count.data(), nullptr), H5Sclose, bad, what);
+  if (H5Dread(dataset, H5T_NATIVE_FLOAT, mem_space, file_space, H5P_DEFAULT, host) < 0) {
+    throw_read_failure(entry.path, path);
+  }
+}
+
+// Format 2: pread of the box's runs at the dataset's offset, with their CRC-32s when this rank
+// owns the block.
+void read_with_posix(int fd, int64_t base, int64_t dataset_index, const DatasetEntry& entry,
+                     const std::string& path, float* host, std::vector<Piece>& pieces) {
+  for_each_run(*entry.tensor, [&](int64_t local, int64_t global, int64_t count) {
+    char* bytes = reinterpret_cast<char*>(host + local);
+    const int64_t length = count * 4;
+    uint32_t crc = 0;
+    for (int64_t done = 0; done < length;) {
+      const int64_t want = std::min(kSliceBytes, length - done);
+      const ssize_t n = ::pread(fd, bytes + done, static_cast<size_t>(want),
+                                static_cast<off_t>(base + global * 4 + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        MESHTRAIN_BAD_INPUT("cannot read dataset '", entry.path, "' in checkpoint '", path,
+                            "': ", os_error(errno));
+      }
+      if (n == 0) {
+        MESHTRAIN_BAD_INPUT("checkpoint '", path, "' is truncated: dataset '", entry.path,
+                            "' ends past the end of the file");
+      }
+      if (entry.owner) crc = crc32_update(crc, bytes + done, static_cast<size_t>(n));
+      done += n;
+    }
+    if (entry.owner) append_piece(pieces, Piece{dataset_index, global * 4, length, crc, 0});
+  });
+}
+
+}  // namespace
+
+std::optional<std::string> find_latest_checkpoint(const std::string& dir) {
+  const fs::path pointer = fs::path(dir) / latest_pointer_name();
+  std::error_code ec;
+  if (!fs::exists(pointer, ec)) return std::nullopt;
+  std::ifstream in(pointer, std::ios::binary);
+  if (!in)
+    MESHTRAIN_BAD_INPUT("cannot read the latest-checkpoint pointer '", pointer.string(), "'");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' '))
+    text.pop_back();
+  if (!std::regex_match(text, checkpoint_name_pattern())) {
+    std::string shown = text.substr(0, 80);
+    for (char& ch : shown) {
+      if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x7f) ch = '?';
+    }
+    MESHTRAIN_BAD_INPUT("the latest-checkpoint pointer '", pointer.string(),
+                        "' is garbled: it holds '", shown, "', not a checkpoint file name like '",
+                        checkpoint_file_name(100), "'");
+  }
+  const fs::path file = fs::path(dir) / text;
+  if (!fs::is_regular_file(file, ec)) {
+    MESHTRAIN_BAD_INPUT("the latest-checkpoint pointer '", pointer.string(), "' names '", text,
+                        "', which does not exist");
+  }
+  return file.string();
+}
+
+CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& into,
+                               MPI_Comm user_comm) {
+  PrivateComm comm(user_comm);
+  const ErrorKind bad = ErrorKind::bad_input;
+  std::vector<DatasetEntry> entries;
+  std::string path;
+  collectively(comm, [&] {
+    MESHTRAIN_REQUIRE(into.mesh.world_size() == comm.size(), "checkpoint: the mesh (",
+                      into.mesh.describe(), ") has ", into.mesh.world_size(),
+                      " ranks but the communicator has ", comm.size());
+    entries = dataset_entries(into, comm.rank());
+    if (comm.rank() == 0) path = resolve_checkpoint_path(path_in);
+  });
+  broadcast_string(comm, path, 0);
+
+  // Every rank opens the file on its own (serial HDF5, read only) and reads its blocks: no
+  // collective call until all have agreed that they succeeded.
+  CheckpointInfo info;
+  bool crc_format = false;
+  std::vector<Piece> pieces;
+  std::vector<uint32_t> stored;  // rank 0: each dataset's stored CRC-32
+  std::vector<int64_t> dataset_bytes;
+  collectively(comm, [&] {
+    const std::string where = "checkpoint '" + path + "'";
+    std::vector<int64_t> offsets;
+    std::vector<typename Vector::HostMirror> hosts;
+    {
+      std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+      Handle file = open_serial(path);
+      info = read_metadata(file, path);
+      crc_format = read_format(file, path) == kFormat;
+      check_parameter_names(file, into, path);
+      for (const DatasetEntry& entry : entries) {
+        const ShardedTensor& t = *entry.tensor;
+        const std::string what = "cannot read dataset '" + entry.path + "' in " + where;
+        Handle dataset = open_dataset(file, entry, path);
+        hosts.push_back(Kokkos::create_mirror_view(Kokkos::HostSpace(), t.local));
+        dataset_bytes.push_back(global_elements(t.global_shape) * 4);
+        if (!crc_format) {
+          read_with_hdf5(dataset, entry, path, hosts.back().data());
+          continue;
+        }
+        const haddr_t address = H5Dget_offset(dataset);
+        if (address == HADDR_UNDEF && dataset_bytes.back() > 0) {
+          MESHTRAIN_BAD_INPUT("dataset '", entry.path, "' in ", where,
+                              " is not stored contiguously (or holds no data)");
+        }
+        offsets.push_back(static_cast<int64_t>(address));
+        if (comm.rank() == 0) {
+          if (!hdf5::has_attribute(dataset, kChecksumAttribute, bad, what)) {
+            MESHTRAIN_BAD_INPUT("dataset '", entry.path, "' in ", where, " has no '",
+                                kChecksumAttribute, "' attribute");
+          }
+          stored.push_back(static_cast<uint32_t>(
+              hdf5::read_uint_attribute(dataset, kChecksumAttribute, bad, what)));
+        }
+      }
+      file.close("cannot close " + where);
+    }
+    if (crc_format) {
+      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) MESHTRAIN_BAD_INPUT("cannot open ", where, ": ", os_error(errno));
+      ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);  // a hint: its failure changes nothing
+      try {
+        for (size_t i = 0; i < entries.size(); ++i) {
+          read_with_posix(fd, offsets[i], static_cast<int64_t>(i), entries[i], path,
+                          hosts[i].data(), pieces);
+        }
+      } catch (...) {
+        ::close(fd);
+        throw;
+      }
+      ::close(fd);
+    }
+    for (size_t i = 0; i < entries.size(); ++i)
+      Kokkos::deep_copy(entries[i].tensor->local, hosts[i]);
+    checked_int(pieces.size() * sizeof(Piece), "the checksums of a checkpoint (bytes)");
+  });
+  if (crc_format) {
+    const std::vector<Piece> all = gather_pieces(comm, pieces);
+    collectively(comm, [&] {
+      if (comm.rank() != 0) return;
+      const std::vector<uint32_t> crcs = combine_pieces(all, dataset_bytes, entries);
+      for (size_t i = 0; i < crcs.size(); ++i) {
+        if (crcs[i] != stored[i]) {
+          MESHTRAIN_BAD_INPUT("dataset '", entries[i].path, "' in checkpoint '", path,
+                              "' is corrupt: the CRC-32 of its bytes is ", crcs[i],
+                              " but the file records ", stored[i]);
+        }
+      }
+    });
+  }
+  into.train_state = info.train_state;
+  return info;
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,22 @@
+#pragma once
+// Test-only: a hook that the checkpoint save calls at named points, so that tests can make a
+// save fail (throw) or die (abort, kill) at a chosen point on a chosen rank. The library does
+// nothing at these points unless a test program installs a hook; no environment variable is
+// read.
+//
+// Points, with `count`: "prepare" (0; main thread, before the file is created),
+// "snapshot" (0; writer, after the tensors are staged), "after_dataset" (datasets this rank
+// has written so far; writer), "before_close" (0; writer, before fsync), "before_rename",
+// "before_latest", "before_cleanup" (0; rank 0, main thread, while completing the save).
+
+#include <cstdint>
+
+namespace meshtrain {
+
+using CheckpointFaultHook = void (*)(const char* point, int64_t count);
+
+// Installs `hook` for this process (nullptr removes it). Not thread safe against a save in
+// flight: install it before the first save.
+void set_checkpoint_fault_hook(CheckpointFaultHook hook);
+
+}  // namespace meshtrain
