@@ -21,18 +21,6 @@ constexpr bool kBuildSupportsNccl = false;
 #endif
 
 #if MESHTRAIN_HAVE_NCCL && defined(KOKKOS_ENABLE_CUDA)
-// Ranks on this node (those sharing memory with this one).
-int ranks_on_this_node(MPI_Comm world) {
-  MPI_Comm node = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
-            "MPI_Comm_split_type (the ranks of one node)");
-  int size = 0;
-  const int code = MPI_Comm_size(node, &size);
-  MPI_Comm_free(&node);
-  check_mpi(code, "MPI_Comm_size of the node communicator");
-  return size;
-}
-
 int cuda_devices() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
@@ -82,7 +70,7 @@ CommunicatorFactory prepare_comm_backend(CommBackend backend, MPI_Comm world) {
   if (backend == CommBackend::mpi) return make_mpi_communicator;
 #if MESHTRAIN_HAVE_NCCL && defined(KOKKOS_ENABLE_CUDA)
   if (auto error = run_agreed(world, [&] {
-        const int ranks = ranks_on_this_node(world);
+        const int ranks = node_place(world).local_size;
         const int devices = cuda_devices();
         // NCCL_HOSTID set: each rank declares a host of its own (ranks sharing a GPU over
         // sockets, an experiment NCCL may or may not accept); NCCL has the last word then.

@@ -20,6 +20,19 @@ void check_mpi(int code, const char* what) {
   MESHTRAIN_FAIL(what, " failed: ", std::string(text, static_cast<std::size_t>(length)));
 }
 
+NodePlace node_place(MPI_Comm comm) {
+  MPI_Comm node = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+            "MPI_Comm_split_type (the ranks of one node)");
+  NodePlace place;
+  const int rank_code = MPI_Comm_rank(node, &place.local_rank);
+  const int size_code = MPI_Comm_size(node, &place.local_size);
+  MPI_Comm_free(&node);
+  check_mpi(rank_code, "MPI_Comm_rank of the node communicator");
+  check_mpi(size_code, "MPI_Comm_size of the node communicator");
+  return place;
+}
+
 bool wait_all_until(MPI_Request* requests, int count, double timeout, const char* op) {
   return wait_all_until(requests, count, timeout, [op](int code) { check_mpi(code, op); });
 }

@@ -14,6 +14,14 @@ void pause_between_polls(double waited);
 // Throws a runtime Error "<what> failed: <MPI_Error_string>" when code is not MPI_SUCCESS.
 void check_mpi(int code, const char* what);
 
+// This rank's place among the ranks of `comm` on its node (those sharing memory with it,
+// MPI_COMM_TYPE_SHARED): its index there and how many they are. Collective over `comm`.
+struct NodePlace {
+  int local_rank = 0;
+  int local_size = 1;
+};
+NodePlace node_place(MPI_Comm comm);
+
 // Polls `requests` until all complete (true) or `timeout` seconds pass (false; the
 // requests still pending are left in the array). MPI_Testall also drives MPI's progress
 // (non-blocking collectives advance only inside MPI calls), so it is called back to back,

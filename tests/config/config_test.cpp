@@ -40,8 +40,8 @@ void expect_config_error(const std::string& text, std::initializer_list<std::str
   expect_bad_input([&] { parse(text, overrides); }, fragments);
 }
 
-TEST(Config, ReadsEveryKey) {
-  const std::string text = R"toml([run]
+// Every key of the schema, each with a value other than its default.
+const char* const kEveryKey = R"toml([run]
 name = "every"
 seed = 42
 output_dir = "out/every"
@@ -88,6 +88,9 @@ keep = 3
 resume = true
 dir = "ckpt"
 )toml";
+
+TEST(Config, ReadsEveryKey) {
+  const std::string text = kEveryKey;
   const RunConfig c = parse(text);
   EXPECT_EQ(c.file, kFile);
   EXPECT_EQ(c.run.name, "every");
@@ -154,53 +157,7 @@ dir = "ckpt"
 // config_to_toml writes every key so that reading it back gives the same values (a run
 // made in code stores this text in its checkpoints).
 TEST(Config, ConfigToTomlReadsBackTheSameValues) {
-  const RunConfig a = parse(R"toml([run]
-name = "every"
-seed = 42
-output_dir = "out/every"
-[mesh]
-dp = 2
-fsdp = -1
-ep = 1
-tp = 4
-sp = 1
-[model]
-kind = "mlp"
-sizes = [10, 20, 5]
-activation = "gelu"
-init = "xavier_uniform"
-loss = "mse"
-[partition]
-preset = "fsdp_tp"
-min_sharding_size = 7
-rules = [["layers/0/weight", ["fsdp", "tp"]], ["bias$", [["fsdp", "dp"], ""]], ["x", []], ["y", "P(tp, None)"]]
-logical_axes = { batch = ["fsdp", "dp"], hidden = "tp" }
-collective_matmul = "ring"
-[data]
-source = "hdf5"
-path = "train.h5"
-test_path = "test.h5"
-batch_size = 64
-shuffle = false
-synthetic_samples = 100
-[optimizer]
-kind = "sgd"
-lr = 0.5
-momentum = 0.8
-betas = [0.5, 0.6]
-eps = 1e-6
-weight_decay = 0.01
-clip_norm = 1
-[train]
-epochs = 3
-log_every = 7
-eval_every = 9
-[checkpoint]
-every_steps = 11
-keep = 3
-resume = true
-dir = "ckpt"
-)toml");
+  const RunConfig a = parse(kEveryKey);
   const RunConfig b = parse(config_to_toml(a));
   EXPECT_EQ(b.run.name, a.run.name);
   EXPECT_EQ(b.run.seed, a.run.seed);

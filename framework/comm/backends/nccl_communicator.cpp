@@ -469,14 +469,7 @@ int select_cuda_device(MPI_Comm comm) {
     return kokkos_device;
   }
 #endif
-  MPI_Comm node = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
-            "MPI_Comm_split_type (ranks of one node) for the CUDA device choice");
-  int local_rank = 0;
-  const int rank_code = MPI_Comm_rank(node, &local_rank);
-  MPI_Comm_free(&node);
-  check_mpi(rank_code, "MPI_Comm_rank of the node communicator");
-  const int device = local_rank % count;
+  const int device = node_place(comm).local_rank % count;
   check_cuda(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
   return device;
 }
