@@ -290,9 +290,11 @@ double TrainingRun::accumulate_loaded_batch() {
                        config_.optimizer.lr, ") or set optimizer.clip_norm"),
         __FILE__, __LINE__));
   }
-  // Each micro-batch's gradient is reduced over the batch axes by backward (see the
-  // README, "Gradient accumulation"); the last one stays in the gradients.
-  model_->backward(loss_->gradient());
+  // With accumulation, layers with DP storage keep this rank's partial gradients and
+  // all-reduce their sum once, in apply_update; the others (FSDP's reduce-scatter, TP's
+  // bias) reduce every micro-batch in backward. The last micro-batch's gradient stays in
+  // the gradients.
+  model_->backward(loss_->gradient(), /*reduce=*/accumulation_ == 1);
   if (micro_done_ + 1 < accumulation_) {
     std::vector<ShardedTensor>& grads = model_->gradients();
     for (size_t i = 0; i < grads.size(); ++i) {
@@ -312,6 +314,7 @@ StepResult TrainingRun::apply_update() {
     for (size_t i = 0; i < grads.size(); ++i) {
       finish_gradient(grads[i].local, gradient_sum_[i].local, accumulation_);
     }
+    model_->reduce_gradients();  // once per step, for the layers that deferred it
   }
   const double loss = accumulation_ > 1 ? micro_loss_sum_ / accumulation_ : micro_loss_sum_;
   micro_done_ = 0;
@@ -388,7 +391,7 @@ void TrainingRun::log_step(const StepResult& result) {
   window_loss_ += result.loss;
   ++window_steps_;
   if (result.step % config_.train.log_every != 0 && result.step != total_steps_) return;
-  const double elapsed = seconds_since(window_start_);
+  const double elapsed = seconds_since(window_start_) - window_paused_s_;
   LogEvent event;
   event.step = result.step;
   event.total_steps = total_steps_;
@@ -407,6 +410,7 @@ void TrainingRun::log_step(const StepResult& result) {
   metrics_->log(event);
   if (events_.on_log) events_.on_log(event);
   window_start_ = Clock::now();
+  window_paused_s_ = 0.0;
   window_loss_ = 0.0;
   window_steps_ = 0;
 }
@@ -425,11 +429,13 @@ RunSummary TrainingRun::train() {
   const int64_t first_step = steps_done_;
   const auto start = Clock::now();
   window_start_ = start;
+  window_paused_s_ = 0.0;
   window_loss_ = 0.0;
   window_steps_ = 0;
   while (!finished()) {
     const StepResult result = step();
     log_step(result);
+    const auto after_step = Clock::now();  // evaluation and saving are not training time
     const int64_t done = result.step;
     const bool eval_now = config_.train.eval_every > 0 && done % config_.train.eval_every == 0;
     if ((eval_now || done == total_steps_) && eval_schedule_.num_batches > 0) {
@@ -443,6 +449,7 @@ RunSummary TrainingRun::train() {
       const std::string path = save();
       if (events_.on_checkpoint) events_.on_checkpoint(done, path);
     }
+    window_paused_s_ += seconds_since(after_step);
   }
   summary.wall_s = seconds_since(start);
   summary.steps_run = steps_done_ - first_step;

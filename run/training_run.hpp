@@ -73,7 +73,8 @@ struct RunSummary {
   int64_t steps_run = 0;  // steps taken by this call (0 when resumed at or past the end)
   double wall_s = 0.0;
   double samples_per_s = 0.0;
-  double tflops_per_rank = 0.0;  // achieved model TFLOP/s of one rank over the call
+  double tflops_per_rank = 0.0;  // model TFLOP/s of one rank over wall_s (evaluation and
+                                 // checkpoints included)
   std::optional<EvalEvent> last_eval;
 };
 
@@ -199,6 +200,7 @@ class TrainingRun {
   // train(): metrics.jsonl and the loss window since the last log event.
   std::unique_ptr<MetricsLog> metrics_;
   std::chrono::steady_clock::time_point window_start_;
+  double window_paused_s_ = 0.0;  // evaluation and saving inside the window
   double window_loss_ = 0.0;
   int64_t window_steps_ = 0;
 };

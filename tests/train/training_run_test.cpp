@@ -159,6 +159,11 @@ TEST(TrainingRun, GradientAccumulationTrainsLikeTheLargerBatch) {
     accumulated.data.eval_batch_size = 16;
     TrainingRun a(accumulated, {}, std::nullopt, MPI_COMM_WORLD);
     TrainingRun b(large, {}, std::nullopt, MPI_COMM_WORLD);
+    // DP layers all-reduce the accumulated gradient once per step; FSDP reduce-scatters and
+    // TP (no batch split here) reduce in every backward.
+    for (const Linear& layer : a.model().layers()) {
+      EXPECT_EQ(layer.defers_reduction(), c.preset == "dp" && n > 1) << layer.describe();
+    }
     std::vector<double> losses;
     for (int s = 0; s < 5; ++s) {
       losses.push_back(a.step().loss);
