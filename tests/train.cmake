@@ -115,6 +115,13 @@ train_error_test(metrics_disk_full 1
   ${_train_configs}/fashion_mnist_dp.toml --set run.output_dir=${_disk_full} ${_train_small})
 set_tests_properties(train_metrics_disk_full_np2 PROPERTIES FIXTURES_REQUIRED train_disk_full)
 
+# An evaluation batch the batch axes do not divide (issue 12): one sentence naming
+# data.eval_batch_size, before anything is trained.
+train_error_test(eval_batch_does_not_divide 2
+  "^meshtrain: error: data\\.eval_batch_size = 3 is not divisible by k = 2"
+  ${_train_configs}/fashion_mnist_dp.toml --set data.eval_batch_size=3
+  --set run.output_dir=${_train_runs}/eval_batch_does_not_divide ${_train_small})
+
 # Plain SGD with a huge step: the loss becomes NaN / inf after the first update. Every
 # rank must stop (the timeout proves none hangs), with one sentence naming optimizer.lr.
 train_error_test(nan_loss 1

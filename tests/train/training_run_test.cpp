@@ -244,6 +244,9 @@ TEST(TrainingRun, LogEventsCarryRateAndUtilization) {
   for (const LogEvent& e : logged) {
     EXPECT_EQ(e.lr, static_cast<float>(schedule.at(e.step - 1))) << "step " << e.step;
     EXPECT_GT(e.tflops_per_rank, 0.0);
+    // 6 x 484 parameters x samples, over the ranks: the same window as samples/s.
+    EXPECT_NEAR(e.tflops_per_rank, 6.0 * 484 * e.samples_per_s / n / 1e12,
+                1e-9 * e.tflops_per_rank);
     EXPECT_DOUBLE_EQ(e.mfu_percent, 100.0 * e.tflops_per_rank / 0.5);
   }
   EXPECT_NEAR(logged[0].lr, 1e-2 / 3, 1e-9);  // warm-up: lr (s + 1) / (warmup + 1)
