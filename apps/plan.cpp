@@ -119,16 +119,21 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
   write_table(rows, out);
 
   const PlanTotals& t = plan.totals;
-  const int64_t per_rank = t.parameter_bytes + t.gradient_bytes + t.optimizer_bytes + staging_bytes;
   out << "\nper rank:\n";
-  std::vector<std::vector<std::string>> memory = {
+  std::vector<std::vector<std::string>> totals = {
       {"  parameters", format_bytes(t.parameter_bytes)},
       {"  gradients", format_bytes(t.gradient_bytes)},
       {"  optimizer state", format_bytes(t.optimizer_bytes)}};
-  if (staging_bytes > 0) memory.push_back({"  staging (ckpt)", format_bytes(staging_bytes)});
-  memory.push_back({"  total", format_bytes(per_rank)});
-  memory.push_back({"unsharded model", format_bytes(t.global_parameter_bytes)});
-  write_table(memory, out);
+  if (t.accumulation_bytes > 0) {
+    totals.push_back({"  gradient accumulation", format_bytes(t.accumulation_bytes)});
+  }
+  if (t.evaluation_bytes > 0) {
+    totals.push_back({"  evaluation batch", format_bytes(t.evaluation_bytes)});
+  }
+  if (staging_bytes > 0) totals.push_back({"  staging (ckpt)", format_bytes(staging_bytes)});
+  totals.push_back({"  total", format_bytes(t.bytes_per_rank() + staging_bytes)});
+  totals.push_back({"unsharded model", format_bytes(t.global_parameter_bytes)});
+  write_table(totals, out);
 
   if (!plan.layers.empty()) write_layers_text(plan, options, out);
 
@@ -217,7 +222,9 @@ nlohmann::ordered_json plan_to_json(const ShardingPlan& plan,
   doc["totals"] = {{"parameter_bytes", t.parameter_bytes},
                    {"gradient_bytes", t.gradient_bytes},
                    {"optimizer_bytes", t.optimizer_bytes},
-                   {"bytes_per_rank", t.parameter_bytes + t.gradient_bytes + t.optimizer_bytes},
+                   {"accumulation_bytes", t.accumulation_bytes},
+                   {"evaluation_bytes", t.evaluation_bytes},
+                   {"bytes_per_rank", t.bytes_per_rank()},
                    {"global_parameter_bytes", t.global_parameter_bytes},
                    {"collective_bytes_per_step", t.collective_bytes_per_step}};
   doc["unused_rules"] = plan.unused_rules;

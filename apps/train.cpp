@@ -65,9 +65,9 @@ int train_command(const std::string& config_path, const std::vector<std::string>
         "done: the checkpoint is at step %lld, the last step of the run: nothing to train\n",
         static_cast<long long>(run.steps_done()));
   } else if (rank0) {
-    std::printf("done: %lld steps in %s (%.1f s), %.1f samples/s",
+    std::printf("done: %lld steps in %s (%.1f s), %.1f samples/s, %.4f TFLOP/s per rank",
                 static_cast<long long>(summary.steps_run), format_duration(summary.wall_s).c_str(),
-                summary.wall_s, summary.samples_per_s);
+                summary.wall_s, summary.samples_per_s, summary.tflops_per_rank);
     if (summary.last_eval && !std::isnan(summary.last_eval->test_accuracy)) {
       std::printf(", final test accuracy %.4f", summary.last_eval->test_accuracy);
     } else if (summary.last_eval) {
@@ -75,6 +75,7 @@ int train_command(const std::string& config_path, const std::vector<std::string>
     }
     std::printf("\n");
   }
+  if (rank0) std::printf("metrics: %s/metrics.jsonl\n", run.config().run.output_dir.c_str());
   return 0;
 } catch (const AgreedError& error) {
   // Every rank holds this error: print it once, and every rank returns its status.

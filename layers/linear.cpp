@@ -77,6 +77,9 @@ Linear::Linear(const ShardedTensor& weight, const ShardedTensor& bias, FeatureLa
   weight_allreduce_comm_ = context.comm(l.weight_allreduce);
   bias_gather_comm_ = context.comm(l.bias_gather);
   bias_reduce_comm_ = context.comm(l.bias_reduce);
+  defers_reduction_ = weight_allreduce_comm_ != nullptr && !gather0_comm_ && !gather1_comm_ &&
+                      nonbatch_scale_ == 1.0f && l.bias_reduce == l.weight_allreduce &&
+                      l.bias_stored == l.out && bias_stored_offset_ == 0;
 
   // Buffers.
   const int64_t in_c = l.in_compute, out = l.out;
@@ -165,7 +168,7 @@ MatrixView Linear::forward(const ShardedTensor& weight, const ShardedTensor& bia
 
 MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_grad,
                             ShardedTensor& bias_grad, MatrixView dy, bool need_input_grad,
-                            LinearScratch& scratch) {
+                            LinearScratch& scratch, bool reduce) {
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == rows_ &&
                         static_cast<int64_t>(dy.extent(1)) == layout_.out_local,
                     "linear layer '", layout_.layer, "': output gradient is [", dy.extent(0), ", ",
@@ -218,7 +221,8 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
     gather1_comm_->reduce_scatter(g, dst, 1);
   }
   if (nonbatch_scale_ != 1.0f) scale_matrix(dst, nonbatch_scale_);
-  if (weight_allreduce_comm_) weight_allreduce_comm_->all_reduce(dst);
+  const bool defer = !reduce && defers_reduction_;
+  if (weight_allreduce_comm_ && !defer) weight_allreduce_comm_->all_reduce(dst);
 
   // Bias gradient: column sums of dY into the full-width vector, summed over the batch
   // axes (and the feature axis when the output is split), then this rank's block.
@@ -235,7 +239,7 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
         }
         full[j] = sum;
       });
-  if (bias_reduce_comm_)
+  if (bias_reduce_comm_ && !defer)
     bias_reduce_comm_->all_reduce(VectorView(full, static_cast<size_t>(layout_.out)));
   Vector bg = bias_grad.local;
   const int64_t stored_offset = bias_stored_offset_;
@@ -244,6 +248,12 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
       Kokkos::RangePolicy<>(0, layout_.bias_stored),
       KOKKOS_LAMBDA(const int64_t j) { bg(j) = full[stored_offset + j]; });
   return dx;
+}
+
+void Linear::reduce_gradients(ShardedTensor& weight_grad, ShardedTensor& bias_grad) {
+  if (!defers_reduction_) return;
+  weight_allreduce_comm_->all_reduce(weight_grad.matrix());
+  bias_reduce_comm_->all_reduce(VectorView(bias_grad.local.data(), bias_grad.local.extent(0)));
 }
 
 std::string Linear::describe() const {

@@ -76,10 +76,19 @@ class Linear {
 
   // From dY [rows, output_width()]: writes the weight and bias gradients (overwriting
   // them) and, when need_input_grad, returns dX [rows, input_width()] (owned by the
-  // layer); otherwise an empty view.
+  // layer); otherwise an empty view. With reduce = false a layer that
+  // defers_reduction() leaves its gradients as this rank's partial sums: reduce_gradients()
+  // finishes them later (gradient accumulation communicates once per step).
   MatrixView backward(const ShardedTensor& weight, ShardedTensor& weight_grad,
                       ShardedTensor& bias_grad, MatrixView dy, bool need_input_grad,
-                      LinearScratch& scratch);
+                      LinearScratch& scratch, bool reduce = true);
+  // True when the gradients' only communication is one all-reduce over the batch axes for
+  // the weight and the same for the whole stored bias (DP storage): a sum of partial
+  // gradients can then be all-reduced once. Reduce-scatters (FSDP) and the feature axis's
+  // bias reduction (TP) are done in every backward.
+  bool defers_reduction() const { return defers_reduction_; }
+  // The all-reduces a backward with reduce = false skipped, on the gradients as they are.
+  void reduce_gradients(ShardedTensor& weight_grad, ShardedTensor& bias_grad);
 
   int64_t in() const { return layout_.in; }
   int64_t out() const { return layout_.out; }
@@ -115,6 +124,7 @@ class Linear {
   int64_t bias_gathered_offset_ = 0;
   int64_t bias_stored_offset_ = 0;
   Communicator* bias_reduce_comm_ = nullptr;
+  bool defers_reduction_ = false;
 
   Communicator* tp_comm_ = nullptr;
   CollectiveMatmulAlgorithm algorithm_ = CollectiveMatmulAlgorithm::automatic;

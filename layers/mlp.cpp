@@ -55,17 +55,23 @@ MatrixView Mlp::forward(MatrixView x) {
   return z;
 }
 
-void Mlp::backward(MatrixView output_grad) {
+void Mlp::backward(MatrixView output_grad, bool reduce) {
   MatrixView grad = output_grad;
   for (size_t k = layers_.size(); k-- > 0;) {
     Linear& layer = layers_[k];
-    MatrixView dx =
-        layer.backward(params_[2 * k], grads_[2 * k], grads_[2 * k + 1], grad, k > 0, scratch_);
+    MatrixView dx = layer.backward(params_[2 * k], grads_[2 * k], grads_[2 * k + 1], grad, k > 0,
+                                   scratch_, reduce);
     if (k > 0) {
       // dx is owned by layer k; the pre-activation of layer k-1 is its output buffer.
       activation_backward(activation_, layers_[k - 1].output(), dx);
       grad = dx;
     }
+  }
+}
+
+void Mlp::reduce_gradients() {
+  for (size_t k = 0; k < layers_.size(); ++k) {
+    layers_[k].reduce_gradients(grads_[2 * k], grads_[2 * k + 1]);
   }
 }
 

@@ -55,8 +55,12 @@ class Mlp {
   // valid until backward(). Returns the output [local_rows, output_width()] (owned by the
   // model, valid until the next forward).
   MatrixView forward(MatrixView x);
-  // dLoss/dOutput [local_rows, output_width()]: overwrites every gradient.
-  void backward(MatrixView output_grad);
+  // dLoss/dOutput [local_rows, output_width()]: overwrites every gradient. With reduce =
+  // false the layers that defer their reduction (Linear::defers_reduction, DP storage) leave
+  // this rank's partial gradients, for reduce_gradients() after accumulating micro-batches.
+  void backward(MatrixView output_grad, bool reduce = true);
+  // The reductions backward(..., false) left out, on the gradients as they are now.
+  void reduce_gradients();
 
   // weight, bias of layer 0, then of layer 1, ... (names as in the class comment).
   std::vector<ShardedTensor>& parameters() { return params_; }

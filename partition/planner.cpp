@@ -112,6 +112,16 @@ void plan_layers(ShardingPlan& plan, const std::vector<LinearLayerParameters>& l
     input = l.layout.output_layout();
     plan.layers.push_back(std::move(l));
   }
+  const int64_t eval_batch = options.eval_global_batch;
+  const int shards = mesh.size_of(axes.batch);
+  if (eval_batch > 0 && eval_batch != options.global_batch && eval_batch % shards == 0) {
+    const int64_t rows = eval_batch / shards;
+    int64_t elements = rows * (plan.layers.front().layout.in + 1);  // inputs and labels
+    for (const LayerPlan& l : plan.layers) {
+      elements = checked_add(elements, checked_mul(rows, l.layout.out_local));
+    }
+    plan.totals.evaluation_bytes = checked_mul(elements, options.bytes_per_element);
+  }
 }
 
 }  // namespace
@@ -230,6 +240,7 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
   }
   plan.totals.gradient_bytes = plan.totals.parameter_bytes;
   plan.totals.optimizer_bytes = checked_mul(plan.totals.parameter_bytes, options.optimizer_slots);
+  if (options.accumulation_steps > 1) plan.totals.accumulation_bytes = plan.totals.gradient_bytes;
   for (size_t i = 0; i < rules.size(); ++i) {
     if (!used[i]) plan.unused_rules.push_back(static_cast<int>(i));
   }

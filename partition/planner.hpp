@@ -44,6 +44,11 @@ struct PlanOptions {
   std::vector<std::string> batch_axes = {"fsdp", "dp"};
   std::string feature_axis = "tp";  // "" = none
   int64_t global_batch = 0;         // rows per step; 0 = unknown (activation collectives left out)
+  // Micro-batches per optimizer step: more than 1 adds a gradient-sized accumulation buffer.
+  int64_t accumulation_steps = 1;
+  // Global rows of an evaluation batch; 0 or global_batch: evaluation uses the training
+  // buffers. Otherwise its own buffers are counted (PlanTotals::evaluation_bytes).
+  int64_t eval_global_batch = 0;
 };
 
 struct ParameterPlan {
@@ -72,6 +77,15 @@ struct PlanTotals {  // bytes per rank
   int64_t global_parameter_bytes = 0;     // unsharded model size
   int64_t collective_bytes_per_step = 0;  // moved by the layers' collectives (cost model of
                                           // partition/linear_layout.hpp); 0 without layers
+  int64_t accumulation_bytes = 0;         // the gradient sum of accumulation_steps > 1
+  // An evaluation batch of its own size: its inputs and labels and each layer's output
+  // (the forward-only model's activations), per rank; 0 when it shares the training buffers
+  // or without layers.
+  int64_t evaluation_bytes = 0;
+  int64_t bytes_per_rank() const {
+    return parameter_bytes + gradient_bytes + optimizer_bytes + accumulation_bytes +
+           evaluation_bytes;
+  }
 };
 
 struct ShardingPlan {

@@ -16,6 +16,7 @@
 #include "framework/comm/mpi_util.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
+#include "framework/core/kernel_label.hpp"
 #include "framework/train/resume.hpp"
 #include "partition/error.hpp"
 
@@ -80,6 +81,22 @@ std::vector<std::string> all_axes(const Mesh& mesh) {
   return axes;
 }
 
+// sum = g (first) or sum += g: the gradient of one micro-batch added to the step's sum.
+void add_gradient(const Vector& sum, const Vector& g, bool first) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::accumulate_gradient"), Kokkos::RangePolicy<>(0, g.extent(0)),
+      KOKKOS_LAMBDA(const int64_t i) { sum(i) = first ? g(i) : sum(i) + g(i); });
+}
+
+// g = (g + sum) / micro_batches: the mean gradient of the step's micro-batches, each
+// already the mean over its own rows.
+void finish_gradient(const Vector& g, const Vector& sum, int64_t micro_batches) {
+  const float scale = 1.0f / static_cast<float>(micro_batches);
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::mean_gradient"), Kokkos::RangePolicy<>(0, g.extent(0)),
+      KOKKOS_LAMBDA(const int64_t i) { g(i) = (g(i) + sum(i)) * scale; });
+}
+
 }  // namespace
 
 TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunData> data,
@@ -101,7 +118,11 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     logical_ = LogicalAxes::with_overrides(config_.partition.logical_axes);
   });
   const std::vector<int64_t>& sizes = config_.model.sizes;
-  const int64_t global_batch = config_.data.batch_size;
+  const int64_t global_batch = config_.data.batch_size;  // of one micro-batch
+  accumulation_ = config_.train.accumulation_steps;
+  const int64_t eval_batch = config_.data.eval_batch_size.value_or(global_batch);
+  const char* eval_key = config_.data.eval_batch_size ? "data.eval_batch_size"
+                                                      : "data.batch_size (the evaluation batch)";
 
   // --- Data: every rank holds the dataset and copies its slice of each global batch. ----
   on_every_rank(comm_, [&] {
@@ -117,10 +138,18 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     }
     check_loss_fits_data(config_.model.loss, config_.data, data_.train);
     check_loss_fits_data(config_.model.loss, config_.data, data_.test);
-    schedule_.emplace(data_.train.num_samples, global_batch, config_.data.shuffle,
+    if (accumulation_ > 1 && global_batch * accumulation_ > data_.train.num_samples) {
+      MESHTRAIN_BAD_INPUT(config_.file, ": train.accumulation_steps = ", accumulation_,
+                          " x data.batch_size = ", global_batch, " is more than the ",
+                          data_.train.num_samples, " training samples");
+    }
+    // The schedule hands out the global batch of each optimizer step; micro-batch m is
+    // its rows [m * batch_size, +batch_size).
+    schedule_.emplace(data_.train.num_samples, global_batch * accumulation_, config_.data.shuffle,
                       config_.run.seed);
     slice_ = make_batch_slice(*mesh_, rank_, logical_->axes_of("batch"), global_batch);
-    eval_schedule_ = EvalSchedule::create(data_.test.num_samples, global_batch);
+    eval_slice_ = make_batch_slice(*mesh_, rank_, logical_->axes_of("batch"), eval_batch, eval_key);
+    eval_schedule_ = EvalSchedule::create(data_.test.num_samples, eval_batch, eval_key);
     total_steps_ = training_steps(config_, schedule_->steps_per_epoch());
   });
 
@@ -138,7 +167,34 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   optimizer_ =
       std::make_unique<Optimizer>(optimizer_settings(config_.optimizer), model_->parameters());
   clipper_ = std::make_unique<GradientClipper>(*mesh_, rank_, model_->gradients());
-  lr_ = static_cast<float>(config_.optimizer.lr);
+  const OptimizerSection& opt = config_.optimizer;
+  lr_schedule_ = LrSchedule{parse_lr_schedule(opt.schedule), opt.lr, opt.min_lr, opt.warmup_steps,
+                            total_steps_};
+  lr_ = static_cast<float>(lr_schedule_.at(0));
+  if (accumulation_ > 1) {
+    for (const ShardedTensor& g : model_->gradients()) {
+      ShardedTensor sum = g;
+      sum.local = Vector(g.name + "/gradient_sum", g.local.extent(0));
+      gradient_sum_.push_back(std::move(sum));
+    }
+  }
+  if (eval_slice_.rows != slice_.rows) {
+    // A forward-only copy of the model for the evaluation batch: it shares the training
+    // model's parameters (and gradients, never written), so only activations are its own.
+    eval_model_ = std::make_unique<Mlp>(sizes, parse_activation(config_.model.activation),
+                                        specs_from_plan(*plan_), *context_, eval_slice_.rows);
+    eval_model_->parameters() = model_->parameters();
+    eval_model_->gradients() = model_->gradients();
+    eval_loss_ = std::make_unique<Loss>(loss_->kind(), *context_, eval_slice_.rows, sizes.back(),
+                                        eval_model_->output_layout());
+    eval_x_ = Matrix("meshtrain::eval_x", eval_slice_.rows, sizes.front());
+    if (data_.test.classification()) {
+      eval_labels_ = BatchLabels("meshtrain::eval_labels", eval_slice_.rows);
+    } else {
+      eval_targets_ =
+          Matrix("meshtrain::eval_targets", eval_slice_.rows, data_.test.output_width());
+    }
+  }
 
   x_ = Matrix("meshtrain::batch_x", slice_.rows, sizes.front());
   if (data_.train.classification()) {
@@ -184,32 +240,51 @@ void TrainingRun::resume() {
   resumed_from_ = info;
 }
 
-void TrainingRun::load_batch(int64_t step) {
+void TrainingRun::load_batch(int64_t step, int64_t micro) {
+  BatchSlice slice = slice_;
+  slice.offset = micro * slice_.global_batch;
   if (data_.train.classification()) {
-    fill_batch(data_.train, *schedule_, step, slice_, x_, labels_, &batch_staging_);
+    fill_batch(data_.train, *schedule_, step, slice, x_, labels_, &batch_staging_);
   } else {
-    fill_batch(data_.train, *schedule_, step, slice_, x_, targets_, &batch_staging_);
+    fill_batch(data_.train, *schedule_, step, slice, x_, targets_, &batch_staging_);
   }
 }
 
-LossResult TrainingRun::compute_loss(MatrixView output, bool with_gradient, int64_t valid_rows) {
-  if (loss_->kind() == LossKind::cross_entropy) {
-    return loss_->cross_entropy(output, labels_, with_gradient, valid_rows);
+LossResult TrainingRun::compute_loss(Loss& loss, MatrixView output, const BatchLabels& labels,
+                                     const Matrix& targets, bool with_gradient,
+                                     int64_t valid_rows) {
+  if (loss.kind() == LossKind::cross_entropy) {
+    return loss.cross_entropy(output, labels, with_gradient, valid_rows);
   }
-  return loss_->mse(output, targets_, with_gradient, valid_rows);
+  return loss.mse(output, targets, with_gradient, valid_rows);
 }
 
 StepResult TrainingRun::step() {
-  load_batch(steps_done_);
-  return step_on_loaded_batch();
+  for (int64_t micro = 0; micro < accumulation_; ++micro) {
+    load_batch(steps_done_, micro);
+    accumulate_loaded_batch();
+  }
+  return apply_update();
 }
 
-// The training step, top to bottom. Nothing here allocates.
 StepResult TrainingRun::step_on_loaded_batch() {
+  MESHTRAIN_REQUIRE(accumulation_ == 1,
+                    "step_on_loaded_batch needs train.accumulation_steps = 1; use step()");
+  accumulate_loaded_batch();
+  return apply_update();
+}
+
+// The training step, top to bottom: accumulate_loaded_batch for each micro-batch, then
+// apply_update. Nothing here allocates.
+double TrainingRun::accumulate_loaded_batch() {
+  MESHTRAIN_REQUIRE(micro_done_ < accumulation_, "accumulate_loaded_batch: the step already has ",
+                    accumulation_, " micro-batches; call apply_update()");
   MatrixView output = model_->forward(x_);
-  const LossResult result = compute_loss(output, /*with_gradient=*/true);
+  const LossResult result = compute_loss(*loss_, output, labels_, targets_, /*with_gradient=*/true);
   // The loss is reduced over the ranks, so every rank stops here together.
   if (!std::isfinite(result.loss)) {
+    micro_done_ = 0;
+    micro_loss_sum_ = 0.0;
     throw AgreedError(Error(
         ErrorKind::runtime,
         detail::concat("the training loss became ", std::isnan(result.loss) ? "NaN" : "infinite",
@@ -217,10 +292,38 @@ StepResult TrainingRun::step_on_loaded_batch() {
                        config_.optimizer.lr, ") or set optimizer.clip_norm"),
         __FILE__, __LINE__));
   }
-  model_->backward(loss_->gradient());
+  // With accumulation, layers with DP storage keep this rank's partial gradients and
+  // all-reduce their sum once, in apply_update; the others (FSDP's reduce-scatter, TP's
+  // bias) reduce every micro-batch in backward. The last micro-batch's gradient stays in
+  // the gradients.
+  model_->backward(loss_->gradient(), /*reduce=*/accumulation_ == 1);
+  if (micro_done_ + 1 < accumulation_) {
+    std::vector<ShardedTensor>& grads = model_->gradients();
+    for (size_t i = 0; i < grads.size(); ++i) {
+      add_gradient(gradient_sum_[i].local, grads[i].local, micro_done_ == 0);
+    }
+  }
+  ++micro_done_;
+  micro_loss_sum_ += result.loss;
+  return result.loss;
+}
+
+StepResult TrainingRun::apply_update() {
+  MESHTRAIN_REQUIRE(micro_done_ == accumulation_, "apply_update after ", micro_done_, " of ",
+                    accumulation_, " micro-batches");
+  std::vector<ShardedTensor>& grads = model_->gradients();
+  if (accumulation_ > 1) {
+    for (size_t i = 0; i < grads.size(); ++i) {
+      finish_gradient(grads[i].local, gradient_sum_[i].local, accumulation_);
+    }
+    model_->reduce_gradients();  // once per step, for the layers that deferred it
+  }
+  const double loss = accumulation_ > 1 ? micro_loss_sum_ / accumulation_ : micro_loss_sum_;
+  micro_done_ = 0;
+  micro_loss_sum_ = 0.0;
   if (config_.optimizer.clip_norm > 0) {
     // The norm is reduced over the ranks too: every rank stops here together.
-    const double norm = clipper_->clip(model_->gradients(), config_.optimizer.clip_norm, *world_);
+    const double norm = clipper_->clip(grads, config_.optimizer.clip_norm, *world_);
     if (!std::isfinite(norm)) {
       throw AgreedError(Error(
           ErrorKind::runtime,
@@ -231,23 +334,40 @@ StepResult TrainingRun::step_on_loaded_batch() {
           __FILE__, __LINE__));
     }
   }
+  // The rate depends on the step index alone, so a resumed run continues it exactly.
+  lr_ = static_cast<float>(lr_schedule_.at(steps_done_));
   checkpointer_->wait_snapshot();  // a save in flight has copied the tensors it writes
-  optimizer_->step(model_->parameters(), model_->gradients(), lr_);
+  optimizer_->step(model_->parameters(), grads, lr_);
   ++steps_done_;
-  return {steps_done_, result.loss};
+  return {steps_done_, loss};
+}
+
+double TrainingRun::flops_per_step() const {
+  const std::vector<int64_t>& sizes = config_.model.sizes;
+  double parameters = 0.0;
+  for (size_t i = 0; i + 1 < sizes.size(); ++i) {
+    parameters += static_cast<double>(sizes[i]) * sizes[i + 1] + sizes[i + 1];
+  }
+  return 6.0 * parameters * static_cast<double>(config_.data.batch_size * accumulation_);
 }
 
 // Loss (and accuracy for classification) over the whole test split, sharded over the
 // batch axes like training; Loss reduces each batch's sums over the ranks.
 EvalEvent TrainingRun::evaluate() {
+  Mlp& model = eval_model_ ? *eval_model_ : *model_;
+  Loss& loss = eval_model_ ? *eval_loss_ : *loss_;
+  const Matrix& x = eval_model_ ? eval_x_ : x_;
+  const BatchLabels& labels = eval_model_ ? eval_labels_ : labels_;
+  const Matrix& targets = eval_model_ ? eval_targets_ : targets_;
   double loss_sum = 0.0;
   int64_t correct = 0, count = 0;
   const Dataset& test = data_.test;
   for (int64_t b = 0; b < eval_schedule_.num_batches; ++b) {
     const int64_t valid = test.classification()
-                              ? fill_eval_batch(test, eval_schedule_, b, slice_, x_, labels_)
-                              : fill_eval_batch(test, eval_schedule_, b, slice_, x_, targets_);
-    const LossResult r = compute_loss(model_->forward(x_), /*with_gradient=*/false, valid);
+                              ? fill_eval_batch(test, eval_schedule_, b, eval_slice_, x, labels)
+                              : fill_eval_batch(test, eval_schedule_, b, eval_slice_, x, targets);
+    const LossResult r = compute_loss(loss, model.forward(x), labels, targets,
+                                      /*with_gradient=*/false, valid);
     loss_sum += r.loss_sum;
     correct += r.correct;
     count += r.count;
@@ -300,17 +420,26 @@ void TrainingRun::log_step(const StepResult& result) {
   window_loss_ += result.loss;
   ++window_steps_;
   if (result.step % config_.train.log_every != 0 && result.step != total_steps_) return;
-  const double elapsed = seconds_since(window_start_);
+  const double elapsed = seconds_since(window_start_) - window_paused_s_;
   LogEvent event;
   event.step = result.step;
   event.total_steps = total_steps_;
   event.epoch = schedule_->epoch_of(result.step - 1);
   event.loss = window_loss_ / window_steps_;
-  event.samples_per_s = elapsed > 0 ? window_steps_ * config_.data.batch_size / elapsed : 0.0;
+  event.lr = lr_;
+  const int64_t samples = window_steps_ * config_.data.batch_size * accumulation_;
+  event.samples_per_s = elapsed > 0 ? samples / elapsed : 0.0;
+  // Model TFLOP/s of one rank (torchtitan's convention: the model's FLOPs over the ranks).
+  event.tflops_per_rank =
+      elapsed > 0 ? window_steps_ * flops_per_step() / mesh_->world_size() / elapsed / 1e12 : 0.0;
+  if (config_.run.peak_tflops > 0) {
+    event.mfu_percent = 100.0 * event.tflops_per_rank / config_.run.peak_tflops;
+  }
   event.eta_s = (total_steps_ - result.step) * elapsed / window_steps_;
   metrics_->log(event);
   if (events_.on_log) events_.on_log(event);
   window_start_ = Clock::now();
+  window_paused_s_ = 0.0;
   window_loss_ = 0.0;
   window_steps_ = 0;
 }
@@ -329,11 +458,13 @@ RunSummary TrainingRun::train() {
   const int64_t first_step = steps_done_;
   const auto start = Clock::now();
   window_start_ = start;
+  window_paused_s_ = 0.0;
   window_loss_ = 0.0;
   window_steps_ = 0;
   while (!finished()) {
     const StepResult result = step();
     log_step(result);
+    const auto after_step = Clock::now();  // evaluation and saving are not training time
     const int64_t done = result.step;
     const bool eval_now = config_.train.eval_every > 0 && done % config_.train.eval_every == 0;
     if ((eval_now || done == total_steps_) && eval_schedule_.num_batches > 0) {
@@ -348,20 +479,29 @@ RunSummary TrainingRun::train() {
     } else if (checkpointer_->in_flight()) {
       on_every_rank(comm_, [&] { report_checkpoint(checkpointer_->poll()); });
     }
+    window_paused_s_ += seconds_since(after_step);
   }
   finish_save();
   summary.wall_s = seconds_since(start);
   summary.steps_run = steps_done_ - first_step;
-  summary.samples_per_s =
-      summary.wall_s > 0 ? summary.steps_run * config_.data.batch_size / summary.wall_s : 0.0;
+  summary.samples_per_s = summary.wall_s > 0 ? summary.steps_run * config_.data.batch_size *
+                                                   accumulation_ / summary.wall_s
+                                             : 0.0;
+  summary.tflops_per_rank = summary.wall_s > 0 ? summary.steps_run * flops_per_step() /
+                                                     mesh_->world_size() / summary.wall_s / 1e12
+                                               : 0.0;
   return summary;
 }
 
 std::vector<std::string> TrainingRun::describe() const {
   std::vector<std::string> lines;
-  lines.push_back(detail::concat(mesh_->world_size(), " ranks, mesh ", mesh_->short_description(),
-                                 ", batch ", config_.data.batch_size, " (", slice_.rows,
-                                 " rows per rank), ", total_steps_, " steps"));
+  lines.push_back(detail::concat(
+      mesh_->world_size(), " ranks, mesh ", mesh_->short_description(), ", batch ",
+      config_.data.batch_size, " (", slice_.rows, " rows per rank)",
+      accumulation_ > 1 ? detail::concat(" x ", accumulation_, " micro-batches per step")
+                        : std::string(),
+      ", eval batch ", eval_slice_.global_batch, ", ", total_steps_, " steps, lr ",
+      to_string(lr_schedule_.kind)));
   lines.push_back(detail::concat("  compute on ", Kokkos::DefaultExecutionSpace::name(),
                                  ", communication ", to_string(backend_), ", matmul precision ",
                                  to_string(matmul_precision())));

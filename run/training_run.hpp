@@ -36,6 +36,7 @@
 #include "framework/io/data.hpp"
 #include "framework/io/metrics.hpp"
 #include "framework/train/config.hpp"
+#include "framework/train/lr_schedule.hpp"
 #include "framework/train/optimizer.hpp"
 #include "layers/context.hpp"
 #include "layers/loss.hpp"
@@ -72,6 +73,8 @@ struct RunSummary {
   int64_t steps_run = 0;  // steps taken by this call (0 when resumed at or past the end)
   double wall_s = 0.0;
   double samples_per_s = 0.0;
+  double tflops_per_rank = 0.0;  // model TFLOP/s of one rank over wall_s (evaluation and
+                                 // checkpoints included)
   std::optional<EvalEvent> last_eval;
 };
 
@@ -86,17 +89,27 @@ class TrainingRun {
   TrainingRun(const TrainingRun&) = delete;
   TrainingRun& operator=(const TrainingRun&) = delete;
 
-  // One training step on the next global batch: this rank's rows of it, then
-  // step_on_loaded_batch(). Throws AgreedError when the loss is not finite.
+  // One optimizer step on the next global batch: for each of the train.accumulation_steps
+  // micro-batches, this rank's rows of it (load_batch) and its gradient
+  // (accumulate_loaded_batch); then apply_update(). Throws AgreedError when the loss is not
+  // finite. Allocates nothing.
   StepResult step();
-  // Writes this rank's rows of the global batch of `step` into the batch buffers.
-  void load_batch(int64_t step);
-  // The step itself, on the batch in the buffers: forward, loss, backward, clipping,
-  // optimizer update. Allocates nothing. (Benchmarks time this alone.)
+  // Writes this rank's rows of micro-batch `micro` of the global batch of `step` into the
+  // batch buffers.
+  void load_batch(int64_t step, int64_t micro = 0);
+  // Forward, loss and backward of the micro-batch in the buffers; its gradient is added to
+  // those of the step's earlier micro-batches. Returns its loss (mean over its rows).
+  double accumulate_loaded_batch();
+  // Ends the step: the mean gradient of its micro-batches, clipping, the optimizer update at
+  // the schedule's rate. Returns the steps done and the mean loss of the micro-batches.
+  StepResult apply_update();
+  // The step on the batch in the buffers (accumulate_loaded_batch + apply_update) when
+  // train.accumulation_steps is 1. (Benchmarks time this alone.)
   StepResult step_on_loaded_batch();
 
-  // Loss (and accuracy for classification) over the whole test split, at the current step.
-  // It uses the batch buffers: load_batch again before step_on_loaded_batch.
+  // Loss (and accuracy for classification) over the whole test split, at the current step,
+  // in batches of data.eval_batch_size. With the training batch size it uses the batch
+  // buffers (load_batch again before accumulate_loaded_batch); otherwise buffers of its own.
   EvalEvent evaluate();
   // Saves a checkpoint of the current step under checkpoint.dir (keeping checkpoint.keep)
   // and returns its path once it is complete. Collective.
@@ -124,6 +137,11 @@ class TrainingRun {
   Optimizer& optimizer() { return *optimizer_; }
   int64_t steps_done() const { return steps_done_; }
   int64_t total_steps() const { return total_steps_; }
+  // The learning rate of step `step` (0-based; optimizer.schedule).
+  double learning_rate(int64_t step) const { return lr_schedule_.at(step); }
+  // Model FLOPs of one optimizer step over all ranks: 6 x parameters x samples (forward
+  // 2, backward 4 multiply-adds per parameter and sample; the MLP's FLOPs are its GEMMs').
+  double flops_per_step() const;
   bool finished() const { return steps_done_ >= total_steps_; }
   // The checkpoint this run resumed from (nullopt for a fresh start).
   const std::optional<CheckpointInfo>& resumed_from() const { return resumed_from_; }
@@ -131,7 +149,8 @@ class TrainingRun {
   std::vector<std::string> describe() const;
 
  private:
-  LossResult compute_loss(MatrixView output, bool with_gradient, int64_t valid_rows = -1);
+  LossResult compute_loss(Loss& loss, MatrixView output, const BatchLabels& labels,
+                          const Matrix& targets, bool with_gradient, int64_t valid_rows = -1);
   void resume();
   void log_step(const StepResult& result);
   void report_checkpoint(const std::optional<std::string>& path);
@@ -144,9 +163,11 @@ class TrainingRun {
   std::optional<ShardingPlan> plan_;
   std::optional<LogicalAxes> logical_;
   RunData data_;
-  std::optional<BatchSchedule> schedule_;
-  BatchSlice slice_;
+  std::optional<BatchSchedule> schedule_;  // of optimizer steps: accumulation x batch rows
+  BatchSlice slice_;                       // of one micro-batch
+  int64_t accumulation_ = 1;               // micro-batches per step
   EvalSchedule eval_schedule_;
+  BatchSlice eval_slice_;
   int64_t total_steps_ = 0;
   int64_t steps_done_ = 0;
   CommBackend backend_ = CommBackend::mpi;
@@ -159,7 +180,22 @@ class TrainingRun {
   std::unique_ptr<Loss> loss_;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<GradientClipper> clipper_;
-  float lr_ = 0.0f;
+  LrSchedule lr_schedule_;
+  float lr_ = 0.0f;  // of the last step
+  // Gradient accumulation (accumulation_ > 1): the sum of the step's earlier micro-batch
+  // gradients, and how many micro-batches and what loss the step has so far.
+  std::vector<ShardedTensor> gradient_sum_;
+  int64_t micro_done_ = 0;
+  double micro_loss_sum_ = 0.0;
+
+  // Evaluation with another batch size than training: a forward-only model sharing the
+  // training model's parameters, its loss and batch buffers. Empty: evaluation uses the
+  // training model and buffers.
+  std::unique_ptr<Mlp> eval_model_;
+  std::unique_ptr<Loss> eval_loss_;
+  Matrix eval_x_;
+  BatchLabels eval_labels_;
+  Matrix eval_targets_;
 
   // This rank's rows of one batch: inputs and either labels or targets.
   Matrix x_;
@@ -175,6 +211,7 @@ class TrainingRun {
   // train(): metrics.jsonl and the loss window since the last log event.
   std::unique_ptr<MetricsLog> metrics_;
   std::chrono::steady_clock::time_point window_start_;
+  double window_paused_s_ = 0.0;  // evaluation and saving inside the window
   double window_loss_ = 0.0;
   int64_t window_steps_ = 0;
 };

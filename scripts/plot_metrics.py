@@ -75,7 +75,7 @@ def main():
     handles = eval_ax.get_legend_handles_labels()
     more = test_loss_ax.get_legend_handles_labels()
     if handles[0] or more[0]:
-        eval_ax.legend(handles[0] + more[0], handles[1] + more[1], loc="center right")
+        eval_ax.legend(handles[0] + more[0], handles[1] + more[1], loc="best")
     eval_ax.grid(True, alpha=0.3)
     lr_ax.set_ylabel("learning rate")
     lr_ax.set_xlabel("step")

@@ -57,3 +57,6 @@ resume_test(inspect_corrupt_sync inspect --preset fsdp --sync)
 # 5. A resumed run keeps the saved data order and model (issue 9, bug 3); at or past the
 #    run's last step.
 resume_test(compatibility compatibility --preset fsdp)
+# 6. A learning-rate schedule (cosine with warm-up) and gradient accumulation resume bit for
+#    bit from the middle of the warm-up and of the decay (issue 12).
+resume_test(schedule schedule --preset fsdp)

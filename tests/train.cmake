@@ -115,6 +115,13 @@ train_error_test(metrics_disk_full 1
   ${_train_configs}/fashion_mnist_dp.toml --set run.output_dir=${_disk_full} ${_train_small})
 set_tests_properties(train_metrics_disk_full_np2 PROPERTIES FIXTURES_REQUIRED train_disk_full)
 
+# An evaluation batch the batch axes do not divide (issue 12): one sentence naming
+# data.eval_batch_size, before anything is trained.
+train_error_test(eval_batch_does_not_divide 2
+  "^meshtrain: error: data\\.eval_batch_size = 3 is not divisible by k = 2"
+  ${_train_configs}/fashion_mnist_dp.toml --set data.eval_batch_size=3
+  --set run.output_dir=${_train_runs}/eval_batch_does_not_divide ${_train_small})
+
 # Plain SGD with a huge step: the loss becomes NaN / inf after the first update. Every
 # rank must stop (the timeout proves none hangs), with one sentence naming optimizer.lr.
 train_error_test(nan_loss 1
@@ -161,3 +168,16 @@ foreach(preset tp fsdp fsdp_tp)
     train_run_test(${preset} ${np})
   endforeach()
 endforeach()
+
+# --- A picture of a run (issue 12): 20 steps of configs/fashion_mnist_cosine.toml (cosine
+# schedule with warm-up, 2 accumulated micro-batches, evaluation batch 1000) on np 2, then
+# scripts/plot draws its metrics.jsonl into a PNG (skipped, exit 77, when
+# python3 has no matplotlib). -------------------------------------------------------------
+_train_mpirun(_plot_mpirun 2)
+meshtrain_add_command_test(NAME train_plot_np2 TIMEOUT 120
+  COMMAND sh ${_train}/plot_run.sh ${PROJECT_SOURCE_DIR} ${_train_runs}/plot_np2 -- ${_plot_mpirun}
+          ${_train_configs}/fashion_mnist_cosine.toml ${_train_small} --set train.log_every=1
+          --set train.eval_every=5 --set optimizer.warmup_steps=5
+          --set run.output_dir=${_train_runs}/plot_np2)
+set_tests_properties(train_plot_np2 PROPERTIES SKIP_RETURN_CODE 77)
+_train_slots(train_plot_np2 2)

@@ -237,10 +237,10 @@ std::vector<int64_t> BatchSchedule::global_batch_samples(int64_t step) const {
   return rows;
 }
 
-EvalSchedule EvalSchedule::create(int64_t num_samples, int64_t global_batch) {
+EvalSchedule EvalSchedule::create(int64_t num_samples, int64_t global_batch,
+                                  const std::string& key) {
   if (global_batch < 1) {
-    MESHTRAIN_BAD_INPUT("data.batch_size = ", global_batch,
-                        " must be positive (evaluation uses batches of the same size)");
+    MESHTRAIN_BAD_INPUT(key, " = ", global_batch, " must be positive (the evaluation batch)");
   }
   EvalSchedule s;
   s.num_samples = num_samples;
@@ -324,9 +324,10 @@ void check_train_slice(const Dataset& d, const BatchSchedule& schedule, const Ba
   MESHTRAIN_REQUIRE(schedule.num_samples() == d.num_samples, "fill_batch: the schedule is for ",
                     schedule.num_samples(), " samples but the ", d.description, " has ",
                     d.num_samples);
-  MESHTRAIN_REQUIRE(slice.global_batch == schedule.global_batch(), "fill_batch: slice of a ",
-                    slice.global_batch, "-row batch used with a ", schedule.global_batch(),
-                    "-row schedule");
+  MESHTRAIN_REQUIRE(
+      slice.offset >= 0 && slice.offset + slice.global_batch <= schedule.global_batch(),
+      "fill_batch: rows [", slice.offset, ", +", slice.global_batch, ") of the batch used with a ",
+      schedule.global_batch(), "-row schedule");
   MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == slice.rows, "fill_batch: x has ",
                     x.extent(0), " rows, the slice ", slice.rows);
 }

@@ -98,7 +98,10 @@ struct BatchSlice {
   int64_t index = 0;  // the rank's index in its group over the batch axes
   int64_t count = 1;  // size of that group (k)
   int64_t rows = 0;   // global_batch / count
-  int64_t begin() const { return index * rows; }
+  // Where this batch starts in a schedule's larger batch: micro-batch m of a step with
+  // gradient accumulation is rows [m * global_batch, +global_batch) of the step's batch.
+  int64_t offset = 0;
+  int64_t begin() const { return offset + index * rows; }
 };
 
 // Throws bad_input naming `key` (e.g. "data.batch_size"), B and k when B is not a
@@ -177,7 +180,7 @@ void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step
                 const BatchStaging* staging = nullptr);
 
 // Evaluation over a (test) split in sample order, in global batches of `global_batch`
-// rows (data.batch_size), sharded over the batch axes like training batches. The last
+// rows (data.eval_batch_size), sharded over the batch axes like training batches. The last
 // batch may be partial: it is padded, not dropped, so every sample is evaluated exactly
 // once and every batch has the same shape. Padded rows
 // are zeros (label 0, target 0) and always come after the valid rows, so in each rank's
@@ -188,9 +191,9 @@ struct EvalSchedule {
   int64_t num_samples = 0;
   int64_t global_batch = 0;
   int64_t num_batches = 0;  // ceil(num_samples / global_batch); 0 for an empty split
-  // Throws bad_input naming data.batch_size (the evaluation batch too) when it is not
-  // positive.
-  static EvalSchedule create(int64_t num_samples, int64_t global_batch);
+  // Throws bad_input naming `key` when global_batch is not positive.
+  static EvalSchedule create(int64_t num_samples, int64_t global_batch,
+                             const std::string& key = "data.eval_batch_size");
 };
 
 int64_t fill_eval_batch(const Dataset& data, const EvalSchedule& schedule, int64_t batch,

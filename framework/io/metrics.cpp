@@ -44,7 +44,10 @@ void MetricsLog::log(const LogEvent& e) {
                       {"step", e.step},
                       {"epoch", e.epoch},
                       {"loss", e.loss},
-                      {"samples_per_s", e.samples_per_s}};
+                      {"lr", e.lr},
+                      {"samples_per_s", e.samples_per_s},
+                      {"tflops_per_rank", e.tflops_per_rank}};
+  if (!std::isnan(e.mfu_percent)) j["mfu_percent"] = e.mfu_percent;
   write_line(j.dump());
 }
 
@@ -56,11 +59,15 @@ void MetricsLog::eval(const EvalEvent& e) {
 }
 
 std::string format_log_line(const LogEvent& e) {
-  char line[160];
-  std::snprintf(
-      line, sizeof line, "step %6lld/%lld  epoch %3lld  loss %.5f  %9.1f samples/s  ETA %s",
-      static_cast<long long>(e.step), static_cast<long long>(e.total_steps),
-      static_cast<long long>(e.epoch), e.loss, e.samples_per_s, format_duration(e.eta_s).c_str());
+  char mfu[32] = "";
+  if (!std::isnan(e.mfu_percent)) std::snprintf(mfu, sizeof mfu, " (MFU %.1f%%)", e.mfu_percent);
+  char line[224];
+  std::snprintf(line, sizeof line,
+                "step %6lld/%lld  epoch %3lld  loss %.5f  lr %.3e  %9.1f samples/s  %.4f "
+                "TFLOP/s%s  ETA %s",
+                static_cast<long long>(e.step), static_cast<long long>(e.total_steps),
+                static_cast<long long>(e.epoch), e.loss, e.lr, e.samples_per_s, e.tflops_per_rank,
+                mfu, format_duration(e.eta_s).c_str());
   return line;
 }
 

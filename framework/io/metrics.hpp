@@ -4,6 +4,7 @@
 // progress lines a program prints. Only rank 0 owns a MetricsLog that writes; on other
 // ranks every call is a no-op, so the training loop needs no ifs.
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <optional>
@@ -18,6 +19,11 @@ struct LogEvent {
   double loss = 0.0;  // mean training loss since the last log
   double samples_per_s = 0.0;
   double eta_s = 0.0;
+  double lr = 0.0;  // the learning rate of the last step
+  // Achieved model TFLOP/s of one rank (the run's model FLOPs / ranks / seconds), and its
+  // percentage of run.peak_tflops (MFU); NaN (not written) when the peak is unknown.
+  double tflops_per_rank = 0.0;
+  double mfu_percent = std::nan("");
 };
 
 struct EvalEvent {
@@ -47,7 +53,8 @@ class MetricsLog {
   std::string path_;
 };
 
-// "step    100/4680  epoch   0  loss 0.53138     7714.8 samples/s  ETA 1m02s"
+// "step    100/4680  epoch   0  loss 0.53138  lr 1.000e-03     7714.8 samples/s  0.012 TFLOP/s
+//  (MFU 3.1%)  ETA 1m02s" (no MFU when the peak is unknown)
 std::string format_log_line(const LogEvent& event);
 // "eval at step 100: test loss 0.41234  test accuracy 0.8512" (no accuracy for regression)
 std::string format_eval_line(const EvalEvent& event);

@@ -32,13 +32,17 @@ namespace {
 // The schema: every section and its keys, in the order the documentation lists them.
 const std::vector<std::pair<std::string, std::vector<std::string>>>& schema() {
   static const std::vector<std::pair<std::string, std::vector<std::string>>> sections = {
-      {"run", {"name", "seed", "output_dir"}},
+      {"run", {"name", "seed", "output_dir", "peak_tflops"}},
       {"mesh", {"dp", "fsdp", "ep", "tp", "sp"}},
       {"model", {"kind", "sizes", "activation", "init", "loss"}},
       {"partition", {"preset", "min_sharding_size", "rules", "logical_axes", "collective_matmul"}},
-      {"data", {"source", "path", "test_path", "batch_size", "shuffle", "synthetic_samples"}},
-      {"optimizer", {"kind", "lr", "momentum", "betas", "eps", "weight_decay", "clip_norm"}},
-      {"train", {"epochs", "steps", "log_every", "eval_every"}},
+      {"data",
+       {"source", "path", "test_path", "batch_size", "eval_batch_size", "shuffle",
+        "synthetic_samples"}},
+      {"optimizer",
+       {"kind", "lr", "momentum", "betas", "eps", "weight_decay", "clip_norm", "schedule",
+        "warmup_steps", "min_lr"}},
+      {"train", {"epochs", "steps", "log_every", "eval_every", "accumulation_steps"}},
       {"checkpoint", {"every_steps", "keep", "resume", "dir", "async"}},
       {"runtime", {"backend", "matmul_precision"}},
   };
@@ -238,6 +242,10 @@ void read_run(const Section& s, RunSection& run) {
   run.seed = static_cast<uint64_t>(s.integer("seed", 0, 0));
   run.output_dir = s.string("output_dir").value_or("runs/" + run.name);
   if (run.output_dir.empty()) s.fail("output_dir", "must not be empty");
+  run.peak_tflops = s.number("peak_tflops").value_or(run.peak_tflops);
+  if (run.peak_tflops < 0) {
+    s.fail("peak_tflops", "must be non-negative (0 = unknown), got ", run.peak_tflops);
+  }
 }
 
 void read_mesh(const Section& s, const std::string& file, MeshSection& mesh) {
@@ -416,6 +424,10 @@ void read_data(const Section& s, DataSection& data) {
   }
   data.test_path = s.string("test_path").value_or("");
   data.batch_size = s.integer("batch_size", data.batch_size, 1);
+  data.eval_batch_size = s.integer("eval_batch_size");
+  if (data.eval_batch_size && *data.eval_batch_size < 1) {
+    s.fail("eval_batch_size", "must be at least 1, got ", *data.eval_batch_size);
+  }
   data.shuffle = s.boolean("shuffle", data.shuffle);
   data.synthetic_samples = s.integer("synthetic_samples", data.synthetic_samples, 1);
 }
@@ -447,6 +459,12 @@ void read_optimizer(const Section& s, OptimizerSection& opt) {
   if (opt.weight_decay < 0) s.fail("weight_decay", "must be non-negative, got ", opt.weight_decay);
   opt.clip_norm = s.number("clip_norm").value_or(opt.clip_norm);
   if (opt.clip_norm < 0) s.fail("clip_norm", "must be non-negative (0 = off), got ", opt.clip_norm);
+  opt.schedule = s.choice("schedule", opt.schedule, choice_names(lr_schedule_choices()));
+  opt.warmup_steps = s.integer("warmup_steps", opt.warmup_steps, 0);
+  opt.min_lr = s.number("min_lr").value_or(opt.min_lr);
+  if (!(opt.min_lr >= 0 && opt.min_lr <= opt.lr)) {
+    s.fail("min_lr", "must be in [0, lr = ", opt.lr, "], got ", opt.min_lr);
+  }
 }
 
 void read_train(const Section& s, TrainSection& train) {
@@ -460,6 +478,7 @@ void read_train(const Section& s, TrainSection& train) {
   if (train.steps && *train.steps < 1) s.fail("steps", "must be at least 1, got ", *train.steps);
   train.log_every = s.integer("log_every", train.log_every, 1);
   train.eval_every = s.integer("eval_every", train.eval_every, 0);
+  train.accumulation_steps = s.integer("accumulation_steps", train.accumulation_steps, 1);
 }
 
 void read_checkpoint(const Section& s, const std::string& output_dir, CheckpointSection& ckpt) {
@@ -629,7 +648,8 @@ RunConfig load_config(const std::string& path, const std::vector<std::string>& o
 std::string config_to_toml(const RunConfig& config) {
   toml::table run{{"name", config.run.name},
                   {"seed", static_cast<int64_t>(config.run.seed)},
-                  {"output_dir", config.run.output_dir}};
+                  {"output_dir", config.run.output_dir},
+                  {"peak_tflops", config.run.peak_tflops}};
   toml::table mesh;
   for (const auto& [axis, size] : config.mesh.axes) mesh.insert(axis, size);
   toml::array sizes;
@@ -660,6 +680,7 @@ std::string config_to_toml(const RunConfig& config) {
                    {"synthetic_samples", config.data.synthetic_samples}};
   if (!config.data.path.empty()) data.insert("path", config.data.path);
   if (!config.data.test_path.empty()) data.insert("test_path", config.data.test_path);
+  if (config.data.eval_batch_size) data.insert("eval_batch_size", *config.data.eval_batch_size);
   const OptimizerSection& opt = config.optimizer;
   toml::table optimizer{{"kind", opt.kind},
                         {"lr", opt.lr},
@@ -667,8 +688,13 @@ std::string config_to_toml(const RunConfig& config) {
                         {"betas", toml::array{opt.betas.first, opt.betas.second}},
                         {"eps", opt.eps},
                         {"weight_decay", opt.weight_decay},
-                        {"clip_norm", opt.clip_norm}};
-  toml::table train{{"log_every", config.train.log_every}, {"eval_every", config.train.eval_every}};
+                        {"clip_norm", opt.clip_norm},
+                        {"schedule", opt.schedule},
+                        {"warmup_steps", opt.warmup_steps},
+                        {"min_lr", opt.min_lr}};
+  toml::table train{{"log_every", config.train.log_every},
+                    {"eval_every", config.train.eval_every},
+                    {"accumulation_steps", config.train.accumulation_steps}};
   if (config.train.epochs) train.insert("epochs", *config.train.epochs);
   if (config.train.steps) train.insert("steps", *config.train.steps);
   toml::table checkpoint{{"every_steps", config.checkpoint.every_steps},
@@ -717,6 +743,8 @@ PlanOptions plan_options(const RunConfig& config) {
   options.batch_axes = axes.batch;
   options.feature_axis = axes.feature;
   options.global_batch = config.data.batch_size;
+  options.accumulation_steps = config.train.accumulation_steps;
+  options.eval_global_batch = config.data.eval_batch_size.value_or(0);
   return options;
 }
 

@@ -20,6 +20,9 @@ struct RunSection {
   std::string name = "run";
   uint64_t seed = 0;
   std::string output_dir;  // default: "runs/<name>"
+  // Peak dense TFLOP/s of one rank's device; when positive, the progress line and
+  // metrics.jsonl give the model FLOPs utilization (MFU) against it. 0 = unknown.
+  double peak_tflops = 0.0;
 };
 
 struct MeshSection {
@@ -54,7 +57,9 @@ struct DataSection {
   std::string source = "fashion_mnist";  // fashion_mnist | synthetic | hdf5
   std::string path;          // fashion_mnist: directory of IDX files; hdf5: training file
   std::string test_path;     // hdf5: test file (optional)
-  int64_t batch_size = 128;  // global
+  int64_t batch_size = 128;  // global, of one micro-batch (see train.accumulation_steps)
+  // Global rows of one evaluation batch; unset: data.batch_size. The batch axes must divide it.
+  std::optional<int64_t> eval_batch_size;
   bool shuffle = true;
   int64_t synthetic_samples = 4096;
 };
@@ -67,6 +72,11 @@ struct OptimizerSection {
   double eps = 1e-8;
   double weight_decay = 0.0;
   double clip_norm = 0.0;  // global-norm clipping; 0 = off
+  // The rate of each step (framework/train/lr_schedule.hpp): constant | linear | cosine,
+  // after warmup_steps of linear warm-up; linear and cosine decay from lr to min_lr.
+  std::string schedule = "constant";
+  int64_t warmup_steps = 0;
+  double min_lr = 0.0;
 };
 
 struct TrainSection {
@@ -74,6 +84,9 @@ struct TrainSection {
   std::optional<int64_t> steps;
   int64_t log_every = 50;
   int64_t eval_every = 0;  // 0 = only at the end
+  // Micro-batches of data.batch_size per optimizer step: the global batch of a step is
+  // accumulation_steps x data.batch_size.
+  int64_t accumulation_steps = 1;
 };
 
 struct CheckpointSection {
@@ -149,7 +162,9 @@ std::vector<PartitionRule> partition_rules(const RunConfig& config);
 // min_sharding_size from [partition]; optimizer_slots from [optimizer] (adamw 2, sgd with
 // momentum 1, plain sgd 0); 4-byte floats; the layers' batch and feature axes from the
 // logical axes `batch` and `hidden` (with [partition] logical_axes applied; bad_input when
-// `hidden` maps to more than one mesh axis); global_batch = data.batch_size.
+// `hidden` maps to more than one mesh axis); global_batch = data.batch_size (one
+// micro-batch); accumulation_steps and eval_global_batch from train.accumulation_steps and
+// data.eval_batch_size.
 PlanOptions plan_options(const RunConfig& config);
 
 }  // namespace meshtrain

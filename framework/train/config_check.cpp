@@ -38,6 +38,9 @@ void check_config(RunConfig& config) {
   };
 
   if (config.run.name.empty()) fail("run.name", "must not be empty");
+  if (!(config.run.peak_tflops >= 0) || !std::isfinite(config.run.peak_tflops)) {
+    fail("run.peak_tflops", "must be non-negative (0 = unknown), got ", config.run.peak_tflops);
+  }
   if (config.run.output_dir.empty()) config.run.output_dir = "runs/" + config.run.name;
   if (config.checkpoint.dir.empty()) config.checkpoint.dir = config.run.output_dir + "/checkpoints";
 
@@ -86,6 +89,9 @@ void check_config(RunConfig& config) {
     fail("data.source", "must be one of fashion_mnist | synthetic | hdf5, got '", source, "'");
   }
   if (config.data.batch_size < 1) fail("data.batch_size", "must be at least 1");
+  if (config.data.eval_batch_size && *config.data.eval_batch_size < 1) {
+    fail("data.eval_batch_size", "must be at least 1, got ", *config.data.eval_batch_size);
+  }
   if (config.data.synthetic_samples < 1) fail("data.synthetic_samples", "must be at least 1");
 
   const OptimizerSection& opt = config.optimizer;
@@ -104,6 +110,11 @@ void check_config(RunConfig& config) {
   }
   if (!(opt.clip_norm >= 0))
     fail("optimizer.clip_norm", "must be non-negative, got ", opt.clip_norm);
+  check_option([&] { parse_lr_schedule(opt.schedule); });
+  if (opt.warmup_steps < 0) fail("optimizer.warmup_steps", "must be non-negative");
+  if (!(opt.min_lr >= 0 && opt.min_lr <= opt.lr)) {
+    fail("optimizer.min_lr", "must be in [0, optimizer.lr = ", opt.lr, "], got ", opt.min_lr);
+  }
 
   const TrainSection& train = config.train;
   // Neither is fine until the run trains (training_steps says so then): planning does not
@@ -115,6 +126,7 @@ void check_config(RunConfig& config) {
   if (train.steps && *train.steps < 1) fail("train.steps", "must be at least 1");
   if (train.log_every < 1) fail("train.log_every", "must be at least 1");
   if (train.eval_every < 0) fail("train.eval_every", "must be non-negative");
+  if (train.accumulation_steps < 1) fail("train.accumulation_steps", "must be at least 1");
 
   if (config.checkpoint.every_steps < 0) fail("checkpoint.every_steps", "must be non-negative");
   if (config.checkpoint.keep < 1) fail("checkpoint.keep", "must be at least 1");

@@ -67,6 +67,8 @@ void check_resume_compatible(const RunConfig& config, const CheckpointInfo& save
   }
   require_same("data.batch_size", was.batch_size, is.batch_size, saved, config, order);
   require_same("data.shuffle", was.shuffle, is.shuffle, saved, config, order);
+  require_same("train.accumulation_steps", before.train.accumulation_steps,
+               config.train.accumulation_steps, saved, config, order);
   require_same("model.sizes", before.model.sizes, config.model.sizes, saved, config,
                "would not fit the saved parameters");
 

@@ -97,6 +97,13 @@ TEST(CheckConfig, NamesTheKeyOfABadValue) {
       {[](RunConfig& c) { c.partition.rules[1].spec = PartitionSpec::parse("P(xp)"); },
        {"partition.rules", "rule 1", "unknown mesh axis 'xp'"}},
       {[](RunConfig& c) { c.checkpoint.keep = 0; }, {"checkpoint.keep", "at least 1"}},
+      {[](RunConfig& c) { c.optimizer.schedule = "step"; }, {"optimizer.schedule", "'step'"}},
+      {[](RunConfig& c) { c.optimizer.warmup_steps = -1; }, {"optimizer.warmup_steps"}},
+      {[](RunConfig& c) { c.optimizer.min_lr = 1.0; }, {"optimizer.min_lr", "[0, optimizer.lr"}},
+      {[](RunConfig& c) { c.train.accumulation_steps = 0; },
+       {"train.accumulation_steps", "at least 1"}},
+      {[](RunConfig& c) { c.data.eval_batch_size = 0; }, {"data.eval_batch_size", "at least 1"}},
+      {[](RunConfig& c) { c.run.peak_tflops = -1; }, {"run.peak_tflops", "non-negative"}},
   };
   for (const Case& c : cases) {
     RunConfig config = valid_config();

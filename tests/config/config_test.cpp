@@ -45,6 +45,7 @@ const char* const kEveryKey = R"toml([run]
 name = "every"
 seed = 42
 output_dir = "out/every"
+peak_tflops = 989.5
 [mesh]
 dp = 2
 fsdp = -1
@@ -68,6 +69,7 @@ source = "hdf5"
 path = "train.h5"
 test_path = "test.h5"
 batch_size = 64
+eval_batch_size = 96
 shuffle = false
 synthetic_samples = 100
 [optimizer]
@@ -78,15 +80,23 @@ betas = [0.5, 0.6]
 eps = 1e-6
 weight_decay = 0.01
 clip_norm = 1
+schedule = "cosine"
+warmup_steps = 4
+min_lr = 0.05
 [train]
 epochs = 3
 log_every = 7
 eval_every = 9
+accumulation_steps = 3
 [checkpoint]
 every_steps = 11
 keep = 3
 resume = true
 dir = "ckpt"
+async = false
+[runtime]
+backend = "mpi"
+matmul_precision = "tf32"
 )toml";
 
 TEST(Config, ReadsEveryKey) {
@@ -130,6 +140,12 @@ TEST(Config, ReadsEveryKey) {
   EXPECT_DOUBLE_EQ(c.optimizer.eps, 1e-6);
   EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, 0.01);
   EXPECT_DOUBLE_EQ(c.optimizer.clip_norm, 1.0);
+  EXPECT_EQ(c.optimizer.schedule, "cosine");
+  EXPECT_EQ(c.optimizer.warmup_steps, 4);
+  EXPECT_DOUBLE_EQ(c.optimizer.min_lr, 0.05);
+  EXPECT_EQ(c.train.accumulation_steps, 3);
+  EXPECT_EQ(c.data.eval_batch_size, std::optional<int64_t>(96));
+  EXPECT_DOUBLE_EQ(c.run.peak_tflops, 989.5);
   EXPECT_EQ(c.train.epochs, std::optional<int64_t>(3));
   EXPECT_FALSE(c.train.steps.has_value());
   EXPECT_EQ(c.train.log_every, 7);
@@ -138,6 +154,9 @@ TEST(Config, ReadsEveryKey) {
   EXPECT_EQ(c.checkpoint.keep, 3);
   EXPECT_TRUE(c.checkpoint.resume);
   EXPECT_EQ(c.checkpoint.dir, "ckpt");
+  EXPECT_FALSE(c.checkpoint.async);
+  EXPECT_EQ(c.runtime.backend, "mpi");
+  EXPECT_EQ(c.runtime.matmul_precision, "tf32");
 
   // User rules come first, then the preset's; plan options follow the config.
   const std::vector<PartitionRule> rules = partition_rules(c);
@@ -189,6 +208,14 @@ TEST(Config, ConfigToTomlReadsBackTheSameValues) {
   EXPECT_EQ(b.optimizer.eps, a.optimizer.eps);
   EXPECT_EQ(b.optimizer.weight_decay, a.optimizer.weight_decay);
   EXPECT_EQ(b.optimizer.clip_norm, a.optimizer.clip_norm);
+  EXPECT_EQ(b.optimizer.schedule, a.optimizer.schedule);
+  EXPECT_EQ(b.optimizer.warmup_steps, a.optimizer.warmup_steps);
+  EXPECT_EQ(b.optimizer.min_lr, a.optimizer.min_lr);
+  EXPECT_EQ(b.train.accumulation_steps, a.train.accumulation_steps);
+  EXPECT_EQ(b.data.eval_batch_size, a.data.eval_batch_size);
+  EXPECT_EQ(b.run.peak_tflops, a.run.peak_tflops);
+  EXPECT_EQ(a.optimizer.schedule, "cosine");  // the round trip is of non-default values
+  EXPECT_EQ(a.train.accumulation_steps, 3);
   EXPECT_EQ(b.train.epochs, a.train.epochs);
   EXPECT_EQ(b.train.steps, a.train.steps);
   EXPECT_EQ(b.train.log_every, a.train.log_every);
@@ -214,6 +241,12 @@ TEST(Config, Defaults) {
   EXPECT_EQ(c.mesh.resolve(1), Mesh::single());
   EXPECT_EQ(c.train.steps, std::optional<int64_t>(5));
   EXPECT_EQ(c.train.log_every, 50);
+  EXPECT_EQ(c.train.accumulation_steps, 1);
+  EXPECT_EQ(c.optimizer.schedule, "constant");
+  EXPECT_EQ(c.optimizer.warmup_steps, 0);
+  EXPECT_EQ(c.optimizer.min_lr, 0.0);
+  EXPECT_FALSE(c.data.eval_batch_size.has_value());  // the training batch
+  EXPECT_EQ(c.run.peak_tflops, 0.0);                 // unknown: no MFU
   EXPECT_EQ(c.partition.min_sharding_size, 16384);
   EXPECT_EQ(c.partition.collective_matmul, "auto");
   EXPECT_EQ(c.runtime.backend, "auto");
@@ -276,6 +309,11 @@ TEST(Config, TypeErrorsNameFileLineAndKey) {
                       {"t.toml:6", "[partition] logical_axes", "a table"});
 }
 
+TEST(Config, AccumulationStepsMustBePositive) {
+  expect_config_error("[model]\nsizes = [4, 3]\n[train]\nsteps = 5\naccumulation_steps = 0\n",
+                      {"t.toml:5", "[train] accumulation_steps", "at least 1", "0"});
+}
+
 TEST(Config, RangeErrorsNameFileLineKeyAndValue) {
   struct Case {
     std::string extra;
@@ -283,6 +321,13 @@ TEST(Config, RangeErrorsNameFileLineKeyAndValue) {
   };
   const std::vector<Case> cases = {
       {"[optimizer]\nlr = -0.1\n", {"t.toml:6: [optimizer] lr must be positive, got -0.1"}},
+      {"[optimizer]\nschedule = \"step\"\n",
+       {"t.toml:6", "[optimizer] schedule", "constant | linear | cosine", "\"step\""}},
+      {"[optimizer]\nwarmup_steps = -1\n", {"t.toml:6", "[optimizer] warmup_steps", "-1"}},
+      {"[optimizer]\nlr = 0.1\nmin_lr = 0.2\n", {"t.toml:7", "[optimizer] min_lr", "[0, lr"}},
+      {"[optimizer]\nmin_lr = -1\n", {"t.toml:6", "[optimizer] min_lr"}},
+      {"[data]\neval_batch_size = 0\n", {"t.toml:6", "[data] eval_batch_size", "at least 1"}},
+      {"[run]\npeak_tflops = -3\n", {"t.toml:6", "[run] peak_tflops", "non-negative"}},
       {"[optimizer]\nlr = 0\n", {"t.toml:6", "[optimizer] lr", "positive"}},
       {"[optimizer]\nmomentum = 1.0\n", {"t.toml:6", "[optimizer] momentum", "[0, 1)"}},
       {"[optimizer]\nbetas = [0.9, 1.0]\n", {"t.toml:6", "[optimizer] betas", "[0, 1)"}},

@@ -515,9 +515,10 @@ TEST(EvalSchedule, LastBatchIsPaddedAndMasked) {
     }
   }
   EXPECT_EQ(total, d.num_samples);
-  // Evaluation batches have data.batch_size rows: the message names that key (issue 9,
-  // bug 10: it named data.eval_batch_size, a key the schema does not have).
-  expect_bad_input([] { EvalSchedule::create(10, 0); }, {"data.batch_size = 0"});
+  // Evaluation batches have data.eval_batch_size rows (issue 12): the message names that
+  // key by default, or the key the caller gives.
+  expect_bad_input([] { EvalSchedule::create(10, 0); }, {"data.eval_batch_size = 0"});
+  expect_bad_input([] { EvalSchedule::create(10, -1, "my.key"); }, {"my.key = -1"});
 }
 
 }  // namespace

@@ -261,3 +261,41 @@ TEST(PlannerCollectives, BadLayerList) {
 
 }  // namespace
 }  // namespace meshtrain
+
+namespace meshtrain {
+namespace {
+
+// The plan counts what the trainer allocates besides parameters, gradients and optimizer
+// state for issue 12's options: the gradient sum of accumulation_steps > 1 (the size of the
+// gradients), and an evaluation batch of its own size (inputs and labels, and each layer's
+// output columns on this rank), nothing for an evaluation batch of the training size.
+TEST(PlannerMemory, CountsAccumulationAndEvaluationBuffers) {
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.global_batch = kBatch;
+  const Mesh mesh = mesh_of({{"fsdp", 2}, {"tp", 2}});
+  auto plan_with = [&](int64_t accumulation, int64_t eval_batch) {
+    PlanOptions o = options;
+    o.accumulation_steps = accumulation;
+    o.eval_global_batch = eval_batch;
+    return make_plan(mlp_parameter_shapes(kMnist), mesh, preset_rules("fsdp_tp"), o,
+                     mlp_linear_layers(kMnist));
+  };
+  const ShardingPlan plain = plan_with(1, 0);
+  EXPECT_EQ(plain.totals.accumulation_bytes, 0);
+  EXPECT_EQ(plain.totals.evaluation_bytes, 0);
+  EXPECT_EQ(plan_with(1, kBatch).totals.evaluation_bytes, 0);  // shares the training buffers
+  const ShardingPlan accumulated = plan_with(4, 0);
+  EXPECT_EQ(accumulated.totals.accumulation_bytes, plain.totals.gradient_bytes);
+  EXPECT_EQ(accumulated.totals.bytes_per_rank(),
+            plain.totals.bytes_per_rank() + plain.totals.gradient_bytes);
+  // 1000 rows over fsdp = 2: 500 rows of 784 inputs + 1 label, and the outputs of the three
+  // tensor-parallel layers on this rank: 512 / 2, 512 / 2 and 10 / 2 columns.
+  const ShardingPlan evaluated = plan_with(1, 1000);
+  EXPECT_EQ(evaluated.totals.evaluation_bytes, 4 * 500 * (784 + 1 + 256 + 256 + 5));
+  EXPECT_EQ(evaluated.totals.bytes_per_rank(),
+            plain.totals.bytes_per_rank() + evaluated.totals.evaluation_bytes);
+}
+
+}  // namespace
+}  // namespace meshtrain

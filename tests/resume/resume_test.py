@@ -18,9 +18,14 @@ CASE is one of
   inspect       `meshtrain inspect` prints a trainer checkpoint's step, mesh and config; a
                 flipped byte in a parameter's data makes `inspect --verify` and a resuming
                 `train` exit 2 naming the dataset.
-  compatibility resuming with another run.seed, data.batch_size, data.shuffle, data.source
-                or model.sizes exits 2 naming the key; a checkpoint at the run's last step
-                has nothing to train, one past it exits 2 naming train.steps.
+  compatibility resuming with another run.seed, data.batch_size, data.shuffle, data.source,
+                model.sizes or train.accumulation_steps exits 2 naming the key; a
+                checkpoint at the run's last step has nothing to train, one past it exits
+                2 naming train.steps.
+  schedule      a cosine schedule with warm-up and 2 accumulated micro-batches per step:
+                resumed from step 2 (warm-up) and step 8 (decay) of one 12-step run, the
+                rates, losses of the remaining steps and the final checkpoint are bit for
+                bit those of the uninterrupted run.
 
 Every run uses a small model (784-64-10), logs every step (metrics.jsonl holds each step's
 loss) and writes under --work, which is emptied first. Exit status: 0 pass, 1 fail, 77 skip
@@ -247,6 +252,56 @@ def case_same_mesh(ctx, preset):
     compare_checkpoints(ctx, "final checkpoint", final_b, final_a, exact=True)
 
 
+def case_schedule(ctx, preset):
+    """A cosine schedule with 4 warm-up steps over 12 steps (and 2 accumulated
+    micro-batches per step): runs resumed from the checkpoint of step 2 (in the warm-up) and
+    of step 8 (in the cosine decay) of the same run log the rates and losses of the
+    uninterrupted run bit for bit, and end with its final checkpoint."""
+    need_tools(ctx, "h5dump")
+    np = 2
+    schedule = ["--set", 'optimizer.schedule="cosine"', "--set", "optimizer.warmup_steps=4",
+                "--set", "optimizer.min_lr=1e-4", "--set", "train.accumulation_steps=2",
+                "--set", "data.batch_size=64", "--set", "data.eval_batch_size=500"]
+    a = os.path.join(ctx.work, "uninterrupted")
+    train(ctx, np, preset, a, 12,
+          schedule + ["--set", "checkpoint.every_steps=2", "--set", "checkpoint.keep=6"])
+    ref = losses(a)
+    rates = learning_rates(a)
+    ctx.check(sorted(ref) == list(range(1, 13)), "uninterrupted run logged steps %s" % sorted(ref))
+    ctx.check(len(set(rates.values())) == 12, "the rate does not change every step: %s" % rates)
+    for step in (2, 8):
+        b = os.path.join(ctx.work, "resumed_at_%d" % step)
+        ckpt = os.path.join(b, "checkpoints")
+        os.makedirs(ckpt)
+        name = "ckpt-%06d.h5" % step
+        shutil.copy(os.path.join(a, "checkpoints", name), os.path.join(ckpt, name))
+        with open(os.path.join(ckpt, "latest"), "w") as f:
+            f.write(name + "\n")
+        _, out, _ = train(ctx, np, preset, b, 12, schedule + ["--set", "checkpoint.resume=true"])
+        what = "resumed at step %d" % step
+        ctx.check(re.search(r"resumed from \S*%s at step %d" % (re.escape(name), step), out),
+                  "%s: the run does not say it resumed:\n%s" % (what, out))
+        expect_losses(ctx, what, losses(b), ref, range(step + 1, 13))
+        got = learning_rates(b)
+        for s in range(step + 1, 13):
+            ctx.check(got.get(s) == rates[s], "%s: step %d rate %s, uninterrupted run %s" %
+                      (what, s, got.get(s), rates[s]))
+        compare_checkpoints(ctx, what + ", final checkpoint",
+                            os.path.join(ckpt, "ckpt-000012.h5"),
+                            os.path.join(a, "checkpoints", "ckpt-000012.h5"), exact=True)
+
+
+def learning_rates(output_dir):
+    """{step: "lr" as the JSON text} of the log events in OUTPUT_DIR/metrics.jsonl."""
+    result = {}
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        for line in f:
+            event = json.loads(line, parse_float=str)
+            if event.get("event") == "log" and "lr" in event:
+                result[event["step"]] = event["lr"]
+    return result
+
+
 def case_other_mesh(ctx):
     need_tools(ctx, "h5dump")
     ref_dir = os.path.join(ctx.work, "uninterrupted_np1")
@@ -414,7 +469,8 @@ def case_compatibility(ctx, preset):
                ("data.source", ["--set", 'data.source="synthetic"', "--set", 'model.loss="mse"'],
                 '"fashion_mnist"', '"synthetic"'),
                ("model.sizes", ["--set", "model.sizes=[784, 32, 10]"], "[784, 64, 10]",
-                "[784, 32, 10]")]
+                "[784, 32, 10]"),
+               ("train.accumulation_steps", ["--set", "train.accumulation_steps=2"], "1", "2")]
     for key, sets, was, now in changes:
         status, out, err = train(ctx, np, preset, os.path.join(ctx.work, "changed_" + key), 12,
                                  resume + sets, expect_status=None)
@@ -451,7 +507,7 @@ def main():
     split = argv.index("--")
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["same_mesh", "other_mesh", "interrupted", "inspect",
-                                         "compatibility"])
+                                         "compatibility", "schedule"])
     parser.add_argument("--meshtrain", required=True)
     parser.add_argument("--configs", required=True)
     parser.add_argument("--work", required=True)
@@ -479,6 +535,8 @@ def main():
             case_interrupted(ctx, args.preset)
         elif args.case == "compatibility":
             case_compatibility(ctx, args.preset)
+        elif args.case == "schedule":
+            case_schedule(ctx, args.preset)
         else:
             case_inspect(ctx, args.preset)
     except Failure as e:

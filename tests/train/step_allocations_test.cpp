@@ -193,7 +193,8 @@ std::ostream& operator<<(std::ostream& out, const Allocations& a) {
 }
 
 Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgorithm algorithm,
-                                 LossKind loss_kind, OptimizerKind optimizer_kind) {
+                                 LossKind loss_kind, OptimizerKind optimizer_kind,
+                                 int64_t accumulation_steps = 1) {
   RunConfig config;
   config.mesh.axes = mesh_case.axes;
   config.model.sizes = {32, 24, 16, 8};  // every width divides by 2 and 4
@@ -204,7 +205,10 @@ Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgo
   config.partition.collective_matmul = to_string(algorithm);
   config.optimizer.kind = to_string(optimizer_kind);
   config.optimizer.clip_norm = 0.5;  // small: clipping scales the gradients
-  config.data.batch_size = 16;
+  config.data.batch_size = 16 / accumulation_steps;
+  config.train.accumulation_steps = accumulation_steps;
+  config.optimizer.schedule = "cosine";  // the rate changes every step
+  config.optimizer.warmup_steps = 2;
   config.train.steps = 4;
   config.run.seed = 7;
   TrainingRun run(config, {}, RunData{small_data(loss_kind), Dataset{}});
@@ -232,6 +236,19 @@ TEST(TrainingStep, AllocatesNothingOnTheHeap) {
     SCOPED_TRACE(c.preset + ", bidirectional, mse + sgd");
     EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::bidirectional, LossKind::mse,
                                    OptimizerKind::sgd),
+              Allocations{})
+        << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+  }
+}
+
+// With gradient accumulation (2 micro-batches of 8 rows per step) the step allocates
+// nothing either: the gradient sum is allocated with the model.
+TEST(TrainingStep, WithAccumulationAllocatesNothing) {
+  for (const MeshCase& c : mesh_cases()) {
+    if (c.axes.front().first != "tp" && 8 % c.axes.front().second != 0) continue;
+    SCOPED_TRACE(c.preset + ", 2 micro-batches");
+    EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::naive, LossKind::cross_entropy,
+                                   OptimizerKind::adamw, 2),
               Allocations{})
         << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
   }
