@@ -1,0 +1,50 @@
+// What a run config means for the planner: its partition rules and PlanOptions. Apart from
+// config.cpp because it asks the optimizer (a Kokkos header) which slots it allocates, and
+// config.cpp, the TOML reader, is compiled by the host compiler alone in CUDA builds.
+
+#include "framework/core/choices.hpp"
+#include "framework/train/config.hpp"
+#include "framework/train/optimizer.hpp"
+#include "partition/error.hpp"
+#include "partition/linear_layout.hpp"
+#include "partition/logical_axes.hpp"
+#include "partition/text.hpp"
+
+namespace meshtrain {
+
+std::vector<PartitionRule> partition_rules(const RunConfig& config) {
+  std::vector<PartitionRule> rules;
+  for (const PartitionRuleText& rule : config.partition.rules) {
+    rules.push_back(PartitionRule{rule.pattern, rule.spec, false});
+  }
+  if (!config.partition.preset.empty()) {
+    for (PartitionRule& rule : preset_rules(config.partition.preset))
+      rules.push_back(std::move(rule));
+  }
+  if (rules.empty()) {
+    MESHTRAIN_BAD_INPUT(
+        config.file, ": [partition] has neither a preset nor rules; set preset = ", "\"dp\" (or ",
+        join(preset_names(), ", "), ") or rules = [[regex, spec], ...]");
+  }
+  return rules;
+}
+
+PlanOptions plan_options(const RunConfig& config) {
+  PlanOptions options;
+  options.min_sharding_size = config.partition.min_sharding_size;
+  options.bytes_per_element = 4;
+  // The slots the optimizer allocates, from the one function that decides them.
+  OptimizerSettings settings;
+  settings.kind = parse_optimizer_kind(config.optimizer.kind);
+  settings.momentum = static_cast<float>(config.optimizer.momentum);
+  options.optimizer_slots = static_cast<int>(optimizer_slot_names(settings).size());
+  const LayerAxes axes = layer_axes(LogicalAxes::with_overrides(config.partition.logical_axes));
+  options.batch_axes = axes.batch;
+  options.feature_axis = axes.feature;
+  options.global_batch = config.data.batch_size;
+  options.accumulation_steps = config.train.accumulation_steps;
+  options.eval_global_batch = config.data.eval_batch_size.value_or(0);
+  return options;
+}
+
+}  // namespace meshtrain
