@@ -242,9 +242,10 @@ EvalEvent TrainingRun::evaluate() {
   int64_t correct = 0, count = 0;
   const Dataset& test = data_.test;
   for (int64_t b = 0; b < eval_schedule_.num_batches; ++b) {
-    const int64_t valid = test.classification()
-                              ? fill_eval_batch(test, eval_schedule_, b, slice_, x_, labels_)
-                              : fill_eval_batch(test, eval_schedule_, b, slice_, x_, targets_);
+    const int64_t valid =
+        test.classification()
+            ? fill_eval_batch(test, eval_schedule_, b, slice_, x_, labels_, &batch_staging_)
+            : fill_eval_batch(test, eval_schedule_, b, slice_, x_, targets_, &batch_staging_);
     const LossResult r = compute_loss(model_->forward(x_), /*with_gradient=*/false, valid);
     loss_sum += r.loss_sum;
     correct += r.correct;
