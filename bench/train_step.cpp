@@ -67,15 +67,21 @@ void trace_allocation(std::size_t bytes) {
   backtrace_symbols_fd(frames, depth, 2);
   t_tracing = false;
 }
-}  // namespace
 
-void* operator new(std::size_t bytes) {
+// The body of operator new, in a plain host function: nvcc compiles a replaced global
+// operator new for the device too, where a throw does not compile.
+void* counted_allocate(std::size_t bytes) {
   if (g_count_heap.load(std::memory_order_relaxed)) {
     ++g_heap_allocations;
     trace_allocation(bytes);
   }
   if (void* p = std::malloc(bytes ? bytes : 1)) return p;
   throw std::bad_alloc();
+}
+}  // namespace
+
+void* operator new(std::size_t bytes) {
+  return counted_allocate(bytes);
 }
 void operator delete(void* p) noexcept {
   std::free(p);

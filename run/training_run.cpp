@@ -194,6 +194,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
       eval_targets_ =
           Matrix("meshtrain::eval_targets", eval_slice_.rows, data_.test.output_width());
     }
+    eval_batch_staging_ = make_batch_staging(eval_x_, eval_labels_, eval_targets_);
   }
 
   x_ = Matrix("meshtrain::batch_x", slice_.rows, sizes.front());
@@ -359,13 +360,15 @@ EvalEvent TrainingRun::evaluate() {
   const Matrix& x = eval_model_ ? eval_x_ : x_;
   const BatchLabels& labels = eval_model_ ? eval_labels_ : labels_;
   const Matrix& targets = eval_model_ ? eval_targets_ : targets_;
+  const BatchStaging& staging = eval_model_ ? eval_batch_staging_ : batch_staging_;
   double loss_sum = 0.0;
   int64_t correct = 0, count = 0;
   const Dataset& test = data_.test;
   for (int64_t b = 0; b < eval_schedule_.num_batches; ++b) {
-    const int64_t valid = test.classification()
-                              ? fill_eval_batch(test, eval_schedule_, b, eval_slice_, x, labels)
-                              : fill_eval_batch(test, eval_schedule_, b, eval_slice_, x, targets);
+    const int64_t valid =
+        test.classification()
+            ? fill_eval_batch(test, eval_schedule_, b, eval_slice_, x, labels, &staging)
+            : fill_eval_batch(test, eval_schedule_, b, eval_slice_, x, targets, &staging);
     const LossResult r = compute_loss(loss, model.forward(x), labels, targets,
                                       /*with_gradient=*/false, valid);
     loss_sum += r.loss_sum;

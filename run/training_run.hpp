@@ -196,6 +196,7 @@ class TrainingRun {
   Matrix eval_x_;
   BatchLabels eval_labels_;
   Matrix eval_targets_;
+  BatchStaging eval_batch_staging_;
 
   // This rank's rows of one batch: inputs and either labels or targets.
   Matrix x_;

@@ -380,22 +380,24 @@ void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step
 }
 
 int64_t fill_eval_batch(const Dataset& data, const EvalSchedule& schedule, int64_t batch,
-                        const BatchSlice& slice, const Matrix& x, const BatchLabels& labels) {
+                        const BatchSlice& slice, const Matrix& x, const BatchLabels& labels,
+                        const BatchStaging* staging) {
   check_eval_slice(data, schedule, batch, slice, x);
   const int64_t first = batch * schedule.global_batch + slice.begin();
   const int64_t valid = eval_valid_rows(schedule, batch, slice);
   copy_rows(
-      data, valid, [&](int64_t r) { return first + r; }, x, &labels, nullptr);
+      data, valid, [&](int64_t r) { return first + r; }, x, &labels, nullptr, staging);
   return valid;
 }
 
 int64_t fill_eval_batch(const Dataset& data, const EvalSchedule& schedule, int64_t batch,
-                        const BatchSlice& slice, const Matrix& x, const Matrix& targets) {
+                        const BatchSlice& slice, const Matrix& x, const Matrix& targets,
+                        const BatchStaging* staging) {
   check_eval_slice(data, schedule, batch, slice, x);
   const int64_t first = batch * schedule.global_batch + slice.begin();
   const int64_t valid = eval_valid_rows(schedule, batch, slice);
   copy_rows(
-      data, valid, [&](int64_t r) { return first + r; }, x, nullptr, &targets);
+      data, valid, [&](int64_t r) { return first + r; }, x, nullptr, &targets, staging);
   return valid;
 }
 

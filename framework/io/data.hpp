@@ -196,9 +196,13 @@ struct EvalSchedule {
                              const std::string& key = "data.eval_batch_size");
 };
 
+// `staging` as for fill_batch (the training run passes its own, so evaluation allocates
+// no host mirrors per batch either).
 int64_t fill_eval_batch(const Dataset& data, const EvalSchedule& schedule, int64_t batch,
-                        const BatchSlice& slice, const Matrix& x, const BatchLabels& labels);
+                        const BatchSlice& slice, const Matrix& x, const BatchLabels& labels,
+                        const BatchStaging* staging = nullptr);
 int64_t fill_eval_batch(const Dataset& data, const EvalSchedule& schedule, int64_t batch,
-                        const BatchSlice& slice, const Matrix& x, const Matrix& targets);
+                        const BatchSlice& slice, const Matrix& x, const Matrix& targets,
+                        const BatchStaging* staging = nullptr);
 
 }  // namespace meshtrain

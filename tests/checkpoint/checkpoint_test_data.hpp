@@ -74,9 +74,12 @@ void for_each_element(const ShardedTensor& t, Fn&& fn) {
 inline ShardedTensor test_tensor(const ParamShape& p, int id, const std::string& layout,
                                  const Mesh& mesh, int rank, int64_t salt, bool fill) {
   ShardedTensor t = ShardedTensor::allocate(p.name, p.shape, test_spec(layout, p), mesh, rank);
-  if (fill)
+  if (fill) {
+    auto host = Kokkos::create_mirror_view(t.local);  // the block itself on host memory
     for_each_element(
-        t, [&](int64_t local, int64_t global) { t.local(local) = test_value(id, global, salt); });
+        t, [&](int64_t local, int64_t global) { host(local) = test_value(id, global, salt); });
+    Kokkos::deep_copy(t.local, host);
+  }
   return t;
 }
 
@@ -104,8 +107,9 @@ inline CheckpointContents test_contents(const Mesh& mesh, int rank, const std::s
 // Number of elements of `t` that differ from the test values of (id, salt).
 inline int64_t count_mismatches(const ShardedTensor& t, int id, int64_t salt) {
   int64_t wrong = 0;
+  const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), t.local);
   for_each_element(t, [&](int64_t local, int64_t global) {
-    if (t.local(local) != test_value(id, global, salt)) ++wrong;
+    if (host(local) != test_value(id, global, salt)) ++wrong;
   });
   return wrong;
 }

@@ -50,17 +50,18 @@ void check_all_gather_case(const Group& g, CollectiveMatmulAlgorithm alg, Gather
   const auto [br, bc] = stored(k, cols, tb);
   // The gathered operand is the same on every rank of the group; the other one is local.
   const uint64_t full_seed = g.seed * 17 + 1, local_seed = g.seed * 17 + 2 + 100 * i;
-  HostMatrix a_full = make_matrix("a", ar, ac, side == GatherSide::left ? full_seed : local_seed);
-  HostMatrix b_full = make_matrix("b", br, bc, side == GatherSide::right ? full_seed : local_seed);
-  HostMatrix& g_full = side == GatherSide::left ? a_full : b_full;
+  DeviceMatrix a_full = make_matrix("a", ar, ac, side == GatherSide::left ? full_seed : local_seed);
+  DeviceMatrix b_full =
+      make_matrix("b", br, bc, side == GatherSide::right ? full_seed : local_seed);
+  DeviceMatrix& g_full = side == GatherSide::left ? a_full : b_full;
   const std::size_t gr = gather_dim == 0 ? g_full.extent(0) / n : g_full.extent(0);
   const std::size_t gc = gather_dim == 1 ? g_full.extent(1) / n : g_full.extent(1);
-  HostMatrix block =
+  DeviceMatrix block =
       copy_block(g_full, gather_dim == 0 ? i * gr : 0, gr, gather_dim == 1 ? i * gc : 0, gc);
   std::vector<double> want;
   reference_gemm(a_full, ta, b_full, tb, want);
 
-  HostMatrix c_store("c", m, cols + (strided_c ? 3 : 0));
+  DeviceMatrix c_store("c", m, cols + (strided_c ? 3 : 0));
   MatrixView c = Kokkos::subview(
       c_store, Kokkos::ALL,
       std::make_pair<std::size_t, std::size_t>(strided_c ? 1 : 0, (strided_c ? 1 : 0) + cols));
@@ -77,9 +78,10 @@ void check_all_gather_case(const Group& g, CollectiveMatmulAlgorithm alg, Gather
                               std::to_string(gather_dim) + " ta " + std::to_string(ta) + " tb " +
                               std::to_string(tb) + (strided_c ? " strided C" : "")));
   if (strided_c) {
+    const HostMatrix store = to_host(c_store);
     for (std::size_t r = 0; r < m; ++r) {
-      ASSERT_EQ(c_store(r, 0), 7.0f) << "wrote outside C";
-      ASSERT_EQ(c_store(r, cols + 1), 7.0f) << "wrote outside C";
+      ASSERT_EQ(store(r, 0), 7.0f) << "wrote outside C";
+      ASSERT_EQ(store(r, cols + 1), 7.0f) << "wrote outside C";
     }
   }
 }
@@ -99,12 +101,12 @@ void check_reduce_scatter_case(const Group& g, CollectiveMatmulAlgorithm alg, in
   std::vector<double> want;
   for (std::size_t r = 0; r < n; ++r) reference_gemm(a_of(r), ta, b_of(r), tb, want);
   const std::size_t c_rows = scatter_dim == 0 ? 3 : m, c_cols = scatter_dim == 1 ? 3 : cols;
-  HostMatrix c_store("c", c_rows, c_cols + (strided_c ? 2 : 0));
+  DeviceMatrix c_store("c", c_rows, c_cols + (strided_c ? 2 : 0));
   Kokkos::deep_copy(c_store, 7.0f);
   MatrixView c = Kokkos::subview(
       c_store, Kokkos::ALL,
       std::make_pair<std::size_t, std::size_t>(strided_c ? 1 : 0, (strided_c ? 1 : 0) + c_cols));
-  HostMatrix a_mine = a_of(i), b_mine = b_of(i);
+  DeviceMatrix a_mine = a_of(i), b_mine = b_of(i);
   matmul_reduce_scatter(comm, scatter_dim, {a_mine, ta}, {b_mine, tb}, c, alg, ws);
   expect_matches(c, want, scatter_dim == 0 ? i * 3 : 0, scatter_dim == 1 ? i * 3 : 0, cols,
                  describe(g, alg,
@@ -112,9 +114,10 @@ void check_reduce_scatter_case(const Group& g, CollectiveMatmulAlgorithm alg, in
                               std::to_string(ta) + " tb " + std::to_string(tb) +
                               (strided_c ? " strided C" : "")));
   if (strided_c) {
+    const HostMatrix store = to_host(c_store);
     for (std::size_t r = 0; r < c_rows; ++r) {
-      ASSERT_EQ(c_store(r, 0), 7.0f) << "wrote outside C";
-      ASSERT_EQ(c_store(r, c_cols + 1), 7.0f) << "wrote outside C";
+      ASSERT_EQ(store(r, 0), 7.0f) << "wrote outside C";
+      ASSERT_EQ(store(r, c_cols + 1), 7.0f) << "wrote outside C";
     }
   }
 }
@@ -163,27 +166,29 @@ TEST(CollectiveMatmul, TensorParallelLinearProducts) {
   const std::size_t n = static_cast<std::size_t>(tp.size()),
                     i = static_cast<std::size_t>(tp.rank());
   const std::size_t batch = 4, in = 3 * n, out = 5 * n;
-  HostMatrix x = make_matrix("x", batch, in, g.seed + 1), w = make_matrix("w", in, out, g.seed + 2);
-  HostMatrix dy = make_matrix("dy", batch, out, g.seed + 3);
-  HostMatrix x_local = copy_block(x, 0, batch, i * 3, 3), w_local = copy_block(w, i * 3, 3, 0, out);
-  HostMatrix dy_local = copy_block(dy, 0, batch, i * 5, 5);
+  DeviceMatrix x = make_matrix("x", batch, in, g.seed + 1),
+               w = make_matrix("w", in, out, g.seed + 2);
+  DeviceMatrix dy = make_matrix("dy", batch, out, g.seed + 3);
+  DeviceMatrix x_local = copy_block(x, 0, batch, i * 3, 3),
+               w_local = copy_block(w, i * 3, 3, 0, out);
+  DeviceMatrix dy_local = copy_block(dy, 0, batch, i * 5, 5);
   for (CollectiveMatmulAlgorithm alg : kAlgorithms) {
     CollectiveMatmulWorkspace ws;
     // forward: Y_local = reduce_scatter(X_local @ W_local) over output features
-    HostMatrix y_local("y", batch, 5);
+    DeviceMatrix y_local("y", batch, 5);
     matmul_reduce_scatter(tp, 1, plain(x_local), plain(w_local), y_local, alg, ws);
     std::vector<double> y;
     reference_gemm(x, false, w, false, y);
     expect_matches(y_local, y, 0, i * 5, out, describe(g, alg, "TP forward"));
     // dX_local = all_gather(dY, dim 1) @ W_localᵀ
-    HostMatrix dx_local("dx", batch, 3);
+    DeviceMatrix dx_local("dx", batch, 3);
     all_gather_matmul(tp, GatherSide::left, 1, plain(dy_local), transposed(w_local), dx_local, alg,
                       ws);
     std::vector<double> dx;
     reference_gemm(dy, false, w, true, dx);
     expect_matches(dx_local, dx, 0, i * 3, in, describe(g, alg, "TP dX"));
     // dW_local = X_localᵀ @ all_gather(dY, dim 1)
-    HostMatrix dw_local("dw", 3, out);
+    DeviceMatrix dw_local("dw", 3, out);
     all_gather_matmul(tp, GatherSide::right, 1, transposed(x_local), plain(dy_local), dw_local, alg,
                       ws);
     std::vector<double> dw;
@@ -198,10 +203,10 @@ TEST(CollectiveMatmul, RingAndBidirectionalHoldTwoBlocksNotN) {
   const std::size_t n = static_cast<std::size_t>(comm.size());
   const std::size_t rows = 6, cols = 10;  // a block; the gathered operand is n blocks
   const std::size_t block_bytes = rows * cols * sizeof(float);
-  HostMatrix lhs = make_matrix("lhs", 8, rows * n, 1), block = make_matrix("blk", rows, cols, 2);
-  HostMatrix out("out", 8, cols);
-  HostMatrix rs_a = make_matrix("rs_a", rows * n, 5, 3), rs_b = make_matrix("rs_b", 5, cols, 4);
-  HostMatrix rs_out("rs_out", rows, cols);
+  DeviceMatrix lhs = make_matrix("lhs", 8, rows * n, 1), block = make_matrix("blk", rows, cols, 2);
+  DeviceMatrix out("out", 8, cols);
+  DeviceMatrix rs_a = make_matrix("rs_a", rows * n, 5, 3), rs_b = make_matrix("rs_b", 5, cols, 4);
+  DeviceMatrix rs_out("rs_out", rows, cols);
   for (CollectiveMatmulAlgorithm alg : kAlgorithms) {
     CollectiveMatmulWorkspace ws;
     all_gather_matmul(comm, GatherSide::right, 0, plain(lhs), plain(block), out, alg, ws);
@@ -233,28 +238,28 @@ TEST(CollectiveMatmul, NonDivisibleShapesAreBadInput) {
   if (n < 2) GTEST_SKIP() << "every shape divides one rank";
   CollectiveMatmulWorkspace ws;
   const std::string ranks = std::to_string(n) + " ranks";
-  HostMatrix a("a", 3 * n + 1, 4), b("b", 4, 6), c("c", 3, 6);
+  DeviceMatrix a("a", 3 * n + 1, 4), b("b", 4, 6), c("c", 3, 6);
   expect_bad_input(
       [&] {
         matmul_reduce_scatter(tp, 0, plain(a), plain(b), c, CollectiveMatmulAlgorithm::ring, ws);
       },
       {"matmul_reduce_scatter", "axis (tp)", "dimension 0", "M = " + std::to_string(3 * n + 1),
        ranks});
-  HostMatrix a2("a2", 4, 5), b2("b2", 5, 2 * n + 1), c2("c2", 4, 2);
+  DeviceMatrix a2("a2", 4, 5), b2("b2", 5, 2 * n + 1), c2("c2", 4, 2);
   expect_bad_input(
       [&] {
         matmul_reduce_scatter(tp, 1, plain(a2), plain(b2), c2, CollectiveMatmulAlgorithm::naive,
                               ws);
       },
       {"dimension 1", "N = " + std::to_string(2 * n + 1), ranks});
-  HostMatrix lhs("lhs", 5, 3 * n + 1), blk("blk", 3, 6), out("out", 5, 6);
+  DeviceMatrix lhs("lhs", 5, 3 * n + 1), blk("blk", 3, 6), out("out", 5, 6);
   expect_bad_input(
       [&] {
         all_gather_matmul(tp, GatherSide::right, 0, plain(lhs), plain(blk), out,
                           CollectiveMatmulAlgorithm::bidirectional, ws);
       },
       {"all_gather_matmul", "K = " + std::to_string(3 * n + 1), "not divisible", ranks});
-  HostMatrix dy("dy", 4, 5), w("w", 3, 5 * n), dx_wrong("dx", 4, 7);
+  DeviceMatrix dy("dy", 4, 5), w("w", 3, 5 * n), dx_wrong("dx", 4, 7);
   expect_bad_input(
       [&] {
         all_gather_matmul(tp, GatherSide::left, 1, plain(dy), transposed(w), dx_wrong,
@@ -276,24 +281,24 @@ TEST(CollectiveMatmul, GemmOnLayoutRightAndStridedViews) {
       const auto [ar, ac] = stored(m, k, ta);
       const auto [br, bc] = stored(k, n, tb);
       // Operands as column blocks [1, 1+cols) of wider matrices: stride(0) > extent(1).
-      HostMatrix a_store = make_matrix("a", ar, ac + 3, 11),
-                 b_store = make_matrix("b", br, bc + 2, 12);
+      DeviceMatrix a_store = make_matrix("a", ar, ac + 3, 11),
+                   b_store = make_matrix("b", br, bc + 2, 12);
       ConstMatrixView a = Kokkos::subview(a_store, Kokkos::ALL,
                                           std::make_pair<std::size_t, std::size_t>(1, 1 + ac));
       ConstMatrixView b = Kokkos::subview(b_store, Kokkos::ALL,
                                           std::make_pair<std::size_t, std::size_t>(1, 1 + bc));
       ASSERT_EQ(a.stride(0), ac + 3);
-      HostMatrix a_copy = copy_block(a_store, 0, ar, 1, ac),
-                 b_copy = copy_block(b_store, 0, br, 1, bc);
+      DeviceMatrix a_copy = copy_block(a_store, 0, ar, 1, ac),
+                   b_copy = copy_block(b_store, 0, br, 1, bc);
       std::vector<double> want;
       reference_gemm(a_copy, ta, b_copy, tb, want);
-      HostMatrix c_store("c", m, n + 4);
+      DeviceMatrix c_store("c", m, n + 4);
       MatrixView c =
           Kokkos::subview(c_store, Kokkos::ALL, std::make_pair<std::size_t, std::size_t>(2, 2 + n));
       gemm({a, ta}, {b, tb}, 0.0f, c);
       expect_matches(c, want, 0, 0, n,
                      "gemm ta " + std::to_string(ta) + " tb " + std::to_string(tb));
-      HostMatrix c_plain("c_plain", m, n);
+      DeviceMatrix c_plain("c_plain", m, n);
       gemm({a_copy, ta}, {b_copy, tb}, 0.0f, c_plain);
       expect_matches(c_plain, want, 0, 0, n, "contiguous gemm");
     }
@@ -303,12 +308,12 @@ TEST(CollectiveMatmul, GemmOnLayoutRightAndStridedViews) {
 // even over NaN, as BLAS does); K = 0 leaves beta * C; empty M or N is a no-op.
 TEST(Gemm, BetaAccumulatesScalesAndOverwrites) {
   const std::size_t m = 5, k = 7, n = 3;
-  HostMatrix a = make_matrix("a", m, k, 21), b = make_matrix("b", k, n, 22);
+  DeviceMatrix a = make_matrix("a", m, k, 21), b = make_matrix("b", k, n, 22);
   std::vector<double> product;
   reference_gemm(a, false, b, false, product);
   for (float beta : {1.0f, 0.5f, 0.0f}) {
-    HostMatrix c = make_matrix("c", m, n, 23);
-    HostMatrix c0 = copy_block(c, 0, m, 0, n);
+    DeviceMatrix c = make_matrix("c", m, n, 23);
+    const HostMatrix c0 = to_host(c);
     if (beta == 0.0f) Kokkos::deep_copy(c, std::nanf(""));
     gemm(plain(a), plain(b), beta, c);
     std::vector<double> want(product);
@@ -316,26 +321,28 @@ TEST(Gemm, BetaAccumulatesScalesAndOverwrites) {
       for (std::size_t col = 0; col < n; ++col) want[r * n + col] += beta * c0(r, col);
     expect_matches(c, want, 0, 0, n, "beta " + std::to_string(beta));
   }
-  HostMatrix empty_a("empty_a", m, 0), empty_b("empty_b", 0, n);
-  HostMatrix scaled = make_matrix("scaled", m, n, 24);
-  HostMatrix before = copy_block(scaled, 0, m, 0, n);
+  DeviceMatrix empty_a("empty_a", m, 0), empty_b("empty_b", 0, n);
+  DeviceMatrix scaled = make_matrix("scaled", m, n, 24);
+  const HostMatrix before = to_host(scaled);
   gemm(plain(empty_a), plain(empty_b), 0.5f, scaled);
+  const HostMatrix after = to_host(scaled);
   for (std::size_t r = 0; r < m; ++r)
-    for (std::size_t col = 0; col < n; ++col) EXPECT_EQ(scaled(r, col), 0.5f * before(r, col));
-  HostMatrix cleared("cleared", m, n);
+    for (std::size_t col = 0; col < n; ++col) EXPECT_EQ(after(r, col), 0.5f * before(r, col));
+  DeviceMatrix cleared("cleared", m, n);
   Kokkos::deep_copy(cleared, std::nanf(""));
   gemm(plain(empty_a), plain(empty_b), 0.0f, cleared);
+  const HostMatrix cleared_host = to_host(cleared);
   for (std::size_t r = 0; r < m; ++r)
-    for (std::size_t col = 0; col < n; ++col) EXPECT_EQ(cleared(r, col), 0.0f);
-  HostMatrix no_rows("no_rows", 0, n);
-  gemm(plain(HostMatrix("a0", 0, k)), plain(b), 0.0f, no_rows);  // nothing to do, no error
+    for (std::size_t col = 0; col < n; ++col) EXPECT_EQ(cleared_host(r, col), 0.0f);
+  DeviceMatrix no_rows("no_rows", 0, n);
+  gemm(plain(DeviceMatrix("a0", 0, k)), plain(b), 0.0f, no_rows);  // nothing to do, no error
 }
 
 TEST(Gemm, ShapesThatDoNotChainAreBadInput) {
-  HostMatrix a("a", 4, 3), b("b", 2, 5), c("c", 4, 5);
+  DeviceMatrix a("a", 4, 3), b("b", 2, 5), c("c", 4, 5);
   expect_bad_input([&] { gemm(plain(a), plain(b), 0.0f, c); },
                    {"gemm: op(A) is [4, 3], op(B) is [2, 5] and C is [4, 5]"});
-  HostMatrix b_ok("b_ok", 3, 5), c_wrong("c_wrong", 5, 4);
+  DeviceMatrix b_ok("b_ok", 3, 5), c_wrong("c_wrong", 5, 4);
   expect_bad_input([&] { gemm(plain(a), plain(b_ok), 0.0f, c_wrong); }, {"C is [5, 4]"});
 }
 
@@ -349,14 +356,15 @@ TEST(Gemm, MatmulPrecision) {
                    {"runtime.matmul_precision = 'bf16' is not one of fp32 | tf32"});
   EXPECT_EQ(matmul_precision(), MatmulPrecision::fp32);  // the default, as in PyTorch
   if (kDeviceMemoryIsHostInaccessible) GTEST_SKIP() << "tf32 rounds on a GPU";
-  HostMatrix a = make_matrix("a", 33, 65, 31), b = make_matrix("b", 65, 17, 32);
-  HostMatrix fp32("fp32", 33, 17), tf32("tf32", 33, 17);
+  DeviceMatrix a = make_matrix("a", 33, 65, 31), b = make_matrix("b", 65, 17, 32);
+  DeviceMatrix fp32("fp32", 33, 17), tf32("tf32", 33, 17);
   gemm(plain(a), plain(b), 0.0f, fp32);
   set_matmul_precision(MatmulPrecision::tf32);
   gemm(plain(a), plain(b), 0.0f, tf32);
   set_matmul_precision(MatmulPrecision::fp32);
+  const HostMatrix fp32_host = to_host(fp32), tf32_host = to_host(tf32);
   for (std::size_t r = 0; r < 33; ++r)
-    for (std::size_t col = 0; col < 17; ++col) EXPECT_EQ(fp32(r, col), tf32(r, col));
+    for (std::size_t col = 0; col < 17; ++col) EXPECT_EQ(fp32_host(r, col), tf32_host(r, col));
 }
 
 }  // namespace

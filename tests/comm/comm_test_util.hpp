@@ -2,6 +2,9 @@
 // Shared by the communicator and collective-matmul tests: deterministic data (every rank
 // can rebuild any rank's operands from a seed), a reference GEMM in double, and the
 // communicators under test (the world and the tp groups of an fsdp x tp mesh).
+// Operands live in the default memory space (device memory with a CUDA Kokkos, which the
+// host must not dereference): they are built in host views and deep-copied over, and
+// results are copied back to host views (to_host) before the host reads them.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -21,7 +24,8 @@
 
 namespace meshtrain::testing {
 
-using HostMatrix = Kokkos::View<float**, Kokkos::LayoutRight>;
+using HostMatrix = Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::HostSpace>;
+using DeviceMatrix = Kokkos::View<float**, Kokkos::LayoutRight>;  // default memory space
 
 // A value in [-1, 1) that depends only on (seed, row, col): operands are rebuilt identically
 // on every rank, and different seeds (groups, ranks) give different data.
@@ -34,26 +38,52 @@ inline float value_at(uint64_t seed, std::size_t row, std::size_t col) {
   return static_cast<float>(static_cast<double>(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
 }
 
-inline HostMatrix make_matrix(const std::string& label, std::size_t rows, std::size_t cols,
-                              uint64_t seed) {
+// A host copy of a 2-D view of the default memory space (possibly row-strided, e.g. a column
+// block of a wider matrix: that is first copied to a contiguous view in its own space, since
+// deep_copy between spaces needs contiguous views).
+template <class View>
+HostMatrix to_host(const View& v) {
+  DeviceMatrix contiguous("to_host", v.extent(0), v.extent(1));
+  Kokkos::deep_copy(contiguous, v);
+  HostMatrix h("to_host", v.extent(0), v.extent(1));
+  Kokkos::deep_copy(h, contiguous);
+  return h;
+}
+
+// A copy of a host matrix in the default memory space.
+inline DeviceMatrix to_device(const HostMatrix& h, const std::string& label = "to_device") {
+  DeviceMatrix d(label, h.extent(0), h.extent(1));
+  Kokkos::deep_copy(d, h);
+  return d;
+}
+
+inline HostMatrix make_host_matrix(const std::string& label, std::size_t rows, std::size_t cols,
+                                   uint64_t seed) {
   HostMatrix m(label, rows, cols);
   for (std::size_t r = 0; r < rows; ++r)
     for (std::size_t c = 0; c < cols; ++c) m(r, c) = value_at(seed, r, c);
   return m;
 }
 
+// The same matrix in the default memory space, the operand of communicators and GEMM.
+inline DeviceMatrix make_matrix(const std::string& label, std::size_t rows, std::size_t cols,
+                                uint64_t seed) {
+  return to_device(make_host_matrix(label, rows, cols, seed), label);
+}
+
 // Stored rows [r0, r0+rows) x cols [c0, c0+cols) of m, as a new contiguous matrix.
-inline HostMatrix copy_block(const HostMatrix& m, std::size_t r0, std::size_t rows, std::size_t c0,
-                             std::size_t cols) {
-  HostMatrix b("block", rows, cols);
-  for (std::size_t r = 0; r < rows; ++r)
-    for (std::size_t c = 0; c < cols; ++c) b(r, c) = m(r0 + r, c0 + c);
+inline DeviceMatrix copy_block(const DeviceMatrix& m, std::size_t r0, std::size_t rows,
+                               std::size_t c0, std::size_t cols) {
+  DeviceMatrix b("block", rows, cols);
+  Kokkos::deep_copy(
+      b, Kokkos::subview(m, std::make_pair(r0, r0 + rows), std::make_pair(c0, c0 + cols)));
   return b;
 }
 
 // op(A) @ op(B) in double, accumulated into `out` (same shape as the product).
-inline void reference_gemm(const HostMatrix& a, bool ta, const HostMatrix& b, bool tb,
-                           std::vector<double>& out) {
+template <class A, class B>
+void reference_gemm(const A& a_view, bool ta, const B& b_view, bool tb, std::vector<double>& out) {
+  const HostMatrix a = to_host(a_view), b = to_host(b_view);
   const std::size_t m = ta ? a.extent(1) : a.extent(0);
   const std::size_t k = ta ? a.extent(0) : a.extent(1);
   const std::size_t n = tb ? b.extent(0) : b.extent(1);
@@ -73,8 +103,9 @@ inline void reference_gemm(const HostMatrix& a, bool ta, const HostMatrix& b, bo
 // Tolerance of every comparison: |got - want| <= 1e-5 * (1 + max |want|). Inputs are in
 // [-1, 1) and K is at most a few dozen, so float rounding stays far below it.
 template <class View>
-void expect_matches(const View& got, const std::vector<double>& want, std::size_t row0,
+void expect_matches(const View& got_view, const std::vector<double>& want, std::size_t row0,
                     std::size_t col0, std::size_t full_cols, const std::string& what) {
+  const HostMatrix got = to_host(got_view);
   double scale = 0.0;
   for (double w : want) scale = std::max(scale, std::fabs(w));
   const double tol = 1e-5 * (1.0 + scale);

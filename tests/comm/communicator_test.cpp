@@ -18,9 +18,22 @@
 namespace meshtrain::testing {
 namespace {
 
-// Block of group rank j as sent by that rank: rows x cols from (seed, j).
-HostMatrix rank_block(const Group& g, int j, std::size_t rows, std::size_t cols, int salt = 0) {
-  return make_matrix("block", rows, cols, g.seed * 131 + static_cast<uint64_t>(j) * 7 + salt);
+// Block of group rank j as sent by that rank: rows x cols from (seed, j), in the default
+// memory space (what the communicator takes) or on the host (what the test reads).
+uint64_t block_seed(const Group& g, int j, int salt) {
+  return g.seed * 131 + static_cast<uint64_t>(j) * 7 + salt;
+}
+DeviceMatrix rank_block(const Group& g, int j, std::size_t rows, std::size_t cols, int salt = 0) {
+  return make_matrix("block", rows, cols, block_seed(g, j, salt));
+}
+HostMatrix host_block(const Group& g, int j, std::size_t rows, std::size_t cols, int salt = 0) {
+  return make_host_matrix("block", rows, cols, block_seed(g, j, salt));
+}
+
+// A host copy of a 1-D view of the default memory space.
+template <class View>
+auto host_vector(const View& v) {
+  return Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
 }
 
 TEST(Communicator, AllGatherBothDimsAndVectors) {
@@ -29,13 +42,13 @@ TEST(Communicator, AllGatherBothDimsAndVectors) {
     Communicator& comm = *g.comm;
     const std::size_t n = static_cast<std::size_t>(comm.size());
     const std::size_t r = 3, c = 5;  // odd blocks
-    HostMatrix mine = rank_block(g, comm.rank(), r, c);
+    DeviceMatrix mine = rank_block(g, comm.rank(), r, c);
     for (int dim = 0; dim < 2; ++dim) {
-      HostMatrix out("out", dim == 0 ? n * r : r, dim == 1 ? n * c : c);
+      DeviceMatrix out("out", dim == 0 ? n * r : r, dim == 1 ? n * c : c);
       comm.all_gather(mine, out, dim);
       std::vector<double> want(out.extent(0) * out.extent(1));
       for (std::size_t j = 0; j < n; ++j) {
-        HostMatrix b = rank_block(g, static_cast<int>(j), r, c);
+        HostMatrix b = host_block(g, static_cast<int>(j), r, c);
         for (std::size_t x = 0; x < r; ++x)
           for (std::size_t y = 0; y < c; ++y) {
             const std::size_t row = dim == 0 ? j * r + x : x, col = dim == 1 ? j * c + y : y;
@@ -48,10 +61,11 @@ TEST(Communicator, AllGatherBothDimsAndVectors) {
     // 1-D: the flat block.
     Kokkos::View<float*> flat("flat", n * r * c);
     comm.all_gather(ConstVectorView(mine.data(), r * c), flat);
+    auto flat_host = host_vector(flat);
     for (std::size_t j = 0; j < n; ++j) {
-      HostMatrix b = rank_block(g, static_cast<int>(j), r, c);
+      HostMatrix b = host_block(g, static_cast<int>(j), r, c);
       for (std::size_t k = 0; k < r * c; ++k) {
-        ASSERT_EQ(flat(j * r * c + k), b.data()[k]) << "1-D all_gather on " << g.name;
+        ASSERT_EQ(flat_host(j * r * c + k), b.data()[k]) << "1-D all_gather on " << g.name;
       }
     }
   }
@@ -66,25 +80,27 @@ TEST(Communicator, ReduceScatterBothDimsAndVectors) {
     const std::size_t r = 3, c = 5;
     for (int dim = 0; dim < 2; ++dim) {
       const std::size_t rows = dim == 0 ? n * r : r, cols = dim == 1 ? n * c : c;
-      HostMatrix mine = rank_block(g, comm.rank(), rows, cols, 1);
-      HostMatrix out("out", r, c);
+      DeviceMatrix mine = rank_block(g, comm.rank(), rows, cols, 1);
+      DeviceMatrix out("out", r, c);
       comm.reduce_scatter(mine, out, dim);
       std::vector<double> sum(rows * cols, 0.0);
       for (std::size_t j = 0; j < n; ++j) {
-        HostMatrix b = rank_block(g, static_cast<int>(j), rows, cols, 1);
+        HostMatrix b = host_block(g, static_cast<int>(j), rows, cols, 1);
         for (std::size_t k = 0; k < rows * cols; ++k) sum[k] += b.data()[k];
       }
       expect_matches(out, sum, dim == 0 ? i * r : 0, dim == 1 ? i * c : 0, cols,
                      "reduce_scatter dim " + std::to_string(dim) + " on " + g.name);
     }
-    HostMatrix flat_in = rank_block(g, comm.rank(), 1, n * 4, 2);
+    DeviceMatrix flat_in = rank_block(g, comm.rank(), 1, n * 4, 2);
     Kokkos::View<float*> flat_out("flat_out", 4);
     comm.reduce_scatter(ConstVectorView(flat_in.data(), n * 4), flat_out);
+    auto flat_out_host = host_vector(flat_out);
     for (std::size_t k = 0; k < 4; ++k) {
       double s = 0;
       for (std::size_t j = 0; j < n; ++j)
-        s += rank_block(g, static_cast<int>(j), 1, n * 4, 2)(0, i * 4 + k);
-      EXPECT_NEAR(flat_out(k), s, 1e-5 * (1 + std::fabs(s))) << "1-D reduce_scatter on " << g.name;
+        s += host_block(g, static_cast<int>(j), 1, n * 4, 2)(0, i * 4 + k);
+      EXPECT_NEAR(flat_out_host(k), s, 1e-5 * (1 + std::fabs(s)))
+          << "1-D reduce_scatter on " << g.name;
     }
   }
 }
@@ -96,11 +112,11 @@ TEST(Communicator, AllReduceBroadcastAllToAll) {
     const int n = comm.size();
     const std::size_t i = static_cast<std::size_t>(comm.rank());
     for (ReduceOp op : {ReduceOp::sum, ReduceOp::mean}) {
-      HostMatrix data = rank_block(g, comm.rank(), 3, 7, 3);
+      DeviceMatrix data = rank_block(g, comm.rank(), 3, 7, 3);
       comm.all_reduce(MatrixView(data), op);
       std::vector<double> want(21, 0.0);
       for (int j = 0; j < n; ++j) {
-        HostMatrix b = rank_block(g, j, 3, 7, 3);
+        HostMatrix b = host_block(g, j, 3, 7, 3);
         for (std::size_t k = 0; k < 21; ++k) want[k] += b.data()[k];
       }
       if (op == ReduceOp::mean)
@@ -110,20 +126,21 @@ TEST(Communicator, AllReduceBroadcastAllToAll) {
           std::string("all_reduce ") + (op == ReduceOp::mean ? "mean" : "sum") + " on " + g.name);
     }
     // broadcast from the last rank
-    HostMatrix data = rank_block(g, comm.rank(), 2, 5, 4);
+    DeviceMatrix data = rank_block(g, comm.rank(), 2, 5, 4);
     comm.broadcast(MatrixView(data), n - 1);
-    HostMatrix root = rank_block(g, n - 1, 2, 5, 4);
-    for (std::size_t k = 0; k < 10; ++k) ASSERT_EQ(data.data()[k], root.data()[k]) << g.name;
+    HostMatrix got = to_host(data), root = host_block(g, n - 1, 2, 5, 4);
+    for (std::size_t k = 0; k < 10; ++k) ASSERT_EQ(got.data()[k], root.data()[k]) << g.name;
     // all_to_all: block j of my send goes to rank j
     const std::size_t b = 3, c = 2;
-    HostMatrix send = rank_block(g, comm.rank(), n * b, c, 5);
-    HostMatrix recv("recv", n * b, c);
+    DeviceMatrix send = rank_block(g, comm.rank(), n * b, c, 5);
+    DeviceMatrix recv("recv", n * b, c);
     comm.all_to_all(send, recv);
+    const HostMatrix recv_host = to_host(recv);
     for (int j = 0; j < n; ++j) {
-      HostMatrix theirs = rank_block(g, j, n * b, c, 5);
+      HostMatrix theirs = host_block(g, j, n * b, c, 5);
       for (std::size_t x = 0; x < b; ++x)
         for (std::size_t y = 0; y < c; ++y)
-          ASSERT_EQ(recv(j * b + x, y), theirs(i * b + x, y)) << "all_to_all on " << g.name;
+          ASSERT_EQ(recv_host(j * b + x, y), theirs(i * b + x, y)) << "all_to_all on " << g.name;
     }
     comm.barrier();
   }
@@ -135,30 +152,31 @@ TEST(Communicator, ShiftIsNonBlockingAndRoutesByOffset) {
     Communicator& comm = *g.comm;
     const int n = comm.size();
     for (int offset : {1, -1, 2, n + 1}) {
-      HostMatrix send = rank_block(g, comm.rank(), 3, 4, 6);
-      HostMatrix recv("recv", 3, 4);
+      DeviceMatrix send = rank_block(g, comm.rank(), 3, 4, 6);
+      DeviceMatrix recv("recv", 3, 4);
       Request request = comm.shift(send, recv, offset);
       request.wait();
       EXPECT_FALSE(request.pending());
       const int from = ((comm.rank() - offset) % n + n) % n;
-      HostMatrix want = rank_block(g, from, 3, 4, 6);
+      HostMatrix got = to_host(recv), want = host_block(g, from, 3, 4, 6);
       for (std::size_t k = 0; k < 12; ++k)
-        ASSERT_EQ(recv.data()[k], want.data()[k]) << "shift " << offset << " on " << g.name;
+        ASSERT_EQ(got.data()[k], want.data()[k]) << "shift " << offset << " on " << g.name;
     }
     // Two shifts in flight in opposite directions (as the bidirectional ring does).
-    HostMatrix up_send = rank_block(g, comm.rank(), 2, 3, 7),
-               dn_send = rank_block(g, comm.rank(), 2, 3, 8);
-    HostMatrix up_recv("up", 2, 3), dn_recv("dn", 2, 3);
+    DeviceMatrix up_send = rank_block(g, comm.rank(), 2, 3, 7),
+                 dn_send = rank_block(g, comm.rank(), 2, 3, 8);
+    DeviceMatrix up_recv("up", 2, 3), dn_recv("dn", 2, 3);
     Request up = comm.shift(up_send, up_recv, +1);
     Request dn = comm.shift(dn_send, dn_recv, -1);
     while (!up.test()) {
     }
     dn.wait();
-    HostMatrix up_want = rank_block(g, (comm.rank() - 1 + n) % n, 2, 3, 7);
-    HostMatrix dn_want = rank_block(g, (comm.rank() + 1) % n, 2, 3, 8);
+    HostMatrix up_want = host_block(g, (comm.rank() - 1 + n) % n, 2, 3, 7);
+    HostMatrix dn_want = host_block(g, (comm.rank() + 1) % n, 2, 3, 8);
+    const HostMatrix up_got = to_host(up_recv), dn_got = to_host(dn_recv);
     for (std::size_t k = 0; k < 6; ++k) {
-      ASSERT_EQ(up_recv.data()[k], up_want.data()[k]) << g.name;
-      ASSERT_EQ(dn_recv.data()[k], dn_want.data()[k]) << g.name;
+      ASSERT_EQ(up_got.data()[k], up_want.data()[k]) << g.name;
+      ASSERT_EQ(dn_got.data()[k], dn_want.data()[k]) << g.name;
     }
   }
 }
@@ -183,11 +201,11 @@ TEST(Communicator, MeshCommunicatorsCacheAndRejectUnknownAxes) {
 TEST(Communicator, BadShapesAndCounts) {
   auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "world");
   const std::size_t n = static_cast<std::size_t>(comm.size());
-  HostMatrix send("send", 3, 4), wrong("wrong", 3 * n + 1, 4);
+  DeviceMatrix send("send", 3, 4), wrong("wrong", 3 * n + 1, 4);
   expect_bad_input([&] { comm.all_gather(send, wrong, 0); }, {"all_gather", "dim 0", "[3, 4]"});
   expect_bad_input([&] { comm.all_gather(send, wrong, 2); }, {"dim must be 0 or 1"});
   expect_bad_input([&] { comm.reduce_scatter(wrong, send, 1); }, {"reduce_scatter", "dim 1"});
-  HostMatrix big("big", 4, 8);
+  DeviceMatrix big("big", 4, 8);
   MatrixView column_block = Kokkos::subview(big, Kokkos::ALL, std::make_pair(0, 4));
   expect_bad_input([&] { comm.all_reduce(column_block); }, {"all_reduce", "not contiguous"});
   expect_bad_input([&] { comm.broadcast(MatrixView(send), static_cast<int>(n)); }, {"root"});
@@ -269,13 +287,28 @@ TEST(Communicator, AllReduceTakesMoreThanIntMaxElements) {
   if (world_size() != 1) GTEST_SKIP() << "one rank: the buffer is 8 GiB per rank";
   const std::size_t count = static_cast<std::size_t>(INT_MAX) + 17;
   const std::size_t bytes = count * sizeof(float);
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "world");
+  if (kDeviceMemoryIsHostInaccessible) {
+    // Device memory: a real 8 GiB view (a GPU holds it); its two end elements are set and
+    // read back through copies, since the host cannot dereference it.
+    Kokkos::View<float*> data(Kokkos::view_alloc("big", Kokkos::WithoutInitializing), count);
+    auto first = Kokkos::subview(data, 0), last = Kokkos::subview(data, count - 1);
+    Kokkos::deep_copy(first, 1.0f);
+    Kokkos::deep_copy(last, 2.0f);
+    EXPECT_NO_THROW(comm.all_reduce(VectorView(data.data(), count)));
+    float got_first = 0.0f, got_last = 0.0f;
+    Kokkos::deep_copy(got_first, first);
+    Kokkos::deep_copy(got_last, last);
+    EXPECT_EQ(got_first, 1.0f);
+    EXPECT_EQ(got_last, 2.0f);
+    return;
+  }
   void* memory = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (memory == MAP_FAILED) GTEST_SKIP() << "cannot map " << bytes << " bytes";
   float* data = static_cast<float*>(memory);
   data[0] = 1.0f;
   data[count - 1] = 2.0f;
-  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "world");
   EXPECT_NO_THROW(comm.all_reduce(VectorView(data, count)));
   EXPECT_EQ(data[0], 1.0f);
   EXPECT_EQ(data[count - 1], 2.0f);

@@ -19,27 +19,35 @@
 namespace meshtrain::testing {
 namespace {
 
-using HostDoubles = Kokkos::View<double*, Kokkos::LayoutRight, Kokkos::HostSpace>;
+// Communicators take views of Kokkos' default memory space (device memory with a CUDA
+// Kokkos): the tests fill and read host mirrors and deep_copy between the two.
+using Doubles = Kokkos::View<double*, Kokkos::LayoutRight>;
+using Floats = Kokkos::View<float*, Kokkos::LayoutRight>;
 
 TEST(AllReduceDouble, SumsExactlyWhereFloatRounds) {
   MpiCommunicator comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "world");
   const int n = comm.size();
   const int rank = comm.rank();
   // 2^24 + rank + 1/3: float holds neither the value nor the sum.
-  HostDoubles data("data", 3);
-  data(0) = 16777216.0 + rank;
-  data(1) = 1.0 / 3.0;
-  data(2) = 1e-12 * (rank + 1);
+  Doubles data("data", 3);
+  auto h = Kokkos::create_mirror_view(Kokkos::HostSpace(), data);
+  h(0) = 16777216.0 + rank;
+  h(1) = 1.0 / 3.0;
+  h(2) = 1e-12 * (rank + 1);
+  Kokkos::deep_copy(data, h);
   comm.all_reduce(DoubleVectorView(data.data(), 3));
+  Kokkos::deep_copy(h, data);
   const double ranks = static_cast<double>(n);
-  EXPECT_EQ(data(0), 16777216.0 * ranks + ranks * (ranks - 1) / 2);
-  EXPECT_NEAR(data(1), ranks / 3.0, 1e-15 * ranks);
-  EXPECT_NEAR(data(2), 1e-12 * ranks * (ranks + 1) / 2, 1e-26 * ranks);
+  EXPECT_EQ(h(0), 16777216.0 * ranks + ranks * (ranks - 1) / 2);
+  EXPECT_NEAR(h(1), ranks / 3.0, 1e-15 * ranks);
+  EXPECT_NEAR(h(2), 1e-12 * ranks * (ranks + 1) / 2, 1e-26 * ranks);
 
-  HostDoubles mean("mean", 1);
-  mean(0) = 1.0 + rank;
+  Doubles mean("mean", 1);
+  Kokkos::deep_copy(mean, 1.0 + rank);
   comm.all_reduce(DoubleVectorView(mean.data(), 1), ReduceOp::mean);
-  EXPECT_DOUBLE_EQ(mean(0), (ranks + 1) / 2);
+  double got_mean = 0.0;
+  Kokkos::deep_copy(got_mean, Kokkos::subview(mean, 0));
+  EXPECT_DOUBLE_EQ(got_mean, (ranks + 1) / 2);
 }
 
 // Many shifts in flight at once and in sequence: every one delivers, whichever pool slot
@@ -49,13 +57,17 @@ TEST(ShiftRequests, PooledRequestsDeliverEveryShift) {
   const int n = comm.size();
   const int rank = comm.rank();
   constexpr int kInFlight = 3;
-  std::vector<float> send(kInFlight), recv(kInFlight);
+  Floats send("send", kInFlight), recv("recv", kInFlight);
+  auto send_h = Kokkos::create_mirror_view(Kokkos::HostSpace(), send);
+  auto recv_h = Kokkos::create_mirror_view(Kokkos::HostSpace(), recv);
   for (int round = 0; round < 5; ++round) {
+    for (int k = 0; k < kInFlight; ++k) send_h(k) = static_cast<float>(100 * round + 10 * k + rank);
+    Kokkos::deep_copy(send, send_h);
+    Kokkos::deep_copy(recv, -1.0f);
     std::vector<Request> requests(kInFlight);
     for (int k = 0; k < kInFlight; ++k) {
-      send[k] = static_cast<float>(100 * round + 10 * k + rank);
-      recv[k] = -1.0f;
-      requests[k] = comm.shift(ConstVectorView(&send[k], 1), VectorView(&recv[k], 1), k + 1);
+      requests[k] =
+          comm.shift(ConstVectorView(send.data() + k, 1), VectorView(recv.data() + k, 1), k + 1);
     }
     // Complete them out of order: test() until done for the last, wait() for the others,
     // one by assigning over it.
@@ -63,9 +75,10 @@ TEST(ShiftRequests, PooledRequestsDeliverEveryShift) {
     }
     requests[0].wait();
     requests[1] = Request();
+    Kokkos::deep_copy(recv_h, recv);
     for (int k = 0; k < kInFlight; ++k) {
       const int from = ((rank - (k + 1)) % n + n) % n;
-      EXPECT_EQ(recv[k], static_cast<float>(100 * round + 10 * k + from))
+      EXPECT_EQ(recv_h(k), static_cast<float>(100 * round + 10 * k + from))
           << "round " << round << ", shift by " << k + 1;
     }
   }
@@ -76,15 +89,19 @@ TEST(ShiftRequests, PooledRequestsDeliverEveryShift) {
 TEST(ShiftRequests, PendingRequestOutlivesItsCommunicator) {
   const int n = world_size();
   const int rank = world_rank();
-  float send = static_cast<float>(rank), recv = -1.0f;
+  Floats send("send", 1), recv("recv", 1);
+  Kokkos::deep_copy(send, static_cast<float>(rank));
+  Kokkos::deep_copy(recv, -1.0f);
   Request request;
   {
     MpiCommunicator comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "world");
-    request = comm.shift(ConstVectorView(&send, 1), VectorView(&recv, 1), 1);
+    request = comm.shift(ConstVectorView(send.data(), 1), VectorView(recv.data(), 1), 1);
   }
   request.wait();
   EXPECT_FALSE(request.pending());
-  EXPECT_EQ(recv, static_cast<float>((rank - 1 + n) % n));
+  float got = 0.0f;
+  Kokkos::deep_copy(got, Kokkos::subview(recv, 0));
+  EXPECT_EQ(got, static_cast<float>((rank - 1 + n) % n));
 }
 
 // A factory that throws leaves MeshCommunicators usable (the split group is freed, the

@@ -77,11 +77,13 @@ TEST(BatchSlicing, SlicesOfAllRanksTileTheGlobalBatch) {
           Matrix x("x", slice.rows, 3);
           BatchLabels labels("labels", slice.rows);
           fill_batch(d, schedule, step, slice, x, labels);
+          const auto xh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), x);
+          const auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), labels);
           for (int64_t r = 0; r < slice.rows; ++r) {
             const int64_t row = slice.begin() + r;
             owners[row].push_back(rank);
-            EXPECT_EQ(x(r, 0), static_cast<float>(global[row]));
-            EXPECT_EQ(labels(r), global[row] % 10);
+            EXPECT_EQ(xh(r, 0), static_cast<float>(global[row]));
+            EXPECT_EQ(lh(r), global[row] % 10);
           }
         }
         // Every row is held by the same number of ranks (the replicas over non-batch
@@ -114,15 +116,20 @@ TEST(BatchSlicing, GatheredSlicesEqualTheSingleRankBatch) {
     const BatchSlice slice = make_batch_slice(mesh, rank, kBatchAxes, batch);
     Matrix x("x", slice.rows, d.features);  // allocated once, refilled every step
     BatchLabels labels("labels", slice.rows);
+    // Host copies for MPI (the batch views may be device memory).
+    auto xh = Kokkos::create_mirror_view(Kokkos::HostSpace(), x);
+    auto lh = Kokkos::create_mirror_view(Kokkos::HostSpace(), labels);
     for (int64_t step = 0; step < 20; ++step) {  // 8 steps per epoch
       fill_batch(d, schedule, step, slice, x, labels);
+      Kokkos::deep_copy(xh, x);
+      Kokkos::deep_copy(lh, labels);
       const int n = static_cast<int>(slice.rows * d.features);
       std::vector<float> all_x(static_cast<size_t>(n) * world);
       std::vector<int32_t> all_labels(static_cast<size_t>(slice.rows) * world);
-      ASSERT_EQ(MPI_Allgather(x.data(), n, MPI_FLOAT, all_x.data(), n, MPI_FLOAT, MPI_COMM_WORLD),
+      ASSERT_EQ(MPI_Allgather(xh.data(), n, MPI_FLOAT, all_x.data(), n, MPI_FLOAT, MPI_COMM_WORLD),
                 MPI_SUCCESS);
       ASSERT_EQ(
-          MPI_Allgather(labels.data(), static_cast<int>(slice.rows), MPI_INT32_T, all_labels.data(),
+          MPI_Allgather(lh.data(), static_cast<int>(slice.rows), MPI_INT32_T, all_labels.data(),
                         static_cast<int>(slice.rows), MPI_INT32_T, MPI_COMM_WORLD),
           MPI_SUCCESS);
       const auto global = reference.global_batch_samples(step);
@@ -179,9 +186,10 @@ TEST(BatchSlicing, EvaluationCoversTheTestSplitOnce) {
     int64_t local[2] = {0, 0};  // valid rows, sum of their sample numbers
     for (int64_t b = 0; b < eval.num_batches; ++b) {
       const int64_t valid = fill_eval_batch(d, eval, b, slice, x, labels);
+      const auto xh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), x);
       local[0] += valid;
-      for (int64_t r = 0; r < valid; ++r) local[1] += static_cast<int64_t>(x(r, 0));
-      for (int64_t r = valid; r < slice.rows; ++r) EXPECT_EQ(x(r, 0), 0.0f);
+      for (int64_t r = 0; r < valid; ++r) local[1] += static_cast<int64_t>(xh(r, 0));
+      for (int64_t r = valid; r < slice.rows; ++r) EXPECT_EQ(xh(r, 0), 0.0f);
     }
     int64_t total[2] = {0, 0};
     ASSERT_EQ(MPI_Allreduce(local, total, 2, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD), MPI_SUCCESS);

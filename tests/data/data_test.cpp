@@ -76,9 +76,11 @@ TEST(FashionMnist, TrainAndTestSplitsLoad) {
   // A batch is scaled to [0, 1] and uses the full range.
   BatchSchedule schedule(train.num_samples, 500, true, 1);
   const BatchSlice slice = make_batch_slice(Mesh::single(), 0, {"fsdp", "dp"}, 500);
-  Matrix x("x", 500, 784);
-  BatchLabels labels("labels", 500);
-  fill_batch(train, schedule, 0, slice, x, labels);
+  Matrix x_batch("x", 500, 784);
+  BatchLabels labels_batch("labels", 500);
+  fill_batch(train, schedule, 0, slice, x_batch, labels_batch);
+  const auto x = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), x_batch);
+  const auto labels = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), labels_batch);
   float lo = 1e9f, hi = -1e9f;
   for (int r = 0; r < 500; ++r) {
     for (int c = 0; c < 784; ++c) {
@@ -323,9 +325,11 @@ TEST(Hdf5Dataset, LabelsRoundTrip) {
   // Batches carry the file's rows.
   BatchSchedule schedule(d.num_samples, 5, false, 0);
   const BatchSlice slice = make_batch_slice(Mesh::single(), 0, {"fsdp", "dp"}, 5);
-  Matrix bx("x", 5, 3);
-  BatchLabels bl("y", 5);
-  fill_batch(d, schedule, 1, slice, bx, bl);  // identity order: rows 5..9
+  Matrix bx_batch("x", 5, 3);
+  BatchLabels bl_batch("y", 5);
+  fill_batch(d, schedule, 1, slice, bx_batch, bl_batch);  // identity order: rows 5..9
+  const auto bx = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), bx_batch);
+  const auto bl = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), bl_batch);
   for (int r = 0; r < 5; ++r) {
     EXPECT_EQ(bl(r), y[5 + r]);
     for (int c = 0; c < 3; ++c) EXPECT_EQ(bx(r, c), x[(5 + r) * 3 + c]);
@@ -497,9 +501,11 @@ TEST(EvalSchedule, LastBatchIsPaddedAndMasked) {
   for (int64_t b = 0; b < eval.num_batches; ++b) {
     for (int rank = 0; rank < 2; ++rank) {
       const BatchSlice slice = make_batch_slice(mesh, rank, {"dp"}, 4);
-      Matrix x("x", 2, 3);
-      Matrix t("t", 2, 2);
-      const int64_t valid = fill_eval_batch(d, eval, b, slice, x, t);
+      Matrix x_batch("x", 2, 3);
+      Matrix t_batch("t", 2, 2);
+      const int64_t valid = fill_eval_batch(d, eval, b, slice, x_batch, t_batch);
+      const auto x = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), x_batch);
+      const auto t = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), t_batch);
       // Batch 2 holds samples 8, 9: rank 0 gets both, rank 1 only padding.
       EXPECT_EQ(valid, b < 2 ? 2 : (rank == 0 ? 2 : 0)) << "batch " << b << " rank " << rank;
       for (int64_t r = 0; r < 2; ++r) {

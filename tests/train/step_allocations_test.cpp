@@ -257,11 +257,16 @@ TEST(TrainingStep, WithAccumulationAllocatesNothing) {
 // The counter sees what the step must not do (so the test above can fail): a heap string,
 // and a Kokkos kernel launched with a long literal label, which Kokkos 3.4 turns into a
 // std::string at every launch.
+// (A free function: nvcc refuses a device lambda inside a TEST body, a private member.)
+void fill_with_long_label(Vector v) {
+  Kokkos::parallel_for(
+      "meshtrain::a_label_longer_than_fifteen", 4, KOKKOS_LAMBDA(const int k) { v(k) = 1.0f; });
+}
+
 TEST(TrainingStep, CounterSeesAllocations) {
   Vector v("v", 4);
   AllocationWindow window;
-  Kokkos::parallel_for(
-      "meshtrain::a_label_longer_than_fifteen", 4, KOKKOS_LAMBDA(const int k) { v(k) = 1.0f; });
+  fill_with_long_label(v);
   const long counted = window.close();
   EXPECT_GE(counted, 1);
 }
