@@ -319,7 +319,7 @@ StepResult TrainingRun::apply_update() {
     }
     model_->reduce_gradients();  // once per step, for the layers that deferred it
   }
-  const double loss = accumulation_ > 1 ? micro_loss_sum_ / accumulation_ : micro_loss_sum_;
+  const double loss = micro_loss_sum_ / static_cast<double>(accumulation_);
   micro_done_ = 0;
   micro_loss_sum_ = 0.0;
   if (config_.optimizer.clip_norm > 0) {

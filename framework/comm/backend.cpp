@@ -20,17 +20,6 @@ constexpr bool kBuildSupportsNccl = true;
 constexpr bool kBuildSupportsNccl = false;
 #endif
 
-#if MESHTRAIN_HAVE_NCCL && defined(KOKKOS_ENABLE_CUDA)
-int cuda_devices() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return count;
-}
-#endif
-
 }  // namespace
 
 const char* to_string(CommBackend backend) {
@@ -71,7 +60,7 @@ CommunicatorFactory prepare_comm_backend(CommBackend backend, MPI_Comm world) {
 #if MESHTRAIN_HAVE_NCCL && defined(KOKKOS_ENABLE_CUDA)
   if (auto error = run_agreed(world, [&] {
         const int ranks = node_place(world).local_size;
-        const int devices = cuda_devices();
+        const int devices = cuda_device_count();
         // NCCL_HOSTID set: each rank declares a host of its own (ranks sharing a GPU over
         // sockets, an experiment NCCL may or may not accept); NCCL has the last word then.
         const bool own_hosts = std::getenv("NCCL_HOSTID") != nullptr;

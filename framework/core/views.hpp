@@ -29,6 +29,15 @@ using ConstMatrixView =
 using DoubleVectorView =
     Kokkos::View<double*, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 
+// Host memory that device copies go through: pinned (page-locked) with a CUDA Kokkos, so
+// copies run at full speed and may be asynchronous; plain host memory otherwise. The one
+// choice for every staging buffer (MPI staging, batches, checkpoints).
+#if defined(KOKKOS_ENABLE_CUDA)
+using HostStagingSpace = Kokkos::CudaHostPinnedSpace;
+#else
+using HostStagingSpace = Kokkos::HostSpace;
+#endif
+
 // True when the default memory space is device memory the host cannot dereference (CUDA):
 // host code then reaches it only through explicit copies.
 inline constexpr bool kDeviceMemoryIsHostInaccessible =

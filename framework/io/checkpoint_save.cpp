@@ -53,14 +53,7 @@ void fault_point(const char* point, int64_t count = 0) {
   if (CheckpointFaultHook hook = fault_hook.load()) hook(point, count);
 }
 
-// Pinned host memory on CUDA builds (fast, asynchronous-capable device copies), plain host
-// memory otherwise.
-#ifdef KOKKOS_ENABLE_CUDA
-using StagingSpace = Kokkos::CudaHostPinnedSpace;
-#else
-using StagingSpace = Kokkos::HostSpace;
-#endif
-using StagingView = Kokkos::View<float*, StagingSpace>;
+using StagingView = Kokkos::View<float*, HostStagingSpace>;  // pinned with CUDA
 using HostFloats = Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 constexpr bool kTensorsOnHost =
     Kokkos::SpaceAccessibility<Kokkos::HostSpace, Vector::memory_space>::accessible;

@@ -271,7 +271,7 @@ void copy_rows(const Dataset& d, int64_t valid, SampleOf sample_of, const Matrix
   const int64_t f = d.features;
   using StagedMatrix = decltype(BatchStaging::x);
   const StagedMatrix hx =
-      staging ? staging->x : StagedMatrix(Kokkos::create_mirror_view(BatchStagingSpace(), x));
+      staging ? staging->x : StagedMatrix(Kokkos::create_mirror_view(HostStagingSpace(), x));
   const float pixel_scale = 1.0f / 255.0f;
   for (int64_t r = 0; r < valid; ++r) {
     const int64_t s = sample_of(r);
@@ -296,7 +296,7 @@ void copy_rows(const Dataset& d, int64_t valid, SampleOf sample_of, const Matrix
     using StagedLabels = decltype(BatchStaging::labels);
     const StagedLabels hl =
         staging ? staging->labels
-                : StagedLabels(Kokkos::create_mirror_view(BatchStagingSpace(), *labels));
+                : StagedLabels(Kokkos::create_mirror_view(HostStagingSpace(), *labels));
     for (int64_t r = 0; r < rows; ++r) hl(r) = r < valid ? d.labels[sample_of(r)] : 0;
     Kokkos::deep_copy(*labels, hl);
   }
@@ -310,7 +310,7 @@ void copy_rows(const Dataset& d, int64_t valid, SampleOf sample_of, const Matrix
                       ", expected ", rows, "x", w);
     const StagedMatrix ht =
         staging ? staging->targets
-                : StagedMatrix(Kokkos::create_mirror_view(BatchStagingSpace(), *targets));
+                : StagedMatrix(Kokkos::create_mirror_view(HostStagingSpace(), *targets));
     for (int64_t r = 0; r < rows; ++r) {
       const float* src = r < valid ? d.targets.data() + sample_of(r) * w : nullptr;
       for (int64_t c = 0; c < w; ++c) ht(r, c) = src ? src[c] : 0.0f;
@@ -354,9 +354,9 @@ int64_t eval_valid_rows(const EvalSchedule& schedule, int64_t batch, const Batch
 }  // namespace
 
 BatchStaging make_batch_staging(const Matrix& x, const BatchLabels& labels, const Matrix& targets) {
-  return {Kokkos::create_mirror_view(BatchStagingSpace(), x),
-          Kokkos::create_mirror_view(BatchStagingSpace(), labels),
-          Kokkos::create_mirror_view(BatchStagingSpace(), targets)};
+  return {Kokkos::create_mirror_view(HostStagingSpace(), x),
+          Kokkos::create_mirror_view(HostStagingSpace(), labels),
+          Kokkos::create_mirror_view(HostStagingSpace(), targets)};
 }
 
 void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step,

@@ -154,15 +154,10 @@ using BatchLabels = Kokkos::View<int32_t*>;
 // Host memory a batch is assembled in before its one copy to Kokkos' memory: pinned host
 // memory with a CUDA Kokkos (allocated once by make_batch_staging, reused every step), and
 // the batch views themselves when Kokkos' memory is host memory (no copy at all).
-#if defined(KOKKOS_ENABLE_CUDA)
-using BatchStagingSpace = Kokkos::CudaHostPinnedSpace;
-#else
-using BatchStagingSpace = Kokkos::HostSpace;
-#endif
 struct BatchStaging {
-  Kokkos::View<float**, Kokkos::LayoutRight, BatchStagingSpace> x;
-  Kokkos::View<int32_t*, BatchLabels::array_layout, BatchStagingSpace> labels;
-  Kokkos::View<float**, Kokkos::LayoutRight, BatchStagingSpace> targets;
+  Kokkos::View<float**, Kokkos::LayoutRight, HostStagingSpace> x;
+  Kokkos::View<int32_t*, BatchLabels::array_layout, HostStagingSpace> labels;
+  Kokkos::View<float**, Kokkos::LayoutRight, HostStagingSpace> targets;
 };
 // Staging shaped like the batch views (labels or targets may be empty views).
 BatchStaging make_batch_staging(const Matrix& x, const BatchLabels& labels, const Matrix& targets);

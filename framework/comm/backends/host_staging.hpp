@@ -53,12 +53,7 @@ class HostStaging {
   }
 
  private:
-#if defined(KOKKOS_ENABLE_CUDA)
-  using Space = Kokkos::CudaHostPinnedSpace;
-#else
-  using Space = Kokkos::HostSpace;
-#endif
-  using Bytes = Kokkos::View<char*, Space>;
+  using Bytes = Kokkos::View<char*, HostStagingSpace>;
 
   static char* grow(Bytes& buffer, std::size_t bytes) {
     if (buffer.extent(0) < bytes) {

@@ -74,19 +74,6 @@ std::string nccl_text(ncclResult_t code, ncclComm_t comm) {
   return text;
 }
 
-// Number of usable CUDA devices; 0 with the reason in `why` when there is none.
-int cuda_device_count(std::string* why) {
-  int count = 0;
-  const cudaError_t code = cudaGetDeviceCount(&count);
-  if (code != cudaSuccess) {
-    cudaGetLastError();
-    if (why) *why = "cudaGetDeviceCount: " + cuda_text(code);
-    return 0;
-  }
-  if (count <= 0 && why) *why = "cudaGetDeviceCount found no device";
-  return count > 0 ? count : 0;
-}
-
 // count_per_rank x ranks floats, checked so the byte size cannot overflow. NCCL takes
 // size_t counts, so no count becomes an int here.
 std::size_t checked_total(std::size_t count_per_rank, int ranks, const char* what) {
@@ -450,6 +437,18 @@ IdMessage broadcast_id(const IdMessage& mine, MPI_Comm comm, double timeout,
 }  // namespace
 
 // ------------------------------------------------------------------- free functions
+
+int cuda_device_count(std::string* why) {
+  int count = 0;
+  const cudaError_t code = cudaGetDeviceCount(&count);
+  if (code != cudaSuccess) {
+    cudaGetLastError();
+    if (why) *why = "cudaGetDeviceCount: " + cuda_text(code);
+    return 0;
+  }
+  if (count <= 0 && why) *why = "cudaGetDeviceCount found no device";
+  return count > 0 ? count : 0;
+}
 
 bool nccl_device_available() noexcept {
   return cuda_device_count(nullptr) > 0;

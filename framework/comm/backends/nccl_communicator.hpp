@@ -36,6 +36,10 @@
 
 namespace meshtrain {
 
+// Number of usable CUDA devices; 0 (with the reason in `why`, when given) without a driver or
+// a device. Never throws.
+int cuda_device_count(std::string* why = nullptr);
+
 // True when at least one CUDA device can be used (cudaGetDeviceCount > 0). Never throws:
 // without a driver or a device it returns false.
 bool nccl_device_available() noexcept;
