@@ -10,7 +10,7 @@
 // Modes and their meshes (N ranks): dp -> dp=N, fsdp -> fsdp=N, tp -> tp=N,
 // fsdp_tp -> fsdp=N/2 x tp=2, dp_tp -> dp=N/2 x tp=2, dp_fsdp -> dp=N/2 x fsdp=2; the
 // partition preset of the same name, min_sharding_size 0 (every tensor that divides is
-// sharded).
+// sharded). zero1 -> dp=N with the dp preset and optimizer.zero_stage = 1 (ZeRO-1).
 //
 // The data is one global batch made in code (random inputs, labels row % classes, the same
 // rows on every mesh), loaded once before timing: data loading is not measured. Each timed step is
@@ -127,6 +127,8 @@ std::vector<std::pair<std::string, int>> axes_for_mode(const std::string& mode, 
   std::vector<std::pair<std::string, int>> axes;
   if (mode == "dp" || mode == "fsdp" || mode == "tp") {
     axes = {{mode, world}};
+  } else if (mode == "zero1") {
+    axes = {{"dp", world}};
   } else if (mode == "fsdp_tp") {
     axes = {{"fsdp", -1}, {"tp", 2}};
   } else if (mode == "dp_tp") {
@@ -134,7 +136,8 @@ std::vector<std::pair<std::string, int>> axes_for_mode(const std::string& mode, 
   } else if (mode == "dp_fsdp") {
     axes = {{"dp", -1}, {"fsdp", 2}};
   } else {
-    MESHTRAIN_BAD_INPUT("--mode '", mode, "' is not one of dp, fsdp, tp, fsdp_tp, dp_tp, dp_fsdp");
+    MESHTRAIN_BAD_INPUT("--mode '", mode,
+                        "' is not one of dp, fsdp, tp, fsdp_tp, dp_tp, dp_fsdp, zero1");
   }
   return axes;
 }
@@ -239,7 +242,7 @@ int main(int argc, char** argv) {
     uint64_t seed = 0;
     app.add_option("--sizes", sizes_text, "model.sizes, comma-separated (in, hidden..., out)");
     app.add_option("--batch", batch, "global batch size");
-    app.add_option("--mode", mode, "dp|fsdp|tp|fsdp_tp|dp_tp|dp_fsdp");
+    app.add_option("--mode", mode, "dp|fsdp|tp|fsdp_tp|dp_tp|dp_fsdp|zero1");
     app.add_option("--steps", steps, "timed steps (median reported)")->check(CLI::PositiveNumber);
     app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
     app.add_option("--algorithm", algorithm, "collective matmul: naive|ring|bidirectional|auto");
@@ -279,7 +282,8 @@ int main(int argc, char** argv) {
     config.mesh.source = "--mode " + mode;
     config.model.sizes = sizes;
     config.model.loss = "cross_entropy";
-    config.partition.preset = mode;
+    config.partition.preset = mode == "zero1" ? "dp" : mode;
+    config.optimizer.zero_stage = mode == "zero1" ? 1 : 0;
     config.partition.min_sharding_size = 0;  // every tensor that divides is sharded
     config.partition.collective_matmul = algorithm;
     config.data.batch_size = batch;

@@ -87,6 +87,11 @@ class Linear {
   // gradients can then be all-reduced once. Reduce-scatters (FSDP) and the feature axis's
   // bias reduction (TP) are done in every backward.
   bool defers_reduction() const { return defers_reduction_; }
+  // The group over which a backward with reduce = false leaves both gradients partial sums
+  // (the batch axes of the weight's all-reduce); nullptr when the layer does not defer.
+  Communicator* deferred_reduction_group() const {
+    return defers_reduction_ ? weight_allreduce_comm_ : nullptr;
+  }
   // The all-reduces a backward with reduce = false skipped, on the gradients as they are.
   void reduce_gradients(ShardedTensor& weight_grad, ShardedTensor& bias_grad);
 

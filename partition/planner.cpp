@@ -1,4 +1,5 @@
 #include "partition/planner.hpp"
+#include "partition/zero1.hpp"
 
 #include <cstdio>
 #include <set>
@@ -240,6 +241,20 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
   }
   plan.totals.gradient_bytes = plan.totals.parameter_bytes;
   plan.totals.optimizer_bytes = checked_mul(plan.totals.parameter_bytes, options.optimizer_slots);
+  if (options.zero_stage == 1) {
+    // ZeRO-1: the state of dp rank 0 (the largest chunk) of each tensor replicated over dp.
+    const int64_t dp = mesh.has_axis(kZeroAxis) ? mesh.size_of({kZeroAxis}) : 1;
+    int64_t state = 0;
+    for (const ParameterPlan& p : plan.parameters) {
+      int64_t bytes = p.bytes_per_rank;
+      if (zero1_splits(p.local_shape.size(), p.spec, dp) && p.local_shape[0] > 0) {
+        bytes = bytes / p.local_shape[0] * zero1_chunk_rows(p.local_shape[0], dp);
+      }
+      state = checked_add(state, bytes);
+    }
+    plan.totals.optimizer_bytes = checked_mul(state, options.optimizer_slots);
+    if (dp > 1) plan.notes.push_back("optimizer state split over dp (optimizer.zero_stage = 1)");
+  }
   if (options.accumulation_steps > 1) plan.totals.accumulation_bytes = plan.totals.gradient_bytes;
   for (size_t i = 0; i < rules.size(); ++i) {
     if (!used[i]) plan.unused_rules.push_back(static_cast<int>(i));

@@ -19,6 +19,7 @@
 #include "framework/core/kernel_label.hpp"
 #include "framework/train/resume.hpp"
 #include "partition/error.hpp"
+#include "partition/zero1.hpp"
 
 namespace meshtrain {
 namespace {
@@ -164,9 +165,22 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   model_->initialize(parse_init_scheme(config_.model.init), config_.run.seed);
   loss_ = std::make_unique<Loss>(parse_loss_kind(config_.model.loss), *context_, slice_.rows,
                                  sizes.back(), model_->output_layout());
-  optimizer_ =
-      std::make_unique<Optimizer>(optimizer_settings(config_.optimizer), model_->parameters());
-  clipper_ = std::make_unique<GradientClipper>(*mesh_, rank_, model_->gradients());
+  if (config_.optimizer.zero_stage == 1 && mesh_->has_axis(kZeroAxis) &&
+      mesh_->size_of({kZeroAxis}) > 1) {
+    // ZeRO-1: the gradients a layer leaves partial (DP storage, reduce = false) are
+    // reduce-scattered over dp by zero1_ instead of all-reduced by the layer.
+    std::vector<Communicator*> partial;
+    for (const Linear& layer : model_->layers()) {
+      partial.push_back(layer.deferred_reduction_group());  // weight
+      partial.push_back(layer.deferred_reduction_group());  // bias
+    }
+    zero1_ = std::make_unique<Zero1>(model_->parameters(), model_->gradients(), std::move(partial),
+                                     comms_->get({kZeroAxis}));
+  }
+  std::vector<ShardedTensor>& updated = zero1_ ? zero1_->param_chunks() : model_->parameters();
+  std::vector<ShardedTensor>& update_grads = zero1_ ? zero1_->grad_chunks() : model_->gradients();
+  optimizer_ = std::make_unique<Optimizer>(optimizer_settings(config_.optimizer), updated);
+  clipper_ = std::make_unique<GradientClipper>(*mesh_, rank_, update_grads);
   const OptimizerSection& opt = config_.optimizer;
   lr_schedule_ = LrSchedule{parse_lr_schedule(opt.schedule), opt.lr, opt.min_lr, opt.warmup_steps,
                             total_steps_};
@@ -297,7 +311,8 @@ double TrainingRun::accumulate_loaded_batch() {
   // all-reduce their sum once, in apply_update; the others (FSDP's reduce-scatter, TP's
   // bias) reduce every micro-batch in backward. The last micro-batch's gradient stays in
   // the gradients.
-  model_->backward(loss_->gradient(), /*reduce=*/accumulation_ == 1);
+  // ZeRO-1 reduces those once per step too, in apply_update (a reduce-scatter over dp).
+  model_->backward(loss_->gradient(), /*reduce=*/accumulation_ == 1 && !zero1_);
   if (micro_done_ + 1 < accumulation_) {
     std::vector<ShardedTensor>& grads = model_->gradients();
     for (size_t i = 0; i < grads.size(); ++i) {
@@ -317,14 +332,18 @@ StepResult TrainingRun::apply_update() {
     for (size_t i = 0; i < grads.size(); ++i) {
       finish_gradient(grads[i].local, gradient_sum_[i].local, accumulation_);
     }
-    model_->reduce_gradients();  // once per step, for the layers that deferred it
+    if (!zero1_) model_->reduce_gradients();  // once per step, for the layers that deferred it
   }
+  // With ZeRO-1 the update (clipping included) sees this rank's chunk of each gradient.
+  if (zero1_) zero1_->reduce(grads);
+  std::vector<ShardedTensor>& update_grads = zero1_ ? zero1_->grad_chunks() : grads;
+  std::vector<ShardedTensor>& updated = zero1_ ? zero1_->param_chunks() : model_->parameters();
   const double loss = micro_loss_sum_ / static_cast<double>(accumulation_);
   micro_done_ = 0;
   micro_loss_sum_ = 0.0;
   if (config_.optimizer.clip_norm > 0) {
     // The norm is reduced over the ranks too: every rank stops here together.
-    const double norm = clipper_->clip(grads, config_.optimizer.clip_norm, *world_);
+    const double norm = clipper_->clip(update_grads, config_.optimizer.clip_norm, *world_);
     if (!std::isfinite(norm)) {
       throw AgreedError(Error(
           ErrorKind::runtime,
@@ -338,7 +357,8 @@ StepResult TrainingRun::apply_update() {
   // The rate depends on the step index alone, so a resumed run continues it exactly.
   lr_ = static_cast<float>(lr_schedule_.at(steps_done_));
   checkpointer_->wait_snapshot();  // a save in flight has copied the tensors it writes
-  optimizer_->step(model_->parameters(), grads, lr_);
+  optimizer_->step(updated, update_grads, lr_);
+  if (zero1_) zero1_->gather(model_->parameters());  // every replica gets every chunk
   ++steps_done_;
   return {steps_done_, loss};
 }
@@ -508,6 +528,10 @@ std::vector<std::string> TrainingRun::describe() const {
   lines.push_back(detail::concat("  compute on ", Kokkos::DefaultExecutionSpace::name(),
                                  ", communication ", to_string(backend_), ", matmul precision ",
                                  to_string(matmul_precision())));
+  if (config_.optimizer.zero_stage == 1) {
+    lines.push_back(zero1_ ? "  optimizer state and update split over dp (ZeRO-1)"
+                           : "  optimizer.zero_stage = 1 changes nothing with dp = 1");
+  }
   for (const std::string& line : model_->describe()) lines.push_back("  " + line);
   return lines;
 }

@@ -38,6 +38,7 @@
 #include "framework/train/config.hpp"
 #include "framework/train/lr_schedule.hpp"
 #include "framework/train/optimizer.hpp"
+#include "framework/train/zero1.hpp"
 #include "layers/context.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
@@ -178,6 +179,8 @@ class TrainingRun {
   std::optional<ParallelContext> context_;
   std::unique_ptr<Mlp> model_;
   std::unique_ptr<Loss> loss_;
+  // optimizer.zero_stage = 1 with dp > 1: the optimizer works on this rank's chunks.
+  std::unique_ptr<Zero1> zero1_;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<GradientClipper> clipper_;
   LrSchedule lr_schedule_;

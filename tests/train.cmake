@@ -181,3 +181,7 @@ meshtrain_add_command_test(NAME train_plot_np2 TIMEOUT 120
           --set run.output_dir=${_train_runs}/plot_np2)
 set_tests_properties(train_plot_np2 PROPERTIES SKIP_RETURN_CODE 77)
 _train_slots(train_plot_np2 2)
+# ZeRO-1 (optimizer.zero_stage = 1) against plain DP and a one-rank run, uneven chunks,
+# checkpoints across zero stages, and the plan's optimizer bytes.
+meshtrain_add_test(NAME train_zero1_test SOURCES train/zero1_test.cpp
+                   LIBS meshtrain_run NP 1 2 4 TIMEOUT 120)

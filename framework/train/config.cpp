@@ -40,7 +40,7 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& schema() {
         "synthetic_samples"}},
       {"optimizer",
        {"kind", "lr", "momentum", "betas", "eps", "weight_decay", "clip_norm", "schedule",
-        "warmup_steps", "min_lr"}},
+        "warmup_steps", "min_lr", "zero_stage"}},
       {"train", {"epochs", "steps", "log_every", "eval_every", "accumulation_steps"}},
       {"checkpoint", {"every_steps", "keep", "resume", "dir", "async"}},
       {"runtime", {"backend", "matmul_precision"}},
@@ -464,6 +464,13 @@ void read_optimizer(const Section& s, OptimizerSection& opt) {
   if (!(opt.min_lr >= 0 && opt.min_lr <= opt.lr)) {
     s.fail("min_lr", "must be in [0, lr = ", opt.lr, "], got ", opt.min_lr);
   }
+  opt.zero_stage = s.integer("zero_stage").value_or(opt.zero_stage);
+  if (opt.zero_stage != 0 && opt.zero_stage != 1) {
+    s.fail("zero_stage",
+           "must be 0 (optimizer state replicated over dp) or 1 (sharded over dp, "
+           "ZeRO-1), got ",
+           opt.zero_stage);
+  }
 }
 
 void read_train(const Section& s, TrainSection& train) {
@@ -690,7 +697,8 @@ std::string config_to_toml(const RunConfig& config) {
                         {"clip_norm", opt.clip_norm},
                         {"schedule", opt.schedule},
                         {"warmup_steps", opt.warmup_steps},
-                        {"min_lr", opt.min_lr}};
+                        {"min_lr", opt.min_lr},
+                        {"zero_stage", opt.zero_stage}};
   toml::table train{{"log_every", config.train.log_every},
                     {"eval_every", config.train.eval_every},
                     {"accumulation_steps", config.train.accumulation_steps}};

@@ -77,6 +77,10 @@ struct OptimizerSection {
   std::string schedule = "constant";
   int64_t warmup_steps = 0;
   double min_lr = 0.0;
+  // 0: every dp replica keeps the whole optimizer state; 1 (ZeRO-1): the state and the
+  // update are split over dp (gradients reduce-scattered, parameters all-gathered). With
+  // dp = 1 the two are the same.
+  int64_t zero_stage = 0;
 };
 
 struct TrainSection {

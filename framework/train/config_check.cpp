@@ -115,6 +115,9 @@ void check_config(RunConfig& config) {
   if (!(opt.min_lr >= 0 && opt.min_lr <= opt.lr)) {
     fail("optimizer.min_lr", "must be in [0, optimizer.lr = ", opt.lr, "], got ", opt.min_lr);
   }
+  if (opt.zero_stage != 0 && opt.zero_stage != 1) {
+    fail("optimizer.zero_stage", "must be 0 or 1, got ", opt.zero_stage);
+  }
 
   const TrainSection& train = config.train;
   // Neither is fine until the run trains (training_steps says so then): planning does not

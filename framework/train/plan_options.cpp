@@ -38,6 +38,7 @@ PlanOptions plan_options(const RunConfig& config) {
   settings.kind = parse_optimizer_kind(config.optimizer.kind);
   settings.momentum = static_cast<float>(config.optimizer.momentum);
   options.optimizer_slots = static_cast<int>(optimizer_slot_names(settings).size());
+  options.zero_stage = static_cast<int>(config.optimizer.zero_stage);
   const LayerAxes axes = layer_axes(LogicalAxes::with_overrides(config.partition.logical_axes));
   options.batch_axes = axes.batch;
   options.feature_axis = axes.feature;

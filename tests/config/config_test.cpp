@@ -336,6 +336,8 @@ TEST(Config, RangeErrorsNameFileLineKeyAndValue) {
       {"[optimizer]\neps = 0\n", {"t.toml:6", "[optimizer] eps", "positive"}},
       {"[optimizer]\nweight_decay = -1\n", {"t.toml:6", "[optimizer] weight_decay", "-1"}},
       {"[optimizer]\nclip_norm = -1\n", {"t.toml:6", "[optimizer] clip_norm"}},
+      {"[optimizer]\nzero_stage = 2\n", {"t.toml:6", "[optimizer] zero_stage", "got 2"}},
+      {"[optimizer]\nzero_stage = \"1\"\n", {"t.toml:6", "[optimizer] zero_stage"}},
       {"[optimizer]\nkind = \"adam\"\n",
        {"t.toml:6", "[optimizer] kind", "sgd | adamw", "\"adam\""}},
       {"[data]\nbatch_size = 0\n", {"t.toml:6", "[data] batch_size", "at least 1", "got 0"}},

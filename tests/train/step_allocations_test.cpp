@@ -194,7 +194,7 @@ std::ostream& operator<<(std::ostream& out, const Allocations& a) {
 
 Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgorithm algorithm,
                                  LossKind loss_kind, OptimizerKind optimizer_kind,
-                                 int64_t accumulation_steps = 1) {
+                                 int64_t accumulation_steps = 1, int64_t zero_stage = 0) {
   RunConfig config;
   config.mesh.axes = mesh_case.axes;
   config.model.sizes = {32, 24, 16, 8};  // every width divides by 2 and 4
@@ -207,6 +207,7 @@ Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgo
   config.optimizer.clip_norm = 0.5;  // small: clipping scales the gradients
   config.data.batch_size = 16 / accumulation_steps;
   config.train.accumulation_steps = accumulation_steps;
+  config.optimizer.zero_stage = zero_stage;
   config.optimizer.schedule = "cosine";  // the rate changes every step
   config.optimizer.warmup_steps = 2;
   config.train.steps = 4;
@@ -249,6 +250,21 @@ TEST(TrainingStep, WithAccumulationAllocatesNothing) {
     SCOPED_TRACE(c.preset + ", 2 micro-batches");
     EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::naive, LossKind::cross_entropy,
                                    OptimizerKind::adamw, 2),
+              Allocations{})
+        << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+  }
+}
+
+// ZeRO-1 (optimizer state split over dp; the reduce-scatter, the update of the chunks and
+// the all-gather) allocates nothing either, with one micro-batch or two.
+TEST(TrainingStep, WithZero1AllocatesNothing) {
+  const int n = world_size();
+  const MeshCase dp{"dp", {{"dp", n}}};
+  for (int64_t accumulation : {1, 2}) {
+    if (8 % n != 0 && accumulation == 2) continue;
+    SCOPED_TRACE("dp, zero_stage 1, " + std::to_string(accumulation) + " micro-batches");
+    EXPECT_EQ(allocations_in_steps(dp, CollectiveMatmulAlgorithm::naive, LossKind::cross_entropy,
+                                   OptimizerKind::adamw, accumulation, 1),
               Allocations{})
         << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
   }
