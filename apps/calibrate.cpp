@@ -49,17 +49,23 @@ double timed(int repeats, Fn fn, MPI_Comm comm = MPI_COMM_WORLD) {
   return median(t);
 }
 
+// The three GEMMs of a layer's training step at [256 rows, 2048 -> 2048]: forward x @ W,
+// weight gradient xᵀ @ dY (K = the rows) and input gradient dY @ Wᵀ, timed together: their
+// FLOPs over their time (a short K runs slower than the square case).
 double measure_gemm_flops() {
-  const int64_t m = 256, k = 2048, n = 2048;
-  Matrix a("meshtrain::calibrate_a", m, k), b("meshtrain::calibrate_b", k, n),
-      c("meshtrain::calibrate_c", m, n);
-  Kokkos::deep_copy(a, 0.5f);
-  Kokkos::deep_copy(b, 0.25f);
+  const int64_t rows = 256, in = 2048, out = 2048;
+  Matrix x("meshtrain::calibrate_x", rows, in), w("meshtrain::calibrate_w", in, out),
+      y("meshtrain::calibrate_y", rows, out), dw("meshtrain::calibrate_dw", in, out),
+      dx("meshtrain::calibrate_dx", rows, in);
+  Kokkos::deep_copy(x, 0.5f);
+  Kokkos::deep_copy(w, 0.25f);
   const double t = timed(5, [&] {
-    gemm(plain(a), plain(b), 0.0f, c);
+    gemm(plain(x), plain(w), 0.0f, y);
+    gemm(transposed(x), plain(y), 0.0f, dw);
+    gemm(plain(y), transposed(w), 0.0f, dx);
     Kokkos::fence();
   });
-  return min_over_ranks(2.0 * m * k * n / t);
+  return min_over_ranks(3 * 2.0 * rows * in * out / t);
 }
 
 double measure_memory_bandwidth() {

@@ -2,8 +2,9 @@
 // `mpirun -np N meshtrain calibrate [CONFIG] [--out FILE]`: measures a hardware profile
 // (partition/hardware.hpp) on the ranks of this job and writes it as TOML
 // (framework/train/hardware_file.hpp), for `meshtrain plan --hardware FILE`:
-//   gemm_flops        sgemm [256 x 2048 x 2048] through gemm(), every rank at once (so
-//                     ranks sharing cores see their share), median of 5, slowest rank
+//   gemm_flops        a layer's three training GEMMs at [256 rows, 2048 -> 2048] (x @ W,
+//                     xᵀ @ dY, dY @ Wᵀ) through gemm(), every rank at once (so ranks
+//                     sharing cores see their share), median of 5, slowest rank
 //   memory_bandwidth  a = b + s * c over 3 x 64 MiB (12 bytes per element), every rank at
 //                     once, median of 5, slowest rank
 //   per mesh axis of size > 1 (CONFIG's mesh for N ranks, or dp = N), every group at once:
