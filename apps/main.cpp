@@ -2,8 +2,9 @@
 // arguments, then calls into the library; this file is the only place that turns a
 // meshtrain::Error into an exit status: 2 for bad input, 1 for a failure while running.
 //
-//   meshtrain plan CONFIG [--world N] [--json] [--set section.key=value ...]
-//   mpirun -np N meshtrain train CONFIG [--set ...]
+//   meshtrain plan CONFIG [--world N] [--json] [--hardware FILE] [--set section.key=value ...]
+//   mpirun -np N meshtrain train CONFIG [--hardware FILE] [--set ...]
+//   mpirun -np N meshtrain calibrate [CONFIG] [--out FILE] [--set ...]
 //   meshtrain inspect CHECKPOINT.h5 [--verify]
 
 #include <CLI/CLI.hpp>
@@ -12,9 +13,11 @@
 #include <climits>
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "apps/calibrate.hpp"
 #include "apps/exit_policy.hpp"
 #include "apps/inspect.hpp"
 #include "apps/plan.hpp"
@@ -22,6 +25,7 @@
 #include "framework/core/runtime.hpp"
 #include "framework/core/version.hpp"
 #include "framework/train/config.hpp"
+#include "framework/train/hardware_file.hpp"
 #include "partition/error.hpp"
 
 namespace {
@@ -60,6 +64,7 @@ struct PlanArgs {
   std::string config;
   int world = 1;
   bool json = false;
+  std::string hardware;
   std::vector<std::string> overrides;
 };
 
@@ -72,12 +77,17 @@ void add_plan_command(CLI::App& app, PlanArgs& args) {
   plan->add_option("--world", args.world, "Number of ranks to plan for (default 1)")
       ->check(kRankCount);
   plan->add_flag("--json", args.json, "Print the plan as one JSON object");
+  plan->add_option("--hardware", args.hardware,
+                   "Hardware profile (TOML from meshtrain calibrate) for the predicted step "
+                   "time; default: the built-in profile (1 CPU core, MPI inside one node)");
   add_set_option(*plan, args.overrides);
 }
 
 int run_plan(const PlanArgs& args) {
   const meshtrain::RunConfig config = meshtrain::load_config(args.config, args.overrides);
-  meshtrain::print_plan(config, args.world, args.json, std::cout);
+  std::optional<meshtrain::HardwareProfile> hardware;
+  if (!args.hardware.empty()) hardware = meshtrain::read_hardware_profile(args.hardware);
+  meshtrain::print_plan(config, args.world, args.json, std::cout, hardware ? &*hardware : nullptr);
   std::cout.flush();
   return std::cout ? 0 : kExitFailure;
 }
@@ -85,6 +95,7 @@ int run_plan(const PlanArgs& args) {
 // --- train: runs under mpirun; MPI is initialized for this subcommand only -------------
 struct TrainArgs {
   std::string config;
+  std::string hardware;
   std::vector<std::string> overrides;
 };
 
@@ -93,6 +104,9 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
       "train",
       "Train the run's MLP on the mesh of the MPI world (mpirun -np N meshtrain train ...)");
   train->add_option("config", args.config, "The run's TOML file")->required();
+  train->add_option("--hardware", args.hardware,
+                    "Hardware profile (meshtrain calibrate) that collective_matmul = auto "
+                    "chooses with");
   add_set_option(*train, args.overrides);
 }
 
@@ -101,7 +115,31 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
 int run_train(const TrainArgs& args, int& argc, char**& argv) {
   meshtrain::Runtime runtime(argc, argv);
   return meshtrain::run_or_abort(
-      [&] { return meshtrain::train_command(args.config, args.overrides); });
+      [&] { return meshtrain::train_command(args.config, args.overrides, args.hardware); });
+}
+
+// --- calibrate: measures a hardware profile under mpirun -----------------------------------
+struct CalibrateArgs {
+  std::string config;
+  std::string out;
+  std::vector<std::string> overrides;
+};
+
+void add_calibrate_command(CLI::App& app, CalibrateArgs& args) {
+  CLI::App* calibrate = app.add_subcommand(
+      "calibrate",
+      "Measure this job's hardware profile (sgemm, a memory pass, ping-pong and all-reduce "
+      "per mesh axis) as TOML for plan --hardware (mpirun -np N meshtrain calibrate ...)");
+  calibrate->add_option("config", args.config,
+                        "A run's TOML file: its mesh for N ranks (default: dp = N)");
+  calibrate->add_option("--out", args.out, "Write the profile here (default: standard output)");
+  add_set_option(*calibrate, args.overrides);
+}
+
+int run_calibrate(const CalibrateArgs& args, int& argc, char**& argv) {
+  meshtrain::Runtime runtime(argc, argv);
+  return meshtrain::run_or_abort(
+      [&] { return meshtrain::calibrate_command(args.config, args.overrides, args.out); });
 }
 
 // --- inspect: a checkpoint's step, mesh, config and datasets (no MPI launch needed) ----
@@ -114,8 +152,7 @@ void add_inspect_command(CLI::App& app, InspectArgs& args) {
   CLI::App* inspect = app.add_subcommand(
       "inspect", "Show a checkpoint's step, mesh, config and datasets (shapes, dtypes, specs)");
   inspect->add_option("checkpoint", args.checkpoint, "A checkpoint file (ckpt-*.h5)")->required();
-  inspect->add_flag("--verify", args.verify,
-                    "Read every dataset and check its checksum");
+  inspect->add_flag("--verify", args.verify, "Read every dataset and check its checksum");
 }
 
 bool verbose() {
@@ -146,6 +183,8 @@ int main(int argc, char** argv) {
   add_train_command(app, train_args);
   InspectArgs inspect_args;
   add_inspect_command(app, inspect_args);
+  CalibrateArgs calibrate_args;
+  add_calibrate_command(app, calibrate_args);
 
   try {
     app.parse(argc, argv);
@@ -157,6 +196,7 @@ int main(int argc, char** argv) {
   try {
     if (app.got_subcommand("plan")) return run_plan(plan_args);
     if (app.got_subcommand("train")) return run_train(train_args, argc, argv);
+    if (app.got_subcommand("calibrate")) return run_calibrate(calibrate_args, argc, argv);
     if (app.got_subcommand("inspect")) {
       return meshtrain::inspect_command(inspect_args.checkpoint, inspect_args.verify, std::cout);
     }

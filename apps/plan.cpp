@@ -1,9 +1,13 @@
 #include "apps/plan.hpp"
 
 #include <algorithm>
+#include <cstdio>
+#include <optional>
 #include <sstream>
 
+#include "framework/core/choices.hpp"
 #include "framework/train/config.hpp"
+#include "partition/error.hpp"
 #include "partition/sharding_picture.hpp"
 
 namespace meshtrain {
@@ -87,7 +91,184 @@ void write_layers_text(const ShardingPlan& plan, const PlanOptions& options, std
       << "\n";
 }
 
+std::string seconds_text(double s) {
+  char text[32];
+  if (s >= 1.0) {
+    std::snprintf(text, sizeof text, "%.3f s", s);
+  } else if (s >= 1e-3) {
+    std::snprintf(text, sizeof text, "%.2f ms", s * 1e3);
+  } else {
+    std::snprintf(text, sizeof text, "%.1f us", s * 1e6);
+  }
+  return text;
+}
+
+// One row of the scaling table: the config's mesh with its batch axis grown to `ranks`.
+struct ScalingRow {
+  int ranks = 0;
+  std::string mesh;
+  int64_t global_batch = 0;
+  StepCost cost;
+  bool fits = false;
+  std::string problem;  // why the config does not plan at this size
+};
+
+// Weak scaling as Megatron and JAX users read it: the rows per rank stay fixed and the
+// data-parallel axis grows (fsdp when the mesh shards over fsdp, dp otherwise), the other
+// axes (tp, ...) keep their sizes, so the global batch grows with the ranks. Each axis
+// keeps its link of the profile.
+std::string grown_axis(const Mesh& mesh) {
+  return mesh.has_axis("fsdp") && mesh.axis_size("fsdp") > 1 ? "fsdp" : "dp";
+}
+
+ScalingRow scaled_cost(const ShardingPlan& plan, const std::vector<ParameterShape>& shapes,
+                       const std::vector<PartitionRule>& rules, const PlanOptions& options,
+                       const std::vector<LinearLayerParameters>& layers, const HardwareProfile& hw,
+                       CollectiveMatmulAlgorithm algorithm, int ranks) {
+  ScalingRow row;
+  row.ranks = ranks;
+  const std::string grow = grown_axis(plan.mesh);
+  std::vector<std::pair<std::string, int>> axes;
+  int others = 1;
+  bool has_grow = false;
+  for (const auto& a : plan.mesh.axes()) {
+    if (a.name == grow) {
+      has_grow = true;
+      continue;
+    }
+    axes.push_back({a.name, a.size});
+    others *= a.size;
+  }
+  if (ranks % others != 0) {
+    row.problem = "the other axes' product " + std::to_string(others) + " does not divide it";
+    return row;
+  }
+  // Put the grown axis back at its place in mesh order.
+  std::vector<std::pair<std::string, int>> ordered;
+  for (const auto& name : Mesh::known_axes()) {
+    if (name == grow) {
+      ordered.push_back({grow, ranks / others});
+      continue;
+    }
+    for (const auto& a : axes) {
+      if (a.first == name) ordered.push_back(a);
+    }
+  }
+  (void)has_grow;
+  const Mesh mesh = Mesh::create(ordered, ranks, "scaling");
+  PlanOptions scaled = options;
+  const LayerAxes layer = layer_axes_on(mesh, {options.batch_axes, options.feature_axis});
+  scaled.global_batch = plan.local_batch_rows * mesh.size_of(layer.batch);
+  scaled.eval_global_batch = 0;
+  row.mesh = mesh.short_description();
+  std::optional<ShardingPlan> p;
+  try {
+    p = make_plan(shapes, mesh, rules, scaled, layers);
+  } catch (const Error& e) {  // e.g. a rule's dim that does not divide at this size
+    row.problem = e.what();
+    return row;
+  }
+  row.global_batch = scaled.global_batch;
+  row.cost = predict_step(*p, scaled, hw, algorithm);
+  row.fits = true;
+  return row;
+}
+
+const char* algorithm_name(CollectiveMatmulAlgorithm a) {
+  return to_string(a);
+}
+
+void write_cost_text(const ShardingPlan& plan, const StepCost& cost, const HardwareProfile& hw,
+                     CollectiveMatmulAlgorithm algorithm, const std::vector<ScalingRow>& scaling,
+                     std::ostream& out) {
+  out << "\nstep time (cost model, partition/cost_model.hpp; hardware: " << hw.source
+      << (hw.source == "defaults" ? ", default_hardware_profile(): 1 CPU core, MPI in one node"
+                                  : "")
+      << "):\n";
+  out << "  predicted " << seconds_text(cost.total_s) << " per step";
+  if (cost.accumulation_steps > 1) out << " (" << cost.accumulation_steps << " micro-batches)";
+  out << ": GEMMs (outside collective matmuls) " << seconds_text(cost.gemm_s) << ", collectives "
+      << seconds_text(cost.collective_s) << ", collective matmuls "
+      << seconds_text(cost.collective_matmul_s) << ", memory passes " << seconds_text(cost.memory_s)
+      << "\n";
+  std::vector<std::vector<std::string>> rows = {
+      {"  layer", "phase", "part", "what", "group", "time"}};
+  for (const auto& item : cost.items) {
+    rows.push_back({"  " + item.layer, item.phase, item.category, item.what, item.group,
+                    seconds_text(item.seconds)});
+  }
+  write_table(rows, out);
+  bool any = false;
+  for (size_t i = 0; i < plan.layers.size(); ++i) {
+    if (!plan.layers[i].layout.split_output) continue;
+    if (!any) {
+      out << "collective matmul algorithms (partition.collective_matmul = "
+          << algorithm_name(algorithm) << "):\n";
+    }
+    any = true;
+    const LayerMatmulAlgorithms& m = cost.matmuls[i];
+    out << "  " << plan.layers[i].name << ": forward " << algorithm_name(m.forward)
+        << ", backward weight gradient " << algorithm_name(m.weight_grad);
+    if (i > 0) out << ", backward input gradient " << algorithm_name(m.input_grad);
+    out << "\n";
+  }
+  if (scaling.empty()) return;
+  out << "\nscaling (cost model; " << grown_axis(plan.mesh) << " grows, " << plan.local_batch_rows
+      << " rows per rank fixed so the global batch grows, other axes fixed, links as in the "
+         "profile):\n";
+  const double base = static_cast<double>(plan.local_batch_rows) * plan.mesh.world_size() /
+                      cost.total_s / plan.mesh.world_size();
+  std::vector<std::vector<std::string>> table = {{"  ranks", "mesh", "global batch", "step time",
+                                                  "compute", "communication", "samples/s",
+                                                  "per-rank efficiency"}};
+  for (const auto& r : scaling) {
+    if (!r.fits) {
+      table.push_back({"  " + std::to_string(r.ranks), r.mesh, "not planned: " + r.problem});
+      continue;
+    }
+    const double samples = r.global_batch / r.cost.total_s;
+    char eff[32], sps[32];
+    std::snprintf(sps, sizeof sps, "%.0f", samples);
+    std::snprintf(eff, sizeof eff, "%.0f%%", 100.0 * samples / r.ranks / base);
+    table.push_back({"  " + std::to_string(r.ranks), r.mesh, std::to_string(r.global_batch),
+                     seconds_text(r.cost.total_s), seconds_text(r.cost.gemm_s + r.cost.memory_s),
+                     seconds_text(r.cost.collective_s + r.cost.collective_matmul_s), sps, eff});
+  }
+  write_table(table, out);
+}
+
+nlohmann::ordered_json cost_json(const StepCost& cost, const HardwareProfile& hw) {
+  nlohmann::ordered_json items = nlohmann::ordered_json::array();
+  for (const auto& i : cost.items) {
+    items.push_back({{"layer", i.layer},
+                     {"phase", i.phase},
+                     {"category", i.category},
+                     {"what", i.what},
+                     {"group", i.group},
+                     {"seconds", i.seconds}});
+  }
+  nlohmann::ordered_json matmuls = nlohmann::ordered_json::array();
+  for (const auto& m : cost.matmuls) {
+    matmuls.push_back({{"forward", to_string(m.forward)},
+                       {"weight_grad", to_string(m.weight_grad)},
+                       {"input_grad", to_string(m.input_grad)}});
+  }
+  return {{"hardware", hw.source},
+          {"step_s", cost.total_s},
+          {"gemm_s", cost.gemm_s},
+          {"collective_s", cost.collective_s},
+          {"collective_matmul_s", cost.collective_matmul_s},
+          {"memory_s", cost.memory_s},
+          {"items", items},
+          {"collective_matmuls", matmuls}};
+}
+
 }  // namespace
+
+const std::vector<int>& scaling_ranks() {
+  static const std::vector<int> ranks = {64, 256, 1024};
+  return ranks;
+}
 
 void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>& rules,
                      const PlanOptions& options, const std::string& source, std::ostream& out,
@@ -231,23 +412,56 @@ nlohmann::ordered_json plan_to_json(const ShardingPlan& plan,
   return doc;
 }
 
-void print_plan(const RunConfig& config, int world_size, bool json, std::ostream& out) {
+void print_plan(const RunConfig& config, int world_size, bool json, std::ostream& out,
+                const HardwareProfile* hardware) {
   const Mesh mesh = config.mesh.resolve(world_size);
   const std::vector<PartitionRule> rules = partition_rules(config);
   const PlanOptions options = plan_options(config);
-  const ShardingPlan plan = make_plan(mlp_parameter_shapes(config.model.sizes), mesh, rules,
-                                      options, mlp_linear_layers(config.model.sizes));
+  const std::vector<ParameterShape> shapes = mlp_parameter_shapes(config.model.sizes);
+  const std::vector<LinearLayerParameters> layers = mlp_linear_layers(config.model.sizes);
+  const ShardingPlan plan = make_plan(shapes, mesh, rules, options, layers);
   // An asynchronous checkpoint stages the blocks a rank writes: at most its parameters and
   // optimizer state (exactly those on rank 0, which writes every block it holds).
   const int64_t staging =
       config.checkpoint.async ? plan.totals.parameter_bytes + plan.totals.optimizer_bytes : 0;
+  const HardwareProfile hw = hardware ? *hardware : default_hardware_profile();
+  const CollectiveMatmulAlgorithm algorithm =
+      parse_collective_matmul_algorithm(config.partition.collective_matmul);
+  std::optional<StepCost> cost;
+  std::vector<ScalingRow> scaling;
+  if (plan.local_batch_rows > 0) {
+    cost = predict_step(plan, options, hw, algorithm);
+    for (int ranks : scaling_ranks()) {
+      scaling.push_back(scaled_cost(plan, shapes, rules, options, layers, hw, algorithm, ranks));
+    }
+  }
   if (json) {
     auto doc = plan_to_json(plan, rules, options, config.file);
     doc["totals"]["checkpoint_staging_bytes"] = staging;
     doc["totals"]["bytes_per_rank"] = doc["totals"]["bytes_per_rank"].get<int64_t>() + staging;
+    if (cost) {
+      doc["cost"] = cost_json(*cost, hw);
+      nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+      for (const auto& r : scaling) {
+        if (!r.fits) continue;
+        rows.push_back({{"ranks", r.ranks},
+                        {"mesh", r.mesh},
+                        {"global_batch", r.global_batch},
+                        {"step_s", r.cost.total_s},
+                        {"compute_s", r.cost.gemm_s + r.cost.memory_s},
+                        {"communication_s", r.cost.collective_s + r.cost.collective_matmul_s}});
+      }
+      doc["scaling"] = rows;
+    }
     out << doc.dump(2) << "\n";
   } else {
     write_plan_text(plan, rules, options, config.file, out, staging);
+    if (cost) {
+      write_cost_text(plan, *cost, hw, algorithm, scaling, out);
+    } else {
+      out << "\nstep time: not predicted (the global batch does not divide by the batch "
+             "shards)\n";
+    }
   }
 }
 

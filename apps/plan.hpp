@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "partition/cost_model.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
 
@@ -19,7 +20,14 @@ struct RunConfig;
 // (compute layout, notes, collectives per training step with bytes per rank), unused rules
 // and sharding pictures (meshes of up to 16 ranks), or with `json` one JSON document.
 // Throws meshtrain::Error on bad input.
-void print_plan(const RunConfig& config, int world_size, bool json, std::ostream& out);
+// The plan also predicts the step time (partition/cost_model.hpp) on `hardware` (nullptr:
+// default_hardware_profile()), with a table extrapolated to 64, 256 and 1024 ranks
+// (text: "step time" and "scaling" sections; JSON: "cost" and "scaling").
+void print_plan(const RunConfig& config, int world_size, bool json, std::ostream& out,
+                const HardwareProfile* hardware = nullptr);
+
+// The ranks of the scaling table.
+const std::vector<int>& scaling_ranks();
 
 // The text form of `plan`; `source` names the config file in the header.
 // `staging_bytes`: the asynchronous checkpoint's staging buffer per rank (0 when saves are

@@ -9,9 +9,11 @@
 #include <optional>
 
 #include "apps/exit_policy.hpp"
+#include "framework/comm/collective_matmul.hpp"
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/io/metrics.hpp"
 #include "framework/train/config.hpp"
+#include "framework/train/hardware_file.hpp"
 #include "run/training_run.hpp"
 
 namespace meshtrain {
@@ -34,14 +36,17 @@ RunEvents printing_events(bool rank0) {
 
 }  // namespace
 
-int train_command(const std::string& config_path, const std::vector<std::string>& overrides) try {
+int train_command(const std::string& config_path, const std::vector<std::string>& overrides,
+                  const std::string& hardware) try {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   const bool rank0 = rank == 0;
 
   std::optional<RunConfig> config;
-  if (auto error =
-          run_agreed(MPI_COMM_WORLD, [&] { config = load_config(config_path, overrides); })) {
+  if (auto error = run_agreed(MPI_COMM_WORLD, [&] {
+        config = load_config(config_path, overrides);
+        if (!hardware.empty()) set_collective_matmul_hardware(read_hardware_profile(hardware));
+      })) {
     throw *error;
   }
   TrainingRun run(*config, printing_events(rank0));

@@ -10,6 +10,8 @@ namespace meshtrain {
 // Returns the exit status: 0, or 2 / 1 when an error that every rank agreed on (bad input
 // at set-up, a non-finite loss) was printed once on rank 0. Errors that strike only some
 // ranks propagate as exceptions: the caller ends every rank (run_or_abort).
-int train_command(const std::string& config_path, const std::vector<std::string>& overrides);
+// `hardware`: a hardware profile file for collective_matmul = auto ("" = the defaults).
+int train_command(const std::string& config_path, const std::vector<std::string>& overrides,
+                  const std::string& hardware = "");
 
 }  // namespace meshtrain

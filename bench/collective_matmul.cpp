@@ -28,10 +28,12 @@
 #include "framework/comm/collective_matmul.hpp"
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/core/runtime.hpp"
+#include "framework/train/hardware_file.hpp"
 
 namespace {
 
 using meshtrain::CollectiveMatmulAlgorithm;
+using CmKind = meshtrain::CollectiveMatmulKind;
 using Matrix = Kokkos::View<float**, Kokkos::LayoutRight>;
 
 Matrix filled(const std::string& label, std::size_t rows, std::size_t cols, float seed) {
@@ -90,6 +92,9 @@ int main(int argc, char** argv) {
     app.add_option("--scatter-dim", scatter_dim, "reduce_scatter output dim (1 = TP forward)");
     app.add_option("--backend", backend, "runtime.backend: auto|mpi|nccl");
     app.add_option("--precision", precision, "runtime.matmul_precision: fp32|tf32");
+    std::string hardware;
+    app.add_option("--hardware", hardware,
+                   "hardware profile (meshtrain calibrate) for auto and predicted_s");
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
@@ -104,6 +109,9 @@ int main(int argc, char** argv) {
       algorithms = {meshtrain::parse_collective_matmul_algorithm(algorithm)};
     }
     meshtrain::set_matmul_precision(meshtrain::parse_matmul_precision(precision));
+    if (!hardware.empty()) {
+      meshtrain::set_collective_matmul_hardware(meshtrain::read_hardware_profile(hardware));
+    }
     meshtrain::MeshCommunicators comms(
         meshtrain::Mesh::create({{"tp", -1}}, runtime.world_size(), "bench"), MPI_COMM_WORLD,
         meshtrain::prepare_comm_backend(meshtrain::resolve_comm_backend(backend), MPI_COMM_WORLD));
@@ -182,8 +190,15 @@ int main(int argc, char** argv) {
         nlohmann::json line = shape;
         line["op"] = op;
         line["algorithm"] = meshtrain::to_string(algorithms[v]);
-        line["resolved"] = meshtrain::to_string(
-            meshtrain::resolve_collective_matmul_algorithm(algorithms[v], tp.size(), block_bytes));
+        line["resolved"] = meshtrain::to_string(meshtrain::resolve_collective_matmul_algorithm(
+            algorithms[v], gather ? CmKind::all_gather : CmKind::reduce_scatter, flops, tp.size(),
+            block_bytes));
+        // The cost model's prediction for this call (the process's hardware profile).
+        const auto& hw = meshtrain::collective_matmul_hardware();
+        line["predicted_s"] = meshtrain::collective_matmul_seconds(
+            {gather ? CmKind::all_gather : CmKind::reduce_scatter, flops,
+             static_cast<double>(block_bytes), tp.size()},
+            algorithms[v], hw.link("tp"), hw);
         if (!gather) line["scatter_dim"] = scatter_dim;
         line["time_s"] = t[v];
         line["gflops"] = flops / t[v] * 1e-9;

@@ -47,6 +47,8 @@
 #include "apps/exit_policy.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/runtime.hpp"
+#include "framework/train/hardware_file.hpp"
+#include "partition/cost_model.hpp"
 #include "run/training_run.hpp"
 
 // --- Heap allocation counter: counts operator new while `g_count_heap` is set, and prints
@@ -251,6 +253,10 @@ int main(int argc, char** argv) {
     app.add_option("--seed", seed, "weights and inputs");
     app.add_option("--backend", backend, "runtime.backend: auto|mpi|nccl");
     app.add_option("--precision", precision, "runtime.matmul_precision: fp32|tf32");
+    std::string hardware;
+    app.add_option("--hardware", hardware,
+                   "hardware profile (meshtrain calibrate): auto's choices and the predicted "
+                   "step time (default: the built-in defaults)");
     int trace_allocations = 0;
     app.add_option("--trace-allocations", trace_allocations,
                    "print the call stacks of the first N heap allocations in timed steps "
@@ -291,6 +297,10 @@ int main(int argc, char** argv) {
     config.train.steps = warmup + steps;
     config.runtime.backend = backend;
     config.runtime.matmul_precision = precision;
+    const meshtrain::HardwareProfile profile = hardware.empty()
+                                                   ? meshtrain::default_hardware_profile()
+                                                   : meshtrain::read_hardware_profile(hardware);
+    meshtrain::set_collective_matmul_hardware(profile);
     meshtrain::RunData data;
     data.train = one_batch(batch, sizes.front(), sizes.back(), seed);
     meshtrain::TrainingRun run(config, {}, std::move(data));
@@ -413,6 +423,17 @@ int main(int argc, char** argv) {
                                      {"optimizer_state", plan.totals.optimizer_bytes}};
       line["kokkos_allocations_in_timed_steps"] = kokkos_allocations;
       line["heap_allocations_in_timed_steps"] = heap_allocations;
+      // The cost model's prediction for the same plan (partition/cost_model.hpp).
+      const meshtrain::StepCost predicted =
+          meshtrain::predict_step(plan, meshtrain::plan_options(config), profile,
+                                  meshtrain::parse_collective_matmul_algorithm(algorithm));
+      line["hardware"] = profile.source;
+      line["predicted_step_time_s"] = predicted.total_s;
+      line["predicted_over_measured"] = predicted.total_s / step_time;
+      line["predicted_parts_s"] = {{"gemm", predicted.gemm_s},
+                                   {"collective", predicted.collective_s},
+                                   {"collective_matmul", predicted.collective_matmul_s},
+                                   {"memory", predicted.memory_s}};
       line["first_loss"] = first_loss;
       line["last_loss"] = last_loss;
       line["loadavg_start"] = load_at_start;

@@ -52,7 +52,8 @@ Linear::Linear(const ShardedTensor& weight, const ShardedTensor& bias, FeatureLa
                                    {context.batch_axes(), context.feature_axis()}, input_layout)),
       rows_(rows),
       tp_index_(context.feature_index()),
-      algorithm_(context.matmul_algorithm()) {
+      matmuls_(layer_matmul_algorithms(layout_, rows, context.matmul_algorithm(),
+                                       collective_matmul_hardware())) {
   const LinearLayout& l = layout_;
   const std::string& name = l.layer;
   MESHTRAIN_REQUIRE(weight.box.extent[0] == l.stored_rows && weight.box.extent[1] == l.stored_cols,
@@ -153,7 +154,8 @@ MatrixView Linear::forward(const ShardedTensor& weight, const ShardedTensor& bia
   MatrixView w = compute_weight(weight, scratch);
   MatrixView y = output_;
   if (layout_.split_output) {
-    matmul_reduce_scatter(*tp_comm_, 1, plain(x_used_), plain(w), y, algorithm_, scratch.matmul);
+    matmul_reduce_scatter(*tp_comm_, 1, plain(x_used_), plain(w), y, matmuls_.forward,
+                          scratch.matmul);
   } else {
     gemm(plain(x_used_), plain(w), 0.0f, y);
     if (layout_.tensor_parallel) tp_comm_->all_reduce(y);
@@ -182,7 +184,7 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
                         : MatrixView(scratch.grad.data(), layout_.in_compute, layout_.out);
   if (layout_.split_output) {
     all_gather_matmul(*tp_comm_, GatherSide::right, 1, transposed(x_used_), plain(dy), g,
-                      algorithm_, scratch.matmul);
+                      matmuls_.weight_grad, scratch.matmul);
   } else {
     gemm(transposed(x_used_), plain(dy), 0.0f, g);
   }
@@ -191,8 +193,8 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
   MatrixView dx;
   if (need_input_grad) {
     if (layout_.split_output) {
-      all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(dy), transposed(w), dx_c_, algorithm_,
-                        scratch.matmul);
+      all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(dy), transposed(w), dx_c_,
+                        matmuls_.input_grad, scratch.matmul);
     } else {
       gemm(plain(dy), transposed(w), 0.0f, dx_c_);
     }

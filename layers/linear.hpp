@@ -132,7 +132,8 @@ class Linear {
   bool defers_reduction_ = false;
 
   Communicator* tp_comm_ = nullptr;
-  CollectiveMatmulAlgorithm algorithm_ = CollectiveMatmulAlgorithm::automatic;
+  // The three collective matmuls' algorithms (auto resolved by the cost model at construction).
+  LayerMatmulAlgorithms matmuls_;
 
   Matrix x_c_;  // the input as used, when it is not the caller's view
   MatrixView x_used_;

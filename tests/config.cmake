@@ -10,6 +10,10 @@ meshtrain_compile_on_host_only(${CMAKE_CURRENT_SOURCE_DIR}/config/config_test.cp
 # One table per option (framework/core/choices.hpp) shared by the reader and the parsers;
 # check_config for a RunConfig made in code.
 meshtrain_add_test(NAME config_choices_test SOURCES config/choices_test.cpp LIBS meshtrain_framework)
+# The hardware profile's TOML (framework/train/hardware_file.cpp): round trip and bad files.
+meshtrain_add_test(NAME hardware_file_test SOURCES config/hardware_file_test.cpp
+                   LIBS meshtrain_framework)
+meshtrain_compile_on_host_only(${CMAKE_CURRENT_SOURCE_DIR}/config/hardware_file_test.cpp)
 
 # `meshtrain plan` from the command line: bad input exits 2 with one sentence naming what is
 # wrong; good input exits 0. Fixtures live in tests/cli/.
@@ -62,3 +66,17 @@ meshtrain_cli_test(plan_without_train 0 - --stdout "^plan of .*no_train\\.toml f
 meshtrain_add_command_test(NAME cli_plan_json TIMEOUT 30
   COMMAND sh ${_cli}/plan_json.sh ${_meshtrain} ${_configs}/fashion_mnist_fsdp_tp.toml 4
           layers/0/weight "[392, 256]")
+
+# plan --hardware: a bad profile is one sentence naming file and key (exit 2); a missing one
+# too; calibrate's profile (measured at 1, 2 and 4 ranks) reads back into plan --hardware.
+meshtrain_cli_test(plan_bad_hardware 2 "bad_hardware.toml.*links.tp.bandwidth"
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_tp.toml --hardware ${_cli}/bad_hardware.toml)
+meshtrain_cli_test(plan_missing_hardware 2 "no_such_hardware.toml"
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_tp.toml --hardware ${_cli}/no_such_hardware.toml)
+foreach(case "1;dp" "2;fsdp_tp" "4;fsdp_tp")
+  list(GET case 0 np)
+  list(GET case 1 layout)
+  meshtrain_add_command_test(NAME cli_calibrate_plan_np${np} TIMEOUT 120
+    COMMAND sh ${_cli}/calibrate_plan.sh ${_meshtrain} ${_configs}/fashion_mnist_${layout}.toml
+            ${np} ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+endforeach()

@@ -69,12 +69,29 @@ std::size_t block_floats(std::size_t rows, std::size_t cols) {
 
 // ------------------------------------------------------------------------------ names
 
+namespace {
+HardwareProfile& process_hardware() {
+  static HardwareProfile profile = default_hardware_profile();
+  return profile;
+}
+}  // namespace
+
+void set_collective_matmul_hardware(const HardwareProfile& hardware) {
+  check_hardware_profile(hardware);
+  process_hardware() = hardware;
+}
+
+const HardwareProfile& collective_matmul_hardware() {
+  return process_hardware();
+}
+
 CollectiveMatmulAlgorithm resolve_collective_matmul_algorithm(CollectiveMatmulAlgorithm algorithm,
-                                                              int ranks, std::size_t block_bytes) {
-  if (algorithm != CollectiveMatmulAlgorithm::automatic) return algorithm;
-  constexpr std::size_t kLatencyBoundBytes = std::size_t{1} << 20;
-  if (ranks <= 1 || block_bytes < kLatencyBoundBytes) return CollectiveMatmulAlgorithm::naive;
-  return ranks == 2 ? CollectiveMatmulAlgorithm::ring : CollectiveMatmulAlgorithm::bidirectional;
+                                                              CollectiveMatmulKind kind,
+                                                              double flops, int ranks,
+                                                              std::size_t block_bytes) {
+  const HardwareProfile& hw = collective_matmul_hardware();
+  return choose_collective_matmul({kind, flops, static_cast<double>(block_bytes), ranks}, algorithm,
+                                  hw.link("tp"), hw);
 }
 
 // -------------------------------------------------------------------------- workspace
@@ -274,7 +291,9 @@ void all_gather_matmul(Communicator& comm, GatherSide side, int gather_dim, Gemm
                        CollectiveMatmulWorkspace& workspace) {
   const GatherPlan plan = plan_gather(comm, side, gather_dim, a, b, c);
   const std::size_t block_bytes = plan.block_rows * plan.block_cols * sizeof(float);
-  switch (resolve_collective_matmul_algorithm(algorithm, plan.n, block_bytes)) {
+  const double flops = 2.0 * static_cast<double>(plan.c.extent(0)) * plan.c.extent(1) * plan.k;
+  switch (resolve_collective_matmul_algorithm(algorithm, CollectiveMatmulKind::all_gather, flops,
+                                              plan.n, block_bytes)) {
     case CollectiveMatmulAlgorithm::ring:
       gather_ring(plan, comm, workspace);
       break;
@@ -454,7 +473,9 @@ void matmul_reduce_scatter(Communicator& comm, int scatter_dim, GemmOperand a, G
                            CollectiveMatmulWorkspace& workspace) {
   const ScatterPlan plan = plan_scatter(comm, scatter_dim, a, b, c);
   const std::size_t block = plan.block_rows * plan.block_cols;
-  const auto chosen = resolve_collective_matmul_algorithm(algorithm, plan.n, block * sizeof(float));
+  const double flops = 2.0 * static_cast<double>(plan.m) * plan.cols * op_cols(plan.a);
+  const auto chosen = resolve_collective_matmul_algorithm(
+      algorithm, CollectiveMatmulKind::reduce_scatter, flops, plan.n, block * sizeof(float));
   if (chosen == CollectiveMatmulAlgorithm::ring) {
     PartialStream stream;
     stream.sub0 = 0;

@@ -33,9 +33,11 @@
 //   bidirectional  each block split in two halves (by stored rows) that travel in opposite
 //                  directions (n-1 hops each, half the bytes per hop, both link directions
 //                  busy). Extra memory: 2 blocks.
-//   auto           naive when n == 1 or the travelling block is below 1 MiB (latency bound:
-//                  one collective beats n-1 hops); otherwise ring for n == 2 (both halves
-//                  would go to the same peer) and bidirectional for n > 2.
+//   auto           the fastest of the three by the cost model (partition/cost_model.hpp)
+//                  on the process's hardware profile (set_collective_matmul_hardware;
+//                  the defaults of partition/hardware.hpp until set), the link of the
+//                  feature axis tp. The TP layers choose with their own axis' link and
+//                  pass the result (layer_matmul_algorithms), so `meshtrain plan` shows it.
 // A "block" is the travelling operand: the gathered block, or the [M/n, N] / [M, N/n]
 // output block of the reduce-scatter. ring/bidirectional reduce-scatter use C itself as
 // the third rotating buffer; a non-contiguous C costs one more block.
@@ -49,15 +51,23 @@
 #include "framework/comm/communicator.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
+#include "partition/cost_model.hpp"
 
 namespace meshtrain {
 
 // CollectiveMatmulAlgorithm and its names ("naive" | "ring" | "bidirectional" | "auto"):
 // framework/core/choices.hpp.
-// What `automatic` becomes for a communicator of `ranks` and a travelling block of
-// `block_bytes` (other algorithms are returned as they are).
+// The hardware profile `automatic` chooses with (process-wide, like set_matmul_precision;
+// set it before the layers are built).
+void set_collective_matmul_hardware(const HardwareProfile& hardware);
+const HardwareProfile& collective_matmul_hardware();
+
+// What `automatic` becomes for a call of `kind` whose GEMM has `flops` on this rank, over
+// `ranks`, with a travelling block of `block_bytes` (other algorithms are returned as they are).
 CollectiveMatmulAlgorithm resolve_collective_matmul_algorithm(CollectiveMatmulAlgorithm algorithm,
-                                                              int ranks, std::size_t block_bytes);
+                                                              CollectiveMatmulKind kind,
+                                                              double flops, int ranks,
+                                                              std::size_t block_bytes);
 
 enum class GatherSide { left, right };
 

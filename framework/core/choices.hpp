@@ -18,13 +18,14 @@
 #include <utility>
 #include <vector>
 
+#include "partition/collective_matmul_algorithm.hpp"  // CollectiveMatmulAlgorithm
+
 namespace meshtrain {
 
 enum class Activation { relu, tanh, gelu, none };  // none: the identity
 enum class InitScheme { he_normal, xavier_uniform, normal, zeros };
 enum class LossKind { cross_entropy, mse };
 enum class OptimizerKind { sgd, adamw };
-enum class CollectiveMatmulAlgorithm { naive, ring, bidirectional, automatic };
 enum class LrScheduleKind { constant, linear, cosine };
 enum class CommBackendChoice { automatic, mpi, nccl };
 // How float GEMMs may round (see framework/core/gemm.hpp).

@@ -198,5 +198,35 @@ TEST(PlanPrint, BadInputNamesTheProblem) {
   EXPECT_NO_THROW(plan_text(ep_rule, 2, false));
 }
 
+// The cost model's section: predicted step time and parts on a given profile, the collective
+// matmul algorithms auto chose per layer and direction, and the scaling table.
+TEST(PlanPrint, PredictsStepTimeWithAHardwareProfile) {
+  const RunConfig config = parse_config(kConfig, "fsdp_tp.toml");
+  HardwareProfile hw = default_hardware_profile();
+  hw.source = "hw.toml";
+  std::ostringstream out;
+  print_plan(config, 4, false, out, &hw);
+  const std::string text = out.str();
+  expect_contains(text, "step time (cost model, partition/cost_model.hpp; hardware: hw.toml)");
+  expect_contains(text, "  predicted ");
+  // Layer 0 forward: the GEMM [64 x 392 x 512] and the output reduce-scatter fused.
+  expect_contains(text, "x @ W reduce-scattered [64 x 392 x 512]");
+  expect_contains(text, "collective matmul algorithms (partition.collective_matmul = auto):");
+  expect_contains(text, "  layers/0: forward ");
+  expect_contains(text, "scaling (cost model; fsdp grows, 64 rows per rank fixed");
+  expect_contains(text, "  64     32x2 (fsdp=32, tp=2)");
+  expect_contains(text, "  1024   512x2 (fsdp=512, tp=2)");
+  // Without a profile: the defaults, named.
+  expect_contains(plan_text(config, 4, false), "hardware: defaults");
+  // JSON: the same prediction.
+  std::ostringstream json_out;
+  print_plan(config, 4, true, json_out, &hw);
+  const auto doc = nlohmann::json::parse(json_out.str());
+  EXPECT_EQ(doc["cost"]["hardware"], "hw.toml");
+  EXPECT_GT(doc["cost"]["step_s"].get<double>(), 0.0);
+  EXPECT_EQ(doc["scaling"].size(), 3u);
+  EXPECT_EQ(doc["scaling"][2]["global_batch"], 64 * 512);
+}
+
 }  // namespace
 }  // namespace meshtrain

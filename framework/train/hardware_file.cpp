@@ -1,0 +1,132 @@
+#include "framework/train/hardware_file.hpp"
+
+#include <toml++/toml.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "partition/error.hpp"
+
+namespace meshtrain {
+
+namespace {
+
+std::string at(const std::string& source, const toml::node* node) {
+  if (node && node->source().begin.line > 0) {
+    return source + ":" + std::to_string(node->source().begin.line);
+  }
+  return source;
+}
+
+// The number at `key` of `table` (an integer is taken as a number too).
+double number(const toml::table& table, const std::string& key, const std::string& full_key,
+              const std::string& source, bool required, double fallback) {
+  const toml::node* node = table.get(key);
+  if (!node) {
+    if (required) MESHTRAIN_BAD_INPUT(source, ": the hardware profile has no key ", full_key);
+    return fallback;
+  }
+  if (const auto v = node->value<double>()) return *v;
+  MESHTRAIN_BAD_INPUT(at(source, node), ": hardware profile key ", full_key, " must be a number");
+}
+
+void reject_unknown(const toml::table& table, std::initializer_list<const char*> known,
+                    const std::string& prefix, const std::string& source) {
+  for (const auto& [key, node] : table) {
+    bool ok = false;
+    for (const char* k : known) ok = ok || key.str() == k;
+    if (!ok) {
+      MESHTRAIN_BAD_INPUT(at(source, &node), ": unknown hardware profile key ", prefix,
+                          std::string(key.str()), " (keys: gemm_flops, memory_bandwidth, ",
+                          "[links.<axis>] bandwidth, latency, collective_bandwidth, [measured])");
+    }
+  }
+}
+
+std::string number_text(double value) {
+  char text[64];
+  std::snprintf(text, sizeof text, "%.6g", value);
+  std::string s = text;
+  // TOML needs a float to have a dot or an exponent.
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
+}  // namespace
+
+HardwareProfile parse_hardware_profile(const std::string& text, const std::string& source) {
+  toml::table root;
+  try {
+    root = toml::parse(text, source);
+  } catch (const toml::parse_error& e) {
+    MESHTRAIN_BAD_INPUT(source, ":", e.source().begin.line, ":", e.source().begin.column,
+                        ": invalid TOML: ", e.description());
+  }
+  reject_unknown(root, {"gemm_flops", "memory_bandwidth", "links", "measured"}, "", source);
+  HardwareProfile p;
+  p.source = source;
+  p.gemm_flops = number(root, "gemm_flops", "gemm_flops", source, true, 0);
+  p.memory_bandwidth = number(root, "memory_bandwidth", "memory_bandwidth", source, true, 0);
+  const toml::node* links_node = root.get("links");
+  const toml::table* links = links_node ? links_node->as_table() : nullptr;
+  if (links_node && !links) {
+    MESHTRAIN_BAD_INPUT(at(source, links_node), ": hardware profile key links must be a table");
+  }
+  if (links) {
+    std::initializer_list<const char*> axes = {"dp", "fsdp", "ep", "tp", "sp"};
+    reject_unknown(*links, axes, "links.", source);
+  }
+  for (const auto& axis : hardware_axes()) {
+    const std::string prefix = "links." + axis;
+    const toml::node* node = links ? links->get(axis) : nullptr;
+    if (!node) MESHTRAIN_BAD_INPUT(source, ": the hardware profile has no table [", prefix, "]");
+    const toml::table* t = node->as_table();
+    if (!t)
+      MESHTRAIN_BAD_INPUT(at(source, node), ": hardware profile key ", prefix, " must be a table");
+    reject_unknown(*t, {"bandwidth", "latency", "collective_bandwidth"}, prefix + ".", source);
+    LinkProfile l;
+    l.bandwidth = number(*t, "bandwidth", prefix + ".bandwidth", source, true, 0);
+    l.latency = number(*t, "latency", prefix + ".latency", source, true, 0);
+    l.collective_bandwidth = number(*t, "collective_bandwidth", prefix + ".collective_bandwidth",
+                                    source, false, l.bandwidth);
+    p.links[axis] = l;
+  }
+  check_hardware_profile(p);
+  return p;
+}
+
+HardwareProfile read_hardware_profile(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) {
+    MESHTRAIN_BAD_INPUT("hardware profile '", path, "' does not exist or is not a file");
+  }
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (!in) MESHTRAIN_BAD_INPUT("cannot read hardware profile '", path, "': ", std::strerror(errno));
+  return parse_hardware_profile(text.str(), path);
+}
+
+std::string hardware_profile_to_toml(const HardwareProfile& p, const std::string& measured) {
+  std::ostringstream out;
+  out << "# meshtrain hardware profile (meshtrain plan CONFIG --hardware FILE)\n"
+      << "gemm_flops = " << number_text(p.gemm_flops) << "  # FLOP/s per rank\n"
+      << "memory_bandwidth = " << number_text(p.memory_bandwidth)
+      << "  # B/s per rank, read + written\n";
+  for (const auto& axis : hardware_axes()) {
+    const LinkProfile& l = p.link(axis);
+    out << "\n[links." << axis << "]\n"
+        << "bandwidth = " << number_text(l.bandwidth) << "  # B/s point to point\n"
+        << "latency = " << number_text(l.latency) << "  # s\n"
+        << "collective_bandwidth = " << number_text(l.collective_bandwidth)
+        << "  # B/s per rank in ring collectives\n";
+  }
+  if (!measured.empty()) out << "\n[measured]\n" << measured;
+  return out.str();
+}
+
+}  // namespace meshtrain

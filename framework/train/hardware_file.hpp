@@ -1,0 +1,31 @@
+#pragma once
+// The hardware profile's TOML file (partition/hardware.hpp has the fields), as `meshtrain
+// calibrate` writes it and `meshtrain plan --hardware` reads it:
+//
+//   gemm_flops = 9.1e10          # FLOP/s per rank
+//   memory_bandwidth = 6.2e9     # B/s per rank, bytes read + written
+//   [links.tp]                   # one table per mesh axis: dp, fsdp, ep, tp, sp
+//   bandwidth = 4.1e9            # B/s point to point
+//   latency = 1.9e-6             # s
+//   collective_bandwidth = 2.2e9 # B/s per rank in ring collectives (optional: = bandwidth)
+//   [measured]                   # optional, free-form: how it was measured (not read back)
+//
+// Every key is required except collective_bandwidth and [measured]; unknown keys are
+// rejected. Kokkos-free (compiled by the host compiler alone in CUDA builds).
+
+#include <string>
+
+#include "partition/hardware.hpp"
+
+namespace meshtrain {
+
+// Reads `path`; bad_input (one sentence naming the file and the key) for a missing file,
+// invalid TOML, a missing, unknown or wrongly typed key or a value that is not positive.
+HardwareProfile read_hardware_profile(const std::string& path);
+HardwareProfile parse_hardware_profile(const std::string& text, const std::string& source);
+
+// The TOML text of `profile`; `measured` (TOML lines of key = value) goes into [measured].
+std::string hardware_profile_to_toml(const HardwareProfile& profile,
+                                     const std::string& measured = "");
+
+}  // namespace meshtrain

@@ -1,0 +1,245 @@
+#include "partition/cost_model.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+#include "partition/error.hpp"
+#include "partition/text.hpp"
+
+namespace meshtrain {
+
+namespace {
+
+constexpr double kFloat = 4.0;  // bytes per element of activations (float32)
+
+std::string shape_text(int64_t m, int64_t k, int64_t n) {
+  std::ostringstream s;
+  s << "[" << m << " x " << k << " x " << n << "]";
+  return s.str();
+}
+
+std::string group_text(const std::vector<std::string>& axes, const Mesh& mesh) {
+  if (axes.empty()) return "";
+  return (axes.size() == 1 ? axes[0] : "(" + join(axes) + ")") + "=" +
+         std::to_string(mesh.size_of(axes));
+}
+
+std::vector<std::string> active_axes(const Mesh& mesh) {
+  std::vector<std::string> axes;
+  for (const auto& a : mesh.axes()) {
+    if (a.size > 1) axes.push_back(a.name);
+  }
+  return axes;
+}
+
+}  // namespace
+
+double collective_seconds(CollectiveKind kind, double bytes, int ranks, const LinkProfile& link) {
+  if (ranks <= 1) return 0.0;
+  const double p = ranks;
+  const double one = (p - 1) / p * bytes / link.collective_bandwidth + (p - 1) * link.latency;
+  return kind == CollectiveKind::all_reduce ? 2 * one : one;
+}
+
+double collective_matmul_seconds(const CollectiveMatmulShape& s,
+                                 CollectiveMatmulAlgorithm algorithm, const LinkProfile& link,
+                                 const HardwareProfile& hw) {
+  const double gemm = s.flops / hw.gemm_flops;
+  if (s.ranks <= 1) return gemm;
+  if (algorithm == CollectiveMatmulAlgorithm::automatic) {
+    algorithm = choose_collective_matmul(s, algorithm, link, hw);
+  }
+  const double n = s.ranks;
+  if (algorithm == CollectiveMatmulAlgorithm::naive) {
+    const CollectiveKind kind = s.kind == CollectiveMatmulKind::all_gather
+                                    ? CollectiveKind::all_gather
+                                    : CollectiveKind::reduce_scatter;
+    return gemm + collective_seconds(kind, n * s.block_bytes, s.ranks, link);
+  }
+  const double g = gemm / n;
+  double hop = link.latency + s.block_bytes / link.bandwidth;
+  if (algorithm == CollectiveMatmulAlgorithm::bidirectional) {
+    hop = s.ranks == 2 ? 2 * link.latency + s.block_bytes / link.bandwidth
+                       : link.latency + 0.5 * s.block_bytes / link.bandwidth;
+  }
+  if (s.kind == CollectiveMatmulKind::all_gather) return (n - 1) * std::max(g, hop) + g;
+  const double add = 3 * s.block_bytes / hw.memory_bandwidth;
+  return g + (n - 1) * (std::max(g, hop) + add);
+}
+
+CollectiveMatmulAlgorithm choose_collective_matmul(const CollectiveMatmulShape& s,
+                                                   CollectiveMatmulAlgorithm requested,
+                                                   const LinkProfile& link,
+                                                   const HardwareProfile& hw) {
+  if (requested != CollectiveMatmulAlgorithm::automatic) return requested;
+  CollectiveMatmulAlgorithm best = CollectiveMatmulAlgorithm::naive;
+  if (s.ranks <= 1) return best;
+  double best_s = collective_matmul_seconds(s, best, link, hw);
+  for (auto a : {CollectiveMatmulAlgorithm::ring, CollectiveMatmulAlgorithm::bidirectional}) {
+    const double t = collective_matmul_seconds(s, a, link, hw);
+    if (t < best_s) {
+      best = a;
+      best_s = t;
+    }
+  }
+  return best;
+}
+
+std::vector<CollectiveMatmulShape> layer_matmul_shapes(const LinearLayout& l, int64_t rows) {
+  // All three multiply [rows x in_c] by [in_c x out] (or its transposes) and move one
+  // [rows, out/tp] block of the output or of its gradient (layers/linear.cpp).
+  const double flops = 2.0 * rows * l.in_compute * l.out;
+  const double block = kFloat * rows * l.out_local;
+  return {{CollectiveMatmulKind::reduce_scatter, flops, block, l.tp},
+          {CollectiveMatmulKind::all_gather, flops, block, l.tp},
+          {CollectiveMatmulKind::all_gather, flops, block, l.tp}};
+}
+
+LayerMatmulAlgorithms layer_matmul_algorithms(const LinearLayout& l, int64_t rows,
+                                              CollectiveMatmulAlgorithm requested,
+                                              const HardwareProfile& hw) {
+  LayerMatmulAlgorithms out;
+  if (!l.split_output) return out;
+  const LinkProfile link = hw.group_link({l.feature_axis});
+  const auto shapes = layer_matmul_shapes(l, rows);
+  out.forward = choose_collective_matmul(shapes[0], requested, link, hw);
+  out.weight_grad = choose_collective_matmul(shapes[1], requested, link, hw);
+  out.input_grad = choose_collective_matmul(shapes[2], requested, link, hw);
+  return out;
+}
+
+StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
+                      const HardwareProfile& hw, CollectiveMatmulAlgorithm algorithm) {
+  check_hardware_profile(hw);
+  if (plan.layers.empty() || plan.local_batch_rows <= 0) {
+    MESHTRAIN_BAD_INPUT("the cost model needs the model's layers and a global batch that ",
+                        "divides by the batch shards");
+  }
+  const Mesh& mesh = plan.mesh;
+  const int64_t r = plan.local_batch_rows;
+  StepCost cost;
+  cost.accumulation_steps = std::max<int64_t>(1, options.accumulation_steps);
+  auto add = [&](const std::string& layer, const std::string& phase, const char* category,
+                 const std::string& what, const std::string& group, double seconds) {
+    cost.items.push_back({layer, phase, category, what, group, seconds});
+  };
+  auto gemm = [&](const std::string& layer, const char* phase, const std::string& what, int64_t m,
+                  int64_t k, int64_t n) {
+    add(layer, phase, "gemm", what + " " + shape_text(m, k, n), "",
+        2.0 * m * k * n / hw.gemm_flops);
+  };
+  auto memory = [&](const std::string& layer, const char* phase, const std::string& what,
+                    double bytes) {
+    add(layer, phase, "memory", what, "", bytes / hw.memory_bandwidth);
+  };
+  // The plan's collective, unless a collective matmul does it.
+  auto collective = [&](const std::string& layer, const LayerCollective& c) {
+    double bytes = options.bytes_per_element;
+    for (int64_t d : c.shape) bytes *= static_cast<double>(d);
+    add(layer, c.phase, "collective", std::string(to_string(c.kind)) + " " + c.operand,
+        group_text(c.axes, mesh),
+        collective_seconds(c.kind, bytes, c.ranks, hw.group_link(c.axes)));
+  };
+  auto matmul = [&](const std::string& layer, const char* phase, const std::string& what,
+                    const CollectiveMatmulShape& shape, CollectiveMatmulAlgorithm chosen,
+                    const std::string& feature) {
+    add(layer, phase, "collective matmul",
+        what + " (" +
+            (chosen == CollectiveMatmulAlgorithm::ring            ? "ring"
+             : chosen == CollectiveMatmulAlgorithm::bidirectional ? "bidirectional"
+                                                                  : "naive") +
+            ")",
+        group_text({feature}, mesh),
+        collective_matmul_seconds(shape, chosen, hw.group_link({feature}), hw));
+  };
+
+  const size_t count = plan.layers.size();
+  // Forward, layer by layer.
+  for (size_t i = 0; i < count; ++i) {
+    const LayerPlan& lp = plan.layers[i];
+    const LinearLayout& l = lp.layout;
+    const LayerMatmulAlgorithms chosen = layer_matmul_algorithms(l, r, algorithm, hw);
+    cost.matmuls.push_back(chosen);
+    for (const auto& c : lp.collectives) {
+      if (c.phase == "forward" && !(l.split_output && c.operand == "output"))
+        collective(lp.name, c);
+    }
+    if (l.slices_input()) memory(lp.name, "forward", "input slice", 2 * kFloat * r * l.in_compute);
+    if (l.split_output) {
+      matmul(lp.name, "forward", "x @ W reduce-scattered " + shape_text(r, l.in_compute, l.out),
+             layer_matmul_shapes(l, r)[0], chosen.forward, l.feature_axis);
+    } else {
+      gemm(lp.name, "forward", "x @ W", r, l.in_compute, l.out);
+    }
+    memory(lp.name, "forward", "bias add", 2 * kFloat * r * l.out_local);
+    if (i + 1 < count) memory(lp.name, "forward", "activation", 2 * kFloat * r * l.out_local);
+  }
+  const LinearLayout& last = plan.layers.back().layout;
+  memory("loss", "forward", "loss and its gradient", 4 * kFloat * r * last.out_local);
+  add("loss", "forward", "collective", "all-reduce loss sums (3 numbers)",
+      group_text(active_axes(mesh), mesh),
+      collective_seconds(CollectiveKind::all_reduce, 24, mesh.world_size(),
+                         hw.group_link(active_axes(mesh))));
+  // Backward, last layer first.
+  for (size_t j = count; j-- > 0;) {
+    const LayerPlan& lp = plan.layers[j];
+    const LinearLayout& l = lp.layout;
+    const LayerMatmulAlgorithms& chosen = cost.matmuls[j];
+    if (j + 1 < count)
+      memory(lp.name, "backward", "activation gradient", 3 * kFloat * r * l.out_local);
+    for (const auto& c : lp.collectives) {
+      if (c.phase == "backward" && c.operand == "weight") collective(lp.name, c);
+    }
+    const auto shapes = layer_matmul_shapes(l, r);
+    if (l.split_output) {
+      matmul(lp.name, "backward", "xᵀ @ all-gathered dY " + shape_text(l.in_compute, r, l.out),
+             shapes[1], chosen.weight_grad, l.feature_axis);
+      if (j > 0) {
+        matmul(lp.name, "backward", "all-gathered dY @ Wᵀ " + shape_text(r, l.out, l.in_compute),
+               shapes[2], chosen.input_grad, l.feature_axis);
+      }
+    } else {
+      gemm(lp.name, "backward", "xᵀ @ dY", l.in_compute, r, l.out);
+      if (j > 0) gemm(lp.name, "backward", "dY @ Wᵀ", r, l.out, l.in_compute);
+    }
+    if (j > 0 && (l.slices_input() || l.gathers_input())) {
+      memory(lp.name, "backward", "input gradient copy", 2 * kFloat * r * l.in_compute);
+    }
+    for (const auto& c : lp.collectives) {
+      const bool done = c.phase == "forward" || c.operand == "weight" ||
+                        (l.split_output && c.operand == "output gradient");
+      if (!done) collective(lp.name, c);
+    }
+    if (l.nonbatch_replication > 1) {
+      memory(lp.name, "backward", "gradient scale",
+             2.0 * options.bytes_per_element * l.stored_rows * l.stored_cols);
+    }
+    memory(lp.name, "backward", "bias gradient", kFloat * r * l.out_local);
+  }
+  if (cost.accumulation_steps > 1) {
+    memory("optimizer", "update", "gradient sum", 3.0 * plan.totals.gradient_bytes);
+  }
+  // Per micro-batch so far; the optimizer once per step.
+  const size_t per_micro = cost.items.size();
+  memory("optimizer", "update",
+         "optimizer step (" + std::to_string(3 + 2 * options.optimizer_slots) +
+             " passes over the parameters)",
+         static_cast<double>(3 + 2 * options.optimizer_slots) * plan.totals.parameter_bytes);
+  for (size_t k = 0; k < cost.items.size(); ++k) {
+    const CostItem& item = cost.items[k];
+    const double t = item.seconds * (k < per_micro ? cost.accumulation_steps : 1);
+    if (item.category == std::string("gemm")) {
+      cost.gemm_s += t;
+    } else if (item.category == std::string("collective")) {
+      cost.collective_s += t;
+    } else if (item.category == std::string("collective matmul")) {
+      cost.collective_matmul_s += t;
+    } else {
+      cost.memory_s += t;
+    }
+  }
+  cost.total_s = cost.gemm_s + cost.collective_s + cost.collective_matmul_s + cost.memory_s;
+  return cost;
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,113 @@
+#pragma once
+// The cost model: how long one training step of a plan takes on a hardware profile
+// (partition/hardware.hpp), and its parts. Pure arithmetic on the plan, like the planner.
+//
+// What a step does (layers/linear.cpp, layers/loss.cpp, run/training_run.cpp), per rank,
+// with r the local batch rows and each layer's compute block [in_c, out]:
+//   GEMMs       forward r x in_c x out, backward weight in_c x r x out and (not the first
+//               layer) input r x out x in_c: 2 * m * k * n FLOPs each at gemm_flops.
+//   collectives the plan's (LayerCollective), each costed as a ring on the slowest link of
+//               its group, S the full (gathered / unreduced) operand in bytes, p ranks:
+//                 all-gather, reduce-scatter   (p-1)/p * S / B + (p-1) * alpha
+//                 all-reduce                   2 * that (reduce-scatter then all-gather)
+//               B = collective_bandwidth, alpha = latency. Run one after the other with
+//               the GEMMs (nothing overlaps outside the collective matmuls).
+//   collective matmuls  a TP layer with a split output replaces its output reduce-scatter
+//               and its two output-gradient all-gathers, with their GEMMs, by
+//               matmul_reduce_scatter / all_gather_matmul (framework/comm/
+//               collective_matmul.hpp). F = the rank's GEMM FLOPs, b = the travelling
+//               block's bytes, n = tp, g = F / (n * gemm_flops) one block's GEMM,
+//               h = latency + b / bandwidth one hop (point to point):
+//                 naive          F / gemm_flops + the all-gather / reduce-scatter above
+//                 ring           all-gather: (n-1) * max(g, h) + g
+//                                reduce-scatter: g + (n-1) * (max(g, h) + 3b / memory_bandwidth)
+//                                (each hop's partial sum is added: read two, write one)
+//                 bidirectional  the same with h = latency + b/2 / bandwidth (halves travel
+//                                both ways at once) for n > 2; for n = 2 both halves go to
+//                                the one neighbour: h = 2 * latency + b / bandwidth
+//               `automatic` takes the fastest (naive on ties).
+//   memory      elementwise passes at memory_bandwidth, bytes read + written: per layer
+//               bias add 2 * r * out_local, activation 2 (forward) and 3 (backward) * r *
+//               out_local for all but the last layer, bias gradient r * out_local, input slice
+//               / gradient copy 2 * r * in_c where the layout needs it; the loss 4 * r *
+//               out_local; the optimizer (3 + 2 * slots) * parameter bytes (AdamW: read p,
+//               g, m, v, write p, m, v; SGD: read p, g, write p, plus 2 per momentum slot).
+//   scalars     the loss's all-reduce of 3 numbers over every axis: latency only.
+// With accumulation_steps > 1 every part but the optimizer runs once per micro-batch, and
+// the gradient sum adds 3 passes of the gradient per micro-batch.
+// Not modelled: gradient clipping (one pass and a scalar all-reduce), kernel launches,
+// evaluation, data loading, checkpoints.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "partition/collective_matmul_algorithm.hpp"
+#include "partition/hardware.hpp"
+#include "partition/linear_layout.hpp"
+#include "partition/planner.hpp"
+
+namespace meshtrain {
+
+// Seconds of a ring collective of `kind` on a full operand of `bytes` over `ranks` on `link`
+// (0 for one rank).
+double collective_seconds(CollectiveKind kind, double bytes, int ranks, const LinkProfile& link);
+
+// One collective matmul: the rank's whole GEMM (flops), the travelling block, the ranks.
+enum class CollectiveMatmulKind { all_gather, reduce_scatter };
+struct CollectiveMatmulShape {
+  CollectiveMatmulKind kind = CollectiveMatmulKind::all_gather;
+  double flops = 0.0;
+  double block_bytes = 0.0;
+  int ranks = 1;
+};
+// Seconds of `shape` with `algorithm` (naive, ring or bidirectional; automatic: the fastest).
+double collective_matmul_seconds(const CollectiveMatmulShape& shape,
+                                 CollectiveMatmulAlgorithm algorithm, const LinkProfile& link,
+                                 const HardwareProfile& hardware);
+// `requested` unless it is automatic; then the fastest of naive, ring and bidirectional
+// (naive on ties, and always for one rank).
+CollectiveMatmulAlgorithm choose_collective_matmul(const CollectiveMatmulShape& shape,
+                                                   CollectiveMatmulAlgorithm requested,
+                                                   const LinkProfile& link,
+                                                   const HardwareProfile& hardware);
+
+// The algorithms of a split-output TP layer's three collective matmuls (forward output
+// reduce-scatter, backward weight gradient, backward input gradient), as layers/linear.cpp
+// runs them and the plan prints them. For other layers all are naive (unused).
+struct LayerMatmulAlgorithms {
+  CollectiveMatmulAlgorithm forward = CollectiveMatmulAlgorithm::naive;
+  CollectiveMatmulAlgorithm weight_grad = CollectiveMatmulAlgorithm::naive;
+  CollectiveMatmulAlgorithm input_grad = CollectiveMatmulAlgorithm::naive;
+};
+// The three shapes of layer `layout` for `rows` local rows (4-byte floats).
+std::vector<CollectiveMatmulShape> layer_matmul_shapes(const LinearLayout& layout, int64_t rows);
+LayerMatmulAlgorithms layer_matmul_algorithms(const LinearLayout& layout, int64_t rows,
+                                              CollectiveMatmulAlgorithm requested,
+                                              const HardwareProfile& hardware);
+
+struct CostItem {
+  std::string layer;     // "layers/0", or "loss", "optimizer"
+  std::string phase;     // "forward", "backward", "update"
+  std::string category;  // "gemm", "collective", "collective matmul", "memory"
+  std::string what;      // "x @ W [256 x 784 x 4096]", "all-gather weight", ...
+  std::string group;     // "fsdp=2" for communication, "" otherwise
+  double seconds = 0.0;
+};
+
+struct StepCost {
+  std::vector<CostItem> items;                 // in the order the step runs them (one micro-batch)
+  std::vector<LayerMatmulAlgorithms> matmuls;  // per layer of the plan
+  // Totals of the step (all micro-batches), by category; total = their sum.
+  double gemm_s = 0.0, collective_s = 0.0, collective_matmul_s = 0.0, memory_s = 0.0;
+  double total_s = 0.0;
+  int64_t accumulation_steps = 1;
+};
+
+// Predicts one optimizer step of `plan` (made with `options` and layers, and a known
+// global batch that divides: bad_input otherwise) on `hardware`, the collective matmuls
+// with `algorithm` (automatic: chosen per layer and direction as above).
+StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
+                      const HardwareProfile& hardware, CollectiveMatmulAlgorithm algorithm);
+
+}  // namespace meshtrain

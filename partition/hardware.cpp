@@ -1,0 +1,74 @@
+#include "partition/hardware.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "partition/error.hpp"
+
+namespace meshtrain {
+
+const std::vector<std::string>& hardware_axes() {
+  static const std::vector<std::string> axes = {"dp", "fsdp", "ep", "tp", "sp"};
+  return axes;
+}
+
+const LinkProfile& HardwareProfile::link(const std::string& axis) const {
+  const auto it = links.find(axis);
+  if (it == links.end()) {
+    MESHTRAIN_BAD_INPUT("the hardware profile (", source, ") has no link for mesh axis '", axis,
+                        "'");
+  }
+  return it->second;
+}
+
+LinkProfile HardwareProfile::group_link(const std::vector<std::string>& axes) const {
+  if (axes.empty()) {
+    const double inf = std::numeric_limits<double>::infinity();
+    return {inf, 0.0, inf};
+  }
+  LinkProfile slowest = link(axes.front());
+  for (const auto& axis : axes) {
+    const LinkProfile& l = link(axis);
+    slowest.bandwidth = std::min(slowest.bandwidth, l.bandwidth);
+    slowest.collective_bandwidth = std::min(slowest.collective_bandwidth, l.collective_bandwidth);
+    slowest.latency = std::max(slowest.latency, l.latency);
+  }
+  return slowest;
+}
+
+HardwareProfile default_hardware_profile() {
+  HardwareProfile p;
+  p.gemm_flops = 100e9;
+  p.memory_bandwidth = 10e9;
+  for (const auto& axis : hardware_axes()) p.links[axis] = LinkProfile{5e9, 2e-6, 2.5e9};
+  p.source = "defaults";
+  return p;
+}
+
+namespace {
+void check_value(const HardwareProfile& p, const std::string& key, double value, bool zero_ok) {
+  if (!std::isfinite(value) || value < 0.0 || (!zero_ok && value == 0.0)) {
+    MESHTRAIN_BAD_INPUT(p.source, ": ", key, " = ", value, " must be a finite number ",
+                        zero_ok ? "of 0 or more" : "above 0");
+  }
+}
+}  // namespace
+
+void check_hardware_profile(const HardwareProfile& p) {
+  check_value(p, "gemm_flops", p.gemm_flops, false);
+  check_value(p, "memory_bandwidth", p.memory_bandwidth, false);
+  for (const auto& axis : hardware_axes()) {
+    const auto it = p.links.find(axis);
+    if (it == p.links.end()) {
+      MESHTRAIN_BAD_INPUT(p.source, ": [links.", axis, "] is missing (every axis of ",
+                          "dp, fsdp, ep, tp, sp needs bandwidth and latency)");
+    }
+    const std::string key = "links." + axis + ".";
+    check_value(p, key + "bandwidth", it->second.bandwidth, false);
+    check_value(p, key + "latency", it->second.latency, true);
+    check_value(p, key + "collective_bandwidth", it->second.collective_bandwidth, false);
+  }
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,55 @@
+#pragma once
+// A hardware profile: what the cost model (partition/cost_model.hpp) needs to know about the
+// machines a run uses. Plain data; `meshtrain calibrate` measures one and writes it as TOML
+// (framework/train/hardware_file.hpp reads and writes that file).
+//
+//   gemm_flops         FLOP/s of one rank's float GEMM (the one gemm() of framework/core)
+//   memory_bandwidth   B/s one rank streams through memory (read + write bytes counted)
+//   per mesh axis (dp, fsdp, ep, tp, sp), the link between neighbours on that axis:
+//     bandwidth        B/s of one point-to-point message (ping-pong, one direction)
+//     latency          s of an empty message (half a round trip)
+//     collective_bandwidth  B/s a ring collective achieves per rank (from an all-reduce:
+//                      2 (p-1)/p * bytes / time); what all-gather, reduce-scatter and
+//                      all-reduce are costed with. Defaults to `bandwidth`.
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace meshtrain {
+
+struct LinkProfile {
+  double bandwidth = 0.0;             // B/s
+  double latency = 0.0;               // s
+  double collective_bandwidth = 0.0;  // B/s
+};
+
+struct HardwareProfile {
+  double gemm_flops = 0.0;                   // FLOP/s per rank
+  double memory_bandwidth = 0.0;             // B/s per rank
+  std::map<std::string, LinkProfile> links;  // one per axis of hardware_axes()
+  std::string source;  // "defaults" or the file it was read from (for the plan's header)
+
+  // The link of one axis (bad_input for an axis the profile lacks).
+  const LinkProfile& link(const std::string& axis) const;
+  // A group over several axes runs at its slowest axis: the smallest bandwidths and the
+  // largest latency. The empty group is an infinitely fast link.
+  LinkProfile group_link(const std::vector<std::string>& axes) const;
+};
+
+// The mesh axes a profile describes, in mesh order: dp, fsdp, ep, tp, sp.
+const std::vector<std::string>& hardware_axes();
+
+// The profile used when no file is given: one core of a current x86 server running
+// OpenBLAS sgemm (100 GFLOP/s, AVX-512 single thread), streaming 10 GB/s, and every axis
+// an MPI link inside one node over shared memory (5 GB/s point to point, 2.5 GB/s per
+// rank in ring collectives, 2 microseconds latency). Round figures of what `meshtrain
+// calibrate` measures on such a machine; calibrate for anything else (a network between
+// hosts is 10 to 1000 times slower).
+HardwareProfile default_hardware_profile();
+
+// bad_input naming `source` and the key when a value is not finite and positive (latency:
+// not negative) or an axis is missing.
+void check_hardware_profile(const HardwareProfile& profile);
+
+}  // namespace meshtrain

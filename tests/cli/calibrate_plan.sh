@@ -1,0 +1,18 @@
+#!/bin/sh
+# `meshtrain calibrate` under mpiexec writes a profile that `meshtrain plan --hardware`
+# reads back: the plan names the file, predicts a step time and prints the scaling table.
+#
+#   calibrate_plan.sh MESHTRAIN CONFIG NP MPIEXEC [MPIEXEC_FLAGS...]
+set -u
+[ $# -ge 4 ] || { echo "usage: $0 MESHTRAIN CONFIG NP MPIEXEC [FLAGS...]" >&2; exit 64; }
+meshtrain=$1 config=$2 np=$3 mpiexec=$4
+shift 4
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+"$mpiexec" -n "$np" "$@" "$meshtrain" calibrate "$config" --out "$dir/hw.toml" || exit 1
+grep -q '^gemm_flops = ' "$dir/hw.toml" || { echo "FAIL: no gemm_flops in:"; cat "$dir/hw.toml"; exit 1; }
+"$meshtrain" plan "$config" --world "$np" --hardware "$dir/hw.toml" > "$dir/plan.txt" || exit 1
+for want in "hardware: $dir/hw.toml" "predicted " "scaling (cost model" "  1024  "; do
+  grep -qF -- "$want" "$dir/plan.txt" || { echo "FAIL: '$want' missing from:"; cat "$dir/plan.txt"; exit 1; }
+done
+echo "ok: calibrate on $np ranks -> plan --hardware"

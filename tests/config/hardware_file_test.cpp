@@ -1,0 +1,93 @@
+// The hardware profile's TOML file (framework/train/hardware_file.hpp): what calibrate
+// writes reads back the same, and bad files are one sentence naming the file and the key.
+#include "framework/train/hardware_file.hpp"
+
+#include <gtest/gtest.h>
+
+#include "partition/error.hpp"
+
+namespace meshtrain {
+namespace {
+
+HardwareProfile measured_profile() {
+  HardwareProfile p = default_hardware_profile();
+  p.source = "measured.toml";
+  p.gemm_flops = 91234567890.0;
+  p.memory_bandwidth = 6.25e9;
+  p.links["fsdp"] = LinkProfile{3.75e7, 2.5e-4, 3.5e7};  // a 300 Mbit/s link
+  p.links["tp"] = LinkProfile{4.1e9, 1.9e-6, 2.2e9};
+  return p;
+}
+
+TEST(HardwareFile, RoundTrips) {
+  const HardwareProfile p = measured_profile();
+  const std::string text = hardware_profile_to_toml(p, "ranks = 2\nmesh = \"2 (fsdp=2)\"\n");
+  const HardwareProfile back = parse_hardware_profile(text, "measured.toml");
+  // Written with 6 significant digits.
+  EXPECT_NEAR(back.gemm_flops, p.gemm_flops, 1e-5 * p.gemm_flops);
+  EXPECT_DOUBLE_EQ(back.memory_bandwidth, p.memory_bandwidth);
+  for (const auto& axis : hardware_axes()) {
+    EXPECT_DOUBLE_EQ(back.link(axis).bandwidth, p.link(axis).bandwidth) << axis;
+    EXPECT_DOUBLE_EQ(back.link(axis).latency, p.link(axis).latency) << axis;
+    EXPECT_DOUBLE_EQ(back.link(axis).collective_bandwidth, p.link(axis).collective_bandwidth)
+        << axis;
+  }
+  EXPECT_EQ(back.source, "measured.toml");
+}
+
+TEST(HardwareFile, CollectiveBandwidthDefaultsToBandwidth) {
+  std::string text = "gemm_flops = 1e11\nmemory_bandwidth = 1e10\n";
+  for (const auto& axis : hardware_axes()) {
+    text += "[links." + axis + "]\nbandwidth = 5e9\nlatency = 0\n";
+  }
+  const HardwareProfile p = parse_hardware_profile(text, "hand.toml");
+  EXPECT_DOUBLE_EQ(p.link("sp").collective_bandwidth, 5e9);
+  EXPECT_DOUBLE_EQ(p.link("sp").latency, 0.0);
+}
+
+// One sentence naming the file and the key.
+void expect_rejected(const std::string& text, const std::string& key) {
+  try {
+    parse_hardware_profile(text, "bad.toml");
+    FAIL() << "accepted:\n" << text;
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_EQ(e.kind(), ErrorKind::bad_input);
+    EXPECT_NE(message.find("bad.toml"), std::string::npos) << message;
+    EXPECT_NE(message.find(key), std::string::npos) << message;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  }
+}
+
+TEST(HardwareFile, BadFilesNameFileAndKey) {
+  const std::string good = hardware_profile_to_toml(measured_profile());
+  auto replaced = [&](const std::string& from, const std::string& to) {
+    std::string text = good;
+    const size_t at = text.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return text.replace(at, from.size(), to);
+  };
+  expect_rejected(replaced("gemm_flops = ", "gemm_flop = "), "gemm_flop");
+  expect_rejected(replaced("gemm_flops = 9.12346e+10", "gemm_flops = \"fast\""), "gemm_flops");
+  expect_rejected(replaced("gemm_flops = 9.12346e+10", "gemm_flops = -1.0"), "gemm_flops");
+  expect_rejected(replaced("[links.tp]\nbandwidth = 4.1e+09", "[links.tp]\nbandwidth = 0"),
+                  "links.tp.bandwidth");
+  expect_rejected(replaced("[links.sp]", "[links.pp]"), "links.pp");
+  expect_rejected(replaced("latency = 0.00025", "latncy = 0.00025"), "links.fsdp.latncy");
+  expect_rejected(replaced("[links.dp]\nbandwidth = 5e+09", "[links.dp]\n"), "links.dp.bandwidth");
+  expect_rejected("gemm_flops = 1e11\nmemory_bandwidth = 1e10\n", "links.dp");
+  expect_rejected("gemm_flops = [1", "bad.toml:1");
+}
+
+TEST(HardwareFile, MissingFileIsBadInput) {
+  try {
+    read_hardware_profile("/nonexistent/hardware.toml");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::bad_input);
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/hardware.toml"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace meshtrain

@@ -1,0 +1,195 @@
+// The cost model (partition/cost_model.hpp) against step times computed by hand.
+#include "partition/cost_model.hpp"
+
+#include <gtest/gtest.h>
+
+#include "partition/error.hpp"
+
+namespace meshtrain {
+namespace {
+
+// A slow, round-numbered machine: 1 GFLOP/s, 1 GB/s memory, every link 100 MB/s point to
+// point, 50 MB/s in collectives, 1 ms latency.
+HardwareProfile slow_machine() {
+  HardwareProfile hw;
+  hw.source = "test";
+  hw.gemm_flops = 1e9;
+  hw.memory_bandwidth = 1e9;
+  for (const auto& axis : hardware_axes()) hw.links[axis] = LinkProfile{1e8, 1e-3, 5e7};
+  return hw;
+}
+
+constexpr double kTolerance = 1e-12;
+
+TEST(CostModel, RingCollectives) {
+  const LinkProfile link = slow_machine().link("dp");
+  // All-gather of 1 MB over 4 ranks: 3/4 * 1e6 / 5e7 + 3 * 1e-3 = 0.015 + 0.003.
+  EXPECT_NEAR(collective_seconds(CollectiveKind::all_gather, 1e6, 4, link), 0.018, kTolerance);
+  EXPECT_NEAR(collective_seconds(CollectiveKind::reduce_scatter, 1e6, 4, link), 0.018, kTolerance);
+  EXPECT_NEAR(collective_seconds(CollectiveKind::all_reduce, 1e6, 4, link), 0.036, kTolerance);
+  EXPECT_EQ(collective_seconds(CollectiveKind::all_reduce, 1e6, 1, link), 0.0);
+}
+
+TEST(CostModel, CollectiveMatmulOnTwoRanks) {
+  const HardwareProfile hw = slow_machine();
+  const LinkProfile& link = hw.link("tp");
+  // 8e7 FLOPs, a 1 MB block, 2 ranks. naive: 0.08 s GEMM + all-gather of 2 MB
+  // (1/2 * 2e6 / 5e7 + 1e-3 = 0.021). ring: g = 0.04, a hop 1e-3 + 1e6 / 1e8 = 0.011,
+  // max(g, hop) + g = 0.08. bidirectional on 2 ranks: both halves to the one neighbour,
+  // hop 2e-3 + 0.01 = 0.012: also 0.08, so auto keeps ring (the first of a tie after naive).
+  const CollectiveMatmulShape ag{CollectiveMatmulKind::all_gather, 8e7, 1e6, 2};
+  EXPECT_NEAR(collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::naive, link, hw), 0.101,
+              kTolerance);
+  EXPECT_NEAR(collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::ring, link, hw), 0.08,
+              kTolerance);
+  EXPECT_NEAR(collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::bidirectional, link, hw),
+              0.08, kTolerance);
+  EXPECT_EQ(choose_collective_matmul(ag, CollectiveMatmulAlgorithm::automatic, link, hw),
+            CollectiveMatmulAlgorithm::ring);
+  // The reduce-scatter ring adds each passing partial sum: 3 * 1e6 / 1e9 = 0.003 per hop:
+  // 0.04 + (0.04 + 0.003) = 0.083; naive 0.08 + 0.021 = 0.101.
+  const CollectiveMatmulShape rs{CollectiveMatmulKind::reduce_scatter, 8e7, 1e6, 2};
+  EXPECT_NEAR(collective_matmul_seconds(rs, CollectiveMatmulAlgorithm::ring, link, hw), 0.083,
+              kTolerance);
+  EXPECT_NEAR(collective_matmul_seconds(rs, CollectiveMatmulAlgorithm::naive, link, hw), 0.101,
+              kTolerance);
+  // A requested algorithm is kept.
+  EXPECT_EQ(choose_collective_matmul(rs, CollectiveMatmulAlgorithm::naive, link, hw),
+            CollectiveMatmulAlgorithm::naive);
+}
+
+TEST(CostModel, BidirectionalWinsWhenTheLinkIsTheBottleneckOnFourRanks) {
+  const HardwareProfile hw = slow_machine();
+  const LinkProfile& link = hw.link("tp");
+  // 4e6 FLOPs, 1 MB block, 4 ranks: g = 0.001. naive: 0.004 + 3/4 * 4e6 / 5e7 + 3e-3
+  // = 0.067. ring: hop 0.011, 3 * 0.011 + 0.001 = 0.034. bidirectional: hop
+  // 1e-3 + 5e5 / 1e8 = 0.006, 3 * 0.006 + 0.001 = 0.019.
+  const CollectiveMatmulShape ag{CollectiveMatmulKind::all_gather, 4e6, 1e6, 4};
+  EXPECT_NEAR(collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::naive, link, hw), 0.067,
+              kTolerance);
+  EXPECT_NEAR(collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::ring, link, hw), 0.034,
+              kTolerance);
+  EXPECT_NEAR(collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::bidirectional, link, hw),
+              0.019, kTolerance);
+  EXPECT_EQ(choose_collective_matmul(ag, CollectiveMatmulAlgorithm::automatic, link, hw),
+            CollectiveMatmulAlgorithm::bidirectional);
+  // On one rank every algorithm is the GEMM alone, and auto is naive.
+  const CollectiveMatmulShape one{CollectiveMatmulKind::all_gather, 4e6, 1e6, 1};
+  EXPECT_NEAR(collective_matmul_seconds(one, CollectiveMatmulAlgorithm::ring, link, hw), 0.004,
+              kTolerance);
+  EXPECT_EQ(choose_collective_matmul(one, CollectiveMatmulAlgorithm::automatic, link, hw),
+            CollectiveMatmulAlgorithm::naive);
+}
+
+ShardingPlan small_plan(const Mesh& mesh, const std::vector<PartitionRule>& rules,
+                        const PlanOptions& options, const std::vector<int64_t>& sizes) {
+  return make_plan(mlp_parameter_shapes(sizes), mesh, rules, options, mlp_linear_layers(sizes));
+}
+
+TEST(CostModel, DataParallelStepByHand) {
+  // MLP [4, 8, 2], dp = 2, global batch 4 (2 rows per rank), AdamW, everything replicated.
+  const Mesh mesh = Mesh::create({{"dp", 2}}, 2, "test");
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.global_batch = 4;
+  const ShardingPlan plan = small_plan(mesh, {{".*", PartitionSpec(), false}}, options, {4, 8, 2});
+  const StepCost cost =
+      predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::automatic);
+  // GEMMs (2 m k n FLOPs at 1e9): layer 0 forward and weight gradient 2*2*4*8 = 128 each
+  // (no input gradient for the first layer); layer 1 forward, weight and input gradient
+  // 2*2*8*2 = 64 each. 448 FLOPs.
+  EXPECT_NEAR(cost.gemm_s, 448e-9, kTolerance);
+  // Memory at 1e9 B/s: layer 0 bias add 2*4*2*8 = 128 B, activation 128 B; layer 1 bias add
+  // 2*4*2*2 = 32; loss 4*4*2*2 = 64; backward layer 1 bias gradient 4*2*2 = 16; layer 0
+  // activation gradient 3*4*2*8 = 192, bias gradient 4*2*8 = 64; AdamW 7 passes over 58
+  // parameters * 4 B = 1624. 2248 B.
+  EXPECT_NEAR(cost.memory_s, 2248e-9, kTolerance);
+  // Collectives, all-reduces over dp = 2, 2 * (1/2 * S / 5e7 + 1e-3): the loss's 24 B, the
+  // weight gradients 128 B and 64 B, the bias gradients 32 B and 8 B: 5 * 2e-3 latency
+  // + 2 * (12 + 64 + 32 + 16 + 4) / 5e7 = 0.01 + 5.12e-6.
+  EXPECT_NEAR(cost.collective_s, 0.01 + 5.12e-6, kTolerance);
+  EXPECT_EQ(cost.collective_matmul_s, 0.0);
+  EXPECT_NEAR(cost.total_s, 448e-9 + 2248e-9 + 0.01 + 5.12e-6, kTolerance);
+}
+
+TEST(CostModel, FsdpStepGathersTheWeightTwiceAndReduceScattersItsGradient) {
+  // MLP [4, 8, 2], fsdp = 2, weights P(fsdp) on dim 0, biases replicated, batch 4.
+  const Mesh mesh = Mesh::create({{"fsdp", 2}}, 2, "test");
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.global_batch = 4;
+  const ShardingPlan plan = small_plan(
+      mesh, {{"weight$", PartitionSpec::parse("P(fsdp)"), false}, {".*", PartitionSpec(), false}},
+      options, {4, 8, 2});
+  const StepCost cost =
+      predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::naive);
+  // Per layer: the weight all-gathered forward and backward and its gradient
+  // reduce-scattered (full operand S: 128 B and 64 B), each 1/2 * S / 5e7 + 1e-3; the bias
+  // gradients all-reduced over fsdp as in DP (32 B, 8 B); the loss's 24 B.
+  // Latency: 6 * 1e-3 + 3 * 2e-3 = 0.012. Bytes: 3 * (64 + 32) / 5e7 + 2 * (16 + 4 + 12) / 5e7.
+  EXPECT_NEAR(cost.collective_s, 0.012 + (288.0 + 64.0) / 5e7, kTolerance);
+  // Memory as in DP, except AdamW on half the weights: (16 + 8 + 8 + 2) * 4 B * 7 = 952.
+  EXPECT_NEAR(cost.memory_s, (2248.0 - 1624.0 + 952.0) * 1e-9, kTolerance);
+  EXPECT_NEAR(cost.gemm_s, 448e-9, kTolerance);
+}
+
+TEST(CostModel, TensorParallelLayerChoosesPerDirection) {
+  // A TP layer [1024 -> 1024] on tp = 4 with 256 rows: each collective matmul multiplies
+  // 256 x 256 x 1024 (2 * 256 * 256 * 1024 = 134217728 FLOPs) and moves [256, 256] blocks
+  // (262144 B). On the slow machine: g = 0.033554432, ring hop 1e-3 + 0.00262144, bidir.
+  // hop 1e-3 + 0.00131072: both below g, so ring and bidirectional are compute bound
+  // (4 g = 0.134217728 for the all-gathers) and tie; naive adds 0.01572864 + 0.003.
+  const Mesh mesh = Mesh::create({{"tp", 4}}, 4, "test");
+  const PartitionSpec w = PartitionSpec::parse("P(tp)"), b = PartitionSpec::parse("P(tp)");
+  const LinearLayout layout =
+      decide_linear_layout("layers/1", {"layers/1/weight", {1024, 1024}, w},
+                           {"layers/1/bias", {1024}, b}, mesh, {{}, "tp"}, FeatureLayout::split);
+  ASSERT_TRUE(layout.split_output);
+  const auto shapes = layer_matmul_shapes(layout, 256);
+  ASSERT_EQ(shapes.size(), 3u);
+  EXPECT_EQ(shapes[0].kind, CollectiveMatmulKind::reduce_scatter);
+  EXPECT_DOUBLE_EQ(shapes[0].flops, 134217728.0);
+  EXPECT_DOUBLE_EQ(shapes[1].block_bytes, 262144.0);
+  const HardwareProfile hw = slow_machine();
+  EXPECT_NEAR(
+      collective_matmul_seconds(shapes[1], CollectiveMatmulAlgorithm::naive, hw.link("tp"), hw),
+      0.134217728 + 0.01572864 + 0.003, kTolerance);
+  // The reduce-scatter ring: g + 3 (g + 3 * 262144 / 1e9) = 0.136577024.
+  EXPECT_NEAR(
+      collective_matmul_seconds(shapes[0], CollectiveMatmulAlgorithm::ring, hw.link("tp"), hw),
+      0.136577024, kTolerance);
+  const LayerMatmulAlgorithms chosen =
+      layer_matmul_algorithms(layout, 256, CollectiveMatmulAlgorithm::automatic, hw);
+  EXPECT_EQ(chosen.forward, CollectiveMatmulAlgorithm::ring);
+  EXPECT_EQ(chosen.weight_grad, CollectiveMatmulAlgorithm::ring);
+  // A fast GEMM makes the same layer link bound: 1e12 FLOP/s, g = 3.4e-5 < the hops, and
+  // bidirectional's half-size hops win on 4 ranks.
+  HardwareProfile fast = hw;
+  fast.gemm_flops = 1e12;
+  EXPECT_EQ(
+      layer_matmul_algorithms(layout, 256, CollectiveMatmulAlgorithm::automatic, fast).input_grad,
+      CollectiveMatmulAlgorithm::bidirectional);
+}
+
+TEST(CostModel, RejectsBadProfilesAndUnknownBatches) {
+  HardwareProfile hw = slow_machine();
+  hw.links["tp"].bandwidth = 0.0;
+  const Mesh mesh = Mesh::create({{"dp", 2}}, 2, "test");
+  PlanOptions options;
+  options.global_batch = 4;
+  const ShardingPlan plan = small_plan(mesh, {{".*", PartitionSpec(), false}}, options, {4, 8, 2});
+  try {
+    predict_step(plan, options, hw, CollectiveMatmulAlgorithm::automatic);
+    FAIL() << "a zero bandwidth was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("links.tp.bandwidth"), std::string::npos) << e.what();
+  }
+  options.global_batch = 0;
+  const ShardingPlan unknown =
+      small_plan(mesh, {{".*", PartitionSpec(), false}}, options, {4, 8, 2});
+  EXPECT_THROW(predict_step(unknown, options, slow_machine(), CollectiveMatmulAlgorithm::naive),
+               Error);
+}
+
+}  // namespace
+}  // namespace meshtrain
