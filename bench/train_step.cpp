@@ -248,6 +248,8 @@ int main(int argc, char** argv) {
     app.add_option("--seed", seed, "weights and inputs");
     app.add_option("--backend", backend, "runtime.backend: auto|mpi|nccl");
     app.add_option("--precision", precision, "runtime.matmul_precision: fp32|tf32");
+    bool overlap = false;
+    app.add_option("--overlap", overlap, "runtime.overlap: 0|1 (FSDP weight prefetch)");
     int trace_allocations = 0;
     app.add_option("--trace-allocations", trace_allocations,
                    "print the call stacks of the first N heap allocations in timed steps "
@@ -287,6 +289,7 @@ int main(int argc, char** argv) {
     config.train.steps = warmup + steps;
     config.runtime.backend = backend;
     config.runtime.matmul_precision = precision;
+    config.runtime.overlap = overlap;
     meshtrain::RunData data;
     data.train = one_batch(batch, sizes.front(), sizes.back(), seed);
     meshtrain::TrainingRun run(config, {}, std::move(data));
@@ -380,6 +383,7 @@ int main(int argc, char** argv) {
       line["algorithm"] = algorithm;
       line["backend"] = meshtrain::to_string(run.backend());
       line["precision"] = precision;
+      line["overlap"] = overlap;
       line["execution_space"] = Kokkos::DefaultExecutionSpace::name();
       line["steps"] = steps;
       line["warmup"] = warmup;
