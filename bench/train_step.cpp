@@ -257,6 +257,8 @@ int main(int argc, char** argv) {
     app.add_option("--hardware", hardware,
                    "hardware profile (meshtrain calibrate): auto's choices and the predicted "
                    "step time (default: the built-in defaults)");
+    bool overlap = false;
+    app.add_option("--overlap", overlap, "runtime.overlap: 0|1 (FSDP weight prefetch)");
     int trace_allocations = 0;
     app.add_option("--trace-allocations", trace_allocations,
                    "print the call stacks of the first N heap allocations in timed steps "
@@ -301,6 +303,7 @@ int main(int argc, char** argv) {
                                                    ? meshtrain::default_hardware_profile()
                                                    : meshtrain::read_hardware_profile(hardware);
     meshtrain::set_collective_matmul_hardware(profile);
+    config.runtime.overlap = overlap;
     meshtrain::RunData data;
     data.train = one_batch(batch, sizes.front(), sizes.back(), seed);
     meshtrain::TrainingRun run(config, {}, std::move(data));
@@ -394,6 +397,7 @@ int main(int argc, char** argv) {
       line["algorithm"] = algorithm;
       line["backend"] = meshtrain::to_string(run.backend());
       line["precision"] = precision;
+      line["overlap"] = overlap;
       line["execution_space"] = Kokkos::DefaultExecutionSpace::name();
       line["steps"] = steps;
       line["warmup"] = warmup;

@@ -7,11 +7,13 @@
 namespace meshtrain {
 
 ParallelContext::ParallelContext(MeshCommunicators& comms, std::vector<std::string> batch_axes,
-                                 std::string feature_axis, CollectiveMatmulAlgorithm matmul)
+                                 std::string feature_axis, CollectiveMatmulAlgorithm matmul,
+                                 bool overlap)
     : comms_(&comms),
       batch_axes_(std::move(batch_axes)),
       feature_axis_(std::move(feature_axis)),
-      matmul_(matmul) {
+      matmul_(matmul),
+      overlap_(overlap) {
   const LayerAxes axes = layer_axes_on(mesh(), {batch_axes_, feature_axis_});
   batch_axes_ = axes.batch;
   feature_axis_ = axes.feature;
@@ -19,9 +21,9 @@ ParallelContext::ParallelContext(MeshCommunicators& comms, std::vector<std::stri
 
 ParallelContext ParallelContext::from_logical_axes(MeshCommunicators& comms,
                                                    const LogicalAxes& logical,
-                                                   CollectiveMatmulAlgorithm matmul) {
+                                                   CollectiveMatmulAlgorithm matmul, bool overlap) {
   LayerAxes axes = layer_axes(logical);
-  return ParallelContext(comms, std::move(axes.batch), std::move(axes.feature), matmul);
+  return ParallelContext(comms, std::move(axes.batch), std::move(axes.feature), matmul, overlap);
 }
 
 int ParallelContext::feature_parallel() const {

@@ -3,6 +3,9 @@
 // (the logical axis `batch`, default (fsdp, dp)), which one splits the features (the
 // logical axis `hidden`, default tp), and the communicators of this rank's groups.
 //
+// `overlap` ([runtime] overlap) asks layers to start communication early and let it run
+// under computation (FSDP: the next layer's weight gather while this one computes).
+//
 // Layers ask for their communicators at construction only. MeshCommunicators::get is
 // collective the first time a tuple is asked for, and every rank builds the same layers
 // in the same order from the same specs, so the calls line up on every rank.
@@ -26,18 +29,21 @@ class ParallelContext {
   // Throws bad_input when the feature axis (size > 1) also splits the batch (layer_axes_on).
   ParallelContext(MeshCommunicators& comms, std::vector<std::string> batch_axes,
                   std::string feature_axis,
-                  CollectiveMatmulAlgorithm matmul = CollectiveMatmulAlgorithm::automatic);
+                  CollectiveMatmulAlgorithm matmul = CollectiveMatmulAlgorithm::automatic,
+                  bool overlap = false);
   // From the logical axes (layer_axes): batch = axes_of("batch"), features =
   // axes_of("hidden") (at most one mesh axis; bad_input otherwise).
   static ParallelContext from_logical_axes(
       MeshCommunicators& comms, const LogicalAxes& logical,
-      CollectiveMatmulAlgorithm matmul = CollectiveMatmulAlgorithm::automatic);
+      CollectiveMatmulAlgorithm matmul = CollectiveMatmulAlgorithm::automatic,
+      bool overlap = false);
 
   const Mesh& mesh() const { return comms_->mesh(); }
   int rank() const { return comms_->rank(); }
   const std::vector<std::string>& batch_axes() const { return batch_axes_; }
   const std::string& feature_axis() const { return feature_axis_; }
   CollectiveMatmulAlgorithm matmul_algorithm() const { return matmul_; }
+  bool overlap() const { return overlap_; }
 
   // Size of the feature axis (1 when there is none) and this rank's index on it.
   int feature_parallel() const;
@@ -56,6 +62,7 @@ class ParallelContext {
   std::vector<std::string> batch_axes_;
   std::string feature_axis_;
   CollectiveMatmulAlgorithm matmul_;
+  bool overlap_ = false;
 };
 
 }  // namespace meshtrain

@@ -36,8 +36,9 @@ void LinearScratchNeeds::merge(const LinearScratchNeeds& o) {
   matmul = std::max(matmul, o.matmul);
 }
 
-LinearScratch::LinearScratch(const LinearScratchNeeds& needs)
+LinearScratch::LinearScratch(const LinearScratchNeeds& needs, bool with_prefetch)
     : weight("meshtrain::scratch_weight", needs.weight),
+      prefetch("meshtrain::scratch_prefetch", with_prefetch ? needs.weight : 0),
       grad("meshtrain::scratch_grad", needs.grad),
       stage("meshtrain::scratch_stage", needs.stage),
       bias("meshtrain::scratch_bias", needs.bias) {
@@ -113,6 +114,21 @@ MatrixView Linear::compute_weight(const ShardedTensor& weight, LinearScratch& sc
   MatrixView stored = weight.matrix();
   if (!gather0_comm_ && !gather1_comm_) return stored;
   MatrixView full(scratch.weight.data(), layout_.in_compute, layout_.out);
+  if (prefetch_started_) {
+    // Started while the layer before computed: the blocks are landing in scratch.prefetch.
+    // (A poll may have completed the request already; then wait() returns at once.)
+    prefetch_started_ = false;
+    prefetch_.wait();
+    if (gather0_comm_) {
+      // Dim 0 blocks in rank order are the weight itself: the landing buffer becomes the
+      // weight buffer, and the old weight buffer (free: its layer is done) the landing one.
+      std::swap(scratch.weight, scratch.prefetch);
+      return MatrixView(scratch.weight.data(), layout_.in_compute, layout_.out);
+    }
+    place_gathered_columns(ConstVectorView(scratch.prefetch.data(), full.span()), full,
+                           gather1_comm_->size());
+    return full;
+  }
   if (gather0_comm_ && gather1_comm_) {
     MatrixView stage(scratch.stage.data(), layout_.in_compute, layout_.stored_cols);
     gather0_comm_->all_gather(stored, stage, 0);
@@ -123,6 +139,20 @@ MatrixView Linear::compute_weight(const ShardedTensor& weight, LinearScratch& sc
     gather1_comm_->all_gather(stored, full, 1);
   }
   return full;
+}
+
+void Linear::start_weight_prefetch(const ShardedTensor& weight, LinearScratch& scratch) {
+  const size_t gathered = static_cast<size_t>(layout_.in_compute * layout_.out);
+  MESHTRAIN_REQUIRE(
+      can_prefetch_weight() && !prefetch_started_ && scratch.prefetch.extent(0) >= gathered,
+      "linear layer '", layout_.layer,
+      "': its weight cannot be prefetched (gathered over two groups, already "
+      "started, or a scratch made without prefetch)");
+  Communicator& group = gather0_comm_ ? *gather0_comm_ : *gather1_comm_;
+  const Vector& stored = weight.local;
+  prefetch_ = group.start_all_gather(ConstVectorView(stored.data(), stored.extent(0)),
+                                     VectorView(scratch.prefetch.data(), gathered));
+  prefetch_started_ = true;
 }
 
 const float* Linear::compute_bias(const ShardedTensor& bias, LinearScratch& scratch) {
@@ -137,7 +167,7 @@ const float* Linear::compute_bias(const ShardedTensor& bias, LinearScratch& scra
 }
 
 MatrixView Linear::forward(const ShardedTensor& weight, const ShardedTensor& bias, MatrixView x,
-                           LinearScratch& scratch) {
+                           LinearScratch& scratch, WeightPrefetch next) {
   MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
                         static_cast<int64_t>(x.extent(1)) == input_width(),
                     "linear layer '", layout_.layer, "': input is [", x.extent(0), ", ",
@@ -152,6 +182,7 @@ MatrixView Linear::forward(const ShardedTensor& weight, const ShardedTensor& bia
     x_used_ = x;
   }
   MatrixView w = compute_weight(weight, scratch);
+  if (next.layer) next.layer->start_weight_prefetch(*next.weight, scratch);
   MatrixView y = output_;
   if (layout_.split_output) {
     matmul_reduce_scatter(*tp_comm_, 1, plain(x_used_), plain(w), y, matmuls_.forward,
@@ -160,6 +191,7 @@ MatrixView Linear::forward(const ShardedTensor& weight, const ShardedTensor& bia
     gemm(plain(x_used_), plain(w), 0.0f, y);
     if (layout_.tensor_parallel) tp_comm_->all_reduce(y);
   }
+  if (next.layer) next.layer->poll_weight_prefetch();
   const float* b = compute_bias(bias, scratch);
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::linear_add_bias"),
@@ -170,13 +202,14 @@ MatrixView Linear::forward(const ShardedTensor& weight, const ShardedTensor& bia
 
 MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_grad,
                             ShardedTensor& bias_grad, MatrixView dy, bool need_input_grad,
-                            LinearScratch& scratch, bool reduce) {
+                            LinearScratch& scratch, bool reduce, WeightPrefetch next) {
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == rows_ &&
                         static_cast<int64_t>(dy.extent(1)) == layout_.out_local,
                     "linear layer '", layout_.layer, "': output gradient is [", dy.extent(0), ", ",
                     dy.extent(1), "], expected [", rows_, ", ", layout_.out_local, "]");
   // Gathered again, not kept from forward.
   MatrixView w = compute_weight(weight, scratch);
+  if (next.layer) next.layer->start_weight_prefetch(*next.weight, scratch);
 
   // Weight gradient, compute block: X_cᵀ @ dY (dY all-gathered over features when split).
   const bool direct = !gather0_comm_ && !gather1_comm_;
@@ -188,6 +221,7 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
   } else {
     gemm(transposed(x_used_), plain(dy), 0.0f, g);
   }
+  if (next.layer) next.layer->poll_weight_prefetch();
 
   // Input gradient: dY @ W_cᵀ, then back to the input's layout.
   MatrixView dx;

@@ -26,6 +26,11 @@
 // The loss is a mean over the global batch, so gradients are sums over ranks, and equal
 // the single-rank gradients.
 //
+// Prefetch (FSDP overlap): a layer whose weight is gathered over one group of axes can
+//   start that gather early (start_weight_prefetch) into the scratch's prefetch buffer
+//   while the layer before it computes; compute_weight() then waits for it instead of
+//   gathering. A weight gathered over two groups (a 2-D storage split) is gathered when used.
+//
 // Buffers: the layer owns its activations for backward (input as used, output) and its
 // input gradient; gathered weights and gradient staging live in a LinearScratch shared by
 // all layers of a model. Nothing is allocated in forward() or backward().
@@ -43,7 +48,7 @@ namespace meshtrain {
 
 // Floats of scratch a layer needs; a model allocates the maximum over its layers.
 struct LinearScratchNeeds {
-  size_t weight = 0;  // gathered compute block of the weight
+  size_t weight = 0;  // gathered compute block of the weight (and of a prefetched one)
   size_t grad = 0;    // compute block of the weight gradient
   size_t stage = 0;   // between the two gathers / reduce-scatters of a 2-D storage split
   size_t bias = 0;    // gathered bias / full-width bias gradient
@@ -53,11 +58,21 @@ struct LinearScratchNeeds {
 
 struct LinearScratch {
   Vector weight;
+  // The next layer's weight as its gather lands (rank-ordered blocks); empty without
+  // prefetch. At most one layer is prefetched at a time.
+  Vector prefetch;
   Vector grad;
   Vector stage;
   Vector bias;
   CollectiveMatmulWorkspace matmul;
-  explicit LinearScratch(const LinearScratchNeeds& needs = {});
+  explicit LinearScratch(const LinearScratchNeeds& needs = {}, bool with_prefetch = false);
+};
+
+class Linear;
+// The layer whose weight gather starts while this one computes (nullptr: none).
+struct WeightPrefetch {
+  Linear* layer = nullptr;
+  const ShardedTensor* weight = nullptr;
 };
 
 class Linear {
@@ -71,8 +86,9 @@ class Linear {
 
   // y = x W + b. x: [rows, input_width()]. Returns the output [rows, output_width()],
   // owned by the layer (valid until the next forward). x must stay valid until backward.
+  // `next`: the layer to prefetch once this one's own weight is in place.
   MatrixView forward(const ShardedTensor& weight, const ShardedTensor& bias, MatrixView x,
-                     LinearScratch& scratch);
+                     LinearScratch& scratch, WeightPrefetch next = {});
 
   // From dY [rows, output_width()]: writes the weight and bias gradients (overwriting
   // them) and, when need_input_grad, returns dX [rows, input_width()] (owned by the
@@ -81,7 +97,7 @@ class Linear {
   // finishes them later (gradient accumulation communicates once per step).
   MatrixView backward(const ShardedTensor& weight, ShardedTensor& weight_grad,
                       ShardedTensor& bias_grad, MatrixView dy, bool need_input_grad,
-                      LinearScratch& scratch, bool reduce = true);
+                      LinearScratch& scratch, bool reduce = true, WeightPrefetch next = {});
   // True when the gradients' only communication is one all-reduce over the batch axes for
   // the weight and the same for the whole stored bias (DP storage): a sum of partial
   // gradients can then be all-reduced once. Reduce-scatters (FSDP) and the feature axis's
@@ -94,6 +110,16 @@ class Linear {
   }
   // The all-reduces a backward with reduce = false skipped, on the gradients as they are.
   void reduce_gradients(ShardedTensor& weight_grad, ShardedTensor& bias_grad);
+
+  // True when the weight is gathered over exactly one group of axes (FSDP storage).
+  bool can_prefetch_weight() const {
+    return (gather0_comm_ != nullptr) != (gather1_comm_ != nullptr);
+  }
+  // Starts gathering `weight` into scratch.prefetch; the next forward() or backward() of
+  // this layer completes it. Needs a scratch made with_prefetch and can_prefetch_weight().
+  void start_weight_prefetch(const ShardedTensor& weight, LinearScratch& scratch);
+  // Lets a started prefetch progress (MPI moves data only inside MPI calls).
+  void poll_weight_prefetch() { prefetch_.test(); }
 
   int64_t in() const { return layout_.in; }
   int64_t out() const { return layout_.out; }
@@ -134,6 +160,10 @@ class Linear {
   Communicator* tp_comm_ = nullptr;
   // The three collective matmuls' algorithms (auto resolved by the cost model at construction).
   LayerMatmulAlgorithms matmuls_;
+  Request prefetch_;  // the started gather of this layer's weight, if any
+  // A gather was started and its result not yet used (the request alone cannot say: a
+  // poll that finds it complete empties it).
+  bool prefetch_started_ = false;
 
   Matrix x_c_;  // the input as used, when it is not the caller's view
   MatrixView x_used_;

@@ -29,13 +29,19 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
   for (size_t i = 0; i < n; ++i) {
     layers_.emplace_back(params_[2 * i], params_[2 * i + 1], layout, rows_, context);
     needs.merge(layers_.back().scratch_needs());
+    prefetch_ = prefetch_ || (context.overlap() && layers_.back().can_prefetch_weight());
     layout = layers_.back().output_layout();
     if (i + 1 < n) {
       activated_.push_back(Matrix("layers/" + std::to_string(i) + "/activation", rows_,
                                   layers_.back().output_width()));
     }
   }
-  scratch_ = LinearScratch(needs);
+  scratch_ = LinearScratch(needs, prefetch_);
+}
+
+WeightPrefetch Mlp::prefetch_target(size_t k) {
+  if (!prefetch_ || k >= layers_.size() || !layers_[k].can_prefetch_weight()) return {};
+  return {&layers_[k], &params_[2 * k]};
 }
 
 void Mlp::initialize(InitScheme scheme, uint64_t seed) {
@@ -46,7 +52,8 @@ MatrixView Mlp::forward(MatrixView x) {
   MatrixView input = x;
   MatrixView z;
   for (size_t i = 0; i < layers_.size(); ++i) {
-    z = layers_[i].forward(params_[2 * i], params_[2 * i + 1], input, scratch_);
+    z = layers_[i].forward(params_[2 * i], params_[2 * i + 1], input, scratch_,
+                           prefetch_target(i + 1));
     if (i + 1 < layers_.size()) {
       activation_forward(activation_, z, activated_[i]);
       input = activated_[i];
@@ -59,8 +66,9 @@ void Mlp::backward(MatrixView output_grad, bool reduce) {
   MatrixView grad = output_grad;
   for (size_t k = layers_.size(); k-- > 0;) {
     Linear& layer = layers_[k];
-    MatrixView dx = layer.backward(params_[2 * k], grads_[2 * k], grads_[2 * k + 1], grad, k > 0,
-                                   scratch_, reduce);
+    MatrixView dx =
+        layer.backward(params_[2 * k], grads_[2 * k], grads_[2 * k + 1], grad, k > 0, scratch_,
+                       reduce, k > 0 ? prefetch_target(k - 1) : WeightPrefetch{});
     if (k > 0) {
       // dx is owned by layer k; the pre-activation of layer k-1 is its output buffer.
       activation_backward(activation_, layers_[k - 1].output(), dx);

@@ -3,6 +3,10 @@
 // i = 0 .. n-2 with parameters "layers/<i>/weight" [sizes[i], sizes[i+1]] and
 // "layers/<i>/bias" [sizes[i+1]]; the activation runs between layers, none after the last.
 //
+// With context.overlap(), each layer whose weight is gathered over one group (FSDP) has
+// that gather started while the layer before it computes, in forward and in backward
+// (Linear::start_weight_prefetch); the first layer of each pass gathers when it runs.
+//
 // The model owns its parameters and gradients (ShardedTensors under the specs given),
 // every activation kept for backward, and the scratch shared by its layers, all allocated
 // at construction for a fixed local batch: forward() and backward() allocate nothing.
@@ -85,7 +89,11 @@ class Mlp {
   std::vector<ShardedTensor> grads_;
   std::vector<Linear> layers_;
   std::vector<Matrix> activated_;  // f(z_i) for i < last: the input of layer i+1
+  bool prefetch_ = false;          // overlap on and some layer's weight can be prefetched
   LinearScratch scratch_;
+
+  // Layer k's weight as the prefetch target (empty when off or not prefetchable).
+  WeightPrefetch prefetch_target(size_t k);
 };
 
 }  // namespace meshtrain

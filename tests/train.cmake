@@ -169,6 +169,20 @@ foreach(preset tp fsdp fsdp_tp)
   endforeach()
 endforeach()
 
+# The same runs with [runtime] overlap = true (FSDP weight gathers started while the layer
+# before computes): the same first loss, and no rank out of step with the others.
+foreach(preset fsdp fsdp_tp)
+  set(test train_run_${preset}_overlap_np4)
+  set(out ${_train_runs}/${preset}_overlap_np4)
+  _train_mpirun(mpirun 4)
+  meshtrain_add_command_test(NAME ${test} TIMEOUT 120
+    COMMAND sh ${_train}/expect_run.sh ${out} 4 ${_train_runs}/dp_np1 -- ${mpirun}
+            ${_train_configs}/fashion_mnist_${preset}.toml ${_train_small}
+            --set runtime.overlap=true --set run.output_dir=${out})
+  _train_slots(${test} 4)
+  set_tests_properties(${test} PROPERTIES FIXTURES_REQUIRED train_reference)
+endforeach()
+
 # --- A picture of a run (issue 12): 20 steps of configs/fashion_mnist_cosine.toml (cosine
 # schedule with warm-up, 2 accumulated micro-batches, evaluation batch 1000) on np 2, then
 # scripts/plot draws its metrics.jsonl into a PNG (skipped, exit 77, when

@@ -177,16 +177,35 @@ void Communicator::all_gather(ConstMatrixView send, MatrixView recv, int dim) {
   // Gather [n][r][c] blocks into the scratch buffer, then place block j at columns j*c.
   float* staging = scratch(n * r * c);
   raw_all_gather(send.data(), staging, r * c, op);
-  const ConstVectorView stage(staging, n * r * c);
+  place_gathered_columns(ConstVectorView(staging, n * r * c), recv, static_cast<int>(n));
+}
+
+void place_gathered_columns(ConstVectorView blocks, MatrixView recv, int n) {
+  const int64_t r = static_cast<int64_t>(recv.extent(0));
+  const int64_t c = static_cast<int64_t>(recv.extent(1)) / n;
+  MESHTRAIN_REQUIRE(n >= 1 && c * n == static_cast<int64_t>(recv.extent(1)) &&
+                        static_cast<int64_t>(blocks.extent(0)) == r * c * n,
+                    "place_gathered_columns: ", blocks.extent(0), " floats are not ", n,
+                    " blocks of the [", recv.extent(0), ", ", recv.extent(1) / n, "] columns");
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::all_gather_unpack_dim1"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
-          {0, 0}, {static_cast<int64_t>(r), static_cast<int64_t>(n * c)}),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>({0, 0}, {r, n * c}),
       KOKKOS_LAMBDA(const int64_t row, const int64_t col) {
-        const int64_t j = col / static_cast<int64_t>(c), cc = col % static_cast<int64_t>(c);
-        recv(row, col) = stage((j * static_cast<int64_t>(r) + row) * static_cast<int64_t>(c) + cc);
+        const int64_t j = col / c, cc = col % c;
+        recv(row, col) = blocks((j * r + row) * c + cc);
       });
   Kokkos::fence();
+}
+
+Request Communicator::start_all_gather(ConstVectorView send, VectorView recv) {
+  const char* op = "all_gather";
+  const std::size_t count = send.extent(0);
+  if (recv.extent(0) != count * static_cast<std::size_t>(size_)) {
+    MESHTRAIN_BAD_INPUT(op, " on ", description_, ": receive length ", recv.extent(0), " is not ",
+                        size_, " x send length ", count);
+  }
+  require_disjoint(send.data(), count, recv.data(), recv.extent(0), description_, op);
+  return raw_start_all_gather(send.data(), recv.data(), count, op);
 }
 
 void Communicator::reduce_scatter(ConstVectorView send, VectorView recv) {

@@ -36,6 +36,10 @@ namespace meshtrain {
 
 enum class ReduceOp { sum, mean };
 
+// blocks: the n [r, c] blocks of an all-gather along dim 1 in rank order (n * r * c
+// floats); writes recv [r, n*c] with block j at columns [j*c, (j+1)*c).
+void place_gathered_columns(ConstVectorView blocks, MatrixView recv, int n);
+
 // `value` as an int for an MPI/NCCL count; throws a runtime Error naming `what` when it
 // does not fit.
 int checked_int(std::size_t value, const char* what);
@@ -44,8 +48,8 @@ int checked_int(std::size_t value, const char* what);
 // number), default 300. Throws bad_input when the variable is set but not a positive number.
 double collective_timeout_from_env();
 
-// A pending non-blocking operation (shift). Move-only; wait() completes it (throws a
-// runtime Error on timeout or backend failure). The destructor of a pending request waits
+// A pending non-blocking operation (shift, start_all_gather). Move-only; wait() completes it
+// (throws a runtime Error on timeout or backend failure). The destructor of a pending request waits
 // for it (errors swallowed) so buffers are never released under a running transfer.
 //
 // Ownership: a Request borrows its Impl from the backend, which keeps a pool of them so
@@ -117,6 +121,12 @@ class Communicator {
   // be in flight at once (bidirectional rings) if every rank starts them in the same order.
   Request shift(ConstVectorView send, VectorView recv, int offset);
   Request shift(ConstMatrixView send, MatrixView recv, int offset);
+  // Non-blocking tiled all-gather of contiguous blocks: recv [n * send.extent(0)] gets
+  // rank j's send at offset j * send.extent(0). send must stay untouched and recv unread
+  // until the Request completes. Other operations on this communicator may run meanwhile
+  // (every rank must start them in the same order). A matrix gathered along dim 1 arrives
+  // as n [r, c] blocks in rank order: place_gathered_columns() puts them in place.
+  Request start_all_gather(ConstVectorView send, VectorView recv);
   // Equal blocks along dim 0: send [n*b, c] block j goes to rank j; recv [n*b, c] block j
   // comes from rank j.
   void all_to_all(ConstMatrixView send, MatrixView recv);
@@ -142,6 +152,8 @@ class Communicator {
   virtual void raw_broadcast(float* data, std::size_t count, int root, const char* op) = 0;
   virtual Request raw_shift(const float* send, float* recv, std::size_t count, int offset,
                             const char* op) = 0;
+  virtual Request raw_start_all_gather(const float* send, float* recv, std::size_t count_per_rank,
+                                       const char* op) = 0;
   virtual void raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
                               const char* op) = 0;
   virtual void raw_barrier(const char* op) = 0;

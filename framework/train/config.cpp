@@ -43,7 +43,7 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& schema() {
         "warmup_steps", "min_lr", "zero_stage"}},
       {"train", {"epochs", "steps", "log_every", "eval_every", "accumulation_steps"}},
       {"checkpoint", {"every_steps", "keep", "resume", "dir", "async"}},
-      {"runtime", {"backend", "matmul_precision"}},
+      {"runtime", {"backend", "matmul_precision", "overlap"}},
   };
   return sections;
 }
@@ -500,6 +500,7 @@ void read_runtime(const Section& s, RuntimeSection& runtime) {
   runtime.backend = s.choice("backend", runtime.backend, choice_names(comm_backend_choices()));
   runtime.matmul_precision = s.choice("matmul_precision", runtime.matmul_precision,
                                       choice_names(matmul_precision_choices()));
+  runtime.overlap = s.boolean("overlap", runtime.overlap);
 }
 
 // Parses TOML text, turning a syntax error into one sentence with file, line and column.
@@ -710,7 +711,8 @@ std::string config_to_toml(const RunConfig& config) {
                          {"async", config.checkpoint.async},
                          {"dir", config.checkpoint.dir}};
   toml::table runtime{{"backend", config.runtime.backend},
-                      {"matmul_precision", config.runtime.matmul_precision}};
+                      {"matmul_precision", config.runtime.matmul_precision},
+                      {"overlap", config.runtime.overlap}};
   toml::table root{
       {"run", run},        {"mesh", mesh},           {"model", model}, {"partition", partition},
       {"data", data},      {"optimizer", optimizer}, {"train", train}, {"checkpoint", checkpoint},

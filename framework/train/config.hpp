@@ -108,6 +108,9 @@ struct RuntimeSection {
   // and NCCL, mpi otherwise). MPI stays the control plane either way.
   std::string backend = "auto";
   std::string matmul_precision = "fp32";  // fp32 | tf32 (cuBLAS only; see core/gemm.hpp)
+  // Start communication early and let it run under computation: FSDP gathers the next
+  // layer's weight while the current one computes (layers/mlp.hpp).
+  bool overlap = false;
 };
 
 struct RunConfig {

@@ -181,6 +181,41 @@ TEST(Communicator, ShiftIsNonBlockingAndRoutesByOffset) {
   }
 }
 
+// start_all_gather: the blocks of the blocking gather, in rank order, while a blocking
+// collective runs on the same communicator; place_gathered_columns turns the blocks of a
+// dim-1 gather into the matrix all_gather(dim 1) gives.
+TEST(Communicator, StartedAllGatherMatchesTheBlockingOne) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    Communicator& comm = *g.comm;
+    const int n = comm.size();
+    const std::size_t r = 3, c = 5;
+    DeviceMatrix mine = rank_block(g, comm.rank(), r, c, 9);
+    Kokkos::View<float*> blocks("blocks", n * r * c);
+    Request started = comm.start_all_gather(ConstVectorView(mine.data(), r * c), blocks);
+    // A blocking collective on the same group while the gather is in flight.
+    Kokkos::View<float*> ones("ones", 4);
+    Kokkos::deep_copy(ones, 1.0f);
+    comm.all_reduce(VectorView(ones.data(), 4));
+    started.wait();
+    EXPECT_FALSE(started.pending());
+    EXPECT_EQ(host_vector(ones)(3), static_cast<float>(n)) << g.name;
+
+    Kokkos::View<float*> flat("flat", n * r * c);
+    comm.all_gather(ConstVectorView(mine.data(), r * c), flat);
+    const auto got = host_vector(blocks), want = host_vector(flat);
+    for (std::size_t k = 0; k < n * r * c; ++k)
+      ASSERT_EQ(got(k), want(k)) << "started all_gather on " << g.name << " at " << k;
+
+    DeviceMatrix placed("placed", r, n * c), gathered("gathered", r, n * c);
+    place_gathered_columns(blocks, placed, n);
+    comm.all_gather(mine, gathered, 1);
+    const HostMatrix placed_host = to_host(placed), gathered_host = to_host(gathered);
+    for (std::size_t k = 0; k < r * n * c; ++k)
+      ASSERT_EQ(placed_host.data()[k], gathered_host.data()[k]) << "dim-1 blocks on " << g.name;
+  }
+}
+
 TEST(Communicator, MeshCommunicatorsCacheAndRejectUnknownAxes) {
   MeshCommunicators comms(Mesh::create({{"dp", -1}}, world_size()));
   Communicator& a = comms.get({"dp"});

@@ -425,14 +425,22 @@ void expect_planner_agrees(const ModelCase& m, const LayoutCase& layout, const M
   }
 }
 
-void run_case(const ModelCase& m, const LayoutCase& layout) {
-  SCOPED_TRACE(m.name + " on " + layout.name);
+// What a run leaves, for comparing two runs of one case bit for bit.
+struct RunTrace {
+  std::vector<double> losses;
+  std::vector<double> values;  // every gradient of every step, then the final parameters
+  int prefetched_layers = 0;   // layers whose weight gather was started early
+};
+
+RunTrace run_case(const ModelCase& m, const LayoutCase& layout, bool overlap = false) {
+  SCOPED_TRACE(m.name + " on " + layout.name + (overlap ? " with overlap" : ""));
+  RunTrace trace;
   const Mesh mesh = Mesh::create(layout.mesh, world_size());
   MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
   std::vector<std::string> all_axes;
   for (const auto& a : mesh.axes()) all_axes.push_back(a.name);
   Communicator& world = comms.get(all_axes);
-  ParallelContext context(comms, {"fsdp", "dp"}, "tp", layout.algorithm);
+  ParallelContext context(comms, {"fsdp", "dp"}, "tp", layout.algorithm, overlap);
 
   ShardingPlan plan;
   SpecLookup spec_of;
@@ -470,6 +478,10 @@ void run_case(const ModelCase& m, const LayoutCase& layout) {
         << model.layers().front().describe();
   }
   expect_planner_agrees(m, layout, mesh, model);
+  if (overlap) {
+    for (size_t k = 1; k < model.layers().size(); ++k)
+      trace.prefetched_layers += model.layers()[k].can_prefetch_weight() ? 1 : 0;
+  }
   Loss loss(m.loss, context, rows, m.sizes.back(), model.output_layout());
   Optimizer optimizer(m.optimizer, model.parameters());
   GradientClipper clipper(mesh, context.rank(), model.gradients());
@@ -504,10 +516,13 @@ void run_case(const ModelCase& m, const LayoutCase& layout) {
     const double ref_loss = ref.loss_and_grads(b);
     EXPECT_NEAR(r.loss, ref_loss, kRelTol * std::abs(ref_loss)) << "loss";
     EXPECT_EQ(r.count, kBatch);
+    trace.losses.push_back(r.loss);
     for (size_t p = 0; p < ref.grads.size(); ++p) {
+      const Tensor full = gather_full(model.gradients()[p], mesh, context.rank());
       expect_close(
-          gather_full(model.gradients()[p], mesh, context.rank()), ref.grads[p],
+          full, ref.grads[p],
           "gradient of " + model.gradients()[p].name + " " + model.gradients()[p].spec.to_string());
+      trace.values.insert(trace.values.end(), full.begin(), full.end());
     }
     const double norm = clipper.clip(model.gradients(), m.clip, world);
     const double ref_norm = ref.clip();
@@ -516,9 +531,12 @@ void run_case(const ModelCase& m, const LayoutCase& layout) {
     ref.step();
   }
   for (size_t p = 0; p < ref.params.size(); ++p) {
-    expect_close(gather_full(model.parameters()[p], mesh, context.rank()), ref.params[p],
+    const Tensor full = gather_full(model.parameters()[p], mesh, context.rank());
+    expect_close(full, ref.params[p],
                  "parameter " + model.parameters()[p].name + " after the steps");
+    trace.values.insert(trace.values.end(), full.begin(), full.end());
   }
+  return trace;
 }
 
 TEST(Mlp, NotebookModelMseSgdMatchesSingleRank) {
@@ -527,6 +545,26 @@ TEST(Mlp, NotebookModelMseSgdMatchesSingleRank) {
 
 TEST(Mlp, ClassifierCrossEntropyAdamwClipMatchesSingleRank) {
   for (const auto& layout : layouts_for(world_size())) run_case(classifier_model(), layout);
+}
+
+// With overlap, FSDP layers gather their weight while the layer before computes (forward
+// and backward). The same sums in the same order: losses, gradients and parameters equal
+// the gather-when-used run bit for bit, on every layout (prefetching ones and the rest).
+TEST(Mlp, WeightPrefetchIsBitIdenticalToGatheringWhenUsed) {
+  int prefetched = 0;
+  for (const auto& layout : layouts_for(world_size())) {
+    const RunTrace off = run_case(classifier_model(), layout, false);
+    const RunTrace on = run_case(classifier_model(), layout, true);
+    prefetched += on.prefetched_layers;
+    EXPECT_EQ(on.losses, off.losses) << layout.name;
+    ASSERT_EQ(on.values.size(), off.values.size()) << layout.name;
+    for (size_t k = 0; k < on.values.size(); ++k)
+      ASSERT_EQ(on.values[k], off.values[k]) << layout.name << " value " << k;
+  }
+  // The layouts with fsdp > 1 exercise the prefetch (dim 0: fsdp; dim 1: fsdp_tp).
+  if (world_size() > 1) {
+    EXPECT_GT(prefetched, 0);
+  }
 }
 
 }  // namespace

@@ -194,8 +194,10 @@ std::ostream& operator<<(std::ostream& out, const Allocations& a) {
 
 Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgorithm algorithm,
                                  LossKind loss_kind, OptimizerKind optimizer_kind,
-                                 int64_t accumulation_steps = 1, int64_t zero_stage = 0) {
+                                 int64_t accumulation_steps = 1, int64_t zero_stage = 0,
+                                 bool overlap = false) {
   RunConfig config;
+  config.runtime.overlap = overlap;
   config.mesh.axes = mesh_case.axes;
   config.model.sizes = {32, 24, 16, 8};  // every width divides by 2 and 4
   config.model.activation = "gelu";
@@ -265,6 +267,18 @@ TEST(TrainingStep, WithZero1AllocatesNothing) {
     SCOPED_TRACE("dp, zero_stage 1, " + std::to_string(accumulation) + " micro-batches");
     EXPECT_EQ(allocations_in_steps(dp, CollectiveMatmulAlgorithm::naive, LossKind::cross_entropy,
                                    OptimizerKind::adamw, accumulation, 1),
+              Allocations{})
+        << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+  }
+}
+
+// With overlap (FSDP weight prefetch) neither: the prefetch buffer is made with the model
+// and the started gathers' requests come from the communicator's pool.
+TEST(TrainingStep, WithOverlapAllocatesNothing) {
+  for (const MeshCase& c : mesh_cases()) {
+    SCOPED_TRACE(c.preset + ", overlap");
+    EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::naive, LossKind::cross_entropy,
+                                   OptimizerKind::adamw, 1, 0, true),
               Allocations{})
         << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
   }

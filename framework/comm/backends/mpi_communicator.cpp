@@ -93,9 +93,10 @@ std::string timeout_text(double seconds) {
   MESHTRAIN_FAIL(message);
 }
 
-// One shift's two MPI requests (receive, send), completed against the deadline taken at
-// wait(). Pooled in MpiCommunicator::State: acquire_shift_slot() takes a free slot (or
-// makes one when every slot is in flight), Request::Impl::release() puts it back.
+// One shift's two MPI requests (receive, send), or a started all-gather's one (in the
+// receive slot), completed against the deadline taken at wait(). Pooled in MpiCommunicator::State:
+// acquire_shift_slot() takes a free slot (or makes one when every slot is in flight),
+// Request::Impl::release() puts it back.
 class MpiShiftSlot final : public Request::Impl {
  public:
   explicit MpiShiftSlot(MpiCommunicator::State& owner) : owner_(owner) {}
@@ -374,6 +375,24 @@ Request MpiCommunicator::raw_shift(const float* send, float* recv, std::size_t c
     }
     slot.release();
     state_->fail_call(sent, op, "MPI_Isend");
+  }
+  return Request(&slot);
+}
+
+Request MpiCommunicator::raw_start_all_gather(const float* send, float* recv,
+                                              std::size_t count_per_rank, const char* op) {
+  state_->require_usable(op);
+  const int count = checked_int(count_per_rank, "all_gather count per rank");
+  const std::size_t total = count_per_rank * static_cast<std::size_t>(size());
+  Kokkos::fence();
+  MpiShiftSlot& slot = acquire_shift_slot(state_, timeout_seconds(), op);
+  const float* send_mpi = slot.send_buffer(send, count_per_rank);
+  const int started = MPI_Iallgather(send_mpi, count, MPI_FLOAT, slot.receive_buffer(recv, total),
+                                     count, MPI_FLOAT, state_->comm, &slot.receive());
+  if (started != MPI_SUCCESS) {
+    slot.receive() = MPI_REQUEST_NULL;  // nothing was started
+    slot.release();
+    state_->fail_call(started, op, "MPI_Iallgather");
   }
   return Request(&slot);
 }

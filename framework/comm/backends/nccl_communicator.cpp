@@ -687,6 +687,35 @@ Request NcclCommunicator::raw_shift(const float* send, float* recv, std::size_t 
   return Request(&pending);
 }
 
+Request NcclCommunicator::raw_start_all_gather(const float* send, float* recv,
+                                               std::size_t count_per_rank, const char* op) {
+  State& s = begin(state_, op);
+  if (count_per_rank == 0) return Request();
+  checked_total(count_per_rank, size(), "all_gather receive buffer");
+  require_device_buffer(s, send, op, "send");
+  require_device_buffer(s, recv, op, "receive");
+  const double timeout = timeout_seconds();
+  const Clock::time_point deadline = deadline_after(timeout);
+  // As raw_shift: the request exists before the collective is enqueued on the stream.
+  NcclShiftSlot& pending = acquire_shift_slot(state_, timeout, op);
+  struct GiveBackOnThrow {
+    NcclShiftSlot* slot;
+    ~GiveBackOnThrow() {
+      if (slot != nullptr) slot->release();
+    }
+  } guard{&pending};
+  s.enqueued(ncclAllGather(send, recv, count_per_rank, ncclFloat, s.comm, s.stream), op,
+             "ncclAllGather", deadline, timeout);
+  const cudaError_t recorded = cudaEventRecord(pending.event(), s.stream);
+  if (recorded != cudaSuccess) {
+    cudaGetLastError();
+    s.fail_abort(std::string(op) + " on " + s.description +
+                 ": cudaEventRecord failed: " + cuda_text(recorded));
+  }
+  guard.slot = nullptr;
+  return Request(&pending);
+}
+
 void NcclCommunicator::raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
                                       const char* op) {
   State& s = begin(state_, op);

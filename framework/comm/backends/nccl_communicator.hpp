@@ -103,6 +103,8 @@ class NcclCommunicator final : public Communicator {
   void raw_broadcast(float* data, std::size_t count, int root, const char* op) override;
   Request raw_shift(const float* send, float* recv, std::size_t count, int offset,
                     const char* op) override;
+  Request raw_start_all_gather(const float* send, float* recv, std::size_t count_per_rank,
+                               const char* op) override;
   void raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
                       const char* op) override;
   void raw_barrier(const char* op) override;
