@@ -258,7 +258,10 @@ int main(int argc, char** argv) {
                    "hardware profile (meshtrain calibrate): auto's choices and the predicted "
                    "step time (default: the built-in defaults)");
     bool overlap = false;
-    app.add_option("--overlap", overlap, "runtime.overlap: 0|1 (FSDP weight prefetch)");
+    app.add_option("--overlap", overlap,
+                   "runtime.overlap: 0|1 (FSDP weight prefetch, DP gradient buckets)");
+    double bucket_mb = 25.0;
+    app.add_option("--bucket-mb", bucket_mb, "runtime.bucket_mb: DP gradient bucket cap (MiB)");
     int trace_allocations = 0;
     app.add_option("--trace-allocations", trace_allocations,
                    "print the call stacks of the first N heap allocations in timed steps "
@@ -304,6 +307,7 @@ int main(int argc, char** argv) {
                                                    : meshtrain::read_hardware_profile(hardware);
     meshtrain::set_collective_matmul_hardware(profile);
     config.runtime.overlap = overlap;
+    config.runtime.bucket_mb = bucket_mb;
     meshtrain::RunData data;
     data.train = one_batch(batch, sizes.front(), sizes.back(), seed);
     meshtrain::TrainingRun run(config, {}, std::move(data));
@@ -398,6 +402,8 @@ int main(int argc, char** argv) {
       line["backend"] = meshtrain::to_string(run.backend());
       line["precision"] = precision;
       line["overlap"] = overlap;
+      line["bucket_mb"] = bucket_mb;
+      line["gradient_buckets"] = model.gradient_buckets().size();
       line["execution_space"] = Kokkos::DefaultExecutionSpace::name();
       line["steps"] = steps;
       line["warmup"] = warmup;

@@ -1,6 +1,7 @@
 #include "layers/context.hpp"
 
 #include <algorithm>
+#include <cmath>
 
 #include "partition/error.hpp"
 
@@ -8,12 +9,16 @@ namespace meshtrain {
 
 ParallelContext::ParallelContext(MeshCommunicators& comms, std::vector<std::string> batch_axes,
                                  std::string feature_axis, CollectiveMatmulAlgorithm matmul,
-                                 bool overlap)
+                                 bool overlap, double bucket_mb)
     : comms_(&comms),
       batch_axes_(std::move(batch_axes)),
       feature_axis_(std::move(feature_axis)),
       matmul_(matmul),
-      overlap_(overlap) {
+      overlap_(overlap),
+      bucket_mb_(bucket_mb) {
+  if (!(bucket_mb > 0) || !std::isfinite(bucket_mb)) {
+    MESHTRAIN_BAD_INPUT("runtime.bucket_mb must be a positive number of MiB, got ", bucket_mb);
+  }
   const LayerAxes axes = layer_axes_on(mesh(), {batch_axes_, feature_axis_});
   batch_axes_ = axes.batch;
   feature_axis_ = axes.feature;
@@ -21,9 +26,11 @@ ParallelContext::ParallelContext(MeshCommunicators& comms, std::vector<std::stri
 
 ParallelContext ParallelContext::from_logical_axes(MeshCommunicators& comms,
                                                    const LogicalAxes& logical,
-                                                   CollectiveMatmulAlgorithm matmul, bool overlap) {
+                                                   CollectiveMatmulAlgorithm matmul, bool overlap,
+                                                   double bucket_mb) {
   LayerAxes axes = layer_axes(logical);
-  return ParallelContext(comms, std::move(axes.batch), std::move(axes.feature), matmul, overlap);
+  return ParallelContext(comms, std::move(axes.batch), std::move(axes.feature), matmul, overlap,
+                         bucket_mb);
 }
 
 int ParallelContext::feature_parallel() const {

@@ -4,7 +4,9 @@
 // logical axis `hidden`, default tp), and the communicators of this rank's groups.
 //
 // `overlap` ([runtime] overlap) asks layers to start communication early and let it run
-// under computation (FSDP: the next layer's weight gather while this one computes).
+// under computation (FSDP: the next layer's weight gather while this one computes; DP: the
+// gradient all-reduce in buckets of at most `bucket_mb` MiB, [runtime] bucket_mb, started
+// while backward continues).
 //
 // Layers ask for their communicators at construction only. MeshCommunicators::get is
 // collective the first time a tuple is asked for, and every rank builds the same layers
@@ -30,13 +32,13 @@ class ParallelContext {
   ParallelContext(MeshCommunicators& comms, std::vector<std::string> batch_axes,
                   std::string feature_axis,
                   CollectiveMatmulAlgorithm matmul = CollectiveMatmulAlgorithm::automatic,
-                  bool overlap = false);
+                  bool overlap = false, double bucket_mb = 25.0);
   // From the logical axes (layer_axes): batch = axes_of("batch"), features =
   // axes_of("hidden") (at most one mesh axis; bad_input otherwise).
   static ParallelContext from_logical_axes(
       MeshCommunicators& comms, const LogicalAxes& logical,
-      CollectiveMatmulAlgorithm matmul = CollectiveMatmulAlgorithm::automatic,
-      bool overlap = false);
+      CollectiveMatmulAlgorithm matmul = CollectiveMatmulAlgorithm::automatic, bool overlap = false,
+      double bucket_mb = 25.0);
 
   const Mesh& mesh() const { return comms_->mesh(); }
   int rank() const { return comms_->rank(); }
@@ -44,6 +46,7 @@ class ParallelContext {
   const std::string& feature_axis() const { return feature_axis_; }
   CollectiveMatmulAlgorithm matmul_algorithm() const { return matmul_; }
   bool overlap() const { return overlap_; }
+  double bucket_mb() const { return bucket_mb_; }
 
   // Size of the feature axis (1 when there is none) and this rank's index on it.
   int feature_parallel() const;
@@ -63,6 +66,7 @@ class ParallelContext {
   std::string feature_axis_;
   CollectiveMatmulAlgorithm matmul_;
   bool overlap_ = false;
+  double bucket_mb_ = 25.0;
 };
 
 }  // namespace meshtrain

@@ -202,7 +202,8 @@ MatrixView Linear::forward(const ShardedTensor& weight, const ShardedTensor& bia
 
 MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_grad,
                             ShardedTensor& bias_grad, MatrixView dy, bool need_input_grad,
-                            LinearScratch& scratch, bool reduce, WeightPrefetch next) {
+                            LinearScratch& scratch, bool reduce, WeightPrefetch next,
+                            GradientReady ready) {
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == rows_ &&
                         static_cast<int64_t>(dy.extent(1)) == layout_.out_local,
                     "linear layer '", layout_.layer, "': output gradient is [", dy.extent(0), ", ",
@@ -222,6 +223,13 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
     gemm(transposed(x_used_), plain(dy), 0.0f, g);
   }
   if (next.layer) next.layer->poll_weight_prefetch();
+  // DP overlap: both gradients are final here (no gathers, no scale); hand them to the
+  // buckets, whose all-reduce runs while dX is computed.
+  const bool bucketed = ready.buckets != nullptr && defers_reduction_ && reduce;
+  if (bucketed) {
+    bias_gradient(dy, bias_grad, scratch, /*all_reduce=*/false);
+    ready.buckets->layer_ready(ready.layer);
+  }
 
   // Input gradient: dY @ W_cᵀ, then back to the input's layout.
   MatrixView dx;
@@ -242,6 +250,10 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
       dx = dx_c_;
     }
   }
+  if (bucketed) {
+    ready.buckets->poll();
+    return dx;
+  }
 
   // Weight gradient back to storage: reduce-scatter over the gathered axes (sum over the
   // batch ones; non-batch ones hold equal copies, hence the scale), then all-reduce over
@@ -259,7 +271,12 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
   if (nonbatch_scale_ != 1.0f) scale_matrix(dst, nonbatch_scale_);
   const bool defer = !reduce && defers_reduction_;
   if (weight_allreduce_comm_ && !defer) weight_allreduce_comm_->all_reduce(dst);
+  bias_gradient(dy, bias_grad, scratch, !defer);
+  return dx;
+}
 
+void Linear::bias_gradient(MatrixView dy, ShardedTensor& bias_grad, LinearScratch& scratch,
+                           bool all_reduce) {
   // Bias gradient: column sums of dY into the full-width vector, summed over the batch
   // axes (and the feature axis when the output is split), then this rank's block.
   float* full = scratch.bias.data();
@@ -275,7 +292,7 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
         }
         full[j] = sum;
       });
-  if (bias_reduce_comm_ && !defer)
+  if (bias_reduce_comm_ && all_reduce)
     bias_reduce_comm_->all_reduce(VectorView(full, static_cast<size_t>(layout_.out)));
   Vector bg = bias_grad.local;
   const int64_t stored_offset = bias_stored_offset_;
@@ -283,7 +300,6 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
       MESHTRAIN_LABEL("meshtrain::linear_bias_grad_block"),
       Kokkos::RangePolicy<>(0, layout_.bias_stored),
       KOKKOS_LAMBDA(const int64_t j) { bg(j) = full[stored_offset + j]; });
-  return dx;
 }
 
 void Linear::reduce_gradients(ShardedTensor& weight_grad, ShardedTensor& bias_grad) {

@@ -42,6 +42,7 @@
 #include "framework/comm/collective_matmul.hpp"
 #include "framework/core/sharded_tensor.hpp"
 #include "layers/context.hpp"
+#include "layers/gradient_buckets.hpp"
 #include "partition/linear_layout.hpp"
 
 namespace meshtrain {
@@ -95,9 +96,13 @@ class Linear {
   // layer); otherwise an empty view. With reduce = false a layer that
   // defers_reduction() leaves its gradients as this rank's partial sums: reduce_gradients()
   // finishes them later (gradient accumulation communicates once per step).
+  // `ready` (DP overlap, with reduce = true): a layer that defers_reduction() computes both
+  // gradients first, reports them to ready.buckets (which may start their all-reduce) and
+  // computes dX while that runs; the gradients are final after ready.buckets->wait_all().
   MatrixView backward(const ShardedTensor& weight, ShardedTensor& weight_grad,
                       ShardedTensor& bias_grad, MatrixView dy, bool need_input_grad,
-                      LinearScratch& scratch, bool reduce = true, WeightPrefetch next = {});
+                      LinearScratch& scratch, bool reduce = true, WeightPrefetch next = {},
+                      GradientReady ready = {});
   // True when the gradients' only communication is one all-reduce over the batch axes for
   // the weight and the same for the whole stored bias (DP storage): a sum of partial
   // gradients can then be all-reduced once. Reduce-scatters (FSDP) and the feature axis's
@@ -140,6 +145,10 @@ class Linear {
  private:
   MatrixView compute_weight(const ShardedTensor& weight, LinearScratch& scratch);
   const float* compute_bias(const ShardedTensor& bias, LinearScratch& scratch);
+  // Column sums of dy into this rank's block of the bias gradient; all_reduce: summed
+  // over the bias's reduction group first.
+  void bias_gradient(MatrixView dy, ShardedTensor& bias_grad, LinearScratch& scratch,
+                     bool all_reduce);
 
   LinearLayout layout_;
   int64_t rows_ = 0;

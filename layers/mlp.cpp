@@ -37,6 +37,16 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
     }
   }
   scratch_ = LinearScratch(needs, prefetch_);
+  if (context.overlap()) {
+    std::vector<LayerGradients> reduced;
+    for (size_t i = 0; i < n; ++i) {
+      reduced.push_back(
+          {VectorView(grads_[2 * i].local.data(), grads_[2 * i].local.extent(0)),
+           VectorView(grads_[2 * i + 1].local.data(), grads_[2 * i + 1].local.extent(0)),
+           layers_[i].deferred_reduction_group()});
+    }
+    buckets_ = GradientBuckets(reduced, context.bucket_mb());
+  }
 }
 
 WeightPrefetch Mlp::prefetch_target(size_t k) {
@@ -63,18 +73,22 @@ MatrixView Mlp::forward(MatrixView x) {
 }
 
 void Mlp::backward(MatrixView output_grad, bool reduce) {
+  // DP overlap: each layer reports its finished gradients to the buckets, which start an
+  // all-reduce per completed bucket while the layers below compute.
+  GradientBuckets* buckets = reduce && !buckets_.empty() ? &buckets_ : nullptr;
   MatrixView grad = output_grad;
   for (size_t k = layers_.size(); k-- > 0;) {
     Linear& layer = layers_[k];
     MatrixView dx =
         layer.backward(params_[2 * k], grads_[2 * k], grads_[2 * k + 1], grad, k > 0, scratch_,
-                       reduce, k > 0 ? prefetch_target(k - 1) : WeightPrefetch{});
+                       reduce, k > 0 ? prefetch_target(k - 1) : WeightPrefetch{}, {buckets, k});
     if (k > 0) {
       // dx is owned by layer k; the pre-activation of layer k-1 is its output buffer.
       activation_backward(activation_, layers_[k - 1].output(), dx);
       grad = dx;
     }
   }
+  if (buckets) buckets->wait_all();  // the gradients are final from here on
 }
 
 void Mlp::reduce_gradients() {

@@ -6,6 +6,11 @@
 // With context.overlap(), each layer whose weight is gathered over one group (FSDP) has
 // that gather started while the layer before it computes, in forward and in backward
 // (Linear::start_weight_prefetch); the first layer of each pass gathers when it runs.
+// And the layers that defer their reduction (DP storage) have their gradients all-reduced
+// in buckets of at most context.bucket_mb() MiB (gradient_buckets.hpp), each started as soon
+// as backward has computed its gradients; backward() waits for all of them before it
+// returns. Not with reduce = false (gradient accumulation, ZeRO-1): those gradients are
+// reduced once per step by reduce_gradients() or ZeRO-1, as without overlap.
 //
 // The model owns its parameters and gradients (ShardedTensors under the specs given),
 // every activation kept for backward, and the scratch shared by its layers, all allocated
@@ -80,6 +85,8 @@ class Mlp {
   const std::vector<Linear>& layers() const { return layers_; }
   // One line per layer (Linear::describe).
   std::vector<std::string> describe() const;
+  // The DP gradient buckets (empty when overlap is off or no layer has DP storage).
+  const GradientBuckets& gradient_buckets() const { return buckets_; }
 
  private:
   std::vector<int64_t> sizes_;
@@ -91,6 +98,7 @@ class Mlp {
   std::vector<Matrix> activated_;  // f(z_i) for i < last: the input of layer i+1
   bool prefetch_ = false;          // overlap on and some layer's weight can be prefetched
   LinearScratch scratch_;
+  GradientBuckets buckets_;  // empty unless overlap is on and some layer defers its reduction
 
   // Layer k's weight as the prefetch target (empty when off or not prefetchable).
   WeightPrefetch prefetch_target(size_t k);

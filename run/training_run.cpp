@@ -160,7 +160,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   world_ = &comms_->get(all_axes(*mesh_));
   context_.emplace(ParallelContext::from_logical_axes(
       *comms_, *logical_, parse_collective_matmul_algorithm(config_.partition.collective_matmul),
-      config_.runtime.overlap));
+      config_.runtime.overlap, config_.runtime.bucket_mb));
   model_ = std::make_unique<Mlp>(sizes, parse_activation(config_.model.activation),
                                  specs_from_plan(*plan_), *context_, slice_.rows);
   model_->initialize(parse_init_scheme(config_.model.init), config_.run.seed);

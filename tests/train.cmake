@@ -59,6 +59,11 @@ train_error_test(sizes_do_not_match_data 2
   "^meshtrain: error: model\\.sizes\\[0\\] = 785 does not match the 784 input features"
   ${_train_configs}/fashion_mnist_dp.toml --set "model.sizes=[785, 64, 10]")
 
+# [runtime] bucket_mb must be a positive number of MiB: one sentence naming the key, exit 2.
+train_error_test(bucket_mb_not_positive 2
+  "^meshtrain: error: .*\\[runtime\\] bucket_mb must be a positive number of MiB, got -1"
+  ${_train_configs}/fashion_mnist_dp.toml --set runtime.overlap=true --set runtime.bucket_mb=-1)
+
 train_error_test(missing_data_file 2
   "^meshtrain: error: .*'/nonexistent\\.h5'.*No such file"
   ${_train_configs}/fashion_mnist_dp.toml --set data.source=hdf5 --set data.path=/nonexistent.h5)
@@ -170,15 +175,17 @@ foreach(preset tp fsdp fsdp_tp)
 endforeach()
 
 # The same runs with [runtime] overlap = true (FSDP weight gathers started while the layer
-# before computes): the same first loss, and no rank out of step with the others.
-foreach(preset fsdp fsdp_tp)
+# before computes; DP gradients all-reduced in buckets started during backward, 0.25 MiB
+# each so that several are in flight): the same first loss, and no rank out of step with
+# the others.
+foreach(preset dp fsdp fsdp_tp)
   set(test train_run_${preset}_overlap_np4)
   set(out ${_train_runs}/${preset}_overlap_np4)
   _train_mpirun(mpirun 4)
   meshtrain_add_command_test(NAME ${test} TIMEOUT 120
     COMMAND sh ${_train}/expect_run.sh ${out} 4 ${_train_runs}/dp_np1 -- ${mpirun}
             ${_train_configs}/fashion_mnist_${preset}.toml ${_train_small}
-            --set runtime.overlap=true --set run.output_dir=${out})
+            --set runtime.overlap=true --set runtime.bucket_mb=0.25 --set run.output_dir=${out})
   _train_slots(${test} 4)
   set_tests_properties(${test} PROPERTIES FIXTURES_REQUIRED train_reference)
 endforeach()

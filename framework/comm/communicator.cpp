@@ -208,6 +208,12 @@ Request Communicator::start_all_gather(ConstVectorView send, VectorView recv) {
   return raw_start_all_gather(send.data(), recv.data(), count, op);
 }
 
+Request Communicator::start_all_reduce(VectorView data) {
+  const char* op = "all_reduce";
+  checked_int(data.extent(0), "started all_reduce count");
+  return raw_start_all_reduce_sum(data.data(), data.extent(0), op);
+}
+
 void Communicator::reduce_scatter(ConstVectorView send, VectorView recv) {
   const char* op = "reduce_scatter";
   const std::size_t count = recv.extent(0);

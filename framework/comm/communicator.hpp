@@ -48,9 +48,9 @@ int checked_int(std::size_t value, const char* what);
 // number), default 300. Throws bad_input when the variable is set but not a positive number.
 double collective_timeout_from_env();
 
-// A pending non-blocking operation (shift, start_all_gather). Move-only; wait() completes it
-// (throws a runtime Error on timeout or backend failure). The destructor of a pending request waits
-// for it (errors swallowed) so buffers are never released under a running transfer.
+// A pending non-blocking operation (shift, start_all_gather, start_all_reduce). Move-only; wait()
+// completes it (throws a runtime Error on timeout or backend failure). The destructor of a pending
+// request waits for it (errors swallowed) so buffers are never released under a running transfer.
 //
 // Ownership: a Request borrows its Impl from the backend, which keeps a pool of them so
 // that shifts allocate nothing once the pool has grown to the number of shifts in flight.
@@ -127,6 +127,12 @@ class Communicator {
   // (every rank must start them in the same order). A matrix gathered along dim 1 arrives
   // as n [r, c] blocks in rank order: place_gathered_columns() puts them in place.
   Request start_all_gather(ConstVectorView send, VectorView recv);
+  // Non-blocking in-place sum (DP gradient buckets): `data` must stay untouched (neither
+  // read nor written) until the Request completes; then it holds the sum over the group,
+  // as all_reduce(data) gives. Every rank must start the same operations on this
+  // communicator in the same order; others may run meanwhile. One MPI/NCCL call: the
+  // count must fit an int (split larger buffers).
+  Request start_all_reduce(VectorView data);
   // Equal blocks along dim 0: send [n*b, c] block j goes to rank j; recv [n*b, c] block j
   // comes from rank j.
   void all_to_all(ConstMatrixView send, MatrixView recv);
@@ -154,6 +160,7 @@ class Communicator {
                             const char* op) = 0;
   virtual Request raw_start_all_gather(const float* send, float* recv, std::size_t count_per_rank,
                                        const char* op) = 0;
+  virtual Request raw_start_all_reduce_sum(float* data, std::size_t count, const char* op) = 0;
   virtual void raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
                               const char* op) = 0;
   virtual void raw_barrier(const char* op) = 0;

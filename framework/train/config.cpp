@@ -43,7 +43,7 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& schema() {
         "warmup_steps", "min_lr", "zero_stage"}},
       {"train", {"epochs", "steps", "log_every", "eval_every", "accumulation_steps"}},
       {"checkpoint", {"every_steps", "keep", "resume", "dir", "async"}},
-      {"runtime", {"backend", "matmul_precision", "overlap"}},
+      {"runtime", {"backend", "matmul_precision", "overlap", "bucket_mb"}},
   };
   return sections;
 }
@@ -501,6 +501,10 @@ void read_runtime(const Section& s, RuntimeSection& runtime) {
   runtime.matmul_precision = s.choice("matmul_precision", runtime.matmul_precision,
                                       choice_names(matmul_precision_choices()));
   runtime.overlap = s.boolean("overlap", runtime.overlap);
+  runtime.bucket_mb = s.number("bucket_mb").value_or(runtime.bucket_mb);
+  if (!(runtime.bucket_mb > 0)) {
+    s.fail("bucket_mb", "must be a positive number of MiB, got ", runtime.bucket_mb);
+  }
 }
 
 // Parses TOML text, turning a syntax error into one sentence with file, line and column.
@@ -712,7 +716,8 @@ std::string config_to_toml(const RunConfig& config) {
                          {"dir", config.checkpoint.dir}};
   toml::table runtime{{"backend", config.runtime.backend},
                       {"matmul_precision", config.runtime.matmul_precision},
-                      {"overlap", config.runtime.overlap}};
+                      {"overlap", config.runtime.overlap},
+                      {"bucket_mb", config.runtime.bucket_mb}};
   toml::table root{
       {"run", run},        {"mesh", mesh},           {"model", model}, {"partition", partition},
       {"data", data},      {"optimizer", optimizer}, {"train", train}, {"checkpoint", checkpoint},

@@ -109,8 +109,11 @@ struct RuntimeSection {
   std::string backend = "auto";
   std::string matmul_precision = "fp32";  // fp32 | tf32 (cuBLAS only; see core/gemm.hpp)
   // Start communication early and let it run under computation: FSDP gathers the next
-  // layer's weight while the current one computes (layers/mlp.hpp).
+  // layer's weight while the current one computes; DP all-reduces its gradients in buckets
+  // started while backward continues (layers/mlp.hpp).
   bool overlap = false;
+  // Size cap of a DP gradient bucket under overlap, in MiB (PyTorch DDP's bucket_cap_mb).
+  double bucket_mb = 25.0;
 };
 
 struct RunConfig {

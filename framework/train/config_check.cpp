@@ -135,6 +135,9 @@ void check_config(RunConfig& config) {
   if (config.checkpoint.keep < 1) fail("checkpoint.keep", "must be at least 1");
   check_option([&] { parse_comm_backend(config.runtime.backend); });
   check_option([&] { parse_matmul_precision(config.runtime.matmul_precision); });
+  if (!(config.runtime.bucket_mb > 0) || !std::isfinite(config.runtime.bucket_mb)) {
+    fail("runtime.bucket_mb", "must be a positive number of MiB, got ", config.runtime.bucket_mb);
+  }
 }
 
 }  // namespace meshtrain

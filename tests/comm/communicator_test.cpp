@@ -216,6 +216,51 @@ TEST(Communicator, StartedAllGatherMatchesTheBlockingOne) {
   }
 }
 
+// start_all_reduce: several in flight at once (as DP gradient buckets are), a blocking
+// all-reduce on the same group between them, completed out of order; each equals the
+// blocking all_reduce of the same data bit for bit and the one-rank sum of every rank's block.
+TEST(Communicator, StartedAllReduceMatchesTheBlockingOne) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    Communicator& comm = *g.comm;
+    const int n = comm.size();
+    const std::size_t rows[3] = {3, 1, 40}, cols = 7;  // odd sizes, one of them 280 floats
+    DeviceMatrix started_data[3], blocking_data[3];
+    Request started[3];
+    Kokkos::View<float*> ones("ones", 4);
+    Kokkos::deep_copy(ones, 1.0f);
+    for (int b = 0; b < 3; ++b) {
+      started_data[b] = rank_block(g, comm.rank(), rows[b], cols, 10 + b);
+      blocking_data[b] = rank_block(g, comm.rank(), rows[b], cols, 10 + b);
+      started[b] = comm.start_all_reduce(VectorView(started_data[b].data(), rows[b] * cols));
+      // A blocking collective on the same group while the first is in flight.
+      if (b == 0) comm.all_reduce(VectorView(ones.data(), 4));
+    }
+    EXPECT_EQ(host_vector(ones)(3), static_cast<float>(n)) << g.name;
+    while (!started[2].test()) {
+    }
+    EXPECT_FALSE(started[2].pending());
+    started[0].wait();
+    started[1].wait();
+    for (int b = 0; b < 3; ++b) {
+      comm.all_reduce(MatrixView(blocking_data[b]));
+      const HostMatrix got = to_host(started_data[b]), want = to_host(blocking_data[b]);
+      for (std::size_t k = 0; k < rows[b] * cols; ++k)
+        ASSERT_EQ(got.data()[k], want.data()[k]) << "started all_reduce " << b << " on " << g.name;
+      std::vector<double> sum(rows[b] * cols, 0.0);
+      for (int j = 0; j < n; ++j) {
+        HostMatrix block = host_block(g, j, rows[b], cols, 10 + b);
+        for (std::size_t k = 0; k < sum.size(); ++k) sum[k] += block.data()[k];
+      }
+      expect_matches(started_data[b], sum, 0, 0, cols,
+                     "started all_reduce " + std::to_string(b) + " on " + g.name);
+    }
+    // An empty buffer completes at once.
+    Request none = comm.start_all_reduce(VectorView());
+    none.wait();
+  }
+}
+
 TEST(Communicator, MeshCommunicatorsCacheAndRejectUnknownAxes) {
   MeshCommunicators comms(Mesh::create({{"dp", -1}}, world_size()));
   Communicator& a = comms.get({"dp"});
@@ -314,7 +359,8 @@ TEST(Communicator, FailedCompletionMakesTheCommunicatorUnusable) {
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_ARE_FATAL);
 }
 
-// all_reduce already sends in pieces, so a count above INT_MAX is fine (issue 9, bug 7).
+// all_reduce already sends in pieces, so a count above INT_MAX is fine (issue 9, bug 7);
+// start_all_reduce refuses it.
 // One rank only: 8 GiB of floats per rank is more than a test machine holds, but on one
 // rank the buffer is mapped without being touched (MAP_NORESERVE) and MPI leaves an
 // in-place reduction over one rank alone, so only the pages written here are used.
@@ -347,6 +393,10 @@ TEST(Communicator, AllReduceTakesMoreThanIntMaxElements) {
   EXPECT_NO_THROW(comm.all_reduce(VectorView(data, count)));
   EXPECT_EQ(data[0], 1.0f);
   EXPECT_EQ(data[count - 1], 2.0f);
+  // A started all-reduce is one MPI call: more than INT_MAX elements is refused before
+  // anything starts (a DP bucket is split below that).
+  expect_error([&] { comm.start_all_reduce(VectorView(data, count)); }, ErrorKind::runtime,
+               {"started all_reduce count", "split"});
   munmap(memory, bytes);
 }
 

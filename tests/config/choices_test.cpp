@@ -104,6 +104,7 @@ TEST(CheckConfig, NamesTheKeyOfABadValue) {
        {"train.accumulation_steps", "at least 1"}},
       {[](RunConfig& c) { c.data.eval_batch_size = 0; }, {"data.eval_batch_size", "at least 1"}},
       {[](RunConfig& c) { c.run.peak_tflops = -1; }, {"run.peak_tflops", "non-negative"}},
+      {[](RunConfig& c) { c.runtime.bucket_mb = 0; }, {"runtime.bucket_mb", "positive"}},
   };
   for (const Case& c : cases) {
     RunConfig config = valid_config();

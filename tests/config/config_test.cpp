@@ -97,6 +97,8 @@ async = false
 [runtime]
 backend = "mpi"
 matmul_precision = "tf32"
+overlap = true
+bucket_mb = 4.5
 )toml";
 
 TEST(Config, ReadsEveryKey) {
@@ -157,6 +159,8 @@ TEST(Config, ReadsEveryKey) {
   EXPECT_FALSE(c.checkpoint.async);
   EXPECT_EQ(c.runtime.backend, "mpi");
   EXPECT_EQ(c.runtime.matmul_precision, "tf32");
+  EXPECT_TRUE(c.runtime.overlap);
+  EXPECT_EQ(c.runtime.bucket_mb, 4.5);
 
   // User rules come first, then the preset's; plan options follow the config.
   const std::vector<PartitionRule> rules = partition_rules(c);
@@ -227,6 +231,8 @@ TEST(Config, ConfigToTomlReadsBackTheSameValues) {
   EXPECT_EQ(b.checkpoint.dir, a.checkpoint.dir);
   EXPECT_EQ(b.runtime.backend, a.runtime.backend);
   EXPECT_EQ(b.runtime.matmul_precision, a.runtime.matmul_precision);
+  EXPECT_EQ(b.runtime.overlap, a.runtime.overlap);
+  EXPECT_EQ(b.runtime.bucket_mb, a.runtime.bucket_mb);
 }
 
 TEST(Config, Defaults) {
@@ -251,6 +257,8 @@ TEST(Config, Defaults) {
   EXPECT_EQ(c.partition.collective_matmul, "auto");
   EXPECT_EQ(c.runtime.backend, "auto");
   EXPECT_EQ(c.runtime.matmul_precision, "fp32");
+  EXPECT_FALSE(c.runtime.overlap);
+  EXPECT_EQ(c.runtime.bucket_mb, 25.0);           // PyTorch DDP's bucket_cap_mb
   EXPECT_EQ(plan_options(c).optimizer_slots, 2);  // adamw
 
   const RunConfig named = parse(minimal("[run]\nname = \"abc\"\n[data]\nsource = \"synthetic\"\n"));
@@ -271,6 +279,10 @@ TEST(Config, RuntimeSectionAndItsOverrides) {
   const RunConfig set = parse(minimal(), {"runtime.backend=nccl", "runtime.matmul_precision=fp32"});
   EXPECT_EQ(set.runtime.backend, "nccl");
   EXPECT_EQ(set.runtime.matmul_precision, "fp32");
+  const RunConfig buckets = parse(minimal(), {"runtime.overlap=true", "runtime.bucket_mb=0.5"});
+  EXPECT_TRUE(buckets.runtime.overlap);
+  EXPECT_EQ(buckets.runtime.bucket_mb, 0.5);
+  EXPECT_EQ(parse(minimal(), {"runtime.bucket_mb=2"}).runtime.bucket_mb, 2.0);  // an integer
 }
 
 TEST(Config, NoRulesAndNoPresetIsAnErrorOfThePartitionSection) {
@@ -347,6 +359,11 @@ TEST(Config, RangeErrorsNameFileLineKeyAndValue) {
        {"t.toml:6", "[runtime] backend", "auto | mpi | nccl", "\"gloo\""}},
       {"[runtime]\nmatmul_precision = \"bf16\"\n",
        {"t.toml:6", "[runtime] matmul_precision", "fp32 | tf32", "\"bf16\""}},
+      {"[runtime]\nbucket_mb = 0\n", {"t.toml:6", "[runtime] bucket_mb", "positive", "got 0"}},
+      {"[runtime]\nbucket_mb = -2.5\n", {"t.toml:6", "[runtime] bucket_mb", "-2.5"}},
+      {"[runtime]\nbucket_mb = \"big\"\n", {"t.toml:6", "[runtime] bucket_mb", "a number"}},
+      {"[runtime]\nbucket_mb = nan\n", {"t.toml:6", "[runtime] bucket_mb", "finite"}},
+      {"[runtime]\noverlap = 1\n", {"t.toml:6", "[runtime] overlap", "true or false"}},
       {"[data]\nsource = \"hdf5\"\n", {"[data] path", "hdf5"}},
       {"[run]\nseed = -1\n", {"t.toml:6", "[run] seed", "non-negative"}},
       {"[run]\nname = \"\"\n", {"t.toml:6", "[run] name", "empty"}},

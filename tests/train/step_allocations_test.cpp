@@ -195,9 +195,10 @@ std::ostream& operator<<(std::ostream& out, const Allocations& a) {
 Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgorithm algorithm,
                                  LossKind loss_kind, OptimizerKind optimizer_kind,
                                  int64_t accumulation_steps = 1, int64_t zero_stage = 0,
-                                 bool overlap = false) {
+                                 bool overlap = false, double bucket_mb = 25.0) {
   RunConfig config;
   config.runtime.overlap = overlap;
+  config.runtime.bucket_mb = bucket_mb;
   config.mesh.axes = mesh_case.axes;
   config.model.sizes = {32, 24, 16, 8};  // every width divides by 2 and 4
   config.model.activation = "gelu";
@@ -272,15 +273,21 @@ TEST(TrainingStep, WithZero1AllocatesNothing) {
   }
 }
 
-// With overlap (FSDP weight prefetch) neither: the prefetch buffer is made with the model
-// and the started gathers' requests come from the communicator's pool.
+// With overlap (FSDP weight prefetch, DP gradient buckets) neither: the prefetch buffer and
+// the bucket buffers are made with the model, and the started gathers' and all-reduces'
+// requests come from the communicator's pool. On dp the default bucket holds every
+// gradient (packed into its buffer); 1 KiB buckets (256 floats) add buckets all-reduced in
+// place and several in flight at once.
 TEST(TrainingStep, WithOverlapAllocatesNothing) {
   for (const MeshCase& c : mesh_cases()) {
-    SCOPED_TRACE(c.preset + ", overlap");
-    EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::naive, LossKind::cross_entropy,
-                                   OptimizerKind::adamw, 1, 0, true),
-              Allocations{})
-        << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+    for (double bucket_mb : {25.0, 1.0 / 1024}) {
+      if (c.preset != "dp" && bucket_mb != 25.0) continue;
+      SCOPED_TRACE(c.preset + ", overlap, bucket_mb " + std::to_string(bucket_mb));
+      EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::naive, LossKind::cross_entropy,
+                                     OptimizerKind::adamw, 1, 0, true, bucket_mb),
+                Allocations{})
+          << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+    }
   }
 }
 

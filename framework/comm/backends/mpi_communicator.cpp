@@ -93,10 +93,10 @@ std::string timeout_text(double seconds) {
   MESHTRAIN_FAIL(message);
 }
 
-// One shift's two MPI requests (receive, send), or a started all-gather's one (in the
-// receive slot), completed against the deadline taken at wait(). Pooled in MpiCommunicator::State:
-// acquire_shift_slot() takes a free slot (or makes one when every slot is in flight),
-// Request::Impl::release() puts it back.
+// One shift's two MPI requests (receive, send), or a started all-gather's or all-reduce's
+// one (in the receive slot), completed against the deadline taken at wait(). Pooled in
+// MpiCommunicator::State: acquire_shift_slot() takes a free slot (or makes one when every slot is
+// in flight), Request::Impl::release() puts it back.
 class MpiShiftSlot final : public Request::Impl {
  public:
   explicit MpiShiftSlot(MpiCommunicator::State& owner) : owner_(owner) {}
@@ -112,14 +112,15 @@ class MpiShiftSlot final : public Request::Impl {
     count_ = 0;
   }
   // MPI's buffers for this shift (host copies when memory is on the device); the received
-  // data reaches `recv` when the shift completes.
+  // data reaches `recv` when the shift completes. copy_in: an in-place operation (a started
+  // all-reduce) whose host copy starts as `recv`.
   const float* send_buffer(const float* send, std::size_t count) {
     return staging_.send_buffer(send, count);
   }
-  float* receive_buffer(float* recv, std::size_t count) {
+  float* receive_buffer(float* recv, std::size_t count, bool copy_in = false) {
     recv_ = recv;
     count_ = count;
-    return staging_.receive_buffer(recv, count, /*copy_in=*/false);
+    return staging_.receive_buffer(recv, count, copy_in);
   }
   MPI_Request& receive() { return requests_[0]; }
   MPI_Request& send() { return requests_[1]; }
@@ -393,6 +394,24 @@ Request MpiCommunicator::raw_start_all_gather(const float* send, float* recv,
     slot.receive() = MPI_REQUEST_NULL;  // nothing was started
     slot.release();
     state_->fail_call(started, op, "MPI_Iallgather");
+  }
+  return Request(&slot);
+}
+
+// One MPI_Iallreduce in place on a pooled slot (its own staging: several may be in
+// flight). Unlike the blocking all-reduce it is not split into pieces: the caller (a DP
+// gradient bucket) chooses the size, and a count beyond an int is refused.
+Request MpiCommunicator::raw_start_all_reduce_sum(float* data, std::size_t count, const char* op) {
+  state_->require_usable(op);
+  const int n = checked_int(count, "started all_reduce count");
+  Kokkos::fence();
+  MpiShiftSlot& slot = acquire_shift_slot(state_, timeout_seconds(), op);
+  const int started = MPI_Iallreduce(MPI_IN_PLACE, slot.receive_buffer(data, count, true), n,
+                                     MPI_FLOAT, MPI_SUM, state_->comm, &slot.receive());
+  if (started != MPI_SUCCESS) {
+    slot.receive() = MPI_REQUEST_NULL;  // nothing was started
+    slot.release();
+    state_->fail_call(started, op, "MPI_Iallreduce");
   }
   return Request(&slot);
 }

@@ -53,6 +53,7 @@ class MpiCommunicator final : public Communicator {
                     const char* op) override;
   Request raw_start_all_gather(const float* send, float* recv, std::size_t count_per_rank,
                                const char* op) override;
+  Request raw_start_all_reduce_sum(float* data, std::size_t count, const char* op) override;
   void raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
                       const char* op) override;
   void raw_barrier(const char* op) override;

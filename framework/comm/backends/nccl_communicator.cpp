@@ -687,25 +687,24 @@ Request NcclCommunicator::raw_shift(const float* send, float* recv, std::size_t 
   return Request(&pending);
 }
 
-Request NcclCommunicator::raw_start_all_gather(const float* send, float* recv,
-                                               std::size_t count_per_rank, const char* op) {
-  State& s = begin(state_, op);
-  if (count_per_rank == 0) return Request();
-  checked_total(count_per_rank, size(), "all_gather receive buffer");
-  require_device_buffer(s, send, op, "send");
-  require_device_buffer(s, recv, op, "receive");
-  const double timeout = timeout_seconds();
+namespace {
+
+// A started collective: the request (and its event) exists before `enqueue(deadline)`
+// queues the collective on the stream; the event is recorded after it. A failure gives the
+// request back to the pool (after an abort, nothing is left running).
+template <class Enqueue>
+Request start_with_event(const std::shared_ptr<State>& state, double timeout, const char* op,
+                         Enqueue&& enqueue) {
+  State& s = *state;
   const Clock::time_point deadline = deadline_after(timeout);
-  // As raw_shift: the request exists before the collective is enqueued on the stream.
-  NcclShiftSlot& pending = acquire_shift_slot(state_, timeout, op);
+  NcclShiftSlot& pending = acquire_shift_slot(state, timeout, op);
   struct GiveBackOnThrow {
     NcclShiftSlot* slot;
     ~GiveBackOnThrow() {
       if (slot != nullptr) slot->release();
     }
   } guard{&pending};
-  s.enqueued(ncclAllGather(send, recv, count_per_rank, ncclFloat, s.comm, s.stream), op,
-             "ncclAllGather", deadline, timeout);
+  enqueue(deadline);
   const cudaError_t recorded = cudaEventRecord(pending.event(), s.stream);
   if (recorded != cudaSuccess) {
     cudaGetLastError();
@@ -714,6 +713,35 @@ Request NcclCommunicator::raw_start_all_gather(const float* send, float* recv,
   }
   guard.slot = nullptr;
   return Request(&pending);
+}
+
+}  // namespace
+
+Request NcclCommunicator::raw_start_all_gather(const float* send, float* recv,
+                                               std::size_t count_per_rank, const char* op) {
+  State& s = begin(state_, op);
+  if (count_per_rank == 0) return Request();
+  checked_total(count_per_rank, size(), "all_gather receive buffer");
+  require_device_buffer(s, send, op, "send");
+  require_device_buffer(s, recv, op, "receive");
+  const double timeout = timeout_seconds();
+  return start_with_event(state_, timeout, op, [&](Clock::time_point deadline) {
+    s.enqueued(ncclAllGather(send, recv, count_per_rank, ncclFloat, s.comm, s.stream), op,
+               "ncclAllGather", deadline, timeout);
+  });
+}
+
+// As raw_start_all_gather: ncclAllReduce in place on the communicator's stream, then an
+// event the Request polls. (Written by analogy; not compiled or run without CUDA.)
+Request NcclCommunicator::raw_start_all_reduce_sum(float* data, std::size_t count, const char* op) {
+  State& s = begin(state_, op);
+  if (count == 0) return Request();
+  require_device_buffer(s, data, op, "data");
+  const double timeout = timeout_seconds();
+  return start_with_event(state_, timeout, op, [&](Clock::time_point deadline) {
+    s.enqueued(ncclAllReduce(data, data, count, ncclFloat, ncclSum, s.comm, s.stream), op,
+               "ncclAllReduce", deadline, timeout);
+  });
 }
 
 void NcclCommunicator::raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,

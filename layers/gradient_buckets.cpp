@@ -1,0 +1,119 @@
+#include "layers/gradient_buckets.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <string>
+
+#include "framework/core/kernel_label.hpp"
+#include "partition/error.hpp"
+
+namespace meshtrain {
+
+GradientBuckets::GradientBuckets(const std::vector<LayerGradients>& layers, double bucket_mb) {
+  MESHTRAIN_REQUIRE(bucket_mb > 0 && std::isfinite(bucket_mb),
+                    "gradient buckets: bucket_mb must be positive, got ", bucket_mb);
+  // The cap in floats: at least one, at most what one MPI call takes.
+  const double cap_floats = std::floor(bucket_mb * 1024.0 * 1024.0 / sizeof(float));
+  const std::size_t cap =
+      static_cast<std::size_t>(std::max(1.0, std::min(cap_floats, static_cast<double>(INT_MAX))));
+  buckets_of_layer_.resize(layers.size());
+
+  // Walk the gradients in the order backward finishes them; open a new bucket when the
+  // current one is full or belongs to another communicator.
+  for (std::size_t k = layers.size(); k-- > 0;) {
+    const LayerGradients& layer = layers[k];
+    if (layer.group == nullptr) continue;
+    for (VectorView grad : {layer.weight, layer.bias}) {
+      for (std::size_t offset = 0; offset < grad.extent(0);) {
+        if (buckets_.empty() || buckets_.back().group != layer.group ||
+            buckets_.back().floats == cap) {
+          buckets_.emplace_back();
+          buckets_.back().group = layer.group;
+        }
+        Bucket& b = buckets_.back();
+        const std::size_t n = std::min(cap - b.floats, grad.extent(0) - offset);
+        b.pieces.push_back({VectorView(grad.data() + offset, n), b.floats});
+        b.floats += n;
+        offset += n;
+        std::vector<std::size_t>& mine = buckets_of_layer_[k];
+        const std::size_t index = buckets_.size() - 1;
+        if (mine.empty() || mine.back() != index) {
+          mine.push_back(index);
+          ++b.layers;
+        }
+      }
+    }
+  }
+  for (Bucket& b : buckets_) {
+    b.remaining = b.layers;
+    if (b.pieces.size() > 1) {
+      b.buffer = Vector(Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshtrain::grad_bucket"),
+                        b.floats);
+    }
+  }
+}
+
+std::vector<std::size_t> GradientBuckets::bucket_floats() const {
+  std::vector<std::size_t> out;
+  for (const Bucket& b : buckets_) out.push_back(b.floats);
+  return out;
+}
+
+void GradientBuckets::layer_ready(std::size_t layer) {
+  MESHTRAIN_REQUIRE(layer < buckets_of_layer_.size(), "gradient buckets: no layer ", layer);
+  for (std::size_t index : buckets_of_layer_[layer]) {
+    Bucket& b = buckets_[index];
+    MESHTRAIN_REQUIRE(b.remaining > 0 && !b.started, "gradient buckets: layer ", layer,
+                      " reported ready twice in one backward");
+    --b.remaining;
+  }
+  // Start the completed buckets in order (backward completes them in order).
+  while (next_start_ < buckets_.size() && buckets_[next_start_].remaining == 0) {
+    Bucket& b = buckets_[next_start_++];
+    if (b.pieces.size() == 1) {
+      b.request = b.group->start_all_reduce(b.pieces.front().grad);
+    } else {
+      const VectorView buffer = b.buffer;
+      for (const Piece& p : b.pieces) {
+        const VectorView grad = p.grad;
+        const std::size_t at = p.at;
+        Kokkos::parallel_for(
+            MESHTRAIN_LABEL("meshtrain::grad_bucket_pack"), grad.extent(0),
+            KOKKOS_LAMBDA(const std::size_t i) { buffer(at + i) = grad(i); });
+      }
+      b.request = b.group->start_all_reduce(buffer);  // fences the packing first
+    }
+    b.started = true;
+  }
+}
+
+void GradientBuckets::poll() {
+  for (std::size_t i = 0; i < next_start_; ++i) buckets_[i].request.test();
+}
+
+void GradientBuckets::wait_all() {
+  MESHTRAIN_REQUIRE(next_start_ == buckets_.size(),
+                    "gradient buckets: ", buckets_.size() - next_start_, " of ", buckets_.size(),
+                    " buckets were never started (a layer did not report ready)");
+  for (Bucket& b : buckets_) {
+    b.request.wait();
+    if (b.pieces.size() > 1) {
+      const VectorView buffer = b.buffer;
+      for (const Piece& p : b.pieces) {
+        const VectorView grad = p.grad;
+        const std::size_t at = p.at;
+        Kokkos::parallel_for(
+            MESHTRAIN_LABEL("meshtrain::grad_bucket_unpack"), grad.extent(0),
+            KOKKOS_LAMBDA(const std::size_t i) { grad(i) = buffer(at + i); });
+      }
+    }
+    b.started = false;
+    b.remaining = b.layers;
+  }
+  Kokkos::fence();
+  next_start_ = 0;
+}
+
+}  // namespace meshtrain
