@@ -19,6 +19,30 @@ void copy_columns(MatrixView src, int64_t offset, MatrixView dst) {
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) = src(i, offset + j); });
 }
 
+// full[j] = sum over rows of dy(:, j - offset) for the columns dy covers, 0 elsewhere.
+void sum_columns_into(MatrixView dy, int64_t offset, VectorView full) {
+  const int64_t rows = static_cast<int64_t>(dy.extent(0));
+  const int64_t cols = static_cast<int64_t>(dy.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::linear_bias_grad"),
+      Kokkos::RangePolicy<>(0, static_cast<int64_t>(full.extent(0))),
+      KOKKOS_LAMBDA(const int64_t j) {
+        float sum = 0.0f;
+        if (j >= offset && j < offset + cols) {
+          for (int64_t i = 0; i < rows; ++i) sum += dy(i, j - offset);
+        }
+        full(j) = sum;
+      });
+}
+
+// block = full[offset : offset + block.extent(0)]
+void copy_block(VectorView full, int64_t offset, Vector block) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::linear_bias_grad_block"),
+      Kokkos::RangePolicy<>(0, static_cast<int64_t>(block.extent(0))),
+      KOKKOS_LAMBDA(const int64_t j) { block(j) = full(offset + j); });
+}
+
 void scale_matrix(MatrixView m, float factor) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::linear_scale_grad"),
@@ -279,27 +303,10 @@ void Linear::bias_gradient(MatrixView dy, ShardedTensor& bias_grad, LinearScratc
                            bool all_reduce) {
   // Bias gradient: column sums of dY into the full-width vector, summed over the batch
   // axes (and the feature axis when the output is split), then this rank's block.
-  float* full = scratch.bias.data();
-  const int64_t width = layout_.out;
-  const int64_t offset = output_offset();
-  const int64_t rows = rows_;
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::linear_bias_grad"), Kokkos::RangePolicy<>(0, width),
-      KOKKOS_LAMBDA(const int64_t j) {
-        float sum = 0.0f;
-        if (j >= offset && j < offset + static_cast<int64_t>(dy.extent(1))) {
-          for (int64_t i = 0; i < rows; ++i) sum += dy(i, j - offset);
-        }
-        full[j] = sum;
-      });
-  if (bias_reduce_comm_ && all_reduce)
-    bias_reduce_comm_->all_reduce(VectorView(full, static_cast<size_t>(layout_.out)));
-  Vector bg = bias_grad.local;
-  const int64_t stored_offset = bias_stored_offset_;
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::linear_bias_grad_block"),
-      Kokkos::RangePolicy<>(0, layout_.bias_stored),
-      KOKKOS_LAMBDA(const int64_t j) { bg(j) = full[stored_offset + j]; });
+  VectorView full(scratch.bias.data(), static_cast<size_t>(layout_.out));
+  sum_columns_into(dy, output_offset(), full);
+  if (bias_reduce_comm_ && all_reduce) bias_reduce_comm_->all_reduce(full);
+  copy_block(full, bias_stored_offset_, bias_grad.local);
 }
 
 void Linear::reduce_gradients(ShardedTensor& weight_grad, ShardedTensor& bias_grad) {
