@@ -5,6 +5,7 @@
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -110,8 +111,40 @@ double half_round_trip(MPI_Comm group, std::vector<char>& buffer, int bytes, int
   return slowest;
 }
 
-LinkProfile measure_link(const Mesh& mesh, MeshCommunicators& comms, const std::string& axis,
-                         int world_rank) {
+// The slowest rank's median seconds of `fn` (all ranks of the world start together).
+template <class Fn>
+double slowest_timed(int repeats, Fn fn) {
+  double t = timed(repeats, fn);
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD),
+            "MPI_Allreduce");
+  return t;
+}
+
+// What one axis' link does, for the profile and for [measured].
+struct LinkMeasurement {
+  LinkProfile link;
+  double all_reduce_bandwidth = 0.0;  // 2 (p-1)/p * bytes / time of an all-reduce (reported)
+  double overlap = 1.0;               // of a ring hop beside GEMMs of about its length
+  double hop_s = 0.0, gemms_s = 0.0, both_s = 0.0;
+  int gemms = 0;
+};
+
+// Every rank runs `gemms` times x @ W [256 x 2048 x 2048] (calibrate's forward GEMM).
+struct GemmLoad {
+  Matrix x{"meshtrain::calibrate_ox", 256, 2048}, w{"meshtrain::calibrate_ow", 2048, 2048},
+      y{"meshtrain::calibrate_oy", 256, 2048};
+  GemmLoad() {
+    Kokkos::deep_copy(x, 0.5f);
+    Kokkos::deep_copy(w, 0.25f);
+  }
+  void run(int gemms) {
+    for (int i = 0; i < gemms; ++i) gemm(plain(x), plain(w), 0.0f, y);
+    Kokkos::fence();
+  }
+};
+
+LinkMeasurement measure_link(const Mesh& mesh, MeshCommunicators& comms, const std::string& axis,
+                             int world_rank, GemmLoad& load) {
   const int p = mesh.axis_size(axis);
   MPI_Comm group = MPI_COMM_NULL;
   check_mpi(MPI_Comm_split(MPI_COMM_WORLD, mesh.group_color(world_rank, {axis}),
@@ -119,22 +152,70 @@ LinkProfile measure_link(const Mesh& mesh, MeshCommunicators& comms, const std::
             "MPI_Comm_split");
   const int big = 8 << 20;
   std::vector<char> buffer(static_cast<size_t>(big), 1);
-  LinkProfile link;
+  LinkMeasurement m;
+  LinkProfile& link = m.link;
   link.latency = half_round_trip(group, buffer, 8, 100);
-  const double t_big = half_round_trip(group, buffer, big, 5);
+  const double t_big = half_round_trip(group, buffer, big, 3);
   link.bandwidth = big / std::max(t_big - link.latency, 1e-9);
   check_mpi(MPI_Comm_free(&group), "MPI_Comm_free");
 
   Communicator& comm = comms.get({axis});
-  const size_t floats = static_cast<size_t>(big) / sizeof(float);
-  Vector data("meshtrain::calibrate_allreduce", floats);
+  // A ring hop: every rank sends 8 MiB to its next neighbour and receives 8 MiB from its
+  // previous one at once (Communicator::shift, as the ring collective matmuls do).
+  const size_t block = static_cast<size_t>(big) / sizeof(float);
+  Vector send("meshtrain::calibrate_send", block), recv("meshtrain::calibrate_recv", block),
+      recv2("meshtrain::calibrate_recv2", block);
+  Kokkos::deep_copy(send, 1.0f);
+  auto hop = [&] {
+    comm.shift(ConstVectorView(send.data(), block), VectorView(recv.data(), block), +1).wait();
+  };
+  m.hop_s = slowest_timed(3, hop);
+  link.exchange_bandwidth = big / std::max(m.hop_s - link.latency, 1e-9);
+  // A bidirectional hop: the two halves at once, one each way round the ring.
+  const size_t half = block / 2;
+  const double t_bidir = slowest_timed(3, [&] {
+    Request lo = comm.shift(ConstVectorView(send.data(), half), VectorView(recv.data(), half), +1);
+    Request hi = comm.shift(ConstVectorView(send.data() + half, block - half),
+                            VectorView(recv2.data(), block - half), -1);
+    lo.wait();
+    hi.wait();
+  });
+  link.bidirectional_bandwidth = big / std::max(t_bidir - link.latency, 1e-9);
+
+  // Collectives of a 16 MiB full operand (a [2048, 2048] weight): all-gather and
+  // reduce-scatter, (p-1)/p * bytes / (time - (p-1) latency); and an all-reduce, reported.
+  const size_t full = size_t{4} << 20;
+  const size_t chunk = full / static_cast<size_t>(p);
+  Vector data("meshtrain::calibrate_collective", full), part("meshtrain::calibrate_part", chunk);
   Kokkos::deep_copy(data, 1.0f);
-  double t = timed(5, [&] { comm.all_reduce(VectorView(data.data(), floats)); });
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD),
-            "MPI_Allreduce");
-  const double moved = 2.0 * (p - 1) / p * big;
-  link.collective_bandwidth = moved / std::max(t - 2.0 * (p - 1) * link.latency, 1e-9);
-  return link;
+  Kokkos::deep_copy(part, 1.0f);
+  const double t_ag = slowest_timed(3, [&] {
+    comm.all_gather(ConstVectorView(part.data(), chunk), VectorView(data.data(), chunk * p));
+  });
+  const double t_rs = slowest_timed(3, [&] {
+    comm.reduce_scatter(ConstVectorView(data.data(), chunk * p), VectorView(part.data(), chunk));
+  });
+  const double moved = (p - 1.0) / p * static_cast<double>(chunk * p * sizeof(float));
+  link.collective_bandwidth = moved / std::max(0.5 * (t_ag + t_rs) - (p - 1) * link.latency, 1e-9);
+  const double t_ar = slowest_timed(3, [&] { comm.all_reduce(VectorView(data.data(), full)); });
+  m.all_reduce_bandwidth = 2.0 * moved / std::max(t_ar - 2.0 * (p - 1) * link.latency, 1e-9);
+
+  // Overlap: the hop alone, k GEMMs of about the hop's length alone, and the hop started
+  // before the GEMMs and waited for after them: e = (gemms + hop - both) / min(gemms, hop).
+  const double one_gemm = slowest_timed(3, [&] { load.run(1); });
+  double k = std::round(m.hop_s / std::max(one_gemm, 1e-9));
+  m.gemms = static_cast<int>(std::min(64.0, std::max(1.0, k)));
+  check_mpi(MPI_Bcast(&m.gemms, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
+  m.gemms_s = slowest_timed(3, [&] { load.run(m.gemms); });
+  m.both_s = slowest_timed(3, [&] {
+    Request moving =
+        comm.shift(ConstVectorView(send.data(), block), VectorView(recv.data(), block), +1);
+    load.run(m.gemms);
+    moving.wait();
+  });
+  const double hideable = std::min(m.gemms_s, m.hop_s);
+  m.overlap = std::clamp((m.gemms_s + m.hop_s - m.both_s) / std::max(hideable, 1e-9), 0.0, 1.0);
+  return m;
 }
 
 std::string host_name() {
@@ -170,10 +251,21 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
   std::vector<std::string> measured_axes;
   {
     MeshCommunicators comms(*mesh);
+    GemmLoad load;
     for (const auto& a : mesh->axes()) {
       if (a.size < 2) continue;
-      profile.links[a.name] = measure_link(*mesh, comms, a.name, rank);
+      const LinkMeasurement m = measure_link(*mesh, comms, a.name, rank, load);
+      profile.links[a.name] = m.link;
+      // The least overlap of any axis: a step's transfers run on all of them.
+      profile.overlap = measured_axes.empty() ? m.overlap : std::min(profile.overlap, m.overlap);
       measured_axes.push_back(a.name);
+      char line[512];
+      std::snprintf(line, sizeof line,
+                    "%s_all_reduce_bandwidth = %.6g  # B/s, 2 (p-1)/p * 16 MiB / time\n"
+                    "%s_overlap = %.3f  # 8 MiB hop %.4g s, %d GEMMs %.4g s, both %.4g s\n",
+                    a.name.c_str(), m.all_reduce_bandwidth, a.name.c_str(), m.overlap, m.hop_s,
+                    m.gemms, m.gemms_s, m.both_s);
+      measured << line;
     }
   }
   if (!measured_axes.empty()) {
