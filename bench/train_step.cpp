@@ -434,10 +434,14 @@ int main(int argc, char** argv) {
       line["hardware"] = profile.source;
       line["predicted_step_time_s"] = predicted.total_s;
       line["predicted_over_measured"] = predicted.total_s / step_time;
+      line["predicted_over_measured_cpu"] = predicted.total_s / step_cpu_time;
       line["predicted_parts_s"] = {{"gemm", predicted.gemm_s},
                                    {"collective", predicted.collective_s},
                                    {"collective_matmul", predicted.collective_matmul_s},
                                    {"memory", predicted.memory_s}};
+      line["predicted_serial_s"] = predicted.serial_s;
+      line["predicted_full_overlap_s"] = predicted.full_overlap_s;
+      line["hardware_overlap"] = profile.overlap;
       line["first_loss"] = first_loss;
       line["last_loss"] = last_loss;
       line["loadavg_start"] = load_at_start;
