@@ -123,9 +123,9 @@ double slowest_timed(int repeats, Fn fn) {
 // What one axis' link does, for the profile and for [measured].
 struct LinkMeasurement {
   LinkProfile link;
-  double all_reduce_bandwidth = 0.0;  // 2 (p-1)/p * bytes / time of an all-reduce (reported)
-  double overlap = 1.0;               // of a ring hop beside GEMMs of about its length
-  double hop_s = 0.0, gemms_s = 0.0, both_s = 0.0;
+  double overlap = 1.0;  // of a ring hop beside GEMMs of about its length
+  double hop_s = 0.0, gemms_s = 0.0, both_s = 0.0, all_gather_s = 0.0, reduce_scatter_s = 0.0,
+         all_reduce_s = 0.0, bidirectional_s = 0.0;
   int gemms = 0;
 };
 
@@ -155,7 +155,7 @@ LinkMeasurement measure_link(const Mesh& mesh, MeshCommunicators& comms, const s
   LinkMeasurement m;
   LinkProfile& link = m.link;
   link.latency = half_round_trip(group, buffer, 8, 100);
-  const double t_big = half_round_trip(group, buffer, big, 3);
+  const double t_big = half_round_trip(group, buffer, big, 5);
   link.bandwidth = big / std::max(t_big - link.latency, 1e-9);
   check_mpi(MPI_Comm_free(&group), "MPI_Comm_free");
 
@@ -169,11 +169,11 @@ LinkMeasurement measure_link(const Mesh& mesh, MeshCommunicators& comms, const s
   auto hop = [&] {
     comm.shift(ConstVectorView(send.data(), block), VectorView(recv.data(), block), +1).wait();
   };
-  m.hop_s = slowest_timed(3, hop);
+  m.hop_s = slowest_timed(5, hop);
   link.exchange_bandwidth = big / std::max(m.hop_s - link.latency, 1e-9);
   // A bidirectional hop: the two halves at once, one each way round the ring.
   const size_t half = block / 2;
-  const double t_bidir = slowest_timed(3, [&] {
+  const double t_bidir = m.bidirectional_s = slowest_timed(5, [&] {
     Request lo = comm.shift(ConstVectorView(send.data(), half), VectorView(recv.data(), half), +1);
     Request hi = comm.shift(ConstVectorView(send.data() + half, block - half),
                             VectorView(recv2.data(), block - half), -1);
@@ -189,25 +189,27 @@ LinkMeasurement measure_link(const Mesh& mesh, MeshCommunicators& comms, const s
   Vector data("meshtrain::calibrate_collective", full), part("meshtrain::calibrate_part", chunk);
   Kokkos::deep_copy(data, 1.0f);
   Kokkos::deep_copy(part, 1.0f);
-  const double t_ag = slowest_timed(3, [&] {
+  const double t_ag = m.all_gather_s = slowest_timed(5, [&] {
     comm.all_gather(ConstVectorView(part.data(), chunk), VectorView(data.data(), chunk * p));
   });
-  const double t_rs = slowest_timed(3, [&] {
+  const double t_rs = m.reduce_scatter_s = slowest_timed(5, [&] {
     comm.reduce_scatter(ConstVectorView(data.data(), chunk * p), VectorView(part.data(), chunk));
   });
   const double moved = (p - 1.0) / p * static_cast<double>(chunk * p * sizeof(float));
-  link.collective_bandwidth = moved / std::max(0.5 * (t_ag + t_rs) - (p - 1) * link.latency, 1e-9);
-  const double t_ar = slowest_timed(3, [&] { comm.all_reduce(VectorView(data.data(), full)); });
-  m.all_reduce_bandwidth = 2.0 * moved / std::max(t_ar - 2.0 * (p - 1) * link.latency, 1e-9);
+  link.collective_bandwidth = moved / std::max(t_ag - (p - 1) * link.latency, 1e-9);
+  link.reduce_scatter_bandwidth = moved / std::max(t_rs - (p - 1) * link.latency, 1e-9);
+  const double t_ar = m.all_reduce_s =
+      slowest_timed(5, [&] { comm.all_reduce(VectorView(data.data(), full)); });
+  link.all_reduce_bandwidth = 2.0 * moved / std::max(t_ar - 2.0 * (p - 1) * link.latency, 1e-9);
 
   // Overlap: the hop alone, k GEMMs of about the hop's length alone, and the hop started
   // before the GEMMs and waited for after them: e = (gemms + hop - both) / min(gemms, hop).
-  const double one_gemm = slowest_timed(3, [&] { load.run(1); });
+  const double one_gemm = slowest_timed(5, [&] { load.run(1); });
   double k = std::round(m.hop_s / std::max(one_gemm, 1e-9));
   m.gemms = static_cast<int>(std::min(64.0, std::max(1.0, k)));
   check_mpi(MPI_Bcast(&m.gemms, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
-  m.gemms_s = slowest_timed(3, [&] { load.run(m.gemms); });
-  m.both_s = slowest_timed(3, [&] {
+  m.gemms_s = slowest_timed(5, [&] { load.run(m.gemms); });
+  m.both_s = slowest_timed(5, [&] {
     Request moving =
         comm.shift(ConstVectorView(send.data(), block), VectorView(recv.data(), block), +1);
     load.run(m.gemms);
@@ -259,12 +261,14 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
       // The least overlap of any axis: a step's transfers run on all of them.
       profile.overlap = measured_axes.empty() ? m.overlap : std::min(profile.overlap, m.overlap);
       measured_axes.push_back(a.name);
-      char line[512];
+      char line[1024];
       std::snprintf(line, sizeof line,
-                    "%s_all_reduce_bandwidth = %.6g  # B/s, 2 (p-1)/p * 16 MiB / time\n"
-                    "%s_overlap = %.3f  # 8 MiB hop %.4g s, %d GEMMs %.4g s, both %.4g s\n",
-                    a.name.c_str(), m.all_reduce_bandwidth, a.name.c_str(), m.overlap, m.hop_s,
-                    m.gemms, m.gemms_s, m.both_s);
+                    "%s_overlap = %.3f  # 8 MiB hop %.4g s, %d GEMMs %.4g s, both %.4g s\n"
+                    "%s_seconds = \"hop %.4g, bidirectional hop %.4g, all-gather %.4g, "
+                    "reduce-scatter %.4g, all-reduce %.4g\"\n",
+                    a.name.c_str(), m.overlap, m.hop_s, m.gemms, m.gemms_s, m.both_s,
+                    a.name.c_str(), m.hop_s, m.bidirectional_s, m.all_gather_s, m.reduce_scatter_s,
+                    m.all_reduce_s);
       measured << line;
     }
   }

@@ -51,12 +51,15 @@ std::vector<std::string> active_axes(const Mesh& mesh) {
 double collective_seconds(CollectiveKind kind, double bytes, int ranks, const LinkProfile& link) {
   if (ranks <= 1) return 0.0;
   const double p = ranks;
-  const double one = (p - 1) / p * bytes / link.collective_bandwidth + (p - 1) * link.latency;
+  const double bandwidth = kind == CollectiveKind::all_gather       ? link.collective_bandwidth
+                           : kind == CollectiveKind::reduce_scatter ? link.reduce_scatter_bandwidth
+                                                                    : link.all_reduce_bandwidth;
+  const double one = (p - 1) / p * bytes / bandwidth + (p - 1) * link.latency;
   return kind == CollectiveKind::all_reduce ? 2 * one : one;
 }
 
 double overlapped_seconds(double a, double c, double overlap) {
-  return a + c - overlap * std::min(a, c);
+  return std::max(a, c) + (1.0 - overlap) * std::min(a, c);  // exact max at overlap 1
 }
 
 double collective_matmul_seconds(const CollectiveMatmulShape& s,
@@ -293,6 +296,7 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     for (auto& [layer, c] : zero1_reductions) {
       if (c.axes == std::vector<std::string>{kZeroAxis}) c.kind = CollectiveKind::reduce_scatter;
       c.operand += " (ZeRO-1)";
+      c.phase = "update";
       collective(layer, c);
     }
     const int64_t dp = mesh.size_of({kZeroAxis});

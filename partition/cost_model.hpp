@@ -10,8 +10,9 @@
 //               its group, S the full (gathered / unreduced) operand in bytes, p ranks:
 //                 all-gather, reduce-scatter   (p-1)/p * S / B + (p-1) * alpha
 //                 all-reduce                   2 * that (reduce-scatter then all-gather)
-//               B = collective_bandwidth, alpha = latency. Run one after the other with
-//               the GEMMs, except the FSDP weight prefetch below.
+//               B = the link's bandwidth of that collective (collective_bandwidth for the
+//               all-gather, reduce_scatter_bandwidth, all_reduce_bandwidth), alpha = latency. Run
+//               one after the other with the GEMMs, except the FSDP weight prefetch below.
 //   overlap     two parts a and c that run together (a transfer started before a GEMM and
 //               waited for after it) take a + c - e * min(a, c), e = the profile's overlap
 //               (1: max(a, c); 0: a + c; MPI on CPUs moves data only inside MPI calls).

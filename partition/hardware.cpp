@@ -25,7 +25,7 @@ const LinkProfile& HardwareProfile::link(const std::string& axis) const {
 LinkProfile HardwareProfile::group_link(const std::vector<std::string>& axes) const {
   if (axes.empty()) {
     const double inf = std::numeric_limits<double>::infinity();
-    return {inf, 0.0, inf, inf, inf};
+    return {inf, 0.0, inf, inf, inf, inf, inf};
   }
   LinkProfile slowest = link(axes.front());
   for (const auto& axis : axes) {
@@ -35,6 +35,9 @@ LinkProfile HardwareProfile::group_link(const std::vector<std::string>& axes) co
     slowest.exchange_bandwidth = std::min(slowest.exchange_bandwidth, l.exchange_bandwidth);
     slowest.bidirectional_bandwidth =
         std::min(slowest.bidirectional_bandwidth, l.bidirectional_bandwidth);
+    slowest.reduce_scatter_bandwidth =
+        std::min(slowest.reduce_scatter_bandwidth, l.reduce_scatter_bandwidth);
+    slowest.all_reduce_bandwidth = std::min(slowest.all_reduce_bandwidth, l.all_reduce_bandwidth);
     slowest.latency = std::max(slowest.latency, l.latency);
   }
   return slowest;
@@ -46,7 +49,7 @@ HardwareProfile default_hardware_profile() {
   p.memory_bandwidth = 10e9;
   p.overlap = 0.0;
   for (const auto& axis : hardware_axes())
-    p.links[axis] = LinkProfile{5e9, 2e-6, 2.5e9, 2.5e9, 2.5e9};
+    p.links[axis] = LinkProfile{5e9, 2e-6, 2.5e9, 2.5e9, 2.5e9, 2.5e9, 2.5e9};
   p.source = "defaults";
   return p;
 }
@@ -79,6 +82,8 @@ void check_hardware_profile(const HardwareProfile& p) {
     check_value(p, key + "collective_bandwidth", it->second.collective_bandwidth, false);
     check_value(p, key + "exchange_bandwidth", it->second.exchange_bandwidth, false);
     check_value(p, key + "bidirectional_bandwidth", it->second.bidirectional_bandwidth, false);
+    check_value(p, key + "reduce_scatter_bandwidth", it->second.reduce_scatter_bandwidth, false);
+    check_value(p, key + "all_reduce_bandwidth", it->second.all_reduce_bandwidth, false);
   }
 }
 

@@ -8,9 +8,13 @@
 //   per mesh axis (dp, fsdp, ep, tp, sp), the link between neighbours on that axis:
 //     bandwidth        B/s of one point-to-point message (ping-pong, one direction)
 //     latency          s of an empty message (half a round trip)
-//     collective_bandwidth  B/s a collective achieves per rank (from an all-gather and a
-//                      reduce-scatter of 16 MiB: (p-1)/p * bytes / time); what all-gather,
-//                      reduce-scatter and all-reduce are costed with. Defaults to `bandwidth`.
+//     collective_bandwidth  B/s an all-gather achieves per rank ((p-1)/p * bytes / time of
+//                      a 16 MiB one). Defaults to `bandwidth`.
+//     reduce_scatter_bandwidth  the same for a reduce-scatter (MPI libraries often run it
+//                      as a reduce then a scatter, slower than a ring). Defaults to
+//                      `collective_bandwidth`.
+//     all_reduce_bandwidth  the same for an all-reduce: 2 (p-1)/p * bytes / time.
+//                      Defaults to `collective_bandwidth`.
 //     exchange_bandwidth    B/s per rank of a ring hop: every rank sends a block to its
 //                      next neighbour while receiving one from its previous one
 //                      (Communicator::shift), so a link carries both directions at once.
@@ -30,11 +34,13 @@
 namespace meshtrain {
 
 struct LinkProfile {
-  double bandwidth = 0.0;                // B/s
-  double latency = 0.0;                  // s
-  double collective_bandwidth = 0.0;     // B/s
-  double exchange_bandwidth = 0.0;       // B/s
-  double bidirectional_bandwidth = 0.0;  // B/s
+  double bandwidth = 0.0;                 // B/s
+  double latency = 0.0;                   // s
+  double collective_bandwidth = 0.0;      // B/s
+  double exchange_bandwidth = 0.0;        // B/s
+  double bidirectional_bandwidth = 0.0;   // B/s
+  double reduce_scatter_bandwidth = 0.0;  // B/s
+  double all_reduce_bandwidth = 0.0;      // B/s
 };
 
 struct HardwareProfile {
@@ -57,7 +63,7 @@ const std::vector<std::string>& hardware_axes();
 // The profile used when no file is given: one core of a current x86 server running
 // OpenBLAS sgemm (100 GFLOP/s, AVX-512 single thread), streaming 10 GB/s, and every axis
 // an MPI link inside one node over shared memory (5 GB/s point to point, 2.5 GB/s per
-// rank in collectives and in ring hops, 2 microseconds latency), overlap 0 (MPI on CPUs
+// rank in every collective and in ring hops, 2 microseconds latency), overlap 0 (MPI on CPUs
 // moves data only inside MPI calls). Round figures of what `meshtrain calibrate` measures
 // on such a machine; calibrate for anything else (a network between hosts is 10 to 1000
 // times slower).

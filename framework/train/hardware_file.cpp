@@ -40,11 +40,11 @@ void reject_unknown(const toml::table& table, std::initializer_list<const char*>
     bool ok = false;
     for (const char* k : known) ok = ok || key.str() == k;
     if (!ok) {
-      MESHTRAIN_BAD_INPUT(at(source, &node), ": unknown hardware profile key ", prefix,
-                          std::string(key.str()),
-                          " (keys: gemm_flops, memory_bandwidth, overlap, [links.<axis>] ",
-                          "bandwidth, latency, collective_bandwidth, exchange_bandwidth, ",
-                          "bidirectional_bandwidth, [measured])");
+      MESHTRAIN_BAD_INPUT(
+          at(source, &node), ": unknown hardware profile key ", prefix, std::string(key.str()),
+          " (keys: gemm_flops, memory_bandwidth, overlap, [links.<axis>] ",
+          "bandwidth, latency, collective_bandwidth, reduce_scatter_bandwidth, ",
+          "all_reduce_bandwidth, exchange_bandwidth, bidirectional_bandwidth, ", "[measured])");
     }
   }
 }
@@ -92,14 +92,19 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
     if (!t)
       MESHTRAIN_BAD_INPUT(at(source, node), ": hardware profile key ", prefix, " must be a table");
     reject_unknown(*t,
-                   {"bandwidth", "latency", "collective_bandwidth", "exchange_bandwidth",
-                    "bidirectional_bandwidth"},
+                   {"bandwidth", "latency", "collective_bandwidth", "reduce_scatter_bandwidth",
+                    "all_reduce_bandwidth", "exchange_bandwidth", "bidirectional_bandwidth"},
                    prefix + ".", source);
     LinkProfile l;
     l.bandwidth = number(*t, "bandwidth", prefix + ".bandwidth", source, true, 0);
     l.latency = number(*t, "latency", prefix + ".latency", source, true, 0);
     l.collective_bandwidth = number(*t, "collective_bandwidth", prefix + ".collective_bandwidth",
                                     source, false, l.bandwidth);
+    l.reduce_scatter_bandwidth =
+        number(*t, "reduce_scatter_bandwidth", prefix + ".reduce_scatter_bandwidth", source, false,
+               l.collective_bandwidth);
+    l.all_reduce_bandwidth = number(*t, "all_reduce_bandwidth", prefix + ".all_reduce_bandwidth",
+                                    source, false, l.collective_bandwidth);
     l.exchange_bandwidth = number(*t, "exchange_bandwidth", prefix + ".exchange_bandwidth", source,
                                   false, l.bandwidth);
     l.bidirectional_bandwidth =
@@ -137,7 +142,11 @@ std::string hardware_profile_to_toml(const HardwareProfile& p, const std::string
         << "bandwidth = " << number_text(l.bandwidth) << "  # B/s point to point\n"
         << "latency = " << number_text(l.latency) << "  # s\n"
         << "collective_bandwidth = " << number_text(l.collective_bandwidth)
-        << "  # B/s per rank in all-gather / reduce-scatter / all-reduce\n"
+        << "  # B/s per rank in an all-gather\n"
+        << "reduce_scatter_bandwidth = " << number_text(l.reduce_scatter_bandwidth)
+        << "  # B/s per rank in a reduce-scatter\n"
+        << "all_reduce_bandwidth = " << number_text(l.all_reduce_bandwidth)
+        << "  # B/s per rank in an all-reduce (2 (p-1)/p bytes moved)\n"
         << "exchange_bandwidth = " << number_text(l.exchange_bandwidth)
         << "  # B/s per rank of a ring hop (send and receive at once)\n"
         << "bidirectional_bandwidth = " << number_text(l.bidirectional_bandwidth)

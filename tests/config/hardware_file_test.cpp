@@ -15,8 +15,9 @@ HardwareProfile measured_profile() {
   p.gemm_flops = 91234567890.0;
   p.memory_bandwidth = 6.25e9;
   p.overlap = 0.125;
-  p.links["fsdp"] = LinkProfile{3.75e7, 2.5e-4, 3.5e7, 1.9e7, 2.1e7};  // a 300 Mbit/s link
-  p.links["tp"] = LinkProfile{4.1e9, 1.9e-6, 2.2e9, 1.5e9, 1.25e9};
+  p.links["fsdp"] =
+      LinkProfile{3.75e7, 2.5e-4, 3.5e7, 1.9e7, 2.1e7, 1.2e7, 1.7e7};  // a 300 Mbit/s link
+  p.links["tp"] = LinkProfile{4.1e9, 1.9e-6, 2.2e9, 1.5e9, 1.25e9, 6.5e8, 9e8};
   return p;
 }
 
@@ -34,6 +35,11 @@ TEST(HardwareFile, RoundTrips) {
     EXPECT_DOUBLE_EQ(back.link(axis).collective_bandwidth, p.link(axis).collective_bandwidth)
         << axis;
     EXPECT_DOUBLE_EQ(back.link(axis).exchange_bandwidth, p.link(axis).exchange_bandwidth) << axis;
+    EXPECT_DOUBLE_EQ(back.link(axis).reduce_scatter_bandwidth,
+                     p.link(axis).reduce_scatter_bandwidth)
+        << axis;
+    EXPECT_DOUBLE_EQ(back.link(axis).all_reduce_bandwidth, p.link(axis).all_reduce_bandwidth)
+        << axis;
     EXPECT_DOUBLE_EQ(back.link(axis).bidirectional_bandwidth, p.link(axis).bidirectional_bandwidth)
         << axis;
   }
@@ -48,6 +54,8 @@ TEST(HardwareFile, CollectiveBandwidthDefaultsToBandwidth) {
   const HardwareProfile p = parse_hardware_profile(text, "hand.toml");
   EXPECT_DOUBLE_EQ(p.link("sp").collective_bandwidth, 5e9);
   EXPECT_DOUBLE_EQ(p.link("sp").exchange_bandwidth, 5e9);
+  EXPECT_DOUBLE_EQ(p.link("sp").reduce_scatter_bandwidth, 5e9);
+  EXPECT_DOUBLE_EQ(p.link("sp").all_reduce_bandwidth, 5e9);
   EXPECT_DOUBLE_EQ(p.link("sp").bidirectional_bandwidth, 5e9);
   EXPECT_DOUBLE_EQ(p.link("sp").latency, 0.0);
   EXPECT_DOUBLE_EQ(p.overlap, 0.0);  // an older profile: no overlap

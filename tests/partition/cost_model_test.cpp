@@ -17,7 +17,8 @@ HardwareProfile slow_machine() {
   hw.gemm_flops = 1e9;
   hw.memory_bandwidth = 1e9;
   hw.overlap = 1.0;
-  for (const auto& axis : hardware_axes()) hw.links[axis] = LinkProfile{1e8, 1e-3, 5e7, 1e8, 2e8};
+  for (const auto& axis : hardware_axes())
+    hw.links[axis] = LinkProfile{1e8, 1e-3, 5e7, 1e8, 2e8, 5e7, 5e7};
   return hw;
 }
 
@@ -30,6 +31,14 @@ TEST(CostModel, RingCollectives) {
   EXPECT_NEAR(collective_seconds(CollectiveKind::reduce_scatter, 1e6, 4, link), 0.018, kTolerance);
   EXPECT_NEAR(collective_seconds(CollectiveKind::all_reduce, 1e6, 4, link), 0.036, kTolerance);
   EXPECT_EQ(collective_seconds(CollectiveKind::all_reduce, 1e6, 1, link), 0.0);
+  // Each collective at its own bandwidth: a reduce-scatter at 25 MB/s, an all-reduce at
+  // 100 MB/s: 0.03 + 0.003 and 2 * (0.0075 + 0.003).
+  LinkProfile mpi = link;
+  mpi.reduce_scatter_bandwidth = 2.5e7;
+  mpi.all_reduce_bandwidth = 1e8;
+  EXPECT_NEAR(collective_seconds(CollectiveKind::reduce_scatter, 1e6, 4, mpi), 0.033, kTolerance);
+  EXPECT_NEAR(collective_seconds(CollectiveKind::all_reduce, 1e6, 4, mpi), 0.021, kTolerance);
+  EXPECT_NEAR(collective_seconds(CollectiveKind::all_gather, 1e6, 4, mpi), 0.018, kTolerance);
 }
 
 TEST(CostModel, CollectiveMatmulOnTwoRanks) {
