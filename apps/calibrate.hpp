@@ -25,6 +25,9 @@
 //                        clamped to 0..1; the smallest over the axes (0 on one rank)
 //   Axes the mesh does not split get the slowest measured link (or the defaults on one
 //   rank) and say so in [measured].
+// clock "cpu" (--clock cpu) times everything in process CPU time instead of wall time: on
+// cores shared with other jobs, the profile of the idle machine (for comparing with
+// CPU-time step times, as bench_train_step's step_cpu_time_median_s).
 // Must run under MPI (meshtrain::Runtime). Returns the exit status.
 
 #include <string>
@@ -33,6 +36,6 @@
 namespace meshtrain {
 
 int calibrate_command(const std::string& config_path, const std::vector<std::string>& overrides,
-                      const std::string& out_path);
+                      const std::string& out_path, const std::string& clock = "wall");
 
 }  // namespace meshtrain
