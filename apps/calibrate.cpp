@@ -97,7 +97,9 @@ double measure_memory_bandwidth() {
   return min_over_ranks(12.0 * count / t);
 }
 
-// Ping-pong between ranks 0 and 1 of `group` (the others wait): half a round trip.
+// Ping-pong between ranks 0 and 1 of `group` (the others wait): half the median round trip
+// (the median, not the mean: a rank descheduled by another job on a shared core for a
+// scheduler tick would otherwise add milliseconds to a microsecond figure).
 double half_round_trip(MPI_Comm group, std::vector<char>& buffer, int bytes, int repeats) {
   int rank = 0;
   check_mpi(MPI_Comm_rank(group, &rank), "MPI_Comm_rank");
@@ -115,9 +117,13 @@ double half_round_trip(MPI_Comm group, std::vector<char>& buffer, int bytes, int
   };
   once();
   check_mpi(MPI_Barrier(group), "MPI_Barrier");
-  const double start = now();
-  for (int r = 0; r < repeats; ++r) once();
-  const double t = (now() - start) / repeats / 2;
+  std::vector<double> trips;
+  for (int r = 0; r < repeats; ++r) {
+    const double start = now();
+    once();
+    trips.push_back(now() - start);
+  }
+  const double t = median(trips) / 2;
   check_mpi(MPI_Barrier(group), "MPI_Barrier");
   double slowest = 0.0;  // rank 0's figure, the slowest group's
   check_mpi(MPI_Allreduce(&t, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD), "MPI_Allreduce");

@@ -8,9 +8,9 @@
 //   memory_bandwidth  a = b + s * c over 3 x 64 MiB (12 bytes per element), every rank at
 //                     once, median of 5, slowest rank
 //   per mesh axis of size > 1 (CONFIG's mesh for N ranks, or dp = N), every group at once,
-//   each figure the slowest rank's median of 3:
+//   each figure the slowest rank's median of 5:
 //     latency, bandwidth   ping-pong between the group's ranks 0 and 1: 8 bytes (100
-//                          round trips) and 8 MiB (3), half a round trip each
+//                          round trips) and 8 MiB (5), half the median round trip each
 //     exchange_bandwidth   an 8 MiB ring hop (Communicator::shift +1: every rank sends and
 //                          receives at once): 8 MiB / (time - latency)
 //     bidirectional_bandwidth  the two 4 MiB halves at once (shift +1 and -1): 8 MiB / (time
