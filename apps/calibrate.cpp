@@ -144,7 +144,7 @@ struct LinkMeasurement {
   LinkProfile link;
   double overlap = 1.0;  // of a ring hop beside GEMMs of about its length
   double hop_s = 0.0, gemms_s = 0.0, both_s = 0.0, all_gather_s = 0.0, reduce_scatter_s = 0.0,
-         all_reduce_s = 0.0, bidirectional_s = 0.0;
+         all_reduce_s = 0.0, bidirectional_s = 0.0, small_all_reduce_s = 0.0;
   int gemms = 0;
 };
 
@@ -217,6 +217,7 @@ LinkMeasurement measure_link(const Mesh& mesh, MeshCommunicators& comms, const s
   const double moved = (p - 1.0) / p * static_cast<double>(chunk * p * sizeof(float));
   link.collective_bandwidth = moved / std::max(t_ag - (p - 1) * link.latency, 1e-9);
   link.reduce_scatter_bandwidth = moved / std::max(t_rs - (p - 1) * link.latency, 1e-9);
+  m.small_all_reduce_s = slowest_timed(51, [&] { comm.all_reduce(VectorView(data.data(), 2)); });
   const double t_ar = m.all_reduce_s =
       slowest_timed(5, [&] { comm.all_reduce(VectorView(data.data(), full)); });
   link.all_reduce_bandwidth = 2.0 * moved / std::max(t_ar - 2.0 * (p - 1) * link.latency, 1e-9);
@@ -288,10 +289,10 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
       std::snprintf(line, sizeof line,
                     "%s_overlap = %.3f  # 8 MiB hop %.4g s, %d GEMMs %.4g s, both %.4g s\n"
                     "%s_seconds = \"hop %.4g, bidirectional hop %.4g, all-gather %.4g, "
-                    "reduce-scatter %.4g, all-reduce %.4g\"\n",
+                    "reduce-scatter %.4g, all-reduce %.4g, 8-byte all-reduce %.4g\"\n",
                     a.name.c_str(), m.overlap, m.hop_s, m.gemms, m.gemms_s, m.both_s,
                     a.name.c_str(), m.hop_s, m.bidirectional_s, m.all_gather_s, m.reduce_scatter_s,
-                    m.all_reduce_s);
+                    m.all_reduce_s, m.small_all_reduce_s);
       measured << line;
     }
   }

@@ -1,6 +1,7 @@
 #include "partition/cost_model.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 
 #include "partition/error.hpp"
@@ -55,7 +56,11 @@ double collective_seconds(CollectiveKind kind, double bytes, int ranks, const Li
                            : kind == CollectiveKind::reduce_scatter ? link.reduce_scatter_bandwidth
                                                                     : link.all_reduce_bandwidth;
   const double one = (p - 1) / p * bytes / bandwidth + (p - 1) * link.latency;
-  return kind == CollectiveKind::all_reduce ? 2 * one : one;
+  if (kind != CollectiveKind::all_reduce) return one;
+  // All-reduce: the cheaper of a ring (reduce-scatter then all-gather) and recursive
+  // doubling (log2 p exchanges of the whole operand), as MPI picks for small operands.
+  const double doubling = std::ceil(std::log2(p)) * (link.latency + bytes / bandwidth);
+  return std::min(2 * one, doubling);
 }
 
 double overlapped_seconds(double a, double c, double overlap) {

@@ -9,7 +9,9 @@
 //   collectives the plan's (LayerCollective), each costed as a ring on the slowest link of
 //               its group, S the full (gathered / unreduced) operand in bytes, p ranks:
 //                 all-gather, reduce-scatter   (p-1)/p * S / B + (p-1) * alpha
-//                 all-reduce                   2 * that (reduce-scatter then all-gather)
+//                 all-reduce                   the cheaper of 2 * that (reduce-scatter then
+//                                              all-gather) and recursive doubling,
+//                                              ceil(log2 p) * (alpha + S / B)
 //               B = the link's bandwidth of that collective (collective_bandwidth for the
 //               all-gather, reduce_scatter_bandwidth, all_reduce_bandwidth), alpha = latency. Run
 //               one after the other with the GEMMs, except the FSDP weight prefetch below.

@@ -30,6 +30,9 @@ TEST(CostModel, RingCollectives) {
   EXPECT_NEAR(collective_seconds(CollectiveKind::all_gather, 1e6, 4, link), 0.018, kTolerance);
   EXPECT_NEAR(collective_seconds(CollectiveKind::reduce_scatter, 1e6, 4, link), 0.018, kTolerance);
   EXPECT_NEAR(collective_seconds(CollectiveKind::all_reduce, 1e6, 4, link), 0.036, kTolerance);
+  // A small all-reduce takes recursive doubling: 2 exchanges of 1e-3 + 1e3 / 5e7 (the ring:
+  // 2 * (3/4 * 1e3 / 5e7 + 3e-3) = 0.00603).
+  EXPECT_NEAR(collective_seconds(CollectiveKind::all_reduce, 1e3, 4, link), 0.00204, kTolerance);
   EXPECT_EQ(collective_seconds(CollectiveKind::all_reduce, 1e6, 1, link), 0.0);
   // Each collective at its own bandwidth: a reduce-scatter at 25 MB/s, an all-reduce at
   // 100 MB/s: 0.03 + 0.003 and 2 * (0.0075 + 0.003).
@@ -115,12 +118,12 @@ TEST(CostModel, DataParallelStepByHand) {
   // activation gradient 3*4*2*8 = 192, bias gradient 4*2*8 = 64; AdamW 7 passes over 58
   // parameters * 4 B = 1624. 2248 B.
   EXPECT_NEAR(cost.memory_s, 2248e-9, kTolerance);
-  // Collectives, all-reduces over dp = 2, 2 * (1/2 * S / 5e7 + 1e-3): the loss's 24 B, the
-  // weight gradients 128 B and 64 B, the bias gradients 32 B and 8 B: 5 * 2e-3 latency
-  // + 2 * (12 + 64 + 32 + 16 + 4) / 5e7 = 0.01 + 5.12e-6.
-  EXPECT_NEAR(cost.collective_s, 0.01 + 5.12e-6, kTolerance);
+  // Collectives, all-reduces over dp = 2: recursive doubling, one exchange 1e-3 + S / 5e7,
+  // beats the ring's 2 * (1/2 * S / 5e7 + 1e-3): the loss's 24 B, the weight gradients 128 B
+  // and 64 B, the bias gradients 32 B and 8 B: 5 * 1e-3 latency + 256 / 5e7 = 0.005 + 5.12e-6.
+  EXPECT_NEAR(cost.collective_s, 0.005 + 5.12e-6, kTolerance);
   EXPECT_EQ(cost.collective_matmul_s, 0.0);
-  EXPECT_NEAR(cost.total_s, 448e-9 + 2248e-9 + 0.01 + 5.12e-6, kTolerance);
+  EXPECT_NEAR(cost.total_s, 448e-9 + 2248e-9 + 0.005 + 5.12e-6, kTolerance);
 }
 
 TEST(CostModel, FsdpStepGathersTheWeightTwiceAndReduceScattersItsGradient) {
@@ -137,8 +140,8 @@ TEST(CostModel, FsdpStepGathersTheWeightTwiceAndReduceScattersItsGradient) {
   // Per layer: the weight all-gathered forward and backward and its gradient
   // reduce-scattered (full operand S: 128 B and 64 B), each 1/2 * S / 5e7 + 1e-3; the bias
   // gradients all-reduced over fsdp as in DP (32 B, 8 B); the loss's 24 B.
-  // Latency: 6 * 1e-3 + 3 * 2e-3 = 0.012. Bytes: 3 * (64 + 32) / 5e7 + 2 * (16 + 4 + 12) / 5e7.
-  EXPECT_NEAR(cost.collective_s, 0.012 + (288.0 + 64.0) / 5e7, kTolerance);
+  // Latency: 6 * 1e-3 + 3 * 1e-3 = 0.009. Bytes: 3 * (64 + 32) / 5e7 + (32 + 8 + 24) / 5e7.
+  EXPECT_NEAR(cost.collective_s, 0.009 + (288.0 + 64.0) / 5e7, kTolerance);
   // Memory as in DP, except AdamW on half the weights: (16 + 8 + 8 + 2) * 4 B * 7 = 952.
   EXPECT_NEAR(cost.memory_s, (2248.0 - 1624.0 + 952.0) * 1e-9, kTolerance);
   EXPECT_NEAR(cost.gemm_s, 448e-9, kTolerance);
@@ -247,8 +250,9 @@ TEST(CostModel, FsdpPrefetchHidesTheGatherUnderTheLayerBefore) {
 TEST(CostModel, ZeroOneReduceScattersAndUpdatesHalfTheState) {
   // The DP case above with optimizer.zero_stage = 1 on dp = 2: the four gradient
   // all-reduces become reduce-scatters (1/2 * S / 5e7 + 1e-3 each, S = 128, 64, 32, 8 B)
-  // and every tensor's chunk is all-gathered after the update (full operand = the tensor:
-  // the same bytes and latencies), so the collectives equal plain DP's: 0.01 + 5.12e-6.
+  // and every tensor's chunk is all-gathered after the update (full operand = the tensor),
+  // 8 * 1e-3 + 232 / 5e7, and the loss's all-reduce 1e-3 + 24 / 5e7: 0.009 + 5.12e-6 (plain
+  // DP's all-reduces of 2 ranks are one exchange each: 0.005 + 5.12e-6).
   // AdamW runs on the chunks: rows 4 -> 2, 8 -> 4, 8 -> 4, 2 -> 1 of [4, 8], [8], [8, 2],
   // [2]: 64 + 16 + 32 + 4 = 116 B, 7 passes 812 B instead of 1624; the chunks are copied
   // out for the all-gather (2 * 116 B). Memory 2248 - 1624 + 812 + 232 = 1668 B.
@@ -260,7 +264,7 @@ TEST(CostModel, ZeroOneReduceScattersAndUpdatesHalfTheState) {
   const ShardingPlan plan = small_plan(mesh, {{".*", PartitionSpec(), false}}, options, {4, 8, 2});
   const StepCost cost =
       predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::automatic);
-  EXPECT_NEAR(cost.collective_s, 0.01 + 5.12e-6, kTolerance);
+  EXPECT_NEAR(cost.collective_s, 0.009 + 5.12e-6, kTolerance);
   EXPECT_NEAR(cost.memory_s, 1668e-9, kTolerance);
   EXPECT_NEAR(cost.gemm_s, 448e-9, kTolerance);
   int reduce_scatters = 0, all_gathers = 0;
