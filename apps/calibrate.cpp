@@ -5,7 +5,9 @@
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -22,6 +24,18 @@
 
 namespace meshtrain {
 namespace {
+
+// --clock cpu: every time below is this process's CPU time instead of wall time, which
+// other jobs time-sharing the cores do not inflate (ranks waiting in MPI spin, so waits
+// count too): the profile of the same machine idle, to compare with CPU-time step times.
+bool g_cpu_clock = false;
+
+double now() {
+  if (!g_cpu_clock) return MPI_Wtime();
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -42,9 +56,9 @@ double timed(int repeats, Fn fn, MPI_Comm comm = MPI_COMM_WORLD) {
   std::vector<double> t;
   for (int r = 0; r < repeats; ++r) {
     check_mpi(MPI_Barrier(comm), "MPI_Barrier");
-    const double start = MPI_Wtime();
+    const double start = now();
     fn();
-    t.push_back(MPI_Wtime() - start);
+    t.push_back(now() - start);
   }
   return median(t);
 }
@@ -83,7 +97,9 @@ double measure_memory_bandwidth() {
   return min_over_ranks(12.0 * count / t);
 }
 
-// Ping-pong between ranks 0 and 1 of `group` (the others wait): half a round trip.
+// Ping-pong between ranks 0 and 1 of `group` (the others wait): half the median round trip
+// (the median, not the mean: a rank descheduled by another job on a shared core for a
+// scheduler tick would otherwise add milliseconds to a microsecond figure).
 double half_round_trip(MPI_Comm group, std::vector<char>& buffer, int bytes, int repeats) {
   int rank = 0;
   check_mpi(MPI_Comm_rank(group, &rank), "MPI_Comm_rank");
@@ -101,17 +117,53 @@ double half_round_trip(MPI_Comm group, std::vector<char>& buffer, int bytes, int
   };
   once();
   check_mpi(MPI_Barrier(group), "MPI_Barrier");
-  const double start = MPI_Wtime();
-  for (int r = 0; r < repeats; ++r) once();
-  const double t = (MPI_Wtime() - start) / repeats / 2;
+  std::vector<double> trips;
+  for (int r = 0; r < repeats; ++r) {
+    const double start = now();
+    once();
+    trips.push_back(now() - start);
+  }
+  const double t = median(trips) / 2;
   check_mpi(MPI_Barrier(group), "MPI_Barrier");
   double slowest = 0.0;  // rank 0's figure, the slowest group's
   check_mpi(MPI_Allreduce(&t, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD), "MPI_Allreduce");
   return slowest;
 }
 
-LinkProfile measure_link(const Mesh& mesh, MeshCommunicators& comms, const std::string& axis,
-                         int world_rank) {
+// The slowest rank's median seconds of `fn` (all ranks of the world start together).
+template <class Fn>
+double slowest_timed(int repeats, Fn fn) {
+  double t = timed(repeats, fn);
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD),
+            "MPI_Allreduce");
+  return t;
+}
+
+// What one axis' link does, for the profile and for [measured].
+struct LinkMeasurement {
+  LinkProfile link;
+  double overlap = 1.0;  // of a ring hop beside GEMMs of about its length
+  double hop_s = 0.0, gemms_s = 0.0, both_s = 0.0, all_gather_s = 0.0, reduce_scatter_s = 0.0,
+         all_reduce_s = 0.0, bidirectional_s = 0.0, small_all_reduce_s = 0.0;
+  int gemms = 0;
+};
+
+// Every rank runs `gemms` times x @ W [256 x 2048 x 2048] (calibrate's forward GEMM).
+struct GemmLoad {
+  Matrix x{"meshtrain::calibrate_ox", 256, 2048}, w{"meshtrain::calibrate_ow", 2048, 2048},
+      y{"meshtrain::calibrate_oy", 256, 2048};
+  GemmLoad() {
+    Kokkos::deep_copy(x, 0.5f);
+    Kokkos::deep_copy(w, 0.25f);
+  }
+  void run(int gemms) {
+    for (int i = 0; i < gemms; ++i) gemm(plain(x), plain(w), 0.0f, y);
+    Kokkos::fence();
+  }
+};
+
+LinkMeasurement measure_link(const Mesh& mesh, MeshCommunicators& comms, const std::string& axis,
+                             int world_rank, GemmLoad& load) {
   const int p = mesh.axis_size(axis);
   MPI_Comm group = MPI_COMM_NULL;
   check_mpi(MPI_Comm_split(MPI_COMM_WORLD, mesh.group_color(world_rank, {axis}),
@@ -119,22 +171,73 @@ LinkProfile measure_link(const Mesh& mesh, MeshCommunicators& comms, const std::
             "MPI_Comm_split");
   const int big = 8 << 20;
   std::vector<char> buffer(static_cast<size_t>(big), 1);
-  LinkProfile link;
+  LinkMeasurement m;
+  LinkProfile& link = m.link;
   link.latency = half_round_trip(group, buffer, 8, 100);
   const double t_big = half_round_trip(group, buffer, big, 5);
   link.bandwidth = big / std::max(t_big - link.latency, 1e-9);
   check_mpi(MPI_Comm_free(&group), "MPI_Comm_free");
 
   Communicator& comm = comms.get({axis});
-  const size_t floats = static_cast<size_t>(big) / sizeof(float);
-  Vector data("meshtrain::calibrate_allreduce", floats);
+  // A ring hop: every rank sends 8 MiB to its next neighbour and receives 8 MiB from its
+  // previous one at once (Communicator::shift, as the ring collective matmuls do).
+  const size_t block = static_cast<size_t>(big) / sizeof(float);
+  Vector send("meshtrain::calibrate_send", block), recv("meshtrain::calibrate_recv", block),
+      recv2("meshtrain::calibrate_recv2", block);
+  Kokkos::deep_copy(send, 1.0f);
+  auto hop = [&] {
+    comm.shift(ConstVectorView(send.data(), block), VectorView(recv.data(), block), +1).wait();
+  };
+  m.hop_s = slowest_timed(5, hop);
+  link.exchange_bandwidth = big / std::max(m.hop_s - link.latency, 1e-9);
+  // A bidirectional hop: the two halves at once, one each way round the ring.
+  const size_t half = block / 2;
+  const double t_bidir = m.bidirectional_s = slowest_timed(5, [&] {
+    Request lo = comm.shift(ConstVectorView(send.data(), half), VectorView(recv.data(), half), +1);
+    Request hi = comm.shift(ConstVectorView(send.data() + half, block - half),
+                            VectorView(recv2.data(), block - half), -1);
+    lo.wait();
+    hi.wait();
+  });
+  link.bidirectional_bandwidth = big / std::max(t_bidir - link.latency, 1e-9);
+
+  // Collectives of a 16 MiB full operand (a [2048, 2048] weight): all-gather and
+  // reduce-scatter, (p-1)/p * bytes / (time - (p-1) latency); and an all-reduce, reported.
+  const size_t full = size_t{4} << 20;
+  const size_t chunk = full / static_cast<size_t>(p);
+  Vector data("meshtrain::calibrate_collective", full), part("meshtrain::calibrate_part", chunk);
   Kokkos::deep_copy(data, 1.0f);
-  double t = timed(5, [&] { comm.all_reduce(VectorView(data.data(), floats)); });
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD),
-            "MPI_Allreduce");
-  const double moved = 2.0 * (p - 1) / p * big;
-  link.collective_bandwidth = moved / std::max(t - 2.0 * (p - 1) * link.latency, 1e-9);
-  return link;
+  Kokkos::deep_copy(part, 1.0f);
+  const double t_ag = m.all_gather_s = slowest_timed(5, [&] {
+    comm.all_gather(ConstVectorView(part.data(), chunk), VectorView(data.data(), chunk * p));
+  });
+  const double t_rs = m.reduce_scatter_s = slowest_timed(5, [&] {
+    comm.reduce_scatter(ConstVectorView(data.data(), chunk * p), VectorView(part.data(), chunk));
+  });
+  const double moved = (p - 1.0) / p * static_cast<double>(chunk * p * sizeof(float));
+  link.collective_bandwidth = moved / std::max(t_ag - (p - 1) * link.latency, 1e-9);
+  link.reduce_scatter_bandwidth = moved / std::max(t_rs - (p - 1) * link.latency, 1e-9);
+  m.small_all_reduce_s = slowest_timed(51, [&] { comm.all_reduce(VectorView(data.data(), 2)); });
+  const double t_ar = m.all_reduce_s =
+      slowest_timed(5, [&] { comm.all_reduce(VectorView(data.data(), full)); });
+  link.all_reduce_bandwidth = 2.0 * moved / std::max(t_ar - 2.0 * (p - 1) * link.latency, 1e-9);
+
+  // Overlap: the hop alone, k GEMMs of about the hop's length alone, and the hop started
+  // before the GEMMs and waited for after them: e = (gemms + hop - both) / min(gemms, hop).
+  const double one_gemm = slowest_timed(5, [&] { load.run(1); });
+  double k = std::round(m.hop_s / std::max(one_gemm, 1e-9));
+  m.gemms = static_cast<int>(std::min(64.0, std::max(1.0, k)));
+  check_mpi(MPI_Bcast(&m.gemms, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
+  m.gemms_s = slowest_timed(5, [&] { load.run(m.gemms); });
+  m.both_s = slowest_timed(5, [&] {
+    Request moving =
+        comm.shift(ConstVectorView(send.data(), block), VectorView(recv.data(), block), +1);
+    load.run(m.gemms);
+    moving.wait();
+  });
+  const double hideable = std::min(m.gemms_s, m.hop_s);
+  m.overlap = std::clamp((m.gemms_s + m.hop_s - m.both_s) / std::max(hideable, 1e-9), 0.0, 1.0);
+  return m;
 }
 
 std::string host_name() {
@@ -146,7 +249,11 @@ std::string host_name() {
 }  // namespace
 
 int calibrate_command(const std::string& config_path, const std::vector<std::string>& overrides,
-                      const std::string& out_path) {
+                      const std::string& out_path, const std::string& clock) {
+  if (clock != "wall" && clock != "cpu") {
+    MESHTRAIN_BAD_INPUT("calibrate --clock must be wall or cpu, not '", clock, "'");
+  }
+  g_cpu_clock = clock == "cpu";
   int rank = 0, world = 1;
   check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world), "MPI_Comm_size");
@@ -165,15 +272,28 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
   profile.gemm_flops = measure_gemm_flops();
   profile.memory_bandwidth = measure_memory_bandwidth();
   std::ostringstream measured;
-  measured << "ranks = " << world << "\nmesh = \"" << mesh->short_description() << "\"\nhost = \""
-           << host_name() << "\"\n";
+  measured << "clock = \"" << clock << "\"\nranks = " << world << "\nmesh = \""
+           << mesh->short_description() << "\"\nhost = \"" << host_name() << "\"\n";
   std::vector<std::string> measured_axes;
   {
     MeshCommunicators comms(*mesh);
+    GemmLoad load;
     for (const auto& a : mesh->axes()) {
       if (a.size < 2) continue;
-      profile.links[a.name] = measure_link(*mesh, comms, a.name, rank);
+      const LinkMeasurement m = measure_link(*mesh, comms, a.name, rank, load);
+      profile.links[a.name] = m.link;
+      // The least overlap of any axis: a step's transfers run on all of them.
+      profile.overlap = measured_axes.empty() ? m.overlap : std::min(profile.overlap, m.overlap);
       measured_axes.push_back(a.name);
+      char line[1024];
+      std::snprintf(line, sizeof line,
+                    "%s_overlap = %.3f  # 8 MiB hop %.4g s, %d GEMMs %.4g s, both %.4g s\n"
+                    "%s_seconds = \"hop %.4g, bidirectional hop %.4g, all-gather %.4g, "
+                    "reduce-scatter %.4g, all-reduce %.4g, 8-byte all-reduce %.4g\"\n",
+                    a.name.c_str(), m.overlap, m.hop_s, m.gemms, m.gemms_s, m.both_s,
+                    a.name.c_str(), m.hop_s, m.bidirectional_s, m.all_gather_s, m.reduce_scatter_s,
+                    m.all_reduce_s, m.small_all_reduce_s);
+      measured << line;
     }
   }
   if (!measured_axes.empty()) {

@@ -7,13 +7,27 @@
 //                     sharing cores see their share), median of 5, slowest rank
 //   memory_bandwidth  a = b + s * c over 3 x 64 MiB (12 bytes per element), every rank at
 //                     once, median of 5, slowest rank
-//   per mesh axis of size > 1 (CONFIG's mesh for N ranks, or dp = N), every group at once:
+//   per mesh axis of size > 1 (CONFIG's mesh for N ranks, or dp = N), every group at once,
+//   each figure the slowest rank's median of 5:
 //     latency, bandwidth   ping-pong between the group's ranks 0 and 1: 8 bytes (100
-//                          round trips) and 8 MiB (5), half a round trip each
-//     collective_bandwidth an 8 MiB all-reduce through the group's Communicator (the one
-//                          the layers use): 2 (p-1)/p * bytes / (time - 2 (p-1) latency)
+//                          round trips) and 8 MiB (5), half the median round trip each
+//     exchange_bandwidth   an 8 MiB ring hop (Communicator::shift +1: every rank sends and
+//                          receives at once): 8 MiB / (time - latency)
+//     bidirectional_bandwidth  the two 4 MiB halves at once (shift +1 and -1): 8 MiB / (time
+//                          - latency)
+//     collective_bandwidth an all-gather and a reduce-scatter of a 16 MiB full operand
+//                          through the group's Communicator (the one the layers use):
+//                          (p-1)/p * 16 MiB / (their mean time - (p-1) latency); an
+//                          all-reduce of 16 MiB is reported in [measured]
+//   overlap              per axis: the 8 MiB hop alone (h), k forward GEMMs [256 x 2048 x
+//                        2048] of about its length alone (c), and the hop started before
+//                        the GEMMs and waited for after them (b): (c + h - b) / min(c, h),
+//                        clamped to 0..1; the smallest over the axes (0 on one rank)
 //   Axes the mesh does not split get the slowest measured link (or the defaults on one
 //   rank) and say so in [measured].
+// clock "cpu" (--clock cpu) times everything in process CPU time instead of wall time: on
+// cores shared with other jobs, the profile of the idle machine (for comparing with
+// CPU-time step times, as bench_train_step's step_cpu_time_median_s).
 // Must run under MPI (meshtrain::Runtime). Returns the exit status.
 
 #include <string>
@@ -22,6 +36,6 @@
 namespace meshtrain {
 
 int calibrate_command(const std::string& config_path, const std::vector<std::string>& overrides,
-                      const std::string& out_path);
+                      const std::string& out_path, const std::string& clock = "wall");
 
 }  // namespace meshtrain

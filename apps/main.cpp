@@ -122,6 +122,7 @@ int run_train(const TrainArgs& args, int& argc, char**& argv) {
 struct CalibrateArgs {
   std::string config;
   std::string out;
+  std::string clock = "wall";
   std::vector<std::string> overrides;
 };
 
@@ -133,13 +134,17 @@ void add_calibrate_command(CLI::App& app, CalibrateArgs& args) {
   calibrate->add_option("config", args.config,
                         "A run's TOML file: its mesh for N ranks (default: dp = N)");
   calibrate->add_option("--out", args.out, "Write the profile here (default: standard output)");
+  calibrate->add_option("--clock", args.clock,
+                        "wall (default) | cpu: time in process CPU time, the idle machine's "
+                        "profile where other jobs share the cores");
   add_set_option(*calibrate, args.overrides);
 }
 
 int run_calibrate(const CalibrateArgs& args, int& argc, char**& argv) {
   meshtrain::Runtime runtime(argc, argv);
-  return meshtrain::run_or_abort(
-      [&] { return meshtrain::calibrate_command(args.config, args.overrides, args.out); });
+  return meshtrain::run_or_abort([&] {
+    return meshtrain::calibrate_command(args.config, args.overrides, args.out, args.clock);
+  });
 }
 
 // --- inspect: a checkpoint's step, mesh, config and datasets (no MPI launch needed) ----

@@ -191,6 +191,15 @@ void write_cost_text(const ShardingPlan& plan, const StepCost& cost, const Hardw
       << seconds_text(cost.collective_s) << ", collective matmuls "
       << seconds_text(cost.collective_matmul_s) << ", memory passes " << seconds_text(cost.memory_s)
       << "\n";
+  if (cost.full_overlap_hidden_s > 0.0) {
+    char e[16];
+    std::snprintf(e, sizeof e, "%.2f", hw.overlap);
+    out << "  overlap ([runtime] overlap: FSDP weight prefetch; profile overlap " << e
+        << "): predicted " << seconds_text(cost.total_s) << ", "
+        << seconds_text(cost.overlap_hidden_s) << " of communication hidden; without overlap "
+        << seconds_text(cost.serial_s) << "; at full overlap, per layer max(compute, gather): "
+        << seconds_text(cost.full_overlap_s) << "\n";
+  }
   std::vector<std::vector<std::string>> rows = {
       {"  layer", "phase", "part", "what", "group", "time"}};
   for (const auto& item : cost.items) {
@@ -259,6 +268,10 @@ nlohmann::ordered_json cost_json(const StepCost& cost, const HardwareProfile& hw
           {"collective_s", cost.collective_s},
           {"collective_matmul_s", cost.collective_matmul_s},
           {"memory_s", cost.memory_s},
+          {"overlap", hw.overlap},
+          {"overlap_hidden_s", cost.overlap_hidden_s},
+          {"serial_s", cost.serial_s},
+          {"full_overlap_s", cost.full_overlap_s},
           {"items", items},
           {"collective_matmuls", matmuls}};
 }

@@ -18,6 +18,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
+#include <ctime>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -49,29 +50,43 @@ Matrix filled(const std::string& label, std::size_t rows, std::size_t cols, floa
   return m;
 }
 
+double process_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
 // Medians over `repeats` rounds of the slowest rank's time of each fn (after one warm-up
-// call each). The calls are interleaved round by round, so a change in the machine's load
-// (other jobs on shared cores) hits every variant alike and the ratios stay meaningful.
+// call each); `cpu` gets the same of the process CPU time (which time-sharing the cores
+// with other jobs does not inflate; ranks waiting in MPI spin, so it counts waits too).
+// The calls are interleaved round by round, so a change in the machine's load (other jobs
+// on shared cores) hits every variant alike and the ratios stay meaningful.
 std::vector<double> median_times(int repeats, const std::vector<std::function<void()>>& fns,
-                                 MPI_Comm comm) {
+                                 MPI_Comm comm, std::vector<double>* cpu = nullptr) {
   for (const auto& fn : fns) fn();
-  std::vector<std::vector<double>> times(fns.size());
+  std::vector<std::vector<double>> times(fns.size()), cpu_times(fns.size());
   for (int r = 0; r < repeats; ++r) {
     for (std::size_t f = 0; f < fns.size(); ++f) {
       MPI_Barrier(comm);
-      const double start = MPI_Wtime();
+      const double start = MPI_Wtime(), cpu_start = process_cpu_seconds();
       fns[f]();
-      double elapsed = MPI_Wtime() - start, slowest = 0.0;
-      MPI_Allreduce(&elapsed, &slowest, 1, MPI_DOUBLE, MPI_MAX, comm);
-      times[f].push_back(slowest);
+      double elapsed[2] = {MPI_Wtime() - start, process_cpu_seconds() - cpu_start};
+      double slowest[2] = {0.0, 0.0};
+      MPI_Allreduce(elapsed, slowest, 2, MPI_DOUBLE, MPI_MAX, comm);
+      times[f].push_back(slowest[0]);
+      cpu_times[f].push_back(slowest[1]);
     }
   }
-  std::vector<double> medians;
-  for (auto& t : times) {
-    std::sort(t.begin(), t.end());
-    medians.push_back(t[t.size() / 2]);
-  }
-  return medians;
+  auto medians = [](std::vector<std::vector<double>>& all) {
+    std::vector<double> out;
+    for (auto& t : all) {
+      std::sort(t.begin(), t.end());
+      out.push_back(t[t.size() / 2]);
+    }
+    return out;
+  };
+  if (cpu) *cpu = medians(cpu_times);
+  return medians(times);
 }
 
 }  // namespace
@@ -177,7 +192,8 @@ int main(int argc, char** argv) {
       variants.push_back([&] {
         if (root) meshtrain::gemm(meshtrain::plain(full_a), meshtrain::plain(full_b), 0.0f, full_c);
       });
-      const std::vector<double> t = median_times(repeats, variants, MPI_COMM_WORLD);
+      std::vector<double> cpu;
+      const std::vector<double> t = median_times(repeats, variants, MPI_COMM_WORLD, &cpu);
 
       const double flops = 2.0 * static_cast<double>(m) * local_k * n;  // per rank
       const double single_time = t.back(), local_time = t[t.size() - 2];
@@ -201,6 +217,7 @@ int main(int argc, char** argv) {
             algorithms[v], hw.link("tp"), hw);
         if (!gather) line["scatter_dim"] = scatter_dim;
         line["time_s"] = t[v];
+        line["cpu_time_s"] = cpu[v];
         line["gflops"] = flops / t[v] * 1e-9;
         if (naive_time > 0.0) line["time_over_naive"] = t[v] / naive_time;
         line["bytes_moved_per_rank"] = (ranks - 1) * block_bytes;

@@ -257,6 +257,10 @@ int main(int argc, char** argv) {
     app.add_option("--hardware", hardware,
                    "hardware profile (meshtrain calibrate): auto's choices and the predicted "
                    "step time (default: the built-in defaults)");
+    std::string hardware_cpu;
+    app.add_option("--hardware-cpu", hardware_cpu,
+                   "a second profile measured with calibrate --clock cpu: predicted_cpu_s, "
+                   "to compare with the step's CPU time");
     bool overlap = false;
     app.add_option("--overlap", overlap,
                    "runtime.overlap: 0|1 (FSDP weight prefetch, DP gradient buckets)");
@@ -440,10 +444,20 @@ int main(int argc, char** argv) {
       line["hardware"] = profile.source;
       line["predicted_step_time_s"] = predicted.total_s;
       line["predicted_over_measured"] = predicted.total_s / step_time;
+      if (!hardware_cpu.empty()) {
+        const meshtrain::StepCost on_cpu = meshtrain::predict_step(
+            plan, meshtrain::plan_options(config), meshtrain::read_hardware_profile(hardware_cpu),
+            meshtrain::parse_collective_matmul_algorithm(algorithm));
+        line["predicted_cpu_s"] = on_cpu.total_s;
+        line["predicted_cpu_over_measured_cpu"] = on_cpu.total_s / step_cpu_time;
+      }
       line["predicted_parts_s"] = {{"gemm", predicted.gemm_s},
                                    {"collective", predicted.collective_s},
                                    {"collective_matmul", predicted.collective_matmul_s},
                                    {"memory", predicted.memory_s}};
+      line["predicted_serial_s"] = predicted.serial_s;
+      line["predicted_full_overlap_s"] = predicted.full_overlap_s;
+      line["hardware_overlap"] = profile.overlap;
       line["first_loss"] = first_loss;
       line["last_loss"] = last_loss;
       line["loadavg_start"] = load_at_start;

@@ -1,10 +1,12 @@
 #include "partition/cost_model.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 
 #include "partition/error.hpp"
 #include "partition/text.hpp"
+#include "partition/zero1.hpp"
 
 namespace meshtrain {
 
@@ -24,6 +26,19 @@ std::string group_text(const std::vector<std::string>& axes, const Mesh& mesh) {
          std::to_string(mesh.size_of(axes));
 }
 
+// Whether layers/linear.cpp's Linear defers its gradient all-reduces when asked to (its
+// defers_reduction()): what ZeRO-1 reduce-scatters instead.
+bool defers_reduction(const LinearLayout& l) {
+  return !l.weight_allreduce.empty() && l.weight_gather_dim0.empty() &&
+         l.weight_gather_dim1.empty() && l.nonbatch_replication == 1 &&
+         l.bias_reduce == l.weight_allreduce && l.bias_stored == l.out;
+}
+
+// Whether the layer's weight is gathered over exactly one group (Linear::can_prefetch_weight).
+bool can_prefetch(const LinearLayout& l) {
+  return l.weight_gather_dim0.empty() != l.weight_gather_dim1.empty();
+}
+
 std::vector<std::string> active_axes(const Mesh& mesh) {
   std::vector<std::string> axes;
   for (const auto& a : mesh.axes()) {
@@ -37,8 +52,19 @@ std::vector<std::string> active_axes(const Mesh& mesh) {
 double collective_seconds(CollectiveKind kind, double bytes, int ranks, const LinkProfile& link) {
   if (ranks <= 1) return 0.0;
   const double p = ranks;
-  const double one = (p - 1) / p * bytes / link.collective_bandwidth + (p - 1) * link.latency;
-  return kind == CollectiveKind::all_reduce ? 2 * one : one;
+  const double bandwidth = kind == CollectiveKind::all_gather       ? link.collective_bandwidth
+                           : kind == CollectiveKind::reduce_scatter ? link.reduce_scatter_bandwidth
+                                                                    : link.all_reduce_bandwidth;
+  const double one = (p - 1) / p * bytes / bandwidth + (p - 1) * link.latency;
+  if (kind != CollectiveKind::all_reduce) return one;
+  // All-reduce: the cheaper of a ring (reduce-scatter then all-gather) and recursive
+  // doubling (log2 p exchanges of the whole operand), as MPI picks for small operands.
+  const double doubling = std::ceil(std::log2(p)) * (link.latency + bytes / bandwidth);
+  return std::min(2 * one, doubling);
+}
+
+double overlapped_seconds(double a, double c, double overlap) {
+  return std::max(a, c) + (1.0 - overlap) * std::min(a, c);  // exact max at overlap 1
 }
 
 double collective_matmul_seconds(const CollectiveMatmulShape& s,
@@ -57,14 +83,13 @@ double collective_matmul_seconds(const CollectiveMatmulShape& s,
     return gemm + collective_seconds(kind, n * s.block_bytes, s.ranks, link);
   }
   const double g = gemm / n;
-  double hop = link.latency + s.block_bytes / link.bandwidth;
-  if (algorithm == CollectiveMatmulAlgorithm::bidirectional) {
-    hop = s.ranks == 2 ? 2 * link.latency + s.block_bytes / link.bandwidth
-                       : link.latency + 0.5 * s.block_bytes / link.bandwidth;
-  }
-  if (s.kind == CollectiveMatmulKind::all_gather) return (n - 1) * std::max(g, hop) + g;
+  const double hop = link.latency + s.block_bytes / (algorithm == CollectiveMatmulAlgorithm::ring
+                                                         ? link.exchange_bandwidth
+                                                         : link.bidirectional_bandwidth);
+  const double step = overlapped_seconds(g, hop, hw.overlap);
+  if (s.kind == CollectiveMatmulKind::all_gather) return (n - 1) * step + g;
   const double add = 3 * s.block_bytes / hw.memory_bandwidth;
-  return g + (n - 1) * (std::max(g, hop) + add);
+  return g + (n - 1) * (step + add);
 }
 
 CollectiveMatmulAlgorithm choose_collective_matmul(const CollectiveMatmulShape& s,
@@ -154,16 +179,33 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
   };
 
   const size_t count = plan.layers.size();
+  const bool zero1 =
+      options.zero_stage == 1 && mesh.has_axis(kZeroAxis) && mesh.size_of({kZeroAxis}) > 1;
+  // FSDP prefetch (options.overlap): a weight gather started at item `start` (the layer
+  // before has its own weight) and waited for at item `gather`.
+  struct Prefetch {
+    size_t start, gather;
+    std::string under;
+  };
+  std::vector<Prefetch> prefetches;
+  std::vector<size_t> forward_start(count, 0), backward_start(count, 0);
+  // Gradient all-reduces ZeRO-1 does once per step instead (deferred by the layer).
+  std::vector<std::pair<std::string, LayerCollective>> zero1_reductions;
   // Forward, layer by layer.
   for (size_t i = 0; i < count; ++i) {
     const LayerPlan& lp = plan.layers[i];
     const LinearLayout& l = lp.layout;
     const LayerMatmulAlgorithms chosen = layer_matmul_algorithms(l, r, algorithm, hw);
     cost.matmuls.push_back(chosen);
+    const bool prefetched = options.overlap && i > 0 && can_prefetch(l);
     for (const auto& c : lp.collectives) {
-      if (c.phase == "forward" && !(l.split_output && c.operand == "output"))
-        collective(lp.name, c);
+      if (c.phase != "forward" || (l.split_output && c.operand == "output")) continue;
+      if (prefetched && c.operand == "weight") {
+        prefetches.push_back({forward_start[i - 1], cost.items.size(), plan.layers[i - 1].name});
+      }
+      collective(lp.name, c);
     }
+    forward_start[i] = cost.items.size();
     if (l.slices_input()) memory(lp.name, "forward", "input slice", 2 * kFloat * r * l.in_compute);
     if (l.split_output) {
       matmul(lp.name, "forward", "x @ W reduce-scattered " + shape_text(r, l.in_compute, l.out),
@@ -187,9 +229,15 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     const LayerMatmulAlgorithms& chosen = cost.matmuls[j];
     if (j + 1 < count)
       memory(lp.name, "backward", "activation gradient", 3 * kFloat * r * l.out_local);
+    const bool prefetched = options.overlap && j + 1 < count && can_prefetch(l);
     for (const auto& c : lp.collectives) {
-      if (c.phase == "backward" && c.operand == "weight") collective(lp.name, c);
+      if (c.phase != "backward" || c.operand != "weight") continue;
+      if (prefetched) {
+        prefetches.push_back({backward_start[j + 1], cost.items.size(), plan.layers[j + 1].name});
+      }
+      collective(lp.name, c);
     }
+    backward_start[j] = cost.items.size();
     const auto shapes = layer_matmul_shapes(l, r);
     if (l.split_output) {
       matmul(lp.name, "backward", "xᵀ @ all-gathered dY " + shape_text(l.in_compute, r, l.out),
@@ -208,7 +256,13 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     for (const auto& c : lp.collectives) {
       const bool done = c.phase == "forward" || c.operand == "weight" ||
                         (l.split_output && c.operand == "output gradient");
-      if (!done) collective(lp.name, c);
+      if (done) continue;
+      const bool gradient = c.operand == "weight gradient" || c.operand == "bias gradient";
+      if (zero1 && defers_reduction(l) && gradient && c.kind == CollectiveKind::all_reduce) {
+        zero1_reductions.push_back({lp.name, c});
+        continue;
+      }
+      collective(lp.name, c);
     }
     if (l.nonbatch_replication > 1) {
       memory(lp.name, "backward", "gradient scale",
@@ -216,15 +270,61 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     }
     memory(lp.name, "backward", "bias gradient", kFloat * r * l.out_local);
   }
+  // The prefetched gathers: the part the compute between start and wait hides (the other
+  // communication in between runs on the same links and hides nothing).
+  for (const Prefetch& p : prefetches) {
+    double window = 0.0;
+    for (size_t k = p.start; k < p.gather; ++k) {
+      if (cost.items[k].category != std::string("collective")) window += cost.items[k].seconds;
+    }
+    CostItem& g = cost.items[p.gather];
+    const double hideable = std::min(window, g.seconds);
+    const double hidden = hw.overlap * hideable;
+    std::ostringstream what;
+    what << " (prefetched under " << p.under << ": " << static_cast<int>(100 * hw.overlap + 0.5)
+         << "% of " << static_cast<int>(1e6 * hideable + 0.5) << " us hidden)";
+    g.what += what.str();
+    g.seconds -= hidden;
+    cost.overlap_hidden_s += hidden * cost.accumulation_steps;
+    cost.full_overlap_hidden_s += hideable * cost.accumulation_steps;
+  }
   if (cost.accumulation_steps > 1) {
     memory("optimizer", "update", "gradient sum", 3.0 * plan.totals.gradient_bytes);
   }
   // Per micro-batch so far; the optimizer once per step.
   const size_t per_micro = cost.items.size();
+  double updated_bytes = static_cast<double>(plan.totals.parameter_bytes);
+  if (zero1) {
+    // ZeRO-1 (framework/train/zero1.hpp): the deferred gradient all-reduces over dp become
+    // reduce-scatters, the update runs on this rank's chunk of every tensor not split over
+    // dp, and each such tensor's chunk is copied out and all-gathered over dp afterwards.
+    for (auto& [layer, c] : zero1_reductions) {
+      if (c.axes == std::vector<std::string>{kZeroAxis}) c.kind = CollectiveKind::reduce_scatter;
+      c.operand += " (ZeRO-1)";
+      c.phase = "update";
+      collective(layer, c);
+    }
+    const int64_t dp = mesh.size_of({kZeroAxis});
+    updated_bytes = 0.0;
+    for (const ParameterPlan& p : plan.parameters) {
+      const double bytes = static_cast<double>(p.bytes_per_rank);
+      if (!zero1_splits(p.local_shape.size(), p.spec, dp) || p.local_shape[0] <= 0) {
+        updated_bytes += bytes;
+        continue;
+      }
+      const double chunk = bytes / p.local_shape[0] * zero1_chunk_rows(p.local_shape[0], dp);
+      updated_bytes += chunk;
+      memory("optimizer", "update", "ZeRO-1 chunk copy " + p.name, 2 * chunk);
+      add("optimizer", "update", "collective", "all-gather " + p.name + " (ZeRO-1)",
+          group_text({kZeroAxis}, mesh),
+          collective_seconds(CollectiveKind::all_gather, chunk * dp, static_cast<int>(dp),
+                             hw.group_link({kZeroAxis})));
+    }
+  }
   memory("optimizer", "update",
          "optimizer step (" + std::to_string(3 + 2 * options.optimizer_slots) +
-             " passes over the parameters)",
-         static_cast<double>(3 + 2 * options.optimizer_slots) * plan.totals.parameter_bytes);
+             " passes over the parameters" + (zero1 ? ", this rank's ZeRO-1 chunks" : "") + ")",
+         static_cast<double>(3 + 2 * options.optimizer_slots) * updated_bytes);
   for (size_t k = 0; k < cost.items.size(); ++k) {
     const CostItem& item = cost.items[k];
     const double t = item.seconds * (k < per_micro ? cost.accumulation_steps : 1);
@@ -239,6 +339,8 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     }
   }
   cost.total_s = cost.gemm_s + cost.collective_s + cost.collective_matmul_s + cost.memory_s;
+  cost.serial_s = cost.total_s + cost.overlap_hidden_s;
+  cost.full_overlap_s = cost.serial_s - cost.full_overlap_hidden_s;
   return cost;
 }
 

@@ -9,23 +9,42 @@
 //   collectives the plan's (LayerCollective), each costed as a ring on the slowest link of
 //               its group, S the full (gathered / unreduced) operand in bytes, p ranks:
 //                 all-gather, reduce-scatter   (p-1)/p * S / B + (p-1) * alpha
-//                 all-reduce                   2 * that (reduce-scatter then all-gather)
-//               B = collective_bandwidth, alpha = latency. Run one after the other with
-//               the GEMMs (nothing overlaps outside the collective matmuls).
+//                 all-reduce                   the cheaper of 2 * that (reduce-scatter then
+//                                              all-gather) and recursive doubling,
+//                                              ceil(log2 p) * (alpha + S / B)
+//               B = the link's bandwidth of that collective (collective_bandwidth for the
+//               all-gather, reduce_scatter_bandwidth, all_reduce_bandwidth), alpha = latency. Run
+//               one after the other with the GEMMs, except the FSDP weight prefetch below.
+//   overlap     two parts a and c that run together (a transfer started before a GEMM and
+//               waited for after it) take a + c - e * min(a, c), e = the profile's overlap
+//               (1: max(a, c); 0: a + c; MPI on CPUs moves data only inside MPI calls).
 //   collective matmuls  a TP layer with a split output replaces its output reduce-scatter
 //               and its two output-gradient all-gathers, with their GEMMs, by
 //               matmul_reduce_scatter / all_gather_matmul (framework/comm/
 //               collective_matmul.hpp). F = the rank's GEMM FLOPs, b = the travelling
-//               block's bytes, n = tp, g = F / (n * gemm_flops) one block's GEMM,
-//               h = latency + b / bandwidth one hop (point to point):
+//               block's bytes, n = tp, g = F / (n * gemm_flops) one block's GEMM, one hop
+//               h = latency + b / exchange_bandwidth (ring: every rank sends and receives a
+//               block at once) or latency + b / bidirectional_bandwidth (both halves at
+//               once, one each way), each step the hop beside the block's GEMM,
+//               s = g + h - e * min(g, h):
 //                 naive          F / gemm_flops + the all-gather / reduce-scatter above
-//                 ring           all-gather: (n-1) * max(g, h) + g
-//                                reduce-scatter: g + (n-1) * (max(g, h) + 3b / memory_bandwidth)
+//                 ring, bidirectional  all-gather: (n-1) * s + g
+//                                reduce-scatter: g + (n-1) * (s + 3b / memory_bandwidth)
 //                                (each hop's partial sum is added: read two, write one)
-//                 bidirectional  the same with h = latency + b/2 / bandwidth (halves travel
-//                                both ways at once) for n > 2; for n = 2 both halves go to
-//                                the one neighbour: h = 2 * latency + b / bandwidth
 //               `automatic` takes the fastest (naive on ties).
+//   prefetch    with options.overlap ([runtime] overlap) a layer whose weight is gathered
+//               over one group (FSDP) has that gather started by the layer before it
+//               (forward: layer i-1 for i > 0; backward: layer j+1 for j below the last),
+//               right after that layer's own weight is in place. The compute between the
+//               start and the wait (GEMMs, collective matmuls, memory passes; not other
+//               collectives, which share the link) hides e * min(compute, gather) of the
+//               gather. StepCost::full_overlap_s is the step at e = 1: per layer
+//               max(compute, gather).
+//   ZeRO-1      with options.zero_stage = 1 and dp > 1 (framework/train/zero1.hpp): the
+//               gradient all-reduces a layer defers (DP-stored layers) run once per step as
+//               reduce-scatters over dp; the optimizer passes cover this rank's chunk of every
+//               tensor not split over dp (partition/zero1.hpp); each such tensor's chunk is
+//               copied (2 chunk bytes) and all-gathered over dp (dp chunks).
 //   memory      elementwise passes at memory_bandwidth, bytes read + written: per layer
 //               bias add 2 * r * out_local, activation 2 (forward) and 3 (backward) * r *
 //               out_local for all but the last layer, bias gradient r * out_local, input slice
@@ -48,6 +67,9 @@
 #include "partition/planner.hpp"
 
 namespace meshtrain {
+
+// a + c - overlap * min(a, c): two parts run beside each other.
+double overlapped_seconds(double a, double c, double overlap);
 
 // Seconds of a ring collective of `kind` on a full operand of `bytes` over `ranks` on `link`
 // (0 for one rank).
@@ -102,6 +124,11 @@ struct StepCost {
   double gemm_s = 0.0, collective_s = 0.0, collective_matmul_s = 0.0, memory_s = 0.0;
   double total_s = 0.0;
   int64_t accumulation_steps = 1;
+  // FSDP prefetch (options.overlap): communication hidden at the profile's overlap, and at
+  // overlap 1; the step without any overlap (serial_s) and at overlap 1 (full_overlap_s,
+  // per layer max(compute, gather)). Without prefetch: 0, 0, total_s, total_s.
+  double overlap_hidden_s = 0.0, full_overlap_hidden_s = 0.0;
+  double serial_s = 0.0, full_overlap_s = 0.0;
 };
 
 // Predicts one optimizer step of `plan` (made with `options` and layers, and a known

@@ -25,13 +25,19 @@ const LinkProfile& HardwareProfile::link(const std::string& axis) const {
 LinkProfile HardwareProfile::group_link(const std::vector<std::string>& axes) const {
   if (axes.empty()) {
     const double inf = std::numeric_limits<double>::infinity();
-    return {inf, 0.0, inf};
+    return {inf, 0.0, inf, inf, inf, inf, inf};
   }
   LinkProfile slowest = link(axes.front());
   for (const auto& axis : axes) {
     const LinkProfile& l = link(axis);
     slowest.bandwidth = std::min(slowest.bandwidth, l.bandwidth);
     slowest.collective_bandwidth = std::min(slowest.collective_bandwidth, l.collective_bandwidth);
+    slowest.exchange_bandwidth = std::min(slowest.exchange_bandwidth, l.exchange_bandwidth);
+    slowest.bidirectional_bandwidth =
+        std::min(slowest.bidirectional_bandwidth, l.bidirectional_bandwidth);
+    slowest.reduce_scatter_bandwidth =
+        std::min(slowest.reduce_scatter_bandwidth, l.reduce_scatter_bandwidth);
+    slowest.all_reduce_bandwidth = std::min(slowest.all_reduce_bandwidth, l.all_reduce_bandwidth);
     slowest.latency = std::max(slowest.latency, l.latency);
   }
   return slowest;
@@ -41,7 +47,9 @@ HardwareProfile default_hardware_profile() {
   HardwareProfile p;
   p.gemm_flops = 100e9;
   p.memory_bandwidth = 10e9;
-  for (const auto& axis : hardware_axes()) p.links[axis] = LinkProfile{5e9, 2e-6, 2.5e9};
+  p.overlap = 0.0;
+  for (const auto& axis : hardware_axes())
+    p.links[axis] = LinkProfile{5e9, 2e-6, 2.5e9, 2.5e9, 2.5e9, 2.5e9, 2.5e9};
   p.source = "defaults";
   return p;
 }
@@ -58,6 +66,10 @@ void check_value(const HardwareProfile& p, const std::string& key, double value,
 void check_hardware_profile(const HardwareProfile& p) {
   check_value(p, "gemm_flops", p.gemm_flops, false);
   check_value(p, "memory_bandwidth", p.memory_bandwidth, false);
+  check_value(p, "overlap", p.overlap, true);
+  if (p.overlap > 1.0) {
+    MESHTRAIN_BAD_INPUT(p.source, ": overlap = ", p.overlap, " must be between 0 and 1");
+  }
   for (const auto& axis : hardware_axes()) {
     const auto it = p.links.find(axis);
     if (it == p.links.end()) {
@@ -68,6 +80,10 @@ void check_hardware_profile(const HardwareProfile& p) {
     check_value(p, key + "bandwidth", it->second.bandwidth, false);
     check_value(p, key + "latency", it->second.latency, true);
     check_value(p, key + "collective_bandwidth", it->second.collective_bandwidth, false);
+    check_value(p, key + "exchange_bandwidth", it->second.exchange_bandwidth, false);
+    check_value(p, key + "bidirectional_bandwidth", it->second.bidirectional_bandwidth, false);
+    check_value(p, key + "reduce_scatter_bandwidth", it->second.reduce_scatter_bandwidth, false);
+    check_value(p, key + "all_reduce_bandwidth", it->second.all_reduce_bandwidth, false);
   }
 }
 

@@ -8,9 +8,24 @@
 //   per mesh axis (dp, fsdp, ep, tp, sp), the link between neighbours on that axis:
 //     bandwidth        B/s of one point-to-point message (ping-pong, one direction)
 //     latency          s of an empty message (half a round trip)
-//     collective_bandwidth  B/s a ring collective achieves per rank (from an all-reduce:
-//                      2 (p-1)/p * bytes / time); what all-gather, reduce-scatter and
-//                      all-reduce are costed with. Defaults to `bandwidth`.
+//     collective_bandwidth  B/s an all-gather achieves per rank ((p-1)/p * bytes / time of
+//                      a 16 MiB one). Defaults to `bandwidth`.
+//     reduce_scatter_bandwidth  the same for a reduce-scatter (MPI libraries often run it
+//                      as a reduce then a scatter, slower than a ring). Defaults to
+//                      `collective_bandwidth`.
+//     all_reduce_bandwidth  the same for an all-reduce: 2 (p-1)/p * bytes / time.
+//                      Defaults to `collective_bandwidth`.
+//     exchange_bandwidth    B/s per rank of a ring hop: every rank sends a block to its
+//                      next neighbour while receiving one from its previous one
+//                      (Communicator::shift), so a link carries both directions at once.
+//                      The ring collective matmuls' hop. Defaults to `bandwidth`.
+//     bidirectional_bandwidth  B/s per rank of a bidirectional hop: both halves of a block
+//                      sent at once, one each way round the ring (two shifts), counted as
+//                      the whole block over the time. Defaults to `exchange_bandwidth`.
+//   overlap            0..1, how much of a transfer started before a GEMM and waited for
+//                      after it is hidden under the GEMM: two parts a and c run together
+//                      take a + c - overlap * min(a, c) (1: max(a, c); 0: a + c). MPI on
+//                      CPUs moves data only inside MPI calls, so it is near 0 there.
 
 #include <map>
 #include <string>
@@ -19,14 +34,19 @@
 namespace meshtrain {
 
 struct LinkProfile {
-  double bandwidth = 0.0;             // B/s
-  double latency = 0.0;               // s
-  double collective_bandwidth = 0.0;  // B/s
+  double bandwidth = 0.0;                 // B/s
+  double latency = 0.0;                   // s
+  double collective_bandwidth = 0.0;      // B/s
+  double exchange_bandwidth = 0.0;        // B/s
+  double bidirectional_bandwidth = 0.0;   // B/s
+  double reduce_scatter_bandwidth = 0.0;  // B/s
+  double all_reduce_bandwidth = 0.0;      // B/s
 };
 
 struct HardwareProfile {
   double gemm_flops = 0.0;                   // FLOP/s per rank
   double memory_bandwidth = 0.0;             // B/s per rank
+  double overlap = 0.0;                      // 0..1
   std::map<std::string, LinkProfile> links;  // one per axis of hardware_axes()
   std::string source;  // "defaults" or the file it was read from (for the plan's header)
 
@@ -43,13 +63,14 @@ const std::vector<std::string>& hardware_axes();
 // The profile used when no file is given: one core of a current x86 server running
 // OpenBLAS sgemm (100 GFLOP/s, AVX-512 single thread), streaming 10 GB/s, and every axis
 // an MPI link inside one node over shared memory (5 GB/s point to point, 2.5 GB/s per
-// rank in ring collectives, 2 microseconds latency). Round figures of what `meshtrain
-// calibrate` measures on such a machine; calibrate for anything else (a network between
-// hosts is 10 to 1000 times slower).
+// rank in every collective and in ring hops, 2 microseconds latency), overlap 0 (MPI on CPUs
+// moves data only inside MPI calls). Round figures of what `meshtrain calibrate` measures
+// on such a machine; calibrate for anything else (a network between hosts is 10 to 1000
+// times slower).
 HardwareProfile default_hardware_profile();
 
 // bad_input naming `source` and the key when a value is not finite and positive (latency:
-// not negative) or an axis is missing.
+// not negative; overlap: 0..1) or an axis is missing.
 void check_hardware_profile(const HardwareProfile& profile);
 
 }  // namespace meshtrain

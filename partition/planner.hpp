@@ -48,6 +48,9 @@ struct PlanOptions {
   int64_t global_batch = 0;         // rows per step; 0 = unknown (activation collectives left out)
   // Micro-batches per optimizer step: more than 1 adds a gradient-sized accumulation buffer.
   int64_t accumulation_steps = 1;
+  // runtime.overlap: a layer's FSDP weight gather starts under the layer before it (the
+  // cost model hides it under that compute, partition/cost_model.hpp).
+  bool overlap = false;
   // Global rows of an evaluation batch; 0 or global_batch: evaluation uses the training
   // buffers. Otherwise its own buffers are counted (PlanTotals::evaluation_bytes).
   int64_t eval_global_batch = 0;

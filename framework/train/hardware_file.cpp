@@ -40,9 +40,11 @@ void reject_unknown(const toml::table& table, std::initializer_list<const char*>
     bool ok = false;
     for (const char* k : known) ok = ok || key.str() == k;
     if (!ok) {
-      MESHTRAIN_BAD_INPUT(at(source, &node), ": unknown hardware profile key ", prefix,
-                          std::string(key.str()), " (keys: gemm_flops, memory_bandwidth, ",
-                          "[links.<axis>] bandwidth, latency, collective_bandwidth, [measured])");
+      MESHTRAIN_BAD_INPUT(
+          at(source, &node), ": unknown hardware profile key ", prefix, std::string(key.str()),
+          " (keys: gemm_flops, memory_bandwidth, overlap, [links.<axis>] ",
+          "bandwidth, latency, collective_bandwidth, reduce_scatter_bandwidth, ",
+          "all_reduce_bandwidth, exchange_bandwidth, bidirectional_bandwidth, ", "[measured])");
     }
   }
 }
@@ -66,11 +68,13 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
     MESHTRAIN_BAD_INPUT(source, ":", e.source().begin.line, ":", e.source().begin.column,
                         ": invalid TOML: ", e.description());
   }
-  reject_unknown(root, {"gemm_flops", "memory_bandwidth", "links", "measured"}, "", source);
+  reject_unknown(root, {"gemm_flops", "memory_bandwidth", "overlap", "links", "measured"}, "",
+                 source);
   HardwareProfile p;
   p.source = source;
   p.gemm_flops = number(root, "gemm_flops", "gemm_flops", source, true, 0);
   p.memory_bandwidth = number(root, "memory_bandwidth", "memory_bandwidth", source, true, 0);
+  p.overlap = number(root, "overlap", "overlap", source, false, 0.0);
   const toml::node* links_node = root.get("links");
   const toml::table* links = links_node ? links_node->as_table() : nullptr;
   if (links_node && !links) {
@@ -87,12 +91,25 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
     const toml::table* t = node->as_table();
     if (!t)
       MESHTRAIN_BAD_INPUT(at(source, node), ": hardware profile key ", prefix, " must be a table");
-    reject_unknown(*t, {"bandwidth", "latency", "collective_bandwidth"}, prefix + ".", source);
+    reject_unknown(*t,
+                   {"bandwidth", "latency", "collective_bandwidth", "reduce_scatter_bandwidth",
+                    "all_reduce_bandwidth", "exchange_bandwidth", "bidirectional_bandwidth"},
+                   prefix + ".", source);
     LinkProfile l;
     l.bandwidth = number(*t, "bandwidth", prefix + ".bandwidth", source, true, 0);
     l.latency = number(*t, "latency", prefix + ".latency", source, true, 0);
     l.collective_bandwidth = number(*t, "collective_bandwidth", prefix + ".collective_bandwidth",
                                     source, false, l.bandwidth);
+    l.reduce_scatter_bandwidth =
+        number(*t, "reduce_scatter_bandwidth", prefix + ".reduce_scatter_bandwidth", source, false,
+               l.collective_bandwidth);
+    l.all_reduce_bandwidth = number(*t, "all_reduce_bandwidth", prefix + ".all_reduce_bandwidth",
+                                    source, false, l.collective_bandwidth);
+    l.exchange_bandwidth = number(*t, "exchange_bandwidth", prefix + ".exchange_bandwidth", source,
+                                  false, l.bandwidth);
+    l.bidirectional_bandwidth =
+        number(*t, "bidirectional_bandwidth", prefix + ".bidirectional_bandwidth", source, false,
+               l.exchange_bandwidth);
     p.links[axis] = l;
   }
   check_hardware_profile(p);
@@ -116,14 +133,24 @@ std::string hardware_profile_to_toml(const HardwareProfile& p, const std::string
   out << "# meshtrain hardware profile (meshtrain plan CONFIG --hardware FILE)\n"
       << "gemm_flops = " << number_text(p.gemm_flops) << "  # FLOP/s per rank\n"
       << "memory_bandwidth = " << number_text(p.memory_bandwidth)
-      << "  # B/s per rank, read + written\n";
+      << "  # B/s per rank, read + written\n"
+      << "overlap = " << number_text(p.overlap)
+      << "  # 0..1: share of a transfer hidden under a GEMM it runs beside\n";
   for (const auto& axis : hardware_axes()) {
     const LinkProfile& l = p.link(axis);
     out << "\n[links." << axis << "]\n"
         << "bandwidth = " << number_text(l.bandwidth) << "  # B/s point to point\n"
         << "latency = " << number_text(l.latency) << "  # s\n"
         << "collective_bandwidth = " << number_text(l.collective_bandwidth)
-        << "  # B/s per rank in ring collectives\n";
+        << "  # B/s per rank in an all-gather\n"
+        << "reduce_scatter_bandwidth = " << number_text(l.reduce_scatter_bandwidth)
+        << "  # B/s per rank in a reduce-scatter\n"
+        << "all_reduce_bandwidth = " << number_text(l.all_reduce_bandwidth)
+        << "  # B/s per rank in an all-reduce (2 (p-1)/p bytes moved)\n"
+        << "exchange_bandwidth = " << number_text(l.exchange_bandwidth)
+        << "  # B/s per rank of a ring hop (send and receive at once)\n"
+        << "bidirectional_bandwidth = " << number_text(l.bidirectional_bandwidth)
+        << "  # B/s per rank of a bidirectional hop (halves both ways)\n";
   }
   if (!measured.empty()) out << "\n[measured]\n" << measured;
   return out.str();

@@ -4,14 +4,23 @@
 //
 //   gemm_flops = 9.1e10          # FLOP/s per rank
 //   memory_bandwidth = 6.2e9     # B/s per rank, bytes read + written
+//   overlap = 0.1                # 0..1, transfer hidden under a GEMM (optional: 0)
 //   [links.tp]                   # one table per mesh axis: dp, fsdp, ep, tp, sp
 //   bandwidth = 4.1e9            # B/s point to point
 //   latency = 1.9e-6             # s
-//   collective_bandwidth = 2.2e9 # B/s per rank in ring collectives (optional: = bandwidth)
+//   collective_bandwidth = 2.2e9 # B/s per rank in an all-gather (optional: = bandwidth)
+//   reduce_scatter_bandwidth = 1e9  # B/s per rank in a reduce-scatter
+//                                   # (optional: = collective_bandwidth)
+//   all_reduce_bandwidth = 1.5e9    # B/s per rank in an all-reduce (2 (p-1)/p bytes moved;
+//                                   # optional: = collective_bandwidth)
+//   exchange_bandwidth = 2e9     # B/s per rank of a ring hop (optional: = bandwidth)
+//   bidirectional_bandwidth = 2e9  # B/s per rank of a bidirectional hop
+//                                  # (optional: = exchange_bandwidth)
 //   [measured]                   # optional, free-form: how it was measured (not read back)
 //
-// Every key is required except collective_bandwidth and [measured]; unknown keys are
-// rejected. Kokkos-free (compiled by the host compiler alone in CUDA builds).
+// Every key is required except overlap, collective_bandwidth, reduce_scatter_bandwidth,
+// all_reduce_bandwidth, exchange_bandwidth, bidirectional_bandwidth and [measured]; unknown keys
+// are rejected. Kokkos-free (compiled by the host compiler alone in CUDA builds).
 
 #include <string>
 

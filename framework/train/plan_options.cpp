@@ -44,6 +44,7 @@ PlanOptions plan_options(const RunConfig& config) {
   options.feature_axis = axes.feature;
   options.global_batch = config.data.batch_size;
   options.accumulation_steps = config.train.accumulation_steps;
+  options.overlap = config.runtime.overlap;
   options.eval_global_batch = config.data.eval_batch_size.value_or(0);
   return options;
 }

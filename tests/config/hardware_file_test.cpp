@@ -14,8 +14,10 @@ HardwareProfile measured_profile() {
   p.source = "measured.toml";
   p.gemm_flops = 91234567890.0;
   p.memory_bandwidth = 6.25e9;
-  p.links["fsdp"] = LinkProfile{3.75e7, 2.5e-4, 3.5e7};  // a 300 Mbit/s link
-  p.links["tp"] = LinkProfile{4.1e9, 1.9e-6, 2.2e9};
+  p.overlap = 0.125;
+  p.links["fsdp"] =
+      LinkProfile{3.75e7, 2.5e-4, 3.5e7, 1.9e7, 2.1e7, 1.2e7, 1.7e7};  // a 300 Mbit/s link
+  p.links["tp"] = LinkProfile{4.1e9, 1.9e-6, 2.2e9, 1.5e9, 1.25e9, 6.5e8, 9e8};
   return p;
 }
 
@@ -26,10 +28,19 @@ TEST(HardwareFile, RoundTrips) {
   // Written with 6 significant digits.
   EXPECT_NEAR(back.gemm_flops, p.gemm_flops, 1e-5 * p.gemm_flops);
   EXPECT_DOUBLE_EQ(back.memory_bandwidth, p.memory_bandwidth);
+  EXPECT_DOUBLE_EQ(back.overlap, p.overlap);
   for (const auto& axis : hardware_axes()) {
     EXPECT_DOUBLE_EQ(back.link(axis).bandwidth, p.link(axis).bandwidth) << axis;
     EXPECT_DOUBLE_EQ(back.link(axis).latency, p.link(axis).latency) << axis;
     EXPECT_DOUBLE_EQ(back.link(axis).collective_bandwidth, p.link(axis).collective_bandwidth)
+        << axis;
+    EXPECT_DOUBLE_EQ(back.link(axis).exchange_bandwidth, p.link(axis).exchange_bandwidth) << axis;
+    EXPECT_DOUBLE_EQ(back.link(axis).reduce_scatter_bandwidth,
+                     p.link(axis).reduce_scatter_bandwidth)
+        << axis;
+    EXPECT_DOUBLE_EQ(back.link(axis).all_reduce_bandwidth, p.link(axis).all_reduce_bandwidth)
+        << axis;
+    EXPECT_DOUBLE_EQ(back.link(axis).bidirectional_bandwidth, p.link(axis).bidirectional_bandwidth)
         << axis;
   }
   EXPECT_EQ(back.source, "measured.toml");
@@ -42,7 +53,12 @@ TEST(HardwareFile, CollectiveBandwidthDefaultsToBandwidth) {
   }
   const HardwareProfile p = parse_hardware_profile(text, "hand.toml");
   EXPECT_DOUBLE_EQ(p.link("sp").collective_bandwidth, 5e9);
+  EXPECT_DOUBLE_EQ(p.link("sp").exchange_bandwidth, 5e9);
+  EXPECT_DOUBLE_EQ(p.link("sp").reduce_scatter_bandwidth, 5e9);
+  EXPECT_DOUBLE_EQ(p.link("sp").all_reduce_bandwidth, 5e9);
+  EXPECT_DOUBLE_EQ(p.link("sp").bidirectional_bandwidth, 5e9);
   EXPECT_DOUBLE_EQ(p.link("sp").latency, 0.0);
+  EXPECT_DOUBLE_EQ(p.overlap, 0.0);  // an older profile: no overlap
 }
 
 // One sentence naming the file and the key.
@@ -77,6 +93,9 @@ TEST(HardwareFile, BadFilesNameFileAndKey) {
   expect_rejected(replaced("[links.dp]\nbandwidth = 5e+09", "[links.dp]\n"), "links.dp.bandwidth");
   expect_rejected("gemm_flops = 1e11\nmemory_bandwidth = 1e10\n", "links.dp");
   expect_rejected("gemm_flops = [1", "bad.toml:1");
+  expect_rejected(replaced("overlap = 0.125", "overlap = 1.5"), "overlap");
+  expect_rejected(replaced("exchange_bandwidth = 1.9e+07", "exchange_bandwidth = 0"),
+                  "links.fsdp.exchange_bandwidth");
 }
 
 TEST(HardwareFile, MissingFileIsBadInput) {

@@ -9,13 +9,16 @@ namespace meshtrain {
 namespace {
 
 // A slow, round-numbered machine: 1 GFLOP/s, 1 GB/s memory, every link 100 MB/s point to
-// point, 50 MB/s in collectives, 1 ms latency.
+// point and in a ring hop, 200 MB/s in a bidirectional hop (a link per neighbour), 50 MB/s
+// in collectives, 1 ms latency; transfers fully hidden under GEMMs (overlap 1).
 HardwareProfile slow_machine() {
   HardwareProfile hw;
   hw.source = "test";
   hw.gemm_flops = 1e9;
   hw.memory_bandwidth = 1e9;
-  for (const auto& axis : hardware_axes()) hw.links[axis] = LinkProfile{1e8, 1e-3, 5e7};
+  hw.overlap = 1.0;
+  for (const auto& axis : hardware_axes())
+    hw.links[axis] = LinkProfile{1e8, 1e-3, 5e7, 1e8, 2e8, 5e7, 5e7};
   return hw;
 }
 
@@ -27,7 +30,18 @@ TEST(CostModel, RingCollectives) {
   EXPECT_NEAR(collective_seconds(CollectiveKind::all_gather, 1e6, 4, link), 0.018, kTolerance);
   EXPECT_NEAR(collective_seconds(CollectiveKind::reduce_scatter, 1e6, 4, link), 0.018, kTolerance);
   EXPECT_NEAR(collective_seconds(CollectiveKind::all_reduce, 1e6, 4, link), 0.036, kTolerance);
+  // A small all-reduce takes recursive doubling: 2 exchanges of 1e-3 + 1e3 / 5e7 (the ring:
+  // 2 * (3/4 * 1e3 / 5e7 + 3e-3) = 0.00603).
+  EXPECT_NEAR(collective_seconds(CollectiveKind::all_reduce, 1e3, 4, link), 0.00204, kTolerance);
   EXPECT_EQ(collective_seconds(CollectiveKind::all_reduce, 1e6, 1, link), 0.0);
+  // Each collective at its own bandwidth: a reduce-scatter at 25 MB/s, an all-reduce at
+  // 100 MB/s: 0.03 + 0.003 and 2 * (0.0075 + 0.003).
+  LinkProfile mpi = link;
+  mpi.reduce_scatter_bandwidth = 2.5e7;
+  mpi.all_reduce_bandwidth = 1e8;
+  EXPECT_NEAR(collective_seconds(CollectiveKind::reduce_scatter, 1e6, 4, mpi), 0.033, kTolerance);
+  EXPECT_NEAR(collective_seconds(CollectiveKind::all_reduce, 1e6, 4, mpi), 0.021, kTolerance);
+  EXPECT_NEAR(collective_seconds(CollectiveKind::all_gather, 1e6, 4, mpi), 0.018, kTolerance);
 }
 
 TEST(CostModel, CollectiveMatmulOnTwoRanks) {
@@ -35,8 +49,8 @@ TEST(CostModel, CollectiveMatmulOnTwoRanks) {
   const LinkProfile& link = hw.link("tp");
   // 8e7 FLOPs, a 1 MB block, 2 ranks. naive: 0.08 s GEMM + all-gather of 2 MB
   // (1/2 * 2e6 / 5e7 + 1e-3 = 0.021). ring: g = 0.04, a hop 1e-3 + 1e6 / 1e8 = 0.011,
-  // max(g, hop) + g = 0.08. bidirectional on 2 ranks: both halves to the one neighbour,
-  // hop 2e-3 + 0.01 = 0.012: also 0.08, so auto keeps ring (the first of a tie after naive).
+  // max(g, hop) + g = 0.08. bidirectional: hop 1e-3 + 1e6 / 2e8 = 0.006: also 0.08, so
+  // auto keeps ring (the first of a tie after naive).
   const CollectiveMatmulShape ag{CollectiveMatmulKind::all_gather, 8e7, 1e6, 2};
   EXPECT_NEAR(collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::naive, link, hw), 0.101,
               kTolerance);
@@ -63,7 +77,7 @@ TEST(CostModel, BidirectionalWinsWhenTheLinkIsTheBottleneckOnFourRanks) {
   const LinkProfile& link = hw.link("tp");
   // 4e6 FLOPs, 1 MB block, 4 ranks: g = 0.001. naive: 0.004 + 3/4 * 4e6 / 5e7 + 3e-3
   // = 0.067. ring: hop 0.011, 3 * 0.011 + 0.001 = 0.034. bidirectional: hop
-  // 1e-3 + 5e5 / 1e8 = 0.006, 3 * 0.006 + 0.001 = 0.019.
+  // 1e-3 + 1e6 / 2e8 = 0.006, 3 * 0.006 + 0.001 = 0.019.
   const CollectiveMatmulShape ag{CollectiveMatmulKind::all_gather, 4e6, 1e6, 4};
   EXPECT_NEAR(collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::naive, link, hw), 0.067,
               kTolerance);
@@ -104,12 +118,12 @@ TEST(CostModel, DataParallelStepByHand) {
   // activation gradient 3*4*2*8 = 192, bias gradient 4*2*8 = 64; AdamW 7 passes over 58
   // parameters * 4 B = 1624. 2248 B.
   EXPECT_NEAR(cost.memory_s, 2248e-9, kTolerance);
-  // Collectives, all-reduces over dp = 2, 2 * (1/2 * S / 5e7 + 1e-3): the loss's 24 B, the
-  // weight gradients 128 B and 64 B, the bias gradients 32 B and 8 B: 5 * 2e-3 latency
-  // + 2 * (12 + 64 + 32 + 16 + 4) / 5e7 = 0.01 + 5.12e-6.
-  EXPECT_NEAR(cost.collective_s, 0.01 + 5.12e-6, kTolerance);
+  // Collectives, all-reduces over dp = 2: recursive doubling, one exchange 1e-3 + S / 5e7,
+  // beats the ring's 2 * (1/2 * S / 5e7 + 1e-3): the loss's 24 B, the weight gradients 128 B
+  // and 64 B, the bias gradients 32 B and 8 B: 5 * 1e-3 latency + 256 / 5e7 = 0.005 + 5.12e-6.
+  EXPECT_NEAR(cost.collective_s, 0.005 + 5.12e-6, kTolerance);
   EXPECT_EQ(cost.collective_matmul_s, 0.0);
-  EXPECT_NEAR(cost.total_s, 448e-9 + 2248e-9 + 0.01 + 5.12e-6, kTolerance);
+  EXPECT_NEAR(cost.total_s, 448e-9 + 2248e-9 + 0.005 + 5.12e-6, kTolerance);
 }
 
 TEST(CostModel, FsdpStepGathersTheWeightTwiceAndReduceScattersItsGradient) {
@@ -126,8 +140,8 @@ TEST(CostModel, FsdpStepGathersTheWeightTwiceAndReduceScattersItsGradient) {
   // Per layer: the weight all-gathered forward and backward and its gradient
   // reduce-scattered (full operand S: 128 B and 64 B), each 1/2 * S / 5e7 + 1e-3; the bias
   // gradients all-reduced over fsdp as in DP (32 B, 8 B); the loss's 24 B.
-  // Latency: 6 * 1e-3 + 3 * 2e-3 = 0.012. Bytes: 3 * (64 + 32) / 5e7 + 2 * (16 + 4 + 12) / 5e7.
-  EXPECT_NEAR(cost.collective_s, 0.012 + (288.0 + 64.0) / 5e7, kTolerance);
+  // Latency: 6 * 1e-3 + 3 * 1e-3 = 0.009. Bytes: 3 * (64 + 32) / 5e7 + (32 + 8 + 24) / 5e7.
+  EXPECT_NEAR(cost.collective_s, 0.009 + (288.0 + 64.0) / 5e7, kTolerance);
   // Memory as in DP, except AdamW on half the weights: (16 + 8 + 8 + 2) * 4 B * 7 = 952.
   EXPECT_NEAR(cost.memory_s, (2248.0 - 1624.0 + 952.0) * 1e-9, kTolerance);
   EXPECT_NEAR(cost.gemm_s, 448e-9, kTolerance);
@@ -137,8 +151,8 @@ TEST(CostModel, TensorParallelLayerChoosesPerDirection) {
   // A TP layer [1024 -> 1024] on tp = 4 with 256 rows: each collective matmul multiplies
   // 256 x 256 x 1024 (2 * 256 * 256 * 1024 = 134217728 FLOPs) and moves [256, 256] blocks
   // (262144 B). On the slow machine: g = 0.033554432, ring hop 1e-3 + 0.00262144, bidir.
-  // hop 1e-3 + 0.00131072: both below g, so ring and bidirectional are compute bound
-  // (4 g = 0.134217728 for the all-gathers) and tie; naive adds 0.01572864 + 0.003.
+  // hop 1e-3 + 262144 / 2e8 = 1e-3 + 0.00131072: both below g, so ring and bidirectional are
+  // compute bound (4 g = 0.134217728 for the all-gathers) and tie; naive adds 0.01572864 + 0.003.
   const Mesh mesh = Mesh::create({{"tp", 4}}, 4, "test");
   const PartitionSpec w = PartitionSpec::parse("P(tp)"), b = PartitionSpec::parse("P(tp)");
   const LinearLayout layout =
@@ -171,6 +185,108 @@ TEST(CostModel, TensorParallelLayerChoosesPerDirection) {
       CollectiveMatmulAlgorithm::bidirectional);
 }
 
+TEST(CostModel, OverlapAndExchangeBandwidthDecideTheRing) {
+  HardwareProfile hw = slow_machine();
+  // 8e7 FLOPs, a 1 MB block, 2 ranks: g = 0.04, ring hop 0.011 (as above). At overlap 0.5
+  // a ring step is 0.04 + 0.011 - 0.5 * 0.011 = 0.0455, the all-gather 0.0455 + 0.04 =
+  // 0.0855; at overlap 0, 0.051 + 0.04 = 0.091. naive stays 0.101.
+  const CollectiveMatmulShape ag{CollectiveMatmulKind::all_gather, 8e7, 1e6, 2};
+  hw.overlap = 0.5;
+  EXPECT_NEAR(collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::ring, hw.link("tp"), hw),
+              0.0855, kTolerance);
+  hw.overlap = 0.0;
+  EXPECT_NEAR(collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::ring, hw.link("tp"), hw),
+              0.091, kTolerance);
+  EXPECT_NEAR(overlapped_seconds(0.04, 0.011, 0.0), 0.051, kTolerance);
+  // A link whose ring hop runs at 20 MB/s (both directions busy at once) while the
+  // ping-pong and the collectives are faster: hop 1e-3 + 0.05 = 0.051, ring 0.131 at
+  // overlap 0; bidirectional at 25 MB/s: hop 0.041, 0.121. naive 0.101 wins.
+  hw.links["tp"].exchange_bandwidth = 2e7;
+  hw.links["tp"].bidirectional_bandwidth = 2.5e7;
+  EXPECT_NEAR(collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::ring, hw.link("tp"), hw),
+              0.131, kTolerance);
+  EXPECT_NEAR(
+      collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::bidirectional, hw.link("tp"), hw),
+      0.121, kTolerance);
+  EXPECT_EQ(choose_collective_matmul(ag, CollectiveMatmulAlgorithm::automatic, hw.link("tp"), hw),
+            CollectiveMatmulAlgorithm::naive);
+  // The reduce-scatter ring at overlap 0: 0.04 + (0.04 + 0.051 + 0.003) = 0.134.
+  const CollectiveMatmulShape rs{CollectiveMatmulKind::reduce_scatter, 8e7, 1e6, 2};
+  EXPECT_NEAR(collective_matmul_seconds(rs, CollectiveMatmulAlgorithm::ring, hw.link("tp"), hw),
+              0.134, kTolerance);
+}
+
+TEST(CostModel, FsdpPrefetchHidesTheGatherUnderTheLayerBefore) {
+  // The FSDP case above with [runtime] overlap: layer 1's forward gather starts after layer
+  // 0's weight is in place and runs under its GEMM x @ W (2*2*4*8 = 128 FLOPs), bias add
+  // (128 B) and activation (128 B): 384 ns. Layer 0's backward gather runs under layer 1's
+  // weight and input gradient GEMMs (64 + 64 FLOPs) and bias gradient (16 B), and layer 0's
+  // activation gradient (192 B): 336 ns (the gradient collectives between hide nothing).
+  // Each gather (1.00064 ms) is longer, so overlap e hides e * 720 ns.
+  const Mesh mesh = Mesh::create({{"fsdp", 2}}, 2, "test");
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.global_batch = 4;
+  const std::vector<PartitionRule> rules = {{"weight$", PartitionSpec::parse("P(fsdp)"), false},
+                                            {".*", PartitionSpec(), false}};
+  const ShardingPlan plan = small_plan(mesh, rules, options, {4, 8, 2});
+  HardwareProfile hw = slow_machine();
+  const StepCost serial = predict_step(plan, options, hw, CollectiveMatmulAlgorithm::naive);
+  EXPECT_EQ(serial.overlap_hidden_s, 0.0);
+  EXPECT_EQ(serial.serial_s, serial.total_s);
+  EXPECT_EQ(serial.full_overlap_s, serial.total_s);
+  options.overlap = true;
+  hw.overlap = 0.25;
+  const StepCost cost = predict_step(plan, options, hw, CollectiveMatmulAlgorithm::naive);
+  EXPECT_NEAR(cost.overlap_hidden_s, 0.25 * 720e-9, kTolerance);
+  EXPECT_NEAR(cost.total_s, serial.total_s - 0.25 * 720e-9, kTolerance);
+  EXPECT_NEAR(cost.serial_s, serial.total_s, kTolerance);
+  EXPECT_NEAR(cost.full_overlap_s, serial.total_s - 720e-9, kTolerance);
+  // The collectives carry the saving; compute is unchanged.
+  EXPECT_NEAR(cost.collective_s, serial.collective_s - 0.25 * 720e-9, kTolerance);
+  EXPECT_NEAR(cost.gemm_s + cost.memory_s, serial.gemm_s + serial.memory_s, kTolerance);
+}
+
+TEST(CostModel, ZeroOneReduceScattersAndUpdatesHalfTheState) {
+  // The DP case above with optimizer.zero_stage = 1 on dp = 2: the four gradient
+  // all-reduces become reduce-scatters (1/2 * S / 5e7 + 1e-3 each, S = 128, 64, 32, 8 B)
+  // and every tensor's chunk is all-gathered after the update (full operand = the tensor),
+  // 8 * 1e-3 + 232 / 5e7, and the loss's all-reduce 1e-3 + 24 / 5e7: 0.009 + 5.12e-6 (plain
+  // DP's all-reduces of 2 ranks are one exchange each: 0.005 + 5.12e-6).
+  // AdamW runs on the chunks: rows 4 -> 2, 8 -> 4, 8 -> 4, 2 -> 1 of [4, 8], [8], [8, 2],
+  // [2]: 64 + 16 + 32 + 4 = 116 B, 7 passes 812 B instead of 1624; the chunks are copied
+  // out for the all-gather (2 * 116 B). Memory 2248 - 1624 + 812 + 232 = 1668 B.
+  const Mesh mesh = Mesh::create({{"dp", 2}}, 2, "test");
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.global_batch = 4;
+  options.zero_stage = 1;
+  const ShardingPlan plan = small_plan(mesh, {{".*", PartitionSpec(), false}}, options, {4, 8, 2});
+  const StepCost cost =
+      predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::automatic);
+  EXPECT_NEAR(cost.collective_s, 0.009 + 5.12e-6, kTolerance);
+  EXPECT_NEAR(cost.memory_s, 1668e-9, kTolerance);
+  EXPECT_NEAR(cost.gemm_s, 448e-9, kTolerance);
+  int reduce_scatters = 0, all_gathers = 0;
+  for (const CostItem& item : cost.items) {
+    if (item.what.rfind("reduce-scatter", 0) == 0 && item.phase == "update") ++reduce_scatters;
+    if (item.what.rfind("all-gather", 0) == 0 && item.phase == "update") ++all_gathers;
+    EXPECT_FALSE(item.phase == "backward" && item.what.rfind("all-reduce", 0) == 0) << item.what;
+  }
+  EXPECT_EQ(reduce_scatters, 4);
+  EXPECT_EQ(all_gathers, 4);
+  // On dp = 1 ZeRO-1 changes nothing.
+  const Mesh one = Mesh::create({{"dp", 1}}, 1, "test");
+  const ShardingPlan single = small_plan(one, {{".*", PartitionSpec(), false}}, options, {4, 8, 2});
+  options.zero_stage = 0;
+  EXPECT_NEAR(
+      predict_step(single, options, slow_machine(), CollectiveMatmulAlgorithm::naive).total_s,
+      predict_step(small_plan(one, {{".*", PartitionSpec(), false}}, options, {4, 8, 2}), options,
+                   slow_machine(), CollectiveMatmulAlgorithm::naive)
+          .total_s,
+      kTolerance);
+}
+
 TEST(CostModel, RejectsBadProfilesAndUnknownBatches) {
   HardwareProfile hw = slow_machine();
   hw.links["tp"].bandwidth = 0.0;
@@ -183,6 +299,14 @@ TEST(CostModel, RejectsBadProfilesAndUnknownBatches) {
     FAIL() << "a zero bandwidth was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("links.tp.bandwidth"), std::string::npos) << e.what();
+  }
+  hw = slow_machine();
+  hw.overlap = 1.5;
+  try {
+    predict_step(plan, options, hw, CollectiveMatmulAlgorithm::automatic);
+    FAIL() << "an overlap of 1.5 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("overlap"), std::string::npos) << e.what();
   }
   options.global_batch = 0;
   const ShardingPlan unknown =
