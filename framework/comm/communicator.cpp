@@ -108,6 +108,17 @@ void require_disjoint(const float* a, std::size_t na, const float* b, std::size_
   }
 }
 
+// A 1-D all-gather's buffers: recv holds `size` blocks of send's length, apart from send.
+void require_gather_lengths(ConstVectorView send, VectorView recv, int size,
+                            const std::string& group, const char* op) {
+  const std::size_t count = send.extent(0);
+  if (recv.extent(0) != count * static_cast<std::size_t>(size)) {
+    MESHTRAIN_BAD_INPUT(op, " on ", group, ": receive length ", recv.extent(0), " is not ", size,
+                        " x send length ", count);
+  }
+  require_disjoint(send.data(), count, recv.data(), recv.extent(0), group, op);
+}
+
 void require_dim(int dim, const std::string& group, const char* op) {
   if (dim != 0 && dim != 1) {
     MESHTRAIN_BAD_INPUT(op, " on ", group, ": dim must be 0 or 1, got ", dim);
@@ -145,13 +156,8 @@ float* Communicator::scratch(std::size_t floats) {
 
 void Communicator::all_gather(ConstVectorView send, VectorView recv) {
   const char* op = "all_gather";
-  const std::size_t count = send.extent(0);
-  if (recv.extent(0) != count * static_cast<std::size_t>(size_)) {
-    MESHTRAIN_BAD_INPUT(op, " on ", description_, ": receive length ", recv.extent(0), " is not ",
-                        size_, " x send length ", count);
-  }
-  require_disjoint(send.data(), count, recv.data(), recv.extent(0), description_, op);
-  raw_all_gather(send.data(), recv.data(), count, op);
+  require_gather_lengths(send, recv, size_, description_, op);
+  raw_all_gather(send.data(), recv.data(), send.extent(0), op);
 }
 
 void Communicator::all_gather(ConstMatrixView send, MatrixView recv, int dim) {
@@ -199,13 +205,8 @@ void place_gathered_columns(ConstVectorView blocks, MatrixView recv, int n) {
 
 Request Communicator::start_all_gather(ConstVectorView send, VectorView recv) {
   const char* op = "all_gather";
-  const std::size_t count = send.extent(0);
-  if (recv.extent(0) != count * static_cast<std::size_t>(size_)) {
-    MESHTRAIN_BAD_INPUT(op, " on ", description_, ": receive length ", recv.extent(0), " is not ",
-                        size_, " x send length ", count);
-  }
-  require_disjoint(send.data(), count, recv.data(), recv.extent(0), description_, op);
-  return raw_start_all_gather(send.data(), recv.data(), count, op);
+  require_gather_lengths(send, recv, size_, description_, op);
+  return raw_start_all_gather(send.data(), recv.data(), send.extent(0), op);
 }
 
 Request Communicator::start_all_reduce(VectorView data) {

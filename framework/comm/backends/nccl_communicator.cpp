@@ -640,53 +640,6 @@ void NcclCommunicator::raw_broadcast(float* data, std::size_t count, int root, c
   s.wait_for(nullptr, op, deadline, timeout);
 }
 
-Request NcclCommunicator::raw_shift(const float* send, float* recv, std::size_t count, int offset,
-                                    const char* op) {
-  State& s = begin(state_, op);
-  if (count == 0) return Request();
-  checked_total(count, 1, "shift buffer");
-  require_device_buffer(s, send, op, "send");
-  require_device_buffer(s, recv, op, "receive");
-  const int n = size();
-  const int k = ((offset % n) + n) % n;
-  const int to = (rank() + k) % n;
-  const int from = (rank() - k + n) % n;
-  const double timeout = timeout_seconds();
-  const Clock::time_point deadline = deadline_after(timeout);
-  // The request (and its event) exists before anything is enqueued; a failure below gives
-  // it back to the pool (after an abort, nothing is left running).
-  NcclShiftSlot& pending = acquire_shift_slot(state_, timeout, op);
-  struct GiveBackOnThrow {
-    NcclShiftSlot* slot;
-    ~GiveBackOnThrow() {
-      if (slot != nullptr) slot->release();
-    }
-  } guard{&pending};
-  if (k == 0) {
-    check_cuda(
-        cudaMemcpyAsync(recv, send, count * sizeof(float), cudaMemcpyDeviceToDevice, s.stream), op,
-        s.description, "cudaMemcpyAsync");
-  } else {
-    s.check_call(ncclGroupStart(), op, "ncclGroupStart");
-    const ncclResult_t sent = ncclSend(send, count, ncclFloat, to, s.comm, s.stream);
-    const ncclResult_t received =
-        sent == ncclSuccess ? ncclRecv(recv, count, ncclFloat, from, s.comm, s.stream) : sent;
-    const ncclResult_t ended = ncclGroupEnd();  // closes the group even after an error
-    s.check_call(sent, op, "ncclSend");
-    s.check_call(received, op, "ncclRecv");
-    s.enqueued(ended, op, "ncclGroupEnd", deadline, timeout);
-  }
-  const cudaError_t recorded = cudaEventRecord(pending.event(), s.stream);
-  if (recorded != cudaSuccess) {
-    cudaGetLastError();
-    // The transfer is queued but cannot be waited for: stop it.
-    s.fail_abort(std::string(op) + " on " + s.description +
-                 ": cudaEventRecord failed: " + cuda_text(recorded));
-  }
-  guard.slot = nullptr;
-  return Request(&pending);
-}
-
 namespace {
 
 // A started collective: the request (and its event) exists before `enqueue(deadline)`
@@ -716,6 +669,35 @@ Request start_with_event(const std::shared_ptr<State>& state, double timeout, co
 }
 
 }  // namespace
+
+Request NcclCommunicator::raw_shift(const float* send, float* recv, std::size_t count, int offset,
+                                    const char* op) {
+  State& s = begin(state_, op);
+  if (count == 0) return Request();
+  checked_total(count, 1, "shift buffer");
+  require_device_buffer(s, send, op, "send");
+  require_device_buffer(s, recv, op, "receive");
+  const int n = size();
+  const int k = ((offset % n) + n) % n;
+  const int to = (rank() + k) % n;
+  const int from = (rank() - k + n) % n;
+  return start_with_event(state_, timeout_seconds(), op, [&](Clock::time_point deadline) {
+    if (k == 0) {
+      check_cuda(
+          cudaMemcpyAsync(recv, send, count * sizeof(float), cudaMemcpyDeviceToDevice, s.stream),
+          op, s.description, "cudaMemcpyAsync");
+      return;
+    }
+    s.check_call(ncclGroupStart(), op, "ncclGroupStart");
+    const ncclResult_t sent = ncclSend(send, count, ncclFloat, to, s.comm, s.stream);
+    const ncclResult_t received =
+        sent == ncclSuccess ? ncclRecv(recv, count, ncclFloat, from, s.comm, s.stream) : sent;
+    const ncclResult_t ended = ncclGroupEnd();  // closes the group even after an error
+    s.check_call(sent, op, "ncclSend");
+    s.check_call(received, op, "ncclRecv");
+    s.enqueued(ended, op, "ncclGroupEnd", deadline, timeout_seconds());
+  });
+}
 
 Request NcclCommunicator::raw_start_all_gather(const float* send, float* recv,
                                                std::size_t count_per_rank, const char* op) {
