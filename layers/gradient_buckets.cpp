@@ -65,7 +65,7 @@ void GradientBuckets::layer_ready(std::size_t layer) {
   MESHTRAIN_REQUIRE(layer < buckets_of_layer_.size(), "gradient buckets: no layer ", layer);
   for (std::size_t index : buckets_of_layer_[layer]) {
     Bucket& b = buckets_[index];
-    MESHTRAIN_REQUIRE(b.remaining > 0 && !b.started, "gradient buckets: layer ", layer,
+    MESHTRAIN_REQUIRE(b.remaining > 0, "gradient buckets: layer ", layer,
                       " reported ready twice in one backward");
     --b.remaining;
   }
@@ -85,7 +85,6 @@ void GradientBuckets::layer_ready(std::size_t layer) {
       }
       b.request = b.group->start_all_reduce(buffer);  // fences the packing first
     }
-    b.started = true;
   }
 }
 
@@ -109,7 +108,6 @@ void GradientBuckets::wait_all() {
             KOKKOS_LAMBDA(const std::size_t i) { grad(i) = buffer(at + i); });
       }
     }
-    b.started = false;
     b.remaining = b.layers;
   }
   Kokkos::fence();

@@ -77,13 +77,12 @@ class GradientBuckets {
     std::size_t layers = 0;     // distinct layers with a piece here
     std::size_t remaining = 0;  // of those, not yet ready in this backward
     Vector buffer;              // contiguous sum buffer (only with several pieces)
-    Request request;
-    bool started = false;  // the request alone cannot say: a poll may have emptied it
+    Request request;            // a poll may have emptied it: next_start_ says what was started
   };
 
   std::vector<Bucket> buckets_;
   std::vector<std::vector<std::size_t>> buckets_of_layer_;  // per layer, ascending
-  std::size_t next_start_ = 0;                              // the next bucket to start
+  std::size_t next_start_ = 0;  // buckets before it are started in this backward
 };
 
 }  // namespace meshtrain

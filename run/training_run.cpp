@@ -178,10 +178,9 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     zero1_ = std::make_unique<Zero1>(model_->parameters(), model_->gradients(), std::move(partial),
                                      comms_->get({kZeroAxis}));
   }
-  std::vector<ShardedTensor>& updated = zero1_ ? zero1_->param_chunks() : model_->parameters();
-  std::vector<ShardedTensor>& update_grads = zero1_ ? zero1_->grad_chunks() : model_->gradients();
-  optimizer_ = std::make_unique<Optimizer>(optimizer_settings(config_.optimizer), updated);
-  clipper_ = std::make_unique<GradientClipper>(*mesh_, rank_, update_grads);
+  optimizer_ =
+      std::make_unique<Optimizer>(optimizer_settings(config_.optimizer), updated_parameters());
+  clipper_ = std::make_unique<GradientClipper>(*mesh_, rank_, updated_gradients());
   const OptimizerSection& opt = config_.optimizer;
   lr_schedule_ = LrSchedule{parse_lr_schedule(opt.schedule), opt.lr, opt.min_lr, opt.warmup_steps,
                             total_steps_};
@@ -337,8 +336,7 @@ StepResult TrainingRun::apply_update() {
   }
   // With ZeRO-1 the update (clipping included) sees this rank's chunk of each gradient.
   if (zero1_) zero1_->reduce(grads);
-  std::vector<ShardedTensor>& update_grads = zero1_ ? zero1_->grad_chunks() : grads;
-  std::vector<ShardedTensor>& updated = zero1_ ? zero1_->param_chunks() : model_->parameters();
+  std::vector<ShardedTensor>& update_grads = updated_gradients();
   const double loss = micro_loss_sum_ / static_cast<double>(accumulation_);
   micro_done_ = 0;
   micro_loss_sum_ = 0.0;
@@ -358,7 +356,7 @@ StepResult TrainingRun::apply_update() {
   // The rate depends on the step index alone, so a resumed run continues it exactly.
   lr_ = static_cast<float>(lr_schedule_.at(steps_done_));
   checkpointer_->wait_snapshot();  // a save in flight has copied the tensors it writes
-  optimizer_->step(updated, update_grads, lr_);
+  optimizer_->step(updated_parameters(), update_grads, lr_);
   if (zero1_) zero1_->gather(model_->parameters());  // every replica gets every chunk
   ++steps_done_;
   return {steps_done_, loss};

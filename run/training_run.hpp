@@ -181,6 +181,13 @@ class TrainingRun {
   std::unique_ptr<Loss> loss_;
   // optimizer.zero_stage = 1 with dp > 1: the optimizer works on this rank's chunks.
   std::unique_ptr<Zero1> zero1_;
+  // What the optimizer and the clipper work on: zero1_'s chunks, else the whole model's.
+  std::vector<ShardedTensor>& updated_parameters() {
+    return zero1_ ? zero1_->param_chunks() : model_->parameters();
+  }
+  std::vector<ShardedTensor>& updated_gradients() {
+    return zero1_ ? zero1_->grad_chunks() : model_->gradients();
+  }
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<GradientClipper> clipper_;
   LrSchedule lr_schedule_;
