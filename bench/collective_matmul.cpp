@@ -34,7 +34,6 @@
 namespace {
 
 using meshtrain::CollectiveMatmulAlgorithm;
-using CmKind = meshtrain::CollectiveMatmulKind;
 using Matrix = Kokkos::View<float**, Kokkos::LayoutRight>;
 
 Matrix filled(const std::string& label, std::size_t rows, std::size_t cols, float seed) {
@@ -196,6 +195,12 @@ int main(int argc, char** argv) {
       const std::vector<double> t = median_times(repeats, variants, MPI_COMM_WORLD, &cpu);
 
       const double flops = 2.0 * static_cast<double>(m) * local_k * n;  // per rank
+      const meshtrain::CollectiveMatmulShape call_shape =
+          gather ? meshtrain::all_gather_matmul_shape(tp, meshtrain::GatherSide::right, 0,
+                                                      meshtrain::plain(lhs), meshtrain::plain(rhs),
+                                                      out)
+                 : meshtrain::matmul_reduce_scatter_shape(tp, scatter_dim, meshtrain::plain(lhs),
+                                                          meshtrain::plain(rhs), out);
       const double single_time = t.back(), local_time = t[t.size() - 2];
       const double single_gflops = 2.0 * m * k * n / single_time * 1e-9;
       double naive_time = 0.0;
@@ -206,15 +211,12 @@ int main(int argc, char** argv) {
         nlohmann::json line = shape;
         line["op"] = op;
         line["algorithm"] = meshtrain::to_string(algorithms[v]);
-        line["resolved"] = meshtrain::to_string(meshtrain::resolve_collective_matmul_algorithm(
-            algorithms[v], gather ? CmKind::all_gather : CmKind::reduce_scatter, flops, tp.size(),
-            block_bytes));
+        line["resolved"] = meshtrain::to_string(
+            meshtrain::resolve_collective_matmul_algorithm(algorithms[v], call_shape));
         // The cost model's prediction for this call (the process's hardware profile).
         const auto& hw = meshtrain::collective_matmul_hardware();
-        line["predicted_s"] = meshtrain::collective_matmul_seconds(
-            {gather ? CmKind::all_gather : CmKind::reduce_scatter, flops,
-             static_cast<double>(block_bytes), tp.size()},
-            algorithms[v], hw.link("tp"), hw);
+        line["predicted_s"] =
+            meshtrain::collective_matmul_seconds(call_shape, algorithms[v], hw.link("tp"), hw);
         if (!gather) line["scatter_dim"] = scatter_dim;
         line["time_s"] = t[v];
         line["cpu_time_s"] = cpu[v];

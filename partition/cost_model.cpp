@@ -70,8 +70,8 @@ double overlapped_seconds(double a, double c, double overlap) {
 double collective_matmul_seconds(const CollectiveMatmulShape& s,
                                  CollectiveMatmulAlgorithm algorithm, const LinkProfile& link,
                                  const HardwareProfile& hw) {
-  const double gemm = s.flops / hw.gemm_flops;
-  if (s.ranks <= 1) return gemm;
+  const double naive_gemms = s.naive_calls * hw.gemm_seconds(s.naive);
+  if (s.ranks <= 1) return naive_gemms;
   if (algorithm == CollectiveMatmulAlgorithm::automatic) {
     algorithm = choose_collective_matmul(s, algorithm, link, hw);
   }
@@ -80,12 +80,12 @@ double collective_matmul_seconds(const CollectiveMatmulShape& s,
     const CollectiveKind kind = s.kind == CollectiveMatmulKind::all_gather
                                     ? CollectiveKind::all_gather
                                     : CollectiveKind::reduce_scatter;
-    return gemm + collective_seconds(kind, n * s.block_bytes, s.ranks, link);
+    return naive_gemms + collective_seconds(kind, n * s.block_bytes, s.ranks, link);
   }
-  const double g = gemm / n;
-  const double hop = link.latency + s.block_bytes / (algorithm == CollectiveMatmulAlgorithm::ring
-                                                         ? link.exchange_bandwidth
-                                                         : link.bidirectional_bandwidth);
+  const bool ring = algorithm == CollectiveMatmulAlgorithm::ring;
+  const double g = ring ? hw.gemm_seconds(s.block) : 2 * hw.gemm_seconds(s.half);
+  const double hop = link.latency + s.block_bytes / (ring ? link.exchange_bandwidth
+                                                          : link.bidirectional_bandwidth);
   const double step = overlapped_seconds(g, hop, hw.overlap);
   if (s.kind == CollectiveMatmulKind::all_gather) return (n - 1) * step + g;
   const double add = 3 * s.block_bytes / hw.memory_bandwidth;
@@ -111,13 +111,18 @@ CollectiveMatmulAlgorithm choose_collective_matmul(const CollectiveMatmulShape& 
 }
 
 std::vector<CollectiveMatmulShape> layer_matmul_shapes(const LinearLayout& l, int64_t rows) {
-  // All three multiply [rows x in_c] by [in_c x out] (or its transposes) and move one
-  // [rows, out/tp] block of the output or of its gradient (layers/linear.cpp).
-  const double flops = 2.0 * rows * l.in_compute * l.out;
-  const double block = kFloat * rows * l.out_local;
-  return {{CollectiveMatmulKind::reduce_scatter, flops, block, l.tp},
-          {CollectiveMatmulKind::all_gather, flops, block, l.tp},
-          {CollectiveMatmulKind::all_gather, flops, block, l.tp}};
+  // Each moves one [rows, out/tp] block of the output or of its gradient and runs its GEMM
+  // as tp column blocks of the output (naive and ring alike); bidirectional splits the
+  // block's rows in two.
+  const int64_t half = rows - rows / 2, cols = l.out_local, in = l.in_compute;
+  const double block = kFloat * rows * cols;
+  const GemmShape forward{rows, in, cols, false, false}, forward_half{half, in, cols, false, false};
+  const GemmShape weight{in, rows, cols, true, false}, weight_half{in, half, cols, true, false};
+  const GemmShape input{rows, cols, in, false, true}, input_half{half, cols, in, false, true};
+  const int n = static_cast<int>(l.tp);
+  return {{CollectiveMatmulKind::reduce_scatter, forward, n, forward, forward_half, block, n},
+          {CollectiveMatmulKind::all_gather, weight, n, weight, weight_half, block, n},
+          {CollectiveMatmulKind::all_gather, input, n, input, input_half, block, n}};
 }
 
 LayerMatmulAlgorithms layer_matmul_algorithms(const LinearLayout& l, int64_t rows,
@@ -131,6 +136,31 @@ LayerMatmulAlgorithms layer_matmul_algorithms(const LinearLayout& l, int64_t row
   out.weight_grad = choose_collective_matmul(shapes[1], requested, link, hw);
   out.input_grad = choose_collective_matmul(shapes[2], requested, link, hw);
   return out;
+}
+
+std::vector<GemmShape> step_gemm_shapes(const ShardingPlan& plan) {
+  std::vector<GemmShape> shapes;
+  const int64_t r = plan.local_batch_rows;
+  for (size_t i = 0; i < plan.layers.size(); ++i) {
+    const LinearLayout& l = plan.layers[i].layout;
+    if (l.split_output) {
+      const auto matmuls = layer_matmul_shapes(l, r);
+      for (size_t k = 0; k < matmuls.size(); ++k) {
+        if (k == 2 && i == 0) continue;  // the first layer has no input gradient
+        shapes.insert(shapes.end(), {matmuls[k].naive, matmuls[k].block, matmuls[k].half});
+      }
+    } else {
+      shapes.push_back({r, l.in_compute, l.out, false, false});
+      shapes.push_back({l.in_compute, r, l.out, true, false});
+      if (i > 0) shapes.push_back({r, l.out, l.in_compute, false, true});
+    }
+  }
+  std::sort(shapes.begin(), shapes.end());
+  shapes.erase(std::unique(shapes.begin(), shapes.end()), shapes.end());
+  shapes.erase(std::remove_if(shapes.begin(), shapes.end(),
+                              [](const GemmShape& g) { return g.flops() <= 0.0; }),
+               shapes.end());
+  return shapes;
 }
 
 StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
@@ -148,10 +178,10 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
                  const std::string& what, const std::string& group, double seconds) {
     cost.items.push_back({layer, phase, category, what, group, seconds});
   };
-  auto gemm = [&](const std::string& layer, const char* phase, const std::string& what, int64_t m,
-                  int64_t k, int64_t n) {
-    add(layer, phase, "gemm", what + " " + shape_text(m, k, n), "",
-        2.0 * m * k * n / hw.gemm_flops);
+  auto gemm = [&](const std::string& layer, const char* phase, const std::string& what,
+                  const GemmShape& shape) {
+    add(layer, phase, "gemm", what + " " + shape_text(shape.m, shape.k, shape.n), "",
+        hw.gemm_seconds(shape));
   };
   auto memory = [&](const std::string& layer, const char* phase, const std::string& what,
                     double bytes) {
@@ -211,7 +241,7 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       matmul(lp.name, "forward", "x @ W reduce-scattered " + shape_text(r, l.in_compute, l.out),
              layer_matmul_shapes(l, r)[0], chosen.forward, l.feature_axis);
     } else {
-      gemm(lp.name, "forward", "x @ W", r, l.in_compute, l.out);
+      gemm(lp.name, "forward", "x @ W", {r, l.in_compute, l.out, false, false});
     }
     memory(lp.name, "forward", "bias add", 2 * kFloat * r * l.out_local);
     if (i + 1 < count) memory(lp.name, "forward", "activation", 2 * kFloat * r * l.out_local);
@@ -247,8 +277,8 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
                shapes[2], chosen.input_grad, l.feature_axis);
       }
     } else {
-      gemm(lp.name, "backward", "xᵀ @ dY", l.in_compute, r, l.out);
-      if (j > 0) gemm(lp.name, "backward", "dY @ Wᵀ", r, l.out, l.in_compute);
+      gemm(lp.name, "backward", "xᵀ @ dY", {l.in_compute, r, l.out, true, false});
+      if (j > 0) gemm(lp.name, "backward", "dY @ Wᵀ", {r, l.out, l.in_compute, false, true});
     }
     if (j > 0 && (l.slices_input() || l.gathers_input())) {
       memory(lp.name, "backward", "input gradient copy", 2 * kFloat * r * l.in_compute);

@@ -5,7 +5,8 @@
 // What a step does (layers/linear.cpp, layers/loss.cpp, run/training_run.cpp), per rank,
 // with r the local batch rows and each layer's compute block [in_c, out]:
 //   GEMMs       forward r x in_c x out, backward weight in_c x r x out and (not the first
-//               layer) input r x out x in_c: 2 * m * k * n FLOPs each at gemm_flops.
+//               layer) input r x out x in_c: each at the profile's rate for its shape
+//               (HardwareProfile::gemm_seconds: measured shapes, else gemm_flops).
 //   collectives the plan's (LayerCollective), each costed as a ring on the slowest link of
 //               its group, S the full (gathered / unreduced) operand in bytes, p ranks:
 //                 all-gather, reduce-scatter   (p-1)/p * S / B + (p-1) * alpha
@@ -21,13 +22,13 @@
 //   collective matmuls  a TP layer with a split output replaces its output reduce-scatter
 //               and its two output-gradient all-gathers, with their GEMMs, by
 //               matmul_reduce_scatter / all_gather_matmul (framework/comm/
-//               collective_matmul.hpp). F = the rank's GEMM FLOPs, b = the travelling
-//               block's bytes, n = tp, g = F / (n * gemm_flops) one block's GEMM, one hop
-//               h = latency + b / exchange_bandwidth (ring: every rank sends and receives a
-//               block at once) or latency + b / bidirectional_bandwidth (both halves at
-//               once, one each way), each step the hop beside the block's GEMM,
-//               s = g + h - e * min(g, h):
-//                 naive          F / gemm_flops + the all-gather / reduce-scatter above
+//               collective_matmul.hpp). b = the travelling block's bytes, n = tp, g = one
+//               step's GEMM time (ring: the block's GEMM; bidirectional: two GEMMs of half
+//               a block), one hop h = latency + b / exchange_bandwidth (ring: every rank
+//               sends and receives a block at once) or latency + b / bidirectional_bandwidth
+//               (both halves at once, one each way), each step the hop beside the step's
+//               GEMMs, s = g + h - e * min(g, h):
+//                 naive          its GEMMs + the all-gather / reduce-scatter above
 //                 ring, bidirectional  all-gather: (n-1) * s + g
 //                                reduce-scatter: g + (n-1) * (s + 3b / memory_bandwidth)
 //                                (each hop's partial sum is added: read two, write one)
@@ -75,13 +76,19 @@ double overlapped_seconds(double a, double c, double overlap);
 // (0 for one rank).
 double collective_seconds(CollectiveKind kind, double bytes, int ranks, const LinkProfile& link);
 
-// One collective matmul: the rank's whole GEMM (flops), the travelling block, the ranks.
+// One collective matmul on this rank: the GEMMs each algorithm runs, the travelling
+// block, the ranks (framework/comm/collective_matmul.cpp builds it from its operands,
+// layer_matmul_shapes for a TP layer).
 enum class CollectiveMatmulKind { all_gather, reduce_scatter };
 struct CollectiveMatmulShape {
   CollectiveMatmulKind kind = CollectiveMatmulKind::all_gather;
-  double flops = 0.0;
+  GemmShape naive;  // naive: naive_calls of these beside the collective
+  int naive_calls = 1;
+  GemmShape block;  // ring: one per step, `ranks` steps
+  GemmShape half;   // bidirectional: two per step (the block split in halves)
   double block_bytes = 0.0;
   int ranks = 1;
+  double flops() const { return naive_calls * naive.flops(); }
 };
 // Seconds of `shape` with `algorithm` (naive, ring or bidirectional; automatic: the fastest).
 double collective_matmul_seconds(const CollectiveMatmulShape& shape,
@@ -102,7 +109,10 @@ struct LayerMatmulAlgorithms {
   CollectiveMatmulAlgorithm weight_grad = CollectiveMatmulAlgorithm::naive;
   CollectiveMatmulAlgorithm input_grad = CollectiveMatmulAlgorithm::naive;
 };
-// The three shapes of layer `layout` for `rows` local rows (4-byte floats).
+// The three shapes of layer `layout` for `rows` local rows (4-byte floats), as
+// layers/linear.cpp calls them: forward x @ W (NN, output reduce-scattered by column
+// blocks), weight gradient xᵀ @ dY (TN, dY all-gathered by column blocks, bidirectional
+// halves split K), input gradient dY @ Wᵀ (NT, the same dY, halves split M).
 std::vector<CollectiveMatmulShape> layer_matmul_shapes(const LinearLayout& layout, int64_t rows);
 LayerMatmulAlgorithms layer_matmul_algorithms(const LinearLayout& layout, int64_t rows,
                                               CollectiveMatmulAlgorithm requested,
@@ -130,6 +140,10 @@ struct StepCost {
   double overlap_hidden_s = 0.0, full_overlap_hidden_s = 0.0;
   double serial_s = 0.0, full_overlap_s = 0.0;
 };
+
+// Every GEMM shape predict_step costs for `plan` (each collective matmul's under every
+// algorithm), sorted, without repeats: what `meshtrain calibrate CONFIG` measures.
+std::vector<GemmShape> step_gemm_shapes(const ShardingPlan& plan);
 
 // Predicts one optimizer step of `plan` (made with `options` and layers, and a known
 // global batch that divides: bad_input otherwise) on `hardware`, the collective matmuls

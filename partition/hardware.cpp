@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 
 #include "partition/error.hpp"
 
@@ -20,6 +21,35 @@ const LinkProfile& HardwareProfile::link(const std::string& axis) const {
                         "'");
   }
   return it->second;
+}
+
+bool GemmShape::operator<(const GemmShape& o) const {
+  return std::tie(m, k, n, transpose_a, transpose_b) <
+         std::tie(o.m, o.k, o.n, o.transpose_a, o.transpose_b);
+}
+
+std::string to_string(const GemmShape& s) {
+  return std::string(s.transpose_a ? "T" : "N") + (s.transpose_b ? "T" : "N") + " " +
+         std::to_string(s.m) + " x " + std::to_string(s.k) + " x " + std::to_string(s.n);
+}
+
+double HardwareProfile::gemm_seconds(const GemmShape& shape) const {
+  if (shape.m <= 0 || shape.k <= 0 || shape.n <= 0) return 0.0;
+  double best = std::numeric_limits<double>::infinity(), rate = gemm_flops;
+  for (const GemmRate& r : gemm_rates) {
+    const GemmShape& g = r.shape;
+    if (g.transpose_a != shape.transpose_a || g.transpose_b != shape.transpose_b) continue;
+    auto ratio = [](int64_t a, int64_t b) {
+      return std::abs(std::log(static_cast<double>(a) / static_cast<double>(b)));
+    };
+    const double far = std::max({ratio(g.m, shape.m), ratio(g.k, shape.k), ratio(g.n, shape.n)});
+    const double distance = ratio(g.m, shape.m) + ratio(g.k, shape.k) + ratio(g.n, shape.n);
+    if (far <= std::log(2.0) + 1e-12 && distance < best) {
+      best = distance;
+      rate = r.flops;
+    }
+  }
+  return shape.flops() / rate;
 }
 
 LinkProfile HardwareProfile::group_link(const std::vector<std::string>& axes) const {
@@ -65,6 +95,13 @@ void check_value(const HardwareProfile& p, const std::string& key, double value,
 
 void check_hardware_profile(const HardwareProfile& p) {
   check_value(p, "gemm_flops", p.gemm_flops, false);
+  for (const GemmRate& r : p.gemm_rates) {
+    if (r.shape.m <= 0 || r.shape.k <= 0 || r.shape.n <= 0) {
+      MESHTRAIN_BAD_INPUT(p.source, ": gemm shape ", to_string(r.shape),
+                          " must have positive extents");
+    }
+    check_value(p, "the flops of gemm shape " + to_string(r.shape), r.flops, false);
+  }
   check_value(p, "memory_bandwidth", p.memory_bandwidth, false);
   check_value(p, "overlap", p.overlap, true);
   if (p.overlap > 1.0) {

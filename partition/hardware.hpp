@@ -4,6 +4,9 @@
 // (framework/train/hardware_file.hpp reads and writes that file).
 //
 //   gemm_flops         FLOP/s of one rank's float GEMM (the one gemm() of framework/core)
+//   gemm_rates         FLOP/s of particular GEMM shapes, measured (calibrate CONFIG times
+//                      every shape the config's step runs: a short K or N runs far below
+//                      the square rate). gemm_seconds() uses the nearest one, else gemm_flops.
 //   memory_bandwidth   B/s one rank streams through memory (read + write bytes counted)
 //   per mesh axis (dp, fsdp, ep, tp, sp), the link between neighbours on that axis:
 //     bandwidth        B/s of one point-to-point message (ping-pong, one direction)
@@ -27,11 +30,31 @@
 //                      take a + c - overlap * min(a, c) (1: max(a, c); 0: a + c). MPI on
 //                      CPUs moves data only inside MPI calls, so it is near 0 there.
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
 
 namespace meshtrain {
+
+// One GEMM: op(A) [m x k] @ op(B) [k x n], op = transpose or not (framework/core/gemm.hpp).
+struct GemmShape {
+  int64_t m = 0, k = 0, n = 0;
+  bool transpose_a = false, transpose_b = false;
+  double flops() const { return 2.0 * static_cast<double>(m) * k * n; }
+  bool operator==(const GemmShape& o) const {
+    return m == o.m && k == o.k && n == o.n && transpose_a == o.transpose_a &&
+           transpose_b == o.transpose_b;
+  }
+  bool operator<(const GemmShape& o) const;
+};
+// "NT 128 x 2048 x 1024": the transposes of A and B, then m x k x n.
+std::string to_string(const GemmShape& shape);
+
+struct GemmRate {
+  GemmShape shape;
+  double flops = 0.0;  // FLOP/s
+};
 
 struct LinkProfile {
   double bandwidth = 0.0;                 // B/s
@@ -45,6 +68,7 @@ struct LinkProfile {
 
 struct HardwareProfile {
   double gemm_flops = 0.0;                   // FLOP/s per rank
+  std::vector<GemmRate> gemm_rates;          // measured shapes, any order
   double memory_bandwidth = 0.0;             // B/s per rank
   double overlap = 0.0;                      // 0..1
   std::map<std::string, LinkProfile> links;  // one per axis of hardware_axes()
@@ -55,6 +79,10 @@ struct HardwareProfile {
   // A group over several axes runs at its slowest axis: the smallest bandwidths and the
   // largest latency. The empty group is an infinitely fast link.
   LinkProfile group_link(const std::vector<std::string>& axes) const;
+  // Seconds of one GEMM: at the rate of the same shape in gemm_rates; else of the nearest
+  // measured shape with the same transposes whose m, k and n are each within a factor 2
+  // (nearest: the least sum of |log| ratios); else at gemm_flops.
+  double gemm_seconds(const GemmShape& shape) const;
 };
 
 // The mesh axes a profile describes, in mesh order: dp, fsdp, ep, tp, sp.

@@ -86,12 +86,9 @@ const HardwareProfile& collective_matmul_hardware() {
 }
 
 CollectiveMatmulAlgorithm resolve_collective_matmul_algorithm(CollectiveMatmulAlgorithm algorithm,
-                                                              CollectiveMatmulKind kind,
-                                                              double flops, int ranks,
-                                                              std::size_t block_bytes) {
+                                                              const CollectiveMatmulShape& shape) {
   const HardwareProfile& hw = collective_matmul_hardware();
-  return choose_collective_matmul({kind, flops, static_cast<double>(block_bytes), ranks}, algorithm,
-                                  hw.link("tp"), hw);
+  return choose_collective_matmul(shape, algorithm, hw.link("tp"), hw);
 }
 
 // -------------------------------------------------------------------------- workspace
@@ -145,6 +142,32 @@ struct GatherPlan {
       const float beta = length(op_r) == k ? 0.0f : 1.0f;
       gemm(op_col_block(other, op_r), p, beta, Kokkos::subview(c, Kokkos::ALL, op_c));
     }
+  }
+
+  // The GEMM multiply_piece runs for a piece of `rows` x `cols` stored elements.
+  GemmShape piece_shape(std::size_t rows, std::size_t cols) const {
+    const auto r = static_cast<int64_t>(gathered.transpose ? cols : rows);  // op rows
+    const auto c = static_cast<int64_t>(gathered.transpose ? rows : cols);  // op cols
+    if (side == GatherSide::left) {
+      return {r, c, static_cast<int64_t>(op_cols(other)), gathered.transpose, other.transpose};
+    }
+    return {static_cast<int64_t>(op_rows(other)), r, c, other.transpose, gathered.transpose};
+  }
+
+  // What the cost model needs to choose an algorithm (gather_naive, gather_ring and
+  // gather_bidirectional below run these GEMMs).
+  CollectiveMatmulShape shape() const {
+    CollectiveMatmulShape s;
+    s.kind = CollectiveMatmulKind::all_gather;
+    s.ranks = n;
+    s.block_bytes = static_cast<double>(block_rows * block_cols * sizeof(float));
+    const std::size_t whole = static_cast<std::size_t>(n) * block_rows;
+    s.naive =
+        gather_dim == 0 ? piece_shape(whole, block_cols) : piece_shape(block_rows, block_cols);
+    s.naive_calls = gather_dim == 0 ? 1 : n;
+    s.block = piece_shape(block_rows, block_cols);
+    s.half = piece_shape(block_rows - block_rows / 2, block_cols);
+    return s;
   }
 
   // Piece `rows` [sub0, sub0+rows) of block j.
@@ -286,14 +309,16 @@ void gather_bidirectional(const GatherPlan& plan, Communicator& comm,
 
 }  // namespace
 
+CollectiveMatmulShape all_gather_matmul_shape(Communicator& comm, GatherSide side, int gather_dim,
+                                              GemmOperand a, GemmOperand b, MatrixView c) {
+  return plan_gather(comm, side, gather_dim, a, b, c).shape();
+}
+
 void all_gather_matmul(Communicator& comm, GatherSide side, int gather_dim, GemmOperand a,
                        GemmOperand b, MatrixView c, CollectiveMatmulAlgorithm algorithm,
                        CollectiveMatmulWorkspace& workspace) {
   const GatherPlan plan = plan_gather(comm, side, gather_dim, a, b, c);
-  const std::size_t block_bytes = plan.block_rows * plan.block_cols * sizeof(float);
-  const double flops = 2.0 * static_cast<double>(plan.c.extent(0)) * plan.c.extent(1) * plan.k;
-  switch (resolve_collective_matmul_algorithm(algorithm, CollectiveMatmulKind::all_gather, flops,
-                                              plan.n, block_bytes)) {
+  switch (resolve_collective_matmul_algorithm(algorithm, plan.shape())) {
     case CollectiveMatmulAlgorithm::ring:
       gather_ring(plan, comm, workspace);
       break;
@@ -330,6 +355,27 @@ struct ScatterPlan {
       col_range = Range{tt * block_cols, (tt + 1) * block_cols};
     }
     gemm(op_row_block(a, r), op_col_block(b, col_range), 0.0f, MatrixView(out, rows, block_cols));
+  }
+
+  // What the cost model needs to choose an algorithm (the GEMMs of scatter_naive,
+  // compute() for a whole block, and for half of one).
+  CollectiveMatmulShape shape() const {
+    const auto k = static_cast<int64_t>(op_cols(a));
+    auto rows_of = [&](std::size_t rows) {
+      return GemmShape{static_cast<int64_t>(rows), k, static_cast<int64_t>(block_cols), a.transpose,
+                       b.transpose};
+    };
+    CollectiveMatmulShape s;
+    s.kind = CollectiveMatmulKind::reduce_scatter;
+    s.ranks = n;
+    s.block_bytes = static_cast<double>(block_rows * block_cols * sizeof(float));
+    s.naive = scatter_dim == 0 ? GemmShape{static_cast<int64_t>(m), k, static_cast<int64_t>(cols),
+                                           a.transpose, b.transpose}
+                               : rows_of(block_rows);
+    s.naive_calls = scatter_dim == 0 ? 1 : n;
+    s.block = rows_of(block_rows);
+    s.half = rows_of(block_rows - block_rows / 2);
+    return s;
   }
 };
 
@@ -468,14 +514,17 @@ void scatter_streams(const ScatterPlan& plan, Communicator& comm, MatrixView c,
 
 }  // namespace
 
+CollectiveMatmulShape matmul_reduce_scatter_shape(Communicator& comm, int scatter_dim,
+                                                  GemmOperand a, GemmOperand b, MatrixView c) {
+  return plan_scatter(comm, scatter_dim, a, b, c).shape();
+}
+
 void matmul_reduce_scatter(Communicator& comm, int scatter_dim, GemmOperand a, GemmOperand b,
                            MatrixView c, CollectiveMatmulAlgorithm algorithm,
                            CollectiveMatmulWorkspace& workspace) {
   const ScatterPlan plan = plan_scatter(comm, scatter_dim, a, b, c);
   const std::size_t block = plan.block_rows * plan.block_cols;
-  const double flops = 2.0 * static_cast<double>(plan.m) * plan.cols * op_cols(plan.a);
-  const auto chosen = resolve_collective_matmul_algorithm(
-      algorithm, CollectiveMatmulKind::reduce_scatter, flops, plan.n, block * sizeof(float));
+  const auto chosen = resolve_collective_matmul_algorithm(algorithm, plan.shape());
   if (chosen == CollectiveMatmulAlgorithm::ring) {
     PartialStream stream;
     stream.sub0 = 0;

@@ -62,14 +62,19 @@ namespace meshtrain {
 void set_collective_matmul_hardware(const HardwareProfile& hardware);
 const HardwareProfile& collective_matmul_hardware();
 
-// What `automatic` becomes for a call of `kind` whose GEMM has `flops` on this rank, over
-// `ranks`, with a travelling block of `block_bytes` (other algorithms are returned as they are).
+// What `automatic` becomes for a call of `shape` (other algorithms are returned as they
+// are).
 CollectiveMatmulAlgorithm resolve_collective_matmul_algorithm(CollectiveMatmulAlgorithm algorithm,
-                                                              CollectiveMatmulKind kind,
-                                                              double flops, int ranks,
-                                                              std::size_t block_bytes);
+                                                              const CollectiveMatmulShape& shape);
 
 enum class GatherSide { left, right };
+
+// The shape of a call with these operands (what the two functions below would run; the
+// same bad_input for operands they reject).
+CollectiveMatmulShape all_gather_matmul_shape(Communicator& comm, GatherSide side, int gather_dim,
+                                              GemmOperand a, GemmOperand b, MatrixView c);
+CollectiveMatmulShape matmul_reduce_scatter_shape(Communicator& comm, int scatter_dim,
+                                                  GemmOperand a, GemmOperand b, MatrixView c);
 
 // Scratch memory of the collective matmuls: one buffer, grown on first use (or by
 // reserve) and reused, so later calls with the same shapes do not allocate. Not shared

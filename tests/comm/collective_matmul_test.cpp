@@ -220,12 +220,11 @@ TEST(CollectiveMatmul, RingAndBidirectionalHoldTwoBlocksNotN) {
     matmul_reduce_scatter(comm, 0, plain(rs_a), plain(rs_b), rs_out, alg, ws);
     EXPECT_EQ(ws.capacity_bytes(), capacity) << to_string(alg);
     EXPECT_EQ(ws.acquire(0), buffer) << to_string(alg);
-    // The flops of the two calls above (the cost model's choice for `auto` depends on them).
-    const double ag_flops = 2.0 * 8 * (rows * n) * cols, rs_flops = 2.0 * (rows * n) * 5 * cols;
-    const auto ag = resolve_collective_matmul_algorithm(alg, CollectiveMatmulKind::all_gather,
-                                                        ag_flops, comm.size(), block_bytes);
-    const auto rs = resolve_collective_matmul_algorithm(alg, CollectiveMatmulKind::reduce_scatter,
-                                                        rs_flops, comm.size(), block_bytes);
+    // What the two calls above ran (the cost model's choice for `auto` depends on the shapes).
+    const auto ag = resolve_collective_matmul_algorithm(
+        alg, all_gather_matmul_shape(comm, GatherSide::right, 0, plain(lhs), plain(block), out));
+    const auto rs = resolve_collective_matmul_algorithm(
+        alg, matmul_reduce_scatter_shape(comm, 0, plain(rs_a), plain(rs_b), rs_out));
     if (ag == CollectiveMatmulAlgorithm::naive) {
       EXPECT_EQ(ag_bytes, n * block_bytes) << "naive holds the gathered operand";
     } else {

@@ -24,6 +24,15 @@ HardwareProfile slow_machine() {
 
 constexpr double kTolerance = 1e-12;
 
+// A collective matmul of `flops` on this rank over `ranks`, split into `ranks` equal block
+// GEMMs (naive and ring) and halves of them (bidirectional), as TP layers run them.
+CollectiveMatmulShape matmul_of(CollectiveMatmulKind kind, double flops, double block_bytes,
+                                int ranks) {
+  const auto block = static_cast<int64_t>(flops / ranks / 2);
+  const GemmShape whole{1, 1, block, false, false}, half{1, 1, block / 2, false, false};
+  return {kind, whole, ranks, whole, half, block_bytes, ranks};
+}
+
 TEST(CostModel, RingCollectives) {
   const LinkProfile link = slow_machine().link("dp");
   // All-gather of 1 MB over 4 ranks: 3/4 * 1e6 / 5e7 + 3 * 1e-3 = 0.015 + 0.003.
@@ -51,7 +60,7 @@ TEST(CostModel, CollectiveMatmulOnTwoRanks) {
   // (1/2 * 2e6 / 5e7 + 1e-3 = 0.021). ring: g = 0.04, a hop 1e-3 + 1e6 / 1e8 = 0.011,
   // max(g, hop) + g = 0.08. bidirectional: hop 1e-3 + 1e6 / 2e8 = 0.006: also 0.08, so
   // auto keeps ring (the first of a tie after naive).
-  const CollectiveMatmulShape ag{CollectiveMatmulKind::all_gather, 8e7, 1e6, 2};
+  const CollectiveMatmulShape ag = matmul_of(CollectiveMatmulKind::all_gather, 8e7, 1e6, 2);
   EXPECT_NEAR(collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::naive, link, hw), 0.101,
               kTolerance);
   EXPECT_NEAR(collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::ring, link, hw), 0.08,
@@ -62,7 +71,7 @@ TEST(CostModel, CollectiveMatmulOnTwoRanks) {
             CollectiveMatmulAlgorithm::ring);
   // The reduce-scatter ring adds each passing partial sum: 3 * 1e6 / 1e9 = 0.003 per hop:
   // 0.04 + (0.04 + 0.003) = 0.083; naive 0.08 + 0.021 = 0.101.
-  const CollectiveMatmulShape rs{CollectiveMatmulKind::reduce_scatter, 8e7, 1e6, 2};
+  const CollectiveMatmulShape rs = matmul_of(CollectiveMatmulKind::reduce_scatter, 8e7, 1e6, 2);
   EXPECT_NEAR(collective_matmul_seconds(rs, CollectiveMatmulAlgorithm::ring, link, hw), 0.083,
               kTolerance);
   EXPECT_NEAR(collective_matmul_seconds(rs, CollectiveMatmulAlgorithm::naive, link, hw), 0.101,
@@ -78,7 +87,7 @@ TEST(CostModel, BidirectionalWinsWhenTheLinkIsTheBottleneckOnFourRanks) {
   // 4e6 FLOPs, 1 MB block, 4 ranks: g = 0.001. naive: 0.004 + 3/4 * 4e6 / 5e7 + 3e-3
   // = 0.067. ring: hop 0.011, 3 * 0.011 + 0.001 = 0.034. bidirectional: hop
   // 1e-3 + 1e6 / 2e8 = 0.006, 3 * 0.006 + 0.001 = 0.019.
-  const CollectiveMatmulShape ag{CollectiveMatmulKind::all_gather, 4e6, 1e6, 4};
+  const CollectiveMatmulShape ag = matmul_of(CollectiveMatmulKind::all_gather, 4e6, 1e6, 4);
   EXPECT_NEAR(collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::naive, link, hw), 0.067,
               kTolerance);
   EXPECT_NEAR(collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::ring, link, hw), 0.034,
@@ -88,16 +97,59 @@ TEST(CostModel, BidirectionalWinsWhenTheLinkIsTheBottleneckOnFourRanks) {
   EXPECT_EQ(choose_collective_matmul(ag, CollectiveMatmulAlgorithm::automatic, link, hw),
             CollectiveMatmulAlgorithm::bidirectional);
   // On one rank every algorithm is the GEMM alone, and auto is naive.
-  const CollectiveMatmulShape one{CollectiveMatmulKind::all_gather, 4e6, 1e6, 1};
+  const CollectiveMatmulShape one = matmul_of(CollectiveMatmulKind::all_gather, 4e6, 1e6, 1);
   EXPECT_NEAR(collective_matmul_seconds(one, CollectiveMatmulAlgorithm::ring, link, hw), 0.004,
               kTolerance);
   EXPECT_EQ(choose_collective_matmul(one, CollectiveMatmulAlgorithm::automatic, link, hw),
             CollectiveMatmulAlgorithm::naive);
 }
 
+TEST(CostModel, GemmTimeComesFromTheNearestMeasuredShape) {
+  HardwareProfile hw = slow_machine();  // 1 GFLOP/s where nothing was measured
+  const GemmShape square{64, 64, 64, false, false};
+  hw.gemm_rates = {
+      {square, 2e9}, {{64, 64, 64, true, false}, 4e9}, {{64, 8, 64, false, false}, 5e8}};
+  // The shape itself: 2 * 64^3 FLOPs at 2 GFLOP/s; its transposed-A twin at 4 GFLOP/s.
+  EXPECT_NEAR(hw.gemm_seconds(square), 2.0 * 64 * 64 * 64 / 2e9, kTolerance);
+  EXPECT_NEAR(hw.gemm_seconds({64, 64, 64, true, false}), 2.0 * 64 * 64 * 64 / 4e9, kTolerance);
+  // Within a factor 2 in every extent: the nearest measured shape's rate ([64, 64, 64] is
+  // nearer to [48, 64, 96] than [64, 8, 64], which is too far anyway).
+  EXPECT_NEAR(hw.gemm_seconds({48, 64, 96, false, false}), 2.0 * 48 * 64 * 96 / 2e9, kTolerance);
+  EXPECT_NEAR(hw.gemm_seconds({64, 10, 64, false, false}), 2.0 * 64 * 10 * 64 / 5e8, kTolerance);
+  // Farther than a factor 2 in one extent, or other transposes: gemm_flops.
+  EXPECT_NEAR(hw.gemm_seconds({64, 64, 129, false, false}), 2.0 * 64 * 64 * 129 / 1e9, kTolerance);
+  EXPECT_NEAR(hw.gemm_seconds({64, 64, 64, false, true}), 2.0 * 64 * 64 * 64 / 1e9, kTolerance);
+  EXPECT_EQ(hw.gemm_seconds({0, 64, 64, false, false}), 0.0);
+}
+
 ShardingPlan small_plan(const Mesh& mesh, const std::vector<PartitionRule>& rules,
                         const PlanOptions& options, const std::vector<int64_t>& sizes) {
   return make_plan(mlp_parameter_shapes(sizes), mesh, rules, options, mlp_linear_layers(sizes));
+}
+
+TEST(CostModel, StepGemmShapesAreWhatTheStepRuns) {
+  // MLP [4, 8, 2], dp = 2, batch 4 (2 rows per rank): layer 0 forward NN [2 x 4 x 8] and
+  // weight gradient TN [4 x 2 x 8]; layer 1 NN [2 x 8 x 2], TN [8 x 2 x 2], NT [2 x 2 x 8].
+  const Mesh mesh = Mesh::create({{"dp", 2}}, 2, "test");
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.global_batch = 4;
+  const ShardingPlan plan =
+      make_plan(mlp_parameter_shapes({4, 8, 2}), mesh, {{".*", PartitionSpec(), false}}, options,
+                mlp_linear_layers({4, 8, 2}));
+  const std::vector<GemmShape> expected = {{2, 2, 8, false, true},
+                                           {2, 4, 8, false, false},
+                                           {2, 8, 2, false, false},
+                                           {4, 2, 8, true, false},
+                                           {8, 2, 2, true, false}};
+  EXPECT_EQ(step_gemm_shapes(plan), expected);
+  // A measured rate for one of them is what the step costs: layer 0's forward at 1e8
+  // instead of 1e9 FLOP/s adds 128 / 1e8 - 128 / 1e9.
+  HardwareProfile hw = slow_machine();
+  const double before = predict_step(plan, options, hw, CollectiveMatmulAlgorithm::naive).gemm_s;
+  hw.gemm_rates = {{{2, 4, 8, false, false}, 1e8}};
+  EXPECT_NEAR(predict_step(plan, options, hw, CollectiveMatmulAlgorithm::naive).gemm_s - before,
+              128 / 1e8 - 128 / 1e9, kTolerance);
 }
 
 TEST(CostModel, DataParallelStepByHand) {
@@ -162,8 +214,14 @@ TEST(CostModel, TensorParallelLayerChoosesPerDirection) {
   const auto shapes = layer_matmul_shapes(layout, 256);
   ASSERT_EQ(shapes.size(), 3u);
   EXPECT_EQ(shapes[0].kind, CollectiveMatmulKind::reduce_scatter);
-  EXPECT_DOUBLE_EQ(shapes[0].flops, 134217728.0);
+  EXPECT_DOUBLE_EQ(shapes[0].flops(), 134217728.0);
   EXPECT_DOUBLE_EQ(shapes[1].block_bytes, 262144.0);
+  // The GEMMs layers/linear.cpp runs: per output column block, x @ W [256 x 256 x 256],
+  // xᵀ @ dY [256 x 256 x 256] (TN) and dY @ Wᵀ (NT); bidirectional halves the rows.
+  EXPECT_EQ(shapes[0].block, (GemmShape{256, 256, 256, false, false}));
+  EXPECT_EQ(shapes[1].half, (GemmShape{256, 128, 256, true, false}));
+  EXPECT_EQ(shapes[2].half, (GemmShape{128, 256, 256, false, true}));
+  EXPECT_EQ(shapes[2].naive_calls, 4);
   const HardwareProfile hw = slow_machine();
   EXPECT_NEAR(
       collective_matmul_seconds(shapes[1], CollectiveMatmulAlgorithm::naive, hw.link("tp"), hw),
@@ -183,6 +241,13 @@ TEST(CostModel, TensorParallelLayerChoosesPerDirection) {
   EXPECT_EQ(
       layer_matmul_algorithms(layout, 256, CollectiveMatmulAlgorithm::automatic, fast).input_grad,
       CollectiveMatmulAlgorithm::bidirectional);
+  // A measured rate for the half GEMM changes the choice: the blocks at 1e12 FLOP/s, but the
+  // bidirectional halves measured at 1e9 (g = 2 * 0.016777216 s, far above the hop): the ring
+  // (3 hops of 0.00362144 + 3.4e-5) beats it and naive (0.0189).
+  fast.gemm_rates = {{shapes[2].half, 1e9}};
+  EXPECT_EQ(
+      layer_matmul_algorithms(layout, 256, CollectiveMatmulAlgorithm::automatic, fast).input_grad,
+      CollectiveMatmulAlgorithm::ring);
 }
 
 TEST(CostModel, OverlapAndExchangeBandwidthDecideTheRing) {
@@ -190,7 +255,7 @@ TEST(CostModel, OverlapAndExchangeBandwidthDecideTheRing) {
   // 8e7 FLOPs, a 1 MB block, 2 ranks: g = 0.04, ring hop 0.011 (as above). At overlap 0.5
   // a ring step is 0.04 + 0.011 - 0.5 * 0.011 = 0.0455, the all-gather 0.0455 + 0.04 =
   // 0.0855; at overlap 0, 0.051 + 0.04 = 0.091. naive stays 0.101.
-  const CollectiveMatmulShape ag{CollectiveMatmulKind::all_gather, 8e7, 1e6, 2};
+  const CollectiveMatmulShape ag = matmul_of(CollectiveMatmulKind::all_gather, 8e7, 1e6, 2);
   hw.overlap = 0.5;
   EXPECT_NEAR(collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::ring, hw.link("tp"), hw),
               0.0855, kTolerance);
@@ -211,7 +276,7 @@ TEST(CostModel, OverlapAndExchangeBandwidthDecideTheRing) {
   EXPECT_EQ(choose_collective_matmul(ag, CollectiveMatmulAlgorithm::automatic, hw.link("tp"), hw),
             CollectiveMatmulAlgorithm::naive);
   // The reduce-scatter ring at overlap 0: 0.04 + (0.04 + 0.051 + 0.003) = 0.134.
-  const CollectiveMatmulShape rs{CollectiveMatmulKind::reduce_scatter, 8e7, 1e6, 2};
+  const CollectiveMatmulShape rs = matmul_of(CollectiveMatmulKind::reduce_scatter, 8e7, 1e6, 2);
   EXPECT_NEAR(collective_matmul_seconds(rs, CollectiveMatmulAlgorithm::ring, hw.link("tp"), hw),
               0.134, kTolerance);
 }
