@@ -20,6 +20,7 @@
 #include "framework/core/kernel_label.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/hardware_file.hpp"
+#include "partition/cost_model.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {
@@ -63,6 +64,15 @@ double timed(int repeats, Fn fn, MPI_Comm comm = MPI_COMM_WORLD) {
   return median(t);
 }
 
+// The slowest rank's median seconds of `fn` (all ranks of the world start together).
+template <class Fn>
+double slowest_timed(int repeats, Fn fn) {
+  double t = timed(repeats, fn);
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD),
+            "MPI_Allreduce");
+  return t;
+}
+
 // The three GEMMs of a layer's training step at [256 rows, 2048 -> 2048]: forward x @ W,
 // weight gradient xᵀ @ dY (K = the rows) and input gradient dY @ Wᵀ, timed together: their
 // FLOPs over their time (a short K runs slower than the square case).
@@ -80,6 +90,30 @@ double measure_gemm_flops() {
     Kokkos::fence();
   });
   return min_over_ranks(3 * 2.0 * rows * in * out / t);
+}
+
+// The rate of each GEMM shape a config's step runs (partition/cost_model.hpp's
+// step_gemm_shapes), every rank at once as in the step: the slowest rank's median of at
+// least 5 calls and about 50 ms (rank 0's count, so every rank runs as many).
+std::vector<GemmRate> measure_gemm_rates(const std::vector<GemmShape>& shapes) {
+  std::vector<GemmRate> rates;
+  for (const GemmShape& g : shapes) {
+    Matrix a("meshtrain::calibrate_gemm_a", g.transpose_a ? g.k : g.m, g.transpose_a ? g.m : g.k);
+    Matrix b("meshtrain::calibrate_gemm_b", g.transpose_b ? g.n : g.k, g.transpose_b ? g.k : g.n);
+    Matrix c("meshtrain::calibrate_gemm_c", g.m, g.n);
+    Kokkos::deep_copy(a, 0.5f);
+    Kokkos::deep_copy(b, 0.25f);
+    const GemmOperand op_a{a, g.transpose_a}, op_b{b, g.transpose_b};
+    auto once = [&] {
+      gemm(op_a, op_b, 0.0f, c);
+      Kokkos::fence();
+    };
+    const double first = timed(1, once);
+    int repeats = static_cast<int>(std::clamp(0.05 / std::max(first, 1e-9), 5.0, 200.0));
+    check_mpi(MPI_Bcast(&repeats, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
+    rates.push_back({g, g.flops() / slowest_timed(repeats, once)});
+  }
+  return rates;
 }
 
 double measure_memory_bandwidth() {
@@ -128,15 +162,6 @@ double half_round_trip(MPI_Comm group, std::vector<char>& buffer, int bytes, int
   double slowest = 0.0;  // rank 0's figure, the slowest group's
   check_mpi(MPI_Allreduce(&t, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD), "MPI_Allreduce");
   return slowest;
-}
-
-// The slowest rank's median seconds of `fn` (all ranks of the world start together).
-template <class Fn>
-double slowest_timed(int repeats, Fn fn) {
-  double t = timed(repeats, fn);
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD),
-            "MPI_Allreduce");
-  return t;
 }
 
 // What one axis' link does, for the profile and for [measured].
@@ -258,11 +283,16 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
   check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world), "MPI_Comm_size");
   std::optional<Mesh> mesh;
+  std::optional<ShardingPlan> plan;  // CONFIG's, when its global batch divides
   if (auto error = run_agreed(MPI_COMM_WORLD, [&] {
         if (config_path.empty()) {
           mesh = Mesh::create({{"dp", -1}}, world, "calibrate (dp = the world)");
         } else {
-          mesh = load_config(config_path, overrides).mesh.resolve(world);
+          const RunConfig config = load_config(config_path, overrides);
+          mesh = config.mesh.resolve(world);
+          plan = make_plan(mlp_parameter_shapes(config.model.sizes), *mesh, partition_rules(config),
+                           plan_options(config), mlp_linear_layers(config.model.sizes));
+          if (plan->local_batch_rows <= 0) plan.reset();
         }
       })) {
     throw *error;
@@ -270,6 +300,7 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
   HardwareProfile profile = default_hardware_profile();
   profile.source = out_path.empty() ? "calibrate" : out_path;
   profile.gemm_flops = measure_gemm_flops();
+  if (plan) profile.gemm_rates = measure_gemm_rates(step_gemm_shapes(*plan));
   profile.memory_bandwidth = measure_memory_bandwidth();
   std::ostringstream measured;
   measured << "clock = \"" << clock << "\"\nranks = " << world << "\nmesh = \""

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Cost model vs measured step time (JSON lines, one per run, from bench_train_step with
-# --hardware): for each process count, `meshtrain calibrate` at that count first, then each
-# mode's training step timed and predicted from the same profile.
+# --hardware): for each process count and mode, `meshtrain calibrate` of a config with that
+# mode's mesh, model and batch first (so the profile holds its GEMM shapes' rates), then the
+# mode's training step timed and predicted from that profile.
 #
 #   bench/validate_cost_model.sh [NPS] [MODES] [SIZES] [BATCH]
 #       defaults: "1 2 4" "dp fsdp tp fsdp_tp" 784,2048,2048,10 128
@@ -25,17 +26,46 @@ mpirun=${MPIRUN:-mpirun --oversubscribe}
 hw=${KEEP_PROFILES:-$(mktemp -d)}
 mkdir -p "$hw"
 [[ -n ${KEEP_PROFILES:-} ]] || trap 'rm -rf "$hw"' EXIT
+# The config bench_train_step --mode builds (bench/train_step.cpp: axes_for_mode).
+write_config() {  # MODE NP FILE
+  local mode=$1 np=$2 mesh preset=$1 zero=0
+  case $mode in
+    dp | fsdp | tp) mesh="$mode = $np" ;;
+    zero1) mesh="dp = $np" preset=dp zero=1 ;;
+    fsdp_tp) mesh=$'fsdp = -1\ntp = 2' ;;
+    dp_tp) mesh=$'dp = -1\ntp = 2' ;;
+    dp_fsdp) mesh=$'dp = -1\nfsdp = 2' ;;
+  esac
+  cat > "$3" <<TOML
+[mesh]
+$mesh
+[partition]
+preset = "$preset"
+min_sharding_size = 0
+[model]
+kind = "mlp"
+sizes = [$sizes]
+[data]
+source = "synthetic"
+batch_size = $batch
+[optimizer]
+zero_stage = $zero
+TOML
+}
 for np in $nps; do
-  $mpirun -np "$np" build/bin/meshtrain calibrate --out "$hw/np$np.toml" > /dev/null
-  $mpirun -np "$np" build/bin/meshtrain calibrate --clock cpu --out "$hw/np$np-cpu.toml" > /dev/null
   for entry in $modes; do
     mode=${entry%:overlap}
     overlap=0
     [[ $entry == *:overlap ]] && overlap=1
     if [[ $mode == *_tp && $np -lt 2 ]]; then continue; fi
+    profile=$hw/np$np-$mode
+    write_config "$mode" "$np" "$profile.config.toml"
+    $mpirun -np "$np" build/bin/meshtrain calibrate "$profile.config.toml" --out "$profile.toml" > /dev/null
+    $mpirun -np "$np" build/bin/meshtrain calibrate "$profile.config.toml" --clock cpu \
+      --out "$profile-cpu.toml" > /dev/null
     $mpirun -np "$np" build/bin/bench_train_step --sizes "$sizes" --batch "$batch" --mode "$mode" \
-      --overlap "$overlap" --steps 5 --warmup 1 --sgemm-size 512 --hardware "$hw/np$np.toml" \
-      --hardware-cpu "$hw/np$np-cpu.toml" |
+      --overlap "$overlap" --steps 5 --warmup 1 --sgemm-size 512 --hardware "$profile.toml" \
+      --hardware-cpu "$profile-cpu.toml" |
       python3 -c 'import json,sys
 for l in sys.stdin:
   d=json.loads(l); d["np"]='"$np"'; print(json.dumps(d))'

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "partition/error.hpp"
@@ -42,11 +43,44 @@ void reject_unknown(const toml::table& table, std::initializer_list<const char*>
     if (!ok) {
       MESHTRAIN_BAD_INPUT(
           at(source, &node), ": unknown hardware profile key ", prefix, std::string(key.str()),
-          " (keys: gemm_flops, memory_bandwidth, overlap, [links.<axis>] ",
-          "bandwidth, latency, collective_bandwidth, reduce_scatter_bandwidth, ",
+          " (keys: gemm_flops, memory_bandwidth, overlap, [[gemm]] shape, transpose, flops, ",
+          "[links.<axis>] ", "bandwidth, latency, collective_bandwidth, reduce_scatter_bandwidth, ",
           "all_reduce_bandwidth, exchange_bandwidth, bidirectional_bandwidth, ", "[measured])");
     }
   }
+}
+
+// One [[gemm]] entry: shape = [m, k, n], transpose = "NN" | "NT" | "TN" | "TT", flops.
+GemmRate gemm_rate(const toml::table& t, const std::string& source) {
+  reject_unknown(t, {"shape", "transpose", "flops"}, "gemm.", source);
+  GemmRate r;
+  const toml::node* shape = t.get("shape");
+  const toml::array* extents = shape ? shape->as_array() : nullptr;
+  int64_t mkn[3] = {0, 0, 0};
+  bool ok = extents && extents->size() == 3;
+  for (size_t i = 0; ok && i < 3; ++i) {
+    const auto v = extents->get(i)->value<int64_t>();
+    ok = v && *v > 0;
+    if (ok) mkn[i] = *v;
+  }
+  if (!ok) {
+    MESHTRAIN_BAD_INPUT(at(source, shape ? shape : &t),
+                        ": hardware profile key gemm.shape must be [m, k, n], three positive "
+                        "integers");
+  }
+  r.shape = {mkn[0], mkn[1], mkn[2], false, false};
+  const toml::node* transpose = t.get("transpose");
+  const auto flags = transpose ? transpose->value<std::string>() : std::optional<std::string>();
+  if (!flags || flags->size() != 2 || ((*flags)[0] != 'N' && (*flags)[0] != 'T') ||
+      ((*flags)[1] != 'N' && (*flags)[1] != 'T')) {
+    MESHTRAIN_BAD_INPUT(at(source, transpose ? transpose : &t),
+                        ": hardware profile key gemm.transpose must be \"NN\", \"NT\", \"TN\" or "
+                        "\"TT\"");
+  }
+  r.shape.transpose_a = (*flags)[0] == 'T';
+  r.shape.transpose_b = (*flags)[1] == 'T';
+  r.flops = number(t, "flops", "gemm.flops", source, true, 0);
+  return r;
 }
 
 std::string number_text(double value) {
@@ -68,13 +102,23 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
     MESHTRAIN_BAD_INPUT(source, ":", e.source().begin.line, ":", e.source().begin.column,
                         ": invalid TOML: ", e.description());
   }
-  reject_unknown(root, {"gemm_flops", "memory_bandwidth", "overlap", "links", "measured"}, "",
-                 source);
+  reject_unknown(root, {"gemm_flops", "memory_bandwidth", "overlap", "links", "gemm", "measured"},
+                 "", source);
   HardwareProfile p;
   p.source = source;
   p.gemm_flops = number(root, "gemm_flops", "gemm_flops", source, true, 0);
   p.memory_bandwidth = number(root, "memory_bandwidth", "memory_bandwidth", source, true, 0);
   p.overlap = number(root, "overlap", "overlap", source, false, 0.0);
+  if (const toml::node* gemm_node = root.get("gemm")) {
+    const toml::array* entries = gemm_node->as_array();
+    if (!entries || !entries->is_array_of_tables()) {
+      MESHTRAIN_BAD_INPUT(at(source, gemm_node),
+                          ": hardware profile key gemm must be an array of tables ([[gemm]])");
+    }
+    for (const toml::node& entry : *entries) {
+      p.gemm_rates.push_back(gemm_rate(*entry.as_table(), source));
+    }
+  }
   const toml::node* links_node = root.get("links");
   const toml::table* links = links_node ? links_node->as_table() : nullptr;
   if (links_node && !links) {
@@ -151,6 +195,13 @@ std::string hardware_profile_to_toml(const HardwareProfile& p, const std::string
         << "  # B/s per rank of a ring hop (send and receive at once)\n"
         << "bidirectional_bandwidth = " << number_text(l.bidirectional_bandwidth)
         << "  # B/s per rank of a bidirectional hop (halves both ways)\n";
+  }
+  for (const GemmRate& r : p.gemm_rates) {
+    const GemmShape& g = r.shape;
+    out << "\n[[gemm]]  # FLOP/s of one GEMM shape: op(A) [m x k] @ op(B) [k x n]\n"
+        << "shape = [" << g.m << ", " << g.k << ", " << g.n << "]\n"
+        << "transpose = \"" << (g.transpose_a ? "T" : "N") << (g.transpose_b ? "T" : "N") << "\"\n"
+        << "flops = " << number_text(r.flops) << "\n";
   }
   if (!measured.empty()) out << "\n[measured]\n" << measured;
   return out.str();

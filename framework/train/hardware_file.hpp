@@ -16,9 +16,14 @@
 //   exchange_bandwidth = 2e9     # B/s per rank of a ring hop (optional: = bandwidth)
 //   bidirectional_bandwidth = 2e9  # B/s per rank of a bidirectional hop
 //                                  # (optional: = exchange_bandwidth)
+//   [[gemm]]                     # optional, any number: one GEMM shape's measured rate
+//   shape = [128, 2048, 2048]    # m, k, n of op(A) [m x k] @ op(B) [k x n]
+//   transpose = "NT"             # whether A, B are transposed (N or T each)
+//   flops = 8.1e10               # FLOP/s
 //   [measured]                   # optional, free-form: how it was measured (not read back)
 //
-// Every key is required except overlap, collective_bandwidth, reduce_scatter_bandwidth,
+// Every key is required except overlap, [[gemm]], collective_bandwidth,
+// reduce_scatter_bandwidth,
 // all_reduce_bandwidth, exchange_bandwidth, bidirectional_bandwidth and [measured]; unknown keys
 // are rejected. Kokkos-free (compiled by the host compiler alone in CUDA builds).
 

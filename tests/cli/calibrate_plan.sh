@@ -1,6 +1,7 @@
 #!/bin/sh
-# `meshtrain calibrate` under mpiexec writes a profile that `meshtrain plan --hardware`
-# reads back: the plan names the file, predicts a step time and prints the scaling table.
+# `meshtrain calibrate` under mpiexec writes a profile, with the rate of every GEMM shape of
+# the config's step, that `meshtrain plan --hardware` reads back: the plan names the file,
+# predicts a step time and prints the scaling table.
 #
 #   calibrate_plan.sh MESHTRAIN CONFIG NP MPIEXEC [MPIEXEC_FLAGS...]
 set -u
@@ -11,6 +12,8 @@ dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 "$mpiexec" -n "$np" "$@" "$meshtrain" calibrate "$config" --out "$dir/hw.toml" || exit 1
 grep -q '^gemm_flops = ' "$dir/hw.toml" || { echo "FAIL: no gemm_flops in:"; cat "$dir/hw.toml"; exit 1; }
+# The config's GEMM shapes, each measured ([[gemm]] tables).
+grep -q '^\[\[gemm\]\]' "$dir/hw.toml" || { echo "FAIL: no [[gemm]] in:"; cat "$dir/hw.toml"; exit 1; }
 "$meshtrain" plan "$config" --world "$np" --hardware "$dir/hw.toml" > "$dir/plan.txt" || exit 1
 for want in "hardware: $dir/hw.toml" "predicted " "scaling (cost model" "  1024  "; do
   grep -qF -- "$want" "$dir/plan.txt" || { echo "FAIL: '$want' missing from:"; cat "$dir/plan.txt"; exit 1; }

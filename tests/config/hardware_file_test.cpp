@@ -18,6 +18,8 @@ HardwareProfile measured_profile() {
   p.links["fsdp"] =
       LinkProfile{3.75e7, 2.5e-4, 3.5e7, 1.9e7, 2.1e7, 1.2e7, 1.7e7};  // a 300 Mbit/s link
   p.links["tp"] = LinkProfile{4.1e9, 1.9e-6, 2.2e9, 1.5e9, 1.25e9, 6.5e8, 9e8};
+  p.gemm_rates = {{{128, 2048, 1024, false, false}, 8.125e10},
+                  {{2048, 128, 10, true, false}, 1.5e10}};
   return p;
 }
 
@@ -42,6 +44,11 @@ TEST(HardwareFile, RoundTrips) {
         << axis;
     EXPECT_DOUBLE_EQ(back.link(axis).bidirectional_bandwidth, p.link(axis).bidirectional_bandwidth)
         << axis;
+  }
+  ASSERT_EQ(back.gemm_rates.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(back.gemm_rates[i].shape, p.gemm_rates[i].shape) << to_string(p.gemm_rates[i].shape);
+    EXPECT_DOUBLE_EQ(back.gemm_rates[i].flops, p.gemm_rates[i].flops);
   }
   EXPECT_EQ(back.source, "measured.toml");
 }
@@ -96,6 +103,12 @@ TEST(HardwareFile, BadFilesNameFileAndKey) {
   expect_rejected(replaced("overlap = 0.125", "overlap = 1.5"), "overlap");
   expect_rejected(replaced("exchange_bandwidth = 1.9e+07", "exchange_bandwidth = 0"),
                   "links.fsdp.exchange_bandwidth");
+  expect_rejected(replaced("shape = [128, 2048, 1024]", "shape = [128, 2048]"), "gemm.shape");
+  expect_rejected(replaced("shape = [128, 2048, 1024]", "shape = [128, 0, 1024]"), "gemm.shape");
+  expect_rejected(replaced("transpose = \"TN\"", "transpose = \"TX\""), "gemm.transpose");
+  expect_rejected(replaced("flops = 8.125e+10", "flops = -8.0"), "gemm shape NN 128 x 2048 x 1024");
+  expect_rejected(replaced("flops = 8.125e+10", "flop = 8.0"), "gemm.flop");
+  expect_rejected(replaced("[[gemm]]", "[gemm]"), "gemm");
 }
 
 TEST(HardwareFile, MissingFileIsBadInput) {
