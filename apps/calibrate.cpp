@@ -51,14 +51,20 @@ double min_over_ranks(double value) {
 }
 
 // Median seconds of `fn` over `repeats` calls after one warm-up, all ranks starting together.
+// Until::all_ends: each call is timed until every rank has finished it (a closing barrier), what
+// ranks computing side by side take: on cores shared by more ranks than there are cores, a
+// short call runs within one scheduler slice, and a rank's own clock would time it alone.
+// (Communication synchronizes the ranks itself.)
+enum class Until { own_end, all_ends };
 template <class Fn>
-double timed(int repeats, Fn fn, MPI_Comm comm = MPI_COMM_WORLD) {
+double timed(int repeats, Fn fn, Until until = Until::own_end) {
   fn();
   std::vector<double> t;
   for (int r = 0; r < repeats; ++r) {
-    check_mpi(MPI_Barrier(comm), "MPI_Barrier");
+    check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
     const double start = now();
     fn();
+    if (until == Until::all_ends) check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
     t.push_back(now() - start);
   }
   return median(t);
@@ -66,8 +72,8 @@ double timed(int repeats, Fn fn, MPI_Comm comm = MPI_COMM_WORLD) {
 
 // The slowest rank's median seconds of `fn` (all ranks of the world start together).
 template <class Fn>
-double slowest_timed(int repeats, Fn fn) {
-  double t = timed(repeats, fn);
+double slowest_timed(int repeats, Fn fn, Until until = Until::own_end) {
+  double t = timed(repeats, fn, until);
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD),
             "MPI_Allreduce");
   return t;
@@ -83,18 +89,21 @@ double measure_gemm_flops() {
       dx("meshtrain::calibrate_dx", rows, in);
   Kokkos::deep_copy(x, 0.5f);
   Kokkos::deep_copy(w, 0.25f);
-  const double t = timed(5, [&] {
-    gemm(plain(x), plain(w), 0.0f, y);
-    gemm(transposed(x), plain(y), 0.0f, dw);
-    gemm(plain(y), transposed(w), 0.0f, dx);
-    Kokkos::fence();
-  });
+  const double t = timed(
+      5,
+      [&] {
+        gemm(plain(x), plain(w), 0.0f, y);
+        gemm(transposed(x), plain(y), 0.0f, dw);
+        gemm(plain(y), transposed(w), 0.0f, dx);
+        Kokkos::fence();
+      },
+      Until::all_ends);
   return min_over_ranks(3 * 2.0 * rows * in * out / t);
 }
 
 // The rate of each GEMM shape a config's step runs (partition/cost_model.hpp's
-// step_gemm_shapes), every rank at once as in the step: the slowest rank's median of at
-// least 5 calls and about 50 ms (rank 0's count, so every rank runs as many).
+// step_gemm_shapes), every rank at once as in the step: the slowest rank's median of 5
+// timings of about 20 ms of calls each.
 std::vector<GemmRate> measure_gemm_rates(const std::vector<GemmShape>& shapes) {
   std::vector<GemmRate> rates;
   for (const GemmShape& g : shapes) {
@@ -104,14 +113,15 @@ std::vector<GemmRate> measure_gemm_rates(const std::vector<GemmShape>& shapes) {
     Kokkos::deep_copy(a, 0.5f);
     Kokkos::deep_copy(b, 0.25f);
     const GemmOperand op_a{a, g.transpose_a}, op_b{b, g.transpose_b};
-    auto once = [&] {
-      gemm(op_a, op_b, 0.0f, c);
+    int calls = 1;  // per timing: about 20 ms of them (rank 0's count, so all run as many)
+    auto run = [&] {
+      for (int i = 0; i < calls; ++i) gemm(op_a, op_b, 0.0f, c);
       Kokkos::fence();
     };
-    const double first = timed(1, once);
-    int repeats = static_cast<int>(std::clamp(0.05 / std::max(first, 1e-9), 5.0, 200.0));
-    check_mpi(MPI_Bcast(&repeats, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
-    rates.push_back({g, g.flops() / slowest_timed(repeats, once)});
+    const double first = timed(1, run, Until::all_ends);
+    calls = static_cast<int>(std::clamp(0.02 / std::max(first, 1e-9), 1.0, 1000.0));
+    check_mpi(MPI_Bcast(&calls, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
+    rates.push_back({g, calls * g.flops() / slowest_timed(5, run, Until::all_ends)});
   }
   return rates;
 }
@@ -122,12 +132,15 @@ double measure_memory_bandwidth() {
       c("meshtrain::calibrate_vc", count);
   Kokkos::deep_copy(b, 1.0f);
   Kokkos::deep_copy(c, 2.0f);
-  const double t = timed(5, [&] {
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::calibrate_triad"), Kokkos::RangePolicy<>(0, count),
-        KOKKOS_LAMBDA(const int64_t i) { a(i) = b(i) + 0.5f * c(i); });
-    Kokkos::fence();
-  });
+  const double t = timed(
+      5,
+      [&] {
+        Kokkos::parallel_for(
+            MESHTRAIN_LABEL("meshtrain::calibrate_triad"), Kokkos::RangePolicy<>(0, count),
+            KOKKOS_LAMBDA(const int64_t i) { a(i) = b(i) + 0.5f * c(i); });
+        Kokkos::fence();
+      },
+      Until::all_ends);
   return min_over_ranks(12.0 * count / t);
 }
 
@@ -168,6 +181,7 @@ double half_round_trip(MPI_Comm group, std::vector<char>& buffer, int bytes, int
 struct LinkMeasurement {
   LinkProfile link;
   double overlap = 1.0;  // of a ring hop beside GEMMs of about its length
+  double ping_pong_latency = 0.0, compute_s = 0.0, compute_hop_s = 0.0;  // the latency's
   double hop_s = 0.0, gemms_s = 0.0, both_s = 0.0, all_gather_s = 0.0, reduce_scatter_s = 0.0,
          all_reduce_s = 0.0, bidirectional_s = 0.0, small_all_reduce_s = 0.0;
   int gemms = 0;
@@ -204,6 +218,30 @@ LinkMeasurement measure_link(const Mesh& mesh, MeshCommunicators& comms, const s
   check_mpi(MPI_Comm_free(&group), "MPI_Comm_free");
 
   Communicator& comm = comms.get({axis});
+  // Latency as a step sees it: an 8-byte ring hop right after every rank computed (a GEMM
+  // of a few ms), less the GEMM alone. On cores shared by more ranks than cores this is the
+  // wait for the neighbour to be scheduled (milliseconds), far above the ping-pong's.
+  {
+    Matrix x("meshtrain::calibrate_sync_x", 128, 1024),
+        w("meshtrain::calibrate_sync_w", 1024, 1024), y("meshtrain::calibrate_sync_y", 128, 1024);
+    Kokkos::deep_copy(x, 0.5f);
+    Kokkos::deep_copy(w, 0.25f);
+    Vector token("meshtrain::calibrate_token", 2), token_in("meshtrain::calibrate_token_in", 2);
+    auto compute = [&] {
+      gemm(plain(x), plain(w), 0.0f, y);
+      Kokkos::fence();
+    };
+    m.compute_s = slowest_timed(21, compute, Until::all_ends);
+    m.compute_hop_s = slowest_timed(
+        21,
+        [&] {
+          compute();
+          comm.shift(ConstVectorView(token.data(), 2), VectorView(token_in.data(), 2), +1).wait();
+        },
+        Until::all_ends);
+    m.ping_pong_latency = link.latency;
+    link.latency = std::max(link.latency, m.compute_hop_s - m.compute_s);
+  }
   // A ring hop: every rank sends 8 MiB to its next neighbour and receives 8 MiB from its
   // previous one at once (Communicator::shift, as the ring collective matmuls do).
   const size_t block = static_cast<size_t>(big) / sizeof(float);
@@ -318,9 +356,11 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
       measured_axes.push_back(a.name);
       char line[1024];
       std::snprintf(line, sizeof line,
+                    "%s_latency = \"ping-pong %.4g s; GEMM %.4g s, GEMM then 8-byte hop %.4g s\"\n"
                     "%s_overlap = %.3f  # 8 MiB hop %.4g s, %d GEMMs %.4g s, both %.4g s\n"
                     "%s_seconds = \"hop %.4g, bidirectional hop %.4g, all-gather %.4g, "
                     "reduce-scatter %.4g, all-reduce %.4g, 8-byte all-reduce %.4g\"\n",
+                    a.name.c_str(), m.ping_pong_latency, m.compute_s, m.compute_hop_s,
                     a.name.c_str(), m.overlap, m.hop_s, m.gemms, m.gemms_s, m.both_s,
                     a.name.c_str(), m.hop_s, m.bidirectional_s, m.all_gather_s, m.reduce_scatter_s,
                     m.all_reduce_s, m.small_all_reduce_s);

@@ -5,12 +5,22 @@
 //   gemm_flops        a layer's three training GEMMs at [256 rows, 2048 -> 2048] (x @ W,
 //                     xᵀ @ dY, dY @ Wᵀ) through gemm(), every rank at once (so ranks
 //                     sharing cores see their share), median of 5, slowest rank
+//   [[gemm]]          with CONFIG: every GEMM shape its step runs (step_gemm_shapes: the
+//                     plain layers' three GEMMs, each collective matmul's blocks and
+//                     halves), each ~20 ms of calls, every rank at once, median of 5,
+//                     slowest rank. The cost model costs a GEMM at its shape's rate.
 //   memory_bandwidth  a = b + s * c over 3 x 64 MiB (12 bytes per element), every rank at
 //                     once, median of 5, slowest rank
+//   (Computation is timed from a common start until the last rank has finished: ranks
+//   that outnumber the cores take turns, and each one's own clock would time it alone.)
 //   per mesh axis of size > 1 (CONFIG's mesh for N ranks, or dp = N), every group at once,
 //   each figure the slowest rank's median of 5:
 //     latency, bandwidth   ping-pong between the group's ranks 0 and 1: 8 bytes (100
-//                          round trips) and 8 MiB (5), half the median round trip each
+//                          round trips) and 8 MiB (5), half the median round trip each;
+//                          the latency is raised to what an 8-byte ring hop adds right after
+//                          a GEMM of a few ms on every rank (median of 21) when that is
+//                          more: ranks finish their compute apart, and ranks that outnumber
+//                          the cores wait for their neighbour to be scheduled
 //     exchange_bandwidth   an 8 MiB ring hop (Communicator::shift +1: every rank sends and
 //                          receives at once): 8 MiB / (time - latency)
 //     bidirectional_bandwidth  the two 4 MiB halves at once (shift +1 and -1): 8 MiB / (time

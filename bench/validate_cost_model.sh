@@ -4,7 +4,7 @@
 # mode's mesh, model and batch first (so the profile holds its GEMM shapes' rates), then the
 # mode's training step timed and predicted from that profile.
 #
-#   bench/validate_cost_model.sh [NPS] [MODES] [SIZES] [BATCH]
+#   [STEPS=5] bench/validate_cost_model.sh [NPS] [MODES] [SIZES] [BATCH]
 #       defaults: "1 2 4" "dp fsdp tp fsdp_tp" 784,2048,2048,10 128
 #       a mode may end in ":overlap" ([runtime] overlap = true, the FSDP weight prefetch),
 #       e.g. "fsdp fsdp:overlap zero1"
@@ -14,7 +14,11 @@
 # Each line is bench_train_step's (step_time_median_s and step_cpu_time_median_s, the
 # slowest rank's; predicted_step_time_s, predicted_over_measured;
 # predicted_cpu_s from a profile calibrated with --clock cpu and
-# predicted_cpu_over_measured_cpu; predicted_parts_s) plus "np". The profiles are kept in $KEEP_PROFILES when set.
+# predicted_cpu_over_measured_cpu; predicted_parts_s) plus "np" and "round". With ROUNDS=R
+# (default 1) every (np, mode) is calibrated and measured R times, the rounds one after the
+# other (a noisy neighbour then spoils one round, not one mode's every figure), and a last
+# line per (np, mode) has "summary": true and the median over the rounds of each ratio.
+# The profiles are kept in $KEEP_PROFILES when set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -52,6 +56,9 @@ batch_size = $batch
 zero_stage = $zero
 TOML
 }
+results=$hw/results.jsonl
+: > "$results"
+for round in $(seq 1 "${ROUNDS:-1}"); do
 for np in $nps; do
   for entry in $modes; do
     mode=${entry%:overlap}
@@ -64,10 +71,26 @@ for np in $nps; do
     $mpirun -np "$np" build/bin/meshtrain calibrate "$profile.config.toml" --clock cpu \
       --out "$profile-cpu.toml" > /dev/null
     $mpirun -np "$np" build/bin/bench_train_step --sizes "$sizes" --batch "$batch" --mode "$mode" \
-      --overlap "$overlap" --steps 5 --warmup 1 --sgemm-size 512 --hardware "$profile.toml" \
+      --overlap "$overlap" --steps "${STEPS:-5}" --warmup 1 --sgemm-size 512 --hardware "$profile.toml" \
       --hardware-cpu "$profile-cpu.toml" |
       python3 -c 'import json,sys
 for l in sys.stdin:
-  d=json.loads(l); d["np"]='"$np"'; print(json.dumps(d))'
+  d=json.loads(l); d["np"]='"$np"'; d["round"]='"$round"'; print(json.dumps(d))' |
+      tee -a "$results"
   done
 done
+done
+[[ ${ROUNDS:-1} -gt 1 ]] && python3 - "$results" <<'PY'
+import json, statistics, sys
+runs = {}
+for line in open(sys.argv[1]):
+    d = json.loads(line)
+    runs.setdefault((d["np"], d["mode"], d["overlap"]), []).append(d)
+for (np, mode, overlap), rs in runs.items():
+    med = lambda key: statistics.median(r[key] for r in rs)
+    print(json.dumps({"summary": True, "np": np, "mode": mode, "overlap": overlap,
+                      "rounds": len(rs), "step_time_median_s": med("step_time_median_s"),
+                      "predicted_step_time_s": med("predicted_step_time_s"),
+                      "predicted_over_measured": med("predicted_over_measured"),
+                      "predicted_cpu_over_measured_cpu": med("predicted_cpu_over_measured_cpu")}))
+PY

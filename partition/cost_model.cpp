@@ -194,6 +194,15 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     add(layer, c.phase, "collective", std::string(to_string(c.kind)) + " " + c.operand,
         group_text(c.axes, mesh),
         collective_seconds(c.kind, bytes, c.ranks, hw.group_link(c.axes)));
+    // Columns move through staging (Communicator's dim-1 all_gather / reduce_scatter):
+    // one more pass over the full operand, read and written.
+    if (c.dim == 1 && c.ranks > 1 && c.shape.size() == 2 && c.shape[0] > 1) {
+      memory(layer, c.phase.c_str(),
+             std::string(c.kind == CollectiveKind::all_gather ? "unpack gathered columns of "
+                                                              : "pack columns to scatter of ") +
+                 c.operand,
+             2 * bytes);
+    }
   };
   auto matmul = [&](const std::string& layer, const char* phase, const std::string& what,
                     const CollectiveMatmulShape& shape, CollectiveMatmulAlgorithm chosen,

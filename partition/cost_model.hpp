@@ -51,7 +51,9 @@
 //               out_local for all but the last layer, bias gradient r * out_local, input slice
 //               / gradient copy 2 * r * in_c where the layout needs it; the loss 4 * r *
 //               out_local; the optimizer (3 + 2 * slots) * parameter bytes (AdamW: read p,
-//               g, m, v, write p, m, v; SGD: read p, g, write p, plus 2 per momentum slot).
+//               g, m, v, write p, m, v; SGD: read p, g, write p, plus 2 per momentum slot);
+//               a matrix gathered or scattered along its columns (dim 1: FSDP weights split
+//               on dim 1, TP inputs) passes through staging, 2 * its full bytes.
 //   scalars     the loss's all-reduce of 3 numbers over every axis: latency only.
 // With accumulation_steps > 1 every part but the optimizer runs once per micro-batch, and
 // the gradient sum adds 3 passes of the gradient per micro-batch.

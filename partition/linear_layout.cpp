@@ -198,9 +198,9 @@ std::vector<LayerCollective> linear_step_collectives(const LinearLayout& l, cons
                     bytes_per_element);
   std::vector<LayerCollective> out;
   auto add = [&](const char* phase, CollectiveKind kind, const char* operand,
-                 const std::vector<std::string>& axes, std::vector<int64_t> shape) {
+                 const std::vector<std::string>& axes, std::vector<int64_t> shape, int dim = 0) {
     if (axes.empty()) return;
-    LayerCollective c{phase, kind, operand, axes, mesh.size_of(axes), std::move(shape), 0};
+    LayerCollective c{phase, kind, operand, axes, mesh.size_of(axes), std::move(shape), 0, dim};
     int64_t bytes = 0;
     if (__builtin_mul_overflow(elements_of(c.shape), bytes_per_element, &bytes)) {
       MESHTRAIN_BAD_INPUT("a collective operand ", format_shape(c.shape),
@@ -216,12 +216,12 @@ std::vector<LayerCollective> linear_step_collectives(const LinearLayout& l, cons
   const auto& g1 = l.weight_gather_dim1;
   auto gather_weight = [&](const char* phase) {
     add(phase, CollectiveKind::all_gather, "weight", g0, {l.in_compute, l.stored_cols});
-    add(phase, CollectiveKind::all_gather, "weight", g1, {l.in_compute, l.out});
+    add(phase, CollectiveKind::all_gather, "weight", g1, {l.in_compute, l.out}, 1);
   };
 
   // Forward: the input in its compute layout, the weight, the output, the bias.
   if (activations && l.gathers_input()) {
-    add("forward", CollectiveKind::all_gather, "input", features, {rows, l.in});
+    add("forward", CollectiveKind::all_gather, "input", features, {rows, l.in}, 1);
   }
   gather_weight("forward");
   if (activations && l.tensor_parallel) {
@@ -242,14 +242,16 @@ std::vector<LayerCollective> linear_step_collectives(const LinearLayout& l, cons
       add("backward", CollectiveKind::all_gather, "output gradient", features, {rows, l.out});
     }
     if (l.slices_input()) {
-      add("backward", CollectiveKind::all_gather, "input gradient", features, {rows, l.in});
+      add("backward", CollectiveKind::all_gather, "input gradient", features, {rows, l.in}, 1);
     }
   }
   if (!g0.empty()) {
     add("backward", CollectiveKind::reduce_scatter, "weight gradient", g0, {l.in_compute, l.out});
-    add("backward", CollectiveKind::reduce_scatter, "weight gradient", g1, {l.stored_rows, l.out});
+    add("backward", CollectiveKind::reduce_scatter, "weight gradient", g1, {l.stored_rows, l.out},
+        1);
   } else {
-    add("backward", CollectiveKind::reduce_scatter, "weight gradient", g1, {l.in_compute, l.out});
+    add("backward", CollectiveKind::reduce_scatter, "weight gradient", g1, {l.in_compute, l.out},
+        1);
   }
   add("backward", CollectiveKind::all_reduce, "weight gradient", l.weight_allreduce,
       {l.stored_rows, l.stored_cols});

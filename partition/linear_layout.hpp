@@ -128,6 +128,8 @@ struct LayerCollective {
   int ranks = 1;                  // its size
   std::vector<int64_t> shape;     // the full operand (gathered / unreduced), elements
   int64_t bytes_per_rank = 0;     // per the cost model above
+  int dim = 0;                    // of a matrix gathered or scattered along dim 1 (columns): 1; the
+                // communicator then moves the columns through [n][rows][cols] staging
 };
 
 // Bytes one rank moves in a collective of `kind` on a full operand of `bytes` over `ranks`.

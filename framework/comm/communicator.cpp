@@ -193,12 +193,12 @@ void place_gathered_columns(ConstVectorView blocks, MatrixView recv, int n) {
                         static_cast<int64_t>(blocks.extent(0)) == r * c * n,
                     "place_gathered_columns: ", blocks.extent(0), " floats are not ", n,
                     " blocks of the [", recv.extent(0), ", ", recv.extent(1) / n, "] columns");
+  // Over (block, row, column in block): both sides contiguous along the last index.
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::all_gather_unpack_dim1"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<2>>({0, 0}, {r, n * c}),
-      KOKKOS_LAMBDA(const int64_t row, const int64_t col) {
-        const int64_t j = col / c, cc = col % c;
-        recv(row, col) = blocks((j * r + row) * c + cc);
+      Kokkos::MDRangePolicy<Kokkos::Rank<3>>({0, 0, 0}, {static_cast<int64_t>(n), r, c}),
+      KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
+        recv(row, j * c + cc) = blocks((j * r + row) * c + cc);
       });
   Kokkos::fence();
 }
@@ -248,13 +248,12 @@ void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim
   // Pack column block j of send into block j of [n][r][c] staging, then scatter flat.
   float* staging = scratch(n * r * c);
   const VectorView stage(staging, n * r * c);
-  Kokkos::parallel_for(
+  const int64_t rows = static_cast<int64_t>(r), cols = static_cast<int64_t>(c);
+  Kokkos::parallel_for(  // over (block, row, column in block), as the unpack above
       MESHTRAIN_LABEL("meshtrain::reduce_scatter_pack_dim1"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
-          {0, 0}, {static_cast<int64_t>(r), static_cast<int64_t>(n * c)}),
-      KOKKOS_LAMBDA(const int64_t row, const int64_t col) {
-        const int64_t j = col / static_cast<int64_t>(c), cc = col % static_cast<int64_t>(c);
-        stage((j * static_cast<int64_t>(r) + row) * static_cast<int64_t>(c) + cc) = send(row, col);
+      Kokkos::MDRangePolicy<Kokkos::Rank<3>>({0, 0, 0}, {static_cast<int64_t>(n), rows, cols}),
+      KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
+        stage((j * rows + row) * cols + cc) = send(row, j * cols + cc);
       });
   Kokkos::fence();
   raw_reduce_scatter_sum(staging, recv.data(), r * c, op);
