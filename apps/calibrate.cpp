@@ -50,10 +50,14 @@ double min_over_ranks(double value) {
   return out;
 }
 
+// The ranks on this rank's host (they share its cores and memory); set by calibrate_command.
+MPI_Comm g_host_ranks = MPI_COMM_NULL;
+
 // Median seconds of `fn` over `repeats` calls after one warm-up, all ranks starting together.
-// Until::all_ends: each call is timed until every rank has finished it (a closing barrier), what
-// ranks computing side by side take: on cores shared by more ranks than there are cores, a
-// short call runs within one scheduler slice, and a rank's own clock would time it alone.
+// Until::all_ends: each call is timed until every rank of this host has finished it (a
+// closing barrier on the host, not across hosts, whose latency would count), what ranks
+// computing side by side take: on cores shared by more ranks than there are cores, a short
+// call runs within one scheduler slice, and a rank's own clock would time it alone.
 // (Communication synchronizes the ranks itself.)
 enum class Until { own_end, all_ends };
 template <class Fn>
@@ -64,7 +68,7 @@ double timed(int repeats, Fn fn, Until until = Until::own_end) {
     check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
     const double start = now();
     fn();
-    if (until == Until::all_ends) check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+    if (until == Until::all_ends) check_mpi(MPI_Barrier(g_host_ranks), "MPI_Barrier");
     t.push_back(now() - start);
   }
   return median(t);
@@ -181,7 +185,8 @@ double half_round_trip(MPI_Comm group, std::vector<char>& buffer, int bytes, int
 struct LinkMeasurement {
   LinkProfile link;
   double overlap = 1.0;  // of a ring hop beside GEMMs of about its length
-  double ping_pong_latency = 0.0, compute_s = 0.0, compute_hop_s = 0.0;  // the latency's
+  double ping_pong_latency = 0.0, small_hop_s = 0.0, compute_s = 0.0,
+         compute_hop_s = 0.0;  // the latency's
   double hop_s = 0.0, gemms_s = 0.0, both_s = 0.0, all_gather_s = 0.0, reduce_scatter_s = 0.0,
          all_reduce_s = 0.0, bidirectional_s = 0.0, small_all_reduce_s = 0.0;
   int gemms = 0;
@@ -240,6 +245,9 @@ LinkMeasurement measure_link(const Mesh& mesh, MeshCommunicators& comms, const s
         },
         Until::all_ends);
     m.ping_pong_latency = link.latency;
+    m.small_hop_s = slowest_timed(51, [&] {
+      comm.shift(ConstVectorView(token.data(), 2), VectorView(token_in.data(), 2), +1).wait();
+    });
     link.latency = std::max(link.latency, m.compute_hop_s - m.compute_s);
   }
   // A ring hop: every rank sends 8 MiB to its next neighbour and receives 8 MiB from its
@@ -317,6 +325,12 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
     MESHTRAIN_BAD_INPUT("calibrate --clock must be wall or cpu, not '", clock, "'");
   }
   g_cpu_clock = clock == "cpu";
+  check_mpi(
+      MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &g_host_ranks),
+      "MPI_Comm_split_type");
+  struct FreeHostRanks {
+    ~FreeHostRanks() { MPI_Comm_free(&g_host_ranks); }  // on every return and throw
+  } free_host_ranks;
   int rank = 0, world = 1;
   check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world), "MPI_Comm_size");
@@ -356,14 +370,15 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
       measured_axes.push_back(a.name);
       char line[1024];
       std::snprintf(line, sizeof line,
-                    "%s_latency = \"ping-pong %.4g s; GEMM %.4g s, GEMM then 8-byte hop %.4g s\"\n"
+                    "%s_latency = \"ping-pong %.4g s; 8-byte hop %.4g s; GEMM %.4g s, GEMM then "
+                    "8-byte hop %.4g s\"\n"
                     "%s_overlap = %.3f  # 8 MiB hop %.4g s, %d GEMMs %.4g s, both %.4g s\n"
                     "%s_seconds = \"hop %.4g, bidirectional hop %.4g, all-gather %.4g, "
                     "reduce-scatter %.4g, all-reduce %.4g, 8-byte all-reduce %.4g\"\n",
-                    a.name.c_str(), m.ping_pong_latency, m.compute_s, m.compute_hop_s,
-                    a.name.c_str(), m.overlap, m.hop_s, m.gemms, m.gemms_s, m.both_s,
-                    a.name.c_str(), m.hop_s, m.bidirectional_s, m.all_gather_s, m.reduce_scatter_s,
-                    m.all_reduce_s, m.small_all_reduce_s);
+                    a.name.c_str(), m.ping_pong_latency, m.small_hop_s, m.compute_s,
+                    m.compute_hop_s, a.name.c_str(), m.overlap, m.hop_s, m.gemms, m.gemms_s,
+                    m.both_s, a.name.c_str(), m.hop_s, m.bidirectional_s, m.all_gather_s,
+                    m.reduce_scatter_s, m.all_reduce_s, m.small_all_reduce_s);
       measured << line;
     }
   }
