@@ -97,17 +97,19 @@ CollectiveMatmulAlgorithm choose_collective_matmul(const CollectiveMatmulShape& 
                                                    const LinkProfile& link,
                                                    const HardwareProfile& hw) {
   if (requested != CollectiveMatmulAlgorithm::automatic) return requested;
-  CollectiveMatmulAlgorithm best = CollectiveMatmulAlgorithm::naive;
-  if (s.ranks <= 1) return best;
-  double best_s = collective_matmul_seconds(s, best, link, hw);
-  for (auto a : {CollectiveMatmulAlgorithm::ring, CollectiveMatmulAlgorithm::bidirectional}) {
-    const double t = collective_matmul_seconds(s, a, link, hw);
-    if (t < best_s) {
-      best = a;
-      best_s = t;
-    }
+  if (s.ranks <= 1) return CollectiveMatmulAlgorithm::naive;
+  const CollectiveMatmulAlgorithm simplest_first[] = {CollectiveMatmulAlgorithm::naive,
+                                                      CollectiveMatmulAlgorithm::ring,
+                                                      CollectiveMatmulAlgorithm::bidirectional};
+  double seconds[3], fastest = 0.0;
+  for (int a = 0; a < 3; ++a) {
+    seconds[a] = collective_matmul_seconds(s, simplest_first[a], link, hw);
+    fastest = a == 0 ? seconds[a] : std::min(fastest, seconds[a]);
   }
-  return best;
+  for (int a = 0; a < 3; ++a) {
+    if (seconds[a] <= fastest * (1.0 + kAutomaticMargin)) return simplest_first[a];
+  }
+  return CollectiveMatmulAlgorithm::naive;  // unreachable: the fastest is within its margin
 }
 
 std::vector<CollectiveMatmulShape> layer_matmul_shapes(const LinearLayout& l, int64_t rows) {

@@ -32,7 +32,11 @@
 //                 ring, bidirectional  all-gather: (n-1) * s + g
 //                                reduce-scatter: g + (n-1) * (s + 3b / memory_bandwidth)
 //                                (each hop's partial sum is added: read two, write one)
-//               `automatic` takes the fastest (naive on ties).
+//               `automatic` takes the simplest (naive, then ring, then bidirectional) of
+//               those within kAutomaticMargin of the fastest: the model is a few per cent
+//               from a measurement, and the more elaborate algorithm pays for more GEMM
+//               calls and messages (bidirectional on 2 ranks sends both halves to the
+//               same neighbour) than it models.
 //   prefetch    with options.overlap ([runtime] overlap) a layer whose weight is gathered
 //               over one group (FSDP) has that gather started by the layer before it
 //               (forward: layer i-1 for i > 0; backward: layer j+1 for j below the last),
@@ -96,8 +100,9 @@ struct CollectiveMatmulShape {
 double collective_matmul_seconds(const CollectiveMatmulShape& shape,
                                  CollectiveMatmulAlgorithm algorithm, const LinkProfile& link,
                                  const HardwareProfile& hardware);
-// `requested` unless it is automatic; then the fastest of naive, ring and bidirectional
-// (naive on ties, and always for one rank).
+// `requested` unless it is automatic; then the first of naive, ring and bidirectional whose
+// predicted time is within kAutomaticMargin of the fastest (naive for one rank).
+constexpr double kAutomaticMargin = 0.03;
 CollectiveMatmulAlgorithm choose_collective_matmul(const CollectiveMatmulShape& shape,
                                                    CollectiveMatmulAlgorithm requested,
                                                    const LinkProfile& link,

@@ -104,6 +104,27 @@ TEST(CostModel, BidirectionalWinsWhenTheLinkIsTheBottleneckOnFourRanks) {
             CollectiveMatmulAlgorithm::naive);
 }
 
+TEST(CostModel, AutoKeepsTheSimplerAlgorithmWithinItsMargin) {
+  // A link-bound all-gather on 4 ranks (1 MB blocks, GEMMs of 1e-6 s): ring hops 1e-3 +
+  // 1e6 / 1e8 = 0.011 s; naive 0.063 s. A bidirectional hop at 1.02e8 B/s is 0.0108 s:
+  // under 2% faster, so auto keeps the ring; at 1.2e8 B/s (0.0093 s, 15% faster) it does not.
+  HardwareProfile hw = slow_machine();
+  hw.overlap = 0.0;
+  const CollectiveMatmulShape ag = matmul_of(CollectiveMatmulKind::all_gather, 4e3, 1e6, 4);
+  LinkProfile link = hw.link("tp");
+  link.bidirectional_bandwidth = 1.02e8;
+  const double ring = collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::ring, link, hw);
+  const double bidirectional =
+      collective_matmul_seconds(ag, CollectiveMatmulAlgorithm::bidirectional, link, hw);
+  ASSERT_LT(bidirectional, ring);
+  ASSERT_GT(bidirectional * (1 + kAutomaticMargin), ring);
+  EXPECT_EQ(choose_collective_matmul(ag, CollectiveMatmulAlgorithm::automatic, link, hw),
+            CollectiveMatmulAlgorithm::ring);
+  link.bidirectional_bandwidth = 1.2e8;
+  EXPECT_EQ(choose_collective_matmul(ag, CollectiveMatmulAlgorithm::automatic, link, hw),
+            CollectiveMatmulAlgorithm::bidirectional);
+}
+
 TEST(CostModel, GemmTimeComesFromTheNearestMeasuredShape) {
   HardwareProfile hw = slow_machine();  // 1 GFLOP/s where nothing was measured
   const GemmShape square{64, 64, 64, false, false};
