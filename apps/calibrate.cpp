@@ -22,6 +22,7 @@
 #include "framework/train/hardware_file.hpp"
 #include "partition/cost_model.hpp"
 #include "partition/error.hpp"
+#include "partition/text.hpp"
 
 namespace meshtrain {
 namespace {
@@ -41,13 +42,6 @@ double now() {
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
-}
-
-// The smallest of `value` over the ranks: the slowest rank sets a step's pace.
-double min_over_ranks(double value) {
-  double out = 0.0;
-  check_mpi(MPI_Allreduce(&value, &out, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD), "MPI_Allreduce");
-  return out;
 }
 
 // The ranks on this rank's host (they share its cores and memory); set by calibrate_command.
@@ -93,7 +87,7 @@ double measure_gemm_flops() {
       dx("meshtrain::calibrate_dx", rows, in);
   Kokkos::deep_copy(x, 0.5f);
   Kokkos::deep_copy(w, 0.25f);
-  const double t = timed(
+  const double t = slowest_timed(
       5,
       [&] {
         gemm(plain(x), plain(w), 0.0f, y);
@@ -102,7 +96,7 @@ double measure_gemm_flops() {
         Kokkos::fence();
       },
       Until::all_ends);
-  return min_over_ranks(3 * 2.0 * rows * in * out / t);
+  return 3 * 2.0 * rows * in * out / t;
 }
 
 // The rate of each GEMM shape a config's step runs (partition/cost_model.hpp's
@@ -136,7 +130,7 @@ double measure_memory_bandwidth() {
       c("meshtrain::calibrate_vc", count);
   Kokkos::deep_copy(b, 1.0f);
   Kokkos::deep_copy(c, 2.0f);
-  const double t = timed(
+  const double t = slowest_timed(
       5,
       [&] {
         Kokkos::parallel_for(
@@ -145,7 +139,7 @@ double measure_memory_bandwidth() {
         Kokkos::fence();
       },
       Until::all_ends);
-  return min_over_ranks(12.0 * count / t);
+  return 12.0 * count / t;
 }
 
 // Ping-pong between ranks 0 and 1 of `group` (the others wait): half the median round trip
@@ -185,8 +179,9 @@ double half_round_trip(MPI_Comm group, std::vector<char>& buffer, int bytes, int
 struct LinkMeasurement {
   LinkProfile link;
   double overlap = 1.0;  // of a ring hop beside GEMMs of about its length
-  double ping_pong_latency = 0.0, small_hop_s = 0.0, compute_s = 0.0,
-         compute_hop_s = 0.0;  // the latency's
+  // What the latency came from: the ping-pong, an 8-byte hop alone, a GEMM, the GEMM then
+  // the hop.
+  double ping_pong_latency = 0.0, small_hop_s = 0.0, compute_s = 0.0, compute_hop_s = 0.0;
   double hop_s = 0.0, gemms_s = 0.0, both_s = 0.0, all_gather_s = 0.0, reduce_scatter_s = 0.0,
          all_reduce_s = 0.0, bidirectional_s = 0.0, small_all_reduce_s = 0.0;
   int gemms = 0;
@@ -385,21 +380,16 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
   if (!measured_axes.empty()) {
     // Axes the mesh does not split: the slowest measured link.
     const LinkProfile slowest = profile.group_link(measured_axes);
-    std::string copied;
+    std::vector<std::string> copied;
     for (const auto& axis : hardware_axes()) {
       if (std::find(measured_axes.begin(), measured_axes.end(), axis) != measured_axes.end()) {
         continue;
       }
       profile.links[axis] = slowest;
-      copied += (copied.empty() ? "" : ", ") + axis;
+      copied.push_back(axis);
     }
-    measured << "links_measured = \"" <<
-        [&] {
-          std::string s;
-          for (const auto& a : measured_axes) s += (s.empty() ? "" : ", ") + a;
-          return s;
-        }() << "\"\nlinks_copied_from_slowest = \""
-             << copied << "\"\n";
+    measured << "links_measured = \"" << join(measured_axes) << "\"\nlinks_copied_from_slowest = \""
+             << join(copied) << "\"\n";
   } else {
     measured << "links_measured = \"\"  # one rank: every link is the default\n";
   }

@@ -174,10 +174,6 @@ ScalingRow scaled_cost(const ShardingPlan& plan, const std::vector<ParameterShap
   return row;
 }
 
-const char* algorithm_name(CollectiveMatmulAlgorithm a) {
-  return to_string(a);
-}
-
 void write_cost_text(const ShardingPlan& plan, const StepCost& cost, const HardwareProfile& hw,
                      CollectiveMatmulAlgorithm algorithm, const std::vector<ScalingRow>& scaling,
                      std::ostream& out) {
@@ -211,22 +207,22 @@ void write_cost_text(const ShardingPlan& plan, const StepCost& cost, const Hardw
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     if (!plan.layers[i].layout.split_output) continue;
     if (!any) {
-      out << "collective matmul algorithms (partition.collective_matmul = "
-          << algorithm_name(algorithm) << "):\n";
+      out << "collective matmul algorithms (partition.collective_matmul = " << to_string(algorithm)
+          << "):\n";
     }
     any = true;
     const LayerMatmulAlgorithms& m = cost.matmuls[i];
-    out << "  " << plan.layers[i].name << ": forward " << algorithm_name(m.forward)
-        << ", backward weight gradient " << algorithm_name(m.weight_grad);
-    if (i > 0) out << ", backward input gradient " << algorithm_name(m.input_grad);
+    out << "  " << plan.layers[i].name << ": forward " << to_string(m.forward)
+        << ", backward weight gradient " << to_string(m.weight_grad);
+    if (i > 0) out << ", backward input gradient " << to_string(m.input_grad);
     out << "\n";
   }
   if (scaling.empty()) return;
   out << "\nscaling (cost model; " << grown_axis(plan.mesh) << " grows, " << plan.local_batch_rows
       << " rows per rank fixed so the global batch grows, other axes fixed, links as in the "
          "profile):\n";
-  const double base = static_cast<double>(plan.local_batch_rows) * plan.mesh.world_size() /
-                      cost.total_s / plan.mesh.world_size();
+  // Samples/s per rank of the config's own mesh.
+  const double base = static_cast<double>(plan.local_batch_rows) / cost.total_s;
   std::vector<std::vector<std::string>> table = {{"  ranks", "mesh", "global batch", "step time",
                                                   "compute", "communication", "samples/s",
                                                   "per-rank efficiency"}};

@@ -140,6 +140,19 @@ LayerMatmulAlgorithms layer_matmul_algorithms(const LinearLayout& l, int64_t row
   return out;
 }
 
+namespace {
+// A layer without collective matmuls, as layers/linear.cpp runs it: forward x @ W (NN),
+// weight gradient xᵀ @ dY (TN), input gradient dY @ Wᵀ (NT).
+struct PlainLayerGemms {
+  GemmShape forward, weight_grad, input_grad;
+};
+PlainLayerGemms plain_layer_gemms(const LinearLayout& l, int64_t rows) {
+  return {{rows, l.in_compute, l.out, false, false},
+          {l.in_compute, rows, l.out, true, false},
+          {rows, l.out, l.in_compute, false, true}};
+}
+}  // namespace
+
 std::vector<GemmShape> step_gemm_shapes(const ShardingPlan& plan) {
   std::vector<GemmShape> shapes;
   const int64_t r = plan.local_batch_rows;
@@ -152,9 +165,10 @@ std::vector<GemmShape> step_gemm_shapes(const ShardingPlan& plan) {
         shapes.insert(shapes.end(), {matmuls[k].naive, matmuls[k].block, matmuls[k].half});
       }
     } else {
-      shapes.push_back({r, l.in_compute, l.out, false, false});
-      shapes.push_back({l.in_compute, r, l.out, true, false});
-      if (i > 0) shapes.push_back({r, l.out, l.in_compute, false, true});
+      const PlainLayerGemms g = plain_layer_gemms(l, r);
+      shapes.push_back(g.forward);
+      shapes.push_back(g.weight_grad);
+      if (i > 0) shapes.push_back(g.input_grad);
     }
   }
   std::sort(shapes.begin(), shapes.end());
@@ -252,7 +266,7 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       matmul(lp.name, "forward", "x @ W reduce-scattered " + shape_text(r, l.in_compute, l.out),
              layer_matmul_shapes(l, r)[0], chosen.forward, l.feature_axis);
     } else {
-      gemm(lp.name, "forward", "x @ W", {r, l.in_compute, l.out, false, false});
+      gemm(lp.name, "forward", "x @ W", plain_layer_gemms(l, r).forward);
     }
     memory(lp.name, "forward", "bias add", 2 * kFloat * r * l.out_local);
     if (i + 1 < count) memory(lp.name, "forward", "activation", 2 * kFloat * r * l.out_local);
@@ -288,8 +302,9 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
                shapes[2], chosen.input_grad, l.feature_axis);
       }
     } else {
-      gemm(lp.name, "backward", "xᵀ @ dY", {l.in_compute, r, l.out, true, false});
-      if (j > 0) gemm(lp.name, "backward", "dY @ Wᵀ", {r, l.out, l.in_compute, false, true});
+      const PlainLayerGemms g = plain_layer_gemms(l, r);
+      gemm(lp.name, "backward", "xᵀ @ dY", g.weight_grad);
+      if (j > 0) gemm(lp.name, "backward", "dY @ Wᵀ", g.input_grad);
     }
     if (j > 0 && (l.slices_input() || l.gathers_input())) {
       memory(lp.name, "backward", "input gradient copy", 2 * kFloat * r * l.in_compute);

@@ -42,9 +42,9 @@ double HardwareProfile::gemm_seconds(const GemmShape& shape) const {
     auto ratio = [](int64_t a, int64_t b) {
       return std::abs(std::log(static_cast<double>(a) / static_cast<double>(b)));
     };
-    const double far = std::max({ratio(g.m, shape.m), ratio(g.k, shape.k), ratio(g.n, shape.n)});
-    const double distance = ratio(g.m, shape.m) + ratio(g.k, shape.k) + ratio(g.n, shape.n);
-    if (far <= std::log(2.0) + 1e-12 && distance < best) {
+    const double m = ratio(g.m, shape.m), k = ratio(g.k, shape.k), n = ratio(g.n, shape.n);
+    const double distance = m + k + n;
+    if (std::max({m, k, n}) <= std::log(2.0) + 1e-12 && distance < best) {
       best = distance;
       rate = r.flops;
     }
