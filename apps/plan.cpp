@@ -174,9 +174,9 @@ ScalingRow scaled_cost(const ShardingPlan& plan, const std::vector<ParameterShap
   return row;
 }
 
-void write_cost_text(const ShardingPlan& plan, const StepCost& cost, const HardwareProfile& hw,
-                     CollectiveMatmulAlgorithm algorithm, const std::vector<ScalingRow>& scaling,
-                     std::ostream& out) {
+void write_cost_text(const ShardingPlan& plan, int64_t global_batch, const StepCost& cost,
+                     const HardwareProfile& hw, CollectiveMatmulAlgorithm algorithm,
+                     const std::vector<ScalingRow>& scaling, std::ostream& out) {
   out << "\nstep time (cost model, partition/cost_model.hpp; hardware: " << hw.source
       << (hw.source == "defaults" ? ", default_hardware_profile(): 1 CPU core, MPI in one node"
                                   : "")
@@ -221,8 +221,8 @@ void write_cost_text(const ShardingPlan& plan, const StepCost& cost, const Hardw
   out << "\nscaling (cost model; " << grown_axis(plan.mesh) << " grows, " << plan.local_batch_rows
       << " rows per rank fixed so the global batch grows, other axes fixed, links as in the "
          "profile):\n";
-  // Samples/s per rank of the config's own mesh.
-  const double base = static_cast<double>(plan.local_batch_rows) / cost.total_s;
+  // Samples/s per rank of the config's own mesh (ranks that split features share rows).
+  const double base = static_cast<double>(global_batch) / cost.total_s / plan.mesh.world_size();
   std::vector<std::vector<std::string>> table = {{"  ranks", "mesh", "global batch", "step time",
                                                   "compute", "communication", "samples/s",
                                                   "per-rank efficiency"}};
@@ -466,7 +466,7 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   } else {
     write_plan_text(plan, rules, options, config.file, out, staging);
     if (cost) {
-      write_cost_text(plan, *cost, hw, algorithm, scaling, out);
+      write_cost_text(plan, options.global_batch, *cost, hw, algorithm, scaling, out);
     } else {
       out << "\nstep time: not predicted (the global batch does not divide by the batch "
              "shards)\n";

@@ -228,5 +228,28 @@ TEST(PlanPrint, PredictsStepTimeWithAHardwareProfile) {
   EXPECT_EQ(doc["scaling"][2]["global_batch"], 64 * 512);
 }
 
+TEST(PlanPrint, ScalingEfficiencyCountsRanksThatShareRows) {
+  // Links that cost nothing: growing fsdp keeps a rank's GEMMs (its rows, its tp half of
+  // each layer) and shrinks its optimizer shard (from half the model at fsdp = 2 to 1/32),
+  // so samples/s per rank stay at or above the config's own mesh, where tp = 2 ranks share
+  // every row (counting rows per rank instead would halve the figure).
+  const RunConfig config = parse_config(kConfig, "fsdp_tp.toml");
+  HardwareProfile hw = default_hardware_profile();
+  for (auto& [axis, link] : hw.links) {
+    link = LinkProfile{1e30, 0.0, 1e30, 1e30, 1e30, 1e30, 1e30};
+  }
+  std::ostringstream out;
+  print_plan(config, 4, false, out, &hw);
+  std::istringstream lines(out.str());
+  std::string line;
+  int efficiency = -1;
+  while (std::getline(lines, line)) {
+    if (line.rfind("  64     32x2", 0) != 0) continue;
+    efficiency = std::stoi(line.substr(line.find_last_of(' ') + 1));
+  }
+  EXPECT_GE(efficiency, 95) << out.str();
+  EXPECT_LE(efficiency, 130) << out.str();
+}
+
 }  // namespace
 }  // namespace meshtrain
