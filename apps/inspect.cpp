@@ -19,6 +19,7 @@ int inspect_command(const std::string& path, bool verify, std::ostream& out) {
   out << "train state: epoch=" << s.epoch << " batch_in_epoch=" << s.batch_in_epoch
       << " seed=" << s.seed << " rng_offset=" << s.rng_offset
       << " optimizer_step=" << s.optimizer_step << "\n";
+  out << "data order: " << (s.data_order.empty() ? "not recorded" : s.data_order) << "\n";
 
   // Columns: path, dtype, shape, spec, storage.
   size_t width = 0;

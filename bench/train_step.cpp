@@ -302,7 +302,7 @@ int main(int argc, char** argv) {
     config.partition.min_sharding_size = 0;  // every tensor that divides is sharded
     config.partition.collective_matmul = algorithm;
     config.data.batch_size = batch;
-    config.data.shuffle = false;
+    config.data.shuffle = meshtrain::ShuffleMode::none;
     config.train.steps = warmup + steps;
     config.runtime.backend = backend;
     config.runtime.matmul_precision = precision;

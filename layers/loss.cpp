@@ -2,6 +2,7 @@
 
 #include <Kokkos_Core.hpp>
 #include <cmath>
+#include <limits>
 
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
@@ -45,7 +46,8 @@ Loss::Loss(LossKind kind, ParallelContext& context, int64_t rows, int64_t width,
 }
 
 LossResult Loss::finish(double local_sum, double local_correct, double local_count) {
-  scalars_host_(0) = local_sum;
+  scalars_host_(0) = poisoned_ ? std::numeric_limits<double>::quiet_NaN() : local_sum;
+  poisoned_ = false;
   scalars_host_(1) = local_correct;
   scalars_host_(2) = local_count;
   if (scalar_comm_) {

@@ -50,6 +50,11 @@ class Loss {
   LossResult mse(MatrixView logits, MatrixView targets, bool with_gradient = true,
                  int64_t valid_rows = -1);
 
+  // This rank could not load its rows (a bad file): the next call's reduced loss sum is NaN
+  // on every rank it is reduced over, so they all stop at the same step and can agree on
+  // why (TrainingRun). Costs no extra collective.
+  void poison_next_reduction() { poisoned_ = true; }
+
   MatrixView gradient() const { return gradient_; }
   LossKind kind() const { return kind_; }
   int64_t local_width() const { return local_width_; }
@@ -61,6 +66,7 @@ class Loss {
   int64_t rows_, width_, local_width_, offset_ = 0;
   int64_t global_rows_ = 0;
   bool split_ = false;
+  bool poisoned_ = false;
   int tp_ = 1, tp_index_ = 0;
   Communicator* tp_comm_ = nullptr;
   Communicator* scalar_comm_ = nullptr;  // batch axes (+ feature axis for split mse)

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <utility>
 
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
@@ -125,32 +126,37 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   const char* eval_key = config_.data.eval_batch_size ? "data.eval_batch_size"
                                                       : "data.batch_size (the evaluation batch)";
 
-  // --- Data: every rank holds the dataset and copies its slice of each global batch. ----
+  // --- Data: every rank opens the data set and reads its slice of each global batch. ---
   on_every_rank(comm_, [&] {
     if (data) {
-      data_ = std::move(*data);
+      check_data_fits_model(data->train, sizes.front(), sizes.back());
+      check_data_fits_model(data->test, sizes.front(), sizes.back());
+      train_source_ = make_memory_source(std::move(data->train));
+      test_source_ = make_memory_source(std::move(data->test));
     } else {
       const uint64_t seed = config_.run.seed;
-      data_.train = load_dataset(config_.data, Split::train, seed, sizes.front(), sizes.back());
-      data_.test = load_dataset(config_.data, Split::test, seed, sizes.front(), sizes.back());
+      train_source_ =
+          open_data_source(config_.data, Split::train, seed, sizes.front(), sizes.back());
+      test_source_ = open_data_source(config_.data, Split::test, seed, sizes.front(), sizes.back());
     }
+    const DataShape& train = train_source_->shape();
     if (config_.model.loss == "auto") {
-      config_.model.loss = data_.train.classification() ? "cross_entropy" : "mse";
+      config_.model.loss = train.classification() ? "cross_entropy" : "mse";
     }
-    check_loss_fits_data(config_.model.loss, config_.data, data_.train);
-    check_loss_fits_data(config_.model.loss, config_.data, data_.test);
-    if (accumulation_ > 1 && global_batch * accumulation_ > data_.train.num_samples) {
+    check_loss_fits_data(config_.model.loss, config_.data, train);
+    check_loss_fits_data(config_.model.loss, config_.data, test_source_->shape());
+    if (accumulation_ > 1 && global_batch * accumulation_ > train.num_samples) {
       MESHTRAIN_BAD_INPUT(config_.file, ": train.accumulation_steps = ", accumulation_,
                           " x data.batch_size = ", global_batch, " is more than the ",
-                          data_.train.num_samples, " training samples");
+                          train.num_samples, " training samples");
     }
     // The schedule hands out the global batch of each optimizer step; micro-batch m is
     // its rows [m * batch_size, +batch_size).
-    schedule_.emplace(data_.train.num_samples, global_batch * accumulation_, config_.data.shuffle,
-                      config_.run.seed);
+    schedule_.emplace(train.num_samples, global_batch * accumulation_, config_.data.shuffle,
+                      config_.run.seed, config_.data.block_rows, config_.data.shuffle_window);
     slice_ = make_batch_slice(*mesh_, rank_, logical_->axes_of("batch"), global_batch);
     eval_slice_ = make_batch_slice(*mesh_, rank_, logical_->axes_of("batch"), eval_batch, eval_key);
-    eval_schedule_ = EvalSchedule::create(data_.test.num_samples, eval_batch, eval_key);
+    eval_schedule_ = EvalSchedule::create(test_source_->shape().num_samples, eval_batch, eval_key);
     total_steps_ = training_steps(config_, schedule_->steps_per_epoch());
   });
 
@@ -202,22 +208,20 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     eval_loss_ = std::make_unique<Loss>(loss_->kind(), *context_, eval_slice_.rows, sizes.back(),
                                         eval_model_->output_layout());
     eval_x_ = Matrix("meshtrain::eval_x", eval_slice_.rows, sizes.front());
-    if (data_.test.classification()) {
+    if (test_source_->shape().classification()) {
       eval_labels_ = BatchLabels("meshtrain::eval_labels", eval_slice_.rows);
     } else {
       eval_targets_ =
-          Matrix("meshtrain::eval_targets", eval_slice_.rows, data_.test.output_width());
+          Matrix("meshtrain::eval_targets", eval_slice_.rows, test_source_->shape().output_width());
     }
-    eval_batch_staging_ = make_batch_staging(eval_x_, eval_labels_, eval_targets_);
   }
 
   x_ = Matrix("meshtrain::batch_x", slice_.rows, sizes.front());
-  if (data_.train.classification()) {
+  if (train_source_->shape().classification()) {
     labels_ = BatchLabels("meshtrain::batch_labels", slice_.rows);
   } else {
-    targets_ = Matrix("meshtrain::batch_targets", slice_.rows, data_.train.output_width());
+    targets_ = Matrix("meshtrain::batch_targets", slice_.rows, train_source_->shape().output_width());
   }
-  batch_staging_ = make_batch_staging(x_, labels_, targets_);
 
   // The checkpoint views the live tensors (no copies): a save writes them, a load fills them.
   checkpoint_.mesh = *mesh_;
@@ -230,6 +234,51 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     checkpoint_.opt_state.push_back({slot, optimizer_->slot(slot)});
   }
   if (config_.checkpoint.resume) resume();
+  start_streams();
+}
+
+// The reader threads start where the run does (after a resume), so the first batches are
+// being read while the first step is set up.
+void TrainingRun::start_streams() {
+  on_every_rank(comm_, [&] {
+    const int64_t depth = config_.data.prefetch;
+    train_stream_ = std::make_unique<BatchStream>(
+        *train_source_, slice_.rows,
+        [this](int64_t seq, int64_t* rows) {
+          BatchSlice slice = slice_;
+          slice.offset = (seq % accumulation_) * slice_.global_batch;
+          schedule_->slice_samples(seq / accumulation_, slice, rows);
+          return slice.rows;
+        },
+        depth, steps_done_ * accumulation_);
+    if (eval_schedule_.num_batches > 0) {
+      // Every evaluation reads the same batches: the sequence goes round them, so the first
+      // batches of the next evaluation are read ahead during training.
+      eval_stream_ = std::make_unique<BatchStream>(
+          *test_source_, eval_slice_.rows,
+          [this](int64_t seq, int64_t* rows) {
+            return eval_slice_samples(eval_schedule_, seq % eval_schedule_.num_batches,
+                                      eval_slice_, rows);
+          },
+          depth);
+    }
+  });
+}
+
+int64_t TrainingRun::data_bytes() const {
+  int64_t bytes = train_source_->resident_bytes() + test_source_->resident_bytes();
+  if (train_stream_) bytes += train_stream_->staging_bytes();
+  if (eval_stream_) bytes += eval_stream_->staging_bytes();
+  return bytes;
+}
+
+// After a non-finite reduced loss: when some rank could not read its rows, that is why
+// (the lowest such rank's error, thrown on every rank); otherwise returns.
+void TrainingRun::throw_agreed_data_error() {
+  std::exception_ptr error = std::exchange(data_error_, nullptr);
+  on_every_rank(comm_, [&] {
+    if (error) std::rethrow_exception(error);
+  });
 }
 
 TrainingRun::~TrainingRun() = default;
@@ -245,7 +294,10 @@ void TrainingRun::resume() {
   if (!latest) return;
   // Same data order and model, and a step before the end, before any tensor is read.
   on_every_rank(comm_, [&] {
-    if (rank_ == 0) check_resume_compatible(config_, list_checkpoint(*latest).info, total_steps_);
+    if (rank_ == 0) {
+      check_resume_compatible(config_, list_checkpoint(*latest).info, total_steps_,
+                              schedule_->order().name());
+    }
   });
   // load_checkpoint throws the same error on every rank, after the same collectives.
   CheckpointInfo info;
@@ -256,12 +308,12 @@ void TrainingRun::resume() {
 }
 
 void TrainingRun::load_batch(int64_t step, int64_t micro) {
-  BatchSlice slice = slice_;
-  slice.offset = micro * slice_.global_batch;
-  if (data_.train.classification()) {
-    fill_batch(data_.train, *schedule_, step, slice, x_, labels_, &batch_staging_);
-  } else {
-    fill_batch(data_.train, *schedule_, step, slice, x_, targets_, &batch_staging_);
+  try {
+    train_stream_->take(step * accumulation_ + micro, x_, labels_, targets_);
+  } catch (const Error&) {
+    // Only this rank knows: it poisons the loss, which every rank then sees.
+    if (!data_error_) data_error_ = std::current_exception();
+    loss_->poison_next_reduction();
   }
 }
 
@@ -300,6 +352,7 @@ double TrainingRun::accumulate_loaded_batch() {
   if (!std::isfinite(result.loss)) {
     micro_done_ = 0;
     micro_loss_sum_ = 0.0;
+    throw_agreed_data_error();
     throw AgreedError(Error(
         ErrorKind::runtime,
         detail::concat("the training loss became ", std::isnan(result.loss) ? "NaN" : "infinite",
@@ -379,25 +432,27 @@ EvalEvent TrainingRun::evaluate() {
   const Matrix& x = eval_model_ ? eval_x_ : x_;
   const BatchLabels& labels = eval_model_ ? eval_labels_ : labels_;
   const Matrix& targets = eval_model_ ? eval_targets_ : targets_;
-  const BatchStaging& staging = eval_model_ ? eval_batch_staging_ : batch_staging_;
   double loss_sum = 0.0;
   int64_t correct = 0, count = 0;
-  const Dataset& test = data_.test;
   for (int64_t b = 0; b < eval_schedule_.num_batches; ++b) {
-    const int64_t valid =
-        test.classification()
-            ? fill_eval_batch(test, eval_schedule_, b, eval_slice_, x, labels, &staging)
-            : fill_eval_batch(test, eval_schedule_, b, eval_slice_, x, targets, &staging);
+    int64_t valid = 0;
+    try {
+      valid = eval_stream_->take(eval_seq_++, x, labels, targets);
+    } catch (const Error&) {
+      if (!data_error_) data_error_ = std::current_exception();
+      loss.poison_next_reduction();
+    }
     const LossResult r = compute_loss(loss, model.forward(x), labels, targets,
                                       /*with_gradient=*/false, valid);
     loss_sum += r.loss_sum;
     correct += r.correct;
     count += r.count;
   }
+  if (!std::isfinite(loss_sum)) throw_agreed_data_error();
   EvalEvent event;
   event.step = steps_done_;
   event.test_loss = count ? loss_sum / count : std::numeric_limits<double>::quiet_NaN();
-  event.test_accuracy = test.classification() && count ? static_cast<double>(correct) / count
+  event.test_accuracy = test_source_->shape().classification() && count ? static_cast<double>(correct) / count
                                                        : std::numeric_limits<double>::quiet_NaN();
   return event;
 }
@@ -411,6 +466,7 @@ std::string TrainingRun::start_save() {
   state.batch_in_epoch = steps_done_ % schedule_->steps_per_epoch();
   state.seed = config_.run.seed;
   state.optimizer_step = optimizer_->step_count();
+  state.data_order = schedule_->order().name();
   std::string path;
   on_every_rank(comm_, [&] {
     report_checkpoint(checkpointer_->wait());  // the previous one, when still in flight
@@ -458,6 +514,8 @@ void TrainingRun::log_step(const StepResult& result) {
     event.mfu_percent = 100.0 * event.tflops_per_rank / config_.run.peak_tflops;
   }
   event.eta_s = (total_steps_ - result.step) * elapsed / window_steps_;
+  event.data_wait_s = train_stream_->take_wait_seconds() / window_steps_;
+  data_wait_s_ += event.data_wait_s * window_steps_;
   metrics_->log(event);
   if (events_.on_log) events_.on_log(event);
   window_start_ = Clock::now();
@@ -483,6 +541,8 @@ RunSummary TrainingRun::train() {
   window_paused_s_ = 0.0;
   window_loss_ = 0.0;
   window_steps_ = 0;
+  data_wait_s_ = 0.0;
+  train_stream_->take_wait_seconds();  // waits before train() are not its steps'
   while (!finished()) {
     const StepResult result = step();
     log_step(result);
@@ -509,6 +569,7 @@ RunSummary TrainingRun::train() {
   summary.samples_per_s = summary.wall_s > 0 ? summary.steps_run * config_.data.batch_size *
                                                    accumulation_ / summary.wall_s
                                              : 0.0;
+  summary.data_wait_s = data_wait_s_;
   summary.tflops_per_rank = summary.wall_s > 0 ? summary.steps_run * flops_per_step() /
                                                      mesh_->world_size() / summary.wall_s / 1e12
                                                : 0.0;
@@ -524,6 +585,14 @@ std::vector<std::string> TrainingRun::describe() const {
                         : std::string(),
       ", eval batch ", eval_slice_.global_batch, ", ", total_steps_, " steps, lr ",
       to_string(lr_schedule_.kind)));
+  const DataShape& data = train_source_->shape();
+  lines.push_back(detail::concat(
+      "  data: ", data.description, ", ", data.num_samples, " rows, order ",
+      schedule_->order().name(), ", ",
+      config_.data.prefetch > 0
+          ? detail::concat(config_.data.prefetch, " batches read ahead")
+          : std::string("read in the step"),
+      ", ", data_bytes() >> 10, " KiB on this rank"));
   lines.push_back(detail::concat("  compute on ", Kokkos::DefaultExecutionSpace::name(),
                                  ", communication ", to_string(backend_), ", matmul precision ",
                                  to_string(matmul_precision())));

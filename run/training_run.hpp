@@ -23,6 +23,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -32,6 +33,7 @@
 #include "framework/comm/backend.hpp"
 #include "framework/comm/failure_agreement.hpp"  // AgreedError
 #include "framework/comm/mesh_communicators.hpp"
+#include "framework/io/batch_stream.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
 #include "framework/io/metrics.hpp"
@@ -76,6 +78,7 @@ struct RunSummary {
   double samples_per_s = 0.0;
   double tflops_per_rank = 0.0;  // model TFLOP/s of one rank over wall_s (evaluation and
                                  // checkpoints included)
+  double data_wait_s = 0.0;      // seconds the steps waited for their batches, in all
   std::optional<EvalEvent> last_eval;
 };
 
@@ -96,7 +99,9 @@ class TrainingRun {
   // finite. Allocates nothing.
   StepResult step();
   // Writes this rank's rows of micro-batch `micro` of the global batch of `step` into the
-  // batch buffers.
+  // batch buffers (read ahead by the data reader thread when data.prefetch > 0). A batch
+  // this rank cannot read (bad rows, a changed file) makes the next loss non-finite on every
+  // rank; the step then throws the reading error as an AgreedError on every rank.
   void load_batch(int64_t step, int64_t micro = 0);
   // Forward, loss and backward of the micro-batch in the buffers; its gradient is added to
   // those of the step's earlier micro-batches. Returns its loss (mean over its rows).
@@ -132,6 +137,12 @@ class TrainingRun {
   const Mesh& mesh() const { return *mesh_; }
   const ShardingPlan& plan() const { return *plan_; }
   const BatchSlice& batch_slice() const { return slice_; }
+  const BatchSchedule& schedule() const { return *schedule_; }
+  const RowSource& train_data() const { return *train_source_; }
+  const RowSource& test_data() const { return *test_source_; }
+  // Host bytes of the data path on this rank: the sources (in-memory rows, a stream's
+  // scratch and chunk caches) and the staging buffers of both streams.
+  int64_t data_bytes() const;
   CommBackend backend() const { return backend_; }
   Mlp& model() { return *model_; }
   Loss& loss() { return *loss_; }
@@ -154,6 +165,8 @@ class TrainingRun {
                           const Matrix& targets, bool with_gradient, int64_t valid_rows = -1);
   void resume();
   void log_step(const StepResult& result);
+  void start_streams();
+  void throw_agreed_data_error();
   void report_checkpoint(const std::optional<std::string>& path);
 
   RunConfig config_;
@@ -163,7 +176,8 @@ class TrainingRun {
   std::optional<Mesh> mesh_;
   std::optional<ShardingPlan> plan_;
   std::optional<LogicalAxes> logical_;
-  RunData data_;
+  std::unique_ptr<RowSource> train_source_;
+  std::unique_ptr<RowSource> test_source_;
   std::optional<BatchSchedule> schedule_;  // of optimizer steps: accumulation x batch rows
   BatchSlice slice_;                       // of one micro-batch
   int64_t accumulation_ = 1;               // micro-batches per step
@@ -206,13 +220,11 @@ class TrainingRun {
   Matrix eval_x_;
   BatchLabels eval_labels_;
   Matrix eval_targets_;
-  BatchStaging eval_batch_staging_;
 
   // This rank's rows of one batch: inputs and either labels or targets.
   Matrix x_;
   BatchLabels labels_;
   Matrix targets_;
-  BatchStaging batch_staging_;  // where a batch is assembled on the host (see data.hpp)
 
   CheckpointContents checkpoint_;               // views of the live tensors: a save writes them
   std::unique_ptr<Checkpointer> checkpointer_;  // the writer (a thread when async)
@@ -225,6 +237,15 @@ class TrainingRun {
   double window_paused_s_ = 0.0;  // evaluation and saving inside the window
   double window_loss_ = 0.0;
   int64_t window_steps_ = 0;
+  double data_wait_s_ = 0.0;  // over the whole of train()
+
+  // The batches, read ahead (they read the schedule, the slices and the sources above, so
+  // they are declared last and stopped first). A reading error on this rank waits in
+  // data_error_ until the ranks agree on it.
+  std::unique_ptr<BatchStream> train_stream_;
+  std::unique_ptr<BatchStream> eval_stream_;
+  int64_t eval_seq_ = 0;  // evaluation batches taken so far (the eval stream's sequence)
+  std::exception_ptr data_error_;
 };
 
 }  // namespace meshtrain

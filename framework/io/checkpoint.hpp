@@ -7,7 +7,7 @@
 //                           "P(fsdp, None)" and crc32 (of its raw bytes, as zlib.crc32)
 //   /opt_state/<slot>/<name> the same for each optimizer slot ("m", "v", "momentum")
 //   /train_state            group; attributes step, epoch, batch_in_epoch, seed,
-//                           rng_offset, optimizer_step
+//                           rng_offset, optimizer_step, data_order
 //
 // A rank-0 (scalar) tensor is stored as shape [1] with attribute scalar = 1. A flipped byte
 // fails the dataset's CRC-32 on load and in verify_checkpoint. Of the ranks holding the same
@@ -62,9 +62,13 @@ struct TrainState {
   uint64_t seed = 0;           // the run's RNG seed
   uint64_t rng_offset = 0;     // draws made from the RNG stream so far (0 when unused)
   int64_t optimizer_step = 0;  // the optimizer's own counter (AdamW bias correction)
+  // The data order's name (DataOrder::name()); empty in checkpoints saved before it was
+  // recorded, whose shuffled order was a Fisher-Yates table of every row.
+  std::string data_order;
   bool operator==(const TrainState& o) const {
     return step == o.step && epoch == o.epoch && batch_in_epoch == o.batch_in_epoch &&
-           seed == o.seed && rng_offset == o.rng_offset && optimizer_step == o.optimizer_step;
+           seed == o.seed && rng_offset == o.rng_offset && optimizer_step == o.optimizer_step &&
+           data_order == o.data_order;
   }
 };
 

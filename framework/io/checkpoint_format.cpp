@@ -262,6 +262,7 @@ void write_metadata(hid_t file, const CheckpointContents& c) {
   hdf5::write_attribute(group, "seed", state.seed);
   hdf5::write_attribute(group, "rng_offset", state.rng_offset);
   hdf5::write_attribute(group, "optimizer_step", state.optimizer_step);
+  hdf5::write_attribute(group, "data_order", state.data_order);
   group.close("cannot close group '/train_state'");
 }
 
@@ -303,6 +304,9 @@ CheckpointInfo read_metadata(hid_t file, const std::string& path) {
   s.seed = hdf5::read_uint_attribute(group, "seed", bad, gwhere);
   s.rng_offset = hdf5::read_uint_attribute(group, "rng_offset", bad, gwhere);
   s.optimizer_step = hdf5::read_int_attribute(group, "optimizer_step", bad, gwhere);
+  if (hdf5::has_attribute(group, "data_order", bad, gwhere)) {
+    s.data_order = hdf5::read_string_attribute(group, "data_order", bad, gwhere);
+  }
   return info;
 }
 

@@ -25,15 +25,6 @@ std::mt19937_64 make_generator(uint64_t seed, uint64_t stream) {
   return std::mt19937_64(mix64(mix64(seed) ^ mix64(stream + 0x5851f42d4c957f2dULL)));
 }
 
-// Uniform integer in [0, n), unbiased (rejection of the incomplete last block).
-uint64_t uniform_below(std::mt19937_64& gen, uint64_t n) {
-  const uint64_t limit =
-      std::numeric_limits<uint64_t>::max() - std::numeric_limits<uint64_t>::max() % n;
-  uint64_t r = gen();
-  while (r >= limit) r = gen();
-  return r % n;
-}
-
 constexpr double kTwoPi = 6.283185307179586476925286766559;
 
 // Standard normal by Box-Muller (one value per call; simple and deterministic).
@@ -47,7 +38,6 @@ double standard_normal(std::mt19937_64& gen) {
 constexpr uint64_t kTeacherStream = 1;
 constexpr uint64_t kTrainStream = 2;
 constexpr uint64_t kTestStream = 3;
-constexpr uint64_t kShuffleStreamBase = 1000;
 
 }  // namespace
 
@@ -108,31 +98,85 @@ Dataset make_synthetic(int64_t train_samples, int64_t input_width, int64_t outpu
 }
 
 // ---------------------------------------------------------------------------------------
-// load_dataset: pick the source, then check it against the model's sizes
+// In-memory rows
 
-Dataset load_dataset(const DataSection& data, Split split, uint64_t seed, int64_t input_width,
-                     int64_t output_width) {
-  Dataset d;
-  if (data.source == "fashion_mnist") {
-    d = load_fashion_mnist(data.path.empty() ? default_fashion_mnist_dir() : data.path, split);
-  } else if (data.source == "synthetic") {
-    d = make_synthetic(data.synthetic_samples, input_width, output_width, seed, split);
-  } else if (data.source == "hdf5") {
-    const std::string& path = split == Split::train ? data.path : data.test_path;
-    if (split == Split::train && path.empty()) {
-      MESHTRAIN_BAD_INPUT("data.path must name an HDF5 file when data.source = \"hdf5\"");
-    }
-    if (path.empty()) {
-      d.description = "no test set (data.test_path is empty)";
-      d.features = input_width;
-      return d;
-    }
-    d = load_hdf5_dataset(path, output_width);
-  } else {
-    MESHTRAIN_BAD_INPUT("data.source = \"", data.source,
-                        "\" is not one of fashion_mnist, synthetic, hdf5");
+namespace {
+
+class MemorySource final : public RowSource {
+ public:
+  explicit MemorySource(Dataset data) : data_(std::move(data)) {
+    shape_ = static_cast<const DataShape&>(data_);
   }
 
+  void read(const int64_t* rows, int64_t count, const RowBuffers& out) override {
+    const int64_t f = data_.features;
+    const float pixel_scale = 1.0f / 255.0f;
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t s = rows[r];
+      MESHTRAIN_REQUIRE(s >= 0 && s < data_.num_samples, "row ", s, " of the ",
+                        data_.description);
+      float* dst = out.x + r * f;
+      if (!data_.pixels.empty()) {
+        const uint8_t* src = data_.pixels.data() + s * f;
+        for (int64_t c = 0; c < f; ++c) dst[c] = static_cast<float>(src[c]) * pixel_scale;
+      } else {
+        std::copy_n(data_.inputs.data() + s * f, f, dst);
+      }
+      if (out.labels) out.labels[r] = data_.labels[s];
+      if (out.targets) {
+        const int64_t w = data_.target_width;
+        std::copy_n(data_.targets.data() + s * w, w, out.targets + r * w);
+      }
+    }
+  }
+
+  int64_t resident_bytes() const override {
+    return static_cast<int64_t>(data_.pixels.size() + data_.inputs.size() * sizeof(float) +
+                                data_.labels.size() * sizeof(int32_t) +
+                                data_.targets.size() * sizeof(float));
+  }
+
+ private:
+  Dataset data_;
+};
+
+}  // namespace
+
+std::unique_ptr<RowSource> make_memory_source(Dataset data) {
+  const bool has_inputs = !data.pixels.empty() || !data.inputs.empty();
+  MESHTRAIN_REQUIRE(data.num_samples == 0 || has_inputs, "the ", data.description,
+                    " has no inputs");
+  MESHTRAIN_REQUIRE(data.num_samples == 0 || !data.classification() ||
+                        static_cast<int64_t>(data.labels.size()) == data.num_samples,
+                    "the ", data.description, " has ", data.labels.size(), " labels for ",
+                    data.num_samples, " samples");
+  return std::make_unique<MemorySource>(std::move(data));
+}
+
+Dataset read_all(RowSource& source) {
+  Dataset d;
+  static_cast<DataShape&>(d) = source.shape();
+  const int64_t n = d.num_samples;
+  std::vector<int64_t> rows(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) rows[i] = i;
+  d.inputs.resize(static_cast<size_t>(n * d.features));
+  RowBuffers out{d.inputs.data(), nullptr, nullptr};
+  if (d.classification()) {
+    d.labels.resize(static_cast<size_t>(n));
+    out.labels = d.labels.data();
+  } else {
+    d.targets.resize(static_cast<size_t>(n * d.target_width));
+    out.targets = d.targets.data();
+  }
+  if (n > 0) source.read(rows.data(), n, out);
+  return d;
+}
+
+// ---------------------------------------------------------------------------------------
+// The data of a config: pick the source, then check it against the model's sizes
+
+void check_data_fits_model(const DataShape& d, int64_t input_width, int64_t output_width) {
+  if (d.num_samples == 0) return;  // no test set
   if (d.features != input_width) {
     MESHTRAIN_BAD_INPUT("model.sizes[0] = ", input_width, " does not match the ", d.features,
                         " input features per sample of the ", d.description);
@@ -145,10 +189,53 @@ Dataset load_dataset(const DataSection& data, Split split, uint64_t seed, int64_
     MESHTRAIN_BAD_INPUT("model.sizes[-1] = ", output_width, " does not match the target width ",
                         d.target_width, " of the ", d.description);
   }
-  return d;
 }
 
-void check_loss_fits_data(const std::string& loss, const DataSection& data, const Dataset& split) {
+std::unique_ptr<RowSource> open_data_source(const DataSection& data, Split split, uint64_t seed,
+                                            int64_t input_width, int64_t output_width) {
+  std::unique_ptr<RowSource> source;
+  if (data.source == "fashion_mnist") {
+    const std::string dir = data.path.empty() ? default_fashion_mnist_dir() : data.path.front();
+    source = make_memory_source(load_fashion_mnist(dir, split));
+  } else if (data.source == "synthetic") {
+    source = make_memory_source(
+        make_synthetic(data.synthetic_samples, input_width, output_width, seed, split));
+  } else if (data.source == "hdf5") {
+    const std::vector<std::string>& entries = split == Split::train ? data.path : data.test_path;
+    const char* key = split == Split::train ? "data.path" : "data.test_path";
+    if (split == Split::train && entries.empty()) {
+      MESHTRAIN_BAD_INPUT("data.path must name an HDF5 file when data.source = \"hdf5\"");
+    }
+    if (entries.empty()) {
+      Dataset none;
+      none.description = "no test set (data.test_path is empty)";
+      none.features = input_width;
+      return make_memory_source(std::move(none));
+    }
+    Hdf5SourceOptions options;
+    if (data.shuffle == ShuffleMode::blocks) {
+      // A window of blocks is one shuffle buffer: the chunks it spans stay cached while its
+      // batches are read, so each is decompressed once per window (at most 256 MiB).
+      const int64_t row_bytes = 4 * (input_width + output_width);
+      options.chunk_cache_bytes = std::clamp<int64_t>(
+          data.block_rows * data.shuffle_window * row_bytes, int64_t{1} << 20, int64_t{256} << 20);
+    }
+    source = open_hdf5_source(expand_data_paths(entries, key), output_width, options);
+  } else {
+    MESHTRAIN_BAD_INPUT("data.source = \"", data.source,
+                        "\" is not one of fashion_mnist, synthetic, hdf5");
+  }
+  check_data_fits_model(source->shape(), input_width, output_width);
+  return source;
+}
+
+Dataset load_dataset(const DataSection& data, Split split, uint64_t seed, int64_t input_width,
+                     int64_t output_width) {
+  return read_all(*open_data_source(data, split, seed, input_width, output_width));
+}
+
+void check_loss_fits_data(const std::string& loss, const DataSection& data,
+                          const DataShape& split) {
   if (split.num_samples == 0) return;
   const bool wants_labels = loss == "cross_entropy";
   if (wants_labels == split.classification()) return;
@@ -185,56 +272,54 @@ BatchSlice make_batch_slice(const Mesh& mesh, int rank, const std::vector<std::s
   return s;
 }
 
-BatchSchedule::BatchSchedule(int64_t num_samples, int64_t global_batch, bool shuffle, uint64_t seed)
-    : num_samples_(num_samples),
-      global_batch_(global_batch),
-      steps_per_epoch_(0),
-      shuffle_(shuffle),
-      seed_(seed) {
-  if (global_batch < 1)
+namespace {
+
+// The checked sample count: a batch larger than the data set is bad input, not a crash.
+int64_t checked_samples(int64_t num_samples, int64_t global_batch) {
+  if (global_batch < 1) {
     MESHTRAIN_BAD_INPUT("data.batch_size = ", global_batch, " must be positive");
+  }
   if (global_batch > num_samples) {
     MESHTRAIN_BAD_INPUT("data.batch_size = ", global_batch, " is larger than the ", num_samples,
                         " training samples");
   }
-  steps_per_epoch_ = num_samples / global_batch;
-  cached_order_.resize(static_cast<size_t>(num_samples));
+  return num_samples;
 }
 
-void BatchSchedule::permutation_into(int64_t epoch, std::vector<int64_t>& out) const {
-  MESHTRAIN_REQUIRE(epoch >= 0, "BatchSchedule: negative epoch ", epoch);
-  out.resize(static_cast<size_t>(num_samples_));
-  for (int64_t i = 0; i < num_samples_; ++i) out[i] = i;
-  if (!shuffle_) return;
-  // Fisher-Yates from (seed, epoch) only: the same order on every rank and world size.
-  auto gen = make_generator(seed_, kShuffleStreamBase + static_cast<uint64_t>(epoch));
-  for (int64_t i = num_samples_ - 1; i > 0; --i) {
-    const auto j = static_cast<int64_t>(uniform_below(gen, static_cast<uint64_t>(i + 1)));
-    std::swap(out[i], out[j]);
-  }
-}
+}  // namespace
+
+BatchSchedule::BatchSchedule(int64_t num_samples, int64_t global_batch, ShuffleMode shuffle,
+                             uint64_t seed, int64_t block_rows, int64_t shuffle_window)
+    : order_(checked_samples(num_samples, global_batch), shuffle, seed, block_rows,
+             shuffle_window),
+      global_batch_(global_batch),
+      steps_per_epoch_(num_samples / global_batch) {}
 
 std::vector<int64_t> BatchSchedule::permutation(int64_t epoch) const {
-  std::vector<int64_t> order;
-  permutation_into(epoch, order);
+  std::vector<int64_t> order(static_cast<size_t>(num_samples()));
+  for (int64_t i = 0; i < num_samples(); ++i) order[i] = order_.sample(epoch, i);
   return order;
 }
 
 int64_t BatchSchedule::sample(int64_t step, int64_t row) const {
   MESHTRAIN_REQUIRE(step >= 0 && row >= 0 && row < global_batch_, "BatchSchedule: step ", step,
                     " row ", row, " out of range");
-  const int64_t epoch = epoch_of(step);
-  if (epoch != cached_epoch_) {
-    permutation_into(epoch, cached_order_);
-    cached_epoch_ = epoch;
-  }
-  return cached_order_[(step % steps_per_epoch_) * global_batch_ + row];
+  return order_.sample(epoch_of(step), (step % steps_per_epoch_) * global_batch_ + row);
 }
 
 std::vector<int64_t> BatchSchedule::global_batch_samples(int64_t step) const {
   std::vector<int64_t> rows(static_cast<size_t>(global_batch_));
   for (int64_t r = 0; r < global_batch_; ++r) rows[r] = sample(step, r);
   return rows;
+}
+
+void BatchSchedule::slice_samples(int64_t step, const BatchSlice& slice, int64_t* rows) const {
+  MESHTRAIN_REQUIRE(
+      slice.offset >= 0 && slice.offset + slice.global_batch <= global_batch_,
+      "BatchSchedule: rows [", slice.offset, ", +", slice.global_batch, ") of a ", global_batch_,
+      "-row batch");
+  const int64_t begin = slice.begin();
+  for (int64_t r = 0; r < slice.rows; ++r) rows[r] = sample(step, begin + r);
 }
 
 EvalSchedule EvalSchedule::create(int64_t num_samples, int64_t global_batch,
@@ -249,155 +334,16 @@ EvalSchedule EvalSchedule::create(int64_t num_samples, int64_t global_batch,
   return s;
 }
 
-// ---------------------------------------------------------------------------------------
-// Filling batches
-
-namespace {
-
-// Copies `valid` samples (sample_of(r) for r < valid) into rows [0, valid) of x and of
-// the labels/targets, and zeros rows [valid, x.extent(0)). Works in `staging` or, without
-// it, in host mirrors made for the call; either is the views themselves when Kokkos' memory
-// is host memory (no allocation, and the deep_copy below is a no-op).
-template <class SampleOf>
-void copy_rows(const Dataset& d, int64_t valid, SampleOf sample_of, const Matrix& x,
-               const BatchLabels* labels, const Matrix* targets,
-               const BatchStaging* staging = nullptr) {
-  const int64_t rows = static_cast<int64_t>(x.extent(0));
-  MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(1)) == d.features, "fill_batch: x has ",
-                    x.extent(1), " columns but the ", d.description, " has ", d.features,
-                    " features");
-  MESHTRAIN_REQUIRE(valid >= 0 && valid <= rows, "fill_batch: ", valid, " valid rows for ", rows,
-                    " rows");
-  const int64_t f = d.features;
-  using StagedMatrix = decltype(BatchStaging::x);
-  const StagedMatrix hx =
-      staging ? staging->x : StagedMatrix(Kokkos::create_mirror_view(HostStagingSpace(), x));
-  const float pixel_scale = 1.0f / 255.0f;
-  for (int64_t r = 0; r < valid; ++r) {
-    const int64_t s = sample_of(r);
-    if (!d.pixels.empty()) {
-      const uint8_t* src = d.pixels.data() + s * f;
-      for (int64_t c = 0; c < f; ++c) hx(r, c) = static_cast<float>(src[c]) * pixel_scale;
-    } else {
-      const float* src = d.inputs.data() + s * f;
-      for (int64_t c = 0; c < f; ++c) hx(r, c) = src[c];
-    }
-  }
-  for (int64_t r = valid; r < rows; ++r) {
-    for (int64_t c = 0; c < f; ++c) hx(r, c) = 0.0f;
-  }
-  Kokkos::deep_copy(x, hx);
-
-  if (labels != nullptr) {
-    MESHTRAIN_REQUIRE(d.classification(), "fill_batch: labels requested from the ", d.description,
-                      ", which has regression targets");
-    MESHTRAIN_REQUIRE(static_cast<int64_t>(labels->extent(0)) == rows, "fill_batch: labels have ",
-                      labels->extent(0), " rows, x has ", rows);
-    using StagedLabels = decltype(BatchStaging::labels);
-    const StagedLabels hl =
-        staging ? staging->labels
-                : StagedLabels(Kokkos::create_mirror_view(HostStagingSpace(), *labels));
-    for (int64_t r = 0; r < rows; ++r) hl(r) = r < valid ? d.labels[sample_of(r)] : 0;
-    Kokkos::deep_copy(*labels, hl);
-  }
-  if (targets != nullptr) {
-    MESHTRAIN_REQUIRE(!d.classification(), "fill_batch: regression targets requested from the ",
-                      d.description, ", which has class labels");
-    const int64_t w = d.target_width;
-    MESHTRAIN_REQUIRE(static_cast<int64_t>(targets->extent(0)) == rows &&
-                          static_cast<int64_t>(targets->extent(1)) == w,
-                      "fill_batch: targets are ", targets->extent(0), "x", targets->extent(1),
-                      ", expected ", rows, "x", w);
-    const StagedMatrix ht =
-        staging ? staging->targets
-                : StagedMatrix(Kokkos::create_mirror_view(HostStagingSpace(), *targets));
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* src = r < valid ? d.targets.data() + sample_of(r) * w : nullptr;
-      for (int64_t c = 0; c < w; ++c) ht(r, c) = src ? src[c] : 0.0f;
-    }
-    Kokkos::deep_copy(*targets, ht);
-  }
-}
-
-void check_train_slice(const Dataset& d, const BatchSchedule& schedule, const BatchSlice& slice,
-                       const Matrix& x) {
-  MESHTRAIN_REQUIRE(schedule.num_samples() == d.num_samples, "fill_batch: the schedule is for ",
-                    schedule.num_samples(), " samples but the ", d.description, " has ",
-                    d.num_samples);
-  MESHTRAIN_REQUIRE(
-      slice.offset >= 0 && slice.offset + slice.global_batch <= schedule.global_batch(),
-      "fill_batch: rows [", slice.offset, ", +", slice.global_batch, ") of the batch used with a ",
-      schedule.global_batch(), "-row schedule");
-  MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == slice.rows, "fill_batch: x has ",
-                    x.extent(0), " rows, the slice ", slice.rows);
-}
-
-void check_eval_slice(const Dataset& d, const EvalSchedule& schedule, int64_t batch,
-                      const BatchSlice& slice, const Matrix& x) {
-  MESHTRAIN_REQUIRE(schedule.num_samples == d.num_samples, "fill_eval_batch: the schedule is for ",
-                    schedule.num_samples, " samples but the ", d.description, " has ",
-                    d.num_samples);
-  MESHTRAIN_REQUIRE(batch >= 0 && batch < schedule.num_batches, "fill_eval_batch: batch ", batch,
-                    " of ", schedule.num_batches);
-  MESHTRAIN_REQUIRE(slice.global_batch == schedule.global_batch, "fill_eval_batch: slice of a ",
+int64_t eval_slice_samples(const EvalSchedule& schedule, int64_t batch, const BatchSlice& slice,
+                           int64_t* rows) {
+  MESHTRAIN_REQUIRE(batch >= 0 && batch < schedule.num_batches, "evaluation batch ", batch, " of ",
+                    schedule.num_batches);
+  MESHTRAIN_REQUIRE(slice.global_batch == schedule.global_batch, "slice of a ",
                     slice.global_batch, "-row batch used with a ", schedule.global_batch,
-                    "-row schedule");
-  MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == slice.rows, "fill_eval_batch: x has ",
-                    x.extent(0), " rows, the slice ", slice.rows);
-}
-
-int64_t eval_valid_rows(const EvalSchedule& schedule, int64_t batch, const BatchSlice& slice) {
+                    "-row evaluation schedule");
   const int64_t first = batch * schedule.global_batch + slice.begin();
-  return std::clamp<int64_t>(schedule.num_samples - first, 0, slice.rows);
-}
-
-}  // namespace
-
-BatchStaging make_batch_staging(const Matrix& x, const BatchLabels& labels, const Matrix& targets) {
-  return {Kokkos::create_mirror_view(HostStagingSpace(), x),
-          Kokkos::create_mirror_view(HostStagingSpace(), labels),
-          Kokkos::create_mirror_view(HostStagingSpace(), targets)};
-}
-
-void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step,
-                const BatchSlice& slice, const Matrix& x, const BatchLabels& labels,
-                const BatchStaging* staging) {
-  check_train_slice(data, schedule, slice, x);
-  const int64_t begin = slice.begin();
-  copy_rows(
-      data, slice.rows, [&](int64_t r) { return schedule.sample(step, begin + r); }, x, &labels,
-      nullptr, staging);
-}
-
-void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step,
-                const BatchSlice& slice, const Matrix& x, const Matrix& targets,
-                const BatchStaging* staging) {
-  check_train_slice(data, schedule, slice, x);
-  const int64_t begin = slice.begin();
-  copy_rows(
-      data, slice.rows, [&](int64_t r) { return schedule.sample(step, begin + r); }, x, nullptr,
-      &targets, staging);
-}
-
-int64_t fill_eval_batch(const Dataset& data, const EvalSchedule& schedule, int64_t batch,
-                        const BatchSlice& slice, const Matrix& x, const BatchLabels& labels,
-                        const BatchStaging* staging) {
-  check_eval_slice(data, schedule, batch, slice, x);
-  const int64_t first = batch * schedule.global_batch + slice.begin();
-  const int64_t valid = eval_valid_rows(schedule, batch, slice);
-  copy_rows(
-      data, valid, [&](int64_t r) { return first + r; }, x, &labels, nullptr, staging);
-  return valid;
-}
-
-int64_t fill_eval_batch(const Dataset& data, const EvalSchedule& schedule, int64_t batch,
-                        const BatchSlice& slice, const Matrix& x, const Matrix& targets,
-                        const BatchStaging* staging) {
-  check_eval_slice(data, schedule, batch, slice, x);
-  const int64_t first = batch * schedule.global_batch + slice.begin();
-  const int64_t valid = eval_valid_rows(schedule, batch, slice);
-  copy_rows(
-      data, valid, [&](int64_t r) { return first + r; }, x, nullptr, &targets, staging);
+  const int64_t valid = std::clamp<int64_t>(schedule.num_samples - first, 0, slice.rows);
+  for (int64_t r = 0; r < valid; ++r) rows[r] = first + r;
   return valid;
 }
 

@@ -1,22 +1,24 @@
 #pragma once
-// Training and test data (docs/design.md, "Training modes" and "Configuration (TOML)", issue 4).
+// Training and test data (docs/data.md).
 //
-// Every rank holds the whole dataset (Fashion-MNIST is 47 MB as bytes) and computes the
-// same global batch of a step from (seed, step) alone; it then copies only its own rows,
-// the slice chosen by its index in the group over the batch axes. So:
+// A data set is a RowSource: its shape, and read(rows), which fills host buffers with the
+// rows asked for. Fashion-MNIST and the synthetic set live in memory (make_memory_source);
+// HDF5 files are streamed (open_hdf5_source): a rank reads only the rows of its slice of
+// each batch, so its memory does not grow with the data set.
+//
+// Every rank computes the same global batch of a step from (seed, step) alone and reads
+// only its own rows, the slice chosen by its index in the group over the batch axes. So:
 //  - the global batch of step s is the same on every mesh and every world size;
 //  - the data state to checkpoint is the step alone: BatchSchedule is a pure function of
 //    (seed, num_samples, batch_size, shuffle, step); there is no RNG state to save.
-//
-// Storage is host memory (std::vector). fill_batch() writes into views the caller
-// allocated once; for views in a host-accessible space nothing is allocated per step.
+// BatchStream (batch_stream.hpp) reads the batches ahead on a background thread.
 
-#include <Kokkos_Core.hpp>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
-#include "framework/core/views.hpp"
+#include "framework/io/data_order.hpp"
 #include "framework/train/config.hpp"
 #include "partition/mesh.hpp"
 
@@ -25,25 +27,83 @@ namespace meshtrain {
 enum class Split { train, test };
 const char* split_name(Split split);  // "train" | "test"
 
-// One split of a dataset, in sample order. Inputs are stored either as bytes (`pixels`,
-// read as pixel / 255 in [0, 1]) or as floats (`inputs`); exactly one is non-empty unless
-// num_samples is 0. Targets are either class labels (num_classes > 0) or float regression
-// targets (target_width > 0).
-struct Dataset {
+// What a data set is, without its rows: inputs are float [num_samples, features];
+// targets are class labels (num_classes > 0) or float regression targets (target_width > 0).
+struct DataShape {
   std::string description;  // for messages, e.g. "Fashion-MNIST train (<path>)"
   int64_t num_samples = 0;
   int64_t features = 0;
-  std::vector<uint8_t> pixels;  // [num_samples, features] row-major, scaled by 1/255 on read
-  std::vector<float> inputs;    // [num_samples, features] row-major
-  int64_t num_classes = 0;      // > 0: classification
-  std::vector<int32_t> labels;  // [num_samples], each in [0, num_classes)
-  int64_t target_width = 0;     // > 0: regression
-  std::vector<float> targets;   // [num_samples, target_width] row-major
+  int64_t num_classes = 0;   // > 0: classification
+  int64_t target_width = 0;  // > 0: regression
 
   bool classification() const { return num_classes > 0; }
   // Width of the model output this dataset needs: num_classes or target_width.
   int64_t output_width() const { return classification() ? num_classes : target_width; }
 };
+
+// One split of a dataset in memory, in sample order. Inputs are stored either as bytes
+// (`pixels`, read as pixel / 255 in [0, 1]) or as floats (`inputs`); exactly one is
+// non-empty unless num_samples is 0.
+struct Dataset : DataShape {
+  std::vector<uint8_t> pixels;  // [num_samples, features] row-major, scaled by 1/255 on read
+  std::vector<float> inputs;    // [num_samples, features] row-major
+  std::vector<int32_t> labels;  // [num_samples], each in [0, num_classes)
+  std::vector<float> targets;   // [num_samples, target_width] row-major
+};
+
+// Host memory one batch is read into, row-major: x [rows, features] and either labels
+// [rows] or targets [rows, target_width] (the other null).
+struct RowBuffers {
+  float* x = nullptr;
+  int32_t* labels = nullptr;
+  float* targets = nullptr;
+};
+
+// Where rows come from. read() is called by one thread at a time (a BatchStream's reader
+// thread) and makes no MPI or Kokkos calls; HDF5 calls hold hdf5::global_mutex().
+class RowSource {
+ public:
+  virtual ~RowSource() = default;
+  const DataShape& shape() const { return shape_; }
+  // Fills row i of `out` with sample rows[i], for i in [0, count); rows may repeat and come
+  // in any order. A row that fails its checks (a non-finite input or target, a label out of
+  // range) or a failed read throws a runtime Error naming the file and the row. Allocates
+  // only the first time it is asked for more rows than before.
+  virtual void read(const int64_t* rows, int64_t count, const RowBuffers& out) = 0;
+  // Host bytes the source holds (rows in memory; scratch buffers and caches of a stream).
+  virtual int64_t resident_bytes() const = 0;
+
+ protected:
+  DataShape shape_;
+};
+
+// The rows of an in-memory data set (owned), checked when they were made.
+std::unique_ptr<RowSource> make_memory_source(Dataset data);
+
+// HDF5 shards read as one data set (framework/io/data_hdf5.cpp): each file has /x float
+// [N_i, features] and /y, integer [N_i] labels in [0, num_classes) or float [N_i, outputs]
+// (or [N_i]) targets; the shards' rows follow each other in the order given. Contiguous
+// datasets stored as native floats (or integers) are read with pread at their file offsets;
+// others (chunked, compressed, another type) through HDF5, one read per shard and batch
+// (each chunk decompressed at most once per batch), with a chunk cache of
+// `chunk_cache_bytes` per dataset. At open: a missing file, a shard of another width, type
+// or kind of target is a bad_input Error naming the file. While reading: a row that fails
+// its checks, or a file that changed size, is a runtime Error naming the file.
+struct Hdf5SourceOptions {
+  int64_t chunk_cache_bytes = int64_t{1} << 20;  // HDF5's default
+};
+std::unique_ptr<RowSource> open_hdf5_source(const std::vector<std::string>& files,
+                                            int64_t num_classes,
+                                            const Hdf5SourceOptions& options = {});
+
+// The files of data.path / data.test_path: each entry a file name, or a glob (with *, ? or
+// [) replaced by its matches in sorted order. A glob that matches nothing is a bad_input
+// Error naming `key` and the pattern.
+std::vector<std::string> expand_data_paths(const std::vector<std::string>& entries,
+                                           const std::string& key);
+
+// Every row of a source, in order, in memory (allocates the whole set; for tests and tools).
+Dataset read_all(RowSource& source);
 
 // Debian's dataset-fashion-mnist; used when data.path is empty.
 const std::string& default_fashion_mnist_dir();
@@ -64,32 +124,33 @@ Dataset load_fashion_mnist(const std::string& dir, Split split);
 Dataset make_synthetic(int64_t train_samples, int64_t input_width, int64_t output_width,
                        uint64_t seed, Split split);
 
-// A user dataset: an HDF5 file with /x (float [N, features]) and /y, either integer [N]
-// class labels in [0, num_classes) or float [N, outputs] regression targets. Checks
-// ranks, N agreement, label range (naming the file, the index and the value) and that
-// inputs and targets are finite. Every rank reads the whole file with the default file
-// access property list (no MPI-IO: the file is small and read-only). HDF5 failures are
-// bad_input Errors carrying HDF5's own error stack.
+// A user dataset in one HDF5 file, read whole into memory (open_hdf5_source + read_all).
 Dataset load_hdf5_dataset(const std::string& path, int64_t num_classes);
 
-// The dataset of `split` described by `data`, checked against the model:
-// input_width (model.sizes[0]) must equal the data's features and output_width
-// (model.sizes[-1]) the number of classes / the target width; a mismatch is a bad_input
-// Error naming model.sizes and the data source and its width.
+// The data set of `split` described by `data`, checked against the model: input_width
+// (model.sizes[0]) must equal the data's features and output_width (model.sizes[-1]) the
+// number of classes / the target width; a mismatch is a bad_input Error naming model.sizes
+// and the data source and its width.
 //  - fashion_mnist: data.path is the IDX directory (empty: default_fashion_mnist_dir()).
 //  - synthetic: data.synthetic_samples training rows, generated from `seed`.
-//  - hdf5: data.path (train) / data.test_path (test). With no test_path the test split
-//    is an empty dataset (num_samples 0): evaluation has nothing to do.
+//  - hdf5: data.path (train) / data.test_path (test), streamed. With no test_path the
+//    test split is an empty source (num_samples 0): evaluation has nothing to do.
+std::unique_ptr<RowSource> open_data_source(const DataSection& data, Split split, uint64_t seed,
+                                            int64_t input_width, int64_t output_width);
+// The same, read into memory (allocates the whole split; for tests and tools).
 Dataset load_dataset(const DataSection& data, Split split, uint64_t seed, int64_t input_width,
                      int64_t output_width);
+// A data set's shape against the model's widths, as open_data_source checks it.
+void check_data_fits_model(const DataShape& shape, int64_t input_width, int64_t output_width);
 
 // model.loss against the kind of targets of a loaded split: cross_entropy needs class
 // labels, mse regression targets. A mismatch is a bad_input Error naming model.loss and
 // data.source, found at set-up rather than as a shape error at the first step. An empty
 // split (no test file) has no targets and passes.
-void check_loss_fits_data(const std::string& loss, const DataSection& data, const Dataset& split);
+void check_loss_fits_data(const std::string& loss, const DataSection& data,
+                          const DataShape& split);
 
-// Which rows of every global batch this rank copies. The batch is split over the batch
+// Which rows of every global batch this rank reads. The batch is split over the batch
 // axes (the mesh axes of the logical axis `batch`, e.g. {"fsdp", "dp"}); the rank's index
 // in that group picks rows [index * rows, (index + 1) * rows) with rows = B / count.
 // Ranks that differ only on other axes (a tp group) get the same slice.
@@ -112,76 +173,46 @@ BatchSlice make_batch_slice(const Mesh& mesh, int rank, const std::vector<std::s
 // The training order. steps_per_epoch = num_samples / global_batch: the last
 // num_samples % global_batch samples of each epoch's order are dropped, so every step has
 // a full batch of the same shape (and with shuffling, a different remainder is dropped
-// each epoch). Epoch e's order is a permutation drawn from (seed, e) alone, or the
-// identity when shuffle is off. Step s uses rows perm_e[(s mod steps_per_epoch) * B, +B)
-// of epoch e = s / steps_per_epoch.
+// each epoch). Epoch e's order is DataOrder's (data_order.hpp), a function of (seed, e)
+// alone. Step s uses positions [(s mod steps_per_epoch) * B, +B) of epoch s /
+// steps_per_epoch. Holds no table; every method is const and thread-safe.
 class BatchSchedule {
  public:
   // Throws bad_input naming data.batch_size when it is not positive or exceeds the
   // number of samples.
-  BatchSchedule(int64_t num_samples, int64_t global_batch, bool shuffle, uint64_t seed);
+  BatchSchedule(int64_t num_samples, int64_t global_batch, ShuffleMode shuffle, uint64_t seed,
+                int64_t block_rows = 1024, int64_t shuffle_window = 8);
 
-  int64_t num_samples() const { return num_samples_; }
+  int64_t num_samples() const { return order_.num_samples(); }
   int64_t global_batch() const { return global_batch_; }
   int64_t steps_per_epoch() const { return steps_per_epoch_; }
-  bool shuffle() const { return shuffle_; }
-  uint64_t seed() const { return seed_; }
+  const DataOrder& order() const { return order_; }
   int64_t epoch_of(int64_t step) const { return step / steps_per_epoch_; }
 
   // Epoch `epoch`'s sample order (allocates; for tests and tools).
   std::vector<int64_t> permutation(int64_t epoch) const;
-  // Sample index of row `row` of the global batch of `step`. Recomputes the epoch's
-  // permutation into a buffer held here when the epoch changes (no allocation after
-  // construction); not thread-safe.
+  // Sample index of row `row` of the global batch of `step`.
   int64_t sample(int64_t step, int64_t row) const;
   // The whole global batch of `step` (allocates; for tests).
   std::vector<int64_t> global_batch_samples(int64_t step) const;
+  // This rank's rows of (micro-)batch `slice` of `step`: their samples into rows[0,
+  // slice.rows).
+  void slice_samples(int64_t step, const BatchSlice& slice, int64_t* rows) const;
 
  private:
-  void permutation_into(int64_t epoch, std::vector<int64_t>& out) const;
-  int64_t num_samples_;
+  DataOrder order_;
   int64_t global_batch_;
   int64_t steps_per_epoch_;
-  bool shuffle_;
-  uint64_t seed_;
-  mutable int64_t cached_epoch_ = -1;
-  mutable std::vector<int64_t> cached_order_;
 };
-
-// Batch inputs and regression targets are Matrix [rows, width]; class labels are:
-using BatchLabels = Kokkos::View<int32_t*>;
-
-// Host memory a batch is assembled in before its one copy to Kokkos' memory: pinned host
-// memory with a CUDA Kokkos (allocated once by make_batch_staging, reused every step), and
-// the batch views themselves when Kokkos' memory is host memory (no copy at all).
-struct BatchStaging {
-  Kokkos::View<float**, Kokkos::LayoutRight, HostStagingSpace> x;
-  Kokkos::View<int32_t*, BatchLabels::array_layout, HostStagingSpace> labels;
-  Kokkos::View<float**, Kokkos::LayoutRight, HostStagingSpace> targets;
-};
-// Staging shaped like the batch views (labels or targets may be empty views).
-BatchStaging make_batch_staging(const Matrix& x, const BatchLabels& labels, const Matrix& targets);
-
-// Writes this rank's rows of the global batch of `step` into preallocated views:
-// x [slice.rows, features] and labels [slice.rows] (classification) or targets
-// [slice.rows, target_width] (regression), assembled in `staging` (made for these views)
-// or, without it, in host mirrors made for the call. Wrong shapes or the wrong kind of
-// target are internal errors (MESHTRAIN_REQUIRE).
-void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step,
-                const BatchSlice& slice, const Matrix& x, const BatchLabels& labels,
-                const BatchStaging* staging = nullptr);
-void fill_batch(const Dataset& data, const BatchSchedule& schedule, int64_t step,
-                const BatchSlice& slice, const Matrix& x, const Matrix& targets,
-                const BatchStaging* staging = nullptr);
 
 // Evaluation over a (test) split in sample order, in global batches of `global_batch`
 // rows (data.eval_batch_size), sharded over the batch axes like training batches. The last
 // batch may be partial: it is padded, not dropped, so every sample is evaluated exactly
-// once and every batch has the same shape. Padded rows
-// are zeros (label 0, target 0) and always come after the valid rows, so in each rank's
-// slice the valid rows are a prefix: fill_eval_batch returns their number, and the
-// caller counts only those rows and reduces (correct, loss sum, count) over the batch
-// axes. Summed over the ranks of one batch group, the counts give num_samples.
+// once and every batch has the same shape. Padded rows are zeros (label 0, target 0) and
+// always come after the valid rows, so in each rank's slice the valid rows are a prefix:
+// eval_slice_samples returns their number, and the caller counts only those rows and
+// reduces (correct, loss sum, count) over the batch axes. Summed over the ranks of one
+// batch group, the counts give num_samples.
 struct EvalSchedule {
   int64_t num_samples = 0;
   int64_t global_batch = 0;
@@ -191,13 +222,9 @@ struct EvalSchedule {
                              const std::string& key = "data.eval_batch_size");
 };
 
-// `staging` as for fill_batch (the training run passes its own, so evaluation allocates
-// no host mirrors per batch either).
-int64_t fill_eval_batch(const Dataset& data, const EvalSchedule& schedule, int64_t batch,
-                        const BatchSlice& slice, const Matrix& x, const BatchLabels& labels,
-                        const BatchStaging* staging = nullptr);
-int64_t fill_eval_batch(const Dataset& data, const EvalSchedule& schedule, int64_t batch,
-                        const BatchSlice& slice, const Matrix& x, const Matrix& targets,
-                        const BatchStaging* staging = nullptr);
+// This rank's rows of evaluation batch `batch`: their samples into rows[0, valid); returns
+// valid (the rows after it are padding).
+int64_t eval_slice_samples(const EvalSchedule& schedule, int64_t batch, const BatchSlice& slice,
+                           int64_t* rows);
 
 }  // namespace meshtrain

@@ -1,218 +1,437 @@
-// A user dataset in HDF5: /x float [N, features], /y integer [N] labels or float
-// [N, outputs] (or [N]) regression targets.
+// A user dataset in HDF5, streamed: /x float [N, features], /y integer [N] labels or float
+// [N, outputs] (or [N]) regression targets, in one or several files (shards).
 //
-// Every rank opens and reads the whole file with the default file access property list
-// (the sec2 driver, no MPI-IO): datasets that fit in memory are small next to the
-// training run, and independent reads avoid making loading a collective operation.
+// Nothing is read at open but each file's metadata. A batch's rows are sorted and
+// coalesced into runs of consecutive rows; each shard is then read either
+//  - with pread at the dataset's file offset (a contiguous dataset whose file type is the
+//    native one): no HDF5 call, no lock, no copy but the scatter into batch order; or
+//  - through HDF5, one H5Dread per dataset of a hyperslab union of the runs (chunked,
+//    compressed or converted datasets): HDF5 reads and decompresses each chunk the
+//    selection touches once, and keeps recent chunks in the chunk cache.
+// Every HDF5 call holds hdf5::global_mutex(): Debian's parallel HDF5 is not thread-safe,
+// and the reader runs on a BatchStream's thread beside the checkpoint writer.
 
-#include <hdf5.h>
+#include <glob.h>
 #include <sys/stat.h>
+#include <fcntl.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 
 #include "framework/io/data.hpp"
+#include "framework/io/hdf5_util.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {
 
 namespace {
 
-// Silences HDF5's automatic error printing while alive (we report the stack ourselves)
-// and restores the previous handler after.
-class QuietHdf5Errors {
- public:
-  QuietHdf5Errors() {
-    H5Eget_auto2(H5E_DEFAULT, &func_, &data_);
-    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
-  }
-  ~QuietHdf5Errors() { H5Eset_auto2(H5E_DEFAULT, func_, data_); }
-  QuietHdf5Errors(const QuietHdf5Errors&) = delete;
-  QuietHdf5Errors& operator=(const QuietHdf5Errors&) = delete;
+using hdf5::Handle;
 
- private:
-  H5E_auto2_t func_ = nullptr;
-  void* data_ = nullptr;
-};
-
-herr_t append_error(unsigned n, const H5E_error2_t* err, void* out) {
-  auto& text = *static_cast<std::string*>(out);
-  if (n > 0) text += "; ";
-  text += err->func_name ? err->func_name : "?";
-  text += ": ";
-  text += err->desc ? err->desc : "";
-  char minor[128] = {0};
-  if (H5Eget_msg(err->min_num, nullptr, minor, sizeof minor) > 0) {
-    text += " (";
-    text += minor;
-    text += ")";
-  }
-  return 0;
+// A set-up failure: bad input naming the file.
+template <class... Parts>
+[[noreturn]] void bad_file(const std::string& path, Parts&&... parts) {
+  MESHTRAIN_BAD_INPUT("HDF5 data file '", path, "': ", std::forward<Parts>(parts)...);
 }
 
-// HDF5's error stack of this thread, innermost call first, then cleared.
-std::string hdf5_error_stack() {
-  std::string text;
-  H5Ewalk2(H5E_DEFAULT, H5E_WALK_DOWNWARD, append_error, &text);
-  H5Eclear2(H5E_DEFAULT);
-  return text.empty() ? "no HDF5 error message" : text;
-}
-
-// Closes an HDF5 identifier with its close function when it goes out of scope.
-class Handle {
- public:
-  Handle(hid_t id, herr_t (*close)(hid_t)) : id_(id), close_(close) {}
-  ~Handle() {
-    if (id_ >= 0) close_(id_);
-  }
-  Handle(const Handle&) = delete;
-  Handle& operator=(const Handle&) = delete;
-  hid_t get() const { return id_; }
-
- private:
-  hid_t id_;
-  herr_t (*close_)(hid_t);
-};
-
-// Throws bad_input naming the file and the failed step, with HDF5's stack, when status < 0.
-template <class T>
-T check(T status, const std::string& path, const std::string& what) {
-  if (status < 0) {
-    MESHTRAIN_BAD_INPUT("HDF5 dataset file '", path, "': ", what, " failed: ", hdf5_error_stack());
-  }
-  return status;
-}
-
-struct DatasetInfo {
-  std::vector<hsize_t> dims;
-  H5T_class_t type_class = H5T_NO_CLASS;
-};
-
-DatasetInfo describe(hid_t dataset, const std::string& path, const std::string& name) {
-  DatasetInfo info;
-  Handle space(check(H5Dget_space(dataset), path, "getting the dataspace of " + name), H5Sclose);
-  const int rank =
-      check(H5Sget_simple_extent_ndims(space.get()), path, "getting the rank of " + name);
-  info.dims.resize(static_cast<size_t>(rank));
-  check(H5Sget_simple_extent_dims(space.get(), info.dims.data(), nullptr), path,
-        "getting the shape of " + name);
-  Handle type(check(H5Dget_type(dataset), path, "getting the type of " + name), H5Tclose);
-  info.type_class = H5Tget_class(type.get());
-  check(static_cast<int>(info.type_class), path, "getting the type class of " + name);
-  return info;
-}
-
-std::string shape_text(const std::vector<hsize_t>& dims) {
+std::string shape_text(const std::vector<int64_t>& dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
   return s + "]";
 }
 
-hid_t open_dataset(hid_t file, const std::string& path, const char* name, const char* expected) {
-  const htri_t exists =
-      check(H5Lexists(file, name, H5P_DEFAULT), path, std::string("looking up ") + name);
-  if (exists == 0) {
-    MESHTRAIN_BAD_INPUT("HDF5 dataset file '", path, "' has no dataset ", name, " (expected ",
-                        expected, ")");
+// One dataset (/x or /y) of a shard.
+struct Column {
+  Handle dataset;          // open only when read through HDF5
+  int64_t offset = -1;     // file offset of row 0 when read with pread; -1: through HDF5
+  int64_t width = 1;       // values per row
+  H5T_class_t type_class = H5T_NO_CLASS;
+  size_t type_size = 0;    // bytes per value in the file
+  bool native_int32 = false;  // labels stored as native int32 (pread, widened); else int64
+};
+
+struct Shard {
+  std::string path;
+  int64_t first = 0;  // its row 0 in the whole data set
+  int64_t rows = 0;
+  Handle file;  // open while a column is read through HDF5
+  Column x, y;
+  int fd = -1;  // for pread and to notice a file that changed size
+  off_t size_at_open = 0;
+};
+
+// The type of a dataset, and whether it can be read with pread as `native` (contiguous,
+// allocated, no external storage, the file type equal to the native type).
+void describe_column(Shard& shard, Column& column, const char* name, hid_t native) {
+  const std::string& path = shard.path;
+  const std::string what = std::string(name) + " in '" + path + "'";
+  Handle type = hdf5::make(H5Dget_type(column.dataset), H5Tclose, ErrorKind::bad_input,
+                           "cannot read the type of " + what);
+  column.type_class = H5Tget_class(type);
+  column.type_size = H5Tget_size(type);
+  Handle plist = hdf5::make(H5Dget_create_plist(column.dataset), H5Pclose, ErrorKind::bad_input,
+                            "cannot read the storage of " + what);
+  const bool contiguous =
+      H5Pget_layout(plist) == H5D_CONTIGUOUS && H5Pget_external_count(plist) == 0;
+  if (contiguous && native >= 0 && H5Tequal(type, native) > 0) {
+    const haddr_t offset = H5Dget_offset(column.dataset);
+    if (offset != HADDR_UNDEF) column.offset = static_cast<int64_t>(offset);
   }
-  return check(H5Dopen2(file, name, H5P_DEFAULT), path, std::string("opening ") + name);
+  H5Eclear2(H5E_DEFAULT);
 }
+
+// Opens one shard's metadata and checks it alone (the shards are compared after).
+Shard open_shard(const std::string& path, const Hdf5SourceOptions& options) {
+  Shard shard;
+  shard.path = path;
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    MESHTRAIN_BAD_INPUT("cannot read the HDF5 data file '", path, "': ", std::strerror(errno));
+  }
+  hdf5::silence_errors();
+  shard.file = hdf5::make(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose,
+                          ErrorKind::bad_input, "HDF5 data file '" + path + "': cannot open it");
+  Handle access = hdf5::make(H5Pcreate(H5P_DATASET_ACCESS), H5Pclose, ErrorKind::runtime,
+                             "cannot create a dataset access property list");
+  hdf5::check(H5Pset_chunk_cache(access, 12421, static_cast<size_t>(options.chunk_cache_bytes), 1.0),
+              ErrorKind::runtime, "cannot set the chunk cache");
+  const auto open = [&](const char* name, const char* expected) {
+    if (!hdf5::path_exists(shard.file, name, ErrorKind::bad_input, "'" + path + "'")) {
+      bad_file(path, "has no dataset ", name, " (expected ", expected, ")");
+    }
+    return hdf5::make(H5Dopen2(shard.file, name, access), H5Dclose, ErrorKind::bad_input,
+                      "HDF5 data file '" + path + "': cannot open " + name);
+  };
+
+  // /x: float [N, features]
+  shard.x.dataset = open("/x", "float inputs [N, features]");
+  const std::vector<int64_t> xd =
+      hdf5::dataset_shape(shard.x.dataset, ErrorKind::bad_input, "/x in '" + path + "'");
+  describe_column(shard, shard.x, "/x", H5T_NATIVE_FLOAT);
+  if (xd.size() != 2 || shard.x.type_class != H5T_FLOAT) {
+    bad_file(path, "/x must be a float dataset [N, features], got ",
+             shard.x.type_class == H5T_FLOAT ? "float " : "non-float ", shape_text(xd));
+  }
+  if (xd[0] == 0 || xd[1] == 0) bad_file(path, "/x is empty ", shape_text(xd));
+  shard.rows = xd[0];
+  shard.x.width = xd[1];
+
+  // /y: integer [N] labels, or float [N, outputs] / [N] targets
+  shard.y.dataset = open("/y", "integer class labels [N] or float targets [N, outputs]");
+  const std::vector<int64_t> yd =
+      hdf5::dataset_shape(shard.y.dataset, ErrorKind::bad_input, "/y in '" + path + "'");
+  {
+    Handle type = hdf5::make(H5Dget_type(shard.y.dataset), H5Tclose, ErrorKind::bad_input,
+                             "cannot read the type of /y in '" + path + "'");
+    const bool int32 = H5Tequal(type, H5T_NATIVE_INT32) > 0;
+    const bool int64 = H5Tequal(type, H5T_NATIVE_INT64) > 0;
+    const bool labels = H5Tget_class(type) == H5T_INTEGER;
+    describe_column(shard, shard.y, "/y",
+                    labels ? (int32 ? H5T_NATIVE_INT32 : int64 ? H5T_NATIVE_INT64 : -1)
+                           : H5T_NATIVE_FLOAT);
+    shard.y.native_int32 = int32;
+  }
+  const bool labels = shard.y.type_class == H5T_INTEGER && yd.size() == 1;
+  const bool targets = shard.y.type_class == H5T_FLOAT && (yd.size() == 1 || yd.size() == 2);
+  if (!labels && !targets) {
+    bad_file(path, "/y must be integer class labels [N] or float targets [N, outputs], got ",
+             shard.y.type_class == H5T_INTEGER ? "integer "
+             : shard.y.type_class == H5T_FLOAT ? "float "
+                                               : "non-numeric ",
+             shape_text(yd));
+  }
+  if (yd[0] != xd[0]) bad_file(path, "/x has ", xd[0], " samples but /y has ", yd[0]);
+  shard.y.width = yd.size() == 2 ? yd[1] : 1;
+  if (shard.y.width == 0) bad_file(path, "/y is empty ", shape_text(yd));
+
+  // Datasets read with pread need no HDF5 handle; a shard read with pread alone closes
+  // its file.
+  if (shard.x.offset >= 0) shard.x.dataset.reset();
+  if (shard.y.offset >= 0) shard.y.dataset.reset();
+  if (shard.x.offset >= 0 && shard.y.offset >= 0) shard.file.reset();
+  shard.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (shard.fd < 0) {
+    MESHTRAIN_BAD_INPUT("cannot read the HDF5 data file '", path, "': ", std::strerror(errno));
+  }
+  shard.size_at_open = st.st_size;
+  return shard;
+}
+
+std::string type_text(const Column& c) {
+  return std::to_string(8 * c.type_size) + "-bit " + (c.type_class == H5T_FLOAT ? "floats" : "integers");
+}
+
+class Hdf5Source final : public RowSource {
+ public:
+  Hdf5Source(const std::vector<std::string>& files, int64_t num_classes,
+             const Hdf5SourceOptions& options)
+      : cache_bytes_(options.chunk_cache_bytes) {
+    MESHTRAIN_REQUIRE(num_classes > 0, "open_hdf5_source: num_classes must be positive");
+    MESHTRAIN_REQUIRE(!files.empty(), "open_hdf5_source: no files");
+    {
+      std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+      for (const std::string& path : files) shards_.push_back(open_shard(path, options));
+    }
+    const Shard& head = shards_.front();
+    const bool labels = head.y.type_class == H5T_INTEGER;
+    int64_t first = 0;
+    for (Shard& s : shards_) {
+      const auto differ = [&](const char* what, const std::string& here, const std::string& there) {
+        bad_file(s.path, "has ", here, " but '", head.path, "', the first shard, has ", there,
+                 " (", what, "): every shard of data.path must match");
+      };
+      if (s.x.width != head.x.width) {
+        differ("the width", std::to_string(s.x.width) + " features per row",
+               std::to_string(head.x.width));
+      }
+      if (s.x.type_size != head.x.type_size) differ("the dtype of /x", type_text(s.x), type_text(head.x));
+      if ((s.y.type_class == H5T_INTEGER) != labels) {
+        differ("the kind of /y", labels ? "float targets" : "integer labels",
+               labels ? "integer labels" : "float targets");
+      }
+      if (s.y.type_class != head.y.type_class || s.y.type_size != head.y.type_size) {
+        differ("the dtype of /y", type_text(s.y), type_text(head.y));
+      }
+      if (!labels && s.y.width != head.y.width) {
+        differ("the target width", std::to_string(s.y.width) + " targets per row",
+               std::to_string(head.y.width));
+      }
+      s.first = first;
+      first += s.rows;
+    }
+    shape_.num_samples = first;
+    shape_.features = head.x.width;
+    if (labels) {
+      shape_.num_classes = num_classes;
+    } else {
+      shape_.target_width = head.y.width;
+    }
+    shape_.description = shards_.size() == 1
+                             ? "HDF5 dataset '" + head.path + "'"
+                             : "HDF5 dataset of " + std::to_string(shards_.size()) + " files ('" +
+                                   head.path + "' ... '" + shards_.back().path + "')";
+  }
+
+  ~Hdf5Source() override {
+    std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+    for (Shard& s : shards_) {
+      if (s.fd >= 0) ::close(s.fd);
+      s.x.dataset.reset();
+      s.y.dataset.reset();
+      s.file.reset();
+    }
+  }
+
+  void read(const int64_t* rows, int64_t count, const RowBuffers& out) override {
+    const int64_t f = shape_.features;
+    const int64_t w = shape_.classification() ? 1 : shape_.target_width;
+    if (count > capacity_) {  // grows once, to the largest batch asked for
+      order_.resize(static_cast<size_t>(count));
+      x_.resize(static_cast<size_t>(count * f));
+      labels_.resize(shape_.classification() ? static_cast<size_t>(count) : 0);
+      targets_.resize(shape_.classification() ? 0 : static_cast<size_t>(count * w));
+      capacity_ = count;
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      MESHTRAIN_REQUIRE(rows[i] >= 0 && rows[i] < shape_.num_samples, "row ", rows[i], " of the ",
+                        shape_.description);
+      order_[i] = i;
+    }
+    std::sort(order_.begin(), order_.begin() + count,
+              [&](int64_t a, int64_t b) { return rows[a] < rows[b]; });
+    // The sorted rows, shard by shard.
+    size_t shard = 0;
+    for (int64_t begin = 0; begin < count;) {
+      const int64_t row = rows[order_[begin]];
+      while (row >= shards_[shard].first + shards_[shard].rows) ++shard;
+      const Shard& s = shards_[shard];
+      int64_t end = begin + 1;
+      while (end < count && rows[order_[end]] < s.first + s.rows) ++end;
+      read_shard(s, rows, begin, end);
+      begin = end;
+    }
+    // Checked, then scattered into batch order.
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t dest = order_[k];
+      check_row(rows[dest], k);
+      std::copy_n(x_.data() + k * f, f, out.x + dest * f);
+      if (out.labels) out.labels[dest] = static_cast<int32_t>(labels_[k]);
+      if (out.targets) std::copy_n(targets_.data() + k * w, w, out.targets + dest * w);
+    }
+  }
+
+  int64_t resident_bytes() const override {
+    int64_t bytes = static_cast<int64_t>(order_.capacity() * 8 + x_.capacity() * 4 +
+                                         labels_.capacity() * 8 + targets_.capacity() * 4);
+    for (const Shard& s : shards_) {
+      bytes += (s.x.offset < 0 ? cache_bytes_ : 0) + (s.y.offset < 0 ? cache_bytes_ : 0);
+    }
+    return bytes;
+  }
+
+ private:
+  const Shard& shard_of(int64_t row) const {
+    auto it = std::upper_bound(shards_.begin(), shards_.end(), row,
+                               [](int64_t r, const Shard& s) { return r < s.first; });
+    return *(it - 1);
+  }
+
+  // Reads sorted positions [begin, end) (rows of shard s) into the scratch buffers.
+  void read_shard(const Shard& s, const int64_t* rows, int64_t begin, int64_t end) {
+    struct stat st {};
+    if (::fstat(s.fd, &st) != 0 || st.st_size != s.size_at_open) {
+      MESHTRAIN_FAIL("HDF5 data file '", s.path, "' changed size while training (",
+                              s.size_at_open, " bytes at set-up, ", st.st_size,
+                              " now): data files must not change during a run");
+    }
+    const int64_t f = s.x.width;
+    read_column(s, s.x, rows, begin, end, H5T_NATIVE_FLOAT, x_.data() + begin * f, "/x");
+    if (shape_.classification()) {
+      read_column(s, s.y, rows, begin, end, H5T_NATIVE_INT64, labels_.data() + begin, "/y");
+    } else {
+      read_column(s, s.y, rows, begin, end, H5T_NATIVE_FLOAT,
+                  targets_.data() + begin * s.y.width, "/y");
+    }
+  }
+
+  // One column of positions [begin, end) into `out` (sorted order), `memory` the type the
+  // values are wanted as (float, or int64 labels).
+  void read_column(const Shard& s, const Column& c, const int64_t* rows, int64_t begin,
+                   int64_t end, hid_t memory, void* out, const char* name) {
+    const size_t value_bytes = memory == H5T_NATIVE_INT64 ? 8 : 4;
+    if (c.offset >= 0) {
+      // Runs of consecutive rows, each one pread. Labels stored as int32 are widened after.
+      const size_t stored = c.type_size;
+      auto* bytes = static_cast<char*>(out);
+      for (int64_t k = begin; k < end;) {
+        const int64_t first = rows[order_[k]] - s.first;
+        int64_t run = 1;
+        while (k + run < end && rows[order_[k + run]] - s.first == first + run) ++run;
+        pread_all(s, bytes + (k - begin) * c.width * value_bytes,
+                  static_cast<size_t>(run * c.width) * stored,
+                  c.offset + first * c.width * static_cast<int64_t>(stored), name);
+        k += run;
+      }
+      if (c.native_int32 && memory == H5T_NATIVE_INT64) {
+        // The int32 values sit packed at the front: widen from the back.
+        auto* values = static_cast<int64_t*>(out);
+        const auto* packed = static_cast<const int32_t*>(out);
+        for (int64_t i = end - begin - 1; i >= 0; --i) values[i] = packed[i];
+      }
+      return;
+    }
+    std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+    hdf5::silence_errors();
+    const std::string what = std::string("reading ") + name + " of '" + s.path + "'";
+    Handle space = hdf5::make(H5Dget_space(c.dataset), H5Sclose, ErrorKind::runtime, what);
+    hdf5::check(H5Sselect_none(space), ErrorKind::runtime, what);
+    for (int64_t k = begin; k < end;) {
+      const int64_t first = rows[order_[k]] - s.first;
+      int64_t run = 1;
+      while (k + run < end && rows[order_[k + run]] - s.first == first + run) ++run;
+      const hsize_t start[2] = {static_cast<hsize_t>(first), 0};
+      const hsize_t count[2] = {static_cast<hsize_t>(run), static_cast<hsize_t>(c.width)};
+      hdf5::check(H5Sselect_hyperslab(space, H5S_SELECT_OR, start, nullptr, count, nullptr),
+                  ErrorKind::runtime, what);
+      k += run;
+    }
+    const hsize_t values = static_cast<hsize_t>((end - begin) * c.width);
+    Handle memory_space =
+        hdf5::make(H5Screate_simple(1, &values, nullptr), H5Sclose, ErrorKind::runtime, what);
+    hdf5::check(H5Dread(c.dataset, memory, memory_space, space, H5P_DEFAULT, out),
+                ErrorKind::runtime, what);
+  }
+
+  void pread_all(const Shard& s, char* out, size_t bytes, int64_t offset, const char* name) const {
+    while (bytes > 0) {
+      const ssize_t got = ::pread(s.fd, out, bytes, static_cast<off_t>(offset));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) {
+        MESHTRAIN_FAIL("HDF5 data file '", s.path, "': reading ", name, " at byte ", offset,
+                                " failed: ", got < 0 ? std::strerror(errno) : "the file ends there");
+      }
+      out += got;
+      bytes -= static_cast<size_t>(got);
+      offset += got;
+    }
+  }
+
+  // Row `row` of the data set, at sorted position k of the scratch buffers.
+  void check_row(int64_t row, int64_t k) const {
+    const int64_t f = shape_.features;
+    const float* x = x_.data() + k * f;
+    for (int64_t c = 0; c < f; ++c) {
+      if (!std::isfinite(x[c])) {
+        const Shard& s = shard_of(row);
+        MESHTRAIN_FAIL("HDF5 data file '", s.path, "': /x[", row - s.first, ", ", c,
+                                "] is ", x[c], "; inputs must be finite");
+      }
+    }
+    if (shape_.classification()) {
+      const int64_t label = labels_[k];
+      if (label < 0 || label >= shape_.num_classes) {
+        const Shard& s = shard_of(row);
+        MESHTRAIN_FAIL("HDF5 data file '", s.path, "': label /y[", row - s.first,
+                                "] = ", label, " is outside [0, ", shape_.num_classes,
+                                ") (model.sizes[-1] = ", shape_.num_classes, " classes)");
+      }
+      return;
+    }
+    const int64_t w = shape_.target_width;
+    for (int64_t c = 0; c < w; ++c) {
+      const float t = targets_[k * w + c];
+      if (!std::isfinite(t)) {
+        const Shard& s = shard_of(row);
+        MESHTRAIN_FAIL("HDF5 data file '", s.path, "': /y[", row - s.first, ", ", c,
+                                "] is ", t, "; targets must be finite");
+      }
+    }
+  }
+
+  std::vector<Shard> shards_;
+  int64_t cache_bytes_;
+  // Scratch of one read, in sorted row order (grown to the largest batch, then reused).
+  int64_t capacity_ = 0;
+  std::vector<int64_t> order_;  // sorted position -> the caller's row index
+  std::vector<float> x_;
+  std::vector<int64_t> labels_;
+  std::vector<float> targets_;
+};
 
 }  // namespace
 
+std::unique_ptr<RowSource> open_hdf5_source(const std::vector<std::string>& files,
+                                            int64_t num_classes, const Hdf5SourceOptions& options) {
+  return std::make_unique<Hdf5Source>(files, num_classes, options);
+}
+
 Dataset load_hdf5_dataset(const std::string& path, int64_t num_classes) {
-  MESHTRAIN_REQUIRE(num_classes > 0, "load_hdf5_dataset: num_classes must be positive");
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    MESHTRAIN_BAD_INPUT("cannot read the HDF5 dataset file '", path, "': ", std::strerror(errno));
-  }
-  QuietHdf5Errors quiet;
-  Handle file(check(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), path, "opening the file"),
-              H5Fclose);
+  std::unique_ptr<RowSource> source = open_hdf5_source({path}, num_classes);
+  return read_all(*source);
+}
 
-  Dataset d;
-  d.description = "HDF5 dataset '" + path + "'";
-
-  // /x: float [N, features]
-  Handle x(open_dataset(file.get(), path, "/x", "float inputs [N, features]"), H5Dclose);
-  const DatasetInfo xi = describe(x.get(), path, "/x");
-  if (xi.dims.size() != 2 || xi.type_class != H5T_FLOAT) {
-    MESHTRAIN_BAD_INPUT("HDF5 dataset file '", path,
-                        "': /x must be a float dataset [N, features], "
-                        "got ",
-                        xi.type_class == H5T_FLOAT ? "float " : "non-float ", shape_text(xi.dims));
-  }
-  if (xi.dims[0] == 0 || xi.dims[1] == 0) {
-    MESHTRAIN_BAD_INPUT("HDF5 dataset file '", path, "': /x is empty ", shape_text(xi.dims));
-  }
-  d.num_samples = static_cast<int64_t>(xi.dims[0]);
-  d.features = static_cast<int64_t>(xi.dims[1]);
-
-  // /y: integer [N] labels, or float [N, outputs] / [N] targets
-  Handle y(open_dataset(file.get(), path, "/y",
-                        "integer class labels [N] or float targets [N, outputs]"),
-           H5Dclose);
-  const DatasetInfo yi = describe(y.get(), path, "/y");
-  const bool labels = yi.type_class == H5T_INTEGER && yi.dims.size() == 1;
-  const bool targets = yi.type_class == H5T_FLOAT && (yi.dims.size() == 1 || yi.dims.size() == 2);
-  if (!labels && !targets) {
-    MESHTRAIN_BAD_INPUT("HDF5 dataset file '", path,
-                        "': /y must be integer class labels [N] or "
-                        "float targets [N, outputs], got ",
-                        yi.type_class == H5T_INTEGER ? "integer "
-                        : yi.type_class == H5T_FLOAT ? "float "
-                                                     : "non-numeric ",
-                        shape_text(yi.dims));
-  }
-  if (yi.dims[0] != xi.dims[0]) {
-    MESHTRAIN_BAD_INPUT("HDF5 dataset file '", path, "': /x has ", xi.dims[0],
-                        " samples but /y has ", yi.dims[0]);
-  }
-
-  d.inputs.resize(static_cast<size_t>(d.num_samples * d.features));
-  check(H5Dread(x.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, d.inputs.data()), path,
-        "reading /x");
-  for (int64_t i = 0; i < d.num_samples; ++i) {
-    for (int64_t f = 0; f < d.features; ++f) {
-      const float v = d.inputs[i * d.features + f];
-      if (!std::isfinite(v)) {
-        MESHTRAIN_BAD_INPUT("HDF5 dataset file '", path, "': /x[", i, ", ", f, "] is ", v,
-                            "; inputs must be finite");
-      }
+std::vector<std::string> expand_data_paths(const std::vector<std::string>& entries,
+                                           const std::string& key) {
+  std::vector<std::string> files;
+  for (const std::string& entry : entries) {
+    if (entry.find_first_of("*?[") == std::string::npos) {
+      files.push_back(entry);
+      continue;
     }
+    glob_t matches{};
+    const int status = ::glob(entry.c_str(), 0, nullptr, &matches);  // sorted by glob
+    if (status == 0) {
+      for (size_t i = 0; i < matches.gl_pathc; ++i) files.emplace_back(matches.gl_pathv[i]);
+    }
+    ::globfree(&matches);
+    if (status == GLOB_NOMATCH) MESHTRAIN_BAD_INPUT(key, " entry '", entry, "' matches no file");
+    if (status != 0) MESHTRAIN_BAD_INPUT(key, " entry '", entry, "': the glob failed (", status, ")");
   }
-
-  if (labels) {
-    d.num_classes = num_classes;
-    std::vector<int64_t> raw(static_cast<size_t>(d.num_samples));
-    check(H5Dread(y.get(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, raw.data()), path,
-          "reading /y");
-    d.labels.resize(raw.size());
-    for (int64_t i = 0; i < d.num_samples; ++i) {
-      if (raw[i] < 0 || raw[i] >= num_classes) {
-        MESHTRAIN_BAD_INPUT("HDF5 dataset file '", path, "': label /y[", i, "] = ", raw[i],
-                            " is outside [0, ", num_classes, ") (model.sizes[-1] = ", num_classes,
-                            " classes)");
-      }
-      d.labels[i] = static_cast<int32_t>(raw[i]);
-    }
-  } else {
-    d.target_width = yi.dims.size() == 2 ? static_cast<int64_t>(yi.dims[1]) : 1;
-    if (d.target_width == 0) {
-      MESHTRAIN_BAD_INPUT("HDF5 dataset file '", path, "': /y is empty ", shape_text(yi.dims));
-    }
-    d.targets.resize(static_cast<size_t>(d.num_samples * d.target_width));
-    check(H5Dread(y.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, d.targets.data()), path,
-          "reading /y");
-    for (size_t i = 0; i < d.targets.size(); ++i) {
-      if (!std::isfinite(d.targets[i])) {
-        MESHTRAIN_BAD_INPUT("HDF5 dataset file '", path, "': /y[", i / d.target_width, ", ",
-                            i % d.target_width, "] is ", d.targets[i], "; targets must be finite");
-      }
-    }
-  }
-  return d;
+  return files;
 }
 
 }  // namespace meshtrain

@@ -46,7 +46,8 @@ void MetricsLog::log(const LogEvent& e) {
                       {"loss", e.loss},
                       {"lr", e.lr},
                       {"samples_per_s", e.samples_per_s},
-                      {"tflops_per_rank", e.tflops_per_rank}};
+                      {"tflops_per_rank", e.tflops_per_rank},
+                      {"data_wait_s", e.data_wait_s}};
   if (!std::isnan(e.mfu_percent)) j["mfu_percent"] = e.mfu_percent;
   write_line(j.dump());
 }
@@ -61,13 +62,13 @@ void MetricsLog::eval(const EvalEvent& e) {
 std::string format_log_line(const LogEvent& e) {
   char mfu[32] = "";
   if (!std::isnan(e.mfu_percent)) std::snprintf(mfu, sizeof mfu, " (MFU %.1f%%)", e.mfu_percent);
-  char line[224];
+  char line[256];
   std::snprintf(line, sizeof line,
                 "step %6lld/%lld  epoch %3lld  loss %.5f  lr %.3e  %9.1f samples/s  %.4f "
-                "TFLOP/s%s  ETA %s",
+                "TFLOP/s%s  data wait %.1f ms  ETA %s",
                 static_cast<long long>(e.step), static_cast<long long>(e.total_steps),
                 static_cast<long long>(e.epoch), e.loss, e.lr, e.samples_per_s, e.tflops_per_rank,
-                mfu, format_duration(e.eta_s).c_str());
+                mfu, 1e3 * e.data_wait_s, format_duration(e.eta_s).c_str());
   return line;
 }
 

@@ -24,6 +24,9 @@ struct LogEvent {
   // percentage of run.peak_tflops (MFU); NaN (not written) when the peak is unknown.
   double tflops_per_rank = 0.0;
   double mfu_percent = std::nan("");
+  // Mean seconds a step of the window waited for its batch to be read (0 when the reader
+  // thread kept ahead).
+  double data_wait_s = 0.0;
 };
 
 struct EvalEvent {
@@ -54,7 +57,8 @@ class MetricsLog {
 };
 
 // "step    100/4680  epoch   0  loss 0.53138  lr 1.000e-03     7714.8 samples/s  0.012 TFLOP/s
-//  (MFU 3.1%)  ETA 1m02s" (no MFU when the peak is unknown)
+//  (MFU 3.1%)  data wait 0.0 ms  ETA 1m02s" (no MFU when the peak is unknown; the data wait
+//  is per step)
 std::string format_log_line(const LogEvent& event);
 // "eval at step 100: test loss 0.41234  test accuracy 0.8512" (no accuracy for regression)
 std::string format_eval_line(const EvalEvent& event);

@@ -36,8 +36,8 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& schema() {
       {"model", {"kind", "sizes", "activation", "init", "loss"}},
       {"partition", {"preset", "min_sharding_size", "rules", "logical_axes", "collective_matmul"}},
       {"data",
-       {"source", "path", "test_path", "batch_size", "eval_batch_size", "shuffle",
-        "synthetic_samples"}},
+       {"source", "path", "test_path", "batch_size", "eval_batch_size", "shuffle", "block_rows",
+        "shuffle_window", "prefetch", "synthetic_samples"}},
       {"optimizer",
        {"kind", "lr", "momentum", "betas", "eps", "weight_decay", "clip_norm", "schedule",
         "warmup_steps", "min_lr", "zero_stage"}},
@@ -414,20 +414,52 @@ void read_partition(const Section& s, PartitionSection& partition) {
   }
 }
 
+// A file, or a list of files and globs: data.path and data.test_path.
+std::vector<std::string> read_paths(const Section& s, const std::string& key) {
+  const toml::node* node = s.find(key);
+  if (!node) return {};
+  const char* expected = "a file name (or glob) or an array of them";
+  if (node->is_string()) return {node->as_string()->get()};
+  if (!node->is_array()) s.wrong_type(key, *node, expected);
+  std::vector<std::string> paths;
+  for (const toml::node& entry : *node->as_array()) {
+    if (!entry.is_string() || entry.as_string()->get().empty()) {
+      s.fail_at(entry.source(), key, "must be ", expected, ", got ", render(*node));
+    }
+    paths.push_back(entry.as_string()->get());
+  }
+  if (paths.empty()) s.fail(key, "is an empty array: name at least one file");
+  return paths;
+}
+
 void read_data(const Section& s, DataSection& data) {
   data.source = s.choice("source", data.source, {"fashion_mnist", "synthetic", "hdf5"});
-  data.path = s.string("path").value_or("");
-  if (data.source == "fashion_mnist" && data.path.empty()) data.path = kFashionMnistDefaultPath;
+  data.path = read_paths(s, "path");
+  data.test_path = read_paths(s, "test_path");
+  if (data.source == "fashion_mnist") {
+    if (data.path.empty()) data.path = {kFashionMnistDefaultPath};
+    if (data.path.size() != 1) s.fail("path", "must be one directory when source = \"fashion_mnist\"");
+  }
   if (data.source == "hdf5" && data.path.empty()) {
     s.fail("path", "is required when source = \"hdf5\" (the training file)");
   }
-  data.test_path = s.string("test_path").value_or("");
   data.batch_size = s.integer("batch_size", data.batch_size, 1);
   data.eval_batch_size = s.integer("eval_batch_size");
   if (data.eval_batch_size && *data.eval_batch_size < 1) {
     s.fail("eval_batch_size", "must be at least 1, got ", *data.eval_batch_size);
   }
-  data.shuffle = s.boolean("shuffle", data.shuffle);
+  if (const toml::node* node = s.find("shuffle")) {
+    if (node->is_boolean()) {
+      data.shuffle = node->as_boolean()->get() ? ShuffleMode::rows : ShuffleMode::none;
+    } else if (node->is_string() && node->as_string()->get() == "blocks") {
+      data.shuffle = ShuffleMode::blocks;
+    } else {
+      s.fail("shuffle", "must be true, false or \"blocks\", got ", render(*node));
+    }
+  }
+  data.block_rows = s.integer("block_rows", data.block_rows, 1);
+  data.shuffle_window = s.integer("shuffle_window", data.shuffle_window, 1);
+  data.prefetch = s.integer("prefetch", data.prefetch, 0);
   data.synthetic_samples = s.integer("synthetic_samples", data.synthetic_samples, 1);
 }
 
@@ -687,10 +719,24 @@ std::string config_to_toml(const RunConfig& config) {
   if (!config.partition.preset.empty()) partition.insert("preset", config.partition.preset);
   toml::table data{{"source", config.data.source},
                    {"batch_size", config.data.batch_size},
-                   {"shuffle", config.data.shuffle},
+                   {"block_rows", config.data.block_rows},
+                   {"shuffle_window", config.data.shuffle_window},
+                   {"prefetch", config.data.prefetch},
                    {"synthetic_samples", config.data.synthetic_samples}};
-  if (!config.data.path.empty()) data.insert("path", config.data.path);
-  if (!config.data.test_path.empty()) data.insert("test_path", config.data.test_path);
+  if (config.data.shuffle == ShuffleMode::blocks) {
+    data.insert("shuffle", "blocks");
+  } else {
+    data.insert("shuffle", config.data.shuffle == ShuffleMode::rows);
+  }
+  const auto paths = [](const std::vector<std::string>& files) {
+    toml::array array;
+    for (const std::string& file : files) array.push_back(file);
+    return array;
+  };
+  if (config.data.path.size() == 1) data.insert("path", config.data.path.front());
+  if (config.data.path.size() > 1) data.insert("path", paths(config.data.path));
+  if (config.data.test_path.size() == 1) data.insert("test_path", config.data.test_path.front());
+  if (config.data.test_path.size() > 1) data.insert("test_path", paths(config.data.test_path));
   if (config.data.eval_batch_size) data.insert("eval_batch_size", *config.data.eval_batch_size);
   const OptimizerSection& opt = config.optimizer;
   toml::table optimizer{{"kind", opt.kind},

@@ -53,14 +53,23 @@ struct PartitionSection {
   std::string collective_matmul = "auto";  // naive | ring | bidirectional | auto
 };
 
+// The order of an epoch's rows (framework/io/data_order.hpp): data.shuffle = false | true |
+// "blocks".
+enum class ShuffleMode { none, rows, blocks };
+
 struct DataSection {
   std::string source = "fashion_mnist";  // fashion_mnist | synthetic | hdf5
-  std::string path;          // fashion_mnist: directory of IDX files; hdf5: training file
-  std::string test_path;     // hdf5: test file (optional)
-  int64_t batch_size = 128;  // global, of one micro-batch (see train.accumulation_steps)
+  // fashion_mnist: one directory of IDX files; hdf5: the training files (each entry a file
+  // or a glob, expanded and sorted at set-up; the shards form one dataset in this order).
+  std::vector<std::string> path;
+  std::vector<std::string> test_path;  // hdf5: test files, as path (optional)
+  int64_t batch_size = 128;            // global, of one micro-batch (see train.accumulation_steps)
   // Global rows of one evaluation batch; unset: data.batch_size. The batch axes must divide it.
   std::optional<int64_t> eval_batch_size;
-  bool shuffle = true;
+  ShuffleMode shuffle = ShuffleMode::rows;
+  int64_t block_rows = 1024;   // shuffle = "blocks": rows of one contiguous block
+  int64_t shuffle_window = 8;  // shuffle = "blocks": blocks whose rows are shuffled together
+  int64_t prefetch = 2;        // batches read ahead by a background thread; 0: read in the step
   int64_t synthetic_samples = 4096;
 };
 

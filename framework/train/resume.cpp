@@ -24,6 +24,15 @@ std::string value_text(uint64_t value) {
 std::string value_text(const std::vector<int64_t>& value) {
   return format_shape(value);
 }
+std::string value_text(ShuffleMode value) {
+  return value == ShuffleMode::blocks ? "\"blocks\"" : value == ShuffleMode::rows ? "true" : "false";
+}
+std::string value_text(const std::vector<std::string>& value) {
+  if (value.size() == 1) return value_text(value.front());
+  std::string text = "[";
+  for (const std::string& v : value) text += (text.size() > 1 ? ", " : "") + value_text(v);
+  return text + "]";
+}
 
 // bad_input unless the saved run and this one agree on `key`.
 template <class T>
@@ -36,16 +45,16 @@ void require_same(const char* key, const T& saved, const T& now, const Checkpoin
                       " or use another checkpoint.dir");
 }
 
-// The directory the data is read from: fashion_mnist's default when data.path is empty.
-std::string data_path(const DataSection& data) {
-  if (data.source == "fashion_mnist" && data.path.empty()) return default_fashion_mnist_dir();
+// What the data is read from: fashion_mnist's default directory when data.path is empty.
+std::vector<std::string> data_path(const DataSection& data) {
+  if (data.source == "fashion_mnist" && data.path.empty()) return {default_fashion_mnist_dir()};
   return data.path;
 }
 
 }  // namespace
 
 void check_resume_compatible(const RunConfig& config, const CheckpointInfo& saved,
-                             int64_t total_steps) {
+                             int64_t total_steps, const std::string& data_order) {
   const char* order = "would change the data order";
   require_same("run.seed", saved.train_state.seed, config.run.seed, saved, config, order);
 
@@ -67,6 +76,26 @@ void check_resume_compatible(const RunConfig& config, const CheckpointInfo& save
   }
   require_same("data.batch_size", was.batch_size, is.batch_size, saved, config, order);
   require_same("data.shuffle", was.shuffle, is.shuffle, saved, config, order);
+  if (is.shuffle == ShuffleMode::blocks) {
+    require_same("data.block_rows", was.block_rows, is.block_rows, saved, config, order);
+    require_same("data.shuffle_window", was.shuffle_window, is.shuffle_window, saved, config,
+                 order);
+  }
+  const std::string& saved_order = saved.train_state.data_order;
+  if (saved_order.empty() && is.shuffle != ShuffleMode::none) {
+    MESHTRAIN_BAD_INPUT("checkpoint '", saved.path,
+                        "' records no data order: it was saved when data.shuffle = true meant a "
+                        "shuffled table of every row, which this meshtrain no longer builds, so "
+                        "resuming would change the data order; resume it with the meshtrain that "
+                        "saved it, or use another checkpoint.dir");
+  }
+  if (!saved_order.empty() && saved_order != data_order) {
+    MESHTRAIN_BAD_INPUT("checkpoint '", saved.path, "' was saved with the data order '",
+                        saved_order, "' but ", config.file, " gives '", data_order,
+                        "' (data.shuffle and the training rows decide it): resuming would change "
+                        "the data order; use the same data and data.shuffle, or another "
+                        "checkpoint.dir");
+  }
   require_same("train.accumulation_steps", before.train.accumulation_steps,
                config.train.accumulation_steps, saved, config, order);
   require_same("model.sizes", before.model.sizes, config.model.sizes, saved, config,

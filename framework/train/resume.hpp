@@ -6,6 +6,7 @@
 // mesh, the partition and the world size may differ: a checkpoint is resharded on load.
 
 #include <cstdint>
+#include <string>
 
 #include "framework/io/checkpoint.hpp"
 #include "framework/train/config.hpp"
@@ -18,7 +19,11 @@ namespace meshtrain {
 // data.batch_size, data.shuffle or model.sizes differ, or when the checkpoint's step is
 // past `total_steps`, the last step of this run (naming train.steps / train.epochs).
 // Not collective.
+// `data_order` is this run's DataOrder::name(): a checkpoint that recorded another order
+// (another shuffle, block size, window or number of training rows) is refused naming
+// data.shuffle; one that recorded none (saved before orders were recorded) resumes only
+// the unshuffled order, which has not changed.
 void check_resume_compatible(const RunConfig& config, const CheckpointInfo& saved,
-                             int64_t total_steps);
+                             int64_t total_steps, const std::string& data_order);
 
 }  // namespace meshtrain

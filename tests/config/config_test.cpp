@@ -129,10 +129,10 @@ TEST(Config, ReadsEveryKey) {
   EXPECT_EQ(c.partition.logical_axes.at("hidden"), (std::vector<std::string>{"tp"}));
   EXPECT_EQ(c.partition.collective_matmul, "ring");
   EXPECT_EQ(c.data.source, "hdf5");
-  EXPECT_EQ(c.data.path, "train.h5");
-  EXPECT_EQ(c.data.test_path, "test.h5");
+  EXPECT_EQ(c.data.path, std::vector<std::string>{"train.h5"});
+  EXPECT_EQ(c.data.test_path, std::vector<std::string>{"test.h5"});
   EXPECT_EQ(c.data.batch_size, 64);
-  EXPECT_FALSE(c.data.shuffle);
+  EXPECT_EQ(c.data.shuffle, ShuffleMode::none);
   EXPECT_EQ(c.data.synthetic_samples, 100);
   EXPECT_EQ(c.optimizer.kind, "sgd");
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 0.5);
@@ -241,7 +241,7 @@ TEST(Config, Defaults) {
   EXPECT_EQ(c.run.output_dir, "runs/run");
   EXPECT_EQ(c.checkpoint.dir, "runs/run/checkpoints");
   EXPECT_EQ(c.data.source, "fashion_mnist");
-  EXPECT_EQ(c.data.path, "/usr/share/datasets/fashion-mnist");
+  EXPECT_EQ(c.data.path, std::vector<std::string>{"/usr/share/datasets/fashion-mnist"});
   EXPECT_EQ(c.model.loss, "cross_entropy");  // auto, for classification data
   EXPECT_EQ(c.mesh.axes.size(), 5u);
   EXPECT_EQ(c.mesh.resolve(1), Mesh::single());
@@ -265,7 +265,7 @@ TEST(Config, Defaults) {
   EXPECT_EQ(named.run.output_dir, "runs/abc");
   EXPECT_EQ(named.checkpoint.dir, "runs/abc/checkpoints");
   EXPECT_EQ(named.model.loss, "mse");  // auto, for synthetic regression data
-  EXPECT_EQ(named.data.path, "");
+  EXPECT_TRUE(named.data.path.empty());
 
   const RunConfig plain_sgd = parse(minimal("[optimizer]\nkind = \"sgd\"\nmomentum = 0\nlr = 1\n"));
   EXPECT_EQ(plan_options(plain_sgd).optimizer_slots, 0);
@@ -308,7 +308,7 @@ TEST(Config, TypeErrorsNameFileLineAndKey) {
   expect_config_error(minimal("[data]\nbatch_size = 1.5\n"),
                       {"t.toml:6", "[data] batch_size", "an integer"});
   expect_config_error(minimal("[data]\nshuffle = \"yes\"\n"),
-                      {"t.toml:6", "[data] shuffle", "true or false"});
+                      {"t.toml:6", "[data] shuffle", "true, false or \"blocks\""});
   expect_config_error(minimal("[run]\nname = 3\n"), {"t.toml:6", "[run] name", "a string"});
   expect_config_error(minimal("[mesh]\ntp = \"2\"\n"), {"t.toml:6", "[mesh] tp", "an integer"});
   expect_config_error("[model]\nsizes = 784\n[train]\nsteps = 1\n",
@@ -496,7 +496,7 @@ TEST(Config, OverridesReadTomlValues) {
   EXPECT_EQ(c.train.steps, std::optional<int64_t>(20));
   EXPECT_EQ(c.model.sizes, (std::vector<int64_t>{784, 256, 10}));
   EXPECT_EQ(c.run.output_dir, "runs/a");
-  EXPECT_FALSE(c.data.shuffle);
+  EXPECT_EQ(c.data.shuffle, ShuffleMode::none);
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 0.25);
   EXPECT_EQ(c.partition.logical_axes.at("batch"), std::vector<std::string>{"dp"});
   ASSERT_EQ(c.partition.rules.size(), 1u);
