@@ -13,7 +13,9 @@
 #include <numeric>
 #include <set>
 
+#include "framework/io/batch_stream.hpp"
 #include "framework/io/data.hpp"
+#include "tests/data/hdf5_test_files.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain {
@@ -21,22 +23,22 @@ namespace {
 
 using testing::expect_bad_input;
 
-// A fresh directory under $TMPDIR (or /tmp), removed at the end of the test.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string pattern = std::string(base && *base ? base : "/tmp") + "/meshtrain-data-XXXXXX";
-    std::vector<char> buf(pattern.begin(), pattern.end());
-    buf.push_back('\0');
-    if (mkdtemp(buf.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed for " << pattern;
-    path = buf.data();
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path, ignored);
-  }
-};
+using testing::TempDir;
+
+// Reads this slice of the global batch of `step` into x and labels / targets (empty views
+// for the one the data lacks) through a BatchStream without a reader thread.
+void read_step(RowSource& source, const BatchSchedule& schedule, int64_t step,
+               const BatchSlice& slice, const Matrix& x, const BatchLabels& labels,
+               const Matrix& targets = {}) {
+  BatchStream stream(
+      source, slice.rows,
+      [&](int64_t seq, int64_t* rows) {
+        schedule.slice_samples(seq, slice, rows);
+        return slice.rows;
+      },
+      /*depth=*/0);
+  EXPECT_EQ(stream.take(step, x, labels, targets), slice.rows);
+}
 
 bool have_fashion_mnist() {
   return std::filesystem::exists(default_fashion_mnist_dir() + "/train-images-idx3-ubyte.gz");
@@ -47,7 +49,8 @@ bool have_fashion_mnist() {
 TEST(FashionMnist, TrainAndTestSplitsLoad) {
   if (!have_fashion_mnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   DataSection section;  // source fashion_mnist, default path
-  const Dataset train = load_dataset(section, Split::train, 0, 784, 10);
+  // The IDX bytes as they are kept in memory (load_dataset reads them out as floats).
+  const Dataset train = load_fashion_mnist(default_fashion_mnist_dir(), Split::train);
   EXPECT_EQ(train.num_samples, 60000);
   EXPECT_EQ(train.features, 784);
   EXPECT_EQ(train.num_classes, 10);
@@ -65,20 +68,31 @@ TEST(FashionMnist, TrainAndTestSplitsLoad) {
   // Known first samples: both splits start with an ankle boot (class 9).
   EXPECT_EQ(train.labels[0], 9);
 
+  // load_dataset reads every row out of the source: pixels / 255 as floats.
   const Dataset test = load_dataset(section, Split::test, 0, 784, 10);
   EXPECT_EQ(test.num_samples, 10000);
   EXPECT_EQ(test.features, 784);
+  EXPECT_TRUE(test.pixels.empty());
+  ASSERT_EQ(test.inputs.size(), size_t{10000} * 784);
+  {
+    const Dataset bytes = load_fashion_mnist(default_fashion_mnist_dir(), Split::test);
+    EXPECT_EQ(bytes.labels, test.labels);
+    for (size_t i = 0; i < test.inputs.size(); i += 97) {
+      ASSERT_EQ(test.inputs[i], static_cast<float>(bytes.pixels[i]) * (1.0f / 255.0f)) << i;
+    }
+  }
   std::vector<int64_t> test_histogram(10, 0);
   for (int32_t label : test.labels) ++test_histogram[label];
   for (int c = 0; c < 10; ++c) EXPECT_EQ(test_histogram[c], 1000) << "class " << c;
   EXPECT_EQ(test.labels[0], 9);
 
   // A batch is scaled to [0, 1] and uses the full range.
-  BatchSchedule schedule(train.num_samples, 500, true, 1);
+  BatchSchedule schedule(train.num_samples, 500, ShuffleMode::rows, 1);
   const BatchSlice slice = make_batch_slice(Mesh::single(), 0, {"fsdp", "dp"}, 500);
   Matrix x_batch("x", 500, 784);
   BatchLabels labels_batch("labels", 500);
-  fill_batch(train, schedule, 0, slice, x_batch, labels_batch);
+  auto source = open_data_source(section, Split::train, 0, 784, 10);
+  read_step(*source, schedule, 0, slice, x_batch, labels_batch);
   const auto x = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), x_batch);
   const auto labels = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), labels_batch);
   float lo = 1e9f, hi = -1e9f;
@@ -139,8 +153,8 @@ void write_idx(const std::string& dir, uint32_t images_magic, uint32_t n_images,
 
 TEST(FashionMnist, SmallIdxFilesRoundTrip) {
   TempDir dir;
-  write_idx(dir.path, 0x803, 3, 12, 0x801, {1, 0, 9});
-  const Dataset d = load_fashion_mnist(dir.path, Split::test);
+  write_idx(dir.path(), 0x803, 3, 12, 0x801, {1, 0, 9});
+  const Dataset d = load_fashion_mnist(dir.path(), Split::test);
   EXPECT_EQ(d.num_samples, 3);
   EXPECT_EQ(d.features, 4);
   EXPECT_EQ(d.labels, (std::vector<int32_t>{1, 0, 9}));
@@ -153,33 +167,33 @@ TEST(FashionMnist, BadFilesNameThePathAndTheProblem) {
                    {"/nonexistent/fmnist/train-images-idx3-ubyte.gz", "No such file"});
   {
     TempDir dir;
-    write_idx(dir.path, 0x801, 3, 12, 0x801, {1, 0, 9});
-    expect_bad_input([&] { load_fashion_mnist(dir.path, Split::test); },
+    write_idx(dir.path(), 0x801, 3, 12, 0x801, {1, 0, 9});
+    expect_bad_input([&] { load_fashion_mnist(dir.path(), Split::test); },
                      {"t10k-images-idx3-ubyte.gz", "magic number 0x00000801", "0x00000803"});
   }
   {
     TempDir dir;
-    write_idx(dir.path, 0x803, 3, 10, 0x801, {1, 0, 9});  // 2 pixel bytes missing
-    expect_bad_input([&] { load_fashion_mnist(dir.path, Split::test); },
+    write_idx(dir.path(), 0x803, 3, 10, 0x801, {1, 0, 9});  // 2 pixel bytes missing
+    expect_bad_input([&] { load_fashion_mnist(dir.path(), Split::test); },
                      {"t10k-images-idx3-ubyte.gz", "truncated", "12 bytes"});
   }
   {
     TempDir dir;
-    write_idx(dir.path, 0x803, 3, 12, 0x801, {1, 0});
-    expect_bad_input([&] { load_fashion_mnist(dir.path, Split::test); },
+    write_idx(dir.path(), 0x803, 3, 12, 0x801, {1, 0});
+    expect_bad_input([&] { load_fashion_mnist(dir.path(), Split::test); },
                      {"t10k-labels-idx1-ubyte.gz", "2 labels", "3 images"});
   }
   {
     TempDir dir;
-    write_idx(dir.path, 0x803, 3, 12, 0x801, {1, 10, 9});
-    expect_bad_input([&] { load_fashion_mnist(dir.path, Split::test); },
+    write_idx(dir.path(), 0x803, 3, 12, 0x801, {1, 10, 9});
+    expect_bad_input([&] { load_fashion_mnist(dir.path(), Split::test); },
                      {"t10k-labels-idx1-ubyte.gz", "label 10", "index 1"});
   }
   {
     TempDir dir;
-    write_idx(dir.path, 0x803, 3, 12, 0x801, {1, 0, 9});
-    write_gz(dir.path + "/t10k-images-idx3-ubyte.gz", {0, 0, 8});  // header cut short
-    expect_bad_input([&] { load_fashion_mnist(dir.path, Split::test); },
+    write_idx(dir.path(), 0x803, 3, 12, 0x801, {1, 0, 9});
+    write_gz(dir.path() + "/t10k-images-idx3-ubyte.gz", {0, 0, 8});  // header cut short
+    expect_bad_input([&] { load_fashion_mnist(dir.path(), Split::test); },
                      {"t10k-images-idx3-ubyte.gz", "truncated", "magic number"});
   }
 }
@@ -297,14 +311,14 @@ std::vector<float> ramp(size_t n) {
 DataSection hdf5_section(const std::string& train, const std::string& test = "") {
   DataSection s;
   s.source = "hdf5";
-  s.path = train;
-  s.test_path = test;
+  if (!train.empty()) s.path = {train};
+  if (!test.empty()) s.test_path = {test};
   return s;
 }
 
 TEST(Hdf5Dataset, LabelsRoundTrip) {
   TempDir dir;
-  const std::string path = dir.path + "/train.h5";
+  const std::string path = dir.path() + "/train.h5";
   const auto x = ramp(10 * 3);
   const std::vector<int64_t> y = {0, 1, 2, 3, 0, 1, 2, 3, 3, 3};
   {
@@ -323,11 +337,12 @@ TEST(Hdf5Dataset, LabelsRoundTrip) {
   EXPECT_EQ(none.num_samples, 0);
   EXPECT_EQ(EvalSchedule::create(0, 4).num_batches, 0);
   // Batches carry the file's rows.
-  BatchSchedule schedule(d.num_samples, 5, false, 0);
+  BatchSchedule schedule(d.num_samples, 5, ShuffleMode::none, 0);
   const BatchSlice slice = make_batch_slice(Mesh::single(), 0, {"fsdp", "dp"}, 5);
   Matrix bx_batch("x", 5, 3);
   BatchLabels bl_batch("y", 5);
-  fill_batch(d, schedule, 1, slice, bx_batch, bl_batch);  // identity order: rows 5..9
+  auto source = open_data_source(hdf5_section(path), Split::train, 0, 3, 4);
+  read_step(*source, schedule, 1, slice, bx_batch, bl_batch);  // identity order: rows 5..9
   const auto bx = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), bx_batch);
   const auto bl = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), bl_batch);
   for (int r = 0; r < 5; ++r) {
@@ -338,7 +353,7 @@ TEST(Hdf5Dataset, LabelsRoundTrip) {
 
 TEST(Hdf5Dataset, RegressionTargetsRoundTrip) {
   TempDir dir;
-  const std::string path = dir.path + "/reg.h5";
+  const std::string path = dir.path() + "/reg.h5";
   const auto x = ramp(6 * 2);
   const auto y = ramp(6 * 3);
   {
@@ -359,38 +374,39 @@ TEST(Hdf5Dataset, BadInputsNameTheProblem) {
   const auto x = ramp(4 * 3);
   const std::vector<int64_t> y = {0, 1, 2, 1};
 
-  const std::string missing = dir.path + "/missing.h5";
+  const std::string missing = dir.path() + "/missing.h5";
   expect_bad_input([&] { load_dataset(hdf5_section(missing), Split::train, 0, 3, 3); },
                    {missing, "No such file"});
 
-  const std::string not_hdf5 = dir.path + "/text.h5";
+  const std::string not_hdf5 = dir.path() + "/text.h5";
   write_gz(not_hdf5, {1, 2, 3});
   expect_bad_input([&] { load_dataset(hdf5_section(not_hdf5), Split::train, 0, 3, 3); },
-                   {not_hdf5, "opening the file", "H5Fopen"});
+                   {not_hdf5, "cannot open it", "H5Fopen"});
 
-  const std::string no_y = dir.path + "/no_y.h5";
+  const std::string no_y = dir.path() + "/no_y.h5";
   { H5Writer(no_y).write("x", H5T_NATIVE_FLOAT, {4, 3}, x.data()); }
   expect_bad_input([&] { load_dataset(hdf5_section(no_y), Split::train, 0, 3, 3); },
                    {no_y, "no dataset /y"});
 
-  const std::string no_x = dir.path + "/no_x.h5";
+  const std::string no_x = dir.path() + "/no_x.h5";
   { H5Writer(no_x).write("y", H5T_NATIVE_INT64, {4}, y.data()); }
   expect_bad_input([&] { load_dataset(hdf5_section(no_x), Split::train, 0, 3, 3); },
                    {no_x, "no dataset /x"});
 
-  const std::string good = dir.path + "/good.h5";
+  const std::string good = dir.path() + "/good.h5";
   {
     H5Writer w(good);
     w.write("x", H5T_NATIVE_FLOAT, {4, 3}, x.data());
     w.write("y", H5T_NATIVE_INT64, {4}, y.data());
   }
-  // Label 2 at index 2 is outside [0, 2) for a 2-class model.
-  expect_bad_input([&] { load_dataset(hdf5_section(good), Split::train, 0, 3, 2); },
-                   {good, "/y[2] = 2", "[0, 2)"});
+  // Label 2 at index 2 is outside [0, 2) for a 2-class model: the rows are checked as
+  // they are read (streaming), so it is a runtime error naming the file and the row.
+  testing::expect_error([&] { load_dataset(hdf5_section(good), Split::train, 0, 3, 2); },
+                        ErrorKind::runtime, {good, "/y[2] = 2", "[0, 2)"});
   expect_bad_input([&] { load_dataset(hdf5_section(good), Split::train, 0, 5, 3); },
                    {"model.sizes[0] = 5", "3 input features", good});
 
-  const std::string wrong_rank = dir.path + "/rank.h5";
+  const std::string wrong_rank = dir.path() + "/rank.h5";
   {
     H5Writer w(wrong_rank);
     w.write("x", H5T_NATIVE_FLOAT, {12}, x.data());
@@ -399,7 +415,7 @@ TEST(Hdf5Dataset, BadInputsNameTheProblem) {
   expect_bad_input([&] { load_dataset(hdf5_section(wrong_rank), Split::train, 0, 3, 3); },
                    {wrong_rank, "/x must be a float dataset [N, features]", "[12]"});
 
-  const std::string mismatch = dir.path + "/mismatch.h5";
+  const std::string mismatch = dir.path() + "/mismatch.h5";
   {
     H5Writer w(mismatch);
     w.write("x", H5T_NATIVE_FLOAT, {4, 3}, x.data());
@@ -408,7 +424,7 @@ TEST(Hdf5Dataset, BadInputsNameTheProblem) {
   expect_bad_input([&] { load_dataset(hdf5_section(mismatch), Split::train, 0, 3, 3); },
                    {mismatch, "/x has 4 samples", "/y has 3"});
 
-  const std::string nan = dir.path + "/nan.h5";
+  const std::string nan = dir.path() + "/nan.h5";
   {
     auto bad = x;
     bad[7] = std::numeric_limits<float>::quiet_NaN();
@@ -416,8 +432,10 @@ TEST(Hdf5Dataset, BadInputsNameTheProblem) {
     w.write("x", H5T_NATIVE_FLOAT, {4, 3}, bad.data());
     w.write("y", H5T_NATIVE_INT64, {4}, y.data());
   }
-  expect_bad_input([&] { load_dataset(hdf5_section(nan), Split::train, 0, 3, 3); },
-                   {nan, "/x[2, 1]", "finite"});
+  testing::expect_error([&] { load_dataset(hdf5_section(nan), Split::train, 0, 3, 3); },
+                        ErrorKind::runtime, {nan, "/x[2, 1]", "finite"});
+  // Opening it is fine: only the rows are wrong.
+  EXPECT_EQ(open_data_source(hdf5_section(nan), Split::train, 0, 3, 3)->shape().num_samples, 4);
 
   expect_bad_input([&] { load_dataset(hdf5_section(""), Split::train, 0, 3, 3); }, {"data.path"});
 }
@@ -425,9 +443,9 @@ TEST(Hdf5Dataset, BadInputsNameTheProblem) {
 // --- Schedule, slices, evaluation -------------------------------------------------------
 
 TEST(BatchSchedule, ShuffleIsASeededPermutationPerEpoch) {
-  BatchSchedule a(103, 10, true, 5);
-  BatchSchedule b(103, 10, true, 5);
-  BatchSchedule other_seed(103, 10, true, 6);
+  BatchSchedule a(103, 10, ShuffleMode::rows, 5);
+  BatchSchedule b(103, 10, ShuffleMode::rows, 5);
+  BatchSchedule other_seed(103, 10, ShuffleMode::rows, 6);
   EXPECT_EQ(a.steps_per_epoch(), 10);  // 3 samples dropped per epoch
   const auto e0 = a.permutation(0);
   const auto e1 = a.permutation(1);
@@ -462,12 +480,13 @@ TEST(BatchSchedule, ShuffleIsASeededPermutationPerEpoch) {
 }
 
 TEST(BatchSchedule, NoShuffleIsTheIdentity) {
-  BatchSchedule s(20, 6, false, 5);
+  BatchSchedule s(20, 6, ShuffleMode::none, 5);
   EXPECT_EQ(s.steps_per_epoch(), 3);
   EXPECT_EQ(s.global_batch_samples(1), (std::vector<int64_t>{6, 7, 8, 9, 10, 11}));
   EXPECT_EQ(s.global_batch_samples(3), (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
-  expect_bad_input([] { BatchSchedule(20, 21, true, 0); }, {"data.batch_size = 21", "20"});
-  expect_bad_input([] { BatchSchedule(20, 0, true, 0); }, {"data.batch_size = 0"});
+  expect_bad_input([] { BatchSchedule(20, 21, ShuffleMode::rows, 0); },
+                   {"data.batch_size = 21", "20"});
+  expect_bad_input([] { BatchSchedule(20, 0, ShuffleMode::rows, 0); }, {"data.batch_size = 0"});
 }
 
 TEST(BatchSlice, IndivisibleBatchNamesTheKeyAndK) {
@@ -497,13 +516,21 @@ TEST(EvalSchedule, LastBatchIsPaddedAndMasked) {
   const EvalSchedule eval = EvalSchedule::create(d.num_samples, 4);
   EXPECT_EQ(eval.num_batches, 3);
   const Mesh mesh = Mesh::create({{"dp", 2}}, 2);
+  auto source = make_memory_source(d);
   int64_t total = 0;
   for (int64_t b = 0; b < eval.num_batches; ++b) {
     for (int rank = 0; rank < 2; ++rank) {
       const BatchSlice slice = make_batch_slice(mesh, rank, {"dp"}, 4);
       Matrix x_batch("x", 2, 3);
       Matrix t_batch("t", 2, 2);
-      const int64_t valid = fill_eval_batch(d, eval, b, slice, x_batch, t_batch);
+      // Fill the views with garbage first: padding rows must come back as zeros.
+      Kokkos::deep_copy(x_batch, 7.0f);
+      Kokkos::deep_copy(t_batch, 7.0f);
+      BatchStream stream(
+          *source, slice.rows,
+          [&](int64_t seq, int64_t* rows) { return eval_slice_samples(eval, seq, slice, rows); },
+          /*depth=*/0);
+      const int64_t valid = stream.take(b, x_batch, BatchLabels(), t_batch);
       const auto x = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), x_batch);
       const auto t = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), t_batch);
       // Batch 2 holds samples 8, 9: rank 0 gets both, rank 1 only padding.
