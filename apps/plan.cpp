@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "framework/core/choices.hpp"
+#include "framework/io/data.hpp"
 #include "framework/train/config.hpp"
 #include "partition/error.hpp"
 #include "partition/sharding_picture.hpp"
@@ -186,7 +187,8 @@ void write_cost_text(const ShardingPlan& plan, int64_t global_batch, const StepC
   out << ": GEMMs (outside collective matmuls) " << seconds_text(cost.gemm_s) << ", collectives "
       << seconds_text(cost.collective_s) << ", collective matmuls "
       << seconds_text(cost.collective_matmul_s) << ", memory passes " << seconds_text(cost.memory_s)
-      << "\n";
+      << ", data read " << seconds_text(cost.data_exposed_s) << " not hidden (of "
+      << seconds_text(cost.data_read_s) << ")\n";
   if (cost.full_overlap_hidden_s > 0.0) {
     char e[16];
     std::snprintf(e, sizeof e, "%.2f", hw.overlap);
@@ -268,6 +270,8 @@ nlohmann::ordered_json cost_json(const StepCost& cost, const HardwareProfile& hw
           {"overlap_hidden_s", cost.overlap_hidden_s},
           {"serial_s", cost.serial_s},
           {"full_overlap_s", cost.full_overlap_s},
+          {"data_read_s", cost.data_read_s},
+          {"data_exposed_s", cost.data_exposed_s},
           {"items", items},
           {"collective_matmuls", matmuls}};
 }
@@ -281,7 +285,7 @@ const std::vector<int>& scaling_ranks() {
 
 void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>& rules,
                      const PlanOptions& options, const std::string& source, std::ostream& out,
-                     int64_t staging_bytes) {
+                     int64_t staging_bytes, const DataFootprint* data) {
   const Mesh& mesh = plan.mesh;
   out << "plan of " << (source.empty() ? "(config)" : source) << " for " << mesh.world_size()
       << (mesh.world_size() == 1 ? " rank" : " ranks") << "\n";
@@ -321,7 +325,20 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
     totals.push_back({"  evaluation batch", format_bytes(t.evaluation_bytes)});
   }
   if (staging_bytes > 0) totals.push_back({"  staging (ckpt)", format_bytes(staging_bytes)});
-  totals.push_back({"  total", format_bytes(t.bytes_per_rank() + staging_bytes)});
+  int64_t data_bytes = 0;
+  if (data) {
+    totals.push_back({"  data", format_bytes(data->source_bytes) + " " + data->source});
+    totals.push_back(
+        {"  data staging", format_bytes(data->staging_bytes) + " (" +
+                               std::to_string(std::max<int64_t>(data->read.prefetch, 1)) +
+                               " batches of train and eval)"});
+    data_bytes = data->source_bytes + data->staging_bytes;
+    if (data->read.pattern != ReadPattern::memory) {
+      totals.push_back({"  chunk cache", format_bytes(data->cache_bytes) +
+                                             " per chunked HDF5 shard read (not in the total)"});
+    }
+  }
+  totals.push_back({"  total", format_bytes(t.bytes_per_rank() + staging_bytes + data_bytes)});
   totals.push_back({"unsharded model", format_bytes(t.global_parameter_bytes)});
   write_table(totals, out);
 
@@ -434,20 +451,36 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   const int64_t staging =
       config.checkpoint.async ? plan.totals.parameter_bytes + plan.totals.optimizer_bytes : 0;
   const HardwareProfile hw = hardware ? *hardware : default_hardware_profile();
+  // This rank's rows of a batch and of an evaluation batch (the plan's batch shards).
+  const int64_t eval_batch = config.data.eval_batch_size.value_or(config.data.batch_size);
+  const int64_t shards =
+      plan.local_batch_rows > 0 ? config.data.batch_size / plan.local_batch_rows : 0;
+  const int64_t eval_rows = shards > 0 && eval_batch % shards == 0 ? eval_batch / shards : 0;
+  const DataFootprint data =
+      data_footprint(config, std::max<int64_t>(plan.local_batch_rows, 0), eval_rows);
   const CollectiveMatmulAlgorithm algorithm =
       parse_collective_matmul_algorithm(config.partition.collective_matmul);
   std::optional<StepCost> cost;
   std::vector<ScalingRow> scaling;
   if (plan.local_batch_rows > 0) {
     cost = predict_step(plan, options, hw, algorithm);
+    add_data_read(*cost, data.read, hw);
     for (int ranks : scaling_ranks()) {
-      scaling.push_back(scaled_cost(plan, shapes, rules, options, layers, hw, algorithm, ranks));
+      ScalingRow row = scaled_cost(plan, shapes, rules, options, layers, hw, algorithm, ranks);
+      DataRead read = data.read;  // the same rows per rank, of a larger global batch
+      read.global_rows = row.global_batch * config.train.accumulation_steps;
+      if (row.fits) add_data_read(row.cost, read, hw);
+      scaling.push_back(std::move(row));
     }
   }
   if (json) {
     auto doc = plan_to_json(plan, rules, options, config.file);
     doc["totals"]["checkpoint_staging_bytes"] = staging;
-    doc["totals"]["bytes_per_rank"] = doc["totals"]["bytes_per_rank"].get<int64_t>() + staging;
+    doc["totals"]["data_source_bytes"] = data.source_bytes;
+    doc["totals"]["data_staging_bytes"] = data.staging_bytes;
+    doc["totals"]["data_chunk_cache_bytes_per_shard"] = data.cache_bytes;
+    doc["totals"]["bytes_per_rank"] = doc["totals"]["bytes_per_rank"].get<int64_t>() + staging +
+                                      data.source_bytes + data.staging_bytes;
     if (cost) {
       doc["cost"] = cost_json(*cost, hw);
       nlohmann::ordered_json rows = nlohmann::ordered_json::array();
@@ -464,7 +497,7 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
     }
     out << doc.dump(2) << "\n";
   } else {
-    write_plan_text(plan, rules, options, config.file, out, staging);
+    write_plan_text(plan, rules, options, config.file, out, staging, &data);
     if (cost) {
       write_cost_text(plan, options.global_batch, *cost, hw, algorithm, scaling, out);
     } else {

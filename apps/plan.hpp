@@ -15,6 +15,7 @@
 namespace meshtrain {
 
 struct RunConfig;
+struct DataFootprint;
 
 // Prints the plan of `config` for `world_size` ranks: header, table, totals, the layers
 // (compute layout, notes, collectives per training step with bytes per rank), unused rules
@@ -31,10 +32,11 @@ const std::vector<int>& scaling_ranks();
 
 // The text form of `plan`; `source` names the config file in the header.
 // `staging_bytes`: the asynchronous checkpoint's staging buffer per rank (0 when saves are
-// synchronous), shown and counted in the per-rank total.
+// synchronous), shown and counted in the per-rank total; `data` (may be null): the data
+// path's host memory per rank (data_footprint), shown and counted too.
 void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>& rules,
                      const PlanOptions& options, const std::string& source, std::ostream& out,
-                     int64_t staging_bytes = 0);
+                     int64_t staging_bytes = 0, const DataFootprint* data = nullptr);
 
 // The JSON form: {"config", "mesh": {"world_size", "axes": {name: size, ...} in mesh order},
 // "options", "rules", "parameters": [{"name", "shape", "rule", "spec", "local_shape",

@@ -400,4 +400,37 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
   return cost;
 }
 
+double data_read_seconds(const DataRead& read, const HardwareProfile& hw) {
+  const double rows = static_cast<double>(read.rows);
+  const double bytes = rows * static_cast<double>(read.row_bytes);
+  switch (read.pattern) {
+    case ReadPattern::memory:
+      return 2.0 * bytes / hw.memory_bandwidth;  // read and written once
+    case ReadPattern::sequential:
+      return hw.storage_read_latency + bytes / hw.storage_read_bandwidth;
+    case ReadPattern::random_rows: {
+      const double page = std::max<double>(4096.0, static_cast<double>(read.row_bytes));
+      return rows * (hw.storage_read_latency + page / hw.storage_read_bandwidth);
+    }
+    case ReadPattern::blocks: {
+      const double global_bytes =
+          static_cast<double>(read.global_rows) * static_cast<double>(read.row_bytes);
+      const double blocks_started = static_cast<double>(read.global_rows) /
+                                    static_cast<double>(std::max<int64_t>(read.block_rows, 1));
+      return blocks_started * hw.storage_read_latency + global_bytes / hw.storage_read_bandwidth;
+    }
+  }
+  return 0.0;
+}
+
+void add_data_read(StepCost& cost, const DataRead& read, const HardwareProfile& hw) {
+  cost.data_read_s = data_read_seconds(read, hw);
+  const double rest = cost.total_s;
+  cost.data_exposed_s =
+      read.prefetch > 0 ? std::max(0.0, cost.data_read_s - rest) : cost.data_read_s;
+  cost.total_s += cost.data_exposed_s;
+  cost.serial_s += cost.data_exposed_s;
+  cost.full_overlap_s += cost.data_exposed_s;
+}
+
 }  // namespace meshtrain

@@ -146,7 +146,36 @@ struct StepCost {
   // per layer max(compute, gather)). Without prefetch: 0, 0, total_s, total_s.
   double overlap_hidden_s = 0.0, full_overlap_hidden_s = 0.0;
   double serial_s = 0.0, full_overlap_s = 0.0;
+  // Reading the step's batches (add_data_read): all of it, and the part a reader thread
+  // running ahead of the step does not hide (included in total_s).
+  double data_read_s = 0.0, data_exposed_s = 0.0;
 };
+
+// How one rank reads the batches of a step (what `meshtrain plan` knows from [data]).
+enum class ReadPattern {
+  memory,       // rows copied from an in-memory data set
+  sequential,   // data.shuffle = false: the rank's slice is one run of consecutive rows
+  random_rows,  // data.shuffle = true: every row a random read
+  blocks,       // data.shuffle = "blocks": rows from a window of blocks, read ahead by the OS
+};
+struct DataRead {
+  ReadPattern pattern = ReadPattern::memory;
+  int64_t rows = 0;         // this rank's rows per optimizer step (all micro-batches)
+  int64_t global_rows = 0;  // rows of the step's global batch
+  int64_t row_bytes = 0;    // bytes of one row as stored (inputs and target)
+  int64_t block_rows = 1;   // blocks: rows of one block
+  int64_t prefetch = 0;     // batches read ahead by a thread; 0: read inside the step
+};
+
+// Seconds one rank spends reading a step's rows: memory bandwidth for in-memory rows; for
+// files, a sequential run costs one latency plus its bytes at storage_read_bandwidth, a
+// random row one latency plus a 4 KiB page, and blocks the whole global batch's bytes
+// (every rank's rows are spread over the same window, whose pages the OS reads ahead) plus
+// one latency per block started.
+double data_read_seconds(const DataRead& read, const HardwareProfile& hardware);
+// Adds the step's data read to `cost`: with prefetch the reader thread hides it up to the
+// rest of the step (exposed: what exceeds it), without it is all exposed.
+void add_data_read(StepCost& cost, const DataRead& read, const HardwareProfile& hardware);
 
 // Every GEMM shape predict_step costs for `plan` (each collective matmul's under every
 // algorithm), sorted, without repeats: what `meshtrain calibrate CONFIG` measures.

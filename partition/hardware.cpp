@@ -104,6 +104,8 @@ void check_hardware_profile(const HardwareProfile& p) {
   }
   check_value(p, "memory_bandwidth", p.memory_bandwidth, false);
   check_value(p, "overlap", p.overlap, true);
+  check_value(p, "storage_read_bandwidth", p.storage_read_bandwidth, false);
+  check_value(p, "storage_read_latency", p.storage_read_latency, true);
   if (p.overlap > 1.0) {
     MESHTRAIN_BAD_INPUT(p.source, ": overlap = ", p.overlap, " must be between 0 and 1");
   }

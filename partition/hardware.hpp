@@ -67,10 +67,15 @@ struct LinkProfile {
 };
 
 struct HardwareProfile {
-  double gemm_flops = 0.0;                   // FLOP/s per rank
-  std::vector<GemmRate> gemm_rates;          // measured shapes, any order
-  double memory_bandwidth = 0.0;             // B/s per rank
-  double overlap = 0.0;                      // 0..1
+  double gemm_flops = 0.0;           // FLOP/s per rank
+  std::vector<GemmRate> gemm_rates;  // measured shapes, any order
+  double memory_bandwidth = 0.0;     // B/s per rank
+  double overlap = 0.0;              // 0..1
+  // The storage data files are read from: sequential read rate (B/s per rank) and the
+  // latency of one random read (s); a local NVMe SSD unless set. Not measured by calibrate
+  // (set them from fio or dd).
+  double storage_read_bandwidth = 2e9;
+  double storage_read_latency = 100e-6;
   std::map<std::string, LinkProfile> links;  // one per axis of hardware_axes()
   std::string source;  // "defaults" or the file it was read from (for the plan's header)
 
@@ -92,7 +97,8 @@ const std::vector<std::string>& hardware_axes();
 // OpenBLAS sgemm (100 GFLOP/s, AVX-512 single thread), streaming 10 GB/s, and every axis
 // an MPI link inside one node over shared memory (5 GB/s point to point, 2.5 GB/s per
 // rank in every collective and in ring hops, 2 microseconds latency), overlap 0 (MPI on CPUs
-// moves data only inside MPI calls). Round figures of what `meshtrain calibrate` measures
+// moves data only inside MPI calls), data files on a local NVMe SSD (2 GB/s, 100 us per
+// random read). Round figures of what `meshtrain calibrate` measures
 // on such a machine; calibrate for anything else (a network between hosts is 10 to 1000
 // times slower).
 HardwareProfile default_hardware_profile();

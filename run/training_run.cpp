@@ -220,7 +220,8 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   if (train_source_->shape().classification()) {
     labels_ = BatchLabels("meshtrain::batch_labels", slice_.rows);
   } else {
-    targets_ = Matrix("meshtrain::batch_targets", slice_.rows, train_source_->shape().output_width());
+    targets_ =
+        Matrix("meshtrain::batch_targets", slice_.rows, train_source_->shape().output_width());
   }
 
   // The checkpoint views the live tensors (no copies): a save writes them, a load fills them.
@@ -257,8 +258,8 @@ void TrainingRun::start_streams() {
       eval_stream_ = std::make_unique<BatchStream>(
           *test_source_, eval_slice_.rows,
           [this](int64_t seq, int64_t* rows) {
-            return eval_slice_samples(eval_schedule_, seq % eval_schedule_.num_batches,
-                                      eval_slice_, rows);
+            return eval_slice_samples(eval_schedule_, seq % eval_schedule_.num_batches, eval_slice_,
+                                      rows);
           },
           depth);
     }
@@ -452,8 +453,9 @@ EvalEvent TrainingRun::evaluate() {
   EvalEvent event;
   event.step = steps_done_;
   event.test_loss = count ? loss_sum / count : std::numeric_limits<double>::quiet_NaN();
-  event.test_accuracy = test_source_->shape().classification() && count ? static_cast<double>(correct) / count
-                                                       : std::numeric_limits<double>::quiet_NaN();
+  event.test_accuracy = test_source_->shape().classification() && count
+                            ? static_cast<double>(correct) / count
+                            : std::numeric_limits<double>::quiet_NaN();
   return event;
 }
 
@@ -586,13 +588,12 @@ std::vector<std::string> TrainingRun::describe() const {
       ", eval batch ", eval_slice_.global_batch, ", ", total_steps_, " steps, lr ",
       to_string(lr_schedule_.kind)));
   const DataShape& data = train_source_->shape();
-  lines.push_back(detail::concat(
-      "  data: ", data.description, ", ", data.num_samples, " rows, order ",
-      schedule_->order().name(), ", ",
-      config_.data.prefetch > 0
-          ? detail::concat(config_.data.prefetch, " batches read ahead")
-          : std::string("read in the step"),
-      ", ", data_bytes() >> 10, " KiB on this rank"));
+  lines.push_back(detail::concat("  data: ", data.description, ", ", data.num_samples,
+                                 " rows, order ", schedule_->order().name(), ", ",
+                                 config_.data.prefetch > 0
+                                     ? detail::concat(config_.data.prefetch, " batches read ahead")
+                                     : std::string("read in the step"),
+                                 ", ", data_bytes() >> 10, " KiB on this rank"));
   lines.push_back(detail::concat("  compute on ", Kokkos::DefaultExecutionSpace::name(),
                                  ", communication ", to_string(backend_), ", matmul precision ",
                                  to_string(matmul_precision())));

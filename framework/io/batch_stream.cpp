@@ -43,9 +43,8 @@ BatchStream::~BatchStream() {
 
 int64_t BatchStream::staging_bytes() const {
   const DataShape& shape = source_.shape();
-  const int64_t per_slot =
-      rows_ * (shape.features + shape.target_width) * 4 + rows_ * (shape.classification() ? 4 : 0) +
-      rows_ * 8;
+  const int64_t per_slot = rows_ * (shape.features + shape.target_width) * 4 +
+                           rows_ * (shape.classification() ? 4 : 0) + rows_ * 8;
   return per_slot * static_cast<int64_t>(slots_.size());
 }
 
@@ -54,8 +53,8 @@ void BatchStream::read_into(Slot& slot, int64_t seq) {
   slot.error = nullptr;
   try {
     const int64_t valid = samples_(seq, slot.samples.data());
-    MESHTRAIN_REQUIRE(valid >= 0 && valid <= rows_, "batch ", seq, " has ", valid, " valid rows of ",
-                      rows_);
+    MESHTRAIN_REQUIRE(valid >= 0 && valid <= rows_, "batch ", seq, " has ", valid,
+                      " valid rows of ", rows_);
     const RowBuffers out{slot.x.data(), slot.labels.data(), slot.targets.data()};
     if (valid > 0) source_.read(slot.samples.data(), valid, out);
     const int64_t features = static_cast<int64_t>(slot.x.extent(1));

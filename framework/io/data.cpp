@@ -113,8 +113,7 @@ class MemorySource final : public RowSource {
     const float pixel_scale = 1.0f / 255.0f;
     for (int64_t r = 0; r < count; ++r) {
       const int64_t s = rows[r];
-      MESHTRAIN_REQUIRE(s >= 0 && s < data_.num_samples, "row ", s, " of the ",
-                        data_.description);
+      MESHTRAIN_REQUIRE(s >= 0 && s < data_.num_samples, "row ", s, " of the ", data_.description);
       float* dst = out.x + r * f;
       if (!data_.pixels.empty()) {
         const uint8_t* src = data_.pixels.data() + s * f;
@@ -175,6 +174,18 @@ Dataset read_all(RowSource& source) {
 // ---------------------------------------------------------------------------------------
 // The data of a config: pick the source, then check it against the model's sizes
 
+namespace {
+// The chunk cache per dataset an HDF5 source gets for this config (open_data_source).
+int64_t hdf5_chunk_cache_bytes(const DataSection& data, int64_t input_width, int64_t output_width) {
+  if (data.shuffle != ShuffleMode::blocks) return Hdf5SourceOptions{}.chunk_cache_bytes;
+  // A window of blocks is one shuffle buffer: the chunks it spans stay cached while its
+  // batches are read, so each is decompressed once per window (at most 256 MiB).
+  const int64_t row_bytes = 4 * (input_width + output_width);
+  return std::clamp<int64_t>(data.block_rows * data.shuffle_window * row_bytes, int64_t{1} << 20,
+                             int64_t{256} << 20);
+}
+}  // namespace
+
 void check_data_fits_model(const DataShape& d, int64_t input_width, int64_t output_width) {
   if (d.num_samples == 0) return;  // no test set
   if (d.features != input_width) {
@@ -213,13 +224,7 @@ std::unique_ptr<RowSource> open_data_source(const DataSection& data, Split split
       return make_memory_source(std::move(none));
     }
     Hdf5SourceOptions options;
-    if (data.shuffle == ShuffleMode::blocks) {
-      // A window of blocks is one shuffle buffer: the chunks it spans stay cached while its
-      // batches are read, so each is decompressed once per window (at most 256 MiB).
-      const int64_t row_bytes = 4 * (input_width + output_width);
-      options.chunk_cache_bytes = std::clamp<int64_t>(
-          data.block_rows * data.shuffle_window * row_bytes, int64_t{1} << 20, int64_t{256} << 20);
-    }
+    options.chunk_cache_bytes = hdf5_chunk_cache_bytes(data, input_width, output_width);
     source = open_hdf5_source(expand_data_paths(entries, key), output_width, options);
   } else {
     MESHTRAIN_BAD_INPUT("data.source = \"", data.source,
@@ -246,6 +251,48 @@ void check_loss_fits_data(const std::string& loss, const DataSection& data,
       "model.loss = \"", loss, "\" needs ", wants_labels ? "class labels" : "regression targets",
       ", but data.source = \"", data.source, "\" gives ", targets, " (the ", split.description,
       "): set model.loss = \"", wants_labels ? "mse" : "cross_entropy", "\"");
+}
+
+// ---------------------------------------------------------------------------------------
+// What the plan counts
+
+DataFootprint data_footprint(const RunConfig& config, int64_t rows, int64_t eval_rows) {
+  const DataSection& data = config.data;
+  const int64_t features = config.model.sizes.front();
+  const int64_t outputs = config.model.sizes.back();
+  const bool labels = config.model.loss == "cross_entropy";
+  const int64_t target_bytes = labels ? 4 : 4 * outputs;
+  DataFootprint f;
+  f.read.rows = rows * config.train.accumulation_steps;
+  f.read.global_rows = data.batch_size * config.train.accumulation_steps;
+  f.read.block_rows = data.block_rows;
+  f.read.prefetch = data.prefetch;
+  const int64_t slots = std::max<int64_t>(data.prefetch, 1);
+  const int64_t slot_row = 4 * features + target_bytes + 8;  // x, target, sample index
+  f.staging_bytes = slots * (rows + eval_rows) * slot_row;
+  if (data.source == "hdf5") {
+    f.source = "streamed from HDF5";
+    f.read.row_bytes = 4 * features + target_bytes;
+    f.read.pattern = data.shuffle == ShuffleMode::none   ? ReadPattern::sequential
+                     : data.shuffle == ShuffleMode::rows ? ReadPattern::random_rows
+                                                         : ReadPattern::blocks;
+    // Scratch in sorted order: the order (8), x, and labels widened to 8 bytes.
+    const int64_t scratch_row = 8 + 4 * features + (labels ? 8 : 4 * outputs);
+    f.source_bytes = (rows + (data.test_path.empty() ? 0 : eval_rows)) * scratch_row;
+    f.cache_bytes = 2 * hdf5_chunk_cache_bytes(data, features, outputs);
+    return f;
+  }
+  f.source = "in memory";
+  f.read.pattern = ReadPattern::memory;
+  if (data.source == "fashion_mnist") {
+    f.read.row_bytes = 784 + 4;  // pixels as bytes, an int32 label
+    f.source_bytes = (60000 + 10000) * f.read.row_bytes;
+  } else {
+    const int64_t train = data.synthetic_samples;
+    f.read.row_bytes = 4 * (features + outputs);
+    f.source_bytes = (train + std::max<int64_t>(1, train / 4)) * f.read.row_bytes;
+  }
+  return f;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -290,8 +337,7 @@ int64_t checked_samples(int64_t num_samples, int64_t global_batch) {
 
 BatchSchedule::BatchSchedule(int64_t num_samples, int64_t global_batch, ShuffleMode shuffle,
                              uint64_t seed, int64_t block_rows, int64_t shuffle_window)
-    : order_(checked_samples(num_samples, global_batch), shuffle, seed, block_rows,
-             shuffle_window),
+    : order_(checked_samples(num_samples, global_batch), shuffle, seed, block_rows, shuffle_window),
       global_batch_(global_batch),
       steps_per_epoch_(num_samples / global_batch) {}
 
@@ -314,10 +360,9 @@ std::vector<int64_t> BatchSchedule::global_batch_samples(int64_t step) const {
 }
 
 void BatchSchedule::slice_samples(int64_t step, const BatchSlice& slice, int64_t* rows) const {
-  MESHTRAIN_REQUIRE(
-      slice.offset >= 0 && slice.offset + slice.global_batch <= global_batch_,
-      "BatchSchedule: rows [", slice.offset, ", +", slice.global_batch, ") of a ", global_batch_,
-      "-row batch");
+  MESHTRAIN_REQUIRE(slice.offset >= 0 && slice.offset + slice.global_batch <= global_batch_,
+                    "BatchSchedule: rows [", slice.offset, ", +", slice.global_batch, ") of a ",
+                    global_batch_, "-row batch");
   const int64_t begin = slice.begin();
   for (int64_t r = 0; r < slice.rows; ++r) rows[r] = sample(step, begin + r);
 }
@@ -338,9 +383,8 @@ int64_t eval_slice_samples(const EvalSchedule& schedule, int64_t batch, const Ba
                            int64_t* rows) {
   MESHTRAIN_REQUIRE(batch >= 0 && batch < schedule.num_batches, "evaluation batch ", batch, " of ",
                     schedule.num_batches);
-  MESHTRAIN_REQUIRE(slice.global_batch == schedule.global_batch, "slice of a ",
-                    slice.global_batch, "-row batch used with a ", schedule.global_batch,
-                    "-row evaluation schedule");
+  MESHTRAIN_REQUIRE(slice.global_batch == schedule.global_batch, "slice of a ", slice.global_batch,
+                    "-row batch used with a ", schedule.global_batch, "-row evaluation schedule");
   const int64_t first = batch * schedule.global_batch + slice.begin();
   const int64_t valid = std::clamp<int64_t>(schedule.num_samples - first, 0, slice.rows);
   for (int64_t r = 0; r < valid; ++r) rows[r] = first + r;

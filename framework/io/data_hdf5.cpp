@@ -11,9 +11,9 @@
 // Every HDF5 call holds hdf5::global_mutex(): Debian's parallel HDF5 is not thread-safe,
 // and the reader runs on a BatchStream's thread beside the checkpoint writer.
 
+#include <fcntl.h>
 #include <glob.h>
 #include <sys/stat.h>
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -46,11 +46,11 @@ std::string shape_text(const std::vector<int64_t>& dims) {
 
 // One dataset (/x or /y) of a shard.
 struct Column {
-  Handle dataset;          // open only when read through HDF5
-  int64_t offset = -1;     // file offset of row 0 when read with pread; -1: through HDF5
-  int64_t width = 1;       // values per row
+  Handle dataset;       // open only when read through HDF5
+  int64_t offset = -1;  // file offset of row 0 when read with pread; -1: through HDF5
+  int64_t width = 1;    // values per row
   H5T_class_t type_class = H5T_NO_CLASS;
-  size_t type_size = 0;    // bytes per value in the file
+  size_t type_size = 0;       // bytes per value in the file
   bool native_int32 = false;  // labels stored as native int32 (pread, widened); else int64
 };
 
@@ -97,8 +97,9 @@ Shard open_shard(const std::string& path, const Hdf5SourceOptions& options) {
                           ErrorKind::bad_input, "HDF5 data file '" + path + "': cannot open it");
   Handle access = hdf5::make(H5Pcreate(H5P_DATASET_ACCESS), H5Pclose, ErrorKind::runtime,
                              "cannot create a dataset access property list");
-  hdf5::check(H5Pset_chunk_cache(access, 12421, static_cast<size_t>(options.chunk_cache_bytes), 1.0),
-              ErrorKind::runtime, "cannot set the chunk cache");
+  hdf5::check(
+      H5Pset_chunk_cache(access, 12421, static_cast<size_t>(options.chunk_cache_bytes), 1.0),
+      ErrorKind::runtime, "cannot set the chunk cache");
   const auto open = [&](const char* name, const char* expected) {
     if (!hdf5::path_exists(shard.file, name, ErrorKind::bad_input, "'" + path + "'")) {
       bad_file(path, "has no dataset ", name, " (expected ", expected, ")");
@@ -131,7 +132,9 @@ Shard open_shard(const std::string& path, const Hdf5SourceOptions& options) {
     const bool int64 = H5Tequal(type, H5T_NATIVE_INT64) > 0;
     const bool labels = H5Tget_class(type) == H5T_INTEGER;
     describe_column(shard, shard.y, "/y",
-                    labels ? (int32 ? H5T_NATIVE_INT32 : int64 ? H5T_NATIVE_INT64 : -1)
+                    labels ? (int32   ? H5T_NATIVE_INT32
+                              : int64 ? H5T_NATIVE_INT64
+                                      : -1)
                            : H5T_NATIVE_FLOAT);
     shard.y.native_int32 = int32;
   }
@@ -162,7 +165,8 @@ Shard open_shard(const std::string& path, const Hdf5SourceOptions& options) {
 }
 
 std::string type_text(const Column& c) {
-  return std::to_string(8 * c.type_size) + "-bit " + (c.type_class == H5T_FLOAT ? "floats" : "integers");
+  return std::to_string(8 * c.type_size) + "-bit " +
+         (c.type_class == H5T_FLOAT ? "floats" : "integers");
 }
 
 class Hdf5Source final : public RowSource {
@@ -181,14 +185,15 @@ class Hdf5Source final : public RowSource {
     int64_t first = 0;
     for (Shard& s : shards_) {
       const auto differ = [&](const char* what, const std::string& here, const std::string& there) {
-        bad_file(s.path, "has ", here, " but '", head.path, "', the first shard, has ", there,
-                 " (", what, "): every shard of data.path must match");
+        bad_file(s.path, "has ", here, " but '", head.path, "', the first shard, has ", there, " (",
+                 what, "): every shard of data.path must match");
       };
       if (s.x.width != head.x.width) {
         differ("the width", std::to_string(s.x.width) + " features per row",
                std::to_string(head.x.width));
       }
-      if (s.x.type_size != head.x.type_size) differ("the dtype of /x", type_text(s.x), type_text(head.x));
+      if (s.x.type_size != head.x.type_size)
+        differ("the dtype of /x", type_text(s.x), type_text(head.x));
       if ((s.y.type_class == H5T_INTEGER) != labels) {
         differ("the kind of /y", labels ? "float targets" : "integer labels",
                labels ? "integer labels" : "float targets");
@@ -284,24 +289,24 @@ class Hdf5Source final : public RowSource {
   void read_shard(const Shard& s, const int64_t* rows, int64_t begin, int64_t end) {
     struct stat st {};
     if (::fstat(s.fd, &st) != 0 || st.st_size != s.size_at_open) {
-      MESHTRAIN_FAIL("HDF5 data file '", s.path, "' changed size while training (",
-                              s.size_at_open, " bytes at set-up, ", st.st_size,
-                              " now): data files must not change during a run");
+      MESHTRAIN_FAIL("HDF5 data file '", s.path, "' changed size while training (", s.size_at_open,
+                     " bytes at set-up, ", st.st_size,
+                     " now): data files must not change during a run");
     }
     const int64_t f = s.x.width;
     read_column(s, s.x, rows, begin, end, H5T_NATIVE_FLOAT, x_.data() + begin * f, "/x");
     if (shape_.classification()) {
       read_column(s, s.y, rows, begin, end, H5T_NATIVE_INT64, labels_.data() + begin, "/y");
     } else {
-      read_column(s, s.y, rows, begin, end, H5T_NATIVE_FLOAT,
-                  targets_.data() + begin * s.y.width, "/y");
+      read_column(s, s.y, rows, begin, end, H5T_NATIVE_FLOAT, targets_.data() + begin * s.y.width,
+                  "/y");
     }
   }
 
   // One column of positions [begin, end) into `out` (sorted order), `memory` the type the
   // values are wanted as (float, or int64 labels).
-  void read_column(const Shard& s, const Column& c, const int64_t* rows, int64_t begin,
-                   int64_t end, hid_t memory, void* out, const char* name) {
+  void read_column(const Shard& s, const Column& c, const int64_t* rows, int64_t begin, int64_t end,
+                   hid_t memory, void* out, const char* name) {
     const size_t value_bytes = memory == H5T_NATIVE_INT64 ? 8 : 4;
     if (c.offset >= 0) {
       // Runs of consecutive rows, each one pread. Labels stored as int32 are widened after.
@@ -352,7 +357,7 @@ class Hdf5Source final : public RowSource {
       if (got < 0 && errno == EINTR) continue;
       if (got <= 0) {
         MESHTRAIN_FAIL("HDF5 data file '", s.path, "': reading ", name, " at byte ", offset,
-                                " failed: ", got < 0 ? std::strerror(errno) : "the file ends there");
+                       " failed: ", got < 0 ? std::strerror(errno) : "the file ends there");
       }
       out += got;
       bytes -= static_cast<size_t>(got);
@@ -367,17 +372,17 @@ class Hdf5Source final : public RowSource {
     for (int64_t c = 0; c < f; ++c) {
       if (!std::isfinite(x[c])) {
         const Shard& s = shard_of(row);
-        MESHTRAIN_FAIL("HDF5 data file '", s.path, "': /x[", row - s.first, ", ", c,
-                                "] is ", x[c], "; inputs must be finite");
+        MESHTRAIN_FAIL("HDF5 data file '", s.path, "': /x[", row - s.first, ", ", c, "] is ", x[c],
+                       "; inputs must be finite");
       }
     }
     if (shape_.classification()) {
       const int64_t label = labels_[k];
       if (label < 0 || label >= shape_.num_classes) {
         const Shard& s = shard_of(row);
-        MESHTRAIN_FAIL("HDF5 data file '", s.path, "': label /y[", row - s.first,
-                                "] = ", label, " is outside [0, ", shape_.num_classes,
-                                ") (model.sizes[-1] = ", shape_.num_classes, " classes)");
+        MESHTRAIN_FAIL("HDF5 data file '", s.path, "': label /y[", row - s.first, "] = ", label,
+                       " is outside [0, ", shape_.num_classes,
+                       ") (model.sizes[-1] = ", shape_.num_classes, " classes)");
       }
       return;
     }
@@ -386,8 +391,8 @@ class Hdf5Source final : public RowSource {
       const float t = targets_[k * w + c];
       if (!std::isfinite(t)) {
         const Shard& s = shard_of(row);
-        MESHTRAIN_FAIL("HDF5 data file '", s.path, "': /y[", row - s.first, ", ", c,
-                                "] is ", t, "; targets must be finite");
+        MESHTRAIN_FAIL("HDF5 data file '", s.path, "': /y[", row - s.first, ", ", c, "] is ", t,
+                       "; targets must be finite");
       }
     }
   }
@@ -429,7 +434,8 @@ std::vector<std::string> expand_data_paths(const std::vector<std::string>& entri
     }
     ::globfree(&matches);
     if (status == GLOB_NOMATCH) MESHTRAIN_BAD_INPUT(key, " entry '", entry, "' matches no file");
-    if (status != 0) MESHTRAIN_BAD_INPUT(key, " entry '", entry, "': the glob failed (", status, ")");
+    if (status != 0)
+      MESHTRAIN_BAD_INPUT(key, " entry '", entry, "': the glob failed (", status, ")");
   }
   return files;
 }

@@ -91,9 +91,9 @@ int64_t DataOrder::sample(int64_t epoch, int64_t position) const {
     case ShuffleMode::none:
       return position;
     case ShuffleMode::rows:
-      return static_cast<int64_t>(IndexShuffle(static_cast<uint64_t>(num_samples_),
-                                               order_key(seed_, epoch, kRowStream))(
-          static_cast<uint64_t>(position)));
+      return static_cast<int64_t>(
+          IndexShuffle(static_cast<uint64_t>(num_samples_),
+                       order_key(seed_, epoch, kRowStream))(static_cast<uint64_t>(position)));
     case ShuffleMode::blocks: {
       // block_sample permutes the padded range [0, blocks x block_rows); the last block's
       // padding rows (>= N) are walked past as in IndexShuffle.
@@ -113,7 +113,8 @@ int64_t DataOrder::block_sample(int64_t epoch, int64_t position) const {
   const int64_t blocks_here = std::min(window_, num_blocks_ - w * window_);
   const IndexShuffle within(static_cast<uint64_t>(blocks_here * block_rows_),
                             order_key(seed_, epoch, kWindowStreamBase + static_cast<uint64_t>(w)));
-  const auto pooled = static_cast<int64_t>(within(static_cast<uint64_t>(position - w * window_rows)));
+  const auto pooled =
+      static_cast<int64_t>(within(static_cast<uint64_t>(position - w * window_rows)));
   const int64_t slot = w * window_ + pooled / block_rows_;
   const IndexShuffle blocks(static_cast<uint64_t>(num_blocks_),
                             order_key(seed_, epoch, kBlockStream));

@@ -438,7 +438,8 @@ void read_data(const Section& s, DataSection& data) {
   data.test_path = read_paths(s, "test_path");
   if (data.source == "fashion_mnist") {
     if (data.path.empty()) data.path = {kFashionMnistDefaultPath};
-    if (data.path.size() != 1) s.fail("path", "must be one directory when source = \"fashion_mnist\"");
+    if (data.path.size() != 1)
+      s.fail("path", "must be one directory when source = \"fashion_mnist\"");
   }
   if (data.source == "hdf5" && data.path.empty()) {
     s.fail("path", "is required when source = \"hdf5\" (the training file)");
@@ -717,12 +718,10 @@ std::string config_to_toml(const RunConfig& config) {
                         {"logical_axes", logical_axes},
                         {"collective_matmul", config.partition.collective_matmul}};
   if (!config.partition.preset.empty()) partition.insert("preset", config.partition.preset);
-  toml::table data{{"source", config.data.source},
-                   {"batch_size", config.data.batch_size},
-                   {"block_rows", config.data.block_rows},
-                   {"shuffle_window", config.data.shuffle_window},
-                   {"prefetch", config.data.prefetch},
-                   {"synthetic_samples", config.data.synthetic_samples}};
+  toml::table data{
+      {"source", config.data.source},         {"batch_size", config.data.batch_size},
+      {"block_rows", config.data.block_rows}, {"shuffle_window", config.data.shuffle_window},
+      {"prefetch", config.data.prefetch},     {"synthetic_samples", config.data.synthetic_samples}};
   if (config.data.shuffle == ShuffleMode::blocks) {
     data.insert("shuffle", "blocks");
   } else {

@@ -102,13 +102,21 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
     MESHTRAIN_BAD_INPUT(source, ":", e.source().begin.line, ":", e.source().begin.column,
                         ": invalid TOML: ", e.description());
   }
-  reject_unknown(root, {"gemm_flops", "memory_bandwidth", "overlap", "links", "gemm", "measured"},
+  reject_unknown(root,
+                 {"gemm_flops", "memory_bandwidth", "overlap", "storage_read_bandwidth",
+                  "storage_read_latency", "links", "gemm", "measured"},
                  "", source);
   HardwareProfile p;
   p.source = source;
   p.gemm_flops = number(root, "gemm_flops", "gemm_flops", source, true, 0);
   p.memory_bandwidth = number(root, "memory_bandwidth", "memory_bandwidth", source, true, 0);
   p.overlap = number(root, "overlap", "overlap", source, false, 0.0);
+  // Profiles written before data files were costed lack these: the defaults' local SSD.
+  const HardwareProfile defaults = default_hardware_profile();
+  p.storage_read_bandwidth = number(root, "storage_read_bandwidth", "storage_read_bandwidth",
+                                    source, false, defaults.storage_read_bandwidth);
+  p.storage_read_latency = number(root, "storage_read_latency", "storage_read_latency", source,
+                                  false, defaults.storage_read_latency);
   if (const toml::node* gemm_node = root.get("gemm")) {
     const toml::array* entries = gemm_node->as_array();
     if (!entries || !entries->is_array_of_tables()) {
@@ -179,7 +187,11 @@ std::string hardware_profile_to_toml(const HardwareProfile& p, const std::string
       << "memory_bandwidth = " << number_text(p.memory_bandwidth)
       << "  # B/s per rank, read + written\n"
       << "overlap = " << number_text(p.overlap)
-      << "  # 0..1: share of a transfer hidden under a GEMM it runs beside\n";
+      << "  # 0..1: share of a transfer hidden under a GEMM it runs beside\n"
+      << "storage_read_bandwidth = " << number_text(p.storage_read_bandwidth)
+      << "  # B/s per rank reading data files sequentially (not measured: set from fio or dd)\n"
+      << "storage_read_latency = " << number_text(p.storage_read_latency)
+      << "  # s per random read of a data file (not measured)\n";
   for (const auto& axis : hardware_axes()) {
     const LinkProfile& l = p.link(axis);
     out << "\n[links." << axis << "]\n"

@@ -25,7 +25,9 @@ std::string value_text(const std::vector<int64_t>& value) {
   return format_shape(value);
 }
 std::string value_text(ShuffleMode value) {
-  return value == ShuffleMode::blocks ? "\"blocks\"" : value == ShuffleMode::rows ? "true" : "false";
+  return value == ShuffleMode::blocks ? "\"blocks\""
+         : value == ShuffleMode::rows ? "true"
+                                      : "false";
 }
 std::string value_text(const std::vector<std::string>& value) {
   if (value.size() == 1) return value_text(value.front());

@@ -15,6 +15,8 @@ HardwareProfile measured_profile() {
   p.gemm_flops = 91234567890.0;
   p.memory_bandwidth = 6.25e9;
   p.overlap = 0.125;
+  p.storage_read_bandwidth = 3.5e8;
+  p.storage_read_latency = 2.5e-3;
   p.links["fsdp"] =
       LinkProfile{3.75e7, 2.5e-4, 3.5e7, 1.9e7, 2.1e7, 1.2e7, 1.7e7};  // a 300 Mbit/s link
   p.links["tp"] = LinkProfile{4.1e9, 1.9e-6, 2.2e9, 1.5e9, 1.25e9, 6.5e8, 9e8};
@@ -31,6 +33,8 @@ TEST(HardwareFile, RoundTrips) {
   EXPECT_NEAR(back.gemm_flops, p.gemm_flops, 1e-5 * p.gemm_flops);
   EXPECT_DOUBLE_EQ(back.memory_bandwidth, p.memory_bandwidth);
   EXPECT_DOUBLE_EQ(back.overlap, p.overlap);
+  EXPECT_DOUBLE_EQ(back.storage_read_bandwidth, p.storage_read_bandwidth);
+  EXPECT_DOUBLE_EQ(back.storage_read_latency, p.storage_read_latency);
   for (const auto& axis : hardware_axes()) {
     EXPECT_DOUBLE_EQ(back.link(axis).bandwidth, p.link(axis).bandwidth) << axis;
     EXPECT_DOUBLE_EQ(back.link(axis).latency, p.link(axis).latency) << axis;
@@ -66,6 +70,9 @@ TEST(HardwareFile, CollectiveBandwidthDefaultsToBandwidth) {
   EXPECT_DOUBLE_EQ(p.link("sp").bidirectional_bandwidth, 5e9);
   EXPECT_DOUBLE_EQ(p.link("sp").latency, 0.0);
   EXPECT_DOUBLE_EQ(p.overlap, 0.0);  // an older profile: no overlap
+  // ... and no storage: the defaults' local SSD.
+  EXPECT_DOUBLE_EQ(p.storage_read_bandwidth, default_hardware_profile().storage_read_bandwidth);
+  EXPECT_DOUBLE_EQ(p.storage_read_latency, default_hardware_profile().storage_read_latency);
 }
 
 // One sentence naming the file and the key.
@@ -101,6 +108,10 @@ TEST(HardwareFile, BadFilesNameFileAndKey) {
   expect_rejected("gemm_flops = 1e11\nmemory_bandwidth = 1e10\n", "links.dp");
   expect_rejected("gemm_flops = [1", "bad.toml:1");
   expect_rejected(replaced("overlap = 0.125", "overlap = 1.5"), "overlap");
+  expect_rejected(replaced("storage_read_bandwidth = 3.5e+08", "storage_read_bandwidth = 0"),
+                  "storage_read_bandwidth");
+  expect_rejected(replaced("storage_read_latency = 0.0025", "storage_read_latency = -1"),
+                  "storage_read_latency");
   expect_rejected(replaced("exchange_bandwidth = 1.9e+07", "exchange_bandwidth = 0"),
                   "links.fsdp.exchange_bandwidth");
   expect_rejected(replaced("shape = [128, 2048, 1024]", "shape = [128, 2048]"), "gemm.shape");

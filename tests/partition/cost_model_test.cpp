@@ -373,6 +373,47 @@ TEST(CostModel, ZeroOneReduceScattersAndUpdatesHalfTheState) {
       kTolerance);
 }
 
+// Reading a step's rows (docs/data.md): by hand on a disk of 1e8 B/s and 1 ms per random
+// read, rows of 1000 bytes; a prefetching reader hides it up to the rest of the step.
+TEST(CostModel, DataReadByHandAndWhatPrefetchHides) {
+  HardwareProfile hw = slow_machine();
+  hw.storage_read_bandwidth = 1e8;
+  hw.storage_read_latency = 1e-3;
+  DataRead read;
+  read.rows = 10;
+  read.global_rows = 40;
+  read.row_bytes = 1000;
+  read.block_rows = 20;
+  read.pattern = ReadPattern::memory;  // written and read at 1e9 B/s
+  EXPECT_NEAR(data_read_seconds(read, hw), 2 * 10 * 1000 / 1e9, kTolerance);
+  read.pattern = ReadPattern::sequential;  // one run: a latency and 10 kB
+  EXPECT_NEAR(data_read_seconds(read, hw), 1e-3 + 1e4 / 1e8, kTolerance);
+  read.pattern = ReadPattern::random_rows;  // 10 reads of a 4 KiB page
+  EXPECT_NEAR(data_read_seconds(read, hw), 10 * (1e-3 + 4096 / 1e8), kTolerance);
+  read.pattern = ReadPattern::blocks;  // 2 blocks started, the global batch's 40 kB
+  EXPECT_NEAR(data_read_seconds(read, hw), 2 * 1e-3 + 4e4 / 1e8, kTolerance);
+
+  StepCost cost;
+  cost.total_s = cost.serial_s = cost.full_overlap_s = 5e-3;
+  read.pattern = ReadPattern::random_rows;  // 10.41 ms: 5.41 ms more than the step
+  read.prefetch = 2;
+  add_data_read(cost, read, hw);
+  EXPECT_NEAR(cost.data_read_s, 10 * (1e-3 + 4096 / 1e8), kTolerance);
+  EXPECT_NEAR(cost.data_exposed_s, cost.data_read_s - 5e-3, kTolerance);
+  EXPECT_NEAR(cost.total_s, cost.data_read_s, kTolerance);
+  StepCost hidden;
+  hidden.total_s = 5e-3;
+  read.pattern = ReadPattern::blocks;  // 2.4 ms, under the step
+  add_data_read(hidden, read, hw);
+  EXPECT_EQ(hidden.data_exposed_s, 0.0);
+  EXPECT_NEAR(hidden.total_s, 5e-3, kTolerance);
+  StepCost inline_read;
+  inline_read.total_s = 5e-3;
+  read.prefetch = 0;  // read inside the step: all of it adds
+  add_data_read(inline_read, read, hw);
+  EXPECT_NEAR(inline_read.total_s, 5e-3 + 2.4e-3, kTolerance);
+}
+
 TEST(CostModel, RejectsBadProfilesAndUnknownBatches) {
   HardwareProfile hw = slow_machine();
   hw.links["tp"].bandwidth = 0.0;

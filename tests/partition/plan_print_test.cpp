@@ -228,6 +228,43 @@ TEST(PlanPrint, PredictsStepTimeWithAHardwareProfile) {
   EXPECT_EQ(doc["scaling"][2]["global_batch"], 64 * 512);
 }
 
+// The data path's host memory per rank: Fashion-MNIST in memory (both splits as bytes and
+// int32 labels), an HDF5 stream's scratch (which does not depend on the file), and the
+// staging slots of the prefetch depth; the cost model charges the read prefetch does not hide.
+TEST(PlanPrint, CountsTheDataPathPerRank) {
+  RunConfig config = parse_config(
+      kConfig, "fsdp_tp.toml", {"data.source=\"fashion_mnist\"", "model.loss=\"cross_entropy\""});
+  auto totals = nlohmann::json::parse(plan_text(config, 4, true))["totals"];
+  EXPECT_EQ(totals["data_source_bytes"], (60000 + 10000) * (784 + 4));
+  // 64 train and 64 eval rows per rank, 2 slots: x (4 x 784), a label (4), a sample index (8).
+  EXPECT_EQ(totals["data_staging_bytes"], 2 * (64 + 64) * (4 * 784 + 4 + 8));
+
+  config = parse_config(kConfig, "fsdp_tp.toml",
+                        {"data.source=\"hdf5\"", "data.path=\"big.h5\"",
+                         "model.loss=\"cross_entropy\"", "data.prefetch=3"});
+  totals = nlohmann::json::parse(plan_text(config, 4, true))["totals"];
+  // No test file: the training stream's scratch alone (order 8, x, a label widened to 8).
+  EXPECT_EQ(totals["data_source_bytes"], 64 * (8 + 4 * 784 + 8));
+  EXPECT_EQ(totals["data_staging_bytes"], 3 * (64 + 64) * (4 * 784 + 4 + 8));
+  EXPECT_EQ(totals["data_chunk_cache_bytes_per_shard"], 2 << 20);
+  const std::string text = plan_text(config, 4, false);
+  expect_contains(text, "streamed from HDF5");
+  expect_contains(text, "(3 batches of train and eval)");
+  expect_contains(text, "not hidden (of ");
+
+  // Without prefetch the read adds to the step.
+  HardwareProfile hw = default_hardware_profile();
+  std::ostringstream ahead, inline_read;
+  print_plan(config, 4, true, ahead, &hw);
+  config.data.prefetch = 0;
+  print_plan(config, 4, true, inline_read, &hw);
+  const auto a = nlohmann::json::parse(ahead.str())["cost"];
+  const auto b = nlohmann::json::parse(inline_read.str())["cost"];
+  EXPECT_DOUBLE_EQ(a["data_read_s"].get<double>(), b["data_read_s"].get<double>());
+  EXPECT_LT(a["data_exposed_s"].get<double>(), b["data_exposed_s"].get<double>());
+  EXPECT_DOUBLE_EQ(b["data_exposed_s"].get<double>(), b["data_read_s"].get<double>());
+}
+
 TEST(PlanPrint, ScalingEfficiencyCountsRanksThatShareRows) {
   // Links that cost nothing: growing fsdp keeps a rank's GEMMs (its rows, its tp half of
   // each layer) and shrinks its optimizer shard (from half the model at fsdp = 2 to 1/32),
