@@ -94,32 +94,40 @@ int64_t DataOrder::sample(int64_t epoch, int64_t position) const {
       return static_cast<int64_t>(
           IndexShuffle(static_cast<uint64_t>(num_samples_),
                        order_key(seed_, epoch, kRowStream))(static_cast<uint64_t>(position)));
-    case ShuffleMode::blocks: {
-      // block_sample permutes the padded range [0, blocks x block_rows); the last block's
-      // padding rows (>= N) are walked past as in IndexShuffle.
-      int64_t row = block_sample(epoch, position);
-      while (row >= num_samples_) row = block_sample(epoch, row);
-      return row;
-    }
+    case ShuffleMode::blocks:
+      return block_sample(epoch, position);
   }
   return position;
 }
 
-// Position -> row in the padded range: window w holds the shuffled block slots
-// [w x window, (w + 1) x window); its rows are shuffled among themselves.
+// Position -> row: window w holds the shuffled block slots [w x window, (w + 1) x window);
+// its rows are shuffled among themselves. The partial last block (N not a multiple of
+// block_rows) has `padding` rows fewer than a block, wherever its slot falls: the last
+// window therefore has `padding` fewer positions than rows and leaves out the last
+// `padding` rows of its last slot's block, and a position that lands on a padding row of
+// the partial block takes one of those instead. So a window's positions read its own
+// blocks and at most one more, and the epoch is a bijection of [0, N) without walking.
 int64_t DataOrder::block_sample(int64_t epoch, int64_t position) const {
   const int64_t window_rows = window_ * block_rows_;
+  const int64_t padding = num_blocks_ * block_rows_ - num_samples_;  // in [0, block_rows)
   const int64_t w = position / window_rows;
   const int64_t blocks_here = std::min(window_, num_blocks_ - w * window_);
-  const IndexShuffle within(static_cast<uint64_t>(blocks_here * block_rows_),
+  const bool last_window = (w + 1) * window_ >= num_blocks_;
+  const int64_t pool = blocks_here * block_rows_ - (last_window ? padding : 0);
+  const IndexShuffle within(static_cast<uint64_t>(pool),
                             order_key(seed_, epoch, kWindowStreamBase + static_cast<uint64_t>(w)));
   const auto pooled =
       static_cast<int64_t>(within(static_cast<uint64_t>(position - w * window_rows)));
-  const int64_t slot = w * window_ + pooled / block_rows_;
   const IndexShuffle blocks(static_cast<uint64_t>(num_blocks_),
                             order_key(seed_, epoch, kBlockStream));
-  const auto block = static_cast<int64_t>(blocks(static_cast<uint64_t>(slot)));
-  return block * block_rows_ + pooled % block_rows_;
+  const auto block =
+      static_cast<int64_t>(blocks(static_cast<uint64_t>(w * window_ + pooled / block_rows_)));
+  const int64_t offset = pooled % block_rows_;
+  const int64_t rows_in_block = block == num_blocks_ - 1 ? block_rows_ - padding : block_rows_;
+  if (offset < rows_in_block) return block * block_rows_ + offset;
+  // A padding row of the partial block: the row the last window left out.
+  const auto last_slot_block = static_cast<int64_t>(blocks(static_cast<uint64_t>(num_blocks_ - 1)));
+  return last_slot_block * block_rows_ + (block_rows_ - padding) + (offset - rows_in_block);
 }
 
 }  // namespace meshtrain

@@ -10,9 +10,11 @@
 //            and Grain). Rows are read at random: fine from memory or a warm page cache.
 //  - blocks: contiguous blocks of block_rows rows in shuffled order; each window of
 //            `window` consecutive blocks is one shuffle buffer whose rows are shuffled
-//            among themselves. A batch then reads from at most `window` blocks, so a cold
-//            disk or a compressed, chunked file is read almost sequentially, at the price of
-//            rows that are only shuffled within a window (as a tf.data shuffle buffer).
+//            among themselves. A batch (of a size that divides a window's rows) then reads
+//            from at most `window` blocks, plus one for the window that holds the partial
+//            last block, so a cold disk or a compressed, chunked file is read almost
+//            sequentially, at the price of rows that are only shuffled within a window (as
+//            a tf.data shuffle buffer).
 
 #include <cstdint>
 #include <string>
