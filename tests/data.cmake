@@ -3,3 +3,7 @@
 meshtrain_add_test(NAME data_test SOURCES data/data_test.cpp LIBS meshtrain_framework TIMEOUT 120)
 meshtrain_add_test(NAME data_slicing_test SOURCES data/data_slicing_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 8 TIMEOUT 120)
+# The training order: IndexShuffle and DataOrder are bijections for many sizes, depend on
+# (seed, epoch) alone, differ between epochs; blocks mode keeps a batch inside its window.
+meshtrain_add_test(NAME data_order_test SOURCES data/data_order_test.cpp
+                   LIBS meshtrain_framework TIMEOUT 60)
