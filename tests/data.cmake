@@ -7,3 +7,7 @@ meshtrain_add_test(NAME data_slicing_test SOURCES data/data_slicing_test.cpp
 # (seed, epoch) alone, differ between epochs; blocks mode keeps a batch inside its window.
 meshtrain_add_test(NAME data_order_test SOURCES data/data_order_test.cpp
                    LIBS meshtrain_framework TIMEOUT 60)
+# BatchStream: batches in order, after an out-of-order take, padding zeroed, a read error
+# thrown by the take of its batch only, read ahead on its own thread, destroyed promptly.
+meshtrain_add_test(NAME data_batch_stream_test SOURCES data/batch_stream_test.cpp
+                   LIBS meshtrain_framework TIMEOUT 60)
