@@ -309,14 +309,15 @@ class Hdf5Source final : public RowSource {
                    hid_t memory, void* out, const char* name) {
     const size_t value_bytes = memory == H5T_NATIVE_INT64 ? 8 : 4;
     if (c.offset >= 0) {
-      // Runs of consecutive rows, each one pread. Labels stored as int32 are widened after.
+      // Runs of consecutive rows, each one pread, packed as stored. Labels stored as int32
+      // are widened after.
       const size_t stored = c.type_size;
       auto* bytes = static_cast<char*>(out);
       for (int64_t k = begin; k < end;) {
         const int64_t first = rows[order_[k]] - s.first;
         int64_t run = 1;
         while (k + run < end && rows[order_[k + run]] - s.first == first + run) ++run;
-        pread_all(s, bytes + (k - begin) * c.width * value_bytes,
+        pread_all(s, bytes + (k - begin) * c.width * static_cast<int64_t>(stored),
                   static_cast<size_t>(run * c.width) * stored,
                   c.offset + first * c.width * static_cast<int64_t>(stored), name);
         k += run;
@@ -325,7 +326,7 @@ class Hdf5Source final : public RowSource {
         // The int32 values sit packed at the front: widen from the back.
         auto* values = static_cast<int64_t*>(out);
         const auto* packed = static_cast<const int32_t*>(out);
-        for (int64_t i = end - begin - 1; i >= 0; --i) values[i] = packed[i];
+        for (int64_t i = (end - begin) * c.width - 1; i >= 0; --i) values[i] = packed[i];
       }
       return;
     }
@@ -334,21 +335,45 @@ class Hdf5Source final : public RowSource {
     const std::string what = std::string("reading ") + name + " of '" + s.path + "'";
     Handle space = hdf5::make(H5Dget_space(c.dataset), H5Sclose, ErrorKind::runtime, what);
     hdf5::check(H5Sselect_none(space), ErrorKind::runtime, what);
+    // A hyperslab union selects a repeated row once: select the distinct rows, read them
+    // packed, then repeat them where the batch repeats them.
+    int64_t distinct = 0;
     for (int64_t k = begin; k < end;) {
       const int64_t first = rows[order_[k]] - s.first;
-      int64_t run = 1;
-      while (k + run < end && rows[order_[k + run]] - s.first == first + run) ++run;
+      int64_t run = 1, next = k + 1;
+      while (next < end) {
+        const int64_t row = rows[order_[next]] - s.first;
+        if (row == first + run - 1) {
+          ++next;  // the same row again
+        } else if (row == first + run) {
+          ++run;
+          ++next;
+        } else {
+          break;
+        }
+      }
       const hsize_t start[2] = {static_cast<hsize_t>(first), 0};
       const hsize_t count[2] = {static_cast<hsize_t>(run), static_cast<hsize_t>(c.width)};
       hdf5::check(H5Sselect_hyperslab(space, H5S_SELECT_OR, start, nullptr, count, nullptr),
                   ErrorKind::runtime, what);
-      k += run;
+      distinct += run;
+      k = next;
     }
-    const hsize_t values = static_cast<hsize_t>((end - begin) * c.width);
+    const hsize_t values = static_cast<hsize_t>(distinct * c.width);
     Handle memory_space =
         hdf5::make(H5Screate_simple(1, &values, nullptr), H5Sclose, ErrorKind::runtime, what);
     hdf5::check(H5Dread(c.dataset, memory, memory_space, space, H5P_DEFAULT, out),
                 ErrorKind::runtime, what);
+    if (distinct == end - begin) return;
+    // Spread from the back: distinct row j goes to every sorted position holding it (j is
+    // never past the position, so nothing is overwritten before it is read).
+    auto* bytes = static_cast<char*>(out);
+    const size_t row_bytes = static_cast<size_t>(c.width) * value_bytes;
+    int64_t j = distinct - 1;
+    for (int64_t k = end - 1; k >= begin; --k) {
+      std::memmove(bytes + (k - begin) * row_bytes, bytes + j * row_bytes, row_bytes);
+      if (k > begin && rows[order_[k - 1]] != rows[order_[k]]) --j;
+    }
   }
 
   void pread_all(const Shard& s, char* out, size_t bytes, int64_t offset, const char* name) const {
