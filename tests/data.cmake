@@ -11,3 +11,9 @@ meshtrain_add_test(NAME data_order_test SOURCES data/data_order_test.cpp
 # thrown by the take of its batch only, read ahead on its own thread, destroyed promptly.
 meshtrain_add_test(NAME data_batch_stream_test SOURCES data/batch_stream_test.cpp
                    LIBS meshtrain_framework TIMEOUT 60)
+# HDF5 streaming equals the in-memory rows: contiguous (pread) and gzip-chunked files
+# (through HDF5), float64 inputs, int32 and int64 labels, regression targets, shards, globs;
+# shards unlike the first are bad input; bad rows and files that change size are runtime
+# errors naming the file and row.
+meshtrain_add_test(NAME data_hdf5_source_test SOURCES data/hdf5_source_test.cpp
+                   LIBS meshtrain_framework TIMEOUT 60)

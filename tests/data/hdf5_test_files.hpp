@@ -62,7 +62,7 @@ class TempDir {
 };
 
 // A classification set whose values tell the row: x[s, c] = s + c / 64 (exact in float32
-// for s < 2^17), label (s * 7 + 3) mod classes.
+// for s < 2^17), label a hash of s mod classes.
 inline Dataset numbered_classes(int64_t n, int64_t features, int64_t classes) {
   Dataset d;
   d.description = "numbered classification set";
@@ -75,7 +75,7 @@ inline Dataset numbered_classes(int64_t n, int64_t features, int64_t classes) {
     for (int64_t c = 0; c < features; ++c) {
       d.inputs[s * features + c] = static_cast<float>(s) + static_cast<float>(c) / 64.0f;
     }
-    d.labels[s] = static_cast<int32_t>((s * 7 + 3) % classes);
+    d.labels[s] = static_cast<int32_t>(((s * 2654435761u) >> 7) % classes);
   }
   return d;
 }
