@@ -587,13 +587,6 @@ std::vector<std::string> TrainingRun::describe() const {
                         : std::string(),
       ", eval batch ", eval_slice_.global_batch, ", ", total_steps_, " steps, lr ",
       to_string(lr_schedule_.kind)));
-  const DataShape& data = train_source_->shape();
-  lines.push_back(detail::concat("  data: ", data.description, ", ", data.num_samples,
-                                 " rows, order ", schedule_->order().name(), ", ",
-                                 config_.data.prefetch > 0
-                                     ? detail::concat(config_.data.prefetch, " batches read ahead")
-                                     : std::string("read in the step"),
-                                 ", ", data_bytes() >> 10, " KiB on this rank"));
   lines.push_back(detail::concat("  compute on ", Kokkos::DefaultExecutionSpace::name(),
                                  ", communication ", to_string(backend_), ", matmul precision ",
                                  to_string(matmul_precision())));
@@ -601,6 +594,13 @@ std::vector<std::string> TrainingRun::describe() const {
     lines.push_back(zero1_ ? "  optimizer state and update split over dp (ZeRO-1)"
                            : "  optimizer.zero_stage = 1 changes nothing with dp = 1");
   }
+  const DataShape& data = train_source_->shape();
+  lines.push_back(detail::concat("  data: ", data.description, ", ", data.num_samples,
+                                 " rows, order ", schedule_->order().name(), ", ",
+                                 config_.data.prefetch > 0
+                                     ? detail::concat(config_.data.prefetch, " batches read ahead")
+                                     : std::string("read in the step"),
+                                 ", ", data_bytes() >> 10, " KiB on this rank"));
   for (const std::string& line : model_->describe()) lines.push_back("  " + line);
   return lines;
 }
