@@ -474,7 +474,8 @@ std::string TrainingRun::start_save() {
     report_checkpoint(checkpointer_->wait());  // the previous one, when still in flight
     in_flight_step_ = steps_done_;
     path = checkpointer_->save(checkpoint_, config_.checkpoint.dir, config_.checkpoint.keep);
-    if (!checkpointer_->async()) report_checkpoint(checkpointer_->wait());
+    // A synchronous save is complete when save() returns: nothing is left in flight.
+    if (!checkpointer_->async()) report_checkpoint(path);
   });
   return path;
 }
@@ -526,25 +527,8 @@ void TrainingRun::log_step(const StepResult& result) {
   window_steps_ = 0;
 }
 
-RunSummary TrainingRun::train() {
-  // Output and checkpoint directories are made (and found writable) before the first
-  // step, not discovered unusable at the end of the run. A resumed run appends to the
-  // metrics of the run it continues.
-  on_every_rank(comm_, [&] {
-    metrics_ = std::make_unique<MetricsLog>(config_.run.output_dir, rank_ == 0,
-                                            /*append=*/steps_done_ > 0);
-    if (rank_ == 0) ensure_writable_directory(config_.checkpoint.dir, "checkpoint.dir");
-  });
-
-  RunSummary summary;
-  const int64_t first_step = steps_done_;
-  const auto start = Clock::now();
-  window_start_ = start;
-  window_paused_s_ = 0.0;
-  window_loss_ = 0.0;
-  window_steps_ = 0;
-  data_wait_s_ = 0.0;
-  train_stream_->take_wait_seconds();  // waits before train() are not its steps'
+// train()'s loop: each step, then its log, evaluation and checkpoint events.
+void TrainingRun::train_steps(RunSummary& summary) {
   while (!finished()) {
     const StepResult result = step();
     log_step(result);
@@ -564,6 +548,39 @@ RunSummary TrainingRun::train() {
       on_every_rank(comm_, [&] { report_checkpoint(checkpointer_->poll()); });
     }
     window_paused_s_ += seconds_since(after_step);
+  }
+}
+
+RunSummary TrainingRun::train() {
+  // Output and checkpoint directories are made (and found writable) before the first
+  // step, not discovered unusable at the end of the run. A resumed run appends to the
+  // metrics of the run it continues.
+  on_every_rank(comm_, [&] {
+    metrics_ = std::make_unique<MetricsLog>(config_.run.output_dir, rank_ == 0,
+                                            /*append=*/steps_done_ > 0);
+    if (rank_ == 0) ensure_writable_directory(config_.checkpoint.dir, "checkpoint.dir");
+  });
+
+  RunSummary summary;
+  const int64_t first_step = steps_done_;
+  const auto start = Clock::now();
+  window_start_ = start;
+  window_paused_s_ = 0.0;
+  window_loss_ = 0.0;
+  window_steps_ = 0;
+  data_wait_s_ = 0.0;
+  train_stream_->take_wait_seconds();  // waits before train() are not its steps'
+  try {
+    train_steps(summary);
+  } catch (const AgreedError&) {
+    // Every rank stopped at the same step and is alive: complete the save in flight, the
+    // last good state a user resumes from (with a lower lr, or after fixing the data).
+    try {
+      finish_save();
+    } catch (const Error&) {
+      // The save failed too: the error that stopped training is the one to report.
+    }
+    throw;
   }
   finish_save();
   summary.wall_s = seconds_since(start);

@@ -130,7 +130,9 @@ class TrainingRun {
   // Runs the remaining steps up to total_steps(): creates run.output_dir (metrics.jsonl)
   // and checkpoint.dir first (bad_input when not writable), emits the events, evaluates
   // every train.eval_every steps and at the end, saves every checkpoint.every_steps and
-  // at the end.
+  // at the end. When a step throws an AgreedError (a non-finite loss, unreadable data) the
+  // save in flight is completed before it is rethrown: the last good state stays
+  // resumable.
   RunSummary train();
 
   const RunConfig& config() const { return config_; }
@@ -165,6 +167,7 @@ class TrainingRun {
                           const Matrix& targets, bool with_gradient, int64_t valid_rows = -1);
   void resume();
   void log_step(const StepResult& result);
+  void train_steps(RunSummary& summary);
   void start_streams();
   void throw_agreed_data_error();
   void report_checkpoint(const std::optional<std::string>& path);

@@ -9,6 +9,10 @@ meshtrain_add_test(NAME train_memory_test SOURCES train/memory_test.cpp
 # a one-rank run; train()'s events, save and an exact resume; agreed bad input.
 meshtrain_add_test(NAME train_training_run_test SOURCES train/training_run_test.cpp
                    LIBS meshtrain_run NP 1 2 4 TIMEOUT 120)
+# train()'s saves: synchronous ones are reported; an agreed error (a diverging loss)
+# completes the save in flight, so `latest` names the last good state.
+meshtrain_add_test(NAME train_save_events_test SOURCES train/save_events_test.cpp
+                   LIBS meshtrain_run NP 1 2 TIMEOUT 90)
 # A training step (TrainingRun::step: batch, forward, loss, backward, clipping, optimizer)
 # allocates nothing on the heap: operator new is counted over steps 2..4 on dp, fsdp, tp
 # and fsdp x tp meshes.
