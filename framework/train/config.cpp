@@ -663,12 +663,31 @@ RunConfig parse_config(const std::string& text, const std::string& file,
   read_train(reader.section(root, "train"), config.train);
   read_checkpoint(reader.section(root, "checkpoint"), config.run.output_dir, config.checkpoint);
   read_runtime(reader.section(root, "runtime"), config.runtime);
+  check_config_products(config);
   return config;
 }
 
 int64_t training_steps(const RunConfig& config, int64_t steps_per_epoch) {
-  if (config.train.steps) return *config.train.steps;
-  if (config.train.epochs) return *config.train.epochs * steps_per_epoch;
+  int64_t steps = 0;
+  std::string length;
+  if (config.train.steps) {
+    steps = *config.train.steps;
+    length = "train.steps = " + std::to_string(steps);
+  } else if (config.train.epochs) {
+    length = "train.epochs = " + std::to_string(*config.train.epochs);
+    if (__builtin_mul_overflow(*config.train.epochs, steps_per_epoch, &steps)) {
+      MESHTRAIN_BAD_INPUT(config.file, ": ", length, " x ", steps_per_epoch,
+                          " steps per epoch is too many steps (it overflows 64-bit integers)");
+    }
+  }
+  // Batches are numbered step x train.accumulation_steps + micro-batch.
+  int64_t batches = 0;
+  if (!length.empty() && __builtin_mul_overflow(steps, config.train.accumulation_steps, &batches)) {
+    MESHTRAIN_BAD_INPUT(config.file, ": ", length,
+                        " x train.accumulation_steps = ", config.train.accumulation_steps,
+                        " is too many micro-batches (it overflows 64-bit integers)");
+  }
+  if (!length.empty()) return steps;
   MESHTRAIN_BAD_INPUT(config.file,
                       ": [train] needs exactly one of epochs and steps to train, got neither");
 }

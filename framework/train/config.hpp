@@ -172,6 +172,10 @@ int64_t training_steps(const RunConfig& config, int64_t steps_per_epoch);
 // ("runs/<run.name>", "<output_dir>/checkpoints"). Throws bad_input naming the key
 // ("<config.file>: model.sizes ..."; config.file defaults to "the run config").
 void check_config(RunConfig& config);
+// The products of config integers the run computes (the global rows of a step, each
+// weight's bytes, a shuffle window's bytes): bad_input naming both keys when one overflows
+// 64-bit integers. Part of check_config and of load_config / parse_config.
+void check_config_products(const RunConfig& config);
 
 // The rules of a run: the user's [partition] rules first (replicate_if_indivisible=false),
 // then the preset's rules (if any). No rules and no preset: bad_input naming [partition]

@@ -22,6 +22,32 @@ bool contains(const std::vector<std::string>& items, const std::string& item) {
 
 }  // namespace
 
+void check_config_products(const RunConfig& config) {
+  const std::string& where = config.file.empty() ? std::string("the run config") : config.file;
+  // a x b, or bad input naming both keys when it does not fit in 64 bits (`margin`: a factor
+  // the product is used with later, such as bytes per element and optimizer slots).
+  const auto product = [&](int64_t a, const std::string& a_key, int64_t b, const std::string& b_key,
+                           int64_t margin = 1) {
+    int64_t out = 0;
+    if (__builtin_mul_overflow(a, b, &out) || __builtin_mul_overflow(out, margin, &out)) {
+      MESHTRAIN_BAD_INPUT(where, ": ", a_key, " = ", a, " x ", b_key, " = ", b,
+                          " is too large (it overflows 64-bit integers)");
+    }
+    return out;
+  };
+  product(config.data.batch_size, "data.batch_size", config.train.accumulation_steps,
+          "train.accumulation_steps");
+  const std::vector<int64_t>& sizes = config.model.sizes;
+  for (size_t i = 0; i + 1 < sizes.size(); ++i) {
+    // A weight's elements, times 4 bytes and up to 4 copies (parameter, gradient, 2 slots).
+    product(sizes[i], "model.sizes[" + std::to_string(i) + "]", sizes[i + 1],
+            "model.sizes[" + std::to_string(i + 1) + "]", 16);
+  }
+  const int64_t row_bytes = sizes.empty() ? 4 : 4 * (sizes.front() + sizes.back());
+  product(config.data.block_rows, "data.block_rows", config.data.shuffle_window,
+          "data.shuffle_window", row_bytes);
+}
+
 void check_config(RunConfig& config) {
   if (config.file.empty()) config.file = "the run config";
   const std::string& where = config.file;
@@ -93,6 +119,12 @@ void check_config(RunConfig& config) {
     fail("data.eval_batch_size", "must be at least 1, got ", *config.data.eval_batch_size);
   }
   if (config.data.synthetic_samples < 1) fail("data.synthetic_samples", "must be at least 1");
+  if (config.data.block_rows < 1) fail("data.block_rows", "must be at least 1");
+  if (config.data.shuffle_window < 1) fail("data.shuffle_window", "must be at least 1");
+  if (config.data.prefetch < 0) fail("data.prefetch", "must be non-negative (0: no reader thread)");
+  if (source == "fashion_mnist" && config.data.path.size() > 1) {
+    fail("data.path", "must be one directory when data.source = \"fashion_mnist\"");
+  }
 
   const OptimizerSection& opt = config.optimizer;
   check_option([&] { parse_optimizer_kind(opt.kind); });
@@ -138,6 +170,7 @@ void check_config(RunConfig& config) {
   if (!(config.runtime.bucket_mb > 0) || !std::isfinite(config.runtime.bucket_mb)) {
     fail("runtime.bucket_mb", "must be a positive number of MiB, got ", config.runtime.bucket_mb);
   }
+  check_config_products(config);
 }
 
 }  // namespace meshtrain

@@ -606,5 +606,26 @@ TEST(Config, FashionMnistConfigsDifferOnlyInRunMeshAndPartition) {
       4);
 }
 
+// Products of config integers that overflow 64 bits are bad input naming the keys (issue
+// 20, bug 4), not a negative step count or a made-up batch size.
+TEST(Config, ProductsThatOverflowNameTheirKeys) {
+  const std::string big = "9223372036854775807";
+  expect_config_error(minimal("[data]\nbatch_size = 64\n"),
+                      {"data.batch_size = 64", "train.accumulation_steps = " + big, "overflows"},
+                      {"train.accumulation_steps=" + big});
+  expect_config_error("[model]\nsizes = [4294967296, 4294967296]\n[train]\nsteps = 1\n",
+                      {"model.sizes[0] = 4294967296", "model.sizes[1]", "overflows"});
+  expect_config_error(minimal(), {"data.block_rows", "data.shuffle_window", "overflows"},
+                      {"data.block_rows=" + big});
+
+  RunConfig epochs = parse(minimal(), {"train.epochs=" + big});
+  expect_bad_input([&] { training_steps(epochs, 468); },
+                   {"train.epochs = " + big, "468 steps per epoch", "overflows"});
+  RunConfig steps = parse(minimal(), {"train.steps=" + big, "train.accumulation_steps=2"});
+  expect_bad_input([&] { training_steps(steps, 468); },
+                   {"train.steps = " + big, "train.accumulation_steps = 2", "overflows"});
+  EXPECT_EQ(training_steps(parse(minimal(), {"train.epochs=3"}), 468), 3 * 468);
+}
+
 }  // namespace
 }  // namespace meshtrain
