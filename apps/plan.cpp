@@ -131,12 +131,8 @@ ScalingRow scaled_cost(const ShardingPlan& plan, const std::vector<ParameterShap
   const std::string grow = grown_axis(plan.mesh);
   std::vector<std::pair<std::string, int>> axes;
   int others = 1;
-  bool has_grow = false;
   for (const auto& a : plan.mesh.axes()) {
-    if (a.name == grow) {
-      has_grow = true;
-      continue;
-    }
+    if (a.name == grow) continue;
     axes.push_back({a.name, a.size});
     others *= a.size;
   }
@@ -155,7 +151,6 @@ ScalingRow scaled_cost(const ShardingPlan& plan, const std::vector<ParameterShap
       if (a.first == name) ordered.push_back(a);
     }
   }
-  (void)has_grow;
   const Mesh mesh = Mesh::create(ordered, ranks, "scaling");
   PlanOptions scaled = options;
   const LayerAxes layer = layer_axes_on(mesh, {options.batch_axes, options.feature_axis});
@@ -169,8 +164,9 @@ ScalingRow scaled_cost(const ShardingPlan& plan, const std::vector<ParameterShap
     row.problem = e.what();
     return row;
   }
-  row.global_batch = scaled.global_batch;
   row.cost = predict_step(*p, scaled, hw, algorithm);
+  // A step's rows: every micro-batch of it.
+  row.global_batch = scaled.global_batch * row.cost.accumulation_steps;
   row.fits = true;
   return row;
 }
@@ -223,8 +219,10 @@ void write_cost_text(const ShardingPlan& plan, int64_t global_batch, const StepC
   out << "\nscaling (cost model; " << grown_axis(plan.mesh) << " grows, " << plan.local_batch_rows
       << " rows per rank fixed so the global batch grows, other axes fixed, links as in the "
          "profile):\n";
-  // Samples/s per rank of the config's own mesh (ranks that split features share rows).
-  const double base = static_cast<double>(global_batch) / cost.total_s / plan.mesh.world_size();
+  // Samples/s per rank of the config's own mesh (ranks that split features share rows), of
+  // whole steps (every micro-batch).
+  const double base = static_cast<double>(global_batch * cost.accumulation_steps) / cost.total_s /
+                      plan.mesh.world_size();
   std::vector<std::vector<std::string>> table = {{"  ranks", "mesh", "global batch", "step time",
                                                   "compute", "communication", "samples/s",
                                                   "per-rank efficiency"}};
@@ -468,7 +466,7 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
     for (int ranks : scaling_ranks()) {
       ScalingRow row = scaled_cost(plan, shapes, rules, options, layers, hw, algorithm, ranks);
       DataRead read = data.read;  // the same rows per rank, of a larger global batch
-      read.global_rows = row.global_batch * config.train.accumulation_steps;
+      read.global_rows = row.global_batch;
       if (row.fits) add_data_read(row.cost, read, hw);
       scaling.push_back(std::move(row));
     }

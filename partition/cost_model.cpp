@@ -245,7 +245,7 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
   std::vector<Prefetch> prefetches;
   std::vector<size_t> forward_start(count, 0), backward_start(count, 0);
   // Gradient all-reduces ZeRO-1 does once per step instead (deferred by the layer).
-  std::vector<std::pair<std::string, LayerCollective>> zero1_reductions;
+  std::vector<std::pair<std::string, LayerCollective>> deferred_reductions;
   // Forward, layer by layer.
   for (size_t i = 0; i < count; ++i) {
     const LayerPlan& lp = plan.layers[i];
@@ -314,8 +314,11 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
                         (l.split_output && c.operand == "output gradient");
       if (done) continue;
       const bool gradient = c.operand == "weight gradient" || c.operand == "bias gradient";
-      if (zero1 && defers_reduction(l) && gradient && c.kind == CollectiveKind::all_reduce) {
-        zero1_reductions.push_back({lp.name, c});
+      // Deferred to the end of the step (once, not per micro-batch) with accumulation; and
+      // reduce-scattered there under ZeRO-1.
+      const bool deferred = zero1 || cost.accumulation_steps > 1;
+      if (deferred && defers_reduction(l) && gradient && c.kind == CollectiveKind::all_reduce) {
+        deferred_reductions.push_back({lp.name, c});
         continue;
       }
       collective(lp.name, c);
@@ -350,11 +353,20 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
   // Per micro-batch so far; the optimizer once per step.
   const size_t per_micro = cost.items.size();
   double updated_bytes = static_cast<double>(plan.totals.parameter_bytes);
+  if (!zero1) {
+    // Gradient accumulation: the layers with DP storage all-reduce the sum of their
+    // micro-batches' gradients once, in apply_update.
+    for (auto& [layer, c] : deferred_reductions) {
+      c.operand += " (once per step)";
+      c.phase = "update";
+      collective(layer, c);
+    }
+  }
   if (zero1) {
     // ZeRO-1 (framework/train/zero1.hpp): the deferred gradient all-reduces over dp become
     // reduce-scatters, the update runs on this rank's chunk of every tensor not split over
     // dp, and each such tensor's chunk is copied out and all-gathered over dp afterwards.
-    for (auto& [layer, c] : zero1_reductions) {
+    for (auto& [layer, c] : deferred_reductions) {
       if (c.axes == std::vector<std::string>{kZeroAxis}) c.kind = CollectiveKind::reduce_scatter;
       c.operand += " (ZeRO-1)";
       c.phase = "update";

@@ -199,6 +199,23 @@ TEST(CostModel, DataParallelStepByHand) {
   EXPECT_NEAR(cost.total_s, 448e-9 + 2248e-9 + 0.005 + 5.12e-6, kTolerance);
 }
 
+// With 4 accumulated micro-batches the layers with DP storage all-reduce their gradients
+// once per step (issue 20, bug 3); the loss's all-reduce still runs every micro-batch.
+TEST(CostModel, AccumulationReducesDeferredGradientsOncePerStep) {
+  const Mesh mesh = Mesh::create({{"dp", 2}}, 2, "test");
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.global_batch = 4;
+  options.accumulation_steps = 4;
+  const ShardingPlan plan = small_plan(mesh, {{".*", PartitionSpec(), false}}, options, {4, 8, 2});
+  const StepCost cost =
+      predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::automatic);
+  EXPECT_EQ(cost.accumulation_steps, 4);
+  // As DataParallelStepByHand: the loss's 24 B four times, the gradients' 232 B once.
+  EXPECT_NEAR(cost.collective_s, 4 * (1e-3 + 24 / 5e7) + 4 * 1e-3 + 232 / 5e7, kTolerance);
+  EXPECT_NEAR(cost.gemm_s, 4 * 448e-9, kTolerance);
+}
+
 TEST(CostModel, FsdpStepGathersTheWeightTwiceAndReduceScattersItsGradient) {
   // MLP [4, 8, 2], fsdp = 2, weights P(fsdp) on dim 0, biases replicated, batch 4.
   const Mesh mesh = Mesh::create({{"fsdp", 2}}, 2, "test");

@@ -226,6 +226,11 @@ TEST(PlanPrint, PredictsStepTimeWithAHardwareProfile) {
   EXPECT_GT(doc["cost"]["step_s"].get<double>(), 0.0);
   EXPECT_EQ(doc["scaling"].size(), 3u);
   EXPECT_EQ(doc["scaling"][2]["global_batch"], 64 * 512);
+  // With 2 micro-batches per step a step has twice the rows (issue 20, bug 3).
+  std::ostringstream accumulated;
+  const RunConfig twice = parse_config(kConfig, "fsdp_tp.toml", {"train.accumulation_steps=2"});
+  print_plan(twice, 4, true, accumulated, &hw);
+  EXPECT_EQ(nlohmann::json::parse(accumulated.str())["scaling"][2]["global_batch"], 2 * 64 * 512);
 }
 
 // The data path's host memory per rank: Fashion-MNIST in memory (both splits as bytes and
