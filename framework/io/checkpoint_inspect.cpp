@@ -95,6 +95,9 @@ int64_t verify_checkpoint(const std::string& path) {
   const ErrorKind bad = ErrorKind::bad_input;
   const std::string where = "checkpoint '" + path + "'";
   const std::vector<std::string> names = dataset_names(file, where);
+  // The current format checks each dataset's CRC-32 (a missing one is refused, as
+  // load_checkpoint refuses it); format 1 relies on HDF5's Fletcher-32 filter on read.
+  const bool crc_format = read_format(file, path) == kFormat;
   std::vector<char> buffer;
   for (const auto& name : names) {
     const std::string what = "cannot read dataset '" + name + "' in " + where;
@@ -110,7 +113,12 @@ int64_t verify_checkpoint(const std::string& path) {
     if (points > 0 && H5Dread(dataset, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, buffer.data()) < 0) {
       throw_read_failure(name, path);
     }
-    if (hdf5::has_attribute(dataset, kChecksumAttribute, bad, what)) {
+    const bool has_checksum = hdf5::has_attribute(dataset, kChecksumAttribute, bad, what);
+    if (crc_format && !has_checksum) {
+      MESHTRAIN_BAD_INPUT("dataset '", name, "' in ", where, " has no '", kChecksumAttribute,
+                          "' attribute");
+    }
+    if (has_checksum) {
       const uint32_t stored =
           static_cast<uint32_t>(hdf5::read_uint_attribute(dataset, kChecksumAttribute, bad, what));
       const uint32_t computed = crc32_update(0, buffer.data(), buffer.size());

@@ -22,8 +22,8 @@
 #include <sstream>
 
 #include "apps/inspect.hpp"
-#include "framework/io/checkpoint.hpp"
 #include "framework/core/version.hpp"
+#include "framework/io/checkpoint.hpp"
 #include "tests/checkpoint/checkpoint_test_data.hpp"
 #include "tests/test_support.hpp"
 
@@ -290,6 +290,27 @@ TEST_F(CheckpointTest, FlippedByteIsReportedAsCorruption) {
     std::ostringstream out;
     testing::expect_bad_input([&] { inspect_command(path, true, out); },
                               {"/params/layers/0/weight", "corrupt"});
+  }
+}
+
+// A dataset without its CRC-32 is refused by inspect --verify as by a load (issue 20, bug 7),
+// naming the dataset.
+TEST_F(CheckpointTest, DatasetWithoutChecksumIsRefusedByVerifyAndLoad) {
+  const std::string path = save_fsdp(10);
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() == 0) {
+    hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    ASSERT_GE(H5Adelete_by_name(f, "/params/layers/1/bias", "crc32", H5P_DEFAULT), 0);
+    H5Fclose(f);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  CheckpointContents into = empty_tp();
+  testing::expect_bad_input([&] { load_checkpoint(path, into, MPI_COMM_WORLD); },
+                            {"/params/layers/1/bias", "crc32"});
+  if (world_rank() == 0) {
+    testing::expect_bad_input([&] { verify_checkpoint(path); },
+                              {"/params/layers/1/bias", path, "crc32"});
   }
 }
 
