@@ -20,6 +20,7 @@ Loss::Loss(LossKind kind, ParallelContext& context, int64_t rows, int64_t width,
     : kind_(kind), rows_(rows), width_(width) {
   tp_ = context.feature_parallel();
   tp_index_ = context.feature_index();
+  feature_index_ = tp_index_;
   split_ = tp_ > 1 && layout == FeatureLayout::split;
   if (split_ && width_ % tp_ != 0) {
     MESHTRAIN_BAD_INPUT("the loss cannot split ", width_, " outputs over mesh axis '",
@@ -30,8 +31,12 @@ Loss::Loss(LossKind kind, ParallelContext& context, int64_t rows, int64_t width,
   if (!split_) tp_index_ = 0;
   global_rows_ = rows_ * context.batch_parallel();
 
+  // The feature axis joins the scalar reduction whenever it has ranks, so that a rank's
+  // poisoned sum (a batch it could not read) reaches its feature partners too, who may
+  // have read theirs; each sum is then counted on feature rank 0 only (share), except a
+  // split mse's, whose columns are summed over the axis.
   std::vector<std::string> scalar_axes = context.active(context.batch_axes());
-  if (split_ && kind_ == LossKind::mse) scalar_axes.push_back(context.feature_axis());
+  if (tp_ > 1) scalar_axes.push_back(context.feature_axis());
   if (split_) tp_comm_ = context.comm({context.feature_axis()});
   scalar_comm_ = context.comm(scalar_axes);
 
@@ -140,7 +145,7 @@ LossResult Loss::cross_entropy(MatrixView logits, LabelView labels, bool with_gr
   Kokkos::parallel_reduce(
       MESHTRAIN_LABEL("meshtrain::cross_entropy_hits"), Kokkos::RangePolicy<>(0, valid),
       KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += stats(i, 2); }, correct);
-  return finish(sum, correct, static_cast<double>(valid));
+  return finish(share(sum), share(correct), share(static_cast<double>(valid)));
 }
 
 LossResult Loss::mse(MatrixView logits, MatrixView targets, bool with_gradient,
@@ -174,9 +179,8 @@ LossResult Loss::mse(MatrixView logits, MatrixView targets, bool with_gradient,
   Kokkos::parallel_reduce(
       MESHTRAIN_LABEL("meshtrain::mse_sum"), Kokkos::RangePolicy<>(0, valid),
       KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += row_loss(i); }, sum);
-  // A split mse reduces over the feature axis too: count the rows on feature rank 0 only.
-  const double count = (split_ && tp_index_ != 0) ? 0.0 : static_cast<double>(valid);
-  return finish(sum, 0.0, count);
+  // A split mse sums its columns over the feature axis; the rows count on feature rank 0.
+  return finish(split_ ? sum : share(sum), 0.0, share(static_cast<double>(valid)));
 }
 
 }  // namespace meshtrain

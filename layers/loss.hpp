@@ -11,7 +11,8 @@
 // feature rank t): a split softmax finds the row maximum with an all-gather over the
 // feature axis and sums exp / label logit / argmax hit with one all-reduce over it.
 // The scalars (loss sum, hits, rows) are then all-reduced in double over the batch axes
-// (and the feature axis for a split mse), once per call.
+// and the feature axis, once per call (feature rank 0 counts a sum every feature rank
+// holds; a split mse sums its columns over the feature axis).
 //
 // Labels and targets are given for this rank's rows with all columns (targets [rows,
 // width]); a split loss reads its own columns. Rows at or after `valid_rows` are padding
@@ -51,8 +52,8 @@ class Loss {
                  int64_t valid_rows = -1);
 
   // This rank could not load its rows (a bad file): the next call's reduced loss sum is NaN
-  // on every rank it is reduced over, so they all stop at the same step and can agree on
-  // why (TrainingRun). Costs no extra collective.
+  // on every rank it is reduced over (the batch axes and the feature axis), so they all stop
+  // at the same step and can agree on why (TrainingRun). Costs no extra collective.
   void poison_next_reduction() { poisoned_ = true; }
 
   MatrixView gradient() const { return gradient_; }
@@ -67,9 +68,14 @@ class Loss {
   int64_t global_rows_ = 0;
   bool split_ = false;
   bool poisoned_ = false;
+  // A scalar every feature rank computes whole counts on feature rank 0 only (not x * 0:
+  // an infinite loss stays infinite, not NaN). A poisoned sum is NaN whatever this gives.
+  double share(double x) const { return feature_index_ == 0 ? x : 0.0; }
+
   int tp_ = 1, tp_index_ = 0;
+  int feature_index_ = 0;  // this rank's index on the feature axis (split or not)
   Communicator* tp_comm_ = nullptr;
-  Communicator* scalar_comm_ = nullptr;  // batch axes (+ feature axis for split mse)
+  Communicator* scalar_comm_ = nullptr;  // batch axes + feature axis
   Matrix gradient_;                      // [rows, local width]
   Matrix row_max_local_, row_max_all_;   // [rows, 1], [rows, tp]
   Matrix row_stats_;                     // [rows, 3]: sum exp, label logit, hit
