@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "framework/core/choices.hpp"
+#include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
 #include "framework/train/config.hpp"
 #include "partition/error.hpp"
@@ -322,6 +323,9 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
   if (t.evaluation_bytes > 0) {
     totals.push_back({"  evaluation batch", format_bytes(t.evaluation_bytes)});
   }
+  if (t.zero1_buffer_bytes > 0) {
+    totals.push_back({"  ZeRO-1 buffers", format_bytes(t.zero1_buffer_bytes)});
+  }
   if (staging_bytes > 0) totals.push_back({"  staging (ckpt)", format_bytes(staging_bytes)});
   int64_t data_bytes = 0;
   if (data) {
@@ -429,6 +433,7 @@ nlohmann::ordered_json plan_to_json(const ShardingPlan& plan,
                    {"optimizer_bytes", t.optimizer_bytes},
                    {"accumulation_bytes", t.accumulation_bytes},
                    {"evaluation_bytes", t.evaluation_bytes},
+                   {"zero1_buffer_bytes", t.zero1_buffer_bytes},
                    {"bytes_per_rank", t.bytes_per_rank()},
                    {"global_parameter_bytes", t.global_parameter_bytes},
                    {"collective_bytes_per_step", t.collective_bytes_per_step}};
@@ -444,10 +449,12 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   const std::vector<ParameterShape> shapes = mlp_parameter_shapes(config.model.sizes);
   const std::vector<LinearLayerParameters> layers = mlp_linear_layers(config.model.sizes);
   const ShardingPlan plan = make_plan(shapes, mesh, rules, options, layers);
-  // An asynchronous checkpoint stages the blocks a rank writes: at most its parameters and
-  // optimizer state (exactly those on rank 0, which writes every block it holds).
-  const int64_t staging =
-      config.checkpoint.async ? plan.totals.parameter_bytes + plan.totals.optimizer_bytes : 0;
+  // A checkpoint that stages (asynchronous, or from device memory) copies the blocks a rank
+  // writes: at most its parameters and optimizer state (exactly those on rank 0, which
+  // writes every block it holds).
+  const int64_t staging = checkpoint_stages_tensors(config.checkpoint.async)
+                              ? plan.totals.parameter_bytes + plan.totals.optimizer_bytes
+                              : 0;
   const HardwareProfile hw = hardware ? *hardware : default_hardware_profile();
   // This rank's rows of a batch and of an evaluation batch (the plan's batch shards).
   const int64_t eval_batch = config.data.eval_batch_size.value_or(config.data.batch_size);

@@ -244,15 +244,20 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
   if (options.zero_stage == 1) {
     // ZeRO-1: the state of dp rank 0 (the largest chunk) of each tensor replicated over dp.
     const int64_t dp = mesh.has_axis(kZeroAxis) ? mesh.size_of({kZeroAxis}) : 1;
-    int64_t state = 0;
+    int64_t state = 0, grad_chunks = 0, send = 0, padded = 0;
     for (const ParameterPlan& p : plan.parameters) {
       int64_t bytes = p.bytes_per_rank;
       if (zero1_splits(p.local_shape.size(), p.spec, dp) && p.local_shape[0] > 0) {
-        bytes = bytes / p.local_shape[0] * zero1_chunk_rows(p.local_shape[0], dp);
+        const int64_t rows = p.local_shape[0];
+        bytes = bytes / rows * zero1_chunk_rows(rows, dp);
+        grad_chunks = checked_add(grad_chunks, bytes);
+        send = std::max(send, bytes);
+        if (rows % dp != 0) padded = std::max(padded, checked_mul(bytes, dp));
       }
       state = checked_add(state, bytes);
     }
     plan.totals.optimizer_bytes = checked_mul(state, options.optimizer_slots);
+    if (dp > 1) plan.totals.zero1_buffer_bytes = grad_chunks + send + padded;
     if (dp > 1) plan.notes.push_back("optimizer state split over dp (optimizer.zero_stage = 1)");
   }
   if (options.accumulation_steps > 1) plan.totals.accumulation_bytes = plan.totals.gradient_bytes;

@@ -87,9 +87,13 @@ struct PlanTotals {  // bytes per rank
   // (the forward-only model's activations), per rank; 0 when it shares the training buffers
   // or without layers.
   int64_t evaluation_bytes = 0;
+  // ZeRO-1 with dp > 1 (framework/train/zero1.hpp): this rank's gradient chunks, the
+  // padded block of a reduce-scatter or all-gather whose rows do not divide, and the send
+  // chunk of the parameters' all-gather.
+  int64_t zero1_buffer_bytes = 0;
   int64_t bytes_per_rank() const {
     return parameter_bytes + gradient_bytes + optimizer_bytes + accumulation_bytes +
-           evaluation_bytes;
+           evaluation_bytes + zero1_buffer_bytes;
   }
 };
 

@@ -121,6 +121,11 @@ class PrivateComm;
 // Saves checkpoints of one run, synchronously or in the background. Every member function is
 // collective over the communicator unless it says otherwise, and must be called from the
 // thread that makes the program's MPI calls.
+// Whether a save copies the tensors to a host staging buffer first: asynchronous saves
+// always do (the next step changes the tensors), synchronous ones when the tensors live in
+// device memory (a CUDA build). What `meshtrain plan` counts as checkpoint staging.
+bool checkpoint_stages_tensors(bool async);
+
 class Checkpointer {
  public:
   Checkpointer(MPI_Comm comm, bool async);

@@ -369,7 +369,22 @@ struct Checkpointer::Staging {
 Checkpointer::Checkpointer(MPI_Comm comm, bool async)
     : comm_(std::make_unique<PrivateComm>(comm)), async_(async) {}
 
-Checkpointer::~Checkpointer() = default;  // ~SaveJob joins the threads
+bool checkpoint_stages_tensors(bool async) {
+  return async || !kTensorsOnHost;
+}
+
+Checkpointer::~Checkpointer() {
+  // ~SaveJob joins the threads. But a poll's MPI_Iallreduce still pending writes into its
+  // job: when training stops without completing the save (an error on some ranks only, and
+  // the program is ending), the job is left to the process's exit instead of freeing
+  // buffers MPI may still write.
+  if (job_ && job_->poll_request != MPI_REQUEST_NULL) {
+    int done = 0;
+    if (MPI_Test(&job_->poll_request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done) {
+      static_cast<void>(job_.release());
+    }
+  }
+}
 
 std::string Checkpointer::save(const CheckpointContents& contents, const std::string& dir,
                                int64_t keep) {
@@ -378,7 +393,7 @@ std::string Checkpointer::save(const CheckpointContents& contents, const std::st
   auto job = std::make_unique<SaveJob>();
   job->dir = dir;
   job->keep = keep;
-  const bool stage = async_ || !kTensorsOnHost;
+  const bool stage = checkpoint_stages_tensors(async_);
 
   // Phase 1: local work only, then agreement. On failure rank 0 drops the file it created.
   try {

@@ -270,6 +270,27 @@ TEST(PlanPrint, CountsTheDataPathPerRank) {
   EXPECT_DOUBLE_EQ(b["data_exposed_s"].get<double>(), b["data_read_s"].get<double>());
 }
 
+// ZeRO-1's own buffers are counted (issue 20, bug 9): this rank's gradient chunks (half
+// of every tensor's rows at dp = 2), the largest chunk (the parameters' send buffer) and,
+// where the rows do not divide, a padded block of dp chunks.
+TEST(PlanPrint, CountsZeroOneBuffers) {
+  const char* dp_config =
+      "[mesh]\ndp = 2\n[partition]\npreset = \"dp\"\n[optimizer]\n"
+      "zero_stage = 1\n[data]\nsource = \"synthetic\"\n[train]\nsteps = 1\n";
+  const auto totals_of = [&](const std::string& sizes) {
+    const RunConfig config = parse_config(dp_config, "zero1.toml", {"model.sizes=" + sizes});
+    return nlohmann::json::parse(plan_text(config, 2, true))["totals"];
+  };
+  // [784, 512, 10]: weight chunks 392 x 512 and 256 x 10, bias chunks 256 and 5 (floats);
+  // the largest chunk is the first weight's; every row count divides by 2.
+  const int64_t chunks = 4 * (392 * 512 + 256 + 256 * 10 + 5);
+  EXPECT_EQ(totals_of("[784, 512, 10]")["zero1_buffer_bytes"], chunks + 4 * 392 * 512);
+  // [785, 512, 10]: 785 rows split as 393 + 392, padded to 2 x 393 rows for the collectives.
+  const int64_t odd = 4 * (393 * 512 + 256 + 256 * 10 + 5);
+  EXPECT_EQ(totals_of("[785, 512, 10]")["zero1_buffer_bytes"],
+            odd + 4 * 393 * 512 + 2 * 4 * 393 * 512);
+}
+
 TEST(PlanPrint, ScalingEfficiencyCountsRanksThatShareRows) {
   // Links that cost nothing: growing fsdp keeps a rank's GEMMs (its rows, its tp half of
   // each layer) and shrinks its optimizer shard (from half the model at fsdp = 2 to 1/32),
