@@ -332,9 +332,17 @@ class Hdf5Source final : public RowSource {
     }
     std::lock_guard<std::mutex> lock(hdf5::global_mutex());
     hdf5::silence_errors();
-    const std::string what = std::string("reading ") + name + " of '" + s.path + "'";
-    Handle space = hdf5::make(H5Dget_space(c.dataset), H5Sclose, ErrorKind::runtime, what);
-    hdf5::check(H5Sselect_none(space), ErrorKind::runtime, what);
+    // The message is made only on a failure: a read allocates nothing (the step's no-
+    // allocation rule covers the reader thread).
+    const auto check = [&](auto status) {
+      if (status < 0) {
+        hdf5::check(-1, ErrorKind::runtime,
+                    std::string("reading ") + name + " of '" + s.path + "'");
+      }
+      return status;
+    };
+    Handle space(check(H5Dget_space(c.dataset)), H5Sclose);
+    check(H5Sselect_none(space));
     // A hyperslab union selects a repeated row once: select the distinct rows, read them
     // packed, then repeat them where the batch repeats them.
     int64_t distinct = 0;
@@ -354,16 +362,13 @@ class Hdf5Source final : public RowSource {
       }
       const hsize_t start[2] = {static_cast<hsize_t>(first), 0};
       const hsize_t count[2] = {static_cast<hsize_t>(run), static_cast<hsize_t>(c.width)};
-      hdf5::check(H5Sselect_hyperslab(space, H5S_SELECT_OR, start, nullptr, count, nullptr),
-                  ErrorKind::runtime, what);
+      check(H5Sselect_hyperslab(space, H5S_SELECT_OR, start, nullptr, count, nullptr));
       distinct += run;
       k = next;
     }
     const hsize_t values = static_cast<hsize_t>(distinct * c.width);
-    Handle memory_space =
-        hdf5::make(H5Screate_simple(1, &values, nullptr), H5Sclose, ErrorKind::runtime, what);
-    hdf5::check(H5Dread(c.dataset, memory, memory_space, space, H5P_DEFAULT, out),
-                ErrorKind::runtime, what);
+    Handle memory_space(check(H5Screate_simple(1, &values, nullptr)), H5Sclose);
+    check(H5Dread(c.dataset, memory, memory_space, space, H5P_DEFAULT, out));
     if (distinct == end - begin) return;
     // Spread from the back: distinct row j goes to every sorted position holding it (j is
     // never past the position, so nothing is overwritten before it is read).
