@@ -350,6 +350,30 @@ TEST(Hdf5Source, AFileThatChangedSizeIsARuntimeError) {
   }
 }
 
+// A compressed chunk that no longer inflates (a damaged file of the same size): the read
+// through HDF5 is a runtime error naming the dataset and the file.
+TEST(Hdf5Source, ADamagedChunkIsARuntimeErrorNamingTheFile) {
+  TempDir dir;
+  const Dataset d = numbered_classes(400, 16, 4);
+  const std::string path = dir.file("damaged.h5");
+  H5Layout layout;
+  layout.chunked = true;
+  layout.chunk_rows = 50;
+  write_h5(path, d, layout);
+  EXPECT_EQ(read_all(*open_hdf5_source({path}, 4)).inputs, d.inputs);
+  {
+    // /x's chunks fill most of the file, after its metadata: damage the middle.
+    std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+    const auto size = static_cast<std::streamoff>(std::filesystem::file_size(path));
+    file.seekp(size / 2);
+    const std::string garbage(256, '\x5a');
+    file.write(garbage.data(), static_cast<std::streamsize>(garbage.size()));
+  }
+  auto damaged = open_hdf5_source({path}, 4);
+  testing::expect_error([&] { read_all(*damaged); }, ErrorKind::runtime,
+                        {"reading /x of '" + path + "'", "H5Dread"});
+}
+
 // A stream holds its scratch (and chunk caches), not the data set.
 TEST(Hdf5Source, HoldsScratchNotRows) {
   TempDir dir;

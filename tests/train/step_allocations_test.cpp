@@ -5,6 +5,9 @@
 // clipping, optimizer update) must be 0 on every rank, for the dp, fsdp, tp and fsdp x tp meshes
 // and every collective-matmul algorithm (ring and bidirectional ones move blocks with shifts). C++
 // allocations only: what MPI allocates with malloc inside its own calls is not counted.
+// The count is over every thread, so the data reader thread (data.prefetch > 0, the default)
+// is counted too: the batches come from memory or are streamed from HDF5 files
+// (contiguous ones read with pread, gzip-chunked ones through HDF5), with prefetch 0 and 2.
 // Kokkos allocations (any memory space) are counted through Kokkos' allocate-data tool
 // callback over the same steps. MESHTRAIN_TRACE_ALLOCATIONS=N prints the call stacks of
 // the first N counted heap allocations.
@@ -24,6 +27,7 @@
 #include <vector>
 
 #include "run/training_run.hpp"
+#include "tests/data/hdf5_test_files.hpp"
 #include "tests/test_support.hpp"
 
 // --- counting operator new: counts while g_window_open is set -------------------------
@@ -192,10 +196,18 @@ std::ostream& operator<<(std::ostream& out, const Allocations& a) {
   return out << a.heap << " heap and " << a.kokkos << " Kokkos allocations";
 }
 
+// Where the batches come from: small_data in memory, or the HDF5 file `hdf5_path` holding
+// the same rows; read ahead `prefetch` batches.
+struct DataCase {
+  int64_t prefetch = 2;  // data.prefetch's default
+  std::string hdf5_path;
+};
+
 Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgorithm algorithm,
                                  LossKind loss_kind, OptimizerKind optimizer_kind,
                                  int64_t accumulation_steps = 1, int64_t zero_stage = 0,
-                                 bool overlap = false, double bucket_mb = 25.0) {
+                                 bool overlap = false, double bucket_mb = 25.0,
+                                 const DataCase& data = {}) {
   RunConfig config;
   config.runtime.overlap = overlap;
   config.runtime.bucket_mb = bucket_mb;
@@ -215,7 +227,14 @@ Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgo
   config.optimizer.warmup_steps = 2;
   config.train.steps = 4;
   config.run.seed = 7;
-  TrainingRun run(config, {}, RunData{small_data(loss_kind), Dataset{}});
+  config.data.prefetch = data.prefetch;
+  std::optional<RunData> rows = RunData{small_data(loss_kind), Dataset{}};
+  if (!data.hdf5_path.empty()) {
+    config.data.source = "hdf5";
+    config.data.path = {data.hdf5_path};
+    rows.reset();
+  }
+  TrainingRun run(config, {}, std::move(rows));
   run.step();  // step 1: workspaces and scratch buffers reach their size
   AllocationWindow window;
   for (int s = 2; s <= 4; ++s) run.step();
@@ -287,6 +306,51 @@ TEST(TrainingStep, WithOverlapAllocatesNothing) {
                                      OptimizerKind::adamw, 1, 0, true, bucket_mb),
                 Allocations{})
           << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+    }
+  }
+}
+
+// Batches read in the step (data.prefetch = 0) or ahead by the reader thread (2), from
+// memory: nothing is allocated on either thread.
+TEST(TrainingStep, WithAndWithoutPrefetchAllocatesNothing) {
+  for (const MeshCase& c : mesh_cases()) {
+    for (int64_t prefetch : {0, 2}) {
+      SCOPED_TRACE(c.preset + ", data.prefetch " + std::to_string(prefetch));
+      DataCase data;
+      data.prefetch = prefetch;
+      EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::naive, LossKind::cross_entropy,
+                                     OptimizerKind::adamw, 1, 0, false, 25.0, data),
+                Allocations{})
+          << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+    }
+  }
+}
+
+// Batches streamed from an HDF5 file (contiguous: pread; gzip-chunked: through HDF5, whose
+// own mallocs are not counted), read in the step or ahead: the source's scratch reached its
+// size in step 1, so nothing is allocated either.
+TEST(TrainingStep, StreamedFromHdf5AllocatesNothing) {
+  testing::TempDir dir(/*shared=*/true);
+  const std::string contiguous = dir.file("rows.h5"), chunked = dir.file("rows-chunked.h5");
+  if (world_rank() == 0) {
+    testing::H5Layout layout;
+    testing::write_h5(contiguous, small_data(LossKind::cross_entropy), layout);
+    layout.chunked = true;
+    testing::write_h5(chunked, small_data(LossKind::cross_entropy), layout);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (const MeshCase& c : mesh_cases()) {
+    for (const std::string& path : {contiguous, chunked}) {
+      for (int64_t prefetch : {0, 2}) {
+        SCOPED_TRACE(c.preset + ", " + path + ", data.prefetch " + std::to_string(prefetch));
+        DataCase data;
+        data.prefetch = prefetch;
+        data.hdf5_path = path;
+        EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::naive, LossKind::cross_entropy,
+                                       OptimizerKind::adamw, 1, 0, false, 25.0, data),
+                  Allocations{})
+            << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+      }
     }
   }
 }
