@@ -50,7 +50,7 @@ function(data_cli_error_test name status regex path)
   set(test data_cli_${name}_np2)
   set(lines --error-line)
   if(status EQUAL 0)
-    set(lines --stdout "step +4")
+    set(lines --stdout "step +4/4 .*data wait [0-9.]+ ms")
   endif()
   add_test(NAME ${test}
     COMMAND sh ${CMAKE_CURRENT_SOURCE_DIR}/cli/expect_exit.sh ${status} ${regex} ${lines} --

@@ -11,7 +11,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <optional>
 #include <string>
@@ -198,6 +200,13 @@ TEST(StreamingRun, ResumesExactlyMidEpochAndAcrossEpochs) {
         TrainingRun run(first);
         const RunSummary summary = run.train();
         EXPECT_EQ(summary.steps_run, resume_at);
+        EXPECT_GE(summary.data_wait_s, 0.0);
+      }
+      if (world_rank() == 0) {  // the log event says how long the steps waited for data
+        std::ifstream metrics(out.file("metrics.jsonl"));
+        std::string text((std::istreambuf_iterator<char>(metrics)),
+                         std::istreambuf_iterator<char>());
+        EXPECT_NE(text.find("\"data_wait_s\""), std::string::npos) << text;
       }
       RunConfig second = config;
       second.run.output_dir = out.path();
