@@ -56,12 +56,15 @@ void ensure_writable_directory(const std::string& dir, const char* key) {
 std::optional<std::string> broadcast_from_rank0(const std::optional<std::string>& value,
                                                 MPI_Comm comm) {
   long long length = value ? static_cast<long long>(value->size()) : -1;
-  check_mpi(MPI_Bcast(&length, 1, MPI_LONG_LONG, 0, comm), "MPI_Bcast");
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Ibcast(&length, 1, MPI_LONG_LONG, 0, comm, &request), "MPI_Ibcast");
+  wait_collective(&request, 1, "MPI_Ibcast (the checkpoint to resume)");
   if (length < 0) return std::nullopt;
   std::string text = value.value_or(std::string(static_cast<size_t>(length), '\0'));
-  check_mpi(
-      MPI_Bcast(text.data(), checked_int(text.size(), "checkpoint path length"), MPI_CHAR, 0, comm),
-      "MPI_Bcast");
+  check_mpi(MPI_Ibcast(text.data(), checked_int(text.size(), "checkpoint path length"), MPI_CHAR, 0,
+                       comm, &request),
+            "MPI_Ibcast");
+  wait_collective(&request, 1, "MPI_Ibcast (the checkpoint to resume)");
   return text;
 }
 

@@ -6,6 +6,7 @@
 #include <ctime>
 #include <string>
 
+#include "framework/comm/communicator.hpp"  // collective_timeout_from_env
 #include "partition/error.hpp"
 
 namespace meshtrain {
@@ -35,6 +36,13 @@ NodePlace node_place(MPI_Comm comm) {
 
 bool wait_all_until(MPI_Request* requests, int count, double timeout, const char* op) {
   return wait_all_until(requests, count, timeout, [op](int code) { check_mpi(code, op); });
+}
+
+void wait_collective(MPI_Request* requests, int count, const char* op) {
+  const double timeout = collective_timeout_from_env();
+  if (wait_all_until(requests, count, timeout, op)) return;
+  MESHTRAIN_FAIL(op, " did not complete within ", timeout,
+                 " s (MESHTRAIN_COLLECTIVE_TIMEOUT): a rank is dead or stalled");
 }
 
 void detail::pause_between_polls(double waited) {

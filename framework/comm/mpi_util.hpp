@@ -45,4 +45,11 @@ bool wait_all_until(MPI_Request* requests, int count, double timeout, OnFailure&
 }
 bool wait_all_until(MPI_Request* requests, int count, double timeout, const char* op);
 
+// Waits for `requests` under the collective timeout (MESHTRAIN_COLLECTIVE_TIMEOUT, default
+// 300 s): a runtime Error naming `op` when they do not complete in time (a rank is dead or
+// stalled; the job should then be aborted), or when MPI fails. The requests still pending
+// stay in the array. What a blocking collective outside a Communicator (checkpoint
+// agreement, broadcasts of a path) waits with.
+void wait_collective(MPI_Request* requests, int count, const char* op);
+
 }  // namespace meshtrain

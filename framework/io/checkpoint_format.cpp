@@ -179,8 +179,10 @@ std::vector<Piece> gather_pieces(const PrivateComm& comm, const std::vector<Piec
   static_assert(sizeof(Piece) == 32, "Piece is sent as bytes");
   const int bytes = static_cast<int>(mine.size() * sizeof(Piece));  // checked by the caller
   std::vector<int> counts(comm.rank() == 0 ? static_cast<size_t>(comm.size()) : 0);
-  check_mpi(MPI_Gather(&bytes, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, comm.get()),
-            "MPI_Gather (checkpoint checksums)");
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Igather(&bytes, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, comm.get(), &request),
+            "MPI_Igather (checkpoint checksums)");
+  wait_collective(&request, 1, "MPI_Igather (checkpoint checksums)");
   std::vector<int> displs(counts.size(), 0);
   int64_t total = 0;
   for (size_t r = 0; r < counts.size(); ++r) {
@@ -189,9 +191,10 @@ std::vector<Piece> gather_pieces(const PrivateComm& comm, const std::vector<Piec
   }
   // Rank 0 receives at most INT_MAX bytes: a million pieces per rank is far beyond any model.
   std::vector<Piece> all(static_cast<size_t>(total) / sizeof(Piece));
-  check_mpi(MPI_Gatherv(mine.data(), bytes, MPI_BYTE, all.data(), counts.data(), displs.data(),
-                        MPI_BYTE, 0, comm.get()),
-            "MPI_Gatherv (checkpoint checksums)");
+  check_mpi(MPI_Igatherv(mine.data(), bytes, MPI_BYTE, all.data(), counts.data(), displs.data(),
+                         MPI_BYTE, 0, comm.get(), &request),
+            "MPI_Igatherv (checkpoint checksums)");
+  wait_collective(&request, 1, "MPI_Igatherv (checkpoint checksums)");
   return all;
 }
 

@@ -34,10 +34,14 @@ constexpr int64_t kSliceBytes = int64_t{4} << 20;
 
 void broadcast_string(const PrivateComm& comm, std::string& text, int root) {
   int length = checked_int(text.size(), "string length");
-  check_mpi(MPI_Bcast(&length, 1, MPI_INT, root, comm.get()), "MPI_Bcast (checkpoint)");
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Ibcast(&length, 1, MPI_INT, root, comm.get(), &request), "MPI_Ibcast (checkpoint)");
+  wait_collective(&request, 1, "MPI_Ibcast (checkpoint)");
   text.resize(static_cast<size_t>(length));
-  if (length > 0)
-    check_mpi(MPI_Bcast(text.data(), length, MPI_CHAR, root, comm.get()), "MPI_Bcast (checkpoint)");
+  if (length == 0) return;
+  check_mpi(MPI_Ibcast(text.data(), length, MPI_CHAR, root, comm.get(), &request),
+            "MPI_Ibcast (checkpoint)");
+  wait_collective(&request, 1, "MPI_Ibcast (checkpoint)");
 }
 
 void check_parameter_names(hid_t file, const CheckpointContents& into, const std::string& path) {

@@ -468,9 +468,11 @@ std::string Checkpointer::save(const CheckpointContents& contents, const std::st
     throw;
   }
   // Rank 0's offsets on every rank (the contents, and so the datasets, are alike on all).
-  check_mpi(MPI_Bcast(job->offsets.data(), static_cast<int>(job->offsets.size()), MPI_INT64_T, 0,
-                      comm.get()),
-            "MPI_Bcast (checkpoint dataset offsets)");
+  MPI_Request offsets_request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Ibcast(job->offsets.data(), static_cast<int>(job->offsets.size()), MPI_INT64_T, 0,
+                       comm.get(), &offsets_request),
+            "MPI_Ibcast (checkpoint dataset offsets)");
+  wait_collective(&offsets_request, 1, "MPI_Ibcast (checkpoint dataset offsets)");
 
   // Phase 2: the writer.
   const std::string path = job->final_path;
@@ -503,8 +505,7 @@ std::optional<std::string> Checkpointer::poll() {
   if (!job_) return std::nullopt;
   SaveJob& job = *job_;
   if (job.poll_request != MPI_REQUEST_NULL) {
-    check_mpi(MPI_Wait(&job.poll_request, MPI_STATUS_IGNORE),
-              "MPI_Wait (checkpoint write finished)");
+    wait_collective(&job.poll_request, 1, "the agreement that a checkpoint write finished");
     if (job.poll_all != 0) {
       if (job.finishing) return wait();
       try {
@@ -527,8 +528,7 @@ std::optional<std::string> Checkpointer::wait() {
   // Whatever happens below, this save is no longer in flight.
   const std::unique_ptr<SaveJob> job = std::move(job_);
   if (job->poll_request != MPI_REQUEST_NULL) {
-    check_mpi(MPI_Wait(&job->poll_request, MPI_STATUS_IGNORE),
-              "MPI_Wait (checkpoint write finished)");
+    wait_collective(&job->poll_request, 1, "the agreement that a checkpoint write finished");
   }
   if (!job->finishing) finish_writes(*comm_, *job);
   if (job->finisher.joinable()) job->finisher.join();

@@ -71,5 +71,34 @@ TEST(RunAgreed, ARankThatNeverJoinsTimesOut) {
   check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
 }
 
+// The checkpoint's and resume's broadcasts and gathers wait under the collective timeout
+// (issue 20, bug 8): a rank that joins late is reported instead of waited for forever.
+TEST(WaitCollective, ARankThatJoinsLateTimesOut) {
+  const int n = world_size();
+  if (n < 2) GTEST_SKIP() << "needs a rank that joins late";
+  MPI_Comm comm = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &comm), "MPI_Comm_dup");
+  setenv("MESHTRAIN_COLLECTIVE_TIMEOUT", "0.5", 1);
+  int value = world_rank() == n - 1 ? 42 : 0;  // the late rank is the root: nothing arrives early
+  MPI_Request request = MPI_REQUEST_NULL;
+  if (world_rank() == n - 1) {
+    // Late: after the others gave up waiting.
+    const double start = MPI_Wtime();
+    while (MPI_Wtime() - start < 2.0) detail::pause_between_polls(1.0);
+  }
+  check_mpi(MPI_Ibcast(&value, 1, MPI_INT, n - 1, comm, &request), "MPI_Ibcast");
+  if (world_rank() != n - 1) {
+    expect_error([&] { wait_collective(&request, 1, "MPI_Ibcast (a test's value)"); },
+                 ErrorKind::runtime,
+                 {"MPI_Ibcast (a test's value)", "did not complete within 0.5 s",
+                  "MESHTRAIN_COLLECTIVE_TIMEOUT"});
+    EXPECT_NE(request, MPI_REQUEST_NULL);  // still pending: the caller may go on waiting
+  }
+  unsetenv("MESHTRAIN_COLLECTIVE_TIMEOUT");
+  wait_collective(&request, 1, "MPI_Ibcast (a test's value)");
+  EXPECT_EQ(value, 42);
+  check_mpi(MPI_Comm_free(&comm), "MPI_Comm_free");
+}
+
 }  // namespace
 }  // namespace meshtrain::testing
