@@ -163,6 +163,8 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     total_steps_ = training_steps(config_, schedule_->steps_per_epoch());
   });
 
+  agree_on_data_shape();
+
   // --- Model, loss, optimizer: collective construction, identical on every rank. --------
   comms_ =
       std::make_unique<MeshCommunicators>(*mesh_, comm_, prepare_comm_backend(backend_, comm_));
@@ -274,6 +276,34 @@ int64_t TrainingRun::data_bytes() const {
   if (train_stream_) bytes += train_stream_->staging_bytes();
   if (eval_stream_) bytes += eval_stream_->staging_bytes();
   return bytes;
+}
+
+// Every rank must see the same data: a node-local copy of another size gives its ranks
+// another schedule, and they would wait for each other in different steps. One reduction
+// at set-up, the same answer on every rank.
+void TrainingRun::agree_on_data_shape() {
+  const DataShape& train = train_source_->shape();
+  const DataShape& test = test_source_->shape();
+  const long long mine[] = {train.num_samples, train.features, train.output_width(),
+                            test.num_samples};
+  constexpr int kCount = 4;
+  long long low[kCount], high[kCount];
+  MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  check_mpi(MPI_Iallreduce(mine, low, kCount, MPI_LONG_LONG, MPI_MIN, comm_, &requests[0]),
+            "MPI_Iallreduce (data shape)");
+  check_mpi(MPI_Iallreduce(mine, high, kCount, MPI_LONG_LONG, MPI_MAX, comm_, &requests[1]),
+            "MPI_Iallreduce (data shape)");
+  wait_collective(requests, 2, "the agreement on the data's shape");
+  const char* what[] = {"training rows", "input features", "output width", "test rows"};
+  for (int i = 0; i < kCount; ++i) {
+    if (low[i] == high[i]) continue;
+    throw AgreedError(
+        Error(ErrorKind::bad_input,
+              detail::concat("the ranks do not see the same data: ", what[i], " differ between ",
+                             low[i], " and ", high[i], " (the ", train.description,
+                             " here); every rank must read the same files"),
+              __FILE__, __LINE__));
+  }
 }
 
 // After a non-finite reduced loss: when some rank could not read its rows, that is why

@@ -170,6 +170,7 @@ class TrainingRun {
   void train_steps(RunSummary& summary);
   void start_streams();
   void throw_agreed_data_error();
+  void agree_on_data_shape();
   void report_checkpoint(const std::optional<std::string>& path);
 
   RunConfig config_;

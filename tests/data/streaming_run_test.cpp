@@ -366,5 +366,26 @@ TEST(StreamingRun, BadFilesAreAgreedBadInput) {
   EXPECT_NE(message.find(narrow), std::string::npos) << message;
 }
 
+// Ranks that see different data (a node-local copy of another size) are refused at set-up,
+// on every rank, instead of training on different schedules until a collective times out.
+TEST(StreamingRun, RanksThatSeeOtherDataAreAgreedBadInput) {
+  const int n = world_size();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  Dataset train = train_rows();
+  if (world_rank() == n - 1) {  // the last rank's copy has 16 rows fewer
+    train.num_samples -= 16;
+    train.inputs.resize(static_cast<size_t>(train.num_samples * train.features));
+    train.labels.resize(static_cast<size_t>(train.num_samples));
+  }
+  RunConfig config = stream_config({{"dp", n}}, "dp", {}, "");
+  config.data.source = "synthetic";  // unused: the rows are given
+  const std::string message = expect_agreed_on_every_rank(
+      [&] {
+        TrainingRun run(config, {}, RunData{train, test_rows()});
+      },
+      ErrorKind::bad_input);
+  EXPECT_NE(message.find("training rows differ between 80 and 96"), std::string::npos) << message;
+}
+
 }  // namespace
 }  // namespace meshtrain
