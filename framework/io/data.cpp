@@ -11,14 +11,7 @@ namespace meshtrain {
 
 namespace {
 
-// SplitMix64 finalizer: turns (seed, stream) pairs into well-mixed generator seeds.
-uint64_t mix64(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
+// mix64 (data_order.hpp) turns (seed, stream) pairs into well-mixed generator seeds.
 // std::mt19937_64's sequence is fixed by the standard; the distributions are not, so
 // the few we need are written here to keep data identical across standard libraries.
 std::mt19937_64 make_generator(uint64_t seed, uint64_t stream) {

@@ -5,15 +5,14 @@
 #include "partition/error.hpp"
 
 namespace meshtrain {
-namespace {
 
-// SplitMix64's finalizer: a well-mixed 64-bit function of its argument.
 uint64_t mix64(uint64_t z) {
   z += 0x9e3779b97f4a7c15ULL;
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
   return z ^ (z >> 31);
 }
+namespace {
 
 // The key of one permutation: the run's seed, the epoch, and which permutation of the
 // epoch (the row order, the block order, or window w's rows).

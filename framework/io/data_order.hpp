@@ -23,6 +23,10 @@
 
 namespace meshtrain {
 
+// SplitMix64's finalizer: a well-mixed 64-bit function of its argument (the order's keys
+// and round functions, the synthetic set's generator seeds).
+uint64_t mix64(uint64_t z);
+
 // A keyed bijection of [0, n): operator()(i) is a pseudo-random permutation of i.
 // Cheap to build (no table) and thread-safe.
 class IndexShuffle {
