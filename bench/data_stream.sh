@@ -79,13 +79,15 @@ drop_caches() {
   if { echo 3 > /proc/sys/vm/drop_caches; } 2> /dev/null; then cold=true; else cold=false; fi
 }
 
-# A file of ROWS x 128 floats (plus labels), written unless it is there from a kept run.
+# A file of ROWS x 128 floats (plus labels), written unless this run or a kept one wrote it.
+declare -A written=()
 make_file() {  # PATH ROWS [WRITER OPTIONS...]
   local path=$1 rows=$2
   shift 2
-  if [[ -f $path && ${KEEP:-0} == 1 ]]; then return; fi
+  if [[ -f $path && ( ${KEEP:-0} == 1 || -n ${written[$path]:-} ) ]]; then return; fi
   log "writing $path ($rows rows)"
   "$writer" synthetic "$path" --rows "$rows" --features 128 --classes 10 "$@" >&2
+  written[$path]=1
 }
 
 cat > "$scratch/base.toml" <<'TOML'
