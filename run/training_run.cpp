@@ -550,8 +550,15 @@ void TrainingRun::log_step(const StepResult& result) {
     event.mfu_percent = 100.0 * event.tflops_per_rank / config_.run.peak_tflops;
   }
   event.eta_s = (total_steps_ - result.step) * elapsed / window_steps_;
-  event.data_wait_s = train_stream_->take_wait_seconds() / window_steps_;
-  data_wait_s_ += event.data_wait_s * window_steps_;
+  // The slowest rank's wait: a rank whose reader keeps up waits in the gradient all-reduce
+  // for the one whose reader does not, so rank 0's own wait alone can read 0.
+  double waited[2] = {train_stream_->take_wait_seconds(), 0.0};
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Iallreduce(&waited[0], &waited[1], 1, MPI_DOUBLE, MPI_MAX, comm_, &request),
+            "MPI_Iallreduce (data wait)");
+  wait_collective(&request, 1, "the reduction of the data wait");
+  event.data_wait_s = waited[1] / window_steps_;
+  data_wait_s_ += waited[1];
   metrics_->log(event);
   if (events_.on_log) events_.on_log(event);
   window_start_ = Clock::now();

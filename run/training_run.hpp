@@ -78,7 +78,8 @@ struct RunSummary {
   double samples_per_s = 0.0;
   double tflops_per_rank = 0.0;  // model TFLOP/s of one rank over wall_s (evaluation and
                                  // checkpoints included)
-  double data_wait_s = 0.0;      // seconds the steps waited for their batches, in all
+  double data_wait_s = 0.0;      // seconds the steps waited for their batches, in all (the
+                                 // slowest rank's, window by window)
   std::optional<EvalEvent> last_eval;
 };
 

@@ -218,6 +218,8 @@ std::unique_ptr<RowSource> open_data_source(const DataSection& data, Split split
     }
     Hdf5SourceOptions options;
     options.chunk_cache_bytes = hdf5_chunk_cache_bytes(data, input_width, output_width);
+    options.random_rows = data.shuffle != ShuffleMode::none;
+    options.block_rows = data.shuffle == ShuffleMode::blocks ? data.block_rows : 0;
     source = open_hdf5_source(expand_data_paths(entries, key), output_width, options);
   } else {
     MESHTRAIN_BAD_INPUT("data.source = \"", data.source,

@@ -86,12 +86,20 @@ std::unique_ptr<RowSource> make_memory_source(Dataset data);
 // (or [N_i]) targets; the shards' rows follow each other in the order given. Contiguous
 // datasets stored as native floats (or integers) are read with pread at their file offsets;
 // others (chunked, compressed, another type) through HDF5, one read per shard and batch
-// (each chunk decompressed at most once per batch), with a chunk cache of
+// (each chunk decompressed at most once per batch), with a chunk cache of at most
 // `chunk_cache_bytes` per dataset. At open: a missing file, a shard of another width, type
 // or kind of target is a bad_input Error naming the file. While reading: a row that fails
 // its checks, or a file that changed size, is a runtime Error naming the file.
+// How the rows will be read, so the kernel and HDF5 can be told: with `random_rows` the
+// kernel's read-ahead is turned off (POSIX_FADV_RANDOM: a random row costs one page, not a
+// read-ahead window), and with `block_rows` > 0 (data.shuffle = "blocks") each block a batch
+// touches is asked for whole (POSIX_FADV_WILLNEED), so it is read once, sequentially, in the
+// background. Either way a batch's rows are asked for all at once before they are read, so
+// the disk has many reads in flight.
 struct Hdf5SourceOptions {
   int64_t chunk_cache_bytes = int64_t{1} << 20;  // HDF5's default
+  bool random_rows = false;
+  int64_t block_rows = 0;
 };
 std::unique_ptr<RowSource> open_hdf5_source(const std::vector<std::string>& files,
                                             int64_t num_classes,

@@ -24,8 +24,8 @@ struct LogEvent {
   // percentage of run.peak_tflops (MFU); NaN (not written) when the peak is unknown.
   double tflops_per_rank = 0.0;
   double mfu_percent = std::nan("");
-  // Mean seconds a step of the window waited for its batch to be read (0 when the reader
-  // thread kept ahead).
+  // Mean seconds a step of the window waited for its batch to be read, on the rank that
+  // waited longest (0 when every reader thread kept ahead).
   double data_wait_s = 0.0;
 };
 
