@@ -387,5 +387,47 @@ TEST(Hdf5Source, HoldsScratchNotRows) {
   EXPECT_GT(make_memory_source(d)->resident_bytes(), 5000 * 16 * 4);
 }
 
+// This process's resident memory, from /proc/self/status (VmRSS, KiB).
+int64_t resident_kib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
+  }
+  return -1;
+}
+
+// The chunk cache of a compressed file stays at its size (1 MiB per dataset) however many
+// chunks random batches touch: with HDF5's w0 = 1.0 a chunk read in part was never evicted
+// and the cache grew towards the whole uncompressed dataset (here 64 MiB).
+TEST(Hdf5Source, TheChunkCacheOfACompressedFileStaysBounded) {
+  TempDir dir;
+  const int64_t n = 1 << 17, f = 128;  // 64 MiB of inputs, in chunks of 64 rows (32 KiB)
+  Dataset d = numbered_classes(n, f, 4);
+  const std::string path = dir.file("gzip.h5");
+  H5Layout chunked;
+  chunked.chunked = true;
+  chunked.chunk_rows = 64;
+  write_h5(path, d, chunked);
+  d = Dataset{};  // only the file holds the rows now
+  auto source = open_hdf5_source({path}, 4);
+  std::mt19937_64 random(3);
+  std::vector<int64_t> rows(64);
+  std::vector<float> x(64 * f);
+  std::vector<int32_t> labels(64);
+  const auto read_batches = [&](int batches) {
+    for (int b = 0; b < batches; ++b) {
+      for (int64_t& r : rows) r = static_cast<int64_t>(random() % n);
+      source->read(rows.data(), 64, RowBuffers{x.data(), labels.data(), nullptr});
+    }
+  };
+  read_batches(20);  // scratch and a full cache
+  const int64_t before = resident_kib();
+  read_batches(300);  // about 19,000 chunks touched: every chunk of the file, many times
+  const int64_t grown = resident_kib() - before;
+  ASSERT_GE(before, 0) << "no VmRSS in /proc/self/status";
+  EXPECT_LT(grown, 16 * 1024) << "resident memory grew by " << grown << " KiB";
+}
+
 }  // namespace
 }  // namespace meshtrain
