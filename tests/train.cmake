@@ -26,9 +26,6 @@ meshtrain_add_test(NAME train_lr_schedule_test SOURCES train/lr_schedule_test.cp
 meshtrain_add_test(NAME train_clipper_test SOURCES train/clipper_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 60)
 
-# Writes the small HDF5 classification sets the command tests read.
-add_executable(train_write_dataset train/write_dataset_tool.cpp)
-target_link_libraries(train_write_dataset PRIVATE meshtrain::hdf5)
 
 set(_train ${CMAKE_CURRENT_SOURCE_DIR}/train)
 set(_expect_exit ${CMAKE_CURRENT_SOURCE_DIR}/cli/expect_exit.sh)
@@ -106,7 +103,7 @@ train_error_test(without_train_section 2
 # the file and the row, agreed by every rank.
 set(_bad_labels ${_train_runs}/bad_labels.h5)
 meshtrain_add_command_test(NAME train_write_bad_labels TIMEOUT 30
-  COMMAND sh -c "mkdir -p ${_train_runs} && $<TARGET_FILE:train_write_dataset> ${_bad_labels} 64 784 10 37 12")
+  COMMAND sh -c "mkdir -p ${_train_runs} && $<TARGET_FILE:data_write_hdf5> ${_bad_labels} 64 784 10 --label 37 12")
 set_tests_properties(train_write_bad_labels PROPERTIES FIXTURES_SETUP train_bad_labels)
 train_error_test(label_out_of_range 1
   "^meshtrain: error: .*bad_labels\\.h5.*/y\\[37\\] = 12 is outside .0, 10\\)"
