@@ -55,7 +55,8 @@ class BatchStream {
 
  private:
   using StagedMatrix = Kokkos::View<float**, Kokkos::LayoutRight, HostStagingSpace>;
-  using StagedLabels = Kokkos::View<int32_t*, Kokkos::LayoutRight, HostStagingSpace>;
+  // The batch views' own layouts (a CUDA build's default is LayoutLeft): one contiguous copy.
+  using StagedLabels = Kokkos::View<int32_t*, BatchLabels::array_layout, HostStagingSpace>;
   struct Slot {
     StagedMatrix x;
     StagedLabels labels;
