@@ -103,9 +103,7 @@ Linear::Linear(const ShardedTensor& weight, const ShardedTensor& bias, FeatureLa
   weight_allreduce_comm_ = context.comm(l.weight_allreduce);
   bias_gather_comm_ = context.comm(l.bias_gather);
   bias_reduce_comm_ = context.comm(l.bias_reduce);
-  defers_reduction_ = weight_allreduce_comm_ != nullptr && !gather0_comm_ && !gather1_comm_ &&
-                      nonbatch_scale_ == 1.0f && l.bias_reduce == l.weight_allreduce &&
-                      l.bias_stored == l.out && bias_stored_offset_ == 0;
+  defers_reduction_ = l.defers_reduction();  // the bias is stored whole: offset 0
 
   // Buffers.
   const int64_t in_c = l.in_compute, out = l.out;

@@ -26,14 +26,6 @@ std::string group_text(const std::vector<std::string>& axes, const Mesh& mesh) {
          std::to_string(mesh.size_of(axes));
 }
 
-// Whether layers/linear.cpp's Linear defers its gradient all-reduces when asked to (its
-// defers_reduction()): what ZeRO-1 reduce-scatters instead.
-bool defers_reduction(const LinearLayout& l) {
-  return !l.weight_allreduce.empty() && l.weight_gather_dim0.empty() &&
-         l.weight_gather_dim1.empty() && l.nonbatch_replication == 1 &&
-         l.bias_reduce == l.weight_allreduce && l.bias_stored == l.out;
-}
-
 // Whether the layer's weight is gathered over exactly one group (Linear::can_prefetch_weight).
 bool can_prefetch(const LinearLayout& l) {
   return l.weight_gather_dim0.empty() != l.weight_gather_dim1.empty();
@@ -317,7 +309,7 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       // Deferred to the end of the step (once, not per micro-batch) with accumulation; and
       // reduce-scattered there under ZeRO-1.
       const bool deferred = zero1 || cost.accumulation_steps > 1;
-      if (deferred && defers_reduction(l) && gradient && c.kind == CollectiveKind::all_reduce) {
+      if (deferred && l.defers_reduction() && gradient && c.kind == CollectiveKind::all_reduce) {
         deferred_reductions.push_back({lp.name, c});
         continue;
       }
