@@ -305,4 +305,14 @@ ShardBox shard_box(const std::vector<int64_t>& shape, const PartitionSpec& spec,
   return box;
 }
 
+bool owns_block(const Mesh& mesh, int rank, const PartitionSpec& spec) {
+  const std::vector<std::string> used = spec.axes();
+  const std::vector<int> coords = mesh.coordinates(rank);
+  for (size_t a = 0; a < mesh.axes().size(); ++a) {
+    const bool in_spec = std::find(used.begin(), used.end(), mesh.axes()[a].name) != used.end();
+    if (!in_spec && coords[a] != 0) return false;
+  }
+  return true;
+}
+
 }  // namespace meshtrain

@@ -94,4 +94,9 @@ std::vector<int64_t> local_shape(const std::vector<int64_t>& shape, const Partit
 ShardBox shard_box(const std::vector<int64_t>& shape, const PartitionSpec& spec, const Mesh& mesh,
                    int rank);
 
+// True when `rank` holds the first copy of its block: coordinate 0 on every mesh axis the
+// spec does not split over, so the first copies tile the tensor exactly once (the block a
+// checkpoint writes, the one a global norm counts).
+bool owns_block(const Mesh& mesh, int rank, const PartitionSpec& spec);
+
 }  // namespace meshtrain

@@ -72,16 +72,6 @@ void check_tensor(const ShardedTensor& t, const std::string& label) {
 
 }  // namespace
 
-bool owns_block(const Mesh& mesh, int rank, const PartitionSpec& spec) {
-  const std::vector<std::string> used = spec.axes();
-  const std::vector<int> coords = mesh.coordinates(rank);
-  for (size_t a = 0; a < mesh.axes().size(); ++a) {
-    const bool in_spec = std::find(used.begin(), used.end(), mesh.axes()[a].name) != used.end();
-    if (!in_spec && coords[a] != 0) return false;
-  }
-  return true;
-}
-
 std::vector<DatasetEntry> dataset_entries(const CheckpointContents& c, int rank) {
   std::vector<DatasetEntry> entries;
   std::set<std::string> seen;

@@ -68,10 +68,6 @@ struct DatasetEntry {
 // and boxes; owner set for `rank` of c.mesh.
 std::vector<DatasetEntry> dataset_entries(const CheckpointContents& c, int rank);
 
-// True when `rank` is the one copy of its block that is written: coordinate 0 on every mesh
-// axis outside the spec, so the owners' blocks tile each dataset exactly once.
-bool owns_block(const Mesh& mesh, int rank, const PartitionSpec& spec);
-
 // The dataset shape of a tensor: rank-0 tensors are stored as [1].
 std::vector<hsize_t> stored_dims(const std::vector<int64_t>& shape);
 int64_t global_elements(const std::vector<int64_t>& shape);

@@ -150,16 +150,8 @@ void Optimizer::step(std::vector<ShardedTensor>& params, const std::vector<Shard
 GradientClipper::GradientClipper(const Mesh& mesh, int rank,
                                  const std::vector<ShardedTensor>& grads)
     : buffer_("meshtrain::grad_norm", grads.size()), host_(Kokkos::create_mirror_view(buffer_)) {
-  const std::vector<int> coordinates = mesh.coordinates(rank);
   for (const auto& g : grads) {
-    const std::vector<std::string> named = g.spec.axes();
-    bool counted = true;
-    for (size_t a = 0; a < mesh.axes().size(); ++a) {
-      bool in_spec = false;
-      for (const auto& name : named) in_spec = in_spec || name == mesh.axes()[a].name;
-      if (!in_spec && coordinates[a] != 0) counted = false;
-    }
-    counted_.push_back(counted);
+    counted_.push_back(owns_block(mesh, rank, g.spec));  // each block counted once
     names_.push_back(g.name);
   }
 }
