@@ -31,12 +31,6 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Runs one phase on every rank and agrees on the outcome: the lowest failing rank's error
-// is thrown on every rank (as AgreedError), so none goes on into a collective alone.
-void on_every_rank(MPI_Comm comm, const std::function<void()>& phase) {
-  if (std::optional<AgreedError> error = run_agreed(comm, phase)) throw *error;
-}
-
 // Creates `dir` (and its parents) and checks that a file can be made in it; bad_input
 // naming the config key otherwise.
 void ensure_writable_directory(const std::string& dir, const char* key) {

@@ -89,4 +89,8 @@ std::optional<AgreedError> run_agreed(MPI_Comm comm, const std::function<void()>
   return AgreedError(agreed);
 }
 
+void on_every_rank(MPI_Comm comm, const std::function<void()>& phase) {
+  if (std::optional<AgreedError> error = run_agreed(comm, phase)) throw *error;
+}
+
 }  // namespace meshtrain

@@ -39,4 +39,7 @@ class AgreedError : public Error {
 std::optional<AgreedError> run_agreed(MPI_Comm comm, const std::function<void()>& phase,
                                       double timeout_seconds = -1.0);
 
+// run_agreed that throws the agreed error (the same on every rank) instead of returning it.
+void on_every_rank(MPI_Comm comm, const std::function<void()>& phase);
+
 }  // namespace meshtrain

@@ -39,10 +39,6 @@ PrivateComm::~PrivateComm() {
   MPI_Comm_free(&comm_);
 }
 
-void collectively(const PrivateComm& comm, const std::function<void()>& phase) {
-  if (auto error = run_agreed(comm.get(), phase)) throw *error;
-}
-
 // --- tensors -----------------------------------------------------------------------------
 
 namespace {

@@ -50,11 +50,6 @@ class PrivateComm {
   int size_ = 1;
 };
 
-// Runs one phase of local work on every rank; if it failed on any, every rank throws the error
-// of the lowest failing rank (run_agreed). A phase holds no collective call, so a rank that
-// fails early cannot leave the others waiting inside one.
-void collectively(const PrivateComm& comm, const std::function<void()>& phase);
-
 // --- tensors and their bytes in the file ------------------------------------------------
 
 struct DatasetEntry {

@@ -197,7 +197,7 @@ CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& i
   const ErrorKind bad = ErrorKind::bad_input;
   std::vector<DatasetEntry> entries;
   std::string path;
-  collectively(comm, [&] {
+  on_every_rank(comm.get(), [&] {
     MESHTRAIN_REQUIRE(into.mesh.world_size() == comm.size(), "checkpoint: the mesh (",
                       into.mesh.describe(), ") has ", into.mesh.world_size(),
                       " ranks but the communicator has ", comm.size());
@@ -213,7 +213,7 @@ CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& i
   std::vector<Piece> pieces;
   std::vector<uint32_t> stored;  // rank 0: each dataset's stored CRC-32
   std::vector<int64_t> dataset_bytes;
-  collectively(comm, [&] {
+  on_every_rank(comm.get(), [&] {
     const std::string where = "checkpoint '" + path + "'";
     std::vector<int64_t> offsets;
     std::vector<typename Vector::HostMirror> hosts;
@@ -271,7 +271,7 @@ CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& i
   });
   if (crc_format) {
     const std::vector<Piece> all = gather_pieces(comm, pieces);
-    collectively(comm, [&] {
+    on_every_rank(comm.get(), [&] {
       if (comm.rank() != 0) return;
       const std::vector<uint32_t> crcs = combine_pieces(all, dataset_bytes, entries);
       for (size_t i = 0; i < crcs.size(); ++i) {

@@ -325,7 +325,7 @@ void finish_writes(const PrivateComm& comm, SaveJob& job) {
   if (job.thread.joinable()) job.thread.join();
   std::vector<Piece> pieces;  // rank 0: every rank's
   try {
-    collectively(comm, [&] {
+    on_every_rank(comm.get(), [&] {
       if (job.error) std::rethrow_exception(job.error);
       checked_int(job.pieces.size() * sizeof(Piece), "the checksums of a checkpoint (bytes)");
     });
@@ -397,7 +397,7 @@ std::string Checkpointer::save(const CheckpointContents& contents, const std::st
 
   // Phase 1: local work only, then agreement. On failure rank 0 drops the file it created.
   try {
-    collectively(comm, [&] {
+    on_every_rank(comm.get(), [&] {
       MESHTRAIN_REQUIRE(contents.mesh.world_size() == comm.size(), "checkpoint: the mesh (",
                         contents.mesh.describe(), ") has ", contents.mesh.world_size(),
                         " ranks but the communicator has ", comm.size());
@@ -532,7 +532,7 @@ std::optional<std::string> Checkpointer::wait() {
   }
   if (!job->finishing) finish_writes(*comm_, *job);
   if (job->finisher.joinable()) job->finisher.join();
-  collectively(*comm_, [&] {
+  on_every_rank(comm_->get(), [&] {
     if (job->finish_error) std::rethrow_exception(job->finish_error);
   });
   return job->final_path;
