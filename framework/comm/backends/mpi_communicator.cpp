@@ -14,7 +14,7 @@
 namespace meshtrain {
 
 namespace {
-class MpiShiftSlot;
+class MpiRequestSlot;
 }  // namespace
 
 struct MpiCommunicator::State {
@@ -24,11 +24,12 @@ struct MpiCommunicator::State {
   // Requests given up on after a timeout. They cannot be freed (MPI forbids freeing a
   // collective's request), so they are kept and tested once more when the state goes.
   std::vector<MPI_Request> abandoned;
-  // The pool of shift requests: every slot ever made (owned here), and the free ones as
+  // The pool of started operations (shifts, all-gathers, all-reduces): every slot ever made
+  // (owned here), and the free ones as
   // an intrusive list. A slot in use holds a reference to this state, so the state (and
   // the slot) outlive the communicator while a Request is pending.
-  std::vector<std::unique_ptr<MpiShiftSlot>> shift_slots;
-  MpiShiftSlot* free_shift_slots = nullptr;
+  std::vector<std::unique_ptr<MpiRequestSlot>> request_slots;
+  MpiRequestSlot* free_request_slots = nullptr;
   // Host copies for the blocking operations when Kokkos' memory is device memory.
   HostStaging staging;
 
@@ -95,12 +96,12 @@ std::string timeout_text(double seconds) {
 
 // One shift's two MPI requests (receive, send), or a started all-gather's or all-reduce's
 // one (in the receive slot), completed against the deadline taken at wait(). Pooled in
-// MpiCommunicator::State: acquire_shift_slot() takes a free slot (or makes one when every slot is
+// MpiCommunicator::State: acquire_request_slot() takes a free slot (or makes one when every slot is
 // in flight), Request::Impl::release() puts it back.
-class MpiShiftSlot final : public Request::Impl {
+class MpiRequestSlot final : public Request::Impl {
  public:
-  explicit MpiShiftSlot(MpiCommunicator::State& owner) : owner_(owner) {}
-  ~MpiShiftSlot() override = default;
+  explicit MpiRequestSlot(MpiCommunicator::State& owner) : owner_(owner) {}
+  ~MpiRequestSlot() override = default;
 
   // Readies a free slot for one shift; `state` is the owner, kept alive while in use.
   void start(std::shared_ptr<MpiCommunicator::State> state, double timeout, const char* op) {
@@ -124,7 +125,7 @@ class MpiShiftSlot final : public Request::Impl {
   }
   MPI_Request& receive() { return requests_[0]; }
   MPI_Request& send() { return requests_[1]; }
-  MpiShiftSlot*& next_free() { return next_free_; }
+  MpiRequestSlot*& next_free() { return next_free_; }
 
   bool test() override {
     const bool done = wait_all_until(owner_, requests_, 2, 0.0, op_);
@@ -149,8 +150,8 @@ class MpiShiftSlot final : public Request::Impl {
       }
       r = MPI_REQUEST_NULL;
     }
-    next_free_ = owner_.free_shift_slots;
-    owner_.free_shift_slots = this;
+    next_free_ = owner_.free_request_slots;
+    owner_.free_request_slots = this;
     // Last: when this was the last reference to the state, the state (and this slot) go.
     std::shared_ptr<MpiCommunicator::State> keep = std::move(state_);
   }
@@ -164,7 +165,7 @@ class MpiShiftSlot final : public Request::Impl {
   std::size_t count_ = 0;
   double timeout_ = 0.0;
   const char* op_ = "shift";
-  MpiShiftSlot* next_free_ = nullptr;
+  MpiRequestSlot* next_free_ = nullptr;
 };
 
 int rank_of(MPI_Comm comm) {
@@ -186,14 +187,14 @@ int size_of(MPI_Comm comm) {
 constexpr int kShiftTagBase = 1000;
 
 // A free slot of the pool, readied for one shift; a new slot only when all are in flight.
-MpiShiftSlot& acquire_shift_slot(const std::shared_ptr<MpiCommunicator::State>& state,
-                                 double timeout, const char* op) {
-  MpiShiftSlot* slot = state->free_shift_slots;
+MpiRequestSlot& acquire_request_slot(const std::shared_ptr<MpiCommunicator::State>& state,
+                                     double timeout, const char* op) {
+  MpiRequestSlot* slot = state->free_request_slots;
   if (slot != nullptr) {
-    state->free_shift_slots = slot->next_free();
+    state->free_request_slots = slot->next_free();
   } else {
-    state->shift_slots.push_back(std::make_unique<MpiShiftSlot>(*state));
-    slot = state->shift_slots.back().get();
+    state->request_slots.push_back(std::make_unique<MpiRequestSlot>(*state));
+    slot = state->request_slots.back().get();
   }
   slot->next_free() = nullptr;
   slot->start(state, timeout, op);
@@ -350,7 +351,7 @@ Request MpiCommunicator::raw_shift(const float* send, float* recv, std::size_t c
   const int from = (rank() - k + size) % size;
   const int tag = kShiftTagBase + k % 30000;
   Kokkos::fence();
-  MpiShiftSlot& slot = acquire_shift_slot(state_, timeout_seconds(), op);
+  MpiRequestSlot& slot = acquire_request_slot(state_, timeout_seconds(), op);
   const float* send_mpi = slot.send_buffer(send, count);
   const int received = MPI_Irecv(slot.receive_buffer(recv, count), n, MPI_FLOAT, from, tag,
                                  state_->comm, &slot.receive());
@@ -386,7 +387,7 @@ Request MpiCommunicator::raw_start_all_gather(const float* send, float* recv,
   const int count = checked_int(count_per_rank, "all_gather count per rank");
   const std::size_t total = count_per_rank * static_cast<std::size_t>(size());
   Kokkos::fence();
-  MpiShiftSlot& slot = acquire_shift_slot(state_, timeout_seconds(), op);
+  MpiRequestSlot& slot = acquire_request_slot(state_, timeout_seconds(), op);
   const float* send_mpi = slot.send_buffer(send, count_per_rank);
   const int started = MPI_Iallgather(send_mpi, count, MPI_FLOAT, slot.receive_buffer(recv, total),
                                      count, MPI_FLOAT, state_->comm, &slot.receive());
@@ -405,7 +406,7 @@ Request MpiCommunicator::raw_start_all_reduce_sum(float* data, std::size_t count
   state_->require_usable(op);
   const int n = checked_int(count, "started all_reduce count");
   Kokkos::fence();
-  MpiShiftSlot& slot = acquire_shift_slot(state_, timeout_seconds(), op);
+  MpiRequestSlot& slot = acquire_request_slot(state_, timeout_seconds(), op);
   const int started = MPI_Iallreduce(MPI_IN_PLACE, slot.receive_buffer(data, count, true), n,
                                      MPI_FLOAT, MPI_SUM, state_->comm, &slot.receive());
   if (started != MPI_SUCCESS) {

@@ -94,10 +94,10 @@ bool overlaps(const float* a, std::size_t na, const float* b, std::size_t nb) {
 
 // ------------------------------------------------------------------------------ State
 
-class NcclShiftSlot;
+class NcclRequestSlot;
 // Deletes a slot of the shift pool (defined with the slot, below).
-struct NcclShiftSlotDeleter {
-  void operator()(NcclShiftSlot* slot) const noexcept;
+struct NcclRequestSlotDeleter {
+  void operator()(NcclRequestSlot* slot) const noexcept;
 };
 
 struct NcclCommunicator::State {
@@ -112,8 +112,8 @@ struct NcclCommunicator::State {
   // The pool of shift requests: every slot ever made (owned here), the free ones as an
   // intrusive list. A slot in use holds a reference to this state, so a pending Request
   // keeps the state alive after the communicator is gone.
-  std::vector<std::unique_ptr<NcclShiftSlot, NcclShiftSlotDeleter>> shift_slots;
-  NcclShiftSlot* free_shift_slots = nullptr;
+  std::vector<std::unique_ptr<NcclRequestSlot, NcclRequestSlotDeleter>> request_slots;
+  NcclRequestSlot* free_request_slots = nullptr;
 
   State() = default;
   State(const State&) = delete;
@@ -252,12 +252,12 @@ struct NcclCommunicator::State {
 using State = NcclCommunicator::State;
 
 // A pending shift: an event recorded on the stream after its send and receive. Pooled in
-// State: acquire_shift_slot() takes a free slot (or makes one when all are in flight) and
+// State: acquire_request_slot() takes a free slot (or makes one when all are in flight) and
 // an event, Request::Impl::release() gives both back.
-class NcclShiftSlot final : public Request::Impl {
+class NcclRequestSlot final : public Request::Impl {
  public:
-  explicit NcclShiftSlot(State& owner) : owner_(owner) {}
-  ~NcclShiftSlot() override = default;
+  explicit NcclRequestSlot(State& owner) : owner_(owner) {}
+  ~NcclRequestSlot() override = default;
 
   // Readies a free slot for one shift; `state` is the owner, kept alive while in use.
   void start(std::shared_ptr<State> state, double timeout, const char* op) {
@@ -268,7 +268,7 @@ class NcclShiftSlot final : public Request::Impl {
     done_ = false;
   }
   cudaEvent_t event() const { return event_; }
-  NcclShiftSlot*& next_free() { return next_free_; }
+  NcclRequestSlot*& next_free() { return next_free_; }
 
   bool test() override {
     if (done_) return true;
@@ -307,8 +307,8 @@ class NcclShiftSlot final : public Request::Impl {
       }
       event_ = nullptr;
     }
-    next_free_ = owner_.free_shift_slots;
-    owner_.free_shift_slots = this;
+    next_free_ = owner_.free_request_slots;
+    owner_.free_request_slots = this;
     // Last: when this was the last reference to the state, the state (and this slot) go.
     std::shared_ptr<State> keep = std::move(state_);
   }
@@ -320,27 +320,27 @@ class NcclShiftSlot final : public Request::Impl {
   double timeout_ = 0.0;
   const char* op_ = "shift";
   bool done_ = false;
-  NcclShiftSlot* next_free_ = nullptr;
+  NcclRequestSlot* next_free_ = nullptr;
 };
 
-void NcclShiftSlotDeleter::operator()(NcclShiftSlot* slot) const noexcept {
+void NcclRequestSlotDeleter::operator()(NcclRequestSlot* slot) const noexcept {
   delete slot;
 }
 
 namespace {
 
 // A free slot of the pool with a fresh event, ready for one shift.
-NcclShiftSlot& acquire_shift_slot(const std::shared_ptr<State>& state, double timeout,
-                                  const char* op) {
-  NcclShiftSlot* slot = state->free_shift_slots;
+NcclRequestSlot& acquire_request_slot(const std::shared_ptr<State>& state, double timeout,
+                                      const char* op) {
+  NcclRequestSlot* slot = state->free_request_slots;
   if (slot == nullptr) {
-    state->shift_slots.emplace_back(new NcclShiftSlot(*state));
-    slot = state->shift_slots.back().get();
+    state->request_slots.emplace_back(new NcclRequestSlot(*state));
+    slot = state->request_slots.back().get();
     slot->next_free() = nullptr;
-    state->free_shift_slots = slot;
+    state->free_request_slots = slot;
   }
   slot->start(state, timeout, op);  // may throw (no event): the slot stays free
-  state->free_shift_slots = slot->next_free();
+  state->free_request_slots = slot->next_free();
   slot->next_free() = nullptr;
   return *slot;
 }
@@ -650,9 +650,9 @@ Request start_with_event(const std::shared_ptr<State>& state, double timeout, co
                          Enqueue&& enqueue) {
   State& s = *state;
   const Clock::time_point deadline = deadline_after(timeout);
-  NcclShiftSlot& pending = acquire_shift_slot(state, timeout, op);
+  NcclRequestSlot& pending = acquire_request_slot(state, timeout, op);
   struct GiveBackOnThrow {
-    NcclShiftSlot* slot;
+    NcclRequestSlot* slot;
     ~GiveBackOnThrow() {
       if (slot != nullptr) slot->release();
     }
