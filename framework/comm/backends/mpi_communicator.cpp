@@ -25,9 +25,9 @@ struct MpiCommunicator::State {
   // collective's request), so they are kept and tested once more when the state goes.
   std::vector<MPI_Request> abandoned;
   // The pool of started operations (shifts, all-gathers, all-reduces): every slot ever made
-  // (owned here), and the free ones as
-  // an intrusive list. A slot in use holds a reference to this state, so the state (and
-  // the slot) outlive the communicator while a Request is pending.
+  // (owned here), and the free ones as an intrusive list. A slot in use holds a reference
+  // to this state, so the state (and the slot) outlive the communicator while a Request is
+  // pending.
   std::vector<std::unique_ptr<MpiRequestSlot>> request_slots;
   MpiRequestSlot* free_request_slots = nullptr;
   // Host copies for the blocking operations when Kokkos' memory is device memory.
