@@ -579,7 +579,10 @@ void TrainingRun::train_steps(RunSummary& summary) {
     if (save_now || done == total_steps_) {
       start_save();
     } else if (checkpointer_->in_flight()) {
-      on_every_rank(comm_, [&] { report_checkpoint(checkpointer_->poll()); });
+      // Not wrapped in an agreement: poll() reads an MPI_Iallreduce started at the previous
+      // poll (so it waits for no slower rank), and the completion it may run agrees on its
+      // own outcome, the same on every rank.
+      report_checkpoint(checkpointer_->poll());
     }
     window_paused_s_ += seconds_since(after_step);
   }

@@ -18,14 +18,21 @@
 
 #include <Kokkos_Core.hpp>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <memory>
 #include <new>
 #include <ostream>
 #include <string>
+#include <string_view>
+#include <thread>
 #include <vector>
 
+#include "framework/comm/mpi_util.hpp"
+#include "framework/io/checkpoint_testing.hpp"
 #include "run/training_run.hpp"
 #include "tests/data/hdf5_test_files.hpp"
 #include "tests/test_support.hpp"
@@ -35,6 +42,10 @@
 namespace {
 
 std::atomic<bool> g_window_open{false};
+// When set, only allocations of g_counted_thread count (a test of the training thread alone,
+// beside a checkpoint writer thread that builds its own records).
+std::atomic<bool> g_one_thread{false};
+std::thread::id g_counted_thread;
 std::atomic<long> g_allocations{0};
 std::atomic<long> g_kokkos_allocations{0};  // Kokkos View allocations while the window is open
 
@@ -48,6 +59,10 @@ bool g_tracing = false;  // no counting while a trace is printed
 
 void on_allocation(std::size_t bytes) {
   if (!g_window_open.load(std::memory_order_relaxed) || g_tracing) return;
+  if (g_one_thread.load(std::memory_order_relaxed) &&
+      std::this_thread::get_id() != g_counted_thread) {
+    return;
+  }
   g_allocations.fetch_add(1, std::memory_order_relaxed);
   if (g_trace_left <= 0) return;
   --g_trace_left;
@@ -378,6 +393,67 @@ TEST(TrainingStep, CounterSeesKokkosAllocations) {
   Vector v("v", 4);
   window.close();
   EXPECT_EQ(window.kokkos_allocations(), 1);
+}
+
+// train() with a checkpoint in flight (issue 20, bug 5): each step's poll of the save is
+// one non-blocking MPI_Iallreduce, read at the next poll; no agreement that waits for the
+// slowest rank and no allocation. A hook keeps the writer of step 6's save asleep, so the
+// save is in flight from step 7 to step 12; counted on the training thread (the writer builds
+// its own records) of ranks above 0 (rank 0 writes metrics.jsonl lines, which build JSON),
+// from the log event of step 7 to that of step 12.
+TEST(TrainingStep, TrainWithASaveInFlightAllocatesNothing) {
+  const int n = world_size();
+  if (n < 2) GTEST_SKIP() << "counted on ranks above 0 (rank 0 writes metrics as JSON)";
+  const std::string dir = std::filesystem::temp_directory_path().string() +
+                          "/meshtrain_step_allocations_save_np" + std::to_string(n);
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  set_checkpoint_fault_hook([](const char* point, int64_t) {
+    if (std::string_view(point) == "before_close") {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    }
+  });
+  RunConfig config;
+  config.mesh.axes = {{"dp", n}};
+  config.partition.preset = "dp";
+  config.model.sizes = {32, 24, 8};
+  config.model.loss = "cross_entropy";
+  config.data.batch_size = 16;
+  config.train.steps = 12;
+  config.train.log_every = 7;  // logs at steps 7 and 12 (the last)
+  config.train.eval_every = 0;
+  config.checkpoint.every_steps = 6;
+  config.run.output_dir = dir;
+  config.run.seed = 7;
+  long counted = -1, kokkos = -1;
+  std::unique_ptr<AllocationWindow> window;
+  RunEvents events;
+  events.on_log = [&](const LogEvent& e) {
+    if (e.step == 7) {
+      g_counted_thread = std::this_thread::get_id();
+      g_one_thread = true;
+      window = std::make_unique<AllocationWindow>();
+    } else if (e.step == 12 && window) {
+      counted = window->close();
+      kokkos = window->kokkos_allocations();
+      g_one_thread = false;
+    }
+  };
+  std::vector<int64_t> saved;
+  events.on_checkpoint = [&](int64_t step, const std::string&) { saved.push_back(step); };
+  {
+    TrainingRun run(config, events, RunData{small_data(LossKind::cross_entropy), Dataset{}});
+    run.train();
+  }
+  set_checkpoint_fault_hook(nullptr);
+  EXPECT_EQ(saved, (std::vector<int64_t>{6, 12}));  // step 6's save was in flight throughout
+  if (world_rank() > 0) {
+    EXPECT_EQ(counted, 0) << "heap allocations on the training thread in steps 8..12 with a "
+                             "save in flight (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+    EXPECT_EQ(kokkos, 0);
+  }
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
 }
 
 }  // namespace
