@@ -49,16 +49,12 @@ void ensure_writable_directory(const std::string& dir, const char* key) {
 // Rank 0's value on every rank of `comm`.
 std::optional<std::string> broadcast_from_rank0(const std::optional<std::string>& value,
                                                 MPI_Comm comm) {
-  long long length = value ? static_cast<long long>(value->size()) : -1;
-  MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Ibcast(&length, 1, MPI_LONG_LONG, 0, comm, &request), "MPI_Ibcast");
-  wait_collective(&request, 1, "MPI_Ibcast (the checkpoint to resume)");
-  if (length < 0) return std::nullopt;
-  std::string text = value.value_or(std::string(static_cast<size_t>(length), '\0'));
-  check_mpi(MPI_Ibcast(text.data(), checked_int(text.size(), "checkpoint path length"), MPI_CHAR, 0,
-                       comm, &request),
-            "MPI_Ibcast");
-  wait_collective(&request, 1, "MPI_Ibcast (the checkpoint to resume)");
+  const char* op = "MPI_Ibcast (the checkpoint to resume)";
+  int present = value.has_value() ? 1 : 0;
+  broadcast_collective(&present, 1, MPI_INT, 0, comm, op);
+  if (!present) return std::nullopt;
+  std::string text = value.value_or(std::string());
+  broadcast_string(text, 0, comm, op);
   return text;
 }
 
@@ -300,6 +296,13 @@ void TrainingRun::agree_on_data_shape() {
   }
 }
 
+// In a catch of a batch this rank could not read: only this rank knows, so it keeps the
+// error (the first) and poisons the loss's next reduction, which every rank then sees.
+void TrainingRun::keep_data_error(Loss& loss) {
+  if (!data_error_) data_error_ = std::current_exception();
+  loss.poison_next_reduction();
+}
+
 // After a non-finite reduced loss: when some rank could not read its rows, that is why
 // (the lowest such rank's error, thrown on every rank); otherwise returns.
 void TrainingRun::throw_agreed_data_error() {
@@ -339,9 +342,7 @@ void TrainingRun::load_batch(int64_t step, int64_t micro) {
   try {
     train_stream_->take(step * accumulation_ + micro, x_, labels_, targets_);
   } catch (const Error&) {
-    // Only this rank knows: it poisons the loss, which every rank then sees.
-    if (!data_error_) data_error_ = std::current_exception();
-    loss_->poison_next_reduction();
+    keep_data_error(*loss_);
   }
 }
 
@@ -467,8 +468,7 @@ EvalEvent TrainingRun::evaluate() {
     try {
       valid = eval_stream_->take(eval_seq_++, x, labels, targets);
     } catch (const Error&) {
-      if (!data_error_) data_error_ = std::current_exception();
-      loss.poison_next_reduction();
+      keep_data_error(loss);
     }
     const LossResult r = compute_loss(loss, model.forward(x), labels, targets,
                                       /*with_gradient=*/false, valid);

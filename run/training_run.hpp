@@ -170,6 +170,7 @@ class TrainingRun {
   void log_step(const StepResult& result);
   void train_steps(RunSummary& summary);
   void start_streams();
+  void keep_data_error(Loss& loss);
   void throw_agreed_data_error();
   void agree_on_data_shape();
   void report_checkpoint(const std::optional<std::string>& path);

@@ -6,7 +6,7 @@
 #include <ctime>
 #include <string>
 
-#include "framework/comm/communicator.hpp"  // collective_timeout_from_env
+#include "framework/comm/communicator.hpp"  // collective_timeout_from_env, checked_int
 #include "partition/error.hpp"
 
 namespace meshtrain {
@@ -43,6 +43,20 @@ void wait_collective(MPI_Request* requests, int count, const char* op) {
   if (wait_all_until(requests, count, timeout, op)) return;
   MESHTRAIN_FAIL(op, " did not complete within ", timeout,
                  " s (MESHTRAIN_COLLECTIVE_TIMEOUT): a rank is dead or stalled");
+}
+
+void broadcast_collective(void* data, int count, MPI_Datatype type, int root, MPI_Comm comm,
+                          const char* op) {
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Ibcast(data, count, type, root, comm, &request), op);
+  wait_collective(&request, 1, op);
+}
+
+void broadcast_string(std::string& text, int root, MPI_Comm comm, const char* op) {
+  int length = checked_int(text.size(), op);
+  broadcast_collective(&length, 1, MPI_INT, root, comm, op);
+  text.resize(static_cast<size_t>(length));
+  if (length > 0) broadcast_collective(text.data(), length, MPI_CHAR, root, comm, op);
 }
 
 void detail::pause_between_polls(double waited) {

@@ -4,6 +4,8 @@
 
 #include <mpi.h>
 
+#include <string>
+
 namespace meshtrain {
 
 namespace detail {
@@ -51,5 +53,12 @@ bool wait_all_until(MPI_Request* requests, int count, double timeout, const char
 // stay in the array. What a blocking collective outside a Communicator (checkpoint
 // agreement, broadcasts of a path) waits with.
 void wait_collective(MPI_Request* requests, int count, const char* op);
+
+// MPI_Ibcast of `count` items of `type` from `root`, waited for with wait_collective: a
+// broadcast outside a Communicator that a dead or stalled rank cannot hang.
+void broadcast_collective(void* data, int count, MPI_Datatype type, int root, MPI_Comm comm,
+                          const char* op);
+// `root`'s text on every rank of `comm` (its length, then its bytes), the same way.
+void broadcast_string(std::string& text, int root, MPI_Comm comm, const char* op);
 
 }  // namespace meshtrain

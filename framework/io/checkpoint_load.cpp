@@ -32,18 +32,6 @@ namespace {
 // kernel's read-ahead fetches the next).
 constexpr int64_t kSliceBytes = int64_t{4} << 20;
 
-void broadcast_string(const PrivateComm& comm, std::string& text, int root) {
-  int length = checked_int(text.size(), "string length");
-  MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Ibcast(&length, 1, MPI_INT, root, comm.get(), &request), "MPI_Ibcast (checkpoint)");
-  wait_collective(&request, 1, "MPI_Ibcast (checkpoint)");
-  text.resize(static_cast<size_t>(length));
-  if (length == 0) return;
-  check_mpi(MPI_Ibcast(text.data(), length, MPI_CHAR, root, comm.get(), &request),
-            "MPI_Ibcast (checkpoint)");
-  wait_collective(&request, 1, "MPI_Ibcast (checkpoint)");
-}
-
 void check_parameter_names(hid_t file, const CheckpointContents& into, const std::string& path) {
   const std::string where = "checkpoint '" + path + "'";
   std::vector<std::string> stored;
@@ -204,7 +192,7 @@ CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& i
     entries = dataset_entries(into, comm.rank());
     if (comm.rank() == 0) path = resolve_checkpoint_path(path_in);
   });
-  broadcast_string(comm, path, 0);
+  broadcast_string(path, 0, comm.get(), "MPI_Ibcast (the checkpoint path)");
 
   // Every rank opens the file on its own (serial HDF5, read only) and reads its blocks: no
   // collective call until all have agreed that they succeeded.

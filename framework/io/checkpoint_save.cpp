@@ -468,11 +468,8 @@ std::string Checkpointer::save(const CheckpointContents& contents, const std::st
     throw;
   }
   // Rank 0's offsets on every rank (the contents, and so the datasets, are alike on all).
-  MPI_Request offsets_request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Ibcast(job->offsets.data(), static_cast<int>(job->offsets.size()), MPI_INT64_T, 0,
-                       comm.get(), &offsets_request),
-            "MPI_Ibcast (checkpoint dataset offsets)");
-  wait_collective(&offsets_request, 1, "MPI_Ibcast (checkpoint dataset offsets)");
+  broadcast_collective(job->offsets.data(), static_cast<int>(job->offsets.size()), MPI_INT64_T, 0,
+                       comm.get(), "MPI_Ibcast (checkpoint dataset offsets)");
 
   // Phase 2: the writer.
   const std::string path = job->final_path;

@@ -291,6 +291,13 @@ class Hdf5Source final : public RowSource {
     return *(it - 1);
   }
 
+  // The consecutive rows starting at sorted position k (before `end`): one read.
+  int64_t run_length(const int64_t* rows, int64_t k, int64_t end) const {
+    int64_t run = 1;
+    while (k + run < end && rows[order_[k + run]] == rows[order_[k]] + run) ++run;
+    return run;
+  }
+
   // Asks the kernel for every byte this batch will pread before the first pread, so the
   // disk has them all in flight instead of one at a time: the runs of the sorted rows, or
   // with blocks the whole blocks they fall in (read once, sequentially, for the batches of
@@ -299,8 +306,7 @@ class Hdf5Source final : public RowSource {
     int64_t last_block = -1;
     for (int64_t k = 0; k < count;) {
       const int64_t row = rows[order_[k]];
-      int64_t run = 1;
-      while (k + run < count && rows[order_[k + run]] == row + run) ++run;
+      const int64_t run = run_length(rows, k, count);
       k += run;
       int64_t first = row, end = row + run;
       if (block_rows_ > 0) {
@@ -355,8 +361,7 @@ class Hdf5Source final : public RowSource {
       auto* bytes = static_cast<char*>(out);
       for (int64_t k = begin; k < end;) {
         const int64_t first = rows[order_[k]] - s.first;
-        int64_t run = 1;
-        while (k + run < end && rows[order_[k + run]] - s.first == first + run) ++run;
+        const int64_t run = run_length(rows, k, end);
         pread_all(s, bytes + (k - begin) * c.width * static_cast<int64_t>(stored),
                   static_cast<size_t>(run * c.width) * stored,
                   c.offset + first * c.width * static_cast<int64_t>(stored), name);
