@@ -6,6 +6,7 @@
 #include <climits>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "framework/core/kernel_label.hpp"
 
@@ -33,8 +34,42 @@ double collective_timeout_from_env() {
 
 // ---------------------------------------------------------------------------- Request
 
+struct Request::WireSlot {
+  HalfBits send, recv;         // grown on first use, kept
+  float* unpack_to = nullptr;  // the caller's floats the received elements widen into
+  std::size_t count = 0;
+  Dtype dtype = Dtype::bf16;
+  std::shared_ptr<WirePool> pool;  // set while in use: the pool outlives a pending Request
+  WireSlot* next_free = nullptr;
+};
+
+// Every slot ever made (owned here) and the free ones as an intrusive list.
+struct Request::WirePool {
+  std::vector<std::unique_ptr<WireSlot>> slots;
+  WireSlot* free = nullptr;
+};
+
+void Request::complete_wire() {
+  if (wire_ == nullptr) return;
+  unpack_16bit(wire_->recv.data(), wire_->unpack_to, wire_->count, wire_->dtype);
+  Kokkos::fence();
+  drop_wire();
+}
+
+void Request::drop_wire() noexcept {
+  if (wire_ == nullptr) return;
+  WireSlot* slot = wire_;
+  wire_ = nullptr;
+  std::shared_ptr<WirePool> keep = std::move(slot->pool);  // last: may destroy the pool
+  slot->next_free = keep->free;
+  keep->free = slot;
+}
+
 void Request::finish() noexcept {
-  if (impl_ == nullptr) return;
+  if (impl_ == nullptr) {
+    drop_wire();
+    return;
+  }
   Impl* impl = impl_;
   impl_ = nullptr;
   try {
@@ -43,13 +78,16 @@ void Request::finish() noexcept {
     // A destructor cannot report; the timeout already bounded the wait.
   }
   impl->release();
+  drop_wire();  // nobody waits for the result
 }
 
 Request& Request::operator=(Request&& other) noexcept {
   if (this != &other) {
     finish();
     impl_ = other.impl_;
+    wire_ = other.wire_;
     other.impl_ = nullptr;
+    other.wire_ = nullptr;
   }
   return *this;
 }
@@ -67,9 +105,11 @@ void Request::wait() {
     impl->wait();
   } catch (...) {
     impl->release();
+    drop_wire();
     throw;
   }
   impl->release();
+  complete_wire();
 }
 
 bool Request::test() {
@@ -78,6 +118,7 @@ bool Request::test() {
   Impl* impl = impl_;
   impl_ = nullptr;
   impl->release();
+  complete_wire();
   return true;
 }
 
@@ -131,7 +172,8 @@ Communicator::Communicator(int size, int rank, std::string description)
     : size_(size),
       rank_(rank),
       description_(std::move(description)),
-      timeout_seconds_(collective_timeout_from_env()) {
+      timeout_seconds_(collective_timeout_from_env()),
+      wire_pool_(std::make_shared<Request::WirePool>()) {
   MESHTRAIN_REQUIRE(size >= 1 && rank >= 0 && rank < size, "communicator ", description_,
                     " has an invalid rank ", rank, " of ", size);
 }
@@ -154,13 +196,67 @@ float* Communicator::scratch(std::size_t floats) {
   return scratch_.data();
 }
 
-void Communicator::all_gather(ConstVectorView send, VectorView recv) {
-  const char* op = "all_gather";
-  require_gather_lengths(send, recv, size_, description_, op);
-  raw_all_gather(send.data(), recv.data(), send.extent(0), op);
+namespace {
+uint16_t* grown(HalfBits& buffer, std::size_t count) {
+  if (buffer.extent(0) < count) {
+    buffer = HalfBits();  // free the old one first
+    buffer = HalfBits(Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshtrain::comm_wire"), count);
+  }
+  return buffer.data();
+}
+bool is_16bit(Dtype wire) {
+  return wire != Dtype::fp32;
+}
+}  // namespace
+
+uint16_t* Communicator::wire_send(std::size_t count) {
+  return grown(wire_send_, count);
 }
 
-void Communicator::all_gather(ConstMatrixView send, MatrixView recv, int dim) {
+uint16_t* Communicator::wire_recv(std::size_t count) {
+  return grown(wire_recv_, count);
+}
+
+Request::WireSlot& Communicator::acquire_wire_slot(std::size_t send_count, std::size_t recv_count) {
+  Request::WirePool& pool = *wire_pool_;
+  Request::WireSlot* slot = pool.free;
+  if (slot != nullptr) {
+    pool.free = slot->next_free;
+  } else {
+    pool.slots.push_back(std::make_unique<Request::WireSlot>());
+    slot = pool.slots.back().get();
+  }
+  slot->next_free = nullptr;
+  slot->pool = wire_pool_;
+  grown(slot->send, send_count);
+  grown(slot->recv, recv_count);
+  return *slot;
+}
+
+// The flat gather of `count` floats per rank into `recv`, moving `wire` elements.
+void Communicator::gather_flat(const float* send, float* recv, std::size_t count, Dtype wire,
+                               const char* op) {
+  if (!is_16bit(wire)) {
+    raw_all_gather(send, recv, count, Dtype::fp32, op);
+    return;
+  }
+  const std::size_t total = count * static_cast<std::size_t>(size_);
+  uint16_t* packed = wire_send(count);
+  uint16_t* arrived = wire_recv(total);
+  pack_16bit(send, packed, count, wire);
+  Kokkos::fence();
+  raw_all_gather(packed, arrived, count, wire, op);
+  unpack_16bit(arrived, recv, total, wire);
+  Kokkos::fence();
+}
+
+void Communicator::all_gather(ConstVectorView send, VectorView recv, Dtype wire) {
+  const char* op = "all_gather";
+  require_gather_lengths(send, recv, size_, description_, op);
+  gather_flat(send.data(), recv.data(), send.extent(0), wire, op);
+}
+
+void Communicator::all_gather(ConstMatrixView send, MatrixView recv, int dim, Dtype wire) {
   const char* op = "all_gather";
   require_dim(dim, description_, op);
   const std::size_t n = static_cast<std::size_t>(size_);
@@ -177,12 +273,12 @@ void Communicator::all_gather(ConstMatrixView send, MatrixView recv, int dim) {
   if (dim == 0 || n == 1 || r == 1) {
     // Dim 0 (and the degenerate dim-1 cases) is the flat gather.
     require_contiguous(recv, description_, op, "receive");
-    raw_all_gather(send.data(), recv.data(), r * c, op);
+    gather_flat(send.data(), recv.data(), r * c, wire, op);
     return;
   }
   // Gather [n][r][c] blocks into the scratch buffer, then place block j at columns j*c.
   float* staging = scratch(n * r * c);
-  raw_all_gather(send.data(), staging, r * c, op);
+  gather_flat(send.data(), staging, r * c, wire, op);
   place_gathered_columns(ConstVectorView(staging, n * r * c), recv, static_cast<int>(n));
 }
 
@@ -203,19 +299,66 @@ void place_gathered_columns(ConstVectorView blocks, MatrixView recv, int n) {
   Kokkos::fence();
 }
 
-Request Communicator::start_all_gather(ConstVectorView send, VectorView recv) {
+Request Communicator::start_all_gather(ConstVectorView send, VectorView recv, Dtype wire) {
   const char* op = "all_gather";
   require_gather_lengths(send, recv, size_, description_, op);
-  return raw_start_all_gather(send.data(), recv.data(), send.extent(0), op);
+  const std::size_t count = send.extent(0);
+  if (!is_16bit(wire)) return raw_start_all_gather(send.data(), recv.data(), count, wire, op);
+  Request::WireSlot& slot = acquire_wire_slot(count, recv.extent(0));
+  pack_16bit(send.data(), slot.send.data(), count, wire);
+  return start_on_wire(slot, recv.data(), recv.extent(0), wire, [&] {
+    return raw_start_all_gather(slot.send.data(), slot.recv.data(), count, wire, op);
+  });
 }
 
-Request Communicator::start_all_reduce(VectorView data) {
+Request Communicator::start_all_reduce(VectorView data, Dtype wire) {
   const char* op = "all_reduce";
-  checked_int(data.extent(0), "started all_reduce count");
-  return raw_start_all_reduce_sum(data.data(), data.extent(0), op);
+  const std::size_t count = data.extent(0);
+  checked_int(count, "started all_reduce count");
+  if (!is_16bit(wire)) return raw_start_all_reduce_sum(data.data(), count, wire, op);
+  Request::WireSlot& slot = acquire_wire_slot(0, count);
+  pack_16bit(data.data(), slot.recv.data(), count, wire);
+  return start_on_wire(slot, data.data(), count, wire, [&] {
+    return raw_start_all_reduce_sum(slot.recv.data(), count, wire, op);
+  });
 }
 
-void Communicator::reduce_scatter(ConstVectorView send, VectorView recv) {
+// A 16-bit operation on `slot`'s buffers: `start` begins it on the backend; the Request
+// returned completes it and widens the slot's received elements into `unpack_to`. When
+// `start` throws, the slot goes back to the pool.
+template <class Start>
+Request Communicator::start_on_wire(Request::WireSlot& slot, float* unpack_to, std::size_t count,
+                                    Dtype wire, Start&& start) {
+  slot.unpack_to = unpack_to;
+  slot.count = count;
+  slot.dtype = wire;
+  Request request;
+  request.wire_ = &slot;  // the destructor gives it back if start() throws
+  Kokkos::fence();        // the packed send data is in place
+  Request started = start();
+  request.impl_ = started.impl_;
+  started.impl_ = nullptr;
+  return request;
+}
+
+// The flat reduce-scatter of `count` floats per rank, summed in `wire` elements.
+void Communicator::reduce_scatter_flat(const float* send, float* recv, std::size_t count,
+                                       Dtype wire, const char* op) {
+  if (!is_16bit(wire)) {
+    raw_reduce_scatter_sum(send, recv, count, Dtype::fp32, op);
+    return;
+  }
+  const std::size_t total = count * static_cast<std::size_t>(size_);
+  uint16_t* packed = wire_send(total);
+  uint16_t* arrived = wire_recv(count);
+  pack_16bit(send, packed, total, wire);
+  Kokkos::fence();
+  raw_reduce_scatter_sum(packed, arrived, count, wire, op);
+  unpack_16bit(arrived, recv, count, wire);
+  Kokkos::fence();
+}
+
+void Communicator::reduce_scatter(ConstVectorView send, VectorView recv, Dtype wire) {
   const char* op = "reduce_scatter";
   const std::size_t count = recv.extent(0);
   if (send.extent(0) != count * static_cast<std::size_t>(size_)) {
@@ -223,10 +366,10 @@ void Communicator::reduce_scatter(ConstVectorView send, VectorView recv) {
                         size_, " x receive length ", count);
   }
   require_disjoint(send.data(), send.extent(0), recv.data(), count, description_, op);
-  raw_reduce_scatter_sum(send.data(), recv.data(), count, op);
+  reduce_scatter_flat(send.data(), recv.data(), count, wire, op);
 }
 
-void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim) {
+void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim, Dtype wire) {
   const char* op = "reduce_scatter";
   require_dim(dim, description_, op);
   const std::size_t n = static_cast<std::size_t>(size_);
@@ -242,7 +385,7 @@ void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim
   require_disjoint(send.data(), send.span(), recv.data(), r * c, description_, op);
   if (dim == 0 || n == 1 || r == 1) {
     require_contiguous(send, description_, op, "send");
-    raw_reduce_scatter_sum(send.data(), recv.data(), r * c, op);
+    reduce_scatter_flat(send.data(), recv.data(), r * c, wire, op);
     return;
   }
   // Pack column block j of send into block j of [n][r][c] staging, then scatter flat.
@@ -256,11 +399,22 @@ void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim
         stage((j * rows + row) * cols + cc) = send(row, j * cols + cc);
       });
   Kokkos::fence();
-  raw_reduce_scatter_sum(staging, recv.data(), r * c, op);
+  reduce_scatter_flat(staging, recv.data(), r * c, wire, op);
 }
 
-void Communicator::all_reduce(VectorView data, ReduceOp reduce) {
-  raw_all_reduce_sum(data.data(), data.extent(0), "all_reduce");
+void Communicator::all_reduce(VectorView data, ReduceOp reduce, Dtype wire) {
+  const char* op = "all_reduce";
+  const std::size_t count = data.extent(0);
+  if (!is_16bit(wire)) {
+    raw_all_reduce_sum(data.data(), count, Dtype::fp32, op);
+  } else {
+    uint16_t* packed = wire_recv(count);
+    pack_16bit(data.data(), packed, count, wire);
+    Kokkos::fence();
+    raw_all_reduce_sum(packed, count, wire, op);
+    unpack_16bit(packed, data.data(), count, wire);
+    Kokkos::fence();
+  }
   if (reduce == ReduceOp::mean && size_ > 1) {
     const float scale = 1.0f / static_cast<float>(size_);
     Kokkos::parallel_for(
@@ -281,9 +435,9 @@ void Communicator::all_reduce(DoubleVectorView data, ReduceOp reduce) {
   }
 }
 
-void Communicator::all_reduce(MatrixView data, ReduceOp reduce) {
+void Communicator::all_reduce(MatrixView data, ReduceOp reduce, Dtype wire) {
   require_contiguous(data, description_, "all_reduce", "data");
-  all_reduce(VectorView(data.data(), data.span()), reduce);
+  all_reduce(VectorView(data.data(), data.span()), reduce, wire);
 }
 
 void Communicator::broadcast(VectorView data, int root) {
@@ -299,17 +453,23 @@ void Communicator::broadcast(MatrixView data, int root) {
   broadcast(VectorView(data.data(), data.span()), root);
 }
 
-Request Communicator::shift(ConstVectorView send, VectorView recv, int offset) {
+Request Communicator::shift(ConstVectorView send, VectorView recv, int offset, Dtype wire) {
   const char* op = "shift";
   if (send.extent(0) != recv.extent(0)) {
     MESHTRAIN_BAD_INPUT(op, " on ", description_, ": send length ", send.extent(0),
                         " differs from receive length ", recv.extent(0));
   }
   require_disjoint(send.data(), send.extent(0), recv.data(), recv.extent(0), description_, op);
-  return raw_shift(send.data(), recv.data(), send.extent(0), offset, op);
+  const std::size_t count = send.extent(0);
+  if (!is_16bit(wire)) return raw_shift(send.data(), recv.data(), count, wire, offset, op);
+  Request::WireSlot& slot = acquire_wire_slot(count, count);
+  pack_16bit(send.data(), slot.send.data(), count, wire);
+  return start_on_wire(slot, recv.data(), count, wire, [&] {
+    return raw_shift(slot.send.data(), slot.recv.data(), count, wire, offset, op);
+  });
 }
 
-Request Communicator::shift(ConstMatrixView send, MatrixView recv, int offset) {
+Request Communicator::shift(ConstMatrixView send, MatrixView recv, int offset, Dtype wire) {
   if (send.extent(0) != recv.extent(0) || send.extent(1) != recv.extent(1)) {
     MESHTRAIN_BAD_INPUT("shift on ", description_, ": send shape [", send.extent(0), ", ",
                         send.extent(1), "] differs from receive shape [", recv.extent(0), ", ",
@@ -318,7 +478,7 @@ Request Communicator::shift(ConstMatrixView send, MatrixView recv, int offset) {
   require_contiguous(send, description_, "shift", "send");
   require_contiguous(recv, description_, "shift", "receive");
   return shift(ConstVectorView(send.data(), send.span()), VectorView(recv.data(), recv.span()),
-               offset);
+               offset, wire);
 }
 
 void Communicator::all_to_all(ConstMatrixView send, MatrixView recv) {

@@ -23,13 +23,23 @@
 //     [i*r, (i+1)*r); with dim 1, send [r, n*c] and the column block i.
 // Dim-1 operations stage through the scratch buffer (n*r*c floats, grown on first use and
 // kept; reserve_scratch() preallocates it so later calls do not allocate).
+//
+// Wire type (mixed precision, docs/mixed_precision.md): all_gather, reduce_scatter,
+// all_reduce, shift, start_all_gather and start_all_reduce take `wire` (default fp32). With
+// bf16 or fp16 the floats are rounded to 16 bits (nearest even) as they are packed, 16-bit
+// elements travel, and what arrives is widened back into the float views: half the bytes.
+// A 16-bit sum adds in fp32 and rounds to 16 bits at every hop (each partial sum a rank
+// passes on), as NCCL does. Data already holding 16-bit values gathers exactly. The 16-bit
+// buffers are kept per communicator (and per operation in flight), grown on first use.
 
 #include <Kokkos_Core.hpp>
 #include <cstddef>
 #include <memory>
 #include <string>
 
+#include "framework/core/precision.hpp"
 #include "framework/core/views.hpp"
+#include "partition/dtype.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {
@@ -71,9 +81,17 @@ class Request {
     virtual ~Impl() = default;  // only the backend's pool destroys an Impl
   };
 
+  // A non-blocking 16-bit operation's buffers and what it unpacks when it completes, and
+  // the communicator's pool of them (communicator.cpp).
+  struct WireSlot;
+  struct WirePool;
+
   Request() = default;
   explicit Request(Impl* impl) noexcept : impl_(impl) {}
-  Request(Request&& other) noexcept : impl_(other.impl_) { other.impl_ = nullptr; }
+  Request(Request&& other) noexcept : impl_(other.impl_), wire_(other.wire_) {
+    other.impl_ = nullptr;
+    other.wire_ = nullptr;
+  }
   Request& operator=(Request&& other) noexcept;
   Request(const Request&) = delete;
   Request& operator=(const Request&) = delete;
@@ -84,9 +102,15 @@ class Request {
   bool pending() const { return impl_ != nullptr; }
 
  private:
+  friend class Communicator;
   void finish() noexcept;  // waits (errors swallowed) and releases a pending Impl
+  // After a completion: the 16-bit data received unpacked into the caller's floats.
+  void complete_wire();
+  // The wire slot back to its pool without unpacking (a failed or abandoned operation).
+  void drop_wire() noexcept;
 
-  Impl* impl_ = nullptr;  // borrowed from the backend's pool, see above
+  Impl* impl_ = nullptr;      // borrowed from the backend's pool, see above
+  WireSlot* wire_ = nullptr;  // borrowed from the communicator's wire pool
 };
 
 class Communicator {
@@ -103,14 +127,14 @@ class Communicator {
   void set_timeout_seconds(double seconds);
 
   // Tiled all-gather (see the header comment). send and recv must not overlap.
-  void all_gather(ConstVectorView send, VectorView recv);
-  void all_gather(ConstMatrixView send, MatrixView recv, int dim);
+  void all_gather(ConstVectorView send, VectorView recv, Dtype wire = Dtype::fp32);
+  void all_gather(ConstMatrixView send, MatrixView recv, int dim, Dtype wire = Dtype::fp32);
   // Tiled reduce-scatter with sum.
-  void reduce_scatter(ConstVectorView send, VectorView recv);
-  void reduce_scatter(ConstMatrixView send, MatrixView recv, int dim);
+  void reduce_scatter(ConstVectorView send, VectorView recv, Dtype wire = Dtype::fp32);
+  void reduce_scatter(ConstMatrixView send, MatrixView recv, int dim, Dtype wire = Dtype::fp32);
   // In place; mean divides the sum by size(). data must be contiguous.
-  void all_reduce(VectorView data, ReduceOp op = ReduceOp::sum);
-  void all_reduce(MatrixView data, ReduceOp op = ReduceOp::sum);
+  void all_reduce(VectorView data, ReduceOp op = ReduceOp::sum, Dtype wire = Dtype::fp32);
+  void all_reduce(MatrixView data, ReduceOp op = ReduceOp::sum, Dtype wire = Dtype::fp32);
   // The same in double precision (sums of many scalars stay exact to 2^53).
   void all_reduce(DoubleVectorView data, ReduceOp op = ReduceOp::sum);
   void broadcast(VectorView data, int root);
@@ -119,20 +143,20 @@ class Communicator {
   // `recv` from rank (i - offset) mod n; both buffers must stay alive and untouched until
   // the Request completes. Shapes must be equal on sender and receiver. Several shifts may
   // be in flight at once (bidirectional rings) if every rank starts them in the same order.
-  Request shift(ConstVectorView send, VectorView recv, int offset);
-  Request shift(ConstMatrixView send, MatrixView recv, int offset);
+  Request shift(ConstVectorView send, VectorView recv, int offset, Dtype wire = Dtype::fp32);
+  Request shift(ConstMatrixView send, MatrixView recv, int offset, Dtype wire = Dtype::fp32);
   // Non-blocking tiled all-gather of contiguous blocks: recv [n * send.extent(0)] gets
   // rank j's send at offset j * send.extent(0). send must stay untouched and recv unread
   // until the Request completes. Other operations on this communicator may run meanwhile
   // (every rank must start them in the same order). A matrix gathered along dim 1 arrives
   // as n [r, c] blocks in rank order: place_gathered_columns() puts them in place.
-  Request start_all_gather(ConstVectorView send, VectorView recv);
+  Request start_all_gather(ConstVectorView send, VectorView recv, Dtype wire = Dtype::fp32);
   // Non-blocking in-place sum (DP gradient buckets): `data` must stay untouched (neither
   // read nor written) until the Request completes; then it holds the sum over the group,
   // as all_reduce(data) gives. Every rank must start the same operations on this
   // communicator in the same order; others may run meanwhile. One MPI/NCCL call: the
   // count must fit an int (split larger buffers).
-  Request start_all_reduce(VectorView data);
+  Request start_all_reduce(VectorView data, Dtype wire = Dtype::fp32);
   // Equal blocks along dim 0: send [n*b, c] block j goes to rank j; recv [n*b, c] block j
   // comes from rank j.
   void all_to_all(ConstMatrixView send, MatrixView recv);
@@ -147,32 +171,48 @@ class Communicator {
   Communicator& operator=(Communicator&&) = default;
 
   // --- backend: contiguous buffers in the default memory space; `op` names the public
-  // operation for error messages. Counts are floats. They return when the data is ready
-  // to read (a stream-based backend synchronizes before returning).
-  virtual void raw_all_gather(const float* send, float* recv, std::size_t count_per_rank,
-                              const char* op) = 0;
-  virtual void raw_reduce_scatter_sum(const float* send, float* recv, std::size_t count_per_rank,
-                                      const char* op) = 0;
-  virtual void raw_all_reduce_sum(float* data, std::size_t count, const char* op) = 0;
+  // operation for error messages. Counts are elements: of `dtype` where one is given
+  // (fp32: float; bf16, fp16: uint16_t bits, summed as the backend's 16-bit sum), floats
+  // otherwise. They return when the data is ready to read (a stream-based backend
+  // synchronizes before returning).
+  virtual void raw_all_gather(const void* send, void* recv, std::size_t count_per_rank,
+                              Dtype dtype, const char* op) = 0;
+  virtual void raw_reduce_scatter_sum(const void* send, void* recv, std::size_t count_per_rank,
+                                      Dtype dtype, const char* op) = 0;
+  virtual void raw_all_reduce_sum(void* data, std::size_t count, Dtype dtype, const char* op) = 0;
   virtual void raw_all_reduce_sum_f64(double* data, std::size_t count, const char* op) = 0;
   virtual void raw_broadcast(float* data, std::size_t count, int root, const char* op) = 0;
-  virtual Request raw_shift(const float* send, float* recv, std::size_t count, int offset,
-                            const char* op) = 0;
-  virtual Request raw_start_all_gather(const float* send, float* recv, std::size_t count_per_rank,
-                                       const char* op) = 0;
-  virtual Request raw_start_all_reduce_sum(float* data, std::size_t count, const char* op) = 0;
+  virtual Request raw_shift(const void* send, void* recv, std::size_t count, Dtype dtype,
+                            int offset, const char* op) = 0;
+  virtual Request raw_start_all_gather(const void* send, void* recv, std::size_t count_per_rank,
+                                       Dtype dtype, const char* op) = 0;
+  virtual Request raw_start_all_reduce_sum(void* data, std::size_t count, Dtype dtype,
+                                           const char* op) = 0;
   virtual void raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
                               const char* op) = 0;
   virtual void raw_barrier(const char* op) = 0;
 
  private:
   float* scratch(std::size_t floats);
+  // The blocking 16-bit operations' buffers: `send` and `recv` elements (grown, kept).
+  uint16_t* wire_send(std::size_t count);
+  uint16_t* wire_recv(std::size_t count);
+  // A pooled slot for a non-blocking 16-bit operation (its two buffers grown to the counts).
+  Request::WireSlot& acquire_wire_slot(std::size_t send_count, std::size_t recv_count);
+  template <class Start>
+  Request start_on_wire(Request::WireSlot& slot, float* unpack_to, std::size_t count, Dtype wire,
+                        Start&& start);
+  void gather_flat(const float* send, float* recv, std::size_t count, Dtype wire, const char* op);
+  void reduce_scatter_flat(const float* send, float* recv, std::size_t count, Dtype wire,
+                           const char* op);
 
   int size_ = 1;
   int rank_ = 0;
   std::string description_;
   double timeout_seconds_ = 300.0;
   Kokkos::View<float*, Kokkos::LayoutRight> scratch_;  // dim-1 staging, grown on demand
+  HalfBits wire_send_, wire_recv_;                      // blocking 16-bit operations
+  std::shared_ptr<Request::WirePool> wire_pool_;  // shared with pending Requests
 };
 
 }  // namespace meshtrain

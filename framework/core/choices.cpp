@@ -81,9 +81,16 @@ const ChoiceTable<MatmulPrecision>& matmul_precision_choices() {
   return table;
 }
 
+const ChoiceTable<Dtype>& dtype_choices() {
+  static const ChoiceTable<Dtype> table = {
+      {"fp32", Dtype::fp32}, {"bf16", Dtype::bf16}, {"fp16", Dtype::fp16}};
+  return table;
+}
+
 Activation parse_activation(const std::string& name, const std::string& key) {
   return parse(activation_choices(), name, key);
 }
+
 InitScheme parse_init_scheme(const std::string& name, const std::string& key) {
   return parse(init_scheme_choices(), name, key);
 }
@@ -106,6 +113,10 @@ CommBackendChoice parse_comm_backend(const std::string& name, const std::string&
 }
 MatmulPrecision parse_matmul_precision(const std::string& name, const std::string& key) {
   return parse(matmul_precision_choices(), name, key);
+}
+
+Dtype parse_dtype(const std::string& name, const std::string& key) {
+  return parse(dtype_choices(), name, key);
 }
 
 const char* to_string(Activation value) {
@@ -131,6 +142,10 @@ const char* to_string(CommBackendChoice value) {
 }
 const char* to_string(MatmulPrecision value) {
   return name_of(matmul_precision_choices(), value);
+}
+
+const char* to_string(Dtype value) {
+  return name_of(dtype_choices(), value);
 }
 
 }  // namespace meshtrain

@@ -12,6 +12,8 @@
 //   partition.collective_matmul   CollectiveMatmulAlgorithm  naive | ring | bidirectional | auto
 //   runtime.backend               CommBackendChoice          auto | mpi | nccl
 //   runtime.matmul_precision      MatmulPrecision            fp32 | tf32
+//   mixed_precision.param_dtype   Dtype                      fp32 | bf16 | fp16
+//   mixed_precision.reduce_dtype  Dtype                      fp32 | bf16 | fp16
 // clang-format on
 
 #include <string>
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "partition/collective_matmul_algorithm.hpp"  // CollectiveMatmulAlgorithm
+#include "partition/dtype.hpp"                        // Dtype
 
 namespace meshtrain {
 
@@ -42,6 +45,7 @@ const ChoiceTable<CollectiveMatmulAlgorithm>& collective_matmul_choices();
 const ChoiceTable<LrScheduleKind>& lr_schedule_choices();
 const ChoiceTable<CommBackendChoice>& comm_backend_choices();
 const ChoiceTable<MatmulPrecision>& matmul_precision_choices();
+const ChoiceTable<Dtype>& dtype_choices();
 
 // The names of a table, for the config reader's "must be one of" and for messages.
 template <class Enum>
@@ -65,6 +69,7 @@ CommBackendChoice parse_comm_backend(const std::string& name,
                                      const std::string& key = "runtime.backend");
 MatmulPrecision parse_matmul_precision(const std::string& name,
                                        const std::string& key = "runtime.matmul_precision");
+Dtype parse_dtype(const std::string& name, const std::string& key);
 
 // Value -> name.
 const char* to_string(Activation value);
@@ -75,5 +80,6 @@ const char* to_string(CollectiveMatmulAlgorithm value);
 const char* to_string(LrScheduleKind value);
 const char* to_string(CommBackendChoice value);
 const char* to_string(MatmulPrecision value);
+const char* to_string(Dtype value);
 
 }  // namespace meshtrain

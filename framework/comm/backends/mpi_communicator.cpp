@@ -10,6 +10,7 @@
 
 #include "framework/comm/backends/host_staging.hpp"
 #include "framework/comm/mpi_util.hpp"
+#include "framework/core/precision.hpp"
 
 namespace meshtrain {
 
@@ -110,18 +111,18 @@ class MpiRequestSlot final : public Request::Impl {
     op_ = op;
     requests_[0] = requests_[1] = MPI_REQUEST_NULL;
     recv_ = nullptr;
-    count_ = 0;
+    bytes_ = 0;
   }
   // MPI's buffers for this shift (host copies when memory is on the device); the received
   // data reaches `recv` when the shift completes. copy_in: an in-place operation (a started
   // all-reduce) whose host copy starts as `recv`.
-  const float* send_buffer(const float* send, std::size_t count) {
-    return staging_.send_buffer(send, count);
+  const char* send_buffer(const char* send, std::size_t bytes) {
+    return staging_.send_buffer(send, bytes);
   }
-  float* receive_buffer(float* recv, std::size_t count, bool copy_in = false) {
+  char* receive_buffer(char* recv, std::size_t bytes, bool copy_in = false) {
     recv_ = recv;
-    count_ = count;
-    return staging_.receive_buffer(recv, count, copy_in);
+    bytes_ = bytes;
+    return staging_.receive_buffer(recv, bytes, copy_in);
   }
   MPI_Request& receive() { return requests_[0]; }
   MPI_Request& send() { return requests_[1]; }
@@ -129,14 +130,14 @@ class MpiRequestSlot final : public Request::Impl {
 
   bool test() override {
     const bool done = wait_all_until(owner_, requests_, 2, 0.0, op_);
-    if (done) staging_.finish_receive(recv_, count_);
+    if (done) staging_.finish_receive(recv_, bytes_);
     return done;
   }
   void wait() override {
     if (!wait_all_until(owner_, requests_, 2, timeout_, op_)) {
       throw_timeout(owner_, requests_, 2, timeout_, op_);
     }
-    staging_.finish_receive(recv_, count_);
+    staging_.finish_receive(recv_, bytes_);
   }
   void release() noexcept override {
     // A request still live here (a failed MPI_Testall) may yet write into the caller's
@@ -161,8 +162,8 @@ class MpiRequestSlot final : public Request::Impl {
   std::shared_ptr<MpiCommunicator::State> state_;  // set while in use
   MPI_Request requests_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   HostStaging staging_;  // each slot its own: several shifts may be in flight
-  float* recv_ = nullptr;
-  std::size_t count_ = 0;
+  char* recv_ = nullptr;  // the caller's buffer, and its size in bytes
+  std::size_t bytes_ = 0;
   double timeout_ = 0.0;
   const char* op_ = "shift";
   MpiRequestSlot* next_free_ = nullptr;
@@ -178,6 +179,49 @@ int size_of(MPI_Comm comm) {
   int size = 0;
   check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size");
   return size;
+}
+
+// MPI has no 16-bit float type: bf16 and fp16 travel as MPI_UINT16_T, and their sum is a
+// user operation that adds in fp32 and rounds the result to 16 bits, once per application
+// (each partial sum MPI's algorithm forms), as NCCL's 16-bit sums do.
+template <Dtype dtype>
+void sum_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
+  const uint16_t* a = static_cast<const uint16_t*>(in);
+  uint16_t* b = static_cast<uint16_t*>(inout);
+  for (int k = 0; k < *len; ++k) {
+    b[k] = to_16bit(from_16bit(a[k], dtype) + from_16bit(b[k], dtype), dtype);
+  }
+}
+
+MPI_Op make_sum_op(MPI_User_function* function) {
+  MPI_Op op = MPI_OP_NULL;
+  check_mpi(MPI_Op_create(function, /*commute=*/1, &op), "MPI_Op_create");
+  return op;  // kept for the process (MPI_Finalize frees it)
+}
+
+MPI_Datatype mpi_type(Dtype dtype) {
+  return dtype == Dtype::fp32 ? MPI_FLOAT : MPI_UINT16_T;
+}
+
+MPI_Op mpi_sum(Dtype dtype) {
+  static const MPI_Op bf16_sum = make_sum_op(&sum_16bit<Dtype::bf16>);
+  static const MPI_Op fp16_sum = make_sum_op(&sum_16bit<Dtype::fp16>);
+  switch (dtype) {
+    case Dtype::bf16:
+      return bf16_sum;
+    case Dtype::fp16:
+      return fp16_sum;
+    default:
+      return MPI_SUM;
+  }
+}
+
+// Elements of `dtype` as bytes, for the host staging (which copies bytes).
+const char* bytes(const void* data) {
+  return static_cast<const char*>(data);
+}
+char* bytes(void* data) {
+  return static_cast<char*>(data);
 }
 
 // Tag of the shift messages: by offset, so shifts in opposite directions on rings larger
@@ -274,30 +318,35 @@ void MpiCommunicator::run(const char* op, const char* call, Start&& start) {
   complete(request, op);
 }
 
-void MpiCommunicator::raw_all_gather(const float* send, float* recv, std::size_t count_per_rank,
-                                     const char* op) {
+void MpiCommunicator::raw_all_gather(const void* send, void* recv, std::size_t count_per_rank,
+                                     Dtype dtype, const char* op) {
   const int count = checked_int(count_per_rank, "all_gather count per rank");
+  const std::size_t element = bytes_of(dtype);
   const std::size_t total = count_per_rank * static_cast<std::size_t>(size());
+  const MPI_Datatype type = mpi_type(dtype);
   HostStaging& staging = state_->staging;
   run(op, "MPI_Iallgather", [&](MPI_Request* request) {
-    return MPI_Iallgather(staging.send_buffer(send, count_per_rank), count, MPI_FLOAT,
-                          staging.receive_buffer(recv, total, false), count, MPI_FLOAT,
-                          state_->comm, request);
+    return MPI_Iallgather(staging.send_buffer(bytes(send), count_per_rank * element), count, type,
+                          staging.receive_buffer(bytes(recv), total * element, false), count,
+                          type, state_->comm, request);
   });
-  staging.finish_receive(recv, total);
+  staging.finish_receive(bytes(recv), total * element);
 }
 
-void MpiCommunicator::raw_reduce_scatter_sum(const float* send, float* recv,
-                                             std::size_t count_per_rank, const char* op) {
+void MpiCommunicator::raw_reduce_scatter_sum(const void* send, void* recv,
+                                             std::size_t count_per_rank, Dtype dtype,
+                                             const char* op) {
   const int count = checked_int(count_per_rank, "reduce_scatter count per rank");
+  const std::size_t element = bytes_of(dtype);
   const std::size_t total = count_per_rank * static_cast<std::size_t>(size());
   HostStaging& staging = state_->staging;
   run(op, "MPI_Ireduce_scatter_block", [&](MPI_Request* request) {
-    return MPI_Ireduce_scatter_block(staging.send_buffer(send, total),
-                                     staging.receive_buffer(recv, count_per_rank, false), count,
-                                     MPI_FLOAT, MPI_SUM, state_->comm, request);
+    return MPI_Ireduce_scatter_block(
+        staging.send_buffer(bytes(send), total * element),
+        staging.receive_buffer(bytes(recv), count_per_rank * element, false), count,
+        mpi_type(dtype), mpi_sum(dtype), state_->comm, request);
   });
-  staging.finish_receive(recv, count_per_rank);
+  staging.finish_receive(bytes(recv), count_per_rank * element);
 }
 
 // In pieces of 4 MiB: Open MPI's non-blocking collectives allocate a temporary as large as
@@ -307,7 +356,7 @@ void MpiCommunicator::raw_reduce_scatter_sum(const float* send, float* recv,
 // is staged through the host (host_staging.hpp).
 template <class T>
 void MpiCommunicator::all_reduce_in_pieces(T* data, std::size_t count, MPI_Datatype type,
-                                           const char* op) {
+                                           MPI_Op sum, const char* op) {
   constexpr std::size_t kPieceBytes = std::size_t{4} << 20;
   constexpr std::size_t kPiece = kPieceBytes / sizeof(T);
   HostStaging& staging = state_->staging;
@@ -316,18 +365,23 @@ void MpiCommunicator::all_reduce_in_pieces(T* data, std::size_t count, MPI_Datat
     const int n = static_cast<int>(piece);
     run(op, "MPI_Iallreduce", [&](MPI_Request* request) {
       return MPI_Iallreduce(MPI_IN_PLACE, staging.receive_buffer(data + offset, piece, true), n,
-                            type, MPI_SUM, state_->comm, request);
+                            type, sum, state_->comm, request);
     });
     staging.finish_receive(data + offset, piece);
   }
 }
 
-void MpiCommunicator::raw_all_reduce_sum(float* data, std::size_t count, const char* op) {
-  all_reduce_in_pieces(data, count, MPI_FLOAT, op);
+void MpiCommunicator::raw_all_reduce_sum(void* data, std::size_t count, Dtype dtype,
+                                         const char* op) {
+  if (dtype == Dtype::fp32) {
+    all_reduce_in_pieces(static_cast<float*>(data), count, MPI_FLOAT, MPI_SUM, op);
+  } else {
+    all_reduce_in_pieces(static_cast<uint16_t*>(data), count, MPI_UINT16_T, mpi_sum(dtype), op);
+  }
 }
 
 void MpiCommunicator::raw_all_reduce_sum_f64(double* data, std::size_t count, const char* op) {
-  all_reduce_in_pieces(data, count, MPI_DOUBLE, op);
+  all_reduce_in_pieces(data, count, MPI_DOUBLE, MPI_SUM, op);
 }
 
 void MpiCommunicator::raw_broadcast(float* data, std::size_t count, int root, const char* op) {
@@ -341,8 +395,8 @@ void MpiCommunicator::raw_broadcast(float* data, std::size_t count, int root, co
   if (!sends) staging.finish_receive(data, count);
 }
 
-Request MpiCommunicator::raw_shift(const float* send, float* recv, std::size_t count, int offset,
-                                   const char* op) {
+Request MpiCommunicator::raw_shift(const void* send, void* recv, std::size_t count, Dtype dtype,
+                                   int offset, const char* op) {
   state_->require_usable(op);
   const int n = checked_int(count, "shift count");
   const int size = this->size();
@@ -351,16 +405,18 @@ Request MpiCommunicator::raw_shift(const float* send, float* recv, std::size_t c
   const int from = (rank() - k + size) % size;
   const int tag = kShiftTagBase + k % 30000;
   Kokkos::fence();
+  const std::size_t message_bytes = count * bytes_of(dtype);
+  const MPI_Datatype type = mpi_type(dtype);
   MpiRequestSlot& slot = acquire_request_slot(state_, timeout_seconds(), op);
-  const float* send_mpi = slot.send_buffer(send, count);
-  const int received = MPI_Irecv(slot.receive_buffer(recv, count), n, MPI_FLOAT, from, tag,
-                                 state_->comm, &slot.receive());
+  const char* send_mpi = slot.send_buffer(bytes(send), message_bytes);
+  const int received = MPI_Irecv(slot.receive_buffer(bytes(recv), message_bytes), n, type, from,
+                                 tag, state_->comm, &slot.receive());
   if (received != MPI_SUCCESS) {
     slot.receive() = MPI_REQUEST_NULL;  // nothing was posted
     slot.release();
     state_->fail_call(received, op, "MPI_Irecv");
   }
-  const int sent = MPI_Isend(send_mpi, n, MPI_FLOAT, to, tag, state_->comm, &slot.send());
+  const int sent = MPI_Isend(send_mpi, n, type, to, tag, state_->comm, &slot.send());
   if (sent != MPI_SUCCESS) {
     // The receive is already posted into the caller's buffer: cancel it and wait until
     // MPI lets go of the buffer. If it does not within the timeout, the slot keeps it as
@@ -381,16 +437,20 @@ Request MpiCommunicator::raw_shift(const float* send, float* recv, std::size_t c
   return Request(&slot);
 }
 
-Request MpiCommunicator::raw_start_all_gather(const float* send, float* recv,
-                                              std::size_t count_per_rank, const char* op) {
+Request MpiCommunicator::raw_start_all_gather(const void* send, void* recv,
+                                              std::size_t count_per_rank, Dtype dtype,
+                                              const char* op) {
   state_->require_usable(op);
   const int count = checked_int(count_per_rank, "all_gather count per rank");
+  const std::size_t element = bytes_of(dtype);
   const std::size_t total = count_per_rank * static_cast<std::size_t>(size());
+  const MPI_Datatype type = mpi_type(dtype);
   Kokkos::fence();
   MpiRequestSlot& slot = acquire_request_slot(state_, timeout_seconds(), op);
-  const float* send_mpi = slot.send_buffer(send, count_per_rank);
-  const int started = MPI_Iallgather(send_mpi, count, MPI_FLOAT, slot.receive_buffer(recv, total),
-                                     count, MPI_FLOAT, state_->comm, &slot.receive());
+  const char* send_mpi = slot.send_buffer(bytes(send), count_per_rank * element);
+  const int started =
+      MPI_Iallgather(send_mpi, count, type, slot.receive_buffer(bytes(recv), total * element),
+                     count, type, state_->comm, &slot.receive());
   if (started != MPI_SUCCESS) {
     slot.receive() = MPI_REQUEST_NULL;  // nothing was started
     slot.release();
@@ -402,13 +462,15 @@ Request MpiCommunicator::raw_start_all_gather(const float* send, float* recv,
 // One MPI_Iallreduce in place on a pooled slot (its own staging: several may be in
 // flight). Unlike the blocking all-reduce it is not split into pieces: the caller (a DP
 // gradient bucket) chooses the size, and a count beyond an int is refused.
-Request MpiCommunicator::raw_start_all_reduce_sum(float* data, std::size_t count, const char* op) {
+Request MpiCommunicator::raw_start_all_reduce_sum(void* data, std::size_t count, Dtype dtype,
+                                                  const char* op) {
   state_->require_usable(op);
   const int n = checked_int(count, "started all_reduce count");
   Kokkos::fence();
   MpiRequestSlot& slot = acquire_request_slot(state_, timeout_seconds(), op);
-  const int started = MPI_Iallreduce(MPI_IN_PLACE, slot.receive_buffer(data, count, true), n,
-                                     MPI_FLOAT, MPI_SUM, state_->comm, &slot.receive());
+  const int started = MPI_Iallreduce(
+      MPI_IN_PLACE, slot.receive_buffer(bytes(data), count * bytes_of(dtype), true), n,
+      mpi_type(dtype), mpi_sum(dtype), state_->comm, &slot.receive());
   if (started != MPI_SUCCESS) {
     slot.receive() = MPI_REQUEST_NULL;  // nothing was started
     slot.release();

@@ -42,18 +42,19 @@ class MpiCommunicator final : public Communicator {
   struct State;
 
  protected:
-  void raw_all_gather(const float* send, float* recv, std::size_t count_per_rank,
+  void raw_all_gather(const void* send, void* recv, std::size_t count_per_rank, Dtype dtype,
                       const char* op) override;
-  void raw_reduce_scatter_sum(const float* send, float* recv, std::size_t count_per_rank,
-                              const char* op) override;
-  void raw_all_reduce_sum(float* data, std::size_t count, const char* op) override;
+  void raw_reduce_scatter_sum(const void* send, void* recv, std::size_t count_per_rank,
+                              Dtype dtype, const char* op) override;
+  void raw_all_reduce_sum(void* data, std::size_t count, Dtype dtype, const char* op) override;
   void raw_all_reduce_sum_f64(double* data, std::size_t count, const char* op) override;
   void raw_broadcast(float* data, std::size_t count, int root, const char* op) override;
-  Request raw_shift(const float* send, float* recv, std::size_t count, int offset,
+  Request raw_shift(const void* send, void* recv, std::size_t count, Dtype dtype, int offset,
                     const char* op) override;
-  Request raw_start_all_gather(const float* send, float* recv, std::size_t count_per_rank,
-                               const char* op) override;
-  Request raw_start_all_reduce_sum(float* data, std::size_t count, const char* op) override;
+  Request raw_start_all_gather(const void* send, void* recv, std::size_t count_per_rank,
+                               Dtype dtype, const char* op) override;
+  Request raw_start_all_reduce_sum(void* data, std::size_t count, Dtype dtype,
+                                   const char* op) override;
   void raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
                       const char* op) override;
   void raw_barrier(const char* op) override;
@@ -70,7 +71,8 @@ class MpiCommunicator final : public Communicator {
   void run(const char* op, const char* call, Start&& start);
   // An in-place sum in pieces whose counts each fit an int (any total count).
   template <class T>
-  void all_reduce_in_pieces(T* data, std::size_t count, MPI_Datatype type, const char* op);
+  void all_reduce_in_pieces(T* data, std::size_t count, MPI_Datatype type, MPI_Op sum,
+                            const char* op);
 
   std::shared_ptr<State> state_;
 };

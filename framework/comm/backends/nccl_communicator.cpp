@@ -572,10 +572,22 @@ State& begin(const std::shared_ptr<State>& state, const char* op) {
   return *state;
 }
 
+// NCCL's element type for a wire dtype (its 16-bit sums add in fp32 and round per step).
+ncclDataType_t nccl_type(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::bf16:
+      return ncclBfloat16;
+    case Dtype::fp16:
+      return ncclFloat16;
+    default:
+      return ncclFloat;
+  }
+}
+
 }  // namespace
 
-void NcclCommunicator::raw_all_gather(const float* send, float* recv, std::size_t count_per_rank,
-                                      const char* op) {
+void NcclCommunicator::raw_all_gather(const void* send, void* recv, std::size_t count_per_rank,
+                                      Dtype dtype, const char* op) {
   State& s = begin(state_, op);
   if (count_per_rank == 0) return;
   checked_total(count_per_rank, size(), "all_gather receive buffer");
@@ -583,13 +595,14 @@ void NcclCommunicator::raw_all_gather(const float* send, float* recv, std::size_
   require_device_buffer(s, recv, op, "receive");
   const double timeout = timeout_seconds();
   const Clock::time_point deadline = deadline_after(timeout);
-  s.enqueued(ncclAllGather(send, recv, count_per_rank, ncclFloat, s.comm, s.stream), op,
+  s.enqueued(ncclAllGather(send, recv, count_per_rank, nccl_type(dtype), s.comm, s.stream), op,
              "ncclAllGather", deadline, timeout);
   s.wait_for(nullptr, op, deadline, timeout);
 }
 
-void NcclCommunicator::raw_reduce_scatter_sum(const float* send, float* recv,
-                                              std::size_t count_per_rank, const char* op) {
+void NcclCommunicator::raw_reduce_scatter_sum(const void* send, void* recv,
+                                              std::size_t count_per_rank, Dtype dtype,
+                                              const char* op) {
   State& s = begin(state_, op);
   if (count_per_rank == 0) return;
   checked_total(count_per_rank, size(), "reduce_scatter send buffer");
@@ -597,25 +610,27 @@ void NcclCommunicator::raw_reduce_scatter_sum(const float* send, float* recv,
   require_device_buffer(s, recv, op, "receive");
   const double timeout = timeout_seconds();
   const Clock::time_point deadline = deadline_after(timeout);
-  s.enqueued(ncclReduceScatter(send, recv, count_per_rank, ncclFloat, ncclSum, s.comm, s.stream),
+  s.enqueued(ncclReduceScatter(send, recv, count_per_rank, nccl_type(dtype), ncclSum, s.comm,
+                               s.stream),
              op, "ncclReduceScatter", deadline, timeout);
   s.wait_for(nullptr, op, deadline, timeout);
 }
 
-void NcclCommunicator::all_reduce_with(float* data, std::size_t count, ncclRedOp_t reduce,
-                                       const char* op) {
+void NcclCommunicator::all_reduce_with(void* data, std::size_t count, Dtype dtype,
+                                       ncclRedOp_t reduce, const char* op) {
   State& s = begin(state_, op);
   if (count == 0) return;
   require_device_buffer(s, data, op, "data");
   const double timeout = timeout_seconds();
   const Clock::time_point deadline = deadline_after(timeout);
-  s.enqueued(ncclAllReduce(data, data, count, ncclFloat, reduce, s.comm, s.stream), op,
+  s.enqueued(ncclAllReduce(data, data, count, nccl_type(dtype), reduce, s.comm, s.stream), op,
              "ncclAllReduce", deadline, timeout);
   s.wait_for(nullptr, op, deadline, timeout);
 }
 
-void NcclCommunicator::raw_all_reduce_sum(float* data, std::size_t count, const char* op) {
-  all_reduce_with(data, count, ncclSum, op);
+void NcclCommunicator::raw_all_reduce_sum(void* data, std::size_t count, Dtype dtype,
+                                          const char* op) {
+  all_reduce_with(data, count, dtype, ncclSum, op);
 }
 
 void NcclCommunicator::raw_all_reduce_sum_f64(double* data, std::size_t count, const char* op) {
@@ -670,8 +685,8 @@ Request start_with_event(const std::shared_ptr<State>& state, double timeout, co
 
 }  // namespace
 
-Request NcclCommunicator::raw_shift(const float* send, float* recv, std::size_t count, int offset,
-                                    const char* op) {
+Request NcclCommunicator::raw_shift(const void* send, void* recv, std::size_t count, Dtype dtype,
+                                    int offset, const char* op) {
   State& s = begin(state_, op);
   if (count == 0) return Request();
   checked_total(count, 1, "shift buffer");
@@ -684,14 +699,15 @@ Request NcclCommunicator::raw_shift(const float* send, float* recv, std::size_t 
   return start_with_event(state_, timeout_seconds(), op, [&](Clock::time_point deadline) {
     if (k == 0) {
       check_cuda(
-          cudaMemcpyAsync(recv, send, count * sizeof(float), cudaMemcpyDeviceToDevice, s.stream),
+          cudaMemcpyAsync(recv, send, count * bytes_of(dtype), cudaMemcpyDeviceToDevice, s.stream),
           op, s.description, "cudaMemcpyAsync");
       return;
     }
     s.check_call(ncclGroupStart(), op, "ncclGroupStart");
-    const ncclResult_t sent = ncclSend(send, count, ncclFloat, to, s.comm, s.stream);
+    const ncclDataType_t type = nccl_type(dtype);
+    const ncclResult_t sent = ncclSend(send, count, type, to, s.comm, s.stream);
     const ncclResult_t received =
-        sent == ncclSuccess ? ncclRecv(recv, count, ncclFloat, from, s.comm, s.stream) : sent;
+        sent == ncclSuccess ? ncclRecv(recv, count, type, from, s.comm, s.stream) : sent;
     const ncclResult_t ended = ncclGroupEnd();  // closes the group even after an error
     s.check_call(sent, op, "ncclSend");
     s.check_call(received, op, "ncclRecv");
@@ -699,8 +715,9 @@ Request NcclCommunicator::raw_shift(const float* send, float* recv, std::size_t 
   });
 }
 
-Request NcclCommunicator::raw_start_all_gather(const float* send, float* recv,
-                                               std::size_t count_per_rank, const char* op) {
+Request NcclCommunicator::raw_start_all_gather(const void* send, void* recv,
+                                               std::size_t count_per_rank, Dtype dtype,
+                                               const char* op) {
   State& s = begin(state_, op);
   if (count_per_rank == 0) return Request();
   checked_total(count_per_rank, size(), "all_gather receive buffer");
@@ -708,20 +725,21 @@ Request NcclCommunicator::raw_start_all_gather(const float* send, float* recv,
   require_device_buffer(s, recv, op, "receive");
   const double timeout = timeout_seconds();
   return start_with_event(state_, timeout, op, [&](Clock::time_point deadline) {
-    s.enqueued(ncclAllGather(send, recv, count_per_rank, ncclFloat, s.comm, s.stream), op,
+    s.enqueued(ncclAllGather(send, recv, count_per_rank, nccl_type(dtype), s.comm, s.stream), op,
                "ncclAllGather", deadline, timeout);
   });
 }
 
 // As raw_start_all_gather: ncclAllReduce in place on the communicator's stream, then an
 // event the Request polls. (Written by analogy; not compiled or run without CUDA.)
-Request NcclCommunicator::raw_start_all_reduce_sum(float* data, std::size_t count, const char* op) {
+Request NcclCommunicator::raw_start_all_reduce_sum(void* data, std::size_t count, Dtype dtype,
+                                                   const char* op) {
   State& s = begin(state_, op);
   if (count == 0) return Request();
   require_device_buffer(s, data, op, "data");
   const double timeout = timeout_seconds();
   return start_with_event(state_, timeout, op, [&](Clock::time_point deadline) {
-    s.enqueued(ncclAllReduce(data, data, count, ncclFloat, ncclSum, s.comm, s.stream), op,
+    s.enqueued(ncclAllReduce(data, data, count, nccl_type(dtype), ncclSum, s.comm, s.stream), op,
                "ncclAllReduce", deadline, timeout);
   });
 }
@@ -771,7 +789,7 @@ void NcclCommunicator::all_gather_device(const float* send, float* recv,
   const char* op = "all_gather";
   const std::size_t total = checked_total(count_per_rank, size(), "all_gather receive buffer");
   if (state_) require_disjoint(*state_, send, count_per_rank, recv, total, op);
-  raw_all_gather(send, recv, count_per_rank, op);
+  raw_all_gather(send, recv, count_per_rank, Dtype::fp32, op);
 }
 
 void NcclCommunicator::reduce_scatter_device(const float* send, float* recv,
@@ -779,11 +797,12 @@ void NcclCommunicator::reduce_scatter_device(const float* send, float* recv,
   const char* op = "reduce_scatter";
   const std::size_t total = checked_total(count_per_rank, size(), "reduce_scatter send buffer");
   if (state_) require_disjoint(*state_, send, total, recv, count_per_rank, op);
-  raw_reduce_scatter_sum(send, recv, count_per_rank, op);
+  raw_reduce_scatter_sum(send, recv, count_per_rank, Dtype::fp32, op);
 }
 
 void NcclCommunicator::all_reduce_device(float* data, std::size_t count, ReduceOp op) {
-  all_reduce_with(data, count, op == ReduceOp::mean ? ncclAvg : ncclSum, "all_reduce");
+  all_reduce_with(data, count, Dtype::fp32, op == ReduceOp::mean ? ncclAvg : ncclSum,
+                  "all_reduce");
 }
 
 void NcclCommunicator::broadcast_device(float* data, std::size_t count, int root) {
@@ -798,7 +817,7 @@ Request NcclCommunicator::shift_device(const float* send, float* recv, std::size
                                        int offset) {
   const char* op = "shift";
   if (state_) require_disjoint(*state_, send, count, recv, count, op);
-  return raw_shift(send, recv, count, offset, op);
+  return raw_shift(send, recv, count, Dtype::fp32, offset, op);
 }
 
 void NcclCommunicator::all_to_all_device(const float* send, float* recv,

@@ -94,25 +94,27 @@ class NcclCommunicator final : public Communicator {
   struct State;
 
  protected:
-  void raw_all_gather(const float* send, float* recv, std::size_t count_per_rank,
+  void raw_all_gather(const void* send, void* recv, std::size_t count_per_rank, Dtype dtype,
                       const char* op) override;
-  void raw_reduce_scatter_sum(const float* send, float* recv, std::size_t count_per_rank,
-                              const char* op) override;
-  void raw_all_reduce_sum(float* data, std::size_t count, const char* op) override;
+  void raw_reduce_scatter_sum(const void* send, void* recv, std::size_t count_per_rank,
+                              Dtype dtype, const char* op) override;
+  void raw_all_reduce_sum(void* data, std::size_t count, Dtype dtype, const char* op) override;
   void raw_all_reduce_sum_f64(double* data, std::size_t count, const char* op) override;
   void raw_broadcast(float* data, std::size_t count, int root, const char* op) override;
-  Request raw_shift(const float* send, float* recv, std::size_t count, int offset,
+  Request raw_shift(const void* send, void* recv, std::size_t count, Dtype dtype, int offset,
                     const char* op) override;
-  Request raw_start_all_gather(const float* send, float* recv, std::size_t count_per_rank,
-                               const char* op) override;
-  Request raw_start_all_reduce_sum(float* data, std::size_t count, const char* op) override;
+  Request raw_start_all_gather(const void* send, void* recv, std::size_t count_per_rank,
+                               Dtype dtype, const char* op) override;
+  Request raw_start_all_reduce_sum(void* data, std::size_t count, Dtype dtype,
+                                   const char* op) override;
   void raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
                       const char* op) override;
   void raw_barrier(const char* op) override;
 
  private:
   NcclCommunicator(std::shared_ptr<State> state, int size, int rank, std::string description);
-  void all_reduce_with(float* data, std::size_t count, ncclRedOp_t reduce, const char* op);
+  void all_reduce_with(void* data, std::size_t count, Dtype dtype, ncclRedOp_t reduce,
+                       const char* op);
 
   std::shared_ptr<State> state_;
 };

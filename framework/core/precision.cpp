@@ -1,0 +1,45 @@
+#include "framework/core/precision.hpp"
+
+#include "framework/core/kernel_label.hpp"
+
+namespace meshtrain {
+
+namespace {
+using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
+}  // namespace
+
+void round_in_place(VectorView data, Dtype dtype) {
+  if (dtype == Dtype::fp32) return;
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::round_to_dtype"), data.extent(0),
+      KOKKOS_LAMBDA(const std::size_t k) { data(k) = round_to(data(k), dtype); });
+}
+
+void round_in_place(MatrixView data, Dtype dtype) {
+  if (dtype == Dtype::fp32) return;
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::round_to_dtype"),
+      Range2({0, 0}, {static_cast<int64_t>(data.extent(0)), static_cast<int64_t>(data.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) { data(i, j) = round_to(data(i, j), dtype); });
+}
+
+void round_copy(ConstMatrixView src, MatrixView dst, Dtype dtype) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::round_copy"),
+      Range2({0, 0}, {static_cast<int64_t>(dst.extent(0)), static_cast<int64_t>(dst.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) = round_to(src(i, j), dtype); });
+}
+
+void pack_16bit(const float* src, uint16_t* dst, std::size_t count, Dtype dtype) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::pack_16bit"), count,
+      KOKKOS_LAMBDA(const std::size_t k) { dst[k] = to_16bit(src[k], dtype); });
+}
+
+void unpack_16bit(const uint16_t* src, float* dst, std::size_t count, Dtype dtype) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::unpack_16bit"), count,
+      KOKKOS_LAMBDA(const std::size_t k) { dst[k] = from_16bit(src[k], dtype); });
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,104 @@
+#pragma once
+// The 16-bit formats of mixed precision (partition/dtype.hpp), as raw bits:
+//   bf16  1 sign, 8 exponent, 7 mantissa bits: the top half of an fp32 (same range)
+//   fp16  IEEE binary16: 1 sign, 5 exponent, 10 mantissa bits, max 65504, subnormals
+// Conversions from fp32 round to nearest, ties to even, as CUDA's __float2bfloat16_rn and
+// __float2half_rn and PyTorch's .to(): NaN stays a (quiet) NaN, fp16 overflows to inf.
+//
+// Values between cast points live in fp32 buffers holding exactly representable 16-bit
+// values (round_to); only communication moves 16-bit elements (docs/mixed_precision.md).
+
+#include <Kokkos_Core.hpp>
+#include <cstdint>
+#include <cstring>
+
+#include "framework/core/views.hpp"
+#include "partition/dtype.hpp"
+
+namespace meshtrain {
+
+namespace precision_detail {
+KOKKOS_INLINE_FUNCTION uint32_t bits_of(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+KOKKOS_INLINE_FUNCTION float float_of(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+}  // namespace precision_detail
+
+KOKKOS_INLINE_FUNCTION uint16_t float_to_bf16(float f) {
+  const uint32_t u = precision_detail::bits_of(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+KOKKOS_INLINE_FUNCTION float bf16_to_float(uint16_t h) {
+  return precision_detail::float_of(static_cast<uint32_t>(h) << 16);
+}
+
+// After F. Giesen's float_to_half_fast3_rtne: subnormal results come out of one fp32
+// addition that aligns the 10 mantissa bits at the bottom (rounding to nearest even).
+KOKKOS_INLINE_FUNCTION uint16_t float_to_fp16(float f) {
+  using namespace precision_detail;
+  uint32_t u = bits_of(f);
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint32_t out;
+  if (u >= (127u + 16u) << 23) {                   // |f| >= 65536: inf, or NaN
+    out = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
+  } else if (u < 113u << 23) {                     // |f| < 2^-14: subnormal or zero
+    const uint32_t magic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+    out = bits_of(float_of(u) + float_of(magic)) - magic;
+  } else {
+    const uint32_t mantissa_odd = (u >> 13) & 1u;
+    u += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + mantissa_odd;  // rebias, round
+    out = u >> 13;  // a carry into exponent 31 gives inf, as it should
+  }
+  return static_cast<uint16_t>(out | (sign >> 16));
+}
+
+KOKKOS_INLINE_FUNCTION float fp16_to_float(uint16_t h) {
+  using namespace precision_detail;
+  const uint32_t shifted_exponent = 0x7c00u << 13;
+  uint32_t u = (static_cast<uint32_t>(h) & 0x7fffu) << 13;
+  const uint32_t exponent = u & shifted_exponent;
+  u += (127u - 15u) << 23;
+  float f;
+  if (exponent == shifted_exponent) {  // inf or NaN
+    f = float_of(u + ((128u - 16u) << 23));
+  } else if (exponent == 0) {  // zero or subnormal: renormalize through one subtraction
+    f = float_of(u + (1u << 23)) - float_of(113u << 23);
+  } else {
+    f = float_of(u);
+  }
+  return float_of(bits_of(f) | ((static_cast<uint32_t>(h) & 0x8000u) << 16));
+}
+
+KOKKOS_INLINE_FUNCTION uint16_t to_16bit(float f, Dtype dtype) {
+  return dtype == Dtype::bf16 ? float_to_bf16(f) : float_to_fp16(f);
+}
+KOKKOS_INLINE_FUNCTION float from_16bit(uint16_t h, Dtype dtype) {
+  return dtype == Dtype::bf16 ? bf16_to_float(h) : fp16_to_float(h);
+}
+// f rounded to the nearest `dtype` value (f itself for fp32).
+KOKKOS_INLINE_FUNCTION float round_to(float f, Dtype dtype) {
+  return dtype == Dtype::fp32 ? f : from_16bit(to_16bit(f, dtype), dtype);
+}
+
+// Bits of 16-bit elements in the default memory space (what communication moves).
+using HalfBits = Kokkos::View<uint16_t*, Kokkos::LayoutRight>;
+
+// In place: every element rounded to `dtype` (nothing for fp32). Labelled kernels.
+void round_in_place(VectorView data, Dtype dtype);
+void round_in_place(MatrixView data, Dtype dtype);
+// dst = src rounded to `dtype` (a copy for fp32); same extents.
+void round_copy(ConstMatrixView src, MatrixView dst, Dtype dtype);
+// dst[k] = to_16bit(src[k]) and back; count elements, contiguous.
+void pack_16bit(const float* src, uint16_t* dst, std::size_t count, Dtype dtype);
+void unpack_16bit(const uint16_t* src, float* dst, std::size_t count, Dtype dtype);
+
+}  // namespace meshtrain
