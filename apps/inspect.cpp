@@ -20,6 +20,10 @@ int inspect_command(const std::string& path, bool verify, std::ostream& out) {
       << " seed=" << s.seed << " rng_offset=" << s.rng_offset
       << " optimizer_step=" << s.optimizer_step << "\n";
   out << "data order: " << (s.data_order.empty() ? "not recorded" : s.data_order) << "\n";
+  if (s.loss_scale > 0) {
+    out << "loss scale: " << s.loss_scale << " (" << s.loss_scale_clean_steps
+        << " clean steps since it last changed)\n";
+  }
 
   // Columns: path, dtype, shape, spec, storage.
   size_t width = 0;

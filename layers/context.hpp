@@ -8,6 +8,9 @@
 // gradient all-reduce in buckets of at most `bucket_mb` MiB, [runtime] bucket_mb, started
 // while backward continues).
 //
+// `precision` ([mixed_precision], docs/mixed_precision.md) is what layers compute and
+// communicate in; set it before the layers are built (they read it at construction).
+//
 // Layers ask for their communicators at construction only. MeshCommunicators::get is
 // collective the first time a tuple is asked for, and every rank builds the same layers
 // in the same order from the same specs, so the calls line up on every rank.
@@ -18,6 +21,7 @@
 #include "framework/comm/collective_matmul.hpp"
 #include "framework/comm/communicator.hpp"
 #include "framework/comm/mesh_communicators.hpp"
+#include "partition/dtype.hpp"
 #include "partition/linear_layout.hpp"  // FeatureLayout, LayerAxes
 #include "partition/logical_axes.hpp"
 #include "partition/mesh.hpp"
@@ -47,6 +51,8 @@ class ParallelContext {
   CollectiveMatmulAlgorithm matmul_algorithm() const { return matmul_; }
   bool overlap() const { return overlap_; }
   double bucket_mb() const { return bucket_mb_; }
+  const MixedPrecision& precision() const { return precision_; }
+  void set_precision(const MixedPrecision& precision) { precision_ = precision; }
 
   // Size of the feature axis (1 when there is none) and this rank's index on it.
   int feature_parallel() const;
@@ -67,6 +73,7 @@ class ParallelContext {
   CollectiveMatmulAlgorithm matmul_;
   bool overlap_ = false;
   double bucket_mb_ = 25.0;
+  MixedPrecision precision_;
 };
 
 }  // namespace meshtrain

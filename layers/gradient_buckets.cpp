@@ -11,7 +11,9 @@
 
 namespace meshtrain {
 
-GradientBuckets::GradientBuckets(const std::vector<LayerGradients>& layers, double bucket_mb) {
+GradientBuckets::GradientBuckets(const std::vector<LayerGradients>& layers, double bucket_mb,
+                                 Dtype wire)
+    : wire_(wire) {
   MESHTRAIN_REQUIRE(bucket_mb > 0 && std::isfinite(bucket_mb),
                     "gradient buckets: bucket_mb must be positive, got ", bucket_mb);
   // The cap in floats: at least one, at most what one MPI call takes.
@@ -73,7 +75,7 @@ void GradientBuckets::layer_ready(std::size_t layer) {
   while (next_start_ < buckets_.size() && buckets_[next_start_].remaining == 0) {
     Bucket& b = buckets_[next_start_++];
     if (b.pieces.size() == 1) {
-      b.request = b.group->start_all_reduce(b.pieces.front().grad);
+      b.request = b.group->start_all_reduce(b.pieces.front().grad, wire_);
     } else {
       const VectorView buffer = b.buffer;
       for (const Piece& p : b.pieces) {
@@ -83,7 +85,7 @@ void GradientBuckets::layer_ready(std::size_t layer) {
             MESHTRAIN_LABEL("meshtrain::grad_bucket_pack"), grad.extent(0),
             KOKKOS_LAMBDA(const std::size_t i) { buffer(at + i) = grad(i); });
       }
-      b.request = b.group->start_all_reduce(buffer);  // fences the packing first
+      b.request = b.group->start_all_reduce(buffer, wire_);  // fences the packing first
     }
   }
 }

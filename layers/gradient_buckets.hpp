@@ -47,7 +47,9 @@ class GradientBuckets {
  public:
   GradientBuckets() = default;
   // layers: in layer order (layer k at index k). bucket_mb: the size cap in MiB (> 0).
-  GradientBuckets(const std::vector<LayerGradients>& layers, double bucket_mb);
+  // wire: what the sums move and add in (the reduce dtype of mixed precision).
+  GradientBuckets(const std::vector<LayerGradients>& layers, double bucket_mb,
+                  Dtype wire = Dtype::fp32);
   GradientBuckets(GradientBuckets&&) = default;
   GradientBuckets& operator=(GradientBuckets&&) = default;
 
@@ -83,6 +85,7 @@ class GradientBuckets {
   std::vector<Bucket> buckets_;
   std::vector<std::vector<std::size_t>> buckets_of_layer_;  // per layer, ascending
   std::size_t next_start_ = 0;  // buckets before it are started in this backward
+  Dtype wire_ = Dtype::fp32;
 };
 
 }  // namespace meshtrain

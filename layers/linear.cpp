@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "framework/core/kernel_label.hpp"
+#include "framework/core/precision.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {
@@ -19,8 +20,9 @@ void copy_columns(MatrixView src, int64_t offset, MatrixView dst) {
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) = src(i, offset + j); });
 }
 
-// full[j] = sum over rows of dy(:, j - offset) for the columns dy covers, 0 elsewhere.
-void sum_columns_into(MatrixView dy, int64_t offset, VectorView full) {
+// full[j] = sum over rows of dy(:, j - offset) for the columns dy covers, 0 elsewhere,
+// rounded to `dtype` (the bias gradient as a 16-bit autograd leaves it).
+void sum_columns_into(MatrixView dy, int64_t offset, VectorView full, Dtype dtype) {
   const int64_t rows = static_cast<int64_t>(dy.extent(0));
   const int64_t cols = static_cast<int64_t>(dy.extent(1));
   Kokkos::parallel_for(
@@ -31,7 +33,7 @@ void sum_columns_into(MatrixView dy, int64_t offset, VectorView full) {
         if (j >= offset && j < offset + cols) {
           for (int64_t i = 0; i < rows; ++i) sum += dy(i, j - offset);
         }
-        full(j) = sum;
+        full(j) = round_to(sum, dtype);
       });
 }
 
@@ -77,6 +79,8 @@ Linear::Linear(const ShardedTensor& weight, const ShardedTensor& bias, FeatureLa
                                    {context.batch_axes(), context.feature_axis()}, input_layout)),
       rows_(rows),
       tp_index_(context.feature_index()),
+      compute_dtype_(context.precision().param),
+      reduce_dtype_(context.precision().reduce),
       matmuls_(layer_matmul_algorithms(layout_, rows, context.matmul_algorithm(),
                                        collective_matmul_hardware())) {
   const LinearLayout& l = layout_;
@@ -118,6 +122,8 @@ Linear::Linear(const ShardedTensor& weight, const ShardedTensor& bias, FeatureLa
   if (gathers) {
     needs_.weight = static_cast<size_t>(in_c * out);
     needs_.grad = static_cast<size_t>(in_c * out);
+  } else if (compute_dtype_ != Dtype::fp32) {
+    needs_.weight = static_cast<size_t>(in_c * out);  // the rounded copy of the stored weight
   }
   if (gather0_comm_ && gather1_comm_) {
     needs_.stage = static_cast<size_t>(std::max(in_c * l.stored_cols, l.stored_rows * out));
@@ -134,8 +140,13 @@ int64_t Linear::output_offset() const {
 
 MatrixView Linear::compute_weight(const ShardedTensor& weight, LinearScratch& scratch) {
   MatrixView stored = weight.matrix();
-  if (!gather0_comm_ && !gather1_comm_) return stored;
   MatrixView full(scratch.weight.data(), layout_.in_compute, layout_.out);
+  if (!gather0_comm_ && !gather1_comm_) {
+    if (compute_dtype_ == Dtype::fp32) return stored;
+    round_copy(stored, full, compute_dtype_);  // the fp32 master cast to the compute dtype
+    return full;
+  }
+  // Gathered in the compute dtype: the blocks are rounded as they are packed.
   if (prefetch_started_) {
     // Started while the layer before computed: the blocks are landing in scratch.prefetch.
     // (A poll may have completed the request already; then wait() returns at once.)
@@ -153,12 +164,12 @@ MatrixView Linear::compute_weight(const ShardedTensor& weight, LinearScratch& sc
   }
   if (gather0_comm_ && gather1_comm_) {
     MatrixView stage(scratch.stage.data(), layout_.in_compute, layout_.stored_cols);
-    gather0_comm_->all_gather(stored, stage, 0);
-    gather1_comm_->all_gather(stage, full, 1);
+    gather0_comm_->all_gather(stored, stage, 0, compute_dtype_);
+    gather1_comm_->all_gather(stage, full, 1, compute_dtype_);
   } else if (gather0_comm_) {
-    gather0_comm_->all_gather(stored, full, 0);
+    gather0_comm_->all_gather(stored, full, 0, compute_dtype_);
   } else {
-    gather1_comm_->all_gather(stored, full, 1);
+    gather1_comm_->all_gather(stored, full, 1, compute_dtype_);
   }
   return full;
 }
@@ -173,7 +184,7 @@ void Linear::start_weight_prefetch(const ShardedTensor& weight, LinearScratch& s
   Communicator& group = gather0_comm_ ? *gather0_comm_ : *gather1_comm_;
   const Vector& stored = weight.local;
   prefetch_ = group.start_all_gather(ConstVectorView(stored.data(), stored.extent(0)),
-                                     VectorView(scratch.prefetch.data(), gathered));
+                                     VectorView(scratch.prefetch.data(), gathered), compute_dtype_);
   prefetch_started_ = true;
 }
 
@@ -182,7 +193,7 @@ const float* Linear::compute_bias(const ShardedTensor& bias, LinearScratch& scra
   if (bias_gather_comm_) {
     const size_t n = static_cast<size_t>(layout_.bias_stored) * bias_gather_comm_->size();
     bias_gather_comm_->all_gather(ConstVectorView(bias.local.data(), layout_.bias_stored),
-                                  VectorView(scratch.bias.data(), n));
+                                  VectorView(scratch.bias.data(), n), compute_dtype_);
     gathered = scratch.bias.data();
   }
   return gathered + (output_offset() - bias_gathered_offset_);
@@ -198,7 +209,7 @@ MatrixView Linear::forward(const ShardedTensor& weight, const ShardedTensor& bia
     copy_columns(x, tp_index_ * layout_.in_compute, x_c_);
     x_used_ = x_c_;
   } else if (layout_.gathers_input()) {
-    tp_comm_->all_gather(x, x_c_, 1);
+    tp_comm_->all_gather(x, x_c_, 1, compute_dtype_);
     x_used_ = x_c_;
   } else {
     x_used_ = x;
@@ -208,17 +219,22 @@ MatrixView Linear::forward(const ShardedTensor& weight, const ShardedTensor& bia
   MatrixView y = output_;
   if (layout_.split_output) {
     matmul_reduce_scatter(*tp_comm_, 1, plain(x_used_), plain(w), y, matmuls_.forward,
-                          scratch.matmul);
+                          scratch.matmul, compute_dtype_);
   } else {
     gemm(plain(x_used_), plain(w), 0.0f, y);
-    if (layout_.tensor_parallel) tp_comm_->all_reduce(y);
+    if (layout_.tensor_parallel) tp_comm_->all_reduce(y, ReduceOp::sum, compute_dtype_);
   }
   if (next.layer) next.layer->poll_weight_prefetch();
+  // The product in the compute dtype, plus the bias (cast to it), rounded again: two
+  // roundings, as docs/mixed_precision.md lists them (none in fp32).
   const float* b = compute_bias(bias, scratch);
+  const Dtype dtype = compute_dtype_;
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::linear_add_bias"),
       Range2({0, 0}, {static_cast<int64_t>(y.extent(0)), static_cast<int64_t>(y.extent(1))}),
-      KOKKOS_LAMBDA(const int64_t i, const int64_t j) { y(i, j) += b[j]; });
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        y(i, j) = round_to(round_to(y(i, j), dtype) + round_to(b[j], dtype), dtype);
+      });
   return y;
 }
 
@@ -240,10 +256,11 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
                         : MatrixView(scratch.grad.data(), layout_.in_compute, layout_.out);
   if (layout_.split_output) {
     all_gather_matmul(*tp_comm_, GatherSide::right, 1, transposed(x_used_), plain(dy), g,
-                      matmuls_.weight_grad, scratch.matmul);
+                      matmuls_.weight_grad, scratch.matmul, compute_dtype_);
   } else {
     gemm(transposed(x_used_), plain(dy), 0.0f, g);
   }
+  round_in_place(g, compute_dtype_);  // the weight's gradient in its compute dtype
   if (next.layer) next.layer->poll_weight_prefetch();
   // DP overlap: both gradients are final here (no gathers, no scale); hand them to the
   // buckets, whose all-reduce runs while dX is computed.
@@ -258,12 +275,13 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
   if (need_input_grad) {
     if (layout_.split_output) {
       all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(dy), transposed(w), dx_c_,
-                        matmuls_.input_grad, scratch.matmul);
+                        matmuls_.input_grad, scratch.matmul, compute_dtype_);
     } else {
       gemm(plain(dy), transposed(w), 0.0f, dx_c_);
     }
+    round_in_place(MatrixView(dx_c_), compute_dtype_);
     if (layout_.slices_input()) {
-      tp_comm_->all_gather(MatrixView(dx_c_), dx_, 1);
+      tp_comm_->all_gather(MatrixView(dx_c_), dx_, 1, compute_dtype_);
       dx = dx_;
     } else if (layout_.gathers_input()) {
       copy_columns(dx_c_, tp_index_ * layout_.input_width(), dx_);
@@ -279,20 +297,21 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
 
   // Weight gradient back to storage: reduce-scatter over the gathered axes (sum over the
   // batch ones; non-batch ones hold equal copies, hence the scale), then all-reduce over
-  // the batch axes the storage does not split.
+  // the batch axes the storage does not split. Summed in the reduce dtype; stored in fp32.
   MatrixView dst = weight_grad.matrix();
+  const Dtype wire = reduce_dtype_;
   if (gather0_comm_ && gather1_comm_) {
     MatrixView stage(scratch.stage.data(), layout_.stored_rows, layout_.out);
-    gather0_comm_->reduce_scatter(g, stage, 0);
-    gather1_comm_->reduce_scatter(stage, dst, 1);
+    gather0_comm_->reduce_scatter(g, stage, 0, wire);
+    gather1_comm_->reduce_scatter(stage, dst, 1, wire);
   } else if (gather0_comm_) {
-    gather0_comm_->reduce_scatter(g, dst, 0);
+    gather0_comm_->reduce_scatter(g, dst, 0, wire);
   } else if (gather1_comm_) {
-    gather1_comm_->reduce_scatter(g, dst, 1);
+    gather1_comm_->reduce_scatter(g, dst, 1, wire);
   }
   if (nonbatch_scale_ != 1.0f) scale_matrix(dst, nonbatch_scale_);
   const bool defer = !reduce && defers_reduction_;
-  if (weight_allreduce_comm_ && !defer) weight_allreduce_comm_->all_reduce(dst);
+  if (weight_allreduce_comm_ && !defer) weight_allreduce_comm_->all_reduce(dst, ReduceOp::sum, wire);
   bias_gradient(dy, bias_grad, scratch, !defer);
   return dx;
 }
@@ -302,15 +321,16 @@ void Linear::bias_gradient(MatrixView dy, ShardedTensor& bias_grad, LinearScratc
   // Bias gradient: column sums of dY into the full-width vector, summed over the batch
   // axes (and the feature axis when the output is split), then this rank's block.
   VectorView full(scratch.bias.data(), static_cast<size_t>(layout_.out));
-  sum_columns_into(dy, output_offset(), full);
-  if (bias_reduce_comm_ && all_reduce) bias_reduce_comm_->all_reduce(full);
+  sum_columns_into(dy, output_offset(), full, compute_dtype_);
+  if (bias_reduce_comm_ && all_reduce) bias_reduce_comm_->all_reduce(full, ReduceOp::sum, reduce_dtype_);
   copy_block(full, bias_stored_offset_, bias_grad.local);
 }
 
 void Linear::reduce_gradients(ShardedTensor& weight_grad, ShardedTensor& bias_grad) {
   if (!defers_reduction_) return;
-  weight_allreduce_comm_->all_reduce(weight_grad.matrix());
-  bias_reduce_comm_->all_reduce(VectorView(bias_grad.local.data(), bias_grad.local.extent(0)));
+  weight_allreduce_comm_->all_reduce(weight_grad.matrix(), ReduceOp::sum, reduce_dtype_);
+  bias_reduce_comm_->all_reduce(VectorView(bias_grad.local.data(), bias_grad.local.extent(0)),
+                                ReduceOp::sum, reduce_dtype_);
 }
 
 std::string Linear::describe() const {

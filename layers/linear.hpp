@@ -31,6 +31,12 @@
 //   while the layer before it computes; compute_weight() then waits for it instead of
 //   gathering. A weight gathered over two groups (a 2-D storage split) is gathered when used.
 //
+// Mixed precision (docs/mixed_precision.md, context.precision()): the weight and bias are
+//   cast to the compute dtype before they are gathered (a weight stored whole is rounded
+//   into the scratch); the output, the input gradient and the weight and bias gradients are
+//   rounded to it; the TP collective matmuls move their blocks in it; the gradients are
+//   reduced in the reduce dtype and kept in fp32. In fp32 none of this does anything.
+//
 // Buffers: the layer owns its activations for backward (input as used, output) and its
 // input gradient; gathered weights and gradient staging live in a LinearScratch shared by
 // all layers of a model. Nothing is allocated in forward() or backward().
@@ -153,6 +159,10 @@ class Linear {
   LinearLayout layout_;
   int64_t rows_ = 0;
   int tp_index_ = 0;
+  // Mixed precision (context.precision()): what the layer computes with, gathers its
+  // weight and moves activations in, and what its gradients are reduced in.
+  Dtype compute_dtype_ = Dtype::fp32;
+  Dtype reduce_dtype_ = Dtype::fp32;
 
   // Communicators of the layout's gathers and reductions (nullptr: nothing to do).
   Communicator* gather0_comm_ = nullptr;

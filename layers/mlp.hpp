@@ -3,6 +3,10 @@
 // i = 0 .. n-2 with parameters "layers/<i>/weight" [sizes[i], sizes[i+1]] and
 // "layers/<i>/bias" [sizes[i+1]]; the activation runs between layers, none after the last.
 //
+// Mixed precision (context.precision(), docs/mixed_precision.md): the input, every
+// activation and every activation gradient are rounded to the compute dtype; the output
+// gradient is multiplied by the loss scale and rounded to it before backward starts.
+//
 // With context.overlap(), each layer whose weight is gathered over one group (FSDP) has
 // that gather started while the layer before it computes, in forward and in backward
 // (Linear::start_weight_prefetch); the first layer of each pass gathers when it runs.
@@ -67,7 +71,9 @@ class Mlp {
   // dLoss/dOutput [local_rows, output_width()]: overwrites every gradient. With reduce =
   // false the layers that defer their reduction (Linear::defers_reduction, DP storage) leave
   // this rank's partial gradients, for reduce_gradients() after accumulating micro-batches.
-  void backward(MatrixView output_grad, bool reduce = true);
+  // loss_scale: output_grad is multiplied by it first (fp16 loss scaling; the gradients come
+  // out scaled by it too).
+  void backward(MatrixView output_grad, bool reduce = true, float loss_scale = 1.0f);
   // The reductions backward(..., false) left out, on the gradients as they are now.
   void reduce_gradients();
 
@@ -96,6 +102,9 @@ class Mlp {
   std::vector<ShardedTensor> grads_;
   std::vector<Linear> layers_;
   std::vector<Matrix> activated_;  // f(z_i) for i < last: the input of layer i+1
+  Dtype compute_dtype_ = Dtype::fp32;  // context.precision().param
+  Matrix input_;        // the input cast to the compute dtype (empty in fp32)
+  Matrix output_grad_;  // the output gradient, scaled and cast (empty in plain fp32)
   bool prefetch_ = false;          // overlap on and some layer's weight can be prefetched
   LinearScratch scratch_;
   GradientBuckets buckets_;  // empty unless overlap is on and some layer defers its reduction

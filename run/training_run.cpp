@@ -162,6 +162,8 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   context_.emplace(ParallelContext::from_logical_axes(
       *comms_, *logical_, parse_collective_matmul_algorithm(config_.partition.collective_matmul),
       config_.runtime.overlap, config_.runtime.bucket_mb));
+  const MixedPrecision precision = config_.mixed_precision.policy();
+  context_->set_precision(precision);
   model_ = std::make_unique<Mlp>(sizes, parse_activation(config_.model.activation),
                                  specs_from_plan(*plan_), *context_, slice_.rows);
   model_->initialize(parse_init_scheme(config_.model.init), config_.run.seed);
@@ -177,8 +179,9 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
       partial.push_back(layer.deferred_reduction_group());  // bias
     }
     zero1_ = std::make_unique<Zero1>(model_->parameters(), model_->gradients(), std::move(partial),
-                                     comms_->get({kZeroAxis}));
+                                     comms_->get({kZeroAxis}), precision.reduce);
   }
+  if (precision.needs_loss_scaling()) scaler_ = std::make_unique<LossScaler>(*world_);
   optimizer_ =
       std::make_unique<Optimizer>(optimizer_settings(config_.optimizer), updated_parameters());
   clipper_ = std::make_unique<GradientClipper>(*mesh_, rank_, updated_gradients());
@@ -335,6 +338,10 @@ void TrainingRun::resume() {
   on_every_rank(comm_, [&] { info = load_checkpoint(*latest, checkpoint_, comm_); });
   steps_done_ = info.train_state.step;
   optimizer_->set_step_count(info.train_state.optimizer_step);
+  // A run saved without loss scaling (bf16, fp32) resumed under fp16 starts at the initial scale.
+  if (scaler_ && info.train_state.loss_scale > 0) {
+    scaler_->restore(info.train_state.loss_scale, info.train_state.loss_scale_clean_steps);
+  }
   resumed_from_ = info;
 }
 
@@ -394,7 +401,8 @@ double TrainingRun::accumulate_loaded_batch() {
   // bias) reduce every micro-batch in backward. The last micro-batch's gradient stays in
   // the gradients.
   // ZeRO-1 reduces those once per step too, in apply_update (a reduce-scatter over dp).
-  model_->backward(loss_->gradient(), /*reduce=*/accumulation_ == 1 && !zero1_);
+  model_->backward(loss_->gradient(), /*reduce=*/accumulation_ == 1 && !zero1_,
+                   scaler_ ? scaler_->scale() : 1.0f);
   if (micro_done_ + 1 < accumulation_) {
     std::vector<ShardedTensor>& grads = model_->gradients();
     for (size_t i = 0; i < grads.size(); ++i) {
@@ -422,6 +430,17 @@ StepResult TrainingRun::apply_update() {
   const double loss = micro_loss_sum_ / static_cast<double>(accumulation_);
   micro_done_ = 0;
   micro_loss_sum_ = 0.0;
+  if (scaler_) {
+    // fp16: the gradients come scaled; a step with an inf or NaN anywhere is skipped on
+    // every rank (the optimizer does not run) and the scale backs off.
+    const bool finite = scaler_->unscale(update_grads);
+    scaler_->update(finite);
+    if (!finite) {
+      ++skipped_steps_;
+      ++steps_done_;
+      return {steps_done_, loss};
+    }
+  }
   if (config_.optimizer.clip_norm > 0) {
     // The norm is reduced over the ranks too: every rank stops here together.
     const double norm = clipper_->clip(update_grads, config_.optimizer.clip_norm, *world_);
@@ -496,6 +515,8 @@ std::string TrainingRun::start_save() {
   state.seed = config_.run.seed;
   state.optimizer_step = optimizer_->step_count();
   state.data_order = schedule_->order().name();
+  state.loss_scale = scaler_ ? scaler_->scale() : 0.0;
+  state.loss_scale_clean_steps = scaler_ ? scaler_->clean_steps() : 0;
   std::string path;
   on_every_rank(comm_, [&] {
     report_checkpoint(checkpointer_->wait());  // the previous one, when still in flight
@@ -544,6 +565,10 @@ void TrainingRun::log_step(const StepResult& result) {
     event.mfu_percent = 100.0 * event.tflops_per_rank / config_.run.peak_tflops;
   }
   event.eta_s = (total_steps_ - result.step) * elapsed / window_steps_;
+  if (scaler_) {
+    event.loss_scale = scaler_->scale();
+    event.skipped_steps = skipped_steps_;
+  }
   // The slowest rank's wait: a rank whose reader keeps up waits in the gradient all-reduce
   // for the one whose reader does not, so rank 0's own wait alone can read 0.
   double waited[2] = {train_stream_->take_wait_seconds(), 0.0};

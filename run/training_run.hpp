@@ -38,6 +38,7 @@
 #include "framework/io/data.hpp"
 #include "framework/io/metrics.hpp"
 #include "framework/train/config.hpp"
+#include "framework/train/loss_scaler.hpp"
 #include "framework/train/lr_schedule.hpp"
 #include "framework/train/optimizer.hpp"
 #include "framework/train/zero1.hpp"
@@ -201,6 +202,8 @@ class TrainingRun {
   std::unique_ptr<Loss> loss_;
   // optimizer.zero_stage = 1 with dp > 1: the optimizer works on this rank's chunks.
   std::unique_ptr<Zero1> zero1_;
+  std::unique_ptr<LossScaler> scaler_;  // fp16 runs only
+  int64_t skipped_steps_ = 0;           // fp16 steps skipped for a non-finite gradient, in all
   // What the optimizer and the clipper work on: zero1_'s chunks, else the whole model's.
   std::vector<ShardedTensor>& updated_parameters() {
     return zero1_ ? zero1_->param_chunks() : model_->parameters();

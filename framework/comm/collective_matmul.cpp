@@ -114,6 +114,7 @@ namespace {
 // The geometry of one all_gather_matmul call.
 struct GatherPlan {
   const char* op = "all_gather_matmul";
+  Dtype wire = Dtype::fp32;  // what the gathered blocks travel as
   GatherSide side = GatherSide::right;
   int gather_dim = 0;
   int n = 1;
@@ -160,7 +161,7 @@ struct GatherPlan {
     CollectiveMatmulShape s;
     s.kind = CollectiveMatmulKind::all_gather;
     s.ranks = n;
-    s.block_bytes = static_cast<double>(block_rows * block_cols * sizeof(float));
+    s.block_bytes = static_cast<double>(block_rows * block_cols * bytes_of(wire));
     const std::size_t whole = static_cast<std::size_t>(n) * block_rows;
     s.naive =
         gather_dim == 0 ? piece_shape(whole, block_cols) : piece_shape(block_rows, block_cols);
@@ -189,8 +190,9 @@ struct GatherPlan {
 };
 
 GatherPlan plan_gather(Communicator& comm, GatherSide side, int gather_dim, GemmOperand a,
-                       GemmOperand b, MatrixView c) {
+                       GemmOperand b, MatrixView c, Dtype wire) {
   GatherPlan plan;
+  plan.wire = wire;
   const char* op = plan.op;
   if (gather_dim != 0 && gather_dim != 1) {
     MESHTRAIN_BAD_INPUT(op, ": gather_dim must be 0 or 1, got ", gather_dim);
@@ -252,7 +254,8 @@ void gather_naive(const GatherPlan& plan, Communicator& comm, CollectiveMatmulWo
   const std::size_t block = block_floats(plan.block_rows, plan.block_cols);
   const std::size_t n = static_cast<std::size_t>(plan.n);
   float* full = ws.acquire(n * block);
-  comm.all_gather(ConstVectorView(plan.gathered.matrix.data(), block), VectorView(full, n * block));
+  comm.all_gather(ConstVectorView(plan.gathered.matrix.data(), block), VectorView(full, n * block),
+                  plan.wire);
   if (plan.gather_dim == 0) {
     plan.multiply_piece(full, 0, n * plan.block_rows, 0, plan.block_cols);
     return;
@@ -271,7 +274,7 @@ void gather_ring(const GatherPlan& plan, Communicator& comm, CollectiveMatmulWor
     float* next = buffers + (s % 2) * block;
     Request moving;
     if (s + 1 < plan.n) {
-      moving = comm.shift(ConstVectorView(in_hand, block), VectorView(next, block), +1);
+      moving = comm.shift(ConstVectorView(in_hand, block), VectorView(next, block), +1, plan.wire);
     }
     const int source = ((plan.i - s) % plan.n + plan.n) % plan.n;
     plan.multiply_block_rows(in_hand, source, 0, plan.block_rows);
@@ -293,8 +296,10 @@ void gather_bidirectional(const GatherPlan& plan, Communicator& comm,
   for (int s = 0; s < plan.n; ++s) {
     Request lo_moving, hi_moving;
     if (s + 1 < plan.n) {  // every rank starts lo (up) before hi (down)
-      lo_moving = comm.shift(ConstVectorView(lo_in, lo), VectorView(lo_buf[s % 2], lo), +1);
-      hi_moving = comm.shift(ConstVectorView(hi_in, hi), VectorView(hi_buf[s % 2], hi), -1);
+      lo_moving =
+          comm.shift(ConstVectorView(lo_in, lo), VectorView(lo_buf[s % 2], lo), +1, plan.wire);
+      hi_moving =
+          comm.shift(ConstVectorView(hi_in, hi), VectorView(hi_buf[s % 2], hi), -1, plan.wire);
     }
     const int lo_source = ((plan.i - s) % plan.n + plan.n) % plan.n;
     const int hi_source = (plan.i + s) % plan.n;
@@ -310,14 +315,15 @@ void gather_bidirectional(const GatherPlan& plan, Communicator& comm,
 }  // namespace
 
 CollectiveMatmulShape all_gather_matmul_shape(Communicator& comm, GatherSide side, int gather_dim,
-                                              GemmOperand a, GemmOperand b, MatrixView c) {
-  return plan_gather(comm, side, gather_dim, a, b, c).shape();
+                                              GemmOperand a, GemmOperand b, MatrixView c,
+                                              Dtype wire) {
+  return plan_gather(comm, side, gather_dim, a, b, c, wire).shape();
 }
 
 void all_gather_matmul(Communicator& comm, GatherSide side, int gather_dim, GemmOperand a,
                        GemmOperand b, MatrixView c, CollectiveMatmulAlgorithm algorithm,
-                       CollectiveMatmulWorkspace& workspace) {
-  const GatherPlan plan = plan_gather(comm, side, gather_dim, a, b, c);
+                       CollectiveMatmulWorkspace& workspace, Dtype wire) {
+  const GatherPlan plan = plan_gather(comm, side, gather_dim, a, b, c, wire);
   switch (resolve_collective_matmul_algorithm(algorithm, plan.shape())) {
     case CollectiveMatmulAlgorithm::ring:
       gather_ring(plan, comm, workspace);
@@ -337,6 +343,7 @@ void all_gather_matmul(Communicator& comm, GatherSide side, int gather_dim, Gemm
 namespace {
 
 struct ScatterPlan {
+  Dtype wire = Dtype::fp32;  // what the partial sums travel (and are summed) as
   int scatter_dim = 0;
   int n = 1;
   int i = 0;
@@ -368,7 +375,7 @@ struct ScatterPlan {
     CollectiveMatmulShape s;
     s.kind = CollectiveMatmulKind::reduce_scatter;
     s.ranks = n;
-    s.block_bytes = static_cast<double>(block_rows * block_cols * sizeof(float));
+    s.block_bytes = static_cast<double>(block_rows * block_cols * bytes_of(wire));
     s.naive = scatter_dim == 0 ? GemmShape{static_cast<int64_t>(m), k, static_cast<int64_t>(cols),
                                            a.transpose, b.transpose}
                                : rows_of(block_rows);
@@ -380,12 +387,13 @@ struct ScatterPlan {
 };
 
 ScatterPlan plan_scatter(Communicator& comm, int scatter_dim, GemmOperand a, GemmOperand b,
-                         MatrixView c) {
+                         MatrixView c, Dtype wire) {
   const char* op = "matmul_reduce_scatter";
   if (scatter_dim != 0 && scatter_dim != 1) {
     MESHTRAIN_BAD_INPUT(op, ": scatter_dim must be 0 or 1, got ", scatter_dim);
   }
   ScatterPlan plan;
+  plan.wire = wire;
   plan.scatter_dim = scatter_dim;
   plan.n = comm.size();
   plan.i = comm.rank();
@@ -427,7 +435,7 @@ void scatter_naive(const ScatterPlan& plan, Communicator& comm, MatrixView c,
     for (int t = 0; t < plan.n; ++t) plan.compute(t, 0, plan.block_rows, product + t * block);
   }
   float* result = c_contiguous ? c.data() : product + n * block;
-  comm.reduce_scatter(ConstVectorView(product, n * block), VectorView(result, block));
+  comm.reduce_scatter(ConstVectorView(product, n * block), VectorView(result, block), plan.wire);
   if (!c_contiguous) {
     copy_into(c, ConstMatrixView(result, plan.block_rows, plan.block_cols));
   }
@@ -489,7 +497,7 @@ void scatter_streams(const ScatterPlan& plan, Communicator& comm, MatrixView c,
       if (s == 0) continue;
       float* incoming = st.buffers[static_cast<std::size_t>((s + 1) % 3)];
       st.moving = comm.shift(ConstVectorView(st.acc, st.floats), VectorView(incoming, st.floats),
-                             st.offset);
+                             st.offset, plan.wire);
     }
     for (int k = 0; k < count; ++k) {  // overlap: this rank's contribution to the next block
       PartialStream& st = streams[k];
@@ -515,14 +523,15 @@ void scatter_streams(const ScatterPlan& plan, Communicator& comm, MatrixView c,
 }  // namespace
 
 CollectiveMatmulShape matmul_reduce_scatter_shape(Communicator& comm, int scatter_dim,
-                                                  GemmOperand a, GemmOperand b, MatrixView c) {
-  return plan_scatter(comm, scatter_dim, a, b, c).shape();
+                                                  GemmOperand a, GemmOperand b, MatrixView c,
+                                                  Dtype wire) {
+  return plan_scatter(comm, scatter_dim, a, b, c, wire).shape();
 }
 
 void matmul_reduce_scatter(Communicator& comm, int scatter_dim, GemmOperand a, GemmOperand b,
                            MatrixView c, CollectiveMatmulAlgorithm algorithm,
-                           CollectiveMatmulWorkspace& workspace) {
-  const ScatterPlan plan = plan_scatter(comm, scatter_dim, a, b, c);
+                           CollectiveMatmulWorkspace& workspace, Dtype wire) {
+  const ScatterPlan plan = plan_scatter(comm, scatter_dim, a, b, c, wire);
   const std::size_t block = plan.block_rows * plan.block_cols;
   const auto chosen = resolve_collective_matmul_algorithm(algorithm, plan.shape());
   if (chosen == CollectiveMatmulAlgorithm::ring) {

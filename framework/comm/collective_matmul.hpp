@@ -42,6 +42,10 @@
 // output block of the reduce-scatter. ring/bidirectional reduce-scatter use C itself as
 // the third rotating buffer; a non-contiguous C costs one more block.
 //
+// Wire (mixed precision): the travelling operand moves as `wire` elements (Communicator's
+// wire type): gathered blocks arrive rounded to it, and the partial sums of the
+// reduce-scatter are rounded to it at every hop (naive: the reduce-scatter's own 16-bit sum).
+//
 // Shapes that do not split over n are bad_input naming the dimension, its size and n.
 // Every rank of comm must call with the same algorithm and shapes.
 
@@ -72,9 +76,11 @@ enum class GatherSide { left, right };
 // The shape of a call with these operands (what the two functions below would run; the
 // same bad_input for operands they reject).
 CollectiveMatmulShape all_gather_matmul_shape(Communicator& comm, GatherSide side, int gather_dim,
-                                              GemmOperand a, GemmOperand b, MatrixView c);
+                                              GemmOperand a, GemmOperand b, MatrixView c,
+                                              Dtype wire = Dtype::fp32);
 CollectiveMatmulShape matmul_reduce_scatter_shape(Communicator& comm, int scatter_dim,
-                                                  GemmOperand a, GemmOperand b, MatrixView c);
+                                                  GemmOperand a, GemmOperand b, MatrixView c,
+                                                  Dtype wire = Dtype::fp32);
 
 // Scratch memory of the collective matmuls: one buffer, grown on first use (or by
 // reserve) and reused, so later calls with the same shapes do not allocate. Not shared
@@ -96,10 +102,10 @@ class CollectiveMatmulWorkspace {
 
 void all_gather_matmul(Communicator& comm, GatherSide side, int gather_dim, GemmOperand a,
                        GemmOperand b, MatrixView c, CollectiveMatmulAlgorithm algorithm,
-                       CollectiveMatmulWorkspace& workspace);
+                       CollectiveMatmulWorkspace& workspace, Dtype wire = Dtype::fp32);
 
 void matmul_reduce_scatter(Communicator& comm, int scatter_dim, GemmOperand a, GemmOperand b,
                            MatrixView c, CollectiveMatmulAlgorithm algorithm,
-                           CollectiveMatmulWorkspace& workspace);
+                           CollectiveMatmulWorkspace& workspace, Dtype wire = Dtype::fp32);
 
 }  // namespace meshtrain

@@ -65,10 +65,15 @@ struct TrainState {
   // The data order's name (DataOrder::name()); empty in checkpoints saved before it was
   // recorded, whose shuffled order was a Fisher-Yates table of every row.
   std::string data_order;
+  // fp16 loss scaling (framework/train/loss_scaler.hpp): the scale and the clean steps since
+  // it last changed; 0 and 0 in runs without it (and in checkpoints saved before it).
+  double loss_scale = 0.0;
+  int64_t loss_scale_clean_steps = 0;
   bool operator==(const TrainState& o) const {
     return step == o.step && epoch == o.epoch && batch_in_epoch == o.batch_in_epoch &&
            seed == o.seed && rng_offset == o.rng_offset && optimizer_step == o.optimizer_step &&
-           data_order == o.data_order;
+           data_order == o.data_order && loss_scale == o.loss_scale &&
+           loss_scale_clean_steps == o.loss_scale_clean_steps;
   }
 };
 

@@ -252,6 +252,8 @@ void write_metadata(hid_t file, const CheckpointContents& c) {
   hdf5::write_attribute(group, "rng_offset", state.rng_offset);
   hdf5::write_attribute(group, "optimizer_step", state.optimizer_step);
   hdf5::write_attribute(group, "data_order", state.data_order);
+  hdf5::write_attribute(group, "loss_scale", state.loss_scale);
+  hdf5::write_attribute(group, "loss_scale_clean_steps", state.loss_scale_clean_steps);
   group.close("cannot close group '/train_state'");
 }
 
@@ -295,6 +297,10 @@ CheckpointInfo read_metadata(hid_t file, const std::string& path) {
   s.optimizer_step = hdf5::read_int_attribute(group, "optimizer_step", bad, gwhere);
   if (hdf5::has_attribute(group, "data_order", bad, gwhere)) {
     s.data_order = hdf5::read_string_attribute(group, "data_order", bad, gwhere);
+  }
+  if (hdf5::has_attribute(group, "loss_scale", bad, gwhere)) {
+    s.loss_scale = hdf5::read_double_attribute(group, "loss_scale", bad, gwhere);
+    s.loss_scale_clean_steps = hdf5::read_int_attribute(group, "loss_scale_clean_steps", bad, gwhere);
   }
   return info;
 }

@@ -148,6 +148,11 @@ void write_attribute(hid_t object, const std::string& name, uint64_t value) {
   write_raw_attribute(object, name, H5T_STD_U64LE, H5T_NATIVE_UINT64, space, &value);
 }
 
+void write_attribute(hid_t object, const std::string& name, double value) {
+  Handle space = make(H5Screate(H5S_SCALAR), H5Sclose, ErrorKind::runtime, "H5Screate");
+  write_raw_attribute(object, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, space, &value);
+}
+
 void write_attribute(hid_t object, const std::string& name, const std::vector<int64_t>& values) {
   const hsize_t n = values.size();
   Handle space = make(n == 0 ? H5Screate(H5S_NULL) : H5Screate_simple(1, &n, nullptr), H5Sclose,
@@ -220,6 +225,18 @@ int64_t read_int_attribute(hid_t object, const std::string& name, ErrorKind kind
 uint64_t read_uint_attribute(hid_t object, const std::string& name, ErrorKind kind,
                              const std::string& where) {
   return read_integer_attribute<uint64_t>(object, name, H5T_NATIVE_UINT64, kind, where);
+}
+
+double read_double_attribute(hid_t object, const std::string& name, ErrorKind kind,
+                             const std::string& where) {
+  const std::string what = "cannot read attribute '" + name + "' of " + where;
+  Handle attr = open_attribute(object, name, kind, where);
+  if (attribute_class(attr, kind, what) != H5T_FLOAT || attribute_elements(attr, kind, what) != 1) {
+    throw_error(kind, "attribute '" + name + "' of " + where + " is not a number");
+  }
+  double value = 0.0;
+  check(H5Aread(attr, H5T_NATIVE_DOUBLE, &value), kind, what);
+  return value;
 }
 
 std::vector<int64_t> read_int_array_attribute(hid_t object, const std::string& name, ErrorKind kind,

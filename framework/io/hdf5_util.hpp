@@ -62,6 +62,7 @@ Handle make(hid_t id, Handle::Closer closer, ErrorKind kind, const std::string& 
 void write_attribute(hid_t object, const std::string& name, const std::string& value);
 void write_attribute(hid_t object, const std::string& name, int64_t value);
 void write_attribute(hid_t object, const std::string& name, uint64_t value);
+void write_attribute(hid_t object, const std::string& name, double value);
 void write_attribute(hid_t object, const std::string& name, const std::vector<int64_t>& values);
 
 bool has_attribute(hid_t object, const std::string& name, ErrorKind kind, const std::string& where);
@@ -71,6 +72,8 @@ std::string read_string_attribute(hid_t object, const std::string& name, ErrorKi
                                   const std::string& where);
 int64_t read_int_attribute(hid_t object, const std::string& name, ErrorKind kind,
                            const std::string& where);
+double read_double_attribute(hid_t object, const std::string& name, ErrorKind kind,
+                             const std::string& where);
 uint64_t read_uint_attribute(hid_t object, const std::string& name, ErrorKind kind,
                              const std::string& where);
 std::vector<int64_t> read_int_array_attribute(hid_t object, const std::string& name, ErrorKind kind,

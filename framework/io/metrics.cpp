@@ -49,6 +49,10 @@ void MetricsLog::log(const LogEvent& e) {
                       {"tflops_per_rank", e.tflops_per_rank},
                       {"data_wait_s", e.data_wait_s}};
   if (!std::isnan(e.mfu_percent)) j["mfu_percent"] = e.mfu_percent;
+  if (!std::isnan(e.loss_scale)) {
+    j["loss_scale"] = e.loss_scale;
+    j["skipped_steps"] = e.skipped_steps;
+  }
   write_line(j.dump());
 }
 
@@ -62,13 +66,18 @@ void MetricsLog::eval(const EvalEvent& e) {
 std::string format_log_line(const LogEvent& e) {
   char mfu[32] = "";
   if (!std::isnan(e.mfu_percent)) std::snprintf(mfu, sizeof mfu, " (MFU %.1f%%)", e.mfu_percent);
-  char line[256];
+  char scale[64] = "";
+  if (!std::isnan(e.loss_scale)) {
+    std::snprintf(scale, sizeof scale, "  loss scale %g (%lld skipped)", e.loss_scale,
+                  static_cast<long long>(e.skipped_steps));
+  }
+  char line[320];
   std::snprintf(line, sizeof line,
                 "step %6lld/%lld  epoch %3lld  loss %.5f  lr %.3e  %9.1f samples/s  %.4f "
-                "TFLOP/s%s  data wait %.1f ms  ETA %s",
+                "TFLOP/s%s  data wait %.1f ms%s  ETA %s",
                 static_cast<long long>(e.step), static_cast<long long>(e.total_steps),
                 static_cast<long long>(e.epoch), e.loss, e.lr, e.samples_per_s, e.tflops_per_rank,
-                mfu, 1e3 * e.data_wait_s, format_duration(e.eta_s).c_str());
+                mfu, 1e3 * e.data_wait_s, scale, format_duration(e.eta_s).c_str());
   return line;
 }
 

@@ -27,6 +27,10 @@ struct LogEvent {
   // Mean seconds a step of the window waited for its batch to be read, on the rank that
   // waited longest (0 when every reader thread kept ahead).
   double data_wait_s = 0.0;
+  // fp16 loss scaling: the scale after the last step and the steps skipped so far for a
+  // non-finite gradient; NaN and 0 (neither written) without loss scaling.
+  double loss_scale = std::nan("");
+  int64_t skipped_steps = 0;
 };
 
 struct EvalEvent {

@@ -44,6 +44,7 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& schema() {
       {"train", {"epochs", "steps", "log_every", "eval_every", "accumulation_steps"}},
       {"checkpoint", {"every_steps", "keep", "resume", "dir", "async"}},
       {"runtime", {"backend", "matmul_precision", "overlap", "bucket_mb"}},
+      {"mixed_precision", {"param_dtype", "reduce_dtype"}},
   };
   return sections;
 }
@@ -529,6 +530,22 @@ void read_checkpoint(const Section& s, const std::string& output_dir, Checkpoint
   if (ckpt.dir.empty()) s.fail("dir", "must not be empty");
 }
 
+void read_mixed_precision(const Section& s, MixedPrecisionSection& mp) {
+  const std::vector<std::string> names = choice_names(dtype_choices());
+  mp.param_dtype = parse_dtype(s.choice("param_dtype", to_string(mp.param_dtype), names),
+                               "mixed_precision.param_dtype");
+  mp.reduce_dtype = parse_dtype(s.choice("reduce_dtype", to_string(mp.reduce_dtype), names),
+                                "mixed_precision.reduce_dtype");
+  // One 16-bit format per run: a bf16 gradient reduced in fp16 would overflow where bf16
+  // does not, and an fp16 one reduced in bf16 loses the mantissa loss scaling protects.
+  const bool mixes = (mp.param_dtype == Dtype::bf16 && mp.reduce_dtype == Dtype::fp16) ||
+                     (mp.param_dtype == Dtype::fp16 && mp.reduce_dtype == Dtype::bf16);
+  if (mixes) {
+    s.fail("reduce_dtype", "= \"", to_string(mp.reduce_dtype), "\" does not go with param_dtype = \"",
+           to_string(mp.param_dtype), "\": use one 16-bit format (or fp32) for both");
+  }
+}
+
 void read_runtime(const Section& s, RuntimeSection& runtime) {
   runtime.backend = s.choice("backend", runtime.backend, choice_names(comm_backend_choices()));
   runtime.matmul_precision = s.choice("matmul_precision", runtime.matmul_precision,
@@ -663,6 +680,7 @@ RunConfig parse_config(const std::string& text, const std::string& file,
   read_train(reader.section(root, "train"), config.train);
   read_checkpoint(reader.section(root, "checkpoint"), config.run.output_dir, config.checkpoint);
   read_runtime(reader.section(root, "runtime"), config.runtime);
+  read_mixed_precision(reader.section(root, "mixed_precision"), config.mixed_precision);
   check_config_products(config);
   return config;
 }
@@ -782,10 +800,12 @@ std::string config_to_toml(const RunConfig& config) {
                       {"matmul_precision", config.runtime.matmul_precision},
                       {"overlap", config.runtime.overlap},
                       {"bucket_mb", config.runtime.bucket_mb}};
+  toml::table mixed_precision{{"param_dtype", to_string(config.mixed_precision.param_dtype)},
+                              {"reduce_dtype", to_string(config.mixed_precision.reduce_dtype)}};
   toml::table root{
       {"run", run},        {"mesh", mesh},           {"model", model}, {"partition", partition},
       {"data", data},      {"optimizer", optimizer}, {"train", train}, {"checkpoint", checkpoint},
-      {"runtime", runtime}};
+      {"runtime", runtime}, {"mixed_precision", mixed_precision}};
   std::ostringstream out;
   out << root;
   return out.str();

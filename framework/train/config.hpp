@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "partition/dtype.hpp"
 #include "partition/mesh.hpp"
 #include "partition/partition_spec.hpp"
 #include "partition/planner.hpp"
@@ -125,6 +126,15 @@ struct RuntimeSection {
   double bucket_mb = 25.0;
 };
 
+// FSDP2's MixedPrecisionPolicy (docs/mixed_precision.md): what layers compute with, gather
+// weights and move activations in (param_dtype) and what gradients are reduced in
+// (reduce_dtype). fp32/fp32 is the plain fp32 run. bf16 and fp16 do not mix.
+struct MixedPrecisionSection {
+  Dtype param_dtype = Dtype::fp32;
+  Dtype reduce_dtype = Dtype::fp32;
+  MixedPrecision policy() const { return {param_dtype, reduce_dtype}; }
+};
+
 struct RunConfig {
   std::string file;  // where it was read from (for messages); empty when made in code
   std::string text;  // the TOML text after --set overrides (stored in checkpoints)
@@ -137,6 +147,7 @@ struct RunConfig {
   TrainSection train;
   CheckpointSection checkpoint;
   RuntimeSection runtime;
+  MixedPrecisionSection mixed_precision;
 };
 
 // Reads `path`, applies `overrides` ("section.key=value", value read as a TOML value, or

@@ -34,8 +34,8 @@ PartitionSpec chunk_spec(const PartitionSpec& spec, size_t rank) {
 }  // namespace
 
 Zero1::Zero1(const std::vector<ShardedTensor>& params, const std::vector<ShardedTensor>& grads,
-             std::vector<Communicator*> partial, Communicator& dp)
-    : dp_(dp), partial_(std::move(partial)) {
+             std::vector<Communicator*> partial, Communicator& dp, Dtype reduce_dtype)
+    : dp_(dp), reduce_dtype_(reduce_dtype), partial_(std::move(partial)) {
   MESHTRAIN_REQUIRE(params.size() == grads.size() && params.size() == partial_.size(),
                     "zero1: ", params.size(), " parameters, ", grads.size(), " gradients, ",
                     partial_.size(), " reduction groups");
@@ -83,7 +83,7 @@ void Zero1::reduce(const std::vector<ShardedTensor>& grads) {
     Communicator* partial = partial_[i];
     if (!s.split || (partial && partial != &dp_)) {
       // Not split, or partial over another group: the whole sum first (as the layer would).
-      if (partial) partial->all_reduce(VectorView(g.data(), g.extent(0)));
+      if (partial) partial->all_reduce(VectorView(g.data(), g.extent(0)), ReduceOp::sum, reduce_dtype_);
       if (s.split) copy(g.data() + s.first, grad_chunks_[i].local.data(), s.count);
       continue;
     }
@@ -99,7 +99,7 @@ void Zero1::reduce(const std::vector<ShardedTensor>& grads) {
       send = padded_.data();
     }
     dp_.reduce_scatter(ConstVectorView(send, static_cast<size_t>(s.chunk * n)),
-                       VectorView(chunk, static_cast<size_t>(s.chunk)));
+                       VectorView(chunk, static_cast<size_t>(s.chunk)), reduce_dtype_);
   }
 }
 

@@ -31,9 +31,10 @@ class Zero1 {
  public:
   // `params` and `grads` as the model holds them; partial[i] is the group over which the
   // layer left gradient i a partial sum (nullptr: the layer reduced it). `dp` is the
-  // communicator of the dp axis (its rank is this rank's dp coordinate).
+  // communicator of the dp axis (its rank is this rank's dp coordinate). Gradients are
+  // summed in `reduce_dtype` (mixed precision); parameters are gathered in fp32 (masters).
   Zero1(const std::vector<ShardedTensor>& params, const std::vector<ShardedTensor>& grads,
-        std::vector<Communicator*> partial, Communicator& dp);
+        std::vector<Communicator*> partial, Communicator& dp, Dtype reduce_dtype = Dtype::fp32);
 
   void reduce(const std::vector<ShardedTensor>& grads);
   void gather(const std::vector<ShardedTensor>& params);
@@ -53,6 +54,7 @@ class Zero1 {
     bool divides = false;      // the block is exactly dp chunks: no padding
   };
   Communicator& dp_;
+  Dtype reduce_dtype_ = Dtype::fp32;
   std::vector<Communicator*> partial_;
   std::vector<Split> splits_;
   std::vector<ShardedTensor> param_chunks_;
