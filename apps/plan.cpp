@@ -292,6 +292,12 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
   out << "options: min_sharding_size " << options.min_sharding_size << ", "
       << options.bytes_per_element << " bytes per element, " << options.optimizer_slots
       << " optimizer slot" << (options.optimizer_slots == 1 ? "" : "s") << " per parameter\n";
+  if (!options.precision.is_fp32()) {
+    out << "mixed precision: param_dtype " << to_string(options.precision.param) << ", reduce_dtype "
+        << to_string(options.precision.reduce)
+        << " (masters, gradients and optimizer state fp32; the collectives below move "
+           "16-bit elements where the dtype is 16-bit)\n";
+  }
   out << "rules:\n";
   for (size_t i = 0; i < rules.size(); ++i) {
     out << "  " << describe_rule(rules, static_cast<int>(i))
@@ -382,7 +388,9 @@ nlohmann::ordered_json plan_to_json(const ShardingPlan& plan,
                     {"optimizer_slots", options.optimizer_slots},
                     {"batch_axes", options.batch_axes},
                     {"feature_axis", options.feature_axis},
-                    {"global_batch", options.global_batch}};
+                    {"global_batch", options.global_batch},
+                    {"param_dtype", to_string(options.precision.param)},
+                    {"reduce_dtype", to_string(options.precision.reduce)}};
   json rule_list = json::array();
   for (size_t i = 0; i < rules.size(); ++i) {
     rule_list.push_back({{"index", i},

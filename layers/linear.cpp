@@ -82,7 +82,7 @@ Linear::Linear(const ShardedTensor& weight, const ShardedTensor& bias, FeatureLa
       compute_dtype_(context.precision().param),
       reduce_dtype_(context.precision().reduce),
       matmuls_(layer_matmul_algorithms(layout_, rows, context.matmul_algorithm(),
-                                       collective_matmul_hardware())) {
+                                       collective_matmul_hardware(), context.precision().param)) {
   const LinearLayout& l = layout_;
   const std::string& name = l.layer;
   MESHTRAIN_REQUIRE(weight.box.extent[0] == l.stored_rows && weight.box.extent[1] == l.stored_cols,

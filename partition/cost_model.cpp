@@ -104,12 +104,13 @@ CollectiveMatmulAlgorithm choose_collective_matmul(const CollectiveMatmulShape& 
   return CollectiveMatmulAlgorithm::naive;  // unreachable: the fastest is within its margin
 }
 
-std::vector<CollectiveMatmulShape> layer_matmul_shapes(const LinearLayout& l, int64_t rows) {
+std::vector<CollectiveMatmulShape> layer_matmul_shapes(const LinearLayout& l, int64_t rows,
+                                                       Dtype wire) {
   // Each moves one [rows, out/tp] block of the output or of its gradient and runs its GEMM
   // as tp column blocks of the output (naive and ring alike); bidirectional splits the
   // block's rows in two.
   const int64_t half = rows - rows / 2, cols = l.out_local, in = l.in_compute;
-  const double block = kFloat * rows * cols;
+  const double block = static_cast<double>(bytes_of(wire)) * rows * cols;
   const GemmShape forward{rows, in, cols, false, false}, forward_half{half, in, cols, false, false};
   const GemmShape weight{in, rows, cols, true, false}, weight_half{in, half, cols, true, false};
   const GemmShape input{rows, cols, in, false, true}, input_half{half, cols, in, false, true};
@@ -121,11 +122,11 @@ std::vector<CollectiveMatmulShape> layer_matmul_shapes(const LinearLayout& l, in
 
 LayerMatmulAlgorithms layer_matmul_algorithms(const LinearLayout& l, int64_t rows,
                                               CollectiveMatmulAlgorithm requested,
-                                              const HardwareProfile& hw) {
+                                              const HardwareProfile& hw, Dtype wire) {
   LayerMatmulAlgorithms out;
   if (!l.split_output) return out;
   const LinkProfile link = hw.group_link({l.feature_axis});
-  const auto shapes = layer_matmul_shapes(l, rows);
+  const auto shapes = layer_matmul_shapes(l, rows, wire);
   out.forward = choose_collective_matmul(shapes[0], requested, link, hw);
   out.weight_grad = choose_collective_matmul(shapes[1], requested, link, hw);
   out.input_grad = choose_collective_matmul(shapes[2], requested, link, hw);
@@ -196,12 +197,19 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     add(layer, phase, "memory", what, "", bytes / hw.memory_bandwidth);
   };
   // The plan's collective, unless a collective matmul does it.
+  const Dtype param_dtype = options.precision.param;
   auto collective = [&](const std::string& layer, const LayerCollective& c) {
-    double bytes = options.bytes_per_element;
-    for (int64_t d : c.shape) bytes *= static_cast<double>(d);
+    double elements = 1.0;
+    for (int64_t d : c.shape) elements *= static_cast<double>(d);
+    const double bytes = elements * c.element_bytes;
     add(layer, c.phase, "collective", std::string(to_string(c.kind)) + " " + c.operand,
         group_text(c.axes, mesh),
         collective_seconds(c.kind, bytes, c.ranks, hw.group_link(c.axes)));
+    // 16 bits on the wire: the operand packed (read 4, write 2 bytes an element) and
+    // unpacked (read 2, write 4), over the whole operand.
+    if (c.element_bytes == 2 && c.ranks > 1) {
+      memory(layer, c.phase.c_str(), "16-bit pack and unpack of " + c.operand, 12 * elements);
+    }
     // Columns move through staging (Communicator's dim-1 all_gather / reduce_scatter):
     // one more pass over the full operand, read and written.
     if (c.dim == 1 && c.ranks > 1 && c.shape.size() == 2 && c.shape[0] > 1) {
@@ -242,7 +250,7 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
   for (size_t i = 0; i < count; ++i) {
     const LayerPlan& lp = plan.layers[i];
     const LinearLayout& l = lp.layout;
-    const LayerMatmulAlgorithms chosen = layer_matmul_algorithms(l, r, algorithm, hw);
+    const LayerMatmulAlgorithms chosen = layer_matmul_algorithms(l, r, algorithm, hw, param_dtype);
     cost.matmuls.push_back(chosen);
     const bool prefetched = options.overlap && i > 0 && can_prefetch(l);
     for (const auto& c : lp.collectives) {
@@ -253,10 +261,19 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       collective(lp.name, c);
     }
     forward_start[i] = cost.items.size();
+    // Mixed precision's extra passes (read and write fp32): the input cast, the cast of a
+    // weight that is not gathered, the activation rounding (the output's is in the bias add).
+    const bool cast = param_dtype != Dtype::fp32;
+    const bool gathered = !l.weight_gather_dim0.empty() || !l.weight_gather_dim1.empty();
+    if (cast && i == 0) memory(lp.name, "forward", "input cast", 2 * kFloat * r * l.in);
+    if (cast && !gathered) memory(lp.name, "forward", "weight cast", 2 * kFloat * l.in_compute * l.out);
+    if (cast && i + 1 < count) {
+      memory(lp.name, "forward", "activation rounding", 2 * kFloat * r * l.out_local);
+    }
     if (l.slices_input()) memory(lp.name, "forward", "input slice", 2 * kFloat * r * l.in_compute);
     if (l.split_output) {
       matmul(lp.name, "forward", "x @ W reduce-scattered " + shape_text(r, l.in_compute, l.out),
-             layer_matmul_shapes(l, r)[0], chosen.forward, l.feature_axis);
+             layer_matmul_shapes(l, r, param_dtype)[0], chosen.forward, l.feature_axis);
     } else {
       gemm(lp.name, "forward", "x @ W", plain_layer_gemms(l, r).forward);
     }
@@ -285,7 +302,15 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       collective(lp.name, c);
     }
     backward_start[j] = cost.items.size();
-    const auto shapes = layer_matmul_shapes(l, r);
+    if (param_dtype != Dtype::fp32) {
+      const bool gathered = !l.weight_gather_dim0.empty() || !l.weight_gather_dim1.empty();
+      if (!gathered) memory(lp.name, "backward", "weight cast", 2 * kFloat * l.in_compute * l.out);
+      memory(lp.name, "backward", "weight gradient rounding", 2 * kFloat * l.in_compute * l.out);
+      if (j > 0) {
+        memory(lp.name, "backward", "input gradient rounding", 4 * kFloat * r * l.in_compute);
+      }
+    }
+    const auto shapes = layer_matmul_shapes(l, r, param_dtype);
     if (l.split_output) {
       matmul(lp.name, "backward", "xᵀ @ all-gathered dY " + shape_text(l.in_compute, r, l.out),
              shapes[1], chosen.weight_grad, l.feature_axis);

@@ -116,14 +116,17 @@ struct LayerMatmulAlgorithms {
   CollectiveMatmulAlgorithm weight_grad = CollectiveMatmulAlgorithm::naive;
   CollectiveMatmulAlgorithm input_grad = CollectiveMatmulAlgorithm::naive;
 };
-// The three shapes of layer `layout` for `rows` local rows (4-byte floats), as
+// The three shapes of layer `layout` for `rows` local rows, blocks moving as `wire`
+// elements (the compute dtype of mixed precision), as
 // layers/linear.cpp calls them: forward x @ W (NN, output reduce-scattered by column
 // blocks), weight gradient xᵀ @ dY (TN, dY all-gathered by column blocks, bidirectional
 // halves split K), input gradient dY @ Wᵀ (NT, the same dY, halves split M).
-std::vector<CollectiveMatmulShape> layer_matmul_shapes(const LinearLayout& layout, int64_t rows);
+std::vector<CollectiveMatmulShape> layer_matmul_shapes(const LinearLayout& layout, int64_t rows,
+                                                       Dtype wire = Dtype::fp32);
 LayerMatmulAlgorithms layer_matmul_algorithms(const LinearLayout& layout, int64_t rows,
                                               CollectiveMatmulAlgorithm requested,
-                                              const HardwareProfile& hardware);
+                                              const HardwareProfile& hardware,
+                                              Dtype wire = Dtype::fp32);
 
 struct CostItem {
   std::string layer;     // "layers/0", or "loss", "optimizer"

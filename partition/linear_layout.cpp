@@ -193,16 +193,22 @@ int64_t collective_bytes_per_rank(CollectiveKind kind, int64_t bytes, int ranks)
 
 std::vector<LayerCollective> linear_step_collectives(const LinearLayout& l, const Mesh& mesh,
                                                      int64_t rows, bool input_grad,
-                                                     int64_t bytes_per_element) {
+                                                     int64_t bytes_per_element,
+                                                     const MixedPrecision& precision) {
   MESHTRAIN_REQUIRE(rows >= 0 && bytes_per_element >= 1, "rows ", rows, ", bytes_per_element ",
                     bytes_per_element);
   std::vector<LayerCollective> out;
   auto add = [&](const char* phase, CollectiveKind kind, const char* operand,
                  const std::vector<std::string>& axes, std::vector<int64_t> shape, int dim = 0) {
     if (axes.empty()) return;
-    LayerCollective c{phase, kind, operand, axes, mesh.size_of(axes), std::move(shape), 0, dim};
+    const std::string what = operand;
+    const bool gradient = what == "weight gradient" || what == "bias gradient";
+    const Dtype dtype = gradient ? precision.reduce : precision.param;
+    const int64_t element = dtype == Dtype::fp32 ? bytes_per_element : 2;
+    LayerCollective c{phase, kind, operand, axes, mesh.size_of(axes), std::move(shape), element,
+                      0, dim};
     int64_t bytes = 0;
-    if (__builtin_mul_overflow(elements_of(c.shape), bytes_per_element, &bytes)) {
+    if (__builtin_mul_overflow(elements_of(c.shape), element, &bytes)) {
       MESHTRAIN_BAD_INPUT("a collective operand ", format_shape(c.shape),
                           " has more bytes than fit in 64 bits");
     }

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "partition/logical_axes.hpp"
+#include "partition/dtype.hpp"
 #include "partition/mesh.hpp"
 #include "partition/partition_spec.hpp"
 
@@ -135,6 +136,7 @@ struct LayerCollective {
   std::vector<std::string> axes;  // the group (active axes)
   int ranks = 1;                  // its size
   std::vector<int64_t> shape;     // the full operand (gathered / unreduced), elements
+  int64_t element_bytes = 4;      // what one element moves as (mixed precision: 2 for 16 bits)
   int64_t bytes_per_rank = 0;     // per the cost model above
   int dim = 0;                    // of a matrix gathered or scattered along dim 1 (columns): 1; the
                 // communicator then moves the columns through [n][rows][cols] staging
@@ -146,9 +148,12 @@ int64_t collective_bytes_per_rank(CollectiveKind kind, int64_t bytes, int ranks)
 // The collectives one training step (forward, then backward) of the layer runs, in order.
 // `rows`: the local batch rows; 0 = unknown, the activation-sized ones (input, output and
 // their gradients) are then left out. `input_grad`: whether backward computes the input
-// gradient (not for the first layer of a model).
+// gradient (not for the first layer of a model). `bytes_per_element`: of fp32 data;
+// with mixed precision the weights, biases and activations move as `precision.param` and
+// the gradient reductions as `precision.reduce` (2 bytes for 16 bits).
 std::vector<LayerCollective> linear_step_collectives(const LinearLayout& layout, const Mesh& mesh,
                                                      int64_t rows, bool input_grad,
-                                                     int64_t bytes_per_element);
+                                                     int64_t bytes_per_element,
+                                                     const MixedPrecision& precision = {});
 
 }  // namespace meshtrain

@@ -103,7 +103,7 @@ void plan_layers(ShardingPlan& plan, const std::vector<LinearLayerParameters>& l
                                     parameter(layers[i].bias, l.name), mesh, axes, input);
     l.compute = describe_linear_layout(l.layout);
     l.collectives = linear_step_collectives(l.layout, mesh, plan.local_batch_rows, i > 0,
-                                            options.bytes_per_element);
+                                            options.bytes_per_element, options.precision);
     for (const auto& c : l.collectives) {
       l.collective_bytes_per_step = checked_add(l.collective_bytes_per_step, c.bytes_per_rank);
     }

@@ -54,6 +54,9 @@ struct PlanOptions {
   // Global rows of an evaluation batch; 0 or global_batch: evaluation uses the training
   // buffers. Otherwise its own buffers are counted (PlanTotals::evaluation_bytes).
   int64_t eval_global_batch = 0;
+  // [mixed_precision]: what the layers' collectives move (masters and state stay
+  // bytes_per_element).
+  MixedPrecision precision;
 };
 
 struct ParameterPlan {

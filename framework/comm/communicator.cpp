@@ -5,6 +5,7 @@
 
 #include <climits>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -44,10 +45,29 @@ struct Request::WireSlot {
 };
 
 // Every slot ever made (owned here) and the free ones as an intrusive list.
+//
+// 16-bit buffers of an operation that failed are retired, never reused or freed while the
+// pool lives: the backend may have given up on a request that still reads or writes them
+// (MPI, after a timeout, completes the abandoned request when the late rank arrives). A
+// failed slot stays in `slots` but off the free list; the blocking operations' buffers move
+// to `retired`, and the next operation allocates new ones. Only failures pay for this; the
+// communicator is unusable after a timeout anyway.
 struct Request::WirePool {
   std::vector<std::unique_ptr<WireSlot>> slots;
   WireSlot* free = nullptr;
+  std::vector<HalfBits> retired;
 };
+
+namespace {
+// `wire`'s slot, of an operation that failed or was given up on, out of use for good (see
+// WirePool); wire becomes null.
+void retire_slot(Request::WireSlot*& wire) noexcept {
+  if (wire == nullptr) return;
+  Request::WireSlot* slot = wire;
+  wire = nullptr;
+  std::shared_ptr<Request::WirePool> keep = std::move(slot->pool);  // last: may destroy the pool
+}
+}  // namespace
 
 void Request::complete_wire() {
   if (wire_ == nullptr) return;
@@ -72,13 +92,19 @@ void Request::finish() noexcept {
   }
   Impl* impl = impl_;
   impl_ = nullptr;
+  bool failed = false;
   try {
     impl->wait();
   } catch (...) {
     // A destructor cannot report; the timeout already bounded the wait.
+    failed = true;
   }
   impl->release();
-  drop_wire();  // nobody waits for the result
+  if (failed) {
+    retire_slot(wire_);  // an abandoned transfer may still use its buffers
+  } else {
+    drop_wire();  // nobody waits for the result
+  }
 }
 
 Request& Request::operator=(Request&& other) noexcept {
@@ -105,7 +131,7 @@ void Request::wait() {
     impl->wait();
   } catch (...) {
     impl->release();
-    drop_wire();
+    retire_slot(wire_);  // an abandoned transfer may still use its buffers
     throw;
   }
   impl->release();
@@ -114,7 +140,14 @@ void Request::wait() {
 
 bool Request::test() {
   if (impl_ == nullptr) return true;
-  if (!impl_->test()) return false;
+  bool done = false;
+  try {
+    done = impl_->test();
+  } catch (...) {
+    retire_slot(wire_);  // as in wait(); the Impl is released by wait() or the destructor
+    throw;
+  }
+  if (!done) return false;
   Impl* impl = impl_;
   impl_ = nullptr;
   impl->release();
@@ -207,6 +240,14 @@ uint16_t* grown(HalfBits& buffer, std::size_t count) {
 bool is_16bit(Dtype wire) {
   return wire != Dtype::fp32;
 }
+// After a blocking 16-bit operation threw: its buffers retired (see Request::WirePool).
+void retire_buffers(Request::WirePool& pool, std::initializer_list<HalfBits*> buffers) {
+  for (HalfBits* buffer : buffers) {
+    if (buffer->extent(0) == 0) continue;
+    pool.retired.push_back(*buffer);
+    *buffer = HalfBits();  // the next operation allocates a new one
+  }
+}
 }  // namespace
 
 uint16_t* Communicator::wire_send(std::size_t count) {
@@ -245,7 +286,12 @@ void Communicator::gather_flat(const float* send, float* recv, std::size_t count
   uint16_t* arrived = wire_recv(total);
   pack_16bit(send, packed, count, wire);
   Kokkos::fence();
-  raw_all_gather(packed, arrived, count, wire, op);
+  try {
+    raw_all_gather(packed, arrived, count, wire, op);
+  } catch (...) {
+    retire_buffers(*wire_pool_, {&wire_send_, &wire_recv_});
+    throw;
+  }
   unpack_16bit(arrived, recv, total, wire);
   Kokkos::fence();
 }
@@ -325,7 +371,9 @@ Request Communicator::start_all_reduce(VectorView data, Dtype wire) {
 
 // A 16-bit operation on `slot`'s buffers: `start` begins it on the backend; the Request
 // returned completes it and widens the slot's received elements into `unpack_to`. When
-// `start` throws, the slot goes back to the pool.
+// `start` throws, the slot is retired (a backend may leave part of a failed start running,
+// as the MPI shift's posted receive it cannot cancel). A backend that completes at once
+// (an empty Request) has its data unpacked here.
 template <class Start>
 Request Communicator::start_on_wire(Request::WireSlot& slot, float* unpack_to, std::size_t count,
                                     Dtype wire, Start&& start) {
@@ -333,11 +381,17 @@ Request Communicator::start_on_wire(Request::WireSlot& slot, float* unpack_to, s
   slot.count = count;
   slot.dtype = wire;
   Request request;
-  request.wire_ = &slot;  // the destructor gives it back if start() throws
-  Kokkos::fence();        // the packed send data is in place
-  Request started = start();
-  request.impl_ = started.impl_;
-  started.impl_ = nullptr;
+  request.wire_ = &slot;
+  Kokkos::fence();  // the packed send data is in place
+  try {
+    Request started = start();
+    request.impl_ = started.impl_;
+    started.impl_ = nullptr;
+  } catch (...) {
+    retire_slot(request.wire_);
+    throw;
+  }
+  if (request.impl_ == nullptr) request.complete_wire();
   return request;
 }
 
@@ -353,7 +407,12 @@ void Communicator::reduce_scatter_flat(const float* send, float* recv, std::size
   uint16_t* arrived = wire_recv(count);
   pack_16bit(send, packed, total, wire);
   Kokkos::fence();
-  raw_reduce_scatter_sum(packed, arrived, count, wire, op);
+  try {
+    raw_reduce_scatter_sum(packed, arrived, count, wire, op);
+  } catch (...) {
+    retire_buffers(*wire_pool_, {&wire_send_, &wire_recv_});
+    throw;
+  }
   unpack_16bit(arrived, recv, count, wire);
   Kokkos::fence();
 }
@@ -411,7 +470,12 @@ void Communicator::all_reduce(VectorView data, ReduceOp reduce, Dtype wire) {
     uint16_t* packed = wire_recv(count);
     pack_16bit(data.data(), packed, count, wire);
     Kokkos::fence();
-    raw_all_reduce_sum(packed, count, wire, op);
+    try {
+      raw_all_reduce_sum(packed, count, wire, op);
+    } catch (...) {
+      retire_buffers(*wire_pool_, {&wire_recv_});
+      throw;
+    }
     unpack_16bit(packed, data.data(), count, wire);
     Kokkos::fence();
   }

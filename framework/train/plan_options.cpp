@@ -46,6 +46,7 @@ PlanOptions plan_options(const RunConfig& config) {
   options.accumulation_steps = config.train.accumulation_steps;
   options.overlap = config.runtime.overlap;
   options.eval_global_batch = config.data.eval_batch_size.value_or(0);
+  options.precision = config.mixed_precision.policy();
   return options;
 }
 
