@@ -1,14 +1,18 @@
 // Every collective of Communicator (MPI backend) against the same result computed on one
 // rank from the full data, on the world and on sub-communicators of an fsdp x tp mesh;
+// the same with a 16-bit wire (bf16, fp16: rounded blocks, sums rounded per addition);
 // the timeout of a collective a rank never joins; bad input.
 
 #include <gtest/gtest.h>
 
 #include <sys/mman.h>
 
+#include <cfloat>
 #include <climits>
 #include <cstdlib>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "apps/exit_policy.hpp"
 #include "comm_test_util.hpp"
@@ -261,6 +265,332 @@ TEST(Communicator, StartedAllReduceMatchesTheBlockingOne) {
   }
 }
 
+// ------------------------------------------------------------- 16-bit wire (bf16, fp16)
+
+// A 16-bit wire dtype under test: its unit roundoff (half the spacing of its values at 1:
+// the largest relative error of one rounding) and its smallest subnormal (the largest
+// absolute error of one rounding below the normal range is half of it).
+struct Wire {
+  Dtype dtype;
+  const char* name;
+  double unit_roundoff;
+  double smallest_subnormal;
+};
+const Wire kWires[] = {{Dtype::bf16, "bf16", 0x1p-8, 0x1p-133},
+                       {Dtype::fp16, "fp16", 0x1p-11, 0x1p-24}};
+
+// host_block rounded to `dtype` element by element: what rank j puts on a 16-bit wire.
+HostMatrix rounded_host_block(const Group& g, int j, std::size_t rows, std::size_t cols, int salt,
+                              Dtype dtype) {
+  HostMatrix b = host_block(g, j, rows, cols, salt);
+  for (std::size_t k = 0; k < rows * cols; ++k) b.data()[k] = round_to(b.data()[k], dtype);
+  return b;
+}
+
+// `got` is a 16-bit sum of `terms` (the ranks' contributions, already rounded): a value of
+// the dtype, and close to the one-rank reference that adds the terms in rank order in fp32
+// and rounds to the dtype after every addition. MPI's reduction order is its own, so the
+// bound covers any order: n - 1 roundings, each off by at most unit_roundoff times a partial
+// sum (at most sum |terms|) or half a subnormal, in both got and the reference. With one or
+// two terms there is at most one addition, which commutes, so the sum must be exact.
+::testing::AssertionResult is_wire_sum(float got, const std::vector<float>& terms,
+                                       const Wire& wire) {
+  float want = terms[0];
+  double sum_abs = std::fabs(terms[0]);
+  for (std::size_t j = 1; j < terms.size(); ++j) {
+    want = round_to(want + terms[j], wire.dtype);
+    sum_abs += std::fabs(terms[j]);
+  }
+  const double roundings = static_cast<double>(terms.size() - 1);
+  const double tol =
+      terms.size() <= 2
+          ? 0.0
+          : 2 * roundings * (wire.unit_roundoff * sum_abs + wire.smallest_subnormal / 2);
+  if (round_to(got, wire.dtype) != got) {
+    return ::testing::AssertionFailure() << got << " is not a " << wire.name << " value";
+  }
+  if (!(std::fabs(static_cast<double>(got) - want) <= tol)) {
+    return ::testing::AssertionFailure() << "got " << got << ", want " << want << " (tolerance "
+                                         << tol << ", " << terms.size() << " terms)";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// The 16-bit gathers move each rank's block rounded to the dtype: data already rounded
+// arrives exactly, other data arrives rounded (nearest even), on both dims and flat.
+TEST(Communicator, WireAllGatherMovesRoundedBlocks) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    Communicator& comm = *g.comm;
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    const std::size_t r = 3, c = 5;
+    for (const Wire& wire : kWires) {
+      const std::string where = std::string(wire.name) + " on " + g.name;
+      const HostMatrix mine_rounded = rounded_host_block(g, comm.rank(), r, c, 20, wire.dtype);
+      const DeviceMatrix mine = to_device(mine_rounded);
+      for (int dim = 0; dim < 2; ++dim) {
+        DeviceMatrix out("out", dim == 0 ? n * r : r, dim == 1 ? n * c : c);
+        comm.all_gather(mine, out, dim, wire.dtype);
+        const HostMatrix got = to_host(out);
+        for (std::size_t j = 0; j < n; ++j) {
+          const HostMatrix b = rounded_host_block(g, static_cast<int>(j), r, c, 20, wire.dtype);
+          for (std::size_t x = 0; x < r; ++x)
+            for (std::size_t y = 0; y < c; ++y)
+              ASSERT_EQ(got(dim == 0 ? j * r + x : x, dim == 1 ? j * c + y : y), b(x, y))
+                  << "all_gather dim " << dim << " " << where;
+        }
+      }
+      // Flat, from data that is not rounded: the wire rounds it.
+      const DeviceMatrix raw = rank_block(g, comm.rank(), 1, r * c, 21);
+      Kokkos::View<float*> flat("flat", n * r * c);
+      comm.all_gather(ConstVectorView(raw.data(), r * c), flat, wire.dtype);
+      const auto flat_host = host_vector(flat);
+      for (std::size_t j = 0; j < n; ++j) {
+        const HostMatrix b = rounded_host_block(g, static_cast<int>(j), 1, r * c, 21, wire.dtype);
+        for (std::size_t k = 0; k < r * c; ++k)
+          ASSERT_EQ(flat_host(j * r * c + k), b.data()[k]) << "1-D all_gather " << where;
+      }
+    }
+  }
+}
+
+// 16-bit reduce_scatter and all_reduce: every element a 16-bit sum of the ranks' rounded
+// contributions (is_wire_sum).
+TEST(Communicator, WireReductionsSumIn16Bits) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    Communicator& comm = *g.comm;
+    const int n = comm.size();
+    const std::size_t i = static_cast<std::size_t>(comm.rank());
+    const std::size_t r = 3, c = 5;
+    for (const Wire& wire : kWires) {
+      const std::string where = std::string(wire.name) + " on " + g.name;
+      std::vector<float> terms(static_cast<std::size_t>(n));
+      // reduce_scatter along dim 0 and dim 1: this rank's [r, c] block of the sum.
+      for (int dim = 0; dim < 2; ++dim) {
+        const std::size_t rows = dim == 0 ? n * r : r, cols = dim == 1 ? n * c : c;
+        DeviceMatrix mine = rank_block(g, comm.rank(), rows, cols, 22);
+        DeviceMatrix out("out", r, c);
+        comm.reduce_scatter(mine, out, dim, wire.dtype);
+        const HostMatrix got = to_host(out);
+        std::vector<HostMatrix> blocks;
+        for (int j = 0; j < n; ++j)
+          blocks.push_back(rounded_host_block(g, j, rows, cols, 22, wire.dtype));
+        for (std::size_t x = 0; x < r; ++x)
+          for (std::size_t y = 0; y < c; ++y) {
+            for (int j = 0; j < n; ++j)
+              terms[j] = blocks[j](dim == 0 ? i * r + x : x, dim == 1 ? i * c + y : y);
+            ASSERT_TRUE(is_wire_sum(got(x, y), terms, wire))
+                << "reduce_scatter dim " << dim << " " << where << " at (" << x << ", " << y << ")";
+          }
+      }
+      // Flat reduce_scatter.
+      DeviceMatrix flat_in = rank_block(g, comm.rank(), 1, n * 4, 23);
+      Kokkos::View<float*> flat_out("flat_out", 4);
+      comm.reduce_scatter(ConstVectorView(flat_in.data(), n * 4), flat_out, wire.dtype);
+      const auto flat_host = host_vector(flat_out);
+      for (std::size_t k = 0; k < 4; ++k) {
+        for (int j = 0; j < n; ++j)
+          terms[j] = rounded_host_block(g, j, 1, n * 4, 23, wire.dtype)(0, i * 4 + k);
+        ASSERT_TRUE(is_wire_sum(flat_host(k), terms, wire)) << "1-D reduce_scatter " << where;
+      }
+      // all_reduce, in place.
+      DeviceMatrix data = rank_block(g, comm.rank(), 3, 7, 24);
+      comm.all_reduce(MatrixView(data), ReduceOp::sum, wire.dtype);
+      const HostMatrix got = to_host(data);
+      for (std::size_t k = 0; k < 21; ++k) {
+        for (int j = 0; j < n; ++j)
+          terms[j] = rounded_host_block(g, j, 3, 7, 24, wire.dtype).data()[k];
+        ASSERT_TRUE(is_wire_sum(got.data()[k], terms, wire)) << "all_reduce " << where;
+      }
+    }
+  }
+}
+
+// A 16-bit sum beyond the dtype's largest value is inf (fp16 overflows at 65520, bf16 near
+// 3.4e38); a contribution beyond it is inf already on the wire.
+TEST(Communicator, WireSumsOverflowToInf) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    Communicator& comm = *g.comm;
+    const int n = comm.size();
+    for (const Wire& wire : kWires) {
+      // Every rank adds `big` (exact in the dtype), whose double overflows; and `huge`,
+      // beyond the dtype's range, overflows as it is packed.
+      const float big = wire.dtype == Dtype::fp16 ? 40000.0f : 0x1.8p127f;
+      const float huge = wire.dtype == Dtype::fp16 ? 70000.0f : FLT_MAX;
+      Kokkos::View<float*, Kokkos::HostSpace> host("host", 4);
+      host(0) = big;
+      host(1) = -big;
+      host(2) = huge;
+      host(3) = 1.0f;
+      for (bool started : {false, true}) {
+        Kokkos::View<float*> data("data", 4);
+        Kokkos::deep_copy(data, host);
+        if (started) {
+          comm.start_all_reduce(data, wire.dtype).wait();
+        } else {
+          comm.all_reduce(VectorView(data), ReduceOp::sum, wire.dtype);
+        }
+        const auto got = host_vector(data);
+        const std::string where =
+            std::string(wire.name) + (started ? " started" : "") + " on " + g.name;
+        if (n == 1) {
+          EXPECT_EQ(got(0), big) << where;
+        } else {
+          EXPECT_TRUE(std::isinf(got(0)) && got(0) > 0) << got(0) << " " << where;
+          EXPECT_TRUE(std::isinf(got(1)) && got(1) < 0) << got(1) << " " << where;
+        }
+        EXPECT_TRUE(std::isinf(got(2)) && got(2) > 0) << got(2) << " " << where;
+        EXPECT_EQ(got(3), static_cast<float>(n)) << where;
+      }
+    }
+  }
+}
+
+// A 16-bit shift delivers the sender's block rounded to the dtype, for several offsets and
+// with two shifts in flight in opposite directions (one polled with test()).
+TEST(Communicator, WireShiftDeliversTheRoundedBlock) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    Communicator& comm = *g.comm;
+    const int n = comm.size();
+    for (const Wire& wire : kWires) {
+      const std::string where = std::string(wire.name) + " on " + g.name;
+      for (int offset : {1, -1, n + 1}) {
+        DeviceMatrix send = rank_block(g, comm.rank(), 3, 4, 25);
+        DeviceMatrix recv("recv", 3, 4);
+        Request request = comm.shift(send, recv, offset, wire.dtype);
+        request.wait();
+        EXPECT_FALSE(request.pending());
+        const int from = ((comm.rank() - offset) % n + n) % n;
+        const HostMatrix got = to_host(recv),
+                         want = rounded_host_block(g, from, 3, 4, 25, wire.dtype);
+        for (std::size_t k = 0; k < 12; ++k)
+          ASSERT_EQ(got.data()[k], want.data()[k]) << "shift " << offset << " " << where;
+      }
+      DeviceMatrix up_send = rank_block(g, comm.rank(), 2, 3, 26),
+                   dn_send = rank_block(g, comm.rank(), 2, 3, 27);
+      DeviceMatrix up_recv("up", 2, 3), dn_recv("dn", 2, 3);
+      Request up = comm.shift(up_send, up_recv, +1, wire.dtype);
+      Request dn = comm.shift(dn_send, dn_recv, -1, wire.dtype);
+      while (!up.test()) {
+      }
+      EXPECT_FALSE(up.pending());
+      dn.wait();
+      const HostMatrix up_want =
+                           rounded_host_block(g, (comm.rank() - 1 + n) % n, 2, 3, 26, wire.dtype),
+                       dn_want = rounded_host_block(g, (comm.rank() + 1) % n, 2, 3, 27, wire.dtype);
+      const HostMatrix up_got = to_host(up_recv), dn_got = to_host(dn_recv);
+      for (std::size_t k = 0; k < 6; ++k) {
+        ASSERT_EQ(up_got.data()[k], up_want.data()[k]) << "shift +1 " << where;
+        ASSERT_EQ(dn_got.data()[k], dn_want.data()[k]) << "shift -1 " << where;
+      }
+    }
+  }
+}
+
+// Started 16-bit gathers and sums, three of each in flight at once with a blocking 16-bit
+// all_reduce on the same group between them (its buffers are not theirs), completed out of
+// order with wait() and with test() polling: each equals the blocking operation bit for bit.
+TEST(Communicator, StartedWireOperationsMatchTheBlockingOnes) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    Communicator& comm = *g.comm;
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    for (const Wire& wire : kWires) {
+      const std::string where = std::string(wire.name) + " on " + g.name;
+      const std::size_t rows[3] = {3, 1, 40}, cols = 7;
+      DeviceMatrix gather_send[3], reduce_data[3];
+      Kokkos::View<float*> gathered[3];
+      Request gathers[3], reductions[3];
+      Kokkos::View<float*> ones("ones", 5);
+      Kokkos::deep_copy(ones, 1.0f);
+      for (int b = 0; b < 3; ++b) {
+        const std::size_t count = rows[b] * cols;
+        gather_send[b] = rank_block(g, comm.rank(), rows[b], cols, 30 + b);
+        gathered[b] = Kokkos::View<float*>("gathered", n * count);
+        reduce_data[b] = rank_block(g, comm.rank(), rows[b], cols, 40 + b);
+        gathers[b] = comm.start_all_gather(ConstVectorView(gather_send[b].data(), count),
+                                           gathered[b], wire.dtype);
+        reductions[b] = comm.start_all_reduce(VectorView(reduce_data[b].data(), count), wire.dtype);
+        if (b == 0) comm.all_reduce(VectorView(ones), ReduceOp::sum, wire.dtype);
+      }
+      EXPECT_EQ(host_vector(ones)(4), static_cast<float>(n)) << where;
+      while (!reductions[2].test()) {
+      }
+      while (!gathers[1].test()) {
+      }
+      for (Request* request : {&gathers[2], &reductions[0], &gathers[0], &reductions[1]})
+        request->wait();
+      for (int b = 0; b < 3; ++b) {
+        EXPECT_FALSE(gathers[b].pending() || reductions[b].pending()) << where;
+        const std::size_t count = rows[b] * cols;
+        Kokkos::View<float*> gather_want("gather_want", n * count);
+        comm.all_gather(ConstVectorView(gather_send[b].data(), count), gather_want, wire.dtype);
+        DeviceMatrix reduce_want = rank_block(g, comm.rank(), rows[b], cols, 40 + b);
+        comm.all_reduce(MatrixView(reduce_want), ReduceOp::sum, wire.dtype);
+        const auto gather_got = host_vector(gathered[b]), gather_ref = host_vector(gather_want);
+        for (std::size_t k = 0; k < n * count; ++k)
+          ASSERT_EQ(gather_got(k), gather_ref(k)) << "started all_gather " << b << " " << where;
+        const HostMatrix reduce_got = to_host(reduce_data[b]), reduce_ref = to_host(reduce_want);
+        for (std::size_t k = 0; k < count; ++k)
+          ASSERT_EQ(reduce_got.data()[k], reduce_ref.data()[k])
+              << "started all_reduce " << b << " " << where;
+      }
+    }
+  }
+}
+
+// A started 16-bit operation whose Request is dropped while pending (destroyed, or assigned
+// over) completes inside the destructor without crashing, and its pooled buffers serve the
+// next operations, larger ones included. A Request may also outlive its communicator.
+TEST(Communicator, DroppedWireRequestsLeaveTheCommunicatorUsable) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    Communicator& comm = *g.comm;
+    const int n = comm.size();
+    for (const Wire& wire : kWires) {
+      const std::string where = std::string(wire.name) + " on " + g.name;
+      {
+        Kokkos::View<float*> a("a", 6), b("b", 6), c("c", 6), d("d", 6);
+        Kokkos::View<float*> gathered("gathered", 6 * n), shifted("shifted", 6);
+        Request dropped_reduce = comm.start_all_reduce(a, wire.dtype);
+        Request dropped_gather = comm.start_all_gather(b, gathered, wire.dtype);
+        Request dropped_shift = comm.shift(c, shifted, 1, wire.dtype);
+        // Assigning over a pending request drops it too.
+        dropped_shift = comm.start_all_reduce(d, wire.dtype);
+      }  // destroyed while (possibly) pending: the buffers stay alive until here
+      // Later operations, larger than the dropped ones, reuse the pool.
+      DeviceMatrix data = rank_block(g, comm.rank(), 5, 9, 50);
+      Request request = comm.start_all_reduce(VectorView(data.data(), 45), wire.dtype);
+      request.wait();
+      const HostMatrix got = to_host(data);
+      std::vector<float> terms(static_cast<std::size_t>(n));
+      for (std::size_t k = 0; k < 45; ++k) {
+        for (int j = 0; j < n; ++j)
+          terms[j] = rounded_host_block(g, j, 5, 9, 50, wire.dtype).data()[k];
+        ASSERT_TRUE(is_wire_sum(got.data()[k], terms, wire)) << "after drops " << where;
+      }
+    }
+  }
+  // The communicator destroyed while its 16-bit request is pending: wait() still delivers.
+  for (const Wire& wire : kWires) {
+    const int n = world_size();
+    Kokkos::View<float*> data("data", 3);
+    Kokkos::deep_copy(data, 1.5f);
+    Request request;
+    {
+      auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "world");
+      request = comm.start_all_reduce(data, wire.dtype);
+    }
+    request.wait();
+    const auto got = host_vector(data);
+    const float want = static_cast<float>(round_to(1.5f * n, wire.dtype));
+    for (std::size_t k = 0; k < 3; ++k) EXPECT_EQ(got(k), want) << wire.name;
+  }
+}
+
 TEST(Communicator, MeshCommunicatorsCacheAndRejectUnknownAxes) {
   MeshCommunicators comms(Mesh::create({{"dp", -1}}, world_size()));
   Communicator& a = comms.get({"dp"});
@@ -334,6 +664,39 @@ TEST(Communicator, TimeoutNamesTheOperationWhenARankDoesNotJoin) {
     comm.all_reduce(data);
   }
   MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// The same with a 16-bit wire, blocking and started: the MPI request given up on may still
+// write into the communicator's 16-bit buffers when the late rank arrives, so the refused
+// call that follows (larger, so its buffers would have to grow) must neither free nor reuse
+// them. (Under valgrind, reusing them shows as an invalid write into freed memory.)
+TEST(Communicator, WireTimeoutKeepsTheAbandonedBuffers) {
+  if (world_size() < 2) GTEST_SKIP() << "needs two ranks";
+  const int rank = world_rank();
+  for (bool started : {false, true}) {
+    SCOPED_TRACE(started ? "start_all_reduce" : "all_reduce");
+    auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (tp)");
+    auto reduce = [&](Kokkos::View<float*> data) {
+      if (started) {
+        comm.start_all_reduce(data, Dtype::bf16).wait();
+      } else {
+        comm.all_reduce(VectorView(data), ReduceOp::sum, Dtype::bf16);
+      }
+    };
+    Kokkos::View<float*> data("data", 1000);  // alive until the late rank has joined
+    if (rank != 1) {
+      comm.set_timeout_seconds(1.0);
+      expect_error([&] { reduce(data); }, ErrorKind::runtime, {"did not complete within 1 s"});
+      Kokkos::View<float*> larger("larger", 100000);
+      expect_error([&] { reduce(larger); }, ErrorKind::runtime, {"unusable"});
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (rank == 1) {
+      comm.set_timeout_seconds(60.0);
+      reduce(data);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
 }
 
 // A collective whose completion fails (MPI_Testall reports an error; here the ranks
