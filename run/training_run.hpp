@@ -152,6 +152,9 @@ class TrainingRun {
   Loss& loss() { return *loss_; }
   Optimizer& optimizer() { return *optimizer_; }
   int64_t steps_done() const { return steps_done_; }
+  // fp16 loss scaling (nullptr in bf16 and fp32 runs) and the steps it skipped so far.
+  LossScaler* loss_scaler() { return scaler_.get(); }
+  int64_t skipped_steps() const { return skipped_steps_; }
   int64_t total_steps() const { return total_steps_; }
   // The learning rate of step `step` (0-based; optimizer.schedule).
   double learning_rate(int64_t step) const { return lr_schedule_.at(step); }

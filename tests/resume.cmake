@@ -60,3 +60,8 @@ resume_test(compatibility compatibility --preset fsdp)
 # 6. A learning-rate schedule (cosine with warm-up) and gradient accumulation resume bit for
 #    bit from the middle of the warm-up and of the decay (issue 12).
 resume_test(schedule schedule --preset fsdp)
+# 7. Mixed precision (issue 18): bf16 and fp16 (its loss scale included) resume bit for bit
+#    on the same mesh, also under TP; a run changes precision across a resume either way.
+resume_test(same_mesh_fsdp_bf16 same_mesh --preset fsdp --precision bf16)
+resume_test(same_mesh_fsdp_tp_fp16 same_mesh --preset fsdp_tp --precision fp16)
+resume_test(precision precision --preset fsdp)

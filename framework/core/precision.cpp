@@ -1,6 +1,7 @@
 #include "framework/core/precision.hpp"
 
 #include "framework/core/kernel_label.hpp"
+#include "partition/error.hpp"
 
 namespace meshtrain {
 
@@ -24,6 +25,9 @@ void round_in_place(MatrixView data, Dtype dtype) {
 }
 
 void round_copy(ConstMatrixView src, MatrixView dst, Dtype dtype) {
+  MESHTRAIN_REQUIRE(src.extent(0) == dst.extent(0) && src.extent(1) == dst.extent(1),
+                    "round_copy: source [", src.extent(0), ", ", src.extent(1),
+                    "] and destination [", dst.extent(0), ", ", dst.extent(1), "] differ");
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::round_copy"),
       Range2({0, 0}, {static_cast<int64_t>(dst.extent(0)), static_cast<int64_t>(dst.extent(1))}),

@@ -22,10 +22,17 @@ CASE is one of
                 model.sizes or train.accumulation_steps exits 2 naming the key; a
                 checkpoint at the run's last step has nothing to train, one past it exits
                 2 naming train.steps.
+  precision     [mixed_precision] changed across a resume: 6 steps in bf16 resumed in fp32 to
+                step 12, and 6 in fp32 resumed in bf16: both resume (the checkpoint holds
+                fp32 masters in either case) and their losses stay within 2% of the
+                uninterrupted run in the first run's precision.
   schedule      a cosine schedule with warm-up and 2 accumulated micro-batches per step:
                 resumed from step 2 (warm-up) and step 8 (decay) of one 12-step run, the
                 rates, losses of the remaining steps and the final checkpoint are bit for
                 bit those of the uninterrupted run.
+
+--precision bf16|fp16 runs every case with param_dtype = reduce_dtype = that dtype (fp16:
+its loss scale and clean-step count are part of the bit-exact resume).
 
 Every run uses a small model (784-64-10), logs every step (metrics.jsonl holds each step's
 loss) and writes under --work, which is emptied first. Exit status: 0 pass, 1 fail, 77 skip
@@ -67,6 +74,7 @@ class Context:
         self.meshtrain_with_faults = args.meshtrain_with_faults or args.meshtrain
         self.fault_rank = args.fault_rank
         self.fault_action = args.fault_action
+        self.precision = args.precision
         self.failures = []
 
     def config(self, preset):
@@ -81,11 +89,19 @@ class Context:
     def async_sets(self):
         return ["--set", "checkpoint.async=false"] if self.sync else []
 
+    def precision_sets(self):
+        return precision_sets(self.precision)
+
     def check(self, condition, message):
         if not condition:
             print("FAIL: " + message, file=sys.stderr)
             self.failures.append(message)
         return condition
+
+
+def precision_sets(dtype):
+    return ["--set", 'mixed_precision.param_dtype="%s"' % dtype,
+            "--set", 'mixed_precision.reduce_dtype="%s"' % dtype]
 
 
 def run(cmd, env_extra=None, timeout=RUN_TIMEOUT_S):
@@ -109,7 +125,7 @@ def train(ctx, np, preset, output_dir, steps, extra=(), env_extra=None, expect_s
     """mpirun -np NP meshtrain train CONFIG ...; checks the exit status."""
     cmd = (ctx.mpiexec[:1] + ["-n", str(np)] + ctx.mpiexec[1:] +
            [program or ctx.meshtrain, "train", ctx.config(preset)] + SMALL +
-           ctx.optimizer_sets() + ctx.async_sets() +
+           ctx.optimizer_sets() + ctx.async_sets() + ctx.precision_sets() +
            ["--set", "train.steps=%d" % steps, "--set", 'run.output_dir="%s"' % output_dir] +
            list(extra))
     status, out, err = run(cmd, env_extra)
@@ -247,6 +263,8 @@ def case_same_mesh(ctx, preset):
         ctx.check(status == 0, "meshtrain inspect --verify %s exited %d: %s" % (path, status, err))
         ctx.check("step: 12\n" in out and "optimizer_step=12" in out,
                   "%s is not at step 12 / optimizer step 12:\n%s" % (path, out))
+        if ctx.precision == "fp16":
+            ctx.check("loss scale: " in out, "%s records no loss scale:\n%s" % (path, out))
     ctx.check(read_latest(os.path.join(b, "checkpoints")) == "ckpt-000012.h5",
               "latest does not name ckpt-000012.h5 after the resumed run")
     compare_checkpoints(ctx, "final checkpoint", final_b, final_a, exact=True)
@@ -289,6 +307,23 @@ def case_schedule(ctx, preset):
         compare_checkpoints(ctx, what + ", final checkpoint",
                             os.path.join(ckpt, "ckpt-000012.h5"),
                             os.path.join(a, "checkpoints", "ckpt-000012.h5"), exact=True)
+
+
+def case_precision(ctx, preset):
+    np = 2
+    for first, then in (("bf16", "fp32"), ("fp32", "bf16")):
+        a = os.path.join(ctx.work, "uninterrupted_" + first)
+        b = os.path.join(ctx.work, first + "_then_" + then)
+        train(ctx, np, preset, a, 12, precision_sets(first))
+        train(ctx, np, preset, b, 6, ["--set", "checkpoint.every_steps=6"] + precision_sets(first))
+        _, out, _ = train(ctx, np, preset, b, 12,
+                          ["--set", "checkpoint.every_steps=6", "--set", "checkpoint.resume=true"] +
+                          precision_sets(then))
+        ctx.check(re.search(r"resumed from \S*ckpt-000006\.h5 at step 6", out),
+                  "%s then %s: the second run does not say it resumed from step 6:\n%s" %
+                  (first, then, out))
+        expect_losses(ctx, "%s resumed in %s" % (first, then), losses(b), losses(a), range(7, 13),
+                      rtol=2e-2)
 
 
 def learning_rates(output_dir):
@@ -507,7 +542,7 @@ def main():
     split = argv.index("--")
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["same_mesh", "other_mesh", "interrupted", "inspect",
-                                         "compatibility", "schedule"])
+                                         "compatibility", "schedule", "precision"])
     parser.add_argument("--meshtrain", required=True)
     parser.add_argument("--configs", required=True)
     parser.add_argument("--work", required=True)
@@ -519,6 +554,8 @@ def main():
     parser.add_argument("--fault-action", choices=["abort", "kill"], default="abort")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--preset", default="fsdp")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                        help="mixed_precision.param_dtype and reduce_dtype of every run")
     args = parser.parse_args(argv[:split])
     args.mpiexec = argv[split + 1:]
     if not args.mpiexec:
@@ -537,6 +574,8 @@ def main():
             case_compatibility(ctx, args.preset)
         elif args.case == "schedule":
             case_schedule(ctx, args.preset)
+        elif args.case == "precision":
+            case_precision(ctx, args.preset)
         else:
             case_inspect(ctx, args.preset)
     except Failure as e:
@@ -545,7 +584,7 @@ def main():
     if ctx.failures:
         print("%d check(s) failed" % len(ctx.failures), file=sys.stderr)
         return 1
-    print("ok: %s (%s, %s)" % (args.case, args.preset, args.optimizer))
+    print("ok: %s (%s, %s, %s)" % (args.case, args.preset, args.optimizer, args.precision))
     return 0
 
 
