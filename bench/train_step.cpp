@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "apps/exit_policy.hpp"
+#include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/runtime.hpp"
 #include "framework/train/hardware_file.hpp"
@@ -266,6 +267,9 @@ int main(int argc, char** argv) {
                    "runtime.overlap: 0|1 (FSDP weight prefetch, DP gradient buckets)");
     double bucket_mb = 25.0;
     app.add_option("--bucket-mb", bucket_mb, "runtime.bucket_mb: DP gradient bucket cap (MiB)");
+    std::string param_dtype = "fp32", reduce_dtype = "fp32";
+    app.add_option("--param-dtype", param_dtype, "mixed_precision.param_dtype: fp32|bf16|fp16");
+    app.add_option("--reduce-dtype", reduce_dtype, "mixed_precision.reduce_dtype: fp32|bf16|fp16");
     int trace_allocations = 0;
     app.add_option("--trace-allocations", trace_allocations,
                    "print the call stacks of the first N heap allocations in timed steps "
@@ -312,6 +316,10 @@ int main(int argc, char** argv) {
     meshtrain::set_collective_matmul_hardware(profile);
     config.runtime.overlap = overlap;
     config.runtime.bucket_mb = bucket_mb;
+    config.mixed_precision.param_dtype =
+        meshtrain::parse_dtype(param_dtype, "--param-dtype");
+    config.mixed_precision.reduce_dtype =
+        meshtrain::parse_dtype(reduce_dtype, "--reduce-dtype");
     meshtrain::RunData data;
     data.train = one_batch(batch, sizes.front(), sizes.back(), seed);
     meshtrain::TrainingRun run(config, {}, std::move(data));
@@ -407,6 +415,8 @@ int main(int argc, char** argv) {
       line["precision"] = precision;
       line["overlap"] = overlap;
       line["bucket_mb"] = bucket_mb;
+      line["param_dtype"] = param_dtype;
+      line["reduce_dtype"] = reduce_dtype;
       line["gradient_buckets"] = model.gradient_buckets().size();
       line["execution_space"] = Kokkos::DefaultExecutionSpace::name();
       line["steps"] = steps;
