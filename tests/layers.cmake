@@ -3,5 +3,7 @@ meshtrain_add_test(NAME layers_init_test SOURCES layers/init_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 TIMEOUT 120)
 meshtrain_add_test(NAME layers_mlp_test SOURCES layers/mlp_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300)
+meshtrain_add_test(NAME layers_mixed_precision_test SOURCES layers/mixed_precision_test.cpp
+                   LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300)
 meshtrain_add_test(NAME layers_units_test SOURCES layers/units_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120)

@@ -1,0 +1,642 @@
+// Mixed precision (docs/mixed_precision.md) in every layout of mlp_test: for each policy
+// {param P, reduce R} in {bf16, bf16}, {fp16, fp16}, {bf16, fp32}, {fp32, bf16}, the MLP built
+// after context.set_precision(policy) gives, after one forward, loss and backward, the
+// logits, the loss and EVERY gradient (gathered to full shape) of a reference computed here
+// in double with independent loops that rounds at exactly the documented cast points 1-10:
+// round_P(v) = round_to(float(v), P), i.e. fp32 arithmetic between cast points. The
+// reference is one rank's full batch (no sum over ranks, so R does not enter it); it is the
+// np-1 run, so every layout is also compared with the single-rank run.
+//
+// Tolerances. u = 2^-p is the unit roundoff of a dtype with p significant bits (bf16 8,
+// fp16 11, fp32 24): one rounding moves a value by at most u relative to it; ulp_D(v) is the
+// spacing of D's values at |v|.
+//  * Flips only: one rank, and the logits and loss of a layout without a TP layer (its rows
+//    are computed as on one rank). The model and the reference round the same values at the
+//    same points; they differ only between cast points (fp32 GEMM accumulation order, fp32
+//    tanh vs double), by a few fp32 ulps, which flips a 16-bit rounding only for a value
+//    within those few fp32 ulps of a tie: that element is off by one ulp of its dtype, and
+//    what is computed from it by a fraction of an ulp of each term. So every element is
+//    within  ulp_P(ref) + 2^-18 * max|ref|  (per tensor; the second term is fp32
+//    accumulation and flips carried into smaller sums), at most 2% of the 16-bit elements
+//    differ at all, and the loss is within u_P relative (+1e-6). (Observed on this CPU
+//    build: no element differs at all for the 16-bit policies.)
+//  * Reductions: the gradients on several ranks, and the forward under TP. Each rank's
+//    partial gradient is rounded to P on its own (the reference rounds the whole sum once),
+//    then to R before the first hop of the sum over ranks, which rounds once per hop in an
+//    order the backend chooses: 3 roundings per batch rank. Under TP the partial products of
+//    the forward are summed in P, one rounding per hop, and the change in z moves the
+//    activation, the loss gradient and the backward built on them: 3 per TP hop. Plus one
+//    flipped final rounding (one ulp, 2u). Each rounding is of a partial sum no larger (up
+//    to cancellation) than the tensor's largest value, so per tensor
+//        max |got - ref| <= K * u * max|ref|,   u = max(u_P, u_R),
+//        K = 3 * batch_ranks + 3 * (tp - 1) + 2,
+//    and the loss within K * u relative. E.g. bf16 on dp4 or tp4: K = 14, 5.5%; observed
+//    below 1.3% (see the summary the test prints).
+// Also checked:
+//  * the casts happen: with P 16-bit every logit is a P value; with P = fp32 some logit is
+//    not a bf16 value; on one rank every gradient is a P value (point 8); on meshes that
+//    only split the batch (every gradient is summed over ranks) every gradient is an R value.
+//  * fp16 with loss scale 1024: the reference with S = 1024 as above, and 1024 x the
+//    unscaled reference (S is a power of two: only values the unscaled run has below fp16's
+//    normal range, 2^-14, round differently; on one rank u_fp16 * max|ref| is allowed for
+//    that instead of 2^-18).
+//  * {fp32, fp32} is bit for bit the model built without set_precision (EXPECT_EQ).
+//  * overlap on (FSDP prefetch gathers in P, DP gradient buckets summed in R), same bounds.
+//
+// Models: 32-16-16-6, tanh, cross-entropy (6 outputs do not divide by 4: tp4 keeps the last
+// output replicated through the all-reduce fallback, summed in P), and 32-16-16-8, relu, MSE;
+// init `normal` (non-zero biases, so the second rounding of point 4 matters). Global batch
+// 16 (2 rows per rank on dp2 x fsdp4).
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "framework/comm/mesh_communicators.hpp"
+#include "framework/core/precision.hpp"
+#include "framework/train/init.hpp"
+#include "layers/context.hpp"
+#include "layers/loss.hpp"
+#include "layers/mlp.hpp"
+#include "partition/planner.hpp"
+#include "partition/rules.hpp"
+#include "tests/test_backend.hpp"
+#include "tests/test_support.hpp"
+
+namespace meshtrain {
+namespace {
+
+constexpr int64_t kBatch = 16;
+constexpr uint64_t kSeed = 11;
+
+using Tensor = std::vector<double>;
+
+// ---- dtypes -----------------------------------------------------------------------------
+int significand_bits(Dtype d) {
+  return d == Dtype::bf16 ? 8 : d == Dtype::fp16 ? 11 : 24;
+}
+double unit_roundoff(Dtype d) {
+  return std::ldexp(1.0, -significand_bits(d));
+}
+const char* dtype_name(Dtype d) {
+  return d == Dtype::bf16 ? "bf16" : d == Dtype::fp16 ? "fp16" : "fp32";
+}
+// The spacing of `d`'s values at |v| (fp16: 2^-24 below its normal range).
+double ulp(double v, Dtype d) {
+  const double smallest = d == Dtype::fp16 ? std::ldexp(1.0, -24) : std::ldexp(1.0, -149);
+  if (v == 0) return smallest;
+  int e = 0;
+  std::frexp(std::abs(v), &e);  // |v| in [2^(e-1), 2^e)
+  return std::max(std::ldexp(1.0, e - significand_bits(d)), smallest);
+}
+// round_P: the fp32 result of the arithmetic before the cast point, rounded to `d`.
+double rnd(double v, Dtype d) {
+  return round_to(static_cast<float>(v), d);
+}
+bool representable(double v, Dtype d) {
+  return rnd(v, d) == v;
+}
+
+struct Policy {
+  std::string name;
+  MixedPrecision mp;
+};
+
+std::vector<Policy> policies() {
+  return {{"bf16/bf16", {Dtype::bf16, Dtype::bf16}},
+          {"fp16/fp16", {Dtype::fp16, Dtype::fp16}},
+          {"bf16/fp32", {Dtype::bf16, Dtype::fp32}},
+          {"fp32/bf16", {Dtype::fp32, Dtype::bf16}}};
+}
+
+// ---- the models and the data --------------------------------------------------------------
+struct ModelCase {
+  std::string name;
+  std::vector<int64_t> sizes;
+  Activation activation;
+  LossKind loss;
+};
+
+std::vector<ModelCase> models() {
+  return {{"tanh_ce", {32, 16, 16, 6}, Activation::tanh, LossKind::cross_entropy},
+          {"relu_mse", {32, 16, 16, 8}, Activation::relu, LossKind::mse}};
+}
+
+struct Batch {
+  Tensor x;        // [B, in]
+  Tensor targets;  // [B, out]
+  std::vector<int32_t> labels;
+};
+
+Batch make_batch(const ModelCase& m) {
+  const int64_t in = m.sizes.front(), out = m.sizes.back();
+  Batch b;
+  for (int64_t i = 0; i < kBatch * in; ++i)
+    b.x.push_back(counter_normal(kSeed, name_stream("x"), i));
+  for (int64_t i = 0; i < kBatch * out; ++i)
+    b.targets.push_back(counter_normal(kSeed, name_stream("t"), i));
+  for (int64_t i = 0; i < kBatch; ++i)
+    b.labels.push_back(static_cast<int32_t>(counter_uniform(kSeed, name_stream("y"), i) * out));
+  return b;
+}
+
+Tensor to_host(const ShardedTensor& t) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), t.local);
+  return Tensor(h.data(), h.data() + h.extent(0));
+}
+
+// The fp32 masters, as a single rank initializes them.
+std::vector<Tensor> master_parameters(const ModelCase& m) {
+  std::vector<Tensor> params;
+  for (const auto& p : mlp_parameter_shapes(m.sizes)) {
+    ShardedTensor t = ShardedTensor::allocate(p.name, p.shape, PartitionSpec(), Mesh::single(), 0);
+    initialize(t, InitScheme::normal, kSeed);
+    params.push_back(to_host(t));
+  }
+  return params;
+}
+
+// ---- the reference: plain loops in double, rounded at the cast points ---------------------
+double act(Activation a, double z) {
+  return a == Activation::relu ? (z > 0 ? z : 0) : std::tanh(z);
+}
+double act_grad(Activation a, double z) {
+  return a == Activation::relu ? (z > 0 ? 1 : 0) : 1 - std::tanh(z) * std::tanh(z);
+}
+
+struct Reference {
+  Tensor logits;  // the last z [B, out]
+  double loss = 0;
+  std::vector<Tensor> grads;  // weight, bias of layer 0, ...
+};
+
+// One rank's full batch; P = param dtype, S = loss scale. The reduce dtype does not appear:
+// one rank sums over no ranks.
+Reference reference(const ModelCase& m, const Batch& b, Dtype P, double S) {
+  const std::vector<Tensor> masters = master_parameters(m);
+  const size_t n = m.sizes.size() - 1;
+  auto rounded = [P](Tensor t) {
+    for (double& v : t) v = rnd(v, P);
+    return t;
+  };
+  std::vector<Tensor> w(n), bias(n), a(n + 1), z(n);
+  for (size_t l = 0; l < n; ++l) {  // 2: the parameters cast to P
+    w[l] = rounded(masters[2 * l]);
+    bias[l] = rounded(masters[2 * l + 1]);
+  }
+  a[0] = rounded(b.x);  // 1: the batch
+  for (size_t l = 0; l < n; ++l) {
+    const int64_t in = m.sizes[l], out = m.sizes[l + 1];
+    z[l].assign(kBatch * out, 0.0);
+    for (int64_t i = 0; i < kBatch; ++i)
+      for (int64_t j = 0; j < out; ++j) {
+        double p = 0;
+        for (int64_t k = 0; k < in; ++k) p += a[l][i * in + k] * w[l][k * out + j];
+        z[l][i * out + j] = rnd(rnd(p, P) + bias[l][j], P);  // 3 and 4
+      }
+    if (l + 1 < n) {
+      a[l + 1] = z[l];
+      for (double& v : a[l + 1]) v = rnd(act(m.activation, v), P);  // 5
+    }
+  }
+  Reference r;
+  r.logits = z[n - 1];
+  // 6: the loss from the last z, in double; 7: its gradient scaled and cast.
+  const int64_t out = m.sizes.back();
+  const Tensor& y = r.logits;
+  Tensor g(kBatch * out);
+  for (int64_t i = 0; i < kBatch; ++i) {
+    if (m.loss == LossKind::mse) {
+      for (int64_t j = 0; j < out; ++j) {
+        const double d = y[i * out + j] - b.targets[i * out + j];
+        r.loss += d * d;
+        g[i * out + j] = 2 * d / kBatch;
+      }
+    } else {
+      double mx = y[i * out];
+      for (int64_t j = 1; j < out; ++j) mx = std::max(mx, y[i * out + j]);
+      double s = 0;
+      for (int64_t j = 0; j < out; ++j) s += std::exp(y[i * out + j] - mx);
+      r.loss += std::log(s) + mx - y[i * out + b.labels[i]];
+      for (int64_t j = 0; j < out; ++j)
+        g[i * out + j] = (std::exp(y[i * out + j] - mx) / s - (j == b.labels[i])) / kBatch;
+    }
+  }
+  r.loss /= kBatch;
+  for (double& v : g) v = rnd(S * static_cast<float>(v), P);
+  r.grads.resize(2 * n);
+  for (size_t l = n; l-- > 0;) {
+    const int64_t in = m.sizes[l], o = m.sizes[l + 1];
+    Tensor& gw = r.grads[2 * l];
+    Tensor& gb = r.grads[2 * l + 1];
+    gw.assign(in * o, 0.0);
+    gb.assign(o, 0.0);
+    for (int64_t k = 0; k < in; ++k)
+      for (int64_t j = 0; j < o; ++j) {
+        double s = 0;
+        for (int64_t i = 0; i < kBatch; ++i) s += a[l][i * in + k] * g[i * o + j];
+        gw[k * o + j] = rnd(s, P);  // 8
+      }
+    for (int64_t j = 0; j < o; ++j) {
+      double s = 0;
+      for (int64_t i = 0; i < kBatch; ++i) s += g[i * o + j];
+      gb[j] = rnd(s, P);  // 8
+    }
+    if (l == 0) break;
+    Tensor gx(kBatch * in);
+    for (int64_t i = 0; i < kBatch; ++i)
+      for (int64_t k = 0; k < in; ++k) {
+        double s = 0;
+        for (int64_t j = 0; j < o; ++j) s += g[i * o + j] * w[l][k * o + j];
+        const double dx = rnd(s, P);                                                 // 9
+        gx[i * in + k] = rnd(dx * act_grad(m.activation, z[l - 1][i * in + k]), P);  // 10
+      }
+    g = gx;
+  }
+  return r;
+}
+
+// ---- the meshes and layouts (mlp_test's) -------------------------------------------------
+struct LayoutCase {
+  std::string name;
+  std::vector<std::pair<std::string, int>> mesh;
+  std::string preset;  // planner preset, or "" for the specs below
+  int64_t min_sharding_size;
+  std::string weight_spec, bias_spec;
+  CollectiveMatmulAlgorithm algorithm = CollectiveMatmulAlgorithm::automatic;
+};
+
+std::vector<LayoutCase> layouts_for(int n) {
+  using A = CollectiveMatmulAlgorithm;
+  std::vector<LayoutCase> c;
+  if (n == 1) {
+    c.push_back({"single", {{"dp", 1}}, "dp", 0, "", ""});
+    c.push_back({"single_fsdp_tp_specs", {{"fsdp", 1}, {"tp", 1}}, "fsdp_tp", 0, "", ""});
+  } else if (n == 2) {
+    c.push_back({"dp2", {{"dp", 2}}, "dp", 0, "", ""});
+    c.push_back({"fsdp2", {{"fsdp", 2}}, "fsdp", 0, "", ""});
+    c.push_back({"tp2", {{"tp", 2}}, "tp", 0, "", "", A::naive});
+    c.push_back({"tp2_ring", {{"tp", 2}}, "tp", 0, "", "", A::ring});
+  } else if (n == 4) {
+    c.push_back({"dp4", {{"dp", 4}}, "dp", 0, "", ""});
+    c.push_back({"fsdp4", {{"fsdp", 4}}, "fsdp", 0, "", ""});
+    c.push_back({"tp4", {{"tp", 4}}, "tp", 0, "", "", A::bidirectional});
+    c.push_back({"tp4_planner_default", {{"tp", 4}}, "tp", 16384, "", ""});
+    c.push_back({"fsdp2_tp2", {{"fsdp", 2}, {"tp", 2}}, "fsdp_tp", 0, "", "", A::ring});
+    c.push_back({"dp2_tp2", {{"dp", 2}, {"tp", 2}}, "dp_tp", 0, "", ""});
+    c.push_back({"dp2_fsdp2", {{"dp", 2}, {"fsdp", 2}}, "dp_fsdp", 0, "", ""});
+    c.push_back(
+        {"fsdp2_tp2_storage_2d", {{"fsdp", 2}, {"tp", 2}}, "", 0, "P(fsdp, tp)", "P(fsdp)"});
+    c.push_back({"fsdp2_tp2_tuple",
+                 {{"fsdp", 2}, {"tp", 2}},
+                 "",
+                 0,
+                 "P((tp, fsdp), None)",
+                 "P((fsdp, tp))"});
+    c.push_back(
+        {"dp2_fsdp2_tuple", {{"dp", 2}, {"fsdp", 2}}, "", 0, "P((fsdp, dp), None)", "P(dp)"});
+    c.push_back({"dp2_tp2_dp_storage", {{"dp", 2}, {"tp", 2}}, "", 0, "P(tp, dp)", "P(tp)"});
+  } else if (n == 8) {
+    c.push_back({"fsdp2_tp4", {{"fsdp", 2}, {"tp", 4}}, "fsdp_tp", 0, "", ""});
+    c.push_back({"dp2_tp4", {{"dp", 2}, {"tp", 4}}, "dp_tp", 0, "", "", A::bidirectional});
+    c.push_back({"dp2_fsdp4", {{"dp", 2}, {"fsdp", 4}}, "dp_fsdp", 0, "", ""});
+    c.push_back({"dp2_fsdp2_tp2", {{"dp", 2}, {"fsdp", 2}, {"tp", 2}}, "fsdp_tp", 0, "", ""});
+  }
+  return c;
+}
+
+// Meshes whose axes all split the batch: every gradient is a sum over ranks.
+bool batch_only(const LayoutCase& layout) {
+  for (const auto& a : layout.mesh)
+    if (a.first == "tp" && a.second > 1) return false;
+  return world_size() > 1;
+}
+
+// Replaces split dims that do not divide by None (like the planner's fallback).
+PartitionSpec fitted(PartitionSpec spec, const std::vector<int64_t>& shape, const Mesh& mesh) {
+  spec = spec.with_rank(shape.size());
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] % mesh.size_of(spec.entries[d].axes) != 0) spec.entries[d].axes.clear();
+  }
+  return spec;
+}
+
+// The full tensor from every rank's block (mlp_test's gather_full).
+Tensor gather_full(const ShardedTensor& t, const Mesh& mesh, int rank) {
+  int64_t total = 1;
+  for (auto d : t.global_shape) total *= d;
+  Tensor full(total, 0.0);
+  const auto named = t.spec.axes();
+  bool writer = true;
+  for (const auto& a : mesh.axes()) {
+    const bool in_spec = std::find(named.begin(), named.end(), a.name) != named.end();
+    if (!in_spec && mesh.coordinate(rank, a.name) != 0) writer = false;
+  }
+  if (writer) {
+    const Tensor local = to_host(t);
+    const bool matrix = t.global_shape.size() == 2;
+    const int64_t cols = matrix ? t.global_shape[1] : 1;
+    const int64_t lcols = matrix ? t.box.extent[1] : 1;
+    for (int64_t i = 0; i < static_cast<int64_t>(local.size()); ++i) {
+      if (matrix) {
+        full[(i / lcols + t.box.offset[0]) * cols + i % lcols + t.box.offset[1]] = local[i];
+      } else {
+        full[i + t.box.offset[0]] = local[i];
+      }
+    }
+  }
+  MPI_Allreduce(MPI_IN_PLACE, full.data(), static_cast<int>(total), MPI_DOUBLE, MPI_SUM,
+                MPI_COMM_WORLD);
+  return full;
+}
+
+// ---- one run -------------------------------------------------------------------------------
+struct RunResult {
+  double loss = 0;
+  Tensor logits;  // this rank's block, row-major [rows, width]
+  int64_t first_row = 0, rows = 0, col_offset = 0, width = 0;
+  std::vector<Tensor> grads;  // full shape
+  std::vector<std::string> names;
+  int batch_ranks = 1, feature_ranks = 1;  // the sizes of the batch axes and the feature axis
+  bool tensor_parallel = false;            // some layer is TP (else the forward is row-local)
+};
+
+// policy nullptr: the context's precision is never set.
+RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPrecision* policy,
+                    float loss_scale, bool overlap = false) {
+  const Mesh mesh = Mesh::create(layout.mesh, world_size());
+  MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+  const double bucket_mb = 200.0 * sizeof(float) / (1024 * 1024);  // several buckets
+  ParallelContext context(comms, {"fsdp", "dp"}, "tp", layout.algorithm, overlap, bucket_mb);
+  if (policy) context.set_precision(*policy);
+
+  ShardingPlan plan;
+  SpecLookup spec_of;
+  if (!layout.preset.empty()) {
+    PlanOptions options;
+    options.min_sharding_size = layout.min_sharding_size;
+    plan = make_plan(mlp_parameter_shapes(m.sizes), mesh, preset_rules(layout.preset), options);
+    spec_of = specs_from_plan(plan);
+  } else {
+    std::map<std::string, std::vector<int64_t>> shapes;
+    for (const auto& p : mlp_parameter_shapes(m.sizes)) shapes[p.name] = p.shape;
+    spec_of = [&, shapes](const std::string& name) {
+      const bool weight = name.size() >= 6 && name.compare(name.size() - 6, 6, "weight") == 0;
+      return fitted(PartitionSpec::parse(weight ? layout.weight_spec : layout.bias_spec),
+                    shapes.at(name), mesh);
+    };
+  }
+
+  RunResult run;
+  run.rows = kBatch / context.batch_parallel();
+  run.first_row = context.batch_index() * run.rows;
+  Mlp model(m.sizes, m.activation, spec_of, context, run.rows);
+  model.initialize(InitScheme::normal, kSeed);
+  Loss loss(m.loss, context, run.rows, m.sizes.back(), model.output_layout());
+  run.batch_ranks = context.batch_parallel();
+  run.feature_ranks = context.feature_parallel();
+  for (const auto& l : model.layers())
+    run.tensor_parallel = run.tensor_parallel || l.tensor_parallel();
+
+  const Batch b = make_batch(m);
+  const int64_t in = m.sizes.front(), out = m.sizes.back();
+  Matrix x("x", run.rows, in);
+  Matrix targets("targets", run.rows, out);
+  Kokkos::View<int32_t*> labels("labels", run.rows);
+  auto xh = Kokkos::create_mirror_view(x);
+  auto th = Kokkos::create_mirror_view(targets);
+  auto lh = Kokkos::create_mirror_view(labels);
+  for (int64_t i = 0; i < run.rows; ++i) {
+    const int64_t r = run.first_row + i;
+    for (int64_t k = 0; k < in; ++k) xh(i, k) = static_cast<float>(b.x[r * in + k]);
+    for (int64_t j = 0; j < out; ++j) th(i, j) = static_cast<float>(b.targets[r * out + j]);
+    lh(i) = b.labels[r];
+  }
+  Kokkos::deep_copy(x, xh);
+  Kokkos::deep_copy(targets, th);
+  Kokkos::deep_copy(labels, lh);
+
+  MatrixView logits = model.forward(x);
+  auto logits_host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), logits);
+  run.col_offset = model.output_offset();
+  run.width = model.output_width();
+  for (int64_t i = 0; i < run.rows; ++i)
+    for (int64_t j = 0; j < run.width; ++j) run.logits.push_back(logits_host(i, j));
+  const LossResult r =
+      m.loss == LossKind::mse ? loss.mse(logits, targets) : loss.cross_entropy(logits, labels);
+  run.loss = r.loss;
+  model.backward(loss.gradient(), true, loss_scale);
+  for (const auto& g : model.gradients()) {
+    run.grads.push_back(gather_full(g, mesh, context.rank()));
+    run.names.push_back(g.name + " " + g.spec.to_string());
+  }
+  return run;
+}
+
+// ---- comparisons -----------------------------------------------------------------------------
+// The largest errors seen per policy (relative to max|ref| of their tensor) and the fraction
+// of 16-bit values flipped, printed by rank 0 at the end of a test (the numbers the header
+// quotes).
+std::map<std::string, double>& observed() {
+  static std::map<std::string, double> m;
+  return m;
+}
+void observe(const std::string& key, double value) {
+  double& v = observed()[key];
+  v = std::max(v, value);
+}
+
+// How values are held to the reference (header comment).
+struct Tolerance {
+  bool per_element;  // |err| <= one ulp of `dtype` at the element + relative * max|ref|
+  Dtype dtype;
+  double relative;  // of max|ref| per tensor
+};
+
+// The same roundings of the same values (one rank; the forward of a layout without TP, whose
+// rows are computed as on one rank): only a rounding next to a tie can flip.
+Tolerance flips_only(Dtype dtype) {
+  return {true, dtype, std::ldexp(1.0, -18)};
+}
+
+// After sums over ranks: K roundings of relative size u, u of the coarser dtype.
+Tolerance reductions(const MixedPrecision& p, int batch_ranks, int feature_ranks) {
+  const Dtype coarse = unit_roundoff(p.param) > unit_roundoff(p.reduce) ? p.param : p.reduce;
+  const int k = 3 * batch_ranks + 3 * (feature_ranks - 1) + 2;
+  return {false, coarse, k * unit_roundoff(coarse)};
+}
+
+// Counts the elements that differ at all into *differing.
+void expect_close(const Tensor& got, const Tensor& ref, const Tolerance& tol,
+                  const std::string& what, const std::string& key, int64_t* differing = nullptr) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  double max_ref = 0;
+  for (double v : ref) max_ref = std::max(max_ref, std::abs(v));
+  double max_err = 0, worst_excess = 0;
+  size_t worst = 0;  // the element furthest beyond (or least within) what is allowed
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double e = std::abs(got[i] - ref[i]);
+    if (differing && e != 0) ++*differing;
+    const double allowed = tol.relative * max_ref + (tol.per_element ? ulp(ref[i], tol.dtype) : 0);
+    if (i == 0 || e - allowed > worst_excess) {
+      worst_excess = e - allowed;
+      worst = i;
+    }
+    max_err = std::max(max_err, e);
+  }
+  observe(key + (tol.per_element ? " (flips only)" : " (reductions)") + " max|err|/max|ref|",
+          max_ref > 0 ? max_err / max_ref : max_err);
+  EXPECT_LE(worst_excess, 0.0) << what << ": element " << worst << " is " << got[worst]
+                               << ", reference " << ref[worst] << " (max |ref| " << max_ref
+                               << ", max |err| " << max_err << ")";
+}
+
+// At most 2% of the 16-bit values differ from the reference where only flips can happen.
+void expect_few_flips(int64_t differing, int64_t total, const Tolerance& tol,
+                      const std::string& what, const std::string& key) {
+  if (!tol.per_element || tol.dtype == Dtype::fp32) return;  // (fp32 differs in its last bits)
+  EXPECT_LE(differing, total / 50) << what << ": elements that differ from the reference";
+  observe(key + " fraction of elements flipped", double(differing) / double(total));
+}
+
+// A run against the reference: the loss, this rank's logits, every gradient.
+void compare(const RunResult& run, const Reference& ref, const ModelCase& m,
+             const MixedPrecision& p, const std::string& key) {
+  const bool one_rank = world_size() == 1;
+  const Tolerance grads =
+      one_rank ? flips_only(p.param) : reductions(p, run.batch_ranks, run.feature_ranks);
+  Tolerance forward = one_rank || !run.tensor_parallel ? flips_only(p.param) : grads;
+  forward.dtype = p.param;  // the logits' last rounding (point 4)
+
+  const double loss_tol =
+      forward.per_element ? unit_roundoff(p.param) + 1e-6 : forward.relative;  // (relative)
+  EXPECT_NEAR(run.loss, ref.loss, loss_tol * std::abs(ref.loss)) << "loss";
+  observe(key + " loss relative error", std::abs(run.loss - ref.loss) / std::abs(ref.loss));
+
+  const int64_t out = m.sizes.back();
+  Tensor ref_block;  // this rank's rows and columns of the logits
+  for (int64_t i = 0; i < run.rows; ++i)
+    for (int64_t j = 0; j < run.width; ++j)
+      ref_block.push_back(ref.logits[(run.first_row + i) * out + run.col_offset + j]);
+  int64_t differing = 0, total = static_cast<int64_t>(ref_block.size());
+  expect_close(run.logits, ref_block, forward, "logits", key + " logits", &differing);
+  expect_few_flips(differing, total, forward, "logits", key + " logits");
+
+  differing = total = 0;
+  for (size_t k = 0; k < ref.grads.size(); ++k) {
+    expect_close(run.grads[k], ref.grads[k], grads, "gradient of " + run.names[k], key + " grads",
+                 &differing);
+    total += static_cast<int64_t>(ref.grads[k].size());
+  }
+  expect_few_flips(differing, total, grads, "gradients", key + " grads");
+}
+
+void print_observed() {
+  if (world_rank() != 0) return;
+  std::printf("[mixed_precision np%d] largest errors seen:\n", world_size());
+  for (const auto& [key, value] : observed()) std::printf("  %-60s %.3g\n", key.c_str(), value);
+  observed().clear();
+}
+
+// ---- the tests -----------------------------------------------------------------------------
+
+// Every policy on every layout: logits, loss and every gradient against the reference;
+// the 16-bit values are there.
+TEST(MixedPrecision, EveryPolicyMatchesTheRoundingReferenceOnEveryLayout) {
+  for (const auto& m : models()) {
+    const Batch b = make_batch(m);
+    for (const auto& policy : policies()) {
+      const MixedPrecision& p = policy.mp;
+      const Reference ref = reference(m, b, p.param, 1.0);
+      for (const auto& layout : layouts_for(world_size())) {
+        for (bool overlap : {false, true}) {
+          SCOPED_TRACE(m.name + ", " + policy.name + " on " + layout.name +
+                       (overlap ? " with overlap" : ""));
+          const RunResult run = run_model(m, layout, &p, 1.0f, overlap);
+          compare(run, ref, m, p, policy.name);
+          // The casts happen: the logits are P values (or, in fp32, not all bf16 values).
+          bool all_p = true, all_bf16 = true;
+          for (double v : run.logits) {
+            all_p = all_p && representable(v, p.param);
+            all_bf16 = all_bf16 && representable(v, Dtype::bf16);
+          }
+          EXPECT_TRUE(all_p) << "logits not all " << dtype_name(p.param);
+          if (p.param == Dtype::fp32) {
+            EXPECT_FALSE(all_bf16) << "fp32 logits that are all bf16 values";
+          }
+          // Point 8: one rank's gradients are P values; summed over ranks, R values.
+          const bool in_p = world_size() == 1 && p.param != Dtype::fp32;
+          const bool in_r = batch_only(layout) && p.reduce != Dtype::fp32;
+          for (size_t k = 0; k < run.grads.size() && (in_p || in_r); ++k) {
+            bool all = true;
+            for (double v : run.grads[k]) all = all && representable(v, in_p ? p.param : p.reduce);
+            EXPECT_TRUE(all) << "gradient of " << run.names[k] << " not all "
+                             << dtype_name(in_p ? p.param : p.reduce);
+          }
+        }
+      }
+    }
+  }
+  print_observed();
+}
+
+// fp16 with a loss scale: the gradients come out scaled, and equal 1024 x the unscaled
+// reference within the tolerance.
+TEST(MixedPrecision, Fp16LossScaleScalesTheGradients) {
+  const MixedPrecision p{Dtype::fp16, Dtype::fp16};
+  constexpr float kScale = 1024.0f;
+  for (const auto& m : models()) {
+    const Batch b = make_batch(m);
+    const Reference scaled = reference(m, b, p.param, kScale);
+    Reference unscaled_times_s = reference(m, b, p.param, 1.0);
+    for (auto& g : unscaled_times_s.grads)
+      for (double& v : g) v *= kScale;
+    for (const auto& layout : layouts_for(world_size())) {
+      SCOPED_TRACE(m.name + " on " + layout.name + ", loss scale 1024");
+      const RunResult run = run_model(m, layout, &p, kScale);
+      compare(run, scaled, m, p, "fp16/fp16 x1024");
+      // One rank: the values the unscaled run has below 2^-14 are rounded to multiples of
+      // 2^-24 instead of to 11 bits; allow u_fp16 of max|ref| for what that carries.
+      Tolerance t = world_size() == 1 ? flips_only(p.param)
+                                      : reductions(p, run.batch_ranks, run.feature_ranks);
+      if (t.per_element) t.relative = unit_roundoff(Dtype::fp16);
+      for (size_t k = 0; k < run.grads.size(); ++k) {
+        expect_close(run.grads[k], unscaled_times_s.grads[k], t,
+                     "gradient of " + run.names[k] + " vs 1024 x unscaled",
+                     "fp16/fp16 x1024 vs 1024 x unscaled grads");
+      }
+    }
+  }
+  print_observed();
+}
+
+// {fp32, fp32} changes nothing: bit for bit the model built without a policy.
+TEST(MixedPrecision, Fp32PolicyIsBitIdenticalToNoPolicy) {
+  const MixedPrecision fp32{Dtype::fp32, Dtype::fp32};
+  for (const auto& m : models()) {
+    for (const auto& layout : layouts_for(world_size())) {
+      for (bool overlap : {false, true}) {
+        SCOPED_TRACE(m.name + " on " + layout.name + (overlap ? " with overlap" : ""));
+        const RunResult with = run_model(m, layout, &fp32, 1.0f, overlap);
+        const RunResult without = run_model(m, layout, nullptr, 1.0f, overlap);
+        EXPECT_EQ(with.loss, without.loss);
+        ASSERT_EQ(with.logits.size(), without.logits.size());
+        for (size_t i = 0; i < with.logits.size(); ++i)
+          ASSERT_EQ(float(with.logits[i]), float(without.logits[i])) << "logit " << i;
+        for (size_t k = 0; k < with.grads.size(); ++k)
+          for (size_t i = 0; i < with.grads[k].size(); ++i)
+            ASSERT_EQ(float(with.grads[k][i]), float(without.grads[k][i]))
+                << with.names[k] << " element " << i;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace meshtrain
