@@ -7,6 +7,9 @@ the two can be compared in one run:
     python3 bench/pytorch_train_step.py --sizes 784,4096,4096,10 --batch 256 --precision fp32
 
 --precision tf32 sets torch.backends.cuda.matmul.allow_tf32 (PyTorch's default is fp32).
+--param-dtype bf16|fp16 runs forward and backward under torch.autocast in that dtype, the
+fp32 master weights and AdamW as they are (meshtrain's [mixed_precision] param_dtype; one
+device, so there is no reduction for reduce_dtype); fp16 with torch.amp.GradScaler.
 Also reports the GEMM rate of torch.mm on the widest layer's shape at the batch
 (gemm_tflops), the rate the step's GEMM FLOPs are compared with.
 """
@@ -39,6 +42,7 @@ def main():
     parser.add_argument("--precision", choices=["fp32", "tf32"], default="fp32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--param-dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     args = parser.parse_args()
 
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -60,12 +64,18 @@ def main():
     labels = torch.arange(args.batch, device=device) % sizes[-1]
     loss_fn = torch.nn.CrossEntropyLoss()
     losses = []
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.param_dtype)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.param_dtype == "fp16")
 
     def step():
         optimizer.zero_grad(set_to_none=False)
-        loss = loss_fn(model(x), labels)
-        loss.backward()
-        optimizer.step()
+        with torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
+                            enabled=autocast_dtype is not None):
+            logits = model(x)
+        loss = loss_fn(logits.float(), labels)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         losses.append(loss)
 
     for _ in range(args.warmup):
@@ -90,6 +100,7 @@ def main():
         "sizes": sizes,
         "batch": args.batch,
         "precision": args.precision,
+        "param_dtype": args.param_dtype,
         "steps": args.steps,
         "warmup": args.warmup,
         "step_time_median_s": median,
