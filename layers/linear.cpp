@@ -221,7 +221,7 @@ MatrixView Linear::forward(const ShardedTensor& weight, const ShardedTensor& bia
     matmul_reduce_scatter(*tp_comm_, 1, plain(x_used_), plain(w), y, matmuls_.forward,
                           scratch.matmul, compute_dtype_);
   } else {
-    gemm(plain(x_used_), plain(w), 0.0f, y);
+    gemm(plain(x_used_), plain(w), 0.0f, y, compute_dtype_);
     if (layout_.tensor_parallel) tp_comm_->all_reduce(y, ReduceOp::sum, compute_dtype_);
   }
   if (next.layer) next.layer->poll_weight_prefetch();
@@ -258,7 +258,7 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
     all_gather_matmul(*tp_comm_, GatherSide::right, 1, transposed(x_used_), plain(dy), g,
                       matmuls_.weight_grad, scratch.matmul, compute_dtype_);
   } else {
-    gemm(transposed(x_used_), plain(dy), 0.0f, g);
+    gemm(transposed(x_used_), plain(dy), 0.0f, g, compute_dtype_);
   }
   round_in_place(g, compute_dtype_);  // the weight's gradient in its compute dtype
   if (next.layer) next.layer->poll_weight_prefetch();
@@ -277,7 +277,7 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
       all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(dy), transposed(w), dx_c_,
                         matmuls_.input_grad, scratch.matmul, compute_dtype_);
     } else {
-      gemm(plain(dy), transposed(w), 0.0f, dx_c_);
+      gemm(plain(dy), transposed(w), 0.0f, dx_c_, compute_dtype_);
     }
     round_in_place(MatrixView(dx_c_), compute_dtype_);
     if (layout_.slices_input()) {
@@ -311,7 +311,8 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
   }
   if (nonbatch_scale_ != 1.0f) scale_matrix(dst, nonbatch_scale_);
   const bool defer = !reduce && defers_reduction_;
-  if (weight_allreduce_comm_ && !defer) weight_allreduce_comm_->all_reduce(dst, ReduceOp::sum, wire);
+  if (weight_allreduce_comm_ && !defer)
+    weight_allreduce_comm_->all_reduce(dst, ReduceOp::sum, wire);
   bias_gradient(dy, bias_grad, scratch, !defer);
   return dx;
 }
@@ -322,7 +323,8 @@ void Linear::bias_gradient(MatrixView dy, ShardedTensor& bias_grad, LinearScratc
   // axes (and the feature axis when the output is split), then this rank's block.
   VectorView full(scratch.bias.data(), static_cast<size_t>(layout_.out));
   sum_columns_into(dy, output_offset(), full, compute_dtype_);
-  if (bias_reduce_comm_ && all_reduce) bias_reduce_comm_->all_reduce(full, ReduceOp::sum, reduce_dtype_);
+  if (bias_reduce_comm_ && all_reduce)
+    bias_reduce_comm_->all_reduce(full, ReduceOp::sum, reduce_dtype_);
   copy_block(full, bias_stored_offset_, bias_grad.local);
 }
 

@@ -266,7 +266,8 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     const bool cast = param_dtype != Dtype::fp32;
     const bool gathered = !l.weight_gather_dim0.empty() || !l.weight_gather_dim1.empty();
     if (cast && i == 0) memory(lp.name, "forward", "input cast", 2 * kFloat * r * l.in);
-    if (cast && !gathered) memory(lp.name, "forward", "weight cast", 2 * kFloat * l.in_compute * l.out);
+    if (cast && !gathered)
+      memory(lp.name, "forward", "weight cast", 2 * kFloat * l.in_compute * l.out);
     if (cast && i + 1 < count) {
       memory(lp.name, "forward", "activation rounding", 2 * kFloat * r * l.out_local);
     }

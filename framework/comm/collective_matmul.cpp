@@ -138,10 +138,10 @@ struct GatherPlan {
     const Range op_c = gathered.transpose ? stored_rows : stored_cols;
     if (side == GatherSide::left) {  // op_r in M, op_c in K
       const float beta = length(op_c) == k ? 0.0f : 1.0f;
-      gemm(p, op_row_block(other, op_c), beta, Kokkos::subview(c, op_r, Kokkos::ALL));
+      gemm(p, op_row_block(other, op_c), beta, Kokkos::subview(c, op_r, Kokkos::ALL), wire);
     } else {  // op_r in K, op_c in N
       const float beta = length(op_r) == k ? 0.0f : 1.0f;
-      gemm(op_col_block(other, op_r), p, beta, Kokkos::subview(c, Kokkos::ALL, op_c));
+      gemm(op_col_block(other, op_r), p, beta, Kokkos::subview(c, Kokkos::ALL, op_c), wire);
     }
   }
 
@@ -361,7 +361,8 @@ struct ScatterPlan {
     } else {
       col_range = Range{tt * block_cols, (tt + 1) * block_cols};
     }
-    gemm(op_row_block(a, r), op_col_block(b, col_range), 0.0f, MatrixView(out, rows, block_cols));
+    gemm(op_row_block(a, r), op_col_block(b, col_range), 0.0f, MatrixView(out, rows, block_cols),
+         wire);
   }
 
   // What the cost model needs to choose an algorithm (the GEMMs of scatter_naive,
@@ -430,7 +431,7 @@ void scatter_naive(const ScatterPlan& plan, Communicator& comm, MatrixView c,
   const bool c_contiguous = c.span_is_contiguous();
   float* product = ws.acquire((n + (c_contiguous ? 0 : 1)) * block);
   if (plan.scatter_dim == 0) {
-    gemm(plan.a, plan.b, 0.0f, MatrixView(product, plan.m, plan.cols));
+    gemm(plan.a, plan.b, 0.0f, MatrixView(product, plan.m, plan.cols), plan.wire);
   } else {  // the product as n stacked column blocks: block t at product + t * block
     for (int t = 0; t < plan.n; ++t) plan.compute(t, 0, plan.block_rows, product + t * block);
   }

@@ -57,7 +57,7 @@ MatmulPrecision matmul_precision() {
   return g_matmul_precision;
 }
 
-void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c) {
+void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs) {
   const std::size_t m = op_rows(a), k = op_cols(a), n = op_cols(b);
   if (op_rows(b) != k || c.extent(0) != m || c.extent(1) != n) {
     MESHTRAIN_BAD_INPUT("gemm: op(A) is [", m, ", ", k, "], op(B) is [", op_rows(b), ", ", n,
@@ -85,6 +85,7 @@ void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c) {
   call.c = c.data();
   call.ldc = leading_dimension(c.stride(0), c.extent(1), "the leading dimension of C");
   call.precision = g_matmul_precision;
+  call.inputs = inputs;
 #if defined(KOKKOS_ENABLE_CUDA)
   if constexpr (std::is_same_v<MatrixView::memory_space, Kokkos::CudaSpace>) {
     gemm_backend::cuda_gemm(call);

@@ -16,6 +16,7 @@
 
 #include "framework/core/choices.hpp"
 #include "framework/core/views.hpp"
+#include "partition/dtype.hpp"
 
 namespace meshtrain {
 
@@ -46,6 +47,11 @@ inline std::size_t op_cols(const GemmOperand& x) {
 void set_matmul_precision(MatmulPrecision precision);
 MatmulPrecision matmul_precision();
 
-void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c);
+// `inputs`: the dtype the operands' values hold (mixed precision, docs/mixed_precision.md).
+// On CUDA memory bf16/fp16 operands are copied to 16 bits (scratch made on first use and
+// kept) and multiplied by cublasGemmEx with 16-bit inputs and CUBLAS_COMPUTE_32F (tensor
+// cores, fp32 accumulation, C in fp32). On host memory cblas_sgemm multiplies them as they
+// are: fp32 products of the same values (Debian's OpenBLAS has no cblas_sbgemm).
+void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs = Dtype::fp32);
 
 }  // namespace meshtrain

@@ -21,7 +21,9 @@ void round_in_place(MatrixView data, Dtype dtype) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::round_to_dtype"),
       Range2({0, 0}, {static_cast<int64_t>(data.extent(0)), static_cast<int64_t>(data.extent(1))}),
-      KOKKOS_LAMBDA(const int64_t i, const int64_t j) { data(i, j) = round_to(data(i, j), dtype); });
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        data(i, j) = round_to(data(i, j), dtype);
+      });
 }
 
 void round_copy(ConstMatrixView src, MatrixView dst, Dtype dtype) {

@@ -48,9 +48,9 @@ KOKKOS_INLINE_FUNCTION uint16_t float_to_fp16(float f) {
   const uint32_t sign = u & 0x80000000u;
   u ^= sign;
   uint32_t out;
-  if (u >= (127u + 16u) << 23) {                   // |f| >= 65536: inf, or NaN
+  if (u >= (127u + 16u) << 23) {  // |f| >= 65536: inf, or NaN
     out = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
-  } else if (u < 113u << 23) {                     // |f| < 2^-14: subnormal or zero
+  } else if (u < 113u << 23) {  // |f| < 2^-14: subnormal or zero
     const uint32_t magic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
     out = bits_of(float_of(u) + float_of(magic)) - magic;
   } else {

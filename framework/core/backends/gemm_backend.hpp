@@ -20,6 +20,7 @@ struct RowMajorGemm {
   float* c = nullptr;
   int ldc = 0;
   MatmulPrecision precision = MatmulPrecision::fp32;
+  Dtype inputs = Dtype::fp32;  // what A's and B's values hold (cuBLAS: 16-bit inputs)
 };
 
 // cblas_sgemm on host memory (gemm_cblas.cpp).
