@@ -15,12 +15,18 @@ meshtrain_add_test(NAME train_save_events_test SOURCES train/save_events_test.cp
                    LIBS meshtrain_run NP 1 2 TIMEOUT 90)
 # A training step (TrainingRun::step: batch, forward, loss, backward, clipping, optimizer)
 # allocates nothing on the heap: operator new is counted over steps 2..4 on dp, fsdp, tp
-# and fsdp x tp meshes.
+# and fsdp x tp meshes, in fp32 and in bf16 and fp16 (mixed precision, overlap off and on).
 meshtrain_add_test(NAME train_step_allocations_test SOURCES train/step_allocations_test.cpp
                    LIBS meshtrain_run NP 1 2 4 TIMEOUT 120)
 # Learning-rate schedules against hand-computed values.
 meshtrain_add_test(NAME train_lr_schedule_test SOURCES train/lr_schedule_test.cpp
                    LIBS meshtrain_framework TIMEOUT 30)
+
+# fp16 dynamic loss scaling (LossScaler): growth after 2000 clean steps, backoff on a
+# non-finite one, restore() refusing a bad scale, and unscale() dividing by the scale and
+# telling every rank about an inf or NaN on one rank.
+meshtrain_add_test(NAME train_loss_scaler_test SOURCES train/loss_scaler_test.cpp
+                   LIBS meshtrain_framework NP 1 2 TIMEOUT 30)
 
 # Gradient clipping with a NaN or infinite gradient (issue 9, bug 4).
 meshtrain_add_test(NAME train_clipper_test SOURCES train/clipper_test.cpp

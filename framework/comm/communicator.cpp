@@ -233,7 +233,8 @@ namespace {
 uint16_t* grown(HalfBits& buffer, std::size_t count) {
   if (buffer.extent(0) < count) {
     buffer = HalfBits();  // free the old one first
-    buffer = HalfBits(Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshtrain::comm_wire"), count);
+    buffer =
+        HalfBits(Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshtrain::comm_wire"), count);
   }
   return buffer.data();
 }
@@ -258,11 +259,33 @@ uint16_t* Communicator::wire_recv(std::size_t count) {
   return grown(wire_recv_, count);
 }
 
+// The free slot for an operation of `send_count` and `recv_count` 16-bit elements: the
+// smallest whose buffers already hold both (best fit); else the largest, grown; else a new
+// one. Not the last one freed: requests complete in an order that varies from step to step
+// (DP gradient buckets of several sizes are in flight together and complete as they are
+// polled), and a slot taken in that order would be grown again and again by whichever
+// larger operation came to it, allocating inside steady-state steps. By best fit, the same
+// operations as before find the slots they grew before.
 Request::WireSlot& Communicator::acquire_wire_slot(std::size_t send_count, std::size_t recv_count) {
   Request::WirePool& pool = *wire_pool_;
-  Request::WireSlot* slot = pool.free;
-  if (slot != nullptr) {
-    pool.free = slot->next_free;
+  const auto capacity = [](const Request::WireSlot* s) {
+    return s->send.extent(0) + s->recv.extent(0);
+  };
+  Request::WireSlot** best = nullptr;     // the link to the best fitting free slot
+  Request::WireSlot** largest = nullptr;  // the link to the largest free slot
+  for (Request::WireSlot** link = &pool.free; *link != nullptr; link = &(*link)->next_free) {
+    const Request::WireSlot* s = *link;
+    if (s->send.extent(0) >= send_count && s->recv.extent(0) >= recv_count &&
+        (best == nullptr || capacity(s) < capacity(*best))) {
+      best = link;
+    }
+    if (largest == nullptr || capacity(s) > capacity(*largest)) largest = link;
+  }
+  Request::WireSlot** chosen = best != nullptr ? best : largest;
+  Request::WireSlot* slot = nullptr;
+  if (chosen != nullptr) {
+    slot = *chosen;
+    *chosen = slot->next_free;  // unlinked from the free list
   } else {
     pool.slots.push_back(std::make_unique<Request::WireSlot>());
     slot = pool.slots.back().get();
@@ -364,9 +387,8 @@ Request Communicator::start_all_reduce(VectorView data, Dtype wire) {
   if (!is_16bit(wire)) return raw_start_all_reduce_sum(data.data(), count, wire, op);
   Request::WireSlot& slot = acquire_wire_slot(0, count);
   pack_16bit(data.data(), slot.recv.data(), count, wire);
-  return start_on_wire(slot, data.data(), count, wire, [&] {
-    return raw_start_all_reduce_sum(slot.recv.data(), count, wire, op);
-  });
+  return start_on_wire(slot, data.data(), count, wire,
+                       [&] { return raw_start_all_reduce_sum(slot.recv.data(), count, wire, op); });
 }
 
 // A 16-bit operation on `slot`'s buffers: `start` begins it on the backend; the Request

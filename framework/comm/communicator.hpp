@@ -175,8 +175,8 @@ class Communicator {
   // (fp32: float; bf16, fp16: uint16_t bits, summed as the backend's 16-bit sum), floats
   // otherwise. They return when the data is ready to read (a stream-based backend
   // synchronizes before returning).
-  virtual void raw_all_gather(const void* send, void* recv, std::size_t count_per_rank,
-                              Dtype dtype, const char* op) = 0;
+  virtual void raw_all_gather(const void* send, void* recv, std::size_t count_per_rank, Dtype dtype,
+                              const char* op) = 0;
   virtual void raw_reduce_scatter_sum(const void* send, void* recv, std::size_t count_per_rank,
                                       Dtype dtype, const char* op) = 0;
   virtual void raw_all_reduce_sum(void* data, std::size_t count, Dtype dtype, const char* op) = 0;
@@ -211,8 +211,8 @@ class Communicator {
   std::string description_;
   double timeout_seconds_ = 300.0;
   Kokkos::View<float*, Kokkos::LayoutRight> scratch_;  // dim-1 staging, grown on demand
-  HalfBits wire_send_, wire_recv_;                      // blocking 16-bit operations
-  std::shared_ptr<Request::WirePool> wire_pool_;  // shared with pending Requests
+  HalfBits wire_send_, wire_recv_;                     // blocking 16-bit operations
+  std::shared_ptr<Request::WirePool> wire_pool_;       // shared with pending Requests
 };
 
 }  // namespace meshtrain

@@ -90,7 +90,7 @@ def main():
     one_host = rt.Context(types.SimpleNamespace(
         meshtrain=args.meshtrain, configs=args.configs, work=args.work, h5dump=args.h5dump,
         h5ls="", mpiexec=mpiexec, optimizer="adamw", sync=False, meshtrain_with_faults="",
-        fault_rank=None, fault_action="abort"))
+        fault_rank=None, fault_action="abort", precision="fp32"))
     two_hosts = copy.copy(one_host)  # shares the list of failures
     two_hosts.mpiexec = [simhosts_mpirun] + mpiexec[1:]
     ctx = one_host

@@ -5,6 +5,8 @@
 // clipping, optimizer update) must be 0 on every rank, for the dp, fsdp, tp and fsdp x tp meshes
 // and every collective-matmul algorithm (ring and bidirectional ones move blocks with shifts). C++
 // allocations only: what MPI allocates with malloc inside its own calls is not counted.
+// Mixed precision too: bf16/bf16 and fp16/fp16 steps (16-bit communication staging, casts,
+// fp16 loss scaling with a skipped step in the window), with overlap off and on.
 // The count is over every thread, so the data reader thread (data.prefetch > 0, the default)
 // is counted too: the batches come from memory or are streamed from HDF5 files
 // (contiguous ones read with pread, gzip-chunked ones through HDF5), with prefetch 0 and 2.
@@ -19,6 +21,7 @@
 #include <Kokkos_Core.hpp>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -222,8 +225,10 @@ Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgo
                                  LossKind loss_kind, OptimizerKind optimizer_kind,
                                  int64_t accumulation_steps = 1, int64_t zero_stage = 0,
                                  bool overlap = false, double bucket_mb = 25.0,
-                                 const DataCase& data = {}) {
+                                 const DataCase& data = {}, MixedPrecision precision = {}) {
   RunConfig config;
+  config.mixed_precision.param_dtype = precision.param;
+  config.mixed_precision.reduce_dtype = precision.reduce;
   config.runtime.overlap = overlap;
   config.runtime.bucket_mb = bucket_mb;
   config.mesh.axes = mesh_case.axes;
@@ -250,10 +255,18 @@ Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgo
     rows.reset();
   }
   TrainingRun run(config, {}, std::move(rows));
+  // fp16: a scale of 2^8 overflows nothing here, 2^40 overflows the loss gradient, so step 3
+  // is skipped and steps 1, 2 and 4 are taken: both paths of the step run in the window.
+  LossScaler* scaler = run.loss_scaler();
+  if (scaler) scaler->restore(256.0, 0);
   run.step();  // step 1: workspaces and scratch buffers reach their size
   AllocationWindow window;
-  for (int s = 2; s <= 4; ++s) run.step();
+  for (int s = 2; s <= 4; ++s) {
+    if (scaler) scaler->restore(s == 3 ? std::ldexp(1.0, 40) : 256.0, 0);
+    run.step();
+  }
   const long heap = window.close();
+  if (scaler) EXPECT_EQ(run.skipped_steps(), 1) << "step 3 (only) must overflow";
   return {heap, window.kokkos_allocations()};
 }
 
@@ -321,6 +334,42 @@ TEST(TrainingStep, WithOverlapAllocatesNothing) {
                                      OptimizerKind::adamw, 1, 0, true, bucket_mb),
                 Allocations{})
           << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+    }
+  }
+}
+
+// Mixed precision (docs/mixed_precision.md): bf16/bf16 and fp16/fp16, without and with
+// overlap, allocate nothing either. The 16-bit staging of the communicators (the packed
+// elements sent and received, in every collective, started ones and shifts included) reached
+// its size in step 1 and is kept; the MPI sums run through their user operation; the casts
+// are kernels on the layers' own buffers. fp16 steps also unscale and check the gradients
+// (LossScaler's one-double all-reduce), and step 3 overflows and is skipped (above), so the
+// skipped path is counted as well as the taken one.
+TEST(TrainingStep, MixedPrecisionAllocatesNothing) {
+  const MixedPrecision policies[] = {{Dtype::bf16, Dtype::bf16}, {Dtype::fp16, Dtype::fp16}};
+  for (const MeshCase& c : mesh_cases()) {
+    for (const MixedPrecision& precision : policies) {
+      const std::string dtype = precision.param == Dtype::bf16 ? "bf16" : "fp16";
+      for (CollectiveMatmulAlgorithm algorithm :
+           {CollectiveMatmulAlgorithm::naive, CollectiveMatmulAlgorithm::bidirectional}) {
+        if (c.preset != "tp" && c.preset != "fsdp_tp" &&
+            algorithm != CollectiveMatmulAlgorithm::naive) {
+          continue;  // without a feature axis no collective matmul runs
+        }
+        SCOPED_TRACE(c.preset + ", " + dtype + ", " + to_string(algorithm));
+        EXPECT_EQ(allocations_in_steps(c, algorithm, LossKind::cross_entropy, OptimizerKind::adamw,
+                                       1, 0, false, 25.0, {}, precision),
+                  Allocations{})
+            << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+      }
+      for (double bucket_mb : {25.0, 1.0 / 1024}) {
+        if (c.preset != "dp" && bucket_mb != 25.0) continue;
+        SCOPED_TRACE(c.preset + ", " + dtype + ", overlap, bucket_mb " + std::to_string(bucket_mb));
+        EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::naive, LossKind::cross_entropy,
+                                       OptimizerKind::adamw, 1, 0, true, bucket_mb, {}, precision),
+                  Allocations{})
+            << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+      }
     }
   }
 }

@@ -2,16 +2,24 @@
 // sizes, synthetic data) trains on dp, fsdp, tp and fsdp x tp meshes with the losses and
 // the evaluation of a one-rank run of the same config (computed in the same test, each
 // rank on MPI_COMM_SELF); train() emits its events and saves; a run resumed from that
-// checkpoint continues exactly as an uninterrupted run.
+// checkpoint continues exactly as an uninterrupted run. Mixed precision: bf16/bf16,
+// fp16/fp16 and bf16/fp32 runs on every mesh stay within 16 unit roundoffs of their one-rank
+// run and learn; an fp16 overflow (the loss scale forced to 2^40) skips the step on every
+// rank alike, and the run skips as many steps and ends at the same scale as on one rank;
+// fp32/fp32 written out is the default run bit for bit.
 
 #include "run/training_run.hpp"
 
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "framework/comm/mpi_util.hpp"
@@ -255,6 +263,239 @@ TEST(TrainingRun, LogEventsCarryRateAndUtilization) {
   EXPECT_DOUBLE_EQ(run.flops_per_step(), 6.0 * 484 * 16);
   check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
   if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
+}
+
+// --- Mixed precision (docs/mixed_precision.md) on every mesh against its one-rank run. ---
+
+RunConfig with_precision(RunConfig config, Dtype param, Dtype reduce) {
+  config.mixed_precision.param_dtype = param;
+  config.mixed_precision.reduce_dtype = reduce;
+  return config;
+}
+
+// The 16-bit runs below are compared with their one-rank runs under SGD with momentum, whose
+// update is linear in the gradient: a rounding-level difference in a gradient stays a
+// rounding-level difference in the parameters. AdamW's first update is lr x sign(g) in every
+// element, so an element whose gradient is within rounding noise of 0 can step by lr either
+// way, and that 2 lr moves every later loss by 2 lr |dL/dw|: a difference set by the
+// learning rate and the data, not by the dtype (observed with AdamW: the fp16 tp np 2 run of
+// Fp16OverflowSkipsTheStepOnEveryRank left the one-rank run by 0.5%, ten fp16 roundings, in
+// the step after its first update; 0.03% under SGD).
+RunConfig with_sgd(RunConfig config) {
+  config.optimizer.kind = "sgd";
+  config.optimizer.lr = 0.05;  // momentum 0.9 (the default); the loss falls within 5 steps
+  return config;
+}
+
+std::vector<MeshCase> every_mesh(int n) {
+  std::vector<MeshCase> cases = dp_fsdp_tp(n);
+  if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
+  return cases;
+}
+
+// The largest |got - want| / (1 + |want|) over the steps (what expect_near_losses bounds).
+double max_relative_error(const std::vector<double>& got, const std::vector<double>& want) {
+  double worst = 0.0;
+  for (size_t s = 0; s < std::min(got.size(), want.size()); ++s) {
+    worst = std::max(worst, std::abs(got[s] - want[s]) / (1 + std::abs(want[s])));
+  }
+  return worst;
+}
+
+// This rank's blocks of every parameter, copied to the host.
+std::vector<std::vector<float>> copy_parameters(TrainingRun& run) {
+  std::vector<std::vector<float>> copies;
+  for (const ShardedTensor& p : run.model().parameters()) {
+    auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), p.local);
+    copies.emplace_back(host.data(), host.data() + host.extent(0));
+  }
+  return copies;
+}
+
+// Bit for bit (memcmp, so -0 vs 0 or a changed NaN payload counts as a change).
+bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].size() != b[i].size() ||
+        std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// min and max of `value` over MPI_COMM_WORLD.
+std::pair<double, double> world_range(double value) {
+  double low = 0.0, high = 0.0;
+  check_mpi(MPI_Allreduce(&value, &low, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD), "MPI_Allreduce");
+  check_mpi(MPI_Allreduce(&value, &high, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD), "MPI_Allreduce");
+  return {low, high};
+}
+
+// An fp16 run started at a loss scale of 2^40: the loss gradient S * dL/dz overflows fp16
+// (65504) at once, so step 1 is skipped (no parameter changes, the optimizer's count stays
+// 0, the scale halves to 2^39) and so are the next ones until the scale is small enough;
+// then the run trains. `skipped`, `scale` and `first_clean` describe the run after the
+// first clean step and kClean - 1 more.
+struct OverflowTrace {
+  std::vector<double> losses;
+  int64_t skipped = 0;
+  double scale = 0.0;
+  int first_clean = 0;  // 1-based step
+  // After step 1 (the forced overflow).
+  int64_t skipped_after_1 = 0;
+  double scale_after_1 = 0.0;
+};
+
+constexpr int kMaxSkipped = 40;  // 2^40 halved 40 times is 1: far below any overflow
+constexpr int kClean = 4;        // clean steps after the first one that is not skipped
+
+OverflowTrace run_from_overflow(const RunConfig& config, MPI_Comm comm) {
+  TrainingRun run(config, {}, std::nullopt, comm);
+  OverflowTrace trace;
+  LossScaler* scaler = run.loss_scaler();
+  EXPECT_NE(scaler, nullptr) << "fp16 without loss scaling";
+  if (scaler == nullptr) return trace;
+  scaler->restore(std::ldexp(1.0, 40), 0);
+
+  const std::vector<std::vector<float>> before = copy_parameters(run);
+  trace.losses.push_back(run.step().loss);
+  trace.skipped_after_1 = run.skipped_steps();
+  trace.scale_after_1 = scaler->scale();
+  EXPECT_EQ(run.skipped_steps(), 1);
+  EXPECT_EQ(run.steps_done(), 1);              // a skipped step is still a step
+  EXPECT_EQ(run.optimizer().step_count(), 0);  // ... but not an optimizer step
+  EXPECT_EQ(scaler->scale(), std::ldexp(1.0f, 39));
+  EXPECT_EQ(scaler->clean_steps(), 0);
+  EXPECT_TRUE(same_bits(copy_parameters(run), before)) << "a skipped step changed parameters";
+
+  // Step on until one is not skipped; it is the first to change the parameters.
+  while (run.skipped_steps() == static_cast<int64_t>(trace.losses.size()) &&
+         static_cast<int>(trace.losses.size()) <= kMaxSkipped) {
+    trace.losses.push_back(run.step().loss);
+  }
+  trace.first_clean = static_cast<int>(trace.losses.size());
+  EXPECT_EQ(run.skipped_steps(), trace.first_clean - 1) << "no step was taken";
+  EXPECT_FALSE(same_bits(copy_parameters(run), before)) << "a clean step changed nothing";
+  EXPECT_EQ(run.optimizer().step_count(), 1);
+  for (int s = 1; s < kClean; ++s) trace.losses.push_back(run.step().loss);
+  trace.skipped = run.skipped_steps();
+  trace.scale = scaler->scale();
+  EXPECT_EQ(scaler->clean_steps(), kClean);
+  return trace;
+}
+
+// Tolerances of the fp16 and bf16 runs against their one-rank runs, relative to
+// (1 + |loss|) as elsewhere here. u = 2^-11 (fp16) or 2^-8 (bf16) is the unit roundoff (of
+// the 16-bit dtype in the policy). The one-rank run rounds at the same cast points; a mesh
+// changes the sums over ranks (the gradients: each rank's partial rounded, then one rounding
+// per hop; TP's forward partial products: one per hop), and
+// tests/layers/mixed_precision_test.cpp bounds one step's loss by K u relative,
+// K = 3 x batch ranks + 3 x (tp - 1) + 2: at most 14 at np 4 (dp4, fsdp4 and tp4; 11 on
+// fsdp2 x tp2). The later steps start from parameters that differ by lr times the
+// (momentum-summed) gradient roundings, which moves their loss by a small fraction of u at
+// lr 0.05 and 5 steps. 16 u (fp16 0.78%, bf16 6.25%) holds the 14 u plus that drift.
+// Observed on this CPU build (printed by rank 0): at most 4.0e-4 (0.8 u) for fp16 and
+// 3.1e-3 (0.8 u) for bf16, on the losses and the evaluation.
+constexpr double kFp16Tolerance = 16.0 / 2048;  // 16 u, u = 2^-11
+constexpr double kBf16Tolerance = 16.0 / 256;   // 16 u, u = 2^-8
+
+// fp16 with the scale forced to 2^40 on every mesh: the overflow skips the step on every
+// rank alike (parameters bit for bit, skipped_steps() 1, scale 2^39, the same on every
+// rank), and the run then skips the same number of steps and ends with the same scale as
+// the one-rank run, with its losses within kFp16Tolerance.
+TEST(TrainingRun, Fp16OverflowSkipsTheStepOnEveryRank) {
+  const int n = world_size();
+  RunConfig base = small_config({{"dp", 1}}, "dp");
+  base.train.steps = kMaxSkipped + kClean + 1;
+  const OverflowTrace reference =
+      run_from_overflow(with_sgd(with_precision(base, Dtype::fp16, Dtype::fp16)), MPI_COMM_SELF);
+  ASSERT_GT(reference.first_clean, 1);
+  ASSERT_LE(reference.first_clean, kMaxSkipped);
+  for (const MeshCase& c : every_mesh(n)) {
+    SCOPED_TRACE(c.preset);
+    RunConfig config =
+        with_sgd(with_precision(small_config(c.axes, c.preset), Dtype::fp16, Dtype::fp16));
+    config.train.steps = base.train.steps;
+    const OverflowTrace trace = run_from_overflow(config, MPI_COMM_WORLD);
+    // Every rank skipped alike and holds the same scale, after step 1 and at the end.
+    const auto skipped_after_1 = world_range(static_cast<double>(trace.skipped_after_1));
+    const auto scale_after_1 = world_range(trace.scale_after_1);
+    EXPECT_EQ(skipped_after_1, std::make_pair(1.0, 1.0));
+    EXPECT_EQ(scale_after_1, std::make_pair(std::ldexp(1.0, 39), std::ldexp(1.0, 39)));
+    const auto skipped = world_range(static_cast<double>(trace.skipped));
+    const auto scale = world_range(trace.scale);
+    const auto first_clean = world_range(trace.first_clean);
+    EXPECT_EQ(skipped.first, skipped.second);
+    EXPECT_EQ(scale.first, scale.second);
+    EXPECT_EQ(first_clean.first, first_clean.second);
+    // ... and as the one-rank run.
+    EXPECT_EQ(trace.skipped, reference.skipped);
+    EXPECT_EQ(trace.scale, reference.scale);
+    EXPECT_EQ(trace.first_clean, reference.first_clean);
+    expect_near_losses(trace.losses, reference.losses, kFp16Tolerance);
+    if (world_rank() == 0) {
+      std::printf(
+          "[ observed ] fp16 overflow, %s np %d: %lld skipped, scale 2^%g, "
+          "max loss error %.2e (bound %.2e)\n",
+          c.preset.c_str(), n, static_cast<long long>(trace.skipped), std::log2(trace.scale),
+          max_relative_error(trace.losses, reference.losses), kFp16Tolerance);
+    }
+  }
+}
+
+// bf16/bf16, fp16/fp16 and bf16 params with fp32 reduction train on every mesh like the
+// one-rank run of the same policy (kBf16Tolerance or kFp16Tolerance, above) and learn.
+TEST(TrainingRun, MixedPrecisionMeshesTrainLikeOneRank) {
+  const int n = world_size();
+  struct Policy {
+    Dtype param, reduce;
+    double tolerance;
+    const char* name;
+  };
+  const Policy policies[] = {{Dtype::bf16, Dtype::bf16, kBf16Tolerance, "bf16/bf16"},
+                             {Dtype::fp16, Dtype::fp16, kFp16Tolerance, "fp16/fp16"},
+                             {Dtype::bf16, Dtype::fp32, kBf16Tolerance, "bf16/fp32"}};
+  for (const Policy& p : policies) {
+    SCOPED_TRACE(p.name);
+    const Trace reference =
+        run_steps(with_sgd(with_precision(small_config({{"dp", 1}}, "dp"), p.param, p.reduce)),
+                  MPI_COMM_SELF, 5);
+    EXPECT_LT(reference.losses.back(), reference.losses.front());
+    for (const MeshCase& c : every_mesh(n)) {
+      SCOPED_TRACE(c.preset);
+      const Trace trace =
+          run_steps(with_sgd(with_precision(small_config(c.axes, c.preset), p.param, p.reduce)),
+                    MPI_COMM_WORLD, 5);
+      expect_near_losses(trace.losses, reference.losses, p.tolerance);
+      EXPECT_LT(trace.losses.back(), trace.losses.front());  // it learns
+      EXPECT_NEAR(trace.eval.test_loss, reference.eval.test_loss,
+                  p.tolerance * (1 + std::abs(reference.eval.test_loss)));
+      if (world_rank() == 0) {
+        std::printf("[ observed ] %s, %s np %d: max loss error %.2e, eval %.2e (bound %.2e)\n",
+                    p.name, c.preset.c_str(), n, max_relative_error(trace.losses, reference.losses),
+                    std::abs(trace.eval.test_loss - reference.eval.test_loss) /
+                        (1 + std::abs(reference.eval.test_loss)),
+                    p.tolerance);
+      }
+    }
+  }
+}
+
+// [mixed_precision] fp32/fp32 written out is the default run, bit for bit, on every mesh
+// (and scales no loss).
+TEST(TrainingRun, Fp32PolicyIsBitIdentical) {
+  for (const MeshCase& c : every_mesh(world_size())) {
+    SCOPED_TRACE(c.preset);
+    const RunConfig plain = small_config(c.axes, c.preset);
+    const RunConfig fp32 = with_precision(plain, Dtype::fp32, Dtype::fp32);
+    const Trace want = run_steps(plain, MPI_COMM_WORLD, 4);
+    const Trace got = run_steps(fp32, MPI_COMM_WORLD, 4);
+    EXPECT_EQ(got.losses, want.losses);
+    EXPECT_EQ(got.eval.test_loss, want.eval.test_loss);
+    TrainingRun run(fp32, {}, std::nullopt, MPI_COMM_WORLD);
+    EXPECT_EQ(run.loss_scaler(), nullptr);
+  }
 }
 
 TEST(TrainingRun, BadInputIsAgreedAndNamesTheKey) {
