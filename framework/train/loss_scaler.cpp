@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "framework/core/kernel_label.hpp"
+#include "framework/core/kokkos_math.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {
@@ -34,7 +35,7 @@ bool LossScaler::unscale(std::vector<ShardedTensor>& grads) {
         KOKKOS_LAMBDA(const std::size_t k, double& bad) {
           const float v = data(k) * inverse;
           data(k) = v;
-          if (!Kokkos::Experimental::isfinite(v)) bad += 1.0;
+          if (!kmath::isfinite(v)) bad += 1.0;
         },
         found);
     non_finite += found;
