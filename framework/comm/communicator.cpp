@@ -297,6 +297,27 @@ Request::WireSlot& Communicator::acquire_wire_slot(std::size_t send_count, std::
   return *slot;
 }
 
+// A blocking 16-bit operation: `send_count` floats packed to `wire` elements, `move`
+// run on the communicator's 16-bit buffers (move(packed, arrived), one buffer when
+// `in_place`), then `recv_count` elements widened into `recv`. When `move` throws, the
+// buffers are retired (a late rank may still write into them) and new ones made next time.
+template <class Move>
+void Communicator::through_wire(const float* send, std::size_t send_count, float* recv,
+                                std::size_t recv_count, Dtype wire, bool in_place, Move&& move) {
+  uint16_t* arrived = wire_recv(in_place ? send_count : recv_count);
+  uint16_t* packed = in_place ? arrived : wire_send(send_count);
+  pack_16bit(send, packed, send_count, wire);
+  Kokkos::fence();
+  try {
+    move(packed, arrived);
+  } catch (...) {
+    retire_buffers(*wire_pool_, {&wire_send_, &wire_recv_});
+    throw;
+  }
+  unpack_16bit(arrived, recv, recv_count, wire);
+  Kokkos::fence();
+}
+
 // The flat gather of `count` floats per rank into `recv`, moving `wire` elements.
 void Communicator::gather_flat(const float* send, float* recv, std::size_t count, Dtype wire,
                                const char* op) {
@@ -305,18 +326,10 @@ void Communicator::gather_flat(const float* send, float* recv, std::size_t count
     return;
   }
   const std::size_t total = count * static_cast<std::size_t>(size_);
-  uint16_t* packed = wire_send(count);
-  uint16_t* arrived = wire_recv(total);
-  pack_16bit(send, packed, count, wire);
-  Kokkos::fence();
-  try {
-    raw_all_gather(packed, arrived, count, wire, op);
-  } catch (...) {
-    retire_buffers(*wire_pool_, {&wire_send_, &wire_recv_});
-    throw;
-  }
-  unpack_16bit(arrived, recv, total, wire);
-  Kokkos::fence();
+  through_wire(send, count, recv, total, wire, /*in_place=*/false,
+               [&](const uint16_t* packed, uint16_t* arrived) {
+                 raw_all_gather(packed, arrived, count, wire, op);
+               });
 }
 
 void Communicator::all_gather(ConstVectorView send, VectorView recv, Dtype wire) {
@@ -425,18 +438,10 @@ void Communicator::reduce_scatter_flat(const float* send, float* recv, std::size
     return;
   }
   const std::size_t total = count * static_cast<std::size_t>(size_);
-  uint16_t* packed = wire_send(total);
-  uint16_t* arrived = wire_recv(count);
-  pack_16bit(send, packed, total, wire);
-  Kokkos::fence();
-  try {
-    raw_reduce_scatter_sum(packed, arrived, count, wire, op);
-  } catch (...) {
-    retire_buffers(*wire_pool_, {&wire_send_, &wire_recv_});
-    throw;
-  }
-  unpack_16bit(arrived, recv, count, wire);
-  Kokkos::fence();
+  through_wire(send, total, recv, count, wire, /*in_place=*/false,
+               [&](const uint16_t* packed, uint16_t* arrived) {
+                 raw_reduce_scatter_sum(packed, arrived, count, wire, op);
+               });
 }
 
 void Communicator::reduce_scatter(ConstVectorView send, VectorView recv, Dtype wire) {
@@ -489,17 +494,8 @@ void Communicator::all_reduce(VectorView data, ReduceOp reduce, Dtype wire) {
   if (!is_16bit(wire)) {
     raw_all_reduce_sum(data.data(), count, Dtype::fp32, op);
   } else {
-    uint16_t* packed = wire_recv(count);
-    pack_16bit(data.data(), packed, count, wire);
-    Kokkos::fence();
-    try {
-      raw_all_reduce_sum(packed, count, wire, op);
-    } catch (...) {
-      retire_buffers(*wire_pool_, {&wire_recv_});
-      throw;
-    }
-    unpack_16bit(packed, data.data(), count, wire);
-    Kokkos::fence();
+    through_wire(data.data(), count, data.data(), count, wire, /*in_place=*/true,
+                 [&](uint16_t* packed, uint16_t*) { raw_all_reduce_sum(packed, count, wire, op); });
   }
   if (reduce == ReduceOp::mean && size_ > 1) {
     const float scale = 1.0f / static_cast<float>(size_);

@@ -202,6 +202,9 @@ class Communicator {
   template <class Start>
   Request start_on_wire(Request::WireSlot& slot, float* unpack_to, std::size_t count, Dtype wire,
                         Start&& start);
+  template <class Move>
+  void through_wire(const float* send, std::size_t send_count, float* recv, std::size_t recv_count,
+                    Dtype wire, bool in_place, Move&& move);
   void gather_flat(const float* send, float* recv, std::size_t count, Dtype wire, const char* op);
   void reduce_scatter_flat(const float* send, float* recv, std::size_t count, Dtype wire,
                            const char* op);

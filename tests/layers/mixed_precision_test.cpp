@@ -66,6 +66,7 @@
 #include "layers/mlp.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
+#include "tests/layers/full_tensor.hpp"
 #include "tests/test_backend.hpp"
 #include "tests/test_support.hpp"
 
@@ -75,7 +76,9 @@ namespace {
 constexpr int64_t kBatch = 16;
 constexpr uint64_t kSeed = 11;
 
-using Tensor = std::vector<double>;
+using testing::gather_full;
+using testing::Tensor;
+using testing::to_host;
 
 // ---- dtypes -----------------------------------------------------------------------------
 int significand_bits(Dtype d) {
@@ -144,11 +147,6 @@ Batch make_batch(const ModelCase& m) {
   for (int64_t i = 0; i < kBatch; ++i)
     b.labels.push_back(static_cast<int32_t>(counter_uniform(kSeed, name_stream("y"), i) * out));
   return b;
-}
-
-Tensor to_host(const ShardedTensor& t) {
-  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), t.local);
-  return Tensor(h.data(), h.data() + h.extent(0));
 }
 
 // The fp32 masters, as a single rank initializes them.
@@ -325,35 +323,6 @@ PartitionSpec fitted(PartitionSpec spec, const std::vector<int64_t>& shape, cons
     if (shape[d] % mesh.size_of(spec.entries[d].axes) != 0) spec.entries[d].axes.clear();
   }
   return spec;
-}
-
-// The full tensor from every rank's block (mlp_test's gather_full).
-Tensor gather_full(const ShardedTensor& t, const Mesh& mesh, int rank) {
-  int64_t total = 1;
-  for (auto d : t.global_shape) total *= d;
-  Tensor full(total, 0.0);
-  const auto named = t.spec.axes();
-  bool writer = true;
-  for (const auto& a : mesh.axes()) {
-    const bool in_spec = std::find(named.begin(), named.end(), a.name) != named.end();
-    if (!in_spec && mesh.coordinate(rank, a.name) != 0) writer = false;
-  }
-  if (writer) {
-    const Tensor local = to_host(t);
-    const bool matrix = t.global_shape.size() == 2;
-    const int64_t cols = matrix ? t.global_shape[1] : 1;
-    const int64_t lcols = matrix ? t.box.extent[1] : 1;
-    for (int64_t i = 0; i < static_cast<int64_t>(local.size()); ++i) {
-      if (matrix) {
-        full[(i / lcols + t.box.offset[0]) * cols + i % lcols + t.box.offset[1]] = local[i];
-      } else {
-        full[i + t.box.offset[0]] = local[i];
-      }
-    }
-  }
-  MPI_Allreduce(MPI_IN_PLACE, full.data(), static_cast<int>(total), MPI_DOUBLE, MPI_SUM,
-                MPI_COMM_WORLD);
-  return full;
 }
 
 // ---- one run -------------------------------------------------------------------------------

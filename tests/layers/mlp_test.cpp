@@ -28,6 +28,7 @@
 #include "layers/mlp.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
+#include "tests/layers/full_tensor.hpp"
 #include "tests/test_backend.hpp"
 #include "tests/test_support.hpp"
 
@@ -38,7 +39,9 @@ constexpr double kRelTol = 1e-4;
 constexpr int64_t kBatch = 32;
 constexpr uint64_t kSeed = 42;
 
-using Tensor = std::vector<double>;
+using testing::gather_full;
+using testing::Tensor;
+using testing::to_host;
 
 struct ModelCase {
   std::string name;
@@ -241,11 +244,6 @@ struct Reference {
   }
 };
 
-Tensor to_host(const ShardedTensor& t) {
-  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), t.local);
-  return Tensor(h.data(), h.data() + h.extent(0));
-}
-
 Reference make_reference(const ModelCase& m) {
   Reference r;
   r.m = m;
@@ -259,36 +257,6 @@ Reference make_reference(const ModelCase& m) {
     r.slot2.emplace_back(r.params.back().size(), 0.0);
   }
   return r;
-}
-
-// The full tensor from every rank's block: the replica with coordinate 0 on the axes the
-// spec does not name writes its block, the rest add zeros.
-Tensor gather_full(const ShardedTensor& t, const Mesh& mesh, int rank) {
-  int64_t total = 1;
-  for (auto d : t.global_shape) total *= d;
-  Tensor full(total, 0.0);
-  const auto named = t.spec.axes();
-  bool writer = true;
-  for (const auto& a : mesh.axes()) {
-    bool in_spec = false;
-    for (const auto& n : named) in_spec = in_spec || n == a.name;
-    if (!in_spec && mesh.coordinate(rank, a.name) != 0) writer = false;
-  }
-  if (writer) {
-    const Tensor local = to_host(t);
-    const int64_t cols = t.global_shape.size() == 2 ? t.global_shape[1] : 1;
-    const int64_t lcols = t.global_shape.size() == 2 ? t.box.extent[1] : 1;
-    for (int64_t i = 0; i < static_cast<int64_t>(local.size()); ++i) {
-      if (t.global_shape.size() == 2) {
-        full[(i / lcols + t.box.offset[0]) * cols + i % lcols + t.box.offset[1]] = local[i];
-      } else {
-        full[i + t.box.offset[0]] = local[i];
-      }
-    }
-  }
-  MPI_Allreduce(MPI_IN_PLACE, full.data(), static_cast<int>(total), MPI_DOUBLE, MPI_SUM,
-                MPI_COMM_WORLD);
-  return full;
 }
 
 void expect_close(const Tensor& got, const Tensor& ref, const std::string& what) {
