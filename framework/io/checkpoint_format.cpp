@@ -1,22 +1,8 @@
 #include "framework/io/checkpoint_format.hpp"
 
-#include <fcntl.h>
-#include <unistd.h>
-#include <zlib.h>
-#if MESHTRAIN_HAVE_ISAL
-#include <isa-l/crc.h>
-#endif
-
-#include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <filesystem>
-#include <limits>
-#include <map>
 #include <set>
 
-#include "framework/comm/failure_agreement.hpp"
-#include "framework/comm/mpi_util.hpp"
 #include "framework/core/version.hpp"
 #include "partition/error.hpp"
 #include "partition/planner.hpp"
@@ -25,19 +11,6 @@ namespace meshtrain::checkpoint_format {
 
 namespace fs = std::filesystem;
 using hdf5::Handle;
-
-// --- MPI ---------------------------------------------------------------------------------
-
-PrivateComm::PrivateComm(MPI_Comm comm) {
-  check_mpi(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup (checkpoint)");
-  check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
-  check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
-  check_mpi(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
-}
-
-PrivateComm::~PrivateComm() {
-  MPI_Comm_free(&comm_);
-}
 
 // --- tensors -----------------------------------------------------------------------------
 
@@ -131,98 +104,6 @@ void for_each_run(const ShardedTensor& t,
   }
 }
 
-// --- checksums -----------------------------------------------------------------------------
-
-uint32_t crc32_update(uint32_t crc, const void* data, size_t bytes) {
-  const auto* p = static_cast<const unsigned char*>(data);
-#if MESHTRAIN_HAVE_ISAL
-  return crc32_gzip_refl(crc, p, bytes);
-#else
-  // zlib takes a uInt length: feed it in pieces below 4 GiB.
-  while (bytes > 0) {
-    const uInt n = static_cast<uInt>(std::min<size_t>(bytes, size_t{1} << 30));
-    crc = static_cast<uint32_t>(::crc32(crc, p, n));
-    p += n;
-    bytes -= n;
-  }
-  return crc;
-#endif
-}
-
-void append_piece(std::vector<Piece>& pieces, const Piece& piece) {
-  if (!pieces.empty()) {
-    Piece& last = pieces.back();
-    if (last.dataset == piece.dataset && last.offset + last.length == piece.offset) {
-      last.crc = static_cast<uint32_t>(crc32_combine(last.crc, piece.crc, piece.length));
-      last.length += piece.length;
-      return;
-    }
-  }
-  pieces.push_back(piece);
-}
-
-std::vector<Piece> gather_pieces(const PrivateComm& comm, const std::vector<Piece>& mine) {
-  static_assert(sizeof(Piece) == 32, "Piece is sent as bytes");
-  const int bytes = static_cast<int>(mine.size() * sizeof(Piece));  // checked by the caller
-  std::vector<int> counts(comm.rank() == 0 ? static_cast<size_t>(comm.size()) : 0);
-  MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Igather(&bytes, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, comm.get(), &request),
-            "MPI_Igather (checkpoint checksums)");
-  wait_collective(&request, 1, "MPI_Igather (checkpoint checksums)");
-  std::vector<int> displs(counts.size(), 0);
-  int64_t total = 0;
-  for (size_t r = 0; r < counts.size(); ++r) {
-    displs[r] = static_cast<int>(total);
-    total += counts[r];
-  }
-  // Rank 0 receives at most INT_MAX bytes: a million pieces per rank is far beyond any model.
-  std::vector<Piece> all(static_cast<size_t>(total) / sizeof(Piece));
-  check_mpi(MPI_Igatherv(mine.data(), bytes, MPI_BYTE, all.data(), counts.data(), displs.data(),
-                         MPI_BYTE, 0, comm.get(), &request),
-            "MPI_Igatherv (checkpoint checksums)");
-  wait_collective(&request, 1, "MPI_Igatherv (checkpoint checksums)");
-  return all;
-}
-
-std::vector<uint32_t> combine_pieces(std::vector<Piece> pieces,
-                                     const std::vector<int64_t>& dataset_bytes,
-                                     const std::vector<DatasetEntry>& entries) {
-  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
-    return a.dataset != b.dataset ? a.dataset < b.dataset : a.offset < b.offset;
-  });
-  std::vector<uint32_t> crcs(dataset_bytes.size(), 0);
-  std::vector<int64_t> covered(dataset_bytes.size(), 0);
-  // Most pieces have one of a few lengths: build zlib's combine operator once per length.
-  std::map<int64_t, uLong> operators;
-  for (const Piece& p : pieces) {
-    MESHTRAIN_REQUIRE(p.dataset >= 0 && p.dataset < static_cast<int64_t>(crcs.size()),
-                      "checkpoint: a checksum names dataset ", p.dataset, " of ", crcs.size());
-    const size_t i = static_cast<size_t>(p.dataset);
-    MESHTRAIN_REQUIRE(p.offset == covered[i], "checkpoint: the blocks of ", entries[i].label,
-                      " do not tile it (a block starts at byte ", p.offset, ", expected ",
-                      covered[i], ")");
-    if (covered[i] == 0) {
-      crcs[i] = p.crc;
-    } else {
-#if ZLIB_VERNUM >= 0x12c0
-      auto op = operators.find(p.length);
-      if (op == operators.end())
-        op = operators.emplace(p.length, crc32_combine_gen(p.length)).first;
-      crcs[i] = static_cast<uint32_t>(crc32_combine_op(crcs[i], p.crc, op->second));
-#else
-      crcs[i] = static_cast<uint32_t>(crc32_combine(crcs[i], p.crc, p.length));
-#endif
-    }
-    covered[i] += p.length;
-  }
-  for (size_t i = 0; i < crcs.size(); ++i) {
-    MESHTRAIN_REQUIRE(covered[i] == dataset_bytes[i], "checkpoint: the blocks of ",
-                      entries[i].label, " cover ", covered[i], " of its ", dataset_bytes[i],
-                      " bytes");
-  }
-  return crcs;
-}
-
 // --- metadata ----------------------------------------------------------------------------
 
 void write_metadata(hid_t file, const CheckpointContents& c) {
@@ -300,7 +181,8 @@ CheckpointInfo read_metadata(hid_t file, const std::string& path) {
   }
   if (hdf5::has_attribute(group, "loss_scale", bad, gwhere)) {
     s.loss_scale = hdf5::read_double_attribute(group, "loss_scale", bad, gwhere);
-    s.loss_scale_clean_steps = hdf5::read_int_attribute(group, "loss_scale_clean_steps", bad, gwhere);
+    s.loss_scale_clean_steps =
+        hdf5::read_int_attribute(group, "loss_scale_clean_steps", bad, gwhere);
   }
   return info;
 }
@@ -366,34 +248,6 @@ Handle open_serial(const std::string& path, unsigned flags) {
     MESHTRAIN_BAD_INPUT("checkpoint '", path, "' does not exist or is not a file");
   return hdf5::make(H5Fopen(path.c_str(), flags, H5P_DEFAULT), H5Fclose, ErrorKind::bad_input,
                     "cannot open checkpoint '" + path + "' as an HDF5 file");
-}
-
-// --- files -------------------------------------------------------------------------------
-
-const std::regex& checkpoint_name_pattern() {
-  static const std::regex pattern(R"(ckpt-([0-9]+)\.h5)");
-  return pattern;
-}
-
-std::string os_error(int err) {
-  return std::strerror(err);
-}
-
-void fsync_path(const std::string& path, bool directory) {
-  const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
-  if (fd < 0) MESHTRAIN_FAIL("cannot open '", path, "' to sync it: ", os_error(errno));
-  if (::fsync(fd) != 0) {
-    const int err = errno;
-    ::close(fd);
-    MESHTRAIN_FAIL("fsync of '", path, "' failed: ", os_error(err));
-  }
-  if (::close(fd) != 0) MESHTRAIN_FAIL("closing '", path, "' failed: ", os_error(errno));
-}
-
-void rename_path(const std::string& from, const std::string& to) {
-  if (std::rename(from.c_str(), to.c_str()) != 0) {
-    MESHTRAIN_FAIL("cannot rename '", from, "' to '", to, "': ", os_error(errno));
-  }
 }
 
 }  // namespace meshtrain::checkpoint_format

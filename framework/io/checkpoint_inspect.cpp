@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "framework/io/checkpoint.hpp"
+#include "framework/io/checkpoint_checksums.hpp"
 #include "framework/io/checkpoint_format.hpp"
 #include "framework/io/hdf5_util.hpp"
 #include "partition/error.hpp"
