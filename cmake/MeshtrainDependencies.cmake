@@ -89,3 +89,23 @@ function(meshtrain_compile_on_host_only)
     set_source_files_properties(${ARGN} PROPERTIES COMPILE_OPTIONS --host-only)
   endif()
 endfunction()
+
+if(MESHTRAIN_KOKKOS_CUDA)
+  # --- The CUDA driver, loaded at run time ---------------------------------------------------
+  # Kokkos links CUDA::cuda_driver (libcuda.so.1, which only the NVIDIA driver installs) for
+  # three calls of its Cuda instance set-up. Linked, it stops the loader on a machine without
+  # the driver, where `meshtrain plan` and `inspect` must run. meshtrain_cuda_driver takes
+  # its place in Kokkos' link interface (so it follows libkokkoscore on the link line) and
+  # resolves those functions from the driver when first called
+  # (framework/core/backends/cuda_driver.cpp). cudart, cuBLAS and NCCL dlopen the driver.
+  add_library(meshtrain_cuda_driver STATIC
+              ${PROJECT_SOURCE_DIR}/framework/core/backends/cuda_driver.cpp)
+  target_link_libraries(meshtrain_cuda_driver PRIVATE CUDA::toolkit ${CMAKE_DL_LIBS})
+  if(TARGET Kokkos::CUDA)
+    get_target_property(_kokkos_cuda_links Kokkos::CUDA INTERFACE_LINK_LIBRARIES)
+    if(_kokkos_cuda_links)
+      list(TRANSFORM _kokkos_cuda_links REPLACE "^CUDA::cuda_driver$" meshtrain_cuda_driver)
+      set_target_properties(Kokkos::CUDA PROPERTIES INTERFACE_LINK_LIBRARIES "${_kokkos_cuda_links}")
+    endif()
+  endif()
+endif()

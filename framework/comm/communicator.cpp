@@ -72,7 +72,7 @@ void retire_slot(Request::WireSlot*& wire) noexcept {
 void Request::complete_wire() {
   if (wire_ == nullptr) return;
   unpack_16bit(wire_->recv.data(), wire_->unpack_to, wire_->count, wire_->dtype);
-  Kokkos::fence();
+  Kokkos::DefaultExecutionSpace().fence();
   drop_wire();
 }
 
@@ -307,7 +307,7 @@ void Communicator::through_wire(const float* send, std::size_t send_count, float
   uint16_t* arrived = wire_recv(in_place ? send_count : recv_count);
   uint16_t* packed = in_place ? arrived : wire_send(send_count);
   pack_16bit(send, packed, send_count, wire);
-  Kokkos::fence();
+  Kokkos::DefaultExecutionSpace().fence();
   try {
     move(packed, arrived);
   } catch (...) {
@@ -315,7 +315,7 @@ void Communicator::through_wire(const float* send, std::size_t send_count, float
     throw;
   }
   unpack_16bit(arrived, recv, recv_count, wire);
-  Kokkos::fence();
+  Kokkos::DefaultExecutionSpace().fence();
 }
 
 // The flat gather of `count` floats per rank into `recv`, moving `wire` elements.
@@ -378,7 +378,7 @@ void place_gathered_columns(ConstVectorView blocks, MatrixView recv, int n) {
       KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
         recv(row, j * c + cc) = blocks((j * r + row) * c + cc);
       });
-  Kokkos::fence();
+  Kokkos::DefaultExecutionSpace().fence();
 }
 
 Request Communicator::start_all_gather(ConstVectorView send, VectorView recv, Dtype wire) {
@@ -417,7 +417,7 @@ Request Communicator::start_on_wire(Request::WireSlot& slot, float* unpack_to, s
   slot.dtype = wire;
   Request request;
   request.wire_ = &slot;
-  Kokkos::fence();  // the packed send data is in place
+  Kokkos::DefaultExecutionSpace().fence();  // the packed send data is in place
   try {
     Request started = start();
     request.impl_ = started.impl_;
@@ -484,7 +484,7 @@ void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim
       KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
         stage((j * rows + row) * cols + cc) = send(row, j * cols + cc);
       });
-  Kokkos::fence();
+  Kokkos::DefaultExecutionSpace().fence();
   reduce_scatter_flat(staging, recv.data(), r * c, wire, op);
 }
 
@@ -502,7 +502,7 @@ void Communicator::all_reduce(VectorView data, ReduceOp reduce, Dtype wire) {
     Kokkos::parallel_for(
         MESHTRAIN_LABEL("meshtrain::all_reduce_mean_scale"), data.extent(0),
         KOKKOS_LAMBDA(const std::size_t k) { data(k) *= scale; });
-    Kokkos::fence();
+    Kokkos::DefaultExecutionSpace().fence();
   }
 }
 
@@ -513,7 +513,7 @@ void Communicator::all_reduce(DoubleVectorView data, ReduceOp reduce) {
     Kokkos::parallel_for(
         MESHTRAIN_LABEL("meshtrain::all_reduce_mean_scale_f64"), data.extent(0),
         KOKKOS_LAMBDA(const std::size_t k) { data(k) *= scale; });
-    Kokkos::fence();
+    Kokkos::DefaultExecutionSpace().fence();
   }
 }
 

@@ -3,6 +3,11 @@
 #include <mpi.h>
 
 #include <Kokkos_Core.hpp>
+#include <string>
+#if defined(KOKKOS_ENABLE_CUDA)
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#endif
 
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/comm/mpi_util.hpp"
@@ -16,6 +21,32 @@ const char* thread_level_name(int level) {
   if (level == MPI_THREAD_SERIALIZED) return "MPI_THREAD_SERIALIZED";
   if (level == MPI_THREAD_MULTIPLE) return "MPI_THREAD_MULTIPLE";
   return "an unknown thread level";
+}
+
+// A CUDA Kokkos needs a usable GPU: without one (a login node without the NVIDIA driver)
+// Kokkos::initialize would fail with its own message; this says it in one sentence.
+void require_cuda_device() {
+#if defined(KOKKOS_ENABLE_CUDA)
+  int count = 0;
+  const cudaError_t code = cudaGetDeviceCount(&count);
+  if (code == cudaSuccess && count > 0) return;
+  cudaGetLastError();
+  std::string why = "cudaGetDeviceCount found no device";
+  if (code != cudaSuccess) {
+    why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(code) + " (" +
+          cudaGetErrorName(code) + ")";
+    // cudart says "driver version is insufficient" also when there is no driver at all.
+    void* driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+    if (driver == nullptr) {
+      why = "no NVIDIA driver is installed (libcuda.so.1 cannot be loaded)";
+    } else {
+      dlclose(driver);
+    }
+  }
+  MESHTRAIN_FAIL("this meshtrain was built for CUDA and needs an NVIDIA GPU, but none can be "
+                 "used here: ",
+                 why, "; plan and inspect need no GPU");
+#endif
 }
 }  // namespace
 
@@ -46,6 +77,12 @@ Runtime::Runtime(int& argc, char**& argv) {
   check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world_size_), "MPI_Comm_size");
   if (!Kokkos::is_initialized()) {
+    try {
+      require_cuda_device();
+    } catch (...) {
+      if (owns_mpi_) MPI_Finalize();
+      throw;
+    }
     Kokkos::initialize(argc, argv);
     owns_kokkos_ = true;
   }

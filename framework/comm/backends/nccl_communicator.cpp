@@ -1,5 +1,37 @@
 // The NCCL backend: set-up from an MPI group, operations on the communicator's stream,
 // completion polled against the deadline, abort on timeout or asynchronous error.
+//
+// Ordering rules. "Kokkos' stream" is the stream of Kokkos' default CUDA instance, where
+// meshtrain's kernels and cuBLAS run. No operation fences the device: a device-wide
+// synchronize would also wait for the operations other communicators have started
+// (serializing the FSDP prefetch and the DP buckets with everything else) and could hang,
+// outside the deadline, on an operation whose peer is gone.
+//  1. Inputs and buffer reuse: begin() records the state's event `kokkos_ready` on Kokkos'
+//     stream and makes the communicator's stream wait for it (cudaStreamWaitEvent; the host
+//     does not wait). Every NCCL call, copy and event record of the operation is queued
+//     after that, so it runs after every kernel queued before the operation began: those
+//     that wrote its send buffers, and those still reading a buffer it overwrites (the
+//     prefetch landing buffer that held the last layer's weight, a ring step's old block).
+//  2. Blocking operations return after the host has seen the communicator's stream idle
+//     (wait_for polls cudaStreamQuery and NCCL's errors under the deadline): the results
+//     are complete, and kernels queued afterwards may read them and reuse the buffers.
+//  3. Started operations (Request): an event recorded on the communicator's stream after
+//     the operation is polled by test() and waited for under the deadline by wait(); once
+//     it has completed, both make Kokkos' stream wait for it before they report completion,
+//     so kernels that read the received data or overwrite the buffers are queued after the
+//     transfer (the host's observation orders them too; the stream wait keeps the rule
+//     local). Until then the caller must not touch the operation's buffers.
+//  4. Events are made once: `kokkos_ready` with the communicator, the Requests' events in
+//     the state's pool when it grows (reused after). The steady state makes no CUDA object.
+//  5. Other streams: the communicator's stream is a blocking stream, so work queued on the
+//     legacy default stream before an operation runs before it; work on other non-blocking
+//     streams (e.g. the caller's, for the *_device functions) is the caller's to order.
+//  6. No CUDA Kokkos (host kernels), or Kokkos on another device than the communicator
+//     (only possible through the *_device functions; an event cannot be recorded across
+//     devices): begin() fences Kokkos' default instance, never the whole device.
+//  7. Operations of different communicators may now be in flight together on one device
+//     (that is the overlap). NCCL requires them to be issued in the same order on every
+//     rank, which the SPMD training step does.
 
 #include "framework/comm/backends/nccl_communicator.hpp"
 
@@ -13,6 +45,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <Kokkos_Core.hpp>
 
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/comm/mesh_communicators.hpp"
@@ -90,6 +124,22 @@ bool overlaps(const float* a, std::size_t na, const float* b, std::size_t nb) {
   return a < b + nb && b < a + na;
 }
 
+// Kokkos' stream (its default instance's, where meshtrain's kernels and cuBLAS run) when
+// Kokkos is initialized, runs on CUDA by default and on `device`; false otherwise.
+bool kokkos_stream_on(int device, cudaStream_t* stream) {
+#if defined(KOKKOS_ENABLE_DEFAULT_DEVICE_TYPE_CUDA)
+  if (!Kokkos::is_initialized()) return false;
+  const Kokkos::DefaultExecutionSpace kokkos;
+  if (kokkos.cuda_device() != device) return false;
+  *stream = kokkos.cuda_stream();
+  return true;
+#else
+  (void)device;
+  (void)stream;
+  return false;
+#endif
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------ State
@@ -105,6 +155,9 @@ struct NcclCommunicator::State {
   cudaStream_t stream = nullptr;
   int device = -1;
   float* barrier_word = nullptr;  // one device float all-reduced by barrier()
+  // Recorded on Kokkos' stream at the start of every operation, then waited for by
+  // `stream` (ordering rule 1 at the top of this file). Made once, at set-up.
+  cudaEvent_t kokkos_ready = nullptr;
   std::string description;
   std::string broken;  // non-empty after an abort: why the communicator is unusable
   double destroy_timeout = 300.0;
@@ -147,6 +200,7 @@ struct NcclCommunicator::State {
       comm = nullptr;
     }
     for (cudaEvent_t event : free_events) cudaEventDestroy(event);
+    if (kokkos_ready != nullptr) cudaEventDestroy(kokkos_ready);
     if (barrier_word != nullptr) cudaFree(barrier_word);
     if (stream != nullptr) cudaStreamDestroy(stream);
     cudaGetLastError();
@@ -247,6 +301,30 @@ struct NcclCommunicator::State {
   }
 
   void release_event(cudaEvent_t event) { free_events.push_back(event); }
+
+  // Ordering rule 1 (top of this file): what is queued on `stream` next starts after the
+  // work queued on Kokkos' stream so far. No host wait. The device must be current.
+  void order_after_kokkos(const char* op) {
+    cudaStream_t kokkos = nullptr;
+    if (!kokkos_stream_on(device, &kokkos)) {
+      // Rules 5 and 6: host kernels, or Kokkos on another device (its instance only).
+      if (Kokkos::is_initialized()) Kokkos::DefaultExecutionSpace().fence();
+      return;
+    }
+    check_cuda(cudaEventRecord(kokkos_ready, kokkos), op, description,
+               "cudaEventRecord on Kokkos' stream");
+    check_cuda(cudaStreamWaitEvent(stream, kokkos_ready, 0), op, description,
+               "cudaStreamWaitEvent of the NCCL stream");
+  }
+
+  // Ordering rule 3: what is queued on Kokkos' stream next starts after `event` (recorded
+  // on `stream` after a started operation). The device must be current.
+  void order_kokkos_after(cudaEvent_t event, const char* op) {
+    cudaStream_t kokkos = nullptr;
+    if (!kokkos_stream_on(device, &kokkos)) return;  // the host has seen `event` complete
+    check_cuda(cudaStreamWaitEvent(kokkos, event, 0), op, description,
+               "cudaStreamWaitEvent of Kokkos' stream");
+  }
 };
 
 using State = NcclCommunicator::State;
@@ -284,6 +362,7 @@ class NcclRequestSlot final : public Request::Impl {
       owner_.fail_abort(std::string(op_) + " on " + owner_.description +
                         ": the CUDA stream failed: " + cuda_text(code));
     }
+    owner_.order_kokkos_after(event_, op_);  // before the caller touches the buffers
     done_ = true;
     return true;
   }
@@ -293,6 +372,7 @@ class NcclRequestSlot final : public Request::Impl {
     owner_.require_usable(op_);
     check_cuda(cudaSetDevice(owner_.device), op_, owner_.description, "cudaSetDevice");
     owner_.wait_for(event_, op_, deadline_after(timeout_), timeout_);
+    owner_.order_kokkos_after(event_, op_);  // before the caller touches the buffers
     done_ = true;
   }
 
@@ -529,6 +609,8 @@ NcclCommunicator NcclCommunicator::create(MPI_Comm group, std::string descriptio
 
   check_cuda(cudaStreamCreateWithFlags(&state->stream, cudaStreamDefault),
              "cudaStreamCreateWithFlags for " + description);
+  check_cuda(cudaEventCreateWithFlags(&state->kokkos_ready, cudaEventDisableTiming),
+             "cudaEventCreateWithFlags for " + description);
   check_cuda(cudaMalloc(reinterpret_cast<void**>(&state->barrier_word), sizeof(float)),
              "cudaMalloc of the barrier word for " + description);
   check_cuda(cudaMemset(state->barrier_word, 0, sizeof(float)),
@@ -562,13 +644,14 @@ cudaStream_t NcclCommunicator::stream() const {
 
 namespace {
 
-// Before enqueuing: the communicator is usable, Kokkos' kernels that wrote the send
-// buffers have finished, and the communicator's device is current.
+// Before enqueuing: the communicator is usable, its device is current, and what is queued
+// on its stream next starts after the kernels queued on Kokkos' stream so far (ordering
+// rule 1 at the top of this file; no fence).
 State& begin(const std::shared_ptr<State>& state, const char* op) {
   MESHTRAIN_REQUIRE(state != nullptr, op, " on a moved-from NCCL communicator");
   state->require_usable(op);
-  if (Kokkos::is_initialized()) Kokkos::fence();
   check_cuda(cudaSetDevice(state->device), op, state->description, "cudaSetDevice");
+  state->order_after_kokkos(op);
   return *state;
 }
 

@@ -20,8 +20,11 @@
 // behind the caller's back. Code that owns CUDA buffers calls the *_device functions
 // below with device pointers; they work with any Kokkos.
 //
-// Ordering: an operation starts after Kokkos::fence() and, since the stream is a blocking
-// CUDA stream, after work already queued on the legacy default stream. Work on other
+// Ordering (the rules are at the top of nccl_communicator.cpp): an operation starts after
+// the kernels already queued on Kokkos' stream (a CUDA event, no fence: operations other
+// communicators have started keep running) and, since the stream is a blocking CUDA
+// stream, after work already queued on the legacy default stream. A Request's completion
+// (wait() or a true test()) also orders Kokkos' stream after the transfer. Work on other
 // non-blocking streams that writes a send buffer must be synchronized by the caller.
 
 #include <cuda_runtime_api.h>
