@@ -4,6 +4,7 @@
 
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
+#include "framework/core/precision.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {
@@ -20,7 +21,7 @@ Range2 range_of(const MatrixView& m) {
 
 }  // namespace
 
-void activation_forward(Activation activation, MatrixView z, MatrixView out) {
+void activation_forward(Activation activation, MatrixView z, MatrixView out, Dtype dtype) {
   MESHTRAIN_REQUIRE(z.extent(0) == out.extent(0) && z.extent(1) == out.extent(1),
                     "activation_forward: shapes differ");
   switch (activation) {
@@ -28,13 +29,15 @@ void activation_forward(Activation activation, MatrixView z, MatrixView out) {
       Kokkos::parallel_for(
           MESHTRAIN_LABEL("meshtrain::relu_forward"), range_of(z),
           KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-            out(i, j) = z(i, j) > 0.0f ? z(i, j) : 0.0f;
+            out(i, j) = round_to(z(i, j) > 0.0f ? z(i, j) : 0.0f, dtype);
           });
       return;
     case Activation::tanh:
       Kokkos::parallel_for(
           MESHTRAIN_LABEL("meshtrain::tanh_forward"), range_of(z),
-          KOKKOS_LAMBDA(const int64_t i, const int64_t j) { out(i, j) = kmath::tanh(z(i, j)); });
+          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+            out(i, j) = round_to(kmath::tanh(z(i, j)), dtype);
+          });
       return;
     case Activation::gelu:
       Kokkos::parallel_for(
@@ -42,16 +45,20 @@ void activation_forward(Activation activation, MatrixView z, MatrixView out) {
           KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
             const float x = z(i, j);
             const float inner = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
-            out(i, j) = 0.5f * x * (1.0f + kmath::tanh(inner));
+            out(i, j) = round_to(0.5f * x * (1.0f + kmath::tanh(inner)), dtype);
           });
       return;
     case Activation::none:
-      if (out.data() != z.data()) Kokkos::deep_copy(out, z);
+      if (out.data() == z.data()) {
+        round_in_place(out, dtype);
+      } else {
+        round_copy(z, out, dtype);
+      }
       return;
   }
 }
 
-void activation_backward(Activation activation, MatrixView z, MatrixView grad) {
+void activation_backward(Activation activation, MatrixView z, MatrixView grad, Dtype dtype) {
   MESHTRAIN_REQUIRE(z.extent(0) == grad.extent(0) && z.extent(1) == grad.extent(1),
                     "activation_backward: shapes differ");
   switch (activation) {
@@ -59,7 +66,7 @@ void activation_backward(Activation activation, MatrixView z, MatrixView grad) {
       Kokkos::parallel_for(
           MESHTRAIN_LABEL("meshtrain::relu_backward"), range_of(z),
           KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-            if (!(z(i, j) > 0.0f)) grad(i, j) = 0.0f;
+            grad(i, j) = z(i, j) > 0.0f ? round_to(grad(i, j), dtype) : 0.0f;
           });
       return;
     case Activation::tanh:
@@ -67,7 +74,7 @@ void activation_backward(Activation activation, MatrixView z, MatrixView grad) {
           MESHTRAIN_LABEL("meshtrain::tanh_backward"), range_of(z),
           KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
             const float t = kmath::tanh(z(i, j));
-            grad(i, j) *= 1.0f - t * t;
+            grad(i, j) = round_to(grad(i, j) * (1.0f - t * t), dtype);
           });
       return;
     case Activation::gelu:
@@ -78,10 +85,12 @@ void activation_backward(Activation activation, MatrixView z, MatrixView grad) {
             const float inner = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
             const float t = kmath::tanh(inner);
             const float d_inner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
-            grad(i, j) *= 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * d_inner;
+            grad(i, j) = round_to(
+                grad(i, j) * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * d_inner), dtype);
           });
       return;
     case Activation::none:
+      round_in_place(grad, dtype);
       return;
   }
 }

@@ -14,9 +14,12 @@
 
 namespace meshtrain {
 
-// out = f(z); out may be z itself.
-void activation_forward(Activation activation, MatrixView z, MatrixView out);
-// grad = grad * f'(z), in place; `z` is the forward input.
-void activation_backward(Activation activation, MatrixView z, MatrixView grad);
+// out = f(z) rounded to `dtype` (mixed precision's compute dtype; fp32: not rounded); out
+// may be z itself.
+void activation_forward(Activation activation, MatrixView z, MatrixView out,
+                        Dtype dtype = Dtype::fp32);
+// grad = grad * f'(z) rounded to `dtype`, in place; `z` is the forward input.
+void activation_backward(Activation activation, MatrixView z, MatrixView grad,
+                         Dtype dtype = Dtype::fp32);
 
 }  // namespace meshtrain

@@ -81,8 +81,7 @@ MatrixView Mlp::forward(MatrixView x) {
     z = layers_[i].forward(params_[2 * i], params_[2 * i + 1], input, scratch_,
                            prefetch_target(i + 1));
     if (i + 1 < layers_.size()) {
-      activation_forward(activation_, z, activated_[i]);
-      round_in_place(MatrixView(activated_[i]), compute_dtype_);
+      activation_forward(activation_, z, activated_[i], compute_dtype_);
       input = activated_[i];
     }
   }
@@ -118,8 +117,7 @@ void Mlp::backward(MatrixView output_grad, bool reduce, float loss_scale) {
                        reduce, k > 0 ? prefetch_target(k - 1) : WeightPrefetch{}, {buckets, k});
     if (k > 0) {
       // dx is owned by layer k; the pre-activation of layer k-1 is its output buffer.
-      activation_backward(activation_, layers_[k - 1].output(), dx);
-      round_in_place(dx, compute_dtype_);
+      activation_backward(activation_, layers_[k - 1].output(), dx, compute_dtype_);
       grad = dx;
     }
   }

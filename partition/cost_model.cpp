@@ -261,15 +261,12 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       collective(lp.name, c);
     }
     forward_start[i] = cost.items.size();
-    // Mixed precision's extra passes (read and write fp32): the input cast, the cast of a
-    // weight that is not gathered, the activation rounding (the output's is in the bias add).
+    // Mixed precision's extra passes (read and write fp32): the input cast and the cast of a
+    // weight that is not gathered (the output and the activation round in their own passes).
     const bool cast = param_dtype != Dtype::fp32;
-    const bool gathered = !l.weight_gather_dim0.empty() || !l.weight_gather_dim1.empty();
     if (cast && i == 0) memory(lp.name, "forward", "input cast", 2 * kFloat * r * l.in);
-    if (cast && !gathered)
+    if (cast && !l.gathers_weight()) {
       memory(lp.name, "forward", "weight cast", 2 * kFloat * l.in_compute * l.out);
-    if (cast && i + 1 < count) {
-      memory(lp.name, "forward", "activation rounding", 2 * kFloat * r * l.out_local);
     }
     if (l.slices_input()) memory(lp.name, "forward", "input slice", 2 * kFloat * r * l.in_compute);
     if (l.split_output) {
@@ -304,11 +301,12 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     }
     backward_start[j] = cost.items.size();
     if (param_dtype != Dtype::fp32) {
-      const bool gathered = !l.weight_gather_dim0.empty() || !l.weight_gather_dim1.empty();
-      if (!gathered) memory(lp.name, "backward", "weight cast", 2 * kFloat * l.in_compute * l.out);
+      if (!l.gathers_weight()) {
+        memory(lp.name, "backward", "weight cast", 2 * kFloat * l.in_compute * l.out);
+      }
       memory(lp.name, "backward", "weight gradient rounding", 2 * kFloat * l.in_compute * l.out);
       if (j > 0) {
-        memory(lp.name, "backward", "input gradient rounding", 4 * kFloat * r * l.in_compute);
+        memory(lp.name, "backward", "input gradient rounding", 2 * kFloat * r * l.in_compute);
       }
     }
     const auto shapes = layer_matmul_shapes(l, r, param_dtype);

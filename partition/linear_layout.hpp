@@ -26,8 +26,8 @@
 #include <string>
 #include <vector>
 
-#include "partition/logical_axes.hpp"
 #include "partition/dtype.hpp"
+#include "partition/logical_axes.hpp"
 #include "partition/mesh.hpp"
 #include "partition/partition_spec.hpp"
 
@@ -89,13 +89,15 @@ struct LinearLayout {
   // gradient back); a replicated layer fed a split input all-gathers it first.
   bool slices_input() const { return tensor_parallel && input_layout == FeatureLayout::replicated; }
   bool gathers_input() const { return !tensor_parallel && input_layout == FeatureLayout::split; }
+  // The weight is stored split and gathered for compute (FSDP storage).
+  bool gathers_weight() const { return !weight_gather_dim0.empty() || !weight_gather_dim1.empty(); }
   // DP storage: nothing gathered or replicated besides the batch, the bias reduced over the
   // weight's axes and stored whole. Such a layer can leave its gradients as this rank's
   // partial sums and all-reduce them later (Linear::backward with reduce = false): what
   // gradient accumulation and ZeRO-1 defer, and the cost model charges once per step.
   bool defers_reduction() const {
-    return !weight_allreduce.empty() && weight_gather_dim0.empty() && weight_gather_dim1.empty() &&
-           nonbatch_replication == 1 && bias_reduce == weight_allreduce && bias_stored == out;
+    return !weight_allreduce.empty() && !gathers_weight() && nonbatch_replication == 1 &&
+           bias_reduce == weight_allreduce && bias_stored == out;
   }
   int64_t input_width() const { return input_layout == FeatureLayout::split ? in / tp : in; }
   FeatureLayout output_layout() const {
