@@ -4,6 +4,7 @@
 #include "framework/comm/communicator.hpp"
 
 #include <climits>
+#include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
 #include <string>
@@ -209,6 +210,7 @@ Communicator::Communicator(int size, int rank, std::string description)
       wire_pool_(std::make_shared<Request::WirePool>()) {
   MESHTRAIN_REQUIRE(size >= 1 && rank >= 0 && rank < size, "communicator ", description_,
                     " has an invalid rank ", rank, " of ", size);
+  v_layout_.resize(4 * static_cast<std::size_t>(size));
 }
 
 void Communicator::set_timeout_seconds(double seconds) {
@@ -250,6 +252,11 @@ void retire_buffers(Request::WirePool& pool, std::initializer_list<HalfBits*> bu
   }
 }
 }  // namespace
+
+void Communicator::reserve_wire(std::size_t send_elements, std::size_t recv_elements) {
+  grown(wire_send_, send_elements);
+  grown(wire_recv_, recv_elements);
+}
 
 uint16_t* Communicator::wire_send(std::size_t count) {
   return grown(wire_send_, count);
@@ -576,6 +583,85 @@ void Communicator::all_to_all(ConstMatrixView send, MatrixView recv) {
   require_contiguous(recv, description_, op, "receive");
   require_disjoint(send.data(), send.span(), recv.data(), recv.span(), description_, op);
   raw_all_to_all(send.data(), recv.data(), send.span() / n, op);
+}
+
+namespace {
+
+// all_to_all_v's row counts `rows` (`which`: "send_rows" or "recv_rows") of a matrix with
+// `available` rows of `cols` floats, as element counts and packed element offsets (one per
+// rank); returns the packed rows. Throws bad_input for a wrong number of entries, a negative
+// count, or counts that add up to more rows than the matrix has.
+std::size_t layout_rows(const std::vector<int64_t>& rows, int size, std::size_t available,
+                        std::size_t cols, std::size_t* counts, std::size_t* offsets,
+                        const std::string& group, const char* op, const char* which,
+                        const char* matrix) {
+  if (rows.size() != static_cast<std::size_t>(size)) {
+    MESHTRAIN_BAD_INPUT(op, " on ", group, ": ", which, " has ", rows.size(),
+                        " entries; it needs one per rank of the group (", size, ")");
+  }
+  uint64_t total = 0;  // saturates instead of wrapping (only for the message)
+  for (int j = 0; j < size; ++j) {
+    const int64_t r = rows[static_cast<std::size_t>(j)];
+    if (r < 0) {
+      MESHTRAIN_BAD_INPUT(op, " on ", group, ": ", which, "[", j, "] is ", r,
+                          "; row counts must not be negative");
+    }
+    const uint64_t u = static_cast<uint64_t>(r);
+    total = u > UINT64_MAX - total ? UINT64_MAX : total + u;
+  }
+  if (total > static_cast<uint64_t>(available)) {
+    MESHTRAIN_BAD_INPUT(op, " on ", group, ": ", which, " add up to ", total,
+                        " rows, more than the ", available, " rows of the ", matrix, " matrix");
+  }
+  // Every count is at most `available` rows now, so no product below overflows.
+  std::size_t at = 0;
+  for (int j = 0; j < size; ++j) {
+    const std::size_t r = static_cast<std::size_t>(rows[static_cast<std::size_t>(j)]);
+    counts[j] = r * cols;
+    offsets[j] = at * cols;
+    at += r;
+  }
+  return at;
+}
+
+}  // namespace
+
+void Communicator::all_to_all_v(ConstMatrixView send, const std::vector<int64_t>& send_rows,
+                                MatrixView recv, const std::vector<int64_t>& recv_rows,
+                                Dtype wire) {
+  const char* op = "all_to_all_v";
+  const std::size_t n = static_cast<std::size_t>(size_);
+  const std::size_t cols = send.extent(1);
+  if (recv.extent(1) != cols) {
+    MESHTRAIN_BAD_INPUT(op, " on ", description_, ": send [", send.extent(0), ", ", cols,
+                        "] and receive [", recv.extent(0), ", ", recv.extent(1),
+                        "] must have the same number of columns");
+  }
+  if (v_layout_.size() != 4 * n) v_layout_.resize(4 * n);  // only after a move
+  std::size_t* send_counts = v_layout_.data();
+  std::size_t* send_offsets = send_counts + n;
+  std::size_t* recv_counts = send_offsets + n;
+  std::size_t* recv_offsets = recv_counts + n;
+  const std::size_t sent_rows = layout_rows(send_rows, size_, send.extent(0), cols, send_counts,
+                                            send_offsets, description_, op, "send_rows", "send");
+  const std::size_t received_rows =
+      layout_rows(recv_rows, size_, recv.extent(0), cols, recv_counts, recv_offsets, description_,
+                  op, "recv_rows", "receive");
+  require_contiguous(send, description_, op, "send");
+  require_contiguous(recv, description_, op, "receive");
+  const std::size_t send_count = sent_rows * cols, recv_count = received_rows * cols;
+  require_disjoint(send.data(), send_count, recv.data(), recv_count, description_, op);
+  if (!is_16bit(wire)) {
+    raw_all_to_all_v(send.data(), send_counts, send_offsets, recv.data(), recv_counts, recv_offsets,
+                     Dtype::fp32, op);
+    return;
+  }
+  // Only the packed rows are rounded, moved and widened: rows beyond them stay as they are.
+  through_wire(send.data(), send_count, recv.data(), recv_count, wire, /*in_place=*/false,
+               [&](const uint16_t* packed, uint16_t* arrived) {
+                 raw_all_to_all_v(packed, send_counts, send_offsets, arrived, recv_counts,
+                                  recv_offsets, wire, op);
+               });
 }
 
 void Communicator::barrier() {

@@ -4,9 +4,9 @@
 //
 // Two halves:
 // - The public operations (all_gather, reduce_scatter, all_reduce, broadcast, shift,
-//   all_to_all, barrier) are written once, here and in communicator.cpp: they check the
-//   shapes, pack and unpack dim-1 blocks through the communicator's scratch buffer, and
-//   call the backend on contiguous buffers.
+//   all_to_all, all_to_all_v, barrier) are written once, here and in communicator.cpp:
+//   they check the shapes, pack and unpack dim-1 blocks through the communicator's scratch
+//   buffer, and call the backend on contiguous buffers.
 // - A backend (backends/mpi_communicator.hpp, backends/nccl_communicator.hpp) implements the
 //   protected `raw_*` functions on contiguous buffers in the default memory space. It
 //   never sees a View, a dimension or a layout.
@@ -21,21 +21,27 @@
 //   all_gather(send [r, c], recv, 1): recv [r, n*c], cols [j*c, (j+1)*c) come from rank j.
 //   reduce_scatter(send [n*r, c], recv [r, c], 0): recv = sum over ranks of send rows
 //     [i*r, (i+1)*r); with dim 1, send [r, n*c] and the column block i.
+//   all_to_all_v(send, send_rows, recv, recv_rows): send_rows[j] rows packed in rank order go
+//     to rank j; recv_rows[j] rows from rank j land packed in rank order (MPI_Alltoallv).
 // Dim-1 operations stage through the scratch buffer (n*r*c floats, grown on first use and
 // kept; reserve_scratch() preallocates it so later calls do not allocate).
 //
 // Wire type (mixed precision, docs/mixed_precision.md): all_gather, reduce_scatter,
-// all_reduce, shift, start_all_gather and start_all_reduce take `wire` (default fp32). With
-// bf16 or fp16 the floats are rounded to 16 bits (nearest even) as they are packed, 16-bit
-// elements travel, and what arrives is widened back into the float views: half the bytes.
+// all_reduce, shift, all_to_all_v, start_all_gather and start_all_reduce take `wire`
+// (default fp32). With bf16 or fp16 the floats are rounded to 16 bits (nearest even) as they
+// are packed, 16-bit elements travel, and what arrives is widened back into the float views:
+// half the bytes.
 // A 16-bit sum adds in fp32 and rounds to 16 bits at every hop (each partial sum a rank
 // passes on), as NCCL does. Data already holding 16-bit values gathers exactly. The 16-bit
-// buffers are kept per communicator (and per operation in flight), grown on first use.
+// buffers are kept per communicator (and per operation in flight), grown on first use;
+// reserve_wire() preallocates the blocking operations' ones.
 
 #include <Kokkos_Core.hpp>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "framework/core/precision.hpp"
 #include "framework/core/views.hpp"
@@ -160,10 +166,24 @@ class Communicator {
   // Equal blocks along dim 0: send [n*b, c] block j goes to rank j; recv [n*b, c] block j
   // comes from rank j.
   void all_to_all(ConstMatrixView send, MatrixView recv);
+  // Variable all-to-all along dim 0 (MPI_Alltoallv): the rows of `send` are packed in rank
+  // order, send_rows[j] of them for rank j (from row sum_{i<j} send_rows[i]); the rows from
+  // rank j land packed in rank order in `recv`, recv_rows[j] of them. Both vectors have size()
+  // entries (every rank must know what it will receive: exchange the counts first); send and
+  // recv have the same columns; rows beyond the packed totals are left alone. `wire` as for
+  // the other operations (16-bit rows travel rounded, widened on arrival).
+  // send_rows[j] here must equal recv_rows[i] on rank j (this rank i): the counts are checked
+  // locally only, and a disagreement is a backend error (or a timeout), not a bad_input.
+  // send and recv must be contiguous and must not overlap.
+  void all_to_all_v(ConstMatrixView send, const std::vector<int64_t>& send_rows, MatrixView recv,
+                    const std::vector<int64_t>& recv_rows, Dtype wire = Dtype::fp32);
   void barrier();
 
   // Grows the scratch buffer used by dim-1 operations to at least `floats`.
   void reserve_scratch(std::size_t floats);
+  // Preallocates the buffers a 16-bit all_to_all_v / the other blocking 16-bit operations use, so
+  // that later calls up to these sizes (elements) allocate nothing.
+  void reserve_wire(std::size_t send_elements, std::size_t recv_elements);
 
  protected:
   Communicator(int size, int rank, std::string description);
@@ -190,6 +210,12 @@ class Communicator {
                                            const char* op) = 0;
   virtual void raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
                               const char* op) = 0;
+  // size() entries each: send_counts[j] elements from send + send_offsets[j] go to rank j;
+  // recv_counts[j] elements from rank j land at recv + recv_offsets[j]. Counts may be zero.
+  virtual void raw_all_to_all_v(const void* send, const std::size_t* send_counts,
+                                const std::size_t* send_offsets, void* recv,
+                                const std::size_t* recv_counts, const std::size_t* recv_offsets,
+                                Dtype dtype, const char* op) = 0;
   virtual void raw_barrier(const char* op) = 0;
 
  private:
@@ -215,7 +241,10 @@ class Communicator {
   double timeout_seconds_ = 300.0;
   Kokkos::View<float*, Kokkos::LayoutRight> scratch_;  // dim-1 staging, grown on demand
   HalfBits wire_send_, wire_recv_;                     // blocking 16-bit operations
-  std::shared_ptr<Request::WirePool> wire_pool_;       // shared with pending Requests
+  // all_to_all_v's element counts and offsets: send counts, send offsets, recv counts, recv
+  // offsets, size_ entries each (sized at construction: calls allocate nothing).
+  std::vector<std::size_t> v_layout_;
+  std::shared_ptr<Request::WirePool> wire_pool_;  // shared with pending Requests
 };
 
 }  // namespace meshtrain

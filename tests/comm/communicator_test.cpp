@@ -9,6 +9,7 @@
 
 #include <cfloat>
 #include <climits>
+#include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -589,6 +590,192 @@ TEST(Communicator, DroppedWireRequestsLeaveTheCommunicatorUsable) {
     const float want = static_cast<float>(round_to(1.5f * n, wire.dtype));
     for (std::size_t k = 0; k < 3; ++k) EXPECT_EQ(got(k), want) << wire.name;
   }
+}
+
+// ------------------------------------------------------------------------ all_to_all_v
+
+// The rows rank `src` sends rank `dst` in round `salt` of the all_to_all_v tests: 0 to 3, zero
+// for some pairs (and for every pair on one rank in some rounds); in round 4 only rank 0 sends.
+int64_t ragged_rows(int src, int dst, int salt) {
+  if (salt == 4) return src == 0 ? dst % 3 + 1 : 0;
+  return (3 * src + 5 * dst + salt) % 4;
+}
+// Element (row, col) of the block rank `src` sends rank `dst`: every element of every block a
+// different float (exact in fp32; rounded on a 16-bit wire).
+float ragged_value(int src, int dst, int row, int col) {
+  return static_cast<float>(src * 1000 + dst * 100 + row * 10 + col) + 0.3f;
+}
+
+// Every rank sends a different number of rows to every rank (zero to some), packed in rank
+// order, on the world and the mesh's sub-axis groups: each received row is exactly what its
+// sender packed for this rank (fp32), or that rounded to the wire dtype (bf16, fp16); the rows
+// of send and recv beyond the packed totals are neither sent nor written.
+TEST(Communicator, AllToAllVRoutesRaggedRows) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    Communicator& comm = *g.comm;
+    const int n = comm.size(), me = comm.rank();
+    const std::size_t cols = 5;
+    const float untouched = -7.5f;
+    for (int salt = 0; salt <= 4; ++salt) {
+      // Extra rows past the packed ones; none in round 4, where most ranks' send is empty.
+      const std::size_t extra = salt == 4 ? 0 : 2;
+      std::vector<int64_t> send_rows(n), recv_rows(n);
+      std::size_t send_total = 0, recv_total = 0;
+      for (int j = 0; j < n; ++j) {
+        send_rows[j] = ragged_rows(me, j, salt);
+        recv_rows[j] = ragged_rows(j, me, salt);
+        send_total += static_cast<std::size_t>(send_rows[j]);
+        recv_total += static_cast<std::size_t>(recv_rows[j]);
+      }
+      HostMatrix send_host("send", send_total + extra, cols);
+      std::size_t at = 0;
+      for (int j = 0; j < n; ++j)
+        for (int r = 0; r < send_rows[j]; ++r, ++at)
+          for (std::size_t c = 0; c < cols; ++c)
+            send_host(at, c) = ragged_value(me, j, r, static_cast<int>(c));
+      for (; at < send_host.extent(0); ++at)  // never sent: would show as a wrong value
+        for (std::size_t c = 0; c < cols; ++c) send_host(at, c) = 99999.0f;
+      const DeviceMatrix send = to_device(send_host, "send");
+      const std::pair<Dtype, const char*> wires[] = {
+          {Dtype::fp32, "fp32"}, {Dtype::bf16, "bf16"}, {Dtype::fp16, "fp16"}};
+      for (const auto& [wire, wire_name] : wires) {
+        const std::string where =
+            "round " + std::to_string(salt) + " " + wire_name + " on " + g.name;
+        DeviceMatrix recv("recv", recv_total + extra, cols);
+        Kokkos::deep_copy(recv, untouched);
+        comm.all_to_all_v(send, send_rows, recv, recv_rows, wire);
+        const HostMatrix got = to_host(recv);
+        std::size_t row = 0;
+        for (int j = 0; j < n; ++j)
+          for (int r = 0; r < recv_rows[j]; ++r, ++row)
+            for (std::size_t c = 0; c < cols; ++c)
+              ASSERT_EQ(got(row, c), round_to(ragged_value(j, me, r, static_cast<int>(c)), wire))
+                  << "row " << r << " from rank " << j << " at (" << row << ", " << c << ") "
+                  << where;
+        for (; row < got.extent(0); ++row)
+          for (std::size_t c = 0; c < cols; ++c)
+            ASSERT_EQ(got(row, c), untouched) << "row " << row << " past the packed ones " << where;
+      }
+    }
+  }
+}
+
+// Bad counts and shapes are bad_input naming the operation and the group, thrown on every
+// rank before anything is sent: no rank is left waiting (a short timeout turns a rank that
+// did go on into a failure, not a hang), and the communicator stays usable.
+TEST(Communicator, AllToAllVRejectsBadCountsOnEveryRank) {
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (ep)");
+  comm.set_timeout_seconds(10.0);
+  const int n = comm.size();
+  const std::size_t rows = 2 * static_cast<std::size_t>(n);
+  const std::string group = "all_to_all_v on axis (ep)";
+  DeviceMatrix send("send", rows, 3), recv("recv", rows, 3), narrow("narrow", rows, 2);
+  const std::vector<int64_t> two(n, 2);
+  expect_bad_input([&] { comm.all_to_all_v(send, std::vector<int64_t>(n + 1, 1), recv, two); },
+                   {group, "send_rows has " + std::to_string(n + 1) + " entries",
+                    "one per rank of the group (" + std::to_string(n) + ")"});
+  expect_bad_input([&] { comm.all_to_all_v(send, two, recv, std::vector<int64_t>{}); },
+                   {group, "recv_rows has 0 entries"});
+  std::vector<int64_t> negative = two;
+  negative[n - 1] = -1;
+  expect_bad_input([&] { comm.all_to_all_v(send, negative, recv, two); },
+                   {group, "send_rows[" + std::to_string(n - 1) + "] is -1", "negative"});
+  expect_bad_input([&] { comm.all_to_all_v(send, two, recv, negative, Dtype::bf16); },
+                   {group, "recv_rows[" + std::to_string(n - 1) + "] is -1"});
+  std::vector<int64_t> too_many = two;
+  too_many[0] = 3;
+  expect_bad_input([&] { comm.all_to_all_v(send, too_many, recv, two); },
+                   {group, "send_rows add up to " + std::to_string(rows + 1) + " rows",
+                    "more than the " + std::to_string(rows) + " rows of the send matrix"});
+  expect_bad_input([&] { comm.all_to_all_v(send, two, recv, too_many, Dtype::fp16); },
+                   {group, "recv_rows add up to", "rows of the receive matrix"});
+  // Counts whose sum overflows 64 bits are too many, not a wrapped-around small number.
+  const std::vector<int64_t> huge(n, INT64_MAX);
+  expect_bad_input([&] { comm.all_to_all_v(send, huge, recv, two); },
+                   {group, "send_rows add up to", "more than the"});
+  expect_bad_input([&] { comm.all_to_all_v(send, two, narrow, two); },
+                   {group, "same number of columns"});
+  DeviceMatrix wide("wide", rows, 6);
+  MatrixView column_block = Kokkos::subview(wide, Kokkos::ALL, std::make_pair(0, 3));
+  expect_bad_input([&] { comm.all_to_all_v(send, two, column_block, two); },
+                   {group, "not contiguous"});
+  expect_bad_input([&] { comm.all_to_all_v(send, two, MatrixView(send), two); },
+                   {group, "overlap"});
+  // Every rank threw before sending: the next call pairs up with the others' next call.
+  const HostMatrix mine = host_block(Group{"world", nullptr, 77}, comm.rank(), rows, 3);
+  const DeviceMatrix good = to_device(mine);
+  comm.all_to_all_v(good, two, recv, two);
+  const HostMatrix got = to_host(recv);
+  for (int j = 0; j < n; ++j) {
+    const HostMatrix theirs = host_block(Group{"world", nullptr, 77}, j, rows, 3);
+    for (std::size_t r = 0; r < 2; ++r)
+      for (std::size_t c = 0; c < 3; ++c)
+        ASSERT_EQ(got(2 * j + r, c), theirs(2 * comm.rank() + r, c)) << "from rank " << j;
+  }
+}
+
+// all_to_all_v honours the collective timeout like the other blocking operations.
+TEST(Communicator, AllToAllVTimesOutWhenARankDoesNotJoin) {
+  if (world_size() < 2) GTEST_SKIP() << "needs two ranks";
+  const int rank = world_rank();
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (ep)");
+  const int n = comm.size();
+  const std::vector<int64_t> one(n, 1);
+  DeviceMatrix send("send", n, 4), recv("recv", n, 4);  // alive until the late rank has joined
+  if (rank != 1) {
+    comm.set_timeout_seconds(1.0);
+    expect_error([&] { comm.all_to_all_v(send, one, recv, one); }, ErrorKind::runtime,
+                 {"all_to_all_v on axis (ep) did not complete within 1 s", "a rank did not join"});
+    expect_error([&] { comm.all_to_all_v(send, one, recv, one); }, ErrorKind::runtime,
+                 {"all_to_all_v", "unusable"});
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank == 1) {
+    comm.set_timeout_seconds(60.0);
+    comm.all_to_all_v(send, one, recv, one);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+int64_t g_kokkos_allocations = 0;
+void count_kokkos_allocation(const Kokkos::Profiling::SpaceHandle, const char*, const void*,
+                             const uint64_t) {
+  ++g_kokkos_allocations;
+}
+
+// After reserve_wire, 16-bit all_to_all_v calls up to the reserved sizes allocate no Kokkos
+// memory (nor do repeated fp32 calls); without it the first 16-bit call allocates its buffers
+// (so the counter can see an allocation).
+TEST(Communicator, AllToAllVAllocatesNothingAfterReserveWire) {
+  const int n = world_size();
+  const std::size_t rows = 3 * static_cast<std::size_t>(n), cols = 4;
+  const std::vector<int64_t> three(n, 3), ragged = [&] {
+    std::vector<int64_t> r(n);
+    // Fewer rows (within the reserve), the same both ways between two ranks.
+    for (int j = 0; j < n; ++j) r[j] = (world_rank() + j) % 3;
+    return r;
+  }();
+  DeviceMatrix send = rank_block(Group{"world", nullptr, 5}, world_rank(), rows, cols);
+  DeviceMatrix recv("recv", rows, cols);
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "world");
+  comm.reserve_wire(rows * cols, rows * cols);
+  // fp32 first: with device memory, its host staging (twice the bytes of a 16-bit call) grows.
+  comm.all_to_all_v(send, three, recv, three);
+  g_kokkos_allocations = 0;
+  Kokkos::Tools::Experimental::set_allocate_data_callback(count_kokkos_allocation);
+  comm.all_to_all_v(send, three, recv, three, Dtype::bf16);
+  comm.all_to_all_v(send, ragged, recv, ragged, Dtype::fp16);
+  comm.all_to_all_v(send, three, recv, three);
+  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+  EXPECT_EQ(g_kokkos_allocations, 0) << "Kokkos allocations in all_to_all_v after reserve_wire";
+
+  auto fresh = MpiCommunicator::duplicate(MPI_COMM_WORLD, "world");
+  g_kokkos_allocations = 0;
+  Kokkos::Tools::Experimental::set_allocate_data_callback(count_kokkos_allocation);
+  fresh.all_to_all_v(send, three, recv, three, Dtype::bf16);
+  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+  EXPECT_GT(g_kokkos_allocations, 0) << "the first 16-bit call grows its buffers";
 }
 
 TEST(Communicator, MeshCommunicatorsCacheAndRejectUnknownAxes) {

@@ -33,6 +33,9 @@ struct MpiCommunicator::State {
   MpiRequestSlot* free_request_slots = nullptr;
   // Host copies for the blocking operations when Kokkos' memory is device memory.
   HostStaging staging;
+  // MPI_Ialltoallv's int send counts, send displacements, receive counts and receive
+  // displacements, one per rank each (sized when the communicator is made: no call allocates).
+  std::vector<int> alltoallv_layout;
 
   State() = default;
   State(const State&) = delete;
@@ -288,6 +291,7 @@ MpiCommunicator MpiCommunicator::adopt(MPI_Comm comm, std::string description) {
   const int rank = rank_of(comm);
   auto state = std::make_shared<State>();
   state->description = description;
+  state->alltoallv_layout.resize(4 * static_cast<std::size_t>(size));
   state->comm = comm;
   return MpiCommunicator(std::move(state), size, rank, std::move(description));
 }
@@ -490,6 +494,43 @@ void MpiCommunicator::raw_all_to_all(const float* send, float* recv, std::size_t
                          request);
   });
   staging.finish_receive(recv, total);
+}
+
+void MpiCommunicator::raw_all_to_all_v(const void* send, const std::size_t* send_counts,
+                                       const std::size_t* send_offsets, void* recv,
+                                       const std::size_t* recv_counts,
+                                       const std::size_t* recv_offsets, Dtype dtype,
+                                       const char* op) {
+  const std::size_t n = static_cast<std::size_t>(size());
+  std::vector<int>& layout = state_->alltoallv_layout;
+  if (layout.size() != 4 * n) layout.resize(4 * n);  // sized in adopt(); never here
+  int* send_n = layout.data();
+  int* send_at = send_n + n;
+  int* recv_n = send_at + n;
+  int* recv_at = recv_n + n;
+  // The extents MPI touches (in elements), for the host staging: the end of the last block.
+  // Receive blocks with gaps between them (never from Communicator, which packs them) copy the
+  // caller's data in first, so the gaps come back unchanged.
+  std::size_t send_end = 0, recv_end = 0, recv_total = 0;
+  for (std::size_t j = 0; j < n; ++j) {
+    recv_total += recv_counts[j];
+    send_n[j] = checked_int(send_counts[j], "all_to_all_v send count");
+    send_at[j] = checked_int(send_offsets[j], "all_to_all_v send displacement");
+    recv_n[j] = checked_int(recv_counts[j], "all_to_all_v receive count");
+    recv_at[j] = checked_int(recv_offsets[j], "all_to_all_v receive displacement");
+    if (send_counts[j] > 0) send_end = std::max(send_end, send_offsets[j] + send_counts[j]);
+    if (recv_counts[j] > 0) recv_end = std::max(recv_end, recv_offsets[j] + recv_counts[j]);
+  }
+  const bool gaps = recv_total != recv_end;
+  const std::size_t element = bytes_of(dtype);
+  const MPI_Datatype type = mpi_type(dtype);
+  HostStaging& staging = state_->staging;
+  run(op, "MPI_Ialltoallv", [&](MPI_Request* request) {
+    return MPI_Ialltoallv(staging.send_buffer(bytes(send), send_end * element), send_n, send_at,
+                          type, staging.receive_buffer(bytes(recv), recv_end * element, gaps),
+                          recv_n, recv_at, type, state_->comm, request);
+  });
+  staging.finish_receive(bytes(recv), recv_end * element);
 }
 
 void MpiCommunicator::raw_barrier(const char* op) {

@@ -57,6 +57,9 @@ class MpiCommunicator final : public Communicator {
                                    const char* op) override;
   void raw_all_to_all(const float* send, float* recv, std::size_t count_per_rank,
                       const char* op) override;
+  void raw_all_to_all_v(const void* send, const std::size_t* send_counts,
+                        const std::size_t* send_offsets, void* recv, const std::size_t* recv_counts,
+                        const std::size_t* recv_offsets, Dtype dtype, const char* op) override;
   void raw_barrier(const char* op) override;
 
  private:

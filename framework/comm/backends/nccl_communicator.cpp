@@ -856,6 +856,59 @@ void NcclCommunicator::raw_all_to_all(const float* send, float* recv, std::size_
   s.wait_for(nullptr, op, deadline, timeout);
 }
 
+// Written by analogy with raw_all_to_all (not compiled or run without CUDA): one group of
+// point-to-point calls, a send to rank j of send_counts[j] elements and a receive from it of
+// recv_counts[j]. A zero count posts nothing: the counts agree pairwise (send_counts[j] here
+// is recv_counts[i] on rank j), so the peer posts nothing either.
+void NcclCommunicator::raw_all_to_all_v(const void* send, const std::size_t* send_counts,
+                                        const std::size_t* send_offsets, void* recv,
+                                        const std::size_t* recv_counts,
+                                        const std::size_t* recv_offsets, Dtype dtype,
+                                        const char* op) {
+  State& s = begin(state_, op);
+  const int n = size();
+  const std::size_t element = bytes_of(dtype);
+  bool sends = false, receives = false;
+  for (int j = 0; j < n; ++j) {
+    sends = sends || send_counts[j] > 0;
+    receives = receives || recv_counts[j] > 0;
+    // The byte offsets below cannot overflow.
+    const std::size_t limit = SIZE_MAX / element;
+    if (send_counts[j] > limit || send_offsets[j] > limit - send_counts[j] ||
+        recv_counts[j] > limit || recv_offsets[j] > limit - recv_counts[j]) {
+      MESHTRAIN_FAIL(op, " on ", s.description, ": the block of rank ", j,
+                     " does not fit in the address space");
+    }
+  }
+  if (!sends && !receives) return;
+  if (sends) require_device_buffer(s, send, op, "send");
+  if (receives) require_device_buffer(s, recv, op, "receive");
+  const char* send_bytes = static_cast<const char*>(send);
+  char* recv_bytes = static_cast<char*>(recv);
+  const ncclDataType_t type = nccl_type(dtype);
+  const double timeout = timeout_seconds();
+  const Clock::time_point deadline = deadline_after(timeout);
+  s.check_call(ncclGroupStart(), op, "ncclGroupStart");
+  ncclResult_t failed = ncclSuccess;
+  const char* failed_call = "";
+  for (int j = 0; j < n && failed == ncclSuccess; ++j) {
+    if (send_counts[j] > 0) {
+      failed = ncclSend(send_bytes + send_offsets[j] * element, send_counts[j], type, j, s.comm,
+                        s.stream);
+      failed_call = "ncclSend";
+    }
+    if (failed == ncclSuccess && recv_counts[j] > 0) {
+      failed = ncclRecv(recv_bytes + recv_offsets[j] * element, recv_counts[j], type, j, s.comm,
+                        s.stream);
+      failed_call = "ncclRecv";
+    }
+  }
+  const ncclResult_t ended = ncclGroupEnd();  // closes the group even after an error
+  s.check_call(failed, op, failed_call);
+  s.enqueued(ended, op, "ncclGroupEnd", deadline, timeout);
+  s.wait_for(nullptr, op, deadline, timeout);
+}
+
 void NcclCommunicator::raw_barrier(const char* op) {
   State& s = begin(state_, op);
   const double timeout = timeout_seconds();
