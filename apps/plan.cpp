@@ -11,6 +11,7 @@
 #include "framework/train/config.hpp"
 #include "partition/error.hpp"
 #include "partition/sharding_picture.hpp"
+#include "partition/text.hpp"
 
 namespace meshtrain {
 
@@ -40,6 +41,15 @@ nlohmann::ordered_json spec_json(const PartitionSpec& spec) {
   return entries;
 }
 
+// The spec of a 3-D tensor [d0, d1, d2] seen as [d0, d1 x d2]: dims 1 and 2 merged into one
+// entry, d1's axes major (the block of (i1, i2) is column block i1 * |d2 axes| + i2).
+PartitionSpec flattened_spec(const PartitionSpec& spec) {
+  const PartitionSpec full = spec.with_rank(3);
+  SpecEntry merged = full.entries[1];
+  merged.axes.insert(merged.axes.end(), full.entries[2].axes.begin(), full.entries[2].axes.end());
+  return PartitionSpec({full.entries[0], merged});
+}
+
 // Left-aligned columns separated by two spaces; the last column is not padded.
 void write_table(const std::vector<std::vector<std::string>>& rows, std::ostream& out) {
   std::vector<size_t> widths;
@@ -63,6 +73,22 @@ std::string group_text(const LayerCollective& c, const Mesh& mesh) {
   return axis_product_text(SpecEntry{c.axes}, mesh);
 }
 
+// An MoE layer's experts on this rank (bytes as stored, from the parameter table) and its
+// dispatch buffers.
+void write_moe_layer_text(const ShardingPlan& plan, const LayerPlan& l, std::ostream& out) {
+  const MoeLayout& m = l.moe_layout;
+  out << "  experts per rank: " << m.experts_local << " of " << m.experts;
+  if (m.ep > 1) out << " (split over " << join(m.expert_axes) << ", " << m.ep << " ranks)";
+  out << "; stored per rank: expert weights "
+      << format_bytes(plan.find(m.experts_weight.name).bytes_per_rank) << ", expert biases "
+      << format_bytes(plan.find(m.experts_bias.name).bytes_per_rank) << ", router "
+      << format_bytes(plan.find(m.router.name).bytes_per_rank) << "\n";
+  if (l.moe_buffer_bytes > 0) {
+    out << "  dispatch buffers: " << format_bytes(l.moe_buffer_bytes)
+        << " per rank (worst case: all rows to one rank; allocated once at construction)\n";
+  }
+}
+
 void write_layers_text(const ShardingPlan& plan, const PlanOptions& options, std::ostream& out) {
   out << "\nlayers (collectives per training step, bytes moved per rank";
   if (plan.local_batch_rows > 0) {
@@ -76,6 +102,7 @@ void write_layers_text(const ShardingPlan& plan, const PlanOptions& options, std
   for (const auto& l : plan.layers) {
     out << l.name << ": " << l.compute << "\n";
     for (const auto& note : l.notes) out << "  note: " << note << "\n";
+    if (l.moe) write_moe_layer_text(plan, l, out);
     if (l.collectives.empty()) {
       out << "  no collectives\n";
       continue;
@@ -84,7 +111,9 @@ void write_layers_text(const ShardingPlan& plan, const PlanOptions& options, std
         {"  phase", "collective", "operand", "shape", "group", "bytes/rank"}};
     for (const auto& c : l.collectives) {
       rows.push_back({"  " + c.phase, to_string(c.kind), c.operand, format_shape(c.shape),
-                      group_text(c, plan.mesh), format_bytes(c.bytes_per_rank)});
+                      group_text(c, plan.mesh),
+                      format_bytes(c.bytes_per_rank) +
+                          (c.kind == CollectiveKind::all_to_all ? " at uniform routing" : "")});
     }
     rows.push_back({"  total", "", "", "", "", format_bytes(l.collective_bytes_per_step)});
     write_table(rows, out);
@@ -243,6 +272,36 @@ void write_cost_text(const ShardingPlan& plan, int64_t global_batch, const StepC
   write_table(table, out);
 }
 
+// An MoE layer's decision (partition/moe_layout.hpp) for the JSON document.
+nlohmann::ordered_json moe_storage_json(const MoeParameterStorage& p, const ShardingPlan& plan) {
+  return {{"name", p.name},
+          {"compute_shape", p.compute},
+          {"stored_shape", p.stored},
+          {"bytes_per_rank", plan.find(p.name).bytes_per_rank},
+          {"gather_axes", p.gather()},
+          {"gradient_allreduce_axes", p.allreduce},
+          {"nonbatch_replication", p.nonbatch_replication},
+          {"all_experts", p.all_experts}};
+}
+
+nlohmann::ordered_json moe_layout_json(const ShardingPlan& plan, const LayerPlan& l) {
+  const MoeLayout& m = l.moe_layout;
+  return {{"in", m.in},
+          {"out", m.out},
+          {"experts", m.experts},
+          {"top_k", m.top_k},
+          {"experts_per_rank", m.experts_local},
+          {"expert_axes", m.expert_axes},
+          {"ep", m.ep},
+          {"batch_axes", m.batch_axes},
+          {"feature_axis", m.feature_axis},
+          {"gathers_input", m.gathers_input()},
+          {"router", moe_storage_json(m.router, plan)},
+          {"experts_weight", moe_storage_json(m.experts_weight, plan)},
+          {"experts_bias", moe_storage_json(m.experts_bias, plan)},
+          {"buffer_bytes_per_rank", l.moe_buffer_bytes}};
+}
+
 nlohmann::ordered_json cost_json(const StepCost& cost, const HardwareProfile& hw) {
   nlohmann::ordered_json items = nlohmann::ordered_json::array();
   for (const auto& i : cost.items) {
@@ -293,8 +352,8 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
       << options.bytes_per_element << " bytes per element, " << options.optimizer_slots
       << " optimizer slot" << (options.optimizer_slots == 1 ? "" : "s") << " per parameter\n";
   if (!options.precision.is_fp32()) {
-    out << "mixed precision: param_dtype " << to_string(options.precision.param) << ", reduce_dtype "
-        << to_string(options.precision.reduce)
+    out << "mixed precision: param_dtype " << to_string(options.precision.param)
+        << ", reduce_dtype " << to_string(options.precision.reduce)
         << " (masters, gradients and optimizer state fp32; the collectives below move "
            "16-bit elements where the dtype is 16-bit)\n";
   }
@@ -332,6 +391,11 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
   if (t.zero1_buffer_bytes > 0) {
     totals.push_back({"  ZeRO-1 buffers", format_bytes(t.zero1_buffer_bytes)});
   }
+  if (t.moe_buffer_bytes > 0) {
+    totals.push_back({"  MoE buffers", format_bytes(t.moe_buffer_bytes) +
+                                           " (dispatch buffers, worst case: all rows to one "
+                                           "rank; allocated once at construction)"});
+  }
   if (staging_bytes > 0) totals.push_back({"  staging (ckpt)", format_bytes(staging_bytes)});
   int64_t data_bytes = 0;
   if (data) {
@@ -360,13 +424,22 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
   if (mesh.world_size() <= kMaxPictureRanks) {
     bool first = true;
     for (const auto& p : plan.parameters) {
+      // A 3-D tensor (MoE experts [E, in, out]) is drawn as [E, in x out].
+      const bool flattened = p.shape.size() == 3;
       const std::string picture =
-          sharding_picture(p.shape, p.spec, mesh, kMaxPictureRanks, kPictureWidth);
+          flattened
+              ? sharding_picture({p.shape[0], p.shape[1] * p.shape[2]}, flattened_spec(p.spec),
+                                 mesh, kMaxPictureRanks, kPictureWidth)
+              : sharding_picture(p.shape, p.spec, mesh, kMaxPictureRanks, kPictureWidth);
       if (picture.empty()) continue;
       if (first) out << "\nranks holding each block:\n";
       first = false;
       out << "\n"
-          << p.name << " " << format_shape(p.shape) << " " << p.spec.to_string() << "\n"
+          << p.name << " " << format_shape(p.shape) << " " << p.spec.to_string()
+          << (flattened ? " (drawn as [" + std::to_string(p.shape[0]) + ", " +
+                              std::to_string(p.shape[1]) + " x " + std::to_string(p.shape[2]) + "])"
+                        : std::string())
+          << "\n"
           << picture;
     }
   } else {
@@ -416,22 +489,28 @@ nlohmann::ordered_json plan_to_json(const ShardingPlan& plan,
   for (const auto& l : plan.layers) {
     json collectives = json::array();
     for (const auto& c : l.collectives) {
-      collectives.push_back({{"phase", c.phase},
-                             {"kind", to_string(c.kind)},
-                             {"operand", c.operand},
-                             {"axes", c.axes},
-                             {"ranks", c.ranks},
-                             {"shape", c.shape},
-                             {"bytes_per_rank", c.bytes_per_rank}});
+      json entry = {{"phase", c.phase},
+                    {"kind", to_string(c.kind)},
+                    {"operand", c.operand},
+                    {"axes", c.axes},
+                    {"ranks", c.ranks},
+                    {"shape", c.shape},
+                    {"bytes_per_rank", c.bytes_per_rank}};
+      // An all-to-all's bytes are those of uniform routing (partition/moe_layout.hpp).
+      if (c.kind == CollectiveKind::all_to_all) entry["at_uniform_routing"] = true;
+      collectives.push_back(std::move(entry));
     }
-    layers.push_back({{"name", l.name},
-                      {"compute", l.compute},
-                      {"tensor_parallel", l.layout.tensor_parallel},
-                      {"input_layout", to_string(l.layout.input_layout)},
-                      {"output_layout", to_string(l.layout.output_layout())},
-                      {"collectives", collectives},
-                      {"collective_bytes_per_step", l.collective_bytes_per_step},
-                      {"notes", l.notes}});
+    json layer = {{"name", l.name},
+                  {"compute", l.compute},
+                  {"moe", l.moe},
+                  {"tensor_parallel", l.layout.tensor_parallel},
+                  {"input_layout", to_string(l.layout.input_layout)},
+                  {"output_layout", to_string(l.layout.output_layout())},
+                  {"collectives", collectives},
+                  {"collective_bytes_per_step", l.collective_bytes_per_step},
+                  {"notes", l.notes}};
+    if (l.moe) layer["moe_layout"] = moe_layout_json(plan, l);
+    layers.push_back(std::move(layer));
   }
   doc["layers"] = layers;
   doc["notes"] = plan.notes;
@@ -442,6 +521,7 @@ nlohmann::ordered_json plan_to_json(const ShardingPlan& plan,
                    {"accumulation_bytes", t.accumulation_bytes},
                    {"evaluation_bytes", t.evaluation_bytes},
                    {"zero1_buffer_bytes", t.zero1_buffer_bytes},
+                   {"moe_buffer_bytes", t.moe_buffer_bytes},
                    {"bytes_per_rank", t.bytes_per_rank()},
                    {"global_parameter_bytes", t.global_parameter_bytes},
                    {"collective_bytes_per_step", t.collective_bytes_per_step}};
@@ -454,8 +534,9 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   const Mesh mesh = config.mesh.resolve(world_size);
   const std::vector<PartitionRule> rules = partition_rules(config);
   const PlanOptions options = plan_options(config);
-  const std::vector<ParameterShape> shapes = mlp_parameter_shapes(config.model.sizes);
-  const std::vector<LinearLayerParameters> layers = mlp_linear_layers(config.model.sizes);
+  const MoeSettings moe = config.model.moe();
+  const std::vector<ParameterShape> shapes = mlp_parameter_shapes(config.model.sizes, moe);
+  const std::vector<LinearLayerParameters> layers = mlp_linear_layers(config.model.sizes, moe);
   const ShardingPlan plan = make_plan(shapes, mesh, rules, options, layers);
   // A checkpoint that stages (asynchronous, or from device memory) copies the blocks a rank
   // writes: at most its parameters and optimizer state (exactly those on rank 0, which

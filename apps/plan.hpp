@@ -18,8 +18,10 @@ struct RunConfig;
 struct DataFootprint;
 
 // Prints the plan of `config` for `world_size` ranks: header, table, totals, the layers
-// (compute layout, notes, collectives per training step with bytes per rank), unused rules
-// and sharding pictures (meshes of up to 16 ranks), or with `json` one JSON document.
+// (compute layout, notes, collectives per training step with bytes per rank; for an MoE layer
+// its experts per rank and dispatch buffers, its all-to-alls' bytes at uniform routing),
+// unused rules and sharding pictures (meshes of up to 16 ranks; a 3-D tensor drawn as
+// [d0, d1 x d2]), or with `json` one JSON document.
 // Throws meshtrain::Error on bad input.
 // The plan also predicts the step time (partition/cost_model.hpp) on `hardware` (nullptr:
 // default_hardware_profile()), with a table extrapolated to 64, 256 and 1024 ranks
@@ -41,10 +43,16 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
 // The JSON form: {"config", "mesh": {"world_size", "axes": {name: size, ...} in mesh order},
 // "options", "rules", "parameters": [{"name", "shape", "rule", "spec", "local_shape",
 // "bytes_per_rank", "replicas", "notes"}], "local_batch_rows", "layers": [{"name", "compute",
-// "tensor_parallel", "input_layout", "output_layout", "collectives": [{"phase", "kind",
-// "operand", "axes", "ranks", "shape", "bytes_per_rank"}], "collective_bytes_per_step",
-// "notes"}], "notes" (about the whole plan), "totals" (with "collective_bytes_per_step"),
-// "unused_rules"}. A spec entry is null, an axis name, or a list of axis names.
+// "moe", "tensor_parallel", "input_layout", "output_layout", "collectives": [{"phase", "kind",
+// "operand", "axes", "ranks", "shape", "bytes_per_rank", and for an all-to-all
+// "at_uniform_routing": true}], "collective_bytes_per_step", "notes", and for an MoE layer
+// "moe_layout": {"in", "out", "experts", "top_k", "experts_per_rank", "expert_axes", "ep",
+// "batch_axes", "feature_axis", "gathers_input", "router", "experts_weight", "experts_bias"
+// (each {"name", "compute_shape", "stored_shape", "bytes_per_rank", "gather_axes",
+// "gradient_allreduce_axes", "nonbatch_replication", "all_experts"}),
+// "buffer_bytes_per_rank"}}], "notes" (about the whole plan), "totals" (with
+// "collective_bytes_per_step" and "moe_buffer_bytes"), "unused_rules"}. A spec entry is null,
+// an axis name, or a list of axis names.
 nlohmann::ordered_json plan_to_json(const ShardingPlan& plan,
                                     const std::vector<PartitionRule>& rules,
                                     const PlanOptions& options, const std::string& source);

@@ -14,6 +14,7 @@
 #include "framework/io/metrics.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/hardware_file.hpp"
+#include "partition/planner.hpp"
 #include "run/training_run.hpp"
 
 namespace meshtrain {
@@ -62,6 +63,13 @@ int train_command(const std::string& config_path, const std::vector<std::string>
     std::printf("meshtrain train %s: %s\n", run.config().file.c_str(), lines.front().c_str());
     for (size_t i = 1; i < lines.size(); ++i) std::printf("%s\n", lines[i].c_str());
     std::fflush(stdout);
+    // Mesh axes that split neither parameters nor rows: their ranks repeat each other's work.
+    const ShardingPlan& plan = run.plan();
+    for (const std::string& axis : plan.replicated_axes) {
+      std::fprintf(stderr, "warning: %s\n",
+                   replicated_axis_note(axis, plan.mesh.axis_size(axis)).c_str());
+    }
+    std::fflush(stderr);
   }
 
   const RunSummary summary = run.train();

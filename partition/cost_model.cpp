@@ -44,7 +44,10 @@ std::vector<std::string> active_axes(const Mesh& mesh) {
 double collective_seconds(CollectiveKind kind, double bytes, int ranks, const LinkProfile& link) {
   if (ranks <= 1) return 0.0;
   const double p = ranks;
-  const double bandwidth = kind == CollectiveKind::all_gather       ? link.collective_bandwidth
+  // An all-to-all (pairwise exchange: p - 1 steps, each sending S/p to one rank while
+  // receiving from another) moves what an all-gather's ring moves through a rank: at its rate.
+  const double bandwidth = kind == CollectiveKind::all_gather || kind == CollectiveKind::all_to_all
+                               ? link.collective_bandwidth
                            : kind == CollectiveKind::reduce_scatter ? link.reduce_scatter_bandwidth
                                                                     : link.all_reduce_bandwidth;
   const double one = (p - 1) / p * bytes / bandwidth + (p - 1) * link.latency;
@@ -144,6 +147,38 @@ PlainLayerGemms plain_layer_gemms(const LinearLayout& l, int64_t rows) {
           {l.in_compute, rows, l.out, true, false},
           {rows, l.out, l.in_compute, false, true}};
 }
+
+// An MoE layer's GEMMs at uniform routing (partition/moe_layout.hpp): the router's on the
+// local rows (x @ Wr NN [R x in x E], Xᵀ @ dLogits TN [in x R x E], dLogits @ Wrᵀ NT
+// [R x E x in]) and one per local expert on its rows: the R*k rows a rank receives split as
+// evenly as they go over its experts_local experts (`count` experts with `rows` rows each,
+// one or two groups), x_e @ W_e NN [rows x in x out], X_eᵀ @ dY_e TN [in x rows x out],
+// dY_e @ W_eᵀ NT [rows x out x in].
+struct ExpertGemms {
+  int64_t count = 0, rows = 0;
+  GemmShape forward, weight_grad, input_grad;
+};
+struct MoeLayerGemms {
+  PlainLayerGemms router;
+  std::vector<ExpertGemms> experts;
+};
+MoeLayerGemms moe_layer_gemms(const MoeLayout& m, int64_t rows) {
+  MoeLayerGemms g;
+  g.router = {{rows, m.in, m.experts, false, false},
+              {m.in, rows, m.experts, true, false},
+              {rows, m.experts, m.in, false, true}};
+  const int64_t local = std::max<int64_t>(m.experts_local, 1);
+  const int64_t routed = rows * m.top_k, base = routed / local, extra = routed % local;
+  auto group = [&](int64_t count, int64_t n) {
+    if (count <= 0 || n <= 0) return;
+    g.experts.push_back({count, n, GemmShape{n, m.in, m.out, false, false},
+                         GemmShape{m.in, n, m.out, true, false},
+                         GemmShape{n, m.out, m.in, false, true}});
+  };
+  group(extra, base + 1);
+  group(local - extra, base);
+  return g;
+}
 }  // namespace
 
 std::vector<GemmShape> step_gemm_shapes(const ShardingPlan& plan) {
@@ -151,7 +186,17 @@ std::vector<GemmShape> step_gemm_shapes(const ShardingPlan& plan) {
   const int64_t r = plan.local_batch_rows;
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     const LinearLayout& l = plan.layers[i].layout;
-    if (l.split_output) {
+    if (plan.layers[i].moe) {
+      const MoeLayerGemms g = moe_layer_gemms(plan.layers[i].moe_layout, r);
+      shapes.push_back(g.router.forward);
+      shapes.push_back(g.router.weight_grad);
+      if (i > 0) shapes.push_back(g.router.input_grad);
+      for (const ExpertGemms& e : g.experts) {
+        shapes.push_back(e.forward);
+        shapes.push_back(e.weight_grad);
+        if (i > 0) shapes.push_back(e.input_grad);
+      }
+    } else if (l.split_output) {
       const auto matmuls = layer_matmul_shapes(l, r);
       for (size_t k = 0; k < matmuls.size(); ++k) {
         if (k == 2 && i == 0) continue;  // the first layer has no input gradient
@@ -246,13 +291,167 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
   std::vector<size_t> forward_start(count, 0), backward_start(count, 0);
   // Gradient all-reduces ZeRO-1 does once per step instead (deferred by the layer).
   std::vector<std::pair<std::string, LayerCollective>> deferred_reductions;
+  // An MoE parameter gathered over its group arrives as the members' blocks in rank order and
+  // is placed into [d0, d1, d2]; its gradient is cut into blocks before the reduce-scatter
+  // (MoeParameter in layers/moe.cpp): one pass over the compute block each, read and written.
+  auto moe_storage_of = [](const MoeLayout& m, const std::string& operand) {
+    const MoeParameterStorage* none = nullptr;
+    if (operand == "router" || operand == "router gradient") return &m.router;
+    if (operand == "expert weights" || operand == "expert weight gradient") {
+      return &m.experts_weight;
+    }
+    if (operand == "expert biases" || operand == "expert bias gradient") return &m.experts_bias;
+    return none;
+  };
+  // An MoE layer's collectives by operand ("": all those of the phase left), in the order the
+  // layer runs them; `done` marks those already costed.
+  auto moe_collectives = [&](const LayerPlan& lp, std::vector<bool>& done, const char* phase,
+                             const std::string& operand) {
+    for (size_t k = 0; k < lp.collectives.size(); ++k) {
+      const LayerCollective& c = lp.collectives[k];
+      if (done[k] || c.phase != phase || (!operand.empty() && c.operand != operand)) continue;
+      done[k] = true;
+      const MoeParameterStorage* p = moe_storage_of(lp.moe_layout, c.operand);
+      const double block = p ? 2.0 * kFloat * static_cast<double>(p->compute_elements()) : 0.0;
+      if (p && c.kind == CollectiveKind::reduce_scatter) {
+        memory(lp.name, phase, "cut into blocks: " + c.operand, block);
+      }
+      collective(lp.name, c);
+      if (p && c.kind == CollectiveKind::all_gather) {
+        memory(lp.name, phase, "place gathered blocks: " + c.operand, block);
+      }
+    }
+  };
+  // Memory passes of an MoE layer, in floats read + written (see the header).
+  auto moe_memory = [&](const LayerPlan& lp, const char* phase, const std::string& what,
+                        double floats) { memory(lp.name, phase, what, kFloat * floats); };
+  auto moe_experts = [&](const LayerPlan& lp, const char* phase, const char* what,
+                         GemmShape ExpertGemms::*shape, const MoeLayerGemms& g) {
+    for (const ExpertGemms& e : g.experts) {
+      const GemmShape& one = e.*shape;
+      add(lp.name, phase, "gemm",
+          std::string(what) + " " + std::to_string(e.count) + " x " +
+              shape_text(one.m, one.k, one.n) + " (uniform routing)",
+          "", e.count * hw.gemm_seconds(one));
+    }
+  };
+  // Under mixed precision a parameter the layer does not gather is cast (a rounded copy) each
+  // time it is used.
+  auto moe_cast = [&](const LayerPlan& lp, const char* phase, const MoeParameterStorage& p) {
+    if (param_dtype == Dtype::fp32 || !p.gather().empty()) return;
+    memory(lp.name, phase, "cast " + p.name,
+           2.0 * kFloat * static_cast<double>(p.compute_elements()));
+  };
+  // A dispatch without an expert group (ep = 1) is a copy of the rows.
+  auto moe_dispatch = [&](const LayerPlan& lp, std::vector<bool>& done, const char* phase,
+                          const char* operand, double floats) {
+    if (lp.moe_layout.ep > 1) {
+      moe_collectives(lp, done, phase, operand);
+    } else {
+      moe_memory(lp, phase, std::string("copy of ") + operand + " (one rank holds every expert)",
+                 floats);
+    }
+  };
+  auto moe_forward = [&](size_t i) {
+    const LayerPlan& lp = plan.layers[i];
+    const MoeLayout& m = lp.moe_layout;
+    const MoeLayerGemms g = moe_layer_gemms(m, r);
+    const double R = static_cast<double>(r), k = static_cast<double>(m.top_k);
+    const double in = static_cast<double>(m.in), out = static_cast<double>(m.out);
+    const double E = static_cast<double>(m.experts);
+    std::vector<bool> done(lp.collectives.size(), false);
+    if (param_dtype != Dtype::fp32 && i == 0) moe_memory(lp, "forward", "input cast", 2 * R * in);
+    moe_collectives(lp, done, "forward", "input");
+    moe_collectives(lp, done, "forward", "router");
+    moe_cast(lp, "forward", m.router);
+    forward_start[i] = cost.items.size();
+    gemm(lp.name, "forward", "router x @ Wr", g.router.forward);
+    moe_memory(lp, "forward", "router softmax and top-k", 3 * R * E);
+    moe_memory(lp, "forward", "routing counts and positions", E * R * (1 + 2 * k) + R * k);
+    moe_collectives(lp, done, "forward", "expert counts");
+    moe_collectives(lp, done, "forward", "routing statistics");
+    moe_memory(lp, "forward", "dispatch plan", 3 * R * k);
+    moe_memory(lp, "forward", "pack rows by destination", 2 * R * k * in);
+    moe_dispatch(lp, done, "forward", "dispatched rows", 2 * R * k * in);
+    moe_memory(lp, "forward", "permute to expert-major", 2 * R * k * in);
+    moe_collectives(lp, done, "forward", "expert weights");
+    moe_cast(lp, "forward", m.experts_weight);
+    moe_experts(lp, "forward", "experts x @ W", &ExpertGemms::forward, g);
+    moe_collectives(lp, done, "forward", "expert biases");
+    moe_cast(lp, "forward", m.experts_bias);
+    moe_memory(lp, "forward", "expert bias add", 2 * R * k * out);
+    moe_memory(lp, "forward", "permute back to source order", 2 * R * k * out);
+    moe_dispatch(lp, done, "forward", "expert outputs", 2 * R * k * out);
+    moe_memory(lp, "forward", "combine with gates", R * k * out + R * out);
+    moe_collectives(lp, done, "forward", "");
+    if (i + 1 < count) moe_memory(lp, "forward", "activation", 2 * R * out);
+  };
+  auto moe_backward = [&](size_t j) {
+    const LayerPlan& lp = plan.layers[j];
+    const MoeLayout& m = lp.moe_layout;
+    const MoeLayerGemms g = moe_layer_gemms(m, r);
+    const double R = static_cast<double>(r), k = static_cast<double>(m.top_k);
+    const double in = static_cast<double>(m.in), out = static_cast<double>(m.out);
+    const double E = static_cast<double>(m.experts);
+    const bool input_grad = j > 0, mixed = param_dtype != Dtype::fp32;
+    std::vector<bool> done(lp.collectives.size(), false);
+    if (j + 1 < count) moe_memory(lp, "backward", "activation gradient", 3 * R * out);
+    backward_start[j] = cost.items.size();
+    moe_memory(lp, "backward", "gate gradients", R * k * out + R * out);
+    moe_memory(lp, "backward", "pack output gradients times gates", 2 * R * k * out);
+    moe_dispatch(lp, done, "backward", "expert output gradients", 2 * R * k * out);
+    moe_memory(lp, "backward", "permute to expert-major", 2 * R * k * out);
+    moe_experts(lp, "backward", "experts xᵀ @ dY", &ExpertGemms::weight_grad, g);
+    if (mixed) {
+      moe_memory(lp, "backward", "expert weight gradient rounding",
+                 2 * static_cast<double>(m.experts_weight.compute_elements()));
+    }
+    moe_memory(lp, "backward", "expert bias gradient", R * k * out);
+    if (input_grad) {
+      moe_collectives(lp, done, "backward", "expert weights");
+      moe_cast(lp, "backward", m.experts_weight);
+      moe_experts(lp, "backward", "experts dY @ Wᵀ", &ExpertGemms::input_grad, g);
+      if (mixed) moe_memory(lp, "backward", "expert input gradient rounding", 2 * R * k * in);
+      moe_memory(lp, "backward", "permute back to source order", 2 * R * k * in);
+      moe_dispatch(lp, done, "backward", "dispatched row gradients", 2 * R * k * in);
+    }
+    moe_memory(lp, "backward", "router softmax backward", 3 * R * E);
+    gemm(lp.name, "backward", "router xᵀ @ dLogits", g.router.weight_grad);
+    if (mixed) {
+      moe_memory(lp, "backward", "router gradient rounding",
+                 2 * static_cast<double>(m.router.compute_elements()));
+    }
+    if (input_grad) {
+      moe_collectives(lp, done, "backward", "router");
+      moe_cast(lp, "backward", m.router);
+      gemm(lp.name, "backward", "router dLogits @ Wrᵀ", g.router.input_grad);
+      moe_memory(lp, "backward", "combine input gradients", R * k * in + 2 * R * in);
+      if (m.gathers_input()) {
+        moe_memory(lp, "backward", "input gradient slice",
+                   2 * R * static_cast<double>(m.input_width()));
+      }
+    }
+    moe_collectives(lp, done, "backward", "");  // the gradient reduce-scatters and all-reduces
+    for (const MoeParameterStorage* p : {&m.experts_weight, &m.experts_bias, &m.router}) {
+      if (p->nonbatch_replication > 1) {
+        memory(lp.name, "backward", "gradient scale " + p->name,
+               2.0 * options.bytes_per_element * static_cast<double>(p->stored_elements()));
+      }
+    }
+  };
   // Forward, layer by layer.
   for (size_t i = 0; i < count; ++i) {
     const LayerPlan& lp = plan.layers[i];
     const LinearLayout& l = lp.layout;
+    if (lp.moe) {
+      cost.matmuls.push_back({});
+      moe_forward(i);
+      continue;
+    }
     const LayerMatmulAlgorithms chosen = layer_matmul_algorithms(l, r, algorithm, hw, param_dtype);
     cost.matmuls.push_back(chosen);
-    const bool prefetched = options.overlap && i > 0 && can_prefetch(l);
+    // Not under an MoE layer, which starts no prefetch.
+    const bool prefetched = options.overlap && i > 0 && can_prefetch(l) && !plan.layers[i - 1].moe;
     for (const auto& c : lp.collectives) {
       if (c.phase != "forward" || (l.split_output && c.operand == "output")) continue;
       if (prefetched && c.operand == "weight") {
@@ -288,10 +487,15 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
   for (size_t j = count; j-- > 0;) {
     const LayerPlan& lp = plan.layers[j];
     const LinearLayout& l = lp.layout;
+    if (lp.moe) {
+      moe_backward(j);
+      continue;
+    }
     const LayerMatmulAlgorithms& chosen = cost.matmuls[j];
     if (j + 1 < count)
       memory(lp.name, "backward", "activation gradient", 3 * kFloat * r * l.out_local);
-    const bool prefetched = options.overlap && j + 1 < count && can_prefetch(l);
+    const bool prefetched =
+        options.overlap && j + 1 < count && can_prefetch(l) && !plan.layers[j + 1].moe;
     for (const auto& c : lp.collectives) {
       if (c.phase != "backward" || c.operand != "weight") continue;
       if (prefetched) {

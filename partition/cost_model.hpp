@@ -2,8 +2,9 @@
 // The cost model: how long one training step of a plan takes on a hardware profile
 // (partition/hardware.hpp), and its parts. Pure arithmetic on the plan, like the planner.
 //
-// What a step does (layers/linear.cpp, layers/loss.cpp, run/training_run.cpp), per rank,
-// with r the local batch rows and each layer's compute block [in_c, out]:
+// What a step does (layers/linear.cpp, layers/moe.cpp, layers/loss.cpp,
+// run/training_run.cpp), per rank, with r the local batch rows and each layer's compute block
+// [in_c, out]:
 //   GEMMs       forward r x in_c x out, backward weight in_c x r x out and (not the first
 //               layer) input r x out x in_c: each at the profile's rate for its shape
 //               (HardwareProfile::gemm_seconds: measured shapes, else gemm_flops).
@@ -58,6 +59,46 @@
 //               g, m, v, write p, m, v; SGD: read p, g, write p, plus 2 per momentum slot);
 //               a matrix gathered or scattered along its columns (dim 1: FSDP weights split
 //               on dim 1, TP inputs) passes through staging, 2 * its full bytes.
+//   MoE layers  (layers/moe.cpp, partition/moe_layout.hpp) with r local rows, k = top_k,
+//               E experts, e = experts_local per rank, ep = the expert group; memory passes
+//               below in floats (4 B) read + written. Costed at uniform routing: a rank
+//               receives r*k rows in all (what it keeps and what the other ep - 1 send), r*k/e
+//               for each local expert (split as evenly as they go: one or two GEMM shapes).
+//               Forward, in order: the input all-gathered over the feature axis when it
+//               arrives split; the router gathered when stored split; router GEMM NN
+//               [r x in x E]; softmax and top-k 3*r*E; routing counts and send positions
+//               E*r*(1+2k) + r*k; the counts' all-gather over ep; the routing statistics'
+//               all-reduce over the batch axes; the dispatch plan 3*r*k; pack the rows by
+//               destination 2*r*k*in; all-to-all of the rows; permute to expert-major
+//               2*r*k*in; expert weights gathered when stored split; per local expert GEMM NN
+//               [r*k/e x in x out]; expert biases gathered when split; bias add 2*r*k*out;
+//               permute back 2*r*k*out; all-to-all of the outputs; combine with the gates
+//               r*k*out + r*out; the activation 2*r*out (not after the last layer).
+//               Backward: activation gradient 3*r*out (not the last layer); gate gradients
+//               r*k*out + r*out; pack the output gradients times the gates 2*r*k*out; their
+//               all-to-all; permute 2*r*k*out; per expert GEMM TN [in x r*k/e x out]; bias
+//               gradient r*k*out; with an input gradient (not the first layer): the expert
+//               weights gathered again when split, per expert GEMM NT [r*k/e x out x in],
+//               permute back 2*r*k*in, the return all-to-all; softmax backward 3*r*E; router
+//               GEMM TN [in x r x E]; with an input gradient: the router gathered again when
+//               split, GEMM NT [r x E x in], combine the input gradients r*k*in + 2*r*in and,
+//               when the input was gathered, slice it 2*r*in/tp; then the gradients'
+//               reduce-scatters and all-reduces (moe_step_collectives) and the gradient
+//               scale (2 passes of the stored block) of a parameter gathered over non-batch
+//               axes. A gathered parameter's blocks are placed into [d0, d1, d2] after the
+//               all-gather, and its gradient cut into blocks before the reduce-scatter: 2 *
+//               its compute block each. With ep = 1 each all-to-all is a copy, 2 * its rows.
+//               all-to-all     (p-1)/p * S / B + (p-1) * alpha, S = what this rank sends
+//                              (its r*k rows), B = collective_bandwidth of the group's link:
+//                              a pairwise exchange moves through a rank what an all-gather's
+//                              ring does.
+//               Mixed precision adds the model input's cast (first layer), the cast of each
+//               parameter it uses and does not gather (2 * its compute block), the rounding
+//               of the expert and router weight gradients and (input gradient) of the
+//               experts' input gradients 2*r*k*in.
+//               An MoE layer reduces its gradients in its own backward (never deferred to the
+//               step's end: also with accumulation or ZeRO-1), is never prefetched and starts
+//               no FSDP prefetch of a neighbouring layer's weight (layers/mlp.cpp).
 //   scalars     the loss's all-reduce of 3 numbers over every axis: latency only.
 // With accumulation_steps > 1 every part but the optimizer runs once per micro-batch, and
 // the gradient sum adds 3 passes of the gradient per micro-batch.
@@ -79,7 +120,7 @@ namespace meshtrain {
 double overlapped_seconds(double a, double c, double overlap);
 
 // Seconds of a ring collective of `kind` on a full operand of `bytes` over `ranks` on `link`
-// (0 for one rank).
+// (0 for one rank); an all-to-all's `bytes` are what this rank sends.
 double collective_seconds(CollectiveKind kind, double bytes, int ranks, const LinkProfile& link);
 
 // One collective matmul on this rank: the GEMMs each algorithm runs, the travelling

@@ -50,18 +50,26 @@ const char* to_string(CollectiveKind kind) {
       return "all-gather";
     case CollectiveKind::reduce_scatter:
       return "reduce-scatter";
+    case CollectiveKind::all_to_all:
+      return "all-to-all";
     default:
       return "all-reduce";
   }
 }
 
-LayerAxes layer_axes(const LogicalAxes& logical) {
+LayerAxes layer_axes(const LogicalAxes& logical, bool with_experts) {
   const std::vector<std::string> hidden = logical.axes_of("hidden");
   if (hidden.size() > 1) {
     MESHTRAIN_BAD_INPUT("logical axis 'hidden' maps to ", hidden.size(),
                         " mesh axes; the MLP layers split features over at most one");
   }
-  return LayerAxes{logical.axes_of("batch"), hidden.empty() ? "" : hidden[0]};
+  LayerAxes axes{logical.axes_of("batch"), hidden.empty() ? "" : hidden[0]};
+  if (with_experts) {
+    for (const std::string& axis : logical.axes_of("expert")) {
+      if (!contains(axes.batch, axis)) axes.batch.push_back(axis);
+    }
+  }
+  return axes;
 }
 
 LayerAxes layer_axes_on(const Mesh& mesh, LayerAxes axes) {
@@ -205,8 +213,8 @@ std::vector<LayerCollective> linear_step_collectives(const LinearLayout& l, cons
     const bool gradient = what == "weight gradient" || what == "bias gradient";
     const Dtype dtype = gradient ? precision.reduce : precision.param;
     const int64_t element = dtype == Dtype::fp32 ? bytes_per_element : 2;
-    LayerCollective c{phase, kind, operand, axes, mesh.size_of(axes), std::move(shape), element,
-                      0, dim};
+    LayerCollective c{phase,   kind, operand, axes, mesh.size_of(axes), std::move(shape),
+                      element, 0,    dim};
     int64_t bytes = 0;
     if (__builtin_mul_overflow(elements_of(c.shape), element, &bytes)) {
       MESHTRAIN_BAD_INPUT("a collective operand ", format_shape(c.shape),

@@ -44,8 +44,10 @@ struct LayerAxes {
   std::string feature;             // "" = none
 };
 // From the logical axes: batch = axes_of("batch"), feature = axes_of("hidden"), which must
-// be at most one mesh axis (bad_input otherwise).
-LayerAxes layer_axes(const LogicalAxes& logical);
+// be at most one mesh axis (bad_input otherwise). with_experts (a model with MoE layers):
+// the axes of `expert` are batch axes too, appended (minor) where not already listed: outside
+// its experts an MoE model splits rows over them like over the other batch axes.
+LayerAxes layer_axes(const LogicalAxes& logical, bool with_experts = false);
 // `axes` on `mesh`: axes the mesh lacks dropped (they are of size 1). Throws bad_input when
 // the feature axis (size > 1) also splits the batch.
 LayerAxes layer_axes_on(const Mesh& mesh, LayerAxes axes);
@@ -128,7 +130,9 @@ std::string describe_linear_layout(const LinearLayout& layout);
 // an all-reduce of S bytes moves 2 * S * (n - 1) / n (a reduce-scatter then an all-gather).
 // Rounded down to whole bytes. The collective matmuls (ring, bidirectional) move the same
 // blocks as the plain collective they replace, so they count the same.
-enum class CollectiveKind { all_gather, reduce_scatter, all_reduce };
+// all_to_all: a variable all-to-all (MoE dispatch, partition/moe_layout.hpp); its operand is
+// what this rank sends, of which (n - 1) / n leaves it at uniform routing.
+enum class CollectiveKind { all_gather, reduce_scatter, all_reduce, all_to_all };
 const char* to_string(CollectiveKind kind);
 
 struct LayerCollective {

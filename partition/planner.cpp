@@ -1,6 +1,7 @@
 #include "partition/planner.hpp"
 #include "partition/zero1.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <set>
 
@@ -68,6 +69,38 @@ int64_t checked_mul(int64_t a, int64_t b) {
   return product;
 }
 
+// An MoE layer of the chain (partition/moe_layout.hpp): its layout, the stand-in linear
+// layout the chain reads (input as given, output replicated), collectives and buffers.
+template <typename Lookup>
+LayerPlan plan_moe_layer(const ShardingPlan& plan, const LinearLayerParameters& parameters,
+                         const Lookup& parameter, const Mesh& mesh, const LayerAxes& axes,
+                         FeatureLayout input, bool input_grad, const PlanOptions& options) {
+  LayerPlan l;
+  l.name = moe_layer_name(parameters.router);
+  l.moe = true;
+  const MoeLayout& m = l.moe_layout = decide_moe_layout(
+      l.name, parameter(parameters.router, l.name), parameter(parameters.weight, l.name),
+      parameter(parameters.bias, l.name), parameters.top_k, mesh, axes, input);
+  LinearLayout& s = l.layout;
+  s.layer = l.name;
+  s.in = m.in;
+  s.out = m.out;
+  s.feature_axis = m.feature_axis;
+  s.tp = m.tp;
+  s.input_layout = m.input_layout;
+  s.in_compute = m.in;
+  s.out_local = m.out;
+  l.compute = describe_moe_layout(m);
+  l.collectives = moe_step_collectives(m, mesh, plan.local_batch_rows, input_grad,
+                                       options.bytes_per_element, options.precision);
+  for (const auto& c : l.collectives) {
+    l.collective_bytes_per_step = checked_add(l.collective_bytes_per_step, c.bytes_per_rank);
+  }
+  l.notes = m.notes;
+  l.moe_buffer_bytes = moe_buffer_bytes(m, plan.local_batch_rows);
+  return l;
+}
+
 // Each layer's layout and collectives, chained like Mlp: the first layer's input has all
 // features and computes no input gradient; each next input is the previous output.
 void plan_layers(ShardingPlan& plan, const std::vector<LinearLayerParameters>& layers,
@@ -97,6 +130,15 @@ void plan_layers(ShardingPlan& plan, const std::vector<LinearLayerParameters>& l
   };
   FeatureLayout input = FeatureLayout::replicated;
   for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i].moe()) {
+      LayerPlan l = plan_moe_layer(plan, layers[i], parameter, mesh, axes, input, i > 0, options);
+      plan.totals.collective_bytes_per_step =
+          checked_add(plan.totals.collective_bytes_per_step, l.collective_bytes_per_step);
+      plan.totals.moe_buffer_bytes = checked_add(plan.totals.moe_buffer_bytes, l.moe_buffer_bytes);
+      input = l.layout.output_layout();  // replicated
+      plan.layers.push_back(std::move(l));
+      continue;
+    }
     LayerPlan l;
     l.name = linear_layer_name(layers[i].weight);
     l.layout = decide_linear_layout(l.name, parameter(layers[i].weight, l.name),
@@ -118,6 +160,7 @@ void plan_layers(ShardingPlan& plan, const std::vector<LinearLayerParameters>& l
   if (eval_batch > 0 && eval_batch != options.global_batch && eval_batch % shards == 0) {
     const int64_t rows = eval_batch / shards;
     int64_t elements = rows * (plan.layers.front().layout.in + 1);  // inputs and labels
+    // Each layer's output: out_local columns (an MoE layer's stand-in: its whole output).
     for (const LayerPlan& l : plan.layers) {
       elements = checked_add(elements, checked_mul(rows, l.layout.out_local));
     }
@@ -125,18 +168,92 @@ void plan_layers(ShardingPlan& plan, const std::vector<LinearLayerParameters>& l
   }
 }
 
+// An MoE layer's experts (dim 0 of its experts' weight or bias) that do not divide by the
+// axes splitting them: the error decide_moe_layout gives, named after the config's key.
+void check_experts_divide(const ParameterPlan& p, int dim, const Mesh& mesh,
+                          const std::vector<LinearLayerParameters>& layers) {
+  if (dim != 0) return;
+  for (const LinearLayerParameters& l : layers) {
+    if (!l.moe() || (p.name != l.weight && p.name != l.bias)) continue;
+    std::vector<std::string> axes;
+    for (const auto& a : p.spec.entries[0].axes) {
+      if (mesh.axis_size(a) > 1) axes.push_back(a);
+    }
+    const std::string layer = moe_layer_name(l.router);
+    MESHTRAIN_BAD_INPUT("model.experts = ", p.shape[0], " does not divide by the ",
+                        mesh.size_of(p.spec.entries[0].axes), " ranks of the expert axes (",
+                        join(axes), ") (layer '", layer, "', parameter '", p.name, "')");
+  }
+}
+
+// The mesh axes of size > 1 that split nothing (see make_plan), with their notes.
+void note_replicated_axes(ShardingPlan& plan, const PlanOptions& options) {
+  std::set<std::string> used;
+  for (const ParameterPlan& p : plan.parameters) {
+    for (const SpecEntry& entry : p.spec.entries) used.insert(entry.axes.begin(), entry.axes.end());
+  }
+  bool tensor_parallel = false;
+  for (const LayerPlan& l : plan.layers) {
+    tensor_parallel = tensor_parallel || l.layout.tensor_parallel;
+  }
+  for (const auto& axis : plan.mesh.axes()) {
+    if (axis.size <= 1 || used.count(axis.name) > 0) continue;
+    if (std::find(options.batch_axes.begin(), options.batch_axes.end(), axis.name) !=
+        options.batch_axes.end()) {
+      continue;
+    }
+    if (tensor_parallel && axis.name == options.feature_axis) continue;
+    plan.replicated_axes.push_back(axis.name);
+    plan.notes.push_back(replicated_axis_note(axis.name, axis.size));
+  }
+}
+
 }  // namespace
 
-std::vector<LinearLayerParameters> mlp_linear_layers(const std::vector<int64_t>& sizes) {
+std::string replicated_axis_note(const std::string& axis, int size) {
+  return "mesh axis '" + axis + "' (size " + std::to_string(size) +
+         ") splits no parameter and no batch rows: every " + axis +
+         " rank computes the same thing (compute replicated over " + axis + ")";
+}
+
+int64_t moe_buffer_bytes(const MoeLayout& m, int64_t rows) {
+  if (rows <= 0) return 0;
+  constexpr int64_t kFloat = 4;
+  constexpr int64_t kRoutedRow = 4 + 4 + 8;                       // gate, expert, send position
+  const int64_t sent = checked_mul(rows, m.top_k);                // A = R*k
+  const int64_t capacity = checked_mul(sent, std::max(m.ep, 1));  // C = ep*A
+  const int64_t two = checked_mul(capacity, 2);
+  // Forward: send buffer, received and expert-major inputs, expert outputs (expert-major and
+  // in source order), returned outputs.
+  int64_t floats = checked_mul(sent, m.in);
+  floats = checked_add(floats, checked_mul(two, m.in));
+  floats = checked_add(floats, checked_mul(two, m.out));
+  floats = checked_add(floats, checked_mul(sent, m.out));
+  // Backward: output gradients to send, the experts' input gradients.
+  floats = checked_add(floats, checked_mul(sent, m.out));
+  floats = checked_add(floats, checked_mul(capacity, m.in));
+  // Routing: logits, probabilities, their gradient.
+  floats = checked_add(floats, checked_mul(checked_mul(rows, 3), m.experts));
+  return checked_add(checked_mul(floats, kFloat), checked_mul(sent, kRoutedRow));
+}
+
+std::vector<LinearLayerParameters> mlp_linear_layers(const std::vector<int64_t>& sizes,
+                                                     const MoeSettings& moe) {
   std::vector<LinearLayerParameters> layers;
   for (size_t i = 0; i + 1 < sizes.size(); ++i) {
-    const std::string prefix = "layers/" + std::to_string(i) + "/";
-    layers.push_back({prefix + "weight", prefix + "bias"});
+    const std::string layer = "layers/" + std::to_string(i);
+    if (moe.is_moe(static_cast<int64_t>(i))) {
+      layers.push_back({moe_experts_weight_name(layer), moe_experts_bias_name(layer),
+                        moe_router_name(layer), moe.top_k});
+    } else {
+      layers.push_back({layer + "/weight", layer + "/bias"});
+    }
   }
   return layers;
 }
 
-std::vector<ParameterShape> mlp_parameter_shapes(const std::vector<int64_t>& sizes) {
+std::vector<ParameterShape> mlp_parameter_shapes(const std::vector<int64_t>& sizes,
+                                                 const MoeSettings& moe) {
   if (sizes.size() < 2) {
     MESHTRAIN_BAD_INPUT("model.sizes needs at least two sizes (input and output), got ",
                         sizes.size());
@@ -148,9 +265,15 @@ std::vector<ParameterShape> mlp_parameter_shapes(const std::vector<int64_t>& siz
   }
   std::vector<ParameterShape> shapes;
   for (size_t i = 0; i + 1 < sizes.size(); ++i) {
-    const std::string prefix = "layers/" + std::to_string(i) + "/";
-    shapes.push_back({prefix + "weight", {sizes[i], sizes[i + 1]}});
-    shapes.push_back({prefix + "bias", {sizes[i + 1]}});
+    const std::string layer = "layers/" + std::to_string(i);
+    if (moe.is_moe(static_cast<int64_t>(i))) {
+      shapes.push_back({moe_router_name(layer), {sizes[i], moe.experts}});
+      shapes.push_back({moe_experts_weight_name(layer), {moe.experts, sizes[i], sizes[i + 1]}});
+      shapes.push_back({moe_experts_bias_name(layer), {moe.experts, sizes[i + 1]}});
+      continue;
+    }
+    shapes.push_back({layer + "/weight", {sizes[i], sizes[i + 1]}});
+    shapes.push_back({layer + "/bias", {sizes[i + 1]}});
   }
   return shapes;
 }
@@ -208,6 +331,7 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
       // Each dim that does not divide is an error, or replicated (dims in increasing order).
       for (int d; (d = first_indivisible_dim(p.shape, p.spec, mesh)) >= 0;) {
         if (!rule.replicate_if_indivisible) {
+          check_experts_divide(p, d, mesh, layers);
           MESHTRAIN_BAD_INPUT("parameter '", p.name, "' ", format_shape(p.shape), ": ",
                               indivisible_dim_text(p.shape, p.spec, mesh, d), " of ",
                               describe_rule(rules, p.rule));
@@ -265,6 +389,7 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
     if (!used[i]) plan.unused_rules.push_back(static_cast<int>(i));
   }
   plan_layers(plan, layers, options);
+  note_replicated_axes(plan, options);
   return plan;
 }
 

@@ -2,8 +2,8 @@
 // The planner (docs/design.md, "Partition rules"): model shapes + mesh + rules -> for every
 // parameter the matched rule, final spec, local shape and bytes per rank, and the totals per rank;
 // given the model's linear layers, also each layer's compute layout (decide_linear_layout,
-// the same decision the layers make) and the collectives it runs per training step with
-// the bytes each moves per rank.
+// the same decision the layers make; decide_moe_layout for mixture-of-experts layers) and the
+// collectives it runs per training step with the bytes each moves per rank.
 // Pure arithmetic on shapes (no per-rank loops), so a 4096-rank plan is instant.
 
 #include <cstdint>
@@ -12,6 +12,7 @@
 
 #include "partition/linear_layout.hpp"
 #include "partition/mesh.hpp"
+#include "partition/moe_layout.hpp"
 #include "partition/partition_spec.hpp"
 #include "partition/rules.hpp"
 
@@ -23,18 +24,28 @@ struct ParameterShape {
 };
 
 // The MLP's parameters: layers/<i>/weight [in, out] and layers/<i>/bias [out], i = 0..n-2,
-// weight before bias. Throws bad_input for fewer than two sizes or a size below 1.
-std::vector<ParameterShape> mlp_parameter_shapes(const std::vector<int64_t>& sizes);
+// weight before bias; an MoE layer i (moe.is_moe(i)) has layers/<i>/router/weight [in, E],
+// layers/<i>/experts/weight [E, in, out] and layers/<i>/experts/bias [E, out] instead, in
+// that order. Throws bad_input for fewer than two sizes or a size below 1.
+std::vector<ParameterShape> mlp_parameter_shapes(const std::vector<int64_t>& sizes,
+                                                 const MoeSettings& moe = {});
 
 // The linear layers of a model, in the order they run (each one's input is the previous
 // one's output; the first one's input has all features and needs no gradient), by the
 // names of their parameters. The layer is named after its weight ("layers/0/weight" ->
 // "layers/0").
+// An MoE layer (partition/moe_layout.hpp) has a router too: weight and bias are then its
+// experts' and the layer is named after the router ("layers/1/router/weight" -> "layers/1").
 struct LinearLayerParameters {
   std::string weight, bias;
+  std::string router;  // "" for a linear layer
+  int64_t top_k = 0;   // MoE layers only
+  bool moe() const { return !router.empty(); }
 };
-// The MLP's: layers/<i>/weight and layers/<i>/bias for i = 0 .. sizes.size() - 2.
-std::vector<LinearLayerParameters> mlp_linear_layers(const std::vector<int64_t>& sizes);
+// The MLP's: layers/<i>/weight and layers/<i>/bias for i = 0 .. sizes.size() - 2, or the
+// MoE layer's three parameters where moe.is_moe(i).
+std::vector<LinearLayerParameters> mlp_linear_layers(const std::vector<int64_t>& sizes,
+                                                     const MoeSettings& moe = {});
 
 struct PlanOptions {
   int64_t min_sharding_size = 16384;  // reference default: smaller tensors are replicated
@@ -70,15 +81,37 @@ struct ParameterPlan {
   int64_t replicas = 1;            // ranks holding each block (world / split product)
 };
 
-// One linear layer: its compute layout and what it communicates per training step.
+// One layer: its compute layout and what it communicates per training step.
 struct LayerPlan {
   std::string name;  // "layers/0"
+  // A linear layer's layout. For an MoE layer (moe), a stand-in that code reading the chain
+  // can use as is: in, out (out_local = out), feature axis, input layout, not tensor
+  // parallel, output replicated; the MoE layer's own decision is moe_layout.
   LinearLayout layout;
-  std::string compute;  // describe_linear_layout(layout), as Linear::describe() after "name: "
+  bool moe = false;
+  MoeLayout moe_layout;  // MoE layers only (decide_moe_layout)
+  // describe_linear_layout(layout) or describe_moe_layout(moe_layout), as the layer's
+  // describe() after "name: "
+  std::string compute;
   std::vector<LayerCollective> collectives;  // forward then backward, in the order run
   int64_t collective_bytes_per_step = 0;     // per rank, sum over `collectives`
   std::vector<std::string> notes;            // the layout's notes (e.g. the all-reduce fallback)
+  // MoE layers: the dispatch buffers per rank (moe_buffer_bytes; 0 when the rows are unknown).
+  int64_t moe_buffer_bytes = 0;
 };
+
+// The bytes of an MoE layer's step buffers on one rank (layers/moe.cpp), for `rows` local
+// rows: worst case (every row of the expert group routed to this rank), allocated once at
+// construction. With R = rows, k = top_k, A = R*k routed rows sent, C = ep*A the capacity,
+// E experts, floats of 4 bytes:
+//   forward: send buffer A*in, received and expert-major inputs 2*C*in, expert outputs
+//   (expert-major and in source order) 2*C*out, returned outputs A*out;
+//   backward (the forward buffers reused where they can be): output gradients to send A*out,
+//   the experts' input gradients C*in;
+//   routing: logits, probabilities and their gradient 3*R*E floats, and per routed row its
+//   gate (4 B), expert (4 B) and send position (8 B).
+// Not counted (as for linear layers): the output, input gradient and gathered parameters.
+int64_t moe_buffer_bytes(const MoeLayout& layout, int64_t rows);
 
 struct PlanTotals {  // bytes per rank
   int64_t parameter_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0;
@@ -94,9 +127,12 @@ struct PlanTotals {  // bytes per rank
   // padded block of a reduce-scatter or all-gather whose rows do not divide, and the send
   // chunk of the parameters' all-gather.
   int64_t zero1_buffer_bytes = 0;
+  // MoE layers' dispatch buffers (moe_buffer_bytes, summed over the layers): worst case (all
+  // rows to one rank), allocated once at construction; 0 without MoE layers or known rows.
+  int64_t moe_buffer_bytes = 0;
   int64_t bytes_per_rank() const {
     return parameter_bytes + gradient_bytes + optimizer_bytes + accumulation_bytes +
-           evaluation_bytes + zero1_buffer_bytes;
+           evaluation_bytes + zero1_buffer_bytes + moe_buffer_bytes;
   }
 };
 
@@ -106,7 +142,11 @@ struct ShardingPlan {
   std::vector<LayerPlan> layers;          // in the order given to make_plan
   int64_t local_batch_rows = 0;           // global_batch / batch shards; 0 = unknown
   std::vector<std::string> notes;         // about the plan as a whole (a batch that does not
-                                          // divide by the batch shards)
+                                          // divide by the batch shards, replicated axes)
+  // Mesh axes of size > 1 that split no parameter (final specs), are not batch axes and are
+  // not the feature axis of a tensor-parallel layer: every rank along them computes the same
+  // thing. Each has a note (replicated_axis_note) in `notes`.
+  std::vector<std::string> replicated_axes;
   PlanTotals totals;
   std::vector<int> unused_rules;  // indices of rules that gave the spec of no parameter
   const ParameterPlan& find(const std::string& name) const;  // throws bad_input if absent
@@ -125,11 +165,21 @@ struct ShardingPlan {
 // duplicate parameter names, negative sizes, and nonsensical options.
 // With `layers`, each layer's layout and collectives are planned too (options' batch axes,
 // feature axis and global batch); bad_input also for a layer naming a parameter the model
-// lacks and what decide_linear_layout rejects. A global batch that does not divide by the
-// product of the batch axes is noted (plan.notes) and the activation collectives left out.
+// lacks and what decide_linear_layout (decide_moe_layout for an MoE layer) rejects. A global
+// batch that does not divide by the product of the batch axes is noted (plan.notes) and the
+// activation collectives left out. Layers chain as the MLP runs them: each input is laid out
+// as the previous output; an MoE layer's output is replicated. An MoE layer's experts that do
+// not divide by the axes splitting them (a rule without the replicate fallback) are bad_input
+// naming model.experts, the ranks and the layer.
+// Every mesh axis of size > 1 that splits no parameter, is not a batch axis and is not the
+// feature axis of a tensor-parallel layer is noted (replicated_axes, replicated_axis_note).
 ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh& mesh,
                        const std::vector<PartitionRule>& rules, const PlanOptions& options,
                        const std::vector<LinearLayerParameters>& layers = {});
+
+// "mesh axis 'ep' (size 2) splits no parameter and no batch rows: every ep rank computes the
+// same thing (compute replicated over ep)".
+std::string replicated_axis_note(const std::string& axis, int size);
 
 // format_shape ("[784, 512]") is declared in partition_spec.hpp.
 // "512 B", "1.50 KiB", "3.06 MiB", "2.00 GiB" (binary units).

@@ -21,18 +21,34 @@ const std::vector<std::string>& preset_names() {
   return names;
 }
 
-std::vector<PartitionRule> preset_rules(const std::string& preset) {
+std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe) {
   // Weights are [in, out] (y = x W + b). Data-parallel axes never shard parameters: dp
   // replicates them, so "dp_x" shards like "x" and the batch is split over dp as well.
   std::vector<PartitionRule> rules;
+  // MoE layers (partition/moe_layout.hpp): experts [E, in, out] and [E, out] split over ep
+  // on dim 0, the rest as the dense weight and bias; the router replicated. Experts that
+  // do not divide by ep are an error, not replicated.
+  auto experts = [&rules, moe](const std::string& weight, const std::string& bias) {
+    if (!moe) return;
+    rules.push_back(preset_rule("router/weight$", "P()"));
+    rules.push_back(preset_rule("experts/weight$", "P(ep, " + weight + ")"));
+    rules.push_back(preset_rule("experts/bias$", "P(ep, " + bias + ")"));
+    rules[rules.size() - 2].replicate_if_indivisible = false;
+  };
   if (preset == "dp" || preset == "replicated") {
-    // Nothing but the catch-all.
+    experts("None, None", "None");
   } else if (preset == "fsdp" || preset == "dp_fsdp") {
-    rules = {preset_rule("weight$", "P(fsdp, None)"), preset_rule("bias$", "P(fsdp)")};
+    experts("fsdp, None", "fsdp");
+    rules.push_back(preset_rule("weight$", "P(fsdp, None)"));
+    rules.push_back(preset_rule("bias$", "P(fsdp)"));
   } else if (preset == "tp" || preset == "dp_tp") {
-    rules = {preset_rule("weight$", "P(tp, None)"), preset_rule("bias$", "P(tp)")};
+    experts("tp, None", "tp");
+    rules.push_back(preset_rule("weight$", "P(tp, None)"));
+    rules.push_back(preset_rule("bias$", "P(tp)"));
   } else if (preset == "fsdp_tp") {
-    rules = {preset_rule("weight$", "P(tp, fsdp)"), preset_rule("bias$", "P(tp)")};
+    experts("tp, fsdp", "tp");
+    rules.push_back(preset_rule("weight$", "P(tp, fsdp)"));
+    rules.push_back(preset_rule("bias$", "P(tp)"));
   } else {
     MESHTRAIN_BAD_INPUT("unknown partition preset '", preset,
                         "' (known presets: ", join(preset_names()), ")");

@@ -20,8 +20,10 @@ struct PartitionRule {
 
 // Rules of a named preset for the MLP: "dp", "fsdp", "tp", "fsdp_tp", "dp_tp", "dp_fsdp"
 // (also "replicated"). Every preset ends with a catch-all `.*` -> P(). Unknown name:
-// bad_input naming it and listing the known ones.
-std::vector<PartitionRule> preset_rules(const std::string& preset);
+// bad_input naming it and listing the known ones. With `moe`, rules for MoE layers' parameters
+// come first: router/weight P(), experts/weight P(ep, <the dense weight's entries>),
+// experts/bias P(ep, <the dense bias's entry>).
+std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe = false);
 
 // The preset names preset_rules() knows, in a stable order.
 const std::vector<std::string>& preset_names();

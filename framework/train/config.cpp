@@ -33,7 +33,9 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& schema() {
   static const std::vector<std::pair<std::string, std::vector<std::string>>> sections = {
       {"run", {"name", "seed", "output_dir", "peak_tflops"}},
       {"mesh", {"dp", "fsdp", "ep", "tp", "sp"}},
-      {"model", {"kind", "sizes", "activation", "init", "loss"}},
+      {"model",
+       {"kind", "sizes", "activation", "init", "loss", "moe_layers", "experts", "top_k",
+        "aux_loss_coef"}},
       {"partition", {"preset", "min_sharding_size", "rules", "logical_axes", "collective_matmul"}},
       {"data",
        {"source", "path", "test_path", "batch_size", "eval_batch_size", "shuffle", "block_rows",
@@ -287,6 +289,35 @@ void read_model(const Section& s, const std::string& data_source, ModelSection& 
   losses.insert(losses.begin(), "auto");
   model.loss = s.choice("loss", model.loss, losses);
   if (model.loss == "auto") model.loss = data_source == "synthetic" ? "mse" : "cross_entropy";
+
+  if (const toml::node* layers = s.find("moe_layers")) {
+    if (!layers->is_array()) s.wrong_type("moe_layers", *layers, "an array of layer indices");
+    model.moe_layers.clear();
+    const int64_t hidden = static_cast<int64_t>(model.sizes.size()) - 2;  // layers 0 .. hidden-1
+    for (const toml::node& entry : *layers->as_array()) {
+      if (!entry.is_integer()) s.wrong_type("moe_layers", entry, "an array of layer indices");
+      const int64_t layer = entry.as_integer()->get();
+      if (layer < 0 || layer >= hidden) {
+        s.fail_at(entry.source(), "moe_layers", "entry ", layer,
+                  " is not a hidden layer: the layers followed by an activation are ",
+                  hidden > 0 ? "0 to " + std::to_string(hidden - 1) : std::string("none"),
+                  " for sizes ", render(array));
+      }
+      if (std::find(model.moe_layers.begin(), model.moe_layers.end(), layer) !=
+          model.moe_layers.end()) {
+        s.fail_at(entry.source(), "moe_layers", "lists layer ", layer, " twice");
+      }
+      model.moe_layers.push_back(layer);
+    }
+  }
+  model.experts = s.integer("experts", model.experts, 1);
+  model.top_k = s.integer("top_k", model.top_k, 1);
+  if (model.top_k > model.experts || model.top_k > 16) {
+    s.fail("top_k", "= ", model.top_k, " must not exceed experts = ", model.experts,
+           " (nor 16)");
+  }
+  model.aux_loss_coef = s.number("aux_loss_coef").value_or(model.aux_loss_coef);
+  if (model.aux_loss_coef < 0) s.fail("aux_loss_coef", "must be non-negative, got ", model.aux_loss_coef);
 }
 
 // One spec entry: "" (None), "axis", or ["axis", ...] (a tuple, major to minor).
@@ -740,6 +771,14 @@ std::string config_to_toml(const RunConfig& config) {
                     {"activation", config.model.activation},
                     {"init", config.model.init},
                     {"loss", config.model.loss}};
+  if (!config.model.moe_layers.empty()) {
+    toml::array moe_layers;
+    for (int64_t layer : config.model.moe_layers) moe_layers.push_back(layer);
+    model.insert("moe_layers", moe_layers);
+    model.insert("experts", config.model.experts);
+    model.insert("top_k", config.model.top_k);
+    model.insert("aux_loss_coef", config.model.aux_loss_coef);
+  }
   toml::array rules;
   for (const PartitionRuleText& rule : config.partition.rules) {
     rules.push_back(toml::array{rule.pattern, rule.spec.to_string()});

@@ -39,6 +39,14 @@ struct ModelSection {
   std::string activation = "relu";  // relu | tanh | gelu | none
   std::string init = "he_normal";   // he_normal | xavier_uniform | normal | zeros
   std::string loss = "auto";        // auto | cross_entropy | mse (auto: mse for synthetic)
+  // Mixture of experts (layers/moe.hpp): the layers (indices into the n-1 layers, each
+  // followed by an activation, so not the last) that are MoE layers, their experts, the
+  // experts per row and the load-balancing loss's coefficient.
+  std::vector<int64_t> moe_layers;
+  int64_t experts = 8;
+  int64_t top_k = 2;
+  double aux_loss_coef = 0.01;
+  MoeSettings moe() const { return {moe_layers, experts, top_k, aux_loss_coef}; }
 };
 
 struct PartitionRuleText {
@@ -183,6 +191,9 @@ int64_t training_steps(const RunConfig& config, int64_t steps_per_epoch);
 // ("runs/<run.name>", "<output_dir>/checkpoints"). Throws bad_input naming the key
 // ("<config.file>: model.sizes ..."; config.file defaults to "the run config").
 void check_config(RunConfig& config);
+// An MoE model's experts must divide by the ranks of the expert axes (the logical axis
+// `expert`, default ep) of `mesh`: bad_input naming model.experts otherwise.
+void check_moe_fits_mesh(const RunConfig& config, const Mesh& mesh);
 // The products of config integers the run computes (the global rows of a step, each
 // weight's bytes, a shuffle window's bytes): bad_input naming both keys when one overflows
 // 64-bit integers. Part of check_config and of load_config / parse_config.

@@ -8,6 +8,7 @@
 #include "framework/core/choices.hpp"
 #include "framework/train/config.hpp"
 #include "partition/error.hpp"
+#include "partition/logical_axes.hpp"
 #include "partition/text.hpp"
 
 namespace meshtrain {
@@ -43,9 +44,32 @@ void check_config_products(const RunConfig& config) {
     product(sizes[i], "model.sizes[" + std::to_string(i) + "]", sizes[i + 1],
             "model.sizes[" + std::to_string(i + 1) + "]", 16);
   }
+  for (int64_t layer : config.model.moe_layers) {
+    if (layer < 0 || layer + 1 >= static_cast<int64_t>(sizes.size())) continue;  // check_config
+    // An expert weight's elements, with the same margin as a dense weight.
+    const size_t i = static_cast<size_t>(layer);
+    const int64_t experts_in = product(config.model.experts, "model.experts", sizes[i],
+                                       "model.sizes[" + std::to_string(i) + "]");
+    product(experts_in, "model.experts x model.sizes[" + std::to_string(i) + "]", sizes[i + 1],
+            "model.sizes[" + std::to_string(i + 1) + "]", 16);
+  }
   const int64_t row_bytes = sizes.empty() ? 4 : 4 * (sizes.front() + sizes.back());
   product(config.data.block_rows, "data.block_rows", config.data.shuffle_window,
           "data.shuffle_window", row_bytes);
+}
+
+void check_moe_fits_mesh(const RunConfig& config, const Mesh& mesh) {
+  if (!config.model.moe().any()) return;
+  const std::vector<std::string> axes =
+      LogicalAxes::with_overrides(config.partition.logical_axes).axes_of("expert");
+  int ranks = 1;
+  for (const std::string& axis : axes) ranks *= mesh.has_axis(axis) ? mesh.axis_size(axis) : 1;
+  if (config.model.experts % ranks != 0) {
+    const std::string& where = config.file.empty() ? std::string("the run config") : config.file;
+    MESHTRAIN_BAD_INPUT(where, ": model.experts = ", config.model.experts,
+                        " does not divide by the ", ranks, " ranks of the expert axes (",
+                        join(axes), "); use a multiple of ", ranks, " experts or a smaller ep");
+  }
 }
 
 void check_config(RunConfig& config) {
@@ -80,6 +104,28 @@ void check_config(RunConfig& config) {
       fail("model.sizes", "entries must be positive integers, got ", config.model.sizes[i],
            " at index ", i);
     }
+  }
+  const ModelSection& model = config.model;
+  const int64_t layers = static_cast<int64_t>(model.sizes.size()) - 1;
+  for (size_t i = 0; i < model.moe_layers.size(); ++i) {
+    const int64_t layer = model.moe_layers[i];
+    const std::string key = "model.moe_layers[" + std::to_string(i) + "]";
+    if (layer < 0 || layer >= layers - 1) {
+      fail(key, "= ", layer, " is not a hidden layer: with ", model.sizes.size(),
+           " sizes the layers followed by an activation are 0 to ", layers - 2,
+           (layers < 2 ? " (none: add a hidden size)" : ""));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (model.moe_layers[j] == layer) fail(key, "= ", layer, " is listed twice");
+    }
+  }
+  if (model.experts < 1) fail("model.experts", "must be at least 1, got ", model.experts);
+  if (model.top_k < 1 || model.top_k > model.experts || model.top_k > 16) {
+    fail("model.top_k", "= ", model.top_k, " must be between 1 and model.experts = ", model.experts,
+         " (and at most 16)");
+  }
+  if (!(model.aux_loss_coef >= 0) || !std::isfinite(model.aux_loss_coef)) {
+    fail("model.aux_loss_coef", "must be a non-negative number, got ", model.aux_loss_coef);
   }
   check_option([&] { parse_activation(config.model.activation); });
   check_option([&] { parse_init_scheme(config.model.init); });

@@ -116,7 +116,11 @@ float counter_normal(uint64_t seed, uint64_t stream, uint64_t index) {
 }
 
 void initialize(ShardedTensor& t, InitScheme scheme, uint64_t seed) {
-  const bool is_weight = t.global_shape.size() >= 2;
+  // MoE experts are stacks over their leading dim: experts/bias [E, out] is E biases and
+  // experts/weight [E, in, out] is E weights [in, out].
+  const size_t rank = t.global_shape.size();
+  const bool named_bias = t.name.size() >= 4 && t.name.compare(t.name.size() - 4, 4, "bias") == 0;
+  const bool is_weight = rank >= 2 && !named_bias;
   if (scheme == InitScheme::zeros || (!is_weight && scheme != InitScheme::normal)) {
     fill_block(t, Draw::zero, seed, 0.0f, 0.0f, 0.0f);
     return;
@@ -125,10 +129,10 @@ void initialize(ShardedTensor& t, InitScheme scheme, uint64_t seed) {
     fill_block(t, Draw::normal, seed, 1.0f, 0.0f, 0.0f);
     return;
   }
-  const double fan_in = static_cast<double>(t.global_shape[0]);
+  const size_t in_dim = rank >= 3 ? rank - 2 : 0;
+  const double fan_in = static_cast<double>(t.global_shape[in_dim]);
   double fan_out = 1.0;
-  for (size_t d = 1; d < t.global_shape.size(); ++d)
-    fan_out *= static_cast<double>(t.global_shape[d]);
+  for (size_t d = in_dim + 1; d < rank; ++d) fan_out *= static_cast<double>(t.global_shape[d]);
   switch (scheme) {
     case InitScheme::he_normal:
       fill_block(t, Draw::normal, seed, static_cast<float>(std::sqrt(2.0 / fan_in)), 0.0f, 0.0f);

@@ -12,7 +12,9 @@
 //   normal          weights ~ N(0, 1 / fan_in) (the reference notebook's W / sqrt(n_in));
 //                   biases ~ N(0, 1) (as the notebook)
 //   zeros           everything 0
-// A tensor of rank 1 is a bias; a tensor of rank 0 is treated like a bias.
+// A tensor of rank 1 is a bias; a tensor of rank 0 is treated like a bias. MoE experts are
+// stacks over their leading dim: a name ending in "bias" is a bias at any rank
+// (experts/bias [E, out]), and a weight of rank 3 ([E, in, out]) has fan_in = in, fan_out = out.
 
 #include <cstdint>
 #include <string>

@@ -18,7 +18,7 @@ std::vector<PartitionRule> partition_rules(const RunConfig& config) {
     rules.push_back(PartitionRule{rule.pattern, rule.spec, false});
   }
   if (!config.partition.preset.empty()) {
-    for (PartitionRule& rule : preset_rules(config.partition.preset))
+    for (PartitionRule& rule : preset_rules(config.partition.preset, config.model.moe().any()))
       rules.push_back(std::move(rule));
   }
   if (rules.empty()) {
@@ -39,7 +39,8 @@ PlanOptions plan_options(const RunConfig& config) {
   settings.momentum = static_cast<float>(config.optimizer.momentum);
   options.optimizer_slots = static_cast<int>(optimizer_slot_names(settings).size());
   options.zero_stage = static_cast<int>(config.optimizer.zero_stage);
-  const LayerAxes axes = layer_axes(LogicalAxes::with_overrides(config.partition.logical_axes));
+  const LayerAxes axes = layer_axes(LogicalAxes::with_overrides(config.partition.logical_axes),
+                                    config.model.moe().any());
   options.batch_axes = axes.batch;
   options.feature_axis = axes.feature;
   options.global_batch = config.data.batch_size;

@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "partition/error.hpp"
 
 namespace meshtrain {
@@ -429,6 +431,236 @@ TEST(CostModel, DataReadByHandAndWhatPrefetchHides) {
   read.prefetch = 0;  // read inside the step: all of it adds
   add_data_read(inline_read, read, hw);
   EXPECT_NEAR(inline_read.total_s, 5e-3 + 2.4e-3, kTolerance);
+}
+
+// ---- MoE layers ----------------------------------------------------------------------
+
+// [64, 128, 128, 10], layer 1 an MoE layer (8 experts, top-k), on a mesh of ep = 2 with
+// every other axis of size 1, batch axes (fsdp, dp, ep), the fsdp preset's MoE rules:
+// 4 experts per rank, R = global_batch / 2 rows per rank.
+ShardingPlan moe_cost_plan(int64_t global_batch = 64, int64_t top_k = 2, int64_t experts = 8,
+                           PlanOptions* used = nullptr, int fsdp = 1) {
+  const Mesh mesh =
+      Mesh::create({{"dp", 1}, {"fsdp", fsdp}, {"ep", 2}, {"tp", 1}, {"sp", 1}}, 2 * fsdp, "test");
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.batch_axes = {"fsdp", "dp", "ep"};
+  options.global_batch = global_batch;
+  if (used) *used = options;
+  MoeSettings moe;
+  moe.layers = {1};
+  moe.experts = experts;
+  moe.top_k = top_k;
+  const std::vector<int64_t> sizes = {64, 128, 128, 10};
+  return make_plan(mlp_parameter_shapes(sizes, moe), mesh, preset_rules("fsdp", true), options,
+                   mlp_linear_layers(sizes, moe));
+}
+
+double layer_seconds(const StepCost& cost, const std::string& layer, const std::string& category,
+                     const std::string& prefix = "") {
+  double seconds = 0.0;
+  for (const CostItem& item : cost.items) {
+    if (item.layer == layer && (category.empty() || item.category == category) &&
+        item.what.rfind(prefix, 0) == 0) {
+      seconds += item.seconds;
+    }
+  }
+  return seconds;
+}
+
+const CostItem* find_item(const StepCost& cost, const std::string& layer, const std::string& what) {
+  for (const CostItem& item : cost.items) {
+    if (item.layer == layer && item.what == what) return &item;
+  }
+  return nullptr;
+}
+
+TEST(CostModel, AllToAllIsAPairwiseExchangeAtTheCollectiveBandwidth) {
+  LinkProfile link = slow_machine().link("ep");
+  link.all_reduce_bandwidth = 1e9;  // not the all-to-all's
+  link.reduce_scatter_bandwidth = 1e9;
+  // 1 MB sent over 4 ranks: 3/4 of it leaves, at 5e7 B/s, and 3 latencies.
+  EXPECT_NEAR(collective_seconds(CollectiveKind::all_to_all, 1e6, 4, link), 0.015 + 0.003,
+              kTolerance);
+  EXPECT_EQ(collective_seconds(CollectiveKind::all_to_all, 1e6, 1, link), 0.0);
+}
+
+// R = 32 rows, k = 2: each rank computes R*k = 64 routed rows, 16 per local expert.
+// GEMMs (2 m k n FLOPs at 1e9): the router 2*32*128*8 forward, weight and input gradient;
+// the experts 4 x 2*16*128*128 = 2*64*128*128 each way.
+TEST(CostModel, MoeLayerGemmsAtUniformRouting) {
+  PlanOptions options;
+  const ShardingPlan plan = moe_cost_plan(64, 2, 8, &options);
+  ASSERT_TRUE(plan.layers[1].moe);
+  const StepCost cost =
+      predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::naive);
+  const double router = 2.0 * 32 * 128 * 8, experts = 2.0 * 64 * 128 * 128;
+  EXPECT_NEAR(layer_seconds(cost, "layers/1", "gemm"), 3 * (router + experts) / 1e9, kTolerance);
+  const CostItem* forward =
+      find_item(cost, "layers/1", "experts x @ W 4 x [16 x 128 x 128] (uniform routing)");
+  ASSERT_NE(forward, nullptr);
+  EXPECT_EQ(forward->phase, "forward");
+  EXPECT_NEAR(forward->seconds, 4 * 2.0 * 16 * 128 * 128 / 1e9, kTolerance);
+  ASSERT_NE(find_item(cost, "layers/1", "router x @ Wr [32 x 128 x 8]"), nullptr);
+  // The shapes calibrate measures for it.
+  const std::vector<GemmShape> shapes = step_gemm_shapes(plan);
+  for (const GemmShape& g : std::vector<GemmShape>{{16, 128, 128, false, false},
+                                                   {128, 16, 128, true, false},
+                                                   {16, 128, 128, false, true},
+                                                   {32, 128, 8, false, false},
+                                                   {128, 32, 8, true, false},
+                                                   {32, 8, 128, false, true}}) {
+    EXPECT_NE(std::find(shapes.begin(), shapes.end(), g), shapes.end()) << to_string(g);
+  }
+  // A measured rate for the expert shape is what the expert GEMMs cost.
+  HardwareProfile measured = slow_machine();
+  measured.gemm_rates = {{{16, 128, 128, false, false}, 2e9}};
+  const StepCost faster = predict_step(plan, options, measured, CollectiveMatmulAlgorithm::naive);
+  EXPECT_NEAR(layer_seconds(faster, "layers/1", "gemm", "experts x @ W"), experts / 2e9,
+              kTolerance);
+  // 6 experts on ep = 2: 3 per rank, the 64 rows as 22 + 21 + 21, the FLOPs unchanged.
+  const ShardingPlan uneven = moe_cost_plan(64, 2, 6);
+  const StepCost u =
+      predict_step(uneven, options, slow_machine(), CollectiveMatmulAlgorithm::naive);
+  EXPECT_NE(find_item(u, "layers/1", "experts x @ W 1 x [22 x 128 x 128] (uniform routing)"),
+            nullptr);
+  EXPECT_NE(find_item(u, "layers/1", "experts x @ W 2 x [21 x 128 x 128] (uniform routing)"),
+            nullptr);
+  EXPECT_NEAR(layer_seconds(u, "layers/1", "gemm", "experts"), 3 * experts / 1e9, kTolerance);
+}
+
+// The four all-to-alls (dispatch and return, forward and backward) each send R*k*in floats
+// of which half leaves the rank: 1/2 * S / B + alpha; on a slow ep link they dominate, and
+// they grow with the rows and with top_k.
+TEST(CostModel, MoeLayerAllToAllsGrowWithTheirBytesOnASlowLink) {
+  PlanOptions options;
+  const ShardingPlan plan = moe_cost_plan(64, 2, 8, &options);
+  HardwareProfile hw = slow_machine();
+  const StepCost cost = predict_step(plan, options, hw, CollectiveMatmulAlgorithm::naive);
+  const double S = 64.0 * 128 * 4;
+  const CostItem* dispatch = find_item(cost, "layers/1", "all-to-all dispatched rows");
+  ASSERT_NE(dispatch, nullptr);
+  EXPECT_EQ(dispatch->group, "ep=2");
+  EXPECT_NEAR(dispatch->seconds, 0.5 * S / 5e7 + 1e-3, kTolerance);
+  EXPECT_NEAR(layer_seconds(cost, "layers/1", "collective", "all-to-all"),
+              4 * (0.5 * S / 5e7 + 1e-3), kTolerance);
+  // A slow ep link (1 MB/s in collectives): the layer takes longer by at least the four
+  // all-to-alls' extra time.
+  hw.links["ep"].collective_bandwidth = 1e6;
+  const StepCost slow = predict_step(plan, options, hw, CollectiveMatmulAlgorithm::naive);
+  const double extra = 4 * 0.5 * S * (1 / 1e6 - 1 / 5e7);
+  EXPECT_NEAR(layer_seconds(slow, "layers/1", "collective", "all-to-all") -
+                  layer_seconds(cost, "layers/1", "collective", "all-to-all"),
+              extra, 1e-9);
+  EXPECT_GE(layer_seconds(slow, "layers/1", "") - layer_seconds(cost, "layers/1", ""),
+            extra - 1e-9);
+  // More bytes, more time: top_k 1, 2, 4 and twice the rows.
+  double previous = 0.0;
+  for (int64_t k : {1, 2, 4}) {
+    const StepCost c =
+        predict_step(moe_cost_plan(64, k), options, hw, CollectiveMatmulAlgorithm::naive);
+    const double a2a = layer_seconds(c, "layers/1", "collective", "all-to-all");
+    EXPECT_NEAR(a2a, 4 * (0.5 * 32 * k * 128 * 4 / 1e6 + 1e-3), 1e-9) << k;
+    EXPECT_GT(layer_seconds(c, "layers/1", ""), previous) << k;
+    previous = layer_seconds(c, "layers/1", "");
+  }
+  PlanOptions twice;
+  const ShardingPlan big = moe_cost_plan(128, 2, 8, &twice);
+  EXPECT_GT(layer_seconds(predict_step(big, twice, hw, CollectiveMatmulAlgorithm::naive),
+                          "layers/1", "collective", "all-to-all"),
+            layer_seconds(slow, "layers/1", "collective", "all-to-all"));
+}
+
+// The memory passes of an MoE layer that is neither first nor last, in floats (R = 32,
+// k = 2, in = out = 128, E = 8), as the header lists them.
+double moe_memory_floats(double R, double k, double in, double out, double E) {
+  const double forward = 3 * R * E                      // softmax and top-k
+                         + E * R * (1 + 2 * k) + R * k  // routing counts and positions
+                         + 3 * R * k                    // dispatch plan
+                         + 2 * R * k * in               // pack rows
+                         + 2 * R * k * in               // permute to expert-major
+                         + 2 * R * k * out              // bias add
+                         + 2 * R * k * out              // permute back
+                         + (R * k * out + R * out)      // combine
+                         + 2 * R * out;                 // activation
+  const double backward = 3 * R * out                   // activation gradient
+                          + (R * k * out + R * out)     // gate gradients
+                          + 2 * R * k * out             // pack output gradients
+                          + 2 * R * k * out             // permute
+                          + R * k * out                 // bias gradient
+                          + 2 * R * k * in              // permute back
+                          + 3 * R * E                   // softmax backward
+                          + (R * k * in + 2 * R * in);  // combine input gradients
+  return forward + backward;
+}
+
+TEST(CostModel, MoeLayerMemoryPassesByHand) {
+  PlanOptions options;
+  const ShardingPlan plan = moe_cost_plan(64, 2, 8, &options);
+  const StepCost cost =
+      predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::naive);
+  EXPECT_NEAR(layer_seconds(cost, "layers/1", "memory"),
+              4 * moe_memory_floats(32, 2, 128, 128, 8) / 1e9, kTolerance);
+  // With fsdp = 2 the experts [4, 128, 128] (and biases [4, 1, 128]) are stored split and
+  // gathered: the gathered blocks are placed (the forward and the backward gather of the
+  // weights, the forward one of the biases) and the gradients cut into blocks before their
+  // reduce-scatters, 2 passes over the compute block each. R = 16.
+  const ShardingPlan split = moe_cost_plan(64, 2, 8, nullptr, 2);
+  const StepCost c = predict_step(split, options, slow_machine(), CollectiveMatmulAlgorithm::naive);
+  const double weights = 4.0 * 128 * 128, biases = 4.0 * 128;
+  EXPECT_NEAR(layer_seconds(c, "layers/1", "memory"),
+              4 * (moe_memory_floats(16, 2, 128, 128, 8) + 3 * 2 * weights + 2 * 2 * biases) / 1e9,
+              kTolerance);
+  ASSERT_NE(find_item(c, "layers/1", "place gathered blocks: expert weights"), nullptr);
+  ASSERT_NE(find_item(c, "layers/1", "cut into blocks: expert weight gradient"), nullptr);
+  // Every part of the step is in one of the categories.
+  EXPECT_NEAR(cost.total_s,
+              cost.gemm_s + cost.collective_s + cost.collective_matmul_s + cost.memory_s,
+              kTolerance);
+}
+
+// Without an expert group (ep = 1, dp = 2) every rank holds the 8 experts and each
+// all-to-all is a copy of the rows (2 passes); a first MoE layer computes no input gradient.
+TEST(CostModel, MoeLayerWithoutAnExpertGroupAndFirst) {
+  const Mesh mesh =
+      Mesh::create({{"dp", 2}, {"fsdp", 1}, {"ep", 1}, {"tp", 1}, {"sp", 1}}, 2, "test");
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.batch_axes = {"fsdp", "dp", "ep"};
+  options.global_batch = 64;
+  MoeSettings moe;
+  moe.layers = {1};
+  const std::vector<int64_t> sizes = {64, 128, 128, 10};
+  const ShardingPlan plan =
+      make_plan(mlp_parameter_shapes(sizes, moe), mesh, preset_rules("dp", true), options,
+                mlp_linear_layers(sizes, moe));
+  const StepCost cost =
+      predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::naive);
+  EXPECT_EQ(layer_seconds(cost, "layers/1", "collective", "all-to-all"), 0.0);
+  const double R = 32, k = 2, rows = R * k * 128;
+  EXPECT_NEAR(layer_seconds(cost, "layers/1", "memory"),
+              4 * (moe_memory_floats(R, k, 128, 128, 8) + 4 * 2 * rows) / 1e9, kTolerance);
+  EXPECT_NE(find_item(cost, "layers/1", "experts x @ W 8 x [8 x 128 x 128] (uniform routing)"),
+            nullptr);
+  // Layer 0 an MoE layer on ep = 2: no input-gradient GEMMs, three all-to-alls.
+  moe.layers = {0};
+  const Mesh ep =
+      Mesh::create({{"dp", 1}, {"fsdp", 1}, {"ep", 2}, {"tp", 1}, {"sp", 1}}, 2, "test");
+  const ShardingPlan first =
+      make_plan(mlp_parameter_shapes(sizes, moe), ep, preset_rules("fsdp", true), options,
+                mlp_linear_layers(sizes, moe));
+  const StepCost c = predict_step(first, options, slow_machine(), CollectiveMatmulAlgorithm::naive);
+  int all_to_alls = 0;
+  for (const CostItem& item : c.items) {
+    if (item.layer == "layers/0" && item.what.rfind("all-to-all", 0) == 0) ++all_to_alls;
+    EXPECT_FALSE(item.layer == "layers/0" && item.what.find("dY @ Wᵀ") != std::string::npos);
+    EXPECT_FALSE(item.layer == "layers/0" && item.what.find("dLogits @ Wrᵀ") != std::string::npos);
+  }
+  EXPECT_EQ(all_to_alls, 3);
+  // R = 32, 64 rows per rank: router 2*32*64*8 and experts 2*64*64*128, forward and weight
+  // gradient only.
+  EXPECT_NEAR(layer_seconds(c, "layers/0", "gemm"),
+              2 * (2.0 * 32 * 64 * 8 + 2.0 * 64 * 64 * 128) / 1e9, kTolerance);
 }
 
 TEST(CostModel, RejectsBadProfilesAndUnknownBatches) {

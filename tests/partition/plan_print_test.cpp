@@ -291,6 +291,118 @@ TEST(PlanPrint, CountsZeroOneBuffers) {
             odd + 4 * 393 * 512 + 2 * 4 * 393 * 512);
 }
 
+// An MoE model ([64, 128, 128, 10], layer 1 with 8 experts, top-2) on ep = 2, fsdp preset:
+// batch 128 over ep (64 rows per rank), 4 experts per rank.
+const char* kMoeConfig = R"(
+[mesh]
+ep = -1
+
+[partition]
+preset = "fsdp"
+min_sharding_size = 0
+
+[model]
+sizes = [64, 128, 128, 10]
+moe_layers = [1]
+experts = 8
+top_k = 2
+
+[data]
+source = "synthetic"
+
+[train]
+steps = 1
+)";
+
+TEST(PlanPrint, MoeLayerText) {
+  const RunConfig config = parse_config(kMoeConfig, "moe.toml");
+  const std::string text = plan_text(config, 2, false);
+  // 3-D experts, per-rank bytes E/ep * in * out * 4 = 256 KiB.
+  expect_contains(text,
+                  "layers/1/experts/weight  [8, 128, 128]  1     P(ep, fsdp, None)  [4, 128, 128]  "
+                  "256.00 KiB");
+  expect_contains(text, "layers/1/router/weight   [128, 8]       0     P()");
+  expect_contains(text,
+                  "layers/1: MoE in 128 -> out 128, 8 experts top-2, 4 per rank over (ep) by "
+                  "all-to-all");
+  expect_contains(text,
+                  "  experts per rank: 4 of 8 (split over ep, 2 ranks); stored per rank: expert "
+                  "weights 256.00 KiB, expert biases 2.00 KiB, router 4.00 KiB\n");
+  expect_contains(text, "  dispatch buffers: ");
+  // R*k = 128 rows of 128 floats sent, half of them leave: 32 KiB.
+  expect_contains(text,
+                  "forward   all-to-all  dispatched rows           [128, 128]   ep=2   32.00 KiB "
+                  "at uniform routing\n");
+  expect_contains(text, "  MoE buffers      ");
+  expect_contains(text, "worst case: all rows to one rank; allocated once at construction");
+  // The experts drawn as [E, in x out]: 4 experts on each rank.
+  expect_contains(text,
+                  "layers/1/experts/weight [8, 128, 128] P(ep, fsdp, None) (drawn as [8, 128 x "
+                  "128])\n+---+\n| 0 |\n+---+\n| 1 |\n+---+\n");
+  // The cost model's items for it.
+  expect_contains(text, "experts x @ W 4 x [32 x 128 x 128] (uniform routing)");
+  expect_contains(text, "all-to-all dispatched rows");
+  EXPECT_EQ(text.find("splits no parameter"), std::string::npos);
+}
+
+TEST(PlanPrint, MoeLayerJson) {
+  const RunConfig config = parse_config(kMoeConfig, "moe.toml");
+  const auto doc = nlohmann::json::parse(plan_text(config, 2, true));
+  EXPECT_EQ(doc["options"]["batch_axes"], nlohmann::json({"fsdp", "dp", "ep"}));
+  EXPECT_EQ(doc["local_batch_rows"], 64);
+  ASSERT_EQ(doc["layers"].size(), 3u);
+  EXPECT_EQ(doc["layers"][0]["moe"], false);
+  EXPECT_FALSE(doc["layers"][0].contains("moe_layout"));
+  const auto& l = doc["layers"][1];
+  EXPECT_EQ(l["name"], "layers/1");
+  EXPECT_EQ(l["moe"], true);
+  EXPECT_EQ(l["output_layout"], "replicated");
+  const auto& m = l["moe_layout"];
+  EXPECT_EQ(m["experts"], 8);
+  EXPECT_EQ(m["top_k"], 2);
+  EXPECT_EQ(m["experts_per_rank"], 4);
+  EXPECT_EQ(m["expert_axes"], nlohmann::json({"ep"}));
+  EXPECT_EQ(m["ep"], 2);
+  EXPECT_EQ(m["experts_weight"]["name"], "layers/1/experts/weight");
+  EXPECT_EQ(m["experts_weight"]["bytes_per_rank"], 4 * 128 * 128 * 4);
+  EXPECT_EQ(m["experts_weight"]["compute_shape"], nlohmann::json({4, 128, 128}));
+  EXPECT_EQ(m["router"]["gradient_allreduce_axes"], nlohmann::json({"ep"}));
+  EXPECT_GT(m["buffer_bytes_per_rank"].get<int64_t>(), 0);
+  EXPECT_EQ(doc["totals"]["moe_buffer_bytes"], m["buffer_bytes_per_rank"]);
+  int all_to_alls = 0;
+  for (const auto& c : l["collectives"]) {
+    if (c["kind"] != "all-to-all") {
+      EXPECT_FALSE(c.contains("at_uniform_routing"));
+      continue;
+    }
+    ++all_to_alls;
+    EXPECT_EQ(c["at_uniform_routing"], true);
+    EXPECT_EQ(c["axes"], nlohmann::json({"ep"}));
+    EXPECT_EQ(c["bytes_per_rank"], 64 * 2 * 128 * 4 / 2);
+  }
+  EXPECT_EQ(all_to_alls, 4);
+  const auto& parameters = doc["parameters"];
+  ASSERT_EQ(parameters.size(), 7u);
+  EXPECT_EQ(parameters[3]["local_shape"], nlohmann::json({4, 128, 128}));
+  EXPECT_EQ(parameters[3]["spec"], nlohmann::json::parse(R"(["ep", "fsdp", null])"));
+  EXPECT_GT(doc["cost"]["step_s"].get<double>(), 0.0);
+}
+
+// A mesh axis that splits nothing is a note of the plan: ep without MoE layers, sp.
+TEST(PlanPrint, NotesAxesThatSplitNothing) {
+  const RunConfig ep = parse_config(kConfig, "ep.toml", {"mesh.tp=1", "mesh.ep=2"});
+  expect_contains(plan_text(ep, 4, false),
+                  "note: mesh axis 'ep' (size 2) splits no parameter and no batch rows: every ep "
+                  "rank computes the same thing (compute replicated over ep)\n");
+  const auto doc = nlohmann::json::parse(plan_text(ep, 4, true));
+  ASSERT_EQ(doc["notes"].size(), 1u);
+  EXPECT_NE(doc["notes"][0].get<std::string>().find("mesh axis 'ep'"), std::string::npos);
+  const RunConfig sp = parse_config(kConfig, "sp.toml", {"mesh.tp=1", "mesh.sp=2"});
+  expect_contains(plan_text(sp, 4, false), "note: mesh axis 'sp' (size 2) splits no parameter");
+  EXPECT_EQ(plan_text(parse_config(kConfig, "fsdp_tp.toml"), 4, false).find("splits no parameter"),
+            std::string::npos);
+}
+
 TEST(PlanPrint, ScalingEfficiencyCountsRanksThatShareRows) {
   // Links that cost nothing: growing fsdp keeps a rank's GEMMs (its rows, its tp half of
   // each layer) and shrinks its optimizer shard (from half the model at fsdp = 2 to 1/32),

@@ -330,6 +330,308 @@ TEST(PlannerTotals, LargeMesh) {
   EXPECT_EQ(plan.find("layers/2/bias").spec, PartitionSpec());
 }
 
+// ---- Mixture of experts (partition/moe_layout.hpp) -------------------------------------
+
+// [64, 128, 128, 10] with layer 1 an MoE layer of 8 experts, top-2; batch axes with the
+// expert axis (layer_axes(..., with_experts)), global batch 64.
+const std::vector<int64_t> kMoeSizes = {64, 128, 128, 10};
+
+MoeSettings moe_settings(int64_t experts = 8, int64_t top_k = 2) {
+  MoeSettings moe;
+  moe.layers = {1};
+  moe.experts = experts;
+  moe.top_k = top_k;
+  return moe;
+}
+
+PlanOptions moe_options(int64_t global_batch = 64) {
+  PlanOptions options = no_minimum();
+  options.batch_axes = {"fsdp", "dp", "ep"};
+  options.global_batch = global_batch;
+  return options;
+}
+
+// Every known axis (dp, fsdp, ep, tp, sp), of size 1 unless given, in mesh order: what a
+// config's [mesh] resolves to.
+Mesh full_mesh(const std::vector<std::pair<std::string, int>>& sizes) {
+  std::vector<std::pair<std::string, int>> axes;
+  for (const auto& name : Mesh::known_axes()) {
+    int size = 1;
+    for (const auto& s : sizes) {
+      if (s.first == name) size = s.second;
+    }
+    axes.push_back({name, size});
+  }
+  return mesh_of(axes);
+}
+
+ShardingPlan moe_plan(const Mesh& mesh, const std::string& preset,
+                      const MoeSettings& moe = moe_settings(),
+                      const PlanOptions& options = moe_options()) {
+  return make_plan(mlp_parameter_shapes(kMoeSizes, moe), mesh, preset_rules(preset, true), options,
+                   mlp_linear_layers(kMoeSizes, moe));
+}
+
+std::vector<const LayerCollective*> of_kind(const LayerPlan& layer, CollectiveKind kind) {
+  std::vector<const LayerCollective*> out;
+  for (const auto& c : layer.collectives) {
+    if (c.kind == kind) out.push_back(&c);
+  }
+  return out;
+}
+
+const LayerCollective* find_collective(const LayerPlan& layer, const std::string& phase,
+                                       CollectiveKind kind, const std::string& operand) {
+  for (const auto& c : layer.collectives) {
+    if (c.phase == phase && c.kind == kind && c.operand == operand) return &c;
+  }
+  return nullptr;
+}
+
+bool has_note(const std::vector<std::string>& notes, const std::string& fragment) {
+  for (const auto& note : notes) {
+    if (note.find(fragment) != std::string::npos) return true;
+  }
+  return false;
+}
+
+TEST(MoePlan, ParametersAndLayersOfAnMoeModel) {
+  const auto shapes = mlp_parameter_shapes(kMoeSizes, moe_settings());
+  ASSERT_EQ(shapes.size(), 7u);
+  EXPECT_EQ(shapes[2].name, "layers/1/router/weight");
+  EXPECT_EQ(shapes[2].shape, (std::vector<int64_t>{128, 8}));
+  EXPECT_EQ(shapes[3].name, "layers/1/experts/weight");
+  EXPECT_EQ(shapes[3].shape, (std::vector<int64_t>{8, 128, 128}));
+  EXPECT_EQ(shapes[4].name, "layers/1/experts/bias");
+  EXPECT_EQ(shapes[4].shape, (std::vector<int64_t>{8, 128}));
+  const auto layers = mlp_linear_layers(kMoeSizes, moe_settings());
+  ASSERT_EQ(layers.size(), 3u);
+  EXPECT_FALSE(layers[0].moe());
+  EXPECT_TRUE(layers[1].moe());
+  EXPECT_EQ(layers[1].top_k, 2);
+}
+
+// ep = 2: the experts split over ep (4 per rank), the router replicated; four all-to-alls of
+// R*k rows (R = 32 local rows, k = 2: [64, 128]) that each move half of what a rank sends.
+TEST(MoePlan, ExpertParallelOnTwoRanks) {
+  const ShardingPlan plan = moe_plan(full_mesh({{"ep", 2}}), "fsdp");
+  EXPECT_EQ(plan.local_batch_rows, 32);
+  const auto& w = plan.find("layers/1/experts/weight");
+  EXPECT_EQ(w.spec.to_string(), "P(ep, fsdp, None)");
+  EXPECT_EQ(w.local_shape, (std::vector<int64_t>{4, 128, 128}));
+  EXPECT_EQ(w.bytes_per_rank, 8 / 2 * 128 * 128 * 4);  // E/ep * in * out * 4
+  EXPECT_EQ(w.replicas, 1);
+  EXPECT_EQ(plan.find("layers/1/experts/bias").spec.to_string(), "P(ep, fsdp)");
+  EXPECT_EQ(plan.find("layers/1/experts/bias").local_shape, (std::vector<int64_t>{4, 128}));
+  EXPECT_EQ(plan.find("layers/1/router/weight").spec.to_string(), "P()");
+  EXPECT_EQ(plan.find("layers/1/router/weight").replicas, 2);
+
+  ASSERT_EQ(plan.layers.size(), 3u);
+  EXPECT_FALSE(plan.layers[0].moe);
+  const LayerPlan& l = plan.layers[1];
+  EXPECT_TRUE(l.moe);
+  EXPECT_EQ(l.name, "layers/1");
+  EXPECT_EQ(l.compute, describe_moe_layout(l.moe_layout));
+  EXPECT_EQ(l.compute.rfind("MoE in 128 -> out 128, 8 experts top-2, 4 per rank over (ep) by "
+                            "all-to-all",
+                            0),
+            0u)
+      << l.compute;
+  EXPECT_EQ(l.moe_layout.ep, 2);
+  EXPECT_EQ(l.moe_layout.experts_local, 4);
+  EXPECT_EQ(l.moe_layout.expert_axes, (std::vector<std::string>{"ep"}));
+  const auto all_to_alls = of_kind(l, CollectiveKind::all_to_all);
+  ASSERT_EQ(all_to_alls.size(), 4u);  // dispatch and return, forward and backward
+  for (const LayerCollective* c : all_to_alls) {
+    EXPECT_EQ(c->axes, (std::vector<std::string>{"ep"}));
+    EXPECT_EQ(c->ranks, 2);
+    EXPECT_EQ(c->shape, (std::vector<int64_t>{64, 128}));
+    EXPECT_EQ(c->bytes_per_rank, 32 * 2 * 128 * 4 * (2 - 1) / 2);  // R*k*in*4*(ep-1)/ep
+  }
+  EXPECT_EQ(all_to_alls[0]->phase, "forward");
+  EXPECT_EQ(all_to_alls[0]->operand, "dispatched rows");
+  EXPECT_EQ(all_to_alls[3]->phase, "backward");
+  EXPECT_EQ(all_to_alls[3]->operand, "dispatched row gradients");
+  int64_t sum = 0;
+  for (const auto& c : l.collectives) sum += c.bytes_per_rank;
+  EXPECT_EQ(l.collective_bytes_per_step, sum);
+  int64_t total = 0;
+  for (const auto& layer : plan.layers) total += layer.collective_bytes_per_step;
+  EXPECT_EQ(plan.totals.collective_bytes_per_step, total);
+
+  // The chain: the dense layer 0 feeds the MoE layer, whose output is replicated.
+  EXPECT_EQ(l.layout.in, 128);
+  EXPECT_EQ(l.layout.out_local, 128);
+  EXPECT_EQ(l.layout.output_layout(), FeatureLayout::replicated);
+  EXPECT_FALSE(l.layout.tensor_parallel);
+  EXPECT_EQ(plan.layers[2].layout.input_layout, FeatureLayout::replicated);
+  // The dense layers' gradients are all-reduced over ep, a batch axis of an MoE model.
+  EXPECT_NE(
+      find_collective(plan.layers[0], "backward", CollectiveKind::all_reduce, "weight gradient"),
+      nullptr);
+
+  // Dispatch buffers (layers/moe.cpp), worst case (R = 32, k = 2, A = R*k = 64 rows sent,
+  // capacity C = ep*A = 128, in = out = 128, E = 8): send A*in, received and expert-major
+  // 2*C*in, expert outputs 2*C*out, returned A*out, output gradients to send A*out, the
+  // experts' input gradients C*in, routing 3*R*E floats; 16 B per routed row.
+  const int64_t floats =
+      64 * 128 + 2 * 128 * 128 + 2 * 128 * 128 + 64 * 128 + 64 * 128 + 128 * 128 + 3 * 32 * 8;
+  const int64_t buffers = 4 * floats + 16 * 64;
+  EXPECT_EQ(l.moe_buffer_bytes, buffers);
+  EXPECT_EQ(plan.totals.moe_buffer_bytes, buffers);
+  EXPECT_EQ(plan.totals.bytes_per_rank(), plan.totals.parameter_bytes + plan.totals.gradient_bytes +
+                                              plan.totals.optimizer_bytes + buffers);
+  EXPECT_TRUE(plan.replicated_axes.empty());
+  EXPECT_TRUE(plan.notes.empty()) << plan.notes.front();
+}
+
+// ep = 4 x fsdp = 2: each rank stores 2 experts' halves (rows over fsdp), gathers them over
+// fsdp before use and reduce-scatters their gradient; the all-to-alls run over ep = 4.
+TEST(MoePlan, ExpertsOverEpAndFsdp) {
+  const ShardingPlan plan = moe_plan(full_mesh({{"fsdp", 2}, {"ep", 4}}), "fsdp");
+  EXPECT_EQ(plan.local_batch_rows, 8);  // 64 rows over (fsdp, ep) = 8
+  const auto& w = plan.find("layers/1/experts/weight");
+  EXPECT_EQ(w.spec.to_string(), "P(ep, fsdp, None)");
+  EXPECT_EQ(w.local_shape, (std::vector<int64_t>{2, 64, 128}));
+  EXPECT_EQ(w.bytes_per_rank, 8 / 4 * 128 * 128 * 4 / 2);  // E/ep * in * out * 4, halved
+  const LayerPlan& l = plan.layers[1];
+  ASSERT_TRUE(l.moe);
+  EXPECT_EQ(l.moe_layout.experts_local, 2);
+  EXPECT_EQ(l.moe_layout.experts_weight.gather(), (std::vector<std::string>{"fsdp"}));
+  const LayerCollective* gather =
+      find_collective(l, "forward", CollectiveKind::all_gather, "expert weights");
+  ASSERT_NE(gather, nullptr);
+  EXPECT_EQ(gather->shape, (std::vector<int64_t>{2, 128, 128}));
+  EXPECT_EQ(gather->bytes_per_rank, 2 * 128 * 128 * 4 / 2);
+  EXPECT_NE(
+      find_collective(l, "backward", CollectiveKind::reduce_scatter, "expert weight gradient"),
+      nullptr);
+  const auto all_to_alls = of_kind(l, CollectiveKind::all_to_all);
+  ASSERT_EQ(all_to_alls.size(), 4u);
+  for (const LayerCollective* c : all_to_alls) {
+    EXPECT_EQ(c->axes, (std::vector<std::string>{"ep"}));
+    EXPECT_EQ(c->ranks, 4);
+    EXPECT_EQ(c->bytes_per_rank, 8 * 2 * 128 * 4 * 3 / 4);
+  }
+  // The router sees every row: its gradient is all-reduced over (fsdp, ep).
+  const LayerCollective* router =
+      find_collective(l, "backward", CollectiveKind::all_reduce, "router gradient");
+  ASSERT_NE(router, nullptr);
+  EXPECT_EQ(router->axes, (std::vector<std::string>{"fsdp", "ep"}));
+  // Worst case: all ep * R * k = 64 rows at one rank (A = R * k = 16 sent by each).
+  EXPECT_EQ(l.moe_buffer_bytes, 4 * (16 * 128 + 2 * 64 * 128 + 2 * 64 * 128 + 16 * 128 + 16 * 128 +
+                                     64 * 128 + 3 * 8 * 8) +
+                                    16 * 16);
+  EXPECT_TRUE(plan.notes.empty());
+}
+
+// ep x dp: the experts replicated over dp, so their gradients are all-reduced over dp; the
+// router's over (dp, ep).
+TEST(MoePlan, ExpertsOverEpWithDataParallel) {
+  const ShardingPlan plan = moe_plan(full_mesh({{"dp", 2}, {"ep", 2}}), "dp");
+  EXPECT_EQ(plan.local_batch_rows, 16);
+  const auto& w = plan.find("layers/1/experts/weight");
+  EXPECT_EQ(w.spec.to_string(), "P(ep, None, None)");
+  EXPECT_EQ(w.bytes_per_rank, 8 / 2 * 128 * 128 * 4);
+  EXPECT_EQ(w.replicas, 2);
+  const LayerPlan& l = plan.layers[1];
+  const LayerCollective* experts =
+      find_collective(l, "backward", CollectiveKind::all_reduce, "expert weight gradient");
+  ASSERT_NE(experts, nullptr);
+  EXPECT_EQ(experts->axes, (std::vector<std::string>{"dp"}));
+  EXPECT_EQ(experts->shape, (std::vector<int64_t>{4, 128, 128}));
+  const LayerCollective* router =
+      find_collective(l, "backward", CollectiveKind::all_reduce, "router gradient");
+  ASSERT_NE(router, nullptr);
+  EXPECT_EQ(router->axes, (std::vector<std::string>{"dp", "ep"}));
+  for (const LayerCollective* c : of_kind(l, CollectiveKind::all_to_all)) {
+    EXPECT_EQ(c->axes, (std::vector<std::string>{"ep"}));
+    EXPECT_EQ(c->bytes_per_rank, 16 * 2 * 128 * 4 / 2);
+  }
+  EXPECT_EQ(of_kind(l, CollectiveKind::all_gather).size(), 1u);  // the expert counts only
+  EXPECT_TRUE(plan.notes.empty());
+}
+
+// Without a global batch the activation-sized all-to-alls and the buffers are left out; the
+// first layer being MoE computes no input gradient (no return all-to-all backward).
+TEST(MoePlan, UnknownBatchAndFirstLayer) {
+  const ShardingPlan unknown =
+      moe_plan(full_mesh({{"ep", 2}}), "fsdp", moe_settings(), moe_options(0));
+  EXPECT_TRUE(of_kind(unknown.layers[1], CollectiveKind::all_to_all).empty());
+  EXPECT_EQ(unknown.totals.moe_buffer_bytes, 0);
+  MoeSettings first = moe_settings();
+  first.layers = {0};
+  const ShardingPlan plan =
+      make_plan(mlp_parameter_shapes(kMoeSizes, first), full_mesh({{"ep", 2}}),
+                preset_rules("fsdp", true), moe_options(), mlp_linear_layers(kMoeSizes, first));
+  ASSERT_TRUE(plan.layers[0].moe);
+  EXPECT_EQ(of_kind(plan.layers[0], CollectiveKind::all_to_all).size(), 3u);
+  EXPECT_EQ(find_collective(plan.layers[0], "backward", CollectiveKind::all_to_all,
+                            "dispatched row gradients"),
+            nullptr);
+  // Experts that do not divide by ep are an error naming the key, the ranks and the layer.
+  expect_bad_input(
+      [] {
+        moe_plan(full_mesh({{"ep", 4}}), "fsdp", moe_settings(6));
+      },
+      {"model.experts = 6 does not divide by the 4 ranks of the expert axes (ep)", "'layers/1'",
+       "'layers/1/experts/weight'"});
+  // Without the layers it is the rule's error.
+  expect_bad_input(
+      [] {
+        make_plan(mlp_parameter_shapes(kMoeSizes, moe_settings(6)), full_mesh({{"ep", 4}}),
+                  preset_rules("fsdp", true), moe_options());
+      },
+      {"'layers/1/experts/weight'", "dim 0", "size 6", "ep=4"});
+}
+
+// The evaluation batch's buffers count an MoE layer's output like a linear layer's.
+TEST(MoePlan, EvaluationBytesIncludeMoeOutputs) {
+  PlanOptions options = moe_options();
+  options.eval_global_batch = 128;  // 64 rows per rank on ep = 2
+  const ShardingPlan plan = moe_plan(full_mesh({{"ep", 2}}), "fsdp", moe_settings(), options);
+  EXPECT_EQ(plan.totals.evaluation_bytes, 4 * 64 * (64 + 1 + 128 + 128 + 10));
+}
+
+// A mesh axis that splits no parameter and no batch rows repeats the same compute on each of
+// its ranks: the plan says so.
+TEST(ReplicatedAxes, NotedWhenAnAxisSplitsNothing) {
+  const std::string ep_note =
+      "mesh axis 'ep' (size 2) splits no parameter and no batch rows: every ep rank computes "
+      "the same thing (compute replicated over ep)";
+  EXPECT_EQ(replicated_axis_note("ep", 2), ep_note);
+  PlanOptions options = no_minimum();
+  options.global_batch = 64;
+  // ep = 2 without MoE layers: nothing uses ep.
+  const ShardingPlan ep =
+      make_plan(mlp_parameter_shapes(kMnist), full_mesh({{"fsdp", 2}, {"ep", 2}}),
+                preset_rules("fsdp"), options, mlp_linear_layers(kMnist));
+  EXPECT_EQ(ep.replicated_axes, (std::vector<std::string>{"ep"}));
+  EXPECT_EQ(ep.notes, (std::vector<std::string>{ep_note}));
+  // sp is never a batch axis by default.
+  const ShardingPlan sp = make_plan(mlp_parameter_shapes(kMnist), full_mesh({{"dp", 2}, {"sp", 2}}),
+                                    preset_rules("dp"), options, mlp_linear_layers(kMnist));
+  EXPECT_EQ(sp.replicated_axes, (std::vector<std::string>{"sp"}));
+  EXPECT_TRUE(has_note(sp.notes, "mesh axis 'sp' (size 2) splits no parameter"));
+  // tp with rules that split nothing over it (no layer is tensor parallel).
+  const ShardingPlan tp = make_plan(mlp_parameter_shapes(kMnist), full_mesh({{"dp", 2}, {"tp", 2}}),
+                                    preset_rules("dp"), options, mlp_linear_layers(kMnist));
+  EXPECT_EQ(tp.replicated_axes, (std::vector<std::string>{"tp"}));
+  // Normal meshes: nothing to say.
+  for (const auto& [mesh, preset] : std::vector<std::pair<Mesh, std::string>>{
+           {full_mesh({{"fsdp", 4}}), "fsdp"},
+           {full_mesh({{"dp", 4}}), "dp"},
+           {full_mesh({{"tp", 4}}), "tp"},
+           {full_mesh({{"dp", 2}, {"fsdp", 2}, {"tp", 2}}), "fsdp_tp"}}) {
+    const ShardingPlan plan = make_plan(mlp_parameter_shapes(kMnist), mesh, preset_rules(preset),
+                                        options, mlp_linear_layers(kMnist));
+    EXPECT_TRUE(plan.replicated_axes.empty()) << preset;
+    EXPECT_TRUE(plan.notes.empty()) << preset << ": " << plan.notes.front();
+  }
+  // An MoE model's ep splits the experts and the rows: no note.
+  EXPECT_TRUE(moe_plan(full_mesh({{"ep", 2}}), "fsdp").replicated_axes.empty());
+}
+
 TEST(Format, BytesAndShapes) {
   EXPECT_EQ(format_bytes(0), "0 B");
   EXPECT_EQ(format_bytes(1023), "1023 B");
@@ -338,6 +640,7 @@ TEST(Format, BytesAndShapes) {
   EXPECT_EQ(format_bytes(3LL << 30), "3.00 GiB");
   EXPECT_EQ(format_shape({784, 512}), "[784, 512]");
   EXPECT_EQ(format_shape({}), "[]");
+  EXPECT_EQ(format_shape({8, 128, 64}), "[8, 128, 64]");
 }
 
 }  // namespace

@@ -1,0 +1,251 @@
+#include "partition/moe_layout.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+#include "partition/error.hpp"
+#include "partition/text.hpp"
+
+namespace meshtrain {
+namespace {
+
+bool contains(const std::vector<std::string>& list, const std::string& item) {
+  return std::find(list.begin(), list.end(), item) != list.end();
+}
+
+std::vector<std::string> active(const Mesh& mesh, const std::vector<std::string>& axes) {
+  std::vector<std::string> out;
+  for (const auto& a : axes) {
+    if (mesh.has_axis(a) && mesh.axis_size(a) > 1) out.push_back(a);
+  }
+  return out;
+}
+
+std::string tuple_text(const std::vector<std::string>& axes) {
+  return "(" + join(axes) + ")";
+}
+
+// The storage of a parameter seen as [d0, d1, d2] with d0 split over `split_dim0` (the
+// expert axes, or none) and the spec entries `entry1`, `entry2` on d1 and d2.
+MoeParameterStorage storage(const std::string& name, const std::vector<int64_t>& dims,
+                            int split_dim0, const std::vector<std::string>& entry1,
+                            const std::vector<std::string>& entry2,
+                            const std::vector<std::string>& reduced_batch, const Mesh& mesh,
+                            const std::vector<std::string>& batch) {
+  MoeParameterStorage s;
+  s.name = name;
+  s.gather_dim1 = active(mesh, entry1);
+  s.gather_dim2 = active(mesh, entry2);
+  const int64_t d0 = dims[0] / split_dim0;
+  s.compute = {d0, dims[1], dims[2]};
+  s.stored = {d0, dims[1] / mesh.size_of(s.gather_dim1), dims[2] / mesh.size_of(s.gather_dim2)};
+  for (const auto& a : s.gather()) {
+    if (!contains(batch, a)) s.nonbatch_replication *= mesh.axis_size(a);
+  }
+  for (const auto& a : reduced_batch) {
+    if (!contains(s.gather_dim1, a) && !contains(s.gather_dim2, a)) s.allreduce.push_back(a);
+  }
+  return s;
+}
+
+}  // namespace
+
+bool MoeSettings::is_moe(int64_t layer) const {
+  return std::find(layers.begin(), layers.end(), layer) != layers.end();
+}
+
+std::vector<std::string> MoeParameterStorage::gather() const {
+  std::vector<std::string> axes = gather_dim1;
+  axes.insert(axes.end(), gather_dim2.begin(), gather_dim2.end());
+  return axes;
+}
+
+std::string moe_router_name(const std::string& layer) {
+  return layer + "/router/weight";
+}
+std::string moe_experts_weight_name(const std::string& layer) {
+  return layer + "/experts/weight";
+}
+std::string moe_experts_bias_name(const std::string& layer) {
+  return layer + "/experts/bias";
+}
+std::string moe_layer_name(const std::string& router_name) {
+  return router_name.substr(0, router_name.rfind("/router"));
+}
+
+MoeLayout decide_moe_layout(const std::string& layer, const LinearParameter& router,
+                            const LinearParameter& experts_weight,
+                            const LinearParameter& experts_bias, int64_t top_k, const Mesh& mesh,
+                            const LayerAxes& requested_axes, FeatureLayout input_layout) {
+  const auto& rs = router.shape;
+  const auto& ws = experts_weight.shape;
+  const auto& bs = experts_bias.shape;
+  if (rs.size() != 2 || ws.size() != 3 || bs.size() != 2 || rs[1] != ws[0] || ws[0] != bs[0] ||
+      rs[0] != ws[1] || ws[2] != bs[1]) {
+    MESHTRAIN_BAD_INPUT("MoE layer '", layer, "' needs '", router.name, "' [in, experts], '",
+                        experts_weight.name, "' [experts, in, out] and '", experts_bias.name,
+                        "' [experts, out]; got ", format_shape(rs), ", ", format_shape(ws), " and ",
+                        format_shape(bs));
+  }
+  const LayerAxes axes = layer_axes_on(mesh, requested_axes);
+  MoeLayout l;
+  l.layer = layer;
+  l.in = ws[1];
+  l.out = ws[2];
+  l.experts = ws[0];
+  l.top_k = top_k;
+  if (top_k < 1 || top_k > l.experts) {
+    MESHTRAIN_BAD_INPUT("MoE layer '", layer, "': top_k = ", top_k, " must be between 1 and its ",
+                        l.experts, " experts");
+  }
+  l.batch_axes = active(mesh, axes.batch);
+  l.feature_axis = axes.feature;
+  l.tp = axes.feature.empty() ? 1 : mesh.axis_size(axes.feature);
+  l.input_layout = l.tp > 1 ? input_layout : FeatureLayout::replicated;
+  if (l.gathers_input() && l.in % l.tp != 0) {
+    MESHTRAIN_BAD_INPUT("MoE layer '", layer, "': its ", l.in,
+                        " input features do not split over mesh axis '", l.feature_axis,
+                        "' of size ", l.tp);
+  }
+
+  const PartitionSpec wspec = experts_weight.spec.with_rank(3);
+  const PartitionSpec bspec = experts_bias.spec.with_rank(2);
+  const PartitionSpec rspec = router.spec.with_rank(2);
+  l.expert_axes = active(mesh, wspec.entries[0].axes);
+  const std::vector<std::string> bias_experts = active(mesh, bspec.entries[0].axes);
+  if (!bias_experts.empty() && bias_experts != l.expert_axes) {
+    MESHTRAIN_BAD_INPUT(
+        "MoE layer '", layer, "': '", experts_bias.name, "' splits its experts over ",
+        tuple_text(active(mesh, bspec.entries[0].axes)), " but '", experts_weight.name, "' over ",
+        tuple_text(l.expert_axes), "; give both the same dim-0 axes");
+  }
+  for (const auto& a : l.expert_axes) {
+    if (!contains(l.batch_axes, a)) {
+      MESHTRAIN_BAD_INPUT("MoE layer '", layer, "': '", experts_weight.name,
+                          "' splits its experts over mesh axis '", a,
+                          "', which does not split the batch; split experts over ep (or "
+                          "another batch axis)");
+    }
+  }
+  l.ep = mesh.size_of(l.expert_axes);
+  if (l.experts % l.ep != 0) {
+    MESHTRAIN_BAD_INPUT("model.experts = ", l.experts, " does not divide by the ", l.ep,
+                        " ranks of the expert axes ", tuple_text(l.expert_axes), " (layer '", layer,
+                        "')");
+  }
+  l.experts_local = l.experts / l.ep;
+
+  std::vector<std::string> expert_batch;  // batch axes that do not split the experts
+  for (const auto& a : l.batch_axes) {
+    if (!contains(l.expert_axes, a)) expert_batch.push_back(a);
+  }
+  l.router = storage(router.name, {1, l.in, l.experts}, 1, rspec.entries[0].axes,
+                     rspec.entries[1].axes, l.batch_axes, mesh, l.batch_axes);
+  l.experts_weight =
+      storage(experts_weight.name, {l.experts, l.in, l.out}, l.ep, wspec.entries[1].axes,
+              wspec.entries[2].axes, expert_batch, mesh, l.batch_axes);
+  const bool bias_whole = bias_experts.empty() && l.ep > 1;
+  l.experts_bias =
+      storage(experts_bias.name, {l.experts, 1, l.out}, bias_whole ? 1 : l.ep, {},
+              bspec.entries[1].axes, bias_whole ? l.batch_axes : expert_batch, mesh, l.batch_axes);
+  l.experts_bias.all_experts = bias_whole;
+  if (l.tp > 1) {
+    l.notes.push_back("not tensor parallel: every " + l.feature_axis +
+                      " rank computes the whole MoE layer");
+  }
+  return l;
+}
+
+std::string describe_moe_layout(const MoeLayout& l) {
+  std::ostringstream s;
+  s << "MoE in " << l.in;
+  if (l.gathers_input()) s << " (split " << l.input_width() << ", gathered)";
+  s << " -> out " << l.out << ", " << l.experts << " experts top-" << l.top_k;
+  if (l.ep > 1) {
+    s << ", " << l.experts_local << " per rank over " << tuple_text(l.expert_axes)
+      << " by all-to-all";
+  }
+  if (!l.experts_weight.gather().empty()) {
+    s << ", experts gathered over " << tuple_text(l.experts_weight.gather());
+  }
+  if (!l.experts_weight.allreduce.empty()) {
+    s << ", expert grads all-reduced over " << tuple_text(l.experts_weight.allreduce);
+  }
+  if (!l.router.gather().empty()) s << ", router gathered over " << tuple_text(l.router.gather());
+  if (!l.router.allreduce.empty()) {
+    s << ", router grads all-reduced over " << tuple_text(l.router.allreduce);
+  }
+  return s.str();
+}
+
+std::vector<LayerCollective> moe_step_collectives(const MoeLayout& l, const Mesh& mesh,
+                                                  int64_t rows, bool input_grad,
+                                                  int64_t bytes_per_element,
+                                                  const MixedPrecision& precision) {
+  MESHTRAIN_REQUIRE(rows >= 0 && bytes_per_element >= 1, "rows ", rows, ", bytes_per_element ",
+                    bytes_per_element);
+  std::vector<LayerCollective> out;
+  auto add = [&](const char* phase, CollectiveKind kind, const char* operand,
+                 const std::vector<std::string>& axes, std::vector<int64_t> shape, Dtype dtype,
+                 int dim = 0, int64_t element_bytes = 0) {
+    if (axes.empty()) return;
+    const int64_t element = element_bytes > 0      ? element_bytes
+                            : dtype == Dtype::fp32 ? bytes_per_element
+                                                   : 2;
+    int64_t elements = 1;
+    for (int64_t d : shape) elements *= d;
+    LayerCollective c{phase,   kind, operand, axes, mesh.size_of(axes), std::move(shape),
+                      element, 0,    dim};
+    c.bytes_per_rank = collective_bytes_per_rank(kind, elements * element, c.ranks);
+    out.push_back(std::move(c));
+  };
+  const Dtype param = precision.param, reduce = precision.reduce;
+  const std::vector<std::string> features =
+      l.tp > 1 ? std::vector<std::string>{l.feature_axis} : std::vector<std::string>{};
+  auto gather = [&](const char* phase, const char* operand, const MoeParameterStorage& p) {
+    add(phase, CollectiveKind::all_gather, operand, p.gather(), p.compute, param);
+  };
+  auto reduce_gradient = [&](const char* operand, const MoeParameterStorage& p) {
+    add("backward", CollectiveKind::reduce_scatter, operand, p.gather(), p.compute, reduce);
+    add("backward", CollectiveKind::all_reduce, operand, p.allreduce, p.stored, reduce);
+  };
+  const bool activations = rows > 0;
+  const int64_t assignments = rows * l.top_k;  // (row, expert) pairs a rank dispatches
+
+  if (activations && l.gathers_input()) {
+    add("forward", CollectiveKind::all_gather, "input", features, {rows, l.in}, param, 1);
+  }
+  gather("forward", "router", l.router);
+  // The routing statistics of the load-balancing loss: per expert, rows and probability sums
+  // (doubles).
+  add("forward", CollectiveKind::all_reduce, "routing statistics", l.batch_axes, {2, l.experts},
+      Dtype::fp32, 0, 8);
+  gather("forward", "expert weights", l.experts_weight);
+  gather("forward", "expert biases", l.experts_bias);
+  add("forward", CollectiveKind::all_gather, "expert counts", l.expert_axes, {l.ep, l.experts},
+      Dtype::fp32);
+  if (activations) {
+    add("forward", CollectiveKind::all_to_all, "dispatched rows", l.expert_axes,
+        {assignments, l.in}, param);
+    add("forward", CollectiveKind::all_to_all, "expert outputs", l.expert_axes,
+        {assignments, l.out}, param);
+  }
+  if (input_grad) {  // only the input gradient needs the weights again
+    gather("backward", "router", l.router);
+    gather("backward", "expert weights", l.experts_weight);
+  }
+  if (activations) {
+    add("backward", CollectiveKind::all_to_all, "expert output gradients", l.expert_axes,
+        {assignments, l.out}, param);
+    if (input_grad) {
+      add("backward", CollectiveKind::all_to_all, "dispatched row gradients", l.expert_axes,
+          {assignments, l.in}, param);
+    }
+  }
+  reduce_gradient("expert weight gradient", l.experts_weight);
+  reduce_gradient("expert bias gradient", l.experts_bias);
+  reduce_gradient("router gradient", l.router);
+  return out;
+}
+
+}  // namespace meshtrain
