@@ -337,8 +337,10 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
         } else {
           const RunConfig config = load_config(config_path, overrides);
           mesh = config.mesh.resolve(world);
-          plan = make_plan(mlp_parameter_shapes(config.model.sizes), *mesh, partition_rules(config),
-                           plan_options(config), mlp_linear_layers(config.model.sizes));
+          const MoeSettings moe = config.model.moe();
+          plan = make_plan(mlp_parameter_shapes(config.model.sizes, moe), *mesh,
+                           partition_rules(config), plan_options(config),
+                           mlp_linear_layers(config.model.sizes, moe));
           if (plan->local_batch_rows <= 0) plan.reset();
         }
       })) {

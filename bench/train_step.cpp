@@ -11,6 +11,9 @@
 // fsdp_tp -> fsdp=N/2 x tp=2, dp_tp -> dp=N/2 x tp=2, dp_fsdp -> dp=N/2 x fsdp=2; the
 // partition preset of the same name, min_sharding_size 0 (every tensor that divides is
 // sharded). zero1 -> dp=N with the dp preset and optimizer.zero_stage = 1 (ZeRO-1).
+// ep -> ep=N with the dp preset (MoE models: --moe-layers 1 --experts 8 --top-k 2; the
+// experts split over ep, everything else replicated); with MoE layers the other modes add
+// ep=1 (experts replicated: each rank computes every expert its rows choose).
 //
 // The data is one global batch made in code (random inputs, labels row % classes, the same
 // rows on every mesh), loaded once before timing: data loading is not measured. Each timed step is
@@ -18,7 +21,8 @@
 // Kokkos allocations and C++ heap allocations (operator new) made inside the timed steps:
 // both should be 0 (--trace-allocations N prints where the first N heap ones come from).
 //
-//   flops_per_step          6 * batch * sum(in * out)   (forward 2, backward 4)
+//   flops_per_step          6 * batch * sum(in * out)   (forward 2, backward 4; an MoE
+//                           layer counts its router and top_k experts: what a row uses)
 //   roofline_samples_per_s  ranks * sgemm_gflops * 1e9 / (flops_per_step / batch)
 //   ratio                   samples_per_s / roofline_samples_per_s
 //   ratio_cpu               the same from CPU times (step: the largest rank's; sgemm: rank
@@ -130,6 +134,8 @@ std::vector<std::pair<std::string, int>> axes_for_mode(const std::string& mode, 
   std::vector<std::pair<std::string, int>> axes;
   if (mode == "dp" || mode == "fsdp" || mode == "tp") {
     axes = {{mode, world}};
+  } else if (mode == "ep") {
+    axes = {{"dp", 1}, {"ep", world}};
   } else if (mode == "zero1") {
     axes = {{"dp", world}};
   } else if (mode == "fsdp_tp") {
@@ -140,7 +146,7 @@ std::vector<std::pair<std::string, int>> axes_for_mode(const std::string& mode, 
     axes = {{"dp", -1}, {"fsdp", 2}};
   } else {
     MESHTRAIN_BAD_INPUT("--mode '", mode,
-                        "' is not one of dp, fsdp, tp, fsdp_tp, dp_tp, dp_fsdp, zero1");
+                        "' is not one of dp, fsdp, tp, fsdp_tp, dp_tp, dp_fsdp, zero1, ep");
   }
   return axes;
 }
@@ -245,7 +251,12 @@ int main(int argc, char** argv) {
     uint64_t seed = 0;
     app.add_option("--sizes", sizes_text, "model.sizes, comma-separated (in, hidden..., out)");
     app.add_option("--batch", batch, "global batch size");
-    app.add_option("--mode", mode, "dp|fsdp|tp|fsdp_tp|dp_tp|dp_fsdp|zero1");
+    app.add_option("--mode", mode, "dp|fsdp|tp|fsdp_tp|dp_tp|dp_fsdp|zero1|ep");
+    std::string moe_layers_text;
+    int64_t experts = 8, top_k = 2;
+    app.add_option("--moe-layers", moe_layers_text, "model.moe_layers, comma-separated (none)");
+    app.add_option("--experts", experts, "model.experts")->check(CLI::PositiveNumber);
+    app.add_option("--top-k", top_k, "model.top_k")->check(CLI::PositiveNumber);
     app.add_option("--steps", steps, "timed steps (median reported)")->check(CLI::PositiveNumber);
     app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
     app.add_option("--algorithm", algorithm, "collective matmul: naive|ring|bidirectional|auto");
@@ -298,10 +309,19 @@ int main(int argc, char** argv) {
     config.run.seed = seed;
     config.run.output_dir = "/tmp/meshtrain-bench-train-step";  // nothing is written
     config.mesh.axes = axes_for_mode(mode, world);
+    if (!moe_layers_text.empty()) {
+      std::stringstream in(moe_layers_text);
+      for (std::string item; std::getline(in, item, ',');) {
+        config.model.moe_layers.push_back(std::stoll(item));
+      }
+      config.model.experts = experts;
+      config.model.top_k = top_k;
+      if (mode != "ep") config.mesh.axes.push_back({"ep", 1});
+    }
     config.mesh.source = "--mode " + mode;
     config.model.sizes = sizes;
     config.model.loss = "cross_entropy";
-    config.partition.preset = mode == "zero1" ? "dp" : mode;
+    config.partition.preset = mode == "zero1" || mode == "ep" ? "dp" : mode;
     config.optimizer.zero_stage = mode == "zero1" ? 1 : 0;
     config.partition.min_sharding_size = 0;  // every tensor that divides is sharded
     config.partition.collective_matmul = algorithm;
@@ -316,10 +336,8 @@ int main(int argc, char** argv) {
     meshtrain::set_collective_matmul_hardware(profile);
     config.runtime.overlap = overlap;
     config.runtime.bucket_mb = bucket_mb;
-    config.mixed_precision.param_dtype =
-        meshtrain::parse_dtype(param_dtype, "--param-dtype");
-    config.mixed_precision.reduce_dtype =
-        meshtrain::parse_dtype(reduce_dtype, "--reduce-dtype");
+    config.mixed_precision.param_dtype = meshtrain::parse_dtype(param_dtype, "--param-dtype");
+    config.mixed_precision.reduce_dtype = meshtrain::parse_dtype(reduce_dtype, "--reduce-dtype");
     meshtrain::RunData data;
     data.train = one_batch(batch, sizes.front(), sizes.back(), seed);
     meshtrain::TrainingRun run(config, {}, std::move(data));
@@ -393,9 +411,14 @@ int main(int argc, char** argv) {
     MPI_Barrier(MPI_COMM_WORLD);
 
     if (rank == 0) {
-      double multiply_adds = 0.0;
-      for (size_t i = 0; i + 1 < sizes.size(); ++i)
-        multiply_adds += double(sizes[i]) * sizes[i + 1];
+      double multiply_adds = 0.0;  // per row: what the row's forward multiplies
+      const meshtrain::MoeSettings moe = config.model.moe();
+      for (size_t i = 0; i + 1 < sizes.size(); ++i) {
+        const double layer = double(sizes[i]) * sizes[i + 1];
+        multiply_adds += moe.is_moe(static_cast<int64_t>(i))
+                             ? double(sizes[i]) * moe.experts + moe.top_k * layer
+                             : layer;
+      }
       const double flops_per_step = 6.0 * batch * multiply_adds;
       const double samples_per_s = batch / step_time;
       const double roofline = world * sgemm.wall * 1e9 / (flops_per_step / batch);
@@ -445,6 +468,19 @@ int main(int argc, char** argv) {
       line["plan_bytes_per_rank"] = {{"parameters", plan.totals.parameter_bytes},
                                      {"gradients", plan.totals.gradient_bytes},
                                      {"optimizer_state", plan.totals.optimizer_bytes}};
+      if (config.model.moe().any()) {
+        int64_t expert_bytes = 0;  // rank 0's experts (every rank holds as many)
+        for (const meshtrain::ShardedTensor& p : model.parameters()) {
+          if (p.name.find("/experts/") != std::string::npos) {
+            expert_bytes += static_cast<int64_t>(p.local.extent(0) * sizeof(float));
+          }
+        }
+        line["moe_layers"] = config.model.moe_layers;
+        line["experts"] = experts;
+        line["top_k"] = top_k;
+        line["expert_bytes_per_rank"] = expert_bytes;
+        line["moe_buffer_bytes_per_rank"] = plan.totals.moe_buffer_bytes;
+      }
       line["kokkos_allocations_in_timed_steps"] = kokkos_allocations;
       line["heap_allocations_in_timed_steps"] = heap_allocations;
       // The cost model's prediction for the same plan (partition/cost_model.hpp).

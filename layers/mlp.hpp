@@ -2,6 +2,10 @@
 // A multi-layer perceptron of any depth: sizes [in, hidden..., out] give layers
 // i = 0 .. n-2 with parameters "layers/<i>/weight" [sizes[i], sizes[i+1]] and
 // "layers/<i>/bias" [sizes[i+1]]; the activation runs between layers, none after the last.
+// The layers listed in `moe` are mixture-of-experts layers (layers/moe.hpp) instead, with
+// "layers/<i>/router/weight", "layers/<i>/experts/weight" and "layers/<i>/experts/bias";
+// their load-balancing loss (aux_loss()) is part of the training loss, and backward()
+// adds its gradient.
 //
 // Mixed precision (context.precision(), docs/mixed_precision.md): the input, every
 // activation and every activation gradient are rounded to the compute dtype; the output
@@ -43,6 +47,7 @@
 #include "layers/activation.hpp"
 #include "layers/context.hpp"
 #include "layers/linear.hpp"
+#include "layers/moe.hpp"
 #include "partition/planner.hpp"
 
 namespace meshtrain {
@@ -56,7 +61,7 @@ class Mlp {
   // Throws bad_input for fewer than two sizes, a size below 1, or specs whose splits do
   // not divide. Collective: every rank must construct the same model.
   Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLookup& spec_of,
-      ParallelContext& context, int64_t local_rows);
+      ParallelContext& context, int64_t local_rows, const MoeSettings& moe = {});
   Mlp(const Mlp&) = delete;
   Mlp& operator=(const Mlp&) = delete;
 
@@ -77,7 +82,8 @@ class Mlp {
   // The reductions backward(..., false) left out, on the gradients as they are now.
   void reduce_gradients();
 
-  // weight, bias of layer 0, then of layer 1, ... (names as in the class comment).
+  // weight, bias of layer 0, then of layer 1, ... (an MoE layer: router, experts weight,
+  // experts bias; names as in the class comment).
   std::vector<ShardedTensor>& parameters() { return params_; }
   const std::vector<ShardedTensor>& parameters() const { return params_; }
   std::vector<ShardedTensor>& gradients() { return grads_; }
@@ -88,8 +94,15 @@ class Mlp {
   FeatureLayout output_layout() const { return layers_.back().output_layout(); }
   int64_t output_width() const { return layers_.back().output_width(); }  // local columns
   int64_t output_offset() const { return layers_.back().output_offset(); }
+  // The linear layers, in order (MoE layers are in moe_layers()).
   const std::vector<Linear>& layers() const { return layers_; }
-  // One line per layer (Linear::describe).
+  const std::vector<MoeLayer>& moe_layers() const { return moe_; }
+  // The MoE layers' load-balancing losses of the last forward, summed (0 without MoE).
+  double aux_loss() const;
+  // Per parameter (in parameters() order): the group over which a backward with
+  // reduce = false leaves its gradient partial (Linear::deferred_reduction_group), or nullptr.
+  std::vector<Communicator*> deferred_reduction_groups() const;
+  // One line per layer (Linear::describe, MoeLayer::describe).
   std::vector<std::string> describe() const;
   // The DP gradient buckets (empty when overlap is off or no layer has DP storage).
   const GradientBuckets& gradient_buckets() const { return buckets_; }
@@ -101,16 +114,25 @@ class Mlp {
   std::vector<ShardedTensor> params_;
   std::vector<ShardedTensor> grads_;
   std::vector<Linear> layers_;
-  std::vector<Matrix> activated_;  // f(z_i) for i < last: the input of layer i+1
+  std::vector<MoeLayer> moe_;
+  // Layer i of the model: an index into layers_ or moe_, and its first parameter.
+  struct Slot {
+    bool moe = false;
+    size_t index = 0;
+    size_t param = 0;
+  };
+  std::vector<Slot> slots_;
+  std::vector<Matrix> activated_;      // f(z_i) for i < last: the input of layer i+1
   Dtype compute_dtype_ = Dtype::fp32;  // context.precision().param
-  Matrix input_;        // the input cast to the compute dtype (empty in fp32)
-  Matrix output_grad_;  // the output gradient, scaled and cast (empty in plain fp32)
-  bool prefetch_ = false;          // overlap on and some layer's weight can be prefetched
+  Matrix input_;                       // the input cast to the compute dtype (empty in fp32)
+  Matrix output_grad_;                 // the output gradient, scaled and cast (empty in plain fp32)
+  bool prefetch_ = false;              // overlap on and some layer's weight can be prefetched
   LinearScratch scratch_;
   GradientBuckets buckets_;  // empty unless overlap is on and some layer defers its reduction
 
-  // Layer k's weight as the prefetch target (empty when off or not prefetchable).
+  // Layer k's weight as the prefetch target (empty when off, not prefetchable or MoE).
   WeightPrefetch prefetch_target(size_t k);
+  MatrixView output_of(size_t k) const;  // layer k's output (its pre-activation)
 };
 
 }  // namespace meshtrain

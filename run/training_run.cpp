@@ -108,8 +108,10 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     set_matmul_precision(parse_matmul_precision(config_.runtime.matmul_precision));
     mesh_ = config_.mesh.resolve(world_size);
     const std::vector<int64_t>& sizes = config_.model.sizes;
-    plan_ = make_plan(mlp_parameter_shapes(sizes), *mesh_, partition_rules(config_),
-                      plan_options(config_), mlp_linear_layers(sizes));
+    const MoeSettings moe = config_.model.moe();
+    check_moe_fits_mesh(config_, *mesh_);
+    plan_ = make_plan(mlp_parameter_shapes(sizes, moe), *mesh_, partition_rules(config_),
+                      plan_options(config_), mlp_linear_layers(sizes, moe));
     logical_ = LogicalAxes::with_overrides(config_.partition.logical_axes);
   });
   const std::vector<int64_t>& sizes = config_.model.sizes;
@@ -147,8 +149,10 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     // its rows [m * batch_size, +batch_size).
     schedule_.emplace(train.num_samples, global_batch * accumulation_, config_.data.shuffle,
                       config_.run.seed, config_.data.block_rows, config_.data.shuffle_window);
-    slice_ = make_batch_slice(*mesh_, rank_, logical_->axes_of("batch"), global_batch);
-    eval_slice_ = make_batch_slice(*mesh_, rank_, logical_->axes_of("batch"), eval_batch, eval_key);
+    // The rows' axes: the logical batch's, and the expert axes in an MoE model.
+    const std::vector<std::string> batch_axes = plan_options(config_).batch_axes;
+    slice_ = make_batch_slice(*mesh_, rank_, batch_axes, global_batch);
+    eval_slice_ = make_batch_slice(*mesh_, rank_, batch_axes, eval_batch, eval_key);
     eval_schedule_ = EvalSchedule::create(test_source_->shape().num_samples, eval_batch, eval_key);
     total_steps_ = training_steps(config_, schedule_->steps_per_epoch());
   });
@@ -159,13 +163,15 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   comms_ =
       std::make_unique<MeshCommunicators>(*mesh_, comm_, prepare_comm_backend(backend_, comm_));
   world_ = &comms_->get(all_axes(*mesh_));
-  context_.emplace(ParallelContext::from_logical_axes(
-      *comms_, *logical_, parse_collective_matmul_algorithm(config_.partition.collective_matmul),
-      config_.runtime.overlap, config_.runtime.bucket_mb));
+  const PlanOptions options = plan_options(config_);
+  context_.emplace(*comms_, options.batch_axes, options.feature_axis,
+                   parse_collective_matmul_algorithm(config_.partition.collective_matmul),
+                   config_.runtime.overlap, config_.runtime.bucket_mb);
   const MixedPrecision precision = config_.mixed_precision.policy();
   context_->set_precision(precision);
+  const MoeSettings moe = config_.model.moe();
   model_ = std::make_unique<Mlp>(sizes, parse_activation(config_.model.activation),
-                                 specs_from_plan(*plan_), *context_, slice_.rows);
+                                 specs_from_plan(*plan_), *context_, slice_.rows, moe);
   model_->initialize(parse_init_scheme(config_.model.init), config_.run.seed);
   loss_ = std::make_unique<Loss>(parse_loss_kind(config_.model.loss), *context_, slice_.rows,
                                  sizes.back(), model_->output_layout());
@@ -173,13 +179,9 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
       mesh_->size_of({kZeroAxis}) > 1) {
     // ZeRO-1: the gradients a layer leaves partial (DP storage, reduce = false) are
     // reduce-scattered over dp by zero1_ instead of all-reduced by the layer.
-    std::vector<Communicator*> partial;
-    for (const Linear& layer : model_->layers()) {
-      partial.push_back(layer.deferred_reduction_group());  // weight
-      partial.push_back(layer.deferred_reduction_group());  // bias
-    }
-    zero1_ = std::make_unique<Zero1>(model_->parameters(), model_->gradients(), std::move(partial),
-                                     comms_->get({kZeroAxis}), precision.reduce);
+    zero1_ = std::make_unique<Zero1>(model_->parameters(), model_->gradients(),
+                                     model_->deferred_reduction_groups(), comms_->get({kZeroAxis}),
+                                     precision.reduce);
   }
   if (precision.needs_loss_scaling()) scaler_ = std::make_unique<LossScaler>(*world_);
   optimizer_ =
@@ -200,7 +202,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     // A forward-only copy of the model for the evaluation batch: it shares the training
     // model's parameters (and gradients, never written), so only activations are its own.
     eval_model_ = std::make_unique<Mlp>(sizes, parse_activation(config_.model.activation),
-                                        specs_from_plan(*plan_), *context_, eval_slice_.rows);
+                                        specs_from_plan(*plan_), *context_, eval_slice_.rows, moe);
     eval_model_->parameters() = model_->parameters();
     eval_model_->gradients() = model_->gradients();
     eval_loss_ = std::make_unique<Loss>(loss_->kind(), *context_, eval_slice_.rows, sizes.back(),
@@ -383,7 +385,11 @@ double TrainingRun::accumulate_loaded_batch() {
   MESHTRAIN_REQUIRE(micro_done_ < accumulation_, "accumulate_loaded_batch: the step already has ",
                     accumulation_, " micro-batches; call apply_update()");
   MatrixView output = model_->forward(x_);
-  const LossResult result = compute_loss(*loss_, output, labels_, targets_, /*with_gradient=*/true);
+  LossResult result = compute_loss(*loss_, output, labels_, targets_, /*with_gradient=*/true);
+  // MoE layers: their load-balancing loss is part of the training loss (backward adds its
+  // gradient); it is the same on every rank.
+  const double aux_loss = model_->aux_loss();
+  result.loss += aux_loss;
   // The loss is reduced over the ranks, so every rank stops here together.
   if (!std::isfinite(result.loss)) {
     micro_done_ = 0;
@@ -411,6 +417,7 @@ double TrainingRun::accumulate_loaded_batch() {
   }
   ++micro_done_;
   micro_loss_sum_ += result.loss;
+  micro_aux_loss_sum_ += aux_loss;
   return result.loss;
 }
 
@@ -428,8 +435,10 @@ StepResult TrainingRun::apply_update() {
   if (zero1_) zero1_->reduce(grads);
   std::vector<ShardedTensor>& update_grads = updated_gradients();
   const double loss = micro_loss_sum_ / static_cast<double>(accumulation_);
+  const double aux_loss = micro_aux_loss_sum_ / static_cast<double>(accumulation_);
   micro_done_ = 0;
   micro_loss_sum_ = 0.0;
+  micro_aux_loss_sum_ = 0.0;
   if (scaler_) {
     // fp16: the gradients come scaled; a step with an inf or NaN anywhere is skipped on
     // every rank (the optimizer does not run) and the scale backs off.
@@ -438,7 +447,7 @@ StepResult TrainingRun::apply_update() {
     if (!finite) {
       ++skipped_steps_;
       ++steps_done_;
-      return {steps_done_, loss};
+      return {steps_done_, loss, aux_loss};
     }
   }
   if (config_.optimizer.clip_norm > 0) {
@@ -460,14 +469,20 @@ StepResult TrainingRun::apply_update() {
   optimizer_->step(updated_parameters(), update_grads, lr_);
   if (zero1_) zero1_->gather(model_->parameters());  // every replica gets every chunk
   ++steps_done_;
-  return {steps_done_, loss};
+  return {steps_done_, loss, aux_loss};
 }
 
 double TrainingRun::flops_per_step() const {
   const std::vector<int64_t>& sizes = config_.model.sizes;
-  double parameters = 0.0;
+  const MoeSettings moe = config_.model.moe();
+  double parameters = 0.0;  // those a row uses: an MoE layer's router and its top_k experts
   for (size_t i = 0; i + 1 < sizes.size(); ++i) {
-    parameters += static_cast<double>(sizes[i]) * sizes[i + 1] + sizes[i + 1];
+    const double layer = static_cast<double>(sizes[i]) * sizes[i + 1] + sizes[i + 1];
+    if (moe.is_moe(static_cast<int64_t>(i))) {
+      parameters += static_cast<double>(sizes[i]) * moe.experts + moe.top_k * layer;
+    } else {
+      parameters += layer;
+    }
   }
   return 6.0 * parameters * static_cast<double>(config_.data.batch_size * accumulation_);
 }
@@ -547,6 +562,7 @@ void TrainingRun::report_checkpoint(const std::optional<std::string>& path) {
 
 void TrainingRun::log_step(const StepResult& result) {
   window_loss_ += result.loss;
+  window_aux_loss_ += result.aux_loss;
   ++window_steps_;
   if (result.step % config_.train.log_every != 0 && result.step != total_steps_) return;
   const double elapsed = seconds_since(window_start_) - window_paused_s_;
@@ -555,6 +571,7 @@ void TrainingRun::log_step(const StepResult& result) {
   event.total_steps = total_steps_;
   event.epoch = schedule_->epoch_of(result.step - 1);
   event.loss = window_loss_ / window_steps_;
+  if (config_.model.moe().any()) event.aux_loss = window_aux_loss_ / window_steps_;
   event.lr = lr_;
   const int64_t samples = window_steps_ * config_.data.batch_size * accumulation_;
   event.samples_per_s = elapsed > 0 ? samples / elapsed : 0.0;
@@ -583,6 +600,7 @@ void TrainingRun::log_step(const StepResult& result) {
   window_start_ = Clock::now();
   window_paused_s_ = 0.0;
   window_loss_ = 0.0;
+  window_aux_loss_ = 0.0;
   window_steps_ = 0;
 }
 
@@ -629,6 +647,7 @@ RunSummary TrainingRun::train() {
   window_start_ = start;
   window_paused_s_ = 0.0;
   window_loss_ = 0.0;
+  window_aux_loss_ = 0.0;
   window_steps_ = 0;
   data_wait_s_ = 0.0;
   train_stream_->take_wait_seconds();  // waits before train() are not its steps'

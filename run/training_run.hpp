@@ -69,7 +69,8 @@ struct RunData {
 // global batch, the same on every rank).
 struct StepResult {
   int64_t step = 0;
-  double loss = 0.0;
+  double loss = 0.0;      // the MoE layers' load-balancing loss included
+  double aux_loss = 0.0;  // that part (0 without MoE layers)
 };
 
 // What train() did.
@@ -223,6 +224,7 @@ class TrainingRun {
   std::vector<ShardedTensor> gradient_sum_;
   int64_t micro_done_ = 0;
   double micro_loss_sum_ = 0.0;
+  double micro_aux_loss_sum_ = 0.0;
 
   // Evaluation with another batch size than training: a forward-only model sharing the
   // training model's parameters, its loss and batch buffers. Empty: evaluation uses the
@@ -248,6 +250,7 @@ class TrainingRun {
   std::chrono::steady_clock::time_point window_start_;
   double window_paused_s_ = 0.0;  // evaluation and saving inside the window
   double window_loss_ = 0.0;
+  double window_aux_loss_ = 0.0;
   int64_t window_steps_ = 0;
   double data_wait_s_ = 0.0;  // over the whole of train()
 

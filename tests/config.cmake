@@ -64,12 +64,26 @@ meshtrain_cli_test(plan_fsdp_tp_4096 0 - --stdout "4096 ranks"
 meshtrain_cli_test(plan_set_overrides 0 - --stdout "\\[784, 256\\]"
   -- ${_meshtrain} plan ${_configs}/fashion_mnist_dp.toml --set "model.sizes=[784, 256, 10]"
      --set run.output_dir=runs/x --world 2)
+# MoE layers (issue 19): bad values name the key; the plan shows the layer and its all-to-alls.
+meshtrain_cli_test(plan_moe_not_hidden 2
+  "^meshtrain: error: .*\\[model\\] moe_layers entry 2 is not a hidden layer"
+  -- ${_meshtrain} plan ${_configs}/moe_fashion_mnist.toml --set "model.moe_layers=[2]")
+meshtrain_cli_test(plan_moe_top_k 2 "^meshtrain: error: .*\\[model\\] top_k = 9 must not exceed experts = 8"
+  -- ${_meshtrain} plan ${_configs}/moe_fashion_mnist.toml --set model.top_k=9)
+meshtrain_cli_test(plan_moe_experts_ep 2
+  "^meshtrain: error: .*model\\.experts = 8 does not divide by the 3 ranks of the expert axes \\(ep\\)"
+  -- ${_meshtrain} plan ${_configs}/moe_fashion_mnist.toml --world 3)
+meshtrain_cli_test(plan_moe_layer 0 - --stdout "MoE in 512 -> out 256, 8 experts top-2, 4 per rank over \\(ep\\)"
+  -- ${_meshtrain} plan ${_configs}/moe_fashion_mnist.toml --world 2)
 # Planning needs no training length: a config without [train] plans (issue 9, bug 9).
 meshtrain_cli_test(plan_without_train 0 - --stdout "^plan of .*no_train\\.toml for 4 ranks"
   -- ${_meshtrain} plan ${_cli}/no_train.toml --world 4)
 meshtrain_add_command_test(NAME cli_plan_json TIMEOUT 30
   COMMAND sh ${_cli}/plan_json.sh ${_meshtrain} ${_configs}/fashion_mnist_fsdp_tp.toml 4
           layers/0/weight "[392, 256]")
+meshtrain_add_command_test(NAME cli_plan_json_moe TIMEOUT 30
+  COMMAND sh ${_cli}/plan_json.sh ${_meshtrain} ${_configs}/moe_fashion_mnist.toml 2
+          layers/1/experts/weight "[4, 512, 256]")
 
 # plan --hardware: a bad profile is one sentence naming file and key (exit 2); a missing one
 # too; calibrate's profile (measured at 1, 2 and 4 ranks) reads back into plan --hardware.

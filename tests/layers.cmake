@@ -7,3 +7,5 @@ meshtrain_add_test(NAME layers_mixed_precision_test SOURCES layers/mixed_precisi
                    LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300)
 meshtrain_add_test(NAME layers_units_test SOURCES layers/units_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120)
+meshtrain_add_test(NAME layers_moe_test SOURCES layers/moe_test.cpp
+                   LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300)

@@ -65,3 +65,6 @@ resume_test(schedule schedule --preset fsdp)
 resume_test(same_mesh_fsdp_bf16 same_mesh --preset fsdp --precision bf16)
 resume_test(same_mesh_fsdp_tp_fp16 same_mesh --preset fsdp_tp --precision fp16)
 resume_test(precision precision --preset fsdp)
+# 8. MoE layers (issue 19): bit for bit on the same mesh (ep=2), and resharded ep 4 -> 2 -> 1.
+resume_test(same_mesh_moe same_mesh --preset dp --moe)
+resume_test(moe_reshard moe_reshard --preset dp)

@@ -53,6 +53,7 @@ void MetricsLog::log(const LogEvent& e) {
     j["loss_scale"] = e.loss_scale;
     j["skipped_steps"] = e.skipped_steps;
   }
+  if (!std::isnan(e.aux_loss)) j["aux_loss"] = e.aux_loss;
   write_line(j.dump());
 }
 
@@ -71,13 +72,16 @@ std::string format_log_line(const LogEvent& e) {
     std::snprintf(scale, sizeof scale, "  loss scale %g (%lld skipped)", e.loss_scale,
                   static_cast<long long>(e.skipped_steps));
   }
-  char line[320];
+  char aux[48] = "";
+  if (!std::isnan(e.aux_loss)) std::snprintf(aux, sizeof aux, " (aux %.5f)", e.aux_loss);
+  char line[360];
   std::snprintf(line, sizeof line,
-                "step %6lld/%lld  epoch %3lld  loss %.5f  lr %.3e  %9.1f samples/s  %.4f "
+                "step %6lld/%lld  epoch %3lld  loss %.5f%s  lr %.3e  %9.1f samples/s  %.4f "
                 "TFLOP/s%s  data wait %.1f ms%s  ETA %s",
                 static_cast<long long>(e.step), static_cast<long long>(e.total_steps),
-                static_cast<long long>(e.epoch), e.loss, e.lr, e.samples_per_s, e.tflops_per_rank,
-                mfu, 1e3 * e.data_wait_s, scale, format_duration(e.eta_s).c_str());
+                static_cast<long long>(e.epoch), e.loss, aux, e.lr, e.samples_per_s,
+                e.tflops_per_rank, mfu, 1e3 * e.data_wait_s, scale,
+                format_duration(e.eta_s).c_str());
   return line;
 }
 

@@ -31,6 +31,9 @@ struct LogEvent {
   // non-finite gradient; NaN and 0 (neither written) without loss scaling.
   double loss_scale = std::nan("");
   int64_t skipped_steps = 0;
+  // MoE models: the mean load-balancing loss (times its coefficient; part of `loss`) since
+  // the last log; NaN (not written) without MoE layers.
+  double aux_loss = std::nan("");
 };
 
 struct EvalEvent {

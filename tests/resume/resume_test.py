@@ -26,11 +26,17 @@ CASE is one of
                 step 12, and 6 in fp32 resumed in bf16: both resume (the checkpoint holds
                 fp32 masters in either case) and their losses stay within 2% of the
                 uninterrupted run in the first run's precision.
+  moe_reshard   a model with an MoE layer (4 experts, top-2) saved at step 4 on np 4 with
+                ep=4, resumed on np 2 (ep=2) to step 8 and saved, resumed on np 1 to step 12:
+                every step's loss and the final parameters match the uninterrupted np-1 run
+                to the stated tolerances (expert tensors are global arrays like the others).
   schedule      a cosine schedule with warm-up and 2 accumulated micro-batches per step:
                 resumed from step 2 (warm-up) and step 8 (decay) of one 12-step run, the
                 rates, losses of the remaining steps and the final checkpoint are bit for
                 bit those of the uninterrupted run.
 
+--moe runs a case with that MoE model on a mesh of ep ranks (dp = 1, ep = -1; use it
+with --preset dp).
 --precision bf16|fp16 runs every case with param_dtype = reduce_dtype = that dtype (fp16:
 its loss scale and clean-step count are part of the bit-exact resume).
 
@@ -49,6 +55,8 @@ import subprocess
 import sys
 
 SMALL = ["--set", "model.sizes=[784, 64, 10]", "--set", "train.log_every=1"]
+MOE = ["--set", "model.sizes=[784, 64, 64, 10]", "--set", "model.moe_layers=[1]",
+       "--set", "model.experts=4", "--set", "model.top_k=2"]
 # A run that hangs fails the test here (and ctest's TIMEOUT backs this up).
 RUN_TIMEOUT_S = 60
 # Other meshes reduce in another order: float32 rounding differs, the function does not.
@@ -75,6 +83,7 @@ class Context:
         self.fault_rank = args.fault_rank
         self.fault_action = args.fault_action
         self.precision = args.precision
+        self.moe = args.moe
         self.failures = []
 
     def config(self, preset):
@@ -91,6 +100,9 @@ class Context:
 
     def precision_sets(self):
         return precision_sets(self.precision)
+
+    def moe_sets(self):
+        return MOE + ["--set", "mesh.dp=1", "--set", "mesh.ep=-1"] if self.moe else []
 
     def check(self, condition, message):
         if not condition:
@@ -125,7 +137,7 @@ def train(ctx, np, preset, output_dir, steps, extra=(), env_extra=None, expect_s
     """mpirun -np NP meshtrain train CONFIG ...; checks the exit status."""
     cmd = (ctx.mpiexec[:1] + ["-n", str(np)] + ctx.mpiexec[1:] +
            [program or ctx.meshtrain, "train", ctx.config(preset)] + SMALL +
-           ctx.optimizer_sets() + ctx.async_sets() + ctx.precision_sets() +
+           ctx.optimizer_sets() + ctx.async_sets() + ctx.precision_sets() + ctx.moe_sets() +
            ["--set", "train.steps=%d" % steps, "--set", 'run.output_dir="%s"' % output_dir] +
            list(extra))
     status, out, err = run(cmd, env_extra)
@@ -371,6 +383,41 @@ def case_other_mesh(ctx):
                             prefixes=("/params/",))
 
 
+def case_moe_reshard(ctx):
+    need_tools(ctx, "h5dump")
+    ctx.moe = True
+    ref_dir = os.path.join(ctx.work, "uninterrupted_np1")
+    train(ctx, 1, "dp", ref_dir, 12)
+    ref = losses(ref_dir)
+    ckpt_dir = os.path.join(ctx.work, "checkpoints")
+    every = ["--set", "checkpoint.every_steps=4", "--set", 'checkpoint.dir="%s"' % ckpt_dir]
+    resume = ["--set", "checkpoint.resume=true"]
+    previous = None
+    for np, steps in ((4, 4), (2, 8), (1, 12)):
+        what = "ep=%d (np %d)" % (np, np)
+        out_dir = os.path.join(ctx.work, "ep%d" % np)
+        _, out, _ = train(ctx, np, "dp", out_dir, steps, every + (resume if previous else []))
+        if np > 1:
+            ctx.check("ep=%d" % np in out and "MoE in 64 -> out 64" in out,
+                      "%s: not an MoE run over ep=%d:\n%s" % (what, np, out))
+        if previous:
+            ctx.check(re.search(r"resumed from \S*ckpt-%06d\.h5 at step %d \(saved on "
+                                r"dp=1 fsdp=1 ep=%d tp=1 sp=1\)" % (previous[1], previous[1],
+                                                                     previous[0]), out),
+                      "%s: does not say it resumed from the ep=%d step-%d checkpoint:\n%s" %
+                      (what, previous[0], previous[1], out))
+        first = previous[1] + 1 if previous else 1
+        got = losses(out_dir)
+        ctx.check(sorted(got) == list(range(first, steps + 1)),
+                  "%s: logged steps %s, expected %d..%d" % (what, sorted(got), first, steps))
+        expect_losses(ctx, what, got, ref, range(first, steps + 1), LOSS_RTOL)
+        previous = (np, steps)
+    compare_checkpoints(ctx, "final parameters after ep 4 -> 2 -> 1",
+                        os.path.join(ckpt_dir, "ckpt-000012.h5"),
+                        os.path.join(ref_dir, "checkpoints", "ckpt-000012.h5"), exact=False,
+                        prefixes=("/params/",))
+
+
 def case_interrupted(ctx, preset):
     np = 2
     a = os.path.join(ctx.work, "uninterrupted")
@@ -542,7 +589,8 @@ def main():
     split = argv.index("--")
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["same_mesh", "other_mesh", "interrupted", "inspect",
-                                         "compatibility", "schedule", "precision"])
+                                         "compatibility", "schedule", "precision",
+                                         "moe_reshard"])
     parser.add_argument("--meshtrain", required=True)
     parser.add_argument("--configs", required=True)
     parser.add_argument("--work", required=True)
@@ -554,6 +602,8 @@ def main():
     parser.add_argument("--fault-action", choices=["abort", "kill"], default="abort")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--preset", default="fsdp")
+    parser.add_argument("--moe", action="store_true",
+                        help="an MoE model on a mesh of ep ranks (with --preset dp)")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                         help="mixed_precision.param_dtype and reduce_dtype of every run")
     args = parser.parse_args(argv[:split])
@@ -576,6 +626,8 @@ def main():
             case_schedule(ctx, args.preset)
         elif args.case == "precision":
             case_precision(ctx, args.preset)
+        elif args.case == "moe_reshard":
+            case_moe_reshard(ctx)
         else:
             case_inspect(ctx, args.preset)
     except Failure as e:
@@ -584,7 +636,8 @@ def main():
     if ctx.failures:
         print("%d check(s) failed" % len(ctx.failures), file=sys.stderr)
         return 1
-    print("ok: %s (%s, %s, %s)" % (args.case, args.preset, args.optimizer, args.precision))
+    print("ok: %s (%s, %s, %s%s)" % (args.case, args.preset, args.optimizer, args.precision,
+                                     ", MoE" if args.moe else ""))
     return 0
 
 

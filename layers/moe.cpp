@@ -1,0 +1,582 @@
+#include "layers/moe.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <cmath>
+
+#include "framework/core/gemm.hpp"
+#include "framework/core/kernel_label.hpp"
+#include "framework/core/kokkos_math.hpp"
+#include "framework/core/precision.hpp"
+#include "partition/error.hpp"
+
+namespace meshtrain {
+namespace {
+
+using Range = Kokkos::RangePolicy<>;
+using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
+constexpr int64_t kMaxTopK = 16;
+
+Range2 matrix_range(int64_t rows, int64_t cols) {
+  return Range2({0, 0}, {rows, cols});
+}
+
+// dst = src, or 0 where src is empty (a labelled kernel: Kokkos::deep_copy builds a label
+// string, an allocation inside the step).
+void copy_or_zero(MatrixView src, MatrixView dst, bool zero) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::moe_copy"),
+      Range2({0, 0}, {static_cast<int64_t>(dst.extent(0)), static_cast<int64_t>(dst.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) = zero ? 0.0f : src(i, j); });
+}
+
+// Rows [first, first + count) of m.
+MatrixView row_block(MatrixView m, int64_t first, int64_t count) {
+  return MatrixView(m.data() + first * static_cast<int64_t>(m.extent(1)), count, m.extent(1));
+}
+
+}  // namespace
+
+// --- MoeParameter ------------------------------------------------------------------------
+
+MoeParameter::MoeParameter(const MoeParameterStorage& storage, Dtype compute, Dtype reduce,
+                           ParallelContext& context)
+    : storage_(storage), compute_(compute), reduce_(reduce) {
+  gather_ = context.comm(storage.gather());
+  allreduce_ = context.comm(storage.allreduce);
+  group2_ = context.mesh().size_of(storage.gather_dim2);
+  const size_t compute_elements = static_cast<size_t>(storage.compute_elements());
+  if (gather_ || compute != Dtype::fp32) {
+    block_ = Vector(storage.name + "/compute", compute_elements);
+  }
+  if (gather_) {
+    grad_ = Vector(storage.name + "/compute_grad", compute_elements);
+    stage_ = Vector(storage.name + "/stage", compute_elements);
+  }
+}
+
+ConstVectorView MoeParameter::compute(const ShardedTensor& stored) {
+  const Vector& local = stored.local;
+  if (!gather_) {
+    if (compute_ == Dtype::fp32) return ConstVectorView(local.data(), local.extent(0));
+    round_copy(ConstMatrixView(local.data(), 1, local.extent(0)),
+               MatrixView(block_.data(), 1, block_.extent(0)), compute_);
+    return ConstVectorView(block_.data(), block_.extent(0));
+  }
+  // Every member's block in rank order, then each into its place of [d0, d1, d2].
+  gather_->all_gather(ConstVectorView(local.data(), local.extent(0)), VectorView(stage_), compute_);
+  const int64_t d1 = storage_.compute[1], d2 = storage_.compute[2];
+  const int64_t s0 = storage_.stored[0], s1 = storage_.stored[1], s2 = storage_.stored[2];
+  const int64_t block = s0 * s1 * s2;
+  const int group2 = group2_;
+  const Vector stage = stage_, full = block_;
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::moe_place_gathered"), Range(0, full.extent(0)),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const int64_t member = i / block, rest = i % block;
+        const int64_t e = rest / (s1 * s2), r = (rest / s2) % s1, c = rest % s2;
+        const int64_t i1 = member / group2, i2 = member % group2;
+        full((e * d1 + i1 * s1 + r) * d2 + i2 * s2 + c) = stage(i);
+      });
+  return ConstVectorView(block_.data(), block_.extent(0));
+}
+
+VectorView MoeParameter::gradient(ShardedTensor& stored_grad) {
+  if (gather_) return VectorView(grad_);
+  return VectorView(stored_grad.local.data(), stored_grad.local.extent(0));
+}
+
+void MoeParameter::reduce(ShardedTensor& stored_grad) {
+  VectorView dst(stored_grad.local.data(), stored_grad.local.extent(0));
+  if (gather_) {
+    // The compute block's gradient cut into the members' blocks, in rank order.
+    const int64_t d1 = storage_.compute[1], d2 = storage_.compute[2];
+    const int64_t s1 = storage_.stored[1], s2 = storage_.stored[2];
+    const int64_t block = storage_.stored_elements();
+    const int group2 = group2_;
+    const Vector stage = stage_, full = grad_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_cut_gradient"), Range(0, full.extent(0)),
+        KOKKOS_LAMBDA(const int64_t i) {
+          const int64_t member = i / block, rest = i % block;
+          const int64_t e = rest / (s1 * s2), r = (rest / s2) % s1, c = rest % s2;
+          const int64_t i1 = member / group2, i2 = member % group2;
+          stage(i) = full((e * d1 + i1 * s1 + r) * d2 + i2 * s2 + c);
+        });
+    gather_->reduce_scatter(ConstVectorView(stage_.data(), stage_.extent(0)), dst, reduce_);
+  }
+  if (storage_.nonbatch_replication != 1) {
+    const float scale = 1.0f / static_cast<float>(storage_.nonbatch_replication);
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_scale_gradient"), Range(0, dst.extent(0)),
+        KOKKOS_LAMBDA(const int64_t i) { dst(i) *= scale; });
+  }
+  if (allreduce_) allreduce_->all_reduce(dst, ReduceOp::sum, reduce_);
+}
+
+// --- MoeLayer ----------------------------------------------------------------------------
+
+MoeLayer::MoeLayer(const ShardedTensor& router, const ShardedTensor& experts_weight,
+                   const ShardedTensor& experts_bias, int64_t top_k, double aux_loss_coef,
+                   FeatureLayout input_layout, int64_t rows, ParallelContext& context)
+    : layout_(decide_moe_layout(
+          moe_layer_name(router.name), {router.name, router.global_shape, router.spec},
+          {experts_weight.name, experts_weight.global_shape, experts_weight.spec},
+          {experts_bias.name, experts_bias.global_shape, experts_bias.spec}, top_k, context.mesh(),
+          {context.batch_axes(), context.feature_axis()}, input_layout)),
+      rows_(rows),
+      aux_loss_coef_(aux_loss_coef),
+      feature_index_(context.feature_index()),
+      compute_dtype_(context.precision().param) {
+  const MoeLayout& l = layout_;
+  const int64_t in = l.in, out = l.out, experts = l.experts, k = l.top_k;
+  assignments_ = rows * k;
+  capacity_ = l.ep * assignments_;
+  // The counts travel as floats (exact below 2^24) and the gate gradient kernel keeps k of
+  // them in registers.
+  MESHTRAIN_REQUIRE(capacity_ < (int64_t{1} << 24) && k <= kMaxTopK, "MoE layer '", l.layer,
+                    "': ", rows, " rows x top_k ", k, " x ", l.ep,
+                    " expert ranks is more than one MoE layer dispatches (top_k at most ", kMaxTopK,
+                    ", fewer than 2^24 routed rows)");
+  global_rows_ = rows * context.batch_parallel();
+  const Dtype compute = context.precision().param, reduce = context.precision().reduce;
+
+  // Communicators (collective on first use: the same calls in the same order everywhere).
+  expert_comm_ = context.comm(l.expert_axes);
+  batch_comm_ = context.comm(l.batch_axes);
+  if (l.gathers_input()) feature_comm_ = context.comm({l.feature_axis});
+  router_ = MoeParameter(l.router, compute, reduce, context);
+  weight_ = MoeParameter(l.experts_weight, compute, reduce, context);
+  bias_ = MoeParameter(l.experts_bias, compute, reduce, context);
+  const int ep_index = expert_comm_ ? expert_comm_->rank() : 0;
+  first_expert_ = ep_index * l.experts_local;
+
+  const std::string& name = l.layer;
+  if (l.gathers_input()) {
+    x_full_ = Matrix(name + "/input", rows, in);
+    dx_full_ = Matrix(name + "/input_grad_full", rows, in);
+  }
+  logits_ = Matrix(name + "/router_logits", rows, experts);
+  probs_ = Matrix(name + "/router_probs", rows, experts);
+  dlogits_ = Matrix(name + "/router_logits_grad", rows, experts);
+  chosen_ = Kokkos::View<int**>(name + "/chosen", rows, k);
+  gates_ = Matrix(name + "/gates", rows, k);
+  position_ = Kokkos::View<int64_t**>(name + "/position", rows, k);
+  stats_ = Kokkos::View<double*>(name + "/routing_stats", 2 * experts);
+  stats_host_ = Kokkos::create_mirror_view(stats_);
+  counts_ = Vector(name + "/expert_counts", experts);
+  all_counts_ = Vector(name + "/all_expert_counts", l.ep * experts);
+  all_counts_host_ = Kokkos::create_mirror_view(all_counts_);
+  send_x_ = Matrix(name + "/send_x", assignments_, in);
+  recv_x_ = Matrix(name + "/recv_x", capacity_, in);
+  expert_x_ = Matrix(name + "/expert_x", capacity_, in);
+  expert_y_ = Matrix(name + "/expert_y", capacity_, out);
+  back_y_ = Matrix(name + "/back_y", capacity_, out);
+  returned_y_ = Matrix(name + "/returned_y", assignments_, out);
+  send_dy_ = Matrix(name + "/send_dy", assignments_, out);
+  expert_dx_ = Matrix(name + "/expert_dx", capacity_, in);
+  out_ = Matrix(name + "/output", rows, out);
+  dx_ = Matrix(name + "/input_grad", rows, l.input_width());
+  send_rows_.assign(static_cast<size_t>(l.ep), 0);
+  recv_rows_.assign(static_cast<size_t>(l.ep), 0);
+  expert_offset_.assign(static_cast<size_t>(l.experts_local + 1), 0);
+  expert_rows_.assign(static_cast<size_t>(experts), 0.0);
+  to_expert_major_ = Kokkos::View<int64_t*>(name + "/to_expert_major", capacity_);
+  to_expert_major_host_ = Kokkos::create_mirror_view(to_expert_major_);
+  local_expert_ = Kokkos::View<int*>(name + "/local_expert", capacity_);
+  local_expert_host_ = Kokkos::create_mirror_view(local_expert_);
+  expert_offset_device_ = Kokkos::View<int64_t*>(name + "/expert_offsets", l.experts_local + 1);
+  expert_offset_device_host_ = Kokkos::create_mirror_view(expert_offset_device_);
+  if (expert_comm_ && compute != Dtype::fp32) {
+    const size_t widest = static_cast<size_t>(std::max(in, out));
+    expert_comm_->reserve_wire(static_cast<size_t>(capacity_) * widest,
+                               static_cast<size_t>(capacity_) * widest);
+  }
+  if (feature_comm_) feature_comm_->reserve_scratch(static_cast<size_t>(rows * in));
+  // Its label is made on first use (kernel_label.hpp): here, not in the first step whose
+  // routing leaves an expert without rows.
+  copy_or_zero(MatrixView(), MatrixView(), true);
+}
+
+std::string MoeLayer::describe() const {
+  return layout_.layer + ": " + describe_moe_layout(layout_);
+}
+
+MatrixView MoeLayer::forward(const ShardedTensor& router, const ShardedTensor& experts_weight,
+                             const ShardedTensor& experts_bias, MatrixView x) {
+  const MoeLayout& l = layout_;
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
+                        static_cast<int64_t>(x.extent(1)) == l.input_width(),
+                    "MoE layer '", l.layer, "': input is [", x.extent(0), ", ", x.extent(1),
+                    "], expected [", rows_, ", ", l.input_width(), "]");
+  const Dtype dtype = compute_dtype_;
+  if (feature_comm_) {
+    feature_comm_->all_gather(x, x_full_, 1, dtype);
+    x_used_ = x_full_;
+  } else {
+    x_used_ = x;
+  }
+  const int64_t in = l.in, out = l.out, experts = l.experts, k = l.top_k;
+
+  // Router: logits in the compute dtype, softmax in fp32, top-k and renormalized gates.
+  const ConstVectorView wr = router_.compute(router);
+  gemm(plain(x_used_), plain(ConstMatrixView(wr.data(), in, experts)), 0.0f, logits_, dtype);
+  {
+    const Matrix logits = logits_, probs = probs_, gates = gates_;
+    const Kokkos::View<int**> chosen = chosen_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_route"), Range(0, rows_), KOKKOS_LAMBDA(const int64_t r) {
+          float top = round_to(logits(r, 0), dtype);
+          for (int64_t e = 0; e < experts; ++e) {
+            logits(r, e) = round_to(logits(r, e), dtype);
+            top = logits(r, e) > top ? logits(r, e) : top;
+          }
+          float sum = 0.0f;
+          for (int64_t e = 0; e < experts; ++e) {
+            probs(r, e) = kmath::exp(logits(r, e) - top);
+            sum += probs(r, e);
+          }
+          for (int64_t e = 0; e < experts; ++e) probs(r, e) /= sum;
+          // Top k by selection: the largest not yet chosen, the lower index on ties.
+          float chosen_sum = 0.0f;
+          for (int64_t s = 0; s < k; ++s) {
+            int best = -1;
+            for (int64_t e = 0; e < experts; ++e) {
+              bool taken = false;
+              for (int64_t t = 0; t < s; ++t) taken = taken || chosen(r, t) == e;
+              if (!taken && (best < 0 || probs(r, e) > probs(r, best))) best = static_cast<int>(e);
+            }
+            chosen(r, s) = best;
+            chosen_sum += probs(r, best);
+          }
+          for (int64_t s = 0; s < k; ++s) gates(r, s) = probs(r, chosen(r, s)) / chosen_sum;
+        });
+  }
+
+  // Per expert: this rank's rows and probability sums (the balancing loss's statistics),
+  // and each (row, expert) pair's row in the send buffer, grouped by expert in row order.
+  {
+    const Matrix probs = probs_;
+    const Kokkos::View<int**> chosen = chosen_;
+    const Kokkos::View<double*> stats = stats_;
+    const Vector counts = counts_;
+    const Kokkos::View<int64_t**> position = position_;
+    const int64_t rows = rows_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_count"), Range(0, experts), KOKKOS_LAMBDA(const int64_t e) {
+          int64_t count = 0;
+          double prob = 0.0;
+          for (int64_t r = 0; r < rows; ++r) {
+            prob += probs(r, e);
+            for (int64_t s = 0; s < k; ++s) count += chosen(r, s) == e ? 1 : 0;
+          }
+          stats(e) = static_cast<double>(count);
+          stats(experts + e) = prob;
+          counts(e) = static_cast<float>(count);
+        });
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_positions"), Range(0, experts),
+        KOKKOS_LAMBDA(const int64_t e) {
+          int64_t next = 0;
+          for (int64_t f = 0; f < e; ++f) next += static_cast<int64_t>(counts(f));
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t s = 0; s < k; ++s) {
+              if (chosen(r, s) == e) position(r, s) = next++;
+            }
+          }
+        });
+  }
+  // The counts of the whole expert group (exact in float: at most rows x k < 2^24, checked
+  // at construction by the dispatch buffers' size), then the global statistics.
+  if (expert_comm_) {
+    expert_comm_->all_gather(ConstVectorView(counts_.data(), counts_.extent(0)),
+                             VectorView(all_counts_));
+  } else {
+    Kokkos::deep_copy(all_counts_, counts_);
+  }
+  if (batch_comm_) batch_comm_->all_reduce(DoubleVectorView(stats_.data(), stats_.extent(0)));
+  Kokkos::deep_copy(stats_host_, stats_);
+  double balance = 0.0;
+  for (int64_t e = 0; e < experts; ++e) {
+    expert_rows_[static_cast<size_t>(e)] = stats_host_(e);
+    balance += stats_host_(e) * stats_host_(experts + e);
+  }
+  const double n = static_cast<double>(global_rows_);
+  aux_loss_ = aux_loss_coef_ * static_cast<double>(experts) * balance / (n * n);
+  plan_dispatch();
+
+  // The rows out to their experts' ranks.
+  {
+    const MatrixView xu = x_used_;
+    const Matrix send = send_x_;
+    const Kokkos::View<int64_t**> position = position_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_pack_rows"), matrix_range(assignments_, in),
+        KOKKOS_LAMBDA(const int64_t a, const int64_t c) {
+          send(position(a / k, a % k), c) = xu(a / k, c);
+        });
+  }
+  dispatch(send_x_, recv_x_, true);
+  permute(recv_x_, expert_x_, true);
+
+  // One GEMM per local expert on its rows, plus its bias.
+  const ConstVectorView w = weight_.compute(experts_weight);
+  for (int64_t e = 0; e < l.experts_local; ++e) {
+    const int64_t first = expert_offset_[static_cast<size_t>(e)];
+    const int64_t count = expert_offset_[static_cast<size_t>(e) + 1] - first;
+    if (count == 0) continue;
+    gemm(plain(row_block(expert_x_, first, count)),
+         plain(ConstMatrixView(w.data() + e * in * out, in, out)), 0.0f,
+         row_block(expert_y_, first, count), dtype);
+  }
+  {
+    const ConstVectorView b = bias_.compute(experts_bias);
+    const int64_t bias_first = l.experts_bias.all_experts ? first_expert_ : 0;
+    const Matrix y = expert_y_;
+    const Kokkos::View<int*> expert_of = local_expert_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_expert_bias"), matrix_range(received_, out),
+        KOKKOS_LAMBDA(const int64_t i, const int64_t c) {
+          const float bias = b((bias_first + expert_of(i)) * out + c);
+          y(i, c) = round_to(round_to(y(i, c), dtype) + round_to(bias, dtype), dtype);
+        });
+  }
+  permute(expert_y_, back_y_, false);
+  dispatch(back_y_, returned_y_, false);
+
+  // y = sum over the row's experts of gate x expert output.
+  {
+    const Matrix y = out_, returned = returned_y_, gates = gates_;
+    const Kokkos::View<int64_t**> position = position_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_combine"), matrix_range(rows_, out),
+        KOKKOS_LAMBDA(const int64_t r, const int64_t c) {
+          float sum = 0.0f;
+          for (int64_t s = 0; s < k; ++s) sum += gates(r, s) * returned(position(r, s), c);
+          y(r, c) = round_to(sum, dtype);
+        });
+  }
+  return out_;
+}
+
+void MoeLayer::plan_dispatch() {
+  const MoeLayout& l = layout_;
+  Kokkos::deep_copy(all_counts_host_, all_counts_);
+  const int ep = l.ep, me = expert_comm_ ? expert_comm_->rank() : 0;
+  const int64_t experts = l.experts, local = l.experts_local;
+  auto count = [&](int src, int64_t expert) {
+    return static_cast<int64_t>(all_counts_host_(src * experts + expert));
+  };
+  for (int j = 0; j < ep; ++j) {
+    int64_t to_j = 0, from_j = 0;
+    for (int64_t e = 0; e < local; ++e) {
+      to_j += count(me, j * local + e);
+      from_j += count(j, first_expert_ + e);
+    }
+    send_rows_[static_cast<size_t>(j)] = to_j;
+    recv_rows_[static_cast<size_t>(j)] = from_j;
+  }
+  // Expert-major offsets, then where each received row goes: the rows from source j for
+  // local expert e follow those from sources before j.
+  expert_offset_[0] = 0;
+  for (int64_t e = 0; e < local; ++e) {
+    int64_t total = 0;
+    for (int j = 0; j < ep; ++j) total += count(j, first_expert_ + e);
+    expert_offset_[static_cast<size_t>(e) + 1] = expert_offset_[static_cast<size_t>(e)] + total;
+  }
+  received_ = expert_offset_.back();
+  MESHTRAIN_REQUIRE(received_ <= capacity_, "MoE layer '", l.layer, "': ", received_,
+                    " rows routed here, more than the ", capacity_, " the buffers hold");
+  int64_t recv_row = 0;
+  for (int j = 0; j < ep; ++j) {
+    for (int64_t e = 0; e < local; ++e) {
+      int64_t dst = expert_offset_[static_cast<size_t>(e)];
+      for (int i = 0; i < j; ++i) dst += count(i, first_expert_ + e);
+      for (int64_t n = count(j, first_expert_ + e); n > 0; --n) {
+        local_expert_host_(dst) = static_cast<int>(e);
+        to_expert_major_host_(recv_row++) = dst++;
+      }
+    }
+  }
+  for (int64_t e = 0; e <= local; ++e)
+    expert_offset_device_host_(e) = expert_offset_[static_cast<size_t>(e)];
+  Kokkos::deep_copy(to_expert_major_, to_expert_major_host_);
+  Kokkos::deep_copy(local_expert_, local_expert_host_);
+  Kokkos::deep_copy(expert_offset_device_, expert_offset_device_host_);
+}
+
+void MoeLayer::dispatch(MatrixView send, MatrixView recv, bool forward_direction) {
+  const std::vector<int64_t>& out_rows = forward_direction ? send_rows_ : recv_rows_;
+  const std::vector<int64_t>& in_rows = forward_direction ? recv_rows_ : send_rows_;
+  if (expert_comm_) {
+    expert_comm_->all_to_all_v(send, out_rows, recv, in_rows, compute_dtype_);
+    return;
+  }
+  // One rank holds every expert: what would be sent is what arrives.
+  const int64_t n = out_rows[0];
+  copy_or_zero(row_block(send, 0, n), row_block(recv, 0, n), false);
+}
+
+void MoeLayer::permute(MatrixView src, MatrixView dst, bool to_expert_major) {
+  const Kokkos::View<int64_t*> map = to_expert_major_;
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::moe_permute"),
+      matrix_range(received_, static_cast<int64_t>(src.extent(1))),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t c) {
+        if (to_expert_major) {
+          dst(map(i), c) = src(i, c);
+        } else {
+          dst(i, c) = src(map(i), c);
+        }
+      });
+}
+
+MatrixView MoeLayer::backward(const ShardedTensor& router, const ShardedTensor& experts_weight,
+                              ShardedTensor& router_grad, ShardedTensor& weight_grad,
+                              ShardedTensor& bias_grad, MatrixView dy, bool need_input_grad,
+                              float loss_scale) {
+  const MoeLayout& l = layout_;
+  MESHTRAIN_REQUIRE(
+      static_cast<int64_t>(dy.extent(0)) == rows_ && static_cast<int64_t>(dy.extent(1)) == l.out,
+      "MoE layer '", l.layer, "': output gradient is [", dy.extent(0), ", ", dy.extent(1),
+      "], expected [", rows_, ", ", l.out, "]");
+  const Dtype dtype = compute_dtype_;
+  const int64_t in = l.in, out = l.out, experts = l.experts, k = l.top_k;
+
+  // The gates' gradients (dY . expert output, into dlogits' first k columns for now) and
+  // the experts' output gradients (gate x dY), in send order.
+  {
+    const Matrix returned = returned_y_, send = send_dy_, gates = gates_, dl = dlogits_;
+    const Kokkos::View<int64_t**> position = position_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_gate_grad"), Range(0, rows_),
+        KOKKOS_LAMBDA(const int64_t r) {
+          for (int64_t s = 0; s < k; ++s) {
+            float dot = 0.0f;
+            for (int64_t c = 0; c < out; ++c) dot += dy(r, c) * returned(position(r, s), c);
+            dl(r, s) = dot;
+          }
+        });
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_pack_output_grad"), matrix_range(assignments_, out),
+        KOKKOS_LAMBDA(const int64_t a, const int64_t c) {
+          const int64_t r = a / k, s = a % k;
+          send(position(r, s), c) = round_to(gates(r, s) * dy(r, c), dtype);
+        });
+  }
+  dispatch(send_dy_, back_y_, true);
+  permute(back_y_, expert_y_, true);  // expert_y_ now holds the experts' output gradients
+
+  // Per local expert: dW_e = X_eᵀ dY_e, db_e = column sums of dY_e, dX_e = dY_e W_eᵀ.
+  const VectorView gw = weight_.gradient(weight_grad);
+  for (int64_t e = 0; e < l.experts_local; ++e) {
+    const int64_t first = expert_offset_[static_cast<size_t>(e)];
+    const int64_t count = expert_offset_[static_cast<size_t>(e) + 1] - first;
+    MatrixView dw(gw.data() + e * in * out, in, out);
+    if (count == 0) {
+      copy_or_zero(dw, dw, true);
+      continue;
+    }
+    gemm(transposed(row_block(expert_x_, first, count)), plain(row_block(expert_y_, first, count)),
+         0.0f, dw, dtype);
+  }
+  round_in_place(MatrixView(gw.data(), 1, gw.extent(0)), dtype);
+  {
+    const VectorView gb = bias_.gradient(bias_grad);
+    const int64_t bias_first = l.experts_bias.all_experts ? first_expert_ : 0;
+    const int64_t rows_of_bias = static_cast<int64_t>(gb.extent(0)) / out;
+    const Matrix dye = expert_y_;
+    const Kokkos::View<int64_t*> offset = expert_offset_device_;
+    const int64_t local = l.experts_local;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_bias_grad"), matrix_range(rows_of_bias, out),
+        KOKKOS_LAMBDA(const int64_t b, const int64_t c) {
+          const int64_t e = b - bias_first;  // local expert of bias row b
+          float sum = 0.0f;
+          if (e >= 0 && e < local) {
+            for (int64_t i = offset(e); i < offset(e + 1); ++i) sum += dye(i, c);
+          }
+          gb(b * out + c) = round_to(sum, dtype);
+        });
+  }
+
+  if (need_input_grad) {
+    const ConstVectorView w = weight_.compute(experts_weight);
+    for (int64_t e = 0; e < l.experts_local; ++e) {
+      const int64_t first = expert_offset_[static_cast<size_t>(e)];
+      const int64_t count = expert_offset_[static_cast<size_t>(e) + 1] - first;
+      if (count == 0) continue;
+      gemm(plain(row_block(expert_y_, first, count)),
+           transposed(ConstMatrixView(w.data() + e * in * out, in, out)), 0.0f,
+           row_block(expert_dx_, first, count), dtype);
+    }
+    round_in_place(row_block(expert_dx_, 0, received_), dtype);
+    permute(expert_dx_, recv_x_, false);
+    dispatch(recv_x_, send_x_, false);  // send_x_ now holds each pair's input gradient
+  }
+
+  // Router: gate gradients -> probabilities (+ the balancing loss's) -> logits (softmax).
+  {
+    const Matrix probs = probs_, gates = gates_, dl = dlogits_;
+    const Kokkos::View<int**> chosen = chosen_;
+    const Kokkos::View<double*> stats = stats_;
+    const double n = static_cast<double>(global_rows_);
+    // d aux / d p(r, e) = coef * E * f_e / n with f_e = rows_e / n; times the loss scale.
+    const float aux_scale =
+        static_cast<float>(loss_scale * aux_loss_coef_ * static_cast<double>(experts) / (n * n));
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_router_grad"), Range(0, rows_),
+        KOKKOS_LAMBDA(const int64_t r) {
+          // Gates g_s = p_s / S over the chosen: dL/dp_s = (dg_s - sum_t g_t dg_t) / S.
+          float chosen_sum = 0.0f, weighted = 0.0f;
+          float dgate[kMaxTopK];  // k <= kMaxTopK (checked at construction)
+          for (int64_t s = 0; s < k; ++s) {
+            dgate[s] = dl(r, s);
+            chosen_sum += probs(r, chosen(r, s));
+            weighted += gates(r, s) * dgate[s];
+          }
+          // dp into dl(r, :) (dgate saved above), then the softmax backward in place.
+          for (int64_t e = 0; e < experts; ++e) dl(r, e) = aux_scale * static_cast<float>(stats(e));
+          for (int64_t s = 0; s < k; ++s) dl(r, chosen(r, s)) += (dgate[s] - weighted) / chosen_sum;
+          float dot = 0.0f;
+          for (int64_t e = 0; e < experts; ++e) dot += probs(r, e) * dl(r, e);
+          for (int64_t e = 0; e < experts; ++e)
+            dl(r, e) = round_to(probs(r, e) * (dl(r, e) - dot), dtype);
+        });
+  }
+  const VectorView gr = router_.gradient(router_grad);
+  gemm(transposed(x_used_), plain(dlogits_), 0.0f, MatrixView(gr.data(), in, experts), dtype);
+  round_in_place(MatrixView(gr.data(), 1, gr.extent(0)), dtype);
+
+  MatrixView dx;
+  if (need_input_grad) {
+    // dX = dlogits Wrᵀ + the sum over the row's experts of their input gradients.
+    const ConstVectorView wr = router_.compute(router);
+    const MatrixView full = feature_comm_ ? MatrixView(dx_full_) : MatrixView(dx_);
+    gemm(plain(dlogits_), transposed(ConstMatrixView(wr.data(), in, experts)), 0.0f, full, dtype);
+    const Matrix returned = send_x_;
+    const Kokkos::View<int64_t**> position = position_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_input_grad"), matrix_range(rows_, in),
+        KOKKOS_LAMBDA(const int64_t r, const int64_t c) {
+          float sum = round_to(full(r, c), dtype);
+          for (int64_t s = 0; s < k; ++s) sum += returned(position(r, s), c);
+          full(r, c) = round_to(sum, dtype);
+        });
+    if (feature_comm_) {  // back to this rank's feature block
+      const int64_t offset = feature_index_ * l.input_width();
+      const Matrix part = dx_;
+      Kokkos::parallel_for(
+          MESHTRAIN_LABEL("meshtrain::moe_input_grad_block"), matrix_range(rows_, l.input_width()),
+          KOKKOS_LAMBDA(const int64_t r, const int64_t c) { part(r, c) = full(r, offset + c); });
+    }
+    dx = dx_;
+  }
+
+  weight_.reduce(weight_grad);
+  bias_.reduce(bias_grad);
+  router_.reduce(router_grad);
+  return dx;
+}
+
+}  // namespace meshtrain

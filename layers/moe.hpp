@@ -1,0 +1,158 @@
+#pragma once
+// A mixture-of-experts layer in -> out with E experts, each a linear layer x W_e + b_e, of
+// which every row uses its top k (Mixtral's routing, Switch Transformer's balancing loss).
+//
+// Forward, for this rank's rows x [rows, in]:
+//   logits = x Wr (router [in, E]); p = softmax(logits) per row;
+//   the k largest p (ties: the lower expert index) are the row's experts, their gates
+//   g_s = p_{e_s} / sum over the k chosen (renormalized);
+//   y = sum_s g_s (x W_{e_s} + b_{e_s}).
+//   Dropless: every (row, expert) pair is computed, so the result does not depend on the mesh.
+//   The load-balancing loss aux_loss_coef * E * sum_e f_e P_e, with f_e the fraction of the
+//   global batch's rows routed to e (a row counts once for each of its k experts, so the f_e
+//   sum to k) and P_e the mean of p_e over the global batch, is added to the training loss;
+//   its gradient flows through P only (f is a count).
+//
+// Expert parallelism (partition/moe_layout.hpp decides the layout): the experts are split
+//   over the expert axes (ep), E / ep per rank. Each rank sends every (row, expert) pair to
+//   the rank holding the expert: the per-expert counts are all-gathered over the expert
+//   group first, then the rows travel by all_to_all_v, are put in expert-major order (one
+//   GEMM per local expert), come back by all_to_all_v and are combined with the gates.
+//   Backward mirrors it: the output gradients times the gates go out, the input gradients of
+//   the expert GEMMs come back. Expert gradients are summed over the batch axes that do not
+//   split the experts; the router's over every batch axis. Parameters stored split over
+//   other axes (FSDP) are gathered before use and their gradients reduce-scattered back.
+//
+// Buffers: every dispatch buffer is sized at construction for the worst case, all of the
+//   expert group's rows routed to this rank (ep x rows x k rows), so forward() and backward()
+//   allocate nothing; the plan counts them (PlanTotals::moe_buffer_bytes).
+//
+// Mixed precision (docs/mixed_precision.md): the router logits, the dispatched rows, the
+//   expert outputs and every gradient are rounded to the compute dtype and travel in it;
+//   the softmax, the gates and the combination are computed in fp32 and the output rounded.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "framework/core/sharded_tensor.hpp"
+#include "layers/context.hpp"
+#include "partition/moe_layout.hpp"
+
+namespace meshtrain {
+
+// One MoE parameter's compute block: gathered from its stored block when it is split, a
+// rounded copy in 16-bit compute, or the stored block itself; and the way back for its
+// gradient (reduce-scatter, divide, all-reduce). Owned by the layer.
+class MoeParameter {
+ public:
+  MoeParameter() = default;
+  MoeParameter(const MoeParameterStorage& storage, Dtype compute, Dtype reduce,
+               ParallelContext& context);
+  // The compute block [d0, d1, d2] (flat) of `stored`.
+  ConstVectorView compute(const ShardedTensor& stored);
+  // Where backward writes the compute block's gradient: the stored gradient itself when
+  // nothing is gathered, else a buffer of the layer's.
+  VectorView gradient(ShardedTensor& stored_grad);
+  // The gradient written at gradient() back to storage: summed over the gathered and the
+  // all-reduced axes (in the reduce dtype), divided by the replicated gathered axes.
+  void reduce(ShardedTensor& stored_grad);
+
+ private:
+  MoeParameterStorage storage_;
+  Dtype compute_ = Dtype::fp32, reduce_ = Dtype::fp32;
+  Communicator* gather_ = nullptr;     // over storage.gather(); nullptr: stored whole
+  Communicator* allreduce_ = nullptr;  // over storage.allreduce
+  int group2_ = 1;                     // size of gather_dim2 (the minor part of the group)
+  Vector block_;                       // the compute block (gathered or rounded)
+  Vector grad_;                        // its gradient (when gathered)
+  Vector stage_;                       // the group's blocks in rank order
+};
+
+class MoeLayer {
+ public:
+  // router [in, E], experts_weight [E, in, out], experts_bias [E, out] as allocated; `rows`
+  // the local batch. Asks the context for its communicators (collective, see context.hpp).
+  MoeLayer(const ShardedTensor& router, const ShardedTensor& experts_weight,
+           const ShardedTensor& experts_bias, int64_t top_k, double aux_loss_coef,
+           FeatureLayout input_layout, int64_t rows, ParallelContext& context);
+  MoeLayer(MoeLayer&&) = default;
+
+  // x [rows, input_width()] (must stay valid until backward) -> [rows, out] (owned by the
+  // layer, valid until the next forward).
+  MatrixView forward(const ShardedTensor& router, const ShardedTensor& experts_weight,
+                     const ShardedTensor& experts_bias, MatrixView x);
+  // dY [rows, out] (already times loss_scale): writes the three gradients (the aux loss's
+  // part times loss_scale too) and, when need_input_grad, returns dX [rows, input_width()].
+  MatrixView backward(const ShardedTensor& router, const ShardedTensor& experts_weight,
+                      ShardedTensor& router_grad, ShardedTensor& weight_grad,
+                      ShardedTensor& bias_grad, MatrixView dy, bool need_input_grad,
+                      float loss_scale);
+
+  // The load-balancing loss of the last forward, times aux_loss_coef (the same on every rank).
+  double aux_loss() const { return aux_loss_; }
+  // Of the last forward: the global rows routed to each expert (k per row in all).
+  const std::vector<double>& expert_rows() const { return expert_rows_; }
+
+  const MoeLayout& layout() const { return layout_; }
+  int64_t output_width() const { return layout_.out; }
+  FeatureLayout output_layout() const { return FeatureLayout::replicated; }
+  MatrixView output() const { return out_; }
+  std::string describe() const;
+
+ private:
+  // Counts -> send/receive rows per rank and the expert-major permutation (host), then the
+  // permutation tables to the device.
+  void plan_dispatch();
+  // Sends `send` [assignments, c] out and receives into `recv` [received, c] (forward
+  // direction), or the reverse; a copy without an expert group.
+  void dispatch(MatrixView send, MatrixView recv, bool forward_direction);
+  // Row i of src -> row map(i) of dst (rows of the used prefix).
+  void permute(MatrixView src, MatrixView dst, bool to_expert_major);
+
+  MoeLayout layout_;
+  int64_t rows_ = 0, assignments_ = 0, capacity_ = 0;  // rows x k; ep x rows x k
+  double aux_loss_coef_ = 0.0;
+  int64_t global_rows_ = 0;   // rows x batch_parallel
+  int64_t first_expert_ = 0;  // global index of this rank's first expert
+  int feature_index_ = 0;
+  Dtype compute_dtype_ = Dtype::fp32;
+
+  Communicator* expert_comm_ = nullptr;   // all-to-all group
+  Communicator* batch_comm_ = nullptr;    // routing statistics
+  Communicator* feature_comm_ = nullptr;  // a split input's gather
+  MoeParameter router_, weight_, bias_;
+
+  Matrix x_full_;                     // the input with all features (gathered), or empty
+  MatrixView x_used_;                 // what the layer computed on
+  Matrix logits_, probs_;             // [rows, E]
+  Kokkos::View<int**> chosen_;        // [rows, k] expert indices
+  Matrix gates_;                      // [rows, k]
+  Kokkos::View<int64_t**> position_;  // [rows, k] -> row of the send buffer
+  Kokkos::View<double*> stats_;       // [2E]: rows per expert, probability sums
+  Vector counts_;                     // [E] this rank's rows per expert (for the gather)
+  Vector all_counts_;                 // [ep x E] every group member's
+  Vector::HostMirror all_counts_host_;
+  Kokkos::View<double*>::HostMirror stats_host_;
+  Matrix send_x_, recv_x_, expert_x_;      // [assignments, in], [capacity, in] x 2
+  Matrix expert_y_, back_y_, returned_y_;  // [capacity, out] x 2, [assignments, out]
+  Matrix send_dy_;                         // [assignments, out]
+  Matrix expert_dx_;                       // [capacity, in]
+  Matrix dlogits_;                         // [rows, E]
+  Matrix out_, dx_full_, dx_;              // [rows, out], [rows, in], [rows, input_width]
+  // The dispatch plan of the last forward (host, then device).
+  std::vector<int64_t> send_rows_, recv_rows_;  // per group rank
+  std::vector<int64_t> expert_offset_;          // [El + 1] expert-major row offsets
+  int64_t received_ = 0;
+  Kokkos::View<int64_t*> to_expert_major_;  // received row -> expert-major row
+  Kokkos::View<int64_t*>::HostMirror to_expert_major_host_;
+  Kokkos::View<int*> local_expert_;  // expert-major row -> local expert
+  Kokkos::View<int*>::HostMirror local_expert_host_;
+  Kokkos::View<int64_t*> expert_offset_device_;
+  Kokkos::View<int64_t*>::HostMirror expert_offset_device_host_;
+
+  double aux_loss_ = 0.0;
+  std::vector<double> expert_rows_;
+};
+
+}  // namespace meshtrain
