@@ -26,10 +26,19 @@ foreach(np 1 2 4)
                        ENVIRONMENT "${MESHTRAIN_TEST_ENVIRONMENT};MESHTRAIN_TEST_CHECKPOINT_ASYNC=1")
 endforeach()
 
+# The checkpoint save with its test-only fault hook (framework/io/checkpoint_testing.hpp):
+# checkpoint_save.cpp compiled again with MESHTRAIN_CHECKPOINT_FAULTS. A program that links it
+# gets this object ahead of the static meshtrain_framework, so the archive's hook-less
+# checkpoint_save.cpp.o is never pulled in; meshtrain and the installed library have no hook.
+add_library(meshtrain_checkpoint_faults OBJECT
+            ${PROJECT_SOURCE_DIR}/framework/io/checkpoint_save.cpp)
+target_link_libraries(meshtrain_checkpoint_faults PUBLIC meshtrain_framework)
+target_compile_definitions(meshtrain_checkpoint_faults PUBLIC MESHTRAIN_CHECKPOINT_FAULTS=1)
+
 # Crash tests: a save killed (sync, or one rank during an async save) or failing on one rank
 # at each fault point leaves the previous checkpoint latest and loadable.
 add_executable(checkpoint_fault_tool checkpoint/checkpoint_fault_tool.cpp)
-target_link_libraries(checkpoint_fault_tool PRIVATE meshtrain_framework)
+target_link_libraries(checkpoint_fault_tool PRIVATE meshtrain_checkpoint_faults meshtrain_framework)
 foreach(np 1 2 4)
   meshtrain_add_command_test(NAME checkpoint_crash_np${np} TIMEOUT 240
     COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/checkpoint/crash_test.sh $<TARGET_FILE:checkpoint_fault_tool>

@@ -21,7 +21,7 @@ endforeach()
 # The command with the checkpoint fault hook (test only), for the interrupted-save cases.
 add_executable(meshtrain_with_faults resume/meshtrain_with_faults.cpp
                ${PROJECT_SOURCE_DIR}/apps/main.cpp)
-target_link_libraries(meshtrain_with_faults PRIVATE meshtrain_command)
+target_link_libraries(meshtrain_with_faults PRIVATE meshtrain_checkpoint_faults meshtrain_command)
 set_source_files_properties(${PROJECT_SOURCE_DIR}/apps/main.cpp TARGET_DIRECTORY meshtrain_with_faults
                             PROPERTIES COMPILE_DEFINITIONS main=meshtrain_command_main)
 

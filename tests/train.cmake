@@ -16,8 +16,9 @@ meshtrain_add_test(NAME train_save_events_test SOURCES train/save_events_test.cp
 # A training step (TrainingRun::step: batch, forward, loss, backward, clipping, optimizer)
 # allocates nothing on the heap: operator new is counted over steps 2..4 on dp, fsdp, tp
 # and fsdp x tp meshes, in fp32 and in bf16 and fp16 (mixed precision, overlap off and on).
+# One case keeps a save in flight through the checkpoint fault hook (tests/checkpoint.cmake).
 meshtrain_add_test(NAME train_step_allocations_test SOURCES train/step_allocations_test.cpp
-                   LIBS meshtrain_run NP 1 2 4 TIMEOUT 120)
+                   LIBS meshtrain_checkpoint_faults meshtrain_run NP 1 2 4 TIMEOUT 120)
 # Learning-rate schedules against hand-computed values.
 meshtrain_add_test(NAME train_lr_schedule_test SOURCES train/lr_schedule_test.cpp
                    LIBS meshtrain_framework TIMEOUT 30)

@@ -38,9 +38,11 @@
 #include "framework/io/checkpoint_comm.hpp"
 #include "framework/io/checkpoint_files.hpp"
 #include "framework/io/checkpoint_format.hpp"
-#include "framework/io/checkpoint_testing.hpp"
 #include "framework/io/hdf5_util.hpp"
 #include "partition/error.hpp"
+#ifdef MESHTRAIN_CHECKPOINT_FAULTS
+#include "framework/io/checkpoint_testing.hpp"
+#endif
 
 namespace meshtrain {
 
@@ -50,11 +52,17 @@ using namespace checkpoint_format;
 
 namespace {
 
+// The test programs' fault hook (checkpoint_testing.hpp) exists only in the test build of this
+// file (meshtrain_checkpoint_faults, tests/checkpoint.cmake); the library's points do nothing.
+#ifdef MESHTRAIN_CHECKPOINT_FAULTS
 std::atomic<CheckpointFaultHook> fault_hook{nullptr};
 
 void fault_point(const char* point, int64_t count = 0) {
   if (CheckpointFaultHook hook = fault_hook.load()) hook(point, count);
 }
+#else
+inline void fault_point(const char*, int64_t = 0) {}
+#endif
 
 using StagingView = Kokkos::View<float*, HostStagingSpace>;  // pinned with CUDA
 using HostFloats = Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
@@ -351,9 +359,11 @@ void finish_writes(const PrivateComm& comm, SaveJob& job) {
 
 }  // namespace
 
+#ifdef MESHTRAIN_CHECKPOINT_FAULTS
 void set_checkpoint_fault_hook(CheckpointFaultHook hook) {
   fault_hook.store(hook);
 }
+#endif
 
 std::string checkpoint_file_name(int64_t step) {
   char name[64];
