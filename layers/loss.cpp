@@ -46,7 +46,7 @@ Loss::Loss(LossKind kind, ParallelContext& context, int64_t rows, int64_t width,
   row_stats_ = Matrix("meshtrain::loss_row_stats", rows_, 3);
   row_loss_ = Vector("meshtrain::loss_rows", rows_);
   scalars_ = Kokkos::View<double*, Kokkos::LayoutRight>("meshtrain::loss_scalars", 3);
-  scalars_host_ = Kokkos::create_mirror_view(scalars_);
+  scalars_host_ = host_mirror(scalars_);
   if (tp_comm_) tp_comm_->reserve_scratch(static_cast<size_t>(rows_ * tp_));
 }
 

@@ -218,7 +218,7 @@ CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& i
         const ShardedTensor& t = *entry.tensor;
         const std::string what = "cannot read dataset '" + entry.path + "' in " + where;
         Handle dataset = open_dataset(file, entry, path);
-        hosts.push_back(Kokkos::create_mirror_view(Kokkos::HostSpace(), t.local));
+        hosts.push_back(host_mirror(t.local));
         dataset_bytes.push_back(global_elements(t.global_shape) * 4);
         if (!crc_format) {
           read_with_hdf5(dataset, entry, path, hosts.back().data());

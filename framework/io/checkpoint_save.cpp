@@ -66,8 +66,8 @@ inline void fault_point(const char*, int64_t = 0) {}
 
 using StagingView = Kokkos::View<float*, HostStagingSpace>;  // pinned with CUDA
 using HostFloats = Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-constexpr bool kTensorsOnHost =
-    Kokkos::SpaceAccessibility<Kokkos::HostSpace, Vector::memory_space>::accessible;
+// Emulating device memory, tensors are staged as on a GPU.
+constexpr bool kTensorsOnHost = !kDeviceMemoryIsSeparate;
 
 // Writes of at most this many bytes, each checksummed just before it is written (the bytes
 // are then still in cache).
@@ -447,7 +447,7 @@ std::string Checkpointer::save(const CheckpointContents& contents, const std::st
         block.meta.local = Vector();
         const int64_t n = t.box.elements();
         if constexpr (kTensorsOnHost) {
-          block.mirror = Kokkos::create_mirror_view(Kokkos::HostSpace(), t.local);  // no copy
+          block.mirror = host_mirror(t.local);  // shared memory here: no copy
           block.source = block.mirror.data();
           if (stage) block.staged = staging_->view.data() + next;
         } else {

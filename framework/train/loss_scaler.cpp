@@ -13,7 +13,7 @@ LossScaler::LossScaler(Communicator& world, LossScalerSettings settings)
       settings_(settings),
       scale_(settings.initial_scale),
       non_finite_("meshtrain::loss_scaler_non_finite", 1),
-      non_finite_host_(Kokkos::create_mirror_view(non_finite_)) {}
+      non_finite_host_(host_mirror(non_finite_)) {}
 
 void LossScaler::restore(double scale, int64_t clean_steps) {
   if (!(scale > 0.0) || !std::isfinite(scale) || clean_steps < 0) {

@@ -149,7 +149,7 @@ void Optimizer::step(std::vector<ShardedTensor>& params, const std::vector<Shard
 
 GradientClipper::GradientClipper(const Mesh& mesh, int rank,
                                  const std::vector<ShardedTensor>& grads)
-    : buffer_("meshtrain::grad_norm", grads.size()), host_(Kokkos::create_mirror_view(buffer_)) {
+    : buffer_("meshtrain::grad_norm", grads.size()), host_(host_mirror(buffer_)) {
   for (const auto& g : grads) {
     counted_.push_back(owns_block(mesh, rank, g.spec));  // each block counted once
     names_.push_back(g.name);

@@ -23,8 +23,9 @@ namespace meshtrain {
 
 class HostStaging {
  public:
-  // Whether MPI needs host copies of Kokkos' default memory space.
-  static constexpr bool kStages = kDeviceMemoryIsHostInaccessible;
+  // Whether MPI needs host copies of Kokkos' default memory space (or, emulating device
+  // memory, is given them as if it did).
+  static constexpr bool kStages = kDeviceMemoryIsSeparate;
 
   // What MPI sends from: `data` itself, or a host copy of its `count` elements.
   template <class T>
