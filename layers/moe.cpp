@@ -30,6 +30,22 @@ void copy_or_zero(MatrixView src, MatrixView dst, bool zero) {
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) = zero ? 0.0f : src(i, j); });
 }
 
+// Row i of src -> row map(i) of dst (forward), or row map(i) of src -> row i of dst, for the
+// first `rows` rows. (A free function: CUDA's extended lambdas cannot sit in private members.)
+void permute_rows(MatrixView src, MatrixView dst, const Kokkos::View<int64_t*>& map, int64_t rows,
+                  bool forward) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::moe_permute"),
+      Range2({0, 0}, {rows, static_cast<int64_t>(src.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t c) {
+        if (forward) {
+          dst(map(i), c) = src(i, c);
+        } else {
+          dst(i, c) = src(map(i), c);
+        }
+      });
+}
+
 // Rows [first, first + count) of m.
 MatrixView row_block(MatrixView m, int64_t first, int64_t count) {
   return MatrixView(m.data() + first * static_cast<int64_t>(m.extent(1)), count, m.extent(1));
@@ -38,6 +54,19 @@ MatrixView row_block(MatrixView m, int64_t first, int64_t count) {
 }  // namespace
 
 // --- MoeParameter ------------------------------------------------------------------------
+
+// Where element i of the gathered blocks (the group's members' [s0, s1, s2] blocks in rank
+// order, member = i1 * group2 + i2) sits in the compute block [s0, d1, d2].
+struct GatheredBlocks {
+  int64_t d1, d2, s1, s2, block;
+  int64_t group2;
+  KOKKOS_INLINE_FUNCTION int64_t compute_index(int64_t i) const {
+    const int64_t member = i / block, rest = i % block;
+    const int64_t e = rest / (s1 * s2), r = (rest / s2) % s1, c = rest % s2;
+    const int64_t i1 = member / group2, i2 = member % group2;
+    return (e * d1 + i1 * s1 + r) * d2 + i2 * s2 + c;
+  }
+};
 
 MoeParameter::MoeParameter(const MoeParameterStorage& storage, Dtype compute, Dtype reduce,
                            ParallelContext& context)
@@ -65,20 +94,17 @@ ConstVectorView MoeParameter::compute(const ShardedTensor& stored) {
   }
   // Every member's block in rank order, then each into its place of [d0, d1, d2].
   gather_->all_gather(ConstVectorView(local.data(), local.extent(0)), VectorView(stage_), compute_);
-  const int64_t d1 = storage_.compute[1], d2 = storage_.compute[2];
-  const int64_t s0 = storage_.stored[0], s1 = storage_.stored[1], s2 = storage_.stored[2];
-  const int64_t block = s0 * s1 * s2;
-  const int group2 = group2_;
+  const GatheredBlocks blocks = gathered_blocks();
   const Vector stage = stage_, full = block_;
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::moe_place_gathered"), Range(0, full.extent(0)),
-      KOKKOS_LAMBDA(const int64_t i) {
-        const int64_t member = i / block, rest = i % block;
-        const int64_t e = rest / (s1 * s2), r = (rest / s2) % s1, c = rest % s2;
-        const int64_t i1 = member / group2, i2 = member % group2;
-        full((e * d1 + i1 * s1 + r) * d2 + i2 * s2 + c) = stage(i);
-      });
+      KOKKOS_LAMBDA(const int64_t i) { full(blocks.compute_index(i)) = stage(i); });
   return ConstVectorView(block_.data(), block_.extent(0));
+}
+
+GatheredBlocks MoeParameter::gathered_blocks() const {
+  return {storage_.compute[1], storage_.compute[2],        storage_.stored[1],
+          storage_.stored[2],  storage_.stored_elements(), group2_};
 }
 
 VectorView MoeParameter::gradient(ShardedTensor& stored_grad) {
@@ -90,19 +116,11 @@ void MoeParameter::reduce(ShardedTensor& stored_grad) {
   VectorView dst(stored_grad.local.data(), stored_grad.local.extent(0));
   if (gather_) {
     // The compute block's gradient cut into the members' blocks, in rank order.
-    const int64_t d1 = storage_.compute[1], d2 = storage_.compute[2];
-    const int64_t s1 = storage_.stored[1], s2 = storage_.stored[2];
-    const int64_t block = storage_.stored_elements();
-    const int group2 = group2_;
+    const GatheredBlocks blocks = gathered_blocks();
     const Vector stage = stage_, full = grad_;
     Kokkos::parallel_for(
         MESHTRAIN_LABEL("meshtrain::moe_cut_gradient"), Range(0, full.extent(0)),
-        KOKKOS_LAMBDA(const int64_t i) {
-          const int64_t member = i / block, rest = i % block;
-          const int64_t e = rest / (s1 * s2), r = (rest / s2) % s1, c = rest % s2;
-          const int64_t i1 = member / group2, i2 = member % group2;
-          stage(i) = full((e * d1 + i1 * s1 + r) * d2 + i2 * s2 + c);
-        });
+        KOKKOS_LAMBDA(const int64_t i) { stage(i) = full(blocks.compute_index(i)); });
     gather_->reduce_scatter(ConstVectorView(stage_.data(), stage_.extent(0)), dst, reduce_);
   }
   if (storage_.nonbatch_replication != 1) {
@@ -163,10 +181,10 @@ MoeLayer::MoeLayer(const ShardedTensor& router, const ShardedTensor& experts_wei
   gates_ = Matrix(name + "/gates", rows, k);
   position_ = Kokkos::View<int64_t**>(name + "/position", rows, k);
   stats_ = Kokkos::View<double*>(name + "/routing_stats", 2 * experts);
-  stats_host_ = Kokkos::create_mirror_view(stats_);
+  stats_host_ = host_mirror(stats_);
   counts_ = Vector(name + "/expert_counts", experts);
   all_counts_ = Vector(name + "/all_expert_counts", l.ep * experts);
-  all_counts_host_ = Kokkos::create_mirror_view(all_counts_);
+  all_counts_host_ = host_mirror(all_counts_);
   send_x_ = Matrix(name + "/send_x", assignments_, in);
   recv_x_ = Matrix(name + "/recv_x", capacity_, in);
   expert_x_ = Matrix(name + "/expert_x", capacity_, in);
@@ -182,11 +200,11 @@ MoeLayer::MoeLayer(const ShardedTensor& router, const ShardedTensor& experts_wei
   expert_offset_.assign(static_cast<size_t>(l.experts_local + 1), 0);
   expert_rows_.assign(static_cast<size_t>(experts), 0.0);
   to_expert_major_ = Kokkos::View<int64_t*>(name + "/to_expert_major", capacity_);
-  to_expert_major_host_ = Kokkos::create_mirror_view(to_expert_major_);
+  to_expert_major_host_ = host_mirror(to_expert_major_);
   local_expert_ = Kokkos::View<int*>(name + "/local_expert", capacity_);
-  local_expert_host_ = Kokkos::create_mirror_view(local_expert_);
+  local_expert_host_ = host_mirror(local_expert_);
   expert_offset_device_ = Kokkos::View<int64_t*>(name + "/expert_offsets", l.experts_local + 1);
-  expert_offset_device_host_ = Kokkos::create_mirror_view(expert_offset_device_);
+  expert_offset_device_host_ = host_mirror(expert_offset_device_);
   if (expert_comm_ && compute != Dtype::fp32) {
     const size_t widest = static_cast<size_t>(std::max(in, out));
     expert_comm_->reserve_wire(static_cast<size_t>(capacity_) * widest,
@@ -418,17 +436,7 @@ void MoeLayer::dispatch(MatrixView send, MatrixView recv, bool forward_direction
 }
 
 void MoeLayer::permute(MatrixView src, MatrixView dst, bool to_expert_major) {
-  const Kokkos::View<int64_t*> map = to_expert_major_;
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::moe_permute"),
-      matrix_range(received_, static_cast<int64_t>(src.extent(1))),
-      KOKKOS_LAMBDA(const int64_t i, const int64_t c) {
-        if (to_expert_major) {
-          dst(map(i), c) = src(i, c);
-        } else {
-          dst(i, c) = src(map(i), c);
-        }
-      });
+  permute_rows(src, dst, to_expert_major_, received_, to_expert_major);
 }
 
 MatrixView MoeLayer::backward(const ShardedTensor& router, const ShardedTensor& experts_weight,

@@ -44,6 +44,8 @@ namespace meshtrain {
 // One MoE parameter's compute block: gathered from its stored block when it is split, a
 // rounded copy in 16-bit compute, or the stored block itself; and the way back for its
 // gradient (reduce-scatter, divide, all-reduce). Owned by the layer.
+struct GatheredBlocks;  // moe.cpp
+
 class MoeParameter {
  public:
   MoeParameter() = default;
@@ -59,6 +61,8 @@ class MoeParameter {
   void reduce(ShardedTensor& stored_grad);
 
  private:
+  GatheredBlocks gathered_blocks() const;
+
   MoeParameterStorage storage_;
   Dtype compute_ = Dtype::fp32, reduce_ = Dtype::fp32;
   Communicator* gather_ = nullptr;     // over storage.gather(); nullptr: stored whole

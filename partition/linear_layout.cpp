@@ -199,6 +199,21 @@ int64_t collective_bytes_per_rank(CollectiveKind kind, int64_t bytes, int ranks)
   return static_cast<int64_t>(moved);
 }
 
+LayerCollective layer_collective(const std::string& phase, CollectiveKind kind,
+                                 const std::string& operand, const std::vector<std::string>& axes,
+                                 std::vector<int64_t> shape, int64_t element_bytes,
+                                 const Mesh& mesh, int dim) {
+  LayerCollective c{phase,         kind, operand, axes, mesh.size_of(axes), std::move(shape),
+                    element_bytes, 0,    dim};
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(elements_of(c.shape), element_bytes, &bytes)) {
+    MESHTRAIN_BAD_INPUT("a collective operand ", format_shape(c.shape),
+                        " has more bytes than fit in 64 bits");
+  }
+  c.bytes_per_rank = collective_bytes_per_rank(kind, bytes, c.ranks);
+  return c;
+}
+
 std::vector<LayerCollective> linear_step_collectives(const LinearLayout& l, const Mesh& mesh,
                                                      int64_t rows, bool input_grad,
                                                      int64_t bytes_per_element,
@@ -213,15 +228,8 @@ std::vector<LayerCollective> linear_step_collectives(const LinearLayout& l, cons
     const bool gradient = what == "weight gradient" || what == "bias gradient";
     const Dtype dtype = gradient ? precision.reduce : precision.param;
     const int64_t element = dtype == Dtype::fp32 ? bytes_per_element : 2;
-    LayerCollective c{phase,   kind, operand, axes, mesh.size_of(axes), std::move(shape),
-                      element, 0,    dim};
-    int64_t bytes = 0;
-    if (__builtin_mul_overflow(elements_of(c.shape), element, &bytes)) {
-      MESHTRAIN_BAD_INPUT("a collective operand ", format_shape(c.shape),
-                          " has more bytes than fit in 64 bits");
-    }
-    c.bytes_per_rank = collective_bytes_per_rank(kind, bytes, c.ranks);
-    out.push_back(std::move(c));
+    out.push_back(
+        layer_collective(phase, kind, operand, axes, std::move(shape), element, mesh, dim));
   };
   const bool activations = rows > 0;
   const std::vector<std::string> features =

@@ -151,6 +151,13 @@ struct LayerCollective {
 // Bytes one rank moves in a collective of `kind` on a full operand of `bytes` over `ranks`.
 int64_t collective_bytes_per_rank(CollectiveKind kind, int64_t bytes, int ranks);
 
+// One collective over the active `axes` of `mesh` on a full operand of `shape` elements of
+// `element_bytes` each, with its bytes per rank (bad_input when they overflow 64 bits).
+LayerCollective layer_collective(const std::string& phase, CollectiveKind kind,
+                                 const std::string& operand, const std::vector<std::string>& axes,
+                                 std::vector<int64_t> shape, int64_t element_bytes,
+                                 const Mesh& mesh, int dim = 0);
+
 // The collectives one training step (forward, then backward) of the layer runs, in order.
 // `rows`: the local batch rows; 0 = unknown, the activation-sized ones (input, output and
 // their gradients) are then left out. `input_grad`: whether backward computes the input

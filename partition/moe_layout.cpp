@@ -192,12 +192,8 @@ std::vector<LayerCollective> moe_step_collectives(const MoeLayout& l, const Mesh
     const int64_t element = element_bytes > 0      ? element_bytes
                             : dtype == Dtype::fp32 ? bytes_per_element
                                                    : 2;
-    int64_t elements = 1;
-    for (int64_t d : shape) elements *= d;
-    LayerCollective c{phase,   kind, operand, axes, mesh.size_of(axes), std::move(shape),
-                      element, 0,    dim};
-    c.bytes_per_rank = collective_bytes_per_rank(kind, elements * element, c.ranks);
-    out.push_back(std::move(c));
+    out.push_back(
+        layer_collective(phase, kind, operand, axes, std::move(shape), element, mesh, dim));
   };
   const Dtype param = precision.param, reduce = precision.reduce;
   const std::vector<std::string> features =
