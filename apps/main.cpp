@@ -1,4 +1,4 @@
-// The `meshtrain` command (README, "Running"). Each subcommand parses its own
+// The `meshtrain` command (docs/running.md, "The command"). Each subcommand parses its own
 // arguments, then calls into the library; this file is the only place that turns a
 // meshtrain::Error into an exit status: 2 for bad input, 1 for a failure while running.
 //

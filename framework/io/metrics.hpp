@@ -1,6 +1,6 @@
 #pragma once
 // What a run reports: OUTPUT_DIR/metrics.jsonl, one JSON object per log or eval event
-// (the schema is in the README, "What the output means"), and the same events as the
+// (the schema is in docs/running.md, "What the output means"), and the same events as the
 // progress lines a program prints. Only rank 0 owns a MetricsLog that writes; on other
 // ranks every call is a no-op, so the training loop needs no ifs.
 
