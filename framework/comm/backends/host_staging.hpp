@@ -46,6 +46,17 @@ class HostStaging {
     return host;
   }
 
+  // Bytes the buffers hold now (0 without staging).
+  std::size_t send_capacity() const { return send_.extent(0); }
+  std::size_t receive_capacity() const { return receive_.extent(0); }
+
+  // Grows both buffers to at least these sizes now (no-op without staging).
+  void reserve(std::size_t send_bytes, std::size_t receive_bytes) {
+    if constexpr (!kStages) return;
+    grow(send_, send_bytes);
+    grow(receive_, receive_bytes);
+  }
+
   // After MPI completed: the received elements back into `data` (no-op without staging).
   template <class T>
   void finish_receive(T* data, std::size_t count) {

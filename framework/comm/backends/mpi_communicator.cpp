@@ -127,6 +127,15 @@ class MpiRequestSlot final : public Request::Impl {
     bytes_ = bytes;
     return staging_.receive_buffer(recv, bytes, copy_in);
   }
+  // Whether this slot's staging already holds an operation of these sizes (always true
+  // without staging), and what it holds (for the pool's best fit).
+  bool fits(std::size_t send_bytes, std::size_t recv_bytes) const {
+    return !HostStaging::kStages ||
+           (staging_.send_capacity() >= send_bytes && staging_.receive_capacity() >= recv_bytes);
+  }
+  std::size_t staged_bytes() const {
+    return staging_.send_capacity() + staging_.receive_capacity();
+  }
   MPI_Request& receive() { return requests_[0]; }
   MPI_Request& send() { return requests_[1]; }
   MpiRequestSlot*& next_free() { return next_free_; }
@@ -164,7 +173,7 @@ class MpiRequestSlot final : public Request::Impl {
   MpiCommunicator::State& owner_;
   std::shared_ptr<MpiCommunicator::State> state_;  // set while in use
   MPI_Request requests_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-  HostStaging staging_;  // each slot its own: several shifts may be in flight
+  HostStaging staging_;   // each slot its own: several shifts may be in flight
   char* recv_ = nullptr;  // the caller's buffer, and its size in bytes
   std::size_t bytes_ = 0;
   double timeout_ = 0.0;
@@ -233,12 +242,31 @@ char* bytes(void* data) {
 // shifts in the same order, which the Communicator contract requires.)
 constexpr int kShiftTagBase = 1000;
 
-// A free slot of the pool, readied for one shift; a new slot only when all are in flight.
+// A free slot of the pool, readied for one operation moving `send_bytes` and `recv_bytes`;
+// a new slot only when all are in flight. With host staging, the free slot whose buffers fit
+// best (the smallest that holds the operation, else the largest, which grows): operations of
+// different sizes completing in varying order (DP buckets) then find buffers of their size
+// after the first step instead of growing them again.
 MpiRequestSlot& acquire_request_slot(const std::shared_ptr<MpiCommunicator::State>& state,
-                                     double timeout, const char* op) {
-  MpiRequestSlot* slot = state->free_request_slots;
+                                     double timeout, const char* op, std::size_t send_bytes,
+                                     std::size_t recv_bytes) {
+  MpiRequestSlot** best = nullptr;
+  for (MpiRequestSlot** at = &state->free_request_slots; *at != nullptr; at = &(*at)->next_free()) {
+    if (best == nullptr) {
+      best = at;
+      if (!HostStaging::kStages) break;
+      continue;
+    }
+    const bool fits = (*at)->fits(send_bytes, recv_bytes);
+    const bool best_fits = (*best)->fits(send_bytes, recv_bytes);
+    const std::size_t size = (*at)->staged_bytes(), best_size = (*best)->staged_bytes();
+    if ((fits && (!best_fits || size < best_size)) || (!fits && !best_fits && size > best_size)) {
+      best = at;
+    }
+  }
+  MpiRequestSlot* slot = best != nullptr ? *best : nullptr;
   if (slot != nullptr) {
-    state->free_request_slots = slot->next_free();
+    *best = slot->next_free();
   } else {
     state->request_slots.push_back(std::make_unique<MpiRequestSlot>(*state));
     slot = state->request_slots.back().get();
@@ -331,8 +359,8 @@ void MpiCommunicator::raw_all_gather(const void* send, void* recv, std::size_t c
   HostStaging& staging = state_->staging;
   run(op, "MPI_Iallgather", [&](MPI_Request* request) {
     return MPI_Iallgather(staging.send_buffer(bytes(send), count_per_rank * element), count, type,
-                          staging.receive_buffer(bytes(recv), total * element, false), count,
-                          type, state_->comm, request);
+                          staging.receive_buffer(bytes(recv), total * element, false), count, type,
+                          state_->comm, request);
   });
   staging.finish_receive(bytes(recv), total * element);
 }
@@ -411,7 +439,8 @@ Request MpiCommunicator::raw_shift(const void* send, void* recv, std::size_t cou
   Kokkos::fence();
   const std::size_t message_bytes = count * bytes_of(dtype);
   const MPI_Datatype type = mpi_type(dtype);
-  MpiRequestSlot& slot = acquire_request_slot(state_, timeout_seconds(), op);
+  MpiRequestSlot& slot =
+      acquire_request_slot(state_, timeout_seconds(), op, message_bytes, message_bytes);
   const char* send_mpi = slot.send_buffer(bytes(send), message_bytes);
   const int received = MPI_Irecv(slot.receive_buffer(bytes(recv), message_bytes), n, type, from,
                                  tag, state_->comm, &slot.receive());
@@ -450,7 +479,8 @@ Request MpiCommunicator::raw_start_all_gather(const void* send, void* recv,
   const std::size_t total = count_per_rank * static_cast<std::size_t>(size());
   const MPI_Datatype type = mpi_type(dtype);
   Kokkos::fence();
-  MpiRequestSlot& slot = acquire_request_slot(state_, timeout_seconds(), op);
+  MpiRequestSlot& slot = acquire_request_slot(state_, timeout_seconds(), op,
+                                              count_per_rank * element, total * element);
   const char* send_mpi = slot.send_buffer(bytes(send), count_per_rank * element);
   const int started =
       MPI_Iallgather(send_mpi, count, type, slot.receive_buffer(bytes(recv), total * element),
@@ -471,10 +501,11 @@ Request MpiCommunicator::raw_start_all_reduce_sum(void* data, std::size_t count,
   state_->require_usable(op);
   const int n = checked_int(count, "started all_reduce count");
   Kokkos::fence();
-  MpiRequestSlot& slot = acquire_request_slot(state_, timeout_seconds(), op);
-  const int started = MPI_Iallreduce(
-      MPI_IN_PLACE, slot.receive_buffer(bytes(data), count * bytes_of(dtype), true), n,
-      mpi_type(dtype), mpi_sum(dtype), state_->comm, &slot.receive());
+  MpiRequestSlot& slot =
+      acquire_request_slot(state_, timeout_seconds(), op, 0, count * bytes_of(dtype));
+  const int started =
+      MPI_Iallreduce(MPI_IN_PLACE, slot.receive_buffer(bytes(data), count * bytes_of(dtype), true),
+                     n, mpi_type(dtype), mpi_sum(dtype), state_->comm, &slot.receive());
   if (started != MPI_SUCCESS) {
     slot.receive() = MPI_REQUEST_NULL;  // nothing was started
     slot.release();
@@ -531,6 +562,10 @@ void MpiCommunicator::raw_all_to_all_v(const void* send, const std::size_t* send
                           recv_n, recv_at, type, state_->comm, request);
   });
   staging.finish_receive(bytes(recv), recv_end * element);
+}
+
+void MpiCommunicator::raw_reserve_staging(std::size_t send_bytes, std::size_t recv_bytes) {
+  state_->staging.reserve(send_bytes, recv_bytes);
 }
 
 void MpiCommunicator::raw_barrier(const char* op) {
