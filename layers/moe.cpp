@@ -149,13 +149,19 @@ MoeLayer::MoeLayer(const ShardedTensor& router, const ShardedTensor& experts_wei
   const MoeLayout& l = layout_;
   const int64_t in = l.in, out = l.out, experts = l.experts, k = l.top_k;
   assignments_ = rows * k;
-  capacity_ = l.ep * assignments_;
-  // The counts travel as floats (exact below 2^24) and the gate gradient kernel keeps k of
-  // them in registers.
-  MESHTRAIN_REQUIRE(capacity_ < (int64_t{1} << 24) && k <= kMaxTopK, "MoE layer '", l.layer,
-                    "': ", rows, " rows x top_k ", k, " x ", l.ep,
-                    " expert ranks is more than one MoE layer dispatches (top_k at most ", kMaxTopK,
-                    ", fewer than 2^24 routed rows)");
+  // A row's k experts are distinct, so at most min(k, experts here) of each group member's
+  // rows land here (moe_dispatch_capacity).
+  capacity_ = moe_dispatch_capacity(l, rows);
+  // The counts travel as floats (exact below 2^24); the gate gradient kernel keeps k of them
+  // in registers; MPI counts are ints.
+  MESHTRAIN_REQUIRE(k <= kMaxTopK, "MoE layer '", l.layer, "': top_k ", k, " above ", kMaxTopK);
+  if (rows >= (int64_t{1} << 24) || capacity_ * std::max(in, out) > INT32_MAX) {
+    MESHTRAIN_BAD_INPUT("MoE layer '", l.layer, "': ", rows, " rows per rank (data.batch_size ",
+                        "over the batch axes) x ", std::min(k, l.experts_local), " experts x ",
+                        l.ep, " expert ranks x ", std::max(in, out),
+                        " features is more than one all-to-all moves (2^31 elements); use a "
+                        "smaller batch or more ranks on the batch axes");
+  }
   global_rows_ = rows * context.batch_parallel();
   const Dtype compute = context.precision().param, reduce = context.precision().reduce;
 
@@ -205,10 +211,12 @@ MoeLayer::MoeLayer(const ShardedTensor& router, const ShardedTensor& experts_wei
   local_expert_host_ = host_mirror(local_expert_);
   expert_offset_device_ = Kokkos::View<int64_t*>(name + "/expert_offsets", l.experts_local + 1);
   expert_offset_device_host_ = host_mirror(expert_offset_device_);
-  if (expert_comm_ && compute != Dtype::fp32) {
-    const size_t widest = static_cast<size_t>(std::max(in, out));
-    expert_comm_->reserve_wire(static_cast<size_t>(capacity_) * widest,
-                               static_cast<size_t>(capacity_) * widest);
+  if (expert_comm_) {
+    // Whatever the routing, the dispatches' 16-bit buffers and MPI's host staging are
+    // already as large as they get.
+    const size_t elements = static_cast<size_t>(capacity_ * std::max(in, out));
+    if (compute != Dtype::fp32) expert_comm_->reserve_wire(elements, elements);
+    expert_comm_->reserve_staging(elements * bytes_of(compute), elements * bytes_of(compute));
   }
   if (feature_comm_) feature_comm_->reserve_scratch(static_cast<size_t>(rows * in));
   // Its label is made on first use (kernel_label.hpp): here, not in the first step whose

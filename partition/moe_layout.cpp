@@ -156,6 +156,10 @@ MoeLayout decide_moe_layout(const std::string& layer, const LinearParameter& rou
   return l;
 }
 
+int64_t moe_dispatch_capacity(const MoeLayout& l, int64_t rows) {
+  return l.ep * rows * std::min(l.top_k, l.experts_local);
+}
+
 std::string describe_moe_layout(const MoeLayout& l) {
   std::ostringstream s;
   s << "MoE in " << l.in;
@@ -212,31 +216,31 @@ std::vector<LayerCollective> moe_step_collectives(const MoeLayout& l, const Mesh
     add("forward", CollectiveKind::all_gather, "input", features, {rows, l.in}, param, 1);
   }
   gather("forward", "router", l.router);
+  add("forward", CollectiveKind::all_gather, "expert counts", l.expert_axes, {l.ep, l.experts},
+      Dtype::fp32);
   // The routing statistics of the load-balancing loss: per expert, rows and probability sums
   // (doubles).
   add("forward", CollectiveKind::all_reduce, "routing statistics", l.batch_axes, {2, l.experts},
       Dtype::fp32, 0, 8);
-  gather("forward", "expert weights", l.experts_weight);
-  gather("forward", "expert biases", l.experts_bias);
-  add("forward", CollectiveKind::all_gather, "expert counts", l.expert_axes, {l.ep, l.experts},
-      Dtype::fp32);
   if (activations) {
     add("forward", CollectiveKind::all_to_all, "dispatched rows", l.expert_axes,
         {assignments, l.in}, param);
+  }
+  gather("forward", "expert weights", l.experts_weight);
+  gather("forward", "expert biases", l.experts_bias);
+  if (activations) {
     add("forward", CollectiveKind::all_to_all, "expert outputs", l.expert_axes,
+        {assignments, l.out}, param);
+    add("backward", CollectiveKind::all_to_all, "expert output gradients", l.expert_axes,
         {assignments, l.out}, param);
   }
   if (input_grad) {  // only the input gradient needs the weights again
-    gather("backward", "router", l.router);
     gather("backward", "expert weights", l.experts_weight);
-  }
-  if (activations) {
-    add("backward", CollectiveKind::all_to_all, "expert output gradients", l.expert_axes,
-        {assignments, l.out}, param);
-    if (input_grad) {
+    if (activations) {
       add("backward", CollectiveKind::all_to_all, "dispatched row gradients", l.expert_axes,
           {assignments, l.in}, param);
     }
+    gather("backward", "router", l.router);
   }
   reduce_gradient("expert weight gradient", l.experts_weight);
   reduce_gradient("expert bias gradient", l.experts_bias);

@@ -99,6 +99,11 @@ MoeLayout decide_moe_layout(const std::string& layer, const LinearParameter& rou
                             const LinearParameter& experts_bias, int64_t top_k, const Mesh& mesh,
                             const LayerAxes& axes, FeatureLayout input_layout);
 
+// The most (row, expert) pairs one rank can receive in a dispatch: each of the ep group's
+// members sends at most min(top_k, experts_local) of each of its `rows` rows here (a row's
+// experts are distinct). The layer's dispatch buffers hold this many rows.
+int64_t moe_dispatch_capacity(const MoeLayout& layout, int64_t rows);
+
 // "MoE in 512 -> out 512, 8 experts top-2, 4 per rank over (ep) by all-to-all, experts
 // gathered over (fsdp), expert grads all-reduced over (dp), router grads all-reduced over
 // (fsdp, dp, ep)" (without the layer name).

@@ -97,7 +97,7 @@ LayerPlan plan_moe_layer(const ShardingPlan& plan, const LinearLayerParameters& 
     l.collective_bytes_per_step = checked_add(l.collective_bytes_per_step, c.bytes_per_rank);
   }
   l.notes = m.notes;
-  l.moe_buffer_bytes = moe_buffer_bytes(m, plan.local_batch_rows);
+  l.moe_buffer_bytes = moe_buffer_bytes(m, plan.local_batch_rows, options.precision);
   return l;
 }
 
@@ -216,12 +216,14 @@ std::string replicated_axis_note(const std::string& axis, int size) {
          " rank computes the same thing (compute replicated over " + axis + ")";
 }
 
-int64_t moe_buffer_bytes(const MoeLayout& m, int64_t rows) {
+int64_t moe_buffer_bytes(const MoeLayout& m, int64_t rows, const MixedPrecision& precision) {
   if (rows <= 0) return 0;
   constexpr int64_t kFloat = 4;
-  constexpr int64_t kRoutedRow = 4 + 4 + 8;                       // gate, expert, send position
-  const int64_t sent = checked_mul(rows, m.top_k);                // A = R*k
-  const int64_t capacity = checked_mul(sent, std::max(m.ep, 1));  // C = ep*A
+  constexpr int64_t kRoutedRow = 4 + 4 + 8;         // gate, expert, send position
+  constexpr int64_t kReceivedRow = 8 + 4;           // its expert-major row, its local expert
+  const int64_t sent = checked_mul(rows, m.top_k);  // A = R*k
+  // C = ep * R * min(k, experts per rank): a row's experts are distinct.
+  const int64_t capacity = moe_dispatch_capacity(m, rows);
   const int64_t two = checked_mul(capacity, 2);
   // Forward: send buffer, received and expert-major inputs, expert outputs (expert-major and
   // in source order), returned outputs.
@@ -234,7 +236,13 @@ int64_t moe_buffer_bytes(const MoeLayout& m, int64_t rows) {
   floats = checked_add(floats, checked_mul(capacity, m.in));
   // Routing: logits, probabilities, their gradient.
   floats = checked_add(floats, checked_mul(checked_mul(rows, 3), m.experts));
-  return checked_add(checked_mul(floats, kFloat), checked_mul(sent, kRoutedRow));
+  int64_t bytes = checked_add(checked_mul(floats, kFloat), checked_mul(sent, kRoutedRow));
+  bytes = checked_add(bytes, checked_mul(capacity, kReceivedRow));
+  // 16-bit dispatches: the communicator's send and receive buffers of C rows of the widest.
+  if (precision.param != Dtype::fp32 && m.ep > 1) {
+    bytes = checked_add(bytes, checked_mul(checked_mul(capacity, std::max(m.in, m.out)), 2 * 2));
+  }
+  return bytes;
 }
 
 std::vector<LinearLayerParameters> mlp_linear_layers(const std::vector<int64_t>& sizes,

@@ -102,16 +102,19 @@ struct LayerPlan {
 
 // The bytes of an MoE layer's step buffers on one rank (layers/moe.cpp), for `rows` local
 // rows: worst case (every row of the expert group routed to this rank), allocated once at
-// construction. With R = rows, k = top_k, A = R*k routed rows sent, C = ep*A the capacity,
-// E experts, floats of 4 bytes:
+// construction. With R = rows, k = top_k, A = R*k routed rows sent, C = moe_dispatch_capacity (ep *
+// R * min(k, E / ep)), E experts, floats of 4 bytes:
 //   forward: send buffer A*in, received and expert-major inputs 2*C*in, expert outputs
 //   (expert-major and in source order) 2*C*out, returned outputs A*out;
 //   backward (the forward buffers reused where they can be): output gradients to send A*out,
 //   the experts' input gradients C*in;
 //   routing: logits, probabilities and their gradient 3*R*E floats, and per routed row its
-//   gate (4 B), expert (4 B) and send position (8 B).
-// Not counted (as for linear layers): the output, input gradient and gathered parameters.
-int64_t moe_buffer_bytes(const MoeLayout& layout, int64_t rows);
+//   gate (4 B), expert (4 B) and send position (8 B); per received row its expert-major row
+//   (8 B) and local expert (4 B); with a 16-bit param_dtype and ep > 1, the communicator's
+//   16-bit send and receive buffers, C rows of max(in, out) each.
+// Not counted (as for linear layers): the output, input gradient and gathered parameters,
+// and the host mirrors and MPI staging a GPU build adds.
+int64_t moe_buffer_bytes(const MoeLayout& layout, int64_t rows, const MixedPrecision& precision);
 
 struct PlanTotals {  // bytes per rank
   int64_t parameter_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0;

@@ -109,7 +109,6 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     mesh_ = config_.mesh.resolve(world_size);
     const std::vector<int64_t>& sizes = config_.model.sizes;
     const MoeSettings moe = config_.model.moe();
-    check_moe_fits_mesh(config_, *mesh_);
     plan_ = make_plan(mlp_parameter_shapes(sizes, moe), *mesh_, partition_rules(config_),
                       plan_options(config_), mlp_linear_layers(sizes, moe));
     logical_ = LogicalAxes::with_overrides(config_.partition.logical_axes);
@@ -394,6 +393,7 @@ double TrainingRun::accumulate_loaded_batch() {
   if (!std::isfinite(result.loss)) {
     micro_done_ = 0;
     micro_loss_sum_ = 0.0;
+    micro_aux_loss_sum_ = 0.0;
     throw_agreed_data_error();
     throw AgreedError(Error(
         ErrorKind::runtime,

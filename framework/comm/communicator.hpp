@@ -184,6 +184,12 @@ class Communicator {
   // Preallocates the buffers a 16-bit all_to_all_v / the other blocking 16-bit operations use, so
   // that later calls up to these sizes (elements) allocate nothing.
   void reserve_wire(std::size_t send_elements, std::size_t recv_elements);
+  // Preallocates what a backend stages blocking operations through (the MPI backend's host
+  // buffers when memory is on a device), so that later calls up to these sizes allocate
+  // nothing. A no-op where nothing is staged.
+  void reserve_staging(std::size_t send_bytes, std::size_t recv_bytes) {
+    raw_reserve_staging(send_bytes, recv_bytes);
+  }
 
  protected:
   Communicator(int size, int rank, std::string description);
@@ -217,6 +223,7 @@ class Communicator {
                                 const std::size_t* recv_counts, const std::size_t* recv_offsets,
                                 Dtype dtype, const char* op) = 0;
   virtual void raw_barrier(const char* op) = 0;
+  virtual void raw_reserve_staging(std::size_t /*send_bytes*/, std::size_t /*recv_bytes*/) {}
 
  private:
   float* scratch(std::size_t floats);

@@ -191,9 +191,6 @@ int64_t training_steps(const RunConfig& config, int64_t steps_per_epoch);
 // ("runs/<run.name>", "<output_dir>/checkpoints"). Throws bad_input naming the key
 // ("<config.file>: model.sizes ..."; config.file defaults to "the run config").
 void check_config(RunConfig& config);
-// An MoE model's experts must divide by the ranks of the expert axes (the logical axis
-// `expert`, default ep) of `mesh`: bad_input naming model.experts otherwise.
-void check_moe_fits_mesh(const RunConfig& config, const Mesh& mesh);
 // The products of config integers the run computes (the global rows of a step, each
 // weight's bytes, a shuffle window's bytes): bad_input naming both keys when one overflows
 // 64-bit integers. Part of check_config and of load_config / parse_config.

@@ -8,7 +8,6 @@
 #include "framework/core/choices.hpp"
 #include "framework/train/config.hpp"
 #include "partition/error.hpp"
-#include "partition/logical_axes.hpp"
 #include "partition/text.hpp"
 
 namespace meshtrain {
@@ -56,20 +55,6 @@ void check_config_products(const RunConfig& config) {
   const int64_t row_bytes = sizes.empty() ? 4 : 4 * (sizes.front() + sizes.back());
   product(config.data.block_rows, "data.block_rows", config.data.shuffle_window,
           "data.shuffle_window", row_bytes);
-}
-
-void check_moe_fits_mesh(const RunConfig& config, const Mesh& mesh) {
-  if (!config.model.moe().any()) return;
-  const std::vector<std::string> axes =
-      LogicalAxes::with_overrides(config.partition.logical_axes).axes_of("expert");
-  int ranks = 1;
-  for (const std::string& axis : axes) ranks *= mesh.has_axis(axis) ? mesh.axis_size(axis) : 1;
-  if (config.model.experts % ranks != 0) {
-    const std::string& where = config.file.empty() ? std::string("the run config") : config.file;
-    MESHTRAIN_BAD_INPUT(where, ": model.experts = ", config.model.experts,
-                        " does not divide by the ", ranks, " ranks of the expert axes (",
-                        join(axes), "); use a multiple of ", ranks, " experts or a smaller ep");
-  }
 }
 
 void check_config(RunConfig& config) {

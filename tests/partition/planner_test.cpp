@@ -473,10 +473,11 @@ TEST(MoePlan, ExpertParallelOnTwoRanks) {
   // Dispatch buffers (layers/moe.cpp), worst case (R = 32, k = 2, A = R*k = 64 rows sent,
   // capacity C = ep*A = 128, in = out = 128, E = 8): send A*in, received and expert-major
   // 2*C*in, expert outputs 2*C*out, returned A*out, output gradients to send A*out, the
-  // experts' input gradients C*in, routing 3*R*E floats; 16 B per routed row.
+  // experts' input gradients C*in, routing 3*R*E floats; 16 B per routed row, 12 B per
+  // received row.
   const int64_t floats =
       64 * 128 + 2 * 128 * 128 + 2 * 128 * 128 + 64 * 128 + 64 * 128 + 128 * 128 + 3 * 32 * 8;
-  const int64_t buffers = 4 * floats + 16 * 64;
+  const int64_t buffers = 4 * floats + 16 * 64 + 12 * 128;
   EXPECT_EQ(l.moe_buffer_bytes, buffers);
   EXPECT_EQ(plan.totals.moe_buffer_bytes, buffers);
   EXPECT_EQ(plan.totals.bytes_per_rank(), plan.totals.parameter_bytes + plan.totals.gradient_bytes +
@@ -518,10 +519,11 @@ TEST(MoePlan, ExpertsOverEpAndFsdp) {
       find_collective(l, "backward", CollectiveKind::all_reduce, "router gradient");
   ASSERT_NE(router, nullptr);
   EXPECT_EQ(router->axes, (std::vector<std::string>{"fsdp", "ep"}));
-  // Worst case: all ep * R * k = 64 rows at one rank (A = R * k = 16 sent by each).
+  // Worst case: all ep * R * min(k, 2 experts here) = 64 rows at one rank (A = R * k = 16
+  // sent by each).
   EXPECT_EQ(l.moe_buffer_bytes, 4 * (16 * 128 + 2 * 64 * 128 + 2 * 64 * 128 + 16 * 128 + 16 * 128 +
                                      64 * 128 + 3 * 8 * 8) +
-                                    16 * 16);
+                                    16 * 16 + 12 * 64);
   EXPECT_TRUE(plan.notes.empty());
 }
 
