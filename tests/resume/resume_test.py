@@ -83,7 +83,7 @@ class Context:
         self.fault_rank = args.fault_rank
         self.fault_action = args.fault_action
         self.precision = args.precision
-        self.moe = args.moe
+        self.moe = getattr(args, "moe", False)  # other scripts build a Context too
         self.failures = []
 
     def config(self, preset):
