@@ -8,6 +8,7 @@
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
+#include "framework/core/view_ops.hpp"
 #include "partition/error.hpp"
 
 namespace meshtrain {
@@ -19,15 +20,6 @@ constexpr int64_t kMaxTopK = 16;
 
 Range2 matrix_range(int64_t rows, int64_t cols) {
   return Range2({0, 0}, {rows, cols});
-}
-
-// dst = src, or 0 where src is empty (a labelled kernel: Kokkos::deep_copy builds a label
-// string, an allocation inside the step).
-void copy_or_zero(MatrixView src, MatrixView dst, bool zero) {
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::moe_copy"),
-      Range2({0, 0}, {static_cast<int64_t>(dst.extent(0)), static_cast<int64_t>(dst.extent(1))}),
-      KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) = zero ? 0.0f : src(i, j); });
 }
 
 // Row i of src -> row map(i) of dst (forward), or row map(i) of src -> row i of dst, for the
@@ -203,14 +195,13 @@ MoeLayer::MoeLayer(const ShardedTensor& router, const ShardedTensor& experts_wei
   dx_ = Matrix(name + "/input_grad", rows, l.input_width());
   send_rows_.assign(static_cast<size_t>(l.ep), 0);
   recv_rows_.assign(static_cast<size_t>(l.ep), 0);
-  expert_offset_.assign(static_cast<size_t>(l.experts_local + 1), 0);
   expert_rows_.assign(static_cast<size_t>(experts), 0.0);
   to_expert_major_ = Kokkos::View<int64_t*>(name + "/to_expert_major", capacity_);
   to_expert_major_host_ = host_mirror(to_expert_major_);
   local_expert_ = Kokkos::View<int*>(name + "/local_expert", capacity_);
   local_expert_host_ = host_mirror(local_expert_);
-  expert_offset_device_ = Kokkos::View<int64_t*>(name + "/expert_offsets", l.experts_local + 1);
-  expert_offset_device_host_ = host_mirror(expert_offset_device_);
+  expert_offsets_ = Kokkos::View<int64_t*>(name + "/expert_offsets", l.experts_local + 1);
+  expert_offsets_host_ = host_mirror(expert_offsets_);
   if (expert_comm_) {
     // Whatever the routing, the dispatches' 16-bit buffers and MPI's host staging are
     // already as large as they get.
@@ -219,9 +210,10 @@ MoeLayer::MoeLayer(const ShardedTensor& router, const ShardedTensor& experts_wei
     expert_comm_->reserve_staging(elements * bytes_of(compute), elements * bytes_of(compute));
   }
   if (feature_comm_) feature_comm_->reserve_scratch(static_cast<size_t>(rows * in));
-  // Its label is made on first use (kernel_label.hpp): here, not in the first step whose
+  // Their labels are made on first use (kernel_label.hpp): here, not in the first step whose
   // routing leaves an expert without rows.
-  copy_or_zero(MatrixView(), MatrixView(), true);
+  set_zero(MatrixView());
+  copy_into(MatrixView(), ConstMatrixView());
 }
 
 std::string MoeLayer::describe() const {
@@ -312,8 +304,8 @@ MatrixView MoeLayer::forward(const ShardedTensor& router, const ShardedTensor& e
           }
         });
   }
-  // The counts of the whole expert group (exact in float: at most rows x k < 2^24, checked
-  // at construction by the dispatch buffers' size), then the global statistics.
+  // The counts of the whole expert group (exact in float: each at most rows < 2^24, checked
+  // at construction), then the global statistics.
   if (expert_comm_) {
     expert_comm_->all_gather(ConstVectorView(counts_.data(), counts_.extent(0)),
                              VectorView(all_counts_));
@@ -348,8 +340,7 @@ MatrixView MoeLayer::forward(const ShardedTensor& router, const ShardedTensor& e
   // One GEMM per local expert on its rows, plus its bias.
   const ConstVectorView w = weight_.compute(experts_weight);
   for (int64_t e = 0; e < l.experts_local; ++e) {
-    const int64_t first = expert_offset_[static_cast<size_t>(e)];
-    const int64_t count = expert_offset_[static_cast<size_t>(e) + 1] - first;
+    const int64_t first = expert_offsets_host_(e), count = expert_offsets_host_(e + 1) - first;
     if (count == 0) continue;
     gemm(plain(row_block(expert_x_, first, count)),
          plain(ConstMatrixView(w.data() + e * in * out, in, out)), 0.0f,
@@ -404,19 +395,19 @@ void MoeLayer::plan_dispatch() {
   }
   // Expert-major offsets, then where each received row goes: the rows from source j for
   // local expert e follow those from sources before j.
-  expert_offset_[0] = 0;
+  expert_offsets_host_(0) = 0;
   for (int64_t e = 0; e < local; ++e) {
     int64_t total = 0;
     for (int j = 0; j < ep; ++j) total += count(j, first_expert_ + e);
-    expert_offset_[static_cast<size_t>(e) + 1] = expert_offset_[static_cast<size_t>(e)] + total;
+    expert_offsets_host_(e + 1) = expert_offsets_host_(e) + total;
   }
-  received_ = expert_offset_.back();
+  received_ = expert_offsets_host_(local);
   MESHTRAIN_REQUIRE(received_ <= capacity_, "MoE layer '", l.layer, "': ", received_,
                     " rows routed here, more than the ", capacity_, " the buffers hold");
   int64_t recv_row = 0;
   for (int j = 0; j < ep; ++j) {
     for (int64_t e = 0; e < local; ++e) {
-      int64_t dst = expert_offset_[static_cast<size_t>(e)];
+      int64_t dst = expert_offsets_host_(e);
       for (int i = 0; i < j; ++i) dst += count(i, first_expert_ + e);
       for (int64_t n = count(j, first_expert_ + e); n > 0; --n) {
         local_expert_host_(dst) = static_cast<int>(e);
@@ -424,11 +415,9 @@ void MoeLayer::plan_dispatch() {
       }
     }
   }
-  for (int64_t e = 0; e <= local; ++e)
-    expert_offset_device_host_(e) = expert_offset_[static_cast<size_t>(e)];
   Kokkos::deep_copy(to_expert_major_, to_expert_major_host_);
   Kokkos::deep_copy(local_expert_, local_expert_host_);
-  Kokkos::deep_copy(expert_offset_device_, expert_offset_device_host_);
+  Kokkos::deep_copy(expert_offsets_, expert_offsets_host_);
 }
 
 void MoeLayer::dispatch(MatrixView send, MatrixView recv, bool forward_direction) {
@@ -440,7 +429,7 @@ void MoeLayer::dispatch(MatrixView send, MatrixView recv, bool forward_direction
   }
   // One rank holds every expert: what would be sent is what arrives.
   const int64_t n = out_rows[0];
-  copy_or_zero(row_block(send, 0, n), row_block(recv, 0, n), false);
+  copy_into(row_block(recv, 0, n), row_block(send, 0, n));
 }
 
 void MoeLayer::permute(MatrixView src, MatrixView dst, bool to_expert_major) {
@@ -486,11 +475,10 @@ MatrixView MoeLayer::backward(const ShardedTensor& router, const ShardedTensor& 
   // Per local expert: dW_e = X_eᵀ dY_e, db_e = column sums of dY_e, dX_e = dY_e W_eᵀ.
   const VectorView gw = weight_.gradient(weight_grad);
   for (int64_t e = 0; e < l.experts_local; ++e) {
-    const int64_t first = expert_offset_[static_cast<size_t>(e)];
-    const int64_t count = expert_offset_[static_cast<size_t>(e) + 1] - first;
+    const int64_t first = expert_offsets_host_(e), count = expert_offsets_host_(e + 1) - first;
     MatrixView dw(gw.data() + e * in * out, in, out);
     if (count == 0) {
-      copy_or_zero(dw, dw, true);
+      set_zero(dw);
       continue;
     }
     gemm(transposed(row_block(expert_x_, first, count)), plain(row_block(expert_y_, first, count)),
@@ -502,7 +490,7 @@ MatrixView MoeLayer::backward(const ShardedTensor& router, const ShardedTensor& 
     const int64_t bias_first = l.experts_bias.all_experts ? first_expert_ : 0;
     const int64_t rows_of_bias = static_cast<int64_t>(gb.extent(0)) / out;
     const Matrix dye = expert_y_;
-    const Kokkos::View<int64_t*> offset = expert_offset_device_;
+    const Kokkos::View<int64_t*> offset = expert_offsets_;
     const int64_t local = l.experts_local;
     Kokkos::parallel_for(
         MESHTRAIN_LABEL("meshtrain::moe_bias_grad"), matrix_range(rows_of_bias, out),
@@ -519,8 +507,7 @@ MatrixView MoeLayer::backward(const ShardedTensor& router, const ShardedTensor& 
   if (need_input_grad) {
     const ConstVectorView w = weight_.compute(experts_weight);
     for (int64_t e = 0; e < l.experts_local; ++e) {
-      const int64_t first = expert_offset_[static_cast<size_t>(e)];
-      const int64_t count = expert_offset_[static_cast<size_t>(e) + 1] - first;
+      const int64_t first = expert_offsets_host_(e), count = expert_offsets_host_(e + 1) - first;
       if (count == 0) continue;
       gemm(plain(row_block(expert_y_, first, count)),
            transposed(ConstMatrixView(w.data() + e * in * out, in, out)), 0.0f,

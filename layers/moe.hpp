@@ -146,14 +146,13 @@ class MoeLayer {
   Matrix out_, dx_full_, dx_;              // [rows, out], [rows, in], [rows, input_width]
   // The dispatch plan of the last forward (host, then device).
   std::vector<int64_t> send_rows_, recv_rows_;  // per group rank
-  std::vector<int64_t> expert_offset_;          // [El + 1] expert-major row offsets
   int64_t received_ = 0;
   Kokkos::View<int64_t*> to_expert_major_;  // received row -> expert-major row
   Kokkos::View<int64_t*>::HostMirror to_expert_major_host_;
   Kokkos::View<int*> local_expert_;  // expert-major row -> local expert
   Kokkos::View<int*>::HostMirror local_expert_host_;
-  Kokkos::View<int64_t*> expert_offset_device_;
-  Kokkos::View<int64_t*>::HostMirror expert_offset_device_host_;
+  Kokkos::View<int64_t*> expert_offsets_;  // [El + 1] expert-major row offsets (host: planned)
+  Kokkos::View<int64_t*>::HostMirror expert_offsets_host_;
 
   double aux_loss_ = 0.0;
   std::vector<double> expert_rows_;

@@ -109,9 +109,12 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     mesh_ = config_.mesh.resolve(world_size);
     const std::vector<int64_t>& sizes = config_.model.sizes;
     const MoeSettings moe = config_.model.moe();
-    plan_ = make_plan(mlp_parameter_shapes(sizes, moe), *mesh_, partition_rules(config_),
-                      plan_options(config_), mlp_linear_layers(sizes, moe));
-    logical_ = LogicalAxes::with_overrides(config_.partition.logical_axes);
+    const PlanOptions options = plan_options(config_);
+    plan_ = make_plan(mlp_parameter_shapes(sizes, moe), *mesh_, partition_rules(config_), options,
+                      mlp_linear_layers(sizes, moe));
+    // The rows' axes (the logical batch's, and the expert axes in an MoE model) and the
+    // features'.
+    layer_axes_ = LayerAxes{options.batch_axes, options.feature_axis};
   });
   const std::vector<int64_t>& sizes = config_.model.sizes;
   const int64_t global_batch = config_.data.batch_size;  // of one micro-batch
@@ -148,10 +151,8 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     // its rows [m * batch_size, +batch_size).
     schedule_.emplace(train.num_samples, global_batch * accumulation_, config_.data.shuffle,
                       config_.run.seed, config_.data.block_rows, config_.data.shuffle_window);
-    // The rows' axes: the logical batch's, and the expert axes in an MoE model.
-    const std::vector<std::string> batch_axes = plan_options(config_).batch_axes;
-    slice_ = make_batch_slice(*mesh_, rank_, batch_axes, global_batch);
-    eval_slice_ = make_batch_slice(*mesh_, rank_, batch_axes, eval_batch, eval_key);
+    slice_ = make_batch_slice(*mesh_, rank_, layer_axes_.batch, global_batch);
+    eval_slice_ = make_batch_slice(*mesh_, rank_, layer_axes_.batch, eval_batch, eval_key);
     eval_schedule_ = EvalSchedule::create(test_source_->shape().num_samples, eval_batch, eval_key);
     total_steps_ = training_steps(config_, schedule_->steps_per_epoch());
   });
@@ -162,8 +163,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   comms_ =
       std::make_unique<MeshCommunicators>(*mesh_, comm_, prepare_comm_backend(backend_, comm_));
   world_ = &comms_->get(all_axes(*mesh_));
-  const PlanOptions options = plan_options(config_);
-  context_.emplace(*comms_, options.batch_axes, options.feature_axis,
+  context_.emplace(*comms_, layer_axes_.batch, layer_axes_.feature,
                    parse_collective_matmul_algorithm(config_.partition.collective_matmul),
                    config_.runtime.overlap, config_.runtime.bucket_mb);
   const MixedPrecision precision = config_.mixed_precision.policy();

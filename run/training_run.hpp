@@ -45,7 +45,7 @@
 #include "layers/context.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
-#include "partition/logical_axes.hpp"
+#include "partition/linear_layout.hpp"  // LayerAxes
 #include "partition/planner.hpp"
 
 namespace meshtrain {
@@ -186,7 +186,7 @@ class TrainingRun {
   int rank_ = 0;
   std::optional<Mesh> mesh_;
   std::optional<ShardingPlan> plan_;
-  std::optional<LogicalAxes> logical_;
+  LayerAxes layer_axes_;  // the batch and feature axes of the plan's layers
   std::unique_ptr<RowSource> train_source_;
   std::unique_ptr<RowSource> test_source_;
   std::optional<BatchSchedule> schedule_;  // of optimizer steps: accumulation x batch rows

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "framework/core/kernel_label.hpp"
+#include "framework/core/view_ops.hpp"
 
 namespace meshtrain {
 
@@ -33,24 +34,6 @@ void add_into(float* target, const float* source, std::size_t count) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::collective_matmul_accumulate"), count,
       KOKKOS_LAMBDA(const std::size_t k) { t(k) += s(k); });
-}
-
-// C = 0 and C = source. Kokkos::deep_copy does the same, but the kernels it launches for a
-// scalar or a row-strided view carry labels that Kokkos 3.4 turns into a std::string (a
-// heap allocation) at every call; these kernels label themselves once.
-void set_zero(MatrixView c) {
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::collective_matmul_zero"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
-          {0, 0}, {static_cast<int64_t>(c.extent(0)), static_cast<int64_t>(c.extent(1))}),
-      KOKKOS_LAMBDA(const int64_t r, const int64_t col) { c(r, col) = 0.0f; });
-}
-void copy_into(MatrixView c, ConstMatrixView source) {
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::collective_matmul_copy"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
-          {0, 0}, {static_cast<int64_t>(c.extent(0)), static_cast<int64_t>(c.extent(1))}),
-      KOKKOS_LAMBDA(const int64_t r, const int64_t col) { c(r, col) = source(r, col); });
 }
 
 void require_contiguous_block(const ConstMatrixView& m, const Communicator& comm, const char* op,
