@@ -13,7 +13,7 @@
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
-#include "framework/core/runtime.hpp"
+#include "framework/comm/runtime.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
 #include "framework/io/metrics.hpp"

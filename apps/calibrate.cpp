@@ -12,7 +12,7 @@
 #include <iostream>
 #include <sstream>
 
-#include "apps/exit_policy.hpp"
+#include "framework/comm/exit_policy.hpp"
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/comm/mpi_util.hpp"
@@ -21,8 +21,8 @@
 #include "framework/train/config.hpp"
 #include "framework/train/hardware_file.hpp"
 #include "partition/cost_model.hpp"
-#include "partition/error.hpp"
-#include "partition/text.hpp"
+#include "base/error.hpp"
+#include "base/text.hpp"
 
 namespace meshtrain {
 namespace {

@@ -18,15 +18,15 @@
 #include <vector>
 
 #include "apps/calibrate.hpp"
-#include "apps/exit_policy.hpp"
-#include "apps/inspect.hpp"
-#include "apps/plan.hpp"
+#include "framework/comm/exit_policy.hpp"
+#include "framework/io/checkpoint_report.hpp"
+#include "framework/train/plan_report.hpp"
 #include "apps/train.hpp"
-#include "framework/core/runtime.hpp"
+#include "framework/comm/runtime.hpp"
 #include "framework/core/version.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/hardware_file.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace {
 
@@ -203,7 +203,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("train")) return run_train(train_args, argc, argv);
     if (app.got_subcommand("calibrate")) return run_calibrate(calibrate_args, argc, argv);
     if (app.got_subcommand("inspect")) {
-      return meshtrain::inspect_command(inspect_args.checkpoint, inspect_args.verify, std::cout);
+      return meshtrain::print_checkpoint(inspect_args.checkpoint, inspect_args.verify, std::cout);
     }
   } catch (const meshtrain::Error& e) {
     return report(e);

@@ -8,7 +8,7 @@
 #include <cstdio>
 #include <optional>
 
-#include "apps/exit_policy.hpp"
+#include "framework/comm/exit_policy.hpp"
 #include "framework/comm/collective_matmul.hpp"
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/io/metrics.hpp"

@@ -39,7 +39,7 @@
 #include <vector>
 
 #include "framework/io/checkpoint.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace {
 

@@ -24,11 +24,11 @@
 #include <string>
 #include <vector>
 
-#include "apps/exit_policy.hpp"
+#include "framework/comm/exit_policy.hpp"
 #include "framework/comm/backend.hpp"
 #include "framework/comm/collective_matmul.hpp"
 #include "framework/comm/mesh_communicators.hpp"
-#include "framework/core/runtime.hpp"
+#include "framework/comm/runtime.hpp"
 #include "framework/train/hardware_file.hpp"
 
 namespace {

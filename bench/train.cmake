@@ -3,7 +3,7 @@
 #   OPENBLAS_NUM_THREADS=1 mpirun -np 2 build/bin/bench_train_step --sizes 784,4096,4096,10 \
 #       --batch 256 --mode fsdp --steps 10 --warmup 2
 add_executable(bench_train_step ${CMAKE_CURRENT_SOURCE_DIR}/train_step.cpp)
-target_link_libraries(bench_train_step PRIVATE meshtrain_run meshtrain_exit_policy CLI11::CLI11
+target_link_libraries(bench_train_step PRIVATE meshtrain_run CLI11::CLI11
                       nlohmann_json::nlohmann_json)
 # Exported symbols, so --trace-allocations prints function names.
 target_link_options(bench_train_step PRIVATE -rdynamic)

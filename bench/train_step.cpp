@@ -48,10 +48,10 @@
 #include <string>
 #include <vector>
 
-#include "apps/exit_policy.hpp"
+#include "framework/comm/exit_policy.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
-#include "framework/core/runtime.hpp"
+#include "framework/comm/runtime.hpp"
 #include "framework/train/hardware_file.hpp"
 #include "partition/cost_model.hpp"
 #include "run/training_run.hpp"

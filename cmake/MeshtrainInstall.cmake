@@ -15,7 +15,7 @@ target_include_directories(meshtrain_library INTERFACE
 
 set(_meshtrain_exported
     meshtrain_library:meshtrain meshtrain_run:run meshtrain_layers:layers
-    meshtrain_framework:framework meshtrain_partition:partition
+    meshtrain_framework:framework meshtrain_partition:partition meshtrain_base:base
     meshtrain_kokkos:kokkos meshtrain_blas:blas meshtrain_mpi:mpi meshtrain_hdf5:hdf5)
 if(MESHTRAIN_HAVE_NCCL)
   list(APPEND _meshtrain_exported meshtrain_nccl:nccl)
@@ -32,7 +32,7 @@ endforeach()
 install(TARGETS ${_meshtrain_targets} EXPORT meshtrainTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
-install(DIRECTORY ${PROJECT_SOURCE_DIR}/partition ${PROJECT_SOURCE_DIR}/framework
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/base ${PROJECT_SOURCE_DIR}/partition ${PROJECT_SOURCE_DIR}/framework
                   ${PROJECT_SOURCE_DIR}/layers ${PROJECT_SOURCE_DIR}/run
         DESTINATION ${MESHTRAIN_INSTALL_INCLUDEDIR}
         FILES_MATCHING PATTERN "*.hpp"

@@ -5,7 +5,7 @@
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 namespace {

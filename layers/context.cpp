@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

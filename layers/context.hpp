@@ -21,7 +21,7 @@
 #include "framework/comm/collective_matmul.hpp"
 #include "framework/comm/communicator.hpp"
 #include "framework/comm/mesh_communicators.hpp"
-#include "partition/dtype.hpp"
+#include "base/dtype.hpp"
 #include "partition/linear_layout.hpp"  // FeatureLayout, LayerAxes
 #include "partition/logical_axes.hpp"
 #include "partition/mesh.hpp"

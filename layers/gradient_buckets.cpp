@@ -7,7 +7,7 @@
 #include <string>
 
 #include "framework/core/kernel_label.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

@@ -9,7 +9,7 @@
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/core/view_ops.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 namespace {

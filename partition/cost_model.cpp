@@ -4,8 +4,8 @@
 #include <cmath>
 #include <sstream>
 
-#include "partition/error.hpp"
-#include "partition/text.hpp"
+#include "base/error.hpp"
+#include "base/text.hpp"
 #include "partition/zero1.hpp"
 
 namespace meshtrain {

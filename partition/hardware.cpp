@@ -5,7 +5,7 @@
 #include <limits>
 #include <tuple>
 
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

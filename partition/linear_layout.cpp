@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <sstream>
 
-#include "partition/error.hpp"
-#include "partition/text.hpp"
+#include "base/error.hpp"
+#include "base/text.hpp"
 
 namespace meshtrain {
 

@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "partition/dtype.hpp"
+#include "base/dtype.hpp"
 #include "partition/logical_axes.hpp"
 #include "partition/mesh.hpp"
 #include "partition/partition_spec.hpp"

@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
-#include "partition/error.hpp"
-#include "partition/text.hpp"
+#include "base/error.hpp"
+#include "base/text.hpp"
 
 namespace meshtrain {
 

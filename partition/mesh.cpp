@@ -4,7 +4,7 @@
 #include <climits>
 #include <sstream>
 
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

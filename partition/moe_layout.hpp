@@ -30,7 +30,7 @@
 #include <string>
 #include <vector>
 
-#include "partition/dtype.hpp"
+#include "base/dtype.hpp"
 #include "partition/linear_layout.hpp"
 #include "partition/mesh.hpp"
 

@@ -4,8 +4,8 @@
 #include <cctype>
 #include <sstream>
 
-#include "partition/error.hpp"
-#include "partition/text.hpp"
+#include "base/error.hpp"
+#include "base/text.hpp"
 
 namespace meshtrain {
 

@@ -5,8 +5,8 @@
 #include <cstdio>
 #include <set>
 
-#include "partition/error.hpp"
-#include "partition/text.hpp"
+#include "base/error.hpp"
+#include "base/text.hpp"
 
 namespace meshtrain {
 

@@ -2,8 +2,8 @@
 
 #include <sstream>
 
-#include "partition/error.hpp"
-#include "partition/text.hpp"
+#include "base/error.hpp"
+#include "base/text.hpp"
 
 namespace meshtrain {
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

@@ -19,7 +19,7 @@
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/train/resume.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 #include "partition/zero1.hpp"
 
 namespace meshtrain {

@@ -16,7 +16,7 @@
 // Errors: set-up errors (bad config, data, mesh, checkpoint) are agreed over the ranks
 // and thrown as AgreedError, the same on every rank, as is a non-finite training loss;
 // the caller may print it once and return. Any other Error struck only some ranks: the
-// program should end every rank (apps/exit_policy.hpp). Every method is collective:
+// program should end every rank (framework/comm/exit_policy.hpp). Every method is collective:
 // every rank calls the same methods in the same order.
 
 #include <mpi.h>

@@ -5,7 +5,6 @@ if(NOT MESHTRAIN_H5DUMP)
   set(MESHTRAIN_H5DUMP "")
 endif()
 meshtrain_add_test(NAME checkpoint_test SOURCES checkpoint/checkpoint_test.cpp
-                   ${PROJECT_SOURCE_DIR}/apps/inspect.cpp
                    LIBS meshtrain_framework NP 1 2 4 TIMEOUT 120)
 find_program(MESHTRAIN_H5REPACK h5repack)
 if(NOT MESHTRAIN_H5REPACK)

@@ -2,14 +2,14 @@
 # collective-matmul algorithm against a one-rank reference, on the world and on the groups
 # of an fsdp x tp mesh; timeouts; workspace memory.
 meshtrain_add_test(NAME comm_communicator_test SOURCES comm/communicator_test.cpp
-                   LIBS meshtrain_framework meshtrain_exit_policy NP 1 2 4 8 TIMEOUT 120)
+                   LIBS meshtrain_framework NP 1 2 4 8 TIMEOUT 120)
 meshtrain_add_test(NAME comm_collective_matmul_test SOURCES comm/collective_matmul_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 8 TIMEOUT 180)
 
 # A failing rank ends the job (exit status 2, its message on stderr) instead of leaving the
 # others waiting in a collective.
 add_executable(comm_abort_tool comm/abort_tool.cpp)
-target_link_libraries(comm_abort_tool PRIVATE meshtrain_framework meshtrain_exit_policy)
+target_link_libraries(comm_abort_tool PRIVATE meshtrain_framework)
 meshtrain_add_command_test(NAME comm_abort_np2 TIMEOUT 90
   COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/comm/expect_abort.sh $<TARGET_FILE:comm_abort_tool>
           ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})

@@ -5,7 +5,7 @@ meshtrain_add_test(NAME partition_test
                            partition/sharding_picture_test.cpp
                            partition/linear_layout_test.cpp partition/cost_model_test.cpp
                    LIBS meshtrain_partition)
-# `meshtrain plan` output (apps/plan.cpp compiled in: apps/ is an executable, not a library).
+# `meshtrain plan` output (framework/train/plan_report).
 meshtrain_add_test(NAME plan_print_test
-                   SOURCES partition/plan_print_test.cpp ${PROJECT_SOURCE_DIR}/apps/plan.cpp
+                   SOURCES partition/plan_print_test.cpp
                    LIBS meshtrain_framework)

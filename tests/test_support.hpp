@@ -8,7 +8,7 @@
 #include <initializer_list>
 #include <string>
 
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

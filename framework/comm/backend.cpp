@@ -8,7 +8,7 @@
 #endif
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

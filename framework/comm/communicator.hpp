@@ -45,8 +45,8 @@
 
 #include "framework/core/precision.hpp"
 #include "framework/core/views.hpp"
-#include "partition/dtype.hpp"
-#include "partition/error.hpp"
+#include "base/dtype.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

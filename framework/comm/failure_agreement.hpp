@@ -15,7 +15,7 @@
 #include <functional>
 #include <optional>
 
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

@@ -2,7 +2,7 @@
 
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/comm/mpi_util.hpp"
-#include "partition/text.hpp"
+#include "base/text.hpp"
 
 namespace meshtrain {
 

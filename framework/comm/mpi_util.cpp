@@ -7,7 +7,7 @@
 #include <string>
 
 #include "framework/comm/communicator.hpp"  // collective_timeout_from_env, checked_int
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

@@ -1,7 +1,7 @@
 #include "framework/core/choices.hpp"
 
-#include "partition/error.hpp"
-#include "partition/text.hpp"
+#include "base/error.hpp"
+#include "base/text.hpp"
 
 namespace meshtrain {
 namespace {

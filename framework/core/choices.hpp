@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "partition/collective_matmul_algorithm.hpp"  // CollectiveMatmulAlgorithm
-#include "partition/dtype.hpp"                        // Dtype
+#include "base/dtype.hpp"                        // Dtype
 
 namespace meshtrain {
 

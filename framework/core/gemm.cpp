@@ -7,7 +7,7 @@
 
 #include "framework/core/backends/gemm_backend.hpp"
 #include "framework/core/kernel_label.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 #if defined(KOKKOS_ENABLE_CUDA)
 #define MESHTRAIN_GEMM_HAS_CUDA true

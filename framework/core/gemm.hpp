@@ -16,7 +16,7 @@
 
 #include "framework/core/choices.hpp"
 #include "framework/core/views.hpp"
-#include "partition/dtype.hpp"
+#include "base/dtype.hpp"
 
 namespace meshtrain {
 

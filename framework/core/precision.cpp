@@ -1,7 +1,7 @@
 #include "framework/core/precision.hpp"
 
 #include "framework/core/kernel_label.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

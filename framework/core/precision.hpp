@@ -1,5 +1,5 @@
 #pragma once
-// The 16-bit formats of mixed precision (partition/dtype.hpp), as raw bits:
+// The 16-bit formats of mixed precision (base/dtype.hpp), as raw bits:
 //   bf16  1 sign, 8 exponent, 7 mantissa bits: the top half of an fp32 (same range)
 //   fp16  IEEE binary16: 1 sign, 5 exponent, 10 mantissa bits, max 65504, subnormals
 // Conversions from fp32 round to nearest, ties to even, as CUDA's __float2bfloat16_rn and
@@ -13,7 +13,7 @@
 #include <cstring>
 
 #include "framework/core/views.hpp"
-#include "partition/dtype.hpp"
+#include "base/dtype.hpp"
 
 namespace meshtrain {
 

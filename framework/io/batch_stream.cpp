@@ -3,7 +3,7 @@
 #include <chrono>
 #include <cstring>
 
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

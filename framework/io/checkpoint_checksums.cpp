@@ -9,7 +9,7 @@
 #include <map>
 
 #include "framework/comm/mpi_util.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain::checkpoint_format {
 

@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain::checkpoint_format {
 

@@ -4,7 +4,7 @@
 #include <set>
 
 #include "framework/core/version.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 #include "partition/planner.hpp"
 
 namespace meshtrain::checkpoint_format {

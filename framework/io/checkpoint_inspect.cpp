@@ -7,7 +7,7 @@
 #include "framework/io/checkpoint_checksums.hpp"
 #include "framework/io/checkpoint_format.hpp"
 #include "framework/io/hdf5_util.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

@@ -20,7 +20,7 @@
 #include "framework/io/checkpoint_files.hpp"
 #include "framework/io/checkpoint_format.hpp"
 #include "framework/io/hdf5_util.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 #include "partition/planner.hpp"
 
 namespace meshtrain {

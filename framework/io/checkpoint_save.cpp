@@ -39,7 +39,7 @@
 #include "framework/io/checkpoint_files.hpp"
 #include "framework/io/checkpoint_format.hpp"
 #include "framework/io/hdf5_util.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 #ifdef MESHTRAIN_CHECKPOINT_FAULTS
 #include "framework/io/checkpoint_testing.hpp"
 #endif

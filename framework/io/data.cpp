@@ -5,7 +5,7 @@
 #include <limits>
 #include <random>
 
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

@@ -24,7 +24,7 @@
 
 #include "framework/io/data.hpp"
 #include "framework/io/hdf5_util.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

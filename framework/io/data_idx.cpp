@@ -14,7 +14,7 @@
 #include <cstring>
 
 #include "framework/io/data.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain::hdf5 {
 

@@ -19,10 +19,10 @@
 #include <set>
 #include <sstream>
 
-#include "partition/error.hpp"
+#include "base/error.hpp"
 #include "partition/linear_layout.hpp"
 #include "partition/logical_axes.hpp"
-#include "partition/text.hpp"
+#include "base/text.hpp"
 
 namespace meshtrain {
 

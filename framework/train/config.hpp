@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "partition/dtype.hpp"
+#include "base/dtype.hpp"
 #include "partition/mesh.hpp"
 #include "partition/partition_spec.hpp"
 #include "partition/planner.hpp"

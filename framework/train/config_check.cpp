@@ -7,8 +7,8 @@
 
 #include "framework/core/choices.hpp"
 #include "framework/train/config.hpp"
-#include "partition/error.hpp"
-#include "partition/text.hpp"
+#include "base/error.hpp"
+#include "base/text.hpp"
 
 namespace meshtrain {
 namespace {

@@ -10,7 +10,7 @@
 #include <optional>
 #include <sstream>
 
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

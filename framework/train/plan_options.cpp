@@ -5,10 +5,10 @@
 #include "framework/core/choices.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/optimizer.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 #include "partition/linear_layout.hpp"
 #include "partition/logical_axes.hpp"
-#include "partition/text.hpp"
+#include "base/text.hpp"
 
 namespace meshtrain {
 

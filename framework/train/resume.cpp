@@ -3,7 +3,7 @@
 #include <string>
 
 #include "framework/io/data.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 #include "partition/partition_spec.hpp"
 
 namespace meshtrain {

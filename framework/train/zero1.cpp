@@ -4,7 +4,7 @@
 #include <algorithm>
 
 #include "framework/core/kernel_label.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 #include "partition/zero1.hpp"
 
 namespace meshtrain {

@@ -21,7 +21,7 @@
 #include <limits>
 #include <sstream>
 
-#include "apps/inspect.hpp"
+#include "framework/io/checkpoint_report.hpp"
 #include "framework/core/version.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "tests/checkpoint/checkpoint_test_data.hpp"
@@ -288,7 +288,7 @@ TEST_F(CheckpointTest, FlippedByteIsReportedAsCorruption) {
     testing::expect_bad_input([&] { verify_checkpoint(path); },
                               {"/params/layers/0/weight", path, "corrupt"});
     std::ostringstream out;
-    testing::expect_bad_input([&] { inspect_command(path, true, out); },
+    testing::expect_bad_input([&] { print_checkpoint(path, true, out); },
                               {"/params/layers/0/weight", "corrupt"});
   }
 }
@@ -319,7 +319,7 @@ TEST_F(CheckpointTest, InspectPrintsStepMeshDatasetsSpecsAndConfig) {
   MPI_Barrier(MPI_COMM_WORLD);
   if (world_rank() != 0) return;
   std::ostringstream out;
-  EXPECT_EQ(inspect_command(path, true, out), 0);
+  EXPECT_EQ(print_checkpoint(path, true, out), 0);
   const std::string text = out.str();
   const Mesh mesh = Mesh::create({{"fsdp", world_size()}}, world_size());
   for (const std::string fragment :

@@ -2,8 +2,8 @@
 // the whole job with the error's exit status (2 for bad input) instead of leaving the
 // waiting ranks hanging. Driven by expect_abort.sh.
 
-#include "apps/exit_policy.hpp"
-#include "framework/core/runtime.hpp"
+#include "framework/comm/exit_policy.hpp"
+#include "framework/comm/runtime.hpp"
 
 int main(int argc, char** argv) {
   meshtrain::Runtime runtime(argc, argv);

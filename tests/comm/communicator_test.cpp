@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "apps/exit_policy.hpp"
+#include "framework/comm/exit_policy.hpp"
 #include "comm_test_util.hpp"
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "tests/test_support.hpp"

@@ -13,7 +13,7 @@
 #include "framework/comm/backend.hpp"
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/comm/mesh_communicators.hpp"
-#include "framework/core/runtime.hpp"
+#include "framework/comm/runtime.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain::testing {

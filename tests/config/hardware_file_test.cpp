@@ -4,7 +4,7 @@
 
 #include <gtest/gtest.h>
 
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 namespace {

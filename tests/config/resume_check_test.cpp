@@ -6,7 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "framework/io/data_order.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 namespace {

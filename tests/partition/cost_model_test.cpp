@@ -5,7 +5,7 @@
 
 #include <algorithm>
 
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 namespace {

@@ -1,5 +1,5 @@
 // `meshtrain plan` output: the text table and the JSON document of a small config.
-#include "apps/plan.hpp"
+#include "framework/train/plan_report.hpp"
 
 #include <gtest/gtest.h>
 

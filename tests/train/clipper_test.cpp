@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "framework/comm/backends/mpi_communicator.hpp"
-#include "framework/core/runtime.hpp"
+#include "framework/comm/runtime.hpp"
 #include "framework/train/optimizer.hpp"
 #include "layers/mlp.hpp"
 #include "partition/logical_axes.hpp"

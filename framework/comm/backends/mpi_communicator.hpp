@@ -8,7 +8,7 @@
 // into the caller's buffer when the late rank arrives, so every later operation on it
 // throws. The same holds when a shift's send fails to start and its already posted
 // receive cannot be cancelled within the timeout. The usual reaction to the Error is to
-// abort the job (apps/exit_policy.hpp).
+// abort the job (framework/comm/exit_policy.hpp).
 //
 // Memory: MPI gets the caller's buffers when Kokkos' memory is host memory. With device
 // memory (a CUDA Kokkos) every operation stages through pinned host buffers

@@ -6,7 +6,7 @@
 #include "framework/core/backends/gemm_backend.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain::gemm_backend {
 

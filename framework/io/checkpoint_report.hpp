@@ -11,6 +11,6 @@ namespace meshtrain {
 // Prints the listing of `path` to `out`; with `verify`, also reads every dataset fully and
 // checks its checksum (CRC-32, or Fletcher32 in format-1 files). Returns 0. Throws bad_input naming the file (or the
 // dataset that fails its checksum).
-int inspect_command(const std::string& path, bool verify, std::ostream& out);
+int print_checkpoint(const std::string& path, bool verify, std::ostream& out);
 
 }  // namespace meshtrain

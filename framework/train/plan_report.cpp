@@ -1,4 +1,4 @@
-#include "apps/plan.hpp"
+#include "framework/train/plan_report.hpp"
 
 #include <algorithm>
 #include <cstdio>
@@ -9,9 +9,9 @@
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
 #include "framework/train/config.hpp"
-#include "partition/error.hpp"
+#include "base/error.hpp"
 #include "partition/sharding_picture.hpp"
-#include "partition/text.hpp"
+#include "base/text.hpp"
 
 namespace meshtrain {
 

@@ -1,11 +1,11 @@
-#include "apps/exit_policy.hpp"
+#include "framework/comm/exit_policy.hpp"
 
 #include <mpi.h>
 
 #include <cstdio>
 #include <cstdlib>
 
-#include "partition/error.hpp"
+#include "base/error.hpp"
 
 namespace meshtrain {
 

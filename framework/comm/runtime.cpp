@@ -1,4 +1,4 @@
-#include "framework/core/runtime.hpp"
+#include "framework/comm/runtime.hpp"
 
 #include <mpi.h>
 

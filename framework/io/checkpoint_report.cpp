@@ -1,4 +1,4 @@
-#include "apps/inspect.hpp"
+#include "framework/io/checkpoint_report.hpp"
 
 #include <algorithm>
 #include <sstream>
@@ -8,7 +8,7 @@
 
 namespace meshtrain {
 
-int inspect_command(const std::string& path, bool verify, std::ostream& out) {
+int print_checkpoint(const std::string& path, bool verify, std::ostream& out) {
   const CheckpointListing listing = list_checkpoint(path);
   const CheckpointInfo& info = listing.info;
   const TrainState& s = info.train_state;
