@@ -22,7 +22,6 @@
 #include "framework/io/checkpoint_report.hpp"
 #include "framework/train/plan_report.hpp"
 #include "apps/train.hpp"
-#include "framework/comm/runtime.hpp"
 #include "framework/core/version.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/hardware_file.hpp"
@@ -113,7 +112,7 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
 // Errors on some ranks only end every rank (no rank is left waiting in a collective);
 // errors every rank agreed on are printed once by train_command itself.
 int run_train(const TrainArgs& args, int& argc, char**& argv) {
-  meshtrain::Runtime runtime(argc, argv);
+  const auto runtime = meshtrain::start_runtime_or_abort(argc, argv);
   return meshtrain::run_or_abort(
       [&] { return meshtrain::train_command(args.config, args.overrides, args.hardware); });
 }
@@ -141,7 +140,7 @@ void add_calibrate_command(CLI::App& app, CalibrateArgs& args) {
 }
 
 int run_calibrate(const CalibrateArgs& args, int& argc, char**& argv) {
-  meshtrain::Runtime runtime(argc, argv);
+  const auto runtime = meshtrain::start_runtime_or_abort(argc, argv);
   return meshtrain::run_or_abort([&] {
     return meshtrain::calibrate_command(args.config, args.overrides, args.out, args.clock);
   });

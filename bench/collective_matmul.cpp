@@ -91,7 +91,7 @@ std::vector<double> median_times(int repeats, const std::vector<std::function<vo
 }  // namespace
 
 int main(int argc, char** argv) {
-  meshtrain::Runtime runtime(argc, argv);
+  const auto runtime = meshtrain::start_runtime_or_abort(argc, argv);
   return meshtrain::run_or_abort([&] {
     CLI::App app{"Benchmark of all_gather_matmul and matmul_reduce_scatter"};
     std::size_t m = 2048, k = 2048, n = 2048;
@@ -112,7 +112,7 @@ int main(int argc, char** argv) {
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
-      if (runtime.world_rank() == 0) app.exit(e);
+      if (runtime->world_rank() == 0) app.exit(e);
       return e.get_exit_code();
     }
     std::vector<CollectiveMatmulAlgorithm> algorithms;
@@ -127,7 +127,7 @@ int main(int argc, char** argv) {
       meshtrain::set_collective_matmul_hardware(meshtrain::read_hardware_profile(hardware));
     }
     meshtrain::MeshCommunicators comms(
-        meshtrain::Mesh::create({{"tp", -1}}, runtime.world_size(), "bench"), MPI_COMM_WORLD,
+        meshtrain::Mesh::create({{"tp", -1}}, runtime->world_size(), "bench"), MPI_COMM_WORLD,
         meshtrain::prepare_comm_backend(meshtrain::resolve_comm_backend(backend), MPI_COMM_WORLD));
     meshtrain::Communicator& tp = comms.get({"tp"});
     const std::size_t ranks = static_cast<std::size_t>(tp.size());
@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
       MESHTRAIN_BAD_INPUT("--k ", k, " and the scattered dimension must be divisible by ", ranks,
                           " ranks");
     }
-    const bool root = runtime.world_rank() == 0;
+    const bool root = runtime->world_rank() == 0;
     auto emit = [&](const nlohmann::json& line) {
       if (root) std::printf("%s\n", line.dump().c_str());
       std::fflush(stdout);

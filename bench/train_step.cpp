@@ -241,7 +241,7 @@ std::string load_average() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  meshtrain::Runtime runtime(argc, argv);
+  const auto runtime = meshtrain::start_runtime_or_abort(argc, argv);
   return meshtrain::run_or_abort([&] {
     CLI::App app{"Timed training steps of the meshtrain MLP (one JSON line on rank 0)"};
     std::string sizes_text = "784,4096,4096,10", mode = "dp", algorithm = "auto";
@@ -288,11 +288,11 @@ int main(int argc, char** argv) {
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
-      if (runtime.world_rank() == 0) app.exit(e);
+      if (runtime->world_rank() == 0) app.exit(e);
       return e.get_exit_code() == 0 ? 0 : 2;
     }
-    const int rank = runtime.world_rank();
-    const int world = runtime.world_size();
+    const int rank = runtime->world_rank();
+    const int world = runtime->world_size();
     const std::string load_at_start = load_average();
     // The largest rank's resident set and peak resident set after each setup stage.
     nlohmann::json rss_stages;

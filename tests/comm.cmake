@@ -6,14 +6,19 @@ meshtrain_add_test(NAME comm_communicator_test SOURCES comm/communicator_test.cp
 meshtrain_add_test(NAME comm_collective_matmul_test SOURCES comm/collective_matmul_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 8 TIMEOUT 180)
 
-# A failing rank ends the job (exit status 2, its message on stderr) instead of leaving the
-# others waiting in a collective.
+# A failing rank ends the job (its exit status, its message on stderr) instead of leaving the
+# others waiting in a collective: a failure inside the program, and one while the Runtime
+# starts (a rank without a usable GPU).
 add_executable(comm_abort_tool comm/abort_tool.cpp)
 target_link_libraries(comm_abort_tool PRIVATE meshtrain_framework)
 meshtrain_add_command_test(NAME comm_abort_np2 TIMEOUT 90
   COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/comm/expect_abort.sh $<TARGET_FILE:comm_abort_tool>
-          ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
-set_tests_properties(comm_abort_np2 PROPERTIES PROCESSORS 2)
+          run 2 "config key 'mesh.tp' = 3" ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+meshtrain_add_command_test(NAME comm_abort_at_startup_np2 TIMEOUT 90
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/comm/expect_abort.sh $<TARGET_FILE:comm_abort_tool>
+          startup 1 "no usable GPU on this rank (test)" ${MESHTRAIN_MPIEXEC}
+          ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+set_tests_properties(comm_abort_np2 comm_abort_at_startup_np2 PROPERTIES PROCESSORS 2)
 # run_agreed: the lowest failing rank's error on every rank; a rank that never joins times out.
 meshtrain_add_test(NAME comm_failure_agreement_test SOURCES comm/failure_agreement_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 TIMEOUT 60)

@@ -39,4 +39,13 @@ int run_or_abort(const std::function<int()>& body) {
   }
 }
 
+std::unique_ptr<Runtime> start_runtime_or_abort(int& argc, char**& argv,
+                                                const StartupCheck& check) {
+  try {
+    return std::make_unique<Runtime>(argc, argv, check);
+  } catch (const std::exception& e) {
+    abort_all_ranks(e.what(), exit_status_for(e));
+  }
+}
+
 }  // namespace meshtrain

@@ -22,10 +22,9 @@ const char* thread_level_name(int level) {
   if (level == MPI_THREAD_MULTIPLE) return "MPI_THREAD_MULTIPLE";
   return "an unknown thread level";
 }
+}  // namespace
 
-// A CUDA Kokkos needs a usable GPU: without one (a login node without the NVIDIA driver)
-// Kokkos::initialize would fail with its own message; this says it in one sentence.
-void require_cuda_device() {
+void require_usable_device(int /*world_rank*/) {
 #if defined(KOKKOS_ENABLE_CUDA)
   int count = 0;
   const cudaError_t code = cudaGetDeviceCount(&count);
@@ -48,7 +47,6 @@ void require_cuda_device() {
                  why, "; plan and inspect need no GPU");
 #endif
 }
-}  // namespace
 
 void require_thread_level(int provided, int required) {
   if (provided >= required) return;  // the levels are ordered SINGLE < ... < MULTIPLE
@@ -58,31 +56,21 @@ void require_thread_level(int provided, int required) {
                  "with thread support");
 }
 
-Runtime::Runtime(int& argc, char**& argv) {
+Runtime::Runtime(int& argc, char**& argv, const StartupCheck& check) {
   int initialized = 0;
   check_mpi(MPI_Initialized(&initialized), "MPI_Initialized");
   if (!initialized) {
     int provided = 0;
     check_mpi(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
     owns_mpi_ = true;
-    try {
-      require_thread_level(provided, MPI_THREAD_FUNNELED);
-    } catch (...) {
-      MPI_Finalize();
-      throw;
-    }
+    require_thread_level(provided, MPI_THREAD_FUNNELED);
   }
   // Every MPI call of meshtrain checks its return code and reports MPI's own message.
   check_mpi(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world_size_), "MPI_Comm_size");
   if (!Kokkos::is_initialized()) {
-    try {
-      require_cuda_device();
-    } catch (...) {
-      if (owns_mpi_) MPI_Finalize();
-      throw;
-    }
+    check(world_rank_);
     Kokkos::initialize(argc, argv);
     owns_kokkos_ = true;
   }

@@ -6,11 +6,21 @@
 //     ...  // everything that uses MPI or Kokkos is destroyed before runtime
 //   }
 
+#include <functional>
 #include <memory>
 
 #include "framework/comm/communicator.hpp"
 
 namespace meshtrain {
+
+// What must hold on a rank before Kokkos starts there; throws an Error that says what is
+// missing. Called with the rank's index in MPI_COMM_WORLD.
+using StartupCheck = std::function<void(int world_rank)>;
+
+// The default check: a CUDA build needs a usable GPU, and says so in one sentence where there
+// is none (a login node without the NVIDIA driver) instead of failing inside Kokkos. Nothing
+// to check in a host build.
+void require_usable_device(int world_rank);
 
 // Throws a runtime Error naming both levels when MPI_Init_thread `provided` less thread
 // support than `required` (e.g. MPI_THREAD_SINGLE for MPI_THREAD_FUNNELED).
@@ -18,10 +28,13 @@ void require_thread_level(int provided, int required);
 
 class Runtime {
  public:
-  // MPI_Init_thread (MPI_THREAD_FUNNELED; a runtime Error when MPI provides less) then
-  // Kokkos::initialize. Either step is skipped when already done by someone else, who then
-  // also owns the matching finalize.
-  Runtime(int& argc, char**& argv);
+  // MPI_Init_thread (MPI_THREAD_FUNNELED; a runtime Error when MPI provides less), `check`,
+  // then Kokkos::initialize. Either initialization is skipped when already done by someone
+  // else, who then also owns the matching finalize.
+  // When it throws after MPI_Init, MPI stays initialized: finalizing on this rank alone would
+  // wait for the ranks still running, and they would wait for this one. The caller ends the
+  // job instead (start_runtime_or_abort in framework/comm/exit_policy.hpp does).
+  explicit Runtime(int& argc, char**& argv, const StartupCheck& check = require_usable_device);
   ~Runtime();  // Kokkos::finalize, then MPI_Finalize (only what this object initialized)
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
