@@ -316,6 +316,60 @@ void TrainingRun::throw_agreed_data_error() {
   });
 }
 
+// Under fp16, after a non-finite loss or gradient. Skipping steps and backing off the scale
+// (GradScaler) recovers from a scale too large for the gradients; it cannot recover from
+// inputs beyond fp16's range, from a forward pass that overflows (the scale does not touch
+// it) in 16 steps in a row, or from gradients that overflow at a scale below 2^-24 (fp16's
+// smallest step). Each ends the run in one sentence naming the key that fixes it.
+void TrainingRun::check_fp16_overflow(bool loss_overflowed) {
+  constexpr int64_t kMaxLossOverflowsInARow = 16;
+  const double kSmallestScale = std::ldexp(1.0, -24);
+  const auto fix = [&] {  // only when failing: skipping a step allocates nothing
+    return detail::concat("set mixed_precision.param_dtype = \"bf16\" (fp32's range) or lower "
+                          "optimizer.lr (now ",
+                          config_.optimizer.lr, ")");
+  };
+  if (loss_overflowed) {
+    const double beyond = scaler_->sum_over_ranks(inputs_beyond_fp16_);
+    if (beyond > 0) {
+      throw AgreedError(Error(
+          ErrorKind::bad_input,
+          detail::concat("the inputs of step ", steps_done_ + 1, " hold ", beyond,
+                         " values beyond fp16's range (|x| >= 65520 rounds to inf), so the "
+                         "training loss is not finite at any loss scale; set "
+                         "mixed_precision.param_dtype = \"bf16\" (fp32's range) or scale the "
+                         "inputs down"),
+          __FILE__, __LINE__));
+    }
+    if (loss_overflows_in_a_row_ + 1 >= kMaxLossOverflowsInARow) {
+      throw AgreedError(Error(ErrorKind::runtime,
+                              detail::concat("the training loss was not finite in ",
+                                             kMaxLossOverflowsInARow, " steps in a row up to step ",
+                                             steps_done_ + 1,
+                                             " under fp16: the forward pass overflows fp16's "
+                                             "range (65504) whatever the loss scale; ",
+                                             fix()),
+                              __FILE__, __LINE__));
+    }
+  } else if (scaler_->scale() < kSmallestScale) {
+    throw AgreedError(Error(ErrorKind::runtime,
+                            detail::concat("the gradients were not finite under fp16 at every loss "
+                                           "scale down to 2^-24 (step ",
+                                           steps_done_ + 1,
+                                           "): the backward pass overflows fp16's range (65504) "
+                                           "whatever the scale; ",
+                                           fix()),
+                            __FILE__, __LINE__));
+  }
+}
+
+void TrainingRun::forget_micro_batches() {
+  micro_done_ = 0;
+  micro_loss_sum_ = 0.0;
+  micro_aux_loss_sum_ = 0.0;
+  step_loss_overflowed_ = false;
+}
+
 TrainingRun::~TrainingRun() = default;
 
 void TrainingRun::resume() {
@@ -384,35 +438,52 @@ double TrainingRun::accumulate_loaded_batch() {
   MESHTRAIN_REQUIRE(micro_done_ < accumulation_, "accumulate_loaded_batch: the step already has ",
                     accumulation_, " micro-batches; call apply_update()");
   MatrixView output = model_->forward(x_);
+  // fp16: inputs beyond its range overflow at every loss scale. This rank's loss is poisoned
+  // so that every rank sees a non-finite loss and stops below, in check_fp16_overflow.
+  inputs_beyond_fp16_ = scaler_ ? scaler_->count_beyond_fp16(x_) : 0.0;
+  if (inputs_beyond_fp16_ > 0) loss_->poison_next_reduction();
   LossResult result = compute_loss(*loss_, output, labels_, targets_, /*with_gradient=*/true);
   // MoE layers: their load-balancing loss is part of the training loss (backward adds its
   // gradient); it is the same on every rank.
   const double aux_loss = model_->aux_loss();
   result.loss += aux_loss;
-  // The loss is reduced over the ranks, so every rank stops here together.
+  // The loss is reduced over the ranks, so every rank decides here alike.
   if (!std::isfinite(result.loss)) {
-    micro_done_ = 0;
-    micro_loss_sum_ = 0.0;
-    micro_aux_loss_sum_ = 0.0;
-    throw_agreed_data_error();
-    throw AgreedError(Error(
-        ErrorKind::runtime,
-        detail::concat("the training loss became ", std::isnan(result.loss) ? "NaN" : "infinite",
-                       " at step ", steps_done_ + 1, "; lower optimizer.lr (now ",
-                       config_.optimizer.lr, ") or set optimizer.clip_norm"),
-        __FILE__, __LINE__));
+    if (!scaler_) {
+      forget_micro_batches();
+      throw_agreed_data_error();
+      throw AgreedError(Error(
+          ErrorKind::runtime,
+          detail::concat("the training loss became ", std::isnan(result.loss) ? "NaN" : "infinite",
+                         " at step ", steps_done_ + 1, "; lower optimizer.lr (now ",
+                         config_.optimizer.lr, ") or set optimizer.clip_norm"),
+          __FILE__, __LINE__));
+    }
+    // fp16, as GradScaler: this loss's gradient would not be finite, so the step's update is
+    // skipped (apply_update) and the scale backs off.
+    try {
+      throw_agreed_data_error();
+      check_fp16_overflow(/*loss_overflowed=*/true);
+    } catch (...) {
+      forget_micro_batches();
+      throw;
+    }
+    step_loss_overflowed_ = true;
   }
-  // With accumulation, layers with DP storage keep this rank's partial gradients and
-  // all-reduce their sum once, in apply_update; the others (FSDP's reduce-scatter, TP's
-  // bias) reduce every micro-batch in backward. The last micro-batch's gradient stays in
-  // the gradients.
-  // ZeRO-1 reduces those once per step too, in apply_update (a reduce-scatter over dp).
-  model_->backward(loss_->gradient(), /*reduce=*/accumulation_ == 1 && !zero1_,
-                   scaler_ ? scaler_->scale() : 1.0f);
-  if (micro_done_ + 1 < accumulation_) {
-    std::vector<ShardedTensor>& grads = model_->gradients();
-    for (size_t i = 0; i < grads.size(); ++i) {
-      add_gradient(gradient_sum_[i].local, grads[i].local, micro_done_ == 0);
+  // A step whose loss overflowed fp16 runs no more backward passes: its update is skipped.
+  if (!step_loss_overflowed_) {
+    // With accumulation, layers with DP storage keep this rank's partial gradients and
+    // all-reduce their sum once, in apply_update; the others (FSDP's reduce-scatter, TP's
+    // bias) reduce every micro-batch in backward. The last micro-batch's gradient stays in
+    // the gradients.
+    // ZeRO-1 reduces those once per step too, in apply_update (a reduce-scatter over dp).
+    model_->backward(loss_->gradient(), /*reduce=*/accumulation_ == 1 && !zero1_,
+                     scaler_ ? scaler_->scale() : 1.0f);
+    if (micro_done_ + 1 < accumulation_) {
+      std::vector<ShardedTensor>& grads = model_->gradients();
+      for (size_t i = 0; i < grads.size(); ++i) {
+        add_gradient(gradient_sum_[i].local, grads[i].local, micro_done_ == 0);
+      }
     }
   }
   ++micro_done_;
@@ -424,6 +495,18 @@ double TrainingRun::accumulate_loaded_batch() {
 StepResult TrainingRun::apply_update() {
   MESHTRAIN_REQUIRE(micro_done_ == accumulation_, "apply_update after ", micro_done_, " of ",
                     accumulation_, " micro-batches");
+  if (step_loss_overflowed_) {
+    // Every rank saw the same non-finite loss and skipped the same reductions.
+    const double loss = micro_loss_sum_ / static_cast<double>(accumulation_);
+    const double aux_loss = micro_aux_loss_sum_ / static_cast<double>(accumulation_);
+    forget_micro_batches();
+    ++loss_overflows_in_a_row_;
+    scaler_->update(/*finite=*/false);
+    ++skipped_steps_;
+    ++steps_done_;
+    return {steps_done_, loss, aux_loss};
+  }
+  loss_overflows_in_a_row_ = 0;
   std::vector<ShardedTensor>& grads = model_->gradients();
   if (accumulation_ > 1) {
     for (size_t i = 0; i < grads.size(); ++i) {
@@ -436,15 +519,14 @@ StepResult TrainingRun::apply_update() {
   std::vector<ShardedTensor>& update_grads = updated_gradients();
   const double loss = micro_loss_sum_ / static_cast<double>(accumulation_);
   const double aux_loss = micro_aux_loss_sum_ / static_cast<double>(accumulation_);
-  micro_done_ = 0;
-  micro_loss_sum_ = 0.0;
-  micro_aux_loss_sum_ = 0.0;
+  forget_micro_batches();
   if (scaler_) {
     // fp16: the gradients come scaled; a step with an inf or NaN anywhere is skipped on
     // every rank (the optimizer does not run) and the scale backs off.
     const bool finite = scaler_->unscale(update_grads);
     scaler_->update(finite);
     if (!finite) {
+      check_fp16_overflow(/*loss_overflowed=*/false);
       ++skipped_steps_;
       ++steps_done_;
       return {steps_done_, loss, aux_loss};

@@ -176,6 +176,8 @@ class TrainingRun {
   void train_steps(RunSummary& summary);
   void start_streams();
   void keep_data_error(Loss& loss);
+  void check_fp16_overflow(bool loss_overflowed);
+  void forget_micro_batches();  // the step under way starts over
   void throw_agreed_data_error();
   void agree_on_data_shape();
   void report_checkpoint(const std::optional<std::string>& path);
@@ -207,7 +209,12 @@ class TrainingRun {
   // optimizer.zero_stage = 1 with dp > 1: the optimizer works on this rank's chunks.
   std::unique_ptr<Zero1> zero1_;
   std::unique_ptr<LossScaler> scaler_;  // fp16 runs only
-  int64_t skipped_steps_ = 0;           // fp16 steps skipped for a non-finite gradient, in all
+  // fp16 steps skipped for a non-finite gradient or loss, in all; whether the step under way
+  // had a non-finite loss (its update is skipped); steps in a row skipped for one.
+  int64_t skipped_steps_ = 0;
+  bool step_loss_overflowed_ = false;
+  double inputs_beyond_fp16_ = 0.0;  // in this rank's rows of the micro-batch under way
+  int64_t loss_overflows_in_a_row_ = 0;
   // What the optimizer and the clipper work on: zero1_'s chunks, else the whole model's.
   std::vector<ShardedTensor>& updated_parameters() {
     return zero1_ ? zero1_->param_chunks() : model_->parameters();

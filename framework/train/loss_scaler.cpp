@@ -4,6 +4,7 @@
 
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
+#include "framework/core/precision.hpp"
 #include "base/error.hpp"
 
 namespace meshtrain {
@@ -40,11 +41,28 @@ bool LossScaler::unscale(std::vector<ShardedTensor>& grads) {
         found);
     non_finite += found;
   }
-  non_finite_host_(0) = non_finite;
+  return sum_over_ranks(non_finite) == 0.0;
+}
+
+double LossScaler::count_beyond_fp16(ConstMatrixView inputs) const {
+  const int64_t columns = static_cast<int64_t>(inputs.extent(1));
+  double beyond = 0.0;
+  Kokkos::parallel_reduce(
+      MESHTRAIN_LABEL("meshtrain::loss_scaler_count_beyond_fp16"), inputs.size(),
+      KOKKOS_LAMBDA(const std::size_t k, double& count) {
+        const float x = inputs(static_cast<int64_t>(k) / columns, static_cast<int64_t>(k) % columns);
+        if (kmath::isfinite(x) && !kmath::isfinite(fp16_to_float(float_to_fp16(x)))) count += 1.0;
+      },
+      beyond);
+  return beyond;
+}
+
+double LossScaler::sum_over_ranks(double count) {
+  non_finite_host_(0) = count;
   Kokkos::deep_copy(non_finite_, non_finite_host_);
   world_.all_reduce(DoubleVectorView(non_finite_.data(), 1));
   Kokkos::deep_copy(non_finite_host_, non_finite_);
-  return non_finite_host_(0) == 0.0;
+  return non_finite_host_(0);
 }
 
 void LossScaler::update(bool finite) {

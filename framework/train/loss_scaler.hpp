@@ -6,6 +6,8 @@
 // over all ranks, so every rank decides alike). Then update(): a step with a non-finite
 // gradient is skipped (the optimizer does not run) and halves the scale; after 2000 clean
 // steps in a row the scale doubles. bf16 and fp32 runs do not scale (scale stays 1).
+// A non-finite loss (the fp16 forward pass overflowed) skips the step and halves the scale
+// alike, as GradScaler does, whose backward then yields non-finite gradients.
 //
 // The state (scale, clean steps) is saved in checkpoints (TrainState) so a resumed run
 // continues exactly.
@@ -39,13 +41,19 @@ class LossScaler {
   bool unscale(std::vector<ShardedTensor>& grads);
   // After a step: backoff on a non-finite one, growth after growth_interval clean ones.
   void update(bool finite);
+  // Elements of `inputs` on this rank that fp16 cannot hold (|x| >= 65520 rounds to inf):
+  // a batch with any has a non-finite fp16 loss at every scale. No communication.
+  double count_beyond_fp16(ConstMatrixView inputs) const;
+  // `count` summed over every rank. Collective.
+  double sum_over_ranks(double count);
 
  private:
   Communicator& world_;
   LossScalerSettings settings_;
   double scale_;
   int64_t clean_steps_ = 0;
-  Kokkos::View<double*, Kokkos::LayoutRight> non_finite_;  // [1]: count on this rank, then all
+  // [1]: a count on this rank, then over all ranks (sum_over_ranks)
+  Kokkos::View<double*, Kokkos::LayoutRight> non_finite_;
   Kokkos::View<double*, Kokkos::LayoutRight>::HostMirror non_finite_host_;
 };
 

@@ -6,7 +6,9 @@
 // fp16/fp16 and bf16/fp32 runs on every mesh stay within 16 unit roundoffs of their one-rank
 // run and learn; an fp16 overflow (the loss scale forced to 2^40) skips the step on every
 // rank alike, and the run skips as many steps and ends at the same scale as on one rank;
-// fp32/fp32 written out is the default run bit for bit.
+// so does a forward pass that overflows fp16, while inputs beyond fp16's range, or overflows
+// that no scale fixes, end the run naming mixed_precision.param_dtype; fp32/fp32 written out
+// is the default run bit for bit.
 
 #include "run/training_run.hpp"
 
@@ -542,6 +544,113 @@ TEST(TrainingRun, MoeMeshesTrainLikeOneRank) {
     const EvalEvent eval = run.evaluate();
     EXPECT_NEAR(eval.test_loss, reference_eval.test_loss, 1e-5 * (1 + reference_eval.test_loss));
     EXPECT_EQ(run.model().moe_layers().size(), 1u);
+  }
+}
+
+// --- fp16 and a forward pass that overflows (the loss scale cannot help there). ---
+
+// 64 rows of 8 inputs in file order (no shuffle), class = row % 4; the rows of step `step`
+// (16 a step) hold `large` in every input, the others 0.25 * (1 + row % 3).
+RunData inputs_with_large_step(float large, int step, bool every_step = false) {
+  Dataset train;
+  train.description = "the test's data";
+  train.num_samples = 64;
+  train.features = 8;
+  train.num_classes = 4;
+  for (int row = 0; row < 64; ++row) {
+    const bool is_large = every_step || row / 16 == step - 1;
+    for (int f = 0; f < 8; ++f) train.inputs.push_back(is_large ? large : 0.25f * (1 + row % 3));
+    train.labels.push_back(row % 4);
+  }
+  return RunData{std::move(train), Dataset{}};
+}
+
+RunConfig fp16_relu_config(std::vector<std::pair<std::string, int>> axes,
+                           const std::string& preset) {
+  RunConfig config = with_sgd(with_precision(small_config(std::move(axes), preset),
+                                             Dtype::fp16, Dtype::fp16));
+  config.model.activation = "relu";  // tanh would squash an overflowed (inf) activation to 1
+  config.data.shuffle = ShuffleMode::none;
+  return config;
+}
+
+// Step 2's inputs are 60000, inside fp16's range, but their first layer's outputs are not:
+// the loss (or under TP, whose partial sums round per hop, the gradient) is not finite. As
+// under GradScaler the step is skipped (parameters untouched, skipped_steps 1, scale halved)
+// and step 3 trains again, on every mesh as on one rank; fp32 trains through step 2.
+TEST(TrainingRun, Fp16ForwardOverflowSkipsTheStep) {
+  std::vector<MeshCase> meshes = every_mesh(world_size());
+  meshes.insert(meshes.begin(), {"dp", {{"dp", 1}}});  // the one-rank run, on MPI_COMM_SELF
+  for (size_t m = 0; m < meshes.size(); ++m) {
+    SCOPED_TRACE(m == 0 ? "one rank" : meshes[m].preset);
+    TrainingRun run(fp16_relu_config(meshes[m].axes, meshes[m].preset), {},
+                    inputs_with_large_step(60000.0f, 2), m == 0 ? MPI_COMM_SELF : MPI_COMM_WORLD);
+    const double initial_scale = run.loss_scaler()->scale();
+    EXPECT_TRUE(std::isfinite(run.step().loss));
+    const std::vector<std::vector<float>> after_1 = copy_parameters(run);
+    run.step();  // TP's partial sums may keep the loss finite: then its gradient overflows
+    EXPECT_EQ(run.skipped_steps(), 1);
+    EXPECT_EQ(run.steps_done(), 2);
+    EXPECT_EQ(run.optimizer().step_count(), 1);
+    EXPECT_EQ(run.loss_scaler()->scale(), initial_scale / 2);
+    EXPECT_TRUE(same_bits(copy_parameters(run), after_1)) << "a skipped step changed parameters";
+    EXPECT_TRUE(std::isfinite(run.step().loss));
+    EXPECT_EQ(run.optimizer().step_count(), 2);
+    EXPECT_FALSE(same_bits(copy_parameters(run), after_1));
+  }
+  RunConfig fp32 = fp16_relu_config({{"dp", 1}}, "dp");
+  fp32.mixed_precision = {};
+  TrainingRun run(fp32, {}, inputs_with_large_step(60000.0f, 2), MPI_COMM_SELF);
+  run.step();
+  EXPECT_TRUE(std::isfinite(run.step().loss)) << "fp32 overflowed too: the test shows nothing";
+}
+
+// The inputs of step 1 are 1e5, beyond fp16's range: no loss scale makes the loss finite, so
+// the fp16 run ends at step 1 on every rank in one sentence naming the key that fixes it
+// (bad input), where fp32 and bf16 train. Inputs inside the range whose forward pass
+// overflows in every step end the run too, naming the same key: after 16 non-finite losses
+// in a row, or (TP, where the loss stays finite) once the gradients overflow at a scale
+// below 2^-24, 41 halvings of 2^16.
+TEST(TrainingRun, Fp16LossThatNoScaleFixesNamesTheKey) {
+  for (const MeshCase& c : every_mesh(world_size())) {
+    SCOPED_TRACE(c.preset);
+    for (Dtype param : {Dtype::fp32, Dtype::bf16}) {
+      RunConfig config = fp16_relu_config(c.axes, c.preset);
+      config.mixed_precision = {param, param};
+      TrainingRun run(config, {}, inputs_with_large_step(1e5f, 1));
+      EXPECT_TRUE(std::isfinite(run.step().loss)) << to_string(param);
+    }
+    try {
+      TrainingRun run(fp16_relu_config(c.axes, c.preset), {}, inputs_with_large_step(1e5f, 1));
+      run.step();
+      ADD_FAILURE() << "fp16 took inputs of 1e5";
+    } catch (const AgreedError& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::bad_input);
+      const std::string message = e.what();
+      EXPECT_NE(message.find("mixed_precision.param_dtype"), std::string::npos) << message;
+      EXPECT_NE(message.find("beyond fp16's range"), std::string::npos) << message;
+      EXPECT_NE(message.find("step 1"), std::string::npos) << message;
+    }
+    RunConfig config = fp16_relu_config(c.axes, c.preset);
+    config.train.steps = 60;
+    TrainingRun run(config, {}, inputs_with_large_step(60000.0f, 0, /*every_step=*/true));
+    int64_t steps = 0;
+    try {
+      while (!run.finished()) {
+        run.step();
+        ++steps;
+      }
+      ADD_FAILURE() << "every step overflowed fp16 and the run went on";
+    } catch (const AgreedError& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::runtime);
+      const std::string message = e.what();
+      const bool loss = message.find("loss was not finite in 16 steps in a row") != std::string::npos;
+      const bool gradients = message.find("at every loss scale down to 2^-24") != std::string::npos;
+      EXPECT_TRUE(loss || gradients) << message;
+      EXPECT_EQ(steps, loss ? 15 : 40) << message;
+      EXPECT_EQ(run.skipped_steps(), steps);
+      EXPECT_NE(message.find("mixed_precision.param_dtype"), std::string::npos) << message;
+    }
   }
 }
 
