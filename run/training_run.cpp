@@ -278,16 +278,20 @@ int64_t TrainingRun::data_bytes() const {
 void TrainingRun::agree_on_data_shape() {
   const DataShape& train = train_source_->shape();
   const DataShape& test = test_source_->shape();
-  const long long mine[] = {train.num_samples, train.features, train.output_width(),
-                            test.num_samples};
   constexpr int kCount = 4;
-  long long low[kCount], high[kCount];
-  MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-  check_mpi(MPI_Iallreduce(mine, low, kCount, MPI_LONG_LONG, MPI_MIN, comm_, &requests[0]),
-            "MPI_Iallreduce (data shape)");
-  check_mpi(MPI_Iallreduce(mine, high, kCount, MPI_LONG_LONG, MPI_MAX, comm_, &requests[1]),
-            "MPI_Iallreduce (data shape)");
-  wait_collective(requests, 2, "the agreement on the data's shape");
+  // One minimum over [values, -values] gives each value's minimum and maximum.
+  const long long mine[kCount] = {train.num_samples, train.features, train.output_width(),
+                                  test.num_samples};
+  long long extremes[2 * kCount];
+  for (int i = 0; i < kCount; ++i) {
+    extremes[i] = mine[i];
+    extremes[kCount + i] = -mine[i];
+  }
+  all_reduce_collective(extremes, 2 * kCount, MPI_LONG_LONG, MPI_MIN, comm_,
+                        "the agreement on the data's shape");
+  const long long* low = extremes;
+  long long high[kCount];
+  for (int i = 0; i < kCount; ++i) high[i] = -extremes[kCount + i];
   const char* what[] = {"training rows", "input features", "output width", "test rows"};
   for (int i = 0; i < kCount; ++i) {
     if (low[i] == high[i]) continue;
@@ -670,13 +674,10 @@ void TrainingRun::log_step(const StepResult& result) {
   }
   // The slowest rank's wait: a rank whose reader keeps up waits in the gradient all-reduce
   // for the one whose reader does not, so rank 0's own wait alone can read 0.
-  double waited[2] = {train_stream_->take_wait_seconds(), 0.0};
-  MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Iallreduce(&waited[0], &waited[1], 1, MPI_DOUBLE, MPI_MAX, comm_, &request),
-            "MPI_Iallreduce (data wait)");
-  wait_collective(&request, 1, "the reduction of the data wait");
-  event.data_wait_s = waited[1] / window_steps_;
-  data_wait_s_ += waited[1];
+  double waited = train_stream_->take_wait_seconds();
+  all_reduce_collective(&waited, 1, MPI_DOUBLE, MPI_MAX, comm_, "the reduction of the data wait");
+  event.data_wait_s = waited / window_steps_;
+  data_wait_s_ += waited;
   metrics_->log(event);
   if (events_.on_log) events_.on_log(event);
   window_start_ = Clock::now();

@@ -3,8 +3,10 @@
 #include <sched.h>
 
 #include <cstddef>
+#include <cstring>
 #include <ctime>
 #include <string>
+#include <vector>
 
 #include "framework/comm/communicator.hpp"  // collective_timeout_from_env, checked_int
 #include "base/error.hpp"
@@ -45,11 +47,36 @@ void wait_collective(MPI_Request* requests, int count, const char* op) {
                  " s (MESHTRAIN_COLLECTIVE_TIMEOUT): a rank is dead or stalled");
 }
 
+namespace {
+std::size_t bytes_of(int count, MPI_Datatype type, const char* op) {
+  int size = 0;
+  check_mpi(MPI_Type_size(type, &size), op);
+  return static_cast<std::size_t>(count) * static_cast<std::size_t>(size);
+}
+}  // namespace
+
 void broadcast_collective(void* data, int count, MPI_Datatype type, int root, MPI_Comm comm,
                           const char* op) {
+  const std::size_t bytes = bytes_of(count, type, op);
+  std::vector<char> buffer(bytes);
+  if (bytes > 0) std::memcpy(buffer.data(), data, bytes);
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Ibcast(data, count, type, root, comm, &request), op);
-  wait_collective(&request, 1, op);
+  check_mpi(MPI_Ibcast(buffer.data(), count, type, root, comm, &request), op);
+  wait_collective_or_give_up(&request, 1, op, buffer);
+  if (bytes > 0) std::memcpy(data, buffer.data(), bytes);
+}
+
+void all_reduce_collective(void* data, int count, MPI_Datatype type, MPI_Op reduction,
+                           MPI_Comm comm, const char* op) {
+  const std::size_t bytes = bytes_of(count, type, op);
+  std::vector<char> buffer(2 * bytes);  // what this rank sends, then the result
+  if (bytes > 0) std::memcpy(buffer.data(), data, bytes);
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Iallreduce(buffer.data(), buffer.data() + bytes, count, type, reduction, comm,
+                           &request),
+            op);
+  wait_collective_or_give_up(&request, 1, op, buffer);
+  if (bytes > 0) std::memcpy(data, buffer.data() + bytes, bytes);
 }
 
 void broadcast_string(std::string& text, int root, MPI_Comm comm, const char* op) {

@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <string>
+#include <utility>
 
 namespace meshtrain {
 
@@ -54,11 +55,33 @@ bool wait_all_until(MPI_Request* requests, int count, double timeout, const char
 // agreement, broadcasts of a path) waits with.
 void wait_collective(MPI_Request* requests, int count, const char* op);
 
-// MPI_Ibcast of `count` items of `type` from `root`, waited for with wait_collective: a
-// broadcast outside a Communicator that a dead or stalled rank cannot hang.
+// wait_collective for an operation on buffers that the caller's frame owns (vectors, a
+// unique_ptr to a job holding them). When the wait throws (a rank is dead or late) MPI may
+// still read or write them after that frame is gone (a late rank completes the transfer),
+// so `owners` are moved to the heap and given up (leaked on purpose) before the error goes
+// on. Moving a vector or a unique_ptr keeps its storage where MPI was told it is.
+template <class... Owners>
+void wait_collective_or_give_up(MPI_Request* requests, int count, const char* op,
+                                Owners&... owners) {
+  try {
+    wait_collective(requests, count, op);
+  } catch (...) {
+    (static_cast<void>(new Owners(std::move(owners))), ...);
+    throw;
+  }
+}
+
+// Collectives outside a Communicator (agreements at set-up, broadcasts of a path or of
+// offsets), each waited for under the collective timeout through a heap copy of `data` that
+// is given up when the wait fails: a dead or stalled rank can neither hang them nor write
+// into the caller's memory once they have thrown.
+// MPI_Ibcast of `count` items of `type` from `root`.
 void broadcast_collective(void* data, int count, MPI_Datatype type, int root, MPI_Comm comm,
                           const char* op);
-// `root`'s text on every rank of `comm` (its length, then its bytes), the same way.
+// MPI_Iallreduce of `count` items of `type` with `reduction`, in place.
+void all_reduce_collective(void* data, int count, MPI_Datatype type, MPI_Op reduction,
+                           MPI_Comm comm, const char* op);
+// `root`'s text on every rank of `comm` (its length, then its bytes).
 void broadcast_string(std::string& text, int root, MPI_Comm comm, const char* op);
 
 }  // namespace meshtrain

@@ -43,12 +43,14 @@ void append_piece(std::vector<Piece>& pieces, const Piece& piece) {
 
 std::vector<Piece> gather_pieces(const PrivateComm& comm, const std::vector<Piece>& mine) {
   static_assert(sizeof(Piece) == 32, "Piece is sent as bytes");
-  const int bytes = static_cast<int>(mine.size() * sizeof(Piece));  // checked by the caller
+  // MPI reads and writes these until each gather completes (given up if it never does).
+  std::vector<int> bytes{static_cast<int>(mine.size() * sizeof(Piece))};  // checked by the caller
   std::vector<int> counts(comm.rank() == 0 ? static_cast<size_t>(comm.size()) : 0);
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Igather(&bytes, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, comm.get(), &request),
+  check_mpi(MPI_Igather(bytes.data(), 1, MPI_INT, counts.data(), 1, MPI_INT, 0, comm.get(),
+                        &request),
             "MPI_Igather (checkpoint checksums)");
-  wait_collective(&request, 1, "MPI_Igather (checkpoint checksums)");
+  wait_collective_or_give_up(&request, 1, "MPI_Igather (checkpoint checksums)", bytes, counts);
   std::vector<int> displs(counts.size(), 0);
   int64_t total = 0;
   for (size_t r = 0; r < counts.size(); ++r) {
@@ -57,10 +59,12 @@ std::vector<Piece> gather_pieces(const PrivateComm& comm, const std::vector<Piec
   }
   // Rank 0 receives at most INT_MAX bytes: a million pieces per rank is far beyond any model.
   std::vector<Piece> all(static_cast<size_t>(total) / sizeof(Piece));
-  check_mpi(MPI_Igatherv(mine.data(), bytes, MPI_BYTE, all.data(), counts.data(), displs.data(),
-                         MPI_BYTE, 0, comm.get(), &request),
+  std::vector<Piece> sent = mine;
+  check_mpi(MPI_Igatherv(sent.data(), bytes[0], MPI_BYTE, all.data(), counts.data(),
+                         displs.data(), MPI_BYTE, 0, comm.get(), &request),
             "MPI_Igatherv (checkpoint checksums)");
-  wait_collective(&request, 1, "MPI_Igatherv (checkpoint checksums)");
+  wait_collective_or_give_up(&request, 1, "MPI_Igatherv (checkpoint checksums)", sent, all, counts,
+                             displs);
   return all;
 }
 

@@ -536,9 +536,10 @@ std::optional<std::string> Checkpointer::poll() {
 std::optional<std::string> Checkpointer::wait() {
   if (!job_) return std::nullopt;
   // Whatever happens below, this save is no longer in flight.
-  const std::unique_ptr<SaveJob> job = std::move(job_);
+  std::unique_ptr<SaveJob> job = std::move(job_);
   if (job->poll_request != MPI_REQUEST_NULL) {
-    wait_collective(&job->poll_request, 1, "the agreement that a checkpoint write finished");
+    wait_collective_or_give_up(&job->poll_request, 1,
+                               "the agreement that a checkpoint write finished", job);
   }
   if (!job->finishing) finish_writes(*comm_, *job);
   if (job->finisher.joinable()) job->finisher.join();

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -98,6 +99,64 @@ TEST(WaitCollective, ARankThatJoinsLateTimesOut) {
   wait_collective(&request, 1, "MPI_Ibcast (a test's value)");
   EXPECT_EQ(value, 42);
   check_mpi(MPI_Comm_free(&comm), "MPI_Comm_free");
+}
+
+// A collective outside a Communicator that timed out gives its buffers up (issue 25): the
+// late rank's transfer completes into them, never into the caller's memory, which is the
+// caller's again once the call has thrown. Here the caller writes 7 into its variable after
+// the timeout and drives MPI's progress (a barrier the late rank joins after its part of the
+// collective); the variable must still hold 7.
+void expect_late_transfer_not_written(
+    const std::function<void(int& value, MPI_Comm comm)>& collective, const char* op) {
+  const int n = world_size();
+  if (n < 2) GTEST_SKIP() << "needs a rank that joins late";
+  MPI_Comm comm = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &comm), "MPI_Comm_dup");
+  const bool late = world_rank() == n - 1;
+  setenv("MESHTRAIN_COLLECTIVE_TIMEOUT", late ? "60" : "0.5", 1);
+  int value = late ? 42 : 0;
+  if (late) {
+    const double start = MPI_Wtime();
+    while (MPI_Wtime() - start < 2.0) detail::pause_between_polls(1.0);  // the others give up
+    collective(value, comm);
+  } else {
+    expect_error([&] { collective(value, comm); }, ErrorKind::runtime,
+                 {op, "did not complete within 0.5 s"});
+    value = 7;  // the caller's memory again
+  }
+  check_mpi(MPI_Barrier(comm), "MPI_Barrier");  // the late rank has sent its part by now
+  if (!late) EXPECT_EQ(value, 7) << "a transfer given up wrote into the caller's memory";
+  unsetenv("MESHTRAIN_COLLECTIVE_TIMEOUT");
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+}
+
+TEST(WaitCollective, ATimedOutBroadcastGivesItsBufferUp) {
+  expect_late_transfer_not_written(
+      [](int& value, MPI_Comm comm) {
+        broadcast_collective(&value, 1, MPI_INT, world_size() - 1, comm, "a test's broadcast");
+      },
+      "a test's broadcast");
+}
+
+TEST(WaitCollective, ATimedOutAllReduceGivesItsBufferUp) {
+  expect_late_transfer_not_written(
+      [](int& value, MPI_Comm comm) {
+        all_reduce_collective(&value, 1, MPI_INT, MPI_MAX, comm, "a test's all-reduce");
+      },
+      "a test's all-reduce");
+}
+
+TEST(WaitCollective, BroadcastAndAllReduceAgreeWithMpi) {
+  int value = world_rank() == 0 ? 5 : 0;
+  broadcast_collective(&value, 1, MPI_INT, 0, MPI_COMM_WORLD, "a test's broadcast");
+  EXPECT_EQ(value, 5);
+  long long ranks[2] = {world_rank(), -world_rank()};
+  all_reduce_collective(ranks, 2, MPI_LONG_LONG, MPI_MIN, MPI_COMM_WORLD, "a test's all-reduce");
+  EXPECT_EQ(ranks[0], 0);
+  EXPECT_EQ(ranks[1], -(world_size() - 1));
+  std::string text = world_rank() == 0 ? "a path/with some length" : "";
+  broadcast_string(text, 0, MPI_COMM_WORLD, "a test's string");
+  EXPECT_EQ(text, "a path/with some length");
 }
 
 }  // namespace
