@@ -64,11 +64,13 @@ LayerAxes layer_axes(const LogicalAxes& logical, bool with_experts) {
                         " mesh axes; the MLP layers split features over at most one");
   }
   LayerAxes axes{logical.axes_of("batch"), hidden.empty() ? "" : hidden[0]};
-  if (with_experts) {
-    for (const std::string& axis : logical.axes_of("expert")) {
+  const auto append_batch_axes = [&](const std::string& logical_name) {
+    for (const std::string& axis : logical.axes_of(logical_name)) {
       if (!contains(axes.batch, axis)) axes.batch.push_back(axis);
     }
-  }
+  };
+  append_batch_axes("sequence");
+  if (with_experts) append_batch_axes("expert");
   return axes;
 }
 

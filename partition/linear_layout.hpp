@@ -43,10 +43,13 @@ struct LayerAxes {
   std::vector<std::string> batch;  // major to minor
   std::string feature;             // "" = none
 };
-// From the logical axes: batch = axes_of("batch"), feature = axes_of("hidden"), which must
-// be at most one mesh axis (bad_input otherwise). with_experts (a model with MoE layers):
-// the axes of `expert` are batch axes too, appended (minor) where not already listed: outside
-// its experts an MoE model splits rows over them like over the other batch axes.
+// From the logical axes: batch = axes_of("batch"), then axes_of("sequence"), feature =
+// axes_of("hidden"), which must be at most one mesh axis (bad_input otherwise). An MLP's rows
+// are its tokens, so sequence parallelism (`sp`) splits them like the batch axes (as
+// Megatron's sequence parallelism splits tokens outside the tensor-parallel regions).
+// with_experts (a model with MoE layers): the axes of `expert` are batch axes too, appended
+// (minor) where not already listed: outside its experts an MoE model splits rows over them
+// like over the other batch axes.
 LayerAxes layer_axes(const LogicalAxes& logical, bool with_experts = false);
 // `axes` on `mesh`: axes the mesh lacks dropped (they are of size 1). Throws bad_input when
 // the feature axis (size > 1) also splits the batch.

@@ -15,7 +15,8 @@ int print_checkpoint(const std::string& path, bool verify, std::ostream& out) {
   out << "checkpoint: " << path << "\n";
   out << "framework version: " << info.framework_version << "\n";
   out << "step: " << s.step << "\n";
-  out << "mesh: " << info.mesh << " (" << info.world_size << " ranks)\n";
+  out << "mesh: " << info.mesh << " (" << info.world_size
+      << (info.world_size == 1 ? " rank" : " ranks") << ")\n";
   out << "train state: epoch=" << s.epoch << " batch_in_epoch=" << s.batch_in_epoch
       << " seed=" << s.seed << " rng_offset=" << s.rng_offset
       << " optimizer_step=" << s.optimizer_step << "\n";

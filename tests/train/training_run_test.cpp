@@ -73,8 +73,12 @@ TEST(TrainingRun, EveryMeshTrainsLikeOneRank) {
   };
   std::vector<Case> cases = {{"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}, {"tp", {{"tp", n}}}};
   if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
+  // sp splits the rows (an MLP's tokens) like a batch axis; here beside tp and fsdp.
+  cases.push_back({"dp", {{"sp", n}}});
+  if (n % 2 == 0) cases.push_back({"tp", {{"tp", 2}, {"sp", n / 2}}});
+  if (n % 4 == 0) cases.push_back({"fsdp", {{"fsdp", 2}, {"sp", n / 2}}});
   for (const Case& c : cases) {
-    SCOPED_TRACE(c.preset);
+    SCOPED_TRACE(c.preset + " on " + std::to_string(c.axes.size()) + " axes");
     const Trace trace = run_steps(small_config(c.axes, c.preset), MPI_COMM_WORLD, 5);
     ASSERT_EQ(trace.losses.size(), reference.losses.size());
     for (size_t s = 0; s < trace.losses.size(); ++s) {
