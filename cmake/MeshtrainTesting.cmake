@@ -1,12 +1,29 @@
 # meshtrain_add_test(NAME <name> SOURCES <files...> [NP <n...>] [LIBS <targets...>]
-#                    [TIMEOUT <seconds>] [ARGS <args...>])
+#                    [TIMEOUT <seconds>] [ARGS <args...>] [BACKENDS <backend...>] [EMULATED])
 #
-# Builds one GoogleTest executable from SOURCES (linked with the shared MPI test main,
-# tests/mpi_test_main.cpp) and registers it with ctest once per process count in NP:
-#   <name>_np<n>  ->  mpiexec -n <n> <flags> build/bin/<name> <args>
-# Without NP the test runs once, without mpiexec (MPI initializes as a singleton).
+# Builds one GoogleTest executable, build/bin/<name>, from SOURCES (linked with the shared MPI
+# test main, tests/mpi_test_main.cpp) and registers it with ctest once per backend this build
+# runs it on and per process count in NP, named by where it runs (<base> is <name> without
+# its "_test"):
+#   <base>_<backend>_np<n>  ->  mpiexec -n <n> <flags> build/bin/<name> <args>
+# Without NP it runs once, without mpiexec (MPI initializes as a singleton): <base>_<backend>.
+# The backends come from the build configuration, not from the call:
+#   mpi       every build but an emulated one (a CUDA build stages MPI through pinned memory)
+#   emulated  a MESHTRAIN_EMULATE_DEVICE_MEMORY=ON build (the MPI backend, device memory
+#             emulated); it registers only the tests marked EMULATED
+#   nccl      a build with NCCL, for tests whose BACKENDS name it. A test that runs over MPI
+#             too chooses NCCL as runtime.backend does, which also needs a CUDA Kokkos.
+# BACKENDS (default mpi) are the backends the test can run on; each registration sets
+# MESHTRAIN_TEST_BACKEND to its communication backend (mpi or nccl: tests/test_backend.hpp).
+# NCCL ranks start through tests/nccl/share_gpu.sh, so ranks beyond a node's GPUs share one.
+# Every test is labelled with its backend (`ctest -L nccl`), and with gpu in a CUDA build;
+# tests registered any other way are labelled command (meshtrain_finish_tests).
 # Every registered test has a ctest timeout (default 120 s) so a hang fails, never blocks,
-# and reserves one ctest slot per rank (PROCESSORS) so `ctest -j2` does not overload.
+# and reserves one ctest slot per rank, at most 2 (PROCESSORS), so `ctest -j2` does not overload.
+#
+# meshtrain_add_test_variant(NAME <name> VARIANT <variant> ENVIRONMENT <VAR=value...>)
+# registers test <name> again wherever it is registered, with more environment, as
+# <base>_<variant>_<backend>_np<n>.
 
 find_program(MESHTRAIN_MPIEXEC NAMES ${MPIEXEC_EXECUTABLE} mpiexec mpirun REQUIRED)
 set(MESHTRAIN_MPIEXEC_FLAGS "" CACHE STRING "Extra flags for mpiexec in tests")
@@ -30,30 +47,97 @@ if(_mpiexec_version MATCHES "Open MPI|OpenRTE")
 endif()
 set(MESHTRAIN_MPIEXEC_TEST_FLAGS ${_mpi_flags} CACHE INTERNAL "")
 
+# The labels every test of this build carries besides its backend.
+set(MESHTRAIN_TEST_LABELS)
+if(MESHTRAIN_KOKKOS_CUDA)
+  set(MESHTRAIN_TEST_LABELS gpu)
+endif()
+
 function(meshtrain_add_test)
-  cmake_parse_arguments(T "" "NAME;TIMEOUT" "SOURCES;NP;LIBS;ARGS" ${ARGN})
+  cmake_parse_arguments(T "EMULATED" "NAME;TIMEOUT" "SOURCES;NP;LIBS;ARGS;BACKENDS" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 120)
   endif()
+  if(NOT T_BACKENDS)
+    set(T_BACKENDS mpi)
+  endif()
   add_executable(${T_NAME} ${T_SOURCES})
   target_link_libraries(${T_NAME} PRIVATE meshtrain_test_main ${T_LIBS})
-  if(NOT T_NP)
-    add_test(NAME ${T_NAME} COMMAND ${T_NAME} ${T_ARGS})
-    set_tests_properties(${T_NAME} PROPERTIES TIMEOUT ${T_TIMEOUT}
-                         ENVIRONMENT "${MESHTRAIN_TEST_ENVIRONMENT}")
-    return()
-  endif()
-  foreach(np IN LISTS T_NP)
-    set(test_name ${T_NAME}_np${np})
-    add_test(NAME ${test_name}
-             COMMAND ${MESHTRAIN_MPIEXEC} ${MPIEXEC_NUMPROC_FLAG} ${np} ${MESHTRAIN_MPIEXEC_TEST_FLAGS}
-                     $<TARGET_FILE:${T_NAME}> ${T_ARGS})
-    set(slots ${np})
-    if(slots GREATER 2)
-      set(slots 2)
+  # Read by _meshtrain_register_test, now and for meshtrain_add_test_variant.
+  set_target_properties(${T_NAME} PROPERTIES
+    MESHTRAIN_TEST_NP "${T_NP}" MESHTRAIN_TEST_TIMEOUT ${T_TIMEOUT} MESHTRAIN_TEST_ARGS "${T_ARGS}"
+    MESHTRAIN_TEST_BACKENDS "${T_BACKENDS}" MESHTRAIN_TEST_EMULATED ${T_EMULATED})
+  _meshtrain_register_test(${T_NAME} "")
+endfunction()
+
+function(meshtrain_add_test_variant)
+  cmake_parse_arguments(T "" "NAME;VARIANT" "ENVIRONMENT" ${ARGN})
+  _meshtrain_register_test(${T_NAME} ${T_VARIANT} ${T_ENVIRONMENT})
+endfunction()
+
+# The backends this build runs the test `target` on (see the top of this file).
+function(_meshtrain_test_backends out target)
+  get_property(wanted TARGET ${target} PROPERTY MESHTRAIN_TEST_BACKENDS)
+  get_property(emulated TARGET ${target} PROPERTY MESHTRAIN_TEST_EMULATED)
+  set(backends)
+  if(MESHTRAIN_EMULATE_DEVICE_MEMORY)
+    if(emulated AND "mpi" IN_LIST wanted)
+      set(backends emulated)
     endif()
-    set_tests_properties(${test_name} PROPERTIES TIMEOUT ${T_TIMEOUT} PROCESSORS ${slots}
-                         ENVIRONMENT "${MESHTRAIN_TEST_ENVIRONMENT}")
+  else()
+    if("mpi" IN_LIST wanted)
+      list(APPEND backends mpi)
+    endif()
+    if("nccl" IN_LIST wanted AND MESHTRAIN_HAVE_NCCL
+       AND (MESHTRAIN_KOKKOS_CUDA OR NOT "mpi" IN_LIST wanted))
+      list(APPEND backends nccl)
+    endif()
+  endif()
+  set(${out} ${backends} PARENT_SCOPE)
+endfunction()
+
+# Registers `target`'s tests (<base>[_<variant>]_<backend>[_np<n>]); ARGN: more environment.
+function(_meshtrain_register_test target variant)
+  get_property(counts TARGET ${target} PROPERTY MESHTRAIN_TEST_NP)
+  get_property(timeout TARGET ${target} PROPERTY MESHTRAIN_TEST_TIMEOUT)
+  get_property(args TARGET ${target} PROPERTY MESHTRAIN_TEST_ARGS)
+  string(REGEX REPLACE "_test$" "" base ${target})
+  if(variant)
+    string(APPEND base _${variant})
+  endif()
+  if(NOT counts)
+    set(counts 0)  # once, without mpiexec
+  endif()
+  _meshtrain_test_backends(backends ${target})
+  foreach(backend IN LISTS backends)
+    set(comm mpi)
+    set(launch)
+    if(backend STREQUAL "nccl")
+      set(comm nccl)
+      set(launch sh ${PROJECT_SOURCE_DIR}/tests/nccl/share_gpu.sh)
+    endif()
+    foreach(np IN LISTS counts)
+      if(np EQUAL 0)
+        set(test ${base}_${backend})
+        set(command $<TARGET_FILE:${target}>)
+        set(slots 1)
+      else()
+        set(test ${base}_${backend}_np${np})
+        set(command ${MESHTRAIN_MPIEXEC} ${MPIEXEC_NUMPROC_FLAG} ${np}
+                    ${MESHTRAIN_MPIEXEC_TEST_FLAGS} ${launch} $<TARGET_FILE:${target}>)
+        set(slots ${np})
+        if(slots GREATER 2)
+          set(slots 2)
+        endif()
+      endif()
+      set(environment ${MESHTRAIN_TEST_ENVIRONMENT} MESHTRAIN_TEST_BACKEND=${comm} ${ARGN})
+      set(labels ${backend} ${MESHTRAIN_TEST_LABELS})
+      add_test(NAME ${test} COMMAND ${command} ${args})
+      set_tests_properties(${test} PROPERTIES TIMEOUT ${timeout} PROCESSORS ${slots}
+                           ENVIRONMENT "${environment}" LABELS "${labels}")
+      set_property(GLOBAL APPEND PROPERTY MESHTRAIN_REGISTERED_TESTS ${test})
+      set_property(GLOBAL APPEND PROPERTY MESHTRAIN_TEST_PROGRAMS ${target})
+    endforeach()
   endforeach()
 endfunction()
 
@@ -69,5 +153,34 @@ function(meshtrain_add_command_test)
                        ENVIRONMENT "${MESHTRAIN_TEST_ENVIRONMENT}")
   if(T_PASS_REGULAR_EXPRESSION)
     set_tests_properties(${T_NAME} PROPERTIES PASS_REGULAR_EXPRESSION "${T_PASS_REGULAR_EXPRESSION}")
+  endif()
+endfunction()
+
+# Called once after every test list (tests/CMakeLists.txt). The tests not registered by
+# meshtrain_add_test (command tests, anything added with add_test) are labelled command; an
+# emulated build, which builds only its GoogleTest programs, names them in CTestCustom.cmake's
+# CTEST_CUSTOM_TESTS_IGNORE, so that ctest neither lists nor runs them there (they stay
+# registered, so the set_tests_properties calls after them work in every build).
+# The target meshtrain_test_programs builds the programs of the tests this build registers.
+function(meshtrain_finish_tests)
+  get_property(others DIRECTORY PROPERTY TESTS)
+  get_property(registered GLOBAL PROPERTY MESHTRAIN_REGISTERED_TESTS)
+  get_property(programs GLOBAL PROPERTY MESHTRAIN_TEST_PROGRAMS)
+  if(registered)
+    list(REMOVE_ITEM others ${registered})
+  endif()
+  foreach(test IN LISTS others)
+    set_property(TEST ${test} APPEND PROPERTY LABELS command ${MESHTRAIN_TEST_LABELS})
+  endforeach()
+  set(ignored)
+  if(MESHTRAIN_EMULATE_DEVICE_MEMORY)
+    list(JOIN others "\n  " ignored)
+  endif()
+  file(CONFIGURE OUTPUT ${CMAKE_BINARY_DIR}/CTestCustom.cmake
+       CONTENT "set(CTEST_CUSTOM_TESTS_IGNORE\n  ${ignored})\n")
+  list(REMOVE_DUPLICATES programs)
+  add_custom_target(meshtrain_test_programs)
+  if(programs)
+    add_dependencies(meshtrain_test_programs ${programs})
   endif()
 endfunction()

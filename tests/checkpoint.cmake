@@ -5,25 +5,16 @@ if(NOT MESHTRAIN_H5DUMP)
   set(MESHTRAIN_H5DUMP "")
 endif()
 meshtrain_add_test(NAME checkpoint_test SOURCES checkpoint/checkpoint_test.cpp
-                   LIBS meshtrain_framework NP 1 2 4 TIMEOUT 120)
+                   LIBS meshtrain_framework NP 1 2 4 TIMEOUT 120 EMULATED)
 find_program(MESHTRAIN_H5REPACK h5repack)
 if(NOT MESHTRAIN_H5REPACK)
   set(MESHTRAIN_H5REPACK "")
 endif()
 target_compile_definitions(checkpoint_test PRIVATE MESHTRAIN_H5DUMP="${MESHTRAIN_H5DUMP}"
                                                    MESHTRAIN_H5REPACK="${MESHTRAIN_H5REPACK}")
-# The same tests with asynchronous saves.
-foreach(np 1 2 4)
-  add_test(NAME checkpoint_test_async_np${np}
-           COMMAND ${MESHTRAIN_MPIEXEC} ${MPIEXEC_NUMPROC_FLAG} ${np} ${MESHTRAIN_MPIEXEC_TEST_FLAGS}
-                   $<TARGET_FILE:checkpoint_test>)
-  set(slots ${np})
-  if(slots GREATER 2)
-    set(slots 2)
-  endif()
-  set_tests_properties(checkpoint_test_async_np${np} PROPERTIES TIMEOUT 120 PROCESSORS ${slots}
-                       ENVIRONMENT "${MESHTRAIN_TEST_ENVIRONMENT};MESHTRAIN_TEST_CHECKPOINT_ASYNC=1")
-endforeach()
+# The same tests with asynchronous saves (checkpoint_async_<backend>_np<n>).
+meshtrain_add_test_variant(NAME checkpoint_test VARIANT async
+                           ENVIRONMENT MESHTRAIN_TEST_CHECKPOINT_ASYNC=1)
 
 # The checkpoint save with its test-only fault hook (framework/io/checkpoint_testing.hpp):
 # checkpoint_save.cpp compiled again with MESHTRAIN_CHECKPOINT_FAULTS. A program that links it

@@ -2,9 +2,9 @@
 # collective-matmul algorithm against a one-rank reference, on the world and on the groups
 # of an fsdp x tp mesh; timeouts; workspace memory.
 meshtrain_add_test(NAME comm_communicator_test SOURCES comm/communicator_test.cpp
-                   LIBS meshtrain_framework NP 1 2 4 8 TIMEOUT 120)
+                   LIBS meshtrain_framework NP 1 2 4 8 TIMEOUT 120 EMULATED)
 meshtrain_add_test(NAME comm_collective_matmul_test SOURCES comm/collective_matmul_test.cpp
-                   LIBS meshtrain_framework NP 1 2 4 8 TIMEOUT 180)
+                   LIBS meshtrain_framework NP 1 2 4 8 TIMEOUT 180 EMULATED)
 
 # A failing rank ends the job (its exit status, its message on stderr) instead of leaving the
 # others waiting in a collective: a failure inside the program, and one while the Runtime

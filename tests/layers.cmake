@@ -1,11 +1,14 @@
 # layers/ and the model-side framework pieces (init, optimizers): unit and multi-rank tests.
+# The equivalence tests (MLP, mixed precision, MoE) build their meshes on the backend
+# MESHTRAIN_TEST_BACKEND names (tests/test_backend.hpp): over MPI and, in a CUDA build with
+# NCCL, over NCCL.
 meshtrain_add_test(NAME layers_init_test SOURCES layers/init_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 TIMEOUT 120)
 meshtrain_add_test(NAME layers_mlp_test SOURCES layers/mlp_test.cpp
-                   LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300)
+                   LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300 BACKENDS mpi nccl EMULATED)
 meshtrain_add_test(NAME layers_mixed_precision_test SOURCES layers/mixed_precision_test.cpp
-                   LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300)
+                   LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300 BACKENDS mpi nccl EMULATED)
 meshtrain_add_test(NAME layers_units_test SOURCES layers/units_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120)
 meshtrain_add_test(NAME layers_moe_test SOURCES layers/moe_test.cpp
-                   LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300)
+                   LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300 BACKENDS mpi nccl EMULATED)

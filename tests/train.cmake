@@ -8,17 +8,17 @@ meshtrain_add_test(NAME train_memory_test SOURCES train/memory_test.cpp
 # TrainingRun's C++ API: a config made in code on dp, fsdp, tp and fsdp x tp meshes against
 # a one-rank run; train()'s events, save and an exact resume; agreed bad input.
 meshtrain_add_test(NAME train_training_run_test SOURCES train/training_run_test.cpp
-                   LIBS meshtrain_run NP 1 2 4 TIMEOUT 120)
+                   LIBS meshtrain_run NP 1 2 4 TIMEOUT 120 EMULATED)
 # train()'s saves: synchronous ones are reported; an agreed error (a diverging loss)
 # completes the save in flight, so `latest` names the last good state.
 meshtrain_add_test(NAME train_save_events_test SOURCES train/save_events_test.cpp
-                   LIBS meshtrain_run NP 1 2 TIMEOUT 90)
+                   LIBS meshtrain_run NP 1 2 TIMEOUT 90 EMULATED)
 # A training step (TrainingRun::step: batch, forward, loss, backward, clipping, optimizer)
 # allocates nothing on the heap: operator new is counted over steps 2..4 on dp, fsdp, tp
 # and fsdp x tp meshes, in fp32 and in bf16 and fp16 (mixed precision, overlap off and on).
 # One case keeps a save in flight through the checkpoint fault hook (tests/checkpoint.cmake).
 meshtrain_add_test(NAME train_step_allocations_test SOURCES train/step_allocations_test.cpp
-                   LIBS meshtrain_checkpoint_faults meshtrain_run NP 1 2 4 TIMEOUT 120)
+                   LIBS meshtrain_checkpoint_faults meshtrain_run NP 1 2 4 TIMEOUT 120 EMULATED)
 # Learning-rate schedules against hand-computed values.
 meshtrain_add_test(NAME train_lr_schedule_test SOURCES train/lr_schedule_test.cpp
                    LIBS meshtrain_framework TIMEOUT 30)
@@ -215,4 +215,4 @@ _train_slots(train_plot_np2 2)
 # ZeRO-1 (optimizer.zero_stage = 1) against plain DP and a one-rank run, uneven chunks,
 # checkpoints across zero stages, and the plan's optimizer bytes.
 meshtrain_add_test(NAME train_zero1_test SOURCES train/zero1_test.cpp
-                   LIBS meshtrain_run NP 1 2 4 TIMEOUT 120)
+                   LIBS meshtrain_run NP 1 2 4 TIMEOUT 120 EMULATED)

@@ -1,7 +1,8 @@
 #pragma once
-// Shared by the communicator and collective-matmul tests: deterministic data (every rank
-// can rebuild any rank's operands from a seed), a reference GEMM in double, and the
-// communicators under test (the world and the tp groups of an fsdp x tp mesh).
+// Shared by the communicator, collective-matmul and NCCL tests: deterministic data (every
+// rank can rebuild any rank's operands from a seed), a reference GEMM in double, the
+// communicators under test (the world and the tp groups of an fsdp x tp mesh), and the
+// ragged traffic of the all_to_all_v tests.
 // Operands live in the default memory space (device memory with a CUDA Kokkos, which the
 // host must not dereference): they are built in host views and deep-copied over, and
 // results are copied back to host views (to_host) before the host reads them.
@@ -15,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "framework/comm/communicator.hpp"
@@ -157,5 +159,61 @@ class TestGroups {
   std::unique_ptr<MeshCommunicators> mesh_comms_;
   std::vector<Group> groups_;
 };
+
+// fp32 and the 16-bit wire types, with their names.
+inline const std::pair<Dtype, const char*> kWireTypes[] = {
+    {Dtype::fp32, "fp32"}, {Dtype::bf16, "bf16"}, {Dtype::fp16, "fp16"}};
+
+// The rows rank `src` sends rank `dst` in round `salt` of the all_to_all_v tests: 0 to 3, zero
+// for some pairs (and for every pair on one rank in some rounds); in round 4 only rank 0 sends.
+inline int64_t ragged_rows(int src, int dst, int salt) {
+  if (salt == 4) return src == 0 ? dst % 3 + 1 : 0;
+  return (3 * src + 5 * dst + salt) % 4;
+}
+// Element (row, col) of the block rank `src` sends rank `dst`: every element of every block a
+// different float (exact in fp32; rounded on a 16-bit wire).
+inline float ragged_value(int src, int dst, int row, int col) {
+  return static_cast<float>(src * 1000 + dst * 100 + row * 10 + col) + 0.3f;
+}
+
+// Rank `me`'s part of round `salt` in a group of n ranks: the rows it sends each rank and
+// receives from each, how many it receives in all, and its send matrix: the packed rows, then
+// `extra` rows of a value never sent (a row sent by mistake shows as a wrong value).
+struct RaggedRound {
+  std::vector<int64_t> send_rows, recv_rows;
+  std::size_t recv_total = 0;
+  HostMatrix send;
+};
+inline RaggedRound ragged_round(int n, int me, int salt, std::size_t cols, std::size_t extra) {
+  RaggedRound round;
+  std::size_t send_total = 0;
+  for (int j = 0; j < n; ++j) {
+    round.send_rows.push_back(ragged_rows(me, j, salt));
+    round.recv_rows.push_back(ragged_rows(j, me, salt));
+    send_total += static_cast<std::size_t>(round.send_rows.back());
+    round.recv_total += static_cast<std::size_t>(round.recv_rows.back());
+  }
+  round.send = HostMatrix("send", send_total + extra, cols);
+  std::size_t at = 0;
+  for (int j = 0; j < n; ++j)
+    for (int r = 0; r < round.send_rows[j]; ++r, ++at)
+      for (std::size_t c = 0; c < cols; ++c)
+        round.send(at, c) = ragged_value(me, j, r, static_cast<int>(c));
+  for (; at < round.send.extent(0); ++at)
+    for (std::size_t c = 0; c < cols; ++c) round.send(at, c) = 99999.0f;
+  return round;
+}
+
+// The first round.recv_total rows of `got`, received by rank `me`: each exactly what its
+// sender packed for this rank, rounded to `wire`.
+inline void expect_ragged_rows(const HostMatrix& got, const RaggedRound& round, int me, Dtype wire,
+                               const std::string& where) {
+  std::size_t row = 0;
+  for (int j = 0; j < static_cast<int>(round.recv_rows.size()); ++j)
+    for (int r = 0; r < round.recv_rows[j]; ++r, ++row)
+      for (std::size_t c = 0; c < got.extent(1); ++c)
+        ASSERT_EQ(got(row, c), round_to(ragged_value(j, me, r, static_cast<int>(c)), wire))
+            << "row " << r << " from rank " << j << " at (" << row << ", " << c << ") " << where;
+}
 
 }  // namespace meshtrain::testing

@@ -594,18 +594,6 @@ TEST(Communicator, DroppedWireRequestsLeaveTheCommunicatorUsable) {
 
 // ------------------------------------------------------------------------ all_to_all_v
 
-// The rows rank `src` sends rank `dst` in round `salt` of the all_to_all_v tests: 0 to 3, zero
-// for some pairs (and for every pair on one rank in some rounds); in round 4 only rank 0 sends.
-int64_t ragged_rows(int src, int dst, int salt) {
-  if (salt == 4) return src == 0 ? dst % 3 + 1 : 0;
-  return (3 * src + 5 * dst + salt) % 4;
-}
-// Element (row, col) of the block rank `src` sends rank `dst`: every element of every block a
-// different float (exact in fp32; rounded on a 16-bit wire).
-float ragged_value(int src, int dst, int row, int col) {
-  return static_cast<float>(src * 1000 + dst * 100 + row * 10 + col) + 0.3f;
-}
-
 // Every rank sends a different number of rows to every rank (zero to some), packed in rank
 // order, on the world and the mesh's sub-axis groups: each received row is exactly what its
 // sender packed for this rank (fp32), or that rounded to the wire dtype (bf16, fp16); the rows
@@ -620,40 +608,17 @@ TEST(Communicator, AllToAllVRoutesRaggedRows) {
     for (int salt = 0; salt <= 4; ++salt) {
       // Extra rows past the packed ones; none in round 4, where most ranks' send is empty.
       const std::size_t extra = salt == 4 ? 0 : 2;
-      std::vector<int64_t> send_rows(n), recv_rows(n);
-      std::size_t send_total = 0, recv_total = 0;
-      for (int j = 0; j < n; ++j) {
-        send_rows[j] = ragged_rows(me, j, salt);
-        recv_rows[j] = ragged_rows(j, me, salt);
-        send_total += static_cast<std::size_t>(send_rows[j]);
-        recv_total += static_cast<std::size_t>(recv_rows[j]);
-      }
-      HostMatrix send_host("send", send_total + extra, cols);
-      std::size_t at = 0;
-      for (int j = 0; j < n; ++j)
-        for (int r = 0; r < send_rows[j]; ++r, ++at)
-          for (std::size_t c = 0; c < cols; ++c)
-            send_host(at, c) = ragged_value(me, j, r, static_cast<int>(c));
-      for (; at < send_host.extent(0); ++at)  // never sent: would show as a wrong value
-        for (std::size_t c = 0; c < cols; ++c) send_host(at, c) = 99999.0f;
-      const DeviceMatrix send = to_device(send_host, "send");
-      const std::pair<Dtype, const char*> wires[] = {
-          {Dtype::fp32, "fp32"}, {Dtype::bf16, "bf16"}, {Dtype::fp16, "fp16"}};
-      for (const auto& [wire, wire_name] : wires) {
+      const RaggedRound round = ragged_round(n, me, salt, cols, extra);
+      const DeviceMatrix send = to_device(round.send, "send");
+      for (const auto& [wire, wire_name] : kWireTypes) {
         const std::string where =
             "round " + std::to_string(salt) + " " + wire_name + " on " + g.name;
-        DeviceMatrix recv("recv", recv_total + extra, cols);
+        DeviceMatrix recv("recv", round.recv_total + extra, cols);
         Kokkos::deep_copy(recv, untouched);
-        comm.all_to_all_v(send, send_rows, recv, recv_rows, wire);
+        comm.all_to_all_v(send, round.send_rows, recv, round.recv_rows, wire);
         const HostMatrix got = to_host(recv);
-        std::size_t row = 0;
-        for (int j = 0; j < n; ++j)
-          for (int r = 0; r < recv_rows[j]; ++r, ++row)
-            for (std::size_t c = 0; c < cols; ++c)
-              ASSERT_EQ(got(row, c), round_to(ragged_value(j, me, r, static_cast<int>(c)), wire))
-                  << "row " << r << " from rank " << j << " at (" << row << ", " << c << ") "
-                  << where;
-        for (; row < got.extent(0); ++row)
+        expect_ragged_rows(got, round, me, wire, where);
+        for (std::size_t row = round.recv_total; row < got.extent(0); ++row)
           for (std::size_t c = 0; c < cols; ++c)
             ASSERT_EQ(got(row, c), untouched) << "row " << row << " past the packed ones " << where;
       }

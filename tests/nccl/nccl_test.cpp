@@ -6,8 +6,12 @@
 // device every GPU test is skipped with "no CUDA device: NCCL backend compiled but not
 // run" (and the one test that checks the no-device error runs instead); with fewer
 // devices than ranks on a node they are skipped too, since NCCL cannot put two ranks of
-// one communicator on one GPU. The decision is reduced over all ranks so that no rank
-// enters a collective that another rank skipped.
+// one communicator on one GPU, unless NCCL_HOSTID makes each rank a host of its own
+// (tests/nccl/share_gpu.sh, as ctest starts these ranks). The decision is reduced over all
+// ranks so that no rank enters a collective that another rank skipped.
+//
+// all_to_all_v and start_all_reduce are compared with the MPI backend on the same Views
+// (the View API over NCCL needs a CUDA Kokkos: with a host-only one they skip).
 //
 // Tolerances: the data are multiples of 1/8 below 16, so gathers, broadcasts, shifts and
 // all-to-all are compared exactly and sums of up to 8 ranks are exact in float; the mean
@@ -20,14 +24,18 @@
 #include <Kokkos_Core.hpp>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/comm/backends/nccl_communicator.hpp"
 #include "framework/comm/mesh_communicators.hpp"
 #include "partition/mesh.hpp"
+#include "tests/comm/comm_test_util.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain::testing {
@@ -56,6 +64,7 @@ const GpuPlan& gpu_plan() {
     int local_ranks = 1;
     MPI_Comm_size(node, &local_ranks);
     MPI_Comm_free(&node);
+    if (std::getenv("NCCL_HOSTID")) local_ranks = 1;  // every rank a host of its own to NCCL
     const int has_device = devices > 0 ? 1 : 0;
     const int has_own_gpu = devices >= local_ranks ? 1 : 0;
     int all_have_device = 0, any_has_device = 0, all_have_own_gpu = 0;
@@ -82,6 +91,13 @@ const GpuPlan& gpu_plan() {
     const GpuPlan& plan_ = gpu_plan();         \
     if (!plan_.run) GTEST_SKIP() << plan_.why; \
   } while (0)
+
+// The View operations hand NCCL the Views' pointers: Kokkos' memory must be on the GPU.
+constexpr bool kKokkosOnDevice =
+    !std::is_same<Kokkos::DefaultExecutionSpace::memory_space, Kokkos::HostSpace>::value;
+constexpr const char* kKokkosOnHost =
+    "host-only Kokkos: the View operations over NCCL need CUDA memory "
+    "(ViewApiNeedsDeviceMemory checks the error)";
 
 void cuda_ok(cudaError_t code, const char* what) {
   if (code != cudaSuccess) {
@@ -262,6 +278,104 @@ TEST(NcclBackend, AllToAllMatchesMpi) {
   comm.all_to_all_device(send.get(), recv.get(), block);
   expect_equal(recv.download(), want, "all_to_all");
   comm.barrier();
+}
+
+// all_to_all_v (the MoE layer's token exchange: NCCL grouped send/recv) with a different
+// number of rows between every pair of ranks (tests/comm/comm_test_util.hpp), in fp32 and on
+// 16-bit wires: the rows received equal the MPI backend's from the same send View, and what
+// their sender packed (rounded to the wire's type).
+TEST(NcclBackend, AllToAllVMatchesMpi) {
+  MESHTRAIN_REQUIRE_GPU_PER_RANK();
+  if (!kKokkosOnDevice) GTEST_SKIP() << kKokkosOnHost;
+  NcclCommunicator nccl = world_nccl();
+  MpiCommunicator mpi = MpiCommunicator::duplicate(MPI_COMM_WORLD, "world");
+  const int n = nccl.size(), me = nccl.rank();
+  const std::size_t cols = 5;
+  for (int salt = 0; salt <= 4; ++salt) {
+    const RaggedRound round = ragged_round(n, me, salt, cols, 0);
+    const DeviceMatrix send = to_device(round.send, "send");
+    for (const auto& [wire, wire_name] : kWireTypes) {
+      const std::string where = std::string("all_to_all_v round ") + std::to_string(salt) + " " +
+                                wire_name + " on rank " + std::to_string(me);
+      DeviceMatrix over_nccl("over_nccl", round.recv_total, cols);
+      DeviceMatrix over_mpi("over_mpi", round.recv_total, cols);
+      nccl.all_to_all_v(send, round.send_rows, over_nccl, round.recv_rows, wire);
+      mpi.all_to_all_v(send, round.send_rows, over_mpi, round.recv_rows, wire);
+      const HostMatrix got = to_host(over_nccl), want = to_host(over_mpi);
+      expect_ragged_rows(got, round, me, wire, where);
+      for (std::size_t k = 0; k < got.size(); ++k)
+        ASSERT_EQ(got.data()[k], want.data()[k]) << "element " << k << " against MPI, " << where;
+    }
+  }
+}
+
+// count floats of rank `rank`, multiples of 1/2 in [0, 8): exact in bf16 and fp16, and so
+// are their sums over up to 8 ranks in any order, so every backend and wire gives one result.
+std::vector<float> wire_exact_data(int rank, std::size_t count, int salt) {
+  std::vector<float> v(count);
+  for (std::size_t k = 0; k < count; ++k)
+    v[k] = static_cast<float>((static_cast<std::size_t>(rank + 1) * 7 + k * 3 +
+                               static_cast<std::size_t>(salt)) %
+                              16) /
+           2.0f;
+  return v;
+}
+Vector device_vector(const std::vector<float>& host) {
+  Vector v("device_vector", host.size());
+  Kokkos::deep_copy(v, Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
+                           host.data(), host.size()));
+  return v;
+}
+std::vector<float> host_vector(const Vector& v) {
+  std::vector<float> host(v.extent(0));
+  Kokkos::deep_copy(Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
+                        host.data(), host.size()),
+                    v);
+  return host;
+}
+
+// start_all_reduce (the DP gradient buckets under runtime.overlap): three in flight at once, a
+// blocking all-reduce on the same communicator between them, completed out of order, in fp32
+// and on 16-bit wires: each equals the MPI backend's started all-reduce of the same data and
+// the sum over every rank's data.
+TEST(NcclBackend, StartedAllReduceMatchesMpi) {
+  MESHTRAIN_REQUIRE_GPU_PER_RANK();
+  if (!kKokkosOnDevice) GTEST_SKIP() << kKokkosOnHost;
+  NcclCommunicator nccl = world_nccl();
+  MpiCommunicator mpi = MpiCommunicator::duplicate(MPI_COMM_WORLD, "world");
+  const int n = nccl.size();
+  const std::size_t counts[3] = {7, 1, 4099};
+  for (const auto& [wire, wire_name] : kWireTypes) {
+    Vector over_nccl[3], over_mpi[3];
+    Request started[3];
+    Vector ones = device_vector(std::vector<float>(4, 1.0f));
+    for (int b = 0; b < 3; ++b) {
+      over_nccl[b] = device_vector(wire_exact_data(nccl.rank(), counts[b], b));
+      over_mpi[b] = device_vector(wire_exact_data(nccl.rank(), counts[b], b));
+      started[b] = nccl.start_all_reduce(over_nccl[b], wire);
+      if (b == 0) nccl.all_reduce(VectorView(ones));  // a blocking one while it is in flight
+    }
+    EXPECT_EQ(host_vector(ones)[3], static_cast<float>(n)) << wire_name;
+    while (!started[2].test()) {
+    }
+    EXPECT_FALSE(started[2].pending());
+    started[0].wait();
+    started[1].wait();
+    for (int b = 0; b < 3; ++b) {
+      mpi.start_all_reduce(over_mpi[b], wire).wait();
+      std::vector<float> sum(counts[b], 0.0f);
+      for (int j = 0; j < n; ++j) {
+        const std::vector<float> theirs = wire_exact_data(j, counts[b], b);
+        for (std::size_t k = 0; k < sum.size(); ++k) sum[k] += theirs[k];
+      }
+      const std::string what =
+          std::string("started all_reduce ") + std::to_string(b) + " " + wire_name;
+      expect_equal(host_vector(over_nccl[b]), host_vector(over_mpi[b]), what + " against MPI");
+      expect_equal(host_vector(over_nccl[b]), sum, what + " against the sum");
+    }
+  }
+  // An empty buffer completes at once.
+  nccl.start_all_reduce(VectorView()).wait();
 }
 
 TEST(NcclBackend, ViewApiNeedsDeviceMemory) {
