@@ -21,3 +21,7 @@ meshtrain_add_test(NAME comm_failure_agreement_test SOURCES comm/failure_agreeme
 # communication backend choice.
 meshtrain_add_test(NAME comm_runtime_test SOURCES comm/runtime_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 TIMEOUT 60)
+# The free list of the communicators' started operations and 16-bit buffers: best fit by
+# capacity (framework/comm/slot_pool.hpp).
+meshtrain_add_test(NAME comm_slot_pool_test SOURCES comm/slot_pool_test.cpp
+                   LIBS meshtrain_framework)
