@@ -98,14 +98,33 @@ if(MESHTRAIN_KOKKOS_CUDA)
   # its place in Kokkos' link interface (so it follows libkokkoscore on the link line) and
   # resolves those functions from the driver when first called
   # (framework/core/backends/cuda_driver.cpp). cudart, cuBLAS and NCCL dlopen the driver.
-  add_library(meshtrain_cuda_driver STATIC
-              ${PROJECT_SOURCE_DIR}/framework/core/backends/cuda_driver.cpp)
-  target_link_libraries(meshtrain_cuda_driver PRIVATE CUDA::toolkit ${CMAKE_DL_LIBS})
-  if(TARGET Kokkos::CUDA)
-    get_target_property(_kokkos_cuda_links Kokkos::CUDA INTERFACE_LINK_LIBRARIES)
-    if(_kokkos_cuda_links)
-      list(TRANSFORM _kokkos_cuda_links REPLACE "^CUDA::cuda_driver$" meshtrain_cuda_driver)
-      set_target_properties(Kokkos::CUDA PROPERTIES INTERFACE_LINK_LIBRARIES "${_kokkos_cuda_links}")
+  #
+  # That works only with a static libkokkoscore.a, whose references the executable resolves.
+  # A shared libkokkoscore.so was itself linked against libcuda.so.1 (it is listed as NEEDED
+  # in the library, which no link line of ours can remove), so the executables need the
+  # driver to start whatever is done here. Checked here rather than found on a login node:
+  # a shared Kokkos keeps CUDA::cuda_driver (which also resolves the library's references
+  # at link time) and the configure says what is lost and how to get it back.
+  # MESHTRAIN_STARTS_WITHOUT_DRIVER records the outcome (scripts/gpu-check checks it).
+  get_target_property(_kokkos_core_type Kokkos::kokkoscore TYPE)
+  if(_kokkos_core_type STREQUAL "SHARED_LIBRARY")
+    set(MESHTRAIN_STARTS_WITHOUT_DRIVER OFF CACHE INTERNAL "")
+    message(WARNING "meshtrain: Kokkos' core library is shared (libkokkoscore.so), and it needs "
+                    "the NVIDIA driver's libcuda.so.1 to load: the executables of this build will "
+                    "not start on a machine without the driver (a login node running `meshtrain "
+                    "plan` or `inspect`). To keep them starting there, build Kokkos with "
+                    "-DBUILD_SHARED_LIBS=OFF (docs/gpu.md, \"Building for a GPU\").")
+  else()
+    set(MESHTRAIN_STARTS_WITHOUT_DRIVER ON CACHE INTERNAL "")
+    add_library(meshtrain_cuda_driver STATIC
+                ${PROJECT_SOURCE_DIR}/framework/core/backends/cuda_driver.cpp)
+    target_link_libraries(meshtrain_cuda_driver PRIVATE CUDA::toolkit ${CMAKE_DL_LIBS})
+    if(TARGET Kokkos::CUDA)
+      get_target_property(_kokkos_cuda_links Kokkos::CUDA INTERFACE_LINK_LIBRARIES)
+      if(_kokkos_cuda_links)
+        list(TRANSFORM _kokkos_cuda_links REPLACE "^CUDA::cuda_driver$" meshtrain_cuda_driver)
+        set_target_properties(Kokkos::CUDA PROPERTIES INTERFACE_LINK_LIBRARIES "${_kokkos_cuda_links}")
+      endif()
     endif()
   endif()
 endif()

@@ -26,3 +26,14 @@ meshtrain_add_test(NAME comm_failure_agreement_test SOURCES comm/failure_agreeme
 # communication backend choice.
 meshtrain_add_test(NAME comm_runtime_test SOURCES comm/runtime_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 TIMEOUT 60)
+# The free list of the communicators' started operations and 16-bit buffers: best fit by
+# capacity (framework/comm/slot_pool.hpp).
+meshtrain_add_test(NAME comm_slot_pool_test SOURCES comm/slot_pool_test.cpp
+                   LIBS meshtrain_framework)
+# NCCL ordering (framework/comm/backends/nccl_state.hpp, rule 7): the communicators of a device
+# share one stream, and started and blocking operations of two groups interleaved as in the
+# overlapped step complete. Runs in a CUDA build with a GPU per rank; skipped otherwise.
+if(MESHTRAIN_HAVE_NCCL)
+  meshtrain_add_test(NAME comm_nccl_ordering_test SOURCES comm/nccl_ordering_test.cpp
+                     LIBS meshtrain_framework NP 1 2 TIMEOUT 120 BACKENDS nccl)
+endif()

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "framework/comm/slot_pool.hpp"
 #include "framework/core/kernel_label.hpp"
 
 namespace meshtrain {
@@ -42,10 +43,11 @@ struct Request::WireSlot {
   std::size_t count = 0;
   Dtype dtype = Dtype::bf16;
   std::shared_ptr<WirePool> pool;  // set while in use: the pool outlives a pending Request
-  WireSlot* next_free = nullptr;
+
+  SlotCapacity capacity() const { return {send.extent(0), recv.extent(0)}; }  // elements
 };
 
-// Every slot ever made (owned here) and the free ones as an intrusive list.
+// The slots (slot_pool.hpp: best fit by their buffers' sizes).
 //
 // 16-bit buffers of an operation that failed are retired, never reused or freed while the
 // pool lives: the backend may have given up on a request that still reads or writes them
@@ -54,8 +56,7 @@ struct Request::WireSlot {
 // to `retired`, and the next operation allocates new ones. Only failures pay for this; the
 // communicator is unusable after a timeout anyway.
 struct Request::WirePool {
-  std::vector<std::unique_ptr<WireSlot>> slots;
-  WireSlot* free = nullptr;
+  SlotPool<WireSlot> slots;
   std::vector<HalfBits> retired;
 };
 
@@ -82,8 +83,7 @@ void Request::drop_wire() noexcept {
   WireSlot* slot = wire_;
   wire_ = nullptr;
   std::shared_ptr<WirePool> keep = std::move(slot->pool);  // last: may destroy the pool
-  slot->next_free = keep->free;
-  keep->free = slot;
+  keep->slots.release(*slot);
 }
 
 void Request::finish() noexcept {
@@ -266,42 +266,15 @@ uint16_t* Communicator::wire_recv(std::size_t count) {
   return grown(wire_recv_, count);
 }
 
-// The free slot for an operation of `send_count` and `recv_count` 16-bit elements: the
-// smallest whose buffers already hold both (best fit); else the largest, grown; else a new
-// one. Not the last one freed: requests complete in an order that varies from step to step
-// (DP gradient buckets of several sizes are in flight together and complete as they are
-// polled), and a slot taken in that order would be grown again and again by whichever
-// larger operation came to it, allocating inside steady-state steps. By best fit, the same
-// operations as before find the slots they grew before.
+// A free slot (best fit, slot_pool.hpp) with its buffers grown to `send_count` and
+// `recv_count` 16-bit elements.
 Request::WireSlot& Communicator::acquire_wire_slot(std::size_t send_count, std::size_t recv_count) {
-  Request::WirePool& pool = *wire_pool_;
-  const auto capacity = [](const Request::WireSlot* s) {
-    return s->send.extent(0) + s->recv.extent(0);
-  };
-  Request::WireSlot** best = nullptr;     // the link to the best fitting free slot
-  Request::WireSlot** largest = nullptr;  // the link to the largest free slot
-  for (Request::WireSlot** link = &pool.free; *link != nullptr; link = &(*link)->next_free) {
-    const Request::WireSlot* s = *link;
-    if (s->send.extent(0) >= send_count && s->recv.extent(0) >= recv_count &&
-        (best == nullptr || capacity(s) < capacity(*best))) {
-      best = link;
-    }
-    if (largest == nullptr || capacity(s) > capacity(*largest)) largest = link;
-  }
-  Request::WireSlot** chosen = best != nullptr ? best : largest;
-  Request::WireSlot* slot = nullptr;
-  if (chosen != nullptr) {
-    slot = *chosen;
-    *chosen = slot->next_free;  // unlinked from the free list
-  } else {
-    pool.slots.push_back(std::make_unique<Request::WireSlot>());
-    slot = pool.slots.back().get();
-  }
-  slot->next_free = nullptr;
-  slot->pool = wire_pool_;
-  grown(slot->send, send_count);
-  grown(slot->recv, recv_count);
-  return *slot;
+  Request::WireSlot& slot = wire_pool_->slots.acquire(
+      {send_count, recv_count}, [] { return std::make_unique<Request::WireSlot>(); });
+  slot.pool = wire_pool_;
+  grown(slot.send, send_count);
+  grown(slot.recv, recv_count);
+  return slot;
 }
 
 // A blocking 16-bit operation: `send_count` floats packed to `wire` elements, `move`

@@ -10,6 +10,7 @@
 
 #include "framework/comm/backends/host_staging.hpp"
 #include "framework/comm/mpi_util.hpp"
+#include "framework/comm/slot_pool.hpp"
 #include "framework/core/precision.hpp"
 
 namespace meshtrain {
@@ -25,12 +26,10 @@ struct MpiCommunicator::State {
   // Requests given up on after a timeout. They cannot be freed (MPI forbids freeing a
   // collective's request), so they are kept and tested once more when the state goes.
   std::vector<MPI_Request> abandoned;
-  // The pool of started operations (shifts, all-gathers, all-reduces): every slot ever made
-  // (owned here), and the free ones as an intrusive list. A slot in use holds a reference
-  // to this state, so the state (and the slot) outlive the communicator while a Request is
-  // pending.
-  std::vector<std::unique_ptr<MpiRequestSlot>> request_slots;
-  MpiRequestSlot* free_request_slots = nullptr;
+  // The pool of started operations (shifts, all-gathers, all-reduces), best fit by their
+  // host staging (slot_pool.hpp). A slot in use holds a reference to this state, so the
+  // state (and the slot) outlive the communicator while a Request is pending.
+  SlotPool<MpiRequestSlot> request_slots;
   // Host copies for the blocking operations when Kokkos' memory is device memory.
   HostStaging staging;
   // MPI_Ialltoallv's int send counts, send displacements, receive counts and receive
@@ -127,18 +126,10 @@ class MpiRequestSlot final : public Request::Impl {
     bytes_ = bytes;
     return staging_.receive_buffer(recv, bytes, copy_in);
   }
-  // Whether this slot's staging already holds an operation of these sizes (always true
-  // without staging), and what it holds (for the pool's best fit).
-  bool fits(std::size_t send_bytes, std::size_t recv_bytes) const {
-    return !HostStaging::kStages ||
-           (staging_.send_capacity() >= send_bytes && staging_.receive_capacity() >= recv_bytes);
-  }
-  std::size_t staged_bytes() const {
-    return staging_.send_capacity() + staging_.receive_capacity();
-  }
+  // What this slot's staging holds, in bytes (for the pool's best fit; 0 without staging).
+  SlotCapacity capacity() const { return {staging_.send_capacity(), staging_.receive_capacity()}; }
   MPI_Request& receive() { return requests_[0]; }
   MPI_Request& send() { return requests_[1]; }
-  MpiRequestSlot*& next_free() { return next_free_; }
 
   bool test() override {
     const bool done = wait_all_until(owner_, requests_, 2, 0.0, op_);
@@ -163,8 +154,7 @@ class MpiRequestSlot final : public Request::Impl {
       }
       r = MPI_REQUEST_NULL;
     }
-    next_free_ = owner_.free_request_slots;
-    owner_.free_request_slots = this;
+    owner_.request_slots.release(*this);
     // Last: when this was the last reference to the state, the state (and this slot) go.
     std::shared_ptr<MpiCommunicator::State> keep = std::move(state_);
   }
@@ -178,7 +168,6 @@ class MpiRequestSlot final : public Request::Impl {
   std::size_t bytes_ = 0;
   double timeout_ = 0.0;
   const char* op_ = "shift";
-  MpiRequestSlot* next_free_ = nullptr;
 };
 
 int rank_of(MPI_Comm comm) {
@@ -242,38 +231,17 @@ char* bytes(void* data) {
 // shifts in the same order, which the Communicator contract requires.)
 constexpr int kShiftTagBase = 1000;
 
-// A free slot of the pool, readied for one operation moving `send_bytes` and `recv_bytes`;
-// a new slot only when all are in flight. With host staging, the free slot whose buffers fit
-// best (the smallest that holds the operation, else the largest, which grows): operations of
-// different sizes completing in varying order (DP buckets) then find buffers of their size
-// after the first step instead of growing them again.
+// A free slot of the pool (best fit by its host staging, slot_pool.hpp; without staging
+// the slot freed last), readied for one operation moving `send_bytes` and `recv_bytes`.
 MpiRequestSlot& acquire_request_slot(const std::shared_ptr<MpiCommunicator::State>& state,
                                      double timeout, const char* op, std::size_t send_bytes,
                                      std::size_t recv_bytes) {
-  MpiRequestSlot** best = nullptr;
-  for (MpiRequestSlot** at = &state->free_request_slots; *at != nullptr; at = &(*at)->next_free()) {
-    if (best == nullptr) {
-      best = at;
-      if (!HostStaging::kStages) break;
-      continue;
-    }
-    const bool fits = (*at)->fits(send_bytes, recv_bytes);
-    const bool best_fits = (*best)->fits(send_bytes, recv_bytes);
-    const std::size_t size = (*at)->staged_bytes(), best_size = (*best)->staged_bytes();
-    if ((fits && (!best_fits || size < best_size)) || (!fits && !best_fits && size > best_size)) {
-      best = at;
-    }
-  }
-  MpiRequestSlot* slot = best != nullptr ? *best : nullptr;
-  if (slot != nullptr) {
-    *best = slot->next_free();
-  } else {
-    state->request_slots.push_back(std::make_unique<MpiRequestSlot>(*state));
-    slot = state->request_slots.back().get();
-  }
-  slot->next_free() = nullptr;
-  slot->start(state, timeout, op);
-  return *slot;
+  const SlotCapacity need =
+      HostStaging::kStages ? SlotCapacity{send_bytes, recv_bytes} : SlotCapacity{};
+  MpiRequestSlot& slot =
+      state->request_slots.acquire(need, [&] { return std::make_unique<MpiRequestSlot>(*state); });
+  slot.start(state, timeout, op);
+  return slot;
 }
 
 }  // namespace

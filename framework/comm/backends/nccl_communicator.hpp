@@ -4,13 +4,14 @@
 //
 // One NcclCommunicator is one NCCL communicator over the ranks of an MPI group, on the
 // CUDA device that is current when it is built (select_cuda_device picks one per local
-// rank), with a CUDA stream of its own. Every operation is enqueued on that stream and
-// then polled (cudaStreamQuery / cudaEventQuery and ncclCommGetAsyncError) until it
-// completes or timeout_seconds() pass; on a timeout or an asynchronous NCCL error the
-// NCCL communicator is aborted (ncclCommAbort) and an Error naming the operation and the
-// group is thrown; every later operation on it throws. The communicator is created in
-// NCCL's non-blocking mode, so its set-up and every NCCL call are bounded by the same
-// deadline instead of hanging on a rank that never joins.
+// rank). Every operation is enqueued on the NCCL stream of that device (one CUDA stream
+// shared by all NCCL communicators of the process) and then polled (cudaStreamQuery /
+// cudaEventQuery and ncclCommGetAsyncError) until it completes or timeout_seconds() pass;
+// on a timeout or an asynchronous NCCL error the NCCL communicator is aborted
+// (ncclCommAbort) and an Error naming the operation and the group is thrown; every later
+// operation on it throws. The communicator is created in NCCL's non-blocking mode, so its
+// set-up and every NCCL call are bounded by the same deadline instead of hanging on a rank
+// that never joins.
 //
 // Memory: NCCL moves device memory only. The View operations of Communicator pass
 // their Views' pointers straight to NCCL, so they work when Kokkos' default memory space
@@ -20,12 +21,16 @@
 // behind the caller's back. Code that owns CUDA buffers calls the *_device functions
 // below with device pointers; they work with any Kokkos.
 //
-// Ordering (the rules are at the top of nccl_communicator.cpp): an operation starts after
+// Ordering (the rules are at the top of nccl_state.hpp): an operation starts after
 // the kernels already queued on Kokkos' stream (a CUDA event, no fence: operations other
 // communicators have started keep running) and, since the stream is a blocking CUDA
 // stream, after work already queued on the legacy default stream. A Request's completion
 // (wait() or a true test()) also orders Kokkos' stream after the transfer. Work on other
 // non-blocking streams that writes a send buffer must be synchronized by the caller.
+// Operations of all communicators of a device run one after another on the shared NCCL
+// stream, in the order this process issued them: NCCL's kernels of two groups are never in
+// flight together, which NCCL documents as a deadlock risk; every rank of a group must issue
+// the group's operations in the same order (the SPMD program does), as with MPI.
 
 #include <cuda_runtime_api.h>
 #include <mpi.h>
@@ -77,7 +82,9 @@ class NcclCommunicator final : public Communicator {
   ~NcclCommunicator() override;
 
   int device() const;           // the CUDA device of this communicator
-  cudaStream_t stream() const;  // the stream every operation runs on (owned)
+  // The stream every operation runs on: the NCCL stream of device(), shared by every NCCL
+  // communicator of the process on that device (not owned by this one).
+  cudaStream_t stream() const;
 
   // --- device-buffer operations: the same semantics as the View operations of the same
   // name on flat buffers, for pointers to CUDA device (or managed) memory of device().
@@ -92,8 +99,9 @@ class NcclCommunicator final : public Communicator {
   // send and recv hold size() blocks of count_per_rank floats each.
   void all_to_all_device(const float* send, float* recv, std::size_t count_per_rank);
 
-  // Shared with pending shift requests: comm, stream, device, broken flag, and the pool of
-  // shift requests and their events (reused, so shifts allocate nothing in steady state).
+  // Shared with pending requests: comm, stream, device, broken flag, and the pool of started
+  // operations and their events (reused, so they allocate nothing in steady state).
+  // Defined in nccl_state.hpp.
   struct State;
 
  protected:
