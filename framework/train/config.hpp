@@ -1,8 +1,8 @@
 #pragma once
 // A run, as described by a TOML file (docs/design.md, "Configuration (TOML)"). Plain data:
 // load_config() parses and checks every key, so the rest of the program can trust these values.
-// Every named option is an enum of framework/core/choices.hpp, read from its name once, here.
-// The reader is config_reader.cpp, the --set overrides config_overrides.cpp, the writer
+// Every named option is an enum of framework/core/choices.hpp, read from its name once, by the
+// reader. The reader is config_reader.cpp, the --set overrides config_overrides.cpp, the writer
 // (config_to_toml) config_writer.cpp, the checks of a config made in code config_check.cpp.
 
 #include <cstdint>
