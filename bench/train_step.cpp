@@ -49,9 +49,9 @@
 #include <vector>
 
 #include "framework/comm/exit_policy.hpp"
+#include "framework/comm/runtime.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
-#include "framework/comm/runtime.hpp"
 #include "framework/train/hardware_file.hpp"
 #include "partition/cost_model.hpp"
 #include "run/training_run.hpp"
@@ -320,16 +320,17 @@ int main(int argc, char** argv) {
     }
     config.mesh.source = "--mode " + mode;
     config.model.sizes = sizes;
-    config.model.loss = "cross_entropy";
+    config.model.loss = meshtrain::LossKind::cross_entropy;
     config.partition.preset = mode == "zero1" || mode == "ep" ? "dp" : mode;
     config.optimizer.zero_stage = mode == "zero1" ? 1 : 0;
     config.partition.min_sharding_size = 0;  // every tensor that divides is sharded
-    config.partition.collective_matmul = algorithm;
+    config.partition.collective_matmul =
+        meshtrain::parse_collective_matmul_algorithm(algorithm, "--algorithm");
     config.data.batch_size = batch;
     config.data.shuffle = meshtrain::ShuffleMode::none;
     config.train.steps = warmup + steps;
-    config.runtime.backend = backend;
-    config.runtime.matmul_precision = precision;
+    config.runtime.backend = meshtrain::parse_comm_backend(backend, "--backend");
+    config.runtime.matmul_precision = meshtrain::parse_matmul_precision(precision, "--precision");
     const meshtrain::HardwareProfile profile = hardware.empty()
                                                    ? meshtrain::default_hardware_profile()
                                                    : meshtrain::read_hardware_profile(hardware);
@@ -484,16 +485,15 @@ int main(int argc, char** argv) {
       line["kokkos_allocations_in_timed_steps"] = kokkos_allocations;
       line["heap_allocations_in_timed_steps"] = heap_allocations;
       // The cost model's prediction for the same plan (partition/cost_model.hpp).
-      const meshtrain::StepCost predicted =
-          meshtrain::predict_step(plan, meshtrain::plan_options(config), profile,
-                                  meshtrain::parse_collective_matmul_algorithm(algorithm));
+      const meshtrain::StepCost predicted = meshtrain::predict_step(
+          plan, meshtrain::plan_options(config), profile, config.partition.collective_matmul);
       line["hardware"] = profile.source;
       line["predicted_step_time_s"] = predicted.total_s;
       line["predicted_over_measured"] = predicted.total_s / step_time;
       if (!hardware_cpu.empty()) {
         const meshtrain::StepCost on_cpu = meshtrain::predict_step(
             plan, meshtrain::plan_options(config), meshtrain::read_hardware_profile(hardware_cpu),
-            meshtrain::parse_collective_matmul_algorithm(algorithm));
+            config.partition.collective_matmul);
         line["predicted_cpu_s"] = on_cpu.total_s;
         line["predicted_cpu_over_measured_cpu"] = on_cpu.total_s / step_cpu_time;
       }

@@ -128,11 +128,7 @@ MoeLayout decide_moe_layout(const std::string& layer, const LinearParameter& rou
     }
   }
   l.ep = mesh.size_of(l.expert_axes);
-  if (l.experts % l.ep != 0) {
-    MESHTRAIN_BAD_INPUT("model.experts = ", l.experts, " does not divide by the ", l.ep,
-                        " ranks of the expert axes ", tuple_text(l.expert_axes), " (layer '", layer,
-                        "')");
-  }
+  if (l.experts % l.ep != 0) fail_experts_do_not_divide(l.experts, l.ep, l.expert_axes, layer);
   l.experts_local = l.experts / l.ep;
 
   std::vector<std::string> expert_batch;  // batch axes that do not split the experts
@@ -154,6 +150,13 @@ MoeLayout decide_moe_layout(const std::string& layer, const LinearParameter& rou
                       " rank computes the whole MoE layer");
   }
   return l;
+}
+
+void fail_experts_do_not_divide(int64_t experts, int ranks, const std::vector<std::string>& axes,
+                                const std::string& layer, const std::string& parameter) {
+  MESHTRAIN_BAD_INPUT("model.experts = ", experts, " does not divide by the ", ranks,
+                      " ranks of the expert axes ", tuple_text(axes), " (layer '", layer, "'",
+                      parameter.empty() ? "" : ", parameter '" + parameter + "'", ")");
 }
 
 int64_t moe_dispatch_capacity(const MoeLayout& l, int64_t rows) {

@@ -99,6 +99,14 @@ MoeLayout decide_moe_layout(const std::string& layer, const LinearParameter& rou
                             const LinearParameter& experts_bias, int64_t top_k, const Mesh& mesh,
                             const LayerAxes& axes, FeatureLayout input_layout);
 
+// The one error for model.experts that do not divide by the `ranks` of the expert axes `axes`
+// (active) of MoE layer `layer` ("layers/1"), from decide_moe_layout and from the planner,
+// which also names the `parameter` it was placing.
+[[noreturn]] void fail_experts_do_not_divide(int64_t experts, int ranks,
+                                             const std::vector<std::string>& axes,
+                                             const std::string& layer,
+                                             const std::string& parameter = "");
+
 // The most (row, expert) pairs one rank can receive in a dispatch: each of the ep group's
 // members sends at most min(top_k, experts_local) of each of its `rows` rows here (a row's
 // experts are distinct). The layer's dispatch buffers hold this many rows.

@@ -169,7 +169,7 @@ void plan_layers(ShardingPlan& plan, const std::vector<LinearLayerParameters>& l
 }
 
 // An MoE layer's experts (dim 0 of its experts' weight or bias) that do not divide by the
-// axes splitting them: the error decide_moe_layout gives, named after the config's key.
+// axes splitting them: decide_moe_layout's error, naming the parameter too.
 void check_experts_divide(const ParameterPlan& p, int dim, const Mesh& mesh,
                           const std::vector<LinearLayerParameters>& layers) {
   if (dim != 0) return;
@@ -179,10 +179,8 @@ void check_experts_divide(const ParameterPlan& p, int dim, const Mesh& mesh,
     for (const auto& a : p.spec.entries[0].axes) {
       if (mesh.axis_size(a) > 1) axes.push_back(a);
     }
-    const std::string layer = moe_layer_name(l.router);
-    MESHTRAIN_BAD_INPUT("model.experts = ", p.shape[0], " does not divide by the ",
-                        mesh.size_of(p.spec.entries[0].axes), " ranks of the expert axes (",
-                        join(axes), ") (layer '", layer, "', parameter '", p.name, "')");
+    fail_experts_do_not_divide(p.shape[0], mesh.size_of(p.spec.entries[0].axes), axes,
+                               moe_layer_name(l.router), p.name);
   }
 }
 

@@ -13,13 +13,13 @@
 #include <limits>
 #include <utility>
 
+#include "base/error.hpp"
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/train/resume.hpp"
-#include "base/error.hpp"
 #include "partition/zero1.hpp"
 
 namespace meshtrain {
@@ -60,7 +60,7 @@ std::optional<std::string> broadcast_from_rank0(const std::optional<std::string>
 
 OptimizerSettings optimizer_settings(const OptimizerSection& section) {
   OptimizerSettings settings;
-  settings.kind = parse_optimizer_kind(section.kind);
+  settings.kind = section.kind;
   settings.momentum = static_cast<float>(section.momentum);
   settings.beta1 = static_cast<float>(section.betas.first);
   settings.beta2 = static_cast<float>(section.betas.second);
@@ -105,7 +105,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   on_every_rank(comm_, [&] {
     check_config(config_);
     backend_ = resolve_comm_backend(config_.runtime.backend);
-    set_matmul_precision(parse_matmul_precision(config_.runtime.matmul_precision));
+    set_matmul_precision(config_.runtime.matmul_precision);
     mesh_ = config_.mesh.resolve(world_size);
     const std::vector<int64_t>& sizes = config_.model.sizes;
     const MoeSettings moe = config_.model.moe();
@@ -137,11 +137,11 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
       test_source_ = open_data_source(config_.data, Split::test, seed, sizes.front(), sizes.back());
     }
     const DataShape& train = train_source_->shape();
-    if (config_.model.loss == "auto") {
-      config_.model.loss = train.classification() ? "cross_entropy" : "mse";
+    if (!config_.model.loss) {
+      config_.model.loss = train.classification() ? LossKind::cross_entropy : LossKind::mse;
     }
-    check_loss_fits_data(config_.model.loss, config_.data, train);
-    check_loss_fits_data(config_.model.loss, config_.data, test_source_->shape());
+    check_loss_fits_data(*config_.model.loss, config_.data, train);
+    check_loss_fits_data(*config_.model.loss, config_.data, test_source_->shape());
     if (accumulation_ > 1 && global_batch * accumulation_ > train.num_samples) {
       MESHTRAIN_BAD_INPUT(config_.file, ": train.accumulation_steps = ", accumulation_,
                           " x data.batch_size = ", global_batch, " is more than the ",
@@ -164,16 +164,16 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
       std::make_unique<MeshCommunicators>(*mesh_, comm_, prepare_comm_backend(backend_, comm_));
   world_ = &comms_->get(all_axes(*mesh_));
   context_.emplace(*comms_, layer_axes_.batch, layer_axes_.feature,
-                   parse_collective_matmul_algorithm(config_.partition.collective_matmul),
-                   config_.runtime.overlap, config_.runtime.bucket_mb);
+                   config_.partition.collective_matmul, config_.runtime.overlap,
+                   config_.runtime.bucket_mb);
   const MixedPrecision precision = config_.mixed_precision.policy();
   context_->set_precision(precision);
   const MoeSettings moe = config_.model.moe();
-  model_ = std::make_unique<Mlp>(sizes, parse_activation(config_.model.activation),
-                                 specs_from_plan(*plan_), *context_, slice_.rows, moe);
-  model_->initialize(parse_init_scheme(config_.model.init), config_.run.seed);
-  loss_ = std::make_unique<Loss>(parse_loss_kind(config_.model.loss), *context_, slice_.rows,
-                                 sizes.back(), model_->output_layout());
+  model_ = std::make_unique<Mlp>(sizes, config_.model.activation, specs_from_plan(*plan_),
+                                 *context_, slice_.rows, moe);
+  model_->initialize(config_.model.init, config_.run.seed);
+  loss_ = std::make_unique<Loss>(*config_.model.loss, *context_, slice_.rows, sizes.back(),
+                                 model_->output_layout());
   if (config_.optimizer.zero_stage == 1 && mesh_->has_axis(kZeroAxis) &&
       mesh_->size_of({kZeroAxis}) > 1) {
     // ZeRO-1: the gradients a layer leaves partial (DP storage, reduce = false) are
@@ -187,8 +187,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
       std::make_unique<Optimizer>(optimizer_settings(config_.optimizer), updated_parameters());
   clipper_ = std::make_unique<GradientClipper>(*mesh_, rank_, updated_gradients());
   const OptimizerSection& opt = config_.optimizer;
-  lr_schedule_ = LrSchedule{parse_lr_schedule(opt.schedule), opt.lr, opt.min_lr, opt.warmup_steps,
-                            total_steps_};
+  lr_schedule_ = LrSchedule{opt.schedule, opt.lr, opt.min_lr, opt.warmup_steps, total_steps_};
   lr_ = static_cast<float>(lr_schedule_.at(0));
   if (accumulation_ > 1) {
     for (const ShardedTensor& g : model_->gradients()) {
@@ -200,8 +199,8 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   if (eval_slice_.rows != slice_.rows) {
     // A forward-only copy of the model for the evaluation batch: it shares the training
     // model's parameters (and gradients, never written), so only activations are its own.
-    eval_model_ = std::make_unique<Mlp>(sizes, parse_activation(config_.model.activation),
-                                        specs_from_plan(*plan_), *context_, eval_slice_.rows, moe);
+    eval_model_ = std::make_unique<Mlp>(sizes, config_.model.activation, specs_from_plan(*plan_),
+                                        *context_, eval_slice_.rows, moe);
     eval_model_->parameters() = model_->parameters();
     eval_model_->gradients() = model_->gradients();
     eval_loss_ = std::make_unique<Loss>(loss_->kind(), *context_, eval_slice_.rows, sizes.back(),

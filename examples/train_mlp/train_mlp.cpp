@@ -28,18 +28,18 @@ int main(int argc, char** argv) {
   config.mesh.axes = {{"fsdp", -1}};
   // The model: 16 inputs, two hidden layers, 4 outputs (regression on synthetic data).
   config.model.sizes = {16, 64, 32, 4};
-  config.model.activation = "tanh";
+  config.model.activation = meshtrain::Activation::tanh;
   // Partition rules: a regex on the parameter name and a spec per dimension; the first
   // rule whose regex is found in the name wins.
   config.partition.rules = {
       {"layers/[0-9]+/weight", meshtrain::PartitionSpec::parse("P(fsdp, None)")},
       {"bias$", meshtrain::PartitionSpec::parse("P()")},
   };
-  config.partition.min_sharding_size = 0;  // shard even these small weights
-  config.data.source = "synthetic";        // a regression set made from the seed
+  config.partition.min_sharding_size = 0;                 // shard even these small weights
+  config.data.source = meshtrain::DataSource::synthetic;  // a regression set made from the seed
   config.data.synthetic_samples = 512;
   config.data.batch_size = 32;
-  config.optimizer.kind = "adamw";
+  config.optimizer.kind = meshtrain::OptimizerKind::adamw;
   config.optimizer.lr = 3e-3;
   config.train.steps = 40;
   config.train.log_every = 10;

@@ -24,6 +24,11 @@ const char* name_of(const ChoiceTable<Enum>& table, Enum value) {
 
 }  // namespace
 
+const ChoiceTable<ModelKind>& model_kind_choices() {
+  static const ChoiceTable<ModelKind> table = {{"mlp", ModelKind::mlp}};
+  return table;
+}
+
 const ChoiceTable<Activation>& activation_choices() {
   static const ChoiceTable<Activation> table = {{"relu", Activation::relu},
                                                 {"tanh", Activation::tanh},
@@ -87,6 +92,19 @@ const ChoiceTable<Dtype>& dtype_choices() {
   return table;
 }
 
+const ChoiceTable<DataSource>& data_source_choices() {
+  static const ChoiceTable<DataSource> table = {{"fashion_mnist", DataSource::fashion_mnist},
+                                                {"synthetic", DataSource::synthetic},
+                                                {"hdf5", DataSource::hdf5}};
+  return table;
+}
+
+const ChoiceTable<ShuffleMode>& shuffle_mode_choices() {
+  static const ChoiceTable<ShuffleMode> table = {
+      {"none", ShuffleMode::none}, {"rows", ShuffleMode::rows}, {"blocks", ShuffleMode::blocks}};
+  return table;
+}
+
 Activation parse_activation(const std::string& name, const std::string& key) {
   return parse(activation_choices(), name, key);
 }
@@ -119,6 +137,9 @@ Dtype parse_dtype(const std::string& name, const std::string& key) {
   return parse(dtype_choices(), name, key);
 }
 
+const char* to_string(ModelKind value) {
+  return name_of(model_kind_choices(), value);
+}
 const char* to_string(Activation value) {
   return name_of(activation_choices(), value);
 }
@@ -146,6 +167,13 @@ const char* to_string(MatmulPrecision value) {
 
 const char* to_string(Dtype value) {
   return name_of(dtype_choices(), value);
+}
+
+const char* to_string(DataSource value) {
+  return name_of(data_source_choices(), value);
+}
+const char* to_string(ShuffleMode value) {
+  return name_of(shuffle_mode_choices(), value);
 }
 
 }  // namespace meshtrain

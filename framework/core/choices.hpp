@@ -4,6 +4,7 @@
 // value (parse_*) reads the same table, so the two cannot disagree.
 //
 // clang-format off
+//   model.kind                    ModelKind                  mlp
 //   model.activation              Activation                 relu | tanh | gelu | none
 //   model.init                    InitScheme                 he_normal | xavier_uniform | normal | zeros
 //   model.loss                    LossKind                   cross_entropy | mse (config: also auto)
@@ -12,6 +13,8 @@
 //   partition.collective_matmul   CollectiveMatmulAlgorithm  naive | ring | bidirectional | auto
 //   runtime.backend               CommBackendChoice          auto | mpi | nccl
 //   runtime.matmul_precision      MatmulPrecision            fp32 | tf32
+//   data.source                   DataSource                 fashion_mnist | synthetic | hdf5
+//   data.shuffle                  ShuffleMode                none | rows | blocks (config: false | true | "blocks")
 //   mixed_precision.param_dtype   Dtype                      fp32 | bf16 | fp16
 //   mixed_precision.reduce_dtype  Dtype                      fp32 | bf16 | fp16
 // clang-format on
@@ -20,11 +23,12 @@
 #include <utility>
 #include <vector>
 
+#include "base/dtype.hpp"                             // Dtype
 #include "partition/collective_matmul_algorithm.hpp"  // CollectiveMatmulAlgorithm
-#include "base/dtype.hpp"                        // Dtype
 
 namespace meshtrain {
 
+enum class ModelKind { mlp };
 enum class Activation { relu, tanh, gelu, none };  // none: the identity
 enum class InitScheme { he_normal, xavier_uniform, normal, zeros };
 enum class LossKind { cross_entropy, mse };
@@ -33,10 +37,15 @@ enum class LrScheduleKind { constant, linear, cosine };
 enum class CommBackendChoice { automatic, mpi, nccl };
 // How float GEMMs may round (see framework/core/gemm.hpp).
 enum class MatmulPrecision { fp32, tf32 };
+enum class DataSource { fashion_mnist, synthetic, hdf5 };
+// The order of an epoch's rows (framework/io/data_order.hpp): as stored, shuffled rows, or
+// shuffled blocks of rows.
+enum class ShuffleMode { none, rows, blocks };
 
 // The names of each enum's values, in declaration order.
 template <class Enum>
 using ChoiceTable = std::vector<std::pair<std::string, Enum>>;
+const ChoiceTable<ModelKind>& model_kind_choices();
 const ChoiceTable<Activation>& activation_choices();
 const ChoiceTable<InitScheme>& init_scheme_choices();
 const ChoiceTable<LossKind>& loss_kind_choices();
@@ -46,6 +55,8 @@ const ChoiceTable<LrScheduleKind>& lr_schedule_choices();
 const ChoiceTable<CommBackendChoice>& comm_backend_choices();
 const ChoiceTable<MatmulPrecision>& matmul_precision_choices();
 const ChoiceTable<Dtype>& dtype_choices();
+const ChoiceTable<DataSource>& data_source_choices();
+const ChoiceTable<ShuffleMode>& shuffle_mode_choices();
 
 // The names of a table, for the config reader's "must be one of" and for messages.
 template <class Enum>
@@ -72,6 +83,7 @@ MatmulPrecision parse_matmul_precision(const std::string& name,
 Dtype parse_dtype(const std::string& name, const std::string& key);
 
 // Value -> name.
+const char* to_string(ModelKind value);
 const char* to_string(Activation value);
 const char* to_string(InitScheme value);
 const char* to_string(LossKind value);
@@ -81,5 +93,7 @@ const char* to_string(LrScheduleKind value);
 const char* to_string(CommBackendChoice value);
 const char* to_string(MatmulPrecision value);
 const char* to_string(Dtype value);
+const char* to_string(DataSource value);
+const char* to_string(ShuffleMode value);
 
 }  // namespace meshtrain

@@ -198,13 +198,13 @@ void check_data_fits_model(const DataShape& d, int64_t input_width, int64_t outp
 std::unique_ptr<RowSource> open_data_source(const DataSection& data, Split split, uint64_t seed,
                                             int64_t input_width, int64_t output_width) {
   std::unique_ptr<RowSource> source;
-  if (data.source == "fashion_mnist") {
+  if (data.source == DataSource::fashion_mnist) {
     const std::string dir = data.path.empty() ? default_fashion_mnist_dir() : data.path.front();
     source = make_memory_source(load_fashion_mnist(dir, split));
-  } else if (data.source == "synthetic") {
+  } else if (data.source == DataSource::synthetic) {
     source = make_memory_source(
         make_synthetic(data.synthetic_samples, input_width, output_width, seed, split));
-  } else if (data.source == "hdf5") {
+  } else {
     const std::vector<std::string>& entries = split == Split::train ? data.path : data.test_path;
     const char* key = split == Split::train ? "data.path" : "data.test_path";
     if (split == Split::train && entries.empty()) {
@@ -221,9 +221,6 @@ std::unique_ptr<RowSource> open_data_source(const DataSection& data, Split split
     options.random_rows = data.shuffle != ShuffleMode::none;
     options.block_rows = data.shuffle == ShuffleMode::blocks ? data.block_rows : 0;
     source = open_hdf5_source(expand_data_paths(entries, key), output_width, options);
-  } else {
-    MESHTRAIN_BAD_INPUT("data.source = \"", data.source,
-                        "\" is not one of fashion_mnist, synthetic, hdf5");
   }
   check_data_fits_model(source->shape(), input_width, output_width);
   return source;
@@ -234,38 +231,38 @@ Dataset load_dataset(const DataSection& data, Split split, uint64_t seed, int64_
   return read_all(*open_data_source(data, split, seed, input_width, output_width));
 }
 
-void check_loss_fits_data(const std::string& loss, const DataSection& data,
-                          const DataShape& split) {
+void check_loss_fits_data(LossKind loss, const DataSection& data, const DataShape& split) {
   if (split.num_samples == 0) return;
-  const bool wants_labels = loss == "cross_entropy";
+  const bool wants_labels = loss == LossKind::cross_entropy;
   if (wants_labels == split.classification()) return;
   const std::string targets =
       split.classification() ? std::to_string(split.num_classes) + " class labels"
                              : "regression targets of width " + std::to_string(split.target_width);
-  MESHTRAIN_BAD_INPUT(
-      "model.loss = \"", loss, "\" needs ", wants_labels ? "class labels" : "regression targets",
-      ", but data.source = \"", data.source, "\" gives ", targets, " (the ", split.description,
-      "): set model.loss = \"", wants_labels ? "mse" : "cross_entropy", "\"");
+  MESHTRAIN_BAD_INPUT("model.loss = \"", to_string(loss), "\" needs ",
+                      wants_labels ? "class labels" : "regression targets",
+                      ", but data.source = \"", to_string(data.source), "\" gives ", targets,
+                      " (the ", split.description, "): set model.loss = \"",
+                      wants_labels ? "mse" : "cross_entropy", "\"");
 }
 
 // ---------------------------------------------------------------------------------------
 // What the plan counts
 
-DataFootprint data_footprint(const RunConfig& config, int64_t rows, int64_t eval_rows) {
-  const DataSection& data = config.data;
-  const int64_t features = config.model.sizes.front();
-  const int64_t outputs = config.model.sizes.back();
-  const bool labels = config.model.loss == "cross_entropy";
+DataFootprint data_footprint(const DataSection& data, const DataUse& use, int64_t rows,
+                             int64_t eval_rows) {
+  const int64_t features = use.features;
+  const int64_t outputs = use.outputs;
+  const bool labels = use.labels;
   const int64_t target_bytes = labels ? 4 : 4 * outputs;
   DataFootprint f;
-  f.read.rows = rows * config.train.accumulation_steps;
-  f.read.global_rows = data.batch_size * config.train.accumulation_steps;
+  f.read.rows = rows * use.accumulation_steps;
+  f.read.global_rows = data.batch_size * use.accumulation_steps;
   f.read.block_rows = data.block_rows;
   f.read.prefetch = data.prefetch;
   const int64_t slots = std::max<int64_t>(data.prefetch, 1);
   const int64_t slot_row = 4 * features + target_bytes + 8;  // x, target, sample index
   f.staging_bytes = slots * (rows + eval_rows) * slot_row;
-  if (data.source == "hdf5") {
+  if (data.source == DataSource::hdf5) {
     f.source = "streamed from HDF5";
     f.read.row_bytes = 4 * features + target_bytes;
     f.read.pattern = data.shuffle == ShuffleMode::none   ? ReadPattern::sequential
@@ -279,7 +276,7 @@ DataFootprint data_footprint(const RunConfig& config, int64_t rows, int64_t eval
   }
   f.source = "in memory";
   f.read.pattern = ReadPattern::memory;
-  if (data.source == "fashion_mnist") {
+  if (data.source == DataSource::fashion_mnist) {
     f.read.row_bytes = 784 + 4;  // pixels as bytes, an int32 label
     f.source_bytes = (60000 + 10000) * f.read.row_bytes;
   } else {

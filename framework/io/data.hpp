@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "framework/io/data_config.hpp"
 #include "framework/io/data_order.hpp"
-#include "framework/train/config.hpp"
 #include "partition/cost_model.hpp"
 #include "partition/mesh.hpp"
 
@@ -156,11 +156,11 @@ void check_data_fits_model(const DataShape& shape, int64_t input_width, int64_t 
 // labels, mse regression targets. A mismatch is a bad_input Error naming model.loss and
 // data.source, found at set-up rather than as a shape error at the first step. An empty
 // split (no test file) has no targets and passes.
-void check_loss_fits_data(const std::string& loss, const DataSection& data, const DataShape& split);
+void check_loss_fits_data(LossKind loss, const DataSection& data, const DataShape& split);
 
 // What the data path costs one rank, from the config alone (no file is opened): what
 // `meshtrain plan` reports. `rows` / `eval_rows`: this rank's rows of a (micro-)batch and
-// of an evaluation batch; model.loss (resolved) tells labels from targets.
+// of an evaluation batch.
 struct DataFootprint {
   std::string source;         // "in memory" or "streamed from HDF5"
   int64_t source_bytes = 0;   // rows in memory, or a stream's scratch (train and test)
@@ -168,7 +168,16 @@ struct DataFootprint {
   int64_t staging_bytes = 0;  // the staging slots of the train and evaluation streams
   DataRead read;              // one optimizer step's reads (for the cost model)
 };
-DataFootprint data_footprint(const RunConfig& config, int64_t rows, int64_t eval_rows);
+// The model's side of the data path: model.sizes' first and last widths, whether model.loss
+// (resolved) reads class labels rather than targets, train.accumulation_steps.
+struct DataUse {
+  int64_t features = 0;
+  int64_t outputs = 0;
+  bool labels = false;
+  int64_t accumulation_steps = 1;
+};
+DataFootprint data_footprint(const DataSection& data, const DataUse& use, int64_t rows,
+                             int64_t eval_rows);
 
 // Which rows of every global batch this rank reads. The batch is split over the batch
 // axes (the mesh axes of the logical axis `batch`, e.g. {"fsdp", "dp"}); the rank's index

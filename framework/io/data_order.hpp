@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <string>
 
-#include "framework/train/config.hpp"
+#include "framework/core/choices.hpp"  // ShuffleMode
 
 namespace meshtrain {
 

@@ -1,6 +1,9 @@
 #pragma once
 // A run, as described by a TOML file (docs/design.md, "Configuration (TOML)"). Plain data:
 // load_config() parses and checks every key, so the rest of the program can trust these values.
+// Every named option is an enum of framework/core/choices.hpp, read from its name once, by the
+// reader. The reader is config_reader.cpp, the --set overrides config_overrides.cpp, the writer
+// (config_to_toml) config_writer.cpp, the checks of a config made in code config_check.cpp.
 
 #include <cstdint>
 #include <map>
@@ -10,6 +13,8 @@
 #include <vector>
 
 #include "base/dtype.hpp"
+#include "framework/core/choices.hpp"
+#include "framework/io/data_config.hpp"
 #include "partition/mesh.hpp"
 #include "partition/partition_spec.hpp"
 #include "partition/planner.hpp"
@@ -34,11 +39,13 @@ struct MeshSection {
 };
 
 struct ModelSection {
-  std::string kind = "mlp";
-  std::vector<int64_t> sizes;       // [in, hidden..., out], at least two, all positive
-  std::string activation = "relu";  // relu | tanh | gelu | none
-  std::string init = "he_normal";   // he_normal | xavier_uniform | normal | zeros
-  std::string loss = "auto";        // auto | cross_entropy | mse (auto: mse for synthetic)
+  ModelKind kind = ModelKind::mlp;
+  std::vector<int64_t> sizes;  // [in, hidden..., out], at least two, all positive
+  Activation activation = Activation::relu;
+  InitScheme init = InitScheme::he_normal;
+  // Unset: "auto" in TOML, resolved by load_config to mse for synthetic data and to
+  // cross_entropy otherwise; a run made in code resolves it from the data it loads.
+  std::optional<LossKind> loss;
   // Mixture of experts (layers/moe.hpp): the layers (indices into the n-1 layers, each
   // followed by an activation, so not the last) that are MoE layers, their experts, the
   // experts per row and the load-balancing loss's coefficient.
@@ -59,40 +66,22 @@ struct PartitionSection {
   int64_t min_sharding_size = 16384;     // the reference's default
   std::vector<PartitionRuleText> rules;  // tried before the preset's rules
   std::map<std::string, std::vector<std::string>> logical_axes;  // overrides
-  std::string collective_matmul = "auto";  // naive | ring | bidirectional | auto
+  CollectiveMatmulAlgorithm collective_matmul = CollectiveMatmulAlgorithm::automatic;
 };
 
-// The order of an epoch's rows (framework/io/data_order.hpp): data.shuffle = false | true |
-// "blocks".
-enum class ShuffleMode { none, rows, blocks };
-
-struct DataSection {
-  std::string source = "fashion_mnist";  // fashion_mnist | synthetic | hdf5
-  // fashion_mnist: one directory of IDX files; hdf5: the training files (each entry a file
-  // or a glob, expanded and sorted at set-up; the shards form one dataset in this order).
-  std::vector<std::string> path;
-  std::vector<std::string> test_path;  // hdf5: test files, as path (optional)
-  int64_t batch_size = 128;            // global, of one micro-batch (see train.accumulation_steps)
-  // Global rows of one evaluation batch; unset: data.batch_size. The batch axes must divide it.
-  std::optional<int64_t> eval_batch_size;
-  ShuffleMode shuffle = ShuffleMode::rows;
-  int64_t block_rows = 1024;   // shuffle = "blocks": rows of one contiguous block
-  int64_t shuffle_window = 8;  // shuffle = "blocks": blocks whose rows are shuffled together
-  int64_t prefetch = 2;        // batches read ahead by a background thread; 0: read in the step
-  int64_t synthetic_samples = 4096;
-};
+// DataSection ([data]): framework/io/data_config.hpp.
 
 struct OptimizerSection {
-  std::string kind = "adamw";  // sgd | adamw
+  OptimizerKind kind = OptimizerKind::adamw;
   double lr = 1e-3;
   double momentum = 0.9;
   std::pair<double, double> betas = {0.9, 0.999};
   double eps = 1e-8;
   double weight_decay = 0.0;
   double clip_norm = 0.0;  // global-norm clipping; 0 = off
-  // The rate of each step (framework/train/lr_schedule.hpp): constant | linear | cosine,
+  // The rate of each step (framework/train/lr_schedule.hpp): constant, linear or cosine,
   // after warmup_steps of linear warm-up; linear and cosine decay from lr to min_lr.
-  std::string schedule = "constant";
+  LrScheduleKind schedule = LrScheduleKind::constant;
   int64_t warmup_steps = 0;
   double min_lr = 0.0;
   // 0: every dp replica keeps the whole optimizer state; 1 (ZeRO-1): the state and the
@@ -122,10 +111,10 @@ struct CheckpointSection {
 };
 
 struct RuntimeSection {
-  // Who moves tensors between ranks: mpi | nccl | auto (nccl when the build has CUDA Kokkos
-  // and NCCL, mpi otherwise). MPI stays the control plane either way.
-  std::string backend = "auto";
-  std::string matmul_precision = "fp32";  // fp32 | tf32 (cuBLAS only; see core/gemm.hpp)
+  // Who moves tensors between ranks: mpi, nccl or automatic (nccl when the build has CUDA
+  // Kokkos and NCCL, mpi otherwise). MPI stays the control plane either way.
+  CommBackendChoice backend = CommBackendChoice::automatic;
+  MatmulPrecision matmul_precision = MatmulPrecision::fp32;  // tf32: cuBLAS only (core/gemm.hpp)
   // Start communication early and let it run under computation: FSDP gathers the next
   // layer's weight while the current one computes; DP all-reduces its gradients in buckets
   // started while backward continues (layers/mlp.hpp).
@@ -173,7 +162,7 @@ RunConfig parse_config(const std::string& text, const std::string& file,
 // in its checkpoints, as a run from a file stores that file's text.
 std::string config_to_toml(const RunConfig& config);
 
-// After loading, model.loss is never "auto": it is resolved to mse for synthetic data and to
+// After loading, model.loss is set: "auto" is resolved to mse for synthetic data and to
 // cross_entropy otherwise. model.sizes has at least two entries and train has at most one
 // of epochs and steps (planning needs neither; training_steps() asks for one). An override
 // of train.steps drops the file's train.epochs (and the other way round) unless both are
@@ -185,9 +174,9 @@ std::string config_to_toml(const RunConfig& config);
 int64_t training_steps(const RunConfig& config, int64_t steps_per_epoch);
 
 // The checks load_config makes, for a RunConfig filled in code (the C++ API): every value
-// in range, every option a known name (framework/core/choices.hpp), exactly one of
-// train.epochs and train.steps, every partition rule's regex compiles and its spec names
-// known mesh axes. Empty run.output_dir and checkpoint.dir get load_config's defaults
+// in range, at most one of train.epochs and train.steps, every partition rule's regex compiles and
+// its spec names known mesh axes. Empty run.output_dir and checkpoint.dir get load_config's
+// defaults
 // ("runs/<run.name>", "<output_dir>/checkpoints"). Throws bad_input naming the key
 // ("<config.file>: model.sizes ..."; config.file defaults to "the run config").
 void check_config(RunConfig& config);
@@ -195,6 +184,17 @@ void check_config(RunConfig& config);
 // weight's bytes, a shuffle window's bytes): bad_input naming both keys when one overflows
 // 64-bit integers. Part of check_config and of load_config / parse_config.
 void check_config_products(const RunConfig& config);
+
+// What is wrong with the MoE keys of [model] (moe_layers, experts, top_k, aux_loss_coef),
+// against model.sizes: the key, the moe_layers entry it is about (when it is one) and the
+// words that follow the key ("entry 2 is not a hidden layer: ..."). The one check of these
+// keys: the TOML reader reports it at the key's line, check_config after "model.".
+struct ModelKeyProblem {
+  std::string key;
+  std::optional<size_t> entry;  // index into model.moe_layers
+  std::string message;
+};
+std::optional<ModelKeyProblem> moe_settings_problem(const ModelSection& model);
 
 // The rules of a run: the user's [partition] rules first (replicate_if_indivisible=false),
 // then the preset's rules (if any). No rules and no preset: bad_input naming [partition]

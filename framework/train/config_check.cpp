@@ -1,14 +1,16 @@
 // check_config: the value checks of load_config for a RunConfig made in code. The TOML
-// reader (config.cpp) checks the same values as it reads them, naming the line.
+// reader (config_reader.cpp) checks the same values as it reads them, naming the line; the
+// checks both make (moe_settings_problem) live here. The options are enums: a config made
+// in code cannot name an unknown one.
 
 #include <cmath>
 #include <regex>
+#include <sstream>
 #include <string>
 
-#include "framework/core/choices.hpp"
-#include "framework/train/config.hpp"
 #include "base/error.hpp"
 #include "base/text.hpp"
+#include "framework/train/config.hpp"
 
 namespace meshtrain {
 namespace {
@@ -21,6 +23,41 @@ bool contains(const std::vector<std::string>& items, const std::string& item) {
 }
 
 }  // namespace
+
+std::optional<ModelKeyProblem> moe_settings_problem(const ModelSection& model) {
+  const auto problem = [](std::string key, std::optional<size_t> entry, const auto&... parts) {
+    std::ostringstream message;
+    (message << ... << parts);
+    return ModelKeyProblem{std::move(key), entry, message.str()};
+  };
+  const int64_t hidden = static_cast<int64_t>(model.sizes.size()) - 2;  // layers 0 .. hidden-1
+  std::string sizes;  // as toml++ writes the array: "[ 784, 512, 10 ]"
+  for (int64_t size : model.sizes) sizes += (sizes.empty() ? "[ " : ", ") + std::to_string(size);
+  sizes += " ]";
+  for (size_t i = 0; i < model.moe_layers.size(); ++i) {
+    const int64_t layer = model.moe_layers[i];
+    if (layer < 0 || layer >= hidden) {
+      return problem("moe_layers", i, "entry ", layer,
+                     " is not a hidden layer: the layers followed by an activation are ",
+                     hidden > 0 ? "0 to " + std::to_string(hidden - 1) : std::string("none"),
+                     " for sizes ", sizes);
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (model.moe_layers[j] == layer)
+        return problem("moe_layers", i, "lists layer ", layer, " twice");
+    }
+  }
+  if (model.experts < 1) return problem("experts", {}, "must be at least 1, got ", model.experts);
+  if (model.top_k < 1) return problem("top_k", {}, "must be at least 1, got ", model.top_k);
+  if (model.top_k > model.experts || model.top_k > 16) {
+    return problem("top_k", {}, "= ", model.top_k, " must not exceed experts = ", model.experts,
+                   " (nor 16)");
+  }
+  if (!(model.aux_loss_coef >= 0) || !std::isfinite(model.aux_loss_coef)) {
+    return problem("aux_loss_coef", {}, "must be non-negative, got ", model.aux_loss_coef);
+  }
+  return std::nullopt;
+}
 
 void check_config_products(const RunConfig& config) {
   const std::string& where = config.file.empty() ? std::string("the run config") : config.file;
@@ -63,14 +100,6 @@ void check_config(RunConfig& config) {
   auto fail = [&](const std::string& key, const auto&... parts) {
     MESHTRAIN_BAD_INPUT(where, ": ", key, " ", parts...);
   };
-  // An option name the tables of choices.hpp do not know ("model.activation = 'x' ...").
-  auto check_option = [&](const auto& parse) {
-    try {
-      parse();
-    } catch (const Error& e) {
-      MESHTRAIN_BAD_INPUT(where, ": ", e.what());
-    }
-  };
 
   if (config.run.name.empty()) fail("run.name", "must not be empty");
   if (!(config.run.peak_tflops >= 0) || !std::isfinite(config.run.peak_tflops)) {
@@ -79,7 +108,6 @@ void check_config(RunConfig& config) {
   if (config.run.output_dir.empty()) config.run.output_dir = "runs/" + config.run.name;
   if (config.checkpoint.dir.empty()) config.checkpoint.dir = config.run.output_dir + "/checkpoints";
 
-  if (config.model.kind != "mlp") fail("model.kind", "must be mlp, got '", config.model.kind, "'");
   if (config.model.sizes.size() < 2) {
     fail("model.sizes", "needs at least 2 entries (input and output width), got ",
          config.model.sizes.size());
@@ -90,37 +118,14 @@ void check_config(RunConfig& config) {
            " at index ", i);
     }
   }
-  const ModelSection& model = config.model;
-  const int64_t layers = static_cast<int64_t>(model.sizes.size()) - 1;
-  for (size_t i = 0; i < model.moe_layers.size(); ++i) {
-    const int64_t layer = model.moe_layers[i];
-    const std::string key = "model.moe_layers[" + std::to_string(i) + "]";
-    if (layer < 0 || layer >= layers - 1) {
-      fail(key, "= ", layer, " is not a hidden layer: with ", model.sizes.size(),
-           " sizes the layers followed by an activation are 0 to ", layers - 2,
-           (layers < 2 ? " (none: add a hidden size)" : ""));
-    }
-    for (size_t j = 0; j < i; ++j) {
-      if (model.moe_layers[j] == layer) fail(key, "= ", layer, " is listed twice");
-    }
+  if (const std::optional<ModelKeyProblem> problem = moe_settings_problem(config.model)) {
+    fail("model." + problem->key, problem->message);
   }
-  if (model.experts < 1) fail("model.experts", "must be at least 1, got ", model.experts);
-  if (model.top_k < 1 || model.top_k > model.experts || model.top_k > 16) {
-    fail("model.top_k", "= ", model.top_k, " must be between 1 and model.experts = ", model.experts,
-         " (and at most 16)");
-  }
-  if (!(model.aux_loss_coef >= 0) || !std::isfinite(model.aux_loss_coef)) {
-    fail("model.aux_loss_coef", "must be a non-negative number, got ", model.aux_loss_coef);
-  }
-  check_option([&] { parse_activation(config.model.activation); });
-  check_option([&] { parse_init_scheme(config.model.init); });
-  if (config.model.loss != "auto") check_option([&] { parse_loss_kind(config.model.loss); });
 
   if (config.partition.min_sharding_size < 0) {
     fail("partition.min_sharding_size", "must be non-negative, got ",
          config.partition.min_sharding_size);
   }
-  check_option([&] { parse_collective_matmul_algorithm(config.partition.collective_matmul); });
   for (size_t i = 0; i < config.partition.rules.size(); ++i) {
     const PartitionRuleText& rule = config.partition.rules[i];
     try {
@@ -141,10 +146,6 @@ void check_config(RunConfig& config) {
     }
   }
 
-  const std::string& source = config.data.source;
-  if (source != "fashion_mnist" && source != "synthetic" && source != "hdf5") {
-    fail("data.source", "must be one of fashion_mnist | synthetic | hdf5, got '", source, "'");
-  }
   if (config.data.batch_size < 1) fail("data.batch_size", "must be at least 1");
   if (config.data.eval_batch_size && *config.data.eval_batch_size < 1) {
     fail("data.eval_batch_size", "must be at least 1, got ", *config.data.eval_batch_size);
@@ -153,12 +154,11 @@ void check_config(RunConfig& config) {
   if (config.data.block_rows < 1) fail("data.block_rows", "must be at least 1");
   if (config.data.shuffle_window < 1) fail("data.shuffle_window", "must be at least 1");
   if (config.data.prefetch < 0) fail("data.prefetch", "must be non-negative (0: no reader thread)");
-  if (source == "fashion_mnist" && config.data.path.size() > 1) {
+  if (config.data.source == DataSource::fashion_mnist && config.data.path.size() > 1) {
     fail("data.path", "must be one directory when data.source = \"fashion_mnist\"");
   }
 
   const OptimizerSection& opt = config.optimizer;
-  check_option([&] { parse_optimizer_kind(opt.kind); });
   if (!(opt.lr > 0) || !std::isfinite(opt.lr))
     fail("optimizer.lr", "must be positive, got ", opt.lr);
   if (!(opt.momentum >= 0 && opt.momentum < 1)) {
@@ -173,7 +173,6 @@ void check_config(RunConfig& config) {
   }
   if (!(opt.clip_norm >= 0))
     fail("optimizer.clip_norm", "must be non-negative, got ", opt.clip_norm);
-  check_option([&] { parse_lr_schedule(opt.schedule); });
   if (opt.warmup_steps < 0) fail("optimizer.warmup_steps", "must be non-negative");
   if (!(opt.min_lr >= 0 && opt.min_lr <= opt.lr)) {
     fail("optimizer.min_lr", "must be in [0, optimizer.lr = ", opt.lr, "], got ", opt.min_lr);
@@ -196,8 +195,6 @@ void check_config(RunConfig& config) {
 
   if (config.checkpoint.every_steps < 0) fail("checkpoint.every_steps", "must be non-negative");
   if (config.checkpoint.keep < 1) fail("checkpoint.keep", "must be at least 1");
-  check_option([&] { parse_comm_backend(config.runtime.backend); });
-  check_option([&] { parse_matmul_precision(config.runtime.matmul_precision); });
   if (!(config.runtime.bucket_mb > 0) || !std::isfinite(config.runtime.bucket_mb)) {
     fail("runtime.bucket_mb", "must be a positive number of MiB, got ", config.runtime.bucket_mb);
   }

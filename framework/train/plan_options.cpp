@@ -2,13 +2,12 @@
 // config.cpp because it asks the optimizer (a Kokkos header) which slots it allocates, and
 // config.cpp, the TOML reader, is compiled by the host compiler alone in CUDA builds.
 
-#include "framework/core/choices.hpp"
+#include "base/error.hpp"
+#include "base/text.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/optimizer.hpp"
-#include "base/error.hpp"
 #include "partition/linear_layout.hpp"
 #include "partition/logical_axes.hpp"
-#include "base/text.hpp"
 
 namespace meshtrain {
 
@@ -35,7 +34,7 @@ PlanOptions plan_options(const RunConfig& config) {
   options.bytes_per_element = 4;
   // The slots the optimizer allocates, from the one function that decides them.
   OptimizerSettings settings;
-  settings.kind = parse_optimizer_kind(config.optimizer.kind);
+  settings.kind = config.optimizer.kind;
   settings.momentum = static_cast<float>(config.optimizer.momentum);
   options.optimizer_slots = static_cast<int>(optimizer_slot_names(settings).size());
   options.zero_stage = static_cast<int>(config.optimizer.zero_stage);

@@ -5,13 +5,13 @@
 #include <optional>
 #include <sstream>
 
+#include "base/error.hpp"
+#include "base/text.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
 #include "framework/train/config.hpp"
-#include "base/error.hpp"
 #include "partition/sharding_picture.hpp"
-#include "base/text.hpp"
 
 namespace meshtrain {
 
@@ -550,10 +550,11 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   const int64_t shards =
       plan.local_batch_rows > 0 ? config.data.batch_size / plan.local_batch_rows : 0;
   const int64_t eval_rows = shards > 0 && eval_batch % shards == 0 ? eval_batch / shards : 0;
+  const DataUse use{config.model.sizes.front(), config.model.sizes.back(),
+                    config.model.loss == LossKind::cross_entropy, config.train.accumulation_steps};
   const DataFootprint data =
-      data_footprint(config, std::max<int64_t>(plan.local_batch_rows, 0), eval_rows);
-  const CollectiveMatmulAlgorithm algorithm =
-      parse_collective_matmul_algorithm(config.partition.collective_matmul);
+      data_footprint(config.data, use, std::max<int64_t>(plan.local_batch_rows, 0), eval_rows);
+  const CollectiveMatmulAlgorithm algorithm = config.partition.collective_matmul;
   std::optional<StepCost> cost;
   std::vector<ScalingRow> scaling;
   if (plan.local_batch_rows > 0) {

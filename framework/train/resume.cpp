@@ -2,8 +2,8 @@
 
 #include <string>
 
-#include "framework/io/data.hpp"
 #include "base/error.hpp"
+#include "framework/io/data.hpp"
 #include "partition/partition_spec.hpp"
 
 namespace meshtrain {
@@ -23,6 +23,9 @@ std::string value_text(uint64_t value) {
 }
 std::string value_text(const std::vector<int64_t>& value) {
   return format_shape(value);
+}
+std::string value_text(DataSource value) {
+  return value_text(std::string(to_string(value)));
 }
 std::string value_text(ShuffleMode value) {
   return value == ShuffleMode::blocks ? "\"blocks\""
@@ -49,7 +52,8 @@ void require_same(const char* key, const T& saved, const T& now, const Checkpoin
 
 // What the data is read from: fashion_mnist's default directory when data.path is empty.
 std::vector<std::string> data_path(const DataSection& data) {
-  if (data.source == "fashion_mnist" && data.path.empty()) return {default_fashion_mnist_dir()};
+  if (data.source == DataSource::fashion_mnist && data.path.empty())
+    return {default_fashion_mnist_dir()};
   return data.path;
 }
 
@@ -72,7 +76,7 @@ void check_resume_compatible(const RunConfig& config, const CheckpointInfo& save
   const char* other_data = "would train on other data";
   require_same("data.source", was.source, is.source, saved, config, other_data);
   require_same("data.path", data_path(was), data_path(is), saved, config, other_data);
-  if (is.source == "synthetic") {
+  if (is.source == DataSource::synthetic) {
     require_same("data.synthetic_samples", was.synthetic_samples, is.synthetic_samples, saved,
                  config, other_data);
   }

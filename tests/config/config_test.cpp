@@ -112,11 +112,11 @@ TEST(Config, ReadsEveryKey) {
       {"dp", 2}, {"fsdp", -1}, {"ep", 1}, {"tp", 4}, {"sp", 1}};
   EXPECT_EQ(c.mesh.axes, axes);
   EXPECT_EQ(c.mesh.resolve(16).axis_size("fsdp"), 2);
-  EXPECT_EQ(c.model.kind, "mlp");
+  EXPECT_EQ(c.model.kind, ModelKind::mlp);
   EXPECT_EQ(c.model.sizes, (std::vector<int64_t>{10, 20, 5}));
-  EXPECT_EQ(c.model.activation, "gelu");
-  EXPECT_EQ(c.model.init, "xavier_uniform");
-  EXPECT_EQ(c.model.loss, "mse");
+  EXPECT_EQ(c.model.activation, Activation::gelu);
+  EXPECT_EQ(c.model.init, InitScheme::xavier_uniform);
+  EXPECT_EQ(c.model.loss, LossKind::mse);
   EXPECT_EQ(c.partition.preset, "fsdp_tp");
   EXPECT_EQ(c.partition.min_sharding_size, 7);
   ASSERT_EQ(c.partition.rules.size(), 4u);
@@ -127,14 +127,14 @@ TEST(Config, ReadsEveryKey) {
   EXPECT_EQ(c.partition.rules[3].spec, PartitionSpec::parse("P(tp, None)"));
   EXPECT_EQ(c.partition.logical_axes.at("batch"), (std::vector<std::string>{"fsdp", "dp"}));
   EXPECT_EQ(c.partition.logical_axes.at("hidden"), (std::vector<std::string>{"tp"}));
-  EXPECT_EQ(c.partition.collective_matmul, "ring");
-  EXPECT_EQ(c.data.source, "hdf5");
+  EXPECT_EQ(c.partition.collective_matmul, CollectiveMatmulAlgorithm::ring);
+  EXPECT_EQ(c.data.source, DataSource::hdf5);
   EXPECT_EQ(c.data.path, std::vector<std::string>{"train.h5"});
   EXPECT_EQ(c.data.test_path, std::vector<std::string>{"test.h5"});
   EXPECT_EQ(c.data.batch_size, 64);
   EXPECT_EQ(c.data.shuffle, ShuffleMode::none);
   EXPECT_EQ(c.data.synthetic_samples, 100);
-  EXPECT_EQ(c.optimizer.kind, "sgd");
+  EXPECT_EQ(c.optimizer.kind, OptimizerKind::sgd);
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 0.5);
   EXPECT_DOUBLE_EQ(c.optimizer.momentum, 0.8);
   EXPECT_DOUBLE_EQ(c.optimizer.betas.first, 0.5);
@@ -142,7 +142,7 @@ TEST(Config, ReadsEveryKey) {
   EXPECT_DOUBLE_EQ(c.optimizer.eps, 1e-6);
   EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, 0.01);
   EXPECT_DOUBLE_EQ(c.optimizer.clip_norm, 1.0);
-  EXPECT_EQ(c.optimizer.schedule, "cosine");
+  EXPECT_EQ(c.optimizer.schedule, LrScheduleKind::cosine);
   EXPECT_EQ(c.optimizer.warmup_steps, 4);
   EXPECT_DOUBLE_EQ(c.optimizer.min_lr, 0.05);
   EXPECT_EQ(c.train.accumulation_steps, 3);
@@ -157,8 +157,8 @@ TEST(Config, ReadsEveryKey) {
   EXPECT_TRUE(c.checkpoint.resume);
   EXPECT_EQ(c.checkpoint.dir, "ckpt");
   EXPECT_FALSE(c.checkpoint.async);
-  EXPECT_EQ(c.runtime.backend, "mpi");
-  EXPECT_EQ(c.runtime.matmul_precision, "tf32");
+  EXPECT_EQ(c.runtime.backend, CommBackendChoice::mpi);
+  EXPECT_EQ(c.runtime.matmul_precision, MatmulPrecision::tf32);
   EXPECT_TRUE(c.runtime.overlap);
   EXPECT_EQ(c.runtime.bucket_mb, 4.5);
 
@@ -218,7 +218,8 @@ TEST(Config, ConfigToTomlReadsBackTheSameValues) {
   EXPECT_EQ(b.train.accumulation_steps, a.train.accumulation_steps);
   EXPECT_EQ(b.data.eval_batch_size, a.data.eval_batch_size);
   EXPECT_EQ(b.run.peak_tflops, a.run.peak_tflops);
-  EXPECT_EQ(a.optimizer.schedule, "cosine");  // the round trip is of non-default values
+  EXPECT_EQ(a.optimizer.schedule,
+            LrScheduleKind::cosine);  // the round trip is of non-default values
   EXPECT_EQ(a.train.accumulation_steps, 3);
   EXPECT_EQ(b.train.epochs, a.train.epochs);
   EXPECT_EQ(b.train.steps, a.train.steps);
@@ -240,23 +241,23 @@ TEST(Config, Defaults) {
   EXPECT_EQ(c.run.name, "run");
   EXPECT_EQ(c.run.output_dir, "runs/run");
   EXPECT_EQ(c.checkpoint.dir, "runs/run/checkpoints");
-  EXPECT_EQ(c.data.source, "fashion_mnist");
+  EXPECT_EQ(c.data.source, DataSource::fashion_mnist);
   EXPECT_EQ(c.data.path, std::vector<std::string>{"/usr/share/datasets/fashion-mnist"});
-  EXPECT_EQ(c.model.loss, "cross_entropy");  // auto, for classification data
+  EXPECT_EQ(c.model.loss, LossKind::cross_entropy);  // auto, for classification data
   EXPECT_EQ(c.mesh.axes.size(), 5u);
   EXPECT_EQ(c.mesh.resolve(1), Mesh::single());
   EXPECT_EQ(c.train.steps, std::optional<int64_t>(5));
   EXPECT_EQ(c.train.log_every, 50);
   EXPECT_EQ(c.train.accumulation_steps, 1);
-  EXPECT_EQ(c.optimizer.schedule, "constant");
+  EXPECT_EQ(c.optimizer.schedule, LrScheduleKind::constant);
   EXPECT_EQ(c.optimizer.warmup_steps, 0);
   EXPECT_EQ(c.optimizer.min_lr, 0.0);
   EXPECT_FALSE(c.data.eval_batch_size.has_value());  // the training batch
   EXPECT_EQ(c.run.peak_tflops, 0.0);                 // unknown: no MFU
   EXPECT_EQ(c.partition.min_sharding_size, 16384);
-  EXPECT_EQ(c.partition.collective_matmul, "auto");
-  EXPECT_EQ(c.runtime.backend, "auto");
-  EXPECT_EQ(c.runtime.matmul_precision, "fp32");
+  EXPECT_EQ(c.partition.collective_matmul, CollectiveMatmulAlgorithm::automatic);
+  EXPECT_EQ(c.runtime.backend, CommBackendChoice::automatic);
+  EXPECT_EQ(c.runtime.matmul_precision, MatmulPrecision::fp32);
   EXPECT_FALSE(c.runtime.overlap);
   EXPECT_EQ(c.runtime.bucket_mb, 25.0);           // PyTorch DDP's bucket_cap_mb
   EXPECT_EQ(plan_options(c).optimizer_slots, 2);  // adamw
@@ -264,7 +265,7 @@ TEST(Config, Defaults) {
   const RunConfig named = parse(minimal("[run]\nname = \"abc\"\n[data]\nsource = \"synthetic\"\n"));
   EXPECT_EQ(named.run.output_dir, "runs/abc");
   EXPECT_EQ(named.checkpoint.dir, "runs/abc/checkpoints");
-  EXPECT_EQ(named.model.loss, "mse");  // auto, for synthetic regression data
+  EXPECT_EQ(named.model.loss, LossKind::mse);  // auto, for synthetic regression data
   EXPECT_TRUE(named.data.path.empty());
 
   const RunConfig plain_sgd = parse(minimal("[optimizer]\nkind = \"sgd\"\nmomentum = 0\nlr = 1\n"));
@@ -274,11 +275,11 @@ TEST(Config, Defaults) {
 
 TEST(Config, RuntimeSectionAndItsOverrides) {
   const RunConfig c = parse(minimal("[runtime]\nbackend = \"mpi\"\nmatmul_precision = \"tf32\"\n"));
-  EXPECT_EQ(c.runtime.backend, "mpi");
-  EXPECT_EQ(c.runtime.matmul_precision, "tf32");
+  EXPECT_EQ(c.runtime.backend, CommBackendChoice::mpi);
+  EXPECT_EQ(c.runtime.matmul_precision, MatmulPrecision::tf32);
   const RunConfig set = parse(minimal(), {"runtime.backend=nccl", "runtime.matmul_precision=fp32"});
-  EXPECT_EQ(set.runtime.backend, "nccl");
-  EXPECT_EQ(set.runtime.matmul_precision, "fp32");
+  EXPECT_EQ(set.runtime.backend, CommBackendChoice::nccl);
+  EXPECT_EQ(set.runtime.matmul_precision, MatmulPrecision::fp32);
   const RunConfig buckets = parse(minimal(), {"runtime.overlap=true", "runtime.bucket_mb=0.5"});
   EXPECT_TRUE(buckets.runtime.overlap);
   EXPECT_EQ(buckets.runtime.bucket_mb, 0.5);
@@ -593,7 +594,7 @@ TEST(Config, FashionMnistConfigsDifferOnlyInRunMeshAndPartition) {
     EXPECT_EQ(c.partition.preset, layout);
     EXPECT_EQ(c.partition.min_sharding_size, 0);
     EXPECT_EQ(c.model.sizes, (std::vector<int64_t>{784, 512, 512, 10}));
-    EXPECT_EQ(c.optimizer.kind, "adamw");
+    EXPECT_EQ(c.optimizer.kind, OptimizerKind::adamw);
     EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-3);
     EXPECT_EQ(c.data.batch_size, 128);
   }

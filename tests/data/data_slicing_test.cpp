@@ -75,10 +75,6 @@ std::unique_ptr<BatchStream> step_stream(RowSource& source, const BatchSchedule&
       depth);
 }
 
-const char* mode_name(ShuffleMode mode) {
-  return mode == ShuffleMode::none ? "none" : mode == ShuffleMode::rows ? "rows" : "blocks";
-}
-
 // Every rank recomputes every rank's slice locally, for meshes of 1, 2, 4 and 8 ranks:
 // the slices tile the global batch and tp ranks share theirs.
 TEST(BatchSlicing, SlicesOfAllRanksTileTheGlobalBatch) {
@@ -140,7 +136,7 @@ TEST(BatchSlicing, GatheredSlicesEqualTheSingleRankBatch) {
     const BatchSchedule reference(d.num_samples, batch, mode, 3, 8, 3);  // single-rank view
     for (int64_t depth : {0, 2}) {
       for (const Mesh& mesh : meshes_of(world)) {
-        SCOPED_TRACE(mesh.describe() + ", shuffle " + mode_name(mode) + ", depth " +
+        SCOPED_TRACE(mesh.describe() + ", shuffle " + to_string(mode) + ", depth " +
                      std::to_string(depth));
         const BatchSlice slice = make_batch_slice(mesh, rank, kBatchAxes, batch);
         Matrix x("x", slice.rows, d.features);  // allocated once, refilled every step
@@ -200,7 +196,7 @@ TEST(BatchSlicing, PermutationIsIdenticalOnEveryRank) {
       uint64_t lo = 0, hi = 0;
       ASSERT_EQ(MPI_Allreduce(&hash, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD), MPI_SUCCESS);
       ASSERT_EQ(MPI_Allreduce(&hash, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD), MPI_SUCCESS);
-      EXPECT_EQ(lo, hi) << "epoch " << epoch << ", shuffle " << mode_name(mode);
+      EXPECT_EQ(lo, hi) << "epoch " << epoch << ", shuffle " << to_string(mode);
     }
   }
 }

@@ -227,7 +227,7 @@ TEST(Synthetic, DeterministicFromTheSeed) {
   for (float v : a.targets) EXPECT_LT(std::abs(v), 1.4f);  // tanh + 0.05 noise
 
   DataSection section;
-  section.source = "synthetic";
+  section.source = DataSource::synthetic;
   section.synthetic_samples = 256;
   const Dataset via_config = load_dataset(section, Split::train, 42, 12, 3);
   EXPECT_EQ(via_config.inputs, a.inputs);
@@ -310,7 +310,7 @@ std::vector<float> ramp(size_t n) {
 
 DataSection hdf5_section(const std::string& train, const std::string& test = "") {
   DataSection s;
-  s.source = "hdf5";
+  s.source = DataSource::hdf5;
   if (!train.empty()) s.path = {train};
   if (!test.empty()) s.test_path = {test};
   return s;

@@ -220,7 +220,7 @@ TEST(Hdf5Source, GlobsExpandSorted) {
 
   // Through the config: the glob's files in sorted order are the training set.
   DataSection section;
-  section.source = "hdf5";
+  section.source = DataSource::hdf5;
   section.path = {dir.file("part-*.h5")};
   section.test_path = {dir.file("part-1.h5")};
   auto train = open_data_source(section, Split::train, 0, 2, 3);

@@ -81,14 +81,14 @@ RunConfig stream_config(std::vector<std::pair<std::string, int>> axes, const std
   config.run.seed = 5;
   config.mesh.axes = std::move(axes);
   config.model.sizes = {12, 16, 4};
-  config.model.activation = "tanh";
+  config.model.activation = Activation::tanh;
   config.partition.preset = preset;
   config.partition.min_sharding_size = 0;
-  config.data.source = "hdf5";
+  config.data.source = DataSource::hdf5;
   config.data.path = std::move(paths);
   if (!test_path.empty()) config.data.test_path = {test_path};
   config.data.batch_size = 16;
-  config.optimizer.kind = "adamw";
+  config.optimizer.kind = OptimizerKind::adamw;
   config.optimizer.lr = 1e-2;
   config.train.steps = 9;
   config.train.log_every = 100;
@@ -113,10 +113,6 @@ struct MeshCase {
   std::vector<std::pair<std::string, int>> axes;
 };
 
-const char* mode_name(ShuffleMode mode) {
-  return mode == ShuffleMode::none ? "none" : mode == ShuffleMode::rows ? "rows" : "blocks";
-}
-
 // The same rows streamed from HDF5 and given in memory train identically, bit for bit,
 // and like one rank.
 TEST(StreamingRun, HdfFilesTrainLikeTheRowsInMemory) {
@@ -138,7 +134,7 @@ TEST(StreamingRun, HdfFilesTrainLikeTheRowsInMemory) {
         const Trace memory =
             run_steps(config, RunData{train_rows(), test_rows()}, MPI_COMM_WORLD, 3);
         for (const std::string& path : {files.one, files.shards_glob}) {
-          SCOPED_TRACE(m.preset + ", shuffle " + mode_name(mode) + ", prefetch " +
+          SCOPED_TRACE(m.preset + ", shuffle " + to_string(mode) + ", prefetch " +
                        std::to_string(prefetch) + ", " + path);
           config.data.path = {path};
           const Trace streamed = run_steps(config, std::nullopt, MPI_COMM_WORLD, 3);
@@ -189,7 +185,7 @@ TEST(StreamingRun, ResumesExactlyMidEpochAndAcrossEpochs) {
     config.data.shuffle_window = 2;
     const Trace uninterrupted = run_steps(config, std::nullopt, MPI_COMM_WORLD, 9);
     for (int resume_at : {3, 6, 8}) {
-      SCOPED_TRACE(std::string("shuffle ") + mode_name(mode) + ", resumed at step " +
+      SCOPED_TRACE(std::string("shuffle ") + to_string(mode) + ", resumed at step " +
                    std::to_string(resume_at));
       TempDir out(/*shared=*/true);
       RunConfig first = config;
@@ -378,7 +374,7 @@ TEST(StreamingRun, RanksThatSeeOtherDataAreAgreedBadInput) {
     train.labels.resize(static_cast<size_t>(train.num_samples));
   }
   RunConfig config = stream_config({{"dp", n}}, "dp", {}, "");
-  config.data.source = "synthetic";  // unused: the rows are given
+  config.data.source = DataSource::synthetic;  // unused: the rows are given
   const std::string message = expect_agreed_on_every_rank(
       [&] {
         TrainingRun run(config, {}, RunData{train, test_rows()});

@@ -50,7 +50,7 @@ Footprint build(const std::string& preset, const std::string& axis, int64_t min_
   config.model.sizes = kSizes;
   config.partition.preset = preset;
   config.partition.min_sharding_size = min_sharding_size;
-  config.optimizer.kind = "adamw";
+  config.optimizer.kind = OptimizerKind::adamw;
   config.data.batch_size = 8;
   config.train.steps = 1;
   Dataset train;
@@ -125,12 +125,13 @@ TEST_P(MemoryTest, FsdpHoldsAboutOneNthOfDpPerRank) {
 TEST(MemoryTest, PlanCountsTheOptimizerStateTrainingAllocates) {
   const Mesh mesh = Mesh::create({{"fsdp", world_size()}}, world_size());
   struct Optimizers {
-    const char* kind;
+    OptimizerKind kind;
     double momentum;
   };
   for (const auto& [kind, momentum] :
-       {Optimizers{"adamw", 0.9}, Optimizers{"sgd", 0.9}, Optimizers{"sgd", 0.0}}) {
-    SCOPED_TRACE(std::string(kind) + " momentum " + std::to_string(momentum));
+       {Optimizers{OptimizerKind::adamw, 0.9}, Optimizers{OptimizerKind::sgd, 0.9},
+        Optimizers{OptimizerKind::sgd, 0.0}}) {
+    SCOPED_TRACE(std::string(to_string(kind)) + " momentum " + std::to_string(momentum));
     RunConfig config;
     config.model.sizes = kSizes;
     config.partition.preset = "fsdp";
@@ -143,7 +144,7 @@ TEST(MemoryTest, PlanCountsTheOptimizerStateTrainingAllocates) {
     ParallelContext context = ParallelContext::from_logical_axes(comms, LogicalAxes());
     Mlp model(kSizes, Activation::relu, specs_from_plan(plan), context, 8);
     OptimizerSettings settings;
-    settings.kind = parse_optimizer_kind(config.optimizer.kind);
+    settings.kind = config.optimizer.kind;
     settings.momentum = static_cast<float>(config.optimizer.momentum);
     Optimizer optimizer(settings, model.parameters());
     int64_t allocated = 0;

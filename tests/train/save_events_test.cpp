@@ -41,8 +41,8 @@ RunConfig small_config(const std::string& dir) {
   config.mesh.axes = {{"dp", world_size()}};
   config.partition.preset = "dp";
   config.model.sizes = {8, 16, 4};
-  config.model.loss = "mse";
-  config.data.source = "synthetic";
+  config.model.loss = LossKind::mse;
+  config.data.source = DataSource::synthetic;
   config.data.synthetic_samples = 64;
   config.data.batch_size = 16;
   config.train.steps = 6;
@@ -79,7 +79,7 @@ TEST(SaveEvents, AnAgreedErrorCompletesTheSaveInFlight) {
     RunDirectory dir(async ? "save_on_error_async" : "save_on_error_sync");
     RunConfig config = small_config(dir.path());
     config.checkpoint.async = async;
-    config.optimizer.kind = "sgd";
+    config.optimizer.kind = OptimizerKind::sgd;
     config.optimizer.lr = 10.0;
     config.train.steps = 20;
     int64_t last_reported = 0;

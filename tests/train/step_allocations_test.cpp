@@ -236,24 +236,24 @@ Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgo
   config.runtime.bucket_mb = bucket_mb;
   config.mesh.axes = mesh_case.axes;
   config.model.sizes = {32, 24, 16, 8};  // every width divides by 2 and 4
-  config.model.activation = "gelu";
-  config.model.loss = to_string(loss_kind);
+  config.model.activation = Activation::gelu;
+  config.model.loss = loss_kind;
   config.partition.preset = mesh_case.preset;
   config.partition.min_sharding_size = 0;
-  config.partition.collective_matmul = to_string(algorithm);
-  config.optimizer.kind = to_string(optimizer_kind);
+  config.partition.collective_matmul = algorithm;
+  config.optimizer.kind = optimizer_kind;
   config.optimizer.clip_norm = 0.5;  // small: clipping scales the gradients
   config.data.batch_size = 16 / accumulation_steps;
   config.train.accumulation_steps = accumulation_steps;
   config.optimizer.zero_stage = zero_stage;
-  config.optimizer.schedule = "cosine";  // the rate changes every step
+  config.optimizer.schedule = LrScheduleKind::cosine;  // the rate changes every step
   config.optimizer.warmup_steps = 2;
   config.train.steps = 4;
   config.run.seed = 7;
   config.data.prefetch = data.prefetch;
   std::optional<RunData> rows = RunData{small_data(loss_kind), Dataset{}};
   if (!data.hdf5_path.empty()) {
-    config.data.source = "hdf5";
+    config.data.source = DataSource::hdf5;
     config.data.path = {data.hdf5_path};
     rows.reset();
   }
@@ -489,7 +489,7 @@ TEST(TrainingStep, TrainWithASaveInFlightAllocatesNothing) {
   config.mesh.axes = {{"dp", n}};
   config.partition.preset = "dp";
   config.model.sizes = {32, 24, 8};
-  config.model.loss = "cross_entropy";
+  config.model.loss = LossKind::cross_entropy;
   config.data.batch_size = 16;
   config.train.steps = 12;
   config.train.log_every = 7;  // logs at steps 7 and 12 (the last)

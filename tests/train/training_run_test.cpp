@@ -37,13 +37,13 @@ RunConfig small_config(std::vector<std::pair<std::string, int>> axes, const std:
   config.run.seed = 3;
   config.mesh.axes = std::move(axes);
   config.model.sizes = {8, 16, 16, 4};  // every width divides by 4
-  config.model.activation = "tanh";
+  config.model.activation = Activation::tanh;
   config.partition.preset = preset;
   config.partition.min_sharding_size = 0;
-  config.data.source = "synthetic";
+  config.data.source = DataSource::synthetic;
   config.data.synthetic_samples = 64;
   config.data.batch_size = 16;
-  config.optimizer.kind = "adamw";
+  config.optimizer.kind = OptimizerKind::adamw;
   config.optimizer.lr = 1e-2;
   config.train.steps = 6;
   config.train.log_every = 2;
@@ -243,7 +243,7 @@ TEST(TrainingRun, LogEventsCarryRateAndUtilization) {
   RunConfig config = small_config({{"fsdp", n}}, "fsdp");
   config.run.output_dir = std::filesystem::temp_directory_path().string() +
                           "/meshtrain_training_run_lr_np" + std::to_string(n);
-  config.optimizer.schedule = "cosine";
+  config.optimizer.schedule = LrScheduleKind::cosine;
   config.optimizer.warmup_steps = 2;
   config.optimizer.min_lr = 1e-3;
   config.train.log_every = 1;
@@ -288,7 +288,7 @@ RunConfig with_precision(RunConfig config, Dtype param, Dtype reduce) {
 // Fp16OverflowSkipsTheStepOnEveryRank left the one-rank run by 0.5%, ten fp16 roundings, in
 // the step after its first update; 0.03% under SGD).
 RunConfig with_sgd(RunConfig config) {
-  config.optimizer.kind = "sgd";
+  config.optimizer.kind = OptimizerKind::sgd;
   config.optimizer.lr = 0.05;  // momentum 0.9 (the default); the loss falls within 5 steps
   return config;
 }

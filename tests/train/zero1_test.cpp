@@ -33,13 +33,13 @@ RunConfig config_on(MPI_Comm comm, int64_t zero_stage) {
   config.run.seed = 5;
   config.mesh.axes = {{"dp", n}};
   config.model.sizes = {8, 13, 7, 3};
-  config.model.activation = "tanh";
+  config.model.activation = Activation::tanh;
   config.partition.preset = "dp";
   config.partition.min_sharding_size = 0;
-  config.data.source = "synthetic";
+  config.data.source = DataSource::synthetic;
   config.data.synthetic_samples = 64;
   config.data.batch_size = 16;
-  config.optimizer.kind = "adamw";
+  config.optimizer.kind = OptimizerKind::adamw;
   config.optimizer.lr = 1e-2;
   config.optimizer.weight_decay = 0.01;
   config.optimizer.zero_stage = zero_stage;

@@ -1,0 +1,31 @@
+#pragma once
+// The [data] section of a run (docs/data.md): what the data path reads and in which order.
+// Apart from framework/train/config.hpp, which includes it, so that io depends on this
+// section alone and not on the whole run configuration.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "framework/core/choices.hpp"  // DataSource, ShuffleMode
+
+namespace meshtrain {
+
+struct DataSection {
+  DataSource source = DataSource::fashion_mnist;
+  // fashion_mnist: one directory of IDX files; hdf5: the training files (each entry a file
+  // or a glob, expanded and sorted at set-up; the shards form one dataset in this order).
+  std::vector<std::string> path;
+  std::vector<std::string> test_path;  // hdf5: test files, as path (optional)
+  int64_t batch_size = 128;            // global, of one micro-batch (see train.accumulation_steps)
+  // Global rows of one evaluation batch; unset: data.batch_size. The batch axes must divide it.
+  std::optional<int64_t> eval_batch_size;
+  ShuffleMode shuffle = ShuffleMode::rows;  // data.shuffle = false | true | "blocks"
+  int64_t block_rows = 1024;                // shuffle = "blocks": rows of one contiguous block
+  int64_t shuffle_window = 8;  // shuffle = "blocks": blocks whose rows are shuffled together
+  int64_t prefetch = 2;        // batches read ahead by a background thread; 0: read in the step
+  int64_t synthetic_samples = 4096;
+};
+
+}  // namespace meshtrain
