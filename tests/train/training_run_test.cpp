@@ -573,7 +573,7 @@ RunConfig fp16_relu_config(std::vector<std::pair<std::string, int>> axes,
                            const std::string& preset) {
   RunConfig config = with_sgd(with_precision(small_config(std::move(axes), preset),
                                              Dtype::fp16, Dtype::fp16));
-  config.model.activation = "relu";  // tanh would squash an overflowed (inf) activation to 1
+  config.model.activation = Activation::relu;  // tanh would squash an overflowed (inf) activation to 1
   config.data.shuffle = ShuffleMode::none;
   return config;
 }
