@@ -674,7 +674,8 @@ void TrainingRun::log_step(const StepResult& result) {
   // The slowest rank's wait: a rank whose reader keeps up waits in the gradient all-reduce
   // for the one whose reader does not, so rank 0's own wait alone can read 0.
   double waited = train_stream_->take_wait_seconds();
-  all_reduce_collective(&waited, 1, MPI_DOUBLE, MPI_MAX, comm_, "the reduction of the data wait");
+  all_reduce_collective(&waited, 1, MPI_DOUBLE, MPI_MAX, comm_, "the reduction of the data wait",
+                        data_wait_reduction_);
   event.data_wait_s = waited / window_steps_;
   data_wait_s_ += waited;
   metrics_->log(event);

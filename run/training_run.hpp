@@ -260,6 +260,9 @@ class TrainingRun {
   double window_aux_loss_ = 0.0;
   int64_t window_steps_ = 0;
   double data_wait_s_ = 0.0;  // over the whole of train()
+  // The heap copy of each log's data-wait reduction (framework/comm/mpi_util.hpp), made at
+  // set-up so that logging allocates nothing.
+  std::vector<char> data_wait_reduction_ = std::vector<char>(2 * sizeof(double));
 
   // The batches, read ahead (they read the schedule, the slices and the sources above, so
   // they are declared last and stopped first). A reading error on this rank waits in

@@ -68,8 +68,14 @@ void broadcast_collective(void* data, int count, MPI_Datatype type, int root, MP
 
 void all_reduce_collective(void* data, int count, MPI_Datatype type, MPI_Op reduction,
                            MPI_Comm comm, const char* op) {
+  std::vector<char> buffer;
+  all_reduce_collective(data, count, type, reduction, comm, op, buffer);
+}
+
+void all_reduce_collective(void* data, int count, MPI_Datatype type, MPI_Op reduction,
+                           MPI_Comm comm, const char* op, std::vector<char>& buffer) {
   const std::size_t bytes = bytes_of(count, type, op);
-  std::vector<char> buffer(2 * bytes);  // what this rank sends, then the result
+  if (buffer.size() < 2 * bytes) buffer.resize(2 * bytes);  // what this rank sends, the result
   if (bytes > 0) std::memcpy(buffer.data(), data, bytes);
   MPI_Request request = MPI_REQUEST_NULL;
   check_mpi(MPI_Iallreduce(buffer.data(), buffer.data() + bytes, count, type, reduction, comm,

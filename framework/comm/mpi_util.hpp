@@ -6,6 +6,7 @@
 
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace meshtrain {
 
@@ -78,9 +79,13 @@ void wait_collective_or_give_up(MPI_Request* requests, int count, const char* op
 // MPI_Ibcast of `count` items of `type` from `root`.
 void broadcast_collective(void* data, int count, MPI_Datatype type, int root, MPI_Comm comm,
                           const char* op);
-// MPI_Iallreduce of `count` items of `type` with `reduction`, in place.
+// MPI_Iallreduce of `count` items of `type` with `reduction`, in place. `buffer`, when
+// given, is the heap copy: kept by the caller and grown only when too small, so a reduction
+// repeated in a loop allocates nothing after the first.
 void all_reduce_collective(void* data, int count, MPI_Datatype type, MPI_Op reduction,
                            MPI_Comm comm, const char* op);
+void all_reduce_collective(void* data, int count, MPI_Datatype type, MPI_Op reduction,
+                           MPI_Comm comm, const char* op, std::vector<char>& buffer);
 // `root`'s text on every rank of `comm` (its length, then its bytes).
 void broadcast_string(std::string& text, int root, MPI_Comm comm, const char* op);
 
