@@ -72,6 +72,7 @@ class RowSource {
   // only the first time it is asked for more rows than before.
   virtual void read(const int64_t* rows, int64_t count, const RowBuffers& out) = 0;
   // Host bytes the source holds (rows in memory; scratch buffers and caches of a stream).
+  // Safe to call while another thread reads.
   virtual int64_t resident_bytes() const = 0;
 
  protected:
@@ -86,10 +87,13 @@ std::unique_ptr<RowSource> make_memory_source(Dataset data);
 // (or [N_i]) targets; the shards' rows follow each other in the order given. Contiguous
 // datasets stored as native floats (or integers) are read with pread at their file offsets;
 // others (chunked, compressed, another type) through HDF5, one read per shard and batch
-// (each chunk decompressed at most once per batch), with a chunk cache of at most
-// `chunk_cache_bytes` per dataset. At open: a missing file, a shard of another width, type
-// or kind of target is a bad_input Error naming the file. While reading: a row that fails
-// its checks, or a file that changed size, is a runtime Error naming the file.
+// (each chunk decompressed at most once per batch). Memory does not grow with the number of
+// shards: the shards a batch reads (its window) share `chunk_cache_bytes` of chunk cache
+// per column (/x, /y) in proportion to their rows of it, the caches of the other shards are
+// released, and at most `open_shards` shards hold a descriptor (and an HDF5 file) open at
+// once, the least recently read closing first. At open: a missing file, a shard of another
+// width, type or kind of target is a bad_input Error naming the file. While reading: a row
+// that fails its checks, or a file that changed size, is a runtime Error naming the file.
 // How the rows will be read, so the kernel and HDF5 can be told: with `random_rows` the
 // kernel's read-ahead is turned off (POSIX_FADV_RANDOM: a random row costs one page, not a
 // read-ahead window), and with `block_rows` > 0 (data.shuffle = "blocks") each block a batch
@@ -97,7 +101,8 @@ std::unique_ptr<RowSource> make_memory_source(Dataset data);
 // background. Either way a batch's rows are asked for all at once before they are read, so
 // the disk has many reads in flight.
 struct Hdf5SourceOptions {
-  int64_t chunk_cache_bytes = int64_t{1} << 20;  // HDF5's default
+  int64_t chunk_cache_bytes = int64_t{1} << 20;  // per column; HDF5's default
+  int64_t open_shards = 32;  // beyond a window of 8 blocks over shards of a block or more
   bool random_rows = false;
   int64_t block_rows = 0;
 };
