@@ -274,14 +274,25 @@ DataFootprint data_footprint(const RunConfig& config, int64_t rows, int64_t eval
     // Scratch in sorted order: the order (8), x, and labels widened to 8 bytes.
     const int64_t scratch_row = 8 + 4 * features + (labels ? 8 : 4 * outputs);
     f.source_bytes = (rows + (data.test_path.empty() ? 0 : eval_rows)) * scratch_row;
-    f.cache_bytes = 2 * hdf5_chunk_cache_bytes(data, features, outputs);
+    // The shards a batch reads share one cache per column, in the train and test sources.
+    const int64_t sources = data.test_path.empty() ? 1 : 2;
+    f.cache_bytes = sources * 2 * hdf5_chunk_cache_bytes(data, features, outputs);
     return f;
   }
   f.source = "in memory";
   f.read.pattern = ReadPattern::memory;
   if (data.source == "fashion_mnist") {
-    f.read.row_bytes = 784 + 4;  // pixels as bytes, an int32 label
-    f.source_bytes = (60000 + 10000) * f.read.row_bytes;
+    const std::string dir = data.path.empty() ? default_fashion_mnist_dir() : data.path.front();
+    f.read.row_bytes = features + 4;  // pixels as bytes, an int32 label
+    try {
+      const DataShape train = fashion_mnist_shape(dir, Split::train);
+      f.read.row_bytes = train.features + 4;
+      f.source_bytes = (train.num_samples + fashion_mnist_shape(dir, Split::test).num_samples) *
+                       f.read.row_bytes;
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::bad_input) throw;
+      f.source = "in memory (not counted: " + std::string(e.what()) + ")";
+    }
   } else {
     const int64_t train = data.synthetic_samples;
     f.read.row_bytes = 4 * (features + outputs);

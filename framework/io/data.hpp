@@ -127,6 +127,8 @@ const std::string& default_fashion_mnist_dir();
 // labels are in [0, 10). A missing, bad or truncated file is a bad_input Error naming the
 // path and what is wrong.
 Dataset load_fashion_mnist(const std::string& dir, Split split);
+// The same files' shape, from their headers alone (checked as load_fashion_mnist does).
+DataShape fashion_mnist_shape(const std::string& dir, Split split);
 
 // A learnable regression set in the spirit of the reference notebook: inputs ~ N(0, 1)
 // of width `input_width`, targets = tanh(x W) + 0.05 * N(0, 1) with a teacher W
@@ -163,15 +165,18 @@ void check_data_fits_model(const DataShape& shape, int64_t input_width, int64_t 
 // split (no test file) has no targets and passes.
 void check_loss_fits_data(const std::string& loss, const DataSection& data, const DataShape& split);
 
-// What the data path costs one rank, from the config alone (no file is opened): what
-// `meshtrain plan` reports. `rows` / `eval_rows`: this rank's rows of a (micro-)batch and
-// of an evaluation batch; model.loss (resolved) tells labels from targets.
+// What the data path costs one rank: what `meshtrain plan` reports. Fashion-MNIST's rows are
+// counted from its files' headers (not counted, and said so, where they cannot be read);
+// an HDF5 stream's from the config alone (its files are not opened). `rows` / `eval_rows`:
+// this rank's rows of a (micro-)batch and of an evaluation batch; model.loss (resolved)
+// tells labels from targets.
 struct DataFootprint {
-  std::string source;         // "in memory" or "streamed from HDF5"
+  std::string source;         // "in memory" or "streamed from HDF5" (and what is not counted)
   int64_t source_bytes = 0;   // rows in memory, or a stream's scratch (train and test)
-  int64_t cache_bytes = 0;    // HDF5 chunk caches of one chunked shard (each one read adds it)
+  int64_t cache_bytes = 0;    // HDF5 chunk caches (/x and /y), at most, however many shards
   int64_t staging_bytes = 0;  // the staging slots of the train and evaluation streams
-  DataRead read;              // one optimizer step's reads (for the cost model)
+  int64_t total_bytes() const { return source_bytes + cache_bytes + staging_bytes; }
+  DataRead read;  // one optimizer step's reads (for the cost model)
 };
 DataFootprint data_footprint(const RunConfig& config, int64_t rows, int64_t eval_rows);
 
