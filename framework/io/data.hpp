@@ -88,12 +88,14 @@ std::unique_ptr<RowSource> make_memory_source(Dataset data);
 // datasets stored as native floats (or integers) are read with pread at their file offsets;
 // others (chunked, compressed, another type) through HDF5, one read per shard and batch
 // (each chunk decompressed at most once per batch). Memory does not grow with the number of
-// shards: the shards a batch reads (its window) share `chunk_cache_bytes` of chunk cache
-// per column (/x, /y) in proportion to their rows of it, the caches of the other shards are
-// released, and at most `open_shards` shards hold a descriptor (and an HDF5 file) open at
-// once, the least recently read closing first. At open: a missing file, a shard of another
-// width, type or kind of target is a bad_input Error naming the file. While reading: a row
-// that fails its checks, or a file that changed size, is a runtime Error naming the file.
+// shards: the shards a batch reads are its window; each of their chunked datasets caches
+// the chunks the window reads there (with blocks: of the blocks it reads), all together at
+// most `chunk_cache_bytes` (split between /x and /y as their rows' bytes); the other shards'
+// caches are released, and at most `open_shards` shards hold a descriptor (and an HDF5
+// file) open, the least recently read closing first.
+// At open: a missing file, a shard of another width, type or kind of target is a bad_input
+// Error naming the file. While reading: a row that fails its checks, or a file that changed
+// size, is a runtime Error naming the file.
 // How the rows will be read, so the kernel and HDF5 can be told: with `random_rows` the
 // kernel's read-ahead is turned off (POSIX_FADV_RANDOM: a random row costs one page, not a
 // read-ahead window), and with `block_rows` > 0 (data.shuffle = "blocks") each block a batch
@@ -101,7 +103,7 @@ std::unique_ptr<RowSource> make_memory_source(Dataset data);
 // background. Either way a batch's rows are asked for all at once before they are read, so
 // the disk has many reads in flight.
 struct Hdf5SourceOptions {
-  int64_t chunk_cache_bytes = int64_t{1} << 20;  // per column; HDF5's default
+  int64_t chunk_cache_bytes = int64_t{1} << 20;  // of all the chunk caches; HDF5's per dataset
   int64_t open_shards = 32;  // beyond a window of 8 blocks over shards of a block or more
   bool random_rows = false;
   int64_t block_rows = 0;
@@ -173,7 +175,7 @@ void check_loss_fits_data(const std::string& loss, const DataSection& data, cons
 struct DataFootprint {
   std::string source;         // "in memory" or "streamed from HDF5" (and what is not counted)
   int64_t source_bytes = 0;   // rows in memory, or a stream's scratch (train and test)
-  int64_t cache_bytes = 0;    // HDF5 chunk caches (/x and /y), at most, however many shards
+  int64_t cache_bytes = 0;    // HDF5 chunk caches, at most, however many shards
   int64_t staging_bytes = 0;  // the staging slots of the train and evaluation streams
   int64_t total_bytes() const { return source_bytes + cache_bytes + staging_bytes; }
   DataRead read;  // one optimizer step's reads (for the cost model)

@@ -9,8 +9,8 @@
 //    compressed or converted datasets): HDF5 reads and decompresses each chunk the
 //    selection touches once, and keeps recent chunks in the chunk cache.
 // Shards are opened when a batch reads them. The shards of the current batch are the
-// window: they share one chunk-cache budget per column and the others' caches are
-// released; at most open_shards stay open. So memory does not grow with the shards.
+// window: their caches hold the window's chunks within one budget, the others' caches are
+// released, and at most open_shards stay open. So memory does not grow with the shards.
 // Every HDF5 call holds hdf5::global_mutex(): Debian's parallel HDF5 is not thread-safe,
 // and the reader runs on a BatchStream's thread beside the checkpoint writer.
 
@@ -28,6 +28,7 @@
 
 #include "base/error.hpp"
 #include "framework/io/data.hpp"
+#include "framework/io/data_order.hpp"
 #include "framework/io/hdf5_util.hpp"
 
 namespace meshtrain {
@@ -56,7 +57,13 @@ struct Column {
   H5T_class_t type_class = H5T_NO_CLASS;
   size_t type_size = 0;       // bytes per value in the file
   bool native_int32 = false;  // labels stored as native int32 (pread, widened); else int64
+  int64_t chunk_rows = 0;     // rows per chunk; 0: not chunked (no chunk cache)
+  int64_t need = 0;           // bytes of the chunks the current window reads
+  uint64_t chunks_key = 0;    // which chunks those are
+  int64_t cache_bytes = 0;    // of its chunk cache while open
+  uint64_t cached_key = 0;    // the chunks_key it was opened for
   bool through_hdf5() const { return offset < 0; }
+  int64_t chunk_bytes() const { return chunk_rows * width * static_cast<int64_t>(type_size); }
 };
 
 struct Shard {
@@ -66,12 +73,10 @@ struct Shard {
   off_t size_at_open = 0;  // to notice a file that changed size
   Column x, y;
   // Open only while the shard is among the last read (Hdf5SourceOptions::open_shards):
-  int fd = -1;              // for pread and fstat
-  Handle file;              // when a column is read through HDF5
-  int64_t cache_bytes = 0;  // the chunk cache of each open dataset
-  uint64_t read_at = 0;     // the batch that last read it (least recently read closes first)
-  uint64_t window = 0;      // the batch whose window holds it
-  int64_t demand = 0;       // rows of that window in it (its share of the chunk caches)
+  int fd = -1;           // for pread and fstat
+  Handle file;           // when a column is read through HDF5
+  uint64_t read_at = 0;  // the batch that last read it (least recently read closes first)
+  uint64_t window = 0;   // the batch whose window holds it
   bool through_hdf5() const { return x.through_hdf5() || y.through_hdf5(); }
 };
 
@@ -86,8 +91,12 @@ void describe_column(Shard& shard, Column& column, const char* name, hid_t nativ
   column.type_size = H5Tget_size(type);
   Handle plist = hdf5::make(H5Dget_create_plist(column.dataset), H5Pclose, ErrorKind::bad_input,
                             "cannot read the storage of " + what);
-  const bool contiguous =
-      H5Pget_layout(plist) == H5D_CONTIGUOUS && H5Pget_external_count(plist) == 0;
+  const H5D_layout_t layout = H5Pget_layout(plist);
+  const bool contiguous = layout == H5D_CONTIGUOUS && H5Pget_external_count(plist) == 0;
+  hsize_t chunk[H5S_MAX_RANK] = {};
+  if (layout == H5D_CHUNKED && H5Pget_chunk(plist, H5S_MAX_RANK, chunk) > 0) {
+    column.chunk_rows = static_cast<int64_t>(chunk[0]);
+  }
   if (contiguous && native >= 0 && H5Tequal(type, native) > 0) {
     const haddr_t offset = H5Dget_offset(column.dataset);
     if (offset != HADDR_UNDEF) column.offset = static_cast<int64_t>(offset);
@@ -202,8 +211,7 @@ class Hdf5Source final : public RowSource {
  public:
   Hdf5Source(const std::vector<std::string>& files, int64_t num_classes,
              const Hdf5SourceOptions& options)
-      : cache_bytes_(options.chunk_cache_bytes),
-        block_rows_(options.block_rows),
+      : block_rows_(options.block_rows),
         open_shards_(options.open_shards),
         random_rows_(options.random_rows) {
     MESHTRAIN_REQUIRE(num_classes > 0, "open_hdf5_source: num_classes must be positive");
@@ -247,6 +255,13 @@ class Hdf5Source final : public RowSource {
     }
     shape_.num_samples = first;
     shape_.features = head.x.width;
+    // chunk_cache_bytes split between the columns as their rows' bytes.
+    const auto row_bytes = [](const Column& c) {
+      return c.width * static_cast<double>(c.type_size);
+    };
+    budget_[0] = static_cast<int64_t>(static_cast<double>(options.chunk_cache_bytes) *
+                                      row_bytes(head.x) / (row_bytes(head.x) + row_bytes(head.y)));
+    budget_[1] = options.chunk_cache_bytes - budget_[0];
     if (labels) {
       shape_.num_classes = num_classes;
     } else {
@@ -347,18 +362,30 @@ class Hdf5Source final : public RowSource {
     }
   }
 
-  // The batch's shards are the window: each one's rows (its share of the chunk caches) are
-  // counted and asked of the kernel, and the caches of the other shards are released.
+  // The batch's shards are the window: the chunks each one's rows fall in (its need of
+  // chunk cache) are counted, its rows asked of the kernel, and the caches of the other
+  // shards are released.
   void enter_window(const int64_t* rows, int64_t count) {
-    window_rows_ = 0;
+    window_need_[0] = window_need_[1] = 0;
     for_each_shard(rows, count, [&](Shard& s, int64_t begin, int64_t end) {
       s.window = batch_;
-      s.demand = 0;
-      for_each_range(s, rows, begin, end, [&](int64_t first, int64_t stop) {
-        advise(s, first, stop);
-        s.demand += stop - first;
-      });
-      if (s.through_hdf5()) window_rows_ += s.demand;
+      for (Column* c : {&s.x, &s.y}) {
+        c->need = 0;
+        c->chunks_key = 0;
+        if (c->chunk_rows <= 0) continue;
+        int64_t last = -1;
+        for_each_range(s, rows, begin, end, [&](int64_t first, int64_t stop) {
+          const int64_t from = std::max((first - s.first) / c->chunk_rows, last + 1);
+          const int64_t to = (stop - 1 - s.first) / c->chunk_rows;
+          if (to < from) return;
+          c->need += (to - from + 1) * c->chunk_bytes();
+          c->chunks_key = mix64(c->chunks_key ^ mix64(static_cast<uint64_t>(from) << 32 | to));
+          last = to;
+        });
+        window_need_[c == &s.y] += c->need;
+      }
+      for_each_range(s, rows, begin, end,
+                     [&](int64_t first, int64_t stop) { advise(s, first, stop); });
     });
     std::lock_guard<std::mutex> lock(hdf5::global_mutex());
     for (size_t i : set_.open) {
@@ -419,37 +446,42 @@ class Hdf5Source final : public RowSource {
   void close_datasets(Shard& s) {  // under the HDF5 lock
     s.x.dataset.reset();
     s.y.dataset.reset();
-    s.cache_bytes = 0;
   }
 
-  // The datasets read through HDF5, with chunk caches of the shard's share of
-  // chunk_cache_bytes (its rows of the window's): the caches of a window's shards add up
-  // to chunk_cache_bytes per column whatever the number of shards. A dataset open with
-  // a cache above its share, or far below it, is opened again.
+  // The datasets read through HDF5. A dataset's chunk cache holds the chunks the window
+  // reads in it: it is emptied (the dataset opened again) when the window reads other
+  // chunks there, so the caches hold at most the window's chunks, whatever the number of
+  // shards. When those exceed the column's budget each cache gets its share; otherwise the
+  // whole budget (HDF5 evicts well before a cache is full: one sized to its chunks missed
+  // most reads of random rows among them).
   void open_datasets(Shard& s) {
-    const auto share = static_cast<int64_t>(static_cast<double>(cache_bytes_) * s.demand /
-                                            std::max<int64_t>(window_rows_, 1));
-    const bool is_open = s.x.dataset.get() >= 0 || s.y.dataset.get() >= 0;
-    if (is_open && s.cache_bytes <= share && 4 * s.cache_bytes >= share) return;
-    std::lock_guard<std::mutex> lock(hdf5::global_mutex());
-    hdf5::silence_errors();
-    close_datasets(s);
-    // w0 = 0.75 (HDF5's default): with 1.0 a chunk read in part is never evicted, and the
-    // cache grew to the whole uncompressed dataset (776 MiB per rank after 40 random
-    // batches of a gzip file).
-    if (H5Pset_chunk_cache(set_.access, 12421, static_cast<size_t>(share), 0.75) < 0) {
-      hdf5::check(-1, ErrorKind::runtime, "cannot set the chunk cache");
-    }
     for (Column* c : {&s.x, &s.y}) {
       if (!c->through_hdf5()) continue;
+      const int64_t window = window_need_[c == &s.y], budget = budget_[c == &s.y];
+      const int64_t capacity =
+          window > budget ? static_cast<int64_t>(static_cast<double>(budget) * c->need / window)
+                          : budget;
+      if (c->dataset.get() >= 0 && c->cache_bytes == capacity && c->cached_key == c->chunks_key) {
+        continue;
+      }
       const char* name = c == &s.x ? "/x" : "/y";
+      std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+      hdf5::silence_errors();
+      c->dataset.reset();
+      // w0 = 0.75 (HDF5's default): with 1.0 a chunk read in part is never evicted, and the
+      // cache grew to the whole uncompressed dataset (776 MiB per rank after 40 random
+      // batches of a gzip file).
+      if (H5Pset_chunk_cache(set_.access, 12421, static_cast<size_t>(capacity), 0.75) < 0) {
+        hdf5::check(-1, ErrorKind::runtime, "cannot set the chunk cache");
+      }
       c->dataset = Handle(H5Dopen2(s.file, name, set_.access), H5Dclose);
       if (c->dataset.get() < 0) {
         hdf5::check(-1, ErrorKind::runtime,
                     std::string("opening ") + name + " of '" + s.path + "'");
       }
+      c->cache_bytes = capacity;
+      c->cached_key = c->chunks_key;
     }
-    s.cache_bytes = share;
   }
 
   // Reads sorted positions [begin, end) (rows of shard s) into the scratch buffers.
@@ -567,7 +599,10 @@ class Hdf5Source final : public RowSource {
                                       labels_.capacity() * 8 + targets_.capacity() * 4);
     for (size_t i : set_.open) {
       const Shard& s = set_.shards[i];
-      for (const Column* c : {&s.x, &s.y}) bytes += c->dataset.get() >= 0 ? s.cache_bytes : 0;
+      // What a cache can hold: the window's chunks, or less.
+      for (const Column* c : {&s.x, &s.y}) {
+        bytes += c->dataset.get() >= 0 ? std::min(c->cache_bytes, c->need) : 0;
+      }
     }
     resident_bytes_.store(bytes);
   }
@@ -605,12 +640,12 @@ class Hdf5Source final : public RowSource {
   }
 
   ShardSet set_;
-  int64_t cache_bytes_;  // of each column, shared by the window's shards
-  int64_t block_rows_;   // > 0: rows are read in shuffled blocks of this many
-  int64_t open_shards_;  // shards open at once, at most
+  int64_t budget_[2] = {0, 0};  // chunk cache of /x and /y, shared by the window's shards
+  int64_t block_rows_;          // > 0: rows are read in shuffled blocks of this many
+  int64_t open_shards_;         // shards open at once, at most
   bool random_rows_;
-  uint64_t batch_ = 0;       // reads so far
-  int64_t window_rows_ = 0;  // the window's rows in shards read through HDF5
+  uint64_t batch_ = 0;               // reads so far
+  int64_t window_need_[2] = {0, 0};  // the bytes of the chunks the window reads (/x, /y)
   std::atomic<int64_t> resident_bytes_{0};
   // Scratch of one read, in sorted row order (grown to the largest batch, then reused).
   int64_t capacity_ = 0;

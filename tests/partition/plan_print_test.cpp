@@ -275,11 +275,11 @@ TEST(PlanPrint, CountsTheDataPathPerRank) {
   // No test file: the training stream's scratch alone (order 8, x, a label widened to 8).
   EXPECT_EQ(totals["data_source_bytes"], 64 * (8 + 4 * 784 + 8));
   EXPECT_EQ(totals["data_staging_bytes"], 3 * (64 + 64) * (4 * 784 + 4 + 8));
-  EXPECT_EQ(totals["data_chunk_cache_bytes"], 2 << 20);  // /x and /y, however many shards
+  EXPECT_EQ(totals["data_chunk_cache_bytes"], 1 << 20);  // however many shards
   EXPECT_EQ(model_bytes(totals), model);                 // the caches are in the total
   config.data.test_path = {"test.h5"};                   // a second source, with its own caches
   EXPECT_EQ(nlohmann::json::parse(plan_text(config, 4, true))["totals"]["data_chunk_cache_bytes"],
-            4 << 20);
+            2 << 20);
   config.data.test_path.clear();
   const std::string text = plan_text(config, 4, false);
   expect_contains(text, "streamed from HDF5");
