@@ -99,8 +99,7 @@ void check_magic(const GzReader& in, uint32_t magic, uint32_t expected, const ch
 struct IdxSplit {
   std::string images_path, labels_path;
   GzReader images, labels;
-  int64_t count = 0;
-  int64_t features = 0;
+  DataShape shape;
 
   IdxSplit(const std::string& dir, Split split)
       : images_path(dir + "/" + (split == Split::train ? "train" : "t10k") +
@@ -118,13 +117,16 @@ struct IdxSplit {
       MESHTRAIN_BAD_INPUT("the data file '", images_path, "' has an implausible header: ", n,
                           " images of ", rows, "x", cols, " pixels");
     }
-    count = n;
-    features = int64_t{rows} * cols;
+    shape.description =
+        std::string("Fashion-MNIST ") + split_name(split) + " set (" + images_path + ")";
+    shape.num_classes = kFashionClasses;
+    shape.num_samples = n;
+    shape.features = int64_t{rows} * cols;
     check_magic(labels, labels.read_be32("the magic number"), kLabelsMagic, "label (idx1, uint8)");
     const uint32_t label_count = labels.read_be32("the label count");
-    if (label_count != count) {
+    if (label_count != n) {
       MESHTRAIN_BAD_INPUT("the data file '", labels_path, "' has ", label_count, " labels but '",
-                          images_path, "' has ", count, " images");
+                          images_path, "' has ", n, " images");
     }
   }
 };
@@ -132,24 +134,13 @@ struct IdxSplit {
 }  // namespace
 
 DataShape fashion_mnist_shape(const std::string& dir, Split split) {
-  const IdxSplit idx(dir, split);
-  DataShape d;
-  d.description =
-      std::string("Fashion-MNIST ") + split_name(split) + " set (" + idx.images_path + ")";
-  d.num_classes = kFashionClasses;
-  d.num_samples = idx.count;
-  d.features = idx.features;
-  return d;
+  return IdxSplit(dir, split).shape;
 }
 
 Dataset load_fashion_mnist(const std::string& dir, Split split) {
   IdxSplit idx(dir, split);
   Dataset d;
-  d.description =
-      std::string("Fashion-MNIST ") + split_name(split) + " set (" + idx.images_path + ")";
-  d.num_classes = kFashionClasses;
-  d.num_samples = idx.count;
-  d.features = idx.features;
+  static_cast<DataShape&>(d) = idx.shape;
   d.pixels.resize(static_cast<size_t>(d.num_samples * d.features));
   idx.images.read(d.pixels.data(), d.num_samples * d.features, "the pixels");
   std::vector<uint8_t> raw(static_cast<size_t>(d.num_samples));
