@@ -387,9 +387,12 @@ class Hdf5Source final : public RowSource {
       for_each_range(s, rows, begin, end,
                      [&](int64_t first, int64_t stop) { advise(s, first, stop); });
     });
-    std::lock_guard<std::mutex> lock(hdf5::global_mutex());
     for (size_t i : set_.open) {
-      if (set_.shards[i].window != batch_) close_datasets(set_.shards[i]);
+      Shard& s = set_.shards[i];
+      if (s.window != batch_ && (s.x.dataset.get() >= 0 || s.y.dataset.get() >= 0)) {
+        std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+        close_datasets(s);
+      }
     }
   }
 
@@ -434,7 +437,7 @@ class Hdf5Source final : public RowSource {
   }
 
   void close_shard(Shard& s) {
-    {
+    if (s.file.get() >= 0) {  // a shard read with pread alone takes no HDF5 lock
       std::lock_guard<std::mutex> lock(hdf5::global_mutex());
       close_datasets(s);
       s.file.reset();
