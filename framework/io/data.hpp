@@ -88,11 +88,12 @@ std::unique_ptr<RowSource> make_memory_source(Dataset data);
 // datasets stored as native floats (or integers) are read with pread at their file offsets;
 // others (chunked, compressed, another type) through HDF5, one read per shard and batch
 // (each chunk decompressed at most once per batch). Memory does not grow with the number of
-// shards: the shards a batch reads are its window; each of their chunked datasets caches
-// the chunks the window reads there (with blocks: of the blocks it reads), all together at
-// most `chunk_cache_bytes` (split between /x and /y as their rows' bytes); the other shards'
-// caches are released, and at most `open_shards` shards hold a descriptor (and an HDF5
-// file) open, the least recently read closing first.
+// shards: the shards a batch reads are its window; each of their chunked datasets keeps
+// the chunks it read (with blocks: of the blocks a batch reads) while all the caches hold at
+// most `chunk_cache_bytes` (split between /x and /y as their rows' bytes), and is emptied to
+// the batch's chunks past it; the other shards' caches are released, and at most
+// `open_shards` shards hold a descriptor (and an HDF5 file) open, the least recently read
+// closing first.
 // At open: a missing file, a shard of another width, type or kind of target is a bad_input
 // Error naming the file. While reading: a row that fails its checks, or a file that changed
 // size, is a runtime Error naming the file.

@@ -9,8 +9,9 @@
 //    compressed or converted datasets): HDF5 reads and decompresses each chunk the
 //    selection touches once, and keeps recent chunks in the chunk cache.
 // Shards are opened when a batch reads them. The shards of the current batch are the
-// window: their caches hold the window's chunks within one budget, the others' caches are
-// released, and at most open_shards stay open. So memory does not grow with the shards.
+// window: their caches keep the chunks they read within one budget for all shards, the
+// others' caches are released, and at most open_shards stay open. So memory does not grow
+// with the number of shards.
 // Every HDF5 call holds hdf5::global_mutex(): Debian's parallel HDF5 is not thread-safe,
 // and the reader runs on a BatchStream's thread beside the checkpoint writer.
 
@@ -28,7 +29,6 @@
 
 #include "base/error.hpp"
 #include "framework/io/data.hpp"
-#include "framework/io/data_order.hpp"
 #include "framework/io/hdf5_util.hpp"
 
 namespace meshtrain {
@@ -58,10 +58,17 @@ struct Column {
   size_t type_size = 0;       // bytes per value in the file
   bool native_int32 = false;  // labels stored as native int32 (pread, widened); else int64
   int64_t chunk_rows = 0;     // rows per chunk; 0: not chunked (no chunk cache)
-  int64_t need = 0;           // bytes of the chunks the current window reads
-  uint64_t chunks_key = 0;    // which chunks those are
   int64_t cache_bytes = 0;    // of its chunk cache while open
-  uint64_t cached_key = 0;    // the chunks_key it was opened for
+  // The chunks the current batch reads: ranges of chunk indices (up to kRanges) and bytes.
+  static constexpr int kRanges = 16;
+  int64_t from[kRanges] = {}, to[kRanges] = {};
+  int ranges = 0;  // > kRanges: too many to list
+  int64_t need = 0;
+  // The chunks its cache may hold (read since it was emptied), as the same ranges.
+  int64_t held_from[kRanges] = {}, held_to[kRanges] = {};
+  int held_ranges = 0;
+  int64_t held_bytes = 0;
+  bool empty_cache = false;  // the dataset is opened again before this batch's read
   bool through_hdf5() const { return offset < 0; }
   int64_t chunk_bytes() const { return chunk_rows * width * static_cast<int64_t>(type_size); }
 };
@@ -224,6 +231,7 @@ class Hdf5Source final : public RowSource {
       for (const std::string& path : files) set_.shards.push_back(describe_shard(path));
     }
     set_.open.reserve(static_cast<size_t>(std::min<int64_t>(open_shards_, files.size())));
+    window_.reserve(files.size());
     std::vector<Shard>& shards = set_.shards;
     const Shard& head = shards.front();
     const bool labels = head.y.type_class == H5T_INTEGER;
@@ -362,16 +370,17 @@ class Hdf5Source final : public RowSource {
     }
   }
 
-  // The batch's shards are the window: the chunks each one's rows fall in (its need of
-  // chunk cache) are counted, its rows asked of the kernel, and the caches of the other
-  // shards are released.
+  // The batch's shards are the window: the chunks each one's rows fall in are counted,
+  // its rows asked of the kernel, and the caches of the other shards are released.
   void enter_window(const int64_t* rows, int64_t count) {
     window_need_[0] = window_need_[1] = 0;
+    window_.clear();
     for_each_shard(rows, count, [&](Shard& s, int64_t begin, int64_t end) {
       s.window = batch_;
+      window_.push_back(static_cast<size_t>(&s - set_.shards.data()));
       for (Column* c : {&s.x, &s.y}) {
         c->need = 0;
-        c->chunks_key = 0;
+        c->ranges = 0;
         if (c->chunk_rows <= 0) continue;
         int64_t last = -1;
         for_each_range(s, rows, begin, end, [&](int64_t first, int64_t stop) {
@@ -379,7 +388,11 @@ class Hdf5Source final : public RowSource {
           const int64_t to = (stop - 1 - s.first) / c->chunk_rows;
           if (to < from) return;
           c->need += (to - from + 1) * c->chunk_bytes();
-          c->chunks_key = mix64(c->chunks_key ^ mix64(static_cast<uint64_t>(from) << 32 | to));
+          if (c->ranges < Column::kRanges) {
+            c->from[c->ranges] = from;
+            c->to[c->ranges] = to;
+          }
+          ++c->ranges;
           last = to;
         });
         window_need_[c == &s.y] += c->need;
@@ -393,6 +406,74 @@ class Hdf5Source final : public RowSource {
         std::lock_guard<std::mutex> lock(hdf5::global_mutex());
         close_datasets(s);
       }
+    }
+    for (int column : {0, 1}) plan_caches(column);
+  }
+
+  // Which caches of the window keep what they hold: one whose chunks this batch reads, or
+  // that can add this batch's chunks within the column's budget (a rank's slice of a batch
+  // may miss a block of the window that the next batch reads). The others are emptied to
+  // this batch's chunks; if the caches would still hold more than the budget, all are.
+  void plan_caches(int column) {
+    int64_t held = 0;
+    for_each_window_column(column, [&](Column& c) { held += c.held_bytes; });
+    for_each_window_column(column, [&](Column& c) {
+      c.empty_cache = c.dataset.get() < 0;
+      if (c.empty_cache) return;
+      if (c.ranges > Column::kRanges) {  // too many to list: random rows
+        c.empty_cache = true;
+        return;
+      }
+      bool covered[Column::kRanges] = {};
+      int64_t added = 0;
+      int more = 0;
+      for (int r = 0; r < c.ranges; ++r) {
+        for (int h = 0; h < c.held_ranges && !covered[r]; ++h) {
+          covered[r] = c.held_from[h] <= c.from[r] && c.to[r] <= c.held_to[h];
+        }
+        if (covered[r]) continue;
+        added += (c.to[r] - c.from[r] + 1) * c.chunk_bytes();
+        ++more;
+      }
+      if (c.held_ranges + more > Column::kRanges || held + added > budget_[column]) {
+        c.empty_cache = true;
+        return;
+      }
+      for (int r = 0; r < c.ranges; ++r) {
+        if (covered[r]) continue;
+        c.held_from[c.held_ranges] = c.from[r];
+        c.held_to[c.held_ranges++] = c.to[r];
+      }
+      c.held_bytes += added;
+      held += added;
+    });
+    // The emptied caches hold this batch's chunks only.
+    held = 0;
+    for_each_window_column(column, [&](Column& c) {
+      if (c.empty_cache) empty(c);
+      held += c.held_bytes;
+    });
+    if (held <= budget_[column]) return;
+    for_each_window_column(column, [&](Column& c) {
+      c.empty_cache = true;
+      empty(c);
+    });
+  }
+
+  void empty(Column& c) {
+    c.held_ranges = std::min(c.ranges, Column::kRanges);
+    std::copy_n(c.from, c.held_ranges, c.held_from);
+    std::copy_n(c.to, c.held_ranges, c.held_to);
+    if (c.ranges > Column::kRanges) c.held_ranges = 0;  // not listed: emptied next time
+    c.held_bytes = c.need;
+  }
+
+  // f(column) for the chunked columns `column` (0: /x, 1: /y) of the window's shards.
+  template <class F>
+  void for_each_window_column(int column, F f) {
+    for (size_t i : window_) {
+      Column& c = column == 0 ? set_.shards[i].x : set_.shards[i].y;
+      if (c.through_hdf5() && c.chunk_rows > 0) f(c);
     }
   }
 
@@ -447,16 +528,18 @@ class Hdf5Source final : public RowSource {
   }
 
   void close_datasets(Shard& s) {  // under the HDF5 lock
-    s.x.dataset.reset();
-    s.y.dataset.reset();
+    for (Column* c : {&s.x, &s.y}) {
+      c->dataset.reset();
+      c->held_ranges = 0;
+      c->held_bytes = 0;
+    }
   }
 
-  // The datasets read through HDF5. A dataset's chunk cache holds the chunks the window
-  // reads in it: it is emptied (the dataset opened again) when the window reads other
-  // chunks there, so the caches hold at most the window's chunks, whatever the number of
-  // shards. When those exceed the column's budget each cache gets its share; otherwise the
-  // whole budget (HDF5 evicts well before a cache is full: one sized to its chunks missed
-  // most reads of random rows among them).
+  // The datasets read through HDF5, opened again to empty their chunk caches as
+  // plan_caches decided. A cache may take the column's whole budget while the window's
+  // chunks fit in it, as plan_caches keeps what the caches hold within it (HDF5 evicts well
+  // before a cache is full: one sized to the chunks it was to hold missed most reads of
+  // random rows among them); otherwise it gets its share, by the chunks it reads.
   void open_datasets(Shard& s) {
     for (Column* c : {&s.x, &s.y}) {
       if (!c->through_hdf5()) continue;
@@ -464,9 +547,7 @@ class Hdf5Source final : public RowSource {
       const int64_t capacity =
           window > budget ? static_cast<int64_t>(static_cast<double>(budget) * c->need / window)
                           : budget;
-      if (c->dataset.get() >= 0 && c->cache_bytes == capacity && c->cached_key == c->chunks_key) {
-        continue;
-      }
+      if (c->dataset.get() >= 0 && !c->empty_cache && c->cache_bytes == capacity) continue;
       const char* name = c == &s.x ? "/x" : "/y";
       std::lock_guard<std::mutex> lock(hdf5::global_mutex());
       hdf5::silence_errors();
@@ -483,7 +564,6 @@ class Hdf5Source final : public RowSource {
                     std::string("opening ") + name + " of '" + s.path + "'");
       }
       c->cache_bytes = capacity;
-      c->cached_key = c->chunks_key;
     }
   }
 
@@ -602,9 +682,9 @@ class Hdf5Source final : public RowSource {
                                       labels_.capacity() * 8 + targets_.capacity() * 4);
     for (size_t i : set_.open) {
       const Shard& s = set_.shards[i];
-      // What a cache can hold: the window's chunks, or less.
+      // What a cache can hold.
       for (const Column* c : {&s.x, &s.y}) {
-        bytes += c->dataset.get() >= 0 ? std::min(c->cache_bytes, c->need) : 0;
+        bytes += c->dataset.get() >= 0 ? std::min(c->cache_bytes, c->held_bytes) : 0;
       }
     }
     resident_bytes_.store(bytes);
@@ -649,6 +729,7 @@ class Hdf5Source final : public RowSource {
   bool random_rows_;
   uint64_t batch_ = 0;               // reads so far
   int64_t window_need_[2] = {0, 0};  // the bytes of the chunks the window reads (/x, /y)
+  std::vector<size_t> window_;       // the shards of the current batch
   std::atomic<int64_t> resident_bytes_{0};
   // Scratch of one read, in sorted row order (grown to the largest batch, then reused).
   int64_t capacity_ = 0;
