@@ -3,7 +3,9 @@
 // files (pread), gzip-chunked files with the shuffle filter and float64 inputs (through
 // HDF5), int32 and int64 labels, regression targets [N, w] and [N]; several shards equal
 // one file; globs expand sorted; a shard that does not match the first is bad input naming
-// it; a bad row or a file that changed size is a runtime error naming the file and row.
+// it and leaves nothing open; a bad row or a file that changed size is a runtime error
+// naming the file and row; 8 gzip shards hold the memory of one file, and at most
+// open_shards shards are open at once.
 
 #include <gtest/gtest.h>
 #include <hdf5.h>
