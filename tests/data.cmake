@@ -14,14 +14,16 @@ meshtrain_add_test(NAME data_batch_stream_test SOURCES data/batch_stream_test.cp
                    LIBS meshtrain_framework TIMEOUT 60 EMULATED)
 # HDF5 streaming equals the in-memory rows: contiguous (pread) and gzip-chunked files
 # (through HDF5), float64 inputs, int32 and int64 labels, regression targets, shards, globs;
-# shards unlike the first are bad input; bad rows and files that change size are runtime
-# errors naming the file and row.
+# shards unlike the first are bad input and leave nothing open; bad rows and files that
+# change size are runtime errors naming the file and row; 8 gzip shards hold the memory of
+# one file, and at most open_shards shards are open.
 meshtrain_add_test(NAME data_hdf5_source_test SOURCES data/hdf5_source_test.cpp
                    LIBS meshtrain_framework TIMEOUT 60)
 # TrainingRun on streamed HDF5 data: bit for bit the run on the same rows in memory (dp,
 # fsdp; prefetch 0 and 2; one file and gzip-chunked shards by a glob) and like one rank;
-# exact resume mid-epoch and across epochs; a file that changes size and a read that fails
-# on one rank end the run on every rank with the same AgreedError (every mesh, no hang).
+# exact resume mid-epoch and across epochs; the data wait is the slowest rank's on every
+# rank; a file that changes size and a read that fails on one rank end the run on every
+# rank with the same AgreedError (every mesh, no hang).
 meshtrain_add_test(NAME data_streaming_run_test SOURCES data/streaming_run_test.cpp
                    LIBS meshtrain_run NP 1 2 4 TIMEOUT 240 EMULATED)
 

@@ -168,14 +168,16 @@ Dataset read_all(RowSource& source) {
 // The data of a config: pick the source, then check it against the model's sizes
 
 namespace {
-// The chunk cache per dataset an HDF5 source gets for this config (open_data_source).
+// The chunk caches an HDF5 source gets for this config, at most (open_data_source).
 int64_t hdf5_chunk_cache_bytes(const DataSection& data, int64_t input_width, int64_t output_width) {
   if (data.shuffle != ShuffleMode::blocks) return Hdf5SourceOptions{}.chunk_cache_bytes;
   // A window of blocks is one shuffle buffer: the chunks it spans stay cached while its
-  // batches are read, so each is decompressed once per window (at most 256 MiB).
+  // batches are read, so each is decompressed once per window (at most 256 MiB). Three
+  // times its rows' bytes: a block that starts mid-chunk (or crosses into another shard)
+  // reads up to two chunks more, and a cache short of a chunk misses every time.
   const int64_t row_bytes = 4 * (input_width + output_width);
-  return std::clamp<int64_t>(data.block_rows * data.shuffle_window * row_bytes, int64_t{1} << 20,
-                             int64_t{256} << 20);
+  return std::clamp<int64_t>(3 * data.block_rows * data.shuffle_window * row_bytes,
+                             int64_t{1} << 20, int64_t{256} << 20);
 }
 }  // namespace
 
@@ -271,14 +273,25 @@ DataFootprint data_footprint(const DataSection& data, const DataUse& use, int64_
     // Scratch in sorted order: the order (8), x, and labels widened to 8 bytes.
     const int64_t scratch_row = 8 + 4 * features + (labels ? 8 : 4 * outputs);
     f.source_bytes = (rows + (data.test_path.empty() ? 0 : eval_rows)) * scratch_row;
-    f.cache_bytes = 2 * hdf5_chunk_cache_bytes(data, features, outputs);
+    // The shards a batch reads share the caches, in the train and test sources.
+    const int64_t sources = data.test_path.empty() ? 1 : 2;
+    f.cache_bytes = sources * hdf5_chunk_cache_bytes(data, features, outputs);
     return f;
   }
   f.source = "in memory";
   f.read.pattern = ReadPattern::memory;
   if (data.source == DataSource::fashion_mnist) {
-    f.read.row_bytes = 784 + 4;  // pixels as bytes, an int32 label
-    f.source_bytes = (60000 + 10000) * f.read.row_bytes;
+    const std::string dir = data.path.empty() ? default_fashion_mnist_dir() : data.path.front();
+    f.read.row_bytes = features + 4;  // pixels as bytes, an int32 label
+    try {
+      const DataShape train = fashion_mnist_shape(dir, Split::train);
+      f.read.row_bytes = train.features + 4;
+      f.source_bytes = (train.num_samples + fashion_mnist_shape(dir, Split::test).num_samples) *
+                       f.read.row_bytes;
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::bad_input) throw;
+      f.source = "in memory (not counted: " + std::string(e.what()) + ")";
+    }
   } else {
     const int64_t train = data.synthetic_samples;
     f.read.row_bytes = 4 * (features + outputs);

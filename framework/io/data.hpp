@@ -72,6 +72,7 @@ class RowSource {
   // only the first time it is asked for more rows than before.
   virtual void read(const int64_t* rows, int64_t count, const RowBuffers& out) = 0;
   // Host bytes the source holds (rows in memory; scratch buffers and caches of a stream).
+  // Safe to call while another thread reads.
   virtual int64_t resident_bytes() const = 0;
 
  protected:
@@ -86,10 +87,16 @@ std::unique_ptr<RowSource> make_memory_source(Dataset data);
 // (or [N_i]) targets; the shards' rows follow each other in the order given. Contiguous
 // datasets stored as native floats (or integers) are read with pread at their file offsets;
 // others (chunked, compressed, another type) through HDF5, one read per shard and batch
-// (each chunk decompressed at most once per batch), with a chunk cache of at most
-// `chunk_cache_bytes` per dataset. At open: a missing file, a shard of another width, type
-// or kind of target is a bad_input Error naming the file. While reading: a row that fails
-// its checks, or a file that changed size, is a runtime Error naming the file.
+// (each chunk decompressed at most once per batch). Memory does not grow with the number of
+// shards: the shards a batch reads are its window; each of their chunked datasets keeps
+// the chunks it read (with blocks: of the blocks a batch reads) while all the caches hold at
+// most `chunk_cache_bytes` (split between /x and /y as their rows' bytes), and is emptied to
+// the batch's chunks past it; the other shards' caches are released, and at most
+// `open_shards` shards hold a descriptor (and an HDF5 file) open, the least recently read
+// closing first.
+// At open: a missing file, a shard of another width, type or kind of target is a bad_input
+// Error naming the file. While reading: a row that fails its checks, or a file that changed
+// size, is a runtime Error naming the file.
 // How the rows will be read, so the kernel and HDF5 can be told: with `random_rows` the
 // kernel's read-ahead is turned off (POSIX_FADV_RANDOM: a random row costs one page, not a
 // read-ahead window), and with `block_rows` > 0 (data.shuffle = "blocks") each block a batch
@@ -97,7 +104,8 @@ std::unique_ptr<RowSource> make_memory_source(Dataset data);
 // background. Either way a batch's rows are asked for all at once before they are read, so
 // the disk has many reads in flight.
 struct Hdf5SourceOptions {
-  int64_t chunk_cache_bytes = int64_t{1} << 20;  // HDF5's default
+  int64_t chunk_cache_bytes = int64_t{1} << 20;  // of all the chunk caches; HDF5's per dataset
+  int64_t open_shards = 32;  // beyond a window of 8 blocks over shards of a block or more
   bool random_rows = false;
   int64_t block_rows = 0;
 };
@@ -122,6 +130,8 @@ const std::string& default_fashion_mnist_dir();
 // labels are in [0, 10). A missing, bad or truncated file is a bad_input Error naming the
 // path and what is wrong.
 Dataset load_fashion_mnist(const std::string& dir, Split split);
+// The same files' shape, from their headers alone (checked as load_fashion_mnist does).
+DataShape fashion_mnist_shape(const std::string& dir, Split split);
 
 // A learnable regression set in the spirit of the reference notebook: inputs ~ N(0, 1)
 // of width `input_width`, targets = tanh(x W) + 0.05 * N(0, 1) with a teacher W
@@ -158,15 +168,17 @@ void check_data_fits_model(const DataShape& shape, int64_t input_width, int64_t 
 // split (no test file) has no targets and passes.
 void check_loss_fits_data(LossKind loss, const DataSection& data, const DataShape& split);
 
-// What the data path costs one rank, from the config alone (no file is opened): what
-// `meshtrain plan` reports. `rows` / `eval_rows`: this rank's rows of a (micro-)batch and
-// of an evaluation batch.
+// What the data path costs one rank: what `meshtrain plan` reports. Fashion-MNIST's rows are
+// counted from its files' headers (not counted, and said so, where they cannot be read);
+// an HDF5 stream's from the config alone (its files are not opened). `rows` / `eval_rows`:
+// this rank's rows of a (micro-)batch and of an evaluation batch.
 struct DataFootprint {
-  std::string source;         // "in memory" or "streamed from HDF5"
+  std::string source;         // "in memory" or "streamed from HDF5" (and what is not counted)
   int64_t source_bytes = 0;   // rows in memory, or a stream's scratch (train and test)
-  int64_t cache_bytes = 0;    // HDF5 chunk caches of one chunked shard (each one read adds it)
+  int64_t cache_bytes = 0;    // HDF5 chunk caches, at most, however many shards
   int64_t staging_bytes = 0;  // the staging slots of the train and evaluation streams
-  DataRead read;              // one optimizer step's reads (for the cost model)
+  int64_t total_bytes() const { return source_bytes + cache_bytes + staging_bytes; }
+  DataRead read;  // one optimizer step's reads (for the cost model)
 };
 // The model's side of the data path: model.sizes' first and last widths, whether model.loss
 // (resolved) reads class labels rather than targets, train.accumulation_steps.

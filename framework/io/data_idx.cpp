@@ -13,8 +13,8 @@
 #include <cstdio>
 #include <cstring>
 
-#include "framework/io/data.hpp"
 #include "base/error.hpp"
+#include "framework/io/data.hpp"
 
 namespace meshtrain {
 
@@ -94,51 +94,64 @@ void check_magic(const GzReader& in, uint32_t magic, uint32_t expected, const ch
   }
 }
 
-}  // namespace
+// The IDX files of a split, their headers read and checked: `images` and `labels` are left
+// at their first pixel and label.
+struct IdxSplit {
+  std::string images_path, labels_path;
+  GzReader images, labels;
+  DataShape shape;
 
-Dataset load_fashion_mnist(const std::string& dir, Split split) {
-  const std::string prefix = dir + "/" + (split == Split::train ? "train" : "t10k");
-  const std::string images_path = prefix + "-images-idx3-ubyte.gz";
-  const std::string labels_path = prefix + "-labels-idx1-ubyte.gz";
-
-  Dataset d;
-  d.description = std::string("Fashion-MNIST ") + split_name(split) + " set (" + images_path + ")";
-  d.num_classes = kFashionClasses;
-
-  {
-    GzReader in(images_path);
-    check_magic(in, in.read_be32("the magic number"), kImagesMagic, "image (idx3, uint8)");
-    const uint32_t count = in.read_be32("the image count");
-    const uint32_t rows = in.read_be32("the image height");
-    const uint32_t cols = in.read_be32("the image width");
+  IdxSplit(const std::string& dir, Split split)
+      : images_path(dir + "/" + (split == Split::train ? "train" : "t10k") +
+                    "-images-idx3-ubyte.gz"),
+        labels_path(dir + "/" + (split == Split::train ? "train" : "t10k") +
+                    "-labels-idx1-ubyte.gz"),
+        images(images_path),
+        labels(labels_path) {
+    check_magic(images, images.read_be32("the magic number"), kImagesMagic, "image (idx3, uint8)");
+    const uint32_t n = images.read_be32("the image count");
+    const uint32_t rows = images.read_be32("the image height");
+    const uint32_t cols = images.read_be32("the image width");
     // Bounds keep the byte count far from overflow; Fashion-MNIST is 60000 x 28 x 28.
-    if (count == 0 || count > (1u << 28) || rows == 0 || cols == 0 || rows > 4096 || cols > 4096) {
-      MESHTRAIN_BAD_INPUT("the data file '", images_path, "' has an implausible header: ", count,
+    if (n == 0 || n > (1u << 28) || rows == 0 || cols == 0 || rows > 4096 || cols > 4096) {
+      MESHTRAIN_BAD_INPUT("the data file '", images_path, "' has an implausible header: ", n,
                           " images of ", rows, "x", cols, " pixels");
     }
-    d.num_samples = count;
-    d.features = int64_t{rows} * cols;
-    d.pixels.resize(static_cast<size_t>(d.num_samples * d.features));
-    in.read(d.pixels.data(), d.num_samples * d.features, "the pixels");
+    shape.description =
+        std::string("Fashion-MNIST ") + split_name(split) + " set (" + images_path + ")";
+    shape.num_classes = kFashionClasses;
+    shape.num_samples = n;
+    shape.features = int64_t{rows} * cols;
+    check_magic(labels, labels.read_be32("the magic number"), kLabelsMagic, "label (idx1, uint8)");
+    const uint32_t label_count = labels.read_be32("the label count");
+    if (label_count != n) {
+      MESHTRAIN_BAD_INPUT("the data file '", labels_path, "' has ", label_count, " labels but '",
+                          images_path, "' has ", n, " images");
+    }
   }
-  {
-    GzReader in(labels_path);
-    check_magic(in, in.read_be32("the magic number"), kLabelsMagic, "label (idx1, uint8)");
-    const uint32_t count = in.read_be32("the label count");
-    if (count != d.num_samples) {
-      MESHTRAIN_BAD_INPUT("the data file '", labels_path, "' has ", count, " labels but '",
-                          images_path, "' has ", d.num_samples, " images");
+};
+
+}  // namespace
+
+DataShape fashion_mnist_shape(const std::string& dir, Split split) {
+  return IdxSplit(dir, split).shape;
+}
+
+Dataset load_fashion_mnist(const std::string& dir, Split split) {
+  IdxSplit idx(dir, split);
+  Dataset d;
+  static_cast<DataShape&>(d) = idx.shape;
+  d.pixels.resize(static_cast<size_t>(d.num_samples * d.features));
+  idx.images.read(d.pixels.data(), d.num_samples * d.features, "the pixels");
+  std::vector<uint8_t> raw(static_cast<size_t>(d.num_samples));
+  idx.labels.read(raw.data(), d.num_samples, "the labels");
+  d.labels.resize(raw.size());
+  for (size_t i = 0; i < raw.size(); ++i) {
+    if (raw[i] >= kFashionClasses) {
+      MESHTRAIN_BAD_INPUT("the data file '", idx.labels_path, "' has label ", int{raw[i]},
+                          " at index ", i, ", outside [0, ", kFashionClasses, ")");
     }
-    std::vector<uint8_t> raw(count);
-    in.read(raw.data(), count, "the labels");
-    d.labels.resize(count);
-    for (uint32_t i = 0; i < count; ++i) {
-      if (raw[i] >= kFashionClasses) {
-        MESHTRAIN_BAD_INPUT("the data file '", labels_path, "' has label ", int{raw[i]},
-                            " at index ", i, ", outside [0, ", kFashionClasses, ")");
-      }
-      d.labels[i] = raw[i];
-    }
+    d.labels[i] = raw[i];
   }
   return d;
 }

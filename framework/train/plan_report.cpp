@@ -404,10 +404,11 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
         {"  data staging", format_bytes(data->staging_bytes) + " (" +
                                std::to_string(std::max<int64_t>(data->read.prefetch, 1)) +
                                " batches of train and eval)"});
-    data_bytes = data->source_bytes + data->staging_bytes;
+    data_bytes = data->total_bytes();
     if (data->read.pattern != ReadPattern::memory) {
       totals.push_back({"  chunk cache", format_bytes(data->cache_bytes) +
-                                             " per chunked HDF5 shard read (not in the total)"});
+                                             " at most (HDF5, shared by the shards a batch "
+                                             "reads; none for contiguous files)"});
     }
   }
   totals.push_back({"  total", format_bytes(t.bytes_per_rank() + staging_bytes + data_bytes)});
@@ -573,9 +574,9 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
     doc["totals"]["checkpoint_staging_bytes"] = staging;
     doc["totals"]["data_source_bytes"] = data.source_bytes;
     doc["totals"]["data_staging_bytes"] = data.staging_bytes;
-    doc["totals"]["data_chunk_cache_bytes_per_shard"] = data.cache_bytes;
-    doc["totals"]["bytes_per_rank"] = doc["totals"]["bytes_per_rank"].get<int64_t>() + staging +
-                                      data.source_bytes + data.staging_bytes;
+    doc["totals"]["data_chunk_cache_bytes"] = data.cache_bytes;
+    doc["totals"]["bytes_per_rank"] =
+        doc["totals"]["bytes_per_rank"].get<int64_t>() + staging + data.total_bytes();
     if (cost) {
       doc["cost"] = cost_json(*cost, hw);
       nlohmann::ordered_json rows = nlohmann::ordered_json::array();

@@ -16,6 +16,7 @@
 #include "framework/io/batch_stream.hpp"
 #include "framework/io/data.hpp"
 #include "tests/data/hdf5_test_files.hpp"
+#include "tests/data/idx_test_files.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain {
@@ -118,37 +119,11 @@ TEST(FashionMnist, ModelSizesMustMatchTheData) {
                    {"model.sizes[-1] = 12", "10 classes", "Fashion-MNIST"});
 }
 
-// Writes `bytes` gzip-compressed to `path`.
-void write_gz(const std::string& path, const std::vector<unsigned char>& bytes) {
-  gzFile f = gzopen(path.c_str(), "wb");
-  ASSERT_NE(f, nullptr);
-  if (!bytes.empty()) {
-    ASSERT_EQ(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())),
-              static_cast<int>(bytes.size()));
-  }
-  ASSERT_EQ(gzclose(f), Z_OK);
-}
-
-void put_be32(std::vector<unsigned char>& out, uint32_t v) {
-  for (int shift = 24; shift >= 0; shift -= 8)
-    out.push_back(static_cast<unsigned char>(v >> shift));
-}
-
-// A tiny IDX pair: n images of 2x2 pixels, labels as given.
+// A tiny IDX pair of the test split: n images of 2x2 pixels, labels as given.
 void write_idx(const std::string& dir, uint32_t images_magic, uint32_t n_images, size_t pixel_bytes,
                uint32_t labels_magic, const std::vector<unsigned char>& labels) {
-  std::vector<unsigned char> images;
-  put_be32(images, images_magic);
-  put_be32(images, n_images);
-  put_be32(images, 2);
-  put_be32(images, 2);
-  for (size_t i = 0; i < pixel_bytes; ++i) images.push_back(static_cast<unsigned char>(i * 7));
-  write_gz(dir + "/t10k-images-idx3-ubyte.gz", images);
-  std::vector<unsigned char> label_bytes;
-  put_be32(label_bytes, labels_magic);
-  put_be32(label_bytes, static_cast<uint32_t>(labels.size()));
-  label_bytes.insert(label_bytes.end(), labels.begin(), labels.end());
-  write_gz(dir + "/t10k-labels-idx1-ubyte.gz", label_bytes);
+  testing::write_idx_pair(dir, "t10k", 2, images_magic, n_images, pixel_bytes, labels_magic,
+                          labels);
 }
 
 TEST(FashionMnist, SmallIdxFilesRoundTrip) {
@@ -192,7 +167,7 @@ TEST(FashionMnist, BadFilesNameThePathAndTheProblem) {
   {
     TempDir dir;
     write_idx(dir.path(), 0x803, 3, 12, 0x801, {1, 0, 9});
-    write_gz(dir.path() + "/t10k-images-idx3-ubyte.gz", {0, 0, 8});  // header cut short
+    testing::write_gz(dir.path() + "/t10k-images-idx3-ubyte.gz", {0, 0, 8});  // header cut short
     expect_bad_input([&] { load_fashion_mnist(dir.path(), Split::test); },
                      {"t10k-images-idx3-ubyte.gz", "truncated", "magic number"});
   }
@@ -379,7 +354,7 @@ TEST(Hdf5Dataset, BadInputsNameTheProblem) {
                    {missing, "No such file"});
 
   const std::string not_hdf5 = dir.path() + "/text.h5";
-  write_gz(not_hdf5, {1, 2, 3});
+  testing::write_gz(not_hdf5, {1, 2, 3});
   expect_bad_input([&] { load_dataset(hdf5_section(not_hdf5), Split::train, 0, 3, 3); },
                    {not_hdf5, "cannot open it", "H5Fopen"});
 

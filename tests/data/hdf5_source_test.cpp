@@ -3,7 +3,9 @@
 // files (pread), gzip-chunked files with the shuffle filter and float64 inputs (through
 // HDF5), int32 and int64 labels, regression targets [N, w] and [N]; several shards equal
 // one file; globs expand sorted; a shard that does not match the first is bad input naming
-// it; a bad row or a file that changed size is a runtime error naming the file and row.
+// it and leaves nothing open; a bad row or a file that changed size is a runtime error
+// naming the file and row; 8 gzip shards hold the memory of one file, and at most
+// open_shards shards are open at once.
 
 #include <gtest/gtest.h>
 #include <hdf5.h>
@@ -12,7 +14,9 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <limits>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -397,7 +401,7 @@ int64_t resident_kib() {
   return -1;
 }
 
-// The chunk cache of a compressed file stays at its size (1 MiB per dataset) however many
+// The chunk cache of a compressed file stays at its size (1 MiB) however many
 // chunks random batches touch: with HDF5's w0 = 1.0 a chunk read in part was never evicted
 // and the cache grew towards the whole uncompressed dataset (here 64 MiB).
 TEST(Hdf5Source, TheChunkCacheOfACompressedFileStaysBounded) {
@@ -427,6 +431,133 @@ TEST(Hdf5Source, TheChunkCacheOfACompressedFileStaysBounded) {
   const int64_t grown = resident_kib() - before;
   ASSERT_GE(before, 0) << "no VmRSS in /proc/self/status";
   EXPECT_LT(grown, 16 * 1024) << "resident memory grew by " << grown << " KiB";
+}
+
+// Descriptors this process has open.
+int open_descriptors() {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    (void)entry;
+    ++count;
+  }
+  return count;
+}
+
+// HDF5 identifiers open in the library (files, datasets, ...).
+ssize_t open_hdf5_ids() {
+  std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+  return H5Fget_obj_count(H5F_OBJ_ALL, H5F_OBJ_ALL);
+}
+
+// A shard that fails at set-up after good ones (another width, not HDF5, missing) leaves
+// nothing open: the good shards' descriptors and HDF5 identifiers are released.
+TEST(Hdf5Source, ABadLaterShardReleasesTheEarlierOnes) {
+  TempDir dir;
+  const Dataset d = numbered_classes(40, 3, 4);
+  H5Layout chunked;
+  chunked.chunked = true;
+  const auto good = write_h5_shards(dir.path(), "good", d, 2);
+  const auto good_chunked = write_h5_shards(dir.path(), "good-c", d, 2, chunked);
+  const std::string wide = dir.file("wide.h5"), junk = dir.file("junk.h5");
+  write_h5(wide, numbered_classes(20, 4, 4), chunked);
+  { std::ofstream(junk) << "not an HDF5 file"; }
+  const int descriptors = open_descriptors();
+  const ssize_t ids = open_hdf5_ids();
+  for (const std::string& bad : {wide, junk, dir.file("missing.h5")}) {
+    SCOPED_TRACE(bad);
+    std::vector<std::string> files = good;
+    files.insert(files.end(), good_chunked.begin(), good_chunked.end());
+    files.push_back(bad);
+    expect_bad_input([&] { open_hdf5_source(files, 4); }, {bad});
+    EXPECT_EQ(open_descriptors(), descriptors);
+    EXPECT_EQ(open_hdf5_ids(), ids);
+  }
+}
+
+// However many shards, at most open_shards hold a descriptor and an HDF5 file open (the
+// least recently read closing first), and the rows read are the same.
+TEST(Hdf5Source, OpenShardsStayWithinTheirBound) {
+  TempDir dir;
+  const Dataset d = numbered_classes(120, 3, 4);
+  for (const bool chunked : {false, true}) {
+    SCOPED_TRACE(chunked ? "gzip-chunked" : "contiguous");
+    H5Layout layout;
+    layout.chunked = chunked;
+    const auto files = write_h5_shards(dir.path(), chunked ? "c" : "p", d, 12, layout);
+    const int descriptors = open_descriptors();
+    const ssize_t ids = open_hdf5_ids();
+    Hdf5SourceOptions options;
+    options.open_shards = 3;
+    auto source = open_hdf5_source(files, 4, options);
+    expect_same_rows(*source, d);
+    // A descriptor each, and an HDF5 file (with its own descriptor) and /x, /y if chunked.
+    EXPECT_LE(open_descriptors(), descriptors + (chunked ? 2 * 3 : 3));
+    EXPECT_LE(open_hdf5_ids(), ids + (chunked ? 3 * 3 : 0));
+    source.reset();
+    EXPECT_EQ(open_descriptors(), descriptors);
+    EXPECT_EQ(open_hdf5_ids(), ids);
+  }
+}
+
+// The same rows as 8 gzip shards hold the memory of 1 file (issue 25: 242 MB instead of
+// 84 MB): the shards a batch reads share one chunk-cache budget, and the caches of
+// the others are released. Random batches, then batches of shuffled blocks.
+TEST(Hdf5Source, ManyShardsHoldTheMemoryOfOneFile) {
+  TempDir dir;
+  const int64_t n = 1 << 17, f = 64;  // 32 MiB of inputs, chunks of 64 rows (16 KiB)
+  Dataset d = numbered_classes(n, f, 4);
+  H5Layout chunked;
+  chunked.chunked = true;
+  chunked.chunk_rows = 64;
+  const auto one = write_h5_shards(dir.path(), "one", d, 1, chunked);
+  const auto eight = write_h5_shards(dir.path(), "eight", d, 8, chunked);
+  d = Dataset{};
+  std::mt19937_64 random(11);
+  std::vector<int64_t> rows(256);
+  std::vector<float> x(rows.size() * f);
+  std::vector<int32_t> labels(rows.size());
+  // Batches of random rows, then of rows from 8 random blocks of 1024 rows.
+  const auto read_batches = [&](RowSource& source, int batches, int64_t block_rows) {
+    for (int b = 0; b < batches; ++b) {
+      int64_t blocks[8];
+      for (int64_t& block : blocks) block = static_cast<int64_t>(random() % (n / 1024));
+      for (int64_t& r : rows) {
+        r = block_rows > 0
+                ? blocks[random() % 8] * block_rows + static_cast<int64_t>(random() % 1024)
+                : static_cast<int64_t>(random() % n);
+      }
+      source.read(rows.data(), static_cast<int64_t>(rows.size()),
+                  RowBuffers{x.data(), labels.data(), nullptr});
+    }
+  };
+  Hdf5SourceOptions options;
+  options.chunk_cache_bytes = 4 << 20;
+  for (const int64_t block_rows : {int64_t{0}, int64_t{1024}}) {
+    SCOPED_TRACE(block_rows > 0 ? "blocks" : "random rows");
+    options.block_rows = block_rows;
+    options.random_rows = block_rows == 0;
+    auto single = open_hdf5_source(one, 4, options);
+    read_batches(*single, 1, block_rows);
+    const int64_t before_single = resident_kib();
+    read_batches(*single, 80, block_rows);
+    const int64_t grown_single = resident_kib() - before_single;
+    const int64_t single_bytes = single->resident_bytes();
+    single.reset();
+    auto sharded = open_hdf5_source(eight, 4, options);
+    read_batches(*sharded, 1, block_rows);  // the scratch
+    const int64_t before = resident_kib();
+    read_batches(*sharded, 80, block_rows);
+    const int64_t grown = resident_kib() - before;
+    // The counted caches: chunk_cache_bytes at most, as one file's.
+    const int64_t scratch = 256 * (8 + 4 * f + 8);
+    EXPECT_LE(sharded->resident_bytes(), options.chunk_cache_bytes + scratch);
+    EXPECT_LE(single_bytes, options.chunk_cache_bytes + scratch);
+    // Resident memory: 8 caches of 4 MiB would hold all 32 MiB, one 4 MiB.
+    EXPECT_LT(grown, 16 * 1024) << "resident memory grew by " << grown << " KiB";
+    std::cout << "[ measured ] " << (block_rows > 0 ? "blocks" : "random rows")
+              << ": resident memory grew by " << grown_single << " KiB with 1 file, " << grown
+              << " KiB with 8 shards\n";
+  }
 }
 
 }  // namespace

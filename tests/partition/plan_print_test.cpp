@@ -6,6 +6,8 @@
 #include <sstream>
 
 #include "framework/train/config.hpp"
+#include "tests/data/hdf5_test_files.hpp"
+#include "tests/data/idx_test_files.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain {
@@ -233,16 +235,38 @@ TEST(PlanPrint, PredictsStepTimeWithAHardwareProfile) {
   EXPECT_EQ(nlohmann::json::parse(accumulated.str())["scaling"][2]["global_batch"], 2 * 64 * 512);
 }
 
-// The data path's host memory per rank: Fashion-MNIST in memory (both splits as bytes and
-// int32 labels), an HDF5 stream's scratch (which does not depend on the file), and the
+// The data path's host memory per rank, in the total: Fashion-MNIST in memory (both splits
+// of its files as bytes and int32 labels), an HDF5 stream's scratch (which does not depend
+// on the file) and chunk caches (which do not depend on the number of shards), and the
 // staging slots of the prefetch depth; the cost model charges the read prefetch does not hide.
 TEST(PlanPrint, CountsTheDataPathPerRank) {
-  RunConfig config = parse_config(
-      kConfig, "fsdp_tp.toml", {"data.source=\"fashion_mnist\"", "model.loss=\"cross_entropy\""});
+  // Fashion-MNIST's sizes come from its files: a small pair of IDX files here.
+  testing::TempDir idx;
+  testing::write_idx_pair(idx.path(), "train", 28, 0x803, 30, 30 * 784, 0x801,
+                          std::vector<unsigned char>(30, 1));
+  testing::write_idx_pair(idx.path(), "t10k", 28, 0x803, 7, 7 * 784, 0x801,
+                          std::vector<unsigned char>(7, 2));
+  RunConfig config = parse_config(kConfig, "fsdp_tp.toml",
+                                  {"data.source=\"fashion_mnist\"", "model.loss=\"cross_entropy\"",
+                                   "data.path=\"" + idx.path() + "\""});
   auto totals = nlohmann::json::parse(plan_text(config, 4, true))["totals"];
-  EXPECT_EQ(totals["data_source_bytes"], (60000 + 10000) * (784 + 4));
+  EXPECT_EQ(totals["data_source_bytes"], (30 + 7) * (784 + 4));
   // 64 train and 64 eval rows per rank, 2 slots: x (4 x 784), a label (4), a sample index (8).
   EXPECT_EQ(totals["data_staging_bytes"], 2 * (64 + 64) * (4 * 784 + 4 + 8));
+  // The total is the model's bytes and the data's: the same model for every data source.
+  const auto model_bytes = [](const nlohmann::json& t) {
+    return t["bytes_per_rank"].get<int64_t>() - t["checkpoint_staging_bytes"].get<int64_t>() -
+           t["data_source_bytes"].get<int64_t>() - t["data_staging_bytes"].get<int64_t>() -
+           t["data_chunk_cache_bytes"].get<int64_t>();
+  };
+  const int64_t model = model_bytes(totals);
+  EXPECT_EQ(model, model_bytes(nlohmann::json::parse(
+                       plan_text(parse_config(kConfig, "fsdp_tp.toml"), 4, true))["totals"]));
+  // Files that cannot be read are not counted, and the plan says so.
+  config.data.path = {idx.file("none")};
+  EXPECT_EQ(nlohmann::json::parse(plan_text(config, 4, true))["totals"]["data_source_bytes"], 0);
+  expect_contains(plan_text(config, 4, false), "not counted: ");
+  config.data.path.clear();
 
   config = parse_config(kConfig, "fsdp_tp.toml",
                         {"data.source=\"hdf5\"", "data.path=\"big.h5\"",
@@ -251,7 +275,12 @@ TEST(PlanPrint, CountsTheDataPathPerRank) {
   // No test file: the training stream's scratch alone (order 8, x, a label widened to 8).
   EXPECT_EQ(totals["data_source_bytes"], 64 * (8 + 4 * 784 + 8));
   EXPECT_EQ(totals["data_staging_bytes"], 3 * (64 + 64) * (4 * 784 + 4 + 8));
-  EXPECT_EQ(totals["data_chunk_cache_bytes_per_shard"], 2 << 20);
+  EXPECT_EQ(totals["data_chunk_cache_bytes"], 1 << 20);  // however many shards
+  EXPECT_EQ(model_bytes(totals), model);                 // the caches are in the total
+  config.data.test_path = {"test.h5"};                   // a second source, with its own caches
+  EXPECT_EQ(nlohmann::json::parse(plan_text(config, 4, true))["totals"]["data_chunk_cache_bytes"],
+            2 << 20);
+  config.data.test_path.clear();
   const std::string text = plan_text(config, 4, false);
   expect_contains(text, "streamed from HDF5");
   expect_contains(text, "(3 batches of train and eval)");
