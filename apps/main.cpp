@@ -190,6 +190,19 @@ int main(int argc, char** argv) {
   CalibrateArgs calibrate_args;
   add_calibrate_command(app, calibrate_args);
 
+  // A first word that is no subcommand (a typo, or a command of a newer meshtrain): CLI11
+  // would only say that a subcommand is required. Name the word and list the commands.
+  std::string commands;
+  bool known = false;
+  for (const CLI::App* command : app.get_subcommands({})) {
+    commands += (commands.empty() ? "" : ", ") + command->get_name();
+    known = known || (argc > 1 && command->get_name() == argv[1]);
+  }
+  if (argc > 1 && argv[1][0] != '-' && !known) {
+    std::cerr << "meshtrain: error: unknown command '" << argv[1] << "'; the commands are "
+              << commands << " (see meshtrain --help)\n";
+    return kExitBadInput;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
