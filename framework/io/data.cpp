@@ -222,6 +222,8 @@ std::unique_ptr<RowSource> open_data_source(const DataSection& data, Split split
     options.chunk_cache_bytes = hdf5_chunk_cache_bytes(data, input_width, output_width);
     options.random_rows = data.shuffle != ShuffleMode::none;
     options.block_rows = data.shuffle == ShuffleMode::blocks ? data.block_rows : 0;
+    options.x_name = data.x_key;
+    options.y_name = data.y_key;
     source = open_hdf5_source(expand_data_paths(entries, key), output_width, options);
   }
   check_data_fits_model(source->shape(), input_width, output_width);

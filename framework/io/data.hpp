@@ -108,6 +108,8 @@ struct Hdf5SourceOptions {
   int64_t open_shards = 32;  // beyond a window of 8 blocks over shards of a block or more
   bool random_rows = false;
   int64_t block_rows = 0;
+  std::string x_name = "/x";  // the datasets' paths in each file (data.x_key, data.y_key)
+  std::string y_name = "/y";
 };
 std::unique_ptr<RowSource> open_hdf5_source(const std::vector<std::string>& files,
                                             int64_t num_classes,

@@ -26,6 +26,17 @@ struct DataSection {
   int64_t shuffle_window = 8;  // shuffle = "blocks": blocks whose rows are shuffled together
   int64_t prefetch = 2;        // batches read ahead by a background thread; 0: read in the step
   int64_t synthetic_samples = 4096;
+  // hdf5: the datasets of the inputs and of the labels or targets in every file (a leading
+  // "/" is added when missing: "x" and "/x" are the same).
+  std::string x_key = "/x";
+  std::string y_key = "/y";
 };
+
+// A dataset key as written ("x" or "/x") in its canonical form ("/x"); "" when it names no
+// dataset ("" or "/").
+inline std::string canonical_dataset_key(const std::string& key) {
+  if (key.empty() || key == "/") return "";
+  return key[0] == '/' ? key : "/" + key;
+}
 
 }  // namespace meshtrain

@@ -49,8 +49,9 @@ std::string shape_text(const std::vector<int64_t>& dims) {
   return s + "]";
 }
 
-// One dataset (/x or /y) of a shard.
+// One dataset (data.x_key or data.y_key, by default /x and /y) of a shard.
 struct Column {
+  std::string name;     // its path in the file: "/x", "/y" or the config's keys
   Handle dataset;       // open only while its shard is in the window (read through HDF5)
   int64_t offset = -1;  // file offset of row 0 when read with pread; -1: through HDF5
   int64_t width = 1;    // values per row
@@ -113,9 +114,14 @@ void describe_column(Shard& shard, Column& column, const char* name, hid_t nativ
 
 // Reads one shard's metadata and checks it alone (the shards are compared after); leaves
 // nothing open (a shard is opened when a batch reads it). Call under the HDF5 lock.
-Shard describe_shard(const std::string& path) {
+Shard describe_shard(const std::string& path, const std::string& x_name,
+                     const std::string& y_name) {
   Shard shard;
   shard.path = path;
+  shard.x.name = x_name;
+  shard.y.name = y_name;
+  const char* x = x_name.c_str();
+  const char* y = y_name.c_str();
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) {
     MESHTRAIN_BAD_INPUT("cannot read the HDF5 data file '", path, "': ", std::strerror(errno));
@@ -124,38 +130,39 @@ Shard describe_shard(const std::string& path) {
   hdf5::silence_errors();
   shard.file = hdf5::make(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose,
                           ErrorKind::bad_input, "HDF5 data file '" + path + "': cannot open it");
-  const auto open = [&](const char* name, const char* expected) {
+  const auto open = [&](const char* name, const char* expected, const char* key) {
     if (!hdf5::path_exists(shard.file, name, ErrorKind::bad_input, "'" + path + "'")) {
-      bad_file(path, "has no dataset ", name, " (expected ", expected, ")");
+      bad_file(path, "has no dataset ", name, " (expected ", expected, "; data.", key,
+               " names it)");
     }
     return hdf5::make(H5Dopen2(shard.file, name, H5P_DEFAULT), H5Dclose, ErrorKind::bad_input,
                       "HDF5 data file '" + path + "': cannot open " + name);
   };
 
-  // /x: float [N, features]
-  shard.x.dataset = open("/x", "float inputs [N, features]");
+  // x: float [N, features]
+  shard.x.dataset = open(x, "float inputs [N, features]", "x_key");
   const std::vector<int64_t> xd =
-      hdf5::dataset_shape(shard.x.dataset, ErrorKind::bad_input, "/x in '" + path + "'");
-  describe_column(shard, shard.x, "/x", H5T_NATIVE_FLOAT);
+      hdf5::dataset_shape(shard.x.dataset, ErrorKind::bad_input, x_name + " in '" + path + "'");
+  describe_column(shard, shard.x, x, H5T_NATIVE_FLOAT);
   if (xd.size() != 2 || shard.x.type_class != H5T_FLOAT) {
-    bad_file(path, "/x must be a float dataset [N, features], got ",
+    bad_file(path, x, " must be a float dataset [N, features], got ",
              shard.x.type_class == H5T_FLOAT ? "float " : "non-float ", shape_text(xd));
   }
-  if (xd[0] == 0 || xd[1] == 0) bad_file(path, "/x is empty ", shape_text(xd));
+  if (xd[0] == 0 || xd[1] == 0) bad_file(path, x, " is empty ", shape_text(xd));
   shard.rows = xd[0];
   shard.x.width = xd[1];
 
-  // /y: integer [N] labels, or float [N, outputs] / [N] targets
-  shard.y.dataset = open("/y", "integer class labels [N] or float targets [N, outputs]");
+  // y: integer [N] labels, or float [N, outputs] / [N] targets
+  shard.y.dataset = open(y, "integer class labels [N] or float targets [N, outputs]", "y_key");
   const std::vector<int64_t> yd =
-      hdf5::dataset_shape(shard.y.dataset, ErrorKind::bad_input, "/y in '" + path + "'");
+      hdf5::dataset_shape(shard.y.dataset, ErrorKind::bad_input, y_name + " in '" + path + "'");
   {
     Handle type = hdf5::make(H5Dget_type(shard.y.dataset), H5Tclose, ErrorKind::bad_input,
-                             "cannot read the type of /y in '" + path + "'");
+                             "cannot read the type of " + y_name + " in '" + path + "'");
     const bool int32 = H5Tequal(type, H5T_NATIVE_INT32) > 0;
     const bool int64 = H5Tequal(type, H5T_NATIVE_INT64) > 0;
     const bool labels = H5Tget_class(type) == H5T_INTEGER;
-    describe_column(shard, shard.y, "/y",
+    describe_column(shard, shard.y, y,
                     labels ? (int32   ? H5T_NATIVE_INT32
                               : int64 ? H5T_NATIVE_INT64
                                       : -1)
@@ -165,15 +172,15 @@ Shard describe_shard(const std::string& path) {
   const bool labels = shard.y.type_class == H5T_INTEGER && yd.size() == 1;
   const bool targets = shard.y.type_class == H5T_FLOAT && (yd.size() == 1 || yd.size() == 2);
   if (!labels && !targets) {
-    bad_file(path, "/y must be integer class labels [N] or float targets [N, outputs], got ",
+    bad_file(path, y, " must be integer class labels [N] or float targets [N, outputs], got ",
              shard.y.type_class == H5T_INTEGER ? "integer "
              : shard.y.type_class == H5T_FLOAT ? "float "
                                                : "non-numeric ",
              shape_text(yd));
   }
-  if (yd[0] != xd[0]) bad_file(path, "/x has ", xd[0], " samples but /y has ", yd[0]);
+  if (yd[0] != xd[0]) bad_file(path, x, " has ", xd[0], " samples but ", y, " has ", yd[0]);
   shard.y.width = yd.size() == 2 ? yd[1] : 1;
-  if (shard.y.width == 0) bad_file(path, "/y is empty ", shape_text(yd));
+  if (shard.y.width == 0) bad_file(path, y, " is empty ", shape_text(yd));
   shard.x.dataset.reset();
   shard.y.dataset.reset();
   shard.file.reset();
@@ -228,7 +235,9 @@ class Hdf5Source final : public RowSource {
       std::lock_guard<std::mutex> lock(hdf5::global_mutex());
       set_.access = hdf5::make(H5Pcreate(H5P_DATASET_ACCESS), H5Pclose, ErrorKind::runtime,
                                "cannot create a dataset access property list");
-      for (const std::string& path : files) set_.shards.push_back(describe_shard(path));
+      for (const std::string& path : files) {
+        set_.shards.push_back(describe_shard(path, options.x_name, options.y_name));
+      }
     }
     set_.open.reserve(static_cast<size_t>(std::min<int64_t>(open_shards_, files.size())));
     window_.reserve(files.size());
@@ -246,13 +255,13 @@ class Hdf5Source final : public RowSource {
                std::to_string(head.x.width));
       }
       if (s.x.type_size != head.x.type_size)
-        differ("the dtype of /x", type_text(s.x), type_text(head.x));
+        differ(("the dtype of " + s.x.name).c_str(), type_text(s.x), type_text(head.x));
       if ((s.y.type_class == H5T_INTEGER) != labels) {
-        differ("the kind of /y", labels ? "float targets" : "integer labels",
+        differ(("the kind of " + s.y.name).c_str(), labels ? "float targets" : "integer labels",
                labels ? "integer labels" : "float targets");
       }
       if (s.y.type_class != head.y.type_class || s.y.type_size != head.y.type_size) {
-        differ("the dtype of /y", type_text(s.y), type_text(head.y));
+        differ(("the dtype of " + s.y.name).c_str(), type_text(s.y), type_text(head.y));
       }
       if (!labels && s.y.width != head.y.width) {
         differ("the target width", std::to_string(s.y.width) + " targets per row",
@@ -548,7 +557,7 @@ class Hdf5Source final : public RowSource {
           window > budget ? static_cast<int64_t>(static_cast<double>(budget) * c->need / window)
                           : budget;
       if (c->dataset.get() >= 0 && !c->empty_cache && c->cache_bytes == capacity) continue;
-      const char* name = c == &s.x ? "/x" : "/y";
+      const char* name = c->name.c_str();
       std::lock_guard<std::mutex> lock(hdf5::global_mutex());
       hdf5::silence_errors();
       c->dataset.reset();
@@ -583,12 +592,11 @@ class Hdf5Source final : public RowSource {
     }
     if (s.through_hdf5()) open_datasets(s);
     const int64_t f = s.x.width;
-    read_column(s, s.x, rows, begin, end, H5T_NATIVE_FLOAT, x_.data() + begin * f, "/x");
+    read_column(s, s.x, rows, begin, end, H5T_NATIVE_FLOAT, x_.data() + begin * f);
     if (shape_.classification()) {
-      read_column(s, s.y, rows, begin, end, H5T_NATIVE_INT64, labels_.data() + begin, "/y");
+      read_column(s, s.y, rows, begin, end, H5T_NATIVE_INT64, labels_.data() + begin);
     } else {
-      read_column(s, s.y, rows, begin, end, H5T_NATIVE_FLOAT, targets_.data() + begin * s.y.width,
-                  "/y");
+      read_column(s, s.y, rows, begin, end, H5T_NATIVE_FLOAT, targets_.data() + begin * s.y.width);
     }
   }
 
@@ -597,7 +605,8 @@ class Hdf5Source final : public RowSource {
   // run one pread, or the union of the runs one H5Dread), then repeated where the batch
   // repeats them.
   void read_column(const Shard& s, const Column& c, const int64_t* rows, int64_t begin, int64_t end,
-                   hid_t memory, void* out, const char* name) {
+                   hid_t memory, void* out) {
+    const char* name = c.name.c_str();
     const size_t value_bytes = memory == H5T_NATIVE_INT64 ? 8 : 4;
     auto* bytes = static_cast<char*>(out);
     int64_t distinct = 0;
@@ -697,7 +706,8 @@ class Hdf5Source final : public RowSource {
     for (int64_t c = 0; c < f; ++c) {
       if (!std::isfinite(x[c])) {
         const Shard& s = shard_of(row);
-        MESHTRAIN_FAIL("HDF5 data file '", s.path, "': /x[", row - s.first, ", ", c, "] is ", x[c],
+        MESHTRAIN_FAIL("HDF5 data file '", s.path, "': ", s.x.name, "[", row - s.first, ", ", c,
+                       "] is ", x[c],
                        "; inputs must be finite");
       }
     }
@@ -705,7 +715,8 @@ class Hdf5Source final : public RowSource {
       const int64_t label = labels_[k];
       if (label < 0 || label >= shape_.num_classes) {
         const Shard& s = shard_of(row);
-        MESHTRAIN_FAIL("HDF5 data file '", s.path, "': label /y[", row - s.first, "] = ", label,
+        MESHTRAIN_FAIL("HDF5 data file '", s.path, "': label ", s.y.name, "[", row - s.first,
+                       "] = ", label,
                        " is outside [0, ", shape_.num_classes,
                        ") (model.sizes[-1] = ", shape_.num_classes, " classes)");
       }
@@ -716,7 +727,8 @@ class Hdf5Source final : public RowSource {
       const float t = targets_[k * w + c];
       if (!std::isfinite(t)) {
         const Shard& s = shard_of(row);
-        MESHTRAIN_FAIL("HDF5 data file '", s.path, "': /y[", row - s.first, ", ", c, "] is ", t,
+        MESHTRAIN_FAIL("HDF5 data file '", s.path, "': ", s.y.name, "[", row - s.first, ", ", c,
+                       "] is ", t,
                        "; targets must be finite");
       }
     }

@@ -151,6 +151,14 @@ void check_config(RunConfig& config) {
     fail("data.eval_batch_size", "must be at least 1, got ", *config.data.eval_batch_size);
   }
   if (config.data.synthetic_samples < 1) fail("data.synthetic_samples", "must be at least 1");
+  for (auto [key, value] :
+       {std::pair{"data.x_key", &config.data.x_key}, std::pair{"data.y_key", &config.data.y_key}}) {
+    *value = canonical_dataset_key(*value);
+    if (value->empty()) fail(key, "must name a dataset, e.g. \"/x\"");
+  }
+  if (config.data.x_key == config.data.y_key) {
+    fail("data.y_key", "names the same dataset as data.x_key (" + config.data.x_key + ")");
+  }
   if (config.data.block_rows < 1) fail("data.block_rows", "must be at least 1");
   if (config.data.shuffle_window < 1) fail("data.shuffle_window", "must be at least 1");
   if (config.data.prefetch < 0) fail("data.prefetch", "must be non-negative (0: no reader thread)");

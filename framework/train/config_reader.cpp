@@ -39,7 +39,7 @@ const ConfigSchema& config_schema() {
       {"partition", {"preset", "min_sharding_size", "rules", "logical_axes", "collective_matmul"}},
       {"data",
        {"source", "path", "test_path", "batch_size", "eval_batch_size", "shuffle", "block_rows",
-        "shuffle_window", "prefetch", "synthetic_samples"}},
+        "shuffle_window", "prefetch", "synthetic_samples", "x_key", "y_key"}},
       {"optimizer",
        {"kind", "lr", "momentum", "betas", "eps", "weight_decay", "clip_norm", "schedule",
         "warmup_steps", "min_lr", "zero_stage"}},
@@ -489,6 +489,11 @@ void read_data(const Section& s, DataSection& data) {
   data.shuffle_window = s.integer("shuffle_window", data.shuffle_window, 1);
   data.prefetch = s.integer("prefetch", data.prefetch, 0);
   data.synthetic_samples = s.integer("synthetic_samples", data.synthetic_samples, 1);
+  for (auto [key, value] : {std::pair{"x_key", &data.x_key}, std::pair{"y_key", &data.y_key}}) {
+    *value = canonical_dataset_key(s.string(key).value_or(*value));
+    if (value->empty()) s.fail(key, "must name a dataset, e.g. \"/x\"");
+  }
+  if (data.x_key == data.y_key) s.fail("y_key", "names the same dataset as x_key (", data.x_key, ")");
 }
 
 void read_optimizer(const Section& s, OptimizerSection& opt) {

@@ -53,6 +53,8 @@ std::string config_to_toml(const RunConfig& config) {
                    {"shuffle_window", config.data.shuffle_window},
                    {"prefetch", config.data.prefetch},
                    {"synthetic_samples", config.data.synthetic_samples}};
+  if (config.data.x_key != DataSection{}.x_key) data.insert("x_key", config.data.x_key);
+  if (config.data.y_key != DataSection{}.y_key) data.insert("y_key", config.data.y_key);
   if (config.data.shuffle == ShuffleMode::blocks) {
     data.insert("shuffle", "blocks");
   } else {

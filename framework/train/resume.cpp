@@ -76,6 +76,10 @@ void check_resume_compatible(const RunConfig& config, const CheckpointInfo& save
   const char* other_data = "would train on other data";
   require_same("data.source", was.source, is.source, saved, config, other_data);
   require_same("data.path", data_path(was), data_path(is), saved, config, other_data);
+  if (is.source == DataSource::hdf5) {
+    require_same("data.x_key", was.x_key, is.x_key, saved, config, other_data);
+    require_same("data.y_key", was.y_key, is.y_key, saved, config, other_data);
+  }
   if (is.source == DataSource::synthetic) {
     require_same("data.synthetic_samples", was.synthetic_samples, is.synthetic_samples, saved,
                  config, other_data);

@@ -72,6 +72,8 @@ batch_size = 64
 eval_batch_size = 96
 shuffle = false
 synthetic_samples = 100
+x_key = "inputs"
+y_key = "/targets"
 [optimizer]
 kind = "sgd"
 lr = 0.5
@@ -202,6 +204,8 @@ TEST(Config, ConfigToTomlReadsBackTheSameValues) {
   EXPECT_EQ(b.data.source, a.data.source);
   EXPECT_EQ(b.data.path, a.data.path);
   EXPECT_EQ(b.data.test_path, a.data.test_path);
+  EXPECT_EQ(b.data.x_key, a.data.x_key);
+  EXPECT_EQ(b.data.y_key, a.data.y_key);
   EXPECT_EQ(b.data.batch_size, a.data.batch_size);
   EXPECT_EQ(b.data.shuffle, a.data.shuffle);
   EXPECT_EQ(b.data.synthetic_samples, a.data.synthetic_samples);
@@ -284,6 +288,29 @@ TEST(Config, RuntimeSectionAndItsOverrides) {
   EXPECT_TRUE(buckets.runtime.overlap);
   EXPECT_EQ(buckets.runtime.bucket_mb, 0.5);
   EXPECT_EQ(parse(minimal(), {"runtime.bucket_mb=2"}).runtime.bucket_mb, 2.0);  // an integer
+}
+
+// [data] x_key / y_key: the HDF5 datasets' names, "/" added when missing; written back only
+// when not the defaults; an empty key or the same dataset twice is bad input naming the key.
+TEST(Config, DatasetKeys) {
+  const RunConfig defaults = parse(minimal());
+  EXPECT_EQ(defaults.data.x_key, "/x");
+  EXPECT_EQ(defaults.data.y_key, "/y");
+  EXPECT_EQ(config_to_toml(defaults).find("x_key"), std::string::npos);
+  const RunConfig named = parse(minimal("[data]\nx_key = \"inputs\"\ny_key = \"/a/targets\"\n"));
+  EXPECT_EQ(named.data.x_key, "/inputs");
+  EXPECT_EQ(named.data.y_key, "/a/targets");
+  const RunConfig again = parse(config_to_toml(named));
+  EXPECT_EQ(again.data.x_key, "/inputs");
+  EXPECT_EQ(again.data.y_key, "/a/targets");
+  expect_config_error(minimal("[data]\nx_key = \"\"\n"), {"t.toml:6", "[data] x_key", "must name a dataset"});
+  expect_config_error(minimal("[data]\ny_key = \"x\"\n"), {"t.toml:6", "[data] y_key", "/x"});
+  RunConfig in_code = parse(minimal());
+  in_code.data.x_key = "features";
+  check_config(in_code);
+  EXPECT_EQ(in_code.data.x_key, "/features");
+  in_code.data.y_key = "/";
+  expect_bad_input([&] { check_config(in_code); }, {"data.y_key", "must name a dataset"});
 }
 
 TEST(Config, NoRulesAndNoPresetIsAnErrorOfThePartitionSection) {

@@ -84,5 +84,15 @@ TEST(ResumeCheck, AnotherOrderIsRefused) {
   expect_refused(blocks, info, {"data.block_rows"});
 }
 
+// HDF5 data read from other datasets of the same files is other data: named by its key.
+TEST(ResumeCheck, OtherDatasetKeysAreRefused) {
+  RunConfig config = parse_config(kConfig, "run.toml",
+                                  {"data.source=\"hdf5\"", "data.path=[\"train.h5\"]"});
+  const CheckpointInfo info = saved_by(config, order_of(config));
+  EXPECT_NO_THROW(check_resume_compatible(config, info, 20, order_of(config)));
+  config.data.y_key = "/other_targets";
+  expect_refused(config, info, {"data.y_key", "/other_targets", "other data"});
+}
+
 }  // namespace
 }  // namespace meshtrain

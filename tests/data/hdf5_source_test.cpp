@@ -236,6 +236,34 @@ TEST(Hdf5Source, GlobsExpandSorted) {
                    {"data.path", "none-*.h5", "matches no file"});
 }
 
+// data.x_key / data.y_key name the datasets ("inputs" means "/inputs"), in contiguous and
+// chunked files; a file without them is bad input naming the dataset and the key.
+TEST(Hdf5Source, DatasetNamesFromTheConfig) {
+  TempDir dir;
+  const Dataset d = numbered_targets(29, 3, 2);
+  for (bool chunked : {false, true}) {
+    H5Layout layout;
+    layout.chunked = chunked;
+    layout.x_name = "/inputs";
+    layout.y_name = "/outputs";
+    write_h5(dir.file("named.h5"), d, layout);
+    DataSection section;
+    section.source = DataSource::hdf5;
+    section.path = {dir.file("named.h5")};
+    section.x_key = "/inputs";
+    section.y_key = "/outputs";
+    auto source = open_data_source(section, Split::train, 0, 3, 2);
+    expect_same_rows(*source, d);
+    section.x_key = "/x";  // the default, absent from this file
+    expect_bad_input([&] { open_data_source(section, Split::train, 0, 3, 2); },
+                     {dir.file("named.h5"), "has no dataset /x", "data.x_key"});
+    section.x_key = "/inputs";
+    section.y_key = "/y";
+    expect_bad_input([&] { open_data_source(section, Split::train, 0, 3, 2); },
+                     {"has no dataset /y", "data.y_key"});
+  }
+}
+
 // Every shard must match the first: the message names the odd shard, the first shard and
 // what differs. Set-up errors are bad input.
 TEST(Hdf5Source, AShardUnlikeTheFirstIsBadInput) {

@@ -112,6 +112,8 @@ struct H5Layout {
   bool x_double = false;      // /x as float64 (read through HDF5's conversion)
   bool labels_int64 = false;  // /y as int64 (else int32)
   bool targets_1d = false;    // regression with width 1: /y [N] instead of [N, 1]
+  const char* x_name = "/x";  // the datasets' names (data.x_key, data.y_key)
+  const char* y_name = "/y";
 };
 
 inline void write_h5_column(hid_t file, const char* name, hid_t type,
@@ -148,23 +150,23 @@ inline void write_h5(const std::string& path, const Dataset& d, const H5Layout& 
   if (layout.x_double) {
     std::vector<double> x(d.inputs.begin() + first * d.features,
                           d.inputs.begin() + (first + count) * d.features);
-    write_h5_column(file, "/x", H5T_NATIVE_DOUBLE, {n, f}, x.data(), layout);
+    write_h5_column(file, layout.x_name, H5T_NATIVE_DOUBLE, {n, f}, x.data(), layout);
   } else {
-    write_h5_column(file, "/x", H5T_NATIVE_FLOAT, {n, f}, d.inputs.data() + first * d.features,
+    write_h5_column(file, layout.x_name, H5T_NATIVE_FLOAT, {n, f}, d.inputs.data() + first * d.features,
                     layout);
   }
   if (d.classification()) {
     if (layout.labels_int64) {
       std::vector<int64_t> y(d.labels.begin() + first, d.labels.begin() + first + count);
-      write_h5_column(file, "/y", H5T_NATIVE_INT64, {n}, y.data(), layout);
+      write_h5_column(file, layout.y_name, H5T_NATIVE_INT64, {n}, y.data(), layout);
     } else {
-      write_h5_column(file, "/y", H5T_NATIVE_INT32, {n}, d.labels.data() + first, layout);
+      write_h5_column(file, layout.y_name, H5T_NATIVE_INT32, {n}, d.labels.data() + first, layout);
     }
   } else {
     const hsize_t w = static_cast<hsize_t>(d.target_width);
     std::vector<hsize_t> dims = {n, w};
     if (layout.targets_1d) dims = {n};
-    write_h5_column(file, "/y", H5T_NATIVE_FLOAT, dims, d.targets.data() + first * d.target_width,
+    write_h5_column(file, layout.y_name, H5T_NATIVE_FLOAT, dims, d.targets.data() + first * d.target_width,
                     layout);
   }
   ASSERT_GE(H5Fclose(file), 0);
