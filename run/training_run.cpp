@@ -132,9 +132,10 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
       test_source_ = make_memory_source(std::move(data->test));
     } else {
       const uint64_t seed = config_.run.seed;
-      train_source_ =
-          open_data_source(config_.data, Split::train, seed, sizes.front(), sizes.back());
-      test_source_ = open_data_source(config_.data, Split::test, seed, sizes.front(), sizes.back());
+      train_source_ = open_data_source(config_.data, Split::train, seed, sizes.front(),
+                                       sizes.back(), config_.model.loss);
+      test_source_ = open_data_source(config_.data, Split::test, seed, sizes.front(), sizes.back(),
+                                      config_.model.loss);
     }
     const DataShape& train = train_source_->shape();
     if (!config_.model.loss) {

@@ -198,7 +198,8 @@ void check_data_fits_model(const DataShape& d, int64_t input_width, int64_t outp
 }
 
 std::unique_ptr<RowSource> open_data_source(const DataSection& data, Split split, uint64_t seed,
-                                            int64_t input_width, int64_t output_width) {
+                                            int64_t input_width, int64_t output_width,
+                                            std::optional<LossKind> loss) {
   std::unique_ptr<RowSource> source;
   if (data.source == DataSource::fashion_mnist) {
     const std::string dir = data.path.empty() ? default_fashion_mnist_dir() : data.path.front();
@@ -226,6 +227,7 @@ std::unique_ptr<RowSource> open_data_source(const DataSection& data, Split split
     options.y_name = data.y_key;
     source = open_hdf5_source(expand_data_paths(entries, key), output_width, options);
   }
+  if (loss) check_loss_fits_data(*loss, data, source->shape());
   check_data_fits_model(source->shape(), input_width, output_width);
   return source;
 }
@@ -242,11 +244,14 @@ void check_loss_fits_data(LossKind loss, const DataSection& data, const DataShap
   const std::string targets =
       split.classification() ? std::to_string(split.num_classes) + " class labels"
                              : "regression targets of width " + std::to_string(split.target_width);
+  // Labels stored as floats read as targets of width 1.
+  const char* stored_as_floats =
+      wants_labels && split.target_width == 1 ? ", or store class labels as integers" : "";
   MESHTRAIN_BAD_INPUT("model.loss = \"", to_string(loss), "\" needs ",
                       wants_labels ? "class labels" : "regression targets",
                       ", but data.source = \"", to_string(data.source), "\" gives ", targets,
                       " (the ", split.description, "): set model.loss = \"",
-                      wants_labels ? "mse" : "cross_entropy", "\"");
+                      wants_labels ? "mse" : "cross_entropy", "\"", stored_as_floats);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -156,8 +157,12 @@ Dataset load_hdf5_dataset(const std::string& path, int64_t num_classes);
 //  - synthetic: data.synthetic_samples training rows, generated from `seed`.
 //  - hdf5: data.path (train) / data.test_path (test), streamed. With no test_path the
 //    test split is an empty source (num_samples 0): evaluation has nothing to do.
+// `loss` (model.loss; empty while it is "auto"): checked against the split first
+// (check_loss_fits_data), so that float labels under cross_entropy are told to be integers
+// rather than of another width.
 std::unique_ptr<RowSource> open_data_source(const DataSection& data, Split split, uint64_t seed,
-                                            int64_t input_width, int64_t output_width);
+                                            int64_t input_width, int64_t output_width,
+                                            std::optional<LossKind> loss = std::nullopt);
 // The same, read into memory (allocates the whole split; for tests and tools).
 Dataset load_dataset(const DataSection& data, Split split, uint64_t seed, int64_t input_width,
                      int64_t output_width);

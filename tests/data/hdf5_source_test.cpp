@@ -264,6 +264,26 @@ TEST(Hdf5Source, DatasetNamesFromTheConfig) {
   }
 }
 
+// Class labels stored as floats read as targets of width 1: under cross_entropy with 5
+// classes the error says to store them as integers (the loss is checked before the widths),
+// not that 5 does not match a target width of 1.
+TEST(Hdf5Source, FloatLabelsAreToldToBeIntegers) {
+  TempDir dir;
+  Dataset d = numbered_targets(12, 3, 1);
+  H5Layout layout;
+  layout.targets_1d = true;
+  write_h5(dir.file("float_labels.h5"), d, layout);
+  DataSection section;
+  section.source = DataSource::hdf5;
+  section.path = {dir.file("float_labels.h5")};
+  expect_bad_input(
+      [&] { open_data_source(section, Split::train, 0, 3, 5, LossKind::cross_entropy); },
+      {"model.loss = \"cross_entropy\" needs class labels", "regression targets of width 1",
+       "store class labels as integers"});
+  expect_bad_input([&] { open_data_source(section, Split::train, 0, 3, 5); },
+                   {"model.sizes[-1] = 5", "target width 1"});  // no loss given: the widths
+}
+
 // Every shard must match the first: the message names the odd shard, the first shard and
 // what differs. Set-up errors are bad input.
 TEST(Hdf5Source, AShardUnlikeTheFirstIsBadInput) {
