@@ -69,6 +69,9 @@ int train_command(const std::string& config_path, const std::vector<std::string>
       std::fprintf(stderr, "warning: %s\n",
                    replicated_axis_note(axis, plan.mesh.axis_size(axis)).c_str());
     }
+    for (const std::string& warning : run.warnings()) {
+      std::fprintf(stderr, "warning: %s\n", warning.c_str());
+    }
     std::fflush(stderr);
   }
 

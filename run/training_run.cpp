@@ -388,8 +388,11 @@ void TrainingRun::resume() {
   // Same data order and model, and a step before the end, before any tensor is read.
   on_every_rank(comm_, [&] {
     if (rank_ == 0) {
-      check_resume_compatible(config_, list_checkpoint(*latest).info, total_steps_,
-                              schedule_->order().name());
+      const CheckpointInfo saved = list_checkpoint(*latest).info;
+      check_resume_compatible(config_, saved, total_steps_, schedule_->order().name());
+      const std::string warning = learning_rate_change_warning(
+          config_, saved, total_steps_, schedule_->steps_per_epoch());
+      if (!warning.empty()) warnings_.push_back(warning);
     }
   });
   // load_checkpoint throws the same error on every rank, after the same collectives.

@@ -165,6 +165,9 @@ class TrainingRun {
   bool finished() const { return steps_done_ >= total_steps_; }
   // The checkpoint this run resumed from (nullopt for a fresh start).
   const std::optional<CheckpointInfo>& resumed_from() const { return resumed_from_; }
+  // What set-up found worth a warning but not an error (on rank 0 only; e.g. a resumed run
+  // whose learning-rate schedule was stretched to another length).
+  const std::vector<std::string>& warnings() const { return warnings_; }
   // Lines describing the run: the mesh, batch and steps, then one per layer.
   std::vector<std::string> describe() const;
 
@@ -251,6 +254,7 @@ class TrainingRun {
   std::unique_ptr<Checkpointer> checkpointer_;  // the writer (a thread when async)
   int64_t in_flight_step_ = 0;                  // the step of the last checkpoint started
   std::optional<CheckpointInfo> resumed_from_;
+  std::vector<std::string> warnings_;
 
   // train(): metrics.jsonl and the loss window since the last log event.
   std::unique_ptr<MetricsLog> metrics_;

@@ -1,9 +1,13 @@
 #include "framework/train/resume.hpp"
 
+#include <cmath>
+#include <iomanip>
+#include <sstream>
 #include <string>
 
 #include "base/error.hpp"
 #include "framework/io/data.hpp"
+#include "framework/train/lr_schedule.hpp"
 #include "partition/partition_spec.hpp"
 
 namespace meshtrain {
@@ -57,6 +61,26 @@ std::vector<std::string> data_path(const DataSection& data) {
   return data.path;
 }
 
+// The config the checkpoint's run was made with.
+RunConfig stored_config(const CheckpointInfo& saved) {
+  try {
+    return parse_config(saved.config_text, "the config stored in '" + saved.path + "'");
+  } catch (const Error& e) {
+    MESHTRAIN_BAD_INPUT("cannot check that checkpoint '", saved.path,
+                        "' fits this run: its stored config does not load: ", e.what());
+  }
+}
+
+LrSchedule schedule_of(const RunConfig& config, int64_t total_steps) {
+  const OptimizerSection& opt = config.optimizer;
+  return LrSchedule{opt.schedule, opt.lr, opt.min_lr, opt.warmup_steps, total_steps};
+}
+
+std::string length_text(const RunConfig& config) {
+  return config.train.steps ? "train.steps = " + std::to_string(*config.train.steps)
+                            : "train.epochs = " + std::to_string(config.train.epochs.value_or(0));
+}
+
 }  // namespace
 
 void check_resume_compatible(const RunConfig& config, const CheckpointInfo& saved,
@@ -64,13 +88,7 @@ void check_resume_compatible(const RunConfig& config, const CheckpointInfo& save
   const char* order = "would change the data order";
   require_same("run.seed", saved.train_state.seed, config.run.seed, saved, config, order);
 
-  RunConfig before;
-  try {
-    before = parse_config(saved.config_text, "the config stored in '" + saved.path + "'");
-  } catch (const Error& e) {
-    MESHTRAIN_BAD_INPUT("cannot check that checkpoint '", saved.path,
-                        "' fits this run: its stored config does not load: ", e.what());
-  }
+  const RunConfig before = stored_config(saved);
   const DataSection& was = before.data;
   const DataSection& is = config.data;
   const char* other_data = "would train on other data";
@@ -112,14 +130,33 @@ void check_resume_compatible(const RunConfig& config, const CheckpointInfo& save
                "would not fit the saved parameters");
 
   if (saved.train_state.step > total_steps) {
-    const std::string length = config.train.steps
-                                   ? "train.steps = " + std::to_string(*config.train.steps)
-                                   : "train.epochs = " + std::to_string(*config.train.epochs);
+    const std::string length = length_text(config);
     MESHTRAIN_BAD_INPUT("checkpoint '", saved.path, "' is at step ", saved.train_state.step,
                         ", past the last step ", total_steps, " of ", config.file, " (", length,
                         "): raise ", length.substr(0, length.find(' ')),
                         " to train on, or use another checkpoint.dir");
   }
+}
+
+std::string learning_rate_change_warning(const RunConfig& config, const CheckpointInfo& saved,
+                                        int64_t total_steps, int64_t steps_per_epoch) {
+  const RunConfig before = stored_config(saved);
+  if (!before.train.steps && !before.train.epochs) return "";
+  const int64_t saved_total = training_steps(before, steps_per_epoch);
+  if (saved_total == total_steps) return "";
+  const int64_t step = saved.train_state.step;
+  const double was = schedule_of(before, saved_total).at(step);
+  const double is = schedule_of(config, total_steps).at(step);
+  if (std::abs(is - was) <= 1e-6 * std::abs(was)) return "";  // constant: the length is free
+  std::ostringstream out;
+  out << std::setprecision(2) << std::scientific << "the run that saved '" << saved.path
+      << "' had " << length_text(before) << " (" << saved_total << " steps), this one "
+      << length_text(config) << " (" << total_steps << "): optimizer.schedule = \""
+      << to_string(config.optimizer.schedule) << "\" spans the whole run, so the learning rate"
+      << " of step " << step + 1 << " becomes " << is << " instead of " << was
+      << " (the schedule is stretched, not continued); resume with " << length_text(before)
+      << " to continue it";
+  return out.str();
 }
 
 }  // namespace meshtrain

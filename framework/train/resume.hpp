@@ -26,4 +26,11 @@ namespace meshtrain {
 void check_resume_compatible(const RunConfig& config, const CheckpointInfo& saved,
                              int64_t total_steps, const std::string& data_order);
 
+// A warning, or "" when there is none: the checkpoint's run had another length (train.epochs
+// or train.steps) and a schedule that depends on it (linear or cosine decay), so the
+// resumed rate jumps instead of continuing (the saved run's rate at the saved step, against
+// this run's). Names the keys and the length that continues the schedule. Not collective.
+std::string learning_rate_change_warning(const RunConfig& config, const CheckpointInfo& saved,
+                                         int64_t total_steps, int64_t steps_per_epoch);
+
 }  // namespace meshtrain

@@ -84,6 +84,25 @@ TEST(ResumeCheck, AnotherOrderIsRefused) {
   expect_refused(blocks, info, {"data.block_rows"});
 }
 
+// A decaying schedule over another run length is stretched, not continued: a warning names
+// both lengths and the rates; a constant schedule, or the same length, gives none.
+TEST(ResumeCheck, AStretchedScheduleIsAWarning) {
+  RunConfig config = parse_config(kConfig, "run.toml", {"optimizer.schedule=\"cosine\""});
+  const CheckpointInfo info = saved_by(config, order_of(config));  // steps = 20, at step 4
+  EXPECT_EQ(learning_rate_change_warning(config, info, 20, 8), "");
+  config.train.steps = 40;
+  const std::string warning = learning_rate_change_warning(config, info, 40, 8);
+  for (const char* fragment : {"train.steps = 20 (20 steps)", "train.steps = 40 (40)",
+                               "optimizer.schedule = \"cosine\"", "step 5", "stretched",
+                               "resume with train.steps = 20"}) {
+    EXPECT_NE(warning.find(fragment), std::string::npos) << warning << "\nmissing " << fragment;
+  }
+  RunConfig constant = parse_config(kConfig, "run.toml");
+  const CheckpointInfo constant_info = saved_by(constant, order_of(constant));
+  constant.train.steps = 40;
+  EXPECT_EQ(learning_rate_change_warning(constant, constant_info, 40, 8), "");
+}
+
 // HDF5 data read from other datasets of the same files is other data: named by its key.
 TEST(ResumeCheck, OtherDatasetKeysAreRefused) {
   RunConfig config = parse_config(kConfig, "run.toml",
