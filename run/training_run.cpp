@@ -142,6 +142,11 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
       config_.model.loss = train.classification() ? LossKind::cross_entropy : LossKind::mse;
     }
     check_loss_fits_data(*config_.model.loss, config_.data, train);
+    if (config_.checkpoint.keep_best == EvalMetric::test_accuracy && !train.classification()) {
+      MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"test_accuracy\" needs class ",
+                          "labels, but the ", train.description, " has regression targets; use ",
+                          "\"test_loss\"");
+    }
     check_loss_fits_data(*config_.model.loss, config_.data, test_source_->shape());
     if (accumulation_ > 1 && global_batch * accumulation_ > train.num_samples) {
       MESHTRAIN_BAD_INPUT(config_.file, ": train.accumulation_steps = ", accumulation_,
@@ -374,6 +379,24 @@ void TrainingRun::forget_micro_batches() {
   step_loss_overflowed_ = false;
 }
 
+// Whether `eval` is better than every earlier evaluation by the run's metric
+// (checkpoint.keep_best, else the test loss); counts the evaluations since the best.
+bool TrainingRun::record_evaluation(const EvalEvent& eval) {
+  const EvalMetric metric = config_.checkpoint.keep_best.value_or(EvalMetric::test_loss);
+  const double value = metric == EvalMetric::test_loss ? eval.test_loss : eval.test_accuracy;
+  const bool improved = std::isnan(best_metric_) ||
+                        (metric == EvalMetric::test_loss ? value < best_metric_
+                                                         : value > best_metric_);
+  if (improved && !std::isnan(value)) {
+    best_metric_ = value;
+    best_step_ = steps_done_;
+    evals_since_best_ = 0;
+    return true;
+  }
+  ++evals_since_best_;
+  return false;
+}
+
 TrainingRun::~TrainingRun() = default;
 
 void TrainingRun::resume() {
@@ -404,6 +427,10 @@ void TrainingRun::resume() {
   if (scaler_ && info.train_state.loss_scale > 0) {
     scaler_->restore(info.train_state.loss_scale, info.train_state.loss_scale_clean_steps);
   }
+  best_metric_ = info.train_state.best_metric;
+  evals_since_best_ = info.train_state.evals_since_best;
+  stopped_early_ = config_.train.early_stopping > 0 &&
+                   evals_since_best_ >= config_.train.early_stopping;
   resumed_from_ = info;
 }
 
@@ -621,11 +648,16 @@ std::string TrainingRun::start_save() {
   state.data_order = schedule_->order().name();
   state.loss_scale = scaler_ ? scaler_->scale() : 0.0;
   state.loss_scale_clean_steps = scaler_ ? scaler_->clean_steps() : 0;
+  state.best_metric = best_metric_;
+  state.evals_since_best = evals_since_best_;
+  // The best evaluation so far is this step's: this checkpoint becomes `best`.
+  const bool best = config_.checkpoint.keep_best && evals_since_best_ == 0 &&
+                    best_step_ == steps_done_;
   std::string path;
   on_every_rank(comm_, [&] {
     report_checkpoint(checkpointer_->wait());  // the previous one, when still in flight
     in_flight_step_ = steps_done_;
-    path = checkpointer_->save(checkpoint_, config_.checkpoint.dir, config_.checkpoint.keep);
+    path = checkpointer_->save(checkpoint_, config_.checkpoint.dir, config_.checkpoint.keep, best);
     // A synchronous save is complete when save() returns: nothing is left in flight.
     if (!checkpointer_->async()) report_checkpoint(path);
   });
@@ -699,13 +731,19 @@ void TrainingRun::train_steps(RunSummary& summary) {
     const auto after_step = Clock::now();  // evaluation and saving are not training time
     const int64_t done = result.step;
     const bool eval_now = config_.train.eval_every > 0 && done % config_.train.eval_every == 0;
+    bool improved = false;
     if ((eval_now || done == total_steps_) && eval_schedule_.num_batches > 0) {
       summary.last_eval = evaluate();
+      improved = record_evaluation(*summary.last_eval);
       metrics_->eval(*summary.last_eval);
       if (events_.on_eval) events_.on_eval(*summary.last_eval);
     }
+    // Every rank holds the same evaluation, so every rank stops at the same step.
+    stopped_early_ = config_.train.early_stopping > 0 &&
+                     evals_since_best_ >= config_.train.early_stopping;
     const bool save_now =
-        config_.checkpoint.every_steps > 0 && done % config_.checkpoint.every_steps == 0;
+        (config_.checkpoint.every_steps > 0 && done % config_.checkpoint.every_steps == 0) ||
+        (improved && config_.checkpoint.keep_best) || stopped_early_;
     if (save_now || done == total_steps_) {
       start_save();
     } else if (checkpointer_->in_flight()) {

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -162,7 +163,14 @@ class TrainingRun {
   // Model FLOPs of one optimizer step over all ranks: 6 x parameters x samples (forward
   // 2, backward 4 multiply-adds per parameter and sample; the MLP's FLOPs are its GEMMs').
   double flops_per_step() const;
-  bool finished() const { return steps_done_ >= total_steps_; }
+  // The last step is done, or train.early_stopping stopped the run (also when resumed from
+  // a checkpoint saved as it stopped).
+  bool finished() const { return steps_done_ >= total_steps_ || stopped_early_; }
+  bool stopped_early() const { return stopped_early_; }
+  // The best evaluation so far by the run's metric (checkpoint.keep_best, else the test
+  // loss; NaN before the first) and the step it was made at (-1 when not in this process).
+  double best_metric() const { return best_metric_; }
+  int64_t best_step() const { return best_step_; }
   // The checkpoint this run resumed from (nullopt for a fresh start).
   const std::optional<CheckpointInfo>& resumed_from() const { return resumed_from_; }
   // What set-up found worth a warning but not an error (on rank 0 only; e.g. a resumed run
@@ -181,6 +189,7 @@ class TrainingRun {
   void keep_data_error(Loss& loss);
   void check_fp16_overflow(bool loss_overflowed);
   void forget_micro_batches();  // the step under way starts over
+  bool record_evaluation(const EvalEvent& eval);
   void throw_agreed_data_error();
   void agree_on_data_shape();
   void report_checkpoint(const std::optional<std::string>& path);
@@ -255,6 +264,10 @@ class TrainingRun {
   int64_t in_flight_step_ = 0;                  // the step of the last checkpoint started
   std::optional<CheckpointInfo> resumed_from_;
   std::vector<std::string> warnings_;
+  double best_metric_ = std::numeric_limits<double>::quiet_NaN();
+  int64_t best_step_ = -1;
+  int64_t evals_since_best_ = 0;
+  bool stopped_early_ = false;
 
   // train(): metrics.jsonl and the loss window since the last log event.
   std::unique_ptr<MetricsLog> metrics_;

@@ -105,6 +105,12 @@ const ChoiceTable<ShuffleMode>& shuffle_mode_choices() {
   return table;
 }
 
+const ChoiceTable<EvalMetric>& eval_metric_choices() {
+  static const ChoiceTable<EvalMetric> table = {{"test_loss", EvalMetric::test_loss},
+                                                {"test_accuracy", EvalMetric::test_accuracy}};
+  return table;
+}
+
 Activation parse_activation(const std::string& name, const std::string& key) {
   return parse(activation_choices(), name, key);
 }
@@ -174,6 +180,9 @@ const char* to_string(DataSource value) {
 }
 const char* to_string(ShuffleMode value) {
   return name_of(shuffle_mode_choices(), value);
+}
+const char* to_string(EvalMetric value) {
+  return name_of(eval_metric_choices(), value);
 }
 
 }  // namespace meshtrain

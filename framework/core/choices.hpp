@@ -15,6 +15,7 @@
 //   runtime.matmul_precision      MatmulPrecision            fp32 | tf32
 //   data.source                   DataSource                 fashion_mnist | synthetic | hdf5
 //   data.shuffle                  ShuffleMode                none | rows | blocks (config: false | true | "blocks")
+//   checkpoint.keep_best          EvalMetric                 test_loss | test_accuracy (unset: off)
 //   mixed_precision.param_dtype   Dtype                      fp32 | bf16 | fp16
 //   mixed_precision.reduce_dtype  Dtype                      fp32 | bf16 | fp16
 // clang-format on
@@ -41,6 +42,9 @@ enum class DataSource { fashion_mnist, synthetic, hdf5 };
 // The order of an epoch's rows (framework/io/data_order.hpp): as stored, shuffled rows, or
 // shuffled blocks of rows.
 enum class ShuffleMode { none, rows, blocks };
+// What an evaluation is judged by (checkpoint.keep_best, train.early_stopping): a lower
+// test loss or a higher test accuracy is better.
+enum class EvalMetric { test_loss, test_accuracy };
 
 // The names of each enum's values, in declaration order.
 template <class Enum>
@@ -57,6 +61,7 @@ const ChoiceTable<MatmulPrecision>& matmul_precision_choices();
 const ChoiceTable<Dtype>& dtype_choices();
 const ChoiceTable<DataSource>& data_source_choices();
 const ChoiceTable<ShuffleMode>& shuffle_mode_choices();
+const ChoiceTable<EvalMetric>& eval_metric_choices();
 
 // The names of a table, for the config reader's "must be one of" and for messages.
 template <class Enum>
@@ -95,5 +100,6 @@ const char* to_string(MatmulPrecision value);
 const char* to_string(Dtype value);
 const char* to_string(DataSource value);
 const char* to_string(ShuffleMode value);
+const char* to_string(EvalMetric value);
 
 }  // namespace meshtrain

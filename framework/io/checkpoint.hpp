@@ -39,9 +39,11 @@
 
 #include <mpi.h>
 
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -69,11 +71,18 @@ struct TrainState {
   // it last changed; 0 and 0 in runs without it (and in checkpoints saved before it).
   double loss_scale = 0.0;
   int64_t loss_scale_clean_steps = 0;
+  // The best evaluation so far by the run's metric (checkpoint.keep_best, else the test
+  // loss; NaN before the first) and the evaluations since it (train.early_stopping).
+  double best_metric = std::numeric_limits<double>::quiet_NaN();
+  int64_t evals_since_best = 0;
   bool operator==(const TrainState& o) const {
+    const bool same_best = best_metric == o.best_metric ||
+                           (std::isnan(best_metric) && std::isnan(o.best_metric));
     return step == o.step && epoch == o.epoch && batch_in_epoch == o.batch_in_epoch &&
            seed == o.seed && rng_offset == o.rng_offset && optimizer_step == o.optimizer_step &&
            data_order == o.data_order && loss_scale == o.loss_scale &&
-           loss_scale_clean_steps == o.loss_scale_clean_steps;
+           loss_scale_clean_steps == o.loss_scale_clean_steps && same_best &&
+           evals_since_best == o.evals_since_best;
   }
 };
 
@@ -107,8 +116,11 @@ struct CheckpointInfo {
 // "ckpt-000100.h5"
 std::string checkpoint_file_name(int64_t step);
 
-// The name of the pointer file in a checkpoint directory ("latest").
+// The names of the pointer files in a checkpoint directory: "latest" (the newest complete
+// checkpoint) and "best" (the best evaluation's, with checkpoint.keep_best; never removed
+// by rotation).
 const char* latest_pointer_name();
+const char* best_pointer_name();
 
 // Writes a checkpoint of `contents` into `dir` (created when missing) and returns its
 // path, synchronously (a Checkpointer with async = false). Collective over `comm`. keep >= 1:
@@ -143,7 +155,10 @@ class Checkpointer {
   // Starts a checkpoint of `contents` into `dir` (see save_checkpoint) and returns the path it
   // will have. Waits for (and completes) the one in flight first. With async = false it
   // returns when the checkpoint is complete. Throws as save_checkpoint, on every rank.
-  std::string save(const CheckpointContents& contents, const std::string& dir, int64_t keep);
+  // `best`: once complete it is also the checkpoint the "best" pointer names (rotation keeps
+  // that file whatever `keep` says).
+  std::string save(const CheckpointContents& contents, const std::string& dir, int64_t keep,
+                   bool best = false);
 
   // Not collective: returns once the tensors given to the last save() have been copied (at
   // once when no save is in flight). Call it before changing them.
@@ -177,6 +192,8 @@ class Checkpointer {
 // Throws bad_input naming the pointer when it is unreadable, garbled, or names a file that
 // does not exist. Not collective.
 std::optional<std::string> find_latest_checkpoint(const std::string& dir);
+// The same for the "best" pointer.
+std::optional<std::string> find_best_checkpoint(const std::string& dir);
 
 // Loads a checkpoint into preallocated tensors (for the NEW mesh: each tensor's spec, box
 // and local block) and into.train_state. `path` is a checkpoint file or a directory (its

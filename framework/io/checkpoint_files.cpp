@@ -6,6 +6,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #include "base/error.hpp"
 
@@ -35,6 +38,18 @@ void rename_path(const std::string& from, const std::string& to) {
   if (std::rename(from.c_str(), to.c_str()) != 0) {
     MESHTRAIN_FAIL("cannot rename '", from, "' to '", to, "': ", os_error(errno));
   }
+}
+
+std::optional<std::string> read_pointer(const std::string& dir, const char* name) {
+  const std::filesystem::path pointer = std::filesystem::path(dir) / name;
+  std::error_code ec;
+  if (!std::filesystem::exists(pointer, ec)) return std::nullopt;
+  std::ifstream in(pointer, std::ios::binary);
+  if (!in) MESHTRAIN_BAD_INPUT("cannot read the checkpoint pointer '", pointer.string(), "'");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' '))
+    text.pop_back();
+  return text;
 }
 
 }  // namespace meshtrain::checkpoint_format

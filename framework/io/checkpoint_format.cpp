@@ -135,6 +135,8 @@ void write_metadata(hid_t file, const CheckpointContents& c) {
   hdf5::write_attribute(group, "data_order", state.data_order);
   hdf5::write_attribute(group, "loss_scale", state.loss_scale);
   hdf5::write_attribute(group, "loss_scale_clean_steps", state.loss_scale_clean_steps);
+  hdf5::write_attribute(group, "best_metric", state.best_metric);
+  hdf5::write_attribute(group, "evals_since_best", state.evals_since_best);
   group.close("cannot close group '/train_state'");
 }
 
@@ -183,6 +185,10 @@ CheckpointInfo read_metadata(hid_t file, const std::string& path) {
     s.loss_scale = hdf5::read_double_attribute(group, "loss_scale", bad, gwhere);
     s.loss_scale_clean_steps =
         hdf5::read_int_attribute(group, "loss_scale_clean_steps", bad, gwhere);
+  }
+  if (hdf5::has_attribute(group, "best_metric", bad, gwhere)) {
+    s.best_metric = hdf5::read_double_attribute(group, "best_metric", bad, gwhere);
+    s.evals_since_best = hdf5::read_int_attribute(group, "evals_since_best", bad, gwhere);
   }
   return info;
 }

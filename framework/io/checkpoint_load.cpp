@@ -78,6 +78,11 @@ std::string resolve_checkpoint_path(const std::string& path) {
   }
   if (!fs::exists(path, ec)) MESHTRAIN_BAD_INPUT("checkpoint '", path, "' does not exist");
   if (!fs::is_regular_file(path, ec)) MESHTRAIN_BAD_INPUT("checkpoint '", path, "' is not a file");
+  // A pointer file (".../latest", ".../best") stands for the checkpoint it names.
+  const std::string name = fs::path(path).filename().string();
+  const std::string dir = fs::path(path).parent_path().string();
+  if (name == latest_pointer_name()) return *find_latest_checkpoint(dir.empty() ? "." : dir);
+  if (name == best_pointer_name()) return *find_best_checkpoint(dir.empty() ? "." : dir);
   return path;
 }
 
@@ -155,31 +160,37 @@ void read_with_posix(int fd, int64_t base, int64_t dataset_index, const DatasetE
 
 }  // namespace
 
-std::optional<std::string> find_latest_checkpoint(const std::string& dir) {
-  const fs::path pointer = fs::path(dir) / latest_pointer_name();
-  std::error_code ec;
-  if (!fs::exists(pointer, ec)) return std::nullopt;
-  std::ifstream in(pointer, std::ios::binary);
-  if (!in)
-    MESHTRAIN_BAD_INPUT("cannot read the latest-checkpoint pointer '", pointer.string(), "'");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' '))
-    text.pop_back();
-  if (!std::regex_match(text, checkpoint_name_pattern())) {
-    std::string shown = text.substr(0, 80);
+namespace {
+// The checkpoint the pointer `name` in `dir` names; `what` says which ("latest-checkpoint").
+std::optional<std::string> find_pointed_checkpoint(const std::string& dir, const char* name,
+                                                   const char* what) {
+  const std::optional<std::string> text = read_pointer(dir, name);
+  if (!text) return std::nullopt;
+  const std::string pointer = (fs::path(dir) / name).string();
+  if (!std::regex_match(*text, checkpoint_name_pattern())) {
+    std::string shown = text->substr(0, 80);
     for (char& ch : shown) {
       if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x7f) ch = '?';
     }
-    MESHTRAIN_BAD_INPUT("the latest-checkpoint pointer '", pointer.string(),
-                        "' is garbled: it holds '", shown, "', not a checkpoint file name like '",
-                        checkpoint_file_name(100), "'");
+    MESHTRAIN_BAD_INPUT("the ", what, " pointer '", pointer, "' is garbled: it holds '", shown,
+                        "', not a checkpoint file name like '", checkpoint_file_name(100), "'");
   }
-  const fs::path file = fs::path(dir) / text;
+  const fs::path file = fs::path(dir) / *text;
+  std::error_code ec;
   if (!fs::is_regular_file(file, ec)) {
-    MESHTRAIN_BAD_INPUT("the latest-checkpoint pointer '", pointer.string(), "' names '", text,
+    MESHTRAIN_BAD_INPUT("the ", what, " pointer '", pointer, "' names '", *text,
                         "', which does not exist");
   }
   return file.string();
+}
+}  // namespace
+
+std::optional<std::string> find_latest_checkpoint(const std::string& dir) {
+  return find_pointed_checkpoint(dir, latest_pointer_name(), "latest-checkpoint");
+}
+
+std::optional<std::string> find_best_checkpoint(const std::string& dir) {
+  return find_pointed_checkpoint(dir, best_pointer_name(), "best-checkpoint");
 }
 
 CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& into,

@@ -73,8 +73,10 @@ constexpr bool kTensorsOnHost = !kDeviceMemoryIsSeparate;
 // are then still in cache).
 constexpr int64_t kSliceBytes = int64_t{4} << 20;
 
-void write_latest(const std::string& dir, const std::string& file_name) {
-  const std::string target = (fs::path(dir) / latest_pointer_name()).string();
+// Points `pointer` ("latest", "best") at `file_name`: written to a temporary name, synced and
+// renamed, so a crash leaves the old pointer or the new one, never half of one.
+void write_pointer(const std::string& dir, const char* pointer, const std::string& file_name) {
+  const std::string target = (fs::path(dir) / pointer).string();
   const std::string tmp = target + ".tmp";
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) MESHTRAIN_FAIL("cannot create '", tmp, "': ", os_error(errno));
@@ -90,15 +92,17 @@ void write_latest(const std::string& dir, const std::string& file_name) {
   rename_path(tmp, target);
   fsync_path(dir, true);
 }
+// Keeps `current`, the `keep` - 1 newest others and the one `best` names.
 void remove_old_checkpoints(const std::string& dir, const std::string& current, int64_t keep) {
   static const std::regex leftover(R"(ckpt-[0-9]+\.h5\.tmp)");
+  const std::string best = read_pointer(dir, best_pointer_name()).value_or("");
   std::vector<std::pair<int64_t, std::string>> others;
   std::vector<std::string> remove;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
     std::smatch m;
-    if (name == current) continue;
+    if (name == current || name == best) continue;
     if (std::regex_match(name, m, checkpoint_name_pattern())) {
       others.emplace_back(std::stoll(m[1].str()), name);
     } else if (std::regex_match(name, leftover)) {
@@ -127,6 +131,7 @@ namespace checkpoint_format {
 struct SaveJob {
   std::string dir, file_name, final_path, tmp_path;
   int64_t keep = 0;
+  bool best = false;  // also point "best" at it
   std::vector<DatasetEntry> entries;   // all datasets, file order (messages, sizes)
   std::vector<int64_t> dataset_bytes;  // per entry
   std::vector<int64_t> offsets;        // per entry: byte offset of its data in the file
@@ -320,7 +325,11 @@ void run_finisher(SaveJob& job, std::vector<Piece> pieces) {
     rename_path(job.tmp_path, job.final_path);
     fsync_path(job.dir, true);
     fault_point("before_latest");
-    write_latest(job.dir, job.file_name);
+    write_pointer(job.dir, latest_pointer_name(), job.file_name);
+    if (job.best) {
+      fault_point("before_best");
+      write_pointer(job.dir, best_pointer_name(), job.file_name);
+    }
     fault_point("before_cleanup");
     remove_old_checkpoints(job.dir, job.file_name, job.keep);
   } catch (...) {
@@ -375,6 +384,10 @@ const char* latest_pointer_name() {
   return "latest";
 }
 
+const char* best_pointer_name() {
+  return "best";
+}
+
 struct Checkpointer::Staging {
   StagingView view;
 };
@@ -400,12 +413,13 @@ Checkpointer::~Checkpointer() {
 }
 
 std::string Checkpointer::save(const CheckpointContents& contents, const std::string& dir,
-                               int64_t keep) {
+                               int64_t keep, bool best) {
   wait();
   const PrivateComm& comm = *comm_;
   auto job = std::make_unique<SaveJob>();
   job->dir = dir;
   job->keep = keep;
+  job->best = best;
   const bool stage = checkpoint_stages_tensors(async_);
 
   // Phase 1: local work only, then agreement. On failure rank 0 drops the file it created.

@@ -98,6 +98,9 @@ struct TrainSection {
   // Micro-batches of data.batch_size per optimizer step: the global batch of a step is
   // accumulation_steps x data.batch_size.
   int64_t accumulation_steps = 1;
+  // Stop after this many evaluations in a row without improvement (of checkpoint.keep_best's
+  // metric, else the test loss); 0 = never. Needs train.eval_every.
+  int64_t early_stopping = 0;
 };
 
 struct CheckpointSection {
@@ -108,6 +111,9 @@ struct CheckpointSection {
   // Write in the background: each save copies this rank's blocks into a staging buffer
   // (allocated once, counted by the plan) and training goes on while it is written.
   bool async = true;
+  // Keep the checkpoint of the best evaluation by this metric as `best` (saved when an
+  // evaluation improves on every earlier one; never removed by `keep`). Unset: off.
+  std::optional<EvalMetric> keep_best;
 };
 
 struct RuntimeSection {

@@ -200,6 +200,10 @@ void check_config(RunConfig& config) {
   if (train.log_every < 1) fail("train.log_every", "must be at least 1");
   if (train.eval_every < 0) fail("train.eval_every", "must be non-negative");
   if (train.accumulation_steps < 1) fail("train.accumulation_steps", "must be at least 1");
+  if (train.early_stopping < 0) fail("train.early_stopping", "must be non-negative (0: off)");
+  if (train.early_stopping > 0 && train.eval_every == 0) {
+    fail("train.early_stopping", "needs evaluations during the run: set train.eval_every");
+  }
 
   if (config.checkpoint.every_steps < 0) fail("checkpoint.every_steps", "must be non-negative");
   if (config.checkpoint.keep < 1) fail("checkpoint.keep", "must be at least 1");

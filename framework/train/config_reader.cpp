@@ -43,8 +43,9 @@ const ConfigSchema& config_schema() {
       {"optimizer",
        {"kind", "lr", "momentum", "betas", "eps", "weight_decay", "clip_norm", "schedule",
         "warmup_steps", "min_lr", "zero_stage"}},
-      {"train", {"epochs", "steps", "log_every", "eval_every", "accumulation_steps"}},
-      {"checkpoint", {"every_steps", "keep", "resume", "dir", "async"}},
+      {"train",
+       {"epochs", "steps", "log_every", "eval_every", "accumulation_steps", "early_stopping"}},
+      {"checkpoint", {"every_steps", "keep", "resume", "dir", "async", "keep_best"}},
       {"runtime", {"backend", "matmul_precision", "overlap", "bucket_mb"}},
       {"mixed_precision", {"param_dtype", "reduce_dtype"}},
   };
@@ -550,6 +551,10 @@ void read_train(const Section& s, TrainSection& train) {
   train.log_every = s.integer("log_every", train.log_every, 1);
   train.eval_every = s.integer("eval_every", train.eval_every, 0);
   train.accumulation_steps = s.integer("accumulation_steps", train.accumulation_steps, 1);
+  train.early_stopping = s.integer("early_stopping", train.early_stopping, 0);
+  if (train.early_stopping > 0 && train.eval_every == 0) {
+    s.fail("early_stopping", "needs evaluations during the run: set train.eval_every");
+  }
 }
 
 void read_checkpoint(const Section& s, const std::string& output_dir, CheckpointSection& ckpt) {
@@ -557,6 +562,9 @@ void read_checkpoint(const Section& s, const std::string& output_dir, Checkpoint
   ckpt.keep = s.integer("keep", ckpt.keep, 1);
   ckpt.resume = s.boolean("resume", ckpt.resume);
   ckpt.async = s.boolean("async", ckpt.async);
+  if (s.has("keep_best")) {
+    ckpt.keep_best = s.choice("keep_best", EvalMetric::test_loss, eval_metric_choices());
+  }
   ckpt.dir = s.string("dir").value_or(output_dir + "/checkpoints");
   if (ckpt.dir.empty()) s.fail("dir", "must not be empty");
 }

@@ -84,7 +84,8 @@ std::string config_to_toml(const RunConfig& config) {
                         {"zero_stage", opt.zero_stage}};
   toml::table train{{"log_every", config.train.log_every},
                     {"eval_every", config.train.eval_every},
-                    {"accumulation_steps", config.train.accumulation_steps}};
+                    {"accumulation_steps", config.train.accumulation_steps},
+                    {"early_stopping", config.train.early_stopping}};
   if (config.train.epochs) train.insert("epochs", *config.train.epochs);
   if (config.train.steps) train.insert("steps", *config.train.steps);
   toml::table checkpoint{{"every_steps", config.checkpoint.every_steps},
@@ -92,6 +93,9 @@ std::string config_to_toml(const RunConfig& config) {
                          {"resume", config.checkpoint.resume},
                          {"async", config.checkpoint.async},
                          {"dir", config.checkpoint.dir}};
+  if (config.checkpoint.keep_best) {
+    checkpoint.insert("keep_best", to_string(*config.checkpoint.keep_best));
+  }
   toml::table runtime{{"backend", to_string(config.runtime.backend)},
                       {"matmul_precision", to_string(config.runtime.matmul_precision)},
                       {"overlap", config.runtime.overlap},

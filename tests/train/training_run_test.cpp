@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -656,6 +657,109 @@ TEST(TrainingRun, Fp16LossThatNoScaleFixesNamesTheKey) {
       EXPECT_NE(message.find("mixed_precision.param_dtype"), std::string::npos) << message;
     }
   }
+}
+
+// A fresh directory for the run's output on every rank (removed by rank 0 first).
+std::string fresh_run_dir(const std::string& name) {
+  const std::string dir = std::filesystem::temp_directory_path().string() + "/meshtrain_" + name +
+                          "_np" + std::to_string(world_size());
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  return dir;
+}
+
+// checkpoint.keep_best (issue 26): every evaluation that improves on the earlier ones saves a
+// checkpoint and points `best` at it; rotation (keep = 1) never removes that file, and it
+// holds the parameters of the best evaluation's step. Evaluated on an fsdp mesh after every
+// step, the test losses agree on every rank, and so does the best step.
+TEST(TrainingRun, KeepBestSurvivesRotation) {
+  const int n = world_size();
+  const std::string dir = fresh_run_dir("keep_best");
+  RunConfig config = small_config({{"fsdp", n}}, "fsdp");
+  config.run.output_dir = dir;
+  config.checkpoint.dir = dir + "/checkpoints";
+  config.checkpoint.keep = 1;
+  config.checkpoint.keep_best = EvalMetric::test_loss;
+  config.train.eval_every = 1;
+  config.train.steps = 12;
+  config.optimizer.lr = 0.2;  // large enough that some evaluation gets worse
+  std::vector<EvalEvent> evals;
+  RunEvents events;
+  events.on_eval = [&](const EvalEvent& e) { evals.push_back(e); };
+  TrainingRun run(config, events);
+  run.train();
+  ASSERT_EQ(evals.size(), 12u);
+  size_t best = 0;
+  for (size_t i = 1; i < evals.size(); ++i) {
+    if (evals[i].test_loss < evals[best].test_loss) best = i;
+  }
+  EXPECT_EQ(run.best_step(), evals[best].step);
+  EXPECT_EQ(run.best_metric(), evals[best].test_loss);
+  EXPECT_EQ(world_range(static_cast<double>(run.best_step())).first,
+            world_range(static_cast<double>(run.best_step())).second);
+  const std::optional<std::string> pointed = find_best_checkpoint(config.checkpoint.dir);
+  ASSERT_TRUE(pointed.has_value());
+  EXPECT_EQ(std::filesystem::path(*pointed).filename().string(),
+            checkpoint_file_name(evals[best].step));
+  EXPECT_TRUE(std::filesystem::exists(*find_latest_checkpoint(config.checkpoint.dir)));
+  // Rotation kept the best beside the latest, and only those (step 4 is the best here).
+  ASSERT_LT(evals[best].step, 12) << "the loss fell at every step: rotation is not tested";
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(config.checkpoint.dir)) {
+    files += entry.path().extension() == ".h5";
+  }
+  EXPECT_EQ(files, 2);
+  // The best checkpoint holds the best step's state: evaluating it gives the best loss.
+  RunConfig from_best = config;
+  from_best.checkpoint.dir = dir + "/from_best";
+  std::filesystem::create_directories(from_best.checkpoint.dir);  // every rank: same path
+  if (world_rank() == 0) {
+    std::filesystem::copy_file(*pointed, from_best.checkpoint.dir + "/" +
+                                             checkpoint_file_name(evals[best].step));
+    std::ofstream(from_best.checkpoint.dir + "/latest")
+        << checkpoint_file_name(evals[best].step) << "\n";
+  }
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  from_best.checkpoint.resume = true;
+  TrainingRun resumed(from_best);
+  EXPECT_EQ(resumed.steps_done(), evals[best].step);
+  EXPECT_EQ(resumed.evaluate().test_loss, evals[best].test_loss);
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// train.early_stopping = 2: with a learning rate too small to change a float parameter the
+// test loss never improves after the first evaluation, so the run stops after evaluation 3
+// (step 3) on every rank, saves there, and a resumed run stops at once.
+TEST(TrainingRun, EarlyStoppingStopsEveryRankAtTheSameStep) {
+  const int n = world_size();
+  const std::string dir = fresh_run_dir("early_stopping");
+  RunConfig config = small_config({{"dp", n}}, "dp");
+  config.run.output_dir = dir;
+  config.checkpoint.dir = dir + "/checkpoints";
+  config.optimizer.kind = OptimizerKind::sgd;
+  config.optimizer.momentum = 0.0;
+  config.optimizer.lr = 1e-30;
+  config.train.eval_every = 1;
+  config.train.early_stopping = 2;
+  config.train.steps = 20;
+  {
+    TrainingRun run(config);
+    const RunSummary summary = run.train();
+    EXPECT_TRUE(run.stopped_early());
+    EXPECT_EQ(summary.steps_run, 3);
+    const auto steps = world_range(static_cast<double>(run.steps_done()));
+    EXPECT_EQ(steps, std::make_pair(3.0, 3.0));
+    EXPECT_EQ(run.best_step(), 1);
+  }
+  RunConfig again = config;
+  again.checkpoint.resume = true;
+  TrainingRun resumed(again);
+  EXPECT_EQ(resumed.steps_done(), 3);
+  EXPECT_TRUE(resumed.finished());
+  EXPECT_EQ(resumed.train().steps_run, 0);
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
 }
 
 TEST(TrainingRun, BadInputIsAgreedAndNamesTheKey) {
