@@ -126,14 +126,16 @@ void MoeParameter::reduce(ShardedTensor& stored_grad) {
 
 // --- MoeLayer ----------------------------------------------------------------------------
 
-MoeLayer::MoeLayer(const ShardedTensor& router, const ShardedTensor& experts_weight,
-                   const ShardedTensor& experts_bias, int64_t top_k, double aux_loss_coef,
-                   FeatureLayout input_layout, int64_t rows, ParallelContext& context)
+MoeLayer::MoeLayer(ParameterRef router, ParameterRef experts_weight, ParameterRef experts_bias,
+                   int64_t top_k, double aux_loss_coef, FeatureLayout input_layout, int64_t rows,
+                   ParallelContext& context)
     : layout_(decide_moe_layout(
-          moe_layer_name(router.name), {router.name, router.global_shape, router.spec},
-          {experts_weight.name, experts_weight.global_shape, experts_weight.spec},
-          {experts_bias.name, experts_bias.global_shape, experts_bias.spec}, top_k, context.mesh(),
-          {context.batch_axes(), context.feature_axis()}, input_layout)),
+          moe_layer_name(router.value->name),
+          {router.value->name, router.value->global_shape, router.value->spec},
+          {experts_weight.value->name, experts_weight.value->global_shape,
+           experts_weight.value->spec},
+          {experts_bias.value->name, experts_bias.value->global_shape, experts_bias.value->spec},
+          top_k, context.mesh(), {context.batch_axes(), context.feature_axis()}, input_layout)),
       rows_(rows),
       aux_loss_coef_(aux_loss_coef),
       feature_index_(context.feature_index()),
@@ -161,6 +163,9 @@ MoeLayer::MoeLayer(const ShardedTensor& router, const ShardedTensor& experts_wei
   expert_comm_ = context.comm(l.expert_axes);
   batch_comm_ = context.comm(l.batch_axes);
   if (l.gathers_input()) feature_comm_ = context.comm({l.feature_axis});
+  router_ref_ = router;
+  weight_ref_ = experts_weight;
+  bias_ref_ = experts_bias;
   router_ = MoeParameter(l.router, compute, reduce, context);
   weight_ = MoeParameter(l.experts_weight, compute, reduce, context);
   bias_ = MoeParameter(l.experts_bias, compute, reduce, context);
@@ -220,8 +225,10 @@ std::string MoeLayer::describe() const {
   return layout_.layer + ": " + describe_moe_layout(layout_);
 }
 
-MatrixView MoeLayer::forward(const ShardedTensor& router, const ShardedTensor& experts_weight,
-                             const ShardedTensor& experts_bias, MatrixView x) {
+MatrixView MoeLayer::forward(MatrixView x, const LayerPass&) {
+  const ShardedTensor& router = *router_ref_.value;
+  const ShardedTensor& experts_weight = *weight_ref_.value;
+  const ShardedTensor& experts_bias = *bias_ref_.value;
   const MoeLayout& l = layout_;
   MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
                         static_cast<int64_t>(x.extent(1)) == l.input_width(),
@@ -436,10 +443,13 @@ void MoeLayer::permute(MatrixView src, MatrixView dst, bool to_expert_major) {
   permute_rows(src, dst, to_expert_major_, received_, to_expert_major);
 }
 
-MatrixView MoeLayer::backward(const ShardedTensor& router, const ShardedTensor& experts_weight,
-                              ShardedTensor& router_grad, ShardedTensor& weight_grad,
-                              ShardedTensor& bias_grad, MatrixView dy, bool need_input_grad,
-                              float loss_scale) {
+MatrixView MoeLayer::backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) {
+  const ShardedTensor& router = *router_ref_.value;
+  const ShardedTensor& experts_weight = *weight_ref_.value;
+  ShardedTensor& router_grad = *router_ref_.grad;
+  ShardedTensor& weight_grad = *weight_ref_.grad;
+  ShardedTensor& bias_grad = *bias_ref_.grad;
+  const float loss_scale = pass.loss_scale;
   const MoeLayout& l = layout_;
   MESHTRAIN_REQUIRE(
       static_cast<int64_t>(dy.extent(0)) == rows_ && static_cast<int64_t>(dy.extent(1)) == l.out,

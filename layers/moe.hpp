@@ -37,6 +37,7 @@
 
 #include "framework/core/sharded_tensor.hpp"
 #include "layers/context.hpp"
+#include "layers/layer.hpp"
 #include "partition/moe_layout.hpp"
 
 namespace meshtrain {
@@ -73,36 +74,35 @@ class MoeParameter {
   Vector stage_;                       // the group's blocks in rank order
 };
 
-class MoeLayer {
+class MoeLayer : public Layer {
  public:
   // router [in, E], experts_weight [E, in, out], experts_bias [E, out] as allocated; `rows`
   // the local batch. Asks the context for its communicators (collective, see context.hpp).
-  MoeLayer(const ShardedTensor& router, const ShardedTensor& experts_weight,
-           const ShardedTensor& experts_bias, int64_t top_k, double aux_loss_coef,
-           FeatureLayout input_layout, int64_t rows, ParallelContext& context);
+  MoeLayer(ParameterRef router, ParameterRef experts_weight, ParameterRef experts_bias,
+           int64_t top_k, double aux_loss_coef, FeatureLayout input_layout, int64_t rows,
+           ParallelContext& context);
   MoeLayer(MoeLayer&&) = default;
 
   // x [rows, input_width()] (must stay valid until backward) -> [rows, out] (owned by the
   // layer, valid until the next forward).
-  MatrixView forward(const ShardedTensor& router, const ShardedTensor& experts_weight,
-                     const ShardedTensor& experts_bias, MatrixView x);
-  // dY [rows, out] (already times loss_scale): writes the three gradients (the aux loss's
-  // part times loss_scale too) and, when need_input_grad, returns dX [rows, input_width()].
-  MatrixView backward(const ShardedTensor& router, const ShardedTensor& experts_weight,
-                      ShardedTensor& router_grad, ShardedTensor& weight_grad,
-                      ShardedTensor& bias_grad, MatrixView dy, bool need_input_grad,
-                      float loss_scale);
+  MatrixView forward(MatrixView x, const LayerPass& pass) override;
+  // dY [rows, out] (already times pass.loss_scale): writes the three gradients (the aux
+  // loss's part times loss_scale too), reduced whatever pass.deferred says (nothing is
+  // deferred), and, when need_input_grad, returns dX [rows, input_width()].
+  MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
+  size_t parameter_count() const override { return 3; }  // router, experts weight, bias
 
   // The load-balancing loss of the last forward, times aux_loss_coef (the same on every rank).
-  double aux_loss() const { return aux_loss_; }
+  double aux_loss() const override { return aux_loss_; }
   // Of the last forward: the global rows routed to each expert (k per row in all).
   const std::vector<double>& expert_rows() const { return expert_rows_; }
 
   const MoeLayout& layout() const { return layout_; }
-  int64_t output_width() const { return layout_.out; }
-  FeatureLayout output_layout() const { return FeatureLayout::replicated; }
-  MatrixView output() const { return out_; }
-  std::string describe() const;
+  int64_t output_width() const override { return layout_.out; }
+  int64_t output_offset() const override { return 0; }
+  FeatureLayout output_layout() const override { return FeatureLayout::replicated; }
+  MatrixView output() const override { return out_; }
+  std::string describe() const override;
 
  private:
   // Counts -> send/receive rows per rank and the expert-major permutation (host), then the
@@ -125,6 +125,8 @@ class MoeLayer {
   Communicator* expert_comm_ = nullptr;   // all-to-all group
   Communicator* batch_comm_ = nullptr;    // routing statistics
   Communicator* feature_comm_ = nullptr;  // a split input's gather
+
+  ParameterRef router_ref_, weight_ref_, bias_ref_;  // the model's tensors
   MoeParameter router_, weight_, bias_;
 
   Matrix x_full_;                     // the input with all features (gathered), or empty
