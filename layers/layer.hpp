@@ -3,7 +3,9 @@
 // ActivationLayer; norms and blocks of layers later), and what a pass hands each layer.
 //
 // A layer is built once, for a fixed local batch. It holds its parameters as ParameterRefs
-// (the tensors and their gradients are owned by the model, in parameters() order), asks the
+// (the tensors and their gradients are owned by the model, in parameters() order), mostly
+// through a ShardedParameter each (layers/sharded_parameter.hpp: the compute copy with its
+// gather and prefetch, the gradient and its reduction), asks the
 // ParallelContext for the communicators it needs at construction only (collective, see
 // context.hpp; a norm over split features asks for the feature axis's), and owns what it
 // keeps for backward and its input gradient. forward() and backward() allocate nothing.
@@ -80,7 +82,8 @@ class Layer;
 struct LayerPass {
   LayerScratch* scratch = nullptr;
   // The layer whose weight gather may start while this one computes (FSDP overlap; nullptr:
-  // none). The model names it only when it can_prefetch_weight().
+  // none). The model names it only when it can_prefetch_weight(); a layer that does not
+  // start it leaves that layer to gather when it runs.
   Layer* prefetch = nullptr;
   // Backward only.
   DeferredReduction deferred = DeferredReduction::now;

@@ -45,13 +45,6 @@ void copy_block(VectorView full, int64_t offset, Vector block) {
       KOKKOS_LAMBDA(const int64_t j) { block(j) = full(offset + j); });
 }
 
-void scale_matrix(MatrixView m, float factor) {
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::linear_scale_grad"),
-      Range2({0, 0}, {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))}),
-      KOKKOS_LAMBDA(const int64_t i, const int64_t j) { m(i, j) *= factor; });
-}
-
 }  // namespace
 
 Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout input_layout,
@@ -61,7 +54,6 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
           {weight_ref.value->name, weight_ref.value->global_shape, weight_ref.value->spec},
           {bias_ref.value->name, bias_ref.value->global_shape, bias_ref.value->spec},
           context.mesh(), {context.batch_axes(), context.feature_axis()}, input_layout)),
-      weight_(weight_ref),
       bias_(bias_ref),
       rows_(rows),
       tp_index_(context.feature_index()),
@@ -71,12 +63,11 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
                                        collective_matmul_hardware(), context.precision().param)) {
   const LinearLayout& l = layout_;
   const std::string& name = l.layer;
-  const ShardedTensor& weight = *weight_.value;
+  const ShardedTensor& weight = *weight_ref.value;
   const ShardedTensor& bias = *bias_.value;
   MESHTRAIN_REQUIRE(weight.box.extent[0] == l.stored_rows && weight.box.extent[1] == l.stored_cols,
                     "linear layer '", name, "': the block of '", weight.name,
                     "' does not tile its compute block");
-  nonbatch_scale_ = 1.0f / static_cast<float>(l.nonbatch_replication);
 
   // Bias: the gathered block starts at the compute offset when only the rest is gathered.
   const int64_t compute_offset = output_offset();
@@ -90,9 +81,15 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
 
   // Communicators (collective on first use: the same calls in the same order everywhere).
   if (l.tp > 1) tp_comm_ = context.comm({l.feature_axis});
-  gather0_comm_ = context.comm(l.weight_gather_dim0);
-  gather1_comm_ = context.comm(l.weight_gather_dim1);
-  weight_allreduce_comm_ = context.comm(l.weight_allreduce);
+  // The weight [in, out] is the compute block [1, in_compute, out], gathered dim by dim.
+  weight_ = ShardedParameter(weight_ref,
+                             {{1, l.in_compute, l.out},
+                              {1, l.stored_rows, l.stored_cols},
+                              l.weight_gather_dim0,
+                              l.weight_gather_dim1,
+                              l.weight_allreduce,
+                              l.nonbatch_replication},
+                             GatherMethod::by_dims, context);
   bias_gather_comm_ = context.comm(l.bias_gather);
   bias_reduce_comm_ = context.comm(l.bias_reduce);
   defers_reduction_ = l.defers_reduction();  // the bias is stored whole: offset 0
@@ -106,19 +103,9 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
     dx_ = Matrix(name + "/input_grad", rows_, input_width());
   }
 
-  const bool gathers = gather0_comm_ != nullptr || gather1_comm_ != nullptr;
-  if (gathers) {
-    needs_.weight = static_cast<size_t>(in_c * out);
-    needs_.grad = static_cast<size_t>(in_c * out);
-  } else if (compute_dtype_ != Dtype::fp32) {
-    needs_.weight = static_cast<size_t>(in_c * out);  // the rounded copy of the stored weight
-  }
-  if (gather0_comm_ && gather1_comm_) {
-    needs_.stage = static_cast<size_t>(std::max(in_c * l.stored_cols, l.stored_rows * out));
-  }
+  needs_ = weight_.scratch_needs();
   needs_.bias = static_cast<size_t>(out);
   if (l.tensor_parallel) needs_.matmul = static_cast<size_t>(3 * rows_ * out) * sizeof(float);
-  if (gather1_comm_) gather1_comm_->reserve_scratch(static_cast<size_t>(in_c * out));
   if (tp_comm_) tp_comm_->reserve_scratch(static_cast<size_t>(rows_ * std::max(l.in, out)));
 }
 
@@ -126,54 +113,8 @@ int64_t Linear::output_offset() const {
   return layout_.split_output ? tp_index_ * layout_.out_local : 0;
 }
 
-MatrixView Linear::compute_weight(LayerScratch& scratch) {
-  MatrixView stored = weight_.value->matrix();
-  MatrixView full(scratch.weight.data(), layout_.in_compute, layout_.out);
-  if (!gather0_comm_ && !gather1_comm_) {
-    if (compute_dtype_ == Dtype::fp32) return stored;
-    round_copy(stored, full, compute_dtype_);  // the fp32 master cast to the compute dtype
-    return full;
-  }
-  // Gathered in the compute dtype: the blocks are rounded as they are packed.
-  if (prefetch_started_) {
-    // Started while the layer before computed: the blocks are landing in scratch.prefetch.
-    // (A poll may have completed the request already; then wait() returns at once.)
-    prefetch_started_ = false;
-    prefetch_.wait();
-    if (gather0_comm_) {
-      // Dim 0 blocks in rank order are the weight itself: the landing buffer becomes the
-      // weight buffer, and the old weight buffer (free: its layer is done) the landing one.
-      std::swap(scratch.weight, scratch.prefetch);
-      return MatrixView(scratch.weight.data(), layout_.in_compute, layout_.out);
-    }
-    place_gathered_columns(ConstVectorView(scratch.prefetch.data(), full.span()), full,
-                           gather1_comm_->size());
-    return full;
-  }
-  if (gather0_comm_ && gather1_comm_) {
-    MatrixView stage(scratch.stage.data(), layout_.in_compute, layout_.stored_cols);
-    gather0_comm_->all_gather(stored, stage, 0, compute_dtype_);
-    gather1_comm_->all_gather(stage, full, 1, compute_dtype_);
-  } else if (gather0_comm_) {
-    gather0_comm_->all_gather(stored, full, 0, compute_dtype_);
-  } else {
-    gather1_comm_->all_gather(stored, full, 1, compute_dtype_);
-  }
-  return full;
-}
-
 void Linear::start_weight_prefetch(LayerScratch& scratch) {
-  const size_t gathered = static_cast<size_t>(layout_.in_compute * layout_.out);
-  MESHTRAIN_REQUIRE(
-      can_prefetch_weight() && !prefetch_started_ && scratch.prefetch.extent(0) >= gathered,
-      "linear layer '", layout_.layer,
-      "': its weight cannot be prefetched (gathered over two groups, already "
-      "started, or a scratch made without prefetch)");
-  Communicator& group = gather0_comm_ ? *gather0_comm_ : *gather1_comm_;
-  const Vector& stored = weight_.value->local;
-  prefetch_ = group.start_all_gather(ConstVectorView(stored.data(), stored.extent(0)),
-                                     VectorView(scratch.prefetch.data(), gathered), compute_dtype_);
-  prefetch_started_ = true;
+  weight_.start_prefetch(scratch);
 }
 
 const float* Linear::compute_bias(LayerScratch& scratch) {
@@ -204,7 +145,7 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   } else {
     x_used_ = x;
   }
-  MatrixView w = compute_weight(scratch);
+  MatrixView w = weight_.compute_matrix(scratch);
   if (next) next->start_weight_prefetch(scratch);
   MatrixView y = output_;
   if (layout_.split_output) {
@@ -231,20 +172,17 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
 MatrixView Linear::backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) {
   LayerScratch& scratch = *pass.scratch;
   Layer* next = pass.prefetch;
-  ShardedTensor& weight_grad = *weight_.grad;
   ShardedTensor& bias_grad = *bias_.grad;
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == rows_ &&
                         static_cast<int64_t>(dy.extent(1)) == layout_.out_local,
                     "linear layer '", layout_.layer, "': output gradient is [", dy.extent(0), ", ",
                     dy.extent(1), "], expected [", rows_, ", ", layout_.out_local, "]");
   // Gathered again, not kept from forward.
-  MatrixView w = compute_weight(scratch);
+  MatrixView w = weight_.compute_matrix(scratch);
   if (next) next->start_weight_prefetch(scratch);
 
   // Weight gradient, compute block: X_cᵀ @ dY (dY all-gathered over features when split).
-  const bool direct = !gather0_comm_ && !gather1_comm_;
-  MatrixView g = direct ? weight_grad.matrix()
-                        : MatrixView(scratch.grad.data(), layout_.in_compute, layout_.out);
+  MatrixView g = weight_.gradient_matrix(scratch);
   if (layout_.split_output) {
     all_gather_matmul(*tp_comm_, GatherSide::right, 1, transposed(x_used_), plain(dy), g,
                       matmuls_.weight_grad, scratch.matmul, compute_dtype_);
@@ -289,21 +227,8 @@ MatrixView Linear::backward(MatrixView dy, bool need_input_grad, const LayerPass
   // Weight gradient back to storage: reduce-scatter over the gathered axes (sum over the
   // batch ones; non-batch ones hold equal copies, hence the scale), then all-reduce over
   // the batch axes the storage does not split. Summed in the reduce dtype; stored in fp32.
-  MatrixView dst = weight_grad.matrix();
-  const Dtype wire = reduce_dtype_;
-  if (gather0_comm_ && gather1_comm_) {
-    MatrixView stage(scratch.stage.data(), layout_.stored_rows, layout_.out);
-    gather0_comm_->reduce_scatter(g, stage, 0, wire);
-    gather1_comm_->reduce_scatter(stage, dst, 1, wire);
-  } else if (gather0_comm_) {
-    gather0_comm_->reduce_scatter(g, dst, 0, wire);
-  } else if (gather1_comm_) {
-    gather1_comm_->reduce_scatter(g, dst, 1, wire);
-  }
-  if (nonbatch_scale_ != 1.0f) scale_matrix(dst, nonbatch_scale_);
   const bool defer = defers_reduction_ && pass.deferred == DeferredReduction::later;
-  if (weight_allreduce_comm_ && !defer)
-    weight_allreduce_comm_->all_reduce(dst, ReduceOp::sum, wire);
+  weight_.reduce(scratch, /*all_reduce=*/!defer);
   bias_gradient(dy, bias_grad, scratch, !defer);
   return dx;
 }
@@ -321,15 +246,14 @@ void Linear::bias_gradient(MatrixView dy, ShardedTensor& bias_grad, LayerScratch
 
 void Linear::reduce_gradients() {
   if (!defers_reduction_) return;
-  ShardedTensor& weight_grad = *weight_.grad;
   ShardedTensor& bias_grad = *bias_.grad;
-  weight_allreduce_comm_->all_reduce(weight_grad.matrix(), ReduceOp::sum, reduce_dtype_);
+  weight_.all_reduce_deferred();
   bias_reduce_comm_->all_reduce(VectorView(bias_grad.local.data(), bias_grad.local.extent(0)),
                                 ReduceOp::sum, reduce_dtype_);
 }
 
 LayerGradients Linear::bucket_gradients() const {
-  const Vector& w = weight_.grad->local;
+  const Vector& w = weight_.grad().local;
   const Vector& b = bias_.grad->local;
   return {VectorView(w.data(), w.extent(0)), VectorView(b.data(), b.extent(0)),
           deferred_reduction_group()};

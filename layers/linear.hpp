@@ -18,7 +18,8 @@
 //       first), W_c the full weight, output replicated.
 //   A TP layer fed a replicated input (the first layer, or after a non-divisible output)
 //   takes its column block locally; its input gradient is all-gathered back.
-// Storage: gathered into a shared scratch buffer right before use, in forward AND again in
+// Storage: the weight is a ShardedParameter (layers/sharded_parameter.hpp, gathered dim by
+//   dim into the shared scratch): gathered right before use, in forward AND again in
 //   backward (nothing is kept from forward); the gradient is reduce-scattered back over the
 //   same axes, divided by the size of the gathered non-batch axes (identical copies), then
 //   all-reduced over the batch axes the storage does not split (DP). The bias gradient is
@@ -28,8 +29,9 @@
 //
 // Prefetch (FSDP overlap): a layer whose weight is gathered over one group of axes can
 //   start that gather early (start_weight_prefetch) into the scratch's prefetch buffer
-//   while the layer before it computes; compute_weight() then waits for it instead of
-//   gathering. A weight gathered over two groups (a 2-D storage split) is gathered when used.
+//   while the layer before it computes; its next use of the weight then waits for it
+//   instead of gathering. A weight gathered over two groups (a 2-D storage split) is
+//   gathered when used.
 //
 // Mixed precision (docs/mixed_precision.md, context.precision()): the weight and bias are
 //   cast to the compute dtype before they are gathered (a weight stored whole is rounded
@@ -49,6 +51,7 @@
 #include "framework/core/sharded_tensor.hpp"
 #include "layers/context.hpp"
 #include "layers/layer.hpp"
+#include "layers/sharded_parameter.hpp"
 #include "partition/linear_layout.hpp"
 
 namespace meshtrain {
@@ -86,7 +89,7 @@ class Linear : public Layer {
   // partial sums (the batch axes of the weight's all-reduce); nullptr when the layer does not
   // defer.
   Communicator* deferred_reduction_group() const override {
-    return defers_reduction_ ? weight_allreduce_comm_ : nullptr;
+    return defers_reduction_ ? weight_.allreduce_group() : nullptr;
   }
   LayerGradients bucket_gradients() const override;
   // The all-reduces a backward with DeferredReduction::later skipped, on the gradients as
@@ -94,14 +97,12 @@ class Linear : public Layer {
   void reduce_gradients() override;
 
   // True when the weight is gathered over exactly one group of axes (FSDP storage).
-  bool can_prefetch_weight() const override {
-    return (gather0_comm_ != nullptr) != (gather1_comm_ != nullptr);
-  }
+  bool can_prefetch_weight() const override { return weight_.can_prefetch(); }
   // Starts gathering the weight into scratch.prefetch; the next forward() or backward() of
   // this layer completes it. Needs a scratch made with_prefetch and can_prefetch_weight().
   void start_weight_prefetch(LayerScratch& scratch) override;
   // Lets a started prefetch progress (MPI moves data only inside MPI calls).
-  void poll_weight_prefetch() override { prefetch_.test(); }
+  void poll_weight_prefetch() override { weight_.poll_prefetch(); }
 
   int64_t in() const { return layout_.in; }
   int64_t out() const { return layout_.out; }
@@ -120,7 +121,6 @@ class Linear : public Layer {
   std::string describe() const override;
 
  private:
-  MatrixView compute_weight(LayerScratch& scratch);
   const float* compute_bias(LayerScratch& scratch);
   // Column sums of dy into this rank's block of the bias gradient; all_reduce: summed
   // over the bias's reduction group first.
@@ -128,7 +128,8 @@ class Linear : public Layer {
                      bool all_reduce);
 
   LinearLayout layout_;
-  ParameterRef weight_, bias_;  // the model's tensors
+  ShardedParameter weight_;  // gathered, prefetched and reduced as its storage says
+  ParameterRef bias_;        // the model's tensor
   int64_t rows_ = 0;
   int tp_index_ = 0;
   // Mixed precision (context.precision()): what the layer computes with, gathers its
@@ -137,10 +138,6 @@ class Linear : public Layer {
   Dtype reduce_dtype_ = Dtype::fp32;
 
   // Communicators of the layout's gathers and reductions (nullptr: nothing to do).
-  Communicator* gather0_comm_ = nullptr;
-  Communicator* gather1_comm_ = nullptr;
-  float nonbatch_scale_ = 1.0f;  // 1 / layout_.nonbatch_replication
-  Communicator* weight_allreduce_comm_ = nullptr;
   // Bias: the gather gives the block [bias_gathered_offset_, +extent).
   Communicator* bias_gather_comm_ = nullptr;
   int64_t bias_gathered_offset_ = 0;
@@ -151,10 +148,6 @@ class Linear : public Layer {
   Communicator* tp_comm_ = nullptr;
   // The three collective matmuls' algorithms (auto resolved by the cost model at construction).
   LayerMatmulAlgorithms matmuls_;
-  Request prefetch_;  // the started gather of this layer's weight, if any
-  // A gather was started and its result not yet used (the request alone cannot say: a
-  // poll that finds it complete empties it).
-  bool prefetch_started_ = false;
 
   Matrix x_c_;  // the input as used, when it is not the caller's view
   MatrixView x_used_;

@@ -21,7 +21,8 @@
 //   Backward mirrors it: the output gradients times the gates go out, the input gradients of
 //   the expert GEMMs come back. Expert gradients are summed over the batch axes that do not
 //   split the experts; the router's over every batch axis. Parameters stored split over
-//   other axes (FSDP) are gathered before use and their gradients reduce-scattered back.
+//   other axes (FSDP) are gathered before use and their gradients reduce-scattered back
+//   (ShardedParameter, layers/sharded_parameter.hpp, as_blocks).
 //
 // Buffers: every dispatch buffer is sized at construction for the worst case, all of the
 //   expert group's rows routed to this rank (ep x rows x k rows), so forward() and backward()
@@ -38,41 +39,10 @@
 #include "framework/core/sharded_tensor.hpp"
 #include "layers/context.hpp"
 #include "layers/layer.hpp"
+#include "layers/sharded_parameter.hpp"
 #include "partition/moe_layout.hpp"
 
 namespace meshtrain {
-
-// One MoE parameter's compute block: gathered from its stored block when it is split, a
-// rounded copy in 16-bit compute, or the stored block itself; and the way back for its
-// gradient (reduce-scatter, divide, all-reduce). Owned by the layer.
-struct GatheredBlocks;  // moe.cpp
-
-class MoeParameter {
- public:
-  MoeParameter() = default;
-  MoeParameter(const MoeParameterStorage& storage, Dtype compute, Dtype reduce,
-               ParallelContext& context);
-  // The compute block [d0, d1, d2] (flat) of `stored`.
-  ConstVectorView compute(const ShardedTensor& stored);
-  // Where backward writes the compute block's gradient: the stored gradient itself when
-  // nothing is gathered, else a buffer of the layer's.
-  VectorView gradient(ShardedTensor& stored_grad);
-  // The gradient written at gradient() back to storage: summed over the gathered and the
-  // all-reduced axes (in the reduce dtype), divided by the replicated gathered axes.
-  void reduce(ShardedTensor& stored_grad);
-
- private:
-  GatheredBlocks gathered_blocks() const;
-
-  MoeParameterStorage storage_;
-  Dtype compute_ = Dtype::fp32, reduce_ = Dtype::fp32;
-  Communicator* gather_ = nullptr;     // over storage.gather(); nullptr: stored whole
-  Communicator* allreduce_ = nullptr;  // over storage.allreduce
-  int group2_ = 1;                     // size of gather_dim2 (the minor part of the group)
-  Vector block_;                       // the compute block (gathered or rounded)
-  Vector grad_;                        // its gradient (when gathered)
-  Vector stage_;                       // the group's blocks in rank order
-};
 
 class MoeLayer : public Layer {
  public:
@@ -126,8 +96,8 @@ class MoeLayer : public Layer {
   Communicator* batch_comm_ = nullptr;    // routing statistics
   Communicator* feature_comm_ = nullptr;  // a split input's gather
 
-  ParameterRef router_ref_, weight_ref_, bias_ref_;  // the model's tensors
-  MoeParameter router_, weight_, bias_;
+  // Gathered and reduced as their storage says (as_blocks: all three are in use together).
+  ShardedParameter router_, weight_, bias_;
 
   Matrix x_full_;                     // the input with all features (gathered), or empty
   MatrixView x_used_;                 // what the layer computed on
