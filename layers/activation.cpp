@@ -95,4 +95,24 @@ void activation_backward(Activation activation, MatrixView z, MatrixView grad, D
   }
 }
 
+ActivationLayer::ActivationLayer(Activation activation, const std::string& name, int64_t rows,
+                                 int64_t width, FeatureLayout layout, int64_t offset, Dtype dtype)
+    : activation_(activation),
+      layout_(layout),
+      offset_(offset),
+      dtype_(dtype),
+      out_(name, rows, width) {}
+
+MatrixView ActivationLayer::forward(MatrixView x, const LayerPass&) {
+  z_ = x;
+  activation_forward(activation_, x, out_, dtype_);
+  return out_;
+}
+
+MatrixView ActivationLayer::backward(MatrixView dy, bool need_input_grad, const LayerPass&) {
+  if (!need_input_grad) return MatrixView();
+  activation_backward(activation_, z_, dy, dtype_);
+  return dy;
+}
+
 }  // namespace meshtrain

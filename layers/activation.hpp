@@ -11,6 +11,7 @@
 
 #include "framework/core/choices.hpp"  // Activation, its names
 #include "framework/core/sharded_tensor.hpp"
+#include "layers/layer.hpp"
 
 namespace meshtrain {
 
@@ -21,5 +22,34 @@ void activation_forward(Activation activation, MatrixView z, MatrixView out,
 // grad = grad * f'(z) rounded to `dtype`, in place; `z` is the forward input.
 void activation_backward(Activation activation, MatrixView z, MatrixView grad,
                          Dtype dtype = Dtype::fp32);
+
+// The activation between two layers of a model, as a layer of its own: no parameters, no
+// communication; the output keeps the layout, width and offset of its input.
+class ActivationLayer : public Layer {
+ public:
+  // `name` labels the output buffer [rows, width]; `dtype`: the compute dtype the output and
+  // the gradient are rounded to.
+  ActivationLayer(Activation activation, const std::string& name, int64_t rows, int64_t width,
+                  FeatureLayout layout, int64_t offset, Dtype dtype);
+
+  // f(x) into the layer's buffer; x (the pre-activation) is kept for backward.
+  MatrixView forward(MatrixView x, const LayerPass& pass) override;
+  // dY * f'(x) in place in dy (the input gradient of the layer after, owned by it).
+  MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
+
+  MatrixView output() const override { return out_; }
+  FeatureLayout output_layout() const override { return layout_; }
+  int64_t output_width() const override { return static_cast<int64_t>(out_.extent(1)); }
+  int64_t output_offset() const override { return offset_; }
+  std::string describe() const override { return ""; }
+
+ private:
+  Activation activation_;
+  FeatureLayout layout_;
+  int64_t offset_ = 0;
+  Dtype dtype_ = Dtype::fp32;
+  MatrixView z_;  // the input of the last forward
+  Matrix out_;    // [rows, width]
+};
 
 }  // namespace meshtrain

@@ -35,19 +35,11 @@ struct LayerGradients {
   Communicator* group = nullptr;
 };
 
-class GradientBuckets;
-// Which layer a Linear::backward reports as ready, and to whom (buckets nullptr: none; the
-// layer all-reduces its gradients itself, today's path).
-struct GradientReady {
-  GradientBuckets* buckets = nullptr;
-  std::size_t layer = 0;
-};
-
 class GradientBuckets {
  public:
   GradientBuckets() = default;
-  // layers: in layer order (layer k at index k). bucket_mb: the size cap in MiB (> 0).
-  // wire: what the sums move and add in (the reduce dtype of mixed precision).
+  // layers: in the model's order (layer k at index k: LayerPass::index). bucket_mb: the size cap in
+  // MiB (> 0). wire: what the sums move and add in (the reduce dtype of mixed precision).
   GradientBuckets(const std::vector<LayerGradients>& layers, double bucket_mb,
                   Dtype wire = Dtype::fp32);
   GradientBuckets(GradientBuckets&&) = default;

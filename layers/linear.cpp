@@ -45,38 +45,16 @@ void copy_block(VectorView full, int64_t offset, Vector block) {
       KOKKOS_LAMBDA(const int64_t j) { block(j) = full(offset + j); });
 }
 
-void scale_matrix(MatrixView m, float factor) {
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::linear_scale_grad"),
-      Range2({0, 0}, {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))}),
-      KOKKOS_LAMBDA(const int64_t i, const int64_t j) { m(i, j) *= factor; });
-}
-
 }  // namespace
 
-void LinearScratchNeeds::merge(const LinearScratchNeeds& o) {
-  weight = std::max(weight, o.weight);
-  grad = std::max(grad, o.grad);
-  stage = std::max(stage, o.stage);
-  bias = std::max(bias, o.bias);
-  matmul = std::max(matmul, o.matmul);
-}
-
-LinearScratch::LinearScratch(const LinearScratchNeeds& needs, bool with_prefetch)
-    : weight("meshtrain::scratch_weight", needs.weight),
-      prefetch("meshtrain::scratch_prefetch", with_prefetch ? needs.weight : 0),
-      grad("meshtrain::scratch_grad", needs.grad),
-      stage("meshtrain::scratch_stage", needs.stage),
-      bias("meshtrain::scratch_bias", needs.bias) {
-  if (needs.matmul > 0) matmul.reserve(needs.matmul);
-}
-
-Linear::Linear(const ShardedTensor& weight, const ShardedTensor& bias, FeatureLayout input_layout,
+Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout input_layout,
                int64_t rows, ParallelContext& context)
-    : layout_(decide_linear_layout(linear_layer_name(weight.name),
-                                   {weight.name, weight.global_shape, weight.spec},
-                                   {bias.name, bias.global_shape, bias.spec}, context.mesh(),
-                                   {context.batch_axes(), context.feature_axis()}, input_layout)),
+    : layout_(decide_linear_layout(
+          linear_layer_name(weight_ref.value->name),
+          {weight_ref.value->name, weight_ref.value->global_shape, weight_ref.value->spec},
+          {bias_ref.value->name, bias_ref.value->global_shape, bias_ref.value->spec},
+          context.mesh(), {context.batch_axes(), context.feature_axis()}, input_layout)),
+      bias_(bias_ref),
       rows_(rows),
       tp_index_(context.feature_index()),
       compute_dtype_(context.precision().param),
@@ -85,10 +63,11 @@ Linear::Linear(const ShardedTensor& weight, const ShardedTensor& bias, FeatureLa
                                        collective_matmul_hardware(), context.precision().param)) {
   const LinearLayout& l = layout_;
   const std::string& name = l.layer;
+  const ShardedTensor& weight = *weight_ref.value;
+  const ShardedTensor& bias = *bias_.value;
   MESHTRAIN_REQUIRE(weight.box.extent[0] == l.stored_rows && weight.box.extent[1] == l.stored_cols,
                     "linear layer '", name, "': the block of '", weight.name,
                     "' does not tile its compute block");
-  nonbatch_scale_ = 1.0f / static_cast<float>(l.nonbatch_replication);
 
   // Bias: the gathered block starts at the compute offset when only the rest is gathered.
   const int64_t compute_offset = output_offset();
@@ -102,9 +81,15 @@ Linear::Linear(const ShardedTensor& weight, const ShardedTensor& bias, FeatureLa
 
   // Communicators (collective on first use: the same calls in the same order everywhere).
   if (l.tp > 1) tp_comm_ = context.comm({l.feature_axis});
-  gather0_comm_ = context.comm(l.weight_gather_dim0);
-  gather1_comm_ = context.comm(l.weight_gather_dim1);
-  weight_allreduce_comm_ = context.comm(l.weight_allreduce);
+  // The weight [in, out] is the compute block [1, in_compute, out], gathered dim by dim.
+  weight_ = ShardedParameter(weight_ref,
+                             {{1, l.in_compute, l.out},
+                              {1, l.stored_rows, l.stored_cols},
+                              l.weight_gather_dim0,
+                              l.weight_gather_dim1,
+                              l.weight_allreduce,
+                              l.nonbatch_replication},
+                             GatherMethod::by_dims, context);
   bias_gather_comm_ = context.comm(l.bias_gather);
   bias_reduce_comm_ = context.comm(l.bias_reduce);
   defers_reduction_ = l.defers_reduction();  // the bias is stored whole: offset 0
@@ -118,19 +103,9 @@ Linear::Linear(const ShardedTensor& weight, const ShardedTensor& bias, FeatureLa
     dx_ = Matrix(name + "/input_grad", rows_, input_width());
   }
 
-  const bool gathers = gather0_comm_ != nullptr || gather1_comm_ != nullptr;
-  if (gathers) {
-    needs_.weight = static_cast<size_t>(in_c * out);
-    needs_.grad = static_cast<size_t>(in_c * out);
-  } else if (compute_dtype_ != Dtype::fp32) {
-    needs_.weight = static_cast<size_t>(in_c * out);  // the rounded copy of the stored weight
-  }
-  if (gather0_comm_ && gather1_comm_) {
-    needs_.stage = static_cast<size_t>(std::max(in_c * l.stored_cols, l.stored_rows * out));
-  }
+  needs_ = weight_.scratch_needs();
   needs_.bias = static_cast<size_t>(out);
   if (l.tensor_parallel) needs_.matmul = static_cast<size_t>(3 * rows_ * out) * sizeof(float);
-  if (gather1_comm_) gather1_comm_->reserve_scratch(static_cast<size_t>(in_c * out));
   if (tp_comm_) tp_comm_->reserve_scratch(static_cast<size_t>(rows_ * std::max(l.in, out)));
 }
 
@@ -138,57 +113,12 @@ int64_t Linear::output_offset() const {
   return layout_.split_output ? tp_index_ * layout_.out_local : 0;
 }
 
-MatrixView Linear::compute_weight(const ShardedTensor& weight, LinearScratch& scratch) {
-  MatrixView stored = weight.matrix();
-  MatrixView full(scratch.weight.data(), layout_.in_compute, layout_.out);
-  if (!gather0_comm_ && !gather1_comm_) {
-    if (compute_dtype_ == Dtype::fp32) return stored;
-    round_copy(stored, full, compute_dtype_);  // the fp32 master cast to the compute dtype
-    return full;
-  }
-  // Gathered in the compute dtype: the blocks are rounded as they are packed.
-  if (prefetch_started_) {
-    // Started while the layer before computed: the blocks are landing in scratch.prefetch.
-    // (A poll may have completed the request already; then wait() returns at once.)
-    prefetch_started_ = false;
-    prefetch_.wait();
-    if (gather0_comm_) {
-      // Dim 0 blocks in rank order are the weight itself: the landing buffer becomes the
-      // weight buffer, and the old weight buffer (free: its layer is done) the landing one.
-      std::swap(scratch.weight, scratch.prefetch);
-      return MatrixView(scratch.weight.data(), layout_.in_compute, layout_.out);
-    }
-    place_gathered_columns(ConstVectorView(scratch.prefetch.data(), full.span()), full,
-                           gather1_comm_->size());
-    return full;
-  }
-  if (gather0_comm_ && gather1_comm_) {
-    MatrixView stage(scratch.stage.data(), layout_.in_compute, layout_.stored_cols);
-    gather0_comm_->all_gather(stored, stage, 0, compute_dtype_);
-    gather1_comm_->all_gather(stage, full, 1, compute_dtype_);
-  } else if (gather0_comm_) {
-    gather0_comm_->all_gather(stored, full, 0, compute_dtype_);
-  } else {
-    gather1_comm_->all_gather(stored, full, 1, compute_dtype_);
-  }
-  return full;
+void Linear::start_weight_prefetch(LayerScratch& scratch) {
+  weight_.start_prefetch(scratch);
 }
 
-void Linear::start_weight_prefetch(const ShardedTensor& weight, LinearScratch& scratch) {
-  const size_t gathered = static_cast<size_t>(layout_.in_compute * layout_.out);
-  MESHTRAIN_REQUIRE(
-      can_prefetch_weight() && !prefetch_started_ && scratch.prefetch.extent(0) >= gathered,
-      "linear layer '", layout_.layer,
-      "': its weight cannot be prefetched (gathered over two groups, already "
-      "started, or a scratch made without prefetch)");
-  Communicator& group = gather0_comm_ ? *gather0_comm_ : *gather1_comm_;
-  const Vector& stored = weight.local;
-  prefetch_ = group.start_all_gather(ConstVectorView(stored.data(), stored.extent(0)),
-                                     VectorView(scratch.prefetch.data(), gathered), compute_dtype_);
-  prefetch_started_ = true;
-}
-
-const float* Linear::compute_bias(const ShardedTensor& bias, LinearScratch& scratch) {
+const float* Linear::compute_bias(LayerScratch& scratch) {
+  const ShardedTensor& bias = *bias_.value;
   const float* gathered = bias.local.data();
   if (bias_gather_comm_) {
     const size_t n = static_cast<size_t>(layout_.bias_stored) * bias_gather_comm_->size();
@@ -199,8 +129,9 @@ const float* Linear::compute_bias(const ShardedTensor& bias, LinearScratch& scra
   return gathered + (output_offset() - bias_gathered_offset_);
 }
 
-MatrixView Linear::forward(const ShardedTensor& weight, const ShardedTensor& bias, MatrixView x,
-                           LinearScratch& scratch, WeightPrefetch next) {
+MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
+  LayerScratch& scratch = *pass.scratch;
+  Layer* next = pass.prefetch;
   MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
                         static_cast<int64_t>(x.extent(1)) == input_width(),
                     "linear layer '", layout_.layer, "': input is [", x.extent(0), ", ",
@@ -214,8 +145,8 @@ MatrixView Linear::forward(const ShardedTensor& weight, const ShardedTensor& bia
   } else {
     x_used_ = x;
   }
-  MatrixView w = compute_weight(weight, scratch);
-  if (next.layer) next.layer->start_weight_prefetch(*next.weight, scratch);
+  MatrixView w = weight_.compute_matrix(scratch);
+  if (next) next->start_weight_prefetch(scratch);
   MatrixView y = output_;
   if (layout_.split_output) {
     matmul_reduce_scatter(*tp_comm_, 1, plain(x_used_), plain(w), y, matmuls_.forward,
@@ -224,10 +155,10 @@ MatrixView Linear::forward(const ShardedTensor& weight, const ShardedTensor& bia
     gemm(plain(x_used_), plain(w), 0.0f, y, compute_dtype_);
     if (layout_.tensor_parallel) tp_comm_->all_reduce(y, ReduceOp::sum, compute_dtype_);
   }
-  if (next.layer) next.layer->poll_weight_prefetch();
+  if (next) next->poll_weight_prefetch();
   // The product in the compute dtype, plus the bias (cast to it), rounded again: two
   // roundings, as docs/mixed_precision.md lists them (none in fp32).
-  const float* b = compute_bias(bias, scratch);
+  const float* b = compute_bias(scratch);
   const Dtype dtype = compute_dtype_;
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::linear_add_bias"),
@@ -238,22 +169,20 @@ MatrixView Linear::forward(const ShardedTensor& weight, const ShardedTensor& bia
   return y;
 }
 
-MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_grad,
-                            ShardedTensor& bias_grad, MatrixView dy, bool need_input_grad,
-                            LinearScratch& scratch, bool reduce, WeightPrefetch next,
-                            GradientReady ready) {
+MatrixView Linear::backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) {
+  LayerScratch& scratch = *pass.scratch;
+  Layer* next = pass.prefetch;
+  ShardedTensor& bias_grad = *bias_.grad;
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == rows_ &&
                         static_cast<int64_t>(dy.extent(1)) == layout_.out_local,
                     "linear layer '", layout_.layer, "': output gradient is [", dy.extent(0), ", ",
                     dy.extent(1), "], expected [", rows_, ", ", layout_.out_local, "]");
   // Gathered again, not kept from forward.
-  MatrixView w = compute_weight(weight, scratch);
-  if (next.layer) next.layer->start_weight_prefetch(*next.weight, scratch);
+  MatrixView w = weight_.compute_matrix(scratch);
+  if (next) next->start_weight_prefetch(scratch);
 
   // Weight gradient, compute block: X_cᵀ @ dY (dY all-gathered over features when split).
-  const bool direct = !gather0_comm_ && !gather1_comm_;
-  MatrixView g = direct ? weight_grad.matrix()
-                        : MatrixView(scratch.grad.data(), layout_.in_compute, layout_.out);
+  MatrixView g = weight_.gradient_matrix(scratch);
   if (layout_.split_output) {
     all_gather_matmul(*tp_comm_, GatherSide::right, 1, transposed(x_used_), plain(dy), g,
                       matmuls_.weight_grad, scratch.matmul, compute_dtype_);
@@ -261,13 +190,13 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
     gemm(transposed(x_used_), plain(dy), 0.0f, g, compute_dtype_);
   }
   round_in_place(g, compute_dtype_);  // the weight's gradient in its compute dtype
-  if (next.layer) next.layer->poll_weight_prefetch();
+  if (next) next->poll_weight_prefetch();
   // DP overlap: both gradients are final here (no gathers, no scale); hand them to the
   // buckets, whose all-reduce runs while dX is computed.
-  const bool bucketed = ready.buckets != nullptr && defers_reduction_ && reduce;
+  const bool bucketed = defers_reduction_ && pass.deferred == DeferredReduction::in_buckets;
   if (bucketed) {
     bias_gradient(dy, bias_grad, scratch, /*all_reduce=*/false);
-    ready.buckets->layer_ready(ready.layer);
+    pass.buckets->layer_ready(pass.index);
   }
 
   // Input gradient: dY @ W_cᵀ, then back to the input's layout.
@@ -291,33 +220,20 @@ MatrixView Linear::backward(const ShardedTensor& weight, ShardedTensor& weight_g
     }
   }
   if (bucketed) {
-    ready.buckets->poll();
+    pass.buckets->poll();
     return dx;
   }
 
   // Weight gradient back to storage: reduce-scatter over the gathered axes (sum over the
   // batch ones; non-batch ones hold equal copies, hence the scale), then all-reduce over
   // the batch axes the storage does not split. Summed in the reduce dtype; stored in fp32.
-  MatrixView dst = weight_grad.matrix();
-  const Dtype wire = reduce_dtype_;
-  if (gather0_comm_ && gather1_comm_) {
-    MatrixView stage(scratch.stage.data(), layout_.stored_rows, layout_.out);
-    gather0_comm_->reduce_scatter(g, stage, 0, wire);
-    gather1_comm_->reduce_scatter(stage, dst, 1, wire);
-  } else if (gather0_comm_) {
-    gather0_comm_->reduce_scatter(g, dst, 0, wire);
-  } else if (gather1_comm_) {
-    gather1_comm_->reduce_scatter(g, dst, 1, wire);
-  }
-  if (nonbatch_scale_ != 1.0f) scale_matrix(dst, nonbatch_scale_);
-  const bool defer = !reduce && defers_reduction_;
-  if (weight_allreduce_comm_ && !defer)
-    weight_allreduce_comm_->all_reduce(dst, ReduceOp::sum, wire);
+  const bool defer = defers_reduction_ && pass.deferred == DeferredReduction::later;
+  weight_.reduce(scratch, /*all_reduce=*/!defer);
   bias_gradient(dy, bias_grad, scratch, !defer);
   return dx;
 }
 
-void Linear::bias_gradient(MatrixView dy, ShardedTensor& bias_grad, LinearScratch& scratch,
+void Linear::bias_gradient(MatrixView dy, ShardedTensor& bias_grad, LayerScratch& scratch,
                            bool all_reduce) {
   // Bias gradient: column sums of dY into the full-width vector, summed over the batch
   // axes (and the feature axis when the output is split), then this rank's block.
@@ -328,11 +244,19 @@ void Linear::bias_gradient(MatrixView dy, ShardedTensor& bias_grad, LinearScratc
   copy_block(full, bias_stored_offset_, bias_grad.local);
 }
 
-void Linear::reduce_gradients(ShardedTensor& weight_grad, ShardedTensor& bias_grad) {
+void Linear::reduce_gradients() {
   if (!defers_reduction_) return;
-  weight_allreduce_comm_->all_reduce(weight_grad.matrix(), ReduceOp::sum, reduce_dtype_);
+  ShardedTensor& bias_grad = *bias_.grad;
+  weight_.all_reduce_deferred();
   bias_reduce_comm_->all_reduce(VectorView(bias_grad.local.data(), bias_grad.local.extent(0)),
                                 ReduceOp::sum, reduce_dtype_);
+}
+
+LayerGradients Linear::bucket_gradients() const {
+  const Vector& w = weight_.grad().local;
+  const Vector& b = bias_.grad->local;
+  return {VectorView(w.data(), w.extent(0)), VectorView(b.data(), b.extent(0)),
+          deferred_reduction_group()};
 }
 
 std::string Linear::describe() const {

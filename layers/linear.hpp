@@ -18,7 +18,8 @@
 //       first), W_c the full weight, output replicated.
 //   A TP layer fed a replicated input (the first layer, or after a non-divisible output)
 //   takes its column block locally; its input gradient is all-gathered back.
-// Storage: gathered into a shared scratch buffer right before use, in forward AND again in
+// Storage: the weight is a ShardedParameter (layers/sharded_parameter.hpp, gathered dim by
+//   dim into the shared scratch): gathered right before use, in forward AND again in
 //   backward (nothing is kept from forward); the gradient is reduce-scattered back over the
 //   same axes, divided by the size of the gathered non-batch axes (identical copies), then
 //   all-reduced over the batch axes the storage does not split (DP). The bias gradient is
@@ -28,8 +29,9 @@
 //
 // Prefetch (FSDP overlap): a layer whose weight is gathered over one group of axes can
 //   start that gather early (start_weight_prefetch) into the scratch's prefetch buffer
-//   while the layer before it computes; compute_weight() then waits for it instead of
-//   gathering. A weight gathered over two groups (a 2-D storage split) is gathered when used.
+//   while the layer before it computes; its next use of the weight then waits for it
+//   instead of gathering. A weight gathered over two groups (a 2-D storage split) is
+//   gathered when used.
 //
 // Mixed precision (docs/mixed_precision.md, context.precision()): the weight and bias are
 //   cast to the compute dtype before they are gathered (a weight stored whole is rounded
@@ -38,7 +40,7 @@
 //   reduced in the reduce dtype and kept in fp32. In fp32 none of this does anything.
 //
 // Buffers: the layer owns its activations for backward (input as used, output) and its
-// input gradient; gathered weights and gradient staging live in a LinearScratch shared by
+// input gradient; gathered weights and gradient staging live in a LayerScratch shared by
 // all layers of a model. Nothing is allocated in forward() or backward().
 
 #include <cstdint>
@@ -48,115 +50,86 @@
 #include "framework/comm/collective_matmul.hpp"
 #include "framework/core/sharded_tensor.hpp"
 #include "layers/context.hpp"
-#include "layers/gradient_buckets.hpp"
+#include "layers/layer.hpp"
+#include "layers/sharded_parameter.hpp"
 #include "partition/linear_layout.hpp"
 
 namespace meshtrain {
 
-// Floats of scratch a layer needs; a model allocates the maximum over its layers.
-struct LinearScratchNeeds {
-  size_t weight = 0;  // gathered compute block of the weight (and of a prefetched one)
-  size_t grad = 0;    // compute block of the weight gradient
-  size_t stage = 0;   // between the two gathers / reduce-scatters of a 2-D storage split
-  size_t bias = 0;    // gathered bias / full-width bias gradient
-  size_t matmul = 0;  // collective matmul workspace (bytes)
-  void merge(const LinearScratchNeeds& o);
-};
-
-struct LinearScratch {
-  Vector weight;
-  // The next layer's weight as its gather lands (rank-ordered blocks); empty without
-  // prefetch. At most one layer is prefetched at a time.
-  Vector prefetch;
-  Vector grad;
-  Vector stage;
-  Vector bias;
-  CollectiveMatmulWorkspace matmul;
-  explicit LinearScratch(const LinearScratchNeeds& needs = {}, bool with_prefetch = false);
-};
-
-class Linear;
-// The layer whose weight gather starts while this one computes (nullptr: none).
-struct WeightPrefetch {
-  Linear* layer = nullptr;
-  const ShardedTensor* weight = nullptr;
-};
-
-class Linear {
+class Linear : public Layer {
  public:
   // `weight` [in, out] and `bias` [out] as allocated (their specs and boxes fix the
   // layout); `input_layout` is how the input's features arrive; `rows` is the local batch.
   // Asks the context for the communicators it needs (collective; see context.hpp).
   // Throws bad_input when the shapes do not agree or a split does not divide.
-  Linear(const ShardedTensor& weight, const ShardedTensor& bias, FeatureLayout input_layout,
-         int64_t rows, ParallelContext& context);
+  Linear(ParameterRef weight, ParameterRef bias, FeatureLayout input_layout, int64_t rows,
+         ParallelContext& context);
 
   // y = x W + b. x: [rows, input_width()]. Returns the output [rows, output_width()],
   // owned by the layer (valid until the next forward). x must stay valid until backward.
-  // `next`: the layer to prefetch once this one's own weight is in place.
-  MatrixView forward(const ShardedTensor& weight, const ShardedTensor& bias, MatrixView x,
-                     LinearScratch& scratch, WeightPrefetch next = {});
+  // pass.prefetch: the layer whose weight gather starts once this one's own weight is in place.
+  MatrixView forward(MatrixView x, const LayerPass& pass) override;
 
   // From dY [rows, output_width()]: writes the weight and bias gradients (overwriting
   // them) and, when need_input_grad, returns dX [rows, input_width()] (owned by the
-  // layer); otherwise an empty view. With reduce = false a layer that
-  // defers_reduction() leaves its gradients as this rank's partial sums: reduce_gradients()
-  // finishes them later (gradient accumulation communicates once per step).
-  // `ready` (DP overlap, with reduce = true): a layer that defers_reduction() computes both
-  // gradients first, reports them to ready.buckets (which may start their all-reduce) and
-  // computes dX while that runs; the gradients are final after ready.buckets->wait_all().
-  MatrixView backward(const ShardedTensor& weight, ShardedTensor& weight_grad,
-                      ShardedTensor& bias_grad, MatrixView dy, bool need_input_grad,
-                      LinearScratch& scratch, bool reduce = true, WeightPrefetch next = {},
-                      GradientReady ready = {});
+  // layer); otherwise an empty view. For a layer that defers_reduction(), pass.deferred says
+  // what happens to its gradients: all-reduced now; DeferredReduction::later: left as this
+  // rank's partial sums for reduce_gradients() (gradient accumulation communicates once per
+  // step) or ZeRO-1; in_buckets (DP overlap): both gradients are computed first, reported to
+  // pass.buckets (which may start their all-reduce) and dX computed while that runs; the
+  // gradients are final after pass.buckets->wait_all().
+  MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
+  size_t parameter_count() const override { return 2; }  // weight, bias
   // True when the gradients' only communication is one all-reduce over the batch axes for
   // the weight and the same for the whole stored bias (DP storage): a sum of partial
   // gradients can then be all-reduced once. Reduce-scatters (FSDP) and the feature axis's
   // bias reduction (TP) are done in every backward.
   bool defers_reduction() const { return defers_reduction_; }
-  // The group over which a backward with reduce = false leaves both gradients partial sums
-  // (the batch axes of the weight's all-reduce); nullptr when the layer does not defer.
-  Communicator* deferred_reduction_group() const {
-    return defers_reduction_ ? weight_allreduce_comm_ : nullptr;
+  // The group over which a backward with DeferredReduction::later leaves both gradients
+  // partial sums (the batch axes of the weight's all-reduce); nullptr when the layer does not
+  // defer.
+  Communicator* deferred_reduction_group() const override {
+    return defers_reduction_ ? weight_.allreduce_group() : nullptr;
   }
-  // The all-reduces a backward with reduce = false skipped, on the gradients as they are.
-  void reduce_gradients(ShardedTensor& weight_grad, ShardedTensor& bias_grad);
+  LayerGradients bucket_gradients() const override;
+  // The all-reduces a backward with DeferredReduction::later skipped, on the gradients as
+  // they are.
+  void reduce_gradients() override;
 
   // True when the weight is gathered over exactly one group of axes (FSDP storage).
-  bool can_prefetch_weight() const {
-    return (gather0_comm_ != nullptr) != (gather1_comm_ != nullptr);
-  }
-  // Starts gathering `weight` into scratch.prefetch; the next forward() or backward() of
+  bool can_prefetch_weight() const override { return weight_.can_prefetch(); }
+  // Starts gathering the weight into scratch.prefetch; the next forward() or backward() of
   // this layer completes it. Needs a scratch made with_prefetch and can_prefetch_weight().
-  void start_weight_prefetch(const ShardedTensor& weight, LinearScratch& scratch);
+  void start_weight_prefetch(LayerScratch& scratch) override;
   // Lets a started prefetch progress (MPI moves data only inside MPI calls).
-  void poll_weight_prefetch() { prefetch_.test(); }
+  void poll_weight_prefetch() override { weight_.poll_prefetch(); }
 
   int64_t in() const { return layout_.in; }
   int64_t out() const { return layout_.out; }
   FeatureLayout input_layout() const { return layout_.input_layout; }
-  FeatureLayout output_layout() const { return layout_.output_layout(); }
-  int64_t input_width() const { return layout_.input_width(); }  // local input columns
-  int64_t output_width() const { return layout_.out_local; }     // local output columns
-  int64_t output_offset() const;  // first global output column held here
+  FeatureLayout output_layout() const override { return layout_.output_layout(); }
+  int64_t input_width() const { return layout_.input_width(); }        // local input columns
+  int64_t output_width() const override { return layout_.out_local; }  // local output columns
+  int64_t output_offset() const override;  // first global output column held here
   bool tensor_parallel() const { return layout_.tensor_parallel; }
   const LinearLayout& layout() const { return layout_; }
   // The output of the last forward (the pre-activation, kept for backward).
-  MatrixView output() const { return output_; }
-  const LinearScratchNeeds& scratch_needs() const { return needs_; }
+  MatrixView output() const override { return output_; }
+  LayerScratchNeeds scratch_needs() const override { return needs_; }
   // One line for logs, "<layer>: " + describe_linear_layout: "layers/0: TP in 784 -> out
   // 128 (split 32), weight gathered over (fsdp) on dim 1, grads all-reduced over (dp)".
-  std::string describe() const;
+  std::string describe() const override;
 
  private:
-  MatrixView compute_weight(const ShardedTensor& weight, LinearScratch& scratch);
-  const float* compute_bias(const ShardedTensor& bias, LinearScratch& scratch);
+  const float* compute_bias(LayerScratch& scratch);
   // Column sums of dy into this rank's block of the bias gradient; all_reduce: summed
   // over the bias's reduction group first.
-  void bias_gradient(MatrixView dy, ShardedTensor& bias_grad, LinearScratch& scratch,
+  void bias_gradient(MatrixView dy, ShardedTensor& bias_grad, LayerScratch& scratch,
                      bool all_reduce);
 
   LinearLayout layout_;
+  ShardedParameter weight_;  // gathered, prefetched and reduced as its storage says
+  ParameterRef bias_;        // the model's tensor
   int64_t rows_ = 0;
   int tp_index_ = 0;
   // Mixed precision (context.precision()): what the layer computes with, gathers its
@@ -165,10 +138,6 @@ class Linear {
   Dtype reduce_dtype_ = Dtype::fp32;
 
   // Communicators of the layout's gathers and reductions (nullptr: nothing to do).
-  Communicator* gather0_comm_ = nullptr;
-  Communicator* gather1_comm_ = nullptr;
-  float nonbatch_scale_ = 1.0f;  // 1 / layout_.nonbatch_replication
-  Communicator* weight_allreduce_comm_ = nullptr;
   // Bias: the gather gives the block [bias_gathered_offset_, +extent).
   Communicator* bias_gather_comm_ = nullptr;
   int64_t bias_gathered_offset_ = 0;
@@ -179,17 +148,13 @@ class Linear {
   Communicator* tp_comm_ = nullptr;
   // The three collective matmuls' algorithms (auto resolved by the cost model at construction).
   LayerMatmulAlgorithms matmuls_;
-  Request prefetch_;  // the started gather of this layer's weight, if any
-  // A gather was started and its result not yet used (the request alone cannot say: a
-  // poll that finds it complete empties it).
-  bool prefetch_started_ = false;
 
   Matrix x_c_;  // the input as used, when it is not the caller's view
   MatrixView x_used_;
   Matrix output_;  // [rows, out_local]
   Matrix dx_c_;    // [rows, in_c]
   Matrix dx_;      // [rows, input_width] when it differs from dx_c_
-  LinearScratchNeeds needs_;
+  LayerScratchNeeds needs_;
 };
 
 }  // namespace meshtrain

@@ -34,79 +34,83 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
                           " layers (an MoE layer is followed by an activation)");
     }
   }
-  layers_.reserve(n);
-  LinearScratchNeeds needs;
+  // The sequence: layer i (Linear, or MoE where listed), then its activation (none after the
+  // last). Each layer takes the next parameters in parameters() order.
+  linear_.reserve(n);
+  moe_.reserve(n);
+  activations_.reserve(n);
+  auto ref = [this](size_t p) { return ParameterRef{&params_[p], &grads_[p]}; };
+  LayerScratchNeeds needs;
   FeatureLayout layout = FeatureLayout::replicated;  // x arrives with all features
   size_t param = 0;
   for (size_t i = 0; i < n; ++i) {
-    int64_t width = 0;
+    Layer* layer = nullptr;
     if (moe.is_moe(static_cast<int64_t>(i))) {
-      slots_.push_back({true, moe_.size(), param});
-      moe_.emplace_back(params_[param], params_[param + 1], params_[param + 2], moe.top_k,
-                        moe.aux_loss_coef, layout, rows_, context);
-      param += 3;
-      layout = moe_.back().output_layout();
-      width = moe_.back().output_width();
+      moe_.emplace_back(ref(param), ref(param + 1), ref(param + 2), moe.top_k, moe.aux_loss_coef,
+                        layout, rows_, context);
+      layer = &moe_.back();
     } else {
-      slots_.push_back({false, layers_.size(), param});
-      layers_.emplace_back(params_[param], params_[param + 1], layout, rows_, context);
-      param += 2;
-      needs.merge(layers_.back().scratch_needs());
-      prefetch_ = prefetch_ || (context.overlap() && layers_.back().can_prefetch_weight());
-      layout = layers_.back().output_layout();
-      width = layers_.back().output_width();
+      linear_.emplace_back(ref(param), ref(param + 1), layout, rows_, context);
+      layer = &linear_.back();
     }
+    sequence_.push_back(layer);
+    param += layer->parameter_count();
+    needs.merge(layer->scratch_needs());
+    layout = layer->output_layout();
     if (i + 1 < n) {
-      activated_.push_back(Matrix("layers/" + std::to_string(i) + "/activation", rows_, width));
+      activations_.emplace_back(activation, "layers/" + std::to_string(i) + "/activation", rows_,
+                                layer->output_width(), layout, layer->output_offset(),
+                                compute_dtype_);
+      sequence_.push_back(&activations_.back());
     }
   }
-  scratch_ = LinearScratch(needs, prefetch_);
+
+  // FSDP prefetch (overlap): each layer starts the gather of the next layer with parameters
+  // in the pass's direction, when that one can prefetch.
+  const size_t count = sequence_.size();
+  forward_prefetch_.assign(count, nullptr);
+  backward_prefetch_.assign(count, nullptr);
+  bool prefetch = false;
+  if (context.overlap()) {
+    auto prefetchable = [](Layer* l) { return l->parameter_count() > 0; };
+    for (size_t k = 0; k < count; ++k) {
+      for (size_t j = k + 1; j < count; ++j) {
+        if (!prefetchable(sequence_[j])) continue;
+        if (sequence_[j]->can_prefetch_weight()) forward_prefetch_[k] = sequence_[j];
+        break;
+      }
+      for (size_t j = k; j-- > 0;) {
+        if (!prefetchable(sequence_[j])) continue;
+        if (sequence_[j]->can_prefetch_weight()) backward_prefetch_[k] = sequence_[j];
+        break;
+      }
+      prefetch = prefetch || sequence_[k]->can_prefetch_weight();
+    }
+  }
+  scratch_ = LayerScratch(needs, prefetch);
   if (compute_dtype_ != Dtype::fp32) input_ = Matrix("model/input", rows_, sizes.front());
   if (compute_dtype_ != Dtype::fp32 || context.precision().needs_loss_scaling()) {
-    output_grad_ = Matrix("model/output_grad", rows_, layers_.back().output_width());
+    output_grad_ = Matrix("model/output_grad", rows_, output_width());
   }
   if (context.overlap()) {
-    // One entry per linear layer (GradientReady's index); MoE layers reduce their own.
+    // One entry per layer of the sequence (LayerPass::index); only the layers that defer
+    // their reduction take part.
     std::vector<LayerGradients> reduced;
-    for (const Slot& slot : slots_) {
-      if (slot.moe) continue;
-      const ShardedTensor& w = grads_[slot.param];
-      const ShardedTensor& b = grads_[slot.param + 1];
-      reduced.push_back({VectorView(w.local.data(), w.local.extent(0)),
-                         VectorView(b.local.data(), b.local.extent(0)),
-                         layers_[slot.index].deferred_reduction_group()});
-    }
+    for (Layer* layer : sequence_) reduced.push_back(layer->bucket_gradients());
     buckets_ = GradientBuckets(reduced, context.bucket_mb(), context.precision().reduce);
   }
 }
 
-WeightPrefetch Mlp::prefetch_target(size_t k) {
-  if (!prefetch_ || k >= slots_.size() || slots_[k].moe) return {};
-  Linear& layer = layers_[slots_[k].index];
-  if (!layer.can_prefetch_weight()) return {};
-  return {&layer, &params_[slots_[k].param]};
-}
-
-MatrixView Mlp::output_of(size_t k) const {
-  const Slot& slot = slots_[k];
-  return slot.moe ? moe_[slot.index].output() : layers_[slot.index].output();
-}
-
 double Mlp::aux_loss() const {
   double sum = 0.0;
-  for (const MoeLayer& layer : moe_) sum += layer.aux_loss();
+  for (const Layer* layer : sequence_) sum += layer->aux_loss();
   return sum;
 }
 
 std::vector<Communicator*> Mlp::deferred_reduction_groups() const {
   std::vector<Communicator*> groups;
-  for (const Slot& slot : slots_) {
-    if (slot.moe) {
-      groups.insert(groups.end(), 3, nullptr);
-    } else {
-      Communicator* group = layers_[slot.index].deferred_reduction_group();
-      groups.insert(groups.end(), 2, group);  // weight, bias
-    }
+  for (const Layer* layer : sequence_) {
+    groups.insert(groups.end(), layer->parameter_count(), layer->deferred_reduction_group());
   }
   return groups;
 }
@@ -124,28 +128,20 @@ MatrixView Mlp::forward(MatrixView x) {
     round_copy(x, input_, compute_dtype_);
     input = input_;
   }
-  MatrixView z;
-  for (size_t i = 0; i < slots_.size(); ++i) {
-    const Slot& slot = slots_[i];
-    const size_t p = slot.param;
-    if (slot.moe) {
-      z = moe_[slot.index].forward(params_[p], params_[p + 1], params_[p + 2], input);
-    } else {
-      z = layers_[slot.index].forward(params_[p], params_[p + 1], input, scratch_,
-                                      prefetch_target(i + 1));
-    }
-    if (i + 1 < slots_.size()) {
-      activation_forward(activation_, z, activated_[i], compute_dtype_);
-      input = activated_[i];
-    }
+  for (size_t k = 0; k < sequence_.size(); ++k) {
+    input = sequence_[k]->forward(input, {&scratch_, forward_prefetch_[k]});
   }
-  return z;
+  return input;
 }
 
 void Mlp::backward(MatrixView output_grad, bool reduce, float loss_scale) {
-  // DP overlap: each layer reports its finished gradients to the buckets, which start an
-  // all-reduce per completed bucket while the layers below compute.
-  GradientBuckets* buckets = reduce && !buckets_.empty() ? &buckets_ : nullptr;
+  // What every layer does with the gradients it could leave partial, decided here only:
+  // all-reduced now; in buckets (DP overlap: each layer reports its finished gradients,
+  // and a bucket's all-reduce starts as it completes while the layers below compute); or
+  // left partial for reduce_gradients() / ZeRO-1.
+  const DeferredReduction deferred = !reduce            ? DeferredReduction::later
+                                     : buckets_.empty() ? DeferredReduction::now
+                                                        : DeferredReduction::in_buckets;
   MatrixView grad = output_grad;
   if (compute_dtype_ != Dtype::fp32 || loss_scale != 1.0f) {
     // The loss gradient times the loss scale, cast to the compute dtype (the logits' dtype).
@@ -164,37 +160,22 @@ void Mlp::backward(MatrixView output_grad, bool reduce, float loss_scale) {
         });
     grad = scaled;
   }
-  for (size_t k = slots_.size(); k-- > 0;) {
-    const Slot& slot = slots_[k];
-    const size_t p = slot.param;
-    MatrixView dx;
-    if (slot.moe) {
-      dx = moe_[slot.index].backward(params_[p], params_[p + 1], grads_[p], grads_[p + 1],
-                                     grads_[p + 2], grad, k > 0, loss_scale);
-    } else {
-      dx = layers_[slot.index].backward(params_[p], grads_[p], grads_[p + 1], grad, k > 0, scratch_,
-                                        reduce, k > 0 ? prefetch_target(k - 1) : WeightPrefetch{},
-                                        {buckets, slot.index});
-    }
-    if (k > 0) {
-      // dx is owned by layer k; the pre-activation of layer k-1 is its output buffer.
-      activation_backward(activation_, output_of(k - 1), dx, compute_dtype_);
-      grad = dx;
-    }
+  for (size_t k = sequence_.size(); k-- > 0;) {
+    LayerPass pass{&scratch_, backward_prefetch_[k], deferred, &buckets_, k, loss_scale};
+    grad = sequence_[k]->backward(grad, /*need_input_grad=*/k > 0, pass);
   }
-  if (buckets) buckets->wait_all();  // the gradients are final from here on
+  // The gradients are final from here on.
+  if (deferred == DeferredReduction::in_buckets) buckets_.wait_all();
 }
 
 void Mlp::reduce_gradients() {
-  for (const Slot& slot : slots_) {
-    if (!slot.moe) layers_[slot.index].reduce_gradients(grads_[slot.param], grads_[slot.param + 1]);
-  }
+  for (Layer* layer : sequence_) layer->reduce_gradients();
 }
 
 std::vector<std::string> Mlp::describe() const {
   std::vector<std::string> out;
-  for (const Slot& slot : slots_) {
-    out.push_back(slot.moe ? moe_[slot.index].describe() : layers_[slot.index].describe());
+  for (const Layer* layer : sequence_) {
+    if (layer->parameter_count() > 0) out.push_back(layer->describe());
   }
   return out;
 }

@@ -2,6 +2,9 @@
 // A multi-layer perceptron of any depth: sizes [in, hidden..., out] give layers
 // i = 0 .. n-2 with parameters "layers/<i>/weight" [sizes[i], sizes[i+1]] and
 // "layers/<i>/bias" [sizes[i+1]]; the activation runs between layers, none after the last.
+// The model is a sequence of Layer* (layers/layer.hpp): Linear or MoeLayer i, then an
+// ActivationLayer, ..., the last Linear; forward and backward walk it without asking what
+// kind each layer is.
 // The layers listed in `moe` are mixture-of-experts layers (layers/moe.hpp) instead, with
 // "layers/<i>/router/weight", "layers/<i>/experts/weight" and "layers/<i>/experts/bias";
 // their load-balancing loss (aux_loss()) is part of the training loss, and backward()
@@ -12,13 +15,14 @@
 // gradient is multiplied by the loss scale and rounded to it before backward starts.
 //
 // With context.overlap(), each layer whose weight is gathered over one group (FSDP) has
-// that gather started while the layer before it computes, in forward and in backward
-// (Linear::start_weight_prefetch); the first layer of each pass gathers when it runs.
+// that gather started while the layer with parameters before it computes, in forward and in
+// backward (Layer::start_weight_prefetch); the first layer of each pass gathers when it runs.
 // And the layers that defer their reduction (DP storage) have their gradients all-reduced
 // in buckets of at most context.bucket_mb() MiB (gradient_buckets.hpp), each started as soon
 // as backward has computed its gradients; backward() waits for all of them before it
-// returns. Not with reduce = false (gradient accumulation, ZeRO-1): those gradients are
-// reduced once per step by reduce_gradients() or ZeRO-1, as without overlap.
+// returns. Not with reduce = false (GradientReduction::per_step or zero1): those gradients are
+// reduced once per step by reduce_gradients() or ZeRO-1, as without overlap. Mlp::backward is
+// the one place that turns the caller's choice into what each layer does (LayerPass::deferred).
 //
 // The model owns its parameters and gradients (ShardedTensors under the specs given),
 // every activation kept for backward, and the scratch shared by its layers, all allocated
@@ -74,16 +78,21 @@ class Mlp {
   // model, valid until the next forward).
   MatrixView forward(MatrixView x);
   // dLoss/dOutput [local_rows, output_width()]: overwrites every gradient. With reduce =
-  // false the layers that defer their reduction (Linear::defers_reduction, DP storage) leave
-  // this rank's partial gradients, for reduce_gradients() after accumulating micro-batches.
-  // loss_scale: output_grad is multiplied by it first (fp16 loss scaling; the gradients come
-  // out scaled by it too).
+  // false the layers that defer their reduction (Layer::deferred_reduction_group, DP storage)
+  // leave this rank's partial gradients, for reduce_gradients() after accumulating
+  // micro-batches, or ZeRO-1. loss_scale: output_grad is multiplied by it first (fp16 loss
+  // scaling; the gradients come out scaled by it too).
   void backward(MatrixView output_grad, bool reduce = true, float loss_scale = 1.0f);
+  // The same, reducing in backward exactly when `reduction` is GradientReduction::in_backward.
+  void backward(MatrixView output_grad, GradientReduction reduction, float loss_scale = 1.0f) {
+    backward(output_grad, reduction == GradientReduction::in_backward, loss_scale);
+  }
   // The reductions backward(..., false) left out, on the gradients as they are now.
   void reduce_gradients();
 
   // weight, bias of layer 0, then of layer 1, ... (an MoE layer: router, experts weight,
-  // experts bias; names as in the class comment).
+  // experts bias; names as in the class comment). The layers hold pointers to these
+  // elements: assign them (sharing another model's memory), never resize the vectors.
   std::vector<ShardedTensor>& parameters() { return params_; }
   const std::vector<ShardedTensor>& parameters() const { return params_; }
   std::vector<ShardedTensor>& gradients() { return grads_; }
@@ -91,18 +100,20 @@ class Mlp {
 
   const std::vector<int64_t>& sizes() const { return sizes_; }
   int64_t local_rows() const { return rows_; }
-  FeatureLayout output_layout() const { return layers_.back().output_layout(); }
-  int64_t output_width() const { return layers_.back().output_width(); }  // local columns
-  int64_t output_offset() const { return layers_.back().output_offset(); }
+  FeatureLayout output_layout() const { return sequence_.back()->output_layout(); }
+  int64_t output_width() const { return sequence_.back()->output_width(); }  // local columns
+  int64_t output_offset() const { return sequence_.back()->output_offset(); }
+  // The model: every layer in order, activations included.
+  const std::vector<Layer*>& sequence() const { return sequence_; }
   // The linear layers, in order (MoE layers are in moe_layers()).
-  const std::vector<Linear>& layers() const { return layers_; }
+  const std::vector<Linear>& layers() const { return linear_; }
   const std::vector<MoeLayer>& moe_layers() const { return moe_; }
   // The MoE layers' load-balancing losses of the last forward, summed (0 without MoE).
   double aux_loss() const;
   // Per parameter (in parameters() order): the group over which a backward with
-  // reduce = false leaves its gradient partial (Linear::deferred_reduction_group), or nullptr.
+  // reduce = false leaves its gradient partial (Layer::deferred_reduction_group), or nullptr.
   std::vector<Communicator*> deferred_reduction_groups() const;
-  // One line per layer (Linear::describe, MoeLayer::describe).
+  // One line per layer with parameters (Layer::describe).
   std::vector<std::string> describe() const;
   // The DP gradient buckets (empty when overlap is off or no layer has DP storage).
   const GradientBuckets& gradient_buckets() const { return buckets_; }
@@ -113,26 +124,21 @@ class Mlp {
   int64_t rows_;
   std::vector<ShardedTensor> params_;
   std::vector<ShardedTensor> grads_;
-  std::vector<Linear> layers_;
+  // The layers, owned per kind (reserved at construction: the pointers below stay valid)...
+  std::vector<Linear> linear_;
   std::vector<MoeLayer> moe_;
-  // Layer i of the model: an index into layers_ or moe_, and its first parameter.
-  struct Slot {
-    bool moe = false;
-    size_t index = 0;
-    size_t param = 0;
-  };
-  std::vector<Slot> slots_;
-  std::vector<Matrix> activated_;      // f(z_i) for i < last: the input of layer i+1
+  std::vector<ActivationLayer> activations_;
+  // ...and the model as the passes see it.
+  std::vector<Layer*> sequence_;
+  // Per layer: the layer whose weight gather starts while it computes, in forward and in
+  // backward (nullptr: none; all nullptr without overlap).
+  std::vector<Layer*> forward_prefetch_;
+  std::vector<Layer*> backward_prefetch_;
   Dtype compute_dtype_ = Dtype::fp32;  // context.precision().param
   Matrix input_;                       // the input cast to the compute dtype (empty in fp32)
   Matrix output_grad_;                 // the output gradient, scaled and cast (empty in plain fp32)
-  bool prefetch_ = false;              // overlap on and some layer's weight can be prefetched
-  LinearScratch scratch_;
+  LayerScratch scratch_;
   GradientBuckets buckets_;  // empty unless overlap is on and some layer defers its reduction
-
-  // Layer k's weight as the prefetch target (empty when off, not prefetchable or MoE).
-  WeightPrefetch prefetch_target(size_t k);
-  MatrixView output_of(size_t k) const;  // layer k's output (its pre-activation)
 };
 
 }  // namespace meshtrain

@@ -45,95 +45,28 @@ MatrixView row_block(MatrixView m, int64_t first, int64_t count) {
 
 }  // namespace
 
-// --- MoeParameter ------------------------------------------------------------------------
+namespace {
 
-// Where element i of the gathered blocks (the group's members' [s0, s1, s2] blocks in rank
-// order, member = i1 * group2 + i2) sits in the compute block [s0, d1, d2].
-struct GatheredBlocks {
-  int64_t d1, d2, s1, s2, block;
-  int64_t group2;
-  KOKKOS_INLINE_FUNCTION int64_t compute_index(int64_t i) const {
-    const int64_t member = i / block, rest = i % block;
-    const int64_t e = rest / (s1 * s2), r = (rest / s2) % s1, c = rest % s2;
-    const int64_t i1 = member / group2, i2 = member % group2;
-    return (e * d1 + i1 * s1 + r) * d2 + i2 * s2 + c;
-  }
-};
-
-MoeParameter::MoeParameter(const MoeParameterStorage& storage, Dtype compute, Dtype reduce,
-                           ParallelContext& context)
-    : storage_(storage), compute_(compute), reduce_(reduce) {
-  gather_ = context.comm(storage.gather());
-  allreduce_ = context.comm(storage.allreduce);
-  group2_ = context.mesh().size_of(storage.gather_dim2);
-  const size_t compute_elements = static_cast<size_t>(storage.compute_elements());
-  if (gather_ || compute != Dtype::fp32) {
-    block_ = Vector(storage.name + "/compute", compute_elements);
-  }
-  if (gather_) {
-    grad_ = Vector(storage.name + "/compute_grad", compute_elements);
-    stage_ = Vector(storage.name + "/stage", compute_elements);
-  }
+// The ShardedParameter gathers of an MoE parameter's storage.
+ParameterGathers gathers_of(const MoeParameterStorage& storage) {
+  return {storage.compute,     storage.stored,    storage.gather_dim1,
+          storage.gather_dim2, storage.allreduce, storage.nonbatch_replication};
 }
 
-ConstVectorView MoeParameter::compute(const ShardedTensor& stored) {
-  const Vector& local = stored.local;
-  if (!gather_) {
-    if (compute_ == Dtype::fp32) return ConstVectorView(local.data(), local.extent(0));
-    round_copy(ConstMatrixView(local.data(), 1, local.extent(0)),
-               MatrixView(block_.data(), 1, block_.extent(0)), compute_);
-    return ConstVectorView(block_.data(), block_.extent(0));
-  }
-  // Every member's block in rank order, then each into its place of [d0, d1, d2].
-  gather_->all_gather(ConstVectorView(local.data(), local.extent(0)), VectorView(stage_), compute_);
-  const GatheredBlocks blocks = gathered_blocks();
-  const Vector stage = stage_, full = block_;
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::moe_place_gathered"), Range(0, full.extent(0)),
-      KOKKOS_LAMBDA(const int64_t i) { full(blocks.compute_index(i)) = stage(i); });
-  return ConstVectorView(block_.data(), block_.extent(0));
-}
-
-GatheredBlocks MoeParameter::gathered_blocks() const {
-  return {storage_.compute[1], storage_.compute[2],        storage_.stored[1],
-          storage_.stored[2],  storage_.stored_elements(), group2_};
-}
-
-VectorView MoeParameter::gradient(ShardedTensor& stored_grad) {
-  if (gather_) return VectorView(grad_);
-  return VectorView(stored_grad.local.data(), stored_grad.local.extent(0));
-}
-
-void MoeParameter::reduce(ShardedTensor& stored_grad) {
-  VectorView dst(stored_grad.local.data(), stored_grad.local.extent(0));
-  if (gather_) {
-    // The compute block's gradient cut into the members' blocks, in rank order.
-    const GatheredBlocks blocks = gathered_blocks();
-    const Vector stage = stage_, full = grad_;
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::moe_cut_gradient"), Range(0, full.extent(0)),
-        KOKKOS_LAMBDA(const int64_t i) { stage(i) = full(blocks.compute_index(i)); });
-    gather_->reduce_scatter(ConstVectorView(stage_.data(), stage_.extent(0)), dst, reduce_);
-  }
-  if (storage_.nonbatch_replication != 1) {
-    const float scale = 1.0f / static_cast<float>(storage_.nonbatch_replication);
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::moe_scale_gradient"), Range(0, dst.extent(0)),
-        KOKKOS_LAMBDA(const int64_t i) { dst(i) *= scale; });
-  }
-  if (allreduce_) allreduce_->all_reduce(dst, ReduceOp::sum, reduce_);
-}
+}  // namespace
 
 // --- MoeLayer ----------------------------------------------------------------------------
 
-MoeLayer::MoeLayer(const ShardedTensor& router, const ShardedTensor& experts_weight,
-                   const ShardedTensor& experts_bias, int64_t top_k, double aux_loss_coef,
-                   FeatureLayout input_layout, int64_t rows, ParallelContext& context)
+MoeLayer::MoeLayer(ParameterRef router, ParameterRef experts_weight, ParameterRef experts_bias,
+                   int64_t top_k, double aux_loss_coef, FeatureLayout input_layout, int64_t rows,
+                   ParallelContext& context)
     : layout_(decide_moe_layout(
-          moe_layer_name(router.name), {router.name, router.global_shape, router.spec},
-          {experts_weight.name, experts_weight.global_shape, experts_weight.spec},
-          {experts_bias.name, experts_bias.global_shape, experts_bias.spec}, top_k, context.mesh(),
-          {context.batch_axes(), context.feature_axis()}, input_layout)),
+          moe_layer_name(router.value->name),
+          {router.value->name, router.value->global_shape, router.value->spec},
+          {experts_weight.value->name, experts_weight.value->global_shape,
+           experts_weight.value->spec},
+          {experts_bias.value->name, experts_bias.value->global_shape, experts_bias.value->spec},
+          top_k, context.mesh(), {context.batch_axes(), context.feature_axis()}, input_layout)),
       rows_(rows),
       aux_loss_coef_(aux_loss_coef),
       feature_index_(context.feature_index()),
@@ -155,15 +88,17 @@ MoeLayer::MoeLayer(const ShardedTensor& router, const ShardedTensor& experts_wei
                         "smaller batch or more ranks on the batch axes");
   }
   global_rows_ = rows * context.batch_parallel();
-  const Dtype compute = context.precision().param, reduce = context.precision().reduce;
+  const Dtype compute = context.precision().param;
 
   // Communicators (collective on first use: the same calls in the same order everywhere).
   expert_comm_ = context.comm(l.expert_axes);
   batch_comm_ = context.comm(l.batch_axes);
   if (l.gathers_input()) feature_comm_ = context.comm({l.feature_axis});
-  router_ = MoeParameter(l.router, compute, reduce, context);
-  weight_ = MoeParameter(l.experts_weight, compute, reduce, context);
-  bias_ = MoeParameter(l.experts_bias, compute, reduce, context);
+  router_ = ShardedParameter(router, gathers_of(l.router), GatherMethod::as_blocks, context);
+  weight_ = ShardedParameter(experts_weight, gathers_of(l.experts_weight), GatherMethod::as_blocks,
+                             context);
+  bias_ =
+      ShardedParameter(experts_bias, gathers_of(l.experts_bias), GatherMethod::as_blocks, context);
   const int ep_index = expert_comm_ ? expert_comm_->rank() : 0;
   first_expert_ = ep_index * l.experts_local;
 
@@ -220,8 +155,8 @@ std::string MoeLayer::describe() const {
   return layout_.layer + ": " + describe_moe_layout(layout_);
 }
 
-MatrixView MoeLayer::forward(const ShardedTensor& router, const ShardedTensor& experts_weight,
-                             const ShardedTensor& experts_bias, MatrixView x) {
+MatrixView MoeLayer::forward(MatrixView x, const LayerPass& pass) {
+  LayerScratch& scratch = *pass.scratch;
   const MoeLayout& l = layout_;
   MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
                         static_cast<int64_t>(x.extent(1)) == l.input_width(),
@@ -237,7 +172,7 @@ MatrixView MoeLayer::forward(const ShardedTensor& router, const ShardedTensor& e
   const int64_t in = l.in, out = l.out, experts = l.experts, k = l.top_k;
 
   // Router: logits in the compute dtype, softmax in fp32, top-k and renormalized gates.
-  const ConstVectorView wr = router_.compute(router);
+  const ConstVectorView wr = router_.compute(scratch);
   gemm(plain(x_used_), plain(ConstMatrixView(wr.data(), in, experts)), 0.0f, logits_, dtype);
   {
     const Matrix logits = logits_, probs = probs_, gates = gates_;
@@ -338,7 +273,7 @@ MatrixView MoeLayer::forward(const ShardedTensor& router, const ShardedTensor& e
   permute(recv_x_, expert_x_, true);
 
   // One GEMM per local expert on its rows, plus its bias.
-  const ConstVectorView w = weight_.compute(experts_weight);
+  const ConstVectorView w = weight_.compute(scratch);
   for (int64_t e = 0; e < l.experts_local; ++e) {
     const int64_t first = expert_offsets_host_(e), count = expert_offsets_host_(e + 1) - first;
     if (count == 0) continue;
@@ -347,7 +282,7 @@ MatrixView MoeLayer::forward(const ShardedTensor& router, const ShardedTensor& e
          row_block(expert_y_, first, count), dtype);
   }
   {
-    const ConstVectorView b = bias_.compute(experts_bias);
+    const ConstVectorView b = bias_.compute(scratch);
     const int64_t bias_first = l.experts_bias.all_experts ? first_expert_ : 0;
     const Matrix y = expert_y_;
     const Kokkos::View<int*> expert_of = local_expert_;
@@ -436,10 +371,9 @@ void MoeLayer::permute(MatrixView src, MatrixView dst, bool to_expert_major) {
   permute_rows(src, dst, to_expert_major_, received_, to_expert_major);
 }
 
-MatrixView MoeLayer::backward(const ShardedTensor& router, const ShardedTensor& experts_weight,
-                              ShardedTensor& router_grad, ShardedTensor& weight_grad,
-                              ShardedTensor& bias_grad, MatrixView dy, bool need_input_grad,
-                              float loss_scale) {
+MatrixView MoeLayer::backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) {
+  LayerScratch& scratch = *pass.scratch;
+  const float loss_scale = pass.loss_scale;
   const MoeLayout& l = layout_;
   MESHTRAIN_REQUIRE(
       static_cast<int64_t>(dy.extent(0)) == rows_ && static_cast<int64_t>(dy.extent(1)) == l.out,
@@ -473,7 +407,7 @@ MatrixView MoeLayer::backward(const ShardedTensor& router, const ShardedTensor& 
   permute(back_y_, expert_y_, true);  // expert_y_ now holds the experts' output gradients
 
   // Per local expert: dW_e = X_eᵀ dY_e, db_e = column sums of dY_e, dX_e = dY_e W_eᵀ.
-  const VectorView gw = weight_.gradient(weight_grad);
+  const VectorView gw = weight_.gradient(scratch);
   for (int64_t e = 0; e < l.experts_local; ++e) {
     const int64_t first = expert_offsets_host_(e), count = expert_offsets_host_(e + 1) - first;
     MatrixView dw(gw.data() + e * in * out, in, out);
@@ -486,7 +420,7 @@ MatrixView MoeLayer::backward(const ShardedTensor& router, const ShardedTensor& 
   }
   round_in_place(MatrixView(gw.data(), 1, gw.extent(0)), dtype);
   {
-    const VectorView gb = bias_.gradient(bias_grad);
+    const VectorView gb = bias_.gradient(scratch);
     const int64_t bias_first = l.experts_bias.all_experts ? first_expert_ : 0;
     const int64_t rows_of_bias = static_cast<int64_t>(gb.extent(0)) / out;
     const Matrix dye = expert_y_;
@@ -505,7 +439,7 @@ MatrixView MoeLayer::backward(const ShardedTensor& router, const ShardedTensor& 
   }
 
   if (need_input_grad) {
-    const ConstVectorView w = weight_.compute(experts_weight);
+    const ConstVectorView w = weight_.compute(scratch);
     for (int64_t e = 0; e < l.experts_local; ++e) {
       const int64_t first = expert_offsets_host_(e), count = expert_offsets_host_(e + 1) - first;
       if (count == 0) continue;
@@ -547,14 +481,14 @@ MatrixView MoeLayer::backward(const ShardedTensor& router, const ShardedTensor& 
             dl(r, e) = round_to(probs(r, e) * (dl(r, e) - dot), dtype);
         });
   }
-  const VectorView gr = router_.gradient(router_grad);
+  const VectorView gr = router_.gradient(scratch);
   gemm(transposed(x_used_), plain(dlogits_), 0.0f, MatrixView(gr.data(), in, experts), dtype);
   round_in_place(MatrixView(gr.data(), 1, gr.extent(0)), dtype);
 
   MatrixView dx;
   if (need_input_grad) {
     // dX = dlogits Wrᵀ + the sum over the row's experts of their input gradients.
-    const ConstVectorView wr = router_.compute(router);
+    const ConstVectorView wr = router_.compute(scratch);
     const MatrixView full = feature_comm_ ? MatrixView(dx_full_) : MatrixView(dx_);
     gemm(plain(dlogits_), transposed(ConstMatrixView(wr.data(), in, experts)), 0.0f, full, dtype);
     const Matrix returned = send_x_;
@@ -576,9 +510,9 @@ MatrixView MoeLayer::backward(const ShardedTensor& router, const ShardedTensor& 
     dx = dx_;
   }
 
-  weight_.reduce(weight_grad);
-  bias_.reduce(bias_grad);
-  router_.reduce(router_grad);
+  weight_.reduce(scratch);
+  bias_.reduce(scratch);
+  router_.reduce(scratch);
   return dx;
 }
 

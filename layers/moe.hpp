@@ -21,7 +21,8 @@
 //   Backward mirrors it: the output gradients times the gates go out, the input gradients of
 //   the expert GEMMs come back. Expert gradients are summed over the batch axes that do not
 //   split the experts; the router's over every batch axis. Parameters stored split over
-//   other axes (FSDP) are gathered before use and their gradients reduce-scattered back.
+//   other axes (FSDP) are gathered before use and their gradients reduce-scattered back
+//   (ShardedParameter, layers/sharded_parameter.hpp, as_blocks).
 //
 // Buffers: every dispatch buffer is sized at construction for the worst case, all of the
 //   expert group's rows routed to this rank (ep x rows x k rows), so forward() and backward()
@@ -37,72 +38,41 @@
 
 #include "framework/core/sharded_tensor.hpp"
 #include "layers/context.hpp"
+#include "layers/layer.hpp"
+#include "layers/sharded_parameter.hpp"
 #include "partition/moe_layout.hpp"
 
 namespace meshtrain {
 
-// One MoE parameter's compute block: gathered from its stored block when it is split, a
-// rounded copy in 16-bit compute, or the stored block itself; and the way back for its
-// gradient (reduce-scatter, divide, all-reduce). Owned by the layer.
-struct GatheredBlocks;  // moe.cpp
-
-class MoeParameter {
- public:
-  MoeParameter() = default;
-  MoeParameter(const MoeParameterStorage& storage, Dtype compute, Dtype reduce,
-               ParallelContext& context);
-  // The compute block [d0, d1, d2] (flat) of `stored`.
-  ConstVectorView compute(const ShardedTensor& stored);
-  // Where backward writes the compute block's gradient: the stored gradient itself when
-  // nothing is gathered, else a buffer of the layer's.
-  VectorView gradient(ShardedTensor& stored_grad);
-  // The gradient written at gradient() back to storage: summed over the gathered and the
-  // all-reduced axes (in the reduce dtype), divided by the replicated gathered axes.
-  void reduce(ShardedTensor& stored_grad);
-
- private:
-  GatheredBlocks gathered_blocks() const;
-
-  MoeParameterStorage storage_;
-  Dtype compute_ = Dtype::fp32, reduce_ = Dtype::fp32;
-  Communicator* gather_ = nullptr;     // over storage.gather(); nullptr: stored whole
-  Communicator* allreduce_ = nullptr;  // over storage.allreduce
-  int group2_ = 1;                     // size of gather_dim2 (the minor part of the group)
-  Vector block_;                       // the compute block (gathered or rounded)
-  Vector grad_;                        // its gradient (when gathered)
-  Vector stage_;                       // the group's blocks in rank order
-};
-
-class MoeLayer {
+class MoeLayer : public Layer {
  public:
   // router [in, E], experts_weight [E, in, out], experts_bias [E, out] as allocated; `rows`
   // the local batch. Asks the context for its communicators (collective, see context.hpp).
-  MoeLayer(const ShardedTensor& router, const ShardedTensor& experts_weight,
-           const ShardedTensor& experts_bias, int64_t top_k, double aux_loss_coef,
-           FeatureLayout input_layout, int64_t rows, ParallelContext& context);
+  MoeLayer(ParameterRef router, ParameterRef experts_weight, ParameterRef experts_bias,
+           int64_t top_k, double aux_loss_coef, FeatureLayout input_layout, int64_t rows,
+           ParallelContext& context);
   MoeLayer(MoeLayer&&) = default;
 
   // x [rows, input_width()] (must stay valid until backward) -> [rows, out] (owned by the
   // layer, valid until the next forward).
-  MatrixView forward(const ShardedTensor& router, const ShardedTensor& experts_weight,
-                     const ShardedTensor& experts_bias, MatrixView x);
-  // dY [rows, out] (already times loss_scale): writes the three gradients (the aux loss's
-  // part times loss_scale too) and, when need_input_grad, returns dX [rows, input_width()].
-  MatrixView backward(const ShardedTensor& router, const ShardedTensor& experts_weight,
-                      ShardedTensor& router_grad, ShardedTensor& weight_grad,
-                      ShardedTensor& bias_grad, MatrixView dy, bool need_input_grad,
-                      float loss_scale);
+  MatrixView forward(MatrixView x, const LayerPass& pass) override;
+  // dY [rows, out] (already times pass.loss_scale): writes the three gradients (the aux
+  // loss's part times loss_scale too), reduced whatever pass.deferred says (nothing is
+  // deferred), and, when need_input_grad, returns dX [rows, input_width()].
+  MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
+  size_t parameter_count() const override { return 3; }  // router, experts weight, bias
 
   // The load-balancing loss of the last forward, times aux_loss_coef (the same on every rank).
-  double aux_loss() const { return aux_loss_; }
+  double aux_loss() const override { return aux_loss_; }
   // Of the last forward: the global rows routed to each expert (k per row in all).
   const std::vector<double>& expert_rows() const { return expert_rows_; }
 
   const MoeLayout& layout() const { return layout_; }
-  int64_t output_width() const { return layout_.out; }
-  FeatureLayout output_layout() const { return FeatureLayout::replicated; }
-  MatrixView output() const { return out_; }
-  std::string describe() const;
+  int64_t output_width() const override { return layout_.out; }
+  int64_t output_offset() const override { return 0; }
+  FeatureLayout output_layout() const override { return FeatureLayout::replicated; }
+  MatrixView output() const override { return out_; }
+  std::string describe() const override;
 
  private:
   // Counts -> send/receive rows per rank and the expert-major permutation (host), then the
@@ -125,7 +95,9 @@ class MoeLayer {
   Communicator* expert_comm_ = nullptr;   // all-to-all group
   Communicator* batch_comm_ = nullptr;    // routing statistics
   Communicator* feature_comm_ = nullptr;  // a split input's gather
-  MoeParameter router_, weight_, bias_;
+
+  // Gathered and reduced as their storage says (as_blocks: all three are in use together).
+  ShardedParameter router_, weight_, bias_;
 
   Matrix x_full_;                     // the input with all features (gathered), or empty
   MatrixView x_used_;                 // what the layer computed on

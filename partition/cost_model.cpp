@@ -293,7 +293,8 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
   std::vector<std::pair<std::string, LayerCollective>> deferred_reductions;
   // An MoE parameter gathered over its group arrives as the members' blocks in rank order and
   // is placed into [d0, d1, d2]; its gradient is cut into blocks before the reduce-scatter
-  // (MoeParameter in layers/moe.cpp): one pass over the compute block each, read and written.
+  // (ShardedParameter, as_blocks, in layers/sharded_parameter.cpp): one pass over the compute
+  // block each, read and written.
   auto moe_storage_of = [](const MoeLayout& m, const std::string& operand) {
     const MoeParameterStorage* none = nullptr;
     if (operand == "router" || operand == "router gradient") return &m.router;

@@ -188,6 +188,13 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
                                      model_->deferred_reduction_groups(), comms_->get({kZeroAxis}),
                                      precision.reduce);
   }
+  // Who completes the gradients a layer can leave partial over the batch axes (DP storage),
+  // decided here once: ZeRO-1's reduce-scatter over dp; with accumulation, one all-reduce
+  // per step of the summed micro-batches; else the layers in every backward. The other
+  // gradients (FSDP's reduce-scatter, TP's bias) are reduced by their layer every backward.
+  gradient_reduction_ = zero1_              ? GradientReduction::zero1
+                        : accumulation_ > 1 ? GradientReduction::per_step
+                                            : GradientReduction::in_backward;
   if (precision.needs_loss_scaling()) scaler_ = std::make_unique<LossScaler>(*world_);
   optimizer_ =
       std::make_unique<Optimizer>(optimizer_settings(config_.optimizer), updated_parameters());
@@ -506,13 +513,9 @@ double TrainingRun::accumulate_loaded_batch() {
   }
   // A step whose loss overflowed fp16 runs no more backward passes: its update is skipped.
   if (!step_loss_overflowed_) {
-    // With accumulation, layers with DP storage keep this rank's partial gradients and
-    // all-reduce their sum once, in apply_update; the others (FSDP's reduce-scatter, TP's
-    // bias) reduce every micro-batch in backward. The last micro-batch's gradient stays in
-    // the gradients.
-    // ZeRO-1 reduces those once per step too, in apply_update (a reduce-scatter over dp).
-    model_->backward(loss_->gradient(), /*reduce=*/accumulation_ == 1 && !zero1_,
-                     scaler_ ? scaler_->scale() : 1.0f);
+    // Partial gradients (gradient_reduction_ other than in_backward) are completed once per
+    // step, in apply_update. The last micro-batch's gradient stays in the gradients.
+    model_->backward(loss_->gradient(), gradient_reduction_, scaler_ ? scaler_->scale() : 1.0f);
     if (micro_done_ + 1 < accumulation_) {
       std::vector<ShardedTensor>& grads = model_->gradients();
       for (size_t i = 0; i < grads.size(); ++i) {
@@ -546,10 +549,11 @@ StepResult TrainingRun::apply_update() {
     for (size_t i = 0; i < grads.size(); ++i) {
       finish_gradient(grads[i].local, gradient_sum_[i].local, accumulation_);
     }
-    if (!zero1_) model_->reduce_gradients();  // once per step, for the layers that deferred it
   }
-  // With ZeRO-1 the update (clipping included) sees this rank's chunk of each gradient.
-  if (zero1_) zero1_->reduce(grads);
+  // The reductions backward left out, once per step (gradient_reduction_). With ZeRO-1 the
+  // update (clipping included) sees this rank's chunk of each gradient.
+  if (gradient_reduction_ == GradientReduction::per_step) model_->reduce_gradients();
+  if (gradient_reduction_ == GradientReduction::zero1) zero1_->reduce(grads);
   std::vector<ShardedTensor>& update_grads = updated_gradients();
   const double loss = micro_loss_sum_ / static_cast<double>(accumulation_);
   const double aux_loss = micro_aux_loss_sum_ / static_cast<double>(accumulation_);

@@ -220,6 +220,8 @@ class TrainingRun {
   std::unique_ptr<Loss> loss_;
   // optimizer.zero_stage = 1 with dp > 1: the optimizer works on this rank's chunks.
   std::unique_ptr<Zero1> zero1_;
+  // Who completes the gradients layers can leave partial (set once, in the constructor).
+  GradientReduction gradient_reduction_ = GradientReduction::in_backward;
   std::unique_ptr<LossScaler> scaler_;  // fp16 runs only
   // fp16 steps skipped for a non-finite gradient or loss, in all; whether the step under way
   // had a non-finite loss (its update is skipped); steps in a row skipped for one.

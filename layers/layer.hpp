@@ -1,0 +1,134 @@
+#pragma once
+// The layer interface: what every layer of a model implements (Linear, MoeLayer,
+// ActivationLayer; norms and blocks of layers later), and what a pass hands each layer.
+//
+// A layer is built once, for a fixed local batch. It holds its parameters as ParameterRefs
+// (the tensors and their gradients are owned by the model, in parameters() order), mostly
+// through a ShardedParameter each (layers/sharded_parameter.hpp: the compute copy with its
+// gather and prefetch, the gradient and its reduction), asks the
+// ParallelContext for the communicators it needs at construction only (collective, see
+// context.hpp; a norm over split features asks for the feature axis's), and owns what it
+// keeps for backward and its input gradient. forward() and backward() allocate nothing.
+// Gathered weights and gradient staging live in one LayerScratch shared by all layers of a
+// model: each layer says what it needs of it (scratch_needs()), the model allocates the
+// maximum.
+//
+// The model (layers/mlp.hpp) is a sequence of Layer*: forward runs it front to back,
+// backward back to front, with no dispatch on the kind of layer.
+//
+// Gradient reduction. A layer reduces its gradients in backward, except the ones it can
+// leave as partial sums over the batch axes (deferred_reduction_group() != nullptr: DP
+// storage, one all-reduce per tensor). Who completes those is a GradientReduction, chosen
+// once by whoever drives the model (run/training_run.cpp); the model turns it into each
+// backward pass's DeferredReduction (Mlp::backward), and the layer only obeys.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "framework/comm/collective_matmul.hpp"
+#include "framework/core/sharded_tensor.hpp"
+#include "layers/context.hpp"
+#include "layers/gradient_buckets.hpp"
+
+namespace meshtrain {
+
+// Who completes the gradients a layer can leave partial (deferred_reduction_group()).
+enum class GradientReduction {
+  in_backward,  // the layer, in every backward (in buckets under context.overlap())
+  per_step,     // Mlp::reduce_gradients(), once per step after the micro-batches are summed
+  zero1,        // ZeRO-1's reduce-scatter over dp (framework/train/zero1.hpp), once per step
+};
+
+// What one backward pass does with those gradients.
+enum class DeferredReduction {
+  now,         // all-reduced by the layer before its backward returns
+  in_buckets,  // reported to LayerPass::buckets, whose all-reduces overlap the layers below
+  later,       // left partial (GradientReduction::per_step or zero1)
+};
+
+// A parameter as a layer holds it: the model's tensor and its gradient (owned by the model).
+struct ParameterRef {
+  ShardedTensor* value = nullptr;
+  ShardedTensor* grad = nullptr;
+};
+
+// Floats of shared scratch a layer needs; a model allocates the maximum over its layers.
+struct LayerScratchNeeds {
+  size_t weight = 0;  // gathered compute block of a weight (and of a prefetched one)
+  size_t grad = 0;    // compute block of a weight gradient
+  size_t stage = 0;   // between the two gathers / reduce-scatters of a 2-D storage split
+  size_t bias = 0;    // gathered bias / full-width bias gradient
+  size_t matmul = 0;  // collective matmul workspace (bytes)
+  void merge(const LayerScratchNeeds& o);
+};
+
+// Shared by all layers of a model; one layer uses it at a time (a prefetch excepted).
+struct LayerScratch {
+  Vector weight;
+  // The next layer's weight as its gather lands (rank-ordered blocks); empty without
+  // prefetch. At most one layer is prefetched at a time.
+  Vector prefetch;
+  Vector grad;
+  Vector stage;
+  Vector bias;
+  CollectiveMatmulWorkspace matmul;
+  explicit LayerScratch(const LayerScratchNeeds& needs = {}, bool with_prefetch = false);
+};
+
+class Layer;
+
+// What the model hands a layer for one forward or backward.
+struct LayerPass {
+  LayerScratch* scratch = nullptr;
+  // The layer whose weight gather may start while this one computes (FSDP overlap; nullptr:
+  // none). The model names it only when it can_prefetch_weight(); a layer that does not
+  // start it leaves that layer to gather when it runs.
+  Layer* prefetch = nullptr;
+  // Backward only.
+  DeferredReduction deferred = DeferredReduction::now;
+  GradientBuckets* buckets = nullptr;  // with DeferredReduction::in_buckets
+  size_t index = 0;                    // this layer's place in the model (its bucket entry)
+  float loss_scale = 1.0f;             // dY arrives times it; gradients a layer adds must be too
+};
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+
+  // x [rows, input width] (valid until backward) -> the output, owned by the layer (valid
+  // until the next forward).
+  virtual MatrixView forward(MatrixView x, const LayerPass& pass) = 0;
+  // dY [rows, output_width()] -> writes the layer's gradients (overwriting them) and, when
+  // need_input_grad, returns dX [rows, input width]; otherwise an empty view. A layer may
+  // write dX into dY's memory (an elementwise layer: dY is the next layer's input gradient).
+  virtual MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) = 0;
+
+  // How many of the model's parameters the layer holds (consecutive, in parameters() order).
+  virtual size_t parameter_count() const { return 0; }
+  // The group over which a backward with DeferredReduction::later leaves every gradient of
+  // this layer partial; nullptr when it leaves none.
+  virtual Communicator* deferred_reduction_group() const { return nullptr; }
+  // Those gradients as the DP buckets see them (group nullptr: none).
+  virtual LayerGradients bucket_gradients() const { return {}; }
+  // The all-reduces a backward with DeferredReduction::later skipped.
+  virtual void reduce_gradients() {}
+
+  // FSDP prefetch: whether start_weight_prefetch can run, starting it, letting it progress.
+  virtual bool can_prefetch_weight() const { return false; }
+  virtual void start_weight_prefetch(LayerScratch&) {}
+  virtual void poll_weight_prefetch() {}
+  virtual LayerScratchNeeds scratch_needs() const { return {}; }
+
+  // A loss term of the last forward, times its coefficient (MoE load balancing), else 0.
+  virtual double aux_loss() const { return 0.0; }
+
+  virtual MatrixView output() const = 0;
+  virtual FeatureLayout output_layout() const = 0;
+  virtual int64_t output_width() const = 0;   // local output columns
+  virtual int64_t output_offset() const = 0;  // first global output column held here
+  // One line for logs ("" for a layer without parameters).
+  virtual std::string describe() const = 0;
+};
+
+}  // namespace meshtrain

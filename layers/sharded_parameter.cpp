@@ -1,0 +1,235 @@
+#include "layers/sharded_parameter.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <utility>
+
+#include "base/error.hpp"
+#include "framework/core/kernel_label.hpp"
+#include "framework/core/precision.hpp"
+
+namespace meshtrain {
+namespace {
+
+using Range = Kokkos::RangePolicy<>;
+using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
+
+void scale_matrix(MatrixView m, float factor) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::linear_scale_grad"),
+      Range2({0, 0}, {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) { m(i, j) *= factor; });
+}
+
+}  // namespace
+
+// Where element i of the gathered blocks (the group's members' [s0, s1, s2] blocks in rank
+// order, member = i1 * group2 + i2) sits in the compute block [s0, d1, d2].
+struct ShardedParameter::Blocks {
+  int64_t d1, d2, s1, s2, block;
+  int64_t group2;
+  KOKKOS_INLINE_FUNCTION int64_t compute_index(int64_t i) const {
+    const int64_t member = i / block, rest = i % block;
+    const int64_t e = rest / (s1 * s2), r = (rest / s2) % s1, c = rest % s2;
+    const int64_t i1 = member / group2, i2 = member % group2;
+    return (e * d1 + i1 * s1 + r) * d2 + i2 * s2 + c;
+  }
+};
+
+ShardedParameter::ShardedParameter(ParameterRef ref, const ParameterGathers& gathers,
+                                   GatherMethod method, ParallelContext& context)
+    : ref_(ref),
+      g_(gathers),
+      method_(method),
+      compute_(context.precision().param),
+      reduce_(context.precision().reduce) {
+  const std::vector<int64_t>& d = g_.compute;
+  const int64_t compute_elements = d[0] * d[1] * d[2];
+  // Communicators (collective on first use: the same calls in the same order everywhere).
+  if (method == GatherMethod::by_dims) {
+    MESHTRAIN_REQUIRE(d[0] == 1, "parameter '", value().name, "': gathered by dims, but ", d[0],
+                      " blocks");
+    gather1_ = context.comm(g_.gather_dim1);
+    gather2_ = context.comm(g_.gather_dim2);
+  } else {
+    std::vector<std::string> both = g_.gather_dim1;
+    both.insert(both.end(), g_.gather_dim2.begin(), g_.gather_dim2.end());
+    gather1_ = context.comm(both);
+    group2_ = context.mesh().size_of(g_.gather_dim2);
+  }
+  allreduce_ = context.comm(g_.allreduce);
+  scale_ = 1.0f / static_cast<float>(g_.nonbatch_replication);
+
+  if (method == GatherMethod::by_dims) {
+    if (gather2_) gather2_->reserve_scratch(static_cast<size_t>(compute_elements));
+    return;  // its buffers are the shared scratch's
+  }
+  const size_t n = static_cast<size_t>(compute_elements);
+  if (gather1_ || compute_ != Dtype::fp32) block_ = Vector(value().name + "/compute", n);
+  if (gather1_) {
+    grad_ = Vector(value().name + "/compute_grad", n);
+    stage_ = Vector(value().name + "/stage", n);
+  }
+}
+
+LayerScratchNeeds ShardedParameter::scratch_needs() const {
+  LayerScratchNeeds needs;
+  if (method_ != GatherMethod::by_dims) return needs;
+  const int64_t d1 = g_.compute[1], d2 = g_.compute[2], s1 = g_.stored[1], s2 = g_.stored[2];
+  if (gathered()) {
+    needs.weight = static_cast<size_t>(d1 * d2);
+    needs.grad = static_cast<size_t>(d1 * d2);
+  } else if (compute_ != Dtype::fp32) {
+    needs.weight = static_cast<size_t>(d1 * d2);  // the rounded copy of the stored block
+  }
+  if (gather1_ && gather2_) needs.stage = static_cast<size_t>(std::max(d1 * s2, s1 * d2));
+  return needs;
+}
+
+ShardedParameter::Blocks ShardedParameter::blocks() const {
+  return {g_.compute[1],
+          g_.compute[2],
+          g_.stored[1],
+          g_.stored[2],
+          g_.stored[0] * g_.stored[1] * g_.stored[2],
+          group2_};
+}
+
+MatrixView ShardedParameter::compute_matrix(LayerScratch& scratch) {
+  const int64_t d1 = g_.compute[1], d2 = g_.compute[2];
+  MatrixView stored = value().matrix();
+  MatrixView full(scratch.weight.data(), d1, d2);
+  if (!gathered()) {
+    if (compute_ == Dtype::fp32) return stored;
+    round_copy(stored, full, compute_);  // the fp32 master cast to the compute dtype
+    return full;
+  }
+  // Gathered in the compute dtype: the blocks are rounded as they are packed.
+  if (prefetch_started_) {
+    // Started while the layer before computed: the blocks are landing in scratch.prefetch.
+    // (A poll may have completed the request already; then wait() returns at once.)
+    prefetch_started_ = false;
+    prefetch_.wait();
+    if (gather1_) {
+      // Dim 1 blocks in rank order are the block itself: the landing buffer becomes the
+      // weight buffer, and the old weight buffer (free: its layer is done) the landing one.
+      std::swap(scratch.weight, scratch.prefetch);
+      return MatrixView(scratch.weight.data(), d1, d2);
+    }
+    place_gathered_columns(ConstVectorView(scratch.prefetch.data(), full.span()), full,
+                           gather2_->size());
+    return full;
+  }
+  if (gather1_ && gather2_) {
+    MatrixView stage(scratch.stage.data(), d1, g_.stored[2]);
+    gather1_->all_gather(stored, stage, 0, compute_);
+    gather2_->all_gather(stage, full, 1, compute_);
+  } else if (gather1_) {
+    gather1_->all_gather(stored, full, 0, compute_);
+  } else {
+    gather2_->all_gather(stored, full, 1, compute_);
+  }
+  return full;
+}
+
+void ShardedParameter::start_prefetch(LayerScratch& scratch) {
+  const size_t gathered = static_cast<size_t>(g_.compute[1] * g_.compute[2]);
+  MESHTRAIN_REQUIRE(
+      can_prefetch() && !prefetch_started_ && scratch.prefetch.extent(0) >= gathered, "parameter '",
+      value().name,
+      "': it cannot be prefetched (gathered over two groups, already started, or a scratch "
+      "made without prefetch)");
+  Communicator& group = gather1_ ? *gather1_ : *gather2_;
+  const Vector& stored = value().local;
+  prefetch_ = group.start_all_gather(ConstVectorView(stored.data(), stored.extent(0)),
+                                     VectorView(scratch.prefetch.data(), gathered), compute_);
+  prefetch_started_ = true;
+}
+
+ConstVectorView ShardedParameter::compute(LayerScratch& scratch) {
+  if (method_ == GatherMethod::by_dims) {
+    const MatrixView m = compute_matrix(scratch);
+    return ConstVectorView(m.data(), m.span());
+  }
+  const Vector& local = value().local;
+  if (!gather1_) {
+    if (compute_ == Dtype::fp32) return ConstVectorView(local.data(), local.extent(0));
+    round_copy(ConstMatrixView(local.data(), 1, local.extent(0)),
+               MatrixView(block_.data(), 1, block_.extent(0)), compute_);
+    return ConstVectorView(block_.data(), block_.extent(0));
+  }
+  // Every member's block in rank order, then each into its place of [d0, d1, d2].
+  gather1_->all_gather(ConstVectorView(local.data(), local.extent(0)), VectorView(stage_),
+                       compute_);
+  const Blocks b = blocks();
+  const Vector stage = stage_, full = block_;
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::moe_place_gathered"), Range(0, full.extent(0)),
+      KOKKOS_LAMBDA(const int64_t i) { full(b.compute_index(i)) = stage(i); });
+  return ConstVectorView(block_.data(), block_.extent(0));
+}
+
+MatrixView ShardedParameter::gradient_matrix(LayerScratch& scratch) {
+  if (!gathered()) return grad().matrix();
+  return MatrixView(scratch.grad.data(), g_.compute[1], g_.compute[2]);
+}
+
+VectorView ShardedParameter::gradient(LayerScratch& scratch) {
+  if (method_ == GatherMethod::by_dims) {
+    const MatrixView m = gradient_matrix(scratch);
+    return VectorView(m.data(), m.span());
+  }
+  if (gather1_) return VectorView(grad_);
+  const Vector& local = grad().local;
+  return VectorView(local.data(), local.extent(0));
+}
+
+void ShardedParameter::reduce(LayerScratch& scratch, bool all_reduce) {
+  const Dtype wire = reduce_;
+  if (method_ == GatherMethod::by_dims) {
+    MatrixView g = gradient_matrix(scratch);
+    MatrixView dst = grad().matrix();
+    if (gather1_ && gather2_) {
+      MatrixView stage(scratch.stage.data(), g_.stored[1], g_.compute[2]);
+      gather1_->reduce_scatter(g, stage, 0, wire);
+      gather2_->reduce_scatter(stage, dst, 1, wire);
+    } else if (gather1_) {
+      gather1_->reduce_scatter(g, dst, 0, wire);
+    } else if (gather2_) {
+      gather2_->reduce_scatter(g, dst, 1, wire);
+    }
+    if (scale_ != 1.0f) scale_matrix(dst, scale_);
+    if (allreduce_ && all_reduce) allreduce_->all_reduce(dst, ReduceOp::sum, wire);
+    return;
+  }
+  const Vector& local = grad().local;
+  VectorView dst(local.data(), local.extent(0));
+  if (gather1_) {
+    // The compute block's gradient cut into the members' blocks, in rank order.
+    const Blocks b = blocks();
+    const Vector stage = stage_, full = grad_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_cut_gradient"), Range(0, full.extent(0)),
+        KOKKOS_LAMBDA(const int64_t i) { stage(i) = full(b.compute_index(i)); });
+    gather1_->reduce_scatter(ConstVectorView(stage_.data(), stage_.extent(0)), dst, wire);
+  }
+  if (g_.nonbatch_replication != 1) {
+    const float scale = scale_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_scale_gradient"), Range(0, dst.extent(0)),
+        KOKKOS_LAMBDA(const int64_t i) { dst(i) *= scale; });
+  }
+  if (allreduce_ && all_reduce) allreduce_->all_reduce(dst, ReduceOp::sum, wire);
+}
+
+void ShardedParameter::all_reduce_deferred() {
+  if (!allreduce_) return;
+  if (method_ == GatherMethod::by_dims) {
+    allreduce_->all_reduce(grad().matrix(), ReduceOp::sum, reduce_);
+  } else {
+    const Vector& local = grad().local;
+    allreduce_->all_reduce(VectorView(local.data(), local.extent(0)), ReduceOp::sum, reduce_);
+  }
+}
+
+}  // namespace meshtrain

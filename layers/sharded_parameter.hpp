@@ -1,0 +1,110 @@
+#pragma once
+// One parameter of a layer as it lives sharded, the logic every layer with parameters shares:
+//   storage    the model's tensor and its gradient (ParameterRef; owned by the model);
+//   compute    the compute copy in the compute dtype: gathered from the stored block when
+//              the storage splits it further than the layer computes (FSDP), a rounded copy
+//              in 16-bit compute, or the stored block itself; with the FSDP prefetch of the
+//              gather (start it while the layer before computes, wait for it when used);
+//   gradient   where backward writes the compute copy's gradient, and its way back to
+//              storage: reduce-scatter over the gathered axes (summed over the batch ones;
+//              the non-batch ones hold equal copies, hence the divide), then all-reduce over
+//              the batch axes the storage does not split. That all-reduce alone can be left
+//              for later (DeferredReduction::later: gradient accumulation, ZeRO-1) when it is
+//              the only communication (reduce(..., false), then all_reduce_deferred()).
+//
+// The compute block is [d0, d1, d2] (a matrix [in, out] is [1, in, out]), gathered over the
+// axes of gather_dim1 (on d1) and gather_dim2 (on d2). Two ways to gather it, as the layer
+// chooses:
+//   by_dims    a matrix [d1, d2] (d0 = 1) gathered dim by dim, one collective per group,
+//              into the model's shared LayerScratch (weight, grad, stage, prefetch): Linear's
+//              weight. Prefetchable when exactly one group gathers.
+//   as_blocks  one collective over both groups into buffers of the parameter's own, each
+//              member's block then put in place (d0 may be > 1): the MoE layer's parameters,
+//              which are in use together.
+// Mixed precision: gathered (or rounded) in the compute dtype; the gradient moves and sums in
+// the reduce dtype and is stored in fp32. In fp32 none of this does anything.
+// Everything is allocated at construction: nothing in compute(), gradient() or reduce().
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "framework/core/sharded_tensor.hpp"
+#include "layers/context.hpp"
+#include "layers/layer.hpp"
+
+namespace meshtrain {
+
+// How a stored block becomes the compute block (from the layer's layout).
+struct ParameterGathers {
+  std::vector<int64_t> compute;                       // [d0, d1, d2]
+  std::vector<int64_t> stored;                        // [d0, d1 local, d2 local]
+  std::vector<std::string> gather_dim1, gather_dim2;  // active axes
+  std::vector<std::string> allreduce;                 // the gradient's all-reduce after those
+  int nonbatch_replication = 1;                       // gradient divisor
+};
+
+enum class GatherMethod { by_dims, as_blocks };
+
+class ShardedParameter {
+ public:
+  ShardedParameter() = default;
+  // Asks the context for the communicators (collective, see context.hpp).
+  ShardedParameter(ParameterRef ref, const ParameterGathers& gathers, GatherMethod method,
+                   ParallelContext& context);
+
+  ShardedTensor& value() const { return *ref_.value; }
+  ShardedTensor& grad() const { return *ref_.grad; }
+  // True when the storage splits more than the compute block (FSDP).
+  bool gathered() const { return gather1_ != nullptr || gather2_ != nullptr; }
+
+  // The compute block: as_blocks flat [d0 d1 d2], by_dims the matrix [d1, d2]. Valid until
+  // the layer's next use of the scratch.
+  ConstVectorView compute(LayerScratch& scratch);
+  MatrixView compute_matrix(LayerScratch& scratch);
+  // by_dims with exactly one gathering group.
+  bool can_prefetch() const {
+    return method_ == GatherMethod::by_dims && (gather1_ != nullptr) != (gather2_ != nullptr);
+  }
+  // Starts gathering into scratch.prefetch; the next compute_matrix() completes it.
+  void start_prefetch(LayerScratch& scratch);
+  void poll_prefetch() { prefetch_.test(); }
+
+  // Where backward writes the compute block's gradient: the stored gradient itself when
+  // nothing is gathered, else a buffer (the scratch's or the parameter's).
+  VectorView gradient(LayerScratch& scratch);
+  MatrixView gradient_matrix(LayerScratch& scratch);  // by_dims
+  // The gradient written at gradient() back to storage; all_reduce = false leaves out the
+  // final all-reduce (for all_reduce_deferred()).
+  void reduce(LayerScratch& scratch, bool all_reduce = true);
+  void all_reduce_deferred();
+  // The group of the final all-reduce (nullptr: none).
+  Communicator* allreduce_group() const { return allreduce_; }
+
+  // What this parameter needs of the shared scratch (by_dims only).
+  LayerScratchNeeds scratch_needs() const;
+
+ private:
+  struct Blocks;  // as_blocks: element i of the gathered blocks -> its place (cpp)
+  Blocks blocks() const;
+
+  ParameterRef ref_;
+  ParameterGathers g_;
+  GatherMethod method_ = GatherMethod::by_dims;
+  Dtype compute_ = Dtype::fp32, reduce_ = Dtype::fp32;
+  // by_dims: one communicator per gathered dim; as_blocks: gather1_ over both groups.
+  Communicator* gather1_ = nullptr;
+  Communicator* gather2_ = nullptr;
+  Communicator* allreduce_ = nullptr;
+  int group2_ = 1;      // as_blocks: size of gather_dim2 (the minor part of the group)
+  float scale_ = 1.0f;  // 1 / nonbatch_replication
+  // by_dims prefetch: the started gather, and whether its result is still to be used (a poll
+  // that finds the request complete empties it).
+  Request prefetch_;
+  bool prefetch_started_ = false;
+  // as_blocks buffers: the compute block (gathered or rounded), its gradient, the group's
+  // blocks in rank order.
+  Vector block_, grad_, stage_;
+};
+
+}  // namespace meshtrain
