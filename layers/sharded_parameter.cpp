@@ -25,7 +25,7 @@ void scale_matrix(MatrixView m, float factor) {
 
 // Where element i of the gathered blocks (the group's members' [s0, s1, s2] blocks in rank
 // order, member = i1 * group2 + i2) sits in the compute block [s0, d1, d2].
-struct ShardedParameter::Blocks {
+struct detail::GatheredBlocks {
   int64_t d1, d2, s1, s2, block;
   int64_t group2;
   KOKKOS_INLINE_FUNCTION int64_t compute_index(int64_t i) const {
@@ -86,7 +86,7 @@ LayerScratchNeeds ShardedParameter::scratch_needs() const {
   return needs;
 }
 
-ShardedParameter::Blocks ShardedParameter::blocks() const {
+detail::GatheredBlocks ShardedParameter::blocks() const {
   return {g_.compute[1],
           g_.compute[2],
           g_.stored[1],
@@ -161,7 +161,7 @@ ConstVectorView ShardedParameter::compute(LayerScratch& scratch) {
   // Every member's block in rank order, then each into its place of [d0, d1, d2].
   gather1_->all_gather(ConstVectorView(local.data(), local.extent(0)), VectorView(stage_),
                        compute_);
-  const Blocks b = blocks();
+  const detail::GatheredBlocks b = blocks();
   const Vector stage = stage_, full = block_;
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::moe_place_gathered"), Range(0, full.extent(0)),
@@ -206,7 +206,7 @@ void ShardedParameter::reduce(LayerScratch& scratch, bool all_reduce) {
   VectorView dst(local.data(), local.extent(0));
   if (gather1_) {
     // The compute block's gradient cut into the members' blocks, in rank order.
-    const Blocks b = blocks();
+    const detail::GatheredBlocks b = blocks();
     const Vector stage = stage_, full = grad_;
     Kokkos::parallel_for(
         MESHTRAIN_LABEL("meshtrain::moe_cut_gradient"), Range(0, full.extent(0)),

@@ -35,6 +35,13 @@
 
 namespace meshtrain {
 
+namespace detail {
+// as_blocks: element i of the gathered blocks -> its place in the compute copy
+// (sharded_parameter.cpp). At namespace scope, not a private member: CUDA's extended
+// lambdas cannot capture a private type.
+struct GatheredBlocks;
+}  // namespace detail
+
 // How a stored block becomes the compute block (from the layer's layout).
 struct ParameterGathers {
   std::vector<int64_t> compute;                       // [d0, d1, d2]
@@ -85,8 +92,7 @@ class ShardedParameter {
   LayerScratchNeeds scratch_needs() const;
 
  private:
-  struct Blocks;  // as_blocks: element i of the gathered blocks -> its place (cpp)
-  Blocks blocks() const;
+  detail::GatheredBlocks blocks() const;
 
   ParameterRef ref_;
   ParameterGathers g_;
