@@ -5,6 +5,7 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -291,19 +292,14 @@ void TrainingRun::agree_on_data_shape() {
   const DataShape& train = train_source_->shape();
   const DataShape& test = test_source_->shape();
   constexpr int kCount = 4;
-  // One minimum over [values, -values] gives each value's minimum and maximum.
-  const long long mine[kCount] = {train.num_samples, train.features, train.output_width(),
-                                  test.num_samples};
-  long long extremes[2 * kCount];
-  for (int i = 0; i < kCount; ++i) {
-    extremes[i] = mine[i];
-    extremes[kCount + i] = -mine[i];
-  }
-  all_reduce_collective(extremes, 2 * kCount, MPI_LONG_LONG, MPI_MIN, comm_,
-                        "the agreement on the data's shape");
-  const long long* low = extremes;
+  long long low[kCount] = {train.num_samples, train.features, train.output_width(),
+                           test.num_samples};
   long long high[kCount];
-  for (int i = 0; i < kCount; ++i) high[i] = -extremes[kCount + i];
+  std::copy(low, low + kCount, high);
+  all_reduce_collective(low, kCount, MPI_LONG_LONG, MPI_MIN, comm_,
+                        "the agreement on the data's shape");
+  all_reduce_collective(high, kCount, MPI_LONG_LONG, MPI_MAX, comm_,
+                        "the agreement on the data's shape");
   const char* what[] = {"training rows", "input features", "output width", "test rows"};
   for (int i = 0; i < kCount; ++i) {
     if (low[i] == high[i]) continue;
@@ -655,8 +651,7 @@ std::string TrainingRun::start_save() {
   state.best_metric = best_metric_;
   state.evals_since_best = evals_since_best_;
   // The best evaluation so far is this step's: this checkpoint becomes `best`.
-  const bool best = config_.checkpoint.keep_best && evals_since_best_ == 0 &&
-                    best_step_ == steps_done_;
+  const bool best = config_.checkpoint.keep_best && best_step_ == steps_done_;
   std::string path;
   on_every_rank(comm_, [&] {
     report_checkpoint(checkpointer_->wait());  // the previous one, when still in flight
