@@ -228,6 +228,10 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     }
   }
 
+  // The metrics of every evaluation batch (layers/eval_metrics.hpp).
+  eval_metrics_ = std::make_unique<EvalMetrics>(loss_->kind(), *context_, eval_slice_.rows,
+                                                sizes.back(), model_->output_layout());
+
   x_ = Matrix("meshtrain::batch_x", slice_.rows, sizes.front());
   if (train_source_->shape().classification()) {
     labels_ = BatchLabels("meshtrain::batch_labels", slice_.rows);
@@ -603,16 +607,15 @@ double TrainingRun::flops_per_step() const {
   return 6.0 * parameters * static_cast<double>(config_.data.batch_size * accumulation_);
 }
 
-// Loss (and accuracy for classification) over the whole test split, sharded over the
-// batch axes like training; Loss reduces each batch's sums over the ranks.
+// The metrics over the whole test split, sharded over the batch axes like training: Loss
+// reduces each batch's loss sums over the ranks, EvalMetrics the rest once at the end.
 EvalEvent TrainingRun::evaluate() {
   Mlp& model = eval_model_ ? *eval_model_ : *model_;
   Loss& loss = eval_model_ ? *eval_loss_ : *loss_;
   const Matrix& x = eval_model_ ? eval_x_ : x_;
   const BatchLabels& labels = eval_model_ ? eval_labels_ : labels_;
   const Matrix& targets = eval_model_ ? eval_targets_ : targets_;
-  double loss_sum = 0.0;
-  int64_t correct = 0, count = 0;
+  eval_metrics_->reset();
   for (int64_t b = 0; b < eval_schedule_.num_batches; ++b) {
     int64_t valid = 0;
     try {
@@ -620,20 +623,27 @@ EvalEvent TrainingRun::evaluate() {
     } catch (const Error&) {
       keep_data_error(loss);
     }
-    const LossResult r = compute_loss(loss, model.forward(x), labels, targets,
-                                      /*with_gradient=*/false, valid);
-    loss_sum += r.loss_sum;
-    correct += r.correct;
-    count += r.count;
+    MatrixView output = model.forward(x);
+    const LossResult r =
+        compute_loss(loss, output, labels, targets, /*with_gradient=*/false, valid);
+    eval_metrics_->add(output, labels, targets, valid, r);
   }
-  if (!std::isfinite(loss_sum)) throw_agreed_data_error();
   EvalEvent event;
+  eval_metrics_->finish(event, &normalization_);
+  if (!std::isfinite(event.test_loss) && event.test_rows > 0) throw_agreed_data_error();
   event.step = steps_done_;
-  event.test_loss = count ? loss_sum / count : std::numeric_limits<double>::quiet_NaN();
-  event.test_accuracy = test_source_->shape().classification() && count
-                            ? static_cast<double>(correct) / count
-                            : std::numeric_limits<double>::quiet_NaN();
   return event;
+}
+
+// Parameters only, for now: the normalization statistics arrive with checkpoint.init_from
+// (another change adds them here, with the statistics read from the checkpoint).
+CheckpointInfo TrainingRun::load_model(const std::string& path) {
+  CheckpointContents contents;
+  contents.mesh = *mesh_;
+  contents.params = model_->parameters();  // shallow: the load writes the live tensors
+  CheckpointInfo info;
+  on_every_rank(comm_, [&] { info = load_checkpoint(path, contents, comm_); });
+  return info;
 }
 
 std::string TrainingRun::start_save() {

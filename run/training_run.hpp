@@ -38,12 +38,14 @@
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
 #include "framework/io/metrics.hpp"
+#include "framework/io/normalization.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/loss_scaler.hpp"
 #include "framework/train/lr_schedule.hpp"
 #include "framework/train/optimizer.hpp"
 #include "framework/train/zero1.hpp"
 #include "layers/context.hpp"
+#include "layers/eval_metrics.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
 #include "partition/linear_layout.hpp"  // LayerAxes
@@ -117,10 +119,16 @@ class TrainingRun {
   // train.accumulation_steps is 1. (Benchmarks time this alone.)
   StepResult step_on_loaded_batch();
 
-  // Loss (and accuracy for classification) over the whole test split, at the current step,
-  // in batches of data.eval_batch_size. With the training batch size it uses the batch
-  // buffers (load_batch again before accumulate_loaded_batch); otherwise buffers of its own.
+  // The metrics of the whole test split at the current step (layers/eval_metrics.hpp: loss,
+  // and accuracy, top-5 and per-class accuracy, or MSE, MAE and R^2 per output), in batches
+  // of data.eval_batch_size. With the training batch size it uses the batch buffers
+  // (load_batch again before accumulate_loaded_batch); otherwise buffers of its own.
   EvalEvent evaluate();
+  // Loads the model's parameters from a checkpoint (a file, a latest/best pointer or a
+  // directory), resharded onto this run's mesh; the step, optimizer state and data position
+  // stay as they are. A checkpoint of another model is bad_input naming the parameter and
+  // both shapes (AgreedError). Collective. (`meshtrain evaluate` builds on it.)
+  CheckpointInfo load_model(const std::string& path);
   // Saves a checkpoint of the current step under checkpoint.dir (keeping checkpoint.keep)
   // and returns its path once it is complete. Collective.
   std::string save();
@@ -255,6 +263,12 @@ class TrainingRun {
   Matrix eval_x_;
   BatchLabels eval_labels_;
   Matrix eval_targets_;
+  std::unique_ptr<EvalMetrics> eval_metrics_;  // of every evaluation batch
+  // The run's normalization statistics: evaluations report regression metrics in the user's
+  // units with them. Empty here; filled by the normalization set-up and load_model once the
+  // normalization change (normalize_targets, init_from) lands: the lead reconciles it with
+  // that change's TrainingRun::normalization().
+  Normalization normalization_;
 
   // This rank's rows of one batch: inputs and either labels or targets.
   Matrix x_;
