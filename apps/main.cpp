@@ -6,6 +6,7 @@
 //   mpirun -np N meshtrain train CONFIG [--hardware FILE] [--set ...]
 //   mpirun -np N meshtrain calibrate [CONFIG] [--out FILE] [--set ...]
 //   meshtrain inspect CHECKPOINT.h5 [--verify]
+//   mpirun -np N meshtrain evaluate CHECKPOINT --data PATH... [--json FILE|-] [--set ...]
 
 #include <CLI/CLI.hpp>
 
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "apps/calibrate.hpp"
+#include "apps/evaluate.hpp"
 #include "framework/comm/exit_policy.hpp"
 #include "framework/io/checkpoint_report.hpp"
 #include "framework/train/plan_report.hpp"
@@ -146,6 +148,33 @@ int run_calibrate(const CalibrateArgs& args, int& argc, char**& argv) {
   });
 }
 
+// --- evaluate: a checkpoint's metrics on labelled data, under mpirun ---------------------
+void add_evaluate_command(CLI::App& app, meshtrain::EvaluateArgs& args) {
+  CLI::App* evaluate = app.add_subcommand(
+      "evaluate",
+      "Evaluate a checkpoint on labelled HDF5 data: loss, accuracy (top-5, per class) or "
+      "MSE / MAE / R^2 per output (mpirun -np N meshtrain evaluate CHECKPOINT --data ...)");
+  evaluate
+      ->add_option("checkpoint", args.checkpoint,
+                   "A checkpoint file, a latest/best pointer file, or a checkpoint directory "
+                   "(its latest)")
+      ->required();
+  evaluate
+      ->add_option("--data", args.data,
+                   "HDF5 files or globs with inputs and labels or targets (data.x_key, "
+                   "data.y_key; the shards form one data set in this order)")
+      ->required();
+  evaluate->add_option("--json", args.json,
+                       "Also write the metrics as one JSON object to FILE ('-': standard "
+                       "output, the report then goes to standard error)");
+  add_set_option(*evaluate, args.overrides);
+}
+
+int run_evaluate(const meshtrain::EvaluateArgs& args, int& argc, char**& argv) {
+  const auto runtime = meshtrain::start_runtime_or_abort(argc, argv);
+  return meshtrain::run_or_abort([&] { return meshtrain::evaluate_command(args); });
+}
+
 // --- inspect: a checkpoint's step, mesh, config and datasets (no MPI launch needed) ----
 struct InspectArgs {
   std::string checkpoint;
@@ -189,6 +218,8 @@ int main(int argc, char** argv) {
   add_inspect_command(app, inspect_args);
   CalibrateArgs calibrate_args;
   add_calibrate_command(app, calibrate_args);
+  meshtrain::EvaluateArgs evaluate_args;
+  add_evaluate_command(app, evaluate_args);
 
   // A first word that is no subcommand (a typo, or a command of a newer meshtrain): CLI11
   // would only say that a subcommand is required. Name the word and list the commands.
@@ -214,6 +245,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("plan")) return run_plan(plan_args);
     if (app.got_subcommand("train")) return run_train(train_args, argc, argv);
     if (app.got_subcommand("calibrate")) return run_calibrate(calibrate_args, argc, argv);
+    if (app.got_subcommand("evaluate")) return run_evaluate(evaluate_args, argc, argv);
     if (app.got_subcommand("inspect")) {
       return meshtrain::print_checkpoint(inspect_args.checkpoint, inspect_args.verify, std::cout);
     }

@@ -195,6 +195,12 @@ std::optional<std::string> find_latest_checkpoint(const std::string& dir);
 // The same for the "best" pointer.
 std::optional<std::string> find_best_checkpoint(const std::string& dir);
 
+// The checkpoint file a CHECKPOINT argument names: a file as it is, a "latest" or "best"
+// pointer file the file it names, a directory its latest. Throws bad_input naming the path
+// when it does not exist, a directory has no latest pointer, or a pointer is garbled. Not
+// collective (load_checkpoint calls it on rank 0).
+std::string resolve_checkpoint_path(const std::string& path);
+
 // Loads a checkpoint into preallocated tensors (for the NEW mesh: each tensor's spec, box
 // and local block) and into.train_state. `path` is a checkpoint file or a directory (its
 // latest pointer is followed). Collective over `comm`. Throws bad_input (the same on every
