@@ -63,6 +63,9 @@ class EvalMetrics {
   void finish(EvalEvent& event, const Normalization* normalization = nullptr);
 
   LossKind kind() const { return kind_; }
+  // The loss sum of the batches since reset(): NaN when a rank could not read its rows (a
+  // poisoned Loss reduction), even where no row was counted.
+  double loss_sum() const { return loss_sum_; }
 
  private:
   void add_classification(MatrixView output, LabelView labels, int64_t valid);

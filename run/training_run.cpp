@@ -628,9 +628,9 @@ EvalEvent TrainingRun::evaluate() {
         compute_loss(loss, output, labels, targets, /*with_gradient=*/false, valid);
     eval_metrics_->add(output, labels, targets, valid, r);
   }
+  if (!std::isfinite(eval_metrics_->loss_sum())) throw_agreed_data_error();
   EvalEvent event;
   eval_metrics_->finish(event, &normalization_);
-  if (!std::isfinite(event.test_loss) && event.test_rows > 0) throw_agreed_data_error();
   event.step = steps_done_;
   return event;
 }
