@@ -114,9 +114,18 @@ RunConfig evaluation_config(const Checkpoint& checkpoint, const EvaluateArgs& ar
   config.data.shuffle = ShuffleMode::none;  // the training order is never used
   config.checkpoint.resume = false;
   config.train.accumulation_steps = 1;
+  std::optional<Mesh> resolved;
+  try {
+    resolved = config.mesh.resolve(world);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::bad_input) throw;
+    MESHTRAIN_BAD_INPUT(e.what(), "; evaluate uses the checkpoint config's mesh: start it on "
+                        "that many ranks, or give it another with --set mesh.AXIS=SIZE (a "
+                        "checkpoint loads onto any mesh)");
+  }
+  const Mesh& mesh = *resolved;
   const int64_t rows = check_data(config, checkpoint.file);
   if (rows < config.data.batch_size) {
-    const Mesh mesh = config.mesh.resolve(world);
     std::vector<std::string> axes;
     for (const std::string& axis : plan_options(config).batch_axes) {
       if (mesh.has_axis(axis)) axes.push_back(axis);
