@@ -167,7 +167,14 @@ void add_evaluate_command(CLI::App& app, meshtrain::EvaluateArgs& args) {
   evaluate->add_option("--json", args.json,
                        "Also write the metrics as one JSON object to FILE ('-': standard "
                        "output, the report then goes to standard error)");
-  add_set_option(*evaluate, args.overrides);
+  evaluate
+      ->add_option("--set", args.overrides,
+                   "Override a key that leaves the model alone: mesh.*, partition.*, runtime.*, "
+                   "mixed_precision.*, data.batch_size, data.eval_batch_size, data.prefetch, "
+                   "data.x_key, data.y_key (repeatable)")
+      ->type_name("SECTION.KEY=VALUE")
+      ->allow_extra_args(false)
+      ->take_all();
 }
 
 int run_evaluate(const meshtrain::EvaluateArgs& args, int& argc, char**& argv) {
