@@ -8,7 +8,8 @@
 // rank alike, and the run skips as many steps and ends at the same scale as on one rank;
 // so does a forward pass that overflows fp16, while inputs beyond fp16's range, or overflows
 // that no scale fixes, end the run naming mixed_precision.param_dtype; fp32/fp32 written out
-// is the default run bit for bit.
+// is the default run bit for bit. The evaluations' regression metrics (MSE, MAE, R^2 per
+// output) agree with the one-rank run's on every mesh, MoE included.
 
 #include "run/training_run.hpp"
 
@@ -65,6 +66,25 @@ Trace run_steps(const RunConfig& config, MPI_Comm comm, int steps) {
   return trace;
 }
 
+// The regression metrics of an evaluation (layers/eval_metrics.hpp) against a one-rank run's,
+// to 1e-5 relative: per output and overall, and the rows counted.
+void expect_regression_metrics_like(const EvalEvent& eval, const EvalEvent& reference) {
+  EXPECT_EQ(eval.test_rows, reference.test_rows);
+  ASSERT_EQ(eval.test_mse_per_output.size(), reference.test_mse_per_output.size());
+  ASSERT_FALSE(reference.test_mse_per_output.empty());
+  const auto near = [](double a, double b, const char* what) {
+    EXPECT_NEAR(a, b, 1e-5 * (1 + std::abs(b))) << what;
+  };
+  for (size_t j = 0; j < reference.test_mse_per_output.size(); ++j) {
+    near(eval.test_mse_per_output[j], reference.test_mse_per_output[j], "test_mse_per_output");
+    near(eval.test_mae_per_output[j], reference.test_mae_per_output[j], "test_mae_per_output");
+    near(eval.test_r2_per_output[j], reference.test_r2_per_output[j], "test_r2_per_output");
+  }
+  near(eval.test_mse, reference.test_mse, "test_mse");
+  near(eval.test_mae, reference.test_mae, "test_mae");
+  near(eval.test_r2, reference.test_r2, "test_r2");
+}
+
 TEST(TrainingRun, EveryMeshTrainsLikeOneRank) {
   const int n = world_size();
   const Trace reference = run_steps(small_config({{"dp", 1}}, "dp"), MPI_COMM_SELF, 5);
@@ -90,6 +110,7 @@ TEST(TrainingRun, EveryMeshTrainsLikeOneRank) {
     EXPECT_NEAR(trace.eval.test_loss, reference.eval.test_loss,
                 1e-5 * (1 + std::abs(reference.eval.test_loss)));
     EXPECT_TRUE(std::isnan(trace.eval.test_accuracy));  // regression
+    expect_regression_metrics_like(trace.eval, reference.eval);
   }
 }
 
@@ -548,6 +569,7 @@ TEST(TrainingRun, MoeMeshesTrainLikeOneRank) {
     }
     const EvalEvent eval = run.evaluate();
     EXPECT_NEAR(eval.test_loss, reference_eval.test_loss, 1e-5 * (1 + reference_eval.test_loss));
+    expect_regression_metrics_like(eval, reference_eval);
     EXPECT_EQ(run.model().moe_layers().size(), 1u);
   }
 }
