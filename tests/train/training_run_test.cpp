@@ -161,6 +161,53 @@ TEST(TrainingRun, TrainEmitsEventsSavesAndResumesExactly) {
   if (world_rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// load_model (what `meshtrain evaluate` builds on): a checkpoint saved on fsdp loads onto a
+// fresh run on dp, fsdp, tp and fsdp x tp, whose evaluation then equals the saving run's (to
+// the bit on the same mesh, to 1e-5 relative on the others) and whose step stays 0; a
+// checkpoint of another model is bad input naming the shapes.
+TEST(TrainingRun, LoadModelOntoAnyMeshEvaluatesAlike) {
+  const int n = world_size();
+  const std::string dir = std::filesystem::temp_directory_path().string() +
+                          "/meshtrain_training_run_load_model_np" + std::to_string(n);
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  RunConfig config = small_config({{"fsdp", n}}, "fsdp");
+  config.checkpoint.dir = dir;
+  EvalEvent saved_eval;
+  std::string path;
+  {
+    TrainingRun run(config);
+    for (int s = 0; s < 6; ++s) run.step();
+    path = run.save();
+    saved_eval = run.evaluate();
+  }
+  std::vector<std::pair<std::string, std::vector<std::pair<std::string, int>>>> cases = {
+      {"fsdp", {{"fsdp", n}}}, {"dp", {{"dp", n}}}, {"tp", {{"tp", n}}}};
+  if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
+  for (const auto& [preset, axes] : cases) {
+    SCOPED_TRACE(preset);
+    TrainingRun fresh(small_config(axes, preset));
+    const CheckpointInfo info = fresh.load_model(dir);  // the directory: its latest
+    EXPECT_EQ(info.path, path);
+    EXPECT_EQ(info.train_state.step, 6);
+    EXPECT_EQ(fresh.steps_done(), 0);
+    const EvalEvent eval = fresh.evaluate();
+    if (preset == "fsdp") {
+      EXPECT_EQ(eval.test_loss, saved_eval.test_loss);
+      EXPECT_EQ(eval.test_mse_per_output, saved_eval.test_mse_per_output);
+      EXPECT_EQ(eval.test_r2_per_output, saved_eval.test_r2_per_output);
+    }
+    EXPECT_NEAR(eval.test_loss, saved_eval.test_loss, 1e-5 * (1 + saved_eval.test_loss));
+    expect_regression_metrics_like(eval, saved_eval);
+  }
+  RunConfig other = small_config({{"dp", n}}, "dp");
+  other.model.sizes = {8, 12, 16, 4};
+  TrainingRun other_model(other);
+  testing::expect_bad_input([&] { other_model.load_model(path); }, {"has shape", "in the model"});
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+}
+
 struct MeshCase {
   std::string preset;
   std::vector<std::pair<std::string, int>> axes;
