@@ -16,6 +16,91 @@ namespace {
 constexpr int64_t kTopK = 5;
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
+// Per row: the label's rank among the logits (how many are larger, or equal at a lower
+// index); counts rows, hits (rank 0) and top-5 hits per true class. (Free functions: nvcc's
+// device lambdas cannot live in private member functions.)
+void count_label_ranks(MatrixView logits, LabelView labels, int64_t valid, int64_t width,
+                       const Kokkos::View<int64_t*>& counts) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::eval_class_counts"), Kokkos::RangePolicy<>(0, valid),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const int64_t label = labels(i);
+        if (label < 0 || label >= width) return;  // a row this rank could not read
+        const float mine = logits(i, label);
+        int64_t rank = 0;
+        for (int64_t j = 0; j < width; ++j) {
+          const float l = logits(i, j);
+          rank += (l > mine || (l == mine && j < label)) ? 1 : 0;
+        }
+        Kokkos::atomic_add(&counts(label), int64_t{1});
+        if (rank == 0) Kokkos::atomic_add(&counts(width + label), int64_t{1});
+        if (rank < kTopK) Kokkos::atomic_add(&counts(2 * width + label), int64_t{1});
+      });
+}
+
+// reduced[j] = the sum of target column j over the valid rows (0 where the feature rank does
+// not count them), reduced[4 width] = the rows counted.
+void sum_target_columns(MatrixView targets, int64_t valid, int64_t width, bool counts_here,
+                        const Kokkos::View<double*>& reduced) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::eval_target_shift_sums"), Kokkos::RangePolicy<>(0, width),
+      KOKKOS_LAMBDA(const int64_t j) {
+        double sum = 0.0;
+        if (counts_here) {
+          for (int64_t i = 0; i < valid; ++i) sum += static_cast<double>(targets(i, j));
+        }
+        reduced(j) = sum;
+        if (j == 0) reduced(4 * width) = counts_here ? static_cast<double>(valid) : 0.0;
+      });
+}
+
+// shift[j] = the mean of column j from sum_target_columns' reduced sums.
+void set_shift(const Kokkos::View<double*>& reduced, int64_t width,
+               const Kokkos::View<double*>& shift) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::eval_target_shift"), Kokkos::RangePolicy<>(0, width),
+      KOKKOS_LAMBDA(const int64_t j) {
+        const double n = reduced(4 * width);
+        shift(j) = n > 0 ? reduced(j) / n : 0.0;
+      });
+}
+
+// One thread per output column (global column offset + local), its rows in order, so the
+// sums are the same on every run: sums[j] += d^2, sums[width + j] += |d|, sums[2 width + j]
+// += t - c, sums[3 width + j] += (t - c)^2 with d = y - t and c = shift[j].
+void add_output_sums(MatrixView output, MatrixView targets, int64_t valid, int64_t width,
+                     int64_t offset, const Kokkos::View<double*>& shift,
+                     const Kokkos::View<double*>& sums) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::eval_output_sums"),
+      Kokkos::RangePolicy<>(0, static_cast<int64_t>(output.extent(1))),
+      KOKKOS_LAMBDA(const int64_t local) {
+        const int64_t j = offset + local;
+        const double c = shift(j);
+        double squared = 0.0, absolute = 0.0, shifted = 0.0, shifted_squared = 0.0;
+        for (int64_t i = 0; i < valid; ++i) {
+          const double t = static_cast<double>(targets(i, j));
+          const double d = static_cast<double>(output(i, local)) - t;
+          squared += d * d;
+          absolute += kmath::fabs(d);
+          shifted += t - c;
+          shifted_squared += (t - c) * (t - c);
+        }
+        sums(j) += squared;
+        sums(width + j) += absolute;
+        sums(2 * width + j) += shifted;
+        sums(3 * width + j) += shifted_squared;
+      });
+}
+
+// The class counts as doubles, for the all-reduce.
+void counts_to_double(const Kokkos::View<int64_t*>& counts, const Kokkos::View<double*>& out) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::eval_counts_to_double"),
+      Kokkos::RangePolicy<>(0, static_cast<int64_t>(counts.extent(0))),
+      KOKKOS_LAMBDA(const int64_t k) { out(k) = static_cast<double>(counts(k)); });
+}
+
 }  // namespace
 
 EvalMetrics::EvalMetrics(LossKind kind, ParallelContext& context, int64_t rows, int64_t width,
@@ -89,50 +174,16 @@ void EvalMetrics::add_classification(MatrixView output, LabelView labels, int64_
   }
   // Every feature rank now holds the same whole rows: feature rank 0 counts them.
   if (feature_index_ != 0) return;
-  const int64_t width = width_;
-  auto counts = class_counts_;
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::eval_class_counts"), Kokkos::RangePolicy<>(0, valid),
-      KOKKOS_LAMBDA(const int64_t i) {
-        const int64_t label = labels(i);
-        if (label < 0 || label >= width) return;  // a row this rank could not read
-        const float mine = logits(i, label);
-        int64_t rank = 0;
-        for (int64_t j = 0; j < width; ++j) {
-          const float l = logits(i, j);
-          rank += (l > mine || (l == mine && j < label)) ? 1 : 0;
-        }
-        Kokkos::atomic_add(&counts(label), int64_t{1});
-        if (rank == 0) Kokkos::atomic_add(&counts(width + label), int64_t{1});
-        if (rank < kTopK) Kokkos::atomic_add(&counts(2 * width + label), int64_t{1});
-      });
+  count_label_ranks(logits, labels, valid, width_, class_counts_);
 }
 
 // The targets' shift c: the mean of the first batch's targets over every rank's rows, so that
 // the sums of (t - c)^2 do not cancel for targets far from 0.
 void EvalMetrics::agree_on_shift(MatrixView targets, int64_t valid) {
-  const int64_t width = width_;
-  const bool counts_here = feature_index_ == 0;  // feature ranks hold the same rows
-  auto reduced = reduced_;
   Kokkos::deep_copy(reduced_, 0.0);
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::eval_target_shift_sums"), Kokkos::RangePolicy<>(0, width),
-      KOKKOS_LAMBDA(const int64_t j) {
-        double sum = 0.0;
-        if (counts_here) {
-          for (int64_t i = 0; i < valid; ++i) sum += static_cast<double>(targets(i, j));
-        }
-        reduced(j) = sum;
-        if (j == 0) reduced(4 * width) = counts_here ? static_cast<double>(valid) : 0.0;
-      });
+  sum_target_columns(targets, valid, width_, feature_index_ == 0, reduced_);
   if (scalar_comm_) scalar_comm_->all_reduce(DoubleVectorView(reduced_.data(), reduced_.extent(0)));
-  auto shift = shift_;
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::eval_target_shift"), Kokkos::RangePolicy<>(0, width),
-      KOKKOS_LAMBDA(const int64_t j) {
-        const double n = reduced(4 * width);
-        shift(j) = n > 0 ? reduced(j) / n : 0.0;
-      });
+  set_shift(reduced_, width_, shift_);
 }
 
 void EvalMetrics::add_regression(MatrixView output, MatrixView targets, int64_t valid) {
@@ -143,41 +194,14 @@ void EvalMetrics::add_regression(MatrixView output, MatrixView targets, int64_t 
   if (batches_ == 0) agree_on_shift(targets, valid);
   // Split outputs: each feature rank sums its own columns; replicated ones: feature rank 0.
   if (!split_ && feature_index_ != 0) return;
-  const int64_t width = width_;
-  const int64_t offset = offset_;
-  auto sums = output_sums_;
-  auto shift = shift_;
-  // One thread per output column, its rows in order: the same sums on every run.
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::eval_output_sums"), Kokkos::RangePolicy<>(0, local_width_),
-      KOKKOS_LAMBDA(const int64_t local) {
-        const int64_t j = offset + local;
-        const double c = shift(j);
-        double squared = 0.0, absolute = 0.0, shifted = 0.0, shifted_squared = 0.0;
-        for (int64_t i = 0; i < valid; ++i) {
-          const double t = static_cast<double>(targets(i, j));
-          const double d = static_cast<double>(output(i, local)) - t;
-          squared += d * d;
-          absolute += kmath::fabs(d);
-          shifted += t - c;
-          shifted_squared += (t - c) * (t - c);
-        }
-        sums(j) += squared;
-        sums(width + j) += absolute;
-        sums(2 * width + j) += shifted;
-        sums(3 * width + j) += shifted_squared;
-      });
+  add_output_sums(output, targets, valid, width_, offset_, shift_, output_sums_);
 }
 
 void EvalMetrics::finish(EvalEvent& event, const Normalization* normalization) {
   const bool classification = kind_ == LossKind::cross_entropy;
   const int64_t width = width_;
-  auto reduced = reduced_;
   if (classification) {
-    auto counts = class_counts_;
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::eval_counts_to_double"), Kokkos::RangePolicy<>(0, 3 * width),
-        KOKKOS_LAMBDA(const int64_t k) { reduced(k) = static_cast<double>(counts(k)); });
+    counts_to_double(class_counts_, reduced_);
   } else {
     Kokkos::deep_copy(Kokkos::subview(reduced_, Kokkos::make_pair(int64_t{0}, 4 * width)),
                       output_sums_);
