@@ -3,8 +3,8 @@
 #
 #   evaluate_test.sh CASE MESHTRAIN WRITE_DATA PYTHON EXPECT_EXIT WORK MPIEXEC ARGS...
 #
-# CASE matches_training: for each mesh of the world size (np 1: dp; np 2: tp, fsdp; np 4:
-#   fsdp x tp, dp), a classification run (12 classes: top-5, per class; 100 test rows, so the
+# CASE matches_training: for each mesh of the world size (np 1: dp; np 2: tp, fsdp, and an
+#   MoE model on ep = 2 (classification only); np 4: fsdp x tp, dp), a classification run (12 classes: top-5, per class; 100 test rows, so the
 #   last batch is padded) and a regression run (4 outputs, targets near 100; an evaluation
 #   batch of its own and a test file of 20 rows, fewer than the training batch) are trained
 #   to their end with `meshtrain train`; `meshtrain evaluate` of the checkpoint (the
@@ -29,32 +29,40 @@ fail() {
   exit 1
 }
 
-# config KIND PRESET MESH(toml lines) DIR: a tiny run on the HDF5 files of KIND.
+# config KIND PRESET MESH(toml lines) DIR: a tiny run on the HDF5 files of KIND (its variables
+# are c_*: sh has no locals).
 config() {
-  kind=$1 preset=$2 mesh=$3 dir=$4
-  if [ "$kind" = classification ]; then
+  c_kind=$1 c_preset=$2 c_mesh=$3 c_dir=$4
+  if [ "$c_kind" = classification ]; then
     sizes="[16, 24, 12]" loss=cross_entropy eval_batch=""
   else
     sizes="[16, 24, 4]" loss=mse eval_batch="eval_batch_size = 24"
+  fi
+  moe=""
+  if [ "$c_preset" = moe ]; then  # an MoE layer (4 experts, top 2) with its experts on ep
+    c_preset=dp moe="moe_layers = [0]
+experts = 4
+top_k = 2"
   fi
   cat <<EOF
 [run]
 name = "evaluate_test"
 seed = 5
-output_dir = "$dir"
+output_dir = "$c_dir"
 [mesh]
-$mesh
+$c_mesh
 [partition]
-preset = "$preset"
+preset = "$c_preset"
 min_sharding_size = 0
 [model]
 sizes = $sizes
 activation = "tanh"
 loss = "$loss"
+$moe
 [data]
 source = "hdf5"
-path = "$work/train_$kind.h5"
-test_path = "$work/test_$kind.h5"
+path = "$work/train_$c_kind.h5"
+test_path = "$work/test_$c_kind.h5"
 batch_size = 32
 $eval_batch
 [optimizer]
@@ -135,14 +143,16 @@ train() {
 matches_training() {
   case $np in
     1) meshes="dp:dp=1" other="" ;;
-    2) meshes="tp:tp=2 fsdp:fsdp=2" other="--set mesh.tp=1 --set mesh.fsdp=-1" ;;
+    2) meshes="tp:tp=2 fsdp:fsdp=2 moe:ep=2" other="--set mesh.tp=1 --set mesh.fsdp=-1" ;;
     4) meshes="fsdp_tp:fsdp=2,tp=2 dp:dp=4" other="--set mesh.fsdp=1 --set mesh.tp=4" ;;
     *) fail "no meshes for np $np" ;;
   esac
   for entry in $meshes; do
     preset=${entry%%:*}
     mesh=$(echo "${entry#*:}" | tr ',' '\n' | sed 's/=/ = /')
-    for kind in classification regression; do
+    kinds="classification regression"
+    [ "$preset" != moe ] || kinds=classification
+    for kind in $kinds; do
       run="$work/$kind-$preset"
       mkdir -p "$run"
       config_file="$run/config.toml"
