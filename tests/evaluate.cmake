@@ -2,7 +2,8 @@
 # its end under `meshtrain train` on HDF5 data, then `meshtrain evaluate` of its checkpoint on
 # the test file gives JSON equal to the run's last eval line of metrics.jsonl in every field
 # (classification with top-5 and per-class accuracy; regression with per-output metrics);
-# np 1 (dp), np 2 (tp: split logits, fsdp) and np 4 (fsdp x tp). Bad input: an unknown
+# np 1 (dp), np 2 (tp, fsdp, an MoE model on ep) and np 4 (fsdp x tp, dp); and resharded onto
+# another mesh of the same ranks, to rounding. Bad input: an unknown
 # checkpoint, data of another width, float labels under cross_entropy and a model-changing
 # --set each end with one sentence and exit 2, leaving no --json file.
 add_executable(evaluate_write_data evaluate/write_data_tool.cpp)
