@@ -9,7 +9,8 @@
 //     de-normalized with target statistics given directly (std 0.5 and 3, means 1e3 and -7)
 //     and without statistics on targets near 1e4 (the shift keeps SST from cancelling), to
 //     1e-9 relative (R^2: 1e-9 absolute); the loss (trained units) to 1e-6 relative.
-// Every rank ends with the same bits in every field.
+// Every rank ends with the same bits in every field. The JSON record and the line of an
+// eval event hold exactly the fields that apply.
 
 #include "layers/eval_metrics.hpp"
 
@@ -309,6 +310,44 @@ TEST(EvalMetrics, RegressionIsInTheUsersUnitsOnEveryMesh) {
   const EvalEvent with = reference(p, LossKind::mse, &norm);
   const EvalEvent without = reference(p, LossKind::mse, nullptr);
   EXPECT_NEAR(with.test_mse_per_output[0] / without.test_mse_per_output[0], 0.25, 1e-12);
+}
+
+// The eval record (metrics.jsonl, evaluate --json) and line: the fields that apply, a NaN
+// inside an array as null, doubles that read back to the same bits.
+TEST(EvalEvent, JsonAndLineHoldTheMetricsThatApply) {
+  EvalEvent c;
+  c.step = 7;
+  c.test_loss = 0.1 + 0.2;  // 0.30000000000000004: needs 17 digits
+  c.test_accuracy = 0.5;
+  c.test_rows = 4;
+  c.test_top5_accuracy = 0.75;
+  c.test_class_accuracy = {1.0, kNaN};
+  c.test_class_rows = {4, 0};
+  EXPECT_EQ(
+      eval_event_json(c),
+      "{\"event\":\"eval\",\"step\":7,\"test_accuracy\":0.5,\"test_class_accuracy\":[1.0,null],"
+      "\"test_class_rows\":[4,0],\"test_loss\":0.30000000000000004,\"test_rows\":4,"
+      "\"test_top5_accuracy\":0.75}");
+  EXPECT_EQ(format_eval_line(c),
+            "eval at step 7: test loss 0.30000  test accuracy 0.5000  top-5 0.7500");
+
+  EvalEvent r;
+  r.step = 3;
+  r.test_loss = 2.0;
+  r.test_accuracy = kNaN;
+  r.test_rows = 10;
+  r.test_mse = 1.5;
+  r.test_mae = 0.25;
+  r.test_r2 = 0.875;
+  r.test_mse_per_output = {1.5};
+  r.test_mae_per_output = {0.25};
+  r.test_r2_per_output = {0.875};
+  EXPECT_EQ(eval_event_json(r),
+            "{\"event\":\"eval\",\"step\":3,\"test_loss\":2.0,\"test_mae\":0.25,"
+            "\"test_mae_per_output\":[0.25],\"test_mse\":1.5,\"test_mse_per_output\":[1.5],"
+            "\"test_r2\":0.875,\"test_r2_per_output\":[0.875],\"test_rows\":10}");
+  EXPECT_EQ(format_eval_line(r),
+            "eval at step 3: test loss 2.00000  MSE 1.5  MAE 0.25  R^2 0.8750");
 }
 
 }  // namespace
