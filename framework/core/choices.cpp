@@ -30,10 +30,11 @@ const ChoiceTable<ModelKind>& model_kind_choices() {
 }
 
 const ChoiceTable<Activation>& activation_choices() {
-  static const ChoiceTable<Activation> table = {{"relu", Activation::relu},
-                                                {"tanh", Activation::tanh},
-                                                {"gelu", Activation::gelu},
-                                                {"none", Activation::none}};
+  static const ChoiceTable<Activation> table = {
+      {"relu", Activation::relu}, {"tanh", Activation::tanh},
+      {"gelu", Activation::gelu}, {"gelu_erf", Activation::gelu_erf},
+      {"silu", Activation::silu}, {"sigmoid", Activation::sigmoid},
+      {"none", Activation::none}};
   return table;
 }
 

@@ -5,7 +5,7 @@
 //
 // clang-format off
 //   model.kind                    ModelKind                  mlp
-//   model.activation              Activation                 relu | tanh | gelu | none
+//   model.activation              Activation                 relu | tanh | gelu | gelu_erf | silu | sigmoid | none
 //   model.init                    InitScheme                 he_normal | xavier_uniform | normal | zeros
 //   model.loss                    LossKind                   cross_entropy | mse (config: also auto)
 //   optimizer.kind                OptimizerKind              sgd | adamw
@@ -30,7 +30,8 @@
 namespace meshtrain {
 
 enum class ModelKind { mlp };
-enum class Activation { relu, tanh, gelu, none };  // none: the identity
+// gelu: the tanh form; gelu_erf: the exact erf form; none: the identity (layers/activation.hpp).
+enum class Activation { relu, tanh, gelu, gelu_erf, silu, sigmoid, none };
 enum class InitScheme { he_normal, xavier_uniform, normal, zeros };
 enum class LossKind { cross_entropy, mse };
 enum class OptimizerKind { sgd, adamw };
