@@ -4,7 +4,7 @@ exists, `meshtrain predict`) from the checkpoint alone, in float64 with numpy an
 
   reproduce.py WORKDIR CASE -- MPIRUN... MESHTRAIN
 
-CASE: "classification" (gelu, 7 classes, an MoE layer) or "regression" (tanh, 3 outputs).
+CASE: "classification" (gelu, 7 classes, an MoE layer) or "regression" (silu, 3 outputs).
 Writes HDF5 data and a config into WORKDIR, trains there with the given launcher
 (`mpirun -np 2 .../meshtrain` or just `.../meshtrain`), then:
   - recomputes the last evaluation's test loss (and accuracy) from the checkpoint's
@@ -16,6 +16,7 @@ Exit 0 when everything agrees, 1 with the first difference otherwise, 77 (skip) 
 numpy or h5py is missing.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -53,9 +54,21 @@ def activation(name, z):
         return np.tanh(z)
     if name == "gelu":  # the tanh form
         return 0.5 * z * (1.0 + np.tanh(0.7978845608028654 * (z + 0.044715 * z**3)))
+    if name == "gelu_erf":  # the exact form 0.5 z (1 + erf(z / sqrt 2)), as 0.5 z erfc(-z / sqrt 2)
+        return 0.5 * z * np.vectorize(math.erfc)(-z / math.sqrt(2.0))
+    if name == "silu":  # z sigmoid(z)
+        return z * sigmoid(z)
+    if name == "sigmoid":
+        return sigmoid(z)
     if name == "none":
         return z
     fail(f"unknown activation {name}")
+
+
+def sigmoid(z):
+    """1 / (1 + exp(-z)), written with exp(-|z|) so that exp never overflows."""
+    e = np.exp(-np.abs(z))
+    return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
 def moe(params, i, top_k, h):
@@ -144,7 +157,7 @@ top_k = 2
     "regression": """
 [model]
 sizes = [6, 16, 3]
-activation = "tanh"
+activation = "silu"
 loss = "mse"
 """,
 }
