@@ -1,7 +1,8 @@
 // Small unit tests of the pieces under the MLP: activation derivatives (central finite
-// differences in double, tolerance 2e-3 relative: float forward), option parsing, the
-// optimizer's state layout, and that a training step allocates nothing (Kokkos
-// allocation callbacks counted over steps 2 and 3, after the first step warmed up).
+// differences in double, tolerance 2e-3 relative: float forward), silu, sigmoid and gelu_erf
+// against float64 references (tolerances at the test) and their 16-bit rounding, option parsing,
+// the optimizer's state layout, and that a training step allocates nothing (Kokkos allocation
+// callbacks counted over steps 2 and 3, after the first step warmed up).
 
 #include <gtest/gtest.h>
 #include <mpi.h>
