@@ -9,6 +9,12 @@ meshtrain_add_test(NAME train_memory_test SOURCES train/memory_test.cpp
 # a one-rank run; train()'s events, save and an exact resume; agreed bad input.
 meshtrain_add_test(NAME train_training_run_test SOURCES train/training_run_test.cpp
                    LIBS meshtrain_run NP 1 2 4 TIMEOUT 120 EMULATED)
+# Normalization kept with the model and checkpoint.init_from (issue 26, items 4 and 5): the
+# statistics against a float64 reference and bit for bit on dp, fsdp, tp and fsdp x tp; the
+# model sees (x - mean) / std; the statistics survive save and resume; init_from onto another
+# mesh; the scale warning; normalize_targets with cross_entropy refused.
+meshtrain_add_test(NAME train_normalization_test SOURCES train/normalization_test.cpp
+                   LIBS meshtrain_run NP 1 2 4 TIMEOUT 120 EMULATED)
 # train()'s saves: synchronous ones are reported; an agreed error (a diverging loss)
 # completes the save in flight, so `latest` names the last good state.
 meshtrain_add_test(NAME train_save_events_test SOURCES train/save_events_test.cpp

@@ -22,11 +22,12 @@ struct Moments {
   explicit Moments(int64_t width = 0)
       : mean(static_cast<size_t>(width), 0.0), m2(static_cast<size_t>(width), 0.0) {}
 
-  // Welford: one row, in order.
-  void add_row(const float* row) {
+  // Welford: one row, in order, shifted by `shift` (the first row: exact in float64, and it
+  // keeps a feature far from 0 with a small spread as well conditioned as one near 0).
+  void add_row(const float* row, const double* shift) {
     count += 1.0;
     for (size_t c = 0; c < mean.size(); ++c) {
-      const double x = row[c];
+      const double x = static_cast<double>(row[c]) - shift[c];
       const double delta = x - mean[c];
       mean[c] += delta / count;
       m2[c] += delta * (x - mean[c]);
@@ -65,9 +66,10 @@ struct Moments {
 };
 
 // mean and population std; a constant column gets std 1 (and is listed).
-void finish(const Moments& m, std::vector<double>& mean, std::vector<double>& std_dev,
-            std::vector<int64_t>& constant) {
-  mean = m.mean;
+void finish(const Moments& m, const std::vector<double>& shift, std::vector<double>& mean,
+            std::vector<double>& std_dev, std::vector<int64_t>& constant) {
+  mean.resize(m.mean.size());
+  for (size_t c = 0; c < mean.size(); ++c) mean[c] = shift[c] + m.mean[c];
   std_dev.resize(m.m2.size());
   for (size_t c = 0; c < m.m2.size(); ++c) {
     const double variance = m.m2[c] / m.count;
@@ -121,6 +123,17 @@ NormalizationStats compute_normalization(RowSource& source, bool inputs, bool ta
   std::vector<double> mine(static_cast<size_t>(partial));
   std::vector<double> all(static_cast<size_t>(partial * size));
   Moments in_total(features), out_total(outputs);
+  // The shift: the first row, read by every rank (the same values everywhere).
+  std::vector<double> in_shift(static_cast<size_t>(features)),
+      out_shift(static_cast<size_t>(outputs));
+  on_every_rank(comm, [&] {
+    const int64_t first_row = 0;
+    source.read(&first_row, 1,
+                RowBuffers{x.data(), labels.empty() ? nullptr : labels.data(),
+                           y.empty() ? nullptr : y.data()});
+    for (int64_t c = 0; c < features; ++c) in_shift[c] = x[c];
+    for (int64_t o = 0; o < outputs; ++o) out_shift[o] = y[o];
+  });
 
   for (int64_t first = 0; first < blocks; first += size) {
     // Round: block first + rank on this rank (or none past the end), read and summed alone.
@@ -133,11 +146,11 @@ NormalizationStats compute_normalization(RowSource& source, bool inputs, bool ta
         const int64_t count = std::min(chunk, end - at);
         for (int64_t r = 0; r < count; ++r) rows[static_cast<size_t>(r)] = at + r;
         RowBuffers buffers{x.data(), labels.empty() ? nullptr : labels.data(),
-                           shape.classification() ? nullptr : (y.empty() ? nullptr : y.data())};
+                           y.empty() ? nullptr : y.data()};
         source.read(rows.data(), count, buffers);
         for (int64_t r = 0; r < count; ++r) {
-          if (inputs) in.add_row(x.data() + r * shape.features);
-          if (targets) out.add_row(y.data() + r * outputs);
+          if (inputs) in.add_row(x.data() + r * shape.features, in_shift.data());
+          if (targets) out.add_row(y.data() + r * outputs, out_shift.data());
         }
       }
       // [count, input means, target means, input m2, target m2]: one Moments of width
@@ -179,11 +192,11 @@ NormalizationStats compute_normalization(RowSource& source, bool inputs, bool ta
 
   NormalizationStats stats;
   if (inputs) {
-    finish(in_total, stats.normalization.input_mean, stats.normalization.input_std,
+    finish(in_total, in_shift, stats.normalization.input_mean, stats.normalization.input_std,
            stats.constant_inputs);
   }
   if (targets) {
-    finish(out_total, stats.normalization.target_mean, stats.normalization.target_std,
+    finish(out_total, out_shift, stats.normalization.target_mean, stats.normalization.target_std,
            stats.constant_targets);
   }
   return stats;

@@ -8,7 +8,9 @@
 // sums it in float64 in row order (Welford: mean and the sum of squared deviations from it,
 // sound for features far from 0 with a small spread); every rank then folds the blocks'
 // partials in block order (Chan et al.'s pairwise update), exchanged by one all-gather per P
-// blocks. So the result depends on the rows alone, never on P.
+// blocks. So the result depends on the rows alone, never on P. Every value is taken relative
+// to the first row (exact in float64), so a feature at 1e4 with a spread of 1e-3 is summed as
+// accurately as one near 0 (about 1e-15 relative on its std, against 1e-10 unshifted).
 
 #include <mpi.h>
 
