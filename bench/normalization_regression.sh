@@ -58,7 +58,7 @@ np.savez(f"{work}/stats.npz", mean_x=mean_x, std_x=std_x, mean_y=mean_y, std_y=s
 PY
 
 run() {  # NAME DATA NORMALIZE
-  "$mpirun" -np "$np" "$meshtrain" train configs/fashion_mnist_dp.toml \
+  $mpirun -np "$np" "$meshtrain" train configs/fashion_mnist_dp.toml \
     --set data.source=hdf5 --set "data.path=$work/$2_train.h5" \
     --set "data.test_path=$work/$2_test.h5" --set "model.sizes=[16, 128, 128, 3]" \
     --set model.activation=tanh --set model.loss=mse --set model.init=xavier_uniform \

@@ -258,7 +258,15 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   // and statistics (init_from), or the initializer and fresh statistics.
   if (config_.checkpoint.resume) resume();
   if (!resumed_from_ && !config_.checkpoint.init_from.empty()) {
-    load_model(config_.checkpoint.init_from);
+    try {
+      initialized_from_ = load_model(config_.checkpoint.init_from);
+    } catch (const AgreedError& e) {
+      // The same error on every rank: each adds the key that named the checkpoint.
+      throw AgreedError(Error(e.kind(),
+                              detail::concat(config_.file, ": checkpoint.init_from = '",
+                                             config_.checkpoint.init_from, "': ", e.what()),
+                              e.file(), e.line()));
+    }
   } else if (!resumed_from_) {
     compute_statistics();
   }

@@ -181,6 +181,9 @@ class TrainingRun {
   // checkpoint stores (framework/io/normalization.hpp): an empty side is not normalized. The
   // same bits on every rank, mesh and world size.
   const Normalization& normalization() const { return normalization_; }
+  // The checkpoint checkpoint.init_from named, once loaded (nullopt otherwise, and when a
+  // checkpoint of the run's own was resumed instead).
+  const std::optional<CheckpointInfo>& initialized_from() const { return initialized_from_; }
   // Collective: loads the parameters and the normalization statistics of the checkpoint at
   // `path` (a .h5 file, a latest/best pointer file, or a checkpoint directory: its latest)
   // into this run, resharded onto its mesh; the optimizer state, the step and the data
@@ -286,6 +289,7 @@ class TrainingRun {
   std::unique_ptr<Checkpointer> checkpointer_;  // the writer (a thread when async)
   int64_t in_flight_step_ = 0;                  // the step of the last checkpoint started
   std::optional<CheckpointInfo> resumed_from_;
+  std::optional<CheckpointInfo> initialized_from_;
   Normalization normalization_;  // applied by the streams, saved in checkpoint_
   std::vector<std::string> warnings_;
   double best_metric_ = std::numeric_limits<double>::quiet_NaN();

@@ -105,6 +105,18 @@ train_error_test(loss_cross_entropy_with_regression_targets 2
   ${_train_configs}/fashion_mnist_dp.toml --set data.source=synthetic --set model.loss=cross_entropy
   --set run.output_dir=${_train_runs}/loss_cross_entropy_with_regression ${_train_small})
 
+# data.normalize_targets = "standard" reads regression targets: with class labels
+# (cross_entropy) it is refused at the key; a checkpoint.init_from that does not exist is
+# refused naming the key (issue 26, items 4 and 5).
+train_error_test(normalize_targets_with_class_labels 2
+  "^meshtrain: error: .*\\[data\\] normalize_targets = .standard. needs regression targets"
+  ${_train_configs}/fashion_mnist_dp.toml --set data.normalize_targets=standard
+  --set run.output_dir=${_train_runs}/normalize_targets_with_class_labels ${_train_small})
+train_error_test(init_from_missing 2
+  "^meshtrain: error: .*checkpoint\\.init_from = '/nonexistent/checkpoints'.*does not exist"
+  ${_train_configs}/fashion_mnist_dp.toml --set checkpoint.init_from=/nonexistent/checkpoints
+  --set run.output_dir=${_train_runs}/init_from_missing ${_train_small})
+
 # `train` needs a training length, `plan` does not (issue 9, bug 9): one sentence naming
 # [train], exit 2.
 train_error_test(without_train_section 2

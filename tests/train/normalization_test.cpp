@@ -260,7 +260,8 @@ TEST(Normalization, TheModelSeesStandardizedBatches) {
       for (int64_t s = 0; s < d->num_samples; ++s) {
         for (int64_t c = 0; c < kFeatures; ++c) {
           float& x = d->inputs[s * kFeatures + c];
-          x = static_cast<float>((static_cast<double>(x) - stats.input_mean[c]) / stats.input_std[c]);
+          x = static_cast<float>((static_cast<double>(x) - stats.input_mean[c]) /
+                                 stats.input_std[c]);
         }
         for (int64_t o = 0; o < kTargets; ++o) {
           float& y = d->targets[s * kTargets + o];
@@ -365,6 +366,9 @@ TEST(Normalization, InitFromStartsANewRunOnAnotherMesh) {
     TrainingRun run(tuned, {}, regression_data(/*seed=*/99));
     EXPECT_EQ(run.steps_done(), 0);
     EXPECT_FALSE(run.resumed_from().has_value());
+    ASSERT_TRUE(run.initialized_from().has_value());
+    EXPECT_EQ(run.initialized_from()->path, source_file);
+    EXPECT_EQ(run.initialized_from()->train_state.step, 4);
     EXPECT_EQ(run.optimizer().step_count(), 0);
     expect_on_every_rank(same_bits(run.normalization(), source_stats),
                          "init_from takes the source's statistics");
@@ -390,6 +394,7 @@ TEST(Normalization, InitFromStartsANewRunOnAnotherMesh) {
   ASSERT_TRUE(again.resumed_from().has_value());
   EXPECT_EQ(again.steps_done(), 2);
   EXPECT_NE(again.resumed_from()->path.find("/tuned/"), std::string::npos);
+  EXPECT_FALSE(again.initialized_from().has_value());
 
   // A model of another shape: one sentence naming the parameter and both shapes.
   RunConfig wider = tuned;
@@ -398,6 +403,7 @@ TEST(Normalization, InitFromStartsANewRunOnAnotherMesh) {
   wider.model.sizes = {kFeatures, 32, kTargets};
   std::string message =
       expect_agreed([&] { TrainingRun run(wider, {}, regression_data()); }, ErrorKind::bad_input);
+  EXPECT_NE(message.find("checkpoint.init_from"), std::string::npos) << message;
   EXPECT_NE(message.find("layers/0/weight"), std::string::npos) << message;
   EXPECT_NE(message.find("[8, 16]"), std::string::npos) << message;
   EXPECT_NE(message.find("[8, 32]"), std::string::npos) << message;
@@ -470,7 +476,10 @@ TEST(Normalization, StandardizedTargetsNeedRegression) {
   labels.labels.assign(64, 1);
   config.model.loss = std::nullopt;  // resolved from the data: cross_entropy
   const std::string message = expect_agreed(
-      [&] { TrainingRun run(config, {}, RunData{labels, Dataset{}}); }, ErrorKind::bad_input);
+      [&] {
+        TrainingRun run(config, {}, RunData{labels, Dataset{}});
+      },
+      ErrorKind::bad_input);
   EXPECT_NE(message.find("data.normalize_targets"), std::string::npos) << message;
 }
 
