@@ -103,7 +103,8 @@ int64_t check_data(const RunConfig& config, const std::string& checkpoint) {
   return shape.num_samples;
 }
 
-// The run's config: the checkpoint's, on --data, resuming nothing. The evaluation batch stays
+// The run's config: the checkpoint's, on --data, initialized from the checkpoint (nothing
+// resumed). The evaluation batch stays
 // the checkpoint config's; the training batch too, unless the data has fewer rows (the run
 // schedules a training set of the data's rows): then one row per batch shard.
 RunConfig evaluation_config(const Checkpoint& checkpoint, const EvaluateArgs& args, int world) {
@@ -113,6 +114,10 @@ RunConfig evaluation_config(const Checkpoint& checkpoint, const EvaluateArgs& ar
   config.data.test_path = args.data;
   config.data.shuffle = ShuffleMode::none;  // the training order is never used
   config.checkpoint.resume = false;
+  // The run starts from the checkpoint's parameters and normalization statistics
+  // (TrainingRun::load_model at set-up): no statistics pass over --data, and a stored
+  // init_from (the run it was fine-tuned from, perhaps gone by now) is not read.
+  config.checkpoint.init_from = checkpoint.file;
   config.train.accumulation_steps = 1;
   std::optional<Mesh> resolved;
   try {
@@ -260,7 +265,6 @@ int evaluate_command(const EvaluateArgs& args) try {
   on_every_rank(MPI_COMM_WORLD, [&] { config = evaluation_config(checkpoint, args, world); });
 
   TrainingRun run(*config);
-  run.load_model(checkpoint.file);
   EvalEvent event = run.evaluate();
   event.step = checkpoint.info.train_state.step;  // the model's step (the run did none)
   on_every_rank(MPI_COMM_WORLD, [&] {

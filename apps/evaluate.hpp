@@ -4,7 +4,8 @@
 //
 // It is a TrainingRun of the checkpoint's stored config with data.test_path = --data (and
 // data.path too: the run needs a training set's shape), nothing resumed and nothing written,
-// the parameters loaded with TrainingRun::load_model and one TrainingRun::evaluate(): so on
+// checkpoint.init_from = the checkpoint (TrainingRun::load_model at set-up: its parameters
+// and normalization statistics, resharded) and one TrainingRun::evaluate(): so on
 // the checkpoint config's mesh and evaluation batch (the defaults) it gives the run's own
 // last evaluation to the bit. --set may change only what does not change the model or the
 // data's meaning: mesh.*, partition.*, runtime.*, mixed_precision.* and data.batch_size,

@@ -8,6 +8,10 @@
 //   /opt_state/<slot>/<name> the same for each optimizer slot ("m", "v", "momentum")
 //   /train_state            group; attributes step, epoch, batch_in_epoch, seed,
 //                           rng_offset, optimizer_step, data_order
+//   /normalization/...      float64 statistics of data.normalize_inputs / normalize_targets
+//                           with a crc32 attribute each (normalization.hpp; absent when off).
+//                           Written whole by rank 0 with the structure; read with
+//                           read_normalization, not by load_checkpoint
 //
 // A rank-0 (scalar) tensor is stored as shape [1] with attribute scalar = 1. A flipped byte
 // fails the dataset's CRC-32 on load and in verify_checkpoint. Of the ranks holding the same
@@ -52,6 +56,7 @@
 #include <vector>
 
 #include "framework/core/sharded_tensor.hpp"
+#include "framework/io/normalization.hpp"
 #include "partition/mesh.hpp"
 
 namespace meshtrain {
@@ -101,6 +106,7 @@ struct CheckpointContents {
   std::string config_text;  // the run's TOML text (saved; not changed by a load)
   std::vector<ShardedTensor> params;
   std::vector<OptimizerSlot> opt_state;
+  Normalization normalization;  // saved under /normalization (none: no group)
 };
 
 // What a load found besides the tensors.
