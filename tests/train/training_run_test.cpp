@@ -208,6 +208,41 @@ TEST(TrainingRun, LoadModelOntoAnyMeshEvaluatesAlike) {
   if (world_rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// With data.normalize_targets the model trains on standardized targets: the test loss stays
+// in those units while MSE and MAE are the data's (each output's std^2 and std times the
+// standardized ones), so sum_j MSE_j / std_j^2 is the loss; R^2 is the same in both. On dp,
+// fsdp and tp meshes, against the one-rank run.
+TEST(TrainingRun, EvaluationMetricsAreInTheDataUnits) {
+  const int n = world_size();
+  const auto normalized = [](RunConfig config) {
+    config.data.normalize_inputs = Normalize::standard;
+    config.data.normalize_targets = Normalize::standard;
+    return config;
+  };
+  TrainingRun one(normalized(small_config({{"dp", 1}}, "dp")), {}, std::nullopt, MPI_COMM_SELF);
+  for (int s = 0; s < 4; ++s) one.step();
+  const EvalEvent reference = one.evaluate();
+  for (const auto& [preset, axes] :
+       std::vector<std::pair<std::string, std::vector<std::pair<std::string, int>>>>{
+           {"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}, {"tp", {{"tp", n}}}}) {
+    SCOPED_TRACE(preset);
+    TrainingRun run(normalized(small_config(axes, preset)));
+    for (int s = 0; s < 4; ++s) run.step();
+    const EvalEvent eval = run.evaluate();
+    const std::vector<double>& sd = run.normalization().target_std;
+    ASSERT_EQ(sd.size(), eval.test_mse_per_output.size());
+    double loss = 0.0;
+    bool scaled = false;  // some output's std is far from 1: the units matter
+    for (size_t j = 0; j < sd.size(); ++j) {
+      loss += eval.test_mse_per_output[j] / (sd[j] * sd[j]);
+      scaled = scaled || std::abs(sd[j] - 1.0) > 0.1;
+    }
+    EXPECT_TRUE(scaled);
+    EXPECT_NEAR(loss, eval.test_loss, 1e-6 * eval.test_loss);
+    expect_regression_metrics_like(eval, reference);
+  }
+}
+
 struct MeshCase {
   std::string preset;
   std::vector<std::pair<std::string, int>> axes;
