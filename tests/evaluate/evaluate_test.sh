@@ -6,12 +6,14 @@
 # CASE matches_training: for each mesh of the world size (np 1: dp; np 2: tp, fsdp, and an
 #   MoE model on ep = 2 (classification only); np 4: fsdp x tp, dp), a classification run (12 classes: top-5, per class; 100 test rows, so the
 #   last batch is padded) and a regression run (4 outputs, targets near 100; an evaluation
-#   batch of its own and a test file of 20 rows, fewer than the training batch) are trained
+#   batch of its own, normalized inputs and targets, and a test file of 20 rows, fewer than
+#   the training batch) are trained
 #   to their end with `meshtrain train`; `meshtrain evaluate` of the checkpoint (the
 #   directory, the file, the latest pointer) on the test file then prints JSON (--json FILE,
 #   --json -) equal to the run's last eval line of metrics.jsonl in every field; on another
 #   mesh of the same ranks (np 2: fsdp instead of tp; np 4: tp = 4 instead of fsdp x tp) to
-#   float rounding.
+#   float rounding. At np 1 also a run fine-tuned from the first (checkpoint.init_from),
+#   evaluated after its origin was deleted.
 # CASE bad_input: an unknown checkpoint, data of another feature count, float labels under
 #   cross_entropy and a --set that changes the model each end with one "meshtrain: error"
 #   sentence and exit 2, leaving no --json file behind.
@@ -36,7 +38,9 @@ config() {
   if [ "$c_kind" = classification ]; then
     sizes="[16, 24, 12]" loss=cross_entropy eval_batch=""
   else
-    sizes="[16, 24, 4]" loss=mse eval_batch="eval_batch_size = 24"
+    sizes="[16, 24, 4]" loss=mse eval_batch="eval_batch_size = 24
+normalize_inputs = \"standard\"
+normalize_targets = \"standard\""
   fi
   moe=""
   if [ "$c_preset" = moe ]; then  # an MoE layer (4 experts, top 2) with its experts on ep
@@ -196,6 +200,25 @@ EOF
     done
     other=""
   done
+  if [ "$np" = 1 ]; then
+    # A fine-tuned run (checkpoint.init_from) whose origin is gone by now evaluates too: its
+    # stored init_from is not read.
+    origin="$work/classification-dp/checkpoints"
+    run="$work/fine-tuned"
+    mkdir -p "$run"
+    config_file="$run/config.toml"
+    {
+      config classification dp "dp = 1" "$run" | sed 's/^steps = 16/steps = 4/'
+      echo "init_from = \"$origin\""
+    } >"$config_file"
+    train "$@"
+    rm -rf "$origin"
+    last_eval=$(grep '"event":"eval"' "$run/metrics.jsonl" | tail -n 1)
+    "$@" "$meshtrain" evaluate "$run/checkpoints" --data "$work/test_classification.h5" \
+      --json "$run/evaluate.json" >"$run/evaluate.log" 2>&1 ||
+      { cat "$run/evaluate.log" >&2; fail "evaluate of the fine-tuned run failed"; }
+    same_json "$last_eval" "$run/evaluate.json" classification
+  fi
 }
 
 bad_input() {
