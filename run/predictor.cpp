@@ -65,6 +65,11 @@ Kokkos::View<double*, Kokkos::LayoutRight> device_doubles(const std::vector<doub
 
 }  // namespace
 
+const std::string& predictor_detail::copy_rows_label() {
+  static const std::string label = "meshtrain::predictor_copy_rows";
+  return label;
+}
+
 void check_prediction_overrides(const std::vector<std::string>& overrides) {
   static const char* const kSections[] = {"mesh", "partition", "runtime", "mixed_precision"};
   static const char* const kDataKeys[] = {"data.batch_size", "data.eval_batch_size", "data.x_key",
@@ -89,6 +94,7 @@ void check_prediction_overrides(const std::vector<std::string>& overrides) {
 Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,
                      const std::vector<std::string>& overrides, MPI_Comm comm)
     : comm_(comm) {
+  predictor_detail::copy_rows_label();
   int rank = 0, world_size = 1;
   check_mpi(MPI_Comm_rank(comm_, &rank), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(comm_, &world_size), "MPI_Comm_size");
@@ -144,7 +150,13 @@ Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,
       mesh_ = config_.mesh.resolve(world_size);
     } catch (const Error& e) {
       if (overrides_section(overrides, "mesh")) throw;
-      config_.mesh.axes = {{"dp", world_size}};
+      // Every axis of the config's mesh stays (the partition rules may name it), at size 1.
+      bool has_dp = false;
+      for (auto& [name, size] : config_.mesh.axes) {
+        size = name == "dp" ? world_size : 1;
+        has_dp = has_dp || name == "dp";
+      }
+      if (!has_dp) config_.mesh.axes.insert(config_.mesh.axes.begin(), {"dp", world_size});
       mesh_ = config_.mesh.resolve(world_size);
       mesh_note_ = detail::concat("the checkpoint's mesh does not fit ", world_size,
                                   " ranks (", e.what(), "): predicting on dp = ", world_size);

@@ -164,13 +164,17 @@ class Predictor {
 
 namespace predictor_detail {
 
+// The copy kernels' label, made once by the Predictor's constructor (a label made at a
+// template's first call would be a heap allocation inside a predict() call).
+const std::string& copy_rows_label();
+
 // dst(i, j) = src(i, j) for i < rows, j < cols, on `Space` (which reaches both views).
 template <class Space, class Dst, class Src>
 void copy_rows(const Dst& dst, const Src& src, int64_t rows, int64_t cols) {
   if (rows == 0 || cols == 0) return;
   using Value = typename Dst::non_const_value_type;
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::predictor_copy_rows"),
+      copy_rows_label(),
       Kokkos::MDRangePolicy<Space, Kokkos::Rank<2>>({0, 0}, {rows, cols}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) = static_cast<Value>(src(i, j)); });
   Space().fence();
