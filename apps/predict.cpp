@@ -75,8 +75,8 @@ OutputLayout create_output(const std::string& tmp, const Predictor& predictor, i
   Handle fapl = hdf5::make(H5Pcreate(H5P_FILE_ACCESS), H5Pclose, fail, "H5Pcreate(file access)");
   hdf5::check(H5Pset_libver_bounds(fapl, H5F_LIBVER_V18, H5F_LIBVER_V18), fail,
               "H5Pset_libver_bounds");
-  Handle file = hdf5::make(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), H5Fclose,
-                           fail, "cannot create " + where);
+  Handle file = hdf5::make(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), H5Fclose, fail,
+                           "cannot create " + where);
   hdf5::write_attribute(file, "checkpoint", predictor.checkpoint_path());
   hdf5::write_attribute(file, "step", predictor.step());
   hdf5::write_attribute(file, "model", predictor.model_description());
@@ -159,10 +159,10 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
     source = open_hdf5_source(files, 1, source_options);
     const DataShape& shape = source->shape();
     if (shape.features != predictor.inputs()) {
-      MESHTRAIN_BAD_INPUT("input file '", files.front(), "': dataset ", source_options.x_name,
-                          " has ", shape.features, " features per row but the model of checkpoint '",
-                          predictor.checkpoint_path(), "' takes ", predictor.inputs(),
-                          " (model.sizes[0])");
+      MESHTRAIN_BAD_INPUT(
+          "input file '", files.front(), "': dataset ", source_options.x_name, " has ",
+          shape.features, " features per row but the model of checkpoint '",
+          predictor.checkpoint_path(), "' takes ", predictor.inputs(), " (model.sizes[0])");
     }
   });
   const int64_t total = source->shape().num_samples;
@@ -213,11 +213,12 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
     }
   });
 
-  BatchStream stream(*source, rows,
-                     [&](int64_t seq, int64_t* samples) {
-                       return eval_slice_samples(schedule, seq, slice, samples);
-                     },
-                     predictor.config().data.prefetch);
+  BatchStream stream(
+      *source, rows,
+      [&](int64_t seq, int64_t* samples) {
+        return eval_slice_samples(schedule, seq, slice, samples);
+      },
+      predictor.config().data.prefetch);
   Matrix x("meshtrain::predict_batch", rows, predictor.inputs());
   const auto start = Clock::now();
   auto last_print = start;
@@ -242,9 +243,9 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
       host.rows = valid;
       done = std::min(total, (b + 1) * schedule.global_batch);
       const auto now = Clock::now();
-      if (rank0 && (std::chrono::duration<double>(now - last_print).count() >=
-                        options.progress_seconds ||
-                    b + 1 == schedule.num_batches)) {
+      if (rank0 &&
+          (std::chrono::duration<double>(now - last_print).count() >= options.progress_seconds ||
+           b + 1 == schedule.num_batches)) {
         const double elapsed = std::chrono::duration<double>(now - start).count();
         const double rate = elapsed > 0 ? done / elapsed : 0.0;
         std::printf("predict: %lld/%lld rows (%.1f%%), %.0f rows/s, ETA %s\n",

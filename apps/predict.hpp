@@ -10,10 +10,10 @@
 namespace meshtrain {
 
 struct PredictOptions {
-  std::string checkpoint;           // a file, a latest/best pointer or a checkpoint directory
-  std::vector<std::string> inputs;  // HDF5 files or globs (as data.path)
-  std::string output;               // FILE.h5: written as FILE.h5.tmp, renamed when complete
-  bool overwrite = false;           // replace an existing output
+  std::string checkpoint;              // a file, a latest/best pointer or a checkpoint directory
+  std::vector<std::string> inputs;     // HDF5 files or globs (as data.path)
+  std::string output;                  // FILE.h5: written as FILE.h5.tmp, renamed when complete
+  bool overwrite = false;              // replace an existing output
   std::vector<std::string> overrides;  // --set: only keys that do not change the model
   int64_t batch_size = 0;              // global rows per batch; 0: the checkpoint's
   double progress_seconds = 2.0;       // rank 0 prints a progress line this often

@@ -72,9 +72,9 @@ const std::string& predictor_detail::copy_rows_label() {
 
 void check_prediction_overrides(const std::vector<std::string>& overrides) {
   static const char* const kSections[] = {"mesh", "partition", "runtime", "mixed_precision"};
-  static const char* const kDataKeys[] = {"data.batch_size", "data.eval_batch_size", "data.x_key",
-                                          "data.y_key",      "data.path",            "data.test_path",
-                                          "data.prefetch"};
+  static const char* const kDataKeys[] = {
+      "data.batch_size", "data.eval_batch_size", "data.x_key",   "data.y_key",
+      "data.path",       "data.test_path",       "data.prefetch"};
   for (const std::string& text : overrides) {
     const std::string key = override_key(text);
     if (key.empty()) continue;  // parse_config names the malformed override
@@ -158,8 +158,8 @@ Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,
       }
       if (!has_dp) config_.mesh.axes.insert(config_.mesh.axes.begin(), {"dp", world_size});
       mesh_ = config_.mesh.resolve(world_size);
-      mesh_note_ = detail::concat("the checkpoint's mesh does not fit ", world_size,
-                                  " ranks (", e.what(), "): predicting on dp = ", world_size);
+      mesh_note_ = detail::concat("the checkpoint's mesh does not fit ", world_size, " ranks (",
+                                  e.what(), "): predicting on dp = ", world_size);
     }
     // Rows per call: the batch axes must divide them.
     PlanOptions options = plan_options(config_);
@@ -295,7 +295,8 @@ Prediction Predictor::run(int64_t rows) {
           }
           const double top = output(i, best);
           double sum = 0.0;
-          for (int64_t j = 0; j < out; ++j) sum += kmath::exp(static_cast<double>(output(i, j)) - top);
+          for (int64_t j = 0; j < out; ++j)
+            sum += kmath::exp(static_cast<double>(output(i, j)) - top);
           for (int64_t j = 0; j < out; ++j) {
             probabilities(i, j) =
                 static_cast<float>(kmath::exp(static_cast<double>(output(i, j)) - top) / sum);
@@ -326,9 +327,8 @@ std::string Predictor::model_description() const {
 
 std::vector<std::string> Predictor::describe() const {
   std::vector<std::string> lines;
-  lines.push_back(detail::concat("checkpoint ", path_, " (step ", step_, "): ",
-                                 model_description(), ", ",
-                                 classification_ ? "classification" : "regression"));
+  lines.push_back(detail::concat("checkpoint ", path_, " (step ", step_, "): ", model_description(),
+                                 ", ", classification_ ? "classification" : "regression"));
   lines.push_back(detail::concat("  ", mesh_->world_size(), " ranks, mesh ",
                                  mesh_->short_description(), ", batch ", slice_.global_batch, " (",
                                  slice_.rows, " rows per rank), compute ",

@@ -74,9 +74,9 @@ using ConstClassView =
 // a CUDA build), valid until the next call: rows [0, rows) of this rank.
 struct Prediction {
   int64_t rows = 0;
-  ConstMatrixView outputs;  // [rows, outputs()]: regression outputs in the targets' units, or
-                            // the logits of a classifier
-  ConstClassView classes;   // [rows] argmax class (lowest index on ties); classification only
+  ConstMatrixView outputs;        // [rows, outputs()]: regression outputs in the targets' units, or
+                                  // the logits of a classifier
+  ConstClassView classes;         // [rows] argmax class (lowest index on ties); classification only
   ConstMatrixView probabilities;  // [rows, outputs()] softmax of the logits; classification only
 };
 
@@ -150,11 +150,11 @@ class Predictor {
   std::unique_ptr<Mlp> model_;
   std::unique_ptr<WholeOutputRows> whole_rows_;
 
-  Matrix x_;            // [local_rows, inputs]: the model's input
-  HostMatrix x_host_;   // its host copy (x_ itself where memory is shared)
-  Matrix output_;       // [local_rows, outputs]: user units / logits
+  Matrix x_;           // [local_rows, inputs]: the model's input
+  HostMatrix x_host_;  // its host copy (x_ itself where memory is shared)
+  Matrix output_;      // [local_rows, outputs]: user units / logits
   HostMatrix output_host_;
-  ClassView classes_;   // [local_rows] (classification)
+  ClassView classes_;     // [local_rows] (classification)
   Matrix probabilities_;  // [local_rows, outputs] (classification)
   Kokkos::View<double*, Kokkos::LayoutRight> input_mean_, input_std_;    // empty: none
   Kokkos::View<double*, Kokkos::LayoutRight> target_mean_, target_std_;  // empty: none
@@ -174,9 +174,10 @@ void copy_rows(const Dst& dst, const Src& src, int64_t rows, int64_t cols) {
   if (rows == 0 || cols == 0) return;
   using Value = typename Dst::non_const_value_type;
   Kokkos::parallel_for(
-      copy_rows_label(),
-      Kokkos::MDRangePolicy<Space, Kokkos::Rank<2>>({0, 0}, {rows, cols}),
-      KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) = static_cast<Value>(src(i, j)); });
+      copy_rows_label(), Kokkos::MDRangePolicy<Space, Kokkos::Rank<2>>({0, 0}, {rows, cols}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        dst(i, j) = static_cast<Value>(src(i, j));
+      });
   Space().fence();
 }
 
@@ -192,10 +193,10 @@ constexpr void check_view_type() {
   static_assert(View::rank == 2, "Predictor: inputs and outputs are 2-D views [rows, columns]");
   static_assert(std::is_arithmetic<typename View::non_const_value_type>::value,
                 "Predictor: views must hold numbers");
-  static_assert(on_device<View>() ||
-                    Kokkos::SpaceAccessibility<Kokkos::DefaultHostExecutionSpace,
-                                               typename View::memory_space>::accessible,
-                "Predictor: views must be in host memory or in the default memory space");
+  static_assert(
+      on_device<View>() || Kokkos::SpaceAccessibility<Kokkos::DefaultHostExecutionSpace,
+                                                      typename View::memory_space>::accessible,
+      "Predictor: views must be in host memory or in the default memory space");
 }
 
 }  // namespace predictor_detail
@@ -220,9 +221,8 @@ int64_t Predictor::predict(const InputView& x, const OutputView& y) {
   predictor_detail::check_view_type<OutputView>();
   if (static_cast<int64_t>(y.extent(0)) < static_cast<int64_t>(x.extent(0)) ||
       static_cast<int64_t>(y.extent(1)) != outputs()) {
-    MESHTRAIN_BAD_INPUT("Predictor::predict: the output view is [", y.extent(0), ", ",
-                        y.extent(1), "] but ", x.extent(0), " rows of ", outputs(),
-                        " outputs are asked for");
+    MESHTRAIN_BAD_INPUT("Predictor::predict: the output view is [", y.extent(0), ", ", y.extent(1),
+                        "] but ", x.extent(0), " rows of ", outputs(), " outputs are asked for");
   }
   const Prediction result = predict(x);
   if constexpr (predictor_detail::on_device<OutputView>()) {

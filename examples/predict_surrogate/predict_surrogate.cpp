@@ -41,7 +41,8 @@ int main(int argc, char** argv) {
     Kokkos::parallel_for(
         "initial_state", Kokkos::MDRangePolicy<Kokkos::Rank<2>>({0, 0}, {cells, width}),
         KOKKOS_LAMBDA(const int64_t c, const int64_t j) {
-          state(c, j) = static_cast<float>(meshtrain::kmath::sin(0.1 * (rank * cells + c) + 0.7 * j));
+          state(c, j) =
+              static_cast<float>(meshtrain::kmath::sin(0.1 * (rank * cells + c) + 0.7 * j));
         });
 
     for (int step = 1; step <= steps; ++step) {

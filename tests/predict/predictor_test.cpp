@@ -49,12 +49,24 @@ void count_kokkos(Kokkos::Profiling::SpaceHandle, const char*, const void*, uint
 }
 }  // namespace
 
-void* operator new(std::size_t bytes) { return counted_allocate(bytes); }
-void* operator new[](std::size_t bytes) { return counted_allocate(bytes); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void* operator new(std::size_t bytes) {
+  return counted_allocate(bytes);
+}
+void* operator new[](std::size_t bytes) {
+  return counted_allocate(bytes);
+}
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::size_t) noexcept {
+  std::free(p);
+}
 
 namespace meshtrain {
 namespace {
@@ -74,9 +86,12 @@ struct ModelCase {
 
 ModelCase model_case(ModelKind kind) {
   switch (kind) {
-    case ModelKind::classifier: return {kind, {8, 16, 16, 8}, "classifier"};
-    case ModelKind::regressor: return {kind, {8, 16, 8}, "regressor"};
-    case ModelKind::moe: return {kind, {8, 16, 16, 8}, "moe"};
+    case ModelKind::classifier:
+      return {kind, {8, 16, 16, 8}, "classifier"};
+    case ModelKind::regressor:
+      return {kind, {8, 16, 8}, "regressor"};
+    case ModelKind::moe:
+      return {kind, {8, 16, 16, 8}, "moe"};
   }
   return {};
 }
@@ -185,7 +200,8 @@ std::vector<double> reference(const std::string& file, const ModelCase& m,
         const double top = *std::max_element(p.begin(), p.end());
         for (double& v : p) v = std::exp(v - top);
         int64_t first = 0, second = -1;
-        for (int64_t e = 1; e < experts; ++e) if (p[e] > p[first]) first = e;
+        for (int64_t e = 1; e < experts; ++e)
+          if (p[e] > p[first]) first = e;
         for (int64_t e = 0; e < experts; ++e) {
           if (e != first && (second < 0 || p[e] > p[second])) second = e;
         }
@@ -230,10 +246,12 @@ std::vector<double> reference(const std::string& file, const ModelCase& m,
 std::vector<double> softmax(const std::vector<double>& logits, int64_t rows, int64_t width) {
   std::vector<double> p(logits.size());
   for (int64_t s = 0; s < rows; ++s) {
-    const double top = *std::max_element(logits.begin() + s * width, logits.begin() + (s + 1) * width);
+    const double top =
+        *std::max_element(logits.begin() + s * width, logits.begin() + (s + 1) * width);
     double sum = 0.0;
     for (int64_t c = 0; c < width; ++c) sum += std::exp(logits[s * width + c] - top);
-    for (int64_t c = 0; c < width; ++c) p[s * width + c] = std::exp(logits[s * width + c] - top) / sum;
+    for (int64_t c = 0; c < width; ++c)
+      p[s * width + c] = std::exp(logits[s * width + c] - top) / sum;
   }
   return p;
 }
@@ -270,10 +288,12 @@ std::vector<MeshCase> mesh_cases(ModelKind kind) {
       {"tp", {"mesh.dp=1", "mesh.tp=-1", "partition.preset=tp"}},
   };
   if (n % 2 == 0) {
-    cases.push_back({"fsdp_tp", {"mesh.dp=1", "mesh.fsdp=-1", "mesh.tp=2", "partition.preset=fsdp_tp"}});
+    cases.push_back(
+        {"fsdp_tp", {"mesh.dp=1", "mesh.fsdp=-1", "mesh.tp=2", "partition.preset=fsdp_tp"}});
   }
   if (n == 8) {
-    cases.push_back({"fsdp2_tp4", {"mesh.dp=1", "mesh.fsdp=2", "mesh.tp=4", "partition.preset=fsdp_tp"}});
+    cases.push_back(
+        {"fsdp2_tp4", {"mesh.dp=1", "mesh.fsdp=2", "mesh.tp=4", "partition.preset=fsdp_tp"}});
   }
   return cases;
 }
@@ -413,8 +433,8 @@ TEST_F(PredictorTest, AppliesTheCheckpointsNormalization) {
     const auto write = [&](const char* name, const std::vector<double>& v) {
       const hsize_t n = v.size();
       const hid_t space = H5Screate_simple(1, &n, nullptr);
-      const hid_t d = H5Dcreate2(g, name, H5T_IEEE_F64LE, space, H5P_DEFAULT, H5P_DEFAULT,
-                                 H5P_DEFAULT);
+      const hid_t d =
+          H5Dcreate2(g, name, H5T_IEEE_F64LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
       EXPECT_GE(H5Dwrite(d, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()), 0);
       H5Dclose(d);
       H5Sclose(space);
@@ -479,8 +499,9 @@ TEST_F(PredictorTest, AllocatesNothingPerCall) {
   }
 }
 
-// The `meshtrain predict` path: 37 rows in 3 shards (the middle one gzip-chunked), batches
-// of 16 (the last padded), /prediction, /class and /probability in input row order.
+// The `meshtrain predict` path: 37 rows in 3 shards (the middle one gzip-chunked, the last
+// without /y), the inputs at data.x_key = "features", batches of 16 (the last padded);
+// /prediction, /class and /probability in input row order.
 TEST_F(PredictorTest, CommandKeepsRowOrderAcrossShardsAndPadding) {
   const ModelCase m = model_case(ModelKind::classifier);
   const std::vector<float> x = inputs(kRows, m.sizes.front());
@@ -494,7 +515,16 @@ TEST_F(PredictorTest, CommandKeepsRowOrderAcrossShardsAndPadding) {
       const int64_t count = i == 0 ? 13 : 12;
       testing::H5Layout layout;
       layout.chunked = i == 1;
-      testing::write_h5(dir_->file("in-" + std::to_string(i) + ".h5"), data, layout, first, count);
+      layout.x_name = "/features";  // read through data.x_key
+      const std::string file = dir_->file("in-" + std::to_string(i) + ".h5");
+      testing::write_h5(file, data, layout, first, count);
+      if (i == 2) {  // inputs alone: predict needs no labels or targets
+        std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+        const hid_t f = H5Fopen(file.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+        ASSERT_GE(f, 0);
+        ASSERT_GE(H5Ldelete(f, "/y", H5P_DEFAULT), 0);
+        H5Fclose(f);
+      }
     }
   }
   MPI_Barrier(MPI_COMM_WORLD);
@@ -505,6 +535,7 @@ TEST_F(PredictorTest, CommandKeepsRowOrderAcrossShardsAndPadding) {
     options.inputs = {dir_->file("in-0.h5"), dir_->file("in-[12].h5")};  // a file and a glob
     options.output = dir_->file("out-" + mesh.name + ".h5");
     options.overrides = mesh.overrides;
+    options.overrides.push_back("data.x_key=features");
     options.batch_size = kBatch;
     ASSERT_EQ(predict_command(options), 0);
     EXPECT_FALSE(std::filesystem::exists(options.output + ".tmp"));
