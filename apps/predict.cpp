@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <optional>
 
@@ -223,14 +224,31 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
   const auto start = Clock::now();
   auto last_print = start;
   int64_t done = 0;
+  // This rank's first failure since the ranks last agreed; agreeing costs a reduction, so
+  // not every batch.
+  constexpr int64_t kAgreeEvery = 64;
+  std::exception_ptr failed;
+  const auto agree_on_failure = [&] {
+    on_every_rank(MPI_COMM_WORLD, [&] {
+      if (failed) std::rethrow_exception(failed);
+    });
+  };
   try {
     for (int64_t b = 0; b < schedule.num_batches; ++b) {
+      // The previous batch's rows are written, this one's taken. A rank that fails here (a
+      // bad row, a failed write) keeps its first error and takes part in the collective
+      // predictions with no rows until the ranks next agree (every kAgreeEvery batches and at
+      // the end): the output is renamed only after the last agreement.
       int64_t valid = 0;
-      // The previous batch's rows are written while this one is taken: one agreement a batch.
-      on_every_rank(MPI_COMM_WORLD, [&] {
-        write_rows();
+      try {
+        if (!failed) write_rows();
         valid = stream.take(b, x, BatchLabels(), Matrix());
-      });
+      } catch (...) {
+        if (!failed) failed = std::current_exception();
+        valid = 0;
+      }
+      if (failed) valid = 0;
+      if ((b + 1) % kAgreeEvery == 0) agree_on_failure();
       const Prediction p =
           predictor.predict(Kokkos::subview(x, std::make_pair(int64_t{0}, valid), Kokkos::ALL));
       const auto range = std::make_pair(int64_t{0}, valid);
@@ -257,6 +275,7 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
       }
     }
     on_every_rank(MPI_COMM_WORLD, [&] {
+      if (failed) std::rethrow_exception(failed);
       write_rows();
       if (fd >= 0) {
         const int synced = ::fsync(fd);
@@ -280,8 +299,9 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
     }
     tmp_made = false;
   });
+  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  if (options.summary) *options.summary = PredictSummary{total, elapsed};
   if (rank0) {
-    const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
     std::printf("wrote %s: %lld rows in %.2f s (%.0f rows/s)\n", options.output.c_str(),
                 static_cast<long long>(total), elapsed, elapsed > 0 ? total / elapsed : 0.0);
     std::fflush(stdout);

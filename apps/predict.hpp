@@ -9,6 +9,12 @@
 
 namespace meshtrain {
 
+// What a completed predict did (for benchmarks).
+struct PredictSummary {
+  int64_t rows = 0;
+  double seconds = 0.0;  // the batches' loop: reading, predicting and writing, no set-up
+};
+
 struct PredictOptions {
   std::string checkpoint;              // a file, a latest/best pointer or a checkpoint directory
   std::vector<std::string> inputs;     // HDF5 files or globs (as data.path)
@@ -17,6 +23,7 @@ struct PredictOptions {
   std::vector<std::string> overrides;  // --set: only keys that do not change the model
   int64_t batch_size = 0;              // global rows per batch; 0: the checkpoint's
   double progress_seconds = 2.0;       // rank 0 prints a progress line this often
+  PredictSummary* summary = nullptr;    // filled when the output is complete (may be null)
 };
 
 // Collective over MPI_COMM_WORLD. Returns the exit status: 0, or 2 / 1 when an error every

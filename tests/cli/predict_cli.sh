@@ -3,7 +3,8 @@
 #  - predicts at NP ranks over two input files: exit 0, FILE written, no FILE.tmp left;
 #  - refuses an existing output (exit 2, naming it) unless --overwrite (exit 0);
 #  - an input of the wrong width: exit 2 naming the file, the dataset and both widths, and
-#    neither FILE nor FILE.tmp left;
+#    neither FILE nor FILE.tmp left; a NaN input row met while predicting: exit 1 naming it,
+#    nothing left either;
 #  - a model-changing --set: exit 2 naming the key; an unknown checkpoint: exit 2 naming it;
 #  - an output directory that does not exist: exit 2 before any work, naming the output.
 #
@@ -63,6 +64,16 @@ grep -q "input file '$dir/wide.h5': dataset /x has 9 features per row but the mo
   || fail "the width error does not name the file, the dataset and both widths"
 [ -e "$bad" ] && fail "$bad left behind after a failure"
 [ -e "$bad.tmp" ] && fail "$bad.tmp left behind after a failure"
+
+# A row that cannot be read (a NaN in the second file) while predicting: exit 1 naming the
+# file and the row, and neither FILE nor FILE.tmp left.
+"$write" "$dir/nan.h5" 27 8 4 --nan 20 3 || fail "writing nan.h5"
+run "$@" "$meshtrain" predict "$ckpt" --input "$dir/in-1.h5" "$dir/nan.h5" --output "$bad" --batch-size 8 \
+  > /dev/null 2> "$dir/err"
+[ $? -eq 1 ] || fail "a NaN input did not exit 1"
+grep -q "nan.h5': /x\[20, 3\] is nan; inputs must be finite" "$dir/err" || fail "the error does not name the row"
+[ -e "$bad" ] && fail "$bad left behind after a failure while predicting"
+[ -e "$bad.tmp" ] && fail "$bad.tmp left behind after a failure while predicting"
 
 # A model-changing --set, an unknown checkpoint, an unwritable output directory.
 "$meshtrain" predict "$ckpt" --input "$dir/in-1.h5" --output "$bad" --set 'model.sizes=[8, 4]' > /dev/null 2> "$dir/err"
