@@ -63,6 +63,69 @@ Kokkos::View<double*, Kokkos::LayoutRight> device_doubles(const std::vector<doub
   return view;
 }
 
+// The kernels of a prediction, as free functions (CUDA's extended lambdas may not live in a
+// private member function).
+using DoubleView = Kokkos::View<double*, Kokkos::LayoutRight>;
+
+// x rows [first, end) = 0.
+void zero_rows(const Matrix& x, int64_t first) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::predict_pad"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          {first, int64_t{0}},
+          {static_cast<int64_t>(x.extent(0)), static_cast<int64_t>(x.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) { x(i, j) = 0.0f; });
+}
+
+// x = (x - mean) / std per column, in double.
+void standardize(const Matrix& x, const DoubleView& mean, const DoubleView& stddev) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::predict_normalize_inputs"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          {int64_t{0}, int64_t{0}},
+          {static_cast<int64_t>(x.extent(0)), static_cast<int64_t>(x.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        x(i, j) = static_cast<float>((static_cast<double>(x(i, j)) - mean(j)) / stddev(j));
+      });
+}
+
+// out = y * std + mean per column, in double.
+void to_target_units(const MatrixView& y, const DoubleView& mean, const DoubleView& stddev,
+                     const Matrix& out) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::predict_denormalize_outputs"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          {int64_t{0}, int64_t{0}},
+          {static_cast<int64_t>(out.extent(0)), static_cast<int64_t>(out.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        out(i, j) = static_cast<float>(static_cast<double>(y(i, j)) * stddev(j) + mean(j));
+      });
+}
+
+// Per row of logits: the softmax (in double) and the argmax (the lower index on ties).
+void softmax_and_argmax(const Matrix& logits, const Matrix& probabilities,
+                        const ClassView& classes) {
+  const auto width = static_cast<int64_t>(logits.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::predict_softmax"),
+      Kokkos::RangePolicy<>(0, static_cast<int64_t>(logits.extent(0))),
+      KOKKOS_LAMBDA(const int64_t i) {
+        int64_t best = 0;
+        for (int64_t j = 1; j < width; ++j) {
+          if (logits(i, j) > logits(i, best)) best = j;
+        }
+        const double top = logits(i, best);
+        double sum = 0.0;
+        for (int64_t j = 0; j < width; ++j)
+          sum += kmath::exp(static_cast<double>(logits(i, j)) - top);
+        for (int64_t j = 0; j < width; ++j) {
+          probabilities(i, j) =
+              static_cast<float>(kmath::exp(static_cast<double>(logits(i, j)) - top) / sum);
+        }
+        classes(i) = best;
+      });
+}
+
 }  // namespace
 
 const std::string& predictor_detail::copy_rows_label() {
@@ -246,65 +309,21 @@ void Predictor::download_output() {
 }
 
 Prediction Predictor::run(int64_t rows) {
-  const int64_t local = slice_.rows;
-  const int64_t in = inputs(), out = outputs();
-  Matrix x = x_;
-  // Padding rows are zeros (then normalized like any row): computed, never returned.
-  if (rows < local) {
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::predict_pad"),
-        Kokkos::MDRangePolicy<Kokkos::Rank<2>>({rows, int64_t{0}}, {local, in}),
-        KOKKOS_LAMBDA(const int64_t i, const int64_t j) { x(i, j) = 0.0f; });
-  }
-  if (normalization_.inputs()) {
-    const auto mean = input_mean_;
-    const auto stddev = input_std_;
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::predict_normalize_inputs"),
-        Kokkos::MDRangePolicy<Kokkos::Rank<2>>({int64_t{0}, int64_t{0}}, {local, in}),
-        KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-          x(i, j) = static_cast<float>((static_cast<double>(x(i, j)) - mean(j)) / stddev(j));
-        });
-  }
+  if (rows < slice_.rows) zero_rows(x_, rows);  // padding: computed, never returned
+  if (normalization_.inputs()) standardize(x_, input_mean_, input_std_);
   const MatrixView whole = whole_rows_->gather(model_->forward(x_));
-  const Matrix output = output_;
   if (normalization_.targets()) {
-    const auto mean = target_mean_;
-    const auto stddev = target_std_;
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::predict_denormalize_outputs"),
-        Kokkos::MDRangePolicy<Kokkos::Rank<2>>({int64_t{0}, int64_t{0}}, {local, out}),
-        KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-          output(i, j) = static_cast<float>(static_cast<double>(whole(i, j)) * stddev(j) + mean(j));
-        });
+    to_target_units(whole, target_mean_, target_std_, output_);
   } else {
     Kokkos::deep_copy(output_, whole);
   }
   Prediction result;
   result.rows = rows;
-  result.outputs = ConstMatrixView(output_.data(), rows, out);
+  result.outputs = ConstMatrixView(output_.data(), rows, outputs());
   if (classification_) {
-    const ClassView classes = classes_;
-    const Matrix probabilities = probabilities_;
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::predict_softmax"), Kokkos::RangePolicy<>(0, local),
-        KOKKOS_LAMBDA(const int64_t i) {
-          int64_t best = 0;
-          for (int64_t j = 1; j < out; ++j) {
-            if (output(i, j) > output(i, best)) best = j;
-          }
-          const double top = output(i, best);
-          double sum = 0.0;
-          for (int64_t j = 0; j < out; ++j)
-            sum += kmath::exp(static_cast<double>(output(i, j)) - top);
-          for (int64_t j = 0; j < out; ++j) {
-            probabilities(i, j) =
-                static_cast<float>(kmath::exp(static_cast<double>(output(i, j)) - top) / sum);
-          }
-          classes(i) = best;
-        });
+    softmax_and_argmax(output_, probabilities_, classes_);
     result.classes = ConstClassView(classes_.data(), rows);
-    result.probabilities = ConstMatrixView(probabilities_.data(), rows, out);
+    result.probabilities = ConstMatrixView(probabilities_.data(), rows, outputs());
   }
   Kokkos::DefaultExecutionSpace().fence();
   return result;
