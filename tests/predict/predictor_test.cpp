@@ -548,6 +548,42 @@ TEST_F(PredictorTest, CommandKeepsRowOrderAcrossShardsAndPadding) {
   }
 }
 
+// A Predictor on a communicator of its own (each half of the world, or the one rank): the
+// same outputs as the float64 reference, each half predicting all the rows alone.
+TEST_F(PredictorTest, RunsOnAGivenCommunicator) {
+  const ModelCase m = model_case(ModelKind::classifier);
+  const std::vector<float> x = inputs(kRows, m.sizes.front());
+  const std::vector<double> want = reference(checkpoint_file(ModelKind::classifier), m, x, kRows);
+  MPI_Comm half;
+  MPI_Comm_split(MPI_COMM_WORLD, world_rank() % 2, world_rank(), &half);
+  int half_size = 0, half_rank = 0;
+  MPI_Comm_size(half, &half_size);
+  MPI_Comm_rank(half, &half_rank);
+  {
+    Predictor p(checkpoint_dir(ModelKind::classifier), kBatch, {}, half);
+    EXPECT_EQ(p.mesh().world_size(), half_size);
+    std::vector<double> got(want.size(), 0.0);
+    for (int64_t b = 0; b * kBatch < kRows; ++b) {
+      const int64_t first = b * kBatch + p.slice().begin();
+      const int64_t rows = std::clamp<int64_t>(kRows - first, 0, p.local_rows());
+      Kokkos::View<float**, Kokkos::HostSpace> xs("x", rows, p.inputs());
+      Kokkos::View<float**, Kokkos::HostSpace> ys("y", rows, p.outputs());
+      for (int64_t s = 0; s < rows; ++s) {
+        for (int64_t c = 0; c < p.inputs(); ++c) xs(s, c) = x[(first + s) * p.inputs() + c];
+      }
+      p.predict(xs, ys);
+      for (int64_t s = 0; s < rows; ++s) {
+        for (int64_t c = 0; c < p.outputs(); ++c) got[(first + s) * p.outputs() + c] = ys(s, c);
+      }
+    }
+    // dp over the half: every rank's rows are its own; summed over the half they are all.
+    MPI_Allreduce(MPI_IN_PLACE, got.data(), static_cast<int>(got.size()), MPI_DOUBLE, MPI_SUM,
+                  half);
+    expect_close(got, want, "on a communicator of " + std::to_string(half_size) + " ranks");
+  }
+  MPI_Comm_free(&half);
+}
+
 TEST_F(PredictorTest, RefusesModelChangingOverridesAndBadInputs) {
   testing::expect_bad_input(
       [&] { Predictor p(checkpoint_dir(ModelKind::classifier), kBatch, {"model.sizes=[8, 8]"}); },
