@@ -6,6 +6,8 @@
 //   mpirun -np N meshtrain train CONFIG [--hardware FILE] [--set ...]
 //   mpirun -np N meshtrain calibrate [CONFIG] [--out FILE] [--set ...]
 //   meshtrain inspect CHECKPOINT.h5 [--verify]
+//   mpirun -np N meshtrain predict CHECKPOINT --input PATH... --output FILE.h5 [--overwrite]
+//                                   [--set ...] [--batch-size N]
 
 #include <CLI/CLI.hpp>
 
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "apps/calibrate.hpp"
+#include "apps/predict.hpp"
 #include "framework/comm/exit_policy.hpp"
 #include "framework/io/checkpoint_report.hpp"
 #include "framework/train/plan_report.hpp"
@@ -146,6 +149,37 @@ int run_calibrate(const CalibrateArgs& args, int& argc, char**& argv) {
   });
 }
 
+// --- predict: a checkpoint's model over HDF5 inputs, under mpirun ------------------------
+void add_predict_command(CLI::App& app, meshtrain::PredictOptions& args) {
+  CLI::App* predict = app.add_subcommand(
+      "predict",
+      "Run a checkpoint's model on HDF5 inputs and write its predictions to one HDF5 file "
+      "(mpirun -np N meshtrain predict ...)");
+  predict
+      ->add_option("checkpoint", args.checkpoint,
+                   "A checkpoint file, a latest or best pointer file, or a checkpoint directory "
+                   "(its latest)")
+      ->required();
+  predict
+      ->add_option("--input", args.inputs,
+                   "HDF5 input files or globs, read in this order (dataset: the checkpoint's "
+                   "data.x_key)")
+      ->required()
+      ->take_all();
+  predict->add_option("--output", args.output, "The HDF5 file to write (FILE.h5)")->required();
+  predict->add_flag("--overwrite", args.overwrite, "Replace the output when it exists");
+  predict->add_option("--batch-size", args.batch_size,
+                      "Global rows per batch (default: the checkpoint's data.eval_batch_size, "
+                      "else data.batch_size)")
+      ->check(CLI::PositiveNumber);
+  add_set_option(*predict, args.overrides);
+}
+
+int run_predict(const meshtrain::PredictOptions& args, int& argc, char**& argv) {
+  const auto runtime = meshtrain::start_runtime_or_abort(argc, argv);
+  return meshtrain::run_or_abort([&] { return meshtrain::predict_command(args); });
+}
+
 // --- inspect: a checkpoint's step, mesh, config and datasets (no MPI launch needed) ----
 struct InspectArgs {
   std::string checkpoint;
@@ -189,6 +223,8 @@ int main(int argc, char** argv) {
   add_inspect_command(app, inspect_args);
   CalibrateArgs calibrate_args;
   add_calibrate_command(app, calibrate_args);
+  meshtrain::PredictOptions predict_args;
+  add_predict_command(app, predict_args);
 
   // A first word that is no subcommand (a typo, or a command of a newer meshtrain): CLI11
   // would only say that a subcommand is required. Name the word and list the commands.
@@ -214,6 +250,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("plan")) return run_plan(plan_args);
     if (app.got_subcommand("train")) return run_train(train_args, argc, argv);
     if (app.got_subcommand("calibrate")) return run_calibrate(calibrate_args, argc, argv);
+    if (app.got_subcommand("predict")) return run_predict(predict_args, argc, argv);
     if (app.got_subcommand("inspect")) {
       return meshtrain::print_checkpoint(inspect_args.checkpoint, inspect_args.verify, std::cout);
     }

@@ -201,6 +201,13 @@ std::optional<std::string> find_latest_checkpoint(const std::string& dir);
 // The same for the "best" pointer.
 std::optional<std::string> find_best_checkpoint(const std::string& dir);
 
+// The checkpoint file that `path` names: a checkpoint file itself, a directory (the file its
+// latest pointer names) or a `latest` / `best` pointer file (the file it names). Throws
+// bad_input naming the path when it does not exist, the directory has no latest pointer, or
+// a pointer is garbled or names a missing file. Not collective (load_checkpoint resolves
+// on rank 0 and broadcasts).
+std::string resolve_checkpoint_path(const std::string& path);
+
 // Loads a checkpoint into preallocated tensors (for the NEW mesh: each tensor's spec, box
 // and local block) and into.train_state. `path` is a checkpoint file or a directory (its
 // latest pointer is followed). Collective over `comm`. Throws bad_input (the same on every
