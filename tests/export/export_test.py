@@ -105,8 +105,8 @@ class Context:
             script = os.path.join(self.source_dir, "scripts", "install-onnxruntime")
             status, out, err = run(["bash", script], timeout=300)
             if status != 0:
-                raise Skip("ONNX Runtime (npm onnxruntime-node) cannot be installed: " +
-                           err.strip().replace("\n", "; "))
+                lines = err.strip().splitlines() or ["(no message)"]
+                raise Skip("ONNX Runtime (npm onnxruntime-node) cannot be installed: " + lines[-1])
             self._ort = out.strip().splitlines()[-1]
         return self._ort
 
