@@ -649,6 +649,29 @@ def case_cli_errors(ctx):
                  r"the CRC-32", "corrupted checkpoint")
     no_output(corrupt_out, "corrupted checkpoint")
 
+    # A weight beyond fp16's range is refused for --dtype fp16 only; a NaN for every dtype.
+    large = os.path.join(ctx.work, "large_weight.h5")
+    shutil.copyfile(ckpt, large)
+    with h5py.File(large, "r+") as f:
+        w = f["params/layers/0/weight"][()]
+        w[2, 3] = 1e5
+        set_dataset(f, "params/layers/0/weight", w)
+    expect_error(ctx, base + [large, "--format", "onnx", "--output", corrupt_out, "--dtype", "fp16"],
+                 r"parameter 'layers/0/weight' in checkpoint '.*large_weight\.h5' holds 100000 at "
+                 r"element 35, beyond the range of fp16", "weight beyond fp16")
+    no_output(corrupt_out, "weight beyond fp16")
+    export(ctx, large, corrupt_out, "bf16")
+    check_onnx(ctx, corrupt_out)
+    os.remove(corrupt_out)
+    with h5py.File(large, "r+") as f:
+        b = f["params/layers/1/bias"][()]
+        b[1] = np.nan
+        set_dataset(f, "params/layers/1/bias", b)
+    expect_error(ctx, base + [large, "--format", "onnx", "--output", corrupt_out],
+                 r"parameter 'layers/1/bias' .* holds a non-finite value \(nan\) at element 1",
+                 "NaN weight")
+    no_output(corrupt_out, "NaN weight")
+
     # A parameter the config's model does not have (a checkpoint of another model).
     other = os.path.join(ctx.work, "other_model.h5")
     shutil.copyfile(ckpt, other)
