@@ -328,7 +328,8 @@ std::string os_error(int err) {
   return std::strerror(err);
 }
 
-void write_atomically(const std::string& output, const std::string& bytes, bool overwrite) {
+void write_atomically(const std::string& output, const std::vector<const std::string*>& parts,
+                      bool overwrite) {
   std::error_code ec;
   const auto status = fs::status(output, ec);
   if (fs::exists(status)) {
@@ -345,11 +346,13 @@ void write_atomically(const std::string& output, const std::string& bytes, bool 
     ::unlink(tmp.c_str());
     MESHTRAIN_FAIL(what, " '", tmp, "' failed: ", os_error(err));
   };
-  for (size_t done = 0; done < bytes.size();) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) fail("writing", errno);
-    done += static_cast<size_t>(n);
+  for (const std::string* bytes : parts) {
+    for (size_t done = 0; done < bytes->size();) {
+      const ssize_t n = ::write(fd, bytes->data() + done, bytes->size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) fail("writing", errno);
+      done += static_cast<size_t>(n);
+    }
   }
   if (::fsync(fd) != 0) fail("syncing", errno);
   if (::close(fd) != 0) {
@@ -466,15 +469,20 @@ OnnxExportResult export_onnx(const std::string& checkpoint, const std::string& o
   result.checkpoint = source.path;
   result.step = source.info.train_state.step;
   result.model = build_onnx_model(source, weights);
-  const std::string bytes = onnx::serialize(result.model);
-  // A protobuf message cannot exceed 2 GiB; ONNX's external data files are not written.
-  constexpr int64_t kProtobufLimit = (int64_t{1} << 31) - 1;
-  if (static_cast<int64_t>(bytes.size()) > kProtobufLimit) {
-    MESHTRAIN_BAD_INPUT("the ONNX model of checkpoint '", source.path, "' would be ", bytes.size(),
-                        " bytes, above protobuf's 2 GiB limit; export with ",
-                        "--dtype fp16 or bf16 to halve it");
-  }
-  write_atomically(output, bytes, overwrite);
+  // A protobuf message cannot exceed 2 GiB; ONNX's external data files are not written. The
+  // weights alone are checked before the file is encoded, the whole encoding after.
+  constexpr size_t kProtobufLimit = (size_t{1} << 31) - 1;
+  auto refuse_size = [&](size_t bytes) {
+    MESHTRAIN_BAD_INPUT("the ONNX model of checkpoint '", source.path, "' would be ", bytes,
+                        " bytes or more, above protobuf's 2 GiB limit",
+                        weights == Dtype::fp32 ? "; --dtype fp16 or bf16 halves it" : "");
+  };
+  size_t weight_bytes = 0;
+  for (const auto& t : result.model.graph.initializers) weight_bytes += t.raw_data.size();
+  if (weight_bytes > kProtobufLimit) refuse_size(weight_bytes);
+  const onnx::SerializedModel bytes = onnx::serialize(result.model);
+  if (bytes.size() > kProtobufLimit) refuse_size(bytes.size());
+  write_atomically(output, {&bytes.head, &bytes.graph, &bytes.tail}, overwrite);
   result.bytes = static_cast<int64_t>(bytes.size());
   return result;
 }

@@ -130,24 +130,29 @@ std::string serialize(const Graph& graph) {
   return encode(graph).bytes();
 }
 
-std::string serialize(const Model& model) {
-  Message m;
-  m.add_int64(1, model.ir_version);
-  m.add_string(2, model.producer_name);
-  m.add_string(3, model.producer_version);
-  if (!model.doc_string.empty()) m.add_string(6, model.doc_string);
-  m.add_message(7, encode(model.graph));
+SerializedModel serialize(const Model& model) {
+  SerializedModel out;
+  out.graph = serialize(model.graph);
+  Message head;
+  head.add_int64(1, model.ir_version);
+  head.add_string(2, model.producer_name);
+  head.add_string(3, model.producer_version);
+  if (!model.doc_string.empty()) head.add_string(6, model.doc_string);
+  head.add_length_prefix(7, out.graph.size());
+  out.head = head.bytes();
+  Message tail;
   Message opset;
   opset.add_string(1, "");
   opset.add_int64(2, model.opset_version);
-  m.add_message(8, opset);
+  tail.add_message(8, opset);
   for (const auto& [key, value] : model.metadata) {
     Message entry;
     entry.add_string(1, key);
     entry.add_string(2, value);
-    m.add_message(14, entry);
+    tail.add_message(14, entry);
   }
-  return m.bytes();
+  out.tail = tail.bytes();
+  return out;
 }
 
 }  // namespace meshtrain::onnx

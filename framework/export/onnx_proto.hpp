@@ -86,9 +86,16 @@ struct Model {
   std::vector<std::pair<std::string, std::string>> metadata;  // metadata_props, in order
 };
 
-// The ModelProto bytes of `model` (the content of a .onnx file), and the GraphProto bytes of
-// its graph alone (what two exports of the same weights share whatever their metadata).
-std::string serialize(const Model& model);
+// The ModelProto bytes of `model` (the content of a .onnx file) in three pieces, to be written
+// one after another: the fields before the graph and the graph's key and length, the
+// GraphProto (nearly all of the file: the weights), then the fields after it. The graph's
+// bytes are not copied again into one buffer.
+struct SerializedModel {
+  std::string head, graph, tail;
+  size_t size() const { return head.size() + graph.size() + tail.size(); }
+};
+SerializedModel serialize(const Model& model);
+// The GraphProto bytes of a graph alone.
 std::string serialize(const Graph& graph);
 
 }  // namespace meshtrain::onnx

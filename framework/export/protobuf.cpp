@@ -41,6 +41,11 @@ void Message::add_float(int field, float value) {
   for (int i = 0; i < 4; ++i) bytes_.push_back(static_cast<char>((bits >> (8 * i)) & 0xff));
 }
 
+void Message::add_length_prefix(int field, size_t size) {
+  add_key(field, kLengthDelimited);
+  add_raw_varint(size);
+}
+
 void Message::add_bytes(int field, const void* data, size_t size) {
   add_key(field, kLengthDelimited);
   add_raw_varint(size);

@@ -39,6 +39,9 @@ class Message {
   void add_message(int field, const Message& message) {
     add_bytes(field, message.bytes_.data(), message.bytes_.size());
   }
+  // Only the key and length of a length-delimited field whose `size` bytes the caller writes
+  // right after this message's bytes (a large embedded message, not copied again).
+  void add_length_prefix(int field, size_t size);
 
   const std::string& bytes() const { return bytes_; }
   size_t size() const { return bytes_.size(); }

@@ -94,3 +94,27 @@ TEST(OnnxProto, TensorAndNodeUseOnnxFieldNumbers) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(OnnxProto, ModelPiecesAreOneModelProto) {
+  meshtrain::onnx::Model model;
+  model.ir_version = 8;
+  model.opset_version = 17;
+  model.producer_name = "p";
+  model.producer_version = "1";
+  model.graph.name = std::string(200, 'g');  // a graph longer than 127 bytes
+  model.metadata = {{"k", "v"}};
+  const meshtrain::onnx::SerializedModel parts = meshtrain::onnx::serialize(model);
+  EXPECT_EQ(parts.graph, meshtrain::onnx::serialize(model.graph));
+  // The bytes python's onnx writes for the same ModelProto. ir_version (1) 8, producer_name (2)
+  // "p", producer_version (3) "1", then graph (7) with its 203-byte length (name (2): key, 200 as
+  // "c8 01", 200 bytes).
+  EXPECT_EQ(hex(parts.head), "08 08 12 01 70 1a 01 31 3a cb 01");
+  EXPECT_EQ(parts.graph.size(), 203u);
+  // opset_import (8): domain "" (1), version 17 (2); metadata_props (14): key "k", value "v".
+  EXPECT_EQ(hex(parts.tail), "42 04 0a 00 10 11 72 06 0a 01 6b 12 01 76");
+  EXPECT_EQ(parts.size(), parts.head.size() + 203u + parts.tail.size());
+}
+
+}  // namespace
