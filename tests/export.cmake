@@ -33,3 +33,8 @@ endforeach()
 # The protobuf encoder against the wire format's own examples (no MPI, no Python).
 meshtrain_add_test(NAME export_protobuf_test SOURCES export/protobuf_test.cpp
                    LIBS meshtrain_framework)
+
+# The export of a checkpoint saved with its parameters split over 1, 2 and 4 ranks (dp, fsdp,
+# tp, fsdp x tp) is byte for byte the graph of the same global values built on one rank.
+meshtrain_add_test(NAME export_mesh_test SOURCES export/export_mesh_test.cpp
+                   LIBS meshtrain_framework NP 1 2 4 TIMEOUT 60)
