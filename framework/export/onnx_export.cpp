@@ -465,6 +465,9 @@ OnnxExportResult export_onnx(const std::string& checkpoint, const std::string& o
     MESHTRAIN_BAD_INPUT("output '", output, "' exists; pass --overwrite to replace it");
   }
   const ExportSource source = read_export_source(checkpoint);
+  if (fs::exists(output, ec) && fs::equivalent(output, source.path, ec)) {
+    MESHTRAIN_BAD_INPUT("output '", output, "' is the checkpoint being exported");
+  }
   OnnxExportResult result;
   result.checkpoint = source.path;
   result.step = source.info.train_state.step;

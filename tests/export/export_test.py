@@ -626,6 +626,11 @@ def case_cli_errors(ctx):
     run_ok(base + [ckpt, "--format", "onnx", "--output", out, "--overwrite"])
     check_onnx(ctx, out)
     ctx.check(not os.path.exists(out + ".tmp"), "a .tmp file is left after a successful export")
+    size = os.path.getsize(ckpt)
+    expect_error(ctx, base + [ckpt_dir, "--format", "onnx", "--output", ckpt, "--overwrite"],
+                 r"output '.*ckpt-000004\.h5' is the checkpoint being exported",
+                 "output is the checkpoint")
+    ctx.check(os.path.getsize(ckpt) == size, "the checkpoint was changed by a refused export")
 
     # A directory, its latest pointer and the file give the same model.
     g = graph_bytes(out)
