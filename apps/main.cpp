@@ -8,6 +8,8 @@
 //   meshtrain inspect CHECKPOINT.h5 [--verify]
 //   mpirun -np N meshtrain predict CHECKPOINT --input PATH... --output FILE.h5 [--overwrite]
 //                                   [--set ...] [--batch-size N]
+//   meshtrain export CHECKPOINT --format onnx --output FILE.onnx [--dtype fp32|fp16|bf16]
+//                    [--overwrite]
 
 #include <CLI/CLI.hpp>
 
@@ -21,6 +23,7 @@
 
 #include "apps/calibrate.hpp"
 #include "apps/predict.hpp"
+#include "apps/export.hpp"
 #include "framework/comm/exit_policy.hpp"
 #include "framework/io/checkpoint_report.hpp"
 #include "framework/train/plan_report.hpp"
@@ -193,6 +196,23 @@ void add_inspect_command(CLI::App& app, InspectArgs& args) {
   inspect->add_flag("--verify", args.verify, "Read every dataset and check its checksum");
 }
 
+// --- export: a checkpoint as an ONNX model (no MPI launch needed) -------------------------
+void add_export_command(CLI::App& app, meshtrain::ExportArgs& args) {
+  CLI::App* command = app.add_subcommand(
+      "export", "Write a checkpoint's model as a self-contained ONNX file (docs/export.md)");
+  command
+      ->add_option("checkpoint", args.checkpoint,
+                   "A checkpoint file, a latest or best pointer file, or a checkpoint "
+                   "directory (its latest)")
+      ->required();
+  command->add_option("--format", args.format, "The format to write: onnx")->required();
+  command->add_option("--output", args.output, "The file to write (FILE.onnx)")->required();
+  command->add_option("--dtype", args.dtype,
+                      "How the weights are stored: fp32 (default), fp16 or bf16 (cast to "
+                      "float32 inside the graph)");
+  command->add_flag("--overwrite", args.overwrite, "Replace the output if it exists");
+}
+
 bool verbose() {
   const char* value = std::getenv("MESHTRAIN_VERBOSE");
   return value && *value && std::string(value) != "0";
@@ -225,6 +245,8 @@ int main(int argc, char** argv) {
   add_calibrate_command(app, calibrate_args);
   meshtrain::PredictOptions predict_args;
   add_predict_command(app, predict_args);
+  meshtrain::ExportArgs export_args;
+  add_export_command(app, export_args);
 
   // A first word that is no subcommand (a typo, or a command of a newer meshtrain): CLI11
   // would only say that a subcommand is required. Name the word and list the commands.
@@ -251,6 +273,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("train")) return run_train(train_args, argc, argv);
     if (app.got_subcommand("calibrate")) return run_calibrate(calibrate_args, argc, argv);
     if (app.got_subcommand("predict")) return run_predict(predict_args, argc, argv);
+    if (app.got_subcommand("export")) return meshtrain::export_command(export_args, std::cout);
     if (app.got_subcommand("inspect")) {
       return meshtrain::print_checkpoint(inspect_args.checkpoint, inspect_args.verify, std::cout);
     }
