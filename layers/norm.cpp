@@ -1,0 +1,404 @@
+#include "layers/norm.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "base/error.hpp"
+#include "framework/core/kernel_label.hpp"
+#include "framework/core/kokkos_math.hpp"
+#include "framework/core/precision.hpp"
+
+namespace meshtrain {
+namespace {
+
+using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
+using Rows = Kokkos::RangePolicy<>;
+
+Range2 range_of(const MatrixView& m) {
+  return Range2({0, 0}, {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))});
+}
+
+std::string axes_text(const std::vector<std::string>& axes) {
+  std::string s = "(";
+  for (size_t i = 0; i < axes.size(); ++i) s += (i ? ", " : "") + axes[i];
+  return s + ")";
+}
+
+}  // namespace
+
+const char* to_string(NormKind kind) {
+  return kind == NormKind::layernorm ? "layernorm" : "rmsnorm";
+}
+
+std::vector<ParameterShape> norm_parameter_shapes(NormKind kind, const std::string& prefix,
+                                                  int64_t width) {
+  std::vector<ParameterShape> shapes = {{prefix + "/scale", {width}}};
+  if (kind == NormKind::layernorm) shapes.push_back({prefix + "/bias", {width}});
+  return shapes;
+}
+
+FeatureNorm::FeatureNorm(NormKind kind, const std::string& name, ParameterRef scale,
+                         ParameterRef bias, FeatureLayout layout, int64_t rows,
+                         ParallelContext& context, float eps)
+    : kind_(kind),
+      name_(name),
+      eps_(eps),
+      rows_(rows),
+      compute_dtype_(context.precision().param),
+      reduce_dtype_(context.precision().reduce) {
+  MESHTRAIN_REQUIRE(scale.value && scale.grad, "norm '", name, "': no scale parameter");
+  MESHTRAIN_REQUIRE(kind != NormKind::layernorm || (bias.value && bias.grad), "norm '", name,
+                    "': LayerNorm needs a bias parameter");
+  const ShardedTensor& s = *scale.value;
+  if (s.global_shape.size() != 1 || s.global_shape[0] < 1) {
+    MESHTRAIN_BAD_INPUT("norm '", name, "': its scale '", s.name, "' must be a vector [width]");
+  }
+  width_ = s.global_shape[0];
+  if (kind == NormKind::layernorm &&
+      (bias.value->global_shape.size() != 1 || bias.value->global_shape[0] != width_)) {
+    MESHTRAIN_BAD_INPUT("norm '", name, "': its bias '", bias.value->name,
+                        "' must be a vector of the scale's width ", width_);
+  }
+  if (!(eps >= 0.0f) || !std::isfinite(eps)) {
+    MESHTRAIN_BAD_INPUT("norm '", name, "': eps must be a finite number >= 0, got ", eps);
+  }
+
+  const int tp = context.feature_parallel();
+  layout_ = tp > 1 ? layout : FeatureLayout::replicated;
+  const bool split = layout_ == FeatureLayout::split;
+  if (split && width_ % tp != 0) {
+    MESHTRAIN_BAD_INPUT("norm '", name, "': its ", width_,
+                        " features do not split over mesh axis '", context.feature_axis(),
+                        "' of size ", tp);
+  }
+  local_width_ = split ? width_ / tp : width_;
+  offset_ = split ? context.feature_index() * local_width_ : 0;
+
+  // Communicators, in the same order on every rank (collective on first use).
+  if (split) {
+    stats_axes_ = {context.feature_axis()};
+    tp_comm_ = context.comm(stats_axes_);
+  }
+  const std::vector<std::string> batch = context.active(context.batch_axes());
+  batch_axes_ = batch;
+  batch_comm_ = context.comm(batch);
+  reduce_axes_ = batch;
+  if (split) reduce_axes_.push_back(context.feature_axis());
+  reduce_comm_ = context.comm(reduce_axes_);
+  params_.push_back(make_param(scale, context));
+  if (kind == NormKind::layernorm) params_.push_back(make_param(bias, context));
+
+  // Direct gradients: every stored block is the compute block.
+  direct_ = true;
+  for (const Param& p : params_) {
+    direct_ =
+        direct_ && p.gather == nullptr && p.stored == local_width_ && p.stored_offset == offset_;
+  }
+  defers_ = direct_ && batch_comm_ != nullptr;
+
+  // Buffers.
+  row_sum_ = Vector(name + "/row_sum", static_cast<size_t>(rows));
+  row_sums2_ = Matrix(name + "/row_sums", rows, 2);
+  stats_ = Matrix(name + "/statistics", rows, 3);
+  out_ = Matrix(name + "/output", rows, local_width_);
+  dx_ = Matrix(name + "/input_grad", rows, local_width_);
+  if (!direct_) full_grad_ = Vector(name + "/full_grad", params_.size() * width_);
+  // 16-bit wires allocate their staging on first use: reserved here instead.
+  if (compute_dtype_ != Dtype::fp32) {
+    for (const Param& p : params_) {
+      if (p.gather) {
+        p.gather->reserve_wire(static_cast<size_t>(p.stored), p.gathered.extent(0));
+      }
+    }
+  }
+  if (reduce_dtype_ != Dtype::fp32) {
+    const size_t n = direct_ ? static_cast<size_t>(local_width_) : full_grad_.extent(0);
+    if (Communicator* c = direct_ ? batch_comm_ : reduce_comm_) c->reserve_wire(n, n);
+  }
+}
+
+FeatureNorm::Param FeatureNorm::make_param(ParameterRef ref, ParallelContext& context) {
+  const ShardedTensor& t = *ref.value;
+  const std::vector<std::string> entry = context.active(t.spec.with_rank(1).entries[0].axes);
+  Param p;
+  p.ref = ref;
+  p.stored = t.box.extent[0];
+  p.stored_offset = t.box.offset[0];
+  // Split features whose spec starts with the feature axis gather only the rest: the
+  // gathered vector is then the compute block. Otherwise the full vector is gathered.
+  std::vector<std::string> gather = entry;
+  if (layout_ == FeatureLayout::split && !entry.empty() &&
+      entry.front() == context.feature_axis()) {
+    gather.erase(gather.begin());
+    p.gathered_offset = offset_;
+  } else {
+    p.gathered_offset = 0;
+  }
+  if (gather.empty()) p.gathered_offset = p.stored_offset;
+  const int64_t gathered = p.stored * context.mesh().size_of(gather);
+  MESHTRAIN_REQUIRE(
+      p.gathered_offset <= offset_ && offset_ + local_width_ <= p.gathered_offset + gathered,
+      "norm '", name_, "': the gathered block of '", t.name,
+      "' does not cover the layer's features");
+  p.gather = context.comm(gather);
+  if (p.gather) {
+    p.gathered = Vector(t.name + "/gathered", static_cast<size_t>(gathered));
+    for (const auto& a : gather) {
+      if (std::find(gather_axes_.begin(), gather_axes_.end(), a) == gather_axes_.end()) {
+        gather_axes_.push_back(a);
+      }
+    }
+  }
+  return p;
+}
+
+void FeatureNorm::initialize_parameters() {
+  Kokkos::deep_copy(params_[0].ref.value->local, 1.0f);
+  if (kind_ == NormKind::layernorm) Kokkos::deep_copy(params_[1].ref.value->local, 0.0f);
+}
+
+ConstVectorView FeatureNorm::compute_block(Param& p) {
+  const Vector& stored = p.ref.value->local;
+  const float* data = stored.data();
+  if (p.gather) {
+    p.gather->all_gather(ConstVectorView(stored.data(), stored.extent(0)),
+                         VectorView(p.gathered.data(), p.gathered.extent(0)), compute_dtype_);
+    data = p.gathered.data();
+  }
+  return ConstVectorView(data + (offset_ - p.gathered_offset), static_cast<size_t>(local_width_));
+}
+
+MatrixView FeatureNorm::forward(MatrixView x, const LayerPass&) {
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
+                        static_cast<int64_t>(x.extent(1)) == local_width_,
+                    "norm '", name_, "': input is [", x.extent(0), ", ", x.extent(1),
+                    "], expected [", rows_, ", ", local_width_, "]");
+  x_ = x;
+  const int64_t cols = local_width_;
+  const float n = static_cast<float>(width_);
+  const float eps = eps_;
+  const Dtype dtype = compute_dtype_;
+  const Vector row_sum = row_sum_;
+  const Matrix sums2 = row_sums2_;
+  const Matrix stats = stats_;
+  const MatrixView y = out_;
+  const ConstVectorView scale = compute_block(params_[0]);
+
+  if (kind_ == NormKind::rmsnorm) {
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::rmsnorm_sum_squares"), Rows(0, rows_),
+        KOKKOS_LAMBDA(const int64_t i) {
+          float ss = 0.0f;
+          for (int64_t j = 0; j < cols; ++j) ss += x(i, j) * x(i, j);
+          row_sum(i) = ss;
+        });
+    if (tp_comm_) tp_comm_->all_reduce(VectorView(row_sum.data(), row_sum.extent(0)));
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::rmsnorm_statistics"), Rows(0, rows_),
+        KOKKOS_LAMBDA(const int64_t i) {
+          stats(i, 0) = 0.0f;
+          stats(i, 1) = 0.0f;
+          stats(i, 2) = 1.0f / kmath::sqrt(row_sum(i) / n + eps);
+        });
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::rmsnorm_forward"), range_of(y),
+        KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+          y(i, j) = round_to(x(i, j) * stats(i, 2) * round_to(scale(j), dtype), dtype);
+        });
+    return y;
+  }
+
+  const ConstVectorView bias = compute_block(params_[1]);
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::layernorm_sum"), Rows(0, rows_), KOKKOS_LAMBDA(const int64_t i) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < cols; ++j) s += x(i, j);
+        row_sum(i) = s;
+      });
+  if (tp_comm_) tp_comm_->all_reduce(VectorView(row_sum.data(), row_sum.extent(0)));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::layernorm_centered_sums"), Rows(0, rows_),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const float m0 = row_sum(i) / n;
+        float a = 0.0f, b = 0.0f;
+        for (int64_t j = 0; j < cols; ++j) {
+          const float d = x(i, j) - m0;
+          a += d;
+          b += d * d;
+        }
+        sums2(i, 0) = a;
+        sums2(i, 1) = b;
+      });
+  if (tp_comm_) tp_comm_->all_reduce(MatrixView(sums2.data(), sums2.extent(0), 2));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::layernorm_statistics"), Rows(0, rows_),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const float delta = sums2(i, 0) / n;
+        const float var = sums2(i, 1) / n - delta * delta;
+        stats(i, 0) = row_sum(i) / n;
+        stats(i, 1) = delta;
+        stats(i, 2) = 1.0f / kmath::sqrt((var > 0.0f ? var : 0.0f) + eps);
+      });
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::layernorm_forward"), range_of(y),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        const float x_hat = ((x(i, j) - stats(i, 0)) - stats(i, 1)) * stats(i, 2);
+        y(i, j) = round_to(x_hat * round_to(scale(j), dtype) + round_to(bias(j), dtype), dtype);
+      });
+  return y;
+}
+
+MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) {
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == rows_ &&
+                        static_cast<int64_t>(dy.extent(1)) == local_width_,
+                    "norm '", name_, "': output gradient is [", dy.extent(0), ", ", dy.extent(1),
+                    "], expected [", rows_, ", ", local_width_, "]");
+  const bool bucketed = defers_ && pass.deferred == DeferredReduction::in_buckets;
+  parameter_gradients(dy, pass);
+  if (bucketed) pass.buckets->layer_ready(pass.index);
+  if (!need_input_grad) return MatrixView();
+
+  const MatrixView x = x_;
+  const int64_t cols = local_width_;
+  const float n = static_cast<float>(width_);
+  const Dtype dtype = compute_dtype_;
+  const Matrix sums2 = row_sums2_;
+  const Matrix stats = stats_;
+  const MatrixView dx = dx_;
+  const ConstVectorView scale = compute_block(params_[0]);
+  const bool layernorm = kind_ == NormKind::layernorm;
+  // Row sums of g = dy * scale and of g * x_hat (fp32), over all features.
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_backward_row_sums"), Rows(0, rows_),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const float m0 = stats(i, 0), delta = stats(i, 1), rstd = stats(i, 2);
+        float sg = 0.0f, sgx = 0.0f;
+        for (int64_t j = 0; j < cols; ++j) {
+          const float g = dy(i, j) * round_to(scale(j), dtype);
+          const float x_hat = layernorm ? ((x(i, j) - m0) - delta) * rstd : x(i, j) * rstd;
+          sg += g;
+          sgx += g * x_hat;
+        }
+        sums2(i, 0) = layernorm ? sg : 0.0f;
+        sums2(i, 1) = sgx;
+      });
+  if (tp_comm_) tp_comm_->all_reduce(MatrixView(sums2.data(), sums2.extent(0), 2));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_input_grad"), range_of(dx),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        const float m0 = stats(i, 0), delta = stats(i, 1), rstd = stats(i, 2);
+        const float g = dy(i, j) * round_to(scale(j), dtype);
+        const float x_hat = layernorm ? ((x(i, j) - m0) - delta) * rstd : x(i, j) * rstd;
+        dx(i, j) = round_to(rstd * (g - sums2(i, 0) / n - x_hat * (sums2(i, 1) / n)), dtype);
+      });
+  if (bucketed) pass.buckets->poll();
+  return dx;
+}
+
+void FeatureNorm::parameter_gradients(MatrixView dy, const LayerPass& pass) {
+  const MatrixView x = x_;
+  const int64_t rows = rows_;
+  const int64_t cols = local_width_;
+  const int64_t offset = offset_;
+  const Dtype dtype = compute_dtype_;
+  const Matrix stats = stats_;
+  const bool layernorm = kind_ == NormKind::layernorm;
+  // Column sums over this rank's rows: dscale = sum dy * x_hat, dbias = sum dy (fp32, then
+  // rounded to the compute dtype, as a 16-bit autograd leaves them).
+  if (direct_) {
+    const VectorView dscale(params_[0].ref.grad->local.data(), static_cast<size_t>(cols));
+    const VectorView dbias(layernorm ? params_[1].ref.grad->local.data() : nullptr,
+                           layernorm ? static_cast<size_t>(cols) : 0);
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::norm_param_grad"), Rows(0, cols),
+        KOKKOS_LAMBDA(const int64_t j) {
+          float ss = 0.0f, sb = 0.0f;
+          for (int64_t i = 0; i < rows; ++i) {
+            const float x_hat = layernorm ? ((x(i, j) - stats(i, 0)) - stats(i, 1)) * stats(i, 2)
+                                          : x(i, j) * stats(i, 2);
+            ss += dy(i, j) * x_hat;
+            sb += dy(i, j);
+          }
+          dscale(j) = round_to(ss, dtype);
+          if (layernorm) dbias(j) = round_to(sb, dtype);
+        });
+    // DP buckets or a later all-reduce take it from here when the layer defers.
+    if (defers_ && pass.deferred != DeferredReduction::now) return;
+    if (batch_comm_) {
+      for (Param& p : params_) {
+        batch_comm_->all_reduce(VectorView(p.ref.grad->local.data(), p.ref.grad->local.extent(0)),
+                                ReduceOp::sum, reduce_dtype_);
+      }
+    }
+    return;
+  }
+  // Full-width vectors [scale | bias], zero outside this rank's columns, summed over the
+  // batch axes (and the feature axis when split); then each stored block is kept.
+  const int64_t width = width_;
+  const VectorView full(full_grad_.data(), full_grad_.extent(0));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_param_grad_full"), Rows(0, width),
+      KOKKOS_LAMBDA(const int64_t k) {
+        const int64_t j = k - offset;
+        float ss = 0.0f, sb = 0.0f;
+        if (j >= 0 && j < cols) {
+          for (int64_t i = 0; i < rows; ++i) {
+            const float x_hat = layernorm ? ((x(i, j) - stats(i, 0)) - stats(i, 1)) * stats(i, 2)
+                                          : x(i, j) * stats(i, 2);
+            ss += dy(i, j) * x_hat;
+            sb += dy(i, j);
+          }
+        }
+        full(k) = round_to(ss, dtype);
+        if (layernorm) full(width + k) = round_to(sb, dtype);
+      });
+  if (reduce_comm_) reduce_comm_->all_reduce(full, ReduceOp::sum, reduce_dtype_);
+  for (size_t q = 0; q < params_.size(); ++q) {
+    const Vector grad = params_[q].ref.grad->local;
+    const int64_t from = static_cast<int64_t>(q) * width + params_[q].stored_offset;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::norm_param_grad_block"),
+        Rows(0, static_cast<int64_t>(grad.extent(0))),
+        KOKKOS_LAMBDA(const int64_t j) { grad(j) = full(from + j); });
+  }
+}
+
+void FeatureNorm::reduce_gradients() {
+  if (!defers_) return;
+  for (Param& p : params_) {
+    batch_comm_->all_reduce(VectorView(p.ref.grad->local.data(), p.ref.grad->local.extent(0)),
+                            ReduceOp::sum, reduce_dtype_);
+  }
+}
+
+LayerGradients FeatureNorm::bucket_gradients() const {
+  const Vector& s = params_[0].ref.grad->local;
+  VectorView bias;
+  if (params_.size() > 1) {
+    const Vector& b = params_[1].ref.grad->local;
+    bias = VectorView(b.data(), b.extent(0));
+  }
+  return {VectorView(s.data(), s.extent(0)), bias, deferred_reduction_group()};
+}
+
+std::string FeatureNorm::describe() const {
+  std::ostringstream s;
+  s << name_ << ": " << to_string(kind_) << " " << width_ << " features";
+  if (layout_ == FeatureLayout::split) {
+    s << " (split " << local_width_ << " over " << stats_axes_.front()
+      << "), statistics all-reduced over " << axes_text(stats_axes_);
+  }
+  if (!gather_axes_.empty()) s << ", parameters gathered over " << axes_text(gather_axes_);
+  if (direct_) {
+    if (batch_comm_) {
+      s << ", grads all-reduced over " << axes_text(batch_axes_);
+    }
+  } else if (reduce_comm_) {
+    s << ", full-width grads all-reduced over " << axes_text(reduce_axes_);
+  }
+  return s.str();
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,517 @@
+// LayerNorm and RMSNorm (layers/norm.hpp) on every mesh below equal a float64 reference
+// written here (two-pass statistics in double, PyTorch's formulas: biased variance,
+// LayerNorm eps 1e-5, RMSNorm eps 2^-23): the forward output, the input gradient and the
+// scale and bias gradients (gathered to full shape), for features whole on a rank and split
+// over tp (2 and 4), with the parameters stored whole, split like the features, over fsdp,
+// and over (tp, fsdp); with the gradient reduction now, deferred (reduce_gradients()) and
+// in DP buckets. Every mesh also equals the same layer built on one rank (MPI_COMM_SELF).
+//
+// Data: global batch 16, 32 features; x ~ N(0, 1), and rows with a large mean offset
+// (x ~ +-1e3 .. 3e3 + N(0, 1)) to show the variance is computed stably (E[x^2] - E[x]^2 in
+// fp32 would lose every digit there); scale ~ 1 + 0.3 N(0, 1), bias ~ 0.2 N(0, 1), dy ~ N(0, 1).
+//
+// Tolerances (fp32): per tensor, max |got - ref| <= 1e-5 * max |ref| against the float64
+// reference (observed: about 1e-6), and <= 2e-6 * max |ref| against one rank (the only
+// difference is the order of fp32 sums over ranks).
+// Mixed precision {bf16, fp32}, {fp16, fp32}, {bf16, bf16}: x and dy are given as 16-bit
+// values, the reference uses the 16-bit scale and bias; u = 2^-8 (bf16) / 2^-11 (fp16) is the
+// unit roundoff. The output and the input gradient are rounded once:
+//   |got - ref| <= u * |ref| + 1e-5 * max |ref|   (elementwise)
+// The parameter gradients are fp32 column sums rounded to P on every rank, then summed over
+// k ranks in R (one rounding per hop when R is 16-bit):
+//   |got - ref| <= (1 + 3 k [R 16-bit]) * u * sum_i |term_i| + 1e-5 * max |ref|
+// where term_i is row i's contribution (dy * x_hat or dy).
+// Allocation: forward and backward allocate nothing (Kokkos allocation callbacks counted over
+// a second pass, as the MLP step test in units_test.cpp does).
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "framework/comm/mesh_communicators.hpp"
+#include "framework/core/precision.hpp"
+#include "framework/train/init.hpp"
+#include "layers/context.hpp"
+#include "layers/gradient_buckets.hpp"
+#include "layers/norm.hpp"
+#include "tests/layers/full_tensor.hpp"
+#include "tests/test_backend.hpp"
+#include "tests/test_support.hpp"
+
+namespace meshtrain {
+namespace {
+
+using testing::gather_full;
+using testing::Tensor;
+using testing::to_host;
+
+constexpr int64_t kBatch = 16;
+constexpr int64_t kWidth = 32;
+constexpr uint64_t kSeed = 7;
+
+// ---- data -------------------------------------------------------------------------------
+struct Data {
+  Tensor x, dy, scale, bias;  // [B, N], [B, N], [N], [N]
+};
+
+double rounded(double v, Dtype dtype) {
+  return static_cast<double>(round_to(static_cast<float>(v), dtype));
+}
+
+// The same global data on every rank; `offset`: rows of x ~ +-(1..3) * 1e3 + N(0, 1).
+// Values are fp32 (or `dtype`) values, so the layer and the reference see the same inputs.
+Data make_data(bool offset, Dtype dtype = Dtype::fp32) {
+  Data d;
+  d.x.resize(kBatch * kWidth);
+  d.dy.resize(kBatch * kWidth);
+  d.scale.resize(kWidth);
+  d.bias.resize(kWidth);
+  for (int64_t i = 0; i < kBatch; ++i) {
+    const double shift = offset ? (i % 2 ? -1.0 : 1.0) * 1e3 * (1 + i % 3) : 0.0;
+    for (int64_t j = 0; j < kWidth; ++j) {
+      const int64_t k = i * kWidth + j;
+      d.x[k] = rounded(shift + counter_normal(kSeed, name_stream("x"), k), dtype);
+      d.dy[k] = rounded(counter_normal(kSeed, name_stream("dy"), k), dtype);
+    }
+  }
+  for (int64_t j = 0; j < kWidth; ++j) {
+    d.scale[j] = rounded(1.0 + 0.3 * counter_normal(kSeed, name_stream("scale"), j), Dtype::fp32);
+    d.bias[j] = rounded(0.2 * counter_normal(kSeed, name_stream("bias"), j), Dtype::fp32);
+  }
+  return d;
+}
+
+// ---- the float64 reference ---------------------------------------------------------------
+struct Reference {
+  Tensor y, dx, dscale, dbias;     // [B, N], [B, N], [N], [N]
+  Tensor abs_dscale, abs_dbias;    // sum over rows of |term| (the 16-bit bounds)
+  Tensor dscale_rows, dbias_rows;  // [B, N]: row i's term (partial sums over a rank's rows)
+};
+
+// scale and bias as the layer uses them (cast to `dtype`).
+Reference reference(NormKind kind, const Data& d, Dtype dtype = Dtype::fp32) {
+  const bool ln = kind == NormKind::layernorm;
+  const double eps = ln ? kLayerNormEps : kRmsNormEps;
+  const int64_t n = kWidth;
+  Reference r;
+  r.y.assign(kBatch * n, 0.0);
+  r.dx.assign(kBatch * n, 0.0);
+  r.dscale.assign(n, 0.0);
+  r.dbias.assign(n, 0.0);
+  r.abs_dscale.assign(n, 0.0);
+  r.abs_dbias.assign(n, 0.0);
+  r.dscale_rows.assign(kBatch * n, 0.0);
+  r.dbias_rows.assign(kBatch * n, 0.0);
+  for (int64_t i = 0; i < kBatch; ++i) {
+    const double* x = &d.x[i * n];
+    const double* dy = &d.dy[i * n];
+    double mean = 0.0, second = 0.0;
+    if (ln) {
+      for (int64_t j = 0; j < n; ++j) mean += x[j];
+      mean /= n;
+      for (int64_t j = 0; j < n; ++j) second += (x[j] - mean) * (x[j] - mean);
+    } else {
+      for (int64_t j = 0; j < n; ++j) second += x[j] * x[j];
+    }
+    const double rstd = 1.0 / std::sqrt(second / n + eps);
+    std::vector<double> x_hat(n), g(n);
+    double sg = 0.0, sgx = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+      const double s = rounded(d.scale[j], dtype);
+      const double b = ln ? rounded(d.bias[j], dtype) : 0.0;
+      x_hat[j] = (x[j] - mean) * rstd;
+      r.y[i * n + j] = x_hat[j] * s + b;
+      g[j] = dy[j] * s;
+      sg += g[j];
+      sgx += g[j] * x_hat[j];
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      r.dx[i * n + j] = rstd * (g[j] - (ln ? sg / n : 0.0) - x_hat[j] * sgx / n);
+      r.dscale_rows[i * n + j] = dy[j] * x_hat[j];
+      r.dbias_rows[i * n + j] = dy[j];
+      r.dscale[j] += dy[j] * x_hat[j];
+      r.dbias[j] += dy[j];
+      r.abs_dscale[j] += std::abs(dy[j] * x_hat[j]);
+      r.abs_dbias[j] += std::abs(dy[j]);
+    }
+  }
+  return r;
+}
+
+double max_abs(const Tensor& t) {
+  double m = 0.0;
+  for (double v : t) m = std::max(m, std::abs(v));
+  return m;
+}
+
+// max |got - ref| <= rel * max |ref| (+1e-12), with the worst element named.
+void expect_close(const Tensor& got, const Tensor& ref, double rel, const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  const double bound = rel * max_abs(ref) + 1e-12;
+  size_t worst = 0;
+  double err = 0.0;
+  for (size_t k = 0; k < ref.size(); ++k) {
+    const double e = std::abs(got[k] - ref[k]);
+    if (!(e <= err)) {  // NaN counts as the worst
+      err = e;
+      worst = k;
+    }
+  }
+  EXPECT_LE(err, bound) << what << ": element " << worst << " is " << got[worst] << ", reference "
+                        << ref[worst] << " (max |ref| " << max_abs(ref) << ")";
+}
+
+// Elementwise: |got - ref| <= a[k] + b * max |ref|.
+void expect_within(const Tensor& got, const Tensor& ref, const Tensor& a, double b,
+                   const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  const double floor = b * max_abs(ref);
+  int bad = 0;
+  for (size_t k = 0; k < ref.size(); ++k) {
+    const double e = std::abs(got[k] - ref[k]);
+    if (!(e <= a[k] + floor) && bad++ < 3) {
+      ADD_FAILURE() << what << ": element " << k << " is " << got[k] << ", reference " << ref[k]
+                    << ", allowed " << a[k] + floor;
+    }
+  }
+  EXPECT_EQ(bad, 0) << what;
+}
+
+// ---- meshes -------------------------------------------------------------------------------
+struct NormCase {
+  std::string name;
+  std::vector<std::pair<std::string, int>> mesh;
+  FeatureLayout layout;
+  std::string spec;  // of scale and bias
+  bool direct;       // expected direct_gradients()
+};
+
+std::vector<NormCase> cases_for(int n) {
+  const FeatureLayout R = FeatureLayout::replicated, S = FeatureLayout::split;
+  std::vector<NormCase> c;
+  if (n == 1) {
+    c.push_back({"single", {{"dp", 1}}, R, "P()", true});
+    c.push_back({"single_tp1_split", {{"tp", 1}}, S, "P(tp)", true});
+  } else if (n == 2) {
+    c.push_back({"dp2", {{"dp", 2}}, R, "P()", true});
+    c.push_back({"fsdp2", {{"fsdp", 2}}, R, "P(fsdp)", false});
+    c.push_back({"tp2", {{"tp", 2}}, S, "P(tp)", true});
+    c.push_back({"tp2_stored_whole", {{"tp", 2}}, S, "P()", false});
+    c.push_back({"tp2_features_whole", {{"tp", 2}}, R, "P(tp)", false});
+  } else if (n == 4) {
+    c.push_back({"dp4", {{"dp", 4}}, R, "P()", true});
+    c.push_back({"tp4", {{"tp", 4}}, S, "P(tp)", true});
+    c.push_back({"tp4_stored_whole", {{"tp", 4}}, S, "P()", false});
+    c.push_back({"dp2_tp2", {{"dp", 2}, {"tp", 2}}, S, "P(tp)", true});
+    c.push_back({"fsdp2_tp2_tuple", {{"fsdp", 2}, {"tp", 2}}, S, "P((tp, fsdp))", false});
+    c.push_back({"fsdp2_tp2_fsdp", {{"fsdp", 2}, {"tp", 2}}, S, "P(fsdp)", false});
+    c.push_back({"dp2_fsdp2", {{"dp", 2}, {"fsdp", 2}}, R, "P(fsdp)", false});
+    c.push_back({"dp2_tp2_features_whole", {{"dp", 2}, {"tp", 2}}, R, "P()", true});
+  }
+  return c;
+}
+
+// ---- one layer on one mesh ------------------------------------------------------------------
+enum class Mode { now, later, buckets };
+const char* mode_name(Mode m) {
+  return m == Mode::now ? "now" : m == Mode::later ? "later" : "buckets";
+}
+
+struct Result {
+  Tensor y, dx;                  // this rank's block [rows, cols] of the global output / input grad
+  Tensor dscale, dbias;          // full gradients
+  Tensor scale_init, bias_init;  // full parameters after initialize_parameters()
+  int64_t first_row = 0, rows = 0, offset = 0, cols = 0;
+  bool direct = false, defers = false;
+  Tensor partial_dscale;  // deferring layer in Mode::later: the gradient before reduce_gradients
+  int64_t allocations = -1;
+};
+
+int64_t g_allocations = 0;
+void count_allocation(const Kokkos::Profiling::SpaceHandle, const char*, const void*,
+                      const uint64_t) {
+  ++g_allocations;
+}
+
+Matrix device_block(const Tensor& full, int64_t first_row, int64_t rows, int64_t offset,
+                    int64_t cols, const std::string& label) {
+  Matrix m(label, rows, cols);
+  auto h = Kokkos::create_mirror_view(m);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j)
+      h(i, j) = static_cast<float>(full[(first_row + i) * kWidth + offset + j]);
+  Kokkos::deep_copy(m, h);
+  return m;
+}
+
+Tensor host_matrix(MatrixView m) {
+  Matrix copy("copy", m.extent(0), m.extent(1));
+  Kokkos::deep_copy(copy, m);
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), copy);
+  Tensor t(m.extent(0) * m.extent(1));
+  for (size_t i = 0; i < m.extent(0); ++i)
+    for (size_t j = 0; j < m.extent(1); ++j) t[i * m.extent(1) + j] = h(i, j);
+  return t;
+}
+
+void fill_block(ShardedTensor& t, const Tensor& full) {
+  auto h = Kokkos::create_mirror_view(t.local);
+  for (size_t k = 0; k < h.extent(0); ++k) h(k) = static_cast<float>(full[t.box.offset[0] + k]);
+  Kokkos::deep_copy(t.local, h);
+}
+
+// Builds the norm on `comms`' mesh, runs forward and backward once (and a second time counting
+// allocations), returns what it computed. `world` gathers the full gradients (collective).
+Result run_norm(NormKind kind, const NormCase& c, MeshCommunicators& comms, const Data& d,
+                Mode mode, const MixedPrecision& precision, bool gather_over_world) {
+  const Mesh& mesh = comms.mesh();
+  ParallelContext context(comms, {"fsdp", "dp"}, "tp");
+  context.set_precision(precision);
+  const int rank = comms.rank();
+  const PartitionSpec spec = PartitionSpec::parse(c.spec);
+  const std::string prefix = "blocks/0/norm";
+  const auto shapes = norm_parameter_shapes(kind, prefix, kWidth);
+  std::vector<ShardedTensor> values, grads;
+  for (const auto& s : shapes) {
+    values.push_back(ShardedTensor::allocate(s.name, s.shape, spec, mesh, rank));
+    grads.push_back(ShardedTensor::allocate(s.name, s.shape, spec, mesh, rank));
+  }
+  const int64_t rows = kBatch / context.batch_parallel();
+  ParameterRef scale{&values[0], &grads[0]};
+  ParameterRef bias =
+      kind == NormKind::layernorm ? ParameterRef{&values[1], &grads[1]} : ParameterRef{};
+  FeatureNorm layer(kind, prefix, scale, bias, c.layout, rows, context,
+                    kind == NormKind::layernorm ? kLayerNormEps : kRmsNormEps);
+
+  Result r;
+  layer.initialize_parameters();
+  auto full = [&](const ShardedTensor& t) {
+    return gather_over_world ? gather_full(t, mesh, rank) : to_host(t);
+  };
+  r.scale_init = full(values[0]);
+  if (kind == NormKind::layernorm) r.bias_init = full(values[1]);
+  fill_block(values[0], d.scale);
+  if (kind == NormKind::layernorm) fill_block(values[1], d.bias);
+
+  r.first_row = context.batch_index() * rows;
+  r.rows = rows;
+  r.offset = layer.output_offset();
+  r.cols = layer.output_width();
+  r.direct = layer.direct_gradients();
+  r.defers = layer.deferred_reduction_group() != nullptr;
+  const Matrix x = device_block(d.x, r.first_row, rows, r.offset, r.cols, "x");
+  const Matrix dy = device_block(d.dy, r.first_row, rows, r.offset, r.cols, "dy");
+  // The layer may not change dy (the model's input gradient of the next layer).
+  GradientBuckets buckets;
+  if (mode == Mode::buckets) {
+    buckets = GradientBuckets({layer.bucket_gradients()}, 25.0, precision.reduce);
+  }
+  LayerPass pass;
+  pass.deferred = mode == Mode::now     ? DeferredReduction::now
+                  : mode == Mode::later ? DeferredReduction::later
+                  : buckets.empty()     ? DeferredReduction::now
+                                        : DeferredReduction::in_buckets;
+  pass.buckets = &buckets;
+  pass.index = 0;
+
+  auto step = [&]() -> MatrixView {
+    layer.forward(x, LayerPass{});
+    MatrixView dx = layer.backward(dy, true, pass);
+    if (pass.deferred == DeferredReduction::in_buckets) buckets.wait_all();
+    return dx;
+  };
+  MatrixView dx = step();
+  if (mode == Mode::later && r.defers) r.partial_dscale = to_host(grads[0]);
+  if (mode == Mode::later) layer.reduce_gradients();
+  r.y = host_matrix(layer.output());
+  r.dx = host_matrix(dx);
+  r.dscale = full(grads[0]);
+  if (kind == NormKind::layernorm) r.dbias = full(grads[1]);
+
+  g_allocations = 0;
+  Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
+  step();
+  if (mode == Mode::later) layer.reduce_gradients();
+  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+  r.allocations = g_allocations;
+  return r;
+}
+
+Tensor block_of(const Tensor& full, const Result& r) {
+  Tensor t(r.rows * r.cols);
+  for (int64_t i = 0; i < r.rows; ++i)
+    for (int64_t j = 0; j < r.cols; ++j)
+      t[i * r.cols + j] = full[(r.first_row + i) * kWidth + r.offset + j];
+  return t;
+}
+
+// ---- tests -----------------------------------------------------------------------------------
+TEST(Norm, ParameterShapesAndEps) {
+  const auto ln = norm_parameter_shapes(NormKind::layernorm, "blocks/3/norm", 8);
+  ASSERT_EQ(ln.size(), 2u);
+  EXPECT_EQ(ln[0].name, "blocks/3/norm/scale");
+  EXPECT_EQ(ln[1].name, "blocks/3/norm/bias");
+  EXPECT_EQ(ln[1].shape, (std::vector<int64_t>{8}));
+  const auto rms = norm_parameter_shapes(NormKind::rmsnorm, "n", 8);
+  ASSERT_EQ(rms.size(), 1u);
+  EXPECT_EQ(rms[0].name, "n/scale");
+  EXPECT_EQ(kLayerNormEps, 1e-5f);
+  EXPECT_EQ(kRmsNormEps, std::ldexp(1.0f, -23));  // torch.finfo(torch.float32).eps
+}
+
+TEST(Norm, BadShapesAreBadInput) {
+  const Mesh mesh = Mesh::create({{"tp", world_size()}}, world_size());
+  MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+  ParallelContext context(comms, {"fsdp", "dp"}, "tp");
+  ShardedTensor matrix = ShardedTensor::allocate("n/scale", {4, 4}, PartitionSpec(), mesh, 0);
+  ShardedTensor s = ShardedTensor::allocate("n/scale", {6}, PartitionSpec(), mesh, 0);
+  ShardedTensor b = ShardedTensor::allocate("n/bias", {5}, PartitionSpec(), mesh, 0);
+  testing::expect_bad_input(
+      [&] {
+        RMSNorm("n", {&matrix, &matrix}, FeatureLayout::replicated, 2, context);
+      },
+      {"norm 'n'", "n/scale", "vector"});
+  testing::expect_bad_input(
+      [&] {
+        LayerNorm("n", {&s, &s}, {&b, &b}, FeatureLayout::replicated, 2, context);
+      },
+      {"norm 'n'", "n/bias", "width 6"});
+  if (world_size() == 4) {  // 6 features do not split over tp = 4
+    testing::expect_bad_input(
+        [&] {
+          RMSNorm("n", {&s, &s}, FeatureLayout::split, 2, context);
+        },
+        {"norm 'n'", "6 features", "'tp' of size 4"});
+  }
+}
+
+// fp32: every mesh, both norms, both data sets, every reduction mode.
+TEST(Norm, EveryMeshEqualsFloat64ReferenceAndOneRank) {
+  MeshCommunicators single(Mesh::single(), MPI_COMM_SELF);
+  for (const NormCase& c : cases_for(world_size())) {
+    const Mesh mesh = Mesh::create(c.mesh, world_size());
+    MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+    for (NormKind kind : {NormKind::layernorm, NormKind::rmsnorm}) {
+      for (bool offset : {false, true}) {
+        const Data d = make_data(offset);
+        const Reference ref = reference(kind, d);
+        const NormCase whole{"one rank", {}, FeatureLayout::replicated, "P()", true};
+        const Result one = run_norm(kind, whole, single, d, Mode::now, {}, false);
+        for (Mode mode : {Mode::now, Mode::later, Mode::buckets}) {
+          SCOPED_TRACE(c.name + " " + to_string(kind) + (offset ? " offset rows" : " N(0,1)") +
+                       " reduce " + mode_name(mode));
+          const Result r = run_norm(kind, c, comms, d, mode, {}, true);
+          EXPECT_EQ(r.direct, c.direct);
+          EXPECT_EQ(r.allocations, 0) << "Kokkos allocations in forward/backward";
+          // scale 1, bias 0 after initialize_parameters().
+          EXPECT_EQ(r.scale_init, Tensor(kWidth, 1.0));
+          if (kind == NormKind::layernorm) EXPECT_EQ(r.bias_init, Tensor(kWidth, 0.0));
+          expect_close(r.y, block_of(ref.y, r), 1e-5, "output vs float64");
+          expect_close(r.dx, block_of(ref.dx, r), 1e-5, "input gradient vs float64");
+          expect_close(r.dscale, ref.dscale, 1e-5, "scale gradient vs float64");
+          expect_close(r.y, block_of(one.y, r), 2e-6, "output vs one rank");
+          expect_close(r.dx, block_of(one.dx, r), 2e-6, "input gradient vs one rank");
+          expect_close(r.dscale, one.dscale, 2e-6, "scale gradient vs one rank");
+          if (kind == NormKind::layernorm) {
+            expect_close(r.dbias, ref.dbias, 1e-5, "bias gradient vs float64");
+            expect_close(r.dbias, one.dbias, 2e-6, "bias gradient vs one rank");
+          }
+          // Deferred: before reduce_gradients() the gradient is this rank's rows only.
+          if (mode == Mode::later && r.defers) {
+            Tensor partial(r.partial_dscale.size(), 0.0);
+            for (int64_t i = 0; i < r.rows; ++i)
+              for (size_t j = 0; j < partial.size(); ++j)
+                partial[j] += ref.dscale_rows[(r.first_row + i) * kWidth + r.offset + j];
+            expect_close(r.partial_dscale, partial, 1e-5, "deferred partial scale gradient");
+          }
+        }
+      }
+    }
+  }
+}
+
+// The statistics really are stable: on offset rows the naive one-pass fp32 variance
+// (E[x^2] - E[x]^2) is off by far more than the tolerance the layer meets above.
+TEST(Norm, OffsetRowsDefeatTheOnePassVariance) {
+  const Data d = make_data(true);
+  double worst = 0.0;
+  for (int64_t i = 0; i < kBatch; ++i) {
+    float s = 0.0f, ss = 0.0f;
+    double mean = 0.0, var = 0.0;
+    for (int64_t j = 0; j < kWidth; ++j) {
+      const float x = static_cast<float>(d.x[i * kWidth + j]);
+      s += x;
+      ss += x * x;
+      mean += d.x[i * kWidth + j];
+    }
+    mean /= kWidth;
+    for (int64_t j = 0; j < kWidth; ++j) {
+      var += (d.x[i * kWidth + j] - mean) * (d.x[i * kWidth + j] - mean);
+    }
+    var /= kWidth;
+    const float m = s / kWidth;
+    const double naive = static_cast<double>(ss / kWidth - m * m);
+    worst = std::max(worst, std::abs(naive - var) / var);
+  }
+  EXPECT_GT(worst, 1e-2) << "the offset rows do not test the variance's stability";
+}
+
+// Mixed precision: both norms on every mesh within the documented rounding bounds.
+TEST(Norm, MixedPrecisionWithinRoundingBounds) {
+  struct Policy {
+    MixedPrecision p;
+    const char* name;
+  };
+  const std::vector<Policy> policies = {{{Dtype::bf16, Dtype::fp32}, "bf16/fp32"},
+                                        {{Dtype::fp16, Dtype::fp32}, "fp16/fp32"},
+                                        {{Dtype::bf16, Dtype::bf16}, "bf16/bf16"}};
+  for (const NormCase& c : cases_for(world_size())) {
+    const Mesh mesh = Mesh::create(c.mesh, world_size());
+    MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+    for (const Policy& policy : policies) {
+      const Dtype p = policy.p.param;
+      const double u_p = p == Dtype::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+      const bool r16 = policy.p.reduce != Dtype::fp32;
+      const double u = std::max(u_p, r16 ? std::ldexp(1.0, -8) : 0.0);
+      for (NormKind kind : {NormKind::layernorm, NormKind::rmsnorm}) {
+        for (bool offset : {false, true}) {
+          SCOPED_TRACE(c.name + " " + to_string(kind) + " " + policy.name +
+                       (offset ? " offset rows" : " N(0,1)"));
+          const Data d = make_data(offset, p);
+          const Reference ref = reference(kind, d, p);
+          const Result r = run_norm(kind, c, comms, d, Mode::buckets, policy.p, true);
+          EXPECT_EQ(r.allocations, 0) << "Kokkos allocations in forward/backward";
+          // Output and input gradient: P values, one rounding from the reference.
+          for (const Tensor* t : {&r.y, &r.dx}) {
+            for (double v : *t) ASSERT_EQ(v, rounded(v, p)) << "not a " << to_string(p) << " value";
+          }
+          const Tensor y_ref = block_of(ref.y, r), dx_ref = block_of(ref.dx, r);
+          Tensor a(y_ref.size());
+          for (size_t k = 0; k < a.size(); ++k) a[k] = u_p * std::abs(y_ref[k]);
+          expect_within(r.y, y_ref, a, 1e-5, "output");
+          for (size_t k = 0; k < a.size(); ++k) a[k] = u_p * std::abs(dx_ref[k]);
+          expect_within(r.dx, dx_ref, a, 1e-5, "input gradient");
+          // Parameter gradients: rounded per rank, summed over the ranks of their reduction.
+          int k_ranks = 1;
+          for (const auto& axis : c.mesh) k_ranks *= axis.second;
+          const double factor = (1.0 + (r16 ? 3.0 * k_ranks : 0.0)) * u;
+          Tensor g(kWidth);
+          for (int64_t j = 0; j < kWidth; ++j) g[j] = factor * ref.abs_dscale[j];
+          expect_within(r.dscale, ref.dscale, g, 1e-5, "scale gradient");
+          if (kind == NormKind::layernorm) {
+            for (int64_t j = 0; j < kWidth; ++j) g[j] = factor * ref.abs_dbias[j];
+            expect_within(r.dbias, ref.dbias, g, 1e-5, "bias gradient");
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace meshtrain
