@@ -21,15 +21,20 @@
 // k ranks in R (one rounding per hop when R is 16-bit):
 //   |got - ref| <= (1 + 3 k [R 16-bit]) * u * sum_i |term_i| + 1e-5 * max |ref|
 // where term_i is row i's contribution (dy * x_hat or dy).
-// Allocation: forward and backward allocate nothing (Kokkos allocation callbacks counted over
-// a second pass, as the MLP step test in units_test.cpp does).
+// Allocation: forward and backward allocate nothing: heap allocations (operator new, replaced
+// here) and Kokkos allocations (the allocate-data callback) counted over a second pass, as
+// tests/train/step_allocations_test.cpp counts a training step; the counter is checked to see
+// allocations (Norm.AllocationCounterSeesAllocations).
 
 #include <gtest/gtest.h>
 #include <mpi.h>
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -42,6 +47,39 @@
 #include "tests/layers/full_tensor.hpp"
 #include "tests/test_backend.hpp"
 #include "tests/test_support.hpp"
+
+// Allocations while g_window_open: the heap (global operator new, replaced in this
+// executable as in tests/train/step_allocations_test.cpp) and Kokkos (allocate callback).
+namespace {
+std::atomic<bool> g_window_open{false};
+std::atomic<long> g_allocations{0};
+void* counted_allocation(std::size_t bytes) {
+  if (g_window_open.load(std::memory_order_relaxed)) {
+    g_allocations.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (void* p = std::malloc(bytes ? bytes : 1)) return p;
+  throw std::bad_alloc();
+}
+}  // namespace
+
+void* operator new(std::size_t bytes) {
+  return counted_allocation(bytes);
+}
+void* operator new[](std::size_t bytes) {
+  return counted_allocation(bytes);
+}
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::size_t) noexcept {
+  std::free(p);
+}
 
 namespace meshtrain {
 namespace {
@@ -228,14 +266,15 @@ struct Result {
   Tensor scale_init, bias_init;  // full parameters after initialize_parameters()
   int64_t first_row = 0, rows = 0, offset = 0, cols = 0;
   bool direct = false, defers = false;
-  Tensor partial_dscale;  // deferring layer in Mode::later: the gradient before reduce_gradients
-  int64_t allocations = -1;
+  Tensor partial_dscale;     // deferring layer in Mode::later: the gradient before reduce_gradients
+  int64_t allocations = -1;  // heap and Kokkos allocations in a second forward + backward
 };
 
-int64_t g_allocations = 0;
 void count_allocation(const Kokkos::Profiling::SpaceHandle, const char*, const void*,
                       const uint64_t) {
-  ++g_allocations;
+  if (g_window_open.load(std::memory_order_relaxed)) {
+    g_allocations.fetch_add(1, std::memory_order_relaxed);
+  }
 }
 
 Matrix device_block(const Tensor& full, int64_t first_row, int64_t rows, int64_t offset,
@@ -335,8 +374,10 @@ Result run_norm(NormKind kind, const NormCase& c, MeshCommunicators& comms, cons
 
   g_allocations = 0;
   Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
+  g_window_open = true;
   step();
   if (mode == Mode::later) layer.reduce_gradients();
+  g_window_open = false;
   Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
   r.allocations = g_allocations;
   return r;
@@ -351,6 +392,21 @@ Tensor block_of(const Tensor& full, const Result& r) {
 }
 
 // ---- tests -----------------------------------------------------------------------------------
+// The counters really count (so the zero counts below can fail).
+TEST(Norm, AllocationCounterSeesAllocations) {
+  g_allocations = 0;
+  Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
+  g_window_open = true;
+  { Vector v("probe", 10); }
+  const long kokkos = g_allocations.exchange(0);
+  { std::vector<double> heap(10); }
+  const long heap = g_allocations.load();
+  g_window_open = false;
+  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+  EXPECT_GE(kokkos, 1);
+  EXPECT_GE(heap, 1);
+}
+
 TEST(Norm, ParameterShapesAndEps) {
   const auto ln = norm_parameter_shapes(NormKind::layernorm, "blocks/3/norm", 8);
   ASSERT_EQ(ln.size(), 2u);
