@@ -26,6 +26,59 @@ std::string axes_text(const std::vector<std::string>& axes) {
   return s + ")";
 }
 
+// Column sums over the rows (fp32, then rounded to `dtype`, as a 16-bit autograd leaves
+// them): dscale(j) = sum_i dy(i, j) x_hat(i, j), dbias(j) = sum_i dy(i, j) (layernorm).
+// x_hat from the statistics [rows, 3] = (m0, delta, rstd) as in forward.
+void norm_column_sums(MatrixView x, MatrixView dy, MatrixView stats, bool layernorm, Dtype dtype,
+                      VectorView dscale, VectorView dbias) {
+  const int64_t rows = static_cast<int64_t>(x.extent(0));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_param_grad"), Rows(0, static_cast<int64_t>(x.extent(1))),
+      KOKKOS_LAMBDA(const int64_t j) {
+        float ss = 0.0f, sb = 0.0f;
+        for (int64_t i = 0; i < rows; ++i) {
+          const float x_hat = layernorm ? ((x(i, j) - stats(i, 0)) - stats(i, 1)) * stats(i, 2)
+                                        : x(i, j) * stats(i, 2);
+          ss += dy(i, j) * x_hat;
+          sb += dy(i, j);
+        }
+        dscale(j) = round_to(ss, dtype);
+        if (layernorm) dbias(j) = round_to(sb, dtype);
+      });
+}
+
+// The same into full-width vectors full = [dscale (width) | dbias (width)]: this rank's
+// columns at [offset, offset + cols), zeros elsewhere.
+void norm_column_sums_full(MatrixView x, MatrixView dy, MatrixView stats, bool layernorm,
+                           Dtype dtype, int64_t offset, int64_t width, VectorView full) {
+  const int64_t rows = static_cast<int64_t>(x.extent(0));
+  const int64_t cols = static_cast<int64_t>(x.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_param_grad_full"), Rows(0, width),
+      KOKKOS_LAMBDA(const int64_t k) {
+        const int64_t j = k - offset;
+        float ss = 0.0f, sb = 0.0f;
+        if (j >= 0 && j < cols) {
+          for (int64_t i = 0; i < rows; ++i) {
+            const float x_hat = layernorm ? ((x(i, j) - stats(i, 0)) - stats(i, 1)) * stats(i, 2)
+                                          : x(i, j) * stats(i, 2);
+            ss += dy(i, j) * x_hat;
+            sb += dy(i, j);
+          }
+        }
+        full(k) = round_to(ss, dtype);
+        if (layernorm) full(width + k) = round_to(sb, dtype);
+      });
+}
+
+// block = full[from : from + block.extent(0)]
+void copy_from(VectorView full, int64_t from, VectorView block) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_param_grad_block"),
+      Rows(0, static_cast<int64_t>(block.extent(0))),
+      KOKKOS_LAMBDA(const int64_t j) { block(j) = full(from + j); });
+}
+
 }  // namespace
 
 const char* to_string(NormKind kind) {
@@ -298,32 +351,12 @@ MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const Laye
 }
 
 void FeatureNorm::parameter_gradients(MatrixView dy, const LayerPass& pass) {
-  const MatrixView x = x_;
-  const int64_t rows = rows_;
-  const int64_t cols = local_width_;
-  const int64_t offset = offset_;
-  const Dtype dtype = compute_dtype_;
-  const Matrix stats = stats_;
   const bool layernorm = kind_ == NormKind::layernorm;
-  // Column sums over this rank's rows: dscale = sum dy * x_hat, dbias = sum dy (fp32, then
-  // rounded to the compute dtype, as a 16-bit autograd leaves them).
   if (direct_) {
-    const VectorView dscale(params_[0].ref.grad->local.data(), static_cast<size_t>(cols));
+    const VectorView dscale(params_[0].ref.grad->local.data(), static_cast<size_t>(local_width_));
     const VectorView dbias(layernorm ? params_[1].ref.grad->local.data() : nullptr,
-                           layernorm ? static_cast<size_t>(cols) : 0);
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::norm_param_grad"), Rows(0, cols),
-        KOKKOS_LAMBDA(const int64_t j) {
-          float ss = 0.0f, sb = 0.0f;
-          for (int64_t i = 0; i < rows; ++i) {
-            const float x_hat = layernorm ? ((x(i, j) - stats(i, 0)) - stats(i, 1)) * stats(i, 2)
-                                          : x(i, j) * stats(i, 2);
-            ss += dy(i, j) * x_hat;
-            sb += dy(i, j);
-          }
-          dscale(j) = round_to(ss, dtype);
-          if (layernorm) dbias(j) = round_to(sb, dtype);
-        });
+                           layernorm ? static_cast<size_t>(local_width_) : 0);
+    norm_column_sums(x_, dy, stats_, layernorm, compute_dtype_, dscale, dbias);
     // DP buckets or a later all-reduce take it from here when the layer defers.
     if (defers_ && pass.deferred != DeferredReduction::now) return;
     if (batch_comm_) {
@@ -336,32 +369,13 @@ void FeatureNorm::parameter_gradients(MatrixView dy, const LayerPass& pass) {
   }
   // Full-width vectors [scale | bias], zero outside this rank's columns, summed over the
   // batch axes (and the feature axis when split); then each stored block is kept.
-  const int64_t width = width_;
   const VectorView full(full_grad_.data(), full_grad_.extent(0));
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::norm_param_grad_full"), Rows(0, width),
-      KOKKOS_LAMBDA(const int64_t k) {
-        const int64_t j = k - offset;
-        float ss = 0.0f, sb = 0.0f;
-        if (j >= 0 && j < cols) {
-          for (int64_t i = 0; i < rows; ++i) {
-            const float x_hat = layernorm ? ((x(i, j) - stats(i, 0)) - stats(i, 1)) * stats(i, 2)
-                                          : x(i, j) * stats(i, 2);
-            ss += dy(i, j) * x_hat;
-            sb += dy(i, j);
-          }
-        }
-        full(k) = round_to(ss, dtype);
-        if (layernorm) full(width + k) = round_to(sb, dtype);
-      });
+  norm_column_sums_full(x_, dy, stats_, layernorm, compute_dtype_, offset_, width_, full);
   if (reduce_comm_) reduce_comm_->all_reduce(full, ReduceOp::sum, reduce_dtype_);
   for (size_t q = 0; q < params_.size(); ++q) {
-    const Vector grad = params_[q].ref.grad->local;
-    const int64_t from = static_cast<int64_t>(q) * width + params_[q].stored_offset;
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::norm_param_grad_block"),
-        Rows(0, static_cast<int64_t>(grad.extent(0))),
-        KOKKOS_LAMBDA(const int64_t j) { grad(j) = full(from + j); });
+    const Vector& grad = params_[q].ref.grad->local;
+    copy_from(full, static_cast<int64_t>(q) * width_ + params_[q].stored_offset,
+              VectorView(grad.data(), grad.extent(0)));
   }
 }
 
