@@ -15,11 +15,12 @@
 // difference is the order of fp32 sums over ranks).
 // Mixed precision {bf16, fp32}, {fp16, fp32}, {bf16, bf16}: x and dy are given as 16-bit
 // values, the reference uses the 16-bit scale and bias; u = 2^-8 (bf16) / 2^-11 (fp16) is the
-// unit roundoff. The output and the input gradient are rounded once:
-//   |got - ref| <= u * |ref| + 1e-5 * max |ref|   (elementwise)
+// unit roundoff, s = half the spacing of its subnormals (fp16 2^-25, bf16 2^-134). The output
+// and the input gradient are rounded once:
+//   |got - ref| <= u * |ref| + s + 1e-5 * max |ref|   (elementwise)
 // The parameter gradients are fp32 column sums rounded to P on every rank, then summed over
 // k ranks in R (one rounding per hop when R is 16-bit):
-//   |got - ref| <= (1 + 3 k [R 16-bit]) * u * sum_i |term_i| + 1e-5 * max |ref|
+//   |got - ref| <= (1 + 3 k [R 16-bit]) * u * sum_i |term_i| + (k + 1) s + 1e-5 * max |ref|
 // where term_i is row i's contribution (dy * x_hat or dy).
 // Allocation: forward and backward allocate nothing: heap allocations (operator new, replaced
 // here) and Kokkos allocations (the allocate-data callback) counted over a second pass, as
@@ -250,6 +251,10 @@ std::vector<NormCase> cases_for(int n) {
     c.push_back({"fsdp2_tp2_fsdp", {{"fsdp", 2}, {"tp", 2}}, S, "P(fsdp)", false});
     c.push_back({"dp2_fsdp2", {{"dp", 2}, {"fsdp", 2}}, R, "P(fsdp)", false});
     c.push_back({"dp2_tp2_features_whole", {{"dp", 2}, {"tp", 2}}, R, "P()", true});
+  } else if (n == 8) {
+    c.push_back({"dp2_tp4", {{"dp", 2}, {"tp", 4}}, S, "P(tp)", true});
+    c.push_back({"fsdp2_tp4_tuple", {{"fsdp", 2}, {"tp", 4}}, S, "P((tp, fsdp))", false});
+    c.push_back({"dp2_fsdp2_tp2", {{"dp", 2}, {"fsdp", 2}, {"tp", 2}}, S, "P(tp)", true});
   }
   return c;
 }
@@ -266,6 +271,7 @@ struct Result {
   Tensor scale_init, bias_init;  // full parameters after initialize_parameters()
   int64_t first_row = 0, rows = 0, offset = 0, cols = 0;
   bool direct = false, defers = false;
+  std::string describe;
   Tensor partial_dscale;     // deferring layer in Mode::later: the gradient before reduce_gradients
   int64_t allocations = -1;  // heap and Kokkos allocations in a second forward + backward
 };
@@ -343,6 +349,7 @@ Result run_norm(NormKind kind, const NormCase& c, MeshCommunicators& comms, cons
   r.cols = layer.output_width();
   r.direct = layer.direct_gradients();
   r.defers = layer.deferred_reduction_group() != nullptr;
+  r.describe = layer.describe();
   const Matrix x = device_block(d.x, r.first_row, rows, r.offset, r.cols, "x");
   const Matrix dy = device_block(d.dy, r.first_row, rows, r.offset, r.cols, "dy");
   // The layer may not change dy (the model's input gradient of the next layer).
@@ -462,7 +469,11 @@ TEST(Norm, EveryMeshEqualsFloat64ReferenceAndOneRank) {
           SCOPED_TRACE(c.name + " " + to_string(kind) + (offset ? " offset rows" : " N(0,1)") +
                        " reduce " + mode_name(mode));
           const Result r = run_norm(kind, c, comms, d, mode, {}, true);
-          EXPECT_EQ(r.direct, c.direct);
+          EXPECT_EQ(r.direct, c.direct) << r.describe;
+          // The statistics are all-reduced over tp exactly when the features are split.
+          const bool split = r.cols < kWidth;
+          EXPECT_EQ(r.describe.find("statistics all-reduced over (tp)") != std::string::npos, split)
+              << r.describe;
           EXPECT_EQ(r.allocations, 0) << "Kokkos allocations in forward/backward";
           // scale 1, bias 0 after initialize_parameters().
           EXPECT_EQ(r.scale_init, Tensor(kWidth, 1.0));
@@ -532,6 +543,8 @@ TEST(Norm, MixedPrecisionWithinRoundingBounds) {
     for (const Policy& policy : policies) {
       const Dtype p = policy.p.param;
       const double u_p = p == Dtype::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+      // Half the spacing of P's subnormals: the rounding error below P's normal range.
+      const double sub = p == Dtype::bf16 ? std::ldexp(1.0, -134) : std::ldexp(1.0, -25);
       const bool r16 = policy.p.reduce != Dtype::fp32;
       const double u = std::max(u_p, r16 ? std::ldexp(1.0, -8) : 0.0);
       for (NormKind kind : {NormKind::layernorm, NormKind::rmsnorm}) {
@@ -548,19 +561,21 @@ TEST(Norm, MixedPrecisionWithinRoundingBounds) {
           }
           const Tensor y_ref = block_of(ref.y, r), dx_ref = block_of(ref.dx, r);
           Tensor a(y_ref.size());
-          for (size_t k = 0; k < a.size(); ++k) a[k] = u_p * std::abs(y_ref[k]);
+          for (size_t k = 0; k < a.size(); ++k) a[k] = u_p * std::abs(y_ref[k]) + sub;
           expect_within(r.y, y_ref, a, 1e-5, "output");
-          for (size_t k = 0; k < a.size(); ++k) a[k] = u_p * std::abs(dx_ref[k]);
+          for (size_t k = 0; k < a.size(); ++k) a[k] = u_p * std::abs(dx_ref[k]) + sub;
           expect_within(r.dx, dx_ref, a, 1e-5, "input gradient");
           // Parameter gradients: rounded per rank, summed over the ranks of their reduction.
           int k_ranks = 1;
           for (const auto& axis : c.mesh) k_ranks *= axis.second;
           const double factor = (1.0 + (r16 ? 3.0 * k_ranks : 0.0)) * u;
           Tensor g(kWidth);
-          for (int64_t j = 0; j < kWidth; ++j) g[j] = factor * ref.abs_dscale[j];
+          for (int64_t j = 0; j < kWidth; ++j)
+            g[j] = factor * ref.abs_dscale[j] + (k_ranks + 1) * sub;
           expect_within(r.dscale, ref.dscale, g, 1e-5, "scale gradient");
           if (kind == NormKind::layernorm) {
-            for (int64_t j = 0; j < kWidth; ++j) g[j] = factor * ref.abs_dbias[j];
+            for (int64_t j = 0; j < kWidth; ++j)
+              g[j] = factor * ref.abs_dbias[j] + (k_ranks + 1) * sub;
             expect_within(r.dbias, ref.dbias, g, 1e-5, "bias gradient");
           }
         }
