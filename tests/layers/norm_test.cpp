@@ -98,7 +98,10 @@ struct Data {
   Tensor x, dy, scale, bias;  // [B, N], [B, N], [N], [N]
 };
 
+// v rounded to `dtype` through float; fp32 leaves a double as it is (the data are float values
+// already; the finite-difference check perturbs them by less than a float's spacing).
 double rounded(double v, Dtype dtype) {
+  if (dtype == Dtype::fp32) return v;
   return static_cast<double>(round_to(static_cast<float>(v), dtype));
 }
 
@@ -114,13 +117,14 @@ Data make_data(bool offset, Dtype dtype = Dtype::fp32) {
     const double shift = offset ? (i % 2 ? -1.0 : 1.0) * 1e3 * (1 + i % 3) : 0.0;
     for (int64_t j = 0; j < kWidth; ++j) {
       const int64_t k = i * kWidth + j;
-      d.x[k] = rounded(shift + counter_normal(kSeed, name_stream("x"), k), dtype);
+      d.x[k] =
+          rounded(static_cast<float>(shift + counter_normal(kSeed, name_stream("x"), k)), dtype);
       d.dy[k] = rounded(counter_normal(kSeed, name_stream("dy"), k), dtype);
     }
   }
   for (int64_t j = 0; j < kWidth; ++j) {
-    d.scale[j] = rounded(1.0 + 0.3 * counter_normal(kSeed, name_stream("scale"), j), Dtype::fp32);
-    d.bias[j] = rounded(0.2 * counter_normal(kSeed, name_stream("bias"), j), Dtype::fp32);
+    d.scale[j] = static_cast<float>(1.0 + 0.3 * counter_normal(kSeed, name_stream("scale"), j));
+    d.bias[j] = static_cast<float>(0.2 * counter_normal(kSeed, name_stream("bias"), j));
   }
   return d;
 }
@@ -499,6 +503,40 @@ TEST(Norm, EveryMeshEqualsFloat64ReferenceAndOneRank) {
         }
       }
     }
+  }
+}
+
+// The reference's backward is the derivative of its forward: central differences in double of
+// L = sum(dy * y) with respect to x, scale and bias (step 1e-5, tolerance 1e-6 * max |grad|).
+TEST(Norm, ReferenceBackwardMatchesFiniteDifferences) {
+  for (NormKind kind : {NormKind::layernorm, NormKind::rmsnorm}) {
+    SCOPED_TRACE(to_string(kind));
+    const Data d = make_data(false);
+    const Reference r = reference(kind, d);
+    auto loss = [&](const Data& e) {
+      const Reference f = reference(kind, e);
+      double l = 0.0;
+      for (size_t k = 0; k < f.y.size(); ++k) l += e.dy[k] * f.y[k];
+      return l;
+    };
+    const double h = 1e-5;
+    auto numeric = [&](Tensor Data::*field, size_t k) {
+      Data plus = d, minus = d;
+      (plus.*field)[k] += h;
+      (minus.*field)[k] -= h;
+      return (loss(plus) - loss(minus)) / (2 * h);
+    };
+    Tensor dx(d.x.size()), dscale(kWidth), dbias(kWidth);
+    for (size_t k = 0; k < d.x.size(); k += 7) dx[k] = numeric(&Data::x, k);
+    for (int64_t j = 0; j < kWidth; ++j) {
+      dscale[j] = numeric(&Data::scale, j);
+      dbias[j] = numeric(&Data::bias, j);
+    }
+    for (size_t k = 0; k < d.x.size(); k += 7) {
+      EXPECT_NEAR(r.dx[k], dx[k], 1e-6 * max_abs(r.dx)) << "dx " << k;
+    }
+    expect_close(dscale, r.dscale, 1e-6, "scale gradient");
+    if (kind == NormKind::layernorm) expect_close(dbias, r.dbias, 1e-6, "bias gradient");
   }
 }
 
