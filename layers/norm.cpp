@@ -20,12 +20,6 @@ Range2 range_of(const MatrixView& m) {
   return Range2({0, 0}, {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))});
 }
 
-std::string axes_text(const std::vector<std::string>& axes) {
-  std::string s = "(";
-  for (size_t i = 0; i < axes.size(); ++i) s += (i ? ", " : "") + axes[i];
-  return s + ")";
-}
-
 // Column sums over the rows (fp32, then rounded to `dtype`, as a 16-bit autograd leaves
 // them): dscale(j) = sum_i dy(i, j) x_hat(i, j), dbias(j) = sum_i dy(i, j) (layernorm).
 // x_hat from the statistics [rows, 3] = (m0, delta, rstd) as in forward.
@@ -81,10 +75,6 @@ void copy_from(VectorView full, int64_t from, VectorView block) {
 
 }  // namespace
 
-const char* to_string(NormKind kind) {
-  return kind == NormKind::layernorm ? "layernorm" : "rmsnorm";
-}
-
 std::vector<ParameterShape> norm_parameter_shapes(NormKind kind, const std::string& prefix,
                                                   int64_t width) {
   std::vector<ParameterShape> shapes = {{prefix + "/scale", {width}}};
@@ -95,8 +85,7 @@ std::vector<ParameterShape> norm_parameter_shapes(NormKind kind, const std::stri
 FeatureNorm::FeatureNorm(NormKind kind, const std::string& name, ParameterRef scale,
                          ParameterRef bias, FeatureLayout layout, int64_t rows,
                          ParallelContext& context, float eps)
-    : kind_(kind),
-      name_(name),
+    : name_(name),
       eps_(eps),
       rows_(rows),
       compute_dtype_(context.precision().param),
@@ -104,112 +93,70 @@ FeatureNorm::FeatureNorm(NormKind kind, const std::string& name, ParameterRef sc
   MESHTRAIN_REQUIRE(scale.value && scale.grad, "norm '", name, "': no scale parameter");
   MESHTRAIN_REQUIRE(kind != NormKind::layernorm || (bias.value && bias.grad), "norm '", name,
                     "': LayerNorm needs a bias parameter");
-  const ShardedTensor& s = *scale.value;
-  if (s.global_shape.size() != 1 || s.global_shape[0] < 1) {
-    MESHTRAIN_BAD_INPUT("norm '", name, "': its scale '", s.name, "' must be a vector [width]");
-  }
-  width_ = s.global_shape[0];
-  if (kind == NormKind::layernorm &&
-      (bias.value->global_shape.size() != 1 || bias.value->global_shape[0] != width_)) {
-    MESHTRAIN_BAD_INPUT("norm '", name, "': its bias '", bias.value->name,
-                        "' must be a vector of the scale's width ", width_);
-  }
   if (!(eps >= 0.0f) || !std::isfinite(eps)) {
     MESHTRAIN_BAD_INPUT("norm '", name, "': eps must be a finite number >= 0, got ", eps);
   }
-
-  const int tp = context.feature_parallel();
-  layout_ = tp > 1 ? layout : FeatureLayout::replicated;
-  const bool split = layout_ == FeatureLayout::split;
-  if (split && width_ % tp != 0) {
-    MESHTRAIN_BAD_INPUT("norm '", name, "': its ", width_,
-                        " features do not split over mesh axis '", context.feature_axis(),
-                        "' of size ", tp);
+  std::vector<ParameterRef> refs = {scale};
+  if (kind == NormKind::layernorm) refs.push_back(bias);
+  std::vector<LinearParameter> specs;
+  for (const ParameterRef& r : refs) {
+    specs.push_back({r.value->name, r.value->global_shape, r.value->spec});
   }
-  local_width_ = split ? width_ / tp : width_;
-  offset_ = split ? context.feature_index() * local_width_ : 0;
+  layout_ = decide_norm_layout(name, kind, specs, context.mesh(),
+                               {context.batch_axes(), context.feature_axis()}, layout);
+  const NormLayout& l = layout_;
+  offset_ = l.layout == FeatureLayout::split ? context.feature_index() * l.local_width : 0;
 
   // Communicators, in the same order on every rank (collective on first use).
-  if (split) {
-    stats_axes_ = {context.feature_axis()};
-    tp_comm_ = context.comm(stats_axes_);
-  }
-  const std::vector<std::string> batch = context.active(context.batch_axes());
-  batch_axes_ = batch;
-  batch_comm_ = context.comm(batch);
-  reduce_axes_ = batch;
-  if (split) reduce_axes_.push_back(context.feature_axis());
-  reduce_comm_ = context.comm(reduce_axes_);
-  params_.push_back(make_param(scale, context));
-  if (kind == NormKind::layernorm) params_.push_back(make_param(bias, context));
-
-  // Direct gradients: every stored block is the compute block.
-  direct_ = true;
-  for (const Param& p : params_) {
-    direct_ =
-        direct_ && p.gather == nullptr && p.stored == local_width_ && p.stored_offset == offset_;
-  }
-  defers_ = direct_ && batch_comm_ != nullptr;
+  tp_comm_ = context.comm(l.stats_axes);
+  grad_comm_ = context.comm(l.grad_reduce);
+  for (size_t k = 0; k < refs.size(); ++k)
+    params_.push_back(make_param(refs[k], l.params[k], context));
 
   // Buffers.
   row_sum_ = Vector(name + "/row_sum", static_cast<size_t>(rows));
   row_sums2_ = Matrix(name + "/row_sums", rows, 2);
   stats_ = Matrix(name + "/statistics", rows, 3);
-  out_ = Matrix(name + "/output", rows, local_width_);
-  dx_ = Matrix(name + "/input_grad", rows, local_width_);
-  if (!direct_) full_grad_ = Vector(name + "/full_grad", params_.size() * width_);
+  out_ = Matrix(name + "/output", rows, l.local_width);
+  dx_ = Matrix(name + "/input_grad", rows, l.local_width);
+  if (!l.direct) full_grad_ = Vector(name + "/full_grad", params_.size() * l.width);
   // 16-bit wires allocate their staging on first use: reserved here instead.
   if (compute_dtype_ != Dtype::fp32) {
     for (const Param& p : params_) {
-      if (p.gather) {
-        p.gather->reserve_wire(static_cast<size_t>(p.stored), p.gathered.extent(0));
-      }
+      if (p.gather) p.gather->reserve_wire(static_cast<size_t>(p.stored), p.gathered.extent(0));
     }
   }
-  if (reduce_dtype_ != Dtype::fp32) {
-    const size_t n = direct_ ? static_cast<size_t>(local_width_) : full_grad_.extent(0);
-    if (Communicator* c = direct_ ? batch_comm_ : reduce_comm_) c->reserve_wire(n, n);
+  if (reduce_dtype_ != Dtype::fp32 && grad_comm_) {
+    const size_t n = l.direct ? static_cast<size_t>(l.local_width) : full_grad_.extent(0);
+    grad_comm_->reserve_wire(n, n);
   }
 }
 
-FeatureNorm::Param FeatureNorm::make_param(ParameterRef ref, ParallelContext& context) {
+FeatureNorm::Param FeatureNorm::make_param(ParameterRef ref, const NormParameterLayout& layout,
+                                           ParallelContext& context) {
   const ShardedTensor& t = *ref.value;
-  const std::vector<std::string> entry = context.active(t.spec.with_rank(1).entries[0].axes);
   Param p;
   p.ref = ref;
   p.stored = t.box.extent[0];
   p.stored_offset = t.box.offset[0];
-  // Split features whose spec starts with the feature axis gather only the rest: the
-  // gathered vector is then the compute block. Otherwise the full vector is gathered.
-  std::vector<std::string> gather = entry;
-  if (layout_ == FeatureLayout::split && !entry.empty() &&
-      entry.front() == context.feature_axis()) {
-    gather.erase(gather.begin());
-    p.gathered_offset = offset_;
-  } else {
-    p.gathered_offset = 0;
-  }
-  if (gather.empty()) p.gathered_offset = p.stored_offset;
-  const int64_t gathered = p.stored * context.mesh().size_of(gather);
-  MESHTRAIN_REQUIRE(
-      p.gathered_offset <= offset_ && offset_ + local_width_ <= p.gathered_offset + gathered,
-      "norm '", name_, "': the gathered block of '", t.name,
-      "' does not cover the layer's features");
-  p.gather = context.comm(gather);
-  if (p.gather) {
-    p.gathered = Vector(t.name + "/gathered", static_cast<size_t>(gathered));
-    for (const auto& a : gather) {
-      if (std::find(gather_axes_.begin(), gather_axes_.end(), a) == gather_axes_.end()) {
-        gather_axes_.push_back(a);
-      }
-    }
-  }
+  MESHTRAIN_REQUIRE(p.stored == layout.stored, "norm '", name_, "': the block of '", t.name,
+                    "' has ", p.stored, " elements, its layout ", layout.stored);
+  // The gathered vector: the compute block when sliced, the stored block when nothing is
+  // gathered, else the full vector.
+  p.gathered_offset =
+      layout.gather_sliced ? offset_ : (layout.gather.empty() ? p.stored_offset : 0);
+  MESHTRAIN_REQUIRE(p.gathered_offset <= offset_ &&
+                        offset_ + layout_.local_width <= p.gathered_offset + layout.gathered,
+                    "norm '", name_, "': the gathered block of '", t.name,
+                    "' does not cover the layer's features");
+  p.gather = context.comm(layout.gather);
+  if (p.gather) p.gathered = Vector(t.name + "/gathered", static_cast<size_t>(layout.gathered));
   return p;
 }
 
 void FeatureNorm::initialize_parameters() {
   Kokkos::deep_copy(params_[0].ref.value->local, 1.0f);
-  if (kind_ == NormKind::layernorm) Kokkos::deep_copy(params_[1].ref.value->local, 0.0f);
+  if (layout_.kind == NormKind::layernorm) Kokkos::deep_copy(params_[1].ref.value->local, 0.0f);
 }
 
 ConstVectorView FeatureNorm::compute_block(Param& p) {
@@ -220,17 +167,18 @@ ConstVectorView FeatureNorm::compute_block(Param& p) {
                          VectorView(p.gathered.data(), p.gathered.extent(0)), compute_dtype_);
     data = p.gathered.data();
   }
-  return ConstVectorView(data + (offset_ - p.gathered_offset), static_cast<size_t>(local_width_));
+  return ConstVectorView(data + (offset_ - p.gathered_offset),
+                         static_cast<size_t>(layout_.local_width));
 }
 
 MatrixView FeatureNorm::forward(MatrixView x, const LayerPass&) {
   MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
-                        static_cast<int64_t>(x.extent(1)) == local_width_,
+                        static_cast<int64_t>(x.extent(1)) == layout_.local_width,
                     "norm '", name_, "': input is [", x.extent(0), ", ", x.extent(1),
-                    "], expected [", rows_, ", ", local_width_, "]");
+                    "], expected [", rows_, ", ", layout_.local_width, "]");
   x_ = x;
-  const int64_t cols = local_width_;
-  const float n = static_cast<float>(width_);
+  const int64_t cols = layout_.local_width;
+  const float n = static_cast<float>(layout_.width);
   const float eps = eps_;
   const Dtype dtype = compute_dtype_;
   const Vector row_sum = row_sum_;
@@ -239,7 +187,7 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass&) {
   const MatrixView y = out_;
   const ConstVectorView scale = compute_block(params_[0]);
 
-  if (kind_ == NormKind::rmsnorm) {
+  if (layout_.kind == NormKind::rmsnorm) {
     Kokkos::parallel_for(
         MESHTRAIN_LABEL("meshtrain::rmsnorm_sum_squares"), Rows(0, rows_),
         KOKKOS_LAMBDA(const int64_t i) {
@@ -305,23 +253,25 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass&) {
 
 MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) {
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == rows_ &&
-                        static_cast<int64_t>(dy.extent(1)) == local_width_,
+                        static_cast<int64_t>(dy.extent(1)) == layout_.local_width,
                     "norm '", name_, "': output gradient is [", dy.extent(0), ", ", dy.extent(1),
-                    "], expected [", rows_, ", ", local_width_, "]");
-  const bool bucketed = defers_ && pass.deferred == DeferredReduction::in_buckets;
+                    "], expected [", rows_, ", ", layout_.local_width, "]");
+  const bool bucketed =
+      layout_.defers_reduction() && pass.deferred == DeferredReduction::in_buckets;
   parameter_gradients(dy, pass);
   if (bucketed) pass.buckets->layer_ready(pass.index);
   if (!need_input_grad) return MatrixView();
 
   const MatrixView x = x_;
-  const int64_t cols = local_width_;
-  const float n = static_cast<float>(width_);
+  const int64_t cols = layout_.local_width;
+  const float n = static_cast<float>(layout_.width);
   const Dtype dtype = compute_dtype_;
-  const Matrix sums2 = row_sums2_;
+  const Vector sum1 = row_sum_;     // RMSNorm: sum g x_hat
+  const Matrix sums2 = row_sums2_;  // LayerNorm: sum g, sum g x_hat
   const Matrix stats = stats_;
   const MatrixView dx = dx_;
   const ConstVectorView scale = compute_block(params_[0]);
-  const bool layernorm = kind_ == NormKind::layernorm;
+  const bool layernorm = layout_.kind == NormKind::layernorm;
   // Row sums of g = dy * scale and of g * x_hat (fp32), over all features.
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::norm_backward_row_sums"), Rows(0, rows_),
@@ -334,35 +284,43 @@ MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const Laye
           sg += g;
           sgx += g * x_hat;
         }
-        sums2(i, 0) = layernorm ? sg : 0.0f;
-        sums2(i, 1) = sgx;
+        if (layernorm) {
+          sums2(i, 0) = sg;
+          sums2(i, 1) = sgx;
+        } else {
+          sum1(i) = sgx;
+        }
       });
-  if (tp_comm_) tp_comm_->all_reduce(MatrixView(sums2.data(), sums2.extent(0), 2));
+  if (tp_comm_ && layernorm) tp_comm_->all_reduce(MatrixView(sums2.data(), sums2.extent(0), 2));
+  if (tp_comm_ && !layernorm) tp_comm_->all_reduce(VectorView(sum1.data(), sum1.extent(0)));
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::norm_input_grad"), range_of(dx),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
         const float m0 = stats(i, 0), delta = stats(i, 1), rstd = stats(i, 2);
         const float g = dy(i, j) * round_to(scale(j), dtype);
         const float x_hat = layernorm ? ((x(i, j) - m0) - delta) * rstd : x(i, j) * rstd;
-        dx(i, j) = round_to(rstd * (g - sums2(i, 0) / n - x_hat * (sums2(i, 1) / n)), dtype);
+        const float mean_g = layernorm ? sums2(i, 0) / n : 0.0f;
+        const float mean_gx = (layernorm ? sums2(i, 1) : sum1(i)) / n;
+        dx(i, j) = round_to(rstd * (g - mean_g - x_hat * mean_gx), dtype);
       });
   if (bucketed) pass.buckets->poll();
   return dx;
 }
 
 void FeatureNorm::parameter_gradients(MatrixView dy, const LayerPass& pass) {
-  const bool layernorm = kind_ == NormKind::layernorm;
-  if (direct_) {
-    const VectorView dscale(params_[0].ref.grad->local.data(), static_cast<size_t>(local_width_));
+  const bool layernorm = layout_.kind == NormKind::layernorm;
+  if (layout_.direct) {
+    const VectorView dscale(params_[0].ref.grad->local.data(),
+                            static_cast<size_t>(layout_.local_width));
     const VectorView dbias(layernorm ? params_[1].ref.grad->local.data() : nullptr,
-                           layernorm ? static_cast<size_t>(local_width_) : 0);
+                           layernorm ? static_cast<size_t>(layout_.local_width) : 0);
     norm_column_sums(x_, dy, stats_, layernorm, compute_dtype_, dscale, dbias);
     // DP buckets or a later all-reduce take it from here when the layer defers.
-    if (defers_ && pass.deferred != DeferredReduction::now) return;
-    if (batch_comm_) {
+    if (layout_.defers_reduction() && pass.deferred != DeferredReduction::now) return;
+    if (grad_comm_) {
       for (Param& p : params_) {
-        batch_comm_->all_reduce(VectorView(p.ref.grad->local.data(), p.ref.grad->local.extent(0)),
-                                ReduceOp::sum, reduce_dtype_);
+        grad_comm_->all_reduce(VectorView(p.ref.grad->local.data(), p.ref.grad->local.extent(0)),
+                               ReduceOp::sum, reduce_dtype_);
       }
     }
     return;
@@ -370,20 +328,20 @@ void FeatureNorm::parameter_gradients(MatrixView dy, const LayerPass& pass) {
   // Full-width vectors [scale | bias], zero outside this rank's columns, summed over the
   // batch axes (and the feature axis when split); then each stored block is kept.
   const VectorView full(full_grad_.data(), full_grad_.extent(0));
-  norm_column_sums_full(x_, dy, stats_, layernorm, compute_dtype_, offset_, width_, full);
-  if (reduce_comm_) reduce_comm_->all_reduce(full, ReduceOp::sum, reduce_dtype_);
+  norm_column_sums_full(x_, dy, stats_, layernorm, compute_dtype_, offset_, layout_.width, full);
+  if (grad_comm_) grad_comm_->all_reduce(full, ReduceOp::sum, reduce_dtype_);
   for (size_t q = 0; q < params_.size(); ++q) {
     const Vector& grad = params_[q].ref.grad->local;
-    copy_from(full, static_cast<int64_t>(q) * width_ + params_[q].stored_offset,
+    copy_from(full, static_cast<int64_t>(q) * layout_.width + params_[q].stored_offset,
               VectorView(grad.data(), grad.extent(0)));
   }
 }
 
 void FeatureNorm::reduce_gradients() {
-  if (!defers_) return;
+  if (!layout_.defers_reduction()) return;
   for (Param& p : params_) {
-    batch_comm_->all_reduce(VectorView(p.ref.grad->local.data(), p.ref.grad->local.extent(0)),
-                            ReduceOp::sum, reduce_dtype_);
+    grad_comm_->all_reduce(VectorView(p.ref.grad->local.data(), p.ref.grad->local.extent(0)),
+                           ReduceOp::sum, reduce_dtype_);
   }
 }
 
@@ -398,21 +356,7 @@ LayerGradients FeatureNorm::bucket_gradients() const {
 }
 
 std::string FeatureNorm::describe() const {
-  std::ostringstream s;
-  s << name_ << ": " << to_string(kind_) << " " << width_ << " features";
-  if (layout_ == FeatureLayout::split) {
-    s << " (split " << local_width_ << " over " << stats_axes_.front()
-      << "), statistics all-reduced over " << axes_text(stats_axes_);
-  }
-  if (!gather_axes_.empty()) s << ", parameters gathered over " << axes_text(gather_axes_);
-  if (direct_) {
-    if (batch_comm_) {
-      s << ", grads all-reduced over " << axes_text(batch_axes_);
-    }
-  } else if (reduce_comm_) {
-    s << ", full-width grads all-reduced over " << axes_text(reduce_axes_);
-  }
-  return s.str();
+  return name_ + ": " + describe_norm_layout(layout_);
 }
 
 }  // namespace meshtrain

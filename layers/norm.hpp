@@ -27,6 +27,9 @@
 //   RMSNorm    dx = rstd * (g - x_hat * sum(g * x_hat) / N)                ([rows] sums)
 //   dscale = column sums over the rows of dy * x_hat, dbias = column sums of dy.
 //
+// What is split, gathered and reduced where is decided by decide_norm_layout
+// (partition/norm_layout.hpp) from the parameters' specs; norm_step_collectives lists the
+// step's collectives from the same decision (for a plan).
 // Parameters: scale [N] and bias [N], named by the caller (e.g. "blocks/<i>/norm/scale"),
 // stored under any 1-D spec (whole, split over tp like the features, over fsdp, ...). The
 // compute block (the layer's columns) comes as Linear's bias does: all-gathered over the
@@ -59,12 +62,10 @@
 #include "framework/core/sharded_tensor.hpp"
 #include "layers/context.hpp"
 #include "layers/layer.hpp"
-#include "partition/planner.hpp"  // ParameterShape
+#include "partition/norm_layout.hpp"  // NormKind, NormLayout (the decision, also for the plan)
+#include "partition/planner.hpp"      // ParameterShape
 
 namespace meshtrain {
-
-enum class NormKind { layernorm, rmsnorm };
-const char* to_string(NormKind kind);  // "layernorm", "rmsnorm"
 
 constexpr float kLayerNormEps = 1e-5f;            // torch.nn.LayerNorm's default
 constexpr float kRmsNormEps = 1.1920928955e-07f;  // 2^-23, torch.finfo(torch.float32).eps
@@ -92,9 +93,9 @@ class FeatureNorm : public Layer {
   // (owned by the layer). pass.deferred applies when deferred_reduction_group() != nullptr.
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
 
-  size_t parameter_count() const override { return kind_ == NormKind::layernorm ? 2 : 1; }
+  size_t parameter_count() const override { return layout_.params.size(); }
   Communicator* deferred_reduction_group() const override {
-    return defers_ ? batch_comm_ : nullptr;
+    return layout_.defers_reduction() ? grad_comm_ : nullptr;
   }
   LayerGradients bucket_gradients() const override;
   void reduce_gradients() override;
@@ -102,15 +103,16 @@ class FeatureNorm : public Layer {
   // scale = 1, bias = 0 in this rank's blocks (the same global tensors on every mesh).
   void initialize_parameters();
 
-  NormKind kind() const { return kind_; }
+  NormKind kind() const { return layout_.kind; }
   float eps() const { return eps_; }
-  int64_t width() const { return width_; }  // global features
+  int64_t width() const { return layout_.width; }  // global features
+  const NormLayout& layout() const { return layout_; }
   // Whether the gradients go straight into their stored blocks (see the top of this file).
-  bool direct_gradients() const { return direct_; }
+  bool direct_gradients() const { return layout_.direct; }
 
   MatrixView output() const override { return out_; }
-  FeatureLayout output_layout() const override { return layout_; }
-  int64_t output_width() const override { return local_width_; }
+  FeatureLayout output_layout() const override { return layout_.layout; }
+  int64_t output_width() const override { return layout_.local_width; }
   int64_t output_offset() const override { return offset_; }
   // "blocks/0/norm: layernorm 256 features (split 64 over tp), statistics all-reduced over
   // (tp), parameters gathered over (fsdp), grads all-reduced over (fsdp, dp)".
@@ -125,26 +127,21 @@ class FeatureNorm : public Layer {
     int64_t gathered_offset = 0;  // global index of the gathered (or stored) vector's first
     Vector gathered;              // [stored * gather size] when gathered
   };
-  Param make_param(ParameterRef ref, ParallelContext& context);
+  Param make_param(ParameterRef ref, const NormParameterLayout& layout, ParallelContext& context);
   // The compute block [local_width] of `p` (gathered in the compute dtype when it must be).
   ConstVectorView compute_block(Param& p);
   void parameter_gradients(MatrixView dy, const LayerPass& pass);
 
-  NormKind kind_;
+  NormLayout layout_;  // decide_norm_layout: what is split, gathered and reduced where
   std::string name_;
   float eps_;
-  int64_t width_ = 0, local_width_ = 0, offset_ = 0, rows_ = 0;
-  FeatureLayout layout_ = FeatureLayout::replicated;
+  int64_t offset_ = 0, rows_ = 0;
   Dtype compute_dtype_ = Dtype::fp32;
   Dtype reduce_dtype_ = Dtype::fp32;
   std::vector<Param> params_;  // scale, then bias (LayerNorm)
 
-  Communicator* tp_comm_ = nullptr;      // the statistics' all-reduce (split features)
-  Communicator* batch_comm_ = nullptr;   // direct gradients' all-reduce
-  Communicator* reduce_comm_ = nullptr;  // full gradients' all-reduce (batch + tp if split)
-  std::vector<std::string> stats_axes_, batch_axes_, reduce_axes_, gather_axes_;
-  bool direct_ = false;
-  bool defers_ = false;
+  Communicator* tp_comm_ = nullptr;    // the statistics' all-reduces (split features)
+  Communicator* grad_comm_ = nullptr;  // the gradients' all-reduce (layout_.grad_reduce)
 
   MatrixView x_;      // the input of the last forward
   Vector row_sum_;    // [rows]     first pass (sum x, or sum x^2)

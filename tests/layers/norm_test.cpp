@@ -45,6 +45,7 @@
 #include "layers/context.hpp"
 #include "layers/gradient_buckets.hpp"
 #include "layers/norm.hpp"
+#include "partition/norm_layout.hpp"
 #include "tests/layers/full_tensor.hpp"
 #include "tests/test_backend.hpp"
 #include "tests/test_support.hpp"
@@ -429,6 +430,80 @@ TEST(Norm, ParameterShapesAndEps) {
   EXPECT_EQ(rms[0].name, "n/scale");
   EXPECT_EQ(kLayerNormEps, 1e-5f);
   EXPECT_EQ(kRmsNormEps, std::ldexp(1.0f, -23));  // torch.finfo(torch.float32).eps
+}
+
+// The layout decision and the collectives it lists per step (what a plan reports), on meshes
+// built without MPI: fp32 and bf16 parameters (2-byte gathers; statistics stay 4 bytes).
+TEST(NormLayout, DecisionAndCollectivesPerStep) {
+  const LayerAxes axes{{"fsdp", "dp"}, "tp"};
+  auto params = [](NormKind kind, const std::string& spec) {
+    std::vector<LinearParameter> p = {{"n/scale", {32}, PartitionSpec::parse(spec)}};
+    if (kind == NormKind::layernorm) p.push_back({"n/bias", {32}, PartitionSpec::parse(spec)});
+    return p;
+  };
+  auto text = [](const std::vector<LayerCollective>& cs) {
+    std::string t;
+    for (const auto& c : cs) {
+      t += c.phase + " " + to_string(c.kind) + " " + c.operand + " " + format_shape(c.shape) +
+           " x" + std::to_string(c.element_bytes) + " over " + std::to_string(c.ranks) + "; ";
+    }
+    return t;
+  };
+  const Mesh dp2 = Mesh::create({{"dp", 2}}, 2);
+  const NormLayout a =
+      decide_norm_layout("n", NormKind::layernorm, params(NormKind::layernorm, "P()"), dp2, axes,
+                         FeatureLayout::replicated);
+  EXPECT_TRUE(a.direct);
+  EXPECT_TRUE(a.defers_reduction());
+  EXPECT_EQ(describe_norm_layout(a), "layernorm 32 features, grads all-reduced over (dp)");
+  EXPECT_EQ(text(norm_step_collectives(a, dp2, 8, true, 4)),
+            "backward all-reduce scale gradient [32] x4 over 2; "
+            "backward all-reduce bias gradient [32] x4 over 2; ");
+
+  const Mesh tp2 = Mesh::create({{"tp", 2}}, 2);
+  const NormLayout b = decide_norm_layout(
+      "n", NormKind::rmsnorm, params(NormKind::rmsnorm, "P(tp)"), tp2, axes, FeatureLayout::split);
+  EXPECT_TRUE(b.direct);
+  EXPECT_FALSE(b.defers_reduction());  // no batch axis: nothing to reduce
+  EXPECT_EQ(b.local_width, 16);
+  EXPECT_EQ(text(norm_step_collectives(b, tp2, 8, true, 4)),
+            "forward all-reduce row sums [8] x4 over 2; "
+            "backward all-reduce gradient row sums [8] x4 over 2; ");
+
+  const Mesh fsdp_tp = Mesh::create({{"fsdp", 2}, {"tp", 2}}, 4);
+  const NormLayout c =
+      decide_norm_layout("n", NormKind::layernorm, params(NormKind::layernorm, "P(fsdp)"), fsdp_tp,
+                         axes, FeatureLayout::split);
+  EXPECT_FALSE(c.direct);
+  EXPECT_EQ(describe_norm_layout(c),
+            "layernorm 32 features (split 16 over tp), statistics all-reduced over (tp), "
+            "parameters gathered over (fsdp), full-width grads all-reduced over (fsdp, tp)");
+  EXPECT_EQ(text(norm_step_collectives(c, fsdp_tp, 8, true, 4, {Dtype::bf16, Dtype::fp32})),
+            "forward all-gather scale [32] x2 over 2; forward all-gather bias [32] x2 over 2; "
+            "forward all-reduce row sums [8] x4 over 2; "
+            "forward all-reduce centered row sums [8, 2] x4 over 2; "
+            "backward all-reduce scale and bias gradients [64] x4 over 4; "
+            "backward all-gather scale [32] x2 over 2; "
+            "backward all-reduce gradient row sums [8, 2] x4 over 2; ");
+  // (tp, fsdp): sliced by tp, then gathered over fsdp to the 16 features of the rank.
+  const NormLayout d =
+      decide_norm_layout("n", NormKind::rmsnorm, params(NormKind::rmsnorm, "P((tp, fsdp))"),
+                         fsdp_tp, axes, FeatureLayout::split);
+  ASSERT_EQ(d.params.size(), 1u);
+  EXPECT_TRUE(d.params[0].gather_sliced);
+  EXPECT_EQ(d.params[0].gather, (std::vector<std::string>{"fsdp"}));
+  EXPECT_EQ(d.params[0].stored, 8);
+  EXPECT_EQ(d.params[0].gathered, 16);
+  // Rows unknown (0): only the parameter collectives; no input gradient: no second gather.
+  EXPECT_EQ(text(norm_step_collectives(d, fsdp_tp, 0, false, 4)),
+            "forward all-gather scale [16] x4 over 2; "
+            "backward all-reduce scale gradient [32] x4 over 4; ");
+  testing::expect_bad_input(
+      [&] {
+        decide_norm_layout("n", NormKind::layernorm, params(NormKind::rmsnorm, "P()"), dp2, axes,
+                           FeatureLayout::replicated);
+      },
+      {"norm 'n'", "2 parameters"});
 }
 
 TEST(Norm, BadShapesAreBadInput) {
