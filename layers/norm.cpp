@@ -15,6 +15,10 @@ namespace {
 
 using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 using Rows = Kokkos::RangePolicy<>;
+// Row reductions: one team per row, its threads over the row's columns (coalesced on a GPU;
+// a team of one thread, the plain loop, on a host backend).
+using RowTeams = Kokkos::TeamPolicy<>;
+using RowTeam = RowTeams::member_type;
 
 Range2 range_of(const MatrixView& m) {
   return Range2({0, 0}, {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))});
@@ -189,11 +193,14 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass&) {
 
   if (layout_.kind == NormKind::rmsnorm) {
     Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::rmsnorm_sum_squares"), Rows(0, rows_),
-        KOKKOS_LAMBDA(const int64_t i) {
+        MESHTRAIN_LABEL("meshtrain::rmsnorm_sum_squares"), RowTeams(rows_, Kokkos::AUTO),
+        KOKKOS_LAMBDA(const RowTeam& team) {
+          const int64_t i = team.league_rank();
           float ss = 0.0f;
-          for (int64_t j = 0; j < cols; ++j) ss += x(i, j) * x(i, j);
-          row_sum(i) = ss;
+          Kokkos::parallel_reduce(
+              Kokkos::TeamThreadRange(team, cols),
+              [&](const int64_t j, float& sum) { sum += x(i, j) * x(i, j); }, ss);
+          Kokkos::single(Kokkos::PerTeam(team), [&]() { row_sum(i) = ss; });
         });
     if (tp_comm_) tp_comm_->all_reduce(VectorView(row_sum.data(), row_sum.extent(0)));
     Kokkos::parallel_for(
@@ -213,24 +220,36 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass&) {
 
   const ConstVectorView bias = compute_block(params_[1]);
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::layernorm_sum"), Rows(0, rows_), KOKKOS_LAMBDA(const int64_t i) {
+      MESHTRAIN_LABEL("meshtrain::layernorm_sum"), RowTeams(rows_, Kokkos::AUTO),
+      KOKKOS_LAMBDA(const RowTeam& team) {
+        const int64_t i = team.league_rank();
         float s = 0.0f;
-        for (int64_t j = 0; j < cols; ++j) s += x(i, j);
-        row_sum(i) = s;
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, cols),
+            [&](const int64_t j, float& sum) { sum += x(i, j); }, s);
+        Kokkos::single(Kokkos::PerTeam(team), [&]() { row_sum(i) = s; });
       });
   if (tp_comm_) tp_comm_->all_reduce(VectorView(row_sum.data(), row_sum.extent(0)));
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::layernorm_centered_sums"), Rows(0, rows_),
-      KOKKOS_LAMBDA(const int64_t i) {
+      MESHTRAIN_LABEL("meshtrain::layernorm_centered_sums"), RowTeams(rows_, Kokkos::AUTO),
+      KOKKOS_LAMBDA(const RowTeam& team) {
+        const int64_t i = team.league_rank();
         const float m0 = row_sum(i) / n;
         float a = 0.0f, b = 0.0f;
-        for (int64_t j = 0; j < cols; ++j) {
-          const float d = x(i, j) - m0;
-          a += d;
-          b += d * d;
-        }
-        sums2(i, 0) = a;
-        sums2(i, 1) = b;
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, cols),
+            [&](const int64_t j, float& sum) { sum += x(i, j) - m0; }, a);
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, cols),
+            [&](const int64_t j, float& sum) {
+              const float d = x(i, j) - m0;
+              sum += d * d;
+            },
+            b);
+        Kokkos::single(Kokkos::PerTeam(team), [&]() {
+          sums2(i, 0) = a;
+          sums2(i, 1) = b;
+        });
       });
   if (tp_comm_) tp_comm_->all_reduce(MatrixView(sums2.data(), sums2.extent(0), 2));
   Kokkos::parallel_for(
@@ -274,22 +293,32 @@ MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const Laye
   const bool layernorm = layout_.kind == NormKind::layernorm;
   // Row sums of g = dy * scale and of g * x_hat (fp32), over all features.
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::norm_backward_row_sums"), Rows(0, rows_),
-      KOKKOS_LAMBDA(const int64_t i) {
+      MESHTRAIN_LABEL("meshtrain::norm_backward_row_sums"), RowTeams(rows_, Kokkos::AUTO),
+      KOKKOS_LAMBDA(const RowTeam& team) {
+        const int64_t i = team.league_rank();
         const float m0 = stats(i, 0), delta = stats(i, 1), rstd = stats(i, 2);
         float sg = 0.0f, sgx = 0.0f;
-        for (int64_t j = 0; j < cols; ++j) {
-          const float g = dy(i, j) * round_to(scale(j), dtype);
-          const float x_hat = layernorm ? ((x(i, j) - m0) - delta) * rstd : x(i, j) * rstd;
-          sg += g;
-          sgx += g * x_hat;
-        }
         if (layernorm) {
-          sums2(i, 0) = sg;
-          sums2(i, 1) = sgx;
-        } else {
-          sum1(i) = sgx;
+          Kokkos::parallel_reduce(
+              Kokkos::TeamThreadRange(team, cols),
+              [&](const int64_t j, float& sum) { sum += dy(i, j) * round_to(scale(j), dtype); },
+              sg);
         }
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, cols),
+            [&](const int64_t j, float& sum) {
+              const float g = dy(i, j) * round_to(scale(j), dtype);
+              sum += g * (layernorm ? ((x(i, j) - m0) - delta) * rstd : x(i, j) * rstd);
+            },
+            sgx);
+        Kokkos::single(Kokkos::PerTeam(team), [&]() {
+          if (layernorm) {
+            sums2(i, 0) = sg;
+            sums2(i, 1) = sgx;
+          } else {
+            sum1(i) = sgx;
+          }
+        });
       });
   if (tp_comm_ && layernorm) tp_comm_->all_reduce(MatrixView(sums2.data(), sums2.extent(0), 2));
   if (tp_comm_ && !layernorm) tp_comm_->all_reduce(VectorView(sum1.data(), sum1.extent(0)));
