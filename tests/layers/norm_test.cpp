@@ -4,7 +4,10 @@
 // scale and bias gradients (gathered to full shape), for features whole on a rank and split
 // over tp (2 and 4), with the parameters stored whole, split like the features, over fsdp,
 // and over (tp, fsdp); with the gradient reduction now, deferred (reduce_gradients()) and
-// in DP buckets. Every mesh also equals the same layer built on one rank (MPI_COMM_SELF).
+// in DP buckets; and without an input gradient (the first layer of a model). Every mesh also
+// equals the same layer built on one rank (MPI_COMM_SELF). Backward leaves dy as it was.
+// The reference's backward is checked against central differences of its forward, and
+// decide_norm_layout / norm_step_collectives (what a plan reports) on hand-worked meshes.
 //
 // Data: global batch 16, 32 features; x ~ N(0, 1), and rows with a large mean offset
 // (x ~ +-1e3 .. 3e3 + N(0, 1)) to show the variance is computed stably (E[x^2] - E[x]^2 in
@@ -276,6 +279,7 @@ struct Result {
   Tensor scale_init, bias_init;  // full parameters after initialize_parameters()
   int64_t first_row = 0, rows = 0, offset = 0, cols = 0;
   bool direct = false, defers = false;
+  bool dy_unchanged = false;  // backward leaves its dy as it was
   std::string describe;
   Tensor partial_dscale;     // deferring layer in Mode::later: the gradient before reduce_gradients
   int64_t allocations = -1;  // heap and Kokkos allocations in a second forward + backward
@@ -315,10 +319,19 @@ void fill_block(ShardedTensor& t, const Tensor& full) {
   Kokkos::deep_copy(t.local, h);
 }
 
+Tensor block_of(const Tensor& full, const Result& r) {
+  Tensor t(r.rows * r.cols);
+  for (int64_t i = 0; i < r.rows; ++i)
+    for (int64_t j = 0; j < r.cols; ++j)
+      t[i * r.cols + j] = full[(r.first_row + i) * kWidth + r.offset + j];
+  return t;
+}
+
 // Builds the norm on `comms`' mesh, runs forward and backward once (and a second time counting
 // allocations), returns what it computed. `world` gathers the full gradients (collective).
 Result run_norm(NormKind kind, const NormCase& c, MeshCommunicators& comms, const Data& d,
-                Mode mode, const MixedPrecision& precision, bool gather_over_world) {
+                Mode mode, const MixedPrecision& precision, bool gather_over_world,
+                bool input_grad = true) {
   const Mesh& mesh = comms.mesh();
   ParallelContext context(comms, {"fsdp", "dp"}, "tp");
   context.set_precision(precision);
@@ -357,7 +370,6 @@ Result run_norm(NormKind kind, const NormCase& c, MeshCommunicators& comms, cons
   r.describe = layer.describe();
   const Matrix x = device_block(d.x, r.first_row, rows, r.offset, r.cols, "x");
   const Matrix dy = device_block(d.dy, r.first_row, rows, r.offset, r.cols, "dy");
-  // The layer may not change dy (the model's input gradient of the next layer).
   GradientBuckets buckets;
   if (mode == Mode::buckets) {
     buckets = GradientBuckets({layer.bucket_gradients()}, 25.0, precision.reduce);
@@ -372,7 +384,7 @@ Result run_norm(NormKind kind, const NormCase& c, MeshCommunicators& comms, cons
 
   auto step = [&]() -> MatrixView {
     layer.forward(x, LayerPass{});
-    MatrixView dx = layer.backward(dy, true, pass);
+    MatrixView dx = layer.backward(dy, input_grad, pass);
     if (pass.deferred == DeferredReduction::in_buckets) buckets.wait_all();
     return dx;
   };
@@ -380,7 +392,9 @@ Result run_norm(NormKind kind, const NormCase& c, MeshCommunicators& comms, cons
   if (mode == Mode::later && r.defers) r.partial_dscale = to_host(grads[0]);
   if (mode == Mode::later) layer.reduce_gradients();
   r.y = host_matrix(layer.output());
-  r.dx = host_matrix(dx);
+  r.dx = input_grad ? host_matrix(dx) : Tensor();
+  if (!input_grad) EXPECT_EQ(dx.extent(0) * dx.extent(1), 0u) << "dx without need_input_grad";
+  r.dy_unchanged = host_matrix(dy) == block_of(d.dy, r);
   r.dscale = full(grads[0]);
   if (kind == NormKind::layernorm) r.dbias = full(grads[1]);
 
@@ -393,14 +407,6 @@ Result run_norm(NormKind kind, const NormCase& c, MeshCommunicators& comms, cons
   Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
   r.allocations = g_allocations;
   return r;
-}
-
-Tensor block_of(const Tensor& full, const Result& r) {
-  Tensor t(r.rows * r.cols);
-  for (int64_t i = 0; i < r.rows; ++i)
-    for (int64_t j = 0; j < r.cols; ++j)
-      t[i * r.cols + j] = full[(r.first_row + i) * kWidth + r.offset + j];
-  return t;
 }
 
 // ---- tests -----------------------------------------------------------------------------------
@@ -553,7 +559,8 @@ TEST(Norm, EveryMeshEqualsFloat64ReferenceAndOneRank) {
           const bool split = r.cols < kWidth;
           EXPECT_EQ(r.describe.find("statistics all-reduced over (tp)") != std::string::npos, split)
               << r.describe;
-          EXPECT_EQ(r.allocations, 0) << "Kokkos allocations in forward/backward";
+          EXPECT_EQ(r.allocations, 0) << "allocations in forward/backward";
+          EXPECT_TRUE(r.dy_unchanged);
           // scale 1, bias 0 after initialize_parameters().
           EXPECT_EQ(r.scale_init, Tensor(kWidth, 1.0));
           if (kind == NormKind::layernorm) EXPECT_EQ(r.bias_init, Tensor(kWidth, 0.0));
@@ -574,6 +581,15 @@ TEST(Norm, EveryMeshEqualsFloat64ReferenceAndOneRank) {
               for (size_t j = 0; j < partial.size(); ++j)
                 partial[j] += ref.dscale_rows[(r.first_row + i) * kWidth + r.offset + j];
             expect_close(r.partial_dscale, partial, 1e-5, "deferred partial scale gradient");
+          }
+        }
+        {  // The first layer of a model: no input gradient, the same parameter gradients.
+          SCOPED_TRACE(c.name + " " + to_string(kind) + " without input gradient");
+          const Result r = run_norm(kind, c, comms, d, Mode::now, {}, true, false);
+          EXPECT_EQ(r.allocations, 0) << "allocations in forward/backward";
+          expect_close(r.dscale, ref.dscale, 1e-5, "scale gradient vs float64");
+          if (kind == NormKind::layernorm) {
+            expect_close(r.dbias, ref.dbias, 1e-5, "bias gradient vs float64");
           }
         }
       }
@@ -667,7 +683,7 @@ TEST(Norm, MixedPrecisionWithinRoundingBounds) {
           const Data d = make_data(offset, p);
           const Reference ref = reference(kind, d, p);
           const Result r = run_norm(kind, c, comms, d, Mode::buckets, policy.p, true);
-          EXPECT_EQ(r.allocations, 0) << "Kokkos allocations in forward/backward";
+          EXPECT_EQ(r.allocations, 0) << "allocations in forward/backward";
           // Output and input gradient: P values, one rounding from the reference.
           for (const Tensor* t : {&r.y, &r.dx}) {
             for (double v : *t) ASSERT_EQ(v, rounded(v, p)) << "not a " << to_string(p) << " value";
