@@ -175,7 +175,7 @@ ConstVectorView FeatureNorm::compute_block(Param& p) {
                          static_cast<size_t>(layout_.local_width));
 }
 
-MatrixView FeatureNorm::forward(MatrixView x, const LayerPass&) {
+MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
   MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
                         static_cast<int64_t>(x.extent(1)) == layout_.local_width,
                     "norm '", name_, "': input is [", x.extent(0), ", ", x.extent(1),
@@ -190,6 +190,10 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass&) {
   const Matrix stats = stats_;
   const MatrixView y = out_;
   const ConstVectorView scale = compute_block(params_[0]);
+  const ConstVectorView bias =
+      layout_.kind == NormKind::layernorm ? compute_block(params_[1]) : ConstVectorView();
+  // FSDP overlap: the next layer's weight gather runs under this layer's work.
+  if (pass.prefetch) pass.prefetch->start_weight_prefetch(*pass.scratch);
 
   if (layout_.kind == NormKind::rmsnorm) {
     Kokkos::parallel_for(
@@ -215,10 +219,10 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass&) {
         KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
           y(i, j) = round_to(x(i, j) * stats(i, 2) * round_to(scale(j), dtype), dtype);
         });
+    if (pass.prefetch) pass.prefetch->poll_weight_prefetch();
     return y;
   }
 
-  const ConstVectorView bias = compute_block(params_[1]);
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::layernorm_sum"), RowTeams(rows_, Kokkos::AUTO),
       KOKKOS_LAMBDA(const RowTeam& team) {
@@ -267,6 +271,7 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass&) {
         const float x_hat = ((x(i, j) - stats(i, 0)) - stats(i, 1)) * stats(i, 2);
         y(i, j) = round_to(x_hat * round_to(scale(j), dtype) + round_to(bias(j), dtype), dtype);
       });
+  if (pass.prefetch) pass.prefetch->poll_weight_prefetch();
   return y;
 }
 
@@ -277,9 +282,14 @@ MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const Laye
                     "], expected [", rows_, ", ", layout_.local_width, "]");
   const bool bucketed =
       layout_.defers_reduction() && pass.deferred == DeferredReduction::in_buckets;
+  // FSDP overlap: the previous layer's weight gather runs under this layer's backward.
+  if (pass.prefetch) pass.prefetch->start_weight_prefetch(*pass.scratch);
   parameter_gradients(dy, pass);
   if (bucketed) pass.buckets->layer_ready(pass.index);
-  if (!need_input_grad) return MatrixView();
+  if (!need_input_grad) {
+    if (pass.prefetch) pass.prefetch->poll_weight_prefetch();
+    return MatrixView();
+  }
 
   const MatrixView x = x_;
   const int64_t cols = layout_.local_width;
@@ -333,6 +343,7 @@ MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const Laye
         dx(i, j) = round_to(rstd * (g - mean_g - x_hat * mean_gx), dtype);
       });
   if (bucketed) pass.buckets->poll();
+  if (pass.prefetch) pass.prefetch->poll_weight_prefetch();
   return dx;
 }
 

@@ -87,10 +87,12 @@ class FeatureNorm : public Layer {
   FeatureNorm(NormKind kind, const std::string& name, ParameterRef scale, ParameterRef bias,
               FeatureLayout layout, int64_t rows, ParallelContext& context, float eps);
 
-  // x [rows, output_width()] (kept for backward) -> y, owned by the layer.
+  // x [rows, output_width()] (kept for backward) -> y, owned by the layer. pass.prefetch (FSDP
+  // overlap): the layer whose weight gather starts once this one's parameters are in place.
   MatrixView forward(MatrixView x, const LayerPass& pass) override;
   // dy [rows, output_width()] -> the scale (and bias) gradients, and dx when need_input_grad
-  // (owned by the layer). pass.deferred applies when deferred_reduction_group() != nullptr.
+  // (owned by the layer). pass.deferred applies when deferred_reduction_group() != nullptr;
+  // pass.prefetch's gather is started first.
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
 
   size_t parameter_count() const override { return layout_.params.size(); }

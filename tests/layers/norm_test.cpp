@@ -11,7 +11,8 @@
 //
 // Data: global batch 16, 32 features; x ~ N(0, 1), and rows with a large mean offset
 // (x ~ +-1e3 .. 3e3 + N(0, 1)) to show the variance is computed stably (E[x^2] - E[x]^2 in
-// fp32 is off by more than 1% there: Norm.OffsetRowsDefeatTheOnePassVariance); scale ~ 1 + 0.3 N(0, 1), bias ~ 0.2 N(0, 1), dy ~ N(0, 1).
+// fp32 is off by more than 1% there: Norm.OffsetRowsDefeatTheOnePassVariance); scale ~ 1 + 0.3 N(0,
+// 1), bias ~ 0.2 N(0, 1), dy ~ N(0, 1).
 //
 // Tolerances (fp32): per tensor, max |got - ref| <= 1e-5 * max |ref| against the float64
 // reference (observed at most 3e-7), and <= 2e-6 * max |ref| against one rank (the only
@@ -629,6 +630,54 @@ TEST(Norm, ReferenceBackwardMatchesFiniteDifferences) {
     expect_close(dscale, r.dscale, 1e-6, "scale gradient");
     if (kind == NormKind::layernorm) expect_close(dbias, r.dbias, 1e-6, "bias gradient");
   }
+}
+
+// FSDP overlap: the norm starts the gather the model names in pass.prefetch (the next layer in
+// forward, the previous one in backward) and lets it progress, as a Linear does.
+class PrefetchSpy : public Layer {
+ public:
+  int started = 0, polled = 0;
+  MatrixView forward(MatrixView x, const LayerPass&) override { return x; }
+  MatrixView backward(MatrixView dy, bool, const LayerPass&) override { return dy; }
+  bool can_prefetch_weight() const override { return true; }
+  void start_weight_prefetch(LayerScratch&) override { ++started; }
+  void poll_weight_prefetch() override { ++polled; }
+  MatrixView output() const override { return MatrixView(); }
+  FeatureLayout output_layout() const override { return FeatureLayout::replicated; }
+  int64_t output_width() const override { return 0; }
+  int64_t output_offset() const override { return 0; }
+  std::string describe() const override { return ""; }
+};
+
+TEST(Norm, StartsTheNamedPrefetch) {
+  const Mesh mesh = Mesh::create({{"fsdp", world_size()}}, world_size());
+  MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+  ParallelContext context(comms, {"fsdp", "dp"}, "tp");
+  const PartitionSpec spec = PartitionSpec::parse("P(fsdp)");
+  std::vector<ShardedTensor> v, g;
+  for (const auto& s : norm_parameter_shapes(NormKind::layernorm, "n", kWidth)) {
+    v.push_back(ShardedTensor::allocate(s.name, s.shape, spec, mesh, context.rank()));
+    g.push_back(ShardedTensor::allocate(s.name, s.shape, spec, mesh, context.rank()));
+  }
+  const int64_t rows = kBatch / context.batch_parallel();
+  LayerNorm norm("n", {&v[0], &g[0]}, {&v[1], &g[1]}, FeatureLayout::replicated, rows, context);
+  norm.initialize_parameters();
+  LayerScratch scratch;
+  Matrix x("x", rows, kWidth), dy("dy", rows, kWidth);
+  Kokkos::deep_copy(dy, 1.0f);
+  PrefetchSpy next, previous;
+  LayerPass forward_pass;
+  forward_pass.scratch = &scratch;
+  forward_pass.prefetch = &next;
+  norm.forward(x, forward_pass);
+  EXPECT_EQ(next.started, 1);
+  EXPECT_GE(next.polled, 1);
+  LayerPass backward_pass = forward_pass;
+  backward_pass.prefetch = &previous;
+  norm.backward(dy, true, backward_pass);
+  EXPECT_EQ(previous.started, 1);
+  EXPECT_GE(previous.polled, 1);
+  EXPECT_EQ(next.started, 1);
 }
 
 // The statistics really are stable: on offset rows the naive one-pass fp32 variance
