@@ -81,8 +81,8 @@ struct TrainState {
   double best_metric = std::numeric_limits<double>::quiet_NaN();
   int64_t evals_since_best = 0;
   bool operator==(const TrainState& o) const {
-    const bool same_best = best_metric == o.best_metric ||
-                           (std::isnan(best_metric) && std::isnan(o.best_metric));
+    const bool same_best =
+        best_metric == o.best_metric || (std::isnan(best_metric) && std::isnan(o.best_metric));
     return step == o.step && epoch == o.epoch && batch_in_epoch == o.batch_in_epoch &&
            seed == o.seed && rng_offset == o.rng_offset && optimizer_step == o.optimizer_step &&
            data_order == o.data_order && loss_scale == o.loss_scale &&
@@ -201,10 +201,11 @@ std::optional<std::string> find_latest_checkpoint(const std::string& dir);
 // The same for the "best" pointer.
 std::optional<std::string> find_best_checkpoint(const std::string& dir);
 
-// The checkpoint file a CHECKPOINT argument names: a file as it is, a "latest" or "best"
-// pointer file the file it names, a directory its latest. Throws bad_input naming the path
-// when it does not exist, a directory has no latest pointer, or a pointer is garbled. Not
-// collective (load_checkpoint calls it on rank 0).
+// The checkpoint file that `path` names: a checkpoint file itself, a directory (the file its
+// latest pointer names) or a `latest` / `best` pointer file (the file it names). Throws
+// bad_input naming the path when it does not exist, the directory has no latest pointer, or
+// a pointer is garbled or names a missing file. Not collective (load_checkpoint resolves
+// on rank 0 and broadcasts).
 std::string resolve_checkpoint_path(const std::string& path);
 
 // Loads a checkpoint into preallocated tensors (for the NEW mesh: each tensor's spec, box
@@ -240,5 +241,20 @@ CheckpointListing list_checkpoint(const std::string& path);
 // bad_input naming the dataset and the file when one fails its checksum or cannot be read.
 // Returns the number of datasets read.
 int64_t verify_checkpoint(const std::string& path);
+
+// One dataset read whole: its name below the group read ("layers/0/weight"), its logical
+// shape and its values (row-major).
+struct CheckpointArray {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+
+// Reads every dataset below `group` ("/params") of a checkpoint file fully with the serial
+// driver (no MPI needed), checking each one's checksum as verify_checkpoint does, in name
+// order. Throws bad_input naming the file when it is not a checkpoint or has no such group,
+// and naming the dataset when one fails its checksum, cannot be read or is not float32.
+std::vector<CheckpointArray> read_checkpoint_arrays(const std::string& path,
+                                                    const std::string& group);
 
 }  // namespace meshtrain
