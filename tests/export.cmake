@@ -1,31 +1,18 @@
 # `meshtrain export --format onnx` end to end (tests/export/export_test.py, one test per case):
 # tiny models trained by `meshtrain train` under mpirun (1, 2 and 4 ranks), exported, checked
 # with onnx.checker, run in ONNX Runtime (npm onnxruntime-node through tests/export/run_onnx.js)
-# and compared with a float64 numpy forward from the checkpoint's datasets; and the command's
-# errors. Python: the Debian interpreter with python3-numpy, python3-h5py and python3-onnx
+# and compared with a float64 numpy forward from the checkpoint's datasets and with `meshtrain
+# predict` of the same rows; and the command's errors. Python: MESHTRAIN_PYTHON (tests/CMakeLists.txt), the Debian interpreter with python3-numpy, python3-h5py and python3-onnx
 # (scripts/setup). ONNX Runtime: scripts/install-onnxruntime (scripts/setup runs it; a test
 # installs it when missing). Exit status 77 = skipped, only when ONNX Runtime cannot be
 # installed (no network); cli_errors needs no ONNX Runtime.
-if(EXISTS /usr/bin/python3)
-  set(MESHTRAIN_EXPORT_PYTHON /usr/bin/python3 CACHE FILEPATH
-      "Python with numpy, h5py and onnx for the export tests")
-else()
-  find_package(Python3 COMPONENTS Interpreter)
-  if(NOT Python3_Interpreter_FOUND)
-    message(WARNING "python3 not found: the export tests are not registered")
-    return()
-  endif()
-  set(MESHTRAIN_EXPORT_PYTHON ${Python3_EXECUTABLE} CACHE FILEPATH
-      "Python with numpy, h5py and onnx for the export tests")
-endif()
-
 set(_export_runs ${CMAKE_CURRENT_BINARY_DIR}/export_runs)
 foreach(_case classification regression_normalized activation_relu activation_tanh
               activation_gelu activation_none moe moe_ties meshes cli_errors)
   meshtrain_add_command_test(NAME export_${_case} TIMEOUT 120
-    COMMAND ${MESHTRAIN_EXPORT_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/export/export_test.py ${_case}
+    COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/export/export_test.py ${_case}
             --meshtrain $<TARGET_FILE:meshtrain> --source-dir ${PROJECT_SOURCE_DIR}
-            --work ${_export_runs}/${_case}
+            --work ${_export_runs}/${_case} --predict
             -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
   set_tests_properties(export_${_case} PROPERTIES PROCESSORS 2 SKIP_RETURN_CODE 77)
 endforeach()
