@@ -163,10 +163,28 @@ std::string activation(GraphBuilder& b, Activation kind, const std::string& x,
       const std::string h = b.node("Mul", {x, half}, p + "half_x");
       return b.node("Mul", {h, t}, prefix + "/gelu");
     }
+    case Activation::gelu_erf: {
+      // 0.5 x (1 + erf(x / sqrt(2))); training evaluates the same value as 0.5 x erfc(-x / sqrt(2)).
+      const std::string p = prefix + "/gelu_erf/";
+      const std::string inv_sqrt2 = b.scalar("constants/inv_sqrt_2", 0.7071067811865476f);
+      const std::string half = b.scalar("constants/half", 0.5f);
+      const std::string one = b.scalar("constants/one", 1.0f);
+      std::string t = b.node("Mul", {x, inv_sqrt2}, p + "scaled");
+      t = b.node("Erf", {t}, p + "erf");
+      t = b.node("Add", {t, one}, p + "one_plus_erf");
+      const std::string h = b.node("Mul", {x, half}, p + "half_x");
+      return b.node("Mul", {h, t}, prefix + "/gelu_erf");
+    }
+    case Activation::silu: {
+      const std::string s = b.node("Sigmoid", {x}, prefix + "/silu/sigmoid");
+      return b.node("Mul", {x, s}, prefix + "/silu");
+    }
+    case Activation::sigmoid:
+      return b.node("Sigmoid", {x}, prefix + "/sigmoid");
     case Activation::none:
       return x;
   }
-  return x;
+  MESHTRAIN_FAIL("export: activation '", to_string(kind), "' has no ONNX form");
 }
 
 std::string linear(GraphBuilder& b, int64_t i, const std::string& x) {

@@ -26,6 +26,7 @@ missing); a case that needs it exits 77 (ctest: skipped) only when it cannot be 
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -260,6 +261,12 @@ def activation(kind, z):
         return np.tanh(z)
     if kind == "gelu":  # the tanh form
         return 0.5 * z * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (z + 0.044715 * z**3)))
+    if kind == "gelu_erf":  # the exact form
+        return 0.5 * z * (1.0 + np.vectorize(math.erf)(z / np.sqrt(2.0)))
+    if kind == "silu":
+        return z / (1.0 + np.exp(-z))
+    if kind == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-z))
     if kind == "none":
         return z
     raise Failure("unknown activation " + kind)
@@ -695,6 +702,9 @@ CASES = {
     "activation_tanh": lambda ctx: case_activation(ctx, "tanh"),
     "activation_gelu": lambda ctx: case_activation(ctx, "gelu"),
     "activation_none": lambda ctx: case_activation(ctx, "none"),
+    "activation_gelu_erf": lambda ctx: case_activation(ctx, "gelu_erf"),
+    "activation_silu": lambda ctx: case_activation(ctx, "silu"),
+    "activation_sigmoid": lambda ctx: case_activation(ctx, "sigmoid"),
     "moe": case_moe,
     "moe_ties": case_moe_ties,
     "meshes": case_meshes,
