@@ -22,8 +22,9 @@
 //   dim into the shared scratch): gathered right before use, in forward AND again in
 //   backward (nothing is kept from forward); the gradient is reduce-scattered back over the
 //   same axes, divided by the size of the gathered non-batch axes (identical copies), then
-//   all-reduced over the batch axes the storage does not split (DP). The bias gradient is
-//   one all-reduce of the full-width vector, then this rank's block is kept.
+//   all-reduced over the batch axes the storage does not split (DP). The bias is a
+//   ShardedParameter too (GatherMethod::full_width_sum): gathered in one collective, its
+//   gradient one all-reduce of the full-width vector, then this rank's block is kept.
 // The loss is a mean over the global batch, so gradients are sums over ranks, and equal
 // the single-rank gradients.
 //
@@ -121,28 +122,18 @@ class Linear : public Layer {
   std::string describe() const override;
 
  private:
-  const float* compute_bias(LayerScratch& scratch);
   // Column sums of dy into this rank's block of the bias gradient; all_reduce: summed
   // over the bias's reduction group first.
-  void bias_gradient(MatrixView dy, ShardedTensor& bias_grad, LayerScratch& scratch,
-                     bool all_reduce);
+  void bias_gradient(MatrixView dy, LayerScratch& scratch, bool all_reduce);
 
   LinearLayout layout_;
   ShardedParameter weight_;  // gathered, prefetched and reduced as its storage says
-  ParameterRef bias_;        // the model's tensor
+  ShardedParameter bias_;    // gathered, and its gradient summed at full width
   int64_t rows_ = 0;
   int tp_index_ = 0;
-  // Mixed precision (context.precision()): what the layer computes with, gathers its
-  // weight and moves activations in, and what its gradients are reduced in.
+  // Mixed precision (context.precision()): what the layer computes with and moves
+  // activations in (its parameters know how they are gathered and reduced).
   Dtype compute_dtype_ = Dtype::fp32;
-  Dtype reduce_dtype_ = Dtype::fp32;
-
-  // Communicators of the layout's gathers and reductions (nullptr: nothing to do).
-  // Bias: the gather gives the block [bias_gathered_offset_, +extent).
-  Communicator* bias_gather_comm_ = nullptr;
-  int64_t bias_gathered_offset_ = 0;
-  int64_t bias_stored_offset_ = 0;
-  Communicator* bias_reduce_comm_ = nullptr;
   bool defers_reduction_ = false;
 
   Communicator* tp_comm_ = nullptr;
