@@ -3,9 +3,10 @@
 #include <Kokkos_Core.hpp>
 #include <algorithm>
 
+#include "base/error.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
-#include "base/error.hpp"
+#include "layers/gradient_reduction.hpp"
 
 namespace meshtrain {
 namespace {
@@ -81,13 +82,22 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
                              GatherMethod::by_dims, context);
   // The bias's gradient is the column sum of dY at full width, reduced over the batch axes
   // (and the feature axis when the output is split), this rank's block kept.
-  ParameterGathers bias_gathers{{1, 1, l.out_local}, {1, 1, l.bias_stored}, {}, l.bias_gather,
-                                l.bias_reduce, 1};
+  ParameterGathers bias_gathers;
+  bias_gathers.compute = {1, 1, l.out_local};
+  bias_gathers.stored = {1, 1, l.bias_stored};
+  bias_gathers.gather_dim2 = l.bias_gather;
+  bias_gathers.allreduce = l.bias_reduce;
   bias_gathers.width = l.out;
   bias_gathers.gathered_offset = bias_gathered_offset;
   bias_gathers.compute_offset = compute_offset;
   bias_ = ShardedParameter(bias_ref, bias_gathers, GatherMethod::full_width_sum, context);
-  defers_reduction_ = l.defers_reduction();  // the bias is stored whole: offset 0
+  // Which gradients a layer leaves partial is decided by one rule, from its parameters
+  // (layers/gradient_reduction.hpp); the cost model charges the layout's decision, so the two
+  // must agree.
+  MESHTRAIN_REQUIRE((partial_gradients_group(*this) != nullptr) == l.defers_reduction(),
+                    "linear layer '", name,
+                    "': its parameters and its layout disagree on whether its gradients can be "
+                    "left partial");
 
   // Buffers.
   const int64_t in_c = l.in_compute, out = l.out;
@@ -175,7 +185,10 @@ MatrixView Linear::backward(MatrixView dy, bool need_input_grad, const LayerPass
   if (next) next->poll_weight_prefetch();
   // DP overlap: both gradients are final here (no gathers, no scale); hand them to the
   // buckets, whose all-reduce runs while dX is computed.
-  const bool bucketed = defers_reduction_ && pass.deferred == DeferredReduction::in_buckets;
+  MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now || defers_reduction(), "linear layer '",
+                    layout_.layer,
+                    "': asked to leave gradients partial that it must reduce itself");
+  const bool bucketed = pass.deferred == DeferredReduction::in_buckets;
   if (bucketed) {
     bias_gradient(dy, scratch, /*all_reduce=*/false);
     pass.buckets->layer_ready(pass.index);
@@ -209,7 +222,7 @@ MatrixView Linear::backward(MatrixView dy, bool need_input_grad, const LayerPass
   // Weight gradient back to storage: reduce-scatter over the gathered axes (sum over the
   // batch ones; non-batch ones hold equal copies, hence the scale), then all-reduce over
   // the batch axes the storage does not split. Summed in the reduce dtype; stored in fp32.
-  const bool defer = defers_reduction_ && pass.deferred == DeferredReduction::later;
+  const bool defer = pass.deferred == DeferredReduction::later;
   weight_.reduce(scratch, /*all_reduce=*/!defer);
   bias_gradient(dy, scratch, !defer);
   return dx;
@@ -221,17 +234,8 @@ void Linear::bias_gradient(MatrixView dy, LayerScratch& scratch, bool all_reduce
   bias_.reduce(scratch, all_reduce);
 }
 
-void Linear::reduce_gradients() {
-  if (!defers_reduction_) return;
-  weight_.all_reduce_deferred();
-  bias_.all_reduce_deferred();
-}
-
-LayerGradients Linear::bucket_gradients() const {
-  const Vector& w = weight_.grad().local;
-  const Vector& b = bias_.grad().local;
-  return {VectorView(w.data(), w.extent(0)), VectorView(b.data(), b.extent(0)),
-          deferred_reduction_group()};
+std::vector<ShardedParameter*> Linear::sharded_parameters() {
+  return {&weight_, &bias_};
 }
 
 std::string Linear::describe() const {

@@ -73,29 +73,23 @@ class Linear : public Layer {
 
   // From dY [rows, output_width()]: writes the weight and bias gradients (overwriting
   // them) and, when need_input_grad, returns dX [rows, input_width()] (owned by the
-  // layer); otherwise an empty view. For a layer that defers_reduction(), pass.deferred says
-  // what happens to its gradients: all-reduced now; DeferredReduction::later: left as this
-  // rank's partial sums for reduce_gradients() (gradient accumulation communicates once per
-  // step) or ZeRO-1; in_buckets (DP overlap): both gradients are computed first, reported to
-  // pass.buckets (which may start their all-reduce) and dX computed while that runs; the
-  // gradients are final after pass.buckets->wait_all().
+  // layer); otherwise an empty view. pass.deferred says what happens to the gradients of a
+  // layer that defers_reduction() (any other gets `now`): all-reduced now;
+  // DeferredReduction::later: left as this rank's partial sums for the model's
+  // reduce_gradients() (gradient accumulation communicates once per step) or ZeRO-1;
+  // in_buckets (DP overlap): both gradients are computed first, reported to pass.buckets
+  // (which may start their all-reduce) and dX computed while that runs; the gradients are
+  // final after pass.buckets->wait_all().
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
   size_t parameter_count() const override { return 2; }  // weight, bias
+  std::vector<ShardedParameter*> sharded_parameters() override;
+  bool can_leave_gradients_partial() const override { return true; }
   // True when the gradients' only communication is one all-reduce over the batch axes for
   // the weight and the same for the whole stored bias (DP storage): a sum of partial
   // gradients can then be all-reduced once. Reduce-scatters (FSDP) and the feature axis's
-  // bias reduction (TP) are done in every backward.
-  bool defers_reduction() const { return defers_reduction_; }
-  // The group over which a backward with DeferredReduction::later leaves both gradients
-  // partial sums (the batch axes of the weight's all-reduce); nullptr when the layer does not
-  // defer.
-  Communicator* deferred_reduction_group() const override {
-    return defers_reduction_ ? weight_.allreduce_group() : nullptr;
-  }
-  LayerGradients bucket_gradients() const override;
-  // The all-reduces a backward with DeferredReduction::later skipped, on the gradients as
-  // they are.
-  void reduce_gradients() override;
+  // bias reduction (TP) are done in every backward. The layout's word (what the cost model
+  // charges), checked at construction to be GradientReductionPlan's decision.
+  bool defers_reduction() const { return layout_.defers_reduction(); }
 
   // True when the weight is gathered over exactly one group of axes (FSDP storage).
   bool can_prefetch_weight() const override { return weight_.can_prefetch(); }
@@ -134,7 +128,6 @@ class Linear : public Layer {
   // Mixed precision (context.precision()): what the layer computes with and moves
   // activations in (its parameters know how they are gathered and reduced).
   Dtype compute_dtype_ = Dtype::fp32;
-  bool defers_reduction_ = false;
 
   Communicator* tp_comm_ = nullptr;
   // The three collective matmuls' algorithms (auto resolved by the cost model at construction).

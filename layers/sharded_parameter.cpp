@@ -60,15 +60,14 @@ ShardedParameter::ShardedParameter(ParameterRef ref, const ParameterGathers& gat
     gather1_ = context.comm(g_.gather_dim1);
     gather2_ = context.comm(g_.gather_dim2);
   } else if (method == GatherMethod::full_width_sum) {
-    MESHTRAIN_REQUIRE(d[0] == 1 && d[1] == 1 && g_.gather_dim1.empty(), "parameter '",
-                      value().name, "': a full-width sum is a vector gathered on its one dim");
+    MESHTRAIN_REQUIRE(d[0] == 1 && d[1] == 1 && g_.gather_dim1.empty(), "parameter '", value().name,
+                      "': a full-width sum is a vector gathered on its one dim");
     gather2_ = context.comm(g_.gather_dim2);
     const int64_t gathered = g_.stored[2] * (gather2_ ? gather2_->size() : 1);
-    MESHTRAIN_REQUIRE(g_.gathered_offset <= g_.compute_offset &&
-                          g_.compute_offset + d[2] <= g_.gathered_offset + gathered &&
-                          gathered <= g_.width,
-                      "parameter '", value().name, "': the gathered vector does not cover the ",
-                      "compute block");
+    MESHTRAIN_REQUIRE(
+        g_.gathered_offset <= g_.compute_offset &&
+            g_.compute_offset + d[2] <= g_.gathered_offset + gathered && gathered <= g_.width,
+        "parameter '", value().name, "': the gathered vector does not cover the ", "compute block");
   } else {
     std::vector<std::string> both = g_.gather_dim1;
     both.insert(both.end(), g_.gather_dim2.begin(), g_.gather_dim2.end());
