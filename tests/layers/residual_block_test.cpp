@@ -1,14 +1,16 @@
-// ResidualBlock (layers/residual_block.hpp): y = x + f(x) with f(x) = tanh(x W1 + b1) W2 + b2
-// (up and down projection, W1 [8, 16], W2 [16, 8]; 8 rows), on every mesh of np 1, 2 and 4 (dp,
-// fsdp, tp; at 4 also fsdp x tp and dp x tp), against a float64 reference computed here from the
-// same values: the forward output, the input gradient and every parameter gradient, for a backward
-// that reduces at once, one that leaves the gradients partial (completed by the model's
-// GradientReductionPlan) and one through the DP gradient buckets. The loss is
-// sum(R * y) over the global batch for a fixed R, so dY = R and every gradient is a sum
-// over ranks that equals the single-rank one.
+// ResidualBlock (layers/residual_block.hpp), y = x + f(x) with f(x) = tanh(x W1 + b1) W2 + b2
+// (up and down projection, W1 [8, 16], W2 [16, 8]), between an input projection [8, 8] and an
+// output projection [8, 4], driven as Mlp drives its sequence, on every mesh of np 1, 2 and 4
+// (dp, fsdp, tp; at 4 also fsdp x tp and dp x tp), overlap off and on (FSDP prefetch across the
+// block, DP buckets), against a float64 reference computed here from the same values: the
+// output and every parameter gradient (the block's input gradient reaches the input
+// projection's), for a backward that reduces at once, one that leaves the gradients partial
+// (completed by the model's GradientReductionPlan) and, with overlap, one through the DP
+// buckets. The loss is sum(R * out) over the global batch (8 rows) for a fixed R, so dOut = R
+// and every gradient is a sum over ranks that equals the single-rank one.
 // Tolerance: |got - ref| <= 1e-5 (1 + |ref|) (float32 sums of at most 16 terms of O(1)).
-// Also: the step allocates nothing, and a block whose layers do not end in its input's
-// layout is refused.
+// Also: the steps allocate nothing, and a block whose layers do not end in its input's layout
+// is refused.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -37,7 +39,7 @@ namespace {
 
 using testing::Tensor;
 
-constexpr int64_t kRows = 8, kWidth = 8, kHidden = 16;
+constexpr int64_t kRows = 8, kIn = 8, kWidth = 8, kHidden = 16, kOut = 4;
 constexpr double kTolerance = 1e-5;
 
 // Every value as float, so that the reference sees exactly what the layers see.
@@ -57,12 +59,17 @@ void count_allocation(const Kokkos_Profiling_SpaceHandle, const char*, const voi
   ++g_allocations;
 }
 
-// The block's parameters: up [W, H], [H]; down [H, W], [W].
-std::vector<ParameterShape> block_shapes() {
-  return {{"blocks/0/up/weight", {kWidth, kHidden}},
+// The model's parameters, in order: input [I, W], [W]; the block's up [W, H], [H] and down
+// [H, W], [W]; output [W, O], [O].
+std::vector<ParameterShape> model_shapes() {
+  return {{"input/weight", {kIn, kWidth}},
+          {"input/bias", {kWidth}},
+          {"blocks/0/up/weight", {kWidth, kHidden}},
           {"blocks/0/up/bias", {kHidden}},
           {"blocks/0/down/weight", {kHidden, kWidth}},
-          {"blocks/0/down/bias", {kWidth}}};
+          {"blocks/0/down/bias", {kWidth}},
+          {"output/weight", {kWidth, kOut}},
+          {"output/bias", {kOut}}};
 }
 
 void fill(ShardedTensor& t, int k) {
@@ -77,55 +84,70 @@ void fill(ShardedTensor& t, int k) {
   Kokkos::deep_copy(t.local, h);
 }
 
+// Parameter k in full: [rows, cols], a vector as rows = 1.
 Tensor full_parameter(int k, int64_t rows, int64_t cols) {
   Tensor t(rows * cols);
   for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j)
-      t[i * cols + j] = rows == 1 ? parameter_value(k, 0, j) : parameter_value(k, i, j);
+    for (int64_t j = 0; j < cols; ++j) t[i * cols + j] = parameter_value(k, rows == 1 ? 0 : i, j);
   return t;
 }
 
+// out = x w + b for one row x [n] and w [n, m].
+std::vector<double> affine(const std::vector<double>& x, const Tensor& w, const Tensor& b) {
+  std::vector<double> out(b);
+  for (size_t c = 0; c < x.size(); ++c)
+    for (size_t j = 0; j < b.size(); ++j) out[j] += x[c] * w[c * b.size() + j];
+  return out;
+}
+// dx = dy wᵀ for w [n, m]; dw += xᵀ dy; db += dy.
+std::vector<double> affine_backward(const std::vector<double>& x, const Tensor& w,
+                                    const std::vector<double>& dy, Tensor& dw, Tensor& db) {
+  std::vector<double> dx(x.size(), 0.0);
+  for (size_t c = 0; c < x.size(); ++c) {
+    for (size_t j = 0; j < dy.size(); ++j) {
+      dx[c] += dy[j] * w[c * dy.size() + j];
+      dw[c * dy.size() + j] += x[c] * dy[j];
+    }
+  }
+  for (size_t j = 0; j < dy.size(); ++j) db[j] += dy[j];
+  return dx;
+}
+
+// The model input -> input projection -> u + f(u), f(u) = tanh(u W1 + b1) W2 + b2 -> output
+// projection, in double; loss sum(R * out): dOut = R.
 struct Reference {
-  Tensor y, dx, dw1, db1, dw2, db2;  // [R, W], [R, W], [W, H], [H], [H, W], [W]
+  Tensor out;                // [R, O]
+  std::vector<Tensor> grad;  // per parameter, in model_shapes() order
 };
 
 Reference reference() {
-  const Tensor w1 = full_parameter(0, kWidth, kHidden), b1 = full_parameter(1, 1, kHidden);
-  const Tensor w2 = full_parameter(2, kHidden, kWidth), b2 = full_parameter(3, 1, kWidth);
+  const std::vector<ParameterShape> shapes = model_shapes();
+  std::vector<Tensor> p;
   Reference r;
-  r.y.assign(kRows * kWidth, 0.0);
-  r.dx.assign(kRows * kWidth, 0.0);
-  r.dw1.assign(kWidth * kHidden, 0.0);
-  r.db1.assign(kHidden, 0.0);
-  r.dw2.assign(kHidden * kWidth, 0.0);
-  r.db2.assign(kWidth, 0.0);
+  for (size_t k = 0; k < shapes.size(); ++k) {
+    const std::vector<int64_t>& s = shapes[k].shape;
+    p.push_back(s.size() == 2 ? full_parameter(static_cast<int>(k), s[0], s[1])
+                              : full_parameter(static_cast<int>(k), 1, s[0]));
+    r.grad.emplace_back(p.back().size(), 0.0);
+  }
+  r.out.assign(kRows * kOut, 0.0);
   for (int64_t i = 0; i < kRows; ++i) {
-    std::vector<double> a(kHidden), dh(kHidden);
-    for (int64_t h = 0; h < kHidden; ++h) {
-      double z = b1[h];
-      for (int64_t c = 0; c < kWidth; ++c) z += input_value(i, c) * w1[c * kHidden + h];
-      a[h] = std::tanh(z);
-    }
-    for (int64_t c = 0; c < kWidth; ++c) {
-      double f = b2[c];
-      for (int64_t h = 0; h < kHidden; ++h) f += a[h] * w2[h * kWidth + c];
-      r.y[i * kWidth + c] = input_value(i, c) + f;
-      const double g = loss_weight(i, c);  // dY
-      r.db2[c] += g;
-      for (int64_t h = 0; h < kHidden; ++h) r.dw2[h * kWidth + c] += a[h] * g;
-    }
-    for (int64_t h = 0; h < kHidden; ++h) {
-      double da = 0.0;
-      for (int64_t c = 0; c < kWidth; ++c) da += loss_weight(i, c) * w2[h * kWidth + c];
-      dh[h] = da * (1.0 - a[h] * a[h]);
-      r.db1[h] += dh[h];
-      for (int64_t c = 0; c < kWidth; ++c) r.dw1[c * kHidden + h] += input_value(i, c) * dh[h];
-    }
-    for (int64_t c = 0; c < kWidth; ++c) {
-      double dx = loss_weight(i, c);  // the residual's part
-      for (int64_t h = 0; h < kHidden; ++h) dx += dh[h] * w1[c * kHidden + h];
-      r.dx[i * kWidth + c] = dx;
-    }
+    std::vector<double> x(kIn), dout(kOut);
+    for (int64_t c = 0; c < kIn; ++c) x[c] = input_value(i, c);
+    for (int64_t o = 0; o < kOut; ++o) dout[o] = loss_weight(i, o);
+    const std::vector<double> u = affine(x, p[0], p[1]);
+    std::vector<double> a = affine(u, p[2], p[3]);
+    for (double& v : a) v = std::tanh(v);
+    std::vector<double> y = affine(a, p[4], p[5]);
+    for (int64_t c = 0; c < kWidth; ++c) y[c] += u[c];  // the residual
+    const std::vector<double> out = affine(y, p[6], p[7]);
+    for (int64_t o = 0; o < kOut; ++o) r.out[i * kOut + o] = out[o];
+    const std::vector<double> dy = affine_backward(y, p[6], dout, r.grad[6], r.grad[7]);
+    std::vector<double> dh = affine_backward(a, p[4], dy, r.grad[4], r.grad[5]);
+    for (int64_t h = 0; h < kHidden; ++h) dh[h] *= 1.0 - a[h] * a[h];
+    std::vector<double> du = affine_backward(u, p[2], dh, r.grad[2], r.grad[3]);
+    for (int64_t c = 0; c < kWidth; ++c) du[c] += dy[c];  // the residual's part
+    affine_backward(x, p[0], du, r.grad[0], r.grad[1]);
   }
   return r;
 }
@@ -138,14 +160,6 @@ void expect_close(const Tensor& got, const Tensor& ref, const std::string& what)
       ADD_FAILURE() << what << "[" << i << "]: " << got[i] << ", reference " << ref[i];
     }
   }
-}
-
-// This rank's block [rows, width] of a global [R, W] matrix from its first row and column.
-Tensor local_block(const Tensor& full, int64_t row0, int64_t rows, int64_t col0, int64_t cols) {
-  Tensor t(rows * cols);
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j) t[i * cols + j] = full[(row0 + i) * kWidth + col0 + j];
-  return t;
 }
 
 Tensor host(MatrixView m) {
@@ -170,89 +184,118 @@ std::vector<MeshCase> mesh_cases() {
   return cases;
 }
 
+// input Linear, the block, output Linear, driven as Mlp drives its sequence (prefetch with
+// overlap, the reduction plan, the buckets), with the block in the middle: under tp the
+// input projection hands it split features, and the output projection takes them split.
 TEST(ResidualBlock, EqualsTheFloat64ReferenceOnEveryMesh) {
   const int n = world_size();
   const Reference ref = reference();
   for (const MeshCase& c : mesh_cases()) {
-    SCOPED_TRACE(c.preset + " at np " + std::to_string(n));
-    const Mesh mesh = Mesh::create(c.axes, n);
-    MeshCommunicators comms(mesh);
-    ParallelContext context(comms, {"fsdp", "dp"}, "tp", CollectiveMatmulAlgorithm::bidirectional);
-    const ShardingPlan plan =
-        make_plan(block_shapes(), mesh, preset_rules(c.preset), PlanOptions{0});
-    std::vector<ShardedTensor> params, grads;
-    for (const ParameterShape& p : block_shapes()) {
-      const PartitionSpec spec = plan.find(p.name).spec;
-      params.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
-      grads.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
-    }
-    for (size_t k = 0; k < params.size(); ++k) fill(params[k], static_cast<int>(k));
-    auto ref_of = [&](size_t k) { return ParameterRef{&params[k], &grads[k]}; };
-
-    // Under tp the block is fed split features: both projections are tensor parallel.
-    const int tp = context.feature_parallel();
-    const FeatureLayout layout = tp > 1 ? FeatureLayout::split : FeatureLayout::replicated;
-    const int64_t width = kWidth / tp, col0 = context.feature_index() * width;
-    const int64_t rows = kRows / context.batch_parallel(), row0 = context.batch_index() * rows;
-    std::vector<std::unique_ptr<Layer>> f;
-    auto up = std::make_unique<Linear>(ref_of(0), ref_of(1), layout, rows, context);
-    f.push_back(std::make_unique<ActivationLayer>(Activation::tanh, "blocks/0/activation", rows,
-                                                  up->output_width(), up->output_layout(),
-                                                  up->output_offset(), Dtype::fp32));
-    auto down = std::make_unique<Linear>(ref_of(2), ref_of(3), up->output_layout(), rows, context);
-    f.insert(f.begin(), std::move(up));
-    f.push_back(std::move(down));
-    ResidualBlock block("blocks/0", std::move(f), layout, col0, rows, width, Dtype::fp32);
-    EXPECT_EQ(block.parameter_count(), 4u);
-    EXPECT_NE(block.describe().find("blocks/0/down"), std::string::npos) << block.describe();
-
-    // The model's decision, as for any layer: a DP block leaves its gradients partial.
-    std::vector<Layer*> sequence = {&block};
-    const GradientReductionPlan reductions(sequence);
-    EXPECT_EQ(reductions.layer_group(0) != nullptr, c.preset == "dp" && n > 1);
-    GradientBuckets buckets(reductions.bucket_gradients(), /*bucket_mb=*/1e-4);  // several
-    LayerScratch scratch(block.scratch_needs());
-
-    Matrix x("x", rows, width), dy("dy", rows, width);
-    auto xh = Kokkos::create_mirror_view(x);
-    auto dyh = Kokkos::create_mirror_view(dy);
-    for (int64_t i = 0; i < rows; ++i) {
-      for (int64_t j = 0; j < width; ++j) {
-        xh(i, j) = static_cast<float>(input_value(row0 + i, col0 + j));
-        dyh(i, j) = static_cast<float>(loss_weight(row0 + i, col0 + j));
+    for (bool overlap : {false, true}) {
+      SCOPED_TRACE(c.preset + " at np " + std::to_string(n) + (overlap ? ", overlap" : ""));
+      const Mesh mesh = Mesh::create(c.axes, n);
+      MeshCommunicators comms(mesh);
+      ParallelContext context(comms, {"fsdp", "dp"}, "tp", CollectiveMatmulAlgorithm::bidirectional,
+                              overlap);
+      const ShardingPlan plan =
+          make_plan(model_shapes(), mesh, preset_rules(c.preset), PlanOptions{0});
+      std::vector<ShardedTensor> params, grads;
+      for (const ParameterShape& p : model_shapes()) {
+        const PartitionSpec spec = plan.find(p.name).spec;
+        params.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
+        grads.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
       }
-    }
-    Kokkos::deep_copy(x, xh);
-    const Tensor y_ref = local_block(ref.y, row0, rows, col0, width);
-    const Tensor dx_ref = local_block(ref.dx, row0, rows, col0, width);
+      for (size_t k = 0; k < params.size(); ++k) fill(params[k], static_cast<int>(k));
+      auto ref_of = [&](size_t k) { return ParameterRef{&params[k], &grads[k]}; };
 
-    for (DeferredReduction mode :
-         {DeferredReduction::now, DeferredReduction::later, DeferredReduction::in_buckets}) {
-      const DeferredReduction deferred =
-          buckets.empty() ? DeferredReduction::now : reductions.for_layer(0, mode);
-      SCOPED_TRACE("backward mode " + std::to_string(static_cast<int>(mode)));
-      MatrixView y, dx;
-      auto step = [&] {
-        Kokkos::deep_copy(dy, dyh);
-        y = block.forward(x, {&scratch});
-        dx = block.backward(dy, /*need_input_grad=*/true,
-                            {&scratch, nullptr, deferred, &buckets, 0, 1.0f});
-        if (deferred == DeferredReduction::in_buckets) buckets.wait_all();
-        if (deferred == DeferredReduction::later) reductions.all_reduce_deferred();
-      };
-      step();  // warm-up, then the counted one
-      g_allocations = 0;
-      Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
-      step();
-      Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
-      EXPECT_EQ(g_allocations, 0) << "Kokkos allocations in the block's forward and backward";
+      const int64_t rows = kRows / context.batch_parallel(), row0 = context.batch_index() * rows;
+      Linear input(ref_of(0), ref_of(1), FeatureLayout::replicated, rows, context);
+      const FeatureLayout layout = input.output_layout();
+      EXPECT_EQ(layout == FeatureLayout::split, context.feature_parallel() > 1);
+      std::vector<std::unique_ptr<Layer>> f;
+      auto up = std::make_unique<Linear>(ref_of(2), ref_of(3), layout, rows, context);
+      auto activation = std::make_unique<ActivationLayer>(
+          Activation::tanh, "blocks/0/activation", rows, up->output_width(), up->output_layout(),
+          up->output_offset(), Dtype::fp32);
+      auto down =
+          std::make_unique<Linear>(ref_of(4), ref_of(5), up->output_layout(), rows, context);
+      f.push_back(std::move(up));
+      f.push_back(std::move(activation));
+      f.push_back(std::move(down));
+      ResidualBlock block("blocks/0", std::move(f), layout, input.output_offset(), rows,
+                          input.output_width(), Dtype::fp32);
+      Linear output(ref_of(6), ref_of(7), block.output_layout(), rows, context);
+      EXPECT_EQ(block.parameter_count(), 4u);
+      EXPECT_NE(block.describe().find("blocks/0/down"), std::string::npos) << block.describe();
 
-      expect_close(host(y), y_ref, "y");
-      expect_close(host(dx), dx_ref, "dX");
-      expect_close(testing::gather_full(grads[0], mesh, context.rank()), ref.dw1, "dW1");
-      expect_close(testing::gather_full(grads[1], mesh, context.rank()), ref.db1, "db1");
-      expect_close(testing::gather_full(grads[2], mesh, context.rank()), ref.dw2, "dW2");
-      expect_close(testing::gather_full(grads[3], mesh, context.rank()), ref.db2, "db2");
+      // As Mlp: the model's reduction plan, the buckets, the prefetch of the next layer with
+      // parameters (the block passes it on to its own layers; it is not prefetched itself).
+      std::vector<Layer*> sequence = {&input, &block, &output};
+      const GradientReductionPlan reductions(sequence);
+      // A DP block leaves its gradients partial, as the Linears around it do.
+      EXPECT_EQ(reductions.layer_group(1) != nullptr, c.preset == "dp" && n > 1);
+      EXPECT_EQ(reductions.layer_group(1), reductions.layer_group(0));
+      GradientBuckets buckets;
+      if (overlap) buckets = GradientBuckets(reductions.bucket_gradients(), /*bucket_mb=*/1e-4);
+      Layer* forward_prefetch[3] = {nullptr, output.can_prefetch_weight() ? &output : nullptr,
+                                    nullptr};
+      Layer* backward_prefetch[3] = {nullptr, input.can_prefetch_weight() ? &input : nullptr,
+                                     nullptr};
+      if (!overlap) forward_prefetch[1] = backward_prefetch[1] = nullptr;
+      EXPECT_EQ(overlap && c.preset.find("fsdp") != std::string::npos && n > 1,
+                forward_prefetch[1] != nullptr);
+      LayerScratchNeeds needs;
+      for (Layer* layer : sequence) needs.merge(layer->scratch_needs());
+      LayerScratch scratch(needs, forward_prefetch[1] || backward_prefetch[1]);
+
+      Matrix x("x", rows, kIn), dout("dout", rows, output.output_width());
+      auto xh = Kokkos::create_mirror_view(x);
+      auto douth = Kokkos::create_mirror_view(dout);
+      const int64_t out_cols = output.output_width(), out0 = output.output_offset();
+      Tensor out_ref(rows * out_cols);
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t j = 0; j < kIn; ++j) xh(i, j) = static_cast<float>(input_value(row0 + i, j));
+        for (int64_t j = 0; j < out_cols; ++j) {
+          douth(i, j) = static_cast<float>(loss_weight(row0 + i, out0 + j));
+          out_ref[i * out_cols + j] = ref.out[(row0 + i) * kOut + out0 + j];
+        }
+      }
+      Kokkos::deep_copy(x, xh);
+
+      for (DeferredReduction mode :
+           {DeferredReduction::now, DeferredReduction::later, DeferredReduction::in_buckets}) {
+        if (mode == DeferredReduction::in_buckets && buckets.empty()) continue;
+        SCOPED_TRACE("backward mode " + std::to_string(static_cast<int>(mode)));
+        MatrixView out;
+        auto step = [&] {
+          Kokkos::deep_copy(dout, douth);
+          MatrixView h = x;
+          for (size_t k = 0; k < sequence.size(); ++k) {
+            h = sequence[k]->forward(h, {&scratch, forward_prefetch[k]});
+          }
+          out = h;
+          MatrixView g = dout;
+          for (size_t k = sequence.size(); k-- > 0;) {
+            const LayerPass pass{
+                &scratch, backward_prefetch[k], reductions.for_layer(k, mode), &buckets, k, 1.0f};
+            g = sequence[k]->backward(g, /*need_input_grad=*/k > 0, pass);
+          }
+          if (mode == DeferredReduction::in_buckets) buckets.wait_all();
+          if (mode == DeferredReduction::later) reductions.all_reduce_deferred();
+        };
+        step();  // warm-up, then the counted one
+        g_allocations = 0;
+        Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
+        step();
+        Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+        EXPECT_EQ(g_allocations, 0) << "Kokkos allocations in forward and backward";
+
+        expect_close(host(out), out_ref, "output");
+        for (size_t k = 0; k < grads.size(); ++k) {
+          expect_close(testing::gather_full(grads[k], mesh, context.rank()), ref.grad[k],
+                       grads[k].name + " gradient");
+        }
+      }
     }
   }
 }
@@ -266,7 +309,8 @@ TEST(ResidualBlock, LayersThatDoNotEndInTheInputsLayoutAreRefused) {
   // The up projection tensor parallel, the down one replicated: f ends with all features.
   const std::vector<std::string> specs = {"P(tp, None)", "P(tp)", "P()", "P()"};
   std::vector<ShardedTensor> params, grads;
-  const std::vector<ParameterShape> shapes = block_shapes();
+  const std::vector<ParameterShape> all = model_shapes();
+  const std::vector<ParameterShape> shapes(all.begin() + 2, all.begin() + 6);  // up, down
   for (size_t k = 0; k < shapes.size(); ++k) {
     const PartitionSpec spec = PartitionSpec::parse(specs[k]);
     params.push_back(
@@ -275,7 +319,7 @@ TEST(ResidualBlock, LayersThatDoNotEndInTheInputsLayoutAreRefused) {
         ShardedTensor::allocate(shapes[k].name, shapes[k].shape, spec, mesh, context.rank()));
   }
   const int64_t rows = kRows, width = kWidth / n, col0 = context.feature_index() * width;
-  std::vector<std::unique_ptr<Layer>> f;
+  std::vector<std::unique_ptr<Layer>> f;  // fed split features
   f.push_back(std::make_unique<Linear>(ParameterRef{&params[0], &grads[0]},
                                        ParameterRef{&params[1], &grads[1]}, FeatureLayout::split,
                                        rows, context));
