@@ -92,8 +92,8 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
   bias_gathers.compute_offset = compute_offset;
   bias_ = ShardedParameter(bias_ref, bias_gathers, GatherMethod::full_width_sum, context);
   // Which gradients a layer leaves partial is decided by one rule, from its parameters
-  // (layers/gradient_reduction.hpp); the cost model charges the layout's decision, so the two
-  // must agree.
+  // (layers/gradient_reduction.hpp; Linear is final, so the rule sees its overrides here);
+  // the cost model charges the layout's decision, so the two must agree.
   MESHTRAIN_REQUIRE((partial_gradients_group(*this) != nullptr) == l.defers_reduction(),
                     "linear layer '", name,
                     "': its parameters and its layout disagree on whether its gradients can be "

@@ -57,7 +57,7 @@
 
 namespace meshtrain {
 
-class Linear : public Layer {
+class Linear final : public Layer {
  public:
   // `weight` [in, out] and `bias` [out] as allocated (their specs and boxes fix the
   // layout); `input_layout` is how the input's features arrive; `rows` is the local batch.

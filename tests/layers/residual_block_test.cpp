@@ -32,6 +32,7 @@
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
 #include "tests/layers/full_tensor.hpp"
+#include "tests/test_backend.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain {
@@ -194,7 +195,7 @@ TEST(ResidualBlock, EqualsTheFloat64ReferenceOnEveryMesh) {
     for (bool overlap : {false, true}) {
       SCOPED_TRACE(c.preset + " at np " + std::to_string(n) + (overlap ? ", overlap" : ""));
       const Mesh mesh = Mesh::create(c.axes, n);
-      MeshCommunicators comms(mesh);
+      MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
       ParallelContext context(comms, {"fsdp", "dp"}, "tp", CollectiveMatmulAlgorithm::bidirectional,
                               overlap);
       const ShardingPlan plan =
@@ -304,7 +305,7 @@ TEST(ResidualBlock, LayersThatDoNotEndInTheInputsLayoutAreRefused) {
   const int n = world_size();
   if (n < 2) GTEST_SKIP() << "needs a feature axis of size > 1";
   const Mesh mesh = Mesh::create({{"tp", n}}, n);
-  MeshCommunicators comms(mesh);
+  MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
   ParallelContext context(comms, {"fsdp", "dp"}, "tp", CollectiveMatmulAlgorithm::bidirectional);
   // The up projection tensor parallel, the down one replicated: f ends with all features.
   const std::vector<std::string> specs = {"P(tp, None)", "P(tp)", "P()", "P()"};
