@@ -9,8 +9,8 @@
 // buckets. The loss is sum(R * out) over the global batch (8 rows) for a fixed R, so dOut = R
 // and every gradient is a sum over ranks that equals the single-rank one.
 // Tolerance: |got - ref| <= 1e-5 (1 + |ref|) (float32 sums of at most 16 terms of O(1)).
-// Also: the steps allocate nothing, and a block whose layers do not end in its input's layout
-// is refused.
+// Also: the steps allocate nothing (the bucketed one only where MPI is not staged through host
+// memory, see there), and a block whose layers do not end in its input's layout is refused.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -55,9 +55,11 @@ double loss_weight(int64_t r, int64_t c) {
 }
 
 int64_t g_allocations = 0;
-void count_allocation(const Kokkos_Profiling_SpaceHandle, const char*, const void*,
-                      const uint64_t) {
+std::string g_allocated;  // the labels, for the failure message
+void count_allocation(const Kokkos_Profiling_SpaceHandle, const char* label, const void*,
+                      const uint64_t bytes) {
   ++g_allocations;
+  g_allocated += std::string(" '") + label + "' (" + std::to_string(bytes) + " bytes)";
 }
 
 // The model's parameters, in order: input [I, W], [W]; the block's up [W, H], [H] and down
@@ -286,10 +288,20 @@ TEST(ResidualBlock, EqualsTheFloat64ReferenceOnEveryMesh) {
         };
         step();  // warm-up, then the counted one
         g_allocations = 0;
+        g_allocated.reserve(4096);
+        g_allocated.clear();
         Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
         step();
         Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
-        EXPECT_EQ(g_allocations, 0) << "Kokkos allocations in forward and backward";
+        // Except where MPI is staged through host buffers (device memory, or its emulation)
+        // and the buckets are in flight: each started all-reduce takes a slot of the
+        // communicator's request pool, which grows (with its staging) to the most ever in
+        // flight at once, and with buckets this small that number depends on timing. The
+        // allocation-free step with overlap is train_step_allocations_test's.
+        if (!(kDeviceMemoryIsSeparate && mode == DeferredReduction::in_buckets)) {
+          EXPECT_EQ(g_allocations, 0)
+              << "Kokkos allocations in forward and backward:" << g_allocated;
+        }
 
         expect_close(host(out), out_ref, "output");
         for (size_t k = 0; k < grads.size(); ++k) {
