@@ -6,7 +6,10 @@
 //   meshtrain::Runtime runtime(argc, argv);
 //   meshtrain::RunConfig config;  ...  meshtrain::TrainingRun run(config);  run.train();
 //
-// docs/library.md walks through it; examples/train_mlp is a complete program.
+//   meshtrain::Predictor model("run/checkpoints", 256);  model.predict(x, y);  // inference
+//
+// docs/library.md walks through it; examples/train_mlp and examples/predict_surrogate are
+// complete programs.
 
 #include "framework/comm/backend.hpp"
 #include "framework/comm/failure_agreement.hpp"
@@ -23,4 +26,5 @@
 #include "partition/partition_spec.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
+#include "run/predictor.hpp"
 #include "run/training_run.hpp"

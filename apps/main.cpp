@@ -6,6 +6,11 @@
 //   mpirun -np N meshtrain train CONFIG [--hardware FILE] [--set ...]
 //   mpirun -np N meshtrain calibrate [CONFIG] [--out FILE] [--set ...]
 //   meshtrain inspect CHECKPOINT.h5 [--verify]
+//   mpirun -np N meshtrain predict CHECKPOINT --input PATH... --output FILE.h5 [--overwrite]
+//                                   [--set ...] [--batch-size N]
+//   meshtrain export CHECKPOINT --format onnx --output FILE.onnx [--dtype fp32|fp16|bf16]
+//                    [--overwrite]
+//   mpirun -np N meshtrain evaluate CHECKPOINT --data PATH... [--json FILE|-] [--set ...]
 
 #include <CLI/CLI.hpp>
 
@@ -18,6 +23,9 @@
 #include <vector>
 
 #include "apps/calibrate.hpp"
+#include "apps/predict.hpp"
+#include "apps/export.hpp"
+#include "apps/evaluate.hpp"
 #include "framework/comm/exit_policy.hpp"
 #include "framework/io/checkpoint_report.hpp"
 #include "framework/train/plan_report.hpp"
@@ -146,6 +154,71 @@ int run_calibrate(const CalibrateArgs& args, int& argc, char**& argv) {
   });
 }
 
+// --- predict: a checkpoint's model over HDF5 inputs, under mpirun ------------------------
+void add_predict_command(CLI::App& app, meshtrain::PredictOptions& args) {
+  CLI::App* predict = app.add_subcommand(
+      "predict",
+      "Run a checkpoint's model on HDF5 inputs and write its predictions to one HDF5 file "
+      "(mpirun -np N meshtrain predict ...)");
+  predict
+      ->add_option("checkpoint", args.checkpoint,
+                   "A checkpoint file, a latest or best pointer file, or a checkpoint directory "
+                   "(its latest)")
+      ->required();
+  predict
+      ->add_option("--input", args.inputs,
+                   "HDF5 input files or globs, read in this order (dataset: the checkpoint's "
+                   "data.x_key)")
+      ->required()
+      ->take_all();
+  predict->add_option("--output", args.output, "The HDF5 file to write (FILE.h5)")->required();
+  predict->add_flag("--overwrite", args.overwrite, "Replace the output when it exists");
+  predict->add_option("--batch-size", args.batch_size,
+                      "Global rows per batch (default: the checkpoint's data.eval_batch_size, "
+                      "else data.batch_size)")
+      ->check(CLI::PositiveNumber);
+  add_set_option(*predict, args.overrides);
+}
+
+int run_predict(const meshtrain::PredictOptions& args, int& argc, char**& argv) {
+  const auto runtime = meshtrain::start_runtime_or_abort(argc, argv);
+  return meshtrain::run_or_abort([&] { return meshtrain::predict_command(args); });
+}
+
+// --- evaluate: a checkpoint's metrics on labelled data, under mpirun ---------------------
+void add_evaluate_command(CLI::App& app, meshtrain::EvaluateArgs& args) {
+  CLI::App* evaluate = app.add_subcommand(
+      "evaluate",
+      "Evaluate a checkpoint on labelled HDF5 data: loss, accuracy (top-5, per class) or "
+      "MSE / MAE / R^2 per output (mpirun -np N meshtrain evaluate CHECKPOINT --data ...)");
+  evaluate
+      ->add_option("checkpoint", args.checkpoint,
+                   "A checkpoint file, a latest/best pointer file, or a checkpoint directory "
+                   "(its latest)")
+      ->required();
+  evaluate
+      ->add_option("--data", args.data,
+                   "HDF5 files or globs with inputs and labels or targets (data.x_key, "
+                   "data.y_key; the shards form one data set in this order)")
+      ->required();
+  evaluate->add_option("--json", args.json,
+                       "Also write the metrics as one JSON object to FILE ('-': standard "
+                       "output, the report then goes to standard error)");
+  evaluate
+      ->add_option("--set", args.overrides,
+                   "Override a key that leaves the model alone: mesh.*, partition.*, runtime.*, "
+                   "mixed_precision.*, data.batch_size, data.eval_batch_size, data.prefetch, "
+                   "data.x_key, data.y_key (repeatable)")
+      ->type_name("SECTION.KEY=VALUE")
+      ->allow_extra_args(false)
+      ->take_all();
+}
+
+int run_evaluate(const meshtrain::EvaluateArgs& args, int& argc, char**& argv) {
+  const auto runtime = meshtrain::start_runtime_or_abort(argc, argv);
+  return meshtrain::run_or_abort([&] { return meshtrain::evaluate_command(args); });
+}
+
 // --- inspect: a checkpoint's step, mesh, config and datasets (no MPI launch needed) ----
 struct InspectArgs {
   std::string checkpoint;
@@ -157,6 +230,23 @@ void add_inspect_command(CLI::App& app, InspectArgs& args) {
       "inspect", "Show a checkpoint's step, mesh, config and datasets (shapes, dtypes, specs)");
   inspect->add_option("checkpoint", args.checkpoint, "A checkpoint file (ckpt-*.h5)")->required();
   inspect->add_flag("--verify", args.verify, "Read every dataset and check its checksum");
+}
+
+// --- export: a checkpoint as an ONNX model (no MPI launch needed) -------------------------
+void add_export_command(CLI::App& app, meshtrain::ExportArgs& args) {
+  CLI::App* command = app.add_subcommand(
+      "export", "Write a checkpoint's model as a self-contained ONNX file (docs/export.md)");
+  command
+      ->add_option("checkpoint", args.checkpoint,
+                   "A checkpoint file, a latest or best pointer file, or a checkpoint "
+                   "directory (its latest)")
+      ->required();
+  command->add_option("--format", args.format, "The format to write: onnx")->required();
+  command->add_option("--output", args.output, "The file to write (FILE.onnx)")->required();
+  command->add_option("--dtype", args.dtype,
+                      "How the weights are stored: fp32 (default), fp16 or bf16 (cast to "
+                      "float32 inside the graph)");
+  command->add_flag("--overwrite", args.overwrite, "Replace the output if it exists");
 }
 
 bool verbose() {
@@ -189,6 +279,12 @@ int main(int argc, char** argv) {
   add_inspect_command(app, inspect_args);
   CalibrateArgs calibrate_args;
   add_calibrate_command(app, calibrate_args);
+  meshtrain::PredictOptions predict_args;
+  add_predict_command(app, predict_args);
+  meshtrain::ExportArgs export_args;
+  add_export_command(app, export_args);
+  meshtrain::EvaluateArgs evaluate_args;
+  add_evaluate_command(app, evaluate_args);
 
   // A first word that is no subcommand (a typo, or a command of a newer meshtrain): CLI11
   // would only say that a subcommand is required. Name the word and list the commands.
@@ -214,6 +310,9 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("plan")) return run_plan(plan_args);
     if (app.got_subcommand("train")) return run_train(train_args, argc, argv);
     if (app.got_subcommand("calibrate")) return run_calibrate(calibrate_args, argc, argv);
+    if (app.got_subcommand("predict")) return run_predict(predict_args, argc, argv);
+    if (app.got_subcommand("export")) return meshtrain::export_command(export_args, std::cout);
+    if (app.got_subcommand("evaluate")) return run_evaluate(evaluate_args, argc, argv);
     if (app.got_subcommand("inspect")) {
       return meshtrain::print_checkpoint(inspect_args.checkpoint, inspect_args.verify, std::cout);
     }

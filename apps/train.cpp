@@ -55,6 +55,10 @@ int train_command(const std::string& config_path, const std::vector<std::string>
     if (const auto& info = run.resumed_from()) {
       std::printf("resumed from %s at step %lld (saved on %s)\n", info->path.c_str(),
                   static_cast<long long>(info->train_state.step), info->mesh.c_str());
+    } else if (const auto& from = run.initialized_from()) {
+      std::printf("initialized from %s (step %lld, saved on %s): starting from step 0\n",
+                  from->path.c_str(), static_cast<long long>(from->train_state.step),
+                  from->mesh.c_str());
     } else if (run.config().checkpoint.resume) {
       std::printf("no checkpoint in %s: starting from step 0\n",
                   run.config().checkpoint.dir.c_str());

@@ -5,7 +5,14 @@
 //   tanh  tanh(z);   derivative 1 - tanh(z)^2
 //   gelu  the tanh approximation (as jax.nn.gelu(approximate=True) and GELU(approximate=
 //         "tanh") in PyTorch): 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))
+//   gelu_erf  the exact form (PyTorch's GELU(approximate="none")): z Phi(z) =
+//         0.5 z (1 + erf(z / sqrt 2)), computed as 0.5 z erfc(-z / sqrt 2); derivative
+//         Phi(z) + z phi(z), phi(z) = exp(-z^2 / 2) / sqrt(2 pi)
+//   silu  z sigmoid(z) (PyTorch's SiLU); derivative s (1 + z (1 - s)), s = sigmoid(z)
+//   sigmoid  1 / (1 + exp(-z)); derivative s (1 - s)
 //   none  identity
+// sigmoid and silu take exp of -|z| only (no overflow for any z); gelu_erf's exp(-z^2 / 2)
+// underflows to 0 for large |z|.
 
 #include <string>
 

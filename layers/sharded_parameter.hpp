@@ -29,7 +29,12 @@
 //              `allreduce` (every axis whose ranks add different parts to it: the batch
 //              axes, and the feature axis when ranks compute different columns), then this
 //              rank's stored block kept; nothing is reduce-scattered or divided. Only a
-//              vector stored whole can leave that all-reduce for later.
+//              vector stored whole can leave that all-reduce for later. Variants (the
+//              norms' parameters): `direct` when the stored block is the compute block, the
+//              gradient then written straight into the stored gradient and all-reduced
+//              there (deferrable); the gather into a buffer of the parameter's own; the
+//              full-width gradient in a view the layer gives, several of which side by side
+//              are all-reduced in one collective (reduce_side_by_side).
 // Mixed precision: gathered (or rounded) in the compute dtype; the gradient moves and sums in
 // the reduce dtype and is stored in fp32. In fp32 none of this does anything.
 // Everything is allocated at construction: nothing in compute(), gradient() or reduce().
@@ -61,6 +66,9 @@ struct ParameterGathers {
   // full_width_sum only: the global width, where the gathered (or, without a gather, the
   // stored) vector starts in it, and where the compute block [d2] starts.
   int64_t width = 0, gathered_offset = 0, compute_offset = 0;
+  bool direct = false;             // the stored block is the compute block (see above)
+  bool own_gather_buffer = false;  // gathered into the parameter's buffer, not scratch.bias
+  VectorView full_gradient;        // [width] where the gradient is written; empty: scratch.bias
 };
 
 enum class GatherMethod { by_dims, as_blocks, full_width_sum };
@@ -98,6 +106,10 @@ class ShardedParameter {
   // final all-reduce (for all_reduce_deferred()).
   void reduce(LayerScratch& scratch, bool all_reduce = true);
   void all_reduce_deferred();
+  // full_width_sum parameters whose full_gradient views lie side by side in this order, over
+  // one group: their gradients reduced as reduce() does, with one all-reduce for all.
+  static void reduce_side_by_side(const std::vector<ShardedParameter*>& parameters,
+                                  bool all_reduce);
   // The group of the final all-reduce (nullptr: none).
   Communicator* allreduce_group() const { return allreduce_; }
   // That group when the all-reduce is the gradient's only communication (nothing gathered,

@@ -20,6 +20,7 @@
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
+#include "framework/io/normalization_stats.hpp"
 #include "framework/train/resume.hpp"
 #include "partition/zero1.hpp"
 
@@ -143,6 +144,13 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
       config_.model.loss = train.classification() ? LossKind::cross_entropy : LossKind::mse;
     }
     check_loss_fits_data(*config_.model.loss, config_.data, train);
+    if (config_.data.normalize_targets == Normalize::standard &&
+        *config_.model.loss != LossKind::mse) {
+      MESHTRAIN_BAD_INPUT(config_.file, ": data.normalize_targets = \"standard\" needs regression ",
+                          "targets (model.loss = \"mse\"), but model.loss = \"",
+                          to_string(*config_.model.loss), "\" reads class labels; set ",
+                          "data.normalize_targets = \"none\"");
+    }
     if (config_.checkpoint.keep_best == EvalMetric::test_accuracy && !train.classification()) {
       MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"test_accuracy\" needs class ",
                           "labels, but the ", train.description, " has regression targets; use ",
@@ -228,6 +236,10 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     }
   }
 
+  // The metrics of every evaluation batch (layers/eval_metrics.hpp).
+  eval_metrics_ = std::make_unique<EvalMetrics>(loss_->kind(), *context_, eval_slice_.rows,
+                                                sizes.back(), model_->output_layout());
+
   x_ = Matrix("meshtrain::batch_x", slice_.rows, sizes.front());
   if (train_source_->shape().classification()) {
     labels_ = BatchLabels("meshtrain::batch_labels", slice_.rows);
@@ -246,8 +258,113 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   for (const std::string& slot : optimizer_->slot_names()) {
     checkpoint_.opt_state.push_back({slot, optimizer_->slot(slot)});
   }
+  // Where the run starts: a checkpoint of its own (resume wins), another run's parameters
+  // and statistics (init_from), or the initializer and fresh statistics.
   if (config_.checkpoint.resume) resume();
+  if (!resumed_from_ && !config_.checkpoint.init_from.empty()) {
+    try {
+      initialized_from_ = load_model(config_.checkpoint.init_from);
+    } catch (const AgreedError& e) {
+      // The same error on every rank: each adds the key that named the checkpoint.
+      throw AgreedError(Error(e.kind(),
+                              detail::concat(config_.file, ": checkpoint.init_from = '",
+                                             config_.checkpoint.init_from, "': ", e.what()),
+                              e.file(), e.line()));
+    }
+  } else if (!resumed_from_) {
+    compute_statistics();
+  }
+  warn_about_input_scales();
   start_streams();
+}
+
+// One pass over the training rows, shared by the ranks (normalization_stats.hpp).
+void TrainingRun::compute_statistics() {
+  const bool inputs = config_.data.normalize_inputs == Normalize::standard;
+  const bool targets = config_.data.normalize_targets == Normalize::standard;
+  if (!inputs && !targets) return;
+  const NormalizationStats stats =
+      compute_normalization(*train_source_, inputs, targets, comm_, slice_.rows);
+  normalization_ = stats.normalization;
+  checkpoint_.normalization = normalization_;
+  const std::string note = constant_features_note(stats);
+  if (!note.empty() && rank_ == 0) warnings_.push_back(note);
+}
+
+// Raw inputs of very different scales train badly and silently: rank 0 looks at a sample.
+void TrainingRun::warn_about_input_scales() {
+  if (normalization_.inputs() || rank_ != 0) return;
+  const std::string warning = input_scale_warning(*train_source_, slice_.rows);
+  if (!warning.empty()) warnings_.push_back(warning);
+}
+
+Normalization TrainingRun::read_checkpoint_normalization(const std::string& file,
+                                                         const std::string& role) {
+  Normalization n;
+  on_every_rank(comm_, [&] {
+    if (rank_ == 0) n = read_normalization(file);
+  });
+  // Rank 0's vectors on every rank: their lengths, then their values.
+  std::vector<double>* sides[] = {&n.input_mean, &n.input_std, &n.target_mean, &n.target_std};
+  long long lengths[4];
+  for (int i = 0; i < 4; ++i) lengths[i] = static_cast<long long>(sides[i]->size());
+  broadcast_collective(lengths, 4, MPI_LONG_LONG, 0, comm_,
+                       "MPI_Ibcast (the checkpoint's normalization statistics)");
+  for (int i = 0; i < 4; ++i) {
+    sides[i]->resize(static_cast<size_t>(lengths[i]));
+    if (lengths[i] > 0) {
+      broadcast_collective(sides[i]->data(), static_cast<int>(lengths[i]), MPI_DOUBLE, 0, comm_,
+                           "MPI_Ibcast (the checkpoint's normalization statistics)");
+    }
+  }
+  // The same values on every rank: every rank decides alike.
+  on_every_rank(comm_, [&] {
+    const DataShape& data = train_source_->shape();
+    const auto check = [&](bool has, Normalize wanted, const char* key, const char* what,
+                           size_t length, int64_t width) {
+      const bool wants = wanted == Normalize::standard;
+      if (has && !wants) {
+        MESHTRAIN_BAD_INPUT(role, " '", file, "' holds ", what,
+                            " statistics (its model was trained on standardized ", what, "s), but ",
+                            config_.file, " sets ", key, " = \"none\"; set ", key,
+                            " = \"standard\" (the statistics come from the checkpoint)");
+      }
+      if (!has && wants) {
+        MESHTRAIN_BAD_INPUT(role, " '", file, "' holds no ", what,
+                            " statistics (its model was trained on raw ", what, "s), but ",
+                            config_.file, " sets ", key, " = \"standard\"; set ", key,
+                            " = \"none\"");
+      }
+      if (has && static_cast<int64_t>(length) != width) {
+        MESHTRAIN_BAD_INPUT(role, " '", file, "' holds ", what, " statistics of width ", length,
+                            " but the data has width ", width);
+      }
+    };
+    check(n.inputs(), config_.data.normalize_inputs, "data.normalize_inputs", "input",
+          n.input_mean.size(), data.features);
+    check(n.targets(), config_.data.normalize_targets, "data.normalize_targets", "target",
+          n.target_mean.size(), data.output_width());
+  });
+  return n;
+}
+
+CheckpointInfo TrainingRun::load_model(const std::string& path) {
+  // The parameters alone: the optimizer state, the step and the data position are this run's.
+  CheckpointContents model_only;
+  model_only.mesh = *mesh_;
+  model_only.params = model_->parameters();
+  CheckpointInfo info;
+  on_every_rank(comm_, [&] { info = load_checkpoint(path, model_only, comm_); });
+  normalization_ = read_checkpoint_normalization(info.path, "checkpoint");
+  checkpoint_.normalization = normalization_;
+  if (train_stream_) {
+    // Batches read ahead were standardized with the old statistics: read them again.
+    train_stream_.reset();
+    eval_stream_.reset();
+    eval_seq_ = 0;
+    start_streams();
+  }
+  return info;
 }
 
 // The reader threads start where the run does (after a resume), so the first batches are
@@ -263,7 +380,7 @@ void TrainingRun::start_streams() {
           schedule_->slice_samples(seq / accumulation_, slice, rows);
           return slice.rows;
         },
-        depth, steps_done_ * accumulation_);
+        depth, steps_done_ * accumulation_, normalization_);
     if (eval_schedule_.num_batches > 0) {
       // Every evaluation reads the same batches: the sequence goes round them, so the first
       // batches of the next evaluation are read ahead during training.
@@ -273,7 +390,7 @@ void TrainingRun::start_streams() {
             return eval_slice_samples(eval_schedule_, seq % eval_schedule_.num_batches, eval_slice_,
                                       rows);
           },
-          depth);
+          depth, 0, normalization_);
     }
   });
 }
@@ -337,31 +454,32 @@ void TrainingRun::check_fp16_overflow(bool loss_overflowed) {
   constexpr int64_t kMaxLossOverflowsInARow = 16;
   const double kSmallestScale = std::ldexp(1.0, -24);
   const auto fix = [&] {  // only when failing: skipping a step allocates nothing
-    return detail::concat("set mixed_precision.param_dtype = \"bf16\" (fp32's range) or lower "
-                          "optimizer.lr (now ",
-                          config_.optimizer.lr, ")");
+    return detail::concat(
+        "set mixed_precision.param_dtype = \"bf16\" (fp32's range) or lower "
+        "optimizer.lr (now ",
+        config_.optimizer.lr, ")");
   };
   if (loss_overflowed) {
     const double beyond = scaler_->sum_over_ranks(inputs_beyond_fp16_);
     if (beyond > 0) {
-      throw AgreedError(Error(
-          ErrorKind::bad_input,
-          detail::concat("the inputs of step ", steps_done_ + 1, " hold ", beyond,
-                         " values beyond fp16's range (|x| >= 65520 rounds to inf), so the "
-                         "training loss is not finite at any loss scale; set "
-                         "mixed_precision.param_dtype = \"bf16\" (fp32's range) or scale the "
-                         "inputs down"),
-          __FILE__, __LINE__));
+      throw AgreedError(
+          Error(ErrorKind::bad_input,
+                detail::concat("the inputs of step ", steps_done_ + 1, " hold ", beyond,
+                               " values beyond fp16's range (|x| >= 65520 rounds to inf), so the "
+                               "training loss is not finite at any loss scale; set "
+                               "mixed_precision.param_dtype = \"bf16\" (fp32's range) or scale the "
+                               "inputs down"),
+                __FILE__, __LINE__));
     }
     if (loss_overflows_in_a_row_ + 1 >= kMaxLossOverflowsInARow) {
-      throw AgreedError(Error(ErrorKind::runtime,
-                              detail::concat("the training loss was not finite in ",
-                                             kMaxLossOverflowsInARow, " steps in a row up to step ",
-                                             steps_done_ + 1,
-                                             " under fp16: the forward pass overflows fp16's "
-                                             "range (65504) whatever the loss scale; ",
-                                             fix()),
-                              __FILE__, __LINE__));
+      throw AgreedError(
+          Error(ErrorKind::runtime,
+                detail::concat("the training loss was not finite in ", kMaxLossOverflowsInARow,
+                               " steps in a row up to step ", steps_done_ + 1,
+                               " under fp16: the forward pass overflows fp16's "
+                               "range (65504) whatever the loss scale; ",
+                               fix()),
+                __FILE__, __LINE__));
     }
   } else if (scaler_->scale() < kSmallestScale) {
     throw AgreedError(Error(ErrorKind::runtime,
@@ -387,9 +505,9 @@ void TrainingRun::forget_micro_batches() {
 bool TrainingRun::record_evaluation(const EvalEvent& eval) {
   const EvalMetric metric = config_.checkpoint.keep_best.value_or(EvalMetric::test_loss);
   const double value = metric == EvalMetric::test_loss ? eval.test_loss : eval.test_accuracy;
-  const bool improved = std::isnan(best_metric_) ||
-                        (metric == EvalMetric::test_loss ? value < best_metric_
-                                                         : value > best_metric_);
+  const bool improved =
+      std::isnan(best_metric_) ||
+      (metric == EvalMetric::test_loss ? value < best_metric_ : value > best_metric_);
   if (improved && !std::isnan(value)) {
     best_metric_ = value;
     best_step_ = steps_done_;
@@ -416,8 +534,8 @@ void TrainingRun::resume() {
     if (rank_ == 0) {
       const CheckpointInfo saved = list_checkpoint(*latest).info;
       check_resume_compatible(config_, saved, total_steps_, schedule_->order().name());
-      const std::string warning = learning_rate_change_warning(
-          config_, saved, total_steps_, schedule_->steps_per_epoch());
+      const std::string warning =
+          learning_rate_change_warning(config_, saved, total_steps_, schedule_->steps_per_epoch());
       if (!warning.empty()) warnings_.push_back(warning);
     }
   });
@@ -430,10 +548,13 @@ void TrainingRun::resume() {
   if (scaler_ && info.train_state.loss_scale > 0) {
     scaler_->restore(info.train_state.loss_scale, info.train_state.loss_scale_clean_steps);
   }
+  // The run's statistics are the checkpoint's: never computed again.
+  normalization_ = read_checkpoint_normalization(info.path, "checkpoint");
+  checkpoint_.normalization = normalization_;
   best_metric_ = info.train_state.best_metric;
   evals_since_best_ = info.train_state.evals_since_best;
-  stopped_early_ = config_.train.early_stopping > 0 &&
-                   evals_since_best_ >= config_.train.early_stopping;
+  stopped_early_ =
+      config_.train.early_stopping > 0 && evals_since_best_ >= config_.train.early_stopping;
   resumed_from_ = info;
 }
 
@@ -603,16 +724,15 @@ double TrainingRun::flops_per_step() const {
   return 6.0 * parameters * static_cast<double>(config_.data.batch_size * accumulation_);
 }
 
-// Loss (and accuracy for classification) over the whole test split, sharded over the
-// batch axes like training; Loss reduces each batch's sums over the ranks.
+// The metrics over the whole test split, sharded over the batch axes like training: Loss
+// reduces each batch's loss sums over the ranks, EvalMetrics the rest once at the end.
 EvalEvent TrainingRun::evaluate() {
   Mlp& model = eval_model_ ? *eval_model_ : *model_;
   Loss& loss = eval_model_ ? *eval_loss_ : *loss_;
   const Matrix& x = eval_model_ ? eval_x_ : x_;
   const BatchLabels& labels = eval_model_ ? eval_labels_ : labels_;
   const Matrix& targets = eval_model_ ? eval_targets_ : targets_;
-  double loss_sum = 0.0;
-  int64_t correct = 0, count = 0;
+  eval_metrics_->reset();
   for (int64_t b = 0; b < eval_schedule_.num_batches; ++b) {
     int64_t valid = 0;
     try {
@@ -620,19 +740,15 @@ EvalEvent TrainingRun::evaluate() {
     } catch (const Error&) {
       keep_data_error(loss);
     }
-    const LossResult r = compute_loss(loss, model.forward(x), labels, targets,
-                                      /*with_gradient=*/false, valid);
-    loss_sum += r.loss_sum;
-    correct += r.correct;
-    count += r.count;
+    MatrixView output = model.forward(x);
+    const LossResult r =
+        compute_loss(loss, output, labels, targets, /*with_gradient=*/false, valid);
+    eval_metrics_->add(output, labels, targets, valid, r);
   }
-  if (!std::isfinite(loss_sum)) throw_agreed_data_error();
+  if (!std::isfinite(eval_metrics_->loss_sum())) throw_agreed_data_error();
   EvalEvent event;
+  eval_metrics_->finish(event, &normalization_);
   event.step = steps_done_;
-  event.test_loss = count ? loss_sum / count : std::numeric_limits<double>::quiet_NaN();
-  event.test_accuracy = test_source_->shape().classification() && count
-                            ? static_cast<double>(correct) / count
-                            : std::numeric_limits<double>::quiet_NaN();
   return event;
 }
 
@@ -738,8 +854,8 @@ void TrainingRun::train_steps(RunSummary& summary) {
       if (events_.on_eval) events_.on_eval(*summary.last_eval);
     }
     // Every rank holds the same evaluation, so every rank stops at the same step.
-    stopped_early_ = config_.train.early_stopping > 0 &&
-                     evals_since_best_ >= config_.train.early_stopping;
+    stopped_early_ =
+        config_.train.early_stopping > 0 && evals_since_best_ >= config_.train.early_stopping;
     const bool save_now =
         (config_.checkpoint.every_steps > 0 && done % config_.checkpoint.every_steps == 0) ||
         (improved && config_.checkpoint.keep_best) || stopped_early_;

@@ -5,7 +5,10 @@
 //   the mesh (config.mesh on the MPI world) -> the sharding plan (the one `meshtrain plan`
 //   prints) -> the mesh's communicators -> the data and this rank's slice of every batch
 //   -> the model (Mlp), its loss and optimizer -> the checkpoint view of the live tensors
-//   -> resume from the latest checkpoint when config.checkpoint.resume.
+//   -> resume from the latest checkpoint when config.checkpoint.resume, else start from
+//   checkpoint.init_from's parameters and statistics when set -> the normalization
+//   statistics (data.normalize_inputs / normalize_targets; kept from the checkpoint when
+//   resumed or initialized from one, else one pass over the training rows).
 // Everything a step touches is allocated then: step() allocates nothing.
 //
 //   meshtrain::Runtime runtime(argc, argv);       // MPI + Kokkos, outlives the run
@@ -38,12 +41,14 @@
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
 #include "framework/io/metrics.hpp"
+#include "framework/io/normalization.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/loss_scaler.hpp"
 #include "framework/train/lr_schedule.hpp"
 #include "framework/train/optimizer.hpp"
 #include "framework/train/zero1.hpp"
 #include "layers/context.hpp"
+#include "layers/eval_metrics.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
 #include "partition/linear_layout.hpp"  // LayerAxes
@@ -117,9 +122,11 @@ class TrainingRun {
   // train.accumulation_steps is 1. (Benchmarks time this alone.)
   StepResult step_on_loaded_batch();
 
-  // Loss (and accuracy for classification) over the whole test split, at the current step,
-  // in batches of data.eval_batch_size. With the training batch size it uses the batch
-  // buffers (load_batch again before accumulate_loaded_batch); otherwise buffers of its own.
+  // The metrics of the whole test split at the current step (layers/eval_metrics.hpp: loss,
+  // and accuracy, top-5 and per-class accuracy, or MSE, MAE and R^2 per output in the data's
+  // units, de-normalized with normalization()'s target statistics), in batches
+  // of data.eval_batch_size. With the training batch size it uses the batch buffers
+  // (load_batch again before accumulate_loaded_batch); otherwise buffers of its own.
   EvalEvent evaluate();
   // Saves a checkpoint of the current step under checkpoint.dir (keeping checkpoint.keep)
   // and returns its path once it is complete. Collective.
@@ -173,6 +180,21 @@ class TrainingRun {
   int64_t best_step() const { return best_step_; }
   // The checkpoint this run resumed from (nullopt for a fresh start).
   const std::optional<CheckpointInfo>& resumed_from() const { return resumed_from_; }
+  // The statistics every batch (training and evaluation) is standardized with, and that every
+  // checkpoint stores (framework/io/normalization.hpp): an empty side is not normalized. The
+  // same bits on every rank, mesh and world size.
+  const Normalization& normalization() const { return normalization_; }
+  // The checkpoint checkpoint.init_from named, once loaded (nullopt otherwise, and when a
+  // checkpoint of the run's own was resumed instead).
+  const std::optional<CheckpointInfo>& initialized_from() const { return initialized_from_; }
+  // Collective: loads the parameters and the normalization statistics of the checkpoint at
+  // `path` (a .h5 file, a latest/best pointer file, or a checkpoint directory: its latest)
+  // into this run, resharded onto its mesh; the optimizer state, the step and the data
+  // position stay as they are. What checkpoint.init_from does at set-up (and `meshtrain
+  // evaluate` with a run built from the checkpoint's config). Throws AgreedError (bad_input)
+  // for a model that does not match (naming the parameter and both shapes) and for
+  // statistics that do not match data.normalize_inputs / normalize_targets (naming the key).
+  CheckpointInfo load_model(const std::string& path);
   // What set-up found worth a warning but not an error (on rank 0 only; e.g. a resumed run
   // whose learning-rate schedule was stretched to another length).
   const std::vector<std::string>& warnings() const { return warnings_; }
@@ -183,6 +205,11 @@ class TrainingRun {
   LossResult compute_loss(Loss& loss, MatrixView output, const BatchLabels& labels,
                           const Matrix& targets, bool with_gradient, int64_t valid_rows = -1);
   void resume();
+  // The checkpoint's statistics (read on rank 0, the same bits on every rank), checked
+  // against data.normalize_inputs / normalize_targets and the data's widths.
+  Normalization read_checkpoint_normalization(const std::string& file, const std::string& role);
+  void compute_statistics();
+  void warn_about_input_scales();
   void log_step(const StepResult& result);
   void train_steps(RunSummary& summary);
   void start_streams();
@@ -255,6 +282,7 @@ class TrainingRun {
   Matrix eval_x_;
   BatchLabels eval_labels_;
   Matrix eval_targets_;
+  std::unique_ptr<EvalMetrics> eval_metrics_;  // of every evaluation batch
 
   // This rank's rows of one batch: inputs and either labels or targets.
   Matrix x_;
@@ -265,6 +293,8 @@ class TrainingRun {
   std::unique_ptr<Checkpointer> checkpointer_;  // the writer (a thread when async)
   int64_t in_flight_step_ = 0;                  // the step of the last checkpoint started
   std::optional<CheckpointInfo> resumed_from_;
+  std::optional<CheckpointInfo> initialized_from_;
+  Normalization normalization_;  // applied by the streams, saved in checkpoint_
   std::vector<std::string> warnings_;
   double best_metric_ = std::numeric_limits<double>::quiet_NaN();
   int64_t best_step_ = -1;

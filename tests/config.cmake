@@ -50,13 +50,16 @@ meshtrain_cli_test(plan_set_unknown_key 2
 meshtrain_cli_test(plan_set_bad_value 2
   "^meshtrain: error: .*fashion_mnist_dp\\.toml \\(--set train\\.steps=0\\): \\[train\\] steps must be at least 1, got 0$"
   -- ${_meshtrain} plan ${_configs}/fashion_mnist_dp.toml --set train.steps=0)
+meshtrain_cli_test(plan_set_bad_activation 2
+  "^meshtrain: error: .*fashion_mnist_dp\\.toml \\(--set model\\.activation=\"siluu\"\\): \\[model\\] activation must be one of relu \\| tanh \\| gelu \\| gelu_erf \\| silu \\| sigmoid \\| none, got \"siluu\"$"
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_dp.toml --set "model.activation=\"siluu\"")
 meshtrain_cli_test(plan_unknown_option 2 "^meshtrain: error: .*--frobnicate"
   -- ${_meshtrain} plan ${_configs}/fashion_mnist_dp.toml --frobnicate)
 meshtrain_cli_test(plan_bad_world 2 "^meshtrain: error: --world"
   -- ${_meshtrain} plan ${_configs}/fashion_mnist_dp.toml --world 0)
 meshtrain_cli_test(no_subcommand 2 "^meshtrain: error: .*subcommand" -- ${_meshtrain})
 meshtrain_cli_test(unknown_subcommand 2
-  "^meshtrain: error: unknown command 'frobnicate'. the commands are plan, train, inspect, calibrate \\(see meshtrain --help\\)$"
+  "^meshtrain: error: unknown command 'frobnicate'. the commands are plan, train, inspect, calibrate, predict, export, evaluate \\(see meshtrain --help\\)$"
   -- ${_meshtrain} frobnicate checkpoint.h5)
 meshtrain_cli_test(verbose_names_throw_site 2 "thrown at .*config\\.cpp:[0-9]+" --any-lines
   -- env MESHTRAIN_VERBOSE=1 ${_meshtrain} plan ${_cli}/no_such.toml)

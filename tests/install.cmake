@@ -1,7 +1,8 @@
 # `cmake --install` into a temporary prefix, then examples/train_mlp built against the
 # installed package alone (find_package(meshtrain)) and run at np 2: it must train and
-# save a checkpoint. Installing needs the whole build, so this runs after the other tests
-# are built (as ctest always does).
+# save a checkpoint; then examples/predict_surrogate, built the same way, predicts from that
+# checkpoint inside its own time loop at np 2. Installing needs the whole build, so this
+# runs after the other tests are built (as ctest always does).
 meshtrain_add_command_test(NAME install_example_np2 TIMEOUT 600
   COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/install/install_example.sh ${CMAKE_BINARY_DIR}
           ${PROJECT_SOURCE_DIR}/examples/train_mlp ${MESHTRAIN_MPIEXEC}

@@ -9,6 +9,12 @@ meshtrain_add_test(NAME train_memory_test SOURCES train/memory_test.cpp
 # a one-rank run; train()'s events, save and an exact resume; agreed bad input.
 meshtrain_add_test(NAME train_training_run_test SOURCES train/training_run_test.cpp
                    LIBS meshtrain_run NP 1 2 4 TIMEOUT 120 EMULATED)
+# Normalization kept with the model and checkpoint.init_from (issue 26, items 4 and 5): the
+# statistics against a float64 reference and bit for bit on dp, fsdp, tp and fsdp x tp; the
+# model sees (x - mean) / std; the statistics survive save and resume; init_from onto another
+# mesh; the scale warning; normalize_targets with cross_entropy refused.
+meshtrain_add_test(NAME train_normalization_test SOURCES train/normalization_test.cpp
+                   LIBS meshtrain_run NP 1 2 4 TIMEOUT 120 EMULATED)
 # train()'s saves: synchronous ones are reported; an agreed error (a diverging loss)
 # completes the save in flight, so `latest` names the last good state.
 meshtrain_add_test(NAME train_save_events_test SOURCES train/save_events_test.cpp
@@ -98,6 +104,18 @@ train_error_test(loss_cross_entropy_with_regression_targets 2
   "^meshtrain: error: model\\.loss = .cross_entropy. needs class labels, but data\\.source = .synthetic. gives regression targets of width 10"
   ${_train_configs}/fashion_mnist_dp.toml --set data.source=synthetic --set model.loss=cross_entropy
   --set run.output_dir=${_train_runs}/loss_cross_entropy_with_regression ${_train_small})
+
+# data.normalize_targets = "standard" reads regression targets: with class labels
+# (cross_entropy) it is refused at the key; a checkpoint.init_from that does not exist is
+# refused naming the key (issue 26, items 4 and 5).
+train_error_test(normalize_targets_with_class_labels 2
+  "^meshtrain: error: .*\\[data\\] normalize_targets = .standard. needs regression targets"
+  ${_train_configs}/fashion_mnist_dp.toml --set data.normalize_targets=standard
+  --set run.output_dir=${_train_runs}/normalize_targets_with_class_labels ${_train_small})
+train_error_test(init_from_missing 2
+  "^meshtrain: error: .*checkpoint\\.init_from = '/nonexistent/checkpoints'.*does not exist"
+  ${_train_configs}/fashion_mnist_dp.toml --set checkpoint.init_from=/nonexistent/checkpoints
+  --set run.output_dir=${_train_runs}/init_from_missing ${_train_small})
 
 # `train` needs a training length, `plan` does not (issue 9, bug 9): one sentence naming
 # [train], exit 2.

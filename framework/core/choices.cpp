@@ -30,10 +30,11 @@ const ChoiceTable<ModelKind>& model_kind_choices() {
 }
 
 const ChoiceTable<Activation>& activation_choices() {
-  static const ChoiceTable<Activation> table = {{"relu", Activation::relu},
-                                                {"tanh", Activation::tanh},
-                                                {"gelu", Activation::gelu},
-                                                {"none", Activation::none}};
+  static const ChoiceTable<Activation> table = {
+      {"relu", Activation::relu}, {"tanh", Activation::tanh},
+      {"gelu", Activation::gelu}, {"gelu_erf", Activation::gelu_erf},
+      {"silu", Activation::silu}, {"sigmoid", Activation::sigmoid},
+      {"none", Activation::none}};
   return table;
 }
 
@@ -111,6 +112,12 @@ const ChoiceTable<EvalMetric>& eval_metric_choices() {
   return table;
 }
 
+const ChoiceTable<Normalize>& normalize_choices() {
+  static const ChoiceTable<Normalize> table = {{"none", Normalize::none},
+                                               {"standard", Normalize::standard}};
+  return table;
+}
+
 Activation parse_activation(const std::string& name, const std::string& key) {
   return parse(activation_choices(), name, key);
 }
@@ -183,6 +190,10 @@ const char* to_string(ShuffleMode value) {
 }
 const char* to_string(EvalMetric value) {
   return name_of(eval_metric_choices(), value);
+}
+
+const char* to_string(Normalize value) {
+  return name_of(normalize_choices(), value);
 }
 
 }  // namespace meshtrain

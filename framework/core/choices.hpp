@@ -5,7 +5,7 @@
 //
 // clang-format off
 //   model.kind                    ModelKind                  mlp
-//   model.activation              Activation                 relu | tanh | gelu | none
+//   model.activation              Activation                 relu | tanh | gelu | gelu_erf | silu | sigmoid | none
 //   model.init                    InitScheme                 he_normal | xavier_uniform | normal | zeros
 //   model.loss                    LossKind                   cross_entropy | mse (config: also auto)
 //   optimizer.kind                OptimizerKind              sgd | adamw
@@ -16,6 +16,8 @@
 //   data.source                   DataSource                 fashion_mnist | synthetic | hdf5
 //   data.shuffle                  ShuffleMode                none | rows | blocks (config: false | true | "blocks")
 //   checkpoint.keep_best          EvalMetric                 test_loss | test_accuracy (unset: off)
+//   data.normalize_inputs         Normalize                  none | standard
+//   data.normalize_targets        Normalize                  none | standard
 //   mixed_precision.param_dtype   Dtype                      fp32 | bf16 | fp16
 //   mixed_precision.reduce_dtype  Dtype                      fp32 | bf16 | fp16
 // clang-format on
@@ -30,7 +32,8 @@
 namespace meshtrain {
 
 enum class ModelKind { mlp };
-enum class Activation { relu, tanh, gelu, none };  // none: the identity
+// gelu: the tanh form; gelu_erf: the exact erf form; none: the identity (layers/activation.hpp).
+enum class Activation { relu, tanh, gelu, gelu_erf, silu, sigmoid, none };
 enum class InitScheme { he_normal, xavier_uniform, normal, zeros };
 enum class LossKind { cross_entropy, mse };
 enum class OptimizerKind { sgd, adamw };
@@ -45,6 +48,9 @@ enum class ShuffleMode { none, rows, blocks };
 // What an evaluation is judged by (checkpoint.keep_best, train.early_stopping): a lower
 // test loss or a higher test accuracy is better.
 enum class EvalMetric { test_loss, test_accuracy };
+// What the data path does to inputs (or regression targets) before the model sees them
+// (framework/io/normalization.hpp): nothing, or (x - mean) / std per feature.
+enum class Normalize { none, standard };
 
 // The names of each enum's values, in declaration order.
 template <class Enum>
@@ -62,6 +68,7 @@ const ChoiceTable<Dtype>& dtype_choices();
 const ChoiceTable<DataSource>& data_source_choices();
 const ChoiceTable<ShuffleMode>& shuffle_mode_choices();
 const ChoiceTable<EvalMetric>& eval_metric_choices();
+const ChoiceTable<Normalize>& normalize_choices();
 
 // The names of a table, for the config reader's "must be one of" and for messages.
 template <class Enum>
@@ -101,5 +108,6 @@ const char* to_string(Dtype value);
 const char* to_string(DataSource value);
 const char* to_string(ShuffleMode value);
 const char* to_string(EvalMetric value);
+const char* to_string(Normalize value);
 
 }  // namespace meshtrain

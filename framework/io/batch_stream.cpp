@@ -8,16 +8,27 @@
 namespace meshtrain {
 
 BatchStream::BatchStream(RowSource& source, int64_t rows, BatchSamples samples, int64_t depth,
-                         int64_t first_seq)
+                         int64_t first_seq, Normalization normalization)
     : source_(source),
       rows_(rows),
       samples_(std::move(samples)),
       depth_(depth),
+      normalization_(std::move(normalization)),
       next_take_(first_seq),
       next_fill_(first_seq) {
   MESHTRAIN_REQUIRE(rows >= 0 && depth >= 0 && first_seq >= 0, "BatchStream of ", rows,
                     " rows, depth ", depth, ", from batch ", first_seq);
   const DataShape& shape = source.shape();
+  MESHTRAIN_REQUIRE(!normalization_.inputs() ||
+                        static_cast<int64_t>(normalization_.input_mean.size()) == shape.features,
+                    "BatchStream: ", normalization_.input_mean.size(), " input statistics for the ",
+                    shape.features, " features of the ", shape.description);
+  MESHTRAIN_REQUIRE(
+      !normalization_.targets() ||
+          (!shape.classification() &&
+           static_cast<int64_t>(normalization_.target_mean.size()) == shape.target_width),
+      "BatchStream: ", normalization_.target_mean.size(),
+      " target statistics for the targets of the ", shape.description);
   slots_.resize(static_cast<size_t>(std::max<int64_t>(depth, 1)));
   for (Slot& slot : slots_) {
     slot.x = StagedMatrix("meshtrain::staged_x", rows, shape.features);
@@ -58,6 +69,13 @@ void BatchStream::read_into(Slot& slot, int64_t seq) {
     const RowBuffers out{slot.x.data(), slot.labels.data(), slot.targets.data()};
     if (valid > 0) source_.read(slot.samples.data(), valid, out);
     const int64_t features = static_cast<int64_t>(slot.x.extent(1));
+    if (normalization_.inputs()) {
+      standardize_rows(out.x, valid, features, normalization_.input_mean, normalization_.input_std);
+    }
+    if (normalization_.targets() && out.targets) {
+      standardize_rows(out.targets, valid, static_cast<int64_t>(slot.targets.extent(1)),
+                       normalization_.target_mean, normalization_.target_std);
+    }
     std::memset(out.x + valid * features, 0, sizeof(float) * (rows_ - valid) * features);
     if (out.labels) std::memset(out.labels + valid, 0, sizeof(int32_t) * (rows_ - valid));
     if (out.targets) {

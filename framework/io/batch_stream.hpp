@@ -12,6 +12,11 @@
 // allocated after construction (but by a source's first read of a batch size). A read that
 // throws (bad data, a file changed) is rethrown by the take() of that batch, on this rank.
 // With depth 0 there is no thread: take() reads the batch itself.
+//
+// Normalization (data.normalize_inputs / normalize_targets): the rows just read are
+// standardized in the staging slot, (x - mean) / std in float64 rounded once to float
+// (standardize_rows), by whoever reads them (the reader thread when depth > 0), while they
+// are in cache: no pass over the data set of its own. Padding rows stay zeros.
 
 #include <Kokkos_Core.hpp>
 #include <condition_variable>
@@ -24,6 +29,7 @@
 
 #include "framework/core/views.hpp"
 #include "framework/io/data.hpp"
+#include "framework/io/normalization.hpp"
 
 namespace meshtrain {
 
@@ -37,9 +43,10 @@ using BatchSamples = std::function<int64_t(int64_t seq, int64_t* rows)>;
 class BatchStream {
  public:
   // `rows`: this rank's rows of every batch. The reader thread (depth > 0) starts at
-  // batch `first_seq` at once.
+  // batch `first_seq` at once. `normalization`: the statistics applied to every batch (its
+  // empty sides: none); widths checked against the source.
   BatchStream(RowSource& source, int64_t rows, BatchSamples samples, int64_t depth,
-              int64_t first_seq = 0);
+              int64_t first_seq = 0, Normalization normalization = {});
   ~BatchStream();
   BatchStream(const BatchStream&) = delete;
   BatchStream& operator=(const BatchStream&) = delete;
@@ -75,6 +82,7 @@ class BatchStream {
   const int64_t rows_;
   BatchSamples samples_;
   const int64_t depth_;
+  const Normalization normalization_;  // immutable: read by the reader thread
   std::vector<Slot> slots_;  // depth_ of them (one without a thread)
 
   std::mutex mutex_;

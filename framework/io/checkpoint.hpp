@@ -8,6 +8,10 @@
 //   /opt_state/<slot>/<name> the same for each optimizer slot ("m", "v", "momentum")
 //   /train_state            group; attributes step, epoch, batch_in_epoch, seed,
 //                           rng_offset, optimizer_step, data_order
+//   /normalization/...      float64 statistics of data.normalize_inputs / normalize_targets
+//                           with a crc32 attribute each (normalization.hpp; absent when off).
+//                           Written whole by rank 0 with the structure; read with
+//                           read_normalization, not by load_checkpoint
 //
 // A rank-0 (scalar) tensor is stored as shape [1] with attribute scalar = 1. A flipped byte
 // fails the dataset's CRC-32 on load and in verify_checkpoint. Of the ranks holding the same
@@ -52,6 +56,7 @@
 #include <vector>
 
 #include "framework/core/sharded_tensor.hpp"
+#include "framework/io/normalization.hpp"
 #include "partition/mesh.hpp"
 
 namespace meshtrain {
@@ -76,8 +81,8 @@ struct TrainState {
   double best_metric = std::numeric_limits<double>::quiet_NaN();
   int64_t evals_since_best = 0;
   bool operator==(const TrainState& o) const {
-    const bool same_best = best_metric == o.best_metric ||
-                           (std::isnan(best_metric) && std::isnan(o.best_metric));
+    const bool same_best =
+        best_metric == o.best_metric || (std::isnan(best_metric) && std::isnan(o.best_metric));
     return step == o.step && epoch == o.epoch && batch_in_epoch == o.batch_in_epoch &&
            seed == o.seed && rng_offset == o.rng_offset && optimizer_step == o.optimizer_step &&
            data_order == o.data_order && loss_scale == o.loss_scale &&
@@ -101,6 +106,7 @@ struct CheckpointContents {
   std::string config_text;  // the run's TOML text (saved; not changed by a load)
   std::vector<ShardedTensor> params;
   std::vector<OptimizerSlot> opt_state;
+  Normalization normalization;  // saved under /normalization (none: no group)
 };
 
 // What a load found besides the tensors.
@@ -195,6 +201,13 @@ std::optional<std::string> find_latest_checkpoint(const std::string& dir);
 // The same for the "best" pointer.
 std::optional<std::string> find_best_checkpoint(const std::string& dir);
 
+// The checkpoint file that `path` names: a checkpoint file itself, a directory (the file its
+// latest pointer names) or a `latest` / `best` pointer file (the file it names). Throws
+// bad_input naming the path when it does not exist, the directory has no latest pointer, or
+// a pointer is garbled or names a missing file. Not collective (load_checkpoint resolves
+// on rank 0 and broadcasts).
+std::string resolve_checkpoint_path(const std::string& path);
+
 // Loads a checkpoint into preallocated tensors (for the NEW mesh: each tensor's spec, box
 // and local block) and into.train_state. `path` is a checkpoint file or a directory (its
 // latest pointer is followed). Collective over `comm`. Throws bad_input (the same on every
@@ -228,5 +241,20 @@ CheckpointListing list_checkpoint(const std::string& path);
 // bad_input naming the dataset and the file when one fails its checksum or cannot be read.
 // Returns the number of datasets read.
 int64_t verify_checkpoint(const std::string& path);
+
+// One dataset read whole: its name below the group read ("layers/0/weight"), its logical
+// shape and its values (row-major).
+struct CheckpointArray {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+
+// Reads every dataset below `group` ("/params") of a checkpoint file fully with the serial
+// driver (no MPI needed), checking each one's checksum as verify_checkpoint does, in name
+// order. Throws bad_input naming the file when it is not a checkpoint or has no such group,
+// and naming the dataset when one fails its checksum, cannot be read or is not float32.
+std::vector<CheckpointArray> read_checkpoint_arrays(const std::string& path,
+                                                    const std::string& group);
 
 }  // namespace meshtrain

@@ -52,6 +52,10 @@ int64_t global_elements(const std::vector<int64_t>& shape);
 void for_each_run(const ShardedTensor& t,
                   const std::function<void(int64_t local, int64_t global, int64_t count)>& fn);
 
+// Rank 0, creating a file: the normalization statistics (normalization.hpp) as float64
+// datasets under /normalization, each with its crc32 attribute; nothing when there are none.
+void write_normalization(hid_t file, const Normalization& normalization, const std::string& path);
+
 // --- metadata ----------------------------------------------------------------------------
 
 void write_metadata(hid_t file, const CheckpointContents& c);

@@ -1,6 +1,7 @@
 // Reading checkpoints without MPI (the inspect command): listing and full verification.
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "framework/io/checkpoint.hpp"
@@ -90,47 +91,92 @@ CheckpointListing list_checkpoint(const std::string& path) {
   return listing;
 }
 
+namespace {
+
+// Reads dataset `name` whole, as stored (the file's own type, so the bytes are those the
+// CRC-32 covers), into `buffer`, and checks its checksum: the current format checks each
+// dataset's CRC-32 (a missing one is refused, as load_checkpoint refuses it); format 1
+// relies on HDF5's Fletcher-32 filter on read. Returns the dataset (open).
+Handle read_checked(hid_t file, const std::string& name, const std::string& path, bool crc_format,
+                    std::vector<char>& buffer) {
+  const ErrorKind bad = ErrorKind::bad_input;
+  const std::string where = "checkpoint '" + path + "'";
+  const std::string what = "cannot read dataset '" + name + "' in " + where;
+  Handle dataset = hdf5::make(H5Dopen2(file, name.c_str(), H5P_DEFAULT), H5Dclose, bad, what);
+  Handle type = hdf5::make(H5Dget_type(dataset), H5Tclose, bad, what);
+  Handle space = hdf5::make(H5Dget_space(dataset), H5Sclose, bad, what);
+  const hssize_t points = H5Sget_simple_extent_npoints(space);
+  if (points < 0) hdf5::check(-1, bad, what);
+  const size_t size = H5Tget_size(type);
+  if (size == 0) hdf5::check(-1, bad, what);
+  buffer.resize(static_cast<size_t>(points) * size);
+  if (points > 0 && H5Dread(dataset, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, buffer.data()) < 0) {
+    throw_read_failure(name, path);
+  }
+  const bool has_checksum = hdf5::has_attribute(dataset, kChecksumAttribute, bad, what);
+  if (crc_format && !has_checksum) {
+    MESHTRAIN_BAD_INPUT("dataset '", name, "' in ", where, " has no '", kChecksumAttribute,
+                        "' attribute");
+  }
+  if (has_checksum) {
+    const uint32_t stored =
+        static_cast<uint32_t>(hdf5::read_uint_attribute(dataset, kChecksumAttribute, bad, what));
+    const uint32_t computed = crc32_update(0, buffer.data(), buffer.size());
+    if (computed != stored) {
+      MESHTRAIN_BAD_INPUT("dataset '", name, "' in checkpoint '", path,
+                          "' is corrupt: the CRC-32 of its bytes is ", computed,
+                          " but the file records ", stored);
+    }
+  }
+  return dataset;
+}
+
+}  // namespace
+
 int64_t verify_checkpoint(const std::string& path) {
+  std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+  Handle file = open_serial(path);
+  const std::vector<std::string> names = dataset_names(file, "checkpoint '" + path + "'");
+  const bool crc_format = read_format(file, path) == kFormat;
+  std::vector<char> buffer;
+  for (const auto& name : names) read_checked(file, name, path, crc_format, buffer);
+  return static_cast<int64_t>(names.size());
+}
+
+std::vector<CheckpointArray> read_checkpoint_arrays(const std::string& path,
+                                                    const std::string& group) {
   std::lock_guard<std::mutex> lock(hdf5::global_mutex());
   Handle file = open_serial(path);
   const ErrorKind bad = ErrorKind::bad_input;
   const std::string where = "checkpoint '" + path + "'";
-  const std::vector<std::string> names = dataset_names(file, where);
-  // The current format checks each dataset's CRC-32 (a missing one is refused, as
-  // load_checkpoint refuses it); format 1 relies on HDF5's Fletcher-32 filter on read.
+  read_metadata(file, path);  // refuses a file that is not a meshtrain checkpoint
+  if (!hdf5::path_exists(file, group, bad, where)) {
+    MESHTRAIN_BAD_INPUT(where, " has no group '", group, "'");
+  }
+  std::vector<std::string> names;
+  collect_datasets(file, group, "", names, where);
+  std::sort(names.begin(), names.end());
   const bool crc_format = read_format(file, path) == kFormat;
+  std::vector<CheckpointArray> arrays;
   std::vector<char> buffer;
   for (const auto& name : names) {
-    const std::string what = "cannot read dataset '" + name + "' in " + where;
-    Handle dataset = hdf5::make(H5Dopen2(file, name.c_str(), H5P_DEFAULT), H5Dclose, bad, what);
+    const std::string full = group + "/" + name;
+    const std::string what = "cannot read dataset '" + full + "' in " + where;
+    Handle dataset = read_checked(file, full, path, crc_format, buffer);
     Handle type = hdf5::make(H5Dget_type(dataset), H5Tclose, bad, what);
-    Handle space = hdf5::make(H5Dget_space(dataset), H5Sclose, bad, what);
-    const hssize_t points = H5Sget_simple_extent_npoints(space);
-    if (points < 0) hdf5::check(-1, bad, what);
-    const size_t size = H5Tget_size(type);
-    if (size == 0) hdf5::check(-1, bad, what);
-    buffer.resize(static_cast<size_t>(points) * size);
-    // Read as stored (the file's own type), so the bytes are those the CRC-32 covers.
-    if (points > 0 && H5Dread(dataset, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, buffer.data()) < 0) {
-      throw_read_failure(name, path);
+    if (H5Tget_class(type) != H5T_FLOAT || H5Tget_size(type) != sizeof(float) ||
+        H5Tget_order(type) != H5T_ORDER_LE) {
+      MESHTRAIN_BAD_INPUT("dataset '", full, "' in ", where, " is ", dtype_name(type),
+                          ", not little-endian float32");
     }
-    const bool has_checksum = hdf5::has_attribute(dataset, kChecksumAttribute, bad, what);
-    if (crc_format && !has_checksum) {
-      MESHTRAIN_BAD_INPUT("dataset '", name, "' in ", where, " has no '", kChecksumAttribute,
-                          "' attribute");
-    }
-    if (has_checksum) {
-      const uint32_t stored =
-          static_cast<uint32_t>(hdf5::read_uint_attribute(dataset, kChecksumAttribute, bad, what));
-      const uint32_t computed = crc32_update(0, buffer.data(), buffer.size());
-      if (computed != stored) {
-        MESHTRAIN_BAD_INPUT("dataset '", name, "' in checkpoint '", path,
-                            "' is corrupt: the CRC-32 of its bytes is ", computed,
-                            " but the file records ", stored);
-      }
-    }
+    CheckpointArray array;
+    array.name = name;
+    array.shape = logical_shape(dataset, what);
+    array.values.resize(buffer.size() / sizeof(float));
+    std::memcpy(array.values.data(), buffer.data(), buffer.size());
+    arrays.push_back(std::move(array));
   }
-  return static_cast<int64_t>(names.size());
+  return arrays;
 }
 
 }  // namespace meshtrain

@@ -66,26 +66,6 @@ void check_parameter_names(hid_t file, const CheckpointContents& into, const std
   }
 }
 
-std::string resolve_checkpoint_path(const std::string& path) {
-  std::error_code ec;
-  if (fs::is_directory(path, ec)) {
-    std::optional<std::string> latest = find_latest_checkpoint(path);
-    if (!latest) {
-      MESHTRAIN_BAD_INPUT("checkpoint directory '", path, "' has no '", latest_pointer_name(),
-                          "' pointer (no complete checkpoint was saved there)");
-    }
-    return *latest;
-  }
-  if (!fs::exists(path, ec)) MESHTRAIN_BAD_INPUT("checkpoint '", path, "' does not exist");
-  if (!fs::is_regular_file(path, ec)) MESHTRAIN_BAD_INPUT("checkpoint '", path, "' is not a file");
-  // A pointer file (".../latest", ".../best") stands for the checkpoint it names.
-  const std::string name = fs::path(path).filename().string();
-  const std::string dir = fs::path(path).parent_path().string();
-  if (name == latest_pointer_name()) return *find_latest_checkpoint(dir.empty() ? "." : dir);
-  if (name == best_pointer_name()) return *find_best_checkpoint(dir.empty() ? "." : dir);
-  return path;
-}
-
 // Checks a dataset against the model's tensor: present, the same shape, floating point.
 Handle open_dataset(hid_t file, const DatasetEntry& entry, const std::string& path) {
   const ErrorKind bad = ErrorKind::bad_input;
@@ -191,6 +171,26 @@ std::optional<std::string> find_latest_checkpoint(const std::string& dir) {
 
 std::optional<std::string> find_best_checkpoint(const std::string& dir) {
   return find_pointed_checkpoint(dir, best_pointer_name(), "best-checkpoint");
+}
+
+std::string resolve_checkpoint_path(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    std::optional<std::string> latest = find_latest_checkpoint(path);
+    if (!latest) {
+      MESHTRAIN_BAD_INPUT("checkpoint directory '", path, "' has no '", latest_pointer_name(),
+                          "' pointer (no complete checkpoint was saved there)");
+    }
+    return *latest;
+  }
+  if (!fs::exists(path, ec)) MESHTRAIN_BAD_INPUT("checkpoint '", path, "' does not exist");
+  if (!fs::is_regular_file(path, ec)) MESHTRAIN_BAD_INPUT("checkpoint '", path, "' is not a file");
+  // A pointer file (".../latest", ".../best") stands for the checkpoint it names.
+  const std::string name = fs::path(path).filename().string();
+  const std::string dir = fs::path(path).parent_path().string();
+  if (name == latest_pointer_name()) return *find_latest_checkpoint(dir.empty() ? "." : dir);
+  if (name == best_pointer_name()) return *find_best_checkpoint(dir.empty() ? "." : dir);
+  return path;
 }
 
 CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& into,

@@ -261,6 +261,7 @@ std::vector<int64_t> create_file(const SaveJob& job, const CheckpointContents& c
   Handle file = hdf5::make(H5Fcreate(job.tmp_path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl),
                            H5Fclose, fail, "cannot create " + where);
   write_metadata(file, c);
+  write_normalization(file, c.normalization, job.tmp_path);
   Handle lcpl = hdf5::make(H5Pcreate(H5P_LINK_CREATE), H5Pclose, fail, "H5Pcreate(link create)");
   hdf5::check(H5Pset_create_intermediate_group(lcpl, 1), fail, "H5Pset_create_intermediate_group");
   std::vector<int64_t> offsets;

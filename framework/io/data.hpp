@@ -110,7 +110,8 @@ struct Hdf5SourceOptions {
   bool random_rows = false;
   int64_t block_rows = 0;
   std::string x_name = "/x";  // the datasets' paths in each file (data.x_key, data.y_key)
-  std::string y_name = "/y";
+  std::string y_name = "/y";  // "": inputs only (predict): no labels or targets are read, and
+                              // the shape has num_classes = target_width = 0
 };
 std::unique_ptr<RowSource> open_hdf5_source(const std::vector<std::string>& files,
                                             int64_t num_classes,

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "framework/core/choices.hpp"  // DataSource, ShuffleMode
+#include "framework/core/choices.hpp"  // DataSource, ShuffleMode, Normalize
 
 namespace meshtrain {
 
@@ -30,6 +30,11 @@ struct DataSection {
   // "/" is added when missing: "x" and "/x" are the same).
   std::string x_key = "/x";
   std::string y_key = "/y";
+  // "standard": the model sees (x - mean) / std per input feature, and for regression is
+  // trained on (y - mean) / std per target, with statistics from one pass over the training
+  // rows kept in every checkpoint (framework/io/normalization.hpp). "none": the rows as read.
+  Normalize normalize_inputs = Normalize::none;
+  Normalize normalize_targets = Normalize::none;
 };
 
 // A dataset key as written ("x" or "/x") in its canonical form ("/x"); "" when it names no

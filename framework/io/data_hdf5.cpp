@@ -70,7 +70,8 @@ struct Column {
   int held_ranges = 0;
   int64_t held_bytes = 0;
   bool empty_cache = false;  // the dataset is opened again before this batch's read
-  bool through_hdf5() const { return offset < 0; }
+  bool present = true;       // false: /y of an inputs-only source (nothing to read)
+  bool through_hdf5() const { return present && offset < 0; }
   int64_t chunk_bytes() const { return chunk_rows * width * static_cast<int64_t>(type_size); }
 };
 
@@ -152,6 +153,13 @@ Shard describe_shard(const std::string& path, const std::string& x_name,
   shard.rows = xd[0];
   shard.x.width = xd[1];
 
+  if (y_name.empty()) {  // inputs only
+    shard.y.present = false;
+    shard.y.width = 0;
+    shard.x.dataset.reset();
+    shard.file.reset();
+    return shard;
+  }
   // y: integer [N] labels, or float [N, outputs] / [N] targets
   shard.y.dataset = open(y, "integer class labels [N] or float targets [N, outputs]", "y_key");
   const std::vector<int64_t> yd =
@@ -244,6 +252,7 @@ class Hdf5Source final : public RowSource {
     std::vector<Shard>& shards = set_.shards;
     const Shard& head = shards.front();
     const bool labels = head.y.type_class == H5T_INTEGER;
+    const bool inputs_only = !head.y.present;
     int64_t first = 0;
     for (Shard& s : shards) {
       const auto differ = [&](const char* what, const std::string& here, const std::string& there) {
@@ -256,6 +265,11 @@ class Hdf5Source final : public RowSource {
       }
       if (s.x.type_size != head.x.type_size)
         differ(("the dtype of " + s.x.name).c_str(), type_text(s.x), type_text(head.x));
+      if (inputs_only) {
+        s.first = first;
+        first += s.rows;
+        continue;
+      }
       if ((s.y.type_class == H5T_INTEGER) != labels) {
         differ(("the kind of " + s.y.name).c_str(), labels ? "float targets" : "integer labels",
                labels ? "integer labels" : "float targets");
@@ -279,7 +293,9 @@ class Hdf5Source final : public RowSource {
     budget_[0] = static_cast<int64_t>(static_cast<double>(options.chunk_cache_bytes) *
                                       row_bytes(head.x) / (row_bytes(head.x) + row_bytes(head.y)));
     budget_[1] = options.chunk_cache_bytes - budget_[0];
-    if (labels) {
+    if (inputs_only) {
+      // No labels or targets: num_classes and target_width stay 0.
+    } else if (labels) {
       shape_.num_classes = num_classes;
     } else {
       shape_.target_width = head.y.width;
@@ -493,7 +509,7 @@ class Hdf5Source final : public RowSource {
   void advise(const Shard& s, int64_t first, int64_t stop) const {
     if (s.fd < 0) return;
     for (const Column* c : {&s.x, &s.y}) {
-      if (c->through_hdf5()) continue;
+      if (!c->present || c->through_hdf5()) continue;
       const int64_t row_bytes = c->width * static_cast<int64_t>(c->type_size);
       ::posix_fadvise(s.fd, static_cast<off_t>(c->offset + (first - s.first) * row_bytes),
                       static_cast<off_t>((stop - first) * row_bytes), POSIX_FADV_WILLNEED);
@@ -593,6 +609,7 @@ class Hdf5Source final : public RowSource {
     if (s.through_hdf5()) open_datasets(s);
     const int64_t f = s.x.width;
     read_column(s, s.x, rows, begin, end, H5T_NATIVE_FLOAT, x_.data() + begin * f);
+    if (!s.y.present) return;
     if (shape_.classification()) {
       read_column(s, s.y, rows, begin, end, H5T_NATIVE_INT64, labels_.data() + begin);
     } else {
@@ -722,7 +739,7 @@ class Hdf5Source final : public RowSource {
       }
       return;
     }
-    const int64_t w = shape_.target_width;
+    const int64_t w = shape_.target_width;  // 0 for inputs only
     for (int64_t c = 0; c < w; ++c) {
       const float t = targets_[k * w + c];
       if (!std::isfinite(t)) {

@@ -59,9 +59,27 @@ void MetricsLog::log(const LogEvent& e) {
 
 void MetricsLog::eval(const EvalEvent& e) {
   if (!file_) return;
-  nlohmann::json j = {{"event", "eval"}, {"step", e.step}, {"test_loss", e.test_loss}};
+  write_line(eval_event_json(e));
+}
+
+std::string eval_event_json(const EvalEvent& e) {
+  nlohmann::json j = {
+      {"event", "eval"}, {"step", e.step}, {"test_loss", e.test_loss}, {"test_rows", e.test_rows}};
   if (!std::isnan(e.test_accuracy)) j["test_accuracy"] = e.test_accuracy;
-  write_line(j.dump());
+  if (!std::isnan(e.test_top5_accuracy)) j["test_top5_accuracy"] = e.test_top5_accuracy;
+  if (!e.test_class_accuracy.empty()) {
+    j["test_class_accuracy"] = e.test_class_accuracy;  // NaN (a class without rows): null
+    j["test_class_rows"] = e.test_class_rows;
+  }
+  if (!e.test_mse_per_output.empty()) {
+    j["test_mse"] = e.test_mse;
+    j["test_mae"] = e.test_mae;
+    j["test_r2"] = e.test_r2;
+    j["test_mse_per_output"] = e.test_mse_per_output;
+    j["test_mae_per_output"] = e.test_mae_per_output;
+    j["test_r2_per_output"] = e.test_r2_per_output;
+  }
+  return j.dump();
 }
 
 std::string format_log_line(const LogEvent& e) {
@@ -86,13 +104,20 @@ std::string format_log_line(const LogEvent& e) {
 }
 
 std::string format_eval_line(const EvalEvent& e) {
-  char line[160];
-  if (std::isnan(e.test_accuracy)) {
-    std::snprintf(line, sizeof line, "eval at step %lld: test loss %.5f",
-                  static_cast<long long>(e.step), e.test_loss);
-  } else {
-    std::snprintf(line, sizeof line, "eval at step %lld: test loss %.5f  test accuracy %.4f",
-                  static_cast<long long>(e.step), e.test_loss, e.test_accuracy);
+  char line[240];
+  int n = std::snprintf(line, sizeof line, "eval at step %lld: test loss %.5f",
+                        static_cast<long long>(e.step), e.test_loss);
+  const auto append = [&](const char* format, double value) {
+    if (n >= 0 && n < static_cast<int>(sizeof line)) {
+      n += std::snprintf(line + n, sizeof line - n, format, value);
+    }
+  };
+  if (!std::isnan(e.test_accuracy)) append("  test accuracy %.4f", e.test_accuracy);
+  if (!std::isnan(e.test_top5_accuracy)) append("  top-5 %.4f", e.test_top5_accuracy);
+  if (!e.test_mse_per_output.empty()) {
+    append("  MSE %.5g", e.test_mse);
+    append("  MAE %.5g", e.test_mae);
+    append("  R^2 %.4f", e.test_r2);
   }
   return line;
 }

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace meshtrain {
 
@@ -36,10 +37,31 @@ struct LogEvent {
   double aux_loss = std::nan("");
 };
 
+// One evaluation over the test split (or `meshtrain evaluate`'s data). The metrics are
+// made in one place, layers/eval_metrics.hpp; fields that do not apply are NaN or empty and
+// are not written. Regression metrics are in the user's units (targets de-normalized); the
+// loss is in the units the model was trained in.
 struct EvalEvent {
   int64_t step = 0;
-  double test_loss = 0.0;
-  double test_accuracy = 0.0;  // NaN for regression (not written)
+  double test_loss = 0.0;      // the training loss's reduction: mean over the rows
+  double test_accuracy = 0.0;  // classification: argmax == label; NaN for regression
+  int64_t test_rows = 0;       // rows evaluated
+  // Classification: the label among the 5 largest logits (ties: lower class first), only
+  // with more than 5 classes; and per true class c, hits / rows of class c (NaN when the
+  // data has no row of class c) with those rows.
+  double test_top5_accuracy = std::nan("");
+  std::vector<double> test_class_accuracy;
+  std::vector<int64_t> test_class_rows;
+  // Regression, per output j: mean squared and mean absolute error, and R^2 = 1 - SSE/SST
+  // (SST about the mean of the evaluated targets; NaN for a constant target); overall: MSE
+  // and MAE over every output and row, R^2 the mean of the outputs' (scikit-learn's
+  // uniform average).
+  double test_mse = std::nan("");
+  double test_mae = std::nan("");
+  double test_r2 = std::nan("");
+  std::vector<double> test_mse_per_output;
+  std::vector<double> test_mae_per_output;
+  std::vector<double> test_r2_per_output;
 };
 
 class MetricsLog {
@@ -67,7 +89,14 @@ class MetricsLog {
 //  (MFU 3.1%)  data wait 0.0 ms  ETA 1m02s" (no MFU when the peak is unknown; the data wait
 //  is per step)
 std::string format_log_line(const LogEvent& event);
-// "eval at step 100: test loss 0.41234  test accuracy 0.8512" (no accuracy for regression)
+// The one-line JSON object of an eval event, as metrics.jsonl and `meshtrain evaluate --json`
+// write it: "event": "eval", step, test_loss, test_rows, and the metrics that apply (per
+// class and per output as arrays; a NaN inside an array is null). Doubles are written so
+// that they read back to the same bits.
+std::string eval_event_json(const EvalEvent& event);
+// "eval at step 100: test loss 0.41234  test accuracy 0.8512  top-5 0.9934"; regression:
+// "eval at step 100: test loss 0.04370  MSE 1.2345  MAE 0.8765  R^2 0.9561" (MSE and MAE
+// over all outputs in the user's units, R^2 the outputs' mean)
 std::string format_eval_line(const EvalEvent& event);
 
 // "1h02m", "3m05s", "12s"

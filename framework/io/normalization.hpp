@@ -9,8 +9,15 @@
 // A pair is absent when that side is not normalized (older checkpoints have no group). The
 // model sees x' = (x - input_mean) / input_std and is trained on y' = (y - target_mean) /
 // target_std; its outputs are returned to the user's units as y = y' * target_std +
-// target_mean. A constant feature has std 1.
+// target_mean. A constant feature has std 1. The std is the population standard deviation
+// (numpy's default, ddof = 0): sqrt(sum((x - mean)^2) / N) over the N training rows.
+//
+// Computed by compute_normalization (normalization_stats.hpp) and applied by the BatchStream
+// to each batch as it is read (standardize_rows); written into every checkpoint by the
+// checkpoint writer (CheckpointContents::normalization), each dataset with a crc32 attribute
+// as the tensors have.
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -30,6 +37,13 @@ inline const char* normalization_group() { return "/normalization"; }
 // empty vectors for pairs the file lacks. Throws bad_input naming the file and the dataset
 // when a dataset is unreadable, not float64, not one-dimensional, or a mean and its std
 // differ in length, or a std is not finite and positive.
+// A dataset that carries a crc32 attribute (all that meshtrain writes do) is checked against
+// it: a mismatch is bad_input naming the dataset and the file.
 Normalization read_normalization(const std::string& checkpoint_file);
+
+// values[r, c] = (values[r, c] - mean[c]) / std_dev[c] for `rows` row-major rows of `width`,
+// computed in float64 and rounded to float once. mean and std_dev have `width` entries.
+void standardize_rows(float* values, int64_t rows, int64_t width, const std::vector<double>& mean,
+                      const std::vector<double>& std_dev);
 
 }  // namespace meshtrain

@@ -114,6 +114,11 @@ struct CheckpointSection {
   // Keep the checkpoint of the best evaluation by this metric as `best` (saved when an
   // evaluation improves on every earlier one; never removed by `keep`). Unset: off.
   std::optional<EvalMetric> keep_best;
+  // A new run (step 0, fresh optimizer state) starts from this checkpoint's parameters and
+  // normalization statistics: a .h5 file, a latest/best pointer file or a checkpoint
+  // directory (its latest). Empty: from the initializer. A checkpoint to resume from in `dir`
+  // (resume = true) wins over it.
+  std::string init_from;
 };
 
 struct RuntimeSection {

@@ -159,6 +159,12 @@ void check_config(RunConfig& config) {
   if (config.data.x_key == config.data.y_key) {
     fail("data.y_key", "names the same dataset as data.x_key (" + config.data.x_key + ")");
   }
+  if (config.data.normalize_targets == Normalize::standard &&
+      config.model.loss == LossKind::cross_entropy) {
+    fail("data.normalize_targets",
+         "= \"standard\" needs regression targets (model.loss = \"mse\"), but model.loss = "
+         "\"cross_entropy\" reads class labels; set data.normalize_targets = \"none\"");
+  }
   if (config.data.block_rows < 1) fail("data.block_rows", "must be at least 1");
   if (config.data.shuffle_window < 1) fail("data.shuffle_window", "must be at least 1");
   if (config.data.prefetch < 0) fail("data.prefetch", "must be non-negative (0: no reader thread)");

@@ -39,13 +39,14 @@ const ConfigSchema& config_schema() {
       {"partition", {"preset", "min_sharding_size", "rules", "logical_axes", "collective_matmul"}},
       {"data",
        {"source", "path", "test_path", "batch_size", "eval_batch_size", "shuffle", "block_rows",
-        "shuffle_window", "prefetch", "synthetic_samples", "x_key", "y_key"}},
+        "shuffle_window", "prefetch", "synthetic_samples", "x_key", "y_key", "normalize_inputs",
+        "normalize_targets"}},
       {"optimizer",
        {"kind", "lr", "momentum", "betas", "eps", "weight_decay", "clip_norm", "schedule",
         "warmup_steps", "min_lr", "zero_stage"}},
       {"train",
        {"epochs", "steps", "log_every", "eval_every", "accumulation_steps", "early_stopping"}},
-      {"checkpoint", {"every_steps", "keep", "resume", "dir", "async", "keep_best"}},
+      {"checkpoint", {"every_steps", "keep", "resume", "dir", "async", "keep_best", "init_from"}},
       {"runtime", {"backend", "matmul_precision", "overlap", "bucket_mb"}},
       {"mixed_precision", {"param_dtype", "reduce_dtype"}},
   };
@@ -495,6 +496,18 @@ void read_data(const Section& s, DataSection& data) {
     if (value->empty()) s.fail(key, "must name a dataset, e.g. \"/x\"");
   }
   if (data.x_key == data.y_key) s.fail("y_key", "names the same dataset as x_key (", data.x_key, ")");
+  data.normalize_inputs = s.choice("normalize_inputs", data.normalize_inputs, normalize_choices());
+  data.normalize_targets =
+      s.choice("normalize_targets", data.normalize_targets, normalize_choices());
+}
+
+// Targets are standardized for regression only: class labels are not numbers to scale.
+void check_normalize_targets(const Section& s, const DataSection& data, const ModelSection& model) {
+  if (data.normalize_targets == Normalize::standard && model.loss == LossKind::cross_entropy) {
+    s.fail(
+        "normalize_targets", "= \"standard\" needs regression targets (model.loss = \"mse\"), ",
+        "but model.loss = \"cross_entropy\" reads class labels; set normalize_targets = \"none\"");
+  }
 }
 
 void read_optimizer(const Section& s, OptimizerSection& opt) {
@@ -567,6 +580,10 @@ void read_checkpoint(const Section& s, const std::string& output_dir, Checkpoint
   }
   ckpt.dir = s.string("dir").value_or(output_dir + "/checkpoints");
   if (ckpt.dir.empty()) s.fail("dir", "must not be empty");
+  ckpt.init_from = s.string("init_from").value_or("");
+  if (s.has("init_from") && ckpt.init_from.empty()) {
+    s.fail("init_from", "must name a checkpoint file, pointer or directory (or be left out)");
+  }
 }
 
 void read_mixed_precision(const Section& s, MixedPrecisionSection& mp) {
@@ -610,6 +627,7 @@ RunConfig read_config(const toml::table& root, const std::string& file) {
   read_mesh(reader.section(root, "mesh"), file, config.mesh);
   read_data(reader.section(root, "data"), config.data);
   read_model(reader.section(root, "model"), config.data.source, config.model);
+  check_normalize_targets(reader.section(root, "data"), config.data, config.model);
   read_partition(reader.section(root, "partition"), config.partition);
   read_optimizer(reader.section(root, "optimizer"), config.optimizer);
   read_train(reader.section(root, "train"), config.train);

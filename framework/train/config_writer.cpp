@@ -55,6 +55,12 @@ std::string config_to_toml(const RunConfig& config) {
                    {"synthetic_samples", config.data.synthetic_samples}};
   if (config.data.x_key != DataSection{}.x_key) data.insert("x_key", config.data.x_key);
   if (config.data.y_key != DataSection{}.y_key) data.insert("y_key", config.data.y_key);
+  if (config.data.normalize_inputs != Normalize::none) {
+    data.insert("normalize_inputs", to_string(config.data.normalize_inputs));
+  }
+  if (config.data.normalize_targets != Normalize::none) {
+    data.insert("normalize_targets", to_string(config.data.normalize_targets));
+  }
   if (config.data.shuffle == ShuffleMode::blocks) {
     data.insert("shuffle", "blocks");
   } else {
@@ -95,6 +101,9 @@ std::string config_to_toml(const RunConfig& config) {
                          {"dir", config.checkpoint.dir}};
   if (config.checkpoint.keep_best) {
     checkpoint.insert("keep_best", to_string(*config.checkpoint.keep_best));
+  }
+  if (!config.checkpoint.init_from.empty()) {
+    checkpoint.insert("init_from", config.checkpoint.init_from);
   }
   toml::table runtime{{"backend", to_string(config.runtime.backend)},
                       {"matmul_precision", to_string(config.runtime.matmul_precision)},

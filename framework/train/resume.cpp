@@ -36,6 +36,9 @@ std::string value_text(ShuffleMode value) {
          : value == ShuffleMode::rows ? "true"
                                       : "false";
 }
+std::string value_text(Normalize value) {
+  return value_text(std::string(to_string(value)));
+}
 std::string value_text(const std::vector<std::string>& value) {
   if (value.size() == 1) return value_text(value.front());
   std::string text = "[";
@@ -102,6 +105,13 @@ void check_resume_compatible(const RunConfig& config, const CheckpointInfo& save
     require_same("data.synthetic_samples", was.synthetic_samples, is.synthetic_samples, saved,
                  config, other_data);
   }
+  // The statistics in the checkpoint are the run's: a resumed run keeps them, and cannot
+  // start or stop normalizing half-way.
+  const char* other_inputs = "would change what the model was trained to see";
+  require_same("data.normalize_inputs", was.normalize_inputs, is.normalize_inputs, saved, config,
+               other_inputs);
+  require_same("data.normalize_targets", was.normalize_targets, is.normalize_targets, saved,
+               config, other_inputs);
   require_same("data.batch_size", was.batch_size, is.batch_size, saved, config, order);
   require_same("data.shuffle", was.shuffle, is.shuffle, saved, config, order);
   if (is.shuffle == ShuffleMode::blocks) {

@@ -81,8 +81,9 @@ TEST(Choices, TheReaderAndTheWriterUseTheEnums) {
 }
 
 TEST(Choices, AnUnknownNameListsTheKnownOnes) {
-  expect_bad_input([] { parse_activation("sigmoid"); },
-                   {"model.activation = 'sigmoid'", "relu | tanh | gelu | none"});
+  expect_bad_input(
+      [] { parse_activation("swish"); },
+      {"model.activation = 'swish'", "relu | tanh | gelu | gelu_erf | silu | sigmoid | none"});
   expect_bad_input([] { parse_optimizer_kind("lamb", "my.optimizer"); },
                    {"my.optimizer = 'lamb'", "sgd | adamw"});
 }

@@ -423,6 +423,24 @@ TEST(Config, RangeErrorsNameFileLineKeyAndValue) {
   }
 }
 
+// Each activation by its name, in a file and as an override (gelu is the tanh form,
+// gelu_erf the exact one: two values).
+TEST(Config, ReadsEveryActivationName) {
+  const std::vector<std::pair<std::string, Activation>> names = {
+      {"relu", Activation::relu}, {"tanh", Activation::tanh},
+      {"gelu", Activation::gelu}, {"gelu_erf", Activation::gelu_erf},
+      {"silu", Activation::silu}, {"sigmoid", Activation::sigmoid},
+      {"none", Activation::none}};
+  for (const auto& [name, value] : names) {
+    SCOPED_TRACE(name);
+    EXPECT_EQ(parse("[model]\nsizes = [4, 3]\nactivation = \"" + name + "\"\n[train]\nsteps = 5\n")
+                  .model.activation,
+              value);
+    EXPECT_EQ(parse(minimal(), {"model.activation=\"" + name + "\""}).model.activation, value);
+  }
+  EXPECT_NE(Activation::gelu, Activation::gelu_erf);
+}
+
 TEST(Config, ModelErrors) {
   const std::string train = "[train]\nsteps = 1\n";
   expect_config_error("[model]\nsizes = [784]\n" + train,
@@ -432,8 +450,10 @@ TEST(Config, ModelErrors) {
   expect_config_error("[model]\nactivation = \"relu\"\n" + train,
                       {"t.toml", "[model] sizes", "required"});
   expect_config_error(train, {"t.toml", "[model] sizes", "required"});
-  expect_config_error("[model]\nsizes = [4, 2]\nactivation = \"sigmoid\"\n" + train,
-                      {"t.toml:3", "[model] activation", "\"sigmoid\"", "relu | tanh | gelu"});
+  // A misspelt name: the key, the value and every choice.
+  expect_config_error("[model]\nsizes = [4, 2]\nactivation = \"slu\"\n" + train,
+                      {"t.toml:3", "[model] activation", "\"slu\"",
+                       "relu | tanh | gelu | gelu_erf | silu | sigmoid | none"});
   expect_config_error("[model]\nsizes = [4, 2]\ninit = \"ones\"\n" + train,
                       {"t.toml:3", "[model] init", "\"ones\"", "zeros"});
   expect_config_error("[model]\nsizes = [4, 2]\nloss = \"hinge\"\n" + train,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs meshtrain from the build tree into a temporary prefix, builds
 # examples/train_mlp against the installed package alone (find_package(meshtrain)), runs
-# it at np 2 and checks that it trained and saved a checkpoint.
+# it at np 2 and checks that it trained and saved a checkpoint; then builds
+# examples/predict_surrogate (beside it) the same way and runs it at np 2 on that checkpoint.
 #   install_example.sh BUILD_DIR EXAMPLE_SOURCE_DIR MPIEXEC [MPIEXEC FLAGS...]
 set -euo pipefail
 build_dir=$1
@@ -21,4 +22,13 @@ grep -q '^step 40/40 loss' "$work/run.log"
 grep -q '^checkpoint .*ckpt-000040\.h5 (step 40)' "$work/run.log"
 test -f "$work/run/checkpoints/ckpt-000040.h5"
 test -s "$work/run/metrics.jsonl"
-echo "install_example: installed, built against the package, trained and saved a checkpoint"
+
+surrogate_dir=$(dirname "$example_dir")/predict_surrogate
+cmake -S "$surrogate_dir" -B "$work/build-surrogate" -DCMAKE_PREFIX_PATH="$work/prefix" \
+      -DCMAKE_BUILD_TYPE=Release > "$work/configure-surrogate.log" \
+  || { cat "$work/configure-surrogate.log"; exit 1; }
+cmake --build "$work/build-surrogate" -j 2 > "$work/build-surrogate.log" \
+  || { cat "$work/build-surrogate.log"; exit 1; }
+"$@" -np 2 "$work/build-surrogate/predict_surrogate" "$work/run/checkpoints" 20 | tee "$work/surrogate.log"
+grep -q '^predict_surrogate: 20 time steps of 32 cells per rank, mean |output| [0-9]' "$work/surrogate.log"
+echo "install_example: installed, built against the package, trained and saved a checkpoint, predicted from it"

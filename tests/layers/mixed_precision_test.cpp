@@ -46,7 +46,8 @@
 // Models: 32-16-16-6, tanh, cross-entropy (6 outputs do not divide by 4: tp4 keeps the last
 // output replicated through the all-reduce fallback, summed in P), and 32-16-16-8, relu, MSE;
 // init `normal` (non-zero biases, so the second rounding of point 4 matters). Global batch
-// 16 (2 rows per rank on dp2 x fsdp4).
+// 16 (2 rows per rank on dp2 x fsdp4). And silu (bf16/bf16), sigmoid (fp16/fp16, MSE) and
+// gelu_erf (bf16/fp32) in the same shapes, one policy each, without overlap.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -161,11 +162,45 @@ std::vector<Tensor> master_parameters(const ModelCase& m) {
 }
 
 // ---- the reference: plain loops in double, rounded at the cast points ---------------------
+double sigmoid(double z) {
+  return 1 / (1 + std::exp(-z));
+}
+double normal_cdf(double z) {  // Phi(z): gelu_erf(z) = z Phi(z)
+  return 0.5 * std::erfc(-z / std::sqrt(2.0));
+}
 double act(Activation a, double z) {
-  return a == Activation::relu ? (z > 0 ? z : 0) : std::tanh(z);
+  switch (a) {
+    case Activation::relu:
+      return z > 0 ? z : 0;
+    case Activation::tanh:
+      return std::tanh(z);
+    case Activation::silu:
+      return z * sigmoid(z);
+    case Activation::sigmoid:
+      return sigmoid(z);
+    case Activation::gelu_erf:
+      return z * normal_cdf(z);
+    default:
+      ADD_FAILURE() << "no reference for " << to_string(a);
+      return 0;
+  }
 }
 double act_grad(Activation a, double z) {
-  return a == Activation::relu ? (z > 0 ? 1 : 0) : 1 - std::tanh(z) * std::tanh(z);
+  switch (a) {
+    case Activation::relu:
+      return z > 0 ? 1 : 0;
+    case Activation::tanh:
+      return 1 - std::tanh(z) * std::tanh(z);
+    case Activation::silu:
+      return sigmoid(z) * (1 + z * sigmoid(-z));
+    case Activation::sigmoid:
+      return sigmoid(z) * sigmoid(-z);
+    case Activation::gelu_erf:
+      return normal_cdf(z) + z * std::exp(-0.5 * z * z) / std::sqrt(2 * M_PI);
+    default:
+      ADD_FAILURE() << "no reference for " << to_string(a);
+      return 0;
+  }
 }
 
 struct Reference {
@@ -550,6 +585,27 @@ TEST(MixedPrecision, EveryPolicyMatchesTheRoundingReferenceOnEveryLayout) {
           }
         }
       }
+    }
+  }
+  print_observed();
+}
+
+// silu, sigmoid and gelu_erf round at the same cast points (5 and 10) as relu and tanh: one
+// 16-bit policy each, every layout, the same reference and bounds as above.
+TEST(MixedPrecision, SiluSigmoidGeluErfMatchTheRoundingReferenceOnEveryLayout) {
+  const std::vector<std::pair<ModelCase, Policy>> cases = {
+      {{"silu_ce", {32, 16, 16, 6}, Activation::silu, LossKind::cross_entropy},
+       {"bf16/bf16", {Dtype::bf16, Dtype::bf16}}},
+      {{"sigmoid_mse", {32, 16, 16, 8}, Activation::sigmoid, LossKind::mse},
+       {"fp16/fp16", {Dtype::fp16, Dtype::fp16}}},
+      {{"gelu_erf_ce", {32, 16, 16, 6}, Activation::gelu_erf, LossKind::cross_entropy},
+       {"bf16/fp32", {Dtype::bf16, Dtype::fp32}}}};
+  for (const auto& [m, policy] : cases) {
+    const Batch b = make_batch(m);
+    const Reference ref = reference(m, b, policy.mp.param, 1.0);
+    for (const auto& layout : layouts_for(world_size())) {
+      SCOPED_TRACE(m.name + ", " + policy.name + " on " + layout.name);
+      compare(run_model(m, layout, &policy.mp, 1.0f, false), ref, m, policy.mp, policy.name);
     }
   }
   print_observed();

@@ -5,7 +5,8 @@
 //
 // Models: the reference notebook's (784, 128 x5, 8), relu, MSE, SGD with momentum; and
 // 784-64-64-10, tanh, cross-entropy, AdamW with clipping (10 outputs do not divide by
-// 4: the last layer all-reduces and keeps its output replicated). Global batch 32.
+// 4: the last layer all-reduces and keeps its output replicated). Global batch 32. And
+// 24-32-16-8 with silu, sigmoid and gelu_erf (the activations beyond relu and tanh).
 // Tolerance: per tensor, max |got - ref| <= 1e-4 * max |ref| (+1e-7 absolute); the loss
 // and the norm within 1e-4 relative.
 // For every mesh, the planner's per-layer layout (make_plan with the model's layers, what
@@ -86,6 +87,26 @@ ModelCase classifier_model() {
           3};
 }
 
+// Small models for the activations added after relu and tanh (silu, sigmoid, gelu_erf): each
+// trains 3 steps on every layout like the two above, against the same float64 reference.
+std::vector<ModelCase> activation_models() {
+  OptimizerSettings adamw;
+  adamw.kind = OptimizerKind::adamw;
+  adamw.weight_decay = 0.1f;
+  OptimizerSettings sgd;
+  sgd.kind = OptimizerKind::sgd;
+  sgd.momentum = 0.9f;
+  const std::vector<int64_t> sizes = {24, 32, 16, 8};
+  return {
+      {"silu", sizes, Activation::silu, LossKind::cross_entropy, InitScheme::he_normal, adamw,
+       1e-3f, 0.5, 3},
+      {"sigmoid", sizes, Activation::sigmoid, LossKind::mse, InitScheme::normal, sgd, 0.05f, 0.0,
+       3},
+      {"gelu_erf", sizes, Activation::gelu_erf, LossKind::cross_entropy, InitScheme::he_normal,
+       adamw, 1e-3f, 0.0, 3},
+  };
+}
+
 // ---- the data: global batch, the same for every mesh -------------------------------------
 struct Batch {
   Tensor x;        // [B, in]
@@ -109,14 +130,29 @@ Batch make_batch(const ModelCase& m, int step) {
 }
 
 // ---- the reference: plain loops in double ------------------------------------------------
+double sigmoid(double z) {
+  return 1 / (1 + std::exp(-z));
+}
+double normal_cdf(double z) {  // Phi(z), for gelu_erf = z Phi(z)
+  return 0.5 * std::erfc(-z / std::sqrt(2.0));
+}
 double act(Activation a, double z) {
   switch (a) {
     case Activation::relu:
       return z > 0 ? z : 0;
     case Activation::tanh:
       return std::tanh(z);
-    default:
+    case Activation::silu:
+      return z * sigmoid(z);
+    case Activation::sigmoid:
+      return sigmoid(z);
+    case Activation::gelu_erf:
+      return z * normal_cdf(z);
+    case Activation::none:
       return z;
+    default:
+      ADD_FAILURE() << "no reference for " << to_string(a);
+      return 0;
   }
 }
 double act_grad(Activation a, double z) {
@@ -125,8 +161,17 @@ double act_grad(Activation a, double z) {
       return z > 0 ? 1 : 0;
     case Activation::tanh:
       return 1 - std::tanh(z) * std::tanh(z);
-    default:
+    case Activation::silu:
+      return sigmoid(z) * (1 + z * sigmoid(-z));
+    case Activation::sigmoid:
+      return sigmoid(z) * sigmoid(-z);
+    case Activation::gelu_erf:
+      return normal_cdf(z) + z * std::exp(-0.5 * z * z) / std::sqrt(2 * M_PI);
+    case Activation::none:
       return 1;
+    default:
+      ADD_FAILURE() << "no reference for " << to_string(a);
+      return 0;
   }
 }
 
@@ -531,6 +576,14 @@ TEST(Mlp, NotebookModelMseSgdMatchesSingleRank) {
 
 TEST(Mlp, ClassifierCrossEntropyAdamwClipMatchesSingleRank) {
   for (const auto& layout : layouts_for(world_size())) run_case(classifier_model(), layout);
+}
+
+// silu, sigmoid and gelu_erf between the layers: every layout equals the float64 reference
+// (so also the single-rank run), forward loss, every gradient and the parameters after 3 steps.
+TEST(Mlp, SiluSigmoidGeluErfMatchSingleRank) {
+  for (const ModelCase& m : activation_models()) {
+    for (const auto& layout : layouts_for(world_size())) run_case(m, layout);
+  }
 }
 
 // With overlap, FSDP layers gather their weight while the layer before computes (forward

@@ -54,7 +54,10 @@ import shutil
 import subprocess
 import sys
 
-SMALL = ["--set", "model.sizes=[784, 64, 10]", "--set", "train.log_every=1"]
+# A constant rate: the cases compare runs of different lengths (6 steps resumed to 12 against
+# 12), and a decaying schedule is stretched to each run's length (the cosine case sets its own).
+SMALL = ["--set", "model.sizes=[784, 64, 10]", "--set", "train.log_every=1",
+         "--set", 'optimizer.schedule="constant"']
 MOE = ["--set", "model.sizes=[784, 64, 64, 10]", "--set", "model.moe_layers=[1]",
        "--set", "model.experts=4", "--set", "model.top_k=2"]
 # A run that hangs fails the test here (and ctest's TIMEOUT backs this up).

@@ -8,7 +8,8 @@
 // rank alike, and the run skips as many steps and ends at the same scale as on one rank;
 // so does a forward pass that overflows fp16, while inputs beyond fp16's range, or overflows
 // that no scale fixes, end the run naming mixed_precision.param_dtype; fp32/fp32 written out
-// is the default run bit for bit.
+// is the default run bit for bit. The evaluations' regression metrics (MSE, MAE, R^2 per
+// output) agree with the one-rank run's on every mesh, MoE included.
 
 #include "run/training_run.hpp"
 
@@ -65,6 +66,25 @@ Trace run_steps(const RunConfig& config, MPI_Comm comm, int steps) {
   return trace;
 }
 
+// The regression metrics of an evaluation (layers/eval_metrics.hpp) against a one-rank run's,
+// to 1e-5 relative: per output and overall, and the rows counted.
+void expect_regression_metrics_like(const EvalEvent& eval, const EvalEvent& reference) {
+  EXPECT_EQ(eval.test_rows, reference.test_rows);
+  ASSERT_EQ(eval.test_mse_per_output.size(), reference.test_mse_per_output.size());
+  ASSERT_FALSE(reference.test_mse_per_output.empty());
+  const auto near = [](double a, double b, const char* what) {
+    EXPECT_NEAR(a, b, 1e-5 * (1 + std::abs(b))) << what;
+  };
+  for (size_t j = 0; j < reference.test_mse_per_output.size(); ++j) {
+    near(eval.test_mse_per_output[j], reference.test_mse_per_output[j], "test_mse_per_output");
+    near(eval.test_mae_per_output[j], reference.test_mae_per_output[j], "test_mae_per_output");
+    near(eval.test_r2_per_output[j], reference.test_r2_per_output[j], "test_r2_per_output");
+  }
+  near(eval.test_mse, reference.test_mse, "test_mse");
+  near(eval.test_mae, reference.test_mae, "test_mae");
+  near(eval.test_r2, reference.test_r2, "test_r2");
+}
+
 TEST(TrainingRun, EveryMeshTrainsLikeOneRank) {
   const int n = world_size();
   const Trace reference = run_steps(small_config({{"dp", 1}}, "dp"), MPI_COMM_SELF, 5);
@@ -90,6 +110,7 @@ TEST(TrainingRun, EveryMeshTrainsLikeOneRank) {
     EXPECT_NEAR(trace.eval.test_loss, reference.eval.test_loss,
                 1e-5 * (1 + std::abs(reference.eval.test_loss)));
     EXPECT_TRUE(std::isnan(trace.eval.test_accuracy));  // regression
+    expect_regression_metrics_like(trace.eval, reference.eval);
   }
 }
 
@@ -138,6 +159,88 @@ TEST(TrainingRun, TrainEmitsEventsSavesAndResumesExactly) {
   EXPECT_TRUE(resumed.finished());
   check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
   if (world_rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// load_model (what `meshtrain evaluate` builds on): a checkpoint saved on fsdp loads onto a
+// fresh run on dp, fsdp, tp and fsdp x tp, whose evaluation then equals the saving run's (to
+// the bit on the same mesh, to 1e-5 relative on the others) and whose step stays 0; a
+// checkpoint of another model is bad input naming the shapes.
+TEST(TrainingRun, LoadModelOntoAnyMeshEvaluatesAlike) {
+  const int n = world_size();
+  const std::string dir = std::filesystem::temp_directory_path().string() +
+                          "/meshtrain_training_run_load_model_np" + std::to_string(n);
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  RunConfig config = small_config({{"fsdp", n}}, "fsdp");
+  config.checkpoint.dir = dir;
+  EvalEvent saved_eval;
+  std::string path;
+  {
+    TrainingRun run(config);
+    for (int s = 0; s < 6; ++s) run.step();
+    path = run.save();
+    saved_eval = run.evaluate();
+  }
+  std::vector<std::pair<std::string, std::vector<std::pair<std::string, int>>>> cases = {
+      {"fsdp", {{"fsdp", n}}}, {"dp", {{"dp", n}}}, {"tp", {{"tp", n}}}};
+  if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
+  for (const auto& [preset, axes] : cases) {
+    SCOPED_TRACE(preset);
+    TrainingRun fresh(small_config(axes, preset));
+    const CheckpointInfo info = fresh.load_model(dir);  // the directory: its latest
+    EXPECT_EQ(info.path, path);
+    EXPECT_EQ(info.train_state.step, 6);
+    EXPECT_EQ(fresh.steps_done(), 0);
+    const EvalEvent eval = fresh.evaluate();
+    if (preset == "fsdp") {
+      EXPECT_EQ(eval.test_loss, saved_eval.test_loss);
+      EXPECT_EQ(eval.test_mse_per_output, saved_eval.test_mse_per_output);
+      EXPECT_EQ(eval.test_r2_per_output, saved_eval.test_r2_per_output);
+    }
+    EXPECT_NEAR(eval.test_loss, saved_eval.test_loss, 1e-5 * (1 + saved_eval.test_loss));
+    expect_regression_metrics_like(eval, saved_eval);
+  }
+  RunConfig other = small_config({{"dp", n}}, "dp");
+  other.model.sizes = {8, 12, 16, 4};
+  TrainingRun other_model(other);
+  testing::expect_bad_input([&] { other_model.load_model(path); }, {"has shape", "in the model"});
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// With data.normalize_targets the model trains on standardized targets: the test loss stays
+// in those units while MSE and MAE are the data's (each output's std^2 and std times the
+// standardized ones), so sum_j MSE_j / std_j^2 is the loss; R^2 is the same in both. On dp,
+// fsdp and tp meshes, against the one-rank run.
+TEST(TrainingRun, EvaluationMetricsAreInTheDataUnits) {
+  const int n = world_size();
+  const auto normalized = [](RunConfig config) {
+    config.data.normalize_inputs = Normalize::standard;
+    config.data.normalize_targets = Normalize::standard;
+    return config;
+  };
+  TrainingRun one(normalized(small_config({{"dp", 1}}, "dp")), {}, std::nullopt, MPI_COMM_SELF);
+  for (int s = 0; s < 4; ++s) one.step();
+  const EvalEvent reference = one.evaluate();
+  for (const auto& [preset, axes] :
+       std::vector<std::pair<std::string, std::vector<std::pair<std::string, int>>>>{
+           {"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}, {"tp", {{"tp", n}}}}) {
+    SCOPED_TRACE(preset);
+    TrainingRun run(normalized(small_config(axes, preset)));
+    for (int s = 0; s < 4; ++s) run.step();
+    const EvalEvent eval = run.evaluate();
+    const std::vector<double>& sd = run.normalization().target_std;
+    ASSERT_EQ(sd.size(), eval.test_mse_per_output.size());
+    double loss = 0.0;
+    bool scaled = false;  // some output's std is far from 1: the units matter
+    for (size_t j = 0; j < sd.size(); ++j) {
+      loss += eval.test_mse_per_output[j] / (sd[j] * sd[j]);
+      scaled = scaled || std::abs(sd[j] - 1.0) > 0.1;
+    }
+    EXPECT_TRUE(scaled);
+    EXPECT_NEAR(loss, eval.test_loss, 1e-6 * eval.test_loss);
+    expect_regression_metrics_like(eval, reference);
+  }
 }
 
 struct MeshCase {
@@ -548,6 +651,7 @@ TEST(TrainingRun, MoeMeshesTrainLikeOneRank) {
     }
     const EvalEvent eval = run.evaluate();
     EXPECT_NEAR(eval.test_loss, reference_eval.test_loss, 1e-5 * (1 + reference_eval.test_loss));
+    expect_regression_metrics_like(eval, reference_eval);
     EXPECT_EQ(run.model().moe_layers().size(), 1u);
   }
 }

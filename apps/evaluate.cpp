@@ -1,0 +1,285 @@
+// `meshtrain evaluate`: a TrainingRun of a checkpoint's config on other data, its parameters
+// loaded, one evaluation (see evaluate.hpp).
+
+#include "apps/evaluate.hpp"
+
+#include <mpi.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "base/error.hpp"
+#include "framework/comm/exit_policy.hpp"
+#include "framework/comm/failure_agreement.hpp"
+#include "framework/comm/mpi_util.hpp"
+#include "framework/io/checkpoint.hpp"
+#include "framework/io/data.hpp"
+#include "framework/io/metrics.hpp"
+#include "framework/train/config.hpp"
+#include "run/training_run.hpp"
+
+namespace meshtrain {
+namespace {
+
+// Keys --set may change: they leave the model and the data's meaning as they are.
+const char* const kAllowedSections[] = {"mesh.", "partition.", "runtime.", "mixed_precision."};
+const char* const kAllowedKeys[] = {"data.batch_size", "data.eval_batch_size", "data.prefetch",
+                                    "data.x_key", "data.y_key"};
+
+bool starts_with(const std::string& text, const char* prefix) {
+  return text.compare(0, std::strlen(prefix), prefix) == 0;
+}
+
+// The checkpoint file and its stored config, read on rank 0 and the same on every rank.
+struct Checkpoint {
+  std::string file;
+  std::string config_text;
+  CheckpointInfo info;
+};
+
+Checkpoint read_checkpoint(const std::string& argument, int rank) {
+  Checkpoint c;
+  on_every_rank(MPI_COMM_WORLD, [&] {
+    if (rank != 0) return;
+    c.file = resolve_checkpoint_path(argument);
+    c.info = list_checkpoint(c.file).info;
+    c.config_text = c.info.config_text;
+    if (c.config_text.empty()) {
+      MESHTRAIN_BAD_INPUT("checkpoint '", c.file, "' stores no config: it cannot be evaluated");
+    }
+  });
+  broadcast_string(c.file, 0, MPI_COMM_WORLD, "MPI_Ibcast (the checkpoint's path)");
+  broadcast_string(c.config_text, 0, MPI_COMM_WORLD, "MPI_Ibcast (the checkpoint's config)");
+  broadcast_string(c.info.mesh, 0, MPI_COMM_WORLD, "MPI_Ibcast (the checkpoint's mesh)");
+  long long step = c.info.train_state.step;
+  broadcast_collective(&step, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD,
+                       "MPI_Ibcast (the checkpoint's step)");
+  c.info.train_state.step = step;
+  return c;
+}
+
+// The --data files against the checkpoint's model, with messages that name the file, the
+// dataset and both widths (the run's own checks name config keys the user did not write).
+// Returns the data's rows.
+int64_t check_data(const RunConfig& config, const std::string& checkpoint) {
+  const std::vector<std::string> files = expand_data_paths(config.data.path, "--data");
+  const int64_t inputs = config.model.sizes.front();
+  const int64_t outputs = config.model.sizes.back();
+  Hdf5SourceOptions options;
+  options.x_name = config.data.x_key;
+  options.y_name = config.data.y_key;
+  const std::unique_ptr<RowSource> source = open_hdf5_source(files, outputs, options);
+  const DataShape& shape = source->shape();
+  const std::string where = "--data '" + files.front() + "'";
+  const std::string model = "the model of checkpoint '" + checkpoint + "'";
+  const std::string x = canonical_dataset_key(config.data.x_key);
+  const std::string y = canonical_dataset_key(config.data.y_key);
+  if (shape.num_samples == 0) MESHTRAIN_BAD_INPUT(where, ": dataset '", x, "' has no rows");
+  if (shape.features != inputs) {
+    MESHTRAIN_BAD_INPUT(where, ": dataset '", x, "' has ", shape.features,
+                        " features per row, but ", model, " takes ", inputs, " (model.sizes[0])");
+  }
+  if (config.model.loss == LossKind::cross_entropy && !shape.classification()) {
+    MESHTRAIN_BAD_INPUT(where, ": dataset '", y, "' holds floats (targets of width ",
+                        shape.target_width, "), but ", model, " is a classifier of ", outputs,
+                        " classes (model.loss = \"cross_entropy\"): store class labels as "
+                        "integers");
+  }
+  if (config.model.loss == LossKind::mse && shape.classification()) {
+    MESHTRAIN_BAD_INPUT(where, ": dataset '", y, "' holds integer class labels, but ", model,
+                        " predicts ", outputs, " regression targets (model.loss = \"mse\")");
+  }
+  if (!shape.classification() && shape.target_width != outputs) {
+    MESHTRAIN_BAD_INPUT(where, ": dataset '", y, "' has ", shape.target_width,
+                        " targets per row, but ", model, " predicts ", outputs,
+                        " (model.sizes[-1])");
+  }
+  return shape.num_samples;
+}
+
+// The run's config: the checkpoint's, on --data, initialized from the checkpoint (nothing
+// resumed). The evaluation batch stays
+// the checkpoint config's; the training batch too, unless the data has fewer rows (the run
+// schedules a training set of the data's rows): then one row per batch shard.
+RunConfig evaluation_config(const Checkpoint& checkpoint, const EvaluateArgs& args, int world) {
+  RunConfig config = parse_config(checkpoint.config_text, checkpoint.file, args.overrides);
+  config.data.source = DataSource::hdf5;
+  config.data.path = args.data;
+  config.data.test_path = args.data;
+  config.data.shuffle = ShuffleMode::none;  // the training order is never used
+  config.checkpoint.resume = false;
+  // The run starts from the checkpoint's parameters and normalization statistics
+  // (TrainingRun::load_model at set-up): no statistics pass over --data, and a stored
+  // init_from (the run it was fine-tuned from, perhaps gone by now) is not read.
+  config.checkpoint.init_from = checkpoint.file;
+  config.train.accumulation_steps = 1;
+  std::optional<Mesh> resolved;
+  try {
+    resolved = config.mesh.resolve(world);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::bad_input) throw;
+    MESHTRAIN_BAD_INPUT(e.what(), "; evaluate uses the checkpoint config's mesh: start it on "
+                        "that many ranks, or give it another with --set mesh.AXIS=SIZE (a "
+                        "checkpoint loads onto any mesh)");
+  }
+  const Mesh& mesh = *resolved;
+  const int64_t rows = check_data(config, checkpoint.file);
+  if (rows < config.data.batch_size) {
+    std::vector<std::string> axes;
+    for (const std::string& axis : plan_options(config).batch_axes) {
+      if (mesh.has_axis(axis)) axes.push_back(axis);
+    }
+    const int64_t shards = mesh.size_of(axes);
+    if (rows < shards) {
+      MESHTRAIN_BAD_INPUT("--data has ", rows, " rows, fewer than the ", shards,
+                          " batch shards of mesh ", mesh.short_description(),
+                          ": evaluate on fewer ranks or another mesh (--set mesh.*)");
+    }
+    config.data.eval_batch_size = config.data.eval_batch_size.value_or(config.data.batch_size);
+    config.data.batch_size = shards;
+  }
+  return config;
+}
+
+// --json FILE: written as FILE.tmp and renamed, so a failed evaluation leaves no file that
+// looks whole; opened before the evaluation so an unwritable path fails at once.
+class JsonOutput {
+ public:
+  explicit JsonOutput(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp") {
+    if (path_.empty() || path_ == "-") return;
+    file_ = std::fopen(tmp_.c_str(), "w");
+    if (!file_) {
+      MESHTRAIN_BAD_INPUT("cannot write the --json file '", path_, "': ", std::strerror(errno));
+    }
+  }
+  ~JsonOutput() {
+    if (!file_) return;
+    std::fclose(file_);
+    std::remove(tmp_.c_str());  // not committed: no partial output
+  }
+  JsonOutput(const JsonOutput&) = delete;
+  JsonOutput& operator=(const JsonOutput&) = delete;
+
+  void write(const std::string& json) {
+    if (path_.empty()) return;
+    if (path_ == "-") {
+      std::printf("%s\n", json.c_str());
+      std::fflush(stdout);
+      return;
+    }
+    const bool written = std::fputs(json.c_str(), file_) != EOF && std::fputc('\n', file_) != EOF;
+    const bool closed = std::fclose(file_) == 0;
+    file_ = nullptr;
+    if (!written || !closed || std::rename(tmp_.c_str(), path_.c_str()) != 0) {
+      const std::string reason = std::strerror(errno);
+      std::remove(tmp_.c_str());
+      MESHTRAIN_FAIL("cannot write the --json file '", path_, "': ", reason);
+    }
+  }
+
+ private:
+  std::string path_, tmp_;
+  std::FILE* file_ = nullptr;
+};
+
+std::string format_value(double value, const char* format) {
+  if (std::isnan(value)) return "n/a";
+  char text[48];
+  std::snprintf(text, sizeof text, format, value);
+  return text;
+}
+
+// The human-readable report (rank 0).
+void print_report(std::FILE* out, const Checkpoint& checkpoint, const TrainingRun& run,
+                  const EvalEvent& e) {
+  const RunConfig& config = run.config();
+  std::fprintf(out, "meshtrain evaluate %s (step %lld, saved on %s)\n", checkpoint.file.c_str(),
+               static_cast<long long>(checkpoint.info.train_state.step),
+               checkpoint.info.mesh.c_str());
+  std::fprintf(
+      out, "  data: %s, %lld rows; mesh %s, eval batch %lld\n",
+      run.test_data().shape().description.c_str(), static_cast<long long>(e.test_rows),
+      run.mesh().short_description().c_str(),
+      static_cast<long long>(config.data.eval_batch_size.value_or(config.data.batch_size)));
+  const bool classification = !e.test_class_accuracy.empty();
+  std::fprintf(out, "test loss %.6g (as trained: %s)\n", e.test_loss,
+               classification ? "cross entropy, mean over rows"
+                              : "mean over rows of the sum over outputs of the squared error, "
+                                "in the units the model was trained in");
+  if (classification) {
+    std::fprintf(out, "accuracy %.4f", e.test_accuracy);
+    if (!std::isnan(e.test_top5_accuracy)) std::fprintf(out, "  top-5 %.4f", e.test_top5_accuracy);
+    std::fprintf(out, "\nper class (accuracy, rows):");
+    for (size_t c = 0; c < e.test_class_accuracy.size(); ++c) {
+      std::fprintf(out, "%s %zu: %s (%lld)", c % 5 == 0 ? "\n " : "", c,
+                   format_value(e.test_class_accuracy[c], "%.4f").c_str(),
+                   static_cast<long long>(e.test_class_rows[c]));
+    }
+    std::fprintf(out, "\n");
+  } else {
+    std::fprintf(out, "MSE %.6g  MAE %.6g  R^2 %s (over all outputs, in the data's units)\n",
+                 e.test_mse, e.test_mae, format_value(e.test_r2, "%.4f").c_str());
+    for (size_t j = 0; j < e.test_mse_per_output.size(); ++j) {
+      std::fprintf(out, "  output %zu: MSE %.6g  MAE %.6g  R^2 %s\n", j, e.test_mse_per_output[j],
+                   e.test_mae_per_output[j], format_value(e.test_r2_per_output[j], "%.4f").c_str());
+    }
+  }
+  std::fflush(out);
+}
+
+}  // namespace
+
+void check_evaluate_overrides(const std::vector<std::string>& overrides) {
+  for (const std::string& override_text : overrides) {
+    const std::string key = override_text.substr(0, override_text.find('='));
+    bool allowed = false;
+    for (const char* section : kAllowedSections) allowed = allowed || starts_with(key, section);
+    for (const char* name : kAllowedKeys) allowed = allowed || key == name;
+    if (!allowed) {
+      MESHTRAIN_BAD_INPUT("--set ", key,
+                          " is not allowed with evaluate: it would change the checkpoint's "
+                          "model or what its data means; evaluate takes --set of mesh.*, "
+                          "partition.*, runtime.*, mixed_precision.*, data.batch_size, "
+                          "data.eval_batch_size, data.prefetch, data.x_key and data.y_key");
+    }
+  }
+}
+
+int evaluate_command(const EvaluateArgs& args) try {
+  int rank = 0, world = 1;
+  check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
+  check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world), "MPI_Comm_size");
+  std::optional<JsonOutput> json;
+  on_every_rank(MPI_COMM_WORLD, [&] {
+    check_evaluate_overrides(args.overrides);
+    if (rank == 0) json.emplace(args.json);
+  });
+  const Checkpoint checkpoint = read_checkpoint(args.checkpoint, rank);
+  std::optional<RunConfig> config;
+  on_every_rank(MPI_COMM_WORLD, [&] { config = evaluation_config(checkpoint, args, world); });
+
+  TrainingRun run(*config);
+  EvalEvent event = run.evaluate();
+  event.step = checkpoint.info.train_state.step;  // the model's step (the run did none)
+  on_every_rank(MPI_COMM_WORLD, [&] {
+    if (rank != 0) return;
+    // With the JSON on standard output the report goes to standard error.
+    print_report(args.json == "-" ? stderr : stdout, checkpoint, run, event);
+    json->write(eval_event_json(event));
+  });
+  return 0;
+} catch (const AgreedError& error) {
+  // Every rank holds this error: print it once, and every rank returns its status.
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank == 0) std::fprintf(stderr, "meshtrain: error: %s\n", error.what());
+  return exit_status_for(error);
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,24 @@
+#pragma once
+// `meshtrain export CHECKPOINT --format onnx --output FILE.onnx [--dtype fp32|fp16|bf16]
+// [--overwrite]`: the checkpoint's model as one self-contained ONNX file (docs/export.md,
+// framework/export/onnx_export.hpp). No MPI: it reads the checkpoint serially.
+
+#include <iosfwd>
+#include <string>
+
+namespace meshtrain {
+
+struct ExportArgs {
+  std::string checkpoint;
+  std::string format;
+  std::string output;
+  std::string dtype = "fp32";
+  bool overwrite = false;
+};
+
+// Exports and prints one line saying what was written. Throws bad_input (naming the value)
+// for an unknown format or dtype, an existing output without overwrite, and a checkpoint
+// that cannot be read.
+int export_command(const ExportArgs& args, std::ostream& out);
+
+}  // namespace meshtrain

@@ -1,0 +1,328 @@
+// `meshtrain predict`: HDF5 inputs through a Predictor into one HDF5 output file.
+//
+// The output is written the way checkpoints are: rank 0 creates FILE.tmp with every dataset
+// contiguous and allocated (never filled), and each rank writes its rows' bytes with pwrite at
+// their place in the file. A rank's rows of a batch are consecutive rows of the input, so each
+// batch is one pwrite per dataset and rank, no rank waits for another's data, and no collective
+// HDF5 (MPI-IO) call can leave a rank hanging on another's failure. Of the ranks that hold the
+// same rows (tp partners) one writes. The file is renamed to FILE when every rank has written
+// and synced its part; a failure removes FILE.tmp, a kill leaves only FILE.tmp.
+
+#include "apps/predict.hpp"
+
+#include <fcntl.h>
+#include <mpi.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <optional>
+
+#include "base/error.hpp"
+#include "framework/comm/exit_policy.hpp"
+#include "framework/comm/failure_agreement.hpp"
+#include "framework/comm/mpi_util.hpp"
+#include "framework/io/batch_stream.hpp"
+#include "framework/io/hdf5_util.hpp"
+#include "framework/io/metrics.hpp"  // format_duration
+#include "run/predictor.hpp"
+
+namespace meshtrain {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+// Where each output dataset starts in the file (bytes), as rank 0 created it.
+struct OutputLayout {
+  long long prediction = 0, classes = 0, probability = 0;
+};
+
+// Rank 0: the output is new (or --overwrite), not a directory, and its directory takes a file.
+void check_output(const PredictOptions& options) {
+  const std::string& output = options.output;
+  if (output.empty()) MESHTRAIN_BAD_INPUT("--output names no file");
+  std::error_code ec;
+  if (fs::is_directory(output, ec)) {
+    MESHTRAIN_BAD_INPUT("the output '", output, "' is a directory; --output names a file");
+  }
+  if (fs::exists(output, ec) && !options.overwrite) {
+    MESHTRAIN_BAD_INPUT("the output '", output,
+                        "' exists; pass --overwrite to replace it, or choose another --output");
+  }
+  const std::string probe = output + ".tmp";
+  std::FILE* file = std::fopen(probe.c_str(), "w");
+  if (!file) {
+    MESHTRAIN_BAD_INPUT("cannot write the output '", output, "' (", std::strerror(errno),
+                        "): its directory must exist and be writable");
+  }
+  std::fclose(file);
+  std::remove(probe.c_str());
+}
+
+// Rank 0: FILE.tmp with /prediction [N, outputs] float32 and, for classification, /class
+// int64 [N] and /probability float32 [N, classes], contiguous and allocated, never filled;
+// root attributes checkpoint, step, model, rows.
+OutputLayout create_output(const std::string& tmp, const Predictor& predictor, int64_t rows) {
+  using hdf5::Handle;
+  const ErrorKind fail = ErrorKind::runtime;
+  const std::string where = "the output file '" + tmp + "'";
+  std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+  hdf5::silence_errors();
+  Handle fapl = hdf5::make(H5Pcreate(H5P_FILE_ACCESS), H5Pclose, fail, "H5Pcreate(file access)");
+  hdf5::check(H5Pset_libver_bounds(fapl, H5F_LIBVER_V18, H5F_LIBVER_V18), fail,
+              "H5Pset_libver_bounds");
+  Handle file = hdf5::make(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), H5Fclose, fail,
+                           "cannot create " + where);
+  hdf5::write_attribute(file, "checkpoint", predictor.checkpoint_path());
+  hdf5::write_attribute(file, "step", predictor.step());
+  hdf5::write_attribute(file, "model", predictor.model_description());
+  hdf5::write_attribute(file, "rows", rows);
+  const auto create = [&](const char* name, hid_t type, std::vector<hsize_t> dims) -> long long {
+    const std::string what = std::string("cannot create dataset ") + name + " in " + where;
+    Handle dcpl = hdf5::make(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, fail, what);
+    hdf5::check(H5Pset_layout(dcpl, H5D_CONTIGUOUS), fail, what);
+    hdf5::check(H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY), fail, what);
+    hdf5::check(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER), fail, what);
+    Handle space = hdf5::make(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),
+                              H5Sclose, fail, what);
+    Handle dataset = hdf5::make(H5Dcreate2(file, name, type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT),
+                                H5Dclose, fail, what);
+    const haddr_t address = H5Dget_offset(dataset);
+    if (address == HADDR_UNDEF) hdf5::check(-1, fail, what);
+    dataset.close(what);
+    return static_cast<long long>(address);
+  };
+  const auto n = static_cast<hsize_t>(rows);
+  const auto width = static_cast<hsize_t>(predictor.outputs());
+  OutputLayout layout;
+  layout.prediction = create("/prediction", H5T_IEEE_F32LE, {n, width});
+  if (predictor.classification()) {
+    layout.classes = create("/class", H5T_STD_I64LE, {n});
+    layout.probability = create("/probability", H5T_IEEE_F32LE, {n, width});
+  }
+  file.close("cannot close " + where);
+  return layout;
+}
+
+void write_all(int fd, const void* data, size_t bytes, long long offset, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t done = ::pwrite(fd, p, bytes, static_cast<off_t>(offset));
+    if (done < 0 && errno == EINTR) continue;
+    if (done <= 0) {
+      MESHTRAIN_FAIL("writing the output file '", path, "' at byte ", offset,
+                     " failed: ", done < 0 ? std::strerror(errno) : "nothing was written");
+    }
+    p += done;
+    bytes -= static_cast<size_t>(done);
+    offset += done;
+  }
+}
+
+// The prediction's rows on the host, and where they go in the output.
+struct HostRows {
+  Matrix::HostMirror outputs;
+  Kokkos::View<int64_t*, Kokkos::LayoutRight>::HostMirror classes;
+  Matrix::HostMirror probabilities;
+  int64_t first = 0;  // the input row of row 0
+  int64_t rows = 0;   // valid rows (0: nothing to write)
+};
+
+int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
+  const bool rank0 = rank == 0;
+  const std::string tmp = options.output + ".tmp";
+  std::vector<std::string> files;
+  on_every_rank(MPI_COMM_WORLD, [&] {
+    if (options.inputs.empty()) MESHTRAIN_BAD_INPUT("--input names no file");
+    if (rank0) check_output(options);
+    files = expand_data_paths(options.inputs, "--input");
+  });
+
+  Predictor predictor(options.checkpoint, options.batch_size, options.overrides);
+  if (rank0) {
+    const std::vector<std::string> lines = predictor.describe();
+    std::printf("meshtrain predict: %s\n", lines.front().c_str());
+    for (size_t i = 1; i < lines.size(); ++i) std::printf("%s\n", lines[i].c_str());
+    std::fflush(stdout);
+  }
+
+  // The inputs: the checkpoint's data.x_key in each file, in file order, as wide as the model.
+  std::unique_ptr<RowSource> source;
+  on_every_rank(MPI_COMM_WORLD, [&] {
+    Hdf5SourceOptions source_options;
+    source_options.x_name = canonical_dataset_key(predictor.config().data.x_key);
+    source_options.y_name = "";  // inputs only
+    source = open_hdf5_source(files, 1, source_options);
+    const DataShape& shape = source->shape();
+    if (shape.features != predictor.inputs()) {
+      MESHTRAIN_BAD_INPUT(
+          "input file '", files.front(), "': dataset ", source_options.x_name, " has ",
+          shape.features, " features per row but the model of checkpoint '",
+          predictor.checkpoint_path(), "' takes ", predictor.inputs(), " (model.sizes[0])");
+    }
+  });
+  const int64_t total = source->shape().num_samples;
+  const BatchSlice& slice = predictor.slice();
+  const EvalSchedule schedule = EvalSchedule::create(total, predictor.batch_size(), "--batch-size");
+
+  // One rank per slice writes (tp partners hold the same rows).
+  MPI_Comm slice_comm = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split(MPI_COMM_WORLD, static_cast<int>(slice.index), rank, &slice_comm),
+            "MPI_Comm_split (the writers of the output)");
+  int slice_rank = 0;
+  check_mpi(MPI_Comm_rank(slice_comm, &slice_rank), "MPI_Comm_rank");
+  check_mpi(MPI_Comm_free(&slice_comm), "MPI_Comm_free");
+  const bool writer = slice_rank == 0;
+
+  OutputLayout layout;
+  on_every_rank(MPI_COMM_WORLD, [&] {
+    if (!rank0) return;
+    tmp_made = true;
+    layout = create_output(tmp, predictor, total);
+  });
+  broadcast_collective(&layout, 3, MPI_LONG_LONG, 0, MPI_COMM_WORLD,
+                       "MPI_Ibcast (the output's layout)");
+
+  int fd = -1;
+  HostRows host;
+  const int64_t rows = predictor.local_rows(), width = predictor.outputs();
+  host.outputs = Matrix::HostMirror("meshtrain::predict_host_outputs", rows, width);
+  if (predictor.classification()) {
+    host.classes = decltype(host.classes)("meshtrain::predict_host_classes", rows);
+    host.probabilities = Matrix::HostMirror("meshtrain::predict_host_probabilities", rows, width);
+  }
+  const auto write_rows = [&] {
+    if (!writer || host.rows == 0) return;
+    const size_t row_bytes = static_cast<size_t>(width) * 4;
+    write_all(fd, host.outputs.data(), host.rows * row_bytes,
+              layout.prediction + host.first * static_cast<long long>(row_bytes), tmp);
+    if (!predictor.classification()) return;
+    write_all(fd, host.classes.data(), host.rows * 8, layout.classes + host.first * 8LL, tmp);
+    write_all(fd, host.probabilities.data(), host.rows * row_bytes,
+              layout.probability + host.first * static_cast<long long>(row_bytes), tmp);
+  };
+  on_every_rank(MPI_COMM_WORLD, [&] {
+    if (!writer) return;
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) {
+      MESHTRAIN_FAIL("cannot open the output file '", tmp, "' to write: ", std::strerror(errno));
+    }
+  });
+
+  BatchStream stream(
+      *source, rows,
+      [&](int64_t seq, int64_t* samples) {
+        return eval_slice_samples(schedule, seq, slice, samples);
+      },
+      predictor.config().data.prefetch);
+  Matrix x("meshtrain::predict_batch", rows, predictor.inputs());
+  const auto start = Clock::now();
+  auto last_print = start;
+  int64_t done = 0;
+  // This rank's first failure since the ranks last agreed; agreeing costs a reduction, so
+  // not every batch.
+  constexpr int64_t kAgreeEvery = 64;
+  std::exception_ptr failed;
+  const auto agree_on_failure = [&] {
+    on_every_rank(MPI_COMM_WORLD, [&] {
+      if (failed) std::rethrow_exception(failed);
+    });
+  };
+  try {
+    for (int64_t b = 0; b < schedule.num_batches; ++b) {
+      // The previous batch's rows are written, this one's taken. A rank that fails here (a
+      // bad row, a failed write) keeps its first error and takes part in the collective
+      // predictions with no rows until the ranks next agree (every kAgreeEvery batches and at
+      // the end): the output is renamed only after the last agreement.
+      int64_t valid = 0;
+      try {
+        if (!failed) write_rows();
+        valid = stream.take(b, x, BatchLabels(), Matrix());
+      } catch (...) {
+        if (!failed) failed = std::current_exception();
+        valid = 0;
+      }
+      if (failed) valid = 0;
+      if ((b + 1) % kAgreeEvery == 0) agree_on_failure();
+      const Prediction p =
+          predictor.predict(Kokkos::subview(x, std::make_pair(int64_t{0}, valid), Kokkos::ALL));
+      const auto range = std::make_pair(int64_t{0}, valid);
+      Kokkos::deep_copy(Kokkos::subview(host.outputs, range, Kokkos::ALL), p.outputs);
+      if (predictor.classification()) {
+        Kokkos::deep_copy(Kokkos::subview(host.classes, range), p.classes);
+        Kokkos::deep_copy(Kokkos::subview(host.probabilities, range, Kokkos::ALL), p.probabilities);
+      }
+      host.first = b * schedule.global_batch + slice.begin();
+      host.rows = valid;
+      done = std::min(total, (b + 1) * schedule.global_batch);
+      const auto now = Clock::now();
+      if (rank0 &&
+          (std::chrono::duration<double>(now - last_print).count() >= options.progress_seconds ||
+           b + 1 == schedule.num_batches)) {
+        const double elapsed = std::chrono::duration<double>(now - start).count();
+        const double rate = elapsed > 0 ? done / elapsed : 0.0;
+        std::printf("predict: %lld/%lld rows (%.1f%%), %.0f rows/s, ETA %s\n",
+                    static_cast<long long>(done), static_cast<long long>(total),
+                    100.0 * done / total, rate,
+                    format_duration(rate > 0 ? (total - done) / rate : 0.0).c_str());
+        std::fflush(stdout);
+        last_print = now;
+      }
+    }
+    on_every_rank(MPI_COMM_WORLD, [&] {
+      if (failed) std::rethrow_exception(failed);
+      write_rows();
+      if (fd >= 0) {
+        const int synced = ::fsync(fd);
+        const int closed = ::close(fd);
+        fd = -1;
+        if (synced != 0 || closed != 0) {
+          MESHTRAIN_FAIL("cannot complete the output file '", tmp, "': ", std::strerror(errno));
+        }
+      }
+    });
+  } catch (...) {
+    if (fd >= 0) ::close(fd);
+    throw;
+  }
+  on_every_rank(MPI_COMM_WORLD, [&] {
+    if (!rank0) return;
+    std::error_code ec;
+    fs::rename(tmp, options.output, ec);
+    if (ec) {
+      MESHTRAIN_FAIL("cannot rename '", tmp, "' to '", options.output, "': ", ec.message());
+    }
+    tmp_made = false;
+  });
+  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  if (options.summary) *options.summary = PredictSummary{total, elapsed};
+  if (rank0) {
+    std::printf("wrote %s: %lld rows in %.2f s (%.0f rows/s)\n", options.output.c_str(),
+                static_cast<long long>(total), elapsed, elapsed > 0 ? total / elapsed : 0.0);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int predict_command(const PredictOptions& options) {
+  int rank = 0;
+  check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
+  bool tmp_made = false;  // rank 0: FILE.tmp exists and is ours to remove on failure
+  try {
+    return run_predict(options, rank, tmp_made);
+  } catch (const AgreedError& error) {
+    // Every rank holds this error: print it once, leave no partial output.
+    if (tmp_made) std::remove((options.output + ".tmp").c_str());
+    if (rank == 0) std::fprintf(stderr, "meshtrain: error: %s\n", error.what());
+    return exit_status_for(error);
+  }
+}
+
+}  // namespace meshtrain

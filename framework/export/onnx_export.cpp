@@ -1,0 +1,511 @@
+// A checkpoint as an ONNX model (framework/export/onnx_export.hpp, docs/export.md).
+
+#include "framework/export/onnx_export.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <set>
+#include <sstream>
+#include <vector>
+
+#include "base/error.hpp"
+#include "framework/core/choices.hpp"
+#include "framework/core/precision.hpp"
+#include "framework/core/version.hpp"
+
+namespace meshtrain {
+namespace {
+
+namespace fs = std::filesystem;
+using onnx::Attribute;
+using onnx::ElementType;
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << "]";
+  return out.str();
+}
+
+template <class T>
+std::string raw_bytes(const std::vector<T>& values) {
+  // ONNX raw_data is little-endian; so is every machine meshtrain builds for (x86-64, arm64).
+  return std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
+}
+
+// Builds the graph: nodes in order, initializers, unique value names.
+class GraphBuilder {
+ public:
+  GraphBuilder(const ExportSource& source, Dtype weights) : source_(source), weights_(weights) {}
+
+  // Adds a node computing `output` from `inputs`; returns `output`.
+  std::string node(const std::string& op, std::vector<std::string> inputs,
+                   const std::string& output, std::vector<Attribute> attributes = {}) {
+    claim(output);
+    graph_.nodes.push_back({op, output, std::move(inputs), {output}, std::move(attributes)});
+    return output;
+  }
+  // A node with several outputs; its name is the first.
+  void node(const std::string& op, std::vector<std::string> inputs,
+            std::vector<std::string> outputs, std::vector<Attribute> attributes = {}) {
+    for (const auto& o : outputs) claim(o);
+    const std::string name = outputs.front();
+    graph_.nodes.push_back(
+        {op, name, std::move(inputs), std::move(outputs), std::move(attributes)});
+  }
+
+  // A float32 constant (added once; later calls return the same name).
+  std::string constant(const std::string& name, const std::vector<float>& values,
+                       std::vector<int64_t> dims) {
+    if (constants_.count(name)) return name;
+    claim(name);
+    constants_.insert(name);
+    graph_.initializers.push_back({name, ElementType::float32, std::move(dims), raw_bytes(values)});
+    return name;
+  }
+  std::string scalar(const std::string& name, float value) { return constant(name, {value}, {}); }
+  std::string int64_constant(const std::string& name, const std::vector<int64_t>& values) {
+    if (constants_.count(name)) return name;
+    claim(name);
+    constants_.insert(name);
+    graph_.initializers.push_back(
+        {name, ElementType::int64, {static_cast<int64_t>(values.size())}, raw_bytes(values)});
+    return name;
+  }
+
+  // The parameter `name` of the checkpoint as an initializer of the export's dtype, with
+  // `dims` (the stored shape unless given: a reshape of the same row-major values), and the
+  // name of its float32 value (a Cast for 16-bit weights).
+  std::string parameter(const std::string& name, std::vector<int64_t> dims = {}) {
+    const CheckpointArray& array = source_.params.at(name);
+    if (dims.empty()) dims = array.shape;
+    claim(name);
+    for (size_t i = 0; i < array.values.size(); ++i) {
+      if (!std::isfinite(array.values[i])) {
+        MESHTRAIN_BAD_INPUT("parameter '", name, "' in checkpoint '", source_.path,
+                            "' holds a non-finite value (", array.values[i], ") at element ", i);
+      }
+    }
+    if (weights_ == Dtype::fp32) {
+      graph_.initializers.push_back({name, ElementType::float32, dims, raw_bytes(array.values)});
+      return name;
+    }
+    std::vector<uint16_t> half(array.values.size());
+    for (size_t i = 0; i < half.size(); ++i) {
+      half[i] = to_16bit(array.values[i], weights_);
+      if (std::isinf(from_16bit(half[i], weights_))) {
+        MESHTRAIN_BAD_INPUT("parameter '", name, "' in checkpoint '", source_.path, "' holds ",
+                            array.values[i], " at element ", i, ", beyond the range of ",
+                            to_string(weights_), "; export with --dtype bf16 or fp32");
+      }
+    }
+    const ElementType type = weights_ == Dtype::fp16 ? ElementType::float16 : ElementType::bfloat16;
+    graph_.initializers.push_back({name, type, dims, raw_bytes(half)});
+    return node("Cast", {name}, name + "/fp32",
+                {Attribute::integer("to", static_cast<int64_t>(ElementType::float32))});
+  }
+
+  // Renames the value the last node computes (nothing uses it yet) to `name`.
+  std::string rename_last(const std::string& from, const std::string& name) {
+    if (from == name) return name;
+    onnx::Node& last = graph_.nodes.back();
+    MESHTRAIN_REQUIRE(last.outputs.size() == 1 && last.outputs[0] == from, "export: '", from,
+                      "' is not the last node's output");
+    claim(name);
+    last.outputs[0] = name;
+    last.name = name;
+    return name;
+  }
+
+  onnx::Graph& graph() { return graph_; }
+
+ private:
+  void claim(const std::string& name) {
+    MESHTRAIN_REQUIRE(names_.insert(name).second, "export: value name '", name, "' used twice");
+  }
+
+  const ExportSource& source_;
+  Dtype weights_;
+  onnx::Graph graph_;
+  std::set<std::string> names_;
+  std::set<std::string> constants_;
+};
+
+std::string activation(GraphBuilder& b, Activation kind, const std::string& x,
+                       const std::string& prefix) {
+  switch (kind) {
+    case Activation::relu:
+      return b.node("Relu", {x}, prefix + "/relu");
+    case Activation::tanh:
+      return b.node("Tanh", {x}, prefix + "/tanh");
+    case Activation::gelu: {
+      // layers/activation.cpp, in its order of evaluation:
+      // (0.5f * x) * (1 + tanh(kSqrt2OverPi * (x + ((kGeluCubic * x) * x) * x))).
+      const std::string p = prefix + "/gelu/";
+      const std::string cubic = b.scalar("constants/gelu_cubic", 0.044715f);
+      const std::string scale = b.scalar("constants/gelu_sqrt_2_over_pi", 0.7978845608028654f);
+      const std::string half = b.scalar("constants/half", 0.5f);
+      const std::string one = b.scalar("constants/one", 1.0f);
+      std::string t = b.node("Mul", {x, cubic}, p + "cubic_x");
+      t = b.node("Mul", {t, x}, p + "cubic_x2");
+      t = b.node("Mul", {t, x}, p + "cubic_x3");
+      t = b.node("Add", {x, t}, p + "sum");
+      t = b.node("Mul", {t, scale}, p + "inner");
+      t = b.node("Tanh", {t}, p + "tanh");
+      t = b.node("Add", {t, one}, p + "one_plus_tanh");
+      const std::string h = b.node("Mul", {x, half}, p + "half_x");
+      return b.node("Mul", {h, t}, prefix + "/gelu");
+    }
+    case Activation::gelu_erf: {
+      // 0.5 x (1 + erf(x / sqrt(2))); training evaluates the same value as 0.5 x erfc(-x / sqrt(2)).
+      const std::string p = prefix + "/gelu_erf/";
+      const std::string inv_sqrt2 = b.scalar("constants/inv_sqrt_2", 0.7071067811865476f);
+      const std::string half = b.scalar("constants/half", 0.5f);
+      const std::string one = b.scalar("constants/one", 1.0f);
+      std::string t = b.node("Mul", {x, inv_sqrt2}, p + "scaled");
+      t = b.node("Erf", {t}, p + "erf");
+      t = b.node("Add", {t, one}, p + "one_plus_erf");
+      const std::string h = b.node("Mul", {x, half}, p + "half_x");
+      return b.node("Mul", {h, t}, prefix + "/gelu_erf");
+    }
+    case Activation::silu: {
+      const std::string s = b.node("Sigmoid", {x}, prefix + "/silu/sigmoid");
+      return b.node("Mul", {x, s}, prefix + "/silu");
+    }
+    case Activation::sigmoid:
+      return b.node("Sigmoid", {x}, prefix + "/sigmoid");
+    case Activation::none:
+      return x;
+  }
+  MESHTRAIN_FAIL("export: activation '", to_string(kind), "' has no ONNX form");
+}
+
+std::string linear(GraphBuilder& b, int64_t i, const std::string& x) {
+  const std::string p = "layers/" + std::to_string(i);
+  const std::string w = b.parameter(p + "/weight");
+  const std::string bias = b.parameter(p + "/bias");
+  const std::string xw = b.node("MatMul", {x, w}, p + "/matmul");
+  return b.node("Add", {xw, bias}, p + "/linear");
+}
+
+std::string moe(GraphBuilder& b, int64_t i, const std::string& x, const ModelSection& model,
+                int64_t out) {
+  const std::string p = "layers/" + std::to_string(i);
+  const int64_t experts = model.experts;
+  const std::string router = b.parameter(p + "/router/weight");
+  const std::string weight = b.parameter(p + "/experts/weight");
+  // [E, out] stored; [E, 1, out] broadcasts over the rows of each expert's [rows, out].
+  const std::string bias = b.parameter(p + "/experts/bias", {experts, 1, out});
+
+  const std::string logits = b.node("MatMul", {x, router}, p + "/router/logits");
+  const std::string probs =
+      b.node("Softmax", {logits}, p + "/router/probs", {Attribute::integer("axis", -1)});
+  const std::string top_values = p + "/router/top_probs", top_experts = p + "/router/top_experts";
+  b.node("TopK", {probs, b.int64_constant("constants/top_k", {model.top_k})},
+         {top_values, top_experts},
+         {Attribute::integer("axis", -1), Attribute::integer("largest", 1),
+          Attribute::integer("sorted", 1)});
+  const std::string axis1 = b.int64_constant("constants/axes_1", {1});
+  const std::string top_sum = b.node("ReduceSum", {top_values, axis1}, p + "/router/top_sum",
+                                     {Attribute::integer("keepdims", 1)});
+  const std::string gates = b.node("Div", {top_values, top_sum}, p + "/router/gates");
+  const std::string shape = b.node("Shape", {probs}, p + "/router/shape");
+  const std::string zeros = b.node("ConstantOfShape", {shape}, p + "/router/zeros");
+  const std::string dense = b.node("ScatterElements", {zeros, top_experts, gates},
+                                   p + "/router/dense_gates", {Attribute::integer("axis", 1)});
+  const std::string by_expert = b.node("Transpose", {dense}, p + "/router/gates_by_expert",
+                                       {Attribute::integers("perm", {1, 0})});
+  const std::string gate3 = b.node(
+      "Unsqueeze", {by_expert, b.int64_constant("constants/axes_2", {2})}, p + "/router/gates3");
+  // [rows, in] x [E, in, out] -> [E, rows, out]: one GEMM per expert, broadcast.
+  const std::string y = b.node("MatMul", {x, weight}, p + "/experts/matmul");
+  const std::string yb = b.node("Add", {y, bias}, p + "/experts/linear");
+  const std::string weighted = b.node("Mul", {yb, gate3}, p + "/experts/gated");
+  return b.node("ReduceSum", {weighted, b.int64_constant("constants/axes_0", {0})}, p + "/moe",
+                {Attribute::integer("keepdims", 0)});
+}
+
+// The parameters the config's model has, with their shapes.
+std::vector<std::pair<std::string, std::vector<int64_t>>> expected_parameters(
+    const ModelSection& model) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> expected;
+  const MoeSettings settings = model.moe();
+  for (size_t i = 0; i + 1 < model.sizes.size(); ++i) {
+    const std::string p = "layers/" + std::to_string(i);
+    const int64_t in = model.sizes[i], out = model.sizes[i + 1];
+    if (settings.is_moe(static_cast<int64_t>(i))) {
+      expected.push_back({p + "/router/weight", {in, model.experts}});
+      expected.push_back({p + "/experts/weight", {model.experts, in, out}});
+      expected.push_back({p + "/experts/bias", {model.experts, out}});
+    } else {
+      expected.push_back({p + "/weight", {in, out}});
+      expected.push_back({p + "/bias", {out}});
+    }
+  }
+  return expected;
+}
+
+void check_parameters(const ExportSource& s) {
+  const auto expected = expected_parameters(s.config.model);
+  std::set<std::string> names;
+  for (const auto& [name, shape] : expected) {
+    names.insert(name);
+    const auto found = s.params.find(name);
+    if (found == s.params.end()) {
+      MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "' has no parameter '", name,
+                          "', which its config's model has (shape ", shape_text(shape), ")");
+    }
+    if (found->second.shape != shape) {
+      MESHTRAIN_BAD_INPUT("parameter '", name, "' has shape ", shape_text(found->second.shape),
+                          " in checkpoint '", s.path, "' but ", shape_text(shape),
+                          " in its config's model");
+    }
+  }
+  for (const auto& [name, array] : s.params) {
+    if (!names.count(name)) {
+      MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "' has parameter '", name, "' (shape ",
+                          shape_text(array.shape),
+                          ") that its config's model does not have: export knows only ",
+                          "the layers of model.kind = \"mlp\" (Linear and MoE)");
+    }
+  }
+}
+
+void check_normalization(const ExportSource& s) {
+  const ModelSection& model = s.config.model;
+  const Normalization& n = s.normalization;
+  if (n.inputs() && static_cast<int64_t>(n.input_mean.size()) != model.sizes.front()) {
+    MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': /normalization/input_mean has ",
+                        n.input_mean.size(), " values but the model has ", model.sizes.front(),
+                        " inputs");
+  }
+  if (n.targets()) {
+    if (model.loss != LossKind::mse) {
+      MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "' has /normalization/target_mean, but its ",
+                          "model is not a regression (model.loss = cross_entropy)");
+    }
+    if (static_cast<int64_t>(n.target_mean.size()) != model.sizes.back()) {
+      MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': /normalization/target_mean has ",
+                          n.target_mean.size(), " values but the model has ", model.sizes.back(),
+                          " outputs");
+    }
+  }
+}
+
+std::string normalize_inputs(GraphBuilder& b, const Normalization& n, const std::string& x) {
+  const int64_t width = static_cast<int64_t>(n.input_mean.size());
+  std::vector<float> hi(n.input_mean.size()), lo(hi.size()), inv_std(hi.size());
+  bool any_lo = false;
+  for (size_t i = 0; i < hi.size(); ++i) {
+    hi[i] = static_cast<float>(n.input_mean[i]);
+    lo[i] = static_cast<float>(n.input_mean[i] - static_cast<double>(hi[i]));
+    inv_std[i] = static_cast<float>(1.0 / n.input_std[i]);
+    any_lo = any_lo || lo[i] != 0.0f;
+  }
+  std::string t = b.node("Sub", {x, b.constant("normalization/input_mean_hi", hi, {width})},
+                         "input/centered_hi");
+  if (any_lo) {
+    t = b.node("Sub", {t, b.constant("normalization/input_mean_lo", lo, {width})},
+               "input/centered");
+  }
+  return b.node("Mul", {t, b.constant("normalization/input_inv_std", inv_std, {width})},
+                "input/normalized");
+}
+
+std::string denormalize_outputs(GraphBuilder& b, const Normalization& n, const std::string& y) {
+  const int64_t width = static_cast<int64_t>(n.target_mean.size());
+  std::vector<float> mean(n.target_mean.begin(), n.target_mean.end());
+  std::vector<float> std_dev(n.target_std.begin(), n.target_std.end());
+  const std::string scaled =
+      b.node("Mul", {y, b.constant("normalization/target_std", std_dev, {width})}, "output/scaled");
+  return b.node("Add", {scaled, b.constant("normalization/target_mean", mean, {width})},
+                onnx_output_name());
+}
+
+std::string model_summary(const ModelSection& model) {
+  std::ostringstream out;
+  for (size_t i = 0; i < model.sizes.size(); ++i) out << (i ? "-" : "") << model.sizes[i];
+  out << " " << to_string(model.activation);
+  if (!model.moe_layers.empty()) {
+    out << ", MoE layers";
+    for (int64_t l : model.moe_layers) out << " " << l;
+    out << " (" << model.experts << " experts, top " << model.top_k << ")";
+  }
+  out << ", loss " << (model.loss ? to_string(*model.loss) : "auto");
+  return out.str();
+}
+
+std::string os_error(int err) {
+  return std::strerror(err);
+}
+
+void write_atomically(const std::string& output, const std::vector<const std::string*>& parts,
+                      bool overwrite) {
+  std::error_code ec;
+  const auto status = fs::status(output, ec);
+  if (fs::exists(status)) {
+    if (fs::is_directory(status)) MESHTRAIN_BAD_INPUT("output '", output, "' is a directory");
+    if (!overwrite) {
+      MESHTRAIN_BAD_INPUT("output '", output, "' exists; pass --overwrite to replace it");
+    }
+  }
+  const std::string tmp = output + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) MESHTRAIN_BAD_INPUT("cannot write the output '", tmp, "': ", os_error(errno));
+  auto fail = [&](const std::string& what, int err) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    MESHTRAIN_FAIL(what, " '", tmp, "' failed: ", os_error(err));
+  };
+  for (const std::string* bytes : parts) {
+    for (size_t done = 0; done < bytes->size();) {
+      const ssize_t n = ::write(fd, bytes->data() + done, bytes->size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) fail("writing", errno);
+      done += static_cast<size_t>(n);
+    }
+  }
+  if (::fsync(fd) != 0) fail("syncing", errno);
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    MESHTRAIN_FAIL("closing '", tmp, "' failed: ", os_error(err));
+  }
+  if (std::rename(tmp.c_str(), output.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    MESHTRAIN_FAIL("cannot rename '", tmp, "' to '", output, "': ", os_error(err));
+  }
+}
+
+}  // namespace
+
+ExportSource read_export_source(const std::string& checkpoint) {
+  ExportSource s;
+  s.path = resolve_checkpoint_path(checkpoint);
+  s.info = list_checkpoint(s.path).info;
+  s.config = parse_config(s.info.config_text, "the config stored in checkpoint '" + s.path + "'");
+  if (s.config.model.kind != ModelKind::mlp) {
+    MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': export does not know model.kind = \"",
+                        to_string(s.config.model.kind), "\"");
+  }
+  if (!s.config.model.loss) {
+    MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': its config leaves model.loss to \"auto\"; ",
+                        "export needs to know whether the model classifies");
+  }
+  for (auto& array : read_checkpoint_arrays(s.path, "/params")) {
+    std::string name = array.name;
+    s.params.emplace(std::move(name), std::move(array));
+  }
+  s.normalization = read_normalization(s.path);
+  check_parameters(s);
+  check_normalization(s);
+  return s;
+}
+
+onnx::Model build_onnx_model(const ExportSource& source, Dtype weights) {
+  const ModelSection& model = source.config.model;
+  const bool classifies = model.loss == LossKind::cross_entropy;
+  const int64_t in = model.sizes.front(), out = model.sizes.back();
+  const int64_t layers = static_cast<int64_t>(model.sizes.size()) - 1;
+  const MoeSettings settings = model.moe();
+
+  GraphBuilder b(source, weights);
+  std::string x = onnx_input_name();
+  if (source.normalization.inputs()) x = normalize_inputs(b, source.normalization, x);
+  for (int64_t i = 0; i < layers; ++i) {
+    x = settings.is_moe(i) ? moe(b, i, x, model, model.sizes[static_cast<size_t>(i) + 1])
+                           : linear(b, i, x);
+    if (i + 1 < layers) x = activation(b, model.activation, x, "layers/" + std::to_string(i));
+  }
+  if (source.normalization.targets()) {
+    x = denormalize_outputs(b, source.normalization, b.rename_last(x, "output/normalized"));
+  } else {
+    x = b.rename_last(x, onnx_output_name());
+  }
+
+  onnx::Graph& g = b.graph();
+  g.name = "meshtrain_mlp";
+  const onnx::Dimension batch{0, "batch"};
+  g.inputs.push_back({onnx_input_name(), ElementType::float32, {batch, {in, ""}}});
+  g.outputs.push_back({onnx_output_name(), ElementType::float32, {batch, {out, ""}}});
+  if (classifies) {
+    b.node("Softmax", {x}, onnx_probability_name(), {Attribute::integer("axis", 1)});
+    b.node("ArgMax", {x}, onnx_class_name(),
+           {Attribute::integer("axis", 1), Attribute::integer("keepdims", 0)});
+    g.outputs.push_back({onnx_probability_name(), ElementType::float32, {batch, {out, ""}}});
+    g.outputs.push_back({onnx_class_name(), ElementType::int64, {batch}});
+  }
+  g.doc_string = std::string("meshtrain MLP ") + model_summary(model) + ". Input 'input' [batch, " +
+                 std::to_string(in) + "] in the user's units; output 'output' [batch, " +
+                 std::to_string(out) + "]" +
+                 (classifies ? " (logits), 'probability' (softmax) and 'class' (argmax, int64)"
+                             : " in the user's units") +
+                 ". See docs/export.md.";
+
+  onnx::Model m;
+  m.ir_version = kOnnxIrVersion;
+  m.opset_version = kOnnxOpset;
+  m.producer_name = "meshtrain";
+  m.producer_version = framework_version();
+  m.doc_string = g.doc_string;
+  m.graph = std::move(g);
+  const Normalization& n = source.normalization;
+  m.metadata = {
+      {"checkpoint", source.path},
+      {"step", std::to_string(source.info.train_state.step)},
+      {"mesh", source.info.mesh},
+      {"framework_version", source.info.framework_version},
+      {"model", model_summary(model)},
+      {"weights_dtype", to_string(weights)},
+      {"normalization", n.inputs() && n.targets() ? "inputs, targets"
+                        : n.inputs()              ? "inputs"
+                        : n.targets()             ? "targets"
+                                                  : "none"},
+      {"outputs", classifies ? "output, probability, class" : "output"},
+      {"config", source.info.config_text},
+  };
+  return m;
+}
+
+OnnxExportResult export_onnx(const std::string& checkpoint, const std::string& output,
+                             Dtype weights, bool overwrite) {
+  // Refused before the checkpoint is read: the common mistake costs nothing.
+  std::error_code ec;
+  if (!overwrite && fs::exists(output, ec)) {
+    MESHTRAIN_BAD_INPUT("output '", output, "' exists; pass --overwrite to replace it");
+  }
+  const ExportSource source = read_export_source(checkpoint);
+  if (fs::exists(output, ec) && fs::equivalent(output, source.path, ec)) {
+    MESHTRAIN_BAD_INPUT("output '", output, "' is the checkpoint being exported");
+  }
+  OnnxExportResult result;
+  result.checkpoint = source.path;
+  result.step = source.info.train_state.step;
+  result.model = build_onnx_model(source, weights);
+  // A protobuf message cannot exceed 2 GiB; ONNX's external data files are not written. The
+  // weights alone are checked before the file is encoded, the whole encoding after.
+  constexpr size_t kProtobufLimit = (size_t{1} << 31) - 1;
+  auto refuse_size = [&](size_t bytes) {
+    MESHTRAIN_BAD_INPUT("the ONNX model of checkpoint '", source.path, "' would be ", bytes,
+                        " bytes or more, above protobuf's 2 GiB limit",
+                        weights == Dtype::fp32 ? "; --dtype fp16 or bf16 halves it" : "");
+  };
+  size_t weight_bytes = 0;
+  for (const auto& t : result.model.graph.initializers) weight_bytes += t.raw_data.size();
+  if (weight_bytes > kProtobufLimit) refuse_size(weight_bytes);
+  const onnx::SerializedModel bytes = onnx::serialize(result.model);
+  if (bytes.size() > kProtobufLimit) refuse_size(bytes.size());
+  write_atomically(output, {&bytes.head, &bytes.graph, &bytes.tail}, overwrite);
+  result.bytes = static_cast<int64_t>(bytes.size());
+  return result;
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,384 @@
+#include "layers/norm.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "base/error.hpp"
+#include "framework/core/kernel_label.hpp"
+#include "framework/core/kokkos_math.hpp"
+#include "framework/core/precision.hpp"
+#include "layers/gradient_reduction.hpp"
+
+namespace meshtrain {
+namespace {
+
+using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
+using Rows = Kokkos::RangePolicy<>;
+// Row reductions: one team per row, its threads over the row's columns (coalesced on a GPU;
+// a team of one thread, the plain loop, on a host backend).
+using RowTeams = Kokkos::TeamPolicy<>;
+using RowTeam = RowTeams::member_type;
+
+Range2 range_of(const MatrixView& m) {
+  return Range2({0, 0}, {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))});
+}
+
+// Column sums over the rows (fp32, then rounded to `dtype`, as a 16-bit autograd leaves
+// them): dscale(j) = sum_i dy(i, j) x_hat(i, j), dbias(j) = sum_i dy(i, j) (layernorm).
+// x_hat from the statistics [rows, 3] = (m0, delta, rstd) as in forward.
+void norm_column_sums(MatrixView x, MatrixView dy, MatrixView stats, bool layernorm, Dtype dtype,
+                      VectorView dscale, VectorView dbias) {
+  const int64_t rows = static_cast<int64_t>(x.extent(0));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_param_grad"), Rows(0, static_cast<int64_t>(x.extent(1))),
+      KOKKOS_LAMBDA(const int64_t j) {
+        float ss = 0.0f, sb = 0.0f;
+        for (int64_t i = 0; i < rows; ++i) {
+          const float x_hat = layernorm ? ((x(i, j) - stats(i, 0)) - stats(i, 1)) * stats(i, 2)
+                                        : x(i, j) * stats(i, 2);
+          ss += dy(i, j) * x_hat;
+          sb += dy(i, j);
+        }
+        dscale(j) = round_to(ss, dtype);
+        if (layernorm) dbias(j) = round_to(sb, dtype);
+      });
+}
+
+// The same into full-width vectors full = [dscale (width) | dbias (width)]: this rank's
+// columns at [offset, offset + cols), zeros elsewhere.
+void norm_column_sums_full(MatrixView x, MatrixView dy, MatrixView stats, bool layernorm,
+                           Dtype dtype, int64_t offset, int64_t width, VectorView full) {
+  const int64_t rows = static_cast<int64_t>(x.extent(0));
+  const int64_t cols = static_cast<int64_t>(x.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_param_grad_full"), Rows(0, width),
+      KOKKOS_LAMBDA(const int64_t k) {
+        const int64_t j = k - offset;
+        float ss = 0.0f, sb = 0.0f;
+        if (j >= 0 && j < cols) {
+          for (int64_t i = 0; i < rows; ++i) {
+            const float x_hat = layernorm ? ((x(i, j) - stats(i, 0)) - stats(i, 1)) * stats(i, 2)
+                                          : x(i, j) * stats(i, 2);
+            ss += dy(i, j) * x_hat;
+            sb += dy(i, j);
+          }
+        }
+        full(k) = round_to(ss, dtype);
+        if (layernorm) full(width + k) = round_to(sb, dtype);
+      });
+}
+
+}  // namespace
+
+std::vector<ParameterShape> norm_parameter_shapes(NormKind kind, const std::string& prefix,
+                                                  int64_t width) {
+  std::vector<ParameterShape> shapes = {{prefix + "/scale", {width}}};
+  if (kind == NormKind::layernorm) shapes.push_back({prefix + "/bias", {width}});
+  return shapes;
+}
+
+FeatureNorm::FeatureNorm(NormKind kind, const std::string& name, ParameterRef scale,
+                         ParameterRef bias, FeatureLayout layout, int64_t rows,
+                         ParallelContext& context, float eps)
+    : name_(name),
+      eps_(eps),
+      rows_(rows),
+      compute_dtype_(context.precision().param),
+      reduce_dtype_(context.precision().reduce) {
+  MESHTRAIN_REQUIRE(scale.value && scale.grad, "norm '", name, "': no scale parameter");
+  MESHTRAIN_REQUIRE(kind != NormKind::layernorm || (bias.value && bias.grad), "norm '", name,
+                    "': LayerNorm needs a bias parameter");
+  if (!(eps >= 0.0f) || !std::isfinite(eps)) {
+    MESHTRAIN_BAD_INPUT("norm '", name, "': eps must be a finite number >= 0, got ", eps);
+  }
+  std::vector<ParameterRef> refs = {scale};
+  if (kind == NormKind::layernorm) refs.push_back(bias);
+  std::vector<LinearParameter> specs;
+  for (const ParameterRef& r : refs) {
+    specs.push_back({r.value->name, r.value->global_shape, r.value->spec});
+  }
+  layout_ = decide_norm_layout(name, kind, specs, context.mesh(),
+                               {context.batch_axes(), context.feature_axis()}, layout);
+  const NormLayout& l = layout_;
+  offset_ = l.layout == FeatureLayout::split ? context.feature_index() * l.local_width : 0;
+
+  // Communicators, in the same order on every rank (collective on first use).
+  tp_comm_ = context.comm(l.stats_axes);
+  grad_comm_ = context.comm(l.grad_reduce);
+  // Buffers the parameters write into: [scale | bias] at full width (full gradients only).
+  if (!l.direct) full_grad_ = Vector(name + "/full_grad", refs.size() * l.width);
+  params_.reserve(refs.size());  // parameters_ points into it
+  for (size_t k = 0; k < refs.size(); ++k) {
+    params_.push_back(make_param(refs[k], l.params[k], static_cast<int64_t>(k), context));
+    parameters_.push_back(&params_.back());
+  }
+  // Which gradients are left partial is one rule (layers/gradient_reduction.hpp; in this
+  // constructor the rule sees FeatureNorm's overrides, which LayerNorm and RMSNorm keep);
+  // norm_step_collectives charges the layout's decision, so the two must agree.
+  MESHTRAIN_REQUIRE((partial_gradients_group(*this) != nullptr) == l.defers_reduction(), "norm '",
+                    name,
+                    "': its parameters and its layout disagree on whether its gradients can be "
+                    "left partial");
+
+  // Buffers.
+  row_sum_ = Vector(name + "/row_sum", static_cast<size_t>(rows));
+  row_sums2_ = Matrix(name + "/row_sums", rows, 2);
+  stats_ = Matrix(name + "/statistics", rows, 3);
+  out_ = Matrix(name + "/output", rows, l.local_width);
+  dx_ = Matrix(name + "/input_grad", rows, l.local_width);
+  // 16-bit wires allocate their staging on first use: reserved here instead (the
+  // parameters' gathers reserve their own).
+  if (reduce_dtype_ != Dtype::fp32 && grad_comm_) {
+    const size_t n = l.direct ? static_cast<size_t>(l.local_width) : full_grad_.extent(0);
+    grad_comm_->reserve_wire(n, n);
+  }
+}
+
+ShardedParameter FeatureNorm::make_param(ParameterRef ref, const NormParameterLayout& layout,
+                                         int64_t index, ParallelContext& context) {
+  const ShardedTensor& t = *ref.value;
+  const int64_t stored = t.box.extent[0];
+  MESHTRAIN_REQUIRE(stored == layout.stored, "norm '", name_, "': the block of '", t.name, "' has ",
+                    stored, " elements, its layout ", layout.stored);
+  // Gathered (into its own buffer: scale and bias are used together) as Linear's bias; the
+  // gradient straight into the stored block (direct) or at full width into full_grad_,
+  // [scale | bias], all-reduced in one collective (ShardedParameter::reduce_side_by_side).
+  ParameterGathers g;
+  g.compute = {1, 1, layout_.local_width};
+  g.stored = {1, 1, stored};
+  g.gather_dim2 = layout.gather;
+  g.allreduce = layout_.grad_reduce;
+  g.width = layout_.width;
+  // The gathered vector: the compute block when sliced, the stored block when nothing is
+  // gathered, else the full vector.
+  g.gathered_offset =
+      layout.gather_sliced ? offset_ : (layout.gather.empty() ? t.box.offset[0] : 0);
+  g.compute_offset = offset_;
+  g.direct = layout_.direct;
+  g.own_gather_buffer = true;
+  if (!layout_.direct) {
+    g.full_gradient =
+        VectorView(full_grad_.data() + index * layout_.width, static_cast<size_t>(layout_.width));
+  }
+  return ShardedParameter(ref, g, GatherMethod::full_width_sum, context);
+}
+
+std::vector<ShardedParameter*> FeatureNorm::sharded_parameters() {
+  return parameters_;
+}
+
+LayerScratchNeeds FeatureNorm::scratch_needs() const {
+  LayerScratchNeeds needs;  // none: its parameters keep their buffers (see make_param)
+  for (const ShardedParameter& p : params_) needs.merge(p.scratch_needs());
+  return needs;
+}
+
+void FeatureNorm::initialize_parameters() {
+  Kokkos::deep_copy(params_[0].value().local, 1.0f);
+  if (layout_.kind == NormKind::layernorm) Kokkos::deep_copy(params_[1].value().local, 0.0f);
+}
+
+MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
+                        static_cast<int64_t>(x.extent(1)) == layout_.local_width,
+                    "norm '", name_, "': input is [", x.extent(0), ", ", x.extent(1),
+                    "], expected [", rows_, ", ", layout_.local_width, "]");
+  x_ = x;
+  const int64_t cols = layout_.local_width;
+  const float n = static_cast<float>(layout_.width);
+  const float eps = eps_;
+  const Dtype dtype = compute_dtype_;
+  const Vector row_sum = row_sum_;
+  const Matrix sums2 = row_sums2_;
+  const Matrix stats = stats_;
+  const MatrixView y = out_;
+  MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
+  LayerScratch& scratch = *pass.scratch;
+  const ConstVectorView scale = params_[0].compute(scratch);
+  const ConstVectorView bias =
+      layout_.kind == NormKind::layernorm ? params_[1].compute(scratch) : ConstVectorView();
+  // FSDP overlap: the next layer's weight gather runs under this layer's work.
+  if (pass.prefetch) pass.prefetch->start_weight_prefetch(*pass.scratch);
+
+  if (layout_.kind == NormKind::rmsnorm) {
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::rmsnorm_sum_squares"), RowTeams(rows_, Kokkos::AUTO),
+        KOKKOS_LAMBDA(const RowTeam& team) {
+          const int64_t i = team.league_rank();
+          float ss = 0.0f;
+          Kokkos::parallel_reduce(
+              Kokkos::TeamThreadRange(team, cols),
+              [&](const int64_t j, float& sum) { sum += x(i, j) * x(i, j); }, ss);
+          Kokkos::single(Kokkos::PerTeam(team), [&]() { row_sum(i) = ss; });
+        });
+    if (tp_comm_) tp_comm_->all_reduce(VectorView(row_sum.data(), row_sum.extent(0)));
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::rmsnorm_statistics"), Rows(0, rows_),
+        KOKKOS_LAMBDA(const int64_t i) {
+          stats(i, 0) = 0.0f;
+          stats(i, 1) = 0.0f;
+          stats(i, 2) = 1.0f / kmath::sqrt(row_sum(i) / n + eps);
+        });
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::rmsnorm_forward"), range_of(y),
+        KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+          y(i, j) = round_to(x(i, j) * stats(i, 2) * round_to(scale(j), dtype), dtype);
+        });
+    if (pass.prefetch) pass.prefetch->poll_weight_prefetch();
+    return y;
+  }
+
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::layernorm_sum"), RowTeams(rows_, Kokkos::AUTO),
+      KOKKOS_LAMBDA(const RowTeam& team) {
+        const int64_t i = team.league_rank();
+        float s = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, cols),
+            [&](const int64_t j, float& sum) { sum += x(i, j); }, s);
+        Kokkos::single(Kokkos::PerTeam(team), [&]() { row_sum(i) = s; });
+      });
+  if (tp_comm_) tp_comm_->all_reduce(VectorView(row_sum.data(), row_sum.extent(0)));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::layernorm_centered_sums"), RowTeams(rows_, Kokkos::AUTO),
+      KOKKOS_LAMBDA(const RowTeam& team) {
+        const int64_t i = team.league_rank();
+        const float m0 = row_sum(i) / n;
+        float a = 0.0f, b = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, cols),
+            [&](const int64_t j, float& sum) { sum += x(i, j) - m0; }, a);
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, cols),
+            [&](const int64_t j, float& sum) {
+              const float d = x(i, j) - m0;
+              sum += d * d;
+            },
+            b);
+        Kokkos::single(Kokkos::PerTeam(team), [&]() {
+          sums2(i, 0) = a;
+          sums2(i, 1) = b;
+        });
+      });
+  if (tp_comm_) tp_comm_->all_reduce(MatrixView(sums2.data(), sums2.extent(0), 2));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::layernorm_statistics"), Rows(0, rows_),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const float delta = sums2(i, 0) / n;
+        const float var = sums2(i, 1) / n - delta * delta;
+        stats(i, 0) = row_sum(i) / n;
+        stats(i, 1) = delta;
+        stats(i, 2) = 1.0f / kmath::sqrt((var > 0.0f ? var : 0.0f) + eps);
+      });
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::layernorm_forward"), range_of(y),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        const float x_hat = ((x(i, j) - stats(i, 0)) - stats(i, 1)) * stats(i, 2);
+        y(i, j) = round_to(x_hat * round_to(scale(j), dtype) + round_to(bias(j), dtype), dtype);
+      });
+  if (pass.prefetch) pass.prefetch->poll_weight_prefetch();
+  return y;
+}
+
+MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) {
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == rows_ &&
+                        static_cast<int64_t>(dy.extent(1)) == layout_.local_width,
+                    "norm '", name_, "': output gradient is [", dy.extent(0), ", ", dy.extent(1),
+                    "], expected [", rows_, ", ", layout_.local_width, "]");
+  MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
+  MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now || layout_.defers_reduction(), "norm '",
+                    name_, "': asked to leave gradients partial that it must reduce itself");
+  const bool bucketed = pass.deferred == DeferredReduction::in_buckets;
+  // FSDP overlap: the previous layer's weight gather runs under this layer's backward.
+  if (pass.prefetch) pass.prefetch->start_weight_prefetch(*pass.scratch);
+  parameter_gradients(dy, pass);
+  if (bucketed) pass.buckets->layer_ready(pass.index);
+  if (!need_input_grad) {
+    if (pass.prefetch) pass.prefetch->poll_weight_prefetch();
+    return MatrixView();
+  }
+
+  const MatrixView x = x_;
+  const int64_t cols = layout_.local_width;
+  const float n = static_cast<float>(layout_.width);
+  const Dtype dtype = compute_dtype_;
+  const Vector sum1 = row_sum_;     // RMSNorm: sum g x_hat
+  const Matrix sums2 = row_sums2_;  // LayerNorm: sum g, sum g x_hat
+  const Matrix stats = stats_;
+  const MatrixView dx = dx_;
+  const ConstVectorView scale = params_[0].compute(*pass.scratch);
+  const bool layernorm = layout_.kind == NormKind::layernorm;
+  // Row sums of g = dy * scale and of g * x_hat (fp32), over all features.
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_backward_row_sums"), RowTeams(rows_, Kokkos::AUTO),
+      KOKKOS_LAMBDA(const RowTeam& team) {
+        const int64_t i = team.league_rank();
+        const float m0 = stats(i, 0), delta = stats(i, 1), rstd = stats(i, 2);
+        float sg = 0.0f, sgx = 0.0f;
+        if (layernorm) {
+          Kokkos::parallel_reduce(
+              Kokkos::TeamThreadRange(team, cols),
+              [&](const int64_t j, float& sum) { sum += dy(i, j) * round_to(scale(j), dtype); },
+              sg);
+        }
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, cols),
+            [&](const int64_t j, float& sum) {
+              const float g = dy(i, j) * round_to(scale(j), dtype);
+              sum += g * (layernorm ? ((x(i, j) - m0) - delta) * rstd : x(i, j) * rstd);
+            },
+            sgx);
+        Kokkos::single(Kokkos::PerTeam(team), [&]() {
+          if (layernorm) {
+            sums2(i, 0) = sg;
+            sums2(i, 1) = sgx;
+          } else {
+            sum1(i) = sgx;
+          }
+        });
+      });
+  if (tp_comm_ && layernorm) tp_comm_->all_reduce(MatrixView(sums2.data(), sums2.extent(0), 2));
+  if (tp_comm_ && !layernorm) tp_comm_->all_reduce(VectorView(sum1.data(), sum1.extent(0)));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_input_grad"), range_of(dx),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        const float m0 = stats(i, 0), delta = stats(i, 1), rstd = stats(i, 2);
+        const float g = dy(i, j) * round_to(scale(j), dtype);
+        const float x_hat = layernorm ? ((x(i, j) - m0) - delta) * rstd : x(i, j) * rstd;
+        const float mean_g = layernorm ? sums2(i, 0) / n : 0.0f;
+        const float mean_gx = (layernorm ? sums2(i, 1) : sum1(i)) / n;
+        dx(i, j) = round_to(rstd * (g - mean_g - x_hat * mean_gx), dtype);
+      });
+  if (bucketed) pass.buckets->poll();
+  if (pass.prefetch) pass.prefetch->poll_weight_prefetch();
+  return dx;
+}
+
+void FeatureNorm::parameter_gradients(MatrixView dy, const LayerPass& pass) {
+  const bool layernorm = layout_.kind == NormKind::layernorm;
+  LayerScratch& scratch = *pass.scratch;
+  // DP buckets or a later all-reduce take the direct gradients from here when the model
+  // defers them (pass.deferred is `now` otherwise).
+  const bool all_reduce = pass.deferred == DeferredReduction::now;
+  if (layout_.direct) {
+    const VectorView dscale = params_[0].gradient(scratch);
+    const VectorView dbias = layernorm ? params_[1].gradient(scratch) : VectorView();
+    norm_column_sums(x_, dy, stats_, layernorm, compute_dtype_, dscale, dbias);
+    for (ShardedParameter& p : params_) p.reduce(scratch, all_reduce);
+    return;
+  }
+  // Full-width vectors [scale | bias], zero outside this rank's columns, summed over the
+  // batch axes (and the feature axis when split) in one all-reduce; then each stored block
+  // is kept.
+  const VectorView full(full_grad_.data(), full_grad_.extent(0));
+  norm_column_sums_full(x_, dy, stats_, layernorm, compute_dtype_, offset_, layout_.width, full);
+  ShardedParameter::reduce_side_by_side(parameters_, all_reduce);
+}
+
+std::string FeatureNorm::describe() const {
+  return name_ + ": " + describe_norm_layout(layout_);
+}
+
+}  // namespace meshtrain

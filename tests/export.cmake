@@ -1,0 +1,28 @@
+# `meshtrain export --format onnx` end to end (tests/export/export_test.py, one test per case):
+# tiny models trained by `meshtrain train` under mpirun (1, 2 and 4 ranks), exported, checked
+# with onnx.checker, run in ONNX Runtime (npm onnxruntime-node through tests/export/run_onnx.js)
+# and compared with a float64 numpy forward from the checkpoint's datasets and with `meshtrain
+# predict` of the same rows; and the command's errors. Python: MESHTRAIN_PYTHON (tests/CMakeLists.txt), the Debian interpreter with python3-numpy, python3-h5py and python3-onnx
+# (scripts/setup). ONNX Runtime: scripts/install-onnxruntime (scripts/setup runs it; a test
+# installs it when missing). Exit status 77 = skipped, only when ONNX Runtime cannot be
+# installed (no network); cli_errors needs no ONNX Runtime.
+set(_export_runs ${CMAKE_CURRENT_BINARY_DIR}/export_runs)
+foreach(_case classification regression_normalized activation_relu activation_tanh
+              activation_gelu activation_none activation_gelu_erf
+              activation_silu activation_sigmoid moe moe_ties meshes cli_errors)
+  meshtrain_add_command_test(NAME export_${_case} TIMEOUT 120
+    COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/export/export_test.py ${_case}
+            --meshtrain $<TARGET_FILE:meshtrain> --source-dir ${PROJECT_SOURCE_DIR}
+            --work ${_export_runs}/${_case} --predict
+            -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+  set_tests_properties(export_${_case} PROPERTIES PROCESSORS 2 SKIP_RETURN_CODE 77)
+endforeach()
+
+# The protobuf encoder against the wire format's own examples (no MPI, no Python).
+meshtrain_add_test(NAME export_protobuf_test SOURCES export/protobuf_test.cpp
+                   LIBS meshtrain_framework)
+
+# The export of a checkpoint saved with its parameters split over 1, 2 and 4 ranks (dp, fsdp,
+# tp, fsdp x tp) is byte for byte the graph of the same global values built on one rank.
+meshtrain_add_test(NAME export_mesh_test SOURCES export/export_mesh_test.cpp
+                   LIBS meshtrain_framework NP 1 2 4 TIMEOUT 60)
