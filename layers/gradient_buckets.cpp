@@ -27,7 +27,7 @@ GradientBuckets::GradientBuckets(const std::vector<LayerGradients>& layers, doub
   for (std::size_t k = layers.size(); k-- > 0;) {
     const LayerGradients& layer = layers[k];
     if (layer.group == nullptr) continue;
-    for (VectorView grad : {layer.weight, layer.bias}) {
+    for (VectorView grad : layer.gradients) {
       for (std::size_t offset = 0; offset < grad.extent(0);) {
         if (buckets_.empty() || buckets_.back().group != layer.group ||
             buckets_.back().floats == cap) {

@@ -1,13 +1,13 @@
 #pragma once
 // DP gradient buckets ([runtime] overlap, bucket size [runtime] bucket_mb), as PyTorch DDP
 // does them: the gradients whose only communication is one all-reduce over the batch axes
-// (layers that defers_reduction(), DP storage) are laid out in the order backward produces
-// them (last layer first; weight, then bias) and cut into buckets of at most bucket_mb MiB
-// over one communicator each (a tensor larger than that is split over several buckets, so
-// every all-reduce count fits an int). Backward calls layer_ready(k) once layer k's
-// gradients are computed: each bucket that completes is packed into its buffer and its
-// all-reduce started, while backward goes on to the layers below. wait_all() completes
-// every started bucket and copies the sums back into the gradients, before they are used.
+// (the layers GradientReductionPlan defers, DP storage) are laid out in the order backward
+// produces them (last layer first; each layer's in its order: weight, then bias) and cut
+// into buckets of at most bucket_mb MiB over one communicator each (a tensor larger than
+// that is split over several buckets, so every all-reduce count fits an int). Backward calls
+// layer_ready(k) once layer k's gradients are computed: each bucket that completes is packed into
+// its buffer and its all-reduce started, while backward goes on to the layers below. wait_all()
+// completes every started bucket and copies the sums back into the gradients, before they are used.
 //
 // The layout depends on the model alone, and every rank runs backward over the layers in
 // the same order, so every rank starts the same all-reduces in the same order. A bucket of
@@ -27,11 +27,11 @@
 
 namespace meshtrain {
 
-// One layer's gradients as the buckets see them; group nullptr: the layer reduces its own
-// gradients (FSDP, TP bias) and takes no part.
+// One layer's gradients as the buckets see them, in the order the layer holds them; group
+// nullptr: the layer reduces its own gradients (FSDP, TP bias) and takes no part
+// (GradientReductionPlan::bucket_gradients, layers/gradient_reduction.hpp, decides).
 struct LayerGradients {
-  VectorView weight;
-  VectorView bias;
+  std::vector<VectorView> gradients;
   Communicator* group = nullptr;
 };
 

@@ -16,15 +16,17 @@
 // The model (layers/mlp.hpp) is a sequence of Layer*: forward runs it front to back,
 // backward back to front, with no dispatch on the kind of layer.
 //
-// Gradient reduction. A layer reduces its gradients in backward, except the ones it can
-// leave as partial sums over the batch axes (deferred_reduction_group() != nullptr: DP
-// storage, one all-reduce per tensor). Who completes those is a GradientReduction, chosen
-// once by whoever drives the model (run/training_run.cpp); the model turns it into each
+// Gradient reduction. A layer reduces its gradients in backward, except when the model's
+// GradientReductionPlan (layers/gradient_reduction.hpp, the one place that decides which
+// gradients may be left as partial sums over the batch axes: DP storage, one all-reduce per
+// tensor) says it leaves them partial. Who completes those is a GradientReduction, chosen
+// once by whoever drives the model (run/training_run.cpp); the model turns both into each
 // backward pass's DeferredReduction (Mlp::backward), and the layer only obeys.
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "framework/comm/collective_matmul.hpp"
 #include "framework/core/sharded_tensor.hpp"
@@ -33,7 +35,7 @@
 
 namespace meshtrain {
 
-// Who completes the gradients a layer can leave partial (deferred_reduction_group()).
+// Who completes the gradients a layer leaves partial (GradientReductionPlan::layer_group()).
 enum class GradientReduction {
   in_backward,  // the layer, in every backward (in buckets under context.overlap())
   per_step,     // Mlp::reduce_gradients(), once per step after the micro-batches are summed
@@ -77,6 +79,7 @@ struct LayerScratch {
 };
 
 class Layer;
+class ShardedParameter;
 
 // What the model hands a layer for one forward or backward.
 struct LayerPass {
@@ -85,7 +88,7 @@ struct LayerPass {
   // none). The model names it only when it can_prefetch_weight(); a layer that does not
   // start it leaves that layer to gather when it runs.
   Layer* prefetch = nullptr;
-  // Backward only.
+  // Backward only. `deferred` is `now` for a layer whose gradients the plan does not defer.
   DeferredReduction deferred = DeferredReduction::now;
   GradientBuckets* buckets = nullptr;  // with DeferredReduction::in_buckets
   size_t index = 0;                    // this layer's place in the model (its bucket entry)
@@ -106,13 +109,11 @@ class Layer {
 
   // How many of the model's parameters the layer holds (consecutive, in parameters() order).
   virtual size_t parameter_count() const { return 0; }
-  // The group over which a backward with DeferredReduction::later leaves every gradient of
-  // this layer partial; nullptr when it leaves none.
-  virtual Communicator* deferred_reduction_group() const { return nullptr; }
-  // Those gradients as the DP buckets see them (group nullptr: none).
-  virtual LayerGradients bucket_gradients() const { return {}; }
-  // The all-reduces a backward with DeferredReduction::later skipped.
-  virtual void reduce_gradients() {}
+  // Those parameters, in that order (every parameter is a ShardedParameter).
+  virtual std::vector<ShardedParameter*> sharded_parameters() { return {}; }
+  // Whether backward can leave its gradients as partial sums (DeferredReduction other than
+  // `now`) when all of them are deferrable (GradientReductionPlan decides).
+  virtual bool can_leave_gradients_partial() const { return false; }
 
   // FSDP prefetch: whether start_weight_prefetch can run, starting it, letting it progress.
   virtual bool can_prefetch_weight() const { return false; }

@@ -3,9 +3,10 @@
 #include <Kokkos_Core.hpp>
 #include <algorithm>
 
+#include "base/error.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
-#include "base/error.hpp"
+#include "layers/gradient_reduction.hpp"
 
 namespace meshtrain {
 namespace {
@@ -37,14 +38,6 @@ void sum_columns_into(MatrixView dy, int64_t offset, VectorView full, Dtype dtyp
       });
 }
 
-// block = full[offset : offset + block.extent(0)]
-void copy_block(VectorView full, int64_t offset, Vector block) {
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::linear_bias_grad_block"),
-      Kokkos::RangePolicy<>(0, static_cast<int64_t>(block.extent(0))),
-      KOKKOS_LAMBDA(const int64_t j) { block(j) = full(offset + j); });
-}
-
 }  // namespace
 
 Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout input_layout,
@@ -54,29 +47,26 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
           {weight_ref.value->name, weight_ref.value->global_shape, weight_ref.value->spec},
           {bias_ref.value->name, bias_ref.value->global_shape, bias_ref.value->spec},
           context.mesh(), {context.batch_axes(), context.feature_axis()}, input_layout)),
-      bias_(bias_ref),
       rows_(rows),
       tp_index_(context.feature_index()),
       compute_dtype_(context.precision().param),
-      reduce_dtype_(context.precision().reduce),
       matmuls_(layer_matmul_algorithms(layout_, rows, context.matmul_algorithm(),
                                        collective_matmul_hardware(), context.precision().param)) {
   const LinearLayout& l = layout_;
   const std::string& name = l.layer;
   const ShardedTensor& weight = *weight_ref.value;
-  const ShardedTensor& bias = *bias_.value;
+  const ShardedTensor& bias = *bias_ref.value;
   MESHTRAIN_REQUIRE(weight.box.extent[0] == l.stored_rows && weight.box.extent[1] == l.stored_cols,
                     "linear layer '", name, "': the block of '", weight.name,
                     "' does not tile its compute block");
 
   // Bias: the gathered block starts at the compute offset when only the rest is gathered.
   const int64_t compute_offset = output_offset();
-  bias_gathered_offset_ = l.bias_gather_sliced ? compute_offset : 0;
-  bias_stored_offset_ = bias.box.offset[0];
+  const int64_t bias_gathered_offset = l.bias_gather_sliced ? compute_offset : 0;
   MESHTRAIN_REQUIRE(
-      bias.box.extent[0] == l.bias_stored && bias_gathered_offset_ <= compute_offset &&
+      bias.box.extent[0] == l.bias_stored && bias_gathered_offset <= compute_offset &&
           compute_offset + l.out_local <=
-              bias_gathered_offset_ + l.bias_stored * context.mesh().size_of(l.bias_gather),
+              bias_gathered_offset + l.bias_stored * context.mesh().size_of(l.bias_gather),
       "linear layer '", name, "': the gathered bias does not cover its block");
 
   // Communicators (collective on first use: the same calls in the same order everywhere).
@@ -90,9 +80,24 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
                               l.weight_allreduce,
                               l.nonbatch_replication},
                              GatherMethod::by_dims, context);
-  bias_gather_comm_ = context.comm(l.bias_gather);
-  bias_reduce_comm_ = context.comm(l.bias_reduce);
-  defers_reduction_ = l.defers_reduction();  // the bias is stored whole: offset 0
+  // The bias's gradient is the column sum of dY at full width, reduced over the batch axes
+  // (and the feature axis when the output is split), this rank's block kept.
+  ParameterGathers bias_gathers;
+  bias_gathers.compute = {1, 1, l.out_local};
+  bias_gathers.stored = {1, 1, l.bias_stored};
+  bias_gathers.gather_dim2 = l.bias_gather;
+  bias_gathers.allreduce = l.bias_reduce;
+  bias_gathers.width = l.out;
+  bias_gathers.gathered_offset = bias_gathered_offset;
+  bias_gathers.compute_offset = compute_offset;
+  bias_ = ShardedParameter(bias_ref, bias_gathers, GatherMethod::full_width_sum, context);
+  // Which gradients a layer leaves partial is decided by one rule, from its parameters
+  // (layers/gradient_reduction.hpp; Linear is final, so the rule sees its overrides here);
+  // the cost model charges the layout's decision, so the two must agree.
+  MESHTRAIN_REQUIRE((partial_gradients_group(*this) != nullptr) == l.defers_reduction(),
+                    "linear layer '", name,
+                    "': its parameters and its layout disagree on whether its gradients can be "
+                    "left partial");
 
   // Buffers.
   const int64_t in_c = l.in_compute, out = l.out;
@@ -104,7 +109,7 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
   }
 
   needs_ = weight_.scratch_needs();
-  needs_.bias = static_cast<size_t>(out);
+  needs_.merge(bias_.scratch_needs());
   if (l.tensor_parallel) needs_.matmul = static_cast<size_t>(3 * rows_ * out) * sizeof(float);
   if (tp_comm_) tp_comm_->reserve_scratch(static_cast<size_t>(rows_ * std::max(l.in, out)));
 }
@@ -115,18 +120,6 @@ int64_t Linear::output_offset() const {
 
 void Linear::start_weight_prefetch(LayerScratch& scratch) {
   weight_.start_prefetch(scratch);
-}
-
-const float* Linear::compute_bias(LayerScratch& scratch) {
-  const ShardedTensor& bias = *bias_.value;
-  const float* gathered = bias.local.data();
-  if (bias_gather_comm_) {
-    const size_t n = static_cast<size_t>(layout_.bias_stored) * bias_gather_comm_->size();
-    bias_gather_comm_->all_gather(ConstVectorView(bias.local.data(), layout_.bias_stored),
-                                  VectorView(scratch.bias.data(), n), compute_dtype_);
-    gathered = scratch.bias.data();
-  }
-  return gathered + (output_offset() - bias_gathered_offset_);
 }
 
 MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
@@ -158,7 +151,7 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   if (next) next->poll_weight_prefetch();
   // The product in the compute dtype, plus the bias (cast to it), rounded again: two
   // roundings, as docs/mixed_precision.md lists them (none in fp32).
-  const float* b = compute_bias(scratch);
+  const float* b = bias_.compute(scratch).data();
   const Dtype dtype = compute_dtype_;
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::linear_add_bias"),
@@ -172,7 +165,6 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
 MatrixView Linear::backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) {
   LayerScratch& scratch = *pass.scratch;
   Layer* next = pass.prefetch;
-  ShardedTensor& bias_grad = *bias_.grad;
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == rows_ &&
                         static_cast<int64_t>(dy.extent(1)) == layout_.out_local,
                     "linear layer '", layout_.layer, "': output gradient is [", dy.extent(0), ", ",
@@ -193,9 +185,12 @@ MatrixView Linear::backward(MatrixView dy, bool need_input_grad, const LayerPass
   if (next) next->poll_weight_prefetch();
   // DP overlap: both gradients are final here (no gathers, no scale); hand them to the
   // buckets, whose all-reduce runs while dX is computed.
-  const bool bucketed = defers_reduction_ && pass.deferred == DeferredReduction::in_buckets;
+  MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now || defers_reduction(), "linear layer '",
+                    layout_.layer,
+                    "': asked to leave gradients partial that it must reduce itself");
+  const bool bucketed = pass.deferred == DeferredReduction::in_buckets;
   if (bucketed) {
-    bias_gradient(dy, bias_grad, scratch, /*all_reduce=*/false);
+    bias_gradient(dy, scratch, /*all_reduce=*/false);
     pass.buckets->layer_ready(pass.index);
   }
 
@@ -227,36 +222,20 @@ MatrixView Linear::backward(MatrixView dy, bool need_input_grad, const LayerPass
   // Weight gradient back to storage: reduce-scatter over the gathered axes (sum over the
   // batch ones; non-batch ones hold equal copies, hence the scale), then all-reduce over
   // the batch axes the storage does not split. Summed in the reduce dtype; stored in fp32.
-  const bool defer = defers_reduction_ && pass.deferred == DeferredReduction::later;
+  const bool defer = pass.deferred == DeferredReduction::later;
   weight_.reduce(scratch, /*all_reduce=*/!defer);
-  bias_gradient(dy, bias_grad, scratch, !defer);
+  bias_gradient(dy, scratch, !defer);
   return dx;
 }
 
-void Linear::bias_gradient(MatrixView dy, ShardedTensor& bias_grad, LayerScratch& scratch,
-                           bool all_reduce) {
-  // Bias gradient: column sums of dY into the full-width vector, summed over the batch
-  // axes (and the feature axis when the output is split), then this rank's block.
-  VectorView full(scratch.bias.data(), static_cast<size_t>(layout_.out));
-  sum_columns_into(dy, output_offset(), full, compute_dtype_);
-  if (bias_reduce_comm_ && all_reduce)
-    bias_reduce_comm_->all_reduce(full, ReduceOp::sum, reduce_dtype_);
-  copy_block(full, bias_stored_offset_, bias_grad.local);
+void Linear::bias_gradient(MatrixView dy, LayerScratch& scratch, bool all_reduce) {
+  // Column sums of dY into the full-width vector, which the bias reduces to its block.
+  sum_columns_into(dy, output_offset(), bias_.gradient(scratch), compute_dtype_);
+  bias_.reduce(scratch, all_reduce);
 }
 
-void Linear::reduce_gradients() {
-  if (!defers_reduction_) return;
-  ShardedTensor& bias_grad = *bias_.grad;
-  weight_.all_reduce_deferred();
-  bias_reduce_comm_->all_reduce(VectorView(bias_grad.local.data(), bias_grad.local.extent(0)),
-                                ReduceOp::sum, reduce_dtype_);
-}
-
-LayerGradients Linear::bucket_gradients() const {
-  const Vector& w = weight_.grad().local;
-  const Vector& b = bias_.grad->local;
-  return {VectorView(w.data(), w.extent(0)), VectorView(b.data(), b.extent(0)),
-          deferred_reduction_group()};
+std::vector<ShardedParameter*> Linear::sharded_parameters() {
+  return {&weight_, &bias_};
 }
 
 std::string Linear::describe() const {

@@ -22,8 +22,9 @@
 //   dim into the shared scratch): gathered right before use, in forward AND again in
 //   backward (nothing is kept from forward); the gradient is reduce-scattered back over the
 //   same axes, divided by the size of the gathered non-batch axes (identical copies), then
-//   all-reduced over the batch axes the storage does not split (DP). The bias gradient is
-//   one all-reduce of the full-width vector, then this rank's block is kept.
+//   all-reduced over the batch axes the storage does not split (DP). The bias is a
+//   ShardedParameter too (GatherMethod::full_width_sum): gathered in one collective, its
+//   gradient one all-reduce of the full-width vector, then this rank's block is kept.
 // The loss is a mean over the global batch, so gradients are sums over ranks, and equal
 // the single-rank gradients.
 //
@@ -56,7 +57,7 @@
 
 namespace meshtrain {
 
-class Linear : public Layer {
+class Linear final : public Layer {
  public:
   // `weight` [in, out] and `bias` [out] as allocated (their specs and boxes fix the
   // layout); `input_layout` is how the input's features arrive; `rows` is the local batch.
@@ -72,29 +73,23 @@ class Linear : public Layer {
 
   // From dY [rows, output_width()]: writes the weight and bias gradients (overwriting
   // them) and, when need_input_grad, returns dX [rows, input_width()] (owned by the
-  // layer); otherwise an empty view. For a layer that defers_reduction(), pass.deferred says
-  // what happens to its gradients: all-reduced now; DeferredReduction::later: left as this
-  // rank's partial sums for reduce_gradients() (gradient accumulation communicates once per
-  // step) or ZeRO-1; in_buckets (DP overlap): both gradients are computed first, reported to
-  // pass.buckets (which may start their all-reduce) and dX computed while that runs; the
-  // gradients are final after pass.buckets->wait_all().
+  // layer); otherwise an empty view. pass.deferred says what happens to the gradients of a
+  // layer that defers_reduction() (any other gets `now`): all-reduced now;
+  // DeferredReduction::later: left as this rank's partial sums for the model's
+  // reduce_gradients() (gradient accumulation communicates once per step) or ZeRO-1;
+  // in_buckets (DP overlap): both gradients are computed first, reported to pass.buckets
+  // (which may start their all-reduce) and dX computed while that runs; the gradients are
+  // final after pass.buckets->wait_all().
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
   size_t parameter_count() const override { return 2; }  // weight, bias
+  std::vector<ShardedParameter*> sharded_parameters() override;
+  bool can_leave_gradients_partial() const override { return true; }
   // True when the gradients' only communication is one all-reduce over the batch axes for
   // the weight and the same for the whole stored bias (DP storage): a sum of partial
   // gradients can then be all-reduced once. Reduce-scatters (FSDP) and the feature axis's
-  // bias reduction (TP) are done in every backward.
-  bool defers_reduction() const { return defers_reduction_; }
-  // The group over which a backward with DeferredReduction::later leaves both gradients
-  // partial sums (the batch axes of the weight's all-reduce); nullptr when the layer does not
-  // defer.
-  Communicator* deferred_reduction_group() const override {
-    return defers_reduction_ ? weight_.allreduce_group() : nullptr;
-  }
-  LayerGradients bucket_gradients() const override;
-  // The all-reduces a backward with DeferredReduction::later skipped, on the gradients as
-  // they are.
-  void reduce_gradients() override;
+  // bias reduction (TP) are done in every backward. The layout's word (what the cost model
+  // charges), checked at construction to be GradientReductionPlan's decision.
+  bool defers_reduction() const { return layout_.defers_reduction(); }
 
   // True when the weight is gathered over exactly one group of axes (FSDP storage).
   bool can_prefetch_weight() const override { return weight_.can_prefetch(); }
@@ -121,29 +116,18 @@ class Linear : public Layer {
   std::string describe() const override;
 
  private:
-  const float* compute_bias(LayerScratch& scratch);
   // Column sums of dy into this rank's block of the bias gradient; all_reduce: summed
   // over the bias's reduction group first.
-  void bias_gradient(MatrixView dy, ShardedTensor& bias_grad, LayerScratch& scratch,
-                     bool all_reduce);
+  void bias_gradient(MatrixView dy, LayerScratch& scratch, bool all_reduce);
 
   LinearLayout layout_;
   ShardedParameter weight_;  // gathered, prefetched and reduced as its storage says
-  ParameterRef bias_;        // the model's tensor
+  ShardedParameter bias_;    // gathered, and its gradient summed at full width
   int64_t rows_ = 0;
   int tp_index_ = 0;
-  // Mixed precision (context.precision()): what the layer computes with, gathers its
-  // weight and moves activations in, and what its gradients are reduced in.
+  // Mixed precision (context.precision()): what the layer computes with and moves
+  // activations in (its parameters know how they are gathered and reduced).
   Dtype compute_dtype_ = Dtype::fp32;
-  Dtype reduce_dtype_ = Dtype::fp32;
-
-  // Communicators of the layout's gathers and reductions (nullptr: nothing to do).
-  // Bias: the gather gives the block [bias_gathered_offset_, +extent).
-  Communicator* bias_gather_comm_ = nullptr;
-  int64_t bias_gathered_offset_ = 0;
-  int64_t bias_stored_offset_ = 0;
-  Communicator* bias_reduce_comm_ = nullptr;
-  bool defers_reduction_ = false;
 
   Communicator* tp_comm_ = nullptr;
   // The three collective matmuls' algorithms (auto resolved by the cost model at construction).

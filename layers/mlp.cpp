@@ -92,12 +92,14 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
   if (compute_dtype_ != Dtype::fp32 || context.precision().needs_loss_scaling()) {
     output_grad_ = Matrix("model/output_grad", rows_, output_width());
   }
+  // Which gradients are left partial, decided once for every reader (the layers' passes,
+  // the buckets, reduce_gradients(), ZeRO-1).
+  reductions_ = GradientReductionPlan(sequence_);
   if (context.overlap()) {
     // One entry per layer of the sequence (LayerPass::index); only the layers that defer
     // their reduction take part.
-    std::vector<LayerGradients> reduced;
-    for (Layer* layer : sequence_) reduced.push_back(layer->bucket_gradients());
-    buckets_ = GradientBuckets(reduced, context.bucket_mb(), context.precision().reduce);
+    buckets_ = GradientBuckets(reductions_.bucket_gradients(), context.bucket_mb(),
+                               context.precision().reduce);
   }
 }
 
@@ -105,14 +107,6 @@ double Mlp::aux_loss() const {
   double sum = 0.0;
   for (const Layer* layer : sequence_) sum += layer->aux_loss();
   return sum;
-}
-
-std::vector<Communicator*> Mlp::deferred_reduction_groups() const {
-  std::vector<Communicator*> groups;
-  for (const Layer* layer : sequence_) {
-    groups.insert(groups.end(), layer->parameter_count(), layer->deferred_reduction_group());
-  }
-  return groups;
 }
 
 void Mlp::initialize(InitScheme scheme, uint64_t seed) {
@@ -135,7 +129,7 @@ MatrixView Mlp::forward(MatrixView x) {
 }
 
 void Mlp::backward(MatrixView output_grad, bool reduce, float loss_scale) {
-  // What every layer does with the gradients it could leave partial, decided here only:
+  // What the layers the plan defers do with those gradients, decided here only:
   // all-reduced now; in buckets (DP overlap: each layer reports its finished gradients,
   // and a bucket's all-reduce starts as it completes while the layers below compute); or
   // left partial for reduce_gradients() / ZeRO-1.
@@ -161,7 +155,9 @@ void Mlp::backward(MatrixView output_grad, bool reduce, float loss_scale) {
     grad = scaled;
   }
   for (size_t k = sequence_.size(); k-- > 0;) {
-    LayerPass pass{&scratch_, backward_prefetch_[k], deferred, &buckets_, k, loss_scale};
+    const LayerPass pass{
+        &scratch_, backward_prefetch_[k], reductions_.for_layer(k, deferred), &buckets_, k,
+        loss_scale};
     grad = sequence_[k]->backward(grad, /*need_input_grad=*/k > 0, pass);
   }
   // The gradients are final from here on.
@@ -169,7 +165,7 @@ void Mlp::backward(MatrixView output_grad, bool reduce, float loss_scale) {
 }
 
 void Mlp::reduce_gradients() {
-  for (Layer* layer : sequence_) layer->reduce_gradients();
+  reductions_.all_reduce_deferred();
 }
 
 std::vector<std::string> Mlp::describe() const {

@@ -22,7 +22,9 @@
 // as backward has computed its gradients; backward() waits for all of them before it
 // returns. Not with reduce = false (GradientReduction::per_step or zero1): those gradients are
 // reduced once per step by reduce_gradients() or ZeRO-1, as without overlap. Mlp::backward is
-// the one place that turns the caller's choice into what each layer does (LayerPass::deferred).
+// the one place that turns the caller's choice and the model's GradientReductionPlan (which
+// gradients can be left partial, layers/gradient_reduction.hpp) into what each layer does
+// (LayerPass::deferred).
 //
 // The model owns its parameters and gradients (ShardedTensors under the specs given),
 // every activation kept for backward, and the scratch shared by its layers, all allocated
@@ -50,6 +52,7 @@
 #include "framework/train/init.hpp"
 #include "layers/activation.hpp"
 #include "layers/context.hpp"
+#include "layers/gradient_reduction.hpp"
 #include "layers/linear.hpp"
 #include "layers/moe.hpp"
 #include "partition/planner.hpp"
@@ -78,8 +81,8 @@ class Mlp {
   // model, valid until the next forward).
   MatrixView forward(MatrixView x);
   // dLoss/dOutput [local_rows, output_width()]: overwrites every gradient. With reduce =
-  // false the layers that defer their reduction (Layer::deferred_reduction_group, DP storage)
-  // leave this rank's partial gradients, for reduce_gradients() after accumulating
+  // false the layers that defer their reduction (gradient_reductions(), DP storage) leave
+  // this rank's partial gradients, for reduce_gradients() after accumulating
   // micro-batches, or ZeRO-1. loss_scale: output_grad is multiplied by it first (fp16 loss
   // scaling; the gradients come out scaled by it too).
   void backward(MatrixView output_grad, bool reduce = true, float loss_scale = 1.0f);
@@ -110,9 +113,9 @@ class Mlp {
   const std::vector<MoeLayer>& moe_layers() const { return moe_; }
   // The MoE layers' load-balancing losses of the last forward, summed (0 without MoE).
   double aux_loss() const;
-  // Per parameter (in parameters() order): the group over which a backward with
-  // reduce = false leaves its gradient partial (Layer::deferred_reduction_group), or nullptr.
-  std::vector<Communicator*> deferred_reduction_groups() const;
+  // Which gradients a backward with reduce = false leaves partial, over which group (per
+  // layer of sequence(), and per parameter in parameters() order: what ZeRO-1 reads).
+  const GradientReductionPlan& gradient_reductions() const { return reductions_; }
   // One line per layer with parameters (Layer::describe).
   std::vector<std::string> describe() const;
   // The DP gradient buckets (empty when overlap is off or no layer has DP storage).
@@ -138,6 +141,7 @@ class Mlp {
   Matrix input_;                       // the input cast to the compute dtype (empty in fp32)
   Matrix output_grad_;                 // the output gradient, scaled and cast (empty in plain fp32)
   LayerScratch scratch_;
+  GradientReductionPlan reductions_;
   GradientBuckets buckets_;  // empty unless overlap is on and some layer defers its reduction
 };
 

@@ -61,6 +61,10 @@ class MoeLayer : public Layer {
   // deferred), and, when need_input_grad, returns dX [rows, input_width()].
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
   size_t parameter_count() const override { return 3; }  // router, experts weight, bias
+  // Backward reduces every gradient itself (can_leave_gradients_partial() is false).
+  std::vector<ShardedParameter*> sharded_parameters() override {
+    return {&router_, &weight_, &bias_};
+  }
 
   // The load-balancing loss of the last forward, times aux_loss_coef (the same on every rank).
   double aux_loss() const override { return aux_loss_; }

@@ -9,6 +9,7 @@
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
+#include "layers/gradient_reduction.hpp"
 
 namespace meshtrain {
 namespace {
@@ -69,14 +70,6 @@ void norm_column_sums_full(MatrixView x, MatrixView dy, MatrixView stats, bool l
       });
 }
 
-// block = full[from : from + block.extent(0)]
-void copy_from(VectorView full, int64_t from, VectorView block) {
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::norm_param_grad_block"),
-      Rows(0, static_cast<int64_t>(block.extent(0))),
-      KOKKOS_LAMBDA(const int64_t j) { block(j) = full(from + j); });
-}
-
 }  // namespace
 
 std::vector<ParameterShape> norm_parameter_shapes(NormKind kind, const std::string& prefix,
@@ -114,8 +107,20 @@ FeatureNorm::FeatureNorm(NormKind kind, const std::string& name, ParameterRef sc
   // Communicators, in the same order on every rank (collective on first use).
   tp_comm_ = context.comm(l.stats_axes);
   grad_comm_ = context.comm(l.grad_reduce);
-  for (size_t k = 0; k < refs.size(); ++k)
-    params_.push_back(make_param(refs[k], l.params[k], context));
+  // Buffers the parameters write into: [scale | bias] at full width (full gradients only).
+  if (!l.direct) full_grad_ = Vector(name + "/full_grad", refs.size() * l.width);
+  params_.reserve(refs.size());  // parameters_ points into it
+  for (size_t k = 0; k < refs.size(); ++k) {
+    params_.push_back(make_param(refs[k], l.params[k], static_cast<int64_t>(k), context));
+    parameters_.push_back(&params_.back());
+  }
+  // Which gradients are left partial is one rule (layers/gradient_reduction.hpp; in this
+  // constructor the rule sees FeatureNorm's overrides, which LayerNorm and RMSNorm keep);
+  // norm_step_collectives charges the layout's decision, so the two must agree.
+  MESHTRAIN_REQUIRE((partial_gradients_group(*this) != nullptr) == l.defers_reduction(), "norm '",
+                    name,
+                    "': its parameters and its layout disagree on whether its gradients can be "
+                    "left partial");
 
   // Buffers.
   row_sum_ = Vector(name + "/row_sum", static_cast<size_t>(rows));
@@ -123,56 +128,56 @@ FeatureNorm::FeatureNorm(NormKind kind, const std::string& name, ParameterRef sc
   stats_ = Matrix(name + "/statistics", rows, 3);
   out_ = Matrix(name + "/output", rows, l.local_width);
   dx_ = Matrix(name + "/input_grad", rows, l.local_width);
-  if (!l.direct) full_grad_ = Vector(name + "/full_grad", params_.size() * l.width);
-  // 16-bit wires allocate their staging on first use: reserved here instead.
-  if (compute_dtype_ != Dtype::fp32) {
-    for (const Param& p : params_) {
-      if (p.gather) p.gather->reserve_wire(static_cast<size_t>(p.stored), p.gathered.extent(0));
-    }
-  }
+  // 16-bit wires allocate their staging on first use: reserved here instead (the
+  // parameters' gathers reserve their own).
   if (reduce_dtype_ != Dtype::fp32 && grad_comm_) {
     const size_t n = l.direct ? static_cast<size_t>(l.local_width) : full_grad_.extent(0);
     grad_comm_->reserve_wire(n, n);
   }
 }
 
-FeatureNorm::Param FeatureNorm::make_param(ParameterRef ref, const NormParameterLayout& layout,
-                                           ParallelContext& context) {
+ShardedParameter FeatureNorm::make_param(ParameterRef ref, const NormParameterLayout& layout,
+                                         int64_t index, ParallelContext& context) {
   const ShardedTensor& t = *ref.value;
-  Param p;
-  p.ref = ref;
-  p.stored = t.box.extent[0];
-  p.stored_offset = t.box.offset[0];
-  MESHTRAIN_REQUIRE(p.stored == layout.stored, "norm '", name_, "': the block of '", t.name,
-                    "' has ", p.stored, " elements, its layout ", layout.stored);
+  const int64_t stored = t.box.extent[0];
+  MESHTRAIN_REQUIRE(stored == layout.stored, "norm '", name_, "': the block of '", t.name, "' has ",
+                    stored, " elements, its layout ", layout.stored);
+  // Gathered (into its own buffer: scale and bias are used together) as Linear's bias; the
+  // gradient straight into the stored block (direct) or at full width into full_grad_,
+  // [scale | bias], all-reduced in one collective (ShardedParameter::reduce_side_by_side).
+  ParameterGathers g;
+  g.compute = {1, 1, layout_.local_width};
+  g.stored = {1, 1, stored};
+  g.gather_dim2 = layout.gather;
+  g.allreduce = layout_.grad_reduce;
+  g.width = layout_.width;
   // The gathered vector: the compute block when sliced, the stored block when nothing is
   // gathered, else the full vector.
-  p.gathered_offset =
-      layout.gather_sliced ? offset_ : (layout.gather.empty() ? p.stored_offset : 0);
-  MESHTRAIN_REQUIRE(p.gathered_offset <= offset_ &&
-                        offset_ + layout_.local_width <= p.gathered_offset + layout.gathered,
-                    "norm '", name_, "': the gathered block of '", t.name,
-                    "' does not cover the layer's features");
-  p.gather = context.comm(layout.gather);
-  if (p.gather) p.gathered = Vector(t.name + "/gathered", static_cast<size_t>(layout.gathered));
-  return p;
+  g.gathered_offset =
+      layout.gather_sliced ? offset_ : (layout.gather.empty() ? t.box.offset[0] : 0);
+  g.compute_offset = offset_;
+  g.direct = layout_.direct;
+  g.own_gather_buffer = true;
+  if (!layout_.direct) {
+    g.full_gradient =
+        VectorView(full_grad_.data() + index * layout_.width, static_cast<size_t>(layout_.width));
+  }
+  return ShardedParameter(ref, g, GatherMethod::full_width_sum, context);
+}
+
+std::vector<ShardedParameter*> FeatureNorm::sharded_parameters() {
+  return parameters_;
+}
+
+LayerScratchNeeds FeatureNorm::scratch_needs() const {
+  LayerScratchNeeds needs;  // none: its parameters keep their buffers (see make_param)
+  for (const ShardedParameter& p : params_) needs.merge(p.scratch_needs());
+  return needs;
 }
 
 void FeatureNorm::initialize_parameters() {
-  Kokkos::deep_copy(params_[0].ref.value->local, 1.0f);
-  if (layout_.kind == NormKind::layernorm) Kokkos::deep_copy(params_[1].ref.value->local, 0.0f);
-}
-
-ConstVectorView FeatureNorm::compute_block(Param& p) {
-  const Vector& stored = p.ref.value->local;
-  const float* data = stored.data();
-  if (p.gather) {
-    p.gather->all_gather(ConstVectorView(stored.data(), stored.extent(0)),
-                         VectorView(p.gathered.data(), p.gathered.extent(0)), compute_dtype_);
-    data = p.gathered.data();
-  }
-  return ConstVectorView(data + (offset_ - p.gathered_offset),
-                         static_cast<size_t>(layout_.local_width));
+  Kokkos::deep_copy(params_[0].value().local, 1.0f);
+  if (layout_.kind == NormKind::layernorm) Kokkos::deep_copy(params_[1].value().local, 0.0f);
 }
 
 MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
@@ -189,9 +194,11 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
   const Matrix sums2 = row_sums2_;
   const Matrix stats = stats_;
   const MatrixView y = out_;
-  const ConstVectorView scale = compute_block(params_[0]);
+  MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
+  LayerScratch& scratch = *pass.scratch;
+  const ConstVectorView scale = params_[0].compute(scratch);
   const ConstVectorView bias =
-      layout_.kind == NormKind::layernorm ? compute_block(params_[1]) : ConstVectorView();
+      layout_.kind == NormKind::layernorm ? params_[1].compute(scratch) : ConstVectorView();
   // FSDP overlap: the next layer's weight gather runs under this layer's work.
   if (pass.prefetch) pass.prefetch->start_weight_prefetch(*pass.scratch);
 
@@ -280,8 +287,10 @@ MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const Laye
                         static_cast<int64_t>(dy.extent(1)) == layout_.local_width,
                     "norm '", name_, "': output gradient is [", dy.extent(0), ", ", dy.extent(1),
                     "], expected [", rows_, ", ", layout_.local_width, "]");
-  const bool bucketed =
-      layout_.defers_reduction() && pass.deferred == DeferredReduction::in_buckets;
+  MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
+  MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now || layout_.defers_reduction(), "norm '",
+                    name_, "': asked to leave gradients partial that it must reduce itself");
+  const bool bucketed = pass.deferred == DeferredReduction::in_buckets;
   // FSDP overlap: the previous layer's weight gather runs under this layer's backward.
   if (pass.prefetch) pass.prefetch->start_weight_prefetch(*pass.scratch);
   parameter_gradients(dy, pass);
@@ -299,7 +308,7 @@ MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const Laye
   const Matrix sums2 = row_sums2_;  // LayerNorm: sum g, sum g x_hat
   const Matrix stats = stats_;
   const MatrixView dx = dx_;
-  const ConstVectorView scale = compute_block(params_[0]);
+  const ConstVectorView scale = params_[0].compute(*pass.scratch);
   const bool layernorm = layout_.kind == NormKind::layernorm;
   // Row sums of g = dy * scale and of g * x_hat (fp32), over all features.
   Kokkos::parallel_for(
@@ -349,50 +358,23 @@ MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const Laye
 
 void FeatureNorm::parameter_gradients(MatrixView dy, const LayerPass& pass) {
   const bool layernorm = layout_.kind == NormKind::layernorm;
+  LayerScratch& scratch = *pass.scratch;
+  // DP buckets or a later all-reduce take the direct gradients from here when the model
+  // defers them (pass.deferred is `now` otherwise).
+  const bool all_reduce = pass.deferred == DeferredReduction::now;
   if (layout_.direct) {
-    const VectorView dscale(params_[0].ref.grad->local.data(),
-                            static_cast<size_t>(layout_.local_width));
-    const VectorView dbias(layernorm ? params_[1].ref.grad->local.data() : nullptr,
-                           layernorm ? static_cast<size_t>(layout_.local_width) : 0);
+    const VectorView dscale = params_[0].gradient(scratch);
+    const VectorView dbias = layernorm ? params_[1].gradient(scratch) : VectorView();
     norm_column_sums(x_, dy, stats_, layernorm, compute_dtype_, dscale, dbias);
-    // DP buckets or a later all-reduce take it from here when the layer defers.
-    if (layout_.defers_reduction() && pass.deferred != DeferredReduction::now) return;
-    if (grad_comm_) {
-      for (Param& p : params_) {
-        grad_comm_->all_reduce(VectorView(p.ref.grad->local.data(), p.ref.grad->local.extent(0)),
-                               ReduceOp::sum, reduce_dtype_);
-      }
-    }
+    for (ShardedParameter& p : params_) p.reduce(scratch, all_reduce);
     return;
   }
   // Full-width vectors [scale | bias], zero outside this rank's columns, summed over the
-  // batch axes (and the feature axis when split); then each stored block is kept.
+  // batch axes (and the feature axis when split) in one all-reduce; then each stored block
+  // is kept.
   const VectorView full(full_grad_.data(), full_grad_.extent(0));
   norm_column_sums_full(x_, dy, stats_, layernorm, compute_dtype_, offset_, layout_.width, full);
-  if (grad_comm_) grad_comm_->all_reduce(full, ReduceOp::sum, reduce_dtype_);
-  for (size_t q = 0; q < params_.size(); ++q) {
-    const Vector& grad = params_[q].ref.grad->local;
-    copy_from(full, static_cast<int64_t>(q) * layout_.width + params_[q].stored_offset,
-              VectorView(grad.data(), grad.extent(0)));
-  }
-}
-
-void FeatureNorm::reduce_gradients() {
-  if (!layout_.defers_reduction()) return;
-  for (Param& p : params_) {
-    grad_comm_->all_reduce(VectorView(p.ref.grad->local.data(), p.ref.grad->local.extent(0)),
-                           ReduceOp::sum, reduce_dtype_);
-  }
-}
-
-LayerGradients FeatureNorm::bucket_gradients() const {
-  const Vector& s = params_[0].ref.grad->local;
-  VectorView bias;
-  if (params_.size() > 1) {
-    const Vector& b = params_[1].ref.grad->local;
-    bias = VectorView(b.data(), b.extent(0));
-  }
-  return {VectorView(s.data(), s.extent(0)), bias, deferred_reduction_group()};
+  ShardedParameter::reduce_side_by_side(parameters_, all_reduce);
 }
 
 std::string FeatureNorm::describe() const {

@@ -38,7 +38,7 @@
 //   direct   the stored block is the compute block (stored whole with whole features, or
 //            split exactly like the features, P(tp)): column sums straight into the stored
 //            gradient, all-reduced over the batch axes. That all-reduce is the layer's only
-//            communication, so it defers like a DP Linear's (deferred_reduction_group():
+//            communication, so it defers like a DP Linear's (GradientReductionPlan:
 //            gradient accumulation, ZeRO-1, DP buckets).
 //   full     otherwise: column sums into a full-width vector (zeros outside the layer's
 //            columns), all-reduced over the batch axes (and the feature axis when split),
@@ -62,6 +62,7 @@
 #include "framework/core/sharded_tensor.hpp"
 #include "layers/context.hpp"
 #include "layers/layer.hpp"
+#include "layers/sharded_parameter.hpp"
 #include "partition/norm_layout.hpp"  // NormKind, NormLayout (the decision, also for the plan)
 #include "partition/planner.hpp"      // ParameterShape
 
@@ -91,16 +92,16 @@ class FeatureNorm : public Layer {
   // overlap): the layer whose weight gather starts once this one's parameters are in place.
   MatrixView forward(MatrixView x, const LayerPass& pass) override;
   // dy [rows, output_width()] -> the scale (and bias) gradients, and dx when need_input_grad
-  // (owned by the layer). pass.deferred applies when deferred_reduction_group() != nullptr;
+  // (owned by the layer). pass.deferred applies to direct gradients the model defers;
   // pass.prefetch's gather is started first.
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
 
   size_t parameter_count() const override { return layout_.params.size(); }
-  Communicator* deferred_reduction_group() const override {
-    return layout_.defers_reduction() ? grad_comm_ : nullptr;
-  }
-  LayerGradients bucket_gradients() const override;
-  void reduce_gradients() override;
+  std::vector<ShardedParameter*> sharded_parameters() override;
+  // Only direct gradients can be left partial (the full-width ones are reduced in every
+  // backward, as the layout says and norm_step_collectives charges).
+  bool can_leave_gradients_partial() const override { return layout_.direct; }
+  LayerScratchNeeds scratch_needs() const override;
 
   // scale = 1, bias = 0 in this rank's blocks (the same global tensors on every mesh).
   void initialize_parameters();
@@ -121,17 +122,9 @@ class FeatureNorm : public Layer {
   std::string describe() const override;
 
  private:
-  // One parameter: where its compute block comes from and where its gradient goes.
-  struct Param {
-    ParameterRef ref;
-    Communicator* gather = nullptr;  // nullptr: the stored block holds the compute block
-    int64_t stored = 0, stored_offset = 0;
-    int64_t gathered_offset = 0;  // global index of the gathered (or stored) vector's first
-    Vector gathered;              // [stored * gather size] when gathered
-  };
-  Param make_param(ParameterRef ref, const NormParameterLayout& layout, ParallelContext& context);
-  // The compute block [local_width] of `p` (gathered in the compute dtype when it must be).
-  ConstVectorView compute_block(Param& p);
+  // One parameter as a ShardedParameter (GatherMethod::full_width_sum, see make_param).
+  ShardedParameter make_param(ParameterRef ref, const NormParameterLayout& layout, int64_t index,
+                              ParallelContext& context);
   void parameter_gradients(MatrixView dy, const LayerPass& pass);
 
   NormLayout layout_;  // decide_norm_layout: what is split, gathered and reduced where
@@ -140,7 +133,8 @@ class FeatureNorm : public Layer {
   int64_t offset_ = 0, rows_ = 0;
   Dtype compute_dtype_ = Dtype::fp32;
   Dtype reduce_dtype_ = Dtype::fp32;
-  std::vector<Param> params_;  // scale, then bias (LayerNorm)
+  std::vector<ShardedParameter> params_;       // scale, then bias (LayerNorm)
+  std::vector<ShardedParameter*> parameters_;  // the same, for sharded_parameters()
 
   Communicator* tp_comm_ = nullptr;    // the statistics' all-reduces (split features)
   Communicator* grad_comm_ = nullptr;  // the gradients' all-reduce (layout_.grad_reduce)

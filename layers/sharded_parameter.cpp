@@ -14,6 +14,14 @@ namespace {
 using Range = Kokkos::RangePolicy<>;
 using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 
+// block = full[offset : offset + block.extent(0)]
+void copy_block(VectorView full, int64_t offset, VectorView block) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::full_width_grad_block"),
+      Range(0, static_cast<int64_t>(block.extent(0))),
+      KOKKOS_LAMBDA(const int64_t j) { block(j) = full(offset + j); });
+}
+
 void scale_matrix(MatrixView m, float factor) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::linear_scale_grad"),
@@ -51,6 +59,23 @@ ShardedParameter::ShardedParameter(ParameterRef ref, const ParameterGathers& gat
                       " blocks");
     gather1_ = context.comm(g_.gather_dim1);
     gather2_ = context.comm(g_.gather_dim2);
+  } else if (method == GatherMethod::full_width_sum) {
+    MESHTRAIN_REQUIRE(d[0] == 1 && d[1] == 1 && g_.gather_dim1.empty(), "parameter '", value().name,
+                      "': a full-width sum is a vector gathered on its one dim");
+    gather2_ = context.comm(g_.gather_dim2);
+    const int64_t gathered = g_.stored[2] * (gather2_ ? gather2_->size() : 1);
+    MESHTRAIN_REQUIRE(!g_.direct || (!gather2_ && g_.stored[2] == d[2] &&
+                                     g_.gathered_offset == g_.compute_offset),
+                      "parameter '", value().name,
+                      "': a direct gradient needs the stored block to be the compute block");
+    MESHTRAIN_REQUIRE(g_.full_gradient.extent(0) == 0 ||
+                          static_cast<int64_t>(g_.full_gradient.extent(0)) == g_.width,
+                      "parameter '", value().name, "': its full-width gradient is not [", g_.width,
+                      "]");
+    MESHTRAIN_REQUIRE(
+        g_.gathered_offset <= g_.compute_offset &&
+            g_.compute_offset + d[2] <= g_.gathered_offset + gathered && gathered <= g_.width,
+        "parameter '", value().name, "': the gathered vector does not cover the ", "compute block");
   } else {
     std::vector<std::string> both = g_.gather_dim1;
     both.insert(both.end(), g_.gather_dim2.begin(), g_.gather_dim2.end());
@@ -64,6 +89,17 @@ ShardedParameter::ShardedParameter(ParameterRef ref, const ParameterGathers& gat
     if (gather2_) gather2_->reserve_scratch(static_cast<size_t>(compute_elements));
     return;  // its buffers are the shared scratch's
   }
+  if (method == GatherMethod::full_width_sum) {
+    // A 16-bit gather's wire staging now rather than on first use.
+    const size_t stored = static_cast<size_t>(g_.stored[2]);
+    if (gather2_ && compute_ != Dtype::fp32)
+      gather2_->reserve_wire(stored, stored * gather2_->size());
+    if (gather2_ && g_.own_gather_buffer) {
+      block_ =
+          Vector(value().name + "/gathered", static_cast<size_t>(g_.stored[2] * gather2_->size()));
+    }
+    return;  // else scratch.bias
+  }
   const size_t n = static_cast<size_t>(compute_elements);
   if (gather1_ || compute_ != Dtype::fp32) block_ = Vector(value().name + "/compute", n);
   if (gather1_) {
@@ -72,8 +108,22 @@ ShardedParameter::ShardedParameter(ParameterRef ref, const ParameterGathers& gat
   }
 }
 
+Communicator* ShardedParameter::deferrable_group() const {
+  if (method_ == GatherMethod::full_width_sum) {
+    return g_.direct || g_.stored[2] == g_.width ? allreduce_ : nullptr;
+  }
+  return gathered() || g_.nonbatch_replication != 1 ? nullptr : allreduce_;
+}
+
 LayerScratchNeeds ShardedParameter::scratch_needs() const {
   LayerScratchNeeds needs;
+  if (method_ == GatherMethod::full_width_sum) {
+    // The gathered vector and the full-width gradient, unless they live elsewhere.
+    const bool gathers_there = gather2_ && !g_.own_gather_buffer;
+    const bool sums_there = !g_.direct && g_.full_gradient.extent(0) == 0;
+    if (gathers_there || sums_there) needs.bias = static_cast<size_t>(g_.width);
+    return needs;
+  }
   if (method_ != GatherMethod::by_dims) return needs;
   const int64_t d1 = g_.compute[1], d2 = g_.compute[2], s1 = g_.stored[1], s2 = g_.stored[2];
   if (gathered()) {
@@ -152,6 +202,20 @@ ConstVectorView ShardedParameter::compute(LayerScratch& scratch) {
     return ConstVectorView(m.data(), m.span());
   }
   const Vector& local = value().local;
+  if (method_ == GatherMethod::full_width_sum) {
+    // The stored block as it is (a 16-bit compute rounds it where it is used), or the
+    // vector gathered in the compute dtype.
+    const float* vector = local.data();
+    if (gather2_) {
+      const size_t n = static_cast<size_t>(g_.stored[2]) * gather2_->size();
+      float* into = g_.own_gather_buffer ? block_.data() : scratch.bias.data();
+      gather2_->all_gather(ConstVectorView(local.data(), static_cast<size_t>(g_.stored[2])),
+                           VectorView(into, n), compute_);
+      vector = into;
+    }
+    return ConstVectorView(vector + (g_.compute_offset - g_.gathered_offset),
+                           static_cast<size_t>(g_.compute[2]));
+  }
   if (!gather1_) {
     if (compute_ == Dtype::fp32) return ConstVectorView(local.data(), local.extent(0));
     round_copy(ConstMatrixView(local.data(), 1, local.extent(0)),
@@ -179,6 +243,14 @@ VectorView ShardedParameter::gradient(LayerScratch& scratch) {
     const MatrixView m = gradient_matrix(scratch);
     return VectorView(m.data(), m.span());
   }
+  if (method_ == GatherMethod::full_width_sum) {
+    if (g_.direct) {
+      const Vector& local = grad().local;
+      return VectorView(local.data(), local.extent(0));
+    }
+    if (g_.full_gradient.extent(0) > 0) return g_.full_gradient;
+    return VectorView(scratch.bias.data(), static_cast<size_t>(g_.width));
+  }
   if (gather1_) return VectorView(grad_);
   const Vector& local = grad().local;
   return VectorView(local.data(), local.extent(0));
@@ -204,6 +276,17 @@ void ShardedParameter::reduce(LayerScratch& scratch, bool all_reduce) {
   }
   const Vector& local = grad().local;
   VectorView dst(local.data(), local.extent(0));
+  if (method_ == GatherMethod::full_width_sum) {
+    if (g_.direct) {  // in place in the stored gradient
+      if (allreduce_ && all_reduce) allreduce_->all_reduce(dst, ReduceOp::sum, wire);
+      return;
+    }
+    // Summed at full width, then this rank's stored block kept.
+    VectorView full = gradient(scratch);
+    if (allreduce_ && all_reduce) allreduce_->all_reduce(full, ReduceOp::sum, wire);
+    copy_block(full, value().box.offset[0], dst);
+    return;
+  }
   if (gather1_) {
     // The compute block's gradient cut into the members' blocks, in rank order.
     const detail::GatheredBlocks b = blocks();
@@ -220,6 +303,31 @@ void ShardedParameter::reduce(LayerScratch& scratch, bool all_reduce) {
         KOKKOS_LAMBDA(const int64_t i) { dst(i) *= scale; });
   }
   if (allreduce_ && all_reduce) allreduce_->all_reduce(dst, ReduceOp::sum, wire);
+}
+
+void ShardedParameter::reduce_side_by_side(const std::vector<ShardedParameter*>& parameters,
+                                           bool all_reduce) {
+  if (parameters.empty()) return;
+  const ShardedParameter& first = *parameters.front();
+  const int64_t width = first.g_.width;
+  for (size_t k = 0; k < parameters.size(); ++k) {
+    const ShardedParameter& p = *parameters[k];
+    MESHTRAIN_REQUIRE(p.method_ == GatherMethod::full_width_sum && !p.g_.direct &&
+                          p.g_.width == width && p.allreduce_ == first.allreduce_ &&
+                          p.g_.full_gradient.data() ==
+                              first.g_.full_gradient.data() + static_cast<int64_t>(k) * width,
+                      "parameter '", p.value().name,
+                      "': not a full-width gradient beside the others over the same group");
+  }
+  const VectorView all(first.g_.full_gradient.data(),
+                       static_cast<size_t>(width) * parameters.size());
+  if (first.allreduce_ && all_reduce)
+    first.allreduce_->all_reduce(all, ReduceOp::sum, first.reduce_);
+  for (ShardedParameter* p : parameters) {
+    const Vector& local = p->grad().local;
+    copy_block(p->g_.full_gradient, p->value().box.offset[0],
+               VectorView(local.data(), local.extent(0)));
+  }
 }
 
 void ShardedParameter::all_reduce_deferred() {

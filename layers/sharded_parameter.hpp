@@ -13,14 +13,28 @@
 //              the only communication (reduce(..., false), then all_reduce_deferred()).
 //
 // The compute block is [d0, d1, d2] (a matrix [in, out] is [1, in, out]), gathered over the
-// axes of gather_dim1 (on d1) and gather_dim2 (on d2). Two ways to gather it, as the layer
-// chooses:
+// axes of gather_dim1 (on d1) and gather_dim2 (on d2). Three ways to gather it and reduce its
+// gradient, as the layer chooses:
 //   by_dims    a matrix [d1, d2] (d0 = 1) gathered dim by dim, one collective per group,
 //              into the model's shared LayerScratch (weight, grad, stage, prefetch): Linear's
 //              weight. Prefetchable when exactly one group gathers.
 //   as_blocks  one collective over both groups into buffers of the parameter's own, each
 //              member's block then put in place (d0 may be > 1): the MoE layer's parameters,
 //              which are in use together.
+//   full_width_sum  a vector [width] (a bias) whose gradient is a column sum written at full
+//              width: every global element, zero where this rank computed none. The compute
+//              block [compute_offset, + d2) is read from the stored block, or from the
+//              vector gathered in one collective over gather_dim2 into scratch.bias (it
+//              starts at gathered_offset). The gradient is all-reduced at full width over
+//              `allreduce` (every axis whose ranks add different parts to it: the batch
+//              axes, and the feature axis when ranks compute different columns), then this
+//              rank's stored block kept; nothing is reduce-scattered or divided. Only a
+//              vector stored whole can leave that all-reduce for later. Variants (the
+//              norms' parameters): `direct` when the stored block is the compute block, the
+//              gradient then written straight into the stored gradient and all-reduced
+//              there (deferrable); the gather into a buffer of the parameter's own; the
+//              full-width gradient in a view the layer gives, several of which side by side
+//              are all-reduced in one collective (reduce_side_by_side).
 // Mixed precision: gathered (or rounded) in the compute dtype; the gradient moves and sums in
 // the reduce dtype and is stored in fp32. In fp32 none of this does anything.
 // Everything is allocated at construction: nothing in compute(), gradient() or reduce().
@@ -49,9 +63,15 @@ struct ParameterGathers {
   std::vector<std::string> gather_dim1, gather_dim2;  // active axes
   std::vector<std::string> allreduce;                 // the gradient's all-reduce after those
   int nonbatch_replication = 1;                       // gradient divisor
+  // full_width_sum only: the global width, where the gathered (or, without a gather, the
+  // stored) vector starts in it, and where the compute block [d2] starts.
+  int64_t width = 0, gathered_offset = 0, compute_offset = 0;
+  bool direct = false;             // the stored block is the compute block (see above)
+  bool own_gather_buffer = false;  // gathered into the parameter's buffer, not scratch.bias
+  VectorView full_gradient;        // [width] where the gradient is written; empty: scratch.bias
 };
 
-enum class GatherMethod { by_dims, as_blocks };
+enum class GatherMethod { by_dims, as_blocks, full_width_sum };
 
 class ShardedParameter {
  public:
@@ -78,15 +98,24 @@ class ShardedParameter {
   void poll_prefetch() { prefetch_.test(); }
 
   // Where backward writes the compute block's gradient: the stored gradient itself when
-  // nothing is gathered, else a buffer (the scratch's or the parameter's).
+  // nothing is gathered, else a buffer (the scratch's or the parameter's); full_width_sum:
+  // the full-width vector [width] in scratch.bias.
   VectorView gradient(LayerScratch& scratch);
   MatrixView gradient_matrix(LayerScratch& scratch);  // by_dims
   // The gradient written at gradient() back to storage; all_reduce = false leaves out the
   // final all-reduce (for all_reduce_deferred()).
   void reduce(LayerScratch& scratch, bool all_reduce = true);
   void all_reduce_deferred();
+  // full_width_sum parameters whose full_gradient views lie side by side in this order, over
+  // one group: their gradients reduced as reduce() does, with one all-reduce for all.
+  static void reduce_side_by_side(const std::vector<ShardedParameter*>& parameters,
+                                  bool all_reduce);
   // The group of the final all-reduce (nullptr: none).
   Communicator* allreduce_group() const { return allreduce_; }
+  // That group when the all-reduce is the gradient's only communication (nothing gathered,
+  // reduce-scattered or divided; full_width_sum: stored whole), so that partial gradients
+  // may be summed first and all-reduced once (all_reduce_deferred()); else nullptr.
+  Communicator* deferrable_group() const;
 
   // What this parameter needs of the shared scratch (by_dims only).
   LayerScratchNeeds scratch_needs() const;

@@ -191,11 +191,11 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
                                  model_->output_layout());
   if (config_.optimizer.zero_stage == 1 && mesh_->has_axis(kZeroAxis) &&
       mesh_->size_of({kZeroAxis}) > 1) {
-    // ZeRO-1: the gradients a layer leaves partial (DP storage, reduce = false) are
+    // ZeRO-1: the gradients the model's plan leaves partial (DP storage, reduce = false) are
     // reduce-scattered over dp by zero1_ instead of all-reduced by the layer.
     zero1_ = std::make_unique<Zero1>(model_->parameters(), model_->gradients(),
-                                     model_->deferred_reduction_groups(), comms_->get({kZeroAxis}),
-                                     precision.reduce);
+                                     model_->gradient_reductions().parameter_groups(),
+                                     comms_->get({kZeroAxis}), precision.reduce);
   }
   // Who completes the gradients a layer can leave partial over the batch axes (DP storage),
   // decided here once: ZeRO-1's reduce-scatter over dp; with accumulation, one all-reduce

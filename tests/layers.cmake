@@ -12,6 +12,8 @@ meshtrain_add_test(NAME layers_units_test SOURCES layers/units_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120)
 meshtrain_add_test(NAME layers_moe_test SOURCES layers/moe_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300 BACKENDS mpi nccl EMULATED)
+meshtrain_add_test(NAME layers_residual_block_test SOURCES layers/residual_block_test.cpp
+                   LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120 BACKENDS mpi nccl EMULATED)
 meshtrain_add_test(NAME layers_norm_test SOURCES layers/norm_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 120 BACKENDS mpi nccl EMULATED)
 # Evaluation metrics (layers/eval_metrics.hpp): accuracy, top-5 and per-class accuracy, and

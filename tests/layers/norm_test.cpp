@@ -3,7 +3,7 @@
 // LayerNorm eps 1e-5, RMSNorm eps 2^-23): the forward output, the input gradient and the
 // scale and bias gradients (gathered to full shape), for features whole on a rank and split
 // over tp (2 and 4), with the parameters stored whole, split like the features, over fsdp,
-// and over (tp, fsdp); with the gradient reduction now, deferred (reduce_gradients()) and
+// and over (tp, fsdp); with the gradient reduction now, deferred (all_reduce_deferred()) and
 // in DP buckets; and without an input gradient (the first layer of a model). Every mesh also
 // equals the same layer built on one rank (MPI_COMM_SELF). Backward leaves dy as it was.
 // The reference's backward is checked against central differences of its forward, and
@@ -48,6 +48,7 @@
 #include "framework/train/init.hpp"
 #include "layers/context.hpp"
 #include "layers/gradient_buckets.hpp"
+#include "layers/gradient_reduction.hpp"
 #include "layers/norm.hpp"
 #include "partition/norm_layout.hpp"
 #include "tests/layers/full_tensor.hpp"
@@ -282,7 +283,7 @@ struct Result {
   bool direct = false, defers = false;
   bool dy_unchanged = false;  // backward leaves its dy as it was
   std::string describe;
-  Tensor partial_dscale;     // deferring layer in Mode::later: the gradient before reduce_gradients
+  Tensor partial_dscale;     // deferring in Mode::later: the gradient before all_reduce_deferred
   int64_t allocations = -1;  // heap and Kokkos allocations in a second forward + backward
 };
 
@@ -367,31 +368,36 @@ Result run_norm(NormKind kind, const NormCase& c, MeshCommunicators& comms, cons
   r.offset = layer.output_offset();
   r.cols = layer.output_width();
   r.direct = layer.direct_gradients();
-  r.defers = layer.deferred_reduction_group() != nullptr;
+  // Which gradients are left partial: the model's plan, as Mlp makes it.
+  std::vector<Layer*> sequence = {&layer};
+  const GradientReductionPlan reductions(sequence);
+  r.defers = reductions.layer_group(0) != nullptr;
   r.describe = layer.describe();
   const Matrix x = device_block(d.x, r.first_row, rows, r.offset, r.cols, "x");
   const Matrix dy = device_block(d.dy, r.first_row, rows, r.offset, r.cols, "dy");
   GradientBuckets buckets;
   if (mode == Mode::buckets) {
-    buckets = GradientBuckets({layer.bucket_gradients()}, 25.0, precision.reduce);
+    buckets = GradientBuckets(reductions.bucket_gradients(), 25.0, precision.reduce);
   }
+  LayerScratch scratch(layer.scratch_needs());
   LayerPass pass;
-  pass.deferred = mode == Mode::now     ? DeferredReduction::now
-                  : mode == Mode::later ? DeferredReduction::later
-                  : buckets.empty()     ? DeferredReduction::now
-                                        : DeferredReduction::in_buckets;
+  pass.scratch = &scratch;
+  pass.deferred = reductions.for_layer(0, mode == Mode::now     ? DeferredReduction::now
+                                          : mode == Mode::later ? DeferredReduction::later
+                                          : buckets.empty()     ? DeferredReduction::now
+                                                                : DeferredReduction::in_buckets);
   pass.buckets = &buckets;
   pass.index = 0;
 
   auto step = [&]() -> MatrixView {
-    layer.forward(x, LayerPass{});
+    layer.forward(x, LayerPass{&scratch});
     MatrixView dx = layer.backward(dy, input_grad, pass);
     if (pass.deferred == DeferredReduction::in_buckets) buckets.wait_all();
     return dx;
   };
   MatrixView dx = step();
   if (mode == Mode::later && r.defers) r.partial_dscale = to_host(grads[0]);
-  if (mode == Mode::later) layer.reduce_gradients();
+  if (mode == Mode::later) reductions.all_reduce_deferred();
   r.y = host_matrix(layer.output());
   r.dx = input_grad ? host_matrix(dx) : Tensor();
   if (!input_grad) EXPECT_EQ(dx.extent(0) * dx.extent(1), 0u) << "dx without need_input_grad";
@@ -403,7 +409,7 @@ Result run_norm(NormKind kind, const NormCase& c, MeshCommunicators& comms, cons
   Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
   g_window_open = true;
   step();
-  if (mode == Mode::later) layer.reduce_gradients();
+  if (mode == Mode::later) reductions.all_reduce_deferred();
   g_window_open = false;
   Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
   r.allocations = g_allocations;
@@ -575,7 +581,7 @@ TEST(Norm, EveryMeshEqualsFloat64ReferenceAndOneRank) {
             expect_close(r.dbias, ref.dbias, 1e-5, "bias gradient vs float64");
             expect_close(r.dbias, one.dbias, 2e-6, "bias gradient vs one rank");
           }
-          // Deferred: before reduce_gradients() the gradient is this rank's rows only.
+          // Deferred: before all_reduce_deferred() the gradient is this rank's rows only.
           if (mode == Mode::later && r.defers) {
             Tensor partial(r.partial_dscale.size(), 0.0);
             for (int64_t i = 0; i < r.rows; ++i)

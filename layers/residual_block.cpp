@@ -1,0 +1,138 @@
+#include "layers/residual_block.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <utility>
+
+#include "base/error.hpp"
+#include "framework/core/kernel_label.hpp"
+#include "framework/core/precision.hpp"
+#include "framework/core/view_ops.hpp"
+
+namespace meshtrain {
+namespace {
+
+// out = a + b rounded to `dtype` (out may be a).
+void add_rounded(MatrixView a, MatrixView b, MatrixView out, Dtype dtype, const char* what) {
+  MESHTRAIN_REQUIRE(a.extent(0) == out.extent(0) && a.extent(1) == out.extent(1) &&
+                        b.extent(0) == out.extent(0) && b.extent(1) == out.extent(1),
+                    what, ": [", a.extent(0), ", ", a.extent(1), "] + [", b.extent(0), ", ",
+                    b.extent(1), "] into [", out.extent(0), ", ", out.extent(1), "]");
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::residual_add"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          {0, 0}, {static_cast<int64_t>(out.extent(0)), static_cast<int64_t>(out.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        out(i, j) = round_to(a(i, j) + b(i, j), dtype);
+      });
+}
+
+}  // namespace
+
+ResidualBlock::ResidualBlock(std::string name, std::vector<std::unique_ptr<Layer>> layers,
+                             FeatureLayout input_layout, int64_t input_offset, int64_t rows,
+                             int64_t width, Dtype dtype)
+    : name_(std::move(name)),
+      layers_(std::move(layers)),
+      layout_(input_layout),
+      offset_(input_offset),
+      dtype_(dtype) {
+  if (layers_.empty()) MESHTRAIN_BAD_INPUT("residual block '", name_, "' has no layers");
+  const Layer& last = *layers_.back();
+  if (last.output_layout() != input_layout || last.output_width() != width ||
+      last.output_offset() != input_offset) {
+    MESHTRAIN_BAD_INPUT("residual block '", name_, "': its layers end in ",
+                        to_string(last.output_layout()), " features (", last.output_width(),
+                        " columns from ", last.output_offset(), "), its input arrives ",
+                        to_string(input_layout), " (", width, " columns from ", input_offset,
+                        "): x + f(x) needs both alike (under tp: split input, and up and down "
+                        "projections both tensor parallel)");
+  }
+  first_with_parameters_ = last_with_parameters_ = layers_.size();
+  for (size_t k = 0; k < layers_.size(); ++k) {
+    if (layers_[k]->parameter_count() == 0) continue;
+    if (first_with_parameters_ == layers_.size()) first_with_parameters_ = k;
+    last_with_parameters_ = k;
+  }
+  out_ = Matrix(name_ + "/output", rows, width);
+  dx_ = Matrix(name_ + "/input_grad", rows, width);
+}
+
+size_t ResidualBlock::parameter_count() const {
+  size_t n = 0;
+  for (const auto& layer : layers_) n += layer->parameter_count();
+  return n;
+}
+
+std::vector<ShardedParameter*> ResidualBlock::sharded_parameters() {
+  std::vector<ShardedParameter*> all;
+  for (const auto& layer : layers_) {
+    const std::vector<ShardedParameter*> own = layer->sharded_parameters();
+    all.insert(all.end(), own.begin(), own.end());
+  }
+  return all;
+}
+
+bool ResidualBlock::can_leave_gradients_partial() const {
+  for (const auto& layer : layers_) {
+    if (layer->parameter_count() > 0 && !layer->can_leave_gradients_partial()) return false;
+  }
+  return true;
+}
+
+LayerScratchNeeds ResidualBlock::scratch_needs() const {
+  LayerScratchNeeds needs;
+  for (const auto& layer : layers_) needs.merge(layer->scratch_needs());
+  return needs;
+}
+
+double ResidualBlock::aux_loss() const {
+  double sum = 0.0;
+  for (const auto& layer : layers_) sum += layer->aux_loss();
+  return sum;
+}
+
+std::string ResidualBlock::describe() const {
+  std::string lines;
+  for (const auto& layer : layers_) {
+    const std::string line = layer->describe();
+    if (line.empty()) continue;
+    lines += (lines.empty() ? "" : "; ") + line;
+  }
+  return name_ + ": x + f(x), f = " + lines;
+}
+
+MatrixView ResidualBlock::forward(MatrixView x, const LayerPass& pass) {
+  MatrixView h = x;
+  for (size_t k = 0; k < layers_.size(); ++k) {
+    LayerPass inner;
+    inner.scratch = pass.scratch;
+    inner.prefetch = k == last_with_parameters_ ? pass.prefetch : nullptr;
+    h = layers_[k]->forward(h, inner);
+  }
+  add_rounded(x, h, out_, dtype_, name_.c_str());
+  return out_;
+}
+
+MatrixView ResidualBlock::backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) {
+  // dY is the residual's part of dX; copied first, as a layer may write into dY's memory.
+  if (need_input_grad) copy_into(dx_, dy);
+  // The block's gradients reach the buckets as one entry: its layers leave them partial,
+  // and the block reports them once all are computed.
+  const bool bucketed = pass.deferred == DeferredReduction::in_buckets;
+  MatrixView g = dy;
+  for (size_t k = layers_.size(); k-- > 0;) {
+    LayerPass inner = pass;
+    inner.prefetch = k == first_with_parameters_ ? pass.prefetch : nullptr;
+    if (bucketed) inner.deferred = DeferredReduction::later;
+    g = layers_[k]->backward(g, /*need_input_grad=*/k > 0 || need_input_grad, inner);
+  }
+  if (bucketed) {
+    pass.buckets->layer_ready(pass.index);
+    pass.buckets->poll();
+  }
+  if (!need_input_grad) return MatrixView();
+  add_rounded(dx_, g, dx_, dtype_, name_.c_str());
+  return dx_;
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,71 @@
+#pragma once
+// A residual block: a sequence of layers f and the sum of its input and their output,
+// y = x + f(x) (the building block of ResMLP-style models; pre-norm blocks are a norm, the
+// up projection, the activation and the down projection as f).
+//
+// x + f(x) is elementwise, so the block's layers must end where they started: the last
+// layer's output has the block input's feature layout, width and offset (under tp: a block
+// fed the split features whose up and down projections are both tensor parallel; checked at
+// construction, bad_input otherwise). Backward: dX = dY + (f's input gradient).
+//
+// To the model the block is one Layer: its parameters are its layers' in order; its
+// gradients can be left partial (GradientReductionPlan) when every layer's can, over one
+// group. In a backward whose gradients go to the DP buckets, the block's layers leave theirs
+// partial and the block reports them ready once all are computed (its one bucket entry,
+// LayerPass::index). The FSDP prefetch the model asks of the block is passed on to the
+// block's last layer with parameters in the pass's direction; the block's own layers gather
+// their weights when they run (can_prefetch_weight() is false).
+//
+// Mixed precision: the sum and the input gradient are rounded to the compute dtype.
+// Buffers: the output and the input gradient, allocated at construction.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "layers/layer.hpp"
+
+namespace meshtrain {
+
+class ResidualBlock : public Layer {
+ public:
+  // `layers` f, in order (owned by the block from here on); the input: [rows, width] in
+  // `input_layout`, its first column `input_offset` of the global features. Throws
+  // bad_input when f does not end in the input's layout, width and offset.
+  ResidualBlock(std::string name, std::vector<std::unique_ptr<Layer>> layers,
+                FeatureLayout input_layout, int64_t input_offset, int64_t rows, int64_t width,
+                Dtype dtype);
+
+  MatrixView forward(MatrixView x, const LayerPass& pass) override;
+  MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
+
+  size_t parameter_count() const override;
+  std::vector<ShardedParameter*> sharded_parameters() override;
+  bool can_leave_gradients_partial() const override;
+  LayerScratchNeeds scratch_needs() const override;
+  double aux_loss() const override;
+
+  MatrixView output() const override { return out_; }
+  FeatureLayout output_layout() const override { return layout_; }
+  int64_t output_width() const override { return static_cast<int64_t>(out_.extent(1)); }
+  int64_t output_offset() const override { return offset_; }
+  // "<name>: x + f(x), f = <its layers' lines, '; '-separated>".
+  std::string describe() const override;
+
+  const std::vector<std::unique_ptr<Layer>>& layers() const { return layers_; }
+
+ private:
+  std::string name_;
+  std::vector<std::unique_ptr<Layer>> layers_;
+  FeatureLayout layout_;
+  int64_t offset_ = 0;
+  Dtype dtype_ = Dtype::fp32;
+  // The first and last layer with parameters (layers_.size(): none): where the model's
+  // prefetch goes in backward and in forward.
+  size_t first_with_parameters_ = 0, last_with_parameters_ = 0;
+  Matrix out_;  // [rows, width]
+  Matrix dx_;   // [rows, width]
+};
+
+}  // namespace meshtrain
