@@ -20,10 +20,11 @@
 // How a save runs (checkpoint_save.cpp): rank 0 creates the file's structure (serial HDF5,
 // space allocated, no data) as "<name>.tmp"; every rank then writes its blocks' bytes at their
 // offsets with POSIX pwrite, computing CRC-32s as it goes, and fsyncs; rank 0 combines the
-// CRC-32s, stores them, fsyncs and renames the file; then <dir>/latest (the file name of the
-// newest complete checkpoint, one line) is replaced atomically, and only then are checkpoints
-// beyond `keep` removed. An interrupted or failed save therefore leaves the previous
-// checkpoint as latest, loadable.
+// CRC-32s, stores them, fsyncs and renames the file; then <dir>/best when this save is the
+// best evaluation's, then <dir>/latest (the file name of the newest complete checkpoint, one
+// line) are replaced atomically, and only then are checkpoints beyond `keep` removed. An
+// interrupted or failed save therefore leaves the previous checkpoint as latest, loadable,
+// and `best` naming a complete checkpoint (the new one only when it was renamed).
 //
 // Asynchronous saves (Checkpointer with async = true): save() returns once the write is
 // started; a writer thread per rank copies the tensors into a staging buffer allocated once

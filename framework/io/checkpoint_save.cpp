@@ -12,7 +12,8 @@
 //      offsets, CRC-32 of each run; fsync. Errors are kept for phase 3.
 //   3. main thread (poll/wait), every rank: join the writer; agree on its outcome; gather the
 //      CRC-32s at rank 0, which starts its finisher thread: combine and store the CRC-32s
-//      (HDF5, under hdf5::global_mutex), fsync, rename, write latest, remove old checkpoints.
+//      (HDF5, under hdf5::global_mutex), fsync, rename, write best (when it is), write latest,
+//      remove old checkpoints.
 //   4. main thread (poll/wait): once rank 0's finisher is done, agree on its outcome.
 // So no collective call follows a point where one rank alone can fail, and a failure is one
 // error, the same on every rank.
@@ -325,12 +326,15 @@ void run_finisher(SaveJob& job, std::vector<Piece> pieces) {
     fault_point("before_rename");
     rename_path(job.tmp_path, job.final_path);
     fsync_path(job.dir, true);
-    fault_point("before_latest");
-    write_pointer(job.dir, latest_pointer_name(), job.file_name);
+    // `best` before `latest`: a run resumes from `latest` without knowing whether that
+    // checkpoint was meant to become `best`, so a save that dies between the two pointers
+    // must leave `latest` at the previous checkpoint (the resumed run redoes this save).
     if (job.best) {
       fault_point("before_best");
       write_pointer(job.dir, best_pointer_name(), job.file_name);
     }
+    fault_point("before_latest");
+    write_pointer(job.dir, latest_pointer_name(), job.file_name);
     fault_point("before_cleanup");
     remove_old_checkpoints(job.dir, job.file_name, job.keep);
   } catch (...) {
