@@ -68,3 +68,19 @@ resume_test(precision precision --preset fsdp)
 # 8. MoE layers (issue 19): bit for bit on the same mesh (ep=2), and resharded ep 4 -> 2 -> 1.
 resume_test(same_mesh_moe same_mesh --preset dp --moe)
 resume_test(moe_reshard moe_reshard --preset dp)
+# 9. checkpoint.keep_best with keep = 1 (issue 26, item 5): the save of a new best killed at
+#    each fault point (every rank aborting in a synchronous save; one rank SIGKILLed in an
+#    asynchronous one) leaves `best` naming a complete, loadable checkpoint that rotation
+#    kept, and the resumed run ends with the right `best`; predict, evaluate and export
+#    given <dir>/best use the best checkpoint, not the latest.
+set(_best_data --write-hdf5 $<TARGET_FILE:data_write_hdf5>)
+resume_test(best_abort_writing_np2 best --np 2 --best-mode abort
+            --points after_dataset:1,before_close,before_rename ${_best_data})
+resume_test(best_abort_pointers_np2 best --np 2 --best-mode abort
+            --points before_best,before_latest,before_cleanup ${_best_data})
+resume_test(best_kill_np2 best --np 2 --best-mode kill ${_best_data})
+resume_test(best_abort_np1 best --np 1 --best-mode abort
+            --points after_dataset:1,before_best,before_latest ${_best_data})
+foreach(np 1 2)
+  resume_test(best_pointer_np${np} best_pointer --np ${np} ${_best_data})
+endforeach()

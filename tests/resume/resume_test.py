@@ -30,6 +30,15 @@ CASE is one of
                 ep=4, resumed on np 2 (ep=2) to step 8 and saved, resumed on np 1 to step 12:
                 every step's loss and the final parameters match the uninterrupted np-1 run
                 to the stated tolerances (expert tensors are global arrays like the others).
+  best          checkpoint.keep_best = "test_loss" with keep = 1 (--np N ranks): the save
+                of a new best (step 12) dies at each fault point, aborting on every rank
+                (--best-mode abort, synchronous) or with one rank SIGKILLed (--best-mode
+                kill, asynchronous): `best` names a complete checkpoint that verifies and
+                evaluates through the pointer to that file's numbers, `latest` a complete
+                one, rotation removed neither; the resumed run ends with best = step 12
+                beside latest = step 14 and nothing else. --points P1,P2 runs only those.
+  best_pointer  predict, evaluate and export given <dir>/best use the best checkpoint's
+                file and step (12), not the latest's (14).
   schedule      a cosine schedule with warm-up and 2 accumulated micro-batches per step:
                 resumed from step 2 (warm-up) and step 8 (decay) of one 12-step run, the
                 rates, losses of the remaining steps and the final checkpoint are bit for
@@ -585,6 +594,216 @@ def case_compatibility(ctx, preset):
     ctx.check("done: -" not in out, "resuming past the last step printed:\n" + out)
 
 
+# --- checkpoint.keep_best (issue 26, item 5) ----------------------------------------------
+# A constant lr of 0.03 makes the test loss fall until step 12 and rise at step 14 (asserted):
+# evaluations every 2 steps, a save every 3 and at each new best, keep = 1.
+BEST = ["--set", "optimizer.lr=0.03", "--set", "train.eval_every=2",
+        "--set", "checkpoint.every_steps=3", "--set", "checkpoint.keep=1",
+        "--set", 'checkpoint.keep_best="test_loss"', "--set", "checkpoint.resume=true"]
+
+
+def eval_losses(output_dir):
+    """{step: test loss} of the eval events (a step evaluated twice keeps the last)."""
+    result = {}
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        for line in f:
+            event = json.loads(line)
+            if event.get("event") == "eval":
+                result[event["step"]] = event["test_loss"]
+    return result
+
+
+def read_pointer(ckpt_dir, name):
+    path = os.path.join(ckpt_dir, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
+
+
+def checkpoint_files(ckpt_dir):
+    return sorted(n for n in os.listdir(ckpt_dir) if n.endswith(".h5"))
+
+
+def evaluate_json(ctx, np, checkpoint, data):
+    """mpirun -np NP meshtrain evaluate CHECKPOINT --data DATA --json -: the JSON object."""
+    cmd = (ctx.mpiexec[:1] + ["-n", str(np)] + ctx.mpiexec[1:] +
+           [ctx.meshtrain, "evaluate", checkpoint, "--data", data, "--json", "-"])
+    status, out, err = run(cmd)
+    if status != 0:
+        raise Failure("meshtrain evaluate %s exited %d:\n%s" % (checkpoint, status, err))
+    return json.loads(out)
+
+
+def expect_best(ctx, what, np, ckpt_dir, step, data):
+    """`best` names ckpt-<step>.h5, which exists, verifies, and evaluates (through the
+    pointer) to exactly the numbers of that file."""
+    name = "ckpt-%06d.h5" % step
+    best = read_pointer(ckpt_dir, "best")
+    if not ctx.check(best == name, "%s: best names %r, expected %s" % (what, best, name)):
+        return
+    path = os.path.join(ckpt_dir, name)
+    if not ctx.check(os.path.exists(path), "%s: %s, named by best, is missing" % (what, name)):
+        return
+    status, out, err = inspect(ctx, path, verify=True)
+    ctx.check(status == 0 and ("step: %d\n" % step) in out,
+              "%s: inspect --verify of best (%s) exited %d:\n%s%s" % (what, name, status, out, err))
+    by_pointer = evaluate_json(ctx, np, os.path.join(ckpt_dir, "best"), data)
+    # Runs are deterministic: the file of a step evaluates alike in every case (once each).
+    if step not in ctx.evaluated:
+        ctx.evaluated[step] = evaluate_json(ctx, np, path, data)
+    by_file = ctx.evaluated[step]
+    ctx.check(by_pointer.get("step") == step,
+              "%s: evaluate on best reports step %s, expected %d" %
+              (what, by_pointer.get("step"), step))
+    ctx.check(by_pointer == by_file,
+              "%s: evaluate on best gives %s, on %s %s" % (what, by_pointer, name, by_file))
+
+
+def best_data(ctx, write_hdf5):
+    """An HDF5 file of 200 rows of 784 features and labels of 10 classes, for evaluate and
+    predict."""
+    if not write_hdf5:
+        raise Failure("the best cases need --write-hdf5")
+    path = os.path.join(ctx.work, "data.h5")
+    status, _, err = run([write_hdf5, path, "200", "784", "10"])
+    if status != 0:
+        raise Failure("%s failed (%d): %s" % (write_hdf5, status, err))
+    return path
+
+
+def case_best(ctx, preset, np, mode, data, points):
+    """A save that would become the new best (step 12, the run's best test loss) dies at
+    each fault point: synchronous saves aborting on every rank (mode "abort"), or
+    asynchronous saves with one rank SIGKILLed (mode "kill"). `best` then names a complete,
+    verified checkpoint that evaluates to its own numbers (step 10, or step 12 once its
+    pointer was written), `latest` a complete one, and rotation (keep = 1) has removed
+    neither; the resumed run ends with best = step 12 and latest = step 14, the only files."""
+    need_tools(ctx, "h5dump")
+    last = np - 1
+    ctx.evaluated = {}
+    if mode == "abort":
+        ctx.sync = True
+        # (point, rank, (best, latest) after the fault)
+        faults = [("after_dataset:1", None, (10, 10)), ("before_close", None, (10, 10)),
+                  ("before_rename", None, (10, 10)), ("before_best", None, (10, 10)),
+                  ("before_latest", None, (12, 10)), ("before_cleanup", None, (12, 12))]
+    else:
+        # The writer threads write the file; rank 0's finisher renames and writes pointers.
+        faults = [("after_dataset:2", last, (10, 10)), ("before_rename", 0, (10, 10)),
+                  ("before_best", 0, (10, 10)), ("before_latest", 0, (12, 10))]
+    if points:
+        faults = [f for f in faults if f[0] in points]
+        if len(faults) != len(points):
+            raise Failure("--points %s: not all are fault points of mode %s" % (points, mode))
+    base = os.path.join(ctx.work, "to_step_10")
+    train(ctx, np, preset, base, 10, BEST)
+    for point, rank, (best_step, latest_step) in faults:
+        failures = len(ctx.failures)
+        what = "%s at %s%s" % (mode, point, "" if rank is None else " on rank %d" % rank)
+        out_dir = os.path.join(ctx.work, point.replace(":", "_"))
+        shutil.copytree(base, out_dir)
+        ckpt = os.path.join(out_dir, "checkpoints")
+        fault = {"MESHTRAIN_TEST_FAULT": point,
+                 "MESHTRAIN_TEST_FAULT_ACTION": "abort" if mode == "abort" else "kill"}
+        if rank is not None:
+            fault["MESHTRAIN_TEST_FAULT_RANK"] = str(rank)
+        _, out, err = train(ctx, np, preset, out_dir, 14, BEST, env_extra=fault,
+                            expect_status=None, program=ctx.meshtrain_with_faults)
+        ctx.check("fault injected at %s" % point.split(":")[0] in out + err,
+                  "%s: no 'fault injected' message:\n%s%s" % (what, out, err))
+        ctx.check(not os.path.exists(os.path.join(ckpt, "ckpt-000014.h5")),
+                  "%s: the run went on past the fault" % what)
+        expect_best(ctx, what, np, ckpt, best_step, data)
+        latest = "ckpt-%06d.h5" % latest_step
+        ctx.check(read_pointer(ckpt, "latest") == latest,
+                  "%s: latest names %r, expected %s" % (what, read_pointer(ckpt, "latest"), latest))
+        status, _, err = inspect(ctx, os.path.join(ckpt, latest), verify=True)
+        ctx.check(status == 0, "%s: inspect --verify of latest exited %d: %s" % (what, status, err))
+        ctx.check("ckpt-000010.h5" in checkpoint_files(ckpt),
+                  "%s: the previous best ckpt-000010.h5 was removed: %s" %
+                  (what, checkpoint_files(ckpt)))
+        # The resumed run completes; step 12 is the best again and survives the step-14 save.
+        train(ctx, np, preset, out_dir, 14, BEST)
+        evals = eval_losses(out_dir)
+        ctx.check(min(evals, key=evals.get) == 12 and evals[14] > evals[12],
+                  "%s: the test losses %s do not have their minimum at step 12 and rise at "
+                  "step 14: best and latest are not told apart" % (what, evals))
+        expect_best(ctx, what + ", resumed", np, ckpt, 12, data)
+        ctx.check(read_pointer(ckpt, "latest") == "ckpt-000014.h5",
+                  "%s, resumed: latest names %r" % (what, read_pointer(ckpt, "latest")))
+        ctx.check(checkpoint_files(ckpt) == ["ckpt-000012.h5", "ckpt-000014.h5"],
+                  "%s, resumed: keep = 1 with best left %s, expected ckpt-000012.h5 (best) and "
+                  "ckpt-000014.h5" % (what, checkpoint_files(ckpt)))
+        leftovers = [n for n in os.listdir(ckpt) if n.endswith(".tmp")]
+        ctx.check(not leftovers, "%s, resumed: temporary files remain: %s" % (what, leftovers))
+        if len(ctx.failures) == failures:
+            print("ok: best at %s" % what)
+
+
+def h5_attribute(ctx, path, name):
+    """The value text of the root attribute NAME of PATH (h5dump -a)."""
+    status, out, err = run([ctx.h5dump, "-a", "/" + name, path])
+    if status != 0:
+        raise Failure("h5dump -a /%s %s failed (%d): %s" % (name, path, status, err))
+    m = re.search(r"\(0\): (.*)$", out, re.M)
+    if not m:
+        raise Failure("h5dump shows no value of /%s:\n%s" % (name, out))
+    return m.group(1).strip().strip('"')
+
+
+def case_best_pointer(ctx, preset, np, data):
+    """`predict`, `evaluate` and `export` given <dir>/best use the best checkpoint (step 12),
+    not the latest (step 14): predict's attributes step and checkpoint, evaluate's JSON (equal
+    to evaluating ckpt-000012.h5 itself), the ONNX model's metadata step and checkpoint."""
+    need_tools(ctx, "h5dump")
+    out_dir = os.path.join(ctx.work, "run")
+    train(ctx, np, preset, out_dir, 14, BEST)
+    ckpt = os.path.join(out_dir, "checkpoints")
+    evals = eval_losses(out_dir)
+    ctx.check(min(evals, key=evals.get) == 12 and evals[14] > evals[12],
+              "the test losses %s do not have their minimum at step 12 and rise at step 14: "
+              "best and latest are not told apart" % evals)
+    ctx.check(read_pointer(ckpt, "best") == "ckpt-000012.h5" and
+              read_pointer(ckpt, "latest") == "ckpt-000014.h5",
+              "best names %r and latest %r, expected ckpt-000012.h5 and ckpt-000014.h5" %
+              (read_pointer(ckpt, "best"), read_pointer(ckpt, "latest")))
+    best = os.path.join(ckpt, "best")
+    best_file = os.path.join(ckpt, "ckpt-000012.h5")
+    mpi = ctx.mpiexec[:1] + ["-n", str(np)] + ctx.mpiexec[1:]
+
+    by_pointer = evaluate_json(ctx, np, best, data)
+    ctx.check(by_pointer.get("step") == 12,
+              "evaluate on best reports step %s, expected 12" % by_pointer.get("step"))
+    by_file = evaluate_json(ctx, np, best_file, data)
+    ctx.check(by_pointer == by_file,
+              "evaluate on best gives %s, on ckpt-000012.h5 %s" % (by_pointer, by_file))
+
+    prediction = os.path.join(ctx.work, "prediction.h5")
+    status, out, err = run(mpi + [ctx.meshtrain, "predict", best, "--input", data,
+                                  "--output", prediction])
+    if ctx.check(status == 0, "predict on best exited %d:\n%s" % (status, err)):
+        ctx.check(h5_attribute(ctx, prediction, "step") == "12",
+                  "predict on best wrote step %s, expected 12" %
+                  h5_attribute(ctx, prediction, "step"))
+        ctx.check(os.path.basename(h5_attribute(ctx, prediction, "checkpoint")) ==
+                  "ckpt-000012.h5", "predict on best names checkpoint %s" %
+                  h5_attribute(ctx, prediction, "checkpoint"))
+
+    model = os.path.join(ctx.work, "model.onnx")
+    # export is a one-process command (no MPI launch).
+    status, out, err = run([ctx.meshtrain, "export", best, "--format", "onnx",
+                            "--output", model])
+    if ctx.check(status == 0, "export of best exited %d:\n%s" % (status, err)):
+        with open(model, "rb") as f:
+            onnx = f.read()
+        # metadata_props entries: key (field 1) and value (field 2), length-prefixed strings.
+        ctx.check(b"\x0a\x04step\x12\x0212" in onnx,
+                  "the ONNX model's metadata does not say step 12")
+        ctx.check(b"ckpt-000012.h5" in onnx and b"ckpt-000014.h5" not in onnx,
+                  "the ONNX model's metadata does not name ckpt-000012.h5")
+
+
 def main():
     argv = sys.argv[1:]
     if "--" not in argv:
@@ -594,7 +813,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["same_mesh", "other_mesh", "interrupted", "inspect",
                                          "compatibility", "schedule", "precision",
-                                         "moe_reshard"])
+                                         "moe_reshard", "best", "best_pointer"])
     parser.add_argument("--meshtrain", required=True)
     parser.add_argument("--configs", required=True)
     parser.add_argument("--work", required=True)
@@ -606,6 +825,12 @@ def main():
     parser.add_argument("--fault-action", choices=["abort", "kill"], default="abort")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--preset", default="fsdp")
+    parser.add_argument("--np", type=int, default=2, help="ranks of the best case")
+    parser.add_argument("--best-mode", choices=["abort", "kill"], default="abort")
+    parser.add_argument("--points", default="",
+                        help="the best case's fault points, comma-separated (default: all)")
+    parser.add_argument("--write-hdf5", default="",
+                        help="data_write_hdf5 (tests/data): writes the best cases' HDF5 data")
     parser.add_argument("--moe", action="store_true",
                         help="an MoE model on a mesh of ep ranks (with --preset dp)")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
@@ -632,6 +857,11 @@ def main():
             case_precision(ctx, args.preset)
         elif args.case == "moe_reshard":
             case_moe_reshard(ctx)
+        elif args.case == "best_pointer":
+            case_best_pointer(ctx, args.preset, args.np, best_data(ctx, args.write_hdf5))
+        elif args.case == "best":
+            case_best(ctx, args.preset, args.np, args.best_mode, best_data(ctx, args.write_hdf5),
+                      [p for p in args.points.split(",") if p])
         else:
             case_inspect(ctx, args.preset)
     except Failure as e:
