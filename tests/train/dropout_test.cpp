@@ -7,6 +7,7 @@
 // - training with dropout on every mesh equals the one-rank run (losses 1e-5 relative, final
 //   parameters 1e-5 + 1e-4 relative, the tolerances of training_run_test), and differs from
 //   training without it;
+// - with an MoE layer, ep and ep x tp meshes equal the one-rank run too;
 // - a run saved at step 3 and resumed gives the uninterrupted run's losses and parameters bit
 //   for bit, on every mesh;
 // - evaluation and the Predictor of a model trained with P = 0.5 equal, bit for bit, those of
@@ -224,6 +225,34 @@ TEST(Dropout, EveryMeshTrainsLikeOneRank) {
         ASSERT_NEAR(full[j], reference_params[i][j], 1e-5 + 1e-4 * std::abs(reference_params[i][j]))
             << params[i].name << "[" << j << "]";
       }
+    }
+  }
+}
+
+// MoE (layer 1 of 8 experts, top-2) with dropout after both hidden layers: on ep meshes (the
+// rows split over ep too) like the one-rank run, losses to 1e-5 relative.
+TEST(Dropout, MoeMeshesTrainLikeOneRank) {
+  const int n = world_size();
+  const auto with_moe = [](RunConfig config) {
+    config.model.moe_layers = {1};
+    config.model.experts = 8;
+    config.model.top_k = 2;
+    return config;
+  };
+  std::vector<double> reference;
+  {
+    TrainingRun one(with_moe(dropout_config({"dp", {{"dp", 1}, {"ep", 1}}})), {}, std::nullopt,
+                    MPI_COMM_SELF);
+    for (int s = 0; s < 4; ++s) reference.push_back(one.step().loss);
+  }
+  std::vector<MeshCase> cases = {{"dp", {{"ep", n}}}};
+  if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", 1}, {"ep", n / 2}, {"tp", 2}}});
+  for (const MeshCase& c : cases) {
+    SCOPED_TRACE(name_of(c));
+    TrainingRun run(with_moe(dropout_config(c)));
+    for (int s = 0; s < 4; ++s) {
+      EXPECT_NEAR(run.step().loss, reference[s], 1e-5 * (1 + std::abs(reference[s])))
+          << "step " << s + 1;
     }
   }
 }
