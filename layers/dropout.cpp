@@ -38,7 +38,9 @@ uint32_t dropout_threshold(double rate) {
   return t >= 4294967295.0 ? 0xffffffffu : static_cast<uint32_t>(t);
 }
 
-float dropout_scale(double rate) { return static_cast<float>(1.0 / (1.0 - rate)); }
+float dropout_scale(double rate) {
+  return static_cast<float>(1.0 / (1.0 - rate));
+}
 
 DropoutLayer::DropoutLayer(double rate, int64_t layer, const std::string& name, int64_t rows,
                            int64_t width, FeatureLayout layout, int64_t offset, Dtype dtype)
@@ -50,7 +52,8 @@ DropoutLayer::DropoutLayer(double rate, int64_t layer, const std::string& name, 
       offset_(offset),
       dtype_(dtype),
       out_(name, rows, width) {
-  if (!(rate > 0.0 && rate < 1.0)) MESHTRAIN_BAD_INPUT("model.dropout = ", rate, " must be in (0, 1) for a dropout layer");
+  if (!(rate > 0.0 && rate < 1.0))
+    MESHTRAIN_BAD_INPUT("model.dropout = ", rate, " must be in (0, 1) for a dropout layer");
   MESHTRAIN_REQUIRE(layer >= 0 && layer < kDropoutMaxLayers, "dropout layer index ", layer,
                     " is outside [0, ", kDropoutMaxLayers, ")");
   MESHTRAIN_REQUIRE(offset + width <= (int64_t{1} << 32), "dropout: feature ", offset + width,

@@ -32,7 +32,7 @@ KOKKOS_INLINE_FUNCTION void mulhilo(uint32_t a, uint32_t b, uint32_t& hi, uint32
 
 // The 10-round Philox-4x32 of `counter` under `key` (Random123's philox4x32(ctr, key)).
 KOKKOS_INLINE_FUNCTION Philox4x32Counter philox4x32_10(Philox4x32Counter counter,
-                                                      Philox4x32Key key) {
+                                                       Philox4x32Key key) {
   using namespace philox_detail;
   for (int round = 0; round < 10; ++round) {
     if (round > 0) {

@@ -1,7 +1,8 @@
 // Dropout ([model] dropout, layers/dropout.hpp) on dp, fsdp, tp and fsdp x tp meshes (2 x 4 at
 // np 8 too):
 // - the mask: after a training step with 2 micro-batches, every dropout layer's output on
-//   every rank equals x * keep * float(1/(1-P)) with keep computed here from the key formula
+//   every rank equals x * keep * float(1/(1-P)) (rounded to bf16 in a bf16 run) with keep
+//   computed here from the key formula
 //   of docs/model_math.md (Philox-4x32-10 of {feature, row, step, micro | layer << 16} under
 //   the run seed), bit for bit, and the ranks together cover every global element;
 // - training with dropout on every mesh equals the one-rank run (losses 1e-5 relative, final
@@ -12,6 +13,8 @@
 //   for bit, on every mesh;
 // - evaluation and the Predictor of a model trained with P = 0.5 equal, bit for bit, those of
 //   a P = 0 model with the same parameters;
+// - backward multiplies dY by the forward's mask and scale; outside training the layer is the
+//   identity both ways;
 // - the kept fraction of 2^18 elements is within 4 sigma of 1 - P (P = 0.1, 0.5, 0.9), and
 //   each field of the key changes the mask;
 // - bad values of model.dropout are refused naming the key.
@@ -29,6 +32,7 @@
 
 #include "framework/comm/mpi_util.hpp"
 #include "framework/core/philox.hpp"
+#include "framework/core/precision.hpp"
 #include "layers/dropout.hpp"
 #include "run/predictor.hpp"
 #include "run/training_run.hpp"
@@ -46,8 +50,8 @@ bool reference_keep(uint64_t seed, int64_t step, int64_t micro, int64_t row, int
   const Philox4x32Counter counter{{static_cast<uint32_t>(feature), static_cast<uint32_t>(row),
                                    static_cast<uint32_t>(step),
                                    static_cast<uint32_t>(micro + (layer << 16))}};
-  const Philox4x32Key key{{static_cast<uint32_t>(seed & 0xffffffffu),
-                           static_cast<uint32_t>(seed >> 32)}};
+  const Philox4x32Key key{
+      {static_cast<uint32_t>(seed & 0xffffffffu), static_cast<uint32_t>(seed >> 32)}};
   const double bits = philox4x32_10(counter, key).word[0];
   return bits >= std::floor(rate * 4294967296.0);
 }
@@ -136,53 +140,57 @@ void remove_dir(const std::string& dir) {
 
 TEST(Dropout, MaskEqualsTheKeyFormulaOnEveryMesh) {
   for (const MeshCase& c : every_mesh()) {
-    SCOPED_TRACE(name_of(c));
-    const RunConfig config = dropout_config(c);
-    TrainingRun run(config);
-    run.step();
-    run.step();  // the last forward: step 1 (0-based), micro-batch 1
-    const std::vector<Layer*>& sequence = run.model().sequence();
-    const int64_t batch = config.data.batch_size;
-    const float scale = static_cast<float>(1.0 / (1.0 - kRate));
-    int layers = 0;
-    for (size_t k = 1; k < sequence.size(); ++k) {
-      const auto* dropout = dynamic_cast<const DropoutLayer*>(sequence[k]);
-      if (!dropout) continue;
-      ++layers;
-      const int64_t layer = dropout->layer_index();
-      EXPECT_EQ(layer, layers - 1);
-      const int64_t width = config.model.sizes[static_cast<size_t>(layer) + 1];
-      const std::vector<float> in = host_matrix(sequence[k - 1]->output());
-      const std::vector<float> out = host_matrix(dropout->output());
-      ASSERT_EQ(in.size(), out.size());
-      const int64_t local_width = dropout->output_width();
-      const int64_t rows = static_cast<int64_t>(out.size()) / local_width;
-      const int64_t first_row = run.batch_slice().begin();
-      const int64_t first_feature = dropout->output_offset();
-      std::vector<int> covered(static_cast<size_t>(batch * width), 0);
-      int64_t wrong = 0, dropped = 0;
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t f = 0; f < local_width; ++f) {
-          const int64_t row = first_row + r, feature = first_feature + f;
-          const bool keep =
-              reference_keep(config.run.seed, 1, 1, row, feature, layer, config.model.dropout);
-          const float x = in[r * local_width + f];
-          const float want = keep ? x * scale : 0.0f;
-          if (std::memcmp(&want, &out[r * local_width + f], sizeof(float)) != 0) ++wrong;
-          dropped += keep ? 0 : 1;
-          covered[row * width + feature] = 1;
+    for (Dtype dtype : {Dtype::fp32, Dtype::bf16}) {
+      SCOPED_TRACE(name_of(c) + (dtype == Dtype::bf16 ? ", bf16" : ", fp32"));
+      RunConfig config = dropout_config(c);
+      config.mixed_precision.param_dtype = dtype;
+      config.mixed_precision.reduce_dtype = dtype;
+      TrainingRun run(config);
+      run.step();
+      run.step();  // the last forward: step 1 (0-based), micro-batch 1
+      const std::vector<Layer*>& sequence = run.model().sequence();
+      const int64_t batch = config.data.batch_size;
+      const float scale = static_cast<float>(1.0 / (1.0 - kRate));
+      int layers = 0;
+      for (size_t k = 1; k < sequence.size(); ++k) {
+        const auto* dropout = dynamic_cast<const DropoutLayer*>(sequence[k]);
+        if (!dropout) continue;
+        ++layers;
+        const int64_t layer = dropout->layer_index();
+        EXPECT_EQ(layer, layers - 1);
+        const int64_t width = config.model.sizes[static_cast<size_t>(layer) + 1];
+        const std::vector<float> in = host_matrix(sequence[k - 1]->output());
+        const std::vector<float> out = host_matrix(dropout->output());
+        ASSERT_EQ(in.size(), out.size());
+        const int64_t local_width = dropout->output_width();
+        const int64_t rows = static_cast<int64_t>(out.size()) / local_width;
+        const int64_t first_row = run.batch_slice().begin();
+        const int64_t first_feature = dropout->output_offset();
+        std::vector<int> covered(static_cast<size_t>(batch * width), 0);
+        int64_t wrong = 0, dropped = 0;
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t f = 0; f < local_width; ++f) {
+            const int64_t row = first_row + r, feature = first_feature + f;
+            const bool keep =
+                reference_keep(config.run.seed, 1, 1, row, feature, layer, config.model.dropout);
+            const float x = in[r * local_width + f];
+            const float want = keep ? round_to(x * scale, dtype) : 0.0f;
+            if (std::memcmp(&want, &out[r * local_width + f], sizeof(float)) != 0) ++wrong;
+            dropped += keep ? 0 : 1;
+            covered[row * width + feature] = 1;
+          }
         }
+        EXPECT_EQ(wrong, 0) << "layer " << layer << ": elements unlike the key formula";
+        EXPECT_GT(dropped, 0) << "layer " << layer;
+        check_mpi(MPI_Allreduce(MPI_IN_PLACE, covered.data(), static_cast<int>(covered.size()),
+                                MPI_INT, MPI_MAX, MPI_COMM_WORLD),
+                  "MPI_Allreduce");
+        int64_t missing = 0;
+        for (int v : covered) missing += v == 0 ? 1 : 0;
+        EXPECT_EQ(missing, 0) << "layer " << layer << ": global elements no rank holds";
       }
-      EXPECT_EQ(wrong, 0) << "layer " << layer << ": elements unlike the key formula";
-      EXPECT_GT(dropped, 0) << "layer " << layer;
-      check_mpi(MPI_Allreduce(MPI_IN_PLACE, covered.data(), static_cast<int>(covered.size()),
-                              MPI_INT, MPI_MAX, MPI_COMM_WORLD),
-                "MPI_Allreduce");
-      int64_t missing = 0;
-      for (int v : covered) missing += v == 0 ? 1 : 0;
-      EXPECT_EQ(missing, 0) << "layer " << layer << ": global elements no rank holds";
+      EXPECT_EQ(layers, 2);  // one after each hidden activation
     }
-    EXPECT_EQ(layers, 2);  // one after each hidden activation
   }
 }
 
@@ -329,8 +337,8 @@ TEST(Dropout, EvaluationAndPredictorIgnoreDropout) {
 std::vector<float> masked(double rate, const TrainingPass& key, int64_t layer,
                           int64_t first_feature = 3000) {
   constexpr int64_t n = 512;
-  DropoutLayer dropout(rate, layer, "dropout_test/out", n, n, FeatureLayout::split,
-                       first_feature, Dtype::fp32);
+  DropoutLayer dropout(rate, layer, "dropout_test/out", n, n, FeatureLayout::split, first_feature,
+                       Dtype::fp32);
   Matrix x("dropout_test/x", n, n);
   Kokkos::deep_copy(x, 1.0f);
   LayerPass pass;
@@ -362,13 +370,49 @@ TEST(Dropout, KeptFractionAndEveryKeyFieldMatters) {
     for (size_t i = 0; i < base.size(); ++i) same += base[i] == other[i] ? 1 : 0;
     return same / static_cast<double>(base.size());
   };
-  EXPECT_LT(agreement(masked(0.5, {8, 12, 1, 1000}, 2)), 0.52);   // seed
-  EXPECT_LT(agreement(masked(0.5, {7, 13, 1, 1000}, 2)), 0.52);   // step
-  EXPECT_LT(agreement(masked(0.5, {7, 12, 0, 1000}, 2)), 0.52);   // micro-batch
-  EXPECT_LT(agreement(masked(0.5, {7, 12, 1, 1512}, 2)), 0.52);   // rows
-  EXPECT_LT(agreement(masked(0.5, key, 3)), 0.52);                // layer
-  EXPECT_LT(agreement(masked(0.5, key, 2, 3512)), 0.52);          // features
+  EXPECT_LT(agreement(masked(0.5, {8, 12, 1, 1000}, 2)), 0.52);           // seed
+  EXPECT_LT(agreement(masked(0.5, {7, 13, 1, 1000}, 2)), 0.52);           // step
+  EXPECT_LT(agreement(masked(0.5, {7, 12, 0, 1000}, 2)), 0.52);           // micro-batch
+  EXPECT_LT(agreement(masked(0.5, {7, 12, 1, 1512}, 2)), 0.52);           // rows
+  EXPECT_LT(agreement(masked(0.5, key, 3)), 0.52);                        // layer
+  EXPECT_LT(agreement(masked(0.5, key, 2, 3512)), 0.52);                  // features
   EXPECT_LT(agreement(masked(0.5, {7ull << 32, 12, 1, 1000}, 2)), 0.52);  // seed's high word
+}
+
+// Backward multiplies dY by the forward's mask and scale (recomputed), in place; after a
+// forward outside training it passes dY through untouched; the forward outside training
+// returns its input itself.
+TEST(Dropout, BackwardUsesTheForwardMask) {
+  constexpr int64_t n = 64;
+  const double rate = 0.4;
+  const float scale = static_cast<float>(1.0 / (1.0 - rate));
+  DropoutLayer dropout(rate, 1, "dropout_test/out", n, n, FeatureLayout::split, 16, Dtype::fp32);
+  Matrix x("dropout_test/x", n, n), dy("dropout_test/dy", n, n);
+  auto hx = Kokkos::create_mirror_view(x);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < n; ++j) hx(i, j) = 0.5f + 0.01f * static_cast<float>(i * n + j);
+  }
+  Kokkos::deep_copy(x, hx);
+  const TrainingPass key{11, 5, 0, 32};
+  LayerPass training;
+  training.training = &key;
+  const std::vector<float> out = host_matrix(dropout.forward(x, training));
+  Kokkos::deep_copy(dy, 3.0f);
+  const MatrixView dx = dropout.backward(dy, true, LayerPass{});
+  EXPECT_EQ(dx.data(), dy.data());
+  const std::vector<float> grad = host_matrix(dx);
+  int64_t wrong = 0;
+  for (int64_t e = 0; e < n * n; ++e) {
+    const int64_t i = e / n, j = e % n;
+    const bool keep = reference_keep(11, 5, 0, 32 + i, 16 + j, 1, rate);
+    wrong += out[e] == (keep ? hx(i, j) * scale : 0.0f) ? 0 : 1;
+    wrong += grad[e] == (keep ? 3.0f * scale : 0.0f) ? 0 : 1;
+  }
+  EXPECT_EQ(wrong, 0);
+  // Outside training: the identity, no copy, and backward leaves dY as it is.
+  EXPECT_EQ(dropout.forward(x, LayerPass{}).data(), x.data());
+  Kokkos::deep_copy(dy, 3.0f);
+  for (float g : host_matrix(dropout.backward(dy, true, LayerPass{}))) ASSERT_EQ(g, 3.0f);
 }
 
 TEST(Dropout, BadRateNamesTheKey) {
