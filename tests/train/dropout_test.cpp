@@ -6,7 +6,8 @@
 //   of docs/model_math.md (Philox-4x32-10 of {feature, row, step, micro | layer << 16} under
 //   the run seed), bit for bit, and the ranks together cover every global element;
 // - training with dropout on every mesh equals the one-rank run (losses 1e-5 relative, final
-//   parameters 1e-5 + 1e-4 relative, the tolerances of training_run_test), and differs from
+//   parameters 1e-5 + 1e-4 relative, the tolerances of training_run_test), with overlap off
+//   and on, and differs from
 //   training without it;
 // - with an MoE layer, ep and ep x tp meshes equal the one-rank run too;
 // - a run saved at step 3 and resumed gives the uninterrupted run's losses and parameters bit
@@ -217,21 +218,26 @@ TEST(Dropout, EveryMeshTrainsLikeOneRank) {
   EXPECT_GT(largest_change, 1e-3);
   EXPECT_LT(reference_losses.back(), reference_losses.front());  // it learns
   for (const MeshCase& c : every_mesh()) {
-    SCOPED_TRACE(name_of(c));
-    TrainingRun run(dropout_config(c));
-    for (int s = 0; s < 5; ++s) {
-      const double loss = run.step().loss;
-      EXPECT_NEAR(loss, reference_losses[s], 1e-5 * (1 + std::abs(reference_losses[s])))
-          << "step " << s + 1;
-    }
-    const std::vector<ShardedTensor>& params = run.model().parameters();
-    ASSERT_EQ(params.size(), reference_params.size());
-    for (size_t i = 0; i < params.size(); ++i) {
-      const testing::Tensor full = testing::gather_full(params[i], run.mesh(), world_rank());
-      ASSERT_EQ(full.size(), reference_params[i].size());
-      for (size_t j = 0; j < full.size(); ++j) {
-        ASSERT_NEAR(full[j], reference_params[i][j], 1e-5 + 1e-4 * std::abs(reference_params[i][j]))
-            << params[i].name << "[" << j << "]";
+    for (bool overlap : {false, true}) {
+      SCOPED_TRACE(name_of(c) + (overlap ? ", overlap on" : ", overlap off"));
+      RunConfig config = dropout_config(c);
+      config.runtime.overlap = overlap;  // FSDP prefetch and DP buckets around the dropout layers
+      TrainingRun run(config);
+      for (int s = 0; s < 5; ++s) {
+        const double loss = run.step().loss;
+        EXPECT_NEAR(loss, reference_losses[s], 1e-5 * (1 + std::abs(reference_losses[s])))
+            << "step " << s + 1;
+      }
+      const std::vector<ShardedTensor>& params = run.model().parameters();
+      ASSERT_EQ(params.size(), reference_params.size());
+      for (size_t i = 0; i < params.size(); ++i) {
+        const testing::Tensor full = testing::gather_full(params[i], run.mesh(), world_rank());
+        ASSERT_EQ(full.size(), reference_params[i].size());
+        for (size_t j = 0; j < full.size(); ++j) {
+          ASSERT_NEAR(full[j], reference_params[i][j],
+                      1e-5 + 1e-4 * std::abs(reference_params[i][j]))
+              << params[i].name << "[" << j << "]";
+        }
       }
     }
   }
