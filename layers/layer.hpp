@@ -81,6 +81,17 @@ struct LayerScratch {
 class Layer;
 class ShardedParameter;
 
+// Where a training forward pass is in the run: what a layer with randomness of its own
+// (dropout, layers/dropout.hpp) keys it on, so that it is the same on every mesh and after a
+// resume. The driver (run/training_run.cpp) fills it for each micro-batch; evaluation and
+// prediction pass none.
+struct TrainingPass {
+  uint64_t seed = 0;        // run.seed
+  int64_t step = 0;         // optimizer steps done before this one (the run's counter)
+  int64_t micro_batch = 0;  // index of the micro-batch in the step (gradient accumulation)
+  int64_t first_row = 0;    // global row, in the micro-batch, of this rank's first row
+};
+
 // What the model hands a layer for one forward or backward.
 struct LayerPass {
   LayerScratch* scratch = nullptr;
@@ -93,6 +104,8 @@ struct LayerPass {
   GradientBuckets* buckets = nullptr;  // with DeferredReduction::in_buckets
   size_t index = 0;                    // this layer's place in the model (its bucket entry)
   float loss_scale = 1.0f;             // dY arrives times it; gradients a layer adds must be too
+  // Forward only: set in a training pass, nullptr in evaluation and prediction.
+  const TrainingPass* training = nullptr;
 };
 
 class Layer {

@@ -11,7 +11,8 @@ SpecLookup specs_from_plan(const ShardingPlan& plan) {
 }
 
 Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLookup& spec_of,
-         ParallelContext& context, int64_t local_rows, const MoeSettings& moe)
+         ParallelContext& context, int64_t local_rows, const MoeSettings& moe,
+         double dropout)
     : sizes_(sizes),
       activation_(activation),
       rows_(local_rows),
@@ -28,6 +29,8 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
     grads_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
   }
   const size_t n = sizes.size() - 1;
+  if (!(dropout >= 0.0 && dropout < 1.0))
+    MESHTRAIN_BAD_INPUT("model.dropout = ", dropout, " must be in [0, 1)");
   for (int64_t layer : moe.layers) {
     if (layer < 0 || layer + 1 >= static_cast<int64_t>(n)) {
       MESHTRAIN_BAD_INPUT("MoE layer ", layer, " is not a hidden layer of a model of ", n,
@@ -39,6 +42,7 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
   linear_.reserve(n);
   moe_.reserve(n);
   activations_.reserve(n);
+  if (dropout > 0.0) dropouts_.reserve(n);
   auto ref = [this](size_t p) { return ParameterRef{&params_[p], &grads_[p]}; };
   LayerScratchNeeds needs;
   FeatureLayout layout = FeatureLayout::replicated;  // x arrives with all features
@@ -62,6 +66,13 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
                                 layer->output_width(), layout, layer->output_offset(),
                                 compute_dtype_);
       sequence_.push_back(&activations_.back());
+      if (dropout > 0.0) {
+        dropouts_.emplace_back(dropout, static_cast<int64_t>(i),
+                               "layers/" + std::to_string(i) + "/dropout", rows_,
+                               layer->output_width(), layout, layer->output_offset(),
+                               compute_dtype_);
+        sequence_.push_back(&dropouts_.back());
+      }
     }
   }
 
@@ -113,7 +124,7 @@ void Mlp::initialize(InitScheme scheme, uint64_t seed) {
   for (auto& p : params_) meshtrain::initialize(p, scheme, seed);
 }
 
-MatrixView Mlp::forward(MatrixView x) {
+MatrixView Mlp::forward(MatrixView x, const TrainingPass* training) {
   MatrixView input = x;
   if (compute_dtype_ != Dtype::fp32) {  // the model input cast to the compute dtype
     MESHTRAIN_REQUIRE(x.extent(0) == input_.extent(0) && x.extent(1) == input_.extent(1),
@@ -123,7 +134,11 @@ MatrixView Mlp::forward(MatrixView x) {
     input = input_;
   }
   for (size_t k = 0; k < sequence_.size(); ++k) {
-    input = sequence_[k]->forward(input, {&scratch_, forward_prefetch_[k]});
+    LayerPass pass;
+    pass.scratch = &scratch_;
+    pass.prefetch = forward_prefetch_[k];
+    pass.training = training;
+    input = sequence_[k]->forward(input, pass);
   }
   return input;
 }

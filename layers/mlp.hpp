@@ -10,6 +10,11 @@
 // their load-balancing loss (aux_loss()) is part of the training loss, and backward()
 // adds its gradient.
 //
+// Dropout (`dropout` P > 0, layers/dropout.hpp): a DropoutLayer after each activation
+// (after every hidden layer's activation, never after the output layer), keyed by that hidden
+// layer's index i; it acts only in a forward given a TrainingPass (training steps) and is the
+// identity otherwise. P = 0: no dropout layer at all.
+//
 // Mixed precision (context.precision(), docs/mixed_precision.md): the input, every
 // activation and every activation gradient are rounded to the compute dtype; the output
 // gradient is multiplied by the loss scale and rounded to it before backward starts.
@@ -52,6 +57,7 @@
 #include "framework/train/init.hpp"
 #include "layers/activation.hpp"
 #include "layers/context.hpp"
+#include "layers/dropout.hpp"
 #include "layers/gradient_reduction.hpp"
 #include "layers/linear.hpp"
 #include "layers/moe.hpp"
@@ -68,7 +74,8 @@ class Mlp {
   // Throws bad_input for fewer than two sizes, a size below 1, or specs whose splits do
   // not divide. Collective: every rank must construct the same model.
   Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLookup& spec_of,
-      ParallelContext& context, int64_t local_rows, const MoeSettings& moe = {});
+      ParallelContext& context, int64_t local_rows, const MoeSettings& moe = {},
+      double dropout = 0.0);
   Mlp(const Mlp&) = delete;
   Mlp& operator=(const Mlp&) = delete;
 
@@ -78,8 +85,9 @@ class Mlp {
 
   // x: this rank's rows with all input features [local_rows, sizes[0]]; it must stay
   // valid until backward(). Returns the output [local_rows, output_width()] (owned by the
-  // model, valid until the next forward).
-  MatrixView forward(MatrixView x);
+  // model, valid until the next forward). `training`: the pass's place in the run (a
+  // training step; dropout acts), or nullptr (evaluation, prediction: dropout is off).
+  MatrixView forward(MatrixView x, const TrainingPass* training = nullptr);
   // dLoss/dOutput [local_rows, output_width()]: overwrites every gradient. With reduce =
   // false the layers that defer their reduction (gradient_reductions(), DP storage) leave
   // this rank's partial gradients, for reduce_gradients() after accumulating
@@ -131,6 +139,7 @@ class Mlp {
   std::vector<Linear> linear_;
   std::vector<MoeLayer> moe_;
   std::vector<ActivationLayer> activations_;
+  std::vector<DropoutLayer> dropouts_;  // empty without dropout
   // ...and the model as the passes see it.
   std::vector<Layer*> sequence_;
   // Per layer: the layer whose weight gather starts while it computes, in forward and in

@@ -107,6 +107,7 @@ MatrixView ResidualBlock::forward(MatrixView x, const LayerPass& pass) {
     LayerPass inner;
     inner.scratch = pass.scratch;
     inner.prefetch = k == last_with_parameters_ ? pass.prefetch : nullptr;
+    inner.training = pass.training;  // a dropout inside the block keys on the same pass
     h = layers_[k]->forward(h, inner);
   }
   add_rounded(x, h, out_, dtype_, name_.c_str());

@@ -185,7 +185,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   context_->set_precision(precision);
   const MoeSettings moe = config_.model.moe();
   model_ = std::make_unique<Mlp>(sizes, config_.model.activation, specs_from_plan(*plan_),
-                                 *context_, slice_.rows, moe);
+                                 *context_, slice_.rows, moe, config_.model.dropout);
   model_->initialize(config_.model.init, config_.run.seed);
   loss_ = std::make_unique<Loss>(*config_.model.loss, *context_, slice_.rows, sizes.back(),
                                  model_->output_layout());
@@ -595,7 +595,10 @@ StepResult TrainingRun::step_on_loaded_batch() {
 double TrainingRun::accumulate_loaded_batch() {
   MESHTRAIN_REQUIRE(micro_done_ < accumulation_, "accumulate_loaded_batch: the step already has ",
                     accumulation_, " micro-batches; call apply_update()");
-  MatrixView output = model_->forward(x_);
+  // Dropout's key: the run's seed and step counter (restored by a resume), the micro-batch,
+  // and where this rank's rows sit in it (the same mask on every mesh).
+  const TrainingPass training{config_.run.seed, steps_done_, micro_done_, slice_.begin()};
+  MatrixView output = model_->forward(x_, &training);
   // fp16: inputs beyond its range overflow at every loss scale. This rank's loss is poisoned
   // so that every rank sees a non-finite loss and stops below, in check_fp16_overflow.
   inputs_beyond_fp16_ = scaler_ ? scaler_->count_beyond_fp16(x_) : 0.0;

@@ -53,6 +53,9 @@ struct ModelSection {
   int64_t experts = 8;
   int64_t top_k = 2;
   double aux_loss_coef = 0.01;
+  // Inverted dropout on the hidden activations in training steps (layers/dropout.hpp), in
+  // [0, 1); 0: none.
+  double dropout = 0.0;
   MoeSettings moe() const { return {moe_layers, experts, top_k, aux_loss_coef}; }
 };
 
@@ -196,8 +199,8 @@ void check_config(RunConfig& config);
 // 64-bit integers. Part of check_config and of load_config / parse_config.
 void check_config_products(const RunConfig& config);
 
-// What is wrong with the MoE keys of [model] (moe_layers, experts, top_k, aux_loss_coef),
-// against model.sizes: the key, the moe_layers entry it is about (when it is one) and the
+// What is wrong with the MoE keys of [model] (moe_layers, experts, top_k, aux_loss_coef, the
+// first four against model.sizes) and with model.dropout: the key, the moe_layers entry it is about (when it is one) and the
 // words that follow the key ("entry 2 is not a hidden layer: ..."). The one check of these
 // keys: the TOML reader reports it at the key's line, check_config after "model.".
 struct ModelKeyProblem {

@@ -56,6 +56,10 @@ std::optional<ModelKeyProblem> moe_settings_problem(const ModelSection& model) {
   if (!(model.aux_loss_coef >= 0) || !std::isfinite(model.aux_loss_coef)) {
     return problem("aux_loss_coef", {}, "must be non-negative, got ", model.aux_loss_coef);
   }
+  if (!(model.dropout >= 0 && model.dropout < 1)) {
+    return problem("dropout", {}, "must be in [0, 1) (the probability of dropping a hidden ",
+                   "activation; 0 = no dropout), got ", model.dropout);
+  }
   return std::nullopt;
 }
 

@@ -35,7 +35,7 @@ const ConfigSchema& config_schema() {
       {"mesh", {"dp", "fsdp", "ep", "tp", "sp"}},
       {"model",
        {"kind", "sizes", "activation", "init", "loss", "moe_layers", "experts", "top_k",
-        "aux_loss_coef"}},
+        "aux_loss_coef", "dropout"}},
       {"partition", {"preset", "min_sharding_size", "rules", "logical_axes", "collective_matmul"}},
       {"data",
        {"source", "path", "test_path", "batch_size", "eval_batch_size", "shuffle", "block_rows",
@@ -309,6 +309,7 @@ void read_model(const Section& s, DataSource data_source, ModelSection& model) {
   model.experts = s.integer("experts").value_or(model.experts);
   model.top_k = s.integer("top_k").value_or(model.top_k);
   model.aux_loss_coef = s.number("aux_loss_coef").value_or(model.aux_loss_coef);
+  model.dropout = s.number("dropout").value_or(model.dropout);
   if (const std::optional<ModelKeyProblem> problem = moe_settings_problem(model)) {
     if (problem->entry && layers) {
       s.fail_at((*layers->as_array())[*problem->entry].source(), problem->key, problem->message);

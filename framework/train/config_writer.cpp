@@ -24,6 +24,7 @@ std::string config_to_toml(const RunConfig& config) {
                     {"activation", to_string(config.model.activation)},
                     {"init", to_string(config.model.init)},
                     {"loss", config.model.loss ? to_string(*config.model.loss) : "auto"}};
+  if (config.model.dropout > 0) model.insert("dropout", config.model.dropout);
   if (!config.model.moe_layers.empty()) {
     toml::array moe_layers;
     for (int64_t layer : config.model.moe_layers) moe_layers.push_back(layer);

@@ -144,6 +144,8 @@ TEST(CheckConfig, NamesTheKeyOfABadValue) {
       {[](RunConfig& c) { c.model.experts = 0; }, {"model.experts must be at least 1"}},
       {[](RunConfig& c) { c.model.aux_loss_coef = -1; },
        {"model.aux_loss_coef must be non-negative"}},
+      {[](RunConfig& c) { c.model.dropout = 1.0; }, {"model.dropout must be in [0, 1)", "got 1"}},
+      {[](RunConfig& c) { c.model.dropout = -0.5; }, {"model.dropout must be in [0, 1)"}},
   };
   for (const Case& c : cases) {
     RunConfig config = valid_config();

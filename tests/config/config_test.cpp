@@ -58,6 +58,7 @@ sizes = [10, 20, 5]
 activation = "gelu"
 init = "xavier_uniform"
 loss = "mse"
+dropout = 0.25
 [partition]
 preset = "fsdp_tp"
 min_sharding_size = 7
@@ -119,6 +120,7 @@ TEST(Config, ReadsEveryKey) {
   EXPECT_EQ(c.model.activation, Activation::gelu);
   EXPECT_EQ(c.model.init, InitScheme::xavier_uniform);
   EXPECT_EQ(c.model.loss, LossKind::mse);
+  EXPECT_EQ(c.model.dropout, 0.25);
   EXPECT_EQ(c.partition.preset, "fsdp_tp");
   EXPECT_EQ(c.partition.min_sharding_size, 7);
   ASSERT_EQ(c.partition.rules.size(), 4u);
@@ -192,6 +194,7 @@ TEST(Config, ConfigToTomlReadsBackTheSameValues) {
   EXPECT_EQ(b.model.activation, a.model.activation);
   EXPECT_EQ(b.model.init, a.model.init);
   EXPECT_EQ(b.model.loss, a.model.loss);
+  EXPECT_EQ(b.model.dropout, a.model.dropout);
   EXPECT_EQ(b.partition.preset, a.partition.preset);
   EXPECT_EQ(b.partition.min_sharding_size, a.partition.min_sharding_size);
   ASSERT_EQ(b.partition.rules.size(), a.partition.rules.size());
@@ -673,6 +676,18 @@ TEST(Config, ProductsThatOverflowNameTheirKeys) {
   expect_bad_input([&] { training_steps(steps, 468); },
                    {"train.steps = " + big, "train.accumulation_steps = 2", "overflows"});
   EXPECT_EQ(training_steps(parse(minimal(), {"train.epochs=3"}), 468), 3 * 468);
+}
+
+// model.dropout: 0 (the default) to below 1; another value is refused at its line.
+TEST(Config, DropoutOutsideItsRangeIsRefusedAtTheKey) {
+  EXPECT_EQ(parse(minimal()).model.dropout, 0.0);
+  EXPECT_EQ(parse(minimal(), {"model.dropout=0.5"}).model.dropout, 0.5);
+  for (const char* value : {"1.0", "-0.1", "2"}) {
+    expect_config_error("[model]\nsizes = [4, 3]\ndropout = " + std::string(value) +
+                            "\n[train]\nsteps = 5\n",
+                        {"t.toml", "dropout", "must be in [0, 1)"});
+  }
+  expect_config_error(minimal(), {"model.dropout", "must be in [0, 1)"}, {"model.dropout=1"});
 }
 
 }  // namespace

@@ -226,8 +226,10 @@ Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgo
                                  int64_t accumulation_steps = 1, int64_t zero_stage = 0,
                                  bool overlap = false, double bucket_mb = 25.0,
                                  const DataCase& data = {}, MixedPrecision precision = {},
-                                 const std::vector<int64_t>& moe_layers = {}) {
+                                 const std::vector<int64_t>& moe_layers = {},
+                                 double dropout = 0.0) {
   RunConfig config;
+  config.model.dropout = dropout;
   config.model.moe_layers = moe_layers;  // 4 experts, top-2
   config.model.experts = 4;
   config.mixed_precision.param_dtype = precision.param;
@@ -305,6 +307,23 @@ TEST(TrainingStep, WithAccumulationAllocatesNothing) {
                                    OptimizerKind::adamw, 2),
               Allocations{})
         << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+  }
+}
+
+// Dropout (P = 0.25): the mask is recomputed in backward, nothing stored or allocated per
+// step; with one micro-batch and with two.
+TEST(TrainingStep, WithDropoutAllocatesNothing) {
+  for (const MeshCase& c : mesh_cases()) {
+    for (int64_t micro_batches : {1, 2}) {
+      if (micro_batches == 2 && c.axes.front().first != "tp" && 8 % c.axes.front().second != 0)
+        continue;
+      SCOPED_TRACE(c.preset + ", dropout, " + std::to_string(micro_batches) + " micro-batches");
+      EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::naive, LossKind::cross_entropy,
+                                     OptimizerKind::adamw, micro_batches, 0, false, 25.0, {}, {},
+                                     {}, 0.25),
+                Allocations{})
+          << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+    }
   }
 }
 
