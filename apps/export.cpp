@@ -2,6 +2,7 @@
 
 #include "apps/export.hpp"
 
+#include <cstdlib>
 #include <iomanip>
 #include <ostream>
 
@@ -10,7 +11,28 @@
 
 namespace meshtrain {
 
+namespace {
+
+// The world size an MPI launcher gave this process (Open MPI, MPICH/Hydra and PMIx name it in
+// the environment), or 1. Export does not initialize MPI, so under `mpirun -np N` N processes
+// would each write the same output.
+long launched_world_size() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"}) {
+    if (const char* value = std::getenv(name)) {
+      const long size = std::strtol(value, nullptr, 10);
+      if (size > 1) return size;
+    }
+  }
+  return 1;
+}
+
+}  // namespace
+
 int export_command(const ExportArgs& args, std::ostream& out) {
+  if (const long world = launched_world_size(); world > 1) {
+    MESHTRAIN_BAD_INPUT("meshtrain export runs as one process, without mpirun (it was launched as ",
+                        world, " ranks, each of which would write ", args.output, ")");
+  }
   if (args.format != "onnx") {
     MESHTRAIN_BAD_INPUT("unknown export format '", args.format,
                         "' (--format): the formats are onnx");
