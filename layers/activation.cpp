@@ -34,10 +34,79 @@ KOKKOS_INLINE_FUNCTION float normal_cdf(float x) {
   return 0.5f * kmath::erfc(-x * kInvSqrt2);
 }
 
-using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
+// The elementwise kernels run one flat loop over all elements where the views are contiguous
+// (the usual case: a simple loop the compiler vectorizes, where the Serial backend's 2-D
+// MDRange calls the functor element by element through its tiles), else one loop over rows.
+// Each element is computed by the same expression either way: the results are identical.
 
-Range2 range_of(const MatrixView& m) {
-  return Range2({0, 0}, {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))});
+// out = f(z) elementwise; out may be z itself.
+template <class F>
+void map_flat(const std::string& label, const MatrixView& z, const MatrixView& out, F f) {
+  const auto rows = static_cast<int64_t>(z.extent(0));
+  const auto cols = static_cast<int64_t>(z.extent(1));
+  if (z.span_is_contiguous() && out.span_is_contiguous()) {
+    const VectorView flat_z(z.data(), rows * cols), flat_out(out.data(), rows * cols);
+    Kokkos::parallel_for(
+        label, Kokkos::RangePolicy<>(0, rows * cols),
+        KOKKOS_LAMBDA(const int64_t k) { flat_out(k) = f(flat_z(k)); });
+    return;
+  }
+  Kokkos::parallel_for(
+      label, Kokkos::RangePolicy<>(0, rows), KOKKOS_LAMBDA(const int64_t i) {
+        for (int64_t j = 0; j < cols; ++j) out(i, j) = f(z(i, j));
+      });
+}
+
+// grad = f(z, grad) elementwise.
+template <class F>
+void update_flat(const std::string& label, const MatrixView& z, const MatrixView& grad, F f) {
+  const auto rows = static_cast<int64_t>(z.extent(0));
+  const auto cols = static_cast<int64_t>(z.extent(1));
+  if (z.span_is_contiguous() && grad.span_is_contiguous()) {
+    const VectorView flat_z(z.data(), rows * cols), flat_grad(grad.data(), rows * cols);
+    Kokkos::parallel_for(
+        label, Kokkos::RangePolicy<>(0, rows * cols),
+        KOKKOS_LAMBDA(const int64_t k) { flat_grad(k) = f(flat_z(k), flat_grad(k)); });
+    return;
+  }
+  Kokkos::parallel_for(
+      label, Kokkos::RangePolicy<>(0, rows), KOKKOS_LAMBDA(const int64_t i) {
+        for (int64_t j = 0; j < cols; ++j) grad(i, j) = f(z(i, j), grad(i, j));
+      });
+}
+
+// f's value rounded to a 16-bit compute dtype.
+template <class F>
+struct Rounded {
+  F f;
+  Dtype dtype;
+  template <class... Args>
+  KOKKOS_INLINE_FUNCTION float operator()(Args... args) const {
+    return round_to(f(args...), dtype);
+  }
+};
+
+// out = round_to(f(z), dtype) and grad = round_to(f(z, grad), dtype) elementwise. fp32 runs f
+// alone (round_to is the identity there): no test of the dtype per element, so the loop has
+// no branch and vectorizes.
+template <class F>
+void map_elements(const std::string& label, const MatrixView& z, const MatrixView& out, Dtype dtype,
+                  F f) {
+  if (dtype == Dtype::fp32) {
+    map_flat(label, z, out, f);
+  } else {
+    map_flat(label, z, out, Rounded<F>{f, dtype});
+  }
+}
+
+template <class F>
+void update_elements(const std::string& label, const MatrixView& z, const MatrixView& grad,
+                     Dtype dtype, F f) {
+  if (dtype == Dtype::fp32) {
+    update_flat(label, z, grad, f);
+  } else {
+    update_flat(label, z, grad, Rounded<F>{f, dtype});
+  }
 }
 
 }  // namespace
@@ -47,50 +116,36 @@ void activation_forward(Activation activation, MatrixView z, MatrixView out, Dty
                     "activation_forward: shapes differ");
   switch (activation) {
     case Activation::relu:
-      Kokkos::parallel_for(
-          MESHTRAIN_LABEL("meshtrain::relu_forward"), range_of(z),
-          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-            out(i, j) = round_to(z(i, j) > 0.0f ? z(i, j) : 0.0f, dtype);
-          });
+      map_elements(
+          MESHTRAIN_LABEL("meshtrain::relu_forward"), z, out, dtype,
+          KOKKOS_LAMBDA(const float x) { return x > 0.0f ? x : 0.0f; });
       return;
     case Activation::tanh:
-      Kokkos::parallel_for(
-          MESHTRAIN_LABEL("meshtrain::tanh_forward"), range_of(z),
-          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-            out(i, j) = round_to(kmath::tanh(z(i, j)), dtype);
-          });
+      map_elements(
+          MESHTRAIN_LABEL("meshtrain::tanh_forward"), z, out, dtype,
+          KOKKOS_LAMBDA(const float x) { return kmath::tanh(x); });
       return;
     case Activation::gelu:
-      Kokkos::parallel_for(
-          MESHTRAIN_LABEL("meshtrain::gelu_forward"), range_of(z),
-          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-            const float x = z(i, j);
+      map_elements(
+          MESHTRAIN_LABEL("meshtrain::gelu_forward"), z, out, dtype, KOKKOS_LAMBDA(const float x) {
             const float inner = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
-            out(i, j) = round_to(0.5f * x * (1.0f + kmath::tanh(inner)), dtype);
+            return 0.5f * x * (1.0f + kmath::tanh(inner));
           });
       return;
     case Activation::gelu_erf:
-      Kokkos::parallel_for(
-          MESHTRAIN_LABEL("meshtrain::gelu_erf_forward"), range_of(z),
-          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-            const float x = z(i, j);
-            out(i, j) = round_to(x * normal_cdf(x), dtype);
-          });
+      map_elements(
+          MESHTRAIN_LABEL("meshtrain::gelu_erf_forward"), z, out, dtype,
+          KOKKOS_LAMBDA(const float x) { return x * normal_cdf(x); });
       return;
     case Activation::silu:
-      Kokkos::parallel_for(
-          MESHTRAIN_LABEL("meshtrain::silu_forward"), range_of(z),
-          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-            const float x = z(i, j);
-            out(i, j) = round_to(x * sigmoids(x).of_x, dtype);
-          });
+      map_elements(
+          MESHTRAIN_LABEL("meshtrain::silu_forward"), z, out, dtype,
+          KOKKOS_LAMBDA(const float x) { return x * sigmoids(x).of_x; });
       return;
     case Activation::sigmoid:
-      Kokkos::parallel_for(
-          MESHTRAIN_LABEL("meshtrain::sigmoid_forward"), range_of(z),
-          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-            out(i, j) = round_to(sigmoids(z(i, j)).of_x, dtype);
-          });
+      map_elements(
+          MESHTRAIN_LABEL("meshtrain::sigmoid_forward"), z, out, dtype,
+          KOKKOS_LAMBDA(const float x) { return sigmoids(x).of_x; });
       return;
     case Activation::none:
       if (out.data() == z.data()) {
@@ -107,56 +162,52 @@ void activation_backward(Activation activation, MatrixView z, MatrixView grad, D
                     "activation_backward: shapes differ");
   switch (activation) {
     case Activation::relu:
-      Kokkos::parallel_for(
-          MESHTRAIN_LABEL("meshtrain::relu_backward"), range_of(z),
-          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-            grad(i, j) = z(i, j) > 0.0f ? round_to(grad(i, j), dtype) : 0.0f;
+      update_elements(
+          MESHTRAIN_LABEL("meshtrain::relu_backward"), z, grad, dtype,
+          KOKKOS_LAMBDA(const float x, const float g) {
+            return x > 0.0f ? g : 0.0f;  // rounded: round_to(0) is 0
           });
       return;
     case Activation::tanh:
-      Kokkos::parallel_for(
-          MESHTRAIN_LABEL("meshtrain::tanh_backward"), range_of(z),
-          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-            const float t = kmath::tanh(z(i, j));
-            grad(i, j) = round_to(grad(i, j) * (1.0f - t * t), dtype);
+      update_elements(
+          MESHTRAIN_LABEL("meshtrain::tanh_backward"), z, grad, dtype,
+          KOKKOS_LAMBDA(const float x, const float g) {
+            const float t = kmath::tanh(x);
+            return g * (1.0f - t * t);
           });
       return;
     case Activation::gelu:
-      Kokkos::parallel_for(
-          MESHTRAIN_LABEL("meshtrain::gelu_backward"), range_of(z),
-          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-            const float x = z(i, j);
+      update_elements(
+          MESHTRAIN_LABEL("meshtrain::gelu_backward"), z, grad, dtype,
+          KOKKOS_LAMBDA(const float x, const float g) {
             const float inner = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
             const float t = kmath::tanh(inner);
             const float d_inner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
-            grad(i, j) = round_to(
-                grad(i, j) * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * d_inner), dtype);
+            return g * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * d_inner);
           });
       return;
     case Activation::gelu_erf:  // Phi(x) + x phi(x); exp(-x^2 / 2) underflows to 0, never overflows
-      Kokkos::parallel_for(
-          MESHTRAIN_LABEL("meshtrain::gelu_erf_backward"), range_of(z),
-          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-            const float x = z(i, j);
+      update_elements(
+          MESHTRAIN_LABEL("meshtrain::gelu_erf_backward"), z, grad, dtype,
+          KOKKOS_LAMBDA(const float x, const float g) {
             const float density = kInvSqrt2Pi * kmath::exp(-0.5f * x * x);
-            grad(i, j) = round_to(grad(i, j) * (normal_cdf(x) + x * density), dtype);
+            return g * (normal_cdf(x) + x * density);
           });
       return;
     case Activation::silu:  // s + x s (1 - s) = s (1 + x (1 - s)), s = sigmoid(x)
-      Kokkos::parallel_for(
-          MESHTRAIN_LABEL("meshtrain::silu_backward"), range_of(z),
-          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-            const float x = z(i, j);
+      update_elements(
+          MESHTRAIN_LABEL("meshtrain::silu_backward"), z, grad, dtype,
+          KOKKOS_LAMBDA(const float x, const float g) {
             const Sigmoids s = sigmoids(x);
-            grad(i, j) = round_to(grad(i, j) * (s.of_x * (1.0f + x * s.of_minus)), dtype);
+            return g * (s.of_x * (1.0f + x * s.of_minus));
           });
       return;
     case Activation::sigmoid:  // s (1 - s)
-      Kokkos::parallel_for(
-          MESHTRAIN_LABEL("meshtrain::sigmoid_backward"), range_of(z),
-          KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-            const Sigmoids s = sigmoids(z(i, j));
-            grad(i, j) = round_to(grad(i, j) * (s.of_x * s.of_minus), dtype);
+      update_elements(
+          MESHTRAIN_LABEL("meshtrain::sigmoid_backward"), z, grad, dtype,
+          KOKKOS_LAMBDA(const float x, const float g) {
+            const Sigmoids s = sigmoids(x);
+            return g * (s.of_x * s.of_minus);
           });
       return;
     case Activation::none:
