@@ -69,8 +69,8 @@ Checkpoint read_checkpoint(const std::string& argument, int rank) {
 // Returns the data's rows.
 int64_t check_data(const RunConfig& config, const std::string& checkpoint) {
   const std::vector<std::string> files = expand_data_paths(config.data.path, "--data");
-  const int64_t inputs = config.model.sizes.front();
-  const int64_t outputs = config.model.sizes.back();
+  const int64_t inputs = config.model.input_width();
+  const int64_t outputs = config.model.output_width();
   Hdf5SourceOptions options;
   options.x_name = config.data.x_key;
   options.y_name = config.data.y_key;

@@ -128,8 +128,10 @@ void plan_layers(ShardingPlan& plan, const std::vector<LinearLayerParameters>& l
     MESHTRAIN_BAD_INPUT("layer '", layer, "' uses parameter '", name,
                         "', which the model does not have");
   };
-  FeatureLayout input = FeatureLayout::replicated;
+  FeatureLayout input = FeatureLayout::replicated, previous_input = input;
   for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i].same_input_as_previous) input = previous_input;
+    previous_input = input;
     if (layers[i].moe()) {
       LayerPlan l = plan_moe_layer(plan, layers[i], parameter, mesh, axes, input, i > 0, options);
       plan.totals.collective_bytes_per_step =
@@ -282,6 +284,57 @@ std::vector<ParameterShape> mlp_parameter_shapes(const std::vector<int64_t>& siz
     shapes.push_back({layer + "/bias", {sizes[i + 1]}});
   }
   return shapes;
+}
+
+std::vector<ParameterShape> residual_mlp_parameter_shapes(const ResidualMlpShape& m) {
+  const std::pair<const char*, int64_t> sizes[] = {{"inputs", m.inputs}, {"outputs", m.outputs},
+                                                   {"width", m.width},   {"hidden", m.hidden},
+                                                   {"depth", m.depth}};
+  for (const auto& [key, value] : sizes) {
+    if (value < 1) MESHTRAIN_BAD_INPUT("model.", key, " must be at least 1, got ", value);
+  }
+  std::vector<ParameterShape> shapes;
+  auto linear = [&shapes](const std::string& layer, int64_t in, int64_t out) {
+    shapes.push_back({layer + "/weight", {in, out}});
+    shapes.push_back({layer + "/bias", {out}});
+  };
+  auto norm = [&shapes, &m](const std::string& layer) {
+    if (!m.norm) return;
+    shapes.push_back({layer + "/scale", {m.width}});
+    if (m.norm_kind == NormKind::layernorm) shapes.push_back({layer + "/bias", {m.width}});
+  };
+  linear("input", m.inputs, m.width);
+  for (int64_t i = 0; i < m.depth; ++i) {
+    const std::string block = "blocks/" + std::to_string(i);
+    norm(block + "/norm");
+    if (m.gated) linear(block + "/gate", m.width, m.hidden);
+    linear(block + "/up", m.width, m.hidden);
+    linear(block + "/down", m.hidden, m.width);
+  }
+  norm("output_norm");
+  linear("output", m.width, m.outputs);
+  return shapes;
+}
+
+std::vector<LinearLayerParameters> residual_mlp_linear_layers(const ResidualMlpShape& m) {
+  std::vector<LinearLayerParameters> layers;
+  auto linear = [&layers](const std::string& layer) {
+    layers.push_back({layer + "/weight", layer + "/bias"});
+  };
+  linear("input");
+  for (int64_t i = 0; i < m.depth; ++i) {
+    const std::string block = "blocks/" + std::to_string(i);
+    if (m.gated) {
+      linear(block + "/gate");
+      linear(block + "/up");
+      layers.back().same_input_as_previous = true;
+    } else {
+      linear(block + "/up");
+    }
+    linear(block + "/down");
+  }
+  linear("output");
+  return layers;
 }
 
 const ParameterPlan& ShardingPlan::find(const std::string& name) const {

@@ -535,9 +535,8 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   const Mesh mesh = config.mesh.resolve(world_size);
   const std::vector<PartitionRule> rules = partition_rules(config);
   const PlanOptions options = plan_options(config);
-  const MoeSettings moe = config.model.moe();
-  const std::vector<ParameterShape> shapes = mlp_parameter_shapes(config.model.sizes, moe);
-  const std::vector<LinearLayerParameters> layers = mlp_linear_layers(config.model.sizes, moe);
+  const std::vector<ParameterShape> shapes = model_parameter_shapes(config.model);
+  const std::vector<LinearLayerParameters> layers = model_linear_layers(config.model);
   const ShardingPlan plan = make_plan(shapes, mesh, rules, options, layers);
   // A checkpoint that stages (asynchronous, or from device memory) copies the blocks a rank
   // writes: at most its parameters and optimizer state (exactly those on rank 0, which
@@ -551,7 +550,7 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   const int64_t shards =
       plan.local_batch_rows > 0 ? config.data.batch_size / plan.local_batch_rows : 0;
   const int64_t eval_rows = shards > 0 && eval_batch % shards == 0 ? eval_batch / shards : 0;
-  const DataUse use{config.model.sizes.front(), config.model.sizes.back(),
+  const DataUse use{config.model.input_width(), config.model.output_width(),
                     config.model.loss == LossKind::cross_entropy, config.train.accumulation_steps};
   const DataFootprint data =
       data_footprint(config.data, use, std::max<int64_t>(plan.local_batch_rows, 0), eval_rows);
