@@ -287,8 +287,10 @@ std::vector<ParameterShape> mlp_parameter_shapes(const std::vector<int64_t>& siz
 }
 
 std::vector<ParameterShape> residual_mlp_parameter_shapes(const ResidualMlpShape& m) {
-  const std::pair<const char*, int64_t> sizes[] = {{"inputs", m.inputs}, {"outputs", m.outputs},
-                                                   {"width", m.width},   {"hidden", m.hidden},
+  const std::pair<const char*, int64_t> sizes[] = {{"inputs", m.inputs},
+                                                   {"outputs", m.outputs},
+                                                   {"width", m.width},
+                                                   {"hidden", m.hidden},
                                                    {"depth", m.depth}};
   for (const auto& [key, value] : sizes) {
     if (value < 1) MESHTRAIN_BAD_INPUT("model.", key, " must be at least 1, got ", value);

@@ -257,8 +257,8 @@ Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,
   contents.mesh = *mesh_;
   contents.params = model_->parameters();  // views: the load fills the model's tensors
   load_checkpoint(path_, contents, comm_);
-  whole_rows_ = std::make_unique<WholeOutputRows>(*context_, slice_.rows, outputs(),
-                                                  model_->output_layout());
+  whole_rows_ =
+      std::make_unique<WholeOutputRows>(*context_, slice_.rows, outputs(), model_->output_layout());
 
   // --- Buffers, allocated once. -------------------------------------------------------------
   x_ = Matrix("meshtrain::predict_x", slice_.rows, inputs());

@@ -132,10 +132,10 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
       test_source_ = make_memory_source(std::move(data->test));
     } else {
       const uint64_t seed = config_.run.seed;
-      train_source_ = open_data_source(config_.data, Split::train, seed, inputs, outputs,
-                                       config_.model.loss);
-      test_source_ = open_data_source(config_.data, Split::test, seed, inputs, outputs,
-                                      config_.model.loss);
+      train_source_ =
+          open_data_source(config_.data, Split::train, seed, inputs, outputs, config_.model.loss);
+      test_source_ =
+          open_data_source(config_.data, Split::test, seed, inputs, outputs, config_.model.loss);
     }
     const DataShape& train = train_source_->shape();
     if (!config_.model.loss) {
@@ -232,8 +232,8 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   }
 
   // The metrics of every evaluation batch (layers/eval_metrics.hpp).
-  eval_metrics_ = std::make_unique<EvalMetrics>(loss_->kind(), *context_, eval_slice_.rows,
-                                                outputs, model_->output_layout());
+  eval_metrics_ = std::make_unique<EvalMetrics>(loss_->kind(), *context_, eval_slice_.rows, outputs,
+                                                model_->output_layout());
 
   x_ = Matrix("meshtrain::batch_x", slice_.rows, inputs);
   if (train_source_->shape().classification()) {

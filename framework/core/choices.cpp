@@ -26,13 +26,14 @@ const char* name_of(const ChoiceTable<Enum>& table, Enum value) {
 
 const ChoiceTable<ModelKind>& model_kind_choices() {
   static const ChoiceTable<ModelKind> table = {{"mlp", ModelKind::mlp},
-                                                {"residual_mlp", ModelKind::residual_mlp}};
+                                               {"residual_mlp", ModelKind::residual_mlp}};
   return table;
 }
 
 const ChoiceTable<ModelNorm>& model_norm_choices() {
-  static const ChoiceTable<ModelNorm> table = {
-      {"layernorm", ModelNorm::layernorm}, {"rmsnorm", ModelNorm::rmsnorm}, {"none", ModelNorm::none}};
+  static const ChoiceTable<ModelNorm> table = {{"layernorm", ModelNorm::layernorm},
+                                               {"rmsnorm", ModelNorm::rmsnorm},
+                                               {"none", ModelNorm::none}};
   return table;
 }
 

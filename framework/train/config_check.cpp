@@ -118,7 +118,8 @@ void check_config(RunConfig& config) {
 
   if (config.model.kind == ModelKind::residual_mlp) {
     if (!config.model.sizes.empty()) {
-      fail("model.sizes", "is a key of kind = \"mlp\"; kind = \"residual_mlp\" takes inputs, "
+      fail("model.sizes",
+           "is a key of kind = \"mlp\"; kind = \"residual_mlp\" takes inputs, "
            "outputs, width, hidden and depth instead");
     }
     if (!config.model.moe_layers.empty()) {

@@ -141,10 +141,12 @@ Vec norm_backward(const NormCache& c, Param& scale, Param* bias, const Vec& dy) 
   return dx;
 }
 
-double sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
+double sigmoid(double z) {
+  return 1.0 / (1.0 + std::exp(-z));
+}
 
 struct Reference {
-  Tensor out;             // [rows, outputs]
+  Tensor out;                // [rows, outputs]
   std::vector<Tensor> grad;  // per parameter, in residual_mlp_parameter_shapes order
 };
 
@@ -299,8 +301,8 @@ TEST(ResidualMlp, EqualsTheFloat64ReferenceOnEveryMesh) {
         MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
         ParallelContext context(comms, {"fsdp", "dp"}, "tp",
                                 CollectiveMatmulAlgorithm::bidirectional, overlap, 1e-4);
-        const ShardingPlan plan = make_plan(shapes, mesh, preset_rules(c.preset, false, true),
-                                            PlanOptions{0});
+        const ShardingPlan plan =
+            make_plan(shapes, mesh, preset_rules(c.preset, false, true), PlanOptions{0});
         const int64_t rows = kRows / context.batch_parallel();
         const int64_t row0 = context.batch_index() * rows;
         Mlp model(shape, Activation::silu, specs_from_plan(plan), context, rows);
@@ -353,8 +355,7 @@ TEST(ResidualMlp, EqualsTheFloat64ReferenceOnEveryMesh) {
           // overlap: the norms' gradients bucketed over fsdp) or over MPI staged through host
           // memory: the request pool may grow with the timing (see residual_block_test and
           // train_step_allocations_test).
-          const bool pool_may_grow =
-              overlap && (kDeviceMemoryIsSeparate || c.preset == "fsdp_tp");
+          const bool pool_may_grow = overlap && (kDeviceMemoryIsSeparate || c.preset == "fsdp_tp");
           if (!pool_may_grow) EXPECT_EQ(g_allocations, 0);
 
           Matrix copy("copy", out.extent(0), out.extent(1));
