@@ -117,6 +117,9 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     layer_axes_ = LayerAxes{options.batch_axes, options.feature_axis};
   });
   const int64_t inputs = config_.model.input_width(), outputs = config_.model.output_width();
+  const ModelWidthKeys width_keys = config_.model.kind == ModelKind::residual_mlp
+                                        ? ModelWidthKeys{"model.inputs", "model.outputs"}
+                                        : ModelWidthKeys{};
   const int64_t global_batch = config_.data.batch_size;  // of one micro-batch
   accumulation_ = config_.train.accumulation_steps;
   const int64_t eval_batch = config_.data.eval_batch_size.value_or(global_batch);
@@ -126,16 +129,16 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   // --- Data: every rank opens the data set and reads its slice of each global batch. ---
   on_every_rank(comm_, [&] {
     if (data) {
-      check_data_fits_model(data->train, inputs, outputs);
-      check_data_fits_model(data->test, inputs, outputs);
+      check_data_fits_model(data->train, inputs, outputs, width_keys);
+      check_data_fits_model(data->test, inputs, outputs, width_keys);
       train_source_ = make_memory_source(std::move(data->train));
       test_source_ = make_memory_source(std::move(data->test));
     } else {
       const uint64_t seed = config_.run.seed;
-      train_source_ =
-          open_data_source(config_.data, Split::train, seed, inputs, outputs, config_.model.loss);
-      test_source_ =
-          open_data_source(config_.data, Split::test, seed, inputs, outputs, config_.model.loss);
+      train_source_ = open_data_source(config_.data, Split::train, seed, inputs, outputs,
+                                       config_.model.loss, width_keys);
+      test_source_ = open_data_source(config_.data, Split::test, seed, inputs, outputs,
+                                      config_.model.loss, width_keys);
     }
     const DataShape& train = train_source_->shape();
     if (!config_.model.loss) {

@@ -136,3 +136,8 @@ meshtrain_add_command_test(NAME cli_plan_residual_fashion_mnist_layernorm_tp4 TI
 meshtrain_add_command_test(NAME cli_plan_residual_regression_surrogate TIMEOUT 30
   COMMAND sh ${_cli}/plan_residual.sh ${_meshtrain} ${MESHTRAIN_PYTHON}
           ${_configs}/regression_surrogate.toml 2)
+# A residual_mlp whose widths do not fit the data names its own key (model.inputs).
+meshtrain_cli_test(residual_inputs_do_not_fit_data 2
+  "^meshtrain: error: model\\.inputs = 785 does not match the 784 input features"
+  -- ${_meshtrain} train ${_configs}/fashion_mnist_residual.toml --set model.inputs=785
+     --set mesh.tp=1 --set run.output_dir=runs/residual_inputs_do_not_fit_data)
