@@ -141,3 +141,8 @@ meshtrain_cli_test(residual_inputs_do_not_fit_data 2
   "^meshtrain: error: model\\.inputs = 785 does not match the 784 input features"
   -- ${_meshtrain} train ${_configs}/fashion_mnist_residual.toml --set model.inputs=785
      --set mesh.tp=1 --set run.output_dir=runs/residual_inputs_do_not_fit_data)
+# The plan lists a residual_mlp's norms with their layout and collectives (statistics
+# all-reduced over tp when the stream is split; the scale gradient over the batch axes).
+meshtrain_cli_test(plan_residual_norms 0 -
+  --stdout "blocks/0/norm: rmsnorm 256 features \\(split 128 over tp\\), statistics all-reduced over \\(tp\\)"
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_residual.toml --world 4)

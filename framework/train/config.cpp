@@ -60,6 +60,11 @@ std::vector<ParameterShape> model_parameter_shapes(const ModelSection& model) {
   return mlp_parameter_shapes(model.sizes, model.moe());
 }
 
+std::vector<NormLayerParameters> model_norm_layers(const ModelSection& model) {
+  if (model.kind == ModelKind::residual_mlp) return residual_mlp_norm_layers(model.residual());
+  return {};
+}
+
 std::vector<LinearLayerParameters> model_linear_layers(const ModelSection& model) {
   if (model.kind == ModelKind::residual_mlp) return residual_mlp_linear_layers(model.residual());
   return mlp_linear_layers(model.sizes, model.moe());

@@ -76,6 +76,7 @@ struct ModelSection {
 // either kind (mlp_parameter_shapes / residual_mlp_parameter_shapes).
 std::vector<ParameterShape> model_parameter_shapes(const ModelSection& model);
 std::vector<LinearLayerParameters> model_linear_layers(const ModelSection& model);
+std::vector<NormLayerParameters> model_norm_layers(const ModelSection& model);  // mlp: none
 
 struct PartitionRuleText {
   std::string pattern;

@@ -118,6 +118,21 @@ void write_layers_text(const ShardingPlan& plan, const PlanOptions& options, std
     rows.push_back({"  total", "", "", "", "", format_bytes(l.collective_bytes_per_step)});
     write_table(rows, out);
   }
+  for (const NormPlan& n : plan.norms) {
+    out << n.name << ": " << n.compute << "\n";
+    if (n.collectives.empty()) {
+      out << "  no collectives\n";
+      continue;
+    }
+    std::vector<std::vector<std::string>> rows = {
+        {"  phase", "collective", "operand", "shape", "group", "bytes/rank"}};
+    for (const auto& c : n.collectives) {
+      rows.push_back({"  " + c.phase, to_string(c.kind), c.operand, format_shape(c.shape),
+                      group_text(c, plan.mesh), format_bytes(c.bytes_per_rank)});
+    }
+    rows.push_back({"  total", "", "", "", "", format_bytes(n.collective_bytes_per_step)});
+    write_table(rows, out);
+  }
   out << "collectives per rank per step: " << format_bytes(plan.totals.collective_bytes_per_step)
       << "\n";
 }
@@ -537,7 +552,8 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   const PlanOptions options = plan_options(config);
   const std::vector<ParameterShape> shapes = model_parameter_shapes(config.model);
   const std::vector<LinearLayerParameters> layers = model_linear_layers(config.model);
-  const ShardingPlan plan = make_plan(shapes, mesh, rules, options, layers);
+  const ShardingPlan plan =
+      make_plan(shapes, mesh, rules, options, layers, model_norm_layers(config.model));
   // A checkpoint that stages (asynchronous, or from device memory) copies the blocks a rank
   // writes: at most its parameters and optimizer state (exactly those on rank 0, which
   // writes every block it holds).
