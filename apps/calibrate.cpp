@@ -337,10 +337,8 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
         } else {
           const RunConfig config = load_config(config_path, overrides);
           mesh = config.mesh.resolve(world);
-          const MoeSettings moe = config.model.moe();
-          plan = make_plan(mlp_parameter_shapes(config.model.sizes, moe), *mesh,
-                           partition_rules(config), plan_options(config),
-                           mlp_linear_layers(config.model.sizes, moe));
+          plan = make_plan(model_parameter_shapes(config.model), *mesh, partition_rules(config),
+                           plan_options(config), model_linear_layers(config.model));
           if (plan->local_batch_rows <= 0) plan.reset();
         }
       })) {

@@ -69,8 +69,9 @@ Checkpoint read_checkpoint(const std::string& argument, int rank) {
 // Returns the data's rows.
 int64_t check_data(const RunConfig& config, const std::string& checkpoint) {
   const std::vector<std::string> files = expand_data_paths(config.data.path, "--data");
-  const int64_t inputs = config.model.sizes.front();
-  const int64_t outputs = config.model.sizes.back();
+  const int64_t inputs = config.model.input_width();
+  const int64_t outputs = config.model.output_width();
+  const bool residual = config.model.kind == ModelKind::residual_mlp;
   Hdf5SourceOptions options;
   options.x_name = config.data.x_key;
   options.y_name = config.data.y_key;
@@ -83,7 +84,8 @@ int64_t check_data(const RunConfig& config, const std::string& checkpoint) {
   if (shape.num_samples == 0) MESHTRAIN_BAD_INPUT(where, ": dataset '", x, "' has no rows");
   if (shape.features != inputs) {
     MESHTRAIN_BAD_INPUT(where, ": dataset '", x, "' has ", shape.features,
-                        " features per row, but ", model, " takes ", inputs, " (model.sizes[0])");
+                        " features per row, but ", model, " takes ", inputs, " (",
+                        residual ? "model.inputs" : "model.sizes[0]", ")");
   }
   if (config.model.loss == LossKind::cross_entropy && !shape.classification()) {
     MESHTRAIN_BAD_INPUT(where, ": dataset '", y, "' holds floats (targets of width ",
@@ -98,7 +100,7 @@ int64_t check_data(const RunConfig& config, const std::string& checkpoint) {
   if (!shape.classification() && shape.target_width != outputs) {
     MESHTRAIN_BAD_INPUT(where, ": dataset '", y, "' has ", shape.target_width,
                         " targets per row, but ", model, " predicts ", outputs,
-                        " (model.sizes[-1])");
+                        " (", residual ? "model.outputs" : "model.sizes[-1]", ")");
   }
   return shape.num_samples;
 }

@@ -163,7 +163,10 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
       MESHTRAIN_BAD_INPUT(
           "input file '", files.front(), "': dataset ", source_options.x_name, " has ",
           shape.features, " features per row but the model of checkpoint '",
-          predictor.checkpoint_path(), "' takes ", predictor.inputs(), " (model.sizes[0])");
+          predictor.checkpoint_path(), "' takes ", predictor.inputs(), " (",
+          predictor.config().model.kind == ModelKind::residual_mlp ? "model.inputs"
+                                                                   : "model.sizes[0]",
+          ")");
     }
   });
   const int64_t total = source->shape().num_samples;

@@ -216,6 +216,43 @@ void activation_backward(Activation activation, MatrixView z, MatrixView grad, D
   }
 }
 
+void swiglu_forward(MatrixView gate, MatrixView value, MatrixView out, Dtype dtype) {
+  MESHTRAIN_REQUIRE(gate.extent(0) == out.extent(0) && gate.extent(1) == out.extent(1) &&
+                        value.extent(0) == out.extent(0) && value.extent(1) == out.extent(1),
+                    "swiglu_forward: shapes differ");
+  const int64_t cols = static_cast<int64_t>(out.extent(1));
+  Kokkos::parallel_for(  // one row per iteration, as the other elementwise kernels
+      MESHTRAIN_LABEL("meshtrain::swiglu_forward"),
+      Kokkos::RangePolicy<>(0, static_cast<int64_t>(out.extent(0))),
+      KOKKOS_LAMBDA(const int64_t i) {
+        for (int64_t j = 0; j < cols; ++j) {
+          const float g = gate(i, j);
+          out(i, j) = round_to(g * sigmoids(g).of_x * value(i, j), dtype);
+        }
+      });
+}
+
+void swiglu_backward(MatrixView gate, MatrixView value, MatrixView dy, MatrixView dgate,
+                     MatrixView dvalue, Dtype dtype) {
+  MESHTRAIN_REQUIRE(gate.extent(0) == dy.extent(0) && gate.extent(1) == dy.extent(1) &&
+                        value.extent(0) == dy.extent(0) && value.extent(1) == dy.extent(1) &&
+                        dgate.extent(0) == dy.extent(0) && dgate.extent(1) == dy.extent(1) &&
+                        dvalue.extent(0) == dy.extent(0) && dvalue.extent(1) == dy.extent(1),
+                    "swiglu_backward: shapes differ");
+  const int64_t cols = static_cast<int64_t>(dy.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::swiglu_backward"),
+      Kokkos::RangePolicy<>(0, static_cast<int64_t>(dy.extent(0))),
+      KOKKOS_LAMBDA(const int64_t i) {
+        for (int64_t j = 0; j < cols; ++j) {
+          const float g = gate(i, j), d = dy(i, j);
+          const Sigmoids s = sigmoids(g);
+          dgate(i, j) = round_to(d * value(i, j) * (s.of_x * (1.0f + g * s.of_minus)), dtype);
+          dvalue(i, j) = round_to(d * g * s.of_x, dtype);  // may be dy itself: read first
+        }
+      });
+}
+
 ActivationLayer::ActivationLayer(Activation activation, const std::string& name, int64_t rows,
                                  int64_t width, FeatureLayout layout, int64_t offset, Dtype dtype)
     : activation_(activation),

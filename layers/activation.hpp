@@ -30,6 +30,13 @@ void activation_forward(Activation activation, MatrixView z, MatrixView out,
 void activation_backward(Activation activation, MatrixView z, MatrixView grad,
                          Dtype dtype = Dtype::fp32);
 
+// SwiGLU on two inputs (Shazeer 2020), elementwise: out = silu(gate) * value, rounded once to
+// `dtype`. Backward from dY: dgate = dY * value * silu'(gate), dvalue = dY * silu(gate), each
+// rounded to `dtype`; dvalue may be dy itself.
+void swiglu_forward(MatrixView gate, MatrixView value, MatrixView out, Dtype dtype = Dtype::fp32);
+void swiglu_backward(MatrixView gate, MatrixView value, MatrixView dy, MatrixView dgate,
+                     MatrixView dvalue, Dtype dtype = Dtype::fp32);
+
 // The activation between two layers of a model, as a layer of its own: no parameters, no
 // communication; the output keeps the layout, width and offset of its input.
 class ActivationLayer : public Layer {

@@ -3,11 +3,24 @@
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
 #include "base/error.hpp"
+#include "framework/train/config.hpp"
+#include "layers/residual_block.hpp"
+#include "layers/swiglu.hpp"
 
 namespace meshtrain {
 
 SpecLookup specs_from_plan(const ShardingPlan& plan) {
   return [&plan](const std::string& name) { return plan.find(name).spec; };
+}
+
+std::unique_ptr<Mlp> make_model(const ModelSection& model, const SpecLookup& spec_of,
+                                ParallelContext& context, int64_t local_rows) {
+  if (model.kind == ModelKind::residual_mlp) {
+    return std::make_unique<Mlp>(model.residual(), model.activation, spec_of, context, local_rows,
+                                 model.dropout);
+  }
+  return std::make_unique<Mlp>(model.sizes, model.activation, spec_of, context, local_rows,
+                               model.moe(), model.dropout);
 }
 
 Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLookup& spec_of,
@@ -17,17 +30,7 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
       activation_(activation),
       rows_(local_rows),
       compute_dtype_(context.precision().param) {
-  if (local_rows < 1)
-    MESHTRAIN_BAD_INPUT("the local batch must have at least one row, got ", local_rows);
-  const std::vector<ParameterShape> shapes = mlp_parameter_shapes(sizes, moe);  // checks sizes
-  const Mesh& mesh = context.mesh();
-  for (const auto& p : shapes) {
-    const PartitionSpec spec = spec_of(p.name);
-    spec.check_axes(mesh, p.name);
-    check_divisible(p.shape, spec, mesh, p.name);
-    params_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
-    grads_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
-  }
+  allocate(mlp_parameter_shapes(sizes, moe), spec_of, context);  // checks sizes
   const size_t n = sizes.size() - 1;
   if (!(dropout >= 0.0 && dropout < 1.0))
     MESHTRAIN_BAD_INPUT("model.dropout = ", dropout, " must be in [0, 1)");
@@ -44,7 +47,6 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
   activations_.reserve(n);
   if (dropout > 0.0) dropouts_.reserve(n);
   auto ref = [this](size_t p) { return ParameterRef{&params_[p], &grads_[p]}; };
-  LayerScratchNeeds needs;
   FeatureLayout layout = FeatureLayout::replicated;  // x arrives with all features
   size_t param = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -59,7 +61,6 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
     }
     sequence_.push_back(layer);
     param += layer->parameter_count();
-    needs.merge(layer->scratch_needs());
     layout = layer->output_layout();
     if (i + 1 < n) {
       activations_.emplace_back(activation, "layers/" + std::to_string(i) + "/activation", rows_,
@@ -75,6 +76,102 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
       }
     }
   }
+
+  finish(context);
+}
+
+void Mlp::allocate(const std::vector<ParameterShape>& shapes, const SpecLookup& spec_of,
+                   ParallelContext& context) {
+  if (rows_ < 1) MESHTRAIN_BAD_INPUT("the local batch must have at least one row, got ", rows_);
+  const Mesh& mesh = context.mesh();
+  for (const auto& p : shapes) {
+    const PartitionSpec spec = spec_of(p.name);
+    spec.check_axes(mesh, p.name);
+    check_divisible(p.shape, spec, mesh, p.name);
+    params_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
+    grads_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
+  }
+}
+
+Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup& spec_of,
+         ParallelContext& context, int64_t local_rows, double dropout)
+    : sizes_{shape.inputs, shape.outputs},
+      activation_(activation),
+      rows_(local_rows),
+      compute_dtype_(context.precision().param) {
+  allocate(residual_mlp_parameter_shapes(shape), spec_of, context);  // checks the sizes
+  if (!(dropout >= 0.0 && dropout < 1.0))
+    MESHTRAIN_BAD_INPUT("model.dropout = ", dropout, " must be in [0, 1)");
+  // Each layer takes the next parameters in parameters() order.
+  size_t param = 0;
+  auto next = [this, &param]() {
+    const size_t p = param++;
+    return ParameterRef{&params_[p], &grads_[p]};
+  };
+  auto linear = [&](FeatureLayout layout) {
+    const ParameterRef weight = next();
+    const ParameterRef bias = next();
+    return std::make_unique<Linear>(weight, bias, layout, rows_, context);
+  };
+  auto norm = [&](const std::string& name, FeatureLayout layout) -> std::unique_ptr<Layer> {
+    std::unique_ptr<FeatureNorm> layer;
+    const ParameterRef scale = next();
+    if (shape.norm_kind == NormKind::layernorm) {
+      const ParameterRef bias = next();
+      layer = std::make_unique<LayerNorm>(name, scale, bias, layout, rows_, context);
+    } else {
+      layer = std::make_unique<RMSNorm>(name, scale, layout, rows_, context);
+    }
+    norms_.push_back(layer.get());
+    return layer;
+  };
+  auto add = [this](std::unique_ptr<Layer> layer) {
+    sequence_.push_back(layer.get());
+    owned_.push_back(std::move(layer));
+  };
+
+  std::unique_ptr<Linear> input = linear(FeatureLayout::replicated);  // x has all features
+  // The residual stream as the input projection leaves it (split under tp).
+  const FeatureLayout layout = input->output_layout();
+  const int64_t offset = input->output_offset(), width = input->output_width();
+  add(std::move(input));
+  for (int64_t i = 0; i < shape.depth; ++i) {
+    const std::string block = "blocks/" + std::to_string(i);
+    std::vector<std::unique_ptr<Layer>> f;
+    if (shape.norm) f.push_back(norm(block + "/norm", layout));
+    if (shape.gated) {
+      std::unique_ptr<Linear> gate = linear(layout);
+      std::unique_ptr<Linear> up = linear(layout);
+      f.push_back(std::make_unique<SwiGlu>(block + "/swiglu", std::move(gate), std::move(up), rows_,
+                                           compute_dtype_));
+    } else {
+      std::unique_ptr<Linear> up = linear(layout);
+      auto act = std::make_unique<ActivationLayer>(activation, block + "/activation", rows_,
+                                                   up->output_width(), up->output_layout(),
+                                                   up->output_offset(), compute_dtype_);
+      f.push_back(std::move(up));
+      f.push_back(std::move(act));
+    }
+    if (dropout > 0.0) {  // on the block's hidden activations, keyed by the block's index
+      const Layer& hidden = *f.back();
+      f.push_back(std::make_unique<DropoutLayer>(dropout, i, block + "/dropout", rows_,
+                                                 hidden.output_width(), hidden.output_layout(),
+                                                 hidden.output_offset(), compute_dtype_));
+    }
+    f.push_back(linear(f.back()->output_layout()));  // down
+    add(std::make_unique<ResidualBlock>(block, std::move(f), layout, offset, rows_, width,
+                                        compute_dtype_));
+  }
+  if (shape.norm) add(norm("output_norm", layout));
+  add(linear(layout));
+  MESHTRAIN_REQUIRE(param == params_.size(), "residual_mlp took ", param, " of ", params_.size(),
+                    " parameters");
+  finish(context);
+}
+
+void Mlp::finish(ParallelContext& context) {
+  LayerScratchNeeds needs;
+  for (const Layer* layer : sequence_) needs.merge(layer->scratch_needs());
 
   // FSDP prefetch (overlap): each layer starts the gather of the next layer with parameters
   // in the pass's direction, when that one can prefetch.
@@ -99,7 +196,7 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
     }
   }
   scratch_ = LayerScratch(needs, prefetch);
-  if (compute_dtype_ != Dtype::fp32) input_ = Matrix("model/input", rows_, sizes.front());
+  if (compute_dtype_ != Dtype::fp32) input_ = Matrix("model/input", rows_, sizes_.front());
   if (compute_dtype_ != Dtype::fp32 || context.precision().needs_loss_scaling()) {
     output_grad_ = Matrix("model/output_grad", rows_, output_width());
   }
@@ -122,6 +219,7 @@ double Mlp::aux_loss() const {
 
 void Mlp::initialize(InitScheme scheme, uint64_t seed) {
   for (auto& p : params_) meshtrain::initialize(p, scheme, seed);
+  for (FeatureNorm* norm : norms_) norm->initialize_parameters();
 }
 
 MatrixView Mlp::forward(MatrixView x, const TrainingPass* training) {

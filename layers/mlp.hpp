@@ -35,6 +35,14 @@
 // every activation kept for backward, and the scratch shared by its layers, all allocated
 // at construction for a fixed local batch: forward() and backward() allocate nothing.
 //
+// kind = "residual_mlp" (the second constructor; docs/models.md): the sequence is the input
+// Linear "input", ResidualBlocks "blocks/<i>" (each: norm, up, activation, down; or norm, a
+// SwiGlu of gate and up, down), the output norm "output_norm" and the output Linear
+// "output", with parameters in residual_mlp_parameter_shapes' order. Nothing else differs:
+// the passes, the reduction plan, the buckets, the prefetch and mixed precision treat its
+// layers as they treat Linear and ActivationLayer. (Dropout, when it comes, is one more layer
+// in the sequence after each activation.)
+//
 // Driving it (llm.c style; see apps/train.cpp):
 //   Mlp model(sizes, activation, spec_of, context, local_rows);
 //   model.initialize(InitScheme::he_normal, seed);
@@ -50,6 +58,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -61,6 +70,7 @@
 #include "layers/gradient_reduction.hpp"
 #include "layers/linear.hpp"
 #include "layers/moe.hpp"
+#include "layers/norm.hpp"
 #include "partition/planner.hpp"
 
 namespace meshtrain {
@@ -69,6 +79,13 @@ using SpecLookup = std::function<PartitionSpec(const std::string& parameter)>;
 // The specs of a plan (ShardingPlan::find; bad_input for a name the plan lacks).
 SpecLookup specs_from_plan(const ShardingPlan& plan);
 
+struct ModelSection;
+
+class Mlp;
+// The model a run config's [model] section describes, either kind (collective).
+std::unique_ptr<Mlp> make_model(const ModelSection& model, const SpecLookup& spec_of,
+                                ParallelContext& context, int64_t local_rows);
+
 class Mlp {
  public:
   // Throws bad_input for fewer than two sizes, a size below 1, or specs whose splits do
@@ -76,11 +93,16 @@ class Mlp {
   Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLookup& spec_of,
       ParallelContext& context, int64_t local_rows, const MoeSettings& moe = {},
       double dropout = 0.0);
+  // A residual_mlp of `shape` (partition/planner.hpp); `activation` inside the blocks (silu
+  // for a gated shape); `dropout` after each block's activation (or SwiGLU). Throws bad_input
+  // as the first constructor does.
+  Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup& spec_of,
+      ParallelContext& context, int64_t local_rows, double dropout = 0.0);
   Mlp(const Mlp&) = delete;
   Mlp& operator=(const Mlp&) = delete;
 
   // Fills every parameter's local block (framework/train/init.hpp): same global weights on any
-  // mesh for the same seed.
+  // mesh for the same seed. Norms: scale 1, bias 0 (FeatureNorm::initialize_parameters).
   void initialize(InitScheme scheme, uint64_t seed);
 
   // x: this rank's rows with all input features [local_rows, sizes[0]]; it must stay
@@ -109,6 +131,7 @@ class Mlp {
   std::vector<ShardedTensor>& gradients() { return grads_; }
   const std::vector<ShardedTensor>& gradients() const { return grads_; }
 
+  // model.sizes; a residual_mlp: {inputs, outputs}.
   const std::vector<int64_t>& sizes() const { return sizes_; }
   int64_t local_rows() const { return rows_; }
   FeatureLayout output_layout() const { return sequence_.back()->output_layout(); }
@@ -116,7 +139,8 @@ class Mlp {
   int64_t output_offset() const { return sequence_.back()->output_offset(); }
   // The model: every layer in order, activations included.
   const std::vector<Layer*>& sequence() const { return sequence_; }
-  // The linear layers, in order (MoE layers are in moe_layers()).
+  // The linear layers, in order (MoE layers are in moe_layers()); a residual_mlp's are inside
+  // its sequence's blocks, not here.
   const std::vector<Linear>& layers() const { return linear_; }
   const std::vector<MoeLayer>& moe_layers() const { return moe_; }
   // The MoE layers' load-balancing losses of the last forward, summed (0 without MoE).
@@ -139,13 +163,22 @@ class Mlp {
   std::vector<Linear> linear_;
   std::vector<MoeLayer> moe_;
   std::vector<ActivationLayer> activations_;
-  std::vector<DropoutLayer> dropouts_;  // empty without dropout
+  std::vector<DropoutLayer> dropouts_;  // the plain MLP's; empty without dropout
+  // A residual_mlp's layers (the input and output Linear, the blocks, the output norm), and
+  // its norms (initialized to scale 1, bias 0).
+  std::vector<std::unique_ptr<Layer>> owned_;
+  std::vector<FeatureNorm*> norms_;
   // ...and the model as the passes see it.
   std::vector<Layer*> sequence_;
   // Per layer: the layer whose weight gather starts while it computes, in forward and in
   // backward (nullptr: none; all nullptr without overlap).
   std::vector<Layer*> forward_prefetch_;
   std::vector<Layer*> backward_prefetch_;
+  // Parameters and gradients under their specs; checks rows.
+  void allocate(const std::vector<ParameterShape>& shapes, const SpecLookup& spec_of,
+                ParallelContext& context);
+  // After sequence_ is built: prefetch, scratch, buffers, the reduction plan, the buckets.
+  void finish(ParallelContext& context);
   Dtype compute_dtype_ = Dtype::fp32;  // context.precision().param
   Matrix input_;                       // the input cast to the compute dtype (empty in fp32)
   Matrix output_grad_;                 // the output gradient, scaled and cast (empty in plain fp32)

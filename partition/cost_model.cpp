@@ -484,6 +484,18 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       group_text(active_axes(mesh), mesh),
       collective_seconds(CollectiveKind::all_reduce, 24, mesh.world_size(),
                          hw.group_link(active_axes(mesh))));
+  // Norms (residual_mlp): their forward collectives (parameter gathers, statistics'
+  // all-reduces over tp) and passes (statistics, then x_hat and the output: about 4 reads and
+  // writes of the input), and each block's residual add (read 2, write 1), charged together.
+  for (const NormPlan& n : plan.norms) {
+    for (const auto& c : n.collectives) {
+      if (c.phase == "forward") collective(n.name, c);
+    }
+    memory(n.name, "forward", "norm statistics and output", 4 * kFloat * r * n.layout.local_width);
+    if (n.name != "output_norm") {
+      memory(n.name, "forward", "residual add", 3 * kFloat * r * n.layout.local_width);
+    }
+  }
   // Backward, last layer first.
   for (size_t j = count; j-- > 0;) {
     const LayerPlan& lp = plan.layers[j];
@@ -549,6 +561,19 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
              2.0 * options.bytes_per_element * l.stored_rows * l.stored_cols);
     }
     memory(lp.name, "backward", "bias gradient", kFloat * r * l.out_local);
+  }
+  // Norms' backward: collectives (gathers, row sums over tp, gradient reductions) and passes
+  // (dy, x_hat, the row sums, dx, the column sums: about 6 of the input), the residual's
+  // gradient copy and add (3).
+  for (const NormPlan& n : plan.norms) {
+    for (const auto& c : n.collectives) {
+      if (c.phase == "backward") collective(n.name, c);
+    }
+    memory(n.name, "backward", "norm input and parameter gradients",
+           6 * kFloat * r * n.layout.local_width);
+    if (n.name != "output_norm") {
+      memory(n.name, "backward", "residual gradient", 3 * kFloat * r * n.layout.local_width);
+    }
   }
   // The prefetched gathers: the part the compute between start and wait hides (the other
   // communication in between runs on the same links and hides nothing).

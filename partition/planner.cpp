@@ -128,8 +128,10 @@ void plan_layers(ShardingPlan& plan, const std::vector<LinearLayerParameters>& l
     MESHTRAIN_BAD_INPUT("layer '", layer, "' uses parameter '", name,
                         "', which the model does not have");
   };
-  FeatureLayout input = FeatureLayout::replicated;
+  FeatureLayout input = FeatureLayout::replicated, previous_input = input;
   for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i].same_input_as_previous) input = previous_input;
+    previous_input = input;
     if (layers[i].moe()) {
       LayerPlan l = plan_moe_layer(plan, layers[i], parameter, mesh, axes, input, i > 0, options);
       plan.totals.collective_bytes_per_step =
@@ -284,6 +286,59 @@ std::vector<ParameterShape> mlp_parameter_shapes(const std::vector<int64_t>& siz
   return shapes;
 }
 
+std::vector<ParameterShape> residual_mlp_parameter_shapes(const ResidualMlpShape& m) {
+  const std::pair<const char*, int64_t> sizes[] = {{"inputs", m.inputs},
+                                                   {"outputs", m.outputs},
+                                                   {"width", m.width},
+                                                   {"hidden", m.hidden},
+                                                   {"depth", m.depth}};
+  for (const auto& [key, value] : sizes) {
+    if (value < 1) MESHTRAIN_BAD_INPUT("model.", key, " must be at least 1, got ", value);
+  }
+  std::vector<ParameterShape> shapes;
+  auto linear = [&shapes](const std::string& layer, int64_t in, int64_t out) {
+    shapes.push_back({layer + "/weight", {in, out}});
+    shapes.push_back({layer + "/bias", {out}});
+  };
+  auto norm = [&shapes, &m](const std::string& layer) {
+    if (!m.norm) return;
+    shapes.push_back({layer + "/scale", {m.width}});
+    if (m.norm_kind == NormKind::layernorm) shapes.push_back({layer + "/bias", {m.width}});
+  };
+  linear("input", m.inputs, m.width);
+  for (int64_t i = 0; i < m.depth; ++i) {
+    const std::string block = "blocks/" + std::to_string(i);
+    norm(block + "/norm");
+    if (m.gated) linear(block + "/gate", m.width, m.hidden);
+    linear(block + "/up", m.width, m.hidden);
+    linear(block + "/down", m.hidden, m.width);
+  }
+  norm("output_norm");
+  linear("output", m.width, m.outputs);
+  return shapes;
+}
+
+std::vector<LinearLayerParameters> residual_mlp_linear_layers(const ResidualMlpShape& m) {
+  std::vector<LinearLayerParameters> layers;
+  auto linear = [&layers](const std::string& layer) {
+    layers.push_back({layer + "/weight", layer + "/bias"});
+  };
+  linear("input");
+  for (int64_t i = 0; i < m.depth; ++i) {
+    const std::string block = "blocks/" + std::to_string(i);
+    if (m.gated) {
+      linear(block + "/gate");
+      linear(block + "/up");
+      layers.back().same_input_as_previous = true;
+    } else {
+      linear(block + "/up");
+    }
+    linear(block + "/down");
+  }
+  linear("output");
+  return layers;
+}
+
 const ParameterPlan& ShardingPlan::find(const std::string& name) const {
   for (const auto& p : parameters) {
     if (p.name == name) return p;
@@ -291,9 +346,54 @@ const ParameterPlan& ShardingPlan::find(const std::string& name) const {
   MESHTRAIN_BAD_INPUT("the sharding plan has no parameter '", name, "'");
 }
 
+std::vector<NormLayerParameters> residual_mlp_norm_layers(const ResidualMlpShape& m) {
+  std::vector<NormLayerParameters> norms;
+  if (!m.norm) return norms;
+  const bool ln = m.norm_kind == NormKind::layernorm;
+  auto norm = [&](const std::string& name, size_t after) {
+    norms.push_back({name, m.norm_kind, name + "/scale", ln ? name + "/bias" : "", after});
+  };
+  const size_t per_block = m.gated ? 3 : 2;  // (gate,) up, down
+  for (int64_t i = 0; i < m.depth; ++i) {
+    norm("blocks/" + std::to_string(i) + "/norm", static_cast<size_t>(i) * per_block);
+  }
+  norm("output_norm", static_cast<size_t>(m.depth) * per_block);
+  return norms;
+}
+
+// Each norm's layout and collectives (the layers are planned: their output layouts are known).
+void plan_norms(ShardingPlan& plan, const std::vector<NormLayerParameters>& norms,
+                const PlanOptions& options) {
+  const LayerAxes axes = layer_axes_on(plan.mesh, {options.batch_axes, options.feature_axis});
+  for (const NormLayerParameters& n : norms) {
+    MESHTRAIN_REQUIRE(n.after < plan.layers.size(), "norm '", n.name, "' after layer ", n.after,
+                      " of ", plan.layers.size());
+    std::vector<LinearParameter> params;
+    for (const std::string& name : {n.scale, n.bias}) {
+      if (name.empty()) continue;
+      const ParameterPlan& p = plan.find(name);
+      params.push_back(LinearParameter{p.name, p.shape, p.spec});
+    }
+    NormPlan np;
+    np.name = n.name;
+    np.layout = decide_norm_layout(n.name, n.kind, params, plan.mesh, axes,
+                                   plan.layers[n.after].layout.output_layout());
+    np.compute = describe_norm_layout(np.layout);
+    np.collectives = norm_step_collectives(np.layout, plan.mesh, plan.local_batch_rows, true,
+                                           options.bytes_per_element, options.precision);
+    for (const auto& c : np.collectives) {
+      np.collective_bytes_per_step = checked_add(np.collective_bytes_per_step, c.bytes_per_rank);
+    }
+    plan.totals.collective_bytes_per_step =
+        checked_add(plan.totals.collective_bytes_per_step, np.collective_bytes_per_step);
+    plan.norms.push_back(std::move(np));
+  }
+}
+
 ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh& mesh,
                        const std::vector<PartitionRule>& rules, const PlanOptions& options,
-                       const std::vector<LinearLayerParameters>& layers) {
+                       const std::vector<LinearLayerParameters>& layers,
+                       const std::vector<NormLayerParameters>& norms) {
   check_options(options);
   const std::vector<std::regex> compiled = compile_rules(rules);
 
@@ -395,6 +495,7 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
     if (!used[i]) plan.unused_rules.push_back(static_cast<int>(i));
   }
   plan_layers(plan, layers, options);
+  plan_norms(plan, norms, options);
   note_replicated_axes(plan, options);
   return plan;
 }

@@ -13,6 +13,7 @@
 #include "partition/linear_layout.hpp"
 #include "partition/mesh.hpp"
 #include "partition/moe_layout.hpp"
+#include "partition/norm_layout.hpp"
 #include "partition/partition_spec.hpp"
 #include "partition/rules.hpp"
 
@@ -40,12 +41,54 @@ struct LinearLayerParameters {
   std::string weight, bias;
   std::string router;  // "" for a linear layer
   int64_t top_k = 0;   // MoE layers only
+  // The layer takes the previous layer's input, not its output (a SwiGLU block's up
+  // projection beside its gate).
+  bool same_input_as_previous = false;
   bool moe() const { return !router.empty(); }
 };
 // The MLP's: layers/<i>/weight and layers/<i>/bias for i = 0 .. sizes.size() - 2, or the
 // MoE layer's three parameters where moe.is_moe(i).
 std::vector<LinearLayerParameters> mlp_linear_layers(const std::vector<int64_t>& sizes,
                                                      const MoeSettings& moe = {});
+
+// A norm over the features of a model (layers/norm.hpp): its parameters' names and the
+// linear layer (index into make_plan's layers) whose output layout its input has.
+struct NormLayerParameters {
+  std::string name;  // "blocks/0/norm"
+  NormKind kind = NormKind::rmsnorm;
+  std::string scale, bias;  // bias "" for RMSNorm
+  size_t after = 0;
+};
+// A norm's layout (decide_norm_layout) and its step's collectives (norm_step_collectives).
+struct NormPlan {
+  std::string name;
+  NormLayout layout;
+  std::string compute;  // describe_norm_layout
+  std::vector<LayerCollective> collectives;
+  int64_t collective_bytes_per_step = 0;
+};
+
+// [model] kind = "residual_mlp" (docs/models.md): inputs -> width, depth pre-norm blocks
+// width -> hidden -> width, width -> outputs.
+struct ResidualMlpShape {
+  int64_t inputs = 0, outputs = 0, width = 0, hidden = 0, depth = 0;
+  bool norm = true;  // false: no norms (model.norm = "none")
+  NormKind norm_kind = NormKind::rmsnorm;
+  bool gated = false;  // SwiGLU: blocks/<i>/gate beside blocks/<i>/up
+};
+// Its parameters, in the order the model takes them: input/weight [inputs, width],
+// input/bias [width]; per block i: blocks/<i>/norm/scale [width] (and norm/bias for
+// LayerNorm), blocks/<i>/gate/weight [width, hidden] and gate/bias [hidden] (SwiGLU),
+// blocks/<i>/up/weight [width, hidden], up/bias [hidden], blocks/<i>/down/weight
+// [hidden, width], down/bias [width]; output_norm/scale (and output_norm/bias) [width]; then
+// output/weight [width, outputs], output/bias [outputs]. Throws bad_input for a size below 1
+// (naming the model key).
+std::vector<ParameterShape> residual_mlp_parameter_shapes(const ResidualMlpShape& shape);
+// Its linear layers in order: input, each block's (gate,) up and down, output.
+std::vector<LinearLayerParameters> residual_mlp_linear_layers(const ResidualMlpShape& shape);
+// Its norms (none with norm = false): each block's, reading the residual stream as the input
+// projection or the previous block's down projection leaves it, and output_norm.
+std::vector<NormLayerParameters> residual_mlp_norm_layers(const ResidualMlpShape& shape);
 
 struct PlanOptions {
   int64_t min_sharding_size = 16384;  // reference default: smaller tensors are replicated
@@ -143,6 +186,7 @@ struct ShardingPlan {
   Mesh mesh;
   std::vector<ParameterPlan> parameters;  // in input order
   std::vector<LayerPlan> layers;          // in the order given to make_plan
+  std::vector<NormPlan> norms;            // in the order given to make_plan
   int64_t local_batch_rows = 0;           // global_batch / batch shards; 0 = unknown
   std::vector<std::string> notes;         // about the plan as a whole (a batch that does not
                                           // divide by the batch shards, replicated axes)
@@ -178,7 +222,8 @@ struct ShardingPlan {
 // feature axis of a tensor-parallel layer is noted (replicated_axes, replicated_axis_note).
 ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh& mesh,
                        const std::vector<PartitionRule>& rules, const PlanOptions& options,
-                       const std::vector<LinearLayerParameters>& layers = {});
+                       const std::vector<LinearLayerParameters>& layers = {},
+                       const std::vector<NormLayerParameters>& norms = {});
 
 // "mesh axis 'ep' (size 2) splits no parameter and no batch rows: every ep rank computes the
 // same thing (compute replicated over ep)".

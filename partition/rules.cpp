@@ -21,8 +21,10 @@ const std::vector<std::string>& preset_names() {
   return names;
 }
 
-std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe) {
-  // Weights are [in, out] (y = x W + b). Data-parallel axes never shard parameters: dp
+std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe, bool norms) {
+  // Weights are [in, out] (y = x W + b). A norm's scale [width] (layers/norm.hpp) is stored
+  // like a bias (its bias matches "bias$"): under tp split like the features it scales.
+  // Data-parallel axes never shard parameters: dp
   // replicates them, so "dp_x" shards like "x" and the batch is split over dp as well.
   std::vector<PartitionRule> rules;
   // MoE layers (partition/moe_layout.hpp): experts [E, in, out] and [E, out] split over ep
@@ -41,14 +43,17 @@ std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe) {
     experts("fsdp, None", "fsdp");
     rules.push_back(preset_rule("weight$", "P(fsdp, None)"));
     rules.push_back(preset_rule("bias$", "P(fsdp)"));
+    if (norms) rules.push_back(preset_rule("scale$", "P(fsdp)"));
   } else if (preset == "tp" || preset == "dp_tp") {
     experts("tp, None", "tp");
     rules.push_back(preset_rule("weight$", "P(tp, None)"));
     rules.push_back(preset_rule("bias$", "P(tp)"));
+    if (norms) rules.push_back(preset_rule("scale$", "P(tp)"));
   } else if (preset == "fsdp_tp") {
     experts("tp, fsdp", "tp");
     rules.push_back(preset_rule("weight$", "P(tp, fsdp)"));
     rules.push_back(preset_rule("bias$", "P(tp)"));
+    if (norms) rules.push_back(preset_rule("scale$", "P(tp)"));
   } else {
     MESHTRAIN_BAD_INPUT("unknown partition preset '", preset,
                         "' (known presets: ", join(preset_names()), ")");

@@ -22,8 +22,10 @@ struct PartitionRule {
 // (also "replicated"). Every preset ends with a catch-all `.*` -> P(). Unknown name:
 // bad_input naming it and listing the known ones. With `moe`, rules for MoE layers' parameters
 // come first: router/weight P(), experts/weight P(ep, <the dense weight's entries>),
-// experts/bias P(ep, <the dense bias's entry>).
-std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe = false);
+// experts/bias P(ep, <the dense bias's entry>). With `norms` (a model with norms, e.g.
+// residual_mlp), "scale$" is stored as "bias$" is (a norm's bias matches "bias$").
+std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe = false,
+                                        bool norms = false);
 
 // The preset names preset_rules() knows, in a stable order.
 const std::vector<std::string>& preset_names();

@@ -190,19 +190,19 @@ Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,
   LayerAxes axes;
   on_every_rank(comm_, [&] {
     config_ = parse_config(config_text, "the config of checkpoint '" + path_ + "'", overrides);
-    const std::vector<int64_t>& sizes = config_.model.sizes;
+    const int64_t inputs = config_.model.input_width(), outputs = config_.model.output_width();
     classification_ = config_.model.loss == LossKind::cross_entropy;
     if (normalization_.inputs() &&
-        static_cast<int64_t>(normalization_.input_mean.size()) != sizes.front()) {
+        static_cast<int64_t>(normalization_.input_mean.size()) != inputs) {
       MESHTRAIN_BAD_INPUT("checkpoint '", path_, "' holds input statistics of ",
                           normalization_.input_mean.size(), " features but its model takes ",
-                          sizes.front());
+                          inputs);
     }
     if (normalization_.targets() &&
-        static_cast<int64_t>(normalization_.target_mean.size()) != sizes.back()) {
+        static_cast<int64_t>(normalization_.target_mean.size()) != outputs) {
       MESHTRAIN_BAD_INPUT("checkpoint '", path_, "' holds target statistics of ",
                           normalization_.target_mean.size(), " outputs but its model gives ",
-                          sizes.back());
+                          outputs);
     }
     // fp32 whatever the model was trained in, unless asked otherwise.
     if (!overrides_section(overrides, "mixed_precision")) config_.mixed_precision = {};
@@ -240,9 +240,8 @@ Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,
     config_.data.eval_batch_size = batch;
     options = plan_options(config_);
     set_matmul_precision(config_.runtime.matmul_precision);
-    const MoeSettings moe = config_.model.moe();
-    plan_ = make_plan(mlp_parameter_shapes(sizes, moe), *mesh_, partition_rules(config_), options,
-                      mlp_linear_layers(sizes, moe));
+    plan_ = make_plan(model_parameter_shapes(config_.model), *mesh_, partition_rules(config_),
+                      options, model_linear_layers(config_.model));
     axes = LayerAxes{options.batch_axes, options.feature_axis};
     slice_ = make_batch_slice(*mesh_, rank, axes.batch, batch, "the batch size");
   });
@@ -253,24 +252,22 @@ Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,
   context_.emplace(*comms_, axes.batch, axes.feature, config_.partition.collective_matmul,
                    config_.runtime.overlap, config_.runtime.bucket_mb);
   context_->set_precision(config_.mixed_precision.policy());
-  const std::vector<int64_t>& sizes = config_.model.sizes;
-  model_ = std::make_unique<Mlp>(sizes, config_.model.activation, specs_from_plan(*plan_),
-                                 *context_, slice_.rows, config_.model.moe());
+  model_ = make_model(config_.model, specs_from_plan(*plan_), *context_, slice_.rows);
   CheckpointContents contents;
   contents.mesh = *mesh_;
   contents.params = model_->parameters();  // views: the load fills the model's tensors
   load_checkpoint(path_, contents, comm_);
-  whole_rows_ = std::make_unique<WholeOutputRows>(*context_, slice_.rows, sizes.back(),
-                                                  model_->output_layout());
+  whole_rows_ =
+      std::make_unique<WholeOutputRows>(*context_, slice_.rows, outputs(), model_->output_layout());
 
   // --- Buffers, allocated once. -------------------------------------------------------------
-  x_ = Matrix("meshtrain::predict_x", slice_.rows, sizes.front());
+  x_ = Matrix("meshtrain::predict_x", slice_.rows, inputs());
   x_host_ = host_mirror(x_);
-  output_ = Matrix("meshtrain::predict_output", slice_.rows, sizes.back());
+  output_ = Matrix("meshtrain::predict_output", slice_.rows, outputs());
   output_host_ = host_mirror(output_);
   if (classification_) {
     classes_ = ClassView("meshtrain::predict_classes", slice_.rows);
-    probabilities_ = Matrix("meshtrain::predict_probabilities", slice_.rows, sizes.back());
+    probabilities_ = Matrix("meshtrain::predict_probabilities", slice_.rows, outputs());
   }
   if (normalization_.inputs()) {
     input_mean_ = device_doubles(normalization_.input_mean, "meshtrain::input_mean");
@@ -291,7 +288,7 @@ void Predictor::check_input(int64_t rows, int64_t width) const {
   if (width != inputs()) {
     MESHTRAIN_BAD_INPUT("Predictor::predict: the input has ", width,
                         " columns but the model of checkpoint '", path_, "' takes ", inputs(),
-                        " inputs (model.sizes[0])");
+                        " inputs");
   }
   if (rows > local_rows()) {
     MESHTRAIN_BAD_INPUT("Predictor::predict: ", rows, " input rows on this rank, but each call ",

@@ -103,8 +103,8 @@ class Predictor {
   template <class InputView, class OutputView>
   int64_t predict(const InputView& x, const OutputView& y);
 
-  int64_t inputs() const { return config_.model.sizes.front(); }
-  int64_t outputs() const { return config_.model.sizes.back(); }
+  int64_t inputs() const { return config_.model.input_width(); }
+  int64_t outputs() const { return config_.model.output_width(); }
   bool classification() const { return classification_; }
   int64_t batch_size() const { return slice_.global_batch; }  // global rows per call
   int64_t local_rows() const { return slice_.rows; }          // this rank's rows per call

@@ -109,16 +109,17 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     backend_ = resolve_comm_backend(config_.runtime.backend);
     set_matmul_precision(config_.runtime.matmul_precision);
     mesh_ = config_.mesh.resolve(world_size);
-    const std::vector<int64_t>& sizes = config_.model.sizes;
-    const MoeSettings moe = config_.model.moe();
     const PlanOptions options = plan_options(config_);
-    plan_ = make_plan(mlp_parameter_shapes(sizes, moe), *mesh_, partition_rules(config_), options,
-                      mlp_linear_layers(sizes, moe));
+    plan_ = make_plan(model_parameter_shapes(config_.model), *mesh_, partition_rules(config_),
+                      options, model_linear_layers(config_.model));
     // The rows' axes (the logical batch's, and the expert axes in an MoE model) and the
     // features'.
     layer_axes_ = LayerAxes{options.batch_axes, options.feature_axis};
   });
-  const std::vector<int64_t>& sizes = config_.model.sizes;
+  const int64_t inputs = config_.model.input_width(), outputs = config_.model.output_width();
+  const ModelWidthKeys width_keys = config_.model.kind == ModelKind::residual_mlp
+                                        ? ModelWidthKeys{"model.inputs", "model.outputs"}
+                                        : ModelWidthKeys{};
   const int64_t global_batch = config_.data.batch_size;  // of one micro-batch
   accumulation_ = config_.train.accumulation_steps;
   const int64_t eval_batch = config_.data.eval_batch_size.value_or(global_batch);
@@ -128,16 +129,16 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   // --- Data: every rank opens the data set and reads its slice of each global batch. ---
   on_every_rank(comm_, [&] {
     if (data) {
-      check_data_fits_model(data->train, sizes.front(), sizes.back());
-      check_data_fits_model(data->test, sizes.front(), sizes.back());
+      check_data_fits_model(data->train, inputs, outputs, width_keys);
+      check_data_fits_model(data->test, inputs, outputs, width_keys);
       train_source_ = make_memory_source(std::move(data->train));
       test_source_ = make_memory_source(std::move(data->test));
     } else {
       const uint64_t seed = config_.run.seed;
-      train_source_ = open_data_source(config_.data, Split::train, seed, sizes.front(),
-                                       sizes.back(), config_.model.loss);
-      test_source_ = open_data_source(config_.data, Split::test, seed, sizes.front(), sizes.back(),
-                                      config_.model.loss);
+      train_source_ = open_data_source(config_.data, Split::train, seed, inputs, outputs,
+                                       config_.model.loss, width_keys);
+      test_source_ = open_data_source(config_.data, Split::test, seed, inputs, outputs,
+                                      config_.model.loss, width_keys);
     }
     const DataShape& train = train_source_->shape();
     if (!config_.model.loss) {
@@ -183,11 +184,9 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
                    config_.runtime.bucket_mb);
   const MixedPrecision precision = config_.mixed_precision.policy();
   context_->set_precision(precision);
-  const MoeSettings moe = config_.model.moe();
-  model_ = std::make_unique<Mlp>(sizes, config_.model.activation, specs_from_plan(*plan_),
-                                 *context_, slice_.rows, moe, config_.model.dropout);
+  model_ = make_model(config_.model, specs_from_plan(*plan_), *context_, slice_.rows);
   model_->initialize(config_.model.init, config_.run.seed);
-  loss_ = std::make_unique<Loss>(*config_.model.loss, *context_, slice_.rows, sizes.back(),
+  loss_ = std::make_unique<Loss>(*config_.model.loss, *context_, slice_.rows, outputs,
                                  model_->output_layout());
   if (config_.optimizer.zero_stage == 1 && mesh_->has_axis(kZeroAxis) &&
       mesh_->size_of({kZeroAxis}) > 1) {
@@ -221,13 +220,12 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   if (eval_slice_.rows != slice_.rows) {
     // A forward-only copy of the model for the evaluation batch: it shares the training
     // model's parameters (and gradients, never written), so only activations are its own.
-    eval_model_ = std::make_unique<Mlp>(sizes, config_.model.activation, specs_from_plan(*plan_),
-                                        *context_, eval_slice_.rows, moe);
+    eval_model_ = make_model(config_.model, specs_from_plan(*plan_), *context_, eval_slice_.rows);
     eval_model_->parameters() = model_->parameters();
     eval_model_->gradients() = model_->gradients();
-    eval_loss_ = std::make_unique<Loss>(loss_->kind(), *context_, eval_slice_.rows, sizes.back(),
+    eval_loss_ = std::make_unique<Loss>(loss_->kind(), *context_, eval_slice_.rows, outputs,
                                         eval_model_->output_layout());
-    eval_x_ = Matrix("meshtrain::eval_x", eval_slice_.rows, sizes.front());
+    eval_x_ = Matrix("meshtrain::eval_x", eval_slice_.rows, inputs);
     if (test_source_->shape().classification()) {
       eval_labels_ = BatchLabels("meshtrain::eval_labels", eval_slice_.rows);
     } else {
@@ -237,10 +235,10 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   }
 
   // The metrics of every evaluation batch (layers/eval_metrics.hpp).
-  eval_metrics_ = std::make_unique<EvalMetrics>(loss_->kind(), *context_, eval_slice_.rows,
-                                                sizes.back(), model_->output_layout());
+  eval_metrics_ = std::make_unique<EvalMetrics>(loss_->kind(), *context_, eval_slice_.rows, outputs,
+                                                model_->output_layout());
 
-  x_ = Matrix("meshtrain::batch_x", slice_.rows, sizes.front());
+  x_ = Matrix("meshtrain::batch_x", slice_.rows, inputs);
   if (train_source_->shape().classification()) {
     labels_ = BatchLabels("meshtrain::batch_labels", slice_.rows);
   } else {
@@ -713,6 +711,14 @@ StepResult TrainingRun::apply_update() {
 }
 
 double TrainingRun::flops_per_step() const {
+  const int64_t rows = config_.data.batch_size * accumulation_;
+  if (config_.model.kind == ModelKind::residual_mlp) {  // every weight's elements, 6 per row
+    double parameters = 0.0;
+    for (const ParameterShape& p : model_parameter_shapes(config_.model)) {
+      if (p.shape.size() == 2) parameters += static_cast<double>(p.shape[0]) * p.shape[1];
+    }
+    return 6.0 * parameters * static_cast<double>(rows);
+  }
   const std::vector<int64_t>& sizes = config_.model.sizes;
   const MoeSettings moe = config_.model.moe();
   double parameters = 0.0;  // those a row uses: an MoE layer's router and its top_k experts

@@ -104,3 +104,45 @@ foreach(case "1;dp" "2;fsdp_tp" "4;fsdp_tp")
     COMMAND sh ${_cli}/calibrate_plan.sh ${_meshtrain} ${_configs}/fashion_mnist_${layout}.toml
             ${np} ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
 endforeach()
+
+# kind = "residual_mlp" (docs/models.md): the keys of the other kind are refused naming the
+# key, and so are MoE layers, depth 0 and an unknown norm; `meshtrain plan` of both residual
+# configs lists exactly the model's parameters and its bytes add up (tests/cli/plan_residual.sh).
+meshtrain_cli_test(residual_refuses_sizes 2
+  "^meshtrain: error: .*\\[model\\] sizes is a key of kind = \"mlp\""
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_residual.toml --set "model.sizes=[784, 10]")
+meshtrain_cli_test(mlp_refuses_width 2
+  "^meshtrain: error: .*\\[model\\] width is a key of kind = \"residual_mlp\""
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_dp.toml --set model.width=16)
+meshtrain_cli_test(residual_refuses_moe 2
+  "^meshtrain: error: .*\\[model\\] moe_layers is not supported with kind = \"residual_mlp\""
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_residual.toml --set "model.moe_layers=[1]")
+meshtrain_cli_test(mlp_refuses_swiglu 2
+  "^meshtrain: error: .*\\[model\\] activation must be one of .*got \"swiglu\""
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_dp.toml --set model.activation=swiglu)
+meshtrain_cli_test(residual_refuses_depth_0 2
+  "^meshtrain: error: .*\\[model\\] depth must be at least 1, got 0"
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_residual.toml --set model.depth=0)
+meshtrain_cli_test(residual_refuses_unknown_norm 2
+  "^meshtrain: error: .*\\[model\\] norm must be one of layernorm \\| rmsnorm \\| none"
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_residual.toml --set model.norm=batchnorm)
+meshtrain_add_command_test(NAME cli_plan_residual_fashion_mnist TIMEOUT 30
+  COMMAND sh ${_cli}/plan_residual.sh ${_meshtrain} ${MESHTRAIN_PYTHON}
+          ${_configs}/fashion_mnist_residual.toml 4)
+meshtrain_add_command_test(NAME cli_plan_residual_fashion_mnist_layernorm_tp4 TIMEOUT 30
+  COMMAND sh ${_cli}/plan_residual.sh ${_meshtrain} ${MESHTRAIN_PYTHON}
+          ${_configs}/fashion_mnist_residual.toml 8 --set model.norm=layernorm
+          --set model.activation=silu --set mesh.tp=4)
+meshtrain_add_command_test(NAME cli_plan_residual_regression_surrogate TIMEOUT 30
+  COMMAND sh ${_cli}/plan_residual.sh ${_meshtrain} ${MESHTRAIN_PYTHON}
+          ${_configs}/regression_surrogate.toml 2)
+# A residual_mlp whose widths do not fit the data names its own key (model.inputs).
+meshtrain_cli_test(residual_inputs_do_not_fit_data 2
+  "^meshtrain: error: model\\.inputs = 785 does not match the 784 input features"
+  -- ${_meshtrain} train ${_configs}/fashion_mnist_residual.toml --set model.inputs=785
+     --set mesh.tp=1 --set run.output_dir=runs/residual_inputs_do_not_fit_data)
+# The plan lists a residual_mlp's norms with their layout and collectives (statistics
+# all-reduced over tp when the stream is split; the scale gradient over the batch axes).
+meshtrain_cli_test(plan_residual_norms 0 -
+  --stdout "blocks/0/norm: rmsnorm 256 features \\(split 128 over tp\\), statistics all-reduced over \\(tp\\)"
+  -- ${_meshtrain} plan ${_configs}/fashion_mnist_residual.toml --world 4)

@@ -35,3 +35,9 @@ meshtrain_add_command_test(NAME export_under_mpirun_np2 TIMEOUT 30
           $<TARGET_FILE:meshtrain> export ${CMAKE_CURRENT_BINARY_DIR}/no_such_checkpoint
           --format onnx --output ${CMAKE_CURRENT_BINARY_DIR}/export_under_mpirun.onnx)
 set_tests_properties(export_under_mpirun_np2 PROPERTIES PROCESSORS 2)
+# A residual_mlp checkpoint is refused (exit 2, one sentence naming model.kind) until export
+# supports it; nothing is written.
+meshtrain_add_command_test(NAME export_residual_refused TIMEOUT 60
+  COMMAND sh ${PROJECT_SOURCE_DIR}/tests/cli/export_residual_refused.sh $<TARGET_FILE:meshtrain>
+          ${PROJECT_SOURCE_DIR}/configs/fashion_mnist_residual.toml
+          ${_export_runs}/residual_refused)

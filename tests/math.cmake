@@ -1,8 +1,10 @@
 # docs/model_math.md reproduced from a checkpoint alone (tests/math/reproduce.py, numpy and
 # h5py in float64): a run's last evaluation and `meshtrain predict`'s outputs to 1e-5 relative.
+# The residual cases follow docs/models.md (residual_mlp: layernorm + swiglu on fsdp x tp at
+# np 4, rmsnorm + silu with normalized targets at np 1).
 # Skipped (exit 77) where python3 lacks numpy or h5py; scripts/setup installs both.
 set(_math_runs ${CMAKE_CURRENT_BINARY_DIR}/math_runs)
-foreach(case_np classification:2 regression:1)
+foreach(case_np classification:2 regression:1 residual_classification:4 residual_regression:1)
   string(REPLACE ":" ";" _pair ${case_np})
   list(GET _pair 0 _case)
   list(GET _pair 1 _np)

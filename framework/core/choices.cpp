@@ -25,7 +25,15 @@ const char* name_of(const ChoiceTable<Enum>& table, Enum value) {
 }  // namespace
 
 const ChoiceTable<ModelKind>& model_kind_choices() {
-  static const ChoiceTable<ModelKind> table = {{"mlp", ModelKind::mlp}};
+  static const ChoiceTable<ModelKind> table = {{"mlp", ModelKind::mlp},
+                                               {"residual_mlp", ModelKind::residual_mlp}};
+  return table;
+}
+
+const ChoiceTable<ModelNorm>& model_norm_choices() {
+  static const ChoiceTable<ModelNorm> table = {{"layernorm", ModelNorm::layernorm},
+                                               {"rmsnorm", ModelNorm::rmsnorm},
+                                               {"none", ModelNorm::none}};
   return table;
 }
 
@@ -152,6 +160,9 @@ Dtype parse_dtype(const std::string& name, const std::string& key) {
 
 const char* to_string(ModelKind value) {
   return name_of(model_kind_choices(), value);
+}
+const char* to_string(ModelNorm value) {
+  return name_of(model_norm_choices(), value);
 }
 const char* to_string(Activation value) {
   return name_of(activation_choices(), value);

@@ -4,7 +4,8 @@
 // value (parse_*) reads the same table, so the two cannot disagree.
 //
 // clang-format off
-//   model.kind                    ModelKind                  mlp
+//   model.kind                    ModelKind                  mlp | residual_mlp
+//   model.norm                    ModelNorm                  layernorm | rmsnorm | none
 //   model.activation              Activation                 relu | tanh | gelu | gelu_erf | silu | sigmoid | none
 //   model.init                    InitScheme                 he_normal | xavier_uniform | normal | zeros
 //   model.loss                    LossKind                   cross_entropy | mse (config: also auto)
@@ -31,7 +32,11 @@
 
 namespace meshtrain {
 
-enum class ModelKind { mlp };
+// mlp: a plain stack of layers (model.sizes); residual_mlp: pre-norm residual blocks
+// (docs/models.md).
+enum class ModelKind { mlp, residual_mlp };
+// The norm of a residual_mlp's blocks and its output (layers/norm.hpp).
+enum class ModelNorm { layernorm, rmsnorm, none };
 // gelu: the tanh form; gelu_erf: the exact erf form; none: the identity (layers/activation.hpp).
 enum class Activation { relu, tanh, gelu, gelu_erf, silu, sigmoid, none };
 enum class InitScheme { he_normal, xavier_uniform, normal, zeros };
@@ -56,6 +61,7 @@ enum class Normalize { none, standard };
 template <class Enum>
 using ChoiceTable = std::vector<std::pair<std::string, Enum>>;
 const ChoiceTable<ModelKind>& model_kind_choices();
+const ChoiceTable<ModelNorm>& model_norm_choices();
 const ChoiceTable<Activation>& activation_choices();
 const ChoiceTable<InitScheme>& init_scheme_choices();
 const ChoiceTable<LossKind>& loss_kind_choices();
@@ -96,6 +102,7 @@ Dtype parse_dtype(const std::string& name, const std::string& key);
 
 // Value -> name.
 const char* to_string(ModelKind value);
+const char* to_string(ModelNorm value);
 const char* to_string(Activation value);
 const char* to_string(InitScheme value);
 const char* to_string(LossKind value);

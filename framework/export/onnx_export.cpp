@@ -393,8 +393,9 @@ ExportSource read_export_source(const std::string& checkpoint) {
   s.info = list_checkpoint(s.path).info;
   s.config = parse_config(s.info.config_text, "the config stored in checkpoint '" + s.path + "'");
   if (s.config.model.kind != ModelKind::mlp) {
-    MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': export does not know model.kind = \"",
-                        to_string(s.config.model.kind), "\"");
+    MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': export does not support model.kind = \"",
+                        to_string(s.config.model.kind), "\" yet (only \"mlp\"); meshtrain ",
+                        "predict and evaluate run it");
   }
   if (!s.config.model.loss) {
     MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': its config leaves model.loss to \"auto\"; ",

@@ -181,25 +181,27 @@ int64_t hdf5_chunk_cache_bytes(const DataSection& data, int64_t input_width, int
 }
 }  // namespace
 
-void check_data_fits_model(const DataShape& d, int64_t input_width, int64_t output_width) {
+void check_data_fits_model(const DataShape& d, int64_t input_width, int64_t output_width,
+                           const ModelWidthKeys& keys) {
   if (d.num_samples == 0) return;  // no test set
   if (d.features != input_width) {
-    MESHTRAIN_BAD_INPUT("model.sizes[0] = ", input_width, " does not match the ", d.features,
+    MESHTRAIN_BAD_INPUT(keys.input, " = ", input_width, " does not match the ", d.features,
                         " input features per sample of the ", d.description);
   }
   if (d.output_width() != output_width) {
     if (d.classification()) {
-      MESHTRAIN_BAD_INPUT("model.sizes[-1] = ", output_width, " does not match the ", d.num_classes,
+      MESHTRAIN_BAD_INPUT(keys.output, " = ", output_width, " does not match the ", d.num_classes,
                           " classes of the ", d.description);
     }
-    MESHTRAIN_BAD_INPUT("model.sizes[-1] = ", output_width, " does not match the target width ",
+    MESHTRAIN_BAD_INPUT(keys.output, " = ", output_width, " does not match the target width ",
                         d.target_width, " of the ", d.description);
   }
 }
 
 std::unique_ptr<RowSource> open_data_source(const DataSection& data, Split split, uint64_t seed,
                                             int64_t input_width, int64_t output_width,
-                                            std::optional<LossKind> loss) {
+                                            std::optional<LossKind> loss,
+                                            const ModelWidthKeys& keys) {
   std::unique_ptr<RowSource> source;
   if (data.source == DataSource::fashion_mnist) {
     const std::string dir = data.path.empty() ? default_fashion_mnist_dir() : data.path.front();
@@ -228,7 +230,7 @@ std::unique_ptr<RowSource> open_data_source(const DataSection& data, Split split
     source = open_hdf5_source(expand_data_paths(entries, key), output_width, options);
   }
   if (loss) check_loss_fits_data(*loss, data, source->shape());
-  check_data_fits_model(source->shape(), input_width, output_width);
+  check_data_fits_model(source->shape(), input_width, output_width, keys);
   return source;
 }
 

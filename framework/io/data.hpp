@@ -161,14 +161,21 @@ Dataset load_hdf5_dataset(const std::string& path, int64_t num_classes);
 // `loss` (model.loss; empty while it is "auto"): checked against the split first
 // (check_loss_fits_data), so that float labels under cross_entropy are told to be integers
 // rather than of another width.
+// The model keys a width mismatch names (kind = "residual_mlp": model.inputs, model.outputs).
+struct ModelWidthKeys {
+  const char* input = "model.sizes[0]";
+  const char* output = "model.sizes[-1]";
+};
 std::unique_ptr<RowSource> open_data_source(const DataSection& data, Split split, uint64_t seed,
                                             int64_t input_width, int64_t output_width,
-                                            std::optional<LossKind> loss = std::nullopt);
+                                            std::optional<LossKind> loss = std::nullopt,
+                                            const ModelWidthKeys& keys = {});
 // The same, read into memory (allocates the whole split; for tests and tools).
 Dataset load_dataset(const DataSection& data, Split split, uint64_t seed, int64_t input_width,
                      int64_t output_width);
 // A data set's shape against the model's widths, as open_data_source checks it.
-void check_data_fits_model(const DataShape& shape, int64_t input_width, int64_t output_width);
+void check_data_fits_model(const DataShape& shape, int64_t input_width, int64_t output_width,
+                           const ModelWidthKeys& keys = {});
 
 // model.loss against the kind of targets of a loaded split: cross_entropy needs class
 // labels, mse regression targets. A mismatch is a bad_input Error naming model.loss and

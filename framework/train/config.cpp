@@ -28,6 +28,48 @@ toml::table parse_toml(const std::string& text, const std::string& source) {
 
 }  // namespace
 
+int64_t ModelSection::input_width() const {
+  if (kind == ModelKind::residual_mlp) return inputs;
+  return sizes.empty() ? 0 : sizes.front();
+}
+
+int64_t ModelSection::output_width() const {
+  if (kind == ModelKind::residual_mlp) return outputs;
+  return sizes.empty() ? 0 : sizes.back();
+}
+
+ResidualMlpShape ModelSection::residual() const {
+  ResidualMlpShape shape;
+  shape.inputs = inputs;
+  shape.outputs = outputs;
+  shape.width = width;
+  shape.hidden = hidden;
+  shape.depth = depth;
+  shape.norm = norm != ModelNorm::none;
+  shape.norm_kind = norm == ModelNorm::layernorm ? NormKind::layernorm : NormKind::rmsnorm;
+  shape.gated = swiglu;
+  return shape;
+}
+
+std::string ModelSection::activation_name() const {
+  return swiglu ? "swiglu" : to_string(activation);
+}
+
+std::vector<ParameterShape> model_parameter_shapes(const ModelSection& model) {
+  if (model.kind == ModelKind::residual_mlp) return residual_mlp_parameter_shapes(model.residual());
+  return mlp_parameter_shapes(model.sizes, model.moe());
+}
+
+std::vector<NormLayerParameters> model_norm_layers(const ModelSection& model) {
+  if (model.kind == ModelKind::residual_mlp) return residual_mlp_norm_layers(model.residual());
+  return {};
+}
+
+std::vector<LinearLayerParameters> model_linear_layers(const ModelSection& model) {
+  if (model.kind == ModelKind::residual_mlp) return residual_mlp_linear_layers(model.residual());
+  return mlp_linear_layers(model.sizes, model.moe());
+}
+
 Mesh MeshSection::resolve(int world_size) const {
   return Mesh::create(axes, world_size, source);
 }

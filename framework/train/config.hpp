@@ -40,7 +40,14 @@ struct MeshSection {
 
 struct ModelSection {
   ModelKind kind = ModelKind::mlp;
-  std::vector<int64_t> sizes;  // [in, hidden..., out], at least two, all positive
+  std::vector<int64_t> sizes;  // kind mlp: [in, hidden..., out], at least two, all positive
+  // kind residual_mlp (docs/models.md): input features, outputs, the residual stream's width,
+  // the blocks' inner width, the number of blocks (all >= 1), their norm.
+  int64_t inputs = 0, outputs = 0, width = 0, hidden = 0, depth = 0;
+  ModelNorm norm = ModelNorm::rmsnorm;
+  // "swiglu" (residual_mlp only): activation is silu and swiglu is true; the blocks then
+  // have a gate projection beside up (blocks/<i>/gate), inner silu(gate) * up.
+  bool swiglu = false;
   Activation activation = Activation::relu;
   InitScheme init = InitScheme::he_normal;
   // Unset: "auto" in TOML, resolved by load_config to mse for synthetic data and to
@@ -57,7 +64,22 @@ struct ModelSection {
   // [0, 1); 0: none.
   double dropout = 0.0;
   MoeSettings moe() const { return {moe_layers, experts, top_k, aux_loss_coef}; }
+  // (A model.dropout key for both kinds goes here; see docs/models.md.)
+
+  int64_t input_width() const;   // features of a row: sizes[0], or inputs
+  int64_t output_width() const;  // classes / targets: sizes[-1], or outputs
+  bool has_norms() const { return kind == ModelKind::residual_mlp && norm != ModelNorm::none; }
+  // kind residual_mlp's shape (partition/planner.hpp).
+  ResidualMlpShape residual() const;
+  // "relu", ..., or "swiglu".
+  std::string activation_name() const;
 };
+
+// The model's parameters and its linear layers, in the order the model takes them, for
+// either kind (mlp_parameter_shapes / residual_mlp_parameter_shapes).
+std::vector<ParameterShape> model_parameter_shapes(const ModelSection& model);
+std::vector<LinearLayerParameters> model_linear_layers(const ModelSection& model);
+std::vector<NormLayerParameters> model_norm_layers(const ModelSection& model);  // mlp: none
 
 struct PartitionRuleText {
   std::string pattern;

@@ -93,7 +93,15 @@ void check_config_products(const RunConfig& config) {
     product(experts_in, "model.experts x model.sizes[" + std::to_string(i) + "]", sizes[i + 1],
             "model.sizes[" + std::to_string(i + 1) + "]", 16);
   }
-  const int64_t row_bytes = sizes.empty() ? 4 : 4 * (sizes.front() + sizes.back());
+  if (config.model.kind == ModelKind::residual_mlp) {
+    const ModelSection& m = config.model;
+    product(m.inputs, "model.inputs", m.width, "model.width", 16);
+    product(m.width, "model.width", m.hidden, "model.hidden", 16 * 3);
+    product(m.width, "model.width", m.outputs, "model.outputs", 16);
+    product(m.width * m.hidden, "model.width x model.hidden", m.depth, "model.depth", 16 * 3);
+  }
+  const int64_t row_bytes =
+      std::max<int64_t>(4, 4 * (config.model.input_width() + config.model.output_width()));
   product(config.data.block_rows, "data.block_rows", config.data.shuffle_window,
           "data.shuffle_window", row_bytes);
 }
@@ -112,7 +120,25 @@ void check_config(RunConfig& config) {
   if (config.run.output_dir.empty()) config.run.output_dir = "runs/" + config.run.name;
   if (config.checkpoint.dir.empty()) config.checkpoint.dir = config.run.output_dir + "/checkpoints";
 
-  if (config.model.sizes.size() < 2) {
+  if (config.model.kind == ModelKind::residual_mlp) {
+    if (!config.model.sizes.empty()) {
+      fail("model.sizes",
+           "is a key of kind = \"mlp\"; kind = \"residual_mlp\" takes inputs, "
+           "outputs, width, hidden and depth instead");
+    }
+    if (!config.model.moe_layers.empty()) {
+      fail("model.moe_layers", "is not supported with kind = \"residual_mlp\" yet");
+    }
+    for (const auto& [key, value] : {std::pair<const char*, int64_t>{"inputs", config.model.inputs},
+                                     {"outputs", config.model.outputs},
+                                     {"width", config.model.width},
+                                     {"hidden", config.model.hidden},
+                                     {"depth", config.model.depth}}) {
+      if (value < 1) fail(std::string("model.") + key, "must be at least 1, got ", value);
+    }
+  } else if (config.model.swiglu) {
+    fail("model.activation", "= \"swiglu\" needs kind = \"residual_mlp\"");
+  } else if (config.model.sizes.size() < 2) {
     fail("model.sizes", "needs at least 2 entries (input and output width), got ",
          config.model.sizes.size());
   }

@@ -34,8 +34,8 @@ const ConfigSchema& config_schema() {
       {"run", {"name", "seed", "output_dir", "peak_tflops"}},
       {"mesh", {"dp", "fsdp", "ep", "tp", "sp"}},
       {"model",
-       {"kind", "sizes", "activation", "init", "loss", "moe_layers", "experts", "top_k",
-        "aux_loss_coef", "dropout"}},
+       {"kind", "sizes", "inputs", "outputs", "width", "hidden", "depth", "norm", "activation",
+        "init", "loss", "moe_layers", "experts", "top_k", "aux_loss_coef", "dropout"}},
       {"partition", {"preset", "min_sharding_size", "rules", "logical_axes", "collective_matmul"}},
       {"data",
        {"source", "path", "test_path", "batch_size", "eval_batch_size", "shuffle", "block_rows",
@@ -270,8 +270,14 @@ void read_mesh(const Section& s, const std::string& file, MeshSection& mesh) {
   }
 }
 
-void read_model(const Section& s, DataSource data_source, ModelSection& model) {
-  model.kind = s.choice("kind", model.kind, model_kind_choices());
+// kind = "mlp": model.sizes; the residual_mlp keys are refused.
+void read_mlp_sizes(const Section& s, ModelSection& model) {
+  for (const char* key : {"inputs", "outputs", "width", "hidden", "depth", "norm"}) {
+    if (s.has(key)) {
+      s.fail(key, "is a key of kind = \"residual_mlp\"; kind = \"mlp\" gives its widths in "
+             "sizes");
+    }
+  }
   const toml::node* sizes = s.find("sizes");
   if (!sizes) s.fail("sizes", "is required, e.g. sizes = [784, 512, 512, 10]");
   if (!sizes->is_array()) s.wrong_type("sizes", *sizes, "an array of layer widths");
@@ -288,7 +294,46 @@ void read_model(const Section& s, DataSource data_source, ModelSection& model) {
     }
     model.sizes.push_back(entry.as_integer()->get());
   }
-  model.activation = s.choice("activation", model.activation, activation_choices());
+}
+
+// kind = "residual_mlp": inputs, outputs, width, hidden, depth, norm; sizes and MoE refused.
+void read_residual_model(const Section& s, ModelSection& model) {
+  if (s.has("sizes")) {
+    s.fail("sizes", "is a key of kind = \"mlp\"; kind = \"residual_mlp\" takes inputs, "
+           "outputs, width, hidden and depth instead");
+  }
+  if (s.has("moe_layers")) {
+    s.fail("moe_layers", "is not supported with kind = \"residual_mlp\" yet (MoE blocks are "
+           "not implemented); use kind = \"mlp\"");
+  }
+  model.sizes.clear();
+  for (auto [key, value] : {std::pair<const char*, int64_t*>{"inputs", &model.inputs},
+                            {"outputs", &model.outputs},
+                            {"width", &model.width},
+                            {"hidden", &model.hidden},
+                            {"depth", &model.depth}}) {
+    if (!s.has(key) && *value < 1) s.fail(key, "is required with kind = \"residual_mlp\"");
+    *value = s.integer(key, *value, 1);
+  }
+  model.norm = s.choice("norm", model.norm, model_norm_choices());
+}
+
+void read_model(const Section& s, DataSource data_source, ModelSection& model) {
+  model.kind = s.choice("kind", model.kind, model_kind_choices());
+  if (model.kind == ModelKind::residual_mlp) {
+    read_residual_model(s, model);
+  } else {
+    read_mlp_sizes(s, model);
+  }
+  // "swiglu" is a residual_mlp activation (a gate projection in every block).
+  ChoiceTable<std::optional<Activation>> activations;
+  for (const auto& [name, kind] : activation_choices()) activations.emplace_back(name, kind);
+  if (model.kind == ModelKind::residual_mlp) activations.emplace_back("swiglu", std::nullopt);
+  const std::optional<Activation> fallback =
+      model.swiglu ? std::nullopt : std::optional<Activation>(model.activation);
+  const std::optional<Activation> activation = s.choice("activation", fallback, activations);
+  model.swiglu = !activation;
+  model.activation = activation.value_or(Activation::silu);
   model.init = s.choice("init", model.init, init_scheme_choices());
   ChoiceTable<std::optional<LossKind>> losses = {{"auto", std::nullopt}};
   for (const auto& [name, kind] : loss_kind_choices()) losses.emplace_back(name, kind);

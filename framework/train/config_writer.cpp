@@ -20,11 +20,20 @@ std::string config_to_toml(const RunConfig& config) {
   toml::array sizes;
   for (int64_t size : config.model.sizes) sizes.push_back(size);
   toml::table model{{"kind", to_string(config.model.kind)},
-                    {"sizes", sizes},
-                    {"activation", to_string(config.model.activation)},
+                    {"activation", config.model.activation_name()},
                     {"init", to_string(config.model.init)},
                     {"loss", config.model.loss ? to_string(*config.model.loss) : "auto"}};
   if (config.model.dropout > 0) model.insert("dropout", config.model.dropout);
+  if (config.model.kind == ModelKind::residual_mlp) {
+    model.insert("inputs", config.model.inputs);
+    model.insert("outputs", config.model.outputs);
+    model.insert("width", config.model.width);
+    model.insert("hidden", config.model.hidden);
+    model.insert("depth", config.model.depth);
+    model.insert("norm", to_string(config.model.norm));
+  } else {
+    model.insert("sizes", sizes);
+  }
   if (!config.model.moe_layers.empty()) {
     toml::array moe_layers;
     for (int64_t layer : config.model.moe_layers) moe_layers.push_back(layer);

@@ -17,7 +17,8 @@ std::vector<PartitionRule> partition_rules(const RunConfig& config) {
     rules.push_back(PartitionRule{rule.pattern, rule.spec, false});
   }
   if (!config.partition.preset.empty()) {
-    for (PartitionRule& rule : preset_rules(config.partition.preset, config.model.moe().any()))
+    for (PartitionRule& rule :
+         preset_rules(config.partition.preset, config.model.moe().any(), config.model.has_norms()))
       rules.push_back(std::move(rule));
   }
   if (rules.empty()) {

@@ -118,6 +118,21 @@ void write_layers_text(const ShardingPlan& plan, const PlanOptions& options, std
     rows.push_back({"  total", "", "", "", "", format_bytes(l.collective_bytes_per_step)});
     write_table(rows, out);
   }
+  for (const NormPlan& n : plan.norms) {
+    out << n.name << ": " << n.compute << "\n";
+    if (n.collectives.empty()) {
+      out << "  no collectives\n";
+      continue;
+    }
+    std::vector<std::vector<std::string>> rows = {
+        {"  phase", "collective", "operand", "shape", "group", "bytes/rank"}};
+    for (const auto& c : n.collectives) {
+      rows.push_back({"  " + c.phase, to_string(c.kind), c.operand, format_shape(c.shape),
+                      group_text(c, plan.mesh), format_bytes(c.bytes_per_rank)});
+    }
+    rows.push_back({"  total", "", "", "", "", format_bytes(n.collective_bytes_per_step)});
+    write_table(rows, out);
+  }
   out << "collectives per rank per step: " << format_bytes(plan.totals.collective_bytes_per_step)
       << "\n";
 }
@@ -535,10 +550,10 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   const Mesh mesh = config.mesh.resolve(world_size);
   const std::vector<PartitionRule> rules = partition_rules(config);
   const PlanOptions options = plan_options(config);
-  const MoeSettings moe = config.model.moe();
-  const std::vector<ParameterShape> shapes = mlp_parameter_shapes(config.model.sizes, moe);
-  const std::vector<LinearLayerParameters> layers = mlp_linear_layers(config.model.sizes, moe);
-  const ShardingPlan plan = make_plan(shapes, mesh, rules, options, layers);
+  const std::vector<ParameterShape> shapes = model_parameter_shapes(config.model);
+  const std::vector<LinearLayerParameters> layers = model_linear_layers(config.model);
+  const ShardingPlan plan =
+      make_plan(shapes, mesh, rules, options, layers, model_norm_layers(config.model));
   // A checkpoint that stages (asynchronous, or from device memory) copies the blocks a rank
   // writes: at most its parameters and optimizer state (exactly those on rank 0, which
   // writes every block it holds).
@@ -551,7 +566,7 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   const int64_t shards =
       plan.local_batch_rows > 0 ? config.data.batch_size / plan.local_batch_rows : 0;
   const int64_t eval_rows = shards > 0 && eval_batch % shards == 0 ? eval_batch / shards : 0;
-  const DataUse use{config.model.sizes.front(), config.model.sizes.back(),
+  const DataUse use{config.model.input_width(), config.model.output_width(),
                     config.model.loss == LossKind::cross_entropy, config.train.accumulation_steps};
   const DataFootprint data =
       data_footprint(config.data, use, std::max<int64_t>(plan.local_batch_rows, 0), eval_rows);

@@ -36,6 +36,12 @@ std::string value_text(ShuffleMode value) {
          : value == ShuffleMode::rows ? "true"
                                       : "false";
 }
+std::string value_text(ModelKind value) {
+  return value_text(std::string(to_string(value)));
+}
+std::string value_text(ModelNorm value) {
+  return value_text(std::string(to_string(value)));
+}
 std::string value_text(Normalize value) {
   return value_text(std::string(to_string(value)));
 }
@@ -136,8 +142,20 @@ void check_resume_compatible(const RunConfig& config, const CheckpointInfo& save
   }
   require_same("train.accumulation_steps", before.train.accumulation_steps,
                config.train.accumulation_steps, saved, config, order);
-  require_same("model.sizes", before.model.sizes, config.model.sizes, saved, config,
-               "would not fit the saved parameters");
+  const char* shapes = "would not fit the saved parameters";
+  require_same("model.kind", before.model.kind, config.model.kind, saved, config, shapes);
+  require_same("model.sizes", before.model.sizes, config.model.sizes, saved, config, shapes);
+  if (config.model.kind == ModelKind::residual_mlp) {
+    const ModelSection &a = before.model, &b = config.model;
+    require_same("model.inputs", a.inputs, b.inputs, saved, config, shapes);
+    require_same("model.outputs", a.outputs, b.outputs, saved, config, shapes);
+    require_same("model.width", a.width, b.width, saved, config, shapes);
+    require_same("model.hidden", a.hidden, b.hidden, saved, config, shapes);
+    require_same("model.depth", a.depth, b.depth, saved, config, shapes);
+    require_same("model.norm", a.norm, b.norm, saved, config, shapes);
+    require_same("model.activation", a.activation_name(), b.activation_name(), saved, config,
+                 shapes);
+  }
 
   if (saved.train_state.step > total_steps) {
     const std::string length = length_text(config);

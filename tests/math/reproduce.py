@@ -4,7 +4,10 @@ exists, `meshtrain predict`) from the checkpoint alone, in float64 with numpy an
 
   reproduce.py WORKDIR CASE -- MPIRUN... MESHTRAIN
 
-CASE: "classification" (gelu, 7 classes, an MoE layer) or "regression" (silu, 3 outputs).
+CASE: "classification" (gelu, 7 classes, an MoE layer), "regression" (silu, 3 outputs),
+"residual_classification" (kind = "residual_mlp", layernorm, swiglu, 7 classes, on fsdp x tp)
+or "residual_regression" (residual_mlp, rmsnorm, silu, 3 outputs, normalized targets;
+docs/models.md).
 Writes HDF5 data and a config into WORKDIR, trains there with the given launcher
 (`mpirun -np 2 .../meshtrain` or just `.../meshtrain`), then:
   - recomputes the last evaluation's test loss (and accuracy) from the checkpoint's
@@ -90,6 +93,36 @@ def softmax(z):
     return e / e.sum(axis=1, keepdims=True)
 
 
+def norm_layer(kind, params, name, h):
+    """docs/models.md: LayerNorm (eps 1e-5) or RMSNorm (eps 2^-23) over the features."""
+    scale = params[f"{name}/scale"]
+    if kind == "layernorm":
+        mean = h.mean(axis=1, keepdims=True)
+        var = ((h - mean) ** 2).mean(axis=1, keepdims=True)
+        return (h - mean) / np.sqrt(var + 1e-5) * scale + params[f"{name}/bias"]
+    return h / np.sqrt((h ** 2).mean(axis=1, keepdims=True) + 2.0 ** -23) * scale
+
+
+def residual_forward(model, params, h):
+    """kind = "residual_mlp" (docs/models.md), pre-norm."""
+    norm = model.get("norm", "rmsnorm")
+    act = model["activation"]
+    h = h @ params["input/weight"] + params["input/bias"]
+    for i in range(model["depth"]):
+        b = f"blocks/{i}"
+        u = norm_layer(norm, params, f"{b}/norm", h) if norm != "none" else h
+        value = u @ params[f"{b}/up/weight"] + params[f"{b}/up/bias"]
+        if act == "swiglu":
+            gate = u @ params[f"{b}/gate/weight"] + params[f"{b}/gate/bias"]
+            a = activation("silu", gate) * value
+        else:
+            a = activation(act, value)
+        h = h + a @ params[f"{b}/down/weight"] + params[f"{b}/down/bias"]
+    if norm != "none":
+        h = norm_layer(norm, params, "output_norm", h)
+    return h @ params["output/weight"] + params["output/bias"]
+
+
 def forward(checkpoint, x):
     """The model's output in normalized units, and the normalization (or None)."""
     with h5py.File(checkpoint, "r") as f:
@@ -101,11 +134,13 @@ def forward(checkpoint, x):
         norm = {k: f["normalization"][k][()] for k in f["normalization"]} \
             if "normalization" in f else {}
     model = config["model"]
-    sizes = model["sizes"]
-    moe_layers = set(model.get("moe_layers", []))
     h = x.astype(np.float64)
     if "input_mean" in norm:
         h = (h - norm["input_mean"]) / norm["input_std"]
+    if model.get("kind", "mlp") == "residual_mlp":
+        return residual_forward(model, params, h), norm
+    sizes = model["sizes"]
+    moe_layers = set(model.get("moe_layers", []))
     for i in range(len(sizes) - 1):
         if i in moe_layers:
             z = moe(params, i, model.get("top_k", 2), h)
@@ -127,19 +162,20 @@ def parse_toml(text):
 
 # --- the run -------------------------------------------------------------------------------
 def write_data(workdir, case, rng):
-    features = 12 if case == "classification" else 6
+    classification = case.endswith("classification")
+    features = 12 if classification else 6
     rows = {"train": 512, "test": 203}  # 203: not a multiple of any batch
     files = {}
     for split, n in rows.items():
         x = rng.normal(size=(n, features)) * np.linspace(0.5, 3.0, features) + 1.5
-        if case == "classification":
+        if classification:
             y = (np.abs(x[:, :7]).argmax(axis=1)).astype(np.int64)
         else:
             y = np.stack([np.sin(x[:, 0]) + x[:, 1], x[:, 2] * x[:, 3], 10.0 + x[:, 4]], axis=1)
         path = os.path.join(workdir, f"{split}.h5")
         with h5py.File(path, "w") as f:
             f["x"] = x.astype(np.float32)
-            f["y"] = y if case == "classification" else y.astype(np.float32)
+            f["y"] = y if classification else y.astype(np.float32)
         files[split] = path
     return files
 
@@ -160,11 +196,42 @@ sizes = [6, 16, 3]
 activation = "silu"
 loss = "mse"
 """,
+    "residual_classification": """
+[model]
+kind = "residual_mlp"
+inputs = 12
+outputs = 7
+width = 16
+hidden = 32
+depth = 2
+norm = "layernorm"
+activation = "swiglu"
+loss = "cross_entropy"
+""",
+    "residual_regression": """
+[model]
+kind = "residual_mlp"
+inputs = 6
+outputs = 3
+width = 16
+hidden = 24
+depth = 3
+norm = "rmsnorm"
+activation = "silu"
+loss = "mse"
+""",
+}
+
+# The mesh and preset of each case (the residual classification runs on fsdp x tp at np 4).
+MESHES = {
+    "residual_classification": ("fsdp = -1\ntp = 2", "fsdp_tp"),
 }
 
 
 def write_config(workdir, case, files):
     path = os.path.join(workdir, "run.toml")
+    mesh, preset = MESHES.get(case, ("dp = -1", "dp"))
+    normalize = 'normalize_targets = "standard"\n' if case == "residual_regression" else ""
     with open(path, "w") as f:
         f.write(f"""[run]
 name = "reproduce"
@@ -172,10 +239,10 @@ seed = 3
 output_dir = "{workdir}/out"
 
 [mesh]
-dp = -1
+{mesh}
 
 [partition]
-preset = "dp"
+preset = "{preset}"
 {CONFIGS[case]}
 [data]
 source = "hdf5"
@@ -183,7 +250,7 @@ path = "{files['train']}"
 test_path = "{files['test']}"
 batch_size = 32
 shuffle = false
-
+{normalize}
 [optimizer]
 kind = "adamw"
 lr = 3e-3
@@ -230,7 +297,8 @@ def main():
     if not evals:
         fail("metrics.jsonl has no evaluation")
     last = evals[-1]
-    if case == "classification":
+    classification = case.endswith("classification")
+    if classification:
         loss = np.mean(np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
                        - z[np.arange(len(y_test)), y_test])
         close(loss, last["test_loss"], "test loss (cross entropy, mean over rows)")
@@ -258,7 +326,7 @@ def main():
         prediction = z * norm["target_std"] + norm["target_mean"]
     with h5py.File(output, "r") as f:
         close(f["prediction"][()], prediction, "/prediction")
-        if case == "classification":
+        if classification:
             # Rows whose two largest outputs are within float32 rounding may go either way.
             top2 = np.sort(z, axis=1)[:, -2:]
             clear = (top2[:, 1] - top2[:, 0]) > 1e-4 * np.maximum(np.abs(top2[:, 1]), 1.0)

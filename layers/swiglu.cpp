@@ -1,0 +1,83 @@
+#include "layers/swiglu.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <utility>
+
+#include "base/error.hpp"
+#include "framework/core/kernel_label.hpp"
+#include "framework/core/precision.hpp"
+#include "layers/activation.hpp"
+
+namespace meshtrain {
+
+SwiGlu::SwiGlu(std::string name, std::unique_ptr<Linear> gate, std::unique_ptr<Linear> up,
+               int64_t rows, Dtype dtype)
+    : name_(std::move(name)), gate_(std::move(gate)), up_(std::move(up)), dtype_(dtype) {
+  if (gate_->output_layout() != up_->output_layout() ||
+      gate_->output_width() != up_->output_width() ||
+      gate_->output_offset() != up_->output_offset() || gate_->in() != up_->in() ||
+      gate_->input_layout() != up_->input_layout()) {
+    MESHTRAIN_BAD_INPUT("SwiGLU '", name_, "': its gate and up projections differ in layout (",
+                        gate_->describe(), " / ", up_->describe(),
+                        "); split both weights by the same rule");
+  }
+  const int64_t width = up_->output_width();
+  out_ = Matrix(name_ + "/output", rows, width);
+  dgate_ = Matrix(name_ + "/gate_grad", rows, width);
+  dvalue_ = Matrix(name_ + "/value_grad", rows, width);
+  dx_ = Matrix(name_ + "/input_grad", rows, up_->input_width());
+}
+
+std::vector<ShardedParameter*> SwiGlu::sharded_parameters() {
+  std::vector<ShardedParameter*> all = gate_->sharded_parameters();
+  for (ShardedParameter* p : up_->sharded_parameters()) all.push_back(p);
+  return all;
+}
+
+LayerScratchNeeds SwiGlu::scratch_needs() const {
+  LayerScratchNeeds needs = gate_->scratch_needs();
+  needs.merge(up_->scratch_needs());
+  return needs;
+}
+
+std::string SwiGlu::describe() const {
+  return gate_->describe() + "; " + up_->describe();
+}
+
+MatrixView SwiGlu::forward(MatrixView x, const LayerPass& pass) {
+  LayerPass inner;
+  inner.scratch = pass.scratch;
+  const MatrixView gate = gate_->forward(x, inner);
+  inner.prefetch = pass.prefetch;
+  const MatrixView value = up_->forward(x, inner);
+  swiglu_forward(gate, value, out_, dtype_);
+  return out_;
+}
+
+MatrixView SwiGlu::backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) {
+  swiglu_backward(gate_->output(), up_->output(), dy, dgate_, dvalue_, dtype_);
+  const bool bucketed = pass.deferred == DeferredReduction::in_buckets;
+  LayerPass inner = pass;
+  inner.prefetch = nullptr;
+  if (bucketed) inner.deferred = DeferredReduction::later;
+  const MatrixView dx_up = up_->backward(dvalue_, need_input_grad, inner);
+  inner.prefetch = pass.prefetch;
+  const MatrixView dx_gate = gate_->backward(dgate_, need_input_grad, inner);
+  if (bucketed) {
+    pass.buckets->layer_ready(pass.index);
+    pass.buckets->poll();
+  }
+  if (!need_input_grad) return MatrixView();
+  const MatrixView dx = dx_;
+  const Dtype dtype = dtype_;
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::swiglu_input_grad"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          {0, 0}, {static_cast<int64_t>(dx.extent(0)), static_cast<int64_t>(dx.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        dx(i, j) = round_to(dx_up(i, j) + dx_gate(i, j), dtype);
+      });
+  return dx_;
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,63 @@
+#pragma once
+// A SwiGLU projection, as one layer: two linear layers on the same input, gate and up, and
+// y = silu(x W_gate + b_gate) * (x W_up + b_up) (swiglu_forward, layers/activation.hpp).
+// In a residual_mlp block it stands where up and the activation stand otherwise
+// (docs/models.md): parameters "blocks/<i>/gate/{weight,bias}" beside "blocks/<i>/up/...".
+//
+// Tensor parallel: gate and up are two parameters, each split over tp by the same rule, so
+// rank t computes gate and value columns of the same global block t of the hidden features:
+// they belong together by construction (no interleaved fused weight to split). Checked at
+// construction: both Linears end in the same layout, width and offset (bad_input otherwise).
+//
+// Backward: dgate and dvalue elementwise, then both Linears' backward; dX is the sum of their
+// input gradients (rounded to the compute dtype). Gradient reduction: as ResidualBlock, in a
+// backward whose gradients go to the DP buckets the two Linears leave theirs partial and the
+// layer reports them ready once both are computed (its one bucket entry). FSDP prefetch: the
+// model's prefetch goes to up in forward and to gate in backward (the Linear that runs last).
+// Buffers (output, dgate, dvalue, dX) are allocated at construction.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "layers/layer.hpp"
+#include "layers/linear.hpp"
+
+namespace meshtrain {
+
+class SwiGlu final : public Layer {
+ public:
+  // `gate` and `up` take the same input; the layer owns them from here on. `dtype`: the
+  // compute dtype. Throws bad_input when their outputs differ in layout, width or offset.
+  SwiGlu(std::string name, std::unique_ptr<Linear> gate, std::unique_ptr<Linear> up, int64_t rows,
+         Dtype dtype);
+
+  MatrixView forward(MatrixView x, const LayerPass& pass) override;
+  MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
+
+  size_t parameter_count() const override { return 4; }  // gate weight, bias, up weight, bias
+  std::vector<ShardedParameter*> sharded_parameters() override;
+  bool can_leave_gradients_partial() const override { return true; }
+  LayerScratchNeeds scratch_needs() const override;
+
+  MatrixView output() const override { return out_; }
+  FeatureLayout output_layout() const override { return up_->output_layout(); }
+  int64_t output_width() const override { return up_->output_width(); }
+  int64_t output_offset() const override { return up_->output_offset(); }
+  // "<gate's line>; <up's line>".
+  std::string describe() const override;
+
+  const Linear& gate() const { return *gate_; }
+  const Linear& up() const { return *up_; }
+
+ private:
+  std::string name_;
+  std::unique_ptr<Linear> gate_, up_;
+  Dtype dtype_ = Dtype::fp32;
+  Matrix out_;     // [rows, hidden local]
+  Matrix dgate_;   // [rows, hidden local]
+  Matrix dvalue_;  // [rows, hidden local]
+  Matrix dx_;      // [rows, input width]
+};
+
+}  // namespace meshtrain

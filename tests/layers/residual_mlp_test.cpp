@@ -1,0 +1,376 @@
+// The residual_mlp model (layers/mlp.hpp's second constructor, docs/models.md): inputs 12,
+// width 16, hidden 32, depth 2, outputs 5, with rmsnorm / layernorm / no norm, and silu /
+// swiglu, built by Mlp from the plan of a preset on every mesh of np 1, 2 and 4 (dp, fsdp, tp;
+// at 4 also fsdp x tp and dp x tp), overlap off and on, against a float64 reference written
+// here from docs/models.md's formulas: the output and every parameter gradient, for a backward
+// that reduces in backward and one that leaves the deferrable gradients partial and completes
+// them with reduce_gradients(). All meshes are compared with the same reference, so every
+// mesh equals one rank. The loss is sum(R * out) over the global batch (8 rows) for a fixed R,
+// so dOut = R. Outputs 5 does not divide by tp = 2 (the output projection's all-reduce path).
+// Tolerance: |got - ref| <= 2e-5 (1 + |ref|) (float32, depth 2, sums of at most 32 terms of
+// O(1); measured differences are below 3e-6).
+// Also: initialize() gives norm scales 1 and biases 0, and a step allocates nothing.
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <Kokkos_Core.hpp>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "framework/comm/mesh_communicators.hpp"
+#include "layers/context.hpp"
+#include "layers/mlp.hpp"
+#include "partition/planner.hpp"
+#include "partition/rules.hpp"
+#include "tests/layers/full_tensor.hpp"
+#include "tests/test_backend.hpp"
+#include "tests/test_support.hpp"
+
+namespace meshtrain {
+namespace {
+
+using testing::Tensor;
+
+constexpr int64_t kRows = 8;
+constexpr double kTolerance = 2e-5;
+
+ResidualMlpShape shape_of(const std::string& norm, bool gated) {
+  ResidualMlpShape s;
+  s.inputs = 12;
+  s.outputs = 5;
+  s.width = 16;
+  s.hidden = 32;
+  s.depth = 2;
+  s.norm = norm != "none";
+  s.norm_kind = norm == "layernorm" ? NormKind::layernorm : NormKind::rmsnorm;
+  s.gated = gated;
+  return s;
+}
+
+// Every value as float, so that the reference sees exactly what the model sees. Norm scales
+// around 1.
+double parameter_value(const ParameterShape& p, int k, int64_t i, int64_t j) {
+  const double v = 0.3 * std::sin(0.7 * i + 1.1 * j + 0.5 * k);
+  const bool scale = p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, "scale") == 0;
+  return static_cast<float>(scale ? 1.0 + v : v);
+}
+double input_value(int64_t r, int64_t c) {
+  return static_cast<float>(1.5 * std::cos(0.37 * r + 0.91 * c) + 0.2);
+}
+double loss_weight(int64_t r, int64_t c) {
+  return static_cast<float>(std::sin(0.53 * r - 0.29 * c + 0.1));
+}
+
+void fill(ShardedTensor& t, const ParameterShape& p, int k) {
+  auto h = Kokkos::create_mirror_view(t.local);
+  const bool matrix = t.global_shape.size() == 2;
+  const int64_t cols = matrix ? t.box.extent[1] : 1;
+  for (int64_t l = 0; l < static_cast<int64_t>(h.extent(0)); ++l) {
+    h(l) = matrix ? static_cast<float>(parameter_value(p, k, t.box.offset[0] + l / cols,
+                                                       t.box.offset[1] + l % cols))
+                  : static_cast<float>(parameter_value(p, k, 0, t.box.offset[0] + l));
+  }
+  Kokkos::deep_copy(t.local, h);
+}
+
+using Vec = std::vector<double>;
+
+// ---- The float64 reference, one row at a time (docs/models.md). ----
+struct Param {
+  Tensor value, grad;
+  int64_t cols = 1;
+};
+
+Vec affine(const Vec& x, const Param& w, const Param& b) {
+  Vec out(b.value);
+  for (size_t c = 0; c < x.size(); ++c)
+    for (size_t j = 0; j < out.size(); ++j) out[j] += x[c] * w.value[c * out.size() + j];
+  return out;
+}
+Vec affine_backward(const Vec& x, Param& w, Param& b, const Vec& dy) {
+  Vec dx(x.size(), 0.0);
+  for (size_t c = 0; c < x.size(); ++c) {
+    for (size_t j = 0; j < dy.size(); ++j) {
+      dx[c] += dy[j] * w.value[c * dy.size() + j];
+      w.grad[c * dy.size() + j] += x[c] * dy[j];
+    }
+  }
+  for (size_t j = 0; j < dy.size(); ++j) b.grad[j] += dy[j];
+  return dx;
+}
+
+// LayerNorm (eps 1e-5) / RMSNorm (eps 2^-23): y = x_hat * scale (+ bias).
+struct NormCache {
+  Vec x_hat;
+  double rstd = 0.0;
+};
+Vec norm_forward(const Vec& x, const Param& scale, const Param* bias, NormCache& c) {
+  const double n = static_cast<double>(x.size());
+  double mean = 0.0;
+  if (bias) {
+    for (double v : x) mean += v / n;
+  }
+  double second = 0.0;
+  for (double v : x) second += (v - mean) * (v - mean);
+  c.rstd = 1.0 / std::sqrt(second / n + (bias ? kLayerNormEps : kRmsNormEps));
+  c.x_hat.assign(x.size(), 0.0);
+  Vec y(x.size());
+  for (size_t j = 0; j < x.size(); ++j) {
+    c.x_hat[j] = (x[j] - mean) * c.rstd;
+    y[j] = c.x_hat[j] * scale.value[j] + (bias ? bias->value[j] : 0.0);
+  }
+  return y;
+}
+Vec norm_backward(const NormCache& c, Param& scale, Param* bias, const Vec& dy) {
+  const double n = static_cast<double>(dy.size());
+  Vec g(dy.size());
+  double sum_g = 0.0, sum_gx = 0.0;
+  for (size_t j = 0; j < dy.size(); ++j) {
+    g[j] = dy[j] * scale.value[j];
+    sum_g += g[j];
+    sum_gx += g[j] * c.x_hat[j];
+    scale.grad[j] += dy[j] * c.x_hat[j];
+    if (bias) bias->grad[j] += dy[j];
+  }
+  Vec dx(dy.size());
+  for (size_t j = 0; j < dy.size(); ++j) {
+    dx[j] = c.rstd * (g[j] - (bias ? sum_g / n : 0.0) - c.x_hat[j] * sum_gx / n);
+  }
+  return dx;
+}
+
+double sigmoid(double z) {
+  return 1.0 / (1.0 + std::exp(-z));
+}
+
+struct Reference {
+  Tensor out;                // [rows, outputs]
+  std::vector<Tensor> grad;  // per parameter, in residual_mlp_parameter_shapes order
+};
+
+Reference reference(const ResidualMlpShape& s) {
+  const std::vector<ParameterShape> shapes = residual_mlp_parameter_shapes(s);
+  std::vector<Param> p(shapes.size());
+  for (size_t k = 0; k < shapes.size(); ++k) {
+    const bool matrix = shapes[k].shape.size() == 2;
+    const int64_t rows = matrix ? shapes[k].shape[0] : 1;
+    const int64_t cols = matrix ? shapes[k].shape[1] : shapes[k].shape[0];
+    p[k].cols = cols;
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j)
+        p[k].value.push_back(parameter_value(shapes[k], static_cast<int>(k), matrix ? i : 0, j));
+    p[k].grad.assign(p[k].value.size(), 0.0);
+  }
+  const bool ln = s.norm && s.norm_kind == NormKind::layernorm;
+  Reference r;
+  for (int64_t row = 0; row < kRows; ++row) {
+    // Forward, keeping what backward needs.
+    Vec x(s.inputs);
+    for (int64_t c = 0; c < s.inputs; ++c) x[c] = input_value(row, c);
+    size_t k = 0;
+    const size_t input = k;
+    k += 2;
+    Vec h = affine(x, p[input], p[input + 1]);
+    struct Block {
+      size_t norm, gate, up, down;
+      Vec h_in, u, g, z, a;
+      NormCache nc;
+    };
+    std::vector<Block> blocks(s.depth);
+    for (auto& b : blocks) {
+      b.h_in = h;
+      b.norm = k;
+      if (s.norm) k += ln ? 2 : 1;
+      b.u = s.norm ? norm_forward(h, p[b.norm], ln ? &p[b.norm + 1] : nullptr, b.nc) : h;
+      if (s.gated) {
+        b.gate = k;
+        k += 2;
+      }
+      b.up = k;
+      k += 2;
+      b.down = k;
+      k += 2;
+      b.z = affine(b.u, p[b.up], p[b.up + 1]);
+      b.a.resize(b.z.size());
+      if (s.gated) {
+        b.g = affine(b.u, p[b.gate], p[b.gate + 1]);
+        for (size_t j = 0; j < b.z.size(); ++j) b.a[j] = b.g[j] * sigmoid(b.g[j]) * b.z[j];
+      } else {
+        for (size_t j = 0; j < b.z.size(); ++j) b.a[j] = b.z[j] * sigmoid(b.z[j]);
+      }
+      const Vec d = affine(b.a, p[b.down], p[b.down + 1]);
+      for (size_t j = 0; j < h.size(); ++j) h[j] += d[j];
+    }
+    const size_t out_norm = k;
+    NormCache onc;
+    const Vec h_last = h;
+    if (s.norm) {
+      k += ln ? 2 : 1;
+      h = norm_forward(h_last, p[out_norm], ln ? &p[out_norm + 1] : nullptr, onc);
+    }
+    const size_t output = k;
+    const Vec y = affine(h, p[output], p[output + 1]);
+    for (double v : y) r.out.push_back(v);
+
+    // Backward from dOut = R.
+    Vec dy(s.outputs);
+    for (int64_t c = 0; c < s.outputs; ++c) dy[c] = loss_weight(row, c);
+    Vec dh = affine_backward(h, p[output], p[output + 1], dy);
+    if (s.norm) dh = norm_backward(onc, p[out_norm], ln ? &p[out_norm + 1] : nullptr, dh);
+    for (int64_t i = s.depth; i-- > 0;) {
+      Block& b = blocks[i];
+      const Vec da = affine_backward(b.a, p[b.down], p[b.down + 1], dh);
+      Vec du;
+      if (s.gated) {
+        Vec dg(da.size()), dz(da.size());
+        for (size_t j = 0; j < da.size(); ++j) {
+          const double sg = sigmoid(b.g[j]);
+          dg[j] = da[j] * b.z[j] * sg * (1.0 + b.g[j] * (1.0 - sg));
+          dz[j] = da[j] * b.g[j] * sg;
+        }
+        du = affine_backward(b.u, p[b.up], p[b.up + 1], dz);
+        const Vec du_gate = affine_backward(b.u, p[b.gate], p[b.gate + 1], dg);
+        for (size_t j = 0; j < du.size(); ++j) du[j] += du_gate[j];
+      } else {
+        Vec dz(da.size());
+        for (size_t j = 0; j < da.size(); ++j) {
+          const double sz = sigmoid(b.z[j]);
+          dz[j] = da[j] * sz * (1.0 + b.z[j] * (1.0 - sz));
+        }
+        du = affine_backward(b.u, p[b.up], p[b.up + 1], dz);
+      }
+      if (s.norm) du = norm_backward(b.nc, p[b.norm], ln ? &p[b.norm + 1] : nullptr, du);
+      for (size_t j = 0; j < dh.size(); ++j) dh[j] += du[j];  // the residual's part
+    }
+    affine_backward(x, p[input], p[input + 1], dh);
+  }
+  for (const Param& q : p) r.grad.push_back(q.grad);
+  return r;
+}
+
+void expect_close(const Tensor& got, const Tensor& ref, const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  int reported = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::abs(got[i] - ref[i]) > kTolerance * (1.0 + std::abs(ref[i])) && reported++ < 5) {
+      ADD_FAILURE() << what << "[" << i << "]: " << got[i] << ", reference " << ref[i];
+    }
+  }
+}
+
+int64_t g_allocations = 0;
+void count_allocation(const Kokkos_Profiling_SpaceHandle, const char*, const void*,
+                      const uint64_t) {
+  ++g_allocations;
+}
+
+struct MeshCase {
+  std::vector<std::pair<std::string, int>> axes;
+  std::string preset;
+};
+
+std::vector<MeshCase> mesh_cases() {
+  const int n = world_size();
+  std::vector<MeshCase> cases = {{{{"dp", n}}, "dp"}, {{{"fsdp", n}}, "fsdp"}, {{{"tp", n}}, "tp"}};
+  if (n == 4) {
+    cases.push_back({{{"fsdp", 2}, {"tp", 2}}, "fsdp_tp"});
+    cases.push_back({{{"dp", 2}, {"tp", 2}}, "dp_tp"});
+  }
+  return cases;
+}
+
+struct ModelCase {
+  std::string norm;
+  bool gated;
+};
+
+TEST(ResidualMlp, EqualsTheFloat64ReferenceOnEveryMesh) {
+  const int n = world_size();
+  for (const ModelCase& m : {ModelCase{"rmsnorm", false}, ModelCase{"layernorm", true},
+                             ModelCase{"rmsnorm", true}, ModelCase{"none", false}}) {
+    const ResidualMlpShape shape = shape_of(m.norm, m.gated);
+    const Reference ref = reference(shape);
+    const std::vector<ParameterShape> shapes = residual_mlp_parameter_shapes(shape);
+    for (const MeshCase& c : mesh_cases()) {
+      for (bool overlap : {false, true}) {
+        SCOPED_TRACE(m.norm + (m.gated ? " swiglu" : " silu") + ", " + c.preset + " at np " +
+                     std::to_string(n) + (overlap ? ", overlap" : ""));
+        const Mesh mesh = Mesh::create(c.axes, n);
+        MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+        ParallelContext context(comms, {"fsdp", "dp"}, "tp",
+                                CollectiveMatmulAlgorithm::bidirectional, overlap, 1e-4);
+        const ShardingPlan plan =
+            make_plan(shapes, mesh, preset_rules(c.preset, false, true), PlanOptions{0});
+        const int64_t rows = kRows / context.batch_parallel();
+        const int64_t row0 = context.batch_index() * rows;
+        Mlp model(shape, Activation::silu, specs_from_plan(plan), context, rows);
+        ASSERT_EQ(model.parameters().size(), shapes.size());
+
+        // initialize(): norm scales 1, norm biases 0 on every mesh.
+        model.initialize(InitScheme::normal, 7);
+        for (size_t k = 0; k < shapes.size(); ++k) {
+          const std::string& name = shapes[k].name;
+          const bool scale = name.find("norm/scale") != std::string::npos;
+          const bool norm_bias = name.find("norm/bias") != std::string::npos;
+          if (!scale && !norm_bias) continue;
+          for (double v : testing::to_host(model.parameters()[k])) {
+            ASSERT_EQ(v, scale ? 1.0 : 0.0) << name;
+          }
+        }
+        for (size_t k = 0; k < shapes.size(); ++k) {
+          fill(model.parameters()[k], shapes[k], static_cast<int>(k));
+        }
+
+        Matrix x("x", rows, shape.inputs), dout("dout", rows, model.output_width());
+        auto xh = Kokkos::create_mirror_view(x);
+        auto douth = Kokkos::create_mirror_view(dout);
+        const int64_t cols = model.output_width(), col0 = model.output_offset();
+        Tensor out_ref(rows * cols);
+        for (int64_t i = 0; i < rows; ++i) {
+          for (int64_t j = 0; j < shape.inputs; ++j) xh(i, j) = input_value(row0 + i, j);
+          for (int64_t j = 0; j < cols; ++j) {
+            douth(i, j) = loss_weight(row0 + i, col0 + j);
+            out_ref[i * cols + j] = ref.out[(row0 + i) * shape.outputs + col0 + j];
+          }
+        }
+        Kokkos::deep_copy(x, xh);
+        Kokkos::deep_copy(dout, douth);
+
+        for (bool reduce : {true, false}) {
+          SCOPED_TRACE(reduce ? "reduced in backward" : "reduce_gradients()");
+          auto step = [&] {
+            const MatrixView out = model.forward(x);
+            model.backward(dout, reduce);
+            if (!reduce) model.reduce_gradients();
+            return out;
+          };
+          step();  // warm-up, then the counted one
+          g_allocations = 0;
+          Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
+          const MatrixView out = step();
+          Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+          // Not where buckets run beside prefetches on one communicator (fsdp x tp with
+          // overlap: the norms' gradients bucketed over fsdp) or over MPI staged through host
+          // memory: the request pool may grow with the timing (see residual_block_test and
+          // train_step_allocations_test).
+          const bool pool_may_grow = overlap && (kDeviceMemoryIsSeparate || c.preset == "fsdp_tp");
+          if (!pool_may_grow) EXPECT_EQ(g_allocations, 0);
+
+          Matrix copy("copy", out.extent(0), out.extent(1));
+          Kokkos::deep_copy(copy, out);
+          auto oh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), copy);
+          expect_close(Tensor(oh.data(), oh.data() + oh.span()), out_ref, "output");
+          for (size_t k = 0; k < shapes.size(); ++k) {
+            expect_close(testing::gather_full(model.gradients()[k], mesh, context.rank()),
+                         ref.grad[k], shapes[k].name + " gradient");
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace meshtrain
