@@ -9,7 +9,8 @@
 set(_export_runs ${CMAKE_CURRENT_BINARY_DIR}/export_runs)
 foreach(_case classification regression_normalized activation_relu activation_tanh
               activation_gelu activation_none activation_gelu_erf
-              activation_silu activation_sigmoid moe moe_ties meshes cli_errors)
+              activation_silu activation_sigmoid residual_layernorm_silu
+              residual_rmsnorm_swiglu residual_classification moe moe_ties meshes cli_errors)
   meshtrain_add_command_test(NAME export_${_case} TIMEOUT 120
     COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/export/export_test.py ${_case}
             --meshtrain $<TARGET_FILE:meshtrain> --source-dir ${PROJECT_SOURCE_DIR}
@@ -26,9 +27,3 @@ meshtrain_add_test(NAME export_protobuf_test SOURCES export/protobuf_test.cpp
 # tp, fsdp x tp) is byte for byte the graph of the same global values built on one rank.
 meshtrain_add_test(NAME export_mesh_test SOURCES export/export_mesh_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 TIMEOUT 60)
-# A residual_mlp checkpoint is refused (exit 2, one sentence naming model.kind) until export
-# supports it; nothing is written.
-meshtrain_add_command_test(NAME export_residual_refused TIMEOUT 60
-  COMMAND sh ${PROJECT_SOURCE_DIR}/tests/cli/export_residual_refused.sh $<TARGET_FILE:meshtrain>
-          ${PROJECT_SOURCE_DIR}/configs/fashion_mnist_residual.toml
-          ${_export_runs}/residual_refused)
