@@ -585,11 +585,13 @@ def case_residual_layernorm_silu(ctx):
 
 
 def case_residual_rmsnorm_swiglu(ctx):
-    """A residual_mlp (RMSNorm, SwiGLU, 2 blocks) trained on fsdp x tp = 2 x 2: fp32 and bf16."""
+    """A residual_mlp (RMSNorm, SwiGLU, 1 block) trained on fsdp x tp = 2 x 2: fp32 and bf16.
+    (With 2 blocks, rounding the weights to fp16 or bf16 moves this model's outputs by 93% of
+    ROUNDED_BOUND, too near it for a stable test; residual_layernorm_silu has 2 blocks.)"""
     data = os.path.join(ctx.work, "regression.h5")
     scaled = write_standardized_data(data, "regression")
     ckpt = train(ctx, "residual_rmsnorm_swiglu", data, None, "swiglu", "mse",
-                 mesh="fsdp_tp_np4", residual=residual_keys("rmsnorm"))
+                 mesh="fsdp_tp_np4", residual=residual_keys("rmsnorm", depth=1))
     export_and_compare(ctx, ckpt, test_rows(scaled), "residual_rmsnorm_swiglu", ("fp32", "bf16"))
     check_graph_ops(ctx, "residual_rmsnorm_swiglu", os.path.join(
         ctx.work, "residual_rmsnorm_swiglu_fp32.onnx"), ["Sqrt", "ReduceSum", "Sigmoid"],
