@@ -10,7 +10,8 @@ set(_export_runs ${CMAKE_CURRENT_BINARY_DIR}/export_runs)
 foreach(_case classification regression_normalized activation_relu activation_tanh
               activation_gelu activation_none activation_gelu_erf
               activation_silu activation_sigmoid residual_layernorm_silu
-              residual_rmsnorm_swiglu residual_classification moe moe_ties meshes cli_errors)
+              residual_rmsnorm_swiglu residual_classification
+              residual_activations moe moe_ties meshes cli_errors)
   meshtrain_add_command_test(NAME export_${_case} TIMEOUT 120
     COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/export/export_test.py ${_case}
             --meshtrain $<TARGET_FILE:meshtrain> --source-dir ${PROJECT_SOURCE_DIR}

@@ -598,6 +598,17 @@ def case_residual_rmsnorm_swiglu(ctx):
         ["LayerNormalization", "Dropout"])
 
 
+def case_residual_activations(ctx):
+    """residual_mlp blocks with each other activation (relu, tanh, gelu, sigmoid, none;
+    RMSNorm, 1 block, one rank): fp32 against the float64 forward and predict."""
+    data = os.path.join(ctx.work, "regression.h5")
+    scaled = write_standardized_data(data, "regression")
+    for kind in ("relu", "tanh", "gelu", "sigmoid", "none"):
+        ckpt = train(ctx, "residual_" + kind, data, None, kind, "mse",
+                     residual=residual_keys("rmsnorm", depth=1))
+        export_and_compare(ctx, ckpt, test_rows(scaled), "residual_" + kind)
+
+
 def case_residual_classification(ctx):
     """A residual_mlp classifier without norms (gelu_erf, 1 block): output, probability,
     class, in fp32, fp16 and bf16."""
@@ -815,6 +826,7 @@ CASES = {
     "residual_layernorm_silu": case_residual_layernorm_silu,
     "residual_rmsnorm_swiglu": case_residual_rmsnorm_swiglu,
     "residual_classification": case_residual_classification,
+    "residual_activations": case_residual_activations,
     "moe": case_moe,
     "moe_ties": case_moe_ties,
     "meshes": case_meshes,
