@@ -9,7 +9,9 @@
 set(_export_runs ${CMAKE_CURRENT_BINARY_DIR}/export_runs)
 foreach(_case classification regression_normalized activation_relu activation_tanh
               activation_gelu activation_none activation_gelu_erf
-              activation_silu activation_sigmoid moe moe_ties meshes cli_errors)
+              activation_silu activation_sigmoid residual_layernorm_silu
+              residual_rmsnorm_swiglu residual_classification
+              residual_activations moe moe_ties meshes cli_errors)
   meshtrain_add_command_test(NAME export_${_case} TIMEOUT 120
     COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/export/export_test.py ${_case}
             --meshtrain $<TARGET_FILE:meshtrain> --source-dir ${PROJECT_SOURCE_DIR}
@@ -35,9 +37,3 @@ meshtrain_add_command_test(NAME export_under_mpirun_np2 TIMEOUT 30
           $<TARGET_FILE:meshtrain> export ${CMAKE_CURRENT_BINARY_DIR}/no_such_checkpoint
           --format onnx --output ${CMAKE_CURRENT_BINARY_DIR}/export_under_mpirun.onnx)
 set_tests_properties(export_under_mpirun_np2 PROPERTIES PROCESSORS 2)
-# A residual_mlp checkpoint is refused (exit 2, one sentence naming model.kind) until export
-# supports it; nothing is written.
-meshtrain_add_command_test(NAME export_residual_refused TIMEOUT 60
-  COMMAND sh ${PROJECT_SOURCE_DIR}/tests/cli/export_residual_refused.sh $<TARGET_FILE:meshtrain>
-          ${PROJECT_SOURCE_DIR}/configs/fashion_mnist_residual.toml
-          ${_export_runs}/residual_refused)

@@ -164,7 +164,8 @@ std::string activation(GraphBuilder& b, Activation kind, const std::string& x,
       return b.node("Mul", {h, t}, prefix + "/gelu");
     }
     case Activation::gelu_erf: {
-      // 0.5 x (1 + erf(x / sqrt(2))); training evaluates the same value as 0.5 x erfc(-x / sqrt(2)).
+      // 0.5 x (1 + erf(x / sqrt(2))); training evaluates the same value as 0.5 x erfc(-x /
+      // sqrt(2)).
       const std::string p = prefix + "/gelu_erf/";
       const std::string inv_sqrt2 = b.scalar("constants/inv_sqrt_2", 0.7071067811865476f);
       const std::string half = b.scalar("constants/half", 0.5f);
@@ -187,12 +188,71 @@ std::string activation(GraphBuilder& b, Activation kind, const std::string& x,
   MESHTRAIN_FAIL("export: activation '", to_string(kind), "' has no ONNX form");
 }
 
-std::string linear(GraphBuilder& b, int64_t i, const std::string& x) {
-  const std::string p = "layers/" + std::to_string(i);
+// x W + b with the parameters `<p>/weight` and `<p>/bias`.
+std::string linear(GraphBuilder& b, const std::string& p, const std::string& x) {
   const std::string w = b.parameter(p + "/weight");
   const std::string bias = b.parameter(p + "/bias");
   const std::string xw = b.node("MatMul", {x, w}, p + "/matmul");
   return b.node("Add", {xw, bias}, p + "/linear");
+}
+
+std::string linear(GraphBuilder& b, int64_t i, const std::string& x) {
+  return linear(b, "layers/" + std::to_string(i), x);
+}
+
+// The eps of layers/norm.hpp (kLayerNormEps, kRmsNormEps; framework cannot include layers).
+constexpr float kExportLayerNormEps = 1e-5f;
+constexpr float kExportRmsNormEps = 1.1920928955e-07f;  // 2^-23
+
+// A norm over the last axis with the parameters `<p>/scale` (and `<p>/bias`). LayerNorm is
+// opset 17's LayerNormalization; RMSNorm is decomposed in training's order of evaluation
+// (layers/norm.cpp): rstd = 1 / sqrt(sum(x * x) / F + eps), y = (x * rstd) * scale.
+std::string norm(GraphBuilder& b, ModelNorm kind, const std::string& p, const std::string& x,
+                 int64_t width) {
+  const std::string scale = b.parameter(p + "/scale");
+  if (kind == ModelNorm::layernorm) {
+    const std::string bias = b.parameter(p + "/bias");
+    return b.node(
+        "LayerNormalization", {x, scale, bias}, p + "/layernorm",
+        {Attribute::integer("axis", -1), Attribute::real("epsilon", kExportLayerNormEps)});
+  }
+  MESHTRAIN_REQUIRE(kind == ModelNorm::rmsnorm, "export: norm '", p, "' of unknown kind");
+  const std::string squares = b.node("Mul", {x, x}, p + "/rmsnorm/squares");
+  const std::string sum =
+      b.node("ReduceSum", {squares, b.int64_constant("constants/axes_last", {-1})},
+             p + "/rmsnorm/sum_squares", {Attribute::integer("keepdims", 1)});
+  const std::string mean =
+      b.node("Div", {sum, b.scalar("constants/width", static_cast<float>(width))},
+             p + "/rmsnorm/mean_square");
+  const std::string shifted = b.node(
+      "Add", {mean, b.scalar("constants/rmsnorm_eps", kExportRmsNormEps)}, p + "/rmsnorm/plus_eps");
+  const std::string root = b.node("Sqrt", {shifted}, p + "/rmsnorm/sqrt");
+  const std::string rstd =
+      b.node("Div", {b.scalar("constants/one", 1.0f), root}, p + "/rmsnorm/rstd");
+  const std::string x_hat = b.node("Mul", {x, rstd}, p + "/rmsnorm/normalized");
+  return b.node("Mul", {x_hat, scale}, p + "/rmsnorm");
+}
+
+// kind = "residual_mlp" (docs/models.md): input projection, pre-norm blocks, output norm and
+// projection; dropout is training only and never appears.
+std::string residual_mlp(GraphBuilder& b, const ModelSection& model, std::string h) {
+  const bool norms = model.norm != ModelNorm::none;
+  h = linear(b, "input", h);
+  for (int64_t i = 0; i < model.depth; ++i) {
+    const std::string p = "blocks/" + std::to_string(i);
+    const std::string u = norms ? norm(b, model.norm, p + "/norm", h, model.width) : h;
+    std::string a;
+    if (model.swiglu) {  // silu(u W_gate + b_gate) * (u W_up + b_up)
+      const std::string gate =
+          activation(b, Activation::silu, linear(b, p + "/gate", u), p + "/gate");
+      a = b.node("Mul", {gate, linear(b, p + "/up", u)}, p + "/swiglu");
+    } else {
+      a = activation(b, model.activation, linear(b, p + "/up", u), p);
+    }
+    h = b.node("Add", {h, linear(b, p + "/down", a)}, p + "/residual");
+  }
+  if (norms) h = norm(b, model.norm, "output_norm", h, model.width);
+  return linear(b, "output", h);
 }
 
 std::string moe(GraphBuilder& b, int64_t i, const std::string& x, const ModelSection& model,
@@ -253,7 +313,14 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> expected_parameters(
 }
 
 void check_parameters(const ExportSource& s) {
-  const auto expected = expected_parameters(s.config.model);
+  std::vector<std::pair<std::string, std::vector<int64_t>>> expected;
+  if (s.config.model.kind == ModelKind::residual_mlp) {
+    for (const ParameterShape& p : model_parameter_shapes(s.config.model)) {
+      expected.push_back({p.name, p.shape});
+    }
+  } else {
+    expected = expected_parameters(s.config.model);
+  }
   std::set<std::string> names;
   for (const auto& [name, shape] : expected) {
     names.insert(name);
@@ -272,8 +339,8 @@ void check_parameters(const ExportSource& s) {
     if (!names.count(name)) {
       MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "' has parameter '", name, "' (shape ",
                           shape_text(array.shape),
-                          ") that its config's model does not have: export knows only ",
-                          "the layers of model.kind = \"mlp\" (Linear and MoE)");
+                          ") that its config's model does not have (model.kind = \"",
+                          to_string(s.config.model.kind), "\")");
     }
   }
 }
@@ -281,9 +348,9 @@ void check_parameters(const ExportSource& s) {
 void check_normalization(const ExportSource& s) {
   const ModelSection& model = s.config.model;
   const Normalization& n = s.normalization;
-  if (n.inputs() && static_cast<int64_t>(n.input_mean.size()) != model.sizes.front()) {
+  if (n.inputs() && static_cast<int64_t>(n.input_mean.size()) != model.input_width()) {
     MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': /normalization/input_mean has ",
-                        n.input_mean.size(), " values but the model has ", model.sizes.front(),
+                        n.input_mean.size(), " values but the model has ", model.input_width(),
                         " inputs");
   }
   if (n.targets()) {
@@ -291,9 +358,9 @@ void check_normalization(const ExportSource& s) {
       MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "' has /normalization/target_mean, but its ",
                           "model is not a regression (model.loss = cross_entropy)");
     }
-    if (static_cast<int64_t>(n.target_mean.size()) != model.sizes.back()) {
+    if (static_cast<int64_t>(n.target_mean.size()) != model.output_width()) {
       MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': /normalization/target_mean has ",
-                          n.target_mean.size(), " values but the model has ", model.sizes.back(),
+                          n.target_mean.size(), " values but the model has ", model.output_width(),
                           " outputs");
     }
   }
@@ -331,6 +398,12 @@ std::string denormalize_outputs(GraphBuilder& b, const Normalization& n, const s
 
 std::string model_summary(const ModelSection& model) {
   std::ostringstream out;
+  if (model.kind == ModelKind::residual_mlp) {
+    out << "residual_mlp " << model.inputs << "-" << model.width << "x" << model.depth << "-"
+        << model.outputs << ", hidden " << model.hidden << ", " << to_string(model.norm) << ", "
+        << model.activation_name() << ", loss " << (model.loss ? to_string(*model.loss) : "auto");
+    return out.str();
+  }
   for (size_t i = 0; i < model.sizes.size(); ++i) out << (i ? "-" : "") << model.sizes[i];
   out << " " << to_string(model.activation);
   if (!model.moe_layers.empty()) {
@@ -392,10 +465,9 @@ ExportSource read_export_source(const std::string& checkpoint) {
   s.path = resolve_checkpoint_path(checkpoint);
   s.info = list_checkpoint(s.path).info;
   s.config = parse_config(s.info.config_text, "the config stored in checkpoint '" + s.path + "'");
-  if (s.config.model.kind != ModelKind::mlp) {
+  if (s.config.model.kind != ModelKind::mlp && s.config.model.kind != ModelKind::residual_mlp) {
     MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': export does not support model.kind = \"",
-                        to_string(s.config.model.kind), "\" yet (only \"mlp\"); meshtrain ",
-                        "predict and evaluate run it");
+                        to_string(s.config.model.kind), "\"");
   }
   if (!s.config.model.loss) {
     MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': its config leaves model.loss to \"auto\"; ",
@@ -414,17 +486,21 @@ ExportSource read_export_source(const std::string& checkpoint) {
 onnx::Model build_onnx_model(const ExportSource& source, Dtype weights) {
   const ModelSection& model = source.config.model;
   const bool classifies = model.loss == LossKind::cross_entropy;
-  const int64_t in = model.sizes.front(), out = model.sizes.back();
-  const int64_t layers = static_cast<int64_t>(model.sizes.size()) - 1;
-  const MoeSettings settings = model.moe();
+  const int64_t in = model.input_width(), out = model.output_width();
 
   GraphBuilder b(source, weights);
   std::string x = onnx_input_name();
   if (source.normalization.inputs()) x = normalize_inputs(b, source.normalization, x);
-  for (int64_t i = 0; i < layers; ++i) {
-    x = settings.is_moe(i) ? moe(b, i, x, model, model.sizes[static_cast<size_t>(i) + 1])
-                           : linear(b, i, x);
-    if (i + 1 < layers) x = activation(b, model.activation, x, "layers/" + std::to_string(i));
+  if (model.kind == ModelKind::residual_mlp) {
+    x = residual_mlp(b, model, x);
+  } else {
+    const int64_t layers = static_cast<int64_t>(model.sizes.size()) - 1;
+    const MoeSettings settings = model.moe();
+    for (int64_t i = 0; i < layers; ++i) {
+      x = settings.is_moe(i) ? moe(b, i, x, model, model.sizes[static_cast<size_t>(i) + 1])
+                             : linear(b, i, x);
+      if (i + 1 < layers) x = activation(b, model.activation, x, "layers/" + std::to_string(i));
+    }
   }
   if (source.normalization.targets()) {
     x = denormalize_outputs(b, source.normalization, b.rename_last(x, "output/normalized"));
@@ -433,7 +509,8 @@ onnx::Model build_onnx_model(const ExportSource& source, Dtype weights) {
   }
 
   onnx::Graph& g = b.graph();
-  g.name = "meshtrain_mlp";
+  const bool residual = model.kind == ModelKind::residual_mlp;
+  g.name = residual ? "meshtrain_residual_mlp" : "meshtrain_mlp";
   const onnx::Dimension batch{0, "batch"};
   g.inputs.push_back({onnx_input_name(), ElementType::float32, {batch, {in, ""}}});
   g.outputs.push_back({onnx_output_name(), ElementType::float32, {batch, {out, ""}}});
@@ -444,9 +521,9 @@ onnx::Model build_onnx_model(const ExportSource& source, Dtype weights) {
     g.outputs.push_back({onnx_probability_name(), ElementType::float32, {batch, {out, ""}}});
     g.outputs.push_back({onnx_class_name(), ElementType::int64, {batch}});
   }
-  g.doc_string = std::string("meshtrain MLP ") + model_summary(model) + ". Input 'input' [batch, " +
-                 std::to_string(in) + "] in the user's units; output 'output' [batch, " +
-                 std::to_string(out) + "]" +
+  g.doc_string = std::string(residual ? "meshtrain " : "meshtrain MLP ") + model_summary(model) +
+                 ". Input 'input' [batch, " + std::to_string(in) +
+                 "] in the user's units; output 'output' [batch, " + std::to_string(out) + "]" +
                  (classifies ? " (logits), 'probability' (softmax) and 'class' (argmax, int64)"
                              : " in the user's units") +
                  ". See docs/export.md.";

@@ -174,13 +174,18 @@ MESHES = {  # name: (ranks, [mesh], partition preset)
 
 
 def train(ctx, name, data, sizes, activation, loss, mesh="dp_np1", lr=1e-2, steps=4,
-          moe=None, seed=1):
-    """Trains a tiny model; returns its checkpoint directory."""
+          moe=None, seed=1, residual=None):
+    """Trains a tiny model; returns its checkpoint directory. residual: the keys of a
+    kind = "residual_mlp" model (inputs, outputs, width, hidden, depth, norm); sizes is then
+    unused."""
     ranks, mesh_keys, preset = MESHES[mesh]
     out = os.path.join(ctx.work, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    model = {"kind": "mlp", "sizes": sizes, "activation": activation, "loss": loss}
+    if residual:
+        model = dict(kind="residual_mlp", activation=activation, loss=loss, **residual)
+    else:
+        model = {"kind": "mlp", "sizes": sizes, "activation": activation, "loss": loss}
     if moe:
         model.update(moe)
     config = write_config(os.path.join(out, "config.toml"), {
@@ -308,18 +313,59 @@ def moe_forward(h, p, prefix, top_k, ties_to_higher=False):
     return y, ties
 
 
+LAYERNORM_EPS = 1e-5  # docs/models.md: LayerNorm's eps (PyTorch's default)
+RMSNORM_EPS = 2.0**-23  # RMSNorm's: torch.finfo(torch.float32).eps
+
+
+def norm_forward(kind, h, p, prefix):
+    """docs/models.md's norms over the features of a row: LayerNorm with the biased variance,
+    RMSNorm with the mean of squares."""
+    if kind == "layernorm":
+        mean = h.mean(axis=1, keepdims=True)
+        var = ((h - mean) ** 2).mean(axis=1, keepdims=True)
+        return (h - mean) / np.sqrt(var + LAYERNORM_EPS) * p[prefix + "/scale"] + p[prefix + "/bias"]
+    if kind == "rmsnorm":
+        ms = (h * h).mean(axis=1, keepdims=True)
+        return h / np.sqrt(ms + RMSNORM_EPS) * p[prefix + "/scale"]
+    if kind == "none":
+        return h
+    raise Failure("unknown norm " + kind)
+
+
+def residual_forward(model, p, h):
+    """kind = "residual_mlp" (docs/models.md): input projection, pre-norm blocks (activation
+    or SwiGLU), output norm and projection."""
+    kind = model.get("norm", "rmsnorm")
+    act = model.get("activation", "relu")
+    h = h @ p["input/weight"] + p["input/bias"]
+    for i in range(model["depth"]):
+        prefix = "blocks/%d" % i
+        u = norm_forward(kind, h, p, prefix + "/norm")
+        up = u @ p[prefix + "/up/weight"] + p[prefix + "/up/bias"]
+        if act == "swiglu":
+            a = activation("silu", u @ p[prefix + "/gate/weight"] + p[prefix + "/gate/bias"]) * up
+        else:
+            a = activation(act, up)
+        h = h + a @ p[prefix + "/down/weight"] + p[prefix + "/down/bias"]
+    h = norm_forward(kind, h, p, "output_norm")
+    return h @ p["output/weight"] + p["output/bias"]
+
+
 def reference_forward(ckpt, x, dtype="fp32", ties_to_higher=False):
     """The float64 forward of docs/export.md: {output, [probability, class]} and the count of
     tied choices met in MoE routing."""
     model = ckpt["config"]["model"]
     p = round_weights(ckpt["params"], dtype)
     norm = ckpt["normalization"]
-    sizes = model["sizes"]
+    residual = model.get("kind") == "residual_mlp"
+    sizes = [] if residual else model["sizes"]
     moe_layers = set(model.get("moe_layers", []))
     h = x.astype(np.float64)
     if "input_mean" in norm:
         h = (h - norm["input_mean"]) / norm["input_std"]
     ties = 0
+    if residual:
+        h = residual_forward(model, p, h)
     for i in range(len(sizes) - 1):
         prefix = "layers/%d" % i
         if i in moe_layers:
@@ -502,6 +548,78 @@ def case_activation(ctx, kind):
     scaled = write_standardized_data(data, "regression")
     ckpt = train(ctx, "activation_" + kind, data, [FEATURES, 16, 12, 2], kind, "mse")
     export_and_compare(ctx, ckpt, test_rows(scaled), "activation_" + kind)
+
+
+def residual_keys(norm, depth=2, width=16, hidden=24, outputs=2):
+    return {"inputs": FEATURES, "outputs": outputs, "width": width, "hidden": hidden,
+            "depth": depth, "norm": norm}
+
+
+def check_graph_ops(ctx, label, path, expected, absent=()):
+    """The exported graph has each op of `expected` and none of `absent`."""
+    import onnx
+    ops = {n.op_type for n in onnx.load(path).graph.node}
+    for op in expected:
+        ctx.check(op in ops, "%s: no %s node in the graph (ops: %s)" % (label, op, sorted(ops)))
+    for op in absent:
+        ctx.check(op not in ops, "%s: a %s node in the graph" % (label, op))
+
+
+def case_residual_layernorm_silu(ctx):
+    """A residual_mlp (LayerNorm, SiLU, 2 blocks) trained on tp = 2, with input and target
+    statistics in the checkpoint: fp32 and fp16."""
+    data = os.path.join(ctx.work, "regression.h5")
+    x = write_data(data, "regression")
+    ckpt_dir = train(ctx, "residual_layernorm_silu", data, None, "silu", "mse", mesh="tp_np2",
+                     residual=residual_keys("layernorm"))
+    path = latest_file(ckpt_dir)
+    write_normalization(path, x, 2)
+    ckpt = export_and_compare(ctx, path, test_rows(x), "residual_layernorm_silu", ("fp32", "fp16"))
+    check_graph_ops(ctx, "residual_layernorm_silu", os.path.join(
+        ctx.work, "residual_layernorm_silu_fp32.onnx"), ["LayerNormalization", "Sigmoid"],
+        ["Dropout", "Sqrt"])
+    # Training moved the norms' parameters off their initial 1 and 0, so the test sees them.
+    moved = max(float(np.abs(ckpt["params"]["blocks/0/norm/scale"] - 1).max()),
+                float(np.abs(ckpt["params"]["output_norm/bias"]).max()))
+    ctx.check(moved > 1e-3, "training left the norms' parameters at 1 and 0 (moved %.3g)" % moved)
+
+
+def case_residual_rmsnorm_swiglu(ctx):
+    """A residual_mlp (RMSNorm, SwiGLU, 1 block) trained on fsdp x tp = 2 x 2: fp32 and bf16.
+    (With 2 blocks, rounding the weights to fp16 or bf16 moves this model's outputs by 93% of
+    ROUNDED_BOUND, too near it for a stable test; residual_layernorm_silu has 2 blocks.)"""
+    data = os.path.join(ctx.work, "regression.h5")
+    scaled = write_standardized_data(data, "regression")
+    ckpt = train(ctx, "residual_rmsnorm_swiglu", data, None, "swiglu", "mse",
+                 mesh="fsdp_tp_np4", residual=residual_keys("rmsnorm", depth=1))
+    export_and_compare(ctx, ckpt, test_rows(scaled), "residual_rmsnorm_swiglu", ("fp32", "bf16"))
+    check_graph_ops(ctx, "residual_rmsnorm_swiglu", os.path.join(
+        ctx.work, "residual_rmsnorm_swiglu_fp32.onnx"), ["Sqrt", "ReduceSum", "Sigmoid"],
+        ["LayerNormalization", "Dropout"])
+
+
+def case_residual_activations(ctx):
+    """residual_mlp blocks with each other activation (relu, tanh, gelu, sigmoid, none;
+    RMSNorm, 1 block, one rank): fp32 against the float64 forward and predict."""
+    data = os.path.join(ctx.work, "regression.h5")
+    scaled = write_standardized_data(data, "regression")
+    for kind in ("relu", "tanh", "gelu", "sigmoid", "none"):
+        ckpt = train(ctx, "residual_" + kind, data, None, kind, "mse",
+                     residual=residual_keys("rmsnorm", depth=1))
+        export_and_compare(ctx, ckpt, test_rows(scaled), "residual_" + kind)
+
+
+def case_residual_classification(ctx):
+    """A residual_mlp classifier without norms (gelu_erf, 1 block): output, probability,
+    class, in fp32, fp16 and bf16."""
+    data = os.path.join(ctx.work, "classification.h5")
+    x = write_standardized_data(data, "classification")
+    ckpt = train(ctx, "residual_classification", data, None, "gelu_erf", "cross_entropy",
+                 residual=residual_keys("none", depth=1, outputs=4))
+    export_and_compare(ctx, ckpt, test_rows(x), "residual_classification", ("fp32", "fp16", "bf16"))
+    check_graph_ops(ctx, "residual_classification", os.path.join(
+        ctx.work, "residual_classification_fp32.onnx"), ["Erf", "Softmax", "ArgMax"],
+        ["LayerNormalization", "Sqrt"])
 
 
 def case_moe(ctx):
@@ -705,6 +823,10 @@ CASES = {
     "activation_gelu_erf": lambda ctx: case_activation(ctx, "gelu_erf"),
     "activation_silu": lambda ctx: case_activation(ctx, "silu"),
     "activation_sigmoid": lambda ctx: case_activation(ctx, "sigmoid"),
+    "residual_layernorm_silu": case_residual_layernorm_silu,
+    "residual_rmsnorm_swiglu": case_residual_rmsnorm_swiglu,
+    "residual_classification": case_residual_classification,
+    "residual_activations": case_residual_activations,
     "moe": case_moe,
     "moe_ties": case_moe_ties,
     "meshes": case_meshes,
