@@ -3,6 +3,7 @@
 #include "apps/export.hpp"
 
 #include <cstdlib>
+#include <initializer_list>
 #include <iomanip>
 #include <ostream>
 
@@ -13,23 +14,30 @@ namespace meshtrain {
 
 namespace {
 
-// The world size an MPI launcher gave this process (Open MPI, MPICH/Hydra and PMIx name it in
-// the environment), or 1. Export does not initialize MPI, so under `mpirun -np N` N processes
-// would each write the same output.
-long launched_world_size() {
-  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"}) {
+// What an MPI launcher told this process (Open MPI, MPICH/Hydra and PMIx name it in the
+// environment): a number at least `minimum`, or `fallback`. Export does not initialize MPI,
+// so under `mpirun -np N` N processes would each write the same output.
+long launcher_value(std::initializer_list<const char*> names, long minimum, long fallback) {
+  for (const char* name : names) {
     if (const char* value = std::getenv(name)) {
-      const long size = std::strtol(value, nullptr, 10);
-      if (size > 1) return size;
+      const long number = std::strtol(value, nullptr, 10);
+      if (number >= minimum) return number;
     }
   }
-  return 1;
+  return fallback;
+}
+long launched_world_size() {
+  return launcher_value({"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"}, 2, 1);
+}
+long launched_rank() {
+  return launcher_value({"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"}, 0, 0);
 }
 
 }  // namespace
 
 int export_command(const ExportArgs& args, std::ostream& out) {
   if (const long world = launched_world_size(); world > 1) {
+    if (launched_rank() > 0) return 2;  // rank 0 says why, once
     MESHTRAIN_BAD_INPUT("meshtrain export runs as one process, without mpirun (it was launched as ",
                         world, " ranks, each of which would write ", args.output, ")");
   }
