@@ -13,6 +13,14 @@ SpecLookup specs_from_plan(const ShardingPlan& plan) {
   return [&plan](const std::string& name) { return plan.find(name).spec; };
 }
 
+namespace {
+// A rate for a model built in code as well as from a config (check_config says it there).
+void check_dropout_rate(double dropout) {
+  if (!(dropout >= 0.0 && dropout < 1.0))
+    MESHTRAIN_BAD_INPUT("model.dropout = ", dropout, " must be in [0, 1)");
+}
+}  // namespace
+
 std::unique_ptr<Mlp> make_model(const ModelSection& model, const SpecLookup& spec_of,
                                 ParallelContext& context, int64_t local_rows) {
   if (model.kind == ModelKind::residual_mlp) {
@@ -32,8 +40,7 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
       compute_dtype_(context.precision().param) {
   allocate(mlp_parameter_shapes(sizes, moe), spec_of, context);  // checks sizes
   const size_t n = sizes.size() - 1;
-  if (!(dropout >= 0.0 && dropout < 1.0))
-    MESHTRAIN_BAD_INPUT("model.dropout = ", dropout, " must be in [0, 1)");
+  check_dropout_rate(dropout);
   for (int64_t layer : moe.layers) {
     if (layer < 0 || layer + 1 >= static_cast<int64_t>(n)) {
       MESHTRAIN_BAD_INPUT("MoE layer ", layer, " is not a hidden layer of a model of ", n,
@@ -100,8 +107,7 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
       rows_(local_rows),
       compute_dtype_(context.precision().param) {
   allocate(residual_mlp_parameter_shapes(shape), spec_of, context);  // checks the sizes
-  if (!(dropout >= 0.0 && dropout < 1.0))
-    MESHTRAIN_BAD_INPUT("model.dropout = ", dropout, " must be in [0, 1)");
+  check_dropout_rate(dropout);
   // Each layer takes the next parameters in parameters() order.
   size_t param = 0;
   auto next = [this, &param]() {

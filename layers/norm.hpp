@@ -68,9 +68,6 @@
 
 namespace meshtrain {
 
-constexpr float kLayerNormEps = 1e-5f;            // torch.nn.LayerNorm's default
-constexpr float kRmsNormEps = 1.1920928955e-07f;  // 2^-23, torch.finfo(torch.float32).eps
-
 // The parameters of a norm named `prefix`: prefix/scale [width], and prefix/bias [width] for
 // LayerNorm, in that order (the order the layer takes them).
 std::vector<ParameterShape> norm_parameter_shapes(NormKind kind, const std::string& prefix,

@@ -29,6 +29,10 @@
 namespace meshtrain {
 
 enum class NormKind { layernorm, rmsnorm };
+
+// The norms' eps (layers/norm.hpp says why these), here so that the export uses the same.
+constexpr float kLayerNormEps = 1e-5f;            // torch.nn.LayerNorm's default
+constexpr float kRmsNormEps = 1.1920928955e-07f;  // 2^-23, torch.finfo(torch.float32).eps
 const char* to_string(NormKind kind);  // "layernorm", "rmsnorm"
 
 struct NormParameterLayout {

@@ -18,6 +18,7 @@
 #include "framework/core/choices.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/core/version.hpp"
+#include "partition/norm_layout.hpp"  // the norms' eps
 
 namespace meshtrain {
 namespace {
@@ -200,9 +201,6 @@ std::string linear(GraphBuilder& b, int64_t i, const std::string& x) {
   return linear(b, "layers/" + std::to_string(i), x);
 }
 
-// The eps of layers/norm.hpp (kLayerNormEps, kRmsNormEps; framework cannot include layers).
-constexpr float kExportLayerNormEps = 1e-5f;
-constexpr float kExportRmsNormEps = 1.1920928955e-07f;  // 2^-23
 
 // A norm over the last axis with the parameters `<p>/scale` (and `<p>/bias`). LayerNorm is
 // opset 17's LayerNormalization; RMSNorm is decomposed in training's order of evaluation
@@ -214,7 +212,7 @@ std::string norm(GraphBuilder& b, ModelNorm kind, const std::string& p, const st
     const std::string bias = b.parameter(p + "/bias");
     return b.node(
         "LayerNormalization", {x, scale, bias}, p + "/layernorm",
-        {Attribute::integer("axis", -1), Attribute::real("epsilon", kExportLayerNormEps)});
+        {Attribute::integer("axis", -1), Attribute::real("epsilon", kLayerNormEps)});
   }
   MESHTRAIN_REQUIRE(kind == ModelNorm::rmsnorm, "export: norm '", p, "' of unknown kind");
   const std::string squares = b.node("Mul", {x, x}, p + "/rmsnorm/squares");
@@ -225,7 +223,7 @@ std::string norm(GraphBuilder& b, ModelNorm kind, const std::string& p, const st
       b.node("Div", {sum, b.scalar("constants/width", static_cast<float>(width))},
              p + "/rmsnorm/mean_square");
   const std::string shifted = b.node(
-      "Add", {mean, b.scalar("constants/rmsnorm_eps", kExportRmsNormEps)}, p + "/rmsnorm/plus_eps");
+      "Add", {mean, b.scalar("constants/rmsnorm_eps", kRmsNormEps)}, p + "/rmsnorm/plus_eps");
   const std::string root = b.node("Sqrt", {shifted}, p + "/rmsnorm/sqrt");
   const std::string rstd =
       b.node("Div", {b.scalar("constants/one", 1.0f), root}, p + "/rmsnorm/rstd");
