@@ -467,6 +467,10 @@ ExportSource read_export_source(const std::string& checkpoint) {
     MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': export does not support model.kind = \"",
                         to_string(s.config.model.kind), "\"");
   }
+  if (s.config.model.kind == ModelKind::residual_mlp && !s.config.model.moe_layers.empty()) {
+    MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': export does not support MoE blocks in kind = ",
+                        "\"residual_mlp\" (model.moe_layers) yet; predict and evaluate do");
+  }
   if (!s.config.model.loss) {
     MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': its config leaves model.loss to \"auto\"; ",
                         "export needs to know whether the model classifies");
