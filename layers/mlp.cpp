@@ -109,7 +109,8 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
   allocate(residual_mlp_parameter_shapes(shape), spec_of, context);  // checks the sizes
   check_dropout_rate(dropout);
   if (shape.moe.any() && dropout > 0.0) {
-    MESHTRAIN_BAD_INPUT("model.dropout = ", dropout, " is not supported with moe_layers in a "
+    MESHTRAIN_BAD_INPUT("model.dropout = ", dropout,
+                        " is not supported with moe_layers in a "
                         "residual_mlp (the experts' hidden activations have no dropout)");
   }
   // Each layer takes the next parameters in parameters() order.

@@ -4,12 +4,12 @@
 #include <algorithm>
 #include <cmath>
 
+#include "base/error.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/core/view_ops.hpp"
-#include "base/error.hpp"
 #include "layers/activation.hpp"
 
 namespace meshtrain {
@@ -54,8 +54,8 @@ void expert_gemms(MatrixView x, ConstVectorView w, int64_t in, int64_t out,
     const int64_t first = offsets(e), count = offsets(e + 1) - first;
     if (count == 0) continue;
     gemm(plain(row_block(x, first, count)),
-         plain(ConstMatrixView(w.data() + e * in * out, in, out)), 0.0f,
-         row_block(y, first, count), dtype);
+         plain(ConstMatrixView(w.data() + e * in * out, in, out)), 0.0f, row_block(y, first, count),
+         dtype);
   }
 }
 
@@ -514,8 +514,8 @@ void MoeLayer::experts_backward(LayerScratch& scratch, bool need_input_grad) {
   if (l.gated) {
     expert_weight_gradients(expert_x_, ffn_dgate_, gate_weight_.gradient(scratch), in, hidden,
                             expert_offsets_host_, local, dtype);
-    expert_bias_gradients(ffn_dgate_, gate_bias_.gradient(scratch),
-                          bias_first(l.experts_gate_bias), expert_offsets_, local, hidden, dtype);
+    expert_bias_gradients(ffn_dgate_, gate_bias_.gradient(scratch), bias_first(l.experts_gate_bias),
+                          expert_offsets_, local, hidden, dtype);
   }
   if (need_input_grad) {
     expert_input_gemms(ffn_dh_, weight_.compute(scratch), in, hidden, expert_offsets_host_, local,
@@ -593,11 +593,10 @@ MatrixView MoeLayer::backward(MatrixView dy, bool need_input_grad, const LayerPa
   LayerScratch& scratch = *pass.scratch;
   const float loss_scale = pass.loss_scale;
   const MoeLayout& l = layout_;
-  MESHTRAIN_REQUIRE(
-      static_cast<int64_t>(dy.extent(0)) == rows_ &&
-          static_cast<int64_t>(dy.extent(1)) == l.output_width(),
-      "MoE layer '", l.layer, "': output gradient is [", dy.extent(0), ", ", dy.extent(1),
-      "], expected [", rows_, ", ", l.output_width(), "]");
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == rows_ &&
+                        static_cast<int64_t>(dy.extent(1)) == l.output_width(),
+                    "MoE layer '", l.layer, "': output gradient is [", dy.extent(0), ", ",
+                    dy.extent(1), "], expected [", rows_, ", ", l.output_width(), "]");
   const Dtype dtype = compute_dtype_;
   const int64_t in = l.in, out = l.out, experts = l.experts, k = l.top_k;
   if (l.splits_output()) {  // every tp rank computes the whole layer: the whole gradient

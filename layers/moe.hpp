@@ -44,8 +44,8 @@
 #include <string>
 #include <vector>
 
-#include "framework/core/sharded_tensor.hpp"
 #include "framework/core/choices.hpp"
+#include "framework/core/sharded_tensor.hpp"
 #include "layers/context.hpp"
 #include "layers/layer.hpp"
 #include "layers/sharded_parameter.hpp"

@@ -186,8 +186,8 @@ MoeLayout decide_moe_feed_forward_layout(
   const int64_t experts = l.experts, in = l.in, hidden = l.hidden;
   const auto& dw = down_weight.shape;
   const auto& db = down_bias.shape;
-  if (dw.size() != 3 || db.size() != 2 || dw[0] != experts || dw[1] != hidden ||
-      db[0] != experts || db[1] != dw[2]) {
+  if (dw.size() != 3 || db.size() != 2 || dw[0] != experts || dw[1] != hidden || db[0] != experts ||
+      db[1] != dw[2]) {
     MESHTRAIN_BAD_INPUT("MoE block '", layer, "' needs '", down_weight.name, "' [", experts, ", ",
                         hidden, ", out] and '", down_bias.name, "' [", experts, ", out]; got ",
                         format_shape(dw), " and ", format_shape(db));
@@ -196,9 +196,9 @@ MoeLayout decide_moe_feed_forward_layout(
   if (l.gated && (gate_weight.shape != up_weight.shape || gate_bias.shape != up_bias.shape)) {
     MESHTRAIN_BAD_INPUT("MoE block '", layer, "': '", gate_weight.name, "' ",
                         format_shape(gate_weight.shape), " and '", gate_bias.name, "' ",
-                        format_shape(gate_bias.shape), " must have the shapes of '",
-                        up_weight.name, "' ", format_shape(up_weight.shape), " and '",
-                        up_bias.name, "' ", format_shape(up_bias.shape));
+                        format_shape(gate_bias.shape), " must have the shapes of '", up_weight.name,
+                        "' ", format_shape(up_weight.shape), " and '", up_bias.name, "' ",
+                        format_shape(up_bias.shape));
   }
   if (l.splits_output() && l.out % l.tp != 0) {
     MESHTRAIN_BAD_INPUT("MoE block '", layer, "': its ", l.out,
@@ -219,12 +219,13 @@ MoeLayout decide_moe_feed_forward_layout(
     const std::vector<std::string> bias_experts = active(mesh, bspec.entries[0].axes);
     for (const auto* p : {&weight_experts, &bias_experts}) {
       if (*p == l.expert_axes || (p == &bias_experts && p->empty())) continue;
-      MESHTRAIN_BAD_INPUT("MoE block '", layer, "': '", p == &bias_experts ? bias.name : weight.name,
+      MESHTRAIN_BAD_INPUT("MoE block '", layer, "': '",
+                          p == &bias_experts ? bias.name : weight.name,
                           "' splits its experts over ", tuple_text(*p), " but '", up_weight.name,
                           "' over ", tuple_text(l.expert_axes), "; give all the same dim-0 axes");
     }
-    w = storage(weight.name, {experts, d1, d2}, l.ep, wspec.entries[1].axes,
-                wspec.entries[2].axes, expert_batch, mesh, l.batch_axes);
+    w = storage(weight.name, {experts, d1, d2}, l.ep, wspec.entries[1].axes, wspec.entries[2].axes,
+                expert_batch, mesh, l.batch_axes);
     const bool bias_whole = bias_experts.empty() && l.ep > 1;
     b = storage(bias.name, {experts, 1, d2}, bias_whole ? 1 : l.ep, {}, bspec.entries[1].axes,
                 bias_whole ? l.batch_axes : expert_batch, mesh, l.batch_axes);
@@ -333,8 +334,8 @@ std::vector<LayerCollective> moe_step_collectives(const MoeLayout& l, const Mesh
     add("forward", CollectiveKind::all_to_all, "expert outputs", l.expert_axes,
         {assignments, l.out}, param);
     if (l.splits_output()) {
-      add("backward", CollectiveKind::all_gather, "output gradient", features, {rows, l.out},
-          param, 1);
+      add("backward", CollectiveKind::all_gather, "output gradient", features, {rows, l.out}, param,
+          1);
     }
     add("backward", CollectiveKind::all_to_all, "expert output gradients", l.expert_axes,
         {assignments, l.out}, param);

@@ -81,17 +81,16 @@ LayerPlan plan_moe_layer(const ShardingPlan& plan, const LinearLayerParameters& 
   const bool gated = !parameters.gate_weight.empty();
   const MoeLayout& m = l.moe_layout =
       parameters.down_weight.empty()
-          ? decide_moe_layout(l.name, parameter(parameters.router, l.name),
-                              parameter(parameters.weight, l.name),
-                              parameter(parameters.bias, l.name), parameters.top_k, mesh, axes,
-                              input)
+          ? decide_moe_layout(
+                l.name, parameter(parameters.router, l.name), parameter(parameters.weight, l.name),
+                parameter(parameters.bias, l.name), parameters.top_k, mesh, axes, input)
           : decide_moe_feed_forward_layout(
                 l.name, parameter(parameters.router, l.name),
                 gated ? parameter(parameters.gate_weight, l.name) : LinearParameter{},
                 gated ? parameter(parameters.gate_bias, l.name) : LinearParameter{},
                 parameter(parameters.weight, l.name), parameter(parameters.bias, l.name),
-                parameter(parameters.down_weight, l.name),
-                parameter(parameters.down_bias, l.name), parameters.top_k, mesh, axes, input);
+                parameter(parameters.down_weight, l.name), parameter(parameters.down_bias, l.name),
+                parameters.top_k, mesh, axes, input);
   LinearLayout& s = l.layout;
   s.layer = l.name;
   s.in = m.in;
@@ -189,8 +188,7 @@ void check_experts_divide(const ParameterPlan& p, int dim, const Mesh& mesh,
   if (dim != 0) return;
   for (const LinearLayerParameters& l : layers) {
     const bool expert = p.name == l.weight || p.name == l.bias || p.name == l.gate_weight ||
-                        p.name == l.gate_bias || p.name == l.down_weight ||
-                        p.name == l.down_bias;
+                        p.name == l.gate_bias || p.name == l.down_weight || p.name == l.down_bias;
     if (!l.moe() || !expert) continue;
     std::vector<std::string> axes;
     for (const auto& a : p.spec.entries[0].axes) {

@@ -39,8 +39,8 @@ std::optional<ModelKeyProblem> moe_settings_problem(const ModelSection& model) {
     const int64_t layer = model.moe_layers[i];
     if (residual && (layer < 0 || layer >= model.depth)) {
       return problem("moe_layers", i, "entry ", layer,
-                     " is not a block: kind = \"residual_mlp\" names blocks 0 to ",
-                     model.depth - 1, " for depth = ", model.depth);
+                     " is not a block: kind = \"residual_mlp\" names blocks 0 to ", model.depth - 1,
+                     " for depth = ", model.depth);
     }
     if (!residual && (layer < 0 || layer >= hidden)) {
       return problem("moe_layers", i, "entry ", layer,
@@ -111,8 +111,7 @@ void check_config_products(const RunConfig& config) {
     product(m.width, "model.width", m.outputs, "model.outputs", 16);
     product(m.width * m.hidden, "model.width x model.hidden", m.depth, "model.depth", 16 * 3);
     if (!m.moe_layers.empty()) {  // an MoE block's experts
-      product(m.width * m.hidden, "model.width x model.hidden", m.experts, "model.experts",
-              16 * 3);
+      product(m.width * m.hidden, "model.width x model.hidden", m.experts, "model.experts", 16 * 3);
     }
   }
   const int64_t row_bytes =

@@ -15,9 +15,9 @@
 //     order of the sums over ranks differs).
 // The checks can fail: every row's gap between its 2nd and 3rd router probability is
 // asserted >= 5e-4 (the router scale and phase were chosen for it; fp32 moves a probability
-// after three blocks by ~1e-6, so the top-k choice is the reference's), and the aux loss's gradient is asserted to move the router gradients by more
-// than 100 times the tolerance.
-// Meshes (batch axes from layer_axes(with_experts): dp, fsdp, ep; feature axis tp):
+// after three blocks by ~1e-6, so the top-k choice is the reference's), and the aux loss's gradient
+// is asserted to move the router gradients by more than 100 times the tolerance. Meshes (batch axes
+// from layer_axes(with_experts): dp, fsdp, ep; feature axis tp):
 //   np 1: one rank ("dp"), one rank with "fsdp_tp" specs;
 //   np 2: ep2 ("dp": experts P(ep, ...)), dp2 (experts replicated), fsdp2 ("fsdp": experts
 //         P(ep, fsdp, None) gathered over fsdp), tp2 ("tp": the residual stream split, the
@@ -56,7 +56,7 @@ constexpr int64_t kRows = 8;
 constexpr int64_t kExperts = 4;
 constexpr int64_t kTopK = 2;
 constexpr double kAuxCoef = 0.05;
-constexpr double kTolerance = 2e-5;     // against the float64 reference
+constexpr double kTolerance = 2e-5;         // against the float64 reference
 constexpr double kOneRankTolerance = 1e-5;  // against the same model on one rank
 
 struct ModelCase {
@@ -128,7 +128,8 @@ std::vector<int64_t> global_indices(const ShardedTensor& t) {
 void fill(ShardedTensor& t, const ParameterShape& p, int k) {
   auto h = Kokkos::create_mirror_view(t.local);
   const std::vector<int64_t> flat = global_indices(t);
-  for (size_t l = 0; l < flat.size(); ++l) h(l) = static_cast<float>(parameter_value(p, k, flat[l]));
+  for (size_t l = 0; l < flat.size(); ++l)
+    h(l) = static_cast<float>(parameter_value(p, k, flat[l]));
   Kokkos::deep_copy(t.local, h);
 }
 
@@ -371,22 +372,21 @@ Reference reference(const ResidualMlpShape& s, Activation activation, double coe
     RowCache& rc = rows[row];
     rc.x.resize(s.inputs);
     for (int64_t c = 0; c < s.inputs; ++c) rc.x[c] = input_value(row, c);
-    Vec h = affine(rc.x, param("input/weight").value.data(), param("input/bias").value.data(),
-                   width);
+    Vec h =
+        affine(rc.x, param("input/weight").value.data(), param("input/bias").value.data(), width);
     rc.blocks.resize(s.depth);
     for (int64_t i = 0; i < s.depth; ++i) {
       const std::string b = "blocks/" + std::to_string(i);
       BlockCache& bc = rc.blocks[i];
       bc.h_in = h;
-      bc.u = norm_forward(h, param(b + "/norm/scale"), ln ? &param(b + "/norm/bias") : nullptr,
-                          bc.nc);
+      bc.u =
+          norm_forward(h, param(b + "/norm/scale"), ln ? &param(b + "/norm/bias") : nullptr, bc.nc);
       Vec d;
       if (!has(b + "/router/weight")) {
         ff_forward(dense(b), bc.u, bc.dense);
         d = bc.dense.y;
       } else {
-        const Vec logits = affine(bc.u, param(b + "/router/weight").value.data(), nullptr,
-                                  experts);
+        const Vec logits = affine(bc.u, param(b + "/router/weight").value.data(), nullptr, experts);
         const double top = *std::max_element(logits.begin(), logits.end());
         double sum = 0.0;
         bc.probs.resize(experts);
@@ -431,9 +431,9 @@ Reference reference(const ResidualMlpShape& s, Activation activation, double coe
     RowCache& rc = rows[row];
     Vec dy(s.outputs);
     for (int64_t c = 0; c < s.outputs; ++c) dy[c] = loss_weight(row, c);
-    Vec dh = affine_backward(rc.h_out, param("output/weight").value.data(),
-                             param("output/weight").grad.data(), param("output/bias").grad.data(),
-                             dy);
+    Vec dh =
+        affine_backward(rc.h_out, param("output/weight").value.data(),
+                        param("output/weight").grad.data(), param("output/bias").grad.data(), dy);
     dh = norm_backward(rc.onc, param("output_norm/scale"),
                        ln ? &param("output_norm/bias") : nullptr, dh);
     for (int64_t i = s.depth; i-- > 0;) {
@@ -504,7 +504,7 @@ std::vector<MeshCase> mesh_cases(int n) {
 }
 
 struct RunResult {
-  Tensor out;                // this rank's output block [rows, cols] as the model returns it
+  Tensor out;  // this rank's output block [rows, cols] as the model returns it
   int64_t row0 = 0, col0 = 0, rows = 0, cols = 0;
   std::vector<Tensor> grad;  // full, per parameter
   double aux = 0.0;
@@ -549,7 +549,8 @@ RunResult run_model(const ResidualMlpShape& shape, Activation activation, const 
   run.row0 = context.batch_index() * run.rows;
   Mlp model(shape, activation, specs_from_plan(plan), context, run.rows);
   EXPECT_EQ(model.parameters().size(), shapes.size());
-  for (size_t k = 0; k < shapes.size(); ++k) fill(model.parameters()[k], shapes[k], static_cast<int>(k));
+  for (size_t k = 0; k < shapes.size(); ++k)
+    fill(model.parameters()[k], shapes[k], static_cast<int>(k));
 
   Matrix x("x", run.rows, shape.inputs), dout("dout", run.rows, model.output_width());
   run.cols = model.output_width();
@@ -649,8 +650,8 @@ TEST(MoeBlock, EqualsTheFloat64ReferenceAndOneRankOnEveryMesh) {
           if (!run.pool_may_grow) EXPECT_EQ(run.allocations, 0);
           EXPECT_NEAR(run.aux, ref.aux, 1e-5 * ref.aux) << "aux loss";
           EXPECT_NEAR(run.aux, one.aux, 1e-6 * one.aux) << "aux loss against one rank";
-          double worst = expect_close(run.out, block_of(ref.out, shape.outputs, run), kTolerance,
-                                      "output");
+          double worst =
+              expect_close(run.out, block_of(ref.out, shape.outputs, run), kTolerance, "output");
           expect_close(run.out, block_of(one.out, shape.outputs, run), kOneRankTolerance,
                        "output against one rank");
           for (size_t k = 0; k < shapes.size(); ++k) {
