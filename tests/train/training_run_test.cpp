@@ -783,7 +783,8 @@ TEST(TrainingRun, ResidualMlpResumesExactlyAndAcrossMeshes) {
 // rmsnorm + silu and layernorm + swiglu): five steps and an evaluation on ep, dp x ep,
 // fsdp x ep and ep x tp equal one rank's to 1e-5 relative (loss, aux loss, test loss), the
 // aux loss is part of the training; saved at step 6 on ep = n, it resumes bit for bit against
-// a run of 9 steps that was never interrupted.
+// a run of 9 steps that was never interrupted, and onto another mesh (fsdp x ep, or dp at
+// np 1) to 1e-5 relative.
 TEST(TrainingRun, ResidualMoeBlocksTrainLikeOneRankAndResumeExactly) {
   const int n = world_size();
   for (const bool swiglu : {false, true}) {
@@ -840,6 +841,22 @@ TEST(TrainingRun, ResidualMoeBlocksTrainLikeOneRankAndResumeExactly) {
     EXPECT_EQ(resumed.steps_done(), 6);
     for (int s = 6; s < 9; ++s) {
       EXPECT_EQ(resumed.step().loss, uninterrupted.losses[s]) << "same mesh, step " << s + 1;
+    }
+  }
+  // Resharded onto another mesh (the experts replicated over dp, or split over fsdp x ep).
+  RunConfig other = longer;
+  other.mesh.axes = n % 2 == 0
+                        ? std::vector<std::pair<std::string, int>>{{"fsdp", n / 2}, {"ep", 2}}
+                        : std::vector<std::pair<std::string, int>>{{"dp", n}, {"ep", 1}};
+  other.partition.preset = n % 2 == 0 ? "fsdp" : "dp";
+  {
+    TrainingRun resumed(other);
+    ASSERT_TRUE(resumed.resumed_from().has_value());
+    EXPECT_EQ(resumed.steps_done(), 6);
+    for (int s = 6; s < 9; ++s) {
+      const double want = uninterrupted.losses[s];
+      EXPECT_NEAR(resumed.step().loss, want, 1e-5 * (1 + std::abs(want)))
+          << "other mesh, step " << s + 1;
     }
   }
   check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
