@@ -37,3 +37,8 @@ if(MESHTRAIN_HAVE_NCCL)
   meshtrain_add_test(NAME comm_nccl_ordering_test SOURCES comm/nccl_ordering_test.cpp
                      LIBS meshtrain_framework NP 1 2 TIMEOUT 120 BACKENDS nccl)
 endif()
+# The communication thread ([runtime] comm_thread, framework/comm/progress_thread.hpp): started
+# operations against references, progress while the starting rank computes without MPI calls,
+# timeouts as without the thread, the generic progress queue.
+meshtrain_add_test(NAME comm_thread_test SOURCES comm/comm_thread_test.cpp
+                   LIBS meshtrain_framework NP 1 2 3 4 TIMEOUT 120)
