@@ -451,6 +451,8 @@ int main(int argc, char** argv) {
       line["overlap"] = overlap;
       line["comm_thread"] = comm_thread;
       line["comm_thread_running"] = meshtrain::running_comm_progress() != nullptr;
+      // Polling passes the thread made in this process so far (0: it only slept).
+      line["comm_thread_passes"] = meshtrain::comm_progress().passes();
       line["bucket_mb"] = bucket_mb;
       line["param_dtype"] = param_dtype;
       line["reduce_dtype"] = reduce_dtype;
