@@ -658,7 +658,7 @@ void read_runtime(const Section& s, RuntimeSection& runtime) {
       runtime.comm_thread =
           node->as_boolean()->get() ? CommThreadChoice::on : CommThreadChoice::off;
     } else if (!node->is_string() || node->as_string()->get() != "auto") {
-      s.fail("comm_thread", "must be true, false or \"auto\"");
+      s.fail("comm_thread", "must be true, false or \"auto\", got ", render(*node));
     } else {
       runtime.comm_thread = CommThreadChoice::automatic;
     }
