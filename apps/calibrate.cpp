@@ -371,10 +371,11 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
   if (plan) profile.gemm_rates = measure_gemm_rates(step_gemm_shapes(*plan));
   profile.memory_bandwidth = measure_memory_bandwidth();
   std::ostringstream measured;
-  measured << "clock = \"" << clock << "\"\nranks = " << world << "\nmesh = \""
-           << mesh->short_description() << "\"\nhost = \"" << host_name() << "\"\n"
-           << "comm_thread = " << (thread ? "true" : "false")
-           << "  # was the communication thread on (runtime.comm_thread) while overlap was measured\n";
+  measured
+      << "clock = \"" << clock << "\"\nranks = " << world << "\nmesh = \""
+      << mesh->short_description() << "\"\nhost = \"" << host_name() << "\"\n"
+      << "comm_thread = " << (thread ? "true" : "false")
+      << "  # was the communication thread on (runtime.comm_thread) while overlap was measured\n";
   std::vector<std::string> measured_axes;
   {
     MeshCommunicators comms(*mesh);

@@ -41,7 +41,7 @@ endif()
 # operations against references, progress while the starting rank computes without MPI calls,
 # timeouts as without the thread, the generic progress queue.
 meshtrain_add_test(NAME comm_thread_test SOURCES comm/comm_thread_test.cpp
-                   LIBS meshtrain_framework NP 1 2 3 4 TIMEOUT 120)
+                   LIBS meshtrain_framework NP 1 2 3 4 TIMEOUT 120 EMULATED)
 # The same hand-off under ThreadSanitizer (no MPI: the progress queue alone), where the
 # compiler has it. A data race fails the program (TSAN_OPTIONS exitcode).
 include(CheckCXXSourceCompiles)

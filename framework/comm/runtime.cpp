@@ -66,9 +66,10 @@ bool want_comm_thread(CommThreadChoice choice, bool overlap, MPI_Comm comm, cons
   check_mpi(MPI_Query_thread(&provided), "MPI_Query_thread");
   if (choice == CommThreadChoice::on) {
     if (provided < MPI_THREAD_MULTIPLE) {
-      MESHTRAIN_BAD_INPUT(key, " = true needs an MPI library with MPI_THREAD_MULTIPLE, but this one "
-                          "provides ", thread_level_name(provided),
-                          "; set it to false or \"auto\"");
+      MESHTRAIN_BAD_INPUT(key,
+                          " = true needs an MPI library with MPI_THREAD_MULTIPLE, but this one "
+                          "provides ",
+                          thread_level_name(provided), "; set it to false or \"auto\"");
     }
     return true;
   }
@@ -81,8 +82,7 @@ bool want_comm_thread(CommThreadChoice choice, bool overlap, MPI_Comm comm, cons
   CPU_ZERO(&cpus);
   const int usable = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
   const int node_cores = static_cast<int>(std::thread::hardware_concurrency());
-  const bool free_core =
-      usable > host_threads && node_cores > place.local_size * host_threads;
+  const bool free_core = usable > host_threads && node_cores > place.local_size * host_threads;
   if (!free_core) return false;
   if (provided < MPI_THREAD_MULTIPLE) {
     note = key + " = \"auto\" leaves the communication thread off: the MPI library provides " +

@@ -13,8 +13,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
-#include <optional>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -70,10 +70,10 @@ TEST(ProgressThread, StepsTasksUntilDoneAndHandsThemBack) {
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   ASSERT_TRUE(quick.finished());
-  EXPECT_EQ(quick.stepped_, 3);                // never stepped again once done
-  EXPECT_FALSE(thread.reclaim(quick));         // already finished: nothing to take back
-  EXPECT_TRUE(thread.reclaim(never));          // still pending: taken back
-  const int stepped = never.stepped_;          // the thread no longer touches it
+  EXPECT_EQ(quick.stepped_, 3);         // never stepped again once done
+  EXPECT_FALSE(thread.reclaim(quick));  // already finished: nothing to take back
+  EXPECT_TRUE(thread.reclaim(never));   // still pending: taken back
+  const int stepped = never.stepped_;   // the thread no longer touches it
   std::this_thread::sleep_for(std::chrono::milliseconds(5));
   EXPECT_EQ(never.stepped_, stepped);
   EXPECT_FALSE(never.finished());
@@ -268,8 +268,7 @@ TEST(CommThread, ARankThatNeverJoinsTimesOutWithTheSameError) {
     comm.set_timeout_seconds(1.0);
     expect_error([&] { comm.start_all_gather(send, recv).wait(); }, ErrorKind::runtime,
                  {"all_gather on axis (fsdp) did not complete within 1 s", "a rank did not join"});
-    expect_error([&] { comm.start_all_reduce(send).wait(); }, ErrorKind::runtime,
-                 {"unusable"});
+    expect_error([&] { comm.start_all_reduce(send).wait(); }, ErrorKind::runtime, {"unusable"});
     EXPECT_EQ(comm_progress().queued_count(), 0u);  // nothing left with the thread
   }
   MPI_Barrier(MPI_COMM_WORLD);
@@ -291,9 +290,12 @@ TEST(CommThread, WhenItRuns) {
   if (provided >= MPI_THREAD_MULTIPLE) {
     EXPECT_TRUE(want_comm_thread(CommThreadChoice::on, false, MPI_COMM_WORLD, "k", note));
   } else {
-    expect_bad_input([&] { want_comm_thread(CommThreadChoice::on, false, MPI_COMM_WORLD,
-                                            "run.toml: runtime.comm_thread", note); },
-                     {"runtime.comm_thread", "MPI_THREAD_MULTIPLE"});
+    expect_bad_input(
+        [&] {
+          want_comm_thread(CommThreadChoice::on, false, MPI_COMM_WORLD,
+                           "run.toml: runtime.comm_thread", note);
+        },
+        {"runtime.comm_thread", "MPI_THREAD_MULTIPLE"});
   }
   if (world_size() == 1) {
     EXPECT_FALSE(want_comm_thread(CommThreadChoice::automatic, true, MPI_COMM_WORLD, "k", note));
