@@ -17,6 +17,7 @@
 #include "base/error.hpp"
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
+#include "framework/comm/runtime.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
@@ -176,6 +177,15 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   agree_on_data_shape();
 
   // --- Model, loss, optimizer: collective construction, identical on every rank. --------
+  if (backend_ == CommBackend::mpi) {  // NCCL progresses on its own stream
+    std::string note;
+    const std::string key =
+        config_.file.empty() ? "runtime.comm_thread" : config_.file + ": runtime.comm_thread";
+    if (want_comm_thread(config_.runtime.comm_thread, config_.runtime.overlap, comm_, key, note)) {
+      comm_thread_.emplace();
+    }
+    if (!note.empty() && rank_ == 0) warnings_.push_back(note);
+  }
   comms_ =
       std::make_unique<MeshCommunicators>(*mesh_, comm_, prepare_comm_backend(backend_, comm_));
   world_ = &comms_->get(all_axes(*mesh_));

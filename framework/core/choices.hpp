@@ -44,6 +44,8 @@ enum class LossKind { cross_entropy, mse };
 enum class OptimizerKind { sgd, adamw };
 enum class LrScheduleKind { constant, linear, cosine };
 enum class CommBackendChoice { automatic, mpi, nccl };
+// [runtime] comm_thread: true | false | "auto" (framework/comm/progress_thread.hpp).
+enum class CommThreadChoice { automatic, on, off };
 // How float GEMMs may round (see framework/core/gemm.hpp).
 enum class MatmulPrecision { fp32, tf32 };
 enum class DataSource { fashion_mnist, synthetic, hdf5 };

@@ -158,6 +158,10 @@ struct RuntimeSection {
   bool overlap = false;
   // Size cap of a DP gradient bucket under overlap, in MiB (PyTorch DDP's bucket_cap_mb).
   double bucket_mb = 25.0;
+  // A thread that progresses the started operations while the main thread computes
+  // (framework/comm/progress_thread.hpp): true, false, or automatic (on with overlap where a
+  // core is free for it; want_comm_thread in framework/comm/runtime.hpp).
+  CommThreadChoice comm_thread = CommThreadChoice::automatic;
 };
 
 // FSDP2's MixedPrecisionPolicy (docs/mixed_precision.md): what layers compute with, gather

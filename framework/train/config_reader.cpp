@@ -47,7 +47,7 @@ const ConfigSchema& config_schema() {
       {"train",
        {"epochs", "steps", "log_every", "eval_every", "accumulation_steps", "early_stopping"}},
       {"checkpoint", {"every_steps", "keep", "resume", "dir", "async", "keep_best", "init_from"}},
-      {"runtime", {"backend", "matmul_precision", "overlap", "bucket_mb"}},
+      {"runtime", {"backend", "matmul_precision", "overlap", "bucket_mb", "comm_thread"}},
       {"mixed_precision", {"param_dtype", "reduce_dtype"}},
   };
   return sections;
@@ -649,6 +649,17 @@ void read_runtime(const Section& s, RuntimeSection& runtime) {
       s.choice("matmul_precision", runtime.matmul_precision, matmul_precision_choices());
   runtime.overlap = s.boolean("overlap", runtime.overlap);
   runtime.bucket_mb = s.number("bucket_mb").value_or(runtime.bucket_mb);
+  // comm_thread: true, false or "auto".
+  if (const toml::node* node = s.table().get("comm_thread")) {
+    if (node->is_boolean()) {
+      runtime.comm_thread =
+          node->as_boolean()->get() ? CommThreadChoice::on : CommThreadChoice::off;
+    } else if (!node->is_string() || node->as_string()->get() != "auto") {
+      s.fail("comm_thread", "must be true, false or \"auto\", got ", render(*node));
+    } else {
+      runtime.comm_thread = CommThreadChoice::automatic;
+    }
+  }
   if (!(runtime.bucket_mb > 0)) {
     s.fail("bucket_mb", "must be a positive number of MiB, got ", runtime.bucket_mb);
   }

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "framework/comm/mpi_util.hpp"
+#include "framework/comm/progress_thread.hpp"
 #include "framework/train/lr_schedule.hpp"
 #include "tests/test_support.hpp"
 
@@ -732,6 +733,37 @@ TEST(TrainingRun, ResidualMlpMeshesTrainLikeOneRank) {
                     1e-5 * (1 + std::abs(reference.eval.test_loss)));
       }
     }
+  }
+}
+
+// The communication thread ([runtime] comm_thread) changes who drives the started operations,
+// not what they compute: dp and fsdp (and fsdp x tp) with overlap give the same losses and
+// evaluation, bit for bit, with the thread on as off.
+TEST(TrainingRun, CommThreadTrainsBitForBitLikeWithout) {
+  const int n = world_size();
+  std::vector<MeshCase> cases = {{"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}};
+  if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
+  for (const MeshCase& c : cases) {
+    SCOPED_TRACE(c.preset);
+    RunConfig config = small_config(c.axes, c.preset);
+    config.runtime.overlap = true;
+    config.runtime.bucket_mb = 0.0005;  // several DP buckets in flight at once
+    config.runtime.comm_thread = CommThreadChoice::off;
+    const Trace off = run_steps(config, MPI_COMM_WORLD, 5);
+    config.runtime.comm_thread = CommThreadChoice::on;
+    Trace on;
+    {
+      TrainingRun run(config, {}, std::nullopt, MPI_COMM_WORLD);
+      EXPECT_NE(running_comm_progress(), nullptr);  // the run holds the thread on
+      for (int s = 0; s < 5; ++s) on.losses.push_back(run.step().loss);
+      on.eval = run.evaluate();
+    }
+    EXPECT_EQ(running_comm_progress(), nullptr);  // and stops it when it ends
+    ASSERT_EQ(on.losses.size(), off.losses.size());
+    for (size_t s = 0; s < on.losses.size(); ++s) {
+      EXPECT_EQ(on.losses[s], off.losses[s]) << "step " << s + 1;
+    }
+    EXPECT_EQ(on.eval.test_loss, off.eval.test_loss);
   }
 }
 
