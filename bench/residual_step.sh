@@ -83,13 +83,13 @@ for mode in $modes; do
     name=${model}_$mode
     var=${model}_model
     write_config "$name" "$mode" "${!var}" "$work/$name.toml"
+    rm -rf "${work:?}/$name"  # a fresh run directory each round
     $mpirun -np "$np" "$meshtrain" calibrate "$work/$name.toml" --out "$work/$name.hw.toml" \
       > "$work/$name.calibrate.log" 2>&1 || { cat "$work/$name.calibrate.log" >&2; exit 1; }
     "$meshtrain" plan "$work/$name.toml" --world "$np" --hardware "$work/$name.hw.toml" \
       > "$work/$name.plan" 2>&1 || { cat "$work/$name.plan" >&2; exit 1; }
     $mpirun -np "$np" "$meshtrain" train "$work/$name.toml" > "$work/$name.log" 2>&1 ||
       { cat "$work/$name.log" >&2; exit 1; }
-    rm -rf "${work:?}/$name"  # a fresh run directory each round
     line=$(python3 - "$work/$name/metrics.jsonl" "$work/$name.plan" "$model" "$mode" "$np" \
       "$batch" "${plain_step[$mode]:-}" "$round" <<'PY'
 import json, re, statistics, sys
