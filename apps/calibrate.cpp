@@ -13,6 +13,8 @@
 #include <map>
 #include <sstream>
 
+#include "base/error.hpp"
+#include "base/text.hpp"
 #include "framework/comm/exit_policy.hpp"
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mesh_communicators.hpp"
@@ -23,8 +25,6 @@
 #include "framework/train/hardware_file.hpp"
 #include "layers/activation.hpp"
 #include "partition/cost_model.hpp"
-#include "base/error.hpp"
-#include "base/text.hpp"
 
 namespace meshtrain {
 namespace {
@@ -166,7 +166,8 @@ std::map<std::string, double> measure_elementwise_rates(const ShardingPlan& plan
     const double first = timed(1, run, Until::all_ends);
     calls = static_cast<int>(std::clamp(0.02 / std::max(first, 1e-9), 1.0, 1000.0));
     check_mpi(MPI_Bcast(&calls, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
-    rates[kernel] = calls * static_cast<double>(rows * cols) / slowest_timed(5, run, Until::all_ends);
+    rates[kernel] =
+        calls * static_cast<double>(rows * cols) / slowest_timed(5, run, Until::all_ends);
   };
   if (model.swiglu) {
     measure("swiglu_forward", [&] { swiglu_forward(a, b, d); });

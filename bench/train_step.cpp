@@ -453,8 +453,11 @@ int main(int argc, char** argv) {
         const double w = double(residual[0]), h = double(residual[1]);
         multiply_adds = double(sizes.front()) * w + double(sizes.back()) * w +
                         double(residual[2]) * (config.model.swiglu ? 3 : 2) * w * h;
-        line_residual = {{"width", residual[0]}, {"hidden", residual[1]},
-                         {"depth", residual[2]}, {"norm", norm}, {"activation", activation}};
+        line_residual = {{"width", residual[0]},
+                         {"hidden", residual[1]},
+                         {"depth", residual[2]},
+                         {"norm", norm},
+                         {"activation", activation}};
       }
       const double flops_per_step = 6.0 * batch * multiply_adds;
       const double samples_per_s = batch / step_time;

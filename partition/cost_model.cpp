@@ -480,8 +480,7 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     if (j + 1 >= count || lp.output_op == LayerOutputOp::none) return;
     const double e = static_cast<double>(r) * static_cast<double>(lp.layout.out_local);
     if (options.dropout > 0.0) {
-      memory(lp.name, "backward", "dropout mask on the gradient (read 1, write 1)",
-             2 * kFloat * e);
+      memory(lp.name, "backward", "dropout mask on the gradient (read 1, write 1)", 2 * kFloat * e);
     }
     if (lp.output_op == LayerOutputOp::swiglu) {
       elementwise(lp.name, "backward", "SwiGLU gate and value gradients (read 3, write 2)",

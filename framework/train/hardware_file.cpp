@@ -136,8 +136,7 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
     }
     for (const auto& [key, value] : *rates) {
       const std::string name(key.str());
-      p.elementwise_rates[name] =
-          number(*rates, name, "elementwise." + name, source, true, 0);
+      p.elementwise_rates[name] = number(*rates, name, "elementwise." + name, source, true, 0);
     }
   }
   const toml::node* links_node = root.get("links");
