@@ -169,11 +169,21 @@ MoeLayerGemms moe_layer_gemms(const MoeLayout& m, int64_t rows) {
               {rows, m.experts, m.in, false, true}};
   const int64_t local = std::max<int64_t>(m.experts_local, 1);
   const int64_t routed = rows * m.top_k, base = routed / local, extra = routed % local;
+  // Feed-forward experts: one entry per projection ((gate,) up in -> hidden, down hidden ->
+  // out), each with its three GEMMs.
   auto group = [&](int64_t count, int64_t n) {
     if (count <= 0 || n <= 0) return;
-    g.experts.push_back({count, n, GemmShape{n, m.in, m.out, false, false},
-                         GemmShape{m.in, n, m.out, true, false},
-                         GemmShape{n, m.out, m.in, false, true}});
+    auto projection = [&](int64_t in, int64_t out) {
+      g.experts.push_back({count, n, GemmShape{n, in, out, false, false},
+                           GemmShape{in, n, out, true, false}, GemmShape{n, out, in, false, true}});
+    };
+    if (!m.feed_forward()) {
+      projection(m.in, m.out);
+      return;
+    }
+    if (m.gated) projection(m.in, m.hidden);
+    projection(m.in, m.hidden);
+    projection(m.hidden, m.out);
   };
   group(extra, base + 1);
   group(local - extra, base);
@@ -315,6 +325,18 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       return &m.experts_weight;
     }
     if (operand == "expert biases" || operand == "expert bias gradient") return &m.experts_bias;
+    if (operand == "expert gate weights" || operand == "expert gate weight gradient") {
+      return &m.experts_gate_weight;
+    }
+    if (operand == "expert gate biases" || operand == "expert gate bias gradient") {
+      return &m.experts_gate_bias;
+    }
+    if (operand == "expert down weights" || operand == "expert down weight gradient") {
+      return &m.experts_down_weight;
+    }
+    if (operand == "expert down biases" || operand == "expert down bias gradient") {
+      return &m.experts_down_bias;
+    }
     return none;
   };
   // An MoE layer's collectives by operand ("": all those of the phase left), in the order the
@@ -398,7 +420,10 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     moe_dispatch(lp, done, "forward", "expert outputs", 2 * R * k * out);
     moe_memory(lp, "forward", "combine with gates", R * k * out + R * out);
     moe_collectives(lp, done, "forward", "");
-    if (i + 1 < count) moe_memory(lp, "forward", "activation", 2 * R * out);
+    // The activation after the layer (an MoE block of a residual_mlp has none after it).
+    if (i + 1 < count && lp.output_op != LayerOutputOp::none) {
+      moe_memory(lp, "forward", "activation", 2 * R * out);
+    }
   };
   auto moe_backward = [&](size_t j) {
     const LayerPlan& lp = plan.layers[j];
@@ -409,7 +434,9 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     const double E = static_cast<double>(m.experts);
     const bool input_grad = j > 0, mixed = param_dtype != Dtype::fp32;
     std::vector<bool> done(lp.collectives.size(), false);
-    if (j + 1 < count) moe_memory(lp, "backward", "activation gradient", 3 * R * out);
+    if (j + 1 < count && lp.output_op != LayerOutputOp::none) {
+      moe_memory(lp, "backward", "activation gradient", 3 * R * out);
+    }
     backward_start[j] = cost.items.size();
     moe_memory(lp, "backward", "gate gradients", R * k * out + R * out);
     moe_memory(lp, "backward", "pack output gradients times gates", 2 * R * k * out);
@@ -555,6 +582,11 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     if (lp.moe) {
       cost.matmuls.push_back({});
       moe_forward(i);
+      if (lp.ends_residual_block) {  // an MoE block of a residual_mlp
+        memory(lp.name, "forward", "residual add (read 2, write 1)",
+               3 * kFloat * r * static_cast<double>(l.out_local));
+      }
+      norms_forward(i);
       continue;
     }
     const LayerMatmulAlgorithms chosen = layer_matmul_algorithms(l, r, algorithm, hw, param_dtype);
@@ -600,11 +632,15 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
   for (size_t j = count; j-- > 0;) {
     const LayerPlan& lp = plan.layers[j];
     const LinearLayout& l = lp.layout;
+    norms_backward(j);
     if (lp.moe) {
+      if (lp.ends_residual_block) {
+        memory(lp.name, "backward", "residual gradient copy (read 1, write 1)",
+               2 * kFloat * r * static_cast<double>(l.out_local));
+      }
       moe_backward(j);
       continue;
     }
-    norms_backward(j);
     const LayerMatmulAlgorithms& chosen = cost.matmuls[j];
     if (lp.ends_residual_block) {
       memory(lp.name, "backward", "residual gradient copy (read 1, write 1)",

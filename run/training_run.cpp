@@ -713,9 +713,12 @@ StepResult TrainingRun::apply_update() {
 double TrainingRun::flops_per_step() const {
   const int64_t rows = config_.data.batch_size * accumulation_;
   if (config_.model.kind == ModelKind::residual_mlp) {  // every weight's elements, 6 per row
-    double parameters = 0.0;
+    double parameters = 0.0;  // an MoE block's: its router and top_k experts' [E, in, out]
     for (const ParameterShape& p : model_parameter_shapes(config_.model)) {
       if (p.shape.size() == 2) parameters += static_cast<double>(p.shape[0]) * p.shape[1];
+      if (p.shape.size() == 3) {
+        parameters += static_cast<double>(config_.model.top_k) * p.shape[1] * p.shape[2];
+      }
     }
     return 6.0 * parameters * static_cast<double>(rows);
   }

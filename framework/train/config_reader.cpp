@@ -296,15 +296,12 @@ void read_mlp_sizes(const Section& s, ModelSection& model) {
   }
 }
 
-// kind = "residual_mlp": inputs, outputs, width, hidden, depth, norm; sizes and MoE refused.
+// kind = "residual_mlp": inputs, outputs, width, hidden, depth, norm; sizes refused (moe_layers
+// name blocks, read with the other model keys).
 void read_residual_model(const Section& s, ModelSection& model) {
   if (s.has("sizes")) {
     s.fail("sizes", "is a key of kind = \"mlp\"; kind = \"residual_mlp\" takes inputs, "
            "outputs, width, hidden and depth instead");
-  }
-  if (s.has("moe_layers")) {
-    s.fail("moe_layers", "is not supported with kind = \"residual_mlp\" yet (MoE blocks are "
-           "not implemented); use kind = \"mlp\"");
   }
   model.sizes.clear();
   for (auto [key, value] : {std::pair<const char*, int64_t*>{"inputs", &model.inputs},
