@@ -10,8 +10,11 @@
 #include <ctime>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <sstream>
 
+#include "base/error.hpp"
+#include "base/text.hpp"
 #include "framework/comm/exit_policy.hpp"
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mesh_communicators.hpp"
@@ -22,9 +25,8 @@
 #include "framework/core/kernel_label.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/hardware_file.hpp"
+#include "layers/activation.hpp"
 #include "partition/cost_model.hpp"
-#include "base/error.hpp"
-#include "base/text.hpp"
 
 namespace meshtrain {
 namespace {
@@ -122,6 +124,70 @@ std::vector<GemmRate> measure_gemm_rates(const std::vector<GemmShape>& shapes) {
     calls = static_cast<int>(std::clamp(0.02 / std::max(first, 1e-9), 1.0, 1000.0));
     check_mpi(MPI_Bcast(&calls, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
     rates.push_back({g, calls * g.flops() / slowest_timed(5, run, Until::all_ends)});
+  }
+  return rates;
+}
+
+// The rate (elements/s) of each elementwise kernel the plan's step runs after its layers
+// (LayerPlan::output_op: the model's activation, forward and backward, or SwiGLU), the real
+// kernels of layers/activation.hpp on the step's largest [rows, out_local] block, every rank
+// at once: the slowest rank's median of 5 timings of about 20 ms of calls each.
+std::map<std::string, double> measure_elementwise_rates(const ShardingPlan& plan,
+                                                        const ModelSection& model) {
+  int64_t cols = 0;
+  for (size_t i = 0; i + 1 < plan.layers.size(); ++i) {
+    const LayerPlan& l = plan.layers[i];
+    if (!l.moe && l.output_op != LayerOutputOp::none) cols = std::max(cols, l.layout.out_local);
+  }
+  std::map<std::string, double> rates;
+  const int64_t rows = plan.local_batch_rows;
+  if (cols <= 0 || rows <= 0 || (!model.swiglu && model.activation == Activation::none)) {
+    return rates;
+  }
+  Matrix a("meshtrain::calibrate_elementwise_a", rows, cols);
+  Matrix b("meshtrain::calibrate_elementwise_b", rows, cols);
+  Matrix c("meshtrain::calibrate_elementwise_c", rows, cols);
+  Matrix d("meshtrain::calibrate_elementwise_d", rows, cols);
+  Matrix e("meshtrain::calibrate_elementwise_e", rows, cols);
+  // Values around the pre-activations of a trained layer, both signs.
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::calibrate_elementwise_fill"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>({0, 0}, {rows, cols}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        a(i, j) = 0.01f * static_cast<float>((i * 131 + j * 7) % 401 - 200);
+        b(i, j) = 0.5f;
+        c(i, j) = 0.25f;
+      });
+  const std::string name = model.activation_name();
+  auto measure = [&](const std::string& kernel, auto&& once) {
+    int calls = 1;  // per timing: about 20 ms of them (rank 0's count, so all run as many)
+    auto run = [&] {
+      for (int k = 0; k < calls; ++k) once();
+      Kokkos::fence();
+    };
+    const double first = timed(1, run, Until::all_ends);
+    calls = static_cast<int>(std::clamp(0.02 / std::max(first, 1e-9), 1.0, 1000.0));
+    check_mpi(MPI_Bcast(&calls, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
+    rates[kernel] =
+        calls * static_cast<double>(rows * cols) / slowest_timed(5, run, Until::all_ends);
+  };
+  if (model.swiglu) {
+    measure("swiglu_forward", [&] { swiglu_forward(a, b, d); });
+    // dY in c is read, the gradients written to d and e (dY stays as it is: rerunnable).
+    measure("swiglu_backward", [&] { swiglu_backward(a, b, c, d, e); });
+  } else {
+    measure(name + "_forward", [&] { activation_forward(model.activation, a, d); });
+    // In place on the gradient, so each call starts from a fresh copy of dY (repeated
+    // products would shrink it into subnormals): timed with the copy, less the copy alone.
+    measure("copy", [&] { Kokkos::deep_copy(d, c); });
+    measure(name + "_backward", [&] {
+      Kokkos::deep_copy(d, c);
+      activation_backward(model.activation, a, d);
+    });
+    const double elements = static_cast<double>(rows * cols);
+    const double both = elements / rates[name + "_backward"], copy = elements / rates["copy"];
+    rates.erase("copy");
+    rates[name + "_backward"] = elements / std::max(both - copy, 0.1 * both);
   }
   return rates;
 }
@@ -338,6 +404,7 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
   std::optional<CommThreadLease> comm_thread;
   CommThreadChoice thread_choice = CommThreadChoice::off;
   bool overlap = false;
+  std::optional<ModelSection> model;
   if (auto error = run_agreed(MPI_COMM_WORLD, [&] {
         if (config_path.empty()) {
           mesh = Mesh::create({{"dp", -1}}, world, "calibrate (dp = the world)");
@@ -346,6 +413,7 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
           mesh = config.mesh.resolve(world);
           plan = make_plan(model_parameter_shapes(config.model), *mesh, partition_rules(config),
                            plan_options(config), model_linear_layers(config.model));
+          model = config.model;
           if (plan->local_batch_rows <= 0) plan.reset();
           if (config.runtime.backend != CommBackendChoice::nccl) {
             thread_choice = config.runtime.comm_thread;
@@ -369,6 +437,7 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
   profile.source = out_path.empty() ? "calibrate" : out_path;
   profile.gemm_flops = measure_gemm_flops();
   if (plan) profile.gemm_rates = measure_gemm_rates(step_gemm_shapes(*plan));
+  if (plan) profile.elementwise_rates = measure_elementwise_rates(*plan, *model);
   profile.memory_bandwidth = measure_memory_bandwidth();
   std::ostringstream measured;
   measured

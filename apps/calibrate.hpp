@@ -11,6 +11,11 @@
 //                     slowest rank. The cost model costs a GEMM at its shape's rate.
 //   memory_bandwidth  a = b + s * c over 3 x 64 MiB (12 bytes per element), every rank at
 //                     once, median of 5, slowest rank
+//   [elementwise]     with CONFIG: the elements/s of the model's activation (forward and
+//                     backward) or of SwiGLU, the real kernels (layers/activation.hpp) on the
+//                     step's largest [rows, out_local] block after a layer, each ~20 ms of
+//                     calls, every rank at once, median of 5, slowest rank (an in-place
+//                     backward timed after a copy of dY, the copy's time taken off)
 //   (Computation is timed from a common start until the last rank has finished: ranks
 //   that outnumber the cores take turns, and each one's own clock would time it alone.)
 //   per mesh axis of size > 1 (CONFIG's mesh for N ranks, or dp = N), every group at once,

@@ -258,6 +258,12 @@ int main(int argc, char** argv) {
     app.add_option("--moe-layers", moe_layers_text, "model.moe_layers, comma-separated (none)");
     app.add_option("--experts", experts, "model.experts")->check(CLI::PositiveNumber);
     app.add_option("--top-k", top_k, "model.top_k")->check(CLI::PositiveNumber);
+    std::string residual_text, norm = "rmsnorm", activation = "swiglu";
+    app.add_option("--residual", residual_text,
+                   "a residual_mlp instead: WIDTH,HIDDEN,DEPTH (inputs and outputs: the first "
+                   "and last of --sizes)");
+    app.add_option("--norm", norm, "residual_mlp model.norm: rmsnorm|layernorm|none");
+    app.add_option("--activation", activation, "residual_mlp model.activation (swiglu, relu, ...)");
     app.add_option("--steps", steps, "timed steps (median reported)")->check(CLI::PositiveNumber);
     app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
     app.add_option("--algorithm", algorithm, "collective matmul: naive|ring|bidirectional|auto");
@@ -323,6 +329,28 @@ int main(int argc, char** argv) {
     }
     config.mesh.source = "--mode " + mode;
     config.model.sizes = sizes;
+    const std::vector<int64_t> residual =
+        residual_text.empty() ? std::vector<int64_t>{} : parse_sizes(residual_text);
+    if (!residual.empty()) {  // residual_mlp inputs -> width, depth blocks, -> outputs
+      if (residual.size() != 3) MESHTRAIN_BAD_INPUT("--residual needs WIDTH,HIDDEN,DEPTH");
+      config.model.kind = meshtrain::ModelKind::residual_mlp;
+      config.model.sizes.clear();
+      config.model.inputs = sizes.front();
+      config.model.outputs = sizes.back();
+      config.model.width = residual[0];
+      config.model.hidden = residual[1];
+      config.model.depth = residual[2];
+      config.model.norm = norm == "none"        ? meshtrain::ModelNorm::none
+                          : norm == "layernorm" ? meshtrain::ModelNorm::layernorm
+                                                : meshtrain::ModelNorm::rmsnorm;
+      if (norm != "none" && norm != "layernorm" && norm != "rmsnorm") {
+        MESHTRAIN_BAD_INPUT("--norm '", norm, "' must be rmsnorm, layernorm or none");
+      }
+      config.model.swiglu = activation == "swiglu";
+      config.model.activation = config.model.swiglu
+                                    ? meshtrain::Activation::silu
+                                    : meshtrain::parse_activation(activation, "--activation");
+    }
     config.model.loss = meshtrain::LossKind::cross_entropy;
     config.partition.preset = mode == "zero1" || mode == "ep" ? "dp" : mode;
     config.optimizer.zero_stage = mode == "zero1" ? 1 : 0;
@@ -423,13 +451,24 @@ int main(int argc, char** argv) {
     MPI_Barrier(MPI_COMM_WORLD);
 
     if (rank == 0) {
+      nlohmann::json line_residual;  // the residual_mlp's shape (--residual)
       double multiply_adds = 0.0;  // per row: what the row's forward multiplies
       const meshtrain::MoeSettings moe = config.model.moe();
-      for (size_t i = 0; i + 1 < sizes.size(); ++i) {
+      for (size_t i = 0; i + 1 < sizes.size() && residual.empty(); ++i) {
         const double layer = double(sizes[i]) * sizes[i + 1];
         multiply_adds += moe.is_moe(static_cast<int64_t>(i))
                              ? double(sizes[i]) * moe.experts + moe.top_k * layer
                              : layer;
+      }
+      if (!residual.empty()) {  // input, (gate,) up and down per block, output
+        const double w = double(residual[0]), h = double(residual[1]);
+        multiply_adds = double(sizes.front()) * w + double(sizes.back()) * w +
+                        double(residual[2]) * (config.model.swiglu ? 3 : 2) * w * h;
+        line_residual = {{"width", residual[0]},
+                         {"hidden", residual[1]},
+                         {"depth", residual[2]},
+                         {"norm", norm},
+                         {"activation", activation}};
       }
       const double flops_per_step = 6.0 * batch * multiply_adds;
       const double samples_per_s = batch / step_time;
@@ -438,6 +477,7 @@ int main(int argc, char** argv) {
       // processes does not inflate: what the ratio would be on an idle machine.
       const double roofline_cpu = world * sgemm.cpu * 1e9 / (flops_per_step / batch);
       nlohmann::json line;
+      if (!line_residual.is_null()) line["residual_mlp"] = line_residual;
       line["bench"] = "train_step";
       line["mode"] = mode;
       line["mesh"] = mesh.short_description();

@@ -19,6 +19,9 @@
 # other (a noisy neighbour then spoils one round, not one mode's every figure), and a last
 # line per (np, mode) has "summary": true and the median over the rounds of each ratio.
 # The profiles are kept in $KEEP_PROFILES when set.
+# RESIDUAL=WIDTH,HIDDEN,DEPTH measures a residual_mlp instead (inputs and outputs: the first
+# and last of SIZES; NORM=rmsnorm and ACTIVATION=swiglu unless set), e.g. issue 27's model:
+#   RESIDUAL=1024,4096,4 ROUNDS=3 bench/validate_cost_model.sh 2 "dp fsdp tp" 1024,10 256
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -47,8 +50,7 @@ $mesh
 preset = "$preset"
 min_sharding_size = 0
 [model]
-kind = "mlp"
-sizes = [$sizes]
+$model_section
 [data]
 source = "synthetic"
 batch_size = $batch
@@ -56,6 +58,23 @@ batch_size = $batch
 zero_stage = $zero
 TOML
 }
+residual_args=()
+if [[ -n ${RESIDUAL:-} ]]; then
+  IFS=, read -r width hidden depth <<< "$RESIDUAL"
+  IFS=, read -r -a size_list <<< "$sizes"
+  model_section="kind = \"residual_mlp\"
+inputs = ${size_list[0]}
+outputs = ${size_list[-1]}
+width = $width
+hidden = $hidden
+depth = $depth
+norm = \"${NORM:-rmsnorm}\"
+activation = \"${ACTIVATION:-swiglu}\""
+  residual_args=(--residual "$RESIDUAL" --norm "${NORM:-rmsnorm}" --activation "${ACTIVATION:-swiglu}")
+else
+  model_section="kind = \"mlp\"
+sizes = [$sizes]"
+fi
 results=$hw/results.jsonl
 : > "$results"
 for round in $(seq 1 "${ROUNDS:-1}"); do
@@ -72,7 +91,7 @@ for np in $nps; do
       --out "$profile-cpu.toml" > /dev/null
     $mpirun -np "$np" build/bin/bench_train_step --sizes "$sizes" --batch "$batch" --mode "$mode" \
       --overlap "$overlap" --steps "${STEPS:-5}" --warmup 1 --sgemm-size 512 --hardware "$profile.toml" \
-      --hardware-cpu "$profile-cpu.toml" |
+      --hardware-cpu "$profile-cpu.toml" "${residual_args[@]}" |
       python3 -c 'import json,sys
 for l in sys.stdin:
   d=json.loads(l); d["np"]='"$np"'; d["round"]='"$round"'; print(json.dumps(d))' |

@@ -49,6 +49,9 @@ GradientBuckets::GradientBuckets(const std::vector<LayerGradients>& layers, doub
     }
   }
   for (Bucket& b : buckets_) {
+    // Every bucket may be in flight at once (started as backward completes it, waited for
+    // at the end): its request slot and 16-bit buffers made now, not in a step.
+    b.group->reserve_started_all_reduces(1, b.floats, wire_);
     b.remaining = b.layers;
     if (b.pieces.size() > 1) {
       b.buffer = Vector(Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshtrain::grad_bucket"),

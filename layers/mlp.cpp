@@ -1,5 +1,7 @@
 #include "layers/mlp.hpp"
 
+#include <map>
+
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
 #include "base/error.hpp"
@@ -225,6 +227,27 @@ void Mlp::finish(ParallelContext& context) {
     }
   }
   scratch_ = LayerScratch(needs, prefetch);
+  // One prefetch is in flight at a time (the scratch has one prefetch buffer): each
+  // communicator a prefetched weight is gathered over reserves one started all-gather of the
+  // largest such weight, so that a prefetch beside DP buckets on the same communicator does
+  // not grow its request pool in a step.
+  if (prefetch) {
+    std::map<Communicator*, ShardedParameter::PrefetchGather> largest;
+    for (size_t k = 0; k < count; ++k) {
+      for (Layer* target : {forward_prefetch_[k], backward_prefetch_[k]}) {
+        if (!target) continue;
+        for (ShardedParameter* p : target->sharded_parameters()) {
+          if (!p->can_prefetch()) continue;
+          const ShardedParameter::PrefetchGather g = p->prefetch_gather();
+          ShardedParameter::PrefetchGather& most = largest[g.group];
+          if (g.send_elements > most.send_elements) most = g;
+        }
+      }
+    }
+    for (const auto& [group, g] : largest) {
+      group->reserve_started_all_gathers(1, g.send_elements, g.wire);
+    }
+  }
   if (compute_dtype_ != Dtype::fp32) input_ = Matrix("model/input", rows_, sizes_.front());
   if (compute_dtype_ != Dtype::fp32 || context.precision().needs_loss_scaling()) {
     output_grad_ = Matrix("model/output_grad", rows_, output_width());

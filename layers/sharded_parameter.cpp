@@ -182,6 +182,11 @@ MatrixView ShardedParameter::compute_matrix(LayerScratch& scratch) {
   return full;
 }
 
+ShardedParameter::PrefetchGather ShardedParameter::prefetch_gather() const {
+  MESHTRAIN_REQUIRE(can_prefetch(), "parameter '", value().name, "' cannot be prefetched");
+  return {gather1_ ? gather1_ : gather2_, value().local.extent(0), compute_};
+}
+
 void ShardedParameter::start_prefetch(LayerScratch& scratch) {
   const size_t gathered = static_cast<size_t>(g_.compute[1] * g_.compute[2]);
   MESHTRAIN_REQUIRE(

@@ -95,6 +95,15 @@ class ShardedParameter {
   }
   // Starts gathering into scratch.prefetch; the next compute_matrix() completes it.
   void start_prefetch(LayerScratch& scratch);
+  // What start_prefetch starts (can_prefetch() only): a start_all_gather over `group` of
+  // `send_elements` per rank in `wire`, for the model to reserve (Communicator::
+  // reserve_started_all_gathers).
+  struct PrefetchGather {
+    Communicator* group = nullptr;
+    std::size_t send_elements = 0;
+    Dtype wire = Dtype::fp32;
+  };
+  PrefetchGather prefetch_gather() const;
   void poll_prefetch() { prefetch_.test(); }
 
   // Where backward writes the compute block's gradient: the stored gradient itself when

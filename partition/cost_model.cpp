@@ -251,6 +251,19 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
                     double bytes) {
     add(layer, phase, "memory", what, "", bytes / hw.memory_bandwidth);
   };
+  // An elementwise kernel over `elements` that reads and writes `passes` of them: at its
+  // measured rate when the profile has one (its arithmetic sets the pace), else its bytes at
+  // memory_bandwidth.
+  auto elementwise = [&](const std::string& layer, const char* phase, const std::string& what,
+                         const std::string& kernel, double elements, double passes) {
+    const auto rate = hw.elementwise_rates.find(kernel);
+    if (rate != hw.elementwise_rates.end()) {
+      add(layer, phase, "memory", what + " (" + kernel + " at its measured rate)", "",
+          elements / rate->second);
+    } else {
+      memory(layer, phase, what, passes * kFloat * elements);
+    }
+  };
   // The plan's collective, unless a collective matmul does it.
   const Dtype param_dtype = options.precision.param;
   auto collective = [&](const std::string& layer, const LayerCollective& c) {
@@ -407,7 +420,10 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     moe_dispatch(lp, done, "forward", "expert outputs", 2 * R * k * out);
     moe_memory(lp, "forward", "combine with gates", R * k * out + R * out);
     moe_collectives(lp, done, "forward", "");
-    if (i + 1 < count) moe_memory(lp, "forward", "activation", 2 * R * out);
+    // The activation after the layer (an MoE block of a residual_mlp has none after it).
+    if (i + 1 < count && lp.output_op != LayerOutputOp::none) {
+      moe_memory(lp, "forward", "activation", 2 * R * out);
+    }
   };
   auto moe_backward = [&](size_t j) {
     const LayerPlan& lp = plan.layers[j];
@@ -418,7 +434,9 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     const double E = static_cast<double>(m.experts);
     const bool input_grad = j > 0, mixed = param_dtype != Dtype::fp32;
     std::vector<bool> done(lp.collectives.size(), false);
-    if (j + 1 < count) moe_memory(lp, "backward", "activation gradient", 3 * R * out);
+    if (j + 1 < count && lp.output_op != LayerOutputOp::none) {
+      moe_memory(lp, "backward", "activation gradient", 3 * R * out);
+    }
     backward_start[j] = cost.items.size();
     moe_memory(lp, "backward", "gate gradients", R * k * out + R * out);
     moe_memory(lp, "backward", "pack output gradients times gates", 2 * R * k * out);
@@ -462,6 +480,101 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       }
     }
   };
+  // What runs on layer i's output before the next layer (LayerPlan::output_op), over its
+  // E = r * out_local elements: the activation (reads E, writes E) or SwiGLU (reads gate and
+  // value, writes E: 3 E), then dropout (read, write: 2 E). Not after the last layer, nor
+  // after MoE layers (moe_forward charges their activation).
+  auto elementwise_forward = [&](size_t i) {
+    const LayerPlan& lp = plan.layers[i];
+    if (i + 1 >= count || lp.output_op == LayerOutputOp::none) return;
+    const double e = static_cast<double>(r) * static_cast<double>(lp.layout.out_local);
+    if (lp.output_op == LayerOutputOp::swiglu) {
+      elementwise(lp.name, "forward", "SwiGLU silu(gate) * value (read 2, write 1)",
+                  "swiglu_forward", e, 3);
+    } else {
+      elementwise(lp.name, "forward", options.activation + " activation (read 1, write 1)",
+                  options.activation + "_forward", e, 2);
+    }
+    if (options.dropout > 0.0) {
+      memory(lp.name, "forward", "dropout mask (read 1, write 1)", 2 * kFloat * e);
+    }
+  };
+  // Backward of the same, in reverse: dropout on the gradient in place (2 E); the
+  // activation's gradient (reads z and dY, writes dZ: 3 E) or SwiGLU's (reads gate, value and
+  // dY, writes both gradients: 5 E).
+  auto elementwise_backward = [&](size_t j) {
+    const LayerPlan& lp = plan.layers[j];
+    if (j + 1 >= count || lp.output_op == LayerOutputOp::none) return;
+    const double e = static_cast<double>(r) * static_cast<double>(lp.layout.out_local);
+    if (options.dropout > 0.0) {
+      memory(lp.name, "backward", "dropout mask on the gradient (read 1, write 1)", 2 * kFloat * e);
+    }
+    if (lp.output_op == LayerOutputOp::swiglu) {
+      elementwise(lp.name, "backward", "SwiGLU gate and value gradients (read 3, write 2)",
+                  "swiglu_backward", e, 5);
+    } else {
+      elementwise(lp.name, "backward", options.activation + " gradient (read 2, write 1)",
+                  options.activation + "_backward", e, 3);
+    }
+  };
+  // Norms (residual_mlp, layers/norm.cpp) over W = r * local_width elements, each run right
+  // after the linear layer whose output it reads (NormPlan's `after`, past that block's
+  // residual add). Forward: the row statistics (RMSNorm: sum of squares, 1 W; LayerNorm: sum,
+  // then the centred sums, 2 W), their all-reduce over tp when the features are split (the
+  // plan's collectives, with the parameters' gathers), then x_hat * scale (+ bias): read 1,
+  // write 1. Backward, before layer `after`'s: the parameter gradients' column sums (read x
+  // and dY: 2 W), the row sums (2 W), their all-reduce over tp, the input gradient (read x and
+  // dY, write dX: 3 W), the gradients' reductions; then, for a block's norm, the residual's
+  // gradient added to it (read 2, write 1: 3 W of the block's width).
+  auto norm_width = [&](const NormPlan& n) {
+    return static_cast<double>(r) * static_cast<double>(n.layout.local_width);
+  };
+  // The blocks' widths by the layer before each (the block's input): where its backward
+  // ends with the residual add.
+  struct BlockEnd {
+    double elements = 0.0;
+    std::string layer;  // the block's last layer
+  };
+  std::vector<BlockEnd> block_before(count);
+  for (size_t k = 0, before = 0; k < count; ++k) {
+    if (!plan.layers[k].ends_residual_block) continue;
+    block_before[before] = {
+        static_cast<double>(r) * static_cast<double>(plan.layers[k].layout.out_local),
+        plan.layers[k].name};
+    before = k;
+  }
+  auto norms_forward = [&](size_t i) {
+    for (const NormPlan& n : plan.norms) {
+      if (n.after != i) continue;
+      const double w = norm_width(n);
+      const bool layernorm = n.layout.kind == NormKind::layernorm;
+      memory(n.name, "forward",
+             layernorm ? "layernorm row sums, then centred sums (read 2)"
+                       : "rmsnorm row sums of squares (read 1)",
+             (layernorm ? 2 : 1) * kFloat * w);
+      for (const auto& c : n.collectives) {
+        if (c.phase == "forward") collective(n.name, c);
+      }
+      memory(n.name, "forward", "norm output x_hat * scale (read 1, write 1)", 2 * kFloat * w);
+    }
+  };
+  auto norms_backward = [&](size_t j) {
+    for (const NormPlan& n : plan.norms) {
+      if (n.after != j) continue;
+      const double w = norm_width(n);
+      memory(n.name, "backward", "norm parameter gradients: column sums (read 2)", 2 * kFloat * w);
+      memory(n.name, "backward", "norm gradient row sums (read 2)", 2 * kFloat * w);
+      for (const auto& c : n.collectives) {
+        if (c.phase == "backward") collective(n.name, c);
+      }
+      memory(n.name, "backward", "norm input gradient (read 2, write 1)", 3 * kFloat * w);
+    }
+    if (block_before[j].elements > 0.0) {
+      memory(block_before[j].layer, "backward",
+             "residual gradient added to the block's input gradient (read 2, write 1)",
+             3 * kFloat * block_before[j].elements);
+    }
+  };
   // Forward, layer by layer.
   for (size_t i = 0; i < count; ++i) {
     const LayerPlan& lp = plan.layers[i];
@@ -469,6 +582,11 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     if (lp.moe) {
       cost.matmuls.push_back({});
       moe_forward(i);
+      if (lp.ends_residual_block) {  // an MoE block of a residual_mlp
+        memory(lp.name, "forward", "residual add (read 2, write 1)",
+               3 * kFloat * r * static_cast<double>(l.out_local));
+      }
+      norms_forward(i);
       continue;
     }
     const LayerMatmulAlgorithms chosen = layer_matmul_algorithms(l, r, algorithm, hw, param_dtype);
@@ -498,7 +616,11 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       gemm(lp.name, "forward", "x @ W", plain_layer_gemms(l, r).forward);
     }
     memory(lp.name, "forward", "bias add", 2 * kFloat * r * l.out_local);
-    if (i + 1 < count) memory(lp.name, "forward", "activation", 2 * kFloat * r * l.out_local);
+    elementwise_forward(i);
+    if (lp.ends_residual_block) {
+      memory(lp.name, "forward", "residual add (read 2, write 1)", 3 * kFloat * r * l.out_local);
+    }
+    norms_forward(i);
   }
   const LinearLayout& last = plan.layers.back().layout;
   memory("loss", "forward", "loss and its gradient", 4 * kFloat * r * last.out_local);
@@ -506,29 +628,25 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       group_text(active_axes(mesh), mesh),
       collective_seconds(CollectiveKind::all_reduce, 24, mesh.world_size(),
                          hw.group_link(active_axes(mesh))));
-  // Norms (residual_mlp): their forward collectives (parameter gathers, statistics'
-  // all-reduces over tp) and passes (statistics, then x_hat and the output: about 4 reads and
-  // writes of the input), and each block's residual add (read 2, write 1), charged together.
-  for (const NormPlan& n : plan.norms) {
-    for (const auto& c : n.collectives) {
-      if (c.phase == "forward") collective(n.name, c);
-    }
-    memory(n.name, "forward", "norm statistics and output", 4 * kFloat * r * n.layout.local_width);
-    if (n.name != "output_norm") {
-      memory(n.name, "forward", "residual add", 3 * kFloat * r * n.layout.local_width);
-    }
-  }
   // Backward, last layer first.
   for (size_t j = count; j-- > 0;) {
     const LayerPlan& lp = plan.layers[j];
     const LinearLayout& l = lp.layout;
+    norms_backward(j);
     if (lp.moe) {
+      if (lp.ends_residual_block) {
+        memory(lp.name, "backward", "residual gradient copy (read 1, write 1)",
+               2 * kFloat * r * static_cast<double>(l.out_local));
+      }
       moe_backward(j);
       continue;
     }
     const LayerMatmulAlgorithms& chosen = cost.matmuls[j];
-    if (j + 1 < count)
-      memory(lp.name, "backward", "activation gradient", 3 * kFloat * r * l.out_local);
+    if (lp.ends_residual_block) {
+      memory(lp.name, "backward", "residual gradient copy (read 1, write 1)",
+             2 * kFloat * r * l.out_local);
+    }
+    elementwise_backward(j);
     const bool prefetched =
         options.overlap && j + 1 < count && can_prefetch(l) && !plan.layers[j + 1].moe;
     for (const auto& c : lp.collectives) {
@@ -583,18 +701,11 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
              2.0 * options.bytes_per_element * l.stored_rows * l.stored_cols);
     }
     memory(lp.name, "backward", "bias gradient", kFloat * r * l.out_local);
-  }
-  // Norms' backward: collectives (gathers, row sums over tp, gradient reductions) and passes
-  // (dy, x_hat, the row sums, dx, the column sums: about 6 of the input), the residual's
-  // gradient copy and add (3).
-  for (const NormPlan& n : plan.norms) {
-    for (const auto& c : n.collectives) {
-      if (c.phase == "backward") collective(n.name, c);
-    }
-    memory(n.name, "backward", "norm input and parameter gradients",
-           6 * kFloat * r * n.layout.local_width);
-    if (n.name != "output_norm") {
-      memory(n.name, "backward", "residual gradient", 3 * kFloat * r * n.layout.local_width);
+    // A SwiGLU's gate (the layer before its value): the input gradients of gate and value
+    // summed (read 2, write 1) over the input as it arrives.
+    if (j > 0 && j + 1 < count && plan.layers[j + 1].output_op == LayerOutputOp::swiglu) {
+      memory(lp.name, "backward", "SwiGLU input gradients summed (read 2, write 1)",
+             3 * kFloat * r * l.input_width());
     }
   }
   // The prefetched gathers: the part the compute between start and wait hides (the other

@@ -52,8 +52,22 @@
 //               tensor not split over dp (partition/zero1.hpp); each such tensor's chunk is
 //               copied (2 chunk bytes) and all-gathered over dp (dp chunks).
 //   memory      elementwise passes at memory_bandwidth, bytes read + written: per layer
-//               bias add 2 * r * out_local, activation 2 (forward) and 3 (backward) * r *
-//               out_local for all but the last layer, bias gradient r * out_local, input slice
+//               bias add 2 * r * out_local, bias gradient r * out_local; after a layer whose
+//               output_op (LayerPlan) says so, on E = r * out_local: the activation 2 E
+//               (forward) and 3 E (backward), or SwiGLU 3 E (forward: gate and value read, the
+//               product written) and 5 E (backward: gate, value, dY read, both gradients
+//               written) plus the gate's and value's input gradients summed, 3 * r *
+//               input_width at the gate; then dropout (options.dropout) 2 E each way. An
+//               activation's or SwiGLU's kernel with a measured rate in the profile
+//               (HardwareProfile::elementwise_rates, by "<activation>_forward" etc.) costs
+//               E / rate instead. A residual block (ends_residual_block: its last layer) adds
+//               3 W (forward: input and f(x) read, sum written) and, backward, dY copied
+//               (2 W) before the block and added to its input gradient (3 W) after it, W = r *
+//               its out_local. Norms (NormPlan, after the layer whose output they read), W = r
+//               * local_width: forward RMSNorm's sum of squares 1 W (LayerNorm's sum and
+//               centred sums 2 W), the statistics' all-reduce over tp (the plan's
+//               collectives), the output 2 W; backward column sums 2 W, row sums 2 W, their
+//               all-reduce, the input gradient 3 W; input slice
 //               / gradient copy 2 * r * in_c where the layout needs it; the loss 4 * r *
 //               out_local; the optimizer (3 + 2 * slots) * parameter bytes (AdamW: read p,
 //               g, m, v, write p, m, v; SGD: read p, g, write p, plus 2 per momentum slot);

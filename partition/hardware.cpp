@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "base/error.hpp"
+#include "base/text.hpp"
 
 namespace meshtrain {
 
@@ -93,6 +94,18 @@ void check_value(const HardwareProfile& p, const std::string& key, double value,
 }
 }  // namespace
 
+const std::vector<std::string>& elementwise_kernel_names() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> all;
+    for (const char* f : {"relu", "tanh", "gelu", "gelu_erf", "silu", "sigmoid", "swiglu"}) {
+      all.push_back(std::string(f) + "_forward");
+      all.push_back(std::string(f) + "_backward");
+    }
+    return all;
+  }();
+  return names;
+}
+
 void check_hardware_profile(const HardwareProfile& p) {
   check_value(p, "gemm_flops", p.gemm_flops, false);
   for (const GemmRate& r : p.gemm_rates) {
@@ -103,6 +116,14 @@ void check_hardware_profile(const HardwareProfile& p) {
     check_value(p, "the flops of gemm shape " + to_string(r.shape), r.flops, false);
   }
   check_value(p, "memory_bandwidth", p.memory_bandwidth, false);
+  const std::vector<std::string>& kernels = elementwise_kernel_names();
+  for (const auto& [kernel, rate] : p.elementwise_rates) {
+    if (std::find(kernels.begin(), kernels.end(), kernel) == kernels.end()) {
+      MESHTRAIN_BAD_INPUT(p.source, ": elementwise.", kernel, " names no elementwise kernel (",
+                          join(kernels), ")");
+    }
+    check_value(p, "elementwise." + kernel, rate, false);
+  }
   check_value(p, "overlap", p.overlap, true);
   check_value(p, "storage_read_bandwidth", p.storage_read_bandwidth, false);
   check_value(p, "storage_read_latency", p.storage_read_latency, true);

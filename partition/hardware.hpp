@@ -8,6 +8,12 @@
 //                      every shape the config's step runs: a short K or N runs far below
 //                      the square rate). gemm_seconds() uses the nearest one, else gemm_flops.
 //   memory_bandwidth   B/s one rank streams through memory (read + write bytes counted)
+//   elementwise_rates  elements/s of elementwise kernels whose arithmetic, not memory, sets
+//                      their pace (an activation's or SwiGLU's exp), keyed by the kernel's
+//                      name ("swiglu_forward", "silu_backward", ...: elementwise_kernel_name):
+//                      calibrate CONFIG times the ones its step runs at the step's shape. The
+//                      cost model charges such a kernel elements / rate, others bytes /
+//                      memory_bandwidth.
 //   per mesh axis (dp, fsdp, ep, tp, sp), the link between neighbours on that axis:
 //     bandwidth        B/s of one point-to-point message (ping-pong, one direction)
 //     latency          s of an empty message (half a round trip)
@@ -70,6 +76,7 @@ struct HardwareProfile {
   double gemm_flops = 0.0;           // FLOP/s per rank
   std::vector<GemmRate> gemm_rates;  // measured shapes, any order
   double memory_bandwidth = 0.0;     // B/s per rank
+  std::map<std::string, double> elementwise_rates;  // kernel name -> elements/s, measured
   double overlap = 0.0;              // 0..1
   // The storage data files are read from: sequential read rate (B/s per rank) and the
   // latency of one random read (s); a local NVMe SSD unless set. Not measured by calibrate
@@ -90,6 +97,11 @@ struct HardwareProfile {
   double gemm_seconds(const GemmShape& shape) const;
 };
 
+// The elementwise kernels a profile may hold a rate for: "<activation>_forward" and
+// "<activation>_backward" for relu, tanh, gelu, gelu_erf, silu and sigmoid (layers/
+// activation.hpp), and swiglu_forward, swiglu_backward.
+const std::vector<std::string>& elementwise_kernel_names();
+
 // The mesh axes a profile describes, in mesh order: dp, fsdp, ep, tp, sp.
 const std::vector<std::string>& hardware_axes();
 
@@ -104,7 +116,8 @@ const std::vector<std::string>& hardware_axes();
 HardwareProfile default_hardware_profile();
 
 // bad_input naming `source` and the key when a value is not finite and positive (latency:
-// not negative; overlap: 0..1) or an axis is missing.
+// not negative; overlap: 0..1), an axis is missing or an elementwise rate names no kernel of
+// elementwise_kernel_names().
 void check_hardware_profile(const HardwareProfile& profile);
 
 }  // namespace meshtrain

@@ -149,6 +149,8 @@ void plan_layers(ShardingPlan& plan, const std::vector<LinearLayerParameters>& l
           checked_add(plan.totals.collective_bytes_per_step, l.collective_bytes_per_step);
       plan.totals.moe_buffer_bytes = checked_add(plan.totals.moe_buffer_bytes, l.moe_buffer_bytes);
       input = l.layout.output_layout();  // replicated
+      l.output_op = layers[i].output_op;
+      l.ends_residual_block = layers[i].ends_residual_block;
       plan.layers.push_back(std::move(l));
       continue;
     }
@@ -166,6 +168,8 @@ void plan_layers(ShardingPlan& plan, const std::vector<LinearLayerParameters>& l
     plan.totals.collective_bytes_per_step =
         checked_add(plan.totals.collective_bytes_per_step, l.collective_bytes_per_step);
     input = l.layout.output_layout();
+    l.output_op = layers[i].output_op;
+    l.ends_residual_block = layers[i].ends_residual_block;
     plan.layers.push_back(std::move(l));
   }
   const int64_t eval_batch = options.eval_global_batch;
@@ -276,6 +280,7 @@ std::vector<LinearLayerParameters> mlp_linear_layers(const std::vector<int64_t>&
       layers.push_back({layer + "/weight", layer + "/bias"});
     }
   }
+  if (!layers.empty()) layers.back().output_op = LayerOutputOp::none;
   return layers;
 }
 
@@ -358,10 +363,11 @@ std::vector<ParameterShape> residual_mlp_parameter_shapes(const ResidualMlpShape
 
 std::vector<LinearLayerParameters> residual_mlp_linear_layers(const ResidualMlpShape& m) {
   std::vector<LinearLayerParameters> layers;
-  auto linear = [&layers](const std::string& layer) {
+  auto linear = [&layers](const std::string& layer, LayerOutputOp op) {
     layers.push_back({layer + "/weight", layer + "/bias"});
+    layers.back().output_op = op;
   };
-  linear("input");
+  linear("input", LayerOutputOp::none);
   for (int64_t i = 0; i < m.depth; ++i) {
     const std::string block = "blocks/" + std::to_string(i);
     if (m.moe.is_moe(i)) {
@@ -376,19 +382,22 @@ std::vector<LinearLayerParameters> residual_mlp_linear_layers(const ResidualMlpS
       }
       l.down_weight = moe_expert_projection(block, "down", "weight");
       l.down_bias = moe_expert_projection(block, "down", "bias");
+      l.output_op = LayerOutputOp::none;  // the block's own feed-forward ends in its down
+      l.ends_residual_block = true;
       layers.push_back(l);
       continue;
     }
     if (m.gated) {
-      linear(block + "/gate");
-      linear(block + "/up");
+      linear(block + "/gate", LayerOutputOp::none);  // SwiGLU runs after up, over both
+      linear(block + "/up", LayerOutputOp::swiglu);
       layers.back().same_input_as_previous = true;
     } else {
-      linear(block + "/up");
+      linear(block + "/up", LayerOutputOp::activation);
     }
-    linear(block + "/down");
+    linear(block + "/down", LayerOutputOp::none);
+    layers.back().ends_residual_block = true;
   }
-  linear("output");
+  linear("output", LayerOutputOp::none);
   return layers;
 }
 
@@ -432,6 +441,7 @@ void plan_norms(ShardingPlan& plan, const std::vector<NormLayerParameters>& norm
     }
     NormPlan np;
     np.name = n.name;
+    np.after = n.after;
     np.layout = decide_norm_layout(n.name, n.kind, params, plan.mesh, axes,
                                    plan.layers[n.after].layout.output_layout());
     np.compute = describe_norm_layout(np.layout);

@@ -31,6 +31,9 @@ struct ParameterShape {
 std::vector<ParameterShape> mlp_parameter_shapes(const std::vector<int64_t>& sizes,
                                                  const MoeSettings& moe = {});
 
+// The elementwise operation after a linear layer (LinearLayerParameters::output_op).
+enum class LayerOutputOp { activation, swiglu, none };
+
 // The linear layers of a model, in the order they run (each one's input is the previous
 // one's output; the first one's input has all features and needs no gradient), by the
 // names of their parameters. The layer is named after its weight ("layers/0/weight" ->
@@ -47,6 +50,13 @@ struct LinearLayerParameters {
   // Feed-forward experts (a residual_mlp MoE block): weight and bias are the up projection's,
   // these the down projection's and the gate's ("" when not SwiGLU).
   std::string gate_weight, gate_bias, down_weight, down_bias;
+  // What the model does with the layer's output before the next layer (the cost model
+  // charges it): the model's activation; SwiGLU over this layer's output (the value) and the
+  // previous one's (the gate); nothing (a residual block's gate and down projections, the
+  // last layer).
+  LayerOutputOp output_op = LayerOutputOp::activation;
+  // The layer ends a residual block: its output is added to the block's input.
+  bool ends_residual_block = false;
   bool moe() const { return !router.empty(); }
 };
 // The MLP's: layers/<i>/weight and layers/<i>/bias for i = 0 .. sizes.size() - 2, or the
@@ -65,6 +75,7 @@ struct NormLayerParameters {
 // A norm's layout (decide_norm_layout) and its step's collectives (norm_step_collectives).
 struct NormPlan {
   std::string name;
+  size_t after = 0;  // NormLayerParameters::after: the layer whose output it reads
   NormLayout layout;
   std::string compute;  // describe_norm_layout
   std::vector<LayerCollective> collectives;
@@ -121,6 +132,10 @@ struct PlanOptions {
   // [mixed_precision]: what the layers' collectives move (masters and state stay
   // bytes_per_element).
   MixedPrecision precision;
+  // model.activation ("relu", ..., "swiglu": ModelSection::activation_name) and model.dropout:
+  // the elementwise kernels the cost model charges after the layers.
+  std::string activation = "relu";
+  double dropout = 0.0;
 };
 
 struct ParameterPlan {
@@ -151,6 +166,9 @@ struct LayerPlan {
   std::vector<std::string> notes;            // the layout's notes (e.g. the all-reduce fallback)
   // MoE layers: the dispatch buffers per rank (moe_buffer_bytes; 0 when the rows are unknown).
   int64_t moe_buffer_bytes = 0;
+  // From LinearLayerParameters (what follows the layer; for the cost model).
+  LayerOutputOp output_op = LayerOutputOp::activation;
+  bool ends_residual_block = false;
 };
 
 // The bytes of an MoE layer's step buffers on one rank (layers/moe.cpp), for `rows` local

@@ -258,6 +258,29 @@ void Communicator::reserve_wire(std::size_t send_elements, std::size_t recv_elem
   grown(wire_recv_, recv_elements);
 }
 
+void Communicator::reserve_started_all_reduces(std::size_t count, std::size_t elements,
+                                               Dtype wire) {
+  // As start_all_reduce asks: in place, nothing sent from a buffer of its own.
+  raw_reserve_requests(count, 0, elements * bytes_of(wire));
+  if (!is_16bit(wire)) return;
+  wire_pool_->slots.reserve(
+      count, [] { return std::make_unique<Request::WireSlot>(); },
+      [&](Request::WireSlot& slot) { grown(slot.recv, elements); });
+}
+
+void Communicator::reserve_started_all_gathers(std::size_t count, std::size_t send_elements,
+                                               Dtype wire) {
+  const std::size_t total = send_elements * static_cast<std::size_t>(size_);
+  raw_reserve_requests(count, send_elements * bytes_of(wire), total * bytes_of(wire));
+  if (!is_16bit(wire)) return;
+  wire_pool_->slots.reserve(
+      count, [] { return std::make_unique<Request::WireSlot>(); },
+      [&](Request::WireSlot& slot) {
+        grown(slot.send, send_elements);
+        grown(slot.recv, total);
+      });
+}
+
 uint16_t* Communicator::wire_send(std::size_t count) {
   return grown(wire_send_, count);
 }

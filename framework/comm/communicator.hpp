@@ -190,6 +190,16 @@ class Communicator {
   void reserve_staging(std::size_t send_bytes, std::size_t recv_bytes) {
     raw_reserve_staging(send_bytes, recv_bytes);
   }
+  // Reserves what `count` more non-blocking operations in flight at once need (the backend's
+  // request slots with their host staging, and the 16-bit wire slots): each a start_all_reduce
+  // of `elements`, or a start_all_gather of `send_elements` per rank, in `wire`. A layer
+  // that keeps such operations in flight (DP gradient buckets, the FSDP prefetch) reserves
+  // them when it is built; the pools then do not grow inside a step, whichever completes
+  // first. Reservations add up.
+  void reserve_started_all_reduces(std::size_t count, std::size_t elements,
+                                   Dtype wire = Dtype::fp32);
+  void reserve_started_all_gathers(std::size_t count, std::size_t send_elements,
+                                   Dtype wire = Dtype::fp32);
 
  protected:
   Communicator(int size, int rank, std::string description);
@@ -224,6 +234,11 @@ class Communicator {
                                 Dtype dtype, const char* op) = 0;
   virtual void raw_barrier(const char* op) = 0;
   virtual void raw_reserve_staging(std::size_t /*send_bytes*/, std::size_t /*recv_bytes*/) {}
+  // `count` more request slots, each with what an operation sending `send_bytes` and
+  // receiving `recv_bytes` stages (slot_pool.hpp's reserve). A no-op for a backend whose
+  // requests hold nothing that must be made ahead.
+  virtual void raw_reserve_requests(std::size_t /*count*/, std::size_t /*send_bytes*/,
+                                    std::size_t /*recv_bytes*/) {}
 
  private:
   float* scratch(std::size_t floats);

@@ -70,6 +70,23 @@ class SlotPool {
     return *slots_.back();
   }
 
+  // Makes `count` more slots now (make(), as acquire's), each readied by `ready(slot)` (which
+  // grows its buffers to what it will be asked to hold), and puts them on the free list. A
+  // caller that knows how many operations it keeps in flight at once reserves them when it is
+  // built, so that the pool does not grow inside a step whatever order they complete in.
+  // Reservations add up (each caller reserves its own). If make() or ready() throws, the
+  // slots made so far stay, free.
+  template <class Make, class Ready>
+  void reserve(std::size_t count, Make&& make, Ready&& ready) {
+    for (std::size_t k = 0; k < count; ++k) {
+      free_.reserve(slots_.size() + 1);
+      std::unique_ptr<Slot> made = make();
+      slots_.push_back(std::move(made));
+      free_.push_back(slots_.back().get());
+      ready(*slots_.back());
+    }
+  }
+
   // Gives a slot acquired from this pool back; it becomes the first choice among equals.
   void release(Slot& slot) noexcept { free_.push_back(&slot); }
 

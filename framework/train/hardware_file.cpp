@@ -104,7 +104,7 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
   }
   reject_unknown(root,
                  {"gemm_flops", "memory_bandwidth", "overlap", "storage_read_bandwidth",
-                  "storage_read_latency", "links", "gemm", "measured"},
+                  "storage_read_latency", "links", "gemm", "elementwise", "measured"},
                  "", source);
   HardwareProfile p;
   p.source = source;
@@ -125,6 +125,18 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
     }
     for (const toml::node& entry : *entries) {
       p.gemm_rates.push_back(gemm_rate(*entry.as_table(), source));
+    }
+  }
+  // Profiles written before elementwise kernels were measured lack the table: every pass is
+  // then charged at memory_bandwidth.
+  if (const toml::node* node = root.get("elementwise")) {
+    const toml::table* rates = node->as_table();
+    if (!rates) {
+      MESHTRAIN_BAD_INPUT(at(source, node), ": hardware profile key elementwise must be a table");
+    }
+    for (const auto& [key, value] : *rates) {
+      const std::string name(key.str());
+      p.elementwise_rates[name] = number(*rates, name, "elementwise." + name, source, true, 0);
     }
   }
   const toml::node* links_node = root.get("links");
@@ -214,6 +226,12 @@ std::string hardware_profile_to_toml(const HardwareProfile& p, const std::string
         << "shape = [" << g.m << ", " << g.k << ", " << g.n << "]\n"
         << "transpose = \"" << (g.transpose_a ? "T" : "N") << (g.transpose_b ? "T" : "N") << "\"\n"
         << "flops = " << number_text(r.flops) << "\n";
+  }
+  if (!p.elementwise_rates.empty()) {
+    out << "\n[elementwise]  # elements/s of elementwise kernels, measured at the step's shape\n";
+    for (const auto& [kernel, rate] : p.elementwise_rates) {
+      out << kernel << " = " << number_text(rate) << "\n";
+    }
   }
   if (!measured.empty()) out << "\n[measured]\n" << measured;
   return out.str();

@@ -20,9 +20,12 @@
 //   shape = [128, 2048, 2048]    # m, k, n of op(A) [m x k] @ op(B) [k x n]
 //   transpose = "NT"             # whether A, B are transposed (N or T each)
 //   flops = 8.1e10               # FLOP/s
+//   [elementwise]                # optional: measured rates of elementwise kernels
+//   swiglu_forward = 1.2e8       # elements/s (elementwise_kernel_names(): relu_forward,
+//                                # silu_backward, swiglu_forward, ...)
 //   [measured]                   # optional, free-form: how it was measured (not read back)
 //
-// Every key is required except overlap, [[gemm]], collective_bandwidth,
+// Every key is required except overlap, [[gemm]], [elementwise], collective_bandwidth,
 // reduce_scatter_bandwidth,
 // all_reduce_bandwidth, exchange_bandwidth, bidirectional_bandwidth and [measured]; unknown keys
 // are rejected. Kokkos-free (compiled by the host compiler alone in CUDA builds).

@@ -48,6 +48,8 @@ PlanOptions plan_options(const RunConfig& config) {
   options.overlap = config.runtime.overlap;
   options.eval_global_batch = config.data.eval_batch_size.value_or(0);
   options.precision = config.mixed_precision.policy();
+  options.activation = config.model.activation_name();
+  options.dropout = config.model.dropout;
   return options;
 }
 

@@ -115,6 +115,41 @@ TEST(SlotPool, AmongEqualsTakesTheSlotFreedLast) {
   EXPECT_EQ(&take(pool, {}, made), &b);
 }
 
+TEST(SlotPool, ReservedSlotsServeEveryOrderWithoutMakingOrGrowing) {
+  // What a model reserves at build (Communicator::reserve_started_*): three DP buckets
+  // ({0, 300}, {0, 100}, {0, 200} as reserve_started_all_reduces asks) and one FSDP prefetch
+  // ({50, 100}) on one communicator. Then, in any order of starting and completing, up to all
+  // four in flight: no slot is made and none grows.
+  Pool pool;
+  int made = 0;
+  auto make = [&] {
+    auto fresh = std::make_unique<Slot>();
+    fresh->id = ++made;
+    return fresh;
+  };
+  const SlotCapacity sizes[4] = {{0, 300}, {0, 100}, {0, 200}, {50, 100}};
+  for (const SlotCapacity& need : sizes) {
+    pool.reserve(1, make, [&](Slot& slot) { slot.held = need; });
+  }
+  ASSERT_EQ(made, 4);
+  EXPECT_EQ(pool.free_count(), 4u);
+  const int orders[4][4] = {{3, 0, 1, 2}, {1, 2, 3, 0}, {2, 3, 0, 1}, {0, 1, 2, 3}};
+  for (const auto& order : orders) {
+    Slot* taken[4] = {};
+    for (int k : order) {
+      taken[k] = &take(pool, sizes[k], made);
+      EXPECT_EQ(taken[k]->held.send, sizes[k].send) << "operation " << k << ": a slot grew";
+      EXPECT_EQ(taken[k]->held.recv, sizes[k].recv) << "operation " << k << ": a slot grew";
+    }
+    for (int k = 4; k-- > 0;) pool.release(*taken[order[k]]);
+  }
+  EXPECT_EQ(made, 4) << "a slot was made after the reservation";
+  // Reservations add up: one more makes a fifth slot.
+  pool.reserve(1, make, [](Slot&) {});
+  EXPECT_EQ(pool.size(), 5u);
+  EXPECT_EQ(pool.free_count(), 5u);
+}
+
 TEST(SlotPool, AFailedMakeLeavesThePoolUnchanged) {
   Pool pool;
   int made = 0;

@@ -22,6 +22,7 @@ HardwareProfile measured_profile() {
   p.links["tp"] = LinkProfile{4.1e9, 1.9e-6, 2.2e9, 1.5e9, 1.25e9, 6.5e8, 9e8};
   p.gemm_rates = {{{128, 2048, 1024, false, false}, 8.125e10},
                   {{2048, 128, 10, true, false}, 1.5e10}};
+  p.elementwise_rates = {{"swiglu_forward", 3.125e8}, {"swiglu_backward", 2.5e8}};
   return p;
 }
 
@@ -54,7 +55,13 @@ TEST(HardwareFile, RoundTrips) {
     EXPECT_EQ(back.gemm_rates[i].shape, p.gemm_rates[i].shape) << to_string(p.gemm_rates[i].shape);
     EXPECT_DOUBLE_EQ(back.gemm_rates[i].flops, p.gemm_rates[i].flops);
   }
+  EXPECT_EQ(back.elementwise_rates, p.elementwise_rates);
   EXPECT_EQ(back.source, "measured.toml");
+  // A profile written before [elementwise] existed reads back without rates.
+  HardwareProfile old = p;
+  old.elementwise_rates.clear();
+  EXPECT_TRUE(parse_hardware_profile(hardware_profile_to_toml(old, ""), "old.toml")
+                  .elementwise_rates.empty());
 }
 
 TEST(HardwareFile, CollectiveBandwidthDefaultsToBandwidth) {
@@ -120,6 +127,12 @@ TEST(HardwareFile, BadFilesNameFileAndKey) {
   expect_rejected(replaced("flops = 8.125e+10", "flops = -8.0"), "gemm shape NN 128 x 2048 x 1024");
   expect_rejected(replaced("flops = 8.125e+10", "flop = 8.0"), "gemm.flop");
   expect_rejected(replaced("[[gemm]]", "[gemm]"), "gemm");
+  expect_rejected(replaced("swiglu_forward = 3.125e+08", "swiglu_forwrd = 3.125e+08"),
+                  "elementwise.swiglu_forwrd");
+  expect_rejected(replaced("swiglu_forward = 3.125e+08", "swiglu_forward = 0"),
+                  "elementwise.swiglu_forward");
+  expect_rejected(replaced("swiglu_forward = 3.125e+08", "swiglu_forward = \"fast\""),
+                  "elementwise.swiglu_forward");
 }
 
 TEST(HardwareFile, MissingFileIsBadInput) {

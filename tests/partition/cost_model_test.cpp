@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "base/error.hpp"
+#include "partition/rules.hpp"
 
 namespace meshtrain {
 namespace {
@@ -661,6 +662,154 @@ TEST(CostModel, MoeLayerWithoutAnExpertGroupAndFirst) {
   // gradient only.
   EXPECT_NEAR(layer_seconds(c, "layers/0", "gemm"),
               2 * (2.0 * 32 * 64 * 8 + 2.0 * 64 * 64 * 128) / 1e9, kTolerance);
+}
+
+// A residual SwiGLU model (inputs 4, width 8, hidden 16, 1 block, rmsnorm, outputs 2) on one
+// rank with 2 rows: its layers input, blocks/0/gate, blocks/0/up, blocks/0/down, output and
+// its norms blocks/0/norm (after input) and output_norm (after down).
+ShardingPlan residual_plan(const Mesh& mesh, const std::vector<PartitionRule>& rules,
+                           const PlanOptions& options, bool gated = true) {
+  ResidualMlpShape shape;
+  shape.inputs = 4;
+  shape.outputs = 2;
+  shape.width = 8;
+  shape.hidden = 16;
+  shape.depth = 1;
+  shape.gated = gated;
+  return make_plan(residual_mlp_parameter_shapes(shape), mesh, rules, options,
+                   residual_mlp_linear_layers(shape), residual_mlp_norm_layers(shape));
+}
+
+double seconds_of(const StepCost& c, const std::string& layer, const std::string& phase,
+                  const std::string& what_starts) {
+  double t = 0.0;
+  int found = 0;
+  for (const CostItem& item : c.items) {
+    if (item.layer == layer && item.phase == phase && item.what.rfind(what_starts, 0) == 0) {
+      t += item.seconds;
+      ++found;
+    }
+  }
+  EXPECT_EQ(found, 1) << layer << " " << phase << " '" << what_starts << "'";
+  return t;
+}
+
+TEST(CostModel, ResidualSwiGluElementwisePassesByHand) {
+  const Mesh mesh = Mesh::create({{"dp", 1}}, 1, "test");
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.global_batch = 2;
+  options.activation = "swiglu";
+  const ShardingPlan plan = residual_plan(mesh, {{".*", PartitionSpec(), false}}, options);
+  HardwareProfile hw = slow_machine();
+  const StepCost cost = predict_step(plan, options, hw, CollectiveMatmulAlgorithm::naive);
+  // Bytes at 1e9 B/s, 4 B an element, r = 2 rows; width 8 (16 elements), hidden 16 (32).
+  // Forward: input bias add 2*4*16 = 128 (no activation: the residual stream has none);
+  // blocks/0/norm: row sums of squares 1*4*16 = 64, output 2*4*16 = 128; gate bias add
+  // 2*4*32 = 256 (no activation of its own); up bias add 256, SwiGLU 3*4*32 = 384 (reads gate
+  // and value, writes the product); down bias add 128, residual add 3*4*16 = 192;
+  // output_norm 64 + 128; output bias add 2*4*4 = 32; loss 4*4*4 = 64. 1824 B.
+  // Backward: output bias gradient 4*4 = 16; output_norm column sums 2*4*16 = 128, row sums
+  // 128, input gradient 3*4*16 = 192; down's residual gradient copy 2*4*16 = 128, bias
+  // gradient 4*16 = 64; up's SwiGLU gradients 5*4*32 = 640 (reads gate, value and dY, writes
+  // both gradients), bias gradient 4*32 = 128; gate bias gradient 128 and the gate and value
+  // input gradients summed 3*4*16 = 192; blocks/0/norm 128 + 128 + 192, then the residual's
+  // gradient added 3*4*16 = 192; input bias gradient 4*16 = 64. 2448 B.
+  // AdamW: 7 passes over (40 + 8 + 144 + 144 + 136 + 8 + 18) = 498 parameters * 4 B = 13944 B.
+  EXPECT_NEAR(cost.memory_s, (1824 + 2448 + 13944) * 1e-9, kTolerance);
+  EXPECT_NEAR(seconds_of(cost, "blocks/0/up", "forward", "SwiGLU"), 384e-9, kTolerance);
+  EXPECT_NEAR(seconds_of(cost, "blocks/0/up", "backward", "SwiGLU"), 640e-9, kTolerance);
+  EXPECT_NEAR(seconds_of(cost, "blocks/0/down", "forward", "residual add"), 192e-9, kTolerance);
+  EXPECT_NEAR(seconds_of(cost, "blocks/0/down", "backward", "residual gradient added"), 192e-9,
+              kTolerance);
+  EXPECT_NEAR(seconds_of(cost, "blocks/0/norm", "forward", "rmsnorm row sums"), 64e-9, kTolerance);
+  EXPECT_NEAR(seconds_of(cost, "blocks/0/norm", "backward", "norm input gradient"), 192e-9,
+              kTolerance);
+  // Measured rates (elements/s) replace the bytes of the kernels they name: SwiGLU forward
+  // 32 elements at 1e6/s, backward at 5e5/s.
+  hw.elementwise_rates = {{"swiglu_forward", 1e6}, {"swiglu_backward", 5e5}};
+  const StepCost rated = predict_step(plan, options, hw, CollectiveMatmulAlgorithm::naive);
+  EXPECT_NEAR(seconds_of(rated, "blocks/0/up", "forward", "SwiGLU"), 32e-6, kTolerance);
+  EXPECT_NEAR(seconds_of(rated, "blocks/0/up", "backward", "SwiGLU"), 64e-6, kTolerance);
+  EXPECT_NEAR(rated.memory_s - cost.memory_s, 32e-6 + 64e-6 - 384e-9 - 640e-9, kTolerance);
+  // A rate of another activation changes nothing here.
+  hw.elementwise_rates = {{"silu_forward", 1.0}};
+  EXPECT_NEAR(predict_step(plan, options, hw, CollectiveMatmulAlgorithm::naive).memory_s,
+              cost.memory_s, kTolerance);
+}
+
+TEST(CostModel, ResidualActivationLayerNormAndDropoutByHand) {
+  // The same block ungated (up, silu, down), with layernorm and dropout 0.1.
+  const Mesh mesh = Mesh::create({{"dp", 1}}, 1, "test");
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.global_batch = 2;
+  options.activation = "silu";
+  options.dropout = 0.1;
+  ResidualMlpShape shape;
+  shape.inputs = 4;
+  shape.outputs = 2;
+  shape.width = 8;
+  shape.hidden = 16;
+  shape.depth = 1;
+  shape.norm_kind = NormKind::layernorm;
+  const ShardingPlan plan =
+      make_plan(residual_mlp_parameter_shapes(shape), mesh, {{".*", PartitionSpec(), false}},
+                options, residual_mlp_linear_layers(shape), residual_mlp_norm_layers(shape));
+  HardwareProfile hw = slow_machine();
+  const StepCost cost = predict_step(plan, options, hw, CollectiveMatmulAlgorithm::naive);
+  // Up's output (32 elements): silu 2*4*32 = 256 and dropout 256 forward; dropout on the
+  // gradient 256 and silu's gradient 3*4*32 = 384 backward. LayerNorm's statistics read the
+  // input twice (sum, then centred sums): 2*4*16 = 128.
+  EXPECT_NEAR(seconds_of(cost, "blocks/0/up", "forward", "silu activation"), 256e-9, kTolerance);
+  EXPECT_NEAR(seconds_of(cost, "blocks/0/up", "forward", "dropout"), 256e-9, kTolerance);
+  EXPECT_NEAR(seconds_of(cost, "blocks/0/up", "backward", "dropout"), 256e-9, kTolerance);
+  EXPECT_NEAR(seconds_of(cost, "blocks/0/up", "backward", "silu gradient"), 384e-9, kTolerance);
+  EXPECT_NEAR(seconds_of(cost, "blocks/0/norm", "forward", "layernorm row sums"), 128e-9,
+              kTolerance);
+  // Forward: input 128; norm 128 + 128; up bias 256, silu 256, dropout 256; down bias 128,
+  // residual add 192; output_norm 256; output 32; loss 64. 1824 B.
+  // Backward: output 16; output_norm 448; down copy 128, bias 64; up dropout 256, silu 384,
+  // bias 128; norm 448 and residual add 192; input 64. 2128 B (no SwiGLU sum: one up).
+  // AdamW: 7 * 4 * (40 + 16 + 144 + 136 + 16 + 18) = 10360 B.
+  EXPECT_NEAR(cost.memory_s, (1824 + 2128 + 10360) * 1e-9, kTolerance);
+  // At a measured silu rate (elements/s): forward 32 / 1e6, backward 32 / 2e6.
+  hw.elementwise_rates = {{"silu_forward", 1e6}, {"silu_backward", 2e6}};
+  const StepCost rated = predict_step(plan, options, hw, CollectiveMatmulAlgorithm::naive);
+  EXPECT_NEAR(seconds_of(rated, "blocks/0/up", "forward", "silu activation"), 32e-6, kTolerance);
+  EXPECT_NEAR(seconds_of(rated, "blocks/0/up", "backward", "silu gradient"), 16e-6, kTolerance);
+}
+
+TEST(CostModel, NormStatisticsAllReduceOverSplitFeatures) {
+  // tp = 2, the tp preset, batch 2: a norm whose features arrive split all-reduces its row
+  // statistics over tp in forward (RMSNorm: [rows] sums of squares) and its gradient row sums
+  // in backward, 2 rows * 4 B each: recursive doubling on 2 ranks, 1e-3 + 8 / 5e7.
+  const Mesh mesh = Mesh::create({{"tp", 2}}, 2, "test");
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.global_batch = 2;
+  options.activation = "swiglu";
+  const ShardingPlan plan = residual_plan(mesh, preset_rules("tp"), options);
+  const StepCost cost =
+      predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::naive);
+  int split = 0;
+  for (const NormPlan& n : plan.norms) {
+    const double width = static_cast<double>(n.layout.local_width);
+    // Its passes over this rank's features only.
+    EXPECT_NEAR(seconds_of(cost, n.name, "forward", "rmsnorm row sums"), 4 * 2 * width * 1e-9,
+                kTolerance);
+    if (n.layout.layout != FeatureLayout::split) continue;  // whole features: no statistics sum
+    ++split;
+    EXPECT_EQ(width, 4);
+    EXPECT_NEAR(seconds_of(cost, n.name, "forward", "all-reduce row sums"), 1e-3 + 8 / 5e7,
+                kTolerance);
+    EXPECT_NEAR(seconds_of(cost, n.name, "backward", "all-reduce gradient row sums"),
+                1e-3 + 8 / 5e7, kTolerance);
+  }
+  // Which norms see split features is the linear layouts' decision (partition/
+  // linear_layout.hpp: today the tp preset splits the residual stream, so both); the charges
+  // follow the norm's layout whichever it is.
+  if (split == 0) GTEST_SKIP() << "the tp preset keeps the residual stream whole: no split norm";
 }
 
 TEST(CostModel, RejectsBadProfilesAndUnknownBatches) {

@@ -133,6 +133,10 @@ class MpiRequestSlot final : public Request::Impl, public ProgressTask {
     bytes_ = bytes;
     return staging_.receive_buffer(recv, bytes, copy_in);
   }
+  // Grows this slot's staging now (no-op without staging): slot_pool.hpp's reserve.
+  void reserve_staging(std::size_t send_bytes, std::size_t recv_bytes) {
+    staging_.reserve(send_bytes, recv_bytes);
+  }
   // What this slot's staging holds, in bytes (for the pool's best fit; 0 without staging).
   SlotCapacity capacity() const { return {staging_.send_capacity(), staging_.receive_capacity()}; }
   MPI_Request& receive() { return requests_[0]; }
@@ -592,6 +596,13 @@ void MpiCommunicator::raw_all_to_all_v(const void* send, const std::size_t* send
                           recv_n, recv_at, type, state_->comm, request);
   });
   staging.finish_receive(bytes(recv), recv_end * element);
+}
+
+void MpiCommunicator::raw_reserve_requests(std::size_t count, std::size_t send_bytes,
+                                           std::size_t recv_bytes) {
+  state_->request_slots.reserve(
+      count, [&] { return std::make_unique<MpiRequestSlot>(*state_); },
+      [&](MpiRequestSlot& slot) { slot.reserve_staging(send_bytes, recv_bytes); });
 }
 
 void MpiCommunicator::raw_reserve_staging(std::size_t send_bytes, std::size_t recv_bytes) {

@@ -318,6 +318,15 @@ void NcclCommunicator::raw_barrier(const char* op) {
   s.wait_for(nullptr, op, deadline, timeout);
 }
 
+// Slots hold only their event (made on first use, not a host allocation of the step's):
+// made now, so that the pool does not grow in a step.
+void NcclCommunicator::raw_reserve_requests(std::size_t count, std::size_t /*send_bytes*/,
+                                            std::size_t /*recv_bytes*/) {
+  state_->request_slots.reserve(
+      count, [&] { return std::make_unique<nccl_detail::NcclRequestSlot>(*state_); },
+      [](nccl_detail::NcclRequestSlot&) {});
+}
+
 // --------------------------------------------------------- device-buffer operations
 
 void NcclCommunicator::all_gather_device(const float* send, float* recv,

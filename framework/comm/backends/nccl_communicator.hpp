@@ -124,6 +124,8 @@ class NcclCommunicator final : public Communicator {
                         const std::size_t* send_offsets, void* recv, const std::size_t* recv_counts,
                         const std::size_t* recv_offsets, Dtype dtype, const char* op) override;
   void raw_barrier(const char* op) override;
+  void raw_reserve_requests(std::size_t count, std::size_t send_bytes,
+                            std::size_t recv_bytes) override;
 
  private:
   NcclCommunicator(std::shared_ptr<State> state, int size, int rank, std::string description);
