@@ -16,7 +16,9 @@
 
 #include "base/error.hpp"
 #include "framework/comm/failure_agreement.hpp"
+#include "framework/comm/collective_matmul.hpp"
 #include "framework/comm/mpi_util.hpp"
+#include "framework/comm/reduction_choice.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
@@ -178,6 +180,14 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   // --- Model, loss, optimizer: collective construction, identical on every rank. --------
   comms_ =
       std::make_unique<MeshCommunicators>(*mesh_, comm_, prepare_comm_backend(backend_, comm_));
+  if (backend_ == CommBackend::mpi) {
+    // [runtime] reductions, per group (auto: from the --hardware profile or measured now).
+    comms_->set_configure([algorithm = config_.runtime.reductions](
+                              Communicator& group, const std::vector<std::string>& axes) {
+      group.set_reduction_choice(
+          choose_reductions(algorithm, group, axes, collective_matmul_hardware()));
+    });
+  }
   world_ = &comms_->get(all_axes(*mesh_));
   context_.emplace(*comms_, layer_axes_.batch, layer_axes_.feature,
                    config_.partition.collective_matmul, config_.runtime.overlap,

@@ -89,6 +89,13 @@ const ChoiceTable<CommBackendChoice>& comm_backend_choices() {
   return table;
 }
 
+const ChoiceTable<ReductionAlgorithm>& reduction_algorithm_choices() {
+  static const ChoiceTable<ReductionAlgorithm> table = {{"auto", ReductionAlgorithm::automatic},
+                                                        {"mpi", ReductionAlgorithm::mpi},
+                                                        {"ring", ReductionAlgorithm::ring}};
+  return table;
+}
+
 const ChoiceTable<MatmulPrecision>& matmul_precision_choices() {
   static const ChoiceTable<MatmulPrecision> table = {{"fp32", MatmulPrecision::fp32},
                                                      {"tf32", MatmulPrecision::tf32}};
@@ -184,6 +191,9 @@ const char* to_string(LrScheduleKind value) {
 }
 const char* to_string(CommBackendChoice value) {
   return name_of(comm_backend_choices(), value);
+}
+const char* to_string(ReductionAlgorithm value) {
+  return name_of(reduction_algorithm_choices(), value);
 }
 const char* to_string(MatmulPrecision value) {
   return name_of(matmul_precision_choices(), value);

@@ -13,6 +13,7 @@
 //   optimizer.schedule            LrScheduleKind             constant | linear | cosine
 //   partition.collective_matmul   CollectiveMatmulAlgorithm  naive | ring | bidirectional | auto
 //   runtime.backend               CommBackendChoice          auto | mpi | nccl
+//   runtime.reductions            ReductionAlgorithm         auto | mpi | ring
 //   runtime.matmul_precision      MatmulPrecision            fp32 | tf32
 //   data.source                   DataSource                 fashion_mnist | synthetic | hdf5
 //   data.shuffle                  ShuffleMode                none | rows | blocks (config: false | true | "blocks")
@@ -44,6 +45,9 @@ enum class LossKind { cross_entropy, mse };
 enum class OptimizerKind { sgd, adamw };
 enum class LrScheduleKind { constant, linear, cosine };
 enum class CommBackendChoice { automatic, mpi, nccl };
+// The MPI backend's blocking sums (framework/comm/reduction_choice.hpp): the MPI library's
+// collectives, meshtrain's own ring, or the faster of the two as measured.
+enum class ReductionAlgorithm { automatic, mpi, ring };
 // How float GEMMs may round (see framework/core/gemm.hpp).
 enum class MatmulPrecision { fp32, tf32 };
 enum class DataSource { fashion_mnist, synthetic, hdf5 };
@@ -69,6 +73,7 @@ const ChoiceTable<OptimizerKind>& optimizer_kind_choices();
 const ChoiceTable<CollectiveMatmulAlgorithm>& collective_matmul_choices();
 const ChoiceTable<LrScheduleKind>& lr_schedule_choices();
 const ChoiceTable<CommBackendChoice>& comm_backend_choices();
+const ChoiceTable<ReductionAlgorithm>& reduction_algorithm_choices();
 const ChoiceTable<MatmulPrecision>& matmul_precision_choices();
 const ChoiceTable<Dtype>& dtype_choices();
 const ChoiceTable<DataSource>& data_source_choices();
@@ -110,6 +115,7 @@ const char* to_string(OptimizerKind value);
 const char* to_string(CollectiveMatmulAlgorithm value);
 const char* to_string(LrScheduleKind value);
 const char* to_string(CommBackendChoice value);
+const char* to_string(ReductionAlgorithm value);
 const char* to_string(MatmulPrecision value);
 const char* to_string(Dtype value);
 const char* to_string(DataSource value);

@@ -47,7 +47,7 @@ const ConfigSchema& config_schema() {
       {"train",
        {"epochs", "steps", "log_every", "eval_every", "accumulation_steps", "early_stopping"}},
       {"checkpoint", {"every_steps", "keep", "resume", "dir", "async", "keep_best", "init_from"}},
-      {"runtime", {"backend", "matmul_precision", "overlap", "bucket_mb"}},
+      {"runtime", {"backend", "matmul_precision", "overlap", "bucket_mb", "reductions"}},
       {"mixed_precision", {"param_dtype", "reduce_dtype"}},
   };
   return sections;
@@ -651,6 +651,7 @@ void read_runtime(const Section& s, RuntimeSection& runtime) {
   runtime.matmul_precision =
       s.choice("matmul_precision", runtime.matmul_precision, matmul_precision_choices());
   runtime.overlap = s.boolean("overlap", runtime.overlap);
+  runtime.reductions = s.choice("reductions", runtime.reductions, reduction_algorithm_choices());
   runtime.bucket_mb = s.number("bucket_mb").value_or(runtime.bucket_mb);
   if (!(runtime.bucket_mb > 0)) {
     s.fail("bucket_mb", "must be a positive number of MiB, got ", runtime.bucket_mb);

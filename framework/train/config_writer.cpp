@@ -118,7 +118,8 @@ std::string config_to_toml(const RunConfig& config) {
   toml::table runtime{{"backend", to_string(config.runtime.backend)},
                       {"matmul_precision", to_string(config.runtime.matmul_precision)},
                       {"overlap", config.runtime.overlap},
-                      {"bucket_mb", config.runtime.bucket_mb}};
+                      {"bucket_mb", config.runtime.bucket_mb},
+                      {"reductions", to_string(config.runtime.reductions)}};
   toml::table mixed_precision{{"param_dtype", to_string(config.mixed_precision.param_dtype)},
                               {"reduce_dtype", to_string(config.mixed_precision.reduce_dtype)}};
   toml::table root{{"run", run},         {"mesh", mesh},
