@@ -182,10 +182,14 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
       std::make_unique<MeshCommunicators>(*mesh_, comm_, prepare_comm_backend(backend_, comm_));
   if (backend_ == CommBackend::mpi) {
     // [runtime] reductions, per group (auto: from the --hardware profile or measured now).
-    comms_->set_configure([algorithm = config_.runtime.reductions](
+    comms_->set_configure([this, algorithm = config_.runtime.reductions](
                               Communicator& group, const std::vector<std::string>& axes) {
       group.set_reduction_choice(
           choose_reductions(algorithm, group, axes, collective_matmul_hardware()));
+      if (group.size() > 1) {
+        reduction_choices_.push_back(group.description() + ": " +
+                                     meshtrain::describe(group.reduction_choice()));
+      }
     });
   }
   world_ = &comms_->get(all_axes(*mesh_));
@@ -947,6 +951,12 @@ std::vector<std::string> TrainingRun::describe() const {
   lines.push_back(detail::concat("  compute on ", Kokkos::DefaultExecutionSpace::name(),
                                  ", communication ", to_string(backend_), ", matmul precision ",
                                  to_string(matmul_precision())));
+  if (!reduction_choices_.empty()) {
+    std::string groups;
+    for (const auto& choice : reduction_choices_) groups += (groups.empty() ? "" : "; ") + choice;
+    lines.push_back(detail::concat("  reductions (", to_string(config_.runtime.reductions),
+                                   "): ", groups));
+  }
   if (config_.optimizer.zero_stage == 1) {
     lines.push_back(zero1_ ? "  optimizer state and update split over dp (ZeRO-1)"
                            : "  optimizer.zero_stage = 1 changes nothing with dp = 1");

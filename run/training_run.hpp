@@ -241,6 +241,9 @@ class TrainingRun {
 
   // Declared in dependency order: destroyed in reverse, the communicators last.
   std::unique_ptr<MeshCommunicators> comms_;
+  // "<group>: <algorithm>" of every group of 2 or more ranks ([runtime] reductions), for
+  // describe().
+  std::vector<std::string> reduction_choices_;
   Communicator* world_ = nullptr;  // the group over every mesh axis (owned by comms_)
   std::optional<ParallelContext> context_;
   std::unique_ptr<Mlp> model_;
