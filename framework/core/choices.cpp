@@ -157,6 +157,9 @@ LrScheduleKind parse_lr_schedule(const std::string& name, const std::string& key
 CommBackendChoice parse_comm_backend(const std::string& name, const std::string& key) {
   return parse(comm_backend_choices(), name, key);
 }
+ReductionAlgorithm parse_reduction_algorithm(const std::string& name, const std::string& key) {
+  return parse(reduction_algorithm_choices(), name, key);
+}
 MatmulPrecision parse_matmul_precision(const std::string& name, const std::string& key) {
   return parse(matmul_precision_choices(), name, key);
 }

@@ -101,6 +101,8 @@ LrScheduleKind parse_lr_schedule(const std::string& name,
                                  const std::string& key = "optimizer.schedule");
 CommBackendChoice parse_comm_backend(const std::string& name,
                                      const std::string& key = "runtime.backend");
+ReductionAlgorithm parse_reduction_algorithm(const std::string& name,
+                                             const std::string& key = "runtime.reductions");
 MatmulPrecision parse_matmul_precision(const std::string& name,
                                        const std::string& key = "runtime.matmul_precision");
 Dtype parse_dtype(const std::string& name, const std::string& key);

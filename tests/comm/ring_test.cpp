@@ -24,6 +24,7 @@
 #include "comm_test_util.hpp"
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/comm/backends/mpi_ring.hpp"
+#include "framework/comm/reduction_choice.hpp"
 #include "framework/core/precision.hpp"
 #include "tests/test_support.hpp"
 
@@ -226,6 +227,53 @@ TEST(Ring, ThresholdPicksTheAlgorithmBySize) {
   comm.all_reduce(large);
   EXPECT_GT(allocations, 0) << "1024 floats did not go through the ring";
   Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+}
+
+// ring_from: the smallest measured size from which the ring is faster at every larger one.
+TEST(Ring, RingFromIsTheSizeFromWhichTheRingStaysFaster) {
+  const std::vector<std::size_t> bytes = {1024, 65536, 1 << 20};
+  EXPECT_EQ(ring_from(bytes, {1, 1, 1}, {2, 0.5, 0.5}), 65536u);
+  EXPECT_EQ(ring_from(bytes, {1, 1, 1}, {0.5, 2, 0.5}), std::size_t{1} << 20);
+  EXPECT_EQ(ring_from(bytes, {1, 1, 1}, {0.5, 0.5, 0.5}), 1024u);
+  EXPECT_EQ(ring_from(bytes, {1, 1, 1}, {0.5, 0.5, 2}), ReductionChoice::kNever);
+  EXPECT_EQ(describe(ReductionChoice::ring()), "ring");
+  EXPECT_EQ(describe(ReductionChoice::library()), "library");
+}
+
+// reductions = "auto" without a calibrated link measures at start: every rank of the group
+// ends with rank 0's choice, and sums still come out right with it. With a calibrated link it
+// takes the file's sizes without measuring; mpi and ring are fixed.
+TEST(Ring, AutoChoiceIsAgreedByEveryRank) {
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
+  const HardwareProfile defaults = default_hardware_profile();
+  const ReductionChoice chosen =
+      choose_reductions(ReductionAlgorithm::automatic, comm, {"dp"}, defaults);
+  uint64_t mine[2] = {chosen.reduce_scatter_ring_from, chosen.all_reduce_ring_from};
+  uint64_t low[2], high[2];
+  MPI_Allreduce(mine, low, 2, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(mine, high, 2, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+  EXPECT_EQ(low[0], high[0]);
+  EXPECT_EQ(low[1], high[1]);
+  if (world_size() == 1) EXPECT_EQ(chosen, ReductionChoice::library());
+  comm.set_reduction_choice(chosen);
+  DeviceVector data = to_device(std::vector<float>(300000, 1.0f));
+  comm.all_reduce(data);
+  for (float v : to_vector(data)) ASSERT_EQ(v, static_cast<float>(world_size()));
+
+  HardwareProfile calibrated = defaults;
+  calibrated.links["dp"].ring_reduce_scatter_bandwidth = 1e9;
+  calibrated.links["dp"].ring_all_reduce_bandwidth = 1e9;
+  calibrated.links["dp"].ring_reduce_scatter_from = 4096;
+  const ReductionChoice from_file =
+      choose_reductions(ReductionAlgorithm::automatic, comm, {"dp"}, calibrated);
+  if (world_size() > 1) {
+    EXPECT_EQ(from_file.reduce_scatter_ring_from, 4096u);
+    EXPECT_EQ(from_file.all_reduce_ring_from, ReductionChoice::kNever);
+  }
+  EXPECT_EQ(choose_reductions(ReductionAlgorithm::ring, comm, {"dp"}, defaults),
+            ReductionChoice::ring());
+  EXPECT_EQ(choose_reductions(ReductionAlgorithm::mpi, comm, {"dp"}, calibrated),
+            ReductionChoice::library());
 }
 
 int64_t g_allocations = 0;
