@@ -4,8 +4,9 @@
 // own ring (backends/mpi_ring.hpp) at every size, "auto" uses the ring from the message size
 // on where it measured faster: from the hardware file's link of the group's axes when
 // `meshtrain calibrate` measured the ring there, else from a short measurement on the group
-// at start (a few hundred milliseconds), decided by the group's rank 0 and broadcast, so
-// every rank of the group holds the same choice. NCCL communicators ignore the choice.
+// at start (tens of milliseconds: 64 KiB and 1 MiB), decided by the group's rank 0 and
+// broadcast, so every rank of the group holds the same choice. NCCL communicators ignore it.
+// docs/communication.md.
 
 #include <cstddef>
 #include <string>
