@@ -150,7 +150,13 @@ TEST(Ring, ReduceScatterFollowsTheDocumentedOrder) {
   }
 }
 
-TEST(Ring, AllReduceIsTheSameOnEveryRankForAnyCount) {
+// Both all-gathers of the all-reduce: the library's MPI_Iallgatherv (default) and the ring of
+// copies (MESHTRAIN_RING_ALL_GATHER=ring, what counts beyond an int's bytes use).
+class RingAllReduce : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(RingAllReduce, IsTheSameOnEveryRankForAnyCount) {
+  ::setenv("MESHTRAIN_RING_ALL_GATHER", GetParam(), 1);
+  ASSERT_EQ(ring_all_gather_from_env(), std::string(GetParam()) == "ring");
   const int n = world_size(), rank = world_rank();
   auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
   comm.set_reduction_choice(ReductionChoice::ring());
@@ -180,6 +186,16 @@ TEST(Ring, AllReduceIsTheSameOnEveryRankForAnyCount) {
   DeviceVector ones = to_device(std::vector<float>(5, 1.0f));
   comm.all_reduce(ones, ReduceOp::mean);
   for (float v : to_vector(ones)) EXPECT_EQ(v, 1.0f);
+  ::unsetenv("MESHTRAIN_RING_ALL_GATHER");
+}
+
+INSTANTIATE_TEST_SUITE_P(Ring, RingAllReduce, ::testing::Values("library", "ring"));
+
+TEST(Ring, AllGatherChoiceFromEnvironment) {
+  ::setenv("MESHTRAIN_RING_ALL_GATHER", "fast", 1);
+  expect_bad_input([] { ring_all_gather_from_env(); }, {"MESHTRAIN_RING_ALL_GATHER", "'fast'"});
+  ::unsetenv("MESHTRAIN_RING_ALL_GATHER");
+  EXPECT_FALSE(ring_all_gather_from_env());
 }
 
 // Dim-1 reduce_scatter packs column blocks and then runs the ring: column block i of the

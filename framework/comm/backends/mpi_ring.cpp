@@ -1,6 +1,8 @@
 #include "framework/comm/backends/mpi_ring.hpp"
 
 #include <algorithm>
+#include <climits>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 
@@ -163,7 +165,40 @@ void all_gather_blocks(const RingLink& link, char* data, const Blocks& blocks, D
   }
 }
 
+// In place through the library's MPI_Iallgatherv (one call, counts and displacements in
+// bytes), when every byte offset fits an int; false (nothing done) otherwise.
+bool all_gather_by_library(const RingLink& link, char* data, const Blocks& blocks, Dtype dtype) {
+  const std::size_t element = bytes_of(dtype);
+  const std::size_t n = static_cast<std::size_t>(link.size);
+  const std::size_t total = blocks.offset(link.size - 1) + blocks.length(link.size - 1);
+  if (total * element > static_cast<std::size_t>(INT_MAX)) return false;
+  std::vector<int>& layout = link.scratch.gather_layout();
+  if (layout.size() < 2 * n) layout.resize(2 * n);  // on the first call only
+  for (int b = 0; b < link.size; ++b) {
+    layout[b] = static_cast<int>(blocks.length(b) * element);
+    layout[n + b] = static_cast<int>(blocks.offset(b) * element);
+  }
+  MPI_Request* request = link.scratch.requests();
+  *request = MPI_REQUEST_NULL;
+  const int code = MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, layout.data(),
+                                   layout.data() + n, MPI_BYTE, link.comm, request);
+  if (code != MPI_SUCCESS) {
+    *request = MPI_REQUEST_NULL;
+    link.failure.failed(code, "MPI_Iallgatherv", request, 1);
+  }
+  wait_for(link, request, 1, 0, 1);
+  return true;
+}
+
 }  // namespace
+
+bool ring_all_gather_from_env() {
+  const char* text = std::getenv("MESHTRAIN_RING_ALL_GATHER");
+  if (text == nullptr || *text == '\0' || std::strcmp(text, "library") == 0) return false;
+  if (std::strcmp(text, "ring") == 0) return true;
+  MESHTRAIN_BAD_INPUT("environment variable MESHTRAIN_RING_ALL_GATHER='", text,
+                      "' is neither library nor ring");
+}
 
 void RingScratch::reserve(std::size_t block_bytes, int buffers) {
   const std::size_t requests = 2 * segments_of(block_bytes);
@@ -192,6 +227,7 @@ void ring_all_reduce(const RingLink& link, void* data, std::size_t count, Dtype 
   char* bytes = static_cast<char*>(data);
   reduce_scatter_blocks(link, bytes, bytes + blocks.offset(link.rank) * bytes_of(dtype), blocks,
                         dtype);
+  if (!ring_all_gather_from_env() && all_gather_by_library(link, bytes, blocks, dtype)) return;
   all_gather_blocks(link, bytes, blocks, dtype);
 }
 

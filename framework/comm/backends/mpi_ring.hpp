@@ -10,8 +10,10 @@
 //     from rank r - 1, adds its own contribution and passes that on at the next step. After
 //     the last step rank r holds the full sum of block r.
 //   all-reduce: the reduce-scatter over blocks of ceil/floor(count / n) elements (the first
-//     count mod n blocks one longer), then a ring all-gather of the summed blocks in place
-//     (n - 1 steps of plain copies: every rank ends with the same bits).
+//     count mod n blocks one longer), then an all-gather of the summed blocks in place (plain
+//     copies: every rank ends with the same bits): the library's MPI_Iallgatherv where the
+//     byte offsets fit an int (measured faster than a ring of copies on shared memory), else
+//     (or with env MESHTRAIN_RING_ALL_GATHER=ring) a ring of n - 1 steps.
 // Summation order (deterministic, the same in every run): the sum of block b starts at rank
 // (b + 1) mod n and proceeds around the ring: ((x[b+1] + x[b+2]) + x[b+3]) + ... + x[b], each
 // addition in fp32. With a 16-bit wire (bf16, fp16) the partial sums travel as 16-bit values
@@ -51,11 +53,13 @@ class RingScratch {
   void reserve(std::size_t block_bytes, int buffers = 2);
   char* partial(int which) { return partial_[which].data(); }
   MPI_Request* requests() { return requests_.data(); }
+  std::vector<int>& gather_layout() { return gather_layout_; }
   std::size_t block_capacity() const { return partial_[0].extent(0); }
 
  private:
   Kokkos::View<char*, Kokkos::HostSpace> partial_[2];
   std::vector<MPI_Request> requests_;
+  std::vector<int> gather_layout_;  // MPI_Iallgatherv's counts and displacements
 };
 
 // What the ring cannot recover from, handled by the backend that owns the communicator's
@@ -89,5 +93,10 @@ void ring_reduce_scatter(const RingLink& link, const void* send, void* recv,
                          std::size_t count_per_rank, Dtype dtype);
 // In-place sum of `count` elements over the group; every rank ends with the same bits.
 void ring_all_reduce(const RingLink& link, void* data, std::size_t count, Dtype dtype);
+
+// Env MESHTRAIN_RING_ALL_GATHER: "ring" -> true (the all-reduce's all-gather as a ring of
+// copies), unset, empty or "library" -> false (MPI_Iallgatherv); bad_input otherwise. Read at
+// every all-reduce (no allocation).
+bool ring_all_gather_from_env();
 
 }  // namespace meshtrain
