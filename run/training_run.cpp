@@ -181,7 +181,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   comms_ =
       std::make_unique<MeshCommunicators>(*mesh_, comm_, prepare_comm_backend(backend_, comm_));
   if (backend_ == CommBackend::mpi) {
-    // [runtime] reductions, per group (auto: from the --hardware profile or measured now).
+    // [runtime] reductions, per group (auto: by the --hardware profile; measure: timed now).
     comms_->set_configure([this, algorithm = config_.runtime.reductions](
                               Communicator& group, const std::vector<std::string>& axes) {
       group.set_reduction_choice(

@@ -117,16 +117,20 @@ ReductionChoice choose_reductions(ReductionAlgorithm requested, Communicator& co
       return ReductionChoice::library();
     case ReductionAlgorithm::ring:
       return ReductionChoice::ring();
-    case ReductionAlgorithm::automatic:
+    case ReductionAlgorithm::automatic: {
+      // The same profile on every rank (train --hardware reads it on each): no agreement.
+      bool calibrated = !axes.empty();
+      for (const auto& axis : axes) {
+        calibrated =
+            calibrated && hardware.links.count(axis) && hardware.link(axis).ring_measured();
+      }
+      if (calibrated) return choice_from_link(hardware.group_link(axes));
+      return ReductionChoice{kDefaultRingFrom, kDefaultRingFrom};
+    }
+    case ReductionAlgorithm::measure:
       break;
   }
   if (comm.size() < 2) return ReductionChoice::library();  // nothing moves
-  // The same profile on every rank (train --hardware reads it on each), so no agreement.
-  bool calibrated = !axes.empty();
-  for (const auto& axis : axes) {
-    calibrated = calibrated && hardware.links.count(axis) && hardware.link(axis).ring_measured();
-  }
-  if (calibrated) return choice_from_link(hardware.group_link(axes));
   const ReductionChoice measured = choice_from_timings(time_reductions(comm, startup_sizes(), 2));
   // Rank 0's decision on every rank: the sizes are powers of two (exact in a float), -1 is
   // never.

@@ -1,12 +1,14 @@
 #pragma once
 // [runtime] reductions: which algorithm a communicator's blocking sums use (ReductionChoice,
 // communicator.hpp). "mpi" keeps the MPI library's collectives, "ring" uses the MPI backend's
-// own ring (backends/mpi_ring.hpp) at every size, "auto" uses the ring from the message size
-// on where it measured faster: from the hardware file's link of the group's axes when
-// `meshtrain calibrate` measured the ring there, else from a short measurement on the group
-// at start (tens of milliseconds: 64 KiB and 1 MiB), decided by the group's rank 0 and
-// broadcast, so every rank of the group holds the same choice. NCCL communicators ignore it.
-// docs/communication.md.
+// own ring (backends/mpi_ring.hpp) at every size. "auto" uses the ring from the message size
+// on where it measured faster: the sizes of the hardware file's link of the group's axes when
+// `meshtrain calibrate` measured the ring there (train --hardware FILE), else a fixed 64 KiB
+// (kDefaultRingFrom, where calibrate found the ring faster on a shared-memory node), so that a
+// run's numerics do not depend on timing noise (bit-exact resume). "measure" times both on the
+// group when it is built (tens of milliseconds: 64 KiB and 1 MiB per rank), decided by the
+// group's rank 0 and broadcast, so every rank of the group holds the same choice; two runs may
+// choose differently. NCCL communicators ignore the choice. docs/communication.md.
 
 #include <cstddef>
 #include <string>
@@ -43,8 +45,11 @@ ReductionChoice choice_from_timings(const ReductionTimings& timings);
 // measured).
 ReductionChoice choice_from_link(const LinkProfile& link);
 
+// Bytes per rank from which "auto" uses the ring when the hardware file did not measure it.
+constexpr std::size_t kDefaultRingFrom = std::size_t{64} << 10;
+
 // The choice for `comm` (the group over `axes`) under `requested`; collective over the group
-// for automatic without a calibrated link (see the header comment).
+// for measure (see the header comment).
 ReductionChoice choose_reductions(ReductionAlgorithm requested, Communicator& comm,
                                   const std::vector<std::string>& axes,
                                   const HardwareProfile& hardware);

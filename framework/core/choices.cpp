@@ -92,7 +92,8 @@ const ChoiceTable<CommBackendChoice>& comm_backend_choices() {
 const ChoiceTable<ReductionAlgorithm>& reduction_algorithm_choices() {
   static const ChoiceTable<ReductionAlgorithm> table = {{"auto", ReductionAlgorithm::automatic},
                                                         {"mpi", ReductionAlgorithm::mpi},
-                                                        {"ring", ReductionAlgorithm::ring}};
+                                                        {"ring", ReductionAlgorithm::ring},
+                                                        {"measure", ReductionAlgorithm::measure}};
   return table;
 }
 

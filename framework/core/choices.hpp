@@ -13,7 +13,7 @@
 //   optimizer.schedule            LrScheduleKind             constant | linear | cosine
 //   partition.collective_matmul   CollectiveMatmulAlgorithm  naive | ring | bidirectional | auto
 //   runtime.backend               CommBackendChoice          auto | mpi | nccl
-//   runtime.reductions            ReductionAlgorithm         auto | mpi | ring
+//   runtime.reductions            ReductionAlgorithm         auto | mpi | ring | measure
 //   runtime.matmul_precision      MatmulPrecision            fp32 | tf32
 //   data.source                   DataSource                 fashion_mnist | synthetic | hdf5
 //   data.shuffle                  ShuffleMode                none | rows | blocks (config: false | true | "blocks")
@@ -46,8 +46,9 @@ enum class OptimizerKind { sgd, adamw };
 enum class LrScheduleKind { constant, linear, cosine };
 enum class CommBackendChoice { automatic, mpi, nccl };
 // The MPI backend's blocking sums (framework/comm/reduction_choice.hpp): the MPI library's
-// collectives, meshtrain's own ring, or the faster of the two as measured.
-enum class ReductionAlgorithm { automatic, mpi, ring };
+// collectives, meshtrain's own ring, the faster of the two by the hardware file (automatic),
+// or as measured when the run starts (measure).
+enum class ReductionAlgorithm { automatic, mpi, ring, measure };
 // How float GEMMs may round (see framework/core/gemm.hpp).
 enum class MatmulPrecision { fp32, tf32 };
 enum class DataSource { fashion_mnist, synthetic, hdf5 };

@@ -158,8 +158,9 @@ struct RuntimeSection {
   // Size cap of a DP gradient bucket under overlap, in MiB (PyTorch DDP's bucket_cap_mb).
   double bucket_mb = 25.0;
   // The MPI backend's blocking reduce-scatters and all-reduces: the MPI library's, meshtrain's
-  // own ring, or per group and size the faster of the two (from the hardware file, else
-  // measured at start). NCCL keeps its own (docs/communication.md).
+  // own ring, per group and size the faster of the two by the hardware file (auto; without
+  // one the ring from 64 KiB), or as measured at start (measure). NCCL keeps its own
+  // (docs/communication.md).
   ReductionAlgorithm reductions = ReductionAlgorithm::automatic;
 };
 

@@ -256,14 +256,14 @@ TEST(Ring, RingFromIsTheSizeFromWhichTheRingStaysFaster) {
   EXPECT_EQ(describe(ReductionChoice::library()), "library");
 }
 
-// reductions = "auto" without a calibrated link measures at start: every rank of the group
-// ends with rank 0's choice, and sums still come out right with it. With a calibrated link it
-// takes the file's sizes without measuring; mpi and ring are fixed.
-TEST(Ring, AutoChoiceIsAgreedByEveryRank) {
+// reductions = "measure" times both at start: every rank of the group ends with rank 0's
+// choice, and sums still come out right with it. "auto" takes a calibrated link's sizes, else
+// the fixed default, without measuring; mpi and ring are fixed.
+TEST(Ring, MeasuredChoiceIsAgreedByEveryRank) {
   auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
   const HardwareProfile defaults = default_hardware_profile();
   const ReductionChoice chosen =
-      choose_reductions(ReductionAlgorithm::automatic, comm, {"dp"}, defaults);
+      choose_reductions(ReductionAlgorithm::measure, comm, {"dp"}, defaults);
   uint64_t mine[2] = {chosen.reduce_scatter_ring_from, chosen.all_reduce_ring_from};
   uint64_t low[2], high[2];
   MPI_Allreduce(mine, low, 2, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
@@ -282,10 +282,12 @@ TEST(Ring, AutoChoiceIsAgreedByEveryRank) {
   calibrated.links["dp"].ring_reduce_scatter_from = 4096;
   const ReductionChoice from_file =
       choose_reductions(ReductionAlgorithm::automatic, comm, {"dp"}, calibrated);
-  if (world_size() > 1) {
-    EXPECT_EQ(from_file.reduce_scatter_ring_from, 4096u);
-    EXPECT_EQ(from_file.all_reduce_ring_from, ReductionChoice::kNever);
-  }
+  EXPECT_EQ(from_file.reduce_scatter_ring_from, 4096u);
+  EXPECT_EQ(from_file.all_reduce_ring_from, ReductionChoice::kNever);
+  const ReductionChoice fixed =
+      choose_reductions(ReductionAlgorithm::automatic, comm, {"dp"}, defaults);
+  EXPECT_EQ(fixed.reduce_scatter_ring_from, kDefaultRingFrom);
+  EXPECT_EQ(fixed.all_reduce_ring_from, kDefaultRingFrom);
   EXPECT_EQ(choose_reductions(ReductionAlgorithm::ring, comm, {"dp"}, defaults),
             ReductionChoice::ring());
   EXPECT_EQ(choose_reductions(ReductionAlgorithm::mpi, comm, {"dp"}, calibrated),
