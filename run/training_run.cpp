@@ -951,12 +951,6 @@ std::vector<std::string> TrainingRun::describe() const {
   lines.push_back(detail::concat("  compute on ", Kokkos::DefaultExecutionSpace::name(),
                                  ", communication ", to_string(backend_), ", matmul precision ",
                                  to_string(matmul_precision())));
-  if (!reduction_choices_.empty()) {
-    std::string groups;
-    for (const auto& choice : reduction_choices_) groups += (groups.empty() ? "" : "; ") + choice;
-    lines.push_back(detail::concat("  reductions (", to_string(config_.runtime.reductions),
-                                   "): ", groups));
-  }
   if (config_.optimizer.zero_stage == 1) {
     lines.push_back(zero1_ ? "  optimizer state and update split over dp (ZeRO-1)"
                            : "  optimizer.zero_stage = 1 changes nothing with dp = 1");
@@ -969,6 +963,13 @@ std::vector<std::string> TrainingRun::describe() const {
                                      : std::string("read in the step"),
                                  ", ", data_bytes() >> 10, " KiB on this rank"));
   for (const std::string& line : model_->describe()) lines.push_back("  " + line);
+  // Last: tests index the lines above.
+  if (!reduction_choices_.empty()) {
+    std::string groups;
+    for (const auto& choice : reduction_choices_) groups += (groups.empty() ? "" : "; ") + choice;
+    lines.push_back(detail::concat("  reductions (", to_string(config_.runtime.reductions),
+                                   "): ", groups));
+  }
   return lines;
 }
 
