@@ -157,7 +157,8 @@ std::string describe(const ReductionChoice& c) {
   if (c == ReductionChoice::library()) return "library";
   if (c == ReductionChoice::ring()) return "ring";
   auto part = [](std::size_t from) {
-    return from == ReductionChoice::kNever ? std::string("library") : "ring from " + size_text(from);
+    return from == ReductionChoice::kNever ? std::string("library")
+                                           : "ring from " + size_text(from);
   };
   return part(c.reduce_scatter_ring_from) + " (reduce_scatter), " + part(c.all_reduce_ring_from) +
          " (all_reduce)";

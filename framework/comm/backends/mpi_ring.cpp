@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "framework/comm/communicator.hpp"
@@ -92,8 +92,8 @@ int post_step(const RingLink& link, MPI_Request* requests, char* recv_into, std:
   for (int k = 0; k < receives; ++k) {
     const std::size_t at = static_cast<std::size_t>(k) * kRingSegmentBytes;
     const int bytes = checked_int(std::min(kRingSegmentBytes, recv_bytes - at), "ring segment");
-    const int code = MPI_Irecv(recv_into + at, bytes, MPI_BYTE, previous, tag, link.comm,
-                               &requests[k]);
+    const int code =
+        MPI_Irecv(recv_into + at, bytes, MPI_BYTE, previous, tag, link.comm, &requests[k]);
     if (code != MPI_SUCCESS) {
       requests[k] = MPI_REQUEST_NULL;
       link.failure.failed(code, "MPI_Irecv", requests, total);
@@ -128,8 +128,8 @@ void reduce_scatter_blocks(const RingLink& link, const char* own, char* out, con
   for (int s = 0; s + 1 < n; ++s) {
     const int sent = ring_index(r - 1 - s, n);
     const int received = ring_index(r - 2 - s, n);
-    const char* send_from = s == 0 ? own + blocks.offset(sent) * element
-                                   : link.scratch.partial((s - 1) % 2);
+    const char* send_from =
+        s == 0 ? own + blocks.offset(sent) * element : link.scratch.partial((s - 1) % 2);
     char* recv_into = link.scratch.partial(s % 2);
     // The partial sum is formed where it arrived (and sent from there at the next step); the
     // last step writes the full sum to `out`.
@@ -142,8 +142,7 @@ void reduce_scatter_blocks(const RingLink& link, const char* own, char* out, con
     for (int k = 0; k < receives; ++k) {
       wait_for(link, requests, total, k, 1);  // later segments keep moving meanwhile
       const std::size_t at = static_cast<std::size_t>(k) * kRingSegmentBytes;
-      add(sum + at, mine + at, recv_into + at, std::min(kRingSegmentBytes, recv_bytes - at),
-          dtype);
+      add(sum + at, mine + at, recv_into + at, std::min(kRingSegmentBytes, recv_bytes - at), dtype);
     }
     wait_for(link, requests, total, receives, total - receives);
   }
@@ -157,10 +156,9 @@ void all_gather_blocks(const RingLink& link, char* data, const Blocks& blocks, D
   for (int s = 0; s + 1 < n; ++s) {
     const int sent = ring_index(r - s, n);
     const int received = ring_index(r - s - 1, n);
-    const int total = post_step(link, requests, data + blocks.offset(received) * element,
-                                blocks.length(received) * element,
-                                data + blocks.offset(sent) * element,
-                                blocks.length(sent) * element, kAllGatherTag);
+    const int total = post_step(
+        link, requests, data + blocks.offset(received) * element, blocks.length(received) * element,
+        data + blocks.offset(sent) * element, blocks.length(sent) * element, kAllGatherTag);
     wait_for(link, requests, total, 0, total);
   }
 }
