@@ -293,8 +293,8 @@ LinkMeasurement measure_link(const Mesh& mesh, MeshCommunicators& comms, const s
   // meshtrain's ring against the library at a few sizes (bytes each rank sends; the last is
   // the 16 MiB above): its rates at 16 MiB by the same formulas, and the size from which it
   // is faster ([runtime] reductions = "auto").
-  m.reductions = time_reductions(
-      comm, {std::size_t{64} << 10, std::size_t{1} << 20, full * sizeof(float)}, 3);
+  m.reductions =
+      time_reductions(comm, {std::size_t{64} << 10, std::size_t{1} << 20, full * sizeof(float)}, 3);
   const ReductionTimings& r = m.reductions;
   link.ring_reduce_scatter_bandwidth =
       moved / std::max(r.ring_reduce_scatter.back() - (p - 1) * link.latency, 1e-9);

@@ -15,8 +15,8 @@
 #include <utility>
 
 #include "base/error.hpp"
-#include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/collective_matmul.hpp"
+#include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/reduction_choice.hpp"
 #include "framework/core/choices.hpp"
@@ -967,8 +967,8 @@ std::vector<std::string> TrainingRun::describe() const {
   if (!reduction_choices_.empty()) {
     std::string groups;
     for (const auto& choice : reduction_choices_) groups += (groups.empty() ? "" : "; ") + choice;
-    lines.push_back(detail::concat("  reductions (", to_string(config_.runtime.reductions),
-                                   "): ", groups));
+    lines.push_back(
+        detail::concat("  reductions (", to_string(config_.runtime.reductions), "): ", groups));
   }
   return lines;
 }

@@ -173,9 +173,9 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
                source, false, 0.0);
     l.ring_all_reduce_bandwidth = number(*t, "ring_all_reduce_bandwidth",
                                          prefix + ".ring_all_reduce_bandwidth", source, false, 0.0);
-    l.ring_reduce_scatter_from = number(*t, "ring_reduce_scatter_from",
-                                        prefix + ".ring_reduce_scatter_from", source, false,
-                                        l.ring_reduce_scatter_from);
+    l.ring_reduce_scatter_from =
+        number(*t, "ring_reduce_scatter_from", prefix + ".ring_reduce_scatter_from", source, false,
+               l.ring_reduce_scatter_from);
     l.ring_all_reduce_from = number(*t, "ring_all_reduce_from", prefix + ".ring_all_reduce_from",
                                     source, false, l.ring_all_reduce_from);
     for (const double v : {l.ring_reduce_scatter_bandwidth, l.ring_all_reduce_bandwidth,

@@ -359,7 +359,8 @@ void MpiCommunicator::raw_all_gather(const void* send, void* recv, std::size_t c
 void MpiCommunicator::raw_reduce_scatter_sum(const void* send, void* recv,
                                              std::size_t count_per_rank, Dtype dtype,
                                              const char* op) {
-  const std::size_t send_bytes = count_per_rank * static_cast<std::size_t>(size()) * bytes_of(dtype);
+  const std::size_t send_bytes =
+      count_per_rank * static_cast<std::size_t>(size()) * bytes_of(dtype);
   if (size() > 1 && send_bytes >= reduction_choice().reduce_scatter_ring_from) {
     state_->require_usable(op);
     Kokkos::fence();
