@@ -17,7 +17,9 @@
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/comm/mpi_util.hpp"
+#include "framework/comm/progress_thread.hpp"
 #include "framework/comm/reduction_choice.hpp"
+#include "framework/comm/runtime.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/train/config.hpp"
@@ -351,6 +353,11 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
   check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world), "MPI_Comm_size");
   std::optional<Mesh> mesh;
   std::optional<ShardingPlan> plan;  // CONFIG's, when its global batch divides
+  // CONFIG's [runtime] comm_thread as a training run resolves it: the overlap measured (a hop
+  // started before GEMMs) is then the one the communication thread gives.
+  std::optional<CommThreadLease> comm_thread;
+  CommThreadChoice thread_choice = CommThreadChoice::off;
+  bool overlap = false;
   if (auto error = run_agreed(MPI_COMM_WORLD, [&] {
         if (config_path.empty()) {
           mesh = Mesh::create({{"dp", -1}}, world, "calibrate (dp = the world)");
@@ -360,18 +367,35 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
           plan = make_plan(model_parameter_shapes(config.model), *mesh, partition_rules(config),
                            plan_options(config), model_linear_layers(config.model));
           if (plan->local_batch_rows <= 0) plan.reset();
+          if (config.runtime.backend != CommBackendChoice::nccl) {
+            thread_choice = config.runtime.comm_thread;
+            overlap = config.runtime.overlap;
+          }
         }
       })) {
     throw *error;
   }
+  std::string note;
+  bool thread = false;  // decided by every rank (collective), failures agreed on
+  if (auto error = run_agreed(MPI_COMM_WORLD, [&] {
+        thread = want_comm_thread(thread_choice, overlap, MPI_COMM_WORLD,
+                                  config_path + ": runtime.comm_thread", note);
+      })) {
+    throw *error;
+  }
+  if (thread) comm_thread.emplace();
+  if (!note.empty() && rank == 0) std::fprintf(stderr, "meshtrain calibrate: %s\n", note.c_str());
   HardwareProfile profile = default_hardware_profile();
   profile.source = out_path.empty() ? "calibrate" : out_path;
   profile.gemm_flops = measure_gemm_flops();
   if (plan) profile.gemm_rates = measure_gemm_rates(step_gemm_shapes(*plan));
   profile.memory_bandwidth = measure_memory_bandwidth();
   std::ostringstream measured;
-  measured << "clock = \"" << clock << "\"\nranks = " << world << "\nmesh = \""
-           << mesh->short_description() << "\"\nhost = \"" << host_name() << "\"\n";
+  measured
+      << "clock = \"" << clock << "\"\nranks = " << world << "\nmesh = \""
+      << mesh->short_description() << "\"\nhost = \"" << host_name() << "\"\n"
+      << "comm_thread = " << (thread ? "true" : "false")
+      << "  # was the communication thread on (runtime.comm_thread) while overlap was measured\n";
   std::vector<std::string> measured_axes;
   {
     MeshCommunicators comms(*mesh);

@@ -54,6 +54,7 @@
 #include "framework/core/gemm.hpp"
 #include "framework/train/hardware_file.hpp"
 #include "partition/cost_model.hpp"
+#include "framework/comm/progress_thread.hpp"
 #include "run/training_run.hpp"
 
 // --- Heap allocation counter: counts operator new while `g_count_heap` is set, and prints
@@ -277,6 +278,8 @@ int main(int argc, char** argv) {
     bool overlap = false;
     app.add_option("--overlap", overlap,
                    "runtime.overlap: 0|1 (FSDP weight prefetch, DP gradient buckets)");
+    std::string comm_thread = "auto";
+    app.add_option("--comm-thread", comm_thread, "runtime.comm_thread: auto|0|1");
     double bucket_mb = 25.0;
     app.add_option("--bucket-mb", bucket_mb, "runtime.bucket_mb: DP gradient bucket cap (MiB)");
     std::string param_dtype = "fp32", reduce_dtype = "fp32";
@@ -339,6 +342,14 @@ int main(int argc, char** argv) {
     config.runtime.overlap = overlap;
     config.runtime.reductions = meshtrain::parse_reduction_algorithm(reductions, "--reductions");
     config.runtime.bucket_mb = bucket_mb;
+    if (comm_thread == "auto") {
+      config.runtime.comm_thread = meshtrain::CommThreadChoice::automatic;
+    } else if (comm_thread == "0" || comm_thread == "1") {
+      config.runtime.comm_thread =
+          comm_thread == "1" ? meshtrain::CommThreadChoice::on : meshtrain::CommThreadChoice::off;
+    } else {
+      MESHTRAIN_BAD_INPUT("--comm-thread '", comm_thread, "' must be auto, 0 or 1");
+    }
     config.mixed_precision.param_dtype = meshtrain::parse_dtype(param_dtype, "--param-dtype");
     config.mixed_precision.reduce_dtype = meshtrain::parse_dtype(reduce_dtype, "--reduce-dtype");
     meshtrain::RunData data;
@@ -441,6 +452,10 @@ int main(int argc, char** argv) {
       line["precision"] = precision;
       line["overlap"] = overlap;
       line["reductions"] = reductions;
+      line["comm_thread"] = comm_thread;
+      line["comm_thread_running"] = meshtrain::running_comm_progress() != nullptr;
+      // Polling passes the thread made in this process so far (0: it only slept).
+      line["comm_thread_passes"] = meshtrain::comm_progress().passes();
       line["bucket_mb"] = bucket_mb;
       line["param_dtype"] = param_dtype;
       line["reduce_dtype"] = reduce_dtype;

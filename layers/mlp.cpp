@@ -108,6 +108,11 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
       compute_dtype_(context.precision().param) {
   allocate(residual_mlp_parameter_shapes(shape), spec_of, context);  // checks the sizes
   check_dropout_rate(dropout);
+  if (shape.moe.any() && dropout > 0.0) {
+    MESHTRAIN_BAD_INPUT("model.dropout = ", dropout,
+                        " is not supported with moe_layers in a "
+                        "residual_mlp (the experts' hidden activations have no dropout)");
+  }
   // Each layer takes the next parameters in parameters() order.
   size_t param = 0;
   auto next = [this, &param]() {
@@ -145,6 +150,24 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
     const std::string block = "blocks/" + std::to_string(i);
     std::vector<std::unique_ptr<Layer>> f;
     if (shape.norm) f.push_back(norm(block + "/norm", layout));
+    if (shape.moe.is_moe(i)) {  // one MoE layer of feed-forward experts instead of up, down
+      MoeFeedForward experts;
+      experts.router = next();
+      if (shape.gated) {
+        experts.gate_weight = next();
+        experts.gate_bias = next();
+      }
+      experts.up_weight = next();
+      experts.up_bias = next();
+      experts.down_weight = next();
+      experts.down_bias = next();
+      experts.activation = activation;
+      f.push_back(std::make_unique<MoeLayer>(experts, shape.moe.top_k, shape.moe.aux_loss_coef,
+                                             layout, rows_, context));
+      add(std::make_unique<ResidualBlock>(block, std::move(f), layout, offset, rows_, width,
+                                          compute_dtype_));
+      continue;
+    }
     if (shape.gated) {
       std::unique_ptr<Linear> gate = linear(layout);
       std::unique_ptr<Linear> up = linear(layout);

@@ -37,7 +37,8 @@
 //
 // kind = "residual_mlp" (the second constructor; docs/models.md): the sequence is the input
 // Linear "input", ResidualBlocks "blocks/<i>" (each: norm, up, activation, down; or norm, a
-// SwiGlu of gate and up, down), the output norm "output_norm" and the output Linear
+// SwiGlu of gate and up, down; a block listed in shape.moe.layers: norm and an MoeLayer of
+// feed-forward experts, layers/moe.hpp), the output norm "output_norm" and the output Linear
 // "output", with parameters in residual_mlp_parameter_shapes' order. Nothing else differs:
 // the passes, the reduction plan, the buckets, the prefetch and mixed precision treat its
 // layers as they treat Linear and ActivationLayer. (Dropout, when it comes, is one more layer
@@ -94,8 +95,9 @@ class Mlp {
       ParallelContext& context, int64_t local_rows, const MoeSettings& moe = {},
       double dropout = 0.0);
   // A residual_mlp of `shape` (partition/planner.hpp); `activation` inside the blocks (silu
-  // for a gated shape); `dropout` after each block's activation (or SwiGLU). Throws bad_input
-  // as the first constructor does.
+  // for a gated shape; the experts' too in MoE blocks); `dropout` after each block's
+  // activation (or SwiGLU). Throws bad_input as the first constructor does, and for dropout
+  // beside MoE blocks.
   Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup& spec_of,
       ParallelContext& context, int64_t local_rows, double dropout = 0.0);
   Mlp(const Mlp&) = delete;
@@ -139,8 +141,8 @@ class Mlp {
   int64_t output_offset() const { return sequence_.back()->output_offset(); }
   // The model: every layer in order, activations included.
   const std::vector<Layer*>& sequence() const { return sequence_; }
-  // The linear layers, in order (MoE layers are in moe_layers()); a residual_mlp's are inside
-  // its sequence's blocks, not here.
+  // The linear layers, in order (MoE layers are in moe_layers()); a residual_mlp's (its MoE
+  // blocks' MoeLayers too) are inside its sequence's blocks, not here.
   const std::vector<Linear>& layers() const { return linear_; }
   const std::vector<MoeLayer>& moe_layers() const { return moe_; }
   // The MoE layers' load-balancing losses of the last forward, summed (0 without MoE).

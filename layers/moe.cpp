@@ -4,12 +4,13 @@
 #include <algorithm>
 #include <cmath>
 
+#include "base/error.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/core/view_ops.hpp"
-#include "base/error.hpp"
+#include "layers/activation.hpp"
 
 namespace meshtrain {
 namespace {
@@ -43,6 +44,86 @@ MatrixView row_block(MatrixView m, int64_t first, int64_t count) {
   return MatrixView(m.data() + first * static_cast<int64_t>(m.extent(1)), count, m.extent(1));
 }
 
+using HostOffsets = Kokkos::View<int64_t*>::HostMirror;
+
+// Y_e = X_e W_e for each of the `local` experts on its rows (expert-major offsets); w holds
+// the local experts' [in, out] matrices one after the other.
+void expert_gemms(MatrixView x, ConstVectorView w, int64_t in, int64_t out,
+                  const HostOffsets& offsets, int64_t local, MatrixView y, Dtype dtype) {
+  for (int64_t e = 0; e < local; ++e) {
+    const int64_t first = offsets(e), count = offsets(e + 1) - first;
+    if (count == 0) continue;
+    gemm(plain(row_block(x, first, count)),
+         plain(ConstMatrixView(w.data() + e * in * out, in, out)), 0.0f, row_block(y, first, count),
+         dtype);
+  }
+}
+
+// y(i, :) += the bias of row i's expert, for the first `received` rows (b: the biases of the
+// experts from bias_first on, [*, out]).
+void add_expert_bias(MatrixView y, ConstVectorView b, int64_t bias_first,
+                     const Kokkos::View<int*>& expert_of, int64_t received, int64_t out,
+                     Dtype dtype) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::moe_expert_bias"), matrix_range(received, out),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t c) {
+        const float bias = b((bias_first + expert_of(i)) * out + c);
+        y(i, c) = round_to(round_to(y(i, c), dtype) + round_to(bias, dtype), dtype);
+      });
+}
+
+// dW_e = X_eᵀ dY_e per local expert (zero for an expert without rows), rounded.
+void expert_weight_gradients(MatrixView x, MatrixView dy, VectorView gw, int64_t in, int64_t out,
+                             const HostOffsets& offsets, int64_t local, Dtype dtype) {
+  for (int64_t e = 0; e < local; ++e) {
+    const int64_t first = offsets(e), count = offsets(e + 1) - first;
+    MatrixView dw(gw.data() + e * in * out, in, out);
+    if (count == 0) {
+      set_zero(dw);
+      continue;
+    }
+    gemm(transposed(row_block(x, first, count)), plain(row_block(dy, first, count)), 0.0f, dw,
+         dtype);
+  }
+  round_in_place(MatrixView(gw.data(), 1, gw.extent(0)), dtype);
+}
+
+// db_e = the column sums of dY_e; gb holds bias rows from bias_first on (zero for the experts
+// not on this rank).
+void expert_bias_gradients(MatrixView dye, VectorView gb, int64_t bias_first,
+                           const Kokkos::View<int64_t*>& offset, int64_t local, int64_t out,
+                           Dtype dtype) {
+  const int64_t rows_of_bias = static_cast<int64_t>(gb.extent(0)) / out;
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::moe_bias_grad"), matrix_range(rows_of_bias, out),
+      KOKKOS_LAMBDA(const int64_t b, const int64_t c) {
+        const int64_t e = b - bias_first;  // local expert of bias row b
+        float sum = 0.0f;
+        if (e >= 0 && e < local) {
+          for (int64_t i = offset(e); i < offset(e + 1); ++i) sum += dye(i, c);
+        }
+        gb(b * out + c) = round_to(sum, dtype);
+      });
+}
+
+// dX_e (+)= dY_e W_eᵀ per local expert (beta 0: overwrite, 1: add).
+void expert_input_gemms(MatrixView dy, ConstVectorView w, int64_t in, int64_t out,
+                        const HostOffsets& offsets, int64_t local, float beta, MatrixView dx,
+                        Dtype dtype) {
+  for (int64_t e = 0; e < local; ++e) {
+    const int64_t first = offsets(e), count = offsets(e + 1) - first;
+    if (count == 0) continue;
+    gemm(plain(row_block(dy, first, count)),
+         transposed(ConstMatrixView(w.data() + e * in * out, in, out)), beta,
+         row_block(dx, first, count), dtype);
+  }
+}
+
+LinearParameter linear_parameter(const ParameterRef& p) {
+  if (p.value == nullptr) return {};
+  return {p.value->name, p.value->global_shape, p.value->spec};
+}
+
 }  // namespace
 
 namespace {
@@ -71,7 +152,61 @@ MoeLayer::MoeLayer(ParameterRef router, ParameterRef experts_weight, ParameterRe
       aux_loss_coef_(aux_loss_coef),
       feature_index_(context.feature_index()),
       compute_dtype_(context.precision().param) {
+  build(router, experts_weight, experts_bias, context);
+}
+
+MoeLayer::MoeLayer(const MoeFeedForward& p, int64_t top_k, double aux_loss_coef,
+                   FeatureLayout input_layout, int64_t rows, ParallelContext& context)
+    : layout_(decide_moe_feed_forward_layout(
+          moe_layer_name(p.router.value->name), linear_parameter(p.router),
+          linear_parameter(p.gate_weight), linear_parameter(p.gate_bias),
+          linear_parameter(p.up_weight), linear_parameter(p.up_bias),
+          linear_parameter(p.down_weight), linear_parameter(p.down_bias), top_k, context.mesh(),
+          {context.batch_axes(), context.feature_axis()}, input_layout)),
+      rows_(rows),
+      aux_loss_coef_(aux_loss_coef),
+      feature_index_(context.feature_index()),
+      compute_dtype_(context.precision().param),
+      activation_(p.activation) {
+  build(p.router, p.up_weight, p.up_bias, context);
   const MoeLayout& l = layout_;
+  if (l.gated) {
+    gate_weight_ = ShardedParameter(p.gate_weight, gathers_of(l.experts_gate_weight),
+                                    GatherMethod::as_blocks, context);
+    gate_bias_ = ShardedParameter(p.gate_bias, gathers_of(l.experts_gate_bias),
+                                  GatherMethod::as_blocks, context);
+  }
+  down_weight_ = ShardedParameter(p.down_weight, gathers_of(l.experts_down_weight),
+                                  GatherMethod::as_blocks, context);
+  down_bias_ = ShardedParameter(p.down_bias, gathers_of(l.experts_down_bias),
+                                GatherMethod::as_blocks, context);
+  const std::string& name = l.layer;
+  ffn_up_ = Matrix(name + "/expert_up", capacity_, l.hidden);
+  ffn_h_ = Matrix(name + "/expert_hidden", capacity_, l.hidden);
+  ffn_dh_ = Matrix(name + "/expert_hidden_grad", capacity_, l.hidden);
+  if (l.gated) {
+    ffn_gate_ = Matrix(name + "/expert_gate", capacity_, l.hidden);
+    ffn_dgate_ = Matrix(name + "/expert_gate_grad", capacity_, l.hidden);
+  }
+  if (l.splits_output()) {
+    out_full_ = Matrix(name + "/output_full", rows_, l.out);
+    dy_full_ = Matrix(name + "/output_grad_full", rows_, l.out);
+    feature_comm_->reserve_scratch(static_cast<size_t>(rows_ * l.out));
+  }
+}
+
+std::vector<ShardedParameter*> MoeLayer::sharded_parameters() {
+  if (!layout_.feed_forward()) return {&router_, &weight_, &bias_};
+  std::vector<ShardedParameter*> all = {&router_};
+  if (layout_.gated) all.insert(all.end(), {&gate_weight_, &gate_bias_});
+  all.insert(all.end(), {&weight_, &bias_, &down_weight_, &down_bias_});
+  return all;
+}
+
+void MoeLayer::build(ParameterRef router, ParameterRef experts_weight, ParameterRef experts_bias,
+                     ParallelContext& context) {
+  const MoeLayout& l = layout_;
+  const int64_t rows = rows_;
   const int64_t in = l.in, out = l.out, experts = l.experts, k = l.top_k;
   assignments_ = rows * k;
   // A row's k experts are distinct, so at most min(k, experts here) of each group member's
@@ -126,7 +261,7 @@ MoeLayer::MoeLayer(ParameterRef router, ParameterRef experts_weight, ParameterRe
   returned_y_ = Matrix(name + "/returned_y", assignments_, out);
   send_dy_ = Matrix(name + "/send_dy", assignments_, out);
   expert_dx_ = Matrix(name + "/expert_dx", capacity_, in);
-  out_ = Matrix(name + "/output", rows, out);
+  out_ = Matrix(name + "/output", rows, l.output_width());
   dx_ = Matrix(name + "/input_grad", rows, l.input_width());
   send_rows_.assign(static_cast<size_t>(l.ep), 0);
   recv_rows_.assign(static_cast<size_t>(l.ep), 0);
@@ -272,33 +407,15 @@ MatrixView MoeLayer::forward(MatrixView x, const LayerPass& pass) {
   dispatch(send_x_, recv_x_, true);
   permute(recv_x_, expert_x_, true);
 
-  // One GEMM per local expert on its rows, plus its bias.
-  const ConstVectorView w = weight_.compute(scratch);
-  for (int64_t e = 0; e < l.experts_local; ++e) {
-    const int64_t first = expert_offsets_host_(e), count = expert_offsets_host_(e + 1) - first;
-    if (count == 0) continue;
-    gemm(plain(row_block(expert_x_, first, count)),
-         plain(ConstMatrixView(w.data() + e * in * out, in, out)), 0.0f,
-         row_block(expert_y_, first, count), dtype);
-  }
-  {
-    const ConstVectorView b = bias_.compute(scratch);
-    const int64_t bias_first = l.experts_bias.all_experts ? first_expert_ : 0;
-    const Matrix y = expert_y_;
-    const Kokkos::View<int*> expert_of = local_expert_;
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::moe_expert_bias"), matrix_range(received_, out),
-        KOKKOS_LAMBDA(const int64_t i, const int64_t c) {
-          const float bias = b((bias_first + expert_of(i)) * out + c);
-          y(i, c) = round_to(round_to(y(i, c), dtype) + round_to(bias, dtype), dtype);
-        });
-  }
+  experts_forward(scratch);
   permute(expert_y_, back_y_, false);
   dispatch(back_y_, returned_y_, false);
 
   // y = sum over the row's experts of gate x expert output.
+  const MatrixView y_full = l.splits_output() ? MatrixView(out_full_) : MatrixView(out_);
   {
-    const Matrix y = out_, returned = returned_y_, gates = gates_;
+    const MatrixView y = y_full;
+    const Matrix returned = returned_y_, gates = gates_;
     const Kokkos::View<int64_t**> position = position_;
     Kokkos::parallel_for(
         MESHTRAIN_LABEL("meshtrain::moe_combine"), matrix_range(rows_, out),
@@ -308,7 +425,108 @@ MatrixView MoeLayer::forward(MatrixView x, const LayerPass& pass) {
           y(r, c) = round_to(sum, dtype);
         });
   }
+  if (l.splits_output()) {  // this rank's feature block of the residual stream
+    const int64_t width = l.output_width(), offset = feature_index_ * width;
+    const Matrix part = out_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_output_block"), matrix_range(rows_, width),
+        KOKKOS_LAMBDA(const int64_t r, const int64_t c) { part(r, c) = y_full(r, offset + c); });
+  }
   return out_;
+}
+
+void MoeLayer::experts_forward(LayerScratch& scratch) {
+  const MoeLayout& l = layout_;
+  const Dtype dtype = compute_dtype_;
+  const int64_t local = l.experts_local;
+  auto bias_first = [this](const MoeParameterStorage& b) {
+    return b.all_experts ? first_expert_ : int64_t{0};
+  };
+  if (!l.feed_forward()) {  // one GEMM per local expert on its rows, plus its bias
+    expert_gemms(expert_x_, weight_.compute(scratch), l.in, l.out, expert_offsets_host_, local,
+                 expert_y_, dtype);
+    add_expert_bias(expert_y_, bias_.compute(scratch), bias_first(l.experts_bias), local_expert_,
+                    received_, l.out, dtype);
+    return;
+  }
+  // act(x U + bu) (or silu(x G + bg) * (x U + bu)), then D + bd.
+  const int64_t in = l.in, hidden = l.hidden, out = l.out;
+  expert_gemms(expert_x_, weight_.compute(scratch), in, hidden, expert_offsets_host_, local,
+               ffn_up_, dtype);
+  add_expert_bias(ffn_up_, bias_.compute(scratch), bias_first(l.experts_bias), local_expert_,
+                  received_, hidden, dtype);
+  const MatrixView h = row_block(ffn_h_, 0, received_);
+  if (l.gated) {
+    expert_gemms(expert_x_, gate_weight_.compute(scratch), in, hidden, expert_offsets_host_, local,
+                 ffn_gate_, dtype);
+    add_expert_bias(ffn_gate_, gate_bias_.compute(scratch), bias_first(l.experts_gate_bias),
+                    local_expert_, received_, hidden, dtype);
+    swiglu_forward(row_block(ffn_gate_, 0, received_), row_block(ffn_up_, 0, received_), h, dtype);
+  } else {
+    activation_forward(activation_, row_block(ffn_up_, 0, received_), h, dtype);
+  }
+  expert_gemms(ffn_h_, down_weight_.compute(scratch), hidden, out, expert_offsets_host_, local,
+               expert_y_, dtype);
+  add_expert_bias(expert_y_, down_bias_.compute(scratch), bias_first(l.experts_down_bias),
+                  local_expert_, received_, out, dtype);
+}
+
+void MoeLayer::experts_backward(LayerScratch& scratch, bool need_input_grad) {
+  const MoeLayout& l = layout_;
+  const Dtype dtype = compute_dtype_;
+  const int64_t local = l.experts_local;
+  auto bias_first = [this](const MoeParameterStorage& b) {
+    return b.all_experts ? first_expert_ : int64_t{0};
+  };
+  if (!l.feed_forward()) {
+    // Per local expert: dW_e = X_eᵀ dY_e, db_e = column sums of dY_e, dX_e = dY_e W_eᵀ.
+    expert_weight_gradients(expert_x_, expert_y_, weight_.gradient(scratch), l.in, l.out,
+                            expert_offsets_host_, local, dtype);
+    expert_bias_gradients(expert_y_, bias_.gradient(scratch), bias_first(l.experts_bias),
+                          expert_offsets_, local, l.out, dtype);
+    if (need_input_grad) {
+      expert_input_gemms(expert_y_, weight_.compute(scratch), l.in, l.out, expert_offsets_host_,
+                         local, 0.0f, expert_dx_, dtype);
+    }
+    return;
+  }
+  const int64_t in = l.in, hidden = l.hidden, out = l.out;
+  // Down: dD_e = H_eᵀ dY_e, dbd_e, dH_e = dY_e D_eᵀ.
+  expert_weight_gradients(ffn_h_, expert_y_, down_weight_.gradient(scratch), hidden, out,
+                          expert_offsets_host_, local, dtype);
+  expert_bias_gradients(expert_y_, down_bias_.gradient(scratch), bias_first(l.experts_down_bias),
+                        expert_offsets_, local, out, dtype);
+  expert_input_gemms(expert_y_, down_weight_.compute(scratch), hidden, out, expert_offsets_host_,
+                     local, 0.0f, ffn_dh_, dtype);
+  const MatrixView dh = row_block(ffn_dh_, 0, received_);
+  round_in_place(dh, dtype);
+  // Through the activation: ffn_dh_ becomes the up projection's output gradient.
+  if (l.gated) {
+    swiglu_backward(row_block(ffn_gate_, 0, received_), row_block(ffn_up_, 0, received_), dh,
+                    row_block(ffn_dgate_, 0, received_), dh, dtype);
+  } else {
+    activation_backward(activation_, row_block(ffn_up_, 0, received_), dh, dtype);
+  }
+  expert_weight_gradients(expert_x_, ffn_dh_, weight_.gradient(scratch), in, hidden,
+                          expert_offsets_host_, local, dtype);
+  expert_bias_gradients(ffn_dh_, bias_.gradient(scratch), bias_first(l.experts_bias),
+                        expert_offsets_, local, hidden, dtype);
+  if (l.gated) {
+    expert_weight_gradients(expert_x_, ffn_dgate_, gate_weight_.gradient(scratch), in, hidden,
+                            expert_offsets_host_, local, dtype);
+    expert_bias_gradients(ffn_dgate_, gate_bias_.gradient(scratch), bias_first(l.experts_gate_bias),
+                          expert_offsets_, local, hidden, dtype);
+  }
+  if (need_input_grad) {
+    expert_input_gemms(ffn_dh_, weight_.compute(scratch), in, hidden, expert_offsets_host_, local,
+                       0.0f, expert_dx_, dtype);
+    if (l.gated) {
+      // The up part rounded to the compute dtype, then the gate part added (rounded after).
+      round_in_place(row_block(expert_dx_, 0, received_), dtype);
+      expert_input_gemms(ffn_dgate_, gate_weight_.compute(scratch), in, hidden,
+                         expert_offsets_host_, local, 1.0f, expert_dx_, dtype);
+    }
+  }
 }
 
 void MoeLayer::plan_dispatch() {
@@ -375,12 +593,16 @@ MatrixView MoeLayer::backward(MatrixView dy, bool need_input_grad, const LayerPa
   LayerScratch& scratch = *pass.scratch;
   const float loss_scale = pass.loss_scale;
   const MoeLayout& l = layout_;
-  MESHTRAIN_REQUIRE(
-      static_cast<int64_t>(dy.extent(0)) == rows_ && static_cast<int64_t>(dy.extent(1)) == l.out,
-      "MoE layer '", l.layer, "': output gradient is [", dy.extent(0), ", ", dy.extent(1),
-      "], expected [", rows_, ", ", l.out, "]");
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == rows_ &&
+                        static_cast<int64_t>(dy.extent(1)) == l.output_width(),
+                    "MoE layer '", l.layer, "': output gradient is [", dy.extent(0), ", ",
+                    dy.extent(1), "], expected [", rows_, ", ", l.output_width(), "]");
   const Dtype dtype = compute_dtype_;
   const int64_t in = l.in, out = l.out, experts = l.experts, k = l.top_k;
+  if (l.splits_output()) {  // every tp rank computes the whole layer: the whole gradient
+    feature_comm_->all_gather(dy, dy_full_, 1, dtype);
+    dy = dy_full_;
+  }
 
   // The gates' gradients (dY . expert output, into dlogits' first k columns for now) and
   // the experts' output gradients (gate x dY), in send order.
@@ -406,47 +628,8 @@ MatrixView MoeLayer::backward(MatrixView dy, bool need_input_grad, const LayerPa
   dispatch(send_dy_, back_y_, true);
   permute(back_y_, expert_y_, true);  // expert_y_ now holds the experts' output gradients
 
-  // Per local expert: dW_e = X_eᵀ dY_e, db_e = column sums of dY_e, dX_e = dY_e W_eᵀ.
-  const VectorView gw = weight_.gradient(scratch);
-  for (int64_t e = 0; e < l.experts_local; ++e) {
-    const int64_t first = expert_offsets_host_(e), count = expert_offsets_host_(e + 1) - first;
-    MatrixView dw(gw.data() + e * in * out, in, out);
-    if (count == 0) {
-      set_zero(dw);
-      continue;
-    }
-    gemm(transposed(row_block(expert_x_, first, count)), plain(row_block(expert_y_, first, count)),
-         0.0f, dw, dtype);
-  }
-  round_in_place(MatrixView(gw.data(), 1, gw.extent(0)), dtype);
-  {
-    const VectorView gb = bias_.gradient(scratch);
-    const int64_t bias_first = l.experts_bias.all_experts ? first_expert_ : 0;
-    const int64_t rows_of_bias = static_cast<int64_t>(gb.extent(0)) / out;
-    const Matrix dye = expert_y_;
-    const Kokkos::View<int64_t*> offset = expert_offsets_;
-    const int64_t local = l.experts_local;
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::moe_bias_grad"), matrix_range(rows_of_bias, out),
-        KOKKOS_LAMBDA(const int64_t b, const int64_t c) {
-          const int64_t e = b - bias_first;  // local expert of bias row b
-          float sum = 0.0f;
-          if (e >= 0 && e < local) {
-            for (int64_t i = offset(e); i < offset(e + 1); ++i) sum += dye(i, c);
-          }
-          gb(b * out + c) = round_to(sum, dtype);
-        });
-  }
-
+  experts_backward(scratch, need_input_grad);
   if (need_input_grad) {
-    const ConstVectorView w = weight_.compute(scratch);
-    for (int64_t e = 0; e < l.experts_local; ++e) {
-      const int64_t first = expert_offsets_host_(e), count = expert_offsets_host_(e + 1) - first;
-      if (count == 0) continue;
-      gemm(plain(row_block(expert_y_, first, count)),
-           transposed(ConstMatrixView(w.data() + e * in * out, in, out)), 0.0f,
-           row_block(expert_dx_, first, count), dtype);
-    }
     round_in_place(row_block(expert_dx_, 0, received_), dtype);
     permute(expert_dx_, recv_x_, false);
     dispatch(recv_x_, send_x_, false);  // send_x_ now holds each pair's input gradient
@@ -510,8 +693,16 @@ MatrixView MoeLayer::backward(MatrixView dy, bool need_input_grad, const LayerPa
     dx = dx_;
   }
 
+  if (l.feed_forward()) {
+    down_weight_.reduce(scratch);
+    down_bias_.reduce(scratch);
+  }
   weight_.reduce(scratch);
   bias_.reduce(scratch);
+  if (l.gated) {
+    gate_weight_.reduce(scratch);
+    gate_bias_.reduce(scratch);
+  }
   router_.reduce(scratch);
   return dx;
 }

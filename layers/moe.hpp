@@ -28,6 +28,14 @@
 //   expert group's rows routed to this rank (ep x rows x k rows), so forward() and backward()
 //   allocate nothing; the plan counts them (PlanTotals::moe_buffer_bytes).
 //
+// Feed-forward experts (a residual_mlp block listed in model.moe_layers; the second
+//   constructor, partition/moe_layout.hpp): expert e is FFN_e(x) = act(x U_e + bu_e) D_e + bd_e
+//   (SwiGLU: (silu(x G_e + bg_e) * (x U_e + bu_e)) D_e + bd_e), y = sum_s g_s FFN_{e_s}(x), with
+//   the same router, dispatch and combination: a row goes out once and comes back once, the
+//   hidden activations stay on the expert's rank. A split input (tp) gives a split output:
+//   every tp rank computes the whole layer and keeps its feature block; backward all-gathers
+//   the output gradient over tp first.
+//
 // Mixed precision (docs/mixed_precision.md): the router logits, the dispatched rows, the
 //   expert outputs and every gradient are rounded to the compute dtype and travel in it;
 //   the softmax, the gates and the combination are computed in fp32 and the output rounded.
@@ -36,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "framework/core/choices.hpp"
 #include "framework/core/sharded_tensor.hpp"
 #include "layers/context.hpp"
 #include "layers/layer.hpp"
@@ -44,6 +53,13 @@
 
 namespace meshtrain {
 
+// The parameters of feed-forward experts (moe_layout.hpp's names): gate_* with a null value
+// unless SwiGLU; `activation` between up and down (unused with a gate: silu(gate) * up).
+struct MoeFeedForward {
+  ParameterRef router, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias;
+  Activation activation = Activation::relu;
+};
+
 class MoeLayer : public Layer {
  public:
   // router [in, E], experts_weight [E, in, out], experts_bias [E, out] as allocated; `rows`
@@ -51,6 +67,10 @@ class MoeLayer : public Layer {
   MoeLayer(ParameterRef router, ParameterRef experts_weight, ParameterRef experts_bias,
            int64_t top_k, double aux_loss_coef, FeatureLayout input_layout, int64_t rows,
            ParallelContext& context);
+  // Feed-forward experts; the input [rows, input_width()] in `input_layout`, the output in
+  // output_layout() (split like the input under tp).
+  MoeLayer(const MoeFeedForward& experts, int64_t top_k, double aux_loss_coef,
+           FeatureLayout input_layout, int64_t rows, ParallelContext& context);
   MoeLayer(MoeLayer&&) = default;
 
   // x [rows, input_width()] (must stay valid until backward) -> [rows, out] (owned by the
@@ -60,11 +80,11 @@ class MoeLayer : public Layer {
   // loss's part times loss_scale too), reduced whatever pass.deferred says (nothing is
   // deferred), and, when need_input_grad, returns dX [rows, input_width()].
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
-  size_t parameter_count() const override { return 3; }  // router, experts weight, bias
+  // Router, experts weight, bias; feed-forward: router, (gate weight, bias,) up weight, bias,
+  // down weight, bias.
+  size_t parameter_count() const override { return layout_.storages().size(); }
   // Backward reduces every gradient itself (can_leave_gradients_partial() is false).
-  std::vector<ShardedParameter*> sharded_parameters() override {
-    return {&router_, &weight_, &bias_};
-  }
+  std::vector<ShardedParameter*> sharded_parameters() override;
 
   // The load-balancing loss of the last forward, times aux_loss_coef (the same on every rank).
   double aux_loss() const override { return aux_loss_; }
@@ -72,15 +92,25 @@ class MoeLayer : public Layer {
   const std::vector<double>& expert_rows() const { return expert_rows_; }
 
   const MoeLayout& layout() const { return layout_; }
-  int64_t output_width() const override { return layout_.out; }
-  int64_t output_offset() const override { return 0; }
-  FeatureLayout output_layout() const override { return FeatureLayout::replicated; }
+  int64_t output_width() const override { return layout_.output_width(); }
+  int64_t output_offset() const override {
+    return layout_.splits_output() ? feature_index_ * layout_.output_width() : 0;
+  }
+  FeatureLayout output_layout() const override { return layout_.output_layout(); }
   MatrixView output() const override { return out_; }
   std::string describe() const override;
 
  private:
   // Counts -> send/receive rows per rank and the expert-major permutation (host), then the
   // permutation tables to the device.
+  // The constructors' common part, after layout_: communicators, the router and the
+  // experts' (up) weight and bias, and the buffers.
+  void build(ParameterRef router, ParameterRef weight, ParameterRef bias, ParallelContext& context);
+  // The experts on their rows in expert-major order: expert_x_ -> expert_y_ (forward);
+  // expert_y_ (output gradients) -> the parameters' gradients and, when need_input_grad,
+  // expert_dx_ (backward).
+  void experts_forward(LayerScratch& scratch);
+  void experts_backward(LayerScratch& scratch, bool need_input_grad);
   void plan_dispatch();
   // Sends `send` [assignments, c] out and receives into `recv` [received, c] (forward
   // direction), or the reverse; a copy without an expert group.
@@ -102,6 +132,8 @@ class MoeLayer : public Layer {
 
   // Gathered and reduced as their storage says (as_blocks: all three are in use together).
   ShardedParameter router_, weight_, bias_;
+  ShardedParameter gate_weight_, gate_bias_, down_weight_, down_bias_;  // feed-forward only
+  Activation activation_ = Activation::relu;
 
   Matrix x_full_;                     // the input with all features (gathered), or empty
   MatrixView x_used_;                 // what the layer computed on
@@ -119,7 +151,12 @@ class MoeLayer : public Layer {
   Matrix send_dy_;                         // [assignments, out]
   Matrix expert_dx_;                       // [capacity, in]
   Matrix dlogits_;                         // [rows, E]
-  Matrix out_, dx_full_, dx_;              // [rows, out], [rows, in], [rows, input_width]
+  Matrix out_, dx_full_, dx_;              // [rows, output_width], [rows, in], [rows, input_width]
+  // Feed-forward experts: [capacity, hidden] pre-activations of up (and gate), the
+  // activations, their gradient (and the gate's); with a split output the whole output and
+  // output gradient [rows, out].
+  Matrix ffn_up_, ffn_gate_, ffn_h_, ffn_dh_, ffn_dgate_;
+  Matrix out_full_, dy_full_;
   // The dispatch plan of the last forward (host, then device).
   std::vector<int64_t> send_rows_, recv_rows_;  // per group rank
   int64_t received_ = 0;

@@ -169,11 +169,21 @@ MoeLayerGemms moe_layer_gemms(const MoeLayout& m, int64_t rows) {
               {rows, m.experts, m.in, false, true}};
   const int64_t local = std::max<int64_t>(m.experts_local, 1);
   const int64_t routed = rows * m.top_k, base = routed / local, extra = routed % local;
+  // Feed-forward experts: one entry per projection ((gate,) up in -> hidden, down hidden ->
+  // out), each with its three GEMMs.
   auto group = [&](int64_t count, int64_t n) {
     if (count <= 0 || n <= 0) return;
-    g.experts.push_back({count, n, GemmShape{n, m.in, m.out, false, false},
-                         GemmShape{m.in, n, m.out, true, false},
-                         GemmShape{n, m.out, m.in, false, true}});
+    auto projection = [&](int64_t in, int64_t out) {
+      g.experts.push_back({count, n, GemmShape{n, in, out, false, false},
+                           GemmShape{in, n, out, true, false}, GemmShape{n, out, in, false, true}});
+    };
+    if (!m.feed_forward()) {
+      projection(m.in, m.out);
+      return;
+    }
+    if (m.gated) projection(m.in, m.hidden);
+    projection(m.in, m.hidden);
+    projection(m.hidden, m.out);
   };
   group(extra, base + 1);
   group(local - extra, base);
@@ -302,6 +312,18 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       return &m.experts_weight;
     }
     if (operand == "expert biases" || operand == "expert bias gradient") return &m.experts_bias;
+    if (operand == "expert gate weights" || operand == "expert gate weight gradient") {
+      return &m.experts_gate_weight;
+    }
+    if (operand == "expert gate biases" || operand == "expert gate bias gradient") {
+      return &m.experts_gate_bias;
+    }
+    if (operand == "expert down weights" || operand == "expert down weight gradient") {
+      return &m.experts_down_weight;
+    }
+    if (operand == "expert down biases" || operand == "expert down bias gradient") {
+      return &m.experts_down_bias;
+    }
     return none;
   };
   // An MoE layer's collectives by operand ("": all those of the phase left), in the order the

@@ -152,6 +152,92 @@ MoeLayout decide_moe_layout(const std::string& layer, const LinearParameter& rou
   return l;
 }
 
+std::vector<const MoeParameterStorage*> MoeLayout::storages() const {
+  std::vector<const MoeParameterStorage*> all = {&router};
+  if (gated) {
+    all.push_back(&experts_gate_weight);
+    all.push_back(&experts_gate_bias);
+  }
+  all.push_back(&experts_weight);
+  all.push_back(&experts_bias);
+  if (feed_forward()) {
+    all.push_back(&experts_down_weight);
+    all.push_back(&experts_down_bias);
+  }
+  return all;
+}
+
+std::string moe_expert_projection(const std::string& block, const std::string& projection,
+                                  const std::string& what) {
+  return block + "/experts/" + projection + "/" + what;
+}
+
+MoeLayout decide_moe_feed_forward_layout(
+    const std::string& layer, const LinearParameter& router, const LinearParameter& gate_weight,
+    const LinearParameter& gate_bias, const LinearParameter& up_weight,
+    const LinearParameter& up_bias, const LinearParameter& down_weight,
+    const LinearParameter& down_bias, int64_t top_k, const Mesh& mesh,
+    const LayerAxes& requested_axes, FeatureLayout input_layout) {
+  // Router and up projection as one linear MoE layer in -> hidden, then the rest.
+  MoeLayout l = decide_moe_layout(layer, router, up_weight, up_bias, top_k, mesh, requested_axes,
+                                  input_layout);
+  l.hidden = l.out;
+  l.gated = !gate_weight.name.empty();
+  const int64_t experts = l.experts, in = l.in, hidden = l.hidden;
+  const auto& dw = down_weight.shape;
+  const auto& db = down_bias.shape;
+  if (dw.size() != 3 || db.size() != 2 || dw[0] != experts || dw[1] != hidden || db[0] != experts ||
+      db[1] != dw[2]) {
+    MESHTRAIN_BAD_INPUT("MoE block '", layer, "' needs '", down_weight.name, "' [", experts, ", ",
+                        hidden, ", out] and '", down_bias.name, "' [", experts, ", out]; got ",
+                        format_shape(dw), " and ", format_shape(db));
+  }
+  l.out = dw[2];
+  if (l.gated && (gate_weight.shape != up_weight.shape || gate_bias.shape != up_bias.shape)) {
+    MESHTRAIN_BAD_INPUT("MoE block '", layer, "': '", gate_weight.name, "' ",
+                        format_shape(gate_weight.shape), " and '", gate_bias.name, "' ",
+                        format_shape(gate_bias.shape), " must have the shapes of '", up_weight.name,
+                        "' ", format_shape(up_weight.shape), " and '", up_bias.name, "' ",
+                        format_shape(up_bias.shape));
+  }
+  if (l.splits_output() && l.out % l.tp != 0) {
+    MESHTRAIN_BAD_INPUT("MoE block '", layer, "': its ", l.out,
+                        " output features do not split over mesh axis '", l.feature_axis,
+                        "' of size ", l.tp);
+  }
+  std::vector<std::string> expert_batch;  // batch axes that do not split the experts
+  for (const auto& a : l.batch_axes) {
+    if (!contains(l.expert_axes, a)) expert_batch.push_back(a);
+  }
+  // A projection's weight [E, d1, d2] and bias [E, d2], split and reduced as the up
+  // projection's (decide_moe_layout).
+  auto projection = [&](const LinearParameter& weight, const LinearParameter& bias, int64_t d1,
+                        int64_t d2, MoeParameterStorage& w, MoeParameterStorage& b) {
+    const PartitionSpec wspec = weight.spec.with_rank(3);
+    const PartitionSpec bspec = bias.spec.with_rank(2);
+    const std::vector<std::string> weight_experts = active(mesh, wspec.entries[0].axes);
+    const std::vector<std::string> bias_experts = active(mesh, bspec.entries[0].axes);
+    for (const auto* p : {&weight_experts, &bias_experts}) {
+      if (*p == l.expert_axes || (p == &bias_experts && p->empty())) continue;
+      MESHTRAIN_BAD_INPUT("MoE block '", layer, "': '",
+                          p == &bias_experts ? bias.name : weight.name,
+                          "' splits its experts over ", tuple_text(*p), " but '", up_weight.name,
+                          "' over ", tuple_text(l.expert_axes), "; give all the same dim-0 axes");
+    }
+    w = storage(weight.name, {experts, d1, d2}, l.ep, wspec.entries[1].axes, wspec.entries[2].axes,
+                expert_batch, mesh, l.batch_axes);
+    const bool bias_whole = bias_experts.empty() && l.ep > 1;
+    b = storage(bias.name, {experts, 1, d2}, bias_whole ? 1 : l.ep, {}, bspec.entries[1].axes,
+                bias_whole ? l.batch_axes : expert_batch, mesh, l.batch_axes);
+    b.all_experts = bias_whole;
+  };
+  if (l.gated) {
+    projection(gate_weight, gate_bias, in, hidden, l.experts_gate_weight, l.experts_gate_bias);
+  }
+  projection(down_weight, down_bias, hidden, l.out, l.experts_down_weight, l.experts_down_bias);
+  return l;
+}
+
 void fail_experts_do_not_divide(int64_t experts, int ranks, const std::vector<std::string>& axes,
                                 const std::string& layer, const std::string& parameter) {
   MESHTRAIN_BAD_INPUT("model.experts = ", experts, " does not divide by the ", ranks,
@@ -167,7 +253,12 @@ std::string describe_moe_layout(const MoeLayout& l) {
   std::ostringstream s;
   s << "MoE in " << l.in;
   if (l.gathers_input()) s << " (split " << l.input_width() << ", gathered)";
-  s << " -> out " << l.out << ", " << l.experts << " experts top-" << l.top_k;
+  if (l.feed_forward()) {
+    s << " -> " << (l.gated ? "swiglu " : "") << "hidden " << l.hidden;
+  }
+  s << " -> out " << l.out;
+  if (l.splits_output()) s << " (split " << l.output_width() << ")";
+  s << ", " << l.experts << " experts top-" << l.top_k;
   if (l.ep > 1) {
     s << ", " << l.experts_local << " per rank over " << tuple_text(l.expert_axes)
       << " by all-to-all";
@@ -229,15 +320,30 @@ std::vector<LayerCollective> moe_step_collectives(const MoeLayout& l, const Mesh
     add("forward", CollectiveKind::all_to_all, "dispatched rows", l.expert_axes,
         {assignments, l.in}, param);
   }
+  if (l.gated) {
+    gather("forward", "expert gate weights", l.experts_gate_weight);
+    gather("forward", "expert gate biases", l.experts_gate_bias);
+  }
   gather("forward", "expert weights", l.experts_weight);
   gather("forward", "expert biases", l.experts_bias);
+  if (l.feed_forward()) {
+    gather("forward", "expert down weights", l.experts_down_weight);
+    gather("forward", "expert down biases", l.experts_down_bias);
+  }
   if (activations) {
     add("forward", CollectiveKind::all_to_all, "expert outputs", l.expert_axes,
         {assignments, l.out}, param);
+    if (l.splits_output()) {
+      add("backward", CollectiveKind::all_gather, "output gradient", features, {rows, l.out}, param,
+          1);
+    }
     add("backward", CollectiveKind::all_to_all, "expert output gradients", l.expert_axes,
         {assignments, l.out}, param);
   }
+  // Feed-forward experts need the down projection for every gradient below it.
+  if (l.feed_forward()) gather("backward", "expert down weights", l.experts_down_weight);
   if (input_grad) {  // only the input gradient needs the weights again
+    if (l.gated) gather("backward", "expert gate weights", l.experts_gate_weight);
     gather("backward", "expert weights", l.experts_weight);
     if (activations) {
       add("backward", CollectiveKind::all_to_all, "dispatched row gradients", l.expert_axes,
@@ -245,8 +351,16 @@ std::vector<LayerCollective> moe_step_collectives(const MoeLayout& l, const Mesh
     }
     gather("backward", "router", l.router);
   }
+  if (l.feed_forward()) {
+    reduce_gradient("expert down weight gradient", l.experts_down_weight);
+    reduce_gradient("expert down bias gradient", l.experts_down_bias);
+  }
   reduce_gradient("expert weight gradient", l.experts_weight);
   reduce_gradient("expert bias gradient", l.experts_bias);
+  if (l.gated) {
+    reduce_gradient("expert gate weight gradient", l.experts_gate_weight);
+    reduce_gradient("expert gate bias gradient", l.experts_gate_bias);
+  }
   reduce_gradient("router gradient", l.router);
   return out;
 }

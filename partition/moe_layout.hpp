@@ -25,6 +25,18 @@
 //   Input: all features (a split input is all-gathered over the feature axis first; its
 //     gradient is sliced back). Output: replicated features. The feature axis computes
 //     the layer on every one of its ranks (replicated compute).
+//
+// Feed-forward experts (decide_moe_feed_forward_layout; a residual_mlp block listed in
+// model.moe_layers): each expert is up [in, hidden] (+ gate [in, hidden] for SwiGLU), the
+// activation, down [hidden, out], with one router:
+//   <block>/router/weight             [in, E]
+//   <block>/experts/gate/weight, bias [E, in, hidden], [E, hidden]   (SwiGLU only)
+//   <block>/experts/up/weight, bias   [E, in, hidden], [E, hidden]
+//   <block>/experts/down/weight, bias [E, hidden, out], [E, out]
+// Every expert parameter is stored and reduced as experts_weight / experts_bias above (the
+// same expert axes on dim 0). A split input (tp) gives a split output: every tp rank computes
+// the whole layer and keeps its own feature block of the output; backward all-gathers the
+// output gradient over the feature axis first.
 
 #include <cstdint>
 #include <string>
@@ -76,11 +88,28 @@ struct MoeLayout {
   std::string feature_axis;              // "" when the mesh has none
   int tp = 1;
   FeatureLayout input_layout = FeatureLayout::replicated;
+  // One linear expert: experts_weight [E, in, out], experts_bias [E, out]. Feed-forward
+  // experts (hidden > 0): experts_weight / experts_bias are the up projection [E, in, hidden]
+  // / [E, hidden]; gate (gated only) and down as named.
   MoeParameterStorage router, experts_weight, experts_bias;
+  int64_t hidden = 0;  // feed-forward experts' inner width; 0: one linear per expert
+  bool gated = false;  // SwiGLU experts: silu(x Wg + bg) * (x Wu + bu)
+  MoeParameterStorage experts_gate_weight, experts_gate_bias;
+  MoeParameterStorage experts_down_weight, experts_down_bias;
   std::vector<std::string> notes;
 
+  bool feed_forward() const { return hidden > 0; }
   bool gathers_input() const { return input_layout == FeatureLayout::split; }
   int64_t input_width() const { return gathers_input() ? in / tp : in; }
+  // Feed-forward experts with a split input keep the input's layout (residual blocks).
+  bool splits_output() const { return feed_forward() && gathers_input(); }
+  FeatureLayout output_layout() const {
+    return splits_output() ? FeatureLayout::split : FeatureLayout::replicated;
+  }
+  int64_t output_width() const { return splits_output() ? out / tp : out; }
+  // Every expert parameter's storage in the layer's parameter order: router, then
+  // (gate weight, gate bias,) weight (up), bias (up)(, down weight, down bias).
+  std::vector<const MoeParameterStorage*> storages() const;
 };
 
 // The parameter names of MoE layer `layer` ("layers/1").
@@ -98,6 +127,22 @@ MoeLayout decide_moe_layout(const std::string& layer, const LinearParameter& rou
                             const LinearParameter& experts_weight,
                             const LinearParameter& experts_bias, int64_t top_k, const Mesh& mesh,
                             const LayerAxes& axes, FeatureLayout input_layout);
+
+// The parameter names of a feed-forward MoE block `block` ("blocks/1"): "experts/up",
+// "experts/gate", "experts/down" + "/weight" or "/bias".
+std::string moe_expert_projection(const std::string& block, const std::string& projection,
+                                  const std::string& what);
+
+// Feed-forward experts (see the top of this file): `gate_weight` / `gate_bias` with an empty
+// name when not gated. Throws bad_input as decide_moe_layout does, and when the projections'
+// shapes do not chain ([E, in, hidden] then [E, hidden, out]) or split their experts over
+// other axes than the up projection's.
+MoeLayout decide_moe_feed_forward_layout(
+    const std::string& layer, const LinearParameter& router, const LinearParameter& gate_weight,
+    const LinearParameter& gate_bias, const LinearParameter& up_weight,
+    const LinearParameter& up_bias, const LinearParameter& down_weight,
+    const LinearParameter& down_bias, int64_t top_k, const Mesh& mesh, const LayerAxes& axes,
+    FeatureLayout input_layout);
 
 // The one error for model.experts that do not divide by the `ranks` of the expert axes `axes`
 // (active) of MoE layer `layer` ("layers/1"), from decide_moe_layout and from the planner,

@@ -78,9 +78,19 @@ LayerPlan plan_moe_layer(const ShardingPlan& plan, const LinearLayerParameters& 
   LayerPlan l;
   l.name = moe_layer_name(parameters.router);
   l.moe = true;
-  const MoeLayout& m = l.moe_layout = decide_moe_layout(
-      l.name, parameter(parameters.router, l.name), parameter(parameters.weight, l.name),
-      parameter(parameters.bias, l.name), parameters.top_k, mesh, axes, input);
+  const bool gated = !parameters.gate_weight.empty();
+  const MoeLayout& m = l.moe_layout =
+      parameters.down_weight.empty()
+          ? decide_moe_layout(
+                l.name, parameter(parameters.router, l.name), parameter(parameters.weight, l.name),
+                parameter(parameters.bias, l.name), parameters.top_k, mesh, axes, input)
+          : decide_moe_feed_forward_layout(
+                l.name, parameter(parameters.router, l.name),
+                gated ? parameter(parameters.gate_weight, l.name) : LinearParameter{},
+                gated ? parameter(parameters.gate_bias, l.name) : LinearParameter{},
+                parameter(parameters.weight, l.name), parameter(parameters.bias, l.name),
+                parameter(parameters.down_weight, l.name), parameter(parameters.down_bias, l.name),
+                parameters.top_k, mesh, axes, input);
   LinearLayout& s = l.layout;
   s.layer = l.name;
   s.in = m.in;
@@ -89,7 +99,8 @@ LayerPlan plan_moe_layer(const ShardingPlan& plan, const LinearLayerParameters& 
   s.tp = m.tp;
   s.input_layout = m.input_layout;
   s.in_compute = m.in;
-  s.out_local = m.out;
+  s.out_local = m.output_width();
+  s.split_output = m.splits_output();
   l.compute = describe_moe_layout(m);
   l.collectives = moe_step_collectives(m, mesh, plan.local_batch_rows, input_grad,
                                        options.bytes_per_element, options.precision);
@@ -176,7 +187,9 @@ void check_experts_divide(const ParameterPlan& p, int dim, const Mesh& mesh,
                           const std::vector<LinearLayerParameters>& layers) {
   if (dim != 0) return;
   for (const LinearLayerParameters& l : layers) {
-    if (!l.moe() || (p.name != l.weight && p.name != l.bias)) continue;
+    const bool expert = p.name == l.weight || p.name == l.bias || p.name == l.gate_weight ||
+                        p.name == l.gate_bias || p.name == l.down_weight || p.name == l.down_bias;
+    if (!l.moe() || !expert) continue;
     std::vector<std::string> axes;
     for (const auto& a : p.spec.entries[0].axes) {
       if (mesh.axis_size(a) > 1) axes.push_back(a);
@@ -236,6 +249,12 @@ int64_t moe_buffer_bytes(const MoeLayout& m, int64_t rows, const MixedPrecision&
   floats = checked_add(floats, checked_mul(capacity, m.in));
   // Routing: logits, probabilities, their gradient.
   floats = checked_add(floats, checked_mul(checked_mul(rows, 3), m.experts));
+  // Feed-forward experts: up pre-activations, activations and their gradient (and the gate's
+  // pre-activations and gradient) of C rows; the whole output and its gradient under tp.
+  if (m.feed_forward()) {
+    floats = checked_add(floats, checked_mul(checked_mul(capacity, m.gated ? 5 : 3), m.hidden));
+    if (m.splits_output()) floats = checked_add(floats, checked_mul(checked_mul(rows, 2), m.out));
+  }
   int64_t bytes = checked_add(checked_mul(floats, kFloat), checked_mul(sent, kRoutedRow));
   bytes = checked_add(bytes, checked_mul(capacity, kReceivedRow));
   // 16-bit dispatches: the communicator's send and receive buffers of C rows of the widest.
@@ -305,10 +324,29 @@ std::vector<ParameterShape> residual_mlp_parameter_shapes(const ResidualMlpShape
     shapes.push_back({layer + "/scale", {m.width}});
     if (m.norm_kind == NormKind::layernorm) shapes.push_back({layer + "/bias", {m.width}});
   };
+  for (size_t k = 0; k < m.moe.layers.size(); ++k) {
+    const int64_t block = m.moe.layers[k];
+    if (block < 0 || block >= m.depth) {
+      MESHTRAIN_BAD_INPUT("model.moe_layers entry ", block, " is not a block of a residual_mlp of ",
+                          "depth ", m.depth, " (blocks 0 to ", m.depth - 1, ")");
+    }
+  }
+  // An MoE block's projection [E, in, out] and its bias [E, out].
+  auto experts = [&shapes, &m](const std::string& layer, int64_t in, int64_t out) {
+    shapes.push_back({layer + "/weight", {m.moe.experts, in, out}});
+    shapes.push_back({layer + "/bias", {m.moe.experts, out}});
+  };
   linear("input", m.inputs, m.width);
   for (int64_t i = 0; i < m.depth; ++i) {
     const std::string block = "blocks/" + std::to_string(i);
     norm(block + "/norm");
+    if (m.moe.is_moe(i)) {
+      shapes.push_back({moe_router_name(block), {m.width, m.moe.experts}});
+      if (m.gated) experts(block + "/experts/gate", m.width, m.hidden);
+      experts(block + "/experts/up", m.width, m.hidden);
+      experts(block + "/experts/down", m.hidden, m.width);
+      continue;
+    }
     if (m.gated) linear(block + "/gate", m.width, m.hidden);
     linear(block + "/up", m.width, m.hidden);
     linear(block + "/down", m.hidden, m.width);
@@ -326,6 +364,21 @@ std::vector<LinearLayerParameters> residual_mlp_linear_layers(const ResidualMlpS
   linear("input");
   for (int64_t i = 0; i < m.depth; ++i) {
     const std::string block = "blocks/" + std::to_string(i);
+    if (m.moe.is_moe(i)) {
+      LinearLayerParameters l;
+      l.weight = moe_expert_projection(block, "up", "weight");
+      l.bias = moe_expert_projection(block, "up", "bias");
+      l.router = moe_router_name(block);
+      l.top_k = m.moe.top_k;
+      if (m.gated) {
+        l.gate_weight = moe_expert_projection(block, "gate", "weight");
+        l.gate_bias = moe_expert_projection(block, "gate", "bias");
+      }
+      l.down_weight = moe_expert_projection(block, "down", "weight");
+      l.down_bias = moe_expert_projection(block, "down", "bias");
+      layers.push_back(l);
+      continue;
+    }
     if (m.gated) {
       linear(block + "/gate");
       linear(block + "/up");
@@ -353,11 +406,14 @@ std::vector<NormLayerParameters> residual_mlp_norm_layers(const ResidualMlpShape
   auto norm = [&](const std::string& name, size_t after) {
     norms.push_back({name, m.norm_kind, name + "/scale", ln ? name + "/bias" : "", after});
   };
-  const size_t per_block = m.gated ? 3 : 2;  // (gate,) up, down
+  // Each block's norm reads what the layer before the block leaves: the input projection
+  // (layer 0) or the previous block's last layer.
+  size_t last = 0;
   for (int64_t i = 0; i < m.depth; ++i) {
-    norm("blocks/" + std::to_string(i) + "/norm", static_cast<size_t>(i) * per_block);
+    norm("blocks/" + std::to_string(i) + "/norm", last);
+    last += m.moe.is_moe(i) ? 1 : m.gated ? 3 : 2;  // the experts, or (gate,) up, down
   }
-  norm("output_norm", static_cast<size_t>(m.depth) * per_block);
+  norm("output_norm", last);
   return norms;
 }
 

@@ -44,6 +44,9 @@ struct LinearLayerParameters {
   // The layer takes the previous layer's input, not its output (a SwiGLU block's up
   // projection beside its gate).
   bool same_input_as_previous = false;
+  // Feed-forward experts (a residual_mlp MoE block): weight and bias are the up projection's,
+  // these the down projection's and the gate's ("" when not SwiGLU).
+  std::string gate_weight, gate_bias, down_weight, down_bias;
   bool moe() const { return !router.empty(); }
 };
 // The MLP's: layers/<i>/weight and layers/<i>/bias for i = 0 .. sizes.size() - 2, or the
@@ -75,16 +78,23 @@ struct ResidualMlpShape {
   bool norm = true;  // false: no norms (model.norm = "none")
   NormKind norm_kind = NormKind::rmsnorm;
   bool gated = false;  // SwiGLU: blocks/<i>/gate beside blocks/<i>/up
+  // moe.layers: the blocks whose feed-forward is a mixture of experts (block indices).
+  MoeSettings moe;
 };
 // Its parameters, in the order the model takes them: input/weight [inputs, width],
 // input/bias [width]; per block i: blocks/<i>/norm/scale [width] (and norm/bias for
 // LayerNorm), blocks/<i>/gate/weight [width, hidden] and gate/bias [hidden] (SwiGLU),
 // blocks/<i>/up/weight [width, hidden], up/bias [hidden], blocks/<i>/down/weight
 // [hidden, width], down/bias [width]; output_norm/scale (and output_norm/bias) [width]; then
-// output/weight [width, outputs], output/bias [outputs]. Throws bad_input for a size below 1
-// (naming the model key).
+// output/weight [width, outputs], output/bias [outputs]. A block listed in moe.layers has,
+// after its norm, blocks/<i>/router/weight [width, E], then blocks/<i>/experts/gate/weight
+// [E, width, hidden] and experts/gate/bias [E, hidden] (SwiGLU), experts/up/weight
+// [E, width, hidden], experts/up/bias [E, hidden], experts/down/weight [E, hidden, width],
+// experts/down/bias [E, width] instead of gate, up and down. Throws bad_input for a size below
+// 1 (naming the model key) and for a moe.layers entry that is not a block.
 std::vector<ParameterShape> residual_mlp_parameter_shapes(const ResidualMlpShape& shape);
-// Its linear layers in order: input, each block's (gate,) up and down, output.
+// Its linear layers in order: input, each block's (gate,) up and down (an MoE block: one
+// entry, its feed-forward experts), output.
 std::vector<LinearLayerParameters> residual_mlp_linear_layers(const ResidualMlpShape& shape);
 // Its norms (none with norm = false): each block's, reading the residual stream as the input
 // projection or the previous block's down projection leaves it, and output_norm.
@@ -154,7 +164,10 @@ struct LayerPlan {
 //   routing: logits, probabilities and their gradient 3*R*E floats, and per routed row its
 //   gate (4 B), expert (4 B) and send position (8 B); per received row its expert-major row
 //   (8 B) and local expert (4 B); with a 16-bit param_dtype and ep > 1, the communicator's
-//   16-bit send and receive buffers, C rows of max(in, out) each.
+//   16-bit send and receive buffers, C rows of max(in, out) each; feed-forward experts: the
+//   up pre-activations, activations and their gradient 3*C*hidden (SwiGLU: and the gate's
+//   pre-activations and gradient, 5*C*hidden), and with a split output the whole output and
+//   its gradient 2*R*out.
 // Not counted (as for linear layers): the output, input gradient and gathered parameters,
 // and the host mirrors and MPI staging a GPU build adds.
 int64_t moe_buffer_bytes(const MoeLayout& layout, int64_t rows, const MixedPrecision& precision);

@@ -29,12 +29,13 @@ std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe, boo
   std::vector<PartitionRule> rules;
   // MoE layers (partition/moe_layout.hpp): experts [E, in, out] and [E, out] split over ep
   // on dim 0, the rest as the dense weight and bias; the router replicated. Experts that
-  // do not divide by ep are an error, not replicated.
+  // do not divide by ep are an error, not replicated. An MoE block's feed-forward experts
+  // (experts/up, experts/gate, experts/down: [E, in, out] and [E, out] each) alike.
   auto experts = [&rules, moe](const std::string& weight, const std::string& bias) {
     if (!moe) return;
     rules.push_back(preset_rule("router/weight$", "P()"));
-    rules.push_back(preset_rule("experts/weight$", "P(ep, " + weight + ")"));
-    rules.push_back(preset_rule("experts/bias$", "P(ep, " + bias + ")"));
+    rules.push_back(preset_rule("experts/((up|gate|down)/)?weight$", "P(ep, " + weight + ")"));
+    rules.push_back(preset_rule("experts/((up|gate|down)/)?bias$", "P(ep, " + bias + ")"));
     rules[rules.size() - 2].replicate_if_indivisible = false;
   };
   if (preset == "dp" || preset == "replicated") {

@@ -19,6 +19,7 @@
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/reduction_choice.hpp"
+#include "framework/comm/runtime.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
@@ -178,6 +179,15 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   agree_on_data_shape();
 
   // --- Model, loss, optimizer: collective construction, identical on every rank. --------
+  if (backend_ == CommBackend::mpi) {  // NCCL progresses on its own stream
+    std::string note;
+    const std::string key =
+        config_.file.empty() ? "runtime.comm_thread" : config_.file + ": runtime.comm_thread";
+    if (want_comm_thread(config_.runtime.comm_thread, config_.runtime.overlap, comm_, key, note)) {
+      comm_thread_.emplace();
+    }
+    if (!note.empty() && rank_ == 0) warnings_.push_back(note);
+  }
   comms_ =
       std::make_unique<MeshCommunicators>(*mesh_, comm_, prepare_comm_backend(backend_, comm_));
   if (backend_ == CommBackend::mpi) {
@@ -727,9 +737,12 @@ StepResult TrainingRun::apply_update() {
 double TrainingRun::flops_per_step() const {
   const int64_t rows = config_.data.batch_size * accumulation_;
   if (config_.model.kind == ModelKind::residual_mlp) {  // every weight's elements, 6 per row
-    double parameters = 0.0;
+    double parameters = 0.0;  // an MoE block's: its router and top_k experts' [E, in, out]
     for (const ParameterShape& p : model_parameter_shapes(config_.model)) {
       if (p.shape.size() == 2) parameters += static_cast<double>(p.shape[0]) * p.shape[1];
+      if (p.shape.size() == 3) {
+        parameters += static_cast<double>(config_.model.top_k) * p.shape[1] * p.shape[2];
+      }
     }
     return 6.0 * parameters * static_cast<double>(rows);
   }

@@ -37,6 +37,7 @@
 #include "framework/comm/backend.hpp"
 #include "framework/comm/failure_agreement.hpp"  // AgreedError
 #include "framework/comm/mesh_communicators.hpp"
+#include "framework/comm/progress_thread.hpp"
 #include "framework/io/batch_stream.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
@@ -239,7 +240,9 @@ class TrainingRun {
   int64_t steps_done_ = 0;
   CommBackend backend_ = CommBackend::mpi;
 
-  // Declared in dependency order: destroyed in reverse, the communicators last.
+  // Declared in dependency order: destroyed in reverse, the communicators last, and the
+  // communication thread (runtime.comm_thread) after every request that may use it.
+  std::optional<CommThreadLease> comm_thread_;
   std::unique_ptr<MeshCommunicators> comms_;
   // "<group>: <algorithm>" of every group of 2 or more ranks ([runtime] reductions), for
   // describe().

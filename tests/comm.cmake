@@ -43,3 +43,29 @@ if(MESHTRAIN_HAVE_NCCL)
   meshtrain_add_test(NAME comm_nccl_ordering_test SOURCES comm/nccl_ordering_test.cpp
                      LIBS meshtrain_framework NP 1 2 TIMEOUT 120 BACKENDS nccl)
 endif()
+# The communication thread ([runtime] comm_thread, framework/comm/progress_thread.hpp): started
+# operations against references, progress while the starting rank computes without MPI calls,
+# timeouts as without the thread, the generic progress queue.
+meshtrain_add_test(NAME comm_thread_test SOURCES comm/comm_thread_test.cpp
+                   LIBS meshtrain_framework NP 1 2 3 4 TIMEOUT 120 EMULATED)
+# The same hand-off under ThreadSanitizer (no MPI: the progress queue alone), where the
+# compiler has it. A data race fails the program (TSAN_OPTIONS exitcode).
+include(CheckCXXSourceCompiles)
+set(CMAKE_REQUIRED_FLAGS "-fsanitize=thread")
+set(CMAKE_REQUIRED_LINK_OPTIONS "-fsanitize=thread")
+check_cxx_source_compiles("int main() { return 0; }" MESHTRAIN_HAVE_TSAN)
+unset(CMAKE_REQUIRED_FLAGS)
+unset(CMAKE_REQUIRED_LINK_OPTIONS)
+if(MESHTRAIN_HAVE_TSAN)
+  add_executable(comm_progress_thread_tsan comm/progress_thread_tsan.cpp
+                 ${PROJECT_SOURCE_DIR}/framework/comm/progress_thread.cpp)
+  target_include_directories(comm_progress_thread_tsan PRIVATE ${PROJECT_SOURCE_DIR})
+  target_compile_options(comm_progress_thread_tsan PRIVATE -fsanitize=thread -O1 -g)
+  target_link_options(comm_progress_thread_tsan PRIVATE -fsanitize=thread)
+  find_package(Threads REQUIRED)
+  target_link_libraries(comm_progress_thread_tsan PRIVATE Threads::Threads)
+  meshtrain_add_command_test(NAME comm_progress_thread_tsan TIMEOUT 120
+    COMMAND $<TARGET_FILE:comm_progress_thread_tsan>)
+  set_property(TEST comm_progress_thread_tsan APPEND PROPERTY ENVIRONMENT
+               "TSAN_OPTIONS=halt_on_error=1 exitcode=66")
+endif()

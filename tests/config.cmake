@@ -106,7 +106,7 @@ foreach(case "1;dp" "2;fsdp_tp" "4;fsdp_tp")
 endforeach()
 
 # kind = "residual_mlp" (docs/models.md): the keys of the other kind are refused naming the
-# key, and so are MoE layers, depth 0 and an unknown norm; `meshtrain plan` of both residual
+# key, and so are depth 0 and an unknown norm; `meshtrain plan` of both residual
 # configs lists exactly the model's parameters and its bytes add up (tests/cli/plan_residual.sh).
 meshtrain_cli_test(residual_refuses_sizes 2
   "^meshtrain: error: .*\\[model\\] sizes is a key of kind = \"mlp\""
@@ -114,9 +114,28 @@ meshtrain_cli_test(residual_refuses_sizes 2
 meshtrain_cli_test(mlp_refuses_width 2
   "^meshtrain: error: .*\\[model\\] width is a key of kind = \"residual_mlp\""
   -- ${_meshtrain} plan ${_configs}/fashion_mnist_dp.toml --set model.width=16)
-meshtrain_cli_test(residual_refuses_moe 2
-  "^meshtrain: error: .*\\[model\\] moe_layers is not supported with kind = \"residual_mlp\""
-  -- ${_meshtrain} plan ${_configs}/fashion_mnist_residual.toml --set "model.moe_layers=[1]")
+# MoE blocks (model.moe_layers names blocks of a residual_mlp): an index that is not a block
+# and dropout beside MoE blocks are one sentence naming the key and value; the plan shows the
+# blocks' MoE layers and lists their parameters (router, experts/gate, up, down).
+meshtrain_cli_test(residual_moe_not_a_block 2
+  "^meshtrain: error: .*\\[model\\] moe_layers entry 4 is not a block: kind = \"residual_mlp\" names blocks 0 to 3 for depth = 4$"
+  -- ${_meshtrain} plan ${_configs}/moe_residual_fashion_mnist.toml --set "model.moe_layers=[1, 4]")
+meshtrain_cli_test(residual_moe_negative_block 2
+  "^meshtrain: error: .*\\[model\\] moe_layers entry -1 is not a block"
+  -- ${_meshtrain} plan ${_configs}/moe_residual_fashion_mnist.toml --set "model.moe_layers=[-1]")
+meshtrain_cli_test(residual_moe_refuses_dropout 2
+  "^meshtrain: error: .*\\[model\\] dropout = 0.1 is not supported with moe_layers in kind = \"residual_mlp\""
+  -- ${_meshtrain} plan ${_configs}/moe_residual_fashion_mnist.toml --set model.dropout=0.1)
+meshtrain_cli_test(plan_residual_moe_block 0 -
+  --stdout "blocks/3: MoE in 256 -> swiglu hidden 512 -> out 256, 8 experts top-2, 4 per rank over \\(ep\\)"
+  -- ${_meshtrain} plan ${_configs}/moe_residual_fashion_mnist.toml --world 2)
+meshtrain_add_command_test(NAME cli_plan_residual_moe_ep2 TIMEOUT 30
+  COMMAND sh ${_cli}/plan_residual.sh ${_meshtrain} ${MESHTRAIN_PYTHON}
+          ${_configs}/moe_residual_fashion_mnist.toml 2)
+meshtrain_add_command_test(NAME cli_plan_residual_moe_ep2_tp2_silu TIMEOUT 30
+  COMMAND sh ${_cli}/plan_residual.sh ${_meshtrain} ${MESHTRAIN_PYTHON}
+          ${_configs}/moe_residual_fashion_mnist.toml 4 --set mesh.ep=2 --set mesh.tp=2
+          --set model.activation=silu)
 meshtrain_cli_test(mlp_refuses_swiglu 2
   "^meshtrain: error: .*\\[model\\] activation must be one of .*got \"swiglu\""
   -- ${_meshtrain} plan ${_configs}/fashion_mnist_dp.toml --set model.activation=swiglu)

@@ -11,7 +11,7 @@ foreach(_case classification regression_normalized activation_relu activation_ta
               activation_gelu activation_none activation_gelu_erf
               activation_silu activation_sigmoid residual_layernorm_silu
               residual_rmsnorm_swiglu residual_classification
-              residual_activations moe moe_ties meshes cli_errors)
+              residual_activations residual_moe moe moe_ties meshes cli_errors)
   meshtrain_add_command_test(NAME export_${_case} TIMEOUT 120
     COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/export/export_test.py ${_case}
             --meshtrain $<TARGET_FILE:meshtrain> --source-dir ${PROJECT_SOURCE_DIR}

@@ -1,9 +1,11 @@
 #include "framework/comm/runtime.hpp"
 
 #include <mpi.h>
+#include <sched.h>
 
 #include <Kokkos_Core.hpp>
 #include <string>
+#include <thread>
 #if defined(KOKKOS_ENABLE_CUDA)
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
@@ -11,6 +13,7 @@
 
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/comm/mpi_util.hpp"
+#include "framework/comm/progress_thread.hpp"
 
 namespace meshtrain {
 
@@ -56,12 +59,45 @@ void require_thread_level(int provided, int required) {
                  "with thread support");
 }
 
+bool want_comm_thread(CommThreadChoice choice, bool overlap, MPI_Comm comm, const std::string& key,
+                      std::string& note) {
+  if (choice == CommThreadChoice::off) return false;
+  int provided = MPI_THREAD_SINGLE;
+  check_mpi(MPI_Query_thread(&provided), "MPI_Query_thread");
+  if (choice == CommThreadChoice::on) {
+    if (provided < MPI_THREAD_MULTIPLE) {
+      MESHTRAIN_BAD_INPUT(key,
+                          " = true needs an MPI library with MPI_THREAD_MULTIPLE, but this one "
+                          "provides ",
+                          thread_level_name(provided), "; set it to false or \"auto\"");
+    }
+    return true;
+  }
+  int ranks = 1;
+  check_mpi(MPI_Comm_size(comm, &ranks), "MPI_Comm_size");
+  if (!overlap || ranks < 2) return false;
+  const NodePlace place = node_place(comm);  // collective: before any rank may return
+  const int host_threads = Kokkos::DefaultHostExecutionSpace().concurrency();
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  const int usable = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  const int node_cores = static_cast<int>(std::thread::hardware_concurrency());
+  const bool free_core = usable > host_threads && node_cores > place.local_size * host_threads;
+  if (!free_core) return false;
+  if (provided < MPI_THREAD_MULTIPLE) {
+    note = key + " = \"auto\" leaves the communication thread off: the MPI library provides " +
+           thread_level_name(provided) + ", not MPI_THREAD_MULTIPLE";
+    return false;
+  }
+  return true;
+}
+
 Runtime::Runtime(int& argc, char**& argv, const StartupCheck& check) {
   int initialized = 0;
   check_mpi(MPI_Initialized(&initialized), "MPI_Initialized");
   if (!initialized) {
     int provided = 0;
-    check_mpi(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
+    check_mpi(MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread");
     owns_mpi_ = true;
     require_thread_level(provided, MPI_THREAD_FUNNELED);
   }
@@ -78,6 +114,7 @@ Runtime::Runtime(int& argc, char**& argv, const StartupCheck& check) {
 
 Runtime::~Runtime() {
   world_.reset();
+  comm_progress().stop();  // no MPI call from it after MPI_Finalize
   if (owns_kokkos_ && Kokkos::is_initialized()) Kokkos::finalize();
   int finalized = 0;
   MPI_Finalized(&finalized);

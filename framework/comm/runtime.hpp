@@ -6,10 +6,14 @@
 //     ...  // everything that uses MPI or Kokkos is destroyed before runtime
 //   }
 
+#include <mpi.h>
+
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "framework/comm/communicator.hpp"
+#include "framework/core/choices.hpp"
 
 namespace meshtrain {
 
@@ -26,16 +30,32 @@ void require_usable_device(int world_rank);
 // support than `required` (e.g. MPI_THREAD_SINGLE for MPI_THREAD_FUNNELED).
 void require_thread_level(int provided, int required);
 
+// Whether this process runs the communication thread (framework/comm/progress_thread.hpp)
+// for a job on `comm` configured with `choice` (the config key `key`, for messages):
+// - off: no.
+// - on: yes; a bad_input Error naming `key` when MPI provides less than MPI_THREAD_MULTIPLE.
+// - automatic: yes when `overlap` is on (only started operations use the thread), comm has
+//   more than one rank, and a core is free for it: this rank may run on more cores than
+//   Kokkos' host threads, and the node has more cores than its ranks' host threads. When
+//   all of that holds but MPI provides less than MPI_THREAD_MULTIPLE, no, and `note` gets
+//   one sentence saying why.
+// Collective over `comm` (automatic counts the ranks of each node).
+bool want_comm_thread(CommThreadChoice choice, bool overlap, MPI_Comm comm, const std::string& key,
+                      std::string& note);
+
 class Runtime {
  public:
-  // MPI_Init_thread (MPI_THREAD_FUNNELED; a runtime Error when MPI provides less), `check`,
+  // MPI_Init_thread (asks for MPI_THREAD_MULTIPLE, which the communication thread needs; a
+  // runtime Error when MPI provides less than MPI_THREAD_FUNNELED), `check`,
   // then Kokkos::initialize. Either initialization is skipped when already done by someone
   // else, who then also owns the matching finalize.
   // When it throws after MPI_Init, MPI stays initialized: finalizing on this rank alone would
   // wait for the ranks still running, and they would wait for this one. The caller ends the
   // job instead (start_runtime_or_abort in framework/comm/exit_policy.hpp does).
   explicit Runtime(int& argc, char**& argv, const StartupCheck& check = require_usable_device);
-  ~Runtime();  // Kokkos::finalize, then MPI_Finalize (only what this object initialized)
+  // Stops the communication thread, then Kokkos::finalize, then MPI_Finalize (only what
+  // this object initialized).
+  ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
 

@@ -49,6 +49,8 @@ enum class CommBackendChoice { automatic, mpi, nccl };
 // collectives, meshtrain's own ring, the faster of the two by the hardware file (automatic),
 // or as measured when the run starts (measure).
 enum class ReductionAlgorithm { automatic, mpi, ring, measure };
+// [runtime] comm_thread: true | false | "auto" (framework/comm/progress_thread.hpp).
+enum class CommThreadChoice { automatic, on, off };
 // How float GEMMs may round (see framework/core/gemm.hpp).
 enum class MatmulPrecision { fp32, tf32 };
 enum class DataSource { fashion_mnist, synthetic, hdf5 };

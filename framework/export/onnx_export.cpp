@@ -231,37 +231,11 @@ std::string norm(GraphBuilder& b, ModelNorm kind, const std::string& p, const st
   return b.node("Mul", {x_hat, scale}, p + "/rmsnorm");
 }
 
-// kind = "residual_mlp" (docs/models.md): input projection, pre-norm blocks, output norm and
-// projection; dropout is training only and never appears.
-std::string residual_mlp(GraphBuilder& b, const ModelSection& model, std::string h) {
-  const bool norms = model.norm != ModelNorm::none;
-  h = linear(b, "input", h);
-  for (int64_t i = 0; i < model.depth; ++i) {
-    const std::string p = "blocks/" + std::to_string(i);
-    const std::string u = norms ? norm(b, model.norm, p + "/norm", h, model.width) : h;
-    std::string a;
-    if (model.swiglu) {  // silu(u W_gate + b_gate) * (u W_up + b_up)
-      const std::string gate =
-          activation(b, Activation::silu, linear(b, p + "/gate", u), p + "/gate");
-      a = b.node("Mul", {gate, linear(b, p + "/up", u)}, p + "/swiglu");
-    } else {
-      a = activation(b, model.activation, linear(b, p + "/up", u), p);
-    }
-    h = b.node("Add", {h, linear(b, p + "/down", a)}, p + "/residual");
-  }
-  if (norms) h = norm(b, model.norm, "output_norm", h, model.width);
-  return linear(b, "output", h);
-}
-
-std::string moe(GraphBuilder& b, int64_t i, const std::string& x, const ModelSection& model,
-                int64_t out) {
-  const std::string p = "layers/" + std::to_string(i);
-  const int64_t experts = model.experts;
+// The routing of MoE layer (or block) `p`: the gates of every expert per row as [E, rows, 1]
+// (zero for the experts a row does not use), training's top-k and renormalization.
+std::string moe_gates(GraphBuilder& b, const std::string& p, const std::string& x,
+                      const ModelSection& model) {
   const std::string router = b.parameter(p + "/router/weight");
-  const std::string weight = b.parameter(p + "/experts/weight");
-  // [E, out] stored; [E, 1, out] broadcasts over the rows of each expert's [rows, out].
-  const std::string bias = b.parameter(p + "/experts/bias", {experts, 1, out});
-
   const std::string logits = b.node("MatMul", {x, router}, p + "/router/logits");
   const std::string probs =
       b.node("Softmax", {logits}, p + "/router/probs", {Attribute::integer("axis", -1)});
@@ -280,14 +254,78 @@ std::string moe(GraphBuilder& b, int64_t i, const std::string& x, const ModelSec
                                    p + "/router/dense_gates", {Attribute::integer("axis", 1)});
   const std::string by_expert = b.node("Transpose", {dense}, p + "/router/gates_by_expert",
                                        {Attribute::integers("perm", {1, 0})});
-  const std::string gate3 = b.node(
-      "Unsqueeze", {by_expert, b.int64_constant("constants/axes_2", {2})}, p + "/router/gates3");
-  // [rows, in] x [E, in, out] -> [E, rows, out]: one GEMM per expert, broadcast.
-  const std::string y = b.node("MatMul", {x, weight}, p + "/experts/matmul");
-  const std::string yb = b.node("Add", {y, bias}, p + "/experts/linear");
-  const std::string weighted = b.node("Mul", {yb, gate3}, p + "/experts/gated");
+  return b.node("Unsqueeze", {by_expert, b.int64_constant("constants/axes_2", {2})},
+                p + "/router/gates3");
+}
+
+// sum over the experts of gate x expert output ([E, rows, out] -> [rows, out]).
+std::string moe_combine(GraphBuilder& b, const std::string& p, const std::string& experts_out,
+                        const std::string& gate3) {
+  const std::string weighted = b.node("Mul", {experts_out, gate3}, p + "/experts/gated");
   return b.node("ReduceSum", {weighted, b.int64_constant("constants/axes_0", {0})}, p + "/moe",
                 {Attribute::integer("keepdims", 0)});
+}
+
+// x [rows, in] or [E, rows, in] times the experts' `<q>/weight` [E, in, out] plus `<q>/bias`
+// [E, out] (read as [E, 1, out]): one GEMM per expert, broadcast -> [E, rows, out].
+std::string experts_linear(GraphBuilder& b, const std::string& q, const std::string& x,
+                           int64_t experts, int64_t out) {
+  const std::string weight = b.parameter(q + "/weight");
+  const std::string bias = b.parameter(q + "/bias", {experts, 1, out});
+  const std::string y = b.node("MatMul", {x, weight}, q + "/matmul");
+  return b.node("Add", {y, bias}, q + "/linear");
+}
+
+std::string moe(GraphBuilder& b, int64_t i, const std::string& x, const ModelSection& model,
+                int64_t out) {
+  const std::string p = "layers/" + std::to_string(i);
+  const std::string gate3 = moe_gates(b, p, x, model);
+  return moe_combine(b, p, experts_linear(b, p + "/experts", x, model.experts, out), gate3);
+}
+
+// An MoE block's feed-forward experts (docs/models.md): every expert on every row, the gated
+// sum; the unused experts' gates are 0.
+std::string moe_block(GraphBuilder& b, const std::string& p, const std::string& u,
+                      const ModelSection& model) {
+  const std::string gate3 = moe_gates(b, p, u, model);
+  const std::string up = experts_linear(b, p + "/experts/up", u, model.experts, model.hidden);
+  std::string a;
+  if (model.swiglu) {
+    const std::string gate = activation(
+        b, Activation::silu, experts_linear(b, p + "/experts/gate", u, model.experts, model.hidden),
+        p + "/experts/gate");
+    a = b.node("Mul", {gate, up}, p + "/experts/swiglu");
+  } else {
+    a = activation(b, model.activation, up, p + "/experts");
+  }
+  return moe_combine(b, p, experts_linear(b, p + "/experts/down", a, model.experts, model.width),
+                     gate3);
+}
+
+// kind = "residual_mlp" (docs/models.md): input projection, pre-norm blocks (an MoE block:
+// moe_block), output norm and projection; dropout is training only and never appears.
+std::string residual_mlp(GraphBuilder& b, const ModelSection& model, std::string h) {
+  const bool norms = model.norm != ModelNorm::none;
+  h = linear(b, "input", h);
+  for (int64_t i = 0; i < model.depth; ++i) {
+    const std::string p = "blocks/" + std::to_string(i);
+    const std::string u = norms ? norm(b, model.norm, p + "/norm", h, model.width) : h;
+    if (model.moe().is_moe(i)) {
+      h = b.node("Add", {h, moe_block(b, p, u, model)}, p + "/residual");
+      continue;
+    }
+    std::string a;
+    if (model.swiglu) {  // silu(u W_gate + b_gate) * (u W_up + b_up)
+      const std::string gate =
+          activation(b, Activation::silu, linear(b, p + "/gate", u), p + "/gate");
+      a = b.node("Mul", {gate, linear(b, p + "/up", u)}, p + "/swiglu");
+    } else {
+      a = activation(b, model.activation, linear(b, p + "/up", u), p);
+    }
+    h = b.node("Add", {h, linear(b, p + "/down", a)}, p + "/residual");
+  }
+  if (norms) h = norm(b, model.norm, "output_norm", h, model.width);
+  return linear(b, "output", h);
 }
 
 // The parameters the config's model has, with their shapes.

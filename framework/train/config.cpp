@@ -48,6 +48,7 @@ ResidualMlpShape ModelSection::residual() const {
   shape.norm = norm != ModelNorm::none;
   shape.norm_kind = norm == ModelNorm::layernorm ? NormKind::layernorm : NormKind::rmsnorm;
   shape.gated = swiglu;
+  shape.moe = moe();
   return shape;
 }
 

@@ -53,9 +53,10 @@ struct ModelSection {
   // Unset: "auto" in TOML, resolved by load_config to mse for synthetic data and to
   // cross_entropy otherwise; a run made in code resolves it from the data it loads.
   std::optional<LossKind> loss;
-  // Mixture of experts (layers/moe.hpp): the layers (indices into the n-1 layers, each
-  // followed by an activation, so not the last) that are MoE layers, their experts, the
-  // experts per row and the load-balancing loss's coefficient.
+  // Mixture of experts (layers/moe.hpp): the layers (kind mlp: indices into the n-1 layers,
+  // each followed by an activation, so not the last; kind residual_mlp: block indices 0 to
+  // depth-1, whose feed-forward becomes a mixture of expert feed-forwards) that are MoE
+  // layers, their experts, the experts per row and the load-balancing loss's coefficient.
   std::vector<int64_t> moe_layers;
   int64_t experts = 8;
   int64_t top_k = 2;
@@ -162,6 +163,10 @@ struct RuntimeSection {
   // one the ring from 64 KiB), or as measured at start (measure). NCCL keeps its own
   // (docs/communication.md).
   ReductionAlgorithm reductions = ReductionAlgorithm::automatic;
+  // A thread that progresses the started operations while the main thread computes
+  // (framework/comm/progress_thread.hpp): true, false, or automatic (on with overlap where a
+  // core is free for it; want_comm_thread in framework/comm/runtime.hpp).
+  CommThreadChoice comm_thread = CommThreadChoice::automatic;
 };
 
 // FSDP2's MixedPrecisionPolicy (docs/mixed_precision.md): what layers compute with, gather

@@ -34,9 +34,15 @@ std::optional<ModelKeyProblem> moe_settings_problem(const ModelSection& model) {
   std::string sizes;  // as toml++ writes the array: "[ 784, 512, 10 ]"
   for (int64_t size : model.sizes) sizes += (sizes.empty() ? "[ " : ", ") + std::to_string(size);
   sizes += " ]";
+  const bool residual = model.kind == ModelKind::residual_mlp;
   for (size_t i = 0; i < model.moe_layers.size(); ++i) {
     const int64_t layer = model.moe_layers[i];
-    if (layer < 0 || layer >= hidden) {
+    if (residual && (layer < 0 || layer >= model.depth)) {
+      return problem("moe_layers", i, "entry ", layer,
+                     " is not a block: kind = \"residual_mlp\" names blocks 0 to ", model.depth - 1,
+                     " for depth = ", model.depth);
+    }
+    if (!residual && (layer < 0 || layer >= hidden)) {
       return problem("moe_layers", i, "entry ", layer,
                      " is not a hidden layer: the layers followed by an activation are ",
                      hidden > 0 ? "0 to " + std::to_string(hidden - 1) : std::string("none"),
@@ -59,6 +65,11 @@ std::optional<ModelKeyProblem> moe_settings_problem(const ModelSection& model) {
   if (!(model.dropout >= 0 && model.dropout < 1)) {
     return problem("dropout", {}, "must be in [0, 1) (the probability of dropping a hidden ",
                    "activation; 0 = no dropout), got ", model.dropout);
+  }
+  if (residual && !model.moe_layers.empty() && model.dropout > 0) {
+    return problem("dropout", {}, "= ", model.dropout, " is not supported with moe_layers in ",
+                   "kind = \"residual_mlp\" (the experts' hidden activations have no dropout); "
+                   "set dropout = 0 or remove moe_layers");
   }
   return std::nullopt;
 }
@@ -99,6 +110,9 @@ void check_config_products(const RunConfig& config) {
     product(m.width, "model.width", m.hidden, "model.hidden", 16 * 3);
     product(m.width, "model.width", m.outputs, "model.outputs", 16);
     product(m.width * m.hidden, "model.width x model.hidden", m.depth, "model.depth", 16 * 3);
+    if (!m.moe_layers.empty()) {  // an MoE block's experts
+      product(m.width * m.hidden, "model.width x model.hidden", m.experts, "model.experts", 16 * 3);
+    }
   }
   const int64_t row_bytes =
       std::max<int64_t>(4, 4 * (config.model.input_width() + config.model.output_width()));
@@ -125,9 +139,6 @@ void check_config(RunConfig& config) {
       fail("model.sizes",
            "is a key of kind = \"mlp\"; kind = \"residual_mlp\" takes inputs, "
            "outputs, width, hidden and depth instead");
-    }
-    if (!config.model.moe_layers.empty()) {
-      fail("model.moe_layers", "is not supported with kind = \"residual_mlp\" yet");
     }
     for (const auto& [key, value] : {std::pair<const char*, int64_t>{"inputs", config.model.inputs},
                                      {"outputs", config.model.outputs},

@@ -47,7 +47,8 @@ const ConfigSchema& config_schema() {
       {"train",
        {"epochs", "steps", "log_every", "eval_every", "accumulation_steps", "early_stopping"}},
       {"checkpoint", {"every_steps", "keep", "resume", "dir", "async", "keep_best", "init_from"}},
-      {"runtime", {"backend", "matmul_precision", "overlap", "bucket_mb", "reductions"}},
+      {"runtime",
+       {"backend", "matmul_precision", "overlap", "bucket_mb", "comm_thread", "reductions"}},
       {"mixed_precision", {"param_dtype", "reduce_dtype"}},
   };
   return sections;
@@ -296,15 +297,12 @@ void read_mlp_sizes(const Section& s, ModelSection& model) {
   }
 }
 
-// kind = "residual_mlp": inputs, outputs, width, hidden, depth, norm; sizes and MoE refused.
+// kind = "residual_mlp": inputs, outputs, width, hidden, depth, norm; sizes refused (moe_layers
+// name blocks, read with the other model keys).
 void read_residual_model(const Section& s, ModelSection& model) {
   if (s.has("sizes")) {
     s.fail("sizes", "is a key of kind = \"mlp\"; kind = \"residual_mlp\" takes inputs, "
            "outputs, width, hidden and depth instead");
-  }
-  if (s.has("moe_layers")) {
-    s.fail("moe_layers", "is not supported with kind = \"residual_mlp\" yet (MoE blocks are "
-           "not implemented); use kind = \"mlp\"");
   }
   model.sizes.clear();
   for (auto [key, value] : {std::pair<const char*, int64_t*>{"inputs", &model.inputs},
@@ -653,6 +651,17 @@ void read_runtime(const Section& s, RuntimeSection& runtime) {
   runtime.overlap = s.boolean("overlap", runtime.overlap);
   runtime.reductions = s.choice("reductions", runtime.reductions, reduction_algorithm_choices());
   runtime.bucket_mb = s.number("bucket_mb").value_or(runtime.bucket_mb);
+  // comm_thread: true, false or "auto".
+  if (const toml::node* node = s.table().get("comm_thread")) {
+    if (node->is_boolean()) {
+      runtime.comm_thread =
+          node->as_boolean()->get() ? CommThreadChoice::on : CommThreadChoice::off;
+    } else if (!node->is_string() || node->as_string()->get() != "auto") {
+      s.fail("comm_thread", "must be true, false or \"auto\", got ", render(*node));
+    } else {
+      runtime.comm_thread = CommThreadChoice::automatic;
+    }
+  }
   if (!(runtime.bucket_mb > 0)) {
     s.fail("bucket_mb", "must be a positive number of MiB, got ", runtime.bucket_mb);
   }

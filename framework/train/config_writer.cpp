@@ -120,6 +120,11 @@ std::string config_to_toml(const RunConfig& config) {
                       {"overlap", config.runtime.overlap},
                       {"bucket_mb", config.runtime.bucket_mb},
                       {"reductions", to_string(config.runtime.reductions)}};
+  if (config.runtime.comm_thread == CommThreadChoice::automatic) {
+    runtime.insert("comm_thread", "auto");
+  } else {
+    runtime.insert("comm_thread", config.runtime.comm_thread == CommThreadChoice::on);
+  }
   toml::table mixed_precision{{"param_dtype", to_string(config.mixed_precision.param_dtype)},
                               {"reduce_dtype", to_string(config.mixed_precision.reduce_dtype)}};
   toml::table root{{"run", run},         {"mesh", mesh},

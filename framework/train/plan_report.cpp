@@ -79,9 +79,19 @@ void write_moe_layer_text(const ShardingPlan& plan, const LayerPlan& l, std::ost
   const MoeLayout& m = l.moe_layout;
   out << "  experts per rank: " << m.experts_local << " of " << m.experts;
   if (m.ep > 1) out << " (split over " << join(m.expert_axes) << ", " << m.ep << " ranks)";
-  out << "; stored per rank: expert weights "
-      << format_bytes(plan.find(m.experts_weight.name).bytes_per_rank) << ", expert biases "
-      << format_bytes(plan.find(m.experts_bias.name).bytes_per_rank) << ", router "
+  // Feed-forward experts (an MoE block): the weights and biases of all their projections.
+  int64_t weights = plan.find(m.experts_weight.name).bytes_per_rank;
+  int64_t biases = plan.find(m.experts_bias.name).bytes_per_rank;
+  if (m.feed_forward()) {
+    weights += plan.find(m.experts_down_weight.name).bytes_per_rank;
+    biases += plan.find(m.experts_down_bias.name).bytes_per_rank;
+  }
+  if (m.gated) {
+    weights += plan.find(m.experts_gate_weight.name).bytes_per_rank;
+    biases += plan.find(m.experts_gate_bias.name).bytes_per_rank;
+  }
+  out << "; stored per rank: expert weights " << format_bytes(weights) << ", expert biases "
+      << format_bytes(biases) << ", router "
       << format_bytes(plan.find(m.router.name).bytes_per_rank) << "\n";
   if (l.moe_buffer_bytes > 0) {
     out << "  dispatch buffers: " << format_bytes(l.moe_buffer_bytes)
@@ -301,20 +311,31 @@ nlohmann::ordered_json moe_storage_json(const MoeParameterStorage& p, const Shar
 
 nlohmann::ordered_json moe_layout_json(const ShardingPlan& plan, const LayerPlan& l) {
   const MoeLayout& m = l.moe_layout;
-  return {{"in", m.in},
-          {"out", m.out},
-          {"experts", m.experts},
-          {"top_k", m.top_k},
-          {"experts_per_rank", m.experts_local},
-          {"expert_axes", m.expert_axes},
-          {"ep", m.ep},
-          {"batch_axes", m.batch_axes},
-          {"feature_axis", m.feature_axis},
-          {"gathers_input", m.gathers_input()},
-          {"router", moe_storage_json(m.router, plan)},
-          {"experts_weight", moe_storage_json(m.experts_weight, plan)},
-          {"experts_bias", moe_storage_json(m.experts_bias, plan)},
-          {"buffer_bytes_per_rank", l.moe_buffer_bytes}};
+  nlohmann::ordered_json json = {{"in", m.in},
+                                 {"out", m.out},
+                                 {"experts", m.experts},
+                                 {"top_k", m.top_k},
+                                 {"experts_per_rank", m.experts_local},
+                                 {"expert_axes", m.expert_axes},
+                                 {"ep", m.ep},
+                                 {"batch_axes", m.batch_axes},
+                                 {"feature_axis", m.feature_axis},
+                                 {"gathers_input", m.gathers_input()},
+                                 {"router", moe_storage_json(m.router, plan)},
+                                 {"experts_weight", moe_storage_json(m.experts_weight, plan)},
+                                 {"experts_bias", moe_storage_json(m.experts_bias, plan)},
+                                 {"buffer_bytes_per_rank", l.moe_buffer_bytes}};
+  // Feed-forward experts (an MoE block): experts_weight / experts_bias are the up projection.
+  if (m.feed_forward()) {
+    json["hidden"] = m.hidden;
+    json["experts_down_weight"] = moe_storage_json(m.experts_down_weight, plan);
+    json["experts_down_bias"] = moe_storage_json(m.experts_down_bias, plan);
+  }
+  if (m.gated) {
+    json["experts_gate_weight"] = moe_storage_json(m.experts_gate_weight, plan);
+    json["experts_gate_bias"] = moe_storage_json(m.experts_gate_bias, plan);
+  }
+  return json;
 }
 
 nlohmann::ordered_json cost_json(const StepCost& cost, const HardwareProfile& hw) {

@@ -1,7 +1,8 @@
 #!/bin/sh
 # `meshtrain plan` of a residual_mlp config (docs/models.md): the plan lists exactly the
 # parameters the model keys give (input, blocks/<i>/norm (+ bias for layernorm), gate (swiglu),
-# up, down, output_norm, output) with their shapes, and its bytes add up: each parameter's
+# up, down, output_norm, output; an MoE block of moe_layers: router and experts/(gate,) up,
+# down [experts, ...] instead of gate, up, down) with their shapes, and its bytes add up: each parameter's
 # bytes per rank = 4 x its local elements, totals.parameter_bytes = their sum, and
 # totals.global_parameter_bytes = 4 x the model's elements computed here from the keys.
 #
@@ -38,8 +39,20 @@ def add_norm(name):
         want.append((name + "/scale", [w]))
         if norm == "layernorm":
             want.append((name + "/bias", [w]))
+moe = m.get("moe_layers", [])
+if isinstance(moe, str):
+    moe = json.loads(moe)
+experts = int(m.get("experts", 8))
 for b in range(d):
     add_norm("blocks/%d/norm" % b)
+    if b in moe:
+        p = "blocks/%d" % b
+        want.append((p + "/router/weight", [w, experts]))
+        for proj in (["gate"] if m["activation"] == "swiglu" else []) + ["up"]:
+            want += [("%s/experts/%s/weight" % (p, proj), [experts, w, h]),
+                     ("%s/experts/%s/bias" % (p, proj), [experts, h])]
+        want += [(p + "/experts/down/weight", [experts, h, w]), (p + "/experts/down/bias", [experts, w])]
+        continue
     for proj in (["gate"] if m["activation"] == "swiglu" else []) + ["up"]:
         want += [("blocks/%d/%s/weight" % (b, proj), [w, h]), ("blocks/%d/%s/bias" % (b, proj), [h])]
     want += [("blocks/%d/down/weight" % b, [h, w]), ("blocks/%d/down/bias" % b, [w])]

@@ -8,6 +8,7 @@
 #include <toml++/toml.h>
 
 #include <filesystem>
+#include <utility>
 #include <fstream>
 #include <sstream>
 
@@ -291,6 +292,22 @@ TEST(Config, RuntimeSectionAndItsOverrides) {
   EXPECT_TRUE(buckets.runtime.overlap);
   EXPECT_EQ(buckets.runtime.bucket_mb, 0.5);
   EXPECT_EQ(parse(minimal(), {"runtime.bucket_mb=2"}).runtime.bucket_mb, 2.0);  // an integer
+  // comm_thread: "auto" (the default), true or false; written back and read again the same.
+  EXPECT_EQ(parse(minimal()).runtime.comm_thread, CommThreadChoice::automatic);
+  for (const auto& [text, want] :
+       {std::pair<std::string, CommThreadChoice>{"true", CommThreadChoice::on},
+        {"false", CommThreadChoice::off},
+        {"\"auto\"", CommThreadChoice::automatic}}) {
+    const RunConfig thread = parse(minimal("[runtime]\ncomm_thread = " + text + "\n"));
+    EXPECT_EQ(thread.runtime.comm_thread, want) << text;
+    EXPECT_EQ(parse(config_to_toml(thread)).runtime.comm_thread, want) << text;
+  }
+  EXPECT_EQ(parse(minimal(), {"runtime.comm_thread=true"}).runtime.comm_thread,
+            CommThreadChoice::on);
+  expect_config_error(minimal("[runtime]\ncomm_thread = \"yes\"\n"),
+                      {"t.toml", "comm_thread", "true, false or \"auto\", got"});
+  expect_config_error(minimal("[runtime]\ncomm_thread = 1\n"),
+                      {"t.toml", "comm_thread", "true, false or \"auto\", got"});
 }
 
 // [data] x_key / y_key: the HDF5 datasets' names, "/" added when missing; written back only

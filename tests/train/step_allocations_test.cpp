@@ -221,6 +221,9 @@ struct DataCase {
   std::string hdf5_path;
 };
 
+// [runtime] comm_thread of the runs below (the test with the communication thread sets it).
+CommThreadChoice g_comm_thread = CommThreadChoice::automatic;
+
 Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgorithm algorithm,
                                  LossKind loss_kind, OptimizerKind optimizer_kind,
                                  int64_t accumulation_steps = 1, int64_t zero_stage = 0,
@@ -239,6 +242,7 @@ Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgo
   config.mixed_precision.reduce_dtype = precision.reduce;
   config.runtime.overlap = overlap;
   config.runtime.bucket_mb = bucket_mb;
+  config.runtime.comm_thread = g_comm_thread;
   config.mesh.axes = mesh_case.axes;
   config.model.sizes = {32, 24, 16, 8};  // every width divides by 2 and 4
   config.model.activation = Activation::gelu;
@@ -388,6 +392,24 @@ TEST(TrainingStep, WithOverlapAllocatesNothing) {
           << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
     }
   }
+}
+
+// The same with the communication thread on (framework/comm/progress_thread.hpp): handing a
+// started operation to the thread and back allocates nothing, and the count covers the
+// thread's own allocations too (it counts every thread).
+TEST(TrainingStep, WithOverlapAndTheCommThreadAllocatesNothing) {
+  g_comm_thread = CommThreadChoice::on;
+  for (const MeshCase& c : mesh_cases()) {
+    for (double bucket_mb : {25.0, 1.0 / 1024}) {
+      if (c.preset != "dp" && bucket_mb != 25.0) continue;
+      SCOPED_TRACE(c.preset + ", overlap, comm_thread, bucket_mb " + std::to_string(bucket_mb));
+      EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::ring, LossKind::cross_entropy,
+                                     OptimizerKind::adamw, 1, 0, true, bucket_mb),
+                Allocations{})
+          << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+    }
+  }
+  g_comm_thread = CommThreadChoice::automatic;
 }
 
 // Mixed precision (docs/mixed_precision.md): bf16/bf16 and fp16/fp16, without and with

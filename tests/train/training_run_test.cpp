@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "framework/comm/mpi_util.hpp"
+#include "framework/comm/progress_thread.hpp"
 #include "framework/train/lr_schedule.hpp"
 #include "tests/test_support.hpp"
 
@@ -735,6 +736,37 @@ TEST(TrainingRun, ResidualMlpMeshesTrainLikeOneRank) {
   }
 }
 
+// The communication thread ([runtime] comm_thread) changes who drives the started operations,
+// not what they compute: dp and fsdp (and fsdp x tp) with overlap give the same losses and
+// evaluation, bit for bit, with the thread on as off.
+TEST(TrainingRun, CommThreadTrainsBitForBitLikeWithout) {
+  const int n = world_size();
+  std::vector<MeshCase> cases = {{"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}};
+  if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
+  for (const MeshCase& c : cases) {
+    SCOPED_TRACE(c.preset);
+    RunConfig config = small_config(c.axes, c.preset);
+    config.runtime.overlap = true;
+    config.runtime.bucket_mb = 0.0005;  // several DP buckets in flight at once
+    config.runtime.comm_thread = CommThreadChoice::off;
+    const Trace off = run_steps(config, MPI_COMM_WORLD, 5);
+    config.runtime.comm_thread = CommThreadChoice::on;
+    Trace on;
+    {
+      TrainingRun run(config, {}, std::nullopt, MPI_COMM_WORLD);
+      EXPECT_NE(running_comm_progress(), nullptr);  // the run holds the thread on
+      for (int s = 0; s < 5; ++s) on.losses.push_back(run.step().loss);
+      on.eval = run.evaluate();
+    }
+    EXPECT_EQ(running_comm_progress(), nullptr);  // and stops it when it ends
+    ASSERT_EQ(on.losses.size(), off.losses.size());
+    for (size_t s = 0; s < on.losses.size(); ++s) {
+      EXPECT_EQ(on.losses[s], off.losses[s]) << "step " << s + 1;
+    }
+    EXPECT_EQ(on.eval.test_loss, off.eval.test_loss);
+  }
+}
+
 // A residual_mlp saved at step 6 resumes bit for bit on the same mesh (fsdp), and onto
 // another mesh (tp; the checkpoint is resharded) to 1e-5 relative, against a run of 9 steps
 // that was never interrupted.
@@ -773,6 +805,90 @@ TEST(TrainingRun, ResidualMlpResumesExactlyAndAcrossMeshes) {
       const double want = uninterrupted.losses[s];
       EXPECT_NEAR(resumed.step().loss, want, 1e-5 * (1 + std::abs(want)))
           << "tp mesh, step " << s + 1;
+    }
+  }
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// A residual_mlp whose block 1 is an MoE block (model.moe_layers = [1], 4 experts, top-2;
+// rmsnorm + silu and layernorm + swiglu): five steps and an evaluation on ep, dp x ep,
+// fsdp x ep and ep x tp equal one rank's to 1e-5 relative (loss, aux loss, test loss), the
+// aux loss is part of the training; saved at step 6 on ep = n, it resumes bit for bit against
+// a run of 9 steps that was never interrupted, and onto another mesh (fsdp x ep, or dp at
+// np 1) to 1e-5 relative.
+TEST(TrainingRun, ResidualMoeBlocksTrainLikeOneRankAndResumeExactly) {
+  const int n = world_size();
+  for (const bool swiglu : {false, true}) {
+    const ModelNorm norm = swiglu ? ModelNorm::layernorm : ModelNorm::rmsnorm;
+    auto config_of = [&](std::vector<std::pair<std::string, int>> axes, const std::string& preset) {
+      return with_moe(with_residual(small_config(std::move(axes), preset), norm, swiglu));
+    };
+    TrainingRun one(config_of({{"dp", 1}, {"ep", 1}}, "dp"), {}, std::nullopt, MPI_COMM_SELF);
+    std::vector<StepResult> reference;
+    for (int s = 0; s < 5; ++s) reference.push_back(one.step());
+    const EvalEvent reference_eval = one.evaluate();
+    EXPECT_GT(reference.front().aux_loss, 0.0);
+    EXPECT_LT(reference.back().loss, reference.front().loss);  // it learns
+    std::vector<MeshCase> cases = {{"dp", {{"ep", n}}}};
+    if (n % 2 == 0) {
+      cases.push_back({"dp", {{"dp", n / 2}, {"ep", 2}}});
+      cases.push_back({"fsdp", {{"fsdp", n / 2}, {"ep", 2}}});
+      cases.push_back({"tp", {{"ep", n / 2}, {"tp", 2}}});
+    }
+    for (const MeshCase& c : cases) {
+      SCOPED_TRACE(c.preset + " " + c.axes.front().first + "=" +
+                   std::to_string(c.axes.front().second) + (swiglu ? ", swiglu" : ", silu"));
+      TrainingRun run(config_of(c.axes, c.preset), {}, std::nullopt, MPI_COMM_WORLD);
+      for (int s = 0; s < 5; ++s) {
+        const StepResult r = run.step();
+        const StepResult& want = reference[static_cast<size_t>(s)];
+        EXPECT_NEAR(r.loss, want.loss, 1e-5 * (1 + std::abs(want.loss))) << "step " << s + 1;
+        EXPECT_NEAR(r.aux_loss, want.aux_loss, 1e-5 * (1 + want.aux_loss)) << "step " << s + 1;
+      }
+      const EvalEvent eval = run.evaluate();
+      EXPECT_NEAR(eval.test_loss, reference_eval.test_loss,
+                  1e-5 * (1 + reference_eval.test_loss));
+    }
+  }
+
+  const std::string dir = std::filesystem::temp_directory_path().string() +
+                          "/meshtrain_training_run_moe_blocks_np" + std::to_string(n);
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  RunConfig config =
+      with_moe(with_residual(small_config({{"ep", n}}, "dp"), ModelNorm::layernorm, true));
+  config.run.output_dir = dir;
+  {
+    TrainingRun run(config);
+    EXPECT_EQ(run.train().steps_run, 6);
+  }
+  RunConfig longer = config;
+  longer.train.steps = 9;
+  const Trace uninterrupted = run_steps(longer, MPI_COMM_WORLD, 9);
+  longer.checkpoint.resume = true;
+  {
+    TrainingRun resumed(longer);
+    ASSERT_TRUE(resumed.resumed_from().has_value());
+    EXPECT_EQ(resumed.steps_done(), 6);
+    for (int s = 6; s < 9; ++s) {
+      EXPECT_EQ(resumed.step().loss, uninterrupted.losses[s]) << "same mesh, step " << s + 1;
+    }
+  }
+  // Resharded onto another mesh (the experts replicated over dp, or split over fsdp x ep).
+  RunConfig other = longer;
+  other.mesh.axes = n % 2 == 0
+                        ? std::vector<std::pair<std::string, int>>{{"fsdp", n / 2}, {"ep", 2}}
+                        : std::vector<std::pair<std::string, int>>{{"dp", n}, {"ep", 1}};
+  other.partition.preset = n % 2 == 0 ? "fsdp" : "dp";
+  {
+    TrainingRun resumed(other);
+    ASSERT_TRUE(resumed.resumed_from().has_value());
+    EXPECT_EQ(resumed.steps_done(), 6);
+    for (int s = 6; s < 9; ++s) {
+      const double want = uninterrupted.losses[s];
+      EXPECT_NEAR(resumed.step().loss, want, 1e-5 * (1 + std::abs(want)))
+          << "other mesh, step " << s + 1;
     }
   }
   check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");

@@ -11,6 +11,7 @@
 #include "framework/comm/backends/host_staging.hpp"
 #include "framework/comm/backends/mpi_ring.hpp"
 #include "framework/comm/mpi_util.hpp"
+#include "framework/comm/progress_thread.hpp"
 #include "framework/comm/slot_pool.hpp"
 #include "framework/core/precision.hpp"
 
@@ -104,7 +105,13 @@ std::string timeout_text(double seconds) {
 // one (in the receive slot), completed against the deadline taken at wait(). Pooled in
 // MpiCommunicator::State: acquire_request_slot() takes a free slot (or makes one when every slot is
 // in flight), Request::Impl::release() puts it back.
-class MpiRequestSlot final : public Request::Impl {
+//
+// With the communication thread running (progress_thread.hpp), a started operation is handed
+// to it (hand_to_progress): the thread tests the MPI requests while the caller computes, and
+// only the thread touches them until it finishes them or the caller takes them back.
+// wait() takes them back first (so a wait that times out, and the abandoned requests, are
+// exactly as without the thread); test() only reads the thread's finished flag.
+class MpiRequestSlot final : public Request::Impl, public ProgressTask {
  public:
   explicit MpiRequestSlot(MpiCommunicator::State& owner) : owner_(owner) {}
   ~MpiRequestSlot() override = default;
@@ -134,18 +141,49 @@ class MpiRequestSlot final : public Request::Impl {
   MPI_Request& receive() { return requests_[0]; }
   MPI_Request& send() { return requests_[1]; }
 
+  // After the operation started: lets the communication thread progress it, when one runs.
+  void hand_to_progress() {
+    progress_ = running_comm_progress();
+    if (progress_ == nullptr) return;
+    failed_code_ = MPI_SUCCESS;
+    progress_->submit(*this);
+  }
+
+  // The communication thread's step (under its mutex; see progress_thread.hpp).
+  bool step() noexcept override {
+    int done = 0;
+    const int code = MPI_Testall(2, requests_, &done, MPI_STATUSES_IGNORE);
+    if (code != MPI_SUCCESS) {
+      failed_code_ = code;  // reported by the caller's test() or wait()
+      return true;
+    }
+    return done != 0;
+  }
+
   bool test() override {
+    if (progress_ != nullptr) {
+      if (!finished() && progress_->running()) return false;  // no MPI call on this thread
+      if (take_back()) {
+        finish_from_thread();
+        return true;
+      }
+    }
     const bool done = wait_all_until(owner_, requests_, 2, 0.0, op_);
     if (done) staging_.finish_receive(recv_, bytes_);
     return done;
   }
   void wait() override {
+    if (take_back()) {
+      finish_from_thread();
+      return;
+    }
     if (!wait_all_until(owner_, requests_, 2, timeout_, op_)) {
       throw_timeout(owner_, requests_, 2, timeout_, op_);
     }
     staging_.finish_receive(recv_, bytes_);
   }
   void release() noexcept override {
+    take_back();  // the thread must not test requests that are abandoned below
     // A request still live here (a failed MPI_Testall) may yet write into the caller's
     // buffer: keep it for the state's destructor and refuse further use.
     for (MPI_Request& r : requests_) {
@@ -163,8 +201,29 @@ class MpiRequestSlot final : public Request::Impl {
   }
 
  private:
+  // Takes the operation back from the communication thread, if it was handed over: true when
+  // the thread had finished it (completed, or failed with failed_code_), false when it is
+  // still pending (and now this thread's alone) or was never handed over.
+  bool take_back() noexcept {
+    if (progress_ == nullptr) return false;
+    ProgressThread* thread = progress_;
+    progress_ = nullptr;
+    return !thread->reclaim(*this);
+  }
+  // Completes an operation the thread finished: a failed MPI_Testall there is reported as
+  // wait_all_until reports one (the live requests abandoned, then the MPI error thrown).
+  void finish_from_thread() {
+    if (failed_code_ != MPI_SUCCESS) {
+      abandon(owner_, requests_, 2, std::string("a failed ") + op_);
+      owner_.fail_call(failed_code_, op_, "MPI_Testall");
+    }
+    staging_.finish_receive(recv_, bytes_);
+  }
+
   MpiCommunicator::State& owner_;
   std::shared_ptr<MpiCommunicator::State> state_;  // set while in use
+  ProgressThread* progress_ = nullptr;  // the thread that owns requests_, while handed over
+  int failed_code_ = MPI_SUCCESS;       // written by the thread's step(), read after it
   MPI_Request requests_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   HostStaging staging_;   // each slot its own: several shifts may be in flight
   char* recv_ = nullptr;  // the caller's buffer, and its size in bytes
@@ -484,6 +543,7 @@ Request MpiCommunicator::raw_shift(const void* send, void* recv, std::size_t cou
     slot.release();
     state_->fail_call(sent, op, "MPI_Isend");
   }
+  slot.hand_to_progress();
   return Request(&slot);
 }
 
@@ -507,6 +567,7 @@ Request MpiCommunicator::raw_start_all_gather(const void* send, void* recv,
     slot.release();
     state_->fail_call(started, op, "MPI_Iallgather");
   }
+  slot.hand_to_progress();
   return Request(&slot);
 }
 
@@ -528,6 +589,7 @@ Request MpiCommunicator::raw_start_all_reduce_sum(void* data, std::size_t count,
     slot.release();
     state_->fail_call(started, op, "MPI_Iallreduce");
   }
+  slot.hand_to_progress();
   return Request(&slot);
 }
 

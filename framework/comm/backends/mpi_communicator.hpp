@@ -2,7 +2,9 @@
 // The MPI backend of Communicator. Every operation is non-blocking MPI (MPI_Iallgather,
 // MPI_Iallreduce, ...) completed by polling MPI_Testall against the communicator's
 // deadline, so a rank that never joins turns into an Error instead of a hang. Errors carry
-// MPI_Error_string; the communicator is set to MPI_ERRORS_RETURN.
+// MPI_Error_string; the communicator is set to MPI_ERRORS_RETURN. While the communication
+// thread runs ([runtime] comm_thread, framework/comm/progress_thread.hpp), the started
+// operations (shift, start_all_gather, start_all_reduce) are tested by it until their wait().
 //
 // After a timeout the communicator is broken: the abandoned MPI request may still write
 // into the caller's buffer when the late rank arrives, so every later operation on it
