@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <limits>
 #include <sstream>
 
 #include "base/error.hpp"
@@ -20,6 +21,7 @@
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/progress_thread.hpp"
+#include "framework/comm/reduction_choice.hpp"
 #include "framework/comm/runtime.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
@@ -253,6 +255,7 @@ struct LinkMeasurement {
   double hop_s = 0.0, gemms_s = 0.0, both_s = 0.0, all_gather_s = 0.0, reduce_scatter_s = 0.0,
          all_reduce_s = 0.0, bidirectional_s = 0.0, small_all_reduce_s = 0.0;
   int gemms = 0;
+  ReductionTimings reductions;  // the library's and the ring's at a few sizes
 };
 
 // Every rank runs `gemms` times x @ W [256 x 2048 x 2048] (calibrate's forward GEMM).
@@ -355,6 +358,23 @@ LinkMeasurement measure_link(const Mesh& mesh, MeshCommunicators& comms, const s
   const double t_ar = m.all_reduce_s =
       slowest_timed(5, [&] { comm.all_reduce(VectorView(data.data(), full)); });
   link.all_reduce_bandwidth = 2.0 * moved / std::max(t_ar - 2.0 * (p - 1) * link.latency, 1e-9);
+  // meshtrain's ring against the library at a few sizes (bytes each rank sends; the last is
+  // the 16 MiB above): its rates at 16 MiB by the same formulas, and the size from which it
+  // is faster ([runtime] reductions = "auto").
+  m.reductions =
+      time_reductions(comm, {std::size_t{64} << 10, std::size_t{1} << 20, full * sizeof(float)}, 3);
+  const ReductionTimings& r = m.reductions;
+  link.ring_reduce_scatter_bandwidth =
+      moved / std::max(r.ring_reduce_scatter.back() - (p - 1) * link.latency, 1e-9);
+  link.ring_all_reduce_bandwidth =
+      2.0 * moved / std::max(r.ring_all_reduce.back() - 2.0 * (p - 1) * link.latency, 1e-9);
+  const ReductionChoice faster = choice_from_timings(r);
+  auto from = [](std::size_t bytes) {
+    return bytes == ReductionChoice::kNever ? std::numeric_limits<double>::infinity()
+                                            : static_cast<double>(bytes);
+  };
+  link.ring_reduce_scatter_from = from(faster.reduce_scatter_ring_from);
+  link.ring_all_reduce_from = from(faster.all_reduce_ring_from);
 
   // Overlap: the hop alone, k GEMMs of about the hop's length alone, and the hop started
   // before the GEMMs and waited for after them: e = (gemms + hop - both) / min(gemms, hop).
@@ -468,6 +488,15 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
                     m.both_s, a.name.c_str(), m.hop_s, m.bidirectional_s, m.all_gather_s,
                     m.reduce_scatter_s, m.all_reduce_s, m.small_all_reduce_s);
       measured << line;
+      const ReductionTimings& r = m.reductions;
+      for (std::size_t i = 0; i < r.bytes.size(); ++i) {
+        std::snprintf(line, sizeof line,
+                      "%s_reductions_%zu_bytes = \"reduce-scatter library %.4g s, ring %.4g s; "
+                      "all-reduce library %.4g s, ring %.4g s\"\n",
+                      a.name.c_str(), r.bytes[i], r.library_reduce_scatter[i],
+                      r.ring_reduce_scatter[i], r.library_all_reduce[i], r.ring_all_reduce[i]);
+        measured << line;
+      }
     }
   }
   if (!measured_axes.empty()) {

@@ -93,7 +93,13 @@ void add_plan_command(CLI::App& app, PlanArgs& args) {
 int run_plan(const PlanArgs& args) {
   const meshtrain::RunConfig config = meshtrain::load_config(args.config, args.overrides);
   std::optional<meshtrain::HardwareProfile> hardware;
-  if (!args.hardware.empty()) hardware = meshtrain::read_hardware_profile(args.hardware);
+  if (!args.hardware.empty()) {
+    hardware = meshtrain::read_hardware_profile(args.hardware);
+    // The reduce-scatter and all-reduce rates of the algorithm [runtime] reductions picks.
+    const meshtrain::ReductionAlgorithm reductions = config.runtime.reductions;
+    meshtrain::select_reduction_rates(*hardware, reductions != meshtrain::ReductionAlgorithm::mpi,
+                                      reductions != meshtrain::ReductionAlgorithm::ring);
+  }
   meshtrain::print_plan(config, args.world, args.json, std::cout, hardware ? &*hardware : nullptr);
   std::cout.flush();
   return std::cout ? 0 : kExitFailure;
@@ -113,7 +119,7 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
   train->add_option("config", args.config, "The run's TOML file")->required();
   train->add_option("--hardware", args.hardware,
                     "Hardware profile (meshtrain calibrate) that collective_matmul = auto "
-                    "chooses with");
+                    "and reductions = auto choose with");
   add_set_option(*train, args.overrides);
 }
 

@@ -2,3 +2,9 @@
 add_executable(bench_collective_matmul ${CMAKE_CURRENT_SOURCE_DIR}/collective_matmul.cpp)
 target_link_libraries(bench_collective_matmul PRIVATE meshtrain_framework CLI11::CLI11
                       nlohmann_json::nlohmann_json)
+# Reduce-scatter and all-reduce, the MPI library against meshtrain's ring (JSON lines on
+# rank 0); bench/reductions.sh runs it with calibrate's memory bandwidth and the training
+# steps beside it.
+add_executable(bench_reductions ${CMAKE_CURRENT_SOURCE_DIR}/reductions.cpp)
+target_link_libraries(bench_reductions PRIVATE meshtrain_framework CLI11::CLI11
+                      nlohmann_json::nlohmann_json)

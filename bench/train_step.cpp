@@ -246,7 +246,7 @@ int main(int argc, char** argv) {
   return meshtrain::run_or_abort([&] {
     CLI::App app{"Timed training steps of the meshtrain MLP (one JSON line on rank 0)"};
     std::string sizes_text = "784,4096,4096,10", mode = "dp", algorithm = "auto";
-    std::string backend = "auto", precision = "fp32";
+    std::string backend = "auto", precision = "fp32", reductions = "auto";
     int64_t batch = 256;
     int steps = 10, warmup = 2, sgemm_size = 2048, sgemm_repeats = 3;
     uint64_t seed = 0;
@@ -271,6 +271,7 @@ int main(int argc, char** argv) {
         ->check(CLI::PositiveNumber);
     app.add_option("--seed", seed, "weights and inputs");
     app.add_option("--backend", backend, "runtime.backend: auto|mpi|nccl");
+    app.add_option("--reductions", reductions, "runtime.reductions: auto|mpi|ring");
     app.add_option("--precision", precision, "runtime.matmul_precision: fp32|tf32");
     std::string hardware;
     app.add_option("--hardware", hardware,
@@ -367,6 +368,7 @@ int main(int argc, char** argv) {
                                                    : meshtrain::read_hardware_profile(hardware);
     meshtrain::set_collective_matmul_hardware(profile);
     config.runtime.overlap = overlap;
+    config.runtime.reductions = meshtrain::parse_reduction_algorithm(reductions, "--reductions");
     config.runtime.bucket_mb = bucket_mb;
     if (comm_thread == "auto") {
       config.runtime.comm_thread = meshtrain::CommThreadChoice::automatic;
@@ -489,6 +491,7 @@ int main(int argc, char** argv) {
       line["backend"] = meshtrain::to_string(run.backend());
       line["precision"] = precision;
       line["overlap"] = overlap;
+      line["reductions"] = reductions;
       line["comm_thread"] = comm_thread;
       line["comm_thread_running"] = meshtrain::running_comm_progress() != nullptr;
       // Polling passes the thread made in this process so far (0: it only slept).

@@ -69,9 +69,28 @@ LinkProfile HardwareProfile::group_link(const std::vector<std::string>& axes) co
     slowest.reduce_scatter_bandwidth =
         std::min(slowest.reduce_scatter_bandwidth, l.reduce_scatter_bandwidth);
     slowest.all_reduce_bandwidth = std::min(slowest.all_reduce_bandwidth, l.all_reduce_bandwidth);
+    slowest.ring_reduce_scatter_bandwidth =
+        std::min(slowest.ring_reduce_scatter_bandwidth, l.ring_reduce_scatter_bandwidth);
+    slowest.ring_all_reduce_bandwidth =
+        std::min(slowest.ring_all_reduce_bandwidth, l.ring_all_reduce_bandwidth);
+    slowest.ring_reduce_scatter_from =
+        std::max(slowest.ring_reduce_scatter_from, l.ring_reduce_scatter_from);
+    slowest.ring_all_reduce_from = std::max(slowest.ring_all_reduce_from, l.ring_all_reduce_from);
     slowest.latency = std::max(slowest.latency, l.latency);
   }
   return slowest;
+}
+
+void select_reduction_rates(HardwareProfile& profile, bool ring, bool library) {
+  for (auto& [axis, link] : profile.links) {
+    if (!link.ring_measured() || !ring) continue;
+    link.reduce_scatter_bandwidth =
+        library ? std::max(link.reduce_scatter_bandwidth, link.ring_reduce_scatter_bandwidth)
+                : link.ring_reduce_scatter_bandwidth;
+    link.all_reduce_bandwidth =
+        library ? std::max(link.all_reduce_bandwidth, link.ring_all_reduce_bandwidth)
+                : link.ring_all_reduce_bandwidth;
+  }
 }
 
 HardwareProfile default_hardware_profile() {

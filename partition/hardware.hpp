@@ -31,12 +31,18 @@
 //     bidirectional_bandwidth  B/s per rank of a bidirectional hop: both halves of a block
 //                      sent at once, one each way round the ring (two shifts), counted as
 //                      the whole block over the time. Defaults to `exchange_bandwidth`.
+//     ring_reduce_scatter_bandwidth, ring_all_reduce_bandwidth  the same two for the MPI
+//                      backend's own ring ([runtime] reductions); 0 when not measured.
+//     ring_reduce_scatter_from, ring_all_reduce_from  bytes per rank from which the ring
+//                      measured faster than the library (+inf: never); what reductions =
+//                      "auto" picks by. Meaningful only where the ring was measured.
 //   overlap            0..1, how much of a transfer started before a GEMM and waited for
 //                      after it is hidden under the GEMM: two parts a and c run together
 //                      take a + c - overlap * min(a, c) (1: max(a, c); 0: a + c). MPI on
 //                      CPUs moves data only inside MPI calls, so it is near 0 there.
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -70,6 +76,13 @@ struct LinkProfile {
   double bidirectional_bandwidth = 0.0;   // B/s
   double reduce_scatter_bandwidth = 0.0;  // B/s
   double all_reduce_bandwidth = 0.0;      // B/s
+  double ring_reduce_scatter_bandwidth = 0.0;  // B/s; 0: not measured
+  double ring_all_reduce_bandwidth = 0.0;      // B/s; 0: not measured
+  double ring_reduce_scatter_from = std::numeric_limits<double>::infinity();  // bytes per rank
+  double ring_all_reduce_from = std::numeric_limits<double>::infinity();      // bytes per rank
+  bool ring_measured() const {
+    return ring_reduce_scatter_bandwidth > 0.0 && ring_all_reduce_bandwidth > 0.0;
+  }
 };
 
 struct HardwareProfile {
@@ -101,6 +114,12 @@ struct HardwareProfile {
 // "<activation>_backward" for relu, tanh, gelu, gelu_erf, silu and sigmoid (layers/
 // activation.hpp), and swiglu_forward, swiglu_backward.
 const std::vector<std::string>& elementwise_kernel_names();
+
+// The reduce-scatter and all-reduce rates (reduce_scatter_bandwidth, all_reduce_bandwidth) of
+// the algorithm a run's MPI reductions use ([runtime] reductions): the ring's (ring only),
+// the library's (library only: the profile as measured), or the faster of the two at
+// calibrate's size (both). Links without ring measurements keep the library's.
+void select_reduction_rates(HardwareProfile& profile, bool ring, bool library);
 
 // The mesh axes a profile describes, in mesh order: dp, fsdp, ep, tp, sp.
 const std::vector<std::string>& hardware_axes();

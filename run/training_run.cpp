@@ -15,8 +15,10 @@
 #include <utility>
 
 #include "base/error.hpp"
+#include "framework/comm/collective_matmul.hpp"
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
+#include "framework/comm/reduction_choice.hpp"
 #include "framework/comm/runtime.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
@@ -188,6 +190,18 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   }
   comms_ =
       std::make_unique<MeshCommunicators>(*mesh_, comm_, prepare_comm_backend(backend_, comm_));
+  if (backend_ == CommBackend::mpi) {
+    // [runtime] reductions, per group (auto: by the --hardware profile; measure: timed now).
+    comms_->set_configure([this, algorithm = config_.runtime.reductions](
+                              Communicator& group, const std::vector<std::string>& axes) {
+      group.set_reduction_choice(
+          choose_reductions(algorithm, group, axes, collective_matmul_hardware()));
+      if (group.size() > 1) {
+        reduction_choices_.push_back(group.description() + ": " +
+                                     meshtrain::describe(group.reduction_choice()));
+      }
+    });
+  }
   world_ = &comms_->get(all_axes(*mesh_));
   context_.emplace(*comms_, layer_axes_.batch, layer_axes_.feature,
                    config_.partition.collective_matmul, config_.runtime.overlap,
@@ -962,6 +976,13 @@ std::vector<std::string> TrainingRun::describe() const {
                                      : std::string("read in the step"),
                                  ", ", data_bytes() >> 10, " KiB on this rank"));
   for (const std::string& line : model_->describe()) lines.push_back("  " + line);
+  // Last: tests index the lines above.
+  if (!reduction_choices_.empty()) {
+    std::string groups;
+    for (const auto& choice : reduction_choices_) groups += (groups.empty() ? "" : "; ") + choice;
+    lines.push_back(
+        detail::concat("  reductions (", to_string(config_.runtime.reductions), "): ", groups));
+  }
   return lines;
 }
 

@@ -244,6 +244,9 @@ class TrainingRun {
   // communication thread (runtime.comm_thread) after every request that may use it.
   std::optional<CommThreadLease> comm_thread_;
   std::unique_ptr<MeshCommunicators> comms_;
+  // "<group>: <algorithm>" of every group of 2 or more ranks ([runtime] reductions), for
+  // describe().
+  std::vector<std::string> reduction_choices_;
   Communicator* world_ = nullptr;  // the group over every mesh axis (owned by comms_)
   std::optional<ParallelContext> context_;
   std::unique_ptr<Mlp> model_;

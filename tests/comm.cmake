@@ -6,6 +6,12 @@ meshtrain_add_test(NAME comm_communicator_test SOURCES comm/communicator_test.cp
 meshtrain_add_test(NAME comm_collective_matmul_test SOURCES comm/collective_matmul_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 8 TIMEOUT 180 EMULATED)
 
+# The MPI backend's own ring reduce-scatter and all-reduce (backends/mpi_ring.hpp): the
+# documented summation order bit for bit, a float64 bound, any count, 16-bit wires, the same
+# bits on every rank, the timeout of a rank that never joins, no allocation when repeated.
+meshtrain_add_test(NAME comm_ring_test SOURCES comm/ring_test.cpp
+                   LIBS meshtrain_framework NP 1 2 3 4 8 TIMEOUT 120 EMULATED)
+
 # A failing rank ends the job (its exit status, its message on stderr) instead of leaving the
 # others waiting in a collective: a failure inside the program, and one while the Runtime
 # starts (a rank without a usable GPU).

@@ -223,6 +223,17 @@ foreach(preset dp fsdp fsdp_tp)
   set_tests_properties(${test} PROPERTIES FIXTURES_REQUIRED train_reference)
 endforeach()
 
+# [runtime] reductions = "ring" (meshtrain's own reduce-scatter and all-reduce) against "mpi"
+# (the MPI library's) on dp and fsdp at np 2: the same logged losses to 1e-5 relative.
+foreach(preset dp fsdp)
+  set(test train_reductions_ring_${preset}_np2)
+  _train_mpirun(mpirun 2)
+  meshtrain_add_command_test(NAME ${test} TIMEOUT 120
+    COMMAND sh ${_train}/reductions_match.sh ${_train_runs}/reductions_${preset}_np2 -- ${mpirun}
+            ${_train_configs}/fashion_mnist_${preset}.toml ${_train_small})
+  _train_slots(${test} 2)
+endforeach()
+
 # --- A picture of a run (issue 12): 20 steps of configs/fashion_mnist_cosine.toml (cosine
 # schedule with warm-up, 2 accumulated micro-batches, evaluation batch 1000) on np 2, then
 # scripts/plot draws its metrics.jsonl into a PNG (skipped, exit 77, when

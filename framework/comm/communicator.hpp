@@ -52,6 +52,25 @@ namespace meshtrain {
 
 enum class ReduceOp { sum, mean };
 
+// Which algorithm the blocking sums (reduce_scatter, all_reduce of floats) of a communicator
+// use, by the bytes this rank contributes (its send buffer): from `*_ring_from` bytes on the
+// MPI backend's own pipelined ring (backends/mpi_ring.hpp), below that the MPI library's
+// collective. Every rank of the group must hold the same choice (the two do not match each
+// other's messages). The default is the library everywhere; other backends (NCCL) ignore it.
+// Started operations (start_all_reduce) always use the library.
+struct ReductionChoice {
+  static constexpr std::size_t kNever = SIZE_MAX;
+  std::size_t reduce_scatter_ring_from = kNever;
+  std::size_t all_reduce_ring_from = kNever;
+
+  static ReductionChoice library() { return {}; }
+  static ReductionChoice ring() { return {0, 0}; }
+  bool operator==(const ReductionChoice& o) const {
+    return reduce_scatter_ring_from == o.reduce_scatter_ring_from &&
+           all_reduce_ring_from == o.all_reduce_ring_from;
+  }
+};
+
 // blocks: the n [r, c] blocks of an all-gather along dim 1 in rank order (n * r * c
 // floats); writes recv [r, n*c] with block j at columns [j*c, (j+1)*c).
 void place_gathered_columns(ConstVectorView blocks, MatrixView recv, int n);
@@ -131,6 +150,9 @@ class Communicator {
   const std::string& description() const { return description_; }
   double timeout_seconds() const { return timeout_seconds_; }
   void set_timeout_seconds(double seconds);
+  // The algorithm of the blocking sums (see ReductionChoice); the same on every rank.
+  const ReductionChoice& reduction_choice() const { return reduction_choice_; }
+  void set_reduction_choice(const ReductionChoice& choice) { reduction_choice_ = choice; }
 
   // Tiled all-gather (see the header comment). send and recv must not overlap.
   void all_gather(ConstVectorView send, VectorView recv, Dtype wire = Dtype::fp32);
@@ -261,6 +283,7 @@ class Communicator {
   int rank_ = 0;
   std::string description_;
   double timeout_seconds_ = 300.0;
+  ReductionChoice reduction_choice_;
   Kokkos::View<float*, Kokkos::LayoutRight> scratch_;  // dim-1 staging, grown on demand
   HalfBits wire_send_, wire_recv_;                     // blocking 16-bit operations
   // all_to_all_v's element counts and offsets: send counts, send offsets, recv counts, recv

@@ -61,6 +61,7 @@ Communicator& MeshCommunicators::get(const std::vector<std::string>& axes) {
                     "the communicator of ", description, " has rank ", comm ? comm->rank() : -1,
                     " of ", comm ? comm->size() : -1, ", expected ", key, " of ",
                     mesh_.size_of(axes));
+  if (configure_) configure_(*comm, axes);
   Communicator& result = *comm;
   comms_.emplace(axes, std::move(comm));
   return result;

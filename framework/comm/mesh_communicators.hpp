@@ -51,11 +51,17 @@ class MeshCommunicators {
   Communicator& get(const std::vector<std::string>& axes);
   bool has(const std::vector<std::string>& axes) const { return comms_.count(axes) != 0; }
 
+  // Called on every communicator built from here on, right after the factory made it (inside
+  // get(), so collective over the group as the build is): e.g. to choose its reductions.
+  using Configure = std::function<void(Communicator&, const std::vector<std::string>& axes)>;
+  void set_configure(Configure configure) { configure_ = std::move(configure); }
+
  private:
   Mesh mesh_;
   MPI_Comm parent_ = MPI_COMM_NULL;
   int rank_ = 0;
   CommunicatorFactory factory_;
+  Configure configure_;
   std::map<std::vector<std::string>, std::unique_ptr<Communicator>> comms_;
 };
 

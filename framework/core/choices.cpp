@@ -89,6 +89,14 @@ const ChoiceTable<CommBackendChoice>& comm_backend_choices() {
   return table;
 }
 
+const ChoiceTable<ReductionAlgorithm>& reduction_algorithm_choices() {
+  static const ChoiceTable<ReductionAlgorithm> table = {{"auto", ReductionAlgorithm::automatic},
+                                                        {"mpi", ReductionAlgorithm::mpi},
+                                                        {"ring", ReductionAlgorithm::ring},
+                                                        {"measure", ReductionAlgorithm::measure}};
+  return table;
+}
+
 const ChoiceTable<MatmulPrecision>& matmul_precision_choices() {
   static const ChoiceTable<MatmulPrecision> table = {{"fp32", MatmulPrecision::fp32},
                                                      {"tf32", MatmulPrecision::tf32}};
@@ -150,6 +158,9 @@ LrScheduleKind parse_lr_schedule(const std::string& name, const std::string& key
 CommBackendChoice parse_comm_backend(const std::string& name, const std::string& key) {
   return parse(comm_backend_choices(), name, key);
 }
+ReductionAlgorithm parse_reduction_algorithm(const std::string& name, const std::string& key) {
+  return parse(reduction_algorithm_choices(), name, key);
+}
 MatmulPrecision parse_matmul_precision(const std::string& name, const std::string& key) {
   return parse(matmul_precision_choices(), name, key);
 }
@@ -184,6 +195,9 @@ const char* to_string(LrScheduleKind value) {
 }
 const char* to_string(CommBackendChoice value) {
   return name_of(comm_backend_choices(), value);
+}
+const char* to_string(ReductionAlgorithm value) {
+  return name_of(reduction_algorithm_choices(), value);
 }
 const char* to_string(MatmulPrecision value) {
   return name_of(matmul_precision_choices(), value);

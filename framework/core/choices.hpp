@@ -13,6 +13,7 @@
 //   optimizer.schedule            LrScheduleKind             constant | linear | cosine
 //   partition.collective_matmul   CollectiveMatmulAlgorithm  naive | ring | bidirectional | auto
 //   runtime.backend               CommBackendChoice          auto | mpi | nccl
+//   runtime.reductions            ReductionAlgorithm         auto | mpi | ring | measure
 //   runtime.matmul_precision      MatmulPrecision            fp32 | tf32
 //   data.source                   DataSource                 fashion_mnist | synthetic | hdf5
 //   data.shuffle                  ShuffleMode                none | rows | blocks (config: false | true | "blocks")
@@ -44,6 +45,10 @@ enum class LossKind { cross_entropy, mse };
 enum class OptimizerKind { sgd, adamw };
 enum class LrScheduleKind { constant, linear, cosine };
 enum class CommBackendChoice { automatic, mpi, nccl };
+// The MPI backend's blocking sums (framework/comm/reduction_choice.hpp): the MPI library's
+// collectives, meshtrain's own ring, the faster of the two by the hardware file (automatic),
+// or as measured when the run starts (measure).
+enum class ReductionAlgorithm { automatic, mpi, ring, measure };
 // [runtime] comm_thread: true | false | "auto" (framework/comm/progress_thread.hpp).
 enum class CommThreadChoice { automatic, on, off };
 // How float GEMMs may round (see framework/core/gemm.hpp).
@@ -71,6 +76,7 @@ const ChoiceTable<OptimizerKind>& optimizer_kind_choices();
 const ChoiceTable<CollectiveMatmulAlgorithm>& collective_matmul_choices();
 const ChoiceTable<LrScheduleKind>& lr_schedule_choices();
 const ChoiceTable<CommBackendChoice>& comm_backend_choices();
+const ChoiceTable<ReductionAlgorithm>& reduction_algorithm_choices();
 const ChoiceTable<MatmulPrecision>& matmul_precision_choices();
 const ChoiceTable<Dtype>& dtype_choices();
 const ChoiceTable<DataSource>& data_source_choices();
@@ -98,6 +104,8 @@ LrScheduleKind parse_lr_schedule(const std::string& name,
                                  const std::string& key = "optimizer.schedule");
 CommBackendChoice parse_comm_backend(const std::string& name,
                                      const std::string& key = "runtime.backend");
+ReductionAlgorithm parse_reduction_algorithm(const std::string& name,
+                                             const std::string& key = "runtime.reductions");
 MatmulPrecision parse_matmul_precision(const std::string& name,
                                        const std::string& key = "runtime.matmul_precision");
 Dtype parse_dtype(const std::string& name, const std::string& key);
@@ -112,6 +120,7 @@ const char* to_string(OptimizerKind value);
 const char* to_string(CollectiveMatmulAlgorithm value);
 const char* to_string(LrScheduleKind value);
 const char* to_string(CommBackendChoice value);
+const char* to_string(ReductionAlgorithm value);
 const char* to_string(MatmulPrecision value);
 const char* to_string(Dtype value);
 const char* to_string(DataSource value);

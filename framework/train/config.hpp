@@ -158,6 +158,11 @@ struct RuntimeSection {
   bool overlap = false;
   // Size cap of a DP gradient bucket under overlap, in MiB (PyTorch DDP's bucket_cap_mb).
   double bucket_mb = 25.0;
+  // The MPI backend's blocking reduce-scatters and all-reduces: the MPI library's, meshtrain's
+  // own ring, per group and size the faster of the two by the hardware file (auto; without
+  // one the ring from 64 KiB), or as measured at start (measure). NCCL keeps its own
+  // (docs/communication.md).
+  ReductionAlgorithm reductions = ReductionAlgorithm::automatic;
   // A thread that progresses the started operations while the main thread computes
   // (framework/comm/progress_thread.hpp): true, false, or automatic (on with overlap where a
   // core is free for it; want_comm_thread in framework/comm/runtime.hpp).

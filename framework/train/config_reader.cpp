@@ -47,7 +47,8 @@ const ConfigSchema& config_schema() {
       {"train",
        {"epochs", "steps", "log_every", "eval_every", "accumulation_steps", "early_stopping"}},
       {"checkpoint", {"every_steps", "keep", "resume", "dir", "async", "keep_best", "init_from"}},
-      {"runtime", {"backend", "matmul_precision", "overlap", "bucket_mb", "comm_thread"}},
+      {"runtime",
+       {"backend", "matmul_precision", "overlap", "bucket_mb", "comm_thread", "reductions"}},
       {"mixed_precision", {"param_dtype", "reduce_dtype"}},
   };
   return sections;
@@ -648,6 +649,7 @@ void read_runtime(const Section& s, RuntimeSection& runtime) {
   runtime.matmul_precision =
       s.choice("matmul_precision", runtime.matmul_precision, matmul_precision_choices());
   runtime.overlap = s.boolean("overlap", runtime.overlap);
+  runtime.reductions = s.choice("reductions", runtime.reductions, reduction_algorithm_choices());
   runtime.bucket_mb = s.number("bucket_mb").value_or(runtime.bucket_mb);
   // comm_thread: true, false or "auto".
   if (const toml::node* node = s.table().get("comm_thread")) {

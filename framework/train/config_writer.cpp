@@ -118,7 +118,8 @@ std::string config_to_toml(const RunConfig& config) {
   toml::table runtime{{"backend", to_string(config.runtime.backend)},
                       {"matmul_precision", to_string(config.runtime.matmul_precision)},
                       {"overlap", config.runtime.overlap},
-                      {"bucket_mb", config.runtime.bucket_mb}};
+                      {"bucket_mb", config.runtime.bucket_mb},
+                      {"reductions", to_string(config.runtime.reductions)}};
   if (config.runtime.comm_thread == CommThreadChoice::automatic) {
     runtime.insert("comm_thread", "auto");
   } else {

@@ -3,6 +3,7 @@
 #include <toml++/toml.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -45,7 +46,9 @@ void reject_unknown(const toml::table& table, std::initializer_list<const char*>
           at(source, &node), ": unknown hardware profile key ", prefix, std::string(key.str()),
           " (keys: gemm_flops, memory_bandwidth, overlap, [[gemm]] shape, transpose, flops, ",
           "[links.<axis>] ", "bandwidth, latency, collective_bandwidth, reduce_scatter_bandwidth, ",
-          "all_reduce_bandwidth, exchange_bandwidth, bidirectional_bandwidth, ", "[measured])");
+          "all_reduce_bandwidth, exchange_bandwidth, bidirectional_bandwidth, ",
+          "ring_reduce_scatter_bandwidth, ring_all_reduce_bandwidth, ring_reduce_scatter_from, ",
+          "ring_all_reduce_from, [measured])");
     }
   }
 }
@@ -157,7 +160,9 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
       MESHTRAIN_BAD_INPUT(at(source, node), ": hardware profile key ", prefix, " must be a table");
     reject_unknown(*t,
                    {"bandwidth", "latency", "collective_bandwidth", "reduce_scatter_bandwidth",
-                    "all_reduce_bandwidth", "exchange_bandwidth", "bidirectional_bandwidth"},
+                    "all_reduce_bandwidth", "exchange_bandwidth", "bidirectional_bandwidth",
+                    "ring_reduce_scatter_bandwidth", "ring_all_reduce_bandwidth",
+                    "ring_reduce_scatter_from", "ring_all_reduce_from"},
                    prefix + ".", source);
     LinkProfile l;
     l.bandwidth = number(*t, "bandwidth", prefix + ".bandwidth", source, true, 0);
@@ -174,6 +179,24 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
     l.bidirectional_bandwidth =
         number(*t, "bidirectional_bandwidth", prefix + ".bidirectional_bandwidth", source, false,
                l.exchange_bandwidth);
+    // The ring's figures (files written before it lack them: not measured).
+    l.ring_reduce_scatter_bandwidth =
+        number(*t, "ring_reduce_scatter_bandwidth", prefix + ".ring_reduce_scatter_bandwidth",
+               source, false, 0.0);
+    l.ring_all_reduce_bandwidth = number(*t, "ring_all_reduce_bandwidth",
+                                         prefix + ".ring_all_reduce_bandwidth", source, false, 0.0);
+    l.ring_reduce_scatter_from =
+        number(*t, "ring_reduce_scatter_from", prefix + ".ring_reduce_scatter_from", source, false,
+               l.ring_reduce_scatter_from);
+    l.ring_all_reduce_from = number(*t, "ring_all_reduce_from", prefix + ".ring_all_reduce_from",
+                                    source, false, l.ring_all_reduce_from);
+    for (const double v : {l.ring_reduce_scatter_bandwidth, l.ring_all_reduce_bandwidth,
+                           l.ring_reduce_scatter_from, l.ring_all_reduce_from}) {
+      if (!(v >= 0.0)) {
+        MESHTRAIN_BAD_INPUT(at(source, t), ": hardware profile table ", prefix,
+                            " has a negative or NaN ring_* value");
+      }
+    }
     p.links[axis] = l;
   }
   check_hardware_profile(p);
@@ -219,6 +242,20 @@ std::string hardware_profile_to_toml(const HardwareProfile& p, const std::string
         << "  # B/s per rank of a ring hop (send and receive at once)\n"
         << "bidirectional_bandwidth = " << number_text(l.bidirectional_bandwidth)
         << "  # B/s per rank of a bidirectional hop (halves both ways)\n";
+    if (l.ring_measured()) {
+      out << "ring_reduce_scatter_bandwidth = " << number_text(l.ring_reduce_scatter_bandwidth)
+          << "  # B/s per rank in meshtrain's ring reduce-scatter\n"
+          << "ring_all_reduce_bandwidth = " << number_text(l.ring_all_reduce_bandwidth)
+          << "  # B/s per rank in meshtrain's ring all-reduce\n";
+      if (std::isfinite(l.ring_reduce_scatter_from)) {
+        out << "ring_reduce_scatter_from = " << number_text(l.ring_reduce_scatter_from)
+            << "  # bytes per rank from which the ring was faster\n";
+      }
+      if (std::isfinite(l.ring_all_reduce_from)) {
+        out << "ring_all_reduce_from = " << number_text(l.ring_all_reduce_from)
+            << "  # bytes per rank from which the ring was faster\n";
+      }
+    }
   }
   for (const GemmRate& r : p.gemm_rates) {
     const GemmShape& g = r.shape;

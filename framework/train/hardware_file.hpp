@@ -16,6 +16,10 @@
 //   exchange_bandwidth = 2e9     # B/s per rank of a ring hop (optional: = bandwidth)
 //   bidirectional_bandwidth = 2e9  # B/s per rank of a bidirectional hop
 //                                  # (optional: = exchange_bandwidth)
+//   ring_reduce_scatter_bandwidth = 3e9  # the same for meshtrain's ring (optional: not measured)
+//   ring_all_reduce_bandwidth = 3e9      # (optional, both or neither)
+//   ring_reduce_scatter_from = 65536     # bytes per rank from which the ring measured faster
+//   ring_all_reduce_from = 65536         # (optional: never); [runtime] reductions = "auto"
 //   [[gemm]]                     # optional, any number: one GEMM shape's measured rate
 //   shape = [128, 2048, 2048]    # m, k, n of op(A) [m x k] @ op(B) [k x n]
 //   transpose = "NT"             # whether A, B are transposed (N or T each)

@@ -14,6 +14,14 @@ trap 'rm -rf "$dir"' EXIT
 grep -q '^gemm_flops = ' "$dir/hw.toml" || { echo "FAIL: no gemm_flops in:"; cat "$dir/hw.toml"; exit 1; }
 # The config's GEMM shapes, each measured ([[gemm]] tables).
 grep -q '^\[\[gemm\]\]' "$dir/hw.toml" || { echo "FAIL: no [[gemm]] in:"; cat "$dir/hw.toml"; exit 1; }
+# With a link to measure: meshtrain's ring against the library ([runtime] reductions).
+if [ "$np" -ge 2 ]; then
+  for key in ring_reduce_scatter_bandwidth ring_all_reduce_bandwidth; do
+    grep -q "^$key = " "$dir/hw.toml" || { echo "FAIL: no $key in:"; cat "$dir/hw.toml"; exit 1; }
+  done
+  grep -q '_reductions_1048576_bytes = "reduce-scatter library' "$dir/hw.toml" ||
+    { echo "FAIL: no per-size reduction timings in [measured]:"; cat "$dir/hw.toml"; exit 1; }
+fi
 "$meshtrain" plan "$config" --world "$np" --hardware "$dir/hw.toml" > "$dir/plan.txt" || exit 1
 for want in "hardware: $dir/hw.toml" "predicted " "scaling (cost model" "  1024  "; do
   grep -qF -- "$want" "$dir/plan.txt" || { echo "FAIL: '$want' missing from:"; cat "$dir/plan.txt"; exit 1; }

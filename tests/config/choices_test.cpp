@@ -55,6 +55,9 @@ TEST(Choices, TheConfigAcceptsExactlyWhatTheParsersAccept) {
       comm_backend_choices(), [](const std::string& n) { return parse_comm_backend(n); }, "runtime",
       "backend");
   expect_config_and_parser_agree(
+      reduction_algorithm_choices(),
+      [](const std::string& n) { return parse_reduction_algorithm(n); }, "runtime", "reductions");
+  expect_config_and_parser_agree(
       matmul_precision_choices(), [](const std::string& n) { return parse_matmul_precision(n); },
       "runtime", "matmul_precision");
 }

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "base/error.hpp"
 
 namespace meshtrain {
@@ -80,6 +82,48 @@ TEST(HardwareFile, CollectiveBandwidthDefaultsToBandwidth) {
   // ... and no storage: the defaults' local SSD.
   EXPECT_DOUBLE_EQ(p.storage_read_bandwidth, default_hardware_profile().storage_read_bandwidth);
   EXPECT_DOUBLE_EQ(p.storage_read_latency, default_hardware_profile().storage_read_latency);
+}
+
+// The ring's keys (calibrate measures meshtrain's ring against the library): written only
+// where measured, read back; a profile without them (older) has none measured, and
+// select_reduction_rates then keeps the library's rates.
+TEST(HardwareFile, RingReductionsRoundTripAndOldFilesLoad) {
+  HardwareProfile p = measured_profile();
+  LinkProfile& fsdp = p.links["fsdp"];
+  fsdp.ring_reduce_scatter_bandwidth = 4.5e7;
+  fsdp.ring_all_reduce_bandwidth = 1.0e7;  // slower than the library's 1.7e7
+  fsdp.ring_reduce_scatter_from = 65536;   // all_reduce: never (infinite, not written)
+  const std::string text = hardware_profile_to_toml(p);
+  EXPECT_EQ(text.find("ring_all_reduce_from"), std::string::npos) << text;
+  const HardwareProfile back = parse_hardware_profile(text, "measured.toml");
+  const LinkProfile& l = back.link("fsdp");
+  ASSERT_TRUE(l.ring_measured());
+  EXPECT_DOUBLE_EQ(l.ring_reduce_scatter_bandwidth, 4.5e7);
+  EXPECT_DOUBLE_EQ(l.ring_all_reduce_bandwidth, 1.0e7);
+  EXPECT_DOUBLE_EQ(l.ring_reduce_scatter_from, 65536);
+  EXPECT_TRUE(std::isinf(l.ring_all_reduce_from));
+  EXPECT_FALSE(back.link("tp").ring_measured());
+  // A group runs the ring only where every axis measured it: tp did not.
+  EXPECT_FALSE(back.group_link({"fsdp", "tp"}).ring_measured());
+
+  // The chosen algorithm's rates: ring only, library only, the faster of the two.
+  HardwareProfile ring = back, library = back, faster = back;
+  select_reduction_rates(ring, true, false);
+  select_reduction_rates(library, false, true);
+  select_reduction_rates(faster, true, true);
+  EXPECT_DOUBLE_EQ(ring.link("fsdp").reduce_scatter_bandwidth, 4.5e7);
+  EXPECT_DOUBLE_EQ(ring.link("fsdp").all_reduce_bandwidth, 1.0e7);
+  EXPECT_DOUBLE_EQ(library.link("fsdp").reduce_scatter_bandwidth, 1.2e7);
+  EXPECT_DOUBLE_EQ(faster.link("fsdp").reduce_scatter_bandwidth, 4.5e7);
+  EXPECT_DOUBLE_EQ(faster.link("fsdp").all_reduce_bandwidth, 1.7e7);
+  EXPECT_DOUBLE_EQ(ring.link("tp").reduce_scatter_bandwidth, 6.5e8);  // not measured: library
+
+  // An older file (no ring keys) loads with nothing measured.
+  std::string old_text = "gemm_flops = 1e11\nmemory_bandwidth = 1e10\n";
+  for (const auto& axis : hardware_axes()) {
+    old_text += "[links." + axis + "]\nbandwidth = 5e9\nlatency = 0\n";
+  }
+  EXPECT_FALSE(parse_hardware_profile(old_text, "old.toml").link("dp").ring_measured());
 }
 
 // One sentence naming the file and the key.

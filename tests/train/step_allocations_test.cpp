@@ -231,8 +231,10 @@ Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgo
                                  const DataCase& data = {}, MixedPrecision precision = {},
                                  const std::vector<int64_t>& moe_layers = {},
                                  double dropout = 0.0,
-                                 const ModelSection* residual = nullptr) {
+                                 const ModelSection* residual = nullptr,
+                                 ReductionAlgorithm reductions = ReductionAlgorithm::automatic) {
   RunConfig config;
+  config.runtime.reductions = reductions;
   config.model.dropout = dropout;
   config.model.moe_layers = moe_layers;  // 4 experts, top-2
   config.model.experts = 4;
@@ -308,6 +310,24 @@ TEST(TrainingStep, AllocatesNothingOnTheHeap) {
                                    OptimizerKind::sgd),
               Allocations{})
         << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+  }
+}
+
+// [runtime] reductions = "ring" (meshtrain's own reduce-scatter and all-reduce, whose
+// partial-sum buffers grow in step 1), fp32 and bf16: nothing allocated either.
+TEST(TrainingStep, RingReductionsAllocateNothing) {
+  for (const MeshCase& c : mesh_cases()) {
+    for (const Dtype dtype : {Dtype::fp32, Dtype::bf16}) {
+      SCOPED_TRACE(c.preset + ", reductions ring, " + (dtype == Dtype::fp32 ? "fp32" : "bf16"));
+      MixedPrecision precision;
+      precision.param = dtype;
+      precision.reduce = dtype;
+      EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::naive, LossKind::cross_entropy,
+                                     OptimizerKind::adamw, 1, 0, false, 25.0, {}, precision, {},
+                                     0.0, nullptr, ReductionAlgorithm::ring),
+                Allocations{})
+          << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+    }
   }
 }
 

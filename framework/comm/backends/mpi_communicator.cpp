@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "framework/comm/backends/host_staging.hpp"
+#include "framework/comm/backends/mpi_ring.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/progress_thread.hpp"
 #include "framework/comm/slot_pool.hpp"
@@ -33,6 +34,8 @@ struct MpiCommunicator::State {
   SlotPool<MpiRequestSlot> request_slots;
   // Host copies for the blocking operations when Kokkos' memory is device memory.
   HostStaging staging;
+  // The ring reductions' partial sums and requests (mpi_ring.hpp), grown on first use, kept.
+  RingScratch ring;
   // MPI_Ialltoallv's int send counts, send displacements, receive counts and receive
   // displacements, one per rank each (sized when the communicator is made: no call allocates).
   std::vector<int> alltoallv_layout;
@@ -307,6 +310,26 @@ MpiRequestSlot& acquire_request_slot(const std::shared_ptr<MpiCommunicator::Stat
   return slot;
 }
 
+// The ring's failures on this communicator's state: as a timed-out or failed library call,
+// the live requests are abandoned and the communicator becomes unusable.
+class RingFailureOnState final : public RingFailure {
+ public:
+  RingFailureOnState(MpiCommunicator::State& state, double timeout, const char* op)
+      : state_(state), timeout_(timeout), op_(op) {}
+  [[noreturn]] void timed_out(MPI_Request* live, int count) override {
+    throw_timeout(state_, live, count, timeout_, op_);
+  }
+  [[noreturn]] void failed(int code, const char* call, MPI_Request* live, int count) override {
+    abandon(state_, live, count, std::string("a failed ") + op_);
+    state_.fail_call(code, op_, call);
+  }
+
+ private:
+  MpiCommunicator::State& state_;
+  double timeout_;
+  const char* op_;
+};
+
 }  // namespace
 
 MpiCommunicator::State::~State() {
@@ -399,6 +422,21 @@ void MpiCommunicator::raw_all_gather(const void* send, void* recv, std::size_t c
 void MpiCommunicator::raw_reduce_scatter_sum(const void* send, void* recv,
                                              std::size_t count_per_rank, Dtype dtype,
                                              const char* op) {
+  const std::size_t send_bytes =
+      count_per_rank * static_cast<std::size_t>(size()) * bytes_of(dtype);
+  if (size() > 1 && send_bytes >= reduction_choice().reduce_scatter_ring_from) {
+    state_->require_usable(op);
+    Kokkos::fence();
+    HostStaging& staging = state_->staging;
+    const std::size_t recv_bytes = count_per_rank * bytes_of(dtype);
+    RingFailureOnState failure(*state_, timeout_seconds(), op);
+    const RingLink link{state_->comm, size(), rank(), timeout_seconds(), state_->ring, failure};
+    ring_reduce_scatter(link, staging.send_buffer(bytes(send), send_bytes),
+                        staging.receive_buffer(bytes(recv), recv_bytes, false), count_per_rank,
+                        dtype);
+    staging.finish_receive(bytes(recv), recv_bytes);
+    return;
+  }
   const int count = checked_int(count_per_rank, "reduce_scatter count per rank");
   const std::size_t element = bytes_of(dtype);
   const std::size_t total = count_per_rank * static_cast<std::size_t>(size());
@@ -436,6 +474,17 @@ void MpiCommunicator::all_reduce_in_pieces(T* data, std::size_t count, MPI_Datat
 
 void MpiCommunicator::raw_all_reduce_sum(void* data, std::size_t count, Dtype dtype,
                                          const char* op) {
+  const std::size_t data_bytes = count * bytes_of(dtype);
+  if (size() > 1 && data_bytes >= reduction_choice().all_reduce_ring_from) {
+    state_->require_usable(op);
+    Kokkos::fence();
+    HostStaging& staging = state_->staging;
+    RingFailureOnState failure(*state_, timeout_seconds(), op);
+    const RingLink link{state_->comm, size(), rank(), timeout_seconds(), state_->ring, failure};
+    ring_all_reduce(link, staging.receive_buffer(bytes(data), data_bytes, true), count, dtype);
+    staging.finish_receive(bytes(data), data_bytes);
+    return;
+  }
   if (dtype == Dtype::fp32) {
     all_reduce_in_pieces(static_cast<float*>(data), count, MPI_FLOAT, MPI_SUM, op);
   } else {

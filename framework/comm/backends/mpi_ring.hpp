@@ -1,0 +1,102 @@
+#pragma once
+// meshtrain's own ring reduce-scatter and all-reduce over MPI point-to-point messages, for
+// the MPI backend ([runtime] reductions = "ring", or "auto" where it measured faster; see
+// docs/communication.md). Open MPI's reduce-scatter runs several times below what the memory
+// allows (issue 29: 52-84 ms for 80 MB on 2 ranks, where a ring takes 13-15 ms).
+//
+// Algorithm, for a group of n ranks, this rank r, the data split into n blocks:
+//   reduce-scatter: n - 1 steps; at step s rank r sends its partial sum of block
+//     (r - 1 - s) mod n to rank r + 1 and receives the partial sum of block (r - 2 - s) mod n
+//     from rank r - 1, adds its own contribution and passes that on at the next step. After
+//     the last step rank r holds the full sum of block r.
+//   all-reduce: the reduce-scatter over blocks of ceil/floor(count / n) elements (the first
+//     count mod n blocks one longer), then an all-gather of the summed blocks in place (plain
+//     copies: every rank ends with the same bits): the library's MPI_Iallgatherv where the
+//     byte offsets fit an int (measured faster than a ring of copies on shared memory), else
+//     (or with env MESHTRAIN_RING_ALL_GATHER=ring) a ring of n - 1 steps.
+// Summation order (deterministic, the same in every run): the sum of block b starts at rank
+// (b + 1) mod n and proceeds around the ring: ((x[b+1] + x[b+2]) + x[b+3]) + ... + x[b], each
+// addition in fp32. With a 16-bit wire (bf16, fp16) the partial sums travel as 16-bit values
+// and each is rounded once per hop, as with MPI's 16-bit user operation and NCCL: a block's
+// sum is rounded n - 1 times (for n = 1, never).
+// Pipelining: each step's message is cut into segments of kRingSegmentBytes; all of a step's
+// receives and sends are posted at once, and segment k is added while segments k + 1, ...
+// are still moving. Every MPI count is at most one segment, so any total count (beyond 2^31
+// elements too) is safe.
+// Memory: the caller's buffers are host memory (the backend stages device memory through the
+// host first, as for its other operations). The ring keeps two partial-sum buffers of one
+// block each and its MPI requests in RingScratch, grown on first use and kept: repeated calls
+// up to the same size allocate nothing.
+// Waiting: every wait polls the MPI requests (mpi_util.hpp wait_all_until) for at most the
+// communicator's timeout; when it passes, or MPI fails, the backend's RingFailure abandons
+// the live requests and throws, as the MPI library path does.
+
+#include <mpi.h>
+
+#include <Kokkos_Core.hpp>
+#include <cstddef>
+#include <vector>
+
+#include "base/dtype.hpp"
+
+namespace meshtrain {
+
+// Bytes per message segment (tunable: 1 MiB measured best on a shared-memory node).
+constexpr std::size_t kRingSegmentBytes = std::size_t{1} << 20;
+
+// The ring's buffers between calls (owned by the backend's communicator state).
+class RingScratch {
+ public:
+  // Grows `buffers` (1 or 2) partial-sum buffers to `block_bytes` each and the request array
+  // to what blocks of that size need, so that later calls up to this size allocate nothing.
+  // A group of 2 needs one buffer, larger groups two.
+  void reserve(std::size_t block_bytes, int buffers = 2);
+  char* partial(int which) { return partial_[which].data(); }
+  MPI_Request* requests() { return requests_.data(); }
+  std::vector<int>& gather_layout() { return gather_layout_; }
+  std::size_t block_capacity() const { return partial_[0].extent(0); }
+
+ private:
+  Kokkos::View<char*, Kokkos::HostSpace> partial_[2];
+  std::vector<MPI_Request> requests_;
+  std::vector<int> gather_layout_;  // MPI_Iallgatherv's counts and displacements
+};
+
+// What the ring cannot recover from, handled by the backend that owns the communicator's
+// state: both abandon the requests still live in `live` (they may yet touch the buffers) and
+// mark the communicator unusable before they throw.
+class RingFailure {
+ public:
+  // A wait passed the timeout (a rank did not join).
+  [[noreturn]] virtual void timed_out(MPI_Request* live, int count) = 0;
+  // An MPI call returned `code`.
+  [[noreturn]] virtual void failed(int code, const char* call, MPI_Request* live, int count) = 0;
+
+ protected:
+  ~RingFailure() = default;
+};
+
+// The group the ring runs on.
+struct RingLink {
+  MPI_Comm comm;
+  int size;
+  int rank;
+  double timeout_seconds;  // per wait
+  RingScratch& scratch;
+  RingFailure& failure;
+};
+
+// Tiled reduce-scatter with sum: `send` holds size blocks of `count_per_rank` elements of
+// `dtype` (fp32: float; bf16, fp16: their bits), `recv` gets the sum of block `rank`. Host
+// memory; send and recv do not overlap.
+void ring_reduce_scatter(const RingLink& link, const void* send, void* recv,
+                         std::size_t count_per_rank, Dtype dtype);
+// In-place sum of `count` elements over the group; every rank ends with the same bits.
+void ring_all_reduce(const RingLink& link, void* data, std::size_t count, Dtype dtype);
+
+// Env MESHTRAIN_RING_ALL_GATHER: "ring" -> true (the all-reduce's all-gather as a ring of
+// copies), unset, empty or "library" -> false (MPI_Iallgatherv); bad_input otherwise. Read at
+// every all-reduce (no allocation).
+bool ring_all_gather_from_env();
+
+}  // namespace meshtrain

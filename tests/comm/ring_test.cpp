@@ -1,0 +1,356 @@
+// The MPI backend's ring reductions (framework/comm/backends/mpi_ring.hpp) through the public
+// Communicator API: reduce_scatter (dim 0 and dim 1) and all_reduce, fp32 and 16-bit wires,
+// counts 0, 1, not divisible by the group and spanning several segments. Each result is
+// checked three ways:
+// - bit for bit against a host emulation of the documented summation order (block b summed
+//   from rank (b + 1) mod n around the ring, each partial sum rounded to the wire type);
+// - against a float64 sum within the rounding bound of that order: for fp32,
+//   (n - 1) * 2^-24 * sum_j |x_j| per element; for a 16-bit wire with unit roundoff u
+//   (bf16 2^-8, fp16 2^-11), (2n - 1) * u * 1.01 * sum_j |x_j| (each input rounded once when
+//   packed, each of the n - 1 partial sums once), plus (2n - 1) * 2^-25 for fp16's subnormals;
+// - the same bits on every rank (all_reduce) and in a second run.
+// Also: a rank that never joins turns into the MPI path's timeout error; repeated calls
+// allocate nothing.
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <Kokkos_Core.hpp>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "comm_test_util.hpp"
+#include "framework/comm/backends/mpi_communicator.hpp"
+#include "framework/comm/backends/mpi_ring.hpp"
+#include "framework/comm/reduction_choice.hpp"
+#include "framework/core/precision.hpp"
+#include "tests/test_support.hpp"
+
+namespace meshtrain::testing {
+namespace {
+
+using HostVector = Kokkos::View<float*, Kokkos::HostSpace>;
+using DeviceVector = Kokkos::View<float*>;
+
+// Rank r's input: `count` values in [-1, 1) from seed (salt, r).
+std::vector<float> input_of(int rank, std::size_t count, uint64_t salt) {
+  std::vector<float> x(count);
+  for (std::size_t k = 0; k < count; ++k) x[k] = value_at(salt * 131 + rank + 1, 0, k);
+  return x;
+}
+
+DeviceVector to_device(const std::vector<float>& x) {
+  HostVector h("host", x.size());
+  for (std::size_t k = 0; k < x.size(); ++k) h(k) = x[k];
+  DeviceVector d("device", x.size());
+  Kokkos::deep_copy(d, h);
+  return d;
+}
+
+std::vector<float> to_vector(const DeviceVector& d) {
+  HostVector h("host", d.extent(0));
+  Kokkos::deep_copy(h, d);
+  return std::vector<float>(h.data(), h.data() + h.extent(0));
+}
+
+const char* wire_name(Dtype wire) {
+  return wire == Dtype::fp32 ? "fp32" : wire == Dtype::bf16 ? "bf16" : "fp16";
+}
+
+double unit_roundoff(Dtype wire) {
+  switch (wire) {
+    case Dtype::bf16:
+      return std::ldexp(1.0, -8);
+    case Dtype::fp16:
+      return std::ldexp(1.0, -11);
+    default:
+      return std::ldexp(1.0, -24);
+  }
+}
+
+// Element `k` of block `b` of every rank's input summed in the documented ring order.
+float ring_order_sum(const std::vector<std::vector<float>>& inputs, int b, std::size_t index,
+                     Dtype wire) {
+  const int n = static_cast<int>(inputs.size());
+  float sum = round_to(inputs[(b + 1) % n][index], wire);
+  for (int j = 2; j <= n; ++j) {
+    sum = round_to(sum + round_to(inputs[(b + j) % n][index], wire), wire);
+  }
+  return sum;
+}
+
+// Checks `got` (the sum of element `index` of every rank's input) against the ring order bit
+// for bit and against a float64 sum within the bound stated at the top.
+void expect_ring_sum(const std::vector<std::vector<float>>& inputs, int block, std::size_t index,
+                     float got, Dtype wire) {
+  const int n = static_cast<int>(inputs.size());
+  const float ordered = ring_order_sum(inputs, block, index, wire);
+  double exact = 0.0, magnitude = 0.0;
+  for (const auto& x : inputs) {
+    exact += x[index];
+    magnitude += std::fabs(x[index]);
+  }
+  const double u = unit_roundoff(wire);
+  // fp16 rounds to a fixed spacing of 2^-24 below 2^-14 (subnormals): half of it per rounding.
+  const double subnormal = wire == Dtype::fp16 ? (2 * n - 1) * std::ldexp(1.0, -25) : 0.0;
+  const double bound = wire == Dtype::fp32 ? (n - 1) * u * magnitude
+                                           : (2 * n - 1) * u * 1.01 * magnitude + subnormal;
+  uint32_t got_bits = 0, ordered_bits = 0;
+  std::memcpy(&got_bits, &got, 4);
+  std::memcpy(&ordered_bits, &ordered, 4);
+  ASSERT_EQ(got_bits, ordered_bits) << "element " << index << " of block " << block << ": " << got
+                                    << " vs the ring order's " << ordered;
+  ASSERT_LE(std::fabs(got - exact), bound) << "element " << index << ": " << got << " vs " << exact;
+}
+
+uint64_t bits_hash(const std::vector<float>& x) {
+  uint64_t h = 1469598103934665603ull;
+  for (float v : x) {
+    uint32_t b = 0;
+    std::memcpy(&b, &v, 4);
+    h = (h ^ b) * 1099511628211ull;
+  }
+  return h;
+}
+
+// True when every rank of the world passed the same hash.
+bool same_on_every_rank(uint64_t hash) {
+  uint64_t low = hash, high = hash;
+  MPI_Allreduce(MPI_IN_PLACE, &low, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(MPI_IN_PLACE, &high, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+  return low == hash && high == hash;
+}
+
+// One segment is kRingSegmentBytes: 262,144 floats or 524,288 16-bit values.
+constexpr std::size_t kSeveralSegments = 300007;
+
+TEST(Ring, ReduceScatterFollowsTheDocumentedOrder) {
+  const int n = world_size(), rank = world_rank();
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (fsdp)");
+  comm.set_reduction_choice(ReductionChoice::ring());
+  for (Dtype wire : {Dtype::fp32, Dtype::bf16, Dtype::fp16}) {
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, kSeveralSegments}) {
+      SCOPED_TRACE(std::string(wire_name(wire)) + " count per rank " + std::to_string(count));
+      const std::size_t total = count * n;
+      std::vector<std::vector<float>> inputs;
+      for (int r = 0; r < n; ++r) inputs.push_back(input_of(r, total, count));
+      const DeviceVector send = to_device(inputs[rank]);
+      DeviceVector recv("recv", count);
+      comm.reduce_scatter(send, recv, wire);
+      const std::vector<float> first = to_vector(recv);
+      for (std::size_t k = 0; k < count; ++k) {
+        expect_ring_sum(inputs, rank, rank * count + k, first[k], wire);
+      }
+      Kokkos::deep_copy(recv, 0.0f);
+      comm.reduce_scatter(send, recv, wire);
+      EXPECT_EQ(bits_hash(to_vector(recv)), bits_hash(first)) << "a second run differs";
+    }
+  }
+}
+
+// Both all-gathers of the all-reduce: the library's MPI_Iallgatherv (default) and the ring of
+// copies (MESHTRAIN_RING_ALL_GATHER=ring, what counts beyond an int's bytes use).
+class RingAllReduce : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(RingAllReduce, IsTheSameOnEveryRankForAnyCount) {
+  ::setenv("MESHTRAIN_RING_ALL_GATHER", GetParam(), 1);
+  ASSERT_EQ(ring_all_gather_from_env(), std::string(GetParam()) == "ring");
+  const int n = world_size(), rank = world_rank();
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
+  comm.set_reduction_choice(ReductionChoice::ring());
+  const std::size_t uneven = 2 * static_cast<std::size_t>(n) + 1;
+  for (Dtype wire : {Dtype::fp32, Dtype::bf16}) {
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, uneven, 2 * kSeveralSegments + 1}) {
+      SCOPED_TRACE(std::string(wire_name(wire)) + " count " + std::to_string(count));
+      std::vector<std::vector<float>> inputs;
+      for (int r = 0; r < n; ++r) inputs.push_back(input_of(r, count, count + 3));
+      DeviceVector data = to_device(inputs[rank]);
+      comm.all_reduce(data, ReduceOp::sum, wire);
+      const std::vector<float> got = to_vector(data);
+      // Blocks of ceil/floor(count / n): the first count mod n one element longer.
+      const std::size_t base = count / n, extra = count % n;
+      std::size_t k = 0;
+      for (int b = 0; b < n; ++b) {
+        const std::size_t length = base + (static_cast<std::size_t>(b) < extra ? 1 : 0);
+        for (std::size_t e = 0; e < length; ++e, ++k) expect_ring_sum(inputs, b, k, got[k], wire);
+      }
+      EXPECT_TRUE(same_on_every_rank(bits_hash(got))) << "ranks hold different bits";
+      DeviceVector again = to_device(inputs[rank]);
+      comm.all_reduce(again, ReduceOp::sum, wire);
+      EXPECT_EQ(bits_hash(to_vector(again)), bits_hash(got)) << "a second run differs";
+    }
+  }
+  // mean divides the ring's sum.
+  DeviceVector ones = to_device(std::vector<float>(5, 1.0f));
+  comm.all_reduce(ones, ReduceOp::mean);
+  for (float v : to_vector(ones)) EXPECT_EQ(v, 1.0f);
+  ::unsetenv("MESHTRAIN_RING_ALL_GATHER");
+}
+
+INSTANTIATE_TEST_SUITE_P(Ring, RingAllReduce, ::testing::Values("library", "ring"));
+
+TEST(Ring, AllGatherChoiceFromEnvironment) {
+  ::setenv("MESHTRAIN_RING_ALL_GATHER", "fast", 1);
+  expect_bad_input([] { ring_all_gather_from_env(); }, {"MESHTRAIN_RING_ALL_GATHER", "'fast'"});
+  ::unsetenv("MESHTRAIN_RING_ALL_GATHER");
+  EXPECT_FALSE(ring_all_gather_from_env());
+}
+
+// Dim-1 reduce_scatter packs column blocks and then runs the ring: column block i of the
+// sum, as the library gives it within the fp32 bound.
+TEST(Ring, ReduceScatterAlongDimOneMatchesTheLibrary) {
+  const int n = world_size(), rank = world_rank();
+  const std::size_t rows = 5, cols = 3;
+  auto ring = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (tp)");
+  ring.set_reduction_choice(ReductionChoice::ring());
+  auto library = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (tp)");
+  const DeviceMatrix send = make_matrix("send", rows, n * cols, 17 + rank);
+  DeviceMatrix by_ring("ring", rows, cols), by_library("library", rows, cols);
+  ring.reduce_scatter(send, by_ring, 1);
+  library.reduce_scatter(send, by_library, 1);
+  const HostMatrix a = to_host(by_ring), b = to_host(by_library);
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t c = 0; c < cols; ++c) {
+      double exact = 0.0;
+      for (int j = 0; j < n; ++j) exact += value_at(17 + j, r, rank * cols + c);
+      const double bound = (n - 1) * std::ldexp(1.0, -24) * n;  // |x| < 1
+      EXPECT_LE(std::fabs(a(r, c) - exact), bound) << "ring at " << r << ", " << c;
+      EXPECT_LE(std::fabs(a(r, c) - b(r, c)), 2 * bound) << "ring vs library at " << r << ", " << c;
+    }
+  }
+}
+
+// A choice by size: below the threshold the library runs, from it on the ring (the ring's
+// scratch grows only when it runs).
+TEST(Ring, ThresholdPicksTheAlgorithmBySize) {
+  if (world_size() < 2) GTEST_SKIP() << "one rank never reduces";
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
+  ReductionChoice choice;
+  choice.all_reduce_ring_from = 4096;  // bytes
+  comm.set_reduction_choice(choice);
+  int64_t allocations = 0;
+  static int64_t* counter = nullptr;
+  counter = &allocations;
+  Kokkos::Tools::Experimental::set_allocate_data_callback(
+      [](const Kokkos::Profiling::SpaceHandle, const char* label, const void*, const uint64_t) {
+        if (std::string(label) == "meshtrain::ring_partial_sums") ++*counter;
+      });
+  DeviceVector small("small", 1023), large("large", 1024);
+  comm.all_reduce(small);
+  EXPECT_EQ(allocations, 0) << "1023 floats went through the ring";
+  comm.all_reduce(large);
+  EXPECT_GT(allocations, 0) << "1024 floats did not go through the ring";
+  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+}
+
+// ring_from: the smallest measured size from which the ring is faster at every larger one.
+TEST(Ring, RingFromIsTheSizeFromWhichTheRingStaysFaster) {
+  const std::vector<std::size_t> bytes = {1024, 65536, 1 << 20};
+  EXPECT_EQ(ring_from(bytes, {1, 1, 1}, {2, 0.5, 0.5}), 65536u);
+  EXPECT_EQ(ring_from(bytes, {1, 1, 1}, {0.5, 2, 0.5}), std::size_t{1} << 20);
+  EXPECT_EQ(ring_from(bytes, {1, 1, 1}, {0.5, 0.5, 0.5}), 1024u);
+  EXPECT_EQ(ring_from(bytes, {1, 1, 1}, {0.5, 0.5, 2}), ReductionChoice::kNever);
+  EXPECT_EQ(describe(ReductionChoice::ring()), "ring");
+  EXPECT_EQ(describe(ReductionChoice::library()), "library");
+}
+
+// reductions = "measure" times both at start: every rank of the group ends with rank 0's
+// choice, and sums still come out right with it. "auto" takes a calibrated link's sizes, else
+// the fixed default, without measuring; mpi and ring are fixed.
+TEST(Ring, MeasuredChoiceIsAgreedByEveryRank) {
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
+  const HardwareProfile defaults = default_hardware_profile();
+  const ReductionChoice chosen =
+      choose_reductions(ReductionAlgorithm::measure, comm, {"dp"}, defaults);
+  uint64_t mine[2] = {chosen.reduce_scatter_ring_from, chosen.all_reduce_ring_from};
+  uint64_t low[2], high[2];
+  MPI_Allreduce(mine, low, 2, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(mine, high, 2, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+  EXPECT_EQ(low[0], high[0]);
+  EXPECT_EQ(low[1], high[1]);
+  if (world_size() == 1) EXPECT_EQ(chosen, ReductionChoice::library());
+  comm.set_reduction_choice(chosen);
+  DeviceVector data = to_device(std::vector<float>(300000, 1.0f));
+  comm.all_reduce(data);
+  for (float v : to_vector(data)) ASSERT_EQ(v, static_cast<float>(world_size()));
+
+  HardwareProfile calibrated = defaults;
+  calibrated.links["dp"].ring_reduce_scatter_bandwidth = 1e9;
+  calibrated.links["dp"].ring_all_reduce_bandwidth = 1e9;
+  calibrated.links["dp"].ring_reduce_scatter_from = 4096;
+  const ReductionChoice from_file =
+      choose_reductions(ReductionAlgorithm::automatic, comm, {"dp"}, calibrated);
+  EXPECT_EQ(from_file.reduce_scatter_ring_from, 4096u);
+  EXPECT_EQ(from_file.all_reduce_ring_from, ReductionChoice::kNever);
+  const ReductionChoice fixed =
+      choose_reductions(ReductionAlgorithm::automatic, comm, {"dp"}, defaults);
+  EXPECT_EQ(fixed.reduce_scatter_ring_from, kDefaultRingFrom);
+  EXPECT_EQ(fixed.all_reduce_ring_from, kDefaultRingFrom);
+  EXPECT_EQ(choose_reductions(ReductionAlgorithm::ring, comm, {"dp"}, defaults),
+            ReductionChoice::ring());
+  EXPECT_EQ(choose_reductions(ReductionAlgorithm::mpi, comm, {"dp"}, calibrated),
+            ReductionChoice::library());
+}
+
+int64_t g_allocations = 0;
+void count_allocation(const Kokkos::Profiling::SpaceHandle, const char*, const void*,
+                      const uint64_t) {
+  ++g_allocations;
+}
+
+TEST(Ring, RepeatedCallsAllocateNothing) {
+  const int n = world_size();
+  const std::size_t count = 2 * kSeveralSegments;
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (fsdp)");
+  comm.set_reduction_choice(ReductionChoice::ring());
+  const DeviceVector send = to_device(input_of(world_rank(), count * n, 1));
+  DeviceVector recv("recv", count), data("data", count * n);
+  comm.reserve_wire(count * n, count * n);
+  for (int pass = 0; pass < 3; ++pass) {
+    if (pass == 1) {
+      g_allocations = 0;
+      Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
+    }
+    comm.reduce_scatter(send, recv);
+    comm.reduce_scatter(send, recv, Dtype::bf16);
+    comm.all_reduce(data);
+    comm.all_reduce(data, ReduceOp::sum, Dtype::fp16);
+  }
+  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+  EXPECT_EQ(g_allocations, 0) << "Kokkos allocations in repeated ring reductions";
+}
+
+// A rank that never joins: the others fail with the MPI path's error naming the operation and
+// the group, and refuse further work. The absent rank then joins a barrier only; what the
+// others abandoned (receives from it into the ring's scratch) their communicators keep.
+TEST(Ring, TimeoutNamesTheOperationWhenARankDoesNotJoin) {
+  if (world_size() < 2) GTEST_SKIP() << "needs two ranks";
+  const int rank = world_rank(), n = world_size();
+  for (bool scatter : {true, false}) {
+    SCOPED_TRACE(scatter ? "reduce_scatter" : "all_reduce");
+    auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (fsdp)");
+    comm.set_reduction_choice(ReductionChoice::ring());
+    DeviceVector send("send", 4 * n), recv("recv", 4);
+    if (rank != 1) {
+      comm.set_timeout_seconds(1.0);
+      const char* op = scatter ? "reduce_scatter" : "all_reduce";
+      expect_error(
+          [&] {
+            if (scatter) {
+              comm.reduce_scatter(send, recv);
+            } else {
+              comm.all_reduce(send);
+            }
+          },
+          ErrorKind::runtime,
+          {std::string(op) + " on axis (fsdp) did not complete within 1 s", "a rank did not join"});
+      expect_error([&] { comm.all_reduce(send); }, ErrorKind::runtime, {"all_reduce", "unusable"});
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+}
+
+}  // namespace
+}  // namespace meshtrain::testing
