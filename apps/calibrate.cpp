@@ -10,8 +10,8 @@
 #include <ctime>
 #include <fstream>
 #include <iostream>
-#include <map>
 #include <limits>
+#include <map>
 #include <sstream>
 
 #include "base/error.hpp"
