@@ -1,7 +1,9 @@
 // The residual_mlp model (layers/mlp.hpp's second constructor, docs/models.md): inputs 12,
 // width 16, hidden 32, depth 2, outputs 5, with rmsnorm / layernorm / no norm, and silu /
 // swiglu, built by Mlp from the plan of a preset on every mesh of np 1, 2 and 4 (dp, fsdp, tp;
-// at 4 also fsdp x tp and dp x tp), overlap off and on, against a float64 reference written
+// at 4 also fsdp x tp and dp x tp; at 8 a 2x4 fsdp x tp), overlap off and on, under tp every
+// collective-matmul algorithm (naive, ring, bidirectional; the presets make the blocks' up and
+// gate projections column-parallel and down row-parallel, checked from the layers' lines), against a float64 reference written
 // here from docs/models.md's formulas: the output and every parameter gradient, for a backward
 // that reduces in backward and one that leaves the deferrable gradients partial and completes
 // them with reduce_gradients(). All meshes are compared with the same reference, so every
@@ -278,6 +280,9 @@ std::vector<MeshCase> mesh_cases() {
     cases.push_back({{{"fsdp", 2}, {"tp", 2}}, "fsdp_tp"});
     cases.push_back({{{"dp", 2}, {"tp", 2}}, "dp_tp"});
   }
+  if (n == 8) {  // a 2x4 fsdp x tp mesh: the column-parallel layers over 4 feature ranks
+    cases = {{{{"fsdp", 2}, {"tp", 4}}, "fsdp_tp"}};
+  }
   return cases;
 }
 
@@ -294,19 +299,38 @@ TEST(ResidualMlp, EqualsTheFloat64ReferenceOnEveryMesh) {
     const Reference ref = reference(shape);
     const std::vector<ParameterShape> shapes = residual_mlp_parameter_shapes(shape);
     for (const MeshCase& c : mesh_cases()) {
+      // Every collective-matmul algorithm where the mesh splits features (the column- and
+      // row-parallel layers run them); the others run none.
+      std::vector<CollectiveMatmulAlgorithm> algorithms = {CollectiveMatmulAlgorithm::bidirectional};
+      if (c.preset.find("tp") != std::string::npos && n > 1) {
+        algorithms = {CollectiveMatmulAlgorithm::naive, CollectiveMatmulAlgorithm::ring,
+                      CollectiveMatmulAlgorithm::bidirectional};
+      }
+      for (const CollectiveMatmulAlgorithm algorithm : algorithms)
       for (bool overlap : {false, true}) {
         SCOPED_TRACE(m.norm + (m.gated ? " swiglu" : " silu") + ", " + c.preset + " at np " +
-                     std::to_string(n) + (overlap ? ", overlap" : ""));
+                     std::to_string(n) + (overlap ? ", overlap" : "") + ", " +
+                     to_string(algorithm));
         const Mesh mesh = Mesh::create(c.axes, n);
         MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
-        ParallelContext context(comms, {"fsdp", "dp"}, "tp",
-                                CollectiveMatmulAlgorithm::bidirectional, overlap, 1e-4);
+        ParallelContext context(comms, {"fsdp", "dp"}, "tp", algorithm, overlap, 1e-4);
         const ShardingPlan plan =
-            make_plan(shapes, mesh, preset_rules(c.preset, false, true), PlanOptions{0});
+            make_plan(shapes, mesh, preset_rules(c.preset, false, true, true), PlanOptions{0});
         const int64_t rows = kRows / context.batch_parallel();
         const int64_t row0 = context.batch_index() * rows;
         Mlp model(shape, Activation::silu, specs_from_plan(plan), context, rows);
         ASSERT_EQ(model.parameters().size(), shapes.size());
+        // Under tp the blocks' up (and gate) projections are column-parallel, down row-parallel
+        // (Megatron's pair; partition/rules.hpp), every other preset has no column split.
+        const bool megatron = c.preset.find("tp") != std::string::npos && n > 1;
+        int column_parallel_layers = 0;
+        for (const std::string& line : model.describe()) {
+          for (size_t at = line.find("column-parallel"); at != std::string::npos;
+               at = line.find("column-parallel", at + 1)) {
+            ++column_parallel_layers;
+          }
+        }
+        EXPECT_EQ(column_parallel_layers, megatron ? shape.depth * (m.gated ? 2 : 1) : 0);
 
         // initialize(): norm scales 1, norm biases 0 on every mesh.
         model.initialize(InitScheme::normal, 7);
