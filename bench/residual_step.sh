@@ -92,7 +92,7 @@ for mode in $modes; do
     $mpirun -np "$np" "$meshtrain" train "$work/$name.toml" > "$work/$name.log" 2>&1 ||
       { cat "$work/$name.log" >&2; exit 1; }
     line=$(python3 - "$work/$name/metrics.jsonl" "$work/$name.plan" "$model" "$mode" "$np" \
-      "$batch" "${plain_step[$mode]:-}" <<'PY'
+      "$batch" "$([[ $model == residual ]] && echo "${plain_step[$mode]:-}")" <<'PY'
 import json, re, statistics, sys
 metrics, plan, model, mode, np_, batch, plain = sys.argv[1:]
 batch = int(batch)
