@@ -153,8 +153,8 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   MatrixView y = output_;
   if (layout_.column_gathers_input()) {
     // Y_t = all_gather(X, features) @ W_t: the K blocks of X arrive and accumulate.
-    all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(x_used_), plain(w), y,
-                      matmuls_.forward, scratch.matmul, compute_dtype_);
+    all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(x_used_), plain(w), y, matmuls_.forward,
+                      scratch.matmul, compute_dtype_);
   } else if (layout_.column_parallel) {
     gemm(plain(x_used_), plain(w), 0.0f, y, compute_dtype_);  // replicated input, no reduction
   } else if (layout_.split_output) {

@@ -544,7 +544,8 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       if (!l.gathers_weight()) {
         memory(lp.name, "backward", "weight cast", 2 * kFloat * l.in_compute * l.compute_cols());
       }
-      memory(lp.name, "backward", "weight gradient rounding", 2 * kFloat * l.in_compute * l.compute_cols());
+      memory(lp.name, "backward", "weight gradient rounding",
+             2 * kFloat * l.in_compute * l.compute_cols());
       if (j > 0) {
         memory(lp.name, "backward", "input gradient rounding", 2 * kFloat * r * l.in_compute);
       }
@@ -554,9 +555,8 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       matmul(lp.name, "backward", "all-gathered xᵀ @ dY " + shape_text(l.in, r, l.out_local),
              shapes[1], chosen.weight_grad, l.feature_axis);
       if (j > 0) {
-        matmul(lp.name, "backward",
-               "dY @ Wᵀ reduce-scattered " + shape_text(r, l.out_local, l.in), shapes[2],
-               chosen.input_grad, l.feature_axis);
+        matmul(lp.name, "backward", "dY @ Wᵀ reduce-scattered " + shape_text(r, l.out_local, l.in),
+               shapes[2], chosen.input_grad, l.feature_axis);
       }
     } else if (l.column_parallel) {
       const PlainLayerGemms g = plain_layer_gemms(l, r);

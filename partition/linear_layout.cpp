@@ -123,15 +123,17 @@ LinearLayout decide_linear_layout(const std::string& layer, const LinearParamete
   std::vector<std::string> dim0 = active(mesh, wspec.entries[0].axes);
   std::vector<std::string> dim1 = active(mesh, wspec.entries[1].axes);
   l.tensor_parallel = l.tp > 1 && !dim0.empty() && dim0.front() == feature;
-  l.column_parallel = l.tp > 1 && !l.tensor_parallel && !contains(dim0, feature) &&
-                      !dim1.empty() && dim1.front() == feature;
+  l.column_parallel = l.tp > 1 && !l.tensor_parallel && !contains(dim0, feature) && !dim1.empty() &&
+                      dim1.front() == feature;
   if (l.tensor_parallel) dim0.erase(dim0.begin());
   if (l.column_parallel) {
     dim1.erase(dim1.begin());
     if (l.out % l.tp != 0) {
       MESHTRAIN_BAD_INPUT("linear layer '", layer, "': parameter '", weight.name,
-                          "' is split over mesh axis '", feature, "' on dim 1 (column-parallel), "
-                          "but its ", l.out, " output features do not divide by its size ", l.tp);
+                          "' is split over mesh axis '", feature,
+                          "' on dim 1 (column-parallel), "
+                          "but its ",
+                          l.out, " output features do not divide by its size ", l.tp);
     }
   }
   if ((l.tensor_parallel || l.input_layout == FeatureLayout::split) && l.in % l.tp != 0) {
@@ -184,7 +186,9 @@ LinearLayout decide_linear_layout(const std::string& layer, const LinearParamete
 
 std::string describe_linear_layout(const LinearLayout& l) {
   std::ostringstream s;
-  s << (l.tensor_parallel ? "TP" : l.column_parallel ? "column-parallel TP" : "replicated")
+  s << (l.tensor_parallel   ? "TP"
+        : l.column_parallel ? "column-parallel TP"
+                            : "replicated")
     << " in " << l.in;
   if (l.input_layout == FeatureLayout::split) s << " (split " << l.in / l.tp << ")";
   if (l.column_gathers_input()) s << " all-gathered";

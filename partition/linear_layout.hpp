@@ -79,8 +79,8 @@ struct LinearParameter {
 struct LinearLayout {
   std::string layer;  // "layers/0"
   int64_t in = 0, out = 0;
-  std::string feature_axis;  // "" when the mesh has none
-  int tp = 1;                // size of the feature axis
+  std::string feature_axis;      // "" when the mesh has none
+  int tp = 1;                    // size of the feature axis
   bool tensor_parallel = false;  // row-parallel: the weight's dim 0 split over the feature axis
   bool column_parallel = false;  // the weight's dim 1 split over the feature axis (see above)
   bool split_output = false;     // (TP and out % tp == 0) or column-parallel

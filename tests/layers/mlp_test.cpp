@@ -408,7 +408,11 @@ std::vector<LayoutCase> layouts_for(int n) {
                  custom("P(None, tp)", "P(tp)"),
                  A::naive});
   } else if (n == 8) {
-    c.push_back({"fsdp2_tp4_column", {{"fsdp", 2}, {"tp", 4}}, "", 0, custom("P(fsdp, tp)", "P(tp)"),
+    c.push_back({"fsdp2_tp4_column",
+                 {{"fsdp", 2}, {"tp", 4}},
+                 "",
+                 0,
+                 custom("P(fsdp, tp)", "P(tp)"),
                  A::bidirectional});
     c.push_back({"fsdp2_tp4", {{"fsdp", 2}, {"tp", 4}}, "fsdp_tp", 0, {}});
     c.push_back({"dp2_tp4", {{"dp", 2}, {"tp", 4}}, "dp_tp", 0, {}, A::bidirectional});

@@ -337,7 +337,8 @@ TEST(ColumnParallel, ResidualBlockUnderTp) {
     EXPECT_TRUE(l.layout.column_parallel);
     EXPECT_FALSE(l.layout.tensor_parallel);
     EXPECT_TRUE(l.layout.bias_direct);
-    EXPECT_EQ(l.compute, "column-parallel TP in 256 (split 64) all-gathered -> out 1024 (split 256)");
+    EXPECT_EQ(l.compute,
+              "column-parallel TP in 256 (split 64) all-gathered -> out 1024 (split 256)");
     // The input [128, 256] all-gathered in forward and again in backward, dX reduce-scattered;
     // each 128 * 256 * 4 * 3/4 bytes. No batch axis: the bias gradient stays local.
     ASSERT_EQ(l.collectives.size(), 3u);

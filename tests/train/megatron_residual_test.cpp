@@ -74,8 +74,8 @@ bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::
 }
 
 std::string fresh_dir(const std::string& name) {
-  const std::string dir = std::filesystem::temp_directory_path().string() +
-                          "/meshtrain_megatron_" + name + "_np" + std::to_string(world_size());
+  const std::string dir = std::filesystem::temp_directory_path().string() + "/meshtrain_megatron_" +
+                          name + "_np" + std::to_string(world_size());
   if (world_rank() == 0) std::filesystem::remove_all(dir);
   check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
   return dir;
