@@ -41,7 +41,7 @@ void sum_columns_into(MatrixView dy, int64_t offset, VectorView full, Dtype dtyp
 }  // namespace
 
 Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout input_layout,
-               int64_t rows, ParallelContext& context)
+               int64_t rows, ParallelContext& context, bool input_grad_partial)
     : layout_(decide_linear_layout(
           linear_layer_name(weight_ref.value->name),
           {weight_ref.value->name, weight_ref.value->global_shape, weight_ref.value->spec},
@@ -52,6 +52,13 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
       compute_dtype_(context.precision().param),
       matmuls_(layer_matmul_algorithms(layout_, rows, context.matmul_algorithm(),
                                        collective_matmul_hardware(), context.precision().param)) {
+  if (input_grad_partial) {
+    MESHTRAIN_REQUIRE(layout_.column_parallel && layout_.input_layout == FeatureLayout::replicated,
+                      "linear layer '", layout_.layer,
+                      "': only a column-parallel layer fed a replicated input leaves its input "
+                      "gradient partial");
+    layout_.input_grad_partial = true;
+  }
   const LinearLayout& l = layout_;
   const std::string& name = l.layer;
   const ShardedTensor& weight = *weight_ref.value;
@@ -228,7 +235,9 @@ MatrixView Linear::backward(MatrixView dy, bool need_input_grad, const LayerPass
       dx = dx_;
     } else {
       gemm(plain(dy), transposed(w), 0.0f, dx_c_, compute_dtype_);
-      tp_comm_->all_reduce(MatrixView(dx_c_), ReduceOp::sum, compute_dtype_);
+      if (!layout_.input_grad_partial) {
+        tp_comm_->all_reduce(MatrixView(dx_c_), ReduceOp::sum, compute_dtype_);
+      }
       round_in_place(MatrixView(dx_c_), compute_dtype_);
       dx = dx_c_;
     }

@@ -71,8 +71,11 @@ class Linear final : public Layer {
   // layout); `input_layout` is how the input's features arrive; `rows` is the local batch.
   // Asks the context for the communicators it needs (collective; see context.hpp).
   // Throws bad_input when the shapes do not agree or a split does not divide.
+  // input_grad_partial (a SwiGLU's gate or up sharing its one gather, see
+  // shares_input_gather; column-parallel fed a replicated input only): backward leaves dX as
+  // this rank's partial sum, for the SwiGLU to add and reduce-scatter.
   Linear(ParameterRef weight, ParameterRef bias, FeatureLayout input_layout, int64_t rows,
-         ParallelContext& context);
+         ParallelContext& context, bool input_grad_partial = false);
 
   // y = x W + b. x: [rows, input_width()]. Returns the output [rows, output_width()],
   // owned by the layer (valid until the next forward). x must stay valid until backward.

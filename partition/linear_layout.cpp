@@ -192,6 +192,7 @@ std::string describe_linear_layout(const LinearLayout& l) {
     << " in " << l.in;
   if (l.input_layout == FeatureLayout::split) s << " (split " << l.in / l.tp << ")";
   if (l.column_gathers_input()) s << " all-gathered";
+  if (l.input_grad_partial) s << " (shares its SwiGLU's one gather)";
   s << " -> out " << l.out;
   if (l.split_output) s << " (split " << l.out_local << ")";
   if (l.tensor_parallel && !l.split_output) {
@@ -265,7 +266,7 @@ void column_parallel_collectives(const LinearLayout& l, const Mesh& mesh, int64_
     add("backward", CollectiveKind::all_gather, "input", features, std::vector<int64_t>{rows, l.in},
         1);
   }
-  if (activations && input_grad) {
+  if (activations && input_grad && !l.input_grad_partial) {
     add("backward",
         l.column_gathers_input() ? CollectiveKind::reduce_scatter : CollectiveKind::all_reduce,
         "input gradient", features, std::vector<int64_t>{rows, l.in},
@@ -356,6 +357,26 @@ std::vector<LayerCollective> linear_step_collectives(const LinearLayout& l, cons
   add("backward", CollectiveKind::all_reduce, "weight gradient", l.weight_allreduce,
       {l.stored_rows, l.stored_cols});
   add("backward", CollectiveKind::all_reduce, "bias gradient", l.bias_reduce, {l.out});
+  return out;
+}
+
+bool shares_input_gather(const LinearLayout& gate, const LinearLayout& up) {
+  return gate.column_gathers_input() && up.column_gathers_input() && gate.in == up.in;
+}
+
+std::vector<LayerCollective> shared_gather_collectives(const LinearLayout& l, const Mesh& mesh,
+                                                       int64_t rows, bool input_grad,
+                                                       int64_t bytes_per_element,
+                                                       const MixedPrecision& precision) {
+  std::vector<LayerCollective> out;
+  if (rows <= 0 || l.tp <= 1) return out;
+  const int64_t element = precision.param == Dtype::fp32 ? bytes_per_element : 2;
+  out.push_back(layer_collective("forward", CollectiveKind::all_gather, "input", {l.feature_axis},
+                                 {rows, l.in}, element, mesh, 1));
+  if (input_grad) {
+    out.push_back(layer_collective("backward", CollectiveKind::reduce_scatter, "input gradient",
+                                   {l.feature_axis}, {rows, l.in}, element, mesh, 1));
+  }
   return out;
 }
 

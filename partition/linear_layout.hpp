@@ -102,6 +102,11 @@ struct LinearLayout {
   bool bias_gather_sliced = false;
   int64_t bias_stored = 0;               // local bias elements
   std::vector<std::string> bias_reduce;  // the bias gradient's all-reduce axes
+  // SwiGLU's gate and up fed the same split input, both column-parallel, share one gather:
+  // the SwiGLU all-gathers the input once (each is decided as fed a replicated input) and
+  // reduce-scatters the sum of their input gradients once, which each leaves as this rank's
+  // partial sum (set by the builder, see shares_input_gather).
+  bool input_grad_partial = false;
   bool bias_direct = false;  // column-parallel, bias stored as its compute block: the gradient
                              // is reduced in place at out_local elements, over the batch axes
 
@@ -152,6 +157,10 @@ LinearLayout decide_linear_layout(const std::string& layer, const LinearParamete
                                   const LinearParameter& bias, const Mesh& mesh,
                                   const LayerAxes& axes, FeatureLayout input_layout);
 
+// Whether a SwiGLU's gate and up, decided with the input as it arrives, share one gather of it
+// (both column-parallel fed a split input): they are then decided again with a replicated
+// input and input_grad_partial set.
+bool shares_input_gather(const LinearLayout& gate, const LinearLayout& up);
 // "TP in 784 (split 196) -> out 128 (split 32), weight gathered over (fsdp) on dim 1,
 // grads all-reduced over (dp)" (without the layer name).
 std::string describe_linear_layout(const LinearLayout& layout);
@@ -201,5 +210,13 @@ std::vector<LayerCollective> linear_step_collectives(const LinearLayout& layout,
                                                      int64_t rows, bool input_grad,
                                                      int64_t bytes_per_element,
                                                      const MixedPrecision& precision = {});
+
+// The shared gather's collectives: the input [rows, in] all-gathered along its features in
+// forward and the summed input gradient reduce-scattered back in backward (`layout`: either
+// projection's; nothing when rows is 0; no backward one without input_grad).
+std::vector<LayerCollective> shared_gather_collectives(const LinearLayout& layout, const Mesh& mesh,
+                                                       int64_t rows, bool input_grad,
+                                                       int64_t bytes_per_element,
+                                                       const MixedPrecision& precision = {});
 
 }  // namespace meshtrain

@@ -332,6 +332,15 @@ TEST(ResidualMlp, EqualsTheFloat64ReferenceOnEveryMesh) {
             }
           }
           EXPECT_EQ(column_parallel_layers, megatron ? shape.depth * (m.gated ? 2 : 1) : 0);
+          // SwiGLU's gate and up share one gather of the block's input.
+          int shared = 0;
+          for (const std::string& line : model.describe()) {
+            for (size_t at = line.find("shares its SwiGLU's one gather"); at != std::string::npos;
+                 at = line.find("shares its SwiGLU's one gather", at + 1)) {
+              ++shared;
+            }
+          }
+          EXPECT_EQ(shared, megatron && m.gated ? 2 * shape.depth : 0);
 
           // initialize(): norm scales 1, norm biases 0 on every mesh.
           model.initialize(InitScheme::normal, 7);
