@@ -19,6 +19,9 @@
 # of the same config writes a hardware profile (wall clock) and `meshtrain plan --hardware`
 # prints the predicted step; predicted_over_measured is their ratio. residual lines also carry
 # per_flop_cost_ratio = residual step time / plain step time of the same mode (equal FLOPs).
+# Mode tp_rows: the tp mesh with every weight row-parallel, P(tp, None) (the residual_mlp tp
+# layout before the column-/row-parallel pair; the plain MLP's tp preset is that already), so
+# `bench/residual_step.sh 2 "tp tp_rows tp tp_rows"` compares both layouts interleaved.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -44,15 +47,21 @@ sizes = [1024, 1024, 4096, 1024, 4096, 1024, 4096, 1024, 4096, 1024, 4096, 1024,
 activation = "relu"'
 
 write_config() {  # NAME MODE MODEL FILE
+  local axis=$2 partition="preset = \"$2\""
+  if [[ $2 == tp_rows ]]; then
+    axis=tp
+    partition='preset = "tp"
+rules = [["weight$", "P(tp, None)"], ["(bias|scale)$", "P(tp)"]]'
+  fi
   cat > "$4" <<TOML
 [run]
 name = "$1"
 seed = 0
 output_dir = "$work/$1"
 [mesh]
-$2 = -1
+$axis = -1
 [partition]
-preset = "$2"
+$partition
 min_sharding_size = 0
 [model]
 $3

@@ -41,7 +41,7 @@ void sum_columns_into(MatrixView dy, int64_t offset, VectorView full, Dtype dtyp
 }  // namespace
 
 Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout input_layout,
-               int64_t rows, ParallelContext& context)
+               int64_t rows, ParallelContext& context, bool input_grad_partial)
     : layout_(decide_linear_layout(
           linear_layer_name(weight_ref.value->name),
           {weight_ref.value->name, weight_ref.value->global_shape, weight_ref.value->spec},
@@ -52,6 +52,13 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
       compute_dtype_(context.precision().param),
       matmuls_(layer_matmul_algorithms(layout_, rows, context.matmul_algorithm(),
                                        collective_matmul_hardware(), context.precision().param)) {
+  if (input_grad_partial) {
+    MESHTRAIN_REQUIRE(layout_.column_parallel && layout_.input_layout == FeatureLayout::replicated,
+                      "linear layer '", layout_.layer,
+                      "': only a column-parallel layer fed a replicated input leaves its input "
+                      "gradient partial");
+    layout_.input_grad_partial = true;
+  }
   const LinearLayout& l = layout_;
   const std::string& name = l.layer;
   const ShardedTensor& weight = *weight_ref.value;
@@ -73,7 +80,7 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
   if (l.tp > 1) tp_comm_ = context.comm({l.feature_axis});
   // The weight [in, out] is the compute block [1, in_compute, out], gathered dim by dim.
   weight_ = ShardedParameter(weight_ref,
-                             {{1, l.in_compute, l.out},
+                             {{1, l.in_compute, l.compute_cols()},
                               {1, l.stored_rows, l.stored_cols},
                               l.weight_gather_dim0,
                               l.weight_gather_dim1,
@@ -90,6 +97,7 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
   bias_gathers.width = l.out;
   bias_gathers.gathered_offset = bias_gathered_offset;
   bias_gathers.compute_offset = compute_offset;
+  bias_gathers.direct = l.bias_direct;  // stored block = compute block: reduced in place
   bias_ = ShardedParameter(bias_ref, bias_gathers, GatherMethod::full_width_sum, context);
   // Which gradients a layer leaves partial is decided by one rule, from its parameters
   // (layers/gradient_reduction.hpp; Linear is final, so the rule sees its overrides here);
@@ -103,7 +111,12 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
   const int64_t in_c = l.in_compute, out = l.out;
   if (l.slices_input() || l.gathers_input()) x_c_ = Matrix(name + "/input", rows_, in_c);
   output_ = Matrix(name + "/output", rows_, l.out_local);
-  dx_c_ = Matrix(name + "/input_grad_compute", rows_, in_c);
+  if (l.column_gathers_input()) {
+    // dY @ Wᵀ is reduce-scattered straight into the input's layout.
+    dx_ = Matrix(name + "/input_grad", rows_, input_width());
+  } else {
+    dx_c_ = Matrix(name + "/input_grad_compute", rows_, in_c);
+  }
   if (l.slices_input() || l.gathers_input()) {
     dx_ = Matrix(name + "/input_grad", rows_, input_width());
   }
@@ -111,6 +124,10 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
   needs_ = weight_.scratch_needs();
   needs_.merge(bias_.scratch_needs());
   if (l.tensor_parallel) needs_.matmul = static_cast<size_t>(3 * rows_ * out) * sizeof(float);
+  // Column-parallel: the collective matmuls move [rows, in/T] blocks (naive: all n of them).
+  if (l.column_gathers_input()) {
+    needs_.matmul = static_cast<size_t>(3 * rows_ * l.in) * sizeof(float);
+  }
   if (tp_comm_) tp_comm_->reserve_scratch(static_cast<size_t>(rows_ * std::max(l.in, out)));
 }
 
@@ -141,7 +158,13 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   MatrixView w = weight_.compute_matrix(scratch);
   if (next) next->start_weight_prefetch(scratch);
   MatrixView y = output_;
-  if (layout_.split_output) {
+  if (layout_.column_gathers_input()) {
+    // Y_t = all_gather(X, features) @ W_t: the K blocks of X arrive and accumulate.
+    all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(x_used_), plain(w), y, matmuls_.forward,
+                      scratch.matmul, compute_dtype_);
+  } else if (layout_.column_parallel) {
+    gemm(plain(x_used_), plain(w), 0.0f, y, compute_dtype_);  // replicated input, no reduction
+  } else if (layout_.split_output) {
     matmul_reduce_scatter(*tp_comm_, 1, plain(x_used_), plain(w), y, matmuls_.forward,
                           scratch.matmul, compute_dtype_);
   } else {
@@ -175,7 +198,14 @@ MatrixView Linear::backward(MatrixView dy, bool need_input_grad, const LayerPass
 
   // Weight gradient, compute block: X_cᵀ @ dY (dY all-gathered over features when split).
   MatrixView g = weight_.gradient_matrix(scratch);
-  if (layout_.split_output) {
+  if (layout_.column_gathers_input()) {
+    // dW_t = all_gather(X, features)ᵀ @ dY_t: the input gathered again (only its block is
+    // kept from forward), the gathered blocks landing on the rows of dW_t.
+    all_gather_matmul(*tp_comm_, GatherSide::left, 1, transposed(x_used_), plain(dy), g,
+                      matmuls_.weight_grad, scratch.matmul, compute_dtype_);
+  } else if (layout_.column_parallel) {
+    gemm(transposed(x_used_), plain(dy), 0.0f, g, compute_dtype_);
+  } else if (layout_.split_output) {
     all_gather_matmul(*tp_comm_, GatherSide::right, 1, transposed(x_used_), plain(dy), g,
                       matmuls_.weight_grad, scratch.matmul, compute_dtype_);
   } else {
@@ -196,7 +226,22 @@ MatrixView Linear::backward(MatrixView dy, bool need_input_grad, const LayerPass
 
   // Input gradient: dY @ W_cᵀ, then back to the input's layout.
   MatrixView dx;
-  if (need_input_grad) {
+  if (need_input_grad && layout_.column_parallel) {
+    // dY_t @ W_tᵀ is this rank's partial sum of dX over the feature ranks.
+    if (layout_.column_gathers_input()) {
+      matmul_reduce_scatter(*tp_comm_, 1, plain(dy), transposed(w), dx_, matmuls_.input_grad,
+                            scratch.matmul, compute_dtype_);
+      round_in_place(MatrixView(dx_), compute_dtype_);
+      dx = dx_;
+    } else {
+      gemm(plain(dy), transposed(w), 0.0f, dx_c_, compute_dtype_);
+      if (!layout_.input_grad_partial) {
+        tp_comm_->all_reduce(MatrixView(dx_c_), ReduceOp::sum, compute_dtype_);
+      }
+      round_in_place(MatrixView(dx_c_), compute_dtype_);
+      dx = dx_c_;
+    }
+  } else if (need_input_grad) {
     if (layout_.split_output) {
       all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(dy), transposed(w), dx_c_,
                         matmuls_.input_grad, scratch.matmul, compute_dtype_);
@@ -230,7 +275,9 @@ MatrixView Linear::backward(MatrixView dy, bool need_input_grad, const LayerPass
 
 void Linear::bias_gradient(MatrixView dy, LayerScratch& scratch, bool all_reduce) {
   // Column sums of dY into the full-width vector, which the bias reduces to its block.
-  sum_columns_into(dy, output_offset(), bias_.gradient(scratch), compute_dtype_);
+  // A direct bias gradient is this rank's block itself (its columns start at 0).
+  sum_columns_into(dy, layout_.bias_direct ? 0 : output_offset(), bias_.gradient(scratch),
+                   compute_dtype_);
   bias_.reduce(scratch, all_reduce);
 }
 

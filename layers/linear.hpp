@@ -14,6 +14,14 @@
 //       does not divide by T, the partial product all-reduced (output replicated).
 //       Backward: dX_c = all_gather(dY, dim 1) @ W_cᵀ and dW_c = X_cᵀ @ all_gather(dY, dim 1)
 //       (all_gather_matmul, transposes through the GEMM flags).
+//   column-parallel (W split on dim 1 over the feature axis): W_c = W[:, block t] [in, out/T].
+//       Forward: Y_t = all_gather(x, dim 1) @ W_c (all_gather_matmul, the K blocks of x
+//       accumulating; a replicated x is used as it is), output split [rows, out/T] with no
+//       reduction, + the bias block t. Backward: dX = reduce_scatter(dY_t @ W_cᵀ, dim 1)
+//       (matmul_reduce_scatter; all-reduced for a replicated x) and dW_c =
+//       all_gather(x, dim 1)ᵀ @ dY_t: x gathered again, as only its block is kept. A bias
+//       stored P(tp) is its own compute block: its gradient is reduced over the batch axes
+//       only, in place.
 //   replicated: x_c [rows, in] (a split input is all-gathered over the feature axis
 //       first), W_c the full weight, output replicated.
 //   A TP layer fed a replicated input (the first layer, or after a non-divisible output)
@@ -63,8 +71,11 @@ class Linear final : public Layer {
   // layout); `input_layout` is how the input's features arrive; `rows` is the local batch.
   // Asks the context for the communicators it needs (collective; see context.hpp).
   // Throws bad_input when the shapes do not agree or a split does not divide.
+  // input_grad_partial (a SwiGLU's gate or up sharing its one gather, see
+  // shares_input_gather; column-parallel fed a replicated input only): backward leaves dX as
+  // this rank's partial sum, for the SwiGLU to add and reduce-scatter.
   Linear(ParameterRef weight, ParameterRef bias, FeatureLayout input_layout, int64_t rows,
-         ParallelContext& context);
+         ParallelContext& context, bool input_grad_partial = false);
 
   // y = x W + b. x: [rows, input_width()]. Returns the output [rows, output_width()],
   // owned by the layer (valid until the next forward). x must stay valid until backward.

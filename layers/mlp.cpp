@@ -121,10 +121,18 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
     const size_t p = param++;
     return ParameterRef{&params_[p], &grads_[p]};
   };
-  auto linear = [&](FeatureLayout layout) {
+  auto linear = [&](FeatureLayout layout, bool input_grad_partial = false) {
     const ParameterRef weight = next();
     const ParameterRef bias = next();
-    return std::make_unique<Linear>(weight, bias, layout, rows_, context);
+    return std::make_unique<Linear>(weight, bias, layout, rows_, context, input_grad_partial);
+  };
+  // The layout of the linear layer whose weight is parameter p, fed `layout`.
+  auto layout_of = [&](size_t p, FeatureLayout layout) {
+    const ShardedTensor& w = params_[p];
+    const ShardedTensor& b = params_[p + 1];
+    return decide_linear_layout(linear_layer_name(w.name), {w.name, w.global_shape, w.spec},
+                                {b.name, b.global_shape, b.spec}, context.mesh(),
+                                {context.batch_axes(), context.feature_axis()}, layout);
   };
   auto norm = [&](const std::string& name, FeatureLayout layout) -> std::unique_ptr<Layer> {
     std::unique_ptr<FeatureNorm> layer;
@@ -171,10 +179,15 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
       continue;
     }
     if (shape.gated) {
-      std::unique_ptr<Linear> gate = linear(layout);
-      std::unique_ptr<Linear> up = linear(layout);
-      f.push_back(std::make_unique<SwiGlu>(block + "/swiglu", std::move(gate), std::move(up), rows_,
-                                           compute_dtype_));
+      // Gate and up column-parallel on the split stream share one gather of it.
+      const bool shared =
+          shares_input_gather(layout_of(param, layout), layout_of(param + 2, layout));
+      const FeatureLayout fed = shared ? FeatureLayout::replicated : layout;
+      std::unique_ptr<Linear> gate = linear(fed, shared);
+      std::unique_ptr<Linear> up = linear(fed, shared);
+      f.push_back(std::make_unique<SwiGlu>(
+          block + "/swiglu", std::move(gate), std::move(up), rows_, compute_dtype_,
+          shared ? context.comm({context.feature_axis()}) : nullptr));
     } else {
       std::unique_ptr<Linear> up = linear(layout);
       auto act = std::make_unique<ActivationLayer>(activation, block + "/activation", rows_,

@@ -11,8 +11,12 @@
 namespace meshtrain {
 
 SwiGlu::SwiGlu(std::string name, std::unique_ptr<Linear> gate, std::unique_ptr<Linear> up,
-               int64_t rows, Dtype dtype)
-    : name_(std::move(name)), gate_(std::move(gate)), up_(std::move(up)), dtype_(dtype) {
+               int64_t rows, Dtype dtype, Communicator* shared_gather)
+    : name_(std::move(name)),
+      gate_(std::move(gate)),
+      up_(std::move(up)),
+      dtype_(dtype),
+      shared_gather_(shared_gather) {
   if (gate_->output_layout() != up_->output_layout() ||
       gate_->output_width() != up_->output_width() ||
       gate_->output_offset() != up_->output_offset() || gate_->in() != up_->in() ||
@@ -25,7 +29,16 @@ SwiGlu::SwiGlu(std::string name, std::unique_ptr<Linear> gate, std::unique_ptr<L
   out_ = Matrix(name_ + "/output", rows, width);
   dgate_ = Matrix(name_ + "/gate_grad", rows, width);
   dvalue_ = Matrix(name_ + "/value_grad", rows, width);
-  dx_ = Matrix(name_ + "/input_grad", rows, up_->input_width());
+  if (shared_gather_) {
+    MESHTRAIN_REQUIRE(gate_->layout().input_grad_partial && up_->layout().input_grad_partial &&
+                          up_->in() % shared_gather_->size() == 0,
+                      "SwiGLU '", name_, "': a shared gather needs gate and up built for it");
+    x_full_ = Matrix(name_ + "/input_gathered", rows, up_->in());
+    dx_full_ = Matrix(name_ + "/input_grad_partial", rows, up_->in());
+    dx_ = Matrix(name_ + "/input_grad", rows, up_->in() / shared_gather_->size());
+  } else {
+    dx_ = Matrix(name_ + "/input_grad", rows, up_->input_width());
+  }
 }
 
 std::vector<ShardedParameter*> SwiGlu::sharded_parameters() {
@@ -47,9 +60,14 @@ std::string SwiGlu::describe() const {
 MatrixView SwiGlu::forward(MatrixView x, const LayerPass& pass) {
   LayerPass inner;
   inner.scratch = pass.scratch;
-  const MatrixView gate = gate_->forward(x, inner);
+  MatrixView input = x;
+  if (shared_gather_) {  // one gather of the split input for both projections
+    shared_gather_->all_gather(x, MatrixView(x_full_), 1, dtype_);
+    input = x_full_;
+  }
+  const MatrixView gate = gate_->forward(input, inner);
   inner.prefetch = pass.prefetch;
-  const MatrixView value = up_->forward(x, inner);
+  const MatrixView value = up_->forward(input, inner);
   swiglu_forward(gate, value, out_, dtype_);
   return out_;
 }
@@ -68,7 +86,8 @@ MatrixView SwiGlu::backward(MatrixView dy, bool need_input_grad, const LayerPass
     pass.buckets->poll();
   }
   if (!need_input_grad) return MatrixView();
-  const MatrixView dx = dx_;
+  // Shared gather: the two partial sums added at full width, then reduce-scattered once.
+  const MatrixView dx = shared_gather_ ? MatrixView(dx_full_) : MatrixView(dx_);
   const Dtype dtype = dtype_;
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::swiglu_input_grad"),
@@ -77,6 +96,7 @@ MatrixView SwiGlu::backward(MatrixView dy, bool need_input_grad, const LayerPass
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
         dx(i, j) = round_to(dx_up(i, j) + dx_gate(i, j), dtype);
       });
+  if (shared_gather_) shared_gather_->reduce_scatter(dx, MatrixView(dx_), 1, dtype_);
   return dx_;
 }
 

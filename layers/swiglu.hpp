@@ -29,8 +29,12 @@ class SwiGlu final : public Layer {
  public:
   // `gate` and `up` take the same input; the layer owns them from here on. `dtype`: the
   // compute dtype. Throws bad_input when their outputs differ in layout, width or offset.
+  // shared_gather (the feature axis' communicator, or nullptr): gate and up were built
+  // column-parallel on a replicated input with partial input gradients (shares_input_gather);
+  // the SwiGLU's input arrives split over it, is all-gathered once for both (kept for their
+  // weight gradients), and the sum of their input gradients is reduce-scattered once.
   SwiGlu(std::string name, std::unique_ptr<Linear> gate, std::unique_ptr<Linear> up, int64_t rows,
-         Dtype dtype);
+         Dtype dtype, Communicator* shared_gather = nullptr);
 
   MatrixView forward(MatrixView x, const LayerPass& pass) override;
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
@@ -58,6 +62,9 @@ class SwiGlu final : public Layer {
   Matrix dgate_;   // [rows, hidden local]
   Matrix dvalue_;  // [rows, hidden local]
   Matrix dx_;      // [rows, input width]
+  Communicator* shared_gather_ = nullptr;
+  Matrix x_full_;   // shared gather: the gathered input [rows, in]
+  Matrix dx_full_;  // shared gather: the summed partial input gradient [rows, in]
 };
 
 }  // namespace meshtrain

@@ -118,6 +118,19 @@ std::vector<CollectiveMatmulShape> layer_matmul_shapes(const LinearLayout& l, in
   const GemmShape weight{in, rows, cols, true, false}, weight_half{in, half, cols, true, false};
   const GemmShape input{rows, cols, in, false, true}, input_half{half, cols, in, false, true};
   const int n = static_cast<int>(l.tp);
+  if (l.column_parallel) {
+    // Column-parallel (input split): each moves one [rows, in/tp] block of the input or of
+    // its gradient; forward and weight gradient accumulate the gathered K blocks, the input
+    // gradient reduce-scatters dY @ Wᵀ over its columns.
+    const int64_t k = l.in / n;
+    const double in_block = static_cast<double>(bytes_of(wire)) * rows * k;
+    const GemmShape fwd{rows, k, cols, false, false}, fwd_half{half, k, cols, false, false};
+    const GemmShape wg{k, rows, cols, true, false}, wg_half{k, half, cols, true, false};
+    const GemmShape ig{rows, cols, k, false, true}, ig_half{half, cols, k, false, true};
+    return {{CollectiveMatmulKind::all_gather, fwd, n, fwd, fwd_half, in_block, n},
+            {CollectiveMatmulKind::all_gather, wg, n, wg, wg_half, in_block, n},
+            {CollectiveMatmulKind::reduce_scatter, ig, n, ig, ig_half, in_block, n}};
+  }
   return {{CollectiveMatmulKind::reduce_scatter, forward, n, forward, forward_half, block, n},
           {CollectiveMatmulKind::all_gather, weight, n, weight, weight_half, block, n},
           {CollectiveMatmulKind::all_gather, input, n, input, input_half, block, n}};
@@ -127,7 +140,7 @@ LayerMatmulAlgorithms layer_matmul_algorithms(const LinearLayout& l, int64_t row
                                               CollectiveMatmulAlgorithm requested,
                                               const HardwareProfile& hw, Dtype wire) {
   LayerMatmulAlgorithms out;
-  if (!l.split_output) return out;
+  if (!l.runs_collective_matmuls()) return out;
   const LinkProfile link = hw.group_link({l.feature_axis});
   const auto shapes = layer_matmul_shapes(l, rows, wire);
   out.forward = choose_collective_matmul(shapes[0], requested, link, hw);
@@ -143,9 +156,10 @@ struct PlainLayerGemms {
   GemmShape forward, weight_grad, input_grad;
 };
 PlainLayerGemms plain_layer_gemms(const LinearLayout& l, int64_t rows) {
-  return {{rows, l.in_compute, l.out, false, false},
-          {l.in_compute, rows, l.out, true, false},
-          {rows, l.out, l.in_compute, false, true}};
+  const int64_t cols = l.compute_cols();
+  return {{rows, l.in_compute, cols, false, false},
+          {l.in_compute, rows, cols, true, false},
+          {rows, cols, l.in_compute, false, true}};
 }
 
 // An MoE layer's GEMMs at uniform routing (partition/moe_layout.hpp): the router's on the
@@ -206,7 +220,7 @@ std::vector<GemmShape> step_gemm_shapes(const ShardingPlan& plan) {
         shapes.push_back(e.weight_grad);
         if (i > 0) shapes.push_back(e.input_grad);
       }
-    } else if (l.split_output) {
+    } else if (l.runs_collective_matmuls()) {
       const auto matmuls = layer_matmul_shapes(l, r);
       for (size_t k = 0; k < matmuls.size(); ++k) {
         if (k == 2 && i == 0) continue;  // the first layer has no input gradient
@@ -594,7 +608,11 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     // Not under an MoE layer, which starts no prefetch.
     const bool prefetched = options.overlap && i > 0 && can_prefetch(l) && !plan.layers[i - 1].moe;
     for (const auto& c : lp.collectives) {
-      if (c.phase != "forward" || (l.split_output && c.operand == "output")) continue;
+      // The collective matmuls' collectives are charged with their GEMMs.
+      if (c.phase != "forward" || (l.split_output && c.operand == "output") ||
+          (l.column_gathers_input() && c.operand == "input")) {
+        continue;
+      }
       if (prefetched && c.operand == "weight") {
         prefetches.push_back({forward_start[i - 1], cost.items.size(), plan.layers[i - 1].name});
       }
@@ -606,10 +624,15 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     const bool cast = param_dtype != Dtype::fp32;
     if (cast && i == 0) memory(lp.name, "forward", "input cast", 2 * kFloat * r * l.in);
     if (cast && !l.gathers_weight()) {
-      memory(lp.name, "forward", "weight cast", 2 * kFloat * l.in_compute * l.out);
+      memory(lp.name, "forward", "weight cast", 2 * kFloat * l.in_compute * l.compute_cols());
     }
     if (l.slices_input()) memory(lp.name, "forward", "input slice", 2 * kFloat * r * l.in_compute);
-    if (l.split_output) {
+    if (l.column_gathers_input()) {
+      matmul(lp.name, "forward", "all-gathered x @ W " + shape_text(r, l.in, l.out_local),
+             layer_matmul_shapes(l, r, param_dtype)[0], chosen.forward, l.feature_axis);
+    } else if (l.column_parallel) {
+      gemm(lp.name, "forward", "x @ W", plain_layer_gemms(l, r).forward);
+    } else if (l.split_output) {
       matmul(lp.name, "forward", "x @ W reduce-scattered " + shape_text(r, l.in_compute, l.out),
              layer_matmul_shapes(l, r, param_dtype)[0], chosen.forward, l.feature_axis);
     } else {
@@ -659,15 +682,27 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     backward_start[j] = cost.items.size();
     if (param_dtype != Dtype::fp32) {
       if (!l.gathers_weight()) {
-        memory(lp.name, "backward", "weight cast", 2 * kFloat * l.in_compute * l.out);
+        memory(lp.name, "backward", "weight cast", 2 * kFloat * l.in_compute * l.compute_cols());
       }
-      memory(lp.name, "backward", "weight gradient rounding", 2 * kFloat * l.in_compute * l.out);
+      memory(lp.name, "backward", "weight gradient rounding",
+             2 * kFloat * l.in_compute * l.compute_cols());
       if (j > 0) {
         memory(lp.name, "backward", "input gradient rounding", 2 * kFloat * r * l.in_compute);
       }
     }
     const auto shapes = layer_matmul_shapes(l, r, param_dtype);
-    if (l.split_output) {
+    if (l.column_gathers_input()) {
+      matmul(lp.name, "backward", "all-gathered xᵀ @ dY " + shape_text(l.in, r, l.out_local),
+             shapes[1], chosen.weight_grad, l.feature_axis);
+      if (j > 0) {
+        matmul(lp.name, "backward", "dY @ Wᵀ reduce-scattered " + shape_text(r, l.out_local, l.in),
+               shapes[2], chosen.input_grad, l.feature_axis);
+      }
+    } else if (l.column_parallel) {
+      const PlainLayerGemms g = plain_layer_gemms(l, r);
+      gemm(lp.name, "backward", "xᵀ @ dY", g.weight_grad);
+      if (j > 0) gemm(lp.name, "backward", "dY @ Wᵀ", g.input_grad);
+    } else if (l.split_output) {
       matmul(lp.name, "backward", "xᵀ @ all-gathered dY " + shape_text(l.in_compute, r, l.out),
              shapes[1], chosen.weight_grad, l.feature_axis);
       if (j > 0) {
@@ -683,8 +718,10 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       memory(lp.name, "backward", "input gradient copy", 2 * kFloat * r * l.in_compute);
     }
     for (const auto& c : lp.collectives) {
-      const bool done = c.phase == "forward" || c.operand == "weight" ||
-                        (l.split_output && c.operand == "output gradient");
+      const bool done =
+          c.phase == "forward" || c.operand == "weight" ||
+          (l.split_output && c.operand == "output gradient") ||
+          (l.column_gathers_input() && (c.operand == "input" || c.operand == "input gradient"));
       if (done) continue;
       const bool gradient = c.operand == "weight gradient" || c.operand == "bias gradient";
       // Deferred to the end of the step (once, not per micro-batch) with accumulation; and

@@ -121,15 +121,27 @@ LinearLayout decide_linear_layout(const std::string& layer, const LinearParamete
   const PartitionSpec wspec = weight.spec.with_rank(2);
   const PartitionSpec bspec = bias.spec.with_rank(1);
   std::vector<std::string> dim0 = active(mesh, wspec.entries[0].axes);
-  const std::vector<std::string> dim1 = active(mesh, wspec.entries[1].axes);
+  std::vector<std::string> dim1 = active(mesh, wspec.entries[1].axes);
   l.tensor_parallel = l.tp > 1 && !dim0.empty() && dim0.front() == feature;
+  l.column_parallel = l.tp > 1 && !l.tensor_parallel && !contains(dim0, feature) && !dim1.empty() &&
+                      dim1.front() == feature;
   if (l.tensor_parallel) dim0.erase(dim0.begin());
+  if (l.column_parallel) {
+    dim1.erase(dim1.begin());
+    if (l.out % l.tp != 0) {
+      MESHTRAIN_BAD_INPUT("linear layer '", layer, "': parameter '", weight.name,
+                          "' is split over mesh axis '", feature,
+                          "' on dim 1 (column-parallel), "
+                          "but its ",
+                          l.out, " output features do not divide by its size ", l.tp);
+    }
+  }
   if ((l.tensor_parallel || l.input_layout == FeatureLayout::split) && l.in % l.tp != 0) {
     MESHTRAIN_BAD_INPUT("linear layer '", layer, "': its ", l.in,
                         " input features do not split over mesh axis '", feature, "' of size ",
                         l.tp);
   }
-  l.split_output = l.tensor_parallel && l.out % l.tp == 0;
+  l.split_output = (l.tensor_parallel && l.out % l.tp == 0) || l.column_parallel;
   l.in_compute = l.tensor_parallel ? l.in / l.tp : l.in;
   l.out_local = l.split_output ? l.out / l.tp : l.out;
 
@@ -137,7 +149,7 @@ LinearLayout decide_linear_layout(const std::string& layer, const LinearParamete
   l.weight_gather_dim0 = dim0;
   l.weight_gather_dim1 = dim1;
   l.stored_rows = l.in_compute / mesh.size_of(dim0);
-  l.stored_cols = l.out / mesh.size_of(dim1);
+  l.stored_cols = l.compute_cols() / mesh.size_of(dim1);
   for (const auto& gathered : {l.weight_gather_dim0, l.weight_gather_dim1}) {
     for (const auto& a : gathered) {
       if (!contains(axes.batch, a)) l.nonbatch_replication *= mesh.axis_size(a);
@@ -157,14 +169,15 @@ LinearLayout decide_linear_layout(const std::string& layer, const LinearParamete
     l.bias_gather = bentry;
   }
   l.bias_reduce = batch;
-  if (l.split_output) l.bias_reduce.push_back(feature);
+  l.bias_direct = l.column_parallel && l.bias_gather_sliced && l.bias_gather.empty();
+  if (l.split_output && !l.bias_direct) l.bias_reduce.push_back(feature);
 
   if (l.tensor_parallel && !l.split_output) {
     l.notes.push_back("output features " + std::to_string(l.out) + " do not divide by " + feature +
                       "=" + std::to_string(l.tp) + ": the layer all-reduces its output over " +
                       feature + " and keeps it replicated");
   }
-  if (l.tp > 1 && !l.tensor_parallel) {
+  if (l.tp > 1 && !l.tensor_parallel && !l.column_parallel) {
     l.notes.push_back("not tensor parallel (the weight's dim 0 is not split over " + feature +
                       " first): every " + feature + " rank computes the whole layer");
   }
@@ -173,8 +186,13 @@ LinearLayout decide_linear_layout(const std::string& layer, const LinearParamete
 
 std::string describe_linear_layout(const LinearLayout& l) {
   std::ostringstream s;
-  s << (l.tensor_parallel ? "TP" : "replicated") << " in " << l.in;
+  s << (l.tensor_parallel   ? "TP"
+        : l.column_parallel ? "column-parallel TP"
+                            : "replicated")
+    << " in " << l.in;
   if (l.input_layout == FeatureLayout::split) s << " (split " << l.in / l.tp << ")";
+  if (l.column_gathers_input()) s << " all-gathered";
+  if (l.input_grad_partial) s << " (shares its SwiGLU's one gather)";
   s << " -> out " << l.out;
   if (l.split_output) s << " (split " << l.out_local << ")";
   if (l.tensor_parallel && !l.split_output) {
@@ -216,6 +234,61 @@ LayerCollective layer_collective(const std::string& phase, CollectiveKind kind,
   return c;
 }
 
+namespace {
+
+// The collectives of a column-parallel layer (see the top of linear_layout.hpp), in the order
+// layers/linear.cpp runs them; `add` records one (nothing for an empty group).
+template <typename Add>
+void column_parallel_collectives(const LinearLayout& l, const Mesh& mesh, int64_t rows,
+                                 bool input_grad, const std::vector<std::string>& features,
+                                 Add& add) {
+  const bool activations = rows > 0;
+  const auto& g0 = l.weight_gather_dim0;
+  const auto& g1 = l.weight_gather_dim1;
+  const int64_t cols = l.compute_cols();
+  auto gather_weight = [&](const char* phase) {
+    add(phase, CollectiveKind::all_gather, "weight", g0, std::vector<int64_t>{l.in, l.stored_cols},
+        0);
+    add(phase, CollectiveKind::all_gather, "weight", g1, std::vector<int64_t>{l.in, cols}, 1);
+  };
+  // Forward: the weight, the input's feature blocks (inside the all-gather-matmul), the bias.
+  gather_weight("forward");
+  if (activations && l.column_gathers_input()) {
+    add("forward", CollectiveKind::all_gather, "input", features, std::vector<int64_t>{rows, l.in},
+        1);
+  }
+  add("forward", CollectiveKind::all_gather, "bias", l.bias_gather,
+      std::vector<int64_t>{l.bias_stored * mesh.size_of(l.bias_gather)}, 0);
+  // Backward: the weight again, the input again for dW = X_fullᵀ @ dY, the partial input
+  // gradient back over the features, the gradients to storage.
+  gather_weight("backward");
+  if (activations && l.column_gathers_input()) {
+    add("backward", CollectiveKind::all_gather, "input", features, std::vector<int64_t>{rows, l.in},
+        1);
+  }
+  if (activations && input_grad && !l.input_grad_partial) {
+    add("backward",
+        l.column_gathers_input() ? CollectiveKind::reduce_scatter : CollectiveKind::all_reduce,
+        "input gradient", features, std::vector<int64_t>{rows, l.in},
+        l.column_gathers_input() ? 1 : 0);
+  }
+  if (!g0.empty()) {
+    add("backward", CollectiveKind::reduce_scatter, "weight gradient", g0,
+        std::vector<int64_t>{l.in, cols}, 0);
+    add("backward", CollectiveKind::reduce_scatter, "weight gradient", g1,
+        std::vector<int64_t>{l.stored_rows, cols}, 1);
+  } else {
+    add("backward", CollectiveKind::reduce_scatter, "weight gradient", g1,
+        std::vector<int64_t>{l.in, cols}, 1);
+  }
+  add("backward", CollectiveKind::all_reduce, "weight gradient", l.weight_allreduce,
+      std::vector<int64_t>{l.stored_rows, l.stored_cols}, 0);
+  add("backward", CollectiveKind::all_reduce, "bias gradient", l.bias_reduce,
+      std::vector<int64_t>{l.bias_direct ? l.out_local : l.out}, 0);
+}
+
+}  // namespace
+
 std::vector<LayerCollective> linear_step_collectives(const LinearLayout& l, const Mesh& mesh,
                                                      int64_t rows, bool input_grad,
                                                      int64_t bytes_per_element,
@@ -238,6 +311,10 @@ std::vector<LayerCollective> linear_step_collectives(const LinearLayout& l, cons
       l.tp > 1 ? std::vector<std::string>{l.feature_axis} : std::vector<std::string>{};
   const auto& g0 = l.weight_gather_dim0;
   const auto& g1 = l.weight_gather_dim1;
+  if (l.column_parallel) {
+    column_parallel_collectives(l, mesh, rows, input_grad, features, add);
+    return out;
+  }
   auto gather_weight = [&](const char* phase) {
     add(phase, CollectiveKind::all_gather, "weight", g0, {l.in_compute, l.stored_cols});
     add(phase, CollectiveKind::all_gather, "weight", g1, {l.in_compute, l.out}, 1);
@@ -280,6 +357,26 @@ std::vector<LayerCollective> linear_step_collectives(const LinearLayout& l, cons
   add("backward", CollectiveKind::all_reduce, "weight gradient", l.weight_allreduce,
       {l.stored_rows, l.stored_cols});
   add("backward", CollectiveKind::all_reduce, "bias gradient", l.bias_reduce, {l.out});
+  return out;
+}
+
+bool shares_input_gather(const LinearLayout& gate, const LinearLayout& up) {
+  return gate.column_gathers_input() && up.column_gathers_input() && gate.in == up.in;
+}
+
+std::vector<LayerCollective> shared_gather_collectives(const LinearLayout& l, const Mesh& mesh,
+                                                       int64_t rows, bool input_grad,
+                                                       int64_t bytes_per_element,
+                                                       const MixedPrecision& precision) {
+  std::vector<LayerCollective> out;
+  if (rows <= 0 || l.tp <= 1) return out;
+  const int64_t element = precision.param == Dtype::fp32 ? bytes_per_element : 2;
+  out.push_back(layer_collective("forward", CollectiveKind::all_gather, "input", {l.feature_axis},
+                                 {rows, l.in}, element, mesh, 1));
+  if (input_grad) {
+    out.push_back(layer_collective("backward", CollectiveKind::reduce_scatter, "input gradient",
+                                   {l.feature_axis}, {rows, l.in}, element, mesh, 1));
+  }
   return out;
 }
 

@@ -10,6 +10,18 @@
 //     works on the feature block of its input (in/T columns) and the matching weight rows.
 //     Its output is reduce-scattered over the features (split, out/T columns) when out
 //     divides by T; otherwise all-reduced and kept replicated (the note says so).
+//   column-parallel (Megatron's column split) when T > 1, the weight's dim-1 entry starts
+//     with the feature axis and its dim-0 entry does not hold it: the layer computes its
+//     output columns block t, Y_t = X_full @ W[:, block t] (+ bias block t), out/T columns,
+//     split over the features with no reduction. A split input is all-gathered over the
+//     features (an all-gather-matmul: the K blocks of X accumulate); a replicated one is used
+//     as it is. Backward: dX = dY_t @ W_tᵀ is a partial sum over the feature ranks,
+//     reduce-scattered over them (a matmul-reduce-scatter) when the input arrived split,
+//     all-reduced when replicated; dW_t = X_fullᵀ @ dY_t, X_full gathered again (an
+//     all-gather-matmul, as Megatron's sequence parallelism does: the layer keeps only its
+//     input block, not [rows, in] per layer, and the gather overlaps the GEMM). Out not
+//     divisible by T is bad_input naming the weight (the presets' planner replicates such a
+//     dim instead, and the layer is then replicated).
 //   replicated otherwise: full input (gathered over the feature axis when it arrives
 //     split), full weight, replicated output.
 //   Storage: the remaining active axes of the weight's dim-0 entry and those of its dim-1
@@ -20,7 +32,9 @@
 //   Bias: gathered over its active axes, except that a split output whose bias entry
 //     starts with the feature axis gathers only the rest (its block is then the compute
 //     block); its gradient is one all-reduce of the full-width vector over the batch axes
-//     (and the feature axis when the output is split).
+//     (and the feature axis when the output is split). A column-parallel layer whose bias is
+//     stored as exactly its compute block (P(tp)) writes its gradient straight into the
+//     stored block and all-reduces it over the batch axes only (bias_direct).
 
 #include <cstdint>
 #include <string>
@@ -65,10 +79,11 @@ struct LinearParameter {
 struct LinearLayout {
   std::string layer;  // "layers/0"
   int64_t in = 0, out = 0;
-  std::string feature_axis;  // "" when the mesh has none
-  int tp = 1;                // size of the feature axis
-  bool tensor_parallel = false;
-  bool split_output = false;  // TP and out % tp == 0
+  std::string feature_axis;      // "" when the mesh has none
+  int tp = 1;                    // size of the feature axis
+  bool tensor_parallel = false;  // row-parallel: the weight's dim 0 split over the feature axis
+  bool column_parallel = false;  // the weight's dim 1 split over the feature axis (see above)
+  bool split_output = false;     // (TP and out % tp == 0) or column-parallel
   FeatureLayout input_layout = FeatureLayout::replicated;
   int64_t in_compute = 0;  // rows of the weight's compute block (columns of the input used)
   int64_t out_local = 0;   // columns of the output
@@ -87,13 +102,33 @@ struct LinearLayout {
   bool bias_gather_sliced = false;
   int64_t bias_stored = 0;               // local bias elements
   std::vector<std::string> bias_reduce;  // the bias gradient's all-reduce axes
+  // SwiGLU's gate and up fed the same split input, both column-parallel, share one gather:
+  // the SwiGLU all-gathers the input once (each is decided as fed a replicated input) and
+  // reduce-scatters the sum of their input gradients once, which each leaves as this rank's
+  // partial sum (set by the builder, see shares_input_gather).
+  bool input_grad_partial = false;
+  bool bias_direct = false;  // column-parallel, bias stored as its compute block: the gradient
+                             // is reduced in place at out_local elements, over the batch axes
 
   std::vector<std::string> notes;  // for the plan: the all-reduce fallback, replicated compute
 
   // A TP layer fed a replicated input slices its block locally (and all-gathers the input
   // gradient back); a replicated layer fed a split input all-gathers it first.
+  // A column-parallel layer fed a split input all-gathers it inside its collective matmuls
+  // (column_gathers_input), not through gathers_input's separate all-gather.
   bool slices_input() const { return tensor_parallel && input_layout == FeatureLayout::replicated; }
-  bool gathers_input() const { return !tensor_parallel && input_layout == FeatureLayout::split; }
+  bool gathers_input() const {
+    return !tensor_parallel && !column_parallel && input_layout == FeatureLayout::split;
+  }
+  bool column_gathers_input() const {
+    return column_parallel && input_layout == FeatureLayout::split;
+  }
+  // Whether forward and backward run the collective matmuls (layer_matmul_algorithms).
+  bool runs_collective_matmuls() const {
+    return column_parallel ? column_gathers_input() : split_output;
+  }
+  // Columns of the weight's compute block (out, or out/T when column-parallel).
+  int64_t compute_cols() const { return column_parallel ? out_local : out; }
   // The weight is stored split and gathered for compute (FSDP storage).
   bool gathers_weight() const { return !weight_gather_dim0.empty() || !weight_gather_dim1.empty(); }
   // DP storage: nothing gathered or replicated besides the batch, the bias reduced over the
@@ -102,7 +137,7 @@ struct LinearLayout {
   // gradient accumulation and ZeRO-1 defer, and the cost model charges once per step.
   bool defers_reduction() const {
     return !weight_allreduce.empty() && !gathers_weight() && nonbatch_replication == 1 &&
-           bias_reduce == weight_allreduce && bias_stored == out;
+           bias_reduce == weight_allreduce && (bias_stored == out || bias_direct);
   }
   int64_t input_width() const { return input_layout == FeatureLayout::split ? in / tp : in; }
   FeatureLayout output_layout() const {
@@ -122,6 +157,10 @@ LinearLayout decide_linear_layout(const std::string& layer, const LinearParamete
                                   const LinearParameter& bias, const Mesh& mesh,
                                   const LayerAxes& axes, FeatureLayout input_layout);
 
+// Whether a SwiGLU's gate and up, decided with the input as it arrives, share one gather of it
+// (both column-parallel fed a split input): they are then decided again with a replicated
+// input and input_grad_partial set.
+bool shares_input_gather(const LinearLayout& gate, const LinearLayout& up);
 // "TP in 784 (split 196) -> out 128 (split 32), weight gathered over (fsdp) on dim 1,
 // grads all-reduced over (dp)" (without the layer name).
 std::string describe_linear_layout(const LinearLayout& layout);
@@ -171,5 +210,13 @@ std::vector<LayerCollective> linear_step_collectives(const LinearLayout& layout,
                                                      int64_t rows, bool input_grad,
                                                      int64_t bytes_per_element,
                                                      const MixedPrecision& precision = {});
+
+// The shared gather's collectives: the input [rows, in] all-gathered along its features in
+// forward and the summed input gradient reduce-scattered back in backward (`layout`: either
+// projection's; nothing when rows is 0; no backward one without input_grad).
+std::vector<LayerCollective> shared_gather_collectives(const LinearLayout& layout, const Mesh& mesh,
+                                                       int64_t rows, bool input_grad,
+                                                       int64_t bytes_per_element,
+                                                       const MixedPrecision& precision = {});
 
 }  // namespace meshtrain

@@ -140,9 +140,29 @@ void plan_layers(ShardingPlan& plan, const std::vector<LinearLayerParameters>& l
                         "', which the model does not have");
   };
   FeatureLayout input = FeatureLayout::replicated, previous_input = input;
+  bool shared_gather = false;  // layer i-1 and i: a SwiGLU's gate and up sharing one gather
   for (size_t i = 0; i < layers.size(); ++i) {
     if (layers[i].same_input_as_previous) input = previous_input;
     previous_input = input;
+    // A SwiGLU's gate (i) and up (i + 1) both column-parallel on a split input share one
+    // gather (layers/swiglu.hpp): decided as fed a replicated input, their input gradients
+    // partial, the gather's collectives charged with the gate.
+    const bool pair_starts = !layers[i].moe() && i + 1 < layers.size() &&
+                             layers[i + 1].same_input_as_previous && !layers[i + 1].moe();
+    bool gate_of_shared_pair = false;
+    if (pair_starts) {
+      auto decide = [&](size_t k) {
+        const std::string name = linear_layer_name(layers[k].weight);
+        return decide_linear_layout(name, parameter(layers[k].weight, name),
+                                    parameter(layers[k].bias, name), mesh, axes, input);
+      };
+      gate_of_shared_pair = shares_input_gather(decide(i), decide(i + 1));
+      shared_gather = gate_of_shared_pair;
+    } else if (!layers[i].same_input_as_previous) {
+      shared_gather = false;
+    }
+    const bool in_shared_pair =
+        shared_gather && (gate_of_shared_pair || layers[i].same_input_as_previous);
     if (layers[i].moe()) {
       LayerPlan l = plan_moe_layer(plan, layers[i], parameter, mesh, axes, input, i > 0, options);
       plan.totals.collective_bytes_per_step =
@@ -157,10 +177,24 @@ void plan_layers(ShardingPlan& plan, const std::vector<LinearLayerParameters>& l
     LayerPlan l;
     l.name = linear_layer_name(layers[i].weight);
     l.layout = decide_linear_layout(l.name, parameter(layers[i].weight, l.name),
-                                    parameter(layers[i].bias, l.name), mesh, axes, input);
+                                    parameter(layers[i].bias, l.name), mesh, axes,
+                                    in_shared_pair ? FeatureLayout::replicated : input);
+    l.layout.input_grad_partial = in_shared_pair;
     l.compute = describe_linear_layout(l.layout);
     l.collectives = linear_step_collectives(l.layout, mesh, plan.local_batch_rows, i > 0,
                                             options.bytes_per_element, options.precision);
+    if (gate_of_shared_pair) {
+      // The SwiGLU's one gather before the gate's own collectives, its reduce-scatter after.
+      for (LayerCollective& c :
+           shared_gather_collectives(l.layout, mesh, plan.local_batch_rows, i > 0,
+                                     options.bytes_per_element, options.precision)) {
+        if (c.phase == "forward") {
+          l.collectives.insert(l.collectives.begin(), std::move(c));
+        } else {
+          l.collectives.push_back(std::move(c));
+        }
+      }
+    }
     for (const auto& c : l.collectives) {
       l.collective_bytes_per_step = checked_add(l.collective_bytes_per_step, c.bytes_per_rank);
     }

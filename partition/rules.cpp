@@ -21,7 +21,8 @@ const std::vector<std::string>& preset_names() {
   return names;
 }
 
-std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe, bool norms) {
+std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe, bool norms,
+                                        bool residual) {
   // Weights are [in, out] (y = x W + b). A norm's scale [width] (layers/norm.hpp) is stored
   // like a bias (its bias matches "bias$"): under tp split like the features it scales.
   // Data-parallel axes never shard parameters: dp
@@ -38,6 +39,12 @@ std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe, boo
     rules.push_back(preset_rule("experts/((up|gate|down)/)?bias$", "P(ep, " + bias + ")"));
     rules[rules.size() - 2].replicate_if_indivisible = false;
   };
+  // residual_mlp under tp: the blocks' up (and gate) projections column-parallel, their
+  // biases split like their output columns; down falls to the row-parallel "weight$" rule.
+  auto column_parallel = [&rules](const std::string& weight) {
+    rules.push_back(preset_rule("blocks/[0-9]+/(up|gate)/weight$", weight));
+    rules.push_back(preset_rule("blocks/[0-9]+/(up|gate)/bias$", "P(tp)"));
+  };
   if (preset == "dp" || preset == "replicated") {
     experts("None, None", "None");
   } else if (preset == "fsdp" || preset == "dp_fsdp") {
@@ -47,11 +54,13 @@ std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe, boo
     if (norms) rules.push_back(preset_rule("scale$", "P(fsdp)"));
   } else if (preset == "tp" || preset == "dp_tp") {
     experts("tp, None", "tp");
+    if (residual) column_parallel("P(None, tp)");
     rules.push_back(preset_rule("weight$", "P(tp, None)"));
     rules.push_back(preset_rule("bias$", "P(tp)"));
     if (norms) rules.push_back(preset_rule("scale$", "P(tp)"));
   } else if (preset == "fsdp_tp") {
     experts("tp, fsdp", "tp");
+    if (residual) column_parallel("P(fsdp, tp)");
     rules.push_back(preset_rule("weight$", "P(tp, fsdp)"));
     rules.push_back(preset_rule("bias$", "P(tp)"));
     if (norms) rules.push_back(preset_rule("scale$", "P(tp)"));

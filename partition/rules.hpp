@@ -23,9 +23,14 @@ struct PartitionRule {
 // bad_input naming it and listing the known ones. With `moe`, rules for MoE layers' parameters
 // come first: router/weight P(), experts/weight P(ep, <the dense weight's entries>),
 // experts/bias P(ep, <the dense bias's entry>). With `norms` (a model with norms, e.g.
-// residual_mlp), "scale$" is stored as "bias$" is (a norm's bias matches "bias$").
+// residual_mlp), "scale$" is stored as "bias$" is (a norm's bias matches "bias$"). With
+// `residual` (kind residual_mlp) and a preset that splits over tp (tp, dp_tp, fsdp_tp), the
+// blocks' feed-forward is Megatron's pair (docs/partitioning.md): blocks/<i>/up and
+// blocks/<i>/gate weights column-parallel, P(None, tp) (fsdp_tp: P(fsdp, tp)), their biases
+// P(tp); blocks/<i>/down row-parallel as every other weight, P(tp, None) (fsdp_tp:
+// P(tp, fsdp)). One all-gather into and one reduce-scatter out of each block's feed-forward.
 std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe = false,
-                                        bool norms = false);
+                                        bool norms = false, bool residual = false);
 
 // The preset names preset_rules() knows, in a stable order.
 const std::vector<std::string>& preset_names();

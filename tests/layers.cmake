@@ -21,9 +21,10 @@ meshtrain_add_test(NAME layers_norm_test SOURCES layers/norm_test.cpp
 meshtrain_add_test(NAME layers_eval_metrics_test SOURCES layers/eval_metrics_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 60 EMULATED)
 # The residual_mlp model (Mlp's second constructor): rmsnorm / layernorm / none, silu / swiglu,
-# on dp, fsdp, tp, fsdp x tp and dp x tp with overlap off and on, against float64.
+# on dp, fsdp, tp, fsdp x tp and dp x tp (np 8: 2x4 fsdp x tp) with overlap off and on, under tp
+# every collective-matmul algorithm (the column-/row-parallel pair), against float64.
 meshtrain_add_test(NAME layers_residual_mlp_test SOURCES layers/residual_mlp_test.cpp
-                   LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120 BACKENDS mpi nccl EMULATED)
+                   LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 120 BACKENDS mpi nccl EMULATED)
 # MoE blocks in residual_mlp (model.moe_layers naming blocks): float64 reference and one rank.
 meshtrain_add_test(NAME layers_moe_block_test SOURCES layers/moe_block_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120 BACKENDS mpi nccl EMULATED)

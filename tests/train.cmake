@@ -30,6 +30,11 @@ meshtrain_add_test(NAME train_step_allocations_test SOURCES train/step_allocatio
 # unaffected, kept fraction within 4 sigma, bad model.dropout named.
 meshtrain_add_test(NAME train_dropout_test SOURCES train/dropout_test.cpp
                    LIBS meshtrain_run NP 1 2 4 8 TIMEOUT 120 EMULATED)
+# residual_mlp under the tp presets (Megatron's column-/row-parallel pair): the layers use it,
+# a checkpoint resumes bit for bit on tp and fsdp x tp meshes (2 x 4 at np 8) and loads across
+# a mesh change (tp <-> dp).
+meshtrain_add_test(NAME train_megatron_residual_test SOURCES train/megatron_residual_test.cpp
+                   LIBS meshtrain_run NP 1 2 4 8 TIMEOUT 120 EMULATED)
 # Learning-rate schedules against hand-computed values.
 meshtrain_add_test(NAME train_lr_schedule_test SOURCES train/lr_schedule_test.cpp
                    LIBS meshtrain_framework TIMEOUT 30)

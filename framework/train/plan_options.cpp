@@ -18,7 +18,8 @@ std::vector<PartitionRule> partition_rules(const RunConfig& config) {
   }
   if (!config.partition.preset.empty()) {
     for (PartitionRule& rule :
-         preset_rules(config.partition.preset, config.model.moe().any(), config.model.has_norms()))
+         preset_rules(config.partition.preset, config.model.moe().any(), config.model.has_norms(),
+                      config.model.kind == ModelKind::residual_mlp))
       rules.push_back(std::move(rule));
   }
   if (rules.empty()) {

@@ -258,7 +258,7 @@ void write_cost_text(const ShardingPlan& plan, int64_t global_batch, const StepC
   write_table(rows, out);
   bool any = false;
   for (size_t i = 0; i < plan.layers.size(); ++i) {
-    if (!plan.layers[i].layout.split_output) continue;
+    if (!plan.layers[i].layout.runs_collective_matmuls()) continue;
     if (!any) {
       out << "collective matmul algorithms (partition.collective_matmul = " << to_string(algorithm)
           << "):\n";
@@ -541,6 +541,7 @@ nlohmann::ordered_json plan_to_json(const ShardingPlan& plan,
                   {"compute", l.compute},
                   {"moe", l.moe},
                   {"tensor_parallel", l.layout.tensor_parallel},
+                  {"column_parallel", l.layout.column_parallel},
                   {"input_layout", to_string(l.layout.input_layout)},
                   {"output_layout", to_string(l.layout.output_layout())},
                   {"collectives", collectives},

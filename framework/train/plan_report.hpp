@@ -43,7 +43,7 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
 // The JSON form: {"config", "mesh": {"world_size", "axes": {name: size, ...} in mesh order},
 // "options", "rules", "parameters": [{"name", "shape", "rule", "spec", "local_shape",
 // "bytes_per_rank", "replicas", "notes"}], "local_batch_rows", "layers": [{"name", "compute",
-// "moe", "tensor_parallel", "input_layout", "output_layout", "collectives": [{"phase", "kind",
+// "moe", "tensor_parallel", "column_parallel", "input_layout", "output_layout", "collectives": [{"phase", "kind",
 // "operand", "axes", "ranks", "shape", "bytes_per_rank", and for an all-to-all
 // "at_uniform_routing": true}], "collective_bytes_per_step", "notes", and for an MoE layer
 // "moe_layout": {"in", "out", "experts", "top_k", "experts_per_rank", "expert_axes", "ep",

@@ -351,6 +351,16 @@ std::vector<LayoutCase> layouts_for(int n) {
     c.push_back({"fsdp2", {{"fsdp", 2}}, "fsdp", 0, {}});
     c.push_back({"tp2", {{"tp", 2}}, "tp", 0, {}, A::naive});
     c.push_back({"tp2_ring", {{"tp", 2}}, "tp", 0, {}, A::ring});
+    // Column-parallel Linears (weights split on dim 1 over tp): the first fed a replicated
+    // input, the others a split one (gathered inside the collective matmuls).
+    c.push_back({"tp2_column_naive", {{"tp", 2}}, "", 0, custom("P(None, tp)", "P(tp)"), A::naive});
+    c.push_back({"tp2_column_ring", {{"tp", 2}}, "", 0, custom("P(None, tp)", "P(tp)"), A::ring});
+    c.push_back({"tp2_column_bidirectional",
+                 {{"tp", 2}},
+                 "",
+                 0,
+                 custom("P(None, tp)", "P(tp)"),
+                 A::bidirectional});
   } else if (n == 4) {
     c.push_back({"dp4", {{"dp", 4}}, "dp", 0, {}});
     c.push_back({"fsdp4", {{"fsdp", 4}}, "fsdp", 0, {}});
@@ -359,7 +369,8 @@ std::vector<LayoutCase> layouts_for(int n) {
     c.push_back({"fsdp2_tp2", {{"fsdp", 2}, {"tp", 2}}, "fsdp_tp", 0, {}, A::ring});
     c.push_back({"dp2_tp2", {{"dp", 2}, {"tp", 2}}, "dp_tp", 0, {}});
     c.push_back({"dp2_fsdp2", {{"dp", 2}, {"fsdp", 2}}, "dp_fsdp", 0, {}});
-    // Storage layouts no preset gives: tp as a storage axis on dim 1 (non-batch copies),
+    // Storage layouts no preset gives: tp on dim 1 (column-parallel since the Megatron layout;
+    // before it, a storage axis whose copies divided the gradient),
     // a dim-0 tuple with tp first, a bias gathered then sliced, storage over dp.
     c.push_back({"fsdp2_tp2_storage_2d",
                  {{"fsdp", 2}, {"tp", 2}},
@@ -378,7 +389,31 @@ std::vector<LayoutCase> layouts_for(int n) {
                  custom("P((fsdp, dp), None)", "P(dp)")});
     c.push_back(
         {"dp2_tp2_dp_storage", {{"dp", 2}, {"tp", 2}}, "", 0, custom("P(tp, dp)", "P(tp)")});
+    c.push_back({"tp4_column_bidirectional",
+                 {{"tp", 4}},
+                 "",
+                 0,
+                 custom("P(None, tp)", "P(tp)"),
+                 A::bidirectional});
+    c.push_back({"fsdp2_tp2_column_ring",
+                 {{"fsdp", 2}, {"tp", 2}},
+                 "",
+                 0,
+                 custom("P(fsdp, tp)", "P(tp)"),
+                 A::ring});
+    c.push_back({"dp2_tp2_column_naive",
+                 {{"dp", 2}, {"tp", 2}},
+                 "",
+                 0,
+                 custom("P(None, tp)", "P(tp)"),
+                 A::naive});
   } else if (n == 8) {
+    c.push_back({"fsdp2_tp4_column",
+                 {{"fsdp", 2}, {"tp", 4}},
+                 "",
+                 0,
+                 custom("P(fsdp, tp)", "P(tp)"),
+                 A::bidirectional});
     c.push_back({"fsdp2_tp4", {{"fsdp", 2}, {"tp", 4}}, "fsdp_tp", 0, {}});
     c.push_back({"dp2_tp4", {{"dp", 2}, {"tp", 4}}, "dp_tp", 0, {}, A::bidirectional});
     c.push_back({"dp2_fsdp4", {{"dp", 2}, {"fsdp", 4}}, "dp_fsdp", 0, {}});
@@ -487,6 +522,13 @@ RunTrace run_case(const ModelCase& m, const LayoutCase& layout, bool overlap = f
     EXPECT_EQ(model.output_layout() == FeatureLayout::split,
               m.sizes.back() % tp == 0 && model.layers().back().tensor_parallel())
         << model.layers().back().describe();
+  }
+  if (layout.name.find("column") != std::string::npos) {
+    // (A dim that does not divide by tp is left whole by fitted(): that layer is replicated.)
+    for (const auto& l : model.layers()) {
+      EXPECT_EQ(l.layout().column_parallel, l.out() % tp == 0) << l.describe();
+    }
+    EXPECT_EQ(model.output_layout() == FeatureLayout::split, m.sizes.back() % tp == 0);
   }
   if (mesh.has_axis("fsdp") && mesh.axis_size("fsdp") > 1 &&
       layout.preset.find("fsdp") != std::string::npos) {

@@ -1,15 +1,17 @@
 // The residual_mlp model (layers/mlp.hpp's second constructor, docs/models.md): inputs 12,
 // width 16, hidden 32, depth 2, outputs 5, with rmsnorm / layernorm / no norm, and silu /
 // swiglu, built by Mlp from the plan of a preset on every mesh of np 1, 2 and 4 (dp, fsdp, tp;
-// at 4 also fsdp x tp and dp x tp), overlap off and on, against a float64 reference written
-// here from docs/models.md's formulas: the output and every parameter gradient, for a backward
-// that reduces in backward and one that leaves the deferrable gradients partial and completes
-// them with reduce_gradients(). All meshes are compared with the same reference, so every
-// mesh equals one rank. The loss is sum(R * out) over the global batch (8 rows) for a fixed R,
-// so dOut = R. Outputs 5 does not divide by tp = 2 (the output projection's all-reduce path).
-// Tolerance: |got - ref| <= 2e-5 (1 + |ref|) (float32, depth 2, sums of at most 32 terms of
-// O(1); measured differences are below 3e-6).
-// Also: initialize() gives norm scales 1 and biases 0, and a step allocates nothing.
+// at 4 also fsdp x tp and dp x tp; at 8 a 2x4 fsdp x tp), overlap off and on, under tp every
+// collective-matmul algorithm (naive, ring, bidirectional; the presets make the blocks' up and
+// gate projections column-parallel and down row-parallel, checked from the layers' lines), against
+// a float64 reference written here from docs/models.md's formulas: the output and every parameter
+// gradient, for a backward that reduces in backward and one that leaves the deferrable gradients
+// partial and completes them with reduce_gradients(). All meshes are compared with the same
+// reference, so every mesh equals one rank. The loss is sum(R * out) over the global batch (8 rows)
+// for a fixed R, so dOut = R. Outputs 5 does not divide by tp = 2 (the output projection's
+// all-reduce path). Tolerance: |got - ref| <= 2e-5 (1 + |ref|) (float32, depth 2, sums of at most
+// 32 terms of O(1); measured differences are below 3e-6). Also: initialize() gives norm scales 1
+// and biases 0, and a step allocates nothing.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -278,6 +280,9 @@ std::vector<MeshCase> mesh_cases() {
     cases.push_back({{{"fsdp", 2}, {"tp", 2}}, "fsdp_tp"});
     cases.push_back({{{"dp", 2}, {"tp", 2}}, "dp_tp"});
   }
+  if (n == 8) {  // a 2x4 fsdp x tp mesh: the column-parallel layers over 4 feature ranks
+    cases = {{{{"fsdp", 2}, {"tp", 4}}, "fsdp_tp"}};
+  }
   return cases;
 }
 
@@ -294,79 +299,108 @@ TEST(ResidualMlp, EqualsTheFloat64ReferenceOnEveryMesh) {
     const Reference ref = reference(shape);
     const std::vector<ParameterShape> shapes = residual_mlp_parameter_shapes(shape);
     for (const MeshCase& c : mesh_cases()) {
-      for (bool overlap : {false, true}) {
-        SCOPED_TRACE(m.norm + (m.gated ? " swiglu" : " silu") + ", " + c.preset + " at np " +
-                     std::to_string(n) + (overlap ? ", overlap" : ""));
-        const Mesh mesh = Mesh::create(c.axes, n);
-        MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
-        ParallelContext context(comms, {"fsdp", "dp"}, "tp",
-                                CollectiveMatmulAlgorithm::bidirectional, overlap, 1e-4);
-        const ShardingPlan plan =
-            make_plan(shapes, mesh, preset_rules(c.preset, false, true), PlanOptions{0});
-        const int64_t rows = kRows / context.batch_parallel();
-        const int64_t row0 = context.batch_index() * rows;
-        Mlp model(shape, Activation::silu, specs_from_plan(plan), context, rows);
-        ASSERT_EQ(model.parameters().size(), shapes.size());
-
-        // initialize(): norm scales 1, norm biases 0 on every mesh.
-        model.initialize(InitScheme::normal, 7);
-        for (size_t k = 0; k < shapes.size(); ++k) {
-          const std::string& name = shapes[k].name;
-          const bool scale = name.find("norm/scale") != std::string::npos;
-          const bool norm_bias = name.find("norm/bias") != std::string::npos;
-          if (!scale && !norm_bias) continue;
-          for (double v : testing::to_host(model.parameters()[k])) {
-            ASSERT_EQ(v, scale ? 1.0 : 0.0) << name;
-          }
-        }
-        for (size_t k = 0; k < shapes.size(); ++k) {
-          fill(model.parameters()[k], shapes[k], static_cast<int>(k));
-        }
-
-        Matrix x("x", rows, shape.inputs), dout("dout", rows, model.output_width());
-        auto xh = Kokkos::create_mirror_view(x);
-        auto douth = Kokkos::create_mirror_view(dout);
-        const int64_t cols = model.output_width(), col0 = model.output_offset();
-        Tensor out_ref(rows * cols);
-        for (int64_t i = 0; i < rows; ++i) {
-          for (int64_t j = 0; j < shape.inputs; ++j) xh(i, j) = input_value(row0 + i, j);
-          for (int64_t j = 0; j < cols; ++j) {
-            douth(i, j) = loss_weight(row0 + i, col0 + j);
-            out_ref[i * cols + j] = ref.out[(row0 + i) * shape.outputs + col0 + j];
-          }
-        }
-        Kokkos::deep_copy(x, xh);
-        Kokkos::deep_copy(dout, douth);
-
-        for (bool reduce : {true, false}) {
-          SCOPED_TRACE(reduce ? "reduced in backward" : "reduce_gradients()");
-          auto step = [&] {
-            const MatrixView out = model.forward(x);
-            model.backward(dout, reduce);
-            if (!reduce) model.reduce_gradients();
-            return out;
-          };
-          step();  // warm-up, then the counted one
-          g_allocations = 0;
-          Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
-          const MatrixView out = step();
-          Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
-          // Also where buckets run beside prefetches on one communicator (fsdp x tp with
-          // overlap: the norms' gradients bucketed over fsdp) and over MPI staged through host
-          // memory: the buckets and the prefetch reserve their request slots (and staging)
-          // when the model is built.
-          EXPECT_EQ(g_allocations, 0);
-
-          Matrix copy("copy", out.extent(0), out.extent(1));
-          Kokkos::deep_copy(copy, out);
-          auto oh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), copy);
-          expect_close(Tensor(oh.data(), oh.data() + oh.span()), out_ref, "output");
-          for (size_t k = 0; k < shapes.size(); ++k) {
-            expect_close(testing::gather_full(model.gradients()[k], mesh, context.rank()),
-                         ref.grad[k], shapes[k].name + " gradient");
-          }
-        }
+      // Every collective-matmul algorithm where the mesh splits features (the column- and
+      // row-parallel layers run them); the others run none.
+      std::vector<CollectiveMatmulAlgorithm> algorithms = {
+          CollectiveMatmulAlgorithm::bidirectional};
+      if (c.preset.find("tp") != std::string::npos && n > 1) {
+        algorithms = {CollectiveMatmulAlgorithm::naive, CollectiveMatmulAlgorithm::ring,
+                      CollectiveMatmulAlgorithm::bidirectional};
       }
+      for (const CollectiveMatmulAlgorithm algorithm : algorithms)
+        for (bool overlap : {false, true}) {
+          SCOPED_TRACE(m.norm + (m.gated ? " swiglu" : " silu") + ", " + c.preset + " at np " +
+                       std::to_string(n) + (overlap ? ", overlap" : "") + ", " +
+                       to_string(algorithm));
+          const Mesh mesh = Mesh::create(c.axes, n);
+          MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+          ParallelContext context(comms, {"fsdp", "dp"}, "tp", algorithm, overlap, 1e-4);
+          const ShardingPlan plan =
+              make_plan(shapes, mesh, preset_rules(c.preset, false, true, true), PlanOptions{0});
+          const int64_t rows = kRows / context.batch_parallel();
+          const int64_t row0 = context.batch_index() * rows;
+          Mlp model(shape, Activation::silu, specs_from_plan(plan), context, rows);
+          ASSERT_EQ(model.parameters().size(), shapes.size());
+          // Under tp the blocks' up (and gate) projections are column-parallel, down row-parallel
+          // (Megatron's pair; partition/rules.hpp), every other preset has no column split.
+          const bool megatron = c.preset.find("tp") != std::string::npos && n > 1;
+          int column_parallel_layers = 0;
+          for (const std::string& line : model.describe()) {
+            for (size_t at = line.find("column-parallel"); at != std::string::npos;
+                 at = line.find("column-parallel", at + 1)) {
+              ++column_parallel_layers;
+            }
+          }
+          EXPECT_EQ(column_parallel_layers, megatron ? shape.depth * (m.gated ? 2 : 1) : 0);
+          // SwiGLU's gate and up share one gather of the block's input.
+          int shared = 0;
+          for (const std::string& line : model.describe()) {
+            for (size_t at = line.find("shares its SwiGLU's one gather"); at != std::string::npos;
+                 at = line.find("shares its SwiGLU's one gather", at + 1)) {
+              ++shared;
+            }
+          }
+          EXPECT_EQ(shared, megatron && m.gated ? 2 * shape.depth : 0);
+
+          // initialize(): norm scales 1, norm biases 0 on every mesh.
+          model.initialize(InitScheme::normal, 7);
+          for (size_t k = 0; k < shapes.size(); ++k) {
+            const std::string& name = shapes[k].name;
+            const bool scale = name.find("norm/scale") != std::string::npos;
+            const bool norm_bias = name.find("norm/bias") != std::string::npos;
+            if (!scale && !norm_bias) continue;
+            for (double v : testing::to_host(model.parameters()[k])) {
+              ASSERT_EQ(v, scale ? 1.0 : 0.0) << name;
+            }
+          }
+          for (size_t k = 0; k < shapes.size(); ++k) {
+            fill(model.parameters()[k], shapes[k], static_cast<int>(k));
+          }
+
+          Matrix x("x", rows, shape.inputs), dout("dout", rows, model.output_width());
+          auto xh = Kokkos::create_mirror_view(x);
+          auto douth = Kokkos::create_mirror_view(dout);
+          const int64_t cols = model.output_width(), col0 = model.output_offset();
+          Tensor out_ref(rows * cols);
+          for (int64_t i = 0; i < rows; ++i) {
+            for (int64_t j = 0; j < shape.inputs; ++j) xh(i, j) = input_value(row0 + i, j);
+            for (int64_t j = 0; j < cols; ++j) {
+              douth(i, j) = loss_weight(row0 + i, col0 + j);
+              out_ref[i * cols + j] = ref.out[(row0 + i) * shape.outputs + col0 + j];
+            }
+          }
+          Kokkos::deep_copy(x, xh);
+          Kokkos::deep_copy(dout, douth);
+
+          for (bool reduce : {true, false}) {
+            SCOPED_TRACE(reduce ? "reduced in backward" : "reduce_gradients()");
+            auto step = [&] {
+              const MatrixView out = model.forward(x);
+              model.backward(dout, reduce);
+              if (!reduce) model.reduce_gradients();
+              return out;
+            };
+            step();  // warm-up, then the counted one
+            g_allocations = 0;
+            Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
+            const MatrixView out = step();
+            Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+            // Also where buckets run beside prefetches on one communicator (fsdp x tp with
+            // overlap: the norms' gradients bucketed over fsdp) and over MPI staged through host
+            // memory: the buckets and the prefetch reserve their request slots (and staging)
+            // when the model is built.
+            EXPECT_EQ(g_allocations, 0);
+
+            Matrix copy("copy", out.extent(0), out.extent(1));
+            Kokkos::deep_copy(copy, out);
+            auto oh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), copy);
+            expect_close(Tensor(oh.data(), oh.data() + oh.span()), out_ref, "output");
+            for (size_t k = 0; k < shapes.size(); ++k) {
+              expect_close(testing::gather_full(model.gradients()[k], mesh, context.rank()),
+                           ref.grad[k], shapes[k].name + " gradient");
+            }
+          }
+        }
     }
   }
 }

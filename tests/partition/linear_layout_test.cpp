@@ -299,3 +299,160 @@ TEST(PlannerMemory, CountsAccumulationAndEvaluationBuffers) {
 
 }  // namespace
 }  // namespace meshtrain
+
+namespace meshtrain {
+namespace {
+
+// residual_mlp under the tp presets (Megatron's pair): inputs 64, width 256, hidden 1024, one
+// SwiGLU block (or relu, gated = false) with rmsnorm, outputs 10, global batch 128.
+ShardingPlan residual_plan(const Mesh& mesh, const std::string& preset, bool gated = true) {
+  ResidualMlpShape s;
+  s.inputs = 64;
+  s.outputs = 10;
+  s.width = 256;
+  s.hidden = 1024;
+  s.depth = 1;
+  s.gated = gated;
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.global_batch = kBatch;
+  return make_plan(residual_mlp_parameter_shapes(s), mesh,
+                   preset_rules(preset, false, true, /*residual=*/true), options,
+                   residual_mlp_linear_layers(s));
+}
+
+const LayerPlan& layer_named(const ShardingPlan& plan, const std::string& name) {
+  for (const auto& l : plan.layers) {
+    if (l.name == name) return l;
+  }
+  ADD_FAILURE() << "no layer " << name;
+  return plan.layers.front();
+}
+
+TEST(ColumnParallel, ResidualBlockUnderTp) {
+  const ShardingPlan plan = residual_plan(mesh_of({{"tp", 4}}), "tp");
+  // SwiGLU: gate and up share one gather of the block's split input. Each is decided as fed
+  // the gathered (replicated) input with a partial input gradient; the gate carries the
+  // gather [128, 256] in forward and the reduce-scatter of the summed input gradient in
+  // backward, each 128 * 256 * 4 * 3/4 bytes. No batch axis: the bias gradients stay local.
+  for (const std::string name : {"blocks/0/gate", "blocks/0/up"}) {
+    SCOPED_TRACE(name);
+    const LayerPlan& l = layer_named(plan, name);
+    EXPECT_TRUE(l.layout.column_parallel);
+    EXPECT_FALSE(l.layout.tensor_parallel);
+    EXPECT_TRUE(l.layout.bias_direct);
+    EXPECT_TRUE(l.layout.input_grad_partial);
+    EXPECT_FALSE(l.layout.runs_collective_matmuls());
+    EXPECT_EQ(l.compute,
+              "column-parallel TP in 256 (shares its SwiGLU's one gather) -> out 1024 (split 256)");
+  }
+  const LayerPlan& gate = layer_named(plan, "blocks/0/gate");
+  ASSERT_EQ(gate.collectives.size(), 2u);
+  EXPECT_EQ(gate.collectives[0].phase, "forward");
+  EXPECT_EQ(gate.collectives[0].kind, CollectiveKind::all_gather);
+  EXPECT_EQ(gate.collectives[0].operand, "input");
+  EXPECT_EQ(gate.collectives[1].phase, "backward");
+  EXPECT_EQ(gate.collectives[1].kind, CollectiveKind::reduce_scatter);
+  EXPECT_EQ(gate.collectives[1].operand, "input gradient");
+  for (const auto& c : gate.collectives) {
+    EXPECT_EQ(c.shape, (std::vector<int64_t>{128, 256}));
+    EXPECT_EQ(c.dim, 1);
+    EXPECT_EQ(c.bytes_per_rank, 98304);
+  }
+  EXPECT_TRUE(layer_named(plan, "blocks/0/up").collectives.empty());
+  // down: row-parallel as before, its split input the gate/up output.
+  const LayerPlan& down = layer_named(plan, "blocks/0/down");
+  EXPECT_TRUE(down.layout.tensor_parallel);
+  EXPECT_FALSE(down.layout.column_parallel);
+  EXPECT_EQ(down.compute, "TP in 1024 (split 256) -> out 256 (split 64)");
+  // output reduce-scatter + dY gathered twice (98304 each), bias gradient over tp (2 KiB x 3/4).
+  EXPECT_EQ(down.collective_bytes_per_step, 3 * 98304 + 1536);
+  // The input projection and the output head as the plain presets have them.
+  EXPECT_EQ(layer_named(plan, "input").compute, "TP in 64 -> out 256 (split 64)");
+  EXPECT_FALSE(layer_named(plan, "output").layout.column_parallel);
+}
+
+TEST(ColumnParallel, WithoutSwigluUpGathersInItsCollectiveMatmuls) {
+  const ShardingPlan plan = residual_plan(mesh_of({{"tp", 4}}), "tp", /*gated=*/false);
+  const LayerPlan& l = layer_named(plan, "blocks/0/up");
+  EXPECT_TRUE(l.layout.column_parallel);
+  EXPECT_FALSE(l.layout.input_grad_partial);
+  EXPECT_TRUE(l.layout.runs_collective_matmuls());
+  EXPECT_EQ(l.compute, "column-parallel TP in 256 (split 64) all-gathered -> out 1024 (split 256)");
+  // The input [128, 256] all-gathered in forward and again in backward (for dW), dX
+  // reduce-scattered: 98304 bytes each.
+  ASSERT_EQ(l.collectives.size(), 3u);
+  EXPECT_EQ(l.collectives[0].operand, "input");
+  EXPECT_EQ(l.collectives[0].phase, "forward");
+  EXPECT_EQ(l.collectives[1].operand, "input");
+  EXPECT_EQ(l.collectives[1].phase, "backward");
+  EXPECT_EQ(l.collectives[2].operand, "input gradient");
+  EXPECT_EQ(l.collectives[2].kind, CollectiveKind::reduce_scatter);
+  EXPECT_EQ(l.collective_bytes_per_step, 3 * 98304);
+}
+
+TEST(ColumnParallel, FsdpTimesTpGathersTheWeightOverFsdp) {
+  const ShardingPlan plan = residual_plan(mesh_of({{"fsdp", 2}, {"tp", 2}}), "fsdp_tp");
+  const LayerPlan& up = layer_named(plan, "blocks/0/up");
+  const LinearLayout& l = up.layout;
+  EXPECT_TRUE(l.column_parallel);
+  EXPECT_EQ(l.in_compute, 256);
+  EXPECT_EQ(l.out_local, 512);
+  EXPECT_EQ(l.stored_rows, 128);
+  EXPECT_EQ(l.stored_cols, 512);
+  EXPECT_EQ(l.weight_gather_dim0, (std::vector<std::string>{"fsdp"}));
+  EXPECT_TRUE(l.weight_gather_dim1.empty());
+  EXPECT_TRUE(l.weight_allreduce.empty());
+  EXPECT_EQ(l.bias_reduce, (std::vector<std::string>{"fsdp"}));  // batch axes only
+  EXPECT_FALSE(l.defers_reduction());
+  EXPECT_EQ(up.compute,
+            "column-parallel TP in 256 (shares its SwiGLU's one gather) -> out 1024 (split 512), "
+            "weight gathered over (fsdp) on dim 0");
+  // Weight [256, 512] gathered over fsdp forward and backward and its gradient
+  // reduce-scattered: 262144 bytes each; bias gradient [512] all-reduced over fsdp: 2048. The
+  // input's gather and reduce-scatter ([64, 256] over tp, 32768 bytes each) are the gate's.
+  EXPECT_EQ(up.collective_bytes_per_step, 3 * 262144 + 2048);
+  EXPECT_EQ(layer_named(plan, "blocks/0/gate").collective_bytes_per_step,
+            3 * 262144 + 2048 + 2 * 32768);
+}
+
+TEST(ColumnParallel, DpTimesTpDefersItsGradients) {
+  const ShardingPlan plan = residual_plan(mesh_of({{"dp", 2}, {"tp", 2}}), "dp_tp");
+  const LinearLayout& l = layer_named(plan, "blocks/0/gate").layout;
+  EXPECT_TRUE(l.column_parallel);
+  EXPECT_EQ(l.weight_allreduce, (std::vector<std::string>{"dp"}));
+  EXPECT_EQ(l.bias_reduce, (std::vector<std::string>{"dp"}));
+  EXPECT_TRUE(l.defers_reduction());  // one all-reduce over dp each, like DP storage
+}
+
+TEST(ColumnParallel, ReplicatedInputAllReducesTheInputGradient) {
+  const Mesh mesh = mesh_of({{"tp", 4}});
+  const LayerAxes axes{{"fsdp", "dp"}, "tp"};
+  const LinearLayout l =
+      decide_linear_layout("x", param("x/weight", {64, 128}, "P(None, tp)"),
+                           param("x/bias", {128}, "P()"), mesh, axes, FeatureLayout::replicated);
+  EXPECT_TRUE(l.column_parallel);
+  EXPECT_FALSE(l.runs_collective_matmuls());
+  EXPECT_FALSE(l.bias_direct);  // the bias stored whole: its gradient summed over tp
+  EXPECT_EQ(l.bias_reduce, (std::vector<std::string>{"tp"}));
+  const auto c = linear_step_collectives(l, mesh, 32, /*input_grad=*/true, 4);
+  ASSERT_EQ(c.size(), 2u);
+  EXPECT_EQ(c[0].kind, CollectiveKind::all_reduce);
+  EXPECT_EQ(c[0].operand, "input gradient");
+  EXPECT_EQ(c[0].bytes_per_rank, 2 * 32 * 64 * 4 * 3 / 4);
+  EXPECT_EQ(c[1].operand, "bias gradient");
+  EXPECT_EQ(c[1].shape, (std::vector<int64_t>{128}));
+}
+
+TEST(ColumnParallel, IndivisibleOutputNamesTheParameter) {
+  expect_bad_input(
+      [] {
+        decide_linear_layout("head", param("head/weight", {64, 10}, "P(None, tp)"),
+                             param("head/bias", {10}, "P()"), mesh_of({{"tp", 4}}),
+                             LayerAxes{{"dp"}, "tp"}, FeatureLayout::replicated);
+      },
+      {"linear layer 'head'", "'head/weight'", "10 output features", "size 4"});
+}
+
+}  // namespace
+}  // namespace meshtrain
