@@ -785,8 +785,11 @@ TEST(MoeBlock, Bf16IsCloseToTheReferenceAndToOneRankOnEveryMesh) {
   const double u = std::ldexp(1.0, -8);
   const ModelCase models[] = {{"rmsnorm swiglu", NormKind::rmsnorm, true, Activation::silu},
                               {"layernorm gelu", NormKind::layernorm, false, Activation::gelu}};
-  const RouterInit fp32_router = g_router;
-  g_router = kBf16Router;
+  struct UseRouter {  // the bf16 routers for this test, the fp32 ones again after it
+    RouterInit saved = g_router;
+    UseRouter() { g_router = kBf16Router; }
+    ~UseRouter() { g_router = saved; }
+  } use_bf16_router;
   for (const ModelCase& m : models) {
     SCOPED_TRACE(m.name + ", bf16");
     const ResidualMlpShape shape = shape_of(m);
@@ -832,7 +835,6 @@ TEST(MoeBlock, Bf16IsCloseToTheReferenceAndToOneRankOnEveryMesh) {
       }
     }
   }
-  g_router = fp32_router;
 }
 
 }  // namespace
