@@ -6,3 +6,13 @@ meshtrain_add_test(NAME core_precision_test SOURCES core/precision_test.cpp
 # Philox-4x32-10 (framework/core/philox.hpp) against Random123's known-answer vectors.
 meshtrain_add_test(NAME core_philox_test SOURCES core/philox_test.cpp
                    LIBS meshtrain_framework TIMEOUT 60)
+# A source check, not a program: no Kokkos device lambda directly in a GoogleTest body, which
+# nvcc rejects and a host compiler accepts (tests/source/device_lambdas.py says why).
+find_package(Python3 COMPONENTS Interpreter)
+if(Python3_Interpreter_FOUND)
+  meshtrain_add_command_test(NAME source_device_lambdas_selftest TIMEOUT 30
+    COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/source/device_lambdas.py --self-test)
+  meshtrain_add_command_test(NAME source_device_lambdas TIMEOUT 30
+    COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/source/device_lambdas.py
+            ${PROJECT_SOURCE_DIR}/tests ${PROJECT_SOURCE_DIR}/bench)
+endif()

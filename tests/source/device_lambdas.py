@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Fails when a Kokkos device lambda sits directly in a GoogleTest body.
+
+nvcc rejects an extended __host__ __device__ lambda whose enclosing function is a private or
+protected member of a class, and the body of TEST(...) is the private TestBody() of a
+generated class: "The enclosing parent function ("TestBody") for an extended __host__
+__device__ lambda cannot have private or protected access within its class". A host-only
+build compiles such a test without complaint, so this check keeps the CUDA build compiling
+on machines that never run nvcc. The fix is a free function that launches the kernel.
+
+usage: device_lambdas.py ROOT_DIR...   (or --self-test)
+"""
+import os
+import re
+import sys
+
+TEST_MACRO = re.compile(r"^\s*(TEST|TEST_F|TEST_P|TYPED_TEST|TYPED_TEST_P)\s*\(", re.M)
+DEVICE_LAMBDA = re.compile(r"\bKOKKOS_(CLASS_)?LAMBDA\b|__device__")
+
+
+def strip_comments_and_strings(text):
+    """Blanks comments and literals, keeping newlines so line numbers stay right."""
+    pattern = re.compile(r'//[^\n]*|/\*.*?\*/|"(\\.|[^"\\\n])*"|\'(\\.|[^\'\\\n])*\'', re.S)
+    return pattern.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+
+
+def findings(text, path):
+    code = strip_comments_and_strings(text)
+    out = []
+    for match in TEST_MACRO.finditer(code):
+        # The test's name ends at the parenthesis that closes TEST(...); its body is the
+        # brace block after it.
+        depth, i = 0, match.end() - 1
+        while i < len(code):
+            depth += {"(": 1, ")": -1}.get(code[i], 0)
+            i += 1
+            if depth == 0:
+                break
+        open_brace = code.find("{", i)
+        if open_brace < 0:
+            continue
+        depth, j = 0, open_brace
+        while j < len(code):
+            depth += {"{": 1, "}": -1}.get(code[j], 0)
+            j += 1
+            if depth == 0:
+                break
+        for lam in DEVICE_LAMBDA.finditer(code, open_brace, j):
+            line = code.count("\n", 0, lam.start()) + 1
+            out.append(f"{path}:{line}: {lam.group(0)} inside a {match.group(1)} body; "
+                       "nvcc rejects it (move the kernel into a free function)")
+    return out
+
+
+def self_test():
+    bad = 'TEST(A, B) {\n  // KOKKOS_LAMBDA in a comment is fine\n  Kokkos::parallel_for(\n' \
+          '      "x", 4, KOKKOS_LAMBDA(const int i) { v(i) = 1; });\n}\n'
+    good = 'void launch(V v) {\n  Kokkos::parallel_for("x", 4, KOKKOS_LAMBDA(const int i) ' \
+           '{ v(i) = 1; });\n}\nTEST(A, B) { const char* s = "KOKKOS_LAMBDA"; launch(v); }\n'
+    found_bad, found_good = findings(bad, "bad.cpp"), findings(good, "good.cpp")
+    assert len(found_bad) == 1 and found_bad[0].startswith("bad.cpp:4:"), found_bad
+    assert not found_good, found_good
+    print("self-test: a lambda in a TEST body is found, one in a free function is not")
+
+
+def main(argv):
+    if argv[1:] == ["--self-test"]:
+        self_test()
+        return 0
+    problems, files = [], 0
+    for root in argv[1:]:
+        for dirpath, _, names in os.walk(root):
+            for name in sorted(names):
+                if name.endswith((".cpp", ".hpp", ".cu")):
+                    path = os.path.join(dirpath, name)
+                    with open(path, encoding="utf-8") as f:
+                        problems += findings(f.read(), path)
+                    files += 1
+    for p in problems:
+        print(p)
+    print(f"{files} files checked, {len(problems)} device lambda(s) in test bodies")
+    return 1 if problems or files == 0 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
