@@ -24,9 +24,9 @@
 #include <string>
 #include <vector>
 
-#include "framework/comm/exit_policy.hpp"
 #include "framework/comm/backend.hpp"
 #include "framework/comm/collective_matmul.hpp"
+#include "framework/comm/exit_policy.hpp"
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/comm/runtime.hpp"
 #include "framework/train/hardware_file.hpp"
@@ -128,7 +128,8 @@ int main(int argc, char** argv) {
     }
     meshtrain::MeshCommunicators comms(
         meshtrain::Mesh::create({{"tp", -1}}, runtime->world_size(), "bench"), MPI_COMM_WORLD,
-        meshtrain::prepare_comm_backend(meshtrain::resolve_comm_backend(backend), MPI_COMM_WORLD));
+        meshtrain::prepare_comm_backend(meshtrain::resolve_comm_backend(backend, MPI_COMM_WORLD),
+                                        MPI_COMM_WORLD));
     meshtrain::Communicator& tp = comms.get({"tp"});
     const std::size_t ranks = static_cast<std::size_t>(tp.size());
     if (k % ranks != 0 || (scatter_dim == 0 ? m : n) % ranks != 0) {

@@ -190,6 +190,7 @@ Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,
   LayerAxes axes;
   on_every_rank(comm_, [&] {
     config_ = parse_config(config_text, "the config of checkpoint '" + path_ + "'", overrides);
+    require_comm_backend_available(config_.runtime.backend);
     const int64_t inputs = config_.model.input_width(), outputs = config_.model.output_width();
     classification_ = config_.model.loss == LossKind::cross_entropy;
     if (normalization_.inputs() &&
@@ -247,7 +248,7 @@ Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,
   });
 
   // --- The model on the mesh, its parameters from the checkpoint. ---------------------------
-  const CommBackend backend = resolve_comm_backend(config_.runtime.backend);
+  const CommBackend backend = resolve_comm_backend(config_.runtime.backend, comm_);
   comms_ = std::make_unique<MeshCommunicators>(*mesh_, comm_, prepare_comm_backend(backend, comm_));
   context_.emplace(*comms_, axes.batch, axes.feature, config_.partition.collective_matmul,
                    config_.runtime.overlap, config_.runtime.bucket_mb);

@@ -109,7 +109,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   // --- What to run: config, mesh and the plan (the same one `meshtrain plan` prints). ---
   on_every_rank(comm_, [&] {
     check_config(config_);
-    backend_ = resolve_comm_backend(config_.runtime.backend);
+    require_comm_backend_available(config_.runtime.backend);
     set_matmul_precision(config_.runtime.matmul_precision);
     mesh_ = config_.mesh.resolve(world_size);
     const PlanOptions options = plan_options(config_);
@@ -179,6 +179,9 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   agree_on_data_shape();
 
   // --- Model, loss, optimizer: collective construction, identical on every rank. --------
+  std::string backend_note;
+  backend_ = resolve_comm_backend(config_.runtime.backend, comm_, &backend_note);
+  if (!backend_note.empty() && rank_ == 0) warnings_.push_back(backend_note);
   if (backend_ == CommBackend::mpi) {  // NCCL progresses on its own stream
     std::string note;
     const std::string key =

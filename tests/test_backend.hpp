@@ -11,9 +11,13 @@
 
 namespace meshtrain::testing {
 
-inline CommunicatorFactory test_communicator_factory() {
+inline CommBackendChoice test_backend_choice() {
   const char* name = std::getenv("MESHTRAIN_TEST_BACKEND");
-  const CommBackend backend = resolve_comm_backend(name && *name ? name : "mpi");
+  return parse_comm_backend(name && *name ? name : "mpi");
+}
+
+inline CommunicatorFactory test_communicator_factory() {
+  const CommBackend backend = resolve_comm_backend(test_backend_choice(), MPI_COMM_WORLD);
   return prepare_comm_backend(backend, MPI_COMM_WORLD);
 }
 

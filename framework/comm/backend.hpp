@@ -7,7 +7,8 @@
 //         through pinned host buffers, so several ranks may share one GPU.
 //   nccl  NcclCommunicator, one per mesh group; needs a CUDA Kokkos, NCCL, and one GPU per
 //         rank (NCCL refuses two ranks of one communicator on one GPU).
-//   auto  nccl when the build has both (CUDA Kokkos and NCCL), mpi otherwise.
+//   auto  nccl when the build has both (CUDA Kokkos and NCCL) and every rank has a GPU of its
+//         own; mpi otherwise (a CPU build, or a node running more ranks than it has GPUs).
 
 #include <mpi.h>
 
@@ -26,11 +27,19 @@ const char* to_string(CommBackend backend);
 // NCCL found at configure time.
 bool build_supports_nccl();
 
-// The [runtime] backend choice resolved for this build: automatic -> nccl or mpi; nccl on a
-// build that cannot run it is bad_input naming runtime.backend.
-CommBackend resolve_comm_backend(CommBackendChoice requested);
+// Throws bad_input naming runtime.backend when `requested` is nccl and the build cannot run
+// it. Not collective: for the config checks every rank makes alike.
+void require_comm_backend_available(CommBackendChoice requested);
+
+// The [runtime] backend choice resolved for this build and these ranks: nccl on a build that
+// cannot run it is bad_input naming runtime.backend; automatic is nccl where the build can
+// run it and no node of `world` runs more ranks than it has GPUs, else mpi (then `note`, when
+// given, says why). Collective over `world` for automatic on an NCCL build: every rank gets
+// the same answer.
+CommBackend resolve_comm_backend(CommBackendChoice requested, MPI_Comm world,
+                                 std::string* note = nullptr);
 // The same from its name (parse_comm_backend: bad_input for an unknown one).
-CommBackend resolve_comm_backend(const std::string& requested);
+CommBackend resolve_comm_backend(const std::string& requested, MPI_Comm world);
 
 // Readies the process for `backend` and returns the factory MeshCommunicators builds each
 // group's communicator with. Collective over `world` (every rank must call it; all throw

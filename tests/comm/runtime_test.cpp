@@ -6,12 +6,16 @@
 
 #include <Kokkos_Core.hpp>
 #include <cmath>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "framework/comm/backend.hpp"
 #include "framework/comm/backends/mpi_communicator.hpp"
+#if MESHTRAIN_HAVE_NCCL && defined(KOKKOS_ENABLE_CUDA)
+#include "framework/comm/backends/nccl_communicator.hpp"
+#endif
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/comm/runtime.hpp"
 #include "tests/test_support.hpp"
@@ -120,19 +124,28 @@ TEST(MeshCommunicators, FactoryFailureComesThroughAndLeavesTheMeshUsable) {
   EXPECT_EQ(dp.size(), n);
 }
 
-// [runtime] backend: auto resolves by what the build has; nccl where the build cannot run
-// it, and unknown names, are one sentence naming runtime.backend.
+// [runtime] backend: auto resolves by what the build has and whether every rank has a GPU
+// of its own; nccl where the build cannot run it, and unknown names, are one sentence naming
+// runtime.backend.
 TEST(CommBackend, ResolvesForThisBuild) {
-  EXPECT_EQ(resolve_comm_backend("mpi"), CommBackend::mpi);
-  EXPECT_EQ(resolve_comm_backend("auto"),
-            build_supports_nccl() ? CommBackend::nccl : CommBackend::mpi);
-  if (build_supports_nccl()) {
-    EXPECT_EQ(resolve_comm_backend("nccl"), CommBackend::nccl);
-  } else {
-    expect_bad_input([] { resolve_comm_backend("nccl"); },
-                     {"runtime.backend = \"nccl\" needs a build", "use runtime.backend = \"mpi\""});
-  }
-  expect_bad_input([] { resolve_comm_backend("gloo"); },
+  EXPECT_EQ(resolve_comm_backend("mpi", MPI_COMM_WORLD), CommBackend::mpi);
+  std::string note;
+  const CommBackend automatic =
+      resolve_comm_backend(CommBackendChoice::automatic, MPI_COMM_WORLD, &note);
+#if MESHTRAIN_HAVE_NCCL && defined(KOKKOS_ENABLE_CUDA)
+  // One node here: NCCL when the GPUs go round (or each rank poses as a host of its own).
+  const bool own_gpus = world_size() <= cuda_device_count() || std::getenv("NCCL_HOSTID");
+  EXPECT_EQ(automatic, own_gpus ? CommBackend::nccl : CommBackend::mpi);
+  if (!own_gpus) EXPECT_NE(note.find("NCCL needs one GPU per rank"), std::string::npos) << note;
+  EXPECT_EQ(resolve_comm_backend("nccl", MPI_COMM_WORLD), CommBackend::nccl);
+#else
+  EXPECT_FALSE(build_supports_nccl());
+  EXPECT_EQ(automatic, CommBackend::mpi);
+  EXPECT_EQ(note, "");
+  expect_bad_input([] { resolve_comm_backend("nccl", MPI_COMM_WORLD); },
+                   {"runtime.backend = \"nccl\" needs a build", "use runtime.backend = \"mpi\""});
+#endif
+  expect_bad_input([] { resolve_comm_backend("gloo", MPI_COMM_WORLD); },
                    {"runtime.backend = 'gloo' is not one of auto | mpi | nccl"});
 }
 

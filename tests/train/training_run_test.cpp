@@ -29,6 +29,7 @@
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/progress_thread.hpp"
 #include "framework/train/lr_schedule.hpp"
+#include "tests/test_backend.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain {
@@ -37,6 +38,7 @@ namespace {
 RunConfig small_config(std::vector<std::pair<std::string, int>> axes, const std::string& preset) {
   RunConfig config;
   config.file = "training_run_test";
+  config.runtime.backend = testing::test_backend_choice();  // mpi unless the registration says
   config.run.seed = 3;
   config.mesh.axes = std::move(axes);
   config.model.sizes = {8, 16, 16, 4};  // every width divides by 4
@@ -603,9 +605,9 @@ RunConfig with_residual(RunConfig config, ModelNorm norm, bool swiglu);  // belo
 TEST(TrainingRun, ResidualMlpBf16MeshesTrainLikeOneRank) {
   const int n = world_size();
   auto config = [](const MeshCase& c) {
-    return with_sgd(with_precision(
-        with_residual(small_config(c.axes, c.preset), ModelNorm::layernorm, true), Dtype::bf16,
-        Dtype::bf16));
+    return with_sgd(
+        with_precision(with_residual(small_config(c.axes, c.preset), ModelNorm::layernorm, true),
+                       Dtype::bf16, Dtype::bf16));
   };
   const Trace reference = run_steps(config({"dp", {{"dp", 1}}}), MPI_COMM_SELF, 5);
   EXPECT_LT(reference.losses.back(), reference.losses.front());
@@ -616,12 +618,13 @@ TEST(TrainingRun, ResidualMlpBf16MeshesTrainLikeOneRank) {
     EXPECT_NEAR(trace.eval.test_loss, reference.eval.test_loss,
                 kBf16Tolerance * (1 + std::abs(reference.eval.test_loss)));
     if (world_rank() == 0) {
-      std::printf("[ observed ] residual bf16, %s np %d: max loss error %.2e, eval %.2e "
-                  "(bound %.2e)\n",
-                  c.preset.c_str(), n, max_relative_error(trace.losses, reference.losses),
-                  std::abs(trace.eval.test_loss - reference.eval.test_loss) /
-                      (1 + std::abs(reference.eval.test_loss)),
-                  kBf16Tolerance);
+      std::printf(
+          "[ observed ] residual bf16, %s np %d: max loss error %.2e, eval %.2e "
+          "(bound %.2e)\n",
+          c.preset.c_str(), n, max_relative_error(trace.losses, reference.losses),
+          std::abs(trace.eval.test_loss - reference.eval.test_loss) /
+              (1 + std::abs(reference.eval.test_loss)),
+          kBf16Tolerance);
     }
   }
 }
@@ -713,7 +716,8 @@ TEST(TrainingRun, ResidualMlpMeshesTrainLikeOneRank) {
     const ModelNorm norm = swiglu ? ModelNorm::layernorm : ModelNorm::rmsnorm;
     const Trace reference =
         run_steps(with_residual(small_config({{"dp", 1}}, "dp"), norm, swiglu), MPI_COMM_SELF, 5);
-    std::vector<MeshCase> cases = {{"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}, {"tp", {{"tp", n}}}};
+    std::vector<MeshCase> cases = {
+        {"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}, {"tp", {{"tp", n}}}};
     if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
     for (const MeshCase& c : cases) {
       for (const bool overlap : {false, true}) {
@@ -746,6 +750,7 @@ TEST(TrainingRun, CommThreadTrainsBitForBitLikeWithout) {
   for (const MeshCase& c : cases) {
     SCOPED_TRACE(c.preset);
     RunConfig config = small_config(c.axes, c.preset);
+    config.runtime.backend = CommBackendChoice::mpi;  // the thread drives MPI's operations
     config.runtime.overlap = true;
     config.runtime.bucket_mb = 0.0005;  // several DP buckets in flight at once
     config.runtime.comm_thread = CommThreadChoice::off;
@@ -847,8 +852,7 @@ TEST(TrainingRun, ResidualMoeBlocksTrainLikeOneRankAndResumeExactly) {
         EXPECT_NEAR(r.aux_loss, want.aux_loss, 1e-5 * (1 + want.aux_loss)) << "step " << s + 1;
       }
       const EvalEvent eval = run.evaluate();
-      EXPECT_NEAR(eval.test_loss, reference_eval.test_loss,
-                  1e-5 * (1 + reference_eval.test_loss));
+      EXPECT_NEAR(eval.test_loss, reference_eval.test_loss, 1e-5 * (1 + reference_eval.test_loss));
     }
   }
 
@@ -915,9 +919,10 @@ RunData inputs_with_large_step(float large, int step, bool every_step = false) {
 
 RunConfig fp16_relu_config(std::vector<std::pair<std::string, int>> axes,
                            const std::string& preset) {
-  RunConfig config = with_sgd(with_precision(small_config(std::move(axes), preset),
-                                             Dtype::fp16, Dtype::fp16));
-  config.model.activation = Activation::relu;  // tanh would squash an overflowed (inf) activation to 1
+  RunConfig config =
+      with_sgd(with_precision(small_config(std::move(axes), preset), Dtype::fp16, Dtype::fp16));
+  config.model.activation =
+      Activation::relu;  // tanh would squash an overflowed (inf) activation to 1
   config.data.shuffle = ShuffleMode::none;
   return config;
 }
@@ -992,7 +997,8 @@ TEST(TrainingRun, Fp16LossThatNoScaleFixesNamesTheKey) {
     } catch (const AgreedError& e) {
       EXPECT_EQ(e.kind(), ErrorKind::runtime);
       const std::string message = e.what();
-      const bool loss = message.find("loss was not finite in 16 steps in a row") != std::string::npos;
+      const bool loss =
+          message.find("loss was not finite in 16 steps in a row") != std::string::npos;
       const bool gradients = message.find("at every loss scale down to 2^-24") != std::string::npos;
       EXPECT_TRUE(loss || gradients) << message;
       EXPECT_EQ(steps, loss ? 15 : 40) << message;
@@ -1057,8 +1063,8 @@ TEST(TrainingRun, KeepBestSurvivesRotation) {
   from_best.checkpoint.dir = dir + "/from_best";
   std::filesystem::create_directories(from_best.checkpoint.dir);  // every rank: same path
   if (world_rank() == 0) {
-    std::filesystem::copy_file(*pointed, from_best.checkpoint.dir + "/" +
-                                             checkpoint_file_name(evals[best].step));
+    std::filesystem::copy_file(
+        *pointed, from_best.checkpoint.dir + "/" + checkpoint_file_name(evals[best].step));
     std::ofstream(from_best.checkpoint.dir + "/latest")
         << checkpoint_file_name(evals[best].step) << "\n";
   }
