@@ -9,11 +9,12 @@
 // values (round_to); only communication moves 16-bit elements (docs/mixed_precision.md).
 
 #include <Kokkos_Core.hpp>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
-#include "framework/core/views.hpp"
 #include "base/dtype.hpp"
+#include "framework/core/views.hpp"
 
 namespace meshtrain {
 
@@ -82,6 +83,15 @@ KOKKOS_INLINE_FUNCTION float from_16bit(uint16_t h, Dtype dtype) {
 // f rounded to the nearest `dtype` value (f itself for fp32).
 KOKKOS_INLINE_FUNCTION float round_to(float f, Dtype dtype) {
   return dtype == Dtype::fp32 ? f : from_16bit(to_16bit(f, dtype), dtype);
+}
+
+// out[k] = a[k] + b[k] on the host for 16-bit elements of `dtype`: added in fp32 and rounded
+// once to 16 bits, as NCCL's 16-bit sums do (the MPI backend's wire sums; out may be a or b).
+template <Dtype dtype>
+inline void add_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, std::size_t count) {
+  for (std::size_t k = 0; k < count; ++k) {
+    out[k] = to_16bit(from_16bit(a[k], dtype) + from_16bit(b[k], dtype), dtype);
+  }
 }
 
 // Bits of 16-bit elements in the default memory space (what communication moves).

@@ -253,11 +253,8 @@ int size_of(MPI_Comm comm) {
 // (each partial sum MPI's algorithm forms), as NCCL's 16-bit sums do.
 template <Dtype dtype>
 void sum_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
-  const uint16_t* a = static_cast<const uint16_t*>(in);
-  uint16_t* b = static_cast<uint16_t*>(inout);
-  for (int k = 0; k < *len; ++k) {
-    b[k] = to_16bit(from_16bit(a[k], dtype) + from_16bit(b[k], dtype), dtype);
-  }
+  uint16_t* sum = static_cast<uint16_t*>(inout);
+  add_16bit<dtype>(sum, static_cast<const uint16_t*>(in), sum, static_cast<std::size_t>(*len));
 }
 
 MPI_Op make_sum_op(MPI_User_function* function) {

@@ -43,13 +43,6 @@ void add_fp32(float* out, const float* mine, const float* arrived, std::size_t c
   for (std::size_t k = 0; k < count; ++k) out[k] = mine[k] + arrived[k];
 }
 
-template <Dtype dtype>
-void add_16bit(uint16_t* out, const uint16_t* mine, const uint16_t* arrived, std::size_t count) {
-  for (std::size_t k = 0; k < count; ++k) {
-    out[k] = to_16bit(from_16bit(mine[k], dtype) + from_16bit(arrived[k], dtype), dtype);
-  }
-}
-
 void add(char* out, const char* mine, const char* arrived, std::size_t bytes, Dtype dtype) {
   switch (dtype) {
     case Dtype::fp32:
