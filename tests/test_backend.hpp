@@ -2,6 +2,8 @@
 // The communication backend the multi-rank tests build their meshes with: env
 // MESHTRAIN_TEST_BACKEND = mpi (default) | nccl | auto, so that scripts/gpu-check runs the
 // same equivalence tests over NCCL on a GPU machine. Collective over MPI_COMM_WORLD.
+// And the [runtime] reductions of the training tests: env MESHTRAIN_TEST_REDUCTIONS = auto |
+// mpi | ring | measure, unset keeps the config's (a ctest variant runs them on the ring).
 
 #include <mpi.h>
 
@@ -14,6 +16,11 @@ namespace meshtrain::testing {
 inline CommBackendChoice test_backend_choice() {
   const char* name = std::getenv("MESHTRAIN_TEST_BACKEND");
   return parse_comm_backend(name && *name ? name : "mpi");
+}
+
+inline ReductionAlgorithm test_reductions(ReductionAlgorithm unset) {
+  const char* name = std::getenv("MESHTRAIN_TEST_REDUCTIONS");
+  return name && *name ? parse_reduction_algorithm(name) : unset;
 }
 
 inline CommunicatorFactory test_communicator_factory() {

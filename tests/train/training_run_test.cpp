@@ -19,10 +19,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -35,10 +37,24 @@
 namespace meshtrain {
 namespace {
 
+// Where the tests write runs and checkpoints: the temp directory, or a folder of its own for
+// a ctest variant (MESHTRAIN_TEST_REDUCTIONS), which may run beside the plain registration.
+std::string temp_dir() {
+  std::string dir = std::filesystem::temp_directory_path().string();
+  const char* variant = std::getenv("MESHTRAIN_TEST_REDUCTIONS");
+  if (variant && *variant) {
+    dir += std::string("/meshtrain_reductions_") + variant;
+    std::error_code ignored;  // made by several ranks at once: one wins, the others find it
+    std::filesystem::create_directories(dir, ignored);
+  }
+  return dir;
+}
+
 RunConfig small_config(std::vector<std::pair<std::string, int>> axes, const std::string& preset) {
   RunConfig config;
   config.file = "training_run_test";
   config.runtime.backend = testing::test_backend_choice();  // mpi unless the registration says
+  config.runtime.reductions = testing::test_reductions(config.runtime.reductions);
   config.run.seed = 3;
   config.mesh.axes = std::move(axes);
   config.model.sizes = {8, 16, 16, 4};  // every width divides by 4
@@ -59,6 +75,7 @@ RunConfig small_config(std::vector<std::pair<std::string, int>> axes, const std:
 struct Trace {
   std::vector<double> losses;
   EvalEvent eval;
+  std::string reductions;  // describe()'s last line: each group's reduction algorithm
 };
 
 Trace run_steps(const RunConfig& config, MPI_Comm comm, int steps) {
@@ -66,6 +83,7 @@ Trace run_steps(const RunConfig& config, MPI_Comm comm, int steps) {
   Trace trace;
   for (int s = 0; s < steps; ++s) trace.losses.push_back(run.step().loss);
   trace.eval = run.evaluate();
+  trace.reductions = run.describe().back();
   return trace;
 }
 
@@ -103,7 +121,13 @@ TEST(TrainingRun, EveryMeshTrainsLikeOneRank) {
   if (n % 4 == 0) cases.push_back({"fsdp", {{"fsdp", 2}, {"sp", n / 2}}});
   for (const Case& c : cases) {
     SCOPED_TRACE(c.preset + " on " + std::to_string(c.axes.size()) + " axes");
-    const Trace trace = run_steps(small_config(c.axes, c.preset), MPI_COMM_WORLD, 5);
+    const RunConfig config = small_config(c.axes, c.preset);
+    const Trace trace = run_steps(config, MPI_COMM_WORLD, 5);
+    if (config.runtime.reductions == ReductionAlgorithm::ring && n > 1) {
+      // The ring variant (MESHTRAIN_TEST_REDUCTIONS=ring) does reduce on the ring.
+      EXPECT_EQ(trace.reductions.rfind("  reductions (ring): ", 0), 0u) << trace.reductions;
+      EXPECT_EQ(trace.reductions.find("library"), std::string::npos) << trace.reductions;
+    }
     ASSERT_EQ(trace.losses.size(), reference.losses.size());
     for (size_t s = 0; s < trace.losses.size(); ++s) {
       EXPECT_NEAR(trace.losses[s], reference.losses[s], 1e-5 * (1 + std::abs(reference.losses[s])))
@@ -119,8 +143,7 @@ TEST(TrainingRun, EveryMeshTrainsLikeOneRank) {
 
 TEST(TrainingRun, TrainEmitsEventsSavesAndResumesExactly) {
   const int n = world_size();
-  const std::string dir = std::filesystem::temp_directory_path().string() +
-                          "/meshtrain_training_run_test_np" + std::to_string(n);
+  const std::string dir = temp_dir() + "/meshtrain_training_run_test_np" + std::to_string(n);
   if (world_rank() == 0) std::filesystem::remove_all(dir);
   check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
 
@@ -170,8 +193,7 @@ TEST(TrainingRun, TrainEmitsEventsSavesAndResumesExactly) {
 // checkpoint of another model is bad input naming the shapes.
 TEST(TrainingRun, LoadModelOntoAnyMeshEvaluatesAlike) {
   const int n = world_size();
-  const std::string dir = std::filesystem::temp_directory_path().string() +
-                          "/meshtrain_training_run_load_model_np" + std::to_string(n);
+  const std::string dir = temp_dir() + "/meshtrain_training_run_load_model_np" + std::to_string(n);
   if (world_rank() == 0) std::filesystem::remove_all(dir);
   check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
   RunConfig config = small_config({{"fsdp", n}}, "fsdp");
@@ -348,8 +370,7 @@ TEST(TrainingRun, EvaluationBatchOfAnyDividingSize) {
 TEST(TrainingRun, LogEventsCarryRateAndUtilization) {
   const int n = world_size();
   RunConfig config = small_config({{"fsdp", n}}, "fsdp");
-  config.run.output_dir = std::filesystem::temp_directory_path().string() +
-                          "/meshtrain_training_run_lr_np" + std::to_string(n);
+  config.run.output_dir = temp_dir() + "/meshtrain_training_run_lr_np" + std::to_string(n);
   config.optimizer.schedule = LrScheduleKind::cosine;
   config.optimizer.warmup_steps = 2;
   config.optimizer.min_lr = 1e-3;
@@ -777,8 +798,7 @@ TEST(TrainingRun, CommThreadTrainsBitForBitLikeWithout) {
 // that was never interrupted.
 TEST(TrainingRun, ResidualMlpResumesExactlyAndAcrossMeshes) {
   const int n = world_size();
-  const std::string dir = std::filesystem::temp_directory_path().string() +
-                          "/meshtrain_training_run_residual_np" + std::to_string(n);
+  const std::string dir = temp_dir() + "/meshtrain_training_run_residual_np" + std::to_string(n);
   if (world_rank() == 0) std::filesystem::remove_all(dir);
   check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
   RunConfig config = with_residual(small_config({{"fsdp", n}}, "fsdp"), ModelNorm::layernorm, true);
@@ -856,8 +876,7 @@ TEST(TrainingRun, ResidualMoeBlocksTrainLikeOneRankAndResumeExactly) {
     }
   }
 
-  const std::string dir = std::filesystem::temp_directory_path().string() +
-                          "/meshtrain_training_run_moe_blocks_np" + std::to_string(n);
+  const std::string dir = temp_dir() + "/meshtrain_training_run_moe_blocks_np" + std::to_string(n);
   if (world_rank() == 0) std::filesystem::remove_all(dir);
   check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
   RunConfig config =
@@ -1010,8 +1029,7 @@ TEST(TrainingRun, Fp16LossThatNoScaleFixesNamesTheKey) {
 
 // A fresh directory for the run's output on every rank (removed by rank 0 first).
 std::string fresh_run_dir(const std::string& name) {
-  const std::string dir = std::filesystem::temp_directory_path().string() + "/meshtrain_" + name +
-                          "_np" + std::to_string(world_size());
+  const std::string dir = temp_dir() + "/meshtrain_" + name + "_np" + std::to_string(world_size());
   if (world_rank() == 0) std::filesystem::remove_all(dir);
   check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
   return dir;
