@@ -2,9 +2,10 @@
 
 #include <map>
 
+#include "base/error.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
-#include "base/error.hpp"
+#include "framework/core/trace.hpp"
 #include "framework/train/config.hpp"
 #include "layers/residual_block.hpp"
 #include "layers/swiglu.hpp"
@@ -34,8 +35,7 @@ std::unique_ptr<Mlp> make_model(const ModelSection& model, const SpecLookup& spe
 }
 
 Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLookup& spec_of,
-         ParallelContext& context, int64_t local_rows, const MoeSettings& moe,
-         double dropout)
+         ParallelContext& context, int64_t local_rows, const MoeSettings& moe, double dropout)
     : sizes_(sizes),
       activation_(activation),
       rows_(local_rows),
@@ -77,10 +77,9 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
                                 compute_dtype_);
       sequence_.push_back(&activations_.back());
       if (dropout > 0.0) {
-        dropouts_.emplace_back(dropout, static_cast<int64_t>(i),
-                               "layers/" + std::to_string(i) + "/dropout", rows_,
-                               layer->output_width(), layout, layer->output_offset(),
-                               compute_dtype_);
+        dropouts_.emplace_back(
+            dropout, static_cast<int64_t>(i), "layers/" + std::to_string(i) + "/dropout", rows_,
+            layer->output_width(), layout, layer->output_offset(), compute_dtype_);
         sequence_.push_back(&dropouts_.back());
       }
     }
@@ -301,9 +300,25 @@ MatrixView Mlp::forward(MatrixView x, const TrainingPass* training) {
     pass.scratch = &scratch_;
     pass.prefetch = forward_prefetch_[k];
     pass.training = training;
+    TraceSpan span(tracer().on() ? trace_name(k) : "", TraceKind::layer);
+    span.detail("forward");
     input = sequence_[k]->forward(input, pass);
   }
   return input;
+}
+
+// A layer's name in traces: what its describe() line starts with ("layers/0"), made once for
+// every layer on the first traced step (the pointers stay valid: the vector never grows).
+const char* Mlp::trace_name(size_t k) {
+  if (trace_names_.size() != sequence_.size()) {
+    trace_names_.resize(sequence_.size());
+    for (size_t i = 0; i < sequence_.size(); ++i) {
+      const std::string line = sequence_[i]->describe();
+      const std::string head = line.substr(0, line.find(':'));
+      trace_names_[i] = head.empty() ? "layer " + std::to_string(i) : head;
+    }
+  }
+  return trace_names_[k].c_str();
 }
 
 void Mlp::backward(MatrixView output_grad, bool reduce, float loss_scale) {
@@ -336,6 +351,8 @@ void Mlp::backward(MatrixView output_grad, bool reduce, float loss_scale) {
     const LayerPass pass{
         &scratch_, backward_prefetch_[k], reductions_.for_layer(k, deferred), &buckets_, k,
         loss_scale};
+    TraceSpan span(tracer().on() ? trace_name(k) : "", TraceKind::layer);
+    span.detail("backward");
     grad = sequence_[k]->backward(grad, /*need_input_grad=*/k > 0, pass);
   }
   // The gradients are final from here on.

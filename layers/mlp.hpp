@@ -172,6 +172,8 @@ class Mlp {
   std::vector<FeatureNorm*> norms_;
   // ...and the model as the passes see it.
   std::vector<Layer*> sequence_;
+  std::vector<std::string> trace_names_;  // trace_name(): made on the first traced step
+  const char* trace_name(size_t k);
   // Per layer: the layer whose weight gather starts while it computes, in forward and in
   // backward (nullptr: none; all nullptr without overlap).
   std::vector<Layer*> forward_prefetch_;

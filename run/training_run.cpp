@@ -12,6 +12,8 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <string>
+#include <system_error>
 #include <utility>
 
 #include "base/error.hpp"
@@ -23,6 +25,7 @@
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
+#include "framework/core/trace.hpp"
 #include "framework/io/normalization_stats.hpp"
 #include "framework/train/resume.hpp"
 #include "partition/zero1.hpp"
@@ -543,7 +546,9 @@ bool TrainingRun::record_evaluation(const EvalEvent& eval) {
   return false;
 }
 
-TrainingRun::~TrainingRun() = default;
+TrainingRun::~TrainingRun() {
+  if (tracing_) tracer().stop();  // a run that ended inside its trace window writes nothing
+}
 
 void TrainingRun::resume() {
   // Rank 0 reads the pointer and every rank follows its answer: on a lagging shared file
@@ -601,18 +606,73 @@ LossResult TrainingRun::compute_loss(Loss& loss, MatrixView output, const BatchL
 }
 
 StepResult TrainingRun::step() {
-  for (int64_t micro = 0; micro < accumulation_; ++micro) {
-    load_batch(steps_done_, micro);
-    accumulate_loaded_batch();
+  const int64_t number = steps_done_ + 1;
+  if (config_.runtime.traces() && number == config_.runtime.trace_first) begin_trace();
+  StepResult result;
+  {
+    TraceSpan span("step", TraceKind::step);
+    span.number(number);
+    for (int64_t micro = 0; micro < accumulation_; ++micro) {
+      {
+        TraceSpan data("data wait");
+        load_batch(steps_done_, micro);
+      }
+      accumulate_loaded_batch();
+    }
+    result = apply_update();
   }
-  return apply_update();
+  if (tracing_ && number == config_.runtime.trace_last) end_trace();
+  return result;
 }
 
 StepResult TrainingRun::step_on_loaded_batch() {
   MESHTRAIN_REQUIRE(accumulation_ == 1,
                     "step_on_loaded_batch needs train.accumulation_steps = 1; use step()");
+  TraceSpan span("step", TraceKind::step);
+  span.number(steps_done_ + 1);
   accumulate_loaded_batch();
   return apply_update();
+}
+
+// [runtime] trace_steps: the tracer records from the first traced step on; every rank's
+// timestamps go onto rank 0's clock. Collective (all ranks step together).
+void TrainingRun::begin_trace() {
+  trace_clock_offset_ns_ = clock_offset_to_rank0_ns(comm_);
+  trace_origin_ns_ = Tracer::now_ns() + trace_clock_offset_ns_;
+  check_mpi(MPI_Bcast(&trace_origin_ns_, 1, MPI_INT64_T, 0, comm_), "MPI_Bcast (trace origin)");
+  const int64_t steps = config_.runtime.trace_last - config_.runtime.trace_first + 1;
+  // Room for 64 Ki events a step (a few MiB); more are counted as dropped in the file.
+  tracer().start(static_cast<std::size_t>(std::min<int64_t>(steps, 64)) << 16);
+  tracing_ = true;
+}
+
+// After the last traced step: each rank writes <output_dir>/trace/rank-<k>.json, then rank 0
+// merges them into all-ranks.json (a track per rank). Collective; errors are agreed.
+void TrainingRun::end_trace() {
+  tracer().stop();
+  tracing_ = false;
+  int ranks = 1;
+  check_mpi(MPI_Comm_size(comm_, &ranks), "MPI_Comm_size");
+  const std::string dir = trace_dir();
+  on_every_rank(comm_, [&] {
+    std::error_code error;
+    std::filesystem::create_directories(dir, error);
+    if (error) MESHTRAIN_FAIL("cannot create the trace folder '", dir, "': ", error.message());
+    write_chrome_trace(tracer().events(), tracer().dropped(), rank_, trace_clock_offset_ns_,
+                       trace_origin_ns_, dir + "/rank-" + std::to_string(rank_) + ".json");
+  });
+  on_every_rank(comm_, [&] {
+    if (rank_ != 0) return;
+    std::vector<std::string> paths;
+    for (int r = 0; r < ranks; ++r) paths.push_back(dir + "/rank-" + std::to_string(r) + ".json");
+    merge_chrome_traces(paths, dir + "/all-ranks.json");
+  });
+}
+
+std::string TrainingRun::trace_dir() const {
+  const std::string run_dir =
+      config_.run.output_dir.empty() ? "runs/" + config_.run.name : config_.run.output_dir;
+  return run_dir + "/trace";
 }
 
 // The training step, top to bottom: accumulate_loaded_batch for each micro-batch, then
@@ -623,12 +683,18 @@ double TrainingRun::accumulate_loaded_batch() {
   // Dropout's key: the run's seed and step counter (restored by a resume), the micro-batch,
   // and where this rank's rows sit in it (the same mask on every mesh).
   const TrainingPass training{config_.run.seed, steps_done_, micro_done_, slice_.begin()};
-  MatrixView output = model_->forward(x_, &training);
+  MatrixView output = [&] {
+    TraceSpan span("forward");
+    return model_->forward(x_, &training);
+  }();
   // fp16: inputs beyond its range overflow at every loss scale. This rank's loss is poisoned
   // so that every rank sees a non-finite loss and stops below, in check_fp16_overflow.
   inputs_beyond_fp16_ = scaler_ ? scaler_->count_beyond_fp16(x_) : 0.0;
   if (inputs_beyond_fp16_ > 0) loss_->poison_next_reduction();
-  LossResult result = compute_loss(*loss_, output, labels_, targets_, /*with_gradient=*/true);
+  LossResult result = [&] {
+    TraceSpan span("loss");
+    return compute_loss(*loss_, output, labels_, targets_, /*with_gradient=*/true);
+  }();
   // MoE layers: their load-balancing loss is part of the training loss (backward adds its
   // gradient); it is the same on every rank.
   const double aux_loss = model_->aux_loss();
@@ -660,6 +726,7 @@ double TrainingRun::accumulate_loaded_batch() {
   if (!step_loss_overflowed_) {
     // Partial gradients (gradient_reduction_ other than in_backward) are completed once per
     // step, in apply_update. The last micro-batch's gradient stays in the gradients.
+    TraceSpan span("backward");
     model_->backward(loss_->gradient(), gradient_reduction_, scaler_ ? scaler_->scale() : 1.0f);
     if (micro_done_ + 1 < accumulation_) {
       std::vector<ShardedTensor>& grads = model_->gradients();
@@ -697,8 +764,14 @@ StepResult TrainingRun::apply_update() {
   }
   // The reductions backward left out, once per step (gradient_reduction_). With ZeRO-1 the
   // update (clipping included) sees this rank's chunk of each gradient.
-  if (gradient_reduction_ == GradientReduction::per_step) model_->reduce_gradients();
-  if (gradient_reduction_ == GradientReduction::zero1) zero1_->reduce(grads);
+  if (gradient_reduction_ == GradientReduction::per_step) {
+    TraceSpan span("gradient reduction");
+    model_->reduce_gradients();
+  }
+  if (gradient_reduction_ == GradientReduction::zero1) {
+    TraceSpan span("gradient reduction");
+    zero1_->reduce(grads);
+  }
   std::vector<ShardedTensor>& update_grads = updated_gradients();
   const double loss = micro_loss_sum_ / static_cast<double>(accumulation_);
   const double aux_loss = micro_aux_loss_sum_ / static_cast<double>(accumulation_);
@@ -706,6 +779,7 @@ StepResult TrainingRun::apply_update() {
   if (scaler_) {
     // fp16: the gradients come scaled; a step with an inf or NaN anywhere is skipped on
     // every rank (the optimizer does not run) and the scale backs off.
+    TraceSpan span("loss scaling");
     const bool finite = scaler_->unscale(update_grads);
     scaler_->update(finite);
     if (!finite) {
@@ -717,6 +791,7 @@ StepResult TrainingRun::apply_update() {
   }
   if (config_.optimizer.clip_norm > 0) {
     // The norm is reduced over the ranks too: every rank stops here together.
+    TraceSpan span("clip");
     const double norm = clipper_->clip(update_grads, config_.optimizer.clip_norm, *world_);
     if (!std::isfinite(norm)) {
       throw AgreedError(Error(
@@ -730,9 +805,12 @@ StepResult TrainingRun::apply_update() {
   }
   // The rate depends on the step index alone, so a resumed run continues it exactly.
   lr_ = static_cast<float>(lr_schedule_.at(steps_done_));
-  checkpointer_->wait_snapshot();  // a save in flight has copied the tensors it writes
-  optimizer_->step(updated_parameters(), update_grads, lr_);
-  if (zero1_) zero1_->gather(model_->parameters());  // every replica gets every chunk
+  {
+    TraceSpan span("optimizer");
+    checkpointer_->wait_snapshot();  // a save in flight has copied the tensors it writes
+    optimizer_->step(updated_parameters(), update_grads, lr_);
+    if (zero1_) zero1_->gather(model_->parameters());  // every replica gets every chunk
+  }
   ++steps_done_;
   return {steps_done_, loss, aux_loss};
 }
@@ -766,6 +844,7 @@ double TrainingRun::flops_per_step() const {
 // The metrics over the whole test split, sharded over the batch axes like training: Loss
 // reduces each batch's loss sums over the ranks, EvalMetrics the rest once at the end.
 EvalEvent TrainingRun::evaluate() {
+  TraceSpan span("evaluate");
   Mlp& model = eval_model_ ? *eval_model_ : *model_;
   Loss& loss = eval_model_ ? *eval_loss_ : *loss_;
   const Matrix& x = eval_model_ ? eval_x_ : x_;
@@ -808,6 +887,7 @@ std::string TrainingRun::start_save() {
   // The best evaluation so far is this step's: this checkpoint becomes `best`.
   const bool best = config_.checkpoint.keep_best && best_step_ == steps_done_;
   std::string path;
+  TraceSpan span("checkpoint save");
   on_every_rank(comm_, [&] {
     report_checkpoint(checkpointer_->wait());  // the previous one, when still in flight
     in_flight_step_ = steps_done_;

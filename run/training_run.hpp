@@ -171,6 +171,9 @@ class TrainingRun {
   // Model FLOPs of one optimizer step over all ranks: 6 x parameters x samples (forward
   // 2, backward 4 multiply-adds per parameter and sample; the MLP's FLOPs are its GEMMs').
   double flops_per_step() const;
+  // Where [runtime] trace_steps writes: <run.output_dir>/trace (runs/<run.name>/trace when
+  // the config names no output_dir).
+  std::string trace_dir() const;
   // The last step is done, or train.early_stopping stopped the run (also when resumed from
   // a checkpoint saved as it stopped).
   bool finished() const { return steps_done_ >= total_steps_ || stopped_early_; }
@@ -221,6 +224,8 @@ class TrainingRun {
   void throw_agreed_data_error();
   void agree_on_data_shape();
   void report_checkpoint(const std::optional<std::string>& path);
+  void begin_trace();
+  void end_trace();
 
   RunConfig config_;
   RunEvents events_;
@@ -239,6 +244,11 @@ class TrainingRun {
   int64_t total_steps_ = 0;
   int64_t steps_done_ = 0;
   CommBackend backend_ = CommBackend::mpi;
+  // [runtime] trace_steps: whether this run's window is being recorded, and the timestamps'
+  // shift onto rank 0's clock and origin there (begin_trace).
+  bool tracing_ = false;
+  int64_t trace_clock_offset_ns_ = 0;
+  int64_t trace_origin_ns_ = 0;
 
   // Declared in dependency order: destroyed in reverse, the communicators last, and the
   // communication thread (runtime.comm_thread) after every request that may use it.

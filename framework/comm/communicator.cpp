@@ -11,7 +11,10 @@
 #include <vector>
 
 #include "framework/comm/slot_pool.hpp"
+#include "framework/core/choices.hpp"
 #include "framework/core/kernel_label.hpp"
+#include "framework/core/trace.hpp"
+#include "partition/linear_layout.hpp"
 
 namespace meshtrain {
 
@@ -33,6 +36,32 @@ double collective_timeout_from_env() {
                         "' is not a positive number of seconds");
   }
   return seconds;
+}
+
+namespace {
+
+// A collective's span: its group, the bytes per rank it moves as the plan counts them (for
+// an operand of `elements` in all: the gathered tensor, the reduced one), the operand's
+// bytes, and the wire dtype.
+void describe_collective(TraceSpan& span, CollectiveKind kind, const std::string& group, int ranks,
+                         std::size_t elements, Dtype wire) {
+  if (!span.on()) return;
+  const auto operand = static_cast<int64_t>(elements * bytes_of(wire));
+  span.group(group)
+      .bytes(collective_bytes_per_rank(kind, operand, ranks), operand)
+      .detail(to_string(wire));
+}
+
+}  // namespace
+
+// The start of a non-blocking operation: a span, and a flow id its Request's wait() shows.
+Request Communicator::traced_start(TraceSpan& span, Request request) {
+  if (span.on() && request.pending()) {
+    const int64_t id = tracer().next_flow();
+    span.flow(id);
+    request.trace_flow_ = id;
+  }
+  return request;
 }
 
 // ---------------------------------------------------------------------------- Request
@@ -113,8 +142,10 @@ Request& Request::operator=(Request&& other) noexcept {
     finish();
     impl_ = other.impl_;
     wire_ = other.wire_;
+    trace_flow_ = other.trace_flow_;
     other.impl_ = nullptr;
     other.wire_ = nullptr;
+    other.trace_flow_ = 0;
   }
   return *this;
 }
@@ -125,6 +156,8 @@ Request::~Request() {
 
 void Request::wait() {
   if (impl_ == nullptr) return;
+  TraceSpan span("wait", TraceKind::wait);
+  span.flow(trace_flow_);
   // Release the request even when waiting throws: it is not waited on twice.
   Impl* impl = impl_;
   impl_ = nullptr;
@@ -324,6 +357,8 @@ void Communicator::through_wire(const float* send, std::size_t send_count, float
 // The flat gather of `count` floats per rank into `recv`, moving `wire` elements.
 void Communicator::gather_flat(const float* send, float* recv, std::size_t count, Dtype wire,
                                const char* op) {
+  TraceSpan span("all-gather", TraceKind::collective);
+  describe_collective(span, CollectiveKind::all_gather, description_, size_, count * size_, wire);
   if (!is_16bit(wire)) {
     raw_all_gather(send, recv, count, Dtype::fp32, op);
     return;
@@ -388,23 +423,33 @@ Request Communicator::start_all_gather(ConstVectorView send, VectorView recv, Dt
   const char* op = "all_gather";
   require_gather_lengths(send, recv, size_, description_, op);
   const std::size_t count = send.extent(0);
-  if (!is_16bit(wire)) return raw_start_all_gather(send.data(), recv.data(), count, wire, op);
+  TraceSpan span("all-gather", TraceKind::collective);
+  describe_collective(span, CollectiveKind::all_gather, description_, size_, count * size_, wire);
+  if (!is_16bit(wire)) {
+    return traced_start(span, raw_start_all_gather(send.data(), recv.data(), count, wire, op));
+  }
   Request::WireSlot& slot = acquire_wire_slot(count, recv.extent(0));
   pack_16bit(send.data(), slot.send.data(), count, wire);
-  return start_on_wire(slot, recv.data(), recv.extent(0), wire, [&] {
-    return raw_start_all_gather(slot.send.data(), slot.recv.data(), count, wire, op);
-  });
+  return traced_start(span, start_on_wire(slot, recv.data(), recv.extent(0), wire, [&] {
+                        return raw_start_all_gather(slot.send.data(), slot.recv.data(), count, wire,
+                                                    op);
+                      }));
 }
 
 Request Communicator::start_all_reduce(VectorView data, Dtype wire) {
   const char* op = "all_reduce";
   const std::size_t count = data.extent(0);
   checked_int(count, "started all_reduce count");
-  if (!is_16bit(wire)) return raw_start_all_reduce_sum(data.data(), count, wire, op);
+  TraceSpan span("all-reduce", TraceKind::collective);
+  describe_collective(span, CollectiveKind::all_reduce, description_, size_, count, wire);
+  if (!is_16bit(wire)) {
+    return traced_start(span, raw_start_all_reduce_sum(data.data(), count, wire, op));
+  }
   Request::WireSlot& slot = acquire_wire_slot(0, count);
   pack_16bit(data.data(), slot.recv.data(), count, wire);
-  return start_on_wire(slot, data.data(), count, wire,
-                       [&] { return raw_start_all_reduce_sum(slot.recv.data(), count, wire, op); });
+  return traced_start(span, start_on_wire(slot, data.data(), count, wire, [&] {
+                        return raw_start_all_reduce_sum(slot.recv.data(), count, wire, op);
+                      }));
 }
 
 // A 16-bit operation on `slot`'s buffers: `start` begins it on the backend; the Request
@@ -436,6 +481,9 @@ Request Communicator::start_on_wire(Request::WireSlot& slot, float* unpack_to, s
 // The flat reduce-scatter of `count` floats per rank, summed in `wire` elements.
 void Communicator::reduce_scatter_flat(const float* send, float* recv, std::size_t count,
                                        Dtype wire, const char* op) {
+  TraceSpan span("reduce-scatter", TraceKind::collective);
+  describe_collective(span, CollectiveKind::reduce_scatter, description_, size_, count * size_,
+                      wire);
   if (!is_16bit(wire)) {
     raw_reduce_scatter_sum(send, recv, count, Dtype::fp32, op);
     return;
@@ -494,6 +542,8 @@ void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim
 void Communicator::all_reduce(VectorView data, ReduceOp reduce, Dtype wire) {
   const char* op = "all_reduce";
   const std::size_t count = data.extent(0);
+  TraceSpan span("all-reduce", TraceKind::collective);
+  describe_collective(span, CollectiveKind::all_reduce, description_, size_, count, wire);
   if (!is_16bit(wire)) {
     raw_all_reduce_sum(data.data(), count, Dtype::fp32, op);
   } else {
@@ -510,6 +560,13 @@ void Communicator::all_reduce(VectorView data, ReduceOp reduce, Dtype wire) {
 }
 
 void Communicator::all_reduce(DoubleVectorView data, ReduceOp reduce) {
+  TraceSpan span("all-reduce", TraceKind::collective);
+  if (span.on()) {
+    const auto operand = static_cast<int64_t>(data.extent(0) * sizeof(double));
+    span.group(description_)
+        .bytes(collective_bytes_per_rank(CollectiveKind::all_reduce, operand, size_), operand)
+        .detail("f64");
+  }
   raw_all_reduce_sum_f64(data.data(), data.extent(0), "all_reduce");
   if (reduce == ReduceOp::mean && size_ > 1) {
     const double scale = 1.0 / static_cast<double>(size_);
@@ -530,6 +587,11 @@ void Communicator::broadcast(VectorView data, int root) {
     MESHTRAIN_BAD_INPUT("broadcast on ", description_, ": root ", root, " is not a rank of ",
                         size_);
   }
+  TraceSpan span("broadcast", TraceKind::collective);
+  if (span.on()) {
+    const auto operand = static_cast<int64_t>(data.extent(0) * sizeof(float));
+    span.group(description_).bytes(operand, operand).detail("fp32");
+  }
   raw_broadcast(data.data(), data.extent(0), root, "broadcast");
 }
 
@@ -546,12 +608,20 @@ Request Communicator::shift(ConstVectorView send, VectorView recv, int offset, D
   }
   require_disjoint(send.data(), send.extent(0), recv.data(), recv.extent(0), description_, op);
   const std::size_t count = send.extent(0);
-  if (!is_16bit(wire)) return raw_shift(send.data(), recv.data(), count, wire, offset, op);
+  TraceSpan span("shift", TraceKind::collective);
+  if (span.on()) {  // one block to the next rank: what it sends is what it moves
+    const auto operand = static_cast<int64_t>(count * bytes_of(wire));
+    span.group(description_).bytes(operand, operand).detail(to_string(wire));
+  }
+  if (!is_16bit(wire)) {
+    return traced_start(span, raw_shift(send.data(), recv.data(), count, wire, offset, op));
+  }
   Request::WireSlot& slot = acquire_wire_slot(count, count);
   pack_16bit(send.data(), slot.send.data(), count, wire);
-  return start_on_wire(slot, recv.data(), count, wire, [&] {
-    return raw_shift(slot.send.data(), slot.recv.data(), count, wire, offset, op);
-  });
+  return traced_start(span, start_on_wire(slot, recv.data(), count, wire, [&] {
+                        return raw_shift(slot.send.data(), slot.recv.data(), count, wire, offset,
+                                         op);
+                      }));
 }
 
 Request Communicator::shift(ConstMatrixView send, MatrixView recv, int offset, Dtype wire) {
@@ -578,6 +648,9 @@ void Communicator::all_to_all(ConstMatrixView send, MatrixView recv) {
   require_contiguous(send, description_, op, "send");
   require_contiguous(recv, description_, op, "receive");
   require_disjoint(send.data(), send.span(), recv.data(), recv.span(), description_, op);
+  TraceSpan span("all-to-all", TraceKind::collective);
+  describe_collective(span, CollectiveKind::all_to_all, description_, size_, send.span(),
+                      Dtype::fp32);
   raw_all_to_all(send.data(), recv.data(), send.span() / n, op);
 }
 
@@ -647,6 +720,8 @@ void Communicator::all_to_all_v(ConstMatrixView send, const std::vector<int64_t>
   require_contiguous(recv, description_, op, "receive");
   const std::size_t send_count = sent_rows * cols, recv_count = received_rows * cols;
   require_disjoint(send.data(), send_count, recv.data(), recv_count, description_, op);
+  TraceSpan span("all-to-all", TraceKind::collective);
+  describe_collective(span, CollectiveKind::all_to_all, description_, size_, send_count, wire);
   if (!is_16bit(wire)) {
     raw_all_to_all_v(send.data(), send_counts, send_offsets, recv.data(), recv_counts, recv_offsets,
                      Dtype::fp32, op);
@@ -661,6 +736,8 @@ void Communicator::all_to_all_v(ConstMatrixView send, const std::vector<int64_t>
 }
 
 void Communicator::barrier() {
+  TraceSpan span("barrier", TraceKind::collective);
+  span.group(description_);
   raw_barrier("barrier");
 }
 

@@ -43,10 +43,11 @@
 #include <string>
 #include <vector>
 
-#include "framework/core/precision.hpp"
-#include "framework/core/views.hpp"
 #include "base/dtype.hpp"
 #include "base/error.hpp"
+#include "framework/core/precision.hpp"
+#include "framework/core/trace.hpp"
+#include "framework/core/views.hpp"
 
 namespace meshtrain {
 
@@ -113,9 +114,11 @@ class Request {
 
   Request() = default;
   explicit Request(Impl* impl) noexcept : impl_(impl) {}
-  Request(Request&& other) noexcept : impl_(other.impl_), wire_(other.wire_) {
+  Request(Request&& other) noexcept
+      : impl_(other.impl_), wire_(other.wire_), trace_flow_(other.trace_flow_) {
     other.impl_ = nullptr;
     other.wire_ = nullptr;
+    other.trace_flow_ = 0;
   }
   Request& operator=(Request&& other) noexcept;
   Request(const Request&) = delete;
@@ -136,6 +139,7 @@ class Request {
 
   Impl* impl_ = nullptr;      // borrowed from the backend's pool, see above
   WireSlot* wire_ = nullptr;  // borrowed from the communicator's wire pool
+  int64_t trace_flow_ = 0;    // while tracing: the start's id, which wait() links to
 };
 
 class Communicator {
@@ -225,6 +229,9 @@ class Communicator {
 
  protected:
   Communicator(int size, int rank, std::string description);
+  // The start of a non-blocking operation while tracing: `request` gets the flow id that
+  // `span` (the start) records, for its wait (communicator.cpp).
+  static Request traced_start(TraceSpan& span, Request request);
   Communicator(Communicator&&) = default;
   Communicator& operator=(Communicator&&) = default;
 

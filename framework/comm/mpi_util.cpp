@@ -8,8 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "framework/comm/communicator.hpp"  // collective_timeout_from_env, checked_int
 #include "base/error.hpp"
+#include "framework/comm/communicator.hpp"  // collective_timeout_from_env, checked_int
+#include "framework/core/trace.hpp"
 
 namespace meshtrain {
 
@@ -34,6 +35,14 @@ NodePlace node_place(MPI_Comm comm) {
   check_mpi(rank_code, "MPI_Comm_rank of the node communicator");
   check_mpi(size_code, "MPI_Comm_size of the node communicator");
   return place;
+}
+
+int64_t clock_offset_to_rank0_ns(MPI_Comm comm) {
+  check_mpi(MPI_Barrier(comm), "MPI_Barrier (trace clock)");
+  const int64_t mine = Tracer::now_ns();
+  int64_t rank0 = mine;
+  check_mpi(MPI_Bcast(&rank0, 1, MPI_INT64_T, 0, comm), "MPI_Bcast (trace clock)");
+  return rank0 - mine;
 }
 
 bool wait_all_until(MPI_Request* requests, int count, double timeout, const char* op) {
@@ -78,9 +87,9 @@ void all_reduce_collective(void* data, int count, MPI_Datatype type, MPI_Op redu
   if (buffer.size() < 2 * bytes) buffer.resize(2 * bytes);  // what this rank sends, the result
   if (bytes > 0) std::memcpy(buffer.data(), data, bytes);
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Iallreduce(buffer.data(), buffer.data() + bytes, count, type, reduction, comm,
-                           &request),
-            op);
+  check_mpi(
+      MPI_Iallreduce(buffer.data(), buffer.data() + bytes, count, type, reduction, comm, &request),
+      op);
   wait_collective_or_give_up(&request, 1, op, buffer);
   if (bytes > 0) std::memcpy(data, buffer.data() + bytes, bytes);
 }

@@ -4,6 +4,8 @@
 
 #include <mpi.h>
 
+#include <cstdint>
+
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,6 +27,11 @@ struct NodePlace {
   int local_size = 1;
 };
 NodePlace node_place(MPI_Comm comm);
+
+// Rank 0's steady clock minus this rank's, in nanoseconds, estimated from one barrier: each
+// rank reads its clock when the barrier lets it go (the error is the barrier's exit skew,
+// microseconds on a node). For trace timestamps on one clock. Collective over `comm`.
+int64_t clock_offset_to_rank0_ns(MPI_Comm comm);
 
 // Polls `requests` until all complete (true) or `timeout` seconds pass (false; the
 // requests still pending are left in the array). MPI_Testall also drives MPI's progress

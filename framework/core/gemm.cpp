@@ -5,9 +5,10 @@
 #include <cstddef>
 #include <type_traits>
 
+#include "base/error.hpp"
 #include "framework/core/backends/gemm_backend.hpp"
 #include "framework/core/kernel_label.hpp"
-#include "base/error.hpp"
+#include "framework/core/trace.hpp"
 
 #if defined(KOKKOS_ENABLE_CUDA)
 #define MESHTRAIN_GEMM_HAS_CUDA true
@@ -65,6 +66,9 @@ void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs) 
                         "]; expected op(A) [M, K] @ op(B) [K, N] = C [M, N]");
   }
   if (m == 0 || n == 0) return;
+  TraceSpan span("gemm", TraceKind::gemm);
+  span.shape(static_cast<int64_t>(m), static_cast<int64_t>(n), static_cast<int64_t>(k))
+      .detail(to_string(inputs));
   if (k == 0) {  // an empty sum: C = beta * C
     scale(c, beta);
     return;

@@ -167,6 +167,11 @@ struct RuntimeSection {
   // (framework/comm/progress_thread.hpp): true, false, or automatic (on with overlap where a
   // core is free for it; want_comm_thread in framework/comm/runtime.hpp).
   CommThreadChoice comm_thread = CommThreadChoice::automatic;
+  // Steps [first, last] (1-based, inclusive) to record on every rank as a Chrome/Perfetto
+  // trace in <output_dir>/trace/ (framework/core/trace.hpp); {0, 0}: none.
+  int64_t trace_first = 0;
+  int64_t trace_last = 0;
+  bool traces() const { return trace_first > 0; }
 };
 
 // FSDP2's MixedPrecisionPolicy (docs/mixed_precision.md): what layers compute with, gather
@@ -232,9 +237,10 @@ void check_config(RunConfig& config);
 void check_config_products(const RunConfig& config);
 
 // What is wrong with the MoE keys of [model] (moe_layers, experts, top_k, aux_loss_coef, the
-// first four against model.sizes) and with model.dropout: the key, the moe_layers entry it is about (when it is one) and the
-// words that follow the key ("entry 2 is not a hidden layer: ..."). The one check of these
-// keys: the TOML reader reports it at the key's line, check_config after "model.".
+// first four against model.sizes) and with model.dropout: the key, the moe_layers entry it is about
+// (when it is one) and the words that follow the key ("entry 2 is not a hidden layer: ..."). The
+// one check of these keys: the TOML reader reports it at the key's line, check_config after
+// "model.".
 struct ModelKeyProblem {
   std::string key;
   std::optional<size_t> entry;  // index into model.moe_layers

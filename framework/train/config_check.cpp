@@ -257,6 +257,12 @@ void check_config(RunConfig& config) {
   if (!(config.runtime.bucket_mb > 0) || !std::isfinite(config.runtime.bucket_mb)) {
     fail("runtime.bucket_mb", "must be a positive number of MiB, got ", config.runtime.bucket_mb);
   }
+  const RuntimeSection& rt = config.runtime;
+  if ((rt.trace_first != 0 || rt.trace_last != 0) &&
+      (rt.trace_first < 1 || rt.trace_last < rt.trace_first)) {
+    fail("runtime.trace_steps", "must be [FIRST, LAST] with 1 <= FIRST <= LAST, got [",
+         rt.trace_first, ", ", rt.trace_last, "]");
+  }
   check_config_products(config);
 }
 

@@ -48,7 +48,8 @@ const ConfigSchema& config_schema() {
        {"epochs", "steps", "log_every", "eval_every", "accumulation_steps", "early_stopping"}},
       {"checkpoint", {"every_steps", "keep", "resume", "dir", "async", "keep_best", "init_from"}},
       {"runtime",
-       {"backend", "matmul_precision", "overlap", "bucket_mb", "comm_thread", "reductions"}},
+       {"backend", "matmul_precision", "overlap", "bucket_mb", "comm_thread", "reductions",
+        "trace_steps"}},
       {"mixed_precision", {"param_dtype", "reduce_dtype"}},
   };
   return sections;
@@ -275,7 +276,8 @@ void read_mesh(const Section& s, const std::string& file, MeshSection& mesh) {
 void read_mlp_sizes(const Section& s, ModelSection& model) {
   for (const char* key : {"inputs", "outputs", "width", "hidden", "depth", "norm"}) {
     if (s.has(key)) {
-      s.fail(key, "is a key of kind = \"residual_mlp\"; kind = \"mlp\" gives its widths in "
+      s.fail(key,
+             "is a key of kind = \"residual_mlp\"; kind = \"mlp\" gives its widths in "
              "sizes");
     }
   }
@@ -301,7 +303,8 @@ void read_mlp_sizes(const Section& s, ModelSection& model) {
 // name blocks, read with the other model keys).
 void read_residual_model(const Section& s, ModelSection& model) {
   if (s.has("sizes")) {
-    s.fail("sizes", "is a key of kind = \"mlp\"; kind = \"residual_mlp\" takes inputs, "
+    s.fail("sizes",
+           "is a key of kind = \"mlp\"; kind = \"residual_mlp\" takes inputs, "
            "outputs, width, hidden and depth instead");
   }
   model.sizes.clear();
@@ -539,7 +542,8 @@ void read_data(const Section& s, DataSection& data) {
     *value = canonical_dataset_key(s.string(key).value_or(*value));
     if (value->empty()) s.fail(key, "must name a dataset, e.g. \"/x\"");
   }
-  if (data.x_key == data.y_key) s.fail("y_key", "names the same dataset as x_key (", data.x_key, ")");
+  if (data.x_key == data.y_key)
+    s.fail("y_key", "names the same dataset as x_key (", data.x_key, ")");
   data.normalize_inputs = s.choice("normalize_inputs", data.normalize_inputs, normalize_choices());
   data.normalize_targets =
       s.choice("normalize_targets", data.normalize_targets, normalize_choices());
@@ -664,6 +668,20 @@ void read_runtime(const Section& s, RuntimeSection& runtime) {
   }
   if (!(runtime.bucket_mb > 0)) {
     s.fail("bucket_mb", "must be a positive number of MiB, got ", runtime.bucket_mb);
+  }
+  // trace_steps = [FIRST, LAST]: 1-based step numbers, FIRST <= LAST.
+  if (const toml::node* node = s.find("trace_steps")) {
+    const toml::array* array = node->as_array();
+    const bool two_integers =
+        array && array->size() == 2 && (*array)[0].is_integer() && (*array)[1].is_integer();
+    if (!two_integers) {
+      s.fail("trace_steps", "must be [FIRST, LAST], two step numbers, got ", render(*node));
+    }
+    runtime.trace_first = (*array)[0].as_integer()->get();
+    runtime.trace_last = (*array)[1].as_integer()->get();
+    if (runtime.trace_first < 1 || runtime.trace_last < runtime.trace_first) {
+      s.fail("trace_steps", "must be [FIRST, LAST] with 1 <= FIRST <= LAST, got ", render(*node));
+    }
   }
 }
 

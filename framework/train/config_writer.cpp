@@ -125,6 +125,10 @@ std::string config_to_toml(const RunConfig& config) {
   } else {
     runtime.insert("comm_thread", config.runtime.comm_thread == CommThreadChoice::on);
   }
+  if (config.runtime.traces()) {
+    runtime.insert("trace_steps",
+                   toml::array{config.runtime.trace_first, config.runtime.trace_last});
+  }
   toml::table mixed_precision{{"param_dtype", to_string(config.mixed_precision.param_dtype)},
                               {"reduce_dtype", to_string(config.mixed_precision.reduce_dtype)}};
   toml::table root{{"run", run},         {"mesh", mesh},

@@ -223,14 +223,15 @@ struct DataCase {
 
 // [runtime] comm_thread of the runs below (the test with the communication thread sets it).
 CommThreadChoice g_comm_thread = CommThreadChoice::automatic;
+// Non-empty: step 1 is traced ([runtime] trace_steps = [1, 1]) into this run folder.
+std::string g_trace_dir;
 
 Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgorithm algorithm,
                                  LossKind loss_kind, OptimizerKind optimizer_kind,
                                  int64_t accumulation_steps = 1, int64_t zero_stage = 0,
                                  bool overlap = false, double bucket_mb = 25.0,
                                  const DataCase& data = {}, MixedPrecision precision = {},
-                                 const std::vector<int64_t>& moe_layers = {},
-                                 double dropout = 0.0,
+                                 const std::vector<int64_t>& moe_layers = {}, double dropout = 0.0,
                                  const ModelSection* residual = nullptr,
                                  ReductionAlgorithm reductions = ReductionAlgorithm::automatic) {
   RunConfig config;
@@ -243,6 +244,10 @@ Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgo
   config.runtime.overlap = overlap;
   config.runtime.bucket_mb = bucket_mb;
   config.runtime.comm_thread = g_comm_thread;
+  if (!g_trace_dir.empty()) {
+    config.runtime.trace_first = config.runtime.trace_last = 1;
+    config.run.output_dir = g_trace_dir;
+  }
   config.mesh.axes = mesh_case.axes;
   config.model.sizes = {32, 24, 16, 8};  // every width divides by 2 and 4
   config.model.activation = Activation::gelu;
@@ -410,6 +415,27 @@ TEST(TrainingStep, WithOverlapAndTheCommThreadAllocatesNothing) {
     }
   }
   g_comm_thread = CommThreadChoice::automatic;
+}
+
+// [runtime] trace_steps = [1, 1]: step 1 is traced and its files written when it ends; the
+// untraced steps after it allocate nothing (the tracer's events were reserved at its start).
+TEST(TrainingStep, UntracedStepsAfterATracedOneAllocateNothing) {
+  const std::string dir = std::filesystem::temp_directory_path().string() +
+                          "/meshtrain_step_allocations_trace_np" + std::to_string(world_size());
+  g_trace_dir = dir;
+  for (const MeshCase& c : mesh_cases()) {
+    for (bool overlap : {false, true}) {
+      SCOPED_TRACE(c.preset + (overlap ? ", overlap" : "") + ", step 1 traced");
+      EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::naive, LossKind::cross_entropy,
+                                     OptimizerKind::adamw, 1, 0, overlap),
+                Allocations{})
+          << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+      EXPECT_TRUE(
+          std::filesystem::exists(dir + "/trace/rank-" + std::to_string(world_rank()) + ".json"))
+          << "step 1 was not traced";
+    }
+  }
+  g_trace_dir.clear();
 }
 
 // Mixed precision (docs/mixed_precision.md): bf16/bf16 and fp16/fp16, without and with

@@ -1,0 +1,161 @@
+#include "framework/core/trace.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "base/error.hpp"
+
+namespace meshtrain {
+
+const char* to_string(TraceKind kind) {
+  switch (kind) {
+    case TraceKind::step:
+      return "step";
+    case TraceKind::phase:
+      return "phase";
+    case TraceKind::layer:
+      return "layer";
+    case TraceKind::gemm:
+      return "gemm";
+    case TraceKind::collective:
+      return "collective";
+    case TraceKind::wait:
+      return "wait";
+  }
+  return "phase";
+}
+
+int64_t Tracer::now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void Tracer::start(std::size_t capacity) {
+  events_.clear();
+  events_.reserve(capacity);
+  dropped_ = 0;
+  on_ = true;
+}
+
+Tracer& tracer() {
+  static Tracer instance;
+  return instance;
+}
+
+namespace {
+
+// Microseconds (Chrome's unit) with nanoseconds kept as the fraction.
+double micros(int64_t ns) {
+  return static_cast<double>(ns) / 1000.0;
+}
+
+}  // namespace
+
+void write_chrome_trace(const std::vector<TraceEvent>& events, std::size_t dropped, int rank,
+                        int64_t clock_offset_ns, int64_t origin_ns, const std::string& path) {
+  // Sorted by start, the enclosing span first: each track reads in time order.
+  std::vector<const TraceEvent*> order;
+  order.reserve(events.size());
+  for (const TraceEvent& e : events) order.push_back(&e);
+  std::stable_sort(order.begin(), order.end(), [](const TraceEvent* a, const TraceEvent* b) {
+    if (a->begin_ns != b->begin_ns) return a->begin_ns < b->begin_ns;
+    return a->end_ns > b->end_ns;
+  });
+  const auto at = [&](int64_t ns) { return micros(ns + clock_offset_ns - origin_ns); };
+
+  nlohmann::ordered_json list = nlohmann::ordered_json::array();
+  list.push_back({{"name", "process_name"},
+                  {"ph", "M"},
+                  {"pid", rank},
+                  {"tid", 0},
+                  {"args", {{"name", "rank " + std::to_string(rank)}}}});
+  list.push_back({{"name", "process_sort_index"},
+                  {"ph", "M"},
+                  {"pid", rank},
+                  {"tid", 0},
+                  {"args", {{"sort_index", rank}}}});
+  for (const TraceEvent* e : order) {
+    nlohmann::ordered_json args = nlohmann::ordered_json::object();
+    switch (e->kind) {
+      case TraceKind::step:
+        args["step"] = e->number;
+        break;
+      case TraceKind::gemm:
+        args["m"] = e->m;
+        args["n"] = e->n;
+        args["k"] = e->k;
+        args["dtype"] = e->detail;
+        break;
+      case TraceKind::collective:
+      case TraceKind::wait:
+        args["group"] = e->group;
+        args["bytes"] = e->bytes;
+        args["operand_bytes"] = e->operand_bytes;
+        args["detail"] = e->detail;
+        if (e->flow != 0) args["operation"] = e->flow;
+        break;
+      case TraceKind::layer:
+        args["pass"] = e->detail;
+        break;
+      case TraceKind::phase:
+        break;
+    }
+    list.push_back({{"name", e->name},
+                    {"cat", to_string(e->kind)},
+                    {"ph", "X"},
+                    {"ts", at(e->begin_ns)},
+                    {"dur", micros(e->end_ns - e->begin_ns)},
+                    {"pid", rank},
+                    {"tid", 0},
+                    {"args", std::move(args)}});
+    // A flow arrow from a non-blocking operation's start to its wait (bound to the
+    // enclosing slices: "s" at the start's end, "f" at the wait's start).
+    if (e->flow != 0) {
+      const bool start = e->kind == TraceKind::collective;
+      nlohmann::ordered_json flow = {{"name", "operation"},
+                                     {"cat", "flow"},
+                                     {"ph", start ? "s" : "f"},
+                                     {"id", e->flow},
+                                     {"ts", at(start ? e->end_ns - 1 : e->begin_ns)},
+                                     {"pid", rank},
+                                     {"tid", 0}};
+      if (!start) flow["bp"] = "e";
+      list.push_back(std::move(flow));
+    }
+  }
+  nlohmann::ordered_json doc = {{"traceEvents", std::move(list)},
+                                {"displayTimeUnit", "ms"},
+                                {"otherData", {{"rank", rank}, {"dropped_events", dropped}}}};
+  std::ofstream out(path, std::ios::trunc);
+  if (out) out << doc.dump() << '\n';
+  if (!out) MESHTRAIN_FAIL("cannot write the trace '", path, "'");
+}
+
+void merge_chrome_traces(const std::vector<std::string>& paths, const std::string& merged) {
+  nlohmann::ordered_json all = nlohmann::ordered_json::array();
+  int64_t dropped = 0;
+  for (const std::string& path : paths) {
+    std::ifstream in(path);
+    if (!in) MESHTRAIN_FAIL("cannot read the trace '", path, "'");
+    nlohmann::ordered_json doc;
+    try {
+      doc = nlohmann::ordered_json::parse(in);
+    } catch (const nlohmann::json::exception& e) {
+      MESHTRAIN_FAIL("the trace '", path, "' is not JSON: ", e.what());
+    }
+    for (auto& event : doc.at("traceEvents")) all.push_back(std::move(event));
+    dropped += doc["otherData"].value("dropped_events", int64_t{0});
+  }
+  nlohmann::ordered_json doc = {
+      {"traceEvents", std::move(all)},
+      {"displayTimeUnit", "ms"},
+      {"otherData", {{"ranks", paths.size()}, {"dropped_events", dropped}}}};
+  std::ofstream out(merged, std::ios::trunc);
+  if (out) out << doc.dump() << '\n';
+  if (!out) MESHTRAIN_FAIL("cannot write the trace '", merged, "'");
+}
+
+}  // namespace meshtrain

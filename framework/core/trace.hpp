@@ -1,0 +1,143 @@
+#pragma once
+// Step traces ([runtime] trace_steps). While the tracer is on, each span (a step, its phases,
+// a layer's forward or backward, a GEMM, a collective, the start of a non-blocking operation
+// and the wait for it) becomes one event in memory reserved when tracing starts: recording
+// allocates nothing. Off, a span costs one branch. write_chrome_trace turns a rank's events
+// into Chrome trace event JSON (Perfetto, chrome://tracing): one track per rank, timestamps on
+// rank 0's clock (clock_offset_to_rank0_ns in framework/comm/mpi_util.hpp). Spans are recorded by
+// the thread that runs the step (the communication thread records none).
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace meshtrain {
+
+enum class TraceKind : uint8_t {
+  step,        // one training step; `number` is its step number
+  phase,       // a part of the step: data wait, forward, loss, backward, optimizer, ...
+  layer,       // one layer's forward or backward (`name` is the layer's)
+  gemm,        // one GEMM: m x k times k x n
+  collective,  // a blocking collective, or the start of a non-blocking one (`flow` set)
+  wait,        // the wait for a non-blocking collective (`flow` names its start)
+};
+
+const char* to_string(TraceKind kind);
+
+struct TraceEvent {
+  const char* name = "";    // static text, or text that outlives the trace (a layer's name)
+  const char* group = "";   // a collective's group (its communicator's description)
+  const char* detail = "";  // static text: the wire or GEMM dtype, the algorithm, the pass
+  TraceKind kind = TraceKind::phase;
+  int64_t begin_ns = 0;  // this rank's steady clock
+  int64_t end_ns = 0;
+  int64_t bytes = 0;            // a collective's bytes moved per rank (as the plan counts them)
+  int64_t operand_bytes = 0;    // and its whole operand's bytes (the gathered or reduced tensor)
+  int64_t m = 0, n = 0, k = 0;  // a GEMM's shape
+  int64_t number = 0;           // a step's number
+  int64_t flow = 0;             // non-zero: the non-blocking operation a start and a wait share
+};
+
+class Tracer {
+ public:
+  static int64_t now_ns();
+
+  // Starts recording with room for `capacity` events (reserved here, not while recording;
+  // events beyond it are counted in dropped()). Clears what an earlier window kept.
+  void start(std::size_t capacity);
+  void stop() { on_ = false; }
+  bool on() const { return on_; }
+
+  void record(const TraceEvent& event) {
+    if (events_.size() < events_.capacity()) {
+      events_.push_back(event);
+    } else {
+      ++dropped_;
+    }
+  }
+  int64_t next_flow() { return ++last_flow_; }
+
+  const std::vector<TraceEvent>& events() const { return events_; }
+  std::size_t dropped() const { return dropped_; }
+
+ private:
+  bool on_ = false;
+  std::vector<TraceEvent> events_;
+  std::size_t dropped_ = 0;
+  int64_t last_flow_ = 0;
+};
+
+// This process's tracer (one per rank).
+Tracer& tracer();
+
+// Records [construction, destruction) as one event when the tracer is on at construction.
+class TraceSpan {
+ public:
+  explicit TraceSpan(const char* name, TraceKind kind = TraceKind::phase) : on_(tracer().on()) {
+    if (on_) {
+      event_.name = name;
+      event_.kind = kind;
+      event_.begin_ns = Tracer::now_ns();
+    }
+  }
+  ~TraceSpan() {
+    if (on_) {
+      event_.end_ns = Tracer::now_ns();
+      tracer().record(event_);
+    }
+  }
+  TraceSpan(const TraceSpan&) = delete;
+  TraceSpan& operator=(const TraceSpan&) = delete;
+
+  bool on() const { return on_; }
+  // The event's fields (set only while on; the setters are no-ops otherwise).
+  TraceSpan& group(const std::string& text) {
+    if (on_) event_.group = text.c_str();
+    return *this;
+  }
+  TraceSpan& detail(const char* text) {
+    if (on_) event_.detail = text;
+    return *this;
+  }
+  TraceSpan& bytes(int64_t moved, int64_t operand) {
+    if (on_) {
+      event_.bytes = moved;
+      event_.operand_bytes = operand;
+    }
+    return *this;
+  }
+  TraceSpan& shape(int64_t m, int64_t n, int64_t k) {
+    if (on_) {
+      event_.m = m;
+      event_.n = n;
+      event_.k = k;
+    }
+    return *this;
+  }
+  TraceSpan& number(int64_t value) {
+    if (on_) event_.number = value;
+    return *this;
+  }
+  TraceSpan& flow(int64_t id) {
+    if (on_) event_.flow = id;
+    return *this;
+  }
+
+ private:
+  bool on_;
+  TraceEvent event_;
+};
+
+// Writes `events` of rank `rank` as Chrome trace event JSON to `path`: one "X" event per span
+// (ts and dur in microseconds from `origin_ns` on rank 0's clock, sorted by start), "s"/"f"
+// flow events from each start to its wait, and the rank's name. `dropped` events are noted in
+// the metadata. Throws Error naming the path when it cannot be written.
+void write_chrome_trace(const std::vector<TraceEvent>& events, std::size_t dropped, int rank,
+                        int64_t clock_offset_ns, int64_t origin_ns, const std::string& path);
+
+// Writes one file holding the events of the `paths` (written by write_chrome_trace) to
+// `merged`, a track per rank. Throws Error naming the file that cannot be read or written.
+void merge_chrome_traces(const std::vector<std::string>& paths, const std::string& merged);
+
+}  // namespace meshtrain

@@ -1,0 +1,223 @@
+// [runtime] trace_steps (framework/core/trace.hpp, issue 28 item 1): a TrainingRun traced
+// over steps 2 and 3 writes one Chrome trace event file per rank and a merged one. Checked
+// here on rank 0, for dp, fsdp and tp (and fsdp with overlap): the files are JSON Perfetto
+// reads (every span a complete "X" event, one track per rank, named), timestamps do not go
+// back within a track, spans nest properly, each rank holds exactly the two traced steps and
+// nothing outside them, every collective the plan lists appears in each traced step with the
+// plan's bytes, and each started operation's flow ends at its wait.
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "framework/train/config.hpp"
+#include "framework/train/plan_report.hpp"
+#include "run/training_run.hpp"
+#include "tests/test_support.hpp"
+
+namespace meshtrain {
+namespace {
+
+using Json = nlohmann::json;
+
+RunConfig traced_config(std::vector<std::pair<std::string, int>> axes, const std::string& preset,
+                        const std::string& dir) {
+  RunConfig config;
+  config.file = "trace_test";
+  config.run.seed = 5;
+  config.run.output_dir = dir;
+  config.mesh.axes = std::move(axes);
+  config.model.sizes = {8, 16, 16, 4};  // every width divides by 4
+  config.model.activation = Activation::tanh;
+  config.partition.preset = preset;
+  config.partition.min_sharding_size = 0;
+  config.data.source = DataSource::synthetic;
+  config.data.synthetic_samples = 64;
+  config.data.batch_size = 16;
+  config.optimizer.kind = OptimizerKind::adamw;
+  config.train.steps = 4;
+  config.runtime.trace_first = 2;
+  config.runtime.trace_last = 3;
+  return config;
+}
+
+Json read_json(const std::string& path) {
+  std::ifstream in(path);
+  EXPECT_TRUE(in.good()) << path;
+  try {
+    return Json::parse(in);
+  } catch (const Json::exception& e) {
+    ADD_FAILURE() << path << " is not JSON: " << e.what();
+    return Json::object();
+  }
+}
+
+// Plan collectives of groups of 2 or more ranks, as (kind, bytes per rank) -> count per step.
+std::map<std::pair<std::string, int64_t>, int> plan_collectives(const TrainingRun& run,
+                                                                const RunConfig& config) {
+  const auto doc =
+      plan_to_json(run.plan(), partition_rules(config), plan_options(config), config.file);
+  std::map<std::pair<std::string, int64_t>, int> counts;
+  for (const auto& layer : doc.at("layers")) {
+    for (const auto& c : layer.at("collectives")) {
+      if (c.at("ranks").get<int>() < 2) continue;
+      ++counts[{c.at("kind").get<std::string>(), c.at("bytes_per_rank").get<int64_t>()}];
+    }
+  }
+  return counts;
+}
+
+// The checks of one rank's events (its track in `events`, pid `rank`).
+void check_track(const Json& events, int rank,
+                 const std::map<std::pair<std::string, int64_t>, int>& plan) {
+  SCOPED_TRACE("rank " + std::to_string(rank));
+  std::vector<const Json*> spans;
+  std::map<int64_t, int> flow_starts, flow_ends;
+  bool named = false;
+  for (const Json& e : events) {
+    if (e.at("pid").get<int>() != rank) continue;
+    const std::string ph = e.at("ph").get<std::string>();
+    if (ph == "M" && e.at("name") == "process_name") {
+      named = e.at("args").at("name") == "rank " + std::to_string(rank);
+    } else if (ph == "X") {
+      spans.push_back(&e);
+    } else if (ph == "s") {
+      ++flow_starts[e.at("id").get<int64_t>()];
+    } else if (ph == "f") {
+      ++flow_ends[e.at("id").get<int64_t>()];
+    }
+  }
+  EXPECT_TRUE(named) << "no process_name for this rank";
+  ASSERT_FALSE(spans.empty());
+  // Time order within the track; proper nesting (a span that starts inside another ends
+  // inside it). 1 ns of slack for the microsecond rounding.
+  constexpr double kSlack = 0.001;
+  std::vector<double> open_ends;
+  double last_start = -1e300;
+  for (const Json* e : spans) {
+    const double ts = e->at("ts").get<double>(), end = ts + e->at("dur").get<double>();
+    EXPECT_GE(e->at("dur").get<double>(), 0.0);
+    EXPECT_GE(ts, last_start) << "timestamps go back at " << e->dump();
+    last_start = ts;
+    while (!open_ends.empty() && ts >= open_ends.back() - kSlack) open_ends.pop_back();
+    if (!open_ends.empty()) {
+      EXPECT_LE(end, open_ends.back() + kSlack) << "overlaps its parent: " << e->dump();
+    }
+    open_ends.push_back(end);
+  }
+  // Exactly steps 2 and 3, and every span inside one of them.
+  std::vector<std::pair<double, double>> steps;
+  std::vector<int64_t> numbers;
+  for (const Json* e : spans) {
+    if (e->at("cat") != "step") continue;
+    numbers.push_back(e->at("args").at("step").get<int64_t>());
+    const double ts = e->at("ts").get<double>();
+    steps.push_back({ts, ts + e->at("dur").get<double>()});
+  }
+  EXPECT_EQ(numbers, (std::vector<int64_t>{2, 3}));
+  for (const Json* e : spans) {
+    const double ts = e->at("ts").get<double>();
+    const bool inside = std::any_of(steps.begin(), steps.end(), [&](const auto& s) {
+      return ts >= s.first - kSlack && ts + e->at("dur").get<double>() <= s.second + kSlack;
+    });
+    EXPECT_TRUE(inside) << "outside the traced steps: " << e->dump();
+  }
+  // Each plan collective, with the plan's bytes, in each traced step (the run also reduces
+  // its loss and evaluation metrics, which the plan does not list).
+  std::map<std::pair<std::string, int64_t>, int> seen;
+  for (const Json* e : spans) {
+    if (e->at("cat") != "collective") continue;
+    ++seen[{e->at("name").get<std::string>(), e->at("args").at("bytes").get<int64_t>()}];
+  }
+  for (const auto& [key, count] : plan) {
+    EXPECT_GE(seen[key], 2 * count) << key.first << " of " << key.second << " bytes";
+  }
+  // Every started operation's flow ends at its wait.
+  EXPECT_EQ(flow_starts, flow_ends);
+  for (const auto& [id, count] : flow_starts) EXPECT_EQ(count, 1) << "flow " << id;
+}
+
+struct TraceCase {
+  std::string preset;
+  std::vector<std::pair<std::string, int>> axes;
+  bool overlap = false;
+};
+
+TEST(Trace, EveryRankWritesAValidTraceOfTheTracedStepsWithThePlansCollectives) {
+  const int n = world_size();
+  const std::string root =
+      std::filesystem::temp_directory_path().string() + "/meshtrain_trace_np" + std::to_string(n);
+  const std::vector<TraceCase> cases = {{"dp", {{"dp", n}}},
+                                        {"fsdp", {{"fsdp", n}}},
+                                        {"tp", {{"tp", n}}},
+                                        {"fsdp", {{"fsdp", n}}, true}};
+  for (const TraceCase& c : cases) {
+    SCOPED_TRACE(c.preset + (c.overlap ? " with overlap" : ""));
+    const std::string dir = root + "/" + c.preset + (c.overlap ? "_overlap" : "");
+    if (world_rank() == 0) std::filesystem::remove_all(dir);
+    MPI_Barrier(MPI_COMM_WORLD);
+    RunConfig config = traced_config(c.axes, c.preset, dir);
+    config.runtime.overlap = c.overlap;
+    TrainingRun run(config, {}, std::nullopt, MPI_COMM_WORLD);
+    EXPECT_EQ(run.trace_dir(), dir + "/trace");
+    for (int s = 0; s < 4; ++s) run.step();
+    const auto plan = plan_collectives(run, config);
+    if (n > 1 && c.preset == "fsdp") {
+      EXPECT_FALSE(plan.empty()) << "fsdp moves its weights";
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (world_rank() != 0) continue;
+    const Json merged = read_json(dir + "/trace/all-ranks.json");
+    ASSERT_TRUE(merged.contains("traceEvents") && merged.at("traceEvents").is_array());
+    EXPECT_EQ(merged.at("otherData").at("dropped_events").get<int64_t>(), 0);
+    std::vector<int> pids;
+    for (const Json& e : merged.at("traceEvents")) pids.push_back(e.at("pid").get<int>());
+    std::sort(pids.begin(), pids.end());
+    pids.erase(std::unique(pids.begin(), pids.end()), pids.end());
+    std::vector<int> ranks(n);
+    for (int r = 0; r < n; ++r) ranks[r] = r;
+    EXPECT_EQ(pids, ranks) << "one track per rank";
+    for (int r = 0; r < n; ++r) {
+      check_track(merged.at("traceEvents"), r, plan);
+      // The rank's own file holds its track alone, the same events.
+      const Json own = read_json(dir + "/trace/rank-" + std::to_string(r) + ".json");
+      size_t in_merged = 0;
+      for (const Json& e : merged.at("traceEvents")) in_merged += e.at("pid").get<int>() == r;
+      EXPECT_EQ(own.at("traceEvents").size(), in_merged);
+    }
+    if (c.overlap && n > 1) {  // fsdp's prefetch: started gathers and their waits
+      bool flows = false;
+      for (const Json& e : merged.at("traceEvents")) flows = flows || e.at("ph") == "s";
+      EXPECT_TRUE(flows) << "no started operation with overlap on";
+    }
+  }
+}
+
+// trace_steps in the config file: [FIRST, LAST] with 1 <= FIRST <= LAST, one sentence naming
+// the key otherwise; written back by the config writer.
+TEST(Trace, TraceStepsAreCheckedAndRoundTrip) {
+  const std::string base = "[model]\nsizes = [4, 2]\n[runtime]\n";
+  const RunConfig ok = parse_config(base + "trace_steps = [3, 5]\n", "t.toml");
+  EXPECT_EQ(ok.runtime.trace_first, 3);
+  EXPECT_EQ(ok.runtime.trace_last, 5);
+  const RunConfig again = parse_config(config_to_toml(ok), "again.toml");
+  EXPECT_EQ(again.runtime.trace_first, 3);
+  EXPECT_EQ(again.runtime.trace_last, 5);
+  for (const std::string bad : {"[0, 2]", "[3, 2]", "[1]", "[\"a\", 2]", "4"}) {
+    SCOPED_TRACE(bad);
+    testing::expect_bad_input([&] { parse_config(base + "trace_steps = " + bad + "\n", "t.toml"); },
+                              {"t.toml", "[runtime] trace_steps", "[FIRST, LAST]"});
+  }
+}
+
+}  // namespace
+}  // namespace meshtrain
