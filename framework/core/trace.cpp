@@ -7,6 +7,10 @@
 
 #include "base/error.hpp"
 
+#if MESHTRAIN_NVTX
+#include <nvtx3/nvToolsExt.h>
+#endif
+
 namespace meshtrain {
 
 const char* to_string(TraceKind kind) {
@@ -38,6 +42,20 @@ void Tracer::start(std::size_t capacity) {
   events_.reserve(capacity);
   dropped_ = 0;
   on_ = true;
+}
+
+void nvtx_push(const char* name) {
+#if MESHTRAIN_NVTX
+  nvtxRangePushA(name);
+#else
+  (void)name;
+#endif
+}
+
+void nvtx_pop() {
+#if MESHTRAIN_NVTX
+  nvtxRangePop();
+#endif
 }
 
 Tracer& tracer() {

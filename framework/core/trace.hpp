@@ -71,6 +71,11 @@ class Tracer {
 // This process's tracer (one per rank).
 Tracer& tracer();
 
+// On a CUDA build with NVTX (framework/CMakeLists.txt), a traced span is also an NVTX range;
+// a no-op elsewhere.
+void nvtx_push(const char* name);
+void nvtx_pop();
+
 // Records [construction, destruction) as one event when the tracer is on at construction.
 class TraceSpan {
  public:
@@ -78,12 +83,14 @@ class TraceSpan {
     if (on_) {
       event_.name = name;
       event_.kind = kind;
+      nvtx_push(name);
       event_.begin_ns = Tracer::now_ns();
     }
   }
   ~TraceSpan() {
     if (on_) {
       event_.end_ns = Tracer::now_ns();
+      nvtx_pop();
       tracer().record(event_);
     }
   }
