@@ -17,23 +17,25 @@
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "apps/calibrate.hpp"
-#include "apps/predict.hpp"
-#include "apps/export.hpp"
 #include "apps/evaluate.hpp"
-#include "framework/comm/exit_policy.hpp"
-#include "framework/io/checkpoint_report.hpp"
-#include "framework/train/plan_report.hpp"
+#include "apps/export.hpp"
+#include "apps/predict.hpp"
 #include "apps/train.hpp"
+#include "base/error.hpp"
+#include "framework/comm/exit_policy.hpp"
 #include "framework/core/version.hpp"
+#include "framework/io/checkpoint_report.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/hardware_file.hpp"
-#include "base/error.hpp"
+#include "framework/train/plan_report.hpp"
+#include "framework/train/trace_report.hpp"
 
 namespace {
 
@@ -101,6 +103,54 @@ int run_plan(const PlanArgs& args) {
                                       reductions != meshtrain::ReductionAlgorithm::ring);
   }
   meshtrain::print_plan(config, args.world, args.json, std::cout, hardware ? &*hardware : nullptr);
+  std::cout.flush();
+  return std::cout ? 0 : kExitFailure;
+}
+
+// --- trace-report: where a traced run's steps spent their time --------------------------
+struct TraceReportArgs {
+  std::string run_dir;
+  std::string hardware;
+  bool json = false;
+};
+
+void add_trace_report_command(CLI::App& app, TraceReportArgs& args) {
+  CLI::App* command = app.add_subcommand(
+      "trace-report",
+      "Split a traced run's steps into compute, communication (exposed and overlapped), data "
+      "wait and idle per rank, and compare its collectives with the cost model "
+      "([runtime] trace_steps; docs/running.md)");
+  command->add_option("run_dir", args.run_dir, "The run's folder (its trace/ holds the files)")
+      ->required();
+  command->add_option("--hardware", args.hardware,
+                      "Hardware profile (meshtrain calibrate) for the prediction; default: the "
+                      "built-in profile");
+  command->add_flag("--json", args.json, "Print the report as one JSON object");
+}
+
+int run_trace_report(const TraceReportArgs& args) {
+  const std::string dir = args.run_dir + "/trace";
+  const std::vector<meshtrain::RankTrace> ranks = meshtrain::read_trace_dir(dir);
+  // The prediction for the traced config (trace/config.toml) on as many ranks as traced.
+  std::optional<meshtrain::StepCost> cost;
+  const std::string config_path = dir + "/config.toml";
+  if (std::filesystem::exists(config_path)) {
+    const meshtrain::RunConfig config = meshtrain::load_config(config_path, {});
+    meshtrain::HardwareProfile hardware = meshtrain::default_hardware_profile();
+    if (!args.hardware.empty()) {
+      hardware = meshtrain::read_hardware_profile(args.hardware);
+      const meshtrain::ReductionAlgorithm reductions = config.runtime.reductions;
+      meshtrain::select_reduction_rates(hardware, reductions != meshtrain::ReductionAlgorithm::mpi,
+                                        reductions != meshtrain::ReductionAlgorithm::ring);
+    }
+    cost = meshtrain::predict_run_step(config, static_cast<int>(ranks.size()), hardware);
+  }
+  const meshtrain::TraceReport report = meshtrain::summarize_trace(ranks, cost ? &*cost : nullptr);
+  if (args.json) {
+    std::cout << meshtrain::trace_report_json(report).dump(2) << "\n";
+  } else {
+    meshtrain::print_trace_report(report, std::cout);
+  }
   std::cout.flush();
   return std::cout ? 0 : kExitFailure;
 }
@@ -179,9 +229,10 @@ void add_predict_command(CLI::App& app, meshtrain::PredictOptions& args) {
       ->take_all();
   predict->add_option("--output", args.output, "The HDF5 file to write (FILE.h5)")->required();
   predict->add_flag("--overwrite", args.overwrite, "Replace the output when it exists");
-  predict->add_option("--batch-size", args.batch_size,
-                      "Global rows per batch (default: the checkpoint's data.eval_batch_size, "
-                      "else data.batch_size)")
+  predict
+      ->add_option("--batch-size", args.batch_size,
+                   "Global rows per batch (default: the checkpoint's data.eval_batch_size, "
+                   "else data.batch_size)")
       ->check(CLI::PositiveNumber);
   add_set_option(*predict, args.overrides);
 }
@@ -279,6 +330,8 @@ int main(int argc, char** argv) {
 
   PlanArgs plan_args;
   add_plan_command(app, plan_args);
+  TraceReportArgs trace_report_args;
+  add_trace_report_command(app, trace_report_args);
   TrainArgs train_args;
   add_train_command(app, train_args);
   InspectArgs inspect_args;
@@ -314,6 +367,7 @@ int main(int argc, char** argv) {
 
   try {
     if (app.got_subcommand("plan")) return run_plan(plan_args);
+    if (app.got_subcommand("trace-report")) return run_trace_report(trace_report_args);
     if (app.got_subcommand("train")) return run_train(train_args, argc, argv);
     if (app.got_subcommand("calibrate")) return run_calibrate(calibrate_args, argc, argv);
     if (app.got_subcommand("predict")) return run_predict(predict_args, argc, argv);

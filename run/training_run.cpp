@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <string>
 #include <system_error>
@@ -666,6 +667,11 @@ void TrainingRun::end_trace() {
     std::vector<std::string> paths;
     for (int r = 0; r < ranks; ++r) paths.push_back(dir + "/rank-" + std::to_string(r) + ".json");
     merge_chrome_traces(paths, dir + "/all-ranks.json");
+    // The run's config beside it: `meshtrain trace-report` predicts the step from it.
+    const std::string config_path = dir + "/config.toml";
+    std::ofstream config_file(config_path, std::ios::trunc);
+    if (config_file) config_file << config_to_toml(config_);
+    if (!config_file) MESHTRAIN_FAIL("cannot write '", config_path, "'");
   });
 }
 

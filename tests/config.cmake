@@ -41,6 +41,9 @@ meshtrain_cli_test(plan_bad_regex 2
 meshtrain_cli_test(plan_world_does_not_fit_mesh 2
   "^meshtrain: error: .*mesh_2x4\\.toml \\[mesh\\]: .*dp=2.*tp=4.*world size is 7"
   -- ${_meshtrain} plan ${_cli}/mesh_2x4.toml --world 7)
+meshtrain_cli_test(trace_report_without_trace 2
+  "^meshtrain: error: '.*/no_such_run/trace' holds no rank-0\\.json: trace a run with \\[runtime\\] trace_steps"
+  -- ${_meshtrain} trace-report ${CMAKE_CURRENT_BINARY_DIR}/no_such_run)
 meshtrain_cli_test(plan_missing_config 2
   "^meshtrain: error: config file '.*no_such\\.toml' does not exist$"
   -- ${_meshtrain} plan ${_cli}/no_such.toml)

@@ -11,7 +11,7 @@ meshtrain_add_test(NAME train_training_run_test SOURCES train/training_run_test.
                    LIBS meshtrain_run NP 1 2 4 TIMEOUT 120 EMULATED)
 # [runtime] trace_steps (issue 28): the per-rank and merged Chrome trace files of steps 2..3
 # on dp, fsdp, tp and fsdp with overlap: valid, nested, one track per rank, the plan's
-# collectives with its bytes; the key's checks.
+# collectives with its bytes; the trace report's figures against the file; the key's checks.
 meshtrain_add_test(NAME train_trace_test SOURCES train/trace_test.cpp LIBS meshtrain_run
                    NP 1 2 4 TIMEOUT 120)
 # ... and every one of its cases with every reduction on meshtrain's ring (issue 29; auto

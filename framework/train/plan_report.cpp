@@ -567,22 +567,28 @@ nlohmann::ordered_json plan_to_json(const ShardingPlan& plan,
   return doc;
 }
 
-void print_plan(const RunConfig& config, int world_size, bool json, std::ostream& out,
-                const HardwareProfile* hardware) {
+namespace {
+
+// A run's plan on `world_size` ranks, what it reads, and its predicted step (none when the
+// global batch does not divide by the batch shards).
+struct PlannedStep {
+  std::vector<PartitionRule> rules;
+  PlanOptions options;
+  std::vector<ParameterShape> shapes;
+  std::vector<LinearLayerParameters> layers;
+  ShardingPlan plan;
+  DataFootprint data;
+  std::optional<StepCost> cost;
+};
+
+PlannedStep plan_step(const RunConfig& config, int world_size, const HardwareProfile& hw) {
   const Mesh mesh = config.mesh.resolve(world_size);
-  const std::vector<PartitionRule> rules = partition_rules(config);
-  const PlanOptions options = plan_options(config);
-  const std::vector<ParameterShape> shapes = model_parameter_shapes(config.model);
-  const std::vector<LinearLayerParameters> layers = model_linear_layers(config.model);
-  const ShardingPlan plan =
+  std::vector<PartitionRule> rules = partition_rules(config);
+  PlanOptions options = plan_options(config);
+  std::vector<ParameterShape> shapes = model_parameter_shapes(config.model);
+  std::vector<LinearLayerParameters> layers = model_linear_layers(config.model);
+  ShardingPlan plan =
       make_plan(shapes, mesh, rules, options, layers, model_norm_layers(config.model));
-  // A checkpoint that stages (asynchronous, or from device memory) copies the blocks a rank
-  // writes: at most its parameters and optimizer state (exactly those on rank 0, which
-  // writes every block it holds).
-  const int64_t staging = checkpoint_stages_tensors(config.checkpoint.async)
-                              ? plan.totals.parameter_bytes + plan.totals.optimizer_bytes
-                              : 0;
-  const HardwareProfile hw = hardware ? *hardware : default_hardware_profile();
   // This rank's rows of a batch and of an evaluation batch (the plan's batch shards).
   const int64_t eval_batch = config.data.eval_batch_size.value_or(config.data.batch_size);
   const int64_t shards =
@@ -590,14 +596,44 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   const int64_t eval_rows = shards > 0 && eval_batch % shards == 0 ? eval_batch / shards : 0;
   const DataUse use{config.model.input_width(), config.model.output_width(),
                     config.model.loss == LossKind::cross_entropy, config.train.accumulation_steps};
-  const DataFootprint data =
+  DataFootprint data =
       data_footprint(config.data, use, std::max<int64_t>(plan.local_batch_rows, 0), eval_rows);
-  const CollectiveMatmulAlgorithm algorithm = config.partition.collective_matmul;
   std::optional<StepCost> cost;
-  std::vector<ScalingRow> scaling;
   if (plan.local_batch_rows > 0) {
-    cost = predict_step(plan, options, hw, algorithm);
+    cost = predict_step(plan, options, hw, config.partition.collective_matmul);
     add_data_read(*cost, data.read, hw);
+  }
+  return {std::move(rules), std::move(options), std::move(shapes), std::move(layers),
+          std::move(plan),  std::move(data),    std::move(cost)};
+}
+
+}  // namespace
+
+std::optional<StepCost> predict_run_step(const RunConfig& config, int world_size,
+                                         const HardwareProfile& hardware) {
+  return plan_step(config, world_size, hardware).cost;
+}
+
+void print_plan(const RunConfig& config, int world_size, bool json, std::ostream& out,
+                const HardwareProfile* hardware) {
+  const HardwareProfile hw = hardware ? *hardware : default_hardware_profile();
+  const PlannedStep planned = plan_step(config, world_size, hw);
+  const std::vector<PartitionRule>& rules = planned.rules;
+  const PlanOptions& options = planned.options;
+  const std::vector<ParameterShape>& shapes = planned.shapes;
+  const std::vector<LinearLayerParameters>& layers = planned.layers;
+  const ShardingPlan& plan = planned.plan;
+  const DataFootprint& data = planned.data;
+  // A checkpoint that stages (asynchronous, or from device memory) copies the blocks a rank
+  // writes: at most its parameters and optimizer state (exactly those on rank 0, which
+  // writes every block it holds).
+  const int64_t staging = checkpoint_stages_tensors(config.checkpoint.async)
+                              ? plan.totals.parameter_bytes + plan.totals.optimizer_bytes
+                              : 0;
+  const CollectiveMatmulAlgorithm algorithm = config.partition.collective_matmul;
+  const std::optional<StepCost>& cost = planned.cost;
+  std::vector<ScalingRow> scaling;
+  if (cost) {
     for (int ranks : scaling_ranks()) {
       ScalingRow row = scaled_cost(plan, shapes, rules, options, layers, hw, algorithm, ranks);
       DataRead read = data.read;  // the same rows per rank, of a larger global batch

@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -28,6 +29,10 @@ struct DataFootprint;
 // (text: "step time" and "scaling" sections; JSON: "cost" and "scaling").
 void print_plan(const RunConfig& config, int world_size, bool json, std::ostream& out,
                 const HardwareProfile* hardware = nullptr);
+// The step the cost model predicts for `config` on `world_size` ranks with `hardware` (the
+// one print_plan shows); none when the global batch does not divide by the batch shards.
+std::optional<StepCost> predict_run_step(const RunConfig& config, int world_size,
+                                         const HardwareProfile& hardware);
 
 // The ranks of the scaling table.
 const std::vector<int>& scaling_ranks();
@@ -43,8 +48,8 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
 // The JSON form: {"config", "mesh": {"world_size", "axes": {name: size, ...} in mesh order},
 // "options", "rules", "parameters": [{"name", "shape", "rule", "spec", "local_shape",
 // "bytes_per_rank", "replicas", "notes"}], "local_batch_rows", "layers": [{"name", "compute",
-// "moe", "tensor_parallel", "column_parallel", "input_layout", "output_layout", "collectives": [{"phase", "kind",
-// "operand", "axes", "ranks", "shape", "bytes_per_rank", and for an all-to-all
+// "moe", "tensor_parallel", "column_parallel", "input_layout", "output_layout", "collectives":
+// [{"phase", "kind", "operand", "axes", "ranks", "shape", "bytes_per_rank", and for an all-to-all
 // "at_uniform_routing": true}], "collective_bytes_per_step", "notes", and for an MoE layer
 // "moe_layout": {"in", "out", "experts", "top_k", "experts_per_rank", "expert_axes", "ep",
 // "batch_axes", "feature_axis", "gathers_input", "router", "experts_weight", "experts_bias"

@@ -4,12 +4,14 @@
 // reads (every span a complete "X" event, one track per rank, named), timestamps do not go
 // back within a track, spans nest properly, each rank holds exactly the two traced steps and
 // nothing outside them, every collective the plan lists appears in each traced step with the
-// plan's bytes, and each started operation's flow ends at its wait.
+// plan's bytes, and each started operation's flow ends at its wait. And the trace report's
+// figures (meshtrain trace-report) equal the same figures computed here from the file.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -21,6 +23,7 @@
 
 #include "framework/train/config.hpp"
 #include "framework/train/plan_report.hpp"
+#include "framework/train/trace_report.hpp"
 #include "run/training_run.hpp"
 #include "tests/test_support.hpp"
 
@@ -146,6 +149,77 @@ void check_track(const Json& events, int rank,
   for (const auto& [id, count] : flow_starts) EXPECT_EQ(count, 1) << "flow " << id;
 }
 
+// The trace report (framework/train/trace_report.hpp) against the same figures computed
+// here from the merged file, rank by rank: step, data wait, exposed and overlapped
+// communication, idle, compute (the rest), the overlapped fraction, and each collective
+// kind's count and seconds per step where the report puts it.
+void check_report(const Json& events, const TraceReport& report, int ranks) {
+  ASSERT_EQ(report.ranks, ranks);
+  EXPECT_EQ(report.steps, 2);
+  ASSERT_EQ(report.split.size(), static_cast<size_t>(ranks));
+  const auto near = [](double a, double b, const char* what) {
+    EXPECT_NEAR(a, b, 1e-9 + 1e-9 * std::abs(b)) << what;
+  };
+  double overlapped_all = 0.0, communication_all = 0.0;
+  std::map<std::string, std::pair<double, double>> kinds;  // kind: seconds, count (all ranks)
+  for (int r = 0; r < ranks; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    double step = 0.0, data = 0.0, exposed = 0.0, phases = 0.0, overlapped = 0.0;
+    std::map<int64_t, std::pair<double, double>> flows;  // id: start's end, wait's start
+    for (const Json& e : events) {
+      if (e.at("pid").get<int>() != r || e.at("ph") != "X") continue;
+      const double ts = e.at("ts").get<double>() * 1e-6, dur = e.at("dur").get<double>() * 1e-6;
+      const std::string cat = e.at("cat").get<std::string>();
+      if (cat == "step") step += dur;
+      if (cat == "phase") phases += dur;
+      if (cat == "phase" && e.at("name") == "data wait") data += dur;
+      if (cat == "collective" || cat == "wait") exposed += dur;
+      const int64_t id = e.at("args").value("operation", int64_t{0});
+      if (id != 0 && cat == "collective") flows[id].first = ts + dur;
+      if (id != 0 && cat == "wait") flows[id].second = ts;
+      if (cat == "collective") {
+        kinds[e.at("name").get<std::string>()].first += dur;
+        kinds[e.at("name").get<std::string>()].second += 1;
+      }
+      if (cat == "wait") kinds["(waits)"].first += dur;
+    }
+    for (const auto& [id, times] : flows) overlapped += std::max(0.0, times.second - times.first);
+    const StepSplit& s = report.split[r];
+    EXPECT_EQ(s.rank, r);
+    near(s.step, step / 2, "step");
+    near(s.data_wait, data / 2, "data wait");
+    near(s.exposed_communication, exposed / 2, "exposed communication");
+    near(s.overlapped_communication, overlapped / 2, "overlapped communication");
+    near(s.idle, (step - phases) / 2, "idle");
+    near(s.compute, (step - data - exposed - (step - phases)) / 2, "compute");
+    EXPECT_GT(s.compute, 0.0);
+    overlapped_all += overlapped;
+    communication_all += overlapped + exposed;
+  }
+  near(report.overlapped_fraction, communication_all > 0 ? overlapped_all / communication_all : 0,
+       "overlapped fraction");
+  // Per kind, over the layers and phases it is spread across: the rows' counts add up to the
+  // spans, and their seconds (a start's row holds its wait too) to the spans' and waits'.
+  std::map<std::string, std::pair<double, double>> rows;
+  double waits_in_rows = 0.0;
+  for (const CollectiveRow& row : report.collectives) {
+    rows[row.kind].first += row.measured * ranks * 2;
+    rows[row.kind].second += row.count_per_step * ranks * 2;
+  }
+  for (const auto& [kind, figures] : kinds) {
+    if (kind == "(waits)") {
+      waits_in_rows = figures.first;
+      continue;
+    }
+    EXPECT_NEAR(rows[kind].second, figures.second, 1e-9) << kind << " count";
+  }
+  double measured = 0.0, traced = 0.0;
+  for (const auto& [kind, figures] : rows) measured += figures.first;
+  for (const auto& [kind, figures] : kinds) traced += figures.first;
+  near(measured, traced, "collective seconds, waits included");
+  (void)waits_in_rows;
+}
+
 struct TraceCase {
   std::string preset;
   std::vector<std::pair<std::string, int>> axes;
@@ -194,6 +268,8 @@ TEST(Trace, EveryRankWritesAValidTraceOfTheTracedStepsWithThePlansCollectives) {
       for (const Json& e : merged.at("traceEvents")) in_merged += e.at("pid").get<int>() == r;
       EXPECT_EQ(own.at("traceEvents").size(), in_merged);
     }
+    check_report(merged.at("traceEvents"), summarize_trace(read_trace_dir(dir + "/trace"), nullptr),
+                 n);
     if (c.overlap && n > 1) {  // fsdp's prefetch: started gathers and their waits
       bool flows = false;
       for (const Json& e : merged.at("traceEvents")) flows = flows || e.at("ph") == "s";

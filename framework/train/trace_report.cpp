@@ -1,0 +1,267 @@
+#include "framework/train/trace_report.hpp"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <map>
+#include <ostream>
+#include <sstream>
+#include <tuple>
+
+#include "base/error.hpp"
+
+namespace meshtrain {
+
+namespace {
+
+RankTrace read_rank(const std::string& path, int rank) {
+  std::ifstream in(path);
+  if (!in) MESHTRAIN_BAD_INPUT("cannot read the trace '", path, "'");
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    MESHTRAIN_BAD_INPUT("the trace '", path, "' is not JSON: ", e.what());
+  }
+  if (!doc.is_object() || !doc.contains("traceEvents") || !doc["traceEvents"].is_array()) {
+    MESHTRAIN_BAD_INPUT("the trace '", path, "' has no traceEvents array");
+  }
+  RankTrace trace;
+  trace.rank = rank;
+  try {
+    for (const auto& e : doc["traceEvents"]) {
+      if (e.at("ph") != "X") continue;
+      TracedSpan span;
+      span.name = e.at("name").get<std::string>();
+      span.category = e.value("cat", "");
+      span.start = e.at("ts").get<double>() * 1e-6;
+      span.duration = e.at("dur").get<double>() * 1e-6;
+      if (e.contains("args")) {
+        span.step = e["args"].value("step", int64_t{0});
+        span.operation = e["args"].value("operation", int64_t{0});
+      }
+      trace.spans.push_back(std::move(span));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    MESHTRAIN_BAD_INPUT("the trace '", path, "' has an event without ", e.what());
+  }
+  return trace;
+}
+
+bool within(const TracedSpan& inner, const TracedSpan& outer) {
+  constexpr double kSlack = 1e-9;  // the files' nanosecond rounding
+  return inner.start >= outer.start - kSlack && inner.end() <= outer.end() + kSlack;
+}
+
+// The first word of a cost item's `what` ("all-gather weight" -> "all-gather").
+std::string first_word(const std::string& text) {
+  return text.substr(0, text.find(' '));
+}
+
+}  // namespace
+
+std::vector<RankTrace> read_trace_dir(const std::string& trace_dir) {
+  std::vector<RankTrace> ranks;
+  for (int rank = 0;; ++rank) {
+    const std::string path = trace_dir + "/rank-" + std::to_string(rank) + ".json";
+    if (!std::filesystem::exists(path)) break;
+    ranks.push_back(read_rank(path, rank));
+  }
+  if (ranks.empty()) {
+    MESHTRAIN_BAD_INPUT("'", trace_dir, "' holds no rank-0.json: trace a run with [runtime] ",
+                        "trace_steps = [FIRST, LAST]");
+  }
+  return ranks;
+}
+
+TraceReport summarize_trace(const std::vector<RankTrace>& ranks, const StepCost* predicted) {
+  TraceReport report;
+  report.ranks = static_cast<int>(ranks.size());
+  // (where, kind) -> per rank: seconds and count over the traced steps
+  std::map<std::pair<std::string, std::string>, std::vector<std::pair<double, double>>> kinds;
+  std::map<std::string, std::vector<double>> phases;
+  double overlapped_all = 0.0, communication_all = 0.0;
+  for (const RankTrace& trace : ranks) {
+    std::vector<const TracedSpan*> steps, in_steps;
+    for (const TracedSpan& s : trace.spans) {
+      if (s.category == "step") steps.push_back(&s);
+    }
+    const auto in_a_step = [&](const TracedSpan& s) {
+      return std::any_of(steps.begin(), steps.end(),
+                         [&](const TracedSpan* t) { return within(s, *t); });
+    };
+    for (const TracedSpan& s : trace.spans) {
+      if (s.category != "step" && in_a_step(s)) in_steps.push_back(&s);
+    }
+    const auto step_count = static_cast<int64_t>(steps.size());
+    if (trace.rank == 0) report.steps = step_count;
+    if (step_count == 0 || step_count != report.steps) {
+      MESHTRAIN_BAD_INPUT("rank ", trace.rank, " traced ", step_count, " steps and rank 0 ",
+                          report.steps, ": the trace files are not of one run");
+    }
+    const double per_step = 1.0 / static_cast<double>(step_count);
+    StepSplit split;
+    split.rank = trace.rank;
+    for (const TracedSpan* s : steps) split.step += s->duration;
+    // Starts and waits of the non-blocking operations, by id.
+    std::map<int64_t, const TracedSpan*> starts, waits;
+    double phase_time = 0.0;
+    for (const TracedSpan* s : in_steps) {
+      if (s->category == "phase") {
+        phases[s->name].resize(ranks.size(), 0.0);
+        phases[s->name][trace.rank] += s->duration * per_step;
+        phase_time += s->duration;
+        if (s->name == "data wait") split.data_wait += s->duration;
+      }
+      if (s->category == "collective" || s->category == "wait") {
+        split.exposed_communication += s->duration;
+        if (s->operation != 0) (s->category == "wait" ? waits : starts)[s->operation] = s;
+      }
+    }
+    for (const auto& [id, start] : starts) {
+      const auto wait = waits.find(id);
+      if (wait != waits.end()) {
+        split.overlapped_communication += std::max(0.0, wait->second->start - start->end());
+      }
+    }
+    // Each collective to the innermost layer holding it, else the phase holding it.
+    for (const TracedSpan* s : in_steps) {
+      if (s->category != "collective") continue;
+      const TracedSpan* layer = nullptr;
+      const TracedSpan* phase = nullptr;
+      for (const TracedSpan* t : in_steps) {
+        if (!within(*s, *t)) continue;
+        if (t->category == "layer" && (!layer || within(*t, *layer))) layer = t;
+        if (t->category == "phase" && (!phase || within(*t, *phase))) phase = t;
+      }
+      const std::string where = layer ? layer->name : phase ? phase->name : "step";
+      double seconds = s->duration;
+      if (s->operation != 0) {
+        const auto wait = waits.find(s->operation);
+        if (wait != waits.end()) seconds += wait->second->duration;
+      }
+      auto& row = kinds[{where, s->name}];
+      row.resize(ranks.size(), {0.0, 0.0});
+      row[trace.rank].first += seconds * per_step;
+      row[trace.rank].second += per_step;
+    }
+    split.idle = split.step - phase_time;
+    split.step *= per_step;
+    split.data_wait *= per_step;
+    split.exposed_communication *= per_step;
+    split.overlapped_communication *= per_step;
+    split.idle *= per_step;
+    split.compute = split.step - split.data_wait - split.exposed_communication - split.idle;
+    overlapped_all += split.overlapped_communication;
+    communication_all += split.overlapped_communication + split.exposed_communication;
+    report.split.push_back(split);
+  }
+  report.overlapped_fraction = communication_all > 0 ? overlapped_all / communication_all : 0.0;
+
+  // The cost model's seconds per (layer, collective kind), for the whole step.
+  std::map<std::pair<std::string, std::string>, double> predicted_rows;
+  if (predicted) {
+    report.predicted_step = predicted->total_s;
+    for (const CostItem& item : predicted->items) {
+      if (item.category != "collective") continue;
+      predicted_rows[{item.layer, first_word(item.what)}] +=
+          item.seconds * static_cast<double>(predicted->accumulation_steps);
+    }
+  }
+  for (const auto& [key, per_rank] : kinds) {
+    CollectiveRow row;
+    row.where = key.first;
+    row.kind = key.second;
+    for (const auto& [seconds, count] : per_rank) {
+      row.measured += seconds / static_cast<double>(ranks.size());
+      row.slowest = std::max(row.slowest, seconds);
+      row.count_per_step = std::max(row.count_per_step, count);
+    }
+    const auto p = predicted_rows.find(key);
+    if (p != predicted_rows.end()) row.predicted = p->second;
+    report.collectives.push_back(row);
+  }
+  for (const auto& [name, per_rank] : phases) {
+    PhaseRow row;
+    row.phase = name;
+    for (size_t r = 0; r < per_rank.size(); ++r) {
+      row.mean += per_rank[r] / static_cast<double>(per_rank.size());
+      if (per_rank[r] > row.slowest) {
+        row.slowest = per_rank[r];
+        row.slowest_rank = static_cast<int>(r);
+      }
+    }
+    report.phases.push_back(row);
+  }
+  return report;
+}
+
+nlohmann::ordered_json trace_report_json(const TraceReport& report) {
+  nlohmann::ordered_json doc;
+  doc["ranks"] = report.ranks;
+  doc["traced_steps"] = report.steps;
+  doc["overlapped_fraction"] = report.overlapped_fraction;
+  if (report.predicted_step >= 0) doc["predicted_step_s"] = report.predicted_step;
+  doc["split"] = nlohmann::ordered_json::array();
+  for (const StepSplit& s : report.split) {
+    doc["split"].push_back({{"rank", s.rank},
+                            {"step_s", s.step},
+                            {"compute_s", s.compute},
+                            {"exposed_communication_s", s.exposed_communication},
+                            {"overlapped_communication_s", s.overlapped_communication},
+                            {"data_wait_s", s.data_wait},
+                            {"idle_s", s.idle}});
+  }
+  doc["collectives"] = nlohmann::ordered_json::array();
+  for (const CollectiveRow& c : report.collectives) {
+    nlohmann::ordered_json row = {{"where", c.where},
+                                  {"kind", c.kind},
+                                  {"count_per_step", c.count_per_step},
+                                  {"measured_s", c.measured},
+                                  {"slowest_rank_s", c.slowest}};
+    if (c.predicted >= 0) row["predicted_s"] = c.predicted;
+    doc["collectives"].push_back(std::move(row));
+  }
+  doc["phases"] = nlohmann::ordered_json::array();
+  for (const PhaseRow& p : report.phases) {
+    doc["phases"].push_back({{"phase", p.phase},
+                             {"mean_s", p.mean},
+                             {"slowest_rank", p.slowest_rank},
+                             {"slowest_s", p.slowest}});
+  }
+  return doc;
+}
+
+void print_trace_report(const TraceReport& report, std::ostream& out) {
+  const auto ms = [](double s) {
+    std::ostringstream text;
+    text << std::fixed << std::setprecision(3) << s * 1e3;
+    return text.str();
+  };
+  out << report.ranks << " rank(s), " << report.steps << " traced step(s); milliseconds per step\n";
+  if (report.predicted_step >= 0) out << "predicted step: " << ms(report.predicted_step) << "\n";
+  out << "rank        step     compute   exposed comm  overlapped comm  data wait      idle\n";
+  for (const StepSplit& s : report.split) {
+    out << std::setw(4) << s.rank << std::setw(12) << ms(s.step) << std::setw(12) << ms(s.compute)
+        << std::setw(15) << ms(s.exposed_communication) << std::setw(17)
+        << ms(s.overlapped_communication) << std::setw(11) << ms(s.data_wait) << std::setw(10)
+        << ms(s.idle) << "\n";
+  }
+  out << "communication overlapped: " << std::setprecision(3) << report.overlapped_fraction * 100
+      << "%\n";
+  out << "collectives (where, kind, per step on each rank: count, mean over ranks, slowest "
+         "rank, predicted)\n";
+  for (const CollectiveRow& c : report.collectives) {
+    out << "  " << std::left << std::setw(22) << c.where << std::setw(16) << c.kind << std::right
+        << std::setw(4) << c.count_per_step << std::setw(11) << ms(c.measured) << std::setw(11)
+        << ms(c.slowest) << std::setw(11) << (c.predicted >= 0 ? ms(c.predicted) : "-") << "\n";
+  }
+  out << "phases (mean over ranks, slowest rank)\n";
+  for (const PhaseRow& p : report.phases) {
+    out << "  " << std::left << std::setw(22) << p.phase << std::right << std::setw(11)
+        << ms(p.mean) << std::setw(11) << ms(p.slowest) << "  rank " << p.slowest_rank << "\n";
+  }
+}
+
+}  // namespace meshtrain

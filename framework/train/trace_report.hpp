@@ -1,0 +1,84 @@
+#pragma once
+// What a traced run's steps spent their time on, from the files [runtime] trace_steps writes
+// (framework/core/trace.hpp), beside the cost model's prediction: `meshtrain trace-report`.
+//
+// Per rank, each traced step splits into
+//   data wait      the "data wait" spans;
+//   exposed comm.  the time the step's thread spent inside communication: blocking
+//                  collectives, the starts of non-blocking ones and the waits for them;
+//   idle           the step outside all of its phases (bookkeeping between them);
+//   compute        the rest: step - data wait - exposed communication - idle.
+// A non-blocking operation is in flight from the end of its start to the start of its wait:
+// that time is communication overlapped with (hidden under) the rank's other work, and
+// communication = exposed + overlapped. Figures are seconds per step, averaged over the
+// traced steps.
+
+#include <cstdint>
+#include <iosfwd>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "partition/cost_model.hpp"
+
+namespace meshtrain {
+
+// One span of a rank's trace file ("X" events), times in seconds on rank 0's clock.
+struct TracedSpan {
+  std::string name;
+  std::string category;  // step, phase, layer, gemm, collective, wait
+  double start = 0.0, duration = 0.0;
+  int64_t step = 0;       // a step span's number
+  int64_t operation = 0;  // a non-blocking operation's flow id (its start and its wait)
+  double end() const { return start + duration; }
+};
+
+struct RankTrace {
+  int rank = 0;
+  std::vector<TracedSpan> spans;  // in the file's order (by start)
+};
+
+// Reads <trace_dir>/rank-0.json, rank-1.json, ... (as many as there are, from 0 on). Throws
+// bad_input naming the file when one is missing, unreadable or not a trace of meshtrain.
+std::vector<RankTrace> read_trace_dir(const std::string& trace_dir);
+
+struct StepSplit {
+  int rank = 0;
+  double step = 0.0, compute = 0.0, exposed_communication = 0.0, overlapped_communication = 0.0,
+         data_wait = 0.0, idle = 0.0;
+};
+
+// A collective kind in a layer (or in a phase outside the layers: "optimizer", "loss", ...):
+// measured seconds per step, the mean over ranks and the slowest rank's; predicted, the cost
+// model's (negative when it predicts none).
+struct CollectiveRow {
+  std::string where, kind;
+  double count_per_step = 0.0;  // on each rank
+  double measured = 0.0, slowest = 0.0, predicted = -1.0;
+};
+
+struct PhaseRow {
+  std::string phase;
+  double mean = 0.0;     // over ranks
+  double slowest = 0.0;  // the slowest rank's
+  int slowest_rank = 0;
+};
+
+struct TraceReport {
+  int ranks = 0;
+  int64_t steps = 0;                 // traced steps (each rank has the same)
+  std::vector<StepSplit> split;      // one per rank
+  double overlapped_fraction = 0.0;  // overlapped / all communication, over every rank
+  std::vector<CollectiveRow> collectives;
+  std::vector<PhaseRow> phases;
+  double predicted_step = -1.0;  // the cost model's step (negative: no prediction)
+};
+
+// The report of `ranks`; `predicted` (may be null) is the cost model's step for the run's
+// config and world size.
+TraceReport summarize_trace(const std::vector<RankTrace>& ranks, const StepCost* predicted);
+
+nlohmann::ordered_json trace_report_json(const TraceReport& report);
+void print_trace_report(const TraceReport& report, std::ostream& out);
+
+}  // namespace meshtrain
