@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# What tracing costs ([runtime] trace_steps, issue 28): FSDP steps of 784-4096-4096-10 at batch
+# 256 on NP ranks (synthetic data, mse), with tracing off and with steps 4..STEPS-1 traced, and,
+# when BASE names a meshtrain built without tracing, that build too. JSON lines: one per run
+# and round with the median step time of steps 4..STEPS-2 (metrics.jsonl, log_every = 1: the
+# slowest rank's interval; the last traced step is left out, it also writes the files), then
+# one summary line per variant with the median over the rounds and its ratio to "off".
+#
+#   [STEPS=14] [ROUNDS=3] [BASE=path/to/old/meshtrain] bench/trace_overhead.sh [NP]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+np=${1:-2}
+steps=${STEPS:-14}
+rounds=${ROUNDS:-3}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+variants="off on"
+[[ -n ${BASE:-} ]] && variants="base $variants"
+common=(--set 'model.sizes=[784, 4096, 4096, 10]' --set 'data.source="synthetic"'
+  --set data.batch_size=256 --set "train.steps=$steps" --set train.log_every=1
+  --set train.eval_every=0 --set checkpoint.every_steps=0 --set 'model.loss="mse"'
+  --set 'checkpoint.keep_best="test_loss"')
+for round in $(seq 1 "$rounds"); do
+  for variant in $variants; do
+    binary=build/bin/meshtrain
+    extra=()
+    [[ $variant == base ]] && binary=$BASE
+    [[ $variant == on ]] && extra=(--set "runtime.trace_steps=[4, $((steps - 1))]")
+    out=$work/$variant-$round
+    mpirun --oversubscribe --bind-to none -np "$np" "$binary" train configs/fashion_mnist_fsdp.toml \
+      "${common[@]}" "${extra[@]}" --set "run.output_dir=\"$out\"" >/dev/null
+    python3 - "$out/metrics.jsonl" "$variant" "$round" "$np" "$steps" <<'PY'
+import json, statistics, sys
+path, variant, rnd, np_, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+rates = {}
+for line in open(path):
+    e = json.loads(line)
+    if e.get("event") == "log":
+        rates[e["step"]] = e["samples_per_s"]
+times = [256 / rates[s] for s in range(4, steps - 1) if s in rates]
+print(json.dumps({"bench": "trace_overhead", "variant": variant, "round": rnd, "np": np_,
+                  "sizes": [784, 4096, 4096, 10], "batch": 256, "steps_measured": len(times),
+                  "step_time_median_s": statistics.median(times)}))
+PY
+  done
+done | tee "$work/lines.jsonl"
+python3 - "$work/lines.jsonl" <<'PY'
+import json, statistics, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+medians = {}
+for v in dict.fromkeys(l["variant"] for l in lines):
+    medians[v] = statistics.median(l["step_time_median_s"] for l in lines if l["variant"] == v)
+for v, m in medians.items():
+    print(json.dumps({"bench": "trace_overhead", "summary": True, "variant": v,
+                      "step_time_median_s": m, "ratio_to_off": m / medians["off"]}))
+PY
