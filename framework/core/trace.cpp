@@ -41,6 +41,7 @@ void Tracer::start(std::size_t capacity) {
   events_.clear();
   events_.reserve(capacity);
   dropped_ = 0;
+  owner_ = std::this_thread::get_id();
   on_ = true;
 }
 

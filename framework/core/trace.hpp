@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace meshtrain {
@@ -47,7 +48,9 @@ class Tracer {
   // events beyond it are counted in dropped()). Clears what an earlier window kept.
   void start(std::size_t capacity);
   void stop() { on_ = false; }
-  bool on() const { return on_; }
+  // On, and called from the thread that started it: spans of other threads (a checkpoint
+  // writer, the communication thread) are not recorded, so recording needs no lock.
+  bool on() const { return on_ && std::this_thread::get_id() == owner_; }
 
   void record(const TraceEvent& event) {
     if (events_.size() < events_.capacity()) {
@@ -63,6 +66,7 @@ class Tracer {
 
  private:
   bool on_ = false;
+  std::thread::id owner_;
   std::vector<TraceEvent> events_;
   std::size_t dropped_ = 0;
   int64_t last_flow_ = 0;
