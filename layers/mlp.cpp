@@ -312,10 +312,13 @@ MatrixView Mlp::forward(MatrixView x, const TrainingPass* training) {
 const char* Mlp::trace_name(size_t k) {
   if (trace_names_.size() != sequence_.size()) {
     trace_names_.resize(sequence_.size());
+    // A layer without a line of its own (an activation) is named after the one before it.
     for (size_t i = 0; i < sequence_.size(); ++i) {
       const std::string line = sequence_[i]->describe();
       const std::string head = line.substr(0, line.find(':'));
-      trace_names_[i] = head.empty() ? "layer " + std::to_string(i) : head;
+      trace_names_[i] = !head.empty() ? head
+                        : i > 0       ? trace_names_[i - 1] + " activation"
+                                      : "layer 0";
     }
   }
   return trace_names_[k].c_str();
