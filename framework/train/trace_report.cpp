@@ -78,8 +78,11 @@ std::vector<RankTrace> read_trace_dir(const std::string& trace_dir) {
 TraceReport summarize_trace(const std::vector<RankTrace>& ranks, const StepCost* predicted) {
   TraceReport report;
   report.ranks = static_cast<int>(ranks.size());
-  // (where, kind) -> per rank: seconds and count over the traced steps
-  std::map<std::pair<std::string, std::string>, std::vector<std::pair<double, double>>> kinds;
+  // (where, kind) -> per rank, per step: seconds taken and exposed, and count
+  struct Figures {
+    double took = 0.0, exposed = 0.0, count = 0.0;
+  };
+  std::map<std::pair<std::string, std::string>, std::vector<Figures>> kinds;
   std::map<std::string, std::vector<double>> phases;
   double overlapped_all = 0.0, communication_all = 0.0;
   for (const RankTrace& trace : ranks) {
@@ -136,15 +139,19 @@ TraceReport summarize_trace(const std::vector<RankTrace>& ranks, const StepCost*
         if (t->category == "phase" && (!phase || within(*t, *phase))) phase = t;
       }
       const std::string where = layer ? layer->name : phase ? phase->name : "step";
-      double seconds = s->duration;
+      double took = s->duration, exposed = s->duration;
       if (s->operation != 0) {
         const auto wait = waits.find(s->operation);
-        if (wait != waits.end()) seconds += wait->second->duration;
+        if (wait != waits.end()) {
+          took = wait->second->end() - s->start;
+          exposed += wait->second->duration;
+        }
       }
       auto& row = kinds[{where, s->name}];
-      row.resize(ranks.size(), {0.0, 0.0});
-      row[trace.rank].first += seconds * per_step;
-      row[trace.rank].second += per_step;
+      row.resize(ranks.size());
+      row[trace.rank].took += took * per_step;
+      row[trace.rank].exposed += exposed * per_step;
+      row[trace.rank].count += per_step;
     }
     split.idle = split.step - phase_time;
     split.step *= per_step;
@@ -173,10 +180,11 @@ TraceReport summarize_trace(const std::vector<RankTrace>& ranks, const StepCost*
     CollectiveRow row;
     row.where = key.first;
     row.kind = key.second;
-    for (const auto& [seconds, count] : per_rank) {
-      row.measured += seconds / static_cast<double>(ranks.size());
-      row.slowest = std::max(row.slowest, seconds);
-      row.count_per_step = std::max(row.count_per_step, count);
+    for (const Figures& f : per_rank) {
+      row.measured += f.took / static_cast<double>(ranks.size());
+      row.exposed += f.exposed / static_cast<double>(ranks.size());
+      row.slowest = std::max(row.slowest, f.took);
+      row.count_per_step = std::max(row.count_per_step, f.count);
     }
     const auto p = predicted_rows.find(key);
     if (p != predicted_rows.end()) row.predicted = p->second;
@@ -219,7 +227,8 @@ nlohmann::ordered_json trace_report_json(const TraceReport& report) {
                                   {"kind", c.kind},
                                   {"count_per_step", c.count_per_step},
                                   {"measured_s", c.measured},
-                                  {"slowest_rank_s", c.slowest}};
+                                  {"slowest_rank_s", c.slowest},
+                                  {"exposed_s", c.exposed}};
     if (c.predicted >= 0) row["predicted_s"] = c.predicted;
     doc["collectives"].push_back(std::move(row));
   }
@@ -250,12 +259,13 @@ void print_trace_report(const TraceReport& report, std::ostream& out) {
   }
   out << "communication overlapped: " << std::setprecision(3) << report.overlapped_fraction * 100
       << "%\n";
-  out << "collectives (where, kind, per step on each rank: count, mean over ranks, slowest "
-         "rank, predicted)\n";
+  out << "collectives per step: where, kind, count on each rank; took (mean over ranks, the "
+         "slowest rank), exposed, predicted\n";
   for (const CollectiveRow& c : report.collectives) {
     out << "  " << std::left << std::setw(22) << c.where << std::setw(16) << c.kind << std::right
         << std::setw(4) << c.count_per_step << std::setw(11) << ms(c.measured) << std::setw(11)
-        << ms(c.slowest) << std::setw(11) << (c.predicted >= 0 ? ms(c.predicted) : "-") << "\n";
+        << ms(c.slowest) << std::setw(11) << ms(c.exposed) << std::setw(11)
+        << (c.predicted >= 0 ? ms(c.predicted) : "-") << "\n";
   }
   out << "phases (mean over ranks, slowest rank)\n";
   for (const PhaseRow& p : report.phases) {

@@ -48,13 +48,15 @@ struct StepSplit {
          data_wait = 0.0, idle = 0.0;
 };
 
-// A collective kind in a layer (or in a phase outside the layers: "optimizer", "loss", ...):
-// measured seconds per step, the mean over ranks and the slowest rank's; predicted, the cost
-// model's (negative when it predicts none).
+// A collective kind in a layer (or in a phase outside the layers: "optimizer", "loss", ...),
+// seconds per step: measured, what the operations took (a blocking one its span; a started
+// one from its start to the end of its wait, an upper bound), the mean over ranks and the
+// slowest rank's; exposed, the part the step's thread spent in them (the started ones'
+// starts and waits); predicted, the cost model's (negative when it predicts none).
 struct CollectiveRow {
   std::string where, kind;
   double count_per_step = 0.0;  // on each rank
-  double measured = 0.0, slowest = 0.0, predicted = -1.0;
+  double measured = 0.0, slowest = 0.0, exposed = 0.0, predicted = -1.0;
 };
 
 struct PhaseRow {
