@@ -304,6 +304,15 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     compute_statistics();
   }
   warn_about_input_scales();
+  const RuntimeSection& rt = config_.runtime;
+  if (rt.traces() && rank_ == 0 &&
+      (rt.trace_first <= steps_done_ || rt.trace_first > total_steps_)) {
+    warnings_.push_back(
+        detail::concat("runtime.trace_steps = [", rt.trace_first, ", ", rt.trace_last,
+                       "] traces nothing: this run ",
+                       rt.trace_first <= steps_done_ ? "resumes after step " : "ends at step ",
+                       rt.trace_first <= steps_done_ ? steps_done_ : total_steps_));
+  }
   start_streams();
 }
 
@@ -1029,6 +1038,9 @@ RunSummary TrainingRun::train() {
     throw;
   }
   finish_save();
+  // A run that stopped inside its trace window (early stopping, fewer steps) writes what it
+  // recorded.
+  if (tracing_) end_trace();
   summary.wall_s = seconds_since(start);
   summary.steps_run = steps_done_ - first_step;
   summary.samples_per_s = summary.wall_s > 0 ? summary.steps_run * config_.data.batch_size *

@@ -272,6 +272,38 @@ TEST(Trace, EveryRankWritesAValidTraceOfTheTracedStepsWithThePlansCollectives) {
   }
 }
 
+// A run that ends inside its window (train.steps = 4, trace_steps = [3, 9]) writes the steps
+// it traced; one whose window starts after its end is told so.
+TEST(Trace, ARunEndingInsideItsWindowWritesWhatItTraced) {
+  const int n = world_size();
+  const std::string dir = std::filesystem::temp_directory_path().string() +
+                          "/meshtrain_trace_early_end_np" + std::to_string(n);
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+  MPI_Barrier(MPI_COMM_WORLD);
+  RunConfig config = traced_config({{"fsdp", n}}, "fsdp", dir);
+  config.runtime.trace_first = 3;
+  config.runtime.trace_last = 9;
+  TrainingRun(config, {}, std::nullopt, MPI_COMM_WORLD).train();
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() == 0) {
+    const Json own = read_json(dir + "/trace/rank-0.json");
+    std::vector<int64_t> steps;
+    for (const Json& e : own.at("traceEvents")) {
+      if (e.value("cat", "") == "step") steps.push_back(e.at("args").at("step").get<int64_t>());
+    }
+    EXPECT_EQ(steps, (std::vector<int64_t>{3, 4}));
+  }
+  config.runtime.trace_first = 7;
+  config.run.output_dir = dir + "_late";
+  const TrainingRun late(config, {}, std::nullopt, MPI_COMM_WORLD);
+  if (world_rank() == 0) {
+    ASSERT_FALSE(late.warnings().empty());
+    EXPECT_NE(late.warnings().back().find("traces nothing: this run ends at step 4"),
+              std::string::npos)
+        << late.warnings().back();
+  }
+}
+
 // trace_steps in the config file: [FIRST, LAST] with 1 <= FIRST <= LAST, one sentence naming
 // the key otherwise; written back by the config writer.
 TEST(Trace, TraceStepsAreCheckedAndRoundTrip) {
