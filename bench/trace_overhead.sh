@@ -6,7 +6,8 @@
 # slowest rank's interval; the last traced step is left out, it also writes the files), then
 # one summary line per variant with the median over the rounds and its ratio to "off".
 #
-#   [STEPS=14] [ROUNDS=3] [BASE=path/to/old/meshtrain] bench/trace_overhead.sh [NP]
+#   [STEPS=14] [ROUNDS=3] [BASE=path/to/old/meshtrain] [VARIANTS="on off base"] \
+#       bench/trace_overhead.sh [NP]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -17,6 +18,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 variants="off on"
 [[ -n ${BASE:-} ]] && variants="base $variants"
+variants=${VARIANTS:-$variants}  # the order within a round, e.g. VARIANTS="on off base"
 common=(--set 'model.sizes=[784, 4096, 4096, 10]' --set 'data.source="synthetic"'
   --set data.batch_size=256 --set "train.steps=$steps" --set train.log_every=1
   --set train.eval_every=0 --set checkpoint.every_steps=0 --set 'model.loss="mse"'
