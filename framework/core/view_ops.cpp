@@ -1,5 +1,6 @@
 #include "framework/core/view_ops.hpp"
 
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 
 namespace meshtrain {
@@ -7,7 +8,8 @@ namespace {
 
 Kokkos::MDRangePolicy<Kokkos::Rank<2>> every_element(const MatrixView& m) {
   return Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
-      {0, 0}, {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))});
+      device_space(), {0, 0},
+      {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))});
 }
 
 }  // namespace
