@@ -160,6 +160,8 @@ Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,
                      const std::vector<std::string>& overrides, MPI_Comm comm)
     : comm_(comm) {
   predictor_detail::copy_rows_label();
+  device_space();  // the long-lived instances (exec_space.hpp), made before any call
+  host_space();
   int rank = 0, world_size = 1;
   check_mpi(MPI_Comm_rank(comm_, &rank), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(comm_, &world_size), "MPI_Comm_size");

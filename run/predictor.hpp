@@ -180,7 +180,7 @@ void copy_rows(const Dst& dst, const Src& src, int64_t rows, int64_t cols) {
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
         dst(i, j) = static_cast<Value>(src(i, j));
       });
-  fence_space(space_instance<Space>(), MESHTRAIN_LABEL("meshtrain::copy_rows"));
+  fence_space(space_instance<Space>(), copy_rows_label());
 }
 
 // Whether the default execution space reaches a view's memory (else it must be the host's).

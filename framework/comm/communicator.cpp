@@ -334,6 +334,16 @@ Request::WireSlot& Communicator::acquire_wire_slot(std::size_t send_count, std::
   return slot;
 }
 
+namespace {
+// The fences of through_wire, outside the template so that their labels are made once.
+void fence_after_packing() {
+  fence_device(MESHTRAIN_LABEL("meshtrain::Communicator::through_wire: packed"));
+}
+void fence_after_unpacking() {
+  fence_device(MESHTRAIN_LABEL("meshtrain::Communicator::through_wire: unpacked"));
+}
+}  // namespace
+
 // A blocking 16-bit operation: `send_count` floats packed to `wire` elements, `move`
 // run on the communicator's 16-bit buffers (move(packed, arrived), one buffer when
 // `in_place`), then `recv_count` elements widened into `recv`. When `move` throws, the
@@ -344,7 +354,7 @@ void Communicator::through_wire(const float* send, std::size_t send_count, float
   uint16_t* arrived = wire_recv(in_place ? send_count : recv_count);
   uint16_t* packed = in_place ? arrived : wire_send(send_count);
   pack_16bit(send, packed, send_count, wire);
-  fence_device(MESHTRAIN_LABEL("meshtrain::Communicator::through_wire: packed"));
+  fence_after_packing();
   try {
     move(packed, arrived);
   } catch (...) {
@@ -352,7 +362,7 @@ void Communicator::through_wire(const float* send, std::size_t send_count, float
     throw;
   }
   unpack_16bit(arrived, recv, recv_count, wire);
-  fence_device(MESHTRAIN_LABEL("meshtrain::Communicator::through_wire: unpacked"));
+  fence_after_unpacking();
 }
 
 // The flat gather of `count` floats per rank into `recv`, moving `wire` elements.

@@ -6,6 +6,11 @@
 namespace meshtrain {
 namespace {
 
+// Made before main, not at a first call that may come inside a step.
+const std::string copy_fence_before = "meshtrain::copy_view: before";
+const std::string copy_fence_after = "meshtrain::copy_view: after";
+const std::string fill_kernel = "meshtrain::fill_view";
+
 Kokkos::MDRangePolicy<Kokkos::Rank<2>> every_element(const MatrixView& m) {
   return Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
       device_space(), {0, 0},
@@ -13,6 +18,10 @@ Kokkos::MDRangePolicy<Kokkos::Rank<2>> every_element(const MatrixView& m) {
 }
 
 }  // namespace
+
+void view_ops_detail::fence_before_copy() { fence_all(copy_fence_before); }
+void view_ops_detail::fence_after_copy() { fence_all(copy_fence_after); }
+const std::string& view_ops_detail::fill_label() { return fill_kernel; }
 
 void set_zero(MatrixView m) {
   Kokkos::parallel_for(
