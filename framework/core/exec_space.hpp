@@ -10,8 +10,10 @@
 // default label at every call. Kokkos 3.4 has no labelled fences; there the label is
 // dropped.
 //
-// Use only between Kokkos::initialize and Kokkos::finalize (the instances are made at the
-// first call, which must come after initialize; their destructors at exit touch no device).
+// The instances are function-local statics made at the first call, which must come after
+// Kokkos::initialize: Runtime (and Predictor) call both right after it, so that no step pays
+// for them. Their destructors run at exit, after Kokkos::finalize, and only drop a reference
+// count (Kokkos 4: the default instance's deleter is empty; Kokkos 3.4: nothing to free).
 
 #include <string>
 #include <type_traits>
