@@ -65,12 +65,9 @@ const Space& space_instance() {
   }
 }
 
-// Policies on device_space(): [begin, end), and the 2-D index space [0, rows) x [0, cols).
+// A range policy on device_space(): [begin, end).
 inline Kokkos::RangePolicy<> device_range(int64_t begin, int64_t end) {
   return Kokkos::RangePolicy<>(device_space(), begin, end);
-}
-inline Kokkos::MDRangePolicy<Kokkos::Rank<2>> device_range2(int64_t rows, int64_t cols) {
-  return Kokkos::MDRangePolicy<Kokkos::Rank<2>>(device_space(), {0, 0}, {rows, cols});
 }
 
 // Kokkos::parallel_reduce(label, policy, functor, result) into a View `result` (a scalar
