@@ -3,6 +3,7 @@
 #include <Kokkos_Core.hpp>
 
 #include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
@@ -47,12 +48,12 @@ void map_flat(const std::string& label, const MatrixView& z, const MatrixView& o
   if (z.span_is_contiguous() && out.span_is_contiguous()) {
     const VectorView flat_z(z.data(), rows * cols), flat_out(out.data(), rows * cols);
     Kokkos::parallel_for(
-        label, Kokkos::RangePolicy<>(0, rows * cols),
+        label, Kokkos::RangePolicy<>(device_space(), 0, rows * cols),
         KOKKOS_LAMBDA(const int64_t k) { flat_out(k) = f(flat_z(k)); });
     return;
   }
   Kokkos::parallel_for(
-      label, Kokkos::RangePolicy<>(0, rows), KOKKOS_LAMBDA(const int64_t i) {
+      label, Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
         for (int64_t j = 0; j < cols; ++j) out(i, j) = f(z(i, j));
       });
 }
@@ -65,12 +66,12 @@ void update_flat(const std::string& label, const MatrixView& z, const MatrixView
   if (z.span_is_contiguous() && grad.span_is_contiguous()) {
     const VectorView flat_z(z.data(), rows * cols), flat_grad(grad.data(), rows * cols);
     Kokkos::parallel_for(
-        label, Kokkos::RangePolicy<>(0, rows * cols),
+        label, Kokkos::RangePolicy<>(device_space(), 0, rows * cols),
         KOKKOS_LAMBDA(const int64_t k) { flat_grad(k) = f(flat_z(k), flat_grad(k)); });
     return;
   }
   Kokkos::parallel_for(
-      label, Kokkos::RangePolicy<>(0, rows), KOKKOS_LAMBDA(const int64_t i) {
+      label, Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
         for (int64_t j = 0; j < cols; ++j) grad(i, j) = f(z(i, j), grad(i, j));
       });
 }
@@ -223,7 +224,7 @@ void swiglu_forward(MatrixView gate, MatrixView value, MatrixView out, Dtype dty
   const int64_t cols = static_cast<int64_t>(out.extent(1));
   Kokkos::parallel_for(  // one row per iteration, as the other elementwise kernels
       MESHTRAIN_LABEL("meshtrain::swiglu_forward"),
-      Kokkos::RangePolicy<>(0, static_cast<int64_t>(out.extent(0))),
+      Kokkos::RangePolicy<>(device_space(), 0, static_cast<int64_t>(out.extent(0))),
       KOKKOS_LAMBDA(const int64_t i) {
         for (int64_t j = 0; j < cols; ++j) {
           const float g = gate(i, j);
@@ -242,7 +243,7 @@ void swiglu_backward(MatrixView gate, MatrixView value, MatrixView dy, MatrixVie
   const int64_t cols = static_cast<int64_t>(dy.extent(1));
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::swiglu_backward"),
-      Kokkos::RangePolicy<>(0, static_cast<int64_t>(dy.extent(0))),
+      Kokkos::RangePolicy<>(device_space(), 0, static_cast<int64_t>(dy.extent(0))),
       KOKKOS_LAMBDA(const int64_t i) {
         for (int64_t j = 0; j < cols; ++j) {
           const float g = gate(i, j), d = dy(i, j);

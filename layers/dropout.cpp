@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
 
@@ -13,7 +14,8 @@ namespace {
 using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 
 Range2 range_of(const MatrixView& m) {
-  return Range2({0, 0}, {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))});
+  return Range2(device_space(), {0, 0},
+                {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))});
 }
 
 // out = keep ? round(in * scale) : 0 for every element of the block; out may be in.

@@ -7,8 +7,10 @@
 #include <vector>
 
 #include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
+#include "framework/core/view_ops.hpp"
 
 namespace meshtrain {
 namespace {
@@ -22,8 +24,8 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 void count_label_ranks(MatrixView logits, LabelView labels, int64_t valid, int64_t width,
                        const Kokkos::View<int64_t*>& counts) {
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::eval_class_counts"), Kokkos::RangePolicy<>(0, valid),
-      KOKKOS_LAMBDA(const int64_t i) {
+      MESHTRAIN_LABEL("meshtrain::eval_class_counts"),
+      Kokkos::RangePolicy<>(device_space(), 0, valid), KOKKOS_LAMBDA(const int64_t i) {
         const int64_t label = labels(i);
         if (label < 0 || label >= width) return;  // a row this rank could not read
         const float mine = logits(i, label);
@@ -43,8 +45,8 @@ void count_label_ranks(MatrixView logits, LabelView labels, int64_t valid, int64
 void sum_target_columns(MatrixView targets, int64_t valid, int64_t width, bool counts_here,
                         const Kokkos::View<double*>& reduced) {
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::eval_target_shift_sums"), Kokkos::RangePolicy<>(0, width),
-      KOKKOS_LAMBDA(const int64_t j) {
+      MESHTRAIN_LABEL("meshtrain::eval_target_shift_sums"),
+      Kokkos::RangePolicy<>(device_space(), 0, width), KOKKOS_LAMBDA(const int64_t j) {
         double sum = 0.0;
         if (counts_here) {
           for (int64_t i = 0; i < valid; ++i) sum += static_cast<double>(targets(i, j));
@@ -58,8 +60,8 @@ void sum_target_columns(MatrixView targets, int64_t valid, int64_t width, bool c
 void set_shift(const Kokkos::View<double*>& reduced, int64_t width,
                const Kokkos::View<double*>& shift) {
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::eval_target_shift"), Kokkos::RangePolicy<>(0, width),
-      KOKKOS_LAMBDA(const int64_t j) {
+      MESHTRAIN_LABEL("meshtrain::eval_target_shift"),
+      Kokkos::RangePolicy<>(device_space(), 0, width), KOKKOS_LAMBDA(const int64_t j) {
         const double n = reduced(4 * width);
         shift(j) = n > 0 ? reduced(j) / n : 0.0;
       });
@@ -73,7 +75,7 @@ void add_output_sums(MatrixView output, MatrixView targets, int64_t valid, int64
                      const Kokkos::View<double*>& sums) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::eval_output_sums"),
-      Kokkos::RangePolicy<>(0, static_cast<int64_t>(output.extent(1))),
+      Kokkos::RangePolicy<>(device_space(), 0, static_cast<int64_t>(output.extent(1))),
       KOKKOS_LAMBDA(const int64_t local) {
         const int64_t j = offset + local;
         const double c = shift(j);
@@ -97,7 +99,7 @@ void add_output_sums(MatrixView output, MatrixView targets, int64_t valid, int64
 void counts_to_double(const Kokkos::View<int64_t*>& counts, const Kokkos::View<double*>& out) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::eval_counts_to_double"),
-      Kokkos::RangePolicy<>(0, static_cast<int64_t>(counts.extent(0))),
+      Kokkos::RangePolicy<>(device_space(), 0, static_cast<int64_t>(counts.extent(0))),
       KOKKOS_LAMBDA(const int64_t k) { out(k) = static_cast<double>(counts(k)); });
 }
 
@@ -141,8 +143,8 @@ void EvalMetrics::reset() {
   loss_correct_ = 0;
   loss_count_ = 0;
   batches_ = 0;
-  if (class_counts_.extent(0) > 0) Kokkos::deep_copy(class_counts_, int64_t{0});
-  if (output_sums_.extent(0) > 0) Kokkos::deep_copy(output_sums_, 0.0);
+  if (class_counts_.extent(0) > 0) fill_view(class_counts_, int64_t{0});
+  if (output_sums_.extent(0) > 0) fill_view(output_sums_, 0.0);
 }
 
 void EvalMetrics::add(MatrixView output, LabelView labels, MatrixView targets, int64_t valid_rows,
@@ -180,7 +182,7 @@ void EvalMetrics::add_classification(MatrixView output, LabelView labels, int64_
 // The targets' shift c: the mean of the first batch's targets over every rank's rows, so that
 // the sums of (t - c)^2 do not cancel for targets far from 0.
 void EvalMetrics::agree_on_shift(MatrixView targets, int64_t valid) {
-  Kokkos::deep_copy(reduced_, 0.0);
+  fill_view(reduced_, 0.0);
   sum_target_columns(targets, valid, width_, feature_index_ == 0, reduced_);
   if (scalar_comm_) scalar_comm_->all_reduce(DoubleVectorView(reduced_.data(), reduced_.extent(0)));
   set_shift(reduced_, width_, shift_);
@@ -203,12 +205,11 @@ void EvalMetrics::finish(EvalEvent& event, const Normalization* normalization) {
   if (classification) {
     counts_to_double(class_counts_, reduced_);
   } else {
-    Kokkos::deep_copy(Kokkos::subview(reduced_, Kokkos::make_pair(int64_t{0}, 4 * width)),
-                      output_sums_);
-    Kokkos::deep_copy(Kokkos::subview(reduced_, 4 * width), 0.0);
+    copy_view(Kokkos::subview(reduced_, Kokkos::make_pair(int64_t{0}, 4 * width)), output_sums_);
+    fill_view(Kokkos::subview(reduced_, 4 * width), 0.0);
   }
   if (scalar_comm_) scalar_comm_->all_reduce(DoubleVectorView(reduced_.data(), reduced_.extent(0)));
-  Kokkos::deep_copy(reduced_host_, reduced_);
+  copy_view(reduced_host_, reduced_);
   const auto& r = reduced_host_;
 
   const int64_t n = loss_count_;

@@ -6,8 +6,9 @@
 #include <cmath>
 #include <string>
 
-#include "framework/core/kernel_label.hpp"
 #include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
+#include "framework/core/kernel_label.hpp"
 
 namespace meshtrain {
 
@@ -85,7 +86,7 @@ void GradientBuckets::layer_ready(std::size_t layer) {
         const VectorView grad = p.grad;
         const std::size_t at = p.at;
         Kokkos::parallel_for(
-            MESHTRAIN_LABEL("meshtrain::grad_bucket_pack"), grad.extent(0),
+            MESHTRAIN_LABEL("meshtrain::grad_bucket_pack"), device_range(0, grad.extent(0)),
             KOKKOS_LAMBDA(const std::size_t i) { buffer(at + i) = grad(i); });
       }
       b.request = b.group->start_all_reduce(buffer, wire_);  // fences the packing first
@@ -109,13 +110,13 @@ void GradientBuckets::wait_all() {
         const VectorView grad = p.grad;
         const std::size_t at = p.at;
         Kokkos::parallel_for(
-            MESHTRAIN_LABEL("meshtrain::grad_bucket_unpack"), grad.extent(0),
+            MESHTRAIN_LABEL("meshtrain::grad_bucket_unpack"), device_range(0, grad.extent(0)),
             KOKKOS_LAMBDA(const std::size_t i) { grad(i) = buffer(at + i); });
       }
     }
     b.remaining = b.layers;
   }
-  Kokkos::fence();
+  fence_all(MESHTRAIN_LABEL("meshtrain::GradientBuckets::wait_all"));
   next_start_ = 0;
 }
 

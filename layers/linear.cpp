@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
 #include "layers/gradient_reduction.hpp"
@@ -17,7 +18,8 @@ using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 void copy_columns(MatrixView src, int64_t offset, MatrixView dst) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::linear_take_columns"),
-      Range2({0, 0}, {static_cast<int64_t>(dst.extent(0)), static_cast<int64_t>(dst.extent(1))}),
+      Range2(device_space(), {0, 0},
+             {static_cast<int64_t>(dst.extent(0)), static_cast<int64_t>(dst.extent(1))}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) = src(i, offset + j); });
 }
 
@@ -28,7 +30,7 @@ void sum_columns_into(MatrixView dy, int64_t offset, VectorView full, Dtype dtyp
   const int64_t cols = static_cast<int64_t>(dy.extent(1));
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::linear_bias_grad"),
-      Kokkos::RangePolicy<>(0, static_cast<int64_t>(full.extent(0))),
+      Kokkos::RangePolicy<>(device_space(), 0, static_cast<int64_t>(full.extent(0))),
       KOKKOS_LAMBDA(const int64_t j) {
         float sum = 0.0f;
         if (j >= offset && j < offset + cols) {
@@ -178,7 +180,8 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   const Dtype dtype = compute_dtype_;
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::linear_add_bias"),
-      Range2({0, 0}, {static_cast<int64_t>(y.extent(0)), static_cast<int64_t>(y.extent(1))}),
+      Range2(device_space(), {0, 0},
+             {static_cast<int64_t>(y.extent(0)), static_cast<int64_t>(y.extent(1))}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
         y(i, j) = round_to(round_to(y(i, j), dtype) + round_to(b[j], dtype), dtype);
       });

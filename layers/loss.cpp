@@ -4,9 +4,11 @@
 #include <cmath>
 #include <limits>
 
+#include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
-#include "base/error.hpp"
+#include "framework/core/view_ops.hpp"
 
 namespace meshtrain {
 namespace {
@@ -56,9 +58,9 @@ LossResult Loss::finish(double local_sum, double local_correct, double local_cou
   scalars_host_(1) = local_correct;
   scalars_host_(2) = local_count;
   if (scalar_comm_) {
-    Kokkos::deep_copy(scalars_, scalars_host_);
+    copy_view(scalars_, scalars_host_);
     scalar_comm_->all_reduce(DoubleVectorView(scalars_.data(), 3));
-    Kokkos::deep_copy(scalars_host_, scalars_);
+    copy_view(scalars_host_, scalars_);
   }
   LossResult r;
   r.loss_sum = scalars_host_(0);
@@ -89,8 +91,8 @@ LossResult Loss::cross_entropy(MatrixView logits, LabelView labels, bool with_gr
   auto grad = gradient_;
 
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::cross_entropy_row_max"), Kokkos::RangePolicy<>(0, rows_),
-      KOKKOS_LAMBDA(const int64_t i) {
+      MESHTRAIN_LABEL("meshtrain::cross_entropy_row_max"),
+      Kokkos::RangePolicy<>(device_space(), 0, rows_), KOKKOS_LAMBDA(const int64_t i) {
         float m = logits(i, 0);
         for (int64_t j = 1; j < lw; ++j) m = logits(i, j) > m ? logits(i, j) : m;
         row_max(i, 0) = m;
@@ -98,8 +100,8 @@ LossResult Loss::cross_entropy(MatrixView logits, LabelView labels, bool with_gr
   if (split_) tp_comm_->all_gather(MatrixView(row_max_local_), row_max_all_, 1);
   const int64_t parts = static_cast<int64_t>(row_max_all.extent(1));
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::cross_entropy_row_stats"), Kokkos::RangePolicy<>(0, rows_),
-      KOKKOS_LAMBDA(const int64_t i) {
+      MESHTRAIN_LABEL("meshtrain::cross_entropy_row_stats"),
+      Kokkos::RangePolicy<>(device_space(), 0, rows_), KOKKOS_LAMBDA(const int64_t i) {
         float m = row_max_all(i, 0);
         int owner = 0;
         for (int64_t t = 1; t < parts; ++t) {
@@ -125,8 +127,8 @@ LossResult Loss::cross_entropy(MatrixView logits, LabelView labels, bool with_gr
       });
   if (split_) tp_comm_->all_reduce(MatrixView(row_stats_));
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::cross_entropy_rows"), Kokkos::RangePolicy<>(0, rows_),
-      KOKKOS_LAMBDA(const int64_t i) {
+      MESHTRAIN_LABEL("meshtrain::cross_entropy_rows"),
+      Kokkos::RangePolicy<>(device_space(), 0, rows_), KOKKOS_LAMBDA(const int64_t i) {
         const float m = row_max(i, 0);
         const float s = stats(i, 0);
         row_loss(i) = i < valid ? kmath::log(s) + m - stats(i, 1) : 0.0f;
@@ -138,13 +140,18 @@ LossResult Loss::cross_entropy(MatrixView logits, LabelView labels, bool with_gr
           }
         }
       });
-  double sum = 0.0, correct = 0.0;
-  Kokkos::parallel_reduce(
-      MESHTRAIN_LABEL("meshtrain::cross_entropy_sum"), Kokkos::RangePolicy<>(0, valid),
-      KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += row_loss(i); }, sum);
-  Kokkos::parallel_reduce(
-      MESHTRAIN_LABEL("meshtrain::cross_entropy_hits"), Kokkos::RangePolicy<>(0, valid),
-      KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += stats(i, 2); }, correct);
+  // Reduced into device scalars without a fence (reduce_into, exec_space.hpp), read back by
+  // one copy.
+  reduce_into(
+      MESHTRAIN_LABEL("meshtrain::cross_entropy_sum"), device_range(0, valid),
+      KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += row_loss(i); },
+      Kokkos::subview(scalars_, 0));
+  reduce_into(
+      MESHTRAIN_LABEL("meshtrain::cross_entropy_hits"), device_range(0, valid),
+      KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += stats(i, 2); },
+      Kokkos::subview(scalars_, 1));
+  copy_view(scalars_host_, scalars_);
+  const double sum = scalars_host_(0), correct = scalars_host_(1);
   return finish(share(sum), share(correct), share(static_cast<double>(valid)));
 }
 
@@ -165,7 +172,7 @@ LossResult Loss::mse(MatrixView logits, MatrixView targets, bool with_gradient,
   auto row_loss = row_loss_;
   auto grad = gradient_;
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::mse_rows"), Kokkos::RangePolicy<>(0, rows_),
+      MESHTRAIN_LABEL("meshtrain::mse_rows"), Kokkos::RangePolicy<>(device_space(), 0, rows_),
       KOKKOS_LAMBDA(const int64_t i) {
         float s = 0.0f;
         for (int64_t j = 0; j < lw; ++j) {
@@ -175,10 +182,12 @@ LossResult Loss::mse(MatrixView logits, MatrixView targets, bool with_gradient,
         }
         row_loss(i) = i < valid ? s : 0.0f;
       });
-  double sum = 0.0;
-  Kokkos::parallel_reduce(
-      MESHTRAIN_LABEL("meshtrain::mse_sum"), Kokkos::RangePolicy<>(0, valid),
-      KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += row_loss(i); }, sum);
+  reduce_into(  // into a device scalar, as in cross_entropy
+      MESHTRAIN_LABEL("meshtrain::mse_sum"), device_range(0, valid),
+      KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += row_loss(i); },
+      Kokkos::subview(scalars_, 0));
+  copy_view(scalars_host_, scalars_);
+  const double sum = scalars_host_(0);
   // A split mse sums its columns over the feature axis; the rows count on feature rank 0.
   return finish(split_ ? sum : share(sum), 0.0, share(static_cast<double>(valid)));
 }

@@ -3,6 +3,7 @@
 #include <map>
 
 #include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/core/trace.hpp"
@@ -343,8 +344,9 @@ void Mlp::backward(MatrixView output_grad, bool reduce, float loss_scale) {
     const Dtype dtype = compute_dtype_;
     Kokkos::parallel_for(
         MESHTRAIN_LABEL("meshtrain::scale_output_grad"),
-        Kokkos::MDRangePolicy<Kokkos::Rank<2>>({0, 0}, {static_cast<int64_t>(scaled.extent(0)),
-                                                        static_cast<int64_t>(scaled.extent(1))}),
+        Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+            device_space(), {0, 0},
+            {static_cast<int64_t>(scaled.extent(0)), static_cast<int64_t>(scaled.extent(1))}),
         KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
           scaled(i, j) = round_to(loss_scale * output_grad(i, j), dtype);
         });

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
@@ -20,7 +21,7 @@ using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 constexpr int64_t kMaxTopK = 16;
 
 Range2 matrix_range(int64_t rows, int64_t cols) {
-  return Range2({0, 0}, {rows, cols});
+  return Range2(device_space(), {0, 0}, {rows, cols});
 }
 
 // Row i of src -> row map(i) of dst (forward), or row map(i) of src -> row i of dst, for the
@@ -29,7 +30,7 @@ void permute_rows(MatrixView src, MatrixView dst, const Kokkos::View<int64_t*>& 
                   bool forward) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::moe_permute"),
-      Range2({0, 0}, {rows, static_cast<int64_t>(src.extent(1))}),
+      Range2(device_space(), {0, 0}, {rows, static_cast<int64_t>(src.extent(1))}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t c) {
         if (forward) {
           dst(map(i), c) = src(i, c);
@@ -313,7 +314,8 @@ MatrixView MoeLayer::forward(MatrixView x, const LayerPass& pass) {
     const Matrix logits = logits_, probs = probs_, gates = gates_;
     const Kokkos::View<int**> chosen = chosen_;
     Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::moe_route"), Range(0, rows_), KOKKOS_LAMBDA(const int64_t r) {
+        MESHTRAIN_LABEL("meshtrain::moe_route"), Range(device_space(), 0, rows_),
+        KOKKOS_LAMBDA(const int64_t r) {
           float top = round_to(logits(r, 0), dtype);
           for (int64_t e = 0; e < experts; ++e) {
             logits(r, e) = round_to(logits(r, e), dtype);
@@ -351,7 +353,8 @@ MatrixView MoeLayer::forward(MatrixView x, const LayerPass& pass) {
     const Kokkos::View<int64_t**> position = position_;
     const int64_t rows = rows_;
     Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::moe_count"), Range(0, experts), KOKKOS_LAMBDA(const int64_t e) {
+        MESHTRAIN_LABEL("meshtrain::moe_count"), Range(device_space(), 0, experts),
+        KOKKOS_LAMBDA(const int64_t e) {
           int64_t count = 0;
           double prob = 0.0;
           for (int64_t r = 0; r < rows; ++r) {
@@ -363,7 +366,7 @@ MatrixView MoeLayer::forward(MatrixView x, const LayerPass& pass) {
           counts(e) = static_cast<float>(count);
         });
     Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::moe_positions"), Range(0, experts),
+        MESHTRAIN_LABEL("meshtrain::moe_positions"), Range(device_space(), 0, experts),
         KOKKOS_LAMBDA(const int64_t e) {
           int64_t next = 0;
           for (int64_t f = 0; f < e; ++f) next += static_cast<int64_t>(counts(f));
@@ -380,10 +383,10 @@ MatrixView MoeLayer::forward(MatrixView x, const LayerPass& pass) {
     expert_comm_->all_gather(ConstVectorView(counts_.data(), counts_.extent(0)),
                              VectorView(all_counts_));
   } else {
-    Kokkos::deep_copy(all_counts_, counts_);
+    copy_view(all_counts_, counts_);
   }
   if (batch_comm_) batch_comm_->all_reduce(DoubleVectorView(stats_.data(), stats_.extent(0)));
-  Kokkos::deep_copy(stats_host_, stats_);
+  copy_view(stats_host_, stats_);
   double balance = 0.0;
   for (int64_t e = 0; e < experts; ++e) {
     expert_rows_[static_cast<size_t>(e)] = stats_host_(e);
@@ -531,7 +534,7 @@ void MoeLayer::experts_backward(LayerScratch& scratch, bool need_input_grad) {
 
 void MoeLayer::plan_dispatch() {
   const MoeLayout& l = layout_;
-  Kokkos::deep_copy(all_counts_host_, all_counts_);
+  copy_view(all_counts_host_, all_counts_);
   const int ep = l.ep, me = expert_comm_ ? expert_comm_->rank() : 0;
   const int64_t experts = l.experts, local = l.experts_local;
   auto count = [&](int src, int64_t expert) {
@@ -568,9 +571,9 @@ void MoeLayer::plan_dispatch() {
       }
     }
   }
-  Kokkos::deep_copy(to_expert_major_, to_expert_major_host_);
-  Kokkos::deep_copy(local_expert_, local_expert_host_);
-  Kokkos::deep_copy(expert_offsets_, expert_offsets_host_);
+  copy_view(to_expert_major_, to_expert_major_host_);
+  copy_view(local_expert_, local_expert_host_);
+  copy_view(expert_offsets_, expert_offsets_host_);
 }
 
 void MoeLayer::dispatch(MatrixView send, MatrixView recv, bool forward_direction) {
@@ -610,7 +613,7 @@ MatrixView MoeLayer::backward(MatrixView dy, bool need_input_grad, const LayerPa
     const Matrix returned = returned_y_, send = send_dy_, gates = gates_, dl = dlogits_;
     const Kokkos::View<int64_t**> position = position_;
     Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::moe_gate_grad"), Range(0, rows_),
+        MESHTRAIN_LABEL("meshtrain::moe_gate_grad"), Range(device_space(), 0, rows_),
         KOKKOS_LAMBDA(const int64_t r) {
           for (int64_t s = 0; s < k; ++s) {
             float dot = 0.0f;
@@ -645,7 +648,7 @@ MatrixView MoeLayer::backward(MatrixView dy, bool need_input_grad, const LayerPa
     const float aux_scale =
         static_cast<float>(loss_scale * aux_loss_coef_ * static_cast<double>(experts) / (n * n));
     Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::moe_router_grad"), Range(0, rows_),
+        MESHTRAIN_LABEL("meshtrain::moe_router_grad"), Range(device_space(), 0, rows_),
         KOKKOS_LAMBDA(const int64_t r) {
           // Gates g_s = p_s / S over the chosen: dL/dp_s = (dg_s - sum_t g_t dg_t) / S.
           float chosen_sum = 0.0f, weighted = 0.0f;

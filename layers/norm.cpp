@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
@@ -22,7 +23,8 @@ using RowTeams = Kokkos::TeamPolicy<>;
 using RowTeam = RowTeams::member_type;
 
 Range2 range_of(const MatrixView& m) {
-  return Range2({0, 0}, {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))});
+  return Range2(device_space(), {0, 0},
+                {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))});
 }
 
 // Column sums over the rows (fp32, then rounded to `dtype`, as a 16-bit autograd leaves
@@ -32,8 +34,8 @@ void norm_column_sums(MatrixView x, MatrixView dy, MatrixView stats, bool layern
                       VectorView dscale, VectorView dbias) {
   const int64_t rows = static_cast<int64_t>(x.extent(0));
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::norm_param_grad"), Rows(0, static_cast<int64_t>(x.extent(1))),
-      KOKKOS_LAMBDA(const int64_t j) {
+      MESHTRAIN_LABEL("meshtrain::norm_param_grad"),
+      Rows(device_space(), 0, static_cast<int64_t>(x.extent(1))), KOKKOS_LAMBDA(const int64_t j) {
         float ss = 0.0f, sb = 0.0f;
         for (int64_t i = 0; i < rows; ++i) {
           const float x_hat = layernorm ? ((x(i, j) - stats(i, 0)) - stats(i, 1)) * stats(i, 2)
@@ -53,7 +55,7 @@ void norm_column_sums_full(MatrixView x, MatrixView dy, MatrixView stats, bool l
   const int64_t rows = static_cast<int64_t>(x.extent(0));
   const int64_t cols = static_cast<int64_t>(x.extent(1));
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::norm_param_grad_full"), Rows(0, width),
+      MESHTRAIN_LABEL("meshtrain::norm_param_grad_full"), Rows(device_space(), 0, width),
       KOKKOS_LAMBDA(const int64_t k) {
         const int64_t j = k - offset;
         float ss = 0.0f, sb = 0.0f;
@@ -204,8 +206,8 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
 
   if (layout_.kind == NormKind::rmsnorm) {
     Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::rmsnorm_sum_squares"), RowTeams(rows_, Kokkos::AUTO),
-        KOKKOS_LAMBDA(const RowTeam& team) {
+        MESHTRAIN_LABEL("meshtrain::rmsnorm_sum_squares"),
+        RowTeams(device_space(), rows_, Kokkos::AUTO), KOKKOS_LAMBDA(const RowTeam& team) {
           const int64_t i = team.league_rank();
           float ss = 0.0f;
           Kokkos::parallel_reduce(
@@ -215,7 +217,7 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
         });
     if (tp_comm_) tp_comm_->all_reduce(VectorView(row_sum.data(), row_sum.extent(0)));
     Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::rmsnorm_statistics"), Rows(0, rows_),
+        MESHTRAIN_LABEL("meshtrain::rmsnorm_statistics"), Rows(device_space(), 0, rows_),
         KOKKOS_LAMBDA(const int64_t i) {
           stats(i, 0) = 0.0f;
           stats(i, 1) = 0.0f;
@@ -231,7 +233,7 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
   }
 
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::layernorm_sum"), RowTeams(rows_, Kokkos::AUTO),
+      MESHTRAIN_LABEL("meshtrain::layernorm_sum"), RowTeams(device_space(), rows_, Kokkos::AUTO),
       KOKKOS_LAMBDA(const RowTeam& team) {
         const int64_t i = team.league_rank();
         float s = 0.0f;
@@ -242,8 +244,8 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
       });
   if (tp_comm_) tp_comm_->all_reduce(VectorView(row_sum.data(), row_sum.extent(0)));
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::layernorm_centered_sums"), RowTeams(rows_, Kokkos::AUTO),
-      KOKKOS_LAMBDA(const RowTeam& team) {
+      MESHTRAIN_LABEL("meshtrain::layernorm_centered_sums"),
+      RowTeams(device_space(), rows_, Kokkos::AUTO), KOKKOS_LAMBDA(const RowTeam& team) {
         const int64_t i = team.league_rank();
         const float m0 = row_sum(i) / n;
         float a = 0.0f, b = 0.0f;
@@ -264,7 +266,7 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
       });
   if (tp_comm_) tp_comm_->all_reduce(MatrixView(sums2.data(), sums2.extent(0), 2));
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::layernorm_statistics"), Rows(0, rows_),
+      MESHTRAIN_LABEL("meshtrain::layernorm_statistics"), Rows(device_space(), 0, rows_),
       KOKKOS_LAMBDA(const int64_t i) {
         const float delta = sums2(i, 0) / n;
         const float var = sums2(i, 1) / n - delta * delta;
@@ -312,8 +314,8 @@ MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const Laye
   const bool layernorm = layout_.kind == NormKind::layernorm;
   // Row sums of g = dy * scale and of g * x_hat (fp32), over all features.
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::norm_backward_row_sums"), RowTeams(rows_, Kokkos::AUTO),
-      KOKKOS_LAMBDA(const RowTeam& team) {
+      MESHTRAIN_LABEL("meshtrain::norm_backward_row_sums"),
+      RowTeams(device_space(), rows_, Kokkos::AUTO), KOKKOS_LAMBDA(const RowTeam& team) {
         const int64_t i = team.league_rank();
         const float m0 = stats(i, 0), delta = stats(i, 1), rstd = stats(i, 2);
         float sg = 0.0f, sgx = 0.0f;

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/core/view_ops.hpp"
@@ -20,7 +21,8 @@ void add_rounded(MatrixView a, MatrixView b, MatrixView out, Dtype dtype, const 
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::residual_add"),
       Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
-          {0, 0}, {static_cast<int64_t>(out.extent(0)), static_cast<int64_t>(out.extent(1))}),
+          device_space(), {0, 0},
+          {static_cast<int64_t>(out.extent(0)), static_cast<int64_t>(out.extent(1))}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
         out(i, j) = round_to(a(i, j) + b(i, j), dtype);
       });

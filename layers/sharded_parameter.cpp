@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
 
@@ -18,14 +19,15 @@ using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 void copy_block(VectorView full, int64_t offset, VectorView block) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::full_width_grad_block"),
-      Range(0, static_cast<int64_t>(block.extent(0))),
+      Range(device_space(), 0, static_cast<int64_t>(block.extent(0))),
       KOKKOS_LAMBDA(const int64_t j) { block(j) = full(offset + j); });
 }
 
 void scale_matrix(MatrixView m, float factor) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::linear_scale_grad"),
-      Range2({0, 0}, {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))}),
+      Range2(device_space(), {0, 0},
+             {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { m(i, j) *= factor; });
 }
 
@@ -233,7 +235,7 @@ ConstVectorView ShardedParameter::compute(LayerScratch& scratch) {
   const detail::GatheredBlocks b = blocks();
   const Vector stage = stage_, full = block_;
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::moe_place_gathered"), Range(0, full.extent(0)),
+      MESHTRAIN_LABEL("meshtrain::moe_place_gathered"), Range(device_space(), 0, full.extent(0)),
       KOKKOS_LAMBDA(const int64_t i) { full(b.compute_index(i)) = stage(i); });
   return ConstVectorView(block_.data(), block_.extent(0));
 }
@@ -297,14 +299,14 @@ void ShardedParameter::reduce(LayerScratch& scratch, bool all_reduce) {
     const detail::GatheredBlocks b = blocks();
     const Vector stage = stage_, full = grad_;
     Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::moe_cut_gradient"), Range(0, full.extent(0)),
+        MESHTRAIN_LABEL("meshtrain::moe_cut_gradient"), Range(device_space(), 0, full.extent(0)),
         KOKKOS_LAMBDA(const int64_t i) { stage(i) = full(b.compute_index(i)); });
     gather1_->reduce_scatter(ConstVectorView(stage_.data(), stage_.extent(0)), dst, wire);
   }
   if (g_.nonbatch_replication != 1) {
     const float scale = scale_;
     Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::moe_scale_gradient"), Range(0, dst.extent(0)),
+        MESHTRAIN_LABEL("meshtrain::moe_scale_gradient"), Range(device_space(), 0, dst.extent(0)),
         KOKKOS_LAMBDA(const int64_t i) { dst(i) *= scale; });
   }
   if (allreduce_ && all_reduce) allreduce_->all_reduce(dst, ReduceOp::sum, wire);

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
 #include "layers/activation.hpp"
@@ -92,7 +93,8 @@ MatrixView SwiGlu::backward(MatrixView dy, bool need_input_grad, const LayerPass
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::swiglu_input_grad"),
       Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
-          {0, 0}, {static_cast<int64_t>(dx.extent(0)), static_cast<int64_t>(dx.extent(1))}),
+          device_space(), {0, 0},
+          {static_cast<int64_t>(dx.extent(0)), static_cast<int64_t>(dx.extent(1))}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
         dx(i, j) = round_to(dx_up(i, j) + dx_gate(i, j), dtype);
       });

@@ -8,8 +8,10 @@
 
 #include "framework/comm/backend.hpp"
 #include "framework/comm/mpi_util.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/gemm.hpp"  // set_matmul_precision
 #include "framework/core/kokkos_math.hpp"
+#include "framework/core/view_ops.hpp"
 #include "framework/io/checkpoint.hpp"
 
 namespace meshtrain {
@@ -72,7 +74,7 @@ void zero_rows(const Matrix& x, int64_t first) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::predict_pad"),
       Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
-          {first, int64_t{0}},
+          device_space(), {first, int64_t{0}},
           {static_cast<int64_t>(x.extent(0)), static_cast<int64_t>(x.extent(1))}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { x(i, j) = 0.0f; });
 }
@@ -82,7 +84,7 @@ void standardize(const Matrix& x, const DoubleView& mean, const DoubleView& stdd
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::predict_normalize_inputs"),
       Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
-          {int64_t{0}, int64_t{0}},
+          device_space(), {int64_t{0}, int64_t{0}},
           {static_cast<int64_t>(x.extent(0)), static_cast<int64_t>(x.extent(1))}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
         x(i, j) = static_cast<float>((static_cast<double>(x(i, j)) - mean(j)) / stddev(j));
@@ -95,7 +97,7 @@ void to_target_units(const MatrixView& y, const DoubleView& mean, const DoubleVi
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::predict_denormalize_outputs"),
       Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
-          {int64_t{0}, int64_t{0}},
+          device_space(), {int64_t{0}, int64_t{0}},
           {static_cast<int64_t>(out.extent(0)), static_cast<int64_t>(out.extent(1))}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
         out(i, j) = static_cast<float>(static_cast<double>(y(i, j)) * stddev(j) + mean(j));
@@ -108,7 +110,7 @@ void softmax_and_argmax(const Matrix& logits, const Matrix& probabilities,
   const auto width = static_cast<int64_t>(logits.extent(1));
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::predict_softmax"),
-      Kokkos::RangePolicy<>(0, static_cast<int64_t>(logits.extent(0))),
+      Kokkos::RangePolicy<>(device_space(), 0, static_cast<int64_t>(logits.extent(0))),
       KOKKOS_LAMBDA(const int64_t i) {
         int64_t best = 0;
         for (int64_t j = 1; j < width; ++j) {
@@ -158,6 +160,8 @@ Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,
                      const std::vector<std::string>& overrides, MPI_Comm comm)
     : comm_(comm) {
   predictor_detail::copy_rows_label();
+  device_space();  // the long-lived instances (exec_space.hpp), made before any call
+  host_space();
   int rank = 0, world_size = 1;
   check_mpi(MPI_Comm_rank(comm_, &rank), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(comm_, &world_size), "MPI_Comm_size");
@@ -299,11 +303,11 @@ void Predictor::check_input(int64_t rows, int64_t width) const {
 }
 
 void Predictor::upload_input() {
-  if constexpr (kDeviceMemoryIsSeparate) Kokkos::deep_copy(x_, x_host_);
+  if constexpr (kDeviceMemoryIsSeparate) copy_view(x_, x_host_);
 }
 
 void Predictor::download_output() {
-  if constexpr (kDeviceMemoryIsSeparate) Kokkos::deep_copy(output_host_, output_);
+  if constexpr (kDeviceMemoryIsSeparate) copy_view(output_host_, output_);
 }
 
 Prediction Predictor::run(int64_t rows) {
@@ -313,7 +317,7 @@ Prediction Predictor::run(int64_t rows) {
   if (normalization_.targets()) {
     to_target_units(whole, target_mean_, target_std_, output_);
   } else {
-    Kokkos::deep_copy(output_, whole);
+    copy_view(output_, whole);
   }
   Prediction result;
   result.rows = rows;
@@ -323,7 +327,7 @@ Prediction Predictor::run(int64_t rows) {
     result.classes = ConstClassView(classes_.data(), rows);
     result.probabilities = ConstMatrixView(probabilities_.data(), rows, outputs());
   }
-  Kokkos::DefaultExecutionSpace().fence();
+  fence_device(MESHTRAIN_LABEL("meshtrain::Predictor::predict"));
   return result;
 }
 

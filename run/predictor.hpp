@@ -54,6 +54,7 @@
 #include "base/error.hpp"
 #include "framework/comm/failure_agreement.hpp"  // AgreedError
 #include "framework/comm/mesh_communicators.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/views.hpp"
 #include "framework/io/data.hpp"  // BatchSlice
@@ -174,11 +175,12 @@ void copy_rows(const Dst& dst, const Src& src, int64_t rows, int64_t cols) {
   if (rows == 0 || cols == 0) return;
   using Value = typename Dst::non_const_value_type;
   Kokkos::parallel_for(
-      copy_rows_label(), Kokkos::MDRangePolicy<Space, Kokkos::Rank<2>>({0, 0}, {rows, cols}),
+      copy_rows_label(),
+      Kokkos::MDRangePolicy<Space, Kokkos::Rank<2>>(space_instance<Space>(), {0, 0}, {rows, cols}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
         dst(i, j) = static_cast<Value>(src(i, j));
       });
-  Space().fence();
+  fence_space(space_instance<Space>(), copy_rows_label());
 }
 
 // Whether the default execution space reaches a view's memory (else it must be the host's).

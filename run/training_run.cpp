@@ -24,6 +24,7 @@
 #include "framework/comm/reduction_choice.hpp"
 #include "framework/comm/runtime.hpp"
 #include "framework/core/choices.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/trace.hpp"
@@ -88,7 +89,8 @@ std::vector<std::string> all_axes(const Mesh& mesh) {
 // sum = g (first) or sum += g: the gradient of one micro-batch added to the step's sum.
 void add_gradient(const Vector& sum, const Vector& g, bool first) {
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::accumulate_gradient"), Kokkos::RangePolicy<>(0, g.extent(0)),
+      MESHTRAIN_LABEL("meshtrain::accumulate_gradient"),
+      Kokkos::RangePolicy<>(device_space(), 0, g.extent(0)),
       KOKKOS_LAMBDA(const int64_t i) { sum(i) = first ? g(i) : sum(i) + g(i); });
 }
 
@@ -97,7 +99,8 @@ void add_gradient(const Vector& sum, const Vector& g, bool first) {
 void finish_gradient(const Vector& g, const Vector& sum, int64_t micro_batches) {
   const float scale = 1.0f / static_cast<float>(micro_batches);
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::mean_gradient"), Kokkos::RangePolicy<>(0, g.extent(0)),
+      MESHTRAIN_LABEL("meshtrain::mean_gradient"),
+      Kokkos::RangePolicy<>(device_space(), 0, g.extent(0)),
       KOKKOS_LAMBDA(const int64_t i) { g(i) = (g(i) + sum(i)) * scale; });
 }
 

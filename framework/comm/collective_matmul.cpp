@@ -5,6 +5,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/view_ops.hpp"
 
@@ -32,7 +33,7 @@ void add_into(float* target, const float* source, std::size_t count) {
   const VectorView t(target, count);
   const ConstVectorView s(source, count);
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::collective_matmul_accumulate"), count,
+      MESHTRAIN_LABEL("meshtrain::collective_matmul_accumulate"), device_range(0, count),
       KOKKOS_LAMBDA(const std::size_t k) { t(k) += s(k); });
 }
 
@@ -318,7 +319,7 @@ void all_gather_matmul(Communicator& comm, GatherSide side, int gather_dim, Gemm
       gather_naive(plan, comm, workspace);
       break;
   }
-  Kokkos::fence();
+  fence_all(MESHTRAIN_LABEL("meshtrain::all_gather_matmul"));
 }
 
 // ----------------------------------------------------------- matmul reduce-scatter
@@ -499,7 +500,7 @@ void scatter_streams(const ScatterPlan& plan, Communicator& comm, MatrixView c,
     }
   }
   if (!c_contiguous) {
-    Kokkos::fence();
+    fence_all(MESHTRAIN_LABEL("meshtrain::scatter_streams"));
     copy_into(c, ConstMatrixView(c_data, plan.block_rows, plan.block_cols));
   }
 }
@@ -540,7 +541,7 @@ void matmul_reduce_scatter(Communicator& comm, int scatter_dim, GemmOperand a, G
   } else {
     scatter_naive(plan, comm, c, workspace);
   }
-  Kokkos::fence();
+  fence_all(MESHTRAIN_LABEL("meshtrain::matmul_reduce_scatter"));
 }
 
 }  // namespace meshtrain

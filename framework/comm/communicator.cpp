@@ -12,6 +12,7 @@
 
 #include "framework/comm/slot_pool.hpp"
 #include "framework/core/choices.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/trace.hpp"
 #include "partition/linear_layout.hpp"
@@ -103,7 +104,7 @@ void retire_slot(Request::WireSlot*& wire) noexcept {
 void Request::complete_wire() {
   if (wire_ == nullptr) return;
   unpack_16bit(wire_->recv.data(), wire_->unpack_to, wire_->count, wire_->dtype);
-  Kokkos::DefaultExecutionSpace().fence();
+  fence_device(MESHTRAIN_LABEL("meshtrain::Request::complete_wire"));
   drop_wire();
 }
 
@@ -333,6 +334,16 @@ Request::WireSlot& Communicator::acquire_wire_slot(std::size_t send_count, std::
   return slot;
 }
 
+namespace {
+// The fences of through_wire, outside the template so that their labels are made once.
+void fence_after_packing() {
+  fence_device(MESHTRAIN_LABEL("meshtrain::Communicator::through_wire: packed"));
+}
+void fence_after_unpacking() {
+  fence_device(MESHTRAIN_LABEL("meshtrain::Communicator::through_wire: unpacked"));
+}
+}  // namespace
+
 // A blocking 16-bit operation: `send_count` floats packed to `wire` elements, `move`
 // run on the communicator's 16-bit buffers (move(packed, arrived), one buffer when
 // `in_place`), then `recv_count` elements widened into `recv`. When `move` throws, the
@@ -343,7 +354,7 @@ void Communicator::through_wire(const float* send, std::size_t send_count, float
   uint16_t* arrived = wire_recv(in_place ? send_count : recv_count);
   uint16_t* packed = in_place ? arrived : wire_send(send_count);
   pack_16bit(send, packed, send_count, wire);
-  Kokkos::DefaultExecutionSpace().fence();
+  fence_after_packing();
   try {
     move(packed, arrived);
   } catch (...) {
@@ -351,7 +362,7 @@ void Communicator::through_wire(const float* send, std::size_t send_count, float
     throw;
   }
   unpack_16bit(arrived, recv, recv_count, wire);
-  Kokkos::DefaultExecutionSpace().fence();
+  fence_after_unpacking();
 }
 
 // The flat gather of `count` floats per rank into `recv`, moving `wire` elements.
@@ -412,11 +423,12 @@ void place_gathered_columns(ConstVectorView blocks, MatrixView recv, int n) {
   // Over (block, row, column in block): both sides contiguous along the last index.
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::all_gather_unpack_dim1"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<3>>({0, 0, 0}, {static_cast<int64_t>(n), r, c}),
+      Kokkos::MDRangePolicy<Kokkos::Rank<3>>(device_space(), {0, 0, 0},
+                                             {static_cast<int64_t>(n), r, c}),
       KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
         recv(row, j * c + cc) = blocks((j * r + row) * c + cc);
       });
-  Kokkos::DefaultExecutionSpace().fence();
+  fence_device(MESHTRAIN_LABEL("meshtrain::place_gathered_columns"));
 }
 
 Request Communicator::start_all_gather(ConstVectorView send, VectorView recv, Dtype wire) {
@@ -465,7 +477,8 @@ Request Communicator::start_on_wire(Request::WireSlot& slot, float* unpack_to, s
   slot.dtype = wire;
   Request request;
   request.wire_ = &slot;
-  Kokkos::DefaultExecutionSpace().fence();  // the packed send data is in place
+  // The packed send data is in place.
+  fence_device(MESHTRAIN_LABEL("meshtrain::Communicator::start_on_wire"));
   try {
     Request started = start();
     request.impl_ = started.impl_;
@@ -531,11 +544,12 @@ void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim
   const int64_t rows = static_cast<int64_t>(r), cols = static_cast<int64_t>(c);
   Kokkos::parallel_for(  // over (block, row, column in block), as the unpack above
       MESHTRAIN_LABEL("meshtrain::reduce_scatter_pack_dim1"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<3>>({0, 0, 0}, {static_cast<int64_t>(n), rows, cols}),
+      Kokkos::MDRangePolicy<Kokkos::Rank<3>>(device_space(), {0, 0, 0},
+                                             {static_cast<int64_t>(n), rows, cols}),
       KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
         stage((j * rows + row) * cols + cc) = send(row, j * cols + cc);
       });
-  Kokkos::DefaultExecutionSpace().fence();
+  fence_device(MESHTRAIN_LABEL("meshtrain::Communicator::reduce_scatter"));
   reduce_scatter_flat(staging, recv.data(), r * c, wire, op);
 }
 
@@ -553,9 +567,9 @@ void Communicator::all_reduce(VectorView data, ReduceOp reduce, Dtype wire) {
   if (reduce == ReduceOp::mean && size_ > 1) {
     const float scale = 1.0f / static_cast<float>(size_);
     Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::all_reduce_mean_scale"), data.extent(0),
+        MESHTRAIN_LABEL("meshtrain::all_reduce_mean_scale"), device_range(0, data.extent(0)),
         KOKKOS_LAMBDA(const std::size_t k) { data(k) *= scale; });
-    Kokkos::DefaultExecutionSpace().fence();
+    fence_device(MESHTRAIN_LABEL("meshtrain::Communicator::all_reduce: mean"));
   }
 }
 
@@ -571,9 +585,9 @@ void Communicator::all_reduce(DoubleVectorView data, ReduceOp reduce) {
   if (reduce == ReduceOp::mean && size_ > 1) {
     const double scale = 1.0 / static_cast<double>(size_);
     Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::all_reduce_mean_scale_f64"), data.extent(0),
+        MESHTRAIN_LABEL("meshtrain::all_reduce_mean_scale_f64"), device_range(0, data.extent(0)),
         KOKKOS_LAMBDA(const std::size_t k) { data(k) *= scale; });
-    Kokkos::DefaultExecutionSpace().fence();
+    fence_device(MESHTRAIN_LABEL("meshtrain::Communicator::all_reduce_f64: mean"));
   }
 }
 

@@ -14,6 +14,7 @@
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/progress_thread.hpp"
+#include "framework/core/exec_space.hpp"
 
 namespace meshtrain {
 
@@ -110,6 +111,8 @@ Runtime::Runtime(int& argc, char**& argv, const StartupCheck& check) {
     Kokkos::initialize(argc, argv);
     owns_kokkos_ = true;
   }
+  device_space();  // the long-lived instances (exec_space.hpp), made before any step
+  host_space();
 }
 
 Runtime::~Runtime() {

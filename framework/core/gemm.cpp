@@ -7,6 +7,7 @@
 
 #include "base/error.hpp"
 #include "framework/core/backends/gemm_backend.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/trace.hpp"
 
@@ -41,7 +42,8 @@ void scale(MatrixView c, float beta) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::gemm_scale"),
       Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
-          {0, 0}, {static_cast<int64_t>(c.extent(0)), static_cast<int64_t>(c.extent(1))}),
+          device_space(), {0, 0},
+          {static_cast<int64_t>(c.extent(0)), static_cast<int64_t>(c.extent(1))}),
       KOKKOS_LAMBDA(const int64_t r, const int64_t col) {
         // beta == 0 overwrites (NaN * 0 would stay NaN), as BLAS does.
         c(r, col) = beta == 0.0f ? 0.0f : beta * c(r, col);
@@ -100,7 +102,7 @@ void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs) 
                 "gemm has backends for host memory and CUDA memory only");
   // The BLAS reads memory written by Kokkos kernels on the host execution space: wait
   // for them (a no-op on Serial).
-  Kokkos::DefaultExecutionSpace().fence();
+  fence_device(MESHTRAIN_LABEL("meshtrain::gemm"));
   gemm_backend::host_gemm(call);
 }
 

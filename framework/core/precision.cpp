@@ -1,7 +1,8 @@
 #include "framework/core/precision.hpp"
 
-#include "framework/core/kernel_label.hpp"
 #include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
+#include "framework/core/kernel_label.hpp"
 
 namespace meshtrain {
 
@@ -12,7 +13,7 @@ using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 void round_in_place(VectorView data, Dtype dtype) {
   if (dtype == Dtype::fp32) return;
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::round_to_dtype"), data.extent(0),
+      MESHTRAIN_LABEL("meshtrain::round_to_dtype"), device_range(0, data.extent(0)),
       KOKKOS_LAMBDA(const std::size_t k) { data(k) = round_to(data(k), dtype); });
 }
 
@@ -20,7 +21,8 @@ void round_in_place(MatrixView data, Dtype dtype) {
   if (dtype == Dtype::fp32) return;
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::round_to_dtype"),
-      Range2({0, 0}, {static_cast<int64_t>(data.extent(0)), static_cast<int64_t>(data.extent(1))}),
+      Range2(device_space(), {0, 0},
+             {static_cast<int64_t>(data.extent(0)), static_cast<int64_t>(data.extent(1))}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
         data(i, j) = round_to(data(i, j), dtype);
       });
@@ -32,19 +34,20 @@ void round_copy(ConstMatrixView src, MatrixView dst, Dtype dtype) {
                     "] and destination [", dst.extent(0), ", ", dst.extent(1), "] differ");
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::round_copy"),
-      Range2({0, 0}, {static_cast<int64_t>(dst.extent(0)), static_cast<int64_t>(dst.extent(1))}),
+      Range2(device_space(), {0, 0},
+             {static_cast<int64_t>(dst.extent(0)), static_cast<int64_t>(dst.extent(1))}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) = round_to(src(i, j), dtype); });
 }
 
 void pack_16bit(const float* src, uint16_t* dst, std::size_t count, Dtype dtype) {
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::pack_16bit"), count,
+      MESHTRAIN_LABEL("meshtrain::pack_16bit"), device_range(0, count),
       KOKKOS_LAMBDA(const std::size_t k) { dst[k] = to_16bit(src[k], dtype); });
 }
 
 void unpack_16bit(const uint16_t* src, float* dst, std::size_t count, Dtype dtype) {
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::unpack_16bit"), count,
+      MESHTRAIN_LABEL("meshtrain::unpack_16bit"), device_range(0, count),
       KOKKOS_LAMBDA(const std::size_t k) { dst[k] = from_16bit(src[k], dtype); });
 }
 

@@ -1,16 +1,27 @@
 #include "framework/core/view_ops.hpp"
 
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 
 namespace meshtrain {
 namespace {
 
+// Made before main, not at a first call that may come inside a step.
+const std::string copy_fence_before = "meshtrain::copy_view: before";
+const std::string copy_fence_after = "meshtrain::copy_view: after";
+const std::string fill_kernel = "meshtrain::fill_view";
+
 Kokkos::MDRangePolicy<Kokkos::Rank<2>> every_element(const MatrixView& m) {
   return Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
-      {0, 0}, {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))});
+      device_space(), {0, 0},
+      {static_cast<int64_t>(m.extent(0)), static_cast<int64_t>(m.extent(1))});
 }
 
 }  // namespace
+
+void view_ops_detail::fence_before_copy() { fence_all(copy_fence_before); }
+void view_ops_detail::fence_after_copy() { fence_all(copy_fence_after); }
+const std::string& view_ops_detail::fill_label() { return fill_kernel; }
 
 void set_zero(MatrixView m) {
   Kokkos::parallel_for(

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "base/error.hpp"
+#include "framework/core/view_ops.hpp"
 
 namespace meshtrain {
 
@@ -136,9 +137,9 @@ int64_t BatchStream::take(int64_t seq, const Matrix& x, const BatchLabels& label
   std::exception_ptr error = slot->error;
   const int64_t valid = slot->valid;
   if (!error) {
-    Kokkos::deep_copy(x, slot->x);
-    if (labels.extent(0) > 0) Kokkos::deep_copy(labels, slot->labels);
-    if (targets.extent(0) > 0) Kokkos::deep_copy(targets, slot->targets);
+    copy_view(x, slot->x);
+    if (labels.extent(0) > 0) copy_view(labels, slot->labels);
+    if (targets.extent(0) > 0) copy_view(targets, slot->targets);
   }
   if (depth_ > 0) {
     {

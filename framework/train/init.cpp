@@ -3,9 +3,10 @@
 #include <Kokkos_Core.hpp>
 #include <cmath>
 
+#include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
-#include "base/error.hpp"
 
 namespace meshtrain {
 namespace {
@@ -84,8 +85,8 @@ void fill_block(ShardedTensor& t, Draw draw, uint64_t seed, float scale, float l
   const uint64_t key = stream_key(seed, name_stream(t.name));
   Vector out = t.local;
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::init_block"), Kokkos::RangePolicy<>(0, out.extent(0)),
-      KOKKOS_LAMBDA(const int64_t i) {
+      MESHTRAIN_LABEL("meshtrain::init_block"),
+      Kokkos::RangePolicy<>(device_space(), 0, out.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
         if (draw == Draw::zero) {
           out(i) = 0.0f;
         } else if (draw == Draw::normal) {

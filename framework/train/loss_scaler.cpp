@@ -2,10 +2,12 @@
 
 #include <cmath>
 
+#include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
-#include "base/error.hpp"
+#include "framework/core/view_ops.hpp"
 
 namespace meshtrain {
 
@@ -27,41 +29,58 @@ void LossScaler::restore(double scale, int64_t clean_steps) {
 
 bool LossScaler::unscale(std::vector<ShardedTensor>& grads) {
   const float inverse = static_cast<float>(1.0 / scale_);
-  double non_finite = 0.0;
-  for (ShardedTensor& g : grads) {
-    const Vector data = g.local;
-    double found = 0.0;
-    Kokkos::parallel_reduce(
-        MESHTRAIN_LABEL("meshtrain::loss_scaler_unscale"), data.extent(0),
-        KOKKOS_LAMBDA(const std::size_t k, double& bad) {
+  // One device count per gradient (sized at the first step), summed on the device and read
+  // back by one copy: reductions into device scalars (reduce_into, exec_space.hpp).
+  if (found_.extent(0) != grads.size()) {
+    found_ =
+        Kokkos::View<double*, Kokkos::LayoutRight>("meshtrain::loss_scaler_found", grads.size());
+  }
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const Vector data = grads[i].local;
+    reduce_into(
+        MESHTRAIN_LABEL("meshtrain::loss_scaler_unscale"), device_range(0, data.extent(0)),
+        KOKKOS_LAMBDA(const int64_t k, double& bad) {
           const float v = data(k) * inverse;
           data(k) = v;
           if (!kmath::isfinite(v)) bad += 1.0;
         },
-        found);
-    non_finite += found;
+        Kokkos::subview(found_, i));
   }
-  return sum_over_ranks(non_finite) == 0.0;
+  const auto found = found_;
+  const auto total = non_finite_;
+  const int64_t count = static_cast<int64_t>(grads.size());
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::loss_scaler_total"), device_range(0, 1),
+      KOKKOS_LAMBDA(const int64_t) {
+        double sum = 0.0;
+        for (int64_t k = 0; k < count; ++k) sum += found(k);
+        total(0) = sum;
+      });
+  fence_all(MESHTRAIN_LABEL("meshtrain::loss_scaler_before_sum"));
+  world_.all_reduce(DoubleVectorView(non_finite_.data(), 1));
+  copy_view(non_finite_host_, non_finite_);
+  return non_finite_host_(0) == 0.0;
 }
 
 double LossScaler::count_beyond_fp16(ConstMatrixView inputs) const {
   const int64_t columns = static_cast<int64_t>(inputs.extent(1));
-  double beyond = 0.0;
-  Kokkos::parallel_reduce(
-      MESHTRAIN_LABEL("meshtrain::loss_scaler_count_beyond_fp16"), inputs.size(),
-      KOKKOS_LAMBDA(const std::size_t k, double& count) {
-        const float x = inputs(static_cast<int64_t>(k) / columns, static_cast<int64_t>(k) % columns);
+  reduce_into(  // into a device scalar, as in unscale
+      MESHTRAIN_LABEL("meshtrain::loss_scaler_count_beyond_fp16"),
+      device_range(0, static_cast<int64_t>(inputs.size())),
+      KOKKOS_LAMBDA(const int64_t k, double& count) {
+        const float x = inputs(k / columns, k % columns);
         if (kmath::isfinite(x) && !kmath::isfinite(fp16_to_float(float_to_fp16(x)))) count += 1.0;
       },
-      beyond);
-  return beyond;
+      Kokkos::subview(non_finite_, 0));
+  copy_view(non_finite_host_, non_finite_);
+  return non_finite_host_(0);
 }
 
 double LossScaler::sum_over_ranks(double count) {
   non_finite_host_(0) = count;
-  Kokkos::deep_copy(non_finite_, non_finite_host_);
+  copy_view(non_finite_, non_finite_host_);
   world_.all_reduce(DoubleVectorView(non_finite_.data(), 1));
-  Kokkos::deep_copy(non_finite_host_, non_finite_);
+  copy_view(non_finite_host_, non_finite_);
   return non_finite_host_(0);
 }
 

@@ -55,6 +55,8 @@ class LossScaler {
   // [1]: a count on this rank, then over all ranks (sum_over_ranks)
   Kokkos::View<double*, Kokkos::LayoutRight> non_finite_;
   Kokkos::View<double*, Kokkos::LayoutRight>::HostMirror non_finite_host_;
+  // [gradients]: non-finite elements of each gradient on this rank (unscale)
+  Kokkos::View<double*, Kokkos::LayoutRight> found_;
 };
 
 }  // namespace meshtrain

@@ -3,16 +3,18 @@
 #include <Kokkos_Core.hpp>
 #include <cmath>
 
+#include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
-#include "base/error.hpp"
+#include "framework/core/view_ops.hpp"
 
 namespace meshtrain {
 namespace {
 
 void sgd_update(Vector p, Vector g, Vector buf, float lr, float momentum, float wd, bool first) {
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::sgd_step"), Kokkos::RangePolicy<>(0, p.extent(0)),
+      MESHTRAIN_LABEL("meshtrain::sgd_step"), Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)),
       KOKKOS_LAMBDA(const int64_t i) {
         const float grad = g(i) + wd * p(i);
         const float b = first ? grad : momentum * buf(i) + grad;
@@ -24,7 +26,8 @@ void sgd_update(Vector p, Vector g, Vector buf, float lr, float momentum, float 
 // Plain SGD (momentum 0): no state, so no slot is allocated (the plan counts none).
 void sgd_plain_update(Vector p, Vector g, float lr, float wd) {
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::sgd_plain_step"), Kokkos::RangePolicy<>(0, p.extent(0)),
+      MESHTRAIN_LABEL("meshtrain::sgd_plain_step"),
+      Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)),
       KOKKOS_LAMBDA(const int64_t i) { p(i) -= lr * (g(i) + wd * p(i)); });
 }
 
@@ -34,8 +37,8 @@ void adamw_update(Vector p, Vector g, Vector m, Vector v, float lr, float beta1,
   const float inv_correction2 = 1.0f / correction2;
   const float decay = 1.0f - lr * wd;
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::adamw_step"), Kokkos::RangePolicy<>(0, p.extent(0)),
-      KOKKOS_LAMBDA(const int64_t i) {
+      MESHTRAIN_LABEL("meshtrain::adamw_step"),
+      Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
         const float grad = g(i);
         const float mi = beta1 * m(i) + (1.0f - beta1) * grad;
         const float vi = beta2 * v(i) + (1.0f - beta2) * grad * grad;
@@ -46,20 +49,22 @@ void adamw_update(Vector p, Vector g, Vector m, Vector v, float lr, float beta1,
       });
 }
 
-double sum_of_squares(const Vector& g) {
-  double total = 0.0;
-  Kokkos::parallel_reduce(
-      MESHTRAIN_LABEL("meshtrain::grad_sum_of_squares"), Kokkos::RangePolicy<>(0, g.extent(0)),
+// The sum over g[0, count) of g^2 into the device scalar `total` (reduce_into,
+// exec_space.hpp: no fence, no allocation). An empty range writes 0.
+template <class Total>
+void sum_of_squares(const Vector& g, int64_t count, const Total& total) {
+  reduce_into(
+      MESHTRAIN_LABEL("meshtrain::grad_sum_of_squares"), device_range(0, count),
       KOKKOS_LAMBDA(const int64_t i, double& acc) {
         acc += static_cast<double>(g(i)) * static_cast<double>(g(i));
       },
       total);
-  return total;
 }
 
 void scale(Vector g, float factor) {
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::grad_scale"), Kokkos::RangePolicy<>(0, g.extent(0)),
+      MESHTRAIN_LABEL("meshtrain::grad_scale"),
+      Kokkos::RangePolicy<>(device_space(), 0, g.extent(0)),
       KOKKOS_LAMBDA(const int64_t i) { g(i) *= factor; });
 }
 
@@ -160,11 +165,13 @@ double GradientClipper::global_norm(const std::vector<ShardedTensor>& grads, Com
   MESHTRAIN_REQUIRE(grads.size() == counted_.size(), "gradient clipping: got ", grads.size(),
                     " gradients, expected ", counted_.size());
   for (size_t i = 0; i < grads.size(); ++i) {
-    host_(i) = counted_[i] ? sum_of_squares(grads[i].local) : 0.0;
+    const Vector g = grads[i].local;
+    sum_of_squares(g, counted_[i] ? static_cast<int64_t>(g.extent(0)) : 0,
+                   Kokkos::subview(buffer_, i));
   }
-  Kokkos::deep_copy(buffer_, host_);
+  fence_all(MESHTRAIN_LABEL("meshtrain::grad_norm_before_sum"));
   world.all_reduce(DoubleVectorView(buffer_.data(), buffer_.extent(0)), ReduceOp::sum);
-  Kokkos::deep_copy(host_, buffer_);
+  copy_view(host_, buffer_);
   double total = 0.0;
   for (size_t i = 0; i < grads.size(); ++i) total += host_(i);
   non_finite_.clear();

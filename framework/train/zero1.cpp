@@ -3,8 +3,9 @@
 #include <Kokkos_Core.hpp>
 #include <algorithm>
 
-#include "framework/core/kernel_label.hpp"
 #include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
+#include "framework/core/kernel_label.hpp"
 #include "partition/zero1.hpp"
 
 namespace meshtrain {
@@ -13,13 +14,13 @@ namespace {
 // dst[0, padded) = src[first, first + count) followed by zeros.
 void copy_padded(const float* src, int64_t first, int64_t count, float* dst, int64_t padded) {
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::zero1_pad"), Kokkos::RangePolicy<>(0, padded),
+      MESHTRAIN_LABEL("meshtrain::zero1_pad"), Kokkos::RangePolicy<>(device_space(), 0, padded),
       KOKKOS_LAMBDA(const int64_t i) { dst[i] = i < count ? src[first + i] : 0.0f; });
 }
 
 void copy(const float* src, float* dst, int64_t count) {
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::zero1_copy"), Kokkos::RangePolicy<>(0, count),
+      MESHTRAIN_LABEL("meshtrain::zero1_copy"), Kokkos::RangePolicy<>(device_space(), 0, count),
       KOKKOS_LAMBDA(const int64_t i) { dst[i] = src[i]; });
 }
 

@@ -573,6 +573,7 @@ struct RunResult {
   std::vector<Tensor> grad;  // full, per parameter
   double aux = 0.0;
   int64_t allocations = -1;        // in the counted step
+  std::string first_allocation;    // the first of them (space, label, size)
   int moe_layers = 0;              // MoE layers found inside the model's blocks
   bool moe_output_in_bf16 = true;  // their outputs and their blocks' outputs are bf16 values
 };
@@ -588,9 +589,13 @@ bool all_bf16(MatrixView m) {
 }
 
 int64_t g_allocations = 0;
-void count_allocation(const Kokkos_Profiling_SpaceHandle, const char*, const void*,
-                      const uint64_t) {
-  ++g_allocations;
+std::string g_first_allocation;  // space, label and size of the first counted allocation
+void count_allocation(const Kokkos_Profiling_SpaceHandle space, const char* label, const void*,
+                      const uint64_t bytes) {
+  if (g_allocations++ == 0) {
+    g_first_allocation =
+        std::string(space.name) + " '" + label + "' (" + std::to_string(bytes) + " bytes)";
+  }
 }
 
 RunResult run_model(const ResidualMlpShape& shape, Activation activation, const MeshCase& c,
@@ -651,6 +656,7 @@ RunResult run_model(const ResidualMlpShape& shape, Activation activation, const 
   const MatrixView out = step();
   Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
   run.allocations = g_allocations;
+  run.first_allocation = g_first_allocation;
   run.aux = model.aux_loss();
   for (Layer* layer : model.sequence()) {
     const auto* block = dynamic_cast<const ResidualBlock*>(layer);
@@ -732,7 +738,7 @@ TEST(MoeBlock, EqualsTheFloat64ReferenceAndOneRankOnEveryMesh) {
           const RunResult run = run_model(shape, m.activation, c, overlap, reduce, false);
           // Also with buckets beside prefetches on one communicator (fsdp x tp, overlap) and
           // MPI staged through host memory: their request slots are reserved at build.
-          EXPECT_EQ(run.allocations, 0);
+          EXPECT_EQ(run.allocations, 0) << "the first: " << run.first_allocation;
           EXPECT_NEAR(run.aux, ref.aux, 1e-5 * ref.aux) << "aux loss";
           EXPECT_NEAR(run.aux, one.aux, 1e-6 * one.aux) << "aux loss against one rank";
           double worst =
@@ -803,7 +809,7 @@ TEST(MoeBlock, Bf16IsCloseToTheReferenceAndToOneRankOnEveryMesh) {
     for (const MeshCase& c : mesh_cases(n)) {
       SCOPED_TRACE(c.name + " (" + c.preset + ") at np " + std::to_string(n));
       const RunResult run = run_model(shape, m.activation, c, false, true, false, true);
-      EXPECT_EQ(run.allocations, 0);
+      EXPECT_EQ(run.allocations, 0) << "the first: " << run.first_allocation;
       EXPECT_EQ(run.moe_layers, 2);
       EXPECT_TRUE(run.moe_output_in_bf16) << "an MoE block's output is not rounded to bf16";
       int batch_ranks = 1, tp = 1;

@@ -263,9 +263,13 @@ void expect_close(const Tensor& got, const Tensor& ref, const std::string& what)
 }
 
 int64_t g_allocations = 0;
-void count_allocation(const Kokkos_Profiling_SpaceHandle, const char*, const void*,
-                      const uint64_t) {
-  ++g_allocations;
+std::string g_first_allocation;  // space, label and size of the first counted allocation
+void count_allocation(const Kokkos_Profiling_SpaceHandle space, const char* label, const void*,
+                      const uint64_t bytes) {
+  if (g_allocations++ == 0) {
+    g_first_allocation =
+        std::string(space.name) + " '" + label + "' (" + std::to_string(bytes) + " bytes)";
+  }
 }
 
 struct MeshCase {
@@ -389,7 +393,7 @@ TEST(ResidualMlp, EqualsTheFloat64ReferenceOnEveryMesh) {
             // overlap: the norms' gradients bucketed over fsdp) and over MPI staged through host
             // memory: the buckets and the prefetch reserve their request slots (and staging)
             // when the model is built.
-            EXPECT_EQ(g_allocations, 0);
+            EXPECT_EQ(g_allocations, 0) << "the first: " << g_first_allocation;
 
             Matrix copy("copy", out.extent(0), out.extent(1));
             Kokkos::deep_copy(copy, out);

@@ -17,6 +17,7 @@
 #include <cstddef>
 
 #include "framework/core/kernel_label.hpp"
+#include "framework/core/view_ops.hpp"
 #include "framework/core/views.hpp"
 
 namespace meshtrain {
@@ -84,13 +85,13 @@ class HostStaging {
     Kokkos::View<T*, Kokkos::HostSpace, Unmanaged> to(host, count);
     Kokkos::View<const T*, Kokkos::DefaultExecutionSpace::memory_space, Unmanaged> from(device,
                                                                                         count);
-    Kokkos::deep_copy(to, from);
+    copy_view(to, from);
   }
   template <class T>
   static void copy_to_device(T* device, const T* host, std::size_t count) {
     Kokkos::View<T*, Kokkos::DefaultExecutionSpace::memory_space, Unmanaged> to(device, count);
     Kokkos::View<const T*, Kokkos::HostSpace, Unmanaged> from(host, count);
-    Kokkos::deep_copy(to, from);
+    copy_view(to, from);
   }
 
   Bytes send_;

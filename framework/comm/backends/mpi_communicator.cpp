@@ -13,6 +13,7 @@
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/progress_thread.hpp"
 #include "framework/comm/slot_pool.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/precision.hpp"
 
 namespace meshtrain {
@@ -395,7 +396,7 @@ void MpiCommunicator::complete(MPI_Request request, const char* op) {
 template <class Start>
 void MpiCommunicator::run(const char* op, const char* call, Start&& start) {
   state_->require_usable(op);
-  Kokkos::fence();
+  fence_all(MESHTRAIN_LABEL("meshtrain::MpiCommunicator::run"));
   MPI_Request request = MPI_REQUEST_NULL;
   state_->check(start(&request), op, call);
   complete(request, op);
@@ -423,7 +424,7 @@ void MpiCommunicator::raw_reduce_scatter_sum(const void* send, void* recv,
       count_per_rank * static_cast<std::size_t>(size()) * bytes_of(dtype);
   if (size() > 1 && send_bytes >= reduction_choice().reduce_scatter_ring_from) {
     state_->require_usable(op);
-    Kokkos::fence();
+    fence_all(MESHTRAIN_LABEL("meshtrain::MpiCommunicator::raw_reduce_scatter_sum"));
     HostStaging& staging = state_->staging;
     const std::size_t recv_bytes = count_per_rank * bytes_of(dtype);
     RingFailureOnState failure(*state_, timeout_seconds(), op);
@@ -474,7 +475,7 @@ void MpiCommunicator::raw_all_reduce_sum(void* data, std::size_t count, Dtype dt
   const std::size_t data_bytes = count * bytes_of(dtype);
   if (size() > 1 && data_bytes >= reduction_choice().all_reduce_ring_from) {
     state_->require_usable(op);
-    Kokkos::fence();
+    fence_all(MESHTRAIN_LABEL("meshtrain::MpiCommunicator::raw_all_reduce_sum"));
     HostStaging& staging = state_->staging;
     RingFailureOnState failure(*state_, timeout_seconds(), op);
     const RingLink link{state_->comm, size(), rank(), timeout_seconds(), state_->ring, failure};
@@ -513,7 +514,7 @@ Request MpiCommunicator::raw_shift(const void* send, void* recv, std::size_t cou
   const int to = (rank() + k) % size;
   const int from = (rank() - k + size) % size;
   const int tag = kShiftTagBase + k % 30000;
-  Kokkos::fence();
+  fence_all(MESHTRAIN_LABEL("meshtrain::MpiCommunicator::raw_shift"));
   const std::size_t message_bytes = count * bytes_of(dtype);
   const MPI_Datatype type = mpi_type(dtype);
   MpiRequestSlot& slot =
@@ -556,7 +557,7 @@ Request MpiCommunicator::raw_start_all_gather(const void* send, void* recv,
   const std::size_t element = bytes_of(dtype);
   const std::size_t total = count_per_rank * static_cast<std::size_t>(size());
   const MPI_Datatype type = mpi_type(dtype);
-  Kokkos::fence();
+  fence_all(MESHTRAIN_LABEL("meshtrain::MpiCommunicator::raw_start_all_gather"));
   MpiRequestSlot& slot = acquire_request_slot(state_, timeout_seconds(), op,
                                               count_per_rank * element, total * element);
   const char* send_mpi = slot.send_buffer(bytes(send), count_per_rank * element);
@@ -579,7 +580,7 @@ Request MpiCommunicator::raw_start_all_reduce_sum(void* data, std::size_t count,
                                                   const char* op) {
   state_->require_usable(op);
   const int n = checked_int(count, "started all_reduce count");
-  Kokkos::fence();
+  fence_all(MESHTRAIN_LABEL("meshtrain::MpiCommunicator::raw_start_all_reduce_sum"));
   MpiRequestSlot& slot =
       acquire_request_slot(state_, timeout_seconds(), op, 0, count * bytes_of(dtype));
   const int started =

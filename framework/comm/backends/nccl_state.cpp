@@ -13,6 +13,8 @@
 
 #include <Kokkos_Core.hpp>
 
+#include "framework/core/exec_space.hpp"
+
 namespace meshtrain {
 namespace nccl_detail {
 
@@ -68,7 +70,7 @@ void check_cuda(cudaError_t code, const char* op, const std::string& group, cons
 bool kokkos_stream_on(int device, cudaStream_t* stream) {
 #if defined(KOKKOS_ENABLE_DEFAULT_DEVICE_TYPE_CUDA)
   if (!Kokkos::is_initialized()) return false;
-  const Kokkos::DefaultExecutionSpace kokkos;
+  const Kokkos::DefaultExecutionSpace& kokkos = device_space();  // made once (exec_space.hpp)
   if (kokkos.cuda_device() != device) return false;
   *stream = kokkos.cuda_stream();
   return true;
@@ -189,7 +191,9 @@ void NcclCommunicator::State::order_after_kokkos(const char* op) {
   cudaStream_t kokkos = nullptr;
   if (!nccl_detail::kokkos_stream_on(device, &kokkos)) {
     // Rules 5 and 6: host kernels, or Kokkos on another device (its instance only).
-    if (Kokkos::is_initialized()) Kokkos::DefaultExecutionSpace().fence();
+    if (Kokkos::is_initialized()) {
+      fence_device(MESHTRAIN_LABEL("meshtrain::NcclCommunicator::order_after_kokkos"));
+    }
     return;
   }
   nccl_detail::check_cuda(cudaEventRecord(kokkos_ready, kokkos), op, description,

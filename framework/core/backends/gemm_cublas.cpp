@@ -3,10 +3,11 @@
 
 #include <Kokkos_Core.hpp>
 
+#include "base/error.hpp"
 #include "framework/core/backends/gemm_backend.hpp"
+#include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
-#include "base/error.hpp"
 
 namespace meshtrain::gemm_backend {
 
@@ -68,7 +69,7 @@ const uint16_t* to_16bit_copy(const float* data, int rows, int cols, int ld, Dty
   uint16_t* out = grown(buffer, static_cast<std::size_t>(rows) * cols);
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::gemm_to_16bit"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<2>>({0, 0}, {rows, cols}),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(device_space(), {0, 0}, {rows, cols}),
       KOKKOS_LAMBDA(const int r, const int c) {
         out[static_cast<std::size_t>(r) * cols + c] =
             to_16bit(data[static_cast<std::size_t>(r) * ld + c], dtype);
