@@ -22,6 +22,7 @@
 #          --sizes 784,2048,2048,2048,10 --batch 2048
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/env.sh  # one BLAS thread per rank; Open MPI may run as root
 build=$1 places=$2 rounds=${3:-3}
 shift 2
 [[ $# -gt 0 && $1 != -- ]] && shift
