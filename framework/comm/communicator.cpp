@@ -45,12 +45,25 @@ namespace {
 // an operand of `elements` in all: the gathered tensor, the reduced one), the operand's
 // bytes, and the wire dtype.
 void describe_collective(TraceSpan& span, CollectiveKind kind, const std::string& group, int ranks,
+                         std::size_t elements, std::size_t element_bytes, const char* detail) {
+  if (!span.on()) return;
+  const auto operand = static_cast<int64_t>(elements * element_bytes);
+  span.group(group).bytes(collective_bytes_per_rank(kind, operand, ranks), operand).detail(detail);
+}
+
+void describe_collective(TraceSpan& span, CollectiveKind kind, const std::string& group, int ranks,
                          std::size_t elements, Dtype wire) {
   if (!span.on()) return;
-  const auto operand = static_cast<int64_t>(elements * bytes_of(wire));
-  span.group(group)
-      .bytes(collective_bytes_per_rank(kind, operand, ranks), operand)
-      .detail(to_string(wire));
+  describe_collective(span, kind, group, ranks, elements, bytes_of(wire), to_string(wire));
+}
+
+// A broadcast's or a shift's span: what it sends is what it moves.
+void describe_transfer(TraceSpan& span, const std::string& group, std::size_t bytes,
+                       const char* detail) {
+  if (span.on())
+    span.group(group)
+        .bytes(static_cast<int64_t>(bytes), static_cast<int64_t>(bytes))
+        .detail(detail);
 }
 
 }  // namespace
@@ -575,12 +588,8 @@ void Communicator::all_reduce(VectorView data, ReduceOp reduce, Dtype wire) {
 
 void Communicator::all_reduce(DoubleVectorView data, ReduceOp reduce) {
   TraceSpan span("all-reduce", TraceKind::collective);
-  if (span.on()) {
-    const auto operand = static_cast<int64_t>(data.extent(0) * sizeof(double));
-    span.group(description_)
-        .bytes(collective_bytes_per_rank(CollectiveKind::all_reduce, operand, size_), operand)
-        .detail("f64");
-  }
+  describe_collective(span, CollectiveKind::all_reduce, description_, size_, data.extent(0),
+                      sizeof(double), "f64");
   raw_all_reduce_sum_f64(data.data(), data.extent(0), "all_reduce");
   if (reduce == ReduceOp::mean && size_ > 1) {
     const double scale = 1.0 / static_cast<double>(size_);
@@ -602,10 +611,7 @@ void Communicator::broadcast(VectorView data, int root) {
                         size_);
   }
   TraceSpan span("broadcast", TraceKind::collective);
-  if (span.on()) {
-    const auto operand = static_cast<int64_t>(data.extent(0) * sizeof(float));
-    span.group(description_).bytes(operand, operand).detail("fp32");
-  }
+  describe_transfer(span, description_, data.extent(0) * sizeof(float), "fp32");
   raw_broadcast(data.data(), data.extent(0), root, "broadcast");
 }
 
@@ -623,10 +629,7 @@ Request Communicator::shift(ConstVectorView send, VectorView recv, int offset, D
   require_disjoint(send.data(), send.extent(0), recv.data(), recv.extent(0), description_, op);
   const std::size_t count = send.extent(0);
   TraceSpan span("shift", TraceKind::collective);
-  if (span.on()) {  // one block to the next rank: what it sends is what it moves
-    const auto operand = static_cast<int64_t>(count * bytes_of(wire));
-    span.group(description_).bytes(operand, operand).detail(to_string(wire));
-  }
+  describe_transfer(span, description_, count * bytes_of(wire), to_string(wire));
   if (!is_16bit(wire)) {
     return traced_start(span, raw_shift(send.data(), recv.data(), count, wire, offset, op));
   }
