@@ -4,16 +4,18 @@
 # when BASE names a meshtrain built without tracing, that build too. JSON lines: one per run
 # and round with the median step time of steps 4..STEPS-2 (metrics.jsonl, log_every = 1: the
 # slowest rank's interval; the last traced step is left out, it also writes the files), then
-# one summary line per variant with the median over the rounds and its ratio to "off".
+# one summary line per variant with the median over the rounds and its ratio to "off". Even
+# rounds run the variants in reverse order, so that the order within a round (which moved the
+# ratio by 5% in one measurement) cancels out over an even number of rounds.
 #
-#   [STEPS=14] [ROUNDS=3] [BASE=path/to/old/meshtrain] [VARIANTS="on off base"] \
+#   [STEPS=14] [ROUNDS=4] [BASE=path/to/old/meshtrain] [VARIANTS="on off base"] \
 #       bench/trace_overhead.sh [NP]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 np=${1:-2}
 steps=${STEPS:-14}
-rounds=${ROUNDS:-3}
+rounds=${ROUNDS:-4}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 variants="off on"
@@ -24,7 +26,9 @@ common=(--set 'model.sizes=[784, 4096, 4096, 10]' --set 'data.source="synthetic"
   --set train.eval_every=0 --set checkpoint.every_steps=0 --set 'model.loss="mse"'
   --set 'checkpoint.keep_best="test_loss"')
 for round in $(seq 1 "$rounds"); do
-  for variant in $variants; do
+  order=$variants
+  ((round % 2 == 0)) && order=$(echo "$variants" | tr ' ' '\n' | tac | tr '\n' ' ')
+  for variant in $order; do
     binary=build/bin/meshtrain
     extra=()
     [[ $variant == base ]] && binary=$BASE

@@ -38,8 +38,12 @@ RankTrace read_rank(const std::string& path, int rank) {
       span.start = e.at("ts").get<double>() * 1e-6;
       span.duration = e.at("dur").get<double>() * 1e-6;
       if (e.contains("args")) {
-        span.step = e["args"].value("step", int64_t{0});
-        span.operation = e["args"].value("operation", int64_t{0});
+        const auto& args = e["args"];
+        span.step = args.value("step", int64_t{0});
+        span.operation = args.value("operation", int64_t{0});
+        if (span.category == "gemm") {
+          span.flops = 2.0 * args.value("m", 0.0) * args.value("n", 0.0) * args.value("k", 0.0);
+        }
       }
       trace.spans.push_back(std::move(span));
     }
@@ -57,6 +61,18 @@ bool within(const TracedSpan& inner, const TracedSpan& outer) {
 // The first word of a cost item's `what` ("all-gather weight" -> "all-gather").
 std::string first_word(const std::string& text) {
   return text.substr(0, text.find(' '));
+}
+
+// Where a span ran: the innermost layer holding it, else the innermost phase, else "step".
+std::string where_of(const TracedSpan& span, const std::vector<const TracedSpan*>& in_step) {
+  const TracedSpan* layer = nullptr;
+  const TracedSpan* phase = nullptr;
+  for (const TracedSpan* t : in_step) {
+    if (t == &span || !within(span, *t)) continue;
+    if (t->category == "layer" && (!layer || within(*t, *layer))) layer = t;
+    if (t->category == "phase" && (!phase || within(*t, *phase))) phase = t;
+  }
+  return layer ? layer->name : phase ? phase->name : "step";
 }
 
 }  // namespace
@@ -83,6 +99,10 @@ TraceReport summarize_trace(const std::vector<RankTrace>& ranks, const StepCost*
     double took = 0.0, exposed = 0.0, count = 0.0;
   };
   std::map<std::pair<std::string, std::string>, std::vector<Figures>> kinds;
+  struct GemmFigures {
+    double seconds = 0.0, flops = 0.0, count = 0.0;
+  };
+  std::map<std::string, std::vector<GemmFigures>> gemms;  // where -> per rank, per step
   std::map<std::string, std::vector<double>> phases;
   double overlapped_all = 0.0, communication_all = 0.0;
   for (const RankTrace& trace : ranks) {
@@ -128,17 +148,17 @@ TraceReport summarize_trace(const std::vector<RankTrace>& ranks, const StepCost*
         split.overlapped_communication += std::max(0.0, wait->second->start - start->end());
       }
     }
-    // Each collective to the innermost layer holding it, else the phase holding it.
+    for (const TracedSpan* s : in_steps) {
+      if (s->category != "gemm") continue;
+      auto& row = gemms[where_of(*s, in_steps)];
+      row.resize(ranks.size());
+      row[trace.rank].seconds += s->duration * per_step;
+      row[trace.rank].flops += s->flops * per_step;
+      row[trace.rank].count += per_step;
+    }
     for (const TracedSpan* s : in_steps) {
       if (s->category != "collective") continue;
-      const TracedSpan* layer = nullptr;
-      const TracedSpan* phase = nullptr;
-      for (const TracedSpan* t : in_steps) {
-        if (!within(*s, *t)) continue;
-        if (t->category == "layer" && (!layer || within(*t, *layer))) layer = t;
-        if (t->category == "phase" && (!phase || within(*t, *phase))) phase = t;
-      }
-      const std::string where = layer ? layer->name : phase ? phase->name : "step";
+      const std::string where = where_of(*s, in_steps);
       double took = s->duration, exposed = s->duration;
       if (s->operation != 0) {
         const auto wait = waits.find(s->operation);
@@ -166,15 +186,34 @@ TraceReport summarize_trace(const std::vector<RankTrace>& ranks, const StepCost*
   }
   report.overlapped_fraction = communication_all > 0 ? overlapped_all / communication_all : 0.0;
 
-  // The cost model's seconds per (layer, collective kind), for the whole step.
+  // The cost model's seconds per (layer, collective kind) and per layer's GEMMs, for the
+  // whole step.
   std::map<std::pair<std::string, std::string>, double> predicted_rows;
+  std::map<std::string, double> predicted_gemms;
   if (predicted) {
     report.predicted_step = predicted->total_s;
+    const auto micro_batches = static_cast<double>(predicted->accumulation_steps);
     for (const CostItem& item : predicted->items) {
-      if (item.category != "collective") continue;
-      predicted_rows[{item.layer, first_word(item.what)}] +=
-          item.seconds * static_cast<double>(predicted->accumulation_steps);
+      if (item.category == "collective") {
+        predicted_rows[{item.layer, first_word(item.what)}] += item.seconds * micro_batches;
+      }
+      if (item.category == "gemm") predicted_gemms[item.layer] += item.seconds * micro_batches;
     }
+  }
+  for (const auto& [where, per_rank] : gemms) {
+    GemmRow row;
+    row.where = where;
+    double flops = 0.0;
+    for (const GemmFigures& f : per_rank) {
+      row.measured += f.seconds / static_cast<double>(ranks.size());
+      flops += f.flops / static_cast<double>(ranks.size());
+      row.slowest = std::max(row.slowest, f.seconds);
+      row.count_per_step = std::max(row.count_per_step, f.count);
+    }
+    row.flop_per_s = row.measured > 0 ? flops / row.measured : 0.0;
+    const auto p = predicted_gemms.find(where);
+    if (p != predicted_gemms.end()) row.predicted = p->second;
+    report.gemms.push_back(row);
   }
   for (const auto& [key, per_rank] : kinds) {
     CollectiveRow row;
@@ -232,6 +271,16 @@ nlohmann::ordered_json trace_report_json(const TraceReport& report) {
     if (c.predicted >= 0) row["predicted_s"] = c.predicted;
     doc["collectives"].push_back(std::move(row));
   }
+  doc["gemms"] = nlohmann::ordered_json::array();
+  for (const GemmRow& g : report.gemms) {
+    nlohmann::ordered_json row = {{"where", g.where},
+                                  {"count_per_step", g.count_per_step},
+                                  {"measured_s", g.measured},
+                                  {"slowest_rank_s", g.slowest},
+                                  {"flop_per_s", g.flop_per_s}};
+    if (g.predicted >= 0) row["predicted_s"] = g.predicted;
+    doc["gemms"].push_back(std::move(row));
+  }
   doc["phases"] = nlohmann::ordered_json::array();
   for (const PhaseRow& p : report.phases) {
     doc["phases"].push_back({{"phase", p.phase},
@@ -266,6 +315,16 @@ void print_trace_report(const TraceReport& report, std::ostream& out) {
         << std::setw(4) << c.count_per_step << std::setw(11) << ms(c.measured) << std::setw(11)
         << ms(c.slowest) << std::setw(11) << ms(c.exposed) << std::setw(11)
         << (c.predicted >= 0 ? ms(c.predicted) : "-") << "\n";
+  }
+  out << "GEMMs per step: where, count on each rank; took (mean over ranks, the slowest rank), "
+         "GFLOP/s, predicted\n";
+  for (const GemmRow& g : report.gemms) {
+    std::ostringstream rate;
+    rate << std::fixed << std::setprecision(1) << g.flop_per_s * 1e-9;
+    out << "  " << std::left << std::setw(38) << g.where << std::right << std::setw(4)
+        << g.count_per_step << std::setw(11) << ms(g.measured) << std::setw(11) << ms(g.slowest)
+        << std::setw(11) << rate.str() << std::setw(11)
+        << (g.predicted >= 0 ? ms(g.predicted) : "-") << "\n";
   }
   out << "phases (mean over ranks, slowest rank)\n";
   for (const PhaseRow& p : report.phases) {

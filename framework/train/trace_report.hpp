@@ -30,6 +30,7 @@ struct TracedSpan {
   double start = 0.0, duration = 0.0;
   int64_t step = 0;       // a step span's number
   int64_t operation = 0;  // a non-blocking operation's flow id (its start and its wait)
+  double flops = 0.0;     // a GEMM's 2 m n k
   double end() const { return start + duration; }
 };
 
@@ -59,6 +60,16 @@ struct CollectiveRow {
   double measured = 0.0, slowest = 0.0, exposed = 0.0, predicted = -1.0;
 };
 
+// The GEMMs of a layer (or of a phase outside the layers), per step: their count on each
+// rank, seconds (the mean over ranks and the slowest rank's), the rate they ran at (floating
+// point operations over the mean seconds), and the cost model's seconds for that layer's
+// GEMMs (negative when it predicts none).
+struct GemmRow {
+  std::string where;
+  double count_per_step = 0.0;
+  double measured = 0.0, slowest = 0.0, flop_per_s = 0.0, predicted = -1.0;
+};
+
 struct PhaseRow {
   std::string phase;
   double mean = 0.0;     // over ranks
@@ -72,6 +83,7 @@ struct TraceReport {
   std::vector<StepSplit> split;      // one per rank
   double overlapped_fraction = 0.0;  // overlapped / all communication, over every rank
   std::vector<CollectiveRow> collectives;
+  std::vector<GemmRow> gemms;
   std::vector<PhaseRow> phases;
   double predicted_step = -1.0;  // the cost model's step (negative: no prediction)
 };

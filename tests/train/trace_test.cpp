@@ -162,6 +162,7 @@ void check_report(const Json& events, const TraceReport& report, int ranks) {
   };
   double overlapped_all = 0.0, communication_all = 0.0;
   double kinds_count = 0.0, kinds_exposed = 0.0, kinds_took = 0.0;  // all ranks and steps
+  double gemm_count = 0.0, gemm_seconds = 0.0, gemm_flops = 0.0;     // all ranks and steps
   for (int r = 0; r < ranks; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     double step = 0.0, data = 0.0, exposed = 0.0, phases = 0.0, overlapped = 0.0;
@@ -179,6 +180,13 @@ void check_report(const Json& events, const TraceReport& report, int ranks) {
       if (id != 0 && cat == "collective") flows[id].first = ts + dur;
       if (id != 0 && cat == "wait") flows[id].second = ts;
       if (cat == "collective") kinds_count += 1;
+      if (cat == "gemm") {
+        const Json& args = e.at("args");
+        gemm_count += 1;
+        gemm_seconds += dur;
+        gemm_flops += 2.0 * args.at("m").get<double>() * args.at("n").get<double>() *
+                      args.at("k").get<double>();
+      }
       if (cat == "collective" || cat == "wait") kinds_exposed += dur;
       if (cat == "collective" && id == 0) kinds_took += dur;
       if (id != 0 && cat == "collective") flow_begin[id] = ts;
@@ -212,6 +220,18 @@ void check_report(const Json& events, const TraceReport& report, int ranks) {
   EXPECT_NEAR(count, kinds_count, 1e-9);
   near(exposed_rows, kinds_exposed, "collective seconds exposed");
   near(took_rows, kinds_took, "collective seconds taken");
+  // The GEMM rows: counts, seconds and floating point operations add up to the GEMM spans'.
+  double gemm_count_rows = 0.0, gemm_seconds_rows = 0.0, gemm_flops_rows = 0.0;
+  for (const GemmRow& row : report.gemms) {
+    gemm_count_rows += row.count_per_step * ranks * 2;
+    gemm_seconds_rows += row.measured * ranks * 2;
+    gemm_flops_rows += row.flop_per_s * row.measured * ranks * 2;
+    EXPECT_GE(row.slowest, row.measured) << row.where;
+  }
+  EXPECT_GT(gemm_count, 0.0) << "no GEMM traced";
+  EXPECT_NEAR(gemm_count_rows, gemm_count, 1e-9);
+  near(gemm_seconds_rows, gemm_seconds, "GEMM seconds");
+  near(gemm_flops_rows, gemm_flops, "GEMM floating point operations");
 }
 
 struct TraceCase {
