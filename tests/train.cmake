@@ -13,7 +13,7 @@ meshtrain_add_test(NAME train_training_run_test SOURCES train/training_run_test.
 # on dp, fsdp, tp and fsdp with overlap: valid, nested, one track per rank, the plan's
 # collectives with its bytes; the trace report's figures against the file; the key's checks.
 meshtrain_add_test(NAME train_trace_test SOURCES train/trace_test.cpp LIBS meshtrain_run
-                   NP 1 2 4 TIMEOUT 120)
+                   NP 1 2 4 TIMEOUT 120 EMULATED)
 # ... and every one of its cases with every reduction on meshtrain's ring (issue 29; auto
 # takes the ring only from 64 KiB, larger than these models' gradients).
 meshtrain_add_test_variant(NAME train_training_run_test VARIANT ring

@@ -40,6 +40,7 @@ int64_t Tracer::now_ns() {
 void Tracer::start(std::size_t capacity) {
   events_.clear();
   events_.reserve(capacity);
+  device_timer::reserve(std::min(2 * capacity, kDeviceMarkers));
   dropped_ = 0;
   owner_ = std::this_thread::get_id();
   on_ = true;
@@ -73,7 +74,8 @@ double micros(int64_t ns) {
 
 }  // namespace
 
-void write_chrome_trace(const std::vector<TraceEvent>& events, std::size_t dropped, int rank,
+void write_chrome_trace(const std::vector<TraceEvent>& events,
+                        const std::vector<int64_t>& device_ns, std::size_t dropped, int rank,
                         int64_t clock_offset_ns, int64_t origin_ns, const std::string& path) {
   // Sorted by start, the enclosing span first: each track reads in time order.
   std::vector<const TraceEvent*> order;
@@ -96,6 +98,19 @@ void write_chrome_trace(const std::vector<TraceEvent>& events, std::size_t dropp
                   {"pid", rank},
                   {"tid", 0},
                   {"args", {{"sort_index", rank}}}});
+  const auto on_device = [&](const TraceEvent& e) {
+    return e.device_begin >= 0 && e.device_end >= 0 &&
+           static_cast<std::size_t>(e.device_end) < device_ns.size();
+  };
+  const bool device_track = std::any_of(events.begin(), events.end(), on_device);
+  for (int tid = 0; tid < (device_track ? 2 : 1); ++tid) {
+    list.push_back({{"name", "thread_name"},
+                    {"ph", "M"},
+                    {"pid", rank},
+                    {"tid", tid},
+                    {"args", {{"name", tid == 0 ? "host" : "device"}}}});
+  }
+  std::vector<const TraceEvent*> device_order;
   for (const TraceEvent* e : order) {
     nlohmann::ordered_json args = nlohmann::ordered_json::object();
     switch (e->kind) {
@@ -129,7 +144,8 @@ void write_chrome_trace(const std::vector<TraceEvent>& events, std::size_t dropp
                     {"dur", micros(e->end_ns - e->begin_ns)},
                     {"pid", rank},
                     {"tid", 0},
-                    {"args", std::move(args)}});
+                    {"args", args}});
+    if (on_device(*e)) device_order.push_back(e);
     // A flow arrow from a non-blocking operation's start to its wait (bound to the
     // enclosing slices: "s" at the start's end, "f" at the wait's start).
     if (e->flow != 0) {
@@ -144,6 +160,30 @@ void write_chrome_trace(const std::vector<TraceEvent>& events, std::size_t dropp
       if (!start) flow["bp"] = "e";
       list.push_back(std::move(flow));
     }
+  }
+  // The device track: the same spans at the device's times, in the order the device ran
+  // them (markers on one queue: nested as on the host).
+  std::stable_sort(device_order.begin(), device_order.end(),
+                   [&](const TraceEvent* a, const TraceEvent* b) {
+                     return device_ns[a->device_begin] < device_ns[b->device_begin];
+                   });
+  for (const TraceEvent* e : device_order) {
+    nlohmann::ordered_json args = {{"kind", to_string(e->kind)}};
+    if (e->kind == TraceKind::step) args["step"] = e->number;
+    if (e->kind == TraceKind::gemm) {
+      args["m"] = e->m;
+      args["n"] = e->n;
+      args["k"] = e->k;
+    }
+    const int64_t begin = device_ns[e->device_begin], end = device_ns[e->device_end];
+    list.push_back({{"name", e->name},
+                    {"cat", "device"},
+                    {"ph", "X"},
+                    {"ts", at(begin)},
+                    {"dur", micros(end - begin)},
+                    {"pid", rank},
+                    {"tid", 1},
+                    {"args", std::move(args)}});
   }
   nlohmann::ordered_json doc = {{"traceEvents", std::move(list)},
                                 {"displayTimeUnit", "ms"},

@@ -5,13 +5,17 @@
 // allocates nothing. Off, a span costs one branch. write_chrome_trace turns a rank's events
 // into Chrome trace event JSON (Perfetto, chrome://tracing): one track per rank, timestamps on
 // rank 0's clock (clock_offset_to_rank0_ns in framework/comm/mpi_util.hpp). Spans are recorded by
-// the thread that runs the step (the communication thread records none).
+// the thread that runs the step (the communication thread records none). Where the build times
+// the device (device_timer.hpp), every span but a wait also gets device markers, and the file
+// a second track of the same spans as the device ran them.
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "framework/core/device_timer.hpp"
 
 namespace meshtrain {
 
@@ -38,6 +42,8 @@ struct TraceEvent {
   int64_t m = 0, n = 0, k = 0;  // a GEMM's shape
   int64_t number = 0;           // a step's number
   int64_t flow = 0;             // non-zero: the non-blocking operation a start and a wait share
+  int32_t device_begin = -1;    // the device markers of the span (device_timer.hpp), -1: none
+  int32_t device_end = -1;
 };
 
 class Tracer {
@@ -45,7 +51,9 @@ class Tracer {
   static int64_t now_ns();
 
   // Starts recording with room for `capacity` events (reserved here, not while recording;
-  // events beyond it are counted in dropped()). Clears what an earlier window kept.
+  // events beyond it are counted in dropped()) and their device markers (at most
+  // kDeviceMarkers; spans beyond them have no device times). Clears what an earlier window kept.
+  static constexpr std::size_t kDeviceMarkers = std::size_t{1} << 16;
   void start(std::size_t capacity);
   void stop() { on_ = false; }
   // On, and called from the thread that started it: spans of other threads (a checkpoint
@@ -89,10 +97,12 @@ class TraceSpan {
       event_.kind = kind;
       nvtx_push(name);
       event_.begin_ns = Tracer::now_ns();
+      if (kind != TraceKind::wait) event_.device_begin = device_timer::record();
     }
   }
   ~TraceSpan() {
     if (on_) {
+      if (event_.device_begin >= 0) event_.device_end = device_timer::record();
       event_.end_ns = Tracer::now_ns();
       nvtx_pop();
       tracer().record(event_);
@@ -141,10 +151,14 @@ class TraceSpan {
 };
 
 // Writes `events` of rank `rank` as Chrome trace event JSON to `path`: one "X" event per span
-// (ts and dur in microseconds from `origin_ns` on rank 0's clock, sorted by start), "s"/"f"
-// flow events from each start to its wait, and the rank's name. `dropped` events are noted in
-// the metadata. Throws Error naming the path when it cannot be written.
-void write_chrome_trace(const std::vector<TraceEvent>& events, std::size_t dropped, int rank,
+// (ts and dur in microseconds from `origin_ns` on rank 0's clock, sorted by start) on the
+// rank's "host" thread (tid 0), "s"/"f" flow events from each start to its wait, and the
+// rank's name. `device_ns` (device_timer::resolve(); empty on a build without device spans)
+// gives each span with device markers a second "X" event on the rank's "device" thread
+// (tid 1), category "device", its kind in args.kind. `dropped` events are noted in the
+// metadata. Throws Error naming the path when it cannot be written.
+void write_chrome_trace(const std::vector<TraceEvent>& events,
+                        const std::vector<int64_t>& device_ns, std::size_t dropped, int rank,
                         int64_t clock_offset_ns, int64_t origin_ns, const std::string& path);
 
 // Writes one file holding the events of the `paths` (written by write_chrome_trace) to

@@ -39,9 +39,11 @@ RankTrace read_rank(const std::string& path, int rank) {
       span.duration = e.at("dur").get<double>() * 1e-6;
       if (e.contains("args")) {
         const auto& args = e["args"];
+        // A span of the device track: "device gemm", "device layer", ...
+        if (span.category == "device") span.category += " " + args.value("kind", "");
         span.step = args.value("step", int64_t{0});
         span.operation = args.value("operation", int64_t{0});
-        if (span.category == "gemm") {
+        if (span.category == "gemm" || span.category == "device gemm") {
           span.flops = 2.0 * args.value("m", 0.0) * args.value("n", 0.0) * args.value("k", 0.0);
         }
       }
@@ -63,16 +65,36 @@ std::string first_word(const std::string& text) {
   return text.substr(0, text.find(' '));
 }
 
-// Where a span ran: the innermost layer holding it, else the innermost phase, else "step".
-std::string where_of(const TracedSpan& span, const std::vector<const TracedSpan*>& in_step) {
+// Where a span ran: the innermost layer holding it, else the innermost phase, else "step";
+// among the spans of categories `track` + "layer" and `track` + "phase" ("" the host's,
+// "device " the device's).
+std::string where_of(const TracedSpan& span, const std::vector<const TracedSpan*>& in_step,
+                     const std::string& track = "") {
   const TracedSpan* layer = nullptr;
   const TracedSpan* phase = nullptr;
   for (const TracedSpan* t : in_step) {
     if (t == &span || !within(span, *t)) continue;
-    if (t->category == "layer" && (!layer || within(*t, *layer))) layer = t;
-    if (t->category == "phase" && (!phase || within(*t, *phase))) phase = t;
+    if (t->category == track + "layer" && (!layer || within(*t, *layer))) layer = t;
+    if (t->category == track + "phase" && (!phase || within(*t, *phase))) phase = t;
   }
   return layer ? layer->name : phase ? phase->name : "step";
+}
+
+// The spans of `trace` inside its spans of category `step_category` (not those themselves).
+std::vector<const TracedSpan*> spans_in_steps(const RankTrace& trace,
+                                              const std::string& step_category) {
+  std::vector<const TracedSpan*> steps, inside;
+  for (const TracedSpan& s : trace.spans) {
+    if (s.category == step_category) steps.push_back(&s);
+  }
+  for (const TracedSpan& s : trace.spans) {
+    if (s.category == step_category) continue;
+    if (std::any_of(steps.begin(), steps.end(),
+                    [&](const TracedSpan* t) { return within(s, *t); })) {
+      inside.push_back(&s);
+    }
+  }
+  return inside;
 }
 
 }  // namespace
@@ -106,17 +128,11 @@ TraceReport summarize_trace(const std::vector<RankTrace>& ranks, const StepCost*
   std::map<std::string, std::vector<double>> phases;
   double overlapped_all = 0.0, communication_all = 0.0;
   for (const RankTrace& trace : ranks) {
-    std::vector<const TracedSpan*> steps, in_steps;
+    std::vector<const TracedSpan*> steps;
     for (const TracedSpan& s : trace.spans) {
       if (s.category == "step") steps.push_back(&s);
     }
-    const auto in_a_step = [&](const TracedSpan& s) {
-      return std::any_of(steps.begin(), steps.end(),
-                         [&](const TracedSpan* t) { return within(s, *t); });
-    };
-    for (const TracedSpan& s : trace.spans) {
-      if (s.category != "step" && in_a_step(s)) in_steps.push_back(&s);
-    }
+    const std::vector<const TracedSpan*> in_steps = spans_in_steps(trace, "step");
     const auto step_count = static_cast<int64_t>(steps.size());
     if (trace.rank == 0) report.steps = step_count;
     if (step_count == 0 || step_count != report.steps) {
@@ -148,9 +164,17 @@ TraceReport summarize_trace(const std::vector<RankTrace>& ranks, const StepCost*
         split.overlapped_communication += std::max(0.0, wait->second->start - start->end());
       }
     }
-    for (const TracedSpan* s : in_steps) {
-      if (s->category != "gemm") continue;
-      auto& row = gemms[where_of(*s, in_steps)];
+    // GEMMs at the device's times where the trace has them (a GPU's host span times the
+    // launch), else at the host's.
+    const std::vector<const TracedSpan*> in_device_steps = spans_in_steps(trace, "device step");
+    const bool device =
+        std::any_of(in_device_steps.begin(), in_device_steps.end(),
+                    [](const TracedSpan* s) { return s->category == "device gemm"; });
+    report.gemms_on_device = device;
+    const std::string track = device ? "device " : "";
+    for (const TracedSpan* s : device ? in_device_steps : in_steps) {
+      if (s->category != track + "gemm") continue;
+      auto& row = gemms[where_of(*s, device ? in_device_steps : in_steps, track)];
       row.resize(ranks.size());
       row[trace.rank].seconds += s->duration * per_step;
       row[trace.rank].flops += s->flops * per_step;
@@ -271,6 +295,7 @@ nlohmann::ordered_json trace_report_json(const TraceReport& report) {
     if (c.predicted >= 0) row["predicted_s"] = c.predicted;
     doc["collectives"].push_back(std::move(row));
   }
+  doc["gemm_times"] = report.gemms_on_device ? "device" : "host";
   doc["gemms"] = nlohmann::ordered_json::array();
   for (const GemmRow& g : report.gemms) {
     nlohmann::ordered_json row = {{"where", g.where},
@@ -316,8 +341,9 @@ void print_trace_report(const TraceReport& report, std::ostream& out) {
         << ms(c.slowest) << std::setw(11) << ms(c.exposed) << std::setw(11)
         << (c.predicted >= 0 ? ms(c.predicted) : "-") << "\n";
   }
-  out << "GEMMs per step: where, count on each rank; took (mean over ranks, the slowest rank), "
-         "GFLOP/s, predicted\n";
+  out << "GEMMs per step" << (report.gemms_on_device ? " (device times)" : "")
+      << ": where, count on each rank; took (mean over ranks, the slowest rank), GFLOP/s, "
+         "predicted\n";
   for (const GemmRow& g : report.gemms) {
     std::ostringstream rate;
     rate << std::fixed << std::setprecision(1) << g.flop_per_s * 1e-9;

@@ -26,7 +26,8 @@ namespace meshtrain {
 // One span of a rank's trace file ("X" events), times in seconds on rank 0's clock.
 struct TracedSpan {
   std::string name;
-  std::string category;  // step, phase, layer, gemm, collective, wait
+  // step, phase, layer, gemm, collective, wait; on the device track "device " + the kind
+  std::string category;
   double start = 0.0, duration = 0.0;
   int64_t step = 0;       // a step span's number
   int64_t operation = 0;  // a non-blocking operation's flow id (its start and its wait)
@@ -60,7 +61,8 @@ struct CollectiveRow {
   double measured = 0.0, slowest = 0.0, exposed = 0.0, predicted = -1.0;
 };
 
-// The GEMMs of a layer (or of a phase outside the layers), per step: their count on each
+// The GEMMs of a layer (or of a phase outside the layers), per step, at the device's times
+// where the trace has a device track (a GPU build), else at the host's: their count on each
 // rank, seconds (the mean over ranks and the slowest rank's), the rate they ran at (floating
 // point operations over the mean seconds), and the cost model's seconds for that layer's
 // GEMMs (negative when it predicts none).
@@ -84,6 +86,7 @@ struct TraceReport {
   double overlapped_fraction = 0.0;  // overlapped / all communication, over every rank
   std::vector<CollectiveRow> collectives;
   std::vector<GemmRow> gemms;
+  bool gemms_on_device = false;  // the GEMM rows timed from the device track (its spans)
   std::vector<PhaseRow> phases;
   double predicted_step = -1.0;  // the cost model's step (negative: no prediction)
 };

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "framework/core/device_timer.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/plan_report.hpp"
 #include "framework/train/trace_report.hpp"
@@ -83,7 +84,7 @@ std::map<std::pair<std::string, int64_t>, int> plan_collectives(const TrainingRu
 void check_track(const Json& events, int rank,
                  const std::map<std::pair<std::string, int64_t>, int>& plan) {
   SCOPED_TRACE("rank " + std::to_string(rank));
-  std::vector<const Json*> spans;
+  std::vector<const Json*> spans, device_spans;  // the host's track (tid 0), the device's (1)
   std::map<int64_t, int> flow_starts, flow_ends;
   bool named = false;
   for (const Json& e : events) {
@@ -92,7 +93,7 @@ void check_track(const Json& events, int rank,
     if (ph == "M" && e.at("name") == "process_name") {
       named = e.at("args").at("name") == "rank " + std::to_string(rank);
     } else if (ph == "X") {
-      spans.push_back(&e);
+      (e.at("tid").get<int>() == 0 ? spans : device_spans).push_back(&e);
     } else if (ph == "s") {
       ++flow_starts[e.at("id").get<int64_t>()];
     } else if (ph == "f") {
@@ -101,21 +102,38 @@ void check_track(const Json& events, int rank,
   }
   EXPECT_TRUE(named) << "no process_name for this rank";
   ASSERT_FALSE(spans.empty());
-  // Time order within the track; proper nesting (a span that starts inside another ends
+  // Time order within each track; proper nesting (a span that starts inside another ends
   // inside it). 1 ns of slack for the microsecond rounding.
   constexpr double kSlack = 0.001;
-  std::vector<double> open_ends;
-  double last_start = -1e300;
-  for (const Json* e : spans) {
-    const double ts = e->at("ts").get<double>(), end = ts + e->at("dur").get<double>();
-    EXPECT_GE(e->at("dur").get<double>(), 0.0);
-    EXPECT_GE(ts, last_start) << "timestamps go back at " << e->dump();
-    last_start = ts;
-    while (!open_ends.empty() && ts >= open_ends.back() - kSlack) open_ends.pop_back();
-    if (!open_ends.empty()) {
-      EXPECT_LE(end, open_ends.back() + kSlack) << "overlaps its parent: " << e->dump();
+  for (const auto* track : {&spans, &device_spans}) {
+    std::vector<double> open_ends;
+    double last_start = -1e300;
+    for (const Json* e : *track) {
+      const double ts = e->at("ts").get<double>(), end = ts + e->at("dur").get<double>();
+      EXPECT_GE(e->at("dur").get<double>(), 0.0);
+      EXPECT_GE(ts, last_start) << "timestamps go back at " << e->dump();
+      last_start = ts;
+      while (!open_ends.empty() && ts >= open_ends.back() - kSlack) open_ends.pop_back();
+      if (!open_ends.empty()) {
+        EXPECT_LE(end, open_ends.back() + kSlack) << "overlaps its parent: " << e->dump();
+      }
+      open_ends.push_back(end);
     }
-    open_ends.push_back(end);
+  }
+  // The device track (a build that times the device: device_timer.hpp) holds every host span
+  // but the waits once, by name and kind; a build without one writes none.
+  if (device_timer::enabled()) {
+    std::map<std::pair<std::string, std::string>, int> host_kinds, device_kinds;
+    for (const Json* e : spans) {
+      if (e->at("cat") != "wait") ++host_kinds[{e->at("name"), e->at("cat")}];
+    }
+    for (const Json* e : device_spans) {
+      EXPECT_EQ(e->at("cat"), "device");
+      ++device_kinds[{e->at("name"), e->at("args").at("kind")}];
+    }
+    EXPECT_EQ(device_kinds, host_kinds);
+  } else {
+    EXPECT_TRUE(device_spans.empty()) << "a device track on a build without device timing";
   }
   // Exactly steps 2 and 3, and every span inside one of them.
   std::vector<std::pair<double, double>> steps;
@@ -162,7 +180,7 @@ void check_report(const Json& events, const TraceReport& report, int ranks) {
   };
   double overlapped_all = 0.0, communication_all = 0.0;
   double kinds_count = 0.0, kinds_exposed = 0.0, kinds_took = 0.0;  // all ranks and steps
-  double gemm_count = 0.0, gemm_seconds = 0.0, gemm_flops = 0.0;     // all ranks and steps
+  double gemm_count = 0.0, gemm_seconds = 0.0, gemm_flops = 0.0;    // all ranks and steps
   for (int r = 0; r < ranks; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     double step = 0.0, data = 0.0, exposed = 0.0, phases = 0.0, overlapped = 0.0;
@@ -180,7 +198,9 @@ void check_report(const Json& events, const TraceReport& report, int ranks) {
       if (id != 0 && cat == "collective") flows[id].first = ts + dur;
       if (id != 0 && cat == "wait") flows[id].second = ts;
       if (cat == "collective") kinds_count += 1;
-      if (cat == "gemm") {
+      const bool device = e.at("tid").get<int>() == 1;
+      if (cat == (device_timer::enabled() ? "device" : "gemm") &&
+          (!device || e.at("args").at("kind") == "gemm")) {
         const Json& args = e.at("args");
         gemm_count += 1;
         gemm_seconds += dur;
@@ -229,6 +249,7 @@ void check_report(const Json& events, const TraceReport& report, int ranks) {
     EXPECT_GE(row.slowest, row.measured) << row.where;
   }
   EXPECT_GT(gemm_count, 0.0) << "no GEMM traced";
+  EXPECT_EQ(report.gemms_on_device, device_timer::enabled());
   EXPECT_NEAR(gemm_count_rows, gemm_count, 1e-9);
   near(gemm_seconds_rows, gemm_seconds, "GEMM seconds");
   near(gemm_flops_rows, gemm_flops, "GEMM floating point operations");

@@ -1,0 +1,120 @@
+#include "framework/core/device_timer.hpp"
+
+#include <Kokkos_Core.hpp>
+
+#include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
+#include "framework/core/trace.hpp"
+
+#if defined(KOKKOS_ENABLE_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace meshtrain::device_timer {
+
+#if defined(KOKKOS_ENABLE_CUDA)
+
+namespace {
+
+void check_cuda(cudaError_t code, const char* call) {
+  if (code != cudaSuccess) {
+    MESHTRAIN_FAIL("device spans of the trace: ", call, " failed: ", cudaGetErrorString(code));
+  }
+}
+
+// The events, made at the first window and kept for the process (a window reuses them).
+// reference: recorded and waited for at reserve(), when the host clock read reference_ns.
+struct Markers {
+  std::vector<cudaEvent_t> events;
+  cudaEvent_t reference = nullptr;
+  int64_t reference_ns = 0;
+  std::size_t recorded = 0;
+};
+
+Markers& markers() {
+  static Markers instance;
+  return instance;
+}
+
+}  // namespace
+
+bool enabled() {
+  return true;
+}
+
+void reserve(std::size_t count) {
+  Markers& m = markers();
+  if (m.reference == nullptr) check_cuda(cudaEventCreate(&m.reference), "cudaEventCreate");
+  while (m.events.size() < count) {
+    cudaEvent_t event = nullptr;
+    check_cuda(cudaEventCreate(&event), "cudaEventCreate");
+    m.events.push_back(event);
+  }
+  m.recorded = 0;
+  check_cuda(cudaEventRecord(m.reference, device_space().cuda_stream()), "cudaEventRecord");
+  check_cuda(cudaEventSynchronize(m.reference), "cudaEventSynchronize");
+  m.reference_ns = Tracer::now_ns();
+}
+
+int32_t record() {
+  Markers& m = markers();
+  if (m.recorded >= m.events.size()) return -1;
+  // An error here (a broken context) surfaces at resolve(); a span must not throw.
+  cudaEventRecord(m.events[m.recorded], device_space().cuda_stream());
+  return static_cast<int32_t>(m.recorded++);
+}
+
+std::vector<int64_t> resolve() {
+  Markers& m = markers();
+  std::vector<int64_t> ns(m.recorded);
+  for (std::size_t i = 0; i < m.recorded; ++i) {
+    check_cuda(cudaEventSynchronize(m.events[i]), "cudaEventSynchronize");
+    float elapsed_ms = 0.0f;
+    check_cuda(cudaEventElapsedTime(&elapsed_ms, m.reference, m.events[i]), "cudaEventElapsedTime");
+    ns[i] = m.reference_ns + static_cast<int64_t>(static_cast<double>(elapsed_ms) * 1e6);
+  }
+  return ns;
+}
+
+#elif defined(MESHTRAIN_EMULATE_DEVICE_MEMORY)
+
+namespace {
+std::vector<int64_t> marker_ns;  // reserved at reserve(); the tracing thread's only
+}  // namespace
+
+bool enabled() {
+  return true;
+}
+
+void reserve(std::size_t count) {
+  marker_ns.clear();
+  marker_ns.reserve(count);
+}
+
+int32_t record() {
+  if (marker_ns.size() >= marker_ns.capacity()) return -1;
+  fence_device(MESHTRAIN_LABEL("meshtrain::trace_device_marker"));
+  marker_ns.push_back(Tracer::now_ns());
+  return static_cast<int32_t>(marker_ns.size() - 1);
+}
+
+std::vector<int64_t> resolve() {
+  return marker_ns;
+}
+
+#else
+
+bool enabled() {
+  return false;
+}
+void reserve(std::size_t) {}
+int32_t record() {
+  return -1;
+}
+std::vector<int64_t> resolve() {
+  return {};
+}
+
+#endif
+
+}  // namespace meshtrain::device_timer

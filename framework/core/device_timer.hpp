@@ -1,0 +1,34 @@
+#pragma once
+// Trace spans as the device saw them (issue 28): a marker put into the device's work queue at
+// a span's start and one at its end, read back on the host's steady clock after the trace
+// window. On a CUDA build a marker is a CUDA event recorded on the stream of Kokkos' default
+// execution space (the one cuBLAS and every kernel use), so a GEMM's device span is the time
+// the GPU ran it, not the time the host took to launch it. A CPU build has no work queue and
+// no device spans, except the emulated-device-memory build: there a marker is the host clock
+// after a fence of the device space, so that the CPU tests read the device track a GPU build
+// writes.
+//
+// Used by the tracing thread only (framework/core/trace.hpp).
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace meshtrain::device_timer {
+
+// Whether this build times device spans.
+bool enabled();
+
+// Makes room for `markers` markers and takes the reference point (at the trace window's
+// start, outside the steps). Throws a runtime Error when the device refuses.
+void reserve(std::size_t markers);
+
+// Puts the next marker into the device's queue; its index, or -1 when none is left (or this
+// build has none). Allocates nothing.
+int32_t record();
+
+// The host steady-clock nanoseconds of every marker recorded since reserve(), in order;
+// waits until the device has passed them. Throws a runtime Error when the device fails.
+std::vector<int64_t> resolve();
+
+}  // namespace meshtrain::device_timer
