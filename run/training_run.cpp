@@ -1013,12 +1013,15 @@ void TrainingRun::log_step(const StepResult& result) {
 }
 
 std::string TrainingRun::plan_item_of(const TrackedAllocation& a) const {
-  // Kokkos reports the start of an allocation, which may be a header before the View's data.
+  // Kokkos reports the start of an allocation: the View's data, or the header before it.
   const auto holds = [&](const std::vector<ShardedTensor>& tensors) {
     for (const ShardedTensor& t : tensors) {
       const auto offset = reinterpret_cast<const char*>(t.local.data()) -
                           static_cast<const char*>(a.data);
-      if (t.local.data() != nullptr && offset >= 0 && offset < a.bytes) return true;
+      if (t.local.data() != nullptr &&
+          (offset == 0 || offset == sizeof(Kokkos::Impl::SharedAllocationHeader))) {
+        return true;
+      }
     }
     return false;
   };

@@ -177,6 +177,7 @@ void reset_kokkos_peak() {
   Locked lock;
   for (int i = 0; i < t.spaces; ++i) t.peak[i] = t.live[i];
   t.peak_total = t.live_total;
+  t.complete = t.used < kMaxLive;
 }
 
 KokkosMemory kokkos_memory(int largest) {

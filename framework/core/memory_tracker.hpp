@@ -39,8 +39,9 @@ struct KokkosMemory {
   int64_t peak_bytes = 0;  // high-water mark of that sum since the peak was last reset
   std::vector<SpaceMemory> spaces;
   std::vector<TrackedAllocation> largest;  // live allocations, largest first
-  // False when some allocations went uncounted: the tracker was replaced by another callback
-  // for a while, or more allocations were live than its table holds.
+  // False when some allocations since reset_kokkos_peak() went uncounted: the tracker was
+  // replaced by another callback for a while, or more allocations were live than its table
+  // holds.
   bool complete = true;
 };
 
@@ -48,7 +49,8 @@ struct KokkosMemory {
 // Call outside any step: it may allocate nothing, but it reads Kokkos' callback set.
 void install_memory_tracker();
 bool memory_tracker_installed();
-// The high-water marks start again from the live bytes (a run measures its own peak).
+// The high-water marks start again from the live bytes, and `complete` from true (a run
+// measures its own peak, and whether it missed any of its own allocations).
 void reset_kokkos_peak();
 // The tracker's figures now, with the `largest` live allocations. Allocates (the strings):
 // call outside the step.
