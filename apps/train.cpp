@@ -9,8 +9,8 @@
 #include <memory>
 #include <optional>
 
-#include "framework/comm/exit_policy.hpp"
 #include "framework/comm/collective_matmul.hpp"
+#include "framework/comm/exit_policy.hpp"
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/io/metrics.hpp"
 #include "framework/train/config.hpp"
@@ -109,7 +109,8 @@ int train_command(const std::string& config_path, const std::vector<std::string>
     } else if (summary.last_eval) {
       std::printf(", final test loss %.5f", summary.last_eval->test_loss);
     }
-    if (summary.memory) std::printf("; memory per rank: %s", format_memory_figures(*summary.memory).c_str());
+    if (summary.memory)
+      std::printf("; memory per rank: %s", format_memory_figures(*summary.memory).c_str());
     std::printf("\n");
   }
   if (rank0) std::printf("metrics: %s/metrics.jsonl\n", run.config().run.output_dir.c_str());

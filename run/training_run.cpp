@@ -111,7 +111,8 @@ void finish_gradient(const Vector& g, const Vector& sum, int64_t micro_batches) 
 std::string describe_planned_memory(const PlannedMemory& m) {
   std::string kokkos;
   const auto item = [&](const char* name, int64_t bytes) {
-    if (bytes > 0) kokkos += (kokkos.empty() ? "" : ", ") + std::string(name) + " " + format_bytes(bytes);
+    if (bytes > 0)
+      kokkos += (kokkos.empty() ? "" : ", ") + std::string(name) + " " + format_bytes(bytes);
   };
   const PlanTotals& t = m.totals;
   item("parameters", t.parameter_bytes);
@@ -1016,8 +1017,8 @@ std::string TrainingRun::plan_item_of(const TrackedAllocation& a) const {
   // Kokkos reports the start of an allocation: the View's data, or the header before it.
   const auto holds = [&](const std::vector<ShardedTensor>& tensors) {
     for (const ShardedTensor& t : tensors) {
-      const auto offset = reinterpret_cast<const char*>(t.local.data()) -
-                          static_cast<const char*>(a.data);
+      const auto offset =
+          reinterpret_cast<const char*>(t.local.data()) - static_cast<const char*>(a.data);
       if (t.local.data() != nullptr &&
           (offset == 0 || offset == sizeof(Kokkos::Impl::SharedAllocationHeader))) {
         return true;
@@ -1045,7 +1046,7 @@ std::string TrainingRun::plan_item_of(const TrackedAllocation& a) const {
 }
 
 MemoryEvent TrainingRun::measure_memory(const std::string& when) {
-  install_memory_tracker();  // a program may have set callbacks of its own since
+  install_memory_tracker();     // a program may have set callbacks of its own since
   constexpr int kScanned = 32;  // the largest live allocations looked at on the worst rank
   constexpr int kListed = 8;    // and listed (the largest, then unplanned ones further down)
   const KokkosMemory kokkos = kokkos_memory(kScanned);
@@ -1089,9 +1090,11 @@ MemoryEvent TrainingRun::measure_memory(const std::string& when) {
   event.worst_rank = static_cast<int>(
       std::max_element(event.kokkos_peak_bytes.begin(), event.kokkos_peak_bytes.end()) -
       event.kokkos_peak_bytes.begin());
-  event.over_plan = event.planned_kokkos_bytes > 0 &&
-                    static_cast<double>(event.kokkos_peak_bytes[event.worst_rank]) >
-                        1.25 * static_cast<double>(event.planned_kokkos_bytes);
+  const int64_t worst_peak = event.kokkos_peak_bytes[event.worst_rank];
+  event.over_plan =
+      static_cast<double>(worst_peak) >
+          (1.0 + kOverPlanFraction) * static_cast<double>(event.planned_kokkos_bytes) &&
+      worst_peak - event.planned_kokkos_bytes > kOverPlanMinBytes;
   // The worst rank's largest live allocations, each with its plan item, go to every rank.
   std::string listed;
   if (rank_ == event.worst_rank) {

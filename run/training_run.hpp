@@ -214,10 +214,14 @@ class TrainingRun {
   // Collective, outside a step: every rank's memory now (Kokkos allocations since the run was
   // built, through framework/core/memory_tracker.hpp; the resident set) against the plan, the
   // largest live allocations of the rank furthest above it, each with the plan item it
-  // belongs to, and whether that rank's Kokkos peak is more than 25% above the plan's Kokkos
-  // bytes. The same event on every rank. train() calls it after its first step ("first_step")
-  // and at its end ("end").
+  // belongs to, and whether that rank is over the plan (below). The same event on every rank.
+  // train() calls it after its first step ("first_step") and at its end ("end").
   MemoryEvent measure_memory(const std::string& when);
+  // A rank is over the plan when its Kokkos peak is more than kOverPlanFraction above the
+  // plan's Kokkos bytes and more than kOverPlanMinBytes above them (a few KiB of activations
+  // over a tiny model's plan are not worth a warning).
+  static constexpr double kOverPlanFraction = 0.25;
+  static constexpr int64_t kOverPlanMinBytes = int64_t{16} << 20;
   // Lines describing the run: the mesh, batch and steps, then one per layer.
   std::vector<std::string> describe() const;
 

@@ -127,8 +127,9 @@ std::string format_memory_warning(const MemoryEvent& e) {
   if (!e.over_plan) return "";
   const int64_t peak = e.kokkos_peak_bytes.at(e.worst_rank);
   char share[32];
-  std::snprintf(share, sizeof share, "%.0f%%",
-                100.0 * (static_cast<double>(peak) / static_cast<double>(e.planned_kokkos_bytes) - 1));
+  std::snprintf(
+      share, sizeof share, "%.0f%%",
+      100.0 * (static_cast<double>(peak) / static_cast<double>(e.planned_kokkos_bytes) - 1));
   std::string text = "rank " + std::to_string(e.worst_rank) + "'s Kokkos allocations peaked at " +
                      format_bytes(peak) + ", " + share + " more than the plan's " +
                      format_bytes(e.planned_kokkos_bytes) + " per rank";
@@ -143,8 +144,8 @@ std::string format_memory_warning(const MemoryEvent& e) {
   text += "; its largest live allocations are all plan items:";
   for (size_t i = 0; i < e.largest.size() && i < 5; ++i) {
     const auto& a = e.largest[i];
-    text += (i == 0 ? " '" : ", '") + a.label + "' " + format_bytes(a.bytes) + " (" +
-            a.plan_item + ")";
+    text +=
+        (i == 0 ? " '" : ", '") + a.label + "' " + format_bytes(a.bytes) + " (" + a.plan_item + ")";
   }
   return text;
 }

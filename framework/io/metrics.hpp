@@ -92,7 +92,8 @@ struct MemoryEvent {
     int64_t bytes = 0;
   };
   std::vector<Allocation> largest;
-  // The worst rank's Kokkos peak is more than 25% above the plan's Kokkos bytes.
+  // The worst rank's Kokkos peak is more than 25% and more than 16 MiB above the plan's Kokkos
+  // bytes (TrainingRun::kOverPlanFraction, kOverPlanMinBytes).
   bool over_plan = false;
 };
 
