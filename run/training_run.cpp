@@ -111,8 +111,8 @@ void finish_gradient(const Vector& g, const Vector& sum, int64_t micro_batches) 
 std::string describe_planned_memory(const PlannedMemory& m) {
   std::string kokkos;
   const auto item = [&](const char* name, int64_t bytes) {
-    if (bytes > 0)
-      kokkos += (kokkos.empty() ? "" : ", ") + std::string(name) + " " + format_bytes(bytes);
+    if (bytes <= 0) return;
+    kokkos += (kokkos.empty() ? "" : ", ") + std::string(name) + " " + format_bytes(bytes);
   };
   const PlanTotals& t = m.totals;
   item("parameters", t.parameter_bytes);
