@@ -33,7 +33,7 @@ meshtrain_add_test(NAME train_save_events_test SOURCES train/save_events_test.cp
 # and at the end for every rank, against the plan and metrics.jsonl, fsdp below dp per rank; an
 # allocation the plan does not know is named in the warning, a normal run has none.
 meshtrain_add_test(NAME train_memory_plan_test SOURCES train/memory_plan_test.cpp
-                   LIBS meshtrain_run NP 1 2 4 TIMEOUT 60)
+                   LIBS meshtrain_run NP 1 2 4 TIMEOUT 60 EMULATED)
 # A training step (TrainingRun::step: batch, forward, loss, backward, clipping, optimizer)
 # allocates nothing on the heap: operator new is counted over steps 2..4 on dp, fsdp, tp
 # and fsdp x tp meshes, in fp32 and in bf16 and fp16 (mixed precision, overlap off and on).
