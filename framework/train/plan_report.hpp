@@ -47,7 +47,9 @@ PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan);
 // Throws meshtrain::Error on bad input.
 // The plan also predicts the step time (partition/cost_model.hpp) on `hardware` (nullptr:
 // default_hardware_profile()), with a table extrapolated to 64, 256 and 1024 ranks
-// (text: "step time" and "scaling" sections; JSON: "cost" and "scaling").
+// (text: "step time" and "scaling" sections; JSON: "cost" and "scaling"). The JSON totals add
+// the staging and data bytes to "bytes_per_rank" (PlannedMemory::total_bytes) and give
+// "kokkos_bytes_per_rank" (PlannedMemory::kokkos_bytes).
 void print_plan(const RunConfig& config, int world_size, bool json, std::ostream& out,
                 const HardwareProfile* hardware = nullptr);
 // The step the cost model predicts for `config` on `world_size` ranks with `hardware` (the
