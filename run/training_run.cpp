@@ -1108,7 +1108,8 @@ MemoryEvent TrainingRun::measure_memory(const std::string& when) {
       if (!among_largest) ++unplanned_beyond;
       list.push_back({a.label, a.space, a.bytes, item});
     }
-    listed = list.dump();
+    // A label cut at 47 bytes may end inside a UTF-8 character: replaced, not thrown.
+    listed = list.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   }
   broadcast_string(listed, event.worst_rank, comm_, "the broadcast of the largest allocations");
   for (const auto& a : nlohmann::json::parse(listed)) {

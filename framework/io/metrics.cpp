@@ -89,7 +89,7 @@ std::string memory_event_json(const MemoryEvent& e) {
   j["worst_rank"] = e.worst_rank;
   j["over_plan"] = e.over_plan;
   j["largest_allocations"] = largest;
-  return j.dump();
+  return j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
 namespace {
