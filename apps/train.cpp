@@ -6,10 +6,11 @@
 
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <optional>
 
-#include "framework/comm/exit_policy.hpp"
 #include "framework/comm/collective_matmul.hpp"
+#include "framework/comm/exit_policy.hpp"
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/io/metrics.hpp"
 #include "framework/train/config.hpp"
@@ -32,6 +33,15 @@ RunEvents printing_events(bool rank0) {
   events.on_log = [](const LogEvent& e) { print_line(format_log_line(e)); };
   events.on_eval = [](const EvalEvent& e) { print_line(format_eval_line(e)); };
   events.on_checkpoint = [](int64_t, const std::string& path) { print_line("checkpoint " + path); };
+  // The end's figures are in the done line; a run above its plan is warned about once.
+  events.on_memory = [warned = std::make_shared<bool>(false)](const MemoryEvent& e) {
+    if (e.when != "end") print_line(format_memory_line(e));
+    if (e.over_plan && !*warned) {
+      *warned = true;
+      std::fprintf(stderr, "warning: %s\n", format_memory_warning(e).c_str());
+      std::fflush(stderr);
+    }
+  };
   return events;
 }
 
@@ -99,6 +109,8 @@ int train_command(const std::string& config_path, const std::vector<std::string>
     } else if (summary.last_eval) {
       std::printf(", final test loss %.5f", summary.last_eval->test_loss);
     }
+    if (summary.memory)
+      std::printf("; memory per rank: %s", format_memory_figures(*summary.memory).c_str());
     std::printf("\n");
   }
   if (rank0) std::printf("metrics: %s/metrics.jsonl\n", run.config().run.output_dir.c_str());

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -27,6 +28,7 @@
 #include "framework/core/exec_space.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
+#include "framework/core/memory_tracker.hpp"
 #include "framework/core/trace.hpp"
 #include "framework/io/normalization_stats.hpp"
 #include "framework/train/resume.hpp"
@@ -104,11 +106,40 @@ void finish_gradient(const Vector& g, const Vector& sum, int64_t micro_batches) 
       KOKKOS_LAMBDA(const int64_t i) { g(i) = (g(i) + sum(i)) * scale; });
 }
 
+// "memory per rank, planned: 12.30 MiB: Kokkos 10.10 MiB (parameters 2.55 MiB, gradients
+// 2.55 MiB, optimizer state 5.11 MiB, data staging 12.00 KiB), host 2.20 MiB (data in memory)"
+std::string describe_planned_memory(const PlannedMemory& m) {
+  std::string kokkos;
+  const auto item = [&](const char* name, int64_t bytes) {
+    if (bytes <= 0) return;
+    kokkos += (kokkos.empty() ? "" : ", ") + std::string(name) + " " + format_bytes(bytes);
+  };
+  const PlanTotals& t = m.totals;
+  item("parameters", t.parameter_bytes);
+  item("gradients", t.gradient_bytes);
+  item("optimizer state", t.optimizer_bytes);
+  item("gradient accumulation", t.accumulation_bytes);
+  item("evaluation batch", t.evaluation_bytes);
+  item("ZeRO-1 buffers", t.zero1_buffer_bytes);
+  item("MoE buffers", t.moe_buffer_bytes);
+  item("staging (ckpt)", m.checkpoint_staging_bytes);
+  item("data staging", m.data.staging_bytes);
+  std::string text = "memory per rank, planned: " + format_bytes(m.total_bytes()) + ": Kokkos " +
+                     format_bytes(m.kokkos_bytes()) + " (" + kokkos + "), host " +
+                     format_bytes(m.host_bytes()) + " (data " + m.data.source;
+  if (m.data.cache_bytes > 0) text += ", chunk caches " + format_bytes(m.data.cache_bytes);
+  return text + ")";
+}
+
 }  // namespace
 
 TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunData> data,
                          MPI_Comm comm)
     : config_(std::move(config)), events_(std::move(events)), comm_(comm) {
+  // Kokkos allocations are counted from here on, the run's peak too (measure_memory).
+  install_memory_tracker();
+  reset_kokkos_peak();
+  const bool data_in_code = data.has_value();
   check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
   int world_size = 1;
   check_mpi(MPI_Comm_size(comm_, &world_size), "MPI_Comm_size");
@@ -125,6 +156,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     // The rows' axes (the logical batch's, and the expert axes in an MoE model) and the
     // features'.
     layer_axes_ = LayerAxes{options.batch_axes, options.feature_axis};
+    planned_memory_ = meshtrain::planned_memory(config_, *plan_);
   });
   const int64_t inputs = config_.model.input_width(), outputs = config_.model.output_width();
   const ModelWidthKeys width_keys = config_.model.kind == ModelKind::residual_mlp
@@ -181,6 +213,12 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     eval_slice_ = make_batch_slice(*mesh_, rank_, layer_axes_.batch, eval_batch, eval_key);
     eval_schedule_ = EvalSchedule::create(test_source_->shape().num_samples, eval_batch, eval_key);
     total_steps_ = training_steps(config_, schedule_->steps_per_epoch());
+    if (data_in_code) {  // config.data does not describe it: its rows as they are
+      planned_memory_.data.source = "given in code";
+      planned_memory_.data.source_bytes =
+          train_source_->resident_bytes() + test_source_->resident_bytes();
+      planned_memory_.data.cache_bytes = 0;
+    }
   });
 
   agree_on_data_shape();
@@ -976,11 +1014,128 @@ void TrainingRun::log_step(const StepResult& result) {
   window_steps_ = 0;
 }
 
+std::string TrainingRun::plan_item_of(const TrackedAllocation& a) const {
+  // Kokkos reports the start of an allocation: the View's data, or the header before it.
+  const auto holds = [&](const std::vector<ShardedTensor>& tensors) {
+    for (const ShardedTensor& t : tensors) {
+      const auto offset =
+          reinterpret_cast<const char*>(t.local.data()) - static_cast<const char*>(a.data);
+      if (t.local.data() != nullptr &&
+          (offset == 0 || offset == sizeof(Kokkos::Impl::SharedAllocationHeader))) {
+        return true;
+      }
+    }
+    return false;
+  };
+  const auto starts = [&](const char* prefix) { return a.label.rfind(prefix, 0) == 0; };
+  if (holds(model_->parameters())) return "parameters";
+  if (holds(model_->gradients())) return "gradients";
+  for (const std::string& slot : optimizer_->slot_names()) {
+    if (holds(optimizer_->slot(slot))) return "optimizer state";
+  }
+  if (holds(gradient_sum_)) return "gradient accumulation";
+  if (zero1_ && (holds(zero1_->grad_chunks()) || starts("meshtrain::zero1_"))) {
+    return "ZeRO-1 buffers";
+  }
+  if (starts("meshtrain::checkpoint_staging")) return "staging (ckpt)";
+  if (starts("meshtrain::staged_")) return "data staging";
+  if (eval_model_ && (starts("meshtrain::eval_x") || starts("meshtrain::eval_labels") ||
+                      starts("meshtrain::eval_targets"))) {
+    return "evaluation batch";
+  }
+  return "";
+}
+
+MemoryEvent TrainingRun::measure_memory(const std::string& when) {
+  install_memory_tracker();     // a program may have set callbacks of its own since
+  constexpr int kScanned = 32;  // the largest live allocations looked at on the worst rank
+  constexpr int kListed = 8;    // and listed (the largest, then unplanned ones further down)
+  const KokkosMemory kokkos = kokkos_memory(kScanned);
+  const HostMemory host = host_memory();
+  int64_t device_peak = -1;
+#ifdef KOKKOS_ENABLE_CUDA
+  for (const SpaceMemory& space : kokkos.spaces) {
+    if (space.space == Kokkos::CudaSpace::name()) device_peak = space.peak_bytes;
+  }
+  if (device_peak < 0) device_peak = 0;
+#endif
+  // Every rank's figures, by a sum of slots each rank fills with its own (under the
+  // collective timeout, like every reduction of the run).
+  constexpr int kFields = 6;
+  const int world = mesh_->world_size();
+  std::vector<int64_t> all(static_cast<size_t>(kFields) * world, 0);
+  int64_t* mine = all.data() + static_cast<size_t>(kFields) * rank_;
+  mine[0] = kokkos.peak_bytes;
+  mine[1] = kokkos.live_bytes;
+  mine[2] = device_peak;
+  mine[3] = host.peak_rss_bytes;
+  mine[4] = host.current_rss_bytes;
+  mine[5] = kokkos.complete ? 1 : 0;
+  all_reduce_collective(all.data(), kFields * world, MPI_INT64_T, MPI_SUM, comm_,
+                        "the reduction of the memory figures");
+  MemoryEvent event;
+  event.step = steps_done_;
+  event.when = when;
+  event.planned_bytes = planned_memory_.total_bytes();
+  event.planned_kokkos_bytes = planned_memory_.kokkos_bytes();
+  for (int r = 0; r < world; ++r) {
+    const int64_t* f = all.data() + static_cast<size_t>(kFields) * r;
+    event.kokkos_peak_bytes.push_back(f[0]);
+    event.kokkos_live_bytes.push_back(f[1]);
+    if (f[2] >= 0) event.device_peak_bytes.push_back(f[2]);
+    event.rss_peak_bytes.push_back(f[3]);
+    event.rss_bytes.push_back(f[4]);
+    event.kokkos_complete.push_back(f[5] != 0);
+  }
+  // Every rank has the same plan: the worst rank is the one with the largest Kokkos peak.
+  event.worst_rank = static_cast<int>(
+      std::max_element(event.kokkos_peak_bytes.begin(), event.kokkos_peak_bytes.end()) -
+      event.kokkos_peak_bytes.begin());
+  const int64_t worst_peak = event.kokkos_peak_bytes[event.worst_rank];
+  event.over_plan =
+      static_cast<double>(worst_peak) >
+          (1.0 + kOverPlanFraction) * static_cast<double>(event.planned_kokkos_bytes) &&
+      worst_peak - event.planned_kokkos_bytes > kOverPlanMinBytes;
+  // The worst rank's largest live allocations, each with its plan item, go to every rank.
+  std::string listed;
+  if (rank_ == event.worst_rank) {
+    nlohmann::json list = nlohmann::json::array();
+    int unplanned_beyond = 0;
+    for (size_t i = 0; i < kokkos.largest.size(); ++i) {
+      const TrackedAllocation& a = kokkos.largest[i];
+      const std::string item = plan_item_of(a);
+      const bool among_largest = i < static_cast<size_t>(kListed);
+      if (!among_largest && (!item.empty() || unplanned_beyond == kListed)) continue;
+      if (!among_largest) ++unplanned_beyond;
+      list.push_back({a.label, a.space, a.bytes, item});
+    }
+    // A label cut at 47 bytes may end inside a UTF-8 character: replaced, not thrown.
+    listed = list.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  }
+  broadcast_string(listed, event.worst_rank, comm_, "the broadcast of the largest allocations");
+  for (const auto& a : nlohmann::json::parse(listed)) {
+    event.largest.push_back({a[0].get<std::string>(), a[1].get<std::string>(),
+                             a[3].get<std::string>(), a[2].get<int64_t>()});
+  }
+  return event;
+}
+
+void TrainingRun::report_memory(const std::string& when, RunSummary* summary) {
+  const auto begin = Clock::now();
+  MemoryEvent event = measure_memory(when);
+  metrics_->memory(event);
+  if (events_.on_memory) events_.on_memory(event);
+  if (summary) summary->memory = std::move(event);
+  window_paused_s_ += seconds_since(begin);  // not training time
+}
+
 // train()'s loop: each step, then its log, evaluation and checkpoint events.
 void TrainingRun::train_steps(RunSummary& summary) {
+  const int64_t first_step = steps_done_;
   while (!finished()) {
     const StepResult result = step();
     log_step(result);
+    if (steps_done_ == first_step + 1) report_memory("first_step", nullptr);
     const auto after_step = Clock::now();  // evaluation and saving are not training time
     const int64_t done = result.step;
     const bool eval_now = config_.train.eval_every > 0 && done % config_.train.eval_every == 0;
@@ -1046,6 +1201,7 @@ RunSummary TrainingRun::train() {
   // recorded.
   if (tracing_) end_trace();
   summary.wall_s = seconds_since(start);
+  if (steps_done_ > first_step) report_memory("end", &summary);
   summary.steps_run = steps_done_ - first_step;
   summary.samples_per_s = summary.wall_s > 0 ? summary.steps_run * config_.data.batch_size *
                                                    accumulation_ / summary.wall_s
@@ -1081,6 +1237,7 @@ std::vector<std::string> TrainingRun::describe() const {
                                      : std::string("read in the step"),
                                  ", ", data_bytes() >> 10, " KiB on this rank"));
   for (const std::string& line : model_->describe()) lines.push_back("  " + line);
+  lines.push_back("  " + describe_planned_memory(planned_memory_));
   // Last: tests index the lines above.
   if (!reduction_choices_.empty()) {
     std::string groups;

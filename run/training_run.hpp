@@ -38,6 +38,7 @@
 #include "framework/comm/failure_agreement.hpp"  // AgreedError
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/comm/progress_thread.hpp"
+#include "framework/core/memory_tracker.hpp"
 #include "framework/io/batch_stream.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
@@ -47,6 +48,7 @@
 #include "framework/train/loss_scaler.hpp"
 #include "framework/train/lr_schedule.hpp"
 #include "framework/train/optimizer.hpp"
+#include "framework/train/plan_report.hpp"  // PlannedMemory
 #include "framework/train/zero1.hpp"
 #include "layers/context.hpp"
 #include "layers/eval_metrics.hpp"
@@ -63,6 +65,9 @@ struct RunEvents {
   std::function<void(const LogEvent&)> on_log;    // every train.log_every steps and at the end
   std::function<void(const EvalEvent&)> on_eval;  // every train.eval_every steps and at the end
   std::function<void(int64_t step, const std::string& path)> on_checkpoint;  // after each save
+  // Every rank's memory against the plan, after train()'s first step and at its end
+  // (measure_memory); metrics.jsonl gets them too.
+  std::function<void(const MemoryEvent&)> on_memory;
 };
 
 // Training and test data given in code instead of config.data (a program's own data). The
@@ -90,6 +95,7 @@ struct RunSummary {
   double data_wait_s = 0.0;      // seconds the steps waited for their batches, in all (the
                                  // slowest rank's, window by window)
   std::optional<EvalEvent> last_eval;
+  std::optional<MemoryEvent> memory;  // measured at the end (nullopt when no step ran)
 };
 
 class TrainingRun {
@@ -202,6 +208,20 @@ class TrainingRun {
   // What set-up found worth a warning but not an error (on rank 0 only; e.g. a resumed run
   // whose learning-rate schedule was stretched to another length).
   const std::vector<std::string>& warnings() const { return warnings_; }
+  // What the plan predicts per rank for this run (the "per rank" total of `meshtrain plan`),
+  // with the data path's bytes measured where the data was given in code.
+  const PlannedMemory& planned_memory() const { return planned_memory_; }
+  // Collective, outside a step: every rank's memory now (Kokkos allocations since the run was
+  // built, through framework/core/memory_tracker.hpp; the resident set) against the plan, the
+  // largest live allocations of the rank furthest above it, each with the plan item it
+  // belongs to, and whether that rank is over the plan (below). The same event on every rank.
+  // train() calls it after its first step ("first_step") and at its end ("end").
+  MemoryEvent measure_memory(const std::string& when);
+  // A rank is over the plan when its Kokkos peak is more than kOverPlanFraction above the
+  // plan's Kokkos bytes and more than kOverPlanMinBytes above them (a few KiB of activations
+  // over a tiny model's plan are not worth a warning).
+  static constexpr double kOverPlanFraction = 0.25;
+  static constexpr int64_t kOverPlanMinBytes = int64_t{16} << 20;
   // Lines describing the run: the mesh, batch and steps, then one per layer.
   std::vector<std::string> describe() const;
 
@@ -226,6 +246,10 @@ class TrainingRun {
   void report_checkpoint(const std::optional<std::string>& path);
   void begin_trace();
   void end_trace();
+  // The plan item (as `meshtrain plan` names its per-rank totals) a live Kokkos allocation of
+  // this rank belongs to, "" when the plan has none for it.
+  std::string plan_item_of(const TrackedAllocation& allocation) const;
+  void report_memory(const std::string& when, RunSummary* summary);
 
   RunConfig config_;
   RunEvents events_;
@@ -233,6 +257,7 @@ class TrainingRun {
   int rank_ = 0;
   std::optional<Mesh> mesh_;
   std::optional<ShardingPlan> plan_;
+  PlannedMemory planned_memory_;
   LayerAxes layer_axes_;  // the batch and feature axes of the plan's layers
   std::unique_ptr<RowSource> train_source_;
   std::unique_ptr<RowSource> test_source_;

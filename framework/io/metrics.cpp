@@ -1,5 +1,6 @@
 #include "framework/io/metrics.hpp"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -7,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/error.hpp"
+#include "partition/planner.hpp"  // format_bytes
 
 namespace meshtrain {
 
@@ -60,6 +62,92 @@ void MetricsLog::log(const LogEvent& e) {
 void MetricsLog::eval(const EvalEvent& e) {
   if (!file_) return;
   write_line(eval_event_json(e));
+}
+
+void MetricsLog::memory(const MemoryEvent& e) {
+  if (!file_) return;
+  write_line(memory_event_json(e));
+}
+
+std::string memory_event_json(const MemoryEvent& e) {
+  nlohmann::ordered_json largest = nlohmann::ordered_json::array();
+  for (const auto& a : e.largest) {
+    largest.push_back(
+        {{"label", a.label}, {"space", a.space}, {"bytes", a.bytes}, {"plan_item", a.plan_item}});
+  }
+  nlohmann::ordered_json j = {{"event", "memory"},
+                              {"step", e.step},
+                              {"when", e.when},
+                              {"planned_bytes", e.planned_bytes},
+                              {"planned_kokkos_bytes", e.planned_kokkos_bytes},
+                              {"kokkos_peak_bytes", e.kokkos_peak_bytes},
+                              {"kokkos_live_bytes", e.kokkos_live_bytes}};
+  if (!e.device_peak_bytes.empty()) j["device_peak_bytes"] = e.device_peak_bytes;
+  j["rss_peak_bytes"] = e.rss_peak_bytes;
+  j["rss_bytes"] = e.rss_bytes;
+  j["kokkos_complete"] = e.kokkos_complete;
+  j["worst_rank"] = e.worst_rank;
+  j["over_plan"] = e.over_plan;
+  j["largest_allocations"] = largest;
+  return j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+}
+
+namespace {
+
+// "80.10 MiB (max, rank 1)"
+std::string max_over_ranks(const std::vector<int64_t>& values) {
+  if (values.empty()) return "?";
+  const auto at = std::max_element(values.begin(), values.end());
+  return format_bytes(*at) + " (max, rank " + std::to_string(at - values.begin()) + ")";
+}
+
+}  // namespace
+
+std::string format_memory_figures(const MemoryEvent& e) {
+  std::string text = "Kokkos peak " + max_over_ranks(e.kokkos_peak_bytes);
+  if (e.planned_kokkos_bytes > 0 && !e.kokkos_peak_bytes.empty()) {
+    const int64_t peak = *std::max_element(e.kokkos_peak_bytes.begin(), e.kokkos_peak_bytes.end());
+    char share[32];
+    std::snprintf(share, sizeof share, " = %.0f%%",
+                  100.0 * static_cast<double>(peak) / static_cast<double>(e.planned_kokkos_bytes));
+    text += share + std::string(" of the plan's ") + format_bytes(e.planned_kokkos_bytes);
+  }
+  if (!e.device_peak_bytes.empty()) text += ", device peak " + max_over_ranks(e.device_peak_bytes);
+  text += ", RSS peak " + max_over_ranks(e.rss_peak_bytes);
+  text += ", RSS " + max_over_ranks(e.rss_bytes);
+  return text;
+}
+
+std::string format_memory_line(const MemoryEvent& e) {
+  return "memory " + std::string(e.when == "end" ? "at the end" : "after the first step") +
+         " (step " + std::to_string(e.step) + "), per rank: " + format_memory_figures(e);
+}
+
+std::string format_memory_warning(const MemoryEvent& e) {
+  if (!e.over_plan) return "";
+  const int64_t peak = e.kokkos_peak_bytes.at(e.worst_rank);
+  char share[32];
+  std::snprintf(
+      share, sizeof share, "%.0f%%",
+      100.0 * (static_cast<double>(peak) / static_cast<double>(e.planned_kokkos_bytes) - 1));
+  std::string text = "rank " + std::to_string(e.worst_rank) + "'s Kokkos allocations peaked at " +
+                     format_bytes(peak) + ", " + share + " more than the plan's " +
+                     format_bytes(e.planned_kokkos_bytes) + " per rank";
+  std::string unplanned;
+  int listed = 0;
+  for (const auto& a : e.largest) {
+    if (!a.plan_item.empty() || listed == 5) continue;
+    unplanned += (listed++ == 0 ? " '" : ", '") + a.label + "' " + format_bytes(a.bytes) + " (" +
+                 a.space + ")";
+  }
+  if (listed > 0) return text + "; its largest allocations the plan does not hold:" + unplanned;
+  text += "; its largest live allocations are all plan items:";
+  for (size_t i = 0; i < e.largest.size() && i < 5; ++i) {
+    const auto& a = e.largest[i];
+    text +=
+        (i == 0 ? " '" : ", '") + a.label + "' " + format_bytes(a.bytes) + " (" + a.plan_item + ")";
+  }
+  return text;
 }
 
 std::string eval_event_json(const EvalEvent& e) {

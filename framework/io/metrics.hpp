@@ -64,6 +64,39 @@ struct EvalEvent {
   std::vector<double> test_r2_per_output;
 };
 
+// Memory of every rank against the plan (docs/running.md, "Memory against the plan"), measured
+// after the first step of a run and at its end. Bytes; one entry per rank in the vectors.
+struct MemoryEvent {
+  int64_t step = 0;
+  std::string when;  // "first_step" or "end"
+  // The plan's bytes per rank: its total, and the part that lives in Kokkos allocations
+  // (parameters, gradients, optimizer state, buffers, checkpoint and data staging).
+  int64_t planned_bytes = 0;
+  int64_t planned_kokkos_bytes = 0;
+  // Kokkos allocations (every memory space) since the run was built: high-water mark and now;
+  // the device's (CudaSpace) high-water mark on a CUDA build, empty otherwise.
+  std::vector<int64_t> kokkos_peak_bytes;
+  std::vector<int64_t> kokkos_live_bytes;
+  std::vector<int64_t> device_peak_bytes;
+  // The process's resident set: peak (VmHWM) and now (VmRSS); the MPI library, BLAS and the
+  // binary included, so not compared with the plan.
+  std::vector<int64_t> rss_peak_bytes;
+  std::vector<int64_t> rss_bytes;
+  // Whether every Kokkos allocation of the rank was counted (memory_tracker.hpp).
+  std::vector<bool> kokkos_complete;
+  // The rank whose Kokkos peak is furthest above the plan's Kokkos bytes, and its largest live
+  // allocations with the plan item each belongs to ("" when the plan has none for it).
+  int worst_rank = 0;
+  struct Allocation {
+    std::string label, space, plan_item;
+    int64_t bytes = 0;
+  };
+  std::vector<Allocation> largest;
+  // The worst rank's Kokkos peak is more than 25% and more than 16 MiB above the plan's Kokkos
+  // bytes (TrainingRun::kOverPlanFraction, kOverPlanMinBytes).
+  bool over_plan = false;
+};
+
 class MetricsLog {
  public:
   // Creates output_dir (and parents) and opens metrics.jsonl when `writer` is true:
@@ -77,6 +110,7 @@ class MetricsLog {
   // file and the system's reason.
   void log(const LogEvent& event);
   void eval(const EvalEvent& event);
+  void memory(const MemoryEvent& event);
   const std::string& path() const { return path_; }
 
  private:
@@ -99,6 +133,21 @@ std::string eval_event_json(const EvalEvent& event);
 // over all outputs in the user's units, R^2 the outputs' mean)
 std::string format_eval_line(const EvalEvent& event);
 
+// {"event": "memory", "step", "when", "planned_bytes", "planned_kokkos_bytes",
+// "kokkos_peak_bytes": [per rank], "kokkos_live_bytes", ("device_peak_bytes" on CUDA),
+// "rss_peak_bytes", "rss_bytes", "kokkos_complete", "worst_rank", "over_plan",
+// "largest_allocations": [{"label", "space", "bytes", "plan_item"}] (the worst rank's)}
+std::string memory_event_json(const MemoryEvent& event);
+// "Kokkos peak 80.10 MiB (max, rank 1) = 105% of the plan's 76.30 MiB, RSS peak 250.30 MiB
+// (max, rank 0), RSS 240.10 MiB (max, rank 0)" (and the device's peak on CUDA; bytes as
+// format_bytes writes them): the part of the memory and done lines that measures.
+std::string format_memory_figures(const MemoryEvent& event);
+// "memory after step 1: " + format_memory_figures(event)
+std::string format_memory_line(const MemoryEvent& event);
+// When event.over_plan: "rank 1's Kokkos allocations peaked at 120.00 MiB, 58% more than the
+// plan's 76.00 MiB per rank; its largest allocations the plan does not hold: 'x' 40.00 MiB
+// (Host), ..." (up to 5; or, when every one of event.largest is a plan item, those); else "".
+std::string format_memory_warning(const MemoryEvent& event);
 // "1h02m", "3m05s", "12s"
 std::string format_duration(double seconds);
 

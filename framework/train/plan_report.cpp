@@ -577,7 +577,7 @@ struct PlannedStep {
   std::vector<ParameterShape> shapes;
   std::vector<LinearLayerParameters> layers;
   ShardingPlan plan;
-  DataFootprint data;
+  PlannedMemory memory;
   std::optional<StepCost> cost;
 };
 
@@ -589,6 +589,28 @@ PlannedStep plan_step(const RunConfig& config, int world_size, const HardwarePro
   std::vector<LinearLayerParameters> layers = model_linear_layers(config.model);
   ShardingPlan plan =
       make_plan(shapes, mesh, rules, options, layers, model_norm_layers(config.model));
+  PlannedMemory memory = planned_memory(config, plan);
+  const DataFootprint& data = memory.data;
+  std::optional<StepCost> cost;
+  if (plan.local_batch_rows > 0) {
+    cost = predict_step(plan, options, hw, config.partition.collective_matmul);
+    add_data_read(*cost, data.read, hw);
+  }
+  return {std::move(rules), std::move(options), std::move(shapes), std::move(layers),
+          std::move(plan),  std::move(memory),  std::move(cost)};
+}
+
+}  // namespace
+
+PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan) {
+  PlannedMemory memory;
+  memory.totals = plan.totals;
+  // A checkpoint that stages (asynchronous, or from device memory) copies the blocks a rank
+  // writes: at most its parameters and optimizer state (exactly those on rank 0, which
+  // writes every block it holds).
+  if (checkpoint_stages_tensors(config.checkpoint.async)) {
+    memory.checkpoint_staging_bytes = plan.totals.parameter_bytes + plan.totals.optimizer_bytes;
+  }
   // This rank's rows of a batch and of an evaluation batch (the plan's batch shards).
   const int64_t eval_batch = config.data.eval_batch_size.value_or(config.data.batch_size);
   const int64_t shards =
@@ -596,18 +618,10 @@ PlannedStep plan_step(const RunConfig& config, int world_size, const HardwarePro
   const int64_t eval_rows = shards > 0 && eval_batch % shards == 0 ? eval_batch / shards : 0;
   const DataUse use{config.model.input_width(), config.model.output_width(),
                     config.model.loss == LossKind::cross_entropy, config.train.accumulation_steps};
-  DataFootprint data =
+  memory.data =
       data_footprint(config.data, use, std::max<int64_t>(plan.local_batch_rows, 0), eval_rows);
-  std::optional<StepCost> cost;
-  if (plan.local_batch_rows > 0) {
-    cost = predict_step(plan, options, hw, config.partition.collective_matmul);
-    add_data_read(*cost, data.read, hw);
-  }
-  return {std::move(rules), std::move(options), std::move(shapes), std::move(layers),
-          std::move(plan),  std::move(data),    std::move(cost)};
+  return memory;
 }
-
-}  // namespace
 
 std::optional<StepCost> predict_run_step(const RunConfig& config, int world_size,
                                          const HardwareProfile& hardware) {
@@ -623,13 +637,8 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   const std::vector<ParameterShape>& shapes = planned.shapes;
   const std::vector<LinearLayerParameters>& layers = planned.layers;
   const ShardingPlan& plan = planned.plan;
-  const DataFootprint& data = planned.data;
-  // A checkpoint that stages (asynchronous, or from device memory) copies the blocks a rank
-  // writes: at most its parameters and optimizer state (exactly those on rank 0, which
-  // writes every block it holds).
-  const int64_t staging = checkpoint_stages_tensors(config.checkpoint.async)
-                              ? plan.totals.parameter_bytes + plan.totals.optimizer_bytes
-                              : 0;
+  const DataFootprint& data = planned.memory.data;
+  const int64_t staging = planned.memory.checkpoint_staging_bytes;
   const CollectiveMatmulAlgorithm algorithm = config.partition.collective_matmul;
   const std::optional<StepCost>& cost = planned.cost;
   std::vector<ScalingRow> scaling;
@@ -648,8 +657,8 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
     doc["totals"]["data_source_bytes"] = data.source_bytes;
     doc["totals"]["data_staging_bytes"] = data.staging_bytes;
     doc["totals"]["data_chunk_cache_bytes"] = data.cache_bytes;
-    doc["totals"]["bytes_per_rank"] =
-        doc["totals"]["bytes_per_rank"].get<int64_t>() + staging + data.total_bytes();
+    doc["totals"]["bytes_per_rank"] = planned.memory.total_bytes();
+    doc["totals"]["kokkos_bytes_per_rank"] = planned.memory.kokkos_bytes();
     if (cost) {
       doc["cost"] = cost_json(*cost, hw);
       nlohmann::ordered_json rows = nlohmann::ordered_json::array();

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "framework/io/data.hpp"  // DataFootprint
 #include "partition/cost_model.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
@@ -16,7 +17,27 @@
 namespace meshtrain {
 
 struct RunConfig;
-struct DataFootprint;
+
+// The bytes per rank `meshtrain plan` predicts for a run (its "per rank" total), and which of
+// them are Kokkos allocations: what a run's measured memory is compared with (docs/running.md,
+// "Memory against the plan").
+struct PlannedMemory {
+  // Parameters, gradients, optimizer state, gradient accumulation, the evaluation batch,
+  // ZeRO-1 and MoE buffers: Kokkos Views.
+  PlanTotals totals;
+  // The asynchronous checkpoint's staging buffer (a Kokkos View; 0 when saves do not stage).
+  int64_t checkpoint_staging_bytes = 0;
+  // The data path: its staging slots are Kokkos Views (with the sample lists, 8 bytes a row);
+  // the rows in memory and HDF5's chunk caches are host memory outside Kokkos.
+  DataFootprint data;
+  int64_t kokkos_bytes() const {
+    return totals.bytes_per_rank() + checkpoint_staging_bytes + data.staging_bytes;
+  }
+  int64_t host_bytes() const { return data.source_bytes + data.cache_bytes; }
+  int64_t total_bytes() const { return kokkos_bytes() + host_bytes(); }  // the plan's total
+};
+// What `plan` (made from `config` on some mesh) predicts per rank.
+PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan);
 
 // Prints the plan of `config` for `world_size` ranks: header, table, totals, the layers
 // (compute layout, notes, collectives per training step with bytes per rank; for an MoE layer
@@ -26,7 +47,9 @@ struct DataFootprint;
 // Throws meshtrain::Error on bad input.
 // The plan also predicts the step time (partition/cost_model.hpp) on `hardware` (nullptr:
 // default_hardware_profile()), with a table extrapolated to 64, 256 and 1024 ranks
-// (text: "step time" and "scaling" sections; JSON: "cost" and "scaling").
+// (text: "step time" and "scaling" sections; JSON: "cost" and "scaling"). The JSON totals add
+// the staging and data bytes to "bytes_per_rank" (PlannedMemory::total_bytes) and give
+// "kokkos_bytes_per_rank" (PlannedMemory::kokkos_bytes).
 void print_plan(const RunConfig& config, int world_size, bool json, std::ostream& out,
                 const HardwareProfile* hardware = nullptr);
 // The step the cost model predicts for `config` on `world_size` ranks with `hardware` (the

@@ -1,0 +1,297 @@
+// Memory against the plan (issue 28 item 4): the Kokkos allocation tracker
+// (framework/core/memory_tracker.hpp) against Views of known sizes, beside another tool
+// callback and after one replaced it; and train()'s memory records: after the first step and at
+// the end, one figure per rank, at least the plan's parameter and optimizer-state bytes of the
+// rank and within kPlanFactor of the plan's Kokkos bytes, the same in metrics.jsonl as in the
+// summary the done line prints, smaller per rank on an fsdp mesh than on dp (as the plan
+// says); a run that holds a large allocation the plan does not know is over the plan and the
+// warning names it, a normal run is not.
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "framework/core/memory_tracker.hpp"
+#include "run/training_run.hpp"
+#include "tests/test_support.hpp"
+
+namespace meshtrain {
+namespace {
+
+// --- the tracker ----------------------------------------------------------------------------
+
+std::atomic<long> g_other_tool_allocations{0};
+void count_allocation(Kokkos::Profiling::SpaceHandle, const char*, const void*, uint64_t) {
+  ++g_other_tool_allocations;
+}
+
+TEST(MemoryTracker, CountsLiveBytesAndPeakOfViewsOfKnownSize) {
+  install_memory_tracker();
+  ASSERT_TRUE(memory_tracker_installed());
+  const KokkosMemory before = kokkos_memory();
+  reset_kokkos_peak();
+  {
+    Kokkos::View<float*> a("test::tracked_a", 1000);   // 4,000 B
+    Kokkos::View<double*> b("test::tracked_b", 3000);  // 24,000 B
+    const KokkosMemory during = kokkos_memory(4);
+    EXPECT_EQ(during.live_bytes - before.live_bytes, 28000);
+    EXPECT_EQ(during.peak_bytes, during.live_bytes);
+    ASSERT_FALSE(during.largest.empty());
+    EXPECT_EQ(during.largest.front().label, "test::tracked_b");
+    EXPECT_EQ(during.largest.front().bytes, 24000);
+    EXPECT_EQ(during.largest.front().space, Kokkos::DefaultExecutionSpace::memory_space::name());
+  }
+  const KokkosMemory after = kokkos_memory();
+  EXPECT_EQ(after.live_bytes, before.live_bytes);
+  EXPECT_EQ(after.peak_bytes, before.live_bytes + 28000);  // the peak stays
+  // Many allocations freed in another order than made (the table's deletion).
+  {
+    std::vector<Kokkos::View<float*>> views;
+    for (int i = 1; i <= 500; ++i) views.emplace_back("test::many", i);
+    for (size_t i = 0; i < views.size(); i += 2) views[i] = Kokkos::View<float*>();
+    int64_t odd = 0;
+    for (int i = 2; i <= 500; i += 2) odd += 4 * i;
+    EXPECT_EQ(kokkos_memory().live_bytes - before.live_bytes, odd);
+  }
+  EXPECT_EQ(kokkos_memory().live_bytes, before.live_bytes);
+  EXPECT_TRUE(kokkos_memory().complete);
+}
+
+TEST(MemoryTracker, ChainsAnotherToolsCallbackAndNotesWhenReplaced) {
+  // A callback set before the tracker still sees every allocation.
+  Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
+  install_memory_tracker();
+  g_other_tool_allocations = 0;
+  const int64_t live = kokkos_memory().live_bytes;
+  {
+    Kokkos::View<float*> v("test::chained", 100);
+    EXPECT_EQ(g_other_tool_allocations.load(), 1);
+    EXPECT_EQ(kokkos_memory().live_bytes - live, 400);
+  }
+  // A callback set after it replaces it: that allocation goes uncounted (and its deallocation
+  // is ignored), and the next installation says the figures are incomplete.
+  Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
+  EXPECT_FALSE(memory_tracker_installed());
+  Kokkos::View<float*> missed("test::missed", 100);
+  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+  install_memory_tracker();
+  EXPECT_EQ(kokkos_memory().live_bytes, live);
+  missed = Kokkos::View<float*>();
+  EXPECT_EQ(kokkos_memory().live_bytes, live);
+  EXPECT_FALSE(kokkos_memory().complete);
+}
+
+// --- train()'s records ----------------------------------------------------------------------
+
+// A run's Kokkos peak is at most this many times the plan's Kokkos bytes on these models
+// (activations, the reductions' scratch and FSDP's gathered weights are not in the plan).
+constexpr double kPlanFactor = 2.0;
+
+std::string run_dir(const std::string& what) {
+  return std::filesystem::temp_directory_path().string() + "/meshtrain_memory_plan_" + what +
+         "_np" + std::to_string(world_size());
+}
+
+// 64-256-256-256-8 with AdamW: its parameters and optimizer state (and the asynchronous
+// checkpoint's staging of them) are most of what a rank holds, 16 rows per batch.
+RunConfig config_for(const std::string& preset, const std::string& dir) {
+  RunConfig config;
+  config.file = "memory_plan_test";
+  config.run.seed = 5;
+  config.mesh.axes = {{preset, world_size()}};
+  config.model.sizes = {64, 256, 256, 256, 8};
+  config.partition.preset = preset;
+  config.partition.min_sharding_size = 0;
+  config.data.source = DataSource::synthetic;
+  config.data.synthetic_samples = 64;
+  config.data.batch_size = 16;
+  config.optimizer.kind = OptimizerKind::adamw;
+  config.train.steps = 3;
+  config.train.log_every = 1;
+  config.train.eval_every = 0;
+  config.run.output_dir = dir;
+  config.checkpoint.dir = dir + "/checkpoints";
+  config.checkpoint.keep_best = EvalMetric::test_loss;
+  return config;
+}
+
+struct Trained {
+  std::vector<MemoryEvent> events;  // on_memory's
+  RunSummary summary;
+  PlannedMemory planned;
+  std::vector<nlohmann::json> records;  // metrics.jsonl's memory records (rank 0)
+};
+
+// `on_log` runs on every rank after each log event.
+Trained train(const RunConfig& config, std::function<void(const LogEvent&)> on_log = {}) {
+  if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
+  MPI_Barrier(MPI_COMM_WORLD);
+  Trained t;
+  RunEvents events;
+  events.on_log = std::move(on_log);
+  events.on_memory = [&](const MemoryEvent& e) { t.events.push_back(e); };
+  {
+    TrainingRun run(config, events);
+    t.planned = run.planned_memory();
+    t.summary = run.train();
+  }
+  if (world_rank() == 0) {
+    std::ifstream in(config.run.output_dir + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      auto record = nlohmann::json::parse(line);
+      if (record["event"] == "memory") t.records.push_back(record);
+    }
+    std::filesystem::remove_all(config.run.output_dir);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  return t;
+}
+
+TEST(MemoryPlan, RecordsAfterTheFirstStepAndAtTheEndForEveryRankAgainstThePlan) {
+  const int n = world_size();
+  const Trained dp = train(config_for("dp", run_dir("dp")));
+  ASSERT_EQ(dp.events.size(), 2u);
+  EXPECT_EQ(dp.events[0].when, "first_step");
+  EXPECT_EQ(dp.events[0].step, 1);
+  EXPECT_EQ(dp.events[1].when, "end");
+  EXPECT_EQ(dp.events[1].step, 3);
+  const PlanTotals& plan = dp.planned.totals;
+  for (const MemoryEvent& e : dp.events) {
+    SCOPED_TRACE(e.when);
+    EXPECT_EQ(e.planned_kokkos_bytes, dp.planned.kokkos_bytes());
+    EXPECT_EQ(e.planned_bytes, dp.planned.total_bytes());
+    ASSERT_EQ(e.kokkos_peak_bytes.size(), static_cast<size_t>(n));
+    ASSERT_EQ(e.rss_peak_bytes.size(), static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      // Every rank holds its parameters, their gradients and AdamW's two slots.
+      EXPECT_GE(e.kokkos_peak_bytes[r],
+                plan.parameter_bytes + plan.gradient_bytes + plan.optimizer_bytes);
+      EXPECT_LE(e.kokkos_peak_bytes[r], kPlanFactor * e.planned_kokkos_bytes);
+      EXPECT_GE(e.kokkos_peak_bytes[r], e.kokkos_live_bytes[r]);
+      EXPECT_TRUE(e.kokkos_complete[r]);
+      // The process holds more than its Kokkos allocations (MPI, BLAS, the binary).
+      EXPECT_GT(e.rss_peak_bytes[r], e.kokkos_live_bytes[r]);
+      EXPECT_GE(e.rss_peak_bytes[r], e.rss_bytes[r]);
+    }
+    EXPECT_FALSE(e.over_plan) << format_memory_warning(e);
+    EXPECT_EQ(format_memory_warning(e), "");
+    // The plan's items are found among the largest allocations.
+    const auto item = [&](const std::string& name) {
+      return std::count_if(e.largest.begin(), e.largest.end(),
+                           [&](const MemoryEvent::Allocation& a) { return a.plan_item == name; });
+    };
+    EXPECT_GE(item("parameters"), 1);
+    EXPECT_GE(item("optimizer state"), 1);
+  }
+  // The end holds the asynchronous checkpoint's staging buffer (a plan item) too.
+  EXPECT_GE(dp.events[1].kokkos_peak_bytes[0],
+            dp.events[0].kokkos_peak_bytes[0] + dp.planned.checkpoint_staging_bytes);
+
+  // metrics.jsonl holds the same figures, and so does the done line's text.
+  if (world_rank() == 0) {
+    ASSERT_EQ(dp.records.size(), 2u);
+    for (size_t i = 0; i < 2; ++i) {
+      const nlohmann::json& r = dp.records[i];
+      const MemoryEvent& e = dp.events[i];
+      EXPECT_EQ(r["when"], e.when);
+      EXPECT_EQ(r["step"], e.step);
+      EXPECT_EQ(r["planned_kokkos_bytes"], e.planned_kokkos_bytes);
+      EXPECT_EQ(r["kokkos_peak_bytes"].get<std::vector<int64_t>>(), e.kokkos_peak_bytes);
+      EXPECT_EQ(r["rss_peak_bytes"].get<std::vector<int64_t>>(), e.rss_peak_bytes);
+      EXPECT_EQ(r["rss_bytes"].get<std::vector<int64_t>>(), e.rss_bytes);
+      EXPECT_EQ(r["over_plan"], false);
+    }
+    ASSERT_TRUE(dp.summary.memory);
+    const auto& peaks = dp.records[1]["kokkos_peak_bytes"];
+    const auto max_at = std::max_element(peaks.begin(), peaks.end()) - peaks.begin();
+    const std::string done = format_memory_figures(*dp.summary.memory);
+    const std::string expected = "Kokkos peak " + format_bytes(peaks[max_at].get<int64_t>()) +
+                                 " (max, rank " + std::to_string(max_at) + ") = ";
+    EXPECT_EQ(done.rfind(expected, 0), 0u) << done << "\nexpected to start with " << expected;
+    EXPECT_NE(done.find("of the plan's " + format_bytes(dp.planned.kokkos_bytes())),
+              std::string::npos)
+        << done;
+  }
+
+  // FSDP shards parameters, gradients and optimizer state: less per rank than DP, as the plan
+  // says (on one rank the meshes are the same). After the first step on every rank; at the end
+  // the largest rank's (the plan's per-rank figure is a maximum: DP's checkpoint staging is on
+  // rank 0 alone, which writes the replicated tensors, FSDP's on every rank).
+  if (n == 1) return;
+  const Trained fsdp = train(config_for("fsdp", run_dir("fsdp")));
+  ASSERT_EQ(fsdp.events.size(), 2u);
+  EXPECT_LT(fsdp.planned.kokkos_bytes(), dp.planned.kokkos_bytes());
+  for (int r = 0; r < n; ++r) {
+    EXPECT_LT(fsdp.events[0].kokkos_peak_bytes[r], dp.events[0].kokkos_peak_bytes[r])
+        << "rank " << r;
+  }
+  // FSDP's gathered weights are not in the plan (over 25% on this model), but far below the
+  // warning's floor: no warning.
+  for (const MemoryEvent& e : fsdp.events) EXPECT_FALSE(e.over_plan) << format_memory_warning(e);
+  const auto max_of = [](const std::vector<int64_t>& v) {
+    return *std::max_element(v.begin(), v.end());
+  };
+  EXPECT_LT(max_of(fsdp.events[1].kokkos_peak_bytes), max_of(dp.events[1].kokkos_peak_bytes));
+}
+
+TEST(MemoryPlan, AnAllocationThePlanDoesNotKnowIsNamedInTheWarning) {
+  const int n = world_size();
+  const int holder = n - 1;  // the one rank that allocates it
+  RunConfig config = config_for("dp", run_dir("unplanned"));
+  PlannedMemory planned;
+  {
+    TrainingRun probe(config);
+    planned = probe.planned_memory();
+  }
+  // After the first step's log, the last rank holds a View larger than the plan's Kokkos bytes
+  // and the warning's floor together, till the end of the run.
+  const int64_t block_bytes = planned.kokkos_bytes() + TrainingRun::kOverPlanMinBytes;
+  auto block = std::make_shared<Kokkos::View<char*>>();
+  const Trained t = train(config, [&](const LogEvent& e) {
+    if (e.step == 1 && world_rank() == holder) {
+      *block = Kokkos::View<char*>("test::unplanned_block", block_bytes);
+    }
+  });
+  ASSERT_EQ(t.events.size(), 2u);
+  for (const MemoryEvent& e : t.events) {
+    SCOPED_TRACE(e.when);
+    EXPECT_TRUE(e.over_plan);
+    EXPECT_EQ(e.worst_rank, holder);
+    EXPECT_GE(e.kokkos_peak_bytes[holder],
+              block_bytes + planned.totals.parameter_bytes + planned.totals.optimizer_bytes);
+    ASSERT_FALSE(e.largest.empty());
+    EXPECT_EQ(e.largest.front().label, "test::unplanned_block");
+    EXPECT_EQ(e.largest.front().plan_item, "");
+    EXPECT_EQ(e.largest.front().bytes, block_bytes);
+    const std::string warning = format_memory_warning(e);
+    EXPECT_EQ(warning.rfind("rank " + std::to_string(holder) + "'s Kokkos allocations peaked at " +
+                                format_bytes(e.kokkos_peak_bytes[holder]),
+                            0),
+              0u)
+        << warning;
+    EXPECT_NE(warning.find("the plan's " + format_bytes(planned.kokkos_bytes())), std::string::npos)
+        << warning;
+    EXPECT_NE(warning.find("'test::unplanned_block' " + format_bytes(block_bytes)),
+              std::string::npos)
+        << warning;
+  }
+  if (world_rank() == 0) {
+    ASSERT_EQ(t.records.size(), 2u);
+    EXPECT_EQ(t.records[0]["over_plan"], true);
+    EXPECT_EQ(t.records[0]["largest_allocations"][0]["label"], "test::unplanned_block");
+  }
+  block.reset();
+}
+
+}  // namespace
+}  // namespace meshtrain
