@@ -10,6 +10,7 @@
 
 #include "framework/comm/backends/host_staging.hpp"
 #include "framework/comm/backends/mpi_ring.hpp"
+#include "framework/comm/flight_recorder.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/progress_thread.hpp"
 #include "framework/comm/slot_pool.hpp"
@@ -99,6 +100,7 @@ std::string timeout_text(double seconds) {
                               " did not complete within " + timeout_text(timeout) +
                               " s: a rank did not join";
   abandon(state, requests, count, "an earlier timeout (" + message + ")");
+  FlightRecorder::mark_timeout();  // the Communicator adds what the flight records say
   MESHTRAIN_FAIL(message);
 }
 
@@ -372,8 +374,21 @@ MpiCommunicator MpiCommunicator::adopt(MPI_Comm comm, std::string description) {
   auto state = std::make_shared<State>();
   state->description = description;
   state->alltoallv_layout.resize(4 * static_cast<std::size_t>(size));
+  // The members as world ranks, for the flight recorder's reports.
+  std::vector<int> group_ranks(static_cast<std::size_t>(size)), world_ranks(group_ranks.size());
+  for (int k = 0; k < size; ++k) group_ranks[static_cast<std::size_t>(k)] = k;
+  MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+  check_mpi(MPI_Comm_group(comm, &group), "MPI_Comm_group");
+  check_mpi(MPI_Comm_group(MPI_COMM_WORLD, &world), "MPI_Comm_group");
+  const int translated = MPI_Group_translate_ranks(group, size, group_ranks.data(), world,
+                                                   world_ranks.data());
+  MPI_Group_free(&group);
+  MPI_Group_free(&world);
+  check_mpi(translated, "MPI_Group_translate_ranks");
   state->comm = comm;
-  return MpiCommunicator(std::move(state), size, rank, std::move(description));
+  MpiCommunicator made(std::move(state), size, rank, std::move(description));
+  made.set_flight_world_ranks(world_ranks);
+  return made;
 }
 
 MpiCommunicator MpiCommunicator::duplicate(MPI_Comm comm, std::string description) {
