@@ -180,9 +180,12 @@ void FlightRecorder::configure(std::size_t capacity, const std::string& output_d
   capacity_ = 0;  // off while the ring is replaced
   entries_.reset();
   serials_.store(0, std::memory_order_relaxed);
+  dir_.clear();
+  file_path_[0] = '\0';
   if (capacity == 0) return;
   dir_ = output_dir.empty() ? std::string() : output_dir + "/flight";
   const std::string file = dir_ + "/rank-" + std::to_string(world_rank) + ".json";
+  render_path(run_dir_path_, output_dir);
   render_path(dir_path_, dir_);
   render_path(file_path_, dir_.empty() ? std::string() : file);
   render_path(temp_path_, dir_.empty() ? std::string() : file + ".tmp");
@@ -288,6 +291,7 @@ bool FlightRecorder::write(const char* reason) noexcept {
   bool expected = false;
   if (!writing_.compare_exchange_strong(expected, true)) return false;  // being written now
   bool ok = false;
+  ::mkdir(run_dir_path_, 0777);  // when the run has not made it yet (an error at start)
   if (::mkdir(dir_path_, 0777) == 0 || errno == EEXIST) {
     const int fd = ::open(temp_path_, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd >= 0) {

@@ -130,6 +130,7 @@ class FlightRecorder {
   int world_size_ = 1;
   std::string dir_;
   // Rendered at configure(): written by a signal handler, which must not format strings.
+  char run_dir_path_[4096] = {};
   char dir_path_[4096] = {};
   char file_path_[4096] = {};
   char temp_path_[4096] = {};
