@@ -3,7 +3,8 @@
 //   flight_tool run FAULT RANK K DIR   collectives 1, 2, ... alternate between an all_reduce on
 //                                      the world (odd) and an all_gather on the tp axis of a
 //                                      (dp, tp=2) mesh (even); rank RANK meets FAULT before
-//                                      collective K: stop (SIGSTOP), kill (SIGKILL), skip (it
+//                                      collective K: stop (SIGSTOP, then hangs when continued),
+//                                      kill (SIGKILL), skip (it
 //                                      goes on with collective K+1), none. The recorder writes
 //                                      to DIR/flight/. Ends every rank with the error of a
 //                                      timeout (MESHTRAIN_COLLECTIVE_TIMEOUT) through
@@ -70,7 +71,12 @@ int main(int argc, char** argv) {
     const int collectives = fault_at + 3;
     for (int k = 1; k <= collectives; ++k) {
       if (k == fault_at && rank == fault_rank) {
-        if (fault == "stop") raise(SIGSTOP);
+        if (fault == "stop") {
+          // Stopped, then hung outside any collective once continued (mpirun sends SIGCONT
+          // before SIGTERM when it ends the job): a rank that makes no progress.
+          raise(SIGSTOP);
+          for (;;) pause();
+        }
         if (fault == "kill") raise(SIGKILL);
         if (fault == "skip") continue;
       }
