@@ -88,3 +88,9 @@ foreach(np 2 4)
     set_tests_properties(comm_flight_${fault}_np${np} PROPERTIES PROCESSORS ${np})
   endforeach()
 endforeach()
+# The recorder in a real `meshtrain train` (np 2): SIGUSR1 writes the records while the run
+# goes on, SIGTERM writes them and ends it, `meshtrain flight-report` reads them.
+meshtrain_add_command_test(NAME cli_flight_signals_np2 TIMEOUT 90
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/flight_signals.sh $<TARGET_FILE:meshtrain>
+          ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+set_tests_properties(cli_flight_signals_np2 PROPERTIES PROCESSORS 2)
