@@ -176,8 +176,8 @@ int run_flight_report(const FlightReportArgs& args) {
   std::cout << records.size() << " flight record" << (records.size() == 1 ? "" : "s") << " in "
             << dir << "/";
   for (std::size_t k = 0; k < records.size(); ++k) {
-    std::cout << (k == 0 ? " (" : ", ") << "rank " << records[k].rank << ": "
-              << records[k].reason << (k + 1 == records.size() ? ")" : "");
+    std::cout << (k == 0 ? " (" : ", ") << "rank " << records[k].rank << ": " << records[k].reason
+              << (k + 1 == records.size() ? ")" : "");
   }
   std::cout << "\n";
   const std::vector<meshtrain::FlightFinding> findings = meshtrain::find_stuck_collectives(records);

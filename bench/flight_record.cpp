@@ -62,15 +62,17 @@ int main(int argc, char** argv) {
         const double barrier = ns_per_call(iterations, [&] { comm.barrier(); });
         results[std::string("record_") + variant].push_back(record);
         results[std::string("barrier_") + variant].push_back(barrier);
-        std::printf("{\"bench\": \"flight_record\", \"variant\": \"%s\", \"round\": %d, "
-                    "\"iterations\": %d, \"record_ns\": %.2f, \"barrier_ns\": %.2f}\n",
-                    variant, round, iterations, record, barrier);
+        std::printf(
+            "{\"bench\": \"flight_record\", \"variant\": \"%s\", \"round\": %d, "
+            "\"iterations\": %d, \"record_ns\": %.2f, \"barrier_ns\": %.2f}\n",
+            variant, round, iterations, record, barrier);
       }
     }
     for (const auto& [name, values] : results) {
-      std::printf("{\"bench\": \"flight_record\", \"summary\": true, \"what\": \"%s\", "
-                  "\"median_ns\": %.2f}\n",
-                  name.c_str(), median(values));
+      std::printf(
+          "{\"bench\": \"flight_record\", \"summary\": true, \"what\": \"%s\", "
+          "\"median_ns\": %.2f}\n",
+          name.c_str(), median(values));
     }
     recorder.configure(0, "", 0, 1);
     std::filesystem::remove_all(dir);

@@ -129,8 +129,8 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     // Every collective from here on goes into the flight recorder ([runtime] flight_records).
     int world_rank = 0;
     check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "MPI_Comm_rank");
-    flight_recorder().configure(static_cast<std::size_t>(config_.runtime.flight_records),
-                                run_dir(), world_rank, world_size);
+    flight_recorder().configure(static_cast<std::size_t>(config_.runtime.flight_records), run_dir(),
+                                world_rank, world_size);
   });
   const int64_t inputs = config_.model.input_width(), outputs = config_.model.output_width();
   const ModelWidthKeys width_keys = config_.model.kind == ModelKind::residual_mlp

@@ -217,7 +217,7 @@ void Request::finish() noexcept {
   flight_serial_ = 0;
   if (failed) {
     FlightRecorder::take_timeout();  // nobody reports it
-    retire_slot(wire_);  // an abandoned transfer may still use its buffers
+    retire_slot(wire_);              // an abandoned transfer may still use its buffers
   } else {
     drop_wire();  // nobody waits for the result
   }
@@ -548,13 +548,13 @@ Request Communicator::start_all_gather(ConstVectorView send, VectorView recv, Dt
     }
     Request::WireSlot& slot = acquire_wire_slot(count, recv.extent(0));
     pack_16bit(send.data(), slot.send.data(), count, wire);
-    return flight.started(
-        traced_start(span, start_on_wire(slot, recv.data(), recv.extent(0), wire,
-                                         [&] {
-                                           return raw_start_all_gather(
-                                               slot.send.data(), slot.recv.data(), count, wire, op);
-                                         })),
-        timeout_seconds_);
+    return flight.started(traced_start(span, start_on_wire(slot, recv.data(), recv.extent(0), wire,
+                                                           [&] {
+                                                             return raw_start_all_gather(
+                                                                 slot.send.data(), slot.recv.data(),
+                                                                 count, wire, op);
+                                                           })),
+                          timeout_seconds_);
   } catch (...) {
     rethrow_recorded(flight.serial(), timeout_seconds_);
   }

@@ -139,7 +139,7 @@ class Request {
  private:
   friend class Communicator;
   friend struct RequestFlight;  // communicator.cpp: attaches the flight recorder's entry
-  void finish() noexcept;  // waits (errors swallowed) and releases a pending Impl
+  void finish() noexcept;       // waits (errors swallowed) and releases a pending Impl
   // After a completion: the 16-bit data received unpacked into the caller's floats.
   void complete_wire();
   // The wire slot back to its pool without unpacking (a failed or abandoned operation).

@@ -82,7 +82,8 @@ class SignalSafeJson {
     char digits[24];
     int n = 0;
     // Negative values through their magnitude as unsigned (INT64_MIN included).
-    uint64_t magnitude = value < 0 ? 0 - static_cast<uint64_t>(value) : static_cast<uint64_t>(value);
+    uint64_t magnitude =
+        value < 0 ? 0 - static_cast<uint64_t>(value) : static_cast<uint64_t>(value);
     do {
       digits[n++] = static_cast<char>('0' + magnitude % 10);
       magnitude /= 10;
@@ -173,8 +174,8 @@ FlightRecorder& flight_recorder() {
   return recorder;
 }
 
-void FlightRecorder::configure(std::size_t capacity, const std::string& output_dir,
-                               int world_rank, int world_size) {
+void FlightRecorder::configure(std::size_t capacity, const std::string& output_dir, int world_rank,
+                               int world_size) {
   world_rank_ = world_rank;
   world_size_ = world_size;
   capacity_ = 0;  // off while the ring is replaced
@@ -313,7 +314,8 @@ bool FlightRecorder::write(const char* reason) noexcept {
           json.raw(", \"group\": ").string(group.description);
           json.raw(", \"size\": ").integer(group.size);
           json.raw(", \"rank\": ").integer(group.rank);
-          json.raw(", \"entered\": ").unsigned_integer(group.entered.load(std::memory_order_relaxed));
+          json.raw(", \"entered\": ")
+              .unsigned_integer(group.entered.load(std::memory_order_relaxed));
           json.raw(", \"world_ranks\": [");
           if (const int* ranks = group.world_ranks.get()) {
             for (int k = 0; k < group.size; ++k) json.raw(k == 0 ? "" : ", ").integer(ranks[k]);

@@ -19,7 +19,7 @@ struct FlightRecordFile {
   struct Group {
     std::string description;
     int size = 0;
-    int rank = 0;                 // this rank's place in the group
+    int rank = 0;                  // this rank's place in the group
     std::vector<int> world_ranks;  // empty when the backend did not say
     uint64_t entered = 0;          // collectives this rank entered on the group
   };

@@ -74,11 +74,14 @@ TEST(FlightRecorder, HoldsExactlyTheCollectivesRun) {
 
   // Bytes: the operand in the wire dtype (the gathered tensor, the reduced one; a broadcast's
   // or a shift's buffer), as a trace span's operand_bytes.
-  const std::vector<Expected> expected = {
-      {"all_reduce", 16 * 4, "fp32"},    {"all_gather", 8 * n * 2, "bf16"},
-      {"reduce_scatter", 4 * n * 4, "fp32"}, {"broadcast", 10 * 4, "fp32"},
-      {"barrier", 0, ""},                {"all_reduce", 12 * 4, "fp32"},
-      {"shift", 6 * 4, "fp32"},          {"all_reduce", 3 * 8, "f64"}};
+  const std::vector<Expected> expected = {{"all_reduce", 16 * 4, "fp32"},
+                                          {"all_gather", 8 * n * 2, "bf16"},
+                                          {"reduce_scatter", 4 * n * 4, "fp32"},
+                                          {"broadcast", 10 * 4, "fp32"},
+                                          {"barrier", 0, ""},
+                                          {"all_reduce", 12 * 4, "fp32"},
+                                          {"shift", 6 * 4, "fp32"},
+                                          {"all_reduce", 3 * 8, "f64"}};
   const std::vector<FlightEntry> entries = flight_recorder().entries();
   ASSERT_EQ(entries.size(), expected.size());
   for (std::size_t k = 0; k < entries.size(); ++k) {
@@ -187,8 +190,7 @@ FlightRecordFile record_of(int rank, uint64_t entered) {
 }
 
 TEST(FlightReport, NamesTheRanksBehindAndThoseWithoutARecord) {
-  const std::vector<FlightRecordFile> records = {record_of(0, 3), record_of(1, 2),
-                                                 record_of(2, 3)};
+  const std::vector<FlightRecordFile> records = {record_of(0, 3), record_of(1, 2), record_of(2, 3)};
   const FlightFinding finding = compare_flight_records(records, "world", {0, 1, 2, 3}, 3);
   EXPECT_EQ(finding.op, "all_reduce");
   EXPECT_EQ(finding.entered, (std::vector<int>{0, 2}));
@@ -206,9 +208,9 @@ TEST(FlightReport, NamesTheRanksBehindAndThoseWithoutARecord) {
   ASSERT_EQ(stuck.size(), 1u);
   EXPECT_EQ(stuck[0].sentence(), finding.sentence());
   // Everyone at #2, completed: nothing to report.
-  EXPECT_TRUE(find_stuck_collectives({record_of(0, 2), record_of(1, 2), record_of(2, 2),
-                                      record_of(3, 2)})
-                  .empty());
+  EXPECT_TRUE(
+      find_stuck_collectives({record_of(0, 2), record_of(1, 2), record_of(2, 2), record_of(3, 2)})
+          .empty());
 }
 
 }  // namespace

@@ -67,7 +67,8 @@ int main(int argc, char** argv) {
     meshtrain::Communicator& world = runtime->world();
     meshtrain::Communicator& tp = comms.get({"tp"});
     Kokkos::View<float*, Kokkos::LayoutRight> data("flight_tool::data", 16);
-    Kokkos::View<float*, Kokkos::LayoutRight> gathered("flight_tool::gathered", 16 * static_cast<std::size_t>(tp.size()));
+    Kokkos::View<float*, Kokkos::LayoutRight> gathered("flight_tool::gathered",
+                                                       16 * static_cast<std::size_t>(tp.size()));
     const int collectives = fault_at + 3;
     for (int k = 1; k <= collectives; ++k) {
       if (k == fault_at && rank == fault_rank) {

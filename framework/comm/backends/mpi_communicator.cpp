@@ -380,8 +380,8 @@ MpiCommunicator MpiCommunicator::adopt(MPI_Comm comm, std::string description) {
   MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
   check_mpi(MPI_Comm_group(comm, &group), "MPI_Comm_group");
   check_mpi(MPI_Comm_group(MPI_COMM_WORLD, &world), "MPI_Comm_group");
-  const int translated = MPI_Group_translate_ranks(group, size, group_ranks.data(), world,
-                                                   world_ranks.data());
+  const int translated =
+      MPI_Group_translate_ranks(group, size, group_ranks.data(), world, world_ranks.data());
   MPI_Group_free(&group);
   MPI_Group_free(&world);
   check_mpi(translated, "MPI_Group_translate_ranks");
