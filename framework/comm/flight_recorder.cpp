@@ -139,6 +139,12 @@ extern "C" void flight_signal_handler(int signal_number) {
   const int saved_errno = errno;
   flight_recorder().write(signal_number == SIGTERM ? "SIGTERM" : "SIGUSR1");
   if (signal_number == SIGTERM) {
+    // Linger a moment first: Open MPI's daemon signals every rank of the node at once and
+    // SIGKILLs those left as soon as the first one exits, so the quick ones would cut the
+    // others' writing short.
+    timespec linger{0, 300 * 1000 * 1000};
+    while (nanosleep(&linger, &linger) != 0 && errno == EINTR) {
+    }
     // What mpirun asked for: the default action (termination), with the record written.
     struct sigaction action {};
     action.sa_handler = SIG_DFL;
