@@ -374,17 +374,7 @@ MpiCommunicator MpiCommunicator::adopt(MPI_Comm comm, std::string description) {
   auto state = std::make_shared<State>();
   state->description = description;
   state->alltoallv_layout.resize(4 * static_cast<std::size_t>(size));
-  // The members as world ranks, for the flight recorder's reports.
-  std::vector<int> group_ranks(static_cast<std::size_t>(size)), world_ranks(group_ranks.size());
-  for (int k = 0; k < size; ++k) group_ranks[static_cast<std::size_t>(k)] = k;
-  MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
-  check_mpi(MPI_Comm_group(comm, &group), "MPI_Comm_group");
-  check_mpi(MPI_Comm_group(MPI_COMM_WORLD, &world), "MPI_Comm_group");
-  const int translated =
-      MPI_Group_translate_ranks(group, size, group_ranks.data(), world, world_ranks.data());
-  MPI_Group_free(&group);
-  MPI_Group_free(&world);
-  check_mpi(translated, "MPI_Group_translate_ranks");
+  const std::vector<int> world_ranks = world_ranks_of(comm);  // for the flight recorder
   state->comm = comm;
   MpiCommunicator made(std::move(state), size, rank, std::move(description));
   made.set_flight_world_ranks(world_ranks);
