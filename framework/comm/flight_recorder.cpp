@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <thread>
 
@@ -173,6 +174,20 @@ void render_path(char (&field)[N], const std::string& path) {
   std::memcpy(field, path.c_str(), path.size() + 1);
 }
 
+// Every rank-<k>.json (and its temporary) in `dir`; errors ignored (nothing to remove).
+void remove_earlier_records(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  fs::directory_iterator entries(dir, error);
+  if (error) return;
+  for (const fs::directory_entry& entry : entries) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("rank-", 0) == 0 && name.find(".json") != std::string::npos) {
+      fs::remove(entry.path(), error);
+    }
+  }
+}
+
 }  // namespace
 
 FlightRecorder& flight_recorder() {
@@ -197,7 +212,11 @@ void FlightRecorder::configure(std::size_t capacity, const std::string& output_d
   render_path(file_path_, dir_.empty() ? std::string() : file);
   render_path(temp_path_, dir_.empty() ? std::string() : file + ".tmp");
   if (!dir_.empty()) {
-    ::unlink(file_path_);  // a file of an earlier run must not be taken for this one's
+    // The files of an earlier run in this folder must not be taken for this one's: each rank
+    // removes its own, and rank 0 every other one (the others have written nothing yet: no
+    // collective of this run can have timed out before rank 0 got here).
+    ::unlink(file_path_);
+    if (world_rank == 0) remove_earlier_records(dir_);
   }
   entries_ = std::make_unique<FlightEntry[]>(capacity);
   capacity_ = capacity;

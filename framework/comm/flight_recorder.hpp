@@ -54,9 +54,9 @@ class FlightRecorder {
   static constexpr std::size_t kDescriptionChars = 96;
 
   // Keeps the last `capacity` collectives from now on (0: off) and writes to
-  // <output_dir>/flight/rank-<world_rank>.json; removes this rank's file of an earlier run
-  // there. Installs the SIGUSR1 and SIGTERM handlers when on. Call before the collectives to
-  // record, from one thread (not while another records).
+  // <output_dir>/flight/rank-<world_rank>.json; removes the files of an earlier run there
+  // (this rank's own; rank 0: all). Installs the SIGUSR1 and SIGTERM handlers when on. Call before
+  // the collectives to record, from one thread (not while another records).
   void configure(std::size_t capacity, const std::string& output_dir, int world_rank,
                  int world_size);
   bool on() const { return capacity_ != 0; }

@@ -13,6 +13,7 @@
 #include <Kokkos_Core.hpp>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -165,6 +166,26 @@ TEST(FlightRecorder, SigusrWritesTheRecordAndTheProgramGoesOn) {
   ASSERT_EQ(second.entries.size(), 5u);
   EXPECT_EQ(second.entries.back().sequence, 5u);
   EXPECT_GE(second.written_ns, first.written_ns);
+  remove_job_dir(dir);
+  flight_recorder().configure(0, "", world_rank(), world_size());
+}
+
+TEST(FlightRecorder, ConfigureRemovesTheRecordsOfAnEarlierRun) {
+  const std::string dir = job_dir("stale");
+  if (world_rank() == 0) {
+    std::filesystem::create_directories(dir + "/flight");
+    for (const char* name : {"rank-0.json", "rank-1.json", "rank-99.json", "rank-3.json.tmp"}) {
+      std::ofstream(dir + "/flight/" + name) << "{}";
+    }
+    std::ofstream(dir + "/flight/notes.txt") << "kept";
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  flight_recorder().configure(8, dir, world_rank(), world_size());
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (const char* name : {"rank-0.json", "rank-1.json", "rank-99.json", "rank-3.json.tmp"}) {
+    EXPECT_FALSE(std::filesystem::exists(dir + "/flight/" + name)) << name;
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir + "/flight/notes.txt"));
   remove_job_dir(dir);
   flight_recorder().configure(0, "", world_rank(), world_size());
 }
