@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What the flight recorder costs ([runtime] flight_records, issue 28): FSDP steps on NP ranks
 # (synthetic data, mse) with the recorder off (flight_records = 0) and on (the default 64),
-# interleaved in each round. The default model is small (784-256-256-10, batch 64) so that
+# interleaved in each round (the order alternates between rounds). The default model is small (784-256-256-10, batch 64) so that
 # the step is short and its collectives (an all-gather and a reduce-scatter per layer, the
 # loss's all-reduce) weigh the most. JSON lines: one per run and round with the median step
 # time of steps 4..STEPS-1 (metrics.jsonl, log_every = 1), then one summary line per variant
@@ -23,7 +23,9 @@ common=(--set "model.sizes=[$sizes]" --set 'data.source="synthetic"'
   --set train.eval_every=0 --set checkpoint.every_steps=0 --set 'model.loss="mse"'
   --set 'checkpoint.keep_best="test_loss"')
 for round in $(seq 1 "$rounds"); do
-  for variant in off on; do
+  order="off on"
+  (( round % 2 == 0 )) && order="on off"  # alternate: neither side always runs first
+  for variant in $order; do
     records=0
     [[ $variant == on ]] && records=64
     out=$work/$variant-$round
