@@ -191,8 +191,9 @@ void remove_earlier_records(const std::string& dir) {
 }  // namespace
 
 FlightRecorder& flight_recorder() {
-  static FlightRecorder recorder;
-  return recorder;
+  // Never destroyed: communicators destroyed at exit and a signal at exit still find it.
+  static FlightRecorder* const recorder = new FlightRecorder;
+  return *recorder;
 }
 
 void FlightRecorder::configure(std::size_t capacity, const std::string& output_dir, int world_rank,
