@@ -30,6 +30,7 @@
 #include "apps/train.hpp"
 #include "base/error.hpp"
 #include "framework/comm/exit_policy.hpp"
+#include "framework/comm/flight_report.hpp"
 #include "framework/core/version.hpp"
 #include "framework/io/checkpoint_report.hpp"
 #include "framework/train/config.hpp"
@@ -151,6 +152,37 @@ int run_trace_report(const TraceReportArgs& args) {
   } else {
     meshtrain::print_trace_report(report, std::cout);
   }
+  std::cout.flush();
+  return std::cout ? 0 : kExitFailure;
+}
+
+// --- flight-report: which ranks never entered the collective a run stopped in ----------
+struct FlightReportArgs {
+  std::string run_dir;
+};
+
+void add_flight_report_command(CLI::App& app, FlightReportArgs& args) {
+  CLI::App* command = app.add_subcommand(
+      "flight-report",
+      "Compare the ranks' flight records of a run that hung or failed, and name the first "
+      "collective some rank never entered ([runtime] flight_records; docs/running.md)");
+  command->add_option("run_dir", args.run_dir, "The run's folder (its flight/ holds the files)")
+      ->required();
+}
+
+int run_flight_report(const FlightReportArgs& args) {
+  const std::string dir = args.run_dir + "/flight";
+  const std::vector<meshtrain::FlightRecordFile> records = meshtrain::read_flight_records(dir);
+  std::cout << records.size() << " flight record" << (records.size() == 1 ? "" : "s") << " in "
+            << dir << "/";
+  for (std::size_t k = 0; k < records.size(); ++k) {
+    std::cout << (k == 0 ? " (" : ", ") << "rank " << records[k].rank << ": " << records[k].reason
+              << (k + 1 == records.size() ? ")" : "");
+  }
+  std::cout << "\n";
+  const std::vector<meshtrain::FlightFinding> findings = meshtrain::find_stuck_collectives(records);
+  if (findings.empty()) std::cout << "every group's last collective completed on every rank\n";
+  for (const meshtrain::FlightFinding& finding : findings) std::cout << finding.sentence() << "\n";
   std::cout.flush();
   return std::cout ? 0 : kExitFailure;
 }
@@ -332,6 +364,8 @@ int main(int argc, char** argv) {
   add_plan_command(app, plan_args);
   TraceReportArgs trace_report_args;
   add_trace_report_command(app, trace_report_args);
+  FlightReportArgs flight_report_args;
+  add_flight_report_command(app, flight_report_args);
   TrainArgs train_args;
   add_train_command(app, train_args);
   InspectArgs inspect_args;
@@ -368,6 +402,7 @@ int main(int argc, char** argv) {
   try {
     if (app.got_subcommand("plan")) return run_plan(plan_args);
     if (app.got_subcommand("trace-report")) return run_trace_report(trace_report_args);
+    if (app.got_subcommand("flight-report")) return run_flight_report(flight_report_args);
     if (app.got_subcommand("train")) return run_train(train_args, argc, argv);
     if (app.got_subcommand("calibrate")) return run_calibrate(calibrate_args, argc, argv);
     if (app.got_subcommand("predict")) return run_predict(predict_args, argc, argv);

@@ -21,6 +21,7 @@
 #include "base/error.hpp"
 #include "framework/comm/collective_matmul.hpp"
 #include "framework/comm/failure_agreement.hpp"
+#include "framework/comm/flight_recorder.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/reduction_choice.hpp"
 #include "framework/comm/runtime.hpp"
@@ -157,6 +158,11 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     // features'.
     layer_axes_ = LayerAxes{options.batch_axes, options.feature_axis};
     planned_memory_ = meshtrain::planned_memory(config_, *plan_);
+    // Every collective from here on goes into the flight recorder ([runtime] flight_records).
+    int world_rank = 0;
+    check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "MPI_Comm_rank");
+    flight_recorder().configure(static_cast<std::size_t>(config_.runtime.flight_records), run_dir(),
+                                world_rank, world_size);
   });
   const int64_t inputs = config_.model.input_width(), outputs = config_.model.output_width();
   const ModelWidthKeys width_keys = config_.model.kind == ModelKind::residual_mlp
@@ -726,10 +732,12 @@ void TrainingRun::end_trace() {
   });
 }
 
+std::string TrainingRun::run_dir() const {
+  return config_.run.output_dir.empty() ? "runs/" + config_.run.name : config_.run.output_dir;
+}
+
 std::string TrainingRun::trace_dir() const {
-  const std::string run_dir =
-      config_.run.output_dir.empty() ? "runs/" + config_.run.name : config_.run.output_dir;
-  return run_dir + "/trace";
+  return run_dir() + "/trace";
 }
 
 // The training step, top to bottom: accumulate_loaded_batch for each micro-batch, then

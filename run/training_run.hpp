@@ -180,6 +180,9 @@ class TrainingRun {
   // Where [runtime] trace_steps writes: <run.output_dir>/trace (runs/<run.name>/trace when
   // the config names no output_dir).
   std::string trace_dir() const;
+  // The run's directory: run.output_dir, or runs/<run.name> when the config names none. The
+  // flight recorder ([runtime] flight_records) writes to its flight/ folder.
+  std::string run_dir() const;
   // The last step is done, or train.early_stopping stopped the run (also when resumed from
   // a checkpoint saved as it stopped).
   bool finished() const { return steps_done_ >= total_steps_ || stopped_early_; }

@@ -69,3 +69,28 @@ if(MESHTRAIN_HAVE_TSAN)
   set_property(TEST comm_progress_thread_tsan APPEND PROPERTY ENVIRONMENT
                "TSAN_OPTIONS=halt_on_error=1 exitcode=66")
 endif()
+
+# The flight recorder (framework/comm/flight_recorder.hpp): the record holds exactly the
+# collectives run, wraps after its capacity, and SIGUSR1 writes it while the program goes on.
+meshtrain_add_test(NAME comm_flight_recorder_test SOURCES comm/flight_recorder_test.cpp
+                   LIBS meshtrain_framework NP 1 2 4 TIMEOUT 60)
+# A rank stopped, killed, or skipping a collective: the job ends within a bound, the other
+# ranks' records are written, and the error (or the records compared after the fact) names
+# the rank and the collective it never entered (flight_fault_test.sh).
+add_executable(comm_flight_tool comm/flight_tool.cpp)
+target_link_libraries(comm_flight_tool PRIVATE meshtrain_framework)
+foreach(np 2 4)
+  foreach(fault stop kill skip)
+    meshtrain_add_command_test(NAME comm_flight_${fault}_np${np} TIMEOUT 90
+      COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/comm/flight_fault_test.sh
+              $<TARGET_FILE:comm_flight_tool> ${np} ${fault} ${MESHTRAIN_MPIEXEC}
+              ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+    set_tests_properties(comm_flight_${fault}_np${np} PROPERTIES PROCESSORS ${np})
+  endforeach()
+endforeach()
+# The recorder in a real `meshtrain train` (np 2): SIGUSR1 writes the records while the run
+# goes on, SIGTERM writes them and ends it, `meshtrain flight-report` reads them.
+meshtrain_add_command_test(NAME cli_flight_signals_np2 TIMEOUT 90
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/flight_signals.sh $<TARGET_FILE:meshtrain>
+          ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+set_tests_properties(cli_flight_signals_np2 PROPERTIES PROCESSORS 2)

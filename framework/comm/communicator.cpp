@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "framework/comm/flight_recorder.hpp"
 #include "framework/comm/slot_pool.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/exec_space.hpp"
@@ -68,6 +69,69 @@ void describe_transfer(TraceSpan& span, const std::string& group, std::size_t by
 
 }  // namespace
 
+// Gives a started operation's Request its flight recorder entry.
+struct RequestFlight {
+  static void attach(Request& request, uint64_t serial, double timeout);
+};
+
+namespace {
+
+// One collective in the flight recorder: entered (or started) when made, failed unless
+// completed() or handed to a Request.
+class FlightScope {
+ public:
+  FlightScope(int group, const char* op, std::size_t bytes, Dtype wire, bool started = false)
+      : FlightScope(group, op, bytes, to_string(wire), started) {}
+  FlightScope(int group, const char* op, std::size_t bytes, const char* wire, bool started = false)
+      : serial_(flight_recorder().enter(group, op, static_cast<int64_t>(bytes), wire, started)) {}
+  FlightScope(const FlightScope&) = delete;
+  FlightScope& operator=(const FlightScope&) = delete;
+  ~FlightScope() { flight_recorder().finish(serial_, FlightState::failed); }
+
+  void completed() {
+    flight_recorder().finish(serial_, FlightState::completed);
+    serial_ = 0;
+  }
+  // A started operation: its Request completes the entry.
+  Request started(Request request, double timeout) {
+    if (request.pending()) {
+      RequestFlight::attach(request, serial_, timeout);
+    } else {
+      flight_recorder().finish(serial_, FlightState::completed);
+    }
+    serial_ = 0;
+    return request;
+  }
+  uint64_t serial() const { return serial_; }
+
+ private:
+  uint64_t serial_;
+};
+
+// In a catch block: the entry `serial` failed; rethrows the error being handled, with what
+// the flight records say about the collective added when a backend timed out.
+[[noreturn]] void rethrow_recorded(uint64_t serial, double timeout) {
+  flight_recorder().finish(serial, FlightState::failed);
+  const bool timed_out = FlightRecorder::take_timeout();
+  if (timed_out && serial != 0) {
+    const std::string report = flight_recorder().timeout_report(serial, timeout);
+    if (!report.empty()) {
+      try {
+        throw;
+      } catch (const Error& e) {
+        throw Error(e.kind(), std::string(e.what()) + ". " + report, e.file(), e.line());
+      }
+    }
+  }
+  throw;
+}
+
+}  // namespace
+
+void Communicator::set_flight_world_ranks(const std::vector<int>& world_ranks) {
+  flight_recorder().set_world_ranks(flight_group_, world_ranks);
+}
+
 // The start of a non-blocking operation: a span, and a flow id its Request's wait() shows.
 Request Communicator::traced_start(TraceSpan& span, Request request) {
   if (span.on() && request.pending()) {
@@ -79,6 +143,11 @@ Request Communicator::traced_start(TraceSpan& span, Request request) {
 }
 
 // ---------------------------------------------------------------------------- Request
+
+void RequestFlight::attach(Request& request, uint64_t serial, double timeout) {
+  request.flight_serial_ = serial;
+  request.flight_timeout_ = timeout;
+}
 
 struct Request::WireSlot {
   HalfBits send, recv;         // grown on first use, kept
@@ -144,8 +213,11 @@ void Request::finish() noexcept {
     failed = true;
   }
   impl->release();
+  flight_recorder().finish(flight_serial_, failed ? FlightState::failed : FlightState::completed);
+  flight_serial_ = 0;
   if (failed) {
-    retire_slot(wire_);  // an abandoned transfer may still use its buffers
+    FlightRecorder::take_timeout();  // nobody reports it
+    retire_slot(wire_);              // an abandoned transfer may still use its buffers
   } else {
     drop_wire();  // nobody waits for the result
   }
@@ -157,9 +229,12 @@ Request& Request::operator=(Request&& other) noexcept {
     impl_ = other.impl_;
     wire_ = other.wire_;
     trace_flow_ = other.trace_flow_;
+    flight_serial_ = other.flight_serial_;
+    flight_timeout_ = other.flight_timeout_;
     other.impl_ = nullptr;
     other.wire_ = nullptr;
     other.trace_flow_ = 0;
+    other.flight_serial_ = 0;
   }
   return *this;
 }
@@ -175,14 +250,17 @@ void Request::wait() {
   // Release the request even when waiting throws: it is not waited on twice.
   Impl* impl = impl_;
   impl_ = nullptr;
+  const uint64_t serial = flight_serial_;
+  flight_serial_ = 0;
   try {
     impl->wait();
   } catch (...) {
     impl->release();
     retire_slot(wire_);  // an abandoned transfer may still use its buffers
-    throw;
+    rethrow_recorded(serial, flight_timeout_);
   }
   impl->release();
+  flight_recorder().finish(serial, FlightState::completed);
   complete_wire();
 }
 
@@ -193,12 +271,16 @@ bool Request::test() {
     done = impl_->test();
   } catch (...) {
     retire_slot(wire_);  // as in wait(); the Impl is released by wait() or the destructor
-    throw;
+    const uint64_t serial = flight_serial_;
+    flight_serial_ = 0;
+    rethrow_recorded(serial, flight_timeout_);
   }
   if (!done) return false;
   Impl* impl = impl_;
   impl_ = nullptr;
   impl->release();
+  flight_recorder().finish(flight_serial_, FlightState::completed);
+  flight_serial_ = 0;
   complete_wire();
   return true;
 }
@@ -257,6 +339,7 @@ Communicator::Communicator(int size, int rank, std::string description)
       wire_pool_(std::make_shared<Request::WirePool>()) {
   MESHTRAIN_REQUIRE(size >= 1 && rank >= 0 && rank < size, "communicator ", description_,
                     " has an invalid rank ", rank, " of ", size);
+  flight_group_ = flight_recorder().register_group(description_, size_, rank_);
   v_layout_.resize(4 * static_cast<std::size_t>(size));
 }
 
@@ -383,15 +466,21 @@ void Communicator::gather_flat(const float* send, float* recv, std::size_t count
                                const char* op) {
   TraceSpan span("all-gather", TraceKind::collective);
   describe_collective(span, CollectiveKind::all_gather, description_, size_, count * size_, wire);
-  if (!is_16bit(wire)) {
-    raw_all_gather(send, recv, count, Dtype::fp32, op);
-    return;
-  }
   const std::size_t total = count * static_cast<std::size_t>(size_);
-  through_wire(send, count, recv, total, wire, /*in_place=*/false,
-               [&](const uint16_t* packed, uint16_t* arrived) {
-                 raw_all_gather(packed, arrived, count, wire, op);
-               });
+  FlightScope flight(flight_group_, op, total * bytes_of(wire), wire);
+  try {
+    if (!is_16bit(wire)) {
+      raw_all_gather(send, recv, count, Dtype::fp32, op);
+    } else {
+      through_wire(send, count, recv, total, wire, /*in_place=*/false,
+                   [&](const uint16_t* packed, uint16_t* arrived) {
+                     raw_all_gather(packed, arrived, count, wire, op);
+                   });
+    }
+  } catch (...) {
+    rethrow_recorded(flight.serial(), timeout_seconds_);
+  }
+  flight.completed();
 }
 
 void Communicator::all_gather(ConstVectorView send, VectorView recv, Dtype wire) {
@@ -450,15 +539,25 @@ Request Communicator::start_all_gather(ConstVectorView send, VectorView recv, Dt
   const std::size_t count = send.extent(0);
   TraceSpan span("all-gather", TraceKind::collective);
   describe_collective(span, CollectiveKind::all_gather, description_, size_, count * size_, wire);
-  if (!is_16bit(wire)) {
-    return traced_start(span, raw_start_all_gather(send.data(), recv.data(), count, wire, op));
+  FlightScope flight(flight_group_, op, recv.extent(0) * bytes_of(wire), wire, /*started=*/true);
+  try {
+    if (!is_16bit(wire)) {
+      return flight.started(
+          traced_start(span, raw_start_all_gather(send.data(), recv.data(), count, wire, op)),
+          timeout_seconds_);
+    }
+    Request::WireSlot& slot = acquire_wire_slot(count, recv.extent(0));
+    pack_16bit(send.data(), slot.send.data(), count, wire);
+    return flight.started(traced_start(span, start_on_wire(slot, recv.data(), recv.extent(0), wire,
+                                                           [&] {
+                                                             return raw_start_all_gather(
+                                                                 slot.send.data(), slot.recv.data(),
+                                                                 count, wire, op);
+                                                           })),
+                          timeout_seconds_);
+  } catch (...) {
+    rethrow_recorded(flight.serial(), timeout_seconds_);
   }
-  Request::WireSlot& slot = acquire_wire_slot(count, recv.extent(0));
-  pack_16bit(send.data(), slot.send.data(), count, wire);
-  return traced_start(span, start_on_wire(slot, recv.data(), recv.extent(0), wire, [&] {
-                        return raw_start_all_gather(slot.send.data(), slot.recv.data(), count, wire,
-                                                    op);
-                      }));
 }
 
 Request Communicator::start_all_reduce(VectorView data, Dtype wire) {
@@ -467,14 +566,24 @@ Request Communicator::start_all_reduce(VectorView data, Dtype wire) {
   checked_int(count, "started all_reduce count");
   TraceSpan span("all-reduce", TraceKind::collective);
   describe_collective(span, CollectiveKind::all_reduce, description_, size_, count, wire);
-  if (!is_16bit(wire)) {
-    return traced_start(span, raw_start_all_reduce_sum(data.data(), count, wire, op));
+  FlightScope flight(flight_group_, op, count * bytes_of(wire), wire, /*started=*/true);
+  try {
+    if (!is_16bit(wire)) {
+      return flight.started(
+          traced_start(span, raw_start_all_reduce_sum(data.data(), count, wire, op)),
+          timeout_seconds_);
+    }
+    Request::WireSlot& slot = acquire_wire_slot(0, count);
+    pack_16bit(data.data(), slot.recv.data(), count, wire);
+    return flight.started(traced_start(span, start_on_wire(slot, data.data(), count, wire,
+                                                           [&] {
+                                                             return raw_start_all_reduce_sum(
+                                                                 slot.recv.data(), count, wire, op);
+                                                           })),
+                          timeout_seconds_);
+  } catch (...) {
+    rethrow_recorded(flight.serial(), timeout_seconds_);
   }
-  Request::WireSlot& slot = acquire_wire_slot(0, count);
-  pack_16bit(data.data(), slot.recv.data(), count, wire);
-  return traced_start(span, start_on_wire(slot, data.data(), count, wire, [&] {
-                        return raw_start_all_reduce_sum(slot.recv.data(), count, wire, op);
-                      }));
 }
 
 // A 16-bit operation on `slot`'s buffers: `start` begins it on the backend; the Request
@@ -510,15 +619,21 @@ void Communicator::reduce_scatter_flat(const float* send, float* recv, std::size
   TraceSpan span("reduce-scatter", TraceKind::collective);
   describe_collective(span, CollectiveKind::reduce_scatter, description_, size_, count * size_,
                       wire);
-  if (!is_16bit(wire)) {
-    raw_reduce_scatter_sum(send, recv, count, Dtype::fp32, op);
-    return;
-  }
   const std::size_t total = count * static_cast<std::size_t>(size_);
-  through_wire(send, total, recv, count, wire, /*in_place=*/false,
-               [&](const uint16_t* packed, uint16_t* arrived) {
-                 raw_reduce_scatter_sum(packed, arrived, count, wire, op);
-               });
+  FlightScope flight(flight_group_, op, total * bytes_of(wire), wire);
+  try {
+    if (!is_16bit(wire)) {
+      raw_reduce_scatter_sum(send, recv, count, Dtype::fp32, op);
+    } else {
+      through_wire(send, total, recv, count, wire, /*in_place=*/false,
+                   [&](const uint16_t* packed, uint16_t* arrived) {
+                     raw_reduce_scatter_sum(packed, arrived, count, wire, op);
+                   });
+    }
+  } catch (...) {
+    rethrow_recorded(flight.serial(), timeout_seconds_);
+  }
+  flight.completed();
 }
 
 void Communicator::reduce_scatter(ConstVectorView send, VectorView recv, Dtype wire) {
@@ -571,12 +686,19 @@ void Communicator::all_reduce(VectorView data, ReduceOp reduce, Dtype wire) {
   const std::size_t count = data.extent(0);
   TraceSpan span("all-reduce", TraceKind::collective);
   describe_collective(span, CollectiveKind::all_reduce, description_, size_, count, wire);
-  if (!is_16bit(wire)) {
-    raw_all_reduce_sum(data.data(), count, Dtype::fp32, op);
-  } else {
-    through_wire(data.data(), count, data.data(), count, wire, /*in_place=*/true,
-                 [&](uint16_t* packed, uint16_t*) { raw_all_reduce_sum(packed, count, wire, op); });
+  FlightScope flight(flight_group_, op, count * bytes_of(wire), wire);
+  try {
+    if (!is_16bit(wire)) {
+      raw_all_reduce_sum(data.data(), count, Dtype::fp32, op);
+    } else {
+      through_wire(
+          data.data(), count, data.data(), count, wire, /*in_place=*/true,
+          [&](uint16_t* packed, uint16_t*) { raw_all_reduce_sum(packed, count, wire, op); });
+    }
+  } catch (...) {
+    rethrow_recorded(flight.serial(), timeout_seconds_);
   }
+  flight.completed();
   if (reduce == ReduceOp::mean && size_ > 1) {
     const float scale = 1.0f / static_cast<float>(size_);
     Kokkos::parallel_for(
@@ -590,7 +712,13 @@ void Communicator::all_reduce(DoubleVectorView data, ReduceOp reduce) {
   TraceSpan span("all-reduce", TraceKind::collective);
   describe_collective(span, CollectiveKind::all_reduce, description_, size_, data.extent(0),
                       sizeof(double), "f64");
-  raw_all_reduce_sum_f64(data.data(), data.extent(0), "all_reduce");
+  FlightScope flight(flight_group_, "all_reduce", data.extent(0) * sizeof(double), "f64");
+  try {
+    raw_all_reduce_sum_f64(data.data(), data.extent(0), "all_reduce");
+  } catch (...) {
+    rethrow_recorded(flight.serial(), timeout_seconds_);
+  }
+  flight.completed();
   if (reduce == ReduceOp::mean && size_ > 1) {
     const double scale = 1.0 / static_cast<double>(size_);
     Kokkos::parallel_for(
@@ -612,7 +740,13 @@ void Communicator::broadcast(VectorView data, int root) {
   }
   TraceSpan span("broadcast", TraceKind::collective);
   describe_transfer(span, description_, data.extent(0) * sizeof(float), "fp32");
-  raw_broadcast(data.data(), data.extent(0), root, "broadcast");
+  FlightScope flight(flight_group_, "broadcast", data.extent(0) * sizeof(float), "fp32");
+  try {
+    raw_broadcast(data.data(), data.extent(0), root, "broadcast");
+  } catch (...) {
+    rethrow_recorded(flight.serial(), timeout_seconds_);
+  }
+  flight.completed();
 }
 
 void Communicator::broadcast(MatrixView data, int root) {
@@ -630,15 +764,25 @@ Request Communicator::shift(ConstVectorView send, VectorView recv, int offset, D
   const std::size_t count = send.extent(0);
   TraceSpan span("shift", TraceKind::collective);
   describe_transfer(span, description_, count * bytes_of(wire), to_string(wire));
-  if (!is_16bit(wire)) {
-    return traced_start(span, raw_shift(send.data(), recv.data(), count, wire, offset, op));
+  FlightScope flight(flight_group_, op, count * bytes_of(wire), wire, /*started=*/true);
+  try {
+    if (!is_16bit(wire)) {
+      return flight.started(
+          traced_start(span, raw_shift(send.data(), recv.data(), count, wire, offset, op)),
+          timeout_seconds_);
+    }
+    Request::WireSlot& slot = acquire_wire_slot(count, count);
+    pack_16bit(send.data(), slot.send.data(), count, wire);
+    return flight.started(traced_start(span, start_on_wire(slot, recv.data(), count, wire,
+                                                           [&] {
+                                                             return raw_shift(
+                                                                 slot.send.data(), slot.recv.data(),
+                                                                 count, wire, offset, op);
+                                                           })),
+                          timeout_seconds_);
+  } catch (...) {
+    rethrow_recorded(flight.serial(), timeout_seconds_);
   }
-  Request::WireSlot& slot = acquire_wire_slot(count, count);
-  pack_16bit(send.data(), slot.send.data(), count, wire);
-  return traced_start(span, start_on_wire(slot, recv.data(), count, wire, [&] {
-                        return raw_shift(slot.send.data(), slot.recv.data(), count, wire, offset,
-                                         op);
-                      }));
 }
 
 Request Communicator::shift(ConstMatrixView send, MatrixView recv, int offset, Dtype wire) {
@@ -668,7 +812,13 @@ void Communicator::all_to_all(ConstMatrixView send, MatrixView recv) {
   TraceSpan span("all-to-all", TraceKind::collective);
   describe_collective(span, CollectiveKind::all_to_all, description_, size_, send.span(),
                       Dtype::fp32);
-  raw_all_to_all(send.data(), recv.data(), send.span() / n, op);
+  FlightScope flight(flight_group_, op, send.span() * sizeof(float), Dtype::fp32);
+  try {
+    raw_all_to_all(send.data(), recv.data(), send.span() / n, op);
+  } catch (...) {
+    rethrow_recorded(flight.serial(), timeout_seconds_);
+  }
+  flight.completed();
 }
 
 namespace {
@@ -739,23 +889,35 @@ void Communicator::all_to_all_v(ConstMatrixView send, const std::vector<int64_t>
   require_disjoint(send.data(), send_count, recv.data(), recv_count, description_, op);
   TraceSpan span("all-to-all", TraceKind::collective);
   describe_collective(span, CollectiveKind::all_to_all, description_, size_, send_count, wire);
-  if (!is_16bit(wire)) {
-    raw_all_to_all_v(send.data(), send_counts, send_offsets, recv.data(), recv_counts, recv_offsets,
-                     Dtype::fp32, op);
-    return;
+  FlightScope flight(flight_group_, op, send_count * bytes_of(wire), wire);
+  try {
+    if (!is_16bit(wire)) {
+      raw_all_to_all_v(send.data(), send_counts, send_offsets, recv.data(), recv_counts,
+                       recv_offsets, Dtype::fp32, op);
+    } else {
+      // Only the packed rows are rounded, moved and widened: rows beyond them stay as they are.
+      through_wire(send.data(), send_count, recv.data(), recv_count, wire, /*in_place=*/false,
+                   [&](const uint16_t* packed, uint16_t* arrived) {
+                     raw_all_to_all_v(packed, send_counts, send_offsets, arrived, recv_counts,
+                                      recv_offsets, wire, op);
+                   });
+    }
+  } catch (...) {
+    rethrow_recorded(flight.serial(), timeout_seconds_);
   }
-  // Only the packed rows are rounded, moved and widened: rows beyond them stay as they are.
-  through_wire(send.data(), send_count, recv.data(), recv_count, wire, /*in_place=*/false,
-               [&](const uint16_t* packed, uint16_t* arrived) {
-                 raw_all_to_all_v(packed, send_counts, send_offsets, arrived, recv_counts,
-                                  recv_offsets, wire, op);
-               });
+  flight.completed();
 }
 
 void Communicator::barrier() {
   TraceSpan span("barrier", TraceKind::collective);
   span.group(description_);
-  raw_barrier("barrier");
+  FlightScope flight(flight_group_, "barrier", 0, "");
+  try {
+    raw_barrier("barrier");
+  } catch (...) {
+    rethrow_recorded(flight.serial(), timeout_seconds_);
+  }
+  flight.completed();
 }
 
 }  // namespace meshtrain

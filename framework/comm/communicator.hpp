@@ -14,6 +14,8 @@
 // Every blocking operation fails with a runtime Error naming the operation and the group
 // ("all_reduce on axis (tp) did not complete within 5 s: a rank did not join") when it
 // waits longer than timeout_seconds() (env MESHTRAIN_COLLECTIVE_TIMEOUT, default 300 s).
+// Every public operation is recorded by the flight recorder (flight_recorder.hpp) when it is
+// on; a timeout's error then also names the ranks that never entered the collective.
 //
 // Semantics of the tiled operations (as jax.lax.all_gather(tiled=True) and
 // psum_scatter(scatter_dimension=dim, tiled=True)), for a group of size n, this rank i:
@@ -115,10 +117,15 @@ class Request {
   Request() = default;
   explicit Request(Impl* impl) noexcept : impl_(impl) {}
   Request(Request&& other) noexcept
-      : impl_(other.impl_), wire_(other.wire_), trace_flow_(other.trace_flow_) {
+      : impl_(other.impl_),
+        wire_(other.wire_),
+        trace_flow_(other.trace_flow_),
+        flight_serial_(other.flight_serial_),
+        flight_timeout_(other.flight_timeout_) {
     other.impl_ = nullptr;
     other.wire_ = nullptr;
     other.trace_flow_ = 0;
+    other.flight_serial_ = 0;
   }
   Request& operator=(Request&& other) noexcept;
   Request(const Request&) = delete;
@@ -131,7 +138,8 @@ class Request {
 
  private:
   friend class Communicator;
-  void finish() noexcept;  // waits (errors swallowed) and releases a pending Impl
+  friend struct RequestFlight;  // communicator.cpp: attaches the flight recorder's entry
+  void finish() noexcept;       // waits (errors swallowed) and releases a pending Impl
   // After a completion: the 16-bit data received unpacked into the caller's floats.
   void complete_wire();
   // The wire slot back to its pool without unpacking (a failed or abandoned operation).
@@ -140,6 +148,10 @@ class Request {
   Impl* impl_ = nullptr;      // borrowed from the backend's pool, see above
   WireSlot* wire_ = nullptr;  // borrowed from the communicator's wire pool
   int64_t trace_flow_ = 0;    // while tracing: the start's id, which wait() links to
+  // The flight recorder's entry of the started operation (flight_recorder.hpp; 0: none),
+  // marked completed or failed when it completes, and its communicator's timeout.
+  uint64_t flight_serial_ = 0;
+  double flight_timeout_ = 0.0;
 };
 
 class Communicator {
@@ -232,6 +244,9 @@ class Communicator {
   // The start of a non-blocking operation while tracing: `request` gets the flow id that
   // `span` (the start) records, for its wait (communicator.cpp).
   static Request traced_start(TraceSpan& span, Request request);
+  // The group's members as world ranks, for the flight recorder's reports (a backend that
+  // knows them says so once it is made).
+  void set_flight_world_ranks(const std::vector<int>& world_ranks);
   Communicator(Communicator&&) = default;
   Communicator& operator=(Communicator&&) = default;
 
@@ -290,6 +305,7 @@ class Communicator {
   int rank_ = 0;
   std::string description_;
   double timeout_seconds_ = 300.0;
+  int flight_group_ = -1;  // the flight recorder's group of this description (-1: unrecorded)
   ReductionChoice reduction_choice_;
   Kokkos::View<float*, Kokkos::LayoutRight> scratch_;  // dim-1 staging, grown on demand
   HalfBits wire_send_, wire_recv_;                     // blocking 16-bit operations

@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "base/error.hpp"
+#include "framework/comm/flight_recorder.hpp"
 
 namespace meshtrain {
 
@@ -25,6 +26,7 @@ void abort_all_ranks(const std::string& message, int exit_status) {
   }
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  flight_recorder().write("failure");  // before MPI_Abort ends this rank (a no-op when off)
   std::fprintf(stderr, "meshtrain: error on rank %d: %s\n", rank, message.c_str());
   std::fflush(stderr);
   MPI_Abort(MPI_COMM_WORLD, exit_status);

@@ -37,6 +37,24 @@ NodePlace node_place(MPI_Comm comm) {
   return place;
 }
 
+std::vector<int> world_ranks_of(MPI_Comm comm) {
+  int size = 0;
+  check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  std::vector<int> group_ranks(static_cast<std::size_t>(size)), world_ranks(group_ranks.size());
+  for (int k = 0; k < size; ++k) group_ranks[static_cast<std::size_t>(k)] = k;
+  MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+  check_mpi(MPI_Comm_group(comm, &group), "MPI_Comm_group");
+  const int world_code = MPI_Comm_group(MPI_COMM_WORLD, &world);
+  const int translated =
+      world_code != MPI_SUCCESS
+          ? world_code
+          : MPI_Group_translate_ranks(group, size, group_ranks.data(), world, world_ranks.data());
+  MPI_Group_free(&group);
+  if (world_code == MPI_SUCCESS) MPI_Group_free(&world);
+  check_mpi(translated, "MPI_Group_translate_ranks");
+  return world_ranks;
+}
+
 int64_t clock_offset_to_rank0_ns(MPI_Comm comm) {
   check_mpi(MPI_Barrier(comm), "MPI_Barrier (trace clock)");
   const int64_t mine = Tracer::now_ns();

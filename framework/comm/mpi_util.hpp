@@ -33,6 +33,10 @@ NodePlace node_place(MPI_Comm comm);
 // microseconds on a node). For trace timestamps on one clock. Collective over `comm`.
 int64_t clock_offset_to_rank0_ns(MPI_Comm comm);
 
+// The ranks of `comm` as ranks of MPI_COMM_WORLD, in `comm`'s rank order (the flight
+// recorder names ranks by them). Local: no communication.
+std::vector<int> world_ranks_of(MPI_Comm comm);
+
 // Polls `requests` until all complete (true) or `timeout` seconds pass (false; the
 // requests still pending are left in the array). MPI_Testall also drives MPI's progress
 // (non-blocking collectives advance only inside MPI calls), so it is called back to back,

@@ -172,6 +172,9 @@ struct RuntimeSection {
   int64_t trace_first = 0;
   int64_t trace_last = 0;
   bool traces() const { return trace_first > 0; }
+  // The collectives each rank's flight recorder keeps (framework/comm/flight_recorder.hpp),
+  // written to <output_dir>/flight/ on a timeout, a failure, SIGUSR1 or SIGTERM; 0: off.
+  int64_t flight_records = 64;
 };
 
 // FSDP2's MixedPrecisionPolicy (docs/mixed_precision.md): what layers compute with, gather

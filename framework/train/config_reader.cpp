@@ -49,7 +49,7 @@ const ConfigSchema& config_schema() {
       {"checkpoint", {"every_steps", "keep", "resume", "dir", "async", "keep_best", "init_from"}},
       {"runtime",
        {"backend", "matmul_precision", "overlap", "bucket_mb", "comm_thread", "reductions",
-        "trace_steps"}},
+        "trace_steps", "flight_records"}},
       {"mixed_precision", {"param_dtype", "reduce_dtype"}},
   };
   return sections;
@@ -655,6 +655,7 @@ void read_runtime(const Section& s, RuntimeSection& runtime) {
   runtime.overlap = s.boolean("overlap", runtime.overlap);
   runtime.reductions = s.choice("reductions", runtime.reductions, reduction_algorithm_choices());
   runtime.bucket_mb = s.number("bucket_mb").value_or(runtime.bucket_mb);
+  runtime.flight_records = s.integer("flight_records", runtime.flight_records, 0);
   // comm_thread: true, false or "auto".
   if (const toml::node* node = s.table().get("comm_thread")) {
     if (node->is_boolean()) {

@@ -119,6 +119,7 @@ std::string config_to_toml(const RunConfig& config) {
                       {"matmul_precision", to_string(config.runtime.matmul_precision)},
                       {"overlap", config.runtime.overlap},
                       {"bucket_mb", config.runtime.bucket_mb},
+                      {"flight_records", config.runtime.flight_records},
                       {"reductions", to_string(config.runtime.reductions)}};
   if (config.runtime.comm_thread == CommThreadChoice::automatic) {
     runtime.insert("comm_thread", "auto");

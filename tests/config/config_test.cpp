@@ -292,6 +292,12 @@ TEST(Config, RuntimeSectionAndItsOverrides) {
   EXPECT_TRUE(buckets.runtime.overlap);
   EXPECT_EQ(buckets.runtime.bucket_mb, 0.5);
   EXPECT_EQ(parse(minimal(), {"runtime.bucket_mb=2"}).runtime.bucket_mb, 2.0);  // an integer
+  // flight_records: 64 by default, any count, 0 turns the recorder off; written back the same.
+  EXPECT_EQ(parse(minimal()).runtime.flight_records, 64);
+  EXPECT_EQ(parse(minimal(), {"runtime.flight_records=0"}).runtime.flight_records, 0);
+  const RunConfig flight = parse(minimal("[runtime]\nflight_records = 200\n"));
+  EXPECT_EQ(flight.runtime.flight_records, 200);
+  EXPECT_EQ(parse(config_to_toml(flight)).runtime.flight_records, 200);
   // comm_thread: "auto" (the default), true or false; written back and read again the same.
   EXPECT_EQ(parse(minimal()).runtime.comm_thread, CommThreadChoice::automatic);
   for (const auto& [text, want] :
@@ -408,6 +414,9 @@ TEST(Config, RangeErrorsNameFileLineKeyAndValue) {
       {"[runtime]\nmatmul_precision = \"bf16\"\n",
        {"t.toml:6", "[runtime] matmul_precision", "fp32 | tf32", "\"bf16\""}},
       {"[runtime]\nbucket_mb = 0\n", {"t.toml:6", "[runtime] bucket_mb", "positive", "got 0"}},
+      {"[runtime]\nflight_records = -1\n",
+       {"t.toml:6", "[runtime] flight_records", "non-negative", "got -1"}},
+      {"[runtime]\nflight_records = 1.5\n", {"t.toml:6", "[runtime] flight_records", "an integer"}},
       {"[runtime]\nbucket_mb = -2.5\n", {"t.toml:6", "[runtime] bucket_mb", "-2.5"}},
       {"[runtime]\nbucket_mb = \"big\"\n", {"t.toml:6", "[runtime] bucket_mb", "a number"}},
       {"[runtime]\nbucket_mb = nan\n", {"t.toml:6", "[runtime] bucket_mb", "finite"}},

@@ -10,6 +10,7 @@
 
 #include "framework/comm/backends/host_staging.hpp"
 #include "framework/comm/backends/mpi_ring.hpp"
+#include "framework/comm/flight_recorder.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/progress_thread.hpp"
 #include "framework/comm/slot_pool.hpp"
@@ -99,6 +100,7 @@ std::string timeout_text(double seconds) {
                               " did not complete within " + timeout_text(timeout) +
                               " s: a rank did not join";
   abandon(state, requests, count, "an earlier timeout (" + message + ")");
+  FlightRecorder::mark_timeout();  // the Communicator adds what the flight records say
   MESHTRAIN_FAIL(message);
 }
 
@@ -372,8 +374,11 @@ MpiCommunicator MpiCommunicator::adopt(MPI_Comm comm, std::string description) {
   auto state = std::make_shared<State>();
   state->description = description;
   state->alltoallv_layout.resize(4 * static_cast<std::size_t>(size));
+  const std::vector<int> world_ranks = world_ranks_of(comm);  // for the flight recorder
   state->comm = comm;
-  return MpiCommunicator(std::move(state), size, rank, std::move(description));
+  MpiCommunicator made(std::move(state), size, rank, std::move(description));
+  made.set_flight_world_ranks(world_ranks);
+  return made;
 }
 
 MpiCommunicator MpiCommunicator::duplicate(MPI_Comm comm, std::string description) {

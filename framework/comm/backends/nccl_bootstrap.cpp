@@ -226,7 +226,10 @@ NcclCommunicator NcclCommunicator::create(MPI_Comm group, std::string descriptio
     if (Clock::now() > deadline) state->fail_timeout("NCCL set-up", timeout);
     pause_poll(polls);
   }
-  return NcclCommunicator(std::move(state), size, rank, std::move(description));
+  const std::vector<int> world_ranks = world_ranks_of(group);  // for the flight recorder
+  NcclCommunicator made(std::move(state), size, rank, std::move(description));
+  made.set_flight_world_ranks(world_ranks);
+  return made;
 }
 
 int NcclCommunicator::device() const {

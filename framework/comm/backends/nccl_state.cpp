@@ -13,6 +13,7 @@
 
 #include <Kokkos_Core.hpp>
 
+#include "framework/comm/flight_recorder.hpp"
 #include "framework/core/exec_space.hpp"
 
 namespace meshtrain {
@@ -136,6 +137,7 @@ void NcclCommunicator::State::fail_abort(const std::string& message) {
 }
 
 void NcclCommunicator::State::fail_timeout(const char* op, double timeout) {
+  FlightRecorder::mark_timeout();  // the Communicator adds what the flight records say
   fail_abort(std::string(op) + " on " + description + " did not complete within " +
              nccl_detail::seconds_text(timeout) + " s: a rank did not join");
 }

@@ -1,0 +1,433 @@
+#include "framework/comm/flight_recorder.hpp"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <thread>
+
+#include "base/error.hpp"
+#include "framework/comm/flight_report.hpp"
+
+namespace meshtrain {
+
+const char* to_string(FlightState state) {
+  switch (state) {
+    case FlightState::entered:
+      return "entered";
+    case FlightState::started:
+      return "started";
+    case FlightState::completed:
+      return "completed";
+    case FlightState::failed:
+      return "failed";
+  }
+  return "unknown";
+}
+
+namespace {
+
+int64_t wall_clock_ns() {
+  timespec now{};
+  clock_gettime(CLOCK_REALTIME, &now);  // async-signal-safe
+  return static_cast<int64_t>(now.tv_sec) * 1000000000 + now.tv_nsec;
+}
+
+template <std::size_t N>
+void copy_truncated(char (&field)[N], const char* text) {
+  std::size_t k = 0;
+  if (text != nullptr) {
+    for (; k + 1 < N && text[k] != '\0'; ++k) field[k] = text[k];
+  }
+  field[k] = '\0';
+}
+
+// JSON onto a file descriptor through a fixed buffer, with only async-signal-safe calls.
+class SignalSafeJson {
+ public:
+  explicit SignalSafeJson(int fd) : fd_(fd) {}
+  ~SignalSafeJson() { flush(); }
+
+  SignalSafeJson& raw(const char* text) {
+    while (*text != '\0') put(*text++);
+    return *this;
+  }
+  SignalSafeJson& string(const char* text) {
+    put('"');
+    for (; *text != '\0'; ++text) {
+      const unsigned char c = static_cast<unsigned char>(*text);
+      if (c == '"' || c == '\\') {
+        put('\\');
+        put(static_cast<char>(c));
+      } else if (c < 0x20) {
+        static const char hex[] = "0123456789abcdef";
+        raw("\\u00");
+        put(hex[c >> 4]);
+        put(hex[c & 15]);
+      } else {
+        put(static_cast<char>(c));
+      }
+    }
+    put('"');
+    return *this;
+  }
+  SignalSafeJson& integer(int64_t value) {
+    char digits[24];
+    int n = 0;
+    // Negative values through their magnitude as unsigned (INT64_MIN included).
+    uint64_t magnitude =
+        value < 0 ? 0 - static_cast<uint64_t>(value) : static_cast<uint64_t>(value);
+    do {
+      digits[n++] = static_cast<char>('0' + magnitude % 10);
+      magnitude /= 10;
+    } while (magnitude != 0);
+    if (value < 0) put('-');
+    while (n > 0) put(digits[--n]);
+    return *this;
+  }
+  SignalSafeJson& unsigned_integer(uint64_t value) {
+    char digits[24];
+    int n = 0;
+    do {
+      digits[n++] = static_cast<char>('0' + value % 10);
+      value /= 10;
+    } while (value != 0);
+    while (n > 0) put(digits[--n]);
+    return *this;
+  }
+  bool ok() {
+    flush();
+    return ok_;
+  }
+
+ private:
+  void put(char c) {
+    if (used_ == sizeof(buffer_)) flush();
+    buffer_[used_++] = c;
+  }
+  void flush() {
+    std::size_t done = 0;
+    while (ok_ && done < used_) {
+      const ssize_t n = ::write(fd_, buffer_ + done, used_ - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        ok_ = false;
+        break;
+      }
+      done += static_cast<std::size_t>(n);
+    }
+    used_ = 0;
+  }
+
+  int fd_;
+  char buffer_[2048];
+  std::size_t used_ = 0;
+  bool ok_ = true;
+};
+
+// Set by a backend's timeout (whichever thread saw it), taken by the Communicator.
+std::atomic<bool> timeout_marked{false};
+
+extern "C" void flight_signal_handler(int signal_number) {
+  const int saved_errno = errno;
+  flight_recorder().write(signal_number == SIGTERM ? "SIGTERM" : "SIGUSR1");
+  if (signal_number == SIGTERM) {
+    // Linger a moment first: Open MPI's daemon signals every rank of the node at once and
+    // SIGKILLs those left as soon as the first one exits, so the quick ones would cut the
+    // others' writing short.
+    timespec linger{0, 300 * 1000 * 1000};
+    while (nanosleep(&linger, &linger) != 0 && errno == EINTR) {
+    }
+    // What mpirun asked for: the default action (termination), with the record written.
+    struct sigaction action {};
+    action.sa_handler = SIG_DFL;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGTERM, &action, nullptr);
+    raise(SIGTERM);
+  }
+  errno = saved_errno;
+}
+
+void install_handlers() {
+  struct sigaction action {};
+  action.sa_handler = flight_signal_handler;
+  sigemptyset(&action.sa_mask);
+  sigaddset(&action.sa_mask, SIGUSR1);
+  sigaddset(&action.sa_mask, SIGTERM);
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGUSR1, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+}
+
+template <std::size_t N>
+void render_path(char (&field)[N], const std::string& path) {
+  MESHTRAIN_REQUIRE(path.size() + 1 <= N, "flight recorder: the path '", path, "' is longer than ",
+                    N - 1, " characters");
+  std::memcpy(field, path.c_str(), path.size() + 1);
+}
+
+// Every rank-<k>.json (and its temporary) in `dir`; errors ignored (nothing to remove).
+void remove_earlier_records(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  fs::directory_iterator entries(dir, error);
+  if (error) return;
+  for (const fs::directory_entry& entry : entries) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("rank-", 0) == 0 && name.find(".json") != std::string::npos) {
+      fs::remove(entry.path(), error);
+    }
+  }
+}
+
+}  // namespace
+
+FlightRecorder& flight_recorder() {
+  // Never destroyed: communicators destroyed at exit and a signal at exit still find it.
+  static FlightRecorder* const recorder = new FlightRecorder;
+  return *recorder;
+}
+
+void FlightRecorder::configure(std::size_t capacity, const std::string& output_dir, int world_rank,
+                               int world_size) {
+  world_rank_ = world_rank;
+  world_size_ = world_size;
+  capacity_ = 0;  // off while the ring is replaced
+  entries_.reset();
+  serials_.store(0, std::memory_order_relaxed);
+  dir_.clear();
+  file_path_[0] = '\0';
+  if (capacity == 0) return;
+  dir_ = output_dir.empty() ? std::string() : output_dir + "/flight";
+  const std::string file = dir_ + "/rank-" + std::to_string(world_rank) + ".json";
+  render_path(run_dir_path_, output_dir);
+  render_path(dir_path_, dir_);
+  render_path(file_path_, dir_.empty() ? std::string() : file);
+  render_path(temp_path_, dir_.empty() ? std::string() : file + ".tmp");
+  if (!dir_.empty()) {
+    // The files of an earlier run in this folder must not be taken for this one's: each rank
+    // removes its own, and rank 0 every other one (the others have written nothing yet: no
+    // collective of this run can have timed out before rank 0 got here).
+    ::unlink(file_path_);
+    if (world_rank == 0) remove_earlier_records(dir_);
+  }
+  entries_ = std::make_unique<FlightEntry[]>(capacity);
+  capacity_ = capacity;
+  if (!dir_.empty()) install_handlers();
+}
+
+int FlightRecorder::register_group(const std::string& description, int size, int rank) {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  const int count = group_count_.load(std::memory_order_relaxed);
+  char name[kDescriptionChars];
+  copy_truncated(name, description.c_str());
+  for (int g = 0; g < count; ++g) {
+    if (std::strcmp(groups_[g].description, name) == 0 && groups_[g].size == size &&
+        groups_[g].rank == rank) {
+      return g;
+    }
+  }
+  if (count == kMaxGroups) return -1;
+  Group& group = groups_[count];
+  std::memcpy(group.description, name, sizeof(name));
+  group.size = size;
+  group.rank = rank;
+  group_count_.store(count + 1, std::memory_order_release);
+  return count;
+}
+
+void FlightRecorder::set_world_ranks(int group, const std::vector<int>& world_ranks) {
+  if (group < 0 || group >= group_count_.load(std::memory_order_acquire)) return;
+  Group& g = groups_[group];
+  if (world_ranks.size() != static_cast<std::size_t>(g.size)) return;
+  if (!g.world_ranks) {
+    auto ranks = std::make_unique<int[]>(world_ranks.size());
+    std::copy(world_ranks.begin(), world_ranks.end(), ranks.get());
+    g.world_ranks = std::move(ranks);
+  }
+}
+
+std::vector<int> FlightRecorder::world_ranks(int group) const {
+  if (group < 0 || group >= group_count_.load(std::memory_order_acquire)) return {};
+  const Group& g = groups_[group];
+  if (!g.world_ranks) return {};
+  return std::vector<int>(g.world_ranks.get(), g.world_ranks.get() + g.size);
+}
+
+std::string FlightRecorder::group_description(int group) const {
+  if (group < 0 || group >= group_count_.load(std::memory_order_acquire)) return "";
+  return groups_[group].description;
+}
+
+uint64_t FlightRecorder::record(int group, const char* op, int64_t bytes, const char* wire,
+                                bool started) {
+  const uint64_t serial = serials_.fetch_add(1, std::memory_order_relaxed) + 1;
+  FlightEntry& e = entries_[(serial - 1) % capacity_];
+  e.serial = 0;  // a signal reading this slot now skips it
+  e.sequence = groups_[group].entered.fetch_add(1, std::memory_order_relaxed) + 1;
+  e.bytes = bytes;
+  e.begin_ns = wall_clock_ns();
+  e.end_ns = 0;
+  e.group = group;
+  e.state = started ? FlightState::started : FlightState::entered;
+  copy_truncated(e.op, op);
+  copy_truncated(e.wire, wire);
+  std::atomic_signal_fence(std::memory_order_release);
+  e.serial = serial;
+  return serial;
+}
+
+void FlightRecorder::set_state(uint64_t serial, FlightState state) {
+  if (capacity_ == 0) return;
+  FlightEntry& e = entries_[(serial - 1) % capacity_];
+  if (e.serial != serial) return;  // overwritten since
+  e.end_ns = wall_clock_ns();
+  e.state = state;
+}
+
+FlightEntry FlightRecorder::entry(uint64_t serial) const {
+  if (capacity_ == 0 || serial == 0) return {};
+  const FlightEntry& e = entries_[(serial - 1) % capacity_];
+  if (e.serial != serial) return {};
+  return e;
+}
+
+std::vector<FlightEntry> FlightRecorder::entries() const {
+  std::vector<FlightEntry> out;
+  if (capacity_ == 0) return out;
+  const uint64_t last = serials_.load(std::memory_order_relaxed);
+  const uint64_t first = last > capacity_ ? last - capacity_ + 1 : 1;
+  for (uint64_t s = first; s <= last; ++s) {
+    const FlightEntry e = entry(s);
+    if (e.serial != 0) out.push_back(e);
+  }
+  return out;
+}
+
+bool FlightRecorder::write(const char* reason) noexcept {
+  if (capacity_ == 0 || file_path_[0] == '\0') return false;
+  bool expected = false;
+  if (!writing_.compare_exchange_strong(expected, true)) return false;  // being written now
+  bool ok = false;
+  ::mkdir(run_dir_path_, 0777);  // when the run has not made it yet (an error at start)
+  if (::mkdir(dir_path_, 0777) == 0 || errno == EEXIST) {
+    const int fd = ::open(temp_path_, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      {
+        SignalSafeJson json(fd);
+        const int groups = group_count_.load(std::memory_order_acquire);
+        const uint64_t last = serials_.load(std::memory_order_relaxed);
+        json.raw("{\"rank\": ").integer(world_rank_);
+        json.raw(", \"world_size\": ").integer(world_size_);
+        json.raw(", \"reason\": ").string(reason);
+        json.raw(", \"written_unix_ns\": ").integer(wall_clock_ns());
+        json.raw(", \"capacity\": ").unsigned_integer(capacity_);
+        json.raw(", \"recorded\": ").unsigned_integer(last);
+        json.raw(",\n\"groups\": [");
+        for (int g = 0; g < groups; ++g) {
+          const Group& group = groups_[g];
+          json.raw(g == 0 ? "\n  " : ",\n  ");
+          json.raw("{\"id\": ").integer(g);
+          json.raw(", \"group\": ").string(group.description);
+          json.raw(", \"size\": ").integer(group.size);
+          json.raw(", \"rank\": ").integer(group.rank);
+          json.raw(", \"entered\": ")
+              .unsigned_integer(group.entered.load(std::memory_order_relaxed));
+          json.raw(", \"world_ranks\": [");
+          if (const int* ranks = group.world_ranks.get()) {
+            for (int k = 0; k < group.size; ++k) json.raw(k == 0 ? "" : ", ").integer(ranks[k]);
+          }
+          json.raw("]}");
+        }
+        json.raw("],\n\"entries\": [");
+        const uint64_t first = last > capacity_ ? last - capacity_ + 1 : 1;
+        bool any = false;
+        for (uint64_t s = first; s <= last && last != 0; ++s) {
+          const FlightEntry& e = entries_[(s - 1) % capacity_];
+          if (e.serial != s || e.group < 0 || e.group >= groups) continue;
+          json.raw(any ? ",\n  " : "\n  ");
+          any = true;
+          json.raw("{\"serial\": ").unsigned_integer(e.serial);
+          json.raw(", \"sequence\": ").unsigned_integer(e.sequence);
+          json.raw(", \"op\": ").string(e.op);
+          json.raw(", \"group\": ").string(groups_[e.group].description);
+          json.raw(", \"group_id\": ").integer(e.group);
+          json.raw(", \"bytes\": ").integer(e.bytes);
+          json.raw(", \"wire\": ").string(e.wire);
+          json.raw(", \"state\": ").string(to_string(e.state));
+          json.raw(", \"begin_unix_ns\": ").integer(e.begin_ns);
+          json.raw(", \"end_unix_ns\": ").integer(e.end_ns);
+          json.raw("}");
+        }
+        json.raw("]}\n");
+        ok = json.ok();
+      }
+      ok = (::close(fd) == 0) && ok;
+      ok = ok && ::rename(temp_path_, file_path_) == 0;
+    }
+  }
+  writing_.store(false);
+  return ok;
+}
+
+void FlightRecorder::mark_timeout() {
+  timeout_marked.store(true);
+}
+
+bool FlightRecorder::take_timeout() {
+  return timeout_marked.exchange(false);
+}
+
+std::string FlightRecorder::timeout_report(uint64_t serial, double timeout_seconds) {
+  if (capacity_ == 0 || dir_.empty()) return "";
+  try {
+    const FlightEntry stuck = entry(serial);
+    if (stuck.serial == 0) return "";
+    write("timeout");
+    const std::vector<int> members = world_ranks(stuck.group);
+    // The other members' records, written since this collective began (ranks stuck in it time
+    // out at about the same moment and write theirs); bounded.
+    const double grace = std::min(timeout_seconds, 10.0);
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::duration<double>(grace));
+    std::vector<FlightRecordFile> records;
+    std::vector<bool> have(members.size(), false);
+    for (;;) {
+      for (std::size_t k = 0; k < members.size(); ++k) {
+        if (have[k]) continue;
+        const std::string path = dir_ + "/rank-" + std::to_string(members[k]) + ".json";
+        struct stat info {};
+        if (::stat(path.c_str(), &info) != 0) continue;
+        try {
+          FlightRecordFile file = read_flight_record(path);
+          if (file.written_ns < stuck.begin_ns) continue;  // an older dump (SIGUSR1)
+          records.push_back(std::move(file));
+          have[k] = true;
+        } catch (const Error&) {
+          // Not readable yet; try again.
+        }
+      }
+      if (std::find(have.begin(), have.end(), false) == have.end()) break;
+      if (std::chrono::steady_clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    FlightFinding finding =
+        compare_flight_records(records, groups_[stuck.group].description, members, stuck.sequence);
+    if (finding.op.empty()) finding.op = stuck.op;
+    return finding.sentence() + "; flight records in " + dir_ + "/";
+  } catch (const std::exception& e) {
+    return std::string("(the flight records could not be compared: ") + e.what() + ")";
+  }
+}
+
+}  // namespace meshtrain
