@@ -123,6 +123,11 @@ std::string describe_planned_memory(const PlannedMemory& m) {
   item("evaluation batch", t.evaluation_bytes);
   item("ZeRO-1 buffers", t.zero1_buffer_bytes);
   item("MoE buffers", t.moe_buffer_bytes);
+  item("activations", m.workspace.activation_bytes);
+  item("batch buffers", m.workspace.batch_bytes);
+  item("gathered weights", m.workspace.gathered_weight_bytes);
+  item("collective matmul workspace", m.workspace.collective_matmul_bytes);
+  item("communicator scratch", m.workspace.comm_scratch_bytes);
   item("staging (ckpt)", m.checkpoint_staging_bytes);
   item("data staging", m.data.staging_bytes);
   std::string text = "memory per rank, planned: " + format_bytes(m.total_bytes()) + ": Kokkos " +
@@ -1050,6 +1055,16 @@ std::string TrainingRun::plan_item_of(const TrackedAllocation& a) const {
   if (eval_model_ && (starts("meshtrain::eval_x") || starts("meshtrain::eval_labels") ||
                       starts("meshtrain::eval_targets"))) {
     return "evaluation batch";
+  }
+  // The step's workspace (PlannedMemory::workspace). A separate evaluation model's buffers
+  // carry the training layers' labels: they are matched as activations too.
+  if (starts("meshtrain::scratch_")) return "gathered weights";
+  if (starts("meshtrain::collective_matmul_workspace")) return "collective matmul workspace";
+  if (starts("meshtrain::comm_scratch")) return "communicator scratch";
+  if (starts("meshtrain::batch_")) return "batch buffers";
+  if (starts("layers/") || starts("blocks/") || starts("output_norm/") || starts("model/") ||
+      starts("meshtrain::loss_")) {
+    return "activations";
   }
   return "";
 }

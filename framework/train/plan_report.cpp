@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <optional>
 #include <sstream>
 
@@ -379,7 +380,8 @@ const std::vector<int>& scaling_ranks() {
 
 void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>& rules,
                      const PlanOptions& options, const std::string& source, std::ostream& out,
-                     int64_t staging_bytes, const DataFootprint* data) {
+                     int64_t staging_bytes, const DataFootprint* data,
+                     const TrainingWorkspace* workspace, bool staging_on_some_ranks) {
   const Mesh& mesh = plan.mesh;
   out << "plan of " << (source.empty() ? "(config)" : source) << " for " << mesh.world_size()
       << (mesh.world_size() == 1 ? " rank" : " ranks") << "\n";
@@ -432,7 +434,27 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
                                            " (dispatch buffers, worst case: all rows to one "
                                            "rank; allocated once at construction)"});
   }
-  if (staging_bytes > 0) totals.push_back({"  staging (ckpt)", format_bytes(staging_bytes)});
+  int64_t workspace_bytes = 0;
+  if (workspace && workspace->total_bytes() > 0) {
+    const auto item = [&](const char* name, int64_t bytes, const char* what) {
+      if (bytes > 0) totals.push_back({std::string("  ") + name, format_bytes(bytes) + " " + what});
+    };
+    item("activations", workspace->activation_bytes,
+         "(each layer's output, kept input and input gradient; the loss's)");
+    item("batch buffers", workspace->batch_bytes, "(this rank's rows of a training batch)");
+    item("gathered weights", workspace->gathered_weight_bytes,
+         "(shared by the layers: gathered weight and its gradient, prefetch, stage, bias)");
+    item("collective matmul workspace", workspace->collective_matmul_bytes, "");
+    item("communicator scratch", workspace->comm_scratch_bytes, "(the largest per communicator)");
+    workspace_bytes = workspace->total_bytes();
+  }
+  if (staging_bytes > 0) {
+    totals.push_back({"  staging (ckpt)",
+                      format_bytes(staging_bytes) +
+                          (staging_on_some_ranks
+                               ? " (on the ranks that write a block: the largest; others less)"
+                               : "")});
+  }
   int64_t data_bytes = 0;
   if (data) {
     totals.push_back({"  data", format_bytes(data->source_bytes) + " " + data->source});
@@ -447,7 +469,8 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
                                              "reads; none for contiguous files)"});
     }
   }
-  totals.push_back({"  total", format_bytes(t.bytes_per_rank() + staging_bytes + data_bytes)});
+  totals.push_back({"  total", format_bytes(t.bytes_per_rank() + workspace_bytes + staging_bytes +
+                                             data_bytes)});
   totals.push_back({"unsharded model", format_bytes(t.global_parameter_bytes)});
   write_table(totals, out);
 
@@ -602,14 +625,129 @@ PlannedStep plan_step(const RunConfig& config, int world_size, const HardwarePro
 
 }  // namespace
 
+TrainingWorkspace training_workspace(const RunConfig& config, const ShardingPlan& plan) {
+  TrainingWorkspace w;
+  const int64_t rows = plan.local_batch_rows;
+  if (rows <= 0 || plan.layers.empty()) return w;
+  constexpr int64_t kFloat = sizeof(float);
+  const MixedPrecision precision = config.mixed_precision.policy();
+  const bool fp32 = precision.param == Dtype::fp32;
+  const bool residual = config.model.kind == ModelKind::residual_mlp;
+  const bool gated = residual && config.model.residual().gated;
+  // The shared scratch's needs in floats (LayerScratchNeeds, merged by maximum over the layers)
+  // and each communicator's largest scratch, by its axes.
+  int64_t weight = 0, prefetch = 0, grad = 0, stage = 0, bias = 0, matmul_bytes = 0;
+  std::map<std::vector<std::string>, int64_t> comm_scratch;
+  const auto reserve = [&](const std::vector<std::string>& axes, int64_t floats) {
+    int64_t& most = comm_scratch[axes];
+    most = std::max(most, floats);
+  };
+  int64_t activation_floats = 0;
+  const size_t n = plan.layers.size();
+  for (size_t i = 0; i < n; ++i) {
+    const LayerPlan& layer = plan.layers[i];
+    if (layer.moe) continue;  // an MoE layer's buffers: its dispatch buffers (totals) only
+    const LinearLayout& l = layer.layout;
+    // Linear's buffers (layers/linear.cpp).
+    if (l.slices_input() || l.gathers_input()) activation_floats += rows * l.in_compute;  // input
+    activation_floats += rows * l.out_local;                                             // output
+    if (l.column_gathers_input()) {
+      activation_floats += rows * l.input_width();  // input_grad
+    } else {
+      activation_floats += rows * l.in_compute;  // input_grad_compute
+    }
+    if (l.slices_input() || l.gathers_input()) activation_floats += rows * l.input_width();
+    // The layer that follows it in a plain MLP: its activation (and dropout); in a residual
+    // block, the up projection's activation or the gate's SwiGLU (layers/swiglu.cpp).
+    const bool hidden = residual ? layer.name.size() > 3 &&
+                                       layer.name.compare(layer.name.size() - 3, 3, "/up") == 0
+                                 : i + 1 < n;
+    const bool gate = residual && layer.name.size() > 5 &&
+                      layer.name.compare(layer.name.size() - 5, 5, "/gate") == 0;
+    if (hidden && !(residual && gated)) {
+      activation_floats += rows * l.out_local;
+      if (config.model.dropout > 0.0) activation_floats += rows * l.out_local;
+    }
+    if (gate) {
+      // output, gate and value gradients, the input gradient (and with a shared gather the
+      // gathered input and its partial gradient)
+      activation_floats += 3 * rows * l.out_local + rows * l.input_width();
+      if (l.input_grad_partial) activation_floats += 2 * rows * l.in;
+      if (config.model.dropout > 0.0) activation_floats += rows * l.out_local;
+    }
+    // Its parameters' needs of the shared scratch (ShardedParameter::scratch_needs).
+    const int64_t d1 = l.in_compute, d2 = l.compute_cols(), s1 = l.stored_rows,
+                  s2 = l.stored_cols;
+    const bool gathered = l.gathers_weight();
+    if (gathered || !fp32) weight = std::max(weight, d1 * d2);
+    if (gathered) grad = std::max(grad, d1 * d2);
+    const bool two_gathers = !l.weight_gather_dim0.empty() && !l.weight_gather_dim1.empty();
+    if (two_gathers) stage = std::max(stage, std::max(d1 * s2, s1 * d2));
+    // Prefetched (overlap) when gathered over one group.
+    if (config.runtime.overlap && gathered && !two_gathers) prefetch = std::max(prefetch, d1 * d2);
+    if (!l.bias_gather.empty() || !l.bias_direct) bias = std::max(bias, l.out);
+    int64_t matmul = 0;
+    if (l.tensor_parallel) matmul = 3 * rows * l.out * kFloat;
+    if (l.column_gathers_input()) matmul = 3 * rows * l.in * kFloat;
+    matmul_bytes = std::max(matmul_bytes, matmul);
+    if (!l.weight_gather_dim1.empty()) reserve(l.weight_gather_dim1, d1 * d2);
+    if (l.tp > 1) reserve({l.feature_axis}, rows * std::max(l.in, l.out));
+  }
+  // Norms (layers/norm.cpp) and residual blocks (layers/residual_block.cpp): the stream's width
+  // as the input projection leaves it.
+  for (const NormPlan& norm : plan.norms) {
+    const NormLayout& l = norm.layout;
+    activation_floats += rows * (1 + 2 + 3) + 2 * rows * l.local_width;
+    if (!l.direct) activation_floats += static_cast<int64_t>(l.params.size()) * l.width;
+  }
+  if (residual) {
+    const int64_t width = plan.layers.front().layout.out_local;
+    activation_floats += 2 * rows * width * config.model.residual().depth;
+  }
+  // The model's 16-bit input copy and output gradient (layers/mlp.cpp).
+  const LinearLayout& last = plan.layers.back().layout;
+  const int64_t outputs = config.model.output_width();
+  if (!fp32) activation_floats += rows * config.model.input_width();
+  if (!fp32 || precision.needs_loss_scaling()) activation_floats += rows * last.out_local;
+  // The loss (layers/loss.cpp): gradient, row maxima, statistics, per-row losses.
+  const bool split = last.tp > 1 && last.output_layout() == FeatureLayout::split;
+  const int64_t local_width = split ? outputs / last.tp : outputs;
+  activation_floats += rows * (local_width + 1 + (split ? last.tp : 1) + 3 + 1);
+  if (split) reserve({last.feature_axis}, rows * last.tp);
+  w.activation_bytes = activation_floats * kFloat + 3 * static_cast<int64_t>(sizeof(double));
+  // The batch (run/training_run.cpp): inputs, and int32 labels or float targets.
+  const bool labels = config.model.loss == LossKind::cross_entropy;
+  w.batch_bytes = rows * config.model.input_width() * kFloat +
+                  (labels ? rows * static_cast<int64_t>(sizeof(int32_t)) : rows * outputs * kFloat);
+  w.gathered_weight_bytes = (weight + prefetch + grad + stage + bias) * kFloat;
+  // CollectiveMatmulWorkspace::reserve rounds up to whole floats.
+  w.collective_matmul_bytes = (matmul_bytes + kFloat - 1) / kFloat * kFloat;
+  for (const auto& [axes, floats] : comm_scratch) w.comm_scratch_bytes += floats * kFloat;
+  return w;
+}
+
 PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan) {
   PlannedMemory memory;
   memory.totals = plan.totals;
+  memory.workspace = training_workspace(config, plan);
   // A checkpoint that stages (asynchronous, or from device memory) copies the blocks a rank
-  // writes: at most its parameters and optimizer state (exactly those on rank 0, which
-  // writes every block it holds).
+  // writes: the blocks of its parameters and optimizer state it owns (owns_block: one replica
+  // of each block writes it; under dp rank 0 alone). ZeRO-1's optimizer chunks are every
+  // rank's own: counted on every rank.
   if (checkpoint_stages_tensors(config.checkpoint.async)) {
-    memory.checkpoint_staging_bytes = plan.totals.parameter_bytes + plan.totals.optimizer_bytes;
+    const int world = plan.mesh.world_size();
+    const bool zero1 = plan.totals.zero1_buffer_bytes > 0;
+    const int64_t slots = plan_options(config).optimizer_slots;
+    memory.checkpoint_staging_by_rank.assign(static_cast<size_t>(world), 0);
+    for (int r = 0; r < world; ++r) {
+      int64_t& bytes = memory.checkpoint_staging_by_rank[static_cast<size_t>(r)];
+      if (zero1) bytes = plan.totals.optimizer_bytes;
+      for (const auto& p : plan.parameters) {
+        if (!owns_block(plan.mesh, r, p.spec)) continue;
+        bytes += p.bytes_per_rank * (zero1 ? 1 : 1 + slots);
+      }
+      memory.checkpoint_staging_bytes = std::max(memory.checkpoint_staging_bytes, bytes);
+    }
   }
   // This rank's rows of a batch and of an evaluation batch (the plan's batch shards).
   const int64_t eval_batch = config.data.eval_batch_size.value_or(config.data.batch_size);
@@ -653,7 +791,14 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   }
   if (json) {
     auto doc = plan_to_json(plan, rules, options, config.file);
+    const TrainingWorkspace& w = planned.memory.workspace;
+    doc["totals"]["activation_bytes"] = w.activation_bytes;
+    doc["totals"]["batch_buffer_bytes"] = w.batch_bytes;
+    doc["totals"]["gathered_weight_bytes"] = w.gathered_weight_bytes;
+    doc["totals"]["collective_matmul_workspace_bytes"] = w.collective_matmul_bytes;
+    doc["totals"]["communicator_scratch_bytes"] = w.comm_scratch_bytes;
     doc["totals"]["checkpoint_staging_bytes"] = staging;
+    doc["totals"]["checkpoint_staging_bytes_by_rank"] = planned.memory.checkpoint_staging_by_rank;
     doc["totals"]["data_source_bytes"] = data.source_bytes;
     doc["totals"]["data_staging_bytes"] = data.staging_bytes;
     doc["totals"]["data_chunk_cache_bytes"] = data.cache_bytes;
@@ -675,7 +820,11 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
     }
     out << doc.dump(2) << "\n";
   } else {
-    write_plan_text(plan, rules, options, config.file, out, staging, &data);
+    const std::vector<int64_t>& by_rank = planned.memory.checkpoint_staging_by_rank;
+    const bool some_ranks = std::any_of(by_rank.begin(), by_rank.end(),
+                                        [&](int64_t b) { return b != staging; });
+    write_plan_text(plan, rules, options, config.file, out, staging, &data,
+                    &planned.memory.workspace, some_ranks);
     if (cost) {
       write_cost_text(plan, options.global_batch, *cost, hw, algorithm, scaling, out);
     } else {

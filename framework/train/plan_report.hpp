@@ -18,6 +18,36 @@ namespace meshtrain {
 
 struct RunConfig;
 
+// What a training step works in besides the tensors, per rank: Kokkos Views a run allocates
+// once at construction, counted from the code that allocates them (layers/, run/), so that the
+// measured Kokkos peak can be compared with the plan (docs/running.md, "Memory against the
+// plan"). Each field is one plan item; its labels are how the run matches allocations to it.
+struct TrainingWorkspace {
+  // "activations": every layer's buffers of a training step, for a dense layer (Linear) its
+  // output, the input block it keeps for backward and its input gradient, an activation's
+  // and dropout's output, a norm's statistics, a residual block's sum and gradient, the loss's
+  // gradient and row statistics (labels "layers/...", "blocks/...", "output_norm/...",
+  // "model/...", "meshtrain::loss_*"). MoE layers' own buffers are not counted here.
+  int64_t activation_bytes = 0;
+  // "batch buffers": this rank's rows of the training batch (meshtrain::batch_*).
+  int64_t batch_bytes = 0;
+  // "gathered weights": the layers' shared scratch (layers/layer.hpp LayerScratch): FSDP's
+  // gathered weight block, its gradient, the prefetched weight under overlap, the stage of a
+  // 2-D gather, the gathered bias / full-width bias gradient (meshtrain::scratch_*).
+  int64_t gathered_weight_bytes = 0;
+  // "collective matmul workspace" (meshtrain::collective_matmul_workspace).
+  int64_t collective_matmul_bytes = 0;
+  // "communicator scratch": the largest scratch each communicator reserves
+  // (Communicator::reserve_scratch; meshtrain::comm_scratch).
+  int64_t comm_scratch_bytes = 0;
+  int64_t total_bytes() const {
+    return activation_bytes + batch_bytes + gathered_weight_bytes + collective_matmul_bytes +
+           comm_scratch_bytes;
+  }
+};
+// The workspace of `config` on the plan's mesh (zeros when the local batch is unknown).
+TrainingWorkspace training_workspace(const RunConfig& config, const ShardingPlan& plan);
+
 // The bytes per rank `meshtrain plan` predicts for a run (its "per rank" total), and which of
 // them are Kokkos allocations: what a run's measured memory is compared with (docs/running.md,
 // "Memory against the plan").
@@ -26,12 +56,29 @@ struct PlannedMemory {
   // ZeRO-1 and MoE buffers: Kokkos Views.
   PlanTotals totals;
   // The asynchronous checkpoint's staging buffer (a Kokkos View; 0 when saves do not stage).
+  // The largest over the ranks; checkpoint_staging_by_rank has every rank's (a rank writes,
+  // so stages, only the blocks it owns: under dp rank 0 alone).
   int64_t checkpoint_staging_bytes = 0;
+  std::vector<int64_t> checkpoint_staging_by_rank;
+  // The step's workspace (activations, gathered weights, collective scratch).
+  TrainingWorkspace workspace;
   // The data path: its staging slots are Kokkos Views (with the sample lists, 8 bytes a row);
   // the rows in memory and HDF5's chunk caches are host memory outside Kokkos.
   DataFootprint data;
+  // The largest rank's Kokkos bytes (the plan's per-rank figure). The ring reductions' partial
+  // sums are added to it where the plan counts them (totals.ring_reduction_bytes, through
+  // totals.bytes_per_rank()).
   int64_t kokkos_bytes() const {
-    return totals.bytes_per_rank() + checkpoint_staging_bytes + data.staging_bytes;
+    return totals.bytes_per_rank() + workspace.total_bytes() + checkpoint_staging_bytes +
+           data.staging_bytes;
+  }
+  // Rank `rank`'s: the same but with its own checkpoint staging.
+  int64_t kokkos_bytes_of_rank(int rank) const {
+    const int64_t staging =
+        rank >= 0 && rank < static_cast<int>(checkpoint_staging_by_rank.size())
+            ? checkpoint_staging_by_rank[static_cast<size_t>(rank)]
+            : checkpoint_staging_bytes;
+    return kokkos_bytes() - checkpoint_staging_bytes + staging;
   }
   int64_t host_bytes() const { return data.source_bytes + data.cache_bytes; }
   int64_t total_bytes() const { return kokkos_bytes() + host_bytes(); }  // the plan's total
@@ -63,10 +110,14 @@ const std::vector<int>& scaling_ranks();
 // The text form of `plan`; `source` names the config file in the header.
 // `staging_bytes`: the asynchronous checkpoint's staging buffer per rank (0 when saves are
 // synchronous), shown and counted in the per-rank total; `data` (may be null): the data
-// path's host memory per rank (data_footprint), shown and counted too.
+// path's host memory per rank (data_footprint), shown and counted too; `workspace` (may be
+// null): the training step's workspace, one line per item, counted; `staging_on_some_ranks`:
+// the staging figure is the largest rank's (some ranks stage less), said so.
 void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>& rules,
                      const PlanOptions& options, const std::string& source, std::ostream& out,
-                     int64_t staging_bytes = 0, const DataFootprint* data = nullptr);
+                     int64_t staging_bytes = 0, const DataFootprint* data = nullptr,
+                     const TrainingWorkspace* workspace = nullptr,
+                     bool staging_on_some_ranks = false);
 
 // The JSON form: {"config", "mesh": {"world_size", "axes": {name: size, ...} in mesh order},
 // "options", "rules", "parameters": [{"name", "shape", "rule", "spec", "local_shape",
