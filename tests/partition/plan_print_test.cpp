@@ -54,9 +54,9 @@ TEST(PlanPrint, TextHasHeaderTableTotalsAndPictures) {
   expect_contains(text, "layers/0/weight  [784, 512]  0     P(tp, fsdp)  [392, 256]");
   expect_contains(text, "layers/2/bias    [10]        1     P(tp)        [5]");
   // (100352 + 256 + 65536 + 256 + 1280 + 5) * 4 bytes = 670740 B = 655.02 KiB.
-  expect_contains(text, "parameters       655.02 KiB");
-  expect_contains(text, "optimizer state  1.28 MiB");
-  expect_contains(text, "unsharded model    2.55 MiB");
+  expect_contains(text, "parameters                   655.02 KiB");
+  expect_contains(text, "optimizer state              1.28 MiB");
+  expect_contains(text, "unsharded model                2.55 MiB");
   expect_contains(text, "rule 2 '.*' -> P()");  // unused
   // Pictures: w0 rows over tp (neighbours 0,1), columns over fsdp (0, 2).
   expect_contains(text,
@@ -257,8 +257,8 @@ TEST(PlanPrint, CountsTheDataPathPerRank) {
   const auto model_bytes = [](const nlohmann::json& t) {
     return t["bytes_per_rank"].get<int64_t>() - t["checkpoint_staging_bytes"].get<int64_t>() -
            t["data_source_bytes"].get<int64_t>() - t["data_staging_bytes"].get<int64_t>() -
-           t["data_chunk_cache_bytes"].get<int64_t>();
-  };
+           t["data_chunk_cache_bytes"].get<int64_t>() - t["batch_buffer_bytes"].get<int64_t>();
+  };  // (the batch buffers hold labels or targets, as the data has)
   const int64_t model = model_bytes(totals);
   EXPECT_EQ(model, model_bytes(nlohmann::json::parse(
                        plan_text(parse_config(kConfig, "fsdp_tp.toml"), 4, true))["totals"]));
