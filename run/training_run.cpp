@@ -1062,8 +1062,8 @@ std::string TrainingRun::plan_item_of(const TrackedAllocation& a) const {
   if (starts("meshtrain::collective_matmul_workspace")) return "collective matmul workspace";
   if (starts("meshtrain::comm_scratch")) return "communicator scratch";
   if (starts("meshtrain::batch_")) return "batch buffers";
-  if (starts("layers/") || starts("blocks/") || starts("output_norm/") || starts("model/") ||
-      starts("meshtrain::loss_")) {
+  if (starts("layers/") || starts("blocks/") || starts("input/") || starts("output/") ||
+      starts("output_norm/") || starts("model/") || starts("meshtrain::loss_")) {
     return "activations";
   }
   return "";

@@ -227,6 +227,10 @@ class TrainingRun {
   static constexpr int64_t kOverPlanMinBytes = int64_t{16} << 20;
   // Lines describing the run: the mesh, batch and steps, then one per layer.
   std::vector<std::string> describe() const;
+  // The plan item (as `meshtrain plan` names its per-rank totals) a live Kokkos allocation of
+  // this rank belongs to, "" when the plan has none for it (public for the tests that sum
+  // each item's allocations against the plan).
+  std::string plan_item_of(const TrackedAllocation& allocation) const;
 
  private:
   LossResult compute_loss(Loss& loss, MatrixView output, const BatchLabels& labels,
@@ -249,9 +253,6 @@ class TrainingRun {
   void report_checkpoint(const std::optional<std::string>& path);
   void begin_trace();
   void end_trace();
-  // The plan item (as `meshtrain plan` names its per-rank totals) a live Kokkos allocation of
-  // this rank belongs to, "" when the plan has none for it.
-  std::string plan_item_of(const TrackedAllocation& allocation) const;
   void report_memory(const std::string& when, RunSummary* summary);
 
   RunConfig config_;

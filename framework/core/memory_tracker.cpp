@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 namespace meshtrain {
 namespace {
@@ -188,10 +189,10 @@ KokkosMemory kokkos_memory(int largest) {
     int space;
     char label[kLabelChars];
   };
-  constexpr int kMaxTop = 32;
-  Top top[kMaxTop];
+  // Allocated before the lock (up to every slot of the table: a test sums them all).
+  largest = static_cast<int>(std::min<int64_t>(std::max(largest, 0), kCapacity));
+  std::vector<Top> top(static_cast<size_t>(largest));
   int tops = 0;
-  largest = std::min(std::max(largest, 0), kMaxTop);
   KokkosMemory m;
   int spaces = 0;
   char names[kMaxSpaces][64];

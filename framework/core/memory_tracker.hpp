@@ -52,7 +52,8 @@ bool memory_tracker_installed();
 // The high-water marks start again from the live bytes, and `complete` from true (a run
 // measures its own peak, and whether it missed any of its own allocations).
 void reset_kokkos_peak();
-// The tracker's figures now, with the `largest` live allocations. Allocates (the strings):
+// The tracker's figures now, with the `largest` live allocations (at most every live one the
+// table holds). Allocates (the strings and the list):
 // call outside the step.
 KokkosMemory kokkos_memory(int largest = 8);
 

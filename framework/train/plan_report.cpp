@@ -695,7 +695,15 @@ TrainingWorkspace training_workspace(const RunConfig& config, const ShardingPlan
   }
   // Norms (layers/norm.cpp) and residual blocks (layers/residual_block.cpp): the stream's width
   // as the input projection leaves it.
-  for (const NormPlan& norm : plan.norms) {
+  // (A run's plan is made without its norms: their layouts are decided here as `plan` does.)
+  std::vector<NormPlan> norms = plan.norms;
+  if (norms.empty() && config.model.has_norms()) {
+    norms = make_plan(model_parameter_shapes(config.model), plan.mesh, partition_rules(config),
+                      plan_options(config), model_linear_layers(config.model),
+                      model_norm_layers(config.model))
+                .norms;
+  }
+  for (const NormPlan& norm : norms) {
     const NormLayout& l = norm.layout;
     activation_floats += rows * (1 + 2 + 3) + 2 * rows * l.local_width;
     if (!l.direct) activation_floats += static_cast<int64_t>(l.params.size()) * l.width;
