@@ -1062,6 +1062,10 @@ std::string TrainingRun::plan_item_of(const TrackedAllocation& a) const {
   if (starts("meshtrain::collective_matmul_workspace")) return "collective matmul workspace";
   if (starts("meshtrain::comm_scratch")) return "communicator scratch";
   if (starts("meshtrain::batch_")) return "batch buffers";
+  // An MoE layer's buffers: the plan counts its dispatch buffers (the rest is not counted).
+  for (const LayerPlan& layer : plan_->layers) {
+    if (layer.moe && starts((layer.name + "/").c_str())) return "MoE buffers";
+  }
   if (starts("layers/") || starts("blocks/") || starts("input/") || starts("output/") ||
       starts("output_norm/") || starts("model/") || starts("meshtrain::loss_")) {
     return "activations";
