@@ -449,11 +449,11 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
     workspace_bytes = workspace->total_bytes();
   }
   if (staging_bytes > 0) {
-    totals.push_back({"  staging (ckpt)",
-                      format_bytes(staging_bytes) +
-                          (staging_on_some_ranks
-                               ? " (on the ranks that write a block: the largest; others less)"
-                               : "")});
+    totals.push_back(
+        {"  staging (ckpt)",
+         format_bytes(staging_bytes) +
+             (staging_on_some_ranks ? " (on the ranks that write a block: the largest; others less)"
+                                    : "")});
   }
   int64_t data_bytes = 0;
   if (data) {
@@ -469,8 +469,8 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
                                              "reads; none for contiguous files)"});
     }
   }
-  totals.push_back({"  total", format_bytes(t.bytes_per_rank() + workspace_bytes + staging_bytes +
-                                             data_bytes)});
+  totals.push_back(
+      {"  total", format_bytes(t.bytes_per_rank() + workspace_bytes + staging_bytes + data_bytes)});
   totals.push_back({"unsharded model", format_bytes(t.global_parameter_bytes)});
   write_table(totals, out);
 
@@ -650,7 +650,7 @@ TrainingWorkspace training_workspace(const RunConfig& config, const ShardingPlan
     const LinearLayout& l = layer.layout;
     // Linear's buffers (layers/linear.cpp).
     if (l.slices_input() || l.gathers_input()) activation_floats += rows * l.in_compute;  // input
-    activation_floats += rows * l.out_local;                                             // output
+    activation_floats += rows * l.out_local;                                              // output
     if (l.column_gathers_input()) {
       activation_floats += rows * l.input_width();  // input_grad
     } else {
@@ -659,9 +659,9 @@ TrainingWorkspace training_workspace(const RunConfig& config, const ShardingPlan
     if (l.slices_input() || l.gathers_input()) activation_floats += rows * l.input_width();
     // The layer that follows it in a plain MLP: its activation (and dropout); in a residual
     // block, the up projection's activation or the gate's SwiGLU (layers/swiglu.cpp).
-    const bool hidden = residual ? layer.name.size() > 3 &&
-                                       layer.name.compare(layer.name.size() - 3, 3, "/up") == 0
-                                 : i + 1 < n;
+    const bool hidden =
+        residual ? layer.name.size() > 3 && layer.name.compare(layer.name.size() - 3, 3, "/up") == 0
+                 : i + 1 < n;
     const bool gate = residual && layer.name.size() > 5 &&
                       layer.name.compare(layer.name.size() - 5, 5, "/gate") == 0;
     if (hidden && !(residual && gated)) {
@@ -676,8 +676,7 @@ TrainingWorkspace training_workspace(const RunConfig& config, const ShardingPlan
       if (config.model.dropout > 0.0) activation_floats += rows * l.out_local;
     }
     // Its parameters' needs of the shared scratch (ShardedParameter::scratch_needs).
-    const int64_t d1 = l.in_compute, d2 = l.compute_cols(), s1 = l.stored_rows,
-                  s2 = l.stored_cols;
+    const int64_t d1 = l.in_compute, d2 = l.compute_cols(), s1 = l.stored_rows, s2 = l.stored_cols;
     const bool gathered = l.gathers_weight();
     if (gathered || !fp32) weight = std::max(weight, d1 * d2);
     if (gathered) grad = std::max(grad, d1 * d2);
@@ -829,8 +828,8 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
     out << doc.dump(2) << "\n";
   } else {
     const std::vector<int64_t>& by_rank = planned.memory.checkpoint_staging_by_rank;
-    const bool some_ranks = std::any_of(by_rank.begin(), by_rank.end(),
-                                        [&](int64_t b) { return b != staging; });
+    const bool some_ranks =
+        std::any_of(by_rank.begin(), by_rank.end(), [&](int64_t b) { return b != staging; });
     write_plan_text(plan, rules, options, config.file, out, staging, &data,
                     &planned.memory.workspace, some_ranks);
     if (cost) {

@@ -74,10 +74,9 @@ struct PlannedMemory {
   }
   // Rank `rank`'s: the same but with its own checkpoint staging.
   int64_t kokkos_bytes_of_rank(int rank) const {
-    const int64_t staging =
-        rank >= 0 && rank < static_cast<int>(checkpoint_staging_by_rank.size())
-            ? checkpoint_staging_by_rank[static_cast<size_t>(rank)]
-            : checkpoint_staging_bytes;
+    const int64_t staging = rank >= 0 && rank < static_cast<int>(checkpoint_staging_by_rank.size())
+                                ? checkpoint_staging_by_rank[static_cast<size_t>(rank)]
+                                : checkpoint_staging_bytes;
     return kokkos_bytes() - checkpoint_staging_bytes + staging;
   }
   int64_t host_bytes() const { return data.source_bytes + data.cache_bytes; }

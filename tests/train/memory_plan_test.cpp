@@ -298,9 +298,9 @@ TEST(MemoryPlan, EveryRanksPeakAtTheEndIsWithinTheBandOfItsPlan) {
 }
 
 // Each workspace item of the plan equals, to the byte (the scratch: but for empty Views'
-// headers), the sum of this rank's live allocations the run matches to it (every live allocation, not only the largest): the plan counts what the
-// code allocates. On dp, fsdp, tp (and fsdp x tp at np 4), in fp32, in bf16 with overlap, and
-// for a residual model with norms.
+// headers), the sum of this rank's live allocations the run matches to it (every live allocation,
+// not only the largest): the plan counts what the code allocates. On dp, fsdp, tp (and fsdp x tp at
+// np 4), in fp32, in bf16 with overlap, and for a residual model with norms.
 struct WorkspaceCase {
   std::string name, preset;
   int tp = 1;
