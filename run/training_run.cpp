@@ -1061,6 +1061,7 @@ std::string TrainingRun::plan_item_of(const TrackedAllocation& a) const {
   if (starts("meshtrain::scratch_")) return "gathered weights";
   if (starts("meshtrain::collective_matmul_workspace")) return "collective matmul workspace";
   if (starts("meshtrain::comm_scratch")) return "communicator scratch";
+  // (meshtrain::ring_partial_sums: its plan item comes with the ring reductions' planning.)
   if (starts("meshtrain::batch_")) return "batch buffers";
   // An MoE layer's buffers: the plan counts its dispatch buffers (the rest is not counted).
   for (const LayerPlan& layer : plan_->layers) {

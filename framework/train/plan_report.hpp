@@ -65,9 +65,11 @@ struct PlannedMemory {
   // The data path: its staging slots are Kokkos Views (with the sample lists, 8 bytes a row);
   // the rows in memory and HDF5's chunk caches are host memory outside Kokkos.
   DataFootprint data;
-  // The largest rank's Kokkos bytes (the plan's per-rank figure). The ring reductions' partial
-  // sums are added to it where the plan counts them (totals.ring_reduction_bytes, through
-  // totals.bytes_per_rank()).
+  // The largest rank's Kokkos bytes (the plan's per-rank figure).
+  // The ring reductions' partial sums (meshtrain::ring_partial_sums) belong here too: they are
+  // planned on branch ringstart; if that figure is not part of totals.bytes_per_rank(), add it
+  // to this sum (kokkos_bytes_of_rank follows), to describe_planned_memory's items and a
+  // "meshtrain::ring_partial_sums" label to TrainingRun::plan_item_of.
   int64_t kokkos_bytes() const {
     return totals.bytes_per_rank() + workspace.total_bytes() + checkpoint_staging_bytes +
            data.staging_bytes;
