@@ -669,10 +669,15 @@ TrainingWorkspace training_workspace(const RunConfig& config, const ShardingPlan
       if (config.model.dropout > 0.0) activation_floats += rows * l.out_local;
     }
     if (gate) {
-      // output, gate and value gradients, the input gradient (and with a shared gather the
-      // gathered input and its partial gradient)
-      activation_floats += 3 * rows * l.out_local + rows * l.input_width();
-      if (l.input_grad_partial) activation_floats += 2 * rows * l.in;
+      // output, gate and value gradients; the input gradient: with a shared gather of the
+      // input (both fed it replicated) the gathered input, its partial gradient and this
+      // rank's block of it, else the input's width.
+      activation_floats += 3 * rows * l.out_local;
+      if (l.input_grad_partial) {
+        activation_floats += 2 * rows * l.in + rows * l.in / l.tp;
+      } else {
+        activation_floats += rows * l.input_width();
+      }
       if (config.model.dropout > 0.0) activation_floats += rows * l.out_local;
     }
     // Its parameters' needs of the shared scratch (ShardedParameter::scratch_needs).

@@ -300,11 +300,13 @@ TEST(MemoryPlan, EveryRanksPeakAtTheEndIsWithinTheBandOfItsPlan) {
 // Each workspace item of the plan equals, to the byte (the scratch: but for empty Views'
 // headers), the sum of this rank's live allocations the run matches to it (every live allocation,
 // not only the largest): the plan counts what the code allocates. On dp, fsdp, tp (and fsdp x tp at
-// np 4), in fp32, in bf16 with overlap, and for a residual model with norms.
+// np 4), in fp32, in bf16 with overlap, for a residual model with norms (and with SwiGLU blocks
+// and dropout), and an MLP with dropout.
 struct WorkspaceCase {
   std::string name, preset;
   int tp = 1;
   bool bf16_overlap = false, residual = false;
+  bool swiglu_dropout = false;  // residual: SwiGLU blocks; both kinds: dropout 0.1
 };
 
 TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
@@ -313,7 +315,9 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
                                       {"fsdp", "fsdp"},
                                       {"tp", "tp"},
                                       {"fsdp_bf16_overlap", "fsdp", 1, true},
-                                      {"tp_residual", "tp", 1, false, true}};
+                                      {"tp_residual", "tp", 1, false, true},
+                                      {"tp_swiglu_dropout", "tp", 1, false, true, true},
+                                      {"dp_dropout", "dp", 1, false, false, true}};
   if (n == 4) cases.push_back({"fsdp_tp", "fsdp_tp", 2});
   for (const WorkspaceCase& c : cases) {
     SCOPED_TRACE(c.name);
@@ -331,7 +335,9 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
       config.model.hidden = 256;
       config.model.depth = 2;
       config.model.norm = ModelNorm::layernorm;
+      config.model.swiglu = c.swiglu_dropout;
     }
+    if (c.swiglu_dropout) config.model.dropout = 0.1;
     if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
     MPI_Barrier(MPI_COMM_WORLD);
     {
