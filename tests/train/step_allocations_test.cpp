@@ -417,6 +417,35 @@ TEST(TrainingStep, WithOverlapAndTheCommThreadAllocatesNothing) {
   g_comm_thread = CommThreadChoice::automatic;
 }
 
+// DP buckets on meshtrain's ring (reductions = "ring" with overlap: start_all_reduce runs the
+// started ring, whose partial sums are reserved with the buckets), fp32 and bf16, with the
+// communication thread off and on, one bucket and 1 KiB buckets (several in flight at once):
+// nothing allocated either.
+TEST(TrainingStep, WithOverlapOnTheRingAllocatesNothing) {
+  const MeshCase dp{"dp", {{"dp", world_size()}}};
+  for (const CommThreadChoice thread : {CommThreadChoice::off, CommThreadChoice::on}) {
+    g_comm_thread = thread;
+    for (const Dtype dtype : {Dtype::fp32, Dtype::bf16}) {
+      for (double bucket_mb : {25.0, 1.0 / 1024}) {
+        SCOPED_TRACE(std::string("dp, overlap, reductions ring, ") +
+                     (dtype == Dtype::fp32 ? "fp32" : "bf16") + ", bucket_mb " +
+                     std::to_string(bucket_mb) +
+                     (thread == CommThreadChoice::on ? ", comm_thread" : ""));
+        MixedPrecision precision;
+        precision.param = dtype;
+        precision.reduce = dtype;
+        EXPECT_EQ(
+            allocations_in_steps(dp, CollectiveMatmulAlgorithm::naive, LossKind::cross_entropy,
+                                 OptimizerKind::adamw, 1, 0, true, bucket_mb, {}, precision, {},
+                                 0.0, nullptr, ReductionAlgorithm::ring),
+            Allocations{})
+            << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+      }
+    }
+  }
+  g_comm_thread = CommThreadChoice::automatic;
+}
+
 // [runtime] trace_steps = [1, 1]: step 1 is traced and its files written when it ends; the
 // untraced steps after it allocate nothing (the tracer's events were reserved at its start).
 TEST(TrainingStep, UntracedStepsAfterATracedOneAllocateNothing) {

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <Kokkos_Core.hpp>
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -23,6 +24,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -791,6 +793,56 @@ TEST(TrainingRun, CommThreadTrainsBitForBitLikeWithout) {
     }
     EXPECT_EQ(on.eval.test_loss, off.eval.test_loss);
   }
+}
+
+// DP with overlap and reductions = "ring": the gradient buckets run the started ring (its
+// partial sums are reserved when the model is built: counted here by their Kokkos label), and
+// the run equals the same run with overlap off (blocking ring all-reduces per gradient) and
+// with overlap and the communication thread. With 2 ranks every element is the sum of two
+// values, whatever the order, so all three are equal bit for bit. With more, a bucket that
+// packs several gradients splits them into the ring's blocks differently from a per-gradient
+// all-reduce, so an element's sum may start at another rank (docs/communication.md): overlap
+// off is then equal to 1e-5 relative, and the thread on and off still bit for bit.
+int64_t g_started_ring_buffers = 0;
+void count_started_ring_buffers(const Kokkos::Profiling::SpaceHandle, const char* label,
+                                const void*, const uint64_t) {
+  if (std::string(label) == "meshtrain::started_ring_partial_sums") ++g_started_ring_buffers;
+}
+
+TEST(TrainingRun, OverlapOnTheRingTrainsLikeWithout) {
+  const int n = world_size();
+  RunConfig config = small_config({{"dp", n}}, "dp");
+  config.runtime.backend = CommBackendChoice::mpi;
+  config.runtime.reductions = ReductionAlgorithm::ring;
+  config.runtime.comm_thread = CommThreadChoice::off;
+  config.runtime.bucket_mb = 0.0005;  // several buckets in flight at once
+  const Trace off = run_steps(config, MPI_COMM_WORLD, 5);
+  config.runtime.overlap = true;
+  g_started_ring_buffers = 0;
+  Kokkos::Tools::Experimental::set_allocate_data_callback(count_started_ring_buffers);
+  const Trace on = run_steps(config, MPI_COMM_WORLD, 5);
+  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+  if (n > 1) EXPECT_GT(g_started_ring_buffers, 0) << "the buckets did not run the started ring";
+  int provided = 0;
+  MPI_Query_thread(&provided);
+  std::optional<Trace> threaded;
+  if (provided >= MPI_THREAD_MULTIPLE) {
+    config.runtime.comm_thread = CommThreadChoice::on;
+    threaded = run_steps(config, MPI_COMM_WORLD, 5);
+  }
+  ASSERT_EQ(on.losses.size(), off.losses.size());
+  for (size_t s = 0; s < on.losses.size(); ++s) {
+    if (n <= 2) {
+      EXPECT_EQ(on.losses[s], off.losses[s]) << "step " << s + 1;
+    } else {
+      EXPECT_NEAR(on.losses[s], off.losses[s], 1e-5 * (1 + std::abs(off.losses[s])))
+          << "step " << s + 1;
+    }
+    if (threaded) EXPECT_EQ(threaded->losses[s], on.losses[s]) << "thread, step " << s + 1;
+  }
+  if (n <= 2) EXPECT_EQ(on.eval.test_loss, off.eval.test_loss);
+  if (threaded) EXPECT_EQ(threaded->eval.test_loss, on.eval.test_loss);
+  EXPECT_LT(on.losses.back(), on.losses.front());  // it learns
 }
 
 // A residual_mlp saved at step 6 resumes bit for bit on the same mesh (fsdp), and onto
