@@ -237,6 +237,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   gradient_reduction_ = zero1_              ? GradientReduction::zero1
                         : accumulation_ > 1 ? GradientReduction::per_step
                                             : GradientReduction::in_backward;
+  model_->reserve_reductions(gradient_reduction_);
   if (precision.needs_loss_scaling()) scaler_ = std::make_unique<LossScaler>(*world_);
   optimizer_ =
       std::make_unique<Optimizer>(optimizer_settings(config_.optimizer), updated_parameters());

@@ -876,6 +876,16 @@ bool MpiCommunicator::uses_started_ring(std::size_t count, Dtype dtype) const {
   return size() > 1 && count * bytes_of(dtype) >= reduction_choice().all_reduce_ring_from;
 }
 
+void MpiCommunicator::raw_reserve_reductions(std::size_t elements, Dtype dtype) {
+  if (size() < 2) return;
+  const ReductionChoice& choice = reduction_choice();
+  const std::size_t bytes = elements * bytes_of(dtype);
+  if (bytes < std::min(choice.reduce_scatter_ring_from, choice.all_reduce_ring_from)) return;
+  const std::size_t n = static_cast<std::size_t>(size());
+  const std::size_t block = (elements / n + (elements % n != 0 ? 1 : 0)) * bytes_of(dtype);
+  state_->ring.reserve(block, size() == 2 ? 1 : 2);
+}
+
 void MpiCommunicator::raw_reserve_started_all_reduces(std::size_t count, std::size_t elements,
                                                       Dtype dtype) {
   if (!uses_started_ring(elements, dtype)) {

@@ -66,6 +66,7 @@ class MpiCommunicator final : public Communicator {
   void raw_reserve_staging(std::size_t send_bytes, std::size_t recv_bytes) override;
   void raw_reserve_requests(std::size_t count, std::size_t send_bytes,
                             std::size_t recv_bytes) override;
+  void raw_reserve_reductions(std::size_t elements, Dtype dtype) override;
   void raw_reserve_started_all_reduces(std::size_t count, std::size_t elements,
                                        Dtype dtype) override;
 
