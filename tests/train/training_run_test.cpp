@@ -33,6 +33,7 @@
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/progress_thread.hpp"
 #include "framework/train/lr_schedule.hpp"
+#include "framework/train/plan_report.hpp"
 #include "tests/test_backend.hpp"
 #include "tests/test_support.hpp"
 
@@ -843,6 +844,70 @@ TEST(TrainingRun, OverlapOnTheRingTrainsLikeWithout) {
   if (n <= 2) EXPECT_EQ(on.eval.test_loss, off.eval.test_loss);
   if (threaded) EXPECT_EQ(threaded->eval.test_loss, on.eval.test_loss);
   EXPECT_LT(on.losses.back(), on.losses.front());  // it learns
+}
+
+// `meshtrain plan`'s ring reductions (framework/train/plan_report.hpp) are what the run
+// allocates for its ring partial sums (the peak of the live Kokkos allocations by label, from
+// construction through two steps), on every mesh, with overlap off and on: to the byte for the
+// blocking ones; the buckets' within one element per gradient and bucket (the plan counts per
+// gradient). Live bytes of the ring's buffers, and their peak (a buffer that grows is freed first).
+struct RingAllocations {
+  int64_t live = 0, peak = 0;
+};
+RingAllocations* g_ring_allocations = nullptr;
+bool is_ring_buffer(const char* label) {
+  const std::string name(label);
+  return name == "meshtrain::ring_partial_sums" || name == "meshtrain::started_ring_partial_sums";
+}
+void count_ring_bytes(const Kokkos::Profiling::SpaceHandle, const char* label, const void*,
+                      const uint64_t size) {
+  if (!is_ring_buffer(label)) return;
+  g_ring_allocations->live += static_cast<int64_t>(size);
+  g_ring_allocations->peak = std::max(g_ring_allocations->peak, g_ring_allocations->live);
+}
+void uncount_ring_bytes(const Kokkos::Profiling::SpaceHandle, const char* label, const void*,
+                        const uint64_t size) {
+  if (is_ring_buffer(label)) g_ring_allocations->live -= static_cast<int64_t>(size);
+}
+
+TEST(TrainingRun, PlanCountsTheRingBuffersTheRunAllocates) {
+  const int n = world_size();
+  std::vector<MeshCase> cases = {{"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}, {"tp", {{"tp", n}}}};
+  if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
+  for (const MeshCase& c : cases) {
+    for (const bool overlap : {false, true}) {
+      SCOPED_TRACE(c.preset + (overlap ? ", overlap" : ""));
+      RunConfig config = small_config(c.axes, c.preset);
+      config.runtime.backend = CommBackendChoice::mpi;
+      config.runtime.reductions = ReductionAlgorithm::ring;
+      config.runtime.overlap = overlap;
+      config.runtime.bucket_mb = 0.0005;  // several buckets
+      RingAllocations allocated;
+      g_ring_allocations = &allocated;
+      Kokkos::Tools::Experimental::set_allocate_data_callback(count_ring_bytes);
+      Kokkos::Tools::Experimental::set_deallocate_data_callback(uncount_ring_bytes);
+      RingReductionBytes planned;
+      {
+        TrainingRun run(config, {}, std::nullopt, MPI_COMM_WORLD);
+        run.step();
+        run.step();
+        planned = ring_reduction_bytes(run.plan(), config);
+      }
+      Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+      Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
+      EXPECT_EQ(allocated.live, 0) << "the run did not free its ring buffers";
+      if (n == 1) {
+        EXPECT_EQ(planned.total(), 0);
+        EXPECT_EQ(allocated.peak, 0);
+        continue;
+      }
+      EXPECT_GT(planned.total(), 0);
+      const int64_t slack = overlap ? 2 * 4 * 2 * 16 : 0;  // 2 buffers, fp32, <= 16 ceilings
+      EXPECT_NEAR(static_cast<double>(allocated.peak), static_cast<double>(planned.total()),
+                  static_cast<double>(slack))
+          << "planned " << planned.blocking << " blocking + " << planned.started << " started";
+    }
+  }
 }
 
 // A residual_mlp saved at step 6 resumes bit for bit on the same mesh (fsdp), and onto
