@@ -25,8 +25,9 @@
 // elements too) is safe.
 // Memory: the caller's buffers are host memory (the backend stages device memory through the
 // host first, as for its other operations). The ring keeps two partial-sum buffers of one
-// block each and its MPI requests in RingScratch, grown on first use and kept: repeated calls
-// up to the same size allocate nothing.
+// block each and its MPI requests in RingScratch, reserved when the model is built
+// (Communicator::reserve_reductions) or grown on first use, and kept: repeated calls up to the
+// same size allocate nothing.
 // Waiting: every wait polls the MPI requests (mpi_util.hpp wait_all_until) for at most the
 // communicator's timeout; when it passes, or MPI fails, the backend's RingFailure abandons
 // the live requests and throws, as the MPI library path does.
