@@ -37,7 +37,8 @@ struct MpiCommunicator::State {
   SlotPool<MpiRequestSlot> request_slots;
   // Host copies for the blocking operations when Kokkos' memory is device memory.
   HostStaging staging;
-  // The ring reductions' partial sums and requests (mpi_ring.hpp), grown on first use, kept.
+  // The blocking ring reductions' partial sums and requests (mpi_ring.hpp), reserved by
+  // reserve_reductions (when the layers are built) or grown on first use, kept.
   RingScratch ring;
   // The started ring all-reduces (start_all_reduce where the reduction choice picks the ring):
   // their pool (best fit by partial sums and host staging), those in flight now (linked
