@@ -18,6 +18,21 @@ namespace meshtrain {
 
 struct RunConfig;
 
+// The MPI backend's ring reductions' partial-sum buffers per rank (framework/comm/backends/
+// mpi_ring.hpp) for a run of `plan` under `config`'s [runtime] reductions, backend, overlap
+// and gradient reduction: each communicator (mesh group) keeps, for its blocking reductions
+// that run on the ring, one block (ceil(elements / ranks)) of the largest of them, twice
+// beyond 2 ranks; under overlap each DP gradient bucket's started ring keeps its own (the
+// gradient all-reduces' blocks summed: within one element per bucket of the buckets'). Sizes
+// on the ring: all with "ring", from 64 KiB with "auto" (as without a hardware file), all
+// with "measure" (an upper bound), none with "mpi" or the NCCL backend.
+struct RingReductionBytes {
+  int64_t blocking = 0;
+  int64_t started = 0;
+  int64_t total() const { return blocking + started; }
+};
+RingReductionBytes ring_reduction_bytes(const ShardingPlan& plan, const RunConfig& config);
+
 // The bytes per rank `meshtrain plan` predicts for a run (its "per rank" total), and which of
 // them are Kokkos allocations: what a run's measured memory is compared with (docs/running.md,
 // "Memory against the plan").
@@ -30,8 +45,10 @@ struct PlannedMemory {
   // The data path: its staging slots are Kokkos Views (with the sample lists, 8 bytes a row);
   // the rows in memory and HDF5's chunk caches are host memory outside Kokkos.
   DataFootprint data;
+  // The ring reductions' partial sums (Kokkos Views reserved at build).
+  RingReductionBytes ring;
   int64_t kokkos_bytes() const {
-    return totals.bytes_per_rank() + checkpoint_staging_bytes + data.staging_bytes;
+    return totals.bytes_per_rank() + checkpoint_staging_bytes + data.staging_bytes + ring.total();
   }
   int64_t host_bytes() const { return data.source_bytes + data.cache_bytes; }
   int64_t total_bytes() const { return kokkos_bytes() + host_bytes(); }  // the plan's total
@@ -63,10 +80,12 @@ const std::vector<int>& scaling_ranks();
 // The text form of `plan`; `source` names the config file in the header.
 // `staging_bytes`: the asynchronous checkpoint's staging buffer per rank (0 when saves are
 // synchronous), shown and counted in the per-rank total; `data` (may be null): the data
-// path's host memory per rank (data_footprint), shown and counted too.
+// path's host memory per rank (data_footprint), shown and counted too; `ring` (may be null):
+// the ring reductions' buffers, shown and counted too.
 void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>& rules,
                      const PlanOptions& options, const std::string& source, std::ostream& out,
-                     int64_t staging_bytes = 0, const DataFootprint* data = nullptr);
+                     int64_t staging_bytes = 0, const DataFootprint* data = nullptr,
+                     const RingReductionBytes* ring = nullptr);
 
 // The JSON form: {"config", "mesh": {"world_size", "axes": {name: size, ...} in mesh order},
 // "options", "rules", "parameters": [{"name", "shape", "rule", "spec", "local_shape",
