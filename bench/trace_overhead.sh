@@ -36,28 +36,8 @@ for round in $(seq 1 "$rounds"); do
     out=$work/$variant-$round
     mpirun --oversubscribe --bind-to none -np "$np" "$binary" train configs/fashion_mnist_fsdp.toml \
       "${common[@]}" "${extra[@]}" --set "run.output_dir=\"$out\"" >/dev/null
-    python3 - "$out/metrics.jsonl" "$variant" "$round" "$np" "$steps" <<'PY'
-import json, statistics, sys
-path, variant, rnd, np_, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-rates = {}
-for line in open(path):
-    e = json.loads(line)
-    if e.get("event") == "log":
-        rates[e["step"]] = e["samples_per_s"]
-times = [256 / rates[s] for s in range(4, steps - 1) if s in rates]
-print(json.dumps({"bench": "trace_overhead", "variant": variant, "round": rnd, "np": np_,
-                  "sizes": [784, 4096, 4096, 10], "batch": 256, "steps_measured": len(times),
-                  "step_time_median_s": statistics.median(times)}))
-PY
+    python3 bench/step_times.py run trace_overhead "$out/metrics.jsonl" "$variant" "$round" "$np" \
+      256 "784,4096,4096,10" 4 $((steps - 2))
   done
 done | tee "$work/lines.jsonl"
-python3 - "$work/lines.jsonl" <<'PY'
-import json, statistics, sys
-lines = [json.loads(l) for l in open(sys.argv[1])]
-medians = {}
-for v in dict.fromkeys(l["variant"] for l in lines):
-    medians[v] = statistics.median(l["step_time_median_s"] for l in lines if l["variant"] == v)
-for v, m in medians.items():
-    print(json.dumps({"bench": "trace_overhead", "summary": True, "variant": v,
-                      "step_time_median_s": m, "ratio_to_off": m / medians["off"]}))
-PY
+python3 bench/step_times.py summary trace_overhead "$work/lines.jsonl"

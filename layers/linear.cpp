@@ -130,7 +130,11 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
   if (l.column_gathers_input()) {
     needs_.matmul = static_cast<size_t>(3 * rows_ * l.in) * sizeof(float);
   }
-  if (tp_comm_) tp_comm_->reserve_scratch(static_cast<size_t>(rows_ * std::max(l.in, out)));
+  if (tp_comm_) {
+    tp_comm_->reserve_scratch(static_cast<size_t>(rows_ * std::max(l.in, out)));
+    // The output's and the input gradient's sums over the feature axis.
+    tp_comm_->reserve_reductions(static_cast<size_t>(rows_ * std::max(l.in, out)), compute_dtype_);
+  }
 }
 
 int64_t Linear::output_offset() const {

@@ -276,6 +276,20 @@ void Mlp::finish(ParallelContext& context) {
   }
 }
 
+void Mlp::reserve_reductions(GradientReduction reduction) const {
+  for (size_t k = 0; k < sequence_.size(); ++k) {
+    // A deferrable gradient's all-reduce runs in a bucket, in ZeRO-1's reduce-scatter (which
+    // reserves its own), or blocking (by the layer, or once per step).
+    const bool deferred = reductions_.layer_group(k) != nullptr;
+    const bool elsewhere =
+        deferred && (reduction == GradientReduction::zero1 ||
+                     (reduction == GradientReduction::in_backward && !buckets_.empty()));
+    for (const ShardedParameter* p : sequence_[k]->sharded_parameters()) {
+      p->reserve_reductions(elsewhere);
+    }
+  }
+}
+
 double Mlp::aux_loss() const {
   double sum = 0.0;
   for (const Layer* layer : sequence_) sum += layer->aux_loss();

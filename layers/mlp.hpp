@@ -124,6 +124,12 @@ class Mlp {
   }
   // The reductions backward(..., false) left out, on the gradients as they are now.
   void reduce_gradients();
+  // Reserves the buffers of the blocking gradient reductions that `reduction` will run
+  // (Communicator::reserve_reductions: the MPI ring's partial sums), so that the first step
+  // does not grow them: every reduce-scatter, and the all-reduces of the gradients that are
+  // neither in DP buckets (in_backward under overlap: they reserve their own) nor left to
+  // ZeRO-1. Called once by the driver after it chose `reduction`.
+  void reserve_reductions(GradientReduction reduction) const;
 
   // weight, bias of layer 0, then of layer 1, ... (an MoE layer: router, experts weight,
   // experts bias; names as in the class comment). The layers hold pointers to these

@@ -132,9 +132,10 @@ FeatureNorm::FeatureNorm(NormKind kind, const std::string& name, ParameterRef sc
   dx_ = Matrix(name + "/input_grad", rows, l.local_width);
   // 16-bit wires allocate their staging on first use: reserved here instead (the
   // parameters' gathers reserve their own).
-  if (reduce_dtype_ != Dtype::fp32 && grad_comm_) {
+  if (grad_comm_) {
     const size_t n = l.direct ? static_cast<size_t>(l.local_width) : full_grad_.extent(0);
-    grad_comm_->reserve_wire(n, n);
+    if (reduce_dtype_ != Dtype::fp32) grad_comm_->reserve_wire(n, n);
+    grad_comm_->reserve_reductions(n, reduce_dtype_);  // [scale | bias] side by side
   }
 }
 

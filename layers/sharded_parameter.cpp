@@ -117,6 +117,20 @@ Communicator* ShardedParameter::deferrable_group() const {
   return gathered() || g_.nonbatch_replication != 1 ? nullptr : allreduce_;
 }
 
+void ShardedParameter::reserve_reductions(bool all_reduce_in_buckets) const {
+  const std::size_t compute =
+      static_cast<std::size_t>(g_.compute[0] * g_.compute[1] * g_.compute[2]);
+  const std::size_t local = grad().local.extent(0);
+  if (method_ != GatherMethod::full_width_sum) {
+    // The reduce-scatters send the compute block's gradient (by_dims: or less, staged).
+    if (gather1_) gather1_->reserve_reductions(compute, reduce_);
+    if (gather2_) gather2_->reserve_reductions(compute, reduce_);
+  }
+  if (!allreduce_ || all_reduce_in_buckets) return;
+  const bool full_width = method_ == GatherMethod::full_width_sum && !g_.direct;
+  allreduce_->reserve_reductions(full_width ? static_cast<std::size_t>(g_.width) : local, reduce_);
+}
+
 LayerScratchNeeds ShardedParameter::scratch_needs() const {
   LayerScratchNeeds needs;
   if (method_ == GatherMethod::full_width_sum) {

@@ -126,6 +126,12 @@ class ShardedParameter {
   // may be summed first and all-reduced once (all_reduce_deferred()); else nullptr.
   Communicator* deferrable_group() const;
 
+  // Reserves the communicators' buffers of this gradient's blocking reductions
+  // (Communicator::reserve_reductions: the MPI ring's partial sums), its reduce-scatters and,
+  // unless `all_reduce_in_buckets` (DP buckets started under overlap, which reserve their
+  // own), its all-reduce. Called when the model is built.
+  void reserve_reductions(bool all_reduce_in_buckets) const;
+
   // What this parameter needs of the shared scratch (by_dims only).
   LayerScratchNeeds scratch_needs() const;
 

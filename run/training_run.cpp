@@ -130,6 +130,7 @@ std::string describe_planned_memory(const PlannedMemory& m) {
   item("communicator scratch", m.workspace.comm_scratch_bytes);
   item("staging (ckpt)", m.checkpoint_staging_bytes);
   item("data staging", m.data.staging_bytes);
+  item("ring reductions", m.ring.total());
   std::string text = "memory per rank, planned: " + format_bytes(m.total_bytes()) + ": Kokkos " +
                      format_bytes(m.kokkos_bytes()) + " (" + kokkos + "), host " +
                      format_bytes(m.host_bytes()) + " (data " + m.data.source;
@@ -286,6 +287,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   gradient_reduction_ = zero1_              ? GradientReduction::zero1
                         : accumulation_ > 1 ? GradientReduction::per_step
                                             : GradientReduction::in_backward;
+  model_->reserve_reductions(gradient_reduction_);
   if (precision.needs_loss_scaling()) scaler_ = std::make_unique<LossScaler>(*world_);
   optimizer_ =
       std::make_unique<Optimizer>(optimizer_settings(config_.optimizer), updated_parameters());
@@ -1052,6 +1054,9 @@ std::string TrainingRun::plan_item_of(const TrackedAllocation& a) const {
   }
   if (starts("meshtrain::checkpoint_staging")) return "staging (ckpt)";
   if (starts("meshtrain::staged_")) return "data staging";
+  if (starts("meshtrain::ring_partial_sums") || starts("meshtrain::started_ring_partial_sums")) {
+    return "ring reductions";
+  }
   if (eval_model_ && (starts("meshtrain::eval_x") || starts("meshtrain::eval_labels") ||
                       starts("meshtrain::eval_targets"))) {
     return "evaluation batch";
@@ -1061,7 +1066,6 @@ std::string TrainingRun::plan_item_of(const TrackedAllocation& a) const {
   if (starts("meshtrain::scratch_")) return "gathered weights";
   if (starts("meshtrain::collective_matmul_workspace")) return "collective matmul workspace";
   if (starts("meshtrain::comm_scratch")) return "communicator scratch";
-  // (meshtrain::ring_partial_sums: its plan item comes with the ring reductions' planning.)
   if (starts("meshtrain::batch_")) return "batch buffers";
   // An MoE layer's buffers: the plan counts its dispatch buffers (the rest is not counted).
   for (const LayerPlan& layer : plan_->layers) {

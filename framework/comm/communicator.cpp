@@ -390,8 +390,7 @@ void Communicator::reserve_wire(std::size_t send_elements, std::size_t recv_elem
 
 void Communicator::reserve_started_all_reduces(std::size_t count, std::size_t elements,
                                                Dtype wire) {
-  // As start_all_reduce asks: in place, nothing sent from a buffer of its own.
-  raw_reserve_requests(count, 0, elements * bytes_of(wire));
+  raw_reserve_started_all_reduces(count, elements, wire);
   if (!is_16bit(wire)) return;
   wire_pool_->slots.reserve(
       count, [] { return std::make_unique<Request::WireSlot>(); },

@@ -60,7 +60,8 @@ enum class ReduceOp { sum, mean };
 // MPI backend's own pipelined ring (backends/mpi_ring.hpp), below that the MPI library's
 // collective. Every rank of the group must hold the same choice (the two do not match each
 // other's messages). The default is the library everywhere; other backends (NCCL) ignore it.
-// Started operations (start_all_reduce) always use the library.
+// Started all-reduces (start_all_reduce) follow all_reduce_ring_from too (the MPI backend's
+// started ring, advanced when tested, waited for, or by the communication thread).
 struct ReductionChoice {
   static constexpr std::size_t kNever = SIZE_MAX;
   std::size_t reduce_scatter_ring_from = kNever;
@@ -228,6 +229,14 @@ class Communicator {
   void reserve_staging(std::size_t send_bytes, std::size_t recv_bytes) {
     raw_reserve_staging(send_bytes, recv_bytes);
   }
+  // Preallocates what a blocking reduce_scatter (sending `elements`) or all_reduce (of
+  // `elements`) in `wire` needs beyond the scratch, wire and staging buffers above: the MPI
+  // backend's ring partial sums (one buffer of a block of ceil(elements / size()) on 2 ranks,
+  // two on more), where the reduction choice runs the ring for that size. Layers call it
+  // when they are built, so that the first step does not grow it. A no-op elsewhere.
+  void reserve_reductions(std::size_t elements, Dtype wire = Dtype::fp32) {
+    raw_reserve_reductions(elements, wire);
+  }
   // Reserves what `count` more non-blocking operations in flight at once need (the backend's
   // request slots with their host staging, and the 16-bit wire slots): each a start_all_reduce
   // of `elements`, or a start_all_gather of `send_elements` per rank, in `wire`. A layer
@@ -283,6 +292,14 @@ class Communicator {
   // requests hold nothing that must be made ahead.
   virtual void raw_reserve_requests(std::size_t /*count*/, std::size_t /*send_bytes*/,
                                     std::size_t /*recv_bytes*/) {}
+  virtual void raw_reserve_reductions(std::size_t /*elements*/, Dtype /*dtype*/) {}
+  // `count` more started all-reduces of `elements` of `dtype` in flight at once: by default
+  // request slots as raw_reserve_requests makes them (in place: nothing sent from a buffer of
+  // its own); the MPI backend reserves its started ring's buffers where the ring runs.
+  virtual void raw_reserve_started_all_reduces(std::size_t count, std::size_t elements,
+                                               Dtype dtype) {
+    raw_reserve_requests(count, 0, elements * bytes_of(dtype));
+  }
 
  private:
   float* scratch(std::size_t floats);

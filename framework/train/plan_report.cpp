@@ -8,6 +8,8 @@
 
 #include "base/error.hpp"
 #include "base/text.hpp"
+#include "framework/comm/backend.hpp"
+#include "framework/comm/reduction_choice.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
@@ -378,10 +380,52 @@ const std::vector<int>& scaling_ranks() {
   return ranks;
 }
 
+RingReductionBytes ring_reduction_bytes(const ShardingPlan& plan, const RunConfig& config) {
+  RingReductionBytes bytes;
+  const RuntimeSection& runtime = config.runtime;
+  const bool nccl = runtime.backend == CommBackendChoice::nccl ||
+                    (runtime.backend == CommBackendChoice::automatic && build_supports_nccl());
+  if (nccl || runtime.reductions == ReductionAlgorithm::mpi) return bytes;
+  const int64_t ring_from = runtime.reductions == ReductionAlgorithm::automatic
+                                ? static_cast<int64_t>(kDefaultRingFrom)
+                                : 0;
+  // DP buckets: overlap with the gradients reduced in backward (not ZeRO-1, not accumulated).
+  const bool buckets =
+      runtime.overlap && config.optimizer.zero_stage != 1 && config.train.accumulation_steps == 1;
+  std::map<std::vector<std::string>, int64_t> largest;  // per group: its largest buffers
+  auto count = [&](const LayerCollective& c) {
+    if (c.ranks < 2) return;
+    if (c.kind != CollectiveKind::reduce_scatter && c.kind != CollectiveKind::all_reduce) return;
+    int64_t elements = 1;
+    for (int64_t d : c.shape) elements *= d;
+    if (elements * c.element_bytes < ring_from) return;
+    const int64_t block = (elements + c.ranks - 1) / c.ranks * c.element_bytes;
+    const int64_t buffers = c.ranks == 2 ? 1 : 2;
+    const bool gradient = c.operand == "weight gradient" || c.operand == "bias gradient";
+    if (buckets && gradient && c.kind == CollectiveKind::all_reduce) {
+      bytes.started += block * buffers;
+      return;
+    }
+    std::vector<std::string> group = c.axes;
+    std::sort(group.begin(), group.end());
+    int64_t& most = largest[group];
+    most = std::max(most, block * buffers);
+  };
+  for (const LayerPlan& l : plan.layers) {
+    for (const LayerCollective& c : l.collectives) count(c);
+  }
+  for (const NormPlan& n : plan.norms) {
+    for (const LayerCollective& c : n.collectives) count(c);
+  }
+  for (const auto& [group, most] : largest) bytes.blocking += most;
+  return bytes;
+}
+
 void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>& rules,
                      const PlanOptions& options, const std::string& source, std::ostream& out,
                      int64_t staging_bytes, const DataFootprint* data,
-                     const TrainingWorkspace* workspace, bool staging_on_some_ranks) {
+                     const RingReductionBytes* ring, const TrainingWorkspace* workspace,
+                     bool staging_on_some_ranks) {
   const Mesh& mesh = plan.mesh;
   out << "plan of " << (source.empty() ? "(config)" : source) << " for " << mesh.world_size()
       << (mesh.world_size() == 1 ? " rank" : " ranks") << "\n";
@@ -469,8 +513,15 @@ void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>&
                                              "reads; none for contiguous files)"});
     }
   }
-  totals.push_back(
-      {"  total", format_bytes(t.bytes_per_rank() + workspace_bytes + staging_bytes + data_bytes)});
+  const int64_t ring_bytes = ring ? ring->total() : 0;
+  if (ring_bytes > 0) {
+    totals.push_back({"  ring reductions", format_bytes(ring_bytes) +
+                                               " (partial sums: " + format_bytes(ring->blocking) +
+                                               " blocking, " + format_bytes(ring->started) +
+                                               " DP buckets under overlap)"});
+  }
+  totals.push_back({"  total", format_bytes(t.bytes_per_rank() + workspace_bytes + staging_bytes +
+                                            data_bytes + ring_bytes)});
   totals.push_back({"unsharded model", format_bytes(t.global_parameter_bytes)});
   write_table(totals, out);
 
@@ -770,6 +821,7 @@ PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan) 
                     config.model.loss == LossKind::cross_entropy, config.train.accumulation_steps};
   memory.data =
       data_footprint(config.data, use, std::max<int64_t>(plan.local_batch_rows, 0), eval_rows);
+  memory.ring = ring_reduction_bytes(plan, config);
   return memory;
 }
 
@@ -789,6 +841,7 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   const ShardingPlan& plan = planned.plan;
   const DataFootprint& data = planned.memory.data;
   const int64_t staging = planned.memory.checkpoint_staging_bytes;
+  const RingReductionBytes& ring = planned.memory.ring;
   const CollectiveMatmulAlgorithm algorithm = config.partition.collective_matmul;
   const std::optional<StepCost>& cost = planned.cost;
   std::vector<ScalingRow> scaling;
@@ -814,6 +867,7 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
     doc["totals"]["data_source_bytes"] = data.source_bytes;
     doc["totals"]["data_staging_bytes"] = data.staging_bytes;
     doc["totals"]["data_chunk_cache_bytes"] = data.cache_bytes;
+    doc["totals"]["ring_reduction_bytes"] = ring.total();
     doc["totals"]["bytes_per_rank"] = planned.memory.total_bytes();
     doc["totals"]["kokkos_bytes_per_rank"] = planned.memory.kokkos_bytes();
     if (cost) {
@@ -835,7 +889,7 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
     const std::vector<int64_t>& by_rank = planned.memory.checkpoint_staging_by_rank;
     const bool some_ranks =
         std::any_of(by_rank.begin(), by_rank.end(), [&](int64_t b) { return b != staging; });
-    write_plan_text(plan, rules, options, config.file, out, staging, &data,
+    write_plan_text(plan, rules, options, config.file, out, staging, &data, &ring,
                     &planned.memory.workspace, some_ranks);
     if (cost) {
       write_cost_text(plan, options.global_batch, *cost, hw, algorithm, scaling, out);

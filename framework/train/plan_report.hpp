@@ -18,6 +18,21 @@ namespace meshtrain {
 
 struct RunConfig;
 
+// The MPI backend's ring reductions' partial-sum buffers per rank (framework/comm/backends/
+// mpi_ring.hpp) for a run of `plan` under `config`'s [runtime] reductions, backend, overlap
+// and gradient reduction: each communicator (mesh group) keeps, for its blocking reductions
+// that run on the ring, one block (ceil(elements / ranks)) of the largest of them, twice
+// beyond 2 ranks; under overlap each DP gradient bucket's started ring keeps its own (the
+// gradient all-reduces' blocks summed: within one element per bucket of the buckets'). Sizes
+// on the ring: all with "ring", from 64 KiB with "auto" (as without a hardware file), all
+// with "measure" (an upper bound), none with "mpi" or the NCCL backend.
+struct RingReductionBytes {
+  int64_t blocking = 0;
+  int64_t started = 0;
+  int64_t total() const { return blocking + started; }
+};
+RingReductionBytes ring_reduction_bytes(const ShardingPlan& plan, const RunConfig& config);
+
 // What a training step works in besides the tensors, per rank: Kokkos Views a run allocates
 // once at construction, counted from the code that allocates them (layers/, run/), so that the
 // measured Kokkos peak can be compared with the plan (docs/running.md, "Memory against the
@@ -65,14 +80,12 @@ struct PlannedMemory {
   // The data path: its staging slots are Kokkos Views (with the sample lists, 8 bytes a row);
   // the rows in memory and HDF5's chunk caches are host memory outside Kokkos.
   DataFootprint data;
+  // The ring reductions' partial sums (Kokkos Views reserved at build).
+  RingReductionBytes ring;
   // The largest rank's Kokkos bytes (the plan's per-rank figure).
-  // The ring reductions' partial sums (meshtrain::ring_partial_sums) belong here too: they are
-  // planned on branch ringstart; if that figure is not part of totals.bytes_per_rank(), add it
-  // to this sum (kokkos_bytes_of_rank follows), to describe_planned_memory's items and a
-  // "meshtrain::ring_partial_sums" label to TrainingRun::plan_item_of.
   int64_t kokkos_bytes() const {
     return totals.bytes_per_rank() + workspace.total_bytes() + checkpoint_staging_bytes +
-           data.staging_bytes;
+           data.staging_bytes + ring.total();
   }
   // Rank `rank`'s: the same but with its own checkpoint staging.
   int64_t kokkos_bytes_of_rank(int rank) const {
@@ -111,12 +124,14 @@ const std::vector<int>& scaling_ranks();
 // The text form of `plan`; `source` names the config file in the header.
 // `staging_bytes`: the asynchronous checkpoint's staging buffer per rank (0 when saves are
 // synchronous), shown and counted in the per-rank total; `data` (may be null): the data
-// path's host memory per rank (data_footprint), shown and counted too; `workspace` (may be
-// null): the training step's workspace, one line per item, counted; `staging_on_some_ranks`:
-// the staging figure is the largest rank's (some ranks stage less), said so.
+// path's host memory per rank (data_footprint), shown and counted too; `ring` (may be null):
+// the ring reductions' buffers, shown and counted too; `workspace` (may be null): the training
+// step's workspace, one line per item, counted; `staging_on_some_ranks`: the staging figure is
+// the largest rank's (some ranks stage less), said so.
 void write_plan_text(const ShardingPlan& plan, const std::vector<PartitionRule>& rules,
                      const PlanOptions& options, const std::string& source, std::ostream& out,
                      int64_t staging_bytes = 0, const DataFootprint* data = nullptr,
+                     const RingReductionBytes* ring = nullptr,
                      const TrainingWorkspace* workspace = nullptr,
                      bool staging_on_some_ranks = false);
 

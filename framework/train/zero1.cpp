@@ -72,6 +72,8 @@ Zero1::Zero1(const std::vector<ShardedTensor>& params, const std::vector<Sharded
   }
   padded_ = Vector("meshtrain::zero1_padded", static_cast<size_t>(padded));
   send_chunk_ = Vector("meshtrain::zero1_send_chunk", static_cast<size_t>(send));
+  // The gradients' reduce-scatter over dp (send * n elements at most) now, not in a step.
+  dp_.reserve_reductions(static_cast<size_t>(send * dp_.size()), reduce_dtype_);
 }
 
 void Zero1::reduce(const std::vector<ShardedTensor>& grads) {

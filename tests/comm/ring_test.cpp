@@ -15,15 +15,24 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <unistd.h>
 #include <Kokkos_Core.hpp>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "comm_test_util.hpp"
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/comm/backends/mpi_ring.hpp"
+#include "framework/comm/mpi_util.hpp"
+#include "framework/comm/progress_thread.hpp"
 #include "framework/comm/reduction_choice.hpp"
 #include "framework/core/precision.hpp"
 #include "tests/test_support.hpp"
@@ -347,6 +356,277 @@ TEST(Ring, TimeoutNamesTheOperationWhenARankDoesNotJoin) {
           ErrorKind::runtime,
           {std::string(op) + " on axis (fsdp) did not complete within 1 s", "a rank did not join"});
       expect_error([&] { comm.all_reduce(send); }, ErrorKind::runtime, {"all_reduce", "unusable"});
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+}
+
+// ---------------------------------------------------------------- started ring all-reduce
+// start_all_reduce where the reduction choice picks the ring (DP gradient buckets under
+// overlap): the same bits as the blocking ring all-reduce (the same blocks, hops and
+// summation order), checked as above; several in flight on one communicator, waited for in
+// any order (each rank its own); with the communication thread, progress while the starter
+// computes; a rank that never starts times out; reserved at build, nothing allocated.
+
+// Checks `got` (an all-reduce of every rank's `inputs`) element by element against the ring
+// order bit for bit and the float64 bound.
+void expect_ring_all_reduce(const std::vector<std::vector<float>>& inputs,
+                            const std::vector<float>& got, Dtype wire) {
+  const int n = static_cast<int>(inputs.size());
+  const std::size_t count = got.size();
+  const std::size_t base = count / n, extra = count % n;
+  std::size_t k = 0;
+  for (int b = 0; b < n; ++b) {
+    const std::size_t length = base + (static_cast<std::size_t>(b) < extra ? 1 : 0);
+    for (std::size_t e = 0; e < length; ++e, ++k) expect_ring_sum(inputs, b, k, got[k], wire);
+  }
+}
+
+TEST(StartedRing, EqualsTheBlockingRingForAnyCount) {
+  const int n = world_size(), rank = world_rank();
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
+  comm.set_reduction_choice(ReductionChoice::ring());
+  const std::size_t uneven = 2 * static_cast<std::size_t>(n) + 1;
+  for (Dtype wire : {Dtype::fp32, Dtype::bf16}) {
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, uneven, 2 * kSeveralSegments + 1}) {
+      SCOPED_TRACE(std::string(wire_name(wire)) + " count " + std::to_string(count));
+      std::vector<std::vector<float>> inputs;
+      for (int r = 0; r < n; ++r) inputs.push_back(input_of(r, count, count + 5));
+      DeviceVector started = to_device(inputs[rank]);
+      Request request = comm.start_all_reduce(started, wire);
+      request.wait();
+      EXPECT_FALSE(request.pending());
+      const std::vector<float> got = to_vector(started);
+      expect_ring_all_reduce(inputs, got, wire);
+      DeviceVector blocking = to_device(inputs[rank]);
+      comm.all_reduce(blocking, ReduceOp::sum, wire);
+      EXPECT_EQ(bits_hash(to_vector(blocking)), bits_hash(got))
+          << "the started ring differs from the blocking one";
+      EXPECT_TRUE(same_on_every_rank(bits_hash(got))) << "ranks hold different bits";
+    }
+  }
+}
+
+// Three in flight at once (sizes of several segments, one of a few elements, one not
+// divisible), completed in start order, in reverse, and each rank in its own order (even ranks
+// forward, odd ranks backward: a wait advances the others too, so neither order stalls);
+// also by polling test() alone.
+TEST(StartedRing, SeveralInFlightCompleteInAnyOrder) {
+  const int n = world_size(), rank = world_rank();
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
+  comm.set_reduction_choice(ReductionChoice::ring());
+  const std::size_t counts[3] = {kSeveralSegments, 3, 1000 * static_cast<std::size_t>(n) + 1};
+  for (const char* order : {"forward", "backward", "by rank", "by test"}) {
+    for (Dtype wire : {Dtype::fp32, Dtype::bf16}) {
+      SCOPED_TRACE(std::string(order) + " " + wire_name(wire));
+      std::vector<std::vector<std::vector<float>>> inputs(3);
+      std::vector<DeviceVector> data;
+      std::vector<Request> requests;
+      for (int op = 0; op < 3; ++op) {
+        for (int r = 0; r < n; ++r) inputs[op].push_back(input_of(r, counts[op], 40 + op));
+        data.push_back(to_device(inputs[op][rank]));
+      }
+      for (int op = 0; op < 3; ++op) requests.push_back(comm.start_all_reduce(data[op], wire));
+      const bool backward =
+          std::string(order) == "backward" || (std::string(order) == "by rank" && rank % 2 == 1);
+      if (std::string(order) == "by test") {
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+        bool all = false;
+        while (!all && std::chrono::steady_clock::now() < deadline) {
+          all = true;
+          for (int op = 2; op >= 0; --op) all = requests[op].test() && all;
+        }
+        ASSERT_TRUE(all) << "test() alone did not complete them within 30 s";
+      } else {
+        for (int k = 0; k < 3; ++k) requests[backward ? 2 - k : k].wait();
+      }
+      for (int op = 0; op < 3; ++op) {
+        SCOPED_TRACE("operation " + std::to_string(op));
+        const std::vector<float> got = to_vector(data[op]);
+        expect_ring_all_reduce(inputs[op], got, wire);
+        EXPECT_TRUE(same_on_every_rank(bits_hash(got)));
+      }
+    }
+  }
+}
+
+// A started ring and the started library all-reduce of the same communicator (sizes on both
+// sides of all_reduce_ring_from) in flight together, with a blocking ring all-reduce between
+// the start and the wait: all three right.
+TEST(StartedRing, MixesWithTheLibraryAndTheBlockingRing) {
+  const int n = world_size(), rank = world_rank();
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
+  ReductionChoice choice;
+  choice.all_reduce_ring_from = 4096;  // bytes
+  comm.set_reduction_choice(choice);
+  std::vector<std::vector<float>> big, small, middle;
+  for (int r = 0; r < n; ++r) {
+    big.push_back(input_of(r, 70001, 61));
+    small.push_back(input_of(r, 100, 62));
+    middle.push_back(input_of(r, 5000, 63));
+  }
+  DeviceVector a = to_device(big[rank]), b = to_device(small[rank]), c = to_device(middle[rank]);
+  Request ring = comm.start_all_reduce(a);
+  Request library = comm.start_all_reduce(b);
+  comm.all_reduce(c);
+  library.wait();
+  ring.wait();
+  expect_ring_all_reduce(big, to_vector(a), Dtype::fp32);
+  expect_ring_all_reduce(middle, to_vector(c), Dtype::fp32);
+  const std::vector<float> got = to_vector(b);
+  for (std::size_t k = 0; k < got.size(); ++k) {
+    double exact = 0.0, magnitude = 0.0;
+    for (int r = 0; r < n; ++r) {
+      exact += small[r][k];
+      magnitude += std::fabs(small[r][k]);
+    }
+    ASSERT_LE(std::fabs(got[k] - exact), n * std::ldexp(1.0, -24) * magnitude) << k;
+  }
+}
+
+int64_t g_ring_partials = 0;
+void count_ring_partials(const Kokkos::Profiling::SpaceHandle, const char* label, const void*,
+                         const uint64_t) {
+  ++g_allocations;
+  if (std::string(label) == "meshtrain::started_ring_partial_sums") ++g_ring_partials;
+}
+
+// reserve_started_all_reduces makes the started ring's buffers where the ring will run (the
+// library's request slots where it will not), so that started all-reduces up to that size,
+// as many in flight as reserved, allocate nothing, whichever order they complete in.
+TEST(StartedRing, ReservedAtBuildAllocatesNothingWhenStarted) {
+  const int n = world_size();
+  g_allocations = g_ring_partials = 0;
+  Kokkos::Tools::Experimental::set_allocate_data_callback(count_ring_partials);
+  auto library = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
+  library.reserve_started_all_reduces(2, kSeveralSegments);
+  EXPECT_EQ(g_ring_partials, 0) << "the library's choice reserved ring buffers";
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
+  comm.set_reduction_choice(ReductionChoice::ring());
+  comm.reserve_started_all_reduces(2, kSeveralSegments);
+  comm.reserve_started_all_reduces(1, kSeveralSegments / 3, Dtype::bf16);
+  if (n > 1) EXPECT_GT(g_ring_partials, 0) << "the ring's buffers were not reserved";
+  // Without a reservation the first started all-reduce makes them: the ring runs.
+  auto unreserved = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
+  unreserved.set_reduction_choice(ReductionChoice::ring());
+  g_ring_partials = 0;
+  DeviceVector w("w", 3 * static_cast<std::size_t>(n));
+  unreserved.start_all_reduce(w).wait();
+  if (n > 1) EXPECT_GT(g_ring_partials, 0) << "start_all_reduce did not run the ring";
+  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+  DeviceVector x = to_device(input_of(world_rank(), kSeveralSegments, 71));
+  DeviceVector y = to_device(input_of(world_rank(), kSeveralSegments - 9, 72));
+  DeviceVector z = to_device(input_of(world_rank(), kSeveralSegments / 3, 73));
+  g_allocations = 0;
+  Kokkos::Tools::Experimental::set_allocate_data_callback(count_ring_partials);
+  for (int pass = 0; pass < 3; ++pass) {
+    Request first = comm.start_all_reduce(x);
+    Request second = comm.start_all_reduce(y);
+    Request third = comm.start_all_reduce(z, Dtype::bf16);
+    if (pass % 2 == 0) {
+      third.wait();
+      second.wait();
+      first.wait();
+    } else {
+      first.wait();
+      second.wait();
+      third.wait();
+    }
+  }
+  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+  EXPECT_EQ(g_allocations, 0) << "Kokkos allocations in started ring all-reduces";
+}
+
+// The proof of progress, as tests/comm/comm_thread_test.cpp's for the library: rank 0 starts a
+// ring all-reduce of 4 MiB per rank and computes without any MPI call until every other rank
+// has signalled (through a file) that its wait returned. The ring's segments are added and its
+// steps posted by software, so the others' waits return only if rank 0's communication thread
+// runs the ring. Rank 0 gives up after 30 s (then fails), so the test cannot hang.
+TEST(StartedRing, MovesOnTheCommunicationThreadWhileTheStarterComputes) {
+  if (world_size() < 2) GTEST_SKIP() << "one rank does not communicate";
+  int provided = 0;
+  MPI_Query_thread(&provided);
+  if (provided < MPI_THREAD_MULTIPLE) GTEST_SKIP() << "MPI lacks MPI_THREAD_MULTIPLE";
+  CommThreadLease lease;
+  ASSERT_NE(running_comm_progress(), nullptr);
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
+  comm.set_reduction_choice(ReductionChoice::ring());
+  comm.set_timeout_seconds(120.0);
+  const int n = world_size(), rank = world_rank();
+  std::string dir;
+  if (rank == 0) {
+    dir = (std::filesystem::temp_directory_path() /
+           ("meshtrain_started_ring_" + std::to_string(::getpid())))
+              .string();
+    std::filesystem::create_directories(dir);
+  }
+  broadcast_string(dir, 0, MPI_COMM_WORLD, "test directory");
+  const std::size_t count = std::size_t{1} << 20;
+  for (Dtype wire : {Dtype::fp32, Dtype::bf16}) {
+    SCOPED_TRACE(wire_name(wire));
+    std::vector<std::vector<float>> inputs;
+    for (int r = 0; r < n; ++r) inputs.push_back(input_of(r, count, 81));
+    DeviceVector data = to_device(inputs[rank]);
+    const std::string name = std::string(wire_name(wire)) + "_";
+    MPI_Barrier(MPI_COMM_WORLD);
+    Request request = comm.start_all_reduce(data, wire);
+    if (rank != 0) {
+      request.wait();
+      std::ofstream(dir + "/" + name + std::to_string(rank)) << "done\n";
+    } else {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      volatile double work = 0.0;
+      bool all_done = false;
+      while (!all_done && std::chrono::steady_clock::now() < deadline) {
+        for (int k = 0; k < 100000; ++k) work = work + std::sqrt(static_cast<double>(k));
+        all_done = true;
+        for (int j = 1; j < n; ++j) {
+          all_done = all_done && std::filesystem::exists(dir + "/" + name + std::to_string(j));
+        }
+      }
+      EXPECT_TRUE(all_done)
+          << "the other ranks' started ring all-reduce did not complete while rank 0 computed";
+      request.wait();
+    }
+    const std::vector<float> got = to_vector(data);
+    expect_ring_all_reduce(inputs, got, wire);
+    DeviceVector blocking = to_device(inputs[rank]);
+    comm.all_reduce(blocking, ReduceOp::sum, wire);
+    EXPECT_EQ(bits_hash(to_vector(blocking)), bits_hash(got));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank == 0) std::filesystem::remove_all(dir);
+}
+
+// A rank that never starts the operation: the others' wait throws the MPI path's timeout
+// error within the bound, the communicator refuses further work, and nothing is left with the
+// communication thread. With and without the thread.
+TEST(StartedRing, ARankThatNeverStartsTimesOut) {
+  if (world_size() < 2) GTEST_SKIP() << "needs two ranks";
+  int provided = 0;
+  MPI_Query_thread(&provided);
+  const int rank = world_rank();
+  for (bool with_thread : {false, true}) {
+    if (with_thread && provided < MPI_THREAD_MULTIPLE) continue;
+    SCOPED_TRACE(with_thread ? "with the communication thread" : "without");
+    std::optional<CommThreadLease> lease;
+    if (with_thread) lease.emplace();
+    auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
+    comm.set_reduction_choice(ReductionChoice::ring());
+    // Small (eager) messages: nothing the absent rank never receives is left pending a
+    // rendezvous at the end of the program.
+    DeviceVector data("data", 64 * static_cast<std::size_t>(world_size()) + 1);
+    if (rank != 1) {
+      comm.set_timeout_seconds(0.5);
+      const auto start = std::chrono::steady_clock::now();
+      expect_error(
+          [&] { comm.start_all_reduce(data).wait(); }, ErrorKind::runtime,
+          {"all_reduce on axis (dp) did not complete within 0.5 s", "a rank did not join"});
+      const double took =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      EXPECT_LT(took, 10.0) << "the timeout took " << took << " s";
+      expect_error([&] { comm.start_all_reduce(data); }, ErrorKind::runtime, {"unusable"});
+      EXPECT_EQ(comm_progress().queued_count(), 0u);
     }
     MPI_Barrier(MPI_COMM_WORLD);
   }

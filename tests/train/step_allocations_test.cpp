@@ -147,6 +147,15 @@ namespace meshtrain {
 namespace {
 
 // Counts the heap allocations made while it is open.
+// The ring reductions' partial-sum buffers (blocking and started) allocated in step 1.
+long g_ring_buffers_in_step1 = 0;
+void count_ring_buffer(Kokkos::Profiling::SpaceHandle, const char* label, const void*, uint64_t) {
+  const std::string_view name(label);
+  if (name == "meshtrain::ring_partial_sums" || name == "meshtrain::started_ring_partial_sums") {
+    ++g_ring_buffers_in_step1;
+  }
+}
+
 class AllocationWindow {
  public:
   AllocationWindow() {
@@ -285,7 +294,12 @@ Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgo
   // is skipped and steps 1, 2 and 4 are taken: both paths of the step run in the window.
   LossScaler* scaler = run.loss_scaler();
   if (scaler) scaler->restore(256.0, 0);
-  run.step();  // step 1: workspaces and scratch buffers reach their size
+  // Step 1: workspaces and scratch buffers reach their size; the ring's partial sums are
+  // counted there too (reserved when the model is built, they must not grow).
+  g_ring_buffers_in_step1 = 0;
+  Kokkos::Tools::Experimental::set_allocate_data_callback(count_ring_buffer);
+  run.step();
+  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
   AllocationWindow window;
   for (int s = 2; s <= 4; ++s) {
     if (scaler) scaler->restore(s == 3 ? std::ldexp(1.0, 40) : 256.0, 0);
@@ -318,8 +332,9 @@ TEST(TrainingStep, AllocatesNothingOnTheHeap) {
   }
 }
 
-// [runtime] reductions = "ring" (meshtrain's own reduce-scatter and all-reduce, whose
-// partial-sum buffers grow in step 1), fp32 and bf16: nothing allocated either.
+// [runtime] reductions = "ring" (meshtrain's own reduce-scatter and all-reduce), fp32 and
+// bf16: nothing allocated either, and the ring's partial sums not even in step 1 (reserved
+// when the model is built: Communicator::reserve_reductions).
 TEST(TrainingStep, RingReductionsAllocateNothing) {
   for (const MeshCase& c : mesh_cases()) {
     for (const Dtype dtype : {Dtype::fp32, Dtype::bf16}) {
@@ -332,6 +347,7 @@ TEST(TrainingStep, RingReductionsAllocateNothing) {
                                      0.0, nullptr, ReductionAlgorithm::ring),
                 Allocations{})
           << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+      EXPECT_EQ(g_ring_buffers_in_step1, 0) << "the ring's partial sums grew in step 1";
     }
   }
 }
@@ -412,6 +428,36 @@ TEST(TrainingStep, WithOverlapAndTheCommThreadAllocatesNothing) {
                                      OptimizerKind::adamw, 1, 0, true, bucket_mb),
                 Allocations{})
           << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+    }
+  }
+  g_comm_thread = CommThreadChoice::automatic;
+}
+
+// DP buckets on meshtrain's ring (reductions = "ring" with overlap: start_all_reduce runs the
+// started ring, whose partial sums are reserved with the buckets), fp32 and bf16, with the
+// communication thread off and on, one bucket and 1 KiB buckets (several in flight at once):
+// nothing allocated either.
+TEST(TrainingStep, WithOverlapOnTheRingAllocatesNothing) {
+  const MeshCase dp{"dp", {{"dp", world_size()}}};
+  for (const CommThreadChoice thread : {CommThreadChoice::off, CommThreadChoice::on}) {
+    g_comm_thread = thread;
+    for (const Dtype dtype : {Dtype::fp32, Dtype::bf16}) {
+      for (double bucket_mb : {25.0, 1.0 / 1024}) {
+        SCOPED_TRACE(std::string("dp, overlap, reductions ring, ") +
+                     (dtype == Dtype::fp32 ? "fp32" : "bf16") + ", bucket_mb " +
+                     std::to_string(bucket_mb) +
+                     (thread == CommThreadChoice::on ? ", comm_thread" : ""));
+        MixedPrecision precision;
+        precision.param = dtype;
+        precision.reduce = dtype;
+        EXPECT_EQ(
+            allocations_in_steps(dp, CollectiveMatmulAlgorithm::naive, LossKind::cross_entropy,
+                                 OptimizerKind::adamw, 1, 0, true, bucket_mb, {}, precision, {},
+                                 0.0, nullptr, ReductionAlgorithm::ring),
+            Allocations{})
+            << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+        EXPECT_EQ(g_ring_buffers_in_step1, 0) << "the started ring's buffers grew in step 1";
+      }
     }
   }
   g_comm_thread = CommThreadChoice::automatic;

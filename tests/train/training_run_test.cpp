@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <Kokkos_Core.hpp>
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -23,6 +24,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -31,6 +33,7 @@
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/progress_thread.hpp"
 #include "framework/train/lr_schedule.hpp"
+#include "framework/train/plan_report.hpp"
 #include "tests/test_backend.hpp"
 #include "tests/test_support.hpp"
 
@@ -790,6 +793,120 @@ TEST(TrainingRun, CommThreadTrainsBitForBitLikeWithout) {
       EXPECT_EQ(on.losses[s], off.losses[s]) << "step " << s + 1;
     }
     EXPECT_EQ(on.eval.test_loss, off.eval.test_loss);
+  }
+}
+
+// DP with overlap and reductions = "ring": the gradient buckets run the started ring (its
+// partial sums are reserved when the model is built: counted here by their Kokkos label), and
+// the run equals the same run with overlap off (blocking ring all-reduces per gradient) and
+// with overlap and the communication thread. With 2 ranks every element is the sum of two
+// values, whatever the order, so all three are equal bit for bit. With more, a bucket that
+// packs several gradients splits them into the ring's blocks differently from a per-gradient
+// all-reduce, so an element's sum may start at another rank (docs/communication.md): overlap
+// off is then equal to 1e-5 relative, and the thread on and off still bit for bit.
+int64_t g_started_ring_buffers = 0;
+void count_started_ring_buffers(const Kokkos::Profiling::SpaceHandle, const char* label,
+                                const void*, const uint64_t) {
+  if (std::string(label) == "meshtrain::started_ring_partial_sums") ++g_started_ring_buffers;
+}
+
+TEST(TrainingRun, OverlapOnTheRingTrainsLikeWithout) {
+  const int n = world_size();
+  RunConfig config = small_config({{"dp", n}}, "dp");
+  config.runtime.backend = CommBackendChoice::mpi;
+  config.runtime.reductions = ReductionAlgorithm::ring;
+  config.runtime.comm_thread = CommThreadChoice::off;
+  config.runtime.bucket_mb = 0.0005;  // several buckets in flight at once
+  const Trace off = run_steps(config, MPI_COMM_WORLD, 5);
+  config.runtime.overlap = true;
+  g_started_ring_buffers = 0;
+  Kokkos::Tools::Experimental::set_allocate_data_callback(count_started_ring_buffers);
+  const Trace on = run_steps(config, MPI_COMM_WORLD, 5);
+  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+  if (n > 1) EXPECT_GT(g_started_ring_buffers, 0) << "the buckets did not run the started ring";
+  int provided = 0;
+  MPI_Query_thread(&provided);
+  std::optional<Trace> threaded;
+  if (provided >= MPI_THREAD_MULTIPLE) {
+    config.runtime.comm_thread = CommThreadChoice::on;
+    threaded = run_steps(config, MPI_COMM_WORLD, 5);
+  }
+  ASSERT_EQ(on.losses.size(), off.losses.size());
+  for (size_t s = 0; s < on.losses.size(); ++s) {
+    if (n <= 2) {
+      EXPECT_EQ(on.losses[s], off.losses[s]) << "step " << s + 1;
+    } else {
+      EXPECT_NEAR(on.losses[s], off.losses[s], 1e-5 * (1 + std::abs(off.losses[s])))
+          << "step " << s + 1;
+    }
+    if (threaded) EXPECT_EQ(threaded->losses[s], on.losses[s]) << "thread, step " << s + 1;
+  }
+  if (n <= 2) EXPECT_EQ(on.eval.test_loss, off.eval.test_loss);
+  if (threaded) EXPECT_EQ(threaded->eval.test_loss, on.eval.test_loss);
+  EXPECT_LT(on.losses.back(), on.losses.front());  // it learns
+}
+
+// `meshtrain plan`'s ring reductions (framework/train/plan_report.hpp) are what the run
+// allocates for its ring partial sums (the peak of the live Kokkos allocations by label, from
+// construction through two steps), on every mesh, with overlap off and on: to the byte for the
+// blocking ones; the buckets' within one element per gradient and bucket (the plan counts per
+// gradient). Live bytes of the ring's buffers, and their peak (a buffer that grows is freed first).
+struct RingAllocations {
+  int64_t live = 0, peak = 0;
+};
+RingAllocations* g_ring_allocations = nullptr;
+bool is_ring_buffer(const char* label) {
+  const std::string name(label);
+  return name == "meshtrain::ring_partial_sums" || name == "meshtrain::started_ring_partial_sums";
+}
+void count_ring_bytes(const Kokkos::Profiling::SpaceHandle, const char* label, const void*,
+                      const uint64_t size) {
+  if (!is_ring_buffer(label)) return;
+  g_ring_allocations->live += static_cast<int64_t>(size);
+  g_ring_allocations->peak = std::max(g_ring_allocations->peak, g_ring_allocations->live);
+}
+void uncount_ring_bytes(const Kokkos::Profiling::SpaceHandle, const char* label, const void*,
+                        const uint64_t size) {
+  if (is_ring_buffer(label)) g_ring_allocations->live -= static_cast<int64_t>(size);
+}
+
+TEST(TrainingRun, PlanCountsTheRingBuffersTheRunAllocates) {
+  const int n = world_size();
+  std::vector<MeshCase> cases = {{"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}, {"tp", {{"tp", n}}}};
+  if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
+  for (const MeshCase& c : cases) {
+    for (const bool overlap : {false, true}) {
+      SCOPED_TRACE(c.preset + (overlap ? ", overlap" : ""));
+      RunConfig config = small_config(c.axes, c.preset);
+      config.runtime.backend = CommBackendChoice::mpi;
+      config.runtime.reductions = ReductionAlgorithm::ring;
+      config.runtime.overlap = overlap;
+      config.runtime.bucket_mb = 0.0005;  // several buckets
+      RingAllocations allocated;
+      g_ring_allocations = &allocated;
+      Kokkos::Tools::Experimental::set_allocate_data_callback(count_ring_bytes);
+      Kokkos::Tools::Experimental::set_deallocate_data_callback(uncount_ring_bytes);
+      RingReductionBytes planned;
+      {
+        TrainingRun run(config, {}, std::nullopt, MPI_COMM_WORLD);
+        run.step();
+        run.step();
+        planned = ring_reduction_bytes(run.plan(), config);
+      }
+      Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+      Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
+      EXPECT_EQ(allocated.live, 0) << "the run did not free its ring buffers";
+      if (n == 1) {
+        EXPECT_EQ(planned.total(), 0);
+        EXPECT_EQ(allocated.peak, 0);
+        continue;
+      }
+      EXPECT_GT(planned.total(), 0);
+      const int64_t slack = overlap ? 2 * 4 * 2 * 16 : 0;  // 2 buffers, fp32, <= 16 ceilings
+      EXPECT_NEAR(static_cast<double>(allocated.peak), static_cast<double>(planned.total()),
+                  static_cast<double>(slack))
+          << "planned " << planned.blocking << " blocking + " << planned.started << " started";
+    }
   }
 }
 

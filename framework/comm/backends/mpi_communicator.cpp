@@ -3,6 +3,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <ctime>
 #include <sstream>
 #include <string>
@@ -21,6 +22,7 @@ namespace meshtrain {
 
 namespace {
 class MpiRequestSlot;
+class MpiRingSlot;
 }  // namespace
 
 struct MpiCommunicator::State {
@@ -36,8 +38,17 @@ struct MpiCommunicator::State {
   SlotPool<MpiRequestSlot> request_slots;
   // Host copies for the blocking operations when Kokkos' memory is device memory.
   HostStaging staging;
-  // The ring reductions' partial sums and requests (mpi_ring.hpp), grown on first use, kept.
+  // The blocking ring reductions' partial sums and requests (mpi_ring.hpp), reserved by
+  // reserve_reductions (when the layers are built) or grown on first use, kept.
   RingScratch ring;
+  // The started ring all-reduces (start_all_reduce where the reduction choice picks the ring):
+  // their pool (best fit by partial sums and host staging), those in flight now (linked
+  // through the slots, so that a wait also advances the others this thread owns), and the
+  // count of those started so far, which numbers their tags.
+  SlotPool<MpiRingSlot> ring_slots;
+  MpiRingSlot* rings_in_flight = nullptr;
+  int ring_count_in_flight = 0;
+  uint64_t rings_started = 0;
   // MPI_Ialltoallv's int send counts, send displacements, receive counts and receive
   // displacements, one per rank each (sized when the communicator is made: no call allocates).
   std::vector<int> alltoallv_layout;
@@ -330,6 +341,201 @@ class RingFailureOnState final : public RingFailure {
   const char* op_;
 };
 
+// Tags of the started ring all-reduces: kStartedRingTagBase + (number started mod
+// kStartedRingTags), apart from the shifts' [1000, 31000) and the blocking ring's 31001 and
+// 31002 (MPI guarantees tags up to 32767). Every rank starts the operations of a communicator
+// in the same order, so they agree on each operation's tag; with fewer than kStartedRingTags
+// in flight on a rank, the operation that had a tag before has completed on that rank (all of
+// its receives matched) before its next user posts anything, so the two never match.
+constexpr int kStartedRingTagBase = 31100;
+constexpr int kStartedRingTags = 1024;
+
+// A started ring all-reduce (mpi_ring.hpp's StartedRingAllReduce) as a Request: pooled in
+// MpiCommunicator::State::ring_slots, its partial sums and host staging kept between uses.
+// It advances whenever it is tested or waited for, or a wait of another started ring
+// all-reduce of the communicator polls (which advances every one this thread owns, as
+// MPI_Testall advances every MPI operation), and, while the communication thread runs, on
+// that thread (handed over as MpiRequestSlot is: the thread steps it until it is done or the
+// caller takes it back; only one thread touches it at a time). wait() takes it back and polls
+// against the deadline taken there; on a timeout or an MPI failure its live requests are
+// abandoned into the state and the communicator is unusable, as for the library's requests.
+class MpiRingSlot final : public Request::Impl, public ProgressTask {
+ public:
+  explicit MpiRingSlot(MpiCommunicator::State& owner) : owner_(owner) {}
+  ~MpiRingSlot() override = default;
+
+  // Grows the partial sums and staging now (slot_pool.hpp's reserve).
+  void reserve(std::size_t count, Dtype dtype, int size) {
+    ring_.reserve(count, dtype, size);
+    staging_.reserve(0, count * bytes_of(dtype));
+  }
+  // Partial-sum bytes and host staging bytes held (the pool's best fit).
+  SlotCapacity capacity() const { return {ring_.partial_capacity(), staging_.receive_capacity()}; }
+
+  // Begins the all-reduce of `count` elements of `dtype` in place in `data` (`comm` as the
+  // state's) with `tag`; posts its first step. Throws (the slot released) when MPI fails.
+  void start(std::shared_ptr<MpiCommunicator::State> state, double timeout, const char* op,
+             int size, int rank, int tag, void* data, std::size_t count, Dtype dtype) {
+    state_ = std::move(state);
+    timeout_ = timeout;
+    op_ = op;
+    data_ = static_cast<char*>(data);
+    bytes_ = count * bytes_of(dtype);
+    failed_code_ = MPI_SUCCESS;
+    done_ = false;
+    try {  // may grow the buffers (never once reserved)
+      char* host = staging_.receive_buffer(data_, bytes_, /*copy_in=*/true);
+      ring_.start(owner_.comm, size, rank, tag, host, count, dtype);
+    } catch (...) {
+      owner_.ring_slots.release(*this);
+      state_.reset();
+      throw;
+    }
+    // In flight from here: linked first, so that release() finds it.
+    next_ = owner_.rings_in_flight;
+    prev_ = nullptr;
+    if (next_ != nullptr) next_->prev_ = this;
+    owner_.rings_in_flight = this;
+    ++owner_.ring_count_in_flight;
+    advance();
+    if (failed_code_ != MPI_SUCCESS) {
+      const int code = failed_code_;
+      const char* call = ring_.failed_call();
+      release();  // abandons what the failed step left live
+      owner_.fail_call(code, op, call);
+    }
+  }
+
+  // After start: lets the communication thread advance it, when one runs.
+  void hand_to_progress() {
+    if (done_) return;
+    progress_ = running_comm_progress();
+    if (progress_ != nullptr) progress_->submit(*this);
+  }
+
+  // The communication thread's step (under its mutex).
+  bool step() noexcept override { return advance(); }
+
+  bool test() override {
+    if (progress_ != nullptr && !finished() && progress_->running()) return false;
+    take_back();
+    advance_all();
+    if (!done_) return false;
+    finish();
+    return true;
+  }
+
+  void wait() override {
+    take_back();
+    const double start = MPI_Wtime();
+    for (;;) {
+      advance_all();
+      if (done_) {
+        finish();
+        return;
+      }
+      const double waited = MPI_Wtime() - start;
+      if (waited >= timeout_) {
+        throw_timeout(owner_, ring_.live_requests(), ring_.live_count(), timeout_, op_);
+      }
+      detail::pause_between_polls(waited);
+    }
+  }
+
+  void release() noexcept override {
+    take_back();  // the thread must not step requests that are abandoned below
+    MPI_Request* live = ring_.live_requests();
+    for (int k = 0; k < ring_.live_count(); ++k) {
+      if (live[k] == MPI_REQUEST_NULL) continue;
+      try {
+        owner_.abandoned.push_back(live[k]);
+        if (owner_.broken.empty()) owner_.broken = "a started ring all_reduce that failed";
+      } catch (...) {
+      }
+      live[k] = MPI_REQUEST_NULL;
+    }
+    if (prev_ != nullptr) {
+      prev_->next_ = next_;
+    } else {
+      owner_.rings_in_flight = next_;
+    }
+    if (next_ != nullptr) next_->prev_ = prev_;
+    prev_ = next_ = nullptr;
+    --owner_.ring_count_in_flight;
+    owner_.ring_slots.release(*this);
+    // Last: when this was the last reference to the state, the state (and this slot) go.
+    std::shared_ptr<MpiCommunicator::State> keep = std::move(state_);
+  }
+
+ private:
+  // Advances this operation on the calling thread: true once it needs no more steps
+  // (done_, or failed with failed_code_).
+  bool advance() noexcept {
+    if (done_) return true;
+    const int code = ring_.progress();
+    if (code != MPI_SUCCESS) {
+      failed_code_ = code;
+      done_ = true;
+    } else {
+      done_ = ring_.complete();
+    }
+    return done_;
+  }
+  // This one, then every other started ring of the communicator that this thread owns (not
+  // handed to a running communication thread): ranks may wait for them in different orders.
+  void advance_all() {
+    advance();
+    for (MpiRingSlot* other = owner_.rings_in_flight; other != nullptr; other = other->next_) {
+      if (other == this) continue;
+      if (other->progress_ != nullptr) {
+        if (other->progress_->running()) continue;  // the thread's
+        other->take_back();
+      }
+      other->advance();
+    }
+  }
+  // Takes the operation back from the communication thread, if it was handed over; afterwards
+  // done_ and failed_code_ hold what the thread's steps left.
+  void take_back() noexcept {
+    if (progress_ == nullptr) return;
+    ProgressThread* thread = progress_;
+    progress_ = nullptr;
+    thread->reclaim(*this);
+  }
+  // Completes a finished operation: a failed MPI call is reported as the library path's (the
+  // live requests abandoned, then the MPI error thrown); else the result to the caller.
+  void finish() {
+    if (failed_code_ != MPI_SUCCESS) {
+      abandon(owner_, ring_.live_requests(), ring_.live_count(), std::string("a failed ") + op_);
+      owner_.fail_call(failed_code_, op_, ring_.failed_call());
+    }
+    staging_.finish_receive(data_, bytes_);
+  }
+
+  MpiCommunicator::State& owner_;
+  std::shared_ptr<MpiCommunicator::State> state_;  // set while in use
+  StartedRingAllReduce ring_;
+  HostStaging staging_;
+  ProgressThread* progress_ = nullptr;  // the thread that owns the operation, while handed over
+  MpiRingSlot* prev_ = nullptr;         // State::rings_in_flight, while in use
+  MpiRingSlot* next_ = nullptr;
+  double timeout_ = 0.0;
+  const char* op_ = "all_reduce";
+  char* data_ = nullptr;  // the caller's buffer, and its size in bytes
+  std::size_t bytes_ = 0;
+  int failed_code_ = MPI_SUCCESS;  // written by advance(), on whichever thread owns it
+  bool done_ = false;
+};
+
+// A free ring slot (best fit, slot_pool.hpp) for an all-reduce of `count` elements of `dtype`.
+MpiRingSlot& acquire_ring_slot(MpiCommunicator::State& state, std::size_t count, Dtype dtype,
+                               int size) {
+  const std::size_t n = static_cast<std::size_t>(size);
+  const std::size_t block_bytes = (count / n + (count % n != 0 ? 1 : 0)) * bytes_of(dtype);
+  const SlotCapacity need{block_bytes, HostStaging::kStages ? count * bytes_of(dtype) : 0};
+  return state.ring_slots.acquire(need, [&] { return std::make_unique<MpiRingSlot>(state); });
+}
+
 }  // namespace
 
 MpiCommunicator::State::~State() {
@@ -578,12 +784,27 @@ Request MpiCommunicator::raw_start_all_gather(const void* send, void* recv,
   return Request(&slot);
 }
 
-// One MPI_Iallreduce in place on a pooled slot (its own staging: several may be in
-// flight). Unlike the blocking all-reduce it is not split into pieces: the caller (a DP
-// gradient bucket) chooses the size, and a count beyond an int is refused.
+// Where the reduction choice picks the ring for this size (as the blocking all-reduce does),
+// a started ring all-reduce (MpiRingSlot). Else one MPI_Iallreduce in place on a pooled slot
+// (its own staging: several may be in flight). Unlike the blocking all-reduce it is not split
+// into pieces: the caller (a DP gradient bucket) chooses the size, and a count beyond an int
+// is refused.
 Request MpiCommunicator::raw_start_all_reduce_sum(void* data, std::size_t count, Dtype dtype,
                                                   const char* op) {
   state_->require_usable(op);
+  if (uses_started_ring(count, dtype)) {
+    if (state_->ring_count_in_flight >= kStartedRingTags) {
+      MESHTRAIN_FAIL(op, " on ", description(), ": ", kStartedRingTags,
+                     " started ring all-reduces are in flight; wait for some first");
+    }
+    fence_all(MESHTRAIN_LABEL("meshtrain::MpiCommunicator::raw_start_all_reduce_sum"));
+    const int tag =
+        kStartedRingTagBase + static_cast<int>(state_->rings_started++ % kStartedRingTags);
+    MpiRingSlot& slot = acquire_ring_slot(*state_, count, dtype, size());
+    slot.start(state_, timeout_seconds(), op, size(), rank(), tag, data, count, dtype);
+    slot.hand_to_progress();
+    return Request(&slot);
+  }
   const int n = checked_int(count, "started all_reduce count");
   fence_all(MESHTRAIN_LABEL("meshtrain::MpiCommunicator::raw_start_all_reduce_sum"));
   MpiRequestSlot& slot =
@@ -655,6 +876,31 @@ void MpiCommunicator::raw_reserve_requests(std::size_t count, std::size_t send_b
   state_->request_slots.reserve(
       count, [&] { return std::make_unique<MpiRequestSlot>(*state_); },
       [&](MpiRequestSlot& slot) { slot.reserve_staging(send_bytes, recv_bytes); });
+}
+
+bool MpiCommunicator::uses_started_ring(std::size_t count, Dtype dtype) const {
+  return size() > 1 && count * bytes_of(dtype) >= reduction_choice().all_reduce_ring_from;
+}
+
+void MpiCommunicator::raw_reserve_reductions(std::size_t elements, Dtype dtype) {
+  if (size() < 2) return;
+  const ReductionChoice& choice = reduction_choice();
+  const std::size_t bytes = elements * bytes_of(dtype);
+  if (bytes < std::min(choice.reduce_scatter_ring_from, choice.all_reduce_ring_from)) return;
+  const std::size_t n = static_cast<std::size_t>(size());
+  const std::size_t block = (elements / n + (elements % n != 0 ? 1 : 0)) * bytes_of(dtype);
+  state_->ring.reserve(block, size() == 2 ? 1 : 2);
+}
+
+void MpiCommunicator::raw_reserve_started_all_reduces(std::size_t count, std::size_t elements,
+                                                      Dtype dtype) {
+  if (!uses_started_ring(elements, dtype)) {
+    raw_reserve_requests(count, 0, elements * bytes_of(dtype));
+    return;
+  }
+  state_->ring_slots.reserve(
+      count, [&] { return std::make_unique<MpiRingSlot>(*state_); },
+      [&](MpiRingSlot& slot) { slot.reserve(elements, dtype, size()); });
 }
 
 void MpiCommunicator::raw_reserve_staging(std::size_t send_bytes, std::size_t recv_bytes) {

@@ -46,8 +46,8 @@ class MpiCommunicator final : public Communicator {
  protected:
   void raw_all_gather(const void* send, void* recv, std::size_t count_per_rank, Dtype dtype,
                       const char* op) override;
-  void raw_reduce_scatter_sum(const void* send, void* recv, std::size_t count_per_rank,
-                              Dtype dtype, const char* op) override;
+  void raw_reduce_scatter_sum(const void* send, void* recv, std::size_t count_per_rank, Dtype dtype,
+                              const char* op) override;
   void raw_all_reduce_sum(void* data, std::size_t count, Dtype dtype, const char* op) override;
   void raw_all_reduce_sum_f64(double* data, std::size_t count, const char* op) override;
   void raw_broadcast(float* data, std::size_t count, int root, const char* op) override;
@@ -66,6 +66,9 @@ class MpiCommunicator final : public Communicator {
   void raw_reserve_staging(std::size_t send_bytes, std::size_t recv_bytes) override;
   void raw_reserve_requests(std::size_t count, std::size_t send_bytes,
                             std::size_t recv_bytes) override;
+  void raw_reserve_reductions(std::size_t elements, Dtype dtype) override;
+  void raw_reserve_started_all_reduces(std::size_t count, std::size_t elements,
+                                       Dtype dtype) override;
 
  private:
   MpiCommunicator(std::shared_ptr<State> state, int size, int rank, std::string description);
@@ -81,6 +84,10 @@ class MpiCommunicator final : public Communicator {
   template <class T>
   void all_reduce_in_pieces(T* data, std::size_t count, MPI_Datatype type, MPI_Op sum,
                             const char* op);
+
+  // Whether a started all-reduce of `count` elements of `dtype` runs the ring (the reduction
+  // choice's all_reduce_ring_from, as for the blocking all-reduce).
+  bool uses_started_ring(std::size_t count, Dtype dtype) const;
 
   std::shared_ptr<State> state_;
 };

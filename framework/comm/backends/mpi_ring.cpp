@@ -222,4 +222,148 @@ void ring_all_reduce(const RingLink& link, void* data, std::size_t count, Dtype 
   all_gather_blocks(link, bytes, blocks, dtype);
 }
 
+void StartedRingAllReduce::reserve(std::size_t count, Dtype dtype, int size) {
+  if (size <= 1) return;
+  const std::size_t n = static_cast<std::size_t>(size);
+  const std::size_t block_bytes = (count / n + (count % n != 0 ? 1 : 0)) * bytes_of(dtype);
+  const std::size_t requests = 2 * segments_of(block_bytes);
+  if (requests_.size() < requests) requests_.resize(requests, MPI_REQUEST_NULL);
+  for (int b = 0; b < (size == 2 ? 1 : 2); ++b) {
+    auto& buffer = partial_[b];
+    if (buffer.extent(0) >= block_bytes) continue;
+    buffer = Kokkos::View<char*, Kokkos::HostSpace>();  // free the old one first
+    buffer = Kokkos::View<char*, Kokkos::HostSpace>(
+        Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshtrain::started_ring_partial_sums"),
+        block_bytes);
+  }
+}
+
+void StartedRingAllReduce::start(MPI_Comm comm, int size, int rank, int tag, void* data,
+                                 std::size_t count, Dtype dtype) {
+  reserve(count, dtype, size);
+  comm_ = comm;
+  size_ = size;
+  rank_ = rank;
+  tag_ = tag;
+  data_ = static_cast<char*>(data);
+  const std::size_t n = static_cast<std::size_t>(size);
+  base_ = count / n;
+  extra_ = count % n;
+  dtype_ = dtype;
+  steps_ = count == 0 || size == 1 ? 0 : 2 * (size - 1);
+  step_ = 0;
+  posted_ = false;
+  receives_ = total_ = next_add_ = 0;
+  failed_call_ = "";
+}
+
+// This step's buffers (see reduce_scatter_blocks and all_gather_blocks, which it follows).
+void StartedRingAllReduce::step_buffers(char*& recv_into, std::size_t& recv_bytes,
+                                        const char*& send_from, std::size_t& send_bytes) const {
+  const int n = size_, r = rank_;
+  const Blocks blocks{base_, extra_};
+  const std::size_t element = bytes_of(dtype_);
+  if (step_ < n - 1) {  // reduce-scatter
+    const int s = step_;
+    const int sent = ring_index(r - 1 - s, n);
+    const int received = ring_index(r - 2 - s, n);
+    send_from = s == 0 ? data_ + blocks.offset(sent) * element : partial_[(s - 1) % 2].data();
+    send_bytes = blocks.length(sent) * element;
+    recv_into = partial_[s % 2].data();
+    recv_bytes = blocks.length(received) * element;
+  } else {  // all-gather
+    const int s = step_ - (n - 1);
+    const int sent = ring_index(r - s, n);
+    const int received = ring_index(r - s - 1, n);
+    send_from = data_ + blocks.offset(sent) * element;
+    send_bytes = blocks.length(sent) * element;
+    recv_into = data_ + blocks.offset(received) * element;
+    recv_bytes = blocks.length(received) * element;
+  }
+}
+
+int StartedRingAllReduce::post() noexcept {
+  char* recv_into = nullptr;
+  const char* send_from = nullptr;
+  std::size_t recv_bytes = 0, send_bytes = 0;
+  step_buffers(recv_into, recv_bytes, send_from, send_bytes);
+  receives_ = static_cast<int>(segments_of(recv_bytes));
+  const int sends = static_cast<int>(segments_of(send_bytes));
+  total_ = receives_ + sends;
+  next_add_ = 0;
+  std::fill(requests_.begin(), requests_.begin() + total_, MPI_REQUEST_NULL);
+  posted_ = true;  // from here the requests are live (abandoned on a failure)
+  const int next = (rank_ + 1) % size_;
+  const int previous = (rank_ + size_ - 1) % size_;
+  // Segments are at most kRingSegmentBytes (1 MiB): their byte counts fit an int.
+  for (int k = 0; k < receives_; ++k) {
+    const std::size_t at = static_cast<std::size_t>(k) * kRingSegmentBytes;
+    const int bytes = static_cast<int>(std::min(kRingSegmentBytes, recv_bytes - at));
+    const int code =
+        MPI_Irecv(recv_into + at, bytes, MPI_BYTE, previous, tag_, comm_, &requests_[k]);
+    if (code != MPI_SUCCESS) {
+      requests_[k] = MPI_REQUEST_NULL;
+      failed_call_ = "MPI_Irecv";
+      return code;
+    }
+  }
+  for (int k = 0; k < sends; ++k) {
+    const std::size_t at = static_cast<std::size_t>(k) * kRingSegmentBytes;
+    const int bytes = static_cast<int>(std::min(kRingSegmentBytes, send_bytes - at));
+    MPI_Request& request = requests_[receives_ + k];
+    const int code = MPI_Isend(send_from + at, bytes, MPI_BYTE, next, tag_, comm_, &request);
+    if (code != MPI_SUCCESS) {
+      request = MPI_REQUEST_NULL;
+      failed_call_ = "MPI_Isend";
+      return code;
+    }
+  }
+  return MPI_SUCCESS;
+}
+
+int StartedRingAllReduce::progress() noexcept {
+  const std::size_t element = bytes_of(dtype_);
+  while (step_ < steps_) {
+    if (!posted_) {
+      const int code = post();
+      if (code != MPI_SUCCESS) return code;
+    }
+    const bool reducing = step_ < size_ - 1;
+    if (reducing) {
+      // Add the arrived segments in order; the later ones keep moving meanwhile.
+      char* recv_into = nullptr;
+      const char* send_from = nullptr;
+      std::size_t recv_bytes = 0, send_bytes = 0;
+      step_buffers(recv_into, recv_bytes, send_from, send_bytes);
+      const Blocks blocks{base_, extra_};
+      const int received = ring_index(rank_ - 2 - step_, size_);
+      char* sum = step_ + 2 == size_ ? data_ + blocks.offset(rank_) * element : recv_into;
+      const char* mine = data_ + blocks.offset(received) * element;
+      while (next_add_ < receives_) {
+        int arrived = 0;
+        const int code = MPI_Test(&requests_[next_add_], &arrived, MPI_STATUS_IGNORE);
+        if (code != MPI_SUCCESS) {
+          failed_call_ = "MPI_Test";
+          return code;
+        }
+        if (!arrived) return MPI_SUCCESS;
+        const std::size_t at = static_cast<std::size_t>(next_add_) * kRingSegmentBytes;
+        add(sum + at, mine + at, recv_into + at, std::min(kRingSegmentBytes, recv_bytes - at),
+            dtype_);
+        ++next_add_;
+      }
+    }
+    int done = 0;
+    const int code = MPI_Testall(total_, requests_.data(), &done, MPI_STATUSES_IGNORE);
+    if (code != MPI_SUCCESS) {
+      failed_call_ = "MPI_Testall";
+      return code;
+    }
+    if (!done) return MPI_SUCCESS;
+    posted_ = false;
+    ++step_;
+  }
+  return MPI_SUCCESS;
+}
+
 }  // namespace meshtrain

@@ -25,8 +25,9 @@
 // elements too) is safe.
 // Memory: the caller's buffers are host memory (the backend stages device memory through the
 // host first, as for its other operations). The ring keeps two partial-sum buffers of one
-// block each and its MPI requests in RingScratch, grown on first use and kept: repeated calls
-// up to the same size allocate nothing.
+// block each and its MPI requests in RingScratch, reserved when the model is built
+// (Communicator::reserve_reductions) or grown on first use, and kept: repeated calls up to the
+// same size allocate nothing.
 // Waiting: every wait polls the MPI requests (mpi_util.hpp wait_all_until) for at most the
 // communicator's timeout; when it passes, or MPI fails, the backend's RingFailure abandons
 // the live requests and throws, as the MPI library path does.
@@ -93,6 +94,63 @@ void ring_reduce_scatter(const RingLink& link, const void* send, void* recv,
                          std::size_t count_per_rank, Dtype dtype);
 // In-place sum of `count` elements over the group; every rank ends with the same bits.
 void ring_all_reduce(const RingLink& link, void* data, std::size_t count, Dtype dtype);
+
+// A started (non-blocking) ring all-reduce: the blocks, steps, segments and summation order
+// of ring_all_reduce, so the same bits, advanced by progress(), which never blocks. The
+// all-gather is always the ring of copies: a library collective begun when this rank's
+// reduce-scatter happens to finish could be matched against another rank's collectives in
+// a different order.
+// Steps: [0, n - 1) the reduce-scatter's, [n - 1, 2n - 2) the all-gather's. A step posts all
+// its receives and sends at once; progress() adds each arrived segment of a reduce-scatter
+// step in order (MPI_Test per segment), and the next step is posted once every request of
+// the step has completed (its sends too: the next step reuses their buffers).
+// Tags: every message of one operation carries its `tag`; within one operation the steps of
+// a rank follow each other, so MPI's in-order matching pairs the segments. Two operations in
+// flight on one communicator need different tags (the backend numbers them).
+// Memory: the partial-sum buffers and the requests, per operation (two may run at once),
+// grown by reserve() (or the first start() of a larger size) and kept.
+// Threads: one thread at a time (the caller's, or the communication thread it was handed to).
+class StartedRingAllReduce {
+ public:
+  // Grows the buffers to what an all-reduce of `count` elements of `dtype` on `size` ranks
+  // needs (nothing for one rank).
+  void reserve(std::size_t count, Dtype dtype, int size);
+  // Bytes of one partial-sum buffer held now.
+  std::size_t partial_capacity() const { return partial_[0].extent(0); }
+
+  // Readies an all-reduce of `count` elements of `dtype` in place in `data` (host memory) on
+  // `comm` (this rank `rank` of `size`); posts nothing yet. Grows the buffers if needed.
+  void start(MPI_Comm comm, int size, int rank, int tag, void* data, std::size_t count,
+             Dtype dtype);
+  // Advances without blocking: posts steps, adds arrived segments. Returns MPI_SUCCESS (then
+  // complete() says whether it is done) or the code of the MPI call that failed (named by
+  // failed_call()); the requests still live are then in live_requests().
+  int progress() noexcept;
+  bool complete() const { return step_ == steps_; }
+  const char* failed_call() const { return failed_call_; }
+  // The current step's requests (MPI_REQUEST_NULL where done): what a timeout or a failure
+  // abandons.
+  MPI_Request* live_requests() { return requests_.data(); }
+  int live_count() const { return posted_ ? total_ : 0; }
+
+ private:
+  int post() noexcept;
+  void step_buffers(char*& recv_into, std::size_t& recv_bytes, const char*& send_from,
+                    std::size_t& send_bytes) const;
+
+  Kokkos::View<char*, Kokkos::HostSpace> partial_[2];
+  std::vector<MPI_Request> requests_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int size_ = 1, rank_ = 0, tag_ = 0;
+  char* data_ = nullptr;
+  std::size_t base_ = 0, extra_ = 0;  // the blocks, as ring_all_reduce's
+  Dtype dtype_ = Dtype::fp32;
+  int steps_ = 0;  // 2n - 2, or 0 when there is nothing to do
+  int step_ = 0;
+  bool posted_ = false;  // the current step's messages are posted
+  int receives_ = 0, total_ = 0, next_add_ = 0;
+  const char* failed_call_ = "";
+};
 
 // Env MESHTRAIN_RING_ALL_GATHER: "ring" -> true (the all-reduce's all-gather as a ring of
 // copies), unset, empty or "library" -> false (MPI_Iallgatherv); bad_input otherwise. Read at
