@@ -247,13 +247,14 @@ TEST(MemoryPlan, RecordsAfterTheFirstStepAndAtTheEndForEveryRankAgainstThePlan) 
 
 // The plan counts what a run allocates (parameters, gradients, optimizer state, the step's
 // workspace: activations, batch buffers, FSDP's gathered weights, collective matmul workspace,
-// communicator scratch; checkpoint and data staging). Each rank's Kokkos peak at the end is
-// within this band of its own planned bytes (PlannedMemory::kokkos_bytes_of_rank): below
-// because a few small allocations are left out (evaluation metrics, the gradient clipper's
-// norms, Kokkos' own scratch), above because the ring reductions' partial sums (a plan item of
-// their own, counted separately) and a construction's transient growth of a scratch are not
-// in these figures. On this model those are a few percent of the total.
-constexpr double kBandLow = 0.85, kBandHigh = 1.15;
+// communicator scratch; checkpoint and data staging; the ring reductions' partial sums). Each
+// rank's Kokkos peak at the end is within this band of its own planned bytes
+// (PlannedMemory::kokkos_bytes_of_rank). Measured: 12 KiB above the plan on every rank and mesh
+// here (the evaluation metrics' buffers, the gradient clipper's norms, Kokkos' own scratch and
+// empty Views' headers are no plan items), 0.3-0.5% of these 2.6-4.4 MiB; the band leaves room
+// for a few such buffers more and fails when the activations (3-4% of the total here) or a
+// larger item go missing; EachWorkspaceItemIsWhatTheRunAllocates checks the small items.
+constexpr double kBandLow = 0.98, kBandHigh = 1.02;
 
 RunConfig preset_config(const std::string& preset, int tp) {
   RunConfig config = config_for(preset, run_dir("band_" + preset));
