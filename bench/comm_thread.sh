@@ -59,7 +59,7 @@ def med(key, o, t):
     return statistics.median(xs) if xs else None
 base = med("step_time_median_s", False, "0")
 out = {"bench": "comm_thread", "where": runs[0]["where"], "mode": runs[0]["mode"],
-       "rounds": len(runs) // 4, "shared_machine": True}
+       "rounds": len(runs) // 4}
 for o, t, name in ((False, "0", "off_off"), (True, "0", "overlap"), (True, "1", "overlap_thread"),
                    (False, "1", "thread")):
     s = med("step_time_median_s", o, t)

@@ -35,7 +35,7 @@ python3 - "$work/steps.jsonl" "$thread" <<'PY'
 import json, statistics, sys
 runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 out = {"bench": "started_ring", "mode": "dp", "sizes": [784, 4096, 4096, 10], "batch": 256,
-       "ranks": 2, "comm_thread": sys.argv[2], "rounds": len(runs) // 4, "shared_machine": True}
+       "ranks": 2, "comm_thread": sys.argv[2], "rounds": len(runs) // 4}
 for reductions in ("ring", "mpi"):
     for overlap in (True, False):
         name = f'{reductions}_{"overlap" if overlap else "no_overlap"}'
