@@ -722,8 +722,8 @@ void TrainingRun::end_trace() {
     std::error_code error;
     std::filesystem::create_directories(dir, error);
     if (error) MESHTRAIN_FAIL("cannot create the trace folder '", dir, "': ", error.message());
-    write_chrome_trace(tracer().events(), device_timer::resolve(), tracer().dropped(), rank_,
-                       trace_clock_offset_ns_, trace_origin_ns_,
+    write_chrome_trace(tracer().events(), device_timer::resolve(), tracer().lane_events(),
+                       tracer().dropped(), rank_, trace_clock_offset_ns_, trace_origin_ns_,
                        dir + "/rank-" + std::to_string(rank_) + ".json");
   });
   on_every_rank(comm_, [&] {

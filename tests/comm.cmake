@@ -57,13 +57,19 @@ check_cxx_source_compiles("int main() { return 0; }" MESHTRAIN_HAVE_TSAN)
 unset(CMAKE_REQUIRED_FLAGS)
 unset(CMAKE_REQUIRED_LINK_OPTIONS)
 if(MESHTRAIN_HAVE_TSAN)
+  # The thread records its spans through the tracer (framework/core/trace.cpp, and
+  # device_timer.cpp's host branch): compiled in as well, so its lanes are checked too.
   add_executable(comm_progress_thread_tsan comm/progress_thread_tsan.cpp
-                 ${PROJECT_SOURCE_DIR}/framework/comm/progress_thread.cpp)
-  target_include_directories(comm_progress_thread_tsan PRIVATE ${PROJECT_SOURCE_DIR})
+                 ${PROJECT_SOURCE_DIR}/framework/comm/progress_thread.cpp
+                 ${PROJECT_SOURCE_DIR}/framework/core/trace.cpp
+                 ${PROJECT_SOURCE_DIR}/framework/core/device_timer.cpp)
+  target_include_directories(comm_progress_thread_tsan PRIVATE ${PROJECT_SOURCE_DIR}
+    $<TARGET_PROPERTY:meshtrain::kokkos,INTERFACE_INCLUDE_DIRECTORIES>)
   target_compile_options(comm_progress_thread_tsan PRIVATE -fsanitize=thread -O1 -g)
   target_link_options(comm_progress_thread_tsan PRIVATE -fsanitize=thread)
   find_package(Threads REQUIRED)
-  target_link_libraries(comm_progress_thread_tsan PRIVATE Threads::Threads)
+  target_link_libraries(comm_progress_thread_tsan PRIVATE Threads::Threads
+                        nlohmann_json::nlohmann_json)
   meshtrain_add_command_test(NAME comm_progress_thread_tsan TIMEOUT 120
     COMMAND $<TARGET_FILE:comm_progress_thread_tsan>)
   set_property(TEST comm_progress_thread_tsan APPEND PROPERTY ENVIRONMENT

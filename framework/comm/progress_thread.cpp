@@ -4,6 +4,8 @@
 
 #include <chrono>
 
+#include "framework/core/trace.hpp"
+
 namespace meshtrain {
 
 void ProgressThread::start() {
@@ -34,6 +36,7 @@ void ProgressThread::submit(ProgressTask& task) {
     if (head_ != nullptr) head_->prev_ = &task;
     head_ = &task;
     task.queued_ = true;
+    task.submitted_ns_ = Tracer::now_ns();
     ++count_;
   }
   wake_.notify_one();
@@ -64,6 +67,9 @@ void ProgressThread::unlink(ProgressTask& task) {
 }
 
 void ProgressThread::loop() {
+  // In a trace window, each operation this thread completes is a span from its hand-over to
+  // the pass that saw it complete: when it really moved, beside the step's start and wait.
+  const TraceLaneScope lane("communication thread");
   int polls = 0;  // passes since the queue was last empty
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
@@ -76,6 +82,14 @@ void ProgressThread::loop() {
       ProgressTask* next = task->next_;
       if (task->step()) {
         unlink(*task);
+        if (tracer().on()) {
+          TraceEvent event;
+          event.name = "operation in flight";
+          event.kind = TraceKind::collective;
+          event.begin_ns = task->submitted_ns_;
+          event.end_ns = Tracer::now_ns();
+          tracer().record(event);
+        }
         task->finished_.store(true, std::memory_order_release);
       }
       task = next;

@@ -29,6 +29,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <mutex>
 #include <thread>
 
@@ -52,7 +53,8 @@ class ProgressTask {
   friend class ProgressThread;
   ProgressTask* prev_ = nullptr;
   ProgressTask* next_ = nullptr;
-  bool queued_ = false;  // guarded by the thread's mutex
+  bool queued_ = false;       // guarded by the thread's mutex
+  int64_t submitted_ns_ = 0;  // Tracer::now_ns() at submit; guarded by the thread's mutex
   std::atomic<bool> finished_{false};
 };
 

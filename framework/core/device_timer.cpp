@@ -1,11 +1,18 @@
 #include "framework/core/device_timer.hpp"
 
-#include <Kokkos_Core.hpp>
+// Kokkos' configuration first: which of the three builds this is. The plain host build needs
+// nothing of Kokkos here (the communication thread's ThreadSanitizer test links this file
+// without the Kokkos library).
+#include <Kokkos_Macros.hpp>
 
 #include "base/error.hpp"
-#include "framework/core/exec_space.hpp"
 #include "framework/core/trace.hpp"
 
+#if defined(KOKKOS_ENABLE_CUDA) || defined(MESHTRAIN_EMULATE_DEVICE_MEMORY)
+#include <Kokkos_Core.hpp>
+
+#include "framework/core/exec_space.hpp"
+#endif
 #if defined(KOKKOS_ENABLE_CUDA)
 #include <cuda_runtime.h>
 #endif

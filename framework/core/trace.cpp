@@ -42,8 +42,63 @@ void Tracer::start(std::size_t capacity) {
   events_.reserve(capacity);
   device_timer::reserve(std::min(2 * capacity, kDeviceMarkers));
   dropped_ = 0;
-  owner_ = std::this_thread::get_id();
-  on_ = true;
+  {
+    std::lock_guard<std::mutex> lock(lanes_mutex_);
+    for (const auto& lane : lanes_) {
+      std::lock_guard<std::mutex> lane_lock(lane->mutex);
+      lane->events.clear();
+      lane->dropped = 0;
+    }
+  }
+  owner_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+  on_.store(true, std::memory_order_release);
+}
+
+TraceLane*& Tracer::this_thread_lane_slot() {
+  static thread_local TraceLane* lane = nullptr;
+  return lane;
+}
+
+TraceLane* Tracer::attach_lane(const char* name) {
+  std::lock_guard<std::mutex> lock(lanes_mutex_);
+  for (const auto& lane : lanes_) {
+    if (!lane->attached && lane->name == name) {
+      lane->attached = true;
+      return lane.get();
+    }
+  }
+  auto lane = std::make_unique<TraceLane>();
+  lane->name = name;
+  lane->events.reserve(TraceLane::kCapacity);
+  lane->attached = true;
+  lanes_.push_back(std::move(lane));
+  return lanes_.back().get();
+}
+
+void Tracer::detach_lane(TraceLane* lane) {
+  std::lock_guard<std::mutex> lock(lanes_mutex_);
+  lane->attached = false;
+}
+
+std::vector<TraceLaneEvents> Tracer::lane_events() {
+  std::vector<TraceLaneEvents> out;
+  std::lock_guard<std::mutex> lock(lanes_mutex_);
+  for (const auto& lane : lanes_) {
+    std::lock_guard<std::mutex> lane_lock(lane->mutex);
+    if (lane->events.empty() && lane->dropped == 0) continue;
+    out.push_back({lane->name, lane->events, lane->dropped});
+  }
+  return out;
+}
+
+TraceLaneScope::TraceLaneScope(const char* name)
+    : lane_(tracer().attach_lane(name)), outer_(Tracer::this_thread_lane_slot()) {
+  Tracer::this_thread_lane_slot() = lane_;
+}
+
+TraceLaneScope::~TraceLaneScope() {
+  Tracer::this_thread_lane_slot() = outer_;
+  tracer().detach_lane(lane_);
 }
 
 void nvtx_push(const char* name) {
@@ -75,7 +130,8 @@ double micros(int64_t ns) {
 }  // namespace
 
 void write_chrome_trace(const std::vector<TraceEvent>& events,
-                        const std::vector<int64_t>& device_ns, std::size_t dropped, int rank,
+                        const std::vector<int64_t>& device_ns,
+                        const std::vector<TraceLaneEvents>& lanes, std::size_t dropped, int rank,
                         int64_t clock_offset_ns, int64_t origin_ns, const std::string& path) {
   // Sorted by start, the enclosing span first: each track reads in time order.
   std::vector<const TraceEvent*> order;
@@ -184,6 +240,35 @@ void write_chrome_trace(const std::vector<TraceEvent>& events,
                     {"pid", rank},
                     {"tid", 1},
                     {"args", std::move(args)}});
+  }
+  // The background threads' lanes, a thread each.
+  for (std::size_t l = 0; l < lanes.size(); ++l) {
+    const int tid = static_cast<int>(2 + l);
+    list.push_back({{"name", "thread_name"},
+                    {"ph", "M"},
+                    {"pid", rank},
+                    {"tid", tid},
+                    {"args", {{"name", lanes[l].name}}}});
+    std::vector<const TraceEvent*> lane_order;
+    for (const TraceEvent& e : lanes[l].events) lane_order.push_back(&e);
+    std::stable_sort(lane_order.begin(), lane_order.end(),
+                     [](const TraceEvent* a, const TraceEvent* b) {
+                       if (a->begin_ns != b->begin_ns) return a->begin_ns < b->begin_ns;
+                       return a->end_ns > b->end_ns;
+                     });
+    for (const TraceEvent* e : lane_order) {
+      nlohmann::ordered_json args = {{"kind", to_string(e->kind)}};
+      if (e->bytes != 0) args["bytes"] = e->bytes;
+      list.push_back({{"name", e->name},
+                      {"cat", "background"},
+                      {"ph", "X"},
+                      {"ts", at(e->begin_ns)},
+                      {"dur", micros(e->end_ns - e->begin_ns)},
+                      {"pid", rank},
+                      {"tid", tid},
+                      {"args", std::move(args)}});
+    }
+    dropped += lanes[l].dropped;
   }
   nlohmann::ordered_json doc = {{"traceEvents", std::move(list)},
                                 {"displayTimeUnit", "ms"},

@@ -5,12 +5,18 @@
 // allocates nothing. Off, a span costs one branch. write_chrome_trace turns a rank's events
 // into Chrome trace event JSON (Perfetto, chrome://tracing): one track per rank, timestamps on
 // rank 0's clock (clock_offset_to_rank0_ns in framework/comm/mpi_util.hpp). Spans are recorded by
-// the thread that runs the step (the communication thread records none). Where the build times
+// the thread that runs the steps (the one that started the window, without a lock) and by the
+// background threads that name themselves with a TraceLaneScope (a checkpoint's writer and
+// finisher, the data reader, the communication thread: each into a lane of its own, under the
+// lane's lock, written as a thread of its own in the file). Where the build times
 // the device (device_timer.hpp), every span but a wait also gets device markers, and the file
 // a second track of the same spans as the device ran them.
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -46,6 +52,24 @@ struct TraceEvent {
   int32_t device_end = -1;
 };
 
+// A background thread's events (TraceLaneScope): its own buffer, reserved when the lane is
+// made, behind its own lock (the lane's thread records, the window's owner reads).
+struct TraceLane {
+  static constexpr std::size_t kCapacity = 4096;
+  std::string name;  // the thread's name in the file ("checkpoint writer", ...)
+  std::mutex mutex;
+  std::vector<TraceEvent> events;  // guarded by mutex
+  std::size_t dropped = 0;         // guarded by mutex
+  bool attached = false;           // a thread records into it now; guarded by the tracer's lock
+};
+
+// A copy of a lane's events (write_chrome_trace).
+struct TraceLaneEvents {
+  std::string name;
+  std::vector<TraceEvent> events;
+  std::size_t dropped = 0;
+};
+
 class Tracer {
  public:
   static int64_t now_ns();
@@ -55,12 +79,25 @@ class Tracer {
   // kDeviceMarkers; spans beyond them have no device times). Clears what an earlier window kept.
   static constexpr std::size_t kDeviceMarkers = std::size_t{1} << 16;
   void start(std::size_t capacity);
-  void stop() { on_ = false; }
-  // On, and called from the thread that started it: spans of other threads (a checkpoint
-  // writer, the communication thread) are not recorded, so recording needs no lock.
-  bool on() const { return on_ && std::this_thread::get_id() == owner_; }
+  void stop() { on_.store(false, std::memory_order_release); }
+  // On, and called from the thread that started it or from a thread in a lane; spans of
+  // other threads are not recorded.
+  bool on() const {
+    if (!on_.load(std::memory_order_acquire)) return false;
+    return this_thread_lane() != nullptr ||
+           std::this_thread::get_id() == owner_.load(std::memory_order_relaxed);
+  }
 
   void record(const TraceEvent& event) {
+    if (TraceLane* lane = this_thread_lane()) {
+      std::lock_guard<std::mutex> lock(lane->mutex);
+      if (lane->events.size() < lane->events.capacity()) {
+        lane->events.push_back(event);
+      } else {
+        ++lane->dropped;
+      }
+      return;
+    }
     if (events_.size() < events_.capacity()) {
       events_.push_back(event);
     } else {
@@ -71,17 +108,46 @@ class Tracer {
 
   const std::vector<TraceEvent>& events() const { return events_; }
   std::size_t dropped() const { return dropped_; }
+  // Copies of the lanes' events of this window, in the order the lanes were made.
+  std::vector<TraceLaneEvents> lane_events();
+  // Whether the calling thread records into a lane (a background thread).
+  static bool in_lane() { return this_thread_lane() != nullptr; }
 
  private:
-  bool on_ = false;
-  std::thread::id owner_;
+  friend class TraceLaneScope;
+  static TraceLane*& this_thread_lane_slot();
+  static TraceLane* this_thread_lane() { return this_thread_lane_slot(); }
+  // A lane named `name` that no thread records into now (made when there is none).
+  TraceLane* attach_lane(const char* name);
+  void detach_lane(TraceLane* lane);
+
+  std::atomic<bool> on_{false};
+  std::atomic<std::thread::id> owner_{};
   std::vector<TraceEvent> events_;
   std::size_t dropped_ = 0;
   int64_t last_flow_ = 0;
+  std::mutex lanes_mutex_;
+  std::vector<std::unique_ptr<TraceLane>> lanes_;  // guarded by lanes_mutex_; never shrinks
 };
 
 // This process's tracer (one per rank).
 Tracer& tracer();
+
+// For the life of the scope, the spans of the calling thread (a background thread: a
+// checkpoint writer, the data reader, the communication thread) go into a lane named `name`
+// (static text) whenever a trace window is on. Making the scope may allocate (the lane's
+// buffer, once per name and concurrent thread): make it where the thread starts.
+class TraceLaneScope {
+ public:
+  explicit TraceLaneScope(const char* name);
+  ~TraceLaneScope();
+  TraceLaneScope(const TraceLaneScope&) = delete;
+  TraceLaneScope& operator=(const TraceLaneScope&) = delete;
+
+ private:
+  TraceLane* lane_;
+  TraceLane* outer_;  // the thread's lane before this scope (nested scopes)
+};
 
 // On a CUDA build with NVTX (framework/CMakeLists.txt), a traced span is also an NVTX range;
 // a no-op elsewhere.
@@ -97,7 +163,9 @@ class TraceSpan {
       event_.kind = kind;
       nvtx_push(name);
       event_.begin_ns = Tracer::now_ns();
-      if (kind != TraceKind::wait) event_.device_begin = device_timer::record();
+      if (kind != TraceKind::wait && !Tracer::in_lane()) {
+        event_.device_begin = device_timer::record();
+      }
     }
   }
   ~TraceSpan() {
@@ -155,10 +223,13 @@ class TraceSpan {
 // rank's "host" thread (tid 0), "s"/"f" flow events from each start to its wait, and the
 // rank's name. `device_ns` (device_timer::resolve(); empty on a build without device spans)
 // gives each span with device markers a second "X" event on the rank's "device" thread
-// (tid 1), category "device", its kind in args.kind. `dropped` events are noted in the
-// metadata. Throws Error naming the path when it cannot be written.
+// (tid 1), category "device", its kind in args.kind. Each of `lanes` is a thread of its own
+// (tid 2, 3, ... in order, named after the lane), its spans of category "background" with
+// their kind in args.kind. `dropped` events (the lanes' included) are noted in the metadata.
+// Throws Error naming the path when it cannot be written.
 void write_chrome_trace(const std::vector<TraceEvent>& events,
-                        const std::vector<int64_t>& device_ns, std::size_t dropped, int rank,
+                        const std::vector<int64_t>& device_ns,
+                        const std::vector<TraceLaneEvents>& lanes, std::size_t dropped, int rank,
                         int64_t clock_offset_ns, int64_t origin_ns, const std::string& path);
 
 // Writes one file holding the events of the `paths` (written by write_chrome_trace) to

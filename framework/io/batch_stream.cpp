@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "base/error.hpp"
+#include "framework/core/trace.hpp"
 #include "framework/core/view_ops.hpp"
 
 namespace meshtrain {
@@ -92,6 +93,7 @@ void BatchStream::read_into(Slot& slot, int64_t seq) {
 }
 
 void BatchStream::reader_loop() {
+  const TraceLaneScope lane("data reader");
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     freed_.wait(lock, [&] { return stop_ || next_fill_ < next_take_ + depth_; });
@@ -102,7 +104,10 @@ void BatchStream::reader_loop() {
     lock.unlock();
     // The slot is the reader's alone: take() reads only ready slots, and a restart waits
     // for no read but discards this one (by its generation) before the slot is handed out.
-    read_into(slot, seq);
+    {
+      const TraceSpan span("read batch");
+      read_into(slot, seq);
+    }
     lock.lock();
     if (generation != generation_) continue;  // restarted meanwhile: read again
     slot.ready = true;

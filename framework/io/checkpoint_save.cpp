@@ -31,6 +31,7 @@
 #include <regex>
 #include <system_error>
 
+#include "base/error.hpp"
 #include "framework/comm/communicator.hpp"  // checked_int
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
@@ -40,8 +41,8 @@
 #include "framework/io/checkpoint_files.hpp"
 #include "framework/io/checkpoint_format.hpp"
 #include "framework/io/hdf5_util.hpp"
-#include "base/error.hpp"
 #ifdef MESHTRAIN_CHECKPOINT_FAULTS
+#include "framework/core/trace.hpp"
 #include "framework/io/checkpoint_testing.hpp"
 #endif
 
@@ -132,7 +133,7 @@ namespace checkpoint_format {
 struct SaveJob {
   std::string dir, file_name, final_path, tmp_path;
   int64_t keep = 0;
-  bool best = false;  // also point "best" at it
+  bool best = false;                   // also point "best" at it
   std::vector<DatasetEntry> entries;   // all datasets, file order (messages, sizes)
   std::vector<int64_t> dataset_bytes;  // per entry
   std::vector<int64_t> offsets;        // per entry: byte offset of its data in the file
@@ -234,14 +235,20 @@ void mark_staged(SaveJob& job) {
 
 // The writer: no MPI, no HDF5, no Kokkos (host bytes only). Errors are kept for wait().
 void run_writer(SaveJob& job) {
+  const TraceLaneScope lane("checkpoint writer");
   try {
-    for (const SaveJob::Block& block : job.blocks) {
-      if (block.staged != nullptr) {
-        std::memcpy(block.staged, block.source, static_cast<size_t>(block.meta.box.elements()) * 4);
+    {
+      const TraceSpan span("checkpoint snapshot");
+      for (const SaveJob::Block& block : job.blocks) {
+        if (block.staged != nullptr) {
+          std::memcpy(block.staged, block.source,
+                      static_cast<size_t>(block.meta.box.elements()) * 4);
+        }
       }
     }
     mark_staged(job);
     fault_point("snapshot");
+    const TraceSpan span("checkpoint write");
     write_blocks(job);
   } catch (...) {
     job.error = std::current_exception();
@@ -316,6 +323,8 @@ void store_checksums(const SaveJob& job, const std::vector<uint32_t>& crcs) {
 // Rank 0's finisher: stores each dataset's CRC-32 (HDF5, under its lock) and makes the
 // complete file the latest checkpoint.
 void run_finisher(SaveJob& job, std::vector<Piece> pieces) {
+  const TraceLaneScope lane("checkpoint finisher");
+  const TraceSpan span("checkpoint finish");
   try {
     {
       std::lock_guard<std::mutex> lock(hdf5::global_mutex());

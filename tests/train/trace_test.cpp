@@ -85,6 +85,7 @@ void check_track(const Json& events, int rank,
                  const std::map<std::pair<std::string, int64_t>, int>& plan) {
   SCOPED_TRACE("rank " + std::to_string(rank));
   std::vector<const Json*> spans, device_spans;  // the host's track (tid 0), the device's (1)
+  std::map<int, std::vector<const Json*>> lane_spans;  // background threads' (2, 3, ...)
   std::map<int64_t, int> flow_starts, flow_ends;
   bool named = false;
   for (const Json& e : events) {
@@ -93,7 +94,10 @@ void check_track(const Json& events, int rank,
     if (ph == "M" && e.at("name") == "process_name") {
       named = e.at("args").at("name") == "rank " + std::to_string(rank);
     } else if (ph == "X") {
-      (e.at("tid").get<int>() == 0 ? spans : device_spans).push_back(&e);
+      const int tid = e.at("tid").get<int>();
+      if (tid == 0) spans.push_back(&e);
+      if (tid == 1) device_spans.push_back(&e);
+      if (tid >= 2) lane_spans[tid].push_back(&e);
     } else if (ph == "s") {
       ++flow_starts[e.at("id").get<int64_t>()];
     } else if (ph == "f") {
@@ -105,7 +109,9 @@ void check_track(const Json& events, int rank,
   // Time order within each track; proper nesting (a span that starts inside another ends
   // inside it). 1 ns of slack for the microsecond rounding.
   constexpr double kSlack = 0.001;
-  for (const auto* track : {&spans, &device_spans}) {
+  std::vector<const std::vector<const Json*>*> tracks = {&spans, &device_spans};
+  for (const auto& [tid, lane] : lane_spans) tracks.push_back(&lane);
+  for (const auto* track : tracks) {
     std::vector<double> open_ends;
     double last_start = -1e300;
     for (const Json* e : *track) {
@@ -311,6 +317,50 @@ TEST(Trace, EveryRankWritesAValidTraceOfTheTracedStepsWithThePlansCollectives) {
       EXPECT_TRUE(flows) << "no started operation with overlap on";
     }
   }
+}
+
+// The background threads that run during the window have threads of their own in the file:
+// the asynchronous checkpoint's writer (its snapshot copy, which the step after the save waits
+// for) and, with FSDP's prefetch on the communication thread, that thread's operations, each
+// a span from its hand-over to the pass that saw it complete. Spans of category "background",
+// nested properly (check_track), outside the report's figures.
+TEST(Trace, BackgroundThreadsHaveThreadsOfTheirOwn) {
+  const int n = world_size();
+  const std::string dir = std::filesystem::temp_directory_path().string() +
+                          "/meshtrain_trace_background_np" + std::to_string(n);
+  if (world_rank() == 0) std::filesystem::remove_all(dir);
+  MPI_Barrier(MPI_COMM_WORLD);
+  RunConfig config = traced_config({{"fsdp", n}}, "fsdp", dir);
+  config.runtime.overlap = true;
+  config.runtime.comm_thread = CommThreadChoice::on;
+  config.checkpoint.every_steps = 2;
+  config.checkpoint.async = true;
+  TrainingRun(config, {}, std::nullopt, MPI_COMM_WORLD).train();
+  MPI_Barrier(MPI_COMM_WORLD);
+  const Json own = read_json(dir + "/trace/rank-" + std::to_string(world_rank()) + ".json");
+  std::map<int, std::string> threads;  // tid -> name
+  std::map<std::string, std::map<std::string, int>> spans;  // thread -> span name -> count
+  for (const Json& e : own.at("traceEvents")) {
+    if (e.at("ph") == "M" && e.at("name") == "thread_name") {
+      threads[e.at("tid").get<int>()] = e.at("args").at("name").get<std::string>();
+    }
+  }
+  for (const Json& e : own.at("traceEvents")) {
+    if (e.at("ph") != "X" || e.at("tid").get<int>() < 2) continue;
+    EXPECT_EQ(e.at("cat"), "background") << e.dump();
+    ++spans[threads.at(e.at("tid").get<int>())][e.at("name").get<std::string>()];
+  }
+  EXPECT_EQ(threads.at(0), "host");
+  EXPECT_GE(spans["checkpoint writer"]["checkpoint snapshot"], 1) << "the save at step 2";
+  if (n > 1) {
+    EXPECT_GE(spans["communication thread"]["operation in flight"], 1)
+        << "FSDP's prefetch gathers on the communication thread";
+  } else {
+    EXPECT_EQ(spans.count("communication thread"), 0u) << "nothing to move on one rank";
+  }
+  // The report reads the file as before (the background threads are not the step's).
+  const TraceReport report = summarize_trace(read_trace_dir(dir + "/trace"), nullptr);
+  EXPECT_EQ(report.steps, 2);
 }
 
 // A run that ends inside its window (train.steps = 4, trace_steps = [3, 9]) writes the steps
