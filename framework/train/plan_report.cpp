@@ -11,6 +11,7 @@
 #include "framework/comm/backend.hpp"
 #include "framework/comm/reduction_choice.hpp"
 #include "framework/core/choices.hpp"
+#include "framework/core/views.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
 #include "framework/train/config.hpp"
@@ -777,7 +778,9 @@ TrainingWorkspace training_workspace(const RunConfig& config, const ShardingPlan
   const int64_t local_width = split ? outputs / last.tp : outputs;
   activation_floats += rows * (local_width + 1 + (split ? last.tp : 1) + 3 + 1);
   if (split) reserve({last.feature_axis}, rows * last.tp);
-  w.activation_bytes = activation_floats * kFloat + 3 * static_cast<int64_t>(sizeof(double));
+  // The loss's three double sums, and their host mirror where device memory is separate.
+  const int64_t loss_scalars = (kDeviceMemoryIsSeparate ? 2 : 1) * 3 * sizeof(double);
+  w.activation_bytes = activation_floats * kFloat + loss_scalars;
   // The batch (run/training_run.cpp): inputs, and int32 labels or float targets.
   const bool labels = config.model.loss == LossKind::cross_entropy;
   w.batch_bytes = rows * config.model.input_width() * kFloat +
