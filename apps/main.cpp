@@ -173,6 +173,11 @@ void add_flight_report_command(CLI::App& app, FlightReportArgs& args) {
 int run_flight_report(const FlightReportArgs& args) {
   const std::string dir = args.run_dir + "/flight";
   const std::vector<meshtrain::FlightRecordFile> records = meshtrain::read_flight_records(dir);
+  if (records.empty()) {
+    MESHTRAIN_BAD_INPUT("'", dir, "' holds no flight records (rank-<k>.json): a run writes them ",
+                        "on a timeout, a failure, SIGUSR1 or SIGTERM while [runtime] ",
+                        "flight_records > 0");
+  }
   std::cout << records.size() << " flight record" << (records.size() == 1 ? "" : "s") << " in "
             << dir << "/";
   for (std::size_t k = 0; k < records.size(); ++k) {

@@ -49,9 +49,12 @@ std::vector<int> world_ranks_of(MPI_Comm comm) {
       world_code != MPI_SUCCESS
           ? world_code
           : MPI_Group_translate_ranks(group, size, group_ranks.data(), world, world_ranks.data());
-  MPI_Group_free(&group);
-  if (world_code == MPI_SUCCESS) MPI_Group_free(&world);
+  const int freed_group = MPI_Group_free(&group);
+  const int freed_world = world_code == MPI_SUCCESS ? MPI_Group_free(&world) : MPI_SUCCESS;
+  check_mpi(world_code, "MPI_Comm_group (world)");
   check_mpi(translated, "MPI_Group_translate_ranks");
+  check_mpi(freed_group, "MPI_Group_free");
+  check_mpi(freed_world, "MPI_Group_free (world)");
   return world_ranks;
 }
 

@@ -35,6 +35,7 @@
 #include "framework/comm/communicator.hpp"  // checked_int
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
+#include "framework/core/trace.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/checkpoint_checksums.hpp"
 #include "framework/io/checkpoint_comm.hpp"
@@ -42,7 +43,6 @@
 #include "framework/io/checkpoint_format.hpp"
 #include "framework/io/hdf5_util.hpp"
 #ifdef MESHTRAIN_CHECKPOINT_FAULTS
-#include "framework/core/trace.hpp"
 #include "framework/io/checkpoint_testing.hpp"
 #endif
 

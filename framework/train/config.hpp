@@ -174,6 +174,8 @@ struct RuntimeSection {
   bool traces() const { return trace_first > 0; }
   // The collectives each rank's flight recorder keeps (framework/comm/flight_recorder.hpp),
   // written to <output_dir>/flight/ on a timeout, a failure, SIGUSR1 or SIGTERM; 0: off.
+  // At most kMaxFlightRecords (a million entries are about 80 MiB a rank: more is a typo).
+  static constexpr int64_t kMaxFlightRecords = int64_t{1} << 20;
   int64_t flight_records = 64;
 };
 

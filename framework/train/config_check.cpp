@@ -258,8 +258,9 @@ void check_config(RunConfig& config) {
     fail("runtime.bucket_mb", "must be a positive number of MiB, got ", config.runtime.bucket_mb);
   }
   const RuntimeSection& rt = config.runtime;
-  if (rt.flight_records < 0) {
-    fail("runtime.flight_records", "must be non-negative (0: off), got ", rt.flight_records);
+  if (rt.flight_records < 0 || rt.flight_records > RuntimeSection::kMaxFlightRecords) {
+    fail("runtime.flight_records", "must be between 0 (off) and ",
+         RuntimeSection::kMaxFlightRecords, ", got ", rt.flight_records);
   }
   if ((rt.trace_first != 0 || rt.trace_last != 0) &&
       (rt.trace_first < 1 || rt.trace_last < rt.trace_first)) {

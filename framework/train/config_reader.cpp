@@ -656,6 +656,10 @@ void read_runtime(const Section& s, RuntimeSection& runtime) {
   runtime.reductions = s.choice("reductions", runtime.reductions, reduction_algorithm_choices());
   runtime.bucket_mb = s.number("bucket_mb").value_or(runtime.bucket_mb);
   runtime.flight_records = s.integer("flight_records", runtime.flight_records, 0);
+  if (runtime.flight_records > RuntimeSection::kMaxFlightRecords) {
+    s.fail("flight_records", "must be at most ", RuntimeSection::kMaxFlightRecords,
+           " (0: off), got ", runtime.flight_records);
+  }
   // comm_thread: true, false or "auto".
   if (const toml::node* node = s.table().get("comm_thread")) {
     if (node->is_boolean()) {

@@ -79,4 +79,10 @@ bad=$?
 [ "$bad" -eq 2 ] || fail "flight-report of a missing folder exited $bad, expected 2"
 grep -q "nowhere/flight' is not a directory of flight records" "$dir/bad" ||
   fail "flight-report of a missing folder said: $(cat "$dir/bad")"
+mkdir -p "$dir/empty/flight"
+"$meshtrain" flight-report "$dir/empty" 2>"$dir/bad"
+bad=$?
+[ "$bad" -eq 2 ] || fail "flight-report of a folder without records exited $bad, expected 2"
+grep -q "empty/flight' holds no flight records" "$dir/bad" ||
+  fail "flight-report of a folder without records said: $(cat "$dir/bad")"
 echo PASS

@@ -407,6 +407,38 @@ TEST(StartedRing, EqualsTheBlockingRingForAnyCount) {
   }
 }
 
+// A tag is reused only after the operation that had it is released: one left pending while
+// 1023 more start and complete makes the 1024th start refuse (its tag would be the pending
+// one's) with a sentence that says what to do; once the pending one is waited for, starts go
+// on. Every rank refuses the same start (they number the operations alike).
+TEST(StartedRing, ATagIsNotTakenWhileItsOperationIsPending) {
+  const int n = world_size(), rank = world_rank();
+  if (n == 1) GTEST_SKIP() << "one rank runs no ring";
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
+  comm.set_reduction_choice(ReductionChoice::ring());
+  const std::size_t count = 2 * static_cast<std::size_t>(n) + 1;
+  DeviceVector pending_data = to_device(input_of(rank, count, 7));
+  Request pending = comm.start_all_reduce(pending_data);
+  DeviceVector zeros = to_device(std::vector<float>(count, 0.0f));  // sums stay zero
+  for (int k = 1; k < 1024; ++k) comm.start_all_reduce(zeros).wait();
+  std::string refused;
+  try {
+    Request reused = comm.start_all_reduce(zeros);
+    reused.wait();
+  } catch (const Error& e) {
+    refused = e.what();
+  }
+  EXPECT_NE(refused.find("would share a tag"), std::string::npos) << refused;
+  EXPECT_NE(refused.find("runtime.bucket_mb"), std::string::npos) << refused;
+  EXPECT_TRUE(same_on_every_rank(refused.empty() ? 0u : 1u));
+  pending.wait();
+  std::vector<std::vector<float>> inputs;
+  for (int r = 0; r < n; ++r) inputs.push_back(input_of(r, count, 11));
+  DeviceVector fresh = to_device(inputs[rank]);
+  comm.start_all_reduce(fresh).wait();  // the tag is free again
+  expect_ring_all_reduce(inputs, to_vector(fresh), Dtype::fp32);
+}
+
 // Three in flight at once (sizes of several segments, one of a few elements, one not
 // divisible), completed in start order, in reverse, and each rank in its own order (even ranks
 // forward, odd ranks backward: a wait advances the others too, so neither order stalls);

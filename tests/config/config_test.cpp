@@ -8,9 +8,9 @@
 #include <toml++/toml.h>
 
 #include <filesystem>
-#include <utility>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 #include "tests/source_dir.hpp"
 #include "tests/test_support.hpp"
@@ -329,7 +329,8 @@ TEST(Config, DatasetKeys) {
   const RunConfig again = parse(config_to_toml(named));
   EXPECT_EQ(again.data.x_key, "/inputs");
   EXPECT_EQ(again.data.y_key, "/a/targets");
-  expect_config_error(minimal("[data]\nx_key = \"\"\n"), {"t.toml:6", "[data] x_key", "must name a dataset"});
+  expect_config_error(minimal("[data]\nx_key = \"\"\n"),
+                      {"t.toml:6", "[data] x_key", "must name a dataset"});
   expect_config_error(minimal("[data]\ny_key = \"x\"\n"), {"t.toml:6", "[data] y_key", "/x"});
   RunConfig in_code = parse(minimal());
   in_code.data.x_key = "features";
@@ -416,6 +417,8 @@ TEST(Config, RangeErrorsNameFileLineKeyAndValue) {
       {"[runtime]\nbucket_mb = 0\n", {"t.toml:6", "[runtime] bucket_mb", "positive", "got 0"}},
       {"[runtime]\nflight_records = -1\n",
        {"t.toml:6", "[runtime] flight_records", "non-negative", "got -1"}},
+      {"[runtime]\nflight_records = 2000000\n",
+       {"t.toml:6", "[runtime] flight_records", "at most 1048576", "got 2000000"}},
       {"[runtime]\nflight_records = 1.5\n", {"t.toml:6", "[runtime] flight_records", "an integer"}},
       {"[runtime]\nbucket_mb = -2.5\n", {"t.toml:6", "[runtime] bucket_mb", "-2.5"}},
       {"[runtime]\nbucket_mb = \"big\"\n", {"t.toml:6", "[runtime] bucket_mb", "a number"}},
@@ -709,9 +712,9 @@ TEST(Config, DropoutOutsideItsRangeIsRefusedAtTheKey) {
   EXPECT_EQ(parse(minimal()).model.dropout, 0.0);
   EXPECT_EQ(parse(minimal(), {"model.dropout=0.5"}).model.dropout, 0.5);
   for (const char* value : {"1.0", "-0.1", "2"}) {
-    expect_config_error("[model]\nsizes = [4, 3]\ndropout = " + std::string(value) +
-                            "\n[train]\nsteps = 5\n",
-                        {"t.toml", "dropout", "must be in [0, 1)"});
+    expect_config_error(
+        "[model]\nsizes = [4, 3]\ndropout = " + std::string(value) + "\n[train]\nsteps = 5\n",
+        {"t.toml", "dropout", "must be in [0, 1)"});
   }
   expect_config_error(minimal(), {"model.dropout", "must be in [0, 1)"}, {"model.dropout=1"});
 }

@@ -3,6 +3,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <ctime>
 #include <sstream>
@@ -24,6 +25,15 @@ namespace {
 class MpiRequestSlot;
 class MpiRingSlot;
 }  // namespace
+
+// Tags of the started ring all-reduces: kStartedRingTagBase + (number started mod
+// kStartedRingTags), apart from the shifts' [1000, 31000) and the blocking ring's 31001 and
+// 31002 (MPI guarantees tags up to 32767). Every rank starts the operations of a communicator
+// in the same order, so they agree on each operation's tag. A tag is taken again only once
+// the operation that had it has been released on this rank (State::ring_tags_busy; all of
+// its receives matched), so two operations in flight never share one.
+constexpr int kStartedRingTagBase = 31100;
+constexpr int kStartedRingTags = 1024;
 
 struct MpiCommunicator::State {
   MPI_Comm comm = MPI_COMM_NULL;
@@ -47,8 +57,8 @@ struct MpiCommunicator::State {
   // count of those started so far, which numbers their tags.
   SlotPool<MpiRingSlot> ring_slots;
   MpiRingSlot* rings_in_flight = nullptr;
-  int ring_count_in_flight = 0;
   uint64_t rings_started = 0;
+  std::array<bool, kStartedRingTags> ring_tags_busy{};  // by tag - kStartedRingTagBase
   // MPI_Ialltoallv's int send counts, send displacements, receive counts and receive
   // displacements, one per rank each (sized when the communicator is made: no call allocates).
   std::vector<int> alltoallv_layout;
@@ -341,15 +351,6 @@ class RingFailureOnState final : public RingFailure {
   const char* op_;
 };
 
-// Tags of the started ring all-reduces: kStartedRingTagBase + (number started mod
-// kStartedRingTags), apart from the shifts' [1000, 31000) and the blocking ring's 31001 and
-// 31002 (MPI guarantees tags up to 32767). Every rank starts the operations of a communicator
-// in the same order, so they agree on each operation's tag; with fewer than kStartedRingTags
-// in flight on a rank, the operation that had a tag before has completed on that rank (all of
-// its receives matched) before its next user posts anything, so the two never match.
-constexpr int kStartedRingTagBase = 31100;
-constexpr int kStartedRingTags = 1024;
-
 // A started ring all-reduce (mpi_ring.hpp's StartedRingAllReduce) as a Request: pooled in
 // MpiCommunicator::State::ring_slots, its partial sums and host staging kept between uses.
 // It advances whenever it is tested or waited for, or a wait of another started ring
@@ -396,7 +397,8 @@ class MpiRingSlot final : public Request::Impl, public ProgressTask {
     prev_ = nullptr;
     if (next_ != nullptr) next_->prev_ = this;
     owner_.rings_in_flight = this;
-    ++owner_.ring_count_in_flight;
+    tag_index_ = tag - kStartedRingTagBase;
+    owner_.ring_tags_busy[tag_index_] = true;
     advance();
     if (failed_code_ != MPI_SUCCESS) {
       const int code = failed_code_;
@@ -461,7 +463,8 @@ class MpiRingSlot final : public Request::Impl, public ProgressTask {
     }
     if (next_ != nullptr) next_->prev_ = prev_;
     prev_ = next_ = nullptr;
-    --owner_.ring_count_in_flight;
+    if (tag_index_ >= 0) owner_.ring_tags_busy[tag_index_] = false;
+    tag_index_ = -1;
     owner_.ring_slots.release(*this);
     // Last: when this was the last reference to the state, the state (and this slot) go.
     std::shared_ptr<MpiCommunicator::State> keep = std::move(state_);
@@ -525,6 +528,7 @@ class MpiRingSlot final : public Request::Impl, public ProgressTask {
   std::size_t bytes_ = 0;
   int failed_code_ = MPI_SUCCESS;  // written by advance(), on whichever thread owns it
   bool done_ = false;
+  int tag_index_ = -1;  // its tag in State::ring_tags_busy while in flight
 };
 
 // A free ring slot (best fit, slot_pool.hpp) for an all-reduce of `count` elements of `dtype`.
@@ -793,13 +797,17 @@ Request MpiCommunicator::raw_start_all_reduce_sum(void* data, std::size_t count,
                                                   const char* op) {
   state_->require_usable(op);
   if (uses_started_ring(count, dtype)) {
-    if (state_->ring_count_in_flight >= kStartedRingTags) {
-      MESHTRAIN_FAIL(op, " on ", description(), ": ", kStartedRingTags,
-                     " started ring all-reduces are in flight; wait for some first");
+    const auto tag_index = static_cast<int>(state_->rings_started % kStartedRingTags);
+    if (state_->ring_tags_busy[tag_index]) {
+      MESHTRAIN_FAIL(op, " on ", description(), ": the started ring all-reduce begun ",
+                     kStartedRingTags,
+                     " starts before this one is still in flight, and the two would share a tag;"
+                     " wait for it first (DP gradient buckets: fewer of them, a larger"
+                     " runtime.bucket_mb)");
     }
     fence_all(MESHTRAIN_LABEL("meshtrain::MpiCommunicator::raw_start_all_reduce_sum"));
-    const int tag =
-        kStartedRingTagBase + static_cast<int>(state_->rings_started++ % kStartedRingTags);
+    ++state_->rings_started;
+    const int tag = kStartedRingTagBase + tag_index;
     MpiRingSlot& slot = acquire_ring_slot(*state_, count, dtype, size());
     slot.start(state_, timeout_seconds(), op, size(), rank(), tag, data, count, dtype);
     slot.hand_to_progress();
