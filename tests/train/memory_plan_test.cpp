@@ -187,13 +187,9 @@ TEST(MemoryPlan, RecordsAfterTheFirstStepAndAtTheEndForEveryRankAgainstThePlan) 
     }
     EXPECT_FALSE(e.over_plan) << format_memory_warning(e);
     EXPECT_EQ(format_memory_warning(e), "");
-    // The plan's items are found among the largest allocations.
-    const auto item = [&](const std::string& name) {
-      return std::count_if(e.largest.begin(), e.largest.end(),
-                           [&](const MemoryEvent::Allocation& a) { return a.plan_item == name; });
-    };
-    EXPECT_GE(item("parameters"), 1);
-    EXPECT_GE(item("optimizer state"), 1);
+    // (Which plan item each allocation belongs to is checked over every live allocation in
+    // EachWorkspaceItemIsWhatTheRunAllocates: the record's few largest tie in size, and which
+    // of equal ones it lists varies.)
   }
   // The end holds the asynchronous checkpoint's staging buffer (a plan item) too.
   EXPECT_GE(dp.events[1].kokkos_peak_bytes[0],
@@ -355,6 +351,10 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
         measured[run.plan_item_of(a)] += a.bytes;
       }
       const TrainingWorkspace& w = run.planned_memory().workspace;
+      const PlanTotals& totals = run.planned_memory().totals;
+      EXPECT_EQ(measured["parameters"], totals.parameter_bytes);
+      EXPECT_EQ(measured["gradients"], totals.gradient_bytes);
+      EXPECT_EQ(measured["optimizer state"], totals.optimizer_bytes);
       EXPECT_EQ(measured["activations"], w.activation_bytes);
       EXPECT_EQ(measured["batch buffers"], w.batch_bytes);
       // The shared scratch's five Views exist even when empty, and Kokkos reports an empty
