@@ -122,6 +122,12 @@ Tracer& tracer() {
 
 namespace {
 
+// A track's order: by start, the enclosing span first.
+bool starts_first(const TraceEvent* a, const TraceEvent* b) {
+  if (a->begin_ns != b->begin_ns) return a->begin_ns < b->begin_ns;
+  return a->end_ns > b->end_ns;
+}
+
 // Microseconds (Chrome's unit) with nanoseconds kept as the fraction.
 double micros(int64_t ns) {
   return static_cast<double>(ns) / 1000.0;
@@ -137,10 +143,7 @@ void write_chrome_trace(const std::vector<TraceEvent>& events,
   std::vector<const TraceEvent*> order;
   order.reserve(events.size());
   for (const TraceEvent& e : events) order.push_back(&e);
-  std::stable_sort(order.begin(), order.end(), [](const TraceEvent* a, const TraceEvent* b) {
-    if (a->begin_ns != b->begin_ns) return a->begin_ns < b->begin_ns;
-    return a->end_ns > b->end_ns;
-  });
+  std::stable_sort(order.begin(), order.end(), starts_first);
   const auto at = [&](int64_t ns) { return micros(ns + clock_offset_ns - origin_ns); };
 
   nlohmann::ordered_json list = nlohmann::ordered_json::array();
@@ -251,11 +254,7 @@ void write_chrome_trace(const std::vector<TraceEvent>& events,
                     {"args", {{"name", lanes[l].name}}}});
     std::vector<const TraceEvent*> lane_order;
     for (const TraceEvent& e : lanes[l].events) lane_order.push_back(&e);
-    std::stable_sort(lane_order.begin(), lane_order.end(),
-                     [](const TraceEvent* a, const TraceEvent* b) {
-                       if (a->begin_ns != b->begin_ns) return a->begin_ns < b->begin_ns;
-                       return a->end_ns > b->end_ns;
-                     });
+    std::stable_sort(lane_order.begin(), lane_order.end(), starts_first);
     for (const TraceEvent* e : lane_order) {
       nlohmann::ordered_json args = {{"kind", to_string(e->kind)}};
       if (e->bytes != 0) args["bytes"] = e->bytes;
