@@ -99,7 +99,8 @@ def main():
                 if kind == "failed" else detail) for name, kind, detail in results]
     count = {kind: sum(1 for r in results if r[1] == kind)
              for kind in ("passed", "skipped", "failed")}
-    print(f"== {args.title}: {len(results)} tests: {count['passed']} passed, "
+    tests = f"{len(results)} test" + ("" if len(results) == 1 else "s")
+    print(f"== {args.title}: {tests}: {count['passed']} passed, "
           f"{count['skipped']} skipped, {count['failed']} failed ==")
     for kind in ("skipped", "failed"):
         if count[kind]:
