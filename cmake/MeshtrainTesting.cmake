@@ -20,6 +20,10 @@
 # tests registered any other way are labelled command (meshtrain_finish_tests).
 # Every registered test has a ctest timeout (default 120 s) so a hang fails, never blocks,
 # and reserves one ctest slot per rank, at most 2 (PROCESSORS), so `ctest -j2` does not overload.
+# A program whose every case skipped (GTEST_SKIP) on every rank exits with
+# MESHTRAIN_TEST_SKIP_CODE (tests/mpi_test_main.cpp, after a "SKIP: <reason>" line per reason),
+# which is the test's SKIP_RETURN_CODE: ctest counts it as skipped, not passed. A program that
+# skips some cases and runs others passes.
 #
 # meshtrain_add_test_variant(NAME <name> VARIANT <variant> ENVIRONMENT <VAR=value...>)
 # registers test <name> again wherever it is registered, with more environment, as
@@ -46,6 +50,9 @@ if(_mpiexec_version MATCHES "Open MPI|OpenRTE")
        OMPI_MCA_rmaps_base_oversubscribe=1)
 endif()
 set(MESHTRAIN_MPIEXEC_TEST_FLAGS ${_mpi_flags} CACHE INTERNAL "")
+# The exit status of a test that skipped as a whole: the GoogleTest main's kSkippedExitCode, and
+# what the script tests (export, resume, math, ...) exit with when they skip.
+set(MESHTRAIN_TEST_SKIP_CODE 77)
 
 # The labels every test of this build carries besides its backend.
 set(MESHTRAIN_TEST_LABELS)
@@ -134,7 +141,8 @@ function(_meshtrain_register_test target variant)
       set(labels ${backend} ${MESHTRAIN_TEST_LABELS})
       add_test(NAME ${test} COMMAND ${command} ${args})
       set_tests_properties(${test} PROPERTIES TIMEOUT ${timeout} PROCESSORS ${slots}
-                           ENVIRONMENT "${environment}" LABELS "${labels}")
+                           ENVIRONMENT "${environment}" LABELS "${labels}"
+                           SKIP_RETURN_CODE ${MESHTRAIN_TEST_SKIP_CODE})
       set_property(GLOBAL APPEND PROPERTY MESHTRAIN_REGISTERED_TESTS ${test})
       set_property(GLOBAL APPEND PROPERTY MESHTRAIN_TEST_PROGRAMS ${target})
     endforeach()

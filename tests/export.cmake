@@ -38,3 +38,17 @@ meshtrain_add_command_test(NAME export_under_mpirun_np2 TIMEOUT 30
           $<TARGET_FILE:meshtrain> export ${CMAKE_CURRENT_BINARY_DIR}/no_such_checkpoint
           --format onnx --output ${CMAKE_CURRENT_BINARY_DIR}/export_under_mpirun.onnx)
 set_tests_properties(export_under_mpirun_np2 PROPERTIES PROCESSORS 2)
+
+# Without ONNX Runtime (an empty package cache and npm offline: it cannot be installed) a case
+# still runs what needs none of it, `meshtrain predict` against the float64 forward included,
+# then exits 77 (skipped) saying why; it once skipped at the first ONNX Runtime call.
+set(_no_ort ${_export_runs}/without_onnxruntime_cache)
+meshtrain_add_command_test(NAME export_regression_normalized_without_onnxruntime TIMEOUT 120
+  COMMAND sh ${CMAKE_CURRENT_SOURCE_DIR}/cli/expect_exit.sh 77 - --any-lines
+          --stdout "^regression_normalized meshtrain predict vs float64 forward: largest relative error"
+          -- env MESHTRAIN_CACHE=${_no_ort} npm_config_cache=${_no_ort}/npm npm_config_offline=true
+          ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/export/export_test.py regression_normalized
+          --meshtrain $<TARGET_FILE:meshtrain> --source-dir ${PROJECT_SOURCE_DIR}
+          --work ${_export_runs}/regression_normalized_without_onnxruntime --predict
+          -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+set_tests_properties(export_regression_normalized_without_onnxruntime PROPERTIES PROCESSORS 2)

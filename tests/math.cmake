@@ -16,3 +16,11 @@ foreach(case_np classification:2 regression:1 residual_classification:4 residual
             $<TARGET_FILE:meshtrain>)
   set_tests_properties(${_test} PROPERTIES SKIP_RETURN_CODE 77 PROCESSORS ${_np})
 endforeach()
+# A launcher whose `meshtrain predict` fails (tests/math/without_predict.sh) fails the
+# reproduction (exit 1, the failed command named), where it once passed without comparing.
+meshtrain_add_command_test(NAME math_reproduce_without_predict TIMEOUT 120
+  COMMAND sh ${CMAKE_CURRENT_SOURCE_DIR}/cli/expect_exit.sh 1 "unknown command 'predict'"
+          --any-lines --stdout "FAIL: .*predict"
+          -- env MESHTRAIN_BINARY=$<TARGET_FILE:meshtrain>
+          ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/math/reproduce.py
+          ${_math_runs}/without_predict regression -- ${CMAKE_CURRENT_SOURCE_DIR}/math/without_predict.sh)

@@ -24,7 +24,8 @@
 //         MoE layer computed whole on both tp ranks, input gathered, output sliced);
 //   np 4: ep4 (one expert per rank), dp2 x ep2, fsdp2 x ep2 ("fsdp"), ep2 x tp2 ("tp"),
 //         tp4 ("tp").
-// Also: a training step (forward, backward, reduce) allocates nothing.
+// Also: a training step (forward, backward, reduce) allocates nothing, and the reference's
+// backward is the derivative of its forward (ReferenceGradientsMatchCentralDifferences).
 //
 // Bf16IsCloseToTheReferenceAndToOneRankOnEveryMesh: the same models with {bf16, bf16}
 // (u = 2^-8; cast points in docs/mixed_precision.md), one forward and backward per mesh
@@ -87,6 +88,7 @@
 #include "partition/linear_layout.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
+#include "tests/finite_differences.hpp"
 #include "tests/layers/full_tensor.hpp"
 #include "tests/test_backend.hpp"
 #include "tests/test_support.hpp"
@@ -313,22 +315,40 @@ struct FeedForwardCache {
 };
 
 struct Reference {
-  Tensor out;                // [rows, outputs]
-  std::vector<Tensor> grad;  // per parameter, in residual_mlp_parameter_shapes order
+  Tensor out;                  // [rows, outputs]
+  std::vector<Tensor> grad;    // per parameter, in residual_mlp_parameter_shapes order
+  std::vector<Tensor> values;  // the parameters it was computed with, in the same order
   double aux = 0.0;
   double min_gap = 1.0;          // the smallest gap between a row's k-th and (k+1)-th probability
   double min_expert_rows = 0.0;  // the fewest rows an expert of an MoE block receives
+  std::vector<int64_t> routing;  // the chosen experts, row by row and MoE block by block
+
+  // The loss whose gradient `grad` is: sum(R * out) + aux.
+  double loss() const {
+    double l = aux;
+    const int64_t outputs = static_cast<int64_t>(out.size()) / kRows;
+    for (int64_t r = 0; r < kRows; ++r)
+      for (int64_t c = 0; c < outputs; ++c) l += loss_weight(r, c) * out[r * outputs + c];
+    return l;
+  }
 };
 
-Reference reference(const ResidualMlpShape& s, Activation activation, double coef) {
+// The model's output, aux loss and (with_backward) gradients in float64, for the parameters
+// parameter_value gives, or for `values` (in residual_mlp_parameter_shapes order).
+Reference reference(const ResidualMlpShape& s, Activation activation, double coef,
+                    const std::vector<Tensor>* values = nullptr, bool with_backward = true) {
   const std::vector<ParameterShape> shapes = residual_mlp_parameter_shapes(s);
   std::vector<Param> p(shapes.size());
   std::map<std::string, size_t> index;
   for (size_t k = 0; k < shapes.size(); ++k) {
-    int64_t total = 1;
-    for (int64_t d : shapes[k].shape) total *= d;
-    for (int64_t f = 0; f < total; ++f) {
-      p[k].value.push_back(parameter_value(shapes[k], static_cast<int>(k), f));
+    if (values) {
+      p[k].value = (*values)[k];
+    } else {
+      int64_t total = 1;
+      for (int64_t d : shapes[k].shape) total *= d;
+      for (int64_t f = 0; f < total; ++f) {
+        p[k].value.push_back(parameter_value(shapes[k], static_cast<int>(k), f));
+      }
     }
     p[k].grad.assign(p[k].value.size(), 0.0);
     index[shapes[k].name] = k;
@@ -459,6 +479,7 @@ Reference reference(const ResidualMlpShape& s, Activation activation, double coe
                          [&](int64_t a, int64_t c) { return bc.probs[a] > bc.probs[c]; });
         r.min_gap = std::min(r.min_gap, bc.probs[order[k - 1]] - bc.probs[order[k]]);
         bc.chosen.assign(order.begin(), order.begin() + k);
+        r.routing.insert(r.routing.end(), bc.chosen.begin(), bc.chosen.end());
         for (int64_t e : bc.chosen) bc.chosen_sum += bc.probs[e];
         d.assign(width, 0.0);
         bc.experts.resize(k);
@@ -489,6 +510,9 @@ Reference reference(const ResidualMlpShape& s, Activation activation, double coe
     for (int64_t e = 0; e < experts; ++e) balance += counts[i][e] * prob_sums[i][e];
     r.aux += coef * static_cast<double>(experts) * balance / (n * n);
   }
+
+  for (const Param& q : p) r.values.push_back(q.value);
+  if (!with_backward) return r;
 
   // Backward from dOut = R and the aux losses (through the probabilities, not the counts).
   for (int64_t row = 0; row < kRows; ++row) {
@@ -701,6 +725,54 @@ Tensor block_of(const Tensor& full, int64_t outputs, const RunResult& r) {
   for (int64_t i = 0; i < r.rows; ++i)
     for (int64_t j = 0; j < r.cols; ++j) out.push_back(full[(r.row0 + i) * outputs + r.col0 + j]);
   return out;
+}
+
+// The reference's hand-derived backward (SwiGLU, gelu, the MoE gates and routing through the
+// softmax, the aux loss through the probabilities, the residual adds, the norms) is the
+// derivative of its forward: every parameter gradient against central differences in float64
+// of the loss it differentiates, sum(R * out) + aux, in both models. Step h = 1e-5 (parameters
+// of O(0.3..1.3)): truncation h^2/6 |L'''| and rounding eps |L| / h (|L| ~ 10, a sum of ~100
+// terms) are each ~1e-9 here (measured at most 3e-10, printed); tolerance 1e-7 (1 + |g|)
+// leaves a factor ~100 over that and is far below any missing term: dropping the aux loss's
+// gradient moves the router gradients by more than 1e-3 (a control below: the check fails
+// there). The routing is piecewise constant (the top-k choice, the counts of the aux loss):
+// every perturbed forward must choose the same experts (a step of 1e-5 moves a probability by
+// ~1e-5, far inside the smallest top-k gap, >= 5e-4). The reference does not depend on the
+// ranks: checked once, at np 1.
+TEST(MoeBlock, ReferenceGradientsMatchCentralDifferences) {
+  if (world_size() > 1) GTEST_SKIP() << "the float64 reference alone: checked at np 1";
+  const ModelCase models[] = {{"rmsnorm swiglu", NormKind::rmsnorm, true, Activation::silu},
+                              {"layernorm gelu", NormKind::layernorm, false, Activation::gelu}};
+  constexpr double kStep = 1e-5, kFdTolerance = 1e-7;
+  for (const ModelCase& m : models) {
+    SCOPED_TRACE(m.name);
+    const ResidualMlpShape shape = shape_of(m);
+    const Reference ref = reference(shape, m.activation, kAuxCoef);
+    ASSERT_GE(ref.min_gap, 5e-4);
+    std::vector<std::string> names;
+    for (const ParameterShape& p : residual_mlp_parameter_shapes(shape)) names.push_back(p.name);
+    int64_t rerouted = 0;
+    const testing::Tensors numeric = testing::central_differences(
+        ref.values,
+        [&](const testing::Tensors& values) {
+          const Reference r = reference(shape, m.activation, kAuxCoef, &values, false);
+          rerouted += r.routing == ref.routing ? 0 : 1;
+          return r.loss();
+        },
+        kStep);
+    ASSERT_EQ(rerouted, 0) << "a perturbed forward chose other experts";
+    const double worst =
+        testing::expect_matches_central_differences(numeric, ref.grad, kFdTolerance, names);
+    // The control: the gradient without the aux loss's part fails this check.
+    const Reference no_aux = reference(shape, m.activation, 0.0);
+    EXPECT_GT(testing::largest_difference(numeric, no_aux.grad), 1000 * kFdTolerance);
+    if (world_rank() == 0) {
+      std::printf(
+          "[ moe_block ] %s: reference gradients vs central differences: largest "
+          "|fd - g| / (1 + |g|) %.2e (tolerance %.0e)\n",
+          m.name.c_str(), worst, kFdTolerance);
+    }
+  }
 }
 
 TEST(MoeBlock, EqualsTheFloat64ReferenceAndOneRankOnEveryMesh) {

@@ -35,6 +35,8 @@
 //       (P(ep, None, fsdp), P(ep, fsdp) before "fsdp").
 //
 // Tests and tolerances.
+//  * ReferenceGradientsMatchCentralDifferences: the reference's gradients against central
+//    differences of its own forward in float64 (1e-7; at np 1, see there).
 //  * Fp32MatchesDoubleReferenceOnEveryMesh: fp32 model vs the double reference, per tensor
 //    |got - ref| <= 1e-4 * max|ref| + 1e-6 (loss and aux loss: 1e-4 relative + 1e-6).
 //    Every value is a short chain (depth 3, sums of at most 16 x 12 terms of size O(1)) of
@@ -96,6 +98,7 @@
 #include "partition/moe_layout.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
+#include "tests/finite_differences.hpp"
 #include "tests/layers/full_tensor.hpp"
 #include "tests/test_backend.hpp"
 #include "tests/test_support.hpp"
@@ -189,6 +192,7 @@ struct Reference {
   double min_gap = 1;          // min over rows and MoE layers of p_(k) - p_(k+1) (sorted, 1-based)
   double min_kink = HUGE_VAL;  // relu: min |z| over the hidden pre-activations
   Params grads;
+  std::vector<int> routing;  // the chosen experts, MoE layer by layer, row by row
 };
 
 // y [N, o] = x [N, i] W [i, o] + b [o]
@@ -235,6 +239,7 @@ Tensor moe_forward(const Tensor& x, const Tensor& wr, const Tensor& we, const Te
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return p[a] > p[b]; });
     c.chosen[r].assign(order.begin(), order.begin() + K);
+    ref.routing.insert(ref.routing.end(), c.chosen[r].begin(), c.chosen[r].end());
     ref.min_gap = std::min(ref.min_gap, p[order[K - 1]] - p[order[K]]);
     double sum = 0;
     for (int e : c.chosen[r]) sum += p[e];
@@ -782,6 +787,57 @@ void summary(const std::string& what, const Errors& errors) {
 }
 
 // ---- the tests --------------------------------------------------------------------------------
+
+// The reference's hand-derived backward (the router's softmax, the renormalized gates of the
+// top-k choice, the experts, the aux loss through the probabilities with the counts held, the
+// cross-entropy, tanh and relu) is the derivative of its forward: every parameter gradient of
+// every model against central differences in float64 of CE + aux. Step h = 1e-5 (parameters
+// of O(0.1..1)): truncation h^2/6 |L'''| and rounding eps |L| / h (|L| ~ 2) are each below
+// 1e-9 (measured largest difference printed); tolerance 1e-7 (1 + |g|), far below the smallest
+// effect the fp32 test relies on (dropping the aux gradient, a control here too). The top-k
+// choice and relu are piecewise: every perturbed forward must choose the same experts (top-k
+// gaps >= 1e-3, asserted, against moves of ~1e-5), and relu's pre-activations stay >= 0.01
+// from 0. The reference does not depend on the ranks: checked once, at np 1.
+TEST(Moe, ReferenceGradientsMatchCentralDifferences) {
+  if (world_size() > 1) GTEST_SKIP() << "the float64 reference alone: checked at np 1";
+  constexpr double kStep = 1e-5, kFdTolerance = 1e-7;
+  const Batch batch = make_batch();
+  for (const auto& m : models()) {
+    SCOPED_TRACE(m.name);
+    const Params masters = master_parameters(m, false);
+    const Reference ref = reference(m, batch, masters, kAuxCoef);
+    ASSERT_GE(ref.min_gap, 1e-3);
+    if (m.activation == Activation::relu) ASSERT_GE(ref.min_kink, 1e-2);
+    std::vector<std::string> names;
+    testing::Tensors values, grads, no_aux_grads;
+    const Reference no_aux = reference(m, batch, masters, 0.0);
+    for (const auto& [name, value] : masters) {
+      names.push_back(name);
+      values.push_back(value);
+      grads.push_back(ref.grads.at(name));
+      no_aux_grads.push_back(no_aux.grads.at(name));
+    }
+    int64_t rerouted = 0;
+    const testing::Tensors numeric = testing::central_differences(
+        values,
+        [&](const testing::Tensors& v) {
+          Params p;
+          for (size_t k = 0; k < names.size(); ++k) p[names[k]] = v[k];
+          const Reference r = reference(m, batch, p, kAuxCoef);
+          rerouted += r.routing == ref.routing ? 0 : 1;
+          return r.ce + r.aux;
+        },
+        kStep);
+    ASSERT_EQ(rerouted, 0) << "a perturbed forward chose other experts";
+    const double worst =
+        testing::expect_matches_central_differences(numeric, grads, kFdTolerance, names);
+    EXPECT_GT(testing::largest_difference(numeric, no_aux_grads), 1000 * kFdTolerance);
+    std::printf(
+        "[ moe ] %s: reference gradients vs central differences: largest "
+        "|fd - g| / (1 + |g|) %.2e (tolerance %.0e)\n",
+        m.name.c_str(), worst, kFdTolerance);
+  }
+}
 
 // fp32 on every mesh: output, CE, aux loss, rows per expert and every gradient equal the
 // double reference; the layer is built as planned.

@@ -14,8 +14,9 @@
 //   for bit, on every mesh;
 // - evaluation and the Predictor of a model trained with P = 0.5 equal, bit for bit, those of
 //   a P = 0 model with the same parameters;
-// - backward multiplies dY by the forward's mask and scale; outside training the layer is the
-//   identity both ways;
+// - backward multiplies dY by the forward's mask and scale (the reference's gradient checked
+//   against central differences of its forward); outside training the layer is the identity
+//   both ways;
 // - the kept fraction of 2^18 elements is within 4 sigma of 1 - P (P = 0.1, 0.5, 0.9), and
 //   each field of the key changes the mask;
 // - bad values of model.dropout are refused naming the key.
@@ -37,6 +38,7 @@
 #include "layers/dropout.hpp"
 #include "run/predictor.hpp"
 #include "run/training_run.hpp"
+#include "tests/finite_differences.hpp"
 #include "tests/layers/full_tensor.hpp"
 #include "tests/test_support.hpp"
 
@@ -415,6 +417,29 @@ TEST(Dropout, BackwardUsesTheForwardMask) {
     wrong += grad[e] == (keep ? 3.0f * scale : 0.0f) ? 0 : 1;
   }
   EXPECT_EQ(wrong, 0);
+  // The reference backward above, dY * keep * scale, is the derivative of the reference forward
+  // x * keep * scale: central differences in float64 of L = sum(dY * forward(x)). The forward
+  // is linear in x, so the difference has no truncation error, only rounding, eps |L| / h ~
+  // 2e-8 for |L| ~ 2e5 and h = 1e-3: tolerance 1e-7 (1 + |g|) (a mask or scale off anywhere
+  // moves an element's gradient by O(1)).
+  {
+    testing::Tensors x_values(1), reference_grad(1);
+    std::vector<double> keeps(n * n);
+    for (int64_t e = 0; e < n * n; ++e) {
+      keeps[e] = reference_keep(11, 5, 0, 32 + e / n, 16 + e % n, 1, rate) ? 1.0 : 0.0;
+      x_values[0].push_back(hx(e / n, e % n));
+      reference_grad[0].push_back(3.0 * keeps[e] * scale);
+    }
+    const testing::Tensors numeric = testing::central_differences(
+        x_values,
+        [&](const testing::Tensors& v) {
+          double loss = 0.0;
+          for (int64_t e = 0; e < n * n; ++e) loss += 3.0 * v[0][e] * keeps[e] * scale;
+          return loss;
+        },
+        1e-3);
+    testing::expect_matches_central_differences(numeric, reference_grad, 1e-7, {"dx"});
+  }
   // Outside training: the identity, no copy, and backward leaves dY as it is.
   EXPECT_EQ(dropout.forward(x, LayerPass{}).data(), x.data());
   Kokkos::deep_copy(dy, 3.0f);

@@ -6,6 +6,7 @@
 // - it loads across a mesh change (tp -> dp and dp -> tp): the resumed run's losses equal the
 //   uninterrupted run's to 1e-5 relative (meshes compute the same function to float
 //   tolerance; measured differences are below 1e-6).
+// - the blocks' Linear layers are built with the column-/row-parallel pair (their layouts).
 // SwiGLU with rmsnorm and relu with layernorm; widths divide by 4.
 
 #include <gtest/gtest.h>
@@ -20,6 +21,9 @@
 #include <vector>
 
 #include "framework/comm/mpi_util.hpp"
+#include "layers/linear.hpp"
+#include "layers/residual_block.hpp"
+#include "layers/swiglu.hpp"
 #include "run/training_run.hpp"
 #include "tests/test_support.hpp"
 
@@ -94,18 +98,69 @@ std::vector<std::pair<std::string, Axes>> tp_meshes() {
   return cases;
 }
 
+// The layouts the blocks' Linear layers were built with (Linear::layout(), what forward and
+// backward run), both halves of the pair: the up half (SwiGLU's gate and up, or the up
+// projection) column-parallel over tp, fed the split residual stream (gathered inside its
+// collective matmuls, or once for both by the SwiGLU) and leaving its hidden features split;
+// the down projection row-parallel (its weight's rows split over tp, TP in the plan), taking
+// those split features and returning the residual stream split as it came. SwiGLU and plain
+// blocks, every tp mesh.
 TEST(MegatronResidual, UsesTheColumnRowPairUnderTp) {
   if (world_size() == 1) GTEST_SKIP() << "one rank: no feature axis to split";
   for (const auto& [preset, axes] : tp_meshes()) {
-    TrainingRun run(residual_config(preset, axes, true));
-    int column = 0;
-    for (const std::string& line : run.model().describe()) {
-      for (size_t at = line.find("column-parallel"); at != std::string::npos;
-           at = line.find("column-parallel", at + 1)) {
-        ++column;
+    for (const bool swiglu : {true, false}) {
+      SCOPED_TRACE(preset + (swiglu ? " swiglu" : " relu"));
+      TrainingRun run(residual_config(preset, axes, swiglu));
+      int tp = 1;
+      for (const auto& [axis, size] : axes)
+        if (axis == "tp") tp = size;
+      int blocks = 0;
+      for (const Layer* layer : run.model().sequence()) {
+        const auto* block = dynamic_cast<const ResidualBlock*>(layer);
+        if (block == nullptr) continue;
+        ++blocks;
+        // The block's Linear layers in order: the up half, then the down projection.
+        std::vector<const Linear*> linears;
+        for (const auto& inner : block->layers()) {
+          if (const auto* gated = dynamic_cast<const SwiGlu*>(inner.get())) {
+            linears.push_back(&gated->gate());
+            linears.push_back(&gated->up());
+          } else if (const auto* linear = dynamic_cast<const Linear*>(inner.get())) {
+            linears.push_back(linear);
+          }
+        }
+        ASSERT_EQ(linears.size(), swiglu ? 3u : 2u) << "block " << blocks - 1;
+        for (size_t k = 0; k + 1 < linears.size(); ++k) {
+          const LinearLayout& up = linears[k]->layout();
+          SCOPED_TRACE(up.layer);
+          EXPECT_TRUE(up.column_parallel);
+          EXPECT_FALSE(up.tensor_parallel);
+          EXPECT_EQ(up.feature_axis, "tp");
+          EXPECT_EQ(up.tp, tp);
+          if (swiglu) {
+            // The SwiGLU gathers the split stream once for gate and up (shares_input_gather):
+            // each sees it whole and leaves a partial input gradient, summed and
+            // reduce-scattered once.
+            EXPECT_EQ(up.input_layout, FeatureLayout::replicated);
+            EXPECT_TRUE(up.input_grad_partial);
+          } else {
+            EXPECT_TRUE(up.column_gathers_input()) << "fed the split residual stream";
+          }
+          EXPECT_EQ(up.out_local, up.out / tp);
+          EXPECT_EQ(up.output_layout(), FeatureLayout::split);
+        }
+        const LinearLayout& down = linears.back()->layout();
+        SCOPED_TRACE(down.layer);
+        EXPECT_TRUE(down.tensor_parallel) << "row-parallel";
+        EXPECT_FALSE(down.column_parallel);
+        EXPECT_EQ(down.tp, tp);
+        EXPECT_EQ(down.input_layout, FeatureLayout::split);
+        EXPECT_EQ(down.in_compute, down.in / tp);
+        EXPECT_EQ(down.output_layout(), block->output_layout());
+        EXPECT_EQ(block->output_layout(), FeatureLayout::split);
       }
+      EXPECT_EQ(blocks, 2);
     }
-    EXPECT_EQ(column, 4) << preset << ": 2 blocks x (gate, up)";
   }
 }
 
