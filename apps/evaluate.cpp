@@ -21,6 +21,7 @@
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
 #include "framework/io/metrics.hpp"
+#include "framework/io/output_file.hpp"
 #include "framework/train/config.hpp"
 #include "run/training_run.hpp"
 
@@ -99,8 +100,8 @@ int64_t check_data(const RunConfig& config, const std::string& checkpoint) {
   }
   if (!shape.classification() && shape.target_width != outputs) {
     MESHTRAIN_BAD_INPUT(where, ": dataset '", y, "' has ", shape.target_width,
-                        " targets per row, but ", model, " predicts ", outputs,
-                        " (", residual ? "model.outputs" : "model.sizes[-1]", ")");
+                        " targets per row, but ", model, " predicts ", outputs, " (",
+                        residual ? "model.outputs" : "model.sizes[-1]", ")");
   }
   return shape.num_samples;
 }
@@ -121,12 +122,23 @@ RunConfig evaluation_config(const Checkpoint& checkpoint, const EvaluateArgs& ar
   // init_from (the run it was fine-tuned from, perhaps gone by now) is not read.
   config.checkpoint.init_from = checkpoint.file;
   config.train.accumulation_steps = 1;
+  // Nothing goes into the training run's folder (the config's run.output_dir): its flight
+  // records are what a hung run leaves behind, and the recorder would remove them at start
+  // and overwrite them on a timeout. Records go to --flight-dir, or none are kept; and the
+  // run, which takes no step, traces none.
+  if (args.flight_dir.empty()) {
+    config.runtime.flight_records = 0;
+  } else {
+    config.run.output_dir = args.flight_dir;
+  }
+  config.runtime.trace_first = config.runtime.trace_last = 0;
   std::optional<Mesh> resolved;
   try {
     resolved = config.mesh.resolve(world);
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::bad_input) throw;
-    MESHTRAIN_BAD_INPUT(e.what(), "; evaluate uses the checkpoint config's mesh: start it on "
+    MESHTRAIN_BAD_INPUT(e.what(),
+                        "; evaluate uses the checkpoint config's mesh: start it on "
                         "that many ranks, or give it another with --set mesh.AXIS=SIZE (a "
                         "checkpoint loads onto any mesh)");
   }
@@ -147,6 +159,17 @@ RunConfig evaluation_config(const Checkpoint& checkpoint, const EvaluateArgs& ar
     config.data.batch_size = shards;
   }
   return config;
+}
+
+// --json FILE is renamed over FILE at the end: never over the checkpoint or a --data file.
+void check_json_output(const EvaluateArgs& args) {
+  if (args.json.empty() || args.json == "-") return;
+  std::vector<ReadFile> read =
+      checkpoint_files_read(args.checkpoint, "the checkpoint being evaluated");
+  for (const std::string& file : expand_data_paths(args.data, "--data")) {
+    read.push_back({file, "a --data file"});
+  }
+  refuse_output_that_is_read(args.json, "--json", read);
 }
 
 // --json FILE: written as FILE.tmp and renamed, so a failed evaluation leaves no file that
@@ -264,7 +287,10 @@ int evaluate_command(const EvaluateArgs& args) try {
   });
   const Checkpoint checkpoint = read_checkpoint(args.checkpoint, rank);
   std::optional<RunConfig> config;
-  on_every_rank(MPI_COMM_WORLD, [&] { config = evaluation_config(checkpoint, args, world); });
+  on_every_rank(MPI_COMM_WORLD, [&] {
+    config = evaluation_config(checkpoint, args, world);
+    if (rank == 0) check_json_output(args);
+  });
 
   TrainingRun run(*config);
   EvalEvent event = run.evaluate();

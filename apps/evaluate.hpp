@@ -1,10 +1,11 @@
 #pragma once
-// `meshtrain evaluate CHECKPOINT --data PATH... [--json FILE|-] [--set k=v ...]`: the metrics
-// of a checkpoint's model on labelled data (docs/running.md, "Evaluating a checkpoint").
+// `meshtrain evaluate CHECKPOINT --data PATH... [--json FILE|-] [--set k=v ...]
+// [--flight-dir DIR]`: the metrics of a checkpoint's model on labelled data (docs/running.md,
+// "Evaluating a checkpoint").
 //
 // It is a TrainingRun of the checkpoint's stored config with data.test_path = --data (and
-// data.path too: the run needs a training set's shape), nothing resumed and nothing written,
-// checkpoint.init_from = the checkpoint (TrainingRun::load_model at set-up: its parameters
+// data.path too: the run needs a training set's shape), nothing resumed and nothing written
+// (the flight recorder off, or run.output_dir = --flight-dir; no trace), checkpoint.init_from = the checkpoint (TrainingRun::load_model at set-up: its parameters
 // and normalization statistics, resharded) and one TrainingRun::evaluate(): so on
 // the checkpoint config's mesh and evaluation batch (the defaults) it gives the run's own
 // last evaluation to the bit. --set may change only what does not change the model or the
@@ -21,6 +22,10 @@ struct EvaluateArgs {
   std::vector<std::string> data;       // HDF5 files or globs, as data.path
   std::string json;                    // "" = none, "-" = standard output, else a file
   std::vector<std::string> overrides;  // --set section.key=value
+  // --flight-dir DIR: the flight recorder (runtime.flight_records) writes DIR/flight/; empty:
+  // no records. Never the training run's folder (run.output_dir of the checkpoint's config):
+  // the records a hung run left there are what someone evaluating its checkpoint looks for.
+  std::string flight_dir;
 };
 
 // Collective over MPI_COMM_WORLD (the Runtime must exist). Prints the metrics on rank 0 and

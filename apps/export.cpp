@@ -56,7 +56,7 @@ int export_command(const ExportArgs& args, std::ostream& out) {
   }
   const OnnxExportResult r = export_onnx(args.checkpoint, args.output, dtype, args.overwrite);
   std::string outputs;
-  for (const auto& o : r.model.graph.outputs) outputs += (outputs.empty() ? "" : ", ") + o.name;
+  for (const auto& o : r.outputs) outputs += (outputs.empty() ? "" : ", ") + o;
   out << "exported " << r.checkpoint << " (step " << r.step << ") to " << args.output
       << ": ONNX opset " << kOnnxOpset << ", " << args.dtype << " weights, " << std::fixed
       << std::setprecision(2) << static_cast<double>(r.bytes) / (1024.0 * 1024.0) << " MiB; input '"

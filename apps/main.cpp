@@ -7,10 +7,11 @@
 //   mpirun -np N meshtrain calibrate [CONFIG] [--out FILE] [--set ...]
 //   meshtrain inspect CHECKPOINT.h5 [--verify]
 //   mpirun -np N meshtrain predict CHECKPOINT --input PATH... --output FILE.h5 [--overwrite]
-//                                   [--set ...] [--batch-size N]
+//                                   [--set ...] [--batch-size N] [--flight-dir DIR]
 //   meshtrain export CHECKPOINT --format onnx --output FILE.onnx [--dtype fp32|fp16|bf16]
 //                    [--overwrite]
 //   mpirun -np N meshtrain evaluate CHECKPOINT --data PATH... [--json FILE|-] [--set ...]
+//                                    [--flight-dir DIR]
 
 #include <CLI/CLI.hpp>
 
@@ -247,6 +248,16 @@ int run_calibrate(const CalibrateArgs& args, int& argc, char**& argv) {
   });
 }
 
+// --flight-dir DIR of predict and evaluate: where their flight records go (none without it;
+// never the training run's folder that the checkpoint's config names).
+void add_flight_dir_option(CLI::App& command, std::string& dir) {
+  command
+      .add_option("--flight-dir", dir,
+                  "Write flight records (runtime.flight_records) to DIR/flight/, for "
+                  "meshtrain flight-report DIR; default: none")
+      ->type_name("DIR");
+}
+
 // --- predict: a checkpoint's model over HDF5 inputs, under mpirun ------------------------
 void add_predict_command(CLI::App& app, meshtrain::PredictOptions& args) {
   CLI::App* predict = app.add_subcommand(
@@ -271,6 +282,7 @@ void add_predict_command(CLI::App& app, meshtrain::PredictOptions& args) {
                    "Global rows per batch (default: the checkpoint's data.eval_batch_size, "
                    "else data.batch_size)")
       ->check(CLI::PositiveNumber);
+  add_flight_dir_option(*predict, args.flight_dir);
   add_set_option(*predict, args.overrides);
 }
 
@@ -298,6 +310,7 @@ void add_evaluate_command(CLI::App& app, meshtrain::EvaluateArgs& args) {
   evaluate->add_option("--json", args.json,
                        "Also write the metrics as one JSON object to FILE ('-': standard "
                        "output, the report then goes to standard error)");
+  add_flight_dir_option(*evaluate, args.flight_dir);
   evaluate
       ->add_option("--set", args.overrides,
                    "Override a key that leaves the model alone: mesh.*, partition.*, runtime.*, "

@@ -25,10 +25,12 @@
 #include "base/error.hpp"
 #include "framework/comm/exit_policy.hpp"
 #include "framework/comm/failure_agreement.hpp"
+#include "framework/comm/flight_recorder.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/io/batch_stream.hpp"
 #include "framework/io/hdf5_util.hpp"
 #include "framework/io/metrics.hpp"  // format_duration
+#include "framework/io/output_file.hpp"
 #include "run/predictor.hpp"
 
 namespace meshtrain {
@@ -42,8 +44,9 @@ struct OutputLayout {
   long long prediction = 0, classes = 0, probability = 0;
 };
 
-// Rank 0: the output is new (or --overwrite), not a directory, and its directory takes a file.
-void check_output(const PredictOptions& options) {
+// Rank 0: the output is new (or --overwrite), not a directory, not a file predict reads (the
+// checkpoint, the pointer naming it, an input), and its directory takes a file.
+void check_output(const PredictOptions& options, const std::vector<std::string>& inputs) {
   const std::string& output = options.output;
   if (output.empty()) MESHTRAIN_BAD_INPUT("--output names no file");
   std::error_code ec;
@@ -53,6 +56,12 @@ void check_output(const PredictOptions& options) {
   if (fs::exists(output, ec) && !options.overwrite) {
     MESHTRAIN_BAD_INPUT("the output '", output,
                         "' exists; pass --overwrite to replace it, or choose another --output");
+  }
+  if (fs::exists(output, ec)) {  // resolving reads the pointer: only when there is a file to lose
+    std::vector<ReadFile> read =
+        checkpoint_files_read(options.checkpoint, "the checkpoint being read");
+    for (const std::string& input : inputs) read.push_back({input, "an --input file"});
+    refuse_output_that_is_read(output, "--output", read);
   }
   const std::string probe = output + ".tmp";
   std::FILE* file = std::fopen(probe.c_str(), "w");
@@ -139,11 +148,20 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
   std::vector<std::string> files;
   on_every_rank(MPI_COMM_WORLD, [&] {
     if (options.inputs.empty()) MESHTRAIN_BAD_INPUT("--input names no file");
-    if (rank0) check_output(options);
     files = expand_data_paths(options.inputs, "--input");
+    if (rank0) check_output(options, files);
   });
 
   Predictor predictor(options.checkpoint, options.batch_size, options.overrides);
+  // Flight records only where --flight-dir says: never in the training run's folder that the
+  // checkpoint's config names (its records are what a hung run leaves behind).
+  on_every_rank(MPI_COMM_WORLD, [&] {
+    if (options.flight_dir.empty()) return;
+    int world = 1;
+    check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world), "MPI_Comm_size");
+    flight_recorder().configure(static_cast<std::size_t>(predictor.config().runtime.flight_records),
+                                options.flight_dir, rank, world);
+  });
   if (rank0) {
     const std::vector<std::string> lines = predictor.describe();
     std::printf("meshtrain predict: %s\n", lines.front().c_str());
@@ -191,14 +209,14 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
   broadcast_collective(&layout, 3, MPI_LONG_LONG, 0, MPI_COMM_WORLD,
                        "MPI_Ibcast (the output's layout)");
 
+  // This rank's buffers, its batch stream and the output file: made under the agreement,
+  // so that a rank that cannot (memory, a thread, the file) ends every rank with its error
+  // instead of leaving the others in the predictions' collectives.
   int fd = -1;
   HostRows host;
   const int64_t rows = predictor.local_rows(), width = predictor.outputs();
-  host.outputs = Matrix::HostMirror("meshtrain::predict_host_outputs", rows, width);
-  if (predictor.classification()) {
-    host.classes = decltype(host.classes)("meshtrain::predict_host_classes", rows);
-    host.probabilities = Matrix::HostMirror("meshtrain::predict_host_probabilities", rows, width);
-  }
+  std::optional<BatchStream> stream;
+  Matrix x;
   const auto write_rows = [&] {
     if (!writer || host.rows == 0) return;
     const size_t row_bytes = static_cast<size_t>(width) * 4;
@@ -209,21 +227,36 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
     write_all(fd, host.probabilities.data(), host.rows * row_bytes,
               layout.probability + host.first * static_cast<long long>(row_bytes), tmp);
   };
-  on_every_rank(MPI_COMM_WORLD, [&] {
-    if (!writer) return;
-    fd = ::open(tmp.c_str(), O_WRONLY | O_CLOEXEC);
-    if (fd < 0) {
-      MESHTRAIN_FAIL("cannot open the output file '", tmp, "' to write: ", std::strerror(errno));
-    }
-  });
+  const auto close_output = [&] {
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+  };
+  try {
+    on_every_rank(MPI_COMM_WORLD, [&] {
+      host.outputs = Matrix::HostMirror("meshtrain::predict_host_outputs", rows, width);
+      if (predictor.classification()) {
+        host.classes = decltype(host.classes)("meshtrain::predict_host_classes", rows);
+        host.probabilities =
+            Matrix::HostMirror("meshtrain::predict_host_probabilities", rows, width);
+      }
+      x = Matrix("meshtrain::predict_batch", rows, predictor.inputs());
+      stream.emplace(
+          *source, rows,
+          [&](int64_t seq, int64_t* samples) {
+            return eval_slice_samples(schedule, seq, slice, samples);
+          },
+          predictor.config().data.prefetch);
+      if (!writer) return;
+      fd = ::open(tmp.c_str(), O_WRONLY | O_CLOEXEC);
+      if (fd < 0) {
+        MESHTRAIN_FAIL("cannot open the output file '", tmp, "' to write: ", std::strerror(errno));
+      }
+    });
+  } catch (...) {
+    close_output();
+    throw;
+  }
 
-  BatchStream stream(
-      *source, rows,
-      [&](int64_t seq, int64_t* samples) {
-        return eval_slice_samples(schedule, seq, slice, samples);
-      },
-      predictor.config().data.prefetch);
-  Matrix x("meshtrain::predict_batch", rows, predictor.inputs());
   const auto start = Clock::now();
   auto last_print = start;
   int64_t done = 0;
@@ -245,7 +278,7 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
       int64_t valid = 0;
       try {
         if (!failed) write_rows();
-        valid = stream.take(b, x, BatchLabels(), Matrix());
+        valid = stream->take(b, x, BatchLabels(), Matrix());
       } catch (...) {
         if (!failed) failed = std::current_exception();
         valid = 0;
@@ -290,7 +323,7 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
       }
     });
   } catch (...) {
-    if (fd >= 0) ::close(fd);
+    close_output();
     throw;
   }
   on_every_rank(MPI_COMM_WORLD, [&] {

@@ -1,7 +1,7 @@
 #pragma once
 // `meshtrain predict CHECKPOINT --input PATH... --output FILE.h5 [--overwrite] [--set k=v ...]
-// [--batch-size N]`: a Predictor (run/predictor.hpp) over HDF5 inputs, streamed in file order,
-// written as one HDF5 file by all ranks (docs/running.md, "predict").
+// [--batch-size N] [--flight-dir DIR]`: a Predictor (run/predictor.hpp) over HDF5 inputs, streamed
+// in file order, written as one HDF5 file by all ranks (docs/running.md, "predict").
 
 #include <cstdint>
 #include <string>
@@ -21,9 +21,12 @@ struct PredictOptions {
   std::string output;                  // FILE.h5: written as FILE.h5.tmp, renamed when complete
   bool overwrite = false;              // replace an existing output
   std::vector<std::string> overrides;  // --set: only keys that do not change the model
-  int64_t batch_size = 0;              // global rows per batch; 0: the checkpoint's
-  double progress_seconds = 2.0;       // rank 0 prints a progress line this often
-  PredictSummary* summary = nullptr;    // filled when the output is complete (may be null)
+  // --flight-dir DIR: the flight recorder (runtime.flight_records) writes DIR/flight/; empty:
+  // no records (never the training run's folder named in the checkpoint's config).
+  std::string flight_dir;
+  int64_t batch_size = 0;             // global rows per batch; 0: the checkpoint's
+  double progress_seconds = 2.0;      // rank 0 prints a progress line this often
+  PredictSummary* summary = nullptr;  // filled when the output is complete (may be null)
 };
 
 // Collective over MPI_COMM_WORLD. Returns the exit status: 0, or 2 / 1 when an error every

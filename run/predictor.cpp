@@ -13,6 +13,7 @@
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/view_ops.hpp"
 #include "framework/io/checkpoint.hpp"
+#include "framework/train/model_summary.hpp"
 
 namespace meshtrain {
 namespace {
@@ -332,18 +333,7 @@ Prediction Predictor::run(int64_t rows) {
 }
 
 std::string Predictor::model_description() const {
-  const ModelSection& m = config_.model;
-  std::string text = "mlp ";
-  for (size_t i = 0; i < m.sizes.size(); ++i) text += (i ? "-" : "") + std::to_string(m.sizes[i]);
-  text += std::string(" ") + to_string(m.activation);
-  if (!m.moe_layers.empty()) {
-    text += ", moe layers [";
-    for (size_t i = 0; i < m.moe_layers.size(); ++i) {
-      text += (i ? ", " : "") + std::to_string(m.moe_layers[i]);
-    }
-    text += detail::concat("] of ", m.experts, " experts, top ", m.top_k);
-  }
-  return text;
+  return model_summary(config_.model);
 }
 
 std::vector<std::string> Predictor::describe() const {

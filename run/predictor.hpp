@@ -117,7 +117,8 @@ class Predictor {
   const std::string& checkpoint_path() const { return path_; }  // the file read
   int64_t step() const { return step_; }                        // the checkpoint's step
   const Normalization& normalization() const { return normalization_; }
-  // "mlp 784-512-512-10 gelu" (MoE layers named after it).
+  // The model's one-line summary, the one an ONNX export of the checkpoint names it by
+  // (framework/train/model_summary.hpp): "mlp 784-512-512-10 gelu, loss cross_entropy".
   std::string model_description() const;
   // Why this mesh: "" when the checkpoint config's mesh fit the world, else a sentence.
   const std::string& mesh_note() const { return mesh_note_; }

@@ -5,7 +5,8 @@
 # np 1 (dp), np 2 (tp, fsdp, an MoE model on ep) and np 4 (fsdp x tp, dp); and resharded onto
 # another mesh of the same ranks, to rounding. Bad input: an unknown
 # checkpoint, data of another width, float labels under cross_entropy and a model-changing
-# --set each end with one sentence and exit 2, leaving no --json file.
+# --set each end with one sentence and exit 2, leaving no --json file; a --json that is the
+# checkpoint is refused.
 add_executable(evaluate_write_data evaluate/write_data_tool.cpp)
 target_link_libraries(evaluate_write_data PRIVATE meshtrain::hdf5)
 find_package(Python3 COMPONENTS Interpreter)
@@ -31,3 +32,6 @@ evaluate_test(matches_training 1)
 evaluate_test(matches_training 2)
 evaluate_test(matches_training 4)
 evaluate_test(bad_input 2)
+# A run's folder (its flight records and trace) is left as it was by evaluate and predict of
+# its checkpoint; --flight-dir puts their records elsewhere.
+evaluate_test(leaves_run_folder 2)

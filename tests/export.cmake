@@ -29,6 +29,11 @@ meshtrain_add_test(NAME export_protobuf_test SOURCES export/protobuf_test.cpp
 meshtrain_add_test(NAME export_mesh_test SOURCES export/export_mesh_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 TIMEOUT 60)
 
+# The exported file is the held model's encoding byte for byte, the weights held once at the
+# peak (operator new counted), and shared constants named by their value.
+meshtrain_add_test(NAME export_stream_test SOURCES export/export_stream_test.cpp
+                   LIBS meshtrain_framework NP 1 TIMEOUT 60)
+
 # Export initializes no MPI: launched as several ranks it refuses (each would write the file),
 # rank 0 saying so once.
 meshtrain_add_command_test(NAME export_under_mpirun_np2 TIMEOUT 30

@@ -5,19 +5,25 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <set>
 #include <sstream>
+#include <system_error>
 #include <vector>
 
 #include "base/error.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/core/version.hpp"
+#include "framework/io/output_file.hpp"
+#include "framework/train/model_summary.hpp"
 #include "partition/norm_layout.hpp"  // the norms' eps
 
 namespace meshtrain {
@@ -41,10 +47,33 @@ std::string raw_bytes(const std::vector<T>& values) {
   return std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
 }
 
+// "0.5", "1e-06", "256": the shortest text that reads back as exactly this float.
+std::string float_text(float value) {
+  char text[32];
+  const auto [end, error] = std::to_chars(text, text + sizeof text, value);
+  MESHTRAIN_REQUIRE(error == std::errc(), "export: cannot format the constant ", value);
+  return std::string(text, end);
+}
+
+// "[-1]", "[0, 2]".
+std::string integers_text(const std::vector<int64_t>& values) {
+  std::string text = "[";
+  for (size_t i = 0; i < values.size(); ++i) text += (i ? ", " : "") + std::to_string(values[i]);
+  return text + "]";
+}
+
+// How a parameter's initializer holds its bytes.
+enum class WeightStorage {
+  held,      // copied into the model (Tensor::raw_data): the model stands alone
+  streamed,  // written from the source's values when the model is written (Tensor::write_raw):
+             // the source must outlive the model
+};
+
 // Builds the graph: nodes in order, initializers, unique value names.
 class GraphBuilder {
  public:
-  GraphBuilder(const ExportSource& source, Dtype weights) : source_(source), weights_(weights) {}
+  GraphBuilder(const ExportSource& source, Dtype weights, WeightStorage storage)
+      : source_(source), weights_(weights), storage_(storage) {}
 
   // Adds a node computing `output` from `inputs`; returns `output`.
   std::string node(const std::string& op, std::vector<std::string> inputs,
@@ -62,22 +91,27 @@ class GraphBuilder {
         {op, name, std::move(inputs), std::move(outputs), std::move(attributes)});
   }
 
-  // A float32 constant (added once; later calls return the same name).
+  // A float32 constant used once, under its own name (normalization statistics).
   std::string constant(const std::string& name, const std::vector<float>& values,
                        std::vector<int64_t> dims) {
-    if (constants_.count(name)) return name;
     claim(name);
-    constants_.insert(name);
-    graph_.initializers.push_back({name, ElementType::float32, std::move(dims), raw_bytes(values)});
+    add_initializer(name, ElementType::float32, std::move(dims), raw_bytes(values));
     return name;
   }
-  std::string scalar(const std::string& name, float value) { return constant(name, {value}, {}); }
-  std::string int64_constant(const std::string& name, const std::vector<int64_t>& values) {
-    if (constants_.count(name)) return name;
-    claim(name);
-    constants_.insert(name);
-    graph_.initializers.push_back(
-        {name, ElementType::int64, {static_cast<int64_t>(values.size())}, raw_bytes(values)});
+  // Small constants shared by every node that uses the same value: named by what they are
+  // and their value ("constants/width=256"), so two different values can never share a name
+  // (a shared name is the same value).
+  std::string scalar(const std::string& what, float value) {
+    const std::string name = what + "=" + float_text(value);
+    if (shared(name)) return name;
+    add_initializer(name, ElementType::float32, {}, raw_bytes(std::vector<float>{value}));
+    return name;
+  }
+  std::string int64_constant(const std::string& what, const std::vector<int64_t>& values) {
+    const std::string name = what + "=" + integers_text(values);
+    if (shared(name)) return name;
+    add_initializer(name, ElementType::int64, {static_cast<int64_t>(values.size())},
+                    raw_bytes(values));
     return name;
   }
 
@@ -95,20 +129,18 @@ class GraphBuilder {
       }
     }
     if (weights_ == Dtype::fp32) {
-      graph_.initializers.push_back({name, ElementType::float32, dims, raw_bytes(array.values)});
+      add_parameter(name, ElementType::float32, std::move(dims), array.values);
       return name;
     }
-    std::vector<uint16_t> half(array.values.size());
-    for (size_t i = 0; i < half.size(); ++i) {
-      half[i] = to_16bit(array.values[i], weights_);
-      if (std::isinf(from_16bit(half[i], weights_))) {
+    for (size_t i = 0; i < array.values.size(); ++i) {
+      if (std::isinf(from_16bit(to_16bit(array.values[i], weights_), weights_))) {
         MESHTRAIN_BAD_INPUT("parameter '", name, "' in checkpoint '", source_.path, "' holds ",
                             array.values[i], " at element ", i, ", beyond the range of ",
                             to_string(weights_), "; export with --dtype bf16 or fp32");
       }
     }
     const ElementType type = weights_ == Dtype::fp16 ? ElementType::float16 : ElementType::bfloat16;
-    graph_.initializers.push_back({name, type, dims, raw_bytes(half)});
+    add_parameter(name, type, std::move(dims), array.values);
     return node("Cast", {name}, name + "/fp32",
                 {Attribute::integer("to", static_cast<int64_t>(ElementType::float32))});
   }
@@ -131,9 +163,62 @@ class GraphBuilder {
   void claim(const std::string& name) {
     MESHTRAIN_REQUIRE(names_.insert(name).second, "export: value name '", name, "' used twice");
   }
+  // True when the shared constant `name` exists; else claims it.
+  bool shared(const std::string& name) {
+    if (constants_.count(name)) return true;
+    claim(name);
+    constants_.insert(name);
+    return false;
+  }
+  void add_initializer(const std::string& name, ElementType type, std::vector<int64_t> dims,
+                       std::string bytes) {
+    onnx::Tensor t;
+    t.name = name;
+    t.type = type;
+    t.dims = std::move(dims);
+    t.raw_data = std::move(bytes);
+    graph_.initializers.push_back(std::move(t));
+  }
+  // A parameter's values as `type` (float32, or float16 / bfloat16 rounded to nearest even):
+  // held, or streamed from `values` in pieces of kStreamElements when the model is written.
+  void add_parameter(const std::string& name, ElementType type, std::vector<int64_t> dims,
+                     const std::vector<float>& values) {
+    const Dtype dtype = weights_;
+    if (storage_ == WeightStorage::held) {
+      if (type == ElementType::float32) {
+        add_initializer(name, type, std::move(dims), raw_bytes(values));
+        return;
+      }
+      std::vector<uint16_t> half(values.size());
+      for (size_t i = 0; i < half.size(); ++i) half[i] = to_16bit(values[i], dtype);
+      add_initializer(name, type, std::move(dims), raw_bytes(half));
+      return;
+    }
+    onnx::Tensor t;
+    t.name = name;
+    t.type = type;
+    t.dims = std::move(dims);
+    const bool fp32 = type == ElementType::float32;
+    t.raw_size = values.size() * (fp32 ? sizeof(float) : sizeof(uint16_t));
+    t.write_raw = [&values, fp32, dtype](const onnx::ByteSink& sink) {
+      if (fp32) {  // little-endian, as every machine meshtrain builds for (x86-64, arm64)
+        sink(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
+        return;
+      }
+      constexpr size_t kStreamElements = size_t{1} << 15;  // 64 KiB of 16-bit values
+      uint16_t half[kStreamElements];
+      for (size_t begin = 0; begin < values.size(); begin += kStreamElements) {
+        const size_t n = std::min(kStreamElements, values.size() - begin);
+        for (size_t i = 0; i < n; ++i) half[i] = to_16bit(values[begin + i], dtype);
+        sink(reinterpret_cast<const char*>(half), n * sizeof(uint16_t));
+      }
+    };
+    graph_.initializers.push_back(std::move(t));
+  }
 
   const ExportSource& source_;
   Dtype weights_;
+  WeightStorage storage_;
   onnx::Graph graph_;
   std::set<std::string> names_;
   std::set<std::string> constants_;
@@ -201,7 +286,6 @@ std::string linear(GraphBuilder& b, int64_t i, const std::string& x) {
   return linear(b, "layers/" + std::to_string(i), x);
 }
 
-
 // A norm over the last axis with the parameters `<p>/scale` (and `<p>/bias`). LayerNorm is
 // opset 17's LayerNormalization; RMSNorm is decomposed in training's order of evaluation
 // (layers/norm.cpp): rstd = 1 / sqrt(sum(x * x) / F + eps), y = (x * rstd) * scale.
@@ -210,20 +294,18 @@ std::string norm(GraphBuilder& b, ModelNorm kind, const std::string& p, const st
   const std::string scale = b.parameter(p + "/scale");
   if (kind == ModelNorm::layernorm) {
     const std::string bias = b.parameter(p + "/bias");
-    return b.node(
-        "LayerNormalization", {x, scale, bias}, p + "/layernorm",
-        {Attribute::integer("axis", -1), Attribute::real("epsilon", kLayerNormEps)});
+    return b.node("LayerNormalization", {x, scale, bias}, p + "/layernorm",
+                  {Attribute::integer("axis", -1), Attribute::real("epsilon", kLayerNormEps)});
   }
   MESHTRAIN_REQUIRE(kind == ModelNorm::rmsnorm, "export: norm '", p, "' of unknown kind");
   const std::string squares = b.node("Mul", {x, x}, p + "/rmsnorm/squares");
-  const std::string sum =
-      b.node("ReduceSum", {squares, b.int64_constant("constants/axes_last", {-1})},
-             p + "/rmsnorm/sum_squares", {Attribute::integer("keepdims", 1)});
+  const std::string sum = b.node("ReduceSum", {squares, b.int64_constant("constants/axes", {-1})},
+                                 p + "/rmsnorm/sum_squares", {Attribute::integer("keepdims", 1)});
   const std::string mean =
       b.node("Div", {sum, b.scalar("constants/width", static_cast<float>(width))},
              p + "/rmsnorm/mean_square");
-  const std::string shifted = b.node(
-      "Add", {mean, b.scalar("constants/rmsnorm_eps", kRmsNormEps)}, p + "/rmsnorm/plus_eps");
+  const std::string shifted = b.node("Add", {mean, b.scalar("constants/rmsnorm_eps", kRmsNormEps)},
+                                     p + "/rmsnorm/plus_eps");
   const std::string root = b.node("Sqrt", {shifted}, p + "/rmsnorm/sqrt");
   const std::string rstd =
       b.node("Div", {b.scalar("constants/one", 1.0f), root}, p + "/rmsnorm/rstd");
@@ -244,7 +326,7 @@ std::string moe_gates(GraphBuilder& b, const std::string& p, const std::string& 
          {top_values, top_experts},
          {Attribute::integer("axis", -1), Attribute::integer("largest", 1),
           Attribute::integer("sorted", 1)});
-  const std::string axis1 = b.int64_constant("constants/axes_1", {1});
+  const std::string axis1 = b.int64_constant("constants/axes", {1});
   const std::string top_sum = b.node("ReduceSum", {top_values, axis1}, p + "/router/top_sum",
                                      {Attribute::integer("keepdims", 1)});
   const std::string gates = b.node("Div", {top_values, top_sum}, p + "/router/gates");
@@ -254,7 +336,7 @@ std::string moe_gates(GraphBuilder& b, const std::string& p, const std::string& 
                                    p + "/router/dense_gates", {Attribute::integer("axis", 1)});
   const std::string by_expert = b.node("Transpose", {dense}, p + "/router/gates_by_expert",
                                        {Attribute::integers("perm", {1, 0})});
-  return b.node("Unsqueeze", {by_expert, b.int64_constant("constants/axes_2", {2})},
+  return b.node("Unsqueeze", {by_expert, b.int64_constant("constants/axes", {2})},
                 p + "/router/gates3");
 }
 
@@ -262,7 +344,7 @@ std::string moe_gates(GraphBuilder& b, const std::string& p, const std::string& 
 std::string moe_combine(GraphBuilder& b, const std::string& p, const std::string& experts_out,
                         const std::string& gate3) {
   const std::string weighted = b.node("Mul", {experts_out, gate3}, p + "/experts/gated");
-  return b.node("ReduceSum", {weighted, b.int64_constant("constants/axes_0", {0})}, p + "/moe",
+  return b.node("ReduceSum", {weighted, b.int64_constant("constants/axes", {0})}, p + "/moe",
                 {Attribute::integer("keepdims", 0)});
 }
 
@@ -432,31 +514,14 @@ std::string denormalize_outputs(GraphBuilder& b, const Normalization& n, const s
                 onnx_output_name());
 }
 
-std::string model_summary(const ModelSection& model) {
-  std::ostringstream out;
-  if (model.kind == ModelKind::residual_mlp) {
-    out << "residual_mlp " << model.inputs << "-" << model.width << "x" << model.depth << "-"
-        << model.outputs << ", hidden " << model.hidden << ", " << to_string(model.norm) << ", "
-        << model.activation_name() << ", loss " << (model.loss ? to_string(*model.loss) : "auto");
-    return out.str();
-  }
-  for (size_t i = 0; i < model.sizes.size(); ++i) out << (i ? "-" : "") << model.sizes[i];
-  out << " " << to_string(model.activation);
-  if (!model.moe_layers.empty()) {
-    out << ", MoE layers";
-    for (int64_t l : model.moe_layers) out << " " << l;
-    out << " (" << model.experts << " experts, top " << model.top_k << ")";
-  }
-  out << ", loss " << (model.loss ? to_string(*model.loss) : "auto");
-  return out.str();
-}
-
 std::string os_error(int err) {
   return std::strerror(err);
 }
 
-void write_atomically(const std::string& output, const std::vector<const std::string*>& parts,
-                      bool overwrite) {
+// Writes `output` through "<output>.tmp": `write` hands its bytes to the sink, which writes
+// them to the file as they come; then synced and renamed.
+void write_atomically(const std::string& output,
+                      const std::function<void(const onnx::ByteSink&)>& write, bool overwrite) {
   std::error_code ec;
   const auto status = fs::status(output, ec);
   if (fs::exists(status)) {
@@ -468,20 +533,31 @@ void write_atomically(const std::string& output, const std::vector<const std::st
   const std::string tmp = output + ".tmp";
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) MESHTRAIN_BAD_INPUT("cannot write the output '", tmp, "': ", os_error(errno));
-  auto fail = [&](const std::string& what, int err) {
-    ::close(fd);
+  bool open = true;
+  const auto close_and_remove = [&] {
+    if (open) ::close(fd);
+    open = false;
     ::unlink(tmp.c_str());
+  };
+  auto fail = [&](const std::string& what, int err) {
+    close_and_remove();
     MESHTRAIN_FAIL(what, " '", tmp, "' failed: ", os_error(err));
   };
-  for (const std::string* bytes : parts) {
-    for (size_t done = 0; done < bytes->size();) {
-      const ssize_t n = ::write(fd, bytes->data() + done, bytes->size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) fail("writing", errno);
-      done += static_cast<size_t>(n);
-    }
+  try {
+    write([&](const char* data, size_t size) {
+      for (size_t done = 0; done < size;) {
+        const ssize_t n = ::write(fd, data + done, size - done);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) fail("writing", errno);
+        done += static_cast<size_t>(n);
+      }
+    });
+  } catch (...) {
+    close_and_remove();  // a failed write, or a streamed initializer that threw
+    throw;
   }
   if (::fsync(fd) != 0) fail("syncing", errno);
+  open = false;
   if (::close(fd) != 0) {
     const int err = errno;
     ::unlink(tmp.c_str());
@@ -519,12 +595,14 @@ ExportSource read_export_source(const std::string& checkpoint) {
   return s;
 }
 
-onnx::Model build_onnx_model(const ExportSource& source, Dtype weights) {
+namespace {
+
+onnx::Model build_model(const ExportSource& source, Dtype weights, WeightStorage storage) {
   const ModelSection& model = source.config.model;
   const bool classifies = model.loss == LossKind::cross_entropy;
   const int64_t in = model.input_width(), out = model.output_width();
 
-  GraphBuilder b(source, weights);
+  GraphBuilder b(source, weights, storage);
   std::string x = onnx_input_name();
   if (source.normalization.inputs()) x = normalize_inputs(b, source.normalization, x);
   if (model.kind == ModelKind::residual_mlp) {
@@ -557,9 +635,9 @@ onnx::Model build_onnx_model(const ExportSource& source, Dtype weights) {
     g.outputs.push_back({onnx_probability_name(), ElementType::float32, {batch, {out, ""}}});
     g.outputs.push_back({onnx_class_name(), ElementType::int64, {batch}});
   }
-  g.doc_string = std::string(residual ? "meshtrain " : "meshtrain MLP ") + model_summary(model) +
-                 ". Input 'input' [batch, " + std::to_string(in) +
-                 "] in the user's units; output 'output' [batch, " + std::to_string(out) + "]" +
+  g.doc_string = "meshtrain " + model_summary(model) + ". Input 'input' [batch, " +
+                 std::to_string(in) + "] in the user's units; output 'output' [batch, " +
+                 std::to_string(out) + "]" +
                  (classifies ? " (logits), 'probability' (softmax) and 'class' (argmax, int64)"
                              : " in the user's units") +
                  ". See docs/export.md.";
@@ -589,6 +667,12 @@ onnx::Model build_onnx_model(const ExportSource& source, Dtype weights) {
   return m;
 }
 
+}  // namespace
+
+onnx::Model build_onnx_model(const ExportSource& source, Dtype weights) {
+  return build_model(source, weights, WeightStorage::held);
+}
+
 OnnxExportResult export_onnx(const std::string& checkpoint, const std::string& output,
                              Dtype weights, bool overwrite) {
   // Refused before the checkpoint is read: the common mistake costs nothing.
@@ -597,15 +681,17 @@ OnnxExportResult export_onnx(const std::string& checkpoint, const std::string& o
     MESHTRAIN_BAD_INPUT("output '", output, "' exists; pass --overwrite to replace it");
   }
   const ExportSource source = read_export_source(checkpoint);
-  if (fs::exists(output, ec) && fs::equivalent(output, source.path, ec)) {
-    MESHTRAIN_BAD_INPUT("output '", output, "' is the checkpoint being exported");
-  }
+  refuse_output_that_is_read(output, "--output",
+                             checkpoint_files_read(checkpoint, "the checkpoint being exported"));
+  // The weights stay in `source` alone: the model's initializers refer to them and are
+  // written from there, converted to 16 bits in small pieces when asked.
+  const onnx::Model model = build_model(source, weights, WeightStorage::streamed);
   OnnxExportResult result;
   result.checkpoint = source.path;
   result.step = source.info.train_state.step;
-  result.model = build_onnx_model(source, weights);
+  for (const auto& o : model.graph.outputs) result.outputs.push_back(o.name);
   // A protobuf message cannot exceed 2 GiB; ONNX's external data files are not written. The
-  // weights alone are checked before the file is encoded, the whole encoding after.
+  // weights alone are checked, then the whole encoding, before anything is written.
   constexpr size_t kProtobufLimit = (size_t{1} << 31) - 1;
   auto refuse_size = [&](size_t bytes) {
     MESHTRAIN_BAD_INPUT("the ONNX model of checkpoint '", source.path, "' would be ", bytes,
@@ -613,12 +699,15 @@ OnnxExportResult export_onnx(const std::string& checkpoint, const std::string& o
                         weights == Dtype::fp32 ? "; --dtype fp16 or bf16 halves it" : "");
   };
   size_t weight_bytes = 0;
-  for (const auto& t : result.model.graph.initializers) weight_bytes += t.raw_data.size();
+  for (const auto& t : model.graph.initializers) weight_bytes += t.raw_bytes();
   if (weight_bytes > kProtobufLimit) refuse_size(weight_bytes);
-  const onnx::SerializedModel bytes = onnx::serialize(result.model);
-  if (bytes.size() > kProtobufLimit) refuse_size(bytes.size());
-  write_atomically(output, {&bytes.head, &bytes.graph, &bytes.tail}, overwrite);
-  result.bytes = static_cast<int64_t>(bytes.size());
+  const size_t size = onnx::serialized_size(model);
+  if (size > kProtobufLimit) refuse_size(size);
+  size_t written = 0;
+  write_atomically(
+      output, [&](const onnx::ByteSink& sink) { written = onnx::write(model, sink); }, overwrite);
+  MESHTRAIN_REQUIRE(written == size, "export: wrote ", written, " bytes of ", size);
+  result.bytes = static_cast<int64_t>(written);
   return result;
 }
 

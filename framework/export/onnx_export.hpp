@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "base/dtype.hpp"
 #include "framework/export/onnx_proto.hpp"
@@ -78,21 +79,25 @@ struct ExportSource {
 // config is not one export understands.
 ExportSource read_export_source(const std::string& checkpoint);
 
-// The ONNX model of `source` with weights stored as `weights` (fp32, fp16 or bf16). Throws
-// bad_input naming the parameter when the checkpoint's parameters do not match its config
-// (missing, extra, other shape), a value is not finite, or does not fit fp16.
+// The ONNX model of `source` with weights stored as `weights` (fp32, fp16 or bf16), each
+// initializer holding a copy of its bytes (the model stands alone). Throws bad_input naming
+// the parameter when the checkpoint's parameters do not match its config (missing, extra,
+// other shape), a value is not finite, or does not fit fp16.
 onnx::Model build_onnx_model(const ExportSource& source, Dtype weights);
 
 struct OnnxExportResult {
   std::string checkpoint;  // the file read
   int64_t step = 0;
-  int64_t bytes = 0;  // of the written file
-  onnx::Model model;  // as written (initializers included)
+  int64_t bytes = 0;                 // of the written file
+  std::vector<std::string> outputs;  // the graph's outputs ("output", "probability", "class")
 };
 
 // Exports `checkpoint` to `output`: written to "<output>.tmp", synced and renamed, so a failed
 // export leaves no file that looks whole. An existing output is refused (bad_input naming it)
-// unless `overwrite`.
+// unless `overwrite`; an output that is the checkpoint (or the pointer file naming it) always.
+// The file holds the bytes onnx::serialize(build_onnx_model(...)) gives, but the weights are
+// written straight from the checkpoint's values read into memory (converted to 16 bits in
+// small pieces): memory holds them once, not once per copy of an encoding.
 OnnxExportResult export_onnx(const std::string& checkpoint, const std::string& output,
                              Dtype weights, bool overwrite);
 

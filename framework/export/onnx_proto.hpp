@@ -15,7 +15,9 @@
 //   TypeProto           tensor_type 1 -> TypeProto.Tensor: elem_type 1, shape 2
 //   TensorShapeProto    dim 1 -> Dimension: dim_value 1 | dim_param 2
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -47,12 +49,22 @@ struct Node {
   std::vector<Attribute> attributes;
 };
 
-// An initializer: raw_data holds the elements' little-endian bytes, row-major.
+// Where a model's bytes go as they are written (a file): called with consecutive pieces.
+using ByteSink = std::function<void(const char* data, size_t size)>;
+
+// An initializer: its elements' little-endian bytes, row-major, either held in raw_data or,
+// for a weight too large to copy, streamed: raw_size bytes that write_raw hands to the sink
+// (in pieces, from memory the caller keeps alive) only when the model is written.
 struct Tensor {
   std::string name;
   ElementType type = ElementType::float32;
   std::vector<int64_t> dims;  // empty: a scalar
   std::string raw_data;
+  size_t raw_size = 0;                             // streamed: the bytes write_raw writes
+  std::function<void(const ByteSink&)> write_raw;  // set: streamed (raw_data is unused)
+
+  bool streamed() const { return static_cast<bool>(write_raw); }
+  size_t raw_bytes() const { return streamed() ? raw_size : raw_data.size(); }
 };
 
 // A dimension of a graph input or output: a fixed size, or a named symbolic one ("batch").
@@ -86,10 +98,17 @@ struct Model {
   std::vector<std::pair<std::string, std::string>> metadata;  // metadata_props, in order
 };
 
-// The ModelProto bytes of `model` (the content of a .onnx file) in three pieces, to be written
-// one after another: the fields before the graph and the graph's key and length, the
-// GraphProto (nearly all of the file: the weights), then the fields after it. The graph's
-// bytes are not copied again into one buffer.
+// Writes the ModelProto bytes of `model` (the content of a .onnx file) to `sink`, in order,
+// and returns their count. Held initializers are written from raw_data; streamed ones by
+// their write_raw, straight from the caller's memory: the weights are never copied into an
+// encoded message (a length-delimited field's length is known before its bytes are, from
+// raw_size). The bytes are the same whether an initializer is held or streamed.
+size_t write(const Model& model, const ByteSink& sink);
+// The byte count write() writes, without writing (nothing streamed is read).
+size_t serialized_size(const Model& model);
+
+// The same bytes in memory, in three pieces (tests): the fields before the graph and the
+// graph's key and length, the GraphProto, then the fields after it.
 struct SerializedModel {
   std::string head, graph, tail;
   size_t size() const { return head.size() + graph.size() + tail.size(); }

@@ -1,7 +1,8 @@
 #!/bin/sh
 # `meshtrain predict` from the command line: trains a tiny model (3 steps, HDF5 data), then
 #  - predicts at NP ranks over two input files: exit 0, FILE written, no FILE.tmp left;
-#  - refuses an existing output (exit 2, naming it) unless --overwrite (exit 0);
+#  - refuses an existing output (exit 2, naming it) unless --overwrite (exit 0), and an output
+#    that is the checkpoint, its pointer or an input even with --overwrite (however spelled);
 #  - an input of the wrong width: exit 2 naming the file, the dataset and both widths, and
 #    neither FILE nor FILE.tmp left; a NaN input row met while predicting: exit 1 naming it,
 #    nothing left either;
@@ -55,6 +56,29 @@ grep -q "^predict: 37/37 rows (100.0%), .* rows/s, ETA" "$dir/log" || { cat "$di
 grep -q "output '$out' exists; pass --overwrite" "$dir/err" || fail "the refusal does not name the output"
 "$meshtrain" predict "$ckpt" --input "$dir/in-1.h5" --output "$out" --overwrite > /dev/null 2> "$dir/err" \
   || fail "--overwrite exited $?"
+
+# An output that is a file predict reads is refused (exit 2) even with --overwrite, whatever
+# its spelling (compared as files, not as text), and the file is left as it was: the
+# checkpoint (else `latest` would name a predictions file), the pointer naming it, an input.
+ckpt_file=$(ls "$ckpt"/ckpt-*.h5 | tail -n 1)
+cp "$ckpt_file" "$dir/ckpt.orig" && cp "$ckpt/latest" "$dir/latest.orig" && cp "$dir/in-1.h5" "$dir/in-1.orig" \
+  || fail "copying the files predict reads"
+refused() {  # refused OUTPUT ROLE MPIEXEC_FLAGS...
+  r_out=$1 r_role=$2
+  shift 2
+  run "$@" "$meshtrain" predict "$ckpt" --input "$dir/in-1.h5" --output "$r_out" --overwrite \
+    > /dev/null 2> "$dir/err"
+  [ $? -eq 2 ] || fail "--output $r_out --overwrite was not refused with exit 2"
+  grep -q "^meshtrain: error: --output '$r_out' is $r_role" "$dir/err" \
+    || fail "the refusal of --output $r_out does not say it is $r_role"
+}
+refused "$ckpt/./$(basename "$ckpt_file")" "the checkpoint being read" "$@"
+refused "$ckpt/latest" "the checkpoint pointer file being read" "$@"
+refused "$dir/../$(basename "$dir")/in-1.h5" "an --input file" "$@"
+cmp -s "$ckpt_file" "$dir/ckpt.orig" || fail "a refused predict changed the checkpoint"
+cmp -s "$ckpt/latest" "$dir/latest.orig" || fail "a refused predict changed the latest pointer"
+cmp -s "$dir/in-1.h5" "$dir/in-1.orig" || fail "a refused predict changed the input"
+[ -e "$ckpt_file.tmp" ] && fail "$ckpt_file.tmp left behind"
 
 # A wrong feature count: exit 2, one sentence, nothing left behind.
 bad="$dir/bad.h5"

@@ -16,7 +16,12 @@
 #   evaluated after its origin was deleted.
 # CASE bad_input: an unknown checkpoint, data of another feature count, float labels under
 #   cross_entropy and a --set that changes the model each end with one "meshtrain: error"
-#   sentence and exit 2, leaving no --json file behind.
+#   sentence and exit 2, leaving no --json file behind; a --json naming the checkpoint
+#   (spelled another way) is refused and the checkpoint left as it was.
+# CASE leaves_run_folder: a trained run's folder with flight records and a trace in it (what
+#   a hung run leaves) is the same, file by file, after `meshtrain evaluate` and `meshtrain
+#   predict` of its checkpoint; with --flight-dir DIR each keeps its flight records in
+#   DIR/flight (the recorder clears an earlier run's records there when it starts).
 set -eu
 case_name=$1 meshtrain=$2 write_data=$3 python=$4 expect_exit=$5 work=$6
 shift 6
@@ -245,7 +250,63 @@ bad_input() {
     --error-line -- "$@" "$meshtrain" evaluate "$run/checkpoints" \
     --data "$work/test_classification.h5" --set "model.sizes=[16, 8, 12]" --json "$json"
   [ ! -e "$json" ] && [ ! -e "$json.tmp" ] || fail "a failed evaluate left $json behind"
-  echo "bad input: four errors, one sentence each, exit 2, no --json file"
+  # --json naming the checkpoint (spelled another way) is refused: it would be replaced.
+  cp "$run/checkpoints/ckpt-000002.h5" "$work/ckpt.orig"
+  sh "$expect_exit" 2 \
+    "^meshtrain: error: --json '.*/checkpoints/\./ckpt-000002.h5' is the checkpoint being evaluated" \
+    --error-line -- "$@" "$meshtrain" evaluate "$run/checkpoints" \
+    --data "$work/test_classification.h5" --json "$run/checkpoints/./ckpt-000002.h5"
+  cmp -s "$run/checkpoints/ckpt-000002.h5" "$work/ckpt.orig" ||
+    fail "evaluate --json replaced the checkpoint"
+  echo "bad input: five errors, one sentence each, exit 2, no --json file"
+}
+
+# The run's folder, file by file (names, then contents).
+folder_snapshot() {
+  (cd "$1" && find . | LC_ALL=C sort && find . -type f | LC_ALL=C sort | xargs md5sum)
+}
+
+leaves_run_folder() {
+  run="$work/run"
+  mkdir -p "$run"
+  config_file="$run/config.toml"
+  config classification tp "tp = 2" "$run" | sed 's/^steps = 16/steps = 2/' >"$config_file"
+  train "$@"
+  # What a hung run leaves: its flight records, and a trace.
+  mkdir -p "$run/flight" "$run/trace"
+  for k in 0 1; do
+    echo "{\"rank\": $k, \"reason\": \"SIGTERM\"}" >"$run/flight/rank-$k.json"
+    echo "{\"traceEvents\": [], \"rank\": $k}" >"$run/trace/rank-$k.json"
+  done
+  echo '{"traceEvents": []}' >"$run/trace/all-ranks.json"
+  folder_snapshot "$run" >"$work/before"
+  "$@" "$meshtrain" evaluate "$run/checkpoints" --data "$work/test_classification.h5" \
+    --json "$work/evaluate.json" >"$work/evaluate.log" 2>&1 ||
+    { cat "$work/evaluate.log" >&2; fail "evaluate failed"; }
+  "$@" "$meshtrain" predict "$run/checkpoints" --input "$work/test_classification.h5" \
+    --output "$work/predictions.h5" >"$work/predict.log" 2>&1 ||
+    { cat "$work/predict.log" >&2; fail "predict failed"; }
+  folder_snapshot "$run" >"$work/after"
+  diff "$work/before" "$work/after" >&2 || fail "evaluate or predict changed the run's folder"
+  # --flight-dir DIR: the recorder works there (it clears the records of an earlier run in
+  # DIR/flight when it starts), and still not in the run's folder.
+  for command in evaluate predict; do
+    mkdir -p "$work/records-$command/flight"
+    echo stale >"$work/records-$command/flight/rank-5.json"
+  done
+  "$@" "$meshtrain" evaluate "$run/checkpoints" --data "$work/test_classification.h5" \
+    --flight-dir "$work/records-evaluate" >"$work/evaluate.log" 2>&1 ||
+    { cat "$work/evaluate.log" >&2; fail "evaluate --flight-dir failed"; }
+  "$@" "$meshtrain" predict "$run/checkpoints" --input "$work/test_classification.h5" \
+    --output "$work/predictions.h5" --overwrite --flight-dir "$work/records-predict" \
+    >"$work/predict.log" 2>&1 || { cat "$work/predict.log" >&2; fail "predict --flight-dir failed"; }
+  for command in evaluate predict; do
+    [ ! -e "$work/records-$command/flight/rank-5.json" ] ||
+      fail "$command --flight-dir: the recorder did not start in $work/records-$command/flight"
+  done
+  folder_snapshot "$run" >"$work/after"
+  diff "$work/before" "$work/after" >&2 || fail "evaluate or predict --flight-dir changed the run's folder"
+  echo "the run's folder: unchanged by evaluate and predict; --flight-dir records elsewhere"
 }
 
 "$case_name" "$@"

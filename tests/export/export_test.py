@@ -11,7 +11,8 @@ tests/export/run_onnx.js) and compares every output with the references:
   1. a float64 numpy forward computed here from the checkpoint's datasets (h5py) and its
      stored config, following docs/export.md (and docs' model math): the test's own;
   2. with --predict, `meshtrain predict` of the same checkpoint on the same rows (its HDF5
-     output: /prediction, /probability, /class), for when that command exists.
+     output: /prediction, /probability, /class; its `model` attribute is the export's `model`
+     metadata), for when that command exists.
 
 Tolerances (per output array, |got - ref| / max(|ref|, 0.1 * max|ref|)): fp32 weights 1e-5;
 fp16 and bf16 weights 1e-5 against the forward with the weights rounded as the export rounds
@@ -476,9 +477,10 @@ def compare(ctx, what, got, ref, rtol):
     return worst
 
 
-def predict_reference(ctx, checkpoint, x):
+def predict_reference(ctx, checkpoint, x, model_summary):
     """`meshtrain predict` on the same rows, read from its HDF5 output (docs/design.md: /prediction
-    [N, outputs], and for classification /probability and /class)."""
+    [N, outputs], and for classification /probability and /class). Its `model` attribute must be
+    the export's `model` metadata (one summary of the model for both)."""
     work = tempfile.mkdtemp(dir=ctx.work)
     inputs, output = os.path.join(work, "x.h5"), os.path.join(work, "prediction.h5")
     with h5py.File(inputs, "w") as f:
@@ -487,6 +489,10 @@ def predict_reference(ctx, checkpoint, x):
     names = {"prediction": "output", "probability": "probability", "class": "class"}
     with h5py.File(output, "r") as f:
         result = {names[k]: f[k][()] for k in names if k in f}
+        model = f.attrs["model"]
+        model = model.decode() if isinstance(model, bytes) else str(model)
+    ctx.check(model == model_summary, "meshtrain predict's model attribute %r is not the export's "
+              "model metadata %r" % (model, model_summary))
     shutil.rmtree(work)
     return result
 
@@ -527,7 +533,7 @@ def export_and_compare(ctx, checkpoint, x, label, dtypes=("fp32",), min_ties=0):
                       (label, dtype, err, ROUNDED_BOUND[dtype]))
         elif ctx.predict:
             compare(ctx, "%s vs meshtrain predict" % label, got,
-                    predict_reference(ctx, checkpoint, x), FP32_RTOL)
+                    predict_reference(ctx, checkpoint, x, meta.get("model")), FP32_RTOL)
     return ckpt
 
 

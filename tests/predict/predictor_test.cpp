@@ -17,11 +17,13 @@
 #include <Kokkos_Core.hpp>
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -46,6 +48,18 @@ void* counted_allocate(std::size_t bytes) {
 }
 void count_kokkos(Kokkos::Profiling::SpaceHandle, const char*, const void*, uint64_t) {
   if (g_counting.load(std::memory_order_relaxed)) g_kokkos.fetch_add(1);
+}
+
+// A batch stream that cannot be made on one rank: the Kokkos allocation of its staging
+// buffer ("meshtrain::staged_x") fails there (a rank short of memory), as if Kokkos threw.
+std::atomic<int> g_fail_staging_on_rank{-1};
+void fail_staging(Kokkos::Profiling::SpaceHandle, const char* label, const void*, uint64_t) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank == g_fail_staging_on_rank.load() && std::string(label) == "meshtrain::staged_x") {
+    throw std::runtime_error("no memory for the batch stream on rank " + std::to_string(rank) +
+                             " (the test's)");
+  }
 }
 }  // namespace
 
@@ -546,6 +560,51 @@ TEST_F(PredictorTest, CommandKeepsRowOrderAcrossShardsAndPadding) {
     check_classes(read_dataset(options.output, "/class"), prediction, m.sizes.back(), mesh.name);
     MPI_Barrier(MPI_COMM_WORLD);  // every rank has read the file before the next mesh's
   }
+}
+
+// One rank fails to make its batch stream (an allocation, after the model is built and the
+// output file created): every rank ends `meshtrain predict` at once with that rank's error,
+// exit status 1, and no output left, instead of the others waiting in the predictions'
+// collectives for the collective timeout (60 s in the tests).
+TEST_F(PredictorTest, CommandEndsEveryRankWhenOneCannotMakeItsBatchStream) {
+  const ModelCase m = model_case(ModelKind::classifier);
+  Dataset data = testing::numbered_classes(kRows, m.sizes.front(), m.sizes.back());
+  data.inputs = inputs(kRows, m.sizes.front());
+  const std::string input = dir_->file("stream-failure-in.h5");
+  if (world_rank() == 0) testing::write_h5(input, data, testing::H5Layout(), 0, kRows);
+  MPI_Barrier(MPI_COMM_WORLD);
+  PredictOptions options;
+  options.checkpoint = checkpoint_dir(ModelKind::classifier);
+  options.inputs = {input};
+  options.output = dir_->file("stream-failure-out.h5");
+  options.batch_size = kBatch;
+  const int failing = world_size() - 1;
+  g_fail_staging_on_rank = failing;
+  Kokkos::Tools::Experimental::set_allocate_data_callback(fail_staging);
+  if (world_rank() == 0) ::testing::internal::CaptureStderr();
+  const auto start = std::chrono::steady_clock::now();
+  int status = -1;
+  try {
+    status = predict_command(options);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "rank " << world_rank() << ": predict threw instead of agreeing: " << e.what();
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+  g_fail_staging_on_rank = -1;
+  const std::string printed = world_rank() == 0 ? ::testing::internal::GetCapturedStderr() : "";
+  EXPECT_EQ(status, 1) << "rank " << world_rank();
+  EXPECT_LT(seconds, 30.0) << "rank " << world_rank() << " waited for the failed rank";
+  if (world_rank() == 0) {
+    EXPECT_NE(printed.find("meshtrain: error: "), std::string::npos) << printed;
+    EXPECT_NE(printed.find("no memory for the batch stream on rank " + std::to_string(failing)),
+              std::string::npos)
+        << printed;
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  EXPECT_FALSE(std::filesystem::exists(options.output));
+  EXPECT_FALSE(std::filesystem::exists(options.output + ".tmp"));
 }
 
 // A Predictor on a communicator of its own (each half of the world, or the one rank): the
