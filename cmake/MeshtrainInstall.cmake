@@ -1,5 +1,6 @@
-# `cmake --install` puts the libraries, the headers (include/meshtrain/, umbrella
-# meshtrain.hpp) and a package config in the prefix, so that another project does
+# `cmake --install` puts the `meshtrain` command (bin/), the libraries, the headers
+# (include/meshtrain/, umbrella meshtrain.hpp) and a package config in the prefix, so that
+# `PREFIX/bin/meshtrain train CONFIG` runs and another project does
 #   find_package(meshtrain REQUIRED)
 #   target_link_libraries(app PRIVATE meshtrain::meshtrain)
 # The config finds Kokkos, the BLAS (OpenBLAS; cuBLAS with a CUDA Kokkos), MPI, parallel
@@ -41,6 +42,9 @@ install(DIRECTORY ${PROJECT_SOURCE_DIR}/base ${PROJECT_SOURCE_DIR}/partition ${P
         # Internal to the config's TOML files (and the only header that includes toml++).
         PATTERN "config_toml.hpp" EXCLUDE)
 install(FILES ${PROJECT_SOURCE_DIR}/meshtrain.hpp DESTINATION ${MESHTRAIN_INSTALL_INCLUDEDIR})
+# The command itself (apps/): it links meshtrain's libraries statically and the rest from the
+# system, so it runs from the prefix as it does from build/bin/.
+install(TARGETS meshtrain RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 
 set(_meshtrain_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/meshtrain)
 install(EXPORT meshtrainTargets NAMESPACE meshtrain:: DESTINATION ${_meshtrain_cmake_dir})

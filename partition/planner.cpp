@@ -259,6 +259,114 @@ void note_replicated_axes(ShardingPlan& plan, const PlanOptions& options) {
   }
 }
 
+// The residual block a layer ends: "blocks/0/down" -> "blocks/0"; an MoE block's layer is
+// named after the block already ("blocks/1").
+std::string residual_block_name(const LayerPlan& layer) {
+  if (layer.moe) return layer.name;
+  const size_t slash = layer.name.rfind('/');
+  return slash == std::string::npos ? layer.name : layer.name.substr(0, slash);
+}
+
+ParameterPlan& parameter_plan(ShardingPlan& plan, const std::string& name) {
+  return const_cast<ParameterPlan&>(static_cast<const ShardingPlan&>(plan).find(name));
+}
+
+// A residual model's stream (docs/models.md): the input projection (layer 0) writes it, and
+// each block adds its feed-forward's output to its input, so every block must end in the
+// feature layout the stream has. Preset rules decide each parameter alone (min_sharding_size
+// and an indivisible dim replicate it), which can split the blocks' down projections over the
+// feature axis while the input projection stays whole, or the reverse. Under a preset the
+// stream follows the blocks' down projections (a model's large tensors): where they leave it
+// whole, the input projection is kept whole over the feature axis (its other axes stay); where
+// they leave it split, the input projection becomes column-parallel, P(None, feature axis)
+// with its bias P(feature axis), which splits its output with no collective. Parameters the
+// user's own rules placed are never changed: a mismatch left is refused by
+// check_residual_stream, naming the block.
+void align_residual_stream(ShardingPlan& plan, const std::vector<LinearLayerParameters>& layers,
+                           const std::vector<PartitionRule>& rules, const PlanOptions& options) {
+  const std::string& feature = options.feature_axis;
+  if (layers.empty() || feature.empty() || !plan.mesh.has_axis(feature) ||
+      plan.mesh.axis_size(feature) <= 1) {
+    return;
+  }
+  const bool residual = std::any_of(layers.begin(), layers.end(),
+                                    [](const auto& l) { return l.ends_residual_block; });
+  if (!residual || layers.front().moe()) return;
+  ShardingPlan trial;  // the layers as the specs stand
+  trial.mesh = plan.mesh;
+  trial.parameters = plan.parameters;
+  plan_layers(trial, layers, options);
+  const FeatureLayout stream = trial.layers.front().layout.output_layout();
+  bool found = false;
+  FeatureLayout blocks = stream;  // what the dense blocks' down projections leave
+  for (size_t i = 1; i < layers.size(); ++i) {
+    if (!layers[i].ends_residual_block || layers[i].moe()) continue;
+    const FeatureLayout out = trial.layers[i].layout.output_layout();
+    if (found && out != blocks) return;  // the blocks disagree: check_residual_stream says so
+    blocks = out;
+    found = true;
+  }
+  if (!found || blocks == stream) return;
+  ParameterPlan& weight = parameter_plan(plan, layers.front().weight);
+  ParameterPlan& bias = parameter_plan(plan, layers.front().bias);
+  auto from_preset = [&rules](const ParameterPlan& p) {
+    return p.rule >= 0 && rules[static_cast<size_t>(p.rule)].replicate_if_indivisible;
+  };
+  if (!from_preset(weight) || !from_preset(bias) || weight.shape.size() != 2) return;
+  const std::string why = blocks == FeatureLayout::replicated
+                              ? "the residual blocks' down projections leave the stream whole"
+                              : "the residual blocks' down projections leave the stream split";
+  if (blocks == FeatureLayout::replicated) {
+    for (ParameterPlan* p : {&weight, &bias}) {
+      PartitionSpec kept = p->spec;
+      for (SpecEntry& entry : kept.entries) {
+        entry.axes.erase(std::remove(entry.axes.begin(), entry.axes.end(), feature),
+                         entry.axes.end());
+      }
+      if (kept.is_replicated()) kept = PartitionSpec();  // P(), not P(None, None)
+      if (kept == p->spec) continue;
+      p->notes.push_back("not split over " + feature + ": " + why + " over " + feature +
+                         " (one layout for the stream): " + kept.to_string() + " instead of " +
+                         p->spec.to_string());
+      p->spec = kept;
+    }
+  } else {
+    // The bias keeps its spec: whole (below min_sharding_size) or P(feature axis), a
+    // column-parallel layer takes either.
+    const PartitionSpec column({SpecEntry{}, SpecEntry{{feature}}});
+    if (first_indivisible_dim(weight.shape, column, plan.mesh) >= 0) return;
+    weight.notes.push_back("column-parallel " + column.to_string() + ": " + why + " over " +
+                           feature + " (one layout for the stream), instead of " +
+                           weight.spec.to_string());
+    weight.spec = column;
+  }
+  plan.notes.push_back("residual stream: " + why + " over " + feature + "; " +
+                       linear_layer_name(layers.front().weight) + " follows them");
+}
+
+// Every residual block ends in the layout its input arrives in (the residual add is
+// elementwise); otherwise bad_input naming the block, what both are and what to change.
+void check_residual_stream(const ShardingPlan& plan,
+                           const std::vector<LinearLayerParameters>& layers,
+                           const PlanOptions& options) {
+  if (plan.layers.empty()) return;
+  FeatureLayout block_input = plan.layers.front().layout.output_layout();
+  for (size_t i = 1; i < plan.layers.size(); ++i) {
+    const LayerPlan& l = plan.layers[i];
+    if (!layers[i].ends_residual_block) continue;
+    if (l.layout.output_layout() == block_input) continue;
+    MESHTRAIN_BAD_INPUT("residual block '", residual_block_name(l), "': its layers end in ",
+                        to_string(l.layout.output_layout()), " features over ",
+                        options.feature_axis, " (layer '", l.name, "') but its input arrives ",
+                        to_string(block_input), " (as layer '", plan.layers.front().name,
+                        "' leaves the stream), and x + f(x) needs one "
+                        "layout: split the input projection and the blocks' down projections over ",
+                        options.feature_axis,
+                        " alike in partition.rules, or lower partition.min_sharding_size (",
+                        options.min_sharding_size, ": smaller tensors are replicated)");
+  }
+}
+
 }  // namespace
 
 std::string replicated_axis_note(const std::string& axis, int size) {
@@ -549,7 +657,13 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
         entry.axes.clear();
       }
     }
-
+    plan.parameters.push_back(std::move(p));
+  }
+  // Under preset rules a residual model's stream keeps one layout (may change the input
+  // projection's specs; before the local shapes and bytes are counted).
+  align_residual_stream(plan, layers, rules, options);
+  for (ParameterPlan& p : plan.parameters) {
+    const int64_t elements = element_count(p.shape, p.name);
     // Local shape and replication, without touching individual ranks.
     p.local_shape = p.shape;
     int64_t split = 1;
@@ -567,7 +681,6 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
     plan.totals.parameter_bytes = checked_add(plan.totals.parameter_bytes, p.bytes_per_rank);
     plan.totals.global_parameter_bytes = checked_add(
         plan.totals.global_parameter_bytes, checked_mul(elements, options.bytes_per_element));
-    plan.parameters.push_back(std::move(p));
   }
   plan.totals.gradient_bytes = plan.totals.parameter_bytes;
   plan.totals.optimizer_bytes = checked_mul(plan.totals.parameter_bytes, options.optimizer_slots);
@@ -595,6 +708,7 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
     if (!used[i]) plan.unused_rules.push_back(static_cast<int>(i));
   }
   plan_layers(plan, layers, options);
+  check_residual_stream(plan, layers, options);
   plan_norms(plan, norms, options);
   note_replicated_axes(plan, options);
   return plan;

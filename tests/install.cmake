@@ -8,3 +8,10 @@ meshtrain_add_command_test(NAME install_example_np2 TIMEOUT 600
           ${PROJECT_SOURCE_DIR}/examples/train_mlp ${MESHTRAIN_MPIEXEC}
           ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
 set_tests_properties(install_example_np2 PROPERTIES PROCESSORS 2)
+
+# What scripts/run and scripts/test build: scripts/run only the command and write_hdf5_dataset
+# (the targets its job and the README's tour use), scripts/test everything (stubbed cmake, ctest
+# and mpirun log the calls; tests/install/script_targets.sh).
+meshtrain_add_command_test(NAME scripts_build_targets TIMEOUT 60
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/install/script_targets.sh ${PROJECT_SOURCE_DIR}
+          ${CMAKE_BINARY_DIR})

@@ -407,36 +407,131 @@ TEST(StartedRing, EqualsTheBlockingRingForAnyCount) {
   }
 }
 
-// A tag is reused only after the operation that had it is released: one left pending while
-// 1023 more start and complete makes the 1024th start refuse (its tag would be the pending
-// one's) with a sentence that says what to do; once the pending one is waited for, starts go
-// on. Every rank refuses the same start (they number the operations alike).
-TEST(StartedRing, ATagIsNotTakenWhileItsOperationIsPending) {
+// Started ring all-reduces number their tags modulo 1024 (kStartedRingTags in
+// mpi_communicator.cpp). Operations whose tags would meet are never refused: the start that
+// needs a tag still held by an unfinished operation completes that one first, on every rank
+// alike. Each case runs well inside the communicator's timeout (set to 60 s: a rank left
+// waiting for the others would fail by it, not hang).
+constexpr int kRingTags = 1024;
+
+// One operation left pending while 1023 more start and complete: the 1024th start takes its
+// tag. It and the pending one both sum right, on every rank.
+TEST(StartedRing, ATagStillHeldIsTakenOnceItsOperationCompletes) {
   const int n = world_size(), rank = world_rank();
   if (n == 1) GTEST_SKIP() << "one rank runs no ring";
   auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
   comm.set_reduction_choice(ReductionChoice::ring());
+  comm.set_timeout_seconds(60.0);
   const std::size_t count = 2 * static_cast<std::size_t>(n) + 1;
-  DeviceVector pending_data = to_device(input_of(rank, count, 7));
+  std::vector<std::vector<float>> first, reused;
+  for (int r = 0; r < n; ++r) {
+    first.push_back(input_of(r, count, 7));
+    reused.push_back(input_of(r, count, 11));
+  }
+  DeviceVector pending_data = to_device(first[rank]);
   Request pending = comm.start_all_reduce(pending_data);
   DeviceVector zeros = to_device(std::vector<float>(count, 0.0f));  // sums stay zero
-  for (int k = 1; k < 1024; ++k) comm.start_all_reduce(zeros).wait();
-  std::string refused;
+  for (int k = 1; k < kRingTags; ++k) comm.start_all_reduce(zeros).wait();
+  DeviceVector reused_data = to_device(reused[rank]);
+  std::string error;
   try {
-    Request reused = comm.start_all_reduce(zeros);
-    reused.wait();
+    comm.start_all_reduce(reused_data).wait();  // the pending one's tag
+    pending.wait();
   } catch (const Error& e) {
-    refused = e.what();
+    error = e.what();
   }
-  EXPECT_NE(refused.find("would share a tag"), std::string::npos) << refused;
-  EXPECT_NE(refused.find("runtime.bucket_mb"), std::string::npos) << refused;
-  EXPECT_TRUE(same_on_every_rank(refused.empty() ? 0u : 1u));
-  pending.wait();
-  std::vector<std::vector<float>> inputs;
-  for (int r = 0; r < n; ++r) inputs.push_back(input_of(r, count, 11));
-  DeviceVector fresh = to_device(inputs[rank]);
-  comm.start_all_reduce(fresh).wait();  // the tag is free again
-  expect_ring_all_reduce(inputs, to_vector(fresh), Dtype::fp32);
+  EXPECT_EQ(error, "");
+  EXPECT_TRUE(same_on_every_rank(error.empty() ? 0u : 1u));
+  if (!error.empty()) return;
+  expect_ring_all_reduce(first, to_vector(pending_data), Dtype::fp32);
+  expect_ring_all_reduce(reused, to_vector(reused_data), Dtype::fp32);
+}
+
+// The case of issue 36: rank 0 polls the first operation with test() until it completes
+// (released there, as DP gradient buckets poll theirs), the other ranks leave it pending, and
+// 1023 more start and complete. At the 1024th start the ranks hold the tag differently; they
+// must still agree: every rank starts it and it completes (it used to throw on the ranks that
+// still held the tag while rank 0 waited for them until the timeout).
+TEST(StartedRing, RanksThatReleasedATagAtDifferentTimesAgree) {
+  const int n = world_size(), rank = world_rank();
+  if (n == 1) GTEST_SKIP() << "one rank runs no ring";
+  auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
+  comm.set_reduction_choice(ReductionChoice::ring());
+  comm.set_timeout_seconds(60.0);
+  const std::size_t count = 2 * static_cast<std::size_t>(n) + 1;
+  std::vector<std::vector<float>> first, reused;
+  for (int r = 0; r < n; ++r) {
+    first.push_back(input_of(r, count, 17));
+    reused.push_back(input_of(r, count, 19));
+  }
+  const auto began = std::chrono::steady_clock::now();
+  DeviceVector first_data = to_device(first[rank]);
+  Request held = comm.start_all_reduce(first_data);
+  if (rank == 0) {
+    while (!held.test()) std::this_thread::yield();  // released here, pending elsewhere
+  }
+  DeviceVector zeros = to_device(std::vector<float>(count, 0.0f));
+  for (int k = 1; k < kRingTags; ++k) comm.start_all_reduce(zeros).wait();
+  DeviceVector reused_data = to_device(reused[rank]);
+  std::string error;
+  try {
+    comm.start_all_reduce(reused_data).wait();
+    held.wait();
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+  EXPECT_EQ(error, "");
+  EXPECT_TRUE(same_on_every_rank(error.empty() ? 0u : 1u));
+  EXPECT_LT(seconds, 50.0) << "a rank waited for the timeout";
+  if (!error.empty()) return;
+  expect_ring_all_reduce(first, to_vector(first_data), Dtype::fp32);
+  expect_ring_all_reduce(reused, to_vector(reused_data), Dtype::fp32);
+  EXPECT_TRUE(same_on_every_rank(bits_hash(to_vector(reused_data))));
+}
+
+// More operations in flight at once than there are tags (1024 + 8, each a few elements: the
+// last 8 take the tags of the first 8), then waited for in reverse: every one sums right. Also
+// with the communication thread running, which holds the started operations the starts must
+// take back (where MPI offers MPI_THREAD_MULTIPLE).
+TEST(StartedRing, MoreInFlightThanTags) {
+  const int n = world_size(), rank = world_rank();
+  if (n == 1) GTEST_SKIP() << "one rank runs no ring";
+  int provided = 0;
+  MPI_Query_thread(&provided);
+  for (bool thread : {false, true}) {
+    if (thread && provided < MPI_THREAD_MULTIPLE) continue;
+    SCOPED_TRACE(thread ? "with the communication thread" : "without a communication thread");
+    std::optional<CommThreadLease> lease;
+    if (thread) lease.emplace();
+    auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "axis (dp)");
+    comm.set_reduction_choice(ReductionChoice::ring());
+    comm.set_timeout_seconds(60.0);
+    const std::size_t count = 2 * static_cast<std::size_t>(n) + 1;
+    const int operations = kRingTags + 8;
+    std::vector<std::vector<std::vector<float>>> inputs(operations);
+    std::vector<DeviceVector> data;
+    std::vector<Request> requests;
+    std::string error;
+    try {
+      for (int op = 0; op < operations; ++op) {
+        for (int r = 0; r < n; ++r) inputs[op].push_back(input_of(r, count, 100 + op));
+        data.push_back(to_device(inputs[op][rank]));
+        requests.push_back(comm.start_all_reduce(data.back()));
+      }
+      for (int op = operations - 1; op >= 0; --op) requests[op].wait();
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    EXPECT_EQ(error, "");
+    EXPECT_TRUE(same_on_every_rank(error.empty() ? 0u : 1u));
+    if (!error.empty()) return;
+    for (int op : {0, 1, 7, 8, kRingTags - 1, kRingTags, kRingTags + 1, operations - 1}) {
+      SCOPED_TRACE("operation " + std::to_string(op));
+      expect_ring_all_reduce(inputs[op], to_vector(data[op]), Dtype::fp32);
+    }
+  }
 }
 
 // Three in flight at once (sizes of several segments, one of a few elements, one not

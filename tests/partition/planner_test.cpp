@@ -645,5 +645,116 @@ TEST(Format, BytesAndShapes) {
   EXPECT_EQ(format_shape({8, 128, 64}), "[8, 128, 64]");
 }
 
+// ---- a residual model's stream under the presets (issue 36) ----------------------------
+
+// The plan of a residual_mlp (depth 2, LayerNorm, SiLU) under `preset` with the default
+// min_sharding_size (16384).
+ShardingPlan residual_stream_plan(const Mesh& mesh, const std::string& preset, int64_t inputs,
+                                  int64_t width, int64_t hidden) {
+  ResidualMlpShape s;
+  s.inputs = inputs;
+  s.outputs = 3;
+  s.width = width;
+  s.hidden = hidden;
+  s.depth = 2;
+  s.norm_kind = NormKind::layernorm;
+  return make_plan(residual_mlp_parameter_shapes(s), mesh,
+                   preset_rules(preset, false, true, /*residual=*/true), PlanOptions{},
+                   residual_mlp_linear_layers(s), residual_mlp_norm_layers(s));
+}
+
+// Every block's last layer leaves the stream as the input projection does.
+void expect_one_stream_layout(const ShardingPlan& plan, FeatureLayout expected) {
+  EXPECT_EQ(plan.layers.front().layout.output_layout(), expected) << "the input projection";
+  for (const LayerPlan& l : plan.layers) {
+    if (l.ends_residual_block) EXPECT_EQ(l.layout.output_layout(), expected) << l.name;
+  }
+}
+
+// The issue's model: input projection 16 x 128 below min_sharding_size, up and down 128 x 256
+// above it. The blocks split the stream over tp, so the input projection becomes
+// column-parallel and splits it too (its bias stays whole, below the minimum).
+TEST(ResidualStream, SmallInputProjectionTurnsColumnParallelUnderTp) {
+  for (const std::string preset : {"tp", "dp_tp", "fsdp_tp"}) {
+    SCOPED_TRACE(preset);
+    const Mesh mesh = preset == "tp" ? mesh_of({{"tp", 2}}) : mesh_of({{"fsdp", 2}, {"tp", 2}});
+    const ShardingPlan plan = residual_stream_plan(mesh, preset, 16, 128, 256);
+    const ParameterPlan& weight = plan.find("input/weight");
+    EXPECT_EQ(weight.spec.to_string(), "P(None, tp)");
+    EXPECT_EQ(weight.local_shape, (std::vector<int64_t>{16, 64}));
+    EXPECT_TRUE(has_note(weight.notes, "column-parallel P(None, tp)")) << weight.notes.back();
+    EXPECT_EQ(plan.find("input/bias").spec.to_string(), "P()");
+    EXPECT_TRUE(plan.layers.front().layout.column_parallel);
+    EXPECT_TRUE(has_note(plan.notes, "residual stream"));
+    expect_one_stream_layout(plan, FeatureLayout::split);
+    // The norms read the split stream.
+    for (const NormPlan& n : plan.norms) EXPECT_EQ(n.layout.layout, FeatureLayout::split) << n.name;
+  }
+}
+
+// The reverse: the input projection (512 x 32) at the minimum, the blocks' projections
+// (32 x 64) below it, so the blocks leave the stream whole: the input projection keeps it
+// whole too (not split over tp; fsdp_tp keeps its fsdp storage split).
+TEST(ResidualStream, SmallBlocksKeepTheInputProjectionWholeOverTp) {
+  {
+    const ShardingPlan plan = residual_stream_plan(mesh_of({{"tp", 2}}), "tp", 512, 32, 64);
+    EXPECT_EQ(plan.find("input/weight").spec.to_string(), "P()");
+    EXPECT_TRUE(has_note(plan.find("input/weight").notes, "not split over tp"));
+    EXPECT_EQ(plan.find("input/bias").spec.to_string(), "P()");
+    expect_one_stream_layout(plan, FeatureLayout::replicated);
+  }
+  {
+    const ShardingPlan plan =
+        residual_stream_plan(mesh_of({{"fsdp", 2}, {"tp", 2}}), "fsdp_tp", 512, 32, 64);
+    const ParameterPlan& weight = plan.find("input/weight");
+    EXPECT_EQ(weight.spec.to_string(), "P(None, fsdp)");
+    EXPECT_EQ(weight.local_shape, (std::vector<int64_t>{512, 16}));
+    expect_one_stream_layout(plan, FeatureLayout::replicated);
+  }
+}
+
+// Where the preset's layout is consistent already, nothing changes (the presets' runs stay
+// bit for bit): min_sharding_size 0, and a model large enough for the default minimum.
+TEST(ResidualStream, ConsistentPresetsAreLeftAlone) {
+  ResidualMlpShape s;
+  s.inputs = 128;
+  s.outputs = 3;
+  s.width = 128;
+  s.hidden = 256;
+  s.depth = 2;
+  for (int64_t minimum : {int64_t{0}, int64_t{16384}}) {
+    SCOPED_TRACE(minimum);
+    PlanOptions options;
+    options.min_sharding_size = minimum;
+    const ShardingPlan plan =
+        make_plan(residual_mlp_parameter_shapes(s), mesh_of({{"tp", 2}}),
+                  preset_rules("tp", false, true, true), options, residual_mlp_linear_layers(s));
+    EXPECT_EQ(plan.find("input/weight").spec.to_string(), "P(tp, None)");
+    EXPECT_FALSE(has_note(plan.notes, "residual stream"));
+    expect_one_stream_layout(plan, FeatureLayout::split);
+  }
+}
+
+// The user's own rules are not changed: a stream they leave in two layouts is refused by the
+// plan (not first by the model on every rank), naming the block and what to change.
+TEST(ResidualStream, UserRulesThatSplitTheStreamTwoWaysAreRefused) {
+  ResidualMlpShape s;
+  s.inputs = 16;
+  s.outputs = 3;
+  s.width = 128;
+  s.hidden = 256;
+  s.depth = 2;
+  const std::vector<PartitionRule> rules = {rule("blocks/[0-9]+/up/weight$", "P(None, tp)"),
+                                            rule("blocks/[0-9]+/down/weight$", "P(tp, None)"),
+                                            rule(".*", "P()")};
+  expect_bad_input(
+      [&] {
+        make_plan(residual_mlp_parameter_shapes(s), mesh_of({{"tp", 2}}), rules, PlanOptions{},
+                  residual_mlp_linear_layers(s));
+      },
+      {"residual block 'blocks/0'", "split features over tp", "arrives replicated",
+       "partition.rules", "partition.min_sharding_size (16384"});
+}
+
 }  // namespace
 }  // namespace meshtrain

@@ -29,9 +29,14 @@ class MpiRingSlot;
 // Tags of the started ring all-reduces: kStartedRingTagBase + (number started mod
 // kStartedRingTags), apart from the shifts' [1000, 31000) and the blocking ring's 31001 and
 // 31002 (MPI guarantees tags up to 32767). Every rank starts the operations of a communicator
-// in the same order, so they agree on each operation's tag. A tag is taken again only once
-// the operation that had it has been released on this rank (State::ring_tags_busy; all of
-// its receives matched), so two operations in flight never share one.
+// in the same order, so they agree on each operation's tag. Two operations in flight on one
+// rank never share a tag: when a start's tag is still held by an earlier operation that has
+// not completed on this rank (State::ring_tag_holders), the start first completes that one
+// (every rank started it, so it completes; a rank that never joins fails by the timeout).
+// No rank decides anything alone: every rank waits for the same operation at the same start,
+// and none refuses (see raw_start_all_reduce_sum; the tags of operation k and k + 1024 then
+// never have messages in flight together on any rank, so MPI's in-order matching keeps them
+// apart).
 constexpr int kStartedRingTagBase = 31100;
 constexpr int kStartedRingTags = 1024;
 
@@ -58,7 +63,9 @@ struct MpiCommunicator::State {
   SlotPool<MpiRingSlot> ring_slots;
   MpiRingSlot* rings_in_flight = nullptr;
   uint64_t rings_started = 0;
-  std::array<bool, kStartedRingTags> ring_tags_busy{};  // by tag - kStartedRingTagBase
+  // By tag - kStartedRingTagBase: the started ring all-reduce that holds the tag (in flight,
+  // not yet released), or null.
+  std::array<MpiRingSlot*, kStartedRingTags> ring_tag_holders{};
   // MPI_Ialltoallv's int send counts, send displacements, receive counts and receive
   // displacements, one per rank each (sized when the communicator is made: no call allocates).
   std::vector<int> alltoallv_layout;
@@ -383,7 +390,7 @@ class MpiRingSlot final : public Request::Impl, public ProgressTask {
     data_ = static_cast<char*>(data);
     bytes_ = count * bytes_of(dtype);
     failed_code_ = MPI_SUCCESS;
-    done_ = false;
+    done_ = abandoned_ = false;
     try {  // may grow the buffers (never once reserved)
       char* host = staging_.receive_buffer(data_, bytes_, /*copy_in=*/true);
       ring_.start(owner_.comm, size, rank, tag, host, count, dtype);
@@ -398,7 +405,7 @@ class MpiRingSlot final : public Request::Impl, public ProgressTask {
     if (next_ != nullptr) next_->prev_ = this;
     owner_.rings_in_flight = this;
     tag_index_ = tag - kStartedRingTagBase;
-    owner_.ring_tags_busy[tag_index_] = true;
+    owner_.ring_tag_holders[tag_index_] = this;
     advance();
     if (failed_code_ != MPI_SUCCESS) {
       const int code = failed_code_;
@@ -463,14 +470,47 @@ class MpiRingSlot final : public Request::Impl, public ProgressTask {
     }
     if (next_ != nullptr) next_->prev_ = prev_;
     prev_ = next_ = nullptr;
-    if (tag_index_ >= 0) owner_.ring_tags_busy[tag_index_] = false;
-    tag_index_ = -1;
+    give_up_tag();
     owner_.ring_slots.release(*this);
     // Last: when this was the last reference to the state, the state (and this slot) go.
     std::shared_ptr<MpiCommunicator::State> keep = std::move(state_);
   }
 
+  // A later start needs this operation's tag: completes it on this rank first (taken back from
+  // the communication thread, advanced with the others this thread owns, against the
+  // communicator's timeout) and gives the tag up. The caller's Request still holds it; its
+  // wait() or test() then finds it done and hands over the result. A timeout or an MPI failure
+  // abandons its live requests (the communicator is then unusable) and throws; the Request
+  // reports it again when it is waited for.
+  void complete_before_tag_reuse() {
+    take_back();
+    const double start = MPI_Wtime();
+    for (;;) {
+      advance_all();
+      if (done_) break;
+      const double waited = MPI_Wtime() - start;
+      if (waited >= timeout_) {
+        abandoned_ = done_ = true;  // never advanced again
+        throw_timeout(owner_, ring_.live_requests(), ring_.live_count(), timeout_, op_);
+      }
+      detail::pause_between_polls(waited);
+    }
+    if (failed_code_ != MPI_SUCCESS) {
+      abandon(owner_, ring_.live_requests(), ring_.live_count(), std::string("a failed ") + op_);
+      owner_.fail_call(failed_code_, op_, ring_.failed_call());
+    }
+    give_up_tag();
+  }
+
  private:
+  // Frees this operation's entry in State::ring_tag_holders (if it still holds one).
+  void give_up_tag() noexcept {
+    if (tag_index_ >= 0 && owner_.ring_tag_holders[tag_index_] == this) {
+      owner_.ring_tag_holders[tag_index_] = nullptr;
+    }
+    tag_index_ = -1;
+  }
+
   // Advances this operation on the calling thread: true once it needs no more steps
   // (done_, or failed with failed_code_).
   bool advance() noexcept {
@@ -508,6 +548,10 @@ class MpiRingSlot final : public Request::Impl, public ProgressTask {
   // Completes a finished operation: a failed MPI call is reported as the library path's (the
   // live requests abandoned, then the MPI error thrown); else the result to the caller.
   void finish() {
+    if (abandoned_) {
+      MESHTRAIN_FAIL(op_, " on ", owner_.description,
+                     " failed: the communicator is unusable after ", owner_.broken);
+    }
     if (failed_code_ != MPI_SUCCESS) {
       abandon(owner_, ring_.live_requests(), ring_.live_count(), std::string("a failed ") + op_);
       owner_.fail_call(failed_code_, op_, ring_.failed_call());
@@ -528,7 +572,8 @@ class MpiRingSlot final : public Request::Impl, public ProgressTask {
   std::size_t bytes_ = 0;
   int failed_code_ = MPI_SUCCESS;  // written by advance(), on whichever thread owns it
   bool done_ = false;
-  int tag_index_ = -1;  // its tag in State::ring_tags_busy while in flight
+  bool abandoned_ = false;  // its requests abandoned by complete_before_tag_reuse's timeout
+  int tag_index_ = -1;      // its tag in State::ring_tag_holders while it holds it
 };
 
 // A free ring slot (best fit, slot_pool.hpp) for an all-reduce of `count` elements of `dtype`.
@@ -798,12 +843,11 @@ Request MpiCommunicator::raw_start_all_reduce_sum(void* data, std::size_t count,
   state_->require_usable(op);
   if (uses_started_ring(count, dtype)) {
     const auto tag_index = static_cast<int>(state_->rings_started % kStartedRingTags);
-    if (state_->ring_tags_busy[tag_index]) {
-      MESHTRAIN_FAIL(op, " on ", description(), ": the started ring all-reduce begun ",
-                     kStartedRingTags,
-                     " starts before this one is still in flight, and the two would share a tag;"
-                     " wait for it first (DP gradient buckets: fewer of them, a larger"
-                     " runtime.bucket_mb)");
+    // The operation begun kStartedRingTags starts ago may still hold the tag here (on this
+    // rank; on another it may be done and released): it is completed first, on every rank
+    // alike, so that the two never share the tag (see kStartedRingTagBase).
+    if (MpiRingSlot* holder = state_->ring_tag_holders[tag_index]) {
+      holder->complete_before_tag_reuse();
     }
     fence_all(MESHTRAIN_LABEL("meshtrain::MpiCommunicator::raw_start_all_reduce_sum"));
     ++state_->rings_started;

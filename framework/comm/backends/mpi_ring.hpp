@@ -106,7 +106,8 @@ void ring_all_reduce(const RingLink& link, void* data, std::size_t count, Dtype 
 // the step has completed (its sends too: the next step reuses their buffers).
 // Tags: every message of one operation carries its `tag`; within one operation the steps of
 // a rank follow each other, so MPI's in-order matching pairs the segments. Two operations in
-// flight on one communicator need different tags (the backend numbers them).
+// flight on one rank of a communicator need different tags (the backend numbers them, and
+// completes the operation holding a tag before it hands the tag out again).
 // Memory: the partial-sum buffers and the requests, per operation (two may run at once),
 // grown by reserve() (or the first start() of a larger size) and kept.
 // Threads: one thread at a time (the caller's, or the communication thread it was handed to).

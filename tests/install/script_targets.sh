@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# What scripts/run and scripts/test build (issue 36): scripts/run builds only the targets its
+# job uses (the `meshtrain` command and write_hdf5_dataset for the README's tour), not the test
+# programs and benchmarks; scripts/test builds everything. Runs copies of scripts/run,
+# scripts/build, scripts/test and scripts/env.sh in a scratch tree with cmake, ctest, mpirun
+# and scripts/setup replaced by stubs that log their arguments; then checks that the targets
+# scripts/run names exist in the real build.
+#   script_targets.sh SOURCE_DIR BUILD_DIR
+set -euo pipefail
+source_dir=$1
+build_dir=$2
+work=$(mktemp -d "${TMPDIR:-/tmp}/meshtrain-script-targets.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+
+real_cmake=$(command -v cmake)
+mkdir -p "$work/repo/scripts" "$work/stubs"
+cp "$source_dir"/scripts/{run,build,test,env.sh} "$work/repo/scripts/"
+printf '#!/usr/bin/env bash\nexit 0\n' > "$work/repo/scripts/setup"
+for tool in cmake ctest mpirun; do
+  printf '#!/usr/bin/env bash\necho "%s $*" >> "%s/calls.log"\n' "$tool" "$work" \
+    > "$work/stubs/$tool"
+  chmod +x "$work/stubs/$tool"
+done
+export PATH="$work/stubs:$PATH"
+unset MESHTRAIN_TARGETS MESHTRAIN_BUILD_DIR MESHTRAIN_JOBS
+
+fail() {
+  echo "script_targets: $1" >&2
+  echo "calls:" >&2
+  cat "$work/calls.log" >&2
+  exit 1
+}
+
+# scripts/run: one build, of exactly its targets, then the training run.
+bash "$work/repo/scripts/run" > "$work/run.log"
+builds=$(grep '^cmake --build' "$work/calls.log" || true)
+[[ $(wc -l <<< "$builds") -eq 1 ]] || fail "scripts/run should build once, built: $builds"
+[[ $builds == "cmake --build build -j 2 --target meshtrain write_hdf5_dataset" ]] ||
+  fail "scripts/run should build only meshtrain and write_hdf5_dataset, ran: $builds"
+grep -q '^mpirun .* build/bin/meshtrain train configs/fashion_mnist_fsdp_tp.toml$' \
+  "$work/calls.log" || fail "scripts/run did not train with build/bin/meshtrain"
+
+# scripts/test: everything (no --target), then ctest.
+: > "$work/calls.log"
+MESHTRAIN_EMULATED_TESTS=0 bash "$work/repo/scripts/test" > "$work/test.log"
+builds=$(grep '^cmake --build' "$work/calls.log" || true)
+[[ $builds == "cmake --build build -j 2" ]] ||
+  fail "scripts/test should build every target, ran: $builds"
+grep -q '^ctest --test-dir build' "$work/calls.log" || fail "scripts/test ran no ctest"
+
+# The targets scripts/run names are targets of the real build.
+targets=$("$real_cmake" --build "$build_dir" --target help 2>/dev/null || true)
+for target in meshtrain write_hdf5_dataset; do
+  grep -qw -- "$target" <<< "$targets" || {
+    echo "script_targets: the build in $build_dir has no target $target" >&2
+    exit 1
+  }
+done
+echo "script_targets: scripts/run builds meshtrain and write_hdf5_dataset only; scripts/test builds all"
