@@ -1,6 +1,7 @@
 #pragma once
 // Text helpers shared by messages and printouts (partition has no other dependency).
 
+#include <algorithm>
 #include <cstddef>
 #include <string>
 #include <vector>
@@ -16,6 +17,16 @@ inline std::string join(const std::vector<std::string>& items,
     out += items[i];
   }
   return out;
+}
+
+// Whether `items` holds `item`.
+inline bool contains(const std::vector<std::string>& items, const std::string& item) {
+  return std::find(items.begin(), items.end(), item) != items.end();
+}
+
+// A tuple of mesh axes as plans and messages write it: "(fsdp, dp)".
+inline std::string tuple_text(const std::vector<std::string>& axes) {
+  return "(" + join(axes) + ")";
 }
 
 }  // namespace meshtrain

@@ -50,11 +50,7 @@ int ParallelContext::batch_index() const {
 }
 
 std::vector<std::string> ParallelContext::active(const std::vector<std::string>& axes) const {
-  std::vector<std::string> out;
-  for (const auto& a : axes) {
-    if (mesh().axis_size(a) > 1) out.push_back(a);
-  }
-  return out;
+  return mesh().active_axes(axes);
 }
 
 Communicator* ParallelContext::comm(const std::vector<std::string>& axes) {

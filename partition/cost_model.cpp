@@ -6,7 +6,7 @@
 
 #include "base/error.hpp"
 #include "base/text.hpp"
-#include "partition/zero1.hpp"
+#include "partition/zero1_layout.hpp"
 
 namespace meshtrain {
 
@@ -29,14 +29,6 @@ std::string group_text(const std::vector<std::string>& axes, const Mesh& mesh) {
 // Whether the layer's weight is gathered over exactly one group (Linear::can_prefetch_weight).
 bool can_prefetch(const LinearLayout& l) {
   return l.weight_gather_dim0.empty() != l.weight_gather_dim1.empty();
-}
-
-std::vector<std::string> active_axes(const Mesh& mesh) {
-  std::vector<std::string> axes;
-  for (const auto& a : mesh.axes()) {
-    if (a.size > 1) axes.push_back(a.name);
-  }
-  return axes;
 }
 
 }  // namespace
@@ -648,9 +640,9 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
   const LinearLayout& last = plan.layers.back().layout;
   memory("loss", "forward", "loss and its gradient", 4 * kFloat * r * last.out_local);
   add("loss", "forward", "collective", "all-reduce loss sums (3 numbers)",
-      group_text(active_axes(mesh), mesh),
+      group_text(mesh.active_axes(), mesh),
       collective_seconds(CollectiveKind::all_reduce, 24, mesh.world_size(),
-                         hw.group_link(active_axes(mesh))));
+                         hw.group_link(mesh.active_axes())));
   // Backward, last layer first.
   for (size_t j = count; j-- > 0;) {
     const LayerPlan& lp = plan.layers[j];

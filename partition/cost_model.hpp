@@ -49,7 +49,7 @@
 //   ZeRO-1      with options.zero_stage = 1 and dp > 1 (framework/train/zero1.hpp): the
 //               gradient all-reduces a layer defers (DP-stored layers) run once per step as
 //               reduce-scatters over dp; the optimizer passes cover this rank's chunk of every
-//               tensor not split over dp (partition/zero1.hpp); each such tensor's chunk is
+//               tensor not split over dp (partition/zero1_layout.hpp); each such tensor's chunk is
 //               copied (2 chunk bytes) and all-gathered over dp (dp chunks).
 //   memory      elementwise passes at memory_bandwidth, bytes read + written: per layer
 //               bias add 2 * r * out_local, bias gradient r * out_local; after a layer whose

@@ -8,53 +8,8 @@
 
 namespace meshtrain {
 
-namespace {
-
-bool contains(const std::vector<std::string>& list, const std::string& item) {
-  return std::find(list.begin(), list.end(), item) != list.end();
-}
-
-std::string tuple_text(const std::vector<std::string>& axes) {
-  return "(" + join(axes) + ")";
-}
-
-// `axes` without those the mesh lacks or has with size 1 (order kept).
-std::vector<std::string> active(const Mesh& mesh, const std::vector<std::string>& axes) {
-  std::vector<std::string> out;
-  for (const auto& a : axes) {
-    if (mesh.has_axis(a) && mesh.axis_size(a) > 1) out.push_back(a);
-  }
-  return out;
-}
-
-int64_t elements_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    if (__builtin_mul_overflow(n, d, &n)) {
-      MESHTRAIN_BAD_INPUT("a collective operand ", format_shape(shape),
-                          " has more elements than fit in 64 bits");
-    }
-  }
-  return n;
-}
-
-}  // namespace
-
 const char* to_string(FeatureLayout layout) {
   return layout == FeatureLayout::split ? "split" : "replicated";
-}
-
-const char* to_string(CollectiveKind kind) {
-  switch (kind) {
-    case CollectiveKind::all_gather:
-      return "all-gather";
-    case CollectiveKind::reduce_scatter:
-      return "reduce-scatter";
-    case CollectiveKind::all_to_all:
-      return "all-to-all";
-    default:
-      return "all-reduce";
-  }
 }
 
 LayerAxes layer_axes(const LogicalAxes& logical, bool with_experts) {
@@ -108,7 +63,7 @@ LinearLayout decide_linear_layout(const std::string& layer, const LinearParamete
   }
   const LayerAxes axes = layer_axes_on(mesh, requested_axes);
   const std::string& feature = axes.feature;
-  const std::vector<std::string> batch = active(mesh, axes.batch);
+  const std::vector<std::string> batch = mesh.active_axes(axes.batch);
 
   LinearLayout l;
   l.layer = layer;
@@ -120,8 +75,8 @@ LinearLayout decide_linear_layout(const std::string& layer, const LinearParamete
 
   const PartitionSpec wspec = weight.spec.with_rank(2);
   const PartitionSpec bspec = bias.spec.with_rank(1);
-  std::vector<std::string> dim0 = active(mesh, wspec.entries[0].axes);
-  std::vector<std::string> dim1 = active(mesh, wspec.entries[1].axes);
+  std::vector<std::string> dim0 = mesh.active_axes(wspec.entries[0].axes);
+  std::vector<std::string> dim1 = mesh.active_axes(wspec.entries[1].axes);
   l.tensor_parallel = l.tp > 1 && !dim0.empty() && dim0.front() == feature;
   l.column_parallel = l.tp > 1 && !l.tensor_parallel && !contains(dim0, feature) && !dim1.empty() &&
                       dim1.front() == feature;
@@ -160,7 +115,7 @@ LinearLayout decide_linear_layout(const std::string& layer, const LinearParamete
   }
 
   // Bias: storage -> compute block.
-  const std::vector<std::string> bentry = active(mesh, bspec.entries[0].axes);
+  const std::vector<std::string> bentry = mesh.active_axes(bspec.entries[0].axes);
   l.bias_stored = l.out / mesh.size_of(bentry);
   if (l.split_output && !bentry.empty() && bentry.front() == feature) {
     l.bias_gather.assign(bentry.begin() + 1, bentry.end());
@@ -208,30 +163,6 @@ std::string describe_linear_layout(const LinearLayout& l) {
     s << ", grads all-reduced over " << tuple_text(l.weight_allreduce);
   }
   return s.str();
-}
-
-int64_t collective_bytes_per_rank(CollectiveKind kind, int64_t bytes, int ranks) {
-  MESHTRAIN_REQUIRE(bytes >= 0 && ranks >= 1, "collective of ", bytes, " bytes over ", ranks,
-                    " ranks");
-  const __int128 moved = static_cast<__int128>(bytes) * (ranks - 1) *
-                         (kind == CollectiveKind::all_reduce ? 2 : 1) / ranks;
-  if (moved > INT64_MAX) MESHTRAIN_BAD_INPUT("a collective of ", bytes, " bytes overflows 64 bits");
-  return static_cast<int64_t>(moved);
-}
-
-LayerCollective layer_collective(const std::string& phase, CollectiveKind kind,
-                                 const std::string& operand, const std::vector<std::string>& axes,
-                                 std::vector<int64_t> shape, int64_t element_bytes,
-                                 const Mesh& mesh, int dim) {
-  LayerCollective c{phase,         kind, operand, axes, mesh.size_of(axes), std::move(shape),
-                    element_bytes, 0,    dim};
-  int64_t bytes = 0;
-  if (__builtin_mul_overflow(elements_of(c.shape), element_bytes, &bytes)) {
-    MESHTRAIN_BAD_INPUT("a collective operand ", format_shape(c.shape),
-                        " has more bytes than fit in 64 bits");
-  }
-  c.bytes_per_rank = collective_bytes_per_rank(kind, bytes, c.ranks);
-  return c;
 }
 
 namespace {
@@ -295,16 +226,13 @@ std::vector<LayerCollective> linear_step_collectives(const LinearLayout& l, cons
                                                      const MixedPrecision& precision) {
   MESHTRAIN_REQUIRE(rows >= 0 && bytes_per_element >= 1, "rows ", rows, ", bytes_per_element ",
                     bytes_per_element);
-  std::vector<LayerCollective> out;
-  auto add = [&](const char* phase, CollectiveKind kind, const char* operand,
+  StepCollectives steps{mesh, bytes_per_element, {}};
+  // Gradients move as the reduction dtype, everything else as the parameters' compute dtype.
+  auto add = [&](const char* phase, CollectiveKind kind, const std::string& operand,
                  const std::vector<std::string>& axes, std::vector<int64_t> shape, int dim = 0) {
-    if (axes.empty()) return;
-    const std::string what = operand;
-    const bool gradient = what == "weight gradient" || what == "bias gradient";
-    const Dtype dtype = gradient ? precision.reduce : precision.param;
-    const int64_t element = dtype == Dtype::fp32 ? bytes_per_element : 2;
-    out.push_back(
-        layer_collective(phase, kind, operand, axes, std::move(shape), element, mesh, dim));
+    const bool gradient = operand == "weight gradient" || operand == "bias gradient";
+    steps.add(phase, kind, operand, axes, std::move(shape),
+              gradient ? precision.reduce : precision.param, dim);
   };
   const bool activations = rows > 0;
   const std::vector<std::string> features =
@@ -313,7 +241,7 @@ std::vector<LayerCollective> linear_step_collectives(const LinearLayout& l, cons
   const auto& g1 = l.weight_gather_dim1;
   if (l.column_parallel) {
     column_parallel_collectives(l, mesh, rows, input_grad, features, add);
-    return out;
+    return steps.list;
   }
   auto gather_weight = [&](const char* phase) {
     add(phase, CollectiveKind::all_gather, "weight", g0, {l.in_compute, l.stored_cols});
@@ -357,7 +285,7 @@ std::vector<LayerCollective> linear_step_collectives(const LinearLayout& l, cons
   add("backward", CollectiveKind::all_reduce, "weight gradient", l.weight_allreduce,
       {l.stored_rows, l.stored_cols});
   add("backward", CollectiveKind::all_reduce, "bias gradient", l.bias_reduce, {l.out});
-  return out;
+  return steps.list;
 }
 
 bool shares_input_gather(const LinearLayout& gate, const LinearLayout& up) {
@@ -368,16 +296,15 @@ std::vector<LayerCollective> shared_gather_collectives(const LinearLayout& l, co
                                                        int64_t rows, bool input_grad,
                                                        int64_t bytes_per_element,
                                                        const MixedPrecision& precision) {
-  std::vector<LayerCollective> out;
-  if (rows <= 0 || l.tp <= 1) return out;
-  const int64_t element = precision.param == Dtype::fp32 ? bytes_per_element : 2;
-  out.push_back(layer_collective("forward", CollectiveKind::all_gather, "input", {l.feature_axis},
-                                 {rows, l.in}, element, mesh, 1));
+  StepCollectives steps{mesh, bytes_per_element, {}};
+  if (rows <= 0 || l.tp <= 1) return steps.list;
+  steps.add("forward", CollectiveKind::all_gather, "input", {l.feature_axis}, {rows, l.in},
+            precision.param, 1);
   if (input_grad) {
-    out.push_back(layer_collective("backward", CollectiveKind::reduce_scatter, "input gradient",
-                                   {l.feature_axis}, {rows, l.in}, element, mesh, 1));
+    steps.add("backward", CollectiveKind::reduce_scatter, "input gradient", {l.feature_axis},
+              {rows, l.in}, precision.param, 1);
   }
-  return out;
+  return steps.list;
 }
 
 }  // namespace meshtrain

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "base/dtype.hpp"
+#include "partition/collectives.hpp"
 #include "partition/logical_axes.hpp"
 #include "partition/mesh.hpp"
 #include "partition/partition_spec.hpp"
@@ -164,41 +165,6 @@ bool shares_input_gather(const LinearLayout& gate, const LinearLayout& up);
 // "TP in 784 (split 196) -> out 128 (split 32), weight gathered over (fsdp) on dim 1,
 // grads all-reduced over (dp)" (without the layer name).
 std::string describe_linear_layout(const LinearLayout& layout);
-
-// ---- collectives per training step ---------------------------------------------------
-// Cost model (per rank, ring algorithms, as NCCL and most MPI libraries use for large
-// messages): over a group of n ranks, an all-gather or a reduce-scatter whose full
-// (gathered / unreduced) operand is S bytes moves S * (n - 1) / n bytes through each rank;
-// an all-reduce of S bytes moves 2 * S * (n - 1) / n (a reduce-scatter then an all-gather).
-// Rounded down to whole bytes. The collective matmuls (ring, bidirectional) move the same
-// blocks as the plain collective they replace, so they count the same.
-// all_to_all: a variable all-to-all (MoE dispatch, partition/moe_layout.hpp); its operand is
-// what this rank sends, of which (n - 1) / n leaves it at uniform routing.
-enum class CollectiveKind { all_gather, reduce_scatter, all_reduce, all_to_all };
-const char* to_string(CollectiveKind kind);
-
-struct LayerCollective {
-  std::string phase;  // "forward" or "backward"
-  CollectiveKind kind;
-  std::string operand;            // "weight", "bias", "input", "output", "output gradient", ...
-  std::vector<std::string> axes;  // the group (active axes)
-  int ranks = 1;                  // its size
-  std::vector<int64_t> shape;     // the full operand (gathered / unreduced), elements
-  int64_t element_bytes = 4;      // what one element moves as (mixed precision: 2 for 16 bits)
-  int64_t bytes_per_rank = 0;     // per the cost model above
-  int dim = 0;                    // of a matrix gathered or scattered along dim 1 (columns): 1; the
-                // communicator then moves the columns through [n][rows][cols] staging
-};
-
-// Bytes one rank moves in a collective of `kind` on a full operand of `bytes` over `ranks`.
-int64_t collective_bytes_per_rank(CollectiveKind kind, int64_t bytes, int ranks);
-
-// One collective over the active `axes` of `mesh` on a full operand of `shape` elements of
-// `element_bytes` each, with its bytes per rank (bad_input when they overflow 64 bits).
-LayerCollective layer_collective(const std::string& phase, CollectiveKind kind,
-                                 const std::string& operand, const std::vector<std::string>& axes,
-                                 std::vector<int64_t> shape, int64_t element_bytes,
-                                 const Mesh& mesh, int dim = 0);
 
 // The collectives one training step (forward, then backward) of the layer runs, in order.
 // `rows`: the local batch rows; 0 = unknown, the activation-sized ones (input, output and

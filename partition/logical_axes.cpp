@@ -7,14 +7,6 @@
 
 namespace meshtrain {
 
-namespace {
-
-bool contains(const std::vector<std::string>& items, const std::string& item) {
-  return std::find(items.begin(), items.end(), item) != items.end();
-}
-
-}  // namespace
-
 LogicalAxes::LogicalAxes()
     : mapping{{"batch", {"fsdp", "dp"}}, {"sequence", {"sp"}}, {"query_sequence", {"sp"}},
               {"key_sequence", {"sp"}},  {"hidden", {"tp"}},   {"mlp_intermediate", {"tp"}},

@@ -99,6 +99,22 @@ int Mesh::size_of(const std::vector<std::string>& names) const {
   return product;
 }
 
+std::vector<std::string> Mesh::active_axes(const std::vector<std::string>& names) const {
+  std::vector<std::string> out;
+  for (const auto& name : names) {
+    if (has_axis(name) && axis_size(name) > 1) out.push_back(name);
+  }
+  return out;
+}
+
+std::vector<std::string> Mesh::active_axes() const {
+  std::vector<std::string> out;
+  for (const auto& axis : axes_) {
+    if (axis.size > 1) out.push_back(axis.name);
+  }
+  return out;
+}
+
 void Mesh::check_rank(int rank) const {
   if (rank < 0 || rank >= world_size_) {
     MESHTRAIN_FAIL("rank ", rank, " is outside the mesh of ", world_size_, " ranks");

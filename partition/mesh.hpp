@@ -48,6 +48,10 @@ class Mesh {
   int axis_size(const std::string& name) const;
   // Product of the sizes of `names` (1 for none).
   int size_of(const std::vector<std::string>& names) const;
+  // The active axes among `names`: those the mesh has with size > 1, in the order given.
+  std::vector<std::string> active_axes(const std::vector<std::string>& names) const;
+  // Every active axis of the mesh, in mesh order.
+  std::vector<std::string> active_axes() const;
 
   // Coordinate of `rank` on every axis, in mesh order.
   std::vector<int> coordinates(int rank) const;

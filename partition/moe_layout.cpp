@@ -9,22 +9,6 @@
 namespace meshtrain {
 namespace {
 
-bool contains(const std::vector<std::string>& list, const std::string& item) {
-  return std::find(list.begin(), list.end(), item) != list.end();
-}
-
-std::vector<std::string> active(const Mesh& mesh, const std::vector<std::string>& axes) {
-  std::vector<std::string> out;
-  for (const auto& a : axes) {
-    if (mesh.has_axis(a) && mesh.axis_size(a) > 1) out.push_back(a);
-  }
-  return out;
-}
-
-std::string tuple_text(const std::vector<std::string>& axes) {
-  return "(" + join(axes) + ")";
-}
-
 // The storage of a parameter seen as [d0, d1, d2] with d0 split over `split_dim0` (the
 // expert axes, or none) and the spec entries `entry1`, `entry2` on d1 and d2.
 MoeParameterStorage storage(const std::string& name, const std::vector<int64_t>& dims,
@@ -34,8 +18,8 @@ MoeParameterStorage storage(const std::string& name, const std::vector<int64_t>&
                             const std::vector<std::string>& batch) {
   MoeParameterStorage s;
   s.name = name;
-  s.gather_dim1 = active(mesh, entry1);
-  s.gather_dim2 = active(mesh, entry2);
+  s.gather_dim1 = mesh.active_axes(entry1);
+  s.gather_dim2 = mesh.active_axes(entry2);
   const int64_t d0 = dims[0] / split_dim0;
   s.compute = {d0, dims[1], dims[2]};
   s.stored = {d0, dims[1] / mesh.size_of(s.gather_dim1), dims[2] / mesh.size_of(s.gather_dim2)};
@@ -51,7 +35,7 @@ MoeParameterStorage storage(const std::string& name, const std::vector<int64_t>&
 }  // namespace
 
 bool MoeSettings::is_moe(int64_t layer) const {
-  return std::find(layers.begin(), layers.end(), layer) != layers.end();
+  return std::count(layers.begin(), layers.end(), layer) > 0;
 }
 
 std::vector<std::string> MoeParameterStorage::gather() const {
@@ -98,7 +82,7 @@ MoeLayout decide_moe_layout(const std::string& layer, const LinearParameter& rou
     MESHTRAIN_BAD_INPUT("MoE layer '", layer, "': top_k = ", top_k, " must be between 1 and its ",
                         l.experts, " experts");
   }
-  l.batch_axes = active(mesh, axes.batch);
+  l.batch_axes = mesh.active_axes(axes.batch);
   l.feature_axis = axes.feature;
   l.tp = axes.feature.empty() ? 1 : mesh.axis_size(axes.feature);
   l.input_layout = l.tp > 1 ? input_layout : FeatureLayout::replicated;
@@ -111,13 +95,13 @@ MoeLayout decide_moe_layout(const std::string& layer, const LinearParameter& rou
   const PartitionSpec wspec = experts_weight.spec.with_rank(3);
   const PartitionSpec bspec = experts_bias.spec.with_rank(2);
   const PartitionSpec rspec = router.spec.with_rank(2);
-  l.expert_axes = active(mesh, wspec.entries[0].axes);
-  const std::vector<std::string> bias_experts = active(mesh, bspec.entries[0].axes);
+  l.expert_axes = mesh.active_axes(wspec.entries[0].axes);
+  const std::vector<std::string> bias_experts = mesh.active_axes(bspec.entries[0].axes);
   if (!bias_experts.empty() && bias_experts != l.expert_axes) {
     MESHTRAIN_BAD_INPUT(
         "MoE layer '", layer, "': '", experts_bias.name, "' splits its experts over ",
-        tuple_text(active(mesh, bspec.entries[0].axes)), " but '", experts_weight.name, "' over ",
-        tuple_text(l.expert_axes), "; give both the same dim-0 axes");
+        tuple_text(mesh.active_axes(bspec.entries[0].axes)), " but '", experts_weight.name,
+        "' over ", tuple_text(l.expert_axes), "; give both the same dim-0 axes");
   }
   for (const auto& a : l.expert_axes) {
     if (!contains(l.batch_axes, a)) {
@@ -215,8 +199,8 @@ MoeLayout decide_moe_feed_forward_layout(
                         int64_t d2, MoeParameterStorage& w, MoeParameterStorage& b) {
     const PartitionSpec wspec = weight.spec.with_rank(3);
     const PartitionSpec bspec = bias.spec.with_rank(2);
-    const std::vector<std::string> weight_experts = active(mesh, wspec.entries[0].axes);
-    const std::vector<std::string> bias_experts = active(mesh, bspec.entries[0].axes);
+    const std::vector<std::string> weight_experts = mesh.active_axes(wspec.entries[0].axes);
+    const std::vector<std::string> bias_experts = mesh.active_axes(bspec.entries[0].axes);
     for (const auto* p : {&weight_experts, &bias_experts}) {
       if (*p == l.expert_axes || (p == &bias_experts && p->empty())) continue;
       MESHTRAIN_BAD_INPUT("MoE block '", layer, "': '",
@@ -282,43 +266,33 @@ std::vector<LayerCollective> moe_step_collectives(const MoeLayout& l, const Mesh
                                                   const MixedPrecision& precision) {
   MESHTRAIN_REQUIRE(rows >= 0 && bytes_per_element >= 1, "rows ", rows, ", bytes_per_element ",
                     bytes_per_element);
-  std::vector<LayerCollective> out;
-  auto add = [&](const char* phase, CollectiveKind kind, const char* operand,
-                 const std::vector<std::string>& axes, std::vector<int64_t> shape, Dtype dtype,
-                 int dim = 0, int64_t element_bytes = 0) {
-    if (axes.empty()) return;
-    const int64_t element = element_bytes > 0      ? element_bytes
-                            : dtype == Dtype::fp32 ? bytes_per_element
-                                                   : 2;
-    out.push_back(
-        layer_collective(phase, kind, operand, axes, std::move(shape), element, mesh, dim));
-  };
+  StepCollectives steps{mesh, bytes_per_element, {}};
   const Dtype param = precision.param, reduce = precision.reduce;
   const std::vector<std::string> features =
       l.tp > 1 ? std::vector<std::string>{l.feature_axis} : std::vector<std::string>{};
   auto gather = [&](const char* phase, const char* operand, const MoeParameterStorage& p) {
-    add(phase, CollectiveKind::all_gather, operand, p.gather(), p.compute, param);
+    steps.add(phase, CollectiveKind::all_gather, operand, p.gather(), p.compute, param);
   };
   auto reduce_gradient = [&](const char* operand, const MoeParameterStorage& p) {
-    add("backward", CollectiveKind::reduce_scatter, operand, p.gather(), p.compute, reduce);
-    add("backward", CollectiveKind::all_reduce, operand, p.allreduce, p.stored, reduce);
+    steps.add("backward", CollectiveKind::reduce_scatter, operand, p.gather(), p.compute, reduce);
+    steps.add("backward", CollectiveKind::all_reduce, operand, p.allreduce, p.stored, reduce);
   };
   const bool activations = rows > 0;
   const int64_t assignments = rows * l.top_k;  // (row, expert) pairs a rank dispatches
 
   if (activations && l.gathers_input()) {
-    add("forward", CollectiveKind::all_gather, "input", features, {rows, l.in}, param, 1);
+    steps.add("forward", CollectiveKind::all_gather, "input", features, {rows, l.in}, param, 1);
   }
   gather("forward", "router", l.router);
-  add("forward", CollectiveKind::all_gather, "expert counts", l.expert_axes, {l.ep, l.experts},
-      Dtype::fp32);
+  steps.add("forward", CollectiveKind::all_gather, "expert counts", l.expert_axes,
+            {l.ep, l.experts}, Dtype::fp32);
   // The routing statistics of the load-balancing loss: per expert, rows and probability sums
   // (doubles).
-  add("forward", CollectiveKind::all_reduce, "routing statistics", l.batch_axes, {2, l.experts},
-      Dtype::fp32, 0, 8);
+  steps.add_bytes("forward", CollectiveKind::all_reduce, "routing statistics", l.batch_axes,
+                  {2, l.experts}, 8);
   if (activations) {
-    add("forward", CollectiveKind::all_to_all, "dispatched rows", l.expert_axes,
-        {assignments, l.in}, param);
+    steps.add("forward", CollectiveKind::all_to_all, "dispatched rows", l.expert_axes,
+              {assignments, l.in}, param);
   }
   if (l.gated) {
     gather("forward", "expert gate weights", l.experts_gate_weight);
@@ -331,14 +305,14 @@ std::vector<LayerCollective> moe_step_collectives(const MoeLayout& l, const Mesh
     gather("forward", "expert down biases", l.experts_down_bias);
   }
   if (activations) {
-    add("forward", CollectiveKind::all_to_all, "expert outputs", l.expert_axes,
-        {assignments, l.out}, param);
+    steps.add("forward", CollectiveKind::all_to_all, "expert outputs", l.expert_axes,
+              {assignments, l.out}, param);
     if (l.splits_output()) {
-      add("backward", CollectiveKind::all_gather, "output gradient", features, {rows, l.out}, param,
-          1);
+      steps.add("backward", CollectiveKind::all_gather, "output gradient", features, {rows, l.out},
+                param, 1);
     }
-    add("backward", CollectiveKind::all_to_all, "expert output gradients", l.expert_axes,
-        {assignments, l.out}, param);
+    steps.add("backward", CollectiveKind::all_to_all, "expert output gradients", l.expert_axes,
+              {assignments, l.out}, param);
   }
   // Feed-forward experts need the down projection for every gradient below it.
   if (l.feed_forward()) gather("backward", "expert down weights", l.experts_down_weight);
@@ -346,8 +320,8 @@ std::vector<LayerCollective> moe_step_collectives(const MoeLayout& l, const Mesh
     if (l.gated) gather("backward", "expert gate weights", l.experts_gate_weight);
     gather("backward", "expert weights", l.experts_weight);
     if (activations) {
-      add("backward", CollectiveKind::all_to_all, "dispatched row gradients", l.expert_axes,
-          {assignments, l.in}, param);
+      steps.add("backward", CollectiveKind::all_to_all, "dispatched row gradients", l.expert_axes,
+                {assignments, l.in}, param);
     }
     gather("backward", "router", l.router);
   }
@@ -362,7 +336,7 @@ std::vector<LayerCollective> moe_step_collectives(const MoeLayout& l, const Mesh
     reduce_gradient("expert gate bias gradient", l.experts_gate_bias);
   }
   reduce_gradient("router gradient", l.router);
-  return out;
+  return steps.list;
 }
 
 }  // namespace meshtrain

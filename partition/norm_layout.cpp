@@ -8,22 +8,6 @@
 
 namespace meshtrain {
 
-namespace {
-
-std::vector<std::string> active_axes(const Mesh& mesh, const std::vector<std::string>& axes) {
-  std::vector<std::string> out;
-  for (const auto& a : axes) {
-    if (mesh.has_axis(a) && mesh.axis_size(a) > 1) out.push_back(a);
-  }
-  return out;
-}
-
-std::string tuple_text(const std::vector<std::string>& axes) {
-  return "(" + join(axes) + ")";
-}
-
-}  // namespace
-
 const char* to_string(NormKind kind) {
   return kind == NormKind::layernorm ? "layernorm" : "rmsnorm";
 }
@@ -64,13 +48,13 @@ NormLayout decide_norm_layout(const std::string& layer, NormKind kind,
   }
   l.local_width = split ? l.width / l.tp : l.width;
   if (split) l.stats_axes = {l.feature_axis};
-  l.batch = active_axes(mesh, axes.batch);
+  l.batch = mesh.active_axes(axes.batch);
 
   l.direct = true;
   for (const LinearParameter& p : params) {
     NormParameterLayout q;
     q.name = p.name;
-    const std::vector<std::string> entry = active_axes(mesh, p.spec.with_rank(1).entries[0].axes);
+    const std::vector<std::string> entry = mesh.active_axes(p.spec.with_rank(1).entries[0].axes);
     if (l.width % mesh.size_of(entry) != 0) {
       MESHTRAIN_BAD_INPUT("norm '", layer, "': '", p.name, "' of ", l.width,
                           " elements does not split over ", tuple_text(entry), " (",
@@ -118,52 +102,44 @@ std::vector<LayerCollective> norm_step_collectives(const NormLayout& l, const Me
                                                    const MixedPrecision& precision) {
   MESHTRAIN_REQUIRE(rows >= 0 && bytes_per_element >= 1, "rows ", rows, ", bytes_per_element ",
                     bytes_per_element);
-  std::vector<LayerCollective> out;
-  auto bytes_of = [&](Dtype dtype) { return dtype == Dtype::fp32 ? bytes_per_element : 2; };
-  auto add = [&](const char* phase, CollectiveKind kind, const std::string& operand,
-                 const std::vector<std::string>& axes, std::vector<int64_t> shape,
-                 int64_t element) {
-    if (axes.empty()) return;
-    out.push_back(layer_collective(phase, kind, operand, axes, std::move(shape), element, mesh));
-  };
+  StepCollectives steps{mesh, bytes_per_element, {}};
   const bool activations = rows > 0;
   const bool layernorm = l.kind == NormKind::layernorm;
   auto gather = [&](const char* phase, size_t k) {
     const NormParameterLayout& p = l.params[k];
-    add(phase, CollectiveKind::all_gather, k == 0 ? "scale" : "bias", p.gather, {p.gathered},
-        bytes_of(precision.param));
+    steps.add(phase, CollectiveKind::all_gather, k == 0 ? "scale" : "bias", p.gather, {p.gathered},
+              precision.param);
   };
 
   // Forward: the parameters, then the statistics over the feature axis.
   for (size_t k = 0; k < l.params.size(); ++k) gather("forward", k);
   if (activations) {
-    add("forward", CollectiveKind::all_reduce, "row sums", l.stats_axes, {rows}, bytes_per_element);
+    steps.add("forward", CollectiveKind::all_reduce, "row sums", l.stats_axes, {rows}, Dtype::fp32);
     if (layernorm) {
-      add("forward", CollectiveKind::all_reduce, "centered row sums", l.stats_axes, {rows, 2},
-          bytes_per_element);
+      steps.add("forward", CollectiveKind::all_reduce, "centered row sums", l.stats_axes, {rows, 2},
+                Dtype::fp32);
     }
   }
   // Backward: the parameter gradients, then (input gradient) the scale again and the row sums.
-  const int64_t grad_bytes = bytes_of(precision.reduce);
   if (l.direct) {
     for (size_t k = 0; k < l.params.size(); ++k) {
-      add("backward", CollectiveKind::all_reduce, k == 0 ? "scale gradient" : "bias gradient",
-          l.grad_reduce, {l.local_width}, grad_bytes);
+      steps.add("backward", CollectiveKind::all_reduce, k == 0 ? "scale gradient" : "bias gradient",
+                l.grad_reduce, {l.local_width}, precision.reduce);
     }
   } else {
-    add("backward", CollectiveKind::all_reduce,
-        layernorm ? "scale and bias gradients" : "scale gradient", l.grad_reduce,
-        {static_cast<int64_t>(l.params.size()) * l.width}, grad_bytes);
+    steps.add("backward", CollectiveKind::all_reduce,
+              layernorm ? "scale and bias gradients" : "scale gradient", l.grad_reduce,
+              {static_cast<int64_t>(l.params.size()) * l.width}, precision.reduce);
   }
   if (input_grad) {
     gather("backward", 0);
     if (activations) {
-      add("backward", CollectiveKind::all_reduce, "gradient row sums", l.stats_axes,
-          layernorm ? std::vector<int64_t>{rows, 2} : std::vector<int64_t>{rows},
-          bytes_per_element);
+      steps.add("backward", CollectiveKind::all_reduce, "gradient row sums", l.stats_axes,
+                layernorm ? std::vector<int64_t>{rows, 2} : std::vector<int64_t>{rows},
+                Dtype::fp32);
     }
   }
-  return out;
+  return steps.list;
 }
 
 }  // namespace meshtrain

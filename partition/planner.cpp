@@ -1,5 +1,5 @@
 #include "partition/planner.hpp"
-#include "partition/zero1.hpp"
+#include "partition/zero1_layout.hpp"
 
 #include <algorithm>
 #include <cstdio>
@@ -228,12 +228,9 @@ void check_experts_divide(const ParameterPlan& p, int dim, const Mesh& mesh,
     const bool expert = p.name == l.weight || p.name == l.bias || p.name == l.gate_weight ||
                         p.name == l.gate_bias || p.name == l.down_weight || p.name == l.down_bias;
     if (!l.moe() || !expert) continue;
-    std::vector<std::string> axes;
-    for (const auto& a : p.spec.entries[0].axes) {
-      if (mesh.axis_size(a) > 1) axes.push_back(a);
-    }
-    fail_experts_do_not_divide(p.shape[0], mesh.size_of(p.spec.entries[0].axes), axes,
-                               moe_layer_name(l.router), p.name);
+    fail_experts_do_not_divide(p.shape[0], mesh.size_of(p.spec.entries[0].axes),
+                               mesh.active_axes(p.spec.entries[0].axes), moe_layer_name(l.router),
+                               p.name);
   }
 }
 

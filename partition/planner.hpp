@@ -115,7 +115,7 @@ struct PlanOptions {
   int64_t min_sharding_size = 16384;  // reference default: smaller tensors are replicated
   int64_t bytes_per_element = 4;      // float32
   int optimizer_slots = 2;            // AdamW m and v
-  // optimizer.zero_stage: 1 splits the optimizer state over dp (partition/zero1.hpp).
+  // optimizer.zero_stage: 1 splits the optimizer state over dp (partition/zero1_layout.hpp).
   int zero_stage = 0;
   // For the layers' layouts and collectives (the logical axes `batch` and `hidden`).
   std::vector<std::string> batch_axes = {"fsdp", "dp"};

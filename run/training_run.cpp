@@ -33,7 +33,7 @@
 #include "framework/core/trace.hpp"
 #include "framework/io/normalization_stats.hpp"
 #include "framework/train/resume.hpp"
-#include "partition/zero1.hpp"
+#include "partition/zero1_layout.hpp"
 
 namespace meshtrain {
 namespace {

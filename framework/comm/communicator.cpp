@@ -16,7 +16,7 @@
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/trace.hpp"
-#include "partition/linear_layout.hpp"
+#include "partition/collectives.hpp"
 
 namespace meshtrain {
 

@@ -13,17 +13,6 @@
 #include "framework/train/config.hpp"
 
 namespace meshtrain {
-namespace {
-
-bool contains(const std::vector<std::string>& items, const std::string& item) {
-  for (const std::string& i : items) {
-    if (i == item) return true;
-  }
-  return false;
-}
-
-}  // namespace
-
 std::optional<ModelKeyProblem> moe_settings_problem(const ModelSection& model) {
   const auto problem = [](std::string key, std::optional<size_t> entry, const auto&... parts) {
     std::ostringstream message;

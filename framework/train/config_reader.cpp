@@ -23,10 +23,6 @@ namespace {
 
 const char* const kFashionMnistDefaultPath = "/usr/share/datasets/fashion-mnist";
 
-bool contains(const std::vector<std::string>& items, const std::string& item) {
-  return std::find(items.begin(), items.end(), item) != items.end();
-}
-
 }  // namespace
 
 const ConfigSchema& config_schema() {

@@ -6,7 +6,7 @@
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
-#include "partition/zero1.hpp"
+#include "partition/zero1_layout.hpp"
 
 namespace meshtrain {
 namespace {

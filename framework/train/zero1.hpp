@@ -1,6 +1,6 @@
 #pragma once
 // ZeRO-1 (optimizer.zero_stage = 1): parameters stay replicated over dp; the optimizer
-// state and the update are split over dp (the rule of partition/zero1.hpp: chunks of rows
+// state and the update are split over dp (the rule of partition/zero1_layout.hpp: chunks of rows
 // of each block, the last ones shorter or empty when the rows do not divide by dp).
 //
 // One step, between backward and the next forward:

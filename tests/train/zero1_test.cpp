@@ -16,7 +16,7 @@
 
 #include "framework/comm/mpi_util.hpp"
 #include "framework/train/config.hpp"
-#include "partition/zero1.hpp"
+#include "partition/zero1_layout.hpp"
 #include "run/training_run.hpp"
 #include "tests/test_support.hpp"
 
