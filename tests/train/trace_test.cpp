@@ -5,7 +5,10 @@
 // back within a track, spans nest properly, each rank holds exactly the two traced steps and
 // nothing outside them, every collective the plan lists appears in each traced step with the
 // plan's bytes, and each started operation's flow ends at its wait. And the trace report's
-// figures (meshtrain trace-report) equal the same figures computed here from the file.
+// figures (meshtrain trace-report) equal the same figures computed here from the file; the
+// report reads the ranks of this trace only (not an earlier run's files of more ranks); trace
+// files are replaced whole (a temporary file and a rename); device marker times keep
+// nanosecond steps late in a long window.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -22,6 +25,7 @@
 #include <vector>
 
 #include "framework/core/device_timer.hpp"
+#include "framework/core/trace.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/plan_report.hpp"
 #include "framework/train/trace_report.hpp"
@@ -84,7 +88,7 @@ std::map<std::pair<std::string, int64_t>, int> plan_collectives(const TrainingRu
 void check_track(const Json& events, int rank,
                  const std::map<std::pair<std::string, int64_t>, int>& plan) {
   SCOPED_TRACE("rank " + std::to_string(rank));
-  std::vector<const Json*> spans, device_spans;  // the host's track (tid 0), the device's (1)
+  std::vector<const Json*> spans, device_spans;        // the host's track (tid 0), the device's (1)
   std::map<int, std::vector<const Json*>> lane_spans;  // background threads' (2, 3, ...)
   std::map<int64_t, int> flow_starts, flow_ends;
   bool named = false;
@@ -338,7 +342,7 @@ TEST(Trace, BackgroundThreadsHaveThreadsOfTheirOwn) {
   TrainingRun(config, {}, std::nullopt, MPI_COMM_WORLD).train();
   MPI_Barrier(MPI_COMM_WORLD);
   const Json own = read_json(dir + "/trace/rank-" + std::to_string(world_rank()) + ".json");
-  std::map<int, std::string> threads;  // tid -> name
+  std::map<int, std::string> threads;                       // tid -> name
   std::map<std::string, std::map<std::string, int>> spans;  // thread -> span name -> count
   for (const Json& e : own.at("traceEvents")) {
     if (e.at("ph") == "M" && e.at("name") == "thread_name") {
@@ -410,6 +414,26 @@ TEST(Trace, TraceStepsAreCheckedAndRoundTrip) {
     testing::expect_bad_input([&] { parse_config(base + "trace_steps = " + bad + "\n", "t.toml"); },
                               {"t.toml", "[runtime] trace_steps", "[FIRST, LAST]"});
   }
+}
+
+// Device marker times (device_timer::marker_times, what resolve() makes of CUDA's elapsed
+// milliseconds): 70 s into a window, markers 1.2345 us apart stay 1.2345 us apart (to the
+// nanosecond's rounding). Measured from the window's start as a float of milliseconds they
+// would step by 7.8 us (a float's spacing above 2^16 ms).
+TEST(Trace, DeviceMarkerTimesKeepNanosecondsLateInALongWindow) {
+  const int64_t reference_ns = 123456789;
+  std::vector<float> elapsed_ms = {70000.0f};  // the first marker, 70 s after the reference
+  constexpr int kMarkers = 1000;
+  const float apart_ms = 0.0012345f;
+  for (int k = 0; k < kMarkers; ++k) elapsed_ms.push_back(apart_ms);
+  const std::vector<int64_t> ns = device_timer::marker_times(reference_ns, elapsed_ms);
+  ASSERT_EQ(ns.size(), elapsed_ms.size());
+  EXPECT_EQ(ns[0], reference_ns + int64_t{70000} * 1000000);
+  const double apart_ns = static_cast<double>(apart_ms) * 1e6;
+  for (int k = 1; k <= kMarkers; ++k) {
+    ASSERT_NEAR(static_cast<double>(ns[k] - ns[k - 1]), apart_ns, 1.0) << "marker " << k;
+  }
+  EXPECT_NEAR(static_cast<double>(ns.back() - ns[0]), kMarkers * apart_ns, 1.0);
 }
 
 }  // namespace
