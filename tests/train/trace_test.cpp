@@ -416,6 +416,88 @@ TEST(Trace, TraceStepsAreCheckedAndRoundTrip) {
   }
 }
 
+// A traced run of fewer ranks in a folder an earlier run of more ranks traced into: the
+// earlier rank files are removed when the window starts, and the report counts the ranks rank
+// 0's file says were traced (a rank-<k>.json beyond them is not read; one of another window is
+// refused by name).
+TEST(Trace, TheReportReadsTheRanksOfThisTraceOnly) {
+  const int n = world_size();
+  const std::string dir = std::filesystem::temp_directory_path().string() +
+                          "/meshtrain_trace_stale_np" + std::to_string(n);
+  const std::string trace = dir + "/trace";
+  const auto rank_file = [&](int rank) {
+    return trace + "/rank-" + std::to_string(rank) + ".json";
+  };
+  if (world_rank() == 0) {
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(trace);
+    for (int stale = n; stale < n + 2; ++stale) std::ofstream(rank_file(stale)) << "{}";
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  RunConfig config = traced_config({{"fsdp", n}}, "fsdp", dir);
+  TrainingRun(config, {}, std::nullopt, MPI_COMM_WORLD).train();
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() != 0) return;
+  EXPECT_FALSE(std::filesystem::exists(rank_file(n))) << "an earlier run's file is left";
+  EXPECT_FALSE(std::filesystem::exists(rank_file(n + 1))) << "an earlier run's file is left";
+  EXPECT_EQ(summarize_trace(read_trace_dir(trace), nullptr).ranks, n);
+  // A complete trace of one more rank left beside it (as a run of more ranks left it).
+  std::filesystem::copy_file(rank_file(0), rank_file(n));
+  EXPECT_EQ(summarize_trace(read_trace_dir(trace), nullptr).ranks, n);
+  if (n > 1) {
+    Json other = read_json(rank_file(1));
+    other["otherData"]["origin_ns"] = other["otherData"]["origin_ns"].get<int64_t>() + 1;
+    std::ofstream(rank_file(1), std::ios::trunc) << other.dump();
+    testing::expect_bad_input([&] { read_trace_dir(trace); },
+                              {"rank-1.json", "is not of the run that wrote rank-0.json"});
+  }
+}
+
+// The trace files are replaced whole: written to a temporary file and renamed over the old
+// one, so a reader that opened the earlier file reads it to its end, and nothing is left
+// beside them.
+TEST(Trace, TraceFilesAreReplacedThroughARename) {
+  const std::string dir = std::filesystem::temp_directory_path().string() +
+                          "/meshtrain_trace_rename_np" + std::to_string(world_size()) + "_rank" +
+                          std::to_string(world_rank());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/rank-0.json", merged = dir + "/all-ranks.json";
+  std::ofstream(path) << "the earlier trace\n";
+  std::ofstream(merged) << "the earlier merged trace\n";
+  std::ifstream earlier(path), earlier_merged(merged);  // opened before the writes
+
+  TraceEvent step;
+  step.name = "step";
+  step.kind = TraceKind::step;
+  step.begin_ns = 1000;
+  step.end_ns = 5000;
+  step.number = 1;
+  write_chrome_trace({step}, {}, {}, 0, 0, 1, 0, 0, path);
+  merge_chrome_traces({path}, merged);
+
+  std::string line;
+  std::getline(earlier, line);
+  EXPECT_EQ(line, "the earlier trace") << "the file was rewritten in place";
+  std::getline(earlier_merged, line);
+  EXPECT_EQ(line, "the earlier merged trace") << "the merged file was rewritten in place";
+  EXPECT_EQ(read_json(path).at("otherData").at("ranks").get<int>(), 1);
+  EXPECT_EQ(read_json(merged).at("traceEvents").size(), read_json(path).at("traceEvents").size());
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    EXPECT_TRUE(name == "rank-0.json" || name == "all-ranks.json") << name << " left behind";
+  }
+  // A folder that does not exist: the error names the file.
+  try {
+    write_trace_file(dir + "/missing/config.toml", "x");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(dir + "/missing/config.toml"), std::string::npos)
+        << e.what();
+  }
+  std::filesystem::remove_all(dir);
+}
+
 // Device marker times (device_timer::marker_times, what resolve() makes of CUDA's elapsed
 // milliseconds): 70 s into a window, markers 1.2345 us apart stay 1.2345 us apart (to the
 // nanosecond's rounding). Measured from the window's start as a float of milliseconds they
