@@ -11,7 +11,9 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "base/error.hpp"
@@ -394,37 +396,61 @@ std::string FlightRecorder::timeout_report(uint64_t serial, double timeout_secon
     if (stuck.serial == 0) return "";
     write("timeout");
     const std::vector<int> members = world_ranks(stuck.group);
-    // The other members' records, written since this collective began (ranks stuck in it time
-    // out at about the same moment and write theirs); bounded.
+    // The records of other ranks written since this collective began (ranks stuck in it, or
+    // in collectives of the wait chain, time out at about the same moment and write theirs;
+    // an older one is a SIGUSR1 dump).
+    std::map<int, FlightRecordFile> fresh;
+    const auto read_fresh = [&](int rank) {
+      if (fresh.count(rank) != 0 || rank < 0 || rank >= world_size_) return;
+      const std::string path = dir_ + "/rank-" + std::to_string(rank) + ".json";
+      struct stat info {};
+      if (::stat(path.c_str(), &info) != 0) return;
+      try {
+        FlightRecordFile file = read_flight_record(path);
+        if (file.written_ns >= stuck.begin_ns) fresh.emplace(rank, std::move(file));
+      } catch (const Error&) {
+        // Not readable yet; try again.
+      }
+    };
+    const auto records = [&] {
+      std::vector<FlightRecordFile> out;
+      for (const auto& [rank, file] : fresh) out.push_back(file);
+      return out;
+    };
+    // Wanted: the group's members and every rank a record read so far waits on; bounded.
     const double grace = std::min(timeout_seconds, 10.0);
     const auto deadline = std::chrono::steady_clock::now() +
                           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                               std::chrono::duration<double>(grace));
-    std::vector<FlightRecordFile> records;
-    std::vector<bool> have(members.size(), false);
-    for (;;) {
-      for (std::size_t k = 0; k < members.size(); ++k) {
-        if (have[k]) continue;
-        const std::string path = dir_ + "/rank-" + std::to_string(members[k]) + ".json";
-        struct stat info {};
-        if (::stat(path.c_str(), &info) != 0) continue;
-        try {
-          FlightRecordFile file = read_flight_record(path);
-          if (file.written_ns < stuck.begin_ns) continue;  // an older dump (SIGUSR1)
-          records.push_back(std::move(file));
-          have[k] = true;
-        } catch (const Error&) {
-          // Not readable yet; try again.
-        }
+    const auto wanted = [&] {
+      std::set<int> ranks(members.begin(), members.end());
+      ranks.insert(world_rank_);
+      for (const auto& [rank, targets] : find_hang_roots(records()).waits_on) {
+        ranks.insert(targets.begin(), targets.end());
       }
-      if (std::find(have.begin(), have.end(), false) == have.end()) break;
-      if (std::chrono::steady_clock::now() >= deadline) break;
+      return ranks;
+    };
+    for (;;) {
+      // Each record read may want more (the ranks it waits on): read until none is new.
+      std::set<int> ranks = wanted();
+      for (std::size_t before = SIZE_MAX; before != fresh.size(); ranks = wanted()) {
+        before = fresh.size();
+        for (const int rank : ranks) read_fresh(rank);
+      }
+      const bool complete =
+          std::all_of(ranks.begin(), ranks.end(), [&](int rank) { return fresh.count(rank) != 0; });
+      if (complete || std::chrono::steady_clock::now() >= deadline) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
+    // Any other rank's, written by now: the ranks waiting on the root outside this chain.
+    for (int rank = 0; rank < world_size_; ++rank) read_fresh(rank);
+    const std::vector<FlightRecordFile> all = records();
     FlightFinding finding =
-        compare_flight_records(records, groups_[stuck.group].description, members, stuck.sequence);
+        compare_flight_records(all, groups_[stuck.group].description, members, stuck.sequence);
     if (finding.op.empty()) finding.op = stuck.op;
-    return finding.sentence() + "; flight records in " + dir_ + "/";
+    const std::string roots = find_hang_roots(all).sentence();
+    return finding.sentence() + (roots.empty() ? "" : "; " + roots) + "; flight records in " +
+           dir_ + "/";
   } catch (const std::exception& e) {
     return std::string("(the flight records could not be compared: ") + e.what() + ")";
   }

@@ -103,9 +103,11 @@ class FlightRecorder {
   static bool take_timeout();
 
   // After the collective `serial` timed out (waiting `timeout_seconds`): writes this rank's
-  // record, waits up to min(timeout_seconds, 10 s) for the records of the other ranks of its
-  // group, written since it began, and returns one sentence naming the ranks that never
-  // entered it (flight_report.hpp), or "" when the recorder is off. Never throws.
+  // record, waits up to min(timeout_seconds, 10 s) for the records, written since it began,
+  // of the other ranks of its group and of every rank those wait on in turn (the wait chain),
+  // reads any other rank's written by then, and returns one sentence naming the ranks that
+  // never entered it and the rank at the root of the wait (flight_report.hpp), or "" when the
+  // recorder is off. Never throws.
   std::string timeout_report(uint64_t serial, double timeout_seconds);
 
  private:

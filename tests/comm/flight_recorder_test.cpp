@@ -1,20 +1,34 @@
 // The flight recorder (framework/comm/flight_recorder.hpp): it holds exactly the collectives
 // this rank ran (operation, per-group sequence, the operand's bytes in the wire dtype, wire,
 // state), wraps after its capacity, writes a file that reads back the same, and SIGUSR1
-// writes it while the program goes on. The comparison of records (flight_report.hpp) names
-// the ranks behind, those without a record, and those that entered. The fault cases (a rank
-// stopped, killed, skipping) are flight_fault_test.sh's.
+// writes it while the program goes on. The program's own SIGTERM and SIGUSR1 handlers (plain,
+// SA_SIGINFO, SIG_IGN) are called after the record is written and put back when the recorder
+// is turned off or destroyed; configure() does not replace the ring while a write reads it.
+// The comparison of records (flight_report.hpp) names the ranks behind, those without a
+// record, and those that entered; the wait-chain analysis (find_hang_roots) names the rank at
+// the root of a hang, or says there is none (a cycle). The fault cases (a rank stopped,
+// killed, skipping; a chain on a 2-D mesh) are flight_fault_test.sh's.
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
 #include <signal.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "framework/comm/backends/mpi_communicator.hpp"
@@ -232,6 +246,123 @@ TEST(FlightReport, NamesTheRanksBehindAndThoseWithoutARecord) {
   EXPECT_TRUE(
       find_stuck_collectives({record_of(0, 2), record_of(1, 2), record_of(2, 2), record_of(3, 2)})
           .empty());
+}
+
+// --- the root of a hang (find_hang_roots) on synthetic records ---------------------------
+
+// A group of a record: its description, members (world ranks), the count this rank entered
+// and the state of the last of them.
+struct GroupState {
+  std::string description;
+  std::vector<int> members;
+  uint64_t entered = 0;
+  std::string last_state = "completed";
+};
+
+FlightRecordFile record_with(int rank, const std::vector<GroupState>& groups) {
+  FlightRecordFile file;
+  file.rank = rank;
+  file.world_size = 4;
+  file.reason = "timeout";
+  for (const GroupState& g : groups) {
+    const int place =
+        static_cast<int>(std::find(g.members.begin(), g.members.end(), rank) - g.members.begin());
+    file.groups.push_back(
+        {g.description, static_cast<int>(g.members.size()), place, g.members, g.entered});
+    for (uint64_t s = 1; s <= g.entered; ++s) {
+      FlightRecordFile::Entry e;
+      e.sequence = s;
+      e.op = "all_gather";
+      e.group = g.description;
+      e.group_id = static_cast<int>(file.groups.size()) - 1;
+      e.state = s == g.entered ? g.last_state : "completed";
+      file.entries.push_back(e);
+    }
+  }
+  return file;
+}
+
+const std::string kFsdp = "axis (fsdp)", kTp = "axis (tp)";
+
+// fsdp 2 x tp 2 (rank = 2 fsdp + tp): world rank 3 stopped before fsdp all-gather #3. Rank 1
+// waits on it there (and timed out: failed); ranks 0 and 2 finished fsdp #3 and went on to tp
+// #3: rank 0 waits on rank 1 (a victim), rank 2 on rank 3. Rank 3 wrote no record.
+TEST(FlightReport, FollowsAChainOfLengthTwoToARootOnTheFsdpAxis) {
+  const std::vector<FlightRecordFile> records = {
+      record_with(0, {{kFsdp, {0, 2}, 3}, {kTp, {0, 1}, 3, "entered"}}),
+      record_with(1, {{kFsdp, {1, 3}, 3, "failed"}, {kTp, {0, 1}, 2}}),
+      record_with(2, {{kFsdp, {0, 2}, 3}, {kTp, {2, 3}, 3, "entered"}})};
+  // What rank 0's error said before: the victim it waits on directly.
+  EXPECT_EQ(compare_flight_records(records, kTp, {0, 1}, 3).sentence(),
+            "all_gather #3 on axis (tp): rank 1 never entered it (its last on that group: "
+            "all_gather #2); rank 0 entered it");
+  const HangRoots roots = find_hang_roots(records);
+  EXPECT_EQ(roots.waits_on, (std::map<int, std::vector<int>>{{0, {1}}, {1, {3}}, {2, {3}}}));
+  ASSERT_EQ(roots.roots.size(), 1u);
+  EXPECT_EQ(roots.roots[0].rank, 3);
+  EXPECT_FALSE(roots.roots[0].has_record);
+  EXPECT_EQ(roots.roots[0].waiting, (std::vector<int>{0, 1, 2}));
+  EXPECT_TRUE(roots.cycle.empty());
+  EXPECT_EQ(roots.sentence(),
+            "rank 3 is the root: ranks 0, 1, 2 wait on it directly or through another rank (it "
+            "wrote no flight record)");
+}
+
+// The same mesh, rank 3 stopped before tp all-gather #3, its record written later (SIGTERM)
+// and showing it outside any collective: rank 2 waits on it in tp #3; ranks 0 and 1 finished
+// tp #3 and went on to fsdp #4: rank 0 waits on rank 2, rank 1 on rank 3.
+TEST(FlightReport, FollowsAChainToARootOnTheTpAxisThatWroteARecord) {
+  const std::vector<FlightRecordFile> records = {
+      record_with(0, {{kTp, {0, 1}, 3}, {kFsdp, {0, 2}, 4, "entered"}}),
+      record_with(1, {{kTp, {0, 1}, 3}, {kFsdp, {1, 3}, 4, "entered"}}),
+      record_with(2, {{kTp, {2, 3}, 3, "entered"}, {kFsdp, {0, 2}, 3}}),
+      record_with(3, {{kTp, {2, 3}, 2}, {kFsdp, {1, 3}, 3}})};
+  const HangRoots roots = find_hang_roots(records);
+  EXPECT_EQ(roots.waits_on, (std::map<int, std::vector<int>>{{0, {2}}, {1, {3}}, {2, {3}}}));
+  ASSERT_EQ(roots.roots.size(), 1u);
+  EXPECT_EQ(roots.roots[0].rank, 3);
+  EXPECT_TRUE(roots.roots[0].has_record);
+  EXPECT_FALSE(roots.roots[0].in_collective);
+  EXPECT_EQ(roots.sentence(),
+            "rank 3 is the root: ranks 0, 1, 2 wait on it directly or through another rank (its "
+            "record shows it in no collective)");
+}
+
+// Rank 1 skipped world all-reduce #3 and waits in tp #3, which rank 0 (in world #3) never
+// entered: ranks 0 and 1 wait on each other, ranks 2 and 3 on rank 1. No rank is at the root,
+// and the sentence says so rather than naming one.
+TEST(FlightReport, SaysACycleHasNoRoot) {
+  const std::vector<int> world = {0, 1, 2, 3};
+  const std::vector<FlightRecordFile> records = {
+      record_with(0, {{"world", world, 3, "entered"}, {kTp, {0, 1}, 2}}),
+      record_with(1, {{"world", world, 2}, {kTp, {0, 1}, 3, "failed"}}),
+      record_with(2, {{"world", world, 3, "entered"}, {kTp, {2, 3}, 2}}),
+      record_with(3, {{"world", world, 3, "failed"}, {kTp, {2, 3}, 2}})};
+  const HangRoots roots = find_hang_roots(records);
+  EXPECT_TRUE(roots.roots.empty());
+  EXPECT_EQ(roots.cycle, (std::vector<int>{0, 1}));
+  EXPECT_EQ(roots.behind_cycle, (std::vector<int>{2, 3}));
+  EXPECT_EQ(roots.sentence(),
+            "no rank is at the root of the wait of ranks 0, 1, 2, 3: ranks 0, 1 wait on each "
+            "other in a cycle (each is in a collective another has not entered: collectives in "
+            "different orders on different ranks), and ranks 2, 3 wait on them");
+}
+
+// Two tp pairs, each waiting on a partner without a record: two roots, each with its waiter.
+// Nobody waiting (all completed, or all in a collective every member entered): nothing said.
+TEST(FlightReport, NamesEveryRootAndNothingWhenNoRankWaits) {
+  const HangRoots two = find_hang_roots({record_with(0, {{kTp, {0, 1}, 5, "entered"}}),
+                                         record_with(2, {{kTp, {2, 3}, 5, "entered"}})});
+  ASSERT_EQ(two.roots.size(), 2u);
+  EXPECT_EQ(two.sentence(),
+            "rank 1 is a root: rank 0 waits on it directly or through another rank (it wrote no "
+            "flight record); rank 3 is a root: rank 2 waits on it directly or through another "
+            "rank (it wrote no flight record)");
+  const HangRoots none = find_hang_roots({record_with(0, {{kTp, {0, 1}, 5, "entered"}}),
+                                          record_with(1, {{kTp, {0, 1}, 5, "entered"}})});
+  EXPECT_TRUE(none.waits_on.empty());
+  EXPECT_EQ(none.sentence(), "");
+  EXPECT_EQ(find_hang_roots({record_of(0, 2), record_of(1, 2)}).sentence(), "");
 }
 
 }  // namespace
