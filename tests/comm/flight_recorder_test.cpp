@@ -248,6 +248,190 @@ TEST(FlightReport, NamesTheRanksBehindAndThoseWithoutARecord) {
           .empty());
 }
 
+// --- the program's own signal handlers -------------------------------------------------
+
+volatile sig_atomic_t plain_calls = 0;
+volatile sig_atomic_t siginfo_calls = 0;
+volatile sig_atomic_t siginfo_signal = 0;
+
+extern "C" void count_plain(int) {
+  plain_calls = plain_calls + 1;
+}
+
+extern "C" void count_siginfo(int signal_number, siginfo_t* info, void*) {
+  siginfo_calls = siginfo_calls + 1;
+  siginfo_signal = info != nullptr ? info->si_signo : -signal_number;
+}
+
+// The disposition of `signal_number` for the scope, put back at its end.
+class KeepDisposition {
+ public:
+  explicit KeepDisposition(int signal_number) : signal_(signal_number) {
+    sigaction(signal_, nullptr, &saved_);
+  }
+  ~KeepDisposition() { sigaction(signal_, &saved_, nullptr); }
+
+ private:
+  int signal_;
+  struct sigaction saved_ {};
+};
+
+struct sigaction disposition(int signal_number) {
+  struct sigaction now {};
+  sigaction(signal_number, nullptr, &now);
+  return now;
+}
+
+void set_plain(int signal_number, void (*handler)(int), int flags) {
+  struct sigaction action {};
+  action.sa_handler = handler;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = flags;
+  ASSERT_EQ(sigaction(signal_number, &action, nullptr), 0);
+}
+
+// A program with its own SIGTERM handler (a checkpoint on preemption, say): the recorder writes
+// its record, then calls that handler, and the program goes on as the handler decides; turned
+// off, the recorder puts the handler back. Configured twice, it still chains the program's
+// handler, not its own.
+TEST(FlightRecorder, ChainsTheProgramsSigtermHandlerAndPutsItBack) {
+  const std::string dir = job_dir("chain_term");
+  KeepDisposition keep(SIGTERM);
+  set_plain(SIGTERM, count_plain, 0);  // no SA_RESTART: the program may rely on EINTR
+  plain_calls = 0;
+  flight_recorder().configure(8, dir, world_rank(), world_size());
+  flight_recorder().configure(8, dir, world_rank(), world_size());
+  const struct sigaction installed = disposition(SIGTERM);
+  EXPECT_NE(installed.sa_handler, &count_plain) << "the recorder's handler is not installed";
+  EXPECT_EQ(installed.sa_flags & SA_RESTART, 0) << "the program's choice of SA_RESTART is lost";
+  ASSERT_EQ(raise(SIGTERM), 0);  // the program's handler returns: the process goes on
+  EXPECT_EQ(plain_calls, 1);
+  EXPECT_EQ(read_flight_record(own_file(dir)).reason, "SIGTERM");
+
+  flight_recorder().configure(0, "", world_rank(), world_size());
+  EXPECT_EQ(disposition(SIGTERM).sa_handler, &count_plain);
+  ASSERT_EQ(raise(SIGTERM), 0);
+  EXPECT_EQ(plain_calls, 2);
+  remove_job_dir(dir);
+}
+
+// An SA_SIGINFO handler gets the signal's information; SIGUSR1's record is written first.
+TEST(FlightRecorder, ChainsAnSaSiginfoHandlerOfSigusr1) {
+  const std::string dir = job_dir("chain_siginfo");
+  KeepDisposition keep(SIGUSR1);
+  struct sigaction mine {};
+  mine.sa_sigaction = count_siginfo;
+  sigemptyset(&mine.sa_mask);
+  mine.sa_flags = SA_SIGINFO | SA_RESTART;
+  ASSERT_EQ(sigaction(SIGUSR1, &mine, nullptr), 0);
+  siginfo_calls = 0;
+  siginfo_signal = 0;
+  flight_recorder().configure(8, dir, world_rank(), world_size());
+  ASSERT_EQ(raise(SIGUSR1), 0);
+  EXPECT_EQ(siginfo_calls, 1);
+  EXPECT_EQ(siginfo_signal, SIGUSR1);
+  EXPECT_EQ(read_flight_record(own_file(dir)).reason, "SIGUSR1");
+  flight_recorder().configure(0, "", world_rank(), world_size());
+  const struct sigaction back = disposition(SIGUSR1);
+  EXPECT_NE(back.sa_flags & SA_SIGINFO, 0);
+  EXPECT_EQ(back.sa_sigaction, &count_siginfo);
+  remove_job_dir(dir);
+}
+
+// SIGTERM ignored by the program stays ignored (after the record), and ignored again after.
+TEST(FlightRecorder, AnIgnoredSigtermStaysIgnored) {
+  const std::string dir = job_dir("chain_ignore");
+  KeepDisposition keep(SIGTERM);
+  set_plain(SIGTERM, SIG_IGN, 0);
+  flight_recorder().configure(8, dir, world_rank(), world_size());
+  ASSERT_EQ(raise(SIGTERM), 0);  // the process goes on
+  EXPECT_EQ(read_flight_record(own_file(dir)).reason, "SIGTERM");
+  flight_recorder().configure(0, "", world_rank(), world_size());
+  EXPECT_EQ(disposition(SIGTERM).sa_handler, SIG_IGN);
+  remove_job_dir(dir);
+}
+
+// A recorder destroyed while on puts the program's handlers back too.
+TEST(FlightRecorder, DestroyingARecorderPutsTheHandlersBack) {
+  const std::string dir = job_dir("chain_destroy");
+  KeepDisposition keep_term(SIGTERM);
+  KeepDisposition keep_usr1(SIGUSR1);
+  set_plain(SIGTERM, count_plain, SA_RESTART);
+  set_plain(SIGUSR1, SIG_IGN, 0);
+  {
+    auto recorder = std::make_unique<FlightRecorder>();
+    recorder->configure(4, dir, world_rank(), world_size());
+    EXPECT_NE(disposition(SIGTERM).sa_handler, &count_plain);
+    EXPECT_NE(disposition(SIGUSR1).sa_handler, SIG_IGN);
+  }
+  EXPECT_EQ(disposition(SIGTERM).sa_handler, &count_plain);
+  EXPECT_EQ(disposition(SIGUSR1).sa_handler, SIG_IGN);
+  remove_job_dir(dir);
+}
+
+// configure() replaces the ring only when no write reads it: a write blocked in the middle of
+// the record (a FIFO for its temporary file, full until read) keeps configure() waiting, and
+// the record it writes is whole.
+TEST(FlightRecorder, ConfigureWaitsForAWriteInProgress) {
+  const std::string dir = job_dir("configure_during_write");
+  constexpr int kCollectives = 4096;  // a record of about 1 MB: more than a pipe holds
+  flight_recorder().configure(kCollectives, dir, world_rank(), world_size());
+  auto self = MpiCommunicator::duplicate(MPI_COMM_SELF, "flight test fifo");
+  for (int k = 0; k < kCollectives; ++k) self.barrier();
+  std::filesystem::create_directories(dir + "/flight");
+  const std::string temp = own_file(dir) + ".tmp";
+  ASSERT_EQ(mkfifo(temp.c_str(), 0600), 0) << std::strerror(errno);
+  const int reader = ::open(temp.c_str(), O_RDONLY | O_NONBLOCK);
+  ASSERT_GE(reader, 0) << std::strerror(errno);
+
+  std::atomic<bool> written{false}, wrote_ok{false}, configured{false};
+  std::thread writer([&] {
+    wrote_ok = flight_recorder().write("test");
+    written = true;
+  });
+  // The pipe full: the writer is blocked in the middle of the record.
+  int queued = 0;
+  for (int k = 0; k < 2000 && !written; ++k) {
+    ASSERT_EQ(ioctl(reader, FIONREAD, &queued), 0);
+    if (queued >= 60 * 1024) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_GE(queued, 60 * 1024) << "the writer did not fill the pipe";
+  ASSERT_FALSE(written);
+  std::thread reconfigure([&] {
+    flight_recorder().configure(0, "", world_rank(), world_size());
+    configured = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_FALSE(configured) << "configure() replaced the ring while a write was reading it";
+
+  // Read the record to its end: the write completes, then configure().
+  ASSERT_EQ(fcntl(reader, F_SETFL, 0), 0);
+  std::string text;
+  char buffer[65536];
+  for (;;) {
+    const ssize_t n = ::read(reader, buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    ASSERT_GE(n, 0) << std::strerror(errno);
+    if (n == 0) break;
+    text.append(buffer, static_cast<std::size_t>(n));
+  }
+  ::close(reader);
+  writer.join();
+  reconfigure.join();
+  EXPECT_TRUE(wrote_ok);
+  EXPECT_TRUE(configured);
+  EXPECT_FALSE(flight_recorder().on());
+  try {
+    const nlohmann::json record = nlohmann::json::parse(text);
+    ASSERT_EQ(record.at("entries").size(), static_cast<std::size_t>(kCollectives));
+    EXPECT_EQ(record.at("entries").back().at("sequence").get<int>(), kCollectives);
+  } catch (const nlohmann::json::exception& e) {
+    ADD_FAILURE() << "the record is not whole JSON: " << e.what();
+  }
+  remove_job_dir(dir);
+}
+
 // --- the root of a hang (find_hang_roots) on synthetic records ---------------------------
 
 // A group of a record: its description, members (world ranks), the count this rank entered
