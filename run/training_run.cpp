@@ -725,8 +725,8 @@ void TrainingRun::end_trace() {
     std::filesystem::create_directories(dir, error);
     if (error) MESHTRAIN_FAIL("cannot create the trace folder '", dir, "': ", error.message());
     write_chrome_trace(tracer().events(), device_timer::resolve(), tracer().lane_events(),
-                       tracer().dropped(), rank_, ranks, trace_clock_offset_ns_,
-                       trace_origin_ns_, dir + "/rank-" + std::to_string(rank_) + ".json");
+                       tracer().dropped(), rank_, ranks, trace_clock_offset_ns_, trace_origin_ns_,
+                       dir + "/rank-" + std::to_string(rank_) + ".json");
   });
   on_every_rank(comm_, [&] {
     if (rank_ != 0) return;
