@@ -165,8 +165,9 @@ struct FlightReportArgs {
 void add_flight_report_command(CLI::App& app, FlightReportArgs& args) {
   CLI::App* command = app.add_subcommand(
       "flight-report",
-      "Compare the ranks' flight records of a run that hung or failed, and name the first "
-      "collective some rank never entered ([runtime] flight_records; docs/running.md)");
+      "Compare the ranks' flight records of a run that hung or failed, name the first "
+      "collective some rank never entered and the rank at the root of the wait "
+      "([runtime] flight_records; docs/running.md)");
   command->add_option("run_dir", args.run_dir, "The run's folder (its flight/ holds the files)")
       ->required();
 }
@@ -189,6 +190,9 @@ int run_flight_report(const FlightReportArgs& args) {
   const std::vector<meshtrain::FlightFinding> findings = meshtrain::find_stuck_collectives(records);
   if (findings.empty()) std::cout << "every group's last collective completed on every rank\n";
   for (const meshtrain::FlightFinding& finding : findings) std::cout << finding.sentence() << "\n";
+  // Then where the wait chain ends: the rank at its root, or a cycle.
+  const std::string roots = meshtrain::find_hang_roots(records).sentence();
+  if (!roots.empty()) std::cout << roots << "\n";
   std::cout.flush();
   return std::cout ? 0 : kExitFailure;
 }

@@ -11,7 +11,6 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -701,6 +700,9 @@ StepResult TrainingRun::step_on_loaded_batch() {
 // [runtime] trace_steps: the tracer records from the first traced step on; every rank's
 // timestamps go onto rank 0's clock. Collective (all ranks step together).
 void TrainingRun::begin_trace() {
+  // An earlier run's files, of more ranks, must not be read as this one's (trace-report);
+  // the others write theirs only after the collectives below.
+  if (rank_ == 0) remove_trace_files(trace_dir());
   trace_clock_offset_ns_ = clock_offset_to_rank0_ns(comm_);
   trace_origin_ns_ = Tracer::now_ns() + trace_clock_offset_ns_;
   check_mpi(MPI_Bcast(&trace_origin_ns_, 1, MPI_INT64_T, 0, comm_), "MPI_Bcast (trace origin)");
@@ -723,7 +725,7 @@ void TrainingRun::end_trace() {
     std::filesystem::create_directories(dir, error);
     if (error) MESHTRAIN_FAIL("cannot create the trace folder '", dir, "': ", error.message());
     write_chrome_trace(tracer().events(), device_timer::resolve(), tracer().lane_events(),
-                       tracer().dropped(), rank_, trace_clock_offset_ns_, trace_origin_ns_,
+                       tracer().dropped(), rank_, ranks, trace_clock_offset_ns_, trace_origin_ns_,
                        dir + "/rank-" + std::to_string(rank_) + ".json");
   });
   on_every_rank(comm_, [&] {
@@ -732,10 +734,7 @@ void TrainingRun::end_trace() {
     for (int r = 0; r < ranks; ++r) paths.push_back(dir + "/rank-" + std::to_string(r) + ".json");
     merge_chrome_traces(paths, dir + "/all-ranks.json");
     // The run's config beside it: `meshtrain trace-report` predicts the step from it.
-    const std::string config_path = dir + "/config.toml";
-    std::ofstream config_file(config_path, std::ios::trunc);
-    if (config_file) config_file << config_to_toml(config_);
-    if (!config_file) MESHTRAIN_FAIL("cannot write '", config_path, "'");
+    write_trace_file(dir + "/config.toml", config_to_toml(config_));
   });
 }
 

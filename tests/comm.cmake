@@ -77,16 +77,25 @@ if(MESHTRAIN_HAVE_TSAN)
 endif()
 
 # The flight recorder (framework/comm/flight_recorder.hpp): the record holds exactly the
-# collectives run, wraps after its capacity, and SIGUSR1 writes it while the program goes on.
+# collectives run, wraps after its capacity, and SIGUSR1 writes it while the program goes on;
+# the program's own SIGTERM/SIGUSR1 handlers are chained and restored; configure() waits for
+# a write in progress; the wait-chain analysis (find_hang_roots) on synthetic records.
 meshtrain_add_test(NAME comm_flight_recorder_test SOURCES comm/flight_recorder_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 TIMEOUT 60)
 # A rank stopped, killed, or skipping a collective: the job ends within a bound, the other
 # ranks' records are written, and the error (or the records compared after the fact) names
-# the rank and the collective it never entered (flight_fault_test.sh).
+# the rank and the collective it never entered, and the rank at the root of the wait (or the
+# cycle, for a skipped collective) (flight_fault_test.sh). stop_fsdp and stop_tp: world rank
+# 3 of a (fsdp=2, tp=2) mesh stopped before a collective of either axis, a wait chain of
+# length 2 whose root both the timeout error and the report name.
 add_executable(comm_flight_tool comm/flight_tool.cpp)
 target_link_libraries(comm_flight_tool PRIVATE meshtrain_framework)
 foreach(np 2 4)
-  foreach(fault stop kill skip)
+  set(faults stop kill skip)
+  if(np EQUAL 4)
+    list(APPEND faults stop_fsdp stop_tp)
+  endif()
+  foreach(fault ${faults})
     meshtrain_add_command_test(NAME comm_flight_${fault}_np${np} TIMEOUT 90
       COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/comm/flight_fault_test.sh
               $<TARGET_FILE:comm_flight_tool> ${np} ${fault} ${MESHTRAIN_MPIEXEC}

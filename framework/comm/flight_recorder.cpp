@@ -11,7 +11,9 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "base/error.hpp"
@@ -136,43 +138,129 @@ class SignalSafeJson {
 // Set by a backend's timeout (whichever thread saw it), taken by the Communicator.
 std::atomic<bool> timeout_marked{false};
 
-extern "C" void flight_signal_handler(int signal_number) {
+// The process's SIGUSR1 and SIGTERM dispositions from before the recorder's handler was
+// installed (chained by the handler, restored when the recorder is turned off), and the
+// recorder whose record the handler writes (null: none; the handler then only chains).
+// Written only while the handler is not installed for that signal, read by the handler.
+struct sigaction previous_usr1 {};
+struct sigaction previous_term {};
+std::atomic<FlightRecorder*> handler_owner{nullptr};
+
+struct sigaction& previous_action(int signal_number) {
+  return signal_number == SIGTERM ? previous_term : previous_usr1;
+}
+
+extern "C" void flight_signal_handler(int signal_number, siginfo_t* info, void* context) {
   const int saved_errno = errno;
-  flight_recorder().write(signal_number == SIGTERM ? "SIGTERM" : "SIGUSR1");
-  if (signal_number == SIGTERM) {
-    // Linger a moment first: Open MPI's daemon signals every rank of the node at once and
-    // SIGKILLs those left as soon as the first one exits, so the quick ones would cut the
-    // others' writing short.
-    timespec linger{0, 300 * 1000 * 1000};
-    while (nanosleep(&linger, &linger) != 0 && errno == EINTR) {
+  if (FlightRecorder* recorder = handler_owner.load(std::memory_order_acquire)) {
+    recorder->write(signal_number == SIGTERM ? "SIGTERM" : "SIGUSR1");
+  }
+  // Then what the program had asked for before the recorder came.
+  struct sigaction& previous = previous_action(signal_number);
+  if (previous.sa_handler == SIG_IGN) {
+    // Ignored: the program goes on.
+  } else if (previous.sa_handler == SIG_DFL) {
+    if (signal_number == SIGTERM) {
+      // Linger a moment first: Open MPI's daemon signals every rank of the node at once and
+      // SIGKILLs those left as soon as the first one exits, so the quick ones would cut the
+      // others' writing short.
+      timespec linger{0, 300 * 1000 * 1000};
+      while (nanosleep(&linger, &linger) != 0 && errno == EINTR) {
+      }
+      // The default action (termination), with the record written.
+      struct sigaction action {};
+      action.sa_handler = SIG_DFL;
+      sigemptyset(&action.sa_mask);
+      sigaction(SIGTERM, &action, nullptr);
+      raise(SIGTERM);
     }
-    // What mpirun asked for: the default action (termination), with the record written.
-    struct sigaction action {};
-    action.sa_handler = SIG_DFL;
-    sigemptyset(&action.sa_mask);
-    sigaction(SIGTERM, &action, nullptr);
-    raise(SIGTERM);
+    // SIGUSR1's default would end the process; with the recorder on it means "write the
+    // record", and the program goes on.
+  } else {
+    const bool siginfo = (previous.sa_flags & SA_SIGINFO) != 0;
+    void (*handler)(int) = previous.sa_handler;
+    void (*siginfo_handler)(int, siginfo_t*, void*) = previous.sa_sigaction;
+    if ((previous.sa_flags & SA_RESETHAND) != 0) {
+      // A one-shot handler: the kernel would have reset it to the default on delivery.
+      previous.sa_handler = SIG_DFL;
+      previous.sa_flags &= ~(SA_RESETHAND | SA_SIGINFO);
+    }
+    errno = saved_errno;
+    if (siginfo) {
+      siginfo_handler(signal_number, info, context);
+    } else {
+      handler(signal_number);
+    }
+    return;  // the previous handler's errno stands, as without the recorder
   }
   errno = saved_errno;
 }
 
-void install_handlers() {
+bool is_ours(const struct sigaction& action) {
+  return (action.sa_flags & SA_SIGINFO) != 0 && action.sa_sigaction == flight_signal_handler;
+}
+
+// Installs the handler for `signal_number` unless it is installed, keeping the disposition
+// it replaces. The previous handler's mask is blocked while ours runs (it calls that handler),
+// and its SA_RESTART choice kept (a program may rely on EINTR to see its signal).
+void install_handler(int signal_number) {
+  struct sigaction current {};
+  sigaction(signal_number, nullptr, &current);
+  if (is_ours(current)) return;
+  previous_action(signal_number) = current;
   struct sigaction action {};
-  action.sa_handler = flight_signal_handler;
+  action.sa_sigaction = flight_signal_handler;
   sigemptyset(&action.sa_mask);
   sigaddset(&action.sa_mask, SIGUSR1);
   sigaddset(&action.sa_mask, SIGTERM);
-  action.sa_flags = SA_RESTART;
-  sigaction(SIGUSR1, &action, nullptr);
-  sigaction(SIGTERM, &action, nullptr);
+  const bool handled = current.sa_handler != SIG_DFL && current.sa_handler != SIG_IGN;
+  if (handled) {
+    for (int other = 1; other < NSIG; ++other) {
+      if (sigismember(&current.sa_mask, other) == 1) sigaddset(&action.sa_mask, other);
+    }
+  }
+  action.sa_flags = SA_SIGINFO | (handled ? (current.sa_flags & SA_RESTART) : SA_RESTART);
+  sigaction(signal_number, &action, nullptr);
 }
 
-template <std::size_t N>
-void render_path(char (&field)[N], const std::string& path) {
-  MESHTRAIN_REQUIRE(path.size() + 1 <= N, "flight recorder: the path '", path, "' is longer than ",
-                    N - 1, " characters");
-  std::memcpy(field, path.c_str(), path.size() + 1);
+// Puts back the disposition install_handler replaced, unless the program has replaced ours
+// since (then its own stays).
+void restore_handler(int signal_number) {
+  struct sigaction current {};
+  sigaction(signal_number, nullptr, &current);
+  if (is_ours(current)) sigaction(signal_number, &previous_action(signal_number), nullptr);
 }
+
+// A path into a fixed field (its length checked by the caller).
+template <std::size_t N>
+void copy_path(char (&field)[N], const std::string& path) {
+  std::memcpy(field, path.c_str(), std::min(path.size() + 1, N));
+  field[N - 1] = '\0';
+}
+
+// Holds the recorder's writer flag: taken by write() (which gives up when it is held) and by
+// configure() and the destructor (which wait for it). Lock-free, so a signal handler may take
+// it; waiting is for threads only.
+class WriterLock {
+ public:
+  explicit WriterLock(std::atomic<bool>& flag) : flag_(flag) {
+    for (int tries = 0;; ++tries) {
+      bool expected = false;
+      if (flag_.compare_exchange_weak(expected, true, std::memory_order_acquire)) return;
+      if (tries < 100) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+  }
+  ~WriterLock() { flag_.store(false, std::memory_order_release); }
+  WriterLock(const WriterLock&) = delete;
+  WriterLock& operator=(const WriterLock&) = delete;
+
+ private:
+  std::atomic<bool>& flag_;
+};
 
 // Every rank-<k>.json (and its temporary) in `dir`; errors ignored (nothing to remove).
 void remove_earlier_records(const std::string& dir) {
@@ -196,32 +284,65 @@ FlightRecorder& flight_recorder() {
   return *recorder;
 }
 
+FlightRecorder::~FlightRecorder() {
+  release_signal_handlers();
+  WriterLock wait_for_a_write_in_progress(writing_);
+}
+
 void FlightRecorder::configure(std::size_t capacity, const std::string& output_dir, int world_rank,
                                int world_size) {
-  world_rank_ = world_rank;
-  world_size_ = world_size;
-  capacity_ = 0;  // off while the ring is replaced
-  entries_.reset();
-  serials_.store(0, std::memory_order_relaxed);
-  dir_.clear();
-  file_path_[0] = '\0';
-  if (capacity == 0) return;
-  dir_ = output_dir.empty() ? std::string() : output_dir + "/flight";
-  const std::string file = dir_ + "/rank-" + std::to_string(world_rank) + ".json";
-  render_path(run_dir_path_, output_dir);
-  render_path(dir_path_, dir_);
-  render_path(file_path_, dir_.empty() ? std::string() : file);
-  render_path(temp_path_, dir_.empty() ? std::string() : file + ".tmp");
-  if (!dir_.empty()) {
+  const std::string dir =
+      capacity == 0 || output_dir.empty() ? std::string() : output_dir + "/flight";
+  const std::string file =
+      dir.empty() ? std::string() : dir + "/rank-" + std::to_string(world_rank) + ".json";
+  const std::string temp = file.empty() ? std::string() : file + ".tmp";
+  for (const std::string* path : {&output_dir, &dir, &file, &temp}) {
+    MESHTRAIN_REQUIRE(path->size() < sizeof(file_path_), "flight recorder: the path '", *path,
+                      "' is longer than ", sizeof(file_path_) - 1, " characters");
+  }
+  std::unique_ptr<FlightEntry[]> ring;
+  if (capacity != 0) ring = std::make_unique<FlightEntry[]>(capacity);
+  std::unique_ptr<FlightEntry[]> old_ring;  // freed after the lock: nothing reads it then
+  {
+    // write() reads the ring, its capacity and the paths, on any thread (a signal handler):
+    // they change only while no write runs. A write in progress is waited for; one that
+    // begins meanwhile (a signal now) writes nothing.
+    WriterLock lock(writing_);
+    world_rank_ = world_rank;
+    world_size_ = world_size;
+    old_ring = std::move(entries_);
+    entries_ = std::move(ring);
+    capacity_ = capacity;
+    serials_.store(0, std::memory_order_relaxed);
+    dir_ = dir;
+    copy_path(run_dir_path_, capacity == 0 ? std::string() : output_dir);
+    copy_path(dir_path_, dir);
+    copy_path(file_path_, file);
+    copy_path(temp_path_, temp);
+  }
+  if (!dir.empty()) {
     // The files of an earlier run in this folder must not be taken for this one's: each rank
     // removes its own, and rank 0 every other one (the others have written nothing yet: no
     // collective of this run can have timed out before rank 0 got here).
-    ::unlink(file_path_);
-    if (world_rank == 0) remove_earlier_records(dir_);
+    ::unlink(file.c_str());
+    if (world_rank == 0) remove_earlier_records(dir);
+    take_signal_handlers();
+  } else {
+    release_signal_handlers();  // off (or nowhere to write): the program's own handlers again
   }
-  entries_ = std::make_unique<FlightEntry[]>(capacity);
-  capacity_ = capacity;
-  if (!dir_.empty()) install_handlers();
+}
+
+void FlightRecorder::take_signal_handlers() {
+  handler_owner.store(this, std::memory_order_release);
+  install_handler(SIGUSR1);
+  install_handler(SIGTERM);
+}
+
+void FlightRecorder::release_signal_handlers() {
+  FlightRecorder* expected = this;
+  if (!handler_owner.compare_exchange_strong(expected, nullptr)) return;  // not ours
+  restore_handler(SIGUSR1);
+  restore_handler(SIGTERM);
 }
 
 int FlightRecorder::register_group(const std::string& description, int size, int rank) {
@@ -314,9 +435,13 @@ std::vector<FlightEntry> FlightRecorder::entries() const {
 }
 
 bool FlightRecorder::write(const char* reason) noexcept {
-  if (capacity_ == 0 || file_path_[0] == '\0') return false;
   bool expected = false;
-  if (!writing_.compare_exchange_strong(expected, true)) return false;  // being written now
+  // Being written now, or configure() is replacing what a write reads.
+  if (!writing_.compare_exchange_strong(expected, true, std::memory_order_acquire)) return false;
+  if (capacity_ == 0 || file_path_[0] == '\0') {
+    writing_.store(false, std::memory_order_release);
+    return false;
+  }
   bool ok = false;
   ::mkdir(run_dir_path_, 0777);  // when the run has not made it yet (an error at start)
   if (::mkdir(dir_path_, 0777) == 0 || errno == EEXIST) {
@@ -375,7 +500,7 @@ bool FlightRecorder::write(const char* reason) noexcept {
       ok = ok && ::rename(temp_path_, file_path_) == 0;
     }
   }
-  writing_.store(false);
+  writing_.store(false, std::memory_order_release);
   return ok;
 }
 
@@ -394,37 +519,61 @@ std::string FlightRecorder::timeout_report(uint64_t serial, double timeout_secon
     if (stuck.serial == 0) return "";
     write("timeout");
     const std::vector<int> members = world_ranks(stuck.group);
-    // The other members' records, written since this collective began (ranks stuck in it time
-    // out at about the same moment and write theirs); bounded.
+    // The records of other ranks written since this collective began (ranks stuck in it, or
+    // in collectives of the wait chain, time out at about the same moment and write theirs;
+    // an older one is a SIGUSR1 dump).
+    std::map<int, FlightRecordFile> fresh;
+    const auto read_fresh = [&](int rank) {
+      if (fresh.count(rank) != 0 || rank < 0 || rank >= world_size_) return;
+      const std::string path = dir_ + "/rank-" + std::to_string(rank) + ".json";
+      struct stat info {};
+      if (::stat(path.c_str(), &info) != 0) return;
+      try {
+        FlightRecordFile file = read_flight_record(path);
+        if (file.written_ns >= stuck.begin_ns) fresh.emplace(rank, std::move(file));
+      } catch (const Error&) {
+        // Not readable yet; try again.
+      }
+    };
+    const auto records = [&] {
+      std::vector<FlightRecordFile> out;
+      for (const auto& [rank, file] : fresh) out.push_back(file);
+      return out;
+    };
+    // Wanted: the group's members and every rank a record read so far waits on; bounded.
     const double grace = std::min(timeout_seconds, 10.0);
     const auto deadline = std::chrono::steady_clock::now() +
                           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                               std::chrono::duration<double>(grace));
-    std::vector<FlightRecordFile> records;
-    std::vector<bool> have(members.size(), false);
-    for (;;) {
-      for (std::size_t k = 0; k < members.size(); ++k) {
-        if (have[k]) continue;
-        const std::string path = dir_ + "/rank-" + std::to_string(members[k]) + ".json";
-        struct stat info {};
-        if (::stat(path.c_str(), &info) != 0) continue;
-        try {
-          FlightRecordFile file = read_flight_record(path);
-          if (file.written_ns < stuck.begin_ns) continue;  // an older dump (SIGUSR1)
-          records.push_back(std::move(file));
-          have[k] = true;
-        } catch (const Error&) {
-          // Not readable yet; try again.
-        }
+    const auto wanted = [&] {
+      std::set<int> ranks(members.begin(), members.end());
+      ranks.insert(world_rank_);
+      for (const auto& [rank, targets] : find_hang_roots(records()).waits_on) {
+        ranks.insert(targets.begin(), targets.end());
       }
-      if (std::find(have.begin(), have.end(), false) == have.end()) break;
-      if (std::chrono::steady_clock::now() >= deadline) break;
+      return ranks;
+    };
+    for (;;) {
+      // Each record read may want more (the ranks it waits on): read until none is new.
+      std::set<int> ranks = wanted();
+      for (std::size_t before = SIZE_MAX; before != fresh.size(); ranks = wanted()) {
+        before = fresh.size();
+        for (const int rank : ranks) read_fresh(rank);
+      }
+      const bool complete =
+          std::all_of(ranks.begin(), ranks.end(), [&](int rank) { return fresh.count(rank) != 0; });
+      if (complete || std::chrono::steady_clock::now() >= deadline) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
+    // Any other rank's, written by now: the ranks waiting on the root outside this chain.
+    for (int rank = 0; rank < world_size_; ++rank) read_fresh(rank);
+    const std::vector<FlightRecordFile> all = records();
     FlightFinding finding =
-        compare_flight_records(records, groups_[stuck.group].description, members, stuck.sequence);
+        compare_flight_records(all, groups_[stuck.group].description, members, stuck.sequence);
     if (finding.op.empty()) finding.op = stuck.op;
-    return finding.sentence() + "; flight records in " + dir_ + "/";
+    const std::string roots = find_hang_roots(all).sentence();
+    return finding.sentence() + (roots.empty() ? "" : "; " + roots) + "; flight records in " +
+           dir_ + "/";
   } catch (const std::exception& e) {
     return std::string("(the flight records could not be compared: ") + e.what() + ")";
   }

@@ -18,8 +18,14 @@
 // rename and close, integers formatted by hand, no allocation), and is called
 //   - by a collective that timed out on this rank (Communicator, before it throws),
 //   - by abort_all_ranks (framework/comm/exit_policy.hpp) before MPI_Abort,
-//   - on SIGUSR1 (the program continues) and SIGTERM (then the default action: mpirun sends
-//     it to the other ranks when one dies or aborts).
+//   - on SIGUSR1 and SIGTERM (mpirun sends it to the other ranks when one dies or aborts).
+// The signal handlers chain the program's own: configure() keeps the SIGUSR1 and SIGTERM
+// dispositions it replaces, and after writing the record the handler does what the program
+// had asked for: calls its handler (SA_SIGINFO ones with the signal's information), ignores
+// the signal (SIG_IGN), or for SIG_DFL ends the process on SIGTERM (after 0.3 s, so the other
+// ranks of the node write theirs too) and goes on after SIGUSR1 (whose default would end it:
+// with the recorder on SIGUSR1 means "write the record"). configure(0, ...) and the
+// destructor put the program's dispositions back (unless it replaced the recorder's since).
 // The entries a signal interrupts in the middle of an update may show the older values.
 //
 // Which ranks never entered a collective: flight_report.hpp compares the files.
@@ -53,10 +59,20 @@ class FlightRecorder {
   static constexpr int kMaxGroups = 128;
   static constexpr std::size_t kDescriptionChars = 96;
 
+  FlightRecorder() = default;
+  // Puts back the signal dispositions configure() replaced (when its handlers are still
+  // installed) and waits for a write in progress.
+  ~FlightRecorder();
+  FlightRecorder(const FlightRecorder&) = delete;
+  FlightRecorder& operator=(const FlightRecorder&) = delete;
+
   // Keeps the last `capacity` collectives from now on (0: off) and writes to
   // <output_dir>/flight/rank-<world_rank>.json; removes the files of an earlier run there
-  // (this rank's own; rank 0: all). Installs the SIGUSR1 and SIGTERM handlers when on. Call before
-  // the collectives to record, from one thread (not while another records).
+  // (this rank's own; rank 0: all). On with an output_dir, installs the SIGUSR1 and SIGTERM
+  // handlers (chaining the program's, above); off, puts the program's back. Call before the
+  // collectives to record, from one thread (not while another records). A signal may arrive
+  // meanwhile, on any thread: the ring is replaced only while no write() runs (one in
+  // progress is waited for; one that begins meanwhile writes nothing).
   void configure(std::size_t capacity, const std::string& output_dir, int world_rank,
                  int world_size);
   bool on() const { return capacity_ != 0; }
@@ -103,9 +119,11 @@ class FlightRecorder {
   static bool take_timeout();
 
   // After the collective `serial` timed out (waiting `timeout_seconds`): writes this rank's
-  // record, waits up to min(timeout_seconds, 10 s) for the records of the other ranks of its
-  // group, written since it began, and returns one sentence naming the ranks that never
-  // entered it (flight_report.hpp), or "" when the recorder is off. Never throws.
+  // record, waits up to min(timeout_seconds, 10 s) for the records, written since it began,
+  // of the other ranks of its group and of every rank those wait on in turn (the wait chain),
+  // reads any other rank's written by then, and returns one sentence naming the ranks that
+  // never entered it and the rank at the root of the wait (flight_report.hpp), or "" when the
+  // recorder is off. Never throws.
   std::string timeout_report(uint64_t serial, double timeout_seconds);
 
  private:
@@ -119,12 +137,18 @@ class FlightRecorder {
 
   uint64_t record(int group, const char* op, int64_t bytes, const char* wire, bool started);
   void set_state(uint64_t serial, FlightState state);
+  // The process's SIGUSR1 and SIGTERM handlers write this recorder's record (one recorder at
+  // a time); release: the dispositions they replaced come back, when this one held them.
+  void take_signal_handlers();
+  void release_signal_handlers();
 
   std::size_t capacity_ = 0;
   std::unique_ptr<FlightEntry[]> entries_;
   std::atomic<uint64_t> serials_{0};
   Group groups_[kMaxGroups];
   std::atomic<int> group_count_{0};
+  // Held by write() and by configure() (which replaces what write() reads): lock-free, so a
+  // signal handler can take it (or see it taken and give up).
   std::atomic<bool> writing_{false};
   int world_rank_ = 0;
   int world_size_ = 1;

@@ -99,6 +99,71 @@ std::string rank_list(const std::vector<int>& ranks) {
   return out.str();
 }
 
+// The entries `file`'s rank is waiting in: those entered or failed (a blocking collective
+// running, or one that threw: a timeout); when there are none, the started ones (a rank in
+// the wait for one of them).
+std::vector<const FlightRecordFile::Entry*> waiting_entries(const FlightRecordFile& file) {
+  std::vector<const FlightRecordFile::Entry*> blocking, started;
+  for (const auto& e : file.entries) {
+    if (e.state == "entered" || e.state == "failed") blocking.push_back(&e);
+    if (e.state == "started") started.push_back(&e);
+  }
+  return blocking.empty() ? started : blocking;
+}
+
+// The ranks of `nodes` on a cycle of `edges` (in a strongly connected component of more than
+// one rank; there are no edges from a rank to itself): Tarjan's algorithm, iterative.
+std::set<int> ranks_on_cycles(const std::vector<int>& nodes,
+                              const std::map<int, std::vector<int>>& edges) {
+  std::map<int, int> index, low;
+  std::set<int> on_stack, cyclic;
+  std::vector<int> stack;
+  int next = 0;
+  const auto successors = [&](int node) -> const std::vector<int>& {
+    static const std::vector<int> none;
+    const auto found = edges.find(node);
+    return found == edges.end() ? none : found->second;
+  };
+  for (const int start : nodes) {
+    if (index.count(start) != 0) continue;
+    std::vector<std::pair<int, std::size_t>> work = {{start, 0}};  // node, next edge
+    index[start] = low[start] = next++;
+    stack.push_back(start);
+    on_stack.insert(start);
+    while (!work.empty()) {
+      auto& [node, edge] = work.back();
+      const std::vector<int>& out = successors(node);
+      if (edge < out.size()) {
+        const int to = out[edge++];
+        if (index.count(to) == 0) {
+          index[to] = low[to] = next++;
+          stack.push_back(to);
+          on_stack.insert(to);
+          work.push_back({to, 0});
+        } else if (on_stack.count(to) != 0) {
+          low[node] = std::min(low[node], index[to]);
+        }
+        continue;
+      }
+      if (low[node] == index[node]) {  // the root of a component: pop it
+        std::vector<int> component;
+        int member = 0;
+        do {
+          member = stack.back();
+          stack.pop_back();
+          on_stack.erase(member);
+          component.push_back(member);
+        } while (member != node);
+        if (component.size() > 1) cyclic.insert(component.begin(), component.end());
+      }
+      const int done = node;
+      work.pop_back();
+      if (!work.empty()) low[work.back().first] = std::min(low[work.back().first], low[done]);
+    }
+  }
+  return cyclic;
+}
+
 }  // namespace
 
 std::string FlightFinding::sentence() const {
@@ -164,6 +229,103 @@ FlightFinding compare_flight_records(const std::vector<FlightRecordFile>& record
     }
   }
   return finding;
+}
+
+HangRoots find_hang_roots(const std::vector<FlightRecordFile>& records) {
+  HangRoots result;
+  std::map<int, const FlightRecordFile*> by_rank;
+  for (const auto& r : records) by_rank[r.rank] = &r;
+  // The edges: who waits on whom, directly.
+  for (const auto& file : records) {
+    std::set<int> targets;
+    for (const FlightRecordFile::Entry* e : waiting_entries(file)) {
+      if (e->group_id < 0 || static_cast<std::size_t>(e->group_id) >= file.groups.size()) continue;
+      const FlightRecordFile::Group& group = file.groups[static_cast<std::size_t>(e->group_id)];
+      for (const int member : group.world_ranks) {
+        if (member == file.rank) continue;
+        const auto other = by_rank.find(member);
+        if (other == by_rank.end()) {  // no record: it may be the one everybody waits on
+          targets.insert(member);
+          continue;
+        }
+        const FlightRecordFile::Group* theirs =
+            find_group(*other->second, group.description, group.world_ranks);
+        if ((theirs != nullptr ? theirs->entered : 0) < e->sequence) targets.insert(member);
+      }
+    }
+    if (!targets.empty()) result.waits_on[file.rank].assign(targets.begin(), targets.end());
+  }
+  if (result.waits_on.empty()) return result;
+
+  // The roots: ranks waited on that wait on nobody; each with every rank that reaches it.
+  std::map<int, std::vector<int>> waited_on_by;
+  std::set<int> sinks;
+  for (const auto& [rank, targets] : result.waits_on) {
+    for (const int target : targets) {
+      waited_on_by[target].push_back(rank);
+      if (result.waits_on.count(target) == 0) sinks.insert(target);
+    }
+  }
+  std::set<int> rooted;
+  for (const int sink : sinks) {
+    HangRoots::Root root;
+    root.rank = sink;
+    const auto record = by_rank.find(sink);
+    root.has_record = record != by_rank.end();
+    root.in_collective = root.has_record && !waiting_entries(*record->second).empty();
+    std::set<int> reached;
+    std::vector<int> frontier = {sink};
+    while (!frontier.empty()) {
+      const int node = frontier.back();
+      frontier.pop_back();
+      for (const int waiter : waited_on_by[node]) {
+        if (reached.insert(waiter).second) frontier.push_back(waiter);
+      }
+    }
+    root.waiting.assign(reached.begin(), reached.end());
+    rooted.insert(reached.begin(), reached.end());
+    result.roots.push_back(std::move(root));
+  }
+  // The waiting ranks that reach no root: every path from them ends in a cycle.
+  std::vector<int> unrooted;
+  for (const auto& [rank, targets] : result.waits_on) {
+    if (rooted.count(rank) == 0) unrooted.push_back(rank);
+  }
+  const std::set<int> cyclic = ranks_on_cycles(unrooted, result.waits_on);
+  for (const int rank : unrooted) {
+    (cyclic.count(rank) != 0 ? result.cycle : result.behind_cycle).push_back(rank);
+  }
+  return result;
+}
+
+std::string HangRoots::sentence() const {
+  std::ostringstream out;
+  const char* separator = "";
+  for (const Root& root : roots) {
+    out << separator << "rank " << root.rank
+        << (roots.size() == 1 ? " is the root: " : " is a root: ") << rank_list(root.waiting)
+        << (root.waiting.size() == 1 ? " waits" : " wait")
+        << " on it directly or through another rank ("
+        << (!root.has_record     ? "it wrote no flight record"
+            : root.in_collective ? "its record shows it in a collective every member entered"
+                                 : "its record shows it in no collective")
+        << ")";
+    separator = "; ";
+  }
+  if (!cycle.empty()) {
+    std::vector<int> all = cycle;
+    all.insert(all.end(), behind_cycle.begin(), behind_cycle.end());
+    std::sort(all.begin(), all.end());
+    out << separator << "no rank is at the root of the wait of " << rank_list(all) << ": "
+        << rank_list(cycle)
+        << " wait on each other in a cycle (each is in a collective another has not entered: "
+           "collectives in different orders on different ranks)";
+    if (!behind_cycle.empty()) {
+      out << ", and " << rank_list(behind_cycle) << (behind_cycle.size() == 1 ? " waits" : " wait")
+          << " on them";
+    }
+  }
+  return out.str();
 }
 
 std::vector<FlightFinding> find_stuck_collectives(const std::vector<FlightRecordFile>& records) {

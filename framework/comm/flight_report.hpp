@@ -1,8 +1,8 @@
 #pragma once
 // Reading the flight recorder's files (flight_recorder.hpp) and naming, from them, the first
-// collective some rank of a group never entered and which ranks those are: used by a rank
-// whose collective timed out (for its error message) and by `meshtrain flight-report RUN_DIR`
-// after the fact.
+// collective some rank of a group never entered and which ranks those are, and the rank at
+// the root of the wait (find_hang_roots): used by a rank whose collective timed out (for its
+// error message) and by `meshtrain flight-report RUN_DIR` after the fact.
 //
 // A rank entered collective #S of a group when its record's count for that group is at
 // least S; a rank whose count is lower skipped it or never got there (its last on the group
@@ -10,6 +10,7 @@
 // collective when the others wrote theirs. Ranks are world ranks.
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -75,5 +76,37 @@ FlightFinding compare_flight_records(const std::vector<FlightRecordFile>& record
 // first collective not entered by all (or the one they stopped in). Empty when every group's
 // last collective completed on every member.
 std::vector<FlightFinding> find_stuck_collectives(const std::vector<FlightRecordFile>& records);
+
+// The wait chain of a hang, followed as PyTorch's flight-recorder analyzer does. A rank waits
+// on another when it is in a collective (its record's entries in state entered or failed; a
+// rank in none of those: its started ones) that the other, a member of the same group, never
+// entered (its count on the group is lower) or when the other wrote no record. Following
+// these edges from every waiting rank ends either at a root (a rank that waits on nobody: it
+// wrote no record, or its record shows it outside any collective, or in one every member
+// entered) or in a cycle (ranks each in a collective another has not entered: collectives in
+// different orders on different ranks), which has no root and is said so. A rank stopped
+// (SIGSTOP) in a 2-D mesh is the root of its direct partners on both axes and, through them,
+// of the ranks that wait on those: "rank 3 is the root: ranks 0, 1, 2 wait on it directly or
+// through another rank".
+struct HangRoots {
+  struct Root {
+    int rank = 0;
+    bool has_record = false;     // false: it wrote no record (stopped, killed, or busy)
+    bool in_collective = false;  // its record shows it in a collective every member entered
+    std::vector<int> waiting;    // the ranks that wait on it, directly or through another rank
+  };
+  std::map<int, std::vector<int>> waits_on;  // rank -> the ranks it waits on directly
+  std::vector<Root> roots;                   // by rank
+  std::vector<int> cycle;                    // ranks waiting on each other in a cycle (no root)
+  std::vector<int> behind_cycle;             // ranks that wait on the cycle (and reach no root)
+  // "" when no rank waits on another; else one clause per root and one for a cycle:
+  // "rank 3 is the root: ranks 0, 1, 2 wait on it directly or through another rank (it
+  // wrote no flight record)".
+  std::string sentence() const;
+};
+
+// Ranks are those of `records` and the members of their groups (world ranks); a group whose
+// members the backend did not say is not followed.
+HangRoots find_hang_roots(const std::vector<FlightRecordFile>& records);
 
 }  // namespace meshtrain

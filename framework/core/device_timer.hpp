@@ -31,4 +31,12 @@ int32_t record();
 // waits until the device has passed them. Throws a runtime Error when the device fails.
 std::vector<int64_t> resolve();
 
+// The host steady-clock nanoseconds of markers from the device's elapsed times (resolve() on
+// a CUDA build): `reference_ns` the host clock at the reference marker, `elapsed_ms[i]` the
+// device's milliseconds from marker i - 1 (the reference for i = 0) to marker i, as
+// cudaEventElapsedTime gives them (a float). Each is measured from the previous marker and
+// summed in double: a float of milliseconds since the window's start steps by about 4 us
+// after 64 s (2^16 ms) and would put spans of a long window a few microseconds off.
+std::vector<int64_t> marker_times(int64_t reference_ns, const std::vector<float>& elapsed_ms);
+
 }  // namespace meshtrain::device_timer

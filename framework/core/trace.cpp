@@ -1,9 +1,14 @@
 #include "framework/core/trace.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <regex>
 
 #include "base/error.hpp"
 
@@ -138,7 +143,8 @@ double micros(int64_t ns) {
 void write_chrome_trace(const std::vector<TraceEvent>& events,
                         const std::vector<int64_t>& device_ns,
                         const std::vector<TraceLaneEvents>& lanes, std::size_t dropped, int rank,
-                        int64_t clock_offset_ns, int64_t origin_ns, const std::string& path) {
+                        int ranks, int64_t clock_offset_ns, int64_t origin_ns,
+                        const std::string& path) {
   // Sorted by start, the enclosing span first: each track reads in time order.
   std::vector<const TraceEvent*> order;
   order.reserve(events.size());
@@ -269,12 +275,12 @@ void write_chrome_trace(const std::vector<TraceEvent>& events,
     }
     dropped += lanes[l].dropped;
   }
-  nlohmann::ordered_json doc = {{"traceEvents", std::move(list)},
-                                {"displayTimeUnit", "ms"},
-                                {"otherData", {{"rank", rank}, {"dropped_events", dropped}}}};
-  std::ofstream out(path, std::ios::trunc);
-  if (out) out << doc.dump() << '\n';
-  if (!out) MESHTRAIN_FAIL("cannot write the trace '", path, "'");
+  nlohmann::ordered_json doc = {
+      {"traceEvents", std::move(list)},
+      {"displayTimeUnit", "ms"},
+      {"otherData",
+       {{"rank", rank}, {"ranks", ranks}, {"origin_ns", origin_ns}, {"dropped_events", dropped}}}};
+  write_trace_file(path, doc.dump() + '\n');
 }
 
 void merge_chrome_traces(const std::vector<std::string>& paths, const std::string& merged) {
@@ -296,9 +302,38 @@ void merge_chrome_traces(const std::vector<std::string>& paths, const std::strin
       {"traceEvents", std::move(all)},
       {"displayTimeUnit", "ms"},
       {"otherData", {{"ranks", paths.size()}, {"dropped_events", dropped}}}};
-  std::ofstream out(merged, std::ios::trunc);
-  if (out) out << doc.dump() << '\n';
-  if (!out) MESHTRAIN_FAIL("cannot write the trace '", merged, "'");
+  write_trace_file(merged, doc.dump() + '\n');
+}
+
+void write_trace_file(const std::string& path, const std::string& text) {
+  const std::string temp = path + ".tmp";
+  {
+    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
+    if (out) out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    out.close();
+    if (!out) {
+      std::remove(temp.c_str());
+      MESHTRAIN_FAIL("cannot write the trace '", path, "' (through '", temp, "')");
+    }
+  }
+  if (std::rename(temp.c_str(), path.c_str()) != 0) {
+    const int error = errno;
+    std::remove(temp.c_str());
+    MESHTRAIN_FAIL("cannot rename '", temp, "' to '", path, "': ", std::strerror(error));
+  }
+}
+
+void remove_trace_files(const std::string& trace_dir) {
+  namespace fs = std::filesystem;
+  static const std::regex written(R"((rank-[0-9]+|all-ranks)\.json(\.tmp)?|config\.toml(\.tmp)?)");
+  std::error_code error;
+  fs::directory_iterator entries(trace_dir, error);
+  if (error) return;
+  std::vector<fs::path> doomed;
+  for (const fs::directory_entry& entry : entries) {
+    if (std::regex_match(entry.path().filename().string(), written)) doomed.push_back(entry.path());
+  }
+  for (const fs::path& path : doomed) fs::remove(path, error);
 }
 
 }  // namespace meshtrain

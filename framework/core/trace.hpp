@@ -218,22 +218,36 @@ class TraceSpan {
   TraceEvent event_;
 };
 
-// Writes `events` of rank `rank` as Chrome trace event JSON to `path`: one "X" event per span
-// (ts and dur in microseconds from `origin_ns` on rank 0's clock, sorted by start) on the
-// rank's "host" thread (tid 0), "s"/"f" flow events from each start to its wait, and the
-// rank's name. `device_ns` (device_timer::resolve(); empty on a build without device spans)
-// gives each span with device markers a second "X" event on the rank's "device" thread
-// (tid 1), category "device", its kind in args.kind. Each of `lanes` is a thread of its own
-// (tid 2, 3, ... in order, named after the lane), its spans of category "background" with
-// their kind in args.kind. `dropped` events (the lanes' included) are noted in the metadata.
-// Throws Error naming the path when it cannot be written.
+// Writes `events` of rank `rank` (of `ranks` traced) as Chrome trace event JSON to `path`:
+// one "X" event per span (ts and dur in microseconds from `origin_ns` on rank 0's clock, sorted
+// by start) on the rank's "host" thread (tid 0), "s"/"f" flow events from each start to its
+// wait, and the rank's name. `device_ns` (device_timer::resolve(); empty on a build without
+// device spans) gives each span with device markers a second "X" event on the rank's "device"
+// thread (tid 1), category "device", its kind in args.kind. Each of `lanes` is a thread of its
+// own (tid 2, 3, ... in order, named after the lane), its spans of category "background" with
+// their kind in args.kind. The metadata (otherData) holds the rank, `ranks`, `origin_ns` (the
+// same on every rank of one trace window: how a reader tells an earlier run's file apart) and
+// the `dropped` events (the lanes' included). Written through a temporary file and a rename
+// (write_trace_file). Throws Error naming the path when it cannot be written.
 void write_chrome_trace(const std::vector<TraceEvent>& events,
                         const std::vector<int64_t>& device_ns,
                         const std::vector<TraceLaneEvents>& lanes, std::size_t dropped, int rank,
-                        int64_t clock_offset_ns, int64_t origin_ns, const std::string& path);
+                        int ranks, int64_t clock_offset_ns, int64_t origin_ns,
+                        const std::string& path);
 
 // Writes one file holding the events of the `paths` (written by write_chrome_trace) to
-// `merged`, a track per rank. Throws Error naming the file that cannot be read or written.
+// `merged`, a track per rank, through a temporary file and a rename. Throws Error naming the
+// file that cannot be read or written.
 void merge_chrome_traces(const std::vector<std::string>& paths, const std::string& merged);
+
+// Writes `text` to `path` as a whole: into "<path>.tmp", then renamed over `path`, so that a
+// reader (trace-report, Perfetto) never sees half a file and a failed write leaves the
+// earlier file as it was. Throws Error naming the path when it cannot.
+void write_trace_file(const std::string& path, const std::string& text);
+
+// Removes what a trace window writes into `trace_dir` (rank-<k>.json, all-ranks.json,
+// config.toml and their temporaries), so that an earlier run's files, of more ranks, are not
+// read as this one's. Errors are ignored (nothing there to remove).
+void remove_trace_files(const std::string& trace_dir);
 
 }  // namespace meshtrain

@@ -15,7 +15,15 @@ namespace meshtrain {
 
 namespace {
 
-RankTrace read_rank(const std::string& path, int rank) {
+// What a rank's file says of the window it belongs to (write_chrome_trace's otherData);
+// -1 where an older file does not say.
+struct TraceWindow {
+  int64_t ranks = -1;
+  int64_t origin_ns = -1;
+  bool has_origin = false;
+};
+
+RankTrace read_rank(const std::string& path, int rank, TraceWindow* window = nullptr) {
   std::ifstream in(path);
   if (!in) MESHTRAIN_BAD_INPUT("cannot read the trace '", path, "'");
   nlohmann::json doc;
@@ -26,6 +34,16 @@ RankTrace read_rank(const std::string& path, int rank) {
   }
   if (!doc.is_object() || !doc.contains("traceEvents") || !doc["traceEvents"].is_array()) {
     MESHTRAIN_BAD_INPUT("the trace '", path, "' has no traceEvents array");
+  }
+  if (window != nullptr && doc.contains("otherData") && doc["otherData"].is_object()) {
+    const auto& meta = doc["otherData"];
+    if (meta.contains("ranks") && meta["ranks"].is_number_integer()) {
+      window->ranks = meta["ranks"].get<int64_t>();
+    }
+    if (meta.contains("origin_ns") && meta["origin_ns"].is_number_integer()) {
+      window->origin_ns = meta["origin_ns"].get<int64_t>();
+      window->has_origin = true;
+    }
   }
   RankTrace trace;
   trace.rank = rank;
@@ -100,15 +118,38 @@ std::vector<const TracedSpan*> spans_in_steps(const RankTrace& trace,
 }  // namespace
 
 std::vector<RankTrace> read_trace_dir(const std::string& trace_dir) {
-  std::vector<RankTrace> ranks;
-  for (int rank = 0;; ++rank) {
-    const std::string path = trace_dir + "/rank-" + std::to_string(rank) + ".json";
-    if (!std::filesystem::exists(path)) break;
-    ranks.push_back(read_rank(path, rank));
-  }
-  if (ranks.empty()) {
+  const auto path_of = [&](int64_t rank) {
+    return trace_dir + "/rank-" + std::to_string(rank) + ".json";
+  };
+  if (!std::filesystem::exists(path_of(0))) {
     MESHTRAIN_BAD_INPUT("'", trace_dir, "' holds no rank-0.json: trace a run with [runtime] ",
                         "trace_steps = [FIRST, LAST]");
+  }
+  std::vector<RankTrace> ranks;
+  TraceWindow first;
+  ranks.push_back(read_rank(path_of(0), 0, &first));
+  if (first.ranks < 1) {
+    // A file of an older meshtrain, which did not say: as many files as there are from 0 on.
+    for (int rank = 1; std::filesystem::exists(path_of(rank)); ++rank) {
+      ranks.push_back(read_rank(path_of(rank), rank));
+    }
+    return ranks;
+  }
+  // As many ranks as rank 0's file says were traced: a rank-<k>.json beyond them is an
+  // earlier run's, of more ranks, and one of another window (its origin) is not this one's.
+  for (int rank = 1; rank < first.ranks; ++rank) {
+    const std::string path = path_of(rank);
+    if (!std::filesystem::exists(path)) {
+      MESHTRAIN_BAD_INPUT("'", trace_dir, "' lacks ", "rank-", rank, ".json: rank-0.json is of a ",
+                          "trace of ", first.ranks, " ranks");
+    }
+    TraceWindow window;
+    ranks.push_back(read_rank(path, rank, &window));
+    if (window.ranks != first.ranks || window.has_origin != first.has_origin ||
+        window.origin_ns != first.origin_ns) {
+      MESHTRAIN_BAD_INPUT("the trace '", path, "' is not of the run that wrote rank-0.json (",
+                          "its ranks or its window's origin differ): trace the run again");
+    }
   }
   return ranks;
 }

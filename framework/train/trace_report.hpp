@@ -40,8 +40,11 @@ struct RankTrace {
   std::vector<TracedSpan> spans;  // in the file's order (by start)
 };
 
-// Reads <trace_dir>/rank-0.json, rank-1.json, ... (as many as there are, from 0 on). Throws
-// bad_input naming the file when one is missing, unreadable or not a trace of meshtrain.
+// Reads <trace_dir>/rank-0.json, rank-1.json, ...: as many as rank-0.json says were traced
+// (files beyond them, left by an earlier run of more ranks, are not read; files of an older
+// meshtrain, which do not say, as many as there are from 0 on). Throws bad_input naming the
+// file when one is missing, unreadable, not a trace of meshtrain, or of another trace window
+// than rank-0.json.
 std::vector<RankTrace> read_trace_dir(const std::string& trace_dir);
 
 struct StepSplit {

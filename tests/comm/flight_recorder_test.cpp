@@ -1,20 +1,34 @@
 // The flight recorder (framework/comm/flight_recorder.hpp): it holds exactly the collectives
 // this rank ran (operation, per-group sequence, the operand's bytes in the wire dtype, wire,
 // state), wraps after its capacity, writes a file that reads back the same, and SIGUSR1
-// writes it while the program goes on. The comparison of records (flight_report.hpp) names
-// the ranks behind, those without a record, and those that entered. The fault cases (a rank
-// stopped, killed, skipping) are flight_fault_test.sh's.
+// writes it while the program goes on. The program's own SIGTERM and SIGUSR1 handlers (plain,
+// SA_SIGINFO, SIG_IGN) are called after the record is written and put back when the recorder
+// is turned off or destroyed; configure() does not replace the ring while a write reads it.
+// The comparison of records (flight_report.hpp) names the ranks behind, those without a
+// record, and those that entered; the wait-chain analysis (find_hang_roots) names the rank at
+// the root of a hang, or says there is none (a cycle). The fault cases (a rank stopped,
+// killed, skipping; a chain on a 2-D mesh) are flight_fault_test.sh's.
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
 #include <signal.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "framework/comm/backends/mpi_communicator.hpp"
@@ -232,6 +246,307 @@ TEST(FlightReport, NamesTheRanksBehindAndThoseWithoutARecord) {
   EXPECT_TRUE(
       find_stuck_collectives({record_of(0, 2), record_of(1, 2), record_of(2, 2), record_of(3, 2)})
           .empty());
+}
+
+// --- the program's own signal handlers -------------------------------------------------
+
+volatile sig_atomic_t plain_calls = 0;
+volatile sig_atomic_t siginfo_calls = 0;
+volatile sig_atomic_t siginfo_signal = 0;
+
+extern "C" void count_plain(int) {
+  plain_calls = plain_calls + 1;
+}
+
+extern "C" void count_siginfo(int signal_number, siginfo_t* info, void*) {
+  siginfo_calls = siginfo_calls + 1;
+  siginfo_signal = info != nullptr ? info->si_signo : -signal_number;
+}
+
+// The disposition of `signal_number` for the scope, put back at its end.
+class KeepDisposition {
+ public:
+  explicit KeepDisposition(int signal_number) : signal_(signal_number) {
+    sigaction(signal_, nullptr, &saved_);
+  }
+  ~KeepDisposition() { sigaction(signal_, &saved_, nullptr); }
+
+ private:
+  int signal_;
+  struct sigaction saved_ {};
+};
+
+struct sigaction disposition(int signal_number) {
+  struct sigaction now {};
+  sigaction(signal_number, nullptr, &now);
+  return now;
+}
+
+void set_plain(int signal_number, void (*handler)(int), int flags) {
+  struct sigaction action {};
+  action.sa_handler = handler;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = flags;
+  ASSERT_EQ(sigaction(signal_number, &action, nullptr), 0);
+}
+
+// A program with its own SIGTERM handler (a checkpoint on preemption, say): the recorder writes
+// its record, then calls that handler, and the program goes on as the handler decides; turned
+// off, the recorder puts the handler back. Configured twice, it still chains the program's
+// handler, not its own.
+TEST(FlightRecorder, ChainsTheProgramsSigtermHandlerAndPutsItBack) {
+  const std::string dir = job_dir("chain_term");
+  KeepDisposition keep(SIGTERM);
+  set_plain(SIGTERM, count_plain, 0);  // no SA_RESTART: the program may rely on EINTR
+  plain_calls = 0;
+  flight_recorder().configure(8, dir, world_rank(), world_size());
+  flight_recorder().configure(8, dir, world_rank(), world_size());
+  const struct sigaction installed = disposition(SIGTERM);
+  EXPECT_NE(installed.sa_handler, &count_plain) << "the recorder's handler is not installed";
+  EXPECT_EQ(installed.sa_flags & SA_RESTART, 0) << "the program's choice of SA_RESTART is lost";
+  ASSERT_EQ(raise(SIGTERM), 0);  // the program's handler returns: the process goes on
+  EXPECT_EQ(plain_calls, 1);
+  EXPECT_EQ(read_flight_record(own_file(dir)).reason, "SIGTERM");
+
+  flight_recorder().configure(0, "", world_rank(), world_size());
+  EXPECT_EQ(disposition(SIGTERM).sa_handler, &count_plain);
+  ASSERT_EQ(raise(SIGTERM), 0);
+  EXPECT_EQ(plain_calls, 2);
+  remove_job_dir(dir);
+}
+
+// An SA_SIGINFO handler gets the signal's information; SIGUSR1's record is written first.
+TEST(FlightRecorder, ChainsAnSaSiginfoHandlerOfSigusr1) {
+  const std::string dir = job_dir("chain_siginfo");
+  KeepDisposition keep(SIGUSR1);
+  struct sigaction mine {};
+  mine.sa_sigaction = count_siginfo;
+  sigemptyset(&mine.sa_mask);
+  mine.sa_flags = SA_SIGINFO | SA_RESTART;
+  ASSERT_EQ(sigaction(SIGUSR1, &mine, nullptr), 0);
+  siginfo_calls = 0;
+  siginfo_signal = 0;
+  flight_recorder().configure(8, dir, world_rank(), world_size());
+  ASSERT_EQ(raise(SIGUSR1), 0);
+  EXPECT_EQ(siginfo_calls, 1);
+  EXPECT_EQ(siginfo_signal, SIGUSR1);
+  EXPECT_EQ(read_flight_record(own_file(dir)).reason, "SIGUSR1");
+  flight_recorder().configure(0, "", world_rank(), world_size());
+  const struct sigaction back = disposition(SIGUSR1);
+  EXPECT_NE(back.sa_flags & SA_SIGINFO, 0);
+  EXPECT_EQ(back.sa_sigaction, &count_siginfo);
+  remove_job_dir(dir);
+}
+
+// SIGTERM ignored by the program stays ignored (after the record), and ignored again after.
+TEST(FlightRecorder, AnIgnoredSigtermStaysIgnored) {
+  const std::string dir = job_dir("chain_ignore");
+  KeepDisposition keep(SIGTERM);
+  set_plain(SIGTERM, SIG_IGN, 0);
+  flight_recorder().configure(8, dir, world_rank(), world_size());
+  ASSERT_EQ(raise(SIGTERM), 0);  // the process goes on
+  EXPECT_EQ(read_flight_record(own_file(dir)).reason, "SIGTERM");
+  flight_recorder().configure(0, "", world_rank(), world_size());
+  EXPECT_EQ(disposition(SIGTERM).sa_handler, SIG_IGN);
+  remove_job_dir(dir);
+}
+
+// A recorder destroyed while on puts the program's handlers back too.
+TEST(FlightRecorder, DestroyingARecorderPutsTheHandlersBack) {
+  const std::string dir = job_dir("chain_destroy");
+  KeepDisposition keep_term(SIGTERM);
+  KeepDisposition keep_usr1(SIGUSR1);
+  set_plain(SIGTERM, count_plain, SA_RESTART);
+  set_plain(SIGUSR1, SIG_IGN, 0);
+  {
+    auto recorder = std::make_unique<FlightRecorder>();
+    recorder->configure(4, dir, world_rank(), world_size());
+    EXPECT_NE(disposition(SIGTERM).sa_handler, &count_plain);
+    EXPECT_NE(disposition(SIGUSR1).sa_handler, SIG_IGN);
+  }
+  EXPECT_EQ(disposition(SIGTERM).sa_handler, &count_plain);
+  EXPECT_EQ(disposition(SIGUSR1).sa_handler, SIG_IGN);
+  remove_job_dir(dir);
+}
+
+// configure() replaces the ring only when no write reads it: a write blocked in the middle of
+// the record (a FIFO for its temporary file, full until read) keeps configure() waiting, and
+// the record it writes is whole.
+TEST(FlightRecorder, ConfigureWaitsForAWriteInProgress) {
+  const std::string dir = job_dir("configure_during_write");
+  constexpr int kCollectives = 4096;  // a record of about 1 MB: more than a pipe holds
+  flight_recorder().configure(kCollectives, dir, world_rank(), world_size());
+  auto self = MpiCommunicator::duplicate(MPI_COMM_SELF, "flight test fifo");
+  for (int k = 0; k < kCollectives; ++k) self.barrier();
+  std::filesystem::create_directories(dir + "/flight");
+  const std::string temp = own_file(dir) + ".tmp";
+  ASSERT_EQ(mkfifo(temp.c_str(), 0600), 0) << std::strerror(errno);
+  const int reader = ::open(temp.c_str(), O_RDONLY | O_NONBLOCK);
+  ASSERT_GE(reader, 0) << std::strerror(errno);
+
+  std::atomic<bool> written{false}, wrote_ok{false}, configured{false};
+  std::thread writer([&] {
+    wrote_ok = flight_recorder().write("test");
+    written = true;
+  });
+  // The pipe full: the writer is blocked in the middle of the record.
+  int queued = 0;
+  for (int k = 0; k < 2000 && !written; ++k) {
+    ASSERT_EQ(ioctl(reader, FIONREAD, &queued), 0);
+    if (queued >= 60 * 1024) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_GE(queued, 60 * 1024) << "the writer did not fill the pipe";
+  ASSERT_FALSE(written);
+  std::thread reconfigure([&] {
+    flight_recorder().configure(0, "", world_rank(), world_size());
+    configured = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_FALSE(configured) << "configure() replaced the ring while a write was reading it";
+
+  // Read the record to its end: the write completes, then configure().
+  ASSERT_EQ(fcntl(reader, F_SETFL, 0), 0);
+  std::string text;
+  char buffer[65536];
+  for (;;) {
+    const ssize_t n = ::read(reader, buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    ASSERT_GE(n, 0) << std::strerror(errno);
+    if (n == 0) break;
+    text.append(buffer, static_cast<std::size_t>(n));
+  }
+  ::close(reader);
+  writer.join();
+  reconfigure.join();
+  EXPECT_TRUE(wrote_ok);
+  EXPECT_TRUE(configured);
+  EXPECT_FALSE(flight_recorder().on());
+  try {
+    const nlohmann::json record = nlohmann::json::parse(text);
+    ASSERT_EQ(record.at("entries").size(), static_cast<std::size_t>(kCollectives));
+    EXPECT_EQ(record.at("entries").back().at("sequence").get<int>(), kCollectives);
+  } catch (const nlohmann::json::exception& e) {
+    ADD_FAILURE() << "the record is not whole JSON: " << e.what();
+  }
+  remove_job_dir(dir);
+}
+
+// --- the root of a hang (find_hang_roots) on synthetic records ---------------------------
+
+// A group of a record: its description, members (world ranks), the count this rank entered
+// and the state of the last of them.
+struct GroupState {
+  std::string description;
+  std::vector<int> members;
+  uint64_t entered = 0;
+  std::string last_state = "completed";
+};
+
+FlightRecordFile record_with(int rank, const std::vector<GroupState>& groups) {
+  FlightRecordFile file;
+  file.rank = rank;
+  file.world_size = 4;
+  file.reason = "timeout";
+  for (const GroupState& g : groups) {
+    const int place =
+        static_cast<int>(std::find(g.members.begin(), g.members.end(), rank) - g.members.begin());
+    file.groups.push_back(
+        {g.description, static_cast<int>(g.members.size()), place, g.members, g.entered});
+    for (uint64_t s = 1; s <= g.entered; ++s) {
+      FlightRecordFile::Entry e;
+      e.sequence = s;
+      e.op = "all_gather";
+      e.group = g.description;
+      e.group_id = static_cast<int>(file.groups.size()) - 1;
+      e.state = s == g.entered ? g.last_state : "completed";
+      file.entries.push_back(e);
+    }
+  }
+  return file;
+}
+
+const std::string kFsdp = "axis (fsdp)", kTp = "axis (tp)";
+
+// fsdp 2 x tp 2 (rank = 2 fsdp + tp): world rank 3 stopped before fsdp all-gather #3. Rank 1
+// waits on it there (and timed out: failed); ranks 0 and 2 finished fsdp #3 and went on to tp
+// #3: rank 0 waits on rank 1 (a victim), rank 2 on rank 3. Rank 3 wrote no record.
+TEST(FlightReport, FollowsAChainOfLengthTwoToARootOnTheFsdpAxis) {
+  const std::vector<FlightRecordFile> records = {
+      record_with(0, {{kFsdp, {0, 2}, 3}, {kTp, {0, 1}, 3, "entered"}}),
+      record_with(1, {{kFsdp, {1, 3}, 3, "failed"}, {kTp, {0, 1}, 2}}),
+      record_with(2, {{kFsdp, {0, 2}, 3}, {kTp, {2, 3}, 3, "entered"}})};
+  // What rank 0's error said before: the victim it waits on directly.
+  EXPECT_EQ(compare_flight_records(records, kTp, {0, 1}, 3).sentence(),
+            "all_gather #3 on axis (tp): rank 1 never entered it (its last on that group: "
+            "all_gather #2); rank 0 entered it");
+  const HangRoots roots = find_hang_roots(records);
+  EXPECT_EQ(roots.waits_on, (std::map<int, std::vector<int>>{{0, {1}}, {1, {3}}, {2, {3}}}));
+  ASSERT_EQ(roots.roots.size(), 1u);
+  EXPECT_EQ(roots.roots[0].rank, 3);
+  EXPECT_FALSE(roots.roots[0].has_record);
+  EXPECT_EQ(roots.roots[0].waiting, (std::vector<int>{0, 1, 2}));
+  EXPECT_TRUE(roots.cycle.empty());
+  EXPECT_EQ(roots.sentence(),
+            "rank 3 is the root: ranks 0, 1, 2 wait on it directly or through another rank (it "
+            "wrote no flight record)");
+}
+
+// The same mesh, rank 3 stopped before tp all-gather #3, its record written later (SIGTERM)
+// and showing it outside any collective: rank 2 waits on it in tp #3; ranks 0 and 1 finished
+// tp #3 and went on to fsdp #4: rank 0 waits on rank 2, rank 1 on rank 3.
+TEST(FlightReport, FollowsAChainToARootOnTheTpAxisThatWroteARecord) {
+  const std::vector<FlightRecordFile> records = {
+      record_with(0, {{kTp, {0, 1}, 3}, {kFsdp, {0, 2}, 4, "entered"}}),
+      record_with(1, {{kTp, {0, 1}, 3}, {kFsdp, {1, 3}, 4, "entered"}}),
+      record_with(2, {{kTp, {2, 3}, 3, "entered"}, {kFsdp, {0, 2}, 3}}),
+      record_with(3, {{kTp, {2, 3}, 2}, {kFsdp, {1, 3}, 3}})};
+  const HangRoots roots = find_hang_roots(records);
+  EXPECT_EQ(roots.waits_on, (std::map<int, std::vector<int>>{{0, {2}}, {1, {3}}, {2, {3}}}));
+  ASSERT_EQ(roots.roots.size(), 1u);
+  EXPECT_EQ(roots.roots[0].rank, 3);
+  EXPECT_TRUE(roots.roots[0].has_record);
+  EXPECT_FALSE(roots.roots[0].in_collective);
+  EXPECT_EQ(roots.sentence(),
+            "rank 3 is the root: ranks 0, 1, 2 wait on it directly or through another rank (its "
+            "record shows it in no collective)");
+}
+
+// Rank 1 skipped world all-reduce #3 and waits in tp #3, which rank 0 (in world #3) never
+// entered: ranks 0 and 1 wait on each other, ranks 2 and 3 on rank 1. No rank is at the root,
+// and the sentence says so rather than naming one.
+TEST(FlightReport, SaysACycleHasNoRoot) {
+  const std::vector<int> world = {0, 1, 2, 3};
+  const std::vector<FlightRecordFile> records = {
+      record_with(0, {{"world", world, 3, "entered"}, {kTp, {0, 1}, 2}}),
+      record_with(1, {{"world", world, 2}, {kTp, {0, 1}, 3, "failed"}}),
+      record_with(2, {{"world", world, 3, "entered"}, {kTp, {2, 3}, 2}}),
+      record_with(3, {{"world", world, 3, "failed"}, {kTp, {2, 3}, 2}})};
+  const HangRoots roots = find_hang_roots(records);
+  EXPECT_TRUE(roots.roots.empty());
+  EXPECT_EQ(roots.cycle, (std::vector<int>{0, 1}));
+  EXPECT_EQ(roots.behind_cycle, (std::vector<int>{2, 3}));
+  EXPECT_EQ(roots.sentence(),
+            "no rank is at the root of the wait of ranks 0, 1, 2, 3: ranks 0, 1 wait on each "
+            "other in a cycle (each is in a collective another has not entered: collectives in "
+            "different orders on different ranks), and ranks 2, 3 wait on them");
+}
+
+// Two tp pairs, each waiting on a partner without a record: two roots, each with its waiter.
+// Nobody waiting (all completed, or all in a collective every member entered): nothing said.
+TEST(FlightReport, NamesEveryRootAndNothingWhenNoRankWaits) {
+  const HangRoots two = find_hang_roots({record_with(0, {{kTp, {0, 1}, 5, "entered"}}),
+                                         record_with(2, {{kTp, {2, 3}, 5, "entered"}})});
+  ASSERT_EQ(two.roots.size(), 2u);
+  EXPECT_EQ(two.sentence(),
+            "rank 1 is a root: rank 0 waits on it directly or through another rank (it wrote no "
+            "flight record); rank 3 is a root: rank 2 waits on it directly or through another "
+            "rank (it wrote no flight record)");
+  const HangRoots none = find_hang_roots({record_with(0, {{kTp, {0, 1}, 5, "entered"}}),
+                                          record_with(1, {{kTp, {0, 1}, 5, "entered"}})});
+  EXPECT_TRUE(none.waits_on.empty());
+  EXPECT_EQ(none.sentence(), "");
+  EXPECT_EQ(find_hang_roots({record_of(0, 2), record_of(1, 2)}).sentence(), "");
 }
 
 }  // namespace

@@ -9,13 +9,20 @@
 //                                      to DIR/flight/. Ends every rank with the error of a
 //                                      timeout (MESHTRAIN_COLLECTIVE_TIMEOUT) through
 //                                      run_or_abort, as the meshtrain command does.
+//   flight_tool grid FAULT RANK K DIR  the same on a 2-D (fsdp, tp=2) mesh: collectives alternate
+//                                      between an all_gather on the fsdp axis (odd) and one on
+//                                      the tp axis (even), so the partners of a stopped rank on
+//                                      one axis wait on it directly and the ranks of the next
+//                                      collective on the other axis wait on those (a wait chain).
 //   flight_tool report DIR             prints what the records in DIR/flight say
-//                                      (find_stuck_collectives), one finding a line.
+//                                      (find_stuck_collectives, then find_hang_roots), one
+//                                      finding a line.
 
 #include <signal.h>
 #include <unistd.h>
 
 #include <Kokkos_Core.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -34,6 +41,8 @@ int report(const std::string& dir) {
   for (const auto& finding : meshtrain::find_stuck_collectives(records)) {
     std::printf("%s\n", finding.sentence().c_str());
   }
+  const std::string roots = meshtrain::find_hang_roots(records).sentence();
+  if (!roots.empty()) std::printf("%s\n", roots.c_str());
   return 0;
 }
 
@@ -49,10 +58,12 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (mode != "run" || argc != 6) {
-    std::fprintf(stderr, "usage: flight_tool run stop|kill|skip|none RANK K DIR | report DIR\n");
+  if ((mode != "run" && mode != "grid") || argc != 6) {
+    std::fprintf(stderr,
+                 "usage: flight_tool run|grid stop|kill|skip|none RANK K DIR | report DIR\n");
     return 2;
   }
+  const bool grid = mode == "grid";
   const std::string fault = argv[2];
   const int fault_rank = std::atoi(argv[3]);
   const int fault_at = std::atoi(argv[4]);
@@ -62,13 +73,13 @@ int main(int argc, char** argv) {
     const int rank = runtime->world_rank(), size = runtime->world_size();
     meshtrain::flight_recorder().configure(64, dir, rank, size);
     const meshtrain::Mesh mesh =
-        meshtrain::Mesh::create({{"dp", -1}, {"tp", size >= 2 ? 2 : 1}}, size);
+        meshtrain::Mesh::create({{grid ? "fsdp" : "dp", -1}, {"tp", size >= 2 ? 2 : 1}}, size);
     meshtrain::MeshCommunicators comms(mesh);
-    meshtrain::Communicator& world = runtime->world();
+    meshtrain::Communicator& odd = grid ? comms.get({"fsdp"}) : runtime->world();
     meshtrain::Communicator& tp = comms.get({"tp"});
     Kokkos::View<float*, Kokkos::LayoutRight> data("flight_tool::data", 16);
-    Kokkos::View<float*, Kokkos::LayoutRight> gathered("flight_tool::gathered",
-                                                       16 * static_cast<std::size_t>(tp.size()));
+    Kokkos::View<float*, Kokkos::LayoutRight> gathered(
+        "flight_tool::gathered", 16 * static_cast<std::size_t>(std::max(tp.size(), odd.size())));
     const int collectives = fault_at + 3;
     for (int k = 1; k <= collectives; ++k) {
       if (k == fault_at && rank == fault_rank) {
@@ -81,10 +92,14 @@ int main(int argc, char** argv) {
         if (fault == "kill") raise(SIGKILL);
         if (fault == "skip") continue;
       }
-      if (k % 2 == 1) {
-        world.all_reduce(data);
+      if (k % 2 == 1 && grid) {
+        odd.all_gather(meshtrain::ConstVectorView(data.data(), data.extent(0)),
+                       meshtrain::VectorView(gathered.data(), 16 * odd.size()));
+      } else if (k % 2 == 1) {
+        odd.all_reduce(data);
       } else {
-        tp.all_gather(meshtrain::ConstVectorView(data.data(), data.extent(0)), gathered);
+        tp.all_gather(meshtrain::ConstVectorView(data.data(), data.extent(0)),
+                      meshtrain::VectorView(gathered.data(), 16 * tp.size()));
       }
     }
     std::printf("rank %d: %d collectives done\n", rank, collectives);

@@ -5,7 +5,10 @@
 // back within a track, spans nest properly, each rank holds exactly the two traced steps and
 // nothing outside them, every collective the plan lists appears in each traced step with the
 // plan's bytes, and each started operation's flow ends at its wait. And the trace report's
-// figures (meshtrain trace-report) equal the same figures computed here from the file.
+// figures (meshtrain trace-report) equal the same figures computed here from the file; the
+// report reads the ranks of this trace only (not an earlier run's files of more ranks); trace
+// files are replaced whole (a temporary file and a rename); device marker times keep
+// nanosecond steps late in a long window.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -22,6 +25,7 @@
 #include <vector>
 
 #include "framework/core/device_timer.hpp"
+#include "framework/core/trace.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/plan_report.hpp"
 #include "framework/train/trace_report.hpp"
@@ -84,7 +88,7 @@ std::map<std::pair<std::string, int64_t>, int> plan_collectives(const TrainingRu
 void check_track(const Json& events, int rank,
                  const std::map<std::pair<std::string, int64_t>, int>& plan) {
   SCOPED_TRACE("rank " + std::to_string(rank));
-  std::vector<const Json*> spans, device_spans;  // the host's track (tid 0), the device's (1)
+  std::vector<const Json*> spans, device_spans;        // the host's track (tid 0), the device's (1)
   std::map<int, std::vector<const Json*>> lane_spans;  // background threads' (2, 3, ...)
   std::map<int64_t, int> flow_starts, flow_ends;
   bool named = false;
@@ -338,7 +342,7 @@ TEST(Trace, BackgroundThreadsHaveThreadsOfTheirOwn) {
   TrainingRun(config, {}, std::nullopt, MPI_COMM_WORLD).train();
   MPI_Barrier(MPI_COMM_WORLD);
   const Json own = read_json(dir + "/trace/rank-" + std::to_string(world_rank()) + ".json");
-  std::map<int, std::string> threads;  // tid -> name
+  std::map<int, std::string> threads;                       // tid -> name
   std::map<std::string, std::map<std::string, int>> spans;  // thread -> span name -> count
   for (const Json& e : own.at("traceEvents")) {
     if (e.at("ph") == "M" && e.at("name") == "thread_name") {
@@ -410,6 +414,108 @@ TEST(Trace, TraceStepsAreCheckedAndRoundTrip) {
     testing::expect_bad_input([&] { parse_config(base + "trace_steps = " + bad + "\n", "t.toml"); },
                               {"t.toml", "[runtime] trace_steps", "[FIRST, LAST]"});
   }
+}
+
+// A traced run of fewer ranks in a folder an earlier run of more ranks traced into: the
+// earlier rank files are removed when the window starts, and the report counts the ranks rank
+// 0's file says were traced (a rank-<k>.json beyond them is not read; one of another window is
+// refused by name).
+TEST(Trace, TheReportReadsTheRanksOfThisTraceOnly) {
+  const int n = world_size();
+  const std::string dir = std::filesystem::temp_directory_path().string() +
+                          "/meshtrain_trace_stale_np" + std::to_string(n);
+  const std::string trace = dir + "/trace";
+  const auto rank_file = [&](int rank) {
+    return trace + "/rank-" + std::to_string(rank) + ".json";
+  };
+  if (world_rank() == 0) {
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(trace);
+    for (int stale = n; stale < n + 2; ++stale) std::ofstream(rank_file(stale)) << "{}";
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  RunConfig config = traced_config({{"fsdp", n}}, "fsdp", dir);
+  TrainingRun(config, {}, std::nullopt, MPI_COMM_WORLD).train();
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() != 0) return;
+  EXPECT_FALSE(std::filesystem::exists(rank_file(n))) << "an earlier run's file is left";
+  EXPECT_FALSE(std::filesystem::exists(rank_file(n + 1))) << "an earlier run's file is left";
+  EXPECT_EQ(summarize_trace(read_trace_dir(trace), nullptr).ranks, n);
+  // A complete trace of one more rank left beside it (as a run of more ranks left it).
+  std::filesystem::copy_file(rank_file(0), rank_file(n));
+  EXPECT_EQ(summarize_trace(read_trace_dir(trace), nullptr).ranks, n);
+  if (n > 1) {
+    Json other = read_json(rank_file(1));
+    other["otherData"]["origin_ns"] = other["otherData"]["origin_ns"].get<int64_t>() + 1;
+    std::ofstream(rank_file(1), std::ios::trunc) << other.dump();
+    testing::expect_bad_input([&] { read_trace_dir(trace); },
+                              {"rank-1.json", "is not of the run that wrote rank-0.json"});
+  }
+}
+
+// The trace files are replaced whole: written to a temporary file and renamed over the old
+// one, so a reader that opened the earlier file reads it to its end, and nothing is left
+// beside them.
+TEST(Trace, TraceFilesAreReplacedThroughARename) {
+  const std::string dir = std::filesystem::temp_directory_path().string() +
+                          "/meshtrain_trace_rename_np" + std::to_string(world_size()) + "_rank" +
+                          std::to_string(world_rank());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/rank-0.json", merged = dir + "/all-ranks.json";
+  std::ofstream(path) << "the earlier trace\n";
+  std::ofstream(merged) << "the earlier merged trace\n";
+  std::ifstream earlier(path), earlier_merged(merged);  // opened before the writes
+
+  TraceEvent step;
+  step.name = "step";
+  step.kind = TraceKind::step;
+  step.begin_ns = 1000;
+  step.end_ns = 5000;
+  step.number = 1;
+  write_chrome_trace({step}, {}, {}, 0, 0, 1, 0, 0, path);
+  merge_chrome_traces({path}, merged);
+
+  std::string line;
+  std::getline(earlier, line);
+  EXPECT_EQ(line, "the earlier trace") << "the file was rewritten in place";
+  std::getline(earlier_merged, line);
+  EXPECT_EQ(line, "the earlier merged trace") << "the merged file was rewritten in place";
+  EXPECT_EQ(read_json(path).at("otherData").at("ranks").get<int>(), 1);
+  EXPECT_EQ(read_json(merged).at("traceEvents").size(), read_json(path).at("traceEvents").size());
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    EXPECT_TRUE(name == "rank-0.json" || name == "all-ranks.json") << name << " left behind";
+  }
+  // A folder that does not exist: the error names the file.
+  try {
+    write_trace_file(dir + "/missing/config.toml", "x");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(dir + "/missing/config.toml"), std::string::npos)
+        << e.what();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// Device marker times (device_timer::marker_times, what resolve() makes of CUDA's elapsed
+// milliseconds): 70 s into a window, markers 1.2345 us apart stay 1.2345 us apart (to the
+// nanosecond's rounding). Measured from the window's start as a float of milliseconds they
+// would step by 7.8 us (a float's spacing above 2^16 ms).
+TEST(Trace, DeviceMarkerTimesKeepNanosecondsLateInALongWindow) {
+  const int64_t reference_ns = 123456789;
+  std::vector<float> elapsed_ms = {70000.0f};  // the first marker, 70 s after the reference
+  constexpr int kMarkers = 1000;
+  const float apart_ms = 0.0012345f;
+  for (int k = 0; k < kMarkers; ++k) elapsed_ms.push_back(apart_ms);
+  const std::vector<int64_t> ns = device_timer::marker_times(reference_ns, elapsed_ms);
+  ASSERT_EQ(ns.size(), elapsed_ms.size());
+  EXPECT_EQ(ns[0], reference_ns + int64_t{70000} * 1000000);
+  const double apart_ns = static_cast<double>(apart_ms) * 1e6;
+  for (int k = 1; k <= kMarkers; ++k) {
+    ASSERT_NEAR(static_cast<double>(ns[k] - ns[k - 1]), apart_ns, 1.0) << "marker " << k;
+  }
+  EXPECT_NEAR(static_cast<double>(ns.back() - ns[0]), kMarkers * apart_ns, 1.0);
 }
 
 }  // namespace
