@@ -27,15 +27,6 @@
 namespace meshtrain {
 namespace {
 
-// Keys --set may change: they leave the model and the data's meaning as they are.
-const char* const kAllowedSections[] = {"mesh.", "partition.", "runtime.", "mixed_precision."};
-const char* const kAllowedKeys[] = {"data.batch_size", "data.eval_batch_size", "data.prefetch",
-                                    "data.x_key", "data.y_key"};
-
-bool starts_with(const std::string& text, const char* prefix) {
-  return text.compare(0, std::strlen(prefix), prefix) == 0;
-}
-
 // The checkpoint file and its stored config, read on rank 0 and the same on every rank.
 struct Checkpoint {
   std::string file;
@@ -99,8 +90,8 @@ int64_t check_data(const RunConfig& config, const std::string& checkpoint) {
   }
   if (!shape.classification() && shape.target_width != outputs) {
     MESHTRAIN_BAD_INPUT(where, ": dataset '", y, "' has ", shape.target_width,
-                        " targets per row, but ", model, " predicts ", outputs,
-                        " (", residual ? "model.outputs" : "model.sizes[-1]", ")");
+                        " targets per row, but ", model, " predicts ", outputs, " (",
+                        residual ? "model.outputs" : "model.sizes[-1]", ")");
   }
   return shape.num_samples;
 }
@@ -126,7 +117,8 @@ RunConfig evaluation_config(const Checkpoint& checkpoint, const EvaluateArgs& ar
     resolved = config.mesh.resolve(world);
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::bad_input) throw;
-    MESHTRAIN_BAD_INPUT(e.what(), "; evaluate uses the checkpoint config's mesh: start it on "
+    MESHTRAIN_BAD_INPUT(e.what(),
+                        "; evaluate uses the checkpoint config's mesh: start it on "
                         "that many ranks, or give it another with --set mesh.AXIS=SIZE (a "
                         "checkpoint loads onto any mesh)");
   }
@@ -238,19 +230,7 @@ void print_report(std::FILE* out, const Checkpoint& checkpoint, const TrainingRu
 }  // namespace
 
 void check_evaluate_overrides(const std::vector<std::string>& overrides) {
-  for (const std::string& override_text : overrides) {
-    const std::string key = override_text.substr(0, override_text.find('='));
-    bool allowed = false;
-    for (const char* section : kAllowedSections) allowed = allowed || starts_with(key, section);
-    for (const char* name : kAllowedKeys) allowed = allowed || key == name;
-    if (!allowed) {
-      MESHTRAIN_BAD_INPUT("--set ", key,
-                          " is not allowed with evaluate: it would change the checkpoint's "
-                          "model or what its data means; evaluate takes --set of mesh.*, "
-                          "partition.*, runtime.*, mixed_precision.*, data.batch_size, "
-                          "data.eval_batch_size, data.prefetch, data.x_key and data.y_key");
-    }
-  }
+  check_overrides(overrides, ConfigCommand::evaluate);  // the schema says which keys
 }
 
 int evaluate_command(const EvaluateArgs& args) try {
