@@ -10,7 +10,8 @@
 //   - check_config (config_check.cpp): the same checks for a RunConfig made in code;
 //   - config_to_toml (config_writer.cpp), and docs/configs.md's key table (config_keys_markdown);
 //   - --set for every command (config_overrides.cpp): one parser, and each key's commands.
-// A key's value is checked here and nowhere else: code that uses a RunConfig trusts it.
+// What each type of value does (read, write, check) is config_values.cpp. A key's rules live
+// here only: code that uses a checked RunConfig trusts its values.
 //
 // Adding a key: its field in config.hpp's section struct (with its default) and one entry in
 // config_keys(); docs/configs.md's table is then regenerated (docs/configs.md says how).
@@ -201,10 +202,6 @@ struct ConfigKey {
   }
   ConfigKey& only_when(ReasonFn reason, const char* required_text = nullptr) {
     not_for = reason;
-    required = required_text;
-    return *this;
-  }
-  ConfigKey& needs(const char* required_text) {
     required = required_text;
     return *this;
   }
