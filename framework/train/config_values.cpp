@@ -318,9 +318,8 @@ std::optional<KeyProblem> check_key(const ConfigKey& key, const RunConfig& confi
       for (double entry : {(*v)->first, (*v)->second}) {
         const std::string words = range_words(key.range, entry, false);
         if (!found && !words.empty()) {
-          toml::array both{(*v)->first, (*v)->second};
-          found = problem("must each ", words.substr(std::string("must ").size()), ", got ",
-                          render_node(both));
+          found = problem("must each ", words.substr(std::string("must ").size()), ", got [",
+                          (*v)->first, ", ", (*v)->second, "]");
         }
       }
     }
