@@ -28,15 +28,6 @@
 namespace meshtrain {
 namespace {
 
-// Keys --set may change: they leave the model and the data's meaning as they are.
-const char* const kAllowedSections[] = {"mesh.", "partition.", "runtime.", "mixed_precision."};
-const char* const kAllowedKeys[] = {"data.batch_size", "data.eval_batch_size", "data.prefetch",
-                                    "data.x_key", "data.y_key"};
-
-bool starts_with(const std::string& text, const char* prefix) {
-  return text.compare(0, std::strlen(prefix), prefix) == 0;
-}
-
 // The checkpoint file and its stored config, read on rank 0 and the same on every rank.
 struct Checkpoint {
   std::string file;
@@ -261,19 +252,7 @@ void print_report(std::FILE* out, const Checkpoint& checkpoint, const TrainingRu
 }  // namespace
 
 void check_evaluate_overrides(const std::vector<std::string>& overrides) {
-  for (const std::string& override_text : overrides) {
-    const std::string key = override_text.substr(0, override_text.find('='));
-    bool allowed = false;
-    for (const char* section : kAllowedSections) allowed = allowed || starts_with(key, section);
-    for (const char* name : kAllowedKeys) allowed = allowed || key == name;
-    if (!allowed) {
-      MESHTRAIN_BAD_INPUT("--set ", key,
-                          " is not allowed with evaluate: it would change the checkpoint's "
-                          "model or what its data means; evaluate takes --set of mesh.*, "
-                          "partition.*, runtime.*, mixed_precision.*, data.batch_size, "
-                          "data.eval_batch_size, data.prefetch, data.x_key and data.y_key");
-    }
-  }
+  check_overrides(overrides, ConfigCommand::evaluate);  // the schema says which keys
 }
 
 int evaluate_command(const EvaluateArgs& args) try {

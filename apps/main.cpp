@@ -317,9 +317,9 @@ void add_evaluate_command(CLI::App& app, meshtrain::EvaluateArgs& args) {
   add_flight_dir_option(*evaluate, args.flight_dir);
   evaluate
       ->add_option("--set", args.overrides,
-                   "Override a key that leaves the model alone: mesh.*, partition.*, runtime.*, "
-                   "mixed_precision.*, data.batch_size, data.eval_batch_size, data.prefetch, "
-                   "data.x_key, data.y_key (repeatable)")
+                   "Override a key that leaves the model alone: " +
+                       meshtrain::overridable_keys(meshtrain::ConfigCommand::evaluate) +
+                       " (repeatable)")
       ->type_name("SECTION.KEY=VALUE")
       ->allow_extra_args(false)
       ->take_all();

@@ -76,6 +76,8 @@ int train_command(const std::string& config_path, const std::vector<std::string>
     const std::vector<std::string> lines = run.describe();
     std::printf("meshtrain train %s: %s\n", run.config().file.c_str(), lines.front().c_str());
     for (size_t i = 1; i < lines.size(); ++i) std::printf("%s\n", lines[i].c_str());
+    // What loading decided for the user: --set train.steps replacing the file's epochs.
+    for (const std::string& note : run.config().notes) std::printf("note: %s\n", note.c_str());
     std::fflush(stdout);
     // Mesh axes that split neither parameters nor rows: their ranks repeat each other's work.
     const ShardingPlan& plan = run.plan();

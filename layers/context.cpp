@@ -1,7 +1,6 @@
 #include "layers/context.hpp"
 
 #include <algorithm>
-#include <cmath>
 
 #include "base/error.hpp"
 
@@ -16,9 +15,6 @@ ParallelContext::ParallelContext(MeshCommunicators& comms, std::vector<std::stri
       matmul_(matmul),
       overlap_(overlap),
       bucket_mb_(bucket_mb) {
-  if (!(bucket_mb > 0) || !std::isfinite(bucket_mb)) {
-    MESHTRAIN_BAD_INPUT("runtime.bucket_mb must be a positive number of MiB, got ", bucket_mb);
-  }
   const LayerAxes axes = layer_axes_on(mesh(), {batch_axes_, feature_axis_});
   batch_axes_ = axes.batch;
   feature_axis_ = axes.feature;

@@ -54,8 +54,9 @@ DropoutLayer::DropoutLayer(double rate, int64_t layer, const std::string& name, 
       offset_(offset),
       dtype_(dtype),
       out_(name, rows, width) {
-  if (!(rate > 0.0 && rate < 1.0))
-    MESHTRAIN_BAD_INPUT("model.dropout = ", rate, " must be in (0, 1) for a dropout layer");
+  // model.dropout's range is the config's to check (framework/train/config_schema.cpp); the
+  // model makes a dropout layer only for a rate above 0.
+  MESHTRAIN_REQUIRE(rate > 0.0 && rate < 1.0, "DropoutLayer: rate ", rate, " is outside (0, 1)");
   MESHTRAIN_REQUIRE(layer >= 0 && layer < kDropoutMaxLayers, "dropout layer index ", layer,
                     " is outside [0, ", kDropoutMaxLayers, ")");
   MESHTRAIN_REQUIRE(offset + width <= (int64_t{1} << 32), "dropout: feature ", offset + width,

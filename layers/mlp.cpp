@@ -17,14 +17,6 @@ SpecLookup specs_from_plan(const ShardingPlan& plan) {
   return [&plan](const std::string& name) { return plan.find(name).spec; };
 }
 
-namespace {
-// A rate for a model built in code as well as from a config (check_config says it there).
-void check_dropout_rate(double dropout) {
-  if (!(dropout >= 0.0 && dropout < 1.0))
-    MESHTRAIN_BAD_INPUT("model.dropout = ", dropout, " must be in [0, 1)");
-}
-}  // namespace
-
 std::unique_ptr<Mlp> make_model(const ModelSection& model, const SpecLookup& spec_of,
                                 ParallelContext& context, int64_t local_rows) {
   if (model.kind == ModelKind::residual_mlp) {
@@ -43,7 +35,6 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
       compute_dtype_(context.precision().param) {
   allocate(mlp_parameter_shapes(sizes, moe), spec_of, context);  // checks sizes
   const size_t n = sizes.size() - 1;
-  check_dropout_rate(dropout);
   for (int64_t layer : moe.layers) {
     if (layer < 0 || layer + 1 >= static_cast<int64_t>(n)) {
       MESHTRAIN_BAD_INPUT("MoE layer ", layer, " is not a hidden layer of a model of ", n,
@@ -109,12 +100,10 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
       rows_(local_rows),
       compute_dtype_(context.precision().param) {
   allocate(residual_mlp_parameter_shapes(shape), spec_of, context);  // checks the sizes
-  check_dropout_rate(dropout);
-  if (shape.moe.any() && dropout > 0.0) {
-    MESHTRAIN_BAD_INPUT("model.dropout = ", dropout,
-                        " is not supported with moe_layers in a "
-                        "residual_mlp (the experts' hidden activations have no dropout)");
-  }
+  // The MoE blocks below have no dropout layer: the config refuses the two together
+  // (model.dropout, framework/train/config_schema.cpp); a model built in code must not ask.
+  MESHTRAIN_REQUIRE(!(shape.moe.any() && dropout > 0.0), "Mlp: dropout ", dropout,
+                    " with MoE blocks, which have no dropout");
   // Each layer takes the next parameters in parameters() order.
   size_t param = 0;
   auto next = [this, &param]() {

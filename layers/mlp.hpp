@@ -90,14 +90,15 @@ std::unique_ptr<Mlp> make_model(const ModelSection& model, const SpecLookup& spe
 class Mlp {
  public:
   // Throws bad_input for fewer than two sizes, a size below 1, or specs whose splits do
-  // not divide. Collective: every rank must construct the same model.
+  // not divide. Collective: every rank must construct the same model. `dropout`: a rate in
+  // [0, 1), model.dropout's range, which the config checks (check_config).
   Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLookup& spec_of,
       ParallelContext& context, int64_t local_rows, const MoeSettings& moe = {},
       double dropout = 0.0);
   // A residual_mlp of `shape` (partition/planner.hpp); `activation` inside the blocks (silu
   // for a gated shape; the experts' too in MoE blocks); `dropout` after each block's
-  // activation (or SwiGLU). Throws bad_input as the first constructor does, and for dropout
-  // beside MoE blocks.
+  // activation (or SwiGLU). Throws as the first constructor does; MoE blocks have no dropout
+  // (the config refuses dropout beside them).
   Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup& spec_of,
       ParallelContext& context, int64_t local_rows, double dropout = 0.0);
   Mlp(const Mlp&) = delete;

@@ -18,14 +18,6 @@
 namespace meshtrain {
 namespace {
 
-// The key of "section.key=value" (what precedes the first '=', spaces trimmed).
-std::string override_key(const std::string& override_text) {
-  std::string key = override_text.substr(0, override_text.find('='));
-  const auto first = key.find_first_not_of(" \t");
-  const auto last = key.find_last_not_of(" \t");
-  return first == std::string::npos ? std::string() : key.substr(first, last - first + 1);
-}
-
 bool in_section(const std::string& key, const char* section) {
   const std::string s = section;
   return key == s || key.rfind(s + ".", 0) == 0;
@@ -137,24 +129,7 @@ const std::string& predictor_detail::copy_rows_label() {
 }
 
 void check_prediction_overrides(const std::vector<std::string>& overrides) {
-  static const char* const kSections[] = {"mesh", "partition", "runtime", "mixed_precision"};
-  static const char* const kDataKeys[] = {
-      "data.batch_size", "data.eval_batch_size", "data.x_key",   "data.y_key",
-      "data.path",       "data.test_path",       "data.prefetch"};
-  for (const std::string& text : overrides) {
-    const std::string key = override_key(text);
-    if (key.empty()) continue;  // parse_config names the malformed override
-    const bool allowed =
-        std::any_of(std::begin(kSections), std::end(kSections),
-                    [&](const char* s) { return in_section(key, s); }) ||
-        std::find(std::begin(kDataKeys), std::end(kDataKeys), key) != std::end(kDataKeys);
-    if (!allowed) {
-      MESHTRAIN_BAD_INPUT("--set ", key, " cannot be changed when predicting from a checkpoint: ",
-                          "the model is the one the checkpoint holds; only mesh.*, partition.*, ",
-                          "runtime.*, mixed_precision.* and data.batch_size, eval_batch_size, ",
-                          "x_key, y_key, path, test_path and prefetch may be overridden");
-    }
-  }
+  check_overrides(overrides, ConfigCommand::predict);  // the schema says which keys
 }
 
 Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,

@@ -1169,7 +1169,8 @@ void TrainingRun::train_steps(RunSummary& summary) {
     if (steps_done_ == first_step + 1) report_memory("first_step", nullptr);
     const auto after_step = Clock::now();  // evaluation and saving are not training time
     const int64_t done = result.step;
-    const bool eval_now = config_.train.eval_every > 0 && done % config_.train.eval_every == 0;
+    const int64_t eval_every = config_.train.eval_interval(schedule_->steps_per_epoch());
+    const bool eval_now = eval_every > 0 && done % eval_every == 0;
     bool improved = false;
     if ((eval_now || done == total_steps_) && eval_schedule_.num_batches > 0) {
       summary.last_eval = evaluate();

@@ -168,3 +168,27 @@ meshtrain_cli_test(residual_inputs_do_not_fit_data 2
 meshtrain_cli_test(plan_residual_norms 0 -
   --stdout "blocks/0/norm: rmsnorm 256 features \\(split 128 over tp\\), statistics all-reduced over \\(tp\\)"
   -- ${_meshtrain} plan ${_configs}/fashion_mnist_residual.toml --world 4)
+
+# One --set parser for every command (issue 36, defect 13): evaluate takes an override with
+# spaces around '=' as predict, train and the config do, and gets as far as the checkpoint
+# (which does not exist); evaluate used to refuse "data.batch_size " as a key it does not take.
+meshtrain_cli_test(evaluate_set_with_spaces 2
+  "^meshtrain: error: checkpoint '.*no_such_checkpoint\\.h5' does not exist"
+  -- ${_meshtrain} evaluate ${CMAKE_CURRENT_BINARY_DIR}/no_such_checkpoint.h5
+     --data ${CMAKE_CURRENT_BINARY_DIR}/no_such_data.h5 --set "data.batch_size = 8")
+meshtrain_cli_test(predict_set_with_spaces 2
+  "^meshtrain: error: checkpoint '.*no_such_checkpoint\\.h5' does not exist"
+  -- ${_meshtrain} predict ${CMAKE_CURRENT_BINARY_DIR}/no_such_checkpoint.h5
+     --input ${CMAKE_CURRENT_BINARY_DIR}/no_such_data.h5
+     --output ${CMAKE_CURRENT_BINARY_DIR}/no_such_predictions.h5 --set "data.batch_size = 8")
+meshtrain_cli_test(evaluate_set_refuses_model_key 2
+  "^meshtrain: error: --set model\\.sizes is not allowed with evaluate: .* evaluate takes --set of mesh\\.\\*, partition\\.\\*, data\\.batch_size"
+  -- ${_meshtrain} evaluate ${CMAKE_CURRENT_BINARY_DIR}/no_such_checkpoint.h5
+     --data ${CMAKE_CURRENT_BINARY_DIR}/no_such_data.h5 --set "model.sizes = [4, 2]")
+# --set train.steps replaces the file's train.epochs, and the run says so in one line (issue
+# 36, defect 21).
+meshtrain_cli_test(train_steps_replaces_epochs 0 -
+  --stdout "^note: --set train\\.steps = 2 replaces train\\.epochs = 10 of .*fashion_mnist_dp\\.toml$"
+  -- ${_meshtrain} train ${_configs}/fashion_mnist_dp.toml --set "model.sizes=[784, 16, 10]"
+     --set train.steps=2 --set train.log_every=1
+     --set run.output_dir=${CMAKE_CURRENT_BINARY_DIR}/cli_runs/train_steps_replaces_epochs)

@@ -1,5 +1,6 @@
 // The run config's entry points: parse_config parses the TOML, applies the --set overrides
-// (config_overrides.cpp) and reads every key (config_reader.cpp); load_config reads the file.
+// (config_overrides.cpp) and reads every key (config_reader.cpp), all by the schema
+// (config_schema.hpp); load_config reads the file.
 
 #include "framework/train/config.hpp"
 
@@ -10,7 +11,7 @@
 #include <sstream>
 
 #include "base/error.hpp"
-#include "framework/train/config_toml.hpp"
+#include "framework/train/config_schema.hpp"
 
 namespace meshtrain {
 namespace {
@@ -78,8 +79,10 @@ Mesh MeshSection::resolve(int world_size) const {
 RunConfig parse_config(const std::string& text, const std::string& file,
                        const std::vector<std::string>& overrides) {
   toml::table root = parse_toml(text, file);
-  apply_overrides(root, overrides, file);
-  return read_config(root, file);
+  std::vector<std::string> notes = apply_overrides(root, overrides, file);
+  RunConfig config = read_config(root, file);
+  config.notes = std::move(notes);
+  return config;
 }
 
 int64_t training_steps(const RunConfig& config, int64_t steps_per_epoch) {

@@ -2,8 +2,11 @@
 // A run, as described by a TOML file (docs/design.md, "Configuration (TOML)"). Plain data:
 // load_config() parses and checks every key, so the rest of the program can trust these values.
 // Every named option is an enum of framework/core/choices.hpp, read from its name once, by the
-// reader. The reader is config_reader.cpp, the --set overrides config_overrides.cpp, the writer
-// (config_to_toml) config_writer.cpp, the checks of a config made in code config_check.cpp.
+// reader. Every key is described once, in the schema (framework/train/config_schema.cpp: its
+// type, range or choices, meaning and which commands may --set it); the TOML reader
+// (config_reader.cpp), the checks of a config made in code (config_check.cpp), the writer
+// (config_writer.cpp), the --set overrides (config_overrides.cpp) and docs/configs.md's key
+// table all come from it. A key is added there, beside its field in the sections below.
 
 #include <cstdint>
 #include <map>
@@ -121,12 +124,20 @@ struct TrainSection {
   std::optional<int64_t> steps;
   int64_t log_every = 50;
   int64_t eval_every = 0;  // 0 = only at the end
+  // train.eval_every = "epoch": evaluate at the end of every epoch (eval_every is then 0).
+  bool eval_each_epoch = false;
   // Micro-batches of data.batch_size per optimizer step: the global batch of a step is
   // accumulation_steps x data.batch_size.
   int64_t accumulation_steps = 1;
   // Stop after this many evaluations in a row without improvement (of checkpoint.keep_best's
   // metric, else the test loss); 0 = never. Needs train.eval_every.
   int64_t early_stopping = 0;
+
+  // Steps between evaluations during the run (0: none before the end).
+  int64_t eval_interval(int64_t steps_per_epoch) const {
+    return eval_each_epoch ? steps_per_epoch : eval_every;
+  }
+  bool evaluates_during_run() const { return eval_each_epoch || eval_every > 0; }
 };
 
 struct CheckpointSection {
@@ -191,6 +202,9 @@ struct MixedPrecisionSection {
 struct RunConfig {
   std::string file;  // where it was read from (for messages); empty when made in code
   std::string text;  // the TOML text after --set overrides (stored in checkpoints)
+  // What loading decided that the user should hear about, one line each: an override of
+  // train.steps that replaced the file's train.epochs (or the other way round).
+  std::vector<std::string> notes;
   RunSection run;
   MeshSection mesh;
   ModelSection model;
@@ -222,7 +236,7 @@ std::string config_to_toml(const RunConfig& config);
 // cross_entropy otherwise. model.sizes has at least two entries and train has at most one
 // of epochs and steps (planning needs neither; training_steps() asks for one). An override
 // of train.steps drops the file's train.epochs (and the other way round) unless both are
-// overridden.
+// overridden; config.notes then says so.
 
 // The length of the training run in optimizer steps: train.steps, or train.epochs times
 // `steps_per_epoch`. Only training needs it: bad_input naming the file and [train] when
@@ -241,17 +255,28 @@ void check_config(RunConfig& config);
 // 64-bit integers. Part of check_config and of load_config / parse_config.
 void check_config_products(const RunConfig& config);
 
-// What is wrong with the MoE keys of [model] (moe_layers, experts, top_k, aux_loss_coef, the
-// first four against model.sizes) and with model.dropout: the key, the moe_layers entry it is about
-// (when it is one) and the words that follow the key ("entry 2 is not a hidden layer: ..."). The
-// one check of these keys: the TOML reader reports it at the key's line, check_config after
-// "model.".
-struct ModelKeyProblem {
-  std::string key;
-  std::optional<size_t> entry;  // index into model.moe_layers
-  std::string message;
-};
-std::optional<ModelKeyProblem> moe_settings_problem(const ModelSection& model);
+// The commands that read a run config. Which keys each may change with --set is part of the
+// schema: train, plan and calibrate any; predict and evaluate, which read a checkpoint's
+// config, only those that leave the checkpoint's model and the meaning of its data alone.
+enum class ConfigCommand { train, plan, calibrate, predict, evaluate };
+const char* to_string(ConfigCommand command);
+
+// The key an override "section.key=value" names ("section.key", or "section.key.member" for a
+// member of a table key), spaces around it trimmed: what --set was given, for every command
+// the same way. "" when the text has no '='.
+std::string override_key(const std::string& override_text);
+
+// The keys `command` may change with --set, whole sections as "mesh.*": "mesh.*, partition.*,
+// data.batch_size, ..." (the commands' help and messages).
+std::string overridable_keys(ConfigCommand command);
+
+// Throws bad_input naming the first override whose key `command` may not change, and the keys
+// it may. Malformed overrides and unknown keys are left to parse_config, which names the file.
+void check_overrides(const std::vector<std::string>& overrides, ConfigCommand command);
+
+// The key table of docs/configs.md (Markdown), from the schema; config_test compares the page
+// with it.
+std::string config_keys_markdown();
 
 // The rules of a run: the user's [partition] rules first (replicate_if_indivisible=false),
 // then the preset's rules (if any). No rules and no preset: bad_input naming [partition]

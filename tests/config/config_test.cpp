@@ -5,13 +5,21 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <set>
 #include <sstream>
 #include <utility>
 
+#include "framework/train/config_schema.hpp"
 #include "tests/source_dir.hpp"
 #include "tests/test_support.hpp"
 
@@ -717,6 +725,181 @@ TEST(Config, DropoutOutsideItsRangeIsRefusedAtTheKey) {
         {"t.toml", "dropout", "must be in [0, 1)"});
   }
   expect_config_error(minimal(), {"model.dropout", "must be in [0, 1)"}, {"model.dropout=1"});
+}
+
+// Every config in configs/ written with config_to_toml reads back to the same value of every
+// key of the schema (what a run made in code stores in its checkpoints).
+TEST(Config, EveryShippedConfigWritesAndReadsBackEqual) {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(source_dir() + "/configs")) {
+    if (entry.path().extension() != ".toml") continue;
+    SCOPED_TRACE(entry.path().string());
+    ++count;
+    const RunConfig loaded = load_config(entry.path().string());
+    const std::string written = config_to_toml(loaded);
+    const RunConfig again = parse_config(written, "written.toml");
+    for (const ConfigKey& key : config_keys()) {
+      EXPECT_TRUE(same_value(key, loaded, again))
+          << key.section << "." << key.name << " differs after writing:\n"
+          << written;
+    }
+    EXPECT_EQ(config_to_toml(again), written);
+  }
+  EXPECT_GE(count, 5);
+}
+
+// same_value tells a key's value from its default for every key kEveryKey sets (so the round
+// trip above compares every key).
+TEST(Config, SameValueTellsEveryKeyFromItsDefault) {
+  const RunConfig every = parse(kEveryKey);
+  const toml::table file = toml::parse(kEveryKey);
+  int compared = 0;
+  for (const ConfigKey& key : config_keys()) {
+    const std::string name = std::string(key.section) + "." + key.name;
+    if (!file[key.section][key.name]) continue;
+    // kEveryKey writes these at their defaults.
+    if (name == "model.kind" || name == "mesh.ep" || name == "mesh.sp") continue;
+    ++compared;
+    EXPECT_FALSE(same_value(key, every, RunConfig{})) << name;
+  }
+  EXPECT_GE(compared, 45);
+}
+
+// A config made in code gets the reader's checks: every number key refuses infinity and NaN,
+// from a file and from code alike (check_config once let a non-finite eps or weight decay
+// through that the reader refused).
+TEST(Config, NonFiniteNumbersAreRefusedFromFilesAndFromCode) {
+  int numbers = 0;
+  for (const ConfigKey& key : config_keys()) {
+    RunConfig probe;
+    if (!key.at || !std::holds_alternative<double*>(key.at(probe))) continue;
+    ++numbers;
+    const std::string name = std::string(key.section) + "." + key.name;
+    for (const double bad :
+         {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+      SCOPED_TRACE(name + " = " + std::to_string(bad));
+      const std::string text = std::isnan(bad) ? "nan" : "inf";
+      expect_config_error(minimal(), {"[" + std::string(key.section) + "] " + key.name, "finite"},
+                          {name + "=" + text});
+      RunConfig in_code = parse(minimal());
+      *std::get<double*>(key.at(in_code)) = bad;
+      expect_bad_input([&] { check_config(in_code); }, {name, "finite"});
+    }
+  }
+  EXPECT_GE(numbers, 10);
+}
+
+// train.eval_every takes steps or "epoch" (issue 36, defect 21); the writer gives it back.
+TEST(Config, EvalEveryTakesEpoch) {
+  const RunConfig steps = parse(minimal("eval_every = 7\n"));
+  EXPECT_EQ(steps.train.eval_every, 7);
+  EXPECT_FALSE(steps.train.eval_each_epoch);
+  EXPECT_EQ(steps.train.eval_interval(100), 7);
+  const RunConfig epoch = parse(minimal("eval_every = \"epoch\"\n"));
+  EXPECT_TRUE(epoch.train.eval_each_epoch);
+  EXPECT_EQ(epoch.train.eval_every, 0);
+  EXPECT_EQ(epoch.train.eval_interval(100), 100);
+  EXPECT_TRUE(parse_config(config_to_toml(epoch), "again.toml").train.eval_each_epoch);
+  EXPECT_TRUE(parse(minimal(), {"train.eval_every=epoch"}).train.eval_each_epoch);
+  // Early stopping needs evaluations during the run: "epoch" gives them.
+  EXPECT_EQ(parse(minimal("eval_every = \"epoch\"\nearly_stopping = 2\n")).train.early_stopping, 2);
+  expect_config_error(minimal("eval_every = \"epochs\"\n"),
+                      {"t.toml:5", "[train] eval_every", "\"epoch\"", "epochs"});
+  expect_config_error(minimal("eval_every = 1.5\n"), {"t.toml:5", "[train] eval_every"});
+}
+
+// An override of train.steps that replaces the file's epochs says so (issue 36, defect 21).
+TEST(Config, AnOverrideThatReplacesEpochsLeavesANote) {
+  const std::string text = "[model]\nsizes = [4, 2]\n[train]\nepochs = 3\n";
+  const RunConfig steps = parse(text, {"train.steps=20"});
+  ASSERT_EQ(steps.notes.size(), 1u);
+  EXPECT_EQ(steps.notes[0], "--set train.steps = 20 replaces train.epochs = 3 of t.toml");
+  const RunConfig epochs = parse(minimal(), {"train.epochs = 2"});
+  ASSERT_EQ(epochs.notes.size(), 1u);
+  EXPECT_EQ(epochs.notes[0], "--set train.epochs = 2 replaces train.steps = 5 of t.toml");
+  EXPECT_TRUE(parse(minimal(), {"train.steps=9"}).notes.empty());  // nothing replaced
+  EXPECT_TRUE(parse(text).notes.empty());
+}
+
+// One override parser for every command (issue 36, defect 13): spaces around the key and the
+// value are accepted by the config and by the check of each command's keys alike; predict and
+// evaluate refuse keys that would change the checkpoint's model, naming the key.
+TEST(Config, EveryCommandParsesOverridesTheSameWay) {
+  const std::vector<std::string> spaced = {"data.batch_size = 8", " mesh.tp =2",
+                                           "partition.logical_axes.batch = [\"dp\"]"};
+  for (ConfigCommand command : {ConfigCommand::train, ConfigCommand::plan, ConfigCommand::calibrate,
+                                ConfigCommand::predict, ConfigCommand::evaluate}) {
+    SCOPED_TRACE(to_string(command));
+    EXPECT_NO_THROW(check_overrides(spaced, command));
+  }
+  const RunConfig c = parse(minimal(), spaced);
+  EXPECT_EQ(c.data.batch_size, 8);
+  EXPECT_EQ(c.mesh.resolve(2).axis_size("tp"), 2);
+  EXPECT_EQ(override_key("  data.batch_size = 8"), "data.batch_size");
+  EXPECT_EQ(override_key("partition . logical_axes.batch=[]"), "partition.logical_axes.batch");
+  EXPECT_EQ(override_key("no equals sign"), "");
+
+  expect_bad_input([] { check_overrides({"model.sizes = [4, 2]"}, ConfigCommand::evaluate); },
+                   {"--set model.sizes is not allowed with evaluate", "mesh.*", "data.batch_size"});
+  expect_bad_input([] { check_overrides({"model.sizes=[4, 2]"}, ConfigCommand::predict); },
+                   {"--set model.sizes", "cannot be changed", "data.path"});
+  // data.path: predict reads its inputs from it, evaluate takes them from --data.
+  EXPECT_NO_THROW(check_overrides({"data.path = a.h5"}, ConfigCommand::predict));
+  expect_bad_input([] { check_overrides({"data.path = a.h5"}, ConfigCommand::evaluate); },
+                   {"--set data.path is not allowed with evaluate"});
+  EXPECT_NO_THROW(check_overrides({"model.sizes=[4, 2]"}, ConfigCommand::train));
+  // Malformed overrides and unknown keys are parse_config's to name, with the file.
+  EXPECT_NO_THROW(check_overrides({"lr", "optimizer.lrr=1"}, ConfigCommand::evaluate));
+}
+
+// Every key has a one-line meaning, and the keys of a section are listed once.
+TEST(ConfigSchema, EveryKeyIsDescribedOnce) {
+  std::set<std::string> names;
+  for (const ConfigKey& key : config_keys()) {
+    const std::string name = std::string(key.section) + "." + key.name;
+    EXPECT_TRUE(names.insert(name).second) << name << " is listed twice";
+    EXPECT_NE(std::string(key.doc), "") << name;
+    EXPECT_TRUE(key.at || (key.read && key.write)) << name << ": no way to read it";
+    const std::vector<std::string> sections = config_section_names();
+    EXPECT_NE(std::find(sections.begin(), sections.end(), key.section), sections.end()) << name;
+  }
+}
+
+// The key table of docs/configs.md is the schema's (config_keys_markdown). With
+// MESHTRAIN_UPDATE_DOCS=1 the test writes the table into the page instead.
+TEST(ConfigDocs, TheKeyTableOfConfigsMdIsTheSchemas) {
+  const std::string path = source_dir() + "/docs/configs.md";
+  const std::string page = read_file(path);
+  const std::string begin_mark = "<!-- config keys: begin";
+  const std::string end_mark = "<!-- config keys: end -->";
+  const size_t begin = page.find(begin_mark);
+  const size_t end = page.find(end_mark);
+  ASSERT_NE(begin, std::string::npos) << path << " has no '" << begin_mark << "' line";
+  ASSERT_NE(end, std::string::npos) << path << " has no '" << end_mark << "' line";
+  const size_t table_begin = page.find('\n', begin) + 1;
+  const std::string table = page.substr(table_begin, end - table_begin);
+  const std::string schema = config_keys_markdown() + "\n";
+  const char* update = std::getenv("MESHTRAIN_UPDATE_DOCS");
+  if (update && std::string(update) == "1" && table != schema) {
+    std::ofstream out(path, std::ios::trunc);
+    out << page.substr(0, table_begin) << schema << page.substr(end);
+    ASSERT_TRUE(out.good()) << "cannot write " << path;
+    std::cout << "rewrote the key table of " << path << "\n";
+    return;
+  }
+  if (table == schema) return;
+  // The first line that differs, not two pages of table.
+  std::istringstream page_lines(table), schema_lines(schema);
+  std::string in_page, in_schema;
+  int line = 0;
+  while (std::getline(page_lines, in_page) && std::getline(schema_lines, in_schema) &&
+         in_page == in_schema) {
+    ++line;
+  }
+  ADD_FAILURE() << "docs/configs.md's key table differs from the schema at its line " << line + 1
+                << ":\n  page:   " << in_page << "\n  schema: " << in_schema
+                << "\nrewrite it with MESHTRAIN_UPDATE_DOCS=1 build/bin/config_test "
+                   "--gtest_filter='ConfigDocs.*'";
 }
 
 }  // namespace

@@ -1282,6 +1282,38 @@ TEST(TrainingRun, EarlyStoppingStopsEveryRankAtTheSameStep) {
   if (world_rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// train.eval_every = "epoch" (issue 36, defect 21): an evaluation at the end of every epoch
+// (64 rows in batches of 16 over 2 micro-batches: 2 steps an epoch) and at the end, each the
+// same as with eval_every = 2 steps, on every mesh of the test's ranks.
+TEST(TrainingRun, EvalEveryEpochEvaluatesAtEachEpochEnd) {
+  const int n = world_size();
+  const std::string dir = fresh_run_dir("eval_every_epoch");
+  const auto evaluations = [&](bool each_epoch, int64_t every) {
+    RunConfig config = small_config({{"fsdp", n}}, "fsdp");
+    config.run.output_dir = dir;
+    config.checkpoint.dir = dir + "/checkpoints";
+    config.checkpoint.async = false;
+    config.train.accumulation_steps = 2;
+    config.train.steps = 7;
+    config.train.eval_each_epoch = each_epoch;
+    config.train.eval_every = every;
+    std::vector<std::pair<int64_t, double>> seen;
+    RunEvents events;
+    events.on_eval = [&](const EvalEvent& e) { seen.emplace_back(e.step, e.test_loss); };
+    TrainingRun run(config, events);
+    EXPECT_EQ(run.schedule().steps_per_epoch(), 2);
+    run.train();
+    check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+    if (world_rank() == 0) std::filesystem::remove_all(dir);
+    return seen;
+  };
+  const auto by_epoch = evaluations(true, 0);
+  std::vector<int64_t> steps;
+  for (const auto& [step, loss] : by_epoch) steps.push_back(step);
+  EXPECT_EQ(steps, (std::vector<int64_t>{2, 4, 6, 7}));
+  EXPECT_EQ(by_epoch, evaluations(false, 2));  // the same evaluations, to the bit
+}
+
 TEST(TrainingRun, BadInputIsAgreedAndNamesTheKey) {
   RunConfig config = small_config({{"fsdp", -1}}, "fsdp");
   config.data.batch_size = 0;
