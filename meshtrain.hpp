@@ -13,7 +13,7 @@
 
 #include "framework/comm/backend.hpp"
 #include "framework/comm/failure_agreement.hpp"
-#include "framework/comm/flight_recorder.hpp"
+#include "framework/observe/flight_recorder.hpp"
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"

@@ -31,13 +31,13 @@
 #include "apps/train.hpp"
 #include "base/error.hpp"
 #include "framework/comm/exit_policy.hpp"
-#include "framework/comm/flight_report.hpp"
+#include "framework/observe/flight_report.hpp"
 #include "framework/core/version.hpp"
 #include "framework/io/checkpoint_report.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/hardware_file.hpp"
 #include "framework/train/plan_report.hpp"
-#include "framework/train/trace_report.hpp"
+#include "framework/observe/trace_report.hpp"
 
 namespace {
 

@@ -25,7 +25,7 @@
 #include "base/error.hpp"
 #include "framework/comm/exit_policy.hpp"
 #include "framework/comm/failure_agreement.hpp"
-#include "framework/comm/flight_recorder.hpp"
+#include "framework/observe/flight_recorder.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/io/batch_stream.hpp"
 #include "framework/io/hdf5_util.hpp"

@@ -20,7 +20,7 @@
 
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/comm/exit_policy.hpp"
-#include "framework/comm/flight_recorder.hpp"
+#include "framework/observe/flight_recorder.hpp"
 
 namespace {
 

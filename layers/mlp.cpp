@@ -6,7 +6,7 @@
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
-#include "framework/core/trace.hpp"
+#include "framework/observe/trace.hpp"
 #include "framework/train/config.hpp"
 #include "layers/residual_block.hpp"
 #include "layers/swiglu.hpp"

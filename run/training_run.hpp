@@ -38,7 +38,7 @@
 #include "framework/comm/failure_agreement.hpp"  // AgreedError
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/comm/progress_thread.hpp"
-#include "framework/core/memory_tracker.hpp"
+#include "framework/observe/memory_tracker.hpp"
 #include "framework/io/batch_stream.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
@@ -215,7 +215,7 @@ class TrainingRun {
   // with the data path's bytes measured where the data was given in code.
   const PlannedMemory& planned_memory() const { return planned_memory_; }
   // Collective, outside a step: every rank's memory now (Kokkos allocations since the run was
-  // built, through framework/core/memory_tracker.hpp; the resident set) against the plan, the
+  // built, through framework/observe/memory_tracker.hpp; the resident set) against the plan, the
   // largest live allocations of the rank furthest above it, each with the plan item it
   // belongs to, and whether that rank is over the plan (below). The same event on every rank.
   // train() calls it after its first step ("first_step") and at its end ("end").

@@ -57,12 +57,12 @@ check_cxx_source_compiles("int main() { return 0; }" MESHTRAIN_HAVE_TSAN)
 unset(CMAKE_REQUIRED_FLAGS)
 unset(CMAKE_REQUIRED_LINK_OPTIONS)
 if(MESHTRAIN_HAVE_TSAN)
-  # The thread records its spans through the tracer (framework/core/trace.cpp, and
+  # The thread records its spans through the tracer (framework/observe/trace.cpp, and
   # device_timer.cpp's host branch): compiled in as well, so its lanes are checked too.
   add_executable(comm_progress_thread_tsan comm/progress_thread_tsan.cpp
                  ${PROJECT_SOURCE_DIR}/framework/comm/progress_thread.cpp
-                 ${PROJECT_SOURCE_DIR}/framework/core/trace.cpp
-                 ${PROJECT_SOURCE_DIR}/framework/core/device_timer.cpp)
+                 ${PROJECT_SOURCE_DIR}/framework/observe/trace.cpp
+                 ${PROJECT_SOURCE_DIR}/framework/observe/device_timer.cpp)
   target_include_directories(comm_progress_thread_tsan PRIVATE ${PROJECT_SOURCE_DIR}
     $<TARGET_PROPERTY:meshtrain::kokkos,INTERFACE_INCLUDE_DIRECTORIES>)
   target_compile_options(comm_progress_thread_tsan PRIVATE -fsanitize=thread -O1 -g)
@@ -76,7 +76,7 @@ if(MESHTRAIN_HAVE_TSAN)
                "TSAN_OPTIONS=halt_on_error=1 exitcode=66")
 endif()
 
-# The flight recorder (framework/comm/flight_recorder.hpp): the record holds exactly the
+# The flight recorder (framework/observe/flight_recorder.hpp): the record holds exactly the
 # collectives run, wraps after its capacity, and SIGUSR1 writes it while the program goes on;
 # the program's own SIGTERM/SIGUSR1 handlers are chained and restored; configure() waits for
 # a write in progress; the wait-chain analysis (find_hang_roots) on synthetic records.

@@ -10,12 +10,12 @@
 #include <string>
 #include <vector>
 
-#include "framework/comm/flight_recorder.hpp"
+#include "framework/observe/flight_recorder.hpp"
 #include "framework/comm/slot_pool.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
-#include "framework/core/trace.hpp"
+#include "framework/observe/trace.hpp"
 #include "partition/collectives.hpp"
 
 namespace meshtrain {

@@ -48,7 +48,7 @@
 #include "base/dtype.hpp"
 #include "base/error.hpp"
 #include "framework/core/precision.hpp"
-#include "framework/core/trace.hpp"
+#include "framework/observe/trace.hpp"
 #include "framework/core/views.hpp"
 
 namespace meshtrain {

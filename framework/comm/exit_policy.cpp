@@ -6,7 +6,7 @@
 #include <cstdlib>
 
 #include "base/error.hpp"
-#include "framework/comm/flight_recorder.hpp"
+#include "framework/observe/flight_recorder.hpp"
 
 namespace meshtrain {
 

@@ -10,7 +10,7 @@
 
 #include "base/error.hpp"
 #include "framework/comm/communicator.hpp"  // collective_timeout_from_env, checked_int
-#include "framework/core/trace.hpp"
+#include "framework/observe/trace.hpp"
 
 namespace meshtrain {
 

@@ -4,7 +4,7 @@
 
 #include <chrono>
 
-#include "framework/core/trace.hpp"
+#include "framework/observe/trace.hpp"
 
 namespace meshtrain {
 

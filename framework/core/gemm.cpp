@@ -9,7 +9,7 @@
 #include "framework/core/backends/gemm_backend.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
-#include "framework/core/trace.hpp"
+#include "framework/observe/trace.hpp"
 
 #if defined(KOKKOS_ENABLE_CUDA)
 #define MESHTRAIN_GEMM_HAS_CUDA true

@@ -4,7 +4,7 @@
 #include <cstring>
 
 #include "base/error.hpp"
-#include "framework/core/trace.hpp"
+#include "framework/observe/trace.hpp"
 #include "framework/core/view_ops.hpp"
 
 namespace meshtrain {

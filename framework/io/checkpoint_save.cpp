@@ -35,7 +35,7 @@
 #include "framework/comm/communicator.hpp"  // checked_int
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
-#include "framework/core/trace.hpp"
+#include "framework/observe/trace.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/checkpoint_checksums.hpp"
 #include "framework/io/checkpoint_comm.hpp"

@@ -179,11 +179,11 @@ struct RuntimeSection {
   // core is free for it; want_comm_thread in framework/comm/runtime.hpp).
   CommThreadChoice comm_thread = CommThreadChoice::automatic;
   // Steps [first, last] (1-based, inclusive) to record on every rank as a Chrome/Perfetto
-  // trace in <output_dir>/trace/ (framework/core/trace.hpp); {0, 0}: none.
+  // trace in <output_dir>/trace/ (framework/observe/trace.hpp); {0, 0}: none.
   int64_t trace_first = 0;
   int64_t trace_last = 0;
   bool traces() const { return trace_first > 0; }
-  // The collectives each rank's flight recorder keeps (framework/comm/flight_recorder.hpp),
+  // The collectives each rank's flight recorder keeps (framework/observe/flight_recorder.hpp),
   // written to <output_dir>/flight/ on a timeout, a failure, SIGUSR1 or SIGTERM; 0: off.
   // At most kMaxFlightRecords (a million entries are about 80 MiB a rank: more is a typo).
   static constexpr int64_t kMaxFlightRecords = int64_t{1} << 20;

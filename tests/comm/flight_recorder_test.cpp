@@ -1,4 +1,4 @@
-// The flight recorder (framework/comm/flight_recorder.hpp): it holds exactly the collectives
+// The flight recorder (framework/observe/flight_recorder.hpp): it holds exactly the collectives
 // this rank ran (operation, per-group sequence, the operand's bytes in the wire dtype, wire,
 // state), wraps after its capacity, writes a file that reads back the same, and SIGUSR1
 // writes it while the program goes on. The program's own SIGTERM and SIGUSR1 handlers (plain,
@@ -32,8 +32,8 @@
 #include <vector>
 
 #include "framework/comm/backends/mpi_communicator.hpp"
-#include "framework/comm/flight_recorder.hpp"
-#include "framework/comm/flight_report.hpp"
+#include "framework/observe/flight_recorder.hpp"
+#include "framework/observe/flight_report.hpp"
 #include "tests/test_support.hpp"
 
 namespace meshtrain {

@@ -1,5 +1,5 @@
 // Memory against the plan (issue 28 item 4): the Kokkos allocation tracker
-// (framework/core/memory_tracker.hpp) against Views of known sizes, beside another tool
+// (framework/observe/memory_tracker.hpp) against Views of known sizes, beside another tool
 // callback and after one replaced it; and train()'s memory records: after the first step and at
 // the end, one figure per rank, at least the plan's parameter and optimizer-state bytes of the
 // rank and within kPlanFactor of the plan's Kokkos bytes, the same in metrics.jsonl as in the
@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "framework/core/memory_tracker.hpp"
+#include "framework/observe/memory_tracker.hpp"
 #include "framework/core/views.hpp"
 #include "run/training_run.hpp"
 #include "tests/test_support.hpp"

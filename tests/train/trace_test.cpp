@@ -1,4 +1,4 @@
-// [runtime] trace_steps (framework/core/trace.hpp, issue 28 item 1): a TrainingRun traced
+// [runtime] trace_steps (framework/observe/trace.hpp, issue 28 item 1): a TrainingRun traced
 // over steps 2 and 3 writes one Chrome trace event file per rank and a merged one. Checked
 // here on rank 0, for dp, fsdp and tp (and fsdp with overlap): the files are JSON Perfetto
 // reads (every span a complete "X" event, one track per rank, named), timestamps do not go
@@ -24,11 +24,11 @@
 #include <utility>
 #include <vector>
 
-#include "framework/core/device_timer.hpp"
-#include "framework/core/trace.hpp"
+#include "framework/observe/device_timer.hpp"
+#include "framework/observe/trace.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/plan_report.hpp"
-#include "framework/train/trace_report.hpp"
+#include "framework/observe/trace_report.hpp"
 #include "run/training_run.hpp"
 #include "tests/test_support.hpp"
 
@@ -177,7 +177,7 @@ void check_track(const Json& events, int rank,
   for (const auto& [id, count] : flow_starts) EXPECT_EQ(count, 1) << "flow " << id;
 }
 
-// The trace report (framework/train/trace_report.hpp) against the same figures computed
+// The trace report (framework/observe/trace_report.hpp) against the same figures computed
 // here from the merged file, rank by rank: step, data wait, exposed and overlapped
 // communication, idle, compute (the rest), the overlapped fraction, and each collective
 // kind's count and seconds per step where the report puts it.

@@ -13,7 +13,7 @@
 
 #include <Kokkos_Core.hpp>
 
-#include "framework/comm/flight_recorder.hpp"
+#include "framework/observe/flight_recorder.hpp"
 #include "framework/core/exec_space.hpp"
 
 namespace meshtrain {

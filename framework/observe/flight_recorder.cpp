@@ -1,4 +1,4 @@
-#include "framework/comm/flight_recorder.hpp"
+#include "framework/observe/flight_recorder.hpp"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -17,7 +17,7 @@
 #include <thread>
 
 #include "base/error.hpp"
-#include "framework/comm/flight_report.hpp"
+#include "framework/observe/flight_report.hpp"
 
 namespace meshtrain {
 

@@ -1,6 +1,6 @@
 #pragma once
 // What a traced run's steps spent their time on, from the files [runtime] trace_steps writes
-// (framework/core/trace.hpp), beside the cost model's prediction: `meshtrain trace-report`.
+// (framework/observe/trace.hpp), beside the cost model's prediction: `meshtrain trace-report`.
 //
 // Per rank, each traced step splits into
 //   data wait      the "data wait" spans;

@@ -21,7 +21,7 @@
 #include <thread>
 #include <vector>
 
-#include "framework/core/device_timer.hpp"
+#include "framework/observe/device_timer.hpp"
 
 namespace meshtrain {
 

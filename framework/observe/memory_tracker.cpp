@@ -1,4 +1,4 @@
-#include "framework/core/memory_tracker.hpp"
+#include "framework/observe/memory_tracker.hpp"
 
 #include <fcntl.h>
 #include <sys/resource.h>

@@ -1,4 +1,4 @@
-#include "framework/train/trace_report.hpp"
+#include "framework/observe/trace_report.hpp"
 
 #include <algorithm>
 #include <filesystem>

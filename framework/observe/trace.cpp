@@ -1,4 +1,4 @@
-#include "framework/core/trace.hpp"
+#include "framework/observe/trace.hpp"
 
 #include <algorithm>
 #include <cerrno>

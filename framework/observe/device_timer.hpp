@@ -8,7 +8,7 @@
 // after a fence of the device space, so that the CPU tests read the device track a GPU build
 // writes.
 //
-// Used by the tracing thread only (framework/core/trace.hpp).
+// Used by the tracing thread only (framework/observe/trace.hpp).
 
 #include <cstddef>
 #include <cstdint>

@@ -1,4 +1,4 @@
-#include "framework/comm/flight_report.hpp"
+#include "framework/observe/flight_report.hpp"
 
 #include <algorithm>
 #include <filesystem>

@@ -1,4 +1,4 @@
-#include "framework/core/device_timer.hpp"
+#include "framework/observe/device_timer.hpp"
 
 // Kokkos' configuration first: which of the three builds this is. The plain host build needs
 // nothing of Kokkos here (the communication thread's ThreadSanitizer test links this file
@@ -8,12 +8,11 @@
 #include <cmath>
 
 #include "base/error.hpp"
-#include "framework/core/trace.hpp"
+#include "framework/observe/trace.hpp"
 
 #if defined(KOKKOS_ENABLE_CUDA) || defined(MESHTRAIN_EMULATE_DEVICE_MEMORY)
 #include <Kokkos_Core.hpp>
-
-#include "framework/core/exec_space.hpp"
+#include <string>
 #endif
 #if defined(KOKKOS_ENABLE_CUDA)
 #include <cuda_runtime.h>
@@ -30,6 +29,20 @@ std::vector<int64_t> marker_times(int64_t reference_ns, const std::vector<float>
   }
   return ns;
 }
+
+#if defined(KOKKOS_ENABLE_CUDA) || defined(MESHTRAIN_EMULATE_DEVICE_MEMORY)
+namespace {
+// The device's work queue. A default-constructed instance refers to Kokkos' default instance
+// (on CUDA its one stream), the same queue as framework/core/exec_space.hpp's device_space()
+// on which every kernel and GEMM runs; the timer keeps its own handle so that observe/ needs
+// nothing of core/. Made at the first reserve(), outside the steps (constructing an instance
+// allocates in Kokkos 4).
+const Kokkos::DefaultExecutionSpace& work_queue() {
+  static const Kokkos::DefaultExecutionSpace space;
+  return space;
+}
+}  // namespace
+#endif
 
 #if defined(KOKKOS_ENABLE_CUDA)
 
@@ -70,7 +83,7 @@ void reserve(std::size_t count) {
     m.events.push_back(event);
   }
   m.recorded = 0;
-  check_cuda(cudaEventRecord(m.reference, device_space().cuda_stream()), "cudaEventRecord");
+  check_cuda(cudaEventRecord(m.reference, work_queue().cuda_stream()), "cudaEventRecord");
   check_cuda(cudaEventSynchronize(m.reference), "cudaEventSynchronize");
   m.reference_ns = Tracer::now_ns();
 }
@@ -79,7 +92,7 @@ int32_t record() {
   Markers& m = markers();
   if (m.recorded >= m.events.size()) return -1;
   // An error here (a broken context) surfaces at resolve(); a span must not throw.
-  cudaEventRecord(m.events[m.recorded], device_space().cuda_stream());
+  cudaEventRecord(m.events[m.recorded], work_queue().cuda_stream());
   return static_cast<int32_t>(m.recorded++);
 }
 
@@ -108,13 +121,19 @@ bool enabled() {
 }
 
 void reserve(std::size_t count) {
+  (void)work_queue();
   marker_ns.clear();
   marker_ns.reserve(count);
 }
 
 int32_t record() {
   if (marker_ns.size() >= marker_ns.capacity()) return -1;
-  fence_device(MESHTRAIN_LABEL("meshtrain::trace_device_marker"));
+#if KOKKOS_VERSION >= 30500
+  static const std::string label("meshtrain::trace_device_marker");  // no allocation per marker
+  work_queue().fence(label);
+#else
+  work_queue().fence();
+#endif
   marker_ns.push_back(Tracer::now_ns());
   return static_cast<int32_t>(marker_ns.size() - 1);
 }
