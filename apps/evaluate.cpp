@@ -2,6 +2,7 @@
 // loaded, one evaluation (see evaluate.hpp).
 
 #include "apps/evaluate.hpp"
+#include "apps/command.hpp"
 
 #include <mpi.h>
 
@@ -282,11 +283,7 @@ int evaluate_command(const EvaluateArgs& args) try {
   });
   return 0;
 } catch (const AgreedError& error) {
-  // Every rank holds this error: print it once, and every rank returns its status.
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  if (rank == 0) std::fprintf(stderr, "meshtrain: error: %s\n", error.what());
-  return exit_status_for(error);
+  return report_agreed_error(error);  // every rank holds it
 }
 
 }  // namespace meshtrain

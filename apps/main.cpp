@@ -25,19 +25,20 @@
 #include <vector>
 
 #include "apps/calibrate.hpp"
+#include "apps/command.hpp"
 #include "apps/evaluate.hpp"
 #include "apps/export.hpp"
 #include "apps/predict.hpp"
 #include "apps/train.hpp"
 #include "base/error.hpp"
 #include "framework/comm/exit_policy.hpp"
-#include "framework/observe/flight_report.hpp"
 #include "framework/core/version.hpp"
 #include "framework/io/checkpoint_report.hpp"
+#include "framework/observe/flight_report.hpp"
+#include "framework/observe/trace_report.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/hardware_file.hpp"
 #include "framework/train/plan_report.hpp"
-#include "framework/observe/trace_report.hpp"
 
 namespace {
 
@@ -218,9 +219,9 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
 // Errors on some ranks only end every rank (no rank is left waiting in a collective);
 // errors every rank agreed on are printed once by train_command itself.
 int run_train(const TrainArgs& args, int& argc, char**& argv) {
-  const auto runtime = meshtrain::start_runtime_or_abort(argc, argv);
-  return meshtrain::run_or_abort(
-      [&] { return meshtrain::train_command(args.config, args.overrides, args.hardware); });
+  return meshtrain::run_mpi_command(argc, argv, [&] {
+    return meshtrain::train_command(args.config, args.overrides, args.hardware);
+  });
 }
 
 // --- calibrate: measures a hardware profile under mpirun -----------------------------------
@@ -246,8 +247,7 @@ void add_calibrate_command(CLI::App& app, CalibrateArgs& args) {
 }
 
 int run_calibrate(const CalibrateArgs& args, int& argc, char**& argv) {
-  const auto runtime = meshtrain::start_runtime_or_abort(argc, argv);
-  return meshtrain::run_or_abort([&] {
+  return meshtrain::run_mpi_command(argc, argv, [&] {
     return meshtrain::calibrate_command(args.config, args.overrides, args.out, args.clock);
   });
 }
@@ -291,8 +291,7 @@ void add_predict_command(CLI::App& app, meshtrain::PredictOptions& args) {
 }
 
 int run_predict(const meshtrain::PredictOptions& args, int& argc, char**& argv) {
-  const auto runtime = meshtrain::start_runtime_or_abort(argc, argv);
-  return meshtrain::run_or_abort([&] { return meshtrain::predict_command(args); });
+  return meshtrain::run_mpi_command(argc, argv, [&] { return meshtrain::predict_command(args); });
 }
 
 // --- evaluate: a checkpoint's metrics on labelled data, under mpirun ---------------------
@@ -326,8 +325,7 @@ void add_evaluate_command(CLI::App& app, meshtrain::EvaluateArgs& args) {
 }
 
 int run_evaluate(const meshtrain::EvaluateArgs& args, int& argc, char**& argv) {
-  const auto runtime = meshtrain::start_runtime_or_abort(argc, argv);
-  return meshtrain::run_or_abort([&] { return meshtrain::evaluate_command(args); });
+  return meshtrain::run_mpi_command(argc, argv, [&] { return meshtrain::evaluate_command(args); });
 }
 
 // --- inspect: a checkpoint's step, mesh, config and datasets (no MPI launch needed) ----

@@ -9,6 +9,7 @@
 // and synced its part; a failure removes FILE.tmp, a kill leaves only FILE.tmp.
 
 #include "apps/predict.hpp"
+#include "apps/command.hpp"
 
 #include <fcntl.h>
 #include <mpi.h>
@@ -25,12 +26,12 @@
 #include "base/error.hpp"
 #include "framework/comm/exit_policy.hpp"
 #include "framework/comm/failure_agreement.hpp"
-#include "framework/observe/flight_recorder.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/io/batch_stream.hpp"
 #include "framework/io/hdf5_util.hpp"
 #include "framework/io/metrics.hpp"  // format_duration
 #include "framework/io/output_file.hpp"
+#include "framework/observe/flight_recorder.hpp"
 #include "run/predictor.hpp"
 
 namespace meshtrain {
@@ -356,8 +357,7 @@ int predict_command(const PredictOptions& options) {
   } catch (const AgreedError& error) {
     // Every rank holds this error: print it once, leave no partial output.
     if (tmp_made) std::remove((options.output + ".tmp").c_str());
-    if (rank == 0) std::fprintf(stderr, "meshtrain: error: %s\n", error.what());
-    return exit_status_for(error);
+    return report_agreed_error(error);
   }
 }
 

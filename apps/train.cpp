@@ -1,6 +1,7 @@
 // `meshtrain train`: argument handling and printing around a TrainingRun.
 
 #include "apps/train.hpp"
+#include "apps/command.hpp"
 
 #include <mpi.h>
 
@@ -118,11 +119,7 @@ int train_command(const std::string& config_path, const std::vector<std::string>
   if (rank0) std::printf("metrics: %s/metrics.jsonl\n", run.config().run.output_dir.c_str());
   return 0;
 } catch (const AgreedError& error) {
-  // Every rank holds this error: print it once, and every rank returns its status.
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  if (rank == 0) std::fprintf(stderr, "meshtrain: error: %s\n", error.what());
-  return exit_status_for(error);
+  return report_agreed_error(error);  // every rank holds it
 }
 
 }  // namespace meshtrain
