@@ -38,12 +38,12 @@
 #include "framework/comm/failure_agreement.hpp"  // AgreedError
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/comm/progress_thread.hpp"
-#include "framework/observe/memory_tracker.hpp"
 #include "framework/io/batch_stream.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
 #include "framework/io/metrics.hpp"
 #include "framework/io/normalization.hpp"
+#include "framework/observe/memory_tracker.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/loss_scaler.hpp"
 #include "framework/train/lr_schedule.hpp"

@@ -10,11 +10,11 @@
 #include <string>
 #include <vector>
 
-#include "framework/observe/flight_recorder.hpp"
 #include "framework/comm/slot_pool.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
+#include "framework/observe/flight_recorder.hpp"
 #include "framework/observe/trace.hpp"
 #include "partition/collectives.hpp"
 

@@ -48,8 +48,8 @@
 #include "base/dtype.hpp"
 #include "base/error.hpp"
 #include "framework/core/precision.hpp"
-#include "framework/observe/trace.hpp"
 #include "framework/core/views.hpp"
+#include "framework/observe/trace.hpp"
 
 namespace meshtrain {
 

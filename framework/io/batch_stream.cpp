@@ -4,8 +4,8 @@
 #include <cstring>
 
 #include "base/error.hpp"
-#include "framework/observe/trace.hpp"
 #include "framework/core/view_ops.hpp"
+#include "framework/observe/trace.hpp"
 
 namespace meshtrain {
 

@@ -35,13 +35,13 @@
 #include "framework/comm/communicator.hpp"  // checked_int
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
-#include "framework/observe/trace.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/checkpoint_checksums.hpp"
 #include "framework/io/checkpoint_comm.hpp"
 #include "framework/io/checkpoint_files.hpp"
 #include "framework/io/checkpoint_format.hpp"
 #include "framework/io/hdf5_util.hpp"
+#include "framework/observe/trace.hpp"
 #ifdef MESHTRAIN_CHECKPOINT_FAULTS
 #include "framework/io/checkpoint_testing.hpp"
 #endif

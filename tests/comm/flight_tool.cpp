@@ -28,9 +28,9 @@
 #include <string>
 
 #include "framework/comm/exit_policy.hpp"
+#include "framework/comm/mesh_communicators.hpp"
 #include "framework/observe/flight_recorder.hpp"
 #include "framework/observe/flight_report.hpp"
-#include "framework/comm/mesh_communicators.hpp"
 #include "partition/mesh.hpp"
 
 namespace {

@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "framework/observe/memory_tracker.hpp"
 #include "framework/core/views.hpp"
+#include "framework/observe/memory_tracker.hpp"
 #include "run/training_run.hpp"
 #include "tests/test_support.hpp"
 

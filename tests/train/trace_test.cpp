@@ -26,9 +26,9 @@
 
 #include "framework/observe/device_timer.hpp"
 #include "framework/observe/trace.hpp"
+#include "framework/observe/trace_report.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/plan_report.hpp"
-#include "framework/observe/trace_report.hpp"
 #include "run/training_run.hpp"
 #include "tests/test_support.hpp"
 

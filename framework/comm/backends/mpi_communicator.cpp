@@ -12,12 +12,12 @@
 
 #include "framework/comm/backends/host_staging.hpp"
 #include "framework/comm/backends/mpi_ring.hpp"
-#include "framework/observe/flight_recorder.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/progress_thread.hpp"
 #include "framework/comm/slot_pool.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/precision.hpp"
+#include "framework/observe/flight_recorder.hpp"
 
 namespace meshtrain {
 

@@ -13,8 +13,8 @@
 
 #include <Kokkos_Core.hpp>
 
-#include "framework/observe/flight_recorder.hpp"
 #include "framework/core/exec_space.hpp"
+#include "framework/observe/flight_recorder.hpp"
 
 namespace meshtrain {
 namespace nccl_detail {
