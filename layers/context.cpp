@@ -45,6 +45,20 @@ int ParallelContext::batch_index() const {
   return batch_axes_.empty() ? 0 : mesh().group_index(rank(), batch_axes_);
 }
 
+ParallelContext::OutputColumns ParallelContext::output_columns(const char* who, int64_t width,
+                                                               FeatureLayout layout) const {
+  const int tp = feature_parallel();
+  OutputColumns columns;
+  columns.split = tp > 1 && layout == FeatureLayout::split;
+  if (columns.split && width % tp != 0) {
+    MESHTRAIN_BAD_INPUT("the ", who, " cannot split ", width, " outputs over mesh axis '",
+                        feature_axis(), "' of size ", tp);
+  }
+  columns.local_width = columns.split ? width / tp : width;
+  columns.offset = columns.split ? feature_index() * columns.local_width : 0;
+  return columns;
+}
+
 std::vector<std::string> ParallelContext::active(const std::vector<std::string>& axes) const {
   return mesh().active_axes(axes);
 }

@@ -15,13 +15,14 @@
 // collective the first time a tuple is asked for, and every rank builds the same layers
 // in the same order from the same specs, so the calls line up on every rank.
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
+#include "base/dtype.hpp"
 #include "framework/comm/collective_matmul.hpp"
 #include "framework/comm/communicator.hpp"
 #include "framework/comm/mesh_communicators.hpp"
-#include "base/dtype.hpp"
 #include "partition/linear_layout.hpp"  // FeatureLayout, LayerAxes
 #include "partition/logical_axes.hpp"
 #include "partition/mesh.hpp"
@@ -60,6 +61,16 @@ class ParallelContext {
   // Product of the batch axes' sizes and this rank's index in that group.
   int batch_parallel() const;
   int batch_index() const;
+
+  // How a layer's `width` output columns lie on this rank: all of them, or (split: the
+  // layout is split over a feature axis of size > 1) block feature_index() of them. bad_input
+  // naming `who` ("loss", "evaluation") when the width does not divide over the feature axis.
+  struct OutputColumns {
+    bool split = false;
+    int64_t local_width = 0;
+    int64_t offset = 0;  // of this rank's first column
+  };
+  OutputColumns output_columns(const char* who, int64_t width, FeatureLayout layout) const;
 
   // `axes` without those of size 1 (order kept).
   std::vector<std::string> active(const std::vector<std::string>& axes) const;

@@ -110,13 +110,11 @@ EvalMetrics::EvalMetrics(LossKind kind, ParallelContext& context, int64_t rows, 
     : kind_(kind), rows_(rows), width_(width) {
   const int tp = context.feature_parallel();
   feature_index_ = context.feature_index();
-  split_ = tp > 1 && layout == FeatureLayout::split;
-  if (split_ && width_ % tp != 0) {
-    MESHTRAIN_BAD_INPUT("the evaluation cannot split ", width_, " outputs over mesh axis '",
-                        context.feature_axis(), "' of size ", tp);
-  }
-  local_width_ = split_ ? width_ / tp : width_;
-  offset_ = split_ ? feature_index_ * local_width_ : 0;
+  const ParallelContext::OutputColumns columns =
+      context.output_columns("evaluation", width_, layout);
+  split_ = columns.split;
+  local_width_ = columns.local_width;
+  offset_ = columns.offset;
   // The same groups as Loss's, asked for in the same order on every rank.
   std::vector<std::string> scalar_axes = context.active(context.batch_axes());
   if (tp > 1) scalar_axes.push_back(context.feature_axis());

@@ -23,13 +23,10 @@ Loss::Loss(LossKind kind, ParallelContext& context, int64_t rows, int64_t width,
   tp_ = context.feature_parallel();
   tp_index_ = context.feature_index();
   feature_index_ = tp_index_;
-  split_ = tp_ > 1 && layout == FeatureLayout::split;
-  if (split_ && width_ % tp_ != 0) {
-    MESHTRAIN_BAD_INPUT("the loss cannot split ", width_, " outputs over mesh axis '",
-                        context.feature_axis(), "' of size ", tp_);
-  }
-  local_width_ = split_ ? width_ / tp_ : width_;
-  offset_ = split_ ? tp_index_ * local_width_ : 0;
+  const ParallelContext::OutputColumns columns = context.output_columns("loss", width_, layout);
+  split_ = columns.split;
+  local_width_ = columns.local_width;
+  offset_ = columns.offset;
   if (!split_) tp_index_ = 0;
   global_rows_ = rows_ * context.batch_parallel();
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "base/dtype.hpp"
+#include "base/error.hpp"
 #include "partition/mesh.hpp"
 
 namespace meshtrain {
@@ -57,8 +58,16 @@ inline int64_t wire_element_bytes(Dtype dtype, int64_t fp32_bytes) {
 // layouts' *_step_collectives add to it; a collective over no active axis is not one and is
 // left out.
 struct StepCollectives {
+  // `rows`: the local batch rows (0 = unknown); `fp32_bytes`: of one fp32 element as the plan
+  // counts it. Both checked here for every layout's *_step_collectives.
+  StepCollectives(const Mesh& mesh, int64_t rows, int64_t fp32_bytes)
+      : mesh(mesh), fp32_bytes(fp32_bytes) {
+    MESHTRAIN_REQUIRE(rows >= 0 && fp32_bytes >= 1, "rows ", rows, ", bytes_per_element ",
+                      fp32_bytes);
+  }
+
   const Mesh& mesh;
-  int64_t fp32_bytes;  // bytes of one fp32 element as the plan counts it
+  int64_t fp32_bytes;
   std::vector<LayerCollective> list;
 
   void add(const std::string& phase, CollectiveKind kind, const std::string& operand,

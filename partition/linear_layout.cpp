@@ -224,9 +224,7 @@ std::vector<LayerCollective> linear_step_collectives(const LinearLayout& l, cons
                                                      int64_t rows, bool input_grad,
                                                      int64_t bytes_per_element,
                                                      const MixedPrecision& precision) {
-  MESHTRAIN_REQUIRE(rows >= 0 && bytes_per_element >= 1, "rows ", rows, ", bytes_per_element ",
-                    bytes_per_element);
-  StepCollectives steps{mesh, bytes_per_element, {}};
+  StepCollectives steps(mesh, rows, bytes_per_element);
   // Gradients move as the reduction dtype, everything else as the parameters' compute dtype.
   auto add = [&](const char* phase, CollectiveKind kind, const std::string& operand,
                  const std::vector<std::string>& axes, std::vector<int64_t> shape, int dim = 0) {
@@ -296,7 +294,7 @@ std::vector<LayerCollective> shared_gather_collectives(const LinearLayout& l, co
                                                        int64_t rows, bool input_grad,
                                                        int64_t bytes_per_element,
                                                        const MixedPrecision& precision) {
-  StepCollectives steps{mesh, bytes_per_element, {}};
+  StepCollectives steps(mesh, rows, bytes_per_element);
   if (rows <= 0 || l.tp <= 1) return steps.list;
   steps.add("forward", CollectiveKind::all_gather, "input", {l.feature_axis}, {rows, l.in},
             precision.param, 1);

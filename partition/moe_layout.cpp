@@ -264,9 +264,7 @@ std::vector<LayerCollective> moe_step_collectives(const MoeLayout& l, const Mesh
                                                   int64_t rows, bool input_grad,
                                                   int64_t bytes_per_element,
                                                   const MixedPrecision& precision) {
-  MESHTRAIN_REQUIRE(rows >= 0 && bytes_per_element >= 1, "rows ", rows, ", bytes_per_element ",
-                    bytes_per_element);
-  StepCollectives steps{mesh, bytes_per_element, {}};
+  StepCollectives steps(mesh, rows, bytes_per_element);
   const Dtype param = precision.param, reduce = precision.reduce;
   const std::vector<std::string> features =
       l.tp > 1 ? std::vector<std::string>{l.feature_axis} : std::vector<std::string>{};

@@ -100,9 +100,7 @@ std::vector<LayerCollective> norm_step_collectives(const NormLayout& l, const Me
                                                    int64_t rows, bool input_grad,
                                                    int64_t bytes_per_element,
                                                    const MixedPrecision& precision) {
-  MESHTRAIN_REQUIRE(rows >= 0 && bytes_per_element >= 1, "rows ", rows, ", bytes_per_element ",
-                    bytes_per_element);
-  StepCollectives steps{mesh, bytes_per_element, {}};
+  StepCollectives steps(mesh, rows, bytes_per_element);
   const bool activations = rows > 0;
   const bool layernorm = l.kind == NormKind::layernorm;
   auto gather = [&](const char* phase, size_t k) {
