@@ -519,7 +519,8 @@ def export_and_compare(ctx, checkpoint, x, label, dtypes=("fp32",), min_ties=0):
             # checkpoint can still be held to the float64 forward.
             if dtype == "fp32" and ctx.predict:
                 compare(ctx, "%s meshtrain predict vs float64 forward" % label,
-                        predict_reference(ctx, checkpoint, x), rounded, FP32_RTOL)
+                        predict_reference(ctx, checkpoint, x, meta.get("model")), rounded,
+                        FP32_RTOL)
             continue
         compare(ctx, "%s %s vs float64 forward (weights as exported)" % (label, dtype), got,
                 rounded, FP32_RTOL)
