@@ -9,6 +9,7 @@
 
 #include "base/error.hpp"
 #include "framework/export/onnx_export.hpp"
+#include "framework/export/pytorch_export.hpp"
 
 namespace meshtrain {
 
@@ -41,9 +42,9 @@ int export_command(const ExportArgs& args, std::ostream& out) {
     MESHTRAIN_BAD_INPUT("meshtrain export runs as one process, without mpirun (it was launched as ",
                         world, " ranks, each of which would write ", args.output, ")");
   }
-  if (args.format != "onnx") {
+  if (args.format != "onnx" && args.format != "pytorch") {
     MESHTRAIN_BAD_INPUT("unknown export format '", args.format,
-                        "' (--format): the formats are onnx");
+                        "' (--format): the formats are onnx and pytorch");
   }
   Dtype dtype = Dtype::fp32;
   if (args.dtype == "fp16") {
@@ -53,6 +54,22 @@ int export_command(const ExportArgs& args, std::ostream& out) {
   } else if (args.dtype != "fp32") {
     MESHTRAIN_BAD_INPUT("unknown weight dtype '", args.dtype,
                         "' (--dtype): the dtypes are fp32, fp16 and bf16");
+  }
+  if (args.format == "pytorch") {
+    // The checkpoint's master weights are float32; a PyTorch user converts a module in one
+    // call, so the export keeps them as they are.
+    if (dtype != Dtype::fp32) {
+      MESHTRAIN_BAD_INPUT("--dtype ", args.dtype, " applies to --format onnx; --format pytorch ",
+                          "stores the checkpoint's float32 weights (m.half() or "
+                          "m.to(torch.bfloat16) converts the loaded module)");
+    }
+    const PytorchExportResult r = export_pytorch(args.checkpoint, args.output, args.overwrite);
+    out << "exported " << r.checkpoint << " (step " << r.step << ") to " << r.code << " and "
+        << r.weights << ": " << r.tensors << " tensors, fp32 weights, " << std::fixed
+        << std::setprecision(2) << static_cast<double>(r.weight_bytes) / (1024.0 * 1024.0)
+        << " MiB; in Python: import model; m = model.load()\n";
+    out.flush();
+    return out ? 0 : 1;
   }
   const OnnxExportResult r = export_onnx(args.checkpoint, args.output, dtype, args.overwrite);
   std::string outputs;

@@ -10,6 +10,7 @@
 //                                   [--set ...] [--batch-size N] [--flight-dir DIR]
 //   meshtrain export CHECKPOINT --format onnx --output FILE.onnx [--dtype fp32|fp16|bf16]
 //                    [--overwrite]
+//   meshtrain export CHECKPOINT --format pytorch --output DIR [--overwrite]
 //   mpirun -np N meshtrain evaluate CHECKPOINT --data PATH... [--json FILE|-] [--set ...]
 //                                    [--flight-dir DIR]
 
@@ -341,20 +342,27 @@ void add_inspect_command(CLI::App& app, InspectArgs& args) {
   inspect->add_flag("--verify", args.verify, "Read every dataset and check its checksum");
 }
 
-// --- export: a checkpoint as an ONNX model (no MPI launch needed) -------------------------
+// --- export: a checkpoint as an ONNX model or a PyTorch module (no MPI launch needed)
+// -------------------------
 void add_export_command(CLI::App& app, meshtrain::ExportArgs& args) {
   CLI::App* command = app.add_subcommand(
-      "export", "Write a checkpoint's model as a self-contained ONNX file (docs/export.md)");
+      "export",
+      "Write a checkpoint's model as a self-contained ONNX file or a PyTorch module "
+      "(docs/export.md)");
   command
       ->add_option("checkpoint", args.checkpoint,
                    "A checkpoint file, a latest or best pointer file, or a checkpoint "
                    "directory (its latest)")
       ->required();
-  command->add_option("--format", args.format, "The format to write: onnx")->required();
-  command->add_option("--output", args.output, "The file to write (FILE.onnx)")->required();
+  command->add_option("--format", args.format, "The format to write: onnx or pytorch")->required();
+  command
+      ->add_option("--output", args.output,
+                   "The file to write (onnx: FILE.onnx), or the folder (pytorch: DIR/model.py "
+                   "and DIR/model.safetensors)")
+      ->required();
   command->add_option("--dtype", args.dtype,
-                      "How the weights are stored: fp32 (default), fp16 or bf16 (cast to "
-                      "float32 inside the graph)");
+                      "How the weights are stored: fp32 (default), fp16 or bf16 (onnx only: "
+                      "cast to float32 inside the graph)");
   command->add_flag("--overwrite", args.overwrite, "Replace the output if it exists");
 }
 

@@ -24,6 +24,11 @@ endforeach()
 meshtrain_add_test(NAME export_protobuf_test SOURCES export/protobuf_test.cpp
                    LIBS meshtrain_framework)
 
+# The safetensors writer byte for byte and its refusals; the PyTorch export's tensor names,
+# shapes and bytes (transposed weights, across streamed pieces) of a model made in code.
+meshtrain_add_test(NAME export_safetensors_test SOURCES export/safetensors_test.cpp
+                   LIBS meshtrain_framework)
+
 # The export of a checkpoint saved with its parameters split over 1, 2 and 4 ranks (dp, fsdp,
 # tp, fsdp x tp) is byte for byte the graph of the same global values built on one rank.
 meshtrain_add_test(NAME export_mesh_test SOURCES export/export_mesh_test.cpp
@@ -57,3 +62,35 @@ meshtrain_add_command_test(NAME export_regression_normalized_without_onnxruntime
           --work ${_export_runs}/regression_normalized_without_onnxruntime --predict
           -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
 set_tests_properties(export_regression_normalized_without_onnxruntime PROPERTIES PROCESSORS 2)
+
+# `meshtrain export --format pytorch` end to end (tests/export/pytorch_export_test.py, one test
+# per case; export_test.py's models, meshes and float64 forward): model.safetensors read with
+# plain Python (the format, every tensor bit for bit), model.py's imports, and with Debian's
+# python3-torch `import model; m = model.load()` in a fresh interpreter, m(x) against `meshtrain
+# predict` and the float64 forward to 1e-5 relative: mlp (every activation, a classifier, raw
+# inputs with normalization), residual_mlp (LayerNorm + SiLU, RMSNorm + SwiGLU, no norm), MoE
+# layers and blocks (ties included); cli_errors: the output folder's refusals. Exit status 77 =
+# skipped, only when python3 cannot import torch, after every other check passed.
+foreach(_case mlp_classification mlp_regression_normalized mlp_activations
+              residual_layernorm_silu residual_rmsnorm_swiglu moe residual_moe cli_errors)
+  meshtrain_add_command_test(NAME export_pytorch_${_case} TIMEOUT 120
+    COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/export/pytorch_export_test.py ${_case}
+            --meshtrain $<TARGET_FILE:meshtrain> --source-dir ${PROJECT_SOURCE_DIR}
+            --work ${_export_runs}/pytorch_${_case}
+            -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+  set_tests_properties(export_pytorch_${_case} PROPERTIES PROCESSORS 2 SKIP_RETURN_CODE 77)
+endforeach()
+
+# Without PyTorch (a stand-in `torch` package that fails to import, first on PYTHONPATH) a case
+# still checks model.safetensors with plain Python and `meshtrain predict` against the float64
+# forward, then exits 77 saying why.
+meshtrain_add_command_test(NAME export_pytorch_mlp_regression_normalized_without_torch TIMEOUT 120
+  COMMAND sh ${CMAKE_CURRENT_SOURCE_DIR}/cli/expect_exit.sh 77 - --any-lines
+          --stdout "^SKIP: .* cannot import torch: ModuleNotFoundError: No module named 'torch' \\(hidden by tests/export/without_torch\\) \\(the checks that need no PyTorch passed\\)"
+          -- env PYTHONPATH=${CMAKE_CURRENT_SOURCE_DIR}/export/without_torch
+          ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/export/pytorch_export_test.py
+          mlp_regression_normalized --meshtrain $<TARGET_FILE:meshtrain>
+          --source-dir ${PROJECT_SOURCE_DIR}
+          --work ${_export_runs}/pytorch_mlp_regression_normalized_without_torch
+          -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+set_tests_properties(export_pytorch_mlp_regression_normalized_without_torch PROPERTIES PROCESSORS 2)

@@ -2,19 +2,11 @@
 
 #include "framework/export/onnx_export.hpp"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <charconv>
 #include <cmath>
-#include <cstdio>
-#include <cstring>
 #include <filesystem>
-#include <functional>
 #include <set>
-#include <sstream>
 #include <system_error>
 #include <vector>
 
@@ -22,6 +14,7 @@
 #include "framework/core/choices.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/core/version.hpp"
+#include "framework/export/output_writer.hpp"
 #include "framework/io/output_file.hpp"
 #include "framework/train/model_summary.hpp"
 #include "partition/norm_layout.hpp"  // the norms' eps
@@ -32,14 +25,6 @@ namespace {
 namespace fs = std::filesystem;
 using onnx::Attribute;
 using onnx::ElementType;
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "]";
-  return out.str();
-}
 
 template <class T>
 std::string raw_bytes(const std::vector<T>& values) {
@@ -121,13 +106,7 @@ class GraphBuilder {
   std::string parameter(const std::string& name, std::vector<int64_t> dims = {}) {
     const CheckpointArray& array = source_.params.at(name);
     if (dims.empty()) dims = array.shape;
-    claim(name);
-    for (size_t i = 0; i < array.values.size(); ++i) {
-      if (!std::isfinite(array.values[i])) {
-        MESHTRAIN_BAD_INPUT("parameter '", name, "' in checkpoint '", source_.path,
-                            "' holds a non-finite value (", array.values[i], ") at element ", i);
-      }
-    }
+    claim(name);  // its values are finite (read_export_source)
     if (weights_ == Dtype::fp32) {
       add_parameter(name, ElementType::float32, std::move(dims), array.values);
       return name;
@@ -410,80 +389,6 @@ std::string residual_mlp(GraphBuilder& b, const ModelSection& model, std::string
   return linear(b, "output", h);
 }
 
-// The parameters the config's model has, with their shapes.
-std::vector<std::pair<std::string, std::vector<int64_t>>> expected_parameters(
-    const ModelSection& model) {
-  std::vector<std::pair<std::string, std::vector<int64_t>>> expected;
-  const MoeSettings settings = model.moe();
-  for (size_t i = 0; i + 1 < model.sizes.size(); ++i) {
-    const std::string p = "layers/" + std::to_string(i);
-    const int64_t in = model.sizes[i], out = model.sizes[i + 1];
-    if (settings.is_moe(static_cast<int64_t>(i))) {
-      expected.push_back({p + "/router/weight", {in, model.experts}});
-      expected.push_back({p + "/experts/weight", {model.experts, in, out}});
-      expected.push_back({p + "/experts/bias", {model.experts, out}});
-    } else {
-      expected.push_back({p + "/weight", {in, out}});
-      expected.push_back({p + "/bias", {out}});
-    }
-  }
-  return expected;
-}
-
-void check_parameters(const ExportSource& s) {
-  std::vector<std::pair<std::string, std::vector<int64_t>>> expected;
-  if (s.config.model.kind == ModelKind::residual_mlp) {
-    for (const ParameterShape& p : model_parameter_shapes(s.config.model)) {
-      expected.push_back({p.name, p.shape});
-    }
-  } else {
-    expected = expected_parameters(s.config.model);
-  }
-  std::set<std::string> names;
-  for (const auto& [name, shape] : expected) {
-    names.insert(name);
-    const auto found = s.params.find(name);
-    if (found == s.params.end()) {
-      MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "' has no parameter '", name,
-                          "', which its config's model has (shape ", shape_text(shape), ")");
-    }
-    if (found->second.shape != shape) {
-      MESHTRAIN_BAD_INPUT("parameter '", name, "' has shape ", shape_text(found->second.shape),
-                          " in checkpoint '", s.path, "' but ", shape_text(shape),
-                          " in its config's model");
-    }
-  }
-  for (const auto& [name, array] : s.params) {
-    if (!names.count(name)) {
-      MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "' has parameter '", name, "' (shape ",
-                          shape_text(array.shape),
-                          ") that its config's model does not have (model.kind = \"",
-                          to_string(s.config.model.kind), "\")");
-    }
-  }
-}
-
-void check_normalization(const ExportSource& s) {
-  const ModelSection& model = s.config.model;
-  const Normalization& n = s.normalization;
-  if (n.inputs() && static_cast<int64_t>(n.input_mean.size()) != model.input_width()) {
-    MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': /normalization/input_mean has ",
-                        n.input_mean.size(), " values but the model has ", model.input_width(),
-                        " inputs");
-  }
-  if (n.targets()) {
-    if (model.loss != LossKind::mse) {
-      MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "' has /normalization/target_mean, but its ",
-                          "model is not a regression (model.loss = cross_entropy)");
-    }
-    if (static_cast<int64_t>(n.target_mean.size()) != model.output_width()) {
-      MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': /normalization/target_mean has ",
-                          n.target_mean.size(), " values but the model has ", model.output_width(),
-                          " outputs");
-    }
-  }
-}
-
 std::string normalize_inputs(GraphBuilder& b, const Normalization& n, const std::string& x) {
   const int64_t width = static_cast<int64_t>(n.input_mean.size());
   std::vector<float> hi(n.input_mean.size()), lo(hi.size()), inv_std(hi.size());
@@ -513,89 +418,6 @@ std::string denormalize_outputs(GraphBuilder& b, const Normalization& n, const s
   return b.node("Add", {scaled, b.constant("normalization/target_mean", mean, {width})},
                 onnx_output_name());
 }
-
-std::string os_error(int err) {
-  return std::strerror(err);
-}
-
-// Writes `output` through "<output>.tmp": `write` hands its bytes to the sink, which writes
-// them to the file as they come; then synced and renamed.
-void write_atomically(const std::string& output,
-                      const std::function<void(const onnx::ByteSink&)>& write, bool overwrite) {
-  std::error_code ec;
-  const auto status = fs::status(output, ec);
-  if (fs::exists(status)) {
-    if (fs::is_directory(status)) MESHTRAIN_BAD_INPUT("output '", output, "' is a directory");
-    if (!overwrite) {
-      MESHTRAIN_BAD_INPUT("output '", output, "' exists; pass --overwrite to replace it");
-    }
-  }
-  const std::string tmp = output + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) MESHTRAIN_BAD_INPUT("cannot write the output '", tmp, "': ", os_error(errno));
-  bool open = true;
-  const auto close_and_remove = [&] {
-    if (open) ::close(fd);
-    open = false;
-    ::unlink(tmp.c_str());
-  };
-  auto fail = [&](const std::string& what, int err) {
-    close_and_remove();
-    MESHTRAIN_FAIL(what, " '", tmp, "' failed: ", os_error(err));
-  };
-  try {
-    write([&](const char* data, size_t size) {
-      for (size_t done = 0; done < size;) {
-        const ssize_t n = ::write(fd, data + done, size - done);
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0) fail("writing", errno);
-        done += static_cast<size_t>(n);
-      }
-    });
-  } catch (...) {
-    close_and_remove();  // a failed write, or a streamed initializer that threw
-    throw;
-  }
-  if (::fsync(fd) != 0) fail("syncing", errno);
-  open = false;
-  if (::close(fd) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    MESHTRAIN_FAIL("closing '", tmp, "' failed: ", os_error(err));
-  }
-  if (std::rename(tmp.c_str(), output.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    MESHTRAIN_FAIL("cannot rename '", tmp, "' to '", output, "': ", os_error(err));
-  }
-}
-
-}  // namespace
-
-ExportSource read_export_source(const std::string& checkpoint) {
-  ExportSource s;
-  s.path = resolve_checkpoint_path(checkpoint);
-  s.info = list_checkpoint(s.path).info;
-  s.config = parse_config(s.info.config_text, "the config stored in checkpoint '" + s.path + "'");
-  if (s.config.model.kind != ModelKind::mlp && s.config.model.kind != ModelKind::residual_mlp) {
-    MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': export does not support model.kind = \"",
-                        to_string(s.config.model.kind), "\"");
-  }
-  if (!s.config.model.loss) {
-    MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': its config leaves model.loss to \"auto\"; ",
-                        "export needs to know whether the model classifies");
-  }
-  for (auto& array : read_checkpoint_arrays(s.path, "/params")) {
-    std::string name = array.name;
-    s.params.emplace(std::move(name), std::move(array));
-  }
-  s.normalization = read_normalization(s.path);
-  check_parameters(s);
-  check_normalization(s);
-  return s;
-}
-
-namespace {
 
 onnx::Model build_model(const ExportSource& source, Dtype weights, WeightStorage storage) {
   const ModelSection& model = source.config.model;
@@ -705,7 +527,7 @@ OnnxExportResult export_onnx(const std::string& checkpoint, const std::string& o
   if (size > kProtobufLimit) refuse_size(size);
   size_t written = 0;
   write_atomically(
-      output, [&](const onnx::ByteSink& sink) { written = onnx::write(model, sink); }, overwrite);
+      output, [&](const ExportByteSink& sink) { written = onnx::write(model, sink); }, overwrite);
   MESHTRAIN_REQUIRE(written == size, "export: wrote ", written, " bytes of ", size);
   result.bytes = static_cast<int64_t>(written);
   return result;

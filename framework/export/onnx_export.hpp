@@ -2,11 +2,10 @@
 // `meshtrain export --format onnx`: a checkpoint as one self-contained ONNX model
 // (docs/export.md), written without MPI and without a protobuf library (onnx_proto.hpp).
 //
-// The model is rebuilt from the config text stored in the checkpoint (model.sizes,
-// activation, loss, moe_layers, experts, top_k), its parameters read whole from /params/*
-// (every dataset's CRC-32 checked) and its normalization statistics from /normalization/*
-// (framework/io/normalization.hpp). Checkpoints are of the gathered model whatever mesh saved
-// them, so an export does not depend on the mesh.
+// The model is rebuilt from what read_export_source reads from the checkpoint
+// (framework/export/export_source.hpp): the config, the parameters and the normalization
+// statistics. Checkpoints are of the gathered model whatever mesh saved them, so an export
+// does not depend on the mesh.
 //
 // The graph (opset 17, IR version 8), for a batch of rows ("batch" is a symbolic dimension):
 //   input        "input" [batch, sizes[0]] float32, in the user's units
@@ -36,15 +35,12 @@
 // float32 and the model runs on any ONNX Runtime CPU. Normalization constants are float32.
 
 #include <cstdint>
-#include <map>
 #include <string>
 #include <vector>
 
 #include "base/dtype.hpp"
+#include "framework/export/export_source.hpp"
 #include "framework/export/onnx_proto.hpp"
-#include "framework/io/checkpoint.hpp"
-#include "framework/io/normalization.hpp"
-#include "framework/train/config.hpp"
 
 namespace meshtrain {
 
@@ -64,20 +60,6 @@ inline const char* onnx_probability_name() {
 inline const char* onnx_class_name() {
   return "class";
 }
-
-// What an export reads from a checkpoint.
-struct ExportSource {
-  std::string path;  // the checkpoint file read (a directory or pointer resolved)
-  CheckpointInfo info;
-  RunConfig config;                               // parsed from info.config_text
-  std::map<std::string, CheckpointArray> params;  // by name ("layers/0/weight")
-  Normalization normalization;
-};
-
-// Reads `checkpoint` (a file, a latest/best pointer file or a checkpoint directory). Throws
-// bad_input naming the file, dataset or key when it cannot be read, a checksum fails, or its
-// config is not one export understands.
-ExportSource read_export_source(const std::string& checkpoint);
 
 // The ONNX model of `source` with weights stored as `weights` (fp32, fp16 or bf16), each
 // initializer holding a copy of its bytes (the model stands alone). Throws bad_input naming

@@ -519,7 +519,8 @@ def export_and_compare(ctx, checkpoint, x, label, dtypes=("fp32",), min_ties=0):
             # checkpoint can still be held to the float64 forward.
             if dtype == "fp32" and ctx.predict:
                 compare(ctx, "%s meshtrain predict vs float64 forward" % label,
-                        predict_reference(ctx, checkpoint, x), rounded, FP32_RTOL)
+                        predict_reference(ctx, checkpoint, x, meta.get("model")), rounded,
+                        FP32_RTOL)
             continue
         compare(ctx, "%s %s vs float64 forward (weights as exported)" % (label, dtype), got,
                 rounded, FP32_RTOL)
@@ -690,9 +691,10 @@ def case_residual_moe(ctx):
     export_and_compare(ctx, ckpt, test_rows(x), "residual_moe_gelu")
 
 
-def case_moe_ties(ctx):
-    """Router columns 1, 2 and 3 equal and column 0 their negative: on every row three experts
-    tie. Training takes the lower indices; so must the export (TopK's tie order)."""
+def tied_router_checkpoint(ctx):
+    """An MoE checkpoint whose router columns 1, 2 and 3 are equal and column 0 their negative,
+    so that on every row three experts tie, and whose experts lie far apart (another choice
+    would show): (checkpoint file, test rows). Also used by pytorch_export_test.py."""
     data = os.path.join(ctx.work, "classification.h5")
     x = write_standardized_data(data, "classification")
     ckpt_dir = train(ctx, "moe_ties", data, [FEATURES, 16, 12, 4], "relu", "cross_entropy",
@@ -709,7 +711,13 @@ def case_moe_ties(ctx):
         for e in range(w.shape[0]):
             w[e] *= 1 + e
         set_dataset(f, "params/layers/1/experts/weight", w)
-    rows = test_rows(x)
+    return path, test_rows(x)
+
+
+def case_moe_ties(ctx):
+    """Router columns that tie on every row (tied_router_checkpoint). Training takes the lower
+    indices; so must the export (TopK's tie order)."""
+    path, rows = tied_router_checkpoint(ctx)
     export_and_compare(ctx, path, rows, "moe_ties", ("fp32",), min_ties=len(rows))
     # The test would see the other tie order.
     ckpt = read_checkpoint(path)
