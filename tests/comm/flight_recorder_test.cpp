@@ -20,7 +20,7 @@
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/comm/flight_recorder.hpp"
 #include "framework/comm/flight_report.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {

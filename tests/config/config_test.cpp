@@ -13,7 +13,7 @@
 #include <utility>
 
 #include "tests/source_dir.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
 
 namespace meshtrain {
 namespace {

@@ -26,7 +26,9 @@
 #include "framework/train/plan_report.hpp"
 #include "framework/train/trace_report.hpp"
 #include "run/training_run.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/training_runs.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
@@ -35,19 +37,11 @@ using Json = nlohmann::json;
 
 RunConfig traced_config(std::vector<std::pair<std::string, int>> axes, const std::string& preset,
                         const std::string& dir) {
-  RunConfig config;
-  config.file = "trace_test";
+  RunConfig config = testing::synthetic_run_config("trace_test", std::move(axes), preset);
   config.run.seed = 5;
   config.run.output_dir = dir;
-  config.mesh.axes = std::move(axes);
   config.model.sizes = {8, 16, 16, 4};  // every width divides by 4
   config.model.activation = Activation::tanh;
-  config.partition.preset = preset;
-  config.partition.min_sharding_size = 0;
-  config.data.source = DataSource::synthetic;
-  config.data.synthetic_samples = 64;
-  config.data.batch_size = 16;
-  config.optimizer.kind = OptimizerKind::adamw;
   config.train.steps = 4;
   config.runtime.trace_first = 2;
   config.runtime.trace_last = 3;
@@ -84,7 +78,7 @@ std::map<std::pair<std::string, int64_t>, int> plan_collectives(const TrainingRu
 void check_track(const Json& events, int rank,
                  const std::map<std::pair<std::string, int64_t>, int>& plan) {
   SCOPED_TRACE("rank " + std::to_string(rank));
-  std::vector<const Json*> spans, device_spans;  // the host's track (tid 0), the device's (1)
+  std::vector<const Json*> spans, device_spans;        // the host's track (tid 0), the device's (1)
   std::map<int, std::vector<const Json*>> lane_spans;  // background threads' (2, 3, ...)
   std::map<int64_t, int> flow_starts, flow_ends;
   bool named = false;
@@ -338,7 +332,7 @@ TEST(Trace, BackgroundThreadsHaveThreadsOfTheirOwn) {
   TrainingRun(config, {}, std::nullopt, MPI_COMM_WORLD).train();
   MPI_Barrier(MPI_COMM_WORLD);
   const Json own = read_json(dir + "/trace/rank-" + std::to_string(world_rank()) + ".json");
-  std::map<int, std::string> threads;  // tid -> name
+  std::map<int, std::string> threads;                       // tid -> name
   std::map<std::string, std::map<std::string, int>> spans;  // thread -> span name -> count
   for (const Json& e : own.at("traceEvents")) {
     if (e.at("ph") == "M" && e.at("name") == "thread_name") {
