@@ -14,7 +14,7 @@
 #   nccl      a build with NCCL, for tests whose BACKENDS name it. A test that runs over MPI
 #             too chooses NCCL as runtime.backend does, which also needs a CUDA Kokkos.
 # BACKENDS (default mpi) are the backends the test can run on; each registration sets
-# MESHTRAIN_TEST_BACKEND to its communication backend (mpi or nccl: tests/test_backend.hpp).
+# MESHTRAIN_TEST_BACKEND to its communication backend (mpi or nccl: tests/support/backend.hpp).
 # NCCL ranks start through tests/nccl/share_gpu.sh, so ranks beyond a node's GPUs share one.
 # Every test is labelled with its backend (`ctest -L nccl`), and with gpu in a CUDA build;
 # tests registered any other way are labelled command (meshtrain_finish_tests).

@@ -1,6 +1,6 @@
 # layers/ and the model-side framework pieces (init, optimizers): unit and multi-rank tests.
 # The equivalence tests (MLP, mixed precision, MoE) build their meshes on the backend
-# MESHTRAIN_TEST_BACKEND names (tests/test_backend.hpp): over MPI and, in a CUDA build with
+# MESHTRAIN_TEST_BACKEND names (tests/support/backend.hpp): over MPI and, in a CUDA build with
 # NCCL, over NCCL.
 meshtrain_add_test(NAME layers_init_test SOURCES layers/init_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 TIMEOUT 120)
@@ -15,7 +15,8 @@ meshtrain_add_test(NAME layers_moe_test SOURCES layers/moe_test.cpp
 meshtrain_add_test(NAME layers_residual_block_test SOURCES layers/residual_block_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120 BACKENDS mpi nccl EMULATED)
 meshtrain_add_test(NAME layers_norm_test SOURCES layers/norm_test.cpp
-                   LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 120 BACKENDS mpi nccl EMULATED)
+                   LIBS meshtrain_layers meshtrain_test_counting_allocator NP 1 2 4 8 TIMEOUT 120
+                   BACKENDS mpi nccl EMULATED)
 # Evaluation metrics (layers/eval_metrics.hpp): accuracy, top-5 and per-class accuracy, and
 # MSE / MAE / R^2 per output de-normalized, on dp, fsdp, tp and fsdp x tp against float64.
 meshtrain_add_test(NAME layers_eval_metrics_test SOURCES layers/eval_metrics_test.cpp

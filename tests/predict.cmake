@@ -3,7 +3,8 @@
 # fsdp, tp, fsdp x tp (2x4 at np 8) and an MoE model on ep; normalization; row order over
 # shards and padding; no allocation per call.
 meshtrain_add_test(NAME predict_predictor_test SOURCES predict/predictor_test.cpp
-                   LIBS meshtrain_command NP 1 2 4 8 TIMEOUT 120 EMULATED)
+                   LIBS meshtrain_command meshtrain_test_counting_allocator NP 1 2 4 8 TIMEOUT 120
+                   EMULATED)
 # `meshtrain predict` from the command line (tests/cli/predict_cli.sh): a prediction at np 1
 # and 2, an existing output refused unless --overwrite, no partial file after a bad input, a
 # model-changing --set and an unknown checkpoint named.

@@ -41,7 +41,8 @@ meshtrain_add_test(NAME train_memory_plan_test SOURCES train/memory_plan_test.cp
 # and fsdp x tp meshes, in fp32 and in bf16 and fp16 (mixed precision, overlap off and on).
 # One case keeps a save in flight through the checkpoint fault hook (tests/checkpoint.cmake).
 meshtrain_add_test(NAME train_step_allocations_test SOURCES train/step_allocations_test.cpp
-                   LIBS meshtrain_checkpoint_faults meshtrain_run NP 1 2 4 TIMEOUT 120 EMULATED)
+                   LIBS meshtrain_checkpoint_faults meshtrain_run meshtrain_test_counting_allocator
+                   NP 1 2 4 TIMEOUT 120 EMULATED)
 # Dropout (issue 27 item 5): the mask against the key formula on dp, fsdp, tp, fsdp x tp (and
 # 2 x 4 at np 8), every mesh like one rank, resume bit for bit, evaluation and Predictor
 # unaffected, kept fraction within 4 sigma, bad model.dropout named.

@@ -4,7 +4,7 @@
 //                                   the main thread keeps running MPI "steps"
 //   checkpoint_fault_tool check DIR STEP   loads DIR's latest onto tp = world and exits 0 when
 //                                   it is STEP's checkpoint with exact values and it verifies
-// Fault injection: tests/checkpoint/fault_hook.hpp (MESHTRAIN_TEST_FAULT...).
+// Fault injection: tests/support/checkpoint_fault_hook.hpp (MESHTRAIN_TEST_FAULT...).
 // Exit status: 0 success, 1 mismatch or error (rank 0 prints the error once).
 
 #include <mpi.h>
@@ -15,8 +15,8 @@
 #include <string>
 
 #include "framework/io/checkpoint.hpp"
-#include "tests/checkpoint/checkpoint_test_data.hpp"
-#include "tests/checkpoint/fault_hook.hpp"
+#include "tests/support/checkpoint_contents.hpp"
+#include "tests/support/checkpoint_fault_hook.hpp"
 
 namespace {
 

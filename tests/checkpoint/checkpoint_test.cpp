@@ -24,8 +24,10 @@
 #include "framework/core/version.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/checkpoint_report.hpp"
-#include "tests/checkpoint/checkpoint_test_data.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/checkpoint_contents.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/temp_dir.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
@@ -64,24 +66,9 @@ std::string save(const CheckpointContents& contents, const std::string& dir, int
   return path;
 }
 
-// A fresh directory shared by all ranks (made by rank 0), removed after the test.
+// Each test with a fresh directory dir_ shared by all ranks.
 class CheckpointTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string made(256, '\0');
-    if (world_rank() == 0) {
-      char pattern[] = "/tmp/meshtrain-ckpt-XXXXXX";
-      ASSERT_NE(mkdtemp(pattern), nullptr);
-      made = pattern;
-    }
-    MPI_Bcast(made.data(), static_cast<int>(made.size()), MPI_CHAR, 0, MPI_COMM_WORLD);
-    dir_ = made.c_str();
-  }
-  void TearDown() override {
-    MPI_Barrier(MPI_COMM_WORLD);
-    if (world_rank() == 0) fs::remove_all(dir_);
-  }
-
   // The first n ranks of the world (MPI_COMM_NULL on the others).
   static MPI_Comm first_ranks(int n) {
     MPI_Comm comm = MPI_COMM_NULL;
@@ -142,7 +129,9 @@ class CheckpointTest : public ::testing::Test {
     return test_contents(mesh, world_rank(), "tp", 0, false, model);
   }
 
-  std::string dir_;
+  // A fresh directory shared by all ranks (made by rank 0), removed after the test.
+  const testing::TempDir tmp_{/*shared=*/true, "meshtrain-ckpt"};
+  const std::string dir_ = tmp_.path();
 };
 
 TEST_F(CheckpointTest, FsdpToDp) {

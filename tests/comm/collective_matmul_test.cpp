@@ -4,7 +4,7 @@
 // outputs, on the world and on sub-communicators of an fsdp x tp mesh whose groups hold
 // different data. Also: workspace peak memory (ring/bidirectional: 2 blocks, not n) and
 // reuse, non-divisible shapes, and gemm() on LayoutRight (strided) views.
-// Tolerance: |got - want| <= 1e-5 * (1 + max |want|) (see comm_test_util.hpp).
+// Tolerance: |got - want| <= 1e-5 * (1 + max |want|) (see tests/support/communicator_cases.hpp).
 
 #include "framework/comm/collective_matmul.hpp"
 
@@ -12,8 +12,9 @@
 
 #include <array>
 
-#include "comm_test_util.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/communicator_cases.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain::testing {
 namespace {

@@ -19,12 +19,14 @@
 #include <thread>
 #include <vector>
 
-#include "comm_test_util.hpp"
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/progress_thread.hpp"
 #include "framework/comm/runtime.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/communicator_cases.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/temp_dir.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain::testing {
 namespace {
@@ -194,14 +196,8 @@ TEST(CommThread, StartedOperationsMoveWhileTheStarterComputes) {
   auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "world");
   comm.set_timeout_seconds(120.0);
   const int size = comm.size(), rank = comm.rank();
-  std::string dir;
-  if (rank == 0) {
-    dir = (std::filesystem::temp_directory_path() /
-           ("meshtrain_comm_thread_" + std::to_string(::getpid())))
-              .string();
-    std::filesystem::create_directories(dir);
-  }
-  broadcast_string(dir, 0, MPI_COMM_WORLD, "test directory");
+  const TempDir tmp(/*shared=*/true, "meshtrain_comm_thread");
+  const std::string& dir = tmp.path();
   const std::size_t n = std::size_t{1} << 20;  // 4 MiB per rank: rendezvous, not eager
   for (const char* op : {"all_gather", "all_reduce", "shift"}) {
     SCOPED_TRACE(op);
@@ -216,19 +212,10 @@ TEST(CommThread, StartedOperationsMoveWhileTheStarterComputes) {
     Request request = start();
     if (rank != 0) {
       request.wait();
-      std::ofstream(dir + "/" + op + "_" + std::to_string(rank)) << "done\n";
+      mark_wait_returned(dir, op, rank);
     } else {
       // Compute, no MPI, until every peer's wait has returned (or 30 s).
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-      volatile double work = 0.0;
-      bool all_done = false;
-      while (!all_done && std::chrono::steady_clock::now() < deadline) {
-        for (int k = 0; k < 100000; ++k) work = work + std::sqrt(static_cast<double>(k));
-        all_done = true;
-        for (int j = 1; j < size; ++j) {
-          all_done = all_done && std::filesystem::exists(dir + "/" + op + "_" + std::to_string(j));
-        }
-      }
+      const bool all_done = compute_until_every_wait_returned(dir, op, size);
       EXPECT_TRUE(all_done) << "the other ranks' " << op
                             << " did not complete while rank 0 computed without MPI calls";
       request.wait();
@@ -250,8 +237,6 @@ TEST(CommThread, StartedOperationsMoveWhileTheStarterComputes) {
       }
     }
   }
-  MPI_Barrier(MPI_COMM_WORLD);
-  if (rank == 0) std::filesystem::remove_all(dir);
 }
 
 // A started operation a rank never joins: the same Error as without the thread (wait takes

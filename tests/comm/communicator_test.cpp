@@ -15,10 +15,11 @@
 #include <string>
 #include <vector>
 
-#include "framework/comm/exit_policy.hpp"
-#include "comm_test_util.hpp"
 #include "framework/comm/backends/mpi_communicator.hpp"
-#include "tests/test_support.hpp"
+#include "framework/comm/exit_policy.hpp"
+#include "tests/support/communicator_cases.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain::testing {
 namespace {

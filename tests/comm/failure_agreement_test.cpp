@@ -10,7 +10,8 @@
 
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain::testing {
 namespace {

@@ -34,7 +34,7 @@
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/observe/flight_recorder.hpp"
 #include "framework/observe/flight_report.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {

@@ -18,7 +18,7 @@
 #include "framework/comm/backends/nccl_communicator.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/core/views.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain::testing {
 namespace {

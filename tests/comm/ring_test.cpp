@@ -28,14 +28,16 @@
 #include <thread>
 #include <vector>
 
-#include "comm_test_util.hpp"
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/comm/backends/mpi_ring.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/progress_thread.hpp"
 #include "framework/comm/reduction_choice.hpp"
 #include "framework/core/precision.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/communicator_cases.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/temp_dir.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain::testing {
 namespace {
@@ -680,37 +682,22 @@ TEST(StartedRing, MovesOnTheCommunicationThreadWhileTheStarterComputes) {
   comm.set_reduction_choice(ReductionChoice::ring());
   comm.set_timeout_seconds(120.0);
   const int n = world_size(), rank = world_rank();
-  std::string dir;
-  if (rank == 0) {
-    dir = (std::filesystem::temp_directory_path() /
-           ("meshtrain_started_ring_" + std::to_string(::getpid())))
-              .string();
-    std::filesystem::create_directories(dir);
-  }
-  broadcast_string(dir, 0, MPI_COMM_WORLD, "test directory");
+  const TempDir tmp(/*shared=*/true, "meshtrain_started_ring");
+  const std::string& dir = tmp.path();
   const std::size_t count = std::size_t{1} << 20;
   for (Dtype wire : {Dtype::fp32, Dtype::bf16}) {
     SCOPED_TRACE(wire_name(wire));
     std::vector<std::vector<float>> inputs;
     for (int r = 0; r < n; ++r) inputs.push_back(input_of(r, count, 81));
     DeviceVector data = to_device(inputs[rank]);
-    const std::string name = std::string(wire_name(wire)) + "_";
+    const std::string name = wire_name(wire);
     MPI_Barrier(MPI_COMM_WORLD);
     Request request = comm.start_all_reduce(data, wire);
     if (rank != 0) {
       request.wait();
-      std::ofstream(dir + "/" + name + std::to_string(rank)) << "done\n";
+      mark_wait_returned(dir, name, rank);
     } else {
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-      volatile double work = 0.0;
-      bool all_done = false;
-      while (!all_done && std::chrono::steady_clock::now() < deadline) {
-        for (int k = 0; k < 100000; ++k) work = work + std::sqrt(static_cast<double>(k));
-        all_done = true;
-        for (int j = 1; j < n; ++j) {
-          all_done = all_done && std::filesystem::exists(dir + "/" + name + std::to_string(j));
-        }
-      }
+      const bool all_done = compute_until_every_wait_returned(dir, name, n);
       EXPECT_TRUE(all_done)
           << "the other ranks' started ring all-reduce did not complete while rank 0 computed";
       request.wait();
@@ -721,8 +708,6 @@ TEST(StartedRing, MovesOnTheCommunicationThreadWhileTheStarterComputes) {
     comm.all_reduce(blocking, ReduceOp::sum, wire);
     EXPECT_EQ(bits_hash(to_vector(blocking)), bits_hash(got));
   }
-  MPI_Barrier(MPI_COMM_WORLD);
-  if (rank == 0) std::filesystem::remove_all(dir);
 }
 
 // A rank that never starts the operation: the others' wait throws the MPI path's timeout

@@ -18,7 +18,8 @@
 #endif
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/comm/runtime.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain::testing {
 namespace {

@@ -6,7 +6,7 @@
 
 #include "framework/core/choices.hpp"
 #include "framework/train/config.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
 
 namespace meshtrain {
 namespace {

@@ -21,7 +21,7 @@
 
 #include "framework/train/config_schema.hpp"
 #include "tests/source_dir.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
 
 namespace meshtrain {
 namespace {

@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "framework/io/data.hpp"
-#include "tests/data/hdf5_test_files.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/datasets.hpp"
+#include "tests/support/expect_error.hpp"
 
 namespace meshtrain {
 namespace {

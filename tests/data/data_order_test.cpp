@@ -14,7 +14,6 @@
 
 #include "framework/io/data.hpp"
 #include "framework/io/data_order.hpp"
-#include "tests/test_support.hpp"
 
 namespace meshtrain {
 namespace {

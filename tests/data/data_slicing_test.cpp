@@ -12,7 +12,7 @@
 
 #include "framework/io/batch_stream.hpp"
 #include "framework/io/data.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {

@@ -15,9 +15,9 @@
 
 #include "framework/io/batch_stream.hpp"
 #include "framework/io/data.hpp"
-#include "tests/data/hdf5_test_files.hpp"
-#include "tests/data/idx_test_files.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/idx_files.hpp"
+#include "tests/support/temp_dir.hpp"
 
 namespace meshtrain {
 namespace {

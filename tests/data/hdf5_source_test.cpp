@@ -22,8 +22,10 @@
 #include <vector>
 
 #include "framework/io/data.hpp"
-#include "tests/data/hdf5_test_files.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/datasets.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/hdf5_files.hpp"
+#include "tests/support/temp_dir.hpp"
 
 namespace meshtrain {
 namespace {

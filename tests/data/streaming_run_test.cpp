@@ -25,8 +25,12 @@
 
 #include "framework/comm/mpi_util.hpp"
 #include "run/training_run.hpp"
-#include "tests/data/hdf5_test_files.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/agreed_error.hpp"
+#include "tests/support/datasets.hpp"
+#include "tests/support/hdf5_files.hpp"
+#include "tests/support/mesh_cases.hpp"
+#include "tests/support/temp_dir.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
@@ -112,10 +116,7 @@ Trace run_steps(const RunConfig& config, std::optional<RunData> data, MPI_Comm c
   return trace;
 }
 
-struct MeshCase {
-  std::string preset;
-  std::vector<std::pair<std::string, int>> axes;
-};
+using testing::MeshCase;
 
 // The same rows streamed from HDF5 and given in memory train identically, bit for bit,
 // and like one rank.
@@ -224,36 +225,9 @@ TEST(StreamingRun, ResumesExactlyMidEpochAndAcrossEpochs) {
   }
 }
 
-// Every rank caught the same AgreedError (kind and message) from `body`; returns its message.
-std::string expect_agreed_on_every_rank(const std::function<void()>& body, ErrorKind kind) {
-  std::string message;
-  int caught = 0;
-  try {
-    body();
-  } catch (const AgreedError& e) {
-    caught = 1;
-    message = e.what();
-    EXPECT_EQ(e.kind(), kind) << message;
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected an AgreedError, got: " << e.what();
-  }
-  EXPECT_EQ(caught, 1) << "no AgreedError on rank " << world_rank();
-  int everywhere = 0;
-  check_mpi(MPI_Allreduce(&caught, &everywhere, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD),
-            "MPI_Allreduce");
-  EXPECT_EQ(everywhere, 1) << "a rank did not get the error";
-  uint64_t hash = std::hash<std::string>{}(message), lo = 0, hi = 0;
-  check_mpi(MPI_Allreduce(&hash, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD), "MPI_Allreduce");
-  check_mpi(MPI_Allreduce(&hash, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD), "MPI_Allreduce");
-  EXPECT_EQ(lo, hi) << "ranks disagree on the error; this rank's: " << message;
-  return message;
-}
-
+// dp, fsdp, tp, and fsdp x tp from np 4.
 std::vector<MeshCase> every_mesh(int n) {
-  std::vector<MeshCase> meshes = {
-      {"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}, {"tp", {{"tp", n}}}};
-  if (n % 2 == 0 && n > 2) meshes.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
-  return meshes;
+  return n > 2 ? testing::every_mesh(n) : testing::one_axis_meshes(n);
 }
 
 // The data wait is the slowest rank's: the last rank's reader is held up (its HDF5 lock
@@ -321,7 +295,7 @@ TEST(StreamingRun, AFileThatChangesSizeEndsTheRunOnEveryRank) {
         }
         barrier();
         int64_t steps = 1;
-        const std::string message = expect_agreed_on_every_rank(
+        const std::string message = testing::expect_agreed_error(
             [&] {
               for (; steps < 8; ++steps) run.step();
             },
@@ -366,7 +340,7 @@ TEST(StreamingRun, AReadErrorOnOneRankIsAgreedByAll) {
         config.data.prefetch = prefetch;
         TrainingRun run(config);
         const std::string message =
-            expect_agreed_on_every_rank([&] { run.step(); }, ErrorKind::runtime);
+            testing::expect_agreed_error([&] { run.step(); }, ErrorKind::runtime);
         EXPECT_NE(message.find(bad), std::string::npos) << message;
         EXPECT_NE(message.find("finite"), std::string::npos) << message;
       }
@@ -377,7 +351,7 @@ TEST(StreamingRun, AReadErrorOnOneRankIsAgreedByAll) {
         TrainingRun run(config);
         run.step();
         const std::string message =
-            expect_agreed_on_every_rank([&] { run.evaluate(); }, ErrorKind::runtime);
+            testing::expect_agreed_error([&] { run.evaluate(); }, ErrorKind::runtime);
         EXPECT_NE(message.find(bad_test), std::string::npos) << message;
       }
     }
@@ -394,7 +368,7 @@ TEST(StreamingRun, BadFilesAreAgreedBadInput) {
   barrier();
   const auto agreed = [&](std::vector<std::string> paths) {
     const RunConfig config = stream_config({{"dp", n}}, "dp", std::move(paths), files.test);
-    return expect_agreed_on_every_rank([&] { TrainingRun run(config); }, ErrorKind::bad_input);
+    return testing::expect_agreed_error([&] { TrainingRun run(config); }, ErrorKind::bad_input);
   };
   const std::string missing = files.dir.file("missing.h5");
   std::string message = agreed({files.one, missing});
@@ -418,7 +392,7 @@ TEST(StreamingRun, RanksThatSeeOtherDataAreAgreedBadInput) {
   }
   RunConfig config = stream_config({{"dp", n}}, "dp", {}, "");
   config.data.source = DataSource::synthetic;  // unused: the rows are given
-  const std::string message = expect_agreed_on_every_rank(
+  const std::string message = testing::expect_agreed_error(
       [&] {
         TrainingRun run(config, {}, RunData{train, test_rows()});
       },

@@ -7,25 +7,26 @@
 
 #include <gtest/gtest.h>
 #include <mpi.h>
-#include <stdlib.h>
 
-#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "framework/export/onnx_export.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/train/config.hpp"
-#include "tests/checkpoint/checkpoint_test_data.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/checkpoint_contents.hpp"
+#include "tests/support/temp_dir.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
 
-namespace fs = std::filesystem;
 using testing::ParamShape;
 
 // sizes [8, 12, 8, 4]: layer 1 is an MoE layer of 4 experts, top 2; or a residual_mlp of
 // 8 inputs, width 8, hidden 12, one LayerNorm SwiGLU block and 4 outputs. Split dimensions
-// divide by 4 (checkpoint_test_data.hpp's layouts split dimension 0, or 0 and 1).
+// divide by 4 (tests/support/checkpoint_contents.hpp's layouts split dimension 0, or 0 and 1).
 std::vector<ParamShape> export_model(bool residual) {
   if (residual) {
     return {{"input/weight", {8, 8}},          {"input/bias", {8}},
@@ -96,21 +97,6 @@ ExportSource reference_source(const std::string& config_text, bool residual) {
 
 class ExportMeshTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string made(256, '\0');
-    if (world_rank() == 0) {
-      char pattern[] = "/tmp/meshtrain-export-XXXXXX";
-      ASSERT_NE(mkdtemp(pattern), nullptr);
-      made = pattern;
-    }
-    MPI_Bcast(made.data(), static_cast<int>(made.size()), MPI_CHAR, 0, MPI_COMM_WORLD);
-    dir_ = made.c_str();
-  }
-  void TearDown() override {
-    MPI_Barrier(MPI_COMM_WORLD);
-    if (world_rank() == 0) fs::remove_all(dir_);
-  }
-
   // Saves the model stored as `layout` on `axes` over the whole world; rank 0 exports it and
   // compares the graph with the reference's.
   void check_layout(const std::vector<std::pair<std::string, int>>& axes, const std::string& layout,
@@ -148,7 +134,9 @@ class ExportMeshTest : public ::testing::Test {
     MPI_Barrier(MPI_COMM_WORLD);
   }
 
-  std::string dir_;
+  // A fresh directory shared by all ranks (made by rank 0), removed after the test.
+  const testing::TempDir tmp_{/*shared=*/true, "meshtrain-export"};
+  const std::string dir_ = tmp_.path();
 };
 
 TEST_F(ExportMeshTest, ReplicatedEqualsOneRank) {

@@ -32,8 +32,8 @@
 #include "framework/export/onnx_export.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/train/config.hpp"
-#include "tests/checkpoint/checkpoint_test_data.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/checkpoint_contents.hpp"
+#include "tests/support/world.hpp"
 
 // --- live heap bytes and their peak, through operator new ----------------------------------
 

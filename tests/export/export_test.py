@@ -30,24 +30,27 @@ out, or 1 when one of those checks failed.
 
 import argparse
 import json
-import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import tomllib
 import zlib
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+import script_test  # noqa: E402
+from script_test import Failure  # noqa: E402
+
 try:
     import h5py
     import numpy as np
+    import numpy_reference  # noqa: E402
 except ImportError as e:
     print("FAIL: %s lacks a module the export tests need (%s); scripts/setup installs "
           "python3-numpy python3-h5py python3-onnx" % (sys.executable, e), file=sys.stderr)
     sys.exit(1)
 
-SKIP = 77
+SKIP = script_test.SKIP
 RUN_TIMEOUT_S = 60
 FP32_RTOL = 1e-5
 # Errors are relative to max(|ref|, FLOOR * max|ref|): an output that a sum cancels to near
@@ -59,47 +62,24 @@ CLASS_MARGIN = 1e-5
 ROUNDED_BOUND = {"fp16": 4 * 2.0**-11, "bf16": 4 * 2.0**-8}
 
 
-class Failure(Exception):
-    pass
-
-
 # --- running things ----------------------------------------------------------------------
 
 def run(cmd, timeout=RUN_TIMEOUT_S, cwd=None):
     """Runs a command; returns (status, stdout, stderr). A hang is a failure."""
-    try:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-                           timeout=timeout, universal_newlines=True)
-    except subprocess.TimeoutExpired as e:
-        raise Failure("command hung (no exit in %d s): %s\n%s\n%s" %
-                      (timeout, " ".join(cmd), e.stdout, e.stderr))
-    return p.returncode, p.stdout, p.stderr
+    return script_test.run(cmd, timeout, cwd=cwd)
 
 
-def run_ok(cmd, **kw):
-    status, out, err = run(cmd, **kw)
-    if status != 0:
-        raise Failure("exit status %d: %s\n--- stdout:\n%s\n--- stderr:\n%s" %
-                      (status, " ".join(cmd), out[-4000:], err[-4000:]))
-    return out
+def run_ok(cmd, timeout=RUN_TIMEOUT_S, cwd=None):
+    return script_test.run_ok(cmd, timeout, cwd=cwd)
 
 
-class Context:
+class Context(script_test.Checks):
     def __init__(self, args):
-        self.meshtrain = args.meshtrain
+        super().__init__(args)
         self.source_dir = args.source_dir
-        self.work = args.work
-        self.mpiexec = args.mpiexec
         self.predict = args.predict
-        self.failures = []
         self._ort = None
         self.ort_missing = None  # why ONNX Runtime cannot run here (None: it can, or untried)
-
-    def check(self, condition, message):
-        if not condition:
-            print("FAIL: " + message, file=sys.stderr)
-            self.failures.append(message)
-        return condition
 
     def ort_module(self):
         """The onnxruntime-node package's directory; None (and ort_missing says why) when it
@@ -264,27 +244,8 @@ def round_weights(params, dtype):
     return out
 
 
-def activation(kind, z):
-    if kind == "relu":
-        return np.maximum(z, 0.0)
-    if kind == "tanh":
-        return np.tanh(z)
-    if kind == "gelu":  # the tanh form
-        return 0.5 * z * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (z + 0.044715 * z**3)))
-    if kind == "gelu_erf":  # the exact form
-        return 0.5 * z * (1.0 + np.vectorize(math.erf)(z / np.sqrt(2.0)))
-    if kind == "silu":
-        return z / (1.0 + np.exp(-z))
-    if kind == "sigmoid":
-        return 1.0 / (1.0 + np.exp(-z))
-    if kind == "none":
-        return z
-    raise Failure("unknown activation " + kind)
-
-
-def softmax(z):
-    e = np.exp(z - z.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
+activation = numpy_reference.activation
+softmax = numpy_reference.softmax
 
 
 def moe_forward(h, p, prefix, top_k, ties_to_higher=False, expert=None):
@@ -914,25 +875,17 @@ def main():
     parser.add_argument("--work", required=True)
     parser.add_argument("--predict", action="store_true",
                         help="also compare with `meshtrain predict` of the same checkpoints")
-    argv = sys.argv[1:]
-    if "--" not in argv:
+    own, launcher = script_test.split_at_launcher(sys.argv[1:])
+    if not launcher:
         parser.error("the MPI launcher is missing after --")
-    split = argv.index("--")
-    args = parser.parse_args(argv[:split])
-    args.mpiexec = argv[split + 1:]
-    if not args.mpiexec:
-        parser.error("the MPI launcher is missing after --")
+    args = parser.parse_args(own)
+    args.mpiexec = launcher
     ctx = Context(args)
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
-    try:
-        CASES[args.case](ctx)
-    except Failure as e:
-        print("FAIL: %s" % e, file=sys.stderr)
-        return 1
-    if ctx.failures:
-        print("%d check(s) failed" % len(ctx.failures), file=sys.stderr)
-        return 1
+    status = script_test.outcome(ctx, lambda: CASES[args.case](ctx))
+    if status != 0:
+        return status
     if ctx.ort_missing:
         print("SKIP: %s (the checks that need no ONNX Runtime passed)" % ctx.ort_missing)
         return SKIP

@@ -27,8 +27,8 @@
 #include <vector>
 
 #include "framework/comm/mesh_communicators.hpp"
-#include "tests/test_backend.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/backend.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {

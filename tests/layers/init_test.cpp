@@ -9,9 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "framework/train/init.hpp"
 #include "framework/core/sharded_tensor.hpp"
-#include "tests/test_support.hpp"
+#include "framework/train/init.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {

@@ -67,9 +67,11 @@
 #include "layers/mlp.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
-#include "tests/layers/full_tensor.hpp"
-#include "tests/test_backend.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/backend.hpp"
+#include "tests/support/full_tensor.hpp"
+#include "tests/support/reference_activations.hpp"
+#include "tests/support/reference_losses.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
@@ -162,46 +164,8 @@ std::vector<Tensor> master_parameters(const ModelCase& m) {
 }
 
 // ---- the reference: plain loops in double, rounded at the cast points ---------------------
-double sigmoid(double z) {
-  return 1 / (1 + std::exp(-z));
-}
-double normal_cdf(double z) {  // Phi(z): gelu_erf(z) = z Phi(z)
-  return 0.5 * std::erfc(-z / std::sqrt(2.0));
-}
-double act(Activation a, double z) {
-  switch (a) {
-    case Activation::relu:
-      return z > 0 ? z : 0;
-    case Activation::tanh:
-      return std::tanh(z);
-    case Activation::silu:
-      return z * sigmoid(z);
-    case Activation::sigmoid:
-      return sigmoid(z);
-    case Activation::gelu_erf:
-      return z * normal_cdf(z);
-    default:
-      ADD_FAILURE() << "no reference for " << to_string(a);
-      return 0;
-  }
-}
-double act_grad(Activation a, double z) {
-  switch (a) {
-    case Activation::relu:
-      return z > 0 ? 1 : 0;
-    case Activation::tanh:
-      return 1 - std::tanh(z) * std::tanh(z);
-    case Activation::silu:
-      return sigmoid(z) * (1 + z * sigmoid(-z));
-    case Activation::sigmoid:
-      return sigmoid(z) * sigmoid(-z);
-    case Activation::gelu_erf:
-      return normal_cdf(z) + z * std::exp(-0.5 * z * z) / std::sqrt(2 * M_PI);
-    default:
-      ADD_FAILURE() << "no reference for " << to_string(a);
-      return 0;
-  }
-}
+using testing::activation;
+using testing::activation_derivative;
 
 struct Reference {
   Tensor logits;  // the last z [B, out]
@@ -235,33 +199,15 @@ Reference reference(const ModelCase& m, const Batch& b, Dtype P, double S) {
       }
     if (l + 1 < n) {
       a[l + 1] = z[l];
-      for (double& v : a[l + 1]) v = rnd(act(m.activation, v), P);  // 5
+      for (double& v : a[l + 1]) v = rnd(activation(m.activation, v), P);  // 5
     }
   }
   Reference r;
   r.logits = z[n - 1];
   // 6: the loss from the last z, in double; 7: its gradient scaled and cast.
-  const int64_t out = m.sizes.back();
-  const Tensor& y = r.logits;
-  Tensor g(kBatch * out);
-  for (int64_t i = 0; i < kBatch; ++i) {
-    if (m.loss == LossKind::mse) {
-      for (int64_t j = 0; j < out; ++j) {
-        const double d = y[i * out + j] - b.targets[i * out + j];
-        r.loss += d * d;
-        g[i * out + j] = 2 * d / kBatch;
-      }
-    } else {
-      double mx = y[i * out];
-      for (int64_t j = 1; j < out; ++j) mx = std::max(mx, y[i * out + j]);
-      double s = 0;
-      for (int64_t j = 0; j < out; ++j) s += std::exp(y[i * out + j] - mx);
-      r.loss += std::log(s) + mx - y[i * out + b.labels[i]];
-      for (int64_t j = 0; j < out; ++j)
-        g[i * out + j] = (std::exp(y[i * out + j] - mx) / s - (j == b.labels[i])) / kBatch;
-    }
-  }
-  r.loss /= kBatch;
+  Tensor g;
+  r.loss = testing::mean_loss_and_gradient(m.loss, r.logits, kBatch, m.sizes.back(), b.targets,
+                                           b.labels, g);
   for (double& v : g) v = rnd(S * static_cast<float>(v), P);
   r.grads.resize(2 * n);
   for (size_t l = n; l-- > 0;) {
@@ -287,8 +233,9 @@ Reference reference(const ModelCase& m, const Batch& b, Dtype P, double S) {
       for (int64_t k = 0; k < in; ++k) {
         double s = 0;
         for (int64_t j = 0; j < o; ++j) s += g[i * o + j] * w[l][k * o + j];
-        const double dx = rnd(s, P);                                                 // 9
-        gx[i * in + k] = rnd(dx * act_grad(m.activation, z[l - 1][i * in + k]), P);  // 10
+        const double dx = rnd(s, P);  // 9
+        gx[i * in + k] =
+            rnd(dx * activation_derivative(m.activation, z[l - 1][i * in + k]), P);  // 10
       }
     g = gx;
   }

@@ -31,10 +31,12 @@
 #include "layers/mlp.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
-#include "tests/finite_differences.hpp"
-#include "tests/layers/full_tensor.hpp"
-#include "tests/test_backend.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/backend.hpp"
+#include "tests/support/finite_differences.hpp"
+#include "tests/support/full_tensor.hpp"
+#include "tests/support/reference_activations.hpp"
+#include "tests/support/reference_losses.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
@@ -133,50 +135,8 @@ Batch make_batch(const ModelCase& m, int step) {
 }
 
 // ---- the reference: plain loops in double ------------------------------------------------
-double sigmoid(double z) {
-  return 1 / (1 + std::exp(-z));
-}
-double normal_cdf(double z) {  // Phi(z), for gelu_erf = z Phi(z)
-  return 0.5 * std::erfc(-z / std::sqrt(2.0));
-}
-double act(Activation a, double z) {
-  switch (a) {
-    case Activation::relu:
-      return z > 0 ? z : 0;
-    case Activation::tanh:
-      return std::tanh(z);
-    case Activation::silu:
-      return z * sigmoid(z);
-    case Activation::sigmoid:
-      return sigmoid(z);
-    case Activation::gelu_erf:
-      return z * normal_cdf(z);
-    case Activation::none:
-      return z;
-    default:
-      ADD_FAILURE() << "no reference for " << to_string(a);
-      return 0;
-  }
-}
-double act_grad(Activation a, double z) {
-  switch (a) {
-    case Activation::relu:
-      return z > 0 ? 1 : 0;
-    case Activation::tanh:
-      return 1 - std::tanh(z) * std::tanh(z);
-    case Activation::silu:
-      return sigmoid(z) * (1 + z * sigmoid(-z));
-    case Activation::sigmoid:
-      return sigmoid(z) * sigmoid(-z);
-    case Activation::gelu_erf:
-      return normal_cdf(z) + z * std::exp(-0.5 * z * z) / std::sqrt(2 * M_PI);
-    case Activation::none:
-      return 1;
-    default:
-      ADD_FAILURE() << "no reference for " << to_string(a);
-      return 0;
-  }
-}
+using testing::activation;
+using testing::activation_derivative;
 
 struct Reference {
   ModelCase m;
@@ -205,36 +165,18 @@ struct Reference {
       if (l + 1 < n)
         for (auto& v : a[l + 1]) {
           min_kink = std::min(min_kink, std::abs(v));
-          v = act(m.activation, v);
+          v = activation(m.activation, v);
         }
     }
-    const int64_t out = m.sizes.back();
-    const Tensor& y = a[n];
-    Tensor dy(kBatch * out);
-    double loss = 0;
-    for (int64_t i = 0; i < kBatch; ++i) {
-      if (m.loss == LossKind::mse) {
-        for (int64_t j = 0; j < out; ++j) {
-          const double d = y[i * out + j] - b.targets[i * out + j];
-          loss += d * d;
-          dy[i * out + j] = 2 * d / kBatch;
-        }
-      } else {
-        double mx = y[i * out];
-        for (int64_t j = 1; j < out; ++j) mx = std::max(mx, y[i * out + j]);
-        double s = 0;
-        for (int64_t j = 0; j < out; ++j) s += std::exp(y[i * out + j] - mx);
-        loss += std::log(s) + mx - y[i * out + b.labels[i]];
-        for (int64_t j = 0; j < out; ++j) {
-          dy[i * out + j] = (std::exp(y[i * out + j] - mx) / s - (j == b.labels[i])) / kBatch;
-        }
-      }
-    }
+    Tensor dy;
+    const double loss = testing::mean_loss_and_gradient(m.loss, a[n], kBatch, m.sizes.back(),
+                                                        b.targets, b.labels, dy);
     Tensor grad = dy;
     for (size_t l = n; l-- > 0;) {
       const int64_t in = m.sizes[l], o = m.sizes[l + 1];
       if (l + 1 < n)
-        for (int64_t i = 0; i < kBatch * o; ++i) grad[i] *= act_grad(m.activation, z[l][i]);
+        for (int64_t i = 0; i < kBatch * o; ++i)
+          grad[i] *= activation_derivative(m.activation, z[l][i]);
       Tensor& gw = grads[2 * l];
       Tensor& gb = grads[2 * l + 1];
       std::fill(gw.begin(), gw.end(), 0.0);
@@ -258,7 +200,7 @@ struct Reference {
         grad = gx;
       }
     }
-    return loss / kBatch;
+    return loss;
   }
 
   double clip() {

@@ -98,10 +98,12 @@
 #include "partition/moe_layout.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
-#include "tests/finite_differences.hpp"
-#include "tests/layers/full_tensor.hpp"
-#include "tests/test_backend.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/backend.hpp"
+#include "tests/support/finite_differences.hpp"
+#include "tests/support/full_tensor.hpp"
+#include "tests/support/reference_activations.hpp"
+#include "tests/support/reference_losses.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
@@ -178,12 +180,8 @@ Params master_parameters(const ModelCase& m, bool zero_router) {
 }
 
 // ---- the reference: plain loops in double on the whole batch ------------------------------
-double act(Activation a, double z) {
-  return a == Activation::relu ? (z > 0 ? z : 0) : std::tanh(z);
-}
-double act_grad(Activation a, double z) {
-  return a == Activation::relu ? (z > 0 ? 1 : 0) : 1 - std::tanh(z) * std::tanh(z);
-}
+using testing::activation;
+using testing::activation_derivative;
 
 struct Reference {
   Tensor logits;  // [N, out]
@@ -333,7 +331,7 @@ Reference reference(const ModelCase& m, const Batch& batch, const Params& params
     }
     if (l + 1 < n) {
       a[l + 1] = z[l];
-      for (double& v : a[l + 1]) v = act(m.activation, v);
+      for (double& v : a[l + 1]) v = activation(m.activation, v);
       if (m.activation == Activation::relu)
         for (double v : z[l]) ref.min_kink = std::min(ref.min_kink, std::abs(v));
     }
@@ -341,18 +339,9 @@ Reference reference(const ModelCase& m, const Batch& batch, const Params& params
   ref.logits = z[n - 1];
 
   // Mean cross-entropy over the global batch and its gradient.
-  const int64_t out = kSizes.back();
-  Tensor g(kBatch * out);
-  for (int64_t r = 0; r < kBatch; ++r) {
-    const double* y = &ref.logits[r * out];
-    const double mx = *std::max_element(y, y + out);
-    double s = 0;
-    for (int64_t j = 0; j < out; ++j) s += std::exp(y[j] - mx);
-    ref.ce += std::log(s) + mx - y[batch.labels[r]];
-    for (int64_t j = 0; j < out; ++j)
-      g[r * out + j] = (std::exp(y[j] - mx) / s - (j == batch.labels[r] ? 1 : 0)) / kBatch;
-  }
-  ref.ce /= kBatch;
+  Tensor g;
+  ref.ce = testing::mean_loss_and_gradient(LossKind::cross_entropy, ref.logits, kBatch,
+                                           kSizes.back(), {}, batch.labels, g);
 
   for (size_t l = n; l-- > 0;) {
     const int64_t in = kSizes[l], o = kSizes[l + 1];
@@ -382,7 +371,8 @@ Reference reference(const ModelCase& m, const Batch& batch, const Params& params
     }
     if (l == 0) break;
     g = dx;
-    for (int64_t i = 0; i < kBatch * in; ++i) g[i] *= act_grad(m.activation, z[l - 1][i]);
+    for (int64_t i = 0; i < kBatch * in; ++i)
+      g[i] *= activation_derivative(m.activation, z[l - 1][i]);
   }
   return ref;
 }

@@ -27,19 +27,17 @@
 //   |got - ref| <= (1 + 3 k [R 16-bit]) * u * sum_i |term_i| + (k + 1) s + 1e-5 * max |ref|
 // where term_i is row i's contribution (dy * x_hat or dy).
 // Allocation: forward and backward allocate nothing: heap allocations (operator new, replaced
-// here) and Kokkos allocations (the allocate-data callback) counted over a second pass, as
-// tests/train/step_allocations_test.cpp counts a training step; the counter is checked to see
-// allocations (Norm.AllocationCounterSeesAllocations).
+// by tests/support/counting_allocator.cpp) and Kokkos allocations (the allocate-data callback)
+// counted over a second pass, as tests/train/step_allocations_test.cpp counts a training step;
+// the counter is checked to see allocations (Norm.AllocationCounterSeesAllocations).
 
 #include <gtest/gtest.h>
 #include <mpi.h>
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdlib>
-#include <new>
 #include <string>
 #include <vector>
 
@@ -51,47 +49,17 @@
 #include "layers/gradient_reduction.hpp"
 #include "layers/norm.hpp"
 #include "partition/norm_layout.hpp"
-#include "tests/layers/full_tensor.hpp"
-#include "tests/test_backend.hpp"
-#include "tests/test_support.hpp"
-
-// Allocations while g_window_open: the heap (global operator new, replaced in this
-// executable as in tests/train/step_allocations_test.cpp) and Kokkos (allocate callback).
-namespace {
-std::atomic<bool> g_window_open{false};
-std::atomic<long> g_allocations{0};
-void* counted_allocation(std::size_t bytes) {
-  if (g_window_open.load(std::memory_order_relaxed)) {
-    g_allocations.fetch_add(1, std::memory_order_relaxed);
-  }
-  if (void* p = std::malloc(bytes ? bytes : 1)) return p;
-  throw std::bad_alloc();
-}
-}  // namespace
-
-void* operator new(std::size_t bytes) {
-  return counted_allocation(bytes);
-}
-void* operator new[](std::size_t bytes) {
-  return counted_allocation(bytes);
-}
-void operator delete(void* p) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p) noexcept {
-  std::free(p);
-}
-void operator delete(void* p, std::size_t) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, std::size_t) noexcept {
-  std::free(p);
-}
+#include "tests/support/backend.hpp"
+#include "tests/support/counting_allocator.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/full_tensor.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
 
 using testing::gather_full;
+using testing::host_matrix;
 using testing::Tensor;
 using testing::to_host;
 
@@ -287,13 +255,6 @@ struct Result {
   int64_t allocations = -1;  // heap and Kokkos allocations in a second forward + backward
 };
 
-void count_allocation(const Kokkos::Profiling::SpaceHandle, const char*, const void*,
-                      const uint64_t) {
-  if (g_window_open.load(std::memory_order_relaxed)) {
-    g_allocations.fetch_add(1, std::memory_order_relaxed);
-  }
-}
-
 Matrix device_block(const Tensor& full, int64_t first_row, int64_t rows, int64_t offset,
                     int64_t cols, const std::string& label) {
   Matrix m(label, rows, cols);
@@ -303,16 +264,6 @@ Matrix device_block(const Tensor& full, int64_t first_row, int64_t rows, int64_t
       h(i, j) = static_cast<float>(full[(first_row + i) * kWidth + offset + j]);
   Kokkos::deep_copy(m, h);
   return m;
-}
-
-Tensor host_matrix(MatrixView m) {
-  Matrix copy("copy", m.extent(0), m.extent(1));
-  Kokkos::deep_copy(copy, m);
-  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), copy);
-  Tensor t(m.extent(0) * m.extent(1));
-  for (size_t i = 0; i < m.extent(0); ++i)
-    for (size_t j = 0; j < m.extent(1); ++j) t[i * m.extent(1) + j] = h(i, j);
-  return t;
 }
 
 void fill_block(ShardedTensor& t, const Tensor& full) {
@@ -405,29 +356,23 @@ Result run_norm(NormKind kind, const NormCase& c, MeshCommunicators& comms, cons
   r.dscale = full(grads[0]);
   if (kind == NormKind::layernorm) r.dbias = full(grads[1]);
 
-  g_allocations = 0;
-  Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
-  g_window_open = true;
+  testing::AllocationWindow window;
   step();
   if (mode == Mode::later) reductions.all_reduce_deferred();
-  g_window_open = false;
-  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
-  r.allocations = g_allocations;
+  const long heap = window.close();
+  r.allocations = heap + window.kokkos_allocations();
   return r;
 }
 
 // ---- tests -----------------------------------------------------------------------------------
 // The counters really count (so the zero counts below can fail).
 TEST(Norm, AllocationCounterSeesAllocations) {
-  g_allocations = 0;
-  Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
-  g_window_open = true;
+  testing::AllocationWindow window;
   { Vector v("probe", 10); }
-  const long kokkos = g_allocations.exchange(0);
+  const long kokkos = window.kokkos_allocations();
+  const long heap_before = window.heap_allocations();
   { std::vector<double> heap(10); }
-  const long heap = g_allocations.load();
-  g_window_open = false;
-  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+  const long heap = window.close() - heap_before;
   EXPECT_GE(kokkos, 1);
   EXPECT_GE(heap, 1);
 }

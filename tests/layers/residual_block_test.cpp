@@ -32,10 +32,16 @@
 #include "layers/residual_block.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
-#include "tests/finite_differences.hpp"
-#include "tests/layers/full_tensor.hpp"
-#include "tests/test_backend.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/backend.hpp"
+#include "tests/support/expect_close.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/finite_differences.hpp"
+#include "tests/support/full_tensor.hpp"
+#include "tests/support/kokkos_allocations.hpp"
+#include "tests/support/layer_test_data.hpp"
+#include "tests/support/mesh_cases.hpp"
+#include "tests/support/reference_linear.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
@@ -47,22 +53,12 @@ constexpr double kTolerance = 1e-5;
 
 // Every value as float, so that the reference sees exactly what the layers see.
 double parameter_value(int k, int64_t i, int64_t j) {
-  return static_cast<float>(0.3 * std::sin(0.7 * i + 1.1 * j + 0.5 * k));
+  return static_cast<float>(testing::parameter_wave(k, i, j));
 }
 double input_value(int64_t r, int64_t c) {
   return static_cast<float>(std::cos(0.37 * r + 0.91 * c));
 }
-double loss_weight(int64_t r, int64_t c) {
-  return static_cast<float>(std::sin(0.53 * r - 0.29 * c + 0.1));
-}
-
-int64_t g_allocations = 0;
-std::string g_allocated;  // the labels, for the failure message
-void count_allocation(const Kokkos_Profiling_SpaceHandle, const char* label, const void*,
-                      const uint64_t bytes) {
-  ++g_allocations;
-  g_allocated += std::string(" '") + label + "' (" + std::to_string(bytes) + " bytes)";
-}
+using testing::loss_weight;
 
 // The model's parameters, in order: input [I, W], [W]; the block's up [W, H], [H] and down
 // [H, W], [W]; output [W, O], [O].
@@ -78,15 +74,11 @@ std::vector<ParameterShape> model_shapes() {
 }
 
 void fill(ShardedTensor& t, int k) {
-  auto h = Kokkos::create_mirror_view(t.local);
+  const int64_t cols = t.global_shape.back();
   const bool matrix = t.global_shape.size() == 2;
-  const int64_t cols = matrix ? t.box.extent[1] : 1;
-  for (int64_t l = 0; l < static_cast<int64_t>(h.extent(0)); ++l) {
-    h(l) = matrix ? static_cast<float>(
-                        parameter_value(k, t.box.offset[0] + l / cols, t.box.offset[1] + l % cols))
-                  : static_cast<float>(parameter_value(k, 0, t.box.offset[0] + l));
-  }
-  Kokkos::deep_copy(t.local, h);
+  testing::fill_global(t, [&](int64_t flat) {
+    return matrix ? parameter_value(k, flat / cols, flat % cols) : parameter_value(k, 0, flat);
+  });
 }
 
 // Parameter k in full: [rows, cols], a vector as rows = 1.
@@ -97,26 +89,8 @@ Tensor full_parameter(int k, int64_t rows, int64_t cols) {
   return t;
 }
 
-// out = x w + b for one row x [n] and w [n, m].
-std::vector<double> affine(const std::vector<double>& x, const Tensor& w, const Tensor& b) {
-  std::vector<double> out(b);
-  for (size_t c = 0; c < x.size(); ++c)
-    for (size_t j = 0; j < b.size(); ++j) out[j] += x[c] * w[c * b.size() + j];
-  return out;
-}
-// dx = dy wᵀ for w [n, m]; dw += xᵀ dy; db += dy.
-std::vector<double> affine_backward(const std::vector<double>& x, const Tensor& w,
-                                    const std::vector<double>& dy, Tensor& dw, Tensor& db) {
-  std::vector<double> dx(x.size(), 0.0);
-  for (size_t c = 0; c < x.size(); ++c) {
-    for (size_t j = 0; j < dy.size(); ++j) {
-      dx[c] += dy[j] * w[c * dy.size() + j];
-      dw[c * dy.size() + j] += x[c] * dy[j];
-    }
-  }
-  for (size_t j = 0; j < dy.size(); ++j) db[j] += dy[j];
-  return dx;
-}
+using testing::affine;
+using testing::affine_backward;
 
 // The model input -> input projection -> u + f(u), f(u) = tanh(u W1 + b1) W2 + b2 -> output
 // projection, in double; loss sum(R * out): dOut = R.
@@ -125,12 +99,8 @@ struct Reference {
   std::vector<Tensor> grad;    // per parameter, in model_shapes() order
   std::vector<Tensor> values;  // the parameters it was computed with, in the same order
 
-  double loss() const {  // sum(R * out), whose gradient `grad` is
-    double l = 0.0;
-    for (int64_t i = 0; i < kRows; ++i)
-      for (int64_t o = 0; o < kOut; ++o) l += loss_weight(i, o) * out[i * kOut + o];
-    return l;
-  }
+  // sum(R * out), whose gradient `grad` is.
+  double loss() const { return testing::weighted_loss(out, kRows); }
 };
 
 // For the parameters parameter_value gives, or for `values` (in model_shapes() order).
@@ -161,46 +131,25 @@ Reference reference(const std::vector<Tensor>* values = nullptr) {
     for (int64_t c = 0; c < kWidth; ++c) y[c] += u[c];  // the residual
     const std::vector<double> out = affine(y, p[6], p[7]);
     for (int64_t o = 0; o < kOut; ++o) r.out[i * kOut + o] = out[o];
-    const std::vector<double> dy = affine_backward(y, p[6], dout, r.grad[6], r.grad[7]);
-    std::vector<double> dh = affine_backward(a, p[4], dy, r.grad[4], r.grad[5]);
+    const std::vector<double> dy = affine_backward(y, p[6], r.grad[6], r.grad[7], dout);
+    std::vector<double> dh = affine_backward(a, p[4], r.grad[4], r.grad[5], dy);
     for (int64_t h = 0; h < kHidden; ++h) dh[h] *= 1.0 - a[h] * a[h];
-    std::vector<double> du = affine_backward(u, p[2], dh, r.grad[2], r.grad[3]);
+    std::vector<double> du = affine_backward(u, p[2], r.grad[2], r.grad[3], dh);
     for (int64_t c = 0; c < kWidth; ++c) du[c] += dy[c];  // the residual's part
-    affine_backward(x, p[0], du, r.grad[0], r.grad[1]);
+    affine_backward(x, p[0], r.grad[0], r.grad[1], du);
   }
   return r;
 }
 
 void expect_close(const Tensor& got, const Tensor& ref, const std::string& what) {
-  ASSERT_EQ(got.size(), ref.size()) << what;
-  int reported = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::abs(got[i] - ref[i]) > kTolerance * (1.0 + std::abs(ref[i])) && reported++ < 5) {
-      ADD_FAILURE() << what << "[" << i << "]: " << got[i] << ", reference " << ref[i];
-    }
-  }
+  testing::expect_close_to_reference(got, ref, kTolerance, what);
 }
 
-Tensor host(MatrixView m) {
-  Matrix copy("copy", m.extent(0), m.extent(1));
-  Kokkos::deep_copy(copy, m);
-  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), copy);
-  return Tensor(h.data(), h.data() + h.span());
-}
+using testing::MeshCase;
 
-struct MeshCase {
-  std::vector<std::pair<std::string, int>> axes;
-  std::string preset;
-};
-
+// dp, fsdp, tp; at np 4 also fsdp x tp and dp x tp.
 std::vector<MeshCase> mesh_cases() {
-  const int n = world_size();
-  std::vector<MeshCase> cases = {{{{"dp", n}}, "dp"}, {{{"fsdp", n}}, "fsdp"}, {{{"tp", n}}, "tp"}};
-  if (n == 4) {
-    cases.push_back({{{"fsdp", 2}, {"tp", 2}}, "fsdp_tp"});
-    cases.push_back({{{"dp", 2}, {"tp", 2}}, "dp_tp"});
-  }
-  return cases;
+  return testing::layer_meshes(world_size());
 }
 
 // The reference's hand-derived backward (tanh, and the residual add: the block's input gradient
@@ -326,18 +275,16 @@ TEST(ResidualBlock, EqualsTheFloat64ReferenceOnEveryMesh) {
           if (mode == DeferredReduction::later) reductions.all_reduce_deferred();
         };
         step();  // warm-up, then the counted one
-        g_allocations = 0;
-        g_allocated.reserve(4096);
-        g_allocated.clear();
-        Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
+        testing::KokkosAllocationCounter allocations;
         step();
-        Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+        allocations.stop();
         // Also where MPI is staged through host buffers (device memory, or its emulation)
         // and the buckets are in flight: each bucket reserves its request slot (with its
         // staging) when the buckets are built, whatever order they complete in.
-        EXPECT_EQ(g_allocations, 0) << "Kokkos allocations in forward and backward:" << g_allocated;
+        EXPECT_EQ(allocations.count(), 0)
+            << "Kokkos allocations in forward and backward:" << allocations.described();
 
-        expect_close(host(out), out_ref, "output");
+        expect_close(testing::host_matrix(out), out_ref, "output");
         for (size_t k = 0; k < grads.size(); ++k) {
           expect_close(testing::gather_full(grads[k], mesh, context.rank()), ref.grad[k],
                        grads[k].name + " gradient");

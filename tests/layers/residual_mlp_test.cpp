@@ -27,10 +27,17 @@
 #include "layers/mlp.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
-#include "tests/finite_differences.hpp"
-#include "tests/layers/full_tensor.hpp"
-#include "tests/test_backend.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/backend.hpp"
+#include "tests/support/expect_close.hpp"
+#include "tests/support/finite_differences.hpp"
+#include "tests/support/full_tensor.hpp"
+#include "tests/support/kokkos_allocations.hpp"
+#include "tests/support/layer_test_data.hpp"
+#include "tests/support/mesh_cases.hpp"
+#include "tests/support/model_pass.hpp"
+#include "tests/support/reference_activations.hpp"
+#include "tests/support/reference_norm.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
@@ -56,98 +63,24 @@ ResidualMlpShape shape_of(const std::string& norm, bool gated) {
 // Every value as float, so that the reference sees exactly what the model sees. Norm scales
 // around 1.
 double parameter_value(const ParameterShape& p, int k, int64_t i, int64_t j) {
-  const double v = 0.3 * std::sin(0.7 * i + 1.1 * j + 0.5 * k);
+  const double v = testing::parameter_wave(k, i, j);
   const bool scale = p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, "scale") == 0;
   return static_cast<float>(scale ? 1.0 + v : v);
 }
-double input_value(int64_t r, int64_t c) {
-  return static_cast<float>(1.5 * std::cos(0.37 * r + 0.91 * c) + 0.2);
-}
-double loss_weight(int64_t r, int64_t c) {
-  return static_cast<float>(std::sin(0.53 * r - 0.29 * c + 0.1));
-}
+using testing::loss_weight;
 
 void fill(ShardedTensor& t, const ParameterShape& p, int k) {
-  auto h = Kokkos::create_mirror_view(t.local);
-  const bool matrix = t.global_shape.size() == 2;
-  const int64_t cols = matrix ? t.box.extent[1] : 1;
-  for (int64_t l = 0; l < static_cast<int64_t>(h.extent(0)); ++l) {
-    h(l) = matrix ? static_cast<float>(parameter_value(p, k, t.box.offset[0] + l / cols,
-                                                       t.box.offset[1] + l % cols))
-                  : static_cast<float>(parameter_value(p, k, 0, t.box.offset[0] + l));
-  }
-  Kokkos::deep_copy(t.local, h);
+  const int64_t cols = p.shape.back();
+  const bool matrix = p.shape.size() == 2;
+  testing::fill_global(t, [&](int64_t flat) {
+    return matrix ? parameter_value(p, k, flat / cols, flat % cols)
+                  : parameter_value(p, k, 0, flat);
+  });
 }
-
-using Vec = std::vector<double>;
 
 // ---- The float64 reference, one row at a time (docs/models.md). ----
-struct Param {
-  Tensor value, grad;
-  int64_t cols = 1;
-};
-
-Vec affine(const Vec& x, const Param& w, const Param& b) {
-  Vec out(b.value);
-  for (size_t c = 0; c < x.size(); ++c)
-    for (size_t j = 0; j < out.size(); ++j) out[j] += x[c] * w.value[c * out.size() + j];
-  return out;
-}
-Vec affine_backward(const Vec& x, Param& w, Param& b, const Vec& dy) {
-  Vec dx(x.size(), 0.0);
-  for (size_t c = 0; c < x.size(); ++c) {
-    for (size_t j = 0; j < dy.size(); ++j) {
-      dx[c] += dy[j] * w.value[c * dy.size() + j];
-      w.grad[c * dy.size() + j] += x[c] * dy[j];
-    }
-  }
-  for (size_t j = 0; j < dy.size(); ++j) b.grad[j] += dy[j];
-  return dx;
-}
-
-// LayerNorm (eps 1e-5) / RMSNorm (eps 2^-23): y = x_hat * scale (+ bias).
-struct NormCache {
-  Vec x_hat;
-  double rstd = 0.0;
-};
-Vec norm_forward(const Vec& x, const Param& scale, const Param* bias, NormCache& c) {
-  const double n = static_cast<double>(x.size());
-  double mean = 0.0;
-  if (bias) {
-    for (double v : x) mean += v / n;
-  }
-  double second = 0.0;
-  for (double v : x) second += (v - mean) * (v - mean);
-  c.rstd = 1.0 / std::sqrt(second / n + (bias ? kLayerNormEps : kRmsNormEps));
-  c.x_hat.assign(x.size(), 0.0);
-  Vec y(x.size());
-  for (size_t j = 0; j < x.size(); ++j) {
-    c.x_hat[j] = (x[j] - mean) * c.rstd;
-    y[j] = c.x_hat[j] * scale.value[j] + (bias ? bias->value[j] : 0.0);
-  }
-  return y;
-}
-Vec norm_backward(const NormCache& c, Param& scale, Param* bias, const Vec& dy) {
-  const double n = static_cast<double>(dy.size());
-  Vec g(dy.size());
-  double sum_g = 0.0, sum_gx = 0.0;
-  for (size_t j = 0; j < dy.size(); ++j) {
-    g[j] = dy[j] * scale.value[j];
-    sum_g += g[j];
-    sum_gx += g[j] * c.x_hat[j];
-    scale.grad[j] += dy[j] * c.x_hat[j];
-    if (bias) bias->grad[j] += dy[j];
-  }
-  Vec dx(dy.size());
-  for (size_t j = 0; j < dy.size(); ++j) {
-    dx[j] = c.rstd * (g[j] - (bias ? sum_g / n : 0.0) - c.x_hat[j] * sum_gx / n);
-  }
-  return dx;
-}
-
-double sigmoid(double z) {
-  return 1.0 / (1.0 + std::exp(-z));
-}
+using testing::ReferenceParam;
+using testing::Vec;
 
 struct Reference {
   Tensor out;                  // [rows, outputs]
@@ -155,13 +88,7 @@ struct Reference {
   std::vector<Tensor> values;  // the parameters it was computed with, in the same order
 
   // The loss whose gradient `grad` is: sum(R * out).
-  double loss() const {
-    double l = 0.0;
-    const int64_t outputs = static_cast<int64_t>(out.size()) / kRows;
-    for (int64_t r = 0; r < kRows; ++r)
-      for (int64_t c = 0; c < outputs; ++c) l += loss_weight(r, c) * out[r * outputs + c];
-    return l;
-  }
+  double loss() const { return testing::weighted_loss(out, kRows); }
 };
 
 // The output and (with_backward) gradients in float64 for the parameters parameter_value
@@ -169,12 +96,11 @@ struct Reference {
 Reference reference(const ResidualMlpShape& s, const std::vector<Tensor>* values = nullptr,
                     bool with_backward = true) {
   const std::vector<ParameterShape> shapes = residual_mlp_parameter_shapes(s);
-  std::vector<Param> p(shapes.size());
+  std::vector<ReferenceParam> p(shapes.size());
   for (size_t k = 0; k < shapes.size(); ++k) {
     const bool matrix = shapes[k].shape.size() == 2;
     const int64_t rows = matrix ? shapes[k].shape[0] : 1;
     const int64_t cols = matrix ? shapes[k].shape[1] : shapes[k].shape[0];
-    p[k].cols = cols;
     if (values) {
       p[k].value = (*values)[k];
     } else {
@@ -189,22 +115,22 @@ Reference reference(const ResidualMlpShape& s, const std::vector<Tensor>* values
   for (int64_t row = 0; row < kRows; ++row) {
     // Forward, keeping what backward needs.
     Vec x(s.inputs);
-    for (int64_t c = 0; c < s.inputs; ++c) x[c] = input_value(row, c);
+    for (int64_t c = 0; c < s.inputs; ++c) x[c] = testing::model_input(row, c);
     size_t k = 0;
     const size_t input = k;
     k += 2;
-    Vec h = affine(x, p[input], p[input + 1]);
+    Vec h = testing::affine(x, p[input], p[input + 1]);
     struct Block {
       size_t norm, gate, up, down;
       Vec h_in, u, g, z, a;
-      NormCache nc;
+      testing::NormCache nc;
     };
     std::vector<Block> blocks(s.depth);
     for (auto& b : blocks) {
       b.h_in = h;
       b.norm = k;
       if (s.norm) k += ln ? 2 : 1;
-      b.u = s.norm ? norm_forward(h, p[b.norm], ln ? &p[b.norm + 1] : nullptr, b.nc) : h;
+      b.u = s.norm ? testing::norm_forward(h, p[b.norm], ln ? &p[b.norm + 1] : nullptr, b.nc) : h;
       if (s.gated) {
         b.gate = k;
         k += 2;
@@ -213,62 +139,62 @@ Reference reference(const ResidualMlpShape& s, const std::vector<Tensor>* values
       k += 2;
       b.down = k;
       k += 2;
-      b.z = affine(b.u, p[b.up], p[b.up + 1]);
+      b.z = testing::affine(b.u, p[b.up], p[b.up + 1]);
       b.a.resize(b.z.size());
       if (s.gated) {
-        b.g = affine(b.u, p[b.gate], p[b.gate + 1]);
-        for (size_t j = 0; j < b.z.size(); ++j) b.a[j] = b.g[j] * sigmoid(b.g[j]) * b.z[j];
+        b.g = testing::affine(b.u, p[b.gate], p[b.gate + 1]);
+        for (size_t j = 0; j < b.z.size(); ++j) b.a[j] = testing::swiglu(b.g[j], b.z[j]);
       } else {
-        for (size_t j = 0; j < b.z.size(); ++j) b.a[j] = b.z[j] * sigmoid(b.z[j]);
+        for (size_t j = 0; j < b.z.size(); ++j) {
+          b.a[j] = testing::activation(Activation::silu, b.z[j]);
+        }
       }
-      const Vec d = affine(b.a, p[b.down], p[b.down + 1]);
+      const Vec d = testing::affine(b.a, p[b.down], p[b.down + 1]);
       for (size_t j = 0; j < h.size(); ++j) h[j] += d[j];
     }
     const size_t out_norm = k;
-    NormCache onc;
+    testing::NormCache onc;
     const Vec h_last = h;
     if (s.norm) {
       k += ln ? 2 : 1;
-      h = norm_forward(h_last, p[out_norm], ln ? &p[out_norm + 1] : nullptr, onc);
+      h = testing::norm_forward(h_last, p[out_norm], ln ? &p[out_norm + 1] : nullptr, onc);
     }
     const size_t output = k;
-    const Vec y = affine(h, p[output], p[output + 1]);
+    const Vec y = testing::affine(h, p[output], p[output + 1]);
     for (double v : y) r.out.push_back(v);
     if (!with_backward) continue;
 
     // Backward from dOut = R.
     Vec dy(s.outputs);
     for (int64_t c = 0; c < s.outputs; ++c) dy[c] = loss_weight(row, c);
-    Vec dh = affine_backward(h, p[output], p[output + 1], dy);
-    if (s.norm) dh = norm_backward(onc, p[out_norm], ln ? &p[out_norm + 1] : nullptr, dh);
+    Vec dh = testing::affine_backward(h, p[output], p[output + 1], dy);
+    if (s.norm) dh = testing::norm_backward(onc, p[out_norm], ln ? &p[out_norm + 1] : nullptr, dh);
     for (int64_t i = s.depth; i-- > 0;) {
       Block& b = blocks[i];
-      const Vec da = affine_backward(b.a, p[b.down], p[b.down + 1], dh);
+      const Vec da = testing::affine_backward(b.a, p[b.down], p[b.down + 1], dh);
       Vec du;
       if (s.gated) {
         Vec dg(da.size()), dz(da.size());
         for (size_t j = 0; j < da.size(); ++j) {
-          const double sg = sigmoid(b.g[j]);
-          dg[j] = da[j] * b.z[j] * sg * (1.0 + b.g[j] * (1.0 - sg));
-          dz[j] = da[j] * b.g[j] * sg;
+          dg[j] = testing::swiglu_gate_gradient(b.g[j], b.z[j], da[j]);
+          dz[j] = testing::swiglu_up_gradient(b.g[j], da[j]);
         }
-        du = affine_backward(b.u, p[b.up], p[b.up + 1], dz);
-        const Vec du_gate = affine_backward(b.u, p[b.gate], p[b.gate + 1], dg);
+        du = testing::affine_backward(b.u, p[b.up], p[b.up + 1], dz);
+        const Vec du_gate = testing::affine_backward(b.u, p[b.gate], p[b.gate + 1], dg);
         for (size_t j = 0; j < du.size(); ++j) du[j] += du_gate[j];
       } else {
         Vec dz(da.size());
         for (size_t j = 0; j < da.size(); ++j) {
-          const double sz = sigmoid(b.z[j]);
-          dz[j] = da[j] * sz * (1.0 + b.z[j] * (1.0 - sz));
+          dz[j] = da[j] * testing::activation_derivative(Activation::silu, b.z[j]);
         }
-        du = affine_backward(b.u, p[b.up], p[b.up + 1], dz);
+        du = testing::affine_backward(b.u, p[b.up], p[b.up + 1], dz);
       }
-      if (s.norm) du = norm_backward(b.nc, p[b.norm], ln ? &p[b.norm + 1] : nullptr, du);
+      if (s.norm) du = testing::norm_backward(b.nc, p[b.norm], ln ? &p[b.norm + 1] : nullptr, du);
       for (size_t j = 0; j < dh.size(); ++j) dh[j] += du[j];  // the residual's part
     }
-    affine_backward(x, p[input], p[input + 1], dh);
+    testing::affine_backward(x, p[input], p[input + 1], dh);
   }
-  for (const Param& q : p) {
+  for (const ReferenceParam& q : p) {
     r.grad.push_back(q.grad);
     r.values.push_back(q.value);
   }
@@ -276,39 +202,17 @@ Reference reference(const ResidualMlpShape& s, const std::vector<Tensor>* values
 }
 
 void expect_close(const Tensor& got, const Tensor& ref, const std::string& what) {
-  ASSERT_EQ(got.size(), ref.size()) << what;
-  int reported = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::abs(got[i] - ref[i]) > kTolerance * (1.0 + std::abs(ref[i])) && reported++ < 5) {
-      ADD_FAILURE() << what << "[" << i << "]: " << got[i] << ", reference " << ref[i];
-    }
-  }
+  testing::expect_close_to_reference(got, ref, kTolerance, what);
 }
 
-int64_t g_allocations = 0;
-std::string g_first_allocation;  // space, label and size of the first counted allocation
-void count_allocation(const Kokkos_Profiling_SpaceHandle space, const char* label, const void*,
-                      const uint64_t bytes) {
-  if (g_allocations++ == 0) {
-    g_first_allocation =
-        std::string(space.name) + " '" + label + "' (" + std::to_string(bytes) + " bytes)";
-  }
-}
+using testing::MeshCase;
 
-struct MeshCase {
-  std::vector<std::pair<std::string, int>> axes;
-  std::string preset;
-};
-
+// dp, fsdp, tp; at np 4 also fsdp x tp and dp x tp; at np 8 a 2x4 fsdp x tp alone.
 std::vector<MeshCase> mesh_cases() {
   const int n = world_size();
-  std::vector<MeshCase> cases = {{{{"dp", n}}, "dp"}, {{{"fsdp", n}}, "fsdp"}, {{{"tp", n}}, "tp"}};
-  if (n == 4) {
-    cases.push_back({{{"fsdp", 2}, {"tp", 2}}, "fsdp_tp"});
-    cases.push_back({{{"dp", 2}, {"tp", 2}}, "dp_tp"});
-  }
+  std::vector<MeshCase> cases = testing::layer_meshes(n);
   if (n == 8) {  // a 2x4 fsdp x tp mesh: the column-parallel layers over 4 feature ranks
-    cases = {{{{"fsdp", 2}, {"tp", 4}}, "fsdp_tp"}};
+    cases = {{"fsdp_tp", {{"fsdp", 2}, {"tp", 4}}}};
   }
   return cases;
 }
@@ -413,44 +317,31 @@ TEST(ResidualMlp, EqualsTheFloat64ReferenceOnEveryMesh) {
             fill(model.parameters()[k], shapes[k], static_cast<int>(k));
           }
 
-          Matrix x("x", rows, shape.inputs), dout("dout", rows, model.output_width());
-          auto xh = Kokkos::create_mirror_view(x);
-          auto douth = Kokkos::create_mirror_view(dout);
           const int64_t cols = model.output_width(), col0 = model.output_offset();
+          const Matrix x =
+              testing::block_matrix("x", rows, shape.inputs, row0, 0, testing::model_input);
+          const Matrix dout = testing::block_matrix("dout", rows, cols, row0, col0, loss_weight);
           Tensor out_ref(rows * cols);
           for (int64_t i = 0; i < rows; ++i) {
-            for (int64_t j = 0; j < shape.inputs; ++j) xh(i, j) = input_value(row0 + i, j);
             for (int64_t j = 0; j < cols; ++j) {
-              douth(i, j) = loss_weight(row0 + i, col0 + j);
               out_ref[i * cols + j] = ref.out[(row0 + i) * shape.outputs + col0 + j];
             }
           }
-          Kokkos::deep_copy(x, xh);
-          Kokkos::deep_copy(dout, douth);
 
           for (bool reduce : {true, false}) {
             SCOPED_TRACE(reduce ? "reduced in backward" : "reduce_gradients()");
-            auto step = [&] {
-              const MatrixView out = model.forward(x);
-              model.backward(dout, reduce);
-              if (!reduce) model.reduce_gradients();
-              return out;
-            };
+            auto step = [&] { return testing::forward_backward(model, x, dout, reduce); };
             step();  // warm-up, then the counted one
-            g_allocations = 0;
-            Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
+            testing::KokkosAllocationCounter allocations;
             const MatrixView out = step();
-            Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+            allocations.stop();
             // Also where buckets run beside prefetches on one communicator (fsdp x tp with
             // overlap: the norms' gradients bucketed over fsdp) and over MPI staged through host
             // memory: the buckets and the prefetch reserve their request slots (and staging)
             // when the model is built.
-            EXPECT_EQ(g_allocations, 0) << "the first: " << g_first_allocation;
+            EXPECT_EQ(allocations.count(), 0) << "the first:" << allocations.described();
 
-            Matrix copy("copy", out.extent(0), out.extent(1));
-            Kokkos::deep_copy(copy, out);
-            auto oh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), copy);
-            expect_close(Tensor(oh.data(), oh.data() + oh.span()), out_ref, "output");
+            expect_close(testing::host_matrix(out), out_ref, "output");
             for (size_t k = 0; k < shapes.size(); ++k) {
               expect_close(testing::gather_full(model.gradients()[k], mesh, context.rank()),
                            ref.grad[k], shapes[k].name + " gradient");

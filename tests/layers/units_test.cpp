@@ -24,7 +24,10 @@
 #include "layers/mlp.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/kokkos_allocations.hpp"
+#include "tests/support/reference_activations.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
@@ -69,18 +72,12 @@ TEST(Activation, BackwardMatchesFiniteDifferences) {
   EXPECT_NEAR(rh(0, 0), 0.841192, 1e-5);
 }
 
-// ---- silu, sigmoid, gelu_erf against float64 references written here ---------------------
+// ---- silu, sigmoid, gelu_erf against float64 references ----------------------------------
 // The float64 functions and derivatives. 1 - sigmoid(x) is sigmoid(-x) (a difference would
 // lose the digits of the reference for x >> 0); exp(|x|) for |x| <= 100 is finite in double.
-double sigmoid64(double x) {
-  return 1.0 / (1.0 + std::exp(-x));
-}
-double normal_cdf64(double x) {
-  return 0.5 * std::erfc(-x / std::sqrt(2.0));
-}
-double normal_pdf64(double x) {
-  return std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
-}
+using testing::normal_cdf;
+using testing::normal_pdf;
+using testing::sigmoid;
 
 // f(x), f'(x), and the scale of each: the sum of the magnitudes of the terms f' adds (f'
 // itself where it is a product), so that the tolerance is relative to the values the float
@@ -92,15 +89,15 @@ struct Reference64 {
 Reference64 reference64(Activation a, double x) {
   switch (a) {
     case Activation::sigmoid: {
-      const double s = sigmoid64(x), t = sigmoid64(-x);
+      const double s = sigmoid(x), t = sigmoid(-x);
       return {s, s * t, s * t};
     }
     case Activation::silu: {
-      const double s = sigmoid64(x), t = sigmoid64(-x);
+      const double s = sigmoid(x), t = sigmoid(-x);
       return {x * s, s + x * s * t, s + std::abs(x * s * t)};
     }
     case Activation::gelu_erf: {
-      const double cdf = normal_cdf64(x), pdf = normal_pdf64(x);
+      const double cdf = normal_cdf(x), pdf = normal_pdf(x);
       return {x * cdf, cdf + x * pdf, cdf + std::abs(x * pdf)};
     }
     default:
@@ -255,12 +252,6 @@ TEST(Optimizer, StateIsShardedLikeItsParameter) {
   EXPECT_FLOAT_EQ(h(0), 0.5f);
 }
 
-int64_t g_allocations = 0;
-void count_allocation(const Kokkos::Profiling::SpaceHandle, const char*, const void*,
-                      const uint64_t) {
-  ++g_allocations;
-}
-
 TEST(Mlp, TrainingStepsAllocateNothing) {
   const int n = world_size();
   std::vector<std::pair<std::vector<std::pair<std::string, int>>, std::string>> cases = {
@@ -295,22 +286,21 @@ TEST(Mlp, TrainingStepsAllocateNothing) {
       opt.step(model.parameters(), model.gradients(), 1e-3f);
     };
     step();  // warm-up
-    g_allocations = 0;
-    Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
+    testing::KokkosAllocationCounter allocations;
     step();
     step();
-    Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
-    EXPECT_EQ(g_allocations, 0) << "Kokkos allocations inside training steps";
+    allocations.stop();
+    EXPECT_EQ(allocations.count(), 0)
+        << "Kokkos allocations inside training steps:" << allocations.described();
   }
 }
 
 // The callback really fires (so the test above can fail).
 TEST(Mlp, AllocationCounterSeesAllocations) {
-  g_allocations = 0;
-  Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
+  testing::KokkosAllocationCounter allocations;
   { Vector v("probe", 10); }
-  Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
-  EXPECT_GE(g_allocations, 1);
+  allocations.stop();
+  EXPECT_GE(allocations.count(), 1);
 }
 
 }  // namespace

@@ -19,14 +19,15 @@ Exit 0 when everything agrees, 1 with the first difference (or the first command
 `meshtrain predict` included) otherwise, 77 (skip) when numpy or h5py is missing.
 """
 import json
-import math
 import os
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
 try:
     import h5py
     import numpy as np
+    import numpy_reference  # the activations and softmax (tests/support/numpy_reference.py)
 except ImportError as missing:  # scripts/setup installs python3-numpy and python3-h5py
     print(f"SKIP: {missing}")
     sys.exit(77)
@@ -50,28 +51,8 @@ def close(a, b, what):
 
 
 # --- the page ------------------------------------------------------------------------------
-def activation(name, z):
-    if name == "relu":
-        return np.maximum(z, 0.0)
-    if name == "tanh":
-        return np.tanh(z)
-    if name == "gelu":  # the tanh form
-        return 0.5 * z * (1.0 + np.tanh(0.7978845608028654 * (z + 0.044715 * z**3)))
-    if name == "gelu_erf":  # the exact form 0.5 z (1 + erf(z / sqrt 2)), as 0.5 z erfc(-z / sqrt 2)
-        return 0.5 * z * np.vectorize(math.erfc)(-z / math.sqrt(2.0))
-    if name == "silu":  # z sigmoid(z)
-        return z * sigmoid(z)
-    if name == "sigmoid":
-        return sigmoid(z)
-    if name == "none":
-        return z
-    fail(f"unknown activation {name}")
-
-
-def sigmoid(z):
-    """1 / (1 + exp(-z)), written with exp(-|z|) so that exp never overflows."""
-    e = np.exp(-np.abs(z))
-    return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+activation = numpy_reference.activation
+softmax = numpy_reference.softmax
 
 
 def moe(params, i, top_k, h):
@@ -86,11 +67,6 @@ def moe(params, i, top_k, h):
         for g, e in zip(gates, chosen[row]):
             out[row] += g * (h[row] @ w[e] + b[e])
     return out
-
-
-def softmax(z):
-    e = np.exp(z - z.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
 
 
 def norm_layer(kind, params, name, h):

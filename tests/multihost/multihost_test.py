@@ -32,7 +32,9 @@ import sys
 import types
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "resume"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
 import resume_test as rt  # noqa: E402  (runs, losses and checkpoint comparison)
+import script_test  # noqa: E402
 
 PRESET = "fsdp_tp"
 NP = 4
@@ -63,19 +65,67 @@ def link_bytes(namespace):
     return total
 
 
+def compare_hosts(args, one_host, two_hosts, namespaces):
+    """The three runs of the header: the one-host reference, the two-host run and the resume on
+    one host of its checkpoint, and their checks."""
+    ctx = one_host
+    where = placement(two_hosts.mpiexec)
+    hosts = [where.get(r) for r in range(NP)]
+    ctx.check(hosts[0] == hosts[1] and hosts[2] == hosts[3] and hosts[0] != hosts[2] and
+              None not in hosts,
+              "ranks are not placed two per host, {0,1} and {2,3}: %s" % where)
+
+    ref = os.path.join(args.work, "one_host")
+    rt.train(one_host, NP, PRESET, ref, STEPS, SAVE)
+    ref_losses = rt.losses(ref)
+    ctx.check(sorted(ref_losses) == list(range(1, STEPS + 1)),
+              "the one-host run logged steps %s" % sorted(ref_losses))
+
+    multi = os.path.join(args.work, "two_hosts")
+    before = link_bytes(namespaces[1])
+    _, out, _ = rt.train(two_hosts, NP, PRESET, multi, STEPS, SAVE)
+    sent = link_bytes(namespaces[1]) - before
+    ctx.check("fsdp=2" in out and "tp=2" in out, "the run is not fsdp=2 x tp=2:\n" + out)
+    print("two-host run: %d bytes over host 1's link" % sent)
+    ctx.check(sent >= MIN_LINK_BYTES, "the two-host run moved only %d bytes over host 1's "
+              "link (expected at least %d)" % (sent, MIN_LINK_BYTES))
+    rt.expect_losses(ctx, "two hosts", rt.losses(multi), ref_losses, range(1, STEPS + 1))
+    final = "ckpt-%06d.h5" % STEPS
+    rt.compare_checkpoints(ctx, "two hosts, final checkpoint",
+                           os.path.join(multi, "checkpoints", final),
+                           os.path.join(ref, "checkpoints", final), exact=True)
+
+    # Resume the step-6 checkpoint written across the hosts on one host.
+    resumed = os.path.join(args.work, "resumed_on_one_host")
+    ckpt = os.path.join(resumed, "checkpoints")
+    os.makedirs(ckpt)
+    shutil.copy(os.path.join(multi, "checkpoints", "ckpt-000006.h5"), ckpt)
+    with open(os.path.join(ckpt, "latest"), "w") as f:
+        f.write("ckpt-000006.h5\n")
+    _, out, _ = rt.train(one_host, NP, PRESET, resumed, STEPS,
+                         SAVE + ["--set", "checkpoint.resume=true"])
+    ctx.check(re.search(r"resumed from \S*ckpt-000006\.h5 at step 6", out),
+              "the one-host run does not say it resumed from step 6:\n" + out)
+    got = rt.losses(resumed)
+    ctx.check(sorted(got) == list(range(7, STEPS + 1)),
+              "the resumed run logged steps %s, expected 7..%d" % (sorted(got), STEPS))
+    rt.expect_losses(ctx, "resumed on one host", got, ref_losses, range(7, STEPS + 1))
+    rt.compare_checkpoints(ctx, "resumed on one host, final checkpoint",
+                           os.path.join(ckpt, final),
+                           os.path.join(ref, "checkpoints", final), exact=True)
+
+
 def main():
-    argv = sys.argv[1:]
-    if "--" not in argv:
+    own, mpiexec = script_test.split_at_launcher(sys.argv[1:])
+    if mpiexec is None:
         print(__doc__, file=sys.stderr)
         return 64
-    split = argv.index("--")
     parser = argparse.ArgumentParser()
     parser.add_argument("--meshtrain", required=True)
     parser.add_argument("--configs", required=True)
     parser.add_argument("--work", required=True)
     parser.add_argument("--h5dump", default="")
-    args = parser.parse_args(argv[:split])
-    mpiexec = argv[split + 1:]
+    args = parser.parse_args(own)
     simhosts_mpirun = os.environ.get("SIMHOSTS_MPIRUN")
     namespaces = os.environ.get("SIMHOSTS_NAMESPACES", "").split()
     if not mpiexec or not simhosts_mpirun or len(namespaces) != 2:
@@ -83,7 +133,7 @@ def main():
                      "single-host mpiexec after --")
     if not args.h5dump:
         print("SKIP: h5dump not found (Debian: hdf5-tools)")
-        return 77
+        return script_test.SKIP
 
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
@@ -93,58 +143,10 @@ def main():
         fault_rank=None, fault_action="abort", precision="fp32"))
     two_hosts = copy.copy(one_host)  # shares the list of failures
     two_hosts.mpiexec = [simhosts_mpirun] + mpiexec[1:]
-    ctx = one_host
-    try:
-        where = placement(two_hosts.mpiexec)
-        hosts = [where.get(r) for r in range(NP)]
-        ctx.check(hosts[0] == hosts[1] and hosts[2] == hosts[3] and hosts[0] != hosts[2] and
-                  None not in hosts,
-                  "ranks are not placed two per host, {0,1} and {2,3}: %s" % where)
-
-        ref = os.path.join(args.work, "one_host")
-        rt.train(one_host, NP, PRESET, ref, STEPS, SAVE)
-        ref_losses = rt.losses(ref)
-        ctx.check(sorted(ref_losses) == list(range(1, STEPS + 1)),
-                  "the one-host run logged steps %s" % sorted(ref_losses))
-
-        multi = os.path.join(args.work, "two_hosts")
-        before = link_bytes(namespaces[1])
-        _, out, _ = rt.train(two_hosts, NP, PRESET, multi, STEPS, SAVE)
-        sent = link_bytes(namespaces[1]) - before
-        ctx.check("fsdp=2" in out and "tp=2" in out, "the run is not fsdp=2 x tp=2:\n" + out)
-        print("two-host run: %d bytes over host 1's link" % sent)
-        ctx.check(sent >= MIN_LINK_BYTES, "the two-host run moved only %d bytes over host 1's "
-                  "link (expected at least %d)" % (sent, MIN_LINK_BYTES))
-        rt.expect_losses(ctx, "two hosts", rt.losses(multi), ref_losses, range(1, STEPS + 1))
-        final = "ckpt-%06d.h5" % STEPS
-        rt.compare_checkpoints(ctx, "two hosts, final checkpoint",
-                               os.path.join(multi, "checkpoints", final),
-                               os.path.join(ref, "checkpoints", final), exact=True)
-
-        # Resume the step-6 checkpoint written across the hosts on one host.
-        resumed = os.path.join(args.work, "resumed_on_one_host")
-        ckpt = os.path.join(resumed, "checkpoints")
-        os.makedirs(ckpt)
-        shutil.copy(os.path.join(multi, "checkpoints", "ckpt-000006.h5"), ckpt)
-        with open(os.path.join(ckpt, "latest"), "w") as f:
-            f.write("ckpt-000006.h5\n")
-        _, out, _ = rt.train(one_host, NP, PRESET, resumed, STEPS,
-                             SAVE + ["--set", "checkpoint.resume=true"])
-        ctx.check(re.search(r"resumed from \S*ckpt-000006\.h5 at step 6", out),
-                  "the one-host run does not say it resumed from step 6:\n" + out)
-        got = rt.losses(resumed)
-        ctx.check(sorted(got) == list(range(7, STEPS + 1)),
-                  "the resumed run logged steps %s, expected 7..%d" % (sorted(got), STEPS))
-        rt.expect_losses(ctx, "resumed on one host", got, ref_losses, range(7, STEPS + 1))
-        rt.compare_checkpoints(ctx, "resumed on one host, final checkpoint",
-                               os.path.join(ckpt, final),
-                               os.path.join(ref, "checkpoints", final), exact=True)
-    except rt.Failure as e:
-        print("FAIL: %s" % e, file=sys.stderr)
-        return 1
-    if ctx.failures:
-        print("%d check(s) failed" % len(ctx.failures), file=sys.stderr)
-        return 1
+    status = script_test.outcome(one_host,
+                                 lambda: compare_hosts(args, one_host, two_hosts, namespaces))
+    if status != 0:
+        return status
     print("ok: fsdp=2 x tp=2 on 2 hosts x 2 ranks: losses and checkpoint equal one host's; "
           "its step-6 checkpoint resumed on one host to the same losses and checkpoint")
     return 0

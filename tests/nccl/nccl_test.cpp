@@ -35,8 +35,9 @@
 #include "framework/comm/backends/nccl_communicator.hpp"
 #include "framework/comm/mesh_communicators.hpp"
 #include "partition/mesh.hpp"
-#include "tests/comm/comm_test_util.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/communicator_cases.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain::testing {
 namespace {
@@ -281,7 +282,7 @@ TEST(NcclBackend, AllToAllMatchesMpi) {
 }
 
 // all_to_all_v (the MoE layer's token exchange: NCCL grouped send/recv) with a different
-// number of rows between every pair of ranks (tests/comm/comm_test_util.hpp), in fp32 and on
+// number of rows between every pair of ranks (tests/support/communicator_cases.hpp), in fp32 and on
 // 16-bit wires: the rows received equal the MPI backend's from the same send View, and what
 // their sender packed (rounded to the wire's type).
 TEST(NcclBackend, AllToAllVMatchesMpi) {
@@ -314,9 +315,9 @@ TEST(NcclBackend, AllToAllVMatchesMpi) {
 std::vector<float> wire_exact_data(int rank, std::size_t count, int salt) {
   std::vector<float> v(count);
   for (std::size_t k = 0; k < count; ++k)
-    v[k] = static_cast<float>((static_cast<std::size_t>(rank + 1) * 7 + k * 3 +
-                               static_cast<std::size_t>(salt)) %
-                              16) /
+    v[k] = static_cast<float>(
+               (static_cast<std::size_t>(rank + 1) * 7 + k * 3 + static_cast<std::size_t>(salt)) %
+               16) /
            2.0f;
   return v;
 }
@@ -328,9 +329,9 @@ Vector device_vector(const std::vector<float>& host) {
 }
 std::vector<float> host_vector(const Vector& v) {
   std::vector<float> host(v.extent(0));
-  Kokkos::deep_copy(Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
-                        host.data(), host.size()),
-                    v);
+  Kokkos::deep_copy(
+      Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(host.data(), host.size()),
+      v);
   return host;
 }
 

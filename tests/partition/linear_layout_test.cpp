@@ -9,7 +9,7 @@
 
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
 
 namespace meshtrain {
 namespace {

@@ -2,7 +2,7 @@
 
 #include <gtest/gtest.h>
 
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
 
 namespace meshtrain {
 namespace {

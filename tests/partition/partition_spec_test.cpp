@@ -2,7 +2,8 @@
 
 #include <gtest/gtest.h>
 
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {

@@ -6,9 +6,10 @@
 #include <sstream>
 
 #include "framework/train/config.hpp"
-#include "tests/data/hdf5_test_files.hpp"
-#include "tests/data/idx_test_files.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/idx_files.hpp"
+#include "tests/support/temp_dir.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {

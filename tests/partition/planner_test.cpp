@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "partition/rules.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
 
 namespace meshtrain {
 namespace {

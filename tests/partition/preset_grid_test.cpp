@@ -25,7 +25,7 @@
 #include "framework/comm/mpi_util.hpp"
 #include "framework/train/plan_report.hpp"
 #include "run/training_run.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {

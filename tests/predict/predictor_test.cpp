@@ -22,7 +22,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
-#include <new>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -31,25 +30,15 @@
 #include "framework/io/hdf5_util.hpp"
 #include "run/predictor.hpp"
 #include "run/training_run.hpp"
-#include "tests/data/hdf5_test_files.hpp"
-#include "tests/test_support.hpp"
-
-// --- counting operator new (while g_counting is set) ----------------------------------------
+#include "tests/support/counting_allocator.hpp"
+#include "tests/support/datasets.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/hdf5_files.hpp"
+#include "tests/support/reference_activations.hpp"
+#include "tests/support/temp_dir.hpp"
+#include "tests/support/world.hpp"
 
 namespace {
-std::atomic<bool> g_counting{false};
-std::atomic<long> g_heap{0};
-std::atomic<long> g_kokkos{0};
-
-void* counted_allocate(std::size_t bytes) {
-  if (g_counting.load(std::memory_order_relaxed)) g_heap.fetch_add(1);
-  if (void* p = std::malloc(bytes ? bytes : 1)) return p;
-  throw std::bad_alloc();
-}
-void count_kokkos(Kokkos::Profiling::SpaceHandle, const char*, const void*, uint64_t) {
-  if (g_counting.load(std::memory_order_relaxed)) g_kokkos.fetch_add(1);
-}
-
 // A batch stream that cannot be made on one rank: the Kokkos allocation of its staging
 // buffer ("meshtrain::staged_x") fails there (a rank short of memory), as if Kokkos threw.
 std::atomic<int> g_fail_staging_on_rank{-1};
@@ -62,25 +51,6 @@ void fail_staging(Kokkos::Profiling::SpaceHandle, const char* label, const void*
   }
 }
 }  // namespace
-
-void* operator new(std::size_t bytes) {
-  return counted_allocate(bytes);
-}
-void* operator new[](std::size_t bytes) {
-  return counted_allocate(bytes);
-}
-void operator delete(void* p) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p) noexcept {
-  std::free(p);
-}
-void operator delete(void* p, std::size_t) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, std::size_t) noexcept {
-  std::free(p);
-}
 
 namespace meshtrain {
 namespace {
@@ -170,10 +140,6 @@ std::vector<double> read_dataset(const std::string& file, const std::string& nam
   return values;
 }
 
-double gelu(double z) {
-  return 0.5 * z * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (z + 0.044715 * z * z * z)));
-}
-
 // The model of `file` on rows x [rows, sizes[0]] in float64: y = x W + b per layer ([in, out]
 // weights), tanh-GELU between layers, none after the last; an MoE layer routes each row to
 // its top-2 experts of softmax(x Wr) (ties: the lower index) with renormalized gates.
@@ -241,7 +207,7 @@ std::vector<double> reference(const std::string& file, const ModelCase& m,
       }
     }
     if (i + 1 < layers) {
-      for (double& v : y) v = gelu(v);
+      for (double& v : y) v = testing::gelu_tanh(v);
     }
     h = std::move(y);
     width = out;
@@ -498,17 +464,12 @@ TEST_F(PredictorTest, AllocatesNothingPerCall) {
       Matrix device_x("x", p.local_rows() - 1, p.inputs());  // a partial batch
       Kokkos::deep_copy(host_x, 0.5f);
       Kokkos::deep_copy(device_x, -0.25f);
-      Kokkos::Tools::Experimental::set_allocate_data_callback(count_kokkos);
-      g_heap = 0;
-      g_kokkos = 0;
-      g_counting = true;
+      testing::AllocationWindow window;
       p.predict(host_x, host_y);
       p.predict(device_x);
       p.predict(host_x);
-      g_counting = false;
-      Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
-      EXPECT_EQ(g_heap.load(), 0) << "heap allocations in three predict() calls";
-      EXPECT_EQ(g_kokkos.load(), 0) << "Kokkos allocations in three predict() calls";
+      EXPECT_EQ(window.close(), 0) << "heap allocations in three predict() calls";
+      EXPECT_EQ(window.kokkos_allocations(), 0) << "Kokkos allocations in three predict() calls";
     }
   }
 }

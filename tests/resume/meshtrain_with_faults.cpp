@@ -1,11 +1,11 @@
 // The meshtrain command with the checkpoint fault hook installed from the environment
-// (tests/checkpoint/fault_hook.hpp), for the resume tests that kill a save half-way. The
+// (tests/support/checkpoint_fault_hook.hpp), for the resume tests that kill a save half-way. The
 // production command has no such hook. apps/main.cpp is compiled into this program with its
 // main renamed to meshtrain_command_main.
 
 #include <mpi.h>
 
-#include "tests/checkpoint/fault_hook.hpp"
+#include "tests/support/checkpoint_fault_hook.hpp"
 
 int meshtrain_command_main(int argc, char** argv);
 

@@ -60,8 +60,11 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+import script_test  # noqa: E402
+from script_test import Failure  # noqa: E402  (multihost_test uses it as resume_test.Failure)
 
 # A constant rate: the cases compare runs of different lengths (6 steps resumed to 12 against
 # 12), and a decaying schedule is stretched to each run's length (the cosine case sets its own).
@@ -77,18 +80,12 @@ PARAM_ATOL = 1e-5  # |a - b| <= PARAM_ATOL + PARAM_RTOL * |b| for every element
 PARAM_RTOL = 1e-4
 
 
-class Failure(Exception):
-    pass
-
-
-class Context:
+class Context(script_test.Checks):
     def __init__(self, args):
-        self.meshtrain = args.meshtrain
+        super().__init__(args)
         self.configs = args.configs
-        self.work = args.work
         self.h5dump = args.h5dump
         self.h5ls = args.h5ls
-        self.mpiexec = args.mpiexec
         self.optimizer = args.optimizer
         self.sync = args.sync
         self.meshtrain_with_faults = args.meshtrain_with_faults or args.meshtrain
@@ -96,7 +93,6 @@ class Context:
         self.fault_action = args.fault_action
         self.precision = args.precision
         self.moe = getattr(args, "moe", False)  # other scripts build a Context too
-        self.failures = []
 
     def config(self, preset):
         return os.path.join(self.configs, "fashion_mnist_%s.toml" % preset)
@@ -116,11 +112,6 @@ class Context:
     def moe_sets(self):
         return MOE + ["--set", "mesh.dp=1", "--set", "mesh.ep=-1"] if self.moe else []
 
-    def check(self, condition, message):
-        if not condition:
-            print("FAIL: " + message, file=sys.stderr)
-            self.failures.append(message)
-        return condition
 
 
 def precision_sets(dtype):
@@ -129,19 +120,10 @@ def precision_sets(dtype):
 
 
 def run(cmd, env_extra=None, timeout=RUN_TIMEOUT_S):
-    """Runs a command; returns (status, stdout, stderr). A timeout is a failure."""
-    env = dict(os.environ)
-    for name in ("MESHTRAIN_TEST_FAULT", "MESHTRAIN_TEST_FAULT_RANK", "MESHTRAIN_TEST_FAULT_ACTION"):
-        env.pop(name, None)
-    if env_extra:
-        env.update(env_extra)
-    try:
-        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           timeout=timeout, universal_newlines=True)
-    except subprocess.TimeoutExpired as e:
-        raise Failure("command hung (no exit in %d s): %s\n--- stdout:\n%s\n--- stderr:\n%s" %
-                      (timeout, " ".join(cmd), e.stdout, e.stderr))
-    return p.returncode, p.stdout, p.stderr
+    """Runs a command; returns (status, stdout, stderr). A timeout is a failure. The fault
+    hook's variables come from env_extra alone."""
+    return script_test.run(cmd, timeout, env_extra, env_drop=(
+        "MESHTRAIN_TEST_FAULT", "MESHTRAIN_TEST_FAULT_RANK", "MESHTRAIN_TEST_FAULT_ACTION"))
 
 
 def train(ctx, np, preset, output_dir, steps, extra=(), env_extra=None, expect_status=0,
@@ -842,7 +824,8 @@ def main():
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
     ctx = Context(args)
-    try:
+
+    def run_case():
         if args.case == "same_mesh":
             case_same_mesh(ctx, args.preset)
         elif args.case == "other_mesh":
@@ -864,12 +847,10 @@ def main():
                       [p for p in args.points.split(",") if p])
         else:
             case_inspect(ctx, args.preset)
-    except Failure as e:
-        print("FAIL: %s" % e, file=sys.stderr)
-        return 1
-    if ctx.failures:
-        print("%d check(s) failed" % len(ctx.failures), file=sys.stderr)
-        return 1
+
+    status = script_test.outcome(ctx, run_case)
+    if status != 0:
+        return status
     print("ok: %s (%s, %s, %s%s)" % (args.case, args.preset, args.optimizer, args.precision,
                                      ", MoE" if args.moe else ""))
     return 0

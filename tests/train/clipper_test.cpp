@@ -20,7 +20,7 @@
 #include "partition/logical_axes.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {

@@ -38,9 +38,13 @@
 #include "layers/dropout.hpp"
 #include "run/predictor.hpp"
 #include "run/training_run.hpp"
-#include "tests/finite_differences.hpp"
-#include "tests/layers/full_tensor.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/finite_differences.hpp"
+#include "tests/support/full_tensor.hpp"
+#include "tests/support/mesh_cases.hpp"
+#include "tests/support/temp_dir.hpp"
+#include "tests/support/training_runs.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
@@ -59,41 +63,29 @@ bool reference_keep(uint64_t seed, int64_t step, int64_t micro, int64_t row, int
   return bits >= std::floor(rate * 4294967296.0);
 }
 
-struct MeshCase {
-  std::string preset;
-  std::vector<std::pair<std::string, int>> axes;
-};
+using testing::MeshCase;
 
+// dp, fsdp, tp, fsdp x tp (2 x 4 at np 8 too).
 std::vector<MeshCase> every_mesh() {
   const int n = world_size();
-  std::vector<MeshCase> cases = {{"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}, {"tp", {{"tp", n}}}};
-  if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
+  std::vector<MeshCase> cases = testing::every_mesh(n);
   if (n == 8) cases.push_back({"fsdp_tp", {{"fsdp", 2}, {"tp", 4}}});
   return cases;
 }
 
 std::string name_of(const MeshCase& c) {
-  std::string name = c.preset;
-  for (const auto& [axis, size] : c.axes) name += " " + axis + "=" + std::to_string(size);
-  return name;
+  return testing::describe(c);
 }
 
 // 2 micro-batches of 16 rows per step; widths divide by 4.
 RunConfig dropout_config(const MeshCase& c, double rate = kRate) {
-  RunConfig config;
-  config.file = "dropout_test";
+  RunConfig config = testing::synthetic_run_config("dropout_test", c.axes, c.preset);
   config.run.seed = 0x1234567890abcdefull;  // both key words non-zero
-  config.mesh.axes = c.axes;
   config.model.sizes = {8, 16, 16, 4};
   config.model.activation = Activation::tanh;
   config.model.dropout = rate;
-  config.partition.preset = c.preset;
-  config.partition.min_sharding_size = 0;
-  config.data.source = DataSource::synthetic;
   config.data.synthetic_samples = 96;
-  config.data.batch_size = 16;
   config.train.accumulation_steps = 2;
-  config.optimizer.kind = OptimizerKind::adamw;
   config.optimizer.lr = 1e-2;
   config.train.steps = 6;
   return config;
@@ -106,39 +98,6 @@ std::vector<float> host_matrix(MatrixView m) {
     for (size_t j = 0; j < h.extent(1); ++j) out[i * h.extent(1) + j] = h(i, j);
   }
   return out;
-}
-
-std::vector<std::vector<float>> copy_parameters(TrainingRun& run) {
-  std::vector<std::vector<float>> copies;
-  for (const ShardedTensor& p : run.model().parameters()) {
-    auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), p.local);
-    copies.emplace_back(host.data(), host.data() + host.extent(0));
-  }
-  return copies;
-}
-
-bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i].size() != b[i].size() ||
-        std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0) {
-      return false;
-    }
-  }
-  return true;
-}
-
-std::string fresh_dir(const std::string& name) {
-  const std::string dir = std::filesystem::temp_directory_path().string() + "/meshtrain_dropout_" +
-                          name + "_np" + std::to_string(world_size());
-  if (world_rank() == 0) std::filesystem::remove_all(dir);
-  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
-  return dir;
-}
-
-void remove_dir(const std::string& dir) {
-  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
-  if (world_rank() == 0) std::filesystem::remove_all(dir);
 }
 
 TEST(Dropout, MaskEqualsTheKeyFormulaOnEveryMesh) {
@@ -276,25 +235,11 @@ TEST(Dropout, MoeMeshesTrainLikeOneRank) {
 TEST(Dropout, ResumeIsBitIdenticalOnEveryMesh) {
   for (const MeshCase& c : every_mesh()) {
     SCOPED_TRACE(name_of(c));
-    const std::string dir = fresh_dir("resume");
+    const testing::TempDir tmp(/*shared=*/true, "meshtrain_dropout_resume");
+    const std::string& dir = tmp.path();
     RunConfig config = dropout_config(c);
     config.checkpoint.dir = dir;
-    std::vector<double> losses;
-    std::vector<std::vector<float>> final_params;
-    {
-      TrainingRun run(config);
-      for (int s = 0; s < 3; ++s) run.step();
-      run.save();
-      for (int s = 3; s < 6; ++s) losses.push_back(run.step().loss);
-      final_params = copy_parameters(run);
-    }
-    config.checkpoint.resume = true;
-    TrainingRun resumed(config);
-    ASSERT_TRUE(resumed.resumed_from().has_value());
-    ASSERT_EQ(resumed.steps_done(), 3);
-    for (int s = 3; s < 6; ++s) EXPECT_EQ(resumed.step().loss, losses[s - 3]) << "step " << s + 1;
-    EXPECT_TRUE(same_bits(copy_parameters(resumed), final_params));
-    remove_dir(dir);
+    testing::expect_bit_identical_resume(config, /*save_at=*/3, /*steps=*/6);
   }
 }
 
@@ -303,7 +248,9 @@ TEST(Dropout, ResumeIsBitIdenticalOnEveryMesh) {
 TEST(Dropout, EvaluationAndPredictorIgnoreDropout) {
   for (const MeshCase& c : every_mesh()) {
     SCOPED_TRACE(name_of(c));
-    const std::string dir_with = fresh_dir("with"), dir_without = fresh_dir("without");
+    const testing::TempDir tmp_with(/*shared=*/true, "meshtrain_dropout_with");
+    const testing::TempDir tmp_without(/*shared=*/true, "meshtrain_dropout_without");
+    const std::string &dir_with = tmp_with.path(), &dir_without = tmp_without.path();
     RunConfig with = dropout_config(c, 0.5), without = dropout_config(c, 0.0);
     with.checkpoint.dir = dir_with;
     without.checkpoint.dir = dir_without;
@@ -335,8 +282,6 @@ TEST(Dropout, EvaluationAndPredictorIgnoreDropout) {
       for (size_t j = 0; j < yw.extent(1); ++j) differ += yw(i, j) == yo(i, j) ? 0 : 1;
     }
     EXPECT_EQ(differ, 0);
-    remove_dir(dir_with);
-    remove_dir(dir_without);
   }
 }
 

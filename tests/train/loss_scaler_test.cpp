@@ -21,7 +21,8 @@
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "partition/mesh.hpp"
 #include "partition/partition_spec.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {

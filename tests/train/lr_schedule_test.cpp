@@ -7,7 +7,7 @@
 
 #include <cmath>
 
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
 
 namespace meshtrain {
 namespace {

@@ -25,7 +25,9 @@
 #include "layers/residual_block.hpp"
 #include "layers/swiglu.hpp"
 #include "run/training_run.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/temp_dir.hpp"
+#include "tests/support/training_runs.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
@@ -33,61 +35,15 @@ namespace {
 using Axes = std::vector<std::pair<std::string, int>>;
 
 RunConfig residual_config(const std::string& preset, const Axes& axes, bool swiglu) {
-  RunConfig config;
-  config.file = "megatron_residual_test";
+  RunConfig config = testing::synthetic_run_config("megatron_residual_test", axes, preset);
   config.run.seed = 11;
-  config.mesh.axes = axes;
-  config.model.kind = ModelKind::residual_mlp;
-  config.model.inputs = 8;
-  config.model.outputs = 4;
-  config.model.width = 16;
-  config.model.hidden = 32;
-  config.model.depth = 2;
-  config.model.norm = swiglu ? ModelNorm::rmsnorm : ModelNorm::layernorm;
-  config.model.swiglu = swiglu;
+  testing::use_residual_mlp(config, /*inputs=*/8, /*width=*/16, /*hidden=*/32, /*depth=*/2,
+                            /*outputs=*/4, swiglu ? ModelNorm::rmsnorm : ModelNorm::layernorm,
+                            swiglu);
   config.model.activation = swiglu ? Activation::silu : Activation::relu;
-  config.partition.preset = preset;
-  config.partition.min_sharding_size = 0;
-  config.data.source = DataSource::synthetic;
-  config.data.synthetic_samples = 64;
-  config.data.batch_size = 16;
-  config.optimizer.kind = OptimizerKind::adamw;
   config.optimizer.lr = 1e-2;
   config.train.steps = 6;
   return config;
-}
-
-std::vector<std::vector<float>> copy_parameters(TrainingRun& run) {
-  std::vector<std::vector<float>> copies;
-  for (const ShardedTensor& p : run.model().parameters()) {
-    auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), p.local);
-    copies.emplace_back(host.data(), host.data() + host.extent(0));
-  }
-  return copies;
-}
-
-bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i].size() != b[i].size() ||
-        std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0) {
-      return false;
-    }
-  }
-  return true;
-}
-
-std::string fresh_dir(const std::string& name) {
-  const std::string dir = std::filesystem::temp_directory_path().string() + "/meshtrain_megatron_" +
-                          name + "_np" + std::to_string(world_size());
-  if (world_rank() == 0) std::filesystem::remove_all(dir);
-  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
-  return dir;
-}
-
-void remove_dir(const std::string& dir) {
-  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
-  if (world_rank() == 0) std::filesystem::remove_all(dir);
 }
 
 std::vector<std::pair<std::string, Axes>> tp_meshes() {
@@ -168,27 +124,11 @@ TEST(MegatronResidual, ResumeIsBitIdenticalOnTheSameMesh) {
   for (bool swiglu : {true, false}) {
     for (const auto& [preset, axes] : tp_meshes()) {
       SCOPED_TRACE(preset + (swiglu ? " swiglu" : " relu"));
-      const std::string dir = fresh_dir("resume");
+      const testing::TempDir tmp(/*shared=*/true, "meshtrain_megatron_resume");
+      const std::string& dir = tmp.path();
       RunConfig config = residual_config(preset, axes, swiglu);
       config.checkpoint.dir = dir;
-      std::vector<double> losses;
-      std::vector<std::vector<float>> final_params;
-      {
-        TrainingRun run(config);
-        for (int s = 0; s < 3; ++s) run.step();
-        run.save();
-        for (int s = 3; s < 6; ++s) losses.push_back(run.step().loss);
-        final_params = copy_parameters(run);
-      }
-      config.checkpoint.resume = true;
-      TrainingRun resumed(config);
-      ASSERT_TRUE(resumed.resumed_from().has_value());
-      ASSERT_EQ(resumed.steps_done(), 3);
-      for (int s = 3; s < 6; ++s) {
-        EXPECT_EQ(resumed.step().loss, losses[s - 3]) << "step " << s + 1;
-      }
-      EXPECT_TRUE(same_bits(copy_parameters(resumed), final_params));
-      remove_dir(dir);
+      testing::expect_bit_identical_resume(config, /*save_at=*/3, /*steps=*/6);
     }
   }
 }
@@ -204,7 +144,8 @@ TEST(MegatronResidual, CheckpointLoadsAcrossAMeshChange) {
   };
   for (const Change& c : {Change{"tp", tp, "dp", dp}, Change{"dp", dp, "tp", tp}}) {
     SCOPED_TRACE(c.from_preset + " -> " + c.to_preset);
-    const std::string dir = fresh_dir("reshard");
+    const testing::TempDir tmp(/*shared=*/true, "meshtrain_megatron_reshard");
+    const std::string& dir = tmp.path();
     RunConfig config = residual_config(c.from_preset, c.from, true);
     config.checkpoint.dir = dir;
     std::vector<double> losses;
@@ -224,7 +165,6 @@ TEST(MegatronResidual, CheckpointLoadsAcrossAMeshChange) {
       EXPECT_NEAR(resumed.step().loss, losses[s - 3], 1e-5 * (1 + std::abs(losses[s - 3])))
           << "step " << s + 1;
     }
-    remove_dir(dir);
   }
 }
 

@@ -24,7 +24,8 @@
 #include "framework/core/views.hpp"
 #include "framework/observe/memory_tracker.hpp"
 #include "run/training_run.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/training_runs.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
@@ -106,17 +107,10 @@ std::string run_dir(const std::string& what) {
 // 64-256-256-256-8 with AdamW: its parameters and optimizer state (and the asynchronous
 // checkpoint's staging of them) are most of what a rank holds, 16 rows per batch.
 RunConfig config_for(const std::string& preset, const std::string& dir) {
-  RunConfig config;
-  config.file = "memory_plan_test";
+  RunConfig config =
+      testing::synthetic_run_config("memory_plan_test", {{preset, world_size()}}, preset);
   config.run.seed = 5;
-  config.mesh.axes = {{preset, world_size()}};
   config.model.sizes = {64, 256, 256, 256, 8};
-  config.partition.preset = preset;
-  config.partition.min_sharding_size = 0;
-  config.data.source = DataSource::synthetic;
-  config.data.synthetic_samples = 64;
-  config.data.batch_size = 16;
-  config.optimizer.kind = OptimizerKind::adamw;
   config.train.steps = 3;
   config.train.log_every = 1;
   config.train.eval_every = 0;
@@ -330,15 +324,8 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
       config.runtime.overlap = true;
     }
     if (c.residual) {
-      config.model.kind = ModelKind::residual_mlp;
-      config.model.sizes.clear();
-      config.model.inputs = 64;
-      config.model.outputs = 8;
-      config.model.width = 128;
-      config.model.hidden = 256;
-      config.model.depth = 2;
-      config.model.norm = ModelNorm::layernorm;
-      config.model.swiglu = c.swiglu_dropout;
+      testing::use_residual_mlp(config, /*inputs=*/64, /*width=*/128, /*hidden=*/256,
+                                /*depth=*/2, /*outputs=*/8, ModelNorm::layernorm, c.swiglu_dropout);
     }
     if (c.swiglu_dropout) config.model.dropout = 0.1;
     if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);

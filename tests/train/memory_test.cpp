@@ -23,7 +23,7 @@
 
 #include "framework/train/optimizer.hpp"
 #include "run/training_run.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {

@@ -33,7 +33,12 @@
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/normalization.hpp"
 #include "run/training_run.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/agreed_error.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/mesh_cases.hpp"
+#include "tests/support/temp_dir.hpp"
+#include "tests/support/training_runs.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
@@ -87,37 +92,23 @@ RunData regression_data(uint64_t seed = 11, bool even = false) {
 
 RunConfig regression_config(std::vector<std::pair<std::string, int>> axes,
                             const std::string& preset) {
-  RunConfig config;
-  config.file = "normalization_test";
+  RunConfig config = testing::synthetic_run_config("normalization_test", std::move(axes), preset);
   config.run.seed = 5;
-  config.mesh.axes = std::move(axes);
   config.model.sizes = {kFeatures, 16, kTargets};  // every width divides by 4
   config.model.activation = Activation::tanh;
   config.model.loss = LossKind::mse;
-  config.partition.preset = preset;
-  config.partition.min_sharding_size = 0;
-  config.data.source = DataSource::synthetic;  // unused: the rows are given
-  config.data.synthetic_samples = 9000;
+  config.data.synthetic_samples = 9000;  // unused: the rows are given
   config.data.batch_size = 32;
   config.data.normalize_inputs = Normalize::standard;
   config.data.normalize_targets = Normalize::standard;
-  config.optimizer.kind = OptimizerKind::adamw;
   config.optimizer.lr = 1e-2;
   config.train.steps = 4;
   config.train.log_every = 2;
   return config;
 }
 
-struct MeshCase {
-  std::string preset;
-  std::vector<std::pair<std::string, int>> axes;
-};
-
-std::vector<MeshCase> every_mesh(int n) {
-  std::vector<MeshCase> cases = {{"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}, {"tp", {{"tp", n}}}};
-  if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
-  return cases;
-}
+using testing::every_mesh;
+using testing::MeshCase;
 
 // Mean and population std of column c of `rows` (width w), two passes in long double.
 std::pair<double, double> reference_moments(const std::vector<float>& rows, int64_t w, int64_t c) {
@@ -149,14 +140,6 @@ void expect_on_every_rank(bool mine, const std::string& what) {
   EXPECT_EQ(all, 1) << what << " (this rank: " << mine << ", rank " << world_rank() << ")";
 }
 
-std::string fresh_dir(const std::string& name) {
-  const std::string dir = std::filesystem::temp_directory_path().string() + "/meshtrain_norm_" +
-                          name + "_np" + std::to_string(world_size());
-  if (world_rank() == 0) std::filesystem::remove_all(dir);
-  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
-  return dir;
-}
-
 // Every float32 dataset under `group` of a checkpoint, read whole (serial HDF5).
 std::map<std::string, std::vector<float>> read_tensors(const std::string& file,
                                                        const std::string& group) {
@@ -174,27 +157,6 @@ std::map<std::string, std::vector<float>> read_tensors(const std::string& file,
     tensors[d.path.substr(group.size())] = std::move(values);
   }
   return tensors;
-}
-
-// An AgreedError of `kind` on every rank, the same message everywhere; returns it.
-std::string expect_agreed(const std::function<void()>& body, ErrorKind kind) {
-  std::string message;
-  int caught = 0;
-  try {
-    body();
-  } catch (const AgreedError& e) {
-    caught = 1;
-    message = e.what();
-    EXPECT_EQ(e.kind(), kind) << message;
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected an AgreedError, got: " << e.what();
-  }
-  expect_on_every_rank(caught == 1, "every rank gets the AgreedError");
-  uint64_t hash = std::hash<std::string>{}(message), lo = 0, hi = 0;
-  check_mpi(MPI_Allreduce(&hash, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD), "MPI_Allreduce");
-  check_mpi(MPI_Allreduce(&hash, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD), "MPI_Allreduce");
-  EXPECT_EQ(lo, hi) << "ranks disagree on the error; this rank's: " << message;
-  return message;
 }
 
 bool has_warning(const TrainingRun& run, const std::string& fragment) {
@@ -287,7 +249,8 @@ TEST(Normalization, TheModelSeesStandardizedBatches) {
 // statistics would differ), keeps them bit for bit and saves them again.
 TEST(Normalization, StatisticsSurviveSaveAndResume) {
   const int n = world_size();
-  const std::string dir = fresh_dir("resume");
+  const testing::TempDir tmp(/*shared=*/true, "meshtrain_norm_resume");
+  const std::string& dir = tmp.path();
   RunConfig config = regression_config({{"fsdp", n}}, "fsdp");
   config.run.output_dir = dir;
   config.checkpoint.dir = dir + "/checkpoints";
@@ -328,8 +291,8 @@ TEST(Normalization, StatisticsSurviveSaveAndResume) {
   RunConfig raw = resumed_config;
   raw.data.normalize_inputs = Normalize::none;
   raw.train.steps = 8;
-  const std::string message =
-      expect_agreed([&] { TrainingRun run(raw, {}, regression_data()); }, ErrorKind::bad_input);
+  const std::string message = testing::expect_agreed_error(
+      [&] { TrainingRun run(raw, {}, regression_data()); }, ErrorKind::bad_input);
   EXPECT_NE(message.find("data.normalize_inputs"), std::string::npos) << message;
 }
 
@@ -339,7 +302,8 @@ TEST(Normalization, StatisticsSurviveSaveAndResume) {
 // checkpoint of its own, resuming wins over init_from.
 TEST(Normalization, InitFromStartsANewRunOnAnotherMesh) {
   const int n = world_size();
-  const std::string dir = fresh_dir("init_from");
+  const testing::TempDir tmp(/*shared=*/true, "meshtrain_norm_init_from");
+  const std::string& dir = tmp.path();
   const MeshCase source_mesh = every_mesh(n).back();
   RunConfig source = regression_config(source_mesh.axes, source_mesh.preset);
   source.run.output_dir = dir + "/source";
@@ -401,8 +365,8 @@ TEST(Normalization, InitFromStartsANewRunOnAnotherMesh) {
   wider.checkpoint.dir = dir + "/wider/checkpoints";
   wider.checkpoint.init_from = source_file;
   wider.model.sizes = {kFeatures, 32, kTargets};
-  std::string message =
-      expect_agreed([&] { TrainingRun run(wider, {}, regression_data()); }, ErrorKind::bad_input);
+  std::string message = testing::expect_agreed_error(
+      [&] { TrainingRun run(wider, {}, regression_data()); }, ErrorKind::bad_input);
   EXPECT_NE(message.find("checkpoint.init_from"), std::string::npos) << message;
   EXPECT_NE(message.find("layers/0/weight"), std::string::npos) << message;
   EXPECT_NE(message.find("[8, 16]"), std::string::npos) << message;
@@ -412,8 +376,8 @@ TEST(Normalization, InitFromStartsANewRunOnAnotherMesh) {
   raw.checkpoint.dir = dir + "/raw/checkpoints";
   raw.checkpoint.init_from = source_file;
   raw.data.normalize_inputs = Normalize::none;
-  message =
-      expect_agreed([&] { TrainingRun run(raw, {}, regression_data()); }, ErrorKind::bad_input);
+  message = testing::expect_agreed_error([&] { TrainingRun run(raw, {}, regression_data()); },
+                                         ErrorKind::bad_input);
   EXPECT_NE(message.find("data.normalize_inputs"), std::string::npos) << message;
 }
 
@@ -475,7 +439,7 @@ TEST(Normalization, StandardizedTargetsNeedRegression) {
   labels.inputs.assign(64 * kFeatures, 1.0f);
   labels.labels.assign(64, 1);
   config.model.loss = std::nullopt;  // resolved from the data: cross_entropy
-  const std::string message = expect_agreed(
+  const std::string message = testing::expect_agreed_error(
       [&] {
         TrainingRun run(config, {}, RunData{labels, Dataset{}});
       },

@@ -11,7 +11,7 @@
 
 #include "framework/comm/mpi_util.hpp"
 #include "run/training_run.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {

@@ -1,11 +1,11 @@
 // A full training step allocates nothing: neither on the heap nor through Kokkos (device
 // memory in a CUDA build). Global operator new is replaced in
-// this executable by a counting version, and the count over steps 2..4 (step 1 warms the
-// workspaces up) of TrainingRun::step (batch loading, forward, loss, backward, gradient
-// clipping, optimizer update) must be 0 on every rank, for the dp, fsdp, tp and fsdp x tp meshes
-// and every collective-matmul algorithm (ring and bidirectional ones move blocks with shifts). C++
-// allocations only: what MPI allocates with malloc inside its own calls is not counted.
-// Mixed precision too: bf16/bf16 and fp16/fp16 steps (16-bit communication staging, casts,
+// this executable by a counting version (tests/support/counting_allocator.cpp), and the count over
+// steps 2..4 (step 1 warms the workspaces up) of TrainingRun::step (batch loading, forward, loss,
+// backward, gradient clipping, optimizer update) must be 0 on every rank, for the dp, fsdp, tp and
+// fsdp x tp meshes and every collective-matmul algorithm (ring and bidirectional ones move blocks
+// with shifts). C++ allocations only: what MPI allocates with malloc inside its own calls is not
+// counted. Mixed precision too: bf16/bf16 and fp16/fp16 steps (16-bit communication staging, casts,
 // fp16 loss scaling with a skipped step in the window), with overlap off and on.
 // The count is over every thread, so the data reader thread (data.prefetch > 0, the default)
 // is counted too: the batches come from memory or are streamed from HDF5 files
@@ -14,20 +14,15 @@
 // callback over the same steps. MESHTRAIN_TRACE_ALLOCATIONS=N prints the call stacks of
 // the first N counted heap allocations.
 
-#include <execinfo.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
 
 #include <Kokkos_Core.hpp>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <memory>
-#include <new>
 #include <ostream>
 #include <string>
 #include <string_view>
@@ -37,116 +32,15 @@
 #include "framework/comm/mpi_util.hpp"
 #include "framework/io/checkpoint_testing.hpp"
 #include "run/training_run.hpp"
-#include "tests/data/hdf5_test_files.hpp"
-#include "tests/test_support.hpp"
-
-// --- counting operator new: counts while g_window_open is set -------------------------
-
-namespace {
-
-std::atomic<bool> g_window_open{false};
-// When set, only allocations of g_counted_thread count (a test of the training thread alone,
-// beside a checkpoint writer thread that builds its own records).
-std::atomic<bool> g_one_thread{false};
-std::thread::id g_counted_thread;
-std::atomic<long> g_allocations{0};
-std::atomic<long> g_kokkos_allocations{0};  // Kokkos View allocations while the window is open
-
-void count_kokkos_allocation(Kokkos::Profiling::SpaceHandle, const char*, const void*, uint64_t) {
-  if (g_window_open.load(std::memory_order_relaxed)) {
-    g_kokkos_allocations.fetch_add(1, std::memory_order_relaxed);
-  }
-}
-int g_trace_left = 0;
-bool g_tracing = false;  // no counting while a trace is printed
-
-void on_allocation(std::size_t bytes) {
-  if (!g_window_open.load(std::memory_order_relaxed) || g_tracing) return;
-  if (g_one_thread.load(std::memory_order_relaxed) &&
-      std::this_thread::get_id() != g_counted_thread) {
-    return;
-  }
-  g_allocations.fetch_add(1, std::memory_order_relaxed);
-  if (g_trace_left <= 0) return;
-  --g_trace_left;
-  g_tracing = true;
-  void* frames[32];
-  const int depth = backtrace(frames, 32);
-  std::fprintf(stderr, "heap allocation of %zu bytes inside a training step:\n", bytes);
-  backtrace_symbols_fd(frames, depth, 2);  // writes to stderr without allocating
-  g_tracing = false;
-}
-
-void* allocate(std::size_t bytes) {
-  on_allocation(bytes);
-  if (void* p = std::malloc(bytes ? bytes : 1)) return p;
-  throw std::bad_alloc();
-}
-
-void* allocate_aligned(std::size_t bytes, std::size_t alignment) {
-  on_allocation(bytes);
-  const std::size_t rounded = (bytes + alignment - 1) / alignment * alignment;
-  if (void* p = std::aligned_alloc(alignment, rounded ? rounded : alignment)) return p;
-  throw std::bad_alloc();
-}
-
-}  // namespace
-
-void* operator new(std::size_t bytes) {
-  return allocate(bytes);
-}
-void* operator new[](std::size_t bytes) {
-  return allocate(bytes);
-}
-void* operator new(std::size_t bytes, const std::nothrow_t&) noexcept {
-  try {
-    return allocate(bytes);
-  } catch (...) {
-    return nullptr;
-  }
-}
-void* operator new[](std::size_t bytes, const std::nothrow_t&) noexcept {
-  try {
-    return allocate(bytes);
-  } catch (...) {
-    return nullptr;
-  }
-}
-void* operator new(std::size_t bytes, std::align_val_t a) {
-  return allocate_aligned(bytes, static_cast<std::size_t>(a));
-}
-void* operator new[](std::size_t bytes, std::align_val_t a) {
-  return allocate_aligned(bytes, static_cast<std::size_t>(a));
-}
-void operator delete(void* p) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p) noexcept {
-  std::free(p);
-}
-void operator delete(void* p, std::size_t) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, std::size_t) noexcept {
-  std::free(p);
-}
-void operator delete(void* p, std::align_val_t) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, std::align_val_t) noexcept {
-  std::free(p);
-}
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept {
-  std::free(p);
-}
+#include "tests/support/counting_allocator.hpp"
+#include "tests/support/hdf5_files.hpp"
+#include "tests/support/mesh_cases.hpp"
+#include "tests/support/temp_dir.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
 
-// Counts the heap allocations made while it is open.
 // The ring reductions' partial-sum buffers (blocking and started) allocated in step 1.
 long g_ring_buffers_in_step1 = 0;
 void count_ring_buffer(Kokkos::Profiling::SpaceHandle, const char* label, const void*, uint64_t) {
@@ -156,42 +50,13 @@ void count_ring_buffer(Kokkos::Profiling::SpaceHandle, const char* label, const 
   }
 }
 
-class AllocationWindow {
- public:
-  AllocationWindow() {
-    const char* trace = std::getenv("MESHTRAIN_TRACE_ALLOCATIONS");
-    g_trace_left = trace != nullptr ? std::atoi(trace) : 0;
-    g_allocations = 0;
-    g_kokkos_allocations = 0;
-    Kokkos::Tools::Experimental::set_allocate_data_callback(count_kokkos_allocation);
-    g_window_open = true;
-  }
-  ~AllocationWindow() { stop(); }
-  // Heap allocations in the window.
-  long close() {
-    stop();
-    return g_allocations.load();
-  }
-  // Kokkos allocations in the window (valid after close()).
-  long kokkos_allocations() const { return g_kokkos_allocations.load(); }
+using testing::AllocationWindow;
 
- private:
-  void stop() {
-    g_window_open = false;
-    Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
-  }
-};
+using testing::MeshCase;
 
-struct MeshCase {
-  std::string preset;
-  std::vector<std::pair<std::string, int>> axes;
-};
-
+// dp, fsdp, tp and fsdp x tp.
 std::vector<MeshCase> mesh_cases() {
-  const int n = world_size();
-  std::vector<MeshCase> cases = {{"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}, {"tp", {{"tp", n}}}};
-  if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
-  return cases;
+  return testing::every_mesh(world_size());
 }
 
 // 16 samples of 32 inputs (0.25) with label 3 (classification) or 8 targets of 0.5.
@@ -682,13 +547,10 @@ TEST(TrainingStep, TrainWithASaveInFlightAllocatesNothing) {
   RunEvents events;
   events.on_log = [&](const LogEvent& e) {
     if (e.step == 7) {
-      g_counted_thread = std::this_thread::get_id();
-      g_one_thread = true;
-      window = std::make_unique<AllocationWindow>();
+      window = std::make_unique<AllocationWindow>(AllocationWindow::Threads::this_thread);
     } else if (e.step == 12 && window) {
       counted = window->close();
       kokkos = window->kokkos_allocations();
-      g_one_thread = false;
     }
   };
   std::vector<int64_t> saved;

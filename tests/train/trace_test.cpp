@@ -30,7 +30,9 @@
 #include "framework/train/config.hpp"
 #include "framework/train/plan_report.hpp"
 #include "run/training_run.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/training_runs.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
@@ -39,19 +41,11 @@ using Json = nlohmann::json;
 
 RunConfig traced_config(std::vector<std::pair<std::string, int>> axes, const std::string& preset,
                         const std::string& dir) {
-  RunConfig config;
-  config.file = "trace_test";
+  RunConfig config = testing::synthetic_run_config("trace_test", std::move(axes), preset);
   config.run.seed = 5;
   config.run.output_dir = dir;
-  config.mesh.axes = std::move(axes);
   config.model.sizes = {8, 16, 16, 4};  // every width divides by 4
   config.model.activation = Activation::tanh;
-  config.partition.preset = preset;
-  config.partition.min_sharding_size = 0;
-  config.data.source = DataSource::synthetic;
-  config.data.synthetic_samples = 64;
-  config.data.batch_size = 16;
-  config.optimizer.kind = OptimizerKind::adamw;
   config.train.steps = 4;
   config.runtime.trace_first = 2;
   config.runtime.trace_last = 3;

@@ -34,8 +34,11 @@
 #include "framework/comm/progress_thread.hpp"
 #include "framework/train/lr_schedule.hpp"
 #include "framework/train/plan_report.hpp"
-#include "tests/test_backend.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/backend.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/mesh_cases.hpp"
+#include "tests/support/training_runs.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
@@ -54,20 +57,12 @@ std::string temp_dir() {
 }
 
 RunConfig small_config(std::vector<std::pair<std::string, int>> axes, const std::string& preset) {
-  RunConfig config;
-  config.file = "training_run_test";
+  RunConfig config = testing::synthetic_run_config("training_run_test", std::move(axes), preset);
   config.runtime.backend = testing::test_backend_choice();  // mpi unless the registration says
   config.runtime.reductions = testing::test_reductions(config.runtime.reductions);
   config.run.seed = 3;
-  config.mesh.axes = std::move(axes);
   config.model.sizes = {8, 16, 16, 4};  // every width divides by 4
   config.model.activation = Activation::tanh;
-  config.partition.preset = preset;
-  config.partition.min_sharding_size = 0;
-  config.data.source = DataSource::synthetic;
-  config.data.synthetic_samples = 64;
-  config.data.batch_size = 16;
-  config.optimizer.kind = OptimizerKind::adamw;
   config.optimizer.lr = 1e-2;
   config.train.steps = 6;
   config.train.log_every = 2;
@@ -271,13 +266,10 @@ TEST(TrainingRun, EvaluationMetricsAreInTheDataUnits) {
   }
 }
 
-struct MeshCase {
-  std::string preset;
-  std::vector<std::pair<std::string, int>> axes;
-};
+using testing::MeshCase;
 
 std::vector<MeshCase> dp_fsdp_tp(int n) {
-  return {{"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}, {"tp", {{"tp", n}}}};
+  return testing::one_axis_meshes(n);
 }
 
 void expect_near_losses(const std::vector<double>& got, const std::vector<double>& want,
@@ -424,11 +416,7 @@ RunConfig with_sgd(RunConfig config) {
   return config;
 }
 
-std::vector<MeshCase> every_mesh(int n) {
-  std::vector<MeshCase> cases = dp_fsdp_tp(n);
-  if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
-  return cases;
-}
+using testing::every_mesh;
 
 // The largest |got - want| / (1 + |want|) over the steps (what expect_near_losses bounds).
 double max_relative_error(const std::vector<double>& got, const std::vector<double>& want) {
@@ -439,27 +427,8 @@ double max_relative_error(const std::vector<double>& got, const std::vector<doub
   return worst;
 }
 
-// This rank's blocks of every parameter, copied to the host.
-std::vector<std::vector<float>> copy_parameters(TrainingRun& run) {
-  std::vector<std::vector<float>> copies;
-  for (const ShardedTensor& p : run.model().parameters()) {
-    auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), p.local);
-    copies.emplace_back(host.data(), host.data() + host.extent(0));
-  }
-  return copies;
-}
-
-// Bit for bit (memcmp, so -0 vs 0 or a changed NaN payload counts as a change).
-bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i].size() != b[i].size() ||
-        std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0) {
-      return false;
-    }
-  }
-  return true;
-}
+using testing::copy_parameters;
+using testing::same_bits;
 
 // min and max of `value` over MPI_COMM_WORLD.
 std::pair<double, double> world_range(double value) {
@@ -742,15 +711,8 @@ TEST(TrainingRun, MoeMeshesTrainLikeOneRank) {
 
 // A residual_mlp (docs/models.md) of the same task: 8 -> width 16, 2 blocks of hidden 16, -> 4.
 RunConfig with_residual(RunConfig config, ModelNorm norm, bool swiglu) {
-  config.model.kind = ModelKind::residual_mlp;
-  config.model.sizes.clear();
-  config.model.inputs = 8;
-  config.model.outputs = 4;
-  config.model.width = 16;
-  config.model.hidden = 16;
-  config.model.depth = 2;
-  config.model.norm = norm;
-  config.model.swiglu = swiglu;
+  testing::use_residual_mlp(config, /*inputs=*/8, /*width=*/16, /*hidden=*/16, /*depth=*/2,
+                            /*outputs=*/4, norm, swiglu);
   config.model.activation = Activation::silu;
   return config;
 }

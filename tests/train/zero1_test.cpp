@@ -18,7 +18,8 @@
 #include "framework/train/config.hpp"
 #include "partition/zero1_layout.hpp"
 #include "run/training_run.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/training_runs.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain {
 namespace {
@@ -28,18 +29,10 @@ namespace {
 RunConfig config_on(MPI_Comm comm, int64_t zero_stage) {
   int n = 1;
   check_mpi(MPI_Comm_size(comm, &n), "MPI_Comm_size");
-  RunConfig config;
-  config.file = "zero1_test";
+  RunConfig config = testing::synthetic_run_config("zero1_test", {{"dp", n}}, "dp");
   config.run.seed = 5;
-  config.mesh.axes = {{"dp", n}};
   config.model.sizes = {8, 13, 7, 3};
   config.model.activation = Activation::tanh;
-  config.partition.preset = "dp";
-  config.partition.min_sharding_size = 0;
-  config.data.source = DataSource::synthetic;
-  config.data.synthetic_samples = 64;
-  config.data.batch_size = 16;
-  config.optimizer.kind = OptimizerKind::adamw;
   config.optimizer.lr = 1e-2;
   config.optimizer.weight_decay = 0.01;
   config.optimizer.zero_stage = zero_stage;

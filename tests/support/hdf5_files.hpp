@@ -1,18 +1,14 @@
 #pragma once
 // Small HDF5 data files for the data-path tests: rows of an in-memory Dataset written as
 // /x [N, features] and /y (labels [N] or targets [N, width]), contiguous or gzip-chunked
-// with the shuffle filter, as float32 or float64 inputs and int32 or int64 labels; and a
-// fresh temporary directory. Only one rank should write; the others wait at a barrier.
+// with the shuffle filter, as float32 or float64 inputs and int32 or int64 labels, in one file
+// or in shards. Only one rank should write; the others wait at a barrier.
 
 #include <gtest/gtest.h>
 #include <hdf5.h>
-#include <mpi.h>
-#include <unistd.h>
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <filesystem>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -21,90 +17,6 @@
 #include "framework/io/hdf5_util.hpp"
 
 namespace meshtrain::testing {
-
-// A fresh directory under $TMPDIR (or /tmp), removed at the end of its scope. With
-// `shared`, rank 0 makes it and every rank of MPI_COMM_WORLD gets its name (collective).
-class TempDir {
- public:
-  explicit TempDir(bool shared = false) : shared_(shared) {
-    int rank = 0;
-    if (shared_) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    std::vector<char> buf(4096, '\0');
-    if (rank == 0) {
-      const char* base = std::getenv("TMPDIR");
-      const std::string pattern =
-          std::string(base && *base ? base : "/tmp") + "/meshtrain-data-XXXXXX";
-      std::copy(pattern.begin(), pattern.end(), buf.begin());
-      if (mkdtemp(buf.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed for " << pattern;
-    }
-    if (shared_) MPI_Bcast(buf.data(), static_cast<int>(buf.size()), MPI_CHAR, 0, MPI_COMM_WORLD);
-    path_ = buf.data();
-  }
-  ~TempDir() {
-    int rank = 0;
-    if (shared_) {
-      MPI_Barrier(MPI_COMM_WORLD);
-      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    }
-    if (rank == 0) {
-      std::error_code ignored;
-      std::filesystem::remove_all(path_, ignored);
-    }
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::string& path() const { return path_; }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  bool shared_;
-  std::string path_;
-};
-
-// A classification set whose values tell the row: x[s, c] = s + c / 64 (exact in float32
-// for s < 2^17), label a hash of s mod classes.
-inline Dataset numbered_classes(int64_t n, int64_t features, int64_t classes) {
-  Dataset d;
-  d.description = "numbered classification set";
-  d.num_samples = n;
-  d.features = features;
-  d.num_classes = classes;
-  d.inputs.resize(static_cast<size_t>(n * features));
-  d.labels.resize(static_cast<size_t>(n));
-  for (int64_t s = 0; s < n; ++s) {
-    for (int64_t c = 0; c < features; ++c) {
-      d.inputs[s * features + c] = static_cast<float>(s) + static_cast<float>(c) / 64.0f;
-    }
-    d.labels[s] = static_cast<int32_t>(((s * 2654435761u) >> 7) % classes);
-  }
-  return d;
-}
-
-// Inputs that look like real data (in [0, 1), varied), for training runs.
-inline Dataset varied_classes(int64_t n, int64_t features, int64_t classes) {
-  Dataset d = numbered_classes(n, features, classes);
-  d.description = "varied classification set";
-  for (size_t i = 0; i < d.inputs.size(); ++i) {
-    d.inputs[i] = static_cast<float>((i * 2654435761u) % 1000) / 1000.0f;
-  }
-  return d;
-}
-
-// A regression set: x as numbered_classes, targets[s, o] = s / 8 - o.
-inline Dataset numbered_targets(int64_t n, int64_t features, int64_t width) {
-  Dataset d = numbered_classes(n, features, 1);
-  d.description = "numbered regression set";
-  d.num_classes = 0;
-  d.labels.clear();
-  d.target_width = width;
-  d.targets.resize(static_cast<size_t>(n * width));
-  for (int64_t s = 0; s < n; ++s) {
-    for (int64_t o = 0; o < width; ++o) {
-      d.targets[s * width + o] = static_cast<float>(s) / 8.0f - static_cast<float>(o);
-    }
-  }
-  return d;
-}
 
 struct H5Layout {
   bool chunked = false;       // chunked + shuffle filter + gzip; else contiguous
@@ -152,8 +64,8 @@ inline void write_h5(const std::string& path, const Dataset& d, const H5Layout& 
                           d.inputs.begin() + (first + count) * d.features);
     write_h5_column(file, layout.x_name, H5T_NATIVE_DOUBLE, {n, f}, x.data(), layout);
   } else {
-    write_h5_column(file, layout.x_name, H5T_NATIVE_FLOAT, {n, f}, d.inputs.data() + first * d.features,
-                    layout);
+    write_h5_column(file, layout.x_name, H5T_NATIVE_FLOAT, {n, f},
+                    d.inputs.data() + first * d.features, layout);
   }
   if (d.classification()) {
     if (layout.labels_int64) {
@@ -166,8 +78,8 @@ inline void write_h5(const std::string& path, const Dataset& d, const H5Layout& 
     const hsize_t w = static_cast<hsize_t>(d.target_width);
     std::vector<hsize_t> dims = {n, w};
     if (layout.targets_1d) dims = {n};
-    write_h5_column(file, layout.y_name, H5T_NATIVE_FLOAT, dims, d.targets.data() + first * d.target_width,
-                    layout);
+    write_h5_column(file, layout.y_name, H5T_NATIVE_FLOAT, dims,
+                    d.targets.data() + first * d.target_width, layout);
   }
   ASSERT_GE(H5Fclose(file), 0);
 }

@@ -1,8 +1,8 @@
 #pragma once
-// Shared by the communicator, collective-matmul and NCCL tests: deterministic data (every
-// rank can rebuild any rank's operands from a seed), a reference GEMM in double, the
-// communicators under test (the world and the tp groups of an fsdp x tp mesh), and the
-// ragged traffic of the all_to_all_v tests.
+// Shared by the communicator, collective-matmul, ring, communication-thread and NCCL tests:
+// deterministic data (every rank can rebuild any rank's operands from a seed), a reference GEMM
+// in double, the communicators under test (the world and the tp groups of an fsdp x tp mesh),
+// the ragged traffic of the all_to_all_v tests, and the signal of the proof-of-progress tests.
 // Operands live in the default memory space (device memory with a CUDA Kokkos, which the
 // host must not dereference): they are built in host views and deep-copied over, and
 // results are copied back to host views (to_host) before the host reads them.
@@ -12,8 +12,11 @@
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <utility>
@@ -22,7 +25,7 @@
 #include "framework/comm/communicator.hpp"
 #include "framework/comm/mesh_communicators.hpp"
 #include "partition/mesh.hpp"
-#include "tests/test_support.hpp"
+#include "tests/support/world.hpp"
 
 namespace meshtrain::testing {
 
@@ -214,6 +217,28 @@ inline void expect_ragged_rows(const HostMatrix& got, const RaggedRound& round, 
       for (std::size_t c = 0; c < got.extent(1); ++c)
         ASSERT_EQ(got(row, c), round_to(ragged_value(j, me, r, static_cast<int>(c)), wire))
             << "row " << r << " from rank " << j << " at (" << row << ", " << c << ") " << where;
+}
+
+// The proof-of-progress tests' signal, through files in a directory every rank knows (no MPI
+// call): a rank above 0 marks that its wait for operation `name` returned; rank 0 computes,
+// without MPI calls, until every other rank of `size` has marked it or 30 s pass, and returns
+// whether all had (so such a test fails rather than hangs).
+inline void mark_wait_returned(const std::string& dir, const std::string& name, int rank) {
+  std::ofstream(dir + "/" + name + "_" + std::to_string(rank)) << "done\n";
+}
+inline bool compute_until_every_wait_returned(const std::string& dir, const std::string& name,
+                                              int size) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  volatile double work = 0.0;
+  bool all_done = false;
+  while (!all_done && std::chrono::steady_clock::now() < deadline) {
+    for (int k = 0; k < 100000; ++k) work = work + std::sqrt(static_cast<double>(k));
+    all_done = true;
+    for (int j = 1; j < size; ++j) {
+      all_done = all_done && std::filesystem::exists(dir + "/" + name + "_" + std::to_string(j));
+    }
+  }
+  return all_done;
 }
 
 }  // namespace meshtrain::testing

@@ -1,32 +1,13 @@
 #pragma once
-// Helpers shared by the tests.
+// Expecting an error: meshtrain::Error of a kind, with a message that names what is wrong.
 
 #include <gtest/gtest.h>
-#include <mpi.h>
 
 #include <functional>
 #include <initializer_list>
 #include <string>
 
 #include "base/error.hpp"
-
-namespace meshtrain {
-
-// This process's rank and the number of ranks in MPI_COMM_WORLD (the shared test main has
-// initialized MPI). In namespace meshtrain so that tests in meshtrain and in
-// meshtrain::testing both call them unqualified.
-inline int world_rank() {
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
-}
-inline int world_size() {
-  int size = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  return size;
-}
-
-}  // namespace meshtrain
 
 namespace meshtrain::testing {
 

@@ -1,0 +1,150 @@
+// The counting global operator new and delete of tests/support/counting_allocator.hpp, and its
+// AllocationWindow. Linked into the test programs that count allocations (an object library:
+// replacing operator new is a whole-program choice, so never in a program that does not ask).
+
+#include "tests/support/counting_allocator.hpp"
+
+#include <execinfo.h>
+
+#include <Kokkos_Core.hpp>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <new>
+#include <thread>
+
+namespace {
+
+std::atomic<bool> g_window_open{false};
+// When set, only allocations of g_counted_thread count.
+std::atomic<bool> g_one_thread{false};
+std::thread::id g_counted_thread;
+std::atomic<long> g_heap_allocations{0};
+std::atomic<long> g_kokkos_allocations{0};
+int g_trace_left = 0;
+thread_local bool g_tracing = false;  // no counting while a trace is printed
+
+void count_kokkos_allocation(Kokkos::Profiling::SpaceHandle, const char*, const void*, uint64_t) {
+  if (g_window_open.load(std::memory_order_relaxed)) {
+    g_kokkos_allocations.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+void on_allocation(std::size_t bytes) {
+  if (!g_window_open.load(std::memory_order_relaxed) || g_tracing) return;
+  if (g_one_thread.load(std::memory_order_relaxed) &&
+      std::this_thread::get_id() != g_counted_thread) {
+    return;
+  }
+  g_heap_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (g_trace_left <= 0) return;
+  --g_trace_left;
+  g_tracing = true;
+  void* frames[32];
+  const int depth = backtrace(frames, 32);
+  std::fprintf(stderr, "heap allocation of %zu bytes inside a counted window:\n", bytes);
+  backtrace_symbols_fd(frames, depth, 2);  // writes to stderr without allocating
+  g_tracing = false;
+}
+
+void* allocate(std::size_t bytes) {
+  on_allocation(bytes);
+  if (void* p = std::malloc(bytes ? bytes : 1)) return p;
+  throw std::bad_alloc();
+}
+
+void* allocate_aligned(std::size_t bytes, std::size_t alignment) {
+  on_allocation(bytes);
+  const std::size_t rounded = (bytes + alignment - 1) / alignment * alignment;
+  if (void* p = std::aligned_alloc(alignment, rounded ? rounded : alignment)) return p;
+  throw std::bad_alloc();
+}
+
+}  // namespace
+
+void* operator new(std::size_t bytes) {
+  return allocate(bytes);
+}
+void* operator new[](std::size_t bytes) {
+  return allocate(bytes);
+}
+void* operator new(std::size_t bytes, const std::nothrow_t&) noexcept {
+  try {
+    return allocate(bytes);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t bytes, const std::nothrow_t&) noexcept {
+  try {
+    return allocate(bytes);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new(std::size_t bytes, std::align_val_t a) {
+  return allocate_aligned(bytes, static_cast<std::size_t>(a));
+}
+void* operator new[](std::size_t bytes, std::align_val_t a) {
+  return allocate_aligned(bytes, static_cast<std::size_t>(a));
+}
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept {
+  std::free(p);
+}
+
+namespace meshtrain::testing {
+
+AllocationWindow::AllocationWindow(Threads threads) {
+  const char* trace = std::getenv("MESHTRAIN_TRACE_ALLOCATIONS");
+  g_trace_left = trace != nullptr ? std::atoi(trace) : 0;
+  g_heap_allocations = 0;
+  g_kokkos_allocations = 0;
+  g_counted_thread = std::this_thread::get_id();
+  g_one_thread = threads == Threads::this_thread;
+  Kokkos::Tools::Experimental::set_allocate_data_callback(count_kokkos_allocation);
+  g_window_open = true;
+}
+
+AllocationWindow::~AllocationWindow() {
+  close();
+}
+
+long AllocationWindow::close() {
+  if (g_window_open.exchange(false)) {
+    Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+    g_one_thread = false;
+  }
+  return g_heap_allocations.load();
+}
+
+long AllocationWindow::heap_allocations() const {
+  return g_heap_allocations.load();
+}
+
+long AllocationWindow::kokkos_allocations() const {
+  return g_kokkos_allocations.load();
+}
+
+}  // namespace meshtrain::testing

@@ -1,0 +1,30 @@
+#pragma once
+// Counting the allocations a piece of code makes: on the heap (every form of the global
+// operator new, replaced by tests/support/counting_allocator.cpp, which a program that
+// includes this header links: LIBS meshtrain_test_counting_allocator) and through Kokkos (the
+// allocate-data tool callback, any memory space), while an AllocationWindow is open. C++
+// allocations only: what MPI allocates with malloc inside its own calls is not counted.
+// MESHTRAIN_TRACE_ALLOCATIONS=N prints the call stacks of the first N heap allocations counted.
+
+namespace meshtrain::testing {
+
+class AllocationWindow {
+ public:
+  // Which threads' heap allocations count: every thread's (a data reader thread's too), or only
+  // the thread that opens the window (beside a checkpoint writer that builds its own records).
+  enum class Threads { all, this_thread };
+
+  // Opens the window (one at a time); it closes at close() or destruction.
+  explicit AllocationWindow(Threads threads = Threads::all);
+  ~AllocationWindow();
+  AllocationWindow(const AllocationWindow&) = delete;
+  AllocationWindow& operator=(const AllocationWindow&) = delete;
+
+  // Closes the window; returns the heap allocations counted in it.
+  long close();
+  // Counted so far (or in the closed window).
+  long heap_allocations() const;
+  long kokkos_allocations() const;
+};
+
+}  // namespace meshtrain::testing

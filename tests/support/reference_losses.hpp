@@ -1,0 +1,44 @@
+#pragma once
+// The losses in float64 over a batch of model outputs y [rows, width] (row-major), as
+// docs/model_math.md writes them: the mean over rows of the squared error summed over the
+// outputs (mse, against targets [rows, width]) or of softmax cross-entropy (against integer
+// labels [rows]), and the gradient d loss / dy: 2 (y - t) / rows, or (softmax(y) - onehot) /
+// rows. What the tests' references end in.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "framework/core/choices.hpp"
+
+namespace meshtrain::testing {
+
+// The loss; fills dy (resized to y's size).
+inline double mean_loss_and_gradient(LossKind kind, const std::vector<double>& y, int64_t rows,
+                                     int64_t width, const std::vector<double>& targets,
+                                     const std::vector<int32_t>& labels, std::vector<double>& dy) {
+  dy.assign(y.size(), 0.0);
+  double loss = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    if (kind == LossKind::mse) {
+      for (int64_t j = 0; j < width; ++j) {
+        const double d = y[i * width + j] - targets[i * width + j];
+        loss += d * d;
+        dy[i * width + j] = 2 * d / rows;
+      }
+    } else {
+      double mx = y[i * width];
+      for (int64_t j = 1; j < width; ++j) mx = std::max(mx, y[i * width + j]);
+      double s = 0;
+      for (int64_t j = 0; j < width; ++j) s += std::exp(y[i * width + j] - mx);
+      loss += std::log(s) + mx - y[i * width + labels[i]];
+      for (int64_t j = 0; j < width; ++j) {
+        dy[i * width + j] = (std::exp(y[i * width + j] - mx) / s - (j == labels[i])) / rows;
+      }
+    }
+  }
+  return loss / rows;
+}
+
+}  // namespace meshtrain::testing
