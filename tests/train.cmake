@@ -290,15 +290,29 @@ endforeach()
 # --- A picture of a run (issue 12): 20 steps of configs/fashion_mnist_cosine.toml (cosine
 # schedule with warm-up, 2 accumulated micro-batches, evaluation batch 1000) on np 2, then
 # scripts/plot draws its metrics.jsonl into a PNG (skipped, exit 77, when
-# python3 has no matplotlib). -------------------------------------------------------------
+# python3 has no matplotlib); the figure holds the losses on a log scale and the test
+# accuracy. The same for a regression run (synthetic targets of 4 outputs, issue 36 item 20):
+# per-output R^2 and no accuracy axis. --------------------------------------------------------
 _train_mpirun(_plot_mpirun 2)
 meshtrain_add_command_test(NAME train_plot_np2 TIMEOUT 120
-  COMMAND sh ${_train}/plot_run.sh ${PROJECT_SOURCE_DIR} ${_train_runs}/plot_np2 -- ${_plot_mpirun}
+  COMMAND sh ${_train}/plot_run.sh ${PROJECT_SOURCE_DIR} ${_train_runs}/plot_np2 classification
+          -- ${_plot_mpirun}
           ${_train_configs}/fashion_mnist_cosine.toml ${_train_small} --set train.log_every=1
           --set train.eval_every=5 --set optimizer.warmup_steps=5
           --set run.output_dir=${_train_runs}/plot_np2)
 set_tests_properties(train_plot_np2 PROPERTIES SKIP_RETURN_CODE 77)
 _train_slots(train_plot_np2 2)
+meshtrain_add_command_test(NAME train_plot_regression_np2 TIMEOUT 120
+  COMMAND sh ${_train}/plot_run.sh ${PROJECT_SOURCE_DIR} ${_train_runs}/plot_regression_np2
+          regression -- ${_plot_mpirun}
+          ${_train_configs}/fashion_mnist_cosine.toml ${_train_small}
+          --set "model.sizes=[784, 64, 4]" --set data.source=synthetic
+          --set data.synthetic_samples=2048 --set data.eval_batch_size=128 --set model.loss=mse
+          --set train.log_every=1
+          --set train.eval_every=5 --set optimizer.warmup_steps=5
+          --set run.output_dir=${_train_runs}/plot_regression_np2)
+set_tests_properties(train_plot_regression_np2 PROPERTIES SKIP_RETURN_CODE 77)
+_train_slots(train_plot_regression_np2 2)
 # ZeRO-1 (optimizer.zero_stage = 1) against plain DP and a one-rank run, uneven chunks,
 # checkpoints across zero stages, and the plan's optimizer bytes.
 meshtrain_add_test(NAME train_zero1_test SOURCES train/zero1_test.cpp
