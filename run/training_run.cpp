@@ -592,10 +592,14 @@ void TrainingRun::forget_micro_batches() {
   step_loss_overflowed_ = false;
 }
 
+EvalMetric TrainingRun::best_metric_kind() const {
+  return config_.checkpoint.keep_best.value_or(EvalMetric::test_loss);
+}
+
 // Whether `eval` is better than every earlier evaluation by the run's metric
 // (checkpoint.keep_best, else the test loss); counts the evaluations since the best.
 bool TrainingRun::record_evaluation(const EvalEvent& eval) {
-  const EvalMetric metric = config_.checkpoint.keep_best.value_or(EvalMetric::test_loss);
+  const EvalMetric metric = best_metric_kind();
   const double value = metric == EvalMetric::test_loss ? eval.test_loss : eval.test_accuracy;
   const bool improved =
       std::isnan(best_metric_) ||
@@ -645,8 +649,11 @@ void TrainingRun::resume() {
   // The run's statistics are the checkpoint's: never computed again.
   normalization_ = read_checkpoint_normalization(info.path, "checkpoint");
   checkpoint_.normalization = normalization_;
-  best_metric_ = info.train_state.best_metric;
-  evals_since_best_ = info.train_state.evals_since_best;
+  // The saved best only when it measured this run's metric (keep_best may have changed).
+  const ResumedBest best = resumed_best(info.train_state, best_metric_kind());
+  best_metric_ = best.metric;
+  evals_since_best_ = best.evals_since;
+  resume_note_ = best.note;
   stopped_early_ =
       config_.train.early_stopping > 0 && evals_since_best_ >= config_.train.early_stopping;
   resumed_from_ = info;
@@ -956,6 +963,7 @@ std::string TrainingRun::start_save() {
   state.loss_scale_clean_steps = scaler_ ? scaler_->clean_steps() : 0;
   state.best_metric = best_metric_;
   state.evals_since_best = evals_since_best_;
+  state.best_metric_name = to_string(best_metric_kind());
   // The best evaluation so far is this step's: this checkpoint becomes `best`.
   const bool best = config_.checkpoint.keep_best && best_step_ == steps_done_;
   std::string path;

@@ -193,6 +193,10 @@ class TrainingRun {
   int64_t best_step() const { return best_step_; }
   // The checkpoint this run resumed from (nullopt for a fresh start).
   const std::optional<CheckpointInfo>& resumed_from() const { return resumed_from_; }
+  // What the resume did not carry over, for the resume line ("" when everything was): the
+  // checkpoint's best evaluation measured another metric than this run's keep_best, or an
+  // unrecorded one, so the best starts afresh (framework/train/resume.hpp resumed_best).
+  const std::string& resume_note() const { return resume_note_; }
   // The statistics every batch (training and evaluation) is standardized with, and that every
   // checkpoint stores (framework/io/normalization.hpp): an empty side is not normalized. The
   // same bits on every rank, mesh and world size.
@@ -248,6 +252,7 @@ class TrainingRun {
   void check_fp16_overflow(bool loss_overflowed);
   void forget_micro_batches();  // the step under way starts over
   bool record_evaluation(const EvalEvent& eval);
+  EvalMetric best_metric_kind() const;  // checkpoint.keep_best, else test_loss
   void throw_agreed_data_error();
   void agree_on_data_shape();
   void report_checkpoint(const std::optional<std::string>& path);
@@ -338,6 +343,7 @@ class TrainingRun {
   std::unique_ptr<Checkpointer> checkpointer_;  // the writer (a thread when async)
   int64_t in_flight_step_ = 0;                  // the step of the last checkpoint started
   std::optional<CheckpointInfo> resumed_from_;
+  std::string resume_note_;
   std::optional<CheckpointInfo> initialized_from_;
   Normalization normalization_;  // applied by the streams, saved in checkpoint_
   std::vector<std::string> warnings_;

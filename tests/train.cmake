@@ -18,6 +18,11 @@ meshtrain_add_test(NAME train_trace_test SOURCES train/trace_test.cpp LIBS mesht
 # takes the ring only from 64 KiB, larger than these models' gradients).
 meshtrain_add_test_variant(NAME train_training_run_test VARIANT ring
                            ENVIRONMENT MESHTRAIN_TEST_REDUCTIONS=ring)
+# The best evaluation across a resume (issue 36, item 6): the checkpoint names the metric of
+# its best (an HDF5 attribute); a resume under another checkpoint.keep_best, or from a checkpoint
+# that does not name it, starts the best afresh and says so; the same keep_best carries it over.
+meshtrain_add_test(NAME train_best_metric_test SOURCES train/best_metric_test.cpp
+                   LIBS meshtrain_run meshtrain::hdf5 NP 1 2 4 TIMEOUT 90)
 # Normalization kept with the model and checkpoint.init_from (issue 26, items 4 and 5): the
 # statistics against a float64 reference and bit for bit on dp, fsdp, tp and fsdp x tp; the
 # model sees (x - mean) / std; the statistics survive save and resume; init_from onto another
