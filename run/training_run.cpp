@@ -886,7 +886,12 @@ StepResult TrainingRun::apply_update() {
   lr_ = static_cast<float>(lr_schedule_.at(steps_done_));
   {
     TraceSpan span("optimizer");
-    checkpointer_->wait_snapshot();  // a save in flight has copied the tensors it writes
+    if (checkpointer_->in_flight()) {
+      // A save in flight has copied the tensors it writes: saving time, not the step's.
+      const double waiting = window_.now();
+      checkpointer_->wait_snapshot();
+      window_.add_saving(window_.now() - waiting);
+    }
     optimizer_->step(updated_parameters(), update_grads, lr_);
     if (zero1_) zero1_->gather(model_->parameters());  // every replica gets every chunk
   }
@@ -992,6 +997,7 @@ std::string TrainingRun::save() {
 }
 
 void TrainingRun::report_checkpoint(const std::optional<std::string>& path) {
+  if (path) window_.mark_save();  // its completion is in the window's saving time
   if (path && events_.on_checkpoint) events_.on_checkpoint(in_flight_step_, *path);
 }
 
@@ -1000,7 +1006,9 @@ void TrainingRun::log_step(const StepResult& result) {
   window_aux_loss_ += result.aux_loss;
   ++window_steps_;
   if (result.step % config_.train.log_every != 0 && result.step != total_steps_) return;
-  const double elapsed = seconds_since(window_start_) - window_paused_s_;
+  // The steps' own time: evaluation and saving are left out (saving is reported apart).
+  const ProgressWindow::Times times = window_.times();
+  const double elapsed = times.step_s;
   LogEvent event;
   event.step = result.step;
   event.total_steps = total_steps_;
@@ -1017,6 +1025,8 @@ void TrainingRun::log_step(const StepResult& result) {
     event.mfu_percent = 100.0 * event.tflops_per_rank / config_.run.peak_tflops;
   }
   event.eta_s = (total_steps_ - result.step) * elapsed / window_steps_;
+  event.step_s = elapsed / window_steps_;
+  if (times.saved) event.save_s = times.save_s;
   if (scaler_) {
     event.loss_scale = scaler_->scale();
     event.skipped_steps = skipped_steps_;
@@ -1030,8 +1040,7 @@ void TrainingRun::log_step(const StepResult& result) {
   data_wait_s_ += waited;
   metrics_->log(event);
   if (events_.on_log) events_.on_log(event);
-  window_start_ = Clock::now();
-  window_paused_s_ = 0.0;
+  window_.start();
   window_loss_ = 0.0;
   window_aux_loss_ = 0.0;
   window_steps_ = 0;
@@ -1161,12 +1170,12 @@ MemoryEvent TrainingRun::measure_memory(const std::string& when) {
 }
 
 void TrainingRun::report_memory(const std::string& when, RunSummary* summary) {
-  const auto begin = Clock::now();
+  const double begin = window_.now();
   MemoryEvent event = measure_memory(when);
   metrics_->memory(event);
   if (events_.on_memory) events_.on_memory(event);
   if (summary) summary->memory = std::move(event);
-  window_paused_s_ += seconds_since(begin);  // not training time
+  window_.add_paused(window_.now() - begin);  // not training time
 }
 
 // train()'s loop: each step, then its log, evaluation and checkpoint events.
@@ -1176,7 +1185,7 @@ void TrainingRun::train_steps(RunSummary& summary) {
     const StepResult result = step();
     log_step(result);
     if (steps_done_ == first_step + 1) report_memory("first_step", nullptr);
-    const auto after_step = Clock::now();  // evaluation and saving are not training time
+    const double after_step = window_.now();  // evaluation and saving are not training time
     const int64_t done = result.step;
     const bool eval_now = config_.train.eval_every > 0 && done % config_.train.eval_every == 0;
     bool improved = false;
@@ -1192,15 +1201,18 @@ void TrainingRun::train_steps(RunSummary& summary) {
     const bool save_now =
         (config_.checkpoint.every_steps > 0 && done % config_.checkpoint.every_steps == 0) ||
         (improved && config_.checkpoint.keep_best) || stopped_early_;
+    const double before_save = window_.now();
+    window_.add_paused(before_save - after_step);
     if (save_now || done == total_steps_) {
       start_save();
+      window_.mark_save();
     } else if (checkpointer_->in_flight()) {
       // Not wrapped in an agreement: poll() reads an MPI_Iallreduce started at the previous
       // poll (so it waits for no slower rank), and the completion it may run agrees on its
       // own outcome, the same on every rank.
       report_checkpoint(checkpointer_->poll());
     }
-    window_paused_s_ += seconds_since(after_step);
+    window_.add_saving(window_.now() - before_save);
   }
 }
 
@@ -1217,8 +1229,7 @@ RunSummary TrainingRun::train() {
   RunSummary summary;
   const int64_t first_step = steps_done_;
   const auto start = Clock::now();
-  window_start_ = start;
-  window_paused_s_ = 0.0;
+  window_.start();
   window_loss_ = 0.0;
   window_aux_loss_ = 0.0;
   window_steps_ = 0;

@@ -56,6 +56,7 @@
 #include "layers/mlp.hpp"
 #include "partition/linear_layout.hpp"  // LayerAxes
 #include "partition/planner.hpp"
+#include "run/progress_window.hpp"
 
 namespace meshtrain {
 
@@ -212,6 +213,10 @@ class TrainingRun {
   // for a model that does not match (naming the parameter and both shapes) and for
   // statistics that do not match data.normalize_inputs / normalize_targets (naming the key).
   CheckpointInfo load_model(const std::string& path);
+  // The clock train() times its progress windows on (the steps' time, which samples/s and
+  // TFLOP/s are computed from, and the time spent saving; LogEvent): steady_clock unless a
+  // program (a test) gives its own, in seconds.
+  void set_clock(SecondsClock clock) { window_ = ProgressWindow(std::move(clock)); }
   // What set-up found worth a warning but not an error (on rank 0 only; e.g. a resumed run
   // whose learning-rate schedule was stretched to another length).
   const std::vector<std::string>& warnings() const { return warnings_; }
@@ -354,8 +359,7 @@ class TrainingRun {
 
   // train(): metrics.jsonl and the loss window since the last log event.
   std::unique_ptr<MetricsLog> metrics_;
-  std::chrono::steady_clock::time_point window_start_;
-  double window_paused_s_ = 0.0;  // evaluation and saving inside the window
+  ProgressWindow window_;  // the steps', evaluation's and saving's time since the last log
   double window_loss_ = 0.0;
   double window_aux_loss_ = 0.0;
   int64_t window_steps_ = 0;

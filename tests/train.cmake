@@ -23,6 +23,11 @@ meshtrain_add_test_variant(NAME train_training_run_test VARIANT ring
 # that does not name it, starts the best afresh and says so; the same keep_best carries it over.
 meshtrain_add_test(NAME train_best_metric_test SOURCES train/best_metric_test.cpp
                    LIBS meshtrain_run meshtrain::hdf5 NP 1 2 4 TIMEOUT 90)
+# The progress line's time (issue 36, item 16): samples/s from the steps' time alone, the time
+# spent saving (a synchronous save, the wait for an asynchronous save's snapshot) reported
+# apart, evaluation in neither; on a clock the test moves, not on speeds.
+meshtrain_add_test(NAME train_progress_window_test SOURCES train/progress_window_test.cpp
+                   LIBS meshtrain_checkpoint_faults meshtrain_run NP 1 2 4 TIMEOUT 90)
 # Normalization kept with the model and checkpoint.init_from (issue 26, items 4 and 5): the
 # statistics against a float64 reference and bit for bit on dp, fsdp, tp and fsdp x tp; the
 # model sees (x - mean) / std; the statistics survive save and resume; init_from onto another
