@@ -163,7 +163,8 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     // The rows' axes (the logical batch's, and the expert axes in an MoE model) and the
     // features'.
     layer_axes_ = LayerAxes{options.batch_axes, options.feature_axis};
-    planned_memory_ = meshtrain::planned_memory(config_, *plan_);
+    // With the profile the groups choose their reductions by (below).
+    planned_memory_ = meshtrain::planned_memory(config_, *plan_, collective_matmul_hardware());
     // Every collective from here on goes into the flight recorder ([runtime] flight_records).
     int world_rank = 0;
     check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "MPI_Comm_rank");

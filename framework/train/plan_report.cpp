@@ -381,43 +381,88 @@ const std::vector<int>& scaling_ranks() {
   return ranks;
 }
 
-RingReductionBytes ring_reduction_bytes(const ShardingPlan& plan, const RunConfig& config) {
+namespace {
+
+// Whether the run's groups are MPI communicators, whose reductions follow [runtime] reductions
+// (NCCL's ignore it).
+bool mpi_reductions(const RuntimeSection& runtime) {
+  return runtime.backend == CommBackendChoice::mpi ||
+         (runtime.backend == CommBackendChoice::automatic && !build_supports_nccl());
+}
+
+// The choice the run's group over `axes` makes (reduction_choice.hpp, the one resolution);
+// "measure", decided by timing at run time, counted as the ring everywhere (an upper bound).
+ReductionChoice group_choice(const RunConfig& config, const std::vector<std::string>& axes,
+                             const HardwareProfile& hardware) {
+  return planned_reduction_choice(config.runtime.reductions, axes, hardware)
+      .value_or(ReductionChoice::ring());
+}
+
+bool is_reduction(const LayerCollective& c) {
+  return c.ranks >= 2 &&
+         (c.kind == CollectiveKind::reduce_scatter || c.kind == CollectiveKind::all_reduce);
+}
+
+// Every collective of the plan's layers and norms, in order.
+template <class Fn>
+void for_each_collective(const ShardingPlan& plan, Fn&& fn) {
+  for (const LayerPlan& l : plan.layers) {
+    for (const LayerCollective& c : l.collectives) fn(c);
+  }
+  for (const NormPlan& n : plan.norms) {
+    for (const LayerCollective& c : n.collectives) fn(c);
+  }
+}
+
+}  // namespace
+
+std::vector<GroupReduction> planned_reductions(const ShardingPlan& plan, const RunConfig& config,
+                                               const HardwareProfile& hardware) {
+  std::vector<GroupReduction> groups;
+  if (!mpi_reductions(config.runtime)) return groups;
+  std::map<std::vector<std::string>, bool> seen;
+  for_each_collective(plan, [&](const LayerCollective& c) {
+    if (!is_reduction(c)) return;
+    std::vector<std::string> key = c.axes;
+    std::sort(key.begin(), key.end());
+    if (seen[key]) return;
+    seen[key] = true;
+    groups.push_back({c.axes, c.ranks, group_choice(config, c.axes, hardware)});
+  });
+  return groups;
+}
+
+RingReductionBytes ring_reduction_bytes(const ShardingPlan& plan, const RunConfig& config,
+                                        const HardwareProfile& hardware) {
   RingReductionBytes bytes;
   const RuntimeSection& runtime = config.runtime;
-  const bool nccl = runtime.backend == CommBackendChoice::nccl ||
-                    (runtime.backend == CommBackendChoice::automatic && build_supports_nccl());
-  if (nccl || runtime.reductions == ReductionAlgorithm::mpi) return bytes;
-  const int64_t ring_from = runtime.reductions == ReductionAlgorithm::automatic
-                                ? static_cast<int64_t>(kDefaultRingFrom)
-                                : 0;
+  if (!mpi_reductions(runtime)) return bytes;
   // DP buckets: overlap with the gradients reduced in backward (not ZeRO-1, not accumulated).
   const bool buckets =
       runtime.overlap && config.optimizer.zero_stage != 1 && config.train.accumulation_steps == 1;
   std::map<std::vector<std::string>, int64_t> largest;  // per group: its largest buffers
-  auto count = [&](const LayerCollective& c) {
-    if (c.ranks < 2) return;
-    if (c.kind != CollectiveKind::reduce_scatter && c.kind != CollectiveKind::all_reduce) return;
+  for_each_collective(plan, [&](const LayerCollective& c) {
+    if (!is_reduction(c)) return;
     int64_t elements = 1;
     for (int64_t d : c.shape) elements *= d;
-    if (elements * c.element_bytes < ring_from) return;
+    const std::size_t message = static_cast<std::size_t>(elements * c.element_bytes);
+    const ReductionChoice choice = group_choice(config, c.axes, hardware);
     const int64_t block = (elements + c.ranks - 1) / c.ranks * c.element_bytes;
     const int64_t buffers = c.ranks == 2 ? 1 : 2;
     const bool gradient = c.operand == "weight gradient" || c.operand == "bias gradient";
     if (buckets && gradient && c.kind == CollectiveKind::all_reduce) {
-      bytes.started += block * buffers;
+      // A started all-reduce keeps its own partial sums when it runs on the ring.
+      if (message >= choice.all_reduce_ring_from) bytes.started += block * buffers;
       return;
     }
+    // A blocking reduction reserves the ring's buffers when either kind would take the ring at
+    // its size (MpiCommunicator::raw_reserve_reductions).
+    if (message < std::min(choice.reduce_scatter_ring_from, choice.all_reduce_ring_from)) return;
     std::vector<std::string> group = c.axes;
     std::sort(group.begin(), group.end());
     int64_t& most = largest[group];
     most = std::max(most, block * buffers);
-  };
-  for (const LayerPlan& l : plan.layers) {
-    for (const LayerCollective& c : l.collectives) count(c);
-  }
-  for (const NormPlan& n : plan.norms) {
-    for (const LayerCollective& c : n.collectives) count(c);
-  }
+  });
   for (const auto& [group, most] : largest) bytes.blocking += most;
   return bytes;
 }
@@ -664,7 +709,7 @@ PlannedStep plan_step(const RunConfig& config, int world_size, const HardwarePro
   std::vector<LinearLayerParameters> layers = model_linear_layers(config.model);
   ShardingPlan plan =
       make_plan(shapes, mesh, rules, options, layers, model_norm_layers(config.model));
-  PlannedMemory memory = planned_memory(config, plan);
+  PlannedMemory memory = planned_memory(config, plan, hw);
   const DataFootprint& data = memory.data;
   std::optional<StepCost> cost;
   if (plan.local_batch_rows > 0) {
@@ -792,7 +837,8 @@ TrainingWorkspace training_workspace(const RunConfig& config, const ShardingPlan
   return w;
 }
 
-PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan) {
+PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan,
+                             const HardwareProfile& hardware) {
   PlannedMemory memory;
   memory.totals = plan.totals;
   memory.workspace = training_workspace(config, plan);
@@ -824,7 +870,7 @@ PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan) 
                     config.model.loss == LossKind::cross_entropy, config.train.accumulation_steps};
   memory.data =
       data_footprint(config.data, use, std::max<int64_t>(plan.local_batch_rows, 0), eval_rows);
-  memory.ring = ring_reduction_bytes(plan, config);
+  memory.ring = ring_reduction_bytes(plan, config, hardware);
   return memory;
 }
 
@@ -857,8 +903,26 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
       scaling.push_back(std::move(row));
     }
   }
+  const std::vector<GroupReduction> reductions = planned_reductions(plan, config, hw);
+  const char* algorithm_name = to_string(config.runtime.reductions);
+  const bool measured = config.runtime.reductions == ReductionAlgorithm::measure;
   if (json) {
     auto doc = plan_to_json(plan, rules, options, config.file);
+    nlohmann::ordered_json groups = nlohmann::ordered_json::array();
+    for (const GroupReduction& g : reductions) {
+      const auto from = [&](std::size_t bytes) -> nlohmann::ordered_json {
+        if (measured) return nullptr;
+        if (bytes == ReductionChoice::kNever) return "never";
+        return static_cast<int64_t>(bytes);
+      };
+      groups.push_back(
+          {{"axes", g.axes},
+           {"ranks", g.ranks},
+           {"choice", measured ? std::string("measured at start") : describe(g.choice)},
+           {"reduce_scatter_ring_from", from(g.choice.reduce_scatter_ring_from)},
+           {"all_reduce_ring_from", from(g.choice.all_reduce_ring_from)}});
+    }
+    doc["reductions"] = {{"algorithm", algorithm_name}, {"groups", groups}};
     const TrainingWorkspace& w = planned.memory.workspace;
     doc["totals"]["activation_bytes"] = w.activation_bytes;
     doc["totals"]["batch_buffer_bytes"] = w.batch_bytes;
@@ -894,6 +958,17 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
         std::any_of(by_rank.begin(), by_rank.end(), [&](int64_t b) { return b != staging; });
     write_plan_text(plan, rules, options, config.file, out, staging, &data, &ring,
                     &planned.memory.workspace, some_ranks);
+    // The groups' reduction algorithm, as the run chooses it under the same profile.
+    if (!reductions.empty()) {
+      out << "reductions (runtime.reductions = \"" << algorithm_name
+          << "\", hardware: " << hw.source << "):\n";
+      for (const GroupReduction& g : reductions) {
+        out << "  " << axis_product_text(SpecEntry{g.axes}, plan.mesh) << ": "
+            << (measured ? "timed when the run starts (the ring's buffers counted)"
+                         : describe(g.choice))
+            << "\n";
+      }
+    }
     if (cost) {
       write_cost_text(plan, options.global_batch, *cost, hw, algorithm, scaling, out);
     } else {

@@ -24,12 +24,15 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <system_error>
 #include <utility>
 #include <vector>
 
+#include "framework/comm/collective_matmul.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/progress_thread.hpp"
 #include "framework/train/lr_schedule.hpp"
@@ -891,7 +894,7 @@ TEST(TrainingRun, PlanCountsTheRingBuffersTheRunAllocates) {
         TrainingRun run(config, {}, std::nullopt, MPI_COMM_WORLD);
         run.step();
         run.step();
-        planned = ring_reduction_bytes(run.plan(), config);
+        planned = ring_reduction_bytes(run.plan(), config, collective_matmul_hardware());
       }
       Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
       Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
@@ -906,6 +909,78 @@ TEST(TrainingRun, PlanCountsTheRingBuffersTheRunAllocates) {
       EXPECT_NEAR(static_cast<double>(allocated.peak), static_cast<double>(planned.total()),
                   static_cast<double>(slack))
           << "planned " << planned.blocking << " blocking + " << planned.started << " started";
+    }
+  }
+}
+
+// [runtime] reductions = "auto" under a hardware profile that measured the ring faster from
+// 256 bytes (train --hardware): the run takes the ring for some of these small reductions (without
+// a profile, "auto" starts at 64 KiB and takes it for none), and `meshtrain plan --hardware`
+// with the same profile counts the ring buffers the run allocates and names the choice each of
+// its groups made (issue 36, the house: one resolution of runtime.reductions); the plan
+// without the profile counts none.
+TEST(TrainingRun, PlanUnderAHardwareProfileCountsTheRingTheRunChooses) {
+  const int n = world_size();
+  HardwareProfile profile = default_hardware_profile();
+  profile.source = "the test's profile";
+  for (auto& [axis, link] : profile.links) {
+    link.ring_reduce_scatter_bandwidth = link.reduce_scatter_bandwidth;
+    link.ring_all_reduce_bandwidth = link.all_reduce_bandwidth;
+    link.ring_reduce_scatter_from = 256;
+    link.ring_all_reduce_from = 256;
+  }
+  std::vector<MeshCase> cases = {{"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}, {"tp", {{"tp", n}}}};
+  if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
+  const auto plan_json = [&](const RunConfig& config, const HardwareProfile* hardware) {
+    std::ostringstream out;
+    print_plan(config, n, /*json=*/true, out, hardware);
+    return nlohmann::json::parse(out.str());
+  };
+  for (const MeshCase& c : cases) {
+    SCOPED_TRACE(c.preset);
+    RunConfig config = small_config(c.axes, c.preset);
+    config.runtime.backend = CommBackendChoice::mpi;
+    config.runtime.reductions = ReductionAlgorithm::automatic;
+    RingAllocations allocated;
+    g_ring_allocations = &allocated;
+    Kokkos::Tools::Experimental::set_allocate_data_callback(count_ring_bytes);
+    Kokkos::Tools::Experimental::set_deallocate_data_callback(uncount_ring_bytes);
+    set_collective_matmul_hardware(profile);
+    RingReductionBytes planned;
+    std::string chosen;  // describe()'s line of the groups' choices
+    {
+      TrainingRun run(config, {}, std::nullopt, MPI_COMM_WORLD);
+      run.step();
+      run.step();
+      planned = run.planned_memory().ring;
+      chosen = run.describe().back();
+    }
+    set_collective_matmul_hardware(default_hardware_profile());
+    Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+    Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
+    EXPECT_EQ(allocated.peak, planned.total())
+        << "planned " << planned.blocking << " blocking + " << planned.started << " started";
+    const nlohmann::json with_profile = plan_json(config, &profile);
+    EXPECT_EQ(with_profile["totals"]["ring_reduction_bytes"].get<int64_t>(), allocated.peak);
+    const nlohmann::json without = plan_json(config, nullptr);
+    EXPECT_EQ(without["totals"]["ring_reduction_bytes"].get<int64_t>(), 0);
+    if (n == 1) {
+      EXPECT_EQ(allocated.peak, 0);
+      EXPECT_TRUE(with_profile["reductions"]["groups"].empty());
+      continue;
+    }
+    EXPECT_GT(allocated.peak, 0) << "the profile's 256 B did not put any reduction on the ring";
+    // Every group the plan names chose as the run's group did.
+    ASSERT_FALSE(with_profile["reductions"]["groups"].empty());
+    EXPECT_EQ(with_profile["reductions"]["algorithm"], "auto");
+    for (const auto& group : with_profile["reductions"]["groups"]) {
+      const std::string choice = group["choice"].get<std::string>();
+      EXPECT_EQ(choice, "ring from 256 B (reduce_scatter), ring from 256 B (all_reduce)");
+      EXPECT_NE(chosen.find(": " + choice), std::string::npos) << chosen;
+    }
+    for (const auto& group : without["reductions"]["groups"]) {
+      EXPECT_EQ(group["choice"].get<std::string>(),
+                "ring from 64 KiB (reduce_scatter), ring from 64 KiB (all_reduce)");
     }
   }
 }
