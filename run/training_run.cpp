@@ -305,10 +305,10 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   }
   if (eval_slice_.rows != slice_.rows) {
     // A forward-only copy of the model for the evaluation batch: it shares the training
-    // model's parameters (and gradients, never written), so only activations are its own.
-    eval_model_ = make_model(config_.model, specs_from_plan(*plan_), *context_, eval_slice_.rows);
-    eval_model_->parameters() = model_->parameters();
-    eval_model_->gradients() = model_->gradients();
+    // model's parameters (and gradients, never written) from its construction on, so only
+    // activations are its own (no second copy of the model, not even while it is built).
+    eval_model_ = make_model(config_.model, specs_from_plan(*plan_), *context_, eval_slice_.rows,
+                             model_.get());
     eval_loss_ = std::make_unique<Loss>(loss_->kind(), *context_, eval_slice_.rows, outputs,
                                         eval_model_->output_layout());
     eval_x_ = Matrix("meshtrain::eval_x", eval_slice_.rows, inputs);

@@ -77,8 +77,33 @@ struct TrainingWorkspace {
            comm_scratch_bytes;
   }
 };
-// The workspace of `config` on the plan's mesh (zeros when the local batch is unknown).
+// The workspace of `config` on the plan's mesh (zeros when the local batch is unknown). A
+// separate evaluation model (below) shares the communicators: their scratch is the larger of
+// the two models'.
 TrainingWorkspace training_workspace(const RunConfig& config, const ShardingPlan& plan);
+
+// This rank's rows of an evaluation batch (data.eval_batch_size, else data.batch_size, over the
+// plan's batch shards; 0 when unknown or when they do not divide).
+int64_t evaluation_rows(const RunConfig& config, const ShardingPlan& plan);
+
+// "evaluation batch": when the evaluation batch's rows per rank differ from the training
+// batch's, the run evaluates with a forward-only copy of the model built for those rows
+// (sharing the parameters): its layers' buffers, as the training model's at those rows
+// (matched to "activations" by their labels), its own LayerScratch, and its batch
+// (meshtrain::eval_*). Zeros when evaluation uses the training buffers.
+struct EvaluationBuffers {
+  int64_t activation_bytes = 0;
+  int64_t batch_bytes = 0;
+  // The copy's own LayerScratch (layers/layer.hpp): gathered weights (the same size as the
+  // training model's) and the collective matmul workspace (at its rows), matched to "gathered
+  // weights" and "collective matmul workspace".
+  int64_t gathered_weight_bytes = 0;
+  int64_t collective_matmul_bytes = 0;
+  int64_t total_bytes() const {
+    return activation_bytes + batch_bytes + gathered_weight_bytes + collective_matmul_bytes;
+  }
+};
+EvaluationBuffers evaluation_buffers(const RunConfig& config, const ShardingPlan& plan);
 
 // The bytes per rank `meshtrain plan` predicts for a run (its "per rank" total), and which of
 // them are Kokkos allocations: what a run's measured memory is compared with (docs/running.md,
@@ -94,6 +119,9 @@ struct PlannedMemory {
   std::vector<int64_t> checkpoint_staging_by_rank;
   // The step's workspace (activations, gathered weights, collective scratch).
   TrainingWorkspace workspace;
+  // The evaluation model's buffers; their total is totals.evaluation_bytes (which replaces the
+  // planner's estimate).
+  EvaluationBuffers evaluation;
   // The data path: its staging slots are Kokkos Views (with the sample lists, 8 bytes a row);
   // the rows in memory and HDF5's chunk caches are host memory outside Kokkos.
   DataFootprint data;

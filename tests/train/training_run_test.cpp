@@ -851,7 +851,8 @@ TEST(TrainingRun, OverlapOnTheRingTrainsLikeWithout) {
 
 // `meshtrain plan`'s ring reductions (framework/train/plan_report.hpp) are what the run
 // allocates for its ring partial sums (the peak of the live Kokkos allocations by label, from
-// construction through two steps), on every mesh, with overlap off and on: to the byte for the
+// construction through two steps), on every mesh, with overlap off and on, with and without a
+// separate evaluation batch: to the byte for the
 // blocking ones; the buckets' within one element per gradient and bucket (the plan counts per
 // gradient). Live bytes of the ring's buffers, and their peak (a buffer that grows is freed first).
 struct RingAllocations {
@@ -879,36 +880,41 @@ TEST(TrainingRun, PlanCountsTheRingBuffersTheRunAllocates) {
   if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
   for (const MeshCase& c : cases) {
     for (const bool overlap : {false, true}) {
-      SCOPED_TRACE(c.preset + (overlap ? ", overlap" : ""));
-      RunConfig config = small_config(c.axes, c.preset);
-      config.runtime.backend = CommBackendChoice::mpi;
-      config.runtime.reductions = ReductionAlgorithm::ring;
-      config.runtime.overlap = overlap;
-      config.runtime.bucket_mb = 0.0005;  // several buckets
-      RingAllocations allocated;
-      g_ring_allocations = &allocated;
-      Kokkos::Tools::Experimental::set_allocate_data_callback(count_ring_bytes);
-      Kokkos::Tools::Experimental::set_deallocate_data_callback(uncount_ring_bytes);
-      RingReductionBytes planned;
-      {
-        TrainingRun run(config, {}, std::nullopt, MPI_COMM_WORLD);
-        run.step();
-        run.step();
-        planned = ring_reduction_bytes(run.plan(), config, collective_matmul_hardware());
+      for (const bool eval_batch : {false, true}) {
+        SCOPED_TRACE(c.preset + (overlap ? ", overlap" : "") + (eval_batch ? ", eval batch" : ""));
+        RunConfig config = small_config(c.axes, c.preset);
+        // A separate evaluation model (other rows) reserves its layers' reductions at its rows,
+        // and its own DP buckets under overlap (issue 36, item 19).
+        if (eval_batch) config.data.eval_batch_size = 64;
+        config.runtime.backend = CommBackendChoice::mpi;
+        config.runtime.reductions = ReductionAlgorithm::ring;
+        config.runtime.overlap = overlap;
+        config.runtime.bucket_mb = 0.0005;  // several buckets
+        RingAllocations allocated;
+        g_ring_allocations = &allocated;
+        Kokkos::Tools::Experimental::set_allocate_data_callback(count_ring_bytes);
+        Kokkos::Tools::Experimental::set_deallocate_data_callback(uncount_ring_bytes);
+        RingReductionBytes planned;
+        {
+          TrainingRun run(config, {}, std::nullopt, MPI_COMM_WORLD);
+          run.step();
+          run.step();
+          planned = ring_reduction_bytes(run.plan(), config, collective_matmul_hardware());
+        }
+        Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+        Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
+        EXPECT_EQ(allocated.live, 0) << "the run did not free its ring buffers";
+        if (n == 1) {
+          EXPECT_EQ(planned.total(), 0);
+          EXPECT_EQ(allocated.peak, 0);
+          continue;
+        }
+        EXPECT_GT(planned.total(), 0);
+        const int64_t slack = overlap ? 2 * 4 * 2 * 16 : 0;  // 2 buffers, fp32, <= 16 ceilings
+        EXPECT_NEAR(static_cast<double>(allocated.peak), static_cast<double>(planned.total()),
+                    static_cast<double>(eval_batch ? 2 * slack : slack))
+            << "planned " << planned.blocking << " blocking + " << planned.started << " started";
       }
-      Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
-      Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
-      EXPECT_EQ(allocated.live, 0) << "the run did not free its ring buffers";
-      if (n == 1) {
-        EXPECT_EQ(planned.total(), 0);
-        EXPECT_EQ(allocated.peak, 0);
-        continue;
-      }
-      EXPECT_GT(planned.total(), 0);
-      const int64_t slack = overlap ? 2 * 4 * 2 * 16 : 0;  // 2 buffers, fp32, <= 16 ceilings
-      EXPECT_NEAR(static_cast<double>(allocated.peak), static_cast<double>(planned.total()),
-                  static_cast<double>(slack))
-          << "planned " << planned.blocking << " blocking + " << planned.started << " started";
     }
   }
 }
