@@ -64,8 +64,9 @@ int train_command(const std::string& config_path, const std::vector<std::string>
   TrainingRun run(*config, printing_events(rank0));
   if (rank0) {
     if (const auto& info = run.resumed_from()) {
-      std::printf("resumed from %s at step %lld (saved on %s)\n", info->path.c_str(),
-                  static_cast<long long>(info->train_state.step), info->mesh.c_str());
+      std::printf("resumed from %s at step %lld (saved on %s)%s%s\n", info->path.c_str(),
+                  static_cast<long long>(info->train_state.step), info->mesh.c_str(),
+                  run.resume_note().empty() ? "" : "; ", run.resume_note().c_str());
     } else if (const auto& from = run.initialized_from()) {
       std::printf("initialized from %s (step %lld, saved on %s): starting from step 0\n",
                   from->path.c_str(), static_cast<long long>(from->train_state.step),

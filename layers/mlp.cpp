@@ -18,22 +18,24 @@ SpecLookup specs_from_plan(const ShardingPlan& plan) {
 }
 
 std::unique_ptr<Mlp> make_model(const ModelSection& model, const SpecLookup& spec_of,
-                                ParallelContext& context, int64_t local_rows) {
+                                ParallelContext& context, int64_t local_rows,
+                                const Mlp* shares_parameters_of) {
   if (model.kind == ModelKind::residual_mlp) {
     return std::make_unique<Mlp>(model.residual(), model.activation, spec_of, context, local_rows,
-                                 model.dropout);
+                                 model.dropout, shares_parameters_of);
   }
   return std::make_unique<Mlp>(model.sizes, model.activation, spec_of, context, local_rows,
-                               model.moe(), model.dropout);
+                               model.moe(), model.dropout, shares_parameters_of);
 }
 
 Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLookup& spec_of,
-         ParallelContext& context, int64_t local_rows, const MoeSettings& moe, double dropout)
+         ParallelContext& context, int64_t local_rows, const MoeSettings& moe, double dropout,
+         const Mlp* shares_parameters_of)
     : sizes_(sizes),
       activation_(activation),
       rows_(local_rows),
       compute_dtype_(context.precision().param) {
-  allocate(mlp_parameter_shapes(sizes, moe), spec_of, context);  // checks sizes
+  allocate(mlp_parameter_shapes(sizes, moe), spec_of, context, shares_parameters_of);
   const size_t n = sizes.size() - 1;
   for (int64_t layer : moe.layers) {
     if (layer < 0 || layer + 1 >= static_cast<int64_t>(n)) {
@@ -81,25 +83,39 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
 }
 
 void Mlp::allocate(const std::vector<ParameterShape>& shapes, const SpecLookup& spec_of,
-                   ParallelContext& context) {
+                   ParallelContext& context, const Mlp* shares) {
   if (rows_ < 1) MESHTRAIN_BAD_INPUT("the local batch must have at least one row, got ", rows_);
   const Mesh& mesh = context.mesh();
-  for (const auto& p : shapes) {
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const ParameterShape& p = shapes[i];
     const PartitionSpec spec = spec_of(p.name);
     spec.check_axes(mesh, p.name);
     check_divisible(p.shape, spec, mesh, p.name);
+    if (shares) {
+      MESHTRAIN_REQUIRE(i < shares->params_.size() && shares->params_[i].name == p.name &&
+                            shares->params_[i].global_shape == p.shape &&
+                            shares->params_[i].spec == spec,
+                        "a model sharing parameters must have the same ones: '", p.name, "'");
+      params_.push_back(shares->params_[i]);  // shallow: the same Views
+      grads_.push_back(shares->grads_[i]);
+      continue;
+    }
     params_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
     grads_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
   }
+  MESHTRAIN_REQUIRE(!shares || shares->params_.size() == shapes.size(),
+                    "a model sharing parameters must have as many");
 }
 
 Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup& spec_of,
-         ParallelContext& context, int64_t local_rows, double dropout)
+         ParallelContext& context, int64_t local_rows, double dropout,
+         const Mlp* shares_parameters_of)
     : sizes_{shape.inputs, shape.outputs},
       activation_(activation),
       rows_(local_rows),
       compute_dtype_(context.precision().param) {
-  allocate(residual_mlp_parameter_shapes(shape), spec_of, context);  // checks the sizes
+  allocate(residual_mlp_parameter_shapes(shape), spec_of, context,
+           shares_parameters_of);  // checks the sizes
   // The MoE blocks below have no dropout layer: the config refuses the two together
   // (model.dropout, framework/train/config_schema.cpp); a model built in code must not ask.
   MESHTRAIN_REQUIRE(!(shape.moe.any() && dropout > 0.0), "Mlp: dropout ", dropout,

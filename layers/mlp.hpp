@@ -84,8 +84,13 @@ struct ModelSection;
 
 class Mlp;
 // The model a run config's [model] section describes, either kind (collective).
+// `shares_parameters_of`: a model of the same [model] and specs whose parameters and gradients
+// this one uses (shallow Views) instead of allocating its own: a forward-only copy for other
+// rows (the evaluation batch) that never holds a second copy of the model, not even while it
+// is built.
 std::unique_ptr<Mlp> make_model(const ModelSection& model, const SpecLookup& spec_of,
-                                ParallelContext& context, int64_t local_rows);
+                                ParallelContext& context, int64_t local_rows,
+                                const Mlp* shares_parameters_of = nullptr);
 
 class Mlp {
  public:
@@ -94,13 +99,14 @@ class Mlp {
   // [0, 1), model.dropout's range, which the config checks (check_config).
   Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLookup& spec_of,
       ParallelContext& context, int64_t local_rows, const MoeSettings& moe = {},
-      double dropout = 0.0);
+      double dropout = 0.0, const Mlp* shares_parameters_of = nullptr);
   // A residual_mlp of `shape` (partition/planner.hpp); `activation` inside the blocks (silu
   // for a gated shape; the experts' too in MoE blocks); `dropout` after each block's
   // activation (or SwiGLU). Throws as the first constructor does; MoE blocks have no dropout
   // (the config refuses dropout beside them).
   Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup& spec_of,
-      ParallelContext& context, int64_t local_rows, double dropout = 0.0);
+      ParallelContext& context, int64_t local_rows, double dropout = 0.0,
+      const Mlp* shares_parameters_of = nullptr);
   Mlp(const Mlp&) = delete;
   Mlp& operator=(const Mlp&) = delete;
 
@@ -185,9 +191,9 @@ class Mlp {
   // backward (nullptr: none; all nullptr without overlap).
   std::vector<Layer*> forward_prefetch_;
   std::vector<Layer*> backward_prefetch_;
-  // Parameters and gradients under their specs; checks rows.
+  // Parameters and gradients under their specs (those of `shares` when given); checks rows.
   void allocate(const std::vector<ParameterShape>& shapes, const SpecLookup& spec_of,
-                ParallelContext& context);
+                ParallelContext& context, const Mlp* shares);
   // After sequence_ is built: prefetch, scratch, buffers, the reduction plan, the buckets.
   void finish(ParallelContext& context);
   Dtype compute_dtype_ = Dtype::fp32;  // context.precision().param

@@ -162,7 +162,8 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     // The rows' axes (the logical batch's, and the expert axes in an MoE model) and the
     // features'.
     layer_axes_ = LayerAxes{options.batch_axes, options.feature_axis};
-    planned_memory_ = meshtrain::planned_memory(config_, *plan_);
+    // With the profile the groups choose their reductions by (below).
+    planned_memory_ = meshtrain::planned_memory(config_, *plan_, collective_matmul_hardware());
     // Every collective from here on goes into the flight recorder ([runtime] flight_records).
     int world_rank = 0;
     check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "MPI_Comm_rank");
@@ -303,10 +304,10 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   }
   if (eval_slice_.rows != slice_.rows) {
     // A forward-only copy of the model for the evaluation batch: it shares the training
-    // model's parameters (and gradients, never written), so only activations are its own.
-    eval_model_ = make_model(config_.model, specs_from_plan(*plan_), *context_, eval_slice_.rows);
-    eval_model_->parameters() = model_->parameters();
-    eval_model_->gradients() = model_->gradients();
+    // model's parameters (and gradients, never written) from its construction on, so only
+    // activations are its own (no second copy of the model, not even while it is built).
+    eval_model_ = make_model(config_.model, specs_from_plan(*plan_), *context_, eval_slice_.rows,
+                             model_.get());
     eval_loss_ = std::make_unique<Loss>(loss_->kind(), *context_, eval_slice_.rows, outputs,
                                         eval_model_->output_layout());
     eval_x_ = Matrix("meshtrain::eval_x", eval_slice_.rows, inputs);
@@ -591,10 +592,14 @@ void TrainingRun::forget_micro_batches() {
   step_loss_overflowed_ = false;
 }
 
+EvalMetric TrainingRun::best_metric_kind() const {
+  return config_.checkpoint.keep_best.value_or(EvalMetric::test_loss);
+}
+
 // Whether `eval` is better than every earlier evaluation by the run's metric
 // (checkpoint.keep_best, else the test loss); counts the evaluations since the best.
 bool TrainingRun::record_evaluation(const EvalEvent& eval) {
-  const EvalMetric metric = config_.checkpoint.keep_best.value_or(EvalMetric::test_loss);
+  const EvalMetric metric = best_metric_kind();
   const double value = metric == EvalMetric::test_loss ? eval.test_loss : eval.test_accuracy;
   const bool improved =
       std::isnan(best_metric_) ||
@@ -644,8 +649,11 @@ void TrainingRun::resume() {
   // The run's statistics are the checkpoint's: never computed again.
   normalization_ = read_checkpoint_normalization(info.path, "checkpoint");
   checkpoint_.normalization = normalization_;
-  best_metric_ = info.train_state.best_metric;
-  evals_since_best_ = info.train_state.evals_since_best;
+  // The saved best only when it measured this run's metric (keep_best may have changed).
+  const ResumedBest best = resumed_best(info.train_state, best_metric_kind());
+  best_metric_ = best.metric;
+  evals_since_best_ = best.evals_since;
+  resume_note_ = best.note;
   stopped_early_ =
       config_.train.early_stopping > 0 && evals_since_best_ >= config_.train.early_stopping;
   resumed_from_ = info;
@@ -878,7 +886,12 @@ StepResult TrainingRun::apply_update() {
   lr_ = static_cast<float>(lr_schedule_.at(steps_done_));
   {
     TraceSpan span("optimizer");
-    checkpointer_->wait_snapshot();  // a save in flight has copied the tensors it writes
+    if (checkpointer_->in_flight()) {
+      // A save in flight has copied the tensors it writes: saving time, not the step's.
+      const double waiting = window_.now();
+      checkpointer_->wait_snapshot();
+      window_.add_saving(window_.now() - waiting);
+    }
     optimizer_->step(updated_parameters(), update_grads, lr_);
     if (zero1_) zero1_->gather(model_->parameters());  // every replica gets every chunk
   }
@@ -955,6 +968,7 @@ std::string TrainingRun::start_save() {
   state.loss_scale_clean_steps = scaler_ ? scaler_->clean_steps() : 0;
   state.best_metric = best_metric_;
   state.evals_since_best = evals_since_best_;
+  state.best_metric_name = to_string(best_metric_kind());
   // The best evaluation so far is this step's: this checkpoint becomes `best`.
   const bool best = config_.checkpoint.keep_best && best_step_ == steps_done_;
   std::string path;
@@ -983,6 +997,7 @@ std::string TrainingRun::save() {
 }
 
 void TrainingRun::report_checkpoint(const std::optional<std::string>& path) {
+  if (path) window_.mark_save();  // its completion is in the window's saving time
   if (path && events_.on_checkpoint) events_.on_checkpoint(in_flight_step_, *path);
 }
 
@@ -991,7 +1006,9 @@ void TrainingRun::log_step(const StepResult& result) {
   window_aux_loss_ += result.aux_loss;
   ++window_steps_;
   if (result.step % config_.train.log_every != 0 && result.step != total_steps_) return;
-  const double elapsed = seconds_since(window_start_) - window_paused_s_;
+  // The steps' own time: evaluation and saving are left out (saving is reported apart).
+  const ProgressWindow::Times times = window_.times();
+  const double elapsed = times.step_s;
   LogEvent event;
   event.step = result.step;
   event.total_steps = total_steps_;
@@ -1008,6 +1025,8 @@ void TrainingRun::log_step(const StepResult& result) {
     event.mfu_percent = 100.0 * event.tflops_per_rank / config_.run.peak_tflops;
   }
   event.eta_s = (total_steps_ - result.step) * elapsed / window_steps_;
+  event.step_s = elapsed / window_steps_;
+  if (times.saved) event.save_s = times.save_s;
   if (scaler_) {
     event.loss_scale = scaler_->scale();
     event.skipped_steps = skipped_steps_;
@@ -1021,8 +1040,7 @@ void TrainingRun::log_step(const StepResult& result) {
   data_wait_s_ += waited;
   metrics_->log(event);
   if (events_.on_log) events_.on_log(event);
-  window_start_ = Clock::now();
-  window_paused_s_ = 0.0;
+  window_.start();
   window_loss_ = 0.0;
   window_aux_loss_ = 0.0;
   window_steps_ = 0;
@@ -1152,12 +1170,12 @@ MemoryEvent TrainingRun::measure_memory(const std::string& when) {
 }
 
 void TrainingRun::report_memory(const std::string& when, RunSummary* summary) {
-  const auto begin = Clock::now();
+  const double begin = window_.now();
   MemoryEvent event = measure_memory(when);
   metrics_->memory(event);
   if (events_.on_memory) events_.on_memory(event);
   if (summary) summary->memory = std::move(event);
-  window_paused_s_ += seconds_since(begin);  // not training time
+  window_.add_paused(window_.now() - begin);  // not training time
 }
 
 // train()'s loop: each step, then its log, evaluation and checkpoint events.
@@ -1167,7 +1185,7 @@ void TrainingRun::train_steps(RunSummary& summary) {
     const StepResult result = step();
     log_step(result);
     if (steps_done_ == first_step + 1) report_memory("first_step", nullptr);
-    const auto after_step = Clock::now();  // evaluation and saving are not training time
+    const double after_step = window_.now();  // evaluation and saving are not training time
     const int64_t done = result.step;
     const int64_t eval_every = config_.train.eval_interval(schedule_->steps_per_epoch());
     const bool eval_now = eval_every > 0 && done % eval_every == 0;
@@ -1184,15 +1202,18 @@ void TrainingRun::train_steps(RunSummary& summary) {
     const bool save_now =
         (config_.checkpoint.every_steps > 0 && done % config_.checkpoint.every_steps == 0) ||
         (improved && config_.checkpoint.keep_best) || stopped_early_;
+    const double before_save = window_.now();
+    window_.add_paused(before_save - after_step);
     if (save_now || done == total_steps_) {
       start_save();
+      window_.mark_save();
     } else if (checkpointer_->in_flight()) {
       // Not wrapped in an agreement: poll() reads an MPI_Iallreduce started at the previous
       // poll (so it waits for no slower rank), and the completion it may run agrees on its
       // own outcome, the same on every rank.
       report_checkpoint(checkpointer_->poll());
     }
-    window_paused_s_ += seconds_since(after_step);
+    window_.add_saving(window_.now() - before_save);
   }
 }
 
@@ -1209,8 +1230,7 @@ RunSummary TrainingRun::train() {
   RunSummary summary;
   const int64_t first_step = steps_done_;
   const auto start = Clock::now();
-  window_start_ = start;
-  window_paused_s_ = 0.0;
+  window_.start();
   window_loss_ = 0.0;
   window_aux_loss_ = 0.0;
   window_steps_ = 0;

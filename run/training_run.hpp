@@ -56,6 +56,7 @@
 #include "layers/mlp.hpp"
 #include "partition/linear_layout.hpp"  // LayerAxes
 #include "partition/planner.hpp"
+#include "run/progress_window.hpp"
 
 namespace meshtrain {
 
@@ -193,6 +194,10 @@ class TrainingRun {
   int64_t best_step() const { return best_step_; }
   // The checkpoint this run resumed from (nullopt for a fresh start).
   const std::optional<CheckpointInfo>& resumed_from() const { return resumed_from_; }
+  // What the resume did not carry over, for the resume line ("" when everything was): the
+  // checkpoint's best evaluation measured another metric than this run's keep_best, or an
+  // unrecorded one, so the best starts afresh (framework/train/resume.hpp resumed_best).
+  const std::string& resume_note() const { return resume_note_; }
   // The statistics every batch (training and evaluation) is standardized with, and that every
   // checkpoint stores (framework/io/normalization.hpp): an empty side is not normalized. The
   // same bits on every rank, mesh and world size.
@@ -208,6 +213,10 @@ class TrainingRun {
   // for a model that does not match (naming the parameter and both shapes) and for
   // statistics that do not match data.normalize_inputs / normalize_targets (naming the key).
   CheckpointInfo load_model(const std::string& path);
+  // The clock train() times its progress windows on (the steps' time, which samples/s and
+  // TFLOP/s are computed from, and the time spent saving; LogEvent): steady_clock unless a
+  // program (a test) gives its own, in seconds.
+  void set_clock(SecondsClock clock) { window_ = ProgressWindow(std::move(clock)); }
   // What set-up found worth a warning but not an error (on rank 0 only; e.g. a resumed run
   // whose learning-rate schedule was stretched to another length).
   const std::vector<std::string>& warnings() const { return warnings_; }
@@ -248,6 +257,7 @@ class TrainingRun {
   void check_fp16_overflow(bool loss_overflowed);
   void forget_micro_batches();  // the step under way starts over
   bool record_evaluation(const EvalEvent& eval);
+  EvalMetric best_metric_kind() const;  // checkpoint.keep_best, else test_loss
   void throw_agreed_data_error();
   void agree_on_data_shape();
   void report_checkpoint(const std::optional<std::string>& path);
@@ -338,6 +348,7 @@ class TrainingRun {
   std::unique_ptr<Checkpointer> checkpointer_;  // the writer (a thread when async)
   int64_t in_flight_step_ = 0;                  // the step of the last checkpoint started
   std::optional<CheckpointInfo> resumed_from_;
+  std::string resume_note_;
   std::optional<CheckpointInfo> initialized_from_;
   Normalization normalization_;  // applied by the streams, saved in checkpoint_
   std::vector<std::string> warnings_;
@@ -348,8 +359,7 @@ class TrainingRun {
 
   // train(): metrics.jsonl and the loss window since the last log event.
   std::unique_ptr<MetricsLog> metrics_;
-  std::chrono::steady_clock::time_point window_start_;
-  double window_paused_s_ = 0.0;  // evaluation and saving inside the window
+  ProgressWindow window_;  // the steps', evaluation's and saving's time since the last log
   double window_loss_ = 0.0;
   double window_aux_loss_ = 0.0;
   int64_t window_steps_ = 0;

@@ -84,3 +84,6 @@ resume_test(best_abort_np1 best --np 1 --best-mode abort
 foreach(np 1 2)
   resume_test(best_pointer_np${np} best_pointer --np ${np} ${_best_data})
 endforeach()
+# 10. checkpoint.keep_best changed across a resume (issue 36, item 6): the checkpoint names the
+#     metric of its best, and the resume line says the best starts afresh.
+resume_test(best_metric best_metric --preset dp)

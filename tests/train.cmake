@@ -18,6 +18,16 @@ meshtrain_add_test(NAME train_trace_test SOURCES train/trace_test.cpp LIBS mesht
 # takes the ring only from 64 KiB, larger than these models' gradients).
 meshtrain_add_test_variant(NAME train_training_run_test VARIANT ring
                            ENVIRONMENT MESHTRAIN_TEST_REDUCTIONS=ring)
+# The best evaluation across a resume (issue 36, item 6): the checkpoint names the metric of
+# its best (an HDF5 attribute); a resume under another checkpoint.keep_best, or from a checkpoint
+# that does not name it, starts the best afresh and says so; the same keep_best carries it over.
+meshtrain_add_test(NAME train_best_metric_test SOURCES train/best_metric_test.cpp
+                   LIBS meshtrain_run meshtrain::hdf5 NP 1 2 4 TIMEOUT 90)
+# The progress line's time (issue 36, item 16): samples/s from the steps' time alone, the time
+# spent saving (a synchronous save, the wait for an asynchronous save's snapshot) reported
+# apart, evaluation in neither; on a clock the test moves, not on speeds.
+meshtrain_add_test(NAME train_progress_window_test SOURCES train/progress_window_test.cpp
+                   LIBS meshtrain_checkpoint_faults meshtrain_run NP 1 2 4 TIMEOUT 90)
 # Normalization kept with the model and checkpoint.init_from (issue 26, items 4 and 5): the
 # statistics against a float64 reference and bit for bit on dp, fsdp, tp and fsdp x tp; the
 # model sees (x - mean) / std; the statistics survive save and resume; init_from onto another
@@ -291,15 +301,29 @@ endforeach()
 # --- A picture of a run (issue 12): 20 steps of configs/fashion_mnist_cosine.toml (cosine
 # schedule with warm-up, 2 accumulated micro-batches, evaluation batch 1000) on np 2, then
 # scripts/plot draws its metrics.jsonl into a PNG (skipped, exit 77, when
-# python3 has no matplotlib). -------------------------------------------------------------
+# python3 has no matplotlib); the figure holds the losses on a log scale and the test
+# accuracy. The same for a regression run (synthetic targets of 4 outputs, issue 36 item 20):
+# per-output R^2 and no accuracy axis. --------------------------------------------------------
 _train_mpirun(_plot_mpirun 2)
 meshtrain_add_command_test(NAME train_plot_np2 TIMEOUT 120
-  COMMAND sh ${_train}/plot_run.sh ${PROJECT_SOURCE_DIR} ${_train_runs}/plot_np2 -- ${_plot_mpirun}
+  COMMAND sh ${_train}/plot_run.sh ${PROJECT_SOURCE_DIR} ${_train_runs}/plot_np2 classification
+          -- ${_plot_mpirun}
           ${_train_configs}/fashion_mnist_cosine.toml ${_train_small} --set train.log_every=1
           --set train.eval_every=5 --set optimizer.warmup_steps=5
           --set run.output_dir=${_train_runs}/plot_np2)
 set_tests_properties(train_plot_np2 PROPERTIES SKIP_RETURN_CODE 77)
 _train_slots(train_plot_np2 2)
+meshtrain_add_command_test(NAME train_plot_regression_np2 TIMEOUT 120
+  COMMAND sh ${_train}/plot_run.sh ${PROJECT_SOURCE_DIR} ${_train_runs}/plot_regression_np2
+          regression -- ${_plot_mpirun}
+          ${_train_configs}/fashion_mnist_cosine.toml ${_train_small}
+          --set "model.sizes=[784, 64, 4]" --set data.source=synthetic
+          --set data.synthetic_samples=2048 --set data.eval_batch_size=128 --set model.loss=mse
+          --set train.log_every=1
+          --set train.eval_every=5 --set optimizer.warmup_steps=5
+          --set run.output_dir=${_train_runs}/plot_regression_np2)
+set_tests_properties(train_plot_regression_np2 PROPERTIES SKIP_RETURN_CODE 77)
+_train_slots(train_plot_regression_np2 2)
 # ZeRO-1 (optimizer.zero_stage = 1) against plain DP and a one-rank run, uneven chunks,
 # checkpoints across zero stages, and the plan's optimizer bytes.
 meshtrain_add_test(NAME train_zero1_test SOURCES train/zero1_test.cpp

@@ -109,9 +109,9 @@ ReductionChoice choice_from_link(const LinkProfile& link) {
   return c;
 }
 
-ReductionChoice choose_reductions(ReductionAlgorithm requested, Communicator& comm,
-                                  const std::vector<std::string>& axes,
-                                  const HardwareProfile& hardware) {
+std::optional<ReductionChoice> planned_reduction_choice(ReductionAlgorithm requested,
+                                                        const std::vector<std::string>& axes,
+                                                        const HardwareProfile& hardware) {
   switch (requested) {
     case ReductionAlgorithm::mpi:
       return ReductionChoice::library();
@@ -130,6 +130,13 @@ ReductionChoice choose_reductions(ReductionAlgorithm requested, Communicator& co
     case ReductionAlgorithm::measure:
       break;
   }
+  return std::nullopt;
+}
+
+ReductionChoice choose_reductions(ReductionAlgorithm requested, Communicator& comm,
+                                  const std::vector<std::string>& axes,
+                                  const HardwareProfile& hardware) {
+  if (auto planned = planned_reduction_choice(requested, axes, hardware)) return *planned;
   if (comm.size() < 2) return ReductionChoice::library();  // nothing moves
   const ReductionChoice measured = choice_from_timings(time_reductions(comm, startup_sizes(), 2));
   // Rank 0's decision on every rank: the sizes are powers of two (exact in a float), -1 is

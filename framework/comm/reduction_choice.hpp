@@ -11,6 +11,7 @@
 // choose differently. NCCL communicators ignore the choice. docs/communication.md.
 
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,15 @@ ReductionChoice choice_from_link(const LinkProfile& link);
 
 // Bytes per rank from which "auto" uses the ring when the hardware file did not measure it.
 constexpr std::size_t kDefaultRingFrom = std::size_t{64} << 10;
+
+// The choice `requested` gives a group over `axes` without timing anything (see the header
+// comment): "mpi", "ring", and "auto" by `hardware`; nullopt for "measure", which is known only
+// once the group has timed both. The one resolution of [runtime] reductions: choose_reductions
+// uses it for the run's groups, and `meshtrain plan` (framework/train/plan_report.hpp) for the
+// ring's buffers it counts, with the same hardware profile.
+std::optional<ReductionChoice> planned_reduction_choice(ReductionAlgorithm requested,
+                                                        const std::vector<std::string>& axes,
+                                                        const HardwareProfile& hardware);
 
 // The choice for `comm` (the group over `axes`) under `requested`; collective over the group
 // for measure (see the header comment).

@@ -81,6 +81,10 @@ struct TrainState {
   // loss; NaN before the first) and the evaluations since it (train.early_stopping).
   double best_metric = std::numeric_limits<double>::quiet_NaN();
   int64_t evals_since_best = 0;
+  // What best_metric measures ("test_loss", "test_accuracy": to_string(EvalMetric)), so that a
+  // resume under another checkpoint.keep_best does not compare an accuracy as a loss; empty in
+  // checkpoints saved before it was recorded.
+  std::string best_metric_name;
   bool operator==(const TrainState& o) const {
     const bool same_best =
         best_metric == o.best_metric || (std::isnan(best_metric) && std::isnan(o.best_metric));
@@ -88,7 +92,7 @@ struct TrainState {
            seed == o.seed && rng_offset == o.rng_offset && optimizer_step == o.optimizer_step &&
            data_order == o.data_order && loss_scale == o.loss_scale &&
            loss_scale_clean_steps == o.loss_scale_clean_steps && same_best &&
-           evals_since_best == o.evals_since_best;
+           evals_since_best == o.evals_since_best && best_metric_name == o.best_metric_name;
   }
 };
 

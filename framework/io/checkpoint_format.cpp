@@ -3,8 +3,8 @@
 #include <filesystem>
 #include <set>
 
-#include "framework/core/version.hpp"
 #include "base/error.hpp"
+#include "framework/core/version.hpp"
 #include "partition/planner.hpp"
 
 namespace meshtrain::checkpoint_format {
@@ -137,6 +137,7 @@ void write_metadata(hid_t file, const CheckpointContents& c) {
   hdf5::write_attribute(group, "loss_scale_clean_steps", state.loss_scale_clean_steps);
   hdf5::write_attribute(group, "best_metric", state.best_metric);
   hdf5::write_attribute(group, "evals_since_best", state.evals_since_best);
+  hdf5::write_attribute(group, "best_metric_name", state.best_metric_name);
   group.close("cannot close group '/train_state'");
 }
 
@@ -189,6 +190,9 @@ CheckpointInfo read_metadata(hid_t file, const std::string& path) {
   if (hdf5::has_attribute(group, "best_metric", bad, gwhere)) {
     s.best_metric = hdf5::read_double_attribute(group, "best_metric", bad, gwhere);
     s.evals_since_best = hdf5::read_int_attribute(group, "evals_since_best", bad, gwhere);
+  }
+  if (hdf5::has_attribute(group, "best_metric_name", bad, gwhere)) {
+    s.best_metric_name = hdf5::read_string_attribute(group, "best_metric_name", bad, gwhere);
   }
   return info;
 }

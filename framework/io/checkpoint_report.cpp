@@ -1,6 +1,7 @@
 #include "framework/io/checkpoint_report.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 
 #include "framework/io/checkpoint.hpp"
@@ -21,6 +22,11 @@ int print_checkpoint(const std::string& path, bool verify, std::ostream& out) {
       << " seed=" << s.seed << " rng_offset=" << s.rng_offset
       << " optimizer_step=" << s.optimizer_step << "\n";
   out << "data order: " << (s.data_order.empty() ? "not recorded" : s.data_order) << "\n";
+  if (!std::isnan(s.best_metric) || s.evals_since_best > 0) {
+    out << "best evaluation: "
+        << (s.best_metric_name.empty() ? "(metric not recorded)" : s.best_metric_name) << " "
+        << s.best_metric << " (" << s.evals_since_best << " evaluations since)\n";
+  }
   if (s.loss_scale > 0) {
     out << "loss scale: " << s.loss_scale << " (" << s.loss_scale_clean_steps
         << " clean steps since it last changed)\n";

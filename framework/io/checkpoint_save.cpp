@@ -237,6 +237,7 @@ void mark_staged(SaveJob& job) {
 void run_writer(SaveJob& job) {
   const TraceLaneScope lane("checkpoint writer");
   try {
+    fault_point("before_snapshot");
     {
       const TraceSpan span("checkpoint snapshot");
       for (const SaveJob::Block& block : job.blocks) {
@@ -532,6 +533,7 @@ std::string Checkpointer::save(const CheckpointContents& contents, const std::st
 
 void Checkpointer::wait_snapshot() {
   if (!job_) return;
+  fault_point("snapshot_wait");
   std::unique_lock<std::mutex> lock(job_->mutex);
   job_->staged_cv.wait(lock, [&] { return job_->staged; });
 }

@@ -9,9 +9,11 @@
 // variable is read.
 //
 // Points, with `count`: "prepare" (0; main thread, before the file is created),
-// "snapshot" (0; writer, after the tensors are staged), "after_dataset" (datasets this rank
-// has written so far; writer), "before_close" (0; writer, before fsync), "before_rename",
-// "before_latest", "before_cleanup" (0; rank 0, main thread, while completing the save).
+// "before_snapshot" (0; writer, before the tensors are staged), "snapshot" (0; writer, after
+// the tensors are staged), "after_dataset" (datasets this rank has written so far; writer),
+// "before_close" (0; writer, before fsync), "before_rename", "before_latest",
+// "before_cleanup" (0; rank 0, main thread, while completing the save), "snapshot_wait" (0;
+// main thread, in wait_snapshot() with a save in flight, before it waits).
 
 #include <cstdint>
 

@@ -49,7 +49,9 @@ void MetricsLog::log(const LogEvent& e) {
                       {"lr", e.lr},
                       {"samples_per_s", e.samples_per_s},
                       {"tflops_per_rank", e.tflops_per_rank},
-                      {"data_wait_s", e.data_wait_s}};
+                      {"data_wait_s", e.data_wait_s},
+                      {"step_s", e.step_s}};
+  if (!std::isnan(e.save_s)) j["save_s"] = e.save_s;
   if (!std::isnan(e.mfu_percent)) j["mfu_percent"] = e.mfu_percent;
   if (!std::isnan(e.loss_scale)) {
     j["loss_scale"] = e.loss_scale;
@@ -180,13 +182,15 @@ std::string format_log_line(const LogEvent& e) {
   }
   char aux[48] = "";
   if (!std::isnan(e.aux_loss)) std::snprintf(aux, sizeof aux, " (aux %.5f)", e.aux_loss);
-  char line[360];
+  char save[48] = "";
+  if (!std::isnan(e.save_s)) std::snprintf(save, sizeof save, "  save %.1f ms", 1e3 * e.save_s);
+  char line[400];
   std::snprintf(line, sizeof line,
                 "step %6lld/%lld  epoch %3lld  loss %.5f%s  lr %.3e  %9.1f samples/s  %.4f "
-                "TFLOP/s%s  data wait %.1f ms%s  ETA %s",
+                "TFLOP/s%s  data wait %.1f ms%s%s  ETA %s",
                 static_cast<long long>(e.step), static_cast<long long>(e.total_steps),
                 static_cast<long long>(e.epoch), e.loss, aux, e.lr, e.samples_per_s,
-                e.tflops_per_rank, mfu, 1e3 * e.data_wait_s, scale,
+                e.tflops_per_rank, mfu, 1e3 * e.data_wait_s, save, scale,
                 format_duration(e.eta_s).c_str());
   return line;
 }

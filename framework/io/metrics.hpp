@@ -35,6 +35,13 @@ struct LogEvent {
   // MoE models: the mean load-balancing loss (times its coefficient; part of `loss`) since
   // the last log; NaN (not written) without MoE layers.
   double aux_loss = std::nan("");
+  // Mean seconds of a step of the window: the window's time less evaluation and saving (what
+  // samples_per_s, tflops_per_rank and the ETA are computed from).
+  double step_s = 0.0;
+  // Seconds of the window spent saving checkpoints (starting and completing saves, a step's
+  // wait for an asynchronous save's snapshot); NaN (not written, not shown) when no save was
+  // started or completed in the window.
+  double save_s = std::nan("");
 };
 
 // One evaluation over the test split (or `meshtrain evaluate`'s data). The metrics are
@@ -120,8 +127,9 @@ class MetricsLog {
 };
 
 // "step    100/4680  epoch   0  loss 0.53138  lr 1.000e-03     7714.8 samples/s  0.012 TFLOP/s
-//  (MFU 3.1%)  data wait 0.0 ms  ETA 1m02s" (no MFU when the peak is unknown; the data wait
-//  is per step)
+//  (MFU 3.1%)  data wait 0.0 ms  save 412.0 ms  ETA 1m02s" (no MFU when the peak is unknown;
+//  the data wait is per step; the save, the window's saving time, only when a save was started
+//  or completed in it)
 std::string format_log_line(const LogEvent& event);
 // The one-line JSON object of an eval event, as metrics.jsonl and `meshtrain evaluate --json`
 // write it: "event": "eval", step, test_loss, test_rows, and the metrics that apply (per

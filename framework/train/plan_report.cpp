@@ -381,42 +381,107 @@ const std::vector<int>& scaling_ranks() {
   return ranks;
 }
 
-RingReductionBytes ring_reduction_bytes(const ShardingPlan& plan, const RunConfig& config) {
+namespace {
+
+// Whether the run's groups are MPI communicators, whose reductions follow [runtime] reductions
+// (NCCL's ignore it).
+bool mpi_reductions(const RuntimeSection& runtime) {
+  return runtime.backend == CommBackendChoice::mpi ||
+         (runtime.backend == CommBackendChoice::automatic && !build_supports_nccl());
+}
+
+// The choice the run's group over `axes` makes (reduction_choice.hpp, the one resolution);
+// "measure", decided by timing at run time, counted as the ring everywhere (an upper bound).
+ReductionChoice group_choice(const RunConfig& config, const std::vector<std::string>& axes,
+                             const HardwareProfile& hardware) {
+  return planned_reduction_choice(config.runtime.reductions, axes, hardware)
+      .value_or(ReductionChoice::ring());
+}
+
+bool is_reduction(const LayerCollective& c) {
+  return c.ranks >= 2 &&
+         (c.kind == CollectiveKind::reduce_scatter || c.kind == CollectiveKind::all_reduce);
+}
+
+// Every collective of the plan's layers and norms, in order.
+template <class Fn>
+void for_each_collective(const ShardingPlan& plan, Fn&& fn) {
+  for (const LayerPlan& l : plan.layers) {
+    for (const LayerCollective& c : l.collectives) fn(c);
+  }
+  for (const NormPlan& n : plan.norms) {
+    for (const LayerCollective& c : n.collectives) fn(c);
+  }
+}
+
+}  // namespace
+
+std::vector<GroupReduction> planned_reductions(const ShardingPlan& plan, const RunConfig& config,
+                                               const HardwareProfile& hardware) {
+  std::vector<GroupReduction> groups;
+  if (!mpi_reductions(config.runtime)) return groups;
+  std::map<std::vector<std::string>, bool> seen;
+  for_each_collective(plan, [&](const LayerCollective& c) {
+    if (!is_reduction(c)) return;
+    std::vector<std::string> key = c.axes;
+    std::sort(key.begin(), key.end());
+    if (seen[key]) return;
+    seen[key] = true;
+    groups.push_back({c.axes, c.ranks, group_choice(config, c.axes, hardware)});
+  });
+  return groups;
+}
+
+RingReductionBytes ring_reduction_bytes(const ShardingPlan& plan, const RunConfig& config,
+                                        const HardwareProfile& hardware) {
   RingReductionBytes bytes;
   const RuntimeSection& runtime = config.runtime;
-  const bool nccl = runtime.backend == CommBackendChoice::nccl ||
-                    (runtime.backend == CommBackendChoice::automatic && build_supports_nccl());
-  if (nccl || runtime.reductions == ReductionAlgorithm::mpi) return bytes;
-  const int64_t ring_from = runtime.reductions == ReductionAlgorithm::automatic
-                                ? static_cast<int64_t>(kDefaultRingFrom)
-                                : 0;
+  if (!mpi_reductions(runtime)) return bytes;
   // DP buckets: overlap with the gradients reduced in backward (not ZeRO-1, not accumulated).
   const bool buckets =
       runtime.overlap && config.optimizer.zero_stage != 1 && config.train.accumulation_steps == 1;
   std::map<std::vector<std::string>, int64_t> largest;  // per group: its largest buffers
-  auto count = [&](const LayerCollective& c) {
-    if (c.ranks < 2) return;
-    if (c.kind != CollectiveKind::reduce_scatter && c.kind != CollectiveKind::all_reduce) return;
+  // `evaluation`: a collective of the evaluation model (below), which reserves only its layers'
+  // blocking reductions at its rows (the gradients' are the training model's sizes).
+  const auto count = [&](const LayerCollective& c, bool evaluation) {
+    if (!is_reduction(c)) return;
     int64_t elements = 1;
     for (int64_t d : c.shape) elements *= d;
-    if (elements * c.element_bytes < ring_from) return;
+    const std::size_t message = static_cast<std::size_t>(elements * c.element_bytes);
+    const ReductionChoice choice = group_choice(config, c.axes, hardware);
     const int64_t block = (elements + c.ranks - 1) / c.ranks * c.element_bytes;
     const int64_t buffers = c.ranks == 2 ? 1 : 2;
     const bool gradient = c.operand == "weight gradient" || c.operand == "bias gradient";
+    if (evaluation && gradient) return;
     if (buckets && gradient && c.kind == CollectiveKind::all_reduce) {
-      bytes.started += block * buffers;
+      // A started all-reduce keeps its own partial sums when it runs on the ring.
+      if (message >= choice.all_reduce_ring_from) bytes.started += block * buffers;
       return;
     }
+    // A blocking reduction reserves the ring's buffers when either kind would take the ring at
+    // its size (MpiCommunicator::raw_reserve_reductions).
+    if (message < std::min(choice.reduce_scatter_ring_from, choice.all_reduce_ring_from)) return;
     std::vector<std::string> group = c.axes;
     std::sort(group.begin(), group.end());
     int64_t& most = largest[group];
     most = std::max(most, block * buffers);
   };
-  for (const LayerPlan& l : plan.layers) {
-    for (const LayerCollective& c : l.collectives) count(c);
-  }
-  for (const NormPlan& n : plan.norms) {
-    for (const LayerCollective& c : n.collectives) count(c);
+  for_each_collective(plan, [&](const LayerCollective& c) { count(c, false); });
+  // A separate evaluation model (data.eval_batch_size of other rows per rank) reserves its
+  // layers' reductions at its rows on the same communicators, and under overlap builds DP
+  // gradient buckets of its own, each with its started ring, though it never runs backward.
+  const int64_t eval_rows = evaluation_rows(config, plan);
+  if (eval_rows > 0 && eval_rows != plan.local_batch_rows) {
+    PlanOptions options = plan_options(config);
+    options.global_batch = eval_rows * (config.data.batch_size / plan.local_batch_rows);
+    options.eval_global_batch = 0;
+    // With norms when `plan` has them (a run's own plan is made without).
+    const ShardingPlan evaluation = make_plan(
+        model_parameter_shapes(config.model), plan.mesh, partition_rules(config), options,
+        model_linear_layers(config.model),
+        plan.norms.empty() ? std::vector<NormLayerParameters>{} : model_norm_layers(config.model));
+    for_each_collective(evaluation, [&](const LayerCollective& c) { count(c, true); });
+    bytes.started *= 2;
   }
   for (const auto& [group, most] : largest) bytes.blocking += most;
   return bytes;
@@ -664,7 +729,9 @@ PlannedStep plan_step(const RunConfig& config, int world_size, const HardwarePro
   std::vector<LinearLayerParameters> layers = model_linear_layers(config.model);
   ShardingPlan plan =
       make_plan(shapes, mesh, rules, options, layers, model_norm_layers(config.model));
-  PlannedMemory memory = planned_memory(config, plan);
+  PlannedMemory memory = planned_memory(config, plan, hw);
+  // The plan's table shows the memory model's evaluation buffers.
+  plan.totals.evaluation_bytes = memory.totals.evaluation_bytes;
   const DataFootprint& data = memory.data;
   std::optional<StepCost> cost;
   if (plan.local_batch_rows > 0) {
@@ -677,9 +744,15 @@ PlannedStep plan_step(const RunConfig& config, int world_size, const HardwarePro
 
 }  // namespace
 
-TrainingWorkspace training_workspace(const RunConfig& config, const ShardingPlan& plan) {
+namespace {
+
+// The workspace of a model built for `rows` rows per rank (the training model, or the
+// evaluation's forward-only copy), with each communicator's largest scratch in floats by its axes
+// in `comm_scratch` (merged by maximum over models sharing the communicators).
+TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan& plan,
+                                     int64_t rows,
+                                     std::map<std::vector<std::string>, int64_t>& comm_scratch) {
   TrainingWorkspace w;
-  const int64_t rows = plan.local_batch_rows;
   if (rows <= 0 || plan.layers.empty()) return w;
   constexpr int64_t kFloat = sizeof(float);
   const MixedPrecision precision = config.mixed_precision.policy();
@@ -689,7 +762,6 @@ TrainingWorkspace training_workspace(const RunConfig& config, const ShardingPlan
   // The shared scratch's needs in floats (LayerScratchNeeds, merged by maximum over the layers)
   // and each communicator's largest scratch, by its axes.
   int64_t weight = 0, prefetch = 0, grad = 0, stage = 0, bias = 0, matmul_bytes = 0;
-  std::map<std::vector<std::string>, int64_t> comm_scratch;
   const auto reserve = [&](const std::vector<std::string>& axes, int64_t floats) {
     int64_t& most = comm_scratch[axes];
     most = std::max(most, floats);
@@ -762,7 +834,12 @@ TrainingWorkspace training_workspace(const RunConfig& config, const ShardingPlan
   for (const NormPlan& norm : norms) {
     const NormLayout& l = norm.layout;
     activation_floats += rows * (1 + 2 + 3) + 2 * rows * l.local_width;
+    // Full-width gradients ([scale | bias], when not direct) and each gathered parameter's own
+    // buffer (layers/norm.cpp, layers/sharded_parameter.cpp: full_width_sum).
     if (!l.direct) activation_floats += static_cast<int64_t>(l.params.size()) * l.width;
+    for (const NormParameterLayout& p : l.params) {
+      if (!p.gather.empty()) activation_floats += p.gathered;
+    }
   }
   if (residual) {
     const int64_t width = plan.layers.front().layout.out_local;
@@ -788,14 +865,70 @@ TrainingWorkspace training_workspace(const RunConfig& config, const ShardingPlan
   w.gathered_weight_bytes = (weight + prefetch + grad + stage + bias) * kFloat;
   // CollectiveMatmulWorkspace::reserve rounds up to whole floats.
   w.collective_matmul_bytes = (matmul_bytes + kFloat - 1) / kFloat * kFloat;
-  for (const auto& [axes, floats] : comm_scratch) w.comm_scratch_bytes += floats * kFloat;
   return w;
 }
 
-PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan) {
+int64_t scratch_bytes(const std::map<std::vector<std::string>, int64_t>& comm_scratch) {
+  int64_t bytes = 0;
+  for (const auto& [axes, floats] : comm_scratch)
+    bytes += floats * static_cast<int64_t>(sizeof(float));
+  return bytes;
+}
+
+}  // namespace
+
+int64_t evaluation_rows(const RunConfig& config, const ShardingPlan& plan) {
+  if (plan.local_batch_rows <= 0) return 0;
+  const int64_t eval_batch = config.data.eval_batch_size.value_or(config.data.batch_size);
+  const int64_t shards = config.data.batch_size / plan.local_batch_rows;
+  return shards > 0 && eval_batch % shards == 0 ? eval_batch / shards : 0;
+}
+
+TrainingWorkspace training_workspace(const RunConfig& config, const ShardingPlan& plan) {
+  std::map<std::vector<std::string>, int64_t> comm_scratch;
+  TrainingWorkspace w = workspace_for_rows(config, plan, plan.local_batch_rows, comm_scratch);
+  // A separate evaluation model shares the communicators, whose scratch grows to its rows when
+  // they are more.
+  const int64_t eval_rows = evaluation_rows(config, plan);
+  if (eval_rows > 0 && eval_rows != plan.local_batch_rows) {
+    std::map<std::vector<std::string>, int64_t> eval_scratch;
+    workspace_for_rows(config, plan, eval_rows, eval_scratch);
+    for (const auto& [axes, floats] : eval_scratch) {
+      int64_t& most = comm_scratch[axes];
+      most = std::max(most, floats);
+    }
+  }
+  w.comm_scratch_bytes = scratch_bytes(comm_scratch);
+  return w;
+}
+
+EvaluationBuffers evaluation_buffers(const RunConfig& config, const ShardingPlan& plan) {
+  EvaluationBuffers e;
+  const int64_t rows = evaluation_rows(config, plan);
+  // The run builds a forward-only model for the evaluation batch only when its rows per rank
+  // differ from the training batch's (run/training_run.cpp); it allocates what the training
+  // model does at its rows.
+  if (rows <= 0 || rows == plan.local_batch_rows) return e;
+  std::map<std::vector<std::string>, int64_t> ignored;
+  const TrainingWorkspace eval = workspace_for_rows(config, plan, rows, ignored);
+  e.activation_bytes = eval.activation_bytes;
+  e.batch_bytes = eval.batch_bytes;
+  // Each model has a LayerScratch of its own: gathered weights and collective matmul workspace.
+  e.gathered_weight_bytes = eval.gathered_weight_bytes;
+  e.collective_matmul_bytes = eval.collective_matmul_bytes;
+  return e;
+}
+
+PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan,
+                             const HardwareProfile& hardware) {
   PlannedMemory memory;
   memory.totals = plan.totals;
   memory.workspace = training_workspace(config, plan);
+  // The evaluation model's buffers as the memory model counts them (the planner's estimate,
+  // its inputs and each layer's output, misses a residual model's norms and sums and every
+  // layer's backward buffers, which the forward-only copy allocates too).
+  memory.evaluation = evaluation_buffers(config, plan);
+  memory.totals.evaluation_bytes = memory.evaluation.total_bytes();
   // A checkpoint that stages (asynchronous, or from device memory) copies the blocks a rank
   // writes: the blocks of its parameters and optimizer state it owns (owns_block: one replica
   // of each block writes it; under dp rank 0 alone). ZeRO-1's optimizer chunks are every
@@ -816,15 +949,12 @@ PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan) 
     }
   }
   // This rank's rows of a batch and of an evaluation batch (the plan's batch shards).
-  const int64_t eval_batch = config.data.eval_batch_size.value_or(config.data.batch_size);
-  const int64_t shards =
-      plan.local_batch_rows > 0 ? config.data.batch_size / plan.local_batch_rows : 0;
-  const int64_t eval_rows = shards > 0 && eval_batch % shards == 0 ? eval_batch / shards : 0;
+  const int64_t eval_rows = evaluation_rows(config, plan);
   const DataUse use{config.model.input_width(), config.model.output_width(),
                     config.model.loss == LossKind::cross_entropy, config.train.accumulation_steps};
   memory.data =
       data_footprint(config.data, use, std::max<int64_t>(plan.local_batch_rows, 0), eval_rows);
-  memory.ring = ring_reduction_bytes(plan, config);
+  memory.ring = ring_reduction_bytes(plan, config, hardware);
   return memory;
 }
 
@@ -857,8 +987,26 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
       scaling.push_back(std::move(row));
     }
   }
+  const std::vector<GroupReduction> reductions = planned_reductions(plan, config, hw);
+  const char* algorithm_name = to_string(config.runtime.reductions);
+  const bool measured = config.runtime.reductions == ReductionAlgorithm::measure;
   if (json) {
     auto doc = plan_to_json(plan, rules, options, config.file);
+    nlohmann::ordered_json groups = nlohmann::ordered_json::array();
+    for (const GroupReduction& g : reductions) {
+      const auto from = [&](std::size_t bytes) -> nlohmann::ordered_json {
+        if (measured) return nullptr;
+        if (bytes == ReductionChoice::kNever) return "never";
+        return static_cast<int64_t>(bytes);
+      };
+      groups.push_back(
+          {{"axes", g.axes},
+           {"ranks", g.ranks},
+           {"choice", measured ? std::string("measured at start") : describe(g.choice)},
+           {"reduce_scatter_ring_from", from(g.choice.reduce_scatter_ring_from)},
+           {"all_reduce_ring_from", from(g.choice.all_reduce_ring_from)}});
+    }
+    doc["reductions"] = {{"algorithm", algorithm_name}, {"groups", groups}};
     const TrainingWorkspace& w = planned.memory.workspace;
     doc["totals"]["activation_bytes"] = w.activation_bytes;
     doc["totals"]["batch_buffer_bytes"] = w.batch_bytes;
@@ -894,6 +1042,17 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
         std::any_of(by_rank.begin(), by_rank.end(), [&](int64_t b) { return b != staging; });
     write_plan_text(plan, rules, options, config.file, out, staging, &data, &ring,
                     &planned.memory.workspace, some_ranks);
+    // The groups' reduction algorithm, as the run chooses it under the same profile.
+    if (!reductions.empty()) {
+      out << "reductions (runtime.reductions = \"" << algorithm_name
+          << "\", hardware: " << hw.source << "):\n";
+      for (const GroupReduction& g : reductions) {
+        out << "  " << axis_product_text(SpecEntry{g.axes}, plan.mesh) << ": "
+            << (measured ? "timed when the run starts (the ring's buffers counted)"
+                         : describe(g.choice))
+            << "\n";
+      }
+    }
     if (cost) {
       write_cost_text(plan, options.global_batch, *cost, hw, algorithm, scaling, out);
     } else {

@@ -116,8 +116,8 @@ void check_resume_compatible(const RunConfig& config, const CheckpointInfo& save
   const char* other_inputs = "would change what the model was trained to see";
   require_same("data.normalize_inputs", was.normalize_inputs, is.normalize_inputs, saved, config,
                other_inputs);
-  require_same("data.normalize_targets", was.normalize_targets, is.normalize_targets, saved,
-               config, other_inputs);
+  require_same("data.normalize_targets", was.normalize_targets, is.normalize_targets, saved, config,
+               other_inputs);
   require_same("data.batch_size", was.batch_size, is.batch_size, saved, config, order);
   require_same("data.shuffle", was.shuffle, is.shuffle, saved, config, order);
   if (is.shuffle == ShuffleMode::blocks) {
@@ -166,8 +166,30 @@ void check_resume_compatible(const RunConfig& config, const CheckpointInfo& save
   }
 }
 
+ResumedBest resumed_best(const TrainState& saved, EvalMetric metric) {
+  ResumedBest best;
+  const std::string name = to_string(metric);
+  if (saved.best_metric_name == name) {
+    best.metric = saved.best_metric;
+    best.evals_since = saved.evals_since_best;
+    return best;
+  }
+  // Nothing was evaluated yet: nothing to drop.
+  if (std::isnan(saved.best_metric) && saved.evals_since_best == 0) return best;
+  std::ostringstream out;
+  out << std::setprecision(5) << "the best " << name << " starts afresh: the checkpoint's best ("
+      << saved.best_metric << ") ";
+  if (saved.best_metric_name.empty()) {
+    out << "does not record which metric it measured (saved by an older meshtrain)";
+  } else {
+    out << "is a " << saved.best_metric_name << " (checkpoint.keep_best changed)";
+  }
+  best.note = out.str();
+  return best;
+}
+
 std::string learning_rate_change_warning(const RunConfig& config, const CheckpointInfo& saved,
-                                        int64_t total_steps, int64_t steps_per_epoch) {
+                                         int64_t total_steps, int64_t steps_per_epoch) {
   const RunConfig before = stored_config(saved);
   if (!before.train.steps && !before.train.epochs) return "";
   const int64_t saved_total = training_steps(before, steps_per_epoch);
@@ -177,10 +199,10 @@ std::string learning_rate_change_warning(const RunConfig& config, const Checkpoi
   const double is = schedule_of(config, total_steps).at(step);
   if (std::abs(is - was) <= 1e-6 * std::abs(was)) return "";  // constant: the length is free
   std::ostringstream out;
-  out << std::setprecision(2) << std::scientific << "the run that saved '" << saved.path
-      << "' had " << length_text(before) << " (" << saved_total << " steps), this one "
-      << length_text(config) << " (" << total_steps << "): optimizer.schedule = \""
-      << to_string(config.optimizer.schedule) << "\" spans the whole run, so the learning rate"
+  out << std::setprecision(2) << std::scientific << "the run that saved '" << saved.path << "' had "
+      << length_text(before) << " (" << saved_total << " steps), this one " << length_text(config)
+      << " (" << total_steps << "): optimizer.schedule = \"" << to_string(config.optimizer.schedule)
+      << "\" spans the whole run, so the learning rate"
       << " of step " << step + 1 << " becomes " << is << " instead of " << was
       << " (the schedule is stretched, not continued); resume with " << length_text(before)
       << " to continue it";

@@ -6,6 +6,7 @@
 // mesh, the partition and the world size may differ: a checkpoint is resharded on load.
 
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "framework/io/checkpoint.hpp"
@@ -32,5 +33,18 @@ void check_resume_compatible(const RunConfig& config, const CheckpointInfo& save
 // this run's). Names the keys and the length that continues the schedule. Not collective.
 std::string learning_rate_change_warning(const RunConfig& config, const CheckpointInfo& saved,
                                          int64_t total_steps, int64_t steps_per_epoch);
+
+// The best evaluation a resumed run continues from (train.early_stopping, checkpoint.keep_best).
+struct ResumedBest {
+  double metric = std::numeric_limits<double>::quiet_NaN();  // NaN: no evaluation yet
+  int64_t evals_since = 0;
+  // For the resume line: why the saved best was dropped ("" when it was kept).
+  std::string note;
+};
+// The checkpoint's best when it was measured by `metric` (this run's checkpoint.keep_best, else
+// test_loss); otherwise none, with a note saying so: the checkpoint's best measured another
+// metric (keep_best changed between the runs), or it recorded no metric name (saved before the
+// name was stored), so its value cannot be compared with this run's evaluations. Not collective.
+ResumedBest resumed_best(const TrainState& saved, EvalMetric metric);
 
 }  // namespace meshtrain

@@ -123,7 +123,7 @@ class ExportStreamTest : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
 
-  // Saves the model of `config` (values of checkpoint_test_data.hpp) on one rank; returns the
+  // Saves the model of `config` (values of support/checkpoint_contents.hpp) on one rank; returns the
   // checkpoint directory and adds the parameters' bytes to *weight_bytes when given.
   std::string save(const std::string& name, const RunConfig& config, int64_t* weight_bytes) {
     std::vector<testing::ParamShape> model;

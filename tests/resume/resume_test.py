@@ -37,6 +37,9 @@ CASE is one of
                 evaluates through the pointer to that file's numbers, `latest` a complete
                 one, rotation removed neither; the resumed run ends with best = step 12
                 beside latest = step 14 and nothing else. --points P1,P2 runs only those.
+  best_metric   the checkpoint names its best's metric (h5dump); resumed under another
+                checkpoint.keep_best the resume line says the best starts afresh, and the
+                first evaluation after it becomes `best`.
   best_pointer  predict, evaluate and export given <dir>/best use the best checkpoint's
                 file and step (12), not the latest's (14).
   schedule      a cosine schedule with warm-up and 2 accumulated micro-batches per step:
@@ -786,6 +789,44 @@ def case_best_pointer(ctx, preset, np, data):
                   "the ONNX model's metadata does not name ckpt-000012.h5")
 
 
+def case_best_metric(ctx, preset):
+    """The checkpoint names the metric of its best (/train_state attribute best_metric_name,
+    read with h5dump); resumed under another checkpoint.keep_best, the run's resume line says
+    the best starts afresh and why, and the first evaluation after the resume (step 8) becomes
+    `best`; resumed under the same keep_best, the line says nothing more."""
+    need_tools(ctx, "h5dump")
+    np = 2
+    sets = ["--set", "train.eval_every=2", "--set", "checkpoint.resume=true"]
+    accuracy = ["--set", 'checkpoint.keep_best="test_accuracy"']
+    loss = ["--set", 'checkpoint.keep_best="test_loss"']
+    base = os.path.join(ctx.work, "to_step_6")
+    train(ctx, np, preset, base, 6, sets + accuracy)
+    saved = os.path.join(base, "checkpoints", "ckpt-000006.h5")
+    status, out, err = run([ctx.h5dump, "-a", "/train_state/best_metric_name", saved])
+    ctx.check(status == 0 and '"test_accuracy"' in out,
+              "h5dump does not show best_metric_name = \"test_accuracy\" in %s (%d):\n%s%s" %
+              (saved, status, out, err))
+
+    same = os.path.join(ctx.work, "same")
+    shutil.copytree(base, same)
+    _, out, _ = train(ctx, np, preset, same, 8, sets + accuracy)
+    line = re.search(r"^resumed from .*$", out, re.M)
+    ctx.check(line and re.search(r"ckpt-000006\.h5 at step 6 \(saved on [^)]*\)$", line.group(0)),
+              "same keep_best: the resume line says more than where it resumed from:\n" + out)
+
+    changed = os.path.join(ctx.work, "changed")
+    shutil.copytree(base, changed)
+    _, out, _ = train(ctx, np, preset, changed, 8, sets + loss)
+    ctx.check(re.search(r"^resumed from \S*ckpt-000006\.h5 at step 6 \(saved on [^)]*\); the best "
+                        r"test_loss starts afresh: the checkpoint's best \([0-9.e+-]+\) is a "
+                        r"test_accuracy \(checkpoint\.keep_best changed\)$", out, re.M),
+              "keep_best changed: the resume line does not say the best starts afresh:\n" + out)
+    ckpt = os.path.join(changed, "checkpoints")
+    ctx.check(read_pointer(ckpt, "best") == "ckpt-000008.h5",
+              "keep_best changed: best names %r, expected ckpt-000008.h5 (the first test loss "
+              "after the resume)" % read_pointer(ckpt, "best"))
+
+
 def main():
     argv = sys.argv[1:]
     if "--" not in argv:
@@ -795,7 +836,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["same_mesh", "other_mesh", "interrupted", "inspect",
                                          "compatibility", "schedule", "precision",
-                                         "moe_reshard", "best", "best_pointer"])
+                                         "moe_reshard", "best", "best_pointer",
+                                         "best_metric"])
     parser.add_argument("--meshtrain", required=True)
     parser.add_argument("--configs", required=True)
     parser.add_argument("--work", required=True)
@@ -840,6 +882,8 @@ def main():
             case_precision(ctx, args.preset)
         elif args.case == "moe_reshard":
             case_moe_reshard(ctx)
+        elif args.case == "best_metric":
+            case_best_metric(ctx, args.preset)
         elif args.case == "best_pointer":
             case_best_pointer(ctx, args.preset, args.np, best_data(ctx, args.write_hdf5))
         elif args.case == "best":

@@ -244,7 +244,8 @@ TEST(MemoryPlan, RecordsAfterTheFirstStepAndAtTheEndForEveryRankAgainstThePlan) 
 // here (the evaluation metrics' buffers, the gradient clipper's norms, Kokkos' own scratch and
 // empty Views' headers are no plan items), 0.3-0.5% of these 2.6-4.4 MiB; the band leaves room
 // for a few such buffers more and fails when the activations (3-4% of the total here) or a
-// larger item go missing; EachWorkspaceItemIsWhatTheRunAllocates checks the small items.
+// larger item go missing; EachWorkspaceItemIsWhatTheRunAllocates checks the small items. Also a
+// residual_mlp with an evaluation batch of other rows (its forward-only model) on dp, fsdp, tp.
 constexpr double kBandLow = 0.98, kBandHigh = 1.02;
 
 RunConfig preset_config(const std::string& preset, int tp) {
@@ -254,13 +255,36 @@ RunConfig preset_config(const std::string& preset, int tp) {
   return config;
 }
 
+// data.eval_batch_size other than data.batch_size (16): the run evaluates with a forward-only
+// copy of the model built for its rows (issue 36, item 19: a residual_mlp's was counted as its
+// inputs and layer outputs alone, and every run warned "107% more than the plan"; the copy also
+// held parameters and gradients of its own while it was built, which under dp set the peak of
+// every rank but the one that stages the checkpoint).
+constexpr int64_t kOtherEvalBatch = 48;
+
+struct BandCase {
+  std::string name, preset;
+  int tp = 1;
+  bool residual_eval_batch = false;  // a residual_mlp with kOtherEvalBatch
+};
+
 TEST(MemoryPlan, EveryRanksPeakAtTheEndIsWithinTheBandOfItsPlan) {
   const int n = world_size();
-  std::vector<std::pair<std::string, int>> cases = {{"dp", 1}, {"fsdp", 1}, {"tp", 1}};
-  if (n == 4) cases.push_back({"fsdp_tp", 2});
-  for (const auto& [preset, tp] : cases) {
-    SCOPED_TRACE(preset);
-    const RunConfig config = preset_config(preset, tp);
+  std::vector<BandCase> cases = {{"dp", "dp"},
+                                 {"fsdp", "fsdp"},
+                                 {"tp", "tp"},
+                                 {"dp_residual_eval_batch", "dp", 1, true},
+                                 {"fsdp_residual_eval_batch", "fsdp", 1, true},
+                                 {"tp_residual_eval_batch", "tp", 1, true}};
+  if (n == 4) cases.push_back({"fsdp_tp", "fsdp_tp", 2});
+  for (const BandCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    RunConfig config = preset_config(c.preset, c.tp);
+    if (c.residual_eval_batch) {
+      testing::use_residual_mlp(config, /*inputs=*/64, /*width=*/128, /*hidden=*/256,
+                                /*depth=*/2, /*outputs=*/8, ModelNorm::layernorm, false);
+      config.data.eval_batch_size = kOtherEvalBatch;  // evaluated at the end, before its peak
+    }
     const Trained t = train(config);
     ASSERT_EQ(t.events.size(), 2u);
     const MemoryEvent& end = t.events[1];
@@ -298,23 +322,30 @@ TEST(MemoryPlan, EveryRanksPeakAtTheEndIsWithinTheBandOfItsPlan) {
 // headers), the sum of this rank's live allocations the run matches to it (every live allocation,
 // not only the largest): the plan counts what the code allocates. On dp, fsdp, tp (and fsdp x tp at
 // np 4), in fp32, in bf16 with overlap, for a residual model with norms (and with SwiGLU blocks
-// and dropout), and an MLP with dropout.
+// and dropout), and an MLP with dropout; with an evaluation batch of other rows (larger and
+// smaller) for both kinds, whose forward-only model's buffers are the plan's evaluation batch.
 struct WorkspaceCase {
   std::string name, preset;
   int tp = 1;
   bool bf16_overlap = false, residual = false;
   bool swiglu_dropout = false;  // residual: SwiGLU blocks; both kinds: dropout 0.1
+  int64_t eval_batch = 0;       // data.eval_batch_size (0: unset, the training batch)
 };
 
 TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
   const int n = world_size();
-  std::vector<WorkspaceCase> cases = {{"dp", "dp"},
-                                      {"fsdp", "fsdp"},
-                                      {"tp", "tp"},
-                                      {"fsdp_bf16_overlap", "fsdp", 1, true},
-                                      {"tp_residual", "tp", 1, false, true},
-                                      {"tp_swiglu_dropout", "tp", 1, false, true, true},
-                                      {"dp_dropout", "dp", 1, false, false, true}};
+  std::vector<WorkspaceCase> cases = {
+      {"dp", "dp"},
+      {"fsdp", "fsdp"},
+      {"tp", "tp"},
+      {"fsdp_bf16_overlap", "fsdp", 1, true},
+      {"tp_residual", "tp", 1, false, true},
+      {"tp_swiglu_dropout", "tp", 1, false, true, true},
+      {"dp_dropout", "dp", 1, false, false, true},
+      {"dp_residual_eval_batch", "dp", 1, false, true, false, kOtherEvalBatch},
+      {"tp_residual_eval_batch", "tp", 1, false, true, false, kOtherEvalBatch},
+      {"fsdp_swiglu_dropout_small_eval_batch", "fsdp", 1, false, true, true, 8},
+      {"dp_eval_batch", "dp", 1, false, false, false, kOtherEvalBatch}};
   if (n == 4) cases.push_back({"fsdp_tp", "fsdp_tp", 2});
   for (const WorkspaceCase& c : cases) {
     SCOPED_TRACE(c.name);
@@ -328,6 +359,7 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
                                 /*depth=*/2, /*outputs=*/8, ModelNorm::layernorm, c.swiglu_dropout);
     }
     if (c.swiglu_dropout) config.model.dropout = 0.1;
+    if (c.eval_batch > 0) config.data.eval_batch_size = c.eval_batch;
     if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
     MPI_Barrier(MPI_COMM_WORLD);
     {
@@ -339,16 +371,26 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
       }
       const TrainingWorkspace& w = run.planned_memory().workspace;
       const PlanTotals& totals = run.planned_memory().totals;
+      const EvaluationBuffers& e = run.planned_memory().evaluation;
       EXPECT_EQ(measured["parameters"], totals.parameter_bytes);
       EXPECT_EQ(measured["gradients"], totals.gradient_bytes);
       EXPECT_EQ(measured["optimizer state"], totals.optimizer_bytes);
-      EXPECT_EQ(measured["activations"], w.activation_bytes);
+      // A separate evaluation model's layers carry the training layers' labels: its buffers
+      // are matched as activations too.
+      EXPECT_EQ(measured["activations"], w.activation_bytes + e.activation_bytes);
+      EXPECT_EQ(measured["evaluation batch"], e.batch_bytes);
+      EXPECT_EQ(totals.evaluation_bytes, e.total_bytes());
+      if (c.eval_batch > 0) EXPECT_GT(e.activation_bytes, 0);
       EXPECT_EQ(measured["batch buffers"], w.batch_bytes);
       // The shared scratch's five Views exist even when empty, and Kokkos reports an empty
-      // labelled View as its allocation header (128 bytes): at most 5 such headers.
-      EXPECT_GE(measured["gathered weights"], w.gathered_weight_bytes);
-      EXPECT_LE(measured["gathered weights"], w.gathered_weight_bytes + 5 * 128);
-      EXPECT_EQ(measured["collective matmul workspace"], w.collective_matmul_bytes);
+      // labelled View as its allocation header (128 bytes): at most 5 such headers a model (a
+      // separate evaluation model has a scratch of its own).
+      const int64_t models = c.eval_batch > 0 ? 2 : 1;
+      EXPECT_GE(measured["gathered weights"], w.gathered_weight_bytes + e.gathered_weight_bytes);
+      EXPECT_LE(measured["gathered weights"],
+                w.gathered_weight_bytes + e.gathered_weight_bytes + models * 5 * 128);
+      EXPECT_EQ(measured["collective matmul workspace"],
+                w.collective_matmul_bytes + e.collective_matmul_bytes);
       EXPECT_EQ(measured["communicator scratch"], w.comm_scratch_bytes);
     }
     if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);

@@ -24,12 +24,15 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <system_error>
 #include <utility>
 #include <vector>
 
+#include "framework/comm/collective_matmul.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/progress_thread.hpp"
 #include "framework/train/lr_schedule.hpp"
@@ -846,7 +849,8 @@ TEST(TrainingRun, OverlapOnTheRingTrainsLikeWithoutWithTheCommThread) {
 
 // `meshtrain plan`'s ring reductions (framework/train/plan_report.hpp) are what the run
 // allocates for its ring partial sums (the peak of the live Kokkos allocations by label, from
-// construction through two steps), on every mesh, with overlap off and on: to the byte for the
+// construction through two steps), on every mesh, with overlap off and on, with and without a
+// separate evaluation batch: to the byte for the
 // blocking ones; the buckets' within one element per gradient and bucket (the plan counts per
 // gradient). Live bytes of the ring's buffers, and their peak (a buffer that grows is freed first).
 struct RingAllocations {
@@ -874,36 +878,113 @@ TEST(TrainingRun, PlanCountsTheRingBuffersTheRunAllocates) {
   if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
   for (const MeshCase& c : cases) {
     for (const bool overlap : {false, true}) {
-      SCOPED_TRACE(c.preset + (overlap ? ", overlap" : ""));
-      RunConfig config = small_config(c.axes, c.preset);
-      config.runtime.backend = CommBackendChoice::mpi;
-      config.runtime.reductions = ReductionAlgorithm::ring;
-      config.runtime.overlap = overlap;
-      config.runtime.bucket_mb = 0.0005;  // several buckets
-      RingAllocations allocated;
-      g_ring_allocations = &allocated;
-      Kokkos::Tools::Experimental::set_allocate_data_callback(count_ring_bytes);
-      Kokkos::Tools::Experimental::set_deallocate_data_callback(uncount_ring_bytes);
-      RingReductionBytes planned;
-      {
-        TrainingRun run(config, {}, std::nullopt, MPI_COMM_WORLD);
-        run.step();
-        run.step();
-        planned = ring_reduction_bytes(run.plan(), config);
+      for (const bool eval_batch : {false, true}) {
+        SCOPED_TRACE(c.preset + (overlap ? ", overlap" : "") + (eval_batch ? ", eval batch" : ""));
+        RunConfig config = small_config(c.axes, c.preset);
+        // A separate evaluation model (other rows) reserves its layers' reductions at its rows,
+        // and its own DP buckets under overlap (issue 36, item 19).
+        if (eval_batch) config.data.eval_batch_size = 64;
+        config.runtime.backend = CommBackendChoice::mpi;
+        config.runtime.reductions = ReductionAlgorithm::ring;
+        config.runtime.overlap = overlap;
+        config.runtime.bucket_mb = 0.0005;  // several buckets
+        RingAllocations allocated;
+        g_ring_allocations = &allocated;
+        Kokkos::Tools::Experimental::set_allocate_data_callback(count_ring_bytes);
+        Kokkos::Tools::Experimental::set_deallocate_data_callback(uncount_ring_bytes);
+        RingReductionBytes planned;
+        {
+          TrainingRun run(config, {}, std::nullopt, MPI_COMM_WORLD);
+          run.step();
+          run.step();
+          planned = ring_reduction_bytes(run.plan(), config, collective_matmul_hardware());
+        }
+        Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+        Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
+        EXPECT_EQ(allocated.live, 0) << "the run did not free its ring buffers";
+        if (n == 1) {
+          EXPECT_EQ(planned.total(), 0);
+          EXPECT_EQ(allocated.peak, 0);
+          continue;
+        }
+        EXPECT_GT(planned.total(), 0);
+        const int64_t slack = overlap ? 2 * 4 * 2 * 16 : 0;  // 2 buffers, fp32, <= 16 ceilings
+        EXPECT_NEAR(static_cast<double>(allocated.peak), static_cast<double>(planned.total()),
+                    static_cast<double>(eval_batch ? 2 * slack : slack))
+            << "planned " << planned.blocking << " blocking + " << planned.started << " started";
       }
-      Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
-      Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
-      EXPECT_EQ(allocated.live, 0) << "the run did not free its ring buffers";
-      if (n == 1) {
-        EXPECT_EQ(planned.total(), 0);
-        EXPECT_EQ(allocated.peak, 0);
-        continue;
-      }
-      EXPECT_GT(planned.total(), 0);
-      const int64_t slack = overlap ? 2 * 4 * 2 * 16 : 0;  // 2 buffers, fp32, <= 16 ceilings
-      EXPECT_NEAR(static_cast<double>(allocated.peak), static_cast<double>(planned.total()),
-                  static_cast<double>(slack))
-          << "planned " << planned.blocking << " blocking + " << planned.started << " started";
+    }
+  }
+}
+
+// [runtime] reductions = "auto" under a hardware profile that measured the ring faster from
+// 256 bytes (train --hardware): the run takes the ring for some of these small reductions (without
+// a profile, "auto" starts at 64 KiB and takes it for none), and `meshtrain plan --hardware`
+// with the same profile counts the ring buffers the run allocates and names the choice each of
+// its groups made (issue 36, the house: one resolution of runtime.reductions); the plan
+// without the profile counts none.
+TEST(TrainingRun, PlanUnderAHardwareProfileCountsTheRingTheRunChooses) {
+  const int n = world_size();
+  HardwareProfile profile = default_hardware_profile();
+  profile.source = "the test's profile";
+  for (auto& [axis, link] : profile.links) {
+    link.ring_reduce_scatter_bandwidth = link.reduce_scatter_bandwidth;
+    link.ring_all_reduce_bandwidth = link.all_reduce_bandwidth;
+    link.ring_reduce_scatter_from = 256;
+    link.ring_all_reduce_from = 256;
+  }
+  std::vector<MeshCase> cases = {{"dp", {{"dp", n}}}, {"fsdp", {{"fsdp", n}}}, {"tp", {{"tp", n}}}};
+  if (n % 2 == 0) cases.push_back({"fsdp_tp", {{"fsdp", n / 2}, {"tp", 2}}});
+  const auto plan_json = [&](const RunConfig& config, const HardwareProfile* hardware) {
+    std::ostringstream out;
+    print_plan(config, n, /*json=*/true, out, hardware);
+    return nlohmann::json::parse(out.str());
+  };
+  for (const MeshCase& c : cases) {
+    SCOPED_TRACE(c.preset);
+    RunConfig config = small_config(c.axes, c.preset);
+    config.runtime.backend = CommBackendChoice::mpi;
+    config.runtime.reductions = ReductionAlgorithm::automatic;
+    RingAllocations allocated;
+    g_ring_allocations = &allocated;
+    Kokkos::Tools::Experimental::set_allocate_data_callback(count_ring_bytes);
+    Kokkos::Tools::Experimental::set_deallocate_data_callback(uncount_ring_bytes);
+    set_collective_matmul_hardware(profile);
+    RingReductionBytes planned;
+    std::string chosen;  // describe()'s line of the groups' choices
+    {
+      TrainingRun run(config, {}, std::nullopt, MPI_COMM_WORLD);
+      run.step();
+      run.step();
+      planned = run.planned_memory().ring;
+      chosen = run.describe().back();
+    }
+    set_collective_matmul_hardware(default_hardware_profile());
+    Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+    Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
+    EXPECT_EQ(allocated.peak, planned.total())
+        << "planned " << planned.blocking << " blocking + " << planned.started << " started";
+    const nlohmann::json with_profile = plan_json(config, &profile);
+    EXPECT_EQ(with_profile["totals"]["ring_reduction_bytes"].get<int64_t>(), allocated.peak);
+    const nlohmann::json without = plan_json(config, nullptr);
+    EXPECT_EQ(without["totals"]["ring_reduction_bytes"].get<int64_t>(), 0);
+    if (n == 1) {
+      EXPECT_EQ(allocated.peak, 0);
+      EXPECT_TRUE(with_profile["reductions"]["groups"].empty());
+      continue;
+    }
+    EXPECT_GT(allocated.peak, 0) << "the profile's 256 B did not put any reduction on the ring";
+    // Every group the plan names chose as the run's group did.
+    ASSERT_FALSE(with_profile["reductions"]["groups"].empty());
+    EXPECT_EQ(with_profile["reductions"]["algorithm"], "auto");
+    for (const auto& group : with_profile["reductions"]["groups"]) {
+      const std::string choice = group["choice"].get<std::string>();
+      EXPECT_EQ(choice, "ring from 256 B (reduce_scatter), ring from 256 B (all_reduce)");
+      EXPECT_NE(chosen.find(": " + choice), std::string::npos) << chosen;
+    }
+    for (const auto& group : without["reductions"]["groups"]) {
+      EXPECT_EQ(group["choice"].get<std::string>(),
+                "ring from 64 KiB (reduce_scatter), ring from 64 KiB (all_reduce)");
     }
   }
 }
