@@ -48,7 +48,7 @@
 #include "framework/train/loss_scaler.hpp"
 #include "framework/train/lr_schedule.hpp"
 #include "framework/train/optimizer.hpp"
-#include "framework/train/plan_report.hpp"  // PlannedMemory
+#include "framework/train/memory_plan.hpp"  // PlannedMemory
 #include "framework/train/zero1.hpp"
 #include "layers/context.hpp"
 #include "layers/eval_metrics.hpp"
@@ -242,6 +242,14 @@ class TrainingRun {
   std::string plan_item_of(const TrackedAllocation& allocation) const;
 
  private:
+  // Set-up, in the constructor's order (run_setup.cpp).
+  void plan_run();
+  void open_data(std::optional<RunData> data);
+  void connect();
+  void build_model();
+  void build_checkpoint_view();
+  void choose_start();
+
   LossResult compute_loss(Loss& loss, MatrixView output, const BatchLabels& labels,
                           const Matrix& targets, bool with_gradient, int64_t valid_rows = -1);
   void resume();

@@ -1,0 +1,342 @@
+#include "framework/train/memory_plan.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <optional>
+#include <sstream>
+
+#include "base/error.hpp"
+#include "base/text.hpp"
+#include "framework/comm/backend.hpp"
+#include "framework/comm/reduction_choice.hpp"
+#include "framework/core/choices.hpp"
+#include "framework/core/views.hpp"
+#include "framework/io/checkpoint.hpp"
+#include "framework/io/data.hpp"
+#include "framework/train/config.hpp"
+#include "partition/sharding_picture.hpp"
+
+namespace meshtrain {
+
+namespace {
+
+// Whether the run's groups are MPI communicators, whose reductions follow [runtime] reductions
+// (NCCL's ignore it).
+bool mpi_reductions(const RuntimeSection& runtime) {
+  return runtime.backend == CommBackendChoice::mpi ||
+         (runtime.backend == CommBackendChoice::automatic && !build_supports_nccl());
+}
+
+// The choice the run's group over `axes` makes (reduction_choice.hpp, the one resolution);
+// "measure", decided by timing at run time, counted as the ring everywhere (an upper bound).
+ReductionChoice group_choice(const RunConfig& config, const std::vector<std::string>& axes,
+                             const HardwareProfile& hardware) {
+  return planned_reduction_choice(config.runtime.reductions, axes, hardware)
+      .value_or(ReductionChoice::ring());
+}
+
+bool is_reduction(const LayerCollective& c) {
+  return c.ranks >= 2 &&
+         (c.kind == CollectiveKind::reduce_scatter || c.kind == CollectiveKind::all_reduce);
+}
+
+// Every collective of the plan's layers and norms, in order.
+template <class Fn>
+void for_each_collective(const ShardingPlan& plan, Fn&& fn) {
+  for (const LayerPlan& l : plan.layers) {
+    for (const LayerCollective& c : l.collectives) fn(c);
+  }
+  for (const NormPlan& n : plan.norms) {
+    for (const LayerCollective& c : n.collectives) fn(c);
+  }
+}
+
+}  // namespace
+
+std::vector<GroupReduction> planned_reductions(const ShardingPlan& plan, const RunConfig& config,
+                                               const HardwareProfile& hardware) {
+  std::vector<GroupReduction> groups;
+  if (!mpi_reductions(config.runtime)) return groups;
+  std::map<std::vector<std::string>, bool> seen;
+  for_each_collective(plan, [&](const LayerCollective& c) {
+    if (!is_reduction(c)) return;
+    std::vector<std::string> key = c.axes;
+    std::sort(key.begin(), key.end());
+    if (seen[key]) return;
+    seen[key] = true;
+    groups.push_back({c.axes, c.ranks, group_choice(config, c.axes, hardware)});
+  });
+  return groups;
+}
+
+RingReductionBytes ring_reduction_bytes(const ShardingPlan& plan, const RunConfig& config,
+                                        const HardwareProfile& hardware) {
+  RingReductionBytes bytes;
+  const RuntimeSection& runtime = config.runtime;
+  if (!mpi_reductions(runtime)) return bytes;
+  // DP buckets: overlap with the gradients reduced in backward (not ZeRO-1, not accumulated).
+  const bool buckets =
+      runtime.overlap && config.optimizer.zero_stage != 1 && config.train.accumulation_steps == 1;
+  std::map<std::vector<std::string>, int64_t> largest;  // per group: its largest buffers
+  // `evaluation`: a collective of the evaluation model (below), which reserves only its layers'
+  // blocking reductions at its rows (the gradients' are the training model's sizes).
+  const auto count = [&](const LayerCollective& c, bool evaluation) {
+    if (!is_reduction(c)) return;
+    int64_t elements = 1;
+    for (int64_t d : c.shape) elements *= d;
+    const std::size_t message = static_cast<std::size_t>(elements * c.element_bytes);
+    const ReductionChoice choice = group_choice(config, c.axes, hardware);
+    const int64_t block = (elements + c.ranks - 1) / c.ranks * c.element_bytes;
+    const int64_t buffers = c.ranks == 2 ? 1 : 2;
+    const bool gradient = c.operand == "weight gradient" || c.operand == "bias gradient";
+    if (evaluation && gradient) return;
+    if (buckets && gradient && c.kind == CollectiveKind::all_reduce) {
+      // A started all-reduce keeps its own partial sums when it runs on the ring.
+      if (message >= choice.all_reduce_ring_from) bytes.started += block * buffers;
+      return;
+    }
+    // A blocking reduction reserves the ring's buffers when either kind would take the ring at
+    // its size (MpiCommunicator::raw_reserve_reductions).
+    if (message < std::min(choice.reduce_scatter_ring_from, choice.all_reduce_ring_from)) return;
+    std::vector<std::string> group = c.axes;
+    std::sort(group.begin(), group.end());
+    int64_t& most = largest[group];
+    most = std::max(most, block * buffers);
+  };
+  for_each_collective(plan, [&](const LayerCollective& c) { count(c, false); });
+  // A separate evaluation model (data.eval_batch_size of other rows per rank) reserves its
+  // layers' reductions at its rows on the same communicators, and under overlap builds DP
+  // gradient buckets of its own, each with its started ring, though it never runs backward.
+  const int64_t eval_rows = evaluation_rows(config, plan);
+  if (eval_rows > 0 && eval_rows != plan.local_batch_rows) {
+    PlanOptions options = plan_options(config);
+    options.global_batch = eval_rows * (config.data.batch_size / plan.local_batch_rows);
+    options.eval_global_batch = 0;
+    // With norms when `plan` has them (a run's own plan is made without).
+    const ShardingPlan evaluation = make_plan(
+        model_parameter_shapes(config.model), plan.mesh, partition_rules(config), options,
+        model_linear_layers(config.model),
+        plan.norms.empty() ? std::vector<NormLayerParameters>{} : model_norm_layers(config.model));
+    for_each_collective(evaluation, [&](const LayerCollective& c) { count(c, true); });
+    bytes.started *= 2;
+  }
+  for (const auto& [group, most] : largest) bytes.blocking += most;
+  return bytes;
+}
+
+namespace {
+
+// The workspace of a model built for `rows` rows per rank (the training model, or the
+// evaluation's forward-only copy), with each communicator's largest scratch in floats by its axes
+// in `comm_scratch` (merged by maximum over models sharing the communicators).
+TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan& plan,
+                                     int64_t rows,
+                                     std::map<std::vector<std::string>, int64_t>& comm_scratch) {
+  TrainingWorkspace w;
+  if (rows <= 0 || plan.layers.empty()) return w;
+  constexpr int64_t kFloat = sizeof(float);
+  const MixedPrecision precision = config.mixed_precision.policy();
+  const bool fp32 = precision.param == Dtype::fp32;
+  const bool residual = config.model.kind == ModelKind::residual_mlp;
+  const bool gated = residual && config.model.residual().gated;
+  // The shared scratch's needs in floats (LayerScratchNeeds, merged by maximum over the layers)
+  // and each communicator's largest scratch, by its axes.
+  int64_t weight = 0, prefetch = 0, grad = 0, stage = 0, bias = 0, matmul_bytes = 0;
+  const auto reserve = [&](const std::vector<std::string>& axes, int64_t floats) {
+    int64_t& most = comm_scratch[axes];
+    most = std::max(most, floats);
+  };
+  int64_t activation_floats = 0;
+  const size_t n = plan.layers.size();
+  for (size_t i = 0; i < n; ++i) {
+    const LayerPlan& layer = plan.layers[i];
+    if (layer.moe) continue;  // an MoE layer's buffers: its dispatch buffers (totals) only
+    const LinearLayout& l = layer.layout;
+    // Linear's buffers (layers/linear.cpp).
+    if (l.slices_input() || l.gathers_input()) activation_floats += rows * l.in_compute;  // input
+    activation_floats += rows * l.out_local;                                              // output
+    if (l.column_gathers_input()) {
+      activation_floats += rows * l.input_width();  // input_grad
+    } else {
+      activation_floats += rows * l.in_compute;  // input_grad_compute
+    }
+    if (l.slices_input() || l.gathers_input()) activation_floats += rows * l.input_width();
+    // The layer that follows it in a plain MLP: its activation (and dropout); in a residual
+    // block, the up projection's activation or the gate's SwiGLU (layers/swiglu.cpp).
+    const bool hidden =
+        residual ? layer.name.size() > 3 && layer.name.compare(layer.name.size() - 3, 3, "/up") == 0
+                 : i + 1 < n;
+    const bool gate = residual && layer.name.size() > 5 &&
+                      layer.name.compare(layer.name.size() - 5, 5, "/gate") == 0;
+    if (hidden && !(residual && gated)) {
+      activation_floats += rows * l.out_local;
+      if (config.model.dropout > 0.0) activation_floats += rows * l.out_local;
+    }
+    if (gate) {
+      // output, gate and value gradients; the input gradient: with a shared gather of the
+      // input (both fed it replicated) the gathered input, its partial gradient and this
+      // rank's block of it, else the input's width.
+      activation_floats += 3 * rows * l.out_local;
+      if (l.input_grad_partial) {
+        activation_floats += 2 * rows * l.in + rows * l.in / l.tp;
+      } else {
+        activation_floats += rows * l.input_width();
+      }
+      if (config.model.dropout > 0.0) activation_floats += rows * l.out_local;
+    }
+    // Its parameters' needs of the shared scratch (ShardedParameter::scratch_needs).
+    const int64_t d1 = l.in_compute, d2 = l.compute_cols(), s1 = l.stored_rows, s2 = l.stored_cols;
+    const bool gathered = l.gathers_weight();
+    if (gathered || !fp32) weight = std::max(weight, d1 * d2);
+    if (gathered) grad = std::max(grad, d1 * d2);
+    const bool two_gathers = !l.weight_gather_dim0.empty() && !l.weight_gather_dim1.empty();
+    if (two_gathers) stage = std::max(stage, std::max(d1 * s2, s1 * d2));
+    // Prefetched (overlap) when gathered over one group.
+    if (config.runtime.overlap && gathered && !two_gathers) prefetch = std::max(prefetch, d1 * d2);
+    if (!l.bias_gather.empty() || !l.bias_direct) bias = std::max(bias, l.out);
+    int64_t matmul = 0;
+    if (l.tensor_parallel) matmul = 3 * rows * l.out * kFloat;
+    if (l.column_gathers_input()) matmul = 3 * rows * l.in * kFloat;
+    matmul_bytes = std::max(matmul_bytes, matmul);
+    if (!l.weight_gather_dim1.empty()) reserve(l.weight_gather_dim1, d1 * d2);
+    if (l.tp > 1) reserve({l.feature_axis}, rows * std::max(l.in, l.out));
+  }
+  // Norms (layers/norm.cpp) and residual blocks (layers/residual_block.cpp): the stream's width
+  // as the input projection leaves it.
+  // (A run's plan is made without its norms: their layouts are decided here as `plan` does.)
+  std::vector<NormPlan> norms = plan.norms;
+  if (norms.empty() && config.model.has_norms()) {
+    norms = make_plan(model_parameter_shapes(config.model), plan.mesh, partition_rules(config),
+                      plan_options(config), model_linear_layers(config.model),
+                      model_norm_layers(config.model))
+                .norms;
+  }
+  for (const NormPlan& norm : norms) {
+    const NormLayout& l = norm.layout;
+    activation_floats += rows * (1 + 2 + 3) + 2 * rows * l.local_width;
+    // Full-width gradients ([scale | bias], when not direct) and each gathered parameter's own
+    // buffer (layers/norm.cpp, layers/sharded_parameter.cpp: full_width_sum).
+    if (!l.direct) activation_floats += static_cast<int64_t>(l.params.size()) * l.width;
+    for (const NormParameterLayout& p : l.params) {
+      if (!p.gather.empty()) activation_floats += p.gathered;
+    }
+  }
+  if (residual) {
+    const int64_t width = plan.layers.front().layout.out_local;
+    activation_floats += 2 * rows * width * config.model.residual().depth;
+  }
+  // The model's 16-bit input copy and output gradient (layers/mlp.cpp).
+  const LinearLayout& last = plan.layers.back().layout;
+  const int64_t outputs = config.model.output_width();
+  if (!fp32) activation_floats += rows * config.model.input_width();
+  if (!fp32 || precision.needs_loss_scaling()) activation_floats += rows * last.out_local;
+  // The loss (layers/loss.cpp): gradient, row maxima, statistics, per-row losses.
+  const bool split = last.tp > 1 && last.output_layout() == FeatureLayout::split;
+  const int64_t local_width = split ? outputs / last.tp : outputs;
+  activation_floats += rows * (local_width + 1 + (split ? last.tp : 1) + 3 + 1);
+  if (split) reserve({last.feature_axis}, rows * last.tp);
+  // The loss's three double sums, and their host mirror where device memory is separate.
+  const int64_t loss_scalars = (kDeviceMemoryIsSeparate ? 2 : 1) * 3 * sizeof(double);
+  w.activation_bytes = activation_floats * kFloat + loss_scalars;
+  // The batch (run/run_setup.cpp): inputs, and int32 labels or float targets.
+  const bool labels = config.model.loss == LossKind::cross_entropy;
+  w.batch_bytes = rows * config.model.input_width() * kFloat +
+                  (labels ? rows * static_cast<int64_t>(sizeof(int32_t)) : rows * outputs * kFloat);
+  w.gathered_weight_bytes = (weight + prefetch + grad + stage + bias) * kFloat;
+  // CollectiveMatmulWorkspace::reserve rounds up to whole floats.
+  w.collective_matmul_bytes = (matmul_bytes + kFloat - 1) / kFloat * kFloat;
+  return w;
+}
+
+int64_t scratch_bytes(const std::map<std::vector<std::string>, int64_t>& comm_scratch) {
+  int64_t bytes = 0;
+  for (const auto& [axes, floats] : comm_scratch)
+    bytes += floats * static_cast<int64_t>(sizeof(float));
+  return bytes;
+}
+
+}  // namespace
+
+int64_t evaluation_rows(const RunConfig& config, const ShardingPlan& plan) {
+  if (plan.local_batch_rows <= 0) return 0;
+  const int64_t eval_batch = config.data.eval_batch_size.value_or(config.data.batch_size);
+  const int64_t shards = config.data.batch_size / plan.local_batch_rows;
+  return shards > 0 && eval_batch % shards == 0 ? eval_batch / shards : 0;
+}
+
+TrainingWorkspace training_workspace(const RunConfig& config, const ShardingPlan& plan) {
+  std::map<std::vector<std::string>, int64_t> comm_scratch;
+  TrainingWorkspace w = workspace_for_rows(config, plan, plan.local_batch_rows, comm_scratch);
+  // A separate evaluation model shares the communicators, whose scratch grows to its rows when
+  // they are more.
+  const int64_t eval_rows = evaluation_rows(config, plan);
+  if (eval_rows > 0 && eval_rows != plan.local_batch_rows) {
+    std::map<std::vector<std::string>, int64_t> eval_scratch;
+    workspace_for_rows(config, plan, eval_rows, eval_scratch);
+    for (const auto& [axes, floats] : eval_scratch) {
+      int64_t& most = comm_scratch[axes];
+      most = std::max(most, floats);
+    }
+  }
+  w.comm_scratch_bytes = scratch_bytes(comm_scratch);
+  return w;
+}
+
+EvaluationBuffers evaluation_buffers(const RunConfig& config, const ShardingPlan& plan) {
+  EvaluationBuffers e;
+  const int64_t rows = evaluation_rows(config, plan);
+  // The run builds a forward-only model for the evaluation batch only when its rows per rank
+  // differ from the training batch's (run/run_setup.cpp); it allocates what the training
+  // model does at its rows.
+  if (rows <= 0 || rows == plan.local_batch_rows) return e;
+  std::map<std::vector<std::string>, int64_t> ignored;
+  const TrainingWorkspace eval = workspace_for_rows(config, plan, rows, ignored);
+  e.activation_bytes = eval.activation_bytes;
+  e.batch_bytes = eval.batch_bytes;
+  // Each model has a LayerScratch of its own: gathered weights and collective matmul workspace.
+  e.gathered_weight_bytes = eval.gathered_weight_bytes;
+  e.collective_matmul_bytes = eval.collective_matmul_bytes;
+  return e;
+}
+
+PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan,
+                             const HardwareProfile& hardware) {
+  PlannedMemory memory;
+  memory.totals = plan.totals;
+  memory.workspace = training_workspace(config, plan);
+  // The evaluation model's buffers as the memory model counts them (the planner's estimate,
+  // its inputs and each layer's output, misses a residual model's norms and sums and every
+  // layer's backward buffers, which the forward-only copy allocates too).
+  memory.evaluation = evaluation_buffers(config, plan);
+  memory.totals.evaluation_bytes = memory.evaluation.total_bytes();
+  // A checkpoint that stages (asynchronous, or from device memory) copies the blocks a rank
+  // writes: the blocks of its parameters and optimizer state it owns (owns_block: one replica
+  // of each block writes it; under dp rank 0 alone). ZeRO-1's optimizer chunks are every
+  // rank's own: counted on every rank.
+  if (checkpoint_stages_tensors(config.checkpoint.async)) {
+    const int world = plan.mesh.world_size();
+    const bool zero1 = plan.totals.zero1_buffer_bytes > 0;
+    const int64_t slots = plan_options(config).optimizer_slots;
+    memory.checkpoint_staging_by_rank.assign(static_cast<size_t>(world), 0);
+    for (int r = 0; r < world; ++r) {
+      int64_t& bytes = memory.checkpoint_staging_by_rank[static_cast<size_t>(r)];
+      if (zero1) bytes = plan.totals.optimizer_bytes;
+      for (const auto& p : plan.parameters) {
+        if (!owns_block(plan.mesh, r, p.spec)) continue;
+        bytes += p.bytes_per_rank * (zero1 ? 1 : 1 + slots);
+      }
+      memory.checkpoint_staging_bytes = std::max(memory.checkpoint_staging_bytes, bytes);
+    }
+  }
+  // This rank's rows of a batch and of an evaluation batch (the plan's batch shards).
+  const int64_t eval_rows = evaluation_rows(config, plan);
+  const DataUse use{config.model.input_width(), config.model.output_width(),
+                    config.model.loss == LossKind::cross_entropy, config.train.accumulation_steps};
+  memory.data =
+      data_footprint(config.data, use, std::max<int64_t>(plan.local_batch_rows, 0), eval_rows);
+  memory.ring = ring_reduction_bytes(plan, config, hardware);
+  return memory;
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,397 @@
+// What TrainingRun's constructor builds, in the order it builds it (training_run.hpp lists
+// it): the plan, the data, the communicators, the model and its optimizer, the checkpoint's
+// view of the live tensors, where the run starts, and the batch streams. Nothing here runs
+// inside a step.
+
+#include "run/training_run.hpp"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "base/error.hpp"
+#include "framework/comm/collective_matmul.hpp"
+#include "framework/comm/failure_agreement.hpp"
+#include "framework/comm/mpi_util.hpp"
+#include "framework/comm/reduction_choice.hpp"
+#include "framework/comm/runtime.hpp"
+#include "framework/core/choices.hpp"
+#include "framework/core/gemm.hpp"
+#include "framework/io/normalization_stats.hpp"
+#include "framework/observe/flight_recorder.hpp"
+#include "framework/observe/memory_tracker.hpp"
+#include "framework/observe/trace.hpp"
+#include "framework/train/resume.hpp"
+#include "partition/zero1_layout.hpp"
+
+namespace meshtrain {
+namespace {
+OptimizerSettings optimizer_settings(const OptimizerSection& section) {
+  OptimizerSettings settings;
+  settings.kind = section.kind;
+  settings.momentum = static_cast<float>(section.momentum);
+  settings.beta1 = static_cast<float>(section.betas.first);
+  settings.beta2 = static_cast<float>(section.betas.second);
+  settings.eps = static_cast<float>(section.eps);
+  settings.weight_decay = static_cast<float>(section.weight_decay);
+  return settings;
+}
+
+// Every mesh axis, for the communicator of all ranks (gradient clipping's norm).
+std::vector<std::string> all_axes(const Mesh& mesh) {
+  std::vector<std::string> axes;
+  for (const auto& axis : mesh.axes()) axes.push_back(axis.name);
+  return axes;
+}
+
+}  // namespace
+
+TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunData> data,
+                         MPI_Comm comm)
+    : config_(std::move(config)), events_(std::move(events)), comm_(comm) {
+  // Kokkos allocations are counted from here on, the run's peak too (measure_memory).
+  install_memory_tracker();
+  reset_kokkos_peak();
+  check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+  plan_run();
+  open_data(std::move(data));
+  agree_on_data_shape();
+  connect();
+  build_model();
+  build_checkpoint_view();
+  choose_start();
+  start_streams();
+}
+
+// What to run: the config checked, the mesh, the plan (the one `meshtrain plan` prints), the
+// memory it predicts, and the flight recorder every later collective records into.
+void TrainingRun::plan_run() {
+  int world_size = 1;
+  check_mpi(MPI_Comm_size(comm_, &world_size), "MPI_Comm_size");
+  on_every_rank(comm_, [&] {
+    check_config(config_);
+    require_comm_backend_available(config_.runtime.backend);
+    set_matmul_precision(config_.runtime.matmul_precision);
+    mesh_ = config_.mesh.resolve(world_size);
+    const PlanOptions options = plan_options(config_);
+    plan_ = make_plan(model_parameter_shapes(config_.model), *mesh_, partition_rules(config_),
+                      options, model_linear_layers(config_.model));
+    // The rows' axes (the logical batch's, and the expert axes in an MoE model) and the
+    // features'.
+    layer_axes_ = LayerAxes{options.batch_axes, options.feature_axis};
+    // With the profile the groups choose their reductions by (below).
+    planned_memory_ = meshtrain::planned_memory(config_, *plan_, collective_matmul_hardware());
+    // Every collective from here on goes into the flight recorder ([runtime] flight_records).
+    int world_rank = 0;
+    check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "MPI_Comm_rank");
+    flight_recorder().configure(static_cast<std::size_t>(config_.runtime.flight_records), run_dir(),
+                                world_rank, world_size);
+  });
+}
+
+// The data: every rank opens the data set (or takes the rows given in code) and reads its
+// slice of each global batch; the schedules of training and evaluation, the run's length.
+void TrainingRun::open_data(std::optional<RunData> data) {
+  const bool data_in_code = data.has_value();
+  const int64_t inputs = config_.model.input_width(), outputs = config_.model.output_width();
+  const ModelWidthKeys width_keys = config_.model.kind == ModelKind::residual_mlp
+                                        ? ModelWidthKeys{"model.inputs", "model.outputs"}
+                                        : ModelWidthKeys{};
+  const int64_t global_batch = config_.data.batch_size;  // of one micro-batch
+  accumulation_ = config_.train.accumulation_steps;
+  const int64_t eval_batch = config_.data.eval_batch_size.value_or(global_batch);
+  const char* eval_key = config_.data.eval_batch_size ? "data.eval_batch_size"
+                                                      : "data.batch_size (the evaluation batch)";
+
+  on_every_rank(comm_, [&] {
+    if (data) {
+      check_data_fits_model(data->train, inputs, outputs, width_keys);
+      check_data_fits_model(data->test, inputs, outputs, width_keys);
+      train_source_ = make_memory_source(std::move(data->train));
+      test_source_ = make_memory_source(std::move(data->test));
+    } else {
+      const uint64_t seed = config_.run.seed;
+      train_source_ = open_data_source(config_.data, Split::train, seed, inputs, outputs,
+                                       config_.model.loss, width_keys);
+      test_source_ = open_data_source(config_.data, Split::test, seed, inputs, outputs,
+                                      config_.model.loss, width_keys);
+    }
+    const DataShape& train = train_source_->shape();
+    if (!config_.model.loss) {
+      config_.model.loss = train.classification() ? LossKind::cross_entropy : LossKind::mse;
+    }
+    check_loss_fits_data(*config_.model.loss, config_.data, train);
+    if (config_.data.normalize_targets == Normalize::standard &&
+        *config_.model.loss != LossKind::mse) {
+      MESHTRAIN_BAD_INPUT(config_.file, ": data.normalize_targets = \"standard\" needs regression ",
+                          "targets (model.loss = \"mse\"), but model.loss = \"",
+                          to_string(*config_.model.loss), "\" reads class labels; set ",
+                          "data.normalize_targets = \"none\"");
+    }
+    if (config_.checkpoint.keep_best == EvalMetric::test_accuracy && !train.classification()) {
+      MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"test_accuracy\" needs class ",
+                          "labels, but the ", train.description, " has regression targets; use ",
+                          "\"test_loss\"");
+    }
+    check_loss_fits_data(*config_.model.loss, config_.data, test_source_->shape());
+    if (accumulation_ > 1 && global_batch * accumulation_ > train.num_samples) {
+      MESHTRAIN_BAD_INPUT(config_.file, ": train.accumulation_steps = ", accumulation_,
+                          " x data.batch_size = ", global_batch, " is more than the ",
+                          train.num_samples, " training samples");
+    }
+    // The schedule hands out the global batch of each optimizer step; micro-batch m is
+    // its rows [m * batch_size, +batch_size).
+    schedule_.emplace(train.num_samples, global_batch * accumulation_, config_.data.shuffle,
+                      config_.run.seed, config_.data.block_rows, config_.data.shuffle_window);
+    slice_ = make_batch_slice(*mesh_, rank_, layer_axes_.batch, global_batch);
+    eval_slice_ = make_batch_slice(*mesh_, rank_, layer_axes_.batch, eval_batch, eval_key);
+    eval_schedule_ = EvalSchedule::create(test_source_->shape().num_samples, eval_batch, eval_key);
+    total_steps_ = training_steps(config_, schedule_->steps_per_epoch());
+    if (data_in_code) {  // config.data does not describe it: its rows as they are
+      planned_memory_.data.source = "given in code";
+      planned_memory_.data.source_bytes =
+          train_source_->resident_bytes() + test_source_->resident_bytes();
+      planned_memory_.data.cache_bytes = 0;
+    }
+  });
+}
+
+// The communication backend, the communication thread, the mesh's communicators (each group
+// choosing its reductions) and the layers' parallel context. Collective, the same on every rank.
+void TrainingRun::connect() {
+  std::string backend_note;
+  backend_ = resolve_comm_backend(config_.runtime.backend, comm_, &backend_note);
+  if (!backend_note.empty() && rank_ == 0) warnings_.push_back(backend_note);
+  if (backend_ == CommBackend::mpi) {  // NCCL progresses on its own stream
+    std::string note;
+    const std::string key =
+        config_.file.empty() ? "runtime.comm_thread" : config_.file + ": runtime.comm_thread";
+    if (want_comm_thread(config_.runtime.comm_thread, config_.runtime.overlap, comm_, key, note)) {
+      comm_thread_.emplace();
+    }
+    if (!note.empty() && rank_ == 0) warnings_.push_back(note);
+  }
+  comms_ =
+      std::make_unique<MeshCommunicators>(*mesh_, comm_, prepare_comm_backend(backend_, comm_));
+  if (backend_ == CommBackend::mpi) {
+    // [runtime] reductions, per group (auto: by the --hardware profile; measure: timed now).
+    comms_->set_configure([this, algorithm = config_.runtime.reductions](
+                              Communicator& group, const std::vector<std::string>& axes) {
+      group.set_reduction_choice(
+          choose_reductions(algorithm, group, axes, collective_matmul_hardware()));
+      if (group.size() > 1) {
+        reduction_choices_.push_back(group.description() + ": " +
+                                     meshtrain::describe(group.reduction_choice()));
+      }
+    });
+  }
+  world_ = &comms_->get(all_axes(*mesh_));
+  context_.emplace(*comms_, layer_axes_.batch, layer_axes_.feature,
+                   config_.partition.collective_matmul, config_.runtime.overlap,
+                   config_.runtime.bucket_mb);
+}
+
+// The model, its loss, ZeRO-1, who reduces which gradient, the loss scaler, the optimizer, the
+// clipper and the rate schedule; the evaluation copy of the model for another batch size; the
+// batch buffers. Collective construction, identical on every rank.
+void TrainingRun::build_model() {
+  const int64_t inputs = config_.model.input_width(), outputs = config_.model.output_width();
+  const MixedPrecision precision = config_.mixed_precision.policy();
+  context_->set_precision(precision);
+  model_ = make_model(config_.model, specs_from_plan(*plan_), *context_, slice_.rows);
+  model_->initialize(config_.model.init, config_.run.seed);
+  loss_ = std::make_unique<Loss>(*config_.model.loss, *context_, slice_.rows, outputs,
+                                 model_->output_layout());
+  if (config_.optimizer.zero_stage == 1 && mesh_->has_axis(kZeroAxis) &&
+      mesh_->size_of({kZeroAxis}) > 1) {
+    // ZeRO-1: the gradients the model's plan leaves partial (DP storage, reduce = false) are
+    // reduce-scattered over dp by zero1_ instead of all-reduced by the layer.
+    zero1_ = std::make_unique<Zero1>(model_->parameters(), model_->gradients(),
+                                     model_->gradient_reductions().parameter_groups(),
+                                     comms_->get({kZeroAxis}), precision.reduce);
+  }
+  // Who completes the gradients a layer can leave partial over the batch axes (DP storage),
+  // decided here once: ZeRO-1's reduce-scatter over dp; with accumulation, one all-reduce
+  // per step of the summed micro-batches; else the layers in every backward. The other
+  // gradients (FSDP's reduce-scatter, TP's bias) are reduced by their layer every backward.
+  gradient_reduction_ = zero1_              ? GradientReduction::zero1
+                        : accumulation_ > 1 ? GradientReduction::per_step
+                                            : GradientReduction::in_backward;
+  model_->reserve_reductions(gradient_reduction_);
+  if (precision.needs_loss_scaling()) scaler_ = std::make_unique<LossScaler>(*world_);
+  optimizer_ =
+      std::make_unique<Optimizer>(optimizer_settings(config_.optimizer), updated_parameters());
+  clipper_ = std::make_unique<GradientClipper>(*mesh_, rank_, updated_gradients());
+  const OptimizerSection& opt = config_.optimizer;
+  lr_schedule_ = LrSchedule{opt.schedule, opt.lr, opt.min_lr, opt.warmup_steps, total_steps_};
+  lr_ = static_cast<float>(lr_schedule_.at(0));
+  if (accumulation_ > 1) {
+    for (const ShardedTensor& g : model_->gradients()) {
+      ShardedTensor sum = g;
+      sum.local = Vector(g.name + "/gradient_sum", g.local.extent(0));
+      gradient_sum_.push_back(std::move(sum));
+    }
+  }
+  if (eval_slice_.rows != slice_.rows) {
+    // A forward-only copy of the model for the evaluation batch: it shares the training
+    // model's parameters (and gradients, never written) from its construction on, so only
+    // activations are its own (no second copy of the model, not even while it is built).
+    eval_model_ = make_model(config_.model, specs_from_plan(*plan_), *context_, eval_slice_.rows,
+                             model_.get());
+    eval_loss_ = std::make_unique<Loss>(loss_->kind(), *context_, eval_slice_.rows, outputs,
+                                        eval_model_->output_layout());
+    eval_x_ = Matrix("meshtrain::eval_x", eval_slice_.rows, inputs);
+    if (test_source_->shape().classification()) {
+      eval_labels_ = BatchLabels("meshtrain::eval_labels", eval_slice_.rows);
+    } else {
+      eval_targets_ =
+          Matrix("meshtrain::eval_targets", eval_slice_.rows, test_source_->shape().output_width());
+    }
+  }
+
+  // The metrics of every evaluation batch (layers/eval_metrics.hpp).
+  eval_metrics_ = std::make_unique<EvalMetrics>(loss_->kind(), *context_, eval_slice_.rows, outputs,
+                                                model_->output_layout());
+
+  x_ = Matrix("meshtrain::batch_x", slice_.rows, inputs);
+  if (train_source_->shape().classification()) {
+    labels_ = BatchLabels("meshtrain::batch_labels", slice_.rows);
+  } else {
+    targets_ =
+        Matrix("meshtrain::batch_targets", slice_.rows, train_source_->shape().output_width());
+  }
+}
+
+void TrainingRun::build_checkpoint_view() {
+  // The checkpoint views the live tensors (no copies): a save writes them, a load fills them.
+  checkpoint_.mesh = *mesh_;
+  // A run made in code has no file text: its checkpoints store the config as TOML.
+  if (config_.text.empty()) config_.text = config_to_toml(config_);
+  checkpoint_.config_text = config_.text;
+  checkpointer_ = std::make_unique<Checkpointer>(comm_, config_.checkpoint.async);
+  checkpoint_.params = model_->parameters();
+  for (const std::string& slot : optimizer_->slot_names()) {
+    checkpoint_.opt_state.push_back({slot, optimizer_->slot(slot)});
+  }
+}
+
+// Where the run starts: a checkpoint of its own (resume wins), another run's parameters and
+// statistics (init_from), or the initializer and fresh statistics.
+void TrainingRun::choose_start() {
+  if (config_.checkpoint.resume) resume();
+  if (!resumed_from_ && !config_.checkpoint.init_from.empty()) {
+    try {
+      initialized_from_ = load_model(config_.checkpoint.init_from);
+    } catch (const AgreedError& e) {
+      // The same error on every rank: each adds the key that named the checkpoint.
+      throw AgreedError(Error(e.kind(),
+                              detail::concat(config_.file, ": checkpoint.init_from = '",
+                                             config_.checkpoint.init_from, "': ", e.what()),
+                              e.file(), e.line()));
+    }
+  } else if (!resumed_from_) {
+    compute_statistics();
+  }
+  warn_about_input_scales();
+  const RuntimeSection& rt = config_.runtime;
+  if (rt.traces() && rank_ == 0 &&
+      (rt.trace_first <= steps_done_ || rt.trace_first > total_steps_)) {
+    warnings_.push_back(
+        detail::concat("runtime.trace_steps = [", rt.trace_first, ", ", rt.trace_last,
+                       "] traces nothing: this run ",
+                       rt.trace_first <= steps_done_ ? "resumes after step " : "ends at step ",
+                       rt.trace_first <= steps_done_ ? steps_done_ : total_steps_));
+  }
+}
+
+TrainingRun::~TrainingRun() {
+  if (tracing_) tracer().stop();  // a run that ended inside its trace window writes nothing
+}
+
+// Every rank must see the same data: a node-local copy of another size gives its ranks
+// another schedule, and they would wait for each other in different steps. One reduction
+// at set-up, the same answer on every rank.
+void TrainingRun::agree_on_data_shape() {
+  const DataShape& train = train_source_->shape();
+  const DataShape& test = test_source_->shape();
+  constexpr int kCount = 4;
+  long long low[kCount] = {train.num_samples, train.features, train.output_width(),
+                           test.num_samples};
+  long long high[kCount];
+  std::copy(low, low + kCount, high);
+  all_reduce_collective(low, kCount, MPI_LONG_LONG, MPI_MIN, comm_,
+                        "the agreement on the data's shape");
+  all_reduce_collective(high, kCount, MPI_LONG_LONG, MPI_MAX, comm_,
+                        "the agreement on the data's shape");
+  const char* what[] = {"training rows", "input features", "output width", "test rows"};
+  for (int i = 0; i < kCount; ++i) {
+    if (low[i] == high[i]) continue;
+    throw AgreedError(
+        Error(ErrorKind::bad_input,
+              detail::concat("the ranks do not see the same data: ", what[i], " differ between ",
+                             low[i], " and ", high[i], " (the ", train.description,
+                             " here); every rank must read the same files"),
+              __FILE__, __LINE__));
+  }
+}
+
+// One pass over the training rows, shared by the ranks (normalization_stats.hpp).
+void TrainingRun::compute_statistics() {
+  const bool inputs = config_.data.normalize_inputs == Normalize::standard;
+  const bool targets = config_.data.normalize_targets == Normalize::standard;
+  if (!inputs && !targets) return;
+  const NormalizationStats stats =
+      compute_normalization(*train_source_, inputs, targets, comm_, slice_.rows);
+  normalization_ = stats.normalization;
+  checkpoint_.normalization = normalization_;
+  const std::string note = constant_features_note(stats);
+  if (!note.empty() && rank_ == 0) warnings_.push_back(note);
+}
+
+// Raw inputs of very different scales train badly and silently: rank 0 looks at a sample.
+void TrainingRun::warn_about_input_scales() {
+  if (normalization_.inputs() || rank_ != 0) return;
+  const std::string warning = input_scale_warning(*train_source_, slice_.rows);
+  if (!warning.empty()) warnings_.push_back(warning);
+}
+
+// The reader threads start where the run does (after a resume), so the first batches are
+// being read while the first step is set up.
+void TrainingRun::start_streams() {
+  on_every_rank(comm_, [&] {
+    const int64_t depth = config_.data.prefetch;
+    train_stream_ = std::make_unique<BatchStream>(
+        *train_source_, slice_.rows,
+        [this](int64_t seq, int64_t* rows) {
+          BatchSlice slice = slice_;
+          slice.offset = (seq % accumulation_) * slice_.global_batch;
+          schedule_->slice_samples(seq / accumulation_, slice, rows);
+          return slice.rows;
+        },
+        depth, steps_done_ * accumulation_, normalization_);
+    if (eval_schedule_.num_batches > 0) {
+      // Every evaluation reads the same batches: the sequence goes round them, so the first
+      // batches of the next evaluation are read ahead during training.
+      eval_stream_ = std::make_unique<BatchStream>(
+          *test_source_, eval_slice_.rows,
+          [this](int64_t seq, int64_t* rows) {
+            return eval_slice_samples(eval_schedule_, seq % eval_schedule_.num_batches, eval_slice_,
+                                      rows);
+          },
+          depth, 0, normalization_);
+    }
+  });
+}
+
+int64_t TrainingRun::data_bytes() const {
+  int64_t bytes = train_source_->resident_bytes() + test_source_->resident_bytes();
+  if (train_stream_) bytes += train_stream_->staging_bytes();
+  if (eval_stream_) bytes += eval_stream_->staging_bytes();
+  return bytes;
+}
+
+}  // namespace meshtrain
