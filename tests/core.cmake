@@ -15,4 +15,11 @@ if(Python3_Interpreter_FOUND)
   meshtrain_add_command_test(NAME source_device_lambdas TIMEOUT 30
     COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/source/device_lambdas.py
             ${PROJECT_SOURCE_DIR}/tests ${PROJECT_SOURCE_DIR}/bench)
+  # The rooms of the source tree: no include runs back up (apps -> run -> layers -> framework
+  # -> partition -> base, and inside framework/), and docs/layout.md's picture is the includes'.
+  meshtrain_add_command_test(NAME source_dependencies_selftest TIMEOUT 30
+    COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/source/dependencies.py --self-test)
+  meshtrain_add_command_test(NAME source_dependencies TIMEOUT 30
+    COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/source/dependencies.py
+            ${PROJECT_SOURCE_DIR})
 endif()
