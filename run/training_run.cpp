@@ -1257,6 +1257,7 @@ std::vector<std::string> TrainingRun::describe() const {
   lines.push_back(detail::concat("  compute on ", Kokkos::DefaultExecutionSpace::name(),
                                  ", communication ", to_string(backend_), ", matmul precision ",
                                  to_string(matmul_precision())));
+  lines.push_back("  GEMM: " + gemm_kernels());
   if (config_.optimizer.zero_stage == 1) {
     lines.push_back(zero1_ ? "  optimizer state and update split over dp (ZeRO-1)"
                            : "  optimizer.zero_stage = 1 changes nothing with dp = 1");

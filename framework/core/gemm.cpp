@@ -176,8 +176,10 @@ void check_epilogue(const GemmEpilogue& e, std::size_t m, std::size_t n) {
 
 namespace gemm_backend {
 HostLibrary default_host_library() {
-#if defined(MESHTRAIN_GEMM_ONEDNN)
+#if defined(MESHTRAIN_GEMM_ONEDNN_ALWAYS)
   return HostLibrary::onednn;
+#elif defined(MESHTRAIN_GEMM_ONEDNN)
+  return HostLibrary::by_kernel;
 #else
   return HostLibrary::openblas;
 #endif
@@ -275,7 +277,9 @@ void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs,
   // for them (a no-op on Serial).
   fence_device(MESHTRAIN_LABEL("meshtrain::gemm"));
 #if defined(MESHTRAIN_GEMM_ONEDNN)
-  if (g_host_library == gemm_backend::HostLibrary::onednn) {
+  if (g_host_library == gemm_backend::HostLibrary::onednn ||
+      (g_host_library == gemm_backend::HostLibrary::by_kernel && inputs == Dtype::bf16 &&
+       gemm_backend::onednn_has_native_bf16())) {
     apply_epilogue_left(call, gemm_backend::onednn_gemm(call, g_bf16_kernel));
     return;
   }
@@ -290,8 +294,17 @@ std::string gemm_kernels() {
   }
 #endif
 #if defined(MESHTRAIN_GEMM_ONEDNN)
-  if (g_host_library == gemm_backend::HostLibrary::onednn)
+  if (g_host_library == gemm_backend::HostLibrary::onednn) {
     return gemm_backend::onednn_description();
+  }
+  if (g_host_library == gemm_backend::HostLibrary::by_kernel) {
+    if (gemm_backend::onednn_has_native_bf16()) {
+      return "bf16: " + gemm_backend::onednn_description() +
+             "; fp32 and fp16: " + gemm_backend::cblas_description();
+    }
+    return gemm_backend::cblas_description() + " (" + gemm_backend::onednn_name() +
+           " unused: no AVX512_BF16)";
+  }
 #endif
   return gemm_backend::cblas_description();
 }

@@ -3,12 +3,14 @@
 // space, with transposes as flags (never materialized), and an optional epilogue (bias,
 // activation; for backward the activation's derivative and the bias gradient) fused into
 // the GEMM where the library can. The implementation follows the memory space and the build:
-//   host memory   oneDNN matmul with post-ops (-DMESHTRAIN_CPU_GEMM=onednn, the default when
-//                 oneDNN is found) or CBLAS (OpenBLAS; -DMESHTRAIN_CPU_GEMM=openblas)
+//   host memory   oneDNN matmul with post-ops, or CBLAS (OpenBLAS) and one pass for the
+//                 epilogue: MESHTRAIN_CPU_GEMM=auto (the default) takes oneDNN for bf16 GEMMs
+//                 on CPUs with bf16 instructions and OpenBLAS for the rest; =onednn and
+//                 =openblas take one library for everything (docs/design.md, GEMM)
 //   CUDA memory   cuBLAS, and cuBLASLt with its epilogues when there is one (one handle
 //                 each, on the stream of Kokkos' default execution space, made on first
 //                 use and destroyed by Kokkos::finalize)
-// gemm_kernels() names what this process uses ("oneDNN 2.6.3 avx512_core_vnni, 1 thread").
+// gemm_kernels() names what this process uses (the library, oneDNN's ISA, the threads).
 //
 //   gemm(plain(x), plain(w), 0.0f, y);                       // y = x @ w
 //   gemm(transposed(x), plain(dy), 0.0f, dw);                // dw = xᵀ @ dy
@@ -114,10 +116,12 @@ struct GemmEpilogue {
 void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs = Dtype::fp32,
           const GemmEpilogue& epilogue = {});
 
-// The kernels gemm() runs on host memory in this process, for the run's opening lines:
-// "oneDNN 2.6.3 avx512_core_vnni (bf16 inputs: fp32 kernel, no AVX512_BF16), 1 thread",
-// "OpenBLAS 0.3.21 SkylakeX, 1 thread"; a CUDA build adds "; cuBLAS 13.0 and cuBLASLt on
-// CUDA memory". Call after Kokkos::initialize.
+// The kernels gemm() runs in this process, for the run's opening lines, e.g.
+//   "bf16: oneDNN 2.6.3 avx512_core_bf16, 1 thread; fp32 and fp16: OpenBLAS 0.3.21 SkylakeX,
+//    1 thread"
+//   "OpenBLAS 0.3.21 SkylakeX, 1 thread (oneDNN 2.6.3 avx512_core_vnni unused: no AVX512_BF16)"
+//   "oneDNN 2.6.3 avx512_core_vnni (bf16 inputs: fp32 kernel, no AVX512_BF16), 1 thread"
+//   "cuBLAS 13.1 (cuBLASLt epilogues: ...)" in a CUDA build. Call after Kokkos::initialize.
 std::string gemm_kernels();
 
 }  // namespace meshtrain

@@ -211,6 +211,7 @@ std::vector<Path> paths_for(Dtype dtype) {
   }
   std::vector<Path> paths{{"openblas", HostLibrary::openblas, Bf16Kernel::automatic}};
 #if defined(MESHTRAIN_GEMM_ONEDNN)
+  paths.push_back({"by kernel", HostLibrary::by_kernel, Bf16Kernel::automatic});
   paths.push_back({"onednn", HostLibrary::onednn, Bf16Kernel::automatic});
   if (dtype == Dtype::bf16) {
     paths.push_back({"onednn fp32 kernel", HostLibrary::onednn, Bf16Kernel::fp32});
@@ -520,11 +521,17 @@ TEST(Gemm, KernelsAreNamed) {
     return;
   }
 #if defined(MESHTRAIN_GEMM_ONEDNN)
-  EXPECT_EQ(text.rfind("oneDNN 2.", 0), 0u) << text;
+  // oneDNN and its ISA are named whether it takes the bf16 GEMMs or (no bf16 instructions)
+  // none of them under MESHTRAIN_CPU_GEMM=auto.
+  EXPECT_NE(text.find("oneDNN 2."), std::string::npos) << text;
   EXPECT_NE(text.find("avx"), std::string::npos) << "no ISA named: " << text;  // x86-64 here
   EXPECT_EQ(gemm_backend::onednn_has_native_bf16(),
             text.find("no AVX512_BF16") == std::string::npos)
       << text;
+  gemm_backend::select_host_library(HostLibrary::onednn);
+  const std::string onednn = gemm_kernels();
+  EXPECT_EQ(onednn.rfind("oneDNN 2.", 0), 0u) << onednn;
+  EXPECT_NE(onednn.find(", 1 thread"), std::string::npos) << onednn;
 #else
   EXPECT_EQ(text.rfind("OpenBLAS", 0), 0u) << text;
 #endif

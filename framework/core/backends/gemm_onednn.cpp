@@ -369,16 +369,17 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
   return left;
 }
 
-std::string onednn_description() {
+std::string onednn_name() {
   const dnnl_version_t* version = dnnl_version();
-  const dnnl_cpu_isa_t isa = effective_isa();
-  std::string text = "oneDNN " + std::to_string(version->major) + "." +
-                     std::to_string(version->minor) + "." + std::to_string(version->patch) + " " +
-                     isa_name(isa);
+  return "oneDNN " + std::to_string(version->major) + "." + std::to_string(version->minor) + "." +
+         std::to_string(version->patch) + " " + isa_name(effective_isa());
+}
+
+std::string onednn_description() {
+  std::string text = onednn_name();
   if (!onednn_has_native_bf16()) text += " (bf16 inputs: fp32 kernel, no AVX512_BF16)";
   const int threads = openmp_threads();
-  text += ", " + std::to_string(threads) + (threads == 1 ? " thread" : " threads");
-  return text;
+  return text + ", " + std::to_string(threads) + (threads == 1 ? " thread" : " threads");
 }
 
 }  // namespace meshtrain::gemm_backend
