@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstddef>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -25,8 +26,17 @@ namespace meshtrain {
 namespace {
 
 MatmulPrecision g_matmul_precision = MatmulPrecision::fp32;
-gemm_backend::HostLibrary g_host_library = gemm_backend::default_host_library();
+// The host library (gemm_backend::select_host_library); unset until the first use.
+bool g_host_library_set = false;
+gemm_backend::HostLibrary g_host_library = gemm_backend::HostLibrary::openblas;
 gemm_backend::Bf16Kernel g_bf16_kernel = gemm_backend::Bf16Kernel::automatic;
+
+gemm_backend::HostLibrary host_library() {
+  if (!g_host_library_set) {
+    gemm_backend::select_host_library(gemm_backend::default_host_library());
+  }
+  return g_host_library;
+}
 
 // BLAS takes int extents and leading dimensions.
 int blas_int(std::size_t value, const char* what) {
@@ -176,6 +186,24 @@ void check_epilogue(const GemmEpilogue& e, std::size_t m, std::size_t n) {
 
 namespace gemm_backend {
 HostLibrary default_host_library() {
+  // The environment's MESHTRAIN_CPU_GEMM overrides the build's choice in a build with oneDNN:
+  // to run a program or the tests through another library without rebuilding.
+  if (const char* text = std::getenv("MESHTRAIN_CPU_GEMM"); text != nullptr && *text != '\0') {
+    const std::string name(text);
+#if defined(MESHTRAIN_GEMM_ONEDNN)
+    if (name == "auto") return HostLibrary::by_kernel;
+    if (name == "onednn") return HostLibrary::onednn;
+#endif
+    if (name == "openblas") return HostLibrary::openblas;
+#if defined(MESHTRAIN_GEMM_ONEDNN)
+    MESHTRAIN_BAD_INPUT("the environment's MESHTRAIN_CPU_GEMM = '", name,
+                        "' is not one of auto | onednn | openblas");
+#else
+    MESHTRAIN_BAD_INPUT("the environment's MESHTRAIN_CPU_GEMM = '", name,
+                        "': this build has OpenBLAS only (no oneDNN found, or "
+                        "-DMESHTRAIN_CPU_GEMM=openblas)");
+#endif
+  }
 #if defined(MESHTRAIN_GEMM_ONEDNN_ALWAYS)
   return HostLibrary::onednn;
 #elif defined(MESHTRAIN_GEMM_ONEDNN)
@@ -192,10 +220,11 @@ void select_host_library(HostLibrary library, Bf16Kernel bf16_kernel) {
 #endif
   g_host_library = library;
   g_bf16_kernel = bf16_kernel;
+  g_host_library_set = true;
 }
 
 HostLibrary selected_host_library() {
-  return g_host_library;
+  return host_library();
 }
 
 EpilogueLeft whole_epilogue(const RowMajorGemm& call) {
@@ -277,8 +306,9 @@ void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs,
   // for them (a no-op on Serial).
   fence_device(MESHTRAIN_LABEL("meshtrain::gemm"));
 #if defined(MESHTRAIN_GEMM_ONEDNN)
-  if (g_host_library == gemm_backend::HostLibrary::onednn ||
-      (g_host_library == gemm_backend::HostLibrary::by_kernel && inputs == Dtype::bf16 &&
+  const gemm_backend::HostLibrary library = host_library();
+  if (library == gemm_backend::HostLibrary::onednn ||
+      (library == gemm_backend::HostLibrary::by_kernel && inputs == Dtype::bf16 &&
        gemm_backend::onednn_has_native_bf16())) {
     apply_epilogue_left(call, gemm_backend::onednn_gemm(call, g_bf16_kernel));
     return;
@@ -294,10 +324,11 @@ std::string gemm_kernels() {
   }
 #endif
 #if defined(MESHTRAIN_GEMM_ONEDNN)
-  if (g_host_library == gemm_backend::HostLibrary::onednn) {
+  const gemm_backend::HostLibrary library = host_library();
+  if (library == gemm_backend::HostLibrary::onednn) {
     return gemm_backend::onednn_description();
   }
-  if (g_host_library == gemm_backend::HostLibrary::by_kernel) {
+  if (library == gemm_backend::HostLibrary::by_kernel) {
     if (gemm_backend::onednn_has_native_bf16()) {
       return "bf16: " + gemm_backend::onednn_description() +
              "; fp32 and fp16: " + gemm_backend::cblas_description();

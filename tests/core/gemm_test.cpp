@@ -34,6 +34,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <iomanip>
 #include <limits>
 #include <random>
@@ -568,6 +569,28 @@ TEST(Gemm, EmptySumsStillApplyTheEpilogue) {
     gemm(plain(no_rows_a.view()), plain(b5.view()), 0.0f, no_rows, Dtype::fp32,
          GemmEpilogue::backward(Activation::relu, z, db));
     for (float v : read_vector(db)) EXPECT_EQ(v, 0.0f) << path.name;
+  }
+}
+
+// The environment's MESHTRAIN_CPU_GEMM picks the host library without a rebuild; a name that
+// is none of them is bad input naming it.
+TEST(Gemm, TheEnvironmentPicksTheHostLibrary) {
+  const char* before = std::getenv("MESHTRAIN_CPU_GEMM");
+  const std::string saved = before != nullptr ? before : "";
+  setenv("MESHTRAIN_CPU_GEMM", "openblas", 1);
+  EXPECT_EQ(gemm_backend::default_host_library(), HostLibrary::openblas);
+#if defined(MESHTRAIN_GEMM_ONEDNN)
+  setenv("MESHTRAIN_CPU_GEMM", "onednn", 1);
+  EXPECT_EQ(gemm_backend::default_host_library(), HostLibrary::onednn);
+  setenv("MESHTRAIN_CPU_GEMM", "auto", 1);
+  EXPECT_EQ(gemm_backend::default_host_library(), HostLibrary::by_kernel);
+#endif
+  setenv("MESHTRAIN_CPU_GEMM", "mkl", 1);
+  expect_bad_input([] { gemm_backend::default_host_library(); }, {"MESHTRAIN_CPU_GEMM = 'mkl'"});
+  if (before != nullptr) {
+    setenv("MESHTRAIN_CPU_GEMM", saved.c_str(), 1);
+  } else {
+    unsetenv("MESHTRAIN_CPU_GEMM");
   }
 }
 
