@@ -29,12 +29,9 @@ endif()
 
 # --- GEMM: oneDNN or CBLAS (OpenBLAS) on host memory, cuBLAS/cuBLASLt on CUDA memory -------
 # MESHTRAIN_CPU_GEMM picks the library of gemm() on host memory (framework/core/gemm.hpp):
-#   auto      where oneDNN 2.6 or later is found (Debian: libdnnl-dev): bf16 GEMMs through
-#             oneDNN's bf16 matmul where the CPU has bf16 instructions (decided at run time),
-#             everything else through OpenBLAS (faster than oneDNN 2.6's fp32 matmul on the
-#             steps' GEMMs here, and fp32 results unchanged); without oneDNN, OpenBLAS
-#   onednn    everything through oneDNN's matmul (fused bias and activation post-ops, bf16
-#             kernels on AVX512_BF16); configuring fails without it
+#   auto      oneDNN 2.6 or later where found (Debian: libdnnl-dev), else OpenBLAS
+#   onednn    oneDNN matmul (fused bias and activation post-ops, bf16 kernels on AVX512_BF16);
+#             configuring fails without it
 #   openblas  cblas_sgemm; oneDNN is not used at all
 # OpenBLAS is linked in every build (the benchmarks compare against it; other code calls it).
 # A build with a CUDA Kokkos multiplies on the GPU only, so it uses no oneDNN.
@@ -81,16 +78,10 @@ if(NOT MESHTRAIN_KOKKOS_CUDA AND NOT MESHTRAIN_CPU_GEMM STREQUAL "openblas")
     set(MESHTRAIN_GEMM_ONEDNN ON)
     target_include_directories(meshtrain_blas SYSTEM INTERFACE ${MESHTRAIN_ONEDNN_INCLUDE_DIR})
     target_link_libraries(meshtrain_blas INTERFACE ${MESHTRAIN_ONEDNN_LIBRARY} ${CMAKE_DL_LIBS})
-    target_compile_definitions(meshtrain_blas INTERFACE MESHTRAIN_GEMM_ONEDNN=1
-                               $<$<STREQUAL:${MESHTRAIN_CPU_GEMM},onednn>:MESHTRAIN_GEMM_ONEDNN_ALWAYS=1>)
-    if(MESHTRAIN_CPU_GEMM STREQUAL "onednn")
-      message(STATUS "meshtrain: GEMM on host memory through oneDNN ${dnnl_VERSION} "
-                     "(${MESHTRAIN_ONEDNN_LIBRARY}; its ISA is chosen at run time)")
-    else()
-      message(STATUS "meshtrain: GEMM on host memory through oneDNN ${dnnl_VERSION} for bf16 "
-                     "where the CPU has bf16 instructions (AVX512_BF16, AMX), OpenBLAS for the "
-                     "rest (MESHTRAIN_CPU_GEMM=auto; =onednn sends everything to oneDNN)")
-    endif()
+    target_compile_definitions(meshtrain_blas INTERFACE MESHTRAIN_GEMM_ONEDNN=1)
+    message(STATUS "meshtrain: GEMM on host memory through oneDNN ${dnnl_VERSION} "
+                   "(${MESHTRAIN_ONEDNN_LIBRARY}, MESHTRAIN_CPU_GEMM=${MESHTRAIN_CPU_GEMM}; "
+                   "its ISA is chosen at run time; =openblas for OpenBLAS)")
   else()
     message(STATUS "meshtrain: GEMM on host memory through OpenBLAS (oneDNN not found: "
                    "apt-get install libdnnl-dev, or scripts/setup)")

@@ -1257,11 +1257,11 @@ std::vector<std::string> TrainingRun::describe() const {
   lines.push_back(detail::concat("  compute on ", Kokkos::DefaultExecutionSpace::name(),
                                  ", communication ", to_string(backend_), ", matmul precision ",
                                  to_string(matmul_precision())));
-  lines.push_back("  GEMM: " + gemm_kernels());
   if (config_.optimizer.zero_stage == 1) {
     lines.push_back(zero1_ ? "  optimizer state and update split over dp (ZeRO-1)"
                            : "  optimizer.zero_stage = 1 changes nothing with dp = 1");
   }
+  lines.push_back("  GEMM: " + gemm_kernels());
   const DataShape& data = train_source_->shape();
   lines.push_back(detail::concat("  data: ", data.description, ", ", data.num_samples,
                                  " rows, order ", schedule_->order().name(), ", ",

@@ -191,8 +191,9 @@ HostLibrary default_host_library() {
   if (const char* text = std::getenv("MESHTRAIN_CPU_GEMM"); text != nullptr && *text != '\0') {
     const std::string name(text);
 #if defined(MESHTRAIN_GEMM_ONEDNN)
-    if (name == "auto") return HostLibrary::by_kernel;
-    if (name == "onednn") return HostLibrary::onednn;
+    if (name == "auto" || name == "onednn") return HostLibrary::onednn;
+#else
+    if (name == "auto") return HostLibrary::openblas;
 #endif
     if (name == "openblas") return HostLibrary::openblas;
 #if defined(MESHTRAIN_GEMM_ONEDNN)
@@ -204,10 +205,8 @@ HostLibrary default_host_library() {
                         "-DMESHTRAIN_CPU_GEMM=openblas)");
 #endif
   }
-#if defined(MESHTRAIN_GEMM_ONEDNN_ALWAYS)
+#if defined(MESHTRAIN_GEMM_ONEDNN)
   return HostLibrary::onednn;
-#elif defined(MESHTRAIN_GEMM_ONEDNN)
-  return HostLibrary::by_kernel;
 #else
   return HostLibrary::openblas;
 #endif
@@ -307,9 +306,7 @@ void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs,
   fence_device(MESHTRAIN_LABEL("meshtrain::gemm"));
 #if defined(MESHTRAIN_GEMM_ONEDNN)
   const gemm_backend::HostLibrary library = host_library();
-  if (library == gemm_backend::HostLibrary::onednn ||
-      (library == gemm_backend::HostLibrary::by_kernel && inputs == Dtype::bf16 &&
-       gemm_backend::onednn_has_native_bf16())) {
+  if (library == gemm_backend::HostLibrary::onednn) {
     apply_epilogue_left(call, gemm_backend::onednn_gemm(call, g_bf16_kernel));
     return;
   }
@@ -327,14 +324,6 @@ std::string gemm_kernels() {
   const gemm_backend::HostLibrary library = host_library();
   if (library == gemm_backend::HostLibrary::onednn) {
     return gemm_backend::onednn_description();
-  }
-  if (library == gemm_backend::HostLibrary::by_kernel) {
-    if (gemm_backend::onednn_has_native_bf16()) {
-      return "bf16: " + gemm_backend::onednn_description() +
-             "; fp32 and fp16: " + gemm_backend::cblas_description();
-    }
-    return gemm_backend::cblas_description() + " (" + gemm_backend::onednn_name() +
-           " unused: no AVX512_BF16)";
   }
 #endif
   return gemm_backend::cblas_description();

@@ -3,10 +3,9 @@
 // space, with transposes as flags (never materialized), and an optional epilogue (bias,
 // activation; for backward the activation's derivative and the bias gradient) fused into
 // the GEMM where the library can. The implementation follows the memory space and the build:
-//   host memory   oneDNN matmul with post-ops, or CBLAS (OpenBLAS) and one pass for the
-//                 epilogue: MESHTRAIN_CPU_GEMM=auto (the default) takes oneDNN for bf16 GEMMs
-//                 on CPUs with bf16 instructions and OpenBLAS for the rest; =onednn and
-//                 =openblas take one library for everything (docs/design.md, GEMM)
+//   host memory   oneDNN matmul with post-ops (MESHTRAIN_CPU_GEMM=auto, the default, where
+//                 oneDNN is found; =onednn) or CBLAS (OpenBLAS) and one pass for the epilogue
+//                 (=openblas, or no oneDNN); docs/design.md, GEMM
 //   CUDA memory   cuBLAS, and cuBLASLt with its epilogues when there is one (one handle
 //                 each, on the stream of Kokkos' default execution space, made on first
 //                 use and destroyed by Kokkos::finalize)
@@ -117,10 +116,8 @@ void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs =
           const GemmEpilogue& epilogue = {});
 
 // The kernels gemm() runs in this process, for the run's opening lines, e.g.
-//   "bf16: oneDNN 2.6.3 avx512_core_bf16, 1 thread; fp32 and fp16: OpenBLAS 0.3.21 SkylakeX,
-//    1 thread"
-//   "OpenBLAS 0.3.21 SkylakeX, 1 thread (oneDNN 2.6.3 avx512_core_vnni unused: no AVX512_BF16)"
 //   "oneDNN 2.6.3 avx512_core_vnni (bf16 inputs: fp32 kernel, no AVX512_BF16), 1 thread"
+//   "OpenBLAS 0.3.21 SkylakeX, 1 thread"
 //   "cuBLAS 13.1 (cuBLASLt epilogues: ...)" in a CUDA build. Call after Kokkos::initialize.
 std::string gemm_kernels();
 

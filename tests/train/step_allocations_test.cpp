@@ -13,16 +13,12 @@
 // Kokkos allocations (any memory space) are counted through Kokkos' allocate-data tool
 // callback over the same steps. MESHTRAIN_TRACE_ALLOCATIONS=N prints the call stacks of
 // the first N counted heap allocations.
-// One exception, outside meshtrain's reach: oneDNN (gemm() on host memory,
-// framework/core/backends/gemm_onednn.cpp) allocates a few small blocks inside every matmul
-// execution (its execution context: 8 per call in 2.6.3), which no call of its API avoids.
-// Allocations whose call stack passes through libdnnl's code are counted apart and printed,
-// not failed; everything meshtrain allocates itself, the GEMM's primitives, memory objects and
-// scratch included, is still counted.
+// One exception, outside meshtrain's reach: oneDNN's matmul allocates a few small blocks inside
+// every execution; those are counted apart and printed, not failed
+// (tests/onednn_allocations.hpp).
 
 #include <execinfo.h>
 #include <gtest/gtest.h>
-#include <link.h>
 #include <mpi.h>
 
 #include <Kokkos_Core.hpp>
@@ -46,6 +42,7 @@
 #include "framework/io/checkpoint_testing.hpp"
 #include "run/training_run.hpp"
 #include "tests/data/hdf5_test_files.hpp"
+#include "tests/onednn_allocations.hpp"
 #include "tests/test_support.hpp"
 
 // --- counting operator new: counts while g_window_open is set -------------------------
@@ -68,34 +65,7 @@ void count_kokkos_allocation(Kokkos::Profiling::SpaceHandle, const char*, const 
 int g_trace_left = 0;
 bool g_tracing = false;  // no counting while a trace is printed
 
-// The executable code of libdnnl, where it is loaded (found once, before any window opens).
-uintptr_t g_onednn_begin = 0, g_onednn_end = 0;
 std::atomic<long> g_onednn_allocations{0};  // made inside oneDNN while a window is open
-
-int find_onednn(dl_phdr_info* info, std::size_t, void*) {
-  if (info->dlpi_name == nullptr || std::strstr(info->dlpi_name, "libdnnl") == nullptr) return 0;
-  for (int i = 0; i < info->dlpi_phnum; ++i) {
-    const ElfW(Phdr)& segment = info->dlpi_phdr[i];
-    if (segment.p_type != PT_LOAD || (segment.p_flags & PF_X) == 0) continue;
-    g_onednn_begin = info->dlpi_addr + segment.p_vaddr;
-    g_onednn_end = g_onednn_begin + segment.p_memsz;
-    return 1;
-  }
-  return 0;
-}
-
-// Whether the allocation being made comes from oneDNN's code (a frame of its call stack lies
-// in libdnnl). backtrace() allocates only at its first call, made before any window opens.
-bool made_by_onednn() {
-  if (g_onednn_begin == 0) return false;
-  void* frames[32];
-  const int depth = backtrace(frames, 32);
-  for (int i = 0; i < depth; ++i) {
-    const auto address = reinterpret_cast<uintptr_t>(frames[i]);
-    if (address >= g_onednn_begin && address < g_onednn_end) return true;
-  }
-  return false;
-}
 
 void on_allocation(std::size_t bytes) {
   if (!g_window_open.load(std::memory_order_relaxed) || g_tracing) return;
@@ -103,7 +73,7 @@ void on_allocation(std::size_t bytes) {
       std::this_thread::get_id() != g_counted_thread) {
     return;
   }
-  if (made_by_onednn()) {
+  if (meshtrain::testing::allocation_made_by_onednn()) {
     g_onednn_allocations.fetch_add(1, std::memory_order_relaxed);
     return;
   }
@@ -201,7 +171,7 @@ void count_ring_buffer(Kokkos::Profiling::SpaceHandle, const char* label, const 
 class OneDnnAllocationReport : public ::testing::Environment {
  public:
   void TearDown() override {
-    if (g_onednn_begin != 0 && world_rank() == 0) {
+    if (testing::g_onednn_code_begin != 0 && world_rank() == 0) {
       std::printf(
           "oneDNN allocated %ld blocks inside the counted steps (its execution context; "
           "not counted)\n",
@@ -214,13 +184,7 @@ const auto* const g_onednn_report = ::testing::AddGlobalTestEnvironment(new OneD
 class AllocationWindow {
  public:
   AllocationWindow() {
-    static const bool onednn_found = [] {
-      void* warm_up[4];
-      backtrace(warm_up, 4);  // loads the unwinder now, not inside a window
-      dl_iterate_phdr(find_onednn, nullptr);
-      return g_onednn_begin != 0;
-    }();
-    (void)onednn_found;
+    testing::find_onednn_code();  // before the window opens: it allocates at its first call
     const char* trace = std::getenv("MESHTRAIN_TRACE_ALLOCATIONS");
     g_trace_left = trace != nullptr ? std::atoi(trace) : 0;
     g_allocations = 0;

@@ -64,15 +64,11 @@ std::string cblas_description();
 // the others force one (tests, benchmarks: oneDNN emulates bf16 on plain AVX-512, slowly).
 enum class Bf16Kernel { automatic, bf16, fp32 };
 
-// The library gemm() calls on host memory. by_kernel (MESHTRAIN_CPU_GEMM=auto with oneDNN) sends
-// bf16 GEMMs to oneDNN's bf16 matmul where the CPU has bf16 instructions and everything else to
-// OpenBLAS: oneDNN 2.6's fp32 matmul is slower than OpenBLAS's sgemm on the GEMMs of a
-// training step without them (0.6x for x @ W on AVX-512; docs/design.md, GEMM), and fp32
-// results stay those of OpenBLAS. onednn and openblas send everything to one library. The
-// build's choice unless a test or benchmark selects another to compare them in one process;
-// process-wide, not thread-safe: select before the GEMMs. onednn and by_kernel exist only
-// where MESHTRAIN_GEMM_ONEDNN is defined.
-enum class HostLibrary { openblas, onednn, by_kernel };
+// The library gemm() calls on host memory: the build's (MESHTRAIN_CPU_GEMM: oneDNN where found)
+// or the environment's MESHTRAIN_CPU_GEMM, unless a test or benchmark selects another to compare
+// them in one process. Process-wide, not thread-safe: select before the GEMMs. onednn exists
+// only where MESHTRAIN_GEMM_ONEDNN is defined.
+enum class HostLibrary { openblas, onednn };
 void select_host_library(HostLibrary library, Bf16Kernel bf16_kernel = Bf16Kernel::automatic);
 HostLibrary selected_host_library();
 // The build's choice.

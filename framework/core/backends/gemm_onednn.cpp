@@ -1,14 +1,17 @@
 // gemm() on host memory through oneDNN's matmul primitive (built when MESHTRAIN_GEMM_ONEDNN:
-// -DMESHTRAIN_CPU_GEMM=onednn, the default where oneDNN is found).
+// MESHTRAIN_CPU_GEMM=auto or onednn where oneDNN 2.6 or later is found).
 //
 // One CPU engine and one stream for the process. A primitive is made for each distinct
-// (shape, strides, transposes, kernel dtype, bias, activation, beta) at its first call and
-// kept, with its memory objects, in a table on the heap (as cuBLAS keeps its handle): the
-// steps of a training run repeat their shapes, so only the first step makes any. Each call
-// then only points the memory objects at this call's buffers and executes the primitive
-// through oneDNN's C API (no argument map of ours). oneDNN itself allocates a few small
-// blocks on the heap inside every execution (its execution context: 8 per call in 2.6.3);
-// tests/train/step_allocations_test.cpp counts them apart (docs/design.md, GEMM).
+// (N, transposes, kernel dtype, bias, activation, beta) at its first call and kept in a table
+// on the heap (as cuBLAS keeps its handle). M, K and the row strides are runtime dimensions
+// (DNNL_RUNTIME_DIM_VAL): one primitive serves every batch size and every number of rows an
+// MoE expert receives, and oneDNN 2.6 then takes its gemm-based kernel ("gemm:jit"), which
+// runs the GEMMs of a training step as fast as OpenBLAS's sgemm or faster here, while its
+// brgemm kernel, which it takes for fixed shapes, copies a plain B into its blocked layout at
+// every call (0.6x of OpenBLAS for x @ W; docs/design.md, GEMM). Each call describes its
+// operands through oneDNN's C API (memory objects made and destroyed inside oneDNN, none of
+// ours) and executes the primitive: oneDNN allocates a few small blocks on the heap inside
+// every execution, which no call of its API avoids (tests/onednn_allocations.hpp).
 // Scratchpads are ours (scratchpad_mode::user): one buffer, grown to the largest primitive's
 // need and shared, since calls are serialized.
 //
@@ -49,10 +52,9 @@ namespace {
 using DataType = dnnl::memory::data_type;
 using Dims = dnnl::memory::dims;
 
-// What a primitive is made for: everything but the buffers' addresses.
+// What a primitive is made for: everything but M, K, the row strides and the buffers.
 struct PrimitiveKey {
-  int m = 0, n = 0, k = 0;
-  int lda = 0, ldb = 0, ldc = 0;
+  int n = 0;
   bool transpose_a = false, transpose_b = false;
   bool bf16 = false;  // the bf16 matmul on bf16 copies (else fp32)
   bool bias = false;
@@ -60,17 +62,16 @@ struct PrimitiveKey {
   uint32_t beta_bits = 0;  // beta, bit for bit (0: no sum post-op)
 
   bool operator==(const PrimitiveKey& o) const {
-    return m == o.m && n == o.n && k == o.k && lda == o.lda && ldb == o.ldb && ldc == o.ldc &&
-           transpose_a == o.transpose_a && transpose_b == o.transpose_b && bf16 == o.bf16 &&
-           bias == o.bias && activation == o.activation && beta_bits == o.beta_bits;
+    return n == o.n && transpose_a == o.transpose_a && transpose_b == o.transpose_b &&
+           bf16 == o.bf16 && bias == o.bias && activation == o.activation &&
+           beta_bits == o.beta_bits;
   }
 };
 
 struct PrimitiveKeyHash {
   std::size_t operator()(const PrimitiveKey& key) const {
-    std::size_t h = 0;
+    std::size_t h = std::hash<int>()(key.n);
     const auto mix = [&h](std::size_t v) { h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
-    for (int v : {key.m, key.n, key.k, key.lda, key.ldb, key.ldc}) mix(std::hash<int>()(v));
     mix(static_cast<std::size_t>(key.transpose_a) |
         (static_cast<std::size_t>(key.transpose_b) << 1) |
         (static_cast<std::size_t>(key.bf16) << 2) | (static_cast<std::size_t>(key.bias) << 3) |
@@ -80,12 +81,14 @@ struct PrimitiveKeyHash {
   }
 };
 
-// A primitive and the memory objects its calls point at their buffers.
+// A primitive and the memory objects of its fixed-shape arguments.
 struct Primitive {
   dnnl::matmul matmul;
-  dnnl::memory a, b, c, bias, scratchpad;
+  dnnl::memory bias, scratchpad;
   std::size_t scratchpad_bytes = 0;
 };
+
+constexpr dnnl_dim_t kRuntime = DNNL_RUNTIME_DIM_VAL;
 
 dnnl::algorithm eltwise_of(Activation activation, float& alpha) {
   alpha = 0.0f;
@@ -109,9 +112,9 @@ dnnl::algorithm eltwise_of(Activation activation, float& alpha) {
   MESHTRAIN_FAIL("gemm (oneDNN): no eltwise post-op for activation ", to_string(activation));
 }
 
-// The strides of a row-major matrix stored [rows, cols] with row stride ld, seen as op(X):
-// its transpose swaps them.
-Dims op_strides(int ld, bool transpose) {
+// The strides of a row-major matrix stored with row stride ld, seen as op(X): its transpose
+// swaps them.
+Dims op_strides(dnnl_dim_t ld, bool transpose) {
   return transpose ? Dims{1, ld} : Dims{ld, 1};
 }
 
@@ -169,9 +172,11 @@ const uint16_t* bf16_copy(const float* data, int rows, int cols, int ld, HostBit
 
 std::unique_ptr<Primitive> make_primitive(OneDnn& state, const PrimitiveKey& key) {
   const DataType operand = key.bf16 ? DataType::bf16 : DataType::f32;
-  const dnnl::memory::desc a_md({key.m, key.k}, operand, op_strides(key.lda, key.transpose_a));
-  const dnnl::memory::desc b_md({key.k, key.n}, operand, op_strides(key.ldb, key.transpose_b));
-  const dnnl::memory::desc c_md({key.m, key.n}, DataType::f32, Dims{key.ldc, 1});
+  // M, K and the row strides at run time; N fixed (bias, post-ops).
+  const dnnl::memory::desc a_md({kRuntime, kRuntime}, operand,
+                                op_strides(kRuntime, key.transpose_a));
+  const dnnl::memory::desc b_md({kRuntime, key.n}, operand, op_strides(kRuntime, key.transpose_b));
+  const dnnl::memory::desc c_md({kRuntime, key.n}, DataType::f32, Dims{kRuntime, 1});
   const dnnl::memory::desc bias_md({1, key.n}, DataType::f32, Dims{key.n, 1});
   dnnl::post_ops post_ops;
   float beta = 0.0f;
@@ -191,9 +196,6 @@ std::unique_ptr<Primitive> make_primitive(OneDnn& state, const PrimitiveKey& key
   auto made = std::make_unique<Primitive>();
   made->matmul = dnnl::matmul(pd);
   // Memory objects on no buffer yet (DNNL_MEMORY_NONE): each call sets its own.
-  made->a = dnnl::memory(a_md, state.engine, DNNL_MEMORY_NONE);
-  made->b = dnnl::memory(b_md, state.engine, DNNL_MEMORY_NONE);
-  made->c = dnnl::memory(c_md, state.engine, DNNL_MEMORY_NONE);
   if (key.bias) made->bias = dnnl::memory(bias_md, state.engine, DNNL_MEMORY_NONE);
   made->scratchpad_bytes = pd.scratchpad_desc().get_size();
   made->scratchpad = dnnl::memory(pd.scratchpad_desc(), state.engine, DNNL_MEMORY_NONE);
@@ -205,6 +207,30 @@ void check(dnnl_status_t status, const char* call) {
     MESHTRAIN_FAIL("gemm (oneDNN): ", call, " failed with status ", static_cast<int>(status));
   }
 }
+
+// A memory object of this call's shape on `data`, made and destroyed through the C API (what it
+// allocates, oneDNN allocates).
+class CallMemory {
+ public:
+  CallMemory(const OneDnn& state, dnnl_dim_t rows, dnnl_dim_t cols, const Dims& strides,
+             DataType type, const void* data) {
+    dnnl_memory_desc_t md;
+    const dnnl_dims_t dims = {rows, cols};
+    const dnnl_dims_t stride = {strides[0], strides[1]};
+    check(
+        dnnl_memory_desc_init_by_strides(&md, 2, dims, static_cast<dnnl_data_type_t>(type), stride),
+        "dnnl_memory_desc_init_by_strides");
+    check(dnnl_memory_create(&memory_, &md, state.engine.get(), const_cast<void*>(data)),
+          "dnnl_memory_create");
+  }
+  ~CallMemory() { dnnl_memory_destroy(memory_); }
+  CallMemory(const CallMemory&) = delete;
+  CallMemory& operator=(const CallMemory&) = delete;
+  dnnl_memory_t get() const { return memory_; }
+
+ private:
+  dnnl_memory_t memory_ = nullptr;
+};
 
 void set_buffer(const dnnl::memory& memory, const void* data) {
   check(dnnl_memory_set_data_handle_v2(memory.get(), const_cast<void*>(data), nullptr),
@@ -252,7 +278,7 @@ bool bf16_matmul_exists(OneDnn& state) {
   static const bool exists = [&state] {
     try {
       PrimitiveKey key;
-      key.m = key.n = key.k = key.lda = key.ldb = key.ldc = 16;
+      key.n = 16;
       key.bf16 = true;
       make_primitive(state, key);
       return true;
@@ -306,25 +332,14 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
   }
 
   PrimitiveKey key;
-  key.m = call.m;
   key.n = call.n;
-  key.k = call.k;
   key.transpose_a = call.transpose_a;
   key.transpose_b = call.transpose_b;
-  // Stored shapes: op(A) [m, k], op(B) [k, n]; the bf16 copies are contiguous.
-  const int a_rows = call.transpose_a ? call.k : call.m,
-            a_cols = call.transpose_a ? call.m : call.k;
-  const int b_rows = call.transpose_b ? call.n : call.k,
-            b_cols = call.transpose_b ? call.k : call.n;
-  key.lda = bf16 ? a_cols : call.lda;
-  key.ldb = bf16 ? b_cols : call.ldb;
-  key.ldc = call.ldc;
   key.bf16 = bf16;
   const bool forward_epilogue = !call.backward;
   key.bias = forward_epilogue && call.bias != nullptr;
   key.activation = forward_epilogue ? call.activation : Activation::none;
   if (call.beta != 0.0f) std::memcpy(&key.beta_bits, &call.beta, sizeof key.beta_bits);
-  if (call.beta == 0.0f) key.beta_bits = 0;  // -0.0f overwrites as well
 
   auto found = state.primitives.find(key);
   if (found == state.primitives.end()) {
@@ -332,27 +347,36 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
     try {
       made = make_primitive(state, key);
     } catch (const dnnl::error& e) {
-      MESHTRAIN_FAIL("gemm (oneDNN): no matmul for [", call.m, ", ", call.k, "] @ [", call.k, ", ",
-                     call.n, "] (", bf16 ? "bf16" : "fp32", "): ", e.what());
+      MESHTRAIN_FAIL("gemm (oneDNN): no matmul for op(A) [M, K] @ op(B) [K, ", call.n, "] (",
+                     bf16 ? "bf16" : "fp32", "): ", e.what());
     }
     grown(state.scratchpad, made->scratchpad_bytes + 64, "meshtrain::gemm_onednn_scratchpad");
     found = state.primitives.emplace(key, std::move(made)).first;
   }
   Primitive& p = *found->second;
 
+  // Stored shapes: op(A) [m, k], op(B) [k, n]; the bf16 copies are contiguous.
+  const int a_rows = call.transpose_a ? call.k : call.m,
+            a_cols = call.transpose_a ? call.m : call.k;
+  const int b_rows = call.transpose_b ? call.n : call.k,
+            b_cols = call.transpose_b ? call.k : call.n;
   const void* a = call.a;
   const void* b = call.b;
+  int lda = call.lda, ldb = call.ldb;
   if (bf16) {
     a = bf16_copy(call.a, a_rows, a_cols, call.lda, state.a16, "meshtrain::gemm_bf16_a");
     b = bf16_copy(call.b, b_rows, b_cols, call.ldb, state.b16, "meshtrain::gemm_bf16_b");
+    lda = a_cols;
+    ldb = b_cols;
   }
-  set_buffer(p.a, a);
-  set_buffer(p.b, b);
-  set_buffer(p.c, call.c);
+  const DataType operand = bf16 ? DataType::bf16 : DataType::f32;
+  const CallMemory a_memory(state, call.m, call.k, op_strides(lda, call.transpose_a), operand, a);
+  const CallMemory b_memory(state, call.k, call.n, op_strides(ldb, call.transpose_b), operand, b);
+  const CallMemory c_memory(state, call.m, call.n, Dims{call.ldc, 1}, DataType::f32, call.c);
   set_buffer(p.scratchpad, state.scratchpad.data());
-  dnnl_exec_arg_t args[5] = {{DNNL_ARG_SRC, p.a.get()},
-                             {DNNL_ARG_WEIGHTS, p.b.get()},
-                             {DNNL_ARG_DST, p.c.get()},
+  dnnl_exec_arg_t args[5] = {{DNNL_ARG_SRC, a_memory.get()},
+                             {DNNL_ARG_WEIGHTS, b_memory.get()},
+                             {DNNL_ARG_DST, c_memory.get()},
                              {DNNL_ARG_SCRATCHPAD, p.scratchpad.get()},
                              {DNNL_ARG_BIAS, nullptr}};
   int count = 4;
