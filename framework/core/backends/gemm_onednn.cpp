@@ -113,9 +113,16 @@ dnnl::algorithm eltwise_of(Activation activation, float& alpha) {
 }
 
 // The strides of a row-major matrix stored with row stride ld, seen as op(X): its transpose
-// swaps them.
-Dims op_strides(dnnl_dim_t ld, bool transpose) {
-  return transpose ? Dims{1, ld} : Dims{ld, 1};
+// swaps them. A plain pair for the calls (dnnl::memory::dims is a std::vector, which would
+// allocate at every call); dims_of for making primitives.
+struct Strides {
+  dnnl_dim_t rows, cols;
+};
+Strides op_strides(dnnl_dim_t ld, bool transpose) {
+  return transpose ? Strides{1, ld} : Strides{ld, 1};
+}
+Dims dims_of(Strides s) {
+  return Dims{s.rows, s.cols};
 }
 
 using HostBits = Kokkos::View<uint16_t*, Kokkos::HostSpace>;
@@ -174,8 +181,9 @@ std::unique_ptr<Primitive> make_primitive(OneDnn& state, const PrimitiveKey& key
   const DataType operand = key.bf16 ? DataType::bf16 : DataType::f32;
   // M, K and the row strides at run time; N fixed (bias, post-ops).
   const dnnl::memory::desc a_md({kRuntime, kRuntime}, operand,
-                                op_strides(kRuntime, key.transpose_a));
-  const dnnl::memory::desc b_md({kRuntime, key.n}, operand, op_strides(kRuntime, key.transpose_b));
+                                dims_of(op_strides(kRuntime, key.transpose_a)));
+  const dnnl::memory::desc b_md({kRuntime, key.n}, operand,
+                                dims_of(op_strides(kRuntime, key.transpose_b)));
   const dnnl::memory::desc c_md({kRuntime, key.n}, DataType::f32, Dims{kRuntime, 1});
   const dnnl::memory::desc bias_md({1, key.n}, DataType::f32, Dims{key.n, 1});
   dnnl::post_ops post_ops;
@@ -212,11 +220,11 @@ void check(dnnl_status_t status, const char* call) {
 // allocates, oneDNN allocates).
 class CallMemory {
  public:
-  CallMemory(const OneDnn& state, dnnl_dim_t rows, dnnl_dim_t cols, const Dims& strides,
-             DataType type, const void* data) {
+  CallMemory(const OneDnn& state, dnnl_dim_t rows, dnnl_dim_t cols, Strides strides, DataType type,
+             const void* data) {
     dnnl_memory_desc_t md;
     const dnnl_dims_t dims = {rows, cols};
-    const dnnl_dims_t stride = {strides[0], strides[1]};
+    const dnnl_dims_t stride = {strides.rows, strides.cols};
     check(
         dnnl_memory_desc_init_by_strides(&md, 2, dims, static_cast<dnnl_data_type_t>(type), stride),
         "dnnl_memory_desc_init_by_strides");
@@ -372,7 +380,7 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
   const DataType operand = bf16 ? DataType::bf16 : DataType::f32;
   const CallMemory a_memory(state, call.m, call.k, op_strides(lda, call.transpose_a), operand, a);
   const CallMemory b_memory(state, call.k, call.n, op_strides(ldb, call.transpose_b), operand, b);
-  const CallMemory c_memory(state, call.m, call.n, Dims{call.ldc, 1}, DataType::f32, call.c);
+  const CallMemory c_memory(state, call.m, call.n, Strides{call.ldc, 1}, DataType::f32, call.c);
   set_buffer(p.scratchpad, state.scratchpad.data());
   dnnl_exec_arg_t args[5] = {{DNNL_ARG_SRC, a_memory.get()},
                              {DNNL_ARG_WEIGHTS, b_memory.get()},
