@@ -27,7 +27,22 @@ if(Kokkos_ENABLE_CUDA)
   set(MESHTRAIN_KOKKOS_CUDA ON)
 endif()
 
-# --- GEMM: CBLAS (OpenBLAS) on host memory, cuBLAS on CUDA memory --------------------------
+# --- GEMM: oneDNN or CBLAS (OpenBLAS) on host memory, cuBLAS/cuBLASLt on CUDA memory -------
+# MESHTRAIN_CPU_GEMM picks the library of gemm() on host memory (framework/core/gemm.hpp):
+#   auto      OpenBLAS, with oneDNN 2.6 or later built in where found (Debian: libdnnl-dev) for
+#             programs and tests that ask for it (MESHTRAIN_CPU_GEMM=onednn in the environment);
+#             not the default yet: the layers do not use its epilogues, and its matmul
+#             allocates inside every call (issue 37)
+#   onednn    oneDNN matmul by default (fused bias and activation post-ops, bf16 kernels on
+#             AVX512_BF16); configuring fails without it
+#   openblas  cblas_sgemm; oneDNN is not used at all
+# OpenBLAS is linked in every build (the benchmarks compare against it; other code calls it).
+# A build with a CUDA Kokkos multiplies on the GPU only, so it uses no oneDNN.
+set(MESHTRAIN_CPU_GEMM auto CACHE STRING "GEMM library on host memory: auto | onednn | openblas")
+set_property(CACHE MESHTRAIN_CPU_GEMM PROPERTY STRINGS auto onednn openblas)
+if(NOT MESHTRAIN_CPU_GEMM MATCHES "^(auto|onednn|openblas)$")
+  message(FATAL_ERROR "MESHTRAIN_CPU_GEMM is '${MESHTRAIN_CPU_GEMM}'; it must be auto, onednn or openblas")
+endif()
 set(BLA_VENDOR OpenBLAS)
 find_package(BLAS REQUIRED)
 find_path(MESHTRAIN_CBLAS_INCLUDE_DIR cblas.h PATH_SUFFIXES openblas REQUIRED)
@@ -35,13 +50,56 @@ add_library(meshtrain_blas INTERFACE)
 add_library(meshtrain::blas ALIAS meshtrain_blas)
 target_include_directories(meshtrain_blas SYSTEM INTERFACE ${MESHTRAIN_CBLAS_INCLUDE_DIR})
 target_link_libraries(meshtrain_blas INTERFACE BLAS::BLAS)
+set(MESHTRAIN_GEMM_ONEDNN OFF)
+if(NOT MESHTRAIN_KOKKOS_CUDA AND NOT MESHTRAIN_CPU_GEMM STREQUAL "openblas")
+  # Found by its header and library rather than by its CMake package: Debian's (libdnnl-dev
+  # 2.6, `dnnl` / DNNL::dnnl) requires OpenCL's development files (its GPU runtime) before it
+  # loads, which a CPU-only user of the library does not need (libdnnl.so links OpenCL itself).
+  find_path(MESHTRAIN_ONEDNN_INCLUDE_DIR oneapi/dnnl/dnnl.hpp)
+  find_library(MESHTRAIN_ONEDNN_LIBRARY NAMES dnnl)
+  if(MESHTRAIN_ONEDNN_INCLUDE_DIR AND MESHTRAIN_ONEDNN_LIBRARY)
+    file(STRINGS ${MESHTRAIN_ONEDNN_INCLUDE_DIR}/oneapi/dnnl/dnnl_version.h _dnnl_version_lines
+         REGEX "#define DNNL_VERSION_(MAJOR|MINOR|PATCH) ")
+    set(MESHTRAIN_ONEDNN_VERSION "")
+    foreach(_line IN LISTS _dnnl_version_lines)
+      string(REGEX MATCH "[0-9]+" _number "${_line}")
+      list(APPEND MESHTRAIN_ONEDNN_VERSION ${_number})
+    endforeach()
+    list(JOIN MESHTRAIN_ONEDNN_VERSION "." MESHTRAIN_ONEDNN_VERSION)
+    if(MESHTRAIN_ONEDNN_VERSION VERSION_LESS 2.6)
+      message(STATUS "meshtrain: oneDNN ${MESHTRAIN_ONEDNN_VERSION} is older than 2.6; not used")
+    else()
+      set(dnnl_FOUND TRUE)
+      set(dnnl_VERSION ${MESHTRAIN_ONEDNN_VERSION})
+    endif()
+  endif()
+  if(MESHTRAIN_CPU_GEMM STREQUAL "onednn" AND NOT dnnl_FOUND)
+    message(FATAL_ERROR "MESHTRAIN_CPU_GEMM=onednn, but no oneDNN 2.6 or later was found "
+                        "(apt-get install libdnnl-dev, or scripts/setup)")
+  endif()
+  if(dnnl_FOUND)
+    set(MESHTRAIN_GEMM_ONEDNN ON)
+    target_include_directories(meshtrain_blas SYSTEM INTERFACE ${MESHTRAIN_ONEDNN_INCLUDE_DIR})
+    target_link_libraries(meshtrain_blas INTERFACE ${MESHTRAIN_ONEDNN_LIBRARY} ${CMAKE_DL_LIBS})
+    target_compile_definitions(meshtrain_blas INTERFACE MESHTRAIN_GEMM_ONEDNN=1
+                               $<$<STREQUAL:${MESHTRAIN_CPU_GEMM},onednn>:MESHTRAIN_GEMM_ONEDNN_DEFAULT=1>)
+    message(STATUS "meshtrain: GEMM on host memory through oneDNN ${dnnl_VERSION} "
+                   "(${MESHTRAIN_ONEDNN_LIBRARY}, MESHTRAIN_CPU_GEMM=${MESHTRAIN_CPU_GEMM}; "
+                   "its ISA is chosen at run time; =openblas for OpenBLAS)")
+  else()
+    message(STATUS "meshtrain: GEMM on host memory through OpenBLAS (oneDNN not found: "
+                   "apt-get install libdnnl-dev, or scripts/setup)")
+  endif()
+elseif(NOT MESHTRAIN_KOKKOS_CUDA)
+  message(STATUS "meshtrain: GEMM on host memory through OpenBLAS (MESHTRAIN_CPU_GEMM=openblas)")
+endif()
 if(MESHTRAIN_KOKKOS_CUDA)
   if(NOT CUDAToolkit_ROOT AND EXISTS /usr/local/cuda)
     set(CUDAToolkit_ROOT /usr/local/cuda)
   endif()
   find_package(CUDAToolkit REQUIRED)
-  target_link_libraries(meshtrain_blas INTERFACE CUDA::cublas CUDA::cudart)
-  message(STATUS "meshtrain: GEMM through cuBLAS ${CUDAToolkit_VERSION} on CUDA memory")
+  target_link_libraries(meshtrain_blas INTERFACE CUDA::cublasLt CUDA::cublas CUDA::cudart)
+  message(STATUS "meshtrain: GEMM through cuBLAS and cuBLASLt ${CUDAToolkit_VERSION} on CUDA memory")
 endif()
 
 # --- MPI -----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/core/choices.hpp"
+#include "framework/core/gemm.hpp"
 #include "framework/observe/memory_tracker.hpp"
 #include "framework/observe/trace.hpp"
 
@@ -252,6 +253,7 @@ std::vector<std::string> TrainingRun::describe() const {
     lines.push_back(zero1_ ? "  optimizer state and update split over dp (ZeRO-1)"
                            : "  optimizer.zero_stage = 1 changes nothing with dp = 1");
   }
+  lines.push_back("  GEMM: " + gemm_kernels());
   const DataShape& data = train_source_->shape();
   lines.push_back(detail::concat("  data: ", data.description, ", ", data.num_samples,
                                  " rows, order ", schedule_->order().name(), ", ",

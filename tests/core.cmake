@@ -3,6 +3,16 @@
 # subnormals, overflow, NaN, random floats) and the kernels built on them.
 meshtrain_add_test(NAME core_precision_test SOURCES core/precision_test.cpp
                    LIBS meshtrain_framework TIMEOUT 60)
+# gemm() against a float64 reference: transposes, row-strided views, beta, every epilogue
+# (bias, activations, their derivatives, the bias gradient) and input dtype, on each host
+# library of the build; oneDNN against OpenBLAS in fp32; no Kokkos allocation when repeated.
+meshtrain_add_test(NAME core_gemm_test SOURCES core/gemm_test.cpp
+                   LIBS meshtrain_framework TIMEOUT 300)
+# The same on a CPU without AVX-512 as oneDNN sees it (ONEDNN_MAX_CPU_ISA caps the kernels it
+# picks): its AVX2 kernels, and no bf16 matmul (bf16 inputs take the fp32 kernel).
+if(MESHTRAIN_GEMM_ONEDNN)
+  meshtrain_add_test_variant(NAME core_gemm_test VARIANT avx2 ENVIRONMENT ONEDNN_MAX_CPU_ISA=AVX2)
+endif()
 # Philox-4x32-10 (framework/core/philox.hpp) against Random123's known-answer vectors.
 meshtrain_add_test(NAME core_philox_test SOURCES core/philox_test.cpp
                    LIBS meshtrain_framework TIMEOUT 60)

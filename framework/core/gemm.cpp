@@ -3,12 +3,16 @@
 #include <algorithm>
 #include <climits>
 #include <cstddef>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "base/error.hpp"
+#include "framework/core/activation_math.hpp"
 #include "framework/core/backends/gemm_backend.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
+#include "framework/core/view_ops.hpp"
 #include "framework/observe/trace.hpp"
 
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -22,6 +26,17 @@ namespace meshtrain {
 namespace {
 
 MatmulPrecision g_matmul_precision = MatmulPrecision::fp32;
+// The host library (gemm_backend::select_host_library); unset until the first use.
+bool g_host_library_set = false;
+gemm_backend::HostLibrary g_host_library = gemm_backend::HostLibrary::openblas;
+gemm_backend::Bf16Kernel g_bf16_kernel = gemm_backend::Bf16Kernel::automatic;
+
+gemm_backend::HostLibrary host_library() {
+  if (!g_host_library_set) {
+    gemm_backend::select_host_library(gemm_backend::default_host_library());
+  }
+  return g_host_library;
+}
 
 // BLAS takes int extents and leading dimensions.
 int blas_int(std::size_t value, const char* what) {
@@ -50,7 +65,181 @@ void scale(MatrixView c, float beta) {
       });
 }
 
+// The epilogue's kernels (gemm.hpp's GemmEpilogue), for what a backend left: one pass over C
+// each. Their labels are made in these plain functions, once for every instantiation below.
+const std::string& forward_epilogue_label() {
+  return MESHTRAIN_LABEL("meshtrain::gemm_epilogue_forward");
+}
+const std::string& backward_epilogue_label() {
+  return MESHTRAIN_LABEL("meshtrain::gemm_epilogue_backward");
+}
+
+// C = f(C + bias) (no bias: f(C)), one row per iteration.
+template <class Op>
+void forward_pass(float* c, int64_t ldc, int64_t rows, int64_t cols, const float* bias) {
+  Kokkos::parallel_for(
+      forward_epilogue_label(), Kokkos::RangePolicy<>(device_space(), 0, rows),
+      KOKKOS_LAMBDA(const int64_t i) {
+        float* row = c + i * ldc;
+        if (bias != nullptr) {
+          for (int64_t j = 0; j < cols; ++j) row[j] = Op::value(row[j] + bias[j]);
+        } else {
+          for (int64_t j = 0; j < cols; ++j) row[j] = Op::value(row[j]);
+        }
+      });
+}
+
+// Columns per iteration of the backward pass: on the host a block of 64 (each row's part
+// is contiguous, and the compiler vectorizes the inner loop), on a GPU one column per thread
+// (neighbouring threads read neighbouring elements).
+constexpr int64_t kBackwardColumns =
+    Kokkos::SpaceAccessibility<Kokkos::HostSpace,
+                               Kokkos::DefaultExecutionSpace::memory_space>::accessible
+        ? 64
+        : 1;
+
+// C = f'(z) * C elementwise and, with bias_gradient, its column sums: each iteration takes a
+// block of columns down all rows, summing in fp32 in row order (as the layers' bias gradient,
+// layers/linear.cpp). z = C itself for the identity (which does not read it).
+template <class Op>
+void backward_pass(float* c, int64_t ldc, int64_t rows, int64_t cols, const float* z, int64_t ldz,
+                   float* bias_gradient) {
+  constexpr int64_t width = kBackwardColumns;
+  Kokkos::parallel_for(
+      backward_epilogue_label(),
+      Kokkos::RangePolicy<>(device_space(), 0, (cols + width - 1) / width),
+      KOKKOS_LAMBDA(const int64_t block) {
+        const int64_t first = block * width;
+        const int64_t count = cols - first < width ? cols - first : width;
+        float sums[width];
+        for (int64_t j = 0; j < width; ++j) sums[j] = 0.0f;
+        for (int64_t i = 0; i < rows; ++i) {
+          float* row = c + i * ldc + first;
+          const float* z_row = z + i * ldz + first;
+          for (int64_t j = 0; j < count; ++j) {
+            const float g = Op::gradient(z_row[j], row[j]);
+            row[j] = g;
+            sums[j] += g;
+          }
+        }
+        if (bias_gradient != nullptr) {
+          for (int64_t j = 0; j < count; ++j) bias_gradient[first + j] = sums[j];
+        }
+      });
+}
+
+// Applies what the backend left of the epilogue of `call`.
+void apply_epilogue_left(const gemm_backend::RowMajorGemm& call,
+                         const gemm_backend::EpilogueLeft& left) {
+  if (left.nothing()) return;
+  if (left.backward) {
+    const bool identity = call.activation == Activation::none;
+    const float* z = identity ? call.c : call.activation_input;
+    const int64_t ldz = identity ? call.ldc : call.ld_activation_input;
+    activation_math::with_activation(call.activation, [&](auto op) {
+      backward_pass<decltype(op)>(call.c, call.ldc, call.m, call.n, z, ldz, call.bias_gradient);
+    });
+    return;
+  }
+  activation_math::with_activation(left.activation, [&](auto op) {
+    forward_pass<decltype(op)>(call.c, call.ldc, call.m, call.n, left.bias ? call.bias : nullptr);
+  });
+}
+
+// bad_input unless the epilogue fits C [m, n].
+void check_epilogue(const GemmEpilogue& e, std::size_t m, std::size_t n) {
+  if (e.has_bias() && e.bias.extent(0) != n) {
+    MESHTRAIN_BAD_INPUT("gemm: the bias has ", e.bias.extent(0), " elements and C has ", n,
+                        " columns; the epilogue adds bias[j] to column j");
+  }
+  if (!e.is_backward) {
+    if (e.activation_input.data() != nullptr || e.has_bias_gradient()) {
+      MESHTRAIN_BAD_INPUT("gemm: a forward epilogue takes no activation input or bias gradient ",
+                          "(use GemmEpilogue::backward)");
+    }
+    return;
+  }
+  if (e.has_bias()) {
+    MESHTRAIN_BAD_INPUT("gemm: a backward epilogue adds no bias (it computes the bias gradient)");
+  }
+  const bool has_input = e.activation_input.data() != nullptr;
+  if (e.activation != Activation::none && !has_input) {
+    MESHTRAIN_BAD_INPUT("gemm: the backward epilogue of ", to_string(e.activation),
+                        " needs the activation's input z [", m, ", ", n, "]");
+  }
+  if (e.activation == Activation::none && has_input) {
+    MESHTRAIN_BAD_INPUT("gemm: a backward epilogue without an activation takes no activation ",
+                        "input");
+  }
+  if (has_input && (e.activation_input.extent(0) != m || e.activation_input.extent(1) != n)) {
+    MESHTRAIN_BAD_INPUT("gemm: the activation input is [", e.activation_input.extent(0), ", ",
+                        e.activation_input.extent(1), "] and C is [", m, ", ", n,
+                        "]; they must be the same shape");
+  }
+  if (e.has_bias_gradient() && e.bias_gradient.extent(0) != n) {
+    MESHTRAIN_BAD_INPUT("gemm: the bias gradient has ", e.bias_gradient.extent(0),
+                        " elements and C has ", n, " columns");
+  }
+}
+
 }  // namespace
+
+namespace gemm_backend {
+HostLibrary default_host_library() {
+  // The environment's MESHTRAIN_CPU_GEMM overrides the build's choice in a build with oneDNN:
+  // to run a program or the tests through another library without rebuilding.
+  if (const char* text = std::getenv("MESHTRAIN_CPU_GEMM"); text != nullptr && *text != '\0') {
+    const std::string name(text);
+#if defined(MESHTRAIN_GEMM_ONEDNN)
+    if (name == "auto" || name == "onednn") return HostLibrary::onednn;
+#else
+    if (name == "auto") return HostLibrary::openblas;
+#endif
+    if (name == "openblas") return HostLibrary::openblas;
+#if defined(MESHTRAIN_GEMM_ONEDNN)
+    MESHTRAIN_BAD_INPUT("the environment's MESHTRAIN_CPU_GEMM = '", name,
+                        "' is not one of auto | onednn | openblas");
+#else
+    MESHTRAIN_BAD_INPUT("the environment's MESHTRAIN_CPU_GEMM = '", name,
+                        "': this build has OpenBLAS only (no oneDNN found, or "
+                        "-DMESHTRAIN_CPU_GEMM=openblas)");
+#endif
+  }
+  // oneDNN is the default only where the build asked for it (-DMESHTRAIN_CPU_GEMM=onednn): the
+  // layers do not use its fused epilogues yet, and its matmul allocates a few small blocks in
+  // every execution, which the allocation-free step does not allow (issue 37). A build that
+  // found it (auto) runs OpenBLAS unless MESHTRAIN_CPU_GEMM says otherwise.
+#if defined(MESHTRAIN_GEMM_ONEDNN_DEFAULT)
+  return HostLibrary::onednn;
+#else
+  return HostLibrary::openblas;
+#endif
+}
+
+void select_host_library(HostLibrary library, Bf16Kernel bf16_kernel) {
+#if !defined(MESHTRAIN_GEMM_ONEDNN)
+  MESHTRAIN_REQUIRE(library == HostLibrary::openblas,
+                    "gemm: this build has no oneDNN (MESHTRAIN_CPU_GEMM=openblas or not found)");
+#endif
+  g_host_library = library;
+  g_bf16_kernel = bf16_kernel;
+  g_host_library_set = true;
+}
+
+HostLibrary selected_host_library() {
+  return host_library();
+}
+
+EpilogueLeft whole_epilogue(const RowMajorGemm& call) {
+  EpilogueLeft left;
+  left.backward = call.backward;
+  if (!call.backward) {
+    left.bias = call.bias != nullptr;
+    left.activation = call.activation;
+  }
+  return left;
+}
+}  // namespace gemm_backend
 
 void set_matmul_precision(MatmulPrecision precision) {
   g_matmul_precision = precision;
@@ -60,21 +249,23 @@ MatmulPrecision matmul_precision() {
   return g_matmul_precision;
 }
 
-void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs) {
+void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs,
+          const GemmEpilogue& epilogue) {
   const std::size_t m = op_rows(a), k = op_cols(a), n = op_cols(b);
   if (op_rows(b) != k || c.extent(0) != m || c.extent(1) != n) {
     MESHTRAIN_BAD_INPUT("gemm: op(A) is [", m, ", ", k, "], op(B) is [", op_rows(b), ", ", n,
                         "] and C is [", c.extent(0), ", ", c.extent(1),
                         "]; expected op(A) [M, K] @ op(B) [K, N] = C [M, N]");
   }
-  if (m == 0 || n == 0) return;
+  check_epilogue(epilogue, m, n);
+  if (n == 0) return;
+  if (m == 0) {  // no rows: an empty bias gradient is a sum of nothing
+    if (epilogue.has_bias_gradient()) fill_view(epilogue.bias_gradient, 0.0f);
+    return;
+  }
   TraceSpan span("gemm", TraceKind::gemm);
   span.shape(static_cast<int64_t>(m), static_cast<int64_t>(n), static_cast<int64_t>(k))
       .detail(to_string(inputs));
-  if (k == 0) {  // an empty sum: C = beta * C
-    scale(c, beta);
-    return;
-  }
   gemm_backend::RowMajorGemm call;
   call.transpose_a = a.transpose;
   call.transpose_b = b.transpose;
@@ -92,18 +283,54 @@ void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs) 
   call.ldc = leading_dimension(c.stride(0), c.extent(1), "the leading dimension of C");
   call.precision = g_matmul_precision;
   call.inputs = inputs;
+  call.backward = epilogue.is_backward;
+  call.activation = epilogue.activation;
+  call.bias = epilogue.bias.data();
+  call.activation_input = epilogue.activation_input.data();
+  if (call.activation_input != nullptr) {
+    call.ld_activation_input =
+        leading_dimension(epilogue.activation_input.stride(0), n, "the activation input's rows");
+  }
+  call.bias_gradient = epilogue.bias_gradient.data();
+  if (k == 0) {  // an empty sum: C = beta * C, then the epilogue
+    scale(c, beta);
+    apply_epilogue_left(call, gemm_backend::whole_epilogue(call));
+    return;
+  }
 #if defined(KOKKOS_ENABLE_CUDA)
   if constexpr (std::is_same_v<MatrixView::memory_space, Kokkos::CudaSpace>) {
-    gemm_backend::cuda_gemm(call);
+    apply_epilogue_left(call, gemm_backend::cuda_gemm(call));
     return;
   }
 #endif
   static_assert(!kDeviceMemoryIsHostInaccessible || MESHTRAIN_GEMM_HAS_CUDA,
                 "gemm has backends for host memory and CUDA memory only");
-  // The BLAS reads memory written by Kokkos kernels on the host execution space: wait
+  // The library reads memory written by Kokkos kernels on the host execution space: wait
   // for them (a no-op on Serial).
   fence_device(MESHTRAIN_LABEL("meshtrain::gemm"));
-  gemm_backend::host_gemm(call);
+#if defined(MESHTRAIN_GEMM_ONEDNN)
+  const gemm_backend::HostLibrary library = host_library();
+  if (library == gemm_backend::HostLibrary::onednn) {
+    apply_epilogue_left(call, gemm_backend::onednn_gemm(call, g_bf16_kernel));
+    return;
+  }
+#endif
+  apply_epilogue_left(call, gemm_backend::cblas_gemm(call));
+}
+
+std::string gemm_kernels() {
+#if defined(KOKKOS_ENABLE_CUDA)
+  if constexpr (std::is_same_v<MatrixView::memory_space, Kokkos::CudaSpace>) {
+    return gemm_backend::cuda_description();
+  }
+#endif
+#if defined(MESHTRAIN_GEMM_ONEDNN)
+  const gemm_backend::HostLibrary library = host_library();
+  if (library == gemm_backend::HostLibrary::onednn) {
+    return gemm_backend::onednn_description();
+  }
+#endif
+  return gemm_backend::cblas_description();
 }
 
 }  // namespace meshtrain

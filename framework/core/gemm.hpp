@@ -1,12 +1,23 @@
 #pragma once
 // The one GEMM of meshtrain: C = beta * C + op(A) @ op(B) on views in the default memory
-// space, with transposes as flags (never materialized). The implementation follows the
-// memory space: CBLAS (OpenBLAS) on host memory, cuBLAS on CUDA memory (one handle, on
-// the stream of Kokkos' default execution space, made on first use and destroyed by
-// Kokkos::finalize).
+// space, with transposes as flags (never materialized), and an optional epilogue (bias,
+// activation; for backward the activation's derivative and the bias gradient) fused into
+// the GEMM where the library can. The implementation follows the memory space and the build:
+//   host memory   oneDNN matmul with post-ops (MESHTRAIN_CPU_GEMM=auto, the default, where
+//                 oneDNN is found; =onednn) or CBLAS (OpenBLAS) and one pass for the epilogue
+//                 (=openblas, or no oneDNN); docs/design.md, GEMM
+//   CUDA memory   cuBLAS, and cuBLASLt with its epilogues when there is one (one handle
+//                 each, on the stream of Kokkos' default execution space, made on first
+//                 use and destroyed by Kokkos::finalize)
+// gemm_kernels() names what this process uses (the library, oneDNN's ISA, the threads).
 //
-//   gemm(plain(x), plain(w), 0.0f, y);           // y = x @ w
-//   gemm(transposed(x), plain(dy), 0.0f, dw);    // dw = xᵀ @ dy
+//   gemm(plain(x), plain(w), 0.0f, y);                       // y = x @ w
+//   gemm(transposed(x), plain(dy), 0.0f, dw);                // dw = xᵀ @ dy
+//   gemm(plain(x), plain(w), 0.0f, a, Dtype::fp32,
+//        GemmEpilogue::forward(b, Activation::gelu));        // a = gelu(x @ w + b)
+//   gemm(plain(dy), transposed(w), 0.0f, dz, Dtype::fp32,
+//        GemmEpilogue::backward(Activation::gelu, z, db));   // dz = (dy @ wᵀ) * gelu'(z),
+//                                                            // db = column sums of dz
 //
 // Views may be row-strided (a column block of a wider matrix); any extents are accepted,
 // empty ones included. Shapes that do not chain are bad_input naming them.
@@ -14,9 +25,9 @@
 #include <cstddef>
 #include <string>
 
+#include "base/dtype.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/views.hpp"
-#include "base/dtype.hpp"
 
 namespace meshtrain {
 
@@ -47,11 +58,67 @@ inline std::size_t op_cols(const GemmOperand& x) {
 void set_matmul_precision(MatmulPrecision precision);
 MatmulPrecision matmul_precision();
 
-// `inputs`: the dtype the operands' values hold (mixed precision, docs/mixed_precision.md).
-// On CUDA memory bf16/fp16 operands are copied to 16 bits (scratch made on first use and
-// kept) and multiplied by cublasGemmEx with 16-bit inputs and CUBLAS_COMPUTE_32F (tensor
-// cores, fp32 accumulation, C in fp32). On host memory cblas_sgemm multiplies them as they
-// are: fp32 products of the same values (Debian's OpenBLAS has no cblas_sbgemm).
-void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs = Dtype::fp32);
+// What gemm() does to C after the product: plain data, whose default does nothing.
+//   forward   C = f(beta C + op(A) op(B) + bias), bias [N] added to every row (optional),
+//             f = `activation` (none: the identity)
+//   backward  G = beta C + op(A) op(B); C = G * f'(z) elementwise, z = `activation_input`
+//             [M, N] (the activation's input saved by the forward pass; for relu anything
+//             with the sign of z, its output included); with `bias_gradient` [N], also
+//             bias_gradient[j] = sum over i of C[i, j] (overwritten), accumulated in fp32
+//             over the rows in order. activation none and no z: C = G and the column sums.
+// The activations and their derivatives are those of layers/activation.hpp
+// (framework/core/activation_math.hpp): a pass after the GEMM computes them with those very
+// formulas (OpenBLAS, the backward pass on oneDNN, what cuBLASLt lacks); a fused oneDNN or
+// cuBLASLt epilogue uses the library's own (within a few ulps: docs/design.md, GEMM).
+struct GemmEpilogue {
+  ConstVectorView bias;                      // forward: [N], or empty for none
+  Activation activation = Activation::none;  // forward f, or backward f'
+  ConstMatrixView activation_input;          // backward: z [M, N]
+  VectorView bias_gradient;                  // backward: [N], or empty for none
+  bool is_backward = false;                  // set by backward()
+
+  static GemmEpilogue forward(ConstVectorView bias, Activation activation = Activation::none) {
+    GemmEpilogue e;
+    e.bias = bias;
+    e.activation = activation;
+    return e;
+  }
+  static GemmEpilogue forward(Activation activation) { return forward({}, activation); }
+  static GemmEpilogue backward(Activation activation, ConstMatrixView activation_input,
+                               VectorView bias_gradient = {}) {
+    GemmEpilogue e;
+    e.activation = activation;
+    e.activation_input = activation_input;
+    e.bias_gradient = bias_gradient;
+    e.is_backward = true;
+    return e;
+  }
+  // Backward without an activation: C = G, and its column sums into bias_gradient.
+  static GemmEpilogue bias_gradient_only(VectorView bias_gradient) {
+    return backward(Activation::none, {}, bias_gradient);
+  }
+  bool has_bias() const { return bias.data() != nullptr; }
+  bool has_bias_gradient() const { return bias_gradient.data() != nullptr; }
+  bool is_none() const { return !is_backward && !has_bias() && activation == Activation::none; }
+};
+
+// `inputs`: the dtype the operands' values hold (mixed precision, docs/mixed_precision.md);
+// the operands and C are fp32 buffers (16-bit storage is to come, issue 37 item 1).
+//   oneDNN      bf16: a bf16 matmul (operands copied to 16 bits into scratch kept between
+//               calls, fp32 accumulation and C) where the CPU has AVX512_BF16 (or AMX);
+//               elsewhere, and for fp16 (oneDNN 2.6 has no fp16 matmul on CPUs), the fp32
+//               matmul of the same values: their products are exact in fp32, so only the
+//               order of the fp32 additions differs (slower than bf16 hardware, never wrong).
+//   OpenBLAS    cblas_sgemm on the values as they are (Debian's OpenBLAS has no sbgemm).
+//   CUDA        16-bit copies of A and B (scratch kept), CUDA_R_16BF/16F inputs,
+//               CUBLAS_COMPUTE_32F (tensor cores, fp32 accumulation, C in fp32).
+void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs = Dtype::fp32,
+          const GemmEpilogue& epilogue = {});
+
+// The kernels gemm() runs in this process, for the run's opening lines, e.g.
+//   "oneDNN 2.6.3 avx512_core_vnni (bf16 inputs: fp32 kernel, no AVX512_BF16), 1 thread"
+//   "OpenBLAS 0.3.21 SkylakeX, 1 thread"
+//   "cuBLAS 13.1 (cuBLASLt epilogues: ...)" in a CUDA build. Call after Kokkos::initialize.
+std::string gemm_kernels();
 
 }  // namespace meshtrain

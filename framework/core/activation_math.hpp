@@ -1,0 +1,125 @@
+#pragma once
+// The elementwise activations, one struct each, for kernels: `value(z)` is f(z) and
+// `gradient(z, g)` is g f'(z), in fp32, by the formulas of layers/activation.hpp (the same
+// expressions, so a GEMM epilogue computed by these and the layer's own passes agree bit
+// for bit):
+//   relu      max(z, 0); f' = 1 for z > 0, else 0
+//   tanh      tanh(z); f' = 1 - tanh(z)^2
+//   gelu      0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))), the tanh approximation
+//   gelu_erf  z Phi(z) = 0.5 z erfc(-z / sqrt 2); f' = Phi(z) + z phi(z)
+//   silu      z sigmoid(z); f' = s (1 + z (1 - s)), s = sigmoid(z)
+//   sigmoid   1 / (1 + exp(-z)); f' = s (1 - s)
+//   none      the identity
+// sigmoid and silu take exp of -|z| only (no overflow for any z).
+//
+// with_activation(kind, body) calls body(Op{}) with the struct of `kind`, so a kernel is
+// instantiated once per activation and its loop has no switch inside.
+
+#include <Kokkos_Core.hpp>
+
+#include "framework/core/choices.hpp"
+#include "framework/core/kokkos_math.hpp"
+
+namespace meshtrain::activation_math {
+
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluCubic = 0.044715f;
+constexpr float kInvSqrt2 = 0.7071067811865476f;
+constexpr float kInvSqrt2Pi = 0.3989422804014327f;  // 1 / sqrt(2 pi)
+
+// sigmoid(x) and 1 - sigmoid(x) = sigmoid(-x), both from e = exp(-|x|) <= 1: exp never
+// overflows and neither value is a difference of nearly equal numbers, for any x.
+struct Sigmoids {
+  float of_x;      // sigmoid(x)
+  float of_minus;  // sigmoid(-x) = 1 - sigmoid(x)
+};
+KOKKOS_INLINE_FUNCTION Sigmoids sigmoids(float x) {
+  const float e = kmath::exp(-kmath::fabs(x));
+  const float big = 1.0f / (1.0f + e);  // sigmoid(|x|)
+  const float small = e / (1.0f + e);   // sigmoid(-|x|)
+  return x >= 0.0f ? Sigmoids{big, small} : Sigmoids{small, big};
+}
+
+// Phi(x) = 0.5 (1 + erf(x / sqrt 2)) written 0.5 erfc(-x / sqrt 2): no cancellation for x << 0.
+KOKKOS_INLINE_FUNCTION float normal_cdf(float x) {
+  return 0.5f * kmath::erfc(-x * kInvSqrt2);
+}
+
+struct Identity {
+  KOKKOS_INLINE_FUNCTION static float value(float x) { return x; }
+  KOKKOS_INLINE_FUNCTION static float gradient(float, float g) { return g; }
+};
+struct Relu {
+  KOKKOS_INLINE_FUNCTION static float value(float x) { return x > 0.0f ? x : 0.0f; }
+  KOKKOS_INLINE_FUNCTION static float gradient(float x, float g) { return x > 0.0f ? g : 0.0f; }
+};
+struct Tanh {
+  KOKKOS_INLINE_FUNCTION static float value(float x) { return kmath::tanh(x); }
+  KOKKOS_INLINE_FUNCTION static float gradient(float x, float g) {
+    const float t = kmath::tanh(x);
+    return g * (1.0f - t * t);
+  }
+};
+struct GeluTanh {
+  KOKKOS_INLINE_FUNCTION static float value(float x) {
+    const float inner = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
+    return 0.5f * x * (1.0f + kmath::tanh(inner));
+  }
+  KOKKOS_INLINE_FUNCTION static float gradient(float x, float g) {
+    const float inner = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
+    const float t = kmath::tanh(inner);
+    const float d_inner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
+    return g * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * d_inner);
+  }
+};
+struct GeluErf {
+  KOKKOS_INLINE_FUNCTION static float value(float x) { return x * normal_cdf(x); }
+  // Phi(x) + x phi(x); exp(-x^2 / 2) underflows to 0, never overflows.
+  KOKKOS_INLINE_FUNCTION static float gradient(float x, float g) {
+    const float density = kInvSqrt2Pi * kmath::exp(-0.5f * x * x);
+    return g * (normal_cdf(x) + x * density);
+  }
+};
+struct Silu {
+  KOKKOS_INLINE_FUNCTION static float value(float x) { return x * sigmoids(x).of_x; }
+  KOKKOS_INLINE_FUNCTION static float gradient(float x, float g) {
+    const Sigmoids s = sigmoids(x);
+    return g * (s.of_x * (1.0f + x * s.of_minus));
+  }
+};
+struct Sigmoid {
+  KOKKOS_INLINE_FUNCTION static float value(float x) { return sigmoids(x).of_x; }
+  KOKKOS_INLINE_FUNCTION static float gradient(float x, float g) {
+    const Sigmoids s = sigmoids(x);
+    return g * (s.of_x * s.of_minus);
+  }
+};
+
+template <class Body>
+void with_activation(Activation kind, Body&& body) {
+  switch (kind) {
+    case Activation::relu:
+      body(Relu{});
+      return;
+    case Activation::tanh:
+      body(Tanh{});
+      return;
+    case Activation::gelu:
+      body(GeluTanh{});
+      return;
+    case Activation::gelu_erf:
+      body(GeluErf{});
+      return;
+    case Activation::silu:
+      body(Silu{});
+      return;
+    case Activation::sigmoid:
+      body(Sigmoid{});
+      return;
+    case Activation::none:
+      body(Identity{});
+      return;
+  }
+}
+
+}  // namespace meshtrain::activation_math
