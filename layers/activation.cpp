@@ -3,6 +3,7 @@
 #include <Kokkos_Core.hpp>
 
 #include "base/error.hpp"
+#include "framework/core/activation_math.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
@@ -11,29 +12,10 @@
 namespace meshtrain {
 namespace {
 
-constexpr float kSqrt2OverPi = 0.7978845608028654f;
-constexpr float kGeluCubic = 0.044715f;
-constexpr float kInvSqrt2 = 0.7071067811865476f;
-constexpr float kInvSqrt2Pi = 0.3989422804014327f;  // 1 / sqrt(2 pi)
-
-// sigmoid(x) and 1 - sigmoid(x) = sigmoid(-x), both from e = exp(-|x|) <= 1: exp never
-// overflows and neither value is a difference of nearly equal numbers, for any x.
-struct Sigmoids {
-  float of_x;      // sigmoid(x)
-  float of_minus;  // sigmoid(-x) = 1 - sigmoid(x)
-};
-KOKKOS_INLINE_FUNCTION Sigmoids sigmoids(float x) {
-  const float e = kmath::exp(-kmath::fabs(x));
-  const float big = 1.0f / (1.0f + e);  // sigmoid(|x|)
-  const float small = e / (1.0f + e);   // sigmoid(-|x|)
-  return x >= 0.0f ? Sigmoids{big, small} : Sigmoids{small, big};
-}
-
-// Phi(x) = 0.5 (1 + erf(x / sqrt 2)), the standard normal CDF, written 0.5 erfc(-x / sqrt 2):
-// the same value without the cancellation 1 + erf(...) has for x << 0.
-KOKKOS_INLINE_FUNCTION float normal_cdf(float x) {
-  return 0.5f * kmath::erfc(-x * kInvSqrt2);
-}
+// The formulas live once, in framework/core/activation_math.hpp (the GEMM epilogues use them
+// too); this file runs them as the layers' own passes.
+using activation_math::Sigmoids;
+using activation_math::sigmoids;
 
 // The elementwise kernels run one flat loop over all elements where the views are contiguous
 // (the usual case: a simple loop the compiler vectorizes, where the Serial backend's 2-D
@@ -119,34 +101,32 @@ void activation_forward(Activation activation, MatrixView z, MatrixView out, Dty
     case Activation::relu:
       map_elements(
           MESHTRAIN_LABEL("meshtrain::relu_forward"), z, out, dtype,
-          KOKKOS_LAMBDA(const float x) { return x > 0.0f ? x : 0.0f; });
+          KOKKOS_LAMBDA(const float x) { return activation_math::Relu::value(x); });
       return;
     case Activation::tanh:
       map_elements(
           MESHTRAIN_LABEL("meshtrain::tanh_forward"), z, out, dtype,
-          KOKKOS_LAMBDA(const float x) { return kmath::tanh(x); });
+          KOKKOS_LAMBDA(const float x) { return activation_math::Tanh::value(x); });
       return;
     case Activation::gelu:
       map_elements(
-          MESHTRAIN_LABEL("meshtrain::gelu_forward"), z, out, dtype, KOKKOS_LAMBDA(const float x) {
-            const float inner = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
-            return 0.5f * x * (1.0f + kmath::tanh(inner));
-          });
+          MESHTRAIN_LABEL("meshtrain::gelu_forward"), z, out, dtype,
+          KOKKOS_LAMBDA(const float x) { return activation_math::GeluTanh::value(x); });
       return;
     case Activation::gelu_erf:
       map_elements(
           MESHTRAIN_LABEL("meshtrain::gelu_erf_forward"), z, out, dtype,
-          KOKKOS_LAMBDA(const float x) { return x * normal_cdf(x); });
+          KOKKOS_LAMBDA(const float x) { return activation_math::GeluErf::value(x); });
       return;
     case Activation::silu:
       map_elements(
           MESHTRAIN_LABEL("meshtrain::silu_forward"), z, out, dtype,
-          KOKKOS_LAMBDA(const float x) { return x * sigmoids(x).of_x; });
+          KOKKOS_LAMBDA(const float x) { return activation_math::Silu::value(x); });
       return;
     case Activation::sigmoid:
       map_elements(
           MESHTRAIN_LABEL("meshtrain::sigmoid_forward"), z, out, dtype,
-          KOKKOS_LAMBDA(const float x) { return sigmoids(x).of_x; });
+          KOKKOS_LAMBDA(const float x) { return activation_math::Sigmoid::value(x); });
       return;
     case Activation::none:
       if (out.data() == z.data()) {
@@ -166,49 +146,42 @@ void activation_backward(Activation activation, MatrixView z, MatrixView grad, D
       update_elements(
           MESHTRAIN_LABEL("meshtrain::relu_backward"), z, grad, dtype,
           KOKKOS_LAMBDA(const float x, const float g) {
-            return x > 0.0f ? g : 0.0f;  // rounded: round_to(0) is 0
+            return activation_math::Relu::gradient(x, g);
           });
       return;
     case Activation::tanh:
       update_elements(
           MESHTRAIN_LABEL("meshtrain::tanh_backward"), z, grad, dtype,
           KOKKOS_LAMBDA(const float x, const float g) {
-            const float t = kmath::tanh(x);
-            return g * (1.0f - t * t);
+            return activation_math::Tanh::gradient(x, g);
           });
       return;
     case Activation::gelu:
       update_elements(
           MESHTRAIN_LABEL("meshtrain::gelu_backward"), z, grad, dtype,
           KOKKOS_LAMBDA(const float x, const float g) {
-            const float inner = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
-            const float t = kmath::tanh(inner);
-            const float d_inner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
-            return g * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * d_inner);
+            return activation_math::GeluTanh::gradient(x, g);
           });
       return;
     case Activation::gelu_erf:  // Phi(x) + x phi(x); exp(-x^2 / 2) underflows to 0, never overflows
       update_elements(
           MESHTRAIN_LABEL("meshtrain::gelu_erf_backward"), z, grad, dtype,
           KOKKOS_LAMBDA(const float x, const float g) {
-            const float density = kInvSqrt2Pi * kmath::exp(-0.5f * x * x);
-            return g * (normal_cdf(x) + x * density);
+            return activation_math::GeluErf::gradient(x, g);
           });
       return;
     case Activation::silu:  // s + x s (1 - s) = s (1 + x (1 - s)), s = sigmoid(x)
       update_elements(
           MESHTRAIN_LABEL("meshtrain::silu_backward"), z, grad, dtype,
           KOKKOS_LAMBDA(const float x, const float g) {
-            const Sigmoids s = sigmoids(x);
-            return g * (s.of_x * (1.0f + x * s.of_minus));
+            return activation_math::Silu::gradient(x, g);
           });
       return;
     case Activation::sigmoid:  // s (1 - s)
       update_elements(
           MESHTRAIN_LABEL("meshtrain::sigmoid_backward"), z, grad, dtype,
           KOKKOS_LAMBDA(const float x, const float g) {
-            const Sigmoids s = sigmoids(x);
-            return g * (s.of_x * s.of_minus);
+            return activation_math::Sigmoid::gradient(x, g);
           });
       return;
     case Activation::none:

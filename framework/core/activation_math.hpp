@@ -1,8 +1,8 @@
 #pragma once
 // The elementwise activations, one struct each, for kernels: `value(z)` is f(z) and
-// `gradient(z, g)` is g f'(z), in fp32, by the formulas of layers/activation.hpp (the same
-// expressions, so a GEMM epilogue computed by these and the layer's own passes agree bit
-// for bit):
+// `gradient(z, g)` is g f'(z), in fp32. The one place of these formulas: the layers' own
+// passes (layers/activation.cpp) and the GEMM epilogues run them, so the two agree bit for
+// bit (layers/activation.hpp says what each activation is):
 //   relu      max(z, 0); f' = 1 for z > 0, else 0
 //   tanh      tanh(z); f' = 1 - tanh(z)^2
 //   gelu      0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))), the tanh approximation
