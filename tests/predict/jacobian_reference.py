@@ -22,6 +22,9 @@ Checked:
      with the largest terms;
   3. /prediction against the float64 forward (export_test.py's FP32_RTOL), and the file's
      jacobian_mode attribute.
+
+Case cli_errors: --jacobian-mode without --jacobian, an unknown mode and a mixed-precision
+override are refused (exit 2, one sentence), no output left behind.
 """
 
 import argparse
@@ -359,7 +362,28 @@ def case_residual_moe(ctx):
     check_model(ctx, "residual_moe", ckpt, x, MOE_MESHES)
 
 
+def case_cli_errors(ctx):
+    """--jacobian's refusals: exit 2, one sentence, no output left behind."""
+    data, x = regression_data(ctx)
+    ckpt = et.train(ctx, "cli", data, [et.FEATURES, 8, 2], "tanh", "mse")
+    inputs, output = os.path.join(ctx.work, "x.h5"), os.path.join(ctx.work, "out.h5")
+    with h5py.File(inputs, "w") as f:
+        f["x"] = x[:4]
+    base = [ctx.meshtrain, "predict", ckpt, "--input", inputs, "--output", output]
+    et.expect_error(ctx, base + ["--jacobian-mode", "forward"],
+                    r"--jacobian-mode requires --jacobian", "--jacobian-mode alone")
+    et.expect_error(ctx, base + ["--jacobian", "--jacobian-mode", "backward"],
+                    r"--jacobian-mode is 'backward'; choose auto, forward or reverse",
+                    "an unknown mode")
+    et.expect_error(ctx, base + ["--jacobian", "--set", "mixed_precision.param_dtype=bf16"],
+                    r"--jacobian computes in fp32; drop the mixed_precision override",
+                    "a bf16 override")
+    for name in (output, output + ".tmp"):
+        ctx.check(not os.path.exists(name), "%s was left behind by a refused --jacobian" % name)
+
+
 CASES = {
+    "cli_errors": case_cli_errors,
     "mlp": case_mlp,
     "mlp_activations": case_mlp_activations,
     "residual_layernorm_silu": case_residual_layernorm_silu,
