@@ -322,17 +322,7 @@ void Linear::reserve_tangents(int64_t directions) {
     tangent_x_c_ = Matrix(l.layer + "/input_tangents", rows, l.in_compute);
   }
   tangent_out_ = Matrix(l.layer + "/tangents", rows, l.out_local);
-  // The collective matmuls' workspace and the feature axis' buffers for k times the rows.
-  if (l.tensor_parallel) {
-    needs_.matmul = std::max(needs_.matmul, static_cast<size_t>(3 * rows * l.out) * sizeof(float));
-  }
-  if (l.column_gathers_input()) {
-    needs_.matmul = std::max(needs_.matmul, static_cast<size_t>(3 * rows * l.in) * sizeof(float));
-  }
-  if (tp_comm_) {
-    tp_comm_->reserve_scratch(static_cast<size_t>(rows * std::max(l.in, l.out)));
-    tp_comm_->reserve_reductions(static_cast<size_t>(rows * std::max(l.in, l.out)), compute_dtype_);
-  }
+  reserve_stacked_rows(rows);
   tangent_capacity_ = directions;
 }
 
@@ -387,6 +377,12 @@ void Linear::reserve_cotangents(int64_t directions) {
   if (l.column_gathers_input() || l.slices_input() || l.gathers_input()) {
     cotangent_dx_ = Matrix(l.layer + "/input_cotangents", rows, input_width());
   }
+  reserve_stacked_rows(rows);
+  cotangent_capacity_ = directions;
+}
+
+void Linear::reserve_stacked_rows(int64_t rows) {
+  const LinearLayout& l = layout_;
   if (l.tensor_parallel) {
     needs_.matmul = std::max(needs_.matmul, static_cast<size_t>(3 * rows * l.out) * sizeof(float));
   }
@@ -397,7 +393,6 @@ void Linear::reserve_cotangents(int64_t directions) {
     tp_comm_->reserve_scratch(static_cast<size_t>(rows * std::max(l.in, l.out)));
     tp_comm_->reserve_reductions(static_cast<size_t>(rows * std::max(l.in, l.out)), compute_dtype_);
   }
-  cotangent_capacity_ = directions;
 }
 
 void Linear::bias_gradient(MatrixView dy, LayerScratch& scratch, bool all_reduce) {

@@ -140,6 +140,9 @@ class Linear final : public Layer {
   // Column sums of dy into this rank's block of the bias gradient; all_reduce: summed
   // over the bias's reduction group first.
   void bias_gradient(MatrixView dy, LayerScratch& scratch, bool all_reduce);
+  // Tangents and cotangents: the collective matmuls' workspace (needs_) and the feature axis'
+  // buffers for `rows` stacked rows.
+  void reserve_stacked_rows(int64_t rows);
 
   LinearLayout layout_;
   ShardedParameter weight_;  // gathered, prefetched and reduced as its storage says
