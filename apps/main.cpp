@@ -8,6 +8,7 @@
 //   meshtrain inspect CHECKPOINT.h5 [--verify]
 //   mpirun -np N meshtrain predict CHECKPOINT --input PATH... --output FILE.h5 [--overwrite]
 //                                   [--set ...] [--batch-size N] [--flight-dir DIR]
+//                                   [--jacobian [--jacobian-mode auto|forward|reverse]]
 //   meshtrain export CHECKPOINT --format onnx --output FILE.onnx [--dtype fp32|fp16|bf16]
 //                    [--overwrite]
 //   meshtrain export CHECKPOINT --format pytorch --output DIR [--overwrite]
@@ -287,6 +288,16 @@ void add_predict_command(CLI::App& app, meshtrain::PredictOptions& args) {
                    "Global rows per batch (default: the checkpoint's data.eval_batch_size, "
                    "else data.batch_size)")
       ->check(CLI::PositiveNumber);
+  CLI::Option* jacobian = predict->add_flag(
+      "--jacobian", args.jacobian,
+      "Also write /jacobian [N, outputs, inputs]: each row's derivatives of the outputs by the "
+      "inputs, in the user's units (docs/derivatives.md)");
+  predict
+      ->add_option("--jacobian-mode", args.jacobian_mode,
+                   "auto (default: forward when inputs <= outputs, else reverse), forward "
+                   "(tangents of the inputs) or reverse (one gradient pass per output)")
+      ->type_name("MODE")
+      ->needs(jacobian);
   add_flight_dir_option(*predict, args.flight_dir);
   add_set_option(*predict, args.overrides);
 }

@@ -42,7 +42,7 @@ using Clock = std::chrono::steady_clock;
 
 // Where each output dataset starts in the file (bytes), as rank 0 created it.
 struct OutputLayout {
-  long long prediction = 0, classes = 0, probability = 0;
+  long long prediction = 0, classes = 0, probability = 0, jacobian = 0;
 };
 
 // Rank 0: the output is new (or --overwrite), not a directory, not a file predict reads (the
@@ -75,9 +75,11 @@ void check_output(const PredictOptions& options, const std::vector<std::string>&
 }
 
 // Rank 0: FILE.tmp with /prediction [N, outputs] float32 and, for classification, /class
-// int64 [N] and /probability float32 [N, classes], contiguous and allocated, never filled;
-// root attributes checkpoint, step, model, rows.
-OutputLayout create_output(const std::string& tmp, const Predictor& predictor, int64_t rows) {
+// int64 [N] and /probability float32 [N, classes], and with a Jacobian /jacobian float32 [N,
+// outputs, inputs], contiguous and allocated, never filled; root attributes checkpoint, step,
+// model, rows (and jacobian_mode: forward or reverse).
+OutputLayout create_output(const std::string& tmp, const Predictor& predictor, int64_t rows,
+                           const std::optional<JacobianMode>& jacobian) {
   using hdf5::Handle;
   const ErrorKind fail = ErrorKind::runtime;
   const std::string where = "the output file '" + tmp + "'";
@@ -92,6 +94,7 @@ OutputLayout create_output(const std::string& tmp, const Predictor& predictor, i
   hdf5::write_attribute(file, "step", predictor.step());
   hdf5::write_attribute(file, "model", predictor.model_description());
   hdf5::write_attribute(file, "rows", rows);
+  if (jacobian) hdf5::write_attribute(file, "jacobian_mode", std::string(to_string(*jacobian)));
   const auto create = [&](const char* name, hid_t type, std::vector<hsize_t> dims) -> long long {
     const std::string what = std::string("cannot create dataset ") + name + " in " + where;
     Handle dcpl = hdf5::make(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, fail, what);
@@ -114,6 +117,10 @@ OutputLayout create_output(const std::string& tmp, const Predictor& predictor, i
   if (predictor.classification()) {
     layout.classes = create("/class", H5T_STD_I64LE, {n});
     layout.probability = create("/probability", H5T_IEEE_F32LE, {n, width});
+  }
+  if (jacobian) {
+    layout.jacobian =
+        create("/jacobian", H5T_IEEE_F32LE, {n, width, static_cast<hsize_t>(predictor.inputs())});
   }
   file.close("cannot close " + where);
   return layout;
@@ -139,6 +146,7 @@ struct HostRows {
   Matrix::HostMirror outputs;
   Kokkos::View<int64_t*, Kokkos::LayoutRight>::HostMirror classes;
   Matrix::HostMirror probabilities;
+  Kokkos::View<float***, Kokkos::LayoutRight, Kokkos::HostSpace> jacobian;  // with --jacobian
   int64_t first = 0;  // the input row of row 0
   int64_t rows = 0;   // valid rows (0: nothing to write)
 };
@@ -154,6 +162,16 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
   });
 
   Predictor predictor(options.checkpoint, options.batch_size, options.overrides);
+  // --jacobian: the mode this model's Jacobian is computed in (agreed: the same on every rank).
+  std::optional<JacobianMode> jacobian;
+  on_every_rank(MPI_COMM_WORLD, [&] {
+    if (!options.jacobian) return;
+    jacobian =
+        predictor.jacobian_mode(parse_jacobian_mode(options.jacobian_mode, "--jacobian-mode"));
+    if (predictor.config().mixed_precision.param_dtype != Dtype::fp32) {
+      MESHTRAIN_BAD_INPUT("--jacobian computes in fp32; drop the mixed_precision override");
+    }
+  });
   // Flight records only where --flight-dir says: never in the training run's folder that the
   // checkpoint's config names (its records are what a hung run leaves behind).
   on_every_rank(MPI_COMM_WORLD, [&] {
@@ -167,6 +185,11 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
     const std::vector<std::string> lines = predictor.describe();
     std::printf("meshtrain predict: %s\n", lines.front().c_str());
     for (size_t i = 1; i < lines.size(); ++i) std::printf("%s\n", lines[i].c_str());
+    if (jacobian) {
+      std::printf("  jacobian: %s mode, %lld %s per pass\n", to_string(*jacobian),
+                  static_cast<long long>(predictor.jacobian_directions(*jacobian)),
+                  *jacobian == JacobianMode::forward ? "input directions" : "outputs");
+    }
     std::fflush(stdout);
   }
 
@@ -205,9 +228,9 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
   on_every_rank(MPI_COMM_WORLD, [&] {
     if (!rank0) return;
     tmp_made = true;
-    layout = create_output(tmp, predictor, total);
+    layout = create_output(tmp, predictor, total, jacobian);
   });
-  broadcast_collective(&layout, 3, MPI_LONG_LONG, 0, MPI_COMM_WORLD,
+  broadcast_collective(&layout, 4, MPI_LONG_LONG, 0, MPI_COMM_WORLD,
                        "MPI_Ibcast (the output's layout)");
 
   // This rank's buffers, its batch stream and the output file: made under the agreement,
@@ -228,6 +251,12 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
     write_all(fd, host.probabilities.data(), host.rows * row_bytes,
               layout.probability + host.first * static_cast<long long>(row_bytes), tmp);
   };
+  const auto write_jacobian = [&] {
+    if (!writer || host.rows == 0 || !jacobian) return;
+    const size_t row_bytes = static_cast<size_t>(width * predictor.inputs()) * 4;
+    write_all(fd, host.jacobian.data(), host.rows * row_bytes,
+              layout.jacobian + host.first * static_cast<long long>(row_bytes), tmp);
+  };
   const auto close_output = [&] {
     if (fd >= 0) ::close(fd);
     fd = -1;
@@ -239,6 +268,10 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
         host.classes = decltype(host.classes)("meshtrain::predict_host_classes", rows);
         host.probabilities =
             Matrix::HostMirror("meshtrain::predict_host_probabilities", rows, width);
+      }
+      if (jacobian) {
+        host.jacobian = decltype(host.jacobian)("meshtrain::predict_host_jacobian", rows, width,
+                                                predictor.inputs());
       }
       x = Matrix("meshtrain::predict_batch", rows, predictor.inputs());
       stream.emplace(
@@ -278,7 +311,10 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
       // the end): the output is renamed only after the last agreement.
       int64_t valid = 0;
       try {
-        if (!failed) write_rows();
+        if (!failed) {
+          write_rows();
+          write_jacobian();
+        }
         valid = stream->take(b, x, BatchLabels(), Matrix());
       } catch (...) {
         if (!failed) failed = std::current_exception();
@@ -286,8 +322,9 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
       }
       if (failed) valid = 0;
       if ((b + 1) % kAgreeEvery == 0) agree_on_failure();
-      const Prediction p =
-          predictor.predict(Kokkos::subview(x, std::make_pair(int64_t{0}, valid), Kokkos::ALL));
+      const auto x_rows = Kokkos::subview(x, std::make_pair(int64_t{0}, valid), Kokkos::ALL);
+      const Prediction p = jacobian ? predictor.jacobian(x_rows, host.jacobian, *jacobian)
+                                    : predictor.predict(x_rows);
       const auto range = std::make_pair(int64_t{0}, valid);
       Kokkos::deep_copy(Kokkos::subview(host.outputs, range, Kokkos::ALL), p.outputs);
       if (predictor.classification()) {
@@ -314,6 +351,7 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
     on_every_rank(MPI_COMM_WORLD, [&] {
       if (failed) std::rethrow_exception(failed);
       write_rows();
+      write_jacobian();
       if (fd >= 0) {
         const int synced = ::fsync(fd);
         const int closed = ::close(fd);

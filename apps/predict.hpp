@@ -1,7 +1,9 @@
 #pragma once
 // `meshtrain predict CHECKPOINT --input PATH... --output FILE.h5 [--overwrite] [--set k=v ...]
-// [--batch-size N] [--flight-dir DIR]`: a Predictor (run/predictor.hpp) over HDF5 inputs, streamed
-// in file order, written as one HDF5 file by all ranks (docs/running.md, "predict").
+// [--batch-size N] [--flight-dir DIR] [--jacobian [--jacobian-mode auto|forward|reverse]]`: a
+// Predictor (run/predictor.hpp) over HDF5 inputs, streamed in file order, written as one HDF5
+// file by all ranks (docs/running.md, "predict"); with --jacobian also /jacobian [N, outputs,
+// inputs], the derivatives of each row's outputs by its inputs (docs/derivatives.md).
 
 #include <cstdint>
 #include <string>
@@ -27,6 +29,9 @@ struct PredictOptions {
   int64_t batch_size = 0;             // global rows per batch; 0: the checkpoint's
   double progress_seconds = 2.0;      // rank 0 prints a progress line this often
   PredictSummary* summary = nullptr;  // filled when the output is complete (may be null)
+  // --jacobian: also /jacobian; --jacobian-mode: auto | forward | reverse (parse_jacobian_mode).
+  bool jacobian = false;
+  std::string jacobian_mode = "auto";
 };
 
 // Collective over MPI_COMM_WORLD. Returns the exit status: 0, or 2 / 1 when an error every

@@ -5,3 +5,11 @@
 add_executable(bench_predict ${CMAKE_CURRENT_SOURCE_DIR}/predict_speed.cpp)
 target_link_libraries(bench_predict PRIVATE meshtrain_command CLI11::CLI11
                       nlohmann_json::nlohmann_json)
+
+# Predictor::jacobian against one forward of the same rows, per mode (issue 40); one JSON line
+# per mode on rank 0. bench/jacobian_speed.sh runs it beside PyTorch's
+# torch.autograd.functional.jacobian (bench/jacobian_speed_torch.py):
+#   OPENBLAS_NUM_THREADS=1 build/bin/bench_jacobian CHECKPOINT --rows 10000 --mode all
+add_executable(bench_jacobian ${CMAKE_CURRENT_SOURCE_DIR}/jacobian_speed.cpp)
+target_link_libraries(bench_jacobian PRIVATE meshtrain_run CLI11::CLI11
+                      nlohmann_json::nlohmann_json)

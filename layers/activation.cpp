@@ -92,7 +92,169 @@ void update_elements(const std::string& label, const MatrixView& z, const Matrix
   }
 }
 
+// f'(x) of each activation, for the tangent kernels (the same expressions as the backward
+// kernels above multiply the incoming gradient by; docs/model_math.md's table).
+struct ReluSlope {
+  KOKKOS_INLINE_FUNCTION float operator()(const float x) const { return x > 0.0f ? 1.0f : 0.0f; }
+};
+struct TanhSlope {
+  KOKKOS_INLINE_FUNCTION float operator()(const float x) const {
+    const float t = kmath::tanh(x);
+    return 1.0f - t * t;
+  }
+};
+struct GeluSlope {
+  KOKKOS_INLINE_FUNCTION float operator()(const float x) const {
+    const float inner = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
+    const float t = kmath::tanh(inner);
+    const float d_inner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * d_inner;
+  }
+};
+struct GeluErfSlope {
+  KOKKOS_INLINE_FUNCTION float operator()(const float x) const {
+    return normal_cdf(x) + x * kInvSqrt2Pi * kmath::exp(-0.5f * x * x);
+  }
+};
+// sigmoid(x) and 1 - sigmoid(x) with one division (the slopes' hot loop): e = exp(-|x|),
+// r = 1 / (1 + e); sigmoid(|x|) = r, sigmoid(-|x|) = e r, neither a difference.
+KOKKOS_INLINE_FUNCTION Sigmoids sigmoids_one_division(float x) {
+  const float e = kmath::exp(-kmath::fabs(x));
+  const float r = 1.0f / (1.0f + e);
+  return x >= 0.0f ? Sigmoids{r, e * r} : Sigmoids{e * r, r};
+}
+struct SiluSlope {
+  KOKKOS_INLINE_FUNCTION float operator()(const float x) const {
+    const Sigmoids s = sigmoids_one_division(x);
+    return s.of_x * (1.0f + x * s.of_minus);
+  }
+};
+struct SigmoidSlope {
+  KOKKOS_INLINE_FUNCTION float operator()(const float x) const {
+    const Sigmoids s = sigmoids_one_division(x);
+    return s.of_x * s.of_minus;
+  }
+};
+struct IdentitySlope {
+  KOKKOS_INLINE_FUNCTION float operator()(const float) const { return 1.0f; }
+};
+
+// out(t, j) = slope(z(t / k, j)) * dz(t, j) for the k rows t of each value row. Each slope is
+// computed once for its k rows: into the block's first output row, then every row of the block
+// is that times dz (the first one last). out must not be dz (check_tangent_shapes). Plain
+// pointer loops over a row's columns (views may be row-strided), which the compiler vectorizes.
+template <class Slope>
+void scale_tangents(const std::string& label, const MatrixView& z, const MatrixView& dz,
+                    const MatrixView& out, Slope slope) {
+  const int64_t rows = static_cast<int64_t>(z.extent(0));
+  const int64_t cols = static_cast<int64_t>(z.extent(1));
+  const int64_t k = rows > 0 ? static_cast<int64_t>(dz.extent(0)) / rows : 0;
+  const int64_t z_stride = static_cast<int64_t>(z.stride(0));
+  const int64_t d_stride = static_cast<int64_t>(dz.stride(0));
+  const int64_t o_stride = static_cast<int64_t>(out.stride(0));
+  const float* z_data = z.data();
+  const float* d_data = dz.data();
+  float* o_data = out.data();
+  Kokkos::parallel_for(
+      label, Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
+        const float* KOKKOS_RESTRICT zi = z_data + i * z_stride;
+        float* KOKKOS_RESTRICT slopes = o_data + i * k * o_stride;
+        for (int64_t j = 0; j < cols; ++j) slopes[j] = slope(zi[j]);
+        for (int64_t d = k; d-- > 1;) {
+          float* KOKKOS_RESTRICT o = o_data + (i * k + d) * o_stride;
+          const float* KOKKOS_RESTRICT g = d_data + (i * k + d) * d_stride;
+          for (int64_t j = 0; j < cols; ++j) o[j] = slopes[j] * g[j];
+        }
+        const float* KOKKOS_RESTRICT g = d_data + i * k * d_stride;
+        for (int64_t j = 0; j < cols; ++j) slopes[j] *= g[j];
+      });
+}
+
+void check_tangent_shapes(const char* who, const MatrixView& z, const MatrixView& dz,
+                          const MatrixView& out) {
+  MESHTRAIN_REQUIRE(z.extent(1) == dz.extent(1) && dz.extent(0) == out.extent(0) &&
+                        dz.extent(1) == out.extent(1) &&
+                        (z.extent(0) == 0 ? dz.extent(0) == 0 : dz.extent(0) % z.extent(0) == 0),
+                    who, ": values [", z.extent(0), ", ", z.extent(1), "], tangents [",
+                    dz.extent(0), ", ", dz.extent(1), "] into [", out.extent(0), ", ",
+                    out.extent(1), "]");
+  MESHTRAIN_REQUIRE(out.extent(0) == 0 || out.data() != dz.data(), who,
+                    ": the output may not be the input's memory");
+}
+
 }  // namespace
+
+void activation_tangent(Activation activation, MatrixView z, MatrixView dz, MatrixView out) {
+  check_tangent_shapes("activation_tangent", z, dz, out);
+  const std::string& label = MESHTRAIN_LABEL("meshtrain::activation_tangent");
+  switch (activation) {
+    case Activation::relu:
+      return scale_tangents(label, z, dz, out, ReluSlope{});
+    case Activation::tanh:
+      return scale_tangents(label, z, dz, out, TanhSlope{});
+    case Activation::gelu:
+      return scale_tangents(label, z, dz, out, GeluSlope{});
+    case Activation::gelu_erf:
+      return scale_tangents(label, z, dz, out, GeluErfSlope{});
+    case Activation::silu:
+      return scale_tangents(label, z, dz, out, SiluSlope{});
+    case Activation::sigmoid:
+      return scale_tangents(label, z, dz, out, SigmoidSlope{});
+    case Activation::none:
+      return scale_tangents(label, z, dz, out, IdentitySlope{});
+  }
+}
+
+void swiglu_tangent(MatrixView gate, MatrixView value, MatrixView dgate, MatrixView dvalue,
+                    MatrixView out) {
+  check_tangent_shapes("swiglu_tangent", gate, dgate, out);
+  MESHTRAIN_REQUIRE(value.extent(0) == gate.extent(0) && value.extent(1) == gate.extent(1) &&
+                        dvalue.extent(0) == dgate.extent(0) &&
+                        dvalue.extent(1) == dgate.extent(1) && out.data() != dvalue.data(),
+                    "swiglu_tangent: gate and value differ in shape, or out is dvalue");
+  const int64_t rows = static_cast<int64_t>(gate.extent(0));
+  const int64_t cols = static_cast<int64_t>(gate.extent(1));
+  const int64_t k = rows > 0 ? static_cast<int64_t>(dgate.extent(0)) / rows : 0;
+  // sigmoid(g) once per value element, kept in the block's first output row (as scale_tangents).
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::swiglu_tangent"), Kokkos::RangePolicy<>(device_space(), 0, rows),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const int64_t first = i * k;
+        for (int64_t j = 0; j < cols; ++j) out(first, j) = sigmoids(gate(i, j)).of_x;
+        for (int64_t d = k; d-- > 0;) {
+          for (int64_t j = 0; j < cols; ++j) {
+            const float g = gate(i, j), s = out(first, j);
+            out(first + d, j) = s * (1.0f + g * (1.0f - s)) * value(i, j) * dgate(first + d, j) +
+                                g * s * dvalue(first + d, j);
+          }
+        }
+      });
+}
+
+void swiglu_cotangent(MatrixView gate, MatrixView value, MatrixView dy, MatrixView dgate,
+                      MatrixView dvalue) {
+  check_tangent_shapes("swiglu_cotangent", gate, dy, dgate);
+  MESHTRAIN_REQUIRE(value.extent(0) == gate.extent(0) && value.extent(1) == gate.extent(1) &&
+                        dvalue.extent(0) == dy.extent(0) && dvalue.extent(1) == dy.extent(1) &&
+                        dvalue.data() != dy.data() && dvalue.data() != dgate.data(),
+                    "swiglu_cotangent: shapes differ, or outputs share memory");
+  const int64_t rows = static_cast<int64_t>(gate.extent(0));
+  const int64_t cols = static_cast<int64_t>(gate.extent(1));
+  const int64_t k = rows > 0 ? static_cast<int64_t>(dy.extent(0)) / rows : 0;
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::swiglu_cotangent"),
+      Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
+        const int64_t first = i * k;
+        for (int64_t j = 0; j < cols; ++j) dgate(first, j) = sigmoids(gate(i, j)).of_x;
+        for (int64_t d = k; d-- > 0;) {
+          for (int64_t j = 0; j < cols; ++j) {
+            const float g = gate(i, j), s = dgate(first, j), y = dy(first + d, j);
+            dvalue(first + d, j) = y * g * s;
+            dgate(first + d, j) = y * value(i, j) * s * (1.0f + g * (1.0f - s));
+          }
+        }
+      });
+}
 
 void activation_forward(Activation activation, MatrixView z, MatrixView out, Dtype dtype) {
   MESHTRAIN_REQUIRE(z.extent(0) == out.extent(0) && z.extent(1) == out.extent(1),
@@ -233,7 +395,8 @@ ActivationLayer::ActivationLayer(Activation activation, const std::string& name,
       layout_(layout),
       offset_(offset),
       dtype_(dtype),
-      out_(name, rows, width) {}
+      out_(name, rows, width),
+      name_(name) {}
 
 MatrixView ActivationLayer::forward(MatrixView x, const LayerPass&) {
   z_ = x;
@@ -245,6 +408,34 @@ MatrixView ActivationLayer::backward(MatrixView dy, bool need_input_grad, const 
   if (!need_input_grad) return MatrixView();
   activation_backward(activation_, z_, dy, dtype_);
   return dy;
+}
+
+MatrixView ActivationLayer::forward_tangents(MatrixView dx, const LayerPass&) {
+  const int64_t rows = static_cast<int64_t>(out_.extent(0));
+  const int64_t k = tangent_directions(static_cast<int64_t>(dx.extent(0)), rows, name_);
+  const MatrixView out = leading_rows(tangents_, rows * k);
+  activation_tangent(activation_, z_, dx, out);
+  return out;
+}
+
+void ActivationLayer::reserve_tangents(int64_t directions) {
+  if (directions <= tangent_capacity_) return;
+  tangents_ = Matrix(name_ + "/tangents", out_.extent(0) * directions, out_.extent(1));
+  tangent_capacity_ = directions;
+}
+
+MatrixView ActivationLayer::backward_cotangents(MatrixView dy, const LayerPass&) {
+  const int64_t rows = static_cast<int64_t>(out_.extent(0));
+  const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows, name_);
+  const MatrixView out = leading_rows(cotangents_, rows * k);
+  activation_tangent(activation_, z_, dy, out);  // a diagonal Jacobian: the same product
+  return out;
+}
+
+void ActivationLayer::reserve_cotangents(int64_t directions) {
+  if (directions <= cotangent_capacity_) return;
+  cotangents_ = Matrix(name_ + "/cotangents", out_.extent(0) * directions, out_.extent(1));
+  cotangent_capacity_ = directions;
 }
 
 }  // namespace meshtrain

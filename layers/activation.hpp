@@ -37,6 +37,20 @@ void swiglu_forward(MatrixView gate, MatrixView value, MatrixView out, Dtype dty
 void swiglu_backward(MatrixView gate, MatrixView value, MatrixView dy, MatrixView dgate,
                      MatrixView dvalue, Dtype dtype = Dtype::fp32);
 
+// Tangents and cotangents (docs/derivatives.md), fp32, k = dz.extent(0) / z.extent(0)
+// directions per row, sample-major (row t belongs to value row t / k); each derivative of a
+// value element is computed once for its k rows. Outputs never share memory with inputs.
+//   activation_tangent  out(t, j) = f'(z(t / k, j)) dz(t, j): the tangent, and the cotangent
+//                       too (the Jacobian is diagonal)
+//   swiglu_tangent      out(t, j) = silu'(g) value dgate(t, j) + silu(g) dvalue(t, j), with
+//                       g = gate(t / k, j), value = value(t / k, j)
+//   swiglu_cotangent    dgate(t, j) = dy(t, j) value silu'(g), dvalue(t, j) = dy(t, j) silu(g)
+void activation_tangent(Activation activation, MatrixView z, MatrixView dz, MatrixView out);
+void swiglu_tangent(MatrixView gate, MatrixView value, MatrixView dgate, MatrixView dvalue,
+                    MatrixView out);
+void swiglu_cotangent(MatrixView gate, MatrixView value, MatrixView dy, MatrixView dgate,
+                      MatrixView dvalue);
+
 // The activation between two layers of a model, as a layer of its own: no parameters, no
 // communication; the output keeps the layout, width and offset of its input.
 class ActivationLayer : public Layer {
@@ -50,6 +64,12 @@ class ActivationLayer : public Layer {
   MatrixView forward(MatrixView x, const LayerPass& pass) override;
   // dY * f'(x) in place in dy (the input gradient of the layer after, owned by it).
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
+  // f'(x) * dx per direction, into the layer's tangent buffer.
+  MatrixView forward_tangents(MatrixView dx, const LayerPass& pass) override;
+  void reserve_tangents(int64_t directions) override;
+  // dy * f'(x) per direction, into the layer's cotangent buffer.
+  MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
+  void reserve_cotangents(int64_t directions) override;
 
   MatrixView output() const override { return out_; }
   FeatureLayout output_layout() const override { return layout_; }
@@ -64,6 +84,8 @@ class ActivationLayer : public Layer {
   Dtype dtype_ = Dtype::fp32;
   MatrixView z_;  // the input of the last forward
   Matrix out_;    // [rows, width]
+  std::string name_;
+  Matrix tangents_, cotangents_;  // [rows * directions, width]
 };
 
 }  // namespace meshtrain

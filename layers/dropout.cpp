@@ -19,8 +19,11 @@ Range2 range_of(const MatrixView& m) {
 }
 
 // out = keep ? round(in * scale) : 0 for every element of the block; out may be in.
+// `directions` > 1: the block holds that many tangent rows per value row (row i of the block
+// takes value row i / directions's mask).
 void apply_mask(MatrixView in, MatrixView out, const TrainingPass& key, int64_t layer,
-                int64_t offset, uint32_t threshold, float scale, Dtype dtype) {
+                int64_t offset, uint32_t threshold, float scale, Dtype dtype,
+                int64_t directions = 1) {
   const uint64_t seed = key.seed;
   const int64_t step = key.step;
   const int64_t micro = key.micro_batch;
@@ -28,7 +31,8 @@ void apply_mask(MatrixView in, MatrixView out, const TrainingPass& key, int64_t 
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::dropout"), range_of(in),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-        const uint32_t bits = dropout_bits(seed, step, micro, first_row + i, offset + j, layer);
+        const uint32_t bits =
+            dropout_bits(seed, step, micro, first_row + i / directions, offset + j, layer);
         out(i, j) = bits >= threshold ? round_to(in(i, j) * scale, dtype) : 0.0f;
       });
 }
@@ -84,6 +88,36 @@ MatrixView DropoutLayer::backward(MatrixView dy, bool need_input_grad, const Lay
   if (!need_input_grad) return MatrixView();
   if (has_mask_) apply_mask(dy, dy, key_, layer_, offset_, threshold_, scale_, dtype_);
   return dy;
+}
+
+MatrixView DropoutLayer::forward_tangents(MatrixView dx, const LayerPass&) {
+  const int64_t rows = static_cast<int64_t>(out_.extent(0));
+  const int64_t k = tangent_directions(static_cast<int64_t>(dx.extent(0)), rows, "dropout");
+  if (!has_mask_) return dx;  // the identity outside training
+  const MatrixView out = leading_rows(tangents_, rows * k);
+  apply_mask(dx, out, key_, layer_, offset_, threshold_, scale_, Dtype::fp32, k);
+  return out;
+}
+
+void DropoutLayer::reserve_tangents(int64_t directions) {
+  if (directions <= tangent_capacity_) return;
+  tangents_ = Matrix("dropout/tangents", out_.extent(0) * directions, out_.extent(1));
+  tangent_capacity_ = directions;
+}
+
+MatrixView DropoutLayer::backward_cotangents(MatrixView dy, const LayerPass&) {
+  const int64_t rows = static_cast<int64_t>(out_.extent(0));
+  const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows, "dropout");
+  if (!has_mask_) return dy;
+  const MatrixView out = leading_rows(cotangents_, rows * k);
+  apply_mask(dy, out, key_, layer_, offset_, threshold_, scale_, Dtype::fp32, k);
+  return out;
+}
+
+void DropoutLayer::reserve_cotangents(int64_t directions) {
+  if (directions <= cotangent_capacity_) return;
+  cotangents_ = Matrix("dropout/cotangents", out_.extent(0) * directions, out_.extent(1));
+  cotangent_capacity_ = directions;
 }
 
 }  // namespace meshtrain

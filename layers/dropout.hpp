@@ -56,6 +56,13 @@ class DropoutLayer : public Layer {
   // dY * mask * scale in place in dy, with the mask of the last forward (recomputed);
   // dy itself after a forward outside training.
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
+  // dx times the last forward's mask and scale (its rows' mask for every direction); dx
+  // itself after a forward outside training.
+  MatrixView forward_tangents(MatrixView dx, const LayerPass& pass) override;
+  void reserve_tangents(int64_t directions) override;
+  // The same product for cotangents (a diagonal Jacobian).
+  MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
+  void reserve_cotangents(int64_t directions) override;
 
   MatrixView output() const override { return last_; }
   FeatureLayout output_layout() const override { return layout_; }
@@ -79,6 +86,7 @@ class DropoutLayer : public Layer {
   // The key of the last forward (has_mask_: it was a training pass).
   bool has_mask_ = false;
   TrainingPass key_;
+  Matrix tangents_, cotangents_;  // [rows * k, width]
 };
 
 }  // namespace meshtrain

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "base/error.hpp"
+
 namespace meshtrain {
 
 void LayerScratchNeeds::merge(const LayerScratchNeeds& o) {
@@ -19,6 +21,47 @@ LayerScratch::LayerScratch(const LayerScratchNeeds& needs, bool with_prefetch)
       stage("meshtrain::scratch_stage", needs.stage),
       bias("meshtrain::scratch_bias", needs.bias) {
   if (needs.matmul > 0) matmul.reserve(needs.matmul);
+}
+
+MatrixView Layer::forward_tangents(MatrixView, const LayerPass&) {
+  MESHTRAIN_REQUIRE(false, "layer '", describe(), "' has no forward-mode tangent pass");
+  return MatrixView();
+}
+
+void Layer::reserve_tangents(int64_t directions) {
+  MESHTRAIN_REQUIRE(false, "layer '", describe(), "' has no forward-mode tangent pass (asked for ",
+                    directions, " directions)");
+}
+
+MatrixView Layer::backward_cotangents(MatrixView, const LayerPass&) {
+  MESHTRAIN_REQUIRE(false, "layer '", describe(), "' has no reverse-mode cotangent pass");
+  return MatrixView();
+}
+
+void Layer::reserve_cotangents(int64_t directions) {
+  MESHTRAIN_REQUIRE(false, "layer '", describe(),
+                    "' has no reverse-mode cotangent pass (asked for ", directions, " directions)");
+}
+
+namespace {
+int64_t directions_of(int64_t stacked, int64_t rows, int64_t capacity, const char* kind,
+                      const std::string& who) {
+  MESHTRAIN_REQUIRE(
+      rows > 0 && stacked % rows == 0 && stacked / rows >= 1 && stacked / rows <= capacity, who,
+      ": a ", kind, " input of ", stacked, " rows for ", rows, " rows of values, with room for ",
+      capacity, " directions per row");
+  return stacked / rows;
+}
+}  // namespace
+
+int64_t Layer::tangent_directions(int64_t tangent_rows, int64_t rows,
+                                  const std::string& who) const {
+  return directions_of(tangent_rows, rows, tangent_capacity_, "tangent", who);
+}
+
+int64_t Layer::cotangent_directions(int64_t cotangent_rows, int64_t rows,
+                                    const std::string& who) const {
+  return directions_of(cotangent_rows, rows, cotangent_capacity_, "cotangent", who);
 }
 
 }  // namespace meshtrain

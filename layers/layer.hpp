@@ -137,12 +137,57 @@ class Layer {
   // A loss term of the last forward, times its coefficient (MoE load balancing), else 0.
   virtual double aux_loss() const { return 0.0; }
 
+  // Forward-mode derivatives (docs/derivatives.md). After forward(x) on `rows` rows: dx
+  // [rows * k, input width] holds k tangent directions per row, sample-major (row r * k + d is
+  // the derivative of input row r along direction d); returns the derivative of the output
+  // along each, [rows * k, output_width()], owned by the layer and valid until its next
+  // tangent pass. The same GEMMs and collectives as forward, on k times the rows, without the
+  // biases; piecewise-constant choices (relu's kink, MoE routing) are those of the forward.
+  // Needs reserve_tangents(k') with k' >= k first; collective where forward is; allocates
+  // nothing. Evaluation only: a forward given a TrainingPass (dropout on) is differentiated
+  // with its mask.
+  virtual MatrixView forward_tangents(MatrixView dx, const LayerPass& pass);
+  // Allocates what forward_tangents needs for up to `directions` per row (once; a call with no
+  // more directions than before does nothing). Not collective.
+  virtual void reserve_tangents(int64_t directions);
+  // The directions reserve_tangents made room for (0: none).
+  int64_t tangent_capacity() const { return tangent_capacity_; }
+
+  // Reverse mode (docs/derivatives.md). After forward(x) on `rows` rows: dy [rows * k,
+  // output_width()] holds k cotangents per row, sample-major (row r * k + d: direction d of
+  // output row r); returns each times the layer's Jacobian, [rows * k, input width], owned by
+  // the layer and valid until its next cotangent pass: the input gradients of k functions of
+  // the output at once. The same GEMMs and collectives as backward's input gradient, on k times
+  // the rows, with what forward kept (activations' slopes computed once for the k); no
+  // parameter gradient is touched and no loss term of a layer's own (MoE load balancing) joins.
+  // Needs reserve_cotangents(k') with k' >= k first; collective where backward is; allocates
+  // nothing.
+  virtual MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass);
+  // Allocates what backward_cotangents needs for up to `directions` per row (as
+  // reserve_tangents).
+  virtual void reserve_cotangents(int64_t directions);
+  int64_t cotangent_capacity() const { return cotangent_capacity_; }
+
   virtual MatrixView output() const = 0;
   virtual FeatureLayout output_layout() const = 0;
   virtual int64_t output_width() const = 0;   // local output columns
   virtual int64_t output_offset() const = 0;  // first global output column held here
   // One line for logs ("" for a layer without parameters).
   virtual std::string describe() const = 0;
+
+ protected:
+  // k of a tangent (cotangent) input of `tangent_rows` rows for a layer of `rows` rows (bad
+  // internal use when it is not a multiple of rows within the reserved directions); `who`
+  // names the layer.
+  int64_t tangent_directions(int64_t tangent_rows, int64_t rows, const std::string& who) const;
+  int64_t cotangent_directions(int64_t cotangent_rows, int64_t rows, const std::string& who) const;
+  int64_t tangent_capacity_ = 0, cotangent_capacity_ = 0;
 };
+
+// Rows [0, count) of a row-major matrix, as a view (the prefix a pass of fewer tangent
+// directions than reserved uses).
+inline MatrixView leading_rows(const Matrix& m, int64_t count) {
+  return MatrixView(m.data(), count, m.extent(1));
+}
 
 }  // namespace meshtrain

@@ -280,6 +280,121 @@ MatrixView Linear::backward(MatrixView dy, bool need_input_grad, const LayerPass
   return dx;
 }
 
+MatrixView Linear::forward_tangents(MatrixView dx, const LayerPass& pass) {
+  LayerScratch& scratch = *pass.scratch;
+  const int64_t k = tangent_directions(static_cast<int64_t>(dx.extent(0)), rows_, layout_.layer);
+  const int64_t rows = rows_ * k;
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dx.extent(1)) == input_width(), "linear layer '",
+                    layout_.layer, "': tangent input is [", dx.extent(0), ", ", dx.extent(1),
+                    "], expected [", rows, ", ", input_width(), "]");
+  // The tangents take the value's path: sliced or gathered into the compute layout...
+  MatrixView x_used = dx;
+  if (layout_.slices_input()) {
+    x_used = leading_rows(tangent_x_c_, rows);
+    copy_columns(dx, tp_index_ * layout_.in_compute, x_used);
+  } else if (layout_.gathers_input()) {
+    x_used = leading_rows(tangent_x_c_, rows);
+    tp_comm_->all_gather(dx, x_used, 1, compute_dtype_);
+  }
+  // ...and through the same product and collective (the bias has no derivative).
+  MatrixView w = weight_.compute_matrix(scratch);
+  MatrixView y = leading_rows(tangent_out_, rows);
+  if (layout_.column_gathers_input()) {
+    all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(x_used), plain(w), y, matmuls_.forward,
+                      scratch.matmul, compute_dtype_);
+  } else if (layout_.column_parallel) {
+    gemm(plain(x_used), plain(w), 0.0f, y, compute_dtype_);
+  } else if (layout_.split_output) {
+    matmul_reduce_scatter(*tp_comm_, 1, plain(x_used), plain(w), y, matmuls_.forward,
+                          scratch.matmul, compute_dtype_);
+  } else {
+    gemm(plain(x_used), plain(w), 0.0f, y, compute_dtype_);
+    if (layout_.tensor_parallel) tp_comm_->all_reduce(y, ReduceOp::sum, compute_dtype_);
+  }
+  return y;
+}
+
+void Linear::reserve_tangents(int64_t directions) {
+  if (directions <= tangent_capacity_) return;
+  const LinearLayout& l = layout_;
+  const int64_t rows = rows_ * directions;
+  if (l.slices_input() || l.gathers_input()) {
+    tangent_x_c_ = Matrix(l.layer + "/input_tangents", rows, l.in_compute);
+  }
+  tangent_out_ = Matrix(l.layer + "/tangents", rows, l.out_local);
+  reserve_stacked_rows(rows);
+  tangent_capacity_ = directions;
+}
+
+MatrixView Linear::backward_cotangents(MatrixView dy, const LayerPass& pass) {
+  LayerScratch& scratch = *pass.scratch;
+  const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows_, layout_.layer);
+  const int64_t rows = rows_ * k;
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(1)) == layout_.out_local, "linear layer '",
+                    layout_.layer, "': cotangent input is [", dy.extent(0), ", ", dy.extent(1),
+                    "], expected [", rows, ", ", layout_.out_local, "]");
+  MatrixView w = weight_.compute_matrix(scratch);
+  // backward's input gradient, branch for branch.
+  if (layout_.column_parallel) {
+    if (layout_.column_gathers_input()) {
+      const MatrixView dx = leading_rows(cotangent_dx_, rows);
+      matmul_reduce_scatter(*tp_comm_, 1, plain(dy), transposed(w), dx, matmuls_.input_grad,
+                            scratch.matmul, compute_dtype_);
+      return dx;
+    }
+    const MatrixView dx = leading_rows(cotangent_dx_c_, rows);
+    gemm(plain(dy), transposed(w), 0.0f, dx, compute_dtype_);
+    if (!layout_.input_grad_partial) tp_comm_->all_reduce(dx, ReduceOp::sum, compute_dtype_);
+    return dx;
+  }
+  const MatrixView dx_c = leading_rows(cotangent_dx_c_, rows);
+  if (layout_.split_output) {
+    all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(dy), transposed(w), dx_c,
+                      matmuls_.input_grad, scratch.matmul, compute_dtype_);
+  } else {
+    gemm(plain(dy), transposed(w), 0.0f, dx_c, compute_dtype_);
+  }
+  if (layout_.slices_input()) {
+    const MatrixView dx = leading_rows(cotangent_dx_, rows);
+    tp_comm_->all_gather(dx_c, dx, 1, compute_dtype_);
+    return dx;
+  }
+  if (layout_.gathers_input()) {
+    const MatrixView dx = leading_rows(cotangent_dx_, rows);
+    copy_columns(dx_c, tp_index_ * layout_.input_width(), dx);
+    return dx;
+  }
+  return dx_c;
+}
+
+void Linear::reserve_cotangents(int64_t directions) {
+  if (directions <= cotangent_capacity_) return;
+  const LinearLayout& l = layout_;
+  const int64_t rows = rows_ * directions;
+  if (!l.column_gathers_input()) {
+    cotangent_dx_c_ = Matrix(l.layer + "/input_cotangents_compute", rows, l.in_compute);
+  }
+  if (l.column_gathers_input() || l.slices_input() || l.gathers_input()) {
+    cotangent_dx_ = Matrix(l.layer + "/input_cotangents", rows, input_width());
+  }
+  reserve_stacked_rows(rows);
+  cotangent_capacity_ = directions;
+}
+
+void Linear::reserve_stacked_rows(int64_t rows) {
+  const LinearLayout& l = layout_;
+  if (l.tensor_parallel) {
+    needs_.matmul = std::max(needs_.matmul, static_cast<size_t>(3 * rows * l.out) * sizeof(float));
+  }
+  if (l.column_gathers_input()) {
+    needs_.matmul = std::max(needs_.matmul, static_cast<size_t>(3 * rows * l.in) * sizeof(float));
+  }
+  if (tp_comm_) {
+    tp_comm_->reserve_scratch(static_cast<size_t>(rows * std::max(l.in, l.out)));
+    tp_comm_->reserve_reductions(static_cast<size_t>(rows * std::max(l.in, l.out)), compute_dtype_);
+  }
+}
+
 void Linear::bias_gradient(MatrixView dy, LayerScratch& scratch, bool all_reduce) {
   // Column sums of dY into the full-width vector, which the bias reduces to its block.
   // A direct bias gradient is this rank's block itself (its columns start at 0).

@@ -92,6 +92,16 @@ class Linear final : public Layer {
   // (which may start their all-reduce) and dX computed while that runs; the gradients are
   // final after pass.buckets->wait_all().
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
+  // dY = dX W for k directions per row (docs/derivatives.md): the tangents [rows * k, ...] are
+  // k times the rows through forward's layout and collective matmuls (gathered or sliced
+  // input, matmul-reduce-scatter, all-gather-matmul, all-reduce), without the bias.
+  MatrixView forward_tangents(MatrixView dx, const LayerPass& pass) override;
+  void reserve_tangents(int64_t directions) override;
+  // dX = dY Wᵀ for k cotangents per row: backward's input gradient (all-gather-matmul,
+  // matmul-reduce-scatter, all-reduce, the input's layout) on k times the rows, without the
+  // weight and bias gradients.
+  MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
+  void reserve_cotangents(int64_t directions) override;
   size_t parameter_count() const override { return 2; }  // weight, bias
   std::vector<ShardedParameter*> sharded_parameters() override;
   bool can_leave_gradients_partial() const override { return true; }
@@ -130,6 +140,9 @@ class Linear final : public Layer {
   // Column sums of dy into this rank's block of the bias gradient; all_reduce: summed
   // over the bias's reduction group first.
   void bias_gradient(MatrixView dy, LayerScratch& scratch, bool all_reduce);
+  // Tangents and cotangents: the collective matmuls' workspace (needs_) and the feature axis'
+  // buffers for `rows` stacked rows.
+  void reserve_stacked_rows(int64_t rows);
 
   LinearLayout layout_;
   ShardedParameter weight_;  // gathered, prefetched and reduced as its storage says
@@ -149,6 +162,12 @@ class Linear final : public Layer {
   Matrix output_;  // [rows, out_local]
   Matrix dx_c_;    // [rows, in_c]
   Matrix dx_;      // [rows, input_width] when it differs from dx_c_
+  // Tangents (reserve_tangents): the input as used [rows * k, in_c] when it is not the
+  // caller's, the output [rows * k, out_local].
+  Matrix tangent_x_c_, tangent_out_;
+  // Cotangents (reserve_cotangents): dY Wᵀ in the compute layout [rows * k, in_c] and in the
+  // input's [rows * k, input_width] when that differs, as dx_c_ and dx_.
+  Matrix cotangent_dx_c_, cotangent_dx_;
   LayerScratchNeeds needs_;
 };
 

@@ -387,6 +387,67 @@ void Mlp::reduce_gradients() {
   reductions_.all_reduce_deferred();
 }
 
+namespace {
+void require_fp32(Dtype dtype) {
+  if (dtype != Dtype::fp32) {
+    MESHTRAIN_BAD_INPUT("derivatives with respect to the input are computed in fp32; this model ",
+                        "computes in ", to_string(dtype));
+  }
+}
+}  // namespace
+
+MatrixView Mlp::backward_cotangents(MatrixView dy) {
+  require_fp32(compute_dtype_);
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(1)) == output_width(), "output cotangents are [",
+                    dy.extent(0), ", ", dy.extent(1), "], expected [", rows_, " x directions, ",
+                    output_width(), "]");
+  MatrixView g = dy;
+  for (size_t k = sequence_.size(); k-- > 0;) {
+    LayerPass pass;
+    pass.scratch = &scratch_;
+    TraceSpan span(tracer().on() ? trace_name(k) : "", TraceKind::layer);
+    span.detail("cotangents");
+    g = sequence_[k]->backward_cotangents(g, pass);
+  }
+  return g;
+}
+
+MatrixView Mlp::forward_tangents(MatrixView dx) {
+  require_fp32(compute_dtype_);
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dx.extent(1)) == sizes_.front(), "input tangents are [",
+                    dx.extent(0), ", ", dx.extent(1), "], expected [", rows_, " x directions, ",
+                    sizes_.front(), "]");
+  MatrixView t = dx;
+  for (size_t k = 0; k < sequence_.size(); ++k) {
+    LayerPass pass;
+    pass.scratch = &scratch_;
+    TraceSpan span(tracer().on() ? trace_name(k) : "", TraceKind::layer);
+    span.detail("tangents");
+    t = sequence_[k]->forward_tangents(t, pass);
+  }
+  return t;
+}
+
+void Mlp::reserve_tangents(int64_t directions) {
+  MESHTRAIN_REQUIRE(directions >= 1, "Mlp::reserve_tangents: ", directions, " directions");
+  LayerScratchNeeds needs;
+  for (Layer* layer : sequence_) {
+    layer->reserve_tangents(directions);
+    needs.merge(layer->scratch_needs());
+  }
+  if (needs.matmul > scratch_.matmul.capacity_bytes()) scratch_.matmul.reserve(needs.matmul);
+}
+
+void Mlp::reserve_cotangents(int64_t directions) {
+  MESHTRAIN_REQUIRE(directions >= 1, "Mlp::reserve_cotangents: ", directions, " directions");
+  LayerScratchNeeds needs;
+  for (Layer* layer : sequence_) {
+    layer->reserve_cotangents(directions);
+    needs.merge(layer->scratch_needs());
+  }
+  if (needs.matmul > scratch_.matmul.capacity_bytes()) scratch_.matmul.reserve(needs.matmul);
+}
+
 std::vector<std::string> Mlp::describe() const {
   std::vector<std::string> out;
   for (const Layer* layer : sequence_) {

@@ -131,6 +131,24 @@ class Mlp {
   }
   // The reductions backward(..., false) left out, on the gradients as they are now.
   void reduce_gradients();
+
+  // Derivatives with respect to the input (docs/derivatives.md), of the last forward(x), for k
+  // directions per row stacked sample-major (row r * k + d: row r's direction d), through every
+  // layer's tangent or cotangent pass. fp32 models only (bad_input under mixed precision).
+  // Collective, as forward; allocate nothing. Parameters and their gradients are not touched.
+  // Forward mode: dx [local_rows * k, sizes[0]] -> the output's derivative along each,
+  // [local_rows * k, output_width()] (owned by the last layer, valid until the next tangent
+  // pass). Needs reserve_tangents(k') with k' >= k first.
+  MatrixView forward_tangents(MatrixView dx);
+  // Reverse mode: dy [local_rows * k, output_width()] (cotangents of the output) -> dy times
+  // the model's Jacobian, [local_rows * k, sizes[0]]: the input gradients of k functions of
+  // each row's output (owned by the first layer, valid until the next cotangent pass). Needs
+  // reserve_cotangents(k') with k' >= k first.
+  MatrixView backward_cotangents(MatrixView dy);
+  // Allocate every layer's buffers for up to `directions` per row, and the shared scratch's
+  // collective-matmul workspace for them. Not collective.
+  void reserve_tangents(int64_t directions);
+  void reserve_cotangents(int64_t directions);
   // Reserves the buffers of the blocking gradient reductions that `reduction` will run
   // (Communicator::reserve_reductions: the MPI ring's partial sums), so that the first step
   // does not grow them: every reduce-scatter, and the all-reduces of the gradients that are

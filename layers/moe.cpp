@@ -48,11 +48,14 @@ MatrixView row_block(MatrixView m, int64_t first, int64_t count) {
 using HostOffsets = Kokkos::View<int64_t*>::HostMirror;
 
 // Y_e = X_e W_e for each of the `local` experts on its rows (expert-major offsets); w holds
-// the local experts' [in, out] matrices one after the other.
+// the local experts' [in, out] matrices one after the other. rows_per_entry > 1: x and y hold
+// that many rows per (row, expert) pair (tangent directions), pair q's from row q * it on.
 void expert_gemms(MatrixView x, ConstVectorView w, int64_t in, int64_t out,
-                  const HostOffsets& offsets, int64_t local, MatrixView y, Dtype dtype) {
+                  const HostOffsets& offsets, int64_t local, MatrixView y, Dtype dtype,
+                  int64_t rows_per_entry = 1) {
   for (int64_t e = 0; e < local; ++e) {
-    const int64_t first = offsets(e), count = offsets(e + 1) - first;
+    const int64_t first = offsets(e) * rows_per_entry,
+                  count = offsets(e + 1) * rows_per_entry - first;
     if (count == 0) continue;
     gemm(plain(row_block(x, first, count)),
          plain(ConstMatrixView(w.data() + e * in * out, in, out)), 0.0f, row_block(y, first, count),
@@ -108,11 +111,13 @@ void expert_bias_gradients(MatrixView dye, VectorView gb, int64_t bias_first,
 }
 
 // dX_e (+)= dY_e W_eᵀ per local expert (beta 0: overwrite, 1: add).
+// rows_per_entry as expert_gemms'.
 void expert_input_gemms(MatrixView dy, ConstVectorView w, int64_t in, int64_t out,
                         const HostOffsets& offsets, int64_t local, float beta, MatrixView dx,
-                        Dtype dtype) {
+                        Dtype dtype, int64_t rows_per_entry = 1) {
   for (int64_t e = 0; e < local; ++e) {
-    const int64_t first = offsets(e), count = offsets(e + 1) - first;
+    const int64_t first = offsets(e) * rows_per_entry,
+                  count = offsets(e + 1) * rows_per_entry - first;
     if (count == 0) continue;
     gemm(plain(row_block(dy, first, count)),
          transposed(ConstMatrixView(w.data() + e * in * out, in, out)), beta,
@@ -708,6 +713,332 @@ MatrixView MoeLayer::backward(MatrixView dy, bool need_input_grad, const LayerPa
   }
   router_.reduce(scratch);
   return dx;
+}
+
+MatrixView MoeLayer::forward_tangents(MatrixView dx, const LayerPass& pass) {
+  LayerScratch& scratch = *pass.scratch;
+  const MoeLayout& l = layout_;
+  const int64_t dirs = tangent_directions(static_cast<int64_t>(dx.extent(0)), rows_, l.layer);
+  const int64_t rows = rows_ * dirs;
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dx.extent(1)) == l.input_width(), "MoE layer '", l.layer,
+                    "': tangent input is [", dx.extent(0), ", ", dx.extent(1), "], expected [",
+                    rows, ", ", l.input_width(), "]");
+  const Dtype dtype = compute_dtype_;
+  const int64_t in = l.in, out = l.out, experts = l.experts, k = l.top_k;
+  MatrixView dxu = dx;
+  if (feature_comm_) {
+    dxu = leading_rows(tangent_x_full_, rows);
+    feature_comm_->all_gather(dx, dxu, 1, dtype);
+  }
+
+  // Router: dl = dX Wr, then the softmax's and the renormalized gates' derivatives.
+  const ConstVectorView wr = router_.compute(scratch);
+  const MatrixView dl = leading_rows(tangent_logits_, rows);
+  gemm(plain(dxu), plain(ConstMatrixView(wr.data(), in, experts)), 0.0f, dl, dtype);
+  const MatrixView dg = leading_rows(tangent_gates_, rows);
+  {
+    const Matrix probs = probs_, gates = gates_;
+    const Kokkos::View<int**> chosen = chosen_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_gate_tangent"), Range(device_space(), 0, rows),
+        KOKKOS_LAMBDA(const int64_t t) {
+          const int64_t r = t / dirs;
+          float dot = 0.0f;
+          for (int64_t e = 0; e < experts; ++e) dot += probs(r, e) * dl(t, e);
+          float chosen_sum = 0.0f, dp_sum = 0.0f;
+          for (int64_t s = 0; s < k; ++s) {
+            const int e = chosen(r, s);
+            chosen_sum += probs(r, e);
+            dp_sum += probs(r, e) * (dl(t, e) - dot);
+          }
+          for (int64_t s = 0; s < k; ++s) {
+            const int e = chosen(r, s);
+            const float dp = probs(r, e) * (dl(t, e) - dot);
+            dg(t, s) = (dp - gates(r, s) * dp_sum) / chosen_sum;
+          }
+        });
+  }
+
+  // Each (row, expert) pair's k tangents, one wide row [k * in] at the pair's place in the
+  // forward's send buffer, to the expert's rank and into expert-major order.
+  const MatrixView send(tangent_send_x_.data(), assignments_, dirs * in);
+  {
+    const Kokkos::View<int64_t**> position = position_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_pack_tangents"), matrix_range(assignments_, dirs * in),
+        KOKKOS_LAMBDA(const int64_t a, const int64_t c) {
+          send(position(a / k, a % k), c) = dxu((a / k) * dirs + c / in, c % in);
+        });
+  }
+  const MatrixView recv(tangent_recv_x_.data(), capacity_, dirs * in);
+  dispatch(send, recv, true);
+  permute(recv, MatrixView(tangent_expert_x_.data(), capacity_, dirs * in), true);
+  experts_tangents(scratch, dirs);
+  const MatrixView back(tangent_back_y_.data(), capacity_, dirs * out);
+  permute(MatrixView(tangent_expert_y_.data(), capacity_, dirs * out), back, false);
+  const MatrixView returned(tangent_returned_.data(), assignments_, dirs * out);
+  dispatch(back, returned, false);
+
+  // dy = sum over the row's experts of dg x expert output + gate x expert tangent.
+  const MatrixView y_full =
+      l.splits_output() ? leading_rows(tangent_out_full_, rows) : leading_rows(tangents_, rows);
+  {
+    const MatrixView y = y_full;
+    const Matrix values = returned_y_, gates = gates_;
+    const Kokkos::View<int64_t**> position = position_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_combine_tangents"), matrix_range(rows, out),
+        KOKKOS_LAMBDA(const int64_t t, const int64_t c) {
+          const int64_t r = t / dirs, d = t % dirs;
+          float sum = 0.0f;
+          for (int64_t s = 0; s < k; ++s) {
+            const int64_t p = position(r, s);
+            sum += dg(t, s) * values(p, c) + gates(r, s) * returned(p, d * out + c);
+          }
+          y(t, c) = sum;
+        });
+  }
+  const MatrixView result = leading_rows(tangents_, rows);
+  if (l.splits_output()) {  // this rank's feature block
+    const int64_t width = l.output_width(), offset = feature_index_ * width;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_tangent_block"), matrix_range(rows, width),
+        KOKKOS_LAMBDA(const int64_t t, const int64_t c) { result(t, c) = y_full(t, offset + c); });
+  }
+  return result;
+}
+
+void MoeLayer::experts_tangents(LayerScratch& scratch, int64_t directions) {
+  const MoeLayout& l = layout_;
+  const Dtype dtype = compute_dtype_;
+  const int64_t local = l.experts_local, rows = received_ * directions;
+  const HostOffsets& offsets = expert_offsets_host_;
+  const MatrixView x(tangent_expert_x_.data(), capacity_ * directions, l.in);
+  const MatrixView y(tangent_expert_y_.data(), capacity_ * directions, l.out);
+  if (!l.feed_forward()) {  // dX_e W_e per local expert
+    expert_gemms(x, weight_.compute(scratch), l.in, l.out, offsets, local, y, dtype, directions);
+    return;
+  }
+  const int64_t hidden = l.hidden;
+  const MatrixView du(tangent_up_.data(), capacity_ * directions, hidden);
+  const MatrixView dh(tangent_h_.data(), capacity_ * directions, hidden);
+  expert_gemms(x, weight_.compute(scratch), l.in, hidden, offsets, local, du, dtype, directions);
+  if (l.gated) {
+    const MatrixView dgate(tangent_gate_.data(), capacity_ * directions, hidden);
+    expert_gemms(x, gate_weight_.compute(scratch), l.in, hidden, offsets, local, dgate, dtype,
+                 directions);
+    swiglu_tangent(row_block(ffn_gate_, 0, received_), row_block(ffn_up_, 0, received_),
+                   row_block(dgate, 0, rows), row_block(du, 0, rows), row_block(dh, 0, rows));
+  } else {
+    activation_tangent(activation_, row_block(ffn_up_, 0, received_), row_block(du, 0, rows),
+                       row_block(dh, 0, rows));
+  }
+  expert_gemms(dh, down_weight_.compute(scratch), hidden, l.out, offsets, local, y, dtype,
+               directions);
+}
+
+MatrixView MoeLayer::backward_cotangents(MatrixView dy, const LayerPass& pass) {
+  LayerScratch& scratch = *pass.scratch;
+  const MoeLayout& l = layout_;
+  const int64_t dirs = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows_, l.layer);
+  const int64_t rows = rows_ * dirs;
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(1)) == l.output_width(), "MoE layer '", l.layer,
+                    "': cotangent input is [", dy.extent(0), ", ", dy.extent(1), "], expected [",
+                    rows, ", ", l.output_width(), "]");
+  const Dtype dtype = compute_dtype_;
+  const int64_t in = l.in, out = l.out, experts = l.experts, k = l.top_k;
+  MatrixView dyu = dy;
+  if (l.splits_output()) {  // every tp rank computes the whole layer: the whole cotangents
+    dyu = leading_rows(cotangent_y_full_, rows);
+    feature_comm_->all_gather(dy, dyu, 1, dtype);
+  }
+
+  // The gates' cotangents (dy . expert output) and the experts' output cotangents (gate x dy),
+  // one wide row [k * out] per (row, expert) pair at its place in the forward's send buffer.
+  const MatrixView dg = leading_rows(cotangent_gates_, rows);
+  const MatrixView send(cotangent_send_y_.data(), assignments_, dirs * out);
+  {
+    const Matrix values = returned_y_, gates = gates_;
+    const Kokkos::View<int64_t**> position = position_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_gate_cotangents"), Range(device_space(), 0, rows),
+        KOKKOS_LAMBDA(const int64_t t) {
+          const int64_t r = t / dirs, d = t % dirs;
+          for (int64_t s = 0; s < k; ++s) {
+            const int64_t p = position(r, s);
+            const float gate = gates(r, s);
+            float dot = 0.0f;
+            for (int64_t c = 0; c < out; ++c) {
+              dot += dyu(t, c) * values(p, c);
+              send(p, d * out + c) = gate * dyu(t, c);
+            }
+            dg(t, s) = dot;
+          }
+        });
+  }
+  const MatrixView recv(cotangent_recv_y_.data(), capacity_, dirs * out);
+  dispatch(send, recv, true);
+  permute(recv, MatrixView(cotangent_expert_y_.data(), capacity_, dirs * out), true);
+  experts_cotangents(scratch, dirs);
+  const MatrixView back(cotangent_back_x_.data(), capacity_, dirs * in);
+  permute(MatrixView(cotangent_expert_x_.data(), capacity_, dirs * in), back, false);
+  const MatrixView returned(cotangent_returned_x_.data(), assignments_, dirs * in);
+  dispatch(back, returned, false);
+
+  // Router: the gates' cotangents -> the probabilities' -> the logits' (softmax), as backward
+  // without the balancing loss's term.
+  const MatrixView dl = leading_rows(cotangent_logits_, rows);
+  {
+    const Matrix probs = probs_, gates = gates_;
+    const Kokkos::View<int**> chosen = chosen_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_router_cotangents"), Range(device_space(), 0, rows),
+        KOKKOS_LAMBDA(const int64_t t) {
+          const int64_t r = t / dirs;
+          float chosen_sum = 0.0f, weighted = 0.0f;
+          for (int64_t s = 0; s < k; ++s) {
+            chosen_sum += probs(r, chosen(r, s));
+            weighted += gates(r, s) * dg(t, s);
+          }
+          for (int64_t e = 0; e < experts; ++e) dl(t, e) = 0.0f;
+          for (int64_t s = 0; s < k; ++s) dl(t, chosen(r, s)) = (dg(t, s) - weighted) / chosen_sum;
+          float dot = 0.0f;
+          for (int64_t e = 0; e < experts; ++e) dot += probs(r, e) * dl(t, e);
+          for (int64_t e = 0; e < experts; ++e) dl(t, e) = probs(r, e) * (dl(t, e) - dot);
+        });
+  }
+  // dX = dl Wrᵀ + the sum over the row's experts of their input cotangents.
+  const ConstVectorView wr = router_.compute(scratch);
+  const MatrixView full =
+      feature_comm_ ? leading_rows(cotangent_x_full_, rows) : leading_rows(cotangents_, rows);
+  gemm(plain(dl), transposed(ConstMatrixView(wr.data(), in, experts)), 0.0f, full, dtype);
+  {
+    const Kokkos::View<int64_t**> position = position_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_input_cotangents"), matrix_range(rows, in),
+        KOKKOS_LAMBDA(const int64_t t, const int64_t c) {
+          const int64_t r = t / dirs, d = t % dirs;
+          float sum = full(t, c);
+          for (int64_t s = 0; s < k; ++s) sum += returned(position(r, s), d * in + c);
+          full(t, c) = sum;
+        });
+  }
+  const MatrixView result = leading_rows(cotangents_, rows);
+  if (feature_comm_) {  // back to this rank's feature block
+    const int64_t width = l.input_width(), offset = feature_index_ * width;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_cotangent_block"), matrix_range(rows, width),
+        KOKKOS_LAMBDA(const int64_t t, const int64_t c) { result(t, c) = full(t, offset + c); });
+  }
+  return result;
+}
+
+void MoeLayer::experts_cotangents(LayerScratch& scratch, int64_t directions) {
+  const MoeLayout& l = layout_;
+  const Dtype dtype = compute_dtype_;
+  const int64_t local = l.experts_local, rows = received_ * directions;
+  const HostOffsets& offsets = expert_offsets_host_;
+  const MatrixView dy(cotangent_expert_y_.data(), capacity_ * directions, l.out);
+  const MatrixView dx(cotangent_expert_x_.data(), capacity_ * directions, l.in);
+  if (!l.feed_forward()) {  // dY_e W_eᵀ per local expert
+    expert_input_gemms(dy, weight_.compute(scratch), l.in, l.out, offsets, local, 0.0f, dx, dtype,
+                       directions);
+    return;
+  }
+  const int64_t hidden = l.hidden;
+  const MatrixView dh(cotangent_h_.data(), capacity_ * directions, hidden);
+  const MatrixView du(cotangent_up_.data(), capacity_ * directions, hidden);
+  expert_input_gemms(dy, down_weight_.compute(scratch), hidden, l.out, offsets, local, 0.0f, dh,
+                     dtype, directions);
+  if (l.gated) {
+    const MatrixView dgate(cotangent_gate_.data(), capacity_ * directions, hidden);
+    swiglu_cotangent(row_block(ffn_gate_, 0, received_), row_block(ffn_up_, 0, received_),
+                     row_block(dh, 0, rows), row_block(dgate, 0, rows), row_block(du, 0, rows));
+    expert_input_gemms(du, weight_.compute(scratch), l.in, hidden, offsets, local, 0.0f, dx, dtype,
+                       directions);
+    expert_input_gemms(dgate, gate_weight_.compute(scratch), l.in, hidden, offsets, local, 1.0f, dx,
+                       dtype, directions);
+    return;
+  }
+  activation_tangent(activation_, row_block(ffn_up_, 0, received_), row_block(dh, 0, rows),
+                     row_block(du, 0, rows));  // diagonal: the cotangent is the same product
+  expert_input_gemms(du, weight_.compute(scratch), l.in, hidden, offsets, local, 0.0f, dx, dtype,
+                     directions);
+}
+
+void MoeLayer::reserve_cotangents(int64_t directions) {
+  if (directions <= cotangent_capacity_) return;
+  const MoeLayout& l = layout_;
+  const std::string& name = l.layer;
+  const int64_t rows = rows_ * directions;
+  const int64_t pairs = capacity_ * directions;
+  if (pairs * std::max(l.in, l.out) > INT32_MAX) {
+    MESHTRAIN_BAD_INPUT("MoE layer '", l.layer, "': ", directions, " cotangent directions of ",
+                        rows_,
+                        " rows per rank are more than one all-to-all moves (2^31 elements); "
+                        "use a smaller batch");
+  }
+  if (l.splits_output()) cotangent_y_full_ = Matrix(name + "/output_cotangents_full", rows, l.out);
+  cotangent_gates_ = Matrix(name + "/gate_cotangents", rows, l.top_k);
+  cotangent_logits_ = Matrix(name + "/router_logit_cotangents", rows, l.experts);
+  cotangent_send_y_ = Matrix(name + "/send_y_cotangents", assignments_ * directions, l.out);
+  cotangent_recv_y_ = Matrix(name + "/recv_y_cotangents", pairs, l.out);
+  cotangent_expert_y_ = Matrix(name + "/expert_y_cotangents", pairs, l.out);
+  if (l.feed_forward()) {
+    cotangent_h_ = Matrix(name + "/expert_hidden_cotangents", pairs, l.hidden);
+    cotangent_up_ = Matrix(name + "/expert_up_cotangents", pairs, l.hidden);
+    if (l.gated) cotangent_gate_ = Matrix(name + "/expert_gate_cotangents", pairs, l.hidden);
+  }
+  cotangent_expert_x_ = Matrix(name + "/expert_x_cotangents", pairs, l.in);
+  cotangent_back_x_ = Matrix(name + "/back_x_cotangents", pairs, l.in);
+  cotangent_returned_x_ = Matrix(name + "/returned_x_cotangents", assignments_ * directions, l.in);
+  if (feature_comm_) cotangent_x_full_ = Matrix(name + "/input_cotangents_full", rows, l.in);
+  cotangents_ = Matrix(name + "/input_cotangents", rows, l.input_width());
+  if (expert_comm_) {
+    const size_t elements = static_cast<size_t>(pairs * std::max(l.in, l.out));
+    if (compute_dtype_ != Dtype::fp32) expert_comm_->reserve_wire(elements, elements);
+    expert_comm_->reserve_staging(elements * bytes_of(compute_dtype_),
+                                  elements * bytes_of(compute_dtype_));
+  }
+  if (feature_comm_) feature_comm_->reserve_scratch(static_cast<size_t>(rows * l.out));
+  cotangent_capacity_ = directions;
+}
+
+void MoeLayer::reserve_tangents(int64_t directions) {
+  if (directions <= tangent_capacity_) return;
+  const MoeLayout& l = layout_;
+  const std::string& name = l.layer;
+  const int64_t rows = rows_ * directions;
+  const int64_t pairs = capacity_ * directions;
+  if (pairs * std::max(l.in, l.out) > INT32_MAX) {
+    MESHTRAIN_BAD_INPUT("MoE layer '", l.layer, "': ", directions, " tangent directions of ", rows_,
+                        " rows per rank are more than one all-to-all moves (2^31 elements); "
+                        "use a smaller batch");
+  }
+  if (l.gathers_input()) tangent_x_full_ = Matrix(name + "/input_tangents", rows, l.in);
+  tangent_logits_ = Matrix(name + "/router_logit_tangents", rows, l.experts);
+  tangent_gates_ = Matrix(name + "/gate_tangents", rows, l.top_k);
+  tangent_send_x_ = Matrix(name + "/send_x_tangents", assignments_ * directions, l.in);
+  tangent_recv_x_ = Matrix(name + "/recv_x_tangents", pairs, l.in);
+  tangent_expert_x_ = Matrix(name + "/expert_x_tangents", pairs, l.in);
+  if (l.feed_forward()) {
+    tangent_up_ = Matrix(name + "/expert_up_tangents", pairs, l.hidden);
+    tangent_h_ = Matrix(name + "/expert_hidden_tangents", pairs, l.hidden);
+    if (l.gated) tangent_gate_ = Matrix(name + "/expert_gate_tangents", pairs, l.hidden);
+  }
+  tangent_expert_y_ = Matrix(name + "/expert_y_tangents", pairs, l.out);
+  tangent_back_y_ = Matrix(name + "/back_y_tangents", pairs, l.out);
+  tangent_returned_ = Matrix(name + "/returned_y_tangents", assignments_ * directions, l.out);
+  if (l.splits_output()) tangent_out_full_ = Matrix(name + "/output_tangents_full", rows, l.out);
+  tangents_ = Matrix(name + "/tangents", rows, l.output_width());
+  if (expert_comm_) {
+    const size_t elements = static_cast<size_t>(pairs * std::max(l.in, l.out));
+    if (compute_dtype_ != Dtype::fp32) expert_comm_->reserve_wire(elements, elements);
+    expert_comm_->reserve_staging(elements * bytes_of(compute_dtype_),
+                                  elements * bytes_of(compute_dtype_));
+  }
+  if (feature_comm_) feature_comm_->reserve_scratch(static_cast<size_t>(rows * l.in));
+  tangent_capacity_ = directions;
 }
 
 }  // namespace meshtrain

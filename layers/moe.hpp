@@ -80,6 +80,22 @@ class MoeLayer : public Layer {
   // loss's part times loss_scale too), reduced whatever pass.deferred says (nothing is
   // deferred), and, when need_input_grad, returns dX [rows, input_width()].
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
+  // The layer's derivative along k directions per row (docs/derivatives.md), with the routing of
+  // the last forward (piecewise constant: the chosen experts stay chosen):
+  //   dy = sum over the row's experts s of dg_s y_s + g_s dy_s,
+  //   dg_s = (dp_s - g_s sum_t dp_t) / sum_t p_t over the chosen, dp = p * (dl - p . dl),
+  //   dl = dx Wr, and dy_s the expert's own tangent (dx W_s; feed-forward: through its
+  //   activation or SwiGLU and down projection, without biases).
+  // A row's k tangents travel to its experts' ranks with it, as one wide row per (row, expert)
+  // pair of the forward's dispatch plan (the same all-to-all counts and permutations).
+  MatrixView forward_tangents(MatrixView dx, const LayerPass& pass) override;
+  void reserve_tangents(int64_t directions) override;
+  // backward's input gradient for k cotangents per row, with the routing of the last forward:
+  // gate x dy to the experts (wide rows of the same dispatch plan), their input cotangents
+  // back, and the router's part from dg_s = dy . y_s through the renormalized gates and the
+  // softmax; no parameter gradient, no balancing-loss term.
+  MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
+  void reserve_cotangents(int64_t directions) override;
   // Router, experts weight, bias; feed-forward: router, (gate weight, bias,) up weight, bias,
   // down weight, bias.
   size_t parameter_count() const override { return layout_.storages().size(); }
@@ -111,6 +127,11 @@ class MoeLayer : public Layer {
   // expert_dx_ (backward).
   void experts_forward(LayerScratch& scratch);
   void experts_backward(LayerScratch& scratch, bool need_input_grad);
+  // The experts' tangents on their rows: tangent_expert_x_ -> tangent_expert_y_, `directions`
+  // rows per (row, expert) pair, in expert-major order.
+  void experts_tangents(LayerScratch& scratch, int64_t directions);
+  // The experts' cotangents: cotangent_expert_y_ -> cotangent_expert_x_, likewise.
+  void experts_cotangents(LayerScratch& scratch, int64_t directions);
   void plan_dispatch();
   // Sends `send` [assignments, c] out and receives into `recv` [received, c] (forward
   // direction), or the reverse; a copy without an expert group.
@@ -169,6 +190,26 @@ class MoeLayer : public Layer {
 
   double aux_loss_ = 0.0;
   std::vector<double> expert_rows_;
+
+  // Tangents (reserve_tangents, k directions): the gathered input's [rows * k, in]; the router
+  // logits' [rows * k, E] and gates' [rows * k, top_k]; per (row, expert) pair k rows through
+  // the dispatch ([assignments * k, in], [capacity * k, in] x 2), the experts ([capacity * k,
+  // hidden] x 3) and back ([capacity * k, out] x 2, [assignments * k, out]); the output's
+  // [rows * k, out] (split output: the whole one first).
+  Matrix tangent_x_full_, tangent_logits_, tangent_gates_;
+  Matrix tangent_send_x_, tangent_recv_x_, tangent_expert_x_;
+  Matrix tangent_up_, tangent_gate_, tangent_h_;
+  Matrix tangent_expert_y_, tangent_back_y_, tangent_returned_;
+  Matrix tangent_out_full_, tangents_;
+  // Cotangents (reserve_cotangents), the same path backwards: the whole output's [rows * k,
+  // out] (split output), the gates' and logits', [assignments * k, out] and [capacity * k,
+  // out] x 2 to the experts, [capacity * k, hidden] x 3 inside, [capacity * k, in] x 2 and
+  // [assignments * k, in] back, the input's (whole [rows * k, in] first when split).
+  Matrix cotangent_y_full_, cotangent_gates_, cotangent_logits_;
+  Matrix cotangent_send_y_, cotangent_recv_y_, cotangent_expert_y_;
+  Matrix cotangent_h_, cotangent_up_, cotangent_gate_;
+  Matrix cotangent_expert_x_, cotangent_back_x_, cotangent_returned_x_;
+  Matrix cotangent_x_full_, cotangents_;
 };
 
 }  // namespace meshtrain

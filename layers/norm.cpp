@@ -359,6 +359,124 @@ MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const Laye
   return dx;
 }
 
+namespace {
+
+// The norm's Jacobian on k rows per value row (docs/derivatives.md): with g = d * pre (the
+// scale before the Jacobian: cotangents) and x_hat of value row i = t / k,
+//   out(t, j) = post(j) * rstd * (g - sum(g) / N - x_hat * sum(x_hat g) / N)   (LayerNorm)
+//   out(t, j) = post(j) * rstd * (g - x_hat * sum(x_hat g) / N)                (RMSNorm)
+// post: the scale after it (tangents); the unused one is empty. The row sums over this rank's
+// columns go to sums [rows * k, 2], all-reduced over `features` (split features) in between.
+// x_hat is computed once per value row, into the block's first output row, which is written
+// last; plain pointer loops over a row's columns (views may be row-strided).
+void norm_jacobian(MatrixView x, MatrixView stats, MatrixView d, ConstVectorView pre,
+                   ConstVectorView post, bool layernorm, float n, Communicator* features,
+                   MatrixView sums, MatrixView out) {
+  const int64_t rows = static_cast<int64_t>(x.extent(0));
+  const int64_t cols = static_cast<int64_t>(x.extent(1));
+  const int64_t k = rows > 0 ? static_cast<int64_t>(d.extent(0)) / rows : 0;
+  MESHTRAIN_REQUIRE(
+      d.extent(1) == x.extent(1) && out.extent(0) == d.extent(0) && out.extent(1) == d.extent(1) &&
+          sums.extent(0) == d.extent(0) && (out.extent(0) == 0 || out.data() != d.data()),
+      "norm_jacobian: values [", x.extent(0), ", ", x.extent(1), "], directions [", d.extent(0),
+      ", ", d.extent(1), "] into [", out.extent(0), ", ", out.extent(1), "]");
+  const int64_t x_stride = static_cast<int64_t>(x.stride(0));
+  const int64_t d_stride = static_cast<int64_t>(d.stride(0));
+  const int64_t o_stride = static_cast<int64_t>(out.stride(0));
+  const float* x_data = x.data();
+  const float* d_data = d.data();
+  float* o_data = out.data();
+  const float* pre_data = pre.extent(0) > 0 ? pre.data() : nullptr;
+  const float* post_data = post.extent(0) > 0 ? post.data() : nullptr;
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_jacobian_row_sums"), Rows(device_space(), 0, rows),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const float m0 = stats(i, 0), delta = stats(i, 1), rstd = stats(i, 2);
+        const float* KOKKOS_RESTRICT xi = x_data + i * x_stride;
+        float* KOKKOS_RESTRICT x_hat = o_data + i * k * o_stride;
+        for (int64_t j = 0; j < cols; ++j) {
+          x_hat[j] = layernorm ? ((xi[j] - m0) - delta) * rstd : xi[j] * rstd;
+        }
+        for (int64_t e = 0; e < k; ++e) {
+          const float* KOKKOS_RESTRICT g = d_data + (i * k + e) * d_stride;
+          float s = 0.0f, sx = 0.0f;
+          for (int64_t j = 0; j < cols; ++j) {
+            const float gj = pre_data ? g[j] * pre_data[j] : g[j];
+            s += gj;
+            sx += gj * x_hat[j];
+          }
+          sums(i * k + e, 0) = layernorm ? s : 0.0f;
+          sums(i * k + e, 1) = sx;
+        }
+      });
+  if (features) features->all_reduce(sums);  // over every feature
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_jacobian"), Rows(device_space(), 0, rows),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const float rstd = stats(i, 2);
+        float* x_hat = o_data + i * k * o_stride;  // the first row: written last, in place
+        for (int64_t e = k; e-- > 0;) {
+          const int64_t t = i * k + e;
+          const float mean = sums(t, 0) / n, mean_x = sums(t, 1) / n;
+          const float* g = d_data + t * d_stride;
+          float* o = o_data + t * o_stride;
+          for (int64_t j = 0; j < cols; ++j) {
+            const float gj = pre_data ? g[j] * pre_data[j] : g[j];
+            const float v = rstd * (gj - mean - x_hat[j] * mean_x);
+            o[j] = post_data ? v * post_data[j] : v;
+          }
+        }
+      });
+}
+
+}  // namespace
+
+MatrixView FeatureNorm::forward_tangents(MatrixView dx, const LayerPass& pass) {
+  const int64_t k = tangent_directions(static_cast<int64_t>(dx.extent(0)), rows_, name_);
+  const int64_t rows = rows_ * k;
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dx.extent(1)) == layout_.local_width, "norm '", name_,
+                    "': tangent input is [", dx.extent(0), ", ", dx.extent(1), "], expected [",
+                    rows, ", ", layout_.local_width, "]");
+  MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
+  const MatrixView out = leading_rows(tangents_, rows);
+  norm_jacobian(x_, stats_, dx, ConstVectorView(), params_[0].compute(*pass.scratch),
+                layout_.kind == NormKind::layernorm, static_cast<float>(layout_.width), tp_comm_,
+                leading_rows(tangent_sums_, rows), out);
+  return out;
+}
+
+void FeatureNorm::reserve_tangents(int64_t directions) {
+  if (directions <= tangent_capacity_) return;
+  const int64_t rows = rows_ * directions;
+  tangent_sums_ = Matrix(name_ + "/tangent_sums", rows, 2);
+  tangents_ = Matrix(name_ + "/tangents", rows, layout_.local_width);
+  if (tp_comm_) tp_comm_->reserve_reductions(static_cast<size_t>(rows * 2));
+  tangent_capacity_ = directions;
+}
+
+MatrixView FeatureNorm::backward_cotangents(MatrixView dy, const LayerPass& pass) {
+  const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows_, name_);
+  const int64_t rows = rows_ * k;
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(1)) == layout_.local_width, "norm '", name_,
+                    "': cotangent input is [", dy.extent(0), ", ", dy.extent(1), "], expected [",
+                    rows, ", ", layout_.local_width, "]");
+  MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
+  const MatrixView out = leading_rows(cotangents_, rows);
+  norm_jacobian(x_, stats_, dy, params_[0].compute(*pass.scratch), ConstVectorView(),
+                layout_.kind == NormKind::layernorm, static_cast<float>(layout_.width), tp_comm_,
+                leading_rows(cotangent_sums_, rows), out);
+  return out;
+}
+
+void FeatureNorm::reserve_cotangents(int64_t directions) {
+  if (directions <= cotangent_capacity_) return;
+  const int64_t rows = rows_ * directions;
+  cotangent_sums_ = Matrix(name_ + "/cotangent_sums", rows, 2);
+  cotangents_ = Matrix(name_ + "/cotangents", rows, layout_.local_width);
+  if (tp_comm_) tp_comm_->reserve_reductions(static_cast<size_t>(rows * 2));
+  cotangent_capacity_ = directions;
+}
+
 void FeatureNorm::parameter_gradients(MatrixView dy, const LayerPass& pass) {
   const bool layernorm = layout_.kind == NormKind::layernorm;
   LayerScratch& scratch = *pass.scratch;

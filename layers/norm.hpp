@@ -92,6 +92,18 @@ class FeatureNorm : public Layer {
   // (owned by the layer). pass.deferred applies to direct gradients the model defers;
   // pass.prefetch's gather is started first.
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
+  // The norm's derivative along k directions per row (docs/derivatives.md), with the row
+  // statistics of the last forward:
+  //   LayerNorm  dy = scale * rstd * (dx - sum(dx) / N - x_hat * sum(x_hat dx) / N)
+  //   RMSNorm    dy = scale * rstd * (dx - x_hat * sum(x_hat dx) / N)
+  // the two row sums over all N features (one all-reduce of [rows * k, 2] over tp when split).
+  MatrixView forward_tangents(MatrixView dx, const LayerPass& pass) override;
+  void reserve_tangents(int64_t directions) override;
+  // backward's input gradient for k cotangents per row (the same formula: the norm's Jacobian
+  // is symmetric but for the scale, applied first here, last in the tangents), no parameter
+  // gradient.
+  MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
+  void reserve_cotangents(int64_t directions) override;
 
   size_t parameter_count() const override { return layout_.params.size(); }
   std::vector<ShardedParameter*> sharded_parameters() override;
@@ -143,6 +155,11 @@ class FeatureNorm : public Layer {
   Matrix out_;        // [rows, local_width]
   Matrix dx_;         // [rows, local_width]
   Vector full_grad_;  // [params * width] (full gradients only)
+
+  // Tangents (reserve_tangents): per tangent row sum dx and sum x_hat dx [rows * k, 2], and
+  // the output's [rows * k, local_width]; cotangents (reserve_cotangents) alike.
+  Matrix tangent_sums_, tangents_;
+  Matrix cotangent_sums_, cotangents_;
 };
 
 class LayerNorm : public FeatureNorm {

@@ -28,6 +28,30 @@ void add_rounded(MatrixView a, MatrixView b, MatrixView out, Dtype dtype, const 
       });
 }
 
+// out = a + b for tangents (fp32; out is neither): plain pointer loops over rows.
+void add_tangents(MatrixView a, MatrixView b, MatrixView out) {
+  MESHTRAIN_REQUIRE(a.extent(0) == out.extent(0) && a.extent(1) == out.extent(1) &&
+                        b.extent(0) == out.extent(0) && b.extent(1) == out.extent(1),
+                    "residual tangents: [", a.extent(0), ", ", a.extent(1), "] + [", b.extent(0),
+                    ", ", b.extent(1), "] into [", out.extent(0), ", ", out.extent(1), "]");
+  const int64_t cols = static_cast<int64_t>(out.extent(1));
+  const int64_t a_stride = static_cast<int64_t>(a.stride(0));
+  const int64_t b_stride = static_cast<int64_t>(b.stride(0));
+  const int64_t o_stride = static_cast<int64_t>(out.stride(0));
+  const float* a_data = a.data();
+  const float* b_data = b.data();
+  float* o_data = out.data();
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::residual_tangents"),
+      Kokkos::RangePolicy<>(device_space(), 0, static_cast<int64_t>(out.extent(0))),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const float* KOKKOS_RESTRICT ai = a_data + i * a_stride;
+        const float* KOKKOS_RESTRICT bi = b_data + i * b_stride;
+        float* KOKKOS_RESTRICT oi = o_data + i * o_stride;
+        for (int64_t j = 0; j < cols; ++j) oi[j] = ai[j] + bi[j];
+      });
+}
+
 }  // namespace
 
 ResidualBlock::ResidualBlock(std::string name, std::vector<std::unique_ptr<Layer>> layers,
@@ -57,6 +81,7 @@ ResidualBlock::ResidualBlock(std::string name, std::vector<std::unique_ptr<Layer
   }
   out_ = Matrix(name_ + "/output", rows, width);
   dx_ = Matrix(name_ + "/input_grad", rows, width);
+  rows_ = rows;
 }
 
 size_t ResidualBlock::parameter_count() const {
@@ -136,6 +161,42 @@ MatrixView ResidualBlock::backward(MatrixView dy, bool need_input_grad, const La
   if (!need_input_grad) return MatrixView();
   add_rounded(dx_, g, dx_, dtype_, name_.c_str());
   return dx_;
+}
+
+MatrixView ResidualBlock::forward_tangents(MatrixView dx, const LayerPass& pass) {
+  const int64_t k = tangent_directions(static_cast<int64_t>(dx.extent(0)), rows_, name_);
+  LayerPass inner;
+  inner.scratch = pass.scratch;
+  MatrixView h = dx;
+  for (const auto& layer : layers_) h = layer->forward_tangents(h, inner);
+  const MatrixView out = leading_rows(tangents_, rows_ * k);
+  add_tangents(dx, h, out);
+  return out;
+}
+
+void ResidualBlock::reserve_tangents(int64_t directions) {
+  if (directions <= tangent_capacity_) return;
+  for (const auto& layer : layers_) layer->reserve_tangents(directions);
+  tangents_ = Matrix(name_ + "/tangents", rows_ * directions, out_.extent(1));
+  tangent_capacity_ = directions;
+}
+
+MatrixView ResidualBlock::backward_cotangents(MatrixView dy, const LayerPass& pass) {
+  const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows_, name_);
+  LayerPass inner;
+  inner.scratch = pass.scratch;
+  MatrixView g = dy;
+  for (size_t i = layers_.size(); i-- > 0;) g = layers_[i]->backward_cotangents(g, inner);
+  const MatrixView out = leading_rows(cotangents_, rows_ * k);
+  add_tangents(dy, g, out);
+  return out;
+}
+
+void ResidualBlock::reserve_cotangents(int64_t directions) {
+  if (directions <= cotangent_capacity_) return;
+  for (const auto& layer : layers_) layer->reserve_cotangents(directions);
+  cotangents_ = Matrix(name_ + "/cotangents", rows_ * directions, out_.extent(1));
+  cotangent_capacity_ = directions;
 }
 
 }  // namespace meshtrain

@@ -39,6 +39,12 @@ class ResidualBlock : public Layer {
 
   MatrixView forward(MatrixView x, const LayerPass& pass) override;
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
+  // dx + (f's tangents of dx), for k directions per row.
+  MatrixView forward_tangents(MatrixView dx, const LayerPass& pass) override;
+  void reserve_tangents(int64_t directions) override;
+  // dy + (f's cotangents of dy), for k directions per row.
+  MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
+  void reserve_cotangents(int64_t directions) override;
 
   size_t parameter_count() const override;
   std::vector<ShardedParameter*> sharded_parameters() override;
@@ -66,6 +72,8 @@ class ResidualBlock : public Layer {
   size_t first_with_parameters_ = 0, last_with_parameters_ = 0;
   Matrix out_;  // [rows, width]
   Matrix dx_;   // [rows, width]
+  int64_t rows_ = 0;
+  Matrix tangents_, cotangents_;  // [rows * k, width]
 };
 
 }  // namespace meshtrain

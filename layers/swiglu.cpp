@@ -27,6 +27,7 @@ SwiGlu::SwiGlu(std::string name, std::unique_ptr<Linear> gate, std::unique_ptr<L
                         "); split both weights by the same rule");
   }
   const int64_t width = up_->output_width();
+  rows_ = rows;
   out_ = Matrix(name_ + "/output", rows, width);
   dgate_ = Matrix(name_ + "/gate_grad", rows, width);
   dvalue_ = Matrix(name_ + "/value_grad", rows, width);
@@ -100,6 +101,76 @@ MatrixView SwiGlu::backward(MatrixView dy, bool need_input_grad, const LayerPass
       });
   if (shared_gather_) shared_gather_->reduce_scatter(dx, MatrixView(dx_), 1, dtype_);
   return dx_;
+}
+
+MatrixView SwiGlu::forward_tangents(MatrixView dx, const LayerPass& pass) {
+  const int64_t k = tangent_directions(static_cast<int64_t>(dx.extent(0)), rows_, name_);
+  LayerPass inner;
+  inner.scratch = pass.scratch;
+  MatrixView input = dx;
+  if (shared_gather_) {  // one gather of the split tangents for both projections
+    input = leading_rows(tangent_x_full_, rows_ * k);
+    shared_gather_->all_gather(dx, input, 1, dtype_);
+  }
+  const MatrixView dgate = gate_->forward_tangents(input, inner);
+  const MatrixView dvalue = up_->forward_tangents(input, inner);
+  const MatrixView out = leading_rows(tangents_, rows_ * k);
+  swiglu_tangent(gate_->output(), up_->output(), dgate, dvalue, out);
+  return out;
+}
+
+void SwiGlu::reserve_tangents(int64_t directions) {
+  if (directions <= tangent_capacity_) return;
+  gate_->reserve_tangents(directions);
+  up_->reserve_tangents(directions);
+  const int64_t rows = rows_ * directions;
+  if (shared_gather_) {
+    tangent_x_full_ = Matrix(name_ + "/input_tangents_gathered", rows, up_->in());
+    shared_gather_->reserve_scratch(static_cast<size_t>(rows * up_->in()));
+  }
+  tangents_ = Matrix(name_ + "/tangents", rows, up_->output_width());
+  tangent_capacity_ = directions;
+}
+
+MatrixView SwiGlu::backward_cotangents(MatrixView dy, const LayerPass& pass) {
+  const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows_, name_);
+  const int64_t rows = rows_ * k;
+  LayerPass inner;
+  inner.scratch = pass.scratch;
+  const MatrixView dgate = leading_rows(cotangent_gate_, rows);
+  const MatrixView dvalue = leading_rows(cotangent_value_, rows);
+  swiglu_cotangent(gate_->output(), up_->output(), dy, dgate, dvalue);
+  const MatrixView dx_up = up_->backward_cotangents(dvalue, inner);
+  const MatrixView dx_gate = gate_->backward_cotangents(dgate, inner);
+  const MatrixView dx =
+      shared_gather_ ? leading_rows(cotangent_full_, rows) : leading_rows(cotangents_, rows);
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::swiglu_input_cotangents"),
+      Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t t) {
+        for (int64_t j = 0; j < static_cast<int64_t>(dx.extent(1)); ++j) {
+          dx(t, j) = dx_up(t, j) + dx_gate(t, j);
+        }
+      });
+  if (!shared_gather_) return dx;
+  const MatrixView mine = leading_rows(cotangents_, rows);
+  shared_gather_->reduce_scatter(dx, mine, 1, dtype_);
+  return mine;
+}
+
+void SwiGlu::reserve_cotangents(int64_t directions) {
+  if (directions <= cotangent_capacity_) return;
+  gate_->reserve_cotangents(directions);
+  up_->reserve_cotangents(directions);
+  const int64_t rows = rows_ * directions;
+  cotangent_gate_ = Matrix(name_ + "/gate_cotangents", rows, up_->output_width());
+  cotangent_value_ = Matrix(name_ + "/value_cotangents", rows, up_->output_width());
+  cotangents_ = Matrix(name_ + "/input_cotangents", rows, dx_.extent(1));
+  if (shared_gather_) {
+    cotangent_full_ = Matrix(name_ + "/input_cotangents_partial", rows, up_->in());
+    shared_gather_->reserve_scratch(static_cast<size_t>(rows * up_->in()));
+    shared_gather_->reserve_reductions(static_cast<size_t>(rows * up_->in()), dtype_);
+  }
+  cotangent_capacity_ = directions;
 }
 
 }  // namespace meshtrain

@@ -38,6 +38,14 @@ class SwiGlu final : public Layer {
 
   MatrixView forward(MatrixView x, const LayerPass& pass) override;
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
+  // Gate's and up's tangents of the same dx (one shared gather of it), then
+  // silu'(gate) * value * dgate + silu(gate) * dvalue (swiglu_tangent).
+  MatrixView forward_tangents(MatrixView dx, const LayerPass& pass) override;
+  void reserve_tangents(int64_t directions) override;
+  // swiglu_cotangent, then gate's and up's cotangents summed (and reduce-scattered once under
+  // a shared gather), as backward's input gradient.
+  MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
+  void reserve_cotangents(int64_t directions) override;
 
   size_t parameter_count() const override { return 4; }  // gate weight, bias, up weight, bias
   std::vector<ShardedParameter*> sharded_parameters() override;
@@ -65,6 +73,12 @@ class SwiGlu final : public Layer {
   Communicator* shared_gather_ = nullptr;
   Matrix x_full_;   // shared gather: the gathered input [rows, in]
   Matrix dx_full_;  // shared gather: the summed partial input gradient [rows, in]
+  int64_t rows_ = 0;
+  Matrix tangent_x_full_;  // shared gather: the gathered tangents [rows * k, in]
+  Matrix tangents_;        // [rows * k, hidden local]
+  // Cotangents: of gate and up [rows * k, hidden local] x 2, of the input [rows * k, input
+  // width], and under a shared gather its full-width partial sum [rows * k, in].
+  Matrix cotangent_gate_, cotangent_value_, cotangents_, cotangent_full_;
 };
 
 }  // namespace meshtrain

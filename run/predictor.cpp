@@ -121,7 +121,95 @@ void softmax_and_argmax(const Matrix& logits, const Matrix& probabilities,
       });
 }
 
+// --- Jacobians: the seeds and the result's columns ---------------------------------------
+
+// seed(t, c) = scale(c) when c = first + t mod dirs, else 0: rows r * dirs + d seed input
+// direction first + d of every row (scaled by 1 / input_std: the derivative of the model's
+// normalized input with respect to the user's).
+void seed_input_directions(const MatrixView& seed, int64_t first, int64_t dirs,
+                           const Vector& scale) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::jacobian_seed_inputs"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          device_space(), {int64_t{0}, int64_t{0}},
+          {static_cast<int64_t>(seed.extent(0)), static_cast<int64_t>(seed.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t t, const int64_t c) {
+        seed(t, c) = c == first + t % dirs ? scale(c) : 0.0f;
+      });
+}
+
+// J(r, o, first + d) = scale(o) * tangents(r * dirs + d, o) for the model's rows.
+void store_output_tangents(const MatrixView& tangents, int64_t first, int64_t dirs,
+                           const Vector& scale,
+                           const Kokkos::View<float***, Kokkos::LayoutRight>& J) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::jacobian_store_tangents"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<3>>(
+          device_space(), {int64_t{0}, int64_t{0}, int64_t{0}},
+          {static_cast<int64_t>(J.extent(0)), static_cast<int64_t>(J.extent(1)), dirs}),
+      KOKKOS_LAMBDA(const int64_t r, const int64_t o, const int64_t d) {
+        J(r, o, first + d) = scale(o) * tangents(r * dirs + d, o);
+      });
+}
+
+// seed(t, j) = scale(offset + j) when offset + j = first + t mod dirs, else 0: rows r * dirs + d
+// pick output first + d (times target_std: the derivative of the user's output with respect
+// to the model's) of every row, on the rank whose output columns [offset, + width) hold it.
+void seed_output_directions(const MatrixView& seed, int64_t first, int64_t dirs, int64_t offset,
+                            const Vector& scale) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::jacobian_seed_outputs"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          device_space(), {int64_t{0}, int64_t{0}},
+          {static_cast<int64_t>(seed.extent(0)), static_cast<int64_t>(seed.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t t, const int64_t j) {
+        seed(t, j) = offset + j == first + t % dirs ? scale(offset + j) : 0.0f;
+      });
+}
+
+// J(r, first + d, c) = cotangents(r * dirs + d, c) * scale(c) for the model's rows.
+void store_input_cotangents(const MatrixView& cotangents, int64_t first, int64_t dirs,
+                            const Vector& scale,
+                            const Kokkos::View<float***, Kokkos::LayoutRight>& J) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::jacobian_store_cotangents"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<3>>(
+          device_space(), {int64_t{0}, int64_t{0}, int64_t{0}},
+          {static_cast<int64_t>(J.extent(0)), dirs, static_cast<int64_t>(J.extent(2))}),
+      KOKKOS_LAMBDA(const int64_t r, const int64_t d, const int64_t c) {
+        J(r, first + d, c) = cotangents(r * dirs + d, c) * scale(c);
+      });
+}
+
+// The widest layer's features (global), for the forward-mode passes' size.
+int64_t widest_layer(const ModelSection& model) {
+  int64_t widest = std::max(model.input_width(), model.output_width());
+  if (model.kind == ModelKind::residual_mlp) return std::max({widest, model.width, model.hidden});
+  for (int64_t size : model.sizes) widest = std::max(widest, size);
+  return widest;
+}
+
 }  // namespace
+
+const char* to_string(JacobianMode mode) {
+  switch (mode) {
+    case JacobianMode::automatic:
+      return "auto";
+    case JacobianMode::forward:
+      return "forward";
+    case JacobianMode::reverse:
+      return "reverse";
+  }
+  return "?";
+}
+
+JacobianMode parse_jacobian_mode(const std::string& text, const std::string& what) {
+  for (JacobianMode mode :
+       {JacobianMode::automatic, JacobianMode::forward, JacobianMode::reverse}) {
+    if (text == to_string(mode)) return mode;
+  }
+  MESHTRAIN_BAD_INPUT(what, " is '", text, "'; choose auto, forward or reverse");
+}
 
 const std::string& predictor_detail::copy_rows_label() {
   static const std::string label = "meshtrain::predictor_copy_rows";
@@ -305,6 +393,120 @@ Prediction Predictor::run(int64_t rows) {
   }
   fence_device(MESHTRAIN_LABEL("meshtrain::Predictor::predict"));
   return result;
+}
+
+void Predictor::check_jacobian_shape(int64_t rows, int64_t j0, int64_t j1, int64_t j2) const {
+  if (j0 < rows || j1 != outputs() || j2 != inputs()) {
+    MESHTRAIN_BAD_INPUT("Predictor::jacobian: the Jacobian view is [", j0, ", ", j1, ", ", j2,
+                        "] but ", rows, " rows of ", outputs(), " outputs by ", inputs(),
+                        " inputs are asked for");
+  }
+}
+
+JacobianMode Predictor::jacobian_mode(JacobianMode mode) const {
+  if (mode != JacobianMode::automatic) return mode;
+  // Each pass costs about one forward: ceil(inputs / k) forward-mode passes against one
+  // reverse pass per output; ties go forward (fewer, larger GEMMs and collectives).
+  return inputs() <= outputs() ? JacobianMode::forward : JacobianMode::reverse;
+}
+
+int64_t Predictor::jacobian_directions(JacobianMode mode) const {
+  const int64_t wanted = jacobian_mode(mode) == JacobianMode::forward ? inputs() : outputs();
+  const int64_t per_direction = slice_.rows * widest_layer(config_.model);
+  const int64_t k = std::min(wanted, std::max<int64_t>(1, kTangentElements / per_direction));
+  return directions_limit_ > 0 ? std::min(k, directions_limit_) : k;
+}
+
+void Predictor::limit_jacobian_directions(int64_t k) {
+  if (k < 1) MESHTRAIN_BAD_INPUT("the Jacobian's directions per pass must be at least 1, got ", k);
+  if (forward_ready_ || reverse_ready_) {
+    MESHTRAIN_BAD_INPUT("limit_jacobian_directions(", k, ") after the first jacobian(): its ",
+                        "buffers are made");
+  }
+  directions_limit_ = k;
+}
+
+JacobianMode Predictor::prepare_jacobian(JacobianMode requested) {
+  const JacobianMode mode = jacobian_mode(requested);
+  bool& ready = mode == JacobianMode::forward ? forward_ready_ : reverse_ready_;
+  if (ready) return mode;
+  if (config_.mixed_precision.param_dtype != Dtype::fp32) {
+    MESHTRAIN_BAD_INPUT("Jacobians are computed in fp32; the predictor computes in ",
+                        to_string(config_.mixed_precision.param_dtype),
+                        " (drop the mixed_precision override)");
+  }
+  const int64_t rows = slice_.rows;
+  if (jacobian_.extent(0) == 0) {  // what both modes use
+    jacobian_ = Kokkos::View<float***, Kokkos::LayoutRight>("meshtrain::jacobian", rows, outputs(),
+                                                            inputs());
+    jacobian_host_ = host_mirror(jacobian_);
+    inverse_input_std_ = Vector("meshtrain::jacobian_input_scale", inputs());
+    target_scale_ = Vector("meshtrain::jacobian_target_scale", outputs());
+    auto inverse_host = host_mirror(inverse_input_std_);
+    auto target_host = host_mirror(target_scale_);
+    for (int64_t c = 0; c < inputs(); ++c) {
+      inverse_host(c) =
+          normalization_.inputs() ? static_cast<float>(1.0 / normalization_.input_std[c]) : 1.0f;
+    }
+    for (int64_t o = 0; o < outputs(); ++o) {
+      target_host(o) =
+          normalization_.targets() ? static_cast<float>(normalization_.target_std[o]) : 1.0f;
+    }
+    Kokkos::deep_copy(inverse_input_std_, inverse_host);
+    Kokkos::deep_copy(target_scale_, target_host);
+  }
+  const int64_t k = jacobian_directions(mode);
+  if (mode == JacobianMode::forward) {
+    model_->reserve_tangents(k);
+    tangent_seed_ = Matrix("meshtrain::jacobian_input_tangents", rows * k, inputs());
+    if (whole_rows_->split()) {
+      output_columns_comm_ = context_->comm({context_->feature_axis()});
+      tangent_whole_ = Matrix("meshtrain::jacobian_output_tangents", rows * k, outputs());
+      output_columns_comm_->reserve_scratch(static_cast<size_t>(rows * k * outputs()));
+    }
+  } else {
+    model_->reserve_cotangents(k);
+    cotangent_seed_ =
+        Matrix("meshtrain::jacobian_output_cotangents", rows * k, model_->output_width());
+  }
+  ready = true;
+  // One pass on zeros: whatever a layer or communicator sets up at its first use happens here.
+  run_jacobian(0, mode);
+  return mode;
+}
+
+Prediction Predictor::run_jacobian(int64_t rows, JacobianMode mode) {
+  const Prediction result = run(rows);  // the forward the derivatives are of
+  const int64_t k = jacobian_directions(mode);
+  if (mode == JacobianMode::forward) {
+    for (int64_t first = 0; first < inputs(); first += k) {
+      const int64_t dirs = std::min(k, inputs() - first);
+      const MatrixView seed(tangent_seed_.data(), slice_.rows * dirs, inputs());
+      seed_input_directions(seed, first, dirs, inverse_input_std_);
+      MatrixView tangents = model_->forward_tangents(seed);
+      if (output_columns_comm_) {  // the column blocks of tp ranks into whole rows
+        const MatrixView whole(tangent_whole_.data(), slice_.rows * dirs, outputs());
+        output_columns_comm_->all_gather(ConstMatrixView(tangents), whole, 1);
+        tangents = whole;
+      }
+      store_output_tangents(tangents, first, dirs, target_scale_, jacobian_);
+    }
+  } else {
+    const int64_t offset = model_->output_offset(), width = model_->output_width();
+    for (int64_t first = 0; first < outputs(); first += k) {
+      const int64_t dirs = std::min(k, outputs() - first);
+      const MatrixView seed(cotangent_seed_.data(), slice_.rows * dirs, width);
+      seed_output_directions(seed, first, dirs, offset, target_scale_);
+      store_input_cotangents(model_->backward_cotangents(seed), first, dirs, inverse_input_std_,
+                             jacobian_);
+    }
+  }
+  fence_device(MESHTRAIN_LABEL("meshtrain::Predictor::jacobian"));
+  return result;
+}
+
+void Predictor::download_jacobian() {
+  if constexpr (kDeviceMemoryIsSeparate) Kokkos::deep_copy(jacobian_host_, jacobian_);
 }
 
 std::string Predictor::model_description() const {

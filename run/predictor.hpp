@@ -40,6 +40,18 @@
 // on every rank (bad checkpoint, override, mesh, batch size). predict() throws bad_input for an
 // input of the wrong width or too many rows, on the rank that passed it; call it with valid
 // shapes (or agree first) since the other ranks are then in the collective.
+//
+// Jacobians (docs/derivatives.md): jacobian(x, J) writes J(r, o, i) = d output_o / d input_i at
+// each of this rank's rows, in the user's units (J = diag(target_std) J' diag(1 / input_std)
+// with J' the model's own, normalized, derivative; a classifier's outputs are its logits), and
+// returns the prediction of the same rows. Forward mode pushes tangents of the inputs through
+// the layers, reverse mode cotangents of the outputs back through them; either stacks
+// jacobian_directions() of them per row as extra rows of the same GEMMs and collective
+// matmuls, so a pass of k directions costs about k forwards' GEMMs: forward mode needs the
+// inputs' worth, reverse mode the outputs'. `automatic` takes forward mode when inputs() <=
+// outputs() and reverse mode otherwise. The first call of each mode allocates its buffers and
+// runs once on zeros (collective); later calls allocate nothing. fp32 only (bad_input under a
+// mixed_precision override). Every rank must pass the same mode.
 
 #include <mpi.h>
 
@@ -85,6 +97,21 @@ struct Prediction {
 // change the model. Throws bad_input naming the key of the first other one.
 void check_prediction_overrides(const std::vector<std::string>& overrides);
 
+// How Predictor::jacobian differentiates (see the top of this file).
+enum class JacobianMode {
+  automatic,  // forward when inputs() <= outputs(), else reverse
+  forward,    // tangents of the inputs pushed through the layers
+  reverse,    // cotangents of the outputs pulled back through them
+};
+// "auto" | "forward" | "reverse"; parse: bad_input naming `what` and the choices otherwise.
+const char* to_string(JacobianMode mode);
+JacobianMode parse_jacobian_mode(const std::string& text, const std::string& what);
+
+// At most this many floats in one stacked derivative matrix of the widest layer: a pass stacks
+// k = min(inputs (forward) or outputs (reverse), max(1, kTangentElements / (local rows x widest
+// layer))) directions; more directions take more passes.
+constexpr int64_t kTangentElements = int64_t{1} << 24;
+
 class Predictor {
  public:
   // Collective over `comm` (a Runtime must exist). See the top of this file.
@@ -103,6 +130,24 @@ class Predictor {
   // y [>= rows, outputs()] (host or default memory, any numeric type and layout). Returns rows.
   template <class InputView, class OutputView>
   int64_t predict(const InputView& x, const OutputView& y);
+
+  // The Jacobian of this rank's rows x [rows <= local_rows(), inputs()] into J [>= rows,
+  // outputs(), inputs()] (any 3-D Kokkos view of a numeric type, any layout, in host memory or
+  // in memory the default execution space reaches); returns the prediction of the same rows,
+  // as predict(x). Collective; allocates nothing after the first call of each mode.
+  template <class InputView, class JacobianView>
+  Prediction jacobian(const InputView& x, const JacobianView& J,
+                      JacobianMode mode = JacobianMode::automatic);
+  // What `automatic` resolves to for this model (other modes are returned as they are).
+  JacobianMode jacobian_mode(JacobianMode mode = JacobianMode::automatic) const;
+  // Directions per pass of `mode` (kTangentElements' rule, within the limit below).
+  int64_t jacobian_directions(JacobianMode mode = JacobianMode::automatic) const;
+  // Caps the directions per pass at k >= 1 (less memory, more passes). Only before the first
+  // jacobian() (bad_input after); every rank must set the same.
+  void limit_jacobian_directions(int64_t k);
+  // Makes `mode`'s buffers and warms it up, as its first jacobian() call would (collective;
+  // nothing when done before). Returns the mode resolved.
+  JacobianMode prepare_jacobian(JacobianMode mode = JacobianMode::automatic);
 
   int64_t inputs() const { return config_.model.input_width(); }
   int64_t outputs() const { return config_.model.output_width(); }
@@ -134,6 +179,11 @@ class Predictor {
   void upload_input();
   // output_ to output_host_ (a no-op where host and default memory are one).
   void download_output();
+  void check_jacobian_shape(int64_t rows, int64_t j0, int64_t j1, int64_t j2) const;
+  // x_ rows [0, rows) hold the input: run(rows), then the derivative passes into jacobian_.
+  Prediction run_jacobian(int64_t rows, JacobianMode mode);
+  // jacobian_ to jacobian_host_ (a no-op where host and default memory are one).
+  void download_jacobian();
 
   std::string path_;
   int64_t step_ = 0;
@@ -160,6 +210,20 @@ class Predictor {
   Matrix probabilities_;  // [local_rows, outputs] (classification)
   Kokkos::View<double*, Kokkos::LayoutRight> input_mean_, input_std_;    // empty: none
   Kokkos::View<double*, Kokkos::LayoutRight> target_mean_, target_std_;  // empty: none
+
+  // Jacobians, made by prepare_jacobian (both modes: the scales and the result; each mode its
+  // seeds). The seeds carry the normalization: 1 / input_std per input direction (forward),
+  // target_std per output (reverse).
+  bool forward_ready_ = false, reverse_ready_ = false;
+  int64_t directions_limit_ = 0;  // limit_jacobian_directions (0: none)
+  Vector inverse_input_std_;      // [inputs] (1 without input statistics)
+  Vector target_scale_;           // [outputs] target_std (1 without target statistics)
+  Kokkos::View<float***, Kokkos::LayoutRight> jacobian_;  // [local_rows, outputs, inputs]
+  Kokkos::View<float***, Kokkos::LayoutRight>::HostMirror jacobian_host_;
+  Matrix tangent_seed_;   // [local_rows * k, inputs]
+  Matrix tangent_whole_;  // [local_rows * k, outputs]: the output tangents' whole rows (tp)
+  Communicator* output_columns_comm_ = nullptr;  // the feature axis' when the output is split
+  Matrix cotangent_seed_;                        // [local_rows * k, the model's output columns]
 };
 
 // --- the templates ------------------------------------------------------------------------
@@ -202,6 +266,33 @@ constexpr void check_view_type() {
       "Predictor: views must be in host memory or in the default memory space");
 }
 
+// J(i, o, c) = src(i, o, c) for i < rows, on `Space` (which reaches both views).
+template <class Space, class Dst, class Src>
+void copy_jacobian_rows(const Dst& dst, const Src& src, int64_t rows) {
+  if (rows == 0 || src.extent(1) == 0 || src.extent(2) == 0) return;
+  using Value = typename Dst::non_const_value_type;
+  Kokkos::parallel_for(
+      copy_rows_label(),
+      Kokkos::MDRangePolicy<Space, Kokkos::Rank<3>>(
+          space_instance<Space>(), {0, 0, 0},
+          {rows, static_cast<int64_t>(src.extent(1)), static_cast<int64_t>(src.extent(2))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t o, const int64_t c) {
+        dst(i, o, c) = static_cast<Value>(src(i, o, c));
+      });
+  fence_space(space_instance<Space>(), copy_rows_label());
+}
+
+template <class View>
+constexpr void check_jacobian_view_type() {
+  static_assert(View::rank == 3, "Predictor::jacobian: J is a 3-D view [rows, outputs, inputs]");
+  static_assert(std::is_arithmetic<typename View::non_const_value_type>::value,
+                "Predictor::jacobian: J must hold numbers");
+  static_assert(
+      on_device<View>() || Kokkos::SpaceAccessibility<Kokkos::DefaultHostExecutionSpace,
+                                                      typename View::memory_space>::accessible,
+      "Predictor::jacobian: J must be in host memory or in the default memory space");
+}
+
 }  // namespace predictor_detail
 
 template <class InputView>
@@ -237,6 +328,33 @@ int64_t Predictor::predict(const InputView& x, const OutputView& y) {
                                                                    outputs());
   }
   return result.rows;
+}
+
+template <class InputView, class JacobianView>
+Prediction Predictor::jacobian(const InputView& x, const JacobianView& J, JacobianMode mode) {
+  predictor_detail::check_view_type<InputView>();
+  predictor_detail::check_jacobian_view_type<JacobianView>();
+  const auto rows = static_cast<int64_t>(x.extent(0));
+  check_input(rows, static_cast<int64_t>(x.extent(1)));
+  check_jacobian_shape(rows, static_cast<int64_t>(J.extent(0)), static_cast<int64_t>(J.extent(1)),
+                       static_cast<int64_t>(J.extent(2)));
+  const JacobianMode used = prepare_jacobian(mode);  // the first call of a mode: collective
+  const int64_t cols = inputs();
+  if constexpr (predictor_detail::on_device<InputView>()) {
+    predictor_detail::copy_rows<Kokkos::DefaultExecutionSpace>(MatrixView(x_), x, rows, cols);
+  } else {
+    predictor_detail::copy_rows<Kokkos::DefaultHostExecutionSpace>(x_host_, x, rows, cols);
+    upload_input();
+  }
+  const Prediction result = run_jacobian(rows, used);
+  if constexpr (predictor_detail::on_device<JacobianView>()) {
+    predictor_detail::copy_jacobian_rows<Kokkos::DefaultExecutionSpace>(J, jacobian_, rows);
+  } else {
+    download_jacobian();
+    predictor_detail::copy_jacobian_rows<Kokkos::DefaultHostExecutionSpace>(J, jacobian_host_,
+                                                                            rows);
+  }
+  return result;
 }
 
 }  // namespace meshtrain
