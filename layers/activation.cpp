@@ -92,30 +92,16 @@ void update_elements(const std::string& label, const MatrixView& z, const Matrix
   }
 }
 
-// f'(x) of each activation, for the tangent kernels (the same expressions as the backward
-// kernels above multiply the incoming gradient by; docs/model_math.md's table).
-struct ReluSlope {
-  KOKKOS_INLINE_FUNCTION float operator()(const float x) const { return x > 0.0f ? 1.0f : 0.0f; }
+// f'(x) of each activation, for the tangent kernels: the backward's formula at g = 1
+// (framework/core/activation_math.hpp), except sigmoid's and silu's below.
+template <class Op>
+struct SlopeOf {
+  KOKKOS_INLINE_FUNCTION float operator()(const float x) const { return Op::gradient(x, 1.0f); }
 };
-struct TanhSlope {
-  KOKKOS_INLINE_FUNCTION float operator()(const float x) const {
-    const float t = kmath::tanh(x);
-    return 1.0f - t * t;
-  }
-};
-struct GeluSlope {
-  KOKKOS_INLINE_FUNCTION float operator()(const float x) const {
-    const float inner = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
-    const float t = kmath::tanh(inner);
-    const float d_inner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * d_inner;
-  }
-};
-struct GeluErfSlope {
-  KOKKOS_INLINE_FUNCTION float operator()(const float x) const {
-    return normal_cdf(x) + x * kInvSqrt2Pi * kmath::exp(-0.5f * x * x);
-  }
-};
+using ReluSlope = SlopeOf<activation_math::Relu>;
+using TanhSlope = SlopeOf<activation_math::Tanh>;
+using GeluSlope = SlopeOf<activation_math::GeluTanh>;
+using GeluErfSlope = SlopeOf<activation_math::GeluErf>;
 // sigmoid(x) and 1 - sigmoid(x) with one division (the slopes' hot loop): e = exp(-|x|),
 // r = 1 / (1 + e); sigmoid(|x|) = r, sigmoid(-|x|) = e r, neither a difference.
 KOKKOS_INLINE_FUNCTION Sigmoids sigmoids_one_division(float x) {
@@ -135,9 +121,7 @@ struct SigmoidSlope {
     return s.of_x * s.of_minus;
   }
 };
-struct IdentitySlope {
-  KOKKOS_INLINE_FUNCTION float operator()(const float) const { return 1.0f; }
-};
+using IdentitySlope = SlopeOf<activation_math::Identity>;
 
 // out(t, j) = slope(z(t / k, j)) * dz(t, j) for the k rows t of each value row. Each slope is
 // computed once for its k rows: into the block's first output row, then every row of the block
