@@ -54,6 +54,13 @@ void remove_job_dir(const std::string& dir) {
   if (world_rank() == 0) std::filesystem::remove_all(dir, ignored);
 }
 
+// configure() on every rank, then a barrier: rank 0's configure() removes earlier records from
+// the shared folder, so no rank may write one (a signal, a write()) before every rank is past it.
+void configure_everywhere(std::size_t records, const std::string& dir) {
+  flight_recorder().configure(records, dir, world_rank(), world_size());
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 std::string own_file(const std::string& dir) {
   return dir + "/flight/rank-" + std::to_string(world_rank()) + ".json";
 }
@@ -140,7 +147,7 @@ TEST(FlightRecorder, HoldsExactlyTheCollectivesRun) {
 
 TEST(FlightRecorder, WrapsAfterItsCapacity) {
   const std::string dir = job_dir("wrap");
-  flight_recorder().configure(5, dir, world_rank(), world_size());
+  configure_everywhere(5, dir);
   auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "flight test wrap");
   for (int k = 0; k < 12; ++k) comm.barrier();
   const std::vector<FlightEntry> entries = flight_recorder().entries();
@@ -161,7 +168,7 @@ TEST(FlightRecorder, WrapsAfterItsCapacity) {
 
 TEST(FlightRecorder, SigusrWritesTheRecordAndTheProgramGoesOn) {
   const std::string dir = job_dir("sigusr1");
-  flight_recorder().configure(16, dir, world_rank(), world_size());
+  configure_everywhere(16, dir);
   auto comm = MpiCommunicator::duplicate(MPI_COMM_WORLD, "flight test signal");
   Floats a("a", 4);
   comm.all_reduce(VectorView(a.data(), 4));
@@ -194,8 +201,7 @@ TEST(FlightRecorder, ConfigureRemovesTheRecordsOfAnEarlierRun) {
     std::ofstream(dir + "/flight/notes.txt") << "kept";
   }
   MPI_Barrier(MPI_COMM_WORLD);
-  flight_recorder().configure(8, dir, world_rank(), world_size());
-  MPI_Barrier(MPI_COMM_WORLD);
+  configure_everywhere(8, dir);
   for (const char* name : {"rank-0.json", "rank-1.json", "rank-99.json", "rank-3.json.tmp"}) {
     EXPECT_FALSE(std::filesystem::exists(dir + "/flight/" + name)) << name;
   }
@@ -299,8 +305,8 @@ TEST(FlightRecorder, ChainsTheProgramsSigtermHandlerAndPutsItBack) {
   KeepDisposition keep(SIGTERM);
   set_plain(SIGTERM, count_plain, 0);  // no SA_RESTART: the program may rely on EINTR
   plain_calls = 0;
-  flight_recorder().configure(8, dir, world_rank(), world_size());
-  flight_recorder().configure(8, dir, world_rank(), world_size());
+  configure_everywhere(8, dir);
+  configure_everywhere(8, dir);
   const struct sigaction installed = disposition(SIGTERM);
   EXPECT_NE(installed.sa_handler, &count_plain) << "the recorder's handler is not installed";
   EXPECT_EQ(installed.sa_flags & SA_RESTART, 0) << "the program's choice of SA_RESTART is lost";
@@ -326,7 +332,7 @@ TEST(FlightRecorder, ChainsAnSaSiginfoHandlerOfSigusr1) {
   ASSERT_EQ(sigaction(SIGUSR1, &mine, nullptr), 0);
   siginfo_calls = 0;
   siginfo_signal = 0;
-  flight_recorder().configure(8, dir, world_rank(), world_size());
+  configure_everywhere(8, dir);
   ASSERT_EQ(raise(SIGUSR1), 0);
   EXPECT_EQ(siginfo_calls, 1);
   EXPECT_EQ(siginfo_signal, SIGUSR1);
@@ -343,7 +349,7 @@ TEST(FlightRecorder, AnIgnoredSigtermStaysIgnored) {
   const std::string dir = job_dir("chain_ignore");
   KeepDisposition keep(SIGTERM);
   set_plain(SIGTERM, SIG_IGN, 0);
-  flight_recorder().configure(8, dir, world_rank(), world_size());
+  configure_everywhere(8, dir);
   ASSERT_EQ(raise(SIGTERM), 0);  // the process goes on
   EXPECT_EQ(read_flight_record(own_file(dir)).reason, "SIGTERM");
   flight_recorder().configure(0, "", world_rank(), world_size());
@@ -375,7 +381,7 @@ TEST(FlightRecorder, DestroyingARecorderPutsTheHandlersBack) {
 TEST(FlightRecorder, ConfigureWaitsForAWriteInProgress) {
   const std::string dir = job_dir("configure_during_write");
   constexpr int kCollectives = 4096;  // a record of about 1 MB: more than a pipe holds
-  flight_recorder().configure(kCollectives, dir, world_rank(), world_size());
+  configure_everywhere(kCollectives, dir);
   auto self = MpiCommunicator::duplicate(MPI_COMM_SELF, "flight test fifo");
   for (int k = 0; k < kCollectives; ++k) self.barrier();
   std::filesystem::create_directories(dir + "/flight");
