@@ -7,7 +7,7 @@ meshtrain_add_test(NAME core_precision_test SOURCES core/precision_test.cpp
 # (bias, activations, their derivatives, the bias gradient) and input dtype, on each host
 # library of the build; oneDNN against OpenBLAS in fp32; no Kokkos allocation when repeated.
 meshtrain_add_test(NAME core_gemm_test SOURCES core/gemm_test.cpp
-                   LIBS meshtrain_framework TIMEOUT 300)
+                   LIBS meshtrain_framework meshtrain_test_counting_allocator TIMEOUT 300)
 # The same on a CPU without AVX-512 as oneDNN sees it (ONEDNN_MAX_CPU_ISA caps the kernels it
 # picks): its AVX2 kernels, and no bf16 matmul (bf16 inputs take the fp32 kernel).
 if(MESHTRAIN_GEMM_ONEDNN)

@@ -47,40 +47,9 @@
 #include "framework/core/backends/gemm_backend.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/core/views.hpp"
-#include "tests/support/onednn_allocations.hpp"
+#include "tests/support/counting_allocator.hpp"
 #include "tests/support/expect_error.hpp"
-
-// --- counting operator new (while g_count_heap is set), for RepeatedCallsAllocateNothing ---
-namespace {
-std::atomic<bool> g_count_heap{false};
-std::atomic<long> g_heap_allocations{0};
-void* counted_allocate(std::size_t bytes) {
-  if (g_count_heap.load(std::memory_order_relaxed) &&
-      !meshtrain::testing::allocation_made_by_onednn()) {
-    g_heap_allocations.fetch_add(1);
-  }
-  if (void* p = std::malloc(bytes ? bytes : 1)) return p;
-  throw std::bad_alloc();
-}
-}  // namespace
-void* operator new(std::size_t bytes) {
-  return counted_allocate(bytes);
-}
-void* operator new[](std::size_t bytes) {
-  return counted_allocate(bytes);
-}
-void operator delete(void* p) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p) noexcept {
-  std::free(p);
-}
-void operator delete(void* p, std::size_t) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, std::size_t) noexcept {
-  std::free(p);
-}
+#include "tests/support/reference_activations.hpp"
 
 namespace meshtrain::testing {
 namespace {
@@ -166,65 +135,6 @@ Product reference_product(const TestMatrix& a, bool ta, const TestMatrix& b, boo
       }
     }
   return p;
-}
-
-// ------------------------------------------------------------------ activations in double
-
-double normal_cdf(double z) {
-  return 0.5 * std::erfc(-z / std::sqrt(2.0));
-}
-double sigmoid(double z) {
-  return 1.0 / (1.0 + std::exp(-z));
-}
-constexpr double kSqrt2OverPi = 0.79788456080286535588;
-
-double activation(Activation f, double z) {
-  switch (f) {
-    case Activation::relu:
-      return z > 0.0 ? z : 0.0;
-    case Activation::tanh:
-      return std::tanh(z);
-    case Activation::gelu:
-      return 0.5 * z * (1.0 + std::tanh(kSqrt2OverPi * (z + 0.044715 * z * z * z)));
-    case Activation::gelu_erf:
-      return z * normal_cdf(z);
-    case Activation::silu:
-      return z * sigmoid(z);
-    case Activation::sigmoid:
-      return sigmoid(z);
-    case Activation::none:
-      return z;
-  }
-  return z;
-}
-
-double derivative(Activation f, double z) {
-  switch (f) {
-    case Activation::relu:
-      return z > 0.0 ? 1.0 : 0.0;
-    case Activation::tanh: {
-      const double t = std::tanh(z);
-      return 1.0 - t * t;
-    }
-    case Activation::gelu: {
-      const double t = std::tanh(kSqrt2OverPi * (z + 0.044715 * z * z * z));
-      return 0.5 * (1.0 + t) +
-             0.5 * z * (1.0 - t * t) * kSqrt2OverPi * (1.0 + 3.0 * 0.044715 * z * z);
-    }
-    case Activation::gelu_erf:
-      return normal_cdf(z) + z * std::exp(-0.5 * z * z) / std::sqrt(2.0 * M_PI);
-    case Activation::silu: {
-      const double s = sigmoid(z);
-      return s * (1.0 + z * (1.0 - s));
-    }
-    case Activation::sigmoid: {
-      const double s = sigmoid(z);
-      return s * (1.0 - s);
-    }
-    case Activation::none:
-      return 1.0;
-  }
-  return 1.0;
 }
 
 constexpr Activation kActivations[] = {Activation::none,     Activation::relu, Activation::gelu,
@@ -476,7 +386,7 @@ TEST(Gemm, BackwardEpiloguesMatchFloat64) {
               const double g = product.value[e] + scaled;
               const double g_error = (s.k + 2) * kUnit * (product.magnitude[e] + std::fabs(scaled));
               const double zv = z.values[e];
-              const double d = derivative(f, zv);
+              const double d = activation_derivative(f, zv);
               const double want = g * d;
               const double bound =
                   std::fabs(d) * g_error +
@@ -675,11 +585,8 @@ TEST(Gemm, EpiloguesThatDoNotFitAreBadInput) {
 // A repeated call (same N, dtype and epilogue; M and K may differ, as an MoE expert's rows do)
 // allocates nothing, neither Kokkos memory nor on the heap: primitives, scratchpads and 16-bit
 // copies are made at the first call and kept (the 16-bit copies grow only for larger operands).
-// The heap count leaves out what oneDNN allocates inside its calls (tests/support/onednn_allocations.hpp).
-std::atomic<long> g_kokkos_allocations{0};
-void count_allocation(Kokkos::Profiling::SpaceHandle, const char*, const void*, uint64_t) {
-  g_kokkos_allocations.fetch_add(1);
-}
+// The heap count leaves out what oneDNN allocates inside its calls
+// (tests/support/onednn_allocations.hpp).
 
 TEST(Gemm, RepeatedCallsAllocateNothing) {
   for (Dtype dtype : {Dtype::fp32, Dtype::bf16}) {
@@ -714,19 +621,13 @@ TEST(Gemm, RepeatedCallsAllocateNothing) {
       };
       calls();  // the first call makes what the later ones reuse
       Kokkos::fence();
-      find_onednn_code();
-      g_kokkos_allocations = 0;
-      g_heap_allocations = 0;
-      Kokkos::Tools::Experimental::set_allocate_data_callback(count_allocation);
-      g_count_heap = true;
+      AllocationWindow window(AllocationWindow::Threads::all, AllocationWindow::OneDnn::left_out);
       calls();
       fewer_rows();
       calls();
       Kokkos::fence();
-      g_count_heap = false;
-      Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
-      EXPECT_EQ(g_kokkos_allocations.load(), 0) << path.name << " " << to_string(dtype);
-      EXPECT_EQ(g_heap_allocations.load(), 0) << path.name << " " << to_string(dtype);
+      EXPECT_EQ(window.close(), 0) << path.name << " " << to_string(dtype);
+      EXPECT_EQ(window.kokkos_allocations(), 0) << path.name << " " << to_string(dtype);
     }
   }
 }

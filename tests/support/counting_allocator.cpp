@@ -4,6 +4,8 @@
 
 #include "tests/support/counting_allocator.hpp"
 
+#include "tests/support/onednn_allocations.hpp"
+
 #include <execinfo.h>
 
 #include <Kokkos_Core.hpp>
@@ -20,6 +22,7 @@ std::atomic<bool> g_window_open{false};
 // When set, only allocations of g_counted_thread count.
 std::atomic<bool> g_one_thread{false};
 std::thread::id g_counted_thread;
+std::atomic<bool> g_leave_out_onednn{false};
 std::atomic<long> g_heap_allocations{0};
 std::atomic<long> g_kokkos_allocations{0};
 int g_trace_left = 0;
@@ -35,6 +38,10 @@ void on_allocation(std::size_t bytes) {
   if (!g_window_open.load(std::memory_order_relaxed) || g_tracing) return;
   if (g_one_thread.load(std::memory_order_relaxed) &&
       std::this_thread::get_id() != g_counted_thread) {
+    return;
+  }
+  if (g_leave_out_onednn.load(std::memory_order_relaxed) &&
+      meshtrain::testing::allocation_made_by_onednn()) {
     return;
   }
   g_heap_allocations.fetch_add(1, std::memory_order_relaxed);
@@ -116,7 +123,10 @@ void operator delete[](void* p, std::size_t, std::align_val_t) noexcept {
 
 namespace meshtrain::testing {
 
-AllocationWindow::AllocationWindow(Threads threads) {
+AllocationWindow::AllocationWindow(Threads threads, OneDnn onednn) {
+  // Before the window opens: finding libdnnl and warming up the unwinder allocate.
+  if (onednn == OneDnn::left_out) find_onednn_code();
+  g_leave_out_onednn = onednn == OneDnn::left_out;
   const char* trace = std::getenv("MESHTRAIN_TRACE_ALLOCATIONS");
   g_trace_left = trace != nullptr ? std::atoi(trace) : 0;
   g_heap_allocations = 0;
@@ -135,6 +145,7 @@ long AllocationWindow::close() {
   if (g_window_open.exchange(false)) {
     Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
     g_one_thread = false;
+    g_leave_out_onednn = false;
   }
   return g_heap_allocations.load();
 }

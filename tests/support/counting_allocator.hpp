@@ -14,8 +14,13 @@ class AllocationWindow {
   // the thread that opens the window (beside a checkpoint writer that builds its own records).
   enum class Threads { all, this_thread };
 
+  // Which heap allocations count: all, or all but those made from inside oneDNN's code (its
+  // matmul allocates a few small blocks in every execution, which its API cannot avoid:
+  // tests/support/onednn_allocations.hpp; everything meshtrain allocates itself still counts).
+  enum class OneDnn { counted, left_out };
+
   // Opens the window (one at a time); it closes at close() or destruction.
-  explicit AllocationWindow(Threads threads = Threads::all);
+  explicit AllocationWindow(Threads threads = Threads::all, OneDnn onednn = OneDnn::counted);
   ~AllocationWindow();
   AllocationWindow(const AllocationWindow&) = delete;
   AllocationWindow& operator=(const AllocationWindow&) = delete;
