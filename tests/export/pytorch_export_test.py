@@ -37,7 +37,7 @@ import tomllib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import export_test as et  # noqa: E402  (its train, data, forward and predict helpers)
-from export_test import Failure, np  # noqa: E402
+from export_test import np  # noqa: E402
 
 SKIP = 77
 RTOL = et.FP32_RTOL  # 1e-5
@@ -449,24 +449,18 @@ def main():
     parser.add_argument("--meshtrain", required=True)
     parser.add_argument("--source-dir", required=True)
     parser.add_argument("--work", required=True)
-    argv = sys.argv[1:]
-    if "--" not in argv or argv.index("--") == len(argv) - 1:
+    own, launcher = et.script_test.split_at_launcher(sys.argv[1:])
+    if not launcher:
         parser.error("the MPI launcher is missing after --")
-    split = argv.index("--")
-    args = parser.parse_args(argv[:split])
-    args.mpiexec = argv[split + 1:]
+    args = parser.parse_args(own)
+    args.mpiexec = launcher
     args.predict = True
     ctx = Context(args)
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
-    try:
-        CASES[args.case](ctx)
-    except Failure as e:
-        print("FAIL: %s" % e, file=sys.stderr)
-        return 1
-    if ctx.failures:
-        print("%d check(s) failed" % len(ctx.failures), file=sys.stderr)
-        return 1
+    status = et.script_test.outcome(ctx, lambda: CASES[args.case](ctx))
+    if status:
+        return status
     if ctx.torch_missing:
         print("SKIP: %s (the checks that need no PyTorch passed)" % ctx.torch_missing)
         return SKIP

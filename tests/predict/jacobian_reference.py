@@ -399,24 +399,18 @@ def main():
     parser.add_argument("--meshtrain", required=True)
     parser.add_argument("--source-dir", required=True)
     parser.add_argument("--work", required=True)
-    argv = sys.argv[1:]
-    if "--" not in argv or argv.index("--") + 1 == len(argv):
+    own, launcher = et.script_test.split_at_launcher(sys.argv[1:])
+    if not launcher:
         parser.error("the MPI launcher is missing after --")
-    split = argv.index("--")
-    args = parser.parse_args(argv[:split])
-    args.mpiexec = argv[split + 1:]
+    args = parser.parse_args(own)
+    args.mpiexec = launcher
     args.predict = False
     ctx = et.Context(args)
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
-    try:
-        CASES[args.case](ctx)
-    except Failure as e:
-        print("FAIL: %s" % e, file=sys.stderr)
-        return 1
-    if ctx.failures:
-        print("%d check(s) failed" % len(ctx.failures), file=sys.stderr)
-        return 1
+    status = et.script_test.outcome(ctx, lambda: CASES[args.case](ctx))
+    if status:
+        return status
     print("ok: %s" % args.case)
     return 0
 
