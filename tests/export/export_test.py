@@ -28,7 +28,6 @@ against the float64 forward in fp32), then exits 77 (ctest: skipped) saying what
 out, or 1 when one of those checks failed.
 """
 
-import argparse
 import json
 import os
 import shutil
@@ -50,7 +49,6 @@ except ImportError as e:
           "python3-numpy python3-h5py python3-onnx" % (sys.executable, e), file=sys.stderr)
     sys.exit(1)
 
-SKIP = script_test.SKIP
 RUN_TIMEOUT_S = 60
 FP32_RTOL = 1e-5
 # Errors are relative to max(|ref|, FLOOR * max|ref|): an output that a sum cancels to near
@@ -868,29 +866,11 @@ CASES = {
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("case", choices=sorted(CASES))
-    parser.add_argument("--meshtrain", required=True)
-    parser.add_argument("--source-dir", required=True)
-    parser.add_argument("--work", required=True)
-    parser.add_argument("--predict", action="store_true",
-                        help="also compare with `meshtrain predict` of the same checkpoints")
-    own, launcher = script_test.split_at_launcher(sys.argv[1:])
-    if not launcher:
-        parser.error("the MPI launcher is missing after --")
-    args = parser.parse_args(own)
-    args.mpiexec = launcher
-    ctx = Context(args)
-    shutil.rmtree(args.work, ignore_errors=True)
-    os.makedirs(args.work)
-    status = script_test.outcome(ctx, lambda: CASES[args.case](ctx))
-    if status != 0:
-        return status
-    if ctx.ort_missing:
-        print("SKIP: %s (the checks that need no ONNX Runtime passed)" % ctx.ort_missing)
-        return SKIP
-    print("ok: %s" % args.case)
-    return 0
+    def add_predict(parser):
+        parser.add_argument("--predict", action="store_true",
+                            help="also compare with `meshtrain predict` of the same checkpoints")
+    return script_test.case_main(CASES, Context, add_arguments=add_predict,
+                                 skip_reason=lambda ctx: ctx.ort_missing)
 
 
 if __name__ == "__main__":

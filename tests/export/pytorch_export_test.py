@@ -24,13 +24,11 @@ Without PyTorch (python3 cannot import torch) part 2 is left out: the case exits
 skipped) saying so when everything else passed, 1 otherwise.
 """
 
-import argparse
 import ast
 import json
 import os
 import shutil
 import struct
-import subprocess
 import sys
 import tempfile
 import tomllib
@@ -39,7 +37,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import export_test as et  # noqa: E402  (its train, data, forward and predict helpers)
 from export_test import np  # noqa: E402
 
-SKIP = 77
 RTOL = et.FP32_RTOL  # 1e-5
 # model.py may import these and nothing else (no meshtrain, no numpy).
 ALLOWED_IMPORTS = {"json", "math", "os", "struct", "sys", "torch"}
@@ -444,28 +441,10 @@ CASES = {
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("case", choices=sorted(CASES))
-    parser.add_argument("--meshtrain", required=True)
-    parser.add_argument("--source-dir", required=True)
-    parser.add_argument("--work", required=True)
-    own, launcher = et.script_test.split_at_launcher(sys.argv[1:])
-    if not launcher:
-        parser.error("the MPI launcher is missing after --")
-    args = parser.parse_args(own)
-    args.mpiexec = launcher
-    args.predict = True
-    ctx = Context(args)
-    shutil.rmtree(args.work, ignore_errors=True)
-    os.makedirs(args.work)
-    status = et.script_test.outcome(ctx, lambda: CASES[args.case](ctx))
-    if status:
-        return status
-    if ctx.torch_missing:
-        print("SKIP: %s (the checks that need no PyTorch passed)" % ctx.torch_missing)
-        return SKIP
-    print("ok: %s" % args.case)
-    return 0
+    def make_context(args):
+        args.predict = True
+        return Context(args)
+    return et.script_test.case_main(CASES, make_context, skip_reason=lambda ctx: ctx.torch_missing)
 
 
 if __name__ == "__main__":

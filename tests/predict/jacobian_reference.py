@@ -27,7 +27,6 @@ Case cli_errors: --jacobian-mode without --jacobian, an unknown mode and a mixed
 override are refused (exit 2, one sentence), no output left behind.
 """
 
-import argparse
 import math
 import os
 import shutil
@@ -394,25 +393,10 @@ CASES = {
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("case", choices=sorted(CASES))
-    parser.add_argument("--meshtrain", required=True)
-    parser.add_argument("--source-dir", required=True)
-    parser.add_argument("--work", required=True)
-    own, launcher = et.script_test.split_at_launcher(sys.argv[1:])
-    if not launcher:
-        parser.error("the MPI launcher is missing after --")
-    args = parser.parse_args(own)
-    args.mpiexec = launcher
-    args.predict = False
-    ctx = et.Context(args)
-    shutil.rmtree(args.work, ignore_errors=True)
-    os.makedirs(args.work)
-    status = et.script_test.outcome(ctx, lambda: CASES[args.case](ctx))
-    if status:
-        return status
-    print("ok: %s" % args.case)
-    return 0
+    def make_context(args):
+        args.predict = False
+        return et.Context(args)
+    return et.script_test.case_main(CASES, make_context)
 
 
 if __name__ == "__main__":

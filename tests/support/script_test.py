@@ -5,7 +5,9 @@ launcher after `--` on their command line, and their exit status (0 pass, 1 fail
 Imported by path: sys.path.insert(0, <tests/support>); import script_test.
 """
 
+import argparse
 import os
+import shutil
 import subprocess
 import sys
 
@@ -82,4 +84,36 @@ def outcome(ctx, case):
     if ctx.failures:
         print("%d check(s) failed" % len(ctx.failures), file=sys.stderr)
         return 1
+    return 0
+
+
+def case_main(cases, make_context, add_arguments=None, skip_reason=None):
+    """The main() of a script test with named cases. Parses `CASE --meshtrain M --source-dir S
+    --work W [own options] -- LAUNCHER...` (add_arguments(parser) adds the own options), makes
+    the case's context with make_context(args), runs the case in an emptied work folder and
+    returns the exit status: 1 after a failure, else SKIP when skip_reason(ctx) names what
+    could not be checked (everything else passed), else 0."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("case", choices=sorted(cases))
+    parser.add_argument("--meshtrain", required=True)
+    parser.add_argument("--source-dir", required=True)
+    parser.add_argument("--work", required=True)
+    if add_arguments:
+        add_arguments(parser)
+    own, launcher = split_at_launcher(sys.argv[1:])
+    if not launcher:
+        parser.error("the MPI launcher is missing after --")
+    args = parser.parse_args(own)
+    args.mpiexec = launcher
+    ctx = make_context(args)
+    shutil.rmtree(args.work, ignore_errors=True)
+    os.makedirs(args.work)
+    status = outcome(ctx, lambda: cases[args.case](ctx))
+    if status != 0:
+        return status
+    missing = skip_reason(ctx) if skip_reason else None
+    if missing:
+        print("SKIP: %s (every other check passed)" % missing)
+        return SKIP
+    print("ok: %s" % args.case)
     return 0
