@@ -255,15 +255,20 @@ constexpr bool on_device() {
                                     typename View::memory_space>::accessible;
 }
 
+// Whether the host or the default execution space reaches a view's memory.
+template <class View>
+constexpr bool reachable() {
+  return on_device<View>() || Kokkos::SpaceAccessibility<Kokkos::DefaultHostExecutionSpace,
+                                                         typename View::memory_space>::accessible;
+}
+
 template <class View>
 constexpr void check_view_type() {
   static_assert(View::rank == 2, "Predictor: inputs and outputs are 2-D views [rows, columns]");
   static_assert(std::is_arithmetic<typename View::non_const_value_type>::value,
                 "Predictor: views must hold numbers");
-  static_assert(
-      on_device<View>() || Kokkos::SpaceAccessibility<Kokkos::DefaultHostExecutionSpace,
-                                                      typename View::memory_space>::accessible,
-      "Predictor: views must be in host memory or in the default memory space");
+  static_assert(reachable<View>(),
+                "Predictor: views must be in host memory or in the default memory space");
 }
 
 // J(i, o, c) = src(i, o, c) for i < rows, on `Space` (which reaches both views).
@@ -287,10 +292,8 @@ constexpr void check_jacobian_view_type() {
   static_assert(View::rank == 3, "Predictor::jacobian: J is a 3-D view [rows, outputs, inputs]");
   static_assert(std::is_arithmetic<typename View::non_const_value_type>::value,
                 "Predictor::jacobian: J must hold numbers");
-  static_assert(
-      on_device<View>() || Kokkos::SpaceAccessibility<Kokkos::DefaultHostExecutionSpace,
-                                                      typename View::memory_space>::accessible,
-      "Predictor::jacobian: J must be in host memory or in the default memory space");
+  static_assert(reachable<View>(),
+                "Predictor::jacobian: J must be in host memory or in the default memory space");
 }
 
 }  // namespace predictor_detail
