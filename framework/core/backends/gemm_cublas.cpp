@@ -231,6 +231,21 @@ void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribut
   check_cublas(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof value), what);
 }
 
+// Points a descriptor at a call's bias (or bias gradient) and activation input: attributes
+// are plain stores, nothing is allocated, so a cached plan serves every call of its shape.
+void point_at_vectors(cublasLtMatmulDesc_t desc, const RowMajorGemm& call) {
+  if (call.bias != nullptr) {
+    set_desc(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, call.bias, "BIAS_POINTER");
+  }
+  if (call.bias_gradient != nullptr) {
+    set_desc(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, call.bias_gradient, "BIAS_POINTER");
+  }
+  if (call.activation_input != nullptr) {
+    set_desc(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, call.activation_input,
+             "EPILOGUE_AUX_POINTER");
+  }
+}
+
 // The cuBLASLt epilogue for `call` and what it leaves to gemm()'s pass; false when cuBLASLt
 // has nothing to fuse here (the caller then runs cublasGemmEx and the whole pass).
 bool lt_epilogue_of(const RowMajorGemm& call, cublasLtEpilogue_t& epilogue, EpilogueLeft& left) {
@@ -296,15 +311,8 @@ LtPlan* plan_for(CublasLt& state, const LtKey& key, const RowMajorGemm& call,
   check_cublas(cublasLtMatrixLayoutCreate(&plan->c, CUDA_R_32F, call.n, call.m, call.ldc),
                "cublasLtMatrixLayoutCreate(C)");
   // This call's pointers: cuBLASLt's heuristic reads their alignment.
-  if (call.bias != nullptr) {
-    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, call.bias, "BIAS_POINTER");
-  }
-  if (call.bias_gradient != nullptr) {
-    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, call.bias_gradient, "BIAS_POINTER");
-  }
+  point_at_vectors(plan->desc, call);
   if (call.activation_input != nullptr) {
-    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, call.activation_input,
-             "EPILOGUE_AUX_POINTER");
     const int64_t ld_aux = key.ld_aux;
     set_desc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld_aux, "EPILOGUE_AUX_LD");
   }
@@ -370,17 +378,7 @@ bool run_cublaslt(const RowMajorGemm& call, const Operands& operands, EpilogueLe
   key.align_aux = call.activation_input != nullptr ? alignment_of(call.activation_input) : 0;
   LtPlan* plan = plan_for(state, key, call, operands, epilogue);
   if (plan == nullptr) return false;
-  // Point the plan at this call's vectors (attributes are plain stores: nothing allocated).
-  if (call.bias != nullptr) {
-    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, call.bias, "BIAS_POINTER");
-  }
-  if (call.bias_gradient != nullptr) {
-    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, call.bias_gradient, "BIAS_POINTER");
-  }
-  if (call.activation_input != nullptr) {
-    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, call.activation_input,
-             "EPILOGUE_AUX_POINTER");
-  }
+  point_at_vectors(plan->desc, call);
   const float alpha = 1.0f;
   check_cublas(cublasLtMatmul(state.handle, plan->desc, &alpha, operands.b, plan->a, operands.a,
                               plan->b, &call.beta, call.c, plan->c, call.c, plan->c, &plan->algo,
