@@ -56,7 +56,9 @@ const ChoiceTable<InitScheme>& init_scheme_choices() {
 
 const ChoiceTable<LossKind>& loss_kind_choices() {
   static const ChoiceTable<LossKind> table = {{"cross_entropy", LossKind::cross_entropy},
-                                              {"mse", LossKind::mse}};
+                                              {"mse", LossKind::mse},
+                                              {"huber", LossKind::huber},
+                                              {"mae", LossKind::mae}};
   return table;
 }
 

@@ -8,7 +8,7 @@
 //   model.norm                    ModelNorm                  layernorm | rmsnorm | none
 //   model.activation              Activation                 relu | tanh | gelu | gelu_erf | silu | sigmoid | none
 //   model.init                    InitScheme                 he_normal | xavier_uniform | normal | zeros
-//   model.loss                    LossKind                   cross_entropy | mse (config: also auto)
+//   model.loss                    LossKind                   cross_entropy | mse | huber | mae (config: also auto)
 //   optimizer.kind                OptimizerKind              sgd | adamw
 //   optimizer.schedule            LrScheduleKind             constant | linear | cosine
 //   partition.collective_matmul   CollectiveMatmulAlgorithm  naive | ring | bidirectional | auto
@@ -41,7 +41,13 @@ enum class ModelNorm { layernorm, rmsnorm, none };
 // gelu: the tanh form; gelu_erf: the exact erf form; none: the identity (layers/activation.hpp).
 enum class Activation { relu, tanh, gelu, gelu_erf, silu, sigmoid, none };
 enum class InitScheme { he_normal, xavier_uniform, normal, zeros };
-enum class LossKind { cross_entropy, mse };
+// cross_entropy classifies (integer labels); mse, huber and mae regress (float targets).
+enum class LossKind { cross_entropy, mse, huber, mae };
+// Whether the loss reads regression targets (everything mse enables: target normalization,
+// the regression metrics): every loss but cross_entropy.
+constexpr bool is_regression(LossKind kind) {
+  return kind != LossKind::cross_entropy;
+}
 enum class OptimizerKind { sgd, adamw };
 enum class LrScheduleKind { constant, linear, cosine };
 enum class CommBackendChoice { automatic, mpi, nccl };

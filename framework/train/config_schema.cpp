@@ -34,6 +34,9 @@ std::optional<KeyProblem> check_sizes(const ConfigKey&, const RunConfig&, const 
 std::optional<KeyProblem> check_moe_layers(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> check_top_k(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> check_dropout(const ConfigKey&, const RunConfig&, const KeyNames&);
+std::optional<KeyProblem> read_loss_weights(const ConfigKey&, const toml::node&, RunConfig&);
+void write_loss_weights(const ConfigKey&, const RunConfig&, toml::table&);
+std::optional<KeyProblem> check_loss_weights(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> read_rules(const ConfigKey&, const toml::node&, RunConfig&);
 void write_rules(const ConfigKey&, const RunConfig&, toml::table&);
 std::optional<KeyProblem> check_rules(const ConfigKey&, const RunConfig&, const KeyNames&);
@@ -69,6 +72,19 @@ const char* unless_mlp(const RunConfig& c) {
   return c.model.kind == ModelKind::mlp ? nullptr
                                         : "is a key of kind = \"mlp\"; kind = \"residual_mlp\" "
                                           "takes inputs, outputs, width, hidden and depth instead";
+}
+
+// Keys of the regression losses (ConfigKey::not_for). An unset loss (a run made in code,
+// resolved from its data) may still become one.
+const char* unless_huber(const RunConfig& c) {
+  return c.model.loss == LossKind::huber ? nullptr
+                                         : "is huber's delta; it needs model.loss = \"huber\"";
+}
+const char* unless_regression(const RunConfig& c) {
+  return c.model.loss == LossKind::cross_entropy
+             ? "weighs the outputs of a regression loss (mse, huber, mae); model.loss = "
+               "\"cross_entropy\" has none to weigh"
+             : nullptr;
 }
 
 std::vector<std::string> preset_choices() {
@@ -185,7 +201,22 @@ const std::vector<ConfigKey>& config_keys() {
                          kFileCommands, "how the weights start"));
     k.push_back(make_key("model", "loss", NAMED(model.loss, loss_kind_choices(), "auto"),
                          any_value(), kFileCommands,
-                         "auto: mse for synthetic data, cross_entropy otherwise"));
+                         "auto: mse for synthetic data, cross_entropy otherwise; mse, huber and "
+                         "mae are regression losses "
+                         "([model_math.md](model_math.md#losses-and-metrics))"));
+    k.push_back(make_key("model", "huber_delta", FIELD(model.huber_delta), positive(),
+                         kFileCommands,
+                         "huber: where the loss turns from quadratic to linear, in the "
+                         "(normalized, with data.normalize_targets) targets' units")
+                    .only_when(unless_huber)
+                    .left_out_at_default());
+    k.push_back(shaped("model", "loss_weights", any_value(), kFileCommands,
+                       "regression: each output's weight in the loss, one per output")
+                    .reads(read_loss_weights, write_loss_weights, "array of floats")
+                    .only_when(unless_regression)
+                    .checked_by(check_loss_weights, "one per output, not all 0")
+                    .shown_as("finite, >= 0")
+                    .defaults_to("all 1"));
     k.push_back(make_key("model", "moe_layers", FIELD(model.moe_layers), any_value(), kFileCommands,
                          "the mixture-of-experts layers: mlp hidden layer indices, residual_mlp "
                          "block indices ([moe.md](moe.md))")
@@ -771,12 +802,67 @@ std::optional<KeyProblem> check_dataset_key(const ConfigKey& key, const RunConfi
   return std::nullopt;
 }
 
+// model.loss_weights: an array of numbers.
+std::optional<KeyProblem> read_loss_weights(const ConfigKey&, const toml::node& node,
+                                            RunConfig& c) {
+  const toml::array* array = node.as_array();
+  if (!array) return wrong_type(node, "an array of floats, one per output");
+  c.model.loss_weights.clear();
+  for (size_t i = 0; i < array->size(); ++i) {
+    const toml::node& entry = (*array)[i];
+    if (!entry.is_integer() && !entry.is_floating_point()) {
+      KeyProblem p = problem("entries must be numbers, got ", render_node(entry), " at index ", i);
+      p.index = i;
+      return p;
+    }
+    c.model.loss_weights.push_back(entry.is_integer()
+                                       ? static_cast<double>(entry.as_integer()->get())
+                                       : entry.as_floating_point()->get());
+  }
+  return std::nullopt;
+}
+
+void write_loss_weights(const ConfigKey& key, const RunConfig& c, toml::table& section) {
+  if (c.model.loss_weights.empty()) return;
+  toml::array array;
+  for (double w : c.model.loss_weights) array.push_back(w);
+  section.insert(key.name, std::move(array));
+}
+
+// One finite, non-negative weight per output, not all 0 (a loss of nothing).
+std::optional<KeyProblem> check_loss_weights(const ConfigKey&, const RunConfig& c,
+                                             const KeyNames& names) {
+  const std::vector<double>& w = c.model.loss_weights;
+  if (w.empty()) return std::nullopt;
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (!(std::isfinite(w[i]) && w[i] >= 0)) {
+      KeyProblem p =
+          problem("entries must be finite and non-negative, got ", w[i], " at index ", i);
+      p.index = i;
+      return p;
+    }
+  }
+  if (std::all_of(w.begin(), w.end(), [](double x) { return x == 0; })) {
+    return problem("are all 0; give at least one output a positive weight");
+  }
+  const bool residual = c.model.kind == ModelKind::residual_mlp;
+  const int64_t outputs =
+      residual ? c.model.outputs : (c.model.sizes.empty() ? 0 : c.model.sizes.back());
+  if (outputs > 0 && static_cast<int64_t>(w.size()) != outputs) {
+    return problem("has ", w.size(), " entries, but the model has ", outputs, " outputs (",
+                   names(residual ? "model.outputs" : "model.sizes"), residual ? "" : "[-1]",
+                   "); give one weight per output");
+  }
+  return std::nullopt;
+}
+
 // Targets are standardized for regression only: class labels are not numbers to scale.
 std::optional<KeyProblem> check_normalize_targets(const ConfigKey&, const RunConfig& c,
                                                   const KeyNames& names) {
   if (c.data.normalize_targets == Normalize::standard && c.model.loss == LossKind::cross_entropy) {
     return problem(
-        "= \"standard\" needs regression targets (model.loss = \"mse\"), but "
+        "= \"standard\" needs regression targets (model.loss = \"mse\", \"huber\" or "
+        "\"mae\"), but "
         "model.loss = \"cross_entropy\" reads class labels; set ",
         names("data.normalize_targets"), " = \"none\"");
   }
