@@ -247,11 +247,15 @@ void print_report(std::FILE* out, const Checkpoint& checkpoint, const TrainingRu
     }
     std::fprintf(out, "\n");
   } else {
-    std::fprintf(out, "MSE %.6g  MAE %.6g  R^2 %s (over all outputs, in the data's units)\n",
-                 e.test_mse, e.test_mae, format_value(e.test_r2, "%.4f").c_str());
+    std::fprintf(out,
+                 "MSE %.6g  MAE %.6g  R^2 %s  rel L2 %s (over all outputs, in the data's units)\n",
+                 e.test_mse, e.test_mae, format_value(e.test_r2, "%.4f").c_str(),
+                 format_value(e.test_rel_l2, "%.4g").c_str());
     for (size_t j = 0; j < e.test_mse_per_output.size(); ++j) {
-      std::fprintf(out, "  output %zu: MSE %.6g  MAE %.6g  R^2 %s\n", j, e.test_mse_per_output[j],
-                   e.test_mae_per_output[j], format_value(e.test_r2_per_output[j], "%.4f").c_str());
+      std::fprintf(out, "  output %zu: MSE %.6g  MAE %.6g  R^2 %s  rel L2 %s\n", j,
+                   e.test_mse_per_output[j], e.test_mae_per_output[j],
+                   format_value(e.test_r2_per_output[j], "%.4f").c_str(),
+                   format_value(e.test_rel_l2_per_output[j], "%.4g").c_str());
     }
   }
   std::fflush(out);

@@ -168,6 +168,8 @@ std::string eval_event_json(const EvalEvent& e) {
     j["test_mse_per_output"] = e.test_mse_per_output;
     j["test_mae_per_output"] = e.test_mae_per_output;
     j["test_r2_per_output"] = e.test_r2_per_output;
+    j["test_rel_l2"] = e.test_rel_l2;
+    j["test_rel_l2_per_output"] = e.test_rel_l2_per_output;
   }
   return j.dump();
 }
@@ -210,6 +212,7 @@ std::string format_eval_line(const EvalEvent& e) {
     append("  MSE %.5g", e.test_mse);
     append("  MAE %.5g", e.test_mae);
     append("  R^2 %.4f", e.test_r2);
+    append("  rel L2 %.4g", e.test_rel_l2);
   }
   return line;
 }
