@@ -138,10 +138,25 @@ void TrainingRun::open_data(std::optional<RunData> data) {
           to_string(*config_.model.loss), "\" reads class labels; set ",
           "data.normalize_targets = \"none\"");
     }
-    if (config_.checkpoint.keep_best == EvalMetric::test_accuracy && !train.classification()) {
-      MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"test_accuracy\" needs class ",
-                          "labels, but the ", train.description, " has regression targets; use ",
-                          "\"test_loss\"");
+    if (const std::optional<EvalMetric>& best = config_.checkpoint.keep_best) {
+      const std::string name = to_string(*best);
+      if (best->classification() && !train.classification()) {
+        MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"", name, "\" needs class ",
+                            "labels, but the ", train.description, " has regression targets; use ",
+                            "\"test_loss\", \"test_mse\", \"test_mae\", \"test_r2\" or ",
+                            "\"test_rel_l2\"");
+      }
+      if (best->regression() && train.classification()) {
+        MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"", name, "\" needs ",
+                            "regression targets, but the ", train.description, " has class ",
+                            "labels; use \"test_loss\", \"test_accuracy\" or ",
+                            "\"test_top5_accuracy\"");
+      }
+      if (best->output >= outputs) {
+        MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"", name, "\" names output ",
+                            best->output, ", but the model has ", outputs, " outputs (0 to ",
+                            outputs - 1, ")");
+      }
     }
     check_loss_fits_data(*config_.model.loss, config_.data, test_source_->shape());
     if (accumulation_ > 1 && global_batch * accumulation_ > train.num_samples) {

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "framework/core/choices.hpp"  // EvalMetric
+
 namespace meshtrain {
 
 struct LogEvent {
@@ -145,6 +147,10 @@ std::string eval_event_json(const EvalEvent& event);
 // (MSE, MAE and the relative L2 error over all outputs in the user's units, R^2 the outputs'
 // mean)
 std::string format_eval_line(const EvalEvent& event);
+
+// The value of `metric` in `e` (checkpoint.keep_best, train.early_stopping); NaN where the
+// evaluation does not have it (a regression metric of a classifier, an output it lacks).
+double eval_metric_value(const EvalEvent& e, const EvalMetric& metric);
 
 // {"event": "memory", "step", "when", "planned_bytes", "planned_kokkos_bytes",
 // "kokkos_peak_bytes": [per rank], "kokkos_live_bytes", ("device_peak_bytes" on CUDA),

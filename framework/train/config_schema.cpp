@@ -55,6 +55,9 @@ std::optional<KeyProblem> read_eval_every(const ConfigKey&, const toml::node&, R
 void write_eval_every(const ConfigKey&, const RunConfig&, toml::table&);
 std::optional<KeyProblem> check_eval_every(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> check_early_stopping(const ConfigKey&, const RunConfig&, const KeyNames&);
+std::optional<KeyProblem> read_keep_best(const ConfigKey&, const toml::node&, RunConfig&);
+void write_keep_best(const ConfigKey&, const RunConfig&, toml::table&);
+std::optional<KeyProblem> check_keep_best(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> read_comm_thread(const ConfigKey&, const toml::node&, RunConfig&);
 void write_comm_thread(const ConfigKey&, const RunConfig&, toml::table&);
 std::optional<KeyProblem> read_trace_steps(const ConfigKey&, const toml::node&, RunConfig&);
@@ -382,9 +385,15 @@ const std::vector<ConfigKey>& config_keys() {
                     .defaults_to("`<run.output_dir>/checkpoints`"));
     k.push_back(make_key("checkpoint", "async", FIELD(checkpoint.async), any_value(), kFileCommands,
                          "write checkpoints in the background"));
-    k.push_back(make_key("checkpoint", "keep_best",
-                         NAMED(checkpoint.keep_best, eval_metric_choices(), nullptr), any_value(),
-                         kFileCommands, "keep the best evaluation's checkpoint as `best`")
+    k.push_back(shaped("checkpoint", "keep_best", any_value(), kFileCommands,
+                       "keep the best evaluation's checkpoint as `best`, by this metric "
+                       "([running.md](running.md#what-the-output-means)); higher is better for "
+                       "the accuracies and R^2, lower for the rest")
+                    .reads(read_keep_best, write_keep_best, "name")
+                    .checked_by(check_keep_best, "fits the loss; j < the outputs")
+                    .shown_as("test_loss | test_accuracy | test_top5_accuracy | test_mse | "
+                              "test_mae | test_r2 | test_rel_l2, or one output's: test_mse[j] | "
+                              "test_mae[j] | test_r2[j] | test_rel_l2[j]")
                     .defaults_to("unset (off)"));
     k.push_back(make_key("checkpoint", "init_from", FIELD(checkpoint.init_from), any_value(),
                          kFileCommands,
@@ -925,6 +934,53 @@ std::optional<KeyProblem> check_early_stopping(const ConfigKey&, const RunConfig
                                                const KeyNames&) {
   if (c.train.early_stopping > 0 && !c.train.evaluates_during_run()) {
     return problem("needs evaluations during the run: set train.eval_every");
+  }
+  return std::nullopt;
+}
+
+// checkpoint.keep_best: a metric's name, "test_r2[2]" for one output's.
+std::optional<KeyProblem> read_keep_best(const ConfigKey&, const toml::node& node, RunConfig& c) {
+  if (!node.is_string()) return wrong_type(node, "a metric's name");
+  const std::string& name = node.as_string()->get();
+  const std::optional<EvalMetric> metric = find_eval_metric(name);
+  if (!metric) {
+    return problem("must be one of ", eval_metric_choices_text(), ", got \"", name, "\"");
+  }
+  c.checkpoint.keep_best = metric;
+  return std::nullopt;
+}
+
+void write_keep_best(const ConfigKey& key, const RunConfig& c, toml::table& section) {
+  if (c.checkpoint.keep_best) section.insert(key.name, to_string(*c.checkpoint.keep_best));
+}
+
+// A classification metric of a classifier, a regression one of a regression model (once the
+// loss is known), and one output's of an output the model has.
+std::optional<KeyProblem> check_keep_best(const ConfigKey&, const RunConfig& c,
+                                          const KeyNames& names) {
+  if (!c.checkpoint.keep_best) return std::nullopt;
+  const EvalMetric& metric = *c.checkpoint.keep_best;
+  const std::string name = to_string(metric);
+  if (c.model.loss) {
+    const bool regression = is_regression(*c.model.loss);
+    if (metric.classification() && regression) {
+      return problem("= \"", name, "\" is a classification metric, but ", names("model.loss"),
+                     " = \"", to_string(*c.model.loss), "\" is a regression loss; use test_loss, ",
+                     "test_mse, test_mae, test_r2 or test_rel_l2");
+    }
+    if (metric.regression() && !regression) {
+      return problem("= \"", name, "\" is a regression metric, but ", names("model.loss"),
+                     " = \"cross_entropy\" classifies; use test_loss, test_accuracy or ",
+                     "test_top5_accuracy");
+    }
+  }
+  const bool residual = c.model.kind == ModelKind::residual_mlp;
+  const int64_t outputs =
+      residual ? c.model.outputs : (c.model.sizes.empty() ? 0 : c.model.sizes.back());
+  if (metric.output >= 0 && outputs > 0 && metric.output >= outputs) {
+    return problem("= \"", name, "\" names output ", metric.output, ", but the model has ", outputs,
+                   " outputs (", names(residual ? "model.outputs" : "model.sizes"),
+                   residual ? "" : "[-1]", "), 0 to ", outputs - 1);
   }
   return std::nullopt;
 }

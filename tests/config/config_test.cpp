@@ -107,6 +107,7 @@ keep = 3
 resume = true
 dir = "ckpt"
 async = false
+keep_best = "test_r2[4]"
 [runtime]
 backend = "mpi"
 matmul_precision = "tf32"
@@ -172,6 +173,7 @@ TEST(Config, ReadsEveryKey) {
   EXPECT_TRUE(c.checkpoint.resume);
   EXPECT_EQ(c.checkpoint.dir, "ckpt");
   EXPECT_FALSE(c.checkpoint.async);
+  EXPECT_EQ(c.checkpoint.keep_best, (EvalMetric{EvalMetric::Kind::r2, 4}));
   EXPECT_EQ(c.runtime.backend, CommBackendChoice::mpi);
   EXPECT_EQ(c.runtime.matmul_precision, MatmulPrecision::tf32);
   EXPECT_TRUE(c.runtime.overlap);
@@ -249,6 +251,7 @@ TEST(Config, ConfigToTomlReadsBackTheSameValues) {
   EXPECT_EQ(b.checkpoint.resume, a.checkpoint.resume);
   EXPECT_EQ(b.checkpoint.async, a.checkpoint.async);
   EXPECT_EQ(b.checkpoint.dir, a.checkpoint.dir);
+  EXPECT_EQ(b.checkpoint.keep_best, a.checkpoint.keep_best);
   EXPECT_EQ(b.runtime.backend, a.runtime.backend);
   EXPECT_EQ(b.runtime.matmul_precision, a.runtime.matmul_precision);
   EXPECT_EQ(b.runtime.overlap, a.runtime.overlap);
@@ -506,7 +509,7 @@ TEST(Config, ModelErrors) {
 }
 
 // The regression losses' keys (issue 40, item 3): huber and its delta, per-output weights,
-// each refused in one sentence naming the key.
+// and checkpoint.keep_best's metrics, each refused in one sentence naming the key.
 TEST(Config, LossKeysAndTheirRefusals) {
   const std::string train = "[train]\nsteps = 1\n";
   const RunConfig huber = parse(
@@ -559,6 +562,54 @@ TEST(Config, LossKeysAndTheirRefusals) {
   in_code.model.loss_weights.clear();
   in_code.model.huber_delta = 0.5;
   expect_bad_input([&] { check_config(in_code); }, {"model.huber_delta", "huber"});
+}
+
+TEST(Config, KeepBestTakesAnyMetricEvaluateReports) {
+  const std::string train = "[train]\nsteps = 1\n";
+  const auto with = [&](const std::string& loss, const std::string& metric) {
+    return "[model]\nsizes = [4, 3]\nloss = \"" + loss + "\"\n" + train +
+           "[checkpoint]\nkeep_best = \"" + metric + "\"\n";
+  };
+  using Kind = EvalMetric::Kind;
+  const std::vector<std::pair<std::string, EvalMetric>> regression = {
+      {"test_loss", {Kind::loss, -1}},      {"test_mse", {Kind::mse, -1}},
+      {"test_mae", {Kind::mae, -1}},        {"test_r2", {Kind::r2, -1}},
+      {"test_rel_l2", {Kind::rel_l2, -1}},  {"test_r2[2]", {Kind::r2, 2}},
+      {"test_mse[0]", {Kind::mse, 0}},      {"test_mae[1]", {Kind::mae, 1}},
+      {"test_rel_l2[2]", {Kind::rel_l2, 2}}};
+  for (const auto& [name, metric] : regression) {
+    SCOPED_TRACE(name);
+    const RunConfig c = parse(with("huber", name));
+    EXPECT_EQ(c.checkpoint.keep_best, metric);
+    EXPECT_EQ(to_string(*c.checkpoint.keep_best), name);
+    EXPECT_EQ(parse(config_to_toml(c)).checkpoint.keep_best, metric);
+  }
+  for (const char* name : {"test_loss", "test_accuracy", "test_top5_accuracy"}) {
+    EXPECT_EQ(to_string(*parse(with("cross_entropy", name)).checkpoint.keep_best), name);
+  }
+  // Direction: higher is better for the accuracies and R^2 only.
+  EXPECT_TRUE((EvalMetric{Kind::r2, 2}).higher_is_better());
+  EXPECT_TRUE(EvalMetric::test_accuracy.higher_is_better());
+  EXPECT_TRUE((EvalMetric{Kind::top5_accuracy, -1}).higher_is_better());
+  for (Kind k : {Kind::loss, Kind::mse, Kind::mae, Kind::rel_l2}) {
+    EXPECT_FALSE((EvalMetric{k, -1}).higher_is_better());
+  }
+  // Refusals: an unknown name, an index on a metric without outputs or past the outputs, a
+  // metric of the other kind of model.
+  expect_config_error(with("mse", "test_foo"),
+                      {"t.toml:7", "[checkpoint] keep_best", "\"test_foo\"", "test_rel_l2[j]"});
+  expect_config_error(with("mse", "test_loss[0]"), {"[checkpoint] keep_best", "\"test_loss[0]\""});
+  expect_config_error(with("mse", "test_r2[x]"), {"[checkpoint] keep_best", "\"test_r2[x]\""});
+  expect_config_error(with("mse", "test_r2[3]"),
+                      {"t.toml:7", "[checkpoint] keep_best", "output 3", "3 outputs"});
+  expect_config_error(with("mse", "test_accuracy"),
+                      {"t.toml:7", "[checkpoint] keep_best", "classification metric", "\"mse\""});
+  expect_config_error(with("mae", "test_top5_accuracy"),
+                      {"[checkpoint] keep_best", "classification metric"});
+  expect_config_error(with("cross_entropy", "test_r2[0]"),
+                      {"t.toml:7", "[checkpoint] keep_best", "regression metric"});
+  expect_config_error(with("mse", "test_mse[9]"), {"[checkpoint] keep_best", "output 9"},
+                      {"checkpoint.keep_best=\"test_mse[9]\""});
 }
 
 TEST(Config, TrainNeedsExactlyOneOfEpochsAndSteps) {
