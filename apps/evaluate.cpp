@@ -86,9 +86,10 @@ int64_t check_data(const RunConfig& config, const std::string& checkpoint) {
                         " classes (model.loss = \"cross_entropy\"): store class labels as "
                         "integers");
   }
-  if (config.model.loss == LossKind::mse && shape.classification()) {
+  if (config.model.loss && is_regression(*config.model.loss) && shape.classification()) {
     MESHTRAIN_BAD_INPUT(where, ": dataset '", y, "' holds integer class labels, but ", model,
-                        " predicts ", outputs, " regression targets (model.loss = \"mse\")");
+                        " predicts ", outputs, " regression targets (model.loss = \"",
+                        to_string(*config.model.loss), "\")");
   }
   if (!shape.classification() && shape.target_width != outputs) {
     MESHTRAIN_BAD_INPUT(where, ": dataset '", y, "' has ", shape.target_width,
@@ -225,10 +226,16 @@ void print_report(std::FILE* out, const Checkpoint& checkpoint, const TrainingRu
       run.mesh().short_description().c_str(),
       static_cast<long long>(config.data.eval_batch_size.value_or(config.data.batch_size)));
   const bool classification = !e.test_class_accuracy.empty();
+  const LossKind loss = config.model.loss.value_or(LossKind::cross_entropy);
+  const char* term = loss == LossKind::huber ? "Huber loss"
+                     : loss == LossKind::mae ? "absolute error"
+                                             : "squared error";
+  const std::string regression_loss = std::string("mean over rows of the ") +
+                                      (config.model.loss_weights.empty() ? "" : "weighted ") +
+                                      "sum over outputs of the " + term +
+                                      ", in the units the model was trained in";
   std::fprintf(out, "test loss %.6g (as trained: %s)\n", e.test_loss,
-               classification ? "cross entropy, mean over rows"
-                              : "mean over rows of the sum over outputs of the squared error, "
-                                "in the units the model was trained in");
+               classification ? "cross entropy, mean over rows" : regression_loss.c_str());
   if (classification) {
     std::fprintf(out, "accuracy %.4f", e.test_accuracy);
     if (!std::isnan(e.test_top5_accuracy)) std::fprintf(out, "  top-5 %.4f", e.test_top5_accuracy);
@@ -240,11 +247,15 @@ void print_report(std::FILE* out, const Checkpoint& checkpoint, const TrainingRu
     }
     std::fprintf(out, "\n");
   } else {
-    std::fprintf(out, "MSE %.6g  MAE %.6g  R^2 %s (over all outputs, in the data's units)\n",
-                 e.test_mse, e.test_mae, format_value(e.test_r2, "%.4f").c_str());
+    std::fprintf(out,
+                 "MSE %.6g  MAE %.6g  R^2 %s  rel L2 %s (over all outputs, in the data's units)\n",
+                 e.test_mse, e.test_mae, format_value(e.test_r2, "%.4f").c_str(),
+                 format_value(e.test_rel_l2, "%.4g").c_str());
     for (size_t j = 0; j < e.test_mse_per_output.size(); ++j) {
-      std::fprintf(out, "  output %zu: MSE %.6g  MAE %.6g  R^2 %s\n", j, e.test_mse_per_output[j],
-                   e.test_mae_per_output[j], format_value(e.test_r2_per_output[j], "%.4f").c_str());
+      std::fprintf(out, "  output %zu: MSE %.6g  MAE %.6g  R^2 %s  rel L2 %s\n", j,
+                   e.test_mse_per_output[j], e.test_mae_per_output[j],
+                   format_value(e.test_r2_per_output[j], "%.4f").c_str(),
+                   format_value(e.test_rel_l2_per_output[j], "%.4g").c_str());
     }
   }
   std::fflush(out);

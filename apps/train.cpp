@@ -95,10 +95,11 @@ int train_command(const std::string& config_path, const std::vector<std::string>
 
   const RunSummary summary = run.train();
   if (rank0 && run.stopped_early()) {
-    std::printf("stopped early at step %lld: %s did not improve in %lld evaluations (best %.5g)\n",
-                static_cast<long long>(run.steps_done()),
-                to_string(run.config().checkpoint.keep_best.value_or(EvalMetric::test_loss)),
-                static_cast<long long>(run.config().train.early_stopping), run.best_metric());
+    std::printf(
+        "stopped early at step %lld: %s did not improve in %lld evaluations (best %.5g)\n",
+        static_cast<long long>(run.steps_done()),
+        to_string(run.config().checkpoint.keep_best.value_or(EvalMetric::test_loss)).c_str(),
+        static_cast<long long>(run.config().train.early_stopping), run.best_metric());
   }
   if (rank0 && summary.steps_run == 0) {
     std::printf(

@@ -131,6 +131,7 @@ EvalMetrics::EvalMetrics(LossKind kind, ParallelContext& context, int64_t rows, 
   } else {
     output_sums_ = Kokkos::View<double*>("meshtrain::eval_output_sums", 4 * width_);
     shift_ = Kokkos::View<double*>("meshtrain::eval_target_shift", width_);
+    shift_host_ = Kokkos::create_mirror_view(shift_);
     reduced_ = Kokkos::View<double*>("meshtrain::eval_reduced", 4 * width_ + 1);
   }
   reduced_host_ = Kokkos::create_mirror_view(reduced_);
@@ -218,10 +219,11 @@ void EvalMetrics::finish(EvalEvent& event, const Normalization* normalization) {
   event.test_top5_accuracy = kNaN;
   event.test_class_accuracy.clear();
   event.test_class_rows.clear();
-  event.test_mse = event.test_mae = event.test_r2 = kNaN;
+  event.test_mse = event.test_mae = event.test_r2 = event.test_rel_l2 = kNaN;
   event.test_mse_per_output.clear();
   event.test_mae_per_output.clear();
   event.test_r2_per_output.clear();
+  event.test_rel_l2_per_output.clear();
   if (classification) {
     int64_t top5 = 0;
     for (int64_t c = 0; c < width; ++c) {
@@ -240,9 +242,11 @@ void EvalMetrics::finish(EvalEvent& event, const Normalization* normalization) {
                       "EvalMetrics: ", normalization->target_std.size(), " target statistics for ",
                       width, " outputs");
   }
-  double squared_all = 0.0, absolute_all = 0.0, r2_all = 0.0;
+  copy_view(shift_host_, shift_);
+  double squared_all = 0.0, absolute_all = 0.0, r2_all = 0.0, target_squared_all = 0.0;
   for (int64_t j = 0; j < width; ++j) {
     const double scale = denormalize ? normalization->target_std[j] : 1.0;
+    const double mean = denormalize ? normalization->target_mean[j] : 0.0;
     const double squared = r(j) * scale * scale;
     const double absolute = r(width + j) * scale;
     const double shifted = r(2 * width + j), shifted_squared = r(3 * width + j);
@@ -251,6 +255,13 @@ void EvalMetrics::finish(EvalEvent& event, const Normalization* normalization) {
     event.test_mse_per_output.push_back(n ? squared / n : kNaN);
     event.test_mae_per_output.push_back(n ? absolute / n : kNaN);
     event.test_r2_per_output.push_back(r2);
+    // sum t^2 in the user's units: t = u + a with u = scale (t' - c), a = scale c + mean.
+    const double a = scale * shift_host_(j) + mean;
+    const double target_squared = scale * scale * shifted_squared + 2.0 * a * scale * shifted +
+                                  static_cast<double>(n) * a * a;
+    event.test_rel_l2_per_output.push_back(
+        n && target_squared > 0 ? std::sqrt(squared / target_squared) : kNaN);
+    target_squared_all += target_squared;
     squared_all += squared;
     absolute_all += absolute;
     r2_all += r2;
@@ -259,6 +270,8 @@ void EvalMetrics::finish(EvalEvent& event, const Normalization* normalization) {
   event.test_mse = n ? squared_all / elements : kNaN;
   event.test_mae = n ? absolute_all / elements : kNaN;
   event.test_r2 = r2_all / static_cast<double>(width);
+  event.test_rel_l2 =
+      n && target_squared_all > 0 ? std::sqrt(squared_all / target_squared_all) : kNaN;
 }
 
 }  // namespace meshtrain

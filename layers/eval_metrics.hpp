@@ -5,7 +5,8 @@
 //
 //   loss          the Loss's own sums per batch (LossResult), added in batch order: the
 //                 training loss's reduction (cross_entropy: mean over rows of logsumexp -
-//                 label logit; mse: mean over rows of the sum over outputs of (y - t)^2), in
+//                 label logit; mse, huber, mae: mean over rows of the (weighted) sum over
+//                 outputs of the error terms, e.g. (y - t)^2), in
 //                 the units the model was trained in.
 //   classification: accuracy (the Loss's argmax hits), top-5 accuracy (more than 5
 //                 classes), per-class accuracy. A row's label rank is the number of classes
@@ -50,7 +51,7 @@ class EvalMetrics {
   // Starts an evaluation: forgets the batches added so far.
   void reset();
   // One batch: this rank's outputs [rows, local width], its labels [rows] (cross_entropy) or
-  // targets [rows, width] (mse; every column, as Loss takes them); rows at or after
+  // targets [rows, width] (regression; every column, as Loss takes them); rows at or after
   // `valid_rows` are padding. `loss`: what Loss returned for this batch (global sums).
   // Collective: with split logits an all-gather over the feature axis; the first regression
   // batch after reset() agrees on the targets' shift (one all-reduce). Labels outside
@@ -92,6 +93,7 @@ class EvalMetrics {
   // shift c [width].
   Kokkos::View<double*> output_sums_;
   Kokkos::View<double*> shift_;
+  Kokkos::View<double*>::HostMirror shift_host_;  // finish() reads the shift (relative L2)
   // What finish() and the shift all-reduce: [3 * width] counts or [4 * width] sums, as
   // doubles (counts below 2^53 are exact).
   Kokkos::View<double*> reduced_;

@@ -15,11 +15,86 @@ namespace {
 
 using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 
+// The regression losses' rows: row_loss(i) = the sum over this rank's columns of output j's
+// (weighted) term, grad(i, j) its derivative divided by the global rows; padding rows add 0.
+// (A free function: nvcc's device lambdas cannot live in private member functions.)
+template <LossKind Kind, bool Weighted>
+void regression_rows(MatrixView logits, MatrixView targets, int64_t rows, int64_t valid,
+                     int64_t offset, int64_t global_rows, float delta, const Vector& weights,
+                     bool with_gradient, const Matrix& grad, const Vector& row_loss) {
+  const int64_t lw = static_cast<int64_t>(logits.extent(1));
+  const float scale = 2.0f / static_cast<float>(global_rows);  // mse: d(d^2)/dd = 2 d
+  const float inv_n = 1.0f / static_cast<float>(global_rows);
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::regression_loss_rows"),
+      Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < lw; ++j) {
+          const float d = logits(i, j) - targets(i, offset + j);
+          if constexpr (Kind == LossKind::mse && !Weighted) {
+            // mse as it always was (the same expressions: fp32 results do not change).
+            s += d * d;
+            if (with_gradient) grad(i, j) = i < valid ? scale * d : 0.0f;
+          } else {
+            float term = 0.0f, slope = 0.0f;  // slope: the gradient before the weight
+            if constexpr (Kind == LossKind::mse) {
+              term = d * d;
+              slope = scale * d;
+            } else if constexpr (Kind == LossKind::huber) {
+              const float a = kmath::fabs(d);
+              term = a <= delta ? 0.5f * d * d : delta * (a - 0.5f * delta);
+              const float clipped = d < -delta ? -delta : (d > delta ? delta : d);
+              slope = clipped * inv_n;
+            } else {  // mae
+              term = kmath::fabs(d);
+              slope = (d > 0.0f ? 1.0f : (d < 0.0f ? -1.0f : 0.0f)) * inv_n;
+            }
+            if constexpr (Weighted) {
+              const float w = weights(offset + j);
+              term *= w;
+              slope *= w;
+            }
+            s += term;
+            if (with_gradient) grad(i, j) = i < valid ? slope : 0.0f;
+          }
+        }
+        row_loss(i) = i < valid ? s : 0.0f;
+      });
+}
+
+template <LossKind Kind>
+void regression_rows(bool weighted, MatrixView logits, MatrixView targets, int64_t rows,
+                     int64_t valid, int64_t offset, int64_t global_rows, float delta,
+                     const Vector& weights, bool with_gradient, const Matrix& grad,
+                     const Vector& row_loss) {
+  if (weighted) {
+    regression_rows<Kind, true>(logits, targets, rows, valid, offset, global_rows, delta, weights,
+                                with_gradient, grad, row_loss);
+  } else {
+    regression_rows<Kind, false>(logits, targets, rows, valid, offset, global_rows, delta, weights,
+                                 with_gradient, grad, row_loss);
+  }
+}
+
 }  // namespace
 
 Loss::Loss(LossKind kind, ParallelContext& context, int64_t rows, int64_t width,
-           FeatureLayout layout)
+           FeatureLayout layout, const LossOptions& options)
     : kind_(kind), rows_(rows), width_(width) {
+  MESHTRAIN_REQUIRE(options.huber_delta > 0, "Loss: huber delta must be positive, got ",
+                    options.huber_delta);
+  huber_delta_ = static_cast<float>(options.huber_delta);
+  if (!options.weights.empty()) {
+    MESHTRAIN_REQUIRE(is_regression(kind_), "Loss: output weights for a ", to_string(kind_),
+                      " loss");
+    MESHTRAIN_REQUIRE(static_cast<int64_t>(options.weights.size()) == width_,
+                      "Loss: ", options.weights.size(), " output weights for ", width_, " outputs");
+    weighted_ = true;
+    weights_ = Vector("meshtrain::loss_weights", width_);
+    auto host = host_mirror(weights_);
+    for (int64_t j = 0; j < width_; ++j) host(j) = static_cast<float>(options.weights[j]);
+    copy_view(weights_, host);
+  }
   tp_ = context.feature_parallel();
   tp_index_ = context.feature_index();
   feature_index_ = tp_index_;
@@ -155,37 +230,45 @@ LossResult Loss::cross_entropy(MatrixView logits, LabelView labels, bool with_gr
 LossResult Loss::mse(MatrixView logits, MatrixView targets, bool with_gradient,
                      int64_t valid_rows) {
   MESHTRAIN_REQUIRE(kind_ == LossKind::mse, "Loss::mse on a ", to_string(kind_), " loss");
+  return regression(logits, targets, with_gradient, valid_rows);
+}
+
+LossResult Loss::regression(MatrixView logits, MatrixView targets, bool with_gradient,
+                            int64_t valid_rows) {
+  MESHTRAIN_REQUIRE(is_regression(kind_), "Loss::regression on a ", to_string(kind_), " loss");
   MESHTRAIN_REQUIRE(static_cast<int64_t>(logits.extent(0)) == rows_ &&
                         static_cast<int64_t>(logits.extent(1)) == local_width_ &&
                         static_cast<int64_t>(targets.extent(0)) >= rows_ &&
                         static_cast<int64_t>(targets.extent(1)) == width_,
-                    "mse: outputs are [", logits.extent(0), ", ", logits.extent(1),
+                    to_string(kind_), ": outputs are [", logits.extent(0), ", ", logits.extent(1),
                     "] and targets [", targets.extent(0), ", ", targets.extent(1), "], expected [",
                     rows_, ", ", local_width_, "] and [", rows_, ", ", width_, "]");
   const int64_t valid = valid_rows < 0 ? rows_ : std::min(valid_rows, rows_);
-  const int64_t lw = local_width_;
-  const int64_t offset = offset_;
-  const float scale = 2.0f / static_cast<float>(global_rows_);
   auto row_loss = row_loss_;
-  auto grad = gradient_;
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::mse_rows"), Kokkos::RangePolicy<>(device_space(), 0, rows_),
-      KOKKOS_LAMBDA(const int64_t i) {
-        float s = 0.0f;
-        for (int64_t j = 0; j < lw; ++j) {
-          const float d = logits(i, j) - targets(i, offset + j);
-          s += d * d;
-          if (with_gradient) grad(i, j) = i < valid ? scale * d : 0.0f;
-        }
-        row_loss(i) = i < valid ? s : 0.0f;
-      });
+  switch (kind_) {
+    case LossKind::huber:
+      regression_rows<LossKind::huber>(weighted_, logits, targets, rows_, valid, offset_,
+                                       global_rows_, huber_delta_, weights_, with_gradient,
+                                       gradient_, row_loss_);
+      break;
+    case LossKind::mae:
+      regression_rows<LossKind::mae>(weighted_, logits, targets, rows_, valid, offset_,
+                                     global_rows_, huber_delta_, weights_, with_gradient, gradient_,
+                                     row_loss_);
+      break;
+    default:
+      regression_rows<LossKind::mse>(weighted_, logits, targets, rows_, valid, offset_,
+                                     global_rows_, huber_delta_, weights_, with_gradient, gradient_,
+                                     row_loss_);
+      break;
+  }
   reduce_into(  // into a device scalar, as in cross_entropy
-      MESHTRAIN_LABEL("meshtrain::mse_sum"), device_range(0, valid),
+      MESHTRAIN_LABEL("meshtrain::regression_loss_sum"), device_range(0, valid),
       KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += row_loss(i); },
       Kokkos::subview(scalars_, 0));
   copy_view(scalars_host_, scalars_);
   const double sum = scalars_host_(0);
-  // A split mse sums its columns over the feature axis; the rows count on feature rank 0.
+  // A split loss sums its columns over the feature axis; the rows count on feature rank 0.
   return finish(split_ ? sum : share(sum), 0.0, share(static_cast<double>(valid)));
 }
 

@@ -7,6 +7,13 @@
 //                  logsumexp(l) - l[label]; also counts argmax hits (accuracy).
 //   mse            as the reference notebook: mean over rows of the sum over outputs of
 //                  (y - t)^2; gradient 2 (y - t) / N.
+//   huber          mean over rows of the sum over outputs of 0.5 d^2 where |d| <= delta, else
+//                  delta (|d| - 0.5 delta), d = y - t; gradient clamp(d, -delta, delta) / N.
+//   mae            mean over rows of the sum over outputs of |d|; gradient sign(d) / N with
+//                  sign(0) = 0 (PyTorch's L1 subgradient).
+// The regression losses multiply output j's term (and its gradient) by weights[j] when
+// weights are given (model.loss_weights); without them the kernels are the unweighted ones,
+// so an mse without weights rounds exactly as before weights existed.
 // The logits may be replicated over the feature axis or split over it (column block t on
 // feature rank t): a split softmax finds the row maximum with an all-gather over the
 // feature axis and sums exp / label logit / argmax hit with one all-reduce over it.
@@ -21,6 +28,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "framework/core/choices.hpp"  // LossKind, its names
 #include "framework/core/sharded_tensor.hpp"
@@ -37,17 +45,27 @@ struct LossResult {
 
 using LabelView = Kokkos::View<const int32_t*>;
 
+// The regression losses' settings (model.huber_delta, model.loss_weights).
+struct LossOptions {
+  double huber_delta = 1.0;     // huber only; > 0
+  std::vector<double> weights;  // one per output, finite, >= 0; empty: every output 1
+};
+
 class Loss {
  public:
   // rows: local batch rows; width: global number of outputs; layout/offset: how the logits
   // arrive (Mlp::output_layout(), Mlp::output_offset()). Collective (communicators).
-  Loss(LossKind kind, ParallelContext& context, int64_t rows, int64_t width, FeatureLayout layout);
+  Loss(LossKind kind, ParallelContext& context, int64_t rows, int64_t width, FeatureLayout layout,
+       const LossOptions& options = {});
 
   // Loss of the local logits [rows, local width]; when with_gradient, gradient() holds
   // dLoss/dLogits afterwards. Labels: [rows] in [0, width) (cross_entropy only).
   LossResult cross_entropy(MatrixView logits, LabelView labels, bool with_gradient = true,
                            int64_t valid_rows = -1);
-  // Targets: [rows, width] (mse only).
+  // A regression loss (mse, huber, mae) of the local outputs. Targets: [rows, width].
+  LossResult regression(MatrixView logits, MatrixView targets, bool with_gradient = true,
+                        int64_t valid_rows = -1);
+  // regression() of an mse Loss.
   LossResult mse(MatrixView logits, MatrixView targets, bool with_gradient = true,
                  int64_t valid_rows = -1);
 
@@ -66,6 +84,9 @@ class Loss {
   LossKind kind_;
   int64_t rows_, width_, local_width_, offset_ = 0;
   int64_t global_rows_ = 0;
+  float huber_delta_ = 1.0f;
+  bool weighted_ = false;
+  Vector weights_;  // [width] (every column; a split loss reads its own), when weighted_
   bool split_ = false;
   bool poisoned_ = false;
   // A scalar every feature rank computes whole counts on feature rank 0 only (not x * 0:

@@ -49,10 +49,9 @@ EvalMetric TrainingRun::best_metric_kind() const {
 // (checkpoint.keep_best, else the test loss); counts the evaluations since the best.
 bool TrainingRun::record_evaluation(const EvalEvent& eval) {
   const EvalMetric metric = best_metric_kind();
-  const double value = metric == EvalMetric::test_loss ? eval.test_loss : eval.test_accuracy;
-  const bool improved =
-      std::isnan(best_metric_) ||
-      (metric == EvalMetric::test_loss ? value < best_metric_ : value > best_metric_);
+  const double value = eval_metric_value(eval, metric);
+  const bool improved = std::isnan(best_metric_) ||
+                        (metric.higher_is_better() ? value > best_metric_ : value < best_metric_);
   if (improved && !std::isnan(value)) {
     best_metric_ = value;
     best_step_ = steps_done_;

@@ -125,17 +125,38 @@ void TrainingRun::open_data(std::optional<RunData> data) {
       config_.model.loss = train.classification() ? LossKind::cross_entropy : LossKind::mse;
     }
     check_loss_fits_data(*config_.model.loss, config_.data, train);
-    if (config_.data.normalize_targets == Normalize::standard &&
-        *config_.model.loss != LossKind::mse) {
-      MESHTRAIN_BAD_INPUT(config_.file, ": data.normalize_targets = \"standard\" needs regression ",
-                          "targets (model.loss = \"mse\"), but model.loss = \"",
-                          to_string(*config_.model.loss), "\" reads class labels; set ",
-                          "data.normalize_targets = \"none\"");
+    if (!config_.model.loss_weights.empty() && !is_regression(*config_.model.loss)) {
+      MESHTRAIN_BAD_INPUT(config_.file, ": model.loss_weights weighs the outputs of a regression ",
+                          "loss (mse, huber, mae), but model.loss = \"",
+                          to_string(*config_.model.loss), "\" has none to weigh");
     }
-    if (config_.checkpoint.keep_best == EvalMetric::test_accuracy && !train.classification()) {
-      MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"test_accuracy\" needs class ",
-                          "labels, but the ", train.description, " has regression targets; use ",
-                          "\"test_loss\"");
+    if (config_.data.normalize_targets == Normalize::standard &&
+        !is_regression(*config_.model.loss)) {
+      MESHTRAIN_BAD_INPUT(
+          config_.file, ": data.normalize_targets = \"standard\" needs regression ",
+          "targets (model.loss = \"mse\", \"huber\" or \"mae\"), but model.loss = \"",
+          to_string(*config_.model.loss), "\" reads class labels; set ",
+          "data.normalize_targets = \"none\"");
+    }
+    if (const std::optional<EvalMetric>& best = config_.checkpoint.keep_best) {
+      const std::string name = to_string(*best);
+      if (best->classification() && !train.classification()) {
+        MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"", name, "\" needs class ",
+                            "labels, but the ", train.description, " has regression targets; use ",
+                            "\"test_loss\", \"test_mse\", \"test_mae\", \"test_r2\" or ",
+                            "\"test_rel_l2\"");
+      }
+      if (best->regression() && train.classification()) {
+        MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"", name, "\" needs ",
+                            "regression targets, but the ", train.description, " has class ",
+                            "labels; use \"test_loss\", \"test_accuracy\" or ",
+                            "\"test_top5_accuracy\"");
+      }
+      if (best->output >= outputs) {
+        MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"", name, "\" names output ",
+                            best->output, ", but the model has ", outputs, " outputs (0 to ",
+                            outputs - 1, ")");
+      }
     }
     check_loss_fits_data(*config_.model.loss, config_.data, test_source_->shape());
     if (accumulation_ > 1 && global_batch * accumulation_ > train.num_samples) {
@@ -204,8 +225,9 @@ void TrainingRun::build_model() {
   context_->set_precision(precision);
   model_ = make_model(config_.model, specs_from_plan(*plan_), *context_, slice_.rows);
   model_->initialize(config_.model.init, config_.run.seed);
+  const LossOptions loss_options{config_.model.huber_delta, config_.model.loss_weights};
   loss_ = std::make_unique<Loss>(*config_.model.loss, *context_, slice_.rows, outputs,
-                                 model_->output_layout());
+                                 model_->output_layout(), loss_options);
   if (config_.optimizer.zero_stage == 1 && mesh_->has_axis(kZeroAxis) &&
       mesh_->size_of({kZeroAxis}) > 1) {
     // ZeRO-1: the gradients the model's plan leaves partial (DP storage, reduce = false) are
@@ -243,7 +265,7 @@ void TrainingRun::build_model() {
     eval_model_ = make_model(config_.model, specs_from_plan(*plan_), *context_, eval_slice_.rows,
                              model_.get());
     eval_loss_ = std::make_unique<Loss>(loss_->kind(), *context_, eval_slice_.rows, outputs,
-                                        eval_model_->output_layout());
+                                        eval_model_->output_layout(), loss_options);
     eval_x_ = Matrix("meshtrain::eval_x", eval_slice_.rows, inputs);
     if (test_source_->shape().classification()) {
       eval_labels_ = BatchLabels("meshtrain::eval_labels", eval_slice_.rows);

@@ -302,7 +302,7 @@ LossResult TrainingRun::compute_loss(Loss& loss, MatrixView output, const BatchL
   if (loss.kind() == LossKind::cross_entropy) {
     return loss.cross_entropy(output, labels, with_gradient, valid_rows);
   }
-  return loss.mse(output, targets, with_gradient, valid_rows);
+  return loss.regression(output, targets, with_gradient, valid_rows);
 }
 
 StepResult TrainingRun::apply_update() {

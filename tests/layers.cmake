@@ -17,6 +17,11 @@ meshtrain_add_test(NAME layers_residual_block_test SOURCES layers/residual_block
 meshtrain_add_test(NAME layers_norm_test SOURCES layers/norm_test.cpp
                    LIBS meshtrain_layers meshtrain_test_counting_allocator NP 1 2 4 8 TIMEOUT 120
                    BACKENDS mpi nccl EMULATED)
+# The regression losses (layers/loss.hpp): mse, huber, mae, weighted and not, outputs split and
+# replicated, on dp, fsdp, tp and fsdp x tp against float64; the reference's gradients against
+# central differences.
+meshtrain_add_test(NAME layers_loss_test SOURCES layers/loss_test.cpp
+                   LIBS meshtrain_layers NP 1 2 4 TIMEOUT 60 EMULATED)
 # Evaluation metrics (layers/eval_metrics.hpp): accuracy, top-5 and per-class accuracy, and
 # MSE / MAE / R^2 per output de-normalized, on dp, fsdp, tp and fsdp x tp against float64.
 meshtrain_add_test(NAME layers_eval_metrics_test SOURCES layers/eval_metrics_test.cpp

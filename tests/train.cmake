@@ -328,3 +328,16 @@ _train_slots(train_plot_regression_np2 2)
 # checkpoints across zero stages, and the plan's optimizer bytes.
 meshtrain_add_test(NAME train_zero1_test SOURCES train/zero1_test.cpp
                    LIBS meshtrain_run NP 1 2 4 TIMEOUT 120 EMULATED)
+# Losses and metrics (issue 40, item 3): a synthetic regression run on np 2 with
+# model.loss = "huber", huber_delta and loss_weights, keep_best = "test_r2[0]" and early
+# stopping; metrics.jsonl has test_rel_l2 (overall and per output) and `best` names the step
+# of the highest test_r2[0].
+find_package(Python3 COMPONENTS Interpreter)
+if(Python3_Interpreter_FOUND)
+  meshtrain_add_command_test(NAME train_loss_metrics_np2 TIMEOUT 300
+    COMMAND ${Python3_EXECUTABLE} ${_train}/loss_metrics_test.py
+            --meshtrain $<TARGET_FILE:meshtrain> --configs ${_train_configs}
+            --work ${_train_runs}/loss_metrics_np2
+            -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+  _train_slots(train_loss_metrics_np2 2)
+endif()

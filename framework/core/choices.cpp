@@ -1,5 +1,7 @@
 #include "framework/core/choices.hpp"
 
+#include <algorithm>
+
 #include "base/error.hpp"
 #include "base/text.hpp"
 
@@ -56,7 +58,9 @@ const ChoiceTable<InitScheme>& init_scheme_choices() {
 
 const ChoiceTable<LossKind>& loss_kind_choices() {
   static const ChoiceTable<LossKind> table = {{"cross_entropy", LossKind::cross_entropy},
-                                              {"mse", LossKind::mse}};
+                                              {"mse", LossKind::mse},
+                                              {"huber", LossKind::huber},
+                                              {"mae", LossKind::mae}};
   return table;
 }
 
@@ -122,10 +126,41 @@ const ChoiceTable<ShuffleMode>& shuffle_mode_choices() {
   return table;
 }
 
-const ChoiceTable<EvalMetric>& eval_metric_choices() {
-  static const ChoiceTable<EvalMetric> table = {{"test_loss", EvalMetric::test_loss},
-                                                {"test_accuracy", EvalMetric::test_accuracy}};
-  return table;
+const std::vector<std::string>& eval_metric_names() {
+  static const std::vector<std::string> names = {
+      "test_loss", "test_accuracy", "test_top5_accuracy", "test_mse",
+      "test_mae",  "test_r2",       "test_rel_l2"};
+  return names;
+}
+
+std::optional<EvalMetric> find_eval_metric(const std::string& name) {
+  const std::vector<std::string>& names = eval_metric_names();
+  const size_t bracket = name.find('[');
+  const std::string base = name.substr(0, bracket);
+  const auto it = std::find(names.begin(), names.end(), base);
+  if (it == names.end()) return std::nullopt;
+  EvalMetric metric;
+  metric.kind = static_cast<EvalMetric::Kind>(it - names.begin());
+  if (bracket == std::string::npos) return metric;
+  // "[j]": a non-negative decimal index, on a metric kept per output.
+  if (!metric.regression() || name.back() != ']') return std::nullopt;
+  const std::string index = name.substr(bracket + 1, name.size() - bracket - 2);
+  if (index.empty() || index.size() > 9 ||
+      !std::all_of(index.begin(), index.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return std::nullopt;
+  }
+  metric.output = std::stoll(index);
+  return metric;
+}
+
+std::string eval_metric_choices_text() {
+  return join(eval_metric_names(), " | ") +
+         ", or one output's test_mse[j] | test_mae[j] | test_r2[j] | test_rel_l2[j]";
+}
+
+EvalMetric parse_eval_metric(const std::string& name, const std::string& key) {
+  if (const std::optional<EvalMetric> metric = find_eval_metric(name)) return *metric;
+  MESHTRAIN_BAD_INPUT(key, " = '", name, "' is not one of ", eval_metric_choices_text());
 }
 
 const ChoiceTable<Normalize>& normalize_choices() {
@@ -213,8 +248,10 @@ const char* to_string(DataSource value) {
 const char* to_string(ShuffleMode value) {
   return name_of(shuffle_mode_choices(), value);
 }
-const char* to_string(EvalMetric value) {
-  return name_of(eval_metric_choices(), value);
+std::string to_string(const EvalMetric& value) {
+  std::string name = eval_metric_names().at(static_cast<size_t>(value.kind));
+  if (value.output >= 0) name += "[" + std::to_string(value.output) + "]";
+  return name;
 }
 
 const char* to_string(Normalize value) {

@@ -8,7 +8,7 @@
 //   model.norm                    ModelNorm                  layernorm | rmsnorm | none
 //   model.activation              Activation                 relu | tanh | gelu | gelu_erf | silu | sigmoid | none
 //   model.init                    InitScheme                 he_normal | xavier_uniform | normal | zeros
-//   model.loss                    LossKind                   cross_entropy | mse (config: also auto)
+//   model.loss                    LossKind                   cross_entropy | mse | huber | mae (config: also auto)
 //   optimizer.kind                OptimizerKind              sgd | adamw
 //   optimizer.schedule            LrScheduleKind             constant | linear | cosine
 //   partition.collective_matmul   CollectiveMatmulAlgorithm  naive | ring | bidirectional | auto
@@ -17,13 +17,17 @@
 //   runtime.matmul_precision      MatmulPrecision            fp32 | tf32
 //   data.source                   DataSource                 fashion_mnist | synthetic | hdf5
 //   data.shuffle                  ShuffleMode                none | rows | blocks (config: false | true | "blocks")
-//   checkpoint.keep_best          EvalMetric                 test_loss | test_accuracy (unset: off)
+//   checkpoint.keep_best          EvalMetric                 test_loss | test_accuracy | test_top5_accuracy |
+//                                                            test_mse | test_mae | test_r2 | test_rel_l2, the last
+//                                                            four also of one output: test_r2[j] (unset: off)
 //   data.normalize_inputs         Normalize                  none | standard
 //   data.normalize_targets        Normalize                  none | standard
 //   mixed_precision.param_dtype   Dtype                      fp32 | bf16 | fp16
 //   mixed_precision.reduce_dtype  Dtype                      fp32 | bf16 | fp16
 // clang-format on
 
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,7 +45,13 @@ enum class ModelNorm { layernorm, rmsnorm, none };
 // gelu: the tanh form; gelu_erf: the exact erf form; none: the identity (layers/activation.hpp).
 enum class Activation { relu, tanh, gelu, gelu_erf, silu, sigmoid, none };
 enum class InitScheme { he_normal, xavier_uniform, normal, zeros };
-enum class LossKind { cross_entropy, mse };
+// cross_entropy classifies (integer labels); mse, huber and mae regress (float targets).
+enum class LossKind { cross_entropy, mse, huber, mae };
+// Whether the loss reads regression targets (everything mse enables: target normalization,
+// the regression metrics): every loss but cross_entropy.
+constexpr bool is_regression(LossKind kind) {
+  return kind != LossKind::cross_entropy;
+}
 enum class OptimizerKind { sgd, adamw };
 enum class LrScheduleKind { constant, linear, cosine };
 enum class CommBackendChoice { automatic, mpi, nccl };
@@ -57,9 +67,26 @@ enum class DataSource { fashion_mnist, synthetic, hdf5 };
 // The order of an epoch's rows (framework/io/data_order.hpp): as stored, shuffled rows, or
 // shuffled blocks of rows.
 enum class ShuffleMode { none, rows, blocks };
-// What an evaluation is judged by (checkpoint.keep_best, train.early_stopping): a lower
-// test loss or a higher test accuracy is better.
-enum class EvalMetric { test_loss, test_accuracy };
+// What an evaluation is judged by (checkpoint.keep_best, train.early_stopping): one metric the
+// evaluation reports (docs/running.md), over every output or of one ("test_r2[2]"). Higher is
+// better for the accuracies and R^2, lower for the rest.
+struct EvalMetric {
+  enum class Kind { loss, accuracy, top5_accuracy, mse, mae, r2, rel_l2 };
+  Kind kind = Kind::loss;
+  int64_t output = -1;  // the output a per-output metric is of; -1: over every output
+
+  static const EvalMetric test_loss, test_accuracy;
+
+  bool higher_is_better() const {
+    return kind == Kind::accuracy || kind == Kind::top5_accuracy || kind == Kind::r2;
+  }
+  bool classification() const { return kind == Kind::accuracy || kind == Kind::top5_accuracy; }
+  bool regression() const { return kind != Kind::loss && !classification(); }
+  bool operator==(const EvalMetric& o) const { return kind == o.kind && output == o.output; }
+  bool operator!=(const EvalMetric& o) const { return !(*this == o); }
+};
+inline const EvalMetric EvalMetric::test_loss{EvalMetric::Kind::loss, -1};
+inline const EvalMetric EvalMetric::test_accuracy{EvalMetric::Kind::accuracy, -1};
 // What the data path does to inputs (or regression targets) before the model sees them
 // (framework/io/normalization.hpp): nothing, or (x - mean) / std per feature.
 enum class Normalize { none, standard };
@@ -81,7 +108,16 @@ const ChoiceTable<MatmulPrecision>& matmul_precision_choices();
 const ChoiceTable<Dtype>& dtype_choices();
 const ChoiceTable<DataSource>& data_source_choices();
 const ChoiceTable<ShuffleMode>& shuffle_mode_choices();
-const ChoiceTable<EvalMetric>& eval_metric_choices();
+// The names of the metrics over every output, in EvalMetric::Kind's order ("test_loss", ...).
+const std::vector<std::string>& eval_metric_names();
+// "test_mse", "test_r2[2]", ...; nullopt for a name that is none (an index on a metric that has
+// none per output, a malformed index). The index is not checked against any model.
+std::optional<EvalMetric> find_eval_metric(const std::string& name);
+// The same; bad_input "<key> = '<name>' is not a metric: ..." otherwise.
+EvalMetric parse_eval_metric(const std::string& name,
+                             const std::string& key = "checkpoint.keep_best");
+// What the metric names and what they may be, for messages and the docs.
+std::string eval_metric_choices_text();
 const ChoiceTable<Normalize>& normalize_choices();
 
 // The names of a table, for the config reader's "must be one of" and for messages.
@@ -125,7 +161,8 @@ const char* to_string(MatmulPrecision value);
 const char* to_string(Dtype value);
 const char* to_string(DataSource value);
 const char* to_string(ShuffleMode value);
-const char* to_string(EvalMetric value);
+std::string to_string(const EvalMetric& value);  // "test_loss", "test_r2[2]"
+
 const char* to_string(Normalize value);
 
 }  // namespace meshtrain

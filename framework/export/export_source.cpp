@@ -97,7 +97,7 @@ void check_normalization(const ExportSource& s) {
                         " inputs");
   }
   if (n.targets()) {
-    if (model.loss != LossKind::mse) {
+    if (!model.loss || !is_regression(*model.loss)) {
       MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "' has /normalization/target_mean, but its ",
                           "model is not a regression (model.loss = cross_entropy)");
     }

@@ -152,6 +152,33 @@ std::string format_memory_warning(const MemoryEvent& e) {
   return text;
 }
 
+double eval_metric_value(const EvalEvent& e, const EvalMetric& metric) {
+  using Kind = EvalMetric::Kind;
+  const auto of_output = [&](double overall, const std::vector<double>& per_output) {
+    if (metric.output < 0) return overall;
+    return metric.output < static_cast<int64_t>(per_output.size())
+               ? per_output[static_cast<size_t>(metric.output)]
+               : std::nan("");
+  };
+  switch (metric.kind) {
+    case Kind::loss:
+      return e.test_loss;
+    case Kind::accuracy:
+      return e.test_accuracy;
+    case Kind::top5_accuracy:
+      return e.test_top5_accuracy;
+    case Kind::mse:
+      return of_output(e.test_mse, e.test_mse_per_output);
+    case Kind::mae:
+      return of_output(e.test_mae, e.test_mae_per_output);
+    case Kind::r2:
+      return of_output(e.test_r2, e.test_r2_per_output);
+    case Kind::rel_l2:
+      return of_output(e.test_rel_l2, e.test_rel_l2_per_output);
+  }
+  return std::nan("");
+}
+
 std::string eval_event_json(const EvalEvent& e) {
   nlohmann::json j = {
       {"event", "eval"}, {"step", e.step}, {"test_loss", e.test_loss}, {"test_rows", e.test_rows}};
@@ -168,6 +195,8 @@ std::string eval_event_json(const EvalEvent& e) {
     j["test_mse_per_output"] = e.test_mse_per_output;
     j["test_mae_per_output"] = e.test_mae_per_output;
     j["test_r2_per_output"] = e.test_r2_per_output;
+    j["test_rel_l2"] = e.test_rel_l2;
+    j["test_rel_l2_per_output"] = e.test_rel_l2_per_output;
   }
   return j.dump();
 }
@@ -210,6 +239,7 @@ std::string format_eval_line(const EvalEvent& e) {
     append("  MSE %.5g", e.test_mse);
     append("  MAE %.5g", e.test_mae);
     append("  R^2 %.4f", e.test_r2);
+    append("  rel L2 %.4g", e.test_rel_l2);
   }
   return line;
 }

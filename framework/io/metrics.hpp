@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "framework/core/choices.hpp"  // EvalMetric
+
 namespace meshtrain {
 
 struct LogEvent {
@@ -62,13 +64,17 @@ struct EvalEvent {
   // Regression, per output j: mean squared and mean absolute error, and R^2 = 1 - SSE/SST
   // (SST about the mean of the evaluated targets; NaN for a constant target); overall: MSE
   // and MAE over every output and row, R^2 the mean of the outputs' (scikit-learn's
-  // uniform average).
+  // uniform average). Relative L2 error per output: ||y_j - t_j||_2 / ||t_j||_2 over the
+  // evaluated rows (NaN when every t_j is 0); overall: sqrt(sum of (y - t)^2 / sum of t^2)
+  // over every output and row.
   double test_mse = std::nan("");
   double test_mae = std::nan("");
   double test_r2 = std::nan("");
+  double test_rel_l2 = std::nan("");
   std::vector<double> test_mse_per_output;
   std::vector<double> test_mae_per_output;
   std::vector<double> test_r2_per_output;
+  std::vector<double> test_rel_l2_per_output;
 };
 
 // Memory of every rank against the plan (docs/running.md, "Memory against the plan"), measured
@@ -137,9 +143,14 @@ std::string format_log_line(const LogEvent& event);
 // that they read back to the same bits.
 std::string eval_event_json(const EvalEvent& event);
 // "eval at step 100: test loss 0.41234  test accuracy 0.8512  top-5 0.9934"; regression:
-// "eval at step 100: test loss 0.04370  MSE 1.2345  MAE 0.8765  R^2 0.9561" (MSE and MAE
-// over all outputs in the user's units, R^2 the outputs' mean)
+// "eval at step 100: test loss 0.04370  MSE 1.2345  MAE 0.8765  R^2 0.9561  rel L2 0.1234"
+// (MSE, MAE and the relative L2 error over all outputs in the user's units, R^2 the outputs'
+// mean)
 std::string format_eval_line(const EvalEvent& event);
+
+// The value of `metric` in `e` (checkpoint.keep_best, train.early_stopping); NaN where the
+// evaluation does not have it (a regression metric of a classifier, an output it lacks).
+double eval_metric_value(const EvalEvent& e, const EvalMetric& metric);
 
 // {"event": "memory", "step", "when", "planned_bytes", "planned_kokkos_bytes",
 // "kokkos_peak_bytes": [per rank], "kokkos_live_bytes", ("device_peak_bytes" on CUDA),

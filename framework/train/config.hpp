@@ -56,6 +56,11 @@ struct ModelSection {
   // Unset: "auto" in TOML, resolved by load_config to mse for synthetic data and to
   // cross_entropy otherwise; a run made in code resolves it from the data it loads.
   std::optional<LossKind> loss;
+  // huber's delta (model.loss = "huber" only), in the units of the model's targets (normalized
+  // ones when data.normalize_targets = "standard").
+  double huber_delta = 1.0;
+  // A regression loss's weight of each output's term, one per output; empty: all 1.
+  std::vector<double> loss_weights;
   // Mixture of experts (layers/moe.hpp): the layers (kind mlp: indices into the n-1 layers,
   // each followed by an activation, so not the last; kind residual_mlp: block indices 0 to
   // depth-1, whose feed-forward becomes a mixture of expert feed-forwards) that are MoE

@@ -34,6 +34,9 @@ std::optional<KeyProblem> check_sizes(const ConfigKey&, const RunConfig&, const 
 std::optional<KeyProblem> check_moe_layers(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> check_top_k(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> check_dropout(const ConfigKey&, const RunConfig&, const KeyNames&);
+std::optional<KeyProblem> read_loss_weights(const ConfigKey&, const toml::node&, RunConfig&);
+void write_loss_weights(const ConfigKey&, const RunConfig&, toml::table&);
+std::optional<KeyProblem> check_loss_weights(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> read_rules(const ConfigKey&, const toml::node&, RunConfig&);
 void write_rules(const ConfigKey&, const RunConfig&, toml::table&);
 std::optional<KeyProblem> check_rules(const ConfigKey&, const RunConfig&, const KeyNames&);
@@ -52,6 +55,9 @@ std::optional<KeyProblem> read_eval_every(const ConfigKey&, const toml::node&, R
 void write_eval_every(const ConfigKey&, const RunConfig&, toml::table&);
 std::optional<KeyProblem> check_eval_every(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> check_early_stopping(const ConfigKey&, const RunConfig&, const KeyNames&);
+std::optional<KeyProblem> read_keep_best(const ConfigKey&, const toml::node&, RunConfig&);
+void write_keep_best(const ConfigKey&, const RunConfig&, toml::table&);
+std::optional<KeyProblem> check_keep_best(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> read_comm_thread(const ConfigKey&, const toml::node&, RunConfig&);
 void write_comm_thread(const ConfigKey&, const RunConfig&, toml::table&);
 std::optional<KeyProblem> read_trace_steps(const ConfigKey&, const toml::node&, RunConfig&);
@@ -69,6 +75,19 @@ const char* unless_mlp(const RunConfig& c) {
   return c.model.kind == ModelKind::mlp ? nullptr
                                         : "is a key of kind = \"mlp\"; kind = \"residual_mlp\" "
                                           "takes inputs, outputs, width, hidden and depth instead";
+}
+
+// Keys of the regression losses (ConfigKey::not_for). An unset loss (a run made in code,
+// resolved from its data) may still become one.
+const char* unless_huber(const RunConfig& c) {
+  return c.model.loss == LossKind::huber ? nullptr
+                                         : "is huber's delta; it needs model.loss = \"huber\"";
+}
+const char* unless_regression(const RunConfig& c) {
+  return c.model.loss == LossKind::cross_entropy
+             ? "weighs the outputs of a regression loss (mse, huber, mae); model.loss = "
+               "\"cross_entropy\" has none to weigh"
+             : nullptr;
 }
 
 std::vector<std::string> preset_choices() {
@@ -185,7 +204,22 @@ const std::vector<ConfigKey>& config_keys() {
                          kFileCommands, "how the weights start"));
     k.push_back(make_key("model", "loss", NAMED(model.loss, loss_kind_choices(), "auto"),
                          any_value(), kFileCommands,
-                         "auto: mse for synthetic data, cross_entropy otherwise"));
+                         "auto: mse for synthetic data, cross_entropy otherwise; mse, huber and "
+                         "mae are regression losses "
+                         "([model_math.md](model_math.md#losses-and-metrics))"));
+    k.push_back(make_key("model", "huber_delta", FIELD(model.huber_delta), positive(),
+                         kFileCommands,
+                         "huber: where the loss turns from quadratic to linear, in the "
+                         "(normalized, with data.normalize_targets) targets' units")
+                    .only_when(unless_huber)
+                    .left_out_at_default());
+    k.push_back(shaped("model", "loss_weights", any_value(), kFileCommands,
+                       "regression: each output's weight in the loss, one per output")
+                    .reads(read_loss_weights, write_loss_weights, "array of floats")
+                    .only_when(unless_regression)
+                    .checked_by(check_loss_weights, "one per output, not all 0")
+                    .shown_as("finite, >= 0")
+                    .defaults_to("all 1"));
     k.push_back(make_key("model", "moe_layers", FIELD(model.moe_layers), any_value(), kFileCommands,
                          "the mixture-of-experts layers: mlp hidden layer indices, residual_mlp "
                          "block indices ([moe.md](moe.md))")
@@ -351,9 +385,15 @@ const std::vector<ConfigKey>& config_keys() {
                     .defaults_to("`<run.output_dir>/checkpoints`"));
     k.push_back(make_key("checkpoint", "async", FIELD(checkpoint.async), any_value(), kFileCommands,
                          "write checkpoints in the background"));
-    k.push_back(make_key("checkpoint", "keep_best",
-                         NAMED(checkpoint.keep_best, eval_metric_choices(), nullptr), any_value(),
-                         kFileCommands, "keep the best evaluation's checkpoint as `best`")
+    k.push_back(shaped("checkpoint", "keep_best", any_value(), kFileCommands,
+                       "keep the best evaluation's checkpoint as `best`, by this metric "
+                       "([running.md](running.md#what-the-output-means)); higher is better for "
+                       "the accuracies and R^2, lower for the rest")
+                    .reads(read_keep_best, write_keep_best, "name")
+                    .checked_by(check_keep_best, "fits the loss; j < the outputs")
+                    .shown_as("test_loss | test_accuracy | test_top5_accuracy | test_mse | "
+                              "test_mae | test_r2 | test_rel_l2, or one output's: test_mse[j] | "
+                              "test_mae[j] | test_r2[j] | test_rel_l2[j]")
                     .defaults_to("unset (off)"));
     k.push_back(make_key("checkpoint", "init_from", FIELD(checkpoint.init_from), any_value(),
                          kFileCommands,
@@ -771,12 +811,67 @@ std::optional<KeyProblem> check_dataset_key(const ConfigKey& key, const RunConfi
   return std::nullopt;
 }
 
+// model.loss_weights: an array of numbers.
+std::optional<KeyProblem> read_loss_weights(const ConfigKey&, const toml::node& node,
+                                            RunConfig& c) {
+  const toml::array* array = node.as_array();
+  if (!array) return wrong_type(node, "an array of floats, one per output");
+  c.model.loss_weights.clear();
+  for (size_t i = 0; i < array->size(); ++i) {
+    const toml::node& entry = (*array)[i];
+    if (!entry.is_integer() && !entry.is_floating_point()) {
+      KeyProblem p = problem("entries must be numbers, got ", render_node(entry), " at index ", i);
+      p.index = i;
+      return p;
+    }
+    c.model.loss_weights.push_back(entry.is_integer()
+                                       ? static_cast<double>(entry.as_integer()->get())
+                                       : entry.as_floating_point()->get());
+  }
+  return std::nullopt;
+}
+
+void write_loss_weights(const ConfigKey& key, const RunConfig& c, toml::table& section) {
+  if (c.model.loss_weights.empty()) return;
+  toml::array array;
+  for (double w : c.model.loss_weights) array.push_back(w);
+  section.insert(key.name, std::move(array));
+}
+
+// One finite, non-negative weight per output, not all 0 (a loss of nothing).
+std::optional<KeyProblem> check_loss_weights(const ConfigKey&, const RunConfig& c,
+                                             const KeyNames& names) {
+  const std::vector<double>& w = c.model.loss_weights;
+  if (w.empty()) return std::nullopt;
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (!(std::isfinite(w[i]) && w[i] >= 0)) {
+      KeyProblem p =
+          problem("entries must be finite and non-negative, got ", w[i], " at index ", i);
+      p.index = i;
+      return p;
+    }
+  }
+  if (std::all_of(w.begin(), w.end(), [](double x) { return x == 0; })) {
+    return problem("are all 0; give at least one output a positive weight");
+  }
+  const bool residual = c.model.kind == ModelKind::residual_mlp;
+  const int64_t outputs =
+      residual ? c.model.outputs : (c.model.sizes.empty() ? 0 : c.model.sizes.back());
+  if (outputs > 0 && static_cast<int64_t>(w.size()) != outputs) {
+    return problem("has ", w.size(), " entries, but the model has ", outputs, " outputs (",
+                   names(residual ? "model.outputs" : "model.sizes"), residual ? "" : "[-1]",
+                   "); give one weight per output");
+  }
+  return std::nullopt;
+}
+
 // Targets are standardized for regression only: class labels are not numbers to scale.
 std::optional<KeyProblem> check_normalize_targets(const ConfigKey&, const RunConfig& c,
                                                   const KeyNames& names) {
   if (c.data.normalize_targets == Normalize::standard && c.model.loss == LossKind::cross_entropy) {
     return problem(
-        "= \"standard\" needs regression targets (model.loss = \"mse\"), but "
+        "= \"standard\" needs regression targets (model.loss = \"mse\", \"huber\" or "
+        "\"mae\"), but "
         "model.loss = \"cross_entropy\" reads class labels; set ",
         names("data.normalize_targets"), " = \"none\"");
   }
@@ -839,6 +934,53 @@ std::optional<KeyProblem> check_early_stopping(const ConfigKey&, const RunConfig
                                                const KeyNames&) {
   if (c.train.early_stopping > 0 && !c.train.evaluates_during_run()) {
     return problem("needs evaluations during the run: set train.eval_every");
+  }
+  return std::nullopt;
+}
+
+// checkpoint.keep_best: a metric's name, "test_r2[2]" for one output's.
+std::optional<KeyProblem> read_keep_best(const ConfigKey&, const toml::node& node, RunConfig& c) {
+  if (!node.is_string()) return wrong_type(node, "a metric's name");
+  const std::string& name = node.as_string()->get();
+  const std::optional<EvalMetric> metric = find_eval_metric(name);
+  if (!metric) {
+    return problem("must be one of ", eval_metric_choices_text(), ", got \"", name, "\"");
+  }
+  c.checkpoint.keep_best = metric;
+  return std::nullopt;
+}
+
+void write_keep_best(const ConfigKey& key, const RunConfig& c, toml::table& section) {
+  if (c.checkpoint.keep_best) section.insert(key.name, to_string(*c.checkpoint.keep_best));
+}
+
+// A classification metric of a classifier, a regression one of a regression model (once the
+// loss is known), and one output's of an output the model has.
+std::optional<KeyProblem> check_keep_best(const ConfigKey&, const RunConfig& c,
+                                          const KeyNames& names) {
+  if (!c.checkpoint.keep_best) return std::nullopt;
+  const EvalMetric& metric = *c.checkpoint.keep_best;
+  const std::string name = to_string(metric);
+  if (c.model.loss) {
+    const bool regression = is_regression(*c.model.loss);
+    if (metric.classification() && regression) {
+      return problem("= \"", name, "\" is a classification metric, but ", names("model.loss"),
+                     " = \"", to_string(*c.model.loss), "\" is a regression loss; use test_loss, ",
+                     "test_mse, test_mae, test_r2 or test_rel_l2");
+    }
+    if (metric.regression() && !regression) {
+      return problem("= \"", name, "\" is a regression metric, but ", names("model.loss"),
+                     " = \"cross_entropy\" classifies; use test_loss, test_accuracy or ",
+                     "test_top5_accuracy");
+    }
+  }
+  const bool residual = c.model.kind == ModelKind::residual_mlp;
+  const int64_t outputs =
+      residual ? c.model.outputs : (c.model.sizes.empty() ? 0 : c.model.sizes.back());
+  if (metric.output >= 0 && outputs > 0 && metric.output >= outputs) {
+    return problem("= \"", name, "\" names output ", metric.output, ", but the model has ", outputs,
+                   " outputs (", names(residual ? "model.outputs" : "model.sizes"),
+                   residual ? "" : "[-1]", "), 0 to ", outputs - 1);
   }
   return std::nullopt;
 }

@@ -67,6 +67,7 @@ sizes = [10, 20, 5]
 activation = "gelu"
 init = "xavier_uniform"
 loss = "mse"
+loss_weights = [1.0, 2.0, 0.5, 1, 3]
 dropout = 0.25
 [partition]
 preset = "fsdp_tp"
@@ -106,6 +107,7 @@ keep = 3
 resume = true
 dir = "ckpt"
 async = false
+keep_best = "test_r2[4]"
 [runtime]
 backend = "mpi"
 matmul_precision = "tf32"
@@ -129,6 +131,7 @@ TEST(Config, ReadsEveryKey) {
   EXPECT_EQ(c.model.activation, Activation::gelu);
   EXPECT_EQ(c.model.init, InitScheme::xavier_uniform);
   EXPECT_EQ(c.model.loss, LossKind::mse);
+  EXPECT_EQ(c.model.loss_weights, (std::vector<double>{1.0, 2.0, 0.5, 1.0, 3.0}));
   EXPECT_EQ(c.model.dropout, 0.25);
   EXPECT_EQ(c.partition.preset, "fsdp_tp");
   EXPECT_EQ(c.partition.min_sharding_size, 7);
@@ -170,6 +173,7 @@ TEST(Config, ReadsEveryKey) {
   EXPECT_TRUE(c.checkpoint.resume);
   EXPECT_EQ(c.checkpoint.dir, "ckpt");
   EXPECT_FALSE(c.checkpoint.async);
+  EXPECT_EQ(c.checkpoint.keep_best, (EvalMetric{EvalMetric::Kind::r2, 4}));
   EXPECT_EQ(c.runtime.backend, CommBackendChoice::mpi);
   EXPECT_EQ(c.runtime.matmul_precision, MatmulPrecision::tf32);
   EXPECT_TRUE(c.runtime.overlap);
@@ -203,6 +207,7 @@ TEST(Config, ConfigToTomlReadsBackTheSameValues) {
   EXPECT_EQ(b.model.activation, a.model.activation);
   EXPECT_EQ(b.model.init, a.model.init);
   EXPECT_EQ(b.model.loss, a.model.loss);
+  EXPECT_EQ(b.model.loss_weights, a.model.loss_weights);
   EXPECT_EQ(b.model.dropout, a.model.dropout);
   EXPECT_EQ(b.partition.preset, a.partition.preset);
   EXPECT_EQ(b.partition.min_sharding_size, a.partition.min_sharding_size);
@@ -246,6 +251,7 @@ TEST(Config, ConfigToTomlReadsBackTheSameValues) {
   EXPECT_EQ(b.checkpoint.resume, a.checkpoint.resume);
   EXPECT_EQ(b.checkpoint.async, a.checkpoint.async);
   EXPECT_EQ(b.checkpoint.dir, a.checkpoint.dir);
+  EXPECT_EQ(b.checkpoint.keep_best, a.checkpoint.keep_best);
   EXPECT_EQ(b.runtime.backend, a.runtime.backend);
   EXPECT_EQ(b.runtime.matmul_precision, a.runtime.matmul_precision);
   EXPECT_EQ(b.runtime.overlap, a.runtime.overlap);
@@ -500,6 +506,110 @@ TEST(Config, ModelErrors) {
                       {"t.toml:3", "[model] loss", "\"hinge\""});
   expect_config_error("[model]\nsizes = [4, 2]\nkind = \"cnn\"\n" + train,
                       {"t.toml:3", "[model] kind", "\"cnn\""});
+}
+
+// The regression losses' keys (issue 40, item 3): huber and its delta, per-output weights,
+// and checkpoint.keep_best's metrics, each refused in one sentence naming the key.
+TEST(Config, LossKeysAndTheirRefusals) {
+  const std::string train = "[train]\nsteps = 1\n";
+  const RunConfig huber = parse(
+      "[model]\nsizes = [4, 3]\nloss = \"huber\"\nhuber_delta = 0.25\n"
+      "loss_weights = [1, 0.5, 0]\n" +
+      train);
+  EXPECT_EQ(huber.model.loss, LossKind::huber);
+  EXPECT_EQ(huber.model.huber_delta, 0.25);
+  EXPECT_EQ(huber.model.loss_weights, (std::vector<double>{1.0, 0.5, 0.0}));
+  EXPECT_EQ(parse("[model]\nsizes = [4, 3]\nloss = \"mae\"\n" + train).model.loss, LossKind::mae);
+  // Written and read back the same.
+  const RunConfig again = parse(config_to_toml(huber));
+  EXPECT_EQ(again.model.huber_delta, 0.25);
+  EXPECT_EQ(again.model.loss_weights, huber.model.loss_weights);
+  // Defaults: delta 1, no weights, not written.
+  const RunConfig mse = parse("[model]\nsizes = [4, 3]\nloss = \"mse\"\n" + train);
+  EXPECT_EQ(mse.model.huber_delta, 1.0);
+  EXPECT_TRUE(mse.model.loss_weights.empty());
+  EXPECT_EQ(config_to_toml(mse).find("huber_delta"), std::string::npos);
+  EXPECT_EQ(config_to_toml(mse).find("loss_weights"), std::string::npos);
+
+  // huber_delta: huber's only (even at its default value), and positive.
+  expect_config_error("[model]\nsizes = [4, 3]\nloss = \"mse\"\nhuber_delta = 1.0\n" + train,
+                      {"t.toml:4", "[model] huber_delta", "loss = \"huber\""});
+  expect_config_error("[model]\nsizes = [4, 3]\nhuber_delta = 0.5\n" + train,
+                      {"t.toml:3", "[model] huber_delta", "huber"});
+  expect_config_error("[model]\nsizes = [4, 3]\nloss = \"huber\"\nhuber_delta = 0\n" + train,
+                      {"t.toml:4", "[model] huber_delta", "positive", "got 0"});
+  // loss_weights: regression only, one per output, finite, non-negative, not all 0.
+  expect_config_error(
+      "[model]\nsizes = [4, 3]\nloss = \"cross_entropy\"\nloss_weights = [1, 1, 1]\n" + train,
+      {"t.toml:4", "[model] loss_weights", "cross_entropy"});
+  expect_config_error("[model]\nsizes = [4, 3]\nloss = \"mse\"\nloss_weights = [1, 2]\n" + train,
+                      {"t.toml:4", "[model] loss_weights", "2 entries", "3 outputs", "sizes[-1]"});
+  expect_config_error(
+      "[model]\nsizes = [4, 3]\nloss = \"mse\"\nloss_weights = [1, -0.5, 1]\n" + train,
+      {"t.toml:4", "[model] loss_weights", "non-negative", "-0.5", "index 1"});
+  expect_config_error(
+      "[model]\nsizes = [4, 3]\nloss = \"huber\"\nloss_weights = [1, nan, 1]\n" + train,
+      {"t.toml:4", "[model] loss_weights", "finite", "index 1"});
+  expect_config_error("[model]\nsizes = [4, 3]\nloss = \"mae\"\nloss_weights = [0, 0, 0]\n" + train,
+                      {"t.toml:4", "[model] loss_weights", "all 0"});
+  expect_config_error(
+      "[model]\nsizes = [4, 3]\nloss = \"mae\"\nloss_weights = [1, \"a\", 1]\n" + train,
+      {"t.toml:4", "[model] loss_weights", "numbers", "index 1"});
+  // The same checks for a config made in code.
+  RunConfig in_code = mse;
+  in_code.model.loss_weights = {1.0, 2.0};
+  expect_bad_input([&] { check_config(in_code); }, {"model.loss_weights", "2 entries", "3"});
+  in_code.model.loss_weights.clear();
+  in_code.model.huber_delta = 0.5;
+  expect_bad_input([&] { check_config(in_code); }, {"model.huber_delta", "huber"});
+}
+
+TEST(Config, KeepBestTakesAnyMetricEvaluateReports) {
+  const std::string train = "[train]\nsteps = 1\n";
+  const auto with = [&](const std::string& loss, const std::string& metric) {
+    return "[model]\nsizes = [4, 3]\nloss = \"" + loss + "\"\n" + train +
+           "[checkpoint]\nkeep_best = \"" + metric + "\"\n";
+  };
+  using Kind = EvalMetric::Kind;
+  const std::vector<std::pair<std::string, EvalMetric>> regression = {
+      {"test_loss", {Kind::loss, -1}},      {"test_mse", {Kind::mse, -1}},
+      {"test_mae", {Kind::mae, -1}},        {"test_r2", {Kind::r2, -1}},
+      {"test_rel_l2", {Kind::rel_l2, -1}},  {"test_r2[2]", {Kind::r2, 2}},
+      {"test_mse[0]", {Kind::mse, 0}},      {"test_mae[1]", {Kind::mae, 1}},
+      {"test_rel_l2[2]", {Kind::rel_l2, 2}}};
+  for (const auto& [name, metric] : regression) {
+    SCOPED_TRACE(name);
+    const RunConfig c = parse(with("huber", name));
+    EXPECT_EQ(c.checkpoint.keep_best, metric);
+    EXPECT_EQ(to_string(*c.checkpoint.keep_best), name);
+    EXPECT_EQ(parse(config_to_toml(c)).checkpoint.keep_best, metric);
+  }
+  for (const char* name : {"test_loss", "test_accuracy", "test_top5_accuracy"}) {
+    EXPECT_EQ(to_string(*parse(with("cross_entropy", name)).checkpoint.keep_best), name);
+  }
+  // Direction: higher is better for the accuracies and R^2 only.
+  EXPECT_TRUE((EvalMetric{Kind::r2, 2}).higher_is_better());
+  EXPECT_TRUE(EvalMetric::test_accuracy.higher_is_better());
+  EXPECT_TRUE((EvalMetric{Kind::top5_accuracy, -1}).higher_is_better());
+  for (Kind k : {Kind::loss, Kind::mse, Kind::mae, Kind::rel_l2}) {
+    EXPECT_FALSE((EvalMetric{k, -1}).higher_is_better());
+  }
+  // Refusals: an unknown name, an index on a metric without outputs or past the outputs, a
+  // metric of the other kind of model.
+  expect_config_error(with("mse", "test_foo"),
+                      {"t.toml:7", "[checkpoint] keep_best", "\"test_foo\"", "test_rel_l2[j]"});
+  expect_config_error(with("mse", "test_loss[0]"), {"[checkpoint] keep_best", "\"test_loss[0]\""});
+  expect_config_error(with("mse", "test_r2[x]"), {"[checkpoint] keep_best", "\"test_r2[x]\""});
+  expect_config_error(with("mse", "test_r2[3]"),
+                      {"t.toml:7", "[checkpoint] keep_best", "output 3", "3 outputs"});
+  expect_config_error(with("mse", "test_accuracy"),
+                      {"t.toml:7", "[checkpoint] keep_best", "classification metric", "\"mse\""});
+  expect_config_error(with("mae", "test_top5_accuracy"),
+                      {"[checkpoint] keep_best", "classification metric"});
+  expect_config_error(with("cross_entropy", "test_r2[0]"),
+                      {"t.toml:7", "[checkpoint] keep_best", "regression metric"});
+  expect_config_error(with("mse", "test_mse[9]"), {"[checkpoint] keep_best", "output 9"},
+                      {"checkpoint.keep_best=\"test_mse[9]\""});
 }
 
 TEST(Config, TrainNeedsExactlyOneOfEpochsAndSteps) {
@@ -779,9 +889,11 @@ TEST(Config, NonFiniteNumbersAreRefusedFromFilesAndFromCode) {
          {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
       SCOPED_TRACE(name + " = " + std::to_string(bad));
       const std::string text = std::isnan(bad) ? "nan" : "inf";
+      // loss = "huber": every number key applies (model.huber_delta is huber's).
       expect_config_error(minimal(), {"[" + std::string(key.section) + "] " + key.name, "finite"},
-                          {name + "=" + text});
+                          {name + "=" + text, "model.loss=\"huber\""});
       RunConfig in_code = parse(minimal());
+      in_code.model.loss = LossKind::huber;
       *std::get<double*>(key.at(in_code)) = bad;
       expect_bad_input([&] { check_config(in_code); }, {name, "finite"});
     }

@@ -131,7 +131,8 @@ if expected != actual:
             if expected.get(k) != actual.get(k)]
     sys.exit("evaluate differs from the run's last evaluation: " + "; ".join(diff))
 need = {"classification": ["test_accuracy", "test_top5_accuracy", "test_class_accuracy"],
-        "regression": ["test_mse", "test_mae", "test_r2", "test_r2_per_output"]}[kind]
+        "regression": ["test_mse", "test_mae", "test_r2", "test_r2_per_output", "test_rel_l2",
+                       "test_rel_l2_per_output"]}[kind]
 missing = [k for k in need if k not in actual]
 if missing:
     sys.exit(f"the {kind} evaluation lacks {missing}")

@@ -9,6 +9,8 @@
 //     de-normalized with target statistics given directly (std 0.5 and 3, means 1e3 and -7)
 //     and without statistics on targets near 1e4 (the shift keeps SST from cancelling), to
 //     1e-9 relative (R^2: 1e-9 absolute); the loss (trained units) to 1e-6 relative.
+//     Relative L2 error per output and overall the same way, and NaN for an output whose
+//     targets are all 0.
 // Every rank ends with the same bits in every field. The JSON record and the line of an
 // eval event hold exactly the fields that apply.
 
@@ -78,12 +80,13 @@ Problem classification_problem(int64_t classes) {
 }
 
 // Targets t' (normalized units) ~ a spread, outputs t' + an error that varies by output.
-Problem regression_problem(double target_offset) {
+// zero_column >= 0: that output's targets are all 0 (no relative error, no R^2).
+Problem regression_problem(double target_offset, int64_t zero_column = -1) {
   Problem p;
   p.width = 4;
   for (int64_t i = 0; i < kRows; ++i) {
     for (int64_t j = 0; j < p.width; ++j) {
-      const double t = target_offset + std::sin(0.7 * i + j) * (1.0 + j);
+      const double t = j == zero_column ? 0.0 : target_offset + std::sin(0.7 * i + j) * (1.0 + j);
       const double e = 0.1 * (j + 1) * std::cos(1.3 * i * (j + 1));
       p.targets.push_back(static_cast<float>(t));
       p.outputs.push_back(static_cast<float>(t + e));
@@ -127,7 +130,7 @@ EvalEvent reference(const Problem& p, LossKind kind, const Normalization* norm) 
     return e;
   }
   // Regression: de-normalize each element first (y = y' std + mean), then two passes.
-  double loss = 0.0, sse_all = 0.0, sae_all = 0.0, r2_all = 0.0;
+  double loss = 0.0, sse_all = 0.0, sae_all = 0.0, r2_all = 0.0, tsq_all = 0.0;
   for (int64_t i = 0; i < kRows; ++i) {
     for (int64_t j = 0; j < w; ++j) {
       const double d = double(p.outputs[i * w + j]) - double(p.targets[i * w + j]);
@@ -137,13 +140,14 @@ EvalEvent reference(const Problem& p, LossKind kind, const Normalization* norm) 
   for (int64_t j = 0; j < w; ++j) {
     const double sd = norm ? norm->target_std[j] : 1.0;
     const double mean = norm ? norm->target_mean[j] : 0.0;
-    double sse = 0.0, sae = 0.0, sum_t = 0.0, sst = 0.0;
+    double sse = 0.0, sae = 0.0, sum_t = 0.0, sst = 0.0, tsq = 0.0;
     for (int64_t i = 0; i < kRows; ++i) {
       const double y = double(p.outputs[i * w + j]) * sd + mean;
       const double t = double(p.targets[i * w + j]) * sd + mean;
       sse += (y - t) * (y - t);
       sae += std::abs(y - t);
       sum_t += t;
+      tsq += t * t;
     }
     const double t_mean = sum_t / kRows;
     for (int64_t i = 0; i < kRows; ++i) {
@@ -152,11 +156,14 @@ EvalEvent reference(const Problem& p, LossKind kind, const Normalization* norm) 
     }
     e.test_mse_per_output.push_back(sse / kRows);
     e.test_mae_per_output.push_back(sae / kRows);
-    e.test_r2_per_output.push_back(1.0 - sse / sst);
+    e.test_r2_per_output.push_back(sst > 0 ? 1.0 - sse / sst : kNaN);
+    e.test_rel_l2_per_output.push_back(tsq > 0 ? std::sqrt(sse / tsq) : kNaN);
     sse_all += sse;
     sae_all += sae;
-    r2_all += 1.0 - sse / sst;
+    r2_all += sst > 0 ? 1.0 - sse / sst : kNaN;
+    tsq_all += tsq;
   }
+  e.test_rel_l2 = std::sqrt(sse_all / tsq_all);
   e.test_loss = loss / kRows;
   e.test_accuracy = kNaN;
   e.test_mse = sse_all / (kRows * w);
@@ -241,9 +248,9 @@ void expect_same_on_every_rank(const std::vector<double>& values) {
 
 std::vector<double> all_values(const EvalEvent& e) {
   std::vector<double> v = {e.test_loss, e.test_accuracy, e.test_top5_accuracy, e.test_mse,
-                           e.test_mae,  e.test_r2,       double(e.test_rows)};
+                           e.test_mae,  e.test_r2,       e.test_rel_l2,        double(e.test_rows)};
   for (const auto* list : {&e.test_class_accuracy, &e.test_mse_per_output, &e.test_mae_per_output,
-                           &e.test_r2_per_output}) {
+                           &e.test_r2_per_output, &e.test_rel_l2_per_output}) {
     v.insert(v.end(), list->begin(), list->end());
   }
   for (int64_t rows : e.test_class_rows) v.push_back(double(rows));
@@ -302,7 +309,23 @@ TEST(EvalMetrics, RegressionIsInTheUsersUnitsOnEveryMesh) {
       expect_close(e.test_mse, ref.test_mse, 1e-9, "test_mse");
       expect_close(e.test_mae, ref.test_mae, 1e-9, "test_mae");
       expect_close(e.test_r2, ref.test_r2, 1e-9, "test_r2");
+      expect_close(e.test_rel_l2_per_output, ref.test_rel_l2_per_output, 1e-9,
+                   "test_rel_l2_per_output");
+      expect_close(e.test_rel_l2, ref.test_rel_l2, 1e-9, "test_rel_l2");
       expect_same_on_every_rank(all_values(e));
+    }
+  }
+  {
+    // An output whose targets are all 0 has no relative error (NaN); the others do.
+    const Problem p = regression_problem(0.0, /*zero_column=*/2);
+    const EvalEvent ref = reference(p, LossKind::mse, nullptr);
+    ASSERT_TRUE(std::isnan(ref.test_rel_l2_per_output[2]));
+    for (const MeshCase& c : mesh_cases()) {
+      SCOPED_TRACE(c.name + ", a column of zero targets");
+      const EvalEvent e = evaluate_on_mesh(p, LossKind::mse, c, nullptr);
+      expect_close(e.test_rel_l2_per_output, ref.test_rel_l2_per_output, 1e-9,
+                   "test_rel_l2_per_output");
+      expect_close(e.test_rel_l2, ref.test_rel_l2, 1e-9, "test_rel_l2");
     }
   }
   // The statistics matter: without them the first output's MSE is off by std^2 = 0.25.
@@ -342,12 +365,15 @@ TEST(EvalEvent, JsonAndLineHoldTheMetricsThatApply) {
   r.test_mse_per_output = {1.5};
   r.test_mae_per_output = {0.25};
   r.test_r2_per_output = {0.875};
+  r.test_rel_l2 = 0.125;
+  r.test_rel_l2_per_output = {0.125};
   EXPECT_EQ(eval_event_json(r),
             "{\"event\":\"eval\",\"step\":3,\"test_loss\":2.0,\"test_mae\":0.25,"
             "\"test_mae_per_output\":[0.25],\"test_mse\":1.5,\"test_mse_per_output\":[1.5],"
-            "\"test_r2\":0.875,\"test_r2_per_output\":[0.875],\"test_rows\":10}");
+            "\"test_r2\":0.875,\"test_r2_per_output\":[0.875],\"test_rel_l2\":0.125,"
+            "\"test_rel_l2_per_output\":[0.125],\"test_rows\":10}");
   EXPECT_EQ(format_eval_line(r),
-            "eval at step 3: test loss 2.00000  MSE 1.5  MAE 0.25  R^2 0.8750");
+            "eval at step 3: test loss 2.00000  MSE 1.5  MAE 0.25  R^2 0.8750  rel L2 0.125");
 }
 
 }  // namespace

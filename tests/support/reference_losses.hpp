@@ -41,4 +41,38 @@ inline double mean_loss_and_gradient(LossKind kind, const std::vector<double>& y
   return loss / rows;
 }
 
+// A regression loss (mse, huber, mae) as docs/model_math.md writes it: the mean over rows of
+// the sum over outputs of weights[j] * term(y - t), term = d^2, huber's 0.5 d^2 (|d| <= delta)
+// or delta (|d| - 0.5 delta), or |d|; dy = weights[j] * term'(d) / rows, with huber's term' =
+// clamp(d, -delta, delta) and mae's sign(d) (0 at d = 0). Empty weights: all 1.
+inline double regression_loss_and_gradient(LossKind kind, const std::vector<double>& y,
+                                           int64_t rows, int64_t width,
+                                           const std::vector<double>& targets, double delta,
+                                           const std::vector<double>& weights,
+                                           std::vector<double>& dy) {
+  dy.assign(y.size(), 0.0);
+  double loss = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < width; ++j) {
+      const double w = weights.empty() ? 1.0 : weights[j];
+      const double d = y[i * width + j] - targets[i * width + j];
+      const double a = std::abs(d);
+      double term = 0, slope = 0;
+      if (kind == LossKind::mse) {
+        term = d * d;
+        slope = 2 * d;
+      } else if (kind == LossKind::huber) {
+        term = a <= delta ? 0.5 * d * d : delta * (a - 0.5 * delta);
+        slope = std::clamp(d, -delta, delta);
+      } else {  // mae
+        term = a;
+        slope = d > 0 ? 1.0 : (d < 0 ? -1.0 : 0.0);
+      }
+      loss += w * term;
+      dy[i * width + j] = w * slope / rows;
+    }
+  }
+  return loss / rows;
+}
+
 }  // namespace meshtrain::testing

@@ -17,6 +17,7 @@
 
 #include "framework/comm/mpi_util.hpp"
 #include "framework/io/checkpoint.hpp"
+#include "framework/train/resume.hpp"
 #include "run/training_run.hpp"
 #include "tests/support/world.hpp"
 
@@ -216,6 +217,32 @@ TEST(BestMetric, ACheckpointWithoutTheNameLoadsAndStartsTheBestAfresh) {
   barrier();
   if (world_rank() == 0) std::filesystem::remove_all(dir);
   barrier();
+}
+
+// One output's metric (issue 40, item 3) is its own metric: the saved best of test_r2[0]
+// carries over to a run kept by test_r2[0], not to one kept by test_r2[1] or test_r2 (their
+// values are of other numbers), whose best starts afresh with a note naming both.
+TEST(BestMetric, OneOutputsMetricIsComparedOnlyWithTheSameOutputs) {
+  TrainState saved;
+  saved.best_metric = 0.75;
+  saved.evals_since_best = 2;
+  saved.best_metric_name = "test_r2[0]";
+  const ResumedBest same = resumed_best(saved, EvalMetric{EvalMetric::Kind::r2, 0});
+  EXPECT_EQ(same.metric, 0.75);
+  EXPECT_EQ(same.evals_since, 2);
+  EXPECT_EQ(same.note, "");
+  for (const EvalMetric& other :
+       {EvalMetric{EvalMetric::Kind::r2, 1}, EvalMetric{EvalMetric::Kind::r2, -1},
+        EvalMetric{EvalMetric::Kind::mse, 0}}) {
+    SCOPED_TRACE(to_string(other));
+    const ResumedBest reset = resumed_best(saved, other);
+    EXPECT_TRUE(std::isnan(reset.metric));
+    EXPECT_EQ(reset.evals_since, 0);
+    EXPECT_NE(reset.note.find("the best " + to_string(other) + " starts afresh"), std::string::npos)
+        << reset.note;
+    EXPECT_NE(reset.note.find("is a test_r2[0] (checkpoint.keep_best changed)"), std::string::npos)
+        << reset.note;
+  }
 }
 
 }  // namespace
