@@ -17,7 +17,9 @@ using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 
 // The regression losses' rows: row_loss(i) = the sum over this rank's columns of output j's
 // (weighted) term, grad(i, j) its derivative divided by the global rows; padding rows add 0.
-// (A free function: nvcc's device lambdas cannot live in private member functions.)
+// (A free function: nvcc's device lambdas cannot live in private member functions. Plain
+// `if`s on the template arguments, folded at compile time: nvcc refuses a device lambda whose
+// first use of a captured variable is inside an `if constexpr`.)
 template <LossKind Kind, bool Weighted>
 void regression_rows(MatrixView logits, MatrixView targets, int64_t rows, int64_t valid,
                      int64_t offset, int64_t global_rows, float delta, const Vector& weights,
@@ -31,16 +33,16 @@ void regression_rows(MatrixView logits, MatrixView targets, int64_t rows, int64_
         float s = 0.0f;
         for (int64_t j = 0; j < lw; ++j) {
           const float d = logits(i, j) - targets(i, offset + j);
-          if constexpr (Kind == LossKind::mse && !Weighted) {
+          if (Kind == LossKind::mse && !Weighted) {
             // mse as it always was (the same expressions: fp32 results do not change).
             s += d * d;
             if (with_gradient) grad(i, j) = i < valid ? scale * d : 0.0f;
           } else {
             float term = 0.0f, slope = 0.0f;  // slope: the gradient before the weight
-            if constexpr (Kind == LossKind::mse) {
+            if (Kind == LossKind::mse) {
               term = d * d;
               slope = scale * d;
-            } else if constexpr (Kind == LossKind::huber) {
+            } else if (Kind == LossKind::huber) {
               const float a = kmath::fabs(d);
               term = a <= delta ? 0.5f * d * d : delta * (a - 0.5f * delta);
               const float clipped = d < -delta ? -delta : (d > delta ? delta : d);
@@ -49,7 +51,7 @@ void regression_rows(MatrixView logits, MatrixView targets, int64_t rows, int64_
               term = kmath::fabs(d);
               slope = (d > 0.0f ? 1.0f : (d < 0.0f ? -1.0f : 0.0f)) * inv_n;
             }
-            if constexpr (Weighted) {
+            if (Weighted) {
               const float w = weights(offset + j);
               term *= w;
               slope *= w;
