@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fails when a Kokkos device lambda sits directly in a GoogleTest body.
+"""Fails on two kinds of Kokkos device lambda that a host compiler accepts and nvcc rejects.
 
 nvcc rejects an extended __host__ __device__ lambda whose enclosing function is a private or
 protected member of a class, and the body of TEST(...) is the private TestBody() of a
@@ -7,6 +7,11 @@ generated class: "The enclosing parent function ("TestBody") for an extended __h
 __device__ lambda cannot have private or protected access within its class". A host-only
 build compiles such a test without complaint, so this check keeps the CUDA build compiling
 on machines that never run nvcc. The fix is a free function that launches the kernel.
+
+The second: an `if constexpr` inside a device lambda. nvcc refuses a lambda whose first use of
+a captured variable is inside one ("An extended __host__ __device__ lambda cannot
+first-capture variable in constexpr-if context"). The fix is a plain `if` on the constant,
+which the compiler folds just the same.
 
 usage: device_lambdas.py ROOT_DIR...   (or --self-test)
 """
@@ -16,6 +21,8 @@ import sys
 
 TEST_MACRO = re.compile(r"^\s*(TEST|TEST_F|TEST_P|TYPED_TEST|TYPED_TEST_P)\s*\(", re.M)
 DEVICE_LAMBDA = re.compile(r"\bKOKKOS_(CLASS_)?LAMBDA\b|__device__")
+KOKKOS_LAMBDA = re.compile(r"\bKOKKOS_(CLASS_)?LAMBDA\b")
+CONSTEXPR_IF = re.compile(r"\bif\s+constexpr\b")
 
 
 def strip_comments_and_strings(text):
@@ -24,31 +31,50 @@ def strip_comments_and_strings(text):
     return pattern.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
 
 
+def block_after(code, i):
+    """(start, end) of the brace block that follows the parenthesised list opening at or
+    after code[i] (a TEST's name, a lambda's parameters); None when there is none."""
+    i = code.find("(", i)
+    if i < 0:
+        return None
+    depth = 0
+    while i < len(code):
+        depth += {"(": 1, ")": -1}.get(code[i], 0)
+        i += 1
+        if depth == 0:
+            break
+    open_brace = code.find("{", i)
+    if open_brace < 0:
+        return None
+    depth, j = 0, open_brace
+    while j < len(code):
+        depth += {"{": 1, "}": -1}.get(code[j], 0)
+        j += 1
+        if depth == 0:
+            break
+    return open_brace, j
+
+
 def findings(text, path):
     code = strip_comments_and_strings(text)
     out = []
     for match in TEST_MACRO.finditer(code):
-        # The test's name ends at the parenthesis that closes TEST(...); its body is the
-        # brace block after it.
-        depth, i = 0, match.end() - 1
-        while i < len(code):
-            depth += {"(": 1, ")": -1}.get(code[i], 0)
-            i += 1
-            if depth == 0:
-                break
-        open_brace = code.find("{", i)
-        if open_brace < 0:
+        block = block_after(code, match.end() - 1)
+        if block is None:
             continue
-        depth, j = 0, open_brace
-        while j < len(code):
-            depth += {"{": 1, "}": -1}.get(code[j], 0)
-            j += 1
-            if depth == 0:
-                break
+        open_brace, j = block
         for lam in DEVICE_LAMBDA.finditer(code, open_brace, j):
             line = code.count("\n", 0, lam.start()) + 1
             out.append(f"{path}:{line}: {lam.group(0)} inside a {match.group(1)} body; "
                        "nvcc rejects it (move the kernel into a free function)")
+    for lam in KOKKOS_LAMBDA.finditer(code):
+        block = block_after(code, lam.end())
+        if block is None:
+            continue
+        for cif in CONSTEXPR_IF.finditer(code, *block):
+            line = code.count("\n", 0, cif.start()) + 1
+            out.append(f"{path}:{line}: `if constexpr` inside a device lambda; nvcc rejects a "
+                       "capture first used there (use a plain `if` on the constant)")
     return out
 
 
@@ -60,7 +86,17 @@ def self_test():
     found_bad, found_good = findings(bad, "bad.cpp"), findings(good, "good.cpp")
     assert len(found_bad) == 1 and found_bad[0].startswith("bad.cpp:4:"), found_bad
     assert not found_good, found_good
-    print("self-test: a lambda in a TEST body is found, one in a free function is not")
+    constexpr_bad = 'template <bool W> void f(V v, float w) {\n  Kokkos::parallel_for(\n' \
+                    '      "x", 4, KOKKOS_LAMBDA(const int i) {\n' \
+                    '        if constexpr (W) v(i) *= w;\n      });\n}\n'
+    constexpr_good = 'template <bool W> void f(V v, float w) {\n  if constexpr (W) {\n' \
+                     '    Kokkos::parallel_for("x", 4, KOKKOS_LAMBDA(const int i) {\n' \
+                     '      if (W) v(i) *= w;\n    });\n  }\n}\n'
+    found_bad, found_good = findings(constexpr_bad, "bad.cpp"), findings(constexpr_good, "g.cpp")
+    assert len(found_bad) == 1 and found_bad[0].startswith("bad.cpp:4:"), found_bad
+    assert not found_good, found_good
+    print("self-test: a lambda in a TEST body is found, one in a free function is not; an "
+          "`if constexpr` inside a device lambda is found, one around it is not")
 
 
 def main(argv):
@@ -78,7 +114,7 @@ def main(argv):
                     files += 1
     for p in problems:
         print(p)
-    print(f"{files} files checked, {len(problems)} device lambda(s) in test bodies")
+    print(f"{files} files checked, {len(problems)} device lambda(s) nvcc would reject")
     return 1 if problems or files == 0 else 0
 
 
