@@ -870,7 +870,8 @@ def main():
         parser.add_argument("--predict", action="store_true",
                             help="also compare with `meshtrain predict` of the same checkpoints")
     return script_test.case_main(CASES, Context, add_arguments=add_predict,
-                                 skip_reason=lambda ctx: ctx.ort_missing)
+                                 skip_reason=lambda ctx: ctx.ort_missing,
+                                 skip_needs="ONNX Runtime")
 
 
 if __name__ == "__main__":

@@ -444,7 +444,8 @@ def main():
     def make_context(args):
         args.predict = True
         return Context(args)
-    return et.script_test.case_main(CASES, make_context, skip_reason=lambda ctx: ctx.torch_missing)
+    return et.script_test.case_main(CASES, make_context, skip_reason=lambda ctx: ctx.torch_missing,
+                                    skip_needs="PyTorch")
 
 
 if __name__ == "__main__":

@@ -87,12 +87,13 @@ def outcome(ctx, case):
     return 0
 
 
-def case_main(cases, make_context, add_arguments=None, skip_reason=None):
+def case_main(cases, make_context, add_arguments=None, skip_reason=None, skip_needs=None):
     """The main() of a script test with named cases. Parses `CASE --meshtrain M --source-dir S
     --work W [own options] -- LAUNCHER...` (add_arguments(parser) adds the own options), makes
     the case's context with make_context(args), runs the case in an emptied work folder and
-    returns the exit status: 1 after a failure, else SKIP when skip_reason(ctx) names what
-    could not be checked (everything else passed), else 0."""
+    returns the exit status: 1 after a failure, else SKIP when skip_reason(ctx) says why the
+    checks that need `skip_needs` (a tool: "ONNX Runtime") could not run (the others passed),
+    else 0."""
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=sorted(cases))
     parser.add_argument("--meshtrain", required=True)
@@ -113,7 +114,7 @@ def case_main(cases, make_context, add_arguments=None, skip_reason=None):
         return status
     missing = skip_reason(ctx) if skip_reason else None
     if missing:
-        print("SKIP: %s (every other check passed)" % missing)
+        print("SKIP: %s (the checks that need no %s passed)" % (missing, skip_needs))
         return SKIP
     print("ok: %s" % args.case)
     return 0
