@@ -136,7 +136,7 @@ train_error_test(checkpoint_dir_not_writable 2
 # model.loss and data.source, not an MPI_Abort on a shape mismatch at the first step.
 train_error_test(loss_mse_with_class_labels 2
   "^meshtrain: error: model\\.loss = .mse. needs regression targets, but data\\.source = .fashion_mnist. gives 10 class labels"
-  ${_train_configs}/fashion_mnist_dp.toml --set model.loss=mse
+  ${_train_configs}/fashion_mnist_dp.toml --set model.loss=mse --set checkpoint.keep_best=test_loss
   --set run.output_dir=${_train_runs}/loss_mse_with_class_labels ${_train_small})
 train_error_test(loss_cross_entropy_with_regression_targets 2
   "^meshtrain: error: model\\.loss = .cross_entropy. needs class labels, but data\\.source = .synthetic. gives regression targets of width 10"
