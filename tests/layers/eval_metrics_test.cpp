@@ -30,6 +30,7 @@
 
 #include "framework/comm/mesh_communicators.hpp"
 #include "tests/support/backend.hpp"
+#include "tests/support/mesh_cases.hpp"
 #include "tests/support/world.hpp"
 
 namespace meshtrain {
@@ -38,24 +39,6 @@ namespace {
 constexpr int64_t kRows = 37;      // global rows: 4 full batches and a padded one
 constexpr int64_t kEvalBatch = 8;  // global rows of a batch
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-struct MeshCase {
-  std::string name;
-  std::vector<std::pair<std::string, int>> axes;
-  FeatureLayout layout;
-};
-
-std::vector<MeshCase> mesh_cases() {
-  const int n = world_size();
-  std::vector<MeshCase> cases = {{"dp", {{"dp", n}}, FeatureLayout::replicated},
-                                 {"fsdp", {{"fsdp", n}}, FeatureLayout::replicated},
-                                 {"tp split", {{"tp", n}}, FeatureLayout::split},
-                                 {"tp replicated", {{"tp", n}}, FeatureLayout::replicated}};
-  if (n % 2 == 0 && n > 2) {
-    cases.push_back({"fsdp x tp split", {{"fsdp", n / 2}, {"tp", 2}}, FeatureLayout::split});
-  }
-  return cases;
-}
 
 // Global inputs of one problem, row-major: outputs [kRows, width] as the model hands them in
 // (normalized units), and labels or targets (normalized units).
@@ -173,7 +156,7 @@ EvalEvent reference(const Problem& p, LossKind kind, const Normalization* norm) 
 }
 
 // Runs EvalMetrics (and the Loss that feeds it) over the batches, as TrainingRun::evaluate.
-EvalEvent evaluate_on_mesh(const Problem& p, LossKind kind, const MeshCase& c,
+EvalEvent evaluate_on_mesh(const Problem& p, LossKind kind, const testing::OutputMeshCase& c,
                            const Normalization* norm) {
   const Mesh mesh = Mesh::create(c.axes, world_size());
   MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
@@ -262,7 +245,7 @@ TEST(EvalMetrics, ClassificationMatchesFloat64ReferenceOnEveryMesh) {
     const Problem p = classification_problem(classes);
     const EvalEvent ref = reference(p, LossKind::cross_entropy, nullptr);
     ASSERT_EQ(ref.test_class_rows.back(), 0);  // a class without rows: NaN accuracy
-    for (const MeshCase& c : mesh_cases()) {
+    for (const testing::OutputMeshCase& c : testing::output_meshes(world_size())) {
       SCOPED_TRACE(c.name + ", " + std::to_string(classes) + " classes");
       const EvalEvent e = evaluate_on_mesh(p, LossKind::cross_entropy, c, nullptr);
       EXPECT_EQ(e.test_rows, kRows);
@@ -296,7 +279,7 @@ TEST(EvalMetrics, RegressionIsInTheUsersUnitsOnEveryMesh) {
        {Variant{"normalized targets", 0.0, &norm}, Variant{"raw targets near 1e4", 1e4, nullptr}}) {
     const Problem p = regression_problem(v.offset);
     const EvalEvent ref = reference(p, LossKind::mse, v.norm);
-    for (const MeshCase& c : mesh_cases()) {
+    for (const testing::OutputMeshCase& c : testing::output_meshes(world_size())) {
       SCOPED_TRACE(c.name + ", " + v.name);
       const EvalEvent e = evaluate_on_mesh(p, LossKind::mse, c, v.norm);
       EXPECT_EQ(e.test_rows, kRows);
@@ -320,7 +303,7 @@ TEST(EvalMetrics, RegressionIsInTheUsersUnitsOnEveryMesh) {
     const Problem p = regression_problem(0.0, /*zero_column=*/2);
     const EvalEvent ref = reference(p, LossKind::mse, nullptr);
     ASSERT_TRUE(std::isnan(ref.test_rel_l2_per_output[2]));
-    for (const MeshCase& c : mesh_cases()) {
+    for (const testing::OutputMeshCase& c : testing::output_meshes(world_size())) {
       SCOPED_TRACE(c.name + ", a column of zero targets");
       const EvalEvent e = evaluate_on_mesh(p, LossKind::mse, c, nullptr);
       expect_close(e.test_rel_l2_per_output, ref.test_rel_l2_per_output, 1e-9,

@@ -23,6 +23,7 @@
 #include "layers/loss.hpp"
 #include "tests/support/backend.hpp"
 #include "tests/support/finite_differences.hpp"
+#include "tests/support/mesh_cases.hpp"
 #include "tests/support/reference_losses.hpp"
 #include "tests/support/world.hpp"
 
@@ -32,24 +33,6 @@ namespace {
 constexpr int64_t kRows = 8;   // global rows of the batch
 constexpr int64_t kWidth = 4;  // outputs
 constexpr double kDelta = 0.7;
-
-struct MeshCase {
-  std::string name;
-  std::vector<std::pair<std::string, int>> axes;
-  FeatureLayout layout;
-};
-
-std::vector<MeshCase> mesh_cases() {
-  const int n = world_size();
-  std::vector<MeshCase> cases = {{"dp", {{"dp", n}}, FeatureLayout::replicated},
-                                 {"fsdp", {{"fsdp", n}}, FeatureLayout::replicated},
-                                 {"tp split", {{"tp", n}}, FeatureLayout::split},
-                                 {"tp replicated", {{"tp", n}}, FeatureLayout::replicated}};
-  if (n % 2 == 0 && n > 2) {
-    cases.push_back({"fsdp x tp split", {{"fsdp", n / 2}, {"tp", 2}}, FeatureLayout::split});
-  }
-  return cases;
-}
 
 struct LossCase {
   std::string name;
@@ -95,7 +78,7 @@ TEST(RegressionLoss, MatchesFloat64ReferenceOnEveryMesh) {
     const double ref_loss =
         testing::regression_loss_and_gradient(lc.kind, as_double(p.outputs), kRows, kWidth,
                                               as_double(p.targets), kDelta, lc.weights, ref_grad);
-    for (const MeshCase& c : mesh_cases()) {
+    for (const testing::OutputMeshCase& c : testing::output_meshes(world_size())) {
       SCOPED_TRACE(lc.name + " on " + c.name);
       const Mesh mesh = Mesh::create(c.axes, world_size());
       MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());

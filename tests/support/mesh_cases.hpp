@@ -7,6 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include "partition/linear_layout.hpp"  // FeatureLayout
+
 namespace meshtrain::testing {
 
 using Axes = std::vector<std::pair<std::string, int>>;
@@ -34,6 +36,25 @@ inline std::vector<MeshCase> layer_meshes(int n) {
   if (n == 4) {
     cases.push_back({"fsdp_tp", {{"fsdp", 2}, {"tp", 2}}});
     cases.push_back({"dp_tp", {{"dp", 2}, {"tp", 2}}});
+  }
+  return cases;
+}
+
+// The meshes of the tests of what reads a model's outputs (loss, evaluation metrics), with how
+// the outputs arrive: dp, fsdp, tp with the outputs split and replicated over all n ranks, and
+// fsdp (n / 2) x tp 2 split where n is even and above 2.
+struct OutputMeshCase {
+  std::string name;
+  Axes axes;
+  FeatureLayout layout;
+};
+inline std::vector<OutputMeshCase> output_meshes(int n) {
+  std::vector<OutputMeshCase> cases = {{"dp", {{"dp", n}}, FeatureLayout::replicated},
+                                       {"fsdp", {{"fsdp", n}}, FeatureLayout::replicated},
+                                       {"tp split", {{"tp", n}}, FeatureLayout::split},
+                                       {"tp replicated", {{"tp", n}}, FeatureLayout::replicated}};
+  if (n % 2 == 0 && n > 2) {
+    cases.push_back({"fsdp x tp split", {{"fsdp", n / 2}, {"tp", 2}}, FeatureLayout::split});
   }
   return cases;
 }
