@@ -91,7 +91,6 @@ Loss::Loss(LossKind kind, ParallelContext& context, int64_t rows, int64_t width,
                       " loss");
     MESHTRAIN_REQUIRE(static_cast<int64_t>(options.weights.size()) == width_,
                       "Loss: ", options.weights.size(), " output weights for ", width_, " outputs");
-    weighted_ = true;
     weights_ = Vector("meshtrain::loss_weights", width_);
     auto host = host_mirror(weights_);
     for (int64_t j = 0; j < width_; ++j) host(j) = static_cast<float>(options.weights[j]);
@@ -229,12 +228,6 @@ LossResult Loss::cross_entropy(MatrixView logits, LabelView labels, bool with_gr
   return finish(share(sum), share(correct), share(static_cast<double>(valid)));
 }
 
-LossResult Loss::mse(MatrixView logits, MatrixView targets, bool with_gradient,
-                     int64_t valid_rows) {
-  MESHTRAIN_REQUIRE(kind_ == LossKind::mse, "Loss::mse on a ", to_string(kind_), " loss");
-  return regression(logits, targets, with_gradient, valid_rows);
-}
-
 LossResult Loss::regression(MatrixView logits, MatrixView targets, bool with_gradient,
                             int64_t valid_rows) {
   MESHTRAIN_REQUIRE(is_regression(kind_), "Loss::regression on a ", to_string(kind_), " loss");
@@ -247,21 +240,20 @@ LossResult Loss::regression(MatrixView logits, MatrixView targets, bool with_gra
                     rows_, ", ", local_width_, "] and [", rows_, ", ", width_, "]");
   const int64_t valid = valid_rows < 0 ? rows_ : std::min(valid_rows, rows_);
   auto row_loss = row_loss_;
+  const bool weighted = weights_.extent(0) > 0;
   switch (kind_) {
     case LossKind::huber:
-      regression_rows<LossKind::huber>(weighted_, logits, targets, rows_, valid, offset_,
+      regression_rows<LossKind::huber>(weighted, logits, targets, rows_, valid, offset_,
                                        global_rows_, huber_delta_, weights_, with_gradient,
                                        gradient_, row_loss_);
       break;
     case LossKind::mae:
-      regression_rows<LossKind::mae>(weighted_, logits, targets, rows_, valid, offset_,
-                                     global_rows_, huber_delta_, weights_, with_gradient, gradient_,
-                                     row_loss_);
+      regression_rows<LossKind::mae>(weighted, logits, targets, rows_, valid, offset_, global_rows_,
+                                     huber_delta_, weights_, with_gradient, gradient_, row_loss_);
       break;
     default:
-      regression_rows<LossKind::mse>(weighted_, logits, targets, rows_, valid, offset_,
-                                     global_rows_, huber_delta_, weights_, with_gradient, gradient_,
-                                     row_loss_);
+      regression_rows<LossKind::mse>(weighted, logits, targets, rows_, valid, offset_, global_rows_,
+                                     huber_delta_, weights_, with_gradient, gradient_, row_loss_);
       break;
   }
   reduce_into(  // into a device scalar, as in cross_entropy

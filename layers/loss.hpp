@@ -65,9 +65,6 @@ class Loss {
   // A regression loss (mse, huber, mae) of the local outputs. Targets: [rows, width].
   LossResult regression(MatrixView logits, MatrixView targets, bool with_gradient = true,
                         int64_t valid_rows = -1);
-  // regression() of an mse Loss.
-  LossResult mse(MatrixView logits, MatrixView targets, bool with_gradient = true,
-                 int64_t valid_rows = -1);
 
   // This rank could not load its rows (a bad file): the next call's reduced loss sum is NaN
   // on every rank it is reduced over (the batch axes and the feature axis), so they all stop
@@ -85,8 +82,7 @@ class Loss {
   int64_t rows_, width_, local_width_, offset_ = 0;
   int64_t global_rows_ = 0;
   float huber_delta_ = 1.0f;
-  bool weighted_ = false;
-  Vector weights_;  // [width] (every column; a split loss reads its own), when weighted_
+  Vector weights_;  // [width] (every column; a split loss reads its own); empty: unweighted
   bool split_ = false;
   bool poisoned_ = false;
   // A scalar every feature rank computes whole counts on feature rank 0 only (not x * 0:

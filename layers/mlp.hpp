@@ -52,7 +52,7 @@
 //   GradientClipper clipper(mesh, rank, model.gradients());
 //   each step:
 //     MatrixView logits = model.forward(x);          // x [local_rows, sizes[0]]
-//     LossResult r = loss.cross_entropy(logits, labels);   // or loss.mse(logits, targets)
+//     LossResult r = loss.cross_entropy(logits, labels);   // or loss.regression(logits, targets)
 //     model.backward(loss.gradient());
 //     clipper.clip(model.gradients(), clip_norm, world);   // optional
 //     opt.step(model.parameters(), model.gradients(), lr);

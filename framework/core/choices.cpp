@@ -158,11 +158,6 @@ std::string eval_metric_choices_text() {
          ", or one output's test_mse[j] | test_mae[j] | test_r2[j] | test_rel_l2[j]";
 }
 
-EvalMetric parse_eval_metric(const std::string& name, const std::string& key) {
-  if (const std::optional<EvalMetric> metric = find_eval_metric(name)) return *metric;
-  MESHTRAIN_BAD_INPUT(key, " = '", name, "' is not one of ", eval_metric_choices_text());
-}
-
 const ChoiceTable<Normalize>& normalize_choices() {
   static const ChoiceTable<Normalize> table = {{"none", Normalize::none},
                                                {"standard", Normalize::standard}};

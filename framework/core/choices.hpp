@@ -113,9 +113,6 @@ const std::vector<std::string>& eval_metric_names();
 // "test_mse", "test_r2[2]", ...; nullopt for a name that is none (an index on a metric that has
 // none per output, a malformed index). The index is not checked against any model.
 std::optional<EvalMetric> find_eval_metric(const std::string& name);
-// The same; bad_input "<key> = '<name>' is not a metric: ..." otherwise.
-EvalMetric parse_eval_metric(const std::string& name,
-                             const std::string& key = "checkpoint.keep_best");
 // What the metric names and what they may be, for messages and the docs.
 std::string eval_metric_choices_text();
 const ChoiceTable<Normalize>& normalize_choices();

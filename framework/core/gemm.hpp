@@ -3,9 +3,10 @@
 // space, with transposes as flags (never materialized), and an optional epilogue (bias,
 // activation; for backward the activation's derivative and the bias gradient) fused into
 // the GEMM where the library can. The implementation follows the memory space and the build:
-//   host memory   oneDNN matmul with post-ops (MESHTRAIN_CPU_GEMM=auto, the default, where
-//                 oneDNN is found; =onednn) or CBLAS (OpenBLAS) and one pass for the epilogue
-//                 (=openblas, or no oneDNN); docs/design.md, GEMM
+//   host memory   CBLAS (OpenBLAS) and one pass for the epilogue: the default, also where
+//                 oneDNN is built in (MESHTRAIN_CPU_GEMM=auto); or oneDNN matmul with
+//                 post-ops, when configured or set at run time MESHTRAIN_CPU_GEMM=onednn;
+//                 docs/design.md, GEMM
 //   CUDA memory   cuBLAS, and cuBLASLt with its epilogues when there is one (one handle
 //                 each, on the stream of Kokkos' default execution space, made on first
 //                 use and destroyed by Kokkos::finalize)

@@ -855,8 +855,7 @@ std::optional<KeyProblem> check_loss_weights(const ConfigKey&, const RunConfig& 
     return problem("are all 0; give at least one output a positive weight");
   }
   const bool residual = c.model.kind == ModelKind::residual_mlp;
-  const int64_t outputs =
-      residual ? c.model.outputs : (c.model.sizes.empty() ? 0 : c.model.sizes.back());
+  const int64_t outputs = c.model.output_width();
   if (outputs > 0 && static_cast<int64_t>(w.size()) != outputs) {
     return problem("has ", w.size(), " entries, but the model has ", outputs, " outputs (",
                    names(residual ? "model.outputs" : "model.sizes"), residual ? "" : "[-1]",
@@ -975,8 +974,7 @@ std::optional<KeyProblem> check_keep_best(const ConfigKey&, const RunConfig& c,
     }
   }
   const bool residual = c.model.kind == ModelKind::residual_mlp;
-  const int64_t outputs =
-      residual ? c.model.outputs : (c.model.sizes.empty() ? 0 : c.model.sizes.back());
+  const int64_t outputs = c.model.output_width();
   if (metric.output >= 0 && outputs > 0 && metric.output >= outputs) {
     return problem("= \"", name, "\" names output ", metric.output, ", but the model has ", outputs,
                    " outputs (", names(residual ? "model.outputs" : "model.sizes"),

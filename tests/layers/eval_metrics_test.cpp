@@ -195,7 +195,7 @@ EvalEvent evaluate_on_mesh(const Problem& p, LossKind kind, const testing::Outpu
       Kokkos::deep_copy(labels, lh);
       const LossResult r = kind == LossKind::cross_entropy
                                ? loss.cross_entropy(output, labels, false, valid)
-                               : loss.mse(output, targets, false, valid);
+                               : loss.regression(output, targets, false, valid);
       metrics.add(output, labels, targets, valid, r);
       if (pass == 0) break;  // one batch, then reset
     }

@@ -379,8 +379,8 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
   run.width = model.output_width();
   for (int64_t i = 0; i < run.rows; ++i)
     for (int64_t j = 0; j < run.width; ++j) run.logits.push_back(logits_host(i, j));
-  const LossResult r =
-      m.loss == LossKind::mse ? loss.mse(logits, targets) : loss.cross_entropy(logits, labels);
+  const LossResult r = m.loss == LossKind::mse ? loss.regression(logits, targets)
+                                               : loss.cross_entropy(logits, labels);
   run.loss = r.loss;
   model.backward(loss.gradient(), true, loss_scale);
   for (const auto& g : model.gradients()) {

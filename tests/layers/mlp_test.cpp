@@ -532,8 +532,8 @@ RunTrace run_case(const ModelCase& m, const LayoutCase& layout, bool overlap = f
     Kokkos::deep_copy(labels, lh);
 
     MatrixView logits = model.forward(x);
-    const LossResult r =
-        m.loss == LossKind::mse ? loss.mse(logits, targets) : loss.cross_entropy(logits, labels);
+    const LossResult r = m.loss == LossKind::mse ? loss.regression(logits, targets)
+                                                 : loss.cross_entropy(logits, labels);
     model.backward(loss.gradient());
     const double ref_loss = ref.loss_and_grads(b);
     EXPECT_NEAR(r.loss, ref_loss, kRelTol * std::abs(ref_loss)) << "loss";

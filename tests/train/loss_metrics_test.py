@@ -24,8 +24,7 @@ import shutil
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
-import script_test  # noqa: E402
-from script_test import Checks, Failure, outcome, run, split_at_launcher  # noqa: E402
+from script_test import Checks, outcome, run_ok, split_at_launcher  # noqa: E402
 
 OUTPUTS = 10  # the synthetic set's targets
 EARLY_STOPPING = 3
@@ -57,9 +56,7 @@ def case(ctx):
         "--set", "train.early_stopping=%d" % EARLY_STOPPING,
         "--set", 'checkpoint.keep_best="test_r2[0]"', "--set", "checkpoint.keep=1",
         "--set", "run.output_dir=" + output_dir])
-    status, out, err = run(cmd, RUN_TIMEOUT_S)
-    if status != 0:
-        raise Failure("the run exited %d:\n%s\n%s" % (status, out[-3000:], err[-3000:]))
+    out = run_ok(cmd, RUN_TIMEOUT_S)
     events = evals(output_dir)
     if not ctx.check(len(events) >= 2, "the run evaluated %d times, expected several" %
                      len(events)):

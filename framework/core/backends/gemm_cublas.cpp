@@ -170,6 +170,7 @@ struct LtKey {
   uint32_t epilogue = 0;
   uint32_t align_a = 0, align_b = 0, align_c = 0, align_bias = 0, align_aux = 0;
 
+  // Compared and hashed as bytes: every key is zeroed first (run_cublaslt), padding included.
   bool operator==(const LtKey& o) const { return std::memcmp(this, &o, sizeof o) == 0; }
 };
 struct LtKeyHash {
@@ -357,6 +358,7 @@ bool run_cublaslt(const RowMajorGemm& call, const Operands& operands, EpilogueLe
   if (!lt_epilogue_of(call, epilogue, left)) return false;
   CublasLt& state = lt();
   LtKey key;
+  std::memset(&key, 0, sizeof key);  // the bytes between the bools and `type` too
   key.m = call.m;
   key.n = call.n;
   key.k = call.k;
