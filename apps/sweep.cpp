@@ -344,7 +344,7 @@ std::vector<std::vector<std::string>> grid_points(const std::vector<GridAxis>& a
   return points;
 }
 
-int sweep_command(const SweepArgs& args) try {
+int sweep_command(const SweepArgs& args) {
   int world_rank = 0, world_size = 1;
   check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world_size), "MPI_Comm_size");
@@ -411,7 +411,7 @@ int sweep_command(const SweepArgs& args) try {
           }
         }
       })) {
-    throw *error;
+    return report_agreed_error(*error);  // every rank holds it; no run has started
   }
 
   // Group g: world ranks [g * ranks_per_run, (g + 1) * ranks_per_run); it trains runs g,
@@ -485,9 +485,9 @@ int sweep_command(const SweepArgs& args) try {
   print_line(std::to_string(table.size() - static_cast<size_t>(failed)) + " of " +
              std::to_string(table.size()) + " runs ok; table: " + table_path +
              (out ? "" : " (could not be written)"));
+  // An AgreedError escaping a group (none should: train_one keeps a run's) is not caught here:
+  // the other groups would wait for this one at the end. run_or_abort ends every rank.
   return status;
-} catch (const AgreedError& error) {
-  return report_agreed_error(error);  // every rank holds it
 }
 
 }  // namespace meshtrain
