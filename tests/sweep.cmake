@@ -71,3 +71,10 @@ sweep_error_test(mesh_larger_than_group
   "^meshtrain: error: run 0 \\(optimizer\\.lr=0\\.1\\) on --ranks-per-run 1 ranks: "
   --grid optimizer.lr=0.1,0.2 --ranks-per-run 1 --set mesh.dp=1 --set mesh.tp=2
   --set partition.preset=tp)
+
+# A value with commas of its own (a TOML array) stays one value: two runs of different models.
+meshtrain_add_command_test(NAME sweep_grid_array_values_np1 TIMEOUT 60
+  PASS_REGULAR_EXPRESSION "1  +\\[16, 32, 32, 4\\] +ok .*2 of 2 runs ok"
+  COMMAND ${_sweep_mpiexec} ${MPIEXEC_NUMPROC_FLAG} 1 $<TARGET_FILE:meshtrain> sweep
+          ${_sweep_config} --set run.output_dir=${_sweep_runs}/grid_array_values
+          "--grid=model.sizes=[16, 8, 4],[16, 32, 32, 4]")
