@@ -188,7 +188,8 @@ nlohmann::json train_one(const PlannedRun& run, MPI_Comm group, bool leader) {
   }
   row["wall_s"] = MPI_Wtime() - start;
   if (leader && log) {
-    std::ofstream(run.dir + "/result.json") << row.dump() << "\n";
+    std::ofstream(run.dir + "/result.json")
+        << row.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   }
   return row;
 }
@@ -202,6 +203,8 @@ std::string figure(const nlohmann::json& row, const std::string& key,
   char text[32];
   if (value->is_number_integer()) {
     std::snprintf(text, sizeof text, "%lld", static_cast<long long>(value->get<int64_t>()));
+  } else if (std::isnan(value->get<double>())) {
+    return "-";
   } else {
     std::snprintf(text, sizeof text, "%.5g", value->get<double>());
   }
