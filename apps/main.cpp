@@ -14,6 +14,8 @@
 //   meshtrain export CHECKPOINT --format pytorch --output DIR [--overwrite]
 //   mpirun -np N meshtrain evaluate CHECKPOINT --data PATH... [--json FILE|-] [--set ...]
 //                                    [--flight-dir DIR]
+//   mpirun -np N meshtrain sweep CONFIG --grid section.key=v1,v2 ... [--ranks-per-run K]
+//                                 [--set ...] [--hardware FILE]
 
 #include <CLI/CLI.hpp>
 
@@ -31,6 +33,7 @@
 #include "apps/evaluate.hpp"
 #include "apps/export.hpp"
 #include "apps/predict.hpp"
+#include "apps/sweep.hpp"
 #include "apps/train.hpp"
 #include "base/error.hpp"
 #include "framework/comm/exit_policy.hpp"
@@ -226,6 +229,37 @@ int run_train(const TrainArgs& args, int& argc, char**& argv) {
   });
 }
 
+// --- sweep: a grid of runs on groups of ranks of one MPI job -----------------------------
+void add_sweep_command(CLI::App& app, meshtrain::SweepArgs& args) {
+  CLI::App* sweep = app.add_subcommand(
+      "sweep",
+      "Train every combination of the --grid values, side by side on groups of "
+      "--ranks-per-run ranks of the job, each run in <run.output_dir>/sweep/<index>-<values>/, "
+      "and print a table of their metrics (docs/sweeps.md)");
+  sweep->add_option("config", args.config, "The runs' TOML file")->required();
+  sweep
+      ->add_option("--grid", args.grid,
+                   "A config key and its values, e.g. --grid optimizer.lr=0.1,0.01 (repeatable: "
+                   "every combination runs, the first key varying slowest)")
+      ->type_name("SECTION.KEY=V1,V2")
+      ->allow_extra_args(false)
+      ->take_all()
+      ->required();
+  sweep
+      ->add_option("--ranks-per-run", args.ranks_per_run,
+                   "Ranks of each run (default: every rank of the job, the runs one after "
+                   "another); the job's ranks must be a multiple")
+      ->check(kRankCount);
+  sweep->add_option("--hardware", args.hardware,
+                    "Hardware profile (meshtrain calibrate) that collective_matmul = auto and "
+                    "reductions = auto choose with");
+  add_set_option(*sweep, args.overrides);
+}
+
+int run_sweep(const meshtrain::SweepArgs& args, int& argc, char**& argv) {
+  return meshtrain::run_mpi_command(argc, argv, [&] { return meshtrain::sweep_command(args); });
+}
+
 // --- calibrate: measures a hardware profile under mpirun -----------------------------------
 struct CalibrateArgs {
   std::string config;
@@ -417,6 +451,8 @@ int main(int argc, char** argv) {
   add_export_command(app, export_args);
   meshtrain::EvaluateArgs evaluate_args;
   add_evaluate_command(app, evaluate_args);
+  meshtrain::SweepArgs sweep_args;
+  add_sweep_command(app, sweep_args);
 
   // A first word that is no subcommand (a typo, or a command of a newer meshtrain): CLI11
   // would only say that a subcommand is required. Name the word and list the commands.
@@ -447,6 +483,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("predict")) return run_predict(predict_args, argc, argv);
     if (app.got_subcommand("export")) return meshtrain::export_command(export_args, std::cout);
     if (app.got_subcommand("evaluate")) return run_evaluate(evaluate_args, argc, argv);
+    if (app.got_subcommand("sweep")) return run_sweep(sweep_args, argc, argv);
     if (app.got_subcommand("inspect")) {
       return meshtrain::print_checkpoint(inspect_args.checkpoint, inspect_args.verify, std::cout);
     }

@@ -62,7 +62,7 @@ meshtrain_cli_test(plan_bad_world 2 "^meshtrain: error: --world"
   -- ${_meshtrain} plan ${_configs}/fashion_mnist_dp.toml --world 0)
 meshtrain_cli_test(no_subcommand 2 "^meshtrain: error: .*subcommand" -- ${_meshtrain})
 meshtrain_cli_test(unknown_subcommand 2
-  "^meshtrain: error: unknown command 'frobnicate'. the commands are plan, trace-report, flight-report, train, inspect, calibrate, predict, export, evaluate \\(see meshtrain --help\\)$"
+  "^meshtrain: error: unknown command 'frobnicate'. the commands are plan, trace-report, flight-report, train, inspect, calibrate, predict, export, evaluate, sweep \\(see meshtrain --help\\)$"
   -- ${_meshtrain} frobnicate checkpoint.h5)
 meshtrain_cli_test(verbose_names_throw_site 2 "thrown at .*config\\.cpp:[0-9]+" --any-lines
   -- env MESHTRAIN_VERBOSE=1 ${_meshtrain} plan ${_cli}/no_such.toml)
