@@ -36,14 +36,6 @@
 namespace meshtrain {
 namespace {
 
-std::string trim(std::string text) {
-  const char* space = " \t";
-  text.erase(0, text.find_first_not_of(space));
-  const size_t last = text.find_last_not_of(space);
-  text.erase(last == std::string::npos ? 0 : last + 1);
-  return text;
-}
-
 // The values of "v1,v2,...": split at the commas outside brackets, braces and quotes, so a
 // TOML array or a quoted string with commas stays one value.
 std::vector<std::string> split_values(const std::string& text) {

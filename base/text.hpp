@@ -24,6 +24,15 @@ inline bool contains(const std::vector<std::string>& items, const std::string& i
   return std::find(items.begin(), items.end(), item) != items.end();
 }
 
+// `text` without the spaces and tabs at either end.
+inline std::string trim(std::string text) {
+  const char* space = " \t";
+  text.erase(0, text.find_first_not_of(space));
+  const size_t last = text.find_last_not_of(space);
+  text.erase(last == std::string::npos ? 0 : last + 1);
+  return text;
+}
+
 // A tuple of mesh axes as plans and messages write it: "(fsdp, dp)".
 inline std::string tuple_text(const std::vector<std::string>& axes) {
   return "(" + join(axes) + ")";

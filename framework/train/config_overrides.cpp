@@ -14,14 +14,6 @@
 namespace meshtrain {
 namespace {
 
-std::string trim(std::string text) {
-  const char* space = " \t";
-  text.erase(0, text.find_first_not_of(space));
-  const size_t last = text.find_last_not_of(space);
-  text.erase(last == std::string::npos ? 0 : last + 1);
-  return text;
-}
-
 // The override's key and value, or what is wrong with it (the words after "override '...' ").
 struct Split {
   std::vector<std::string> path;
