@@ -301,6 +301,7 @@ TEST(Stream, RunEqualsTheSameRowsFromHdf5) {
   config.stream.buffer_rows = per_group;
   config.stream.min_rows = per_group;
   config.stream.order = StreamOrder::arrival;
+  config.data.batch_size = batch;
   config.train.steps = steps;
   std::vector<double> stream_losses;
   std::vector<std::vector<float>> stream_params;
@@ -341,6 +342,7 @@ TEST(Stream, RunEqualsTheSameRowsFromHdf5) {
   offline.data.source = DataSource::hdf5;
   offline.data.path = {file};
   offline.data.shuffle = ShuffleMode::none;
+  offline.stream = StreamSection{};  // [stream] keys belong to a stream run
   std::vector<double> file_losses;
   {
     TrainingRun run(offline, {}, std::nullopt, roles.comm);
