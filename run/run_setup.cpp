@@ -215,9 +215,9 @@ void TrainingRun::open_stream() {
     slice_ = make_batch_slice(*mesh_, rank_, layer_axes_.batch, global_batch);
     min_rows = stream.min_rows > 0 ? stream.min_rows : slice_.rows;
     if (min_rows > stream.buffer_rows) {
-      MESHTRAIN_BAD_INPUT(where, "stream.min_rows (", min_rows, stream.min_rows > 0 ? "" :
-                          ": one batch's rows on a rank", ") is more than stream.buffer_rows (",
-                          stream.buffer_rows, ")");
+      MESHTRAIN_BAD_INPUT(where, "stream.min_rows (", min_rows,
+                          stream.min_rows > 0 ? "" : ": one batch's rows on a rank",
+                          ") is more than stream.buffer_rows (", stream.buffer_rows, ")");
     }
   });
   // Collective over every process of the job (the rendezvous): no early return above on

@@ -162,8 +162,7 @@ void TrainingRun::log_step(const StepResult& result) {
   window_loss_ += result.loss;
   window_aux_loss_ += result.aux_loss;
   ++window_steps_;
-  if (result.step % config_.train.log_every != 0 && result.step != total_steps_ &&
-      !stream_ended_) {
+  if (result.step % config_.train.log_every != 0 && result.step != total_steps_ && !stream_ended_) {
     return;
   }
   // The steps' own time: evaluation and saving are left out (saving is reported apart).

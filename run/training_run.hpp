@@ -48,8 +48,8 @@
 #include "framework/train/config.hpp"
 #include "framework/train/loss_scaler.hpp"
 #include "framework/train/lr_schedule.hpp"
-#include "framework/train/optimizer.hpp"
 #include "framework/train/memory_plan.hpp"  // PlannedMemory
+#include "framework/train/optimizer.hpp"
 #include "framework/train/zero1.hpp"
 #include "layers/context.hpp"
 #include "layers/eval_metrics.hpp"
@@ -288,7 +288,7 @@ class TrainingRun {
   std::unique_ptr<RowSource> test_source_;
   // data.source = "stream": train_source_ as what it is (pulled before every micro-batch).
   StreamSource* stream_ = nullptr;
-  bool stream_ended_ = false;  // stream.until = "closed" and every producer had closed
+  bool stream_ended_ = false;              // stream.until = "closed" and every producer had closed
   std::optional<BatchSchedule> schedule_;  // of optimizer steps: accumulation x batch rows
   BatchSlice slice_;                       // of one micro-batch
   int64_t accumulation_ = 1;               // micro-batches per step

@@ -41,7 +41,7 @@ struct DataSection {
 // trains, with data.source = "stream".
 struct StreamSection {
   std::string name = "samples";  // the producers connect to this name
-  int64_t buffer_rows = 65536;    // rows each trainer rank keeps: its memory bound
+  int64_t buffer_rows = 65536;   // rows each trainer rank keeps: its memory bound
   StreamPolicy policy = StreamPolicy::window;
   // Rows every trainer rank's buffer holds before the first step; 0: one batch's rows.
   int64_t min_rows = 0;

@@ -23,8 +23,8 @@ StreamProducer::~StreamProducer() {
 void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inputs,
                              int64_t outputs, StreamDtype dtype,
                              const StreamProducerOptions& options) {
-  MESHTRAIN_REQUIRE(!connected(), "StreamProducer::connect: already connected to stream \"",
-                    name_, "\"");
+  MESHTRAIN_REQUIRE(!connected(), "StreamProducer::connect: already connected to stream \"", name_,
+                    "\"");
   if (name.empty() || name.size() >= static_cast<size_t>(sp::kNameBytes)) {
     MESHTRAIN_BAD_INPUT("a stream's name must have 1 to ", sp::kNameBytes - 1,
                         " characters, got \"", name, "\"");
@@ -63,7 +63,8 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
   element_bytes_ = sp::dtype_bytes(hello.dtype);
   message_rows_ = options.message_rows;
   backpressure_ = options.backpressure;
-  const int64_t slots = std::max<int64_t>(1, (options.ring_rows + message_rows_ - 1) / message_rows_);
+  const int64_t slots =
+      std::max<int64_t>(1, (options.ring_rows + message_rows_ - 1) / message_rows_);
   slots_.assign(static_cast<size_t>(slots),
                 std::vector<unsigned char>(static_cast<size_t>(
                     sp::message_bytes(message_rows_, inputs, outputs, hello.dtype))));
@@ -97,9 +98,9 @@ int StreamProducer::take_free_slot() {
   if (!requests.empty()) {
     int done = 0;
     if (backpressure_ == StreamBackpressure::block) {
-      check_mpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(),
-                            MPI_STATUSES_IGNORE),
-                "MPI_Waitall (a stream's ring)");
+      check_mpi(
+          MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
+          "MPI_Waitall (a stream's ring)");
       done = 1;
     } else {
       check_mpi(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
@@ -113,8 +114,7 @@ int StreamProducer::take_free_slot() {
   return static_cast<int>(slot);
 }
 
-void StreamProducer::send_bytes(const void* x, const void* y, int64_t rows,
-                                int64_t element_bytes) {
+void StreamProducer::send_bytes(const void* x, const void* y, int64_t rows, int64_t element_bytes) {
   MESHTRAIN_REQUIRE(connected(), "StreamProducer::send before connect (or after close)");
   MESHTRAIN_REQUIRE(rows >= 0, "StreamProducer::send: negative rows (", rows, ")");
   const auto* xb = static_cast<const unsigned char*>(x);

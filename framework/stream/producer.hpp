@@ -53,8 +53,8 @@ class StreamProducer {
   void close();
 
   bool connected() const { return stream_comm_ != MPI_COMM_NULL; }
-  int64_t rows_sent() const { return rows_sent_; }          // handed to MPI
-  int64_t rows_dropped() const { return rows_dropped_; }    // ring full (drop)
+  int64_t rows_sent() const { return rows_sent_; }        // handed to MPI
+  int64_t rows_dropped() const { return rows_dropped_; }  // ring full (drop)
   const std::string& name() const { return name_; }
 
  private:

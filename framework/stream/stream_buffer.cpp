@@ -4,8 +4,8 @@
 
 namespace meshtrain {
 
-StreamBuffer::StreamBuffer(int64_t capacity, int64_t features, int64_t outputs,
-                           StreamPolicy policy, uint64_t seed, int64_t group)
+StreamBuffer::StreamBuffer(int64_t capacity, int64_t features, int64_t outputs, StreamPolicy policy,
+                           uint64_t seed, int64_t group)
     : capacity_(capacity),
       features_(features),
       outputs_(outputs),

@@ -36,9 +36,7 @@ class StreamBuffer {
   const float* y(int64_t slot) const { return y_.data() + slot * outputs_; }
   int64_t features() const { return features_; }
   int64_t outputs() const { return outputs_; }
-  int64_t bytes() const {
-    return static_cast<int64_t>((x_.size() + y_.size()) * sizeof(float));
-  }
+  int64_t bytes() const { return static_cast<int64_t>((x_.size() + y_.size()) * sizeof(float)); }
 
  private:
   int64_t capacity_, features_, outputs_;

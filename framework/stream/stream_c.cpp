@@ -34,8 +34,8 @@ int guarded(mt_stream* s, Fn&& fn) {
 
 extern "C" {
 
-int mt_stream_connect(MPI_Comm comm, const char* name, int64_t inputs, int64_t outputs,
-                      int dtype, const mt_stream_options* options, mt_stream** out) {
+int mt_stream_connect(MPI_Comm comm, const char* name, int64_t inputs, int64_t outputs, int dtype,
+                      const mt_stream_options* options, mt_stream** out) {
   if (!out) return MT_STREAM_BAD_INPUT;
   *out = new mt_stream;
   mt_stream* s = *out;

@@ -15,8 +15,7 @@ std::string name_of(const Hello& hello) {
 
 std::string shape_of(const Hello& hello) {
   std::ostringstream s;
-  s << hello.inputs << " inputs and " << hello.outputs << " outputs as "
-    << dtype_name(hello.dtype);
+  s << hello.inputs << " inputs and " << hello.outputs << " outputs as " << dtype_name(hello.dtype);
   return s.str();
 }
 
@@ -52,8 +51,8 @@ Rendezvous rendezvous(MPI_Comm parent, const Hello& mine, MPI_Comm* stream_comm)
 
   const std::string name = name_of(first_producer ? *first_producer : mine);
   if (!first_producer || !first_trainer) {
-    r.problem = "stream \"" + name + "\": " +
-                (first_producer ? "no trainer joined it" : "no producer joined it") +
+    r.problem = "stream \"" + name +
+                "\": " + (first_producer ? "no trainer joined it" : "no producer joined it") +
                 " (every process of the job takes part in the rendezvous once: the producers "
                 "in connect, the trainer's ranks as their run is built)";
     return r;

@@ -57,9 +57,9 @@ inline int64_t message_bytes(int64_t rows, int64_t inputs, int64_t outputs, int6
 // What the gathered records say: the parent ranks of the producers and of the trainer (in
 // the order of their own ranks), the groups' members, and the first mismatch ("" when none).
 struct Rendezvous {
-  std::vector<int> producers;                // parent rank of producer p
-  std::vector<int> trainers;                 // parent rank of trainer rank t
-  std::vector<std::vector<int>> group_ranks; // parent ranks of every trainer of group g
+  std::vector<int> producers;                 // parent rank of producer p
+  std::vector<int> trainers;                  // parent rank of trainer rank t
+  std::vector<std::vector<int>> group_ranks;  // parent ranks of every trainer of group g
   int64_t batch_count = 1;
   int64_t inputs = 0, outputs = 0, dtype = kFloat32;
   int64_t max_message_rows = 0;

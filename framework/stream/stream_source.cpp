@@ -74,8 +74,8 @@ StreamSource::~StreamSource() {
   std::vector<char> closed = closed_;
   for (size_t p = 0; p < producers_.size(); ++p) {
     for (int64_t i = 0; i < staged_count_[p]; ++i) {
-      const auto& slot = staging_[p][static_cast<size_t>((staged_head_[p] + i) %
-                                                         sp::kStagingSlots)];
+      const auto& slot =
+          staging_[p][static_cast<size_t>((staged_head_[p] + i) % sp::kStagingSlots)];
       sp::Header header;
       std::memcpy(&header, slot.data(), sizeof header);
       if (header.kind == sp::kClose) closed[p] = 1;
@@ -92,8 +92,8 @@ StreamSource::~StreamSource() {
         return;  // a destructor does not throw
       }
       if (!flag) continue;
-      MPI_Recv(scratch.data(), static_cast<int>(scratch.size()), MPI_BYTE, producers_[p],
-               sp::kTag, stream_comm_, MPI_STATUS_IGNORE);
+      MPI_Recv(scratch.data(), static_cast<int>(scratch.size()), MPI_BYTE, producers_[p], sp::kTag,
+               stream_comm_, MPI_STATUS_IGNORE);
       sp::Header header;
       std::memcpy(&header, scratch.data(), sizeof header);
       if (header.kind == sp::kClose) closed[p] = 1;
@@ -116,8 +116,8 @@ void StreamSource::read(const int64_t* rows, int64_t count, const RowBuffers& ou
 }
 
 int64_t StreamSource::resident_bytes() const {
-  return buffer_.bytes() + static_cast<int64_t>(producers_.size()) * sp::kStagingSlots *
-                               message_bytes_;
+  return buffer_.bytes() +
+         static_cast<int64_t>(producers_.size()) * sp::kStagingSlots * message_bytes_;
 }
 
 // Every producer's messages that have come, while it has a free staging slot: never waits
@@ -131,7 +131,8 @@ void StreamSource::receive() {
                 "MPI_Iprobe (a stream's rows)");
       if (!flag) break;
       auto& slot =
-          staging_[p][static_cast<size_t>((staged_head_[p] + staged_count_[p]) % sp::kStagingSlots)];
+          staging_[p]
+                  [static_cast<size_t>((staged_head_[p] + staged_count_[p]) % sp::kStagingSlots)];
       check_mpi(MPI_Recv(slot.data(), static_cast<int>(slot.size()), MPI_BYTE, producers_[p],
                          sp::kTag, stream_comm_, MPI_STATUS_IGNORE),
                 "MPI_Recv (a stream's rows)");
@@ -155,7 +156,8 @@ void StreamSource::take(const unsigned char* message) {
   const auto* x = reinterpret_cast<const double*>(payload);
   const double* y = x + header.rows * f;
   for (int64_t r = 0; r < header.rows; ++r) {
-    for (int64_t j = 0; j < f; ++j) row_scratch_[static_cast<size_t>(j)] = static_cast<float>(x[r * f + j]);
+    for (int64_t j = 0; j < f; ++j)
+      row_scratch_[static_cast<size_t>(j)] = static_cast<float>(x[r * f + j]);
     for (int64_t j = 0; j < w; ++j) {
       row_scratch_[static_cast<size_t>(f + j)] = static_cast<float>(y[r * w + j]);
     }
@@ -199,7 +201,7 @@ void StreamSource::pull_once() {
     if (!started_ && ended_) {
       MESHTRAIN_BAD_INPUT("stream \"", section_.name, "\": every producer closed after ",
                           counters_.rows_received, " rows, before every trainer rank held ",
-                          "stream.min_rows = ", min_rows_, " rows (or one batch's rows)");
+                          "stream.min_rows = ", min_rows_, " rows (0: one batch's rows)");
     }
   }
 }
@@ -218,9 +220,10 @@ int64_t StreamSource::batch_slots(int64_t seq, int64_t rows, int64_t* out) const
     if (section_.order == StreamOrder::arrival) {
       out[i] = (seq * rows + i) % filled;
     } else {
-      const uint64_t h = stream_hash(seed_ ^ stream_hash(static_cast<uint64_t>(seq) ^
-                                                         stream_hash(static_cast<uint64_t>(group_) ^
-                                                                     stream_hash(static_cast<uint64_t>(i)))));
+      const uint64_t h =
+          stream_hash(seed_ ^ stream_hash(static_cast<uint64_t>(seq) ^
+                                          stream_hash(static_cast<uint64_t>(group_) ^
+                                                      stream_hash(static_cast<uint64_t>(i)))));
       out[i] = static_cast<int64_t>(h % static_cast<uint64_t>(filled));
     }
   }

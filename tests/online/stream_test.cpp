@@ -25,6 +25,7 @@
 #include "framework/stream/stream_protocol.hpp"
 #include "run/training_run.hpp"
 #include "stream.h"
+#include "tests/support/expect_error.hpp"
 #include "tests/support/hdf5_files.hpp"
 #include "tests/support/temp_dir.hpp"
 #include "tests/support/training_runs.hpp"
@@ -71,8 +72,8 @@ void make_row_f(int64_t p, int64_t r, float* x, float* y) {
 }
 
 // Sends `rows` rows from producer `p` in sends of irregular sizes; returns rows handed to MPI.
-int64_t produce(MPI_Comm comm, int p, const std::string& name, int64_t rows,
-                StreamDtype dtype, const StreamProducerOptions& options) {
+int64_t produce(MPI_Comm comm, int p, const std::string& name, int64_t rows, StreamDtype dtype,
+                const StreamProducerOptions& options) {
   StreamProducer producer;
   producer.connect(comm, name, kInputs, kOutputs, dtype, options);
   std::vector<double> xd(64 * kInputs), yd(64 * kOutputs);
@@ -118,8 +119,7 @@ RunConfig trainer_config(const std::string& name, std::vector<std::pair<std::str
 
 int64_t sum_over_world(int64_t value) {
   int64_t sum = 0;
-  check_mpi(MPI_Allreduce(&value, &sum, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD),
-            "MPI_Allreduce");
+  check_mpi(MPI_Allreduce(&value, &sum, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD), "MPI_Allreduce");
   return sum;
 }
 
@@ -157,8 +157,8 @@ TEST(Stream, EveryRowCountedAndBuffersBoundedExactly) {
         options.message_rows = 16;
         options.ring_rows = 64;
         options.backpressure = StreamBackpressure::block;
-        sent = produce(roles.comm, roles.rank, name, rows_per_producer, StreamDtype::float64,
-                       options);
+        sent =
+            produce(roles.comm, roles.rank, name, rows_per_producer, StreamDtype::float64, options);
         EXPECT_EQ(sent, rows_per_producer);
         sum_over_world(sent);
         continue;
@@ -289,7 +289,8 @@ TEST(Stream, RunEqualsTheSameRowsFromHdf5) {
     producer.connect(roles.comm, "equal", kInputs, kOutputs, StreamDtype::float32, options);
     std::vector<float> x(8 * kInputs), y(8 * kOutputs);
     for (int64_t r = 0; r < per_producer; r += 8) {
-      for (int64_t i = 0; i < 8; ++i) make_row_f(roles.rank, r + i, &x[i * kInputs], &y[i * kOutputs]);
+      for (int64_t i = 0; i < 8; ++i)
+        make_row_f(roles.rank, r + i, &x[i * kInputs], &y[i * kOutputs]);
       producer.send(x.data(), y.data(), 8);
     }
     producer.close();
@@ -380,8 +381,8 @@ TEST(Stream, ShapeMismatchIsOneSentenceOnBothSides) {
     EXPECT_FALSE(producer.connected());
     // The C API says the same through its error code and sentence.
     mt_stream* s = nullptr;
-    EXPECT_EQ(mt_stream_connect(roles.comm, "mismatch-c", kInputs, kOutputs + 1,
-                                MT_STREAM_FLOAT32, nullptr, &s),
+    EXPECT_EQ(mt_stream_connect(roles.comm, "mismatch-c", kInputs, kOutputs + 1, MT_STREAM_FLOAT32,
+                                nullptr, &s),
               MT_STREAM_BAD_INPUT);
     EXPECT_NE(std::string(mt_stream_last_error(s)).find("3 outputs"), std::string::npos)
         << mt_stream_last_error(s);
@@ -408,6 +409,98 @@ TEST(Stream, ShapeMismatchIsOneSentenceOnBothSides) {
   MPI_Allreduce(&hash, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
   MPI_Allreduce(&hash, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
   EXPECT_EQ(lo, hi) << "the producers and the trainer report different sentences: " << message;
+}
+
+// The [stream] keys go through the one schema: read, written back, refused without
+// data.source = "stream" (every rank alike; no MPI).
+TEST(StreamConfig, KeysReadWrittenAndRefusedElsewhere) {
+  const std::string text =
+      "[model]\nsizes = [4, 3]\nloss = \"mse\"\n[train]\nsteps = 5\n"
+      "[data]\nsource = \"stream\"\n"
+      "[stream]\nname = \"heat\"\nbuffer_rows = 1000\npolicy = \"reservoir\"\n"
+      "min_rows = 100\norder = \"arrival\"\ndtype = \"float64\"\nuntil = \"closed\"\n";
+  const RunConfig c = parse_config(text, "online.toml");
+  EXPECT_EQ(c.data.source, DataSource::stream);
+  EXPECT_EQ(c.stream.name, "heat");
+  EXPECT_EQ(c.stream.buffer_rows, 1000);
+  EXPECT_EQ(c.stream.policy, StreamPolicy::reservoir);
+  EXPECT_EQ(c.stream.min_rows, 100);
+  EXPECT_EQ(c.stream.order, StreamOrder::arrival);
+  EXPECT_EQ(c.stream.dtype, StreamRowType::float64);
+  EXPECT_EQ(c.stream.until, StreamUntil::closed);
+  const RunConfig again = parse_config(config_to_toml(c), "again.toml");
+  EXPECT_EQ(again.stream.name, "heat");
+  EXPECT_EQ(again.stream.policy, StreamPolicy::reservoir);
+  EXPECT_EQ(again.stream.until, StreamUntil::closed);
+  testing::expect_bad_input(
+      [] {
+        parse_config("[model]\nsizes = [4, 3]\n[train]\nsteps = 5\n[stream]\nname = \"x\"\n",
+                     "t.toml");
+      },
+      {"t.toml", "[stream] name", "data.source = \"stream\""});
+  testing::expect_bad_input([&] { parse_config(text + "", "t.toml", {"stream.policy=newest"}); },
+                            {"stream.policy", "window", "reservoir"});
+}
+
+// The buffer alone: exact bounds and counters; the window keeps the newest rows in slot
+// n mod capacity; the reservoir's choices are a function of (seed, group, n) alone.
+TEST(StreamBuffer, BoundsAndPolicies) {
+  for (StreamPolicy policy : {StreamPolicy::window, StreamPolicy::reservoir}) {
+    StreamBuffer a(10, 1, 1, policy, 7, 0), b(10, 1, 1, policy, 7, 0), c(10, 1, 1, policy, 8, 0);
+    for (int64_t n = 0; n < 100; ++n) {
+      const float x = static_cast<float>(n), y = -x;
+      a.add(&x, &y);
+      b.add(&x, &y);
+      c.add(&x, &y);
+      EXPECT_EQ(a.filled(), std::min<int64_t>(n + 1, 10));
+      EXPECT_EQ(a.overwritten(), std::max<int64_t>(0, n + 1 - 10));
+    }
+    bool same_as_b = true, same_as_c = true;
+    for (int64_t s = 0; s < 10; ++s) {
+      EXPECT_EQ(a.y(s)[0], -a.x(s)[0]);
+      same_as_b = same_as_b && a.x(s)[0] == b.x(s)[0];
+      same_as_c = same_as_c && a.x(s)[0] == c.x(s)[0];
+      if (policy == StreamPolicy::window) EXPECT_EQ(a.x(s)[0], static_cast<float>(90 + s));
+    }
+    EXPECT_TRUE(same_as_b);
+    if (policy == StreamPolicy::reservoir) EXPECT_FALSE(same_as_c) << "the seed changes nothing";
+  }
+}
+
+// With backpressure drop, a ring of two messages whose sends cannot complete (no trainer
+// receives until the producer is done) drops later messages and counts them; send returns.
+// (Two: with one producer and two groups, each group gets one message.)
+// (Only messages above the MPI library's eager limit wait for their receiver, so the rows
+// are wide.)
+TEST(Stream, DropWhenTheRingIsFullIsCounted) {
+  Roles roles;
+  constexpr int64_t kWide = 4096;  // 16 KiB + a row: past the eager limits of shared memory
+  if (roles.producer) {
+    StreamProducer producer;
+    StreamProducerOptions options;
+    options.message_rows = 4;
+    options.ring_rows = 8;
+    producer.connect(roles.comm, "drop", kWide, 1, StreamDtype::float32, options);
+    std::vector<float> x(4 * kWide, 1.0f), y(4, 2.0f);
+    for (int k = 0; k < 20; ++k) producer.send(x.data(), y.data(), 4);
+    EXPECT_EQ(producer.rows_sent() + producer.rows_dropped(), 80);
+    EXPECT_GT(producer.rows_dropped(), 0) << "the ring never filled";
+    MPI_Barrier(MPI_COMM_WORLD);  // only now may the trainer receive
+    producer.close();
+    sum_over_world(producer.rows_sent());
+    return;
+  }
+  RunConfig config = trainer_config("drop", {{"dp", roles.trainers}}, "dp");
+  config.model.sizes = {kWide, 4, 1};
+  config.stream.until = StreamUntil::closed;
+  config.stream.min_rows = 1;
+  config.data.batch_size = roles.trainers;
+  config.train.steps = 1000;
+  TrainingRun run(config, {}, std::nullopt, roles.comm);
+  MPI_Barrier(MPI_COMM_WORLD);
+  while (!run.finished()) run.step();
+  const auto& source = dynamic_cast<const StreamSource&>(run.train_data());
+  EXPECT_EQ(source.counters().rows_received, sum_over_world(0));
 }
 
 }  // namespace
