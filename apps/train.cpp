@@ -75,9 +75,14 @@ MPI_Comm program_communicator() {
 int train_command(const std::string& config_path, const std::vector<std::string>& overrides,
                   const std::string& hardware) {
   const MPI_Comm comm = program_communicator();
+  const int64_t rendezvous_before = stream_rendezvous_count();
   try {
     return train_on(comm, config_path, overrides, hardware);
   } catch (const AgreedError& error) {
+    // Under MPMD the simulation may wait in its stream's connect: it is told why.
+    if (comm != MPI_COMM_WORLD && stream_rendezvous_count() == rendezvous_before) {
+      stream_trainer_failed(error.what());
+    }
     return report_agreed_error(error, comm);  // every rank holds it
   }
 }

@@ -29,3 +29,11 @@ meshtrain_add_command_test(NAME online_mpmd_shape_mismatch TIMEOUT 60
           --set run.output_dir=${_online_dir}/mismatch
   PASS_REGULAR_EXPRESSION "meshtrain: error: stream \"c-demo\": the producers send rows of 5 inputs and 2 outputs as float32, but the trainer takes rows of 4 inputs and 2 outputs as float32")
 set_tests_properties(online_mpmd_shape_mismatch PROPERTIES PROCESSORS 2)
+# The trainer fails at set-up (a bad key): the producer's connect fails with the trainer's
+# sentence instead of waiting for it.
+meshtrain_add_command_test(NAME online_mpmd_trainer_fails_at_setup TIMEOUT 60
+  COMMAND ${_online_mpmd} : ${MPIEXEC_NUMPROC_FLAG} 2 $<TARGET_FILE:meshtrain> train
+          ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml --set optimizer.lr=-1
+          --set run.output_dir=${_online_dir}/setup_error
+  PASS_REGULAR_EXPRESSION "producer: error: stream \"c-demo\": the trainer stopped before it trained: [^\n]*optimizer\\.lr")
+set_tests_properties(online_mpmd_trainer_fails_at_setup PROPERTIES PROCESSORS 2)

@@ -19,9 +19,16 @@ std::string shape_of(const Hello& hello) {
   return s.str();
 }
 
+int64_t g_rendezvous_count = 0;
+
 }  // namespace
 
+int64_t rendezvous_count() {
+  return g_rendezvous_count;
+}
+
 Rendezvous rendezvous(MPI_Comm parent, const Hello& mine, MPI_Comm* stream_comm) {
+  ++g_rendezvous_count;
   check_mpi(MPI_Comm_dup(parent, stream_comm), "MPI_Comm_dup (the stream's communicator)");
   int size = 0;
   check_mpi(MPI_Comm_size(*stream_comm, &size), "MPI_Comm_size");
@@ -42,6 +49,15 @@ Rendezvous rendezvous(MPI_Comm parent, const Hello& mine, MPI_Comm* stream_comm)
     } else if (h.role == kTrainer) {
       trainers.emplace_back(h.local_rank, rank);
       if (!first_trainer) first_trainer = &h;
+    }
+  }
+  for (int rank = 0; rank < size; ++rank) {
+    const Hello& h = hellos[static_cast<size_t>(rank)];
+    if (h.role == kFailedTrainer) {
+      r.problem = "stream \"" + name_of(first_producer ? *first_producer : h) +
+                  "\": the trainer stopped before it trained: " +
+                  std::string(h.note, strnlen(h.note, kNoteBytes));
+      return r;
     }
   }
   std::sort(producers.begin(), producers.end());

@@ -18,8 +18,11 @@ constexpr int kTag = 3801;
 // Slots of received messages per producer on a trainer rank.
 constexpr int64_t kStagingSlots = 4;
 constexpr int kNameBytes = 64;
+constexpr int kNoteBytes = 512;
 
-enum Role : int64_t { kNone = 0, kProducer = 1, kTrainer = 2 };
+// kFailedTrainer: a trainer rank whose run failed before its rendezvous joins it only to say
+// why (Hello::note), so that the producers' connect fails rather than waits.
+enum Role : int64_t { kNone = 0, kProducer = 1, kTrainer = 2, kFailedTrainer = 3 };
 enum Dtype : int64_t { kFloat32 = 0, kFloat64 = 1 };
 enum Kind : int64_t { kRows = 1, kClose = 2, kStop = 3 };
 
@@ -34,6 +37,7 @@ struct Hello {
   int64_t batch_index = 0;   // trainers: the index in their group over the batch axes
   int64_t batch_count = 1;   // trainers: the number of those groups
   char name[kNameBytes] = {};
+  char note[kNoteBytes] = {};  // kFailedTrainer: the error's sentence
 };
 
 struct Header {
@@ -69,6 +73,10 @@ struct Rendezvous {
 // Every rank of `parent` calls it once (collective): dups `parent` into *stream_comm and
 // gathers every rank's `mine`. The same result on every rank.
 Rendezvous rendezvous(MPI_Comm parent, const Hello& mine, MPI_Comm* stream_comm);
+
+// The rendezvous this process took part in so far (a program may hold several streams in
+// turn: the tests do).
+int64_t rendezvous_count();
 
 // The group of message `message` of producer `producer` (of `producers`) among `groups`.
 inline int64_t group_of_message(int64_t producer, int64_t message, int64_t producers,

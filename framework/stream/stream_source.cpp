@@ -13,6 +13,20 @@ namespace meshtrain {
 
 namespace sp = stream_protocol;
 
+int64_t stream_rendezvous_count() {
+  return sp::rendezvous_count();
+}
+
+void stream_trainer_failed(const std::string& sentence, MPI_Comm parent) {
+  sp::Hello hello;
+  hello.role = sp::kFailedTrainer;
+  std::memcpy(hello.note, sentence.data(),
+              std::min<size_t>(sentence.size(), static_cast<size_t>(sp::kNoteBytes - 1)));
+  MPI_Comm stream_comm = MPI_COMM_NULL;
+  sp::rendezvous(parent, hello, &stream_comm);
+  MPI_Comm_free(&stream_comm);
+}
+
 StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
                            const BatchSlice& slice, int64_t features, int64_t outputs,
                            int64_t min_rows, uint64_t seed)

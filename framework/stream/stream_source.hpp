@@ -12,6 +12,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "framework/io/data.hpp"
@@ -26,6 +27,14 @@ struct StreamCounters {
   int64_t rows_overwritten = 0;  // replaced, or not kept by the reservoir
   int64_t buffer_rows = 0;       // rows the buffers hold
 };
+
+// A trainer whose run failed before its stream's rendezvous (a bad config, say) calls this on
+// each of its ranks (collective over `parent` with the producers' connect), so that the
+// producers' connect throws a bad_input Error saying why instead of waiting. Only before the
+// rendezvous: compare stream_rendezvous_count() before and after building the run.
+void stream_trainer_failed(const std::string& sentence, MPI_Comm parent = MPI_COMM_WORLD);
+// The stream rendezvous this process took part in so far.
+int64_t stream_rendezvous_count();
 
 class StreamSource : public RowSource {
  public:

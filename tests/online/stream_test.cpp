@@ -411,6 +411,35 @@ TEST(Stream, ShapeMismatchIsOneSentenceOnBothSides) {
   EXPECT_EQ(lo, hi) << "the producers and the trainer report different sentences: " << message;
 }
 
+// A trainer that fails before its rendezvous (here: no train.steps) tells the producers, whose
+// connect then fails with its sentence instead of waiting.
+TEST(Stream, TrainerFailingAtSetUpEndsTheProducersConnect) {
+  Roles roles;
+  std::string message;
+  if (roles.producer) {
+    StreamProducer producer;
+    try {
+      producer.connect(roles.comm, "early", kInputs, kOutputs, StreamDtype::float32);
+      ADD_FAILURE() << "connect succeeded with a trainer that failed";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::bad_input);
+      message = e.what();
+    }
+    EXPECT_NE(message.find("stream \"early\": the trainer stopped before it trained: "),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("train.steps"), std::string::npos) << message;
+    return;
+  }
+  RunConfig config = trainer_config("early", {{"dp", roles.trainers}}, "dp");
+  try {
+    TrainingRun run(config, {}, std::nullopt, roles.comm);  // no train.steps
+    ADD_FAILURE() << "a stream run without train.steps was built";
+  } catch (const AgreedError& e) {
+    stream_trainer_failed(e.what());
+  }
+}
+
 // The [stream] keys go through the one schema: read, written back, refused without
 // data.source = "stream" (every rank alike; no MPI).
 TEST(StreamConfig, KeysReadWrittenAndRefusedElsewhere) {
