@@ -436,7 +436,8 @@ void TrainingRun::compute_statistics() {
 
 // Raw inputs of very different scales train badly and silently: rank 0 looks at a sample.
 void TrainingRun::warn_about_input_scales() {
-  if (normalization_.inputs() || rank_ != 0) return;
+  // A stream's buffer is empty at set-up (its rows come with the first step).
+  if (normalization_.inputs() || rank_ != 0 || stream_) return;
   const std::string warning = input_scale_warning(*train_source_, slice_.rows);
   if (!warning.empty()) warnings_.push_back(warning);
 }
