@@ -17,9 +17,10 @@
 
 namespace meshtrain {
 
-inline int report_agreed_error(const AgreedError& error) {
+// `comm`: the command's ranks (under MPMD its program's part of MPI_COMM_WORLD).
+inline int report_agreed_error(const AgreedError& error, MPI_Comm comm = MPI_COMM_WORLD) {
   int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_rank(comm, &rank);
   if (rank == 0) std::fprintf(stderr, "meshtrain: error: %s\n", error.what());
   return exit_status_for(error);
 }

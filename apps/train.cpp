@@ -46,22 +46,64 @@ RunEvents printing_events(bool rank0) {
   return events;
 }
 
+// The command's ranks. Under MPMD (`mpirun -np 8 ./sim : -np 2 meshtrain train online.toml`,
+// docs/online.md) every program takes its part of MPI_COMM_WORLD by MPI_APPNUM: the split is
+// collective over the whole job, so the simulation makes it too (the usual MPMD idiom). A
+// job of meshtrain alone keeps MPI_COMM_WORLD.
+int train_on(MPI_Comm comm, const std::string& config_path,
+             const std::vector<std::string>& overrides, const std::string& hardware);
+
+MPI_Comm program_communicator() {
+  int* appnum = nullptr;
+  int flag = 0;
+  MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_APPNUM, &appnum, &flag);
+  int world_rank = 0, world_size = 1, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm_split(MPI_COMM_WORLD, flag && appnum ? *appnum : 0, world_rank, &comm);
+  MPI_Comm_size(comm, &size);
+  if (size == world_size) {
+    MPI_Comm_free(&comm);
+    return MPI_COMM_WORLD;
+  }
+  return comm;  // lives as long as the process
+}
+
 }  // namespace
 
 int train_command(const std::string& config_path, const std::vector<std::string>& overrides,
-                  const std::string& hardware) try {
+                  const std::string& hardware) {
+  const MPI_Comm comm = program_communicator();
+  const int64_t rendezvous_before = stream_rendezvous_count();
+  try {
+    return train_on(comm, config_path, overrides, hardware);
+  } catch (const AgreedError& error) {
+    // Under MPMD the simulation may wait in its stream's connect: it is told why.
+    if (comm != MPI_COMM_WORLD && stream_rendezvous_count() == rendezvous_before) {
+      stream_trainer_failed(error.what());
+    }
+    return report_agreed_error(error, comm);  // every rank holds it
+  }
+}
+
+namespace {
+
+// The command on `comm`, its ranks.
+int train_on(MPI_Comm comm, const std::string& config_path,
+             const std::vector<std::string>& overrides, const std::string& hardware) {
   int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_rank(comm, &rank);
   const bool rank0 = rank == 0;
 
   std::optional<RunConfig> config;
-  if (auto error = run_agreed(MPI_COMM_WORLD, [&] {
+  if (auto error = run_agreed(comm, [&] {
         config = load_config(config_path, overrides);
         if (!hardware.empty()) set_collective_matmul_hardware(read_hardware_profile(hardware));
       })) {
     throw *error;
   }
-  TrainingRun run(*config, printing_events(rank0));
+  TrainingRun run(*config, printing_events(rank0), std::nullopt, comm);
   if (rank0) {
     if (const auto& info = run.resumed_from()) {
       std::printf("resumed from %s at step %lld (saved on %s)%s%s\n", info->path.c_str(),
@@ -120,8 +162,8 @@ int train_command(const std::string& config_path, const std::vector<std::string>
   }
   if (rank0) std::printf("metrics: %s/metrics.jsonl\n", run.config().run.output_dir.c_str());
   return 0;
-} catch (const AgreedError& error) {
-  return report_agreed_error(error);  // every rank holds it
 }
+
+}  // namespace
 
 }  // namespace meshtrain

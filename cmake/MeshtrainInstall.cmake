@@ -41,7 +41,8 @@ install(DIRECTORY ${PROJECT_SOURCE_DIR}/base ${PROJECT_SOURCE_DIR}/partition ${P
         PATTERN "checkpoint_testing.hpp" EXCLUDE
         # Internal to the config's TOML files (and the only header that includes toml++).
         PATTERN "config_schema.hpp" EXCLUDE)
-install(FILES ${PROJECT_SOURCE_DIR}/meshtrain.hpp DESTINATION ${MESHTRAIN_INSTALL_INCLUDEDIR})
+install(FILES ${PROJECT_SOURCE_DIR}/meshtrain.hpp ${PROJECT_SOURCE_DIR}/stream.hpp
+              ${PROJECT_SOURCE_DIR}/stream.h DESTINATION ${MESHTRAIN_INSTALL_INCLUDEDIR})
 # The command itself (apps/): it links meshtrain's libraries statically and the rest from the
 # system, so it runs from the prefix as it does from build/bin/.
 install(TARGETS meshtrain RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

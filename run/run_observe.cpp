@@ -255,12 +255,20 @@ std::vector<std::string> TrainingRun::describe() const {
   }
   lines.push_back("  GEMM: " + gemm_kernels());
   const DataShape& data = train_source_->shape();
-  lines.push_back(detail::concat("  data: ", data.description, ", ", data.num_samples,
-                                 " rows, order ", schedule_->order().name(), ", ",
-                                 config_.data.prefetch > 0
-                                     ? detail::concat(config_.data.prefetch, " batches read ahead")
-                                     : std::string("read in the step"),
-                                 ", ", data_bytes() >> 10, " KiB on this rank"));
+  if (stream_) {
+    const StreamSection& stream = config_.stream;
+    lines.push_back(detail::concat(
+        "  data: ", data.description, " from ", stream_->producers(), " producer(s), ",
+        to_string(stream.policy), " of ", stream.buffer_rows, " rows per rank, order ",
+        to_string(stream.order), ", read in the step, ", data_bytes() >> 10, " KiB on this rank"));
+  } else {
+    lines.push_back(detail::concat(
+        "  data: ", data.description, ", ", data.num_samples, " rows, order ",
+        schedule_->order().name(), ", ",
+        config_.data.prefetch > 0 ? detail::concat(config_.data.prefetch, " batches read ahead")
+                                  : std::string("read in the step"),
+        ", ", data_bytes() >> 10, " KiB on this rank"));
+  }
   for (const std::string& line : model_->describe()) lines.push_back("  " + line);
   lines.push_back("  " + describe_planned_memory(planned_memory_));
   // Last: tests index the lines above.

@@ -107,6 +107,10 @@ void TrainingRun::open_data(std::optional<RunData> data) {
   const char* eval_key = config_.data.eval_batch_size ? "data.eval_batch_size"
                                                       : "data.batch_size (the evaluation batch)";
 
+  if (!data_in_code && config_.data.source == DataSource::stream) {
+    open_stream();
+    return;
+  }
   on_every_rank(comm_, [&] {
     if (data) {
       check_data_fits_model(data->train, inputs, outputs, width_keys);
@@ -178,6 +182,62 @@ void TrainingRun::open_data(std::optional<RunData> data) {
           train_source_->resident_bytes() + test_source_->resident_bytes();
       planned_memory_.data.cache_bytes = 0;
     }
+  });
+}
+
+// data.source = "stream": the rows come from a running simulation's producers
+// (docs/online.md). This rank's buffer is fed by the producers of its group over the batch
+// axes; the schedule only numbers the steps (its "samples" are the buffers' slots).
+void TrainingRun::open_stream() {
+  const int64_t inputs = config_.model.input_width(), outputs = config_.model.output_width();
+  const int64_t global_batch = config_.data.batch_size;
+  accumulation_ = config_.train.accumulation_steps;
+  const StreamSection& stream = config_.stream;
+  int64_t min_rows = 0;
+  on_every_rank(comm_, [&] {
+    const std::string where = config_.file.empty() ? "" : config_.file + ": ";
+    if (!config_.train.steps) {
+      MESHTRAIN_BAD_INPUT(where, "data.source = \"stream\" needs train.steps (a stream has no ",
+                          "epochs)");
+    }
+    if (!config_.model.loss) config_.model.loss = LossKind::mse;
+    if (!is_regression(*config_.model.loss)) {
+      MESHTRAIN_BAD_INPUT(where, "data.source = \"stream\" sends regression targets, but ",
+                          "model.loss = \"", to_string(*config_.model.loss), "\"; use \"mse\", ",
+                          "\"huber\" or \"mae\"");
+    }
+    if (config_.data.normalize_inputs == Normalize::standard ||
+        config_.data.normalize_targets == Normalize::standard) {
+      MESHTRAIN_BAD_INPUT(where, "data.normalize_inputs / normalize_targets = \"standard\" is ",
+                          "not yet supported with data.source = \"stream\"; set them to ",
+                          "\"none\"");
+    }
+    slice_ = make_batch_slice(*mesh_, rank_, layer_axes_.batch, global_batch);
+    min_rows = stream.min_rows > 0 ? stream.min_rows : slice_.rows;
+    if (min_rows > stream.buffer_rows) {
+      MESHTRAIN_BAD_INPUT(where, "stream.min_rows (", min_rows,
+                          stream.min_rows > 0 ? "" : ": one batch's rows on a rank",
+                          ") is more than stream.buffer_rows (", stream.buffer_rows, ")");
+    }
+  });
+  // Collective over every process of the job (the rendezvous): no early return above on
+  // some ranks only (on_every_rank agreed on it).
+  on_every_rank(comm_, [&] {
+    auto source = std::make_unique<StreamSource>(stream, comm_, slice_, inputs, outputs, min_rows,
+                                                 config_.run.seed);
+    stream_ = source.get();
+    train_source_ = std::move(source);
+    Dataset none;
+    none.description = "no test set (a stream's held-out rows are not built yet)";
+    none.features = inputs;
+    none.target_width = outputs;
+    test_source_ = make_memory_source(std::move(none));
+    // Steps are numbered by the schedule; its samples (the buffer's slots) are not used.
+    schedule_.emplace(stream.buffer_rows * slice_.count, global_batch * accumulation_,
+                      ShuffleMode::none, config_.run.seed);
+    eval_slice_ = slice_;
+    eval_schedule_ = EvalSchedule::create(0, global_batch);
+    total_steps_ = *config_.train.steps;
   });
 }
 
@@ -376,7 +436,8 @@ void TrainingRun::compute_statistics() {
 
 // Raw inputs of very different scales train badly and silently: rank 0 looks at a sample.
 void TrainingRun::warn_about_input_scales() {
-  if (normalization_.inputs() || rank_ != 0) return;
+  // A stream's buffer is empty at set-up (its rows come with the first step).
+  if (normalization_.inputs() || rank_ != 0 || stream_) return;
   const std::string warning = input_scale_warning(*train_source_, slice_.rows);
   if (!warning.empty()) warnings_.push_back(warning);
 }
@@ -385,10 +446,12 @@ void TrainingRun::warn_about_input_scales() {
 // being read while the first step is set up.
 void TrainingRun::start_streams() {
   on_every_rank(comm_, [&] {
-    const int64_t depth = config_.data.prefetch;
+    // A stream's buffer changes between batches (pull): read in the step.
+    const int64_t depth = stream_ ? 0 : config_.data.prefetch;
     train_stream_ = std::make_unique<BatchStream>(
         *train_source_, slice_.rows,
         [this](int64_t seq, int64_t* rows) {
+          if (stream_) return stream_->batch_slots(seq, slice_.rows, rows);
           BatchSlice slice = slice_;
           slice.offset = (seq % accumulation_) * slice_.global_batch;
           schedule_->slice_samples(seq / accumulation_, slice, rows);

@@ -127,10 +127,11 @@ void TrainingRun::train_steps(RunSummary& summary) {
     if (steps_done_ == first_step + 1) report_memory("first_step", nullptr);
     const double after_step = window_.now();  // evaluation and saving are not training time
     const int64_t done = result.step;
+    const bool last = done == total_steps_ || stream_ended_;
     const int64_t eval_every = config_.train.eval_interval(schedule_->steps_per_epoch());
     const bool eval_now = eval_every > 0 && done % eval_every == 0;
     bool improved = false;
-    if ((eval_now || done == total_steps_) && eval_schedule_.num_batches > 0) {
+    if ((eval_now || last) && eval_schedule_.num_batches > 0) {
       summary.last_eval = evaluate();
       improved = record_evaluation(*summary.last_eval);
       metrics_->eval(*summary.last_eval);
@@ -144,7 +145,7 @@ void TrainingRun::train_steps(RunSummary& summary) {
         (improved && config_.checkpoint.keep_best) || stopped_early_;
     const double before_save = window_.now();
     window_.add_paused(before_save - after_step);
-    if (save_now || done == total_steps_) {
+    if (save_now || last) {
       start_save();
       window_.mark_save();
     } else if (checkpointer_->in_flight()) {
@@ -161,7 +162,9 @@ void TrainingRun::log_step(const StepResult& result) {
   window_loss_ += result.loss;
   window_aux_loss_ += result.aux_loss;
   ++window_steps_;
-  if (result.step % config_.train.log_every != 0 && result.step != total_steps_) return;
+  if (result.step % config_.train.log_every != 0 && result.step != total_steps_ && !stream_ended_) {
+    return;
+  }
   // The steps' own time: evaluation and saving are left out (saving is reported apart).
   const ProgressWindow::Times times = window_.times();
   const double elapsed = times.step_s;
@@ -193,6 +196,12 @@ void TrainingRun::log_step(const StepResult& result) {
   all_reduce_collective(&waited, 1, MPI_DOUBLE, MPI_MAX, comm_, "the reduction of the data wait",
                         data_wait_reduction_);
   event.data_wait_s = waited / window_steps_;
+  if (stream_) {
+    const StreamCounters& counters = stream_->counters();
+    event.stream_rows_received = counters.rows_received;
+    event.stream_rows_overwritten = counters.rows_overwritten;
+    event.stream_buffer_rows = counters.buffer_rows;
+  }
   data_wait_s_ += waited;
   metrics_->log(event);
   if (events_.on_log) events_.on_log(event);
@@ -218,12 +227,19 @@ StepResult TrainingRun::step() {
     }
     result = apply_update();
   }
+  if (stream_ && config_.stream.until == StreamUntil::closed && stream_->ended()) {
+    stream_ended_ = true;
+  }
   if (tracing_ && number == config_.runtime.trace_last) end_trace();
   return result;
 }
 
 void TrainingRun::load_batch(int64_t step, int64_t micro) {
   try {
+    if (stream_) {
+      TraceSpan span("stream receive");
+      stream_->pull();
+    }
     train_stream_->take(step * accumulation_ + micro, x_, labels_, targets_);
   } catch (const Error&) {
     keep_data_error(*loss_);

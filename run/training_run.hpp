@@ -44,11 +44,12 @@
 #include "framework/io/metrics.hpp"
 #include "framework/io/normalization.hpp"
 #include "framework/observe/memory_tracker.hpp"
+#include "framework/stream/stream_source.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/loss_scaler.hpp"
 #include "framework/train/lr_schedule.hpp"
-#include "framework/train/optimizer.hpp"
 #include "framework/train/memory_plan.hpp"  // PlannedMemory
+#include "framework/train/optimizer.hpp"
 #include "framework/train/zero1.hpp"
 #include "layers/context.hpp"
 #include "layers/eval_metrics.hpp"
@@ -186,7 +187,8 @@ class TrainingRun {
   std::string run_dir() const;
   // The last step is done, or train.early_stopping stopped the run (also when resumed from
   // a checkpoint saved as it stopped).
-  bool finished() const { return steps_done_ >= total_steps_ || stopped_early_; }
+  // With stream.until = "closed": every producer had closed at the last step.
+  bool finished() const { return steps_done_ >= total_steps_ || stopped_early_ || stream_ended_; }
   bool stopped_early() const { return stopped_early_; }
   // The best evaluation so far by the run's metric (checkpoint.keep_best, else the test
   // loss; NaN before the first) and the step it was made at (-1 when not in this process).
@@ -245,6 +247,7 @@ class TrainingRun {
   // Set-up, in the constructor's order (run_setup.cpp).
   void plan_run();
   void open_data(std::optional<RunData> data);
+  void open_stream();
   void connect();
   void build_model();
   void build_checkpoint_view();
@@ -283,6 +286,9 @@ class TrainingRun {
   LayerAxes layer_axes_;  // the batch and feature axes of the plan's layers
   std::unique_ptr<RowSource> train_source_;
   std::unique_ptr<RowSource> test_source_;
+  // data.source = "stream": train_source_ as what it is (pulled before every micro-batch).
+  StreamSource* stream_ = nullptr;
+  bool stream_ended_ = false;              // stream.until = "closed" and every producer had closed
   std::optional<BatchSchedule> schedule_;  // of optimizer steps: accumulation x batch rows
   BatchSlice slice_;                       // of one micro-batch
   int64_t accumulation_ = 1;               // micro-batches per step

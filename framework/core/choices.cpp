@@ -116,7 +116,32 @@ const ChoiceTable<Dtype>& dtype_choices() {
 const ChoiceTable<DataSource>& data_source_choices() {
   static const ChoiceTable<DataSource> table = {{"fashion_mnist", DataSource::fashion_mnist},
                                                 {"synthetic", DataSource::synthetic},
-                                                {"hdf5", DataSource::hdf5}};
+                                                {"hdf5", DataSource::hdf5},
+                                                {"stream", DataSource::stream}};
+  return table;
+}
+
+const ChoiceTable<StreamPolicy>& stream_policy_choices() {
+  static const ChoiceTable<StreamPolicy> table = {{"window", StreamPolicy::window},
+                                                  {"reservoir", StreamPolicy::reservoir}};
+  return table;
+}
+
+const ChoiceTable<StreamOrder>& stream_order_choices() {
+  static const ChoiceTable<StreamOrder> table = {{"random", StreamOrder::random},
+                                                 {"arrival", StreamOrder::arrival}};
+  return table;
+}
+
+const ChoiceTable<StreamRowType>& stream_row_type_choices() {
+  static const ChoiceTable<StreamRowType> table = {{"float32", StreamRowType::float32},
+                                                   {"float64", StreamRowType::float64}};
+  return table;
+}
+
+const ChoiceTable<StreamUntil>& stream_until_choices() {
+  static const ChoiceTable<StreamUntil> table = {{"steps", StreamUntil::steps},
+                                                 {"closed", StreamUntil::closed}};
   return table;
 }
 
@@ -242,6 +267,18 @@ const char* to_string(DataSource value) {
 }
 const char* to_string(ShuffleMode value) {
   return name_of(shuffle_mode_choices(), value);
+}
+const char* to_string(StreamPolicy value) {
+  return name_of(stream_policy_choices(), value);
+}
+const char* to_string(StreamOrder value) {
+  return name_of(stream_order_choices(), value);
+}
+const char* to_string(StreamRowType value) {
+  return name_of(stream_row_type_choices(), value);
+}
+const char* to_string(StreamUntil value) {
+  return name_of(stream_until_choices(), value);
 }
 std::string to_string(const EvalMetric& value) {
   std::string name = eval_metric_names().at(static_cast<size_t>(value.kind));

@@ -15,7 +15,11 @@
 //   runtime.backend               CommBackendChoice          auto | mpi | nccl
 //   runtime.reductions            ReductionAlgorithm         auto | mpi | ring | measure
 //   runtime.matmul_precision      MatmulPrecision            fp32 | tf32
-//   data.source                   DataSource                 fashion_mnist | synthetic | hdf5
+//   data.source                   DataSource                 fashion_mnist | synthetic | hdf5 | stream
+//   stream.policy                 StreamPolicy               window | reservoir
+//   stream.order                  StreamOrder                random | arrival
+//   stream.dtype                  StreamRowType              float32 | float64
+//   stream.until                  StreamUntil                steps | closed
 //   data.shuffle                  ShuffleMode                none | rows | blocks (config: false | true | "blocks")
 //   checkpoint.keep_best          EvalMetric                 test_loss | test_accuracy | test_top5_accuracy |
 //                                                            test_mse | test_mae | test_r2 | test_rel_l2, the last
@@ -63,7 +67,15 @@ enum class ReductionAlgorithm { automatic, mpi, ring, measure };
 enum class CommThreadChoice { automatic, on, off };
 // How float GEMMs may round (see framework/core/gemm.hpp).
 enum class MatmulPrecision { fp32, tf32 };
-enum class DataSource { fashion_mnist, synthetic, hdf5 };
+enum class DataSource { fashion_mnist, synthetic, hdf5, stream };
+// A stream's buffer (docs/online.md): the newest rows, or a uniform sample of every row seen.
+enum class StreamPolicy { window, reservoir };
+// Which buffer rows a batch takes: hashed at random, or in the order they came.
+enum class StreamOrder { random, arrival };
+// The type of a stream's rows on the wire.
+enum class StreamRowType { float32, float64 };
+// A stream run ends at train.steps, or after the step in which every producer had closed.
+enum class StreamUntil { steps, closed };
 // The order of an epoch's rows (framework/io/data_order.hpp): as stored, shuffled rows, or
 // shuffled blocks of rows.
 enum class ShuffleMode { none, rows, blocks };
@@ -108,6 +120,10 @@ const ChoiceTable<MatmulPrecision>& matmul_precision_choices();
 const ChoiceTable<Dtype>& dtype_choices();
 const ChoiceTable<DataSource>& data_source_choices();
 const ChoiceTable<ShuffleMode>& shuffle_mode_choices();
+const ChoiceTable<StreamPolicy>& stream_policy_choices();
+const ChoiceTable<StreamOrder>& stream_order_choices();
+const ChoiceTable<StreamRowType>& stream_row_type_choices();
+const ChoiceTable<StreamUntil>& stream_until_choices();
 // The names of the metrics over every output, in EvalMetric::Kind's order ("test_loss", ...).
 const std::vector<std::string>& eval_metric_names();
 // "test_mse", "test_r2[2]", ...; nullopt for a name that is none (an index on a metric that has
@@ -158,6 +174,10 @@ const char* to_string(MatmulPrecision value);
 const char* to_string(Dtype value);
 const char* to_string(DataSource value);
 const char* to_string(ShuffleMode value);
+const char* to_string(StreamPolicy value);
+const char* to_string(StreamOrder value);
+const char* to_string(StreamRowType value);
+const char* to_string(StreamUntil value);
 std::string to_string(const EvalMetric& value);  // "test_loss", "test_r2[2]"
 
 const char* to_string(Normalize value);

@@ -209,6 +209,11 @@ std::unique_ptr<RowSource> open_data_source(const DataSection& data, Split split
   } else if (data.source == DataSource::synthetic) {
     source = make_memory_source(
         make_synthetic(data.synthetic_samples, input_width, output_width, seed, split));
+  } else if (data.source == DataSource::stream) {
+    // The trainer's TrainingRun opens a stream (framework/stream/stream_source.hpp); no
+    // command reads one as a data set.
+    MESHTRAIN_BAD_INPUT("data.source = \"stream\" is read by a training run only (its rows ",
+                        "come from a running simulation); give this command an HDF5 file");
   } else {
     const std::vector<std::string>& entries = split == Split::train ? data.path : data.test_path;
     const char* key = split == Split::train ? "data.path" : "data.test_path";
@@ -285,6 +290,11 @@ DataFootprint data_footprint(const DataSection& data, const DataUse& use, int64_
     // The shards a batch reads share the caches, in the train and test sources.
     const int64_t sources = data.test_path.empty() ? 1 : 2;
     f.cache_bytes = sources * hdf5_chunk_cache_bytes(data, features, outputs);
+    return f;
+  }
+  if (data.source == DataSource::stream) {
+    f.source = "a stream (its buffer is not counted yet)";
+    f.read.pattern = ReadPattern::memory;
     return f;
   }
   f.source = "in memory";

@@ -37,6 +37,19 @@ struct DataSection {
   Normalize normalize_targets = Normalize::none;
 };
 
+// The [stream] section (docs/online.md): rows sent by a simulation's producers while the run
+// trains, with data.source = "stream".
+struct StreamSection {
+  std::string name = "samples";  // the producers connect to this name
+  int64_t buffer_rows = 65536;   // rows each trainer rank keeps: its memory bound
+  StreamPolicy policy = StreamPolicy::window;
+  // Rows every trainer rank's buffer holds before the first step; 0: one batch's rows.
+  int64_t min_rows = 0;
+  StreamOrder order = StreamOrder::random;
+  StreamRowType dtype = StreamRowType::float32;
+  StreamUntil until = StreamUntil::steps;
+};
+
 // A dataset key as written ("x" or "/x") in its canonical form ("/x"); "" when it names no
 // dataset ("" or "/").
 inline std::string canonical_dataset_key(const std::string& key) {

@@ -58,6 +58,11 @@ void MetricsLog::log(const LogEvent& e) {
     j["skipped_steps"] = e.skipped_steps;
   }
   if (!std::isnan(e.aux_loss)) j["aux_loss"] = e.aux_loss;
+  if (e.stream_rows_received >= 0) {
+    j["stream_rows_received"] = e.stream_rows_received;
+    j["stream_rows_overwritten"] = e.stream_rows_overwritten;
+    j["stream_buffer_rows"] = e.stream_buffer_rows;
+  }
   write_line(j.dump());
 }
 
@@ -213,13 +218,20 @@ std::string format_log_line(const LogEvent& e) {
   if (!std::isnan(e.aux_loss)) std::snprintf(aux, sizeof aux, " (aux %.5f)", e.aux_loss);
   char save[48] = "";
   if (!std::isnan(e.save_s)) std::snprintf(save, sizeof save, "  save %.1f ms", 1e3 * e.save_s);
-  char line[400];
+  char stream[96] = "";
+  if (e.stream_rows_received >= 0) {
+    std::snprintf(stream, sizeof stream, "  stream %lld rows (%lld overwritten, %lld buffered)",
+                  static_cast<long long>(e.stream_rows_received),
+                  static_cast<long long>(e.stream_rows_overwritten),
+                  static_cast<long long>(e.stream_buffer_rows));
+  }
+  char line[500];
   std::snprintf(line, sizeof line,
                 "step %6lld/%lld  epoch %3lld  loss %.5f%s  lr %.3e  %9.1f samples/s  %.4f "
-                "TFLOP/s%s  data wait %.1f ms%s%s  ETA %s",
+                "TFLOP/s%s  data wait %.1f ms%s%s%s  ETA %s",
                 static_cast<long long>(e.step), static_cast<long long>(e.total_steps),
                 static_cast<long long>(e.epoch), e.loss, aux, e.lr, e.samples_per_s,
-                e.tflops_per_rank, mfu, 1e3 * e.data_wait_s, save, scale,
+                e.tflops_per_rank, mfu, 1e3 * e.data_wait_s, save, scale, stream,
                 format_duration(e.eta_s).c_str());
   return line;
 }

@@ -44,6 +44,11 @@ struct LogEvent {
   // wait for an asynchronous save's snapshot); NaN (not written, not shown) when no save was
   // started or completed in the window.
   double save_s = std::nan("");
+  // data.source = "stream" (docs/online.md), summed over the batch groups; -1 (not written)
+  // otherwise.
+  int64_t stream_rows_received = -1;
+  int64_t stream_rows_overwritten = -1;
+  int64_t stream_buffer_rows = -1;
 };
 
 // One evaluation over the test split (or `meshtrain evaluate`'s data). The metrics are

@@ -215,6 +215,7 @@ struct RunConfig {
   ModelSection model;
   PartitionSection partition;
   DataSection data;
+  StreamSection stream;  // data.source = "stream"
   OptimizerSection optimizer;
   TrainSection train;
   CheckpointSection checkpoint;

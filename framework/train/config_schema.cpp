@@ -90,6 +90,13 @@ const char* unless_regression(const RunConfig& c) {
              : nullptr;
 }
 
+// The [stream] keys (ConfigKey::not_for).
+const char* unless_stream(const RunConfig& c) {
+  return c.data.source == DataSource::stream
+             ? nullptr
+             : "is a key of data.source = \"stream\" (rows sent by a running simulation)";
+}
+
 std::vector<std::string> preset_choices() {
   return preset_names();
 }
@@ -129,6 +136,7 @@ const std::vector<ConfigSection>& config_sections() {
       {"data",
        "[data.md](data.md), "
        "[below](#learning-rate-accumulation-and-evaluation-batch)"},
+      {"stream", "[online.md](online.md)"},
       {"optimizer",
        "[below](#learning-rate-accumulation-and-evaluation-batch); `zero_stage`: "
        "[training_modes.md](training_modes.md#optimizer-state-split-over-dp-zero-1)"},
@@ -322,6 +330,31 @@ const std::vector<ConfigKey>& config_keys() {
                          kFileCommands, "standard: the same for regression targets")
                     .checked_by(check_normalize_targets, "standard: regression only")
                     .left_out_at_default());
+    // --- [stream] ------------------------------------------------------------------------
+    k.push_back(make_key("stream", "name", FIELD(stream.name), not_empty(), kFileCommands,
+                         "the stream the producers connect to")
+                    .only_when(unless_stream));
+    k.push_back(make_key("stream", "buffer_rows", FIELD(stream.buffer_rows), at_least(1),
+                         kFileCommands, "rows each trainer rank keeps: its memory bound")
+                    .only_when(unless_stream));
+    k.push_back(make_key("stream", "policy", NAMED(stream.policy, stream_policy_choices()),
+                         any_value(), kFileCommands,
+                         "window: the newest rows; reservoir: a uniform sample of every row seen")
+                    .only_when(unless_stream));
+    k.push_back(make_key("stream", "min_rows", FIELD(stream.min_rows), non_negative("one batch"),
+                         kFileCommands, "rows every trainer rank holds before the first step")
+                    .only_when(unless_stream));
+    k.push_back(make_key("stream", "order", NAMED(stream.order, stream_order_choices()),
+                         any_value(), kFileCommands,
+                         "a batch's rows: hashed from the buffer, or in the order they came")
+                    .only_when(unless_stream));
+    k.push_back(make_key("stream", "dtype", NAMED(stream.dtype, stream_row_type_choices()),
+                         any_value(), kFileCommands, "the rows' type as the producers send them")
+                    .only_when(unless_stream));
+    k.push_back(make_key("stream", "until", NAMED(stream.until, stream_until_choices()),
+                         any_value(), kFileCommands,
+                         "closed: the run also ends once every producer has closed")
+                    .only_when(unless_stream));
     // --- [optimizer] ---------------------------------------------------------------------
     k.push_back(make_key("optimizer", "kind", NAMED(optimizer.kind, optimizer_kind_choices()),
                          any_value(), kFileCommands, "the update rule"));

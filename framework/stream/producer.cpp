@@ -1,0 +1,183 @@
+#include "framework/stream/producer.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include "base/error.hpp"
+#include "framework/comm/mpi_util.hpp"
+#include "framework/stream/stream_protocol.hpp"
+
+namespace meshtrain {
+
+namespace sp = stream_protocol;
+
+StreamProducer::~StreamProducer() {
+  if (!connected()) return;
+  try {
+    close();
+  } catch (...) {
+    // A destructor does not throw: close() reports what went wrong.
+  }
+}
+
+void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inputs,
+                             int64_t outputs, StreamDtype dtype,
+                             const StreamProducerOptions& options) {
+  MESHTRAIN_REQUIRE(!connected(), "StreamProducer::connect: already connected to stream \"", name_,
+                    "\"");
+  if (name.empty() || name.size() >= static_cast<size_t>(sp::kNameBytes)) {
+    MESHTRAIN_BAD_INPUT("a stream's name must have 1 to ", sp::kNameBytes - 1,
+                        " characters, got \"", name, "\"");
+  }
+  if (inputs < 1 || outputs < 1 || options.message_rows < 1 || options.ring_rows < 1) {
+    MESHTRAIN_BAD_INPUT("stream \"", name, "\": inputs (", inputs, "), outputs (", outputs,
+                        "), message_rows (", options.message_rows, ") and ring_rows (",
+                        options.ring_rows, ") must be positive");
+  }
+  int rank = 0, size = 1;
+  check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  sp::Hello hello;
+  hello.role = sp::kProducer;
+  hello.local_rank = rank;
+  hello.inputs = inputs;
+  hello.outputs = outputs;
+  hello.dtype = dtype == StreamDtype::float64 ? sp::kFloat64 : sp::kFloat32;
+  hello.message_rows = options.message_rows;
+  std::memcpy(hello.name, name.data(), name.size());
+  MPI_Comm stream_comm = MPI_COMM_NULL;
+  sp::Rendezvous r = sp::rendezvous(options.parent, hello, &stream_comm);
+  if (!r.problem.empty()) {
+    MPI_Comm_free(&stream_comm);
+    MESHTRAIN_BAD_INPUT(r.problem);
+  }
+  stream_comm_ = stream_comm;
+  name_ = name;
+  producer_index_ = rank;
+  producers_ = size;
+  groups_ = r.batch_count;
+  group_ranks_ = r.group_ranks;
+  trainers_ = r.trainers;
+  inputs_ = inputs;
+  outputs_ = outputs;
+  element_bytes_ = sp::dtype_bytes(hello.dtype);
+  message_rows_ = options.message_rows;
+  backpressure_ = options.backpressure;
+  const int64_t slots =
+      std::max<int64_t>(1, (options.ring_rows + message_rows_ - 1) / message_rows_);
+  slots_.assign(static_cast<size_t>(slots),
+                std::vector<unsigned char>(static_cast<size_t>(
+                    sp::message_bytes(message_rows_, inputs, outputs, hello.dtype))));
+  slot_requests_.assign(static_cast<size_t>(slots), {});
+  size_t widest = 0;
+  for (const auto& group : group_ranks_) widest = std::max(widest, group.size());
+  for (auto& requests : slot_requests_) requests.reserve(std::max(widest, trainers_.size()));
+}
+
+void StreamProducer::send(const float* x, const float* y, int64_t rows) {
+  if (element_bytes_ != 4) {
+    MESHTRAIN_BAD_INPUT("stream \"", name_, "\": send got float rows, but the stream was ",
+                        "connected with float64 rows");
+  }
+  send_bytes(x, y, rows, 4);
+}
+
+void StreamProducer::send(const double* x, const double* y, int64_t rows) {
+  if (element_bytes_ != 8) {
+    MESHTRAIN_BAD_INPUT("stream \"", name_, "\": send got double rows, but the stream was ",
+                        "connected with float32 rows");
+  }
+  send_bytes(x, y, rows, 8);
+}
+
+// A slot whose sends have all completed, in ring order; with backpressure drop, -1 when the
+// next slot's sends are still in flight.
+int StreamProducer::take_free_slot() {
+  const size_t slot = static_cast<size_t>(next_slot_);
+  std::vector<MPI_Request>& requests = slot_requests_[slot];
+  if (!requests.empty()) {
+    int done = 0;
+    if (backpressure_ == StreamBackpressure::block) {
+      check_mpi(
+          MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
+          "MPI_Waitall (a stream's ring)");
+      done = 1;
+    } else {
+      check_mpi(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                            MPI_STATUSES_IGNORE),
+                "MPI_Testall (a stream's ring)");
+    }
+    if (!done) return -1;
+    requests.clear();
+  }
+  next_slot_ = (next_slot_ + 1) % static_cast<int64_t>(slots_.size());
+  return static_cast<int>(slot);
+}
+
+void StreamProducer::send_bytes(const void* x, const void* y, int64_t rows, int64_t element_bytes) {
+  MESHTRAIN_REQUIRE(connected(), "StreamProducer::send before connect (or after close)");
+  MESHTRAIN_REQUIRE(rows >= 0, "StreamProducer::send: negative rows (", rows, ")");
+  const auto* xb = static_cast<const unsigned char*>(x);
+  const auto* yb = static_cast<const unsigned char*>(y);
+  const int64_t x_row = inputs_ * element_bytes, y_row = outputs_ * element_bytes;
+  for (int64_t done = 0; done < rows;) {
+    const int64_t count = std::min(message_rows_, rows - done);
+    const int slot = take_free_slot();
+    if (slot < 0) {
+      rows_dropped_ += count;
+      next_row_ += count;
+      done += count;
+      continue;
+    }
+    unsigned char* bytes = slots_[static_cast<size_t>(slot)].data();
+    sp::Header header;
+    header.kind = sp::kRows;
+    header.rows = count;
+    header.first_row = next_row_;
+    std::memcpy(bytes, &header, sizeof header);
+    unsigned char* payload = bytes + sizeof header;
+    std::memcpy(payload, xb + done * x_row, static_cast<size_t>(count * x_row));
+    std::memcpy(payload + count * x_row, yb + done * y_row, static_cast<size_t>(count * y_row));
+    const int message_bytes = static_cast<int>(sizeof header + count * (x_row + y_row));
+    const int64_t group = sp::group_of_message(producer_index_, messages_, producers_, groups_);
+    std::vector<MPI_Request>& requests = slot_requests_[static_cast<size_t>(slot)];
+    for (int trainer : group_ranks_[static_cast<size_t>(group)]) {
+      requests.emplace_back();
+      check_mpi(MPI_Isend(bytes, message_bytes, MPI_BYTE, trainer, sp::kTag, stream_comm_,
+                          &requests.back()),
+                "MPI_Isend (a stream's rows)");
+    }
+    ++messages_;
+    next_row_ += count;
+    rows_sent_ += count;
+    done += count;
+  }
+}
+
+void StreamProducer::close() {
+  if (!connected()) return;
+  // The close goes to every trainer rank, after this rank's rows (one tag: MPI keeps the
+  // order); its header lives in the object until the sends complete.
+  std::vector<MPI_Request> requests;
+  for (auto& slot : slot_requests_) {
+    requests.insert(requests.end(), slot.begin(), slot.end());
+    slot.clear();
+  }
+  static_assert(sizeof(sp::Header) == 4 * sizeof(int64_t));
+  sp::Header header;
+  header.kind = sp::kClose;
+  header.first_row = next_row_;
+  std::vector<sp::Header> closes(trainers_.size(), header);
+  for (size_t t = 0; t < trainers_.size(); ++t) {
+    requests.emplace_back();
+    check_mpi(MPI_Isend(&closes[t], sizeof(sp::Header), MPI_BYTE, trainers_[t], sp::kTag,
+                        stream_comm_, &requests.back()),
+              "MPI_Isend (a stream's close)");
+  }
+  check_mpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
+            "MPI_Waitall (a stream's close)");
+  check_mpi(MPI_Comm_free(&stream_comm_), "MPI_Comm_free (a stream's communicator)");
+  stream_comm_ = MPI_COMM_NULL;
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,80 @@
+#pragma once
+// The producer side of a stream (docs/online.md): a simulation's rank sends rows of
+// (inputs, targets) to the trainer and goes on. Installed as <meshtrain/stream.hpp>.
+//
+//   meshtrain::StreamProducer producer;
+//   producer.connect(sim_comm, "heat", 5, 1, meshtrain::StreamDtype::float64);  // collective
+//   producer.send(x, y, rows);  // copies into the ring and returns
+//   producer.close();
+//
+// connect is collective over the parent communicator (MPI_COMM_WORLD unless options say):
+// every process of the job takes part in the rendezvous once (the trainer's ranks as their
+// run is built). A shape, dtype or name the trainer does not share throws a bad_input Error,
+// the same sentence the trainer reports. send copies the rows into a ring of message slots
+// reserved at connect and starts their sends; it never waits for the trainer unless
+// backpressure is block: with drop (the default) a message that finds no free slot after the
+// sends in flight are tested is dropped and its rows counted in rows_dropped(). Nothing is
+// allocated after connect.
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace meshtrain {
+
+enum class StreamDtype { float32, float64 };
+enum class StreamBackpressure { drop, block };
+
+struct StreamProducerOptions {
+  int64_t ring_rows = 4096;    // rows the ring holds (rounded up to whole messages)
+  int64_t message_rows = 256;  // rows of one message at most
+  StreamBackpressure backpressure = StreamBackpressure::drop;
+  MPI_Comm parent = MPI_COMM_WORLD;  // where the trainer is found
+};
+
+class StreamProducer {
+ public:
+  StreamProducer() = default;
+  ~StreamProducer();  // closes when connected (errors are swallowed: call close())
+  StreamProducer(const StreamProducer&) = delete;
+  StreamProducer& operator=(const StreamProducer&) = delete;
+
+  // Collective over `options.parent` (and so over `comm`): finds the trainer of stream
+  // `name`, checks the shapes and reserves the ring.
+  void connect(MPI_Comm comm, const std::string& name, int64_t inputs, int64_t outputs,
+               StreamDtype dtype, const StreamProducerOptions& options = {});
+  // `rows` rows of x [rows, inputs] and y [rows, outputs], row-major host memory of the
+  // connected dtype (another dtype is a bad_input Error).
+  void send(const float* x, const float* y, int64_t rows);
+  void send(const double* x, const double* y, int64_t rows);
+  // Sends the close after every row and waits for this rank's sends to complete.
+  void close();
+
+  bool connected() const { return stream_comm_ != MPI_COMM_NULL; }
+  int64_t rows_sent() const { return rows_sent_; }        // handed to MPI
+  int64_t rows_dropped() const { return rows_dropped_; }  // ring full (drop)
+  const std::string& name() const { return name_; }
+
+ private:
+  void send_bytes(const void* x, const void* y, int64_t rows, int64_t element_bytes);
+  int take_free_slot();  // -1: none (drop)
+
+  MPI_Comm stream_comm_ = MPI_COMM_NULL;
+  std::string name_;
+  int64_t producer_index_ = 0, producers_ = 1, groups_ = 1;
+  std::vector<std::vector<int>> group_ranks_;  // stream-communicator ranks of each group
+  std::vector<int> trainers_;
+  int64_t inputs_ = 0, outputs_ = 0, element_bytes_ = 4, message_rows_ = 0;
+  StreamBackpressure backpressure_ = StreamBackpressure::drop;
+  // The ring: slots of one message each, every slot's sends (one per rank of its group).
+  std::vector<std::vector<unsigned char>> slots_;
+  std::vector<std::vector<MPI_Request>> slot_requests_;
+  int64_t next_slot_ = 0;
+  int64_t messages_ = 0;  // rows messages started (the group of the next is chosen by it)
+  int64_t next_row_ = 0;  // the row number of the next row sent
+  int64_t rows_sent_ = 0, rows_dropped_ = 0;
+};
+
+}  // namespace meshtrain

@@ -1,0 +1,38 @@
+#include "framework/stream/stream_buffer.hpp"
+
+#include <algorithm>
+
+namespace meshtrain {
+
+StreamBuffer::StreamBuffer(int64_t capacity, int64_t features, int64_t outputs, StreamPolicy policy,
+                           uint64_t seed, int64_t group)
+    : capacity_(capacity),
+      features_(features),
+      outputs_(outputs),
+      policy_(policy),
+      seed_(seed),
+      group_(group),
+      x_(static_cast<size_t>(capacity * features)),
+      y_(static_cast<size_t>(capacity * outputs)) {}
+
+void StreamBuffer::add(const float* x, const float* y) {
+  const int64_t n = seen_++;
+  int64_t slot = n;
+  if (n >= capacity_) {
+    if (policy_ == StreamPolicy::window) {
+      slot = n % capacity_;
+    } else {
+      const uint64_t h = stream_hash(seed_ ^ stream_hash(static_cast<uint64_t>(group_) ^
+                                                         stream_hash(static_cast<uint64_t>(n))));
+      slot = static_cast<int64_t>(h % static_cast<uint64_t>(n + 1));
+    }
+    ++overwritten_;  // the row in `slot` replaced, or row n not kept
+    if (slot >= capacity_) return;
+  } else {
+    ++filled_;
+  }
+  std::copy(x, x + features_, x_.begin() + slot * features_);
+  std::copy(y, y + outputs_, y_.begin() + slot * outputs_);
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,87 @@
+#pragma once
+// The wire protocol between a simulation's producers and the trainer (docs/online.md): the
+// rendezvous record every rank of the parent communicator contributes, the header of every
+// message, and the check both sides run on the same gathered records, so that a mismatch is
+// the same sentence on both sides.
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace meshtrain::stream_protocol {
+
+// Every message of a stream on its own communicator (a dup of the parent) has this tag, so
+// MPI's non-overtaking order holds between a producer's rows and its close.
+constexpr int kTag = 3801;
+// Slots of received messages per producer on a trainer rank.
+constexpr int64_t kStagingSlots = 4;
+constexpr int kNameBytes = 64;
+constexpr int kNoteBytes = 512;
+
+// kFailedTrainer: a trainer rank whose run failed before its rendezvous joins it only to say
+// why (Hello::note), so that the producers' connect fails rather than waits.
+enum Role : int64_t { kNone = 0, kProducer = 1, kTrainer = 2, kFailedTrainer = 3 };
+enum Dtype : int64_t { kFloat32 = 0, kFloat64 = 1 };
+enum Kind : int64_t { kRows = 1, kClose = 2, kStop = 3 };
+
+// One per rank of the parent, gathered by every rank at the rendezvous.
+struct Hello {
+  int64_t role = kNone;
+  int64_t local_rank = 0;  // in the producers' or the trainer's communicator
+  int64_t inputs = 0;
+  int64_t outputs = 0;
+  int64_t dtype = kFloat32;
+  int64_t message_rows = 0;  // producers: rows of their largest message
+  int64_t batch_index = 0;   // trainers: the index in their group over the batch axes
+  int64_t batch_count = 1;   // trainers: the number of those groups
+  char name[kNameBytes] = {};
+  char note[kNoteBytes] = {};  // kFailedTrainer: the error's sentence
+};
+
+struct Header {
+  int64_t kind = kRows;
+  int64_t rows = 0;
+  int64_t first_row = 0;  // the producer's row number of the message's first row
+  int64_t unused = 0;     // keeps the payload 16-byte aligned
+};
+
+inline int64_t dtype_bytes(int64_t dtype) {
+  return dtype == kFloat64 ? 8 : 4;
+}
+inline const char* dtype_name(int64_t dtype) {
+  return dtype == kFloat64 ? "float64" : "float32";
+}
+// Bytes of a rows message of `rows` rows.
+inline int64_t message_bytes(int64_t rows, int64_t inputs, int64_t outputs, int64_t dtype) {
+  return static_cast<int64_t>(sizeof(Header)) + rows * (inputs + outputs) * dtype_bytes(dtype);
+}
+
+// What the gathered records say: the parent ranks of the producers and of the trainer (in
+// the order of their own ranks), the groups' members, and the first mismatch ("" when none).
+struct Rendezvous {
+  std::vector<int> producers;                 // parent rank of producer p
+  std::vector<int> trainers;                  // parent rank of trainer rank t
+  std::vector<std::vector<int>> group_ranks;  // parent ranks of every trainer of group g
+  int64_t batch_count = 1;
+  int64_t inputs = 0, outputs = 0, dtype = kFloat32;
+  int64_t max_message_rows = 0;
+  std::string problem;
+};
+
+// Every rank of `parent` calls it once (collective): dups `parent` into *stream_comm and
+// gathers every rank's `mine`. The same result on every rank.
+Rendezvous rendezvous(MPI_Comm parent, const Hello& mine, MPI_Comm* stream_comm);
+
+// The rendezvous this process took part in so far (a program may hold several streams in
+// turn: the tests do).
+int64_t rendezvous_count();
+
+// The group of message `message` of producer `producer` (of `producers`) among `groups`.
+inline int64_t group_of_message(int64_t producer, int64_t message, int64_t producers,
+                                int64_t groups) {
+  return (producer + message * producers) % groups;
+}
+
+}  // namespace meshtrain::stream_protocol

@@ -1,0 +1,247 @@
+#include "framework/stream/stream_source.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "base/error.hpp"
+#include "framework/comm/mpi_util.hpp"
+#include "framework/stream/stream_protocol.hpp"
+
+namespace meshtrain {
+
+namespace sp = stream_protocol;
+
+int64_t stream_rendezvous_count() {
+  return sp::rendezvous_count();
+}
+
+void stream_trainer_failed(const std::string& sentence, MPI_Comm parent) {
+  sp::Hello hello;
+  hello.role = sp::kFailedTrainer;
+  std::memcpy(hello.note, sentence.data(),
+              std::min<size_t>(sentence.size(), static_cast<size_t>(sp::kNoteBytes - 1)));
+  MPI_Comm stream_comm = MPI_COMM_NULL;
+  sp::rendezvous(parent, hello, &stream_comm);
+  MPI_Comm_free(&stream_comm);
+}
+
+StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
+                           const BatchSlice& slice, int64_t features, int64_t outputs,
+                           int64_t min_rows, uint64_t seed)
+    : section_(section),
+      trainer_comm_(trainer_comm),
+      group_(slice.index),
+      min_rows_(min_rows),
+      seed_(seed),
+      buffer_(section.buffer_rows, features, outputs, section.policy, seed, slice.index) {
+  shape_.description = "stream \"" + section.name + "\"";
+  shape_.num_samples = section.buffer_rows;
+  shape_.features = features;
+  shape_.target_width = outputs;
+  int rank = 0;
+  check_mpi(MPI_Comm_rank(trainer_comm, &rank), "MPI_Comm_rank");
+  check_mpi(MPI_Comm_size(trainer_comm, &trainer_size_), "MPI_Comm_size");
+
+  sp::Hello hello;
+  hello.role = sp::kTrainer;
+  hello.local_rank = rank;
+  hello.inputs = features;
+  hello.outputs = outputs;
+  hello.dtype = section.dtype == StreamRowType::float64 ? sp::kFloat64 : sp::kFloat32;
+  hello.batch_index = slice.index;
+  hello.batch_count = slice.count;
+  const std::string& name = section.name;
+  std::memcpy(hello.name, name.data(),
+              std::min<size_t>(name.size(), static_cast<size_t>(sp::kNameBytes - 1)));
+  const sp::Rendezvous r = sp::rendezvous(MPI_COMM_WORLD, hello, &stream_comm_);
+  if (!r.problem.empty()) {
+    MPI_Comm_free(&stream_comm_);
+    MESHTRAIN_BAD_INPUT(r.problem);
+  }
+  dtype_ = r.dtype;
+  producers_ = r.producers;
+  message_bytes_ = sp::message_bytes(r.max_message_rows, features, outputs, dtype_);
+  check_mpi(MPI_Comm_split(trainer_comm, static_cast<int>(group_), rank, &group_comm_),
+            "MPI_Comm_split (a stream's batch group)");
+  int group_rank = 0;
+  check_mpi(MPI_Comm_rank(group_comm_, &group_rank), "MPI_Comm_rank");
+  group_lead_ = group_rank == 0;
+
+  const size_t producers = producers_.size();
+  staging_.assign(producers, std::vector<std::vector<unsigned char>>(
+                                 sp::kStagingSlots,
+                                 std::vector<unsigned char>(static_cast<size_t>(message_bytes_))));
+  staged_head_.assign(producers, 0);
+  staged_count_.assign(producers, 0);
+  received_.assign(producers, 0);
+  taken_.assign(producers, 0);
+  agreed_.assign(producers, 0);
+  closed_.assign(producers, 0);
+  row_scratch_.assign(static_cast<size_t>(features + outputs), 0.0f);
+}
+
+StreamSource::~StreamSource() {
+  // What the producers still send is received and dropped until every one has closed, so
+  // that their sends complete (a producer's close waits for them).
+  std::vector<char> closed = closed_;
+  for (size_t p = 0; p < producers_.size(); ++p) {
+    for (int64_t i = 0; i < staged_count_[p]; ++i) {
+      const auto& slot =
+          staging_[p][static_cast<size_t>((staged_head_[p] + i) % sp::kStagingSlots)];
+      sp::Header header;
+      std::memcpy(&header, slot.data(), sizeof header);
+      if (header.kind == sp::kClose) closed[p] = 1;
+    }
+  }
+  std::vector<unsigned char> scratch(static_cast<size_t>(message_bytes_));
+  while (std::find(closed.begin(), closed.end(), 0) != closed.end()) {
+    bool got = false;
+    for (size_t p = 0; p < producers_.size(); ++p) {
+      if (closed[p]) continue;
+      int flag = 0;
+      MPI_Status status;
+      if (MPI_Iprobe(producers_[p], sp::kTag, stream_comm_, &flag, &status) != MPI_SUCCESS) {
+        return;  // a destructor does not throw
+      }
+      if (!flag) continue;
+      MPI_Recv(scratch.data(), static_cast<int>(scratch.size()), MPI_BYTE, producers_[p], sp::kTag,
+               stream_comm_, MPI_STATUS_IGNORE);
+      sp::Header header;
+      std::memcpy(&header, scratch.data(), sizeof header);
+      if (header.kind == sp::kClose) closed[p] = 1;
+      got = true;
+    }
+    if (!got) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  MPI_Comm_free(&group_comm_);
+  MPI_Comm_free(&stream_comm_);
+}
+
+void StreamSource::read(const int64_t* rows, int64_t count, const RowBuffers& out) {
+  const int64_t f = buffer_.features(), w = buffer_.outputs();
+  for (int64_t i = 0; i < count; ++i) {
+    std::memcpy(out.x + i * f, buffer_.x(rows[i]), static_cast<size_t>(f) * sizeof(float));
+    if (out.targets) {
+      std::memcpy(out.targets + i * w, buffer_.y(rows[i]), static_cast<size_t>(w) * sizeof(float));
+    }
+  }
+}
+
+int64_t StreamSource::resident_bytes() const {
+  return buffer_.bytes() +
+         static_cast<int64_t>(producers_.size()) * sp::kStagingSlots * message_bytes_;
+}
+
+// Every producer's messages that have come, while it has a free staging slot: never waits
+// for a producer (MPI_Recv of a message MPI_Iprobe found only copies it).
+void StreamSource::receive() {
+  for (size_t p = 0; p < producers_.size(); ++p) {
+    while (staged_count_[p] < sp::kStagingSlots) {
+      int flag = 0;
+      MPI_Status status;
+      check_mpi(MPI_Iprobe(producers_[p], sp::kTag, stream_comm_, &flag, &status),
+                "MPI_Iprobe (a stream's rows)");
+      if (!flag) break;
+      auto& slot =
+          staging_[p]
+                  [static_cast<size_t>((staged_head_[p] + staged_count_[p]) % sp::kStagingSlots)];
+      check_mpi(MPI_Recv(slot.data(), static_cast<int>(slot.size()), MPI_BYTE, producers_[p],
+                         sp::kTag, stream_comm_, MPI_STATUS_IGNORE),
+                "MPI_Recv (a stream's rows)");
+      ++staged_count_[p];
+      ++received_[p];
+    }
+  }
+}
+
+void StreamSource::take(const unsigned char* message) {
+  sp::Header header;
+  std::memcpy(&header, message, sizeof header);
+  const unsigned char* payload = message + sizeof header;
+  const int64_t f = buffer_.features(), w = buffer_.outputs();
+  if (dtype_ == sp::kFloat32) {
+    const auto* x = reinterpret_cast<const float*>(payload);
+    const float* y = x + header.rows * f;
+    for (int64_t r = 0; r < header.rows; ++r) buffer_.add(x + r * f, y + r * w);
+    return;
+  }
+  const auto* x = reinterpret_cast<const double*>(payload);
+  const double* y = x + header.rows * f;
+  for (int64_t r = 0; r < header.rows; ++r) {
+    for (int64_t j = 0; j < f; ++j)
+      row_scratch_[static_cast<size_t>(j)] = static_cast<float>(x[r * f + j]);
+    for (int64_t j = 0; j < w; ++j) {
+      row_scratch_[static_cast<size_t>(f + j)] = static_cast<float>(y[r * w + j]);
+    }
+    buffer_.add(row_scratch_.data(), row_scratch_.data() + f);
+  }
+}
+
+void StreamSource::pull_once() {
+  receive();
+  // The ranks of a group take the same messages, producer by producer: the same buffer bits.
+  std::copy(received_.begin(), received_.end(), agreed_.begin());
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, agreed_.data(), static_cast<int>(agreed_.size()),
+                          MPI_INT64_T, MPI_MIN, group_comm_),
+            "MPI_Allreduce (a stream's messages)");
+  for (size_t p = 0; p < producers_.size(); ++p) {
+    for (; taken_[p] < agreed_[p]; ++taken_[p]) {
+      const auto& slot = staging_[p][static_cast<size_t>(staged_head_[p])];
+      sp::Header header;
+      std::memcpy(&header, slot.data(), sizeof header);
+      if (header.kind == sp::kClose) {
+        closed_[p] = 1;
+      } else {
+        take(slot.data());
+      }
+      staged_head_[p] = (staged_head_[p] + 1) % sp::kStagingSlots;
+      --staged_count_[p];
+    }
+  }
+  const bool all_closed = std::find(closed_.begin(), closed_.end(), 0) == closed_.end();
+  int64_t sums[5] = {group_lead_ ? buffer_.seen() : 0, group_lead_ ? buffer_.overwritten() : 0,
+                     group_lead_ ? buffer_.filled() : 0, buffer_.filled() < min_rows_ ? 1 : 0,
+                     all_closed ? 1 : 0};
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, sums, 5, MPI_INT64_T, MPI_SUM, trainer_comm_),
+            "MPI_Allreduce (a stream's counters)");
+  counters_.rows_received = sums[0];
+  counters_.rows_overwritten = sums[1];
+  counters_.buffer_rows = sums[2];
+  ended_ = sums[4] == trainer_size_;
+  if (!started_) {
+    started_ = sums[3] == 0;
+    if (!started_ && ended_) {
+      MESHTRAIN_BAD_INPUT("stream \"", section_.name, "\": every producer closed after ",
+                          counters_.rows_received, " rows, before every trainer rank held ",
+                          "stream.min_rows = ", min_rows_, " rows (0: one batch's rows)");
+    }
+  }
+}
+
+void StreamSource::pull() {
+  pull_once();
+  while (!started_) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    pull_once();
+  }
+}
+
+int64_t StreamSource::batch_slots(int64_t seq, int64_t rows, int64_t* out) const {
+  const int64_t filled = std::max<int64_t>(buffer_.filled(), 1);
+  for (int64_t i = 0; i < rows; ++i) {
+    if (section_.order == StreamOrder::arrival) {
+      out[i] = (seq * rows + i) % filled;
+    } else {
+      const uint64_t h =
+          stream_hash(seed_ ^ stream_hash(static_cast<uint64_t>(seq) ^
+                                          stream_hash(static_cast<uint64_t>(group_) ^
+                                                      stream_hash(static_cast<uint64_t>(i)))));
+      out[i] = static_cast<int64_t>(h % static_cast<uint64_t>(filled));
+    }
+  }
+  return rows;
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,96 @@
+#pragma once
+// The trainer's side of a stream (docs/online.md): a RowSource whose rows are the slots of
+// this rank's StreamBuffer, filled from the producers' messages by pull(), which the training
+// thread calls before each micro-batch (collective over the trainer's ranks). The rows of a
+// batch are batch_slots(seq): hashed from the buffer or in slot order ([stream] order).
+//
+// Set-up (the constructor) takes part in the rendezvous over MPI_COMM_WORLD: a mismatch with
+// the producers is a bad_input Error naming the stream and both shapes, the same sentence the
+// producers get. The destructor receives (and drops) what the producers still send until
+// every producer has closed.
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "framework/io/data.hpp"
+#include "framework/io/data_config.hpp"
+#include "framework/stream/stream_buffer.hpp"
+
+namespace meshtrain {
+
+// Sums over the trainer's batch groups (each group's rows counted once), as of the last pull.
+struct StreamCounters {
+  int64_t rows_received = 0;     // rows taken into the buffers
+  int64_t rows_overwritten = 0;  // replaced, or not kept by the reservoir
+  int64_t buffer_rows = 0;       // rows the buffers hold
+};
+
+// A trainer whose run failed before its stream's rendezvous (a bad config, say) calls this on
+// each of its ranks (collective over `parent` with the producers' connect), so that the
+// producers' connect throws a bad_input Error saying why instead of waiting. Only before the
+// rendezvous: compare stream_rendezvous_count() before and after building the run.
+void stream_trainer_failed(const std::string& sentence, MPI_Comm parent = MPI_COMM_WORLD);
+// The stream rendezvous this process took part in so far.
+int64_t stream_rendezvous_count();
+
+class StreamSource : public RowSource {
+ public:
+  // `slice`: this rank's batch slice (its group over the batch axes); `min_rows` resolved
+  // (> 0). Collective over MPI_COMM_WORLD (the rendezvous) and `trainer_comm`.
+  StreamSource(const StreamSection& section, MPI_Comm trainer_comm, const BatchSlice& slice,
+               int64_t features, int64_t outputs, int64_t min_rows, uint64_t seed);
+  ~StreamSource() override;
+  StreamSource(const StreamSource&) = delete;
+  StreamSource& operator=(const StreamSource&) = delete;
+
+  // `rows` are buffer slots.
+  void read(const int64_t* rows, int64_t count, const RowBuffers& out) override;
+  int64_t resident_bytes() const override;
+
+  // Collective over the trainer: receives what has come (never waiting for a producer), takes
+  // the messages every rank of this group has into the buffer, and agrees on the counters.
+  // The first call waits until every rank holds min_rows rows; bad_input (the same on every
+  // rank) when the producers all closed before that.
+  void pull();
+  // The slots of this rank's `rows` rows of micro-batch `seq` (BatchSamples).
+  int64_t batch_slots(int64_t seq, int64_t rows, int64_t* out) const;
+  const StreamCounters& counters() const { return counters_; }
+  // Every producer had closed, on every rank, at the last pull.
+  bool ended() const { return ended_; }
+  const StreamBuffer& buffer() const { return buffer_; }
+  int64_t producers() const { return static_cast<int64_t>(producers_.size()); }
+
+ private:
+  void receive();
+  void pull_once();
+  void take(const unsigned char* message);
+
+  StreamSection section_;
+  MPI_Comm trainer_comm_ = MPI_COMM_NULL;  // the caller's
+  MPI_Comm group_comm_ = MPI_COMM_NULL;    // the ranks of this rank's batch group
+  MPI_Comm stream_comm_ = MPI_COMM_NULL;   // the stream's (a dup of MPI_COMM_WORLD)
+  bool group_lead_ = false;
+  int trainer_size_ = 1;
+  int64_t group_ = 0;
+  int64_t min_rows_ = 1;
+  uint64_t seed_ = 0;
+  int64_t dtype_ = 0;
+  int64_t message_bytes_ = 0;
+  std::vector<int> producers_;  // stream-communicator ranks
+  StreamBuffer buffer_;
+  // Each producer's received messages not yet taken: a FIFO of kStagingSlots slots.
+  std::vector<std::vector<std::vector<unsigned char>>> staging_;
+  std::vector<int64_t> staged_head_, staged_count_;
+  std::vector<int64_t> received_, taken_;  // messages, cumulative
+  std::vector<int64_t> agreed_;            // the group's minimum of received_
+  std::vector<char> closed_;               // its close was taken
+  std::vector<float> row_scratch_;         // a float64 row converted
+  bool started_ = false;
+  bool ended_ = false;
+  StreamCounters counters_;
+};
+
+}  // namespace meshtrain

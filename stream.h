@@ -1,0 +1,54 @@
+/* meshtrain's stream producer for C (and Fortran through iso_c_binding): a simulation's
+ * rank sends rows of (inputs, targets) to a trainer running in the same MPI job
+ * (docs/online.md). Installed as <meshtrain/stream.h>; the C++ form is <meshtrain/stream.hpp>.
+ *
+ *   mt_stream* s = NULL;
+ *   if (mt_stream_connect(comm, "heat", 5, 1, MT_STREAM_FLOAT64, NULL, &s) != 0) {
+ *     fprintf(stderr, "%s\n", mt_stream_last_error(s));  // s is still freed by mt_stream_free
+ *   }
+ *   mt_stream_send(s, x, y, rows);  // copies into the ring and returns
+ *   mt_stream_close(s);
+ *   mt_stream_free(s);
+ *
+ * Every function returns 0, or MT_STREAM_BAD_INPUT (a shape, dtype or name the trainer does
+ * not share, a bad argument) or MT_STREAM_ERROR (an MPI or other failure); the sentence is
+ * mt_stream_last_error(s). Nothing is allocated by send. */
+#ifndef MESHTRAIN_STREAM_H
+#define MESHTRAIN_STREAM_H
+
+#include <mpi.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mt_stream mt_stream; /* opaque */
+
+enum { MT_STREAM_FLOAT32 = 0, MT_STREAM_FLOAT64 = 1 };
+enum { MT_STREAM_DROP = 0, MT_STREAM_BLOCK = 1 };
+enum { MT_STREAM_OK = 0, MT_STREAM_BAD_INPUT = 2, MT_STREAM_ERROR = 1 };
+
+typedef struct mt_stream_options {
+  int64_t ring_rows;    /* rows the ring holds; 0: 4096 */
+  int64_t message_rows; /* rows of one message at most; 0: 256 */
+  int backpressure;     /* MT_STREAM_DROP (default) or MT_STREAM_BLOCK */
+  MPI_Comm parent;      /* where the trainer is found; MPI_COMM_NULL: MPI_COMM_WORLD */
+} mt_stream_options;
+
+/* Collective over the parent communicator. *out is set (even on failure, for the error). */
+int mt_stream_connect(MPI_Comm comm, const char* name, int64_t inputs, int64_t outputs,
+                      int dtype, const mt_stream_options* options, mt_stream** out);
+/* x [rows, inputs], y [rows, outputs], row-major, of the connected dtype. */
+int mt_stream_send(mt_stream* s, const void* x, const void* y, int64_t rows);
+int mt_stream_close(mt_stream* s);
+void mt_stream_free(mt_stream* s);
+int64_t mt_stream_rows_sent(const mt_stream* s);
+int64_t mt_stream_rows_dropped(const mt_stream* s);
+const char* mt_stream_last_error(const mt_stream* s);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,39 @@
+# Online training (docs/online.md): one program whose ranks split into producers and a trainer
+# (1 + 1, 1 + 2, 2 + 2): every row sent counted, the window and reservoir bounds exact, the run
+# equal to the same rows from an HDF5 file, a shape mismatch one sentence on both sides. The
+# timeout ends any hang of the rendezvous or the close.
+meshtrain_add_test(NAME online_stream_test SOURCES online/stream_test.cpp LIBS meshtrain_run
+                   NP 2 3 4 TIMEOUT 120)
+
+# MPMD, as a simulation runs beside `meshtrain train`: a C producer using only stream.h
+# (c_producer.c) as the first program, the trainer on two ranks as the second; each takes its
+# part of MPI_COMM_WORLD by MPI_APPNUM. The run ends when the producer closes and its last log
+# line counts every row (50 x 16 = 800; each rank keeps 256 of its 400); inputs of another width end both programs with the
+# same sentence, the trainer's exit 2.
+add_executable(online_c_producer online/c_producer.c)
+target_include_directories(online_c_producer PRIVATE ${PROJECT_SOURCE_DIR})
+target_link_libraries(online_c_producer PRIVATE meshtrain_framework m)
+set_target_properties(online_c_producer PROPERTIES LINKER_LANGUAGE CXX)
+set(_online_mpmd ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS}
+    ${MPIEXEC_NUMPROC_FLAG} 1 $<TARGET_FILE:online_c_producer>)
+set(_online_dir ${CMAKE_CURRENT_BINARY_DIR}/online_runs)
+meshtrain_add_command_test(NAME online_mpmd_c_producer TIMEOUT 60
+  COMMAND ${_online_mpmd} : ${MPIEXEC_NUMPROC_FLAG} 2 $<TARGET_FILE:meshtrain> train
+          ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml
+          --set run.output_dir=${_online_dir}/c_producer
+  PASS_REGULAR_EXPRESSION "stream 800 rows \\(288 overwritten, 512 buffered\\)")
+set_tests_properties(online_mpmd_c_producer PROPERTIES PROCESSORS 2)
+meshtrain_add_command_test(NAME online_mpmd_shape_mismatch TIMEOUT 60
+  COMMAND ${_online_mpmd} 5 : ${MPIEXEC_NUMPROC_FLAG} 2 $<TARGET_FILE:meshtrain> train
+          ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml
+          --set run.output_dir=${_online_dir}/mismatch
+  PASS_REGULAR_EXPRESSION "meshtrain: error: stream \"c-demo\": the producers send rows of 5 inputs and 2 outputs as float32, but the trainer takes rows of 4 inputs and 2 outputs as float32")
+set_tests_properties(online_mpmd_shape_mismatch PROPERTIES PROCESSORS 2)
+# The trainer fails at set-up (a bad key): the producer's connect fails with the trainer's
+# sentence instead of waiting for it.
+meshtrain_add_command_test(NAME online_mpmd_trainer_fails_at_setup TIMEOUT 60
+  COMMAND ${_online_mpmd} : ${MPIEXEC_NUMPROC_FLAG} 2 $<TARGET_FILE:meshtrain> train
+          ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml --set optimizer.lr=-1
+          --set run.output_dir=${_online_dir}/setup_error
+  PASS_REGULAR_EXPRESSION "producer: error: stream \"c-demo\": the trainer stopped before it trained: [^\n]*optimizer\\.lr")
+set_tests_properties(online_mpmd_trainer_fails_at_setup PROPERTIES PROCESSORS 2)

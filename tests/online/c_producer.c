@@ -1,0 +1,53 @@
+/* A simulation's producer in C, using only <meshtrain/stream.h> (docs/online.md): under MPMD
+ * (`mpirun -np 1 online_c_producer : -np 2 meshtrain train online.toml`) it takes its part of
+ * MPI_COMM_WORLD by MPI_APPNUM, connects to stream "c-demo" with 4 inputs and 2 outputs (or
+ * the inputs given as its argument), sends 50 sends of 16 rows (backpressure block) and closes. Prints what it sent;
+ * exits 2 with the error's sentence when connect fails. */
+#include <math.h>
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "stream.h"
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int* appnum = NULL;
+  int flag = 0, world_rank = 0, rank = 0;
+  MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_APPNUM, &appnum, &flag);
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  MPI_Comm sim;
+  MPI_Comm_split(MPI_COMM_WORLD, flag && appnum ? *appnum : 0, world_rank, &sim);
+  MPI_Comm_rank(sim, &rank);
+  const int64_t inputs = argc > 1 ? atoi(argv[1]) : 4, outputs = 2, rows = 16;
+
+  /* block: every row reaches the trainer, however long it takes to start */
+  const mt_stream_options options = {0, 0, MT_STREAM_BLOCK, MPI_COMM_NULL};
+  mt_stream* s = NULL;
+  if (mt_stream_connect(sim, "c-demo", inputs, outputs, MT_STREAM_FLOAT32, &options, &s) != 0) {
+    fprintf(stderr, "producer: error: %s\n", mt_stream_last_error(s));
+    mt_stream_free(s);
+    MPI_Comm_free(&sim);
+    MPI_Finalize();
+    return 2;
+  }
+  float x[16 * 8], y[16 * 2];
+  for (int step = 0; step < 50; ++step) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const double t = 0.01 * (double)(step * rows + i) + 0.5 * rank;
+      for (int64_t j = 0; j < inputs && j < 8; ++j) x[i * inputs + j] = (float)sin(t * (j + 1));
+      for (int64_t o = 0; o < outputs; ++o) y[i * outputs + o] = (float)cos(t + o);
+    }
+    if (mt_stream_send(s, x, y, rows) != 0) {
+      fprintf(stderr, "producer: error: %s\n", mt_stream_last_error(s));
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+  }
+  mt_stream_close(s);
+  printf("producer %d: sent %lld rows, dropped %lld\n", rank, (long long)mt_stream_rows_sent(s),
+         (long long)mt_stream_rows_dropped(s));
+  mt_stream_free(s);
+  MPI_Comm_free(&sim);
+  MPI_Finalize();
+  return 0;
+}

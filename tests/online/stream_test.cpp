@@ -1,0 +1,536 @@
+// Online training (docs/online.md): one program splits MPI_COMM_WORLD into producers (the first
+// half of the ranks, rounded down) and a trainer (the rest), as a simulation and `meshtrain
+// train` do under MPMD. Checked: every row a producer sent is counted on the trainer (dp and
+// tp meshes; the ranks of a tp group hold the same buffer bits); the window and reservoir
+// buffers hold exactly min(rows, buffer_rows) rows, the window the newest, the reservoir a
+// spread sample; with a buffer that holds every row and order = "arrival", the run equals the
+// run on the same rows written to an HDF5 file (bit for bit on the same mesh, and close to one
+// rank's run computed in the same test); a shape mismatch is the same one sentence on both
+// sides, naming the stream and both shapes, before any step. The registration's timeout ends
+// any hang.
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "framework/comm/mpi_util.hpp"
+#include "framework/stream/producer.hpp"
+#include "framework/stream/stream_protocol.hpp"
+#include "run/training_run.hpp"
+#include "stream.h"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/hdf5_files.hpp"
+#include "tests/support/temp_dir.hpp"
+#include "tests/support/training_runs.hpp"
+#include "tests/support/world.hpp"
+
+namespace meshtrain {
+namespace {
+
+using testing::TempDir;
+
+constexpr int64_t kInputs = 4, kOutputs = 2;
+
+// Who is who: producers are world ranks [0, P), the trainer [P, world).
+struct Roles {
+  int producers = 1, trainers = 1;
+  bool producer = false;
+  MPI_Comm comm = MPI_COMM_NULL;  // this side's
+  int rank = 0;                   // in comm
+  Roles() {
+    producers = std::max(1, world_size() / 2);
+    trainers = world_size() - producers;
+    producer = world_rank() < producers;
+    check_mpi(MPI_Comm_split(MPI_COMM_WORLD, producer ? 0 : 1, world_rank(), &comm),
+              "MPI_Comm_split");
+    MPI_Comm_rank(comm, &rank);
+  }
+  ~Roles() { MPI_Comm_free(&comm); }
+};
+
+// Producer p's row r: x encodes (p, r) in x[0], the rest a smooth function of it.
+void make_row(int64_t p, int64_t r, double* x, double* y) {
+  const double t = 0.01 * static_cast<double>(r) + 0.37 * static_cast<double>(p);
+  x[0] = static_cast<double>(p * 100000 + r);
+  for (int64_t j = 1; j < kInputs; ++j) x[j] = std::sin(t * static_cast<double>(j + 1));
+  for (int64_t o = 0; o < kOutputs; ++o) y[o] = std::cos(t + static_cast<double>(o));
+}
+// The same row as the model sees it: x[0] scaled into a sane range is not wanted here (it
+// would change the row id), so the model's input 0 is the id over 1e5.
+void make_row_f(int64_t p, int64_t r, float* x, float* y) {
+  double xd[kInputs], yd[kOutputs];
+  make_row(p, r, xd, yd);
+  for (int64_t j = 0; j < kInputs; ++j) x[j] = static_cast<float>(xd[j]);
+  for (int64_t o = 0; o < kOutputs; ++o) y[o] = static_cast<float>(yd[o]);
+}
+
+// Sends `rows` rows from producer `p` in sends of irregular sizes; returns rows handed to MPI.
+int64_t produce(MPI_Comm comm, int p, const std::string& name, int64_t rows, StreamDtype dtype,
+                const StreamProducerOptions& options) {
+  StreamProducer producer;
+  producer.connect(comm, name, kInputs, kOutputs, dtype, options);
+  std::vector<double> xd(64 * kInputs), yd(64 * kOutputs);
+  std::vector<float> xf(64 * kInputs), yf(64 * kOutputs);
+  int64_t r = 0;
+  for (int64_t k = 0; r < rows; ++k) {
+    const int64_t n = std::min<int64_t>(1 + (k * 7) % 37, rows - r);
+    for (int64_t i = 0; i < n; ++i) {
+      make_row(p, r + i, &xd[i * kInputs], &yd[i * kOutputs]);
+      make_row_f(p, r + i, &xf[i * kInputs], &yf[i * kOutputs]);
+    }
+    if (dtype == StreamDtype::float64) {
+      producer.send(xd.data(), yd.data(), n);
+    } else {
+      producer.send(xf.data(), yf.data(), n);
+    }
+    r += n;
+  }
+  producer.close();
+  EXPECT_EQ(producer.rows_sent() + producer.rows_dropped(), rows);
+  return producer.rows_sent();
+}
+
+RunConfig trainer_config(const std::string& name, std::vector<std::pair<std::string, int>> axes,
+                         const std::string& preset) {
+  RunConfig config;
+  config.file = "stream_test";
+  config.run.seed = 11;
+  config.mesh.axes = std::move(axes);
+  config.model.sizes = {kInputs, 16, kOutputs};
+  config.model.activation = Activation::tanh;
+  config.model.loss = LossKind::mse;
+  config.partition.preset = preset;
+  config.partition.min_sharding_size = 0;
+  config.data.source = DataSource::stream;
+  config.data.batch_size = 8;
+  config.optimizer.kind = OptimizerKind::adamw;
+  config.optimizer.lr = 1e-3;
+  config.train.log_every = 1;
+  config.stream.name = name;
+  return config;
+}
+
+int64_t sum_over_world(int64_t value) {
+  int64_t sum = 0;
+  check_mpi(MPI_Allreduce(&value, &sum, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD), "MPI_Allreduce");
+  return sum;
+}
+
+// The row ids (x[0]) the buffer holds.
+std::vector<int64_t> buffer_ids(const StreamBuffer& buffer) {
+  std::vector<int64_t> ids;
+  for (int64_t s = 0; s < buffer.filled(); ++s) ids.push_back(static_cast<int64_t>(buffer.x(s)[0]));
+  return ids;
+}
+
+struct MeshCase {
+  std::vector<std::pair<std::string, int>> axes;
+  std::string preset;
+};
+std::vector<MeshCase> trainer_meshes(int trainers) {
+  std::vector<MeshCase> cases = {{{{"dp", trainers}}, "dp"}};
+  if (trainers % 2 == 0) cases.push_back({{{"tp", trainers}}, "tp"});
+  return cases;
+}
+
+// Every row sent is counted, and the buffers are bounded exactly, by each policy; a run
+// that ends when every producer closed (stream.until = "closed") writes the counters to
+// metrics.jsonl.
+TEST(Stream, EveryRowCountedAndBuffersBoundedExactly) {
+  Roles roles;
+  const int64_t rows_per_producer = 300, capacity = 40;
+  for (const MeshCase& mesh : trainer_meshes(roles.trainers)) {
+    for (StreamPolicy policy : {StreamPolicy::window, StreamPolicy::reservoir}) {
+      SCOPED_TRACE(std::string(to_string(policy)) + " on " + mesh.preset);
+      TempDir dir(/*shared=*/true);
+      const std::string name = std::string("count-") + to_string(policy);
+      int64_t sent = 0;
+      if (roles.producer) {
+        StreamProducerOptions options;
+        options.message_rows = 16;
+        options.ring_rows = 64;
+        options.backpressure = StreamBackpressure::block;
+        sent =
+            produce(roles.comm, roles.rank, name, rows_per_producer, StreamDtype::float64, options);
+        EXPECT_EQ(sent, rows_per_producer);
+        sum_over_world(sent);
+        continue;
+      }
+      RunConfig config = trainer_config(name, mesh.axes, mesh.preset);
+      config.stream.buffer_rows = capacity;
+      config.stream.policy = policy;
+      config.stream.min_rows = 4;
+      config.stream.dtype = StreamRowType::float64;
+      config.stream.until = StreamUntil::closed;
+      config.train.steps = 1000000;
+      config.run.output_dir = dir.path() + "/run";
+      config.checkpoint.dir = dir.path() + "/run/checkpoints";
+      TrainingRun run(config, {}, std::nullopt, roles.comm);
+      const RunSummary summary = run.train();
+      EXPECT_LT(summary.steps_run, 1000000) << "the run did not end when the producers closed";
+      const auto& source = dynamic_cast<const StreamSource&>(run.train_data());
+      const StreamBuffer& buffer = source.buffer();
+      const int64_t total_sent = sum_over_world(0);
+      // Every producer's rows reached a group; each group's rows are counted once.
+      EXPECT_EQ(source.counters().rows_received, total_sent);
+      // This rank's buffer: exactly min(seen, capacity) rows, the rest counted.
+      EXPECT_EQ(buffer.filled(), std::min(buffer.seen(), capacity));
+      EXPECT_EQ(buffer.overwritten(), std::max<int64_t>(0, buffer.seen() - capacity));
+      // The ranks of one group hold the same bits.
+      {
+        MPI_Comm group;
+        MPI_Comm_split(roles.comm, static_cast<int>(run.batch_slice().index), roles.rank, &group);
+        std::vector<int64_t> ids = buffer_ids(buffer);
+        int64_t n = static_cast<int64_t>(ids.size()), lo = 0, hi = 0;
+        MPI_Allreduce(&n, &lo, 1, MPI_INT64_T, MPI_MIN, group);
+        MPI_Allreduce(&n, &hi, 1, MPI_INT64_T, MPI_MAX, group);
+        EXPECT_EQ(lo, hi);
+        std::vector<int64_t> first(ids);
+        MPI_Bcast(first.data(), static_cast<int>(first.size()), MPI_INT64_T, 0, group);
+        EXPECT_EQ(first, ids) << "the ranks of a tp group hold other rows";
+        MPI_Comm_free(&group);
+      }
+      int64_t seen_sum = 0;
+      {
+        // Rows seen summed over the group leads = rows received; buffer rows likewise.
+        int group_rank = 0;
+        MPI_Comm group;
+        MPI_Comm_split(roles.comm, static_cast<int>(run.batch_slice().index), roles.rank, &group);
+        MPI_Comm_rank(group, &group_rank);
+        MPI_Comm_free(&group);
+        int64_t mine[2] = {group_rank == 0 ? buffer.seen() : 0,
+                           group_rank == 0 ? buffer.filled() : 0};
+        int64_t sums[2] = {0, 0};
+        MPI_Allreduce(mine, sums, 2, MPI_INT64_T, MPI_SUM, roles.comm);
+        seen_sum = sums[0];
+        EXPECT_EQ(sums[1], source.counters().buffer_rows);
+      }
+      EXPECT_EQ(seen_sum, total_sent);
+      // What the buffer holds: distinct rows; the window the newest of a one-producer group.
+      std::vector<int64_t> ids = buffer_ids(buffer);
+      const std::set<int64_t> distinct(ids.begin(), ids.end());
+      EXPECT_EQ(static_cast<int64_t>(distinct.size()), buffer.filled());
+      const bool one_producer = roles.producers == 1 || roles.producers == run.batch_slice().count;
+      if (one_producer && buffer.seen() > capacity) {
+        const int64_t p = roles.producers == 1 ? 0 : run.batch_slice().index;
+        // This group's rows of producer p, in order (message m of p goes to group (p + mP) % G).
+        // The producer's messages are cut from sends of irregular sizes: rebuild them.
+        std::vector<int64_t> mine;
+        const int64_t groups = run.batch_slice().count;
+        int64_t r = 0, m = 0;
+        for (int64_t k = 0; r < rows_per_producer; ++k) {
+          const int64_t n = std::min<int64_t>(1 + (k * 7) % 37, rows_per_producer - r);
+          for (int64_t done = 0; done < n; done += 16, ++m) {
+            const int64_t count = std::min<int64_t>(16, n - done);
+            if (stream_protocol::group_of_message(p, m, roles.producers, groups) ==
+                run.batch_slice().index) {
+              for (int64_t i = 0; i < count; ++i) mine.push_back(p * 100000 + r + done + i);
+            }
+          }
+          r += n;
+        }
+        ASSERT_EQ(static_cast<int64_t>(mine.size()), buffer.seen());
+        if (policy == StreamPolicy::window) {
+          const std::set<int64_t> newest(mine.end() - capacity, mine.end());
+          EXPECT_EQ(distinct, newest) << "the window holds other rows than the newest";
+        } else {
+          // A uniform sample of every row seen: rows from the older half too, not the window.
+          const std::set<int64_t> older(mine.begin(), mine.begin() + (mine.size() / 2));
+          int64_t from_older = 0;
+          for (int64_t id : ids) from_older += older.count(id);
+          EXPECT_GT(from_older, capacity / 5) << "the reservoir kept mostly the newest rows";
+          EXPECT_LT(from_older, capacity * 4 / 5);
+          for (int64_t id : ids) EXPECT_TRUE(std::find(mine.begin(), mine.end(), id) != mine.end());
+        }
+      }
+      // metrics.jsonl has the counters (rank 0 of the trainer writes it).
+      if (roles.rank == 0) {
+        std::ifstream file(config.run.output_dir + "/metrics.jsonl");
+        std::string line, last_log;
+        while (std::getline(file, line)) {
+          if (line.find("\"event\":\"log\"") != std::string::npos) last_log = line;
+        }
+        EXPECT_NE(last_log.find("\"stream_rows_received\":" + std::to_string(total_sent)),
+                  std::string::npos)
+            << last_log;
+        EXPECT_NE(last_log.find("\"stream_buffer_rows\""), std::string::npos) << last_log;
+      }
+    }
+  }
+}
+
+// Training from the stream with a buffer that holds every row, in arrival order, equals
+// training from an HDF5 file of the same rows laid out as the batches take them.
+TEST(Stream, RunEqualsTheSameRowsFromHdf5) {
+  Roles roles;
+  const int groups = roles.trainers;  // dp over the trainer
+  if (roles.producers != 1 && roles.producers != groups) {
+    GTEST_SKIP() << "a group fed by several producers takes their rows as they come";
+  }
+  const int64_t batch = 8 * groups, rows = 8, steps = 12;
+  // Rows per group, and so per producer: every group gets steps * rows rows.
+  const int64_t per_group = steps * rows;
+  const int64_t per_producer = per_group * groups / roles.producers;
+  TempDir dir(/*shared=*/true);
+  const std::string file = dir.file("rows.h5");
+  if (roles.producer) {
+    StreamProducerOptions options;
+    options.message_rows = 8;  // sends are whole messages: message m is rows [8m, 8m + 8)
+    options.ring_rows = 4096;
+    options.backpressure = StreamBackpressure::block;
+    StreamProducer producer;
+    producer.connect(roles.comm, "equal", kInputs, kOutputs, StreamDtype::float32, options);
+    std::vector<float> x(8 * kInputs), y(8 * kOutputs);
+    for (int64_t r = 0; r < per_producer; r += 8) {
+      for (int64_t i = 0; i < 8; ++i)
+        make_row_f(roles.rank, r + i, &x[i * kInputs], &y[i * kOutputs]);
+      producer.send(x.data(), y.data(), 8);
+    }
+    producer.close();
+    EXPECT_EQ(producer.rows_dropped(), 0);
+    MPI_Barrier(MPI_COMM_WORLD);  // the file is written
+    return;
+  }
+  RunConfig config = trainer_config("equal", {{"dp", groups}}, "dp");
+  config.stream.buffer_rows = per_group;
+  config.stream.min_rows = per_group;
+  config.stream.order = StreamOrder::arrival;
+  config.data.batch_size = batch;
+  config.train.steps = steps;
+  std::vector<double> stream_losses;
+  std::vector<std::vector<float>> stream_params;
+  {
+    TrainingRun run(config, {}, std::nullopt, roles.comm);
+    for (int64_t s = 0; s < steps; ++s) stream_losses.push_back(run.step().loss);
+    stream_params = testing::copy_parameters(run);
+    EXPECT_EQ(run.batch_slice().count, groups);
+  }
+  // The file: row s * batch + g * rows + j is group g's row s * rows + j; group g's rows are
+  // its messages in order (message m of producer p goes to group (p + m P) mod G).
+  Dataset d;
+  d.description = "the streamed rows";
+  d.num_samples = steps * batch;
+  d.features = kInputs;
+  d.target_width = kOutputs;
+  d.inputs.resize(static_cast<size_t>(d.num_samples * kInputs));
+  d.targets.resize(static_cast<size_t>(d.num_samples * kOutputs));
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> group_rows(static_cast<size_t>(groups));
+  for (int64_t p = 0; p < roles.producers; ++p) {
+    for (int64_t m = 0; m * 8 < per_producer; ++m) {
+      const int64_t g = stream_protocol::group_of_message(p, m, roles.producers, groups);
+      for (int64_t i = 0; i < 8; ++i) group_rows[static_cast<size_t>(g)].push_back({p, m * 8 + i});
+    }
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t j = 0; j < rows; ++j) {
+        const auto [p, r] = group_rows[static_cast<size_t>(g)][static_cast<size_t>(s * rows + j)];
+        const int64_t at = s * batch + g * rows + j;
+        make_row_f(p, r, &d.inputs[at * kInputs], &d.targets[at * kOutputs]);
+      }
+    }
+  }
+  if (roles.rank == 0) testing::write_h5(file, d);
+  MPI_Barrier(MPI_COMM_WORLD);
+  RunConfig offline = config;
+  offline.data.source = DataSource::hdf5;
+  offline.data.path = {file};
+  offline.data.shuffle = ShuffleMode::none;
+  offline.stream = StreamSection{};  // [stream] keys belong to a stream run
+  std::vector<double> file_losses;
+  {
+    TrainingRun run(offline, {}, std::nullopt, roles.comm);
+    for (int64_t s = 0; s < steps; ++s) file_losses.push_back(run.step().loss);
+    EXPECT_TRUE(testing::same_bits(stream_params, testing::copy_parameters(run)))
+        << "the stream's run and the file's differ";
+  }
+  EXPECT_EQ(stream_losses, file_losses);
+  // One rank on the file: the same run up to the reduction's rounding.
+  if (roles.rank == 0) {
+    RunConfig single = offline;
+    single.mesh.axes = {{"dp", 1}};
+    TrainingRun run(single, {}, std::nullopt, MPI_COMM_SELF);
+    for (int64_t s = 0; s < steps; ++s) {
+      EXPECT_NEAR(run.step().loss, stream_losses[static_cast<size_t>(s)],
+                  1e-5 * std::abs(stream_losses[static_cast<size_t>(s)]) + 1e-7);
+    }
+  }
+}
+
+// Shapes that disagree: the same sentence on both sides, naming the stream and both shapes,
+// before any step (the run is never built).
+TEST(Stream, ShapeMismatchIsOneSentenceOnBothSides) {
+  Roles roles;
+  std::string message;
+  if (roles.producer) {
+    StreamProducer producer;
+    try {
+      producer.connect(roles.comm, "mismatch", kInputs + 1, kOutputs, StreamDtype::float32);
+      ADD_FAILURE() << "connect accepted 5 inputs against a model of 4";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::bad_input);
+      message = e.what();
+    }
+    EXPECT_FALSE(producer.connected());
+    // The C API says the same through its error code and sentence.
+    mt_stream* s = nullptr;
+    EXPECT_EQ(mt_stream_connect(roles.comm, "mismatch-c", kInputs, kOutputs + 1, MT_STREAM_FLOAT32,
+                                nullptr, &s),
+              MT_STREAM_BAD_INPUT);
+    EXPECT_NE(std::string(mt_stream_last_error(s)).find("3 outputs"), std::string::npos)
+        << mt_stream_last_error(s);
+    mt_stream_free(s);
+  } else {
+    for (const char* name : {"mismatch", "mismatch-c"}) {
+      RunConfig config = trainer_config(name, {{"dp", roles.trainers}}, "dp");
+      config.train.steps = 5;
+      try {
+        TrainingRun run(config, {}, std::nullopt, roles.comm);
+        ADD_FAILURE() << "the run was built against producers of another shape";
+      } catch (const AgreedError& e) {
+        EXPECT_EQ(e.kind(), ErrorKind::bad_input);
+        if (std::string(name) == "mismatch") message = e.what();
+      }
+    }
+  }
+  EXPECT_NE(message.find("stream \"mismatch\""), std::string::npos) << message;
+  EXPECT_NE(message.find("5 inputs and 2 outputs as float32"), std::string::npos) << message;
+  EXPECT_NE(message.find("4 inputs and 2 outputs as float32"), std::string::npos) << message;
+  // One sentence, and the same on both sides.
+  const uint64_t hash = std::hash<std::string>{}(message);
+  uint64_t lo = 0, hi = 0;
+  MPI_Allreduce(&hash, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(&hash, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+  EXPECT_EQ(lo, hi) << "the producers and the trainer report different sentences: " << message;
+}
+
+// A trainer that fails before its rendezvous (here: no train.steps) tells the producers, whose
+// connect then fails with its sentence instead of waiting.
+TEST(Stream, TrainerFailingAtSetUpEndsTheProducersConnect) {
+  Roles roles;
+  std::string message;
+  if (roles.producer) {
+    StreamProducer producer;
+    try {
+      producer.connect(roles.comm, "early", kInputs, kOutputs, StreamDtype::float32);
+      ADD_FAILURE() << "connect succeeded with a trainer that failed";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::bad_input);
+      message = e.what();
+    }
+    EXPECT_NE(message.find("stream \"early\": the trainer stopped before it trained: "),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("train.steps"), std::string::npos) << message;
+    return;
+  }
+  RunConfig config = trainer_config("early", {{"dp", roles.trainers}}, "dp");
+  try {
+    TrainingRun run(config, {}, std::nullopt, roles.comm);  // no train.steps
+    ADD_FAILURE() << "a stream run without train.steps was built";
+  } catch (const AgreedError& e) {
+    stream_trainer_failed(e.what());
+  }
+}
+
+// The [stream] keys go through the one schema: read, written back, refused without
+// data.source = "stream" (every rank alike; no MPI).
+TEST(StreamConfig, KeysReadWrittenAndRefusedElsewhere) {
+  const std::string text =
+      "[model]\nsizes = [4, 3]\nloss = \"mse\"\n[train]\nsteps = 5\n"
+      "[data]\nsource = \"stream\"\n"
+      "[stream]\nname = \"heat\"\nbuffer_rows = 1000\npolicy = \"reservoir\"\n"
+      "min_rows = 100\norder = \"arrival\"\ndtype = \"float64\"\nuntil = \"closed\"\n";
+  const RunConfig c = parse_config(text, "online.toml");
+  EXPECT_EQ(c.data.source, DataSource::stream);
+  EXPECT_EQ(c.stream.name, "heat");
+  EXPECT_EQ(c.stream.buffer_rows, 1000);
+  EXPECT_EQ(c.stream.policy, StreamPolicy::reservoir);
+  EXPECT_EQ(c.stream.min_rows, 100);
+  EXPECT_EQ(c.stream.order, StreamOrder::arrival);
+  EXPECT_EQ(c.stream.dtype, StreamRowType::float64);
+  EXPECT_EQ(c.stream.until, StreamUntil::closed);
+  const RunConfig again = parse_config(config_to_toml(c), "again.toml");
+  EXPECT_EQ(again.stream.name, "heat");
+  EXPECT_EQ(again.stream.policy, StreamPolicy::reservoir);
+  EXPECT_EQ(again.stream.until, StreamUntil::closed);
+  testing::expect_bad_input(
+      [] {
+        parse_config("[model]\nsizes = [4, 3]\n[train]\nsteps = 5\n[stream]\nname = \"x\"\n",
+                     "t.toml");
+      },
+      {"t.toml", "[stream] name", "data.source = \"stream\""});
+  testing::expect_bad_input([&] { parse_config(text + "", "t.toml", {"stream.policy=newest"}); },
+                            {"stream.policy", "window", "reservoir"});
+}
+
+// The buffer alone: exact bounds and counters; the window keeps the newest rows in slot
+// n mod capacity; the reservoir's choices are a function of (seed, group, n) alone.
+TEST(StreamBuffer, BoundsAndPolicies) {
+  for (StreamPolicy policy : {StreamPolicy::window, StreamPolicy::reservoir}) {
+    StreamBuffer a(10, 1, 1, policy, 7, 0), b(10, 1, 1, policy, 7, 0), c(10, 1, 1, policy, 8, 0);
+    for (int64_t n = 0; n < 100; ++n) {
+      const float x = static_cast<float>(n), y = -x;
+      a.add(&x, &y);
+      b.add(&x, &y);
+      c.add(&x, &y);
+      EXPECT_EQ(a.filled(), std::min<int64_t>(n + 1, 10));
+      EXPECT_EQ(a.overwritten(), std::max<int64_t>(0, n + 1 - 10));
+    }
+    bool same_as_b = true, same_as_c = true;
+    for (int64_t s = 0; s < 10; ++s) {
+      EXPECT_EQ(a.y(s)[0], -a.x(s)[0]);
+      same_as_b = same_as_b && a.x(s)[0] == b.x(s)[0];
+      same_as_c = same_as_c && a.x(s)[0] == c.x(s)[0];
+      if (policy == StreamPolicy::window) EXPECT_EQ(a.x(s)[0], static_cast<float>(90 + s));
+    }
+    EXPECT_TRUE(same_as_b);
+    if (policy == StreamPolicy::reservoir) EXPECT_FALSE(same_as_c) << "the seed changes nothing";
+  }
+}
+
+// With backpressure drop, a ring of two messages whose sends cannot complete (no trainer
+// receives until the producer is done) drops later messages and counts them; send returns.
+// (Two: with one producer and two groups, each group gets one message.)
+// (Only messages above the MPI library's eager limit wait for their receiver, so the rows
+// are wide.)
+TEST(Stream, DropWhenTheRingIsFullIsCounted) {
+  Roles roles;
+  constexpr int64_t kWide = 4096;  // 16 KiB + a row: past the eager limits of shared memory
+  if (roles.producer) {
+    StreamProducer producer;
+    StreamProducerOptions options;
+    options.message_rows = 4;
+    options.ring_rows = 8;
+    producer.connect(roles.comm, "drop", kWide, 1, StreamDtype::float32, options);
+    std::vector<float> x(4 * kWide, 1.0f), y(4, 2.0f);
+    for (int k = 0; k < 20; ++k) producer.send(x.data(), y.data(), 4);
+    EXPECT_EQ(producer.rows_sent() + producer.rows_dropped(), 80);
+    EXPECT_GT(producer.rows_dropped(), 0) << "the ring never filled";
+    MPI_Barrier(MPI_COMM_WORLD);  // only now may the trainer receive
+    producer.close();
+    sum_over_world(producer.rows_sent());
+    return;
+  }
+  RunConfig config = trainer_config("drop", {{"dp", roles.trainers}}, "dp");
+  config.model.sizes = {kWide, 4, 1};
+  config.stream.until = StreamUntil::closed;
+  config.stream.min_rows = 1;
+  config.data.batch_size = roles.trainers;
+  config.train.steps = 1000;
+  TrainingRun run(config, {}, std::nullopt, roles.comm);
+  MPI_Barrier(MPI_COMM_WORLD);
+  while (!run.finished()) run.step();
+  const auto& source = dynamic_cast<const StreamSource&>(run.train_data());
+  EXPECT_EQ(source.counters().rows_received, sum_over_world(0));
+}
+
+}  // namespace
+}  // namespace meshtrain
