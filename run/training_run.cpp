@@ -205,6 +205,7 @@ void TrainingRun::log_step(const StepResult& result) {
 StepResult TrainingRun::step() {
   const int64_t number = steps_done_ + 1;
   if (config_.runtime.traces() && number == config_.runtime.trace_first) begin_trace();
+  if (tracing_) reset_pass_counts();
   StepResult result;
   {
     TraceSpan span("step", TraceKind::step);
@@ -217,6 +218,10 @@ StepResult TrainingRun::step() {
       accumulate_loaded_batch();
     }
     result = apply_update();
+  }
+  // Into the room begin_trace reserved (a window of more steps keeps the first ones).
+  if (tracing_ && traced_passes_.steps.size() < traced_passes_.steps.capacity()) {
+    traced_passes_.steps.push_back({number, pass_totals()});
   }
   if (tracing_ && number == config_.runtime.trace_last) end_trace();
   return result;

@@ -44,11 +44,12 @@
 #include "framework/io/metrics.hpp"
 #include "framework/io/normalization.hpp"
 #include "framework/observe/memory_tracker.hpp"
+#include "framework/observe/step_passes.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/loss_scaler.hpp"
 #include "framework/train/lr_schedule.hpp"
-#include "framework/train/optimizer.hpp"
 #include "framework/train/memory_plan.hpp"  // PlannedMemory
+#include "framework/train/optimizer.hpp"
 #include "framework/train/zero1.hpp"
 #include "layers/context.hpp"
 #include "layers/eval_metrics.hpp"
@@ -296,6 +297,8 @@ class TrainingRun {
   bool tracing_ = false;
   int64_t trace_clock_offset_ns_ = 0;
   int64_t trace_origin_ns_ = 0;
+  // The traced steps' passes (framework/observe/step_passes.hpp), reserved by begin_trace.
+  TracedPasses traced_passes_;
 
   // Declared in dependency order: destroyed in reverse, the communicators last, and the
   // communication thread (runtime.comm_thread) after every request that may use it.

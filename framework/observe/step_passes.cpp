@@ -107,9 +107,7 @@ void print_traced_passes(const TracedPasses& passes, std::ostream& out) {
   if (passes.labels.labels.empty()) return;
   out << "by label, step " << passes.labels_step << ":\n";
   for (const LabelPasses& l : passes.labels.labels) {
-    out << std::setw(8) << l.count << "  " << to_string(l.kind) << "  " << l.label;
-    if (l.kind == PassKind::copy) out << "  (" << l.bytes << " bytes)";
-    out << "\n";
+    out << std::setw(8) << l.count << "  " << to_string(l.kind) << "  " << l.label << "\n";
   }
   if (!passes.labels.complete) out << "(more labels than the counter's table holds)\n";
 }
