@@ -1,9 +1,11 @@
 #include "framework/observe/step_passes.hpp"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <ostream>
+#include <tuple>
 
 #include "base/error.hpp"
 
@@ -48,6 +50,11 @@ PassCounts pass_counts_from_json(const nlohmann::json& doc) {
   } catch (const nlohmann::json::exception& e) {
     MESHTRAIN_FAIL("pass counts of an unexpected shape: ", e.what());
   }
+  // In pass_counts()'s order (the JSON object's is by key).
+  std::sort(counts.labels.begin(), counts.labels.end(),
+            [](const LabelPasses& a, const LabelPasses& b) {
+              return std::tie(a.kind, a.label) < std::tie(b.kind, b.label);
+            });
   return counts;
 }
 

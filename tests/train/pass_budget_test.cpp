@@ -22,6 +22,7 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -32,6 +33,7 @@
 #include "run/training_run.hpp"
 #include "tests/support/counting_allocator.hpp"
 #include "tests/support/mesh_cases.hpp"
+#include "tests/support/temp_dir.hpp"
 #include "tests/support/world.hpp"
 
 namespace meshtrain {
@@ -77,8 +79,7 @@ std::vector<ModelCase> reference_models() {
 // The passes of step 3 of `model` on `mesh` in `dtype`. (Not an allocation-free step: with a
 // deep-copy callback installed, Kokkos 3.4 makes each copy's View labels into std::strings,
 // a few heap blocks per copy; the counter itself allocates nothing, PassCounter below.)
-PassCounts steady_step_passes(const ModelSection& model, const testing::MeshCase& mesh,
-                              Dtype dtype) {
+RunConfig reference_config(const ModelSection& model, const testing::MeshCase& mesh, Dtype dtype) {
   RunConfig config;
   config.model = model;
   config.model.loss = LossKind::cross_entropy;
@@ -92,7 +93,12 @@ PassCounts steady_step_passes(const ModelSection& model, const testing::MeshCase
   config.data.prefetch = 0;  // batches loaded in the step, on this thread: counts that repeat
   config.train.steps = 4;
   config.run.seed = 7;
-  TrainingRun run(config, {}, RunData{small_data(), Dataset{}});
+  return config;
+}
+
+PassCounts steady_step_passes(const ModelSection& model, const testing::MeshCase& mesh,
+                              Dtype dtype) {
+  TrainingRun run(reference_config(model, mesh, dtype), {}, RunData{small_data(), Dataset{}});
   run.step();
   run.step();
   install_pass_counter();
@@ -202,6 +208,44 @@ TEST(PassBudget, TheTrainingStepStaysWithinItsBudget) {
     ASSERT_TRUE(out.good()) << "cannot write '" << path << "'";
     std::cout << "wrote the pass budget '" << path << "'\n";
   }
+}
+
+// A traced run (steps 3 and 4) writes trace/passes.json, which trace-report prints: each
+// traced step's totals equal those of the same step counted here, and the labels of step 4
+// too; the counter is uninstalled after the window.
+TEST(PassBudget, ATracedRunWritesEachStepsPasses) {
+  const testing::MeshCase mesh = testing::one_axis_meshes(world_size())[1];  // fsdp
+  const ModelCase model = reference_models()[1];
+  const PassCounts expected = steady_step_passes(model.model, mesh, Dtype::bf16);
+  const testing::TempDir dir(/*shared=*/true);
+  RunConfig config = reference_config(model.model, mesh, Dtype::bf16);
+  config.runtime.trace_first = 3;
+  config.runtime.trace_last = 4;
+  config.run.output_dir = dir.path();
+  {
+    TrainingRun run(config, {}, RunData{small_data(), Dataset{}});
+    for (int s = 0; s < 4; ++s) run.step();
+    EXPECT_FALSE(pass_counter_installed()) << "still counting after the trace window";
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  const std::optional<TracedPasses> passes = read_traced_passes(dir.path() + "/trace");
+  ASSERT_TRUE(passes.has_value()) << "no trace/passes.json";
+  EXPECT_EQ(passes->rank, 0);
+  ASSERT_EQ(passes->steps.size(), 2u);
+  for (const StepPasses& step : passes->steps) {
+    SCOPED_TRACE("step " + std::to_string(step.step));
+    EXPECT_EQ(step.totals.kernels, expected.kernels);
+    EXPECT_EQ(step.totals.copies, expected.copies);
+    EXPECT_EQ(step.totals.copy_bytes, expected.copy_bytes);
+    EXPECT_EQ(step.totals.fences, expected.fences);
+  }
+  EXPECT_EQ(passes->steps[0].step, 3);
+  EXPECT_EQ(passes->labels_step, 4);
+  EXPECT_EQ(budget_entry(passes->labels), budget_entry(expected));
+  std::ostringstream printed;
+  print_traced_passes(*passes, printed);
+  EXPECT_NE(printed.str().find("kernel  meshtrain::adamw_step"), std::string::npos)
+      << printed.str();
 }
 
 // The counter itself: a known number of launches, copies and fences by label, counted while
