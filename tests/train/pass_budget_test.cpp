@@ -256,6 +256,19 @@ void other_tool_kernel(const char*, uint32_t, uint64_t* id) {
   *id = 0;
 }
 
+// Free functions: nvcc refuses a device lambda inside a TEST body (a private member).
+void fill_with_index(Kokkos::View<float*> v, const std::string& label, float scale) {
+  Kokkos::parallel_for(
+      label, Kokkos::RangePolicy<>(0, v.extent(0)), KOKKOS_LAMBDA(int j) { v(j) = scale * j; });
+}
+float sum_of(Kokkos::View<float*> v) {
+  float sum = 0;
+  Kokkos::parallel_reduce(
+      "pass_test_sum", Kokkos::RangePolicy<>(0, v.extent(0)),
+      KOKKOS_LAMBDA(int j, float& s) { s += v(j); }, sum);
+  return sum;
+}
+
 TEST(PassCounter, CountsKernelsCopiesAndFencesByLabel) {
   Kokkos::View<float*> a("pass_test_a", 100), b("pass_test_b", 100);
   Kokkos::Tools::Experimental::set_begin_parallel_for_callback(&other_tool_kernel);
@@ -267,14 +280,8 @@ TEST(PassCounter, CountsKernelsCopiesAndFencesByLabel) {
   // Labels within the small-string buffer: what Kokkos allocates to pass a longer one to
   // the callbacks (a deep copy's View label) is not the counter's.
   testing::AllocationWindow window;
-  for (int i = 0; i < 3; ++i) {
-    Kokkos::parallel_for(
-        fill, Kokkos::RangePolicy<>(0, 100), KOKKOS_LAMBDA(int j) { a(j) = j; });
-  }
-  float sum = 0;
-  Kokkos::parallel_reduce(
-      "pass_test_sum", Kokkos::RangePolicy<>(0, 100), KOKKOS_LAMBDA(int j, float& s) { s += a(j); },
-      sum);
+  for (int i = 0; i < 3; ++i) fill_with_index(a, fill, 1.0f);
+  const float sum = sum_of(a);
   Kokkos::deep_copy(b, a);
   Kokkos::deep_copy(b, a);
   EXPECT_EQ(window.close(), 0) << "counting allocated on the heap";
@@ -291,8 +298,7 @@ TEST(PassCounter, CountsKernelsCopiesAndFencesByLabel) {
   EXPECT_EQ(by_label["copy pass_test_b <- pass_test_a"], 2);
   uninstall_pass_counter();
   EXPECT_FALSE(pass_counter_installed());
-  Kokkos::parallel_for(
-      fill, Kokkos::RangePolicy<>(0, 100), KOKKOS_LAMBDA(int j) { a(j) = 0; });
+  fill_with_index(a, fill, 0.0f);
   EXPECT_EQ(pass_counts().kernels, 4) << "counted after it was uninstalled";
   EXPECT_EQ(g_other_tool_kernels, 4) << "the other tool's callback was not put back";
   Kokkos::Tools::Experimental::set_begin_parallel_for_callback(nullptr);
