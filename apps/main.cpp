@@ -40,6 +40,7 @@
 #include "framework/core/version.hpp"
 #include "framework/io/checkpoint_report.hpp"
 #include "framework/observe/flight_report.hpp"
+#include "framework/observe/step_passes.hpp"
 #include "framework/observe/trace_report.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/hardware_file.hpp"
@@ -126,8 +127,8 @@ void add_trace_report_command(CLI::App& app, TraceReportArgs& args) {
   CLI::App* command = app.add_subcommand(
       "trace-report",
       "Split a traced run's steps into compute, communication (exposed and overlapped), data "
-      "wait and idle per rank, and compare its collectives with the cost model "
-      "([runtime] trace_steps; docs/running.md)");
+      "wait and idle per rank, and compare its collectives with the cost model; the kernels, "
+      "copies and fences per step ([runtime] trace_steps; docs/running.md)");
   command->add_option("run_dir", args.run_dir, "The run's folder (its trace/ holds the files)")
       ->required();
   command->add_option("--hardware", args.hardware,
@@ -154,10 +155,15 @@ int run_trace_report(const TraceReportArgs& args) {
     cost = meshtrain::predict_run_step(config, static_cast<int>(ranks.size()), hardware);
   }
   const meshtrain::TraceReport report = meshtrain::summarize_trace(ranks, cost ? &*cost : nullptr);
+  // Kernels, copies and fences per step (trace/passes.json; absent in older traces).
+  const std::optional<meshtrain::TracedPasses> passes = meshtrain::read_traced_passes(dir);
   if (args.json) {
-    std::cout << meshtrain::trace_report_json(report).dump(2) << "\n";
+    nlohmann::ordered_json doc = meshtrain::trace_report_json(report);
+    if (passes) doc["passes"] = meshtrain::traced_passes_json(*passes);
+    std::cout << doc.dump(2) << "\n";
   } else {
     meshtrain::print_trace_report(report, std::cout);
+    if (passes) meshtrain::print_traced_passes(*passes, std::cout);
   }
   std::cout.flush();
   return std::cout ? 0 : kExitFailure;

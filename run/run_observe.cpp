@@ -76,6 +76,11 @@ void TrainingRun::begin_trace() {
   const int64_t steps = config_.runtime.trace_last - config_.runtime.trace_first + 1;
   // Room for 64 Ki events a step (a few MiB); more are counted as dropped in the file.
   tracer().start(static_cast<std::size_t>(std::min<int64_t>(steps, 64)) << 16);
+  // Kernels, copies and fences per traced step (passes.json beside the trace).
+  traced_passes_ = TracedPasses{};
+  traced_passes_.rank = rank_;
+  traced_passes_.steps.reserve(static_cast<std::size_t>(std::min<int64_t>(steps, 4096)));
+  install_pass_counter();
   tracing_ = true;
 }
 
@@ -84,6 +89,10 @@ void TrainingRun::begin_trace() {
 void TrainingRun::end_trace() {
   tracer().stop();
   tracing_ = false;
+  // The last traced step's counts by label: what the counter holds since that step's reset.
+  traced_passes_.labels = pass_counts();
+  traced_passes_.labels_step = traced_passes_.steps.empty() ? 0 : traced_passes_.steps.back().step;
+  uninstall_pass_counter();
   int ranks = 1;
   check_mpi(MPI_Comm_size(comm_, &ranks), "MPI_Comm_size");
   const std::string dir = trace_dir();
@@ -102,6 +111,7 @@ void TrainingRun::end_trace() {
     merge_chrome_traces(paths, dir + "/all-ranks.json");
     // The run's config beside it: `meshtrain trace-report` predicts the step from it.
     write_trace_file(dir + "/config.toml", config_to_toml(config_));
+    write_trace_file(dir + "/passes.json", traced_passes_json(traced_passes_).dump(2) + "\n");
   });
 }
 

@@ -214,6 +214,7 @@ void TrainingRun::log_step(const StepResult& result) {
 StepResult TrainingRun::step() {
   const int64_t number = steps_done_ + 1;
   if (config_.runtime.traces() && number == config_.runtime.trace_first) begin_trace();
+  if (tracing_) reset_pass_counts();
   StepResult result;
   {
     TraceSpan span("step", TraceKind::step);
@@ -229,6 +230,10 @@ StepResult TrainingRun::step() {
   }
   if (stream_ && config_.stream.until == StreamUntil::closed && stream_->ended()) {
     stream_ended_ = true;
+  }
+  // Into the room begin_trace reserved (a window of more steps keeps the first ones).
+  if (tracing_ && traced_passes_.steps.size() < traced_passes_.steps.capacity()) {
+    traced_passes_.steps.push_back({number, pass_totals()});
   }
   if (tracing_ && number == config_.runtime.trace_last) end_trace();
   return result;

@@ -44,6 +44,7 @@
 #include "framework/io/metrics.hpp"
 #include "framework/io/normalization.hpp"
 #include "framework/observe/memory_tracker.hpp"
+#include "framework/observe/step_passes.hpp"
 #include "framework/stream/stream_source.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/loss_scaler.hpp"
@@ -302,6 +303,8 @@ class TrainingRun {
   bool tracing_ = false;
   int64_t trace_clock_offset_ns_ = 0;
   int64_t trace_origin_ns_ = 0;
+  // The traced steps' passes (framework/observe/step_passes.hpp), reserved by begin_trace.
+  TracedPasses traced_passes_;
 
   // Declared in dependency order: destroyed in reverse, the communicators last, and the
   // communication thread (runtime.comm_thread) after every request that may use it.

@@ -325,7 +325,8 @@ void write_trace_file(const std::string& path, const std::string& text) {
 
 void remove_trace_files(const std::string& trace_dir) {
   namespace fs = std::filesystem;
-  static const std::regex written(R"((rank-[0-9]+|all-ranks)\.json(\.tmp)?|config\.toml(\.tmp)?)");
+  static const std::regex written(
+      R"((rank-[0-9]+|all-ranks|passes)\.json(\.tmp)?|config\.toml(\.tmp)?)");
   std::error_code error;
   fs::directory_iterator entries(trace_dir, error);
   if (error) return;
