@@ -8,6 +8,7 @@
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
 #include "layers/gradient_reduction.hpp"
+#include "layers/inference.hpp"
 
 namespace meshtrain {
 namespace {
@@ -189,6 +190,38 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
         y(i, j) = round_to(round_to(y(i, j), dtype) + round_to(b[j], dtype), dtype);
       });
+  return y;
+}
+
+bool Linear::can_infer_fused() const {
+  const bool one_gemm =
+      !layout_.slices_input() && !layout_.gathers_input() && !layout_.column_gathers_input() &&
+      (layout_.column_parallel || (!layout_.split_output && !layout_.tensor_parallel));
+  return inference::kHostKernels && compute_dtype_ == Dtype::fp32 && one_gemm;
+}
+
+MatrixView Linear::infer(MatrixView x, const LayerPass& pass, Activation activation,
+                         ConstMatrixView residual) {
+  if (!can_infer_fused()) {
+    MESHTRAIN_REQUIRE(inference::kHostKernels, "linear layer '", layout_.layer,
+                      "': the inference kernels need host memory");
+    const MatrixView y = forward(x, pass);
+    if (residual.data() != nullptr) inference::add(residual, y, y);
+    inference::activate(y, activation);
+    return y;
+  }
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
+                        static_cast<int64_t>(x.extent(1)) == input_width(),
+                    "linear layer '", layout_.layer, "': input is [", x.extent(0), ", ",
+                    x.extent(1), "], expected [", rows_, ", ", input_width(), "]");
+  LayerScratch& scratch = *pass.scratch;
+  const MatrixView w = weight_.compute_matrix(scratch);
+  const MatrixView y = output_;
+  // C starts as the bias (and the residual): BLAS adds the product to it (beta = 1) where it
+  // would have zeroed C first, so the bias costs no pass of its own.
+  inference::fill_bias(y, bias_.compute(scratch).data(), residual);
+  gemm(plain(x), plain(w), 1.0f, y, Dtype::fp32);
+  inference::activate(y, activation);
   return y;
 }
 

@@ -174,7 +174,9 @@ class Predictor {
   using HostMatrix = Matrix::HostMirror;
   void check_input(int64_t rows, int64_t width) const;
   // x_ rows [0, rows) hold the input: pads, normalizes, forwards, gathers, de-normalizes.
-  Prediction run(int64_t rows);
+  // for_derivatives: the model's forward(), which keeps what the tangent and cotangent passes
+  // need; otherwise its infer() (the inference kernels, layers/inference.hpp).
+  Prediction run(int64_t rows, bool for_derivatives = false);
   // Rows [0, rows) of x_host_ to x_ (a no-op where host and default memory are one).
   void upload_input();
   // output_ to output_host_ (a no-op where host and default memory are one).
