@@ -92,7 +92,7 @@ int main(int argc, char** argv) {
                            {"model", predictor.model_description()},
                            {"rows", rows},
                            {"calls", calls},
-                           {"gemm", meshtrain::gemm_kernels()},
+                           {"gemm", meshtrain::inference_gemm_kernels()},
                            {"best_ms", ms.front()},
                            {"median_ms", ms[ms.size() / 2]},
                            {"cpu_ms_per_call", cpu_ms}};

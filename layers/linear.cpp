@@ -217,11 +217,22 @@ MatrixView Linear::infer(MatrixView x, const LayerPass& pass, Activation activat
   LayerScratch& scratch = *pass.scratch;
   const MatrixView w = weight_.compute_matrix(scratch);
   const MatrixView y = output_;
-  // C starts as the bias (and the residual): BLAS adds the product to it (beta = 1) where it
-  // would have zeroed C first, so the bias costs no pass of its own.
-  inference::fill_bias(y, bias_.compute(scratch).data(), residual);
-  gemm(plain(x), plain(w), 1.0f, y, Dtype::fp32);
-  inference::activate(y, activation);
+  const ConstVectorView bias = bias_.compute(scratch);
+  if (inference_gemm_fuses_forward_epilogues() && residual.data() == nullptr) {
+    // oneDNN: the bias and the activation inside the matmul, no pass over C.
+    inference_gemm(plain(x), plain(w), 0.0f, y, GemmEpilogue::forward(bias, activation));
+    return y;
+  }
+  // C starts as the bias (and the residual): the GEMM adds the product to it (beta = 1) where
+  // BLAS would have zeroed C first, so the bias costs no pass of its own; the activation is
+  // then oneDNN's post-op, or one vectorized pass.
+  inference::fill_bias(y, bias.data(), residual);
+  if (inference_gemm_fuses_forward_epilogues()) {
+    inference_gemm(plain(x), plain(w), 1.0f, y, GemmEpilogue::forward(activation));
+  } else {
+    inference_gemm(plain(x), plain(w), 1.0f, y);
+    inference::activate(y, activation);
+  }
   return y;
 }
 
