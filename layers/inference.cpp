@@ -158,6 +158,10 @@ void check_same_shape(ConstMatrixView a, ConstMatrixView b, const char* what) {
 
 }  // namespace
 
+bool runs_host_kernels() {
+  return kHostKernels;
+}
+
 void fill_bias(MatrixView c, const float* bias, ConstMatrixView residual) {
   if (residual.data() != nullptr) check_same_shape(residual, c, "inference::fill_bias");
   float* data = c.data();

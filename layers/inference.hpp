@@ -34,6 +34,9 @@ namespace inference {
 
 // Whether this build runs the host kernels below (the default memory space is host memory).
 constexpr bool kHostKernels = !kDeviceMemoryIsHostInaccessible;
+// kHostKernels, for the layers' run-time choice (a function: no code after it is unreachable
+// to a compiler in a GPU build, which would warn).
+bool runs_host_kernels();
 
 // c(i, j) = bias[j] + (residual ? residual(i, j) : 0); residual may be empty.
 void fill_bias(MatrixView c, const float* bias, ConstMatrixView residual);

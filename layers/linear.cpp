@@ -197,13 +197,13 @@ bool Linear::can_infer_fused() const {
   const bool one_gemm =
       !layout_.slices_input() && !layout_.gathers_input() && !layout_.column_gathers_input() &&
       (layout_.column_parallel || (!layout_.split_output && !layout_.tensor_parallel));
-  return inference::kHostKernels && compute_dtype_ == Dtype::fp32 && one_gemm;
+  return inference::runs_host_kernels() && compute_dtype_ == Dtype::fp32 && one_gemm;
 }
 
 MatrixView Linear::infer(MatrixView x, const LayerPass& pass, Activation activation,
                          ConstMatrixView residual) {
   if (!can_infer_fused()) {
-    MESHTRAIN_REQUIRE(inference::kHostKernels, "linear layer '", layout_.layer,
+    MESHTRAIN_REQUIRE(inference::runs_host_kernels(), "linear layer '", layout_.layer,
                       "': the inference kernels need host memory");
     const MatrixView y = forward(x, pass);
     if (residual.data() != nullptr) inference::add(residual, y, y);

@@ -329,7 +329,7 @@ MatrixView Mlp::forward(MatrixView x, const TrainingPass* training) {
 }
 
 MatrixView Mlp::infer(MatrixView x) {
-  if (!inference::kHostKernels || compute_dtype_ != Dtype::fp32) return forward(x);
+  if (!inference::runs_host_kernels() || compute_dtype_ != Dtype::fp32) return forward(x);
   MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(1)) == sizes_.front(), "model input is [",
                     x.extent(0), ", ", x.extent(1), "], expected [", rows_, ", ", sizes_.front(),
                     "]");

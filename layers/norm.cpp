@@ -287,7 +287,7 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
 }
 
 MatrixView FeatureNorm::infer(MatrixView x, const LayerPass& pass) {
-  if (!inference::kHostKernels || compute_dtype_ != Dtype::fp32 || tp_comm_ != nullptr ||
+  if (!inference::runs_host_kernels() || compute_dtype_ != Dtype::fp32 || tp_comm_ != nullptr ||
       layout_.local_width != layout_.width) {
     return forward(x, pass);
   }

@@ -145,7 +145,7 @@ MatrixView ResidualBlock::forward(MatrixView x, const LayerPass& pass) {
 }
 
 MatrixView ResidualBlock::infer(MatrixView x, const LayerPass& pass) {
-  if (!inference::kHostKernels || dtype_ != Dtype::fp32) return forward(x, pass);
+  if (!inference::runs_host_kernels() || dtype_ != Dtype::fp32) return forward(x, pass);
   LayerPass inner;
   inner.scratch = pass.scratch;
   return inference_.run(x, inner, x, out_);
