@@ -13,3 +13,10 @@ target_link_libraries(bench_predict PRIVATE meshtrain_command CLI11::CLI11
 add_executable(bench_jacobian ${CMAKE_CURRENT_SOURCE_DIR}/jacobian_speed.cpp)
 target_link_libraries(bench_jacobian PRIVATE meshtrain_run CLI11::CLI11
                       nlohmann_json::nlohmann_json)
+
+# One Predictor::predict call on a block of rows, timed (issue 37 item 7);
+# bench/predictor_vs_onnxruntime.sh runs it beside ONNX Runtime and PyTorch on the same model:
+#   OPENBLAS_NUM_THREADS=1 build/bin/bench_predictor_call CHECKPOINT --input ROWS.f32 --rows 1000
+add_executable(bench_predictor_call ${CMAKE_CURRENT_SOURCE_DIR}/predictor_call.cpp)
+target_link_libraries(bench_predictor_call PRIVATE meshtrain_run CLI11::CLI11
+                      nlohmann_json::nlohmann_json)

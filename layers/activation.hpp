@@ -76,6 +76,8 @@ class ActivationLayer : public Layer {
   int64_t output_width() const override { return static_cast<int64_t>(out_.extent(1)); }
   int64_t output_offset() const override { return offset_; }
   std::string describe() const override { return ""; }
+  Activation activation() const { return activation_; }
+  Dtype dtype() const { return dtype_; }
 
  private:
   Activation activation_;

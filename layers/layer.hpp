@@ -115,6 +115,11 @@ class Layer {
   // x [rows, input width] (valid until backward) -> the output, owned by the layer (valid
   // until the next forward).
   virtual MatrixView forward(MatrixView x, const LayerPass& pass) = 0;
+  // Inference (Mlp::infer, layers/inference.hpp): the output of forward(x) in a pass that
+  // backward and the derivative passes never follow, so nothing is kept for them and the
+  // output may be computed by faster kernels (equal to forward's within rounding). Valid until
+  // the next forward or infer. The default is forward(x).
+  virtual MatrixView infer(MatrixView x, const LayerPass& pass) { return forward(x, pass); }
   // dY [rows, output_width()] -> writes the layer's gradients (overwriting them) and, when
   // need_input_grad, returns dX [rows, input width]; otherwise an empty view. A layer may
   // write dX into dY's memory (an elementwise layer: dY is the next layer's input gradient).

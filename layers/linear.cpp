@@ -8,6 +8,7 @@
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
 #include "layers/gradient_reduction.hpp"
+#include "layers/inference.hpp"
 
 namespace meshtrain {
 namespace {
@@ -189,6 +190,49 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
         y(i, j) = round_to(round_to(y(i, j), dtype) + round_to(b[j], dtype), dtype);
       });
+  return y;
+}
+
+bool Linear::can_infer_fused() const {
+  const bool one_gemm =
+      !layout_.slices_input() && !layout_.gathers_input() && !layout_.column_gathers_input() &&
+      (layout_.column_parallel || (!layout_.split_output && !layout_.tensor_parallel));
+  return inference::runs_host_kernels() && compute_dtype_ == Dtype::fp32 && one_gemm;
+}
+
+MatrixView Linear::infer(MatrixView x, const LayerPass& pass, Activation activation,
+                         ConstMatrixView residual) {
+  if (!can_infer_fused()) {
+    MESHTRAIN_REQUIRE(inference::runs_host_kernels(), "linear layer '", layout_.layer,
+                      "': the inference kernels need host memory");
+    const MatrixView y = forward(x, pass);
+    if (residual.data() != nullptr) inference::add(residual, y, y);
+    inference::activate(y, activation);
+    return y;
+  }
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
+                        static_cast<int64_t>(x.extent(1)) == input_width(),
+                    "linear layer '", layout_.layer, "': input is [", x.extent(0), ", ",
+                    x.extent(1), "], expected [", rows_, ", ", input_width(), "]");
+  LayerScratch& scratch = *pass.scratch;
+  const MatrixView w = weight_.compute_matrix(scratch);
+  const MatrixView y = output_;
+  const ConstVectorView bias = bias_.compute(scratch);
+  if (inference_gemm_fuses_forward_epilogues() && residual.data() == nullptr) {
+    // oneDNN: the bias and the activation inside the matmul, no pass over C.
+    inference_gemm(plain(x), plain(w), 0.0f, y, GemmEpilogue::forward(bias, activation));
+    return y;
+  }
+  // C starts as the bias (and the residual): the GEMM adds the product to it (beta = 1) where
+  // BLAS would have zeroed C first, so the bias costs no pass of its own; the activation is
+  // then oneDNN's post-op, or one vectorized pass.
+  inference::fill_bias(y, bias.data(), residual);
+  if (inference_gemm_fuses_forward_epilogues()) {
+    inference_gemm(plain(x), plain(w), 1.0f, y, GemmEpilogue::forward(activation));
+  } else {
+    inference_gemm(plain(x), plain(w), 1.0f, y);
+    inference::activate(y, activation);
+  }
   return y;
 }
 

@@ -136,6 +136,20 @@ class Linear final : public Layer {
   // 128 (split 32), weight gathered over (fsdp) on dim 1, grads all-reduced over (dp)".
   std::string describe() const override;
 
+  // Inference (layers/inference.hpp): f(x W + b + residual) into the layer's output, f =
+  // `activation` (none: the identity), residual [rows, output_width()] or empty. Where
+  // can_infer_fused(): one GEMM, its C filled with b (+ residual) first, then f in place;
+  // elsewhere forward(x), then the residual and f, one pass each.
+  MatrixView infer(MatrixView x, const LayerPass& pass, Activation activation,
+                   ConstMatrixView residual);
+  MatrixView infer(MatrixView x, const LayerPass& pass) override {
+    return infer(x, pass, Activation::none, ConstMatrixView());
+  }
+  // Whether infer() runs as one GEMM on this rank's input as it arrives (no collective
+  // around the product: replicated or column-parallel on a replicated input), in fp32 on host
+  // memory.
+  bool can_infer_fused() const;
+
  private:
   // Column sums of dy into this rank's block of the bias gradient; all_reduce: summed
   // over the bias's reduction group first.

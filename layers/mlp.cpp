@@ -245,6 +245,7 @@ void Mlp::finish(ParallelContext& context) {
     }
   }
   scratch_ = LayerScratch(needs, prefetch);
+  inference_ = inference::Sequence(sequence_);
   // One prefetch is in flight at a time (the scratch has one prefetch buffer): each
   // communicator a prefetched weight is gathered over reserves one started all-gather of the
   // largest such weight, so that a prefetch beside DP buckets on the same communicator does
@@ -325,6 +326,16 @@ MatrixView Mlp::forward(MatrixView x, const TrainingPass* training) {
     input = sequence_[k]->forward(input, pass);
   }
   return input;
+}
+
+MatrixView Mlp::infer(MatrixView x) {
+  if (!inference::runs_host_kernels() || compute_dtype_ != Dtype::fp32) return forward(x);
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(1)) == sizes_.front(), "model input is [",
+                    x.extent(0), ", ", x.extent(1), "], expected [", rows_, ", ", sizes_.front(),
+                    "]");
+  LayerPass pass;
+  pass.scratch = &scratch_;
+  return inference_.run(x, pass);
 }
 
 // A layer's name in traces: what its describe() line starts with ("layers/0"), made once for

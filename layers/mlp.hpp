@@ -69,6 +69,7 @@
 #include "layers/context.hpp"
 #include "layers/dropout.hpp"
 #include "layers/gradient_reduction.hpp"
+#include "layers/inference.hpp"
 #include "layers/linear.hpp"
 #include "layers/moe.hpp"
 #include "layers/norm.hpp"
@@ -119,6 +120,12 @@ class Mlp {
   // model, valid until the next forward). `training`: the pass's place in the run (a
   // training step; dropout acts), or nullptr (evaluation, prediction: dropout is off).
   MatrixView forward(MatrixView x, const TrainingPass* training = nullptr);
+  // The output of forward(x) for prediction (Predictor::predict): no backward, tangent or
+  // cotangent pass may follow it, which lets the layers skip what those keep and fuse their
+  // elementwise work into the GEMMs' passes (layers/inference.hpp; equal to forward within
+  // rounding). forward() itself where the model computes in 16 bits or on a GPU. Allocates
+  // nothing.
+  MatrixView infer(MatrixView x);
   // dLoss/dOutput [local_rows, output_width()]: overwrites every gradient. With reduce =
   // false the layers that defer their reduction (gradient_reductions(), DP storage) leave
   // this rank's partial gradients, for reduce_gradients() after accumulating
@@ -218,6 +225,7 @@ class Mlp {
   Matrix input_;                       // the input cast to the compute dtype (empty in fp32)
   Matrix output_grad_;                 // the output gradient, scaled and cast (empty in plain fp32)
   LayerScratch scratch_;
+  inference::Sequence inference_;  // sequence_ as infer() runs it
   GradientReductionPlan reductions_;
   GradientBuckets buckets_;  // empty unless overlap is on and some layer defers its reduction
 };

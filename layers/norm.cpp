@@ -11,6 +11,7 @@
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
 #include "layers/gradient_reduction.hpp"
+#include "layers/inference.hpp"
 
 namespace meshtrain {
 namespace {
@@ -283,6 +284,25 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
       });
   if (pass.prefetch) pass.prefetch->poll_weight_prefetch();
   return y;
+}
+
+MatrixView FeatureNorm::infer(MatrixView x, const LayerPass& pass) {
+  if (!inference::runs_host_kernels() || compute_dtype_ != Dtype::fp32 || tp_comm_ != nullptr ||
+      layout_.local_width != layout_.width) {
+    return forward(x, pass);
+  }
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
+                        static_cast<int64_t>(x.extent(1)) == layout_.local_width,
+                    "norm '", name_, "': input is [", x.extent(0), ", ", x.extent(1),
+                    "], expected [", rows_, ", ", layout_.local_width, "]");
+  MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
+  const float* scale = params_[0].compute(*pass.scratch).data();
+  if (layout_.kind == NormKind::rmsnorm) {
+    inference::rmsnorm(x, scale, eps_, out_);
+  } else {
+    inference::layernorm(x, scale, params_[1].compute(*pass.scratch).data(), eps_, out_);
+  }
+  return out_;
 }
 
 MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) {

@@ -88,6 +88,9 @@ class FeatureNorm : public Layer {
   // x [rows, output_width()] (kept for backward) -> y, owned by the layer. pass.prefetch (FSDP
   // overlap): the layer whose weight gather starts once this one's parameters are in place.
   MatrixView forward(MatrixView x, const LayerPass& pass) override;
+  // The same output in one pass over each row (layers/inference.hpp) where the row is whole on
+  // this rank and the norm computes in fp32 on host memory; forward() elsewhere.
+  MatrixView infer(MatrixView x, const LayerPass& pass) override;
   // dy [rows, output_width()] -> the scale (and bias) gradients, and dx when need_input_grad
   // (owned by the layer). pass.deferred applies to direct gradients the model defers;
   // pass.prefetch's gather is started first.

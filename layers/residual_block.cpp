@@ -82,6 +82,9 @@ ResidualBlock::ResidualBlock(std::string name, std::vector<std::unique_ptr<Layer
   out_ = Matrix(name_ + "/output", rows, width);
   dx_ = Matrix(name_ + "/input_grad", rows, width);
   rows_ = rows;
+  std::vector<Layer*> inner;
+  for (const auto& layer : layers_) inner.push_back(layer.get());
+  inference_ = inference::Sequence(inner);
 }
 
 size_t ResidualBlock::parameter_count() const {
@@ -139,6 +142,13 @@ MatrixView ResidualBlock::forward(MatrixView x, const LayerPass& pass) {
   }
   add_rounded(x, h, out_, dtype_, name_.c_str());
   return out_;
+}
+
+MatrixView ResidualBlock::infer(MatrixView x, const LayerPass& pass) {
+  if (!inference::runs_host_kernels() || dtype_ != Dtype::fp32) return forward(x, pass);
+  LayerPass inner;
+  inner.scratch = pass.scratch;
+  return inference_.run(x, inner, x, out_);
 }
 
 MatrixView ResidualBlock::backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) {

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "layers/inference.hpp"
 #include "layers/layer.hpp"
 
 namespace meshtrain {
@@ -38,6 +39,8 @@ class ResidualBlock : public Layer {
                 Dtype dtype);
 
   MatrixView forward(MatrixView x, const LayerPass& pass) override;
+  // x + f(x), the sum inside f's last GEMM where that is a Linear layer (layers/inference.hpp).
+  MatrixView infer(MatrixView x, const LayerPass& pass) override;
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
   // dx + (f's tangents of dx), for k directions per row.
   MatrixView forward_tangents(MatrixView dx, const LayerPass& pass) override;
@@ -70,8 +73,9 @@ class ResidualBlock : public Layer {
   // The first and last layer with parameters (layers_.size(): none): where the model's
   // prefetch goes in backward and in forward.
   size_t first_with_parameters_ = 0, last_with_parameters_ = 0;
-  Matrix out_;  // [rows, width]
-  Matrix dx_;   // [rows, width]
+  Matrix out_;                     // [rows, width]
+  Matrix dx_;                      // [rows, width]
+  inference::Sequence inference_;  // layers_ as infer() runs them
   int64_t rows_ = 0;
   Matrix tangents_, cotangents_;  // [rows * k, width]
 };

@@ -374,10 +374,11 @@ void Predictor::download_output() {
   if constexpr (kDeviceMemoryIsSeparate) copy_view(output_host_, output_);
 }
 
-Prediction Predictor::run(int64_t rows) {
+Prediction Predictor::run(int64_t rows, bool for_derivatives) {
   if (rows < slice_.rows) zero_rows(x_, rows);  // padding: computed, never returned
   if (normalization_.inputs()) standardize(x_, input_mean_, input_std_);
-  const MatrixView whole = whole_rows_->gather(model_->forward(x_));
+  const MatrixView output = for_derivatives ? model_->forward(x_) : model_->infer(x_);
+  const MatrixView whole = whole_rows_->gather(output);
   if (normalization_.targets()) {
     to_target_units(whole, target_mean_, target_std_, output_);
   } else {
@@ -476,7 +477,7 @@ JacobianMode Predictor::prepare_jacobian(JacobianMode requested) {
 }
 
 Prediction Predictor::run_jacobian(int64_t rows, JacobianMode mode) {
-  const Prediction result = run(rows);  // the forward the derivatives are of
+  const Prediction result = run(rows, /*for_derivatives=*/true);  // the forward they are of
   const int64_t k = jacobian_directions(mode);
   if (mode == JacobianMode::forward) {
     for (int64_t first = 0; first < inputs(); first += k) {

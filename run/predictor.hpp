@@ -8,6 +8,13 @@
 //   Kokkos::View<float**> y("y", my_rows, predictor.outputs());
 //   each time step:  fill x;  predictor.predict(x, y);        // collective; allocates nothing
 //
+// predict() runs the model's inference forward (Mlp::infer, layers/inference.hpp): per Linear
+// layer one GEMM with its bias and activation fused (oneDNN's post-ops where the build has
+// oneDNN, framework/core/gemm.hpp inference_gemm; else the bias in C before an OpenBLAS GEMM and
+// one vectorized pass), a LayerNorm in one pass per row, a residual sum inside the block's last
+// GEMM; its outputs equal forward()'s within rounding. "Allocates nothing": nothing of
+// meshtrain's; oneDNN's matmul allocates a few small blocks inside each execution, which its API
+// cannot avoid (MESHTRAIN_CPU_GEMM=openblas: none at all).
 // Construction (collective over `comm`): the checkpoint (a file, a `latest` or `best` pointer
 // file, or a checkpoint directory meaning its latest) names the model: its config text is
 // parsed again (parse_config) with `overrides` ("section.key=value", as --set), which may
@@ -174,7 +181,9 @@ class Predictor {
   using HostMatrix = Matrix::HostMirror;
   void check_input(int64_t rows, int64_t width) const;
   // x_ rows [0, rows) hold the input: pads, normalizes, forwards, gathers, de-normalizes.
-  Prediction run(int64_t rows);
+  // for_derivatives: the model's forward(), which keeps what the tangent and cotangent passes
+  // need; otherwise its infer() (the inference kernels, layers/inference.hpp).
+  Prediction run(int64_t rows, bool for_derivatives = false);
   // Rows [0, rows) of x_host_ to x_ (a no-op where host and default memory are one).
   void upload_input();
   // output_ to output_host_ (a no-op where host and default memory are one).

@@ -5,6 +5,11 @@
 meshtrain_add_test(NAME predict_predictor_test SOURCES predict/predictor_test.cpp
                    LIBS meshtrain_command meshtrain_test_counting_allocator NP 1 2 4 8 TIMEOUT 120
                    EMULATED)
+# Predictor::predict's inference forward (issue 37 item 7, layers/inference.hpp) against the
+# forward Predictor::jacobian runs, every activation and norm, dp, fsdp, tp, fsdp x tp, ep; the
+# kernels of one call within the model's pass budget.
+meshtrain_add_test(NAME predict_inference_test SOURCES predict/inference_test.cpp
+                   LIBS meshtrain_run NP 1 2 4 TIMEOUT 180 EMULATED)
 # Predictor::jacobian (issue 40, docs/derivatives.md): forward against reverse mode, every mesh
 # (dp, fsdp, tp, fsdp x tp, ep) against one rank, central differences of predict(), several
 # passes of each mode against one, no allocation per call, the refusals; MLP, residual_mlp

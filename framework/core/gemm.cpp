@@ -249,8 +249,48 @@ MatmulPrecision matmul_precision() {
   return g_matmul_precision;
 }
 
+namespace {
+
+// The host library inference_gemm() runs: oneDNN where the build has it (its fused
+// epilogues), unless the environment's MESHTRAIN_CPU_GEMM names one; gemm()'s otherwise.
+gemm_backend::HostLibrary inference_host_library() {
+#if defined(MESHTRAIN_GEMM_ONEDNN)
+  static const gemm_backend::HostLibrary library = [] {
+    const char* text = std::getenv("MESHTRAIN_CPU_GEMM");
+    return text != nullptr && *text != '\0' ? gemm_backend::default_host_library()
+                                            : gemm_backend::HostLibrary::onednn;
+  }();
+  return library;
+#else
+  return host_library();
+#endif
+}
+
+void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, float beta,
+             MatrixView c, Dtype inputs, const GemmEpilogue& epilogue);
+
+}  // namespace
+
 void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs,
           const GemmEpilogue& epilogue) {
+  gemm_on(host_library(), a, b, beta, c, inputs, epilogue);
+}
+
+void inference_gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c,
+                    const GemmEpilogue& epilogue) {
+  gemm_on(inference_host_library(), a, b, beta, c, Dtype::fp32, epilogue);
+}
+
+bool inference_gemm_fuses_forward_epilogues() {
+  if constexpr (kDeviceMemoryIsHostInaccessible) return false;
+  return inference_host_library() == gemm_backend::HostLibrary::onednn;
+}
+
+namespace {
+
+void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, float beta,
+             MatrixView c, Dtype inputs, const GemmEpilogue& epilogue) {
+  (void)library;  // host memory only
   const std::size_t m = op_rows(a), k = op_cols(a), n = op_cols(b);
   if (op_rows(b) != k || c.extent(0) != m || c.extent(1) != n) {
     MESHTRAIN_BAD_INPUT("gemm: op(A) is [", m, ", ", k, "], op(B) is [", op_rows(b), ", ", n,
@@ -309,7 +349,6 @@ void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs,
   // for them (a no-op on Serial).
   fence_device(MESHTRAIN_LABEL("meshtrain::gemm"));
 #if defined(MESHTRAIN_GEMM_ONEDNN)
-  const gemm_backend::HostLibrary library = host_library();
   if (library == gemm_backend::HostLibrary::onednn) {
     apply_epilogue_left(call, gemm_backend::onednn_gemm(call, g_bf16_kernel));
     return;
@@ -317,6 +356,8 @@ void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs,
 #endif
   apply_epilogue_left(call, gemm_backend::cblas_gemm(call));
 }
+
+}  // namespace
 
 std::string gemm_kernels() {
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -331,6 +372,13 @@ std::string gemm_kernels() {
   }
 #endif
   return gemm_backend::cblas_description();
+}
+
+std::string inference_gemm_kernels() {
+#if defined(MESHTRAIN_GEMM_ONEDNN)
+  if (inference_gemm_fuses_forward_epilogues()) return gemm_backend::onednn_description();
+#endif
+  return gemm_kernels();
 }
 
 }  // namespace meshtrain

@@ -116,6 +116,19 @@ struct GemmEpilogue {
 void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs = Dtype::fp32,
           const GemmEpilogue& epilogue = {});
 
+// gemm() for inference (Predictor, layers/inference.hpp), in fp32: on host memory through oneDNN
+// wherever the build has it, whatever gemm() uses for training (OpenBLAS by default: the
+// training step's allocation-free rule), since its matmul fuses the bias and the activation
+// and runs an inference's shapes faster (bench/predictor_vs_onnxruntime.sh); the environment's
+// MESHTRAIN_CPU_GEMM, when set, chooses for both. Elsewhere the same as gemm().
+void inference_gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c,
+                    const GemmEpilogue& epilogue = {});
+// Whether inference_gemm() runs a forward epilogue inside the GEMM (oneDNN's post-ops) rather
+// than as a pass over C after it.
+bool inference_gemm_fuses_forward_epilogues();
+// The kernels inference_gemm() runs, as gemm_kernels() says them.
+std::string inference_gemm_kernels();
+
 // The kernels gemm() runs in this process, for the run's opening lines, e.g.
 //   "oneDNN 2.6.3 avx512_core_vnni (bf16 inputs: fp32 kernel, no AVX512_BF16), 1 thread"
 //   "OpenBLAS 0.3.21 SkylakeX, 1 thread"
