@@ -81,6 +81,7 @@ function(meshtrain_add_test)
   endif()
   add_executable(${T_NAME} ${T_SOURCES})
   target_link_libraries(${T_NAME} PRIVATE meshtrain_test_main ${T_LIBS})
+  meshtrain_reuse_test_precompiled_headers(${T_NAME})
   # Read by _meshtrain_register_test, now and for meshtrain_add_test_variant.
   set_target_properties(${T_NAME} PROPERTIES
     MESHTRAIN_TEST_NP "${T_NP}" MESHTRAIN_TEST_TIMEOUT ${T_TIMEOUT} MESHTRAIN_TEST_ARGS "${T_ARGS}"
