@@ -48,6 +48,17 @@ if(_mpiexec_version MATCHES "Open MPI|OpenRTE")
   list(APPEND _mpi_flags --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
   list(APPEND MESHTRAIN_TEST_ENVIRONMENT OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
        OMPI_MCA_rmaps_base_oversubscribe=1)
+  # A job with a rank that failed or died: mpirun sends the other ranks SIGTERM and waits
+  # odls_base_sigkill_timeout (1 s) before SIGKILL, and then once more, so every such job took
+  # 2 s longer even when all its ranks had already exited (the crash, resume and bad-input tests
+  # run hundreds of them). 0 sends SIGKILL right after SIGTERM. Only a program that handles
+  # SIGTERM can tell: the flight recorder's tests (meshtrain_add_command_test SIGTERM_GRACE)
+  # keep mpirun's default, under which a rank has 1 s to write its record.
+  set(MESHTRAIN_TEST_SIGTERM_GRACE_ENVIRONMENT ${MESHTRAIN_TEST_ENVIRONMENT}
+      OMPI_MCA_odls_base_sigkill_timeout=1)
+  list(APPEND MESHTRAIN_TEST_ENVIRONMENT OMPI_MCA_odls_base_sigkill_timeout=0)
+else()
+  set(MESHTRAIN_TEST_SIGTERM_GRACE_ENVIRONMENT ${MESHTRAIN_TEST_ENVIRONMENT})
 endif()
 set(MESHTRAIN_MPIEXEC_TEST_FLAGS ${_mpi_flags} CACHE INTERNAL "")
 # The exit status of a test that skipped as a whole: the GoogleTest main's kSkippedExitCode, and
@@ -70,6 +81,7 @@ function(meshtrain_add_test)
   endif()
   add_executable(${T_NAME} ${T_SOURCES})
   target_link_libraries(${T_NAME} PRIVATE meshtrain_test_main ${T_LIBS})
+  meshtrain_reuse_test_precompiled_headers(${T_NAME})
   # Read by _meshtrain_register_test, now and for meshtrain_add_test_variant.
   set_target_properties(${T_NAME} PROPERTIES
     MESHTRAIN_TEST_NP "${T_NP}" MESHTRAIN_TEST_TIMEOUT ${T_TIMEOUT} MESHTRAIN_TEST_ARGS "${T_ARGS}"
@@ -150,15 +162,21 @@ function(_meshtrain_register_test target variant)
 endfunction()
 
 # Registers a command-line test of build/bin/meshtrain (or any command) with the same
-# environment and timeout as the GoogleTest ones.
+# environment and timeout as the GoogleTest ones. SIGTERM_GRACE: a test of what ranks do on the
+# SIGTERM mpirun sends them when another rank dies (the flight recorder) gets mpirun's default
+# second before SIGKILL (the others get none; see MESHTRAIN_TEST_ENVIRONMENT above).
 function(meshtrain_add_command_test)
-  cmake_parse_arguments(T "WILL_FAIL" "NAME;TIMEOUT;PASS_REGULAR_EXPRESSION" "COMMAND" ${ARGN})
+  cmake_parse_arguments(T "WILL_FAIL;SIGTERM_GRACE" "NAME;TIMEOUT;PASS_REGULAR_EXPRESSION" "COMMAND"
+                        ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 120)
   endif()
+  set(environment ${MESHTRAIN_TEST_ENVIRONMENT})
+  if(T_SIGTERM_GRACE)
+    set(environment ${MESHTRAIN_TEST_SIGTERM_GRACE_ENVIRONMENT})
+  endif()
   add_test(NAME ${T_NAME} COMMAND ${T_COMMAND})
-  set_tests_properties(${T_NAME} PROPERTIES TIMEOUT ${T_TIMEOUT}
-                       ENVIRONMENT "${MESHTRAIN_TEST_ENVIRONMENT}")
+  set_tests_properties(${T_NAME} PROPERTIES TIMEOUT ${T_TIMEOUT} ENVIRONMENT "${environment}")
   if(T_PASS_REGULAR_EXPRESSION)
     set_tests_properties(${T_NAME} PROPERTIES PASS_REGULAR_EXPRESSION "${T_PASS_REGULAR_EXPRESSION}")
   endif()

@@ -96,7 +96,7 @@ foreach(np 2 4)
     list(APPEND faults stop_fsdp stop_tp)
   endif()
   foreach(fault ${faults})
-    meshtrain_add_command_test(NAME comm_flight_${fault}_np${np} TIMEOUT 90
+    meshtrain_add_command_test(NAME comm_flight_${fault}_np${np} TIMEOUT 90 SIGTERM_GRACE
       COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/comm/flight_fault_test.sh
               $<TARGET_FILE:comm_flight_tool> ${np} ${fault} ${MESHTRAIN_MPIEXEC}
               ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
@@ -105,7 +105,7 @@ foreach(np 2 4)
 endforeach()
 # The recorder in a real `meshtrain train` (np 2): SIGUSR1 writes the records while the run
 # goes on, SIGTERM writes them and ends it, `meshtrain flight-report` reads them.
-meshtrain_add_command_test(NAME cli_flight_signals_np2 TIMEOUT 90
+meshtrain_add_command_test(NAME cli_flight_signals_np2 TIMEOUT 90 SIGTERM_GRACE
   COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli/flight_signals.sh $<TARGET_FILE:meshtrain>
           ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
 set_tests_properties(cli_flight_signals_np2 PROPERTIES PROCESSORS 2)
