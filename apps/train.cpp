@@ -13,6 +13,7 @@
 #include "framework/comm/collective_matmul.hpp"
 #include "framework/comm/exit_policy.hpp"
 #include "framework/comm/failure_agreement.hpp"
+#include "framework/comm/mpi_util.hpp"
 #include "framework/io/metrics.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/hardware_file.hpp"
@@ -56,15 +57,17 @@ int train_on(MPI_Comm comm, const std::string& config_path,
 MPI_Comm program_communicator() {
   int* appnum = nullptr;
   int flag = 0;
-  MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_APPNUM, &appnum, &flag);
+  check_mpi(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_APPNUM, &appnum, &flag),
+            "MPI_Comm_get_attr (MPI_APPNUM)");
   int world_rank = 0, world_size = 1, size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+  check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "MPI_Comm_rank");
+  check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world_size), "MPI_Comm_size");
   MPI_Comm comm = MPI_COMM_NULL;
-  MPI_Comm_split(MPI_COMM_WORLD, flag && appnum ? *appnum : 0, world_rank, &comm);
-  MPI_Comm_size(comm, &size);
+  check_mpi(MPI_Comm_split(MPI_COMM_WORLD, flag && appnum ? *appnum : 0, world_rank, &comm),
+            "MPI_Comm_split (this program's part of an MPMD job)");
+  check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size");
   if (size == world_size) {
-    MPI_Comm_free(&comm);
+    check_mpi(MPI_Comm_free(&comm), "MPI_Comm_free");
     return MPI_COMM_WORLD;
   }
   return comm;  // lives as long as the process

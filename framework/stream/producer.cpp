@@ -48,7 +48,7 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
   MPI_Comm stream_comm = MPI_COMM_NULL;
   sp::Rendezvous r = sp::rendezvous(options.parent, hello, &stream_comm);
   if (!r.problem.empty()) {
-    MPI_Comm_free(&stream_comm);
+    check_mpi(MPI_Comm_free(&stream_comm), "MPI_Comm_free (a refused stream)");
     MESHTRAIN_BAD_INPUT(r.problem);
   }
   stream_comm_ = stream_comm;

@@ -24,7 +24,7 @@ void stream_trainer_failed(const std::string& sentence, MPI_Comm parent) {
               std::min<size_t>(sentence.size(), static_cast<size_t>(sp::kNoteBytes - 1)));
   MPI_Comm stream_comm = MPI_COMM_NULL;
   sp::rendezvous(parent, hello, &stream_comm);
-  MPI_Comm_free(&stream_comm);
+  check_mpi(MPI_Comm_free(&stream_comm), "MPI_Comm_free (a failed trainer's stream)");
 }
 
 StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
@@ -57,7 +57,7 @@ StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
               std::min<size_t>(name.size(), static_cast<size_t>(sp::kNameBytes - 1)));
   const sp::Rendezvous r = sp::rendezvous(MPI_COMM_WORLD, hello, &stream_comm_);
   if (!r.problem.empty()) {
-    MPI_Comm_free(&stream_comm_);
+    check_mpi(MPI_Comm_free(&stream_comm_), "MPI_Comm_free (a refused stream)");
     MESHTRAIN_BAD_INPUT(r.problem);
   }
   dtype_ = r.dtype;
