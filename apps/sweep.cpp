@@ -19,7 +19,6 @@
 #include <sstream>
 #include <thread>
 
-#include <toml++/toml.h>
 #include <nlohmann/json.hpp>
 
 #include "base/error.hpp"
@@ -29,7 +28,6 @@
 #include "framework/comm/mpi_util.hpp"
 #include "framework/io/metrics.hpp"
 #include "framework/train/config.hpp"
-#include "framework/train/config_schema.hpp"
 #include "framework/train/hardware_file.hpp"
 #include "run/training_run.hpp"
 
@@ -82,13 +80,6 @@ std::string folder_label(const std::vector<std::string>& point) {
   }
   if (label.size() > 120) label.resize(120);
   return label;
-}
-
-// A string as a TOML string value (quoted, escaped), for a --set of a path.
-std::string toml_string(const std::string& text) {
-  std::ostringstream out;
-  out << toml::value<std::string>(text);
-  return out.str();
 }
 
 // One run of the grid as every rank knows it before any run starts.
@@ -306,9 +297,8 @@ GridAxis parse_grid_axis(const std::string& text, const std::string& file) {
                         "optimizer.lr=0.1,0.01)");
   }
   // The schema's parser names an unknown section or key and lists the known ones.
-  const ConfigOverride key = parse_override(text, file);
   GridAxis axis;
-  axis.key = join(key.path, ".");  // 3 parts for a table member (partition.logical_axes.batch)
+  axis.key = override_key_path(text, file);  // 3 parts for a table member
   if (axis.key == "run.output_dir" || axis.key == "checkpoint.dir") {
     MESHTRAIN_BAD_INPUT("--grid '", text, "': the sweep gives each run its own run.output_dir ",
                         "and checkpoint.dir (<run.output_dir>/sweep/<index>-<values>); choose ",
@@ -386,8 +376,8 @@ int sweep_command(const SweepArgs& args) {
             run.label += (a ? ", " : "") + points[i][a];
             overrides.push_back(points[i][a]);
           }
-          overrides.push_back("run.output_dir=" + toml_string(run.dir));
-          overrides.push_back("checkpoint.dir=" + toml_string(run.dir + "/checkpoints"));
+          overrides.push_back("run.output_dir=" + toml_string_value(run.dir));
+          overrides.push_back("checkpoint.dir=" + toml_string_value(run.dir + "/checkpoints"));
           run.config = load_config(args.config, overrides);
           try {
             run.config.mesh.resolve(ranks_per_run);

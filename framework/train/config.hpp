@@ -238,6 +238,14 @@ RunConfig parse_config(const std::string& text, const std::string& file,
 // in its checkpoints, as a run from a file stores that file's text.
 std::string config_to_toml(const RunConfig& config);
 
+// A string as a TOML value, quoted and escaped: the value of a --set of a path.
+std::string toml_string_value(const std::string& text);
+
+// The key "section.key=value" names ("data.batch_size"; three parts for a table member),
+// parsed as every command parses an override; throws bad_input "<file>: override '<text>' ..."
+// for text that names no key of the schema. For code that cannot include toml++ (nvcc).
+std::string override_key_path(const std::string& override_text, const std::string& file);
+
 // After loading, model.loss is set: "auto" is resolved to mse for synthetic data and to
 // cross_entropy otherwise. model.sizes has at least two entries and train has at most one
 // of epochs and steps (planning needs neither; training_steps() asks for one). An override

@@ -177,4 +177,8 @@ std::vector<std::string> apply_overrides(toml::table& root,
   return notes;
 }
 
+std::string override_key_path(const std::string& override_text, const std::string& file) {
+  return join(parse_override(override_text, file).path, ".");
+}
+
 }  // namespace meshtrain

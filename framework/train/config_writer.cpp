@@ -20,6 +20,12 @@ std::string config_to_toml(const RunConfig& config) {
   return out.str();
 }
 
+std::string toml_string_value(const std::string& text) {
+  std::ostringstream out;
+  out << toml::value<std::string>(text);
+  return out.str();
+}
+
 namespace {
 
 // A Markdown table cell: '|' escaped.
