@@ -37,8 +37,8 @@ typedef struct mt_stream_options {
 } mt_stream_options;
 
 /* Collective over the parent communicator. *out is set (even on failure, for the error). */
-int mt_stream_connect(MPI_Comm comm, const char* name, int64_t inputs, int64_t outputs,
-                      int dtype, const mt_stream_options* options, mt_stream** out);
+int mt_stream_connect(MPI_Comm comm, const char* name, int64_t inputs, int64_t outputs, int dtype,
+                      const mt_stream_options* options, mt_stream** out);
 /* x [rows, inputs], y [rows, outputs], row-major, of the connected dtype. */
 int mt_stream_send(mt_stream* s, const void* x, const void* y, int64_t rows);
 int mt_stream_close(mt_stream* s);

@@ -246,8 +246,8 @@ void merge_chrome_traces(const std::vector<std::string>& paths, const std::strin
 void write_trace_file(const std::string& path, const std::string& text);
 
 // Removes what a trace window writes into `trace_dir` (rank-<k>.json, all-ranks.json,
-// passes.json, config.toml and their temporaries), so that an earlier run's files, of more ranks, are not
-// read as this one's. Errors are ignored (nothing there to remove).
+// passes.json, config.toml and their temporaries), so that an earlier run's files, of more ranks,
+// are not read as this one's. Errors are ignored (nothing there to remove).
 void remove_trace_files(const std::string& trace_dir);
 
 }  // namespace meshtrain

@@ -1,8 +1,8 @@
 /* A simulation's producer in C, using only <meshtrain/stream.h> (docs/online.md): under MPMD
  * (`mpirun -np 1 online_c_producer : -np 2 meshtrain train online.toml`) it takes its part of
  * MPI_COMM_WORLD by MPI_APPNUM, connects to stream "c-demo" with 4 inputs and 2 outputs (or
- * the inputs given as its argument), sends 50 sends of 16 rows (backpressure block) and closes. Prints what it sent;
- * exits 2 with the error's sentence when connect fails. */
+ * the inputs given as its argument), sends 50 sends of 16 rows (backpressure block) and closes.
+ * Prints what it sent; exits 2 with the error's sentence when connect fails. */
 #include <math.h>
 #include <mpi.h>
 #include <stdio.h>
