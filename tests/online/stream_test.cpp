@@ -27,6 +27,7 @@
 #include "stream.h"
 #include "tests/support/expect_error.hpp"
 #include "tests/support/hdf5_files.hpp"
+#include "tests/support/mesh_cases.hpp"
 #include "tests/support/temp_dir.hpp"
 #include "tests/support/training_runs.hpp"
 #include "tests/support/world.hpp"
@@ -130,13 +131,9 @@ std::vector<int64_t> buffer_ids(const StreamBuffer& buffer) {
   return ids;
 }
 
-struct MeshCase {
-  std::vector<std::pair<std::string, int>> axes;
-  std::string preset;
-};
-std::vector<MeshCase> trainer_meshes(int trainers) {
-  std::vector<MeshCase> cases = {{{{"dp", trainers}}, "dp"}};
-  if (trainers % 2 == 0) cases.push_back({{{"tp", trainers}}, "tp"});
+std::vector<testing::MeshCase> trainer_meshes(int trainers) {
+  std::vector<testing::MeshCase> cases = {{"dp", {{"dp", trainers}}}};
+  if (trainers % 2 == 0) cases.push_back({"tp", {{"tp", trainers}}});
   return cases;
 }
 
@@ -146,7 +143,7 @@ std::vector<MeshCase> trainer_meshes(int trainers) {
 TEST(Stream, EveryRowCountedAndBuffersBoundedExactly) {
   Roles roles;
   const int64_t rows_per_producer = 300, capacity = 40;
-  for (const MeshCase& mesh : trainer_meshes(roles.trainers)) {
+  for (const testing::MeshCase& mesh : trainer_meshes(roles.trainers)) {
     for (StreamPolicy policy : {StreamPolicy::window, StreamPolicy::reservoir}) {
       SCOPED_TRACE(std::string(to_string(policy)) + " on " + mesh.preset);
       TempDir dir(/*shared=*/true);
