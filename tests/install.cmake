@@ -15,3 +15,11 @@ set_tests_properties(install_example_np2 PROPERTIES PROCESSORS 2)
 meshtrain_add_command_test(NAME scripts_build_targets TIMEOUT 60
   COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/install/script_targets.sh ${PROJECT_SOURCE_DIR}
           ${CMAKE_BINARY_DIR})
+
+# examples/online_c (a C simulation using only <meshtrain/stream.h>) built against the installed
+# package and run beside the installed `meshtrain train` in one MPMD job of 2 + 2 ranks
+# (tests/install/online_example.sh says what it checks).
+meshtrain_add_command_test(NAME install_online_example TIMEOUT 300
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/install/online_example.sh ${PROJECT_SOURCE_DIR}
+          ${CMAKE_BINARY_DIR} ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+set_tests_properties(install_online_example PROPERTIES PROCESSORS 2)
