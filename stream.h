@@ -47,6 +47,14 @@ int64_t mt_stream_rows_sent(const mt_stream* s);
 int64_t mt_stream_rows_dropped(const mt_stream* s);
 const char* mt_stream_last_error(const mt_stream* s);
 
+/* For Fortran (iso_c_binding; docs/online.md has the interface block): mt_stream_connect with
+ * the communicator as a Fortran handle (`comm%MPI_VAL` under `use mpi_f08`, the integer under
+ * `use mpi`), the options as values (0: the defaults; the parent is MPI_COMM_WORLD) and the
+ * name NUL-terminated (`trim(name) // c_null_char`). */
+int mt_stream_connect_f(MPI_Fint comm, const char* name, int64_t inputs, int64_t outputs,
+                        int dtype, int64_t ring_rows, int64_t message_rows, int backpressure,
+                        mt_stream** out);
+
 #ifdef __cplusplus
 }
 #endif

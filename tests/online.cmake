@@ -37,3 +37,34 @@ meshtrain_add_command_test(NAME online_mpmd_trainer_fails_at_setup TIMEOUT 60
           --set run.output_dir=${_online_dir}/setup_error
   PASS_REGULAR_EXPRESSION "producer: error: stream \"c-demo\": the trainer stopped before it trained: [^\n]*optimizer\\.lr")
 set_tests_properties(online_mpmd_trainer_fails_at_setup PROPERTIES PROCESSORS 2)
+
+# The same with a Fortran producer (fortran_producer.f90: stream.h through iso_c_binding, the
+# interface block docs/online.md shows): every row counted, and a shape mismatch's sentence read
+# back in Fortran through mt_stream_last_error. Fortran comes with Debian's libopenmpi-dev
+# (gfortran, mpi_f08); without a Fortran compiler the tests are not built.
+include(CheckLanguage)
+check_language(Fortran)
+if(CMAKE_Fortran_COMPILER)
+  enable_language(Fortran)
+  find_package(MPI REQUIRED COMPONENTS Fortran)
+  add_executable(online_fortran_producer online/fortran_producer.f90)
+  target_link_libraries(online_fortran_producer PRIVATE meshtrain_framework MPI::MPI_Fortran)
+  set_target_properties(online_fortran_producer PROPERTIES LINKER_LANGUAGE CXX
+                        Fortran_MODULE_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR}/fortran_modules)
+  set(_online_mpmd_fortran ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS}
+      ${MPIEXEC_NUMPROC_FLAG} 1 $<TARGET_FILE:online_fortran_producer>)
+  meshtrain_add_command_test(NAME online_mpmd_fortran_producer TIMEOUT 60
+    COMMAND ${_online_mpmd_fortran} : ${MPIEXEC_NUMPROC_FLAG} 2 $<TARGET_FILE:meshtrain> train
+            ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml
+            --set run.output_dir=${_online_dir}/fortran_producer
+    PASS_REGULAR_EXPRESSION "stream 800 rows \\(288 overwritten, 512 buffered\\)")
+  set_tests_properties(online_mpmd_fortran_producer PROPERTIES PROCESSORS 2)
+  meshtrain_add_command_test(NAME online_mpmd_fortran_shape_mismatch TIMEOUT 60
+    COMMAND ${_online_mpmd_fortran} 5 : ${MPIEXEC_NUMPROC_FLAG} 2 $<TARGET_FILE:meshtrain> train
+            ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml
+            --set run.output_dir=${_online_dir}/fortran_mismatch
+    PASS_REGULAR_EXPRESSION "fortran producer: error: stream \"c-demo\": the producers send rows of 5 inputs and 2 outputs as float32, but the trainer takes rows of 4 inputs and 2 outputs as float32")
+  set_tests_properties(online_mpmd_fortran_shape_mismatch PROPERTIES PROCESSORS 2)
+else()
+  message(STATUS "meshtrain: no Fortran compiler, so the Fortran producer tests are not built")
+endif()
