@@ -9,14 +9,17 @@ the two can be compared in one run:
 --precision tf32 sets torch.backends.cuda.matmul.allow_tf32 (PyTorch's default is fp32).
 --param-dtype bf16|fp16 runs forward and backward under torch.autocast in that dtype, the
 fp32 master weights and AdamW as they are (meshtrain's [mixed_precision] param_dtype; one
-device, so there is no reduction for reduce_dtype); fp16 with torch.amp.GradScaler.
+device, so there is no reduction for reduce_dtype); fp16 with a GradScaler.
+--compile runs the model through torch.compile (PyTorch 2; the first warm-up step compiles).
 Also reports the GEMM rate of torch.mm on the widest layer's shape at the batch
 (gemm_tflops), the rate the step's GEMM FLOPs are compared with.
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -43,6 +46,7 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--param-dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     args = parser.parse_args()
 
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -58,6 +62,10 @@ def main():
         if i + 2 < len(sizes):
             layers.append(torch.nn.ReLU())
     model = torch.nn.Sequential(*layers).to(device)
+    if args.compile:
+        if not hasattr(torch, "compile"):
+            sys.exit(f"pytorch_train_step.py: --compile needs PyTorch 2, this is {torch.__version__}")
+        model = torch.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999),
                                   eps=1e-8, weight_decay=0.0)
     x = torch.randn(args.batch, sizes[0], device=device)
@@ -65,12 +73,18 @@ def main():
     loss_fn = torch.nn.CrossEntropyLoss()
     losses = []
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.param_dtype)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.param_dtype == "fp16")
+    # torch.amp.GradScaler is PyTorch >= 2.3's; Debian's 1.13 has the CUDA one only.
+    if hasattr(torch.amp, "GradScaler"):
+        scaler = torch.amp.GradScaler(device.type, enabled=args.param_dtype == "fp16")
+    else:
+        scaler = torch.cuda.amp.GradScaler(enabled=args.param_dtype == "fp16")
 
     def step():
         optimizer.zero_grad(set_to_none=False)
-        with torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
-                            enabled=autocast_dtype is not None):
+        # No autocast at all in fp32 (1.13's CPU autocast refuses float32 even when disabled).
+        autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype
+                    else contextlib.nullcontext())
+        with autocast:
             logits = model(x)
         loss = loss_fn(logits.float(), labels)
         scaler.scale(loss).backward()
@@ -101,6 +115,7 @@ def main():
         "batch": args.batch,
         "precision": args.precision,
         "param_dtype": args.param_dtype,
+        "compile": args.compile,
         "steps": args.steps,
         "warmup": args.warmup,
         "step_time_median_s": median,
