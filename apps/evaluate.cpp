@@ -86,10 +86,13 @@ int64_t check_data(const RunConfig& config, const std::string& checkpoint) {
                         " classes (model.loss = \"cross_entropy\"): store class labels as "
                         "integers");
   }
-  if (config.model.loss && is_regression(*config.model.loss) && shape.classification()) {
+  if (config.model.loss && takes_targets(*config.model.loss) && shape.classification()) {
     MESHTRAIN_BAD_INPUT(where, ": dataset '", y, "' holds integer class labels, but ", model,
-                        " predicts ", outputs, " regression targets (model.loss = \"",
-                        to_string(*config.model.loss), "\")");
+                        " predicts ", outputs, " float targets (model.loss = \"",
+                        to_string(*config.model.loss), "\")",
+                        config.model.loss == LossKind::binary_cross_entropy
+                            ? ": store the 0/1 targets as floats [rows, outputs]"
+                            : "");
   }
   if (!shape.classification() && shape.target_width != outputs) {
     MESHTRAIN_BAD_INPUT(where, ": dataset '", y, "' has ", shape.target_width,
@@ -234,9 +237,24 @@ void print_report(std::FILE* out, const Checkpoint& checkpoint, const TrainingRu
                                       (config.model.loss_weights.empty() ? "" : "weighted ") +
                                       "sum over outputs of the " + term +
                                       ", in the units the model was trained in";
+  const bool binary = loss == LossKind::binary_cross_entropy;
+  const std::string binary_loss = std::string("mean over rows of the ") +
+                                  (config.model.loss_weights.empty() ? "" : "weighted ") +
+                                  "sum over outputs of the binary cross entropy";
   std::fprintf(out, "test loss %.6g (as trained: %s)\n", e.test_loss,
-               classification ? "cross entropy, mean over rows" : regression_loss.c_str());
-  if (classification) {
+               classification ? "cross entropy, mean over rows"
+               : binary       ? binary_loss.c_str()
+                              : regression_loss.c_str());
+  if (binary) {
+    std::fprintf(out,
+                 "AUC %s  log loss %.6g  accuracy %.4f (over all outputs; t >= 0.5 is a yes)\n",
+                 format_value(e.test_auc, "%.4f").c_str(), e.test_log_loss, e.test_accuracy);
+    for (size_t j = 0; e.test_auc_per_output.size() > 1 && j < e.test_auc_per_output.size(); ++j) {
+      std::fprintf(out, "  output %zu: AUC %s  log loss %.6g\n", j,
+                   format_value(e.test_auc_per_output[j], "%.4f").c_str(),
+                   e.test_log_loss_per_output[j]);
+    }
+  } else if (classification) {
     std::fprintf(out, "accuracy %.4f", e.test_accuracy);
     if (!std::isnan(e.test_top5_accuracy)) std::fprintf(out, "  top-5 %.4f", e.test_top5_accuracy);
     std::fprintf(out, "\nper class (accuracy, rows):");

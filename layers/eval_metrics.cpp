@@ -1,6 +1,7 @@
 #include "layers/eval_metrics.hpp"
 
 #include <Kokkos_Core.hpp>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -95,6 +96,52 @@ void add_output_sums(MatrixView output, MatrixView targets, int64_t valid, int64
       });
 }
 
+// binary_cross_entropy, one thread per output column (its rows in order, so the sums are the
+// same on every run): sums[j] += log(1 + e^z) - z t, sums[width + j] += 1 where the logit's
+// side (z > 0) is the target's (t >= 0.5); and the row counted in bin b of the logit,
+// counts[(2 j) bins + b] for a positive target (t >= 0.5), counts[(2 j + 1) bins + b] for a
+// negative one, b = floor((z + kAucLogitRange) / (2 kAucLogitRange) bins), clamped.
+constexpr double kAucLogitRange = 16.0;
+
+void add_binary_sums(MatrixView output, MatrixView targets, int64_t valid, int64_t width,
+                     int64_t offset, int64_t bins, const Kokkos::View<double*>& sums,
+                     const Kokkos::View<int64_t*>& counts) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::eval_binary_sums"),
+      Kokkos::RangePolicy<>(device_space(), 0, static_cast<int64_t>(output.extent(1))),
+      KOKKOS_LAMBDA(const int64_t local) {
+        const int64_t j = offset + local;
+        double log_loss = 0.0, hits = 0.0;
+        for (int64_t i = 0; i < valid; ++i) {
+          const double z = static_cast<double>(output(i, local));
+          const double t = static_cast<double>(targets(i, j));
+          log_loss += (z > 0.0 ? z : 0.0) - z * t + kmath::log1p(kmath::exp(-kmath::fabs(z)));
+          const bool positive = t >= 0.5;
+          hits += ((z > 0.0) == positive) ? 1.0 : 0.0;
+          double at = (z + kAucLogitRange) / (2.0 * kAucLogitRange) * static_cast<double>(bins);
+          at = at < 0.0 ? 0.0
+                        : (at > static_cast<double>(bins - 1) ? static_cast<double>(bins - 1) : at);
+          const int64_t bin = z != z ? 0 : static_cast<int64_t>(at);
+          counts((2 * j + (positive ? 0 : 1)) * bins + bin) += 1;
+        }
+        sums(j) += log_loss;
+        sums(width + j) += hits;
+      });
+}
+
+// The area under the ROC curve of one output from its binned counts: the probability that a
+// positive row's logit is above a negative row's, a pair in one bin counting one half.
+double binned_auc(const double* positives, const double* negatives, int64_t bins) {
+  double above = 0.0, area = 0.0, total_positive = 0.0, total_negative = 0.0;
+  for (int64_t b = bins - 1; b >= 0; --b) {
+    area += negatives[b] * (above + 0.5 * positives[b]);
+    above += positives[b];
+    total_positive += positives[b];
+    total_negative += negatives[b];
+  }
+  return total_positive > 0 && total_negative > 0 ? area / (total_positive * total_negative) : kNaN;
+}
+
 // The class counts as doubles, for the all-reduce.
 void counts_to_double(const Kokkos::View<int64_t*>& counts, const Kokkos::View<double*>& out) {
   Kokkos::parallel_for(
@@ -128,6 +175,13 @@ EvalMetrics::EvalMetrics(LossKind kind, ParallelContext& context, int64_t rows, 
     }
     class_counts_ = Kokkos::View<int64_t*>("meshtrain::eval_class_counts", 3 * width_);
     reduced_ = Kokkos::View<double*>("meshtrain::eval_reduced", 3 * width_);
+  } else if (kind_ == LossKind::binary_cross_entropy) {
+    auc_bins_ =
+        std::clamp<int64_t>(kAucBinsTotal / std::max<int64_t>(width_, 1), kAucBinsMin, kAucBinsMax);
+    output_sums_ = Kokkos::View<double*>("meshtrain::eval_output_sums", 2 * width_);
+    class_counts_ = Kokkos::View<int64_t*>("meshtrain::eval_auc_counts", 2 * auc_bins_ * width_);
+    reduced_ =
+        Kokkos::View<double*>("meshtrain::eval_reduced", 2 * width_ + 2 * auc_bins_ * width_);
   } else {
     output_sums_ = Kokkos::View<double*>("meshtrain::eval_output_sums", 4 * width_);
     shift_ = Kokkos::View<double*>("meshtrain::eval_target_shift", width_);
@@ -159,6 +213,8 @@ void EvalMetrics::add(MatrixView output, LabelView labels, MatrixView targets, i
   loss_count_ += loss.count;
   if (kind_ == LossKind::cross_entropy) {
     add_classification(output, labels, valid);
+  } else if (kind_ == LossKind::binary_cross_entropy) {
+    add_binary(output, targets, valid);
   } else {
     add_regression(output, targets, valid);
   }
@@ -198,9 +254,66 @@ void EvalMetrics::add_regression(MatrixView output, MatrixView targets, int64_t 
   add_output_sums(output, targets, valid, width_, offset_, shift_, output_sums_);
 }
 
+void EvalMetrics::add_binary(MatrixView output, MatrixView targets, int64_t valid) {
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(targets.extent(0)) >= rows_ &&
+                        static_cast<int64_t>(targets.extent(1)) == width_,
+                    "EvalMetrics: targets are [", targets.extent(0), ", ", targets.extent(1),
+                    "], expected [", rows_, ", ", width_, "]");
+  // Split outputs: each feature rank counts its own columns; replicated ones: feature rank 0.
+  if (!split_ && feature_index_ != 0) return;
+  add_binary_sums(output, targets, valid, width_, offset_, auc_bins_, output_sums_, class_counts_);
+}
+
+void EvalMetrics::finish_binary(EvalEvent& event) {
+  const int64_t width = width_, bins = auc_bins_, n = loss_count_;
+  copy_view(Kokkos::subview(reduced_, Kokkos::make_pair(int64_t{0}, 2 * width)), output_sums_);
+  counts_to_double(
+      class_counts_,
+      Kokkos::subview(reduced_, Kokkos::make_pair(2 * width, 2 * width + 2 * bins * width)));
+  if (scalar_comm_) scalar_comm_->all_reduce(DoubleVectorView(reduced_.data(), reduced_.extent(0)));
+  copy_view(reduced_host_, reduced_);
+  const auto& r = reduced_host_;
+  const double* counts = reduced_host_.data() + 2 * width;
+  double log_loss_all = 0.0, hits_all = 0.0, auc_sum = 0.0;
+  int64_t auc_outputs = 0;
+  for (int64_t j = 0; j < width; ++j) {
+    const double auc = binned_auc(counts + 2 * j * bins, counts + (2 * j + 1) * bins, bins);
+    event.test_log_loss_per_output.push_back(n ? r(j) / static_cast<double>(n) : kNaN);
+    event.test_auc_per_output.push_back(auc);
+    log_loss_all += r(j);
+    hits_all += r(width + j);
+    if (!std::isnan(auc)) {
+      auc_sum += auc;
+      ++auc_outputs;
+    }
+  }
+  const double elements = static_cast<double>(n) * static_cast<double>(width);
+  event.test_log_loss = n ? log_loss_all / elements : kNaN;
+  event.test_accuracy = n ? hits_all / elements : kNaN;
+  event.test_auc = auc_outputs ? auc_sum / static_cast<double>(auc_outputs) : kNaN;
+}
+
 void EvalMetrics::finish(EvalEvent& event, const Normalization* normalization) {
   const bool classification = kind_ == LossKind::cross_entropy;
   const int64_t width = width_;
+  event.test_auc = event.test_log_loss = kNaN;
+  event.test_auc_per_output.clear();
+  event.test_log_loss_per_output.clear();
+  if (kind_ == LossKind::binary_cross_entropy) {
+    const int64_t n = loss_count_;
+    event.test_rows = n;
+    event.test_loss = n ? loss_sum_ / static_cast<double>(n) : kNaN;
+    event.test_top5_accuracy = event.test_mse = event.test_mae = event.test_r2 = event.test_rel_l2 =
+        kNaN;
+    event.test_class_accuracy.clear();
+    event.test_class_rows.clear();
+    event.test_mse_per_output.clear();
+    event.test_mae_per_output.clear();
+    event.test_r2_per_output.clear();
+    event.test_rel_l2_per_output.clear();
+    finish_binary(event);
+    return;
+  }
   if (classification) {
     counts_to_double(class_counts_, reduced_);
   } else {

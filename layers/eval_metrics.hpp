@@ -22,6 +22,17 @@
 //                 MSE_j = std_j^2 sum d^2 / n, MAE_j = std_j sum |d| / n; R^2 = 1 - SSE/SST
 //                 does not change under that affine map (SST = sum (t' - c)^2 - (sum (t' -
 //                 c))^2 / n, about the evaluated targets' mean).
+//   binary_cross_entropy: per output, the log loss (mean over rows of log(1 + e^z) - z t,
+//                 unweighted), the accuracy (the logit's side, z > 0, against t >= 0.5, over
+//                 every row and output) and the area under the ROC curve (AUC: the probability
+//                 that a positive row's logit is above a negative row's, t >= 0.5 positive),
+//                 from counts of the rows in bins of the logit over [-16, 16] (below and above
+//                 counted in the end bins): pairs in one bin count one half, so the AUC is
+//                 within half the share of such pairs of the exact one (2^20 / outputs bins,
+//                 256 to 16,384: at most 1/16,384 of the range for one output, about 0.002 of
+//                 a logit). The counts are exact in any order, so the AUC is the same bits on
+//                 every mesh. Overall: the log loss and accuracy over every row and output,
+//                 the AUC the mean of the outputs' (those with both kinds of rows).
 // Each rank keeps its rows' sums; finish() all-reduces them in float64 over the batch axes
 // and the feature axis (one call; every rank gets the same bits), counting a value every
 // feature rank holds on feature rank 0 only, as Loss does.
@@ -71,6 +82,8 @@ class EvalMetrics {
  private:
   void add_classification(MatrixView output, LabelView labels, int64_t valid);
   void add_regression(MatrixView output, MatrixView targets, int64_t valid);
+  void add_binary(MatrixView output, MatrixView targets, int64_t valid);
+  void finish_binary(EvalEvent& event);
   void agree_on_shift(MatrixView targets, int64_t valid);
 
   LossKind kind_;
@@ -86,7 +99,11 @@ class EvalMetrics {
   int64_t batches_ = 0;
 
   // Classification: whole rows of logits (split outputs), and int64 counts [3 * width]:
-  // rows of class c, hits of class c, top-5 hits of class c.
+  // rows of class c, hits of class c, top-5 hits of class c. binary_cross_entropy: the
+  // counts are [2 * auc_bins_ * width], positive then negative rows per bin of each output,
+  // and output_sums_ [2 * width] the log loss and hits per output.
+  static constexpr int64_t kAucBinsTotal = int64_t{1} << 20, kAucBinsMin = 256, kAucBinsMax = 16384;
+  int64_t auc_bins_ = 0;
   Matrix gathered_;
   Kokkos::View<int64_t*> class_counts_;
   // Regression: float64 sums [4 * width] (d^2, |d|, t - c, (t - c)^2 per output) and the

@@ -15,22 +15,24 @@ namespace {
 
 using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 
-// The regression losses' rows: row_loss(i) = the sum over this rank's columns of output j's
-// (weighted) term, grad(i, j) its derivative divided by the global rows; padding rows add 0.
+// The losses with float targets, row by row: row_loss(i) = the sum over this rank's columns of
+// output j's (weighted) term, grad(i, j) its derivative divided by the global rows; padding rows
+// add 0. binary_cross_entropy also counts the row's targets outside [0, 1] in bad(i, 0).
 // (A free function: nvcc's device lambdas cannot live in private member functions. Plain
 // `if`s on the template arguments, folded at compile time: nvcc refuses a device lambda whose
 // first use of a captured variable is inside an `if constexpr`.)
 template <LossKind Kind, bool Weighted>
 void regression_rows(MatrixView logits, MatrixView targets, int64_t rows, int64_t valid,
                      int64_t offset, int64_t global_rows, float delta, const Vector& weights,
-                     bool with_gradient, const Matrix& grad, const Vector& row_loss) {
+                     bool with_gradient, const Matrix& grad, const Vector& row_loss,
+                     const Matrix& bad) {
   const int64_t lw = static_cast<int64_t>(logits.extent(1));
   const float scale = 2.0f / static_cast<float>(global_rows);  // mse: d(d^2)/dd = 2 d
   const float inv_n = 1.0f / static_cast<float>(global_rows);
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::regression_loss_rows"),
       Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
-        float s = 0.0f;
+        float s = 0.0f, outside = 0.0f;
         for (int64_t j = 0; j < lw; ++j) {
           const float d = logits(i, j) - targets(i, offset + j);
           if (Kind == LossKind::mse && !Weighted) {
@@ -47,9 +49,14 @@ void regression_rows(MatrixView logits, MatrixView targets, int64_t rows, int64_
               term = a <= delta ? 0.5f * d * d : delta * (a - 0.5f * delta);
               const float clipped = d < -delta ? -delta : (d > delta ? delta : d);
               slope = clipped * inv_n;
-            } else {  // mae
+            } else if (Kind == LossKind::mae) {
               term = kmath::fabs(d);
               slope = (d > 0.0f ? 1.0f : (d < 0.0f ? -1.0f : 0.0f)) * inv_n;
+            } else {  // binary_cross_entropy: max(z, 0) - z t + log1p(e^-|z|) = log(1 + e^z) - z t
+              const float z = logits(i, j), t = targets(i, offset + j);
+              term = (z > 0.0f ? z : 0.0f) - z * t + kmath::log1p(kmath::exp(-kmath::fabs(z)));
+              slope = (1.0f / (1.0f + kmath::exp(-z)) - t) * inv_n;
+              outside += (t >= 0.0f && t <= 1.0f) ? 0.0f : 1.0f;  // NaN too
             }
             if (Weighted) {
               const float w = weights(offset + j);
@@ -61,6 +68,7 @@ void regression_rows(MatrixView logits, MatrixView targets, int64_t rows, int64_
           }
         }
         row_loss(i) = i < valid ? s : 0.0f;
+        if (Kind == LossKind::binary_cross_entropy) bad(i, 0) = i < valid ? outside : 0.0f;
       });
 }
 
@@ -68,13 +76,13 @@ template <LossKind Kind>
 void regression_rows(bool weighted, MatrixView logits, MatrixView targets, int64_t rows,
                      int64_t valid, int64_t offset, int64_t global_rows, float delta,
                      const Vector& weights, bool with_gradient, const Matrix& grad,
-                     const Vector& row_loss) {
+                     const Vector& row_loss, const Matrix& bad) {
   if (weighted) {
     regression_rows<Kind, true>(logits, targets, rows, valid, offset, global_rows, delta, weights,
-                                with_gradient, grad, row_loss);
+                                with_gradient, grad, row_loss, bad);
   } else {
     regression_rows<Kind, false>(logits, targets, rows, valid, offset, global_rows, delta, weights,
-                                 with_gradient, grad, row_loss);
+                                 with_gradient, grad, row_loss, bad);
   }
 }
 
@@ -87,7 +95,7 @@ Loss::Loss(LossKind kind, ParallelContext& context, int64_t rows, int64_t width,
                     options.huber_delta);
   huber_delta_ = static_cast<float>(options.huber_delta);
   if (!options.weights.empty()) {
-    MESHTRAIN_REQUIRE(is_regression(kind_), "Loss: output weights for a ", to_string(kind_),
+    MESHTRAIN_REQUIRE(takes_targets(kind_), "Loss: output weights for a ", to_string(kind_),
                       " loss");
     MESHTRAIN_REQUIRE(static_cast<int64_t>(options.weights.size()) == width_,
                       "Loss: ", options.weights.size(), " output weights for ", width_, " outputs");
@@ -230,7 +238,7 @@ LossResult Loss::cross_entropy(MatrixView logits, LabelView labels, bool with_gr
 
 LossResult Loss::regression(MatrixView logits, MatrixView targets, bool with_gradient,
                             int64_t valid_rows) {
-  MESHTRAIN_REQUIRE(is_regression(kind_), "Loss::regression on a ", to_string(kind_), " loss");
+  MESHTRAIN_REQUIRE(takes_targets(kind_), "Loss::regression on a ", to_string(kind_), " loss");
   MESHTRAIN_REQUIRE(static_cast<int64_t>(logits.extent(0)) == rows_ &&
                         static_cast<int64_t>(logits.extent(1)) == local_width_ &&
                         static_cast<int64_t>(targets.extent(0)) >= rows_ &&
@@ -245,25 +253,43 @@ LossResult Loss::regression(MatrixView logits, MatrixView targets, bool with_gra
     case LossKind::huber:
       regression_rows<LossKind::huber>(weighted, logits, targets, rows_, valid, offset_,
                                        global_rows_, huber_delta_, weights_, with_gradient,
-                                       gradient_, row_loss_);
+                                       gradient_, row_loss_, row_stats_);
       break;
     case LossKind::mae:
       regression_rows<LossKind::mae>(weighted, logits, targets, rows_, valid, offset_, global_rows_,
-                                     huber_delta_, weights_, with_gradient, gradient_, row_loss_);
+                                     huber_delta_, weights_, with_gradient, gradient_, row_loss_,
+                                     row_stats_);
+      break;
+    case LossKind::binary_cross_entropy:
+      regression_rows<LossKind::binary_cross_entropy>(
+          weighted, logits, targets, rows_, valid, offset_, global_rows_, huber_delta_, weights_,
+          with_gradient, gradient_, row_loss_, row_stats_);
       break;
     default:
       regression_rows<LossKind::mse>(weighted, logits, targets, rows_, valid, offset_, global_rows_,
-                                     huber_delta_, weights_, with_gradient, gradient_, row_loss_);
+                                     huber_delta_, weights_, with_gradient, gradient_, row_loss_,
+                                     row_stats_);
       break;
   }
   reduce_into(  // into a device scalar, as in cross_entropy
       MESHTRAIN_LABEL("meshtrain::regression_loss_sum"), device_range(0, valid),
       KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += row_loss(i); },
       Kokkos::subview(scalars_, 0));
+  double outside = 0.0;
+  if (kind_ == LossKind::binary_cross_entropy) {
+    auto bad = row_stats_;
+    reduce_into(
+        MESHTRAIN_LABEL("meshtrain::binary_cross_entropy_bad_targets"), device_range(0, valid),
+        KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += bad(i, 0); },
+        Kokkos::subview(scalars_, 1));
+  }
   copy_view(scalars_host_, scalars_);
   const double sum = scalars_host_(0);
-  // A split loss sums its columns over the feature axis; the rows count on feature rank 0.
-  return finish(split_ ? sum : share(sum), 0.0, share(static_cast<double>(valid)));
+  if (kind_ == LossKind::binary_cross_entropy) outside = scalars_host_(1);
+  // A split loss sums its columns (and their bad targets) over the feature axis; the rows
+  // count on feature rank 0.
+  return finish(split_ ? sum : share(sum), split_ ? outside : share(outside),
+                share(static_cast<double>(valid)));
 }
 
 }  // namespace meshtrain

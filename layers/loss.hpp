@@ -11,6 +11,10 @@
 //                  delta (|d| - 0.5 delta), d = y - t; gradient clamp(d, -delta, delta) / N.
 //   mae            mean over rows of the sum over outputs of |d|; gradient sign(d) / N with
 //                  sign(0) = 0 (PyTorch's L1 subgradient).
+//   binary_cross_entropy  PyTorch's BCEWithLogitsLoss (reduction mean over rows, summed over
+//                  outputs): log(1 + e^z) - z t per output, computed as max(z, 0) - z t +
+//                  log1p(e^-|z|); gradient (sigmoid(z) - t) / N. Targets belong in [0, 1]:
+//                  LossResult::correct counts those outside (NaN included) over the batch.
 // The regression losses multiply output j's term (and its gradient) by weights[j] when
 // weights are given (model.loss_weights); without them the kernels are the unweighted ones,
 // so an mse without weights rounds exactly as before weights existed.
@@ -39,13 +43,14 @@ namespace meshtrain {
 struct LossResult {
   double loss = 0.0;      // mean over the valid rows of the global batch
   double loss_sum = 0.0;  // sum over the valid rows of the global batch
-  int64_t correct = 0;    // cross_entropy: rows whose argmax is the label (global)
+  int64_t correct = 0;    // cross_entropy: rows whose argmax is the label (global);
+                          // binary_cross_entropy: targets outside [0, 1] (global)
   int64_t count = 0;      // valid rows (global)
 };
 
 using LabelView = Kokkos::View<const int32_t*>;
 
-// The regression losses' settings (model.huber_delta, model.loss_weights).
+// The settings of the losses with float targets (model.huber_delta, model.loss_weights).
 struct LossOptions {
   double huber_delta = 1.0;     // huber only; > 0
   std::vector<double> weights;  // one per output, finite, >= 0; empty: every output 1
@@ -62,7 +67,8 @@ class Loss {
   // dLoss/dLogits afterwards. Labels: [rows] in [0, width) (cross_entropy only).
   LossResult cross_entropy(MatrixView logits, LabelView labels, bool with_gradient = true,
                            int64_t valid_rows = -1);
-  // A regression loss (mse, huber, mae) of the local outputs. Targets: [rows, width].
+  // A loss with float targets (mse, huber, mae, binary_cross_entropy) of the local outputs.
+  // Targets: [rows, width].
   LossResult regression(MatrixView logits, MatrixView targets, bool with_gradient = true,
                         int64_t valid_rows = -1);
 

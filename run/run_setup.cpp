@@ -129,32 +129,35 @@ void TrainingRun::open_data(std::optional<RunData> data) {
       config_.model.loss = train.classification() ? LossKind::cross_entropy : LossKind::mse;
     }
     check_loss_fits_data(*config_.model.loss, config_.data, train);
-    if (!config_.model.loss_weights.empty() && !is_regression(*config_.model.loss)) {
-      MESHTRAIN_BAD_INPUT(config_.file, ": model.loss_weights weighs the outputs of a regression ",
-                          "loss (mse, huber, mae), but model.loss = \"",
-                          to_string(*config_.model.loss), "\" has none to weigh");
+    if (!config_.model.loss_weights.empty() && !takes_targets(*config_.model.loss)) {
+      MESHTRAIN_BAD_INPUT(
+          config_.file, ": model.loss_weights weighs the outputs of a loss with ",
+          "float targets (mse, huber, mae, binary_cross_entropy), but model.loss = \"",
+          to_string(*config_.model.loss), "\" has none to weigh");
     }
     if (config_.data.normalize_targets == Normalize::standard &&
         !is_regression(*config_.model.loss)) {
       MESHTRAIN_BAD_INPUT(
           config_.file, ": data.normalize_targets = \"standard\" needs regression ",
           "targets (model.loss = \"mse\", \"huber\" or \"mae\"), but model.loss = \"",
-          to_string(*config_.model.loss), "\" reads class labels; set ",
-          "data.normalize_targets = \"none\"");
+          to_string(*config_.model.loss), "\" ",
+          *config_.model.loss == LossKind::cross_entropy ? "reads class labels"
+                                                         : "reads 0/1 targets",
+          "; set data.normalize_targets = \"none\"");
     }
     if (const std::optional<EvalMetric>& best = config_.checkpoint.keep_best) {
       const std::string name = to_string(*best);
-      if (best->classification() && !train.classification()) {
-        MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"", name, "\" needs class ",
-                            "labels, but the ", train.description, " has regression targets; use ",
-                            "\"test_loss\", \"test_mse\", \"test_mae\", \"test_r2\" or ",
-                            "\"test_rel_l2\"");
-      }
-      if (best->regression() && train.classification()) {
-        MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"", name, "\" needs ",
-                            "regression targets, but the ", train.description, " has class ",
-                            "labels; use \"test_loss\", \"test_accuracy\" or ",
-                            "\"test_top5_accuracy\"");
+      if (!best->reported_for(*config_.model.loss)) {
+        MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"", name, "\" is not ",
+                            "reported for model.loss = \"", to_string(*config_.model.loss),
+                            "\" (the ", train.description, "); use ",
+                            *config_.model.loss == LossKind::cross_entropy
+                                ? "\"test_loss\", \"test_accuracy\" or \"test_top5_accuracy\""
+                            : *config_.model.loss == LossKind::binary_cross_entropy
+                                ? "\"test_loss\", \"test_accuracy\", \"test_auc\" or "
+                                  "\"test_log_loss\""
+                                : "\"test_loss\", \"test_mse\", \"test_mae\", \"test_r2\" or "
+                                  "\"test_rel_l2\"");
       }
       if (best->output >= outputs) {
         MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"", name, "\" names output ",

@@ -323,7 +323,22 @@ LossResult TrainingRun::compute_loss(Loss& loss, MatrixView output, const BatchL
   if (loss.kind() == LossKind::cross_entropy) {
     return loss.cross_entropy(output, labels, with_gradient, valid_rows);
   }
-  return loss.regression(output, targets, with_gradient, valid_rows);
+  LossResult result = loss.regression(output, targets, with_gradient, valid_rows);
+  // The count is reduced over every rank with the loss: they all stop here, with this sentence.
+  if (loss.kind() == LossKind::binary_cross_entropy && result.correct > 0) {
+    const DataSection& data = config_.data;
+    const std::vector<std::string>& paths = with_gradient ? data.path : data.test_path;
+    const std::string origin =
+        data.source == DataSource::hdf5 && !paths.empty()
+            ? std::string(with_gradient ? "data.path" : "data.test_path") + " = \"" +
+                  paths.front() + "\"" + (paths.size() > 1 ? " and the others" : "")
+            : std::string("data.source = \"") + to_string(data.source) + "\"";
+    MESHTRAIN_BAD_INPUT(config_.file.empty() ? "" : config_.file + ": ",
+                        "model.loss = \"binary_cross_entropy\" needs targets in [0, 1], but ",
+                        result.correct, " of a batch's targets are outside (the ",
+                        with_gradient ? "training" : "test", " data, ", origin, ")");
+  }
+  return result;
 }
 
 StepResult TrainingRun::apply_update() {

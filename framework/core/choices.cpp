@@ -57,10 +57,12 @@ const ChoiceTable<InitScheme>& init_scheme_choices() {
 }
 
 const ChoiceTable<LossKind>& loss_kind_choices() {
-  static const ChoiceTable<LossKind> table = {{"cross_entropy", LossKind::cross_entropy},
-                                              {"mse", LossKind::mse},
-                                              {"huber", LossKind::huber},
-                                              {"mae", LossKind::mae}};
+  static const ChoiceTable<LossKind> table = {
+      {"cross_entropy", LossKind::cross_entropy},
+      {"mse", LossKind::mse},
+      {"huber", LossKind::huber},
+      {"mae", LossKind::mae},
+      {"binary_cross_entropy", LossKind::binary_cross_entropy}};
   return table;
 }
 
@@ -153,8 +155,8 @@ const ChoiceTable<ShuffleMode>& shuffle_mode_choices() {
 
 const std::vector<std::string>& eval_metric_names() {
   static const std::vector<std::string> names = {
-      "test_loss", "test_accuracy", "test_top5_accuracy", "test_mse",
-      "test_mae",  "test_r2",       "test_rel_l2"};
+      "test_loss", "test_accuracy", "test_top5_accuracy", "test_mse",     "test_mae",
+      "test_r2",   "test_rel_l2",   "test_auc",           "test_log_loss"};
   return names;
 }
 
@@ -168,7 +170,7 @@ std::optional<EvalMetric> find_eval_metric(const std::string& name) {
   metric.kind = static_cast<EvalMetric::Kind>(it - names.begin());
   if (bracket == std::string::npos) return metric;
   // "[j]": a non-negative decimal index, on a metric kept per output.
-  if (!metric.regression() || name.back() != ']') return std::nullopt;
+  if (!metric.per_output() || name.back() != ']') return std::nullopt;
   const std::string index = name.substr(bracket + 1, name.size() - bracket - 2);
   if (index.empty() || index.size() > 9 ||
       !std::all_of(index.begin(), index.end(), [](char c) { return c >= '0' && c <= '9'; })) {
@@ -180,7 +182,8 @@ std::optional<EvalMetric> find_eval_metric(const std::string& name) {
 
 std::string eval_metric_choices_text() {
   return join(eval_metric_names(), " | ") +
-         ", or one output's test_mse[j] | test_mae[j] | test_r2[j] | test_rel_l2[j]";
+         ", or one output's test_mse[j] | test_mae[j] | test_r2[j] | test_rel_l2[j] | "
+         "test_auc[j] | test_log_loss[j]";
 }
 
 const ChoiceTable<Normalize>& normalize_choices() {

@@ -8,7 +8,8 @@
 //   model.norm                    ModelNorm                  layernorm | rmsnorm | none
 //   model.activation              Activation                 relu | tanh | gelu | gelu_erf | silu | sigmoid | none
 //   model.init                    InitScheme                 he_normal | xavier_uniform | normal | zeros
-//   model.loss                    LossKind                   cross_entropy | mse | huber | mae (config: also auto)
+//   model.loss                    LossKind                   cross_entropy | mse | huber | mae | binary_cross_entropy
+//                                                            (config: also auto)
 //   optimizer.kind                OptimizerKind              sgd | adamw
 //   optimizer.schedule            LrScheduleKind             constant | linear | cosine
 //   partition.collective_matmul   CollectiveMatmulAlgorithm  naive | ring | bidirectional | auto
@@ -22,8 +23,9 @@
 //   stream.until                  StreamUntil                steps | closed
 //   data.shuffle                  ShuffleMode                none | rows | blocks (config: false | true | "blocks")
 //   checkpoint.keep_best          EvalMetric                 test_loss | test_accuracy | test_top5_accuracy |
-//                                                            test_mse | test_mae | test_r2 | test_rel_l2, the last
-//                                                            four also of one output: test_r2[j] (unset: off)
+//                                                            test_mse | test_mae | test_r2 | test_rel_l2 |
+//                                                            test_auc | test_log_loss, all from test_mse on also
+//                                                            of one output: test_r2[j] (unset: off)
 //   data.normalize_inputs         Normalize                  none | standard
 //   data.normalize_targets        Normalize                  none | standard
 //   mixed_precision.param_dtype   Dtype                      fp32 | bf16 | fp16
@@ -49,12 +51,19 @@ enum class ModelNorm { layernorm, rmsnorm, none };
 // gelu: the tanh form; gelu_erf: the exact erf form; none: the identity (layers/activation.hpp).
 enum class Activation { relu, tanh, gelu, gelu_erf, silu, sigmoid, none };
 enum class InitScheme { he_normal, xavier_uniform, normal, zeros };
-// cross_entropy classifies (integer labels); mse, huber and mae regress (float targets).
-enum class LossKind { cross_entropy, mse, huber, mae };
-// Whether the loss reads regression targets (everything mse enables: target normalization,
-// the regression metrics): every loss but cross_entropy.
-constexpr bool is_regression(LossKind kind) {
+// cross_entropy classifies (integer labels); mse, huber and mae regress (float targets);
+// binary_cross_entropy is PyTorch's BCEWithLogitsLoss: one independent yes/no per output
+// (float targets in [0, 1], the logits' sigmoid the probability).
+enum class LossKind { cross_entropy, mse, huber, mae, binary_cross_entropy };
+// Whether the loss reads float targets [rows, outputs] (data y as floats, model.loss_weights):
+// every loss but cross_entropy.
+constexpr bool takes_targets(LossKind kind) {
   return kind != LossKind::cross_entropy;
+}
+// Whether the loss regresses (everything mse enables: target normalization, the regression
+// metrics): mse, huber and mae.
+constexpr bool is_regression(LossKind kind) {
+  return kind == LossKind::mse || kind == LossKind::huber || kind == LossKind::mae;
 }
 enum class OptimizerKind { sgd, adamw };
 enum class LrScheduleKind { constant, linear, cosine };
@@ -81,19 +90,31 @@ enum class StreamUntil { steps, closed };
 enum class ShuffleMode { none, rows, blocks };
 // What an evaluation is judged by (checkpoint.keep_best, train.early_stopping): one metric the
 // evaluation reports (docs/running.md), over every output or of one ("test_r2[2]"). Higher is
-// better for the accuracies and R^2, lower for the rest.
+// better for the accuracies, R^2 and AUC, lower for the rest. test_accuracy is a classifier's
+// or a binary_cross_entropy model's; test_auc and test_log_loss only the latter's.
 struct EvalMetric {
-  enum class Kind { loss, accuracy, top5_accuracy, mse, mae, r2, rel_l2 };
+  enum class Kind { loss, accuracy, top5_accuracy, mse, mae, r2, rel_l2, auc, log_loss };
   Kind kind = Kind::loss;
   int64_t output = -1;  // the output a per-output metric is of; -1: over every output
 
   static const EvalMetric test_loss, test_accuracy;
 
   bool higher_is_better() const {
-    return kind == Kind::accuracy || kind == Kind::top5_accuracy || kind == Kind::r2;
+    return kind == Kind::accuracy || kind == Kind::top5_accuracy || kind == Kind::r2 ||
+           kind == Kind::auc;
   }
   bool classification() const { return kind == Kind::accuracy || kind == Kind::top5_accuracy; }
-  bool regression() const { return kind != Kind::loss && !classification(); }
+  bool binary() const { return kind == Kind::auc || kind == Kind::log_loss; }
+  bool regression() const { return kind != Kind::loss && !classification() && !binary(); }
+  // Whether "[j]" may name one output's.
+  bool per_output() const { return regression() || binary(); }
+  // Whether a model trained with `loss` reports it.
+  bool reported_for(LossKind loss) const {
+    if (kind == Kind::loss) return true;
+    if (loss == LossKind::cross_entropy) return classification();
+    if (loss == LossKind::binary_cross_entropy) return binary() || kind == Kind::accuracy;
+    return regression();
+  }
   bool operator==(const EvalMetric& o) const { return kind == o.kind && output == o.output; }
   bool operator!=(const EvalMetric& o) const { return !(*this == o); }
 };

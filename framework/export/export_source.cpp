@@ -99,7 +99,8 @@ void check_normalization(const ExportSource& s) {
   if (n.targets()) {
     if (!model.loss || !is_regression(*model.loss)) {
       MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "' has /normalization/target_mean, but its ",
-                          "model is not a regression (model.loss = cross_entropy)");
+                          "model is not a regression (model.loss = ",
+                          model.loss ? to_string(*model.loss) : std::string("unset"), ")");
     }
     if (static_cast<int64_t>(n.target_mean.size()) != model.output_width()) {
       MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': /normalization/target_mean has ",

@@ -254,11 +254,17 @@ void check_loss_fits_data(LossKind loss, const DataSection& data, const DataShap
   // Labels stored as floats read as targets of width 1.
   const char* stored_as_floats =
       wants_labels && split.target_width == 1 ? ", or store class labels as integers" : "";
-  MESHTRAIN_BAD_INPUT("model.loss = \"", to_string(loss), "\" needs ",
-                      wants_labels ? "class labels" : "regression targets",
-                      ", but data.source = \"", to_string(data.source), "\" gives ", targets,
-                      " (the ", split.description, "): set model.loss = \"",
-                      wants_labels ? "mse" : "cross_entropy", "\"", stored_as_floats);
+  const bool binary = loss == LossKind::binary_cross_entropy;
+  MESHTRAIN_BAD_INPUT(
+      "model.loss = \"", to_string(loss), "\" needs ",
+      wants_labels ? "class labels"
+      : binary     ? "float targets in [0, 1], one per output"
+                   : "regression targets",
+      ", but data.source = \"", to_string(data.source), "\" gives ", targets, " (the ",
+      split.description, "): ",
+      binary ? "store the 0/1 targets as floats [rows, outputs]"
+             : std::string("set model.loss = \"") + (wants_labels ? "mse" : "cross_entropy") + "\"",
+      stored_as_floats);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -180,6 +180,10 @@ double eval_metric_value(const EvalEvent& e, const EvalMetric& metric) {
       return of_output(e.test_r2, e.test_r2_per_output);
     case Kind::rel_l2:
       return of_output(e.test_rel_l2, e.test_rel_l2_per_output);
+    case Kind::auc:
+      return of_output(e.test_auc, e.test_auc_per_output);
+    case Kind::log_loss:
+      return of_output(e.test_log_loss, e.test_log_loss_per_output);
   }
   return std::nan("");
 }
@@ -202,6 +206,12 @@ std::string eval_event_json(const EvalEvent& e) {
     j["test_r2_per_output"] = e.test_r2_per_output;
     j["test_rel_l2"] = e.test_rel_l2;
     j["test_rel_l2_per_output"] = e.test_rel_l2_per_output;
+  }
+  if (!e.test_auc_per_output.empty()) {
+    j["test_auc"] = e.test_auc;  // NaN (no positive or no negative row): null
+    j["test_log_loss"] = e.test_log_loss;
+    j["test_auc_per_output"] = e.test_auc_per_output;
+    j["test_log_loss_per_output"] = e.test_log_loss_per_output;
   }
   return j.dump();
 }
@@ -252,6 +262,10 @@ std::string format_eval_line(const EvalEvent& e) {
     append("  MAE %.5g", e.test_mae);
     append("  R^2 %.4f", e.test_r2);
     append("  rel L2 %.4g", e.test_rel_l2);
+  }
+  if (!e.test_auc_per_output.empty()) {
+    append("  AUC %.4f", e.test_auc);
+    append("  log loss %.5f", e.test_log_loss);
   }
   return line;
 }

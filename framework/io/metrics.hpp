@@ -80,6 +80,13 @@ struct EvalEvent {
   std::vector<double> test_mae_per_output;
   std::vector<double> test_r2_per_output;
   std::vector<double> test_rel_l2_per_output;
+  // binary_cross_entropy, per output j and overall (layers/eval_metrics.hpp): the area under
+  // the ROC curve (overall: the mean of the outputs'), the log loss (overall: over every
+  // output and row); NaN otherwise. test_accuracy is then the logit's side against t >= 0.5.
+  double test_auc = std::nan("");
+  double test_log_loss = std::nan("");
+  std::vector<double> test_auc_per_output;
+  std::vector<double> test_log_loss_per_output;
 };
 
 // Memory of every rank against the plan (docs/running.md, "Memory against the plan"), measured

@@ -85,8 +85,8 @@ const char* unless_huber(const RunConfig& c) {
 }
 const char* unless_regression(const RunConfig& c) {
   return c.model.loss == LossKind::cross_entropy
-             ? "weighs the outputs of a regression loss (mse, huber, mae); model.loss = "
-               "\"cross_entropy\" has none to weigh"
+             ? "weighs the outputs of a loss with float targets (mse, huber, mae, "
+               "binary_cross_entropy); model.loss = \"cross_entropy\" has none to weigh"
              : nullptr;
 }
 
@@ -213,7 +213,8 @@ const std::vector<ConfigKey>& config_keys() {
     k.push_back(make_key("model", "loss", NAMED(model.loss, loss_kind_choices(), "auto"),
                          any_value(), kFileCommands,
                          "auto: mse for synthetic data, cross_entropy otherwise; mse, huber and "
-                         "mae are regression losses "
+                         "mae are regression losses; binary_cross_entropy: one yes/no per "
+                         "output, float targets in [0, 1] "
                          "([model_math.md](model_math.md#losses-and-metrics))"));
     k.push_back(make_key("model", "huber_delta", FIELD(model.huber_delta), positive(),
                          kFileCommands,
@@ -222,7 +223,8 @@ const std::vector<ConfigKey>& config_keys() {
                     .only_when(unless_huber)
                     .left_out_at_default());
     k.push_back(shaped("model", "loss_weights", any_value(), kFileCommands,
-                       "regression: each output's weight in the loss, one per output")
+                       "mse, huber, mae, binary_cross_entropy: each output's weight in the loss, "
+                       "one per output")
                     .reads(read_loss_weights, write_loss_weights, "array of floats")
                     .only_when(unless_regression)
                     .checked_by(check_loss_weights, "one per output, not all 0")
@@ -897,15 +899,17 @@ std::optional<KeyProblem> check_loss_weights(const ConfigKey&, const RunConfig& 
   return std::nullopt;
 }
 
-// Targets are standardized for regression only: class labels are not numbers to scale.
+// Targets are standardized for regression only: class labels and 0/1 targets are not numbers
+// to scale.
 std::optional<KeyProblem> check_normalize_targets(const ConfigKey&, const RunConfig& c,
                                                   const KeyNames& names) {
-  if (c.data.normalize_targets == Normalize::standard && c.model.loss == LossKind::cross_entropy) {
-    return problem(
-        "= \"standard\" needs regression targets (model.loss = \"mse\", \"huber\" or "
-        "\"mae\"), but "
-        "model.loss = \"cross_entropy\" reads class labels; set ",
-        names("data.normalize_targets"), " = \"none\"");
+  if (c.data.normalize_targets == Normalize::standard && c.model.loss &&
+      !is_regression(*c.model.loss)) {
+    const bool labels = c.model.loss == LossKind::cross_entropy;
+    return problem("= \"standard\" needs regression targets (model.loss = \"mse\", \"huber\" or ",
+                   "\"mae\"), but model.loss = \"", to_string(*c.model.loss), "\" reads ",
+                   labels ? "class labels" : "0/1 targets", "; set ",
+                   names("data.normalize_targets"), " = \"none\"");
   }
   return std::nullopt;
 }
@@ -986,25 +990,25 @@ void write_keep_best(const ConfigKey& key, const RunConfig& c, toml::table& sect
   if (c.checkpoint.keep_best) section.insert(key.name, to_string(*c.checkpoint.keep_best));
 }
 
-// A classification metric of a classifier, a regression one of a regression model (once the
-// loss is known), and one output's of an output the model has.
+// A metric the model's loss reports (once the loss is known: EvalMetric::reported_for), and one
+// output's of an output the model has.
 std::optional<KeyProblem> check_keep_best(const ConfigKey&, const RunConfig& c,
                                           const KeyNames& names) {
   if (!c.checkpoint.keep_best) return std::nullopt;
   const EvalMetric& metric = *c.checkpoint.keep_best;
   const std::string name = to_string(metric);
-  if (c.model.loss) {
-    const bool regression = is_regression(*c.model.loss);
-    if (metric.classification() && regression) {
-      return problem("= \"", name, "\" is a classification metric, but ", names("model.loss"),
-                     " = \"", to_string(*c.model.loss), "\" is a regression loss; use test_loss, ",
-                     "test_mse, test_mae, test_r2 or test_rel_l2");
-    }
-    if (metric.regression() && !regression) {
-      return problem("= \"", name, "\" is a regression metric, but ", names("model.loss"),
-                     " = \"cross_entropy\" classifies; use test_loss, test_accuracy or ",
-                     "test_top5_accuracy");
-    }
+  if (c.model.loss && !metric.reported_for(*c.model.loss)) {
+    const LossKind loss = *c.model.loss;
+    const char* kind = metric.classification() ? "a classification metric"
+                       : metric.binary()       ? "a binary_cross_entropy model's metric"
+                                               : "a regression metric";
+    const char* instead = loss == LossKind::cross_entropy
+                              ? "test_loss, test_accuracy or test_top5_accuracy"
+                          : loss == LossKind::binary_cross_entropy
+                              ? "test_loss, test_accuracy, test_auc or test_log_loss"
+                              : "test_loss, test_mse, test_mae, test_r2 or test_rel_l2";
+    return problem("= \"", name, "\" is ", kind, ", but ", names("model.loss"), " = \"",
+                   to_string(loss), "\" does not report it; use ", instead);
   }
   const bool residual = c.model.kind == ModelKind::residual_mlp;
   const int64_t outputs = c.model.output_width();

@@ -587,6 +587,29 @@ TEST(Config, KeepBestTakesAnyMetricEvaluateReports) {
   for (const char* name : {"test_loss", "test_accuracy", "test_top5_accuracy"}) {
     EXPECT_EQ(to_string(*parse(with("cross_entropy", name)).checkpoint.keep_best), name);
   }
+  // binary_cross_entropy: its accuracy, AUC and log loss, overall or of one output.
+  const std::vector<std::pair<std::string, EvalMetric>> binary = {
+      {"test_accuracy", {Kind::accuracy, -1}},
+      {"test_auc", {Kind::auc, -1}},
+      {"test_auc[2]", {Kind::auc, 2}},
+      {"test_log_loss", {Kind::log_loss, -1}},
+      {"test_log_loss[0]", {Kind::log_loss, 0}}};
+  for (const auto& [name, metric] : binary) {
+    SCOPED_TRACE(name);
+    const RunConfig c = parse(with("binary_cross_entropy", name));
+    EXPECT_EQ(c.checkpoint.keep_best, metric);
+    EXPECT_EQ(parse(config_to_toml(c)).checkpoint.keep_best, metric);
+  }
+  EXPECT_TRUE((EvalMetric{Kind::auc, -1}).higher_is_better());
+  EXPECT_FALSE((EvalMetric{Kind::log_loss, 0}).higher_is_better());
+  expect_config_error(with("mse", "test_auc"), {"t.toml:7", "[checkpoint] keep_best",
+                                                "binary_cross_entropy model's metric", "\"mse\""});
+  expect_config_error(with("cross_entropy", "test_log_loss[1]"),
+                      {"[checkpoint] keep_best", "test_top5_accuracy"});
+  expect_config_error(with("binary_cross_entropy", "test_r2"),
+                      {"[checkpoint] keep_best", "regression metric", "test_auc"});
+  expect_config_error(with("binary_cross_entropy", "test_top5_accuracy"),
+                      {"[checkpoint] keep_best", "classification metric", "test_log_loss"});
   // Direction: higher is better for the accuracies and R^2 only.
   EXPECT_TRUE((EvalMetric{Kind::r2, 2}).higher_is_better());
   EXPECT_TRUE(EvalMetric::test_accuracy.higher_is_better());

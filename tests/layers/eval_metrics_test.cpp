@@ -11,6 +11,11 @@
 //     1e-9 relative (R^2: 1e-9 absolute); the loss (trained units) to 1e-6 relative.
 //     Relative L2 error per output and overall the same way, and NaN for an output whose
 //     targets are all 0.
+//   binary_cross_entropy (4 outputs, logits on a grid of 0.25 with ties, 0/1 targets and an
+//     output with no positive row): AUC per output exactly the pairwise AUC (ties one half;
+//     the bins are finer than the grid), NaN for the output without positives and the mean of
+//     the others overall; accuracy exactly; log loss per output and overall to 1e-9 relative,
+//     the loss to 1e-6.
 // Every rank ends with the same bits in every field. The JSON record and the line of an
 // eval event hold exactly the fields that apply.
 
@@ -76,6 +81,64 @@ Problem regression_problem(double target_offset, int64_t zero_column = -1) {
     }
   }
   return p;
+}
+
+// Logits on a grid of 0.25 in [-3, 3] (ties within an output), targets 0 or 1; output 3 has
+// no positive row (no AUC).
+Problem binary_problem() {
+  Problem p;
+  p.width = 4;
+  for (int64_t i = 0; i < kRows; ++i) {
+    for (int64_t j = 0; j < p.width; ++j) {
+      const double z = 0.25 * static_cast<double>((i * (j + 3) + 5 * j) % 25 - 12);
+      // Targets that follow the logit more often than not, so the AUC is well above 0.5.
+      const bool yes = j == 3 ? false : (z + 1.5 * std::sin(1.7 * i + j) > 0.0);
+      p.outputs.push_back(static_cast<float>(z));
+      p.targets.push_back(yes ? 1.0f : 0.0f);
+    }
+  }
+  return p;
+}
+
+// The pairwise AUC of one output: the share of (positive, negative) pairs whose positive logit
+// is larger, ties one half; NaN without both kinds.
+double pairwise_auc(const Problem& p, int64_t j) {
+  double pairs = 0.0, wins = 0.0;
+  for (int64_t a = 0; a < kRows; ++a) {
+    for (int64_t b = 0; b < kRows; ++b) {
+      if (p.targets[a * p.width + j] < 0.5f || p.targets[b * p.width + j] >= 0.5f) continue;
+      const float za = p.outputs[a * p.width + j], zb = p.outputs[b * p.width + j];
+      pairs += 1.0;
+      wins += za > zb ? 1.0 : (za == zb ? 0.5 : 0.0);
+    }
+  }
+  return pairs > 0 ? wins / pairs : kNaN;
+}
+
+EvalEvent binary_reference(const Problem& p) {
+  EvalEvent e;
+  const int64_t w = p.width;
+  e.test_rows = kRows;
+  double loss = 0.0, hits = 0.0, auc_sum = 0.0;
+  int64_t auc_outputs = 0;
+  for (int64_t j = 0; j < w; ++j) {
+    double log_loss = 0.0;
+    for (int64_t i = 0; i < kRows; ++i) {
+      const double z = p.outputs[i * w + j], t = p.targets[i * w + j];
+      log_loss += std::log1p(std::exp(-std::abs(z))) + std::max(z, 0.0) - z * t;
+      hits += ((z > 0.0) == (t >= 0.5)) ? 1.0 : 0.0;
+    }
+    loss += log_loss;
+    e.test_log_loss_per_output.push_back(log_loss / kRows);
+    const double auc = pairwise_auc(p, j);
+    e.test_auc_per_output.push_back(auc);
+    if (!std::isnan(auc)) auc_sum += auc, ++auc_outputs;
+  }
+  e.test_loss = loss / kRows;
+  e.test_log_loss = loss / (kRows * w);
+  e.test_accuracy = hits / (kRows * w);
+  e.test_auc = auc_sum / auc_outputs;
+  return e;
 }
 
 // What EvalMetrics should give, in float64 from the global arrays.
@@ -169,7 +232,8 @@ EvalEvent evaluate_on_mesh(const Problem& p, LossKind kind, const testing::Outpu
   Loss loss(kind, context, rows, w, c.layout);
   EvalMetrics metrics(kind, context, rows, w, c.layout);
   Matrix output("output", rows, lw);
-  Matrix targets("targets", kind == LossKind::mse ? rows : 0, w);
+  const bool takes = takes_targets(kind);
+  Matrix targets("targets", takes ? rows : 0, w);
   Kokkos::View<int32_t*> labels("labels", rows);
   auto oh = Kokkos::create_mirror_view(output);
   auto th = Kokkos::create_mirror_view(targets);
@@ -184,7 +248,7 @@ EvalEvent evaluate_on_mesh(const Problem& p, LossKind kind, const testing::Outpu
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t g = std::min(first + i, kRows - 1);  // padding: any row, not counted
         for (int64_t j = 0; j < lw; ++j) oh(i, j) = p.outputs[g * w + offset + j];
-        if (kind == LossKind::mse) {
+        if (takes) {
           for (int64_t j = 0; j < w; ++j) th(i, j) = p.targets[g * w + j];
         } else {
           lh(i) = i < valid ? p.labels[g] : -1;
@@ -232,8 +296,11 @@ void expect_same_on_every_rank(const std::vector<double>& values) {
 std::vector<double> all_values(const EvalEvent& e) {
   std::vector<double> v = {e.test_loss, e.test_accuracy, e.test_top5_accuracy, e.test_mse,
                            e.test_mae,  e.test_r2,       e.test_rel_l2,        double(e.test_rows)};
+  v.push_back(e.test_auc);
+  v.push_back(e.test_log_loss);
   for (const auto* list : {&e.test_class_accuracy, &e.test_mse_per_output, &e.test_mae_per_output,
-                           &e.test_r2_per_output, &e.test_rel_l2_per_output}) {
+                           &e.test_r2_per_output, &e.test_rel_l2_per_output, &e.test_auc_per_output,
+                           &e.test_log_loss_per_output}) {
     v.insert(v.end(), list->begin(), list->end());
   }
   for (int64_t rows : e.test_class_rows) v.push_back(double(rows));
@@ -318,6 +385,29 @@ TEST(EvalMetrics, RegressionIsInTheUsersUnitsOnEveryMesh) {
   EXPECT_NEAR(with.test_mse_per_output[0] / without.test_mse_per_output[0], 0.25, 1e-12);
 }
 
+TEST(EvalMetrics, BinaryAucAndLogLossMatchTheReferenceOnEveryMesh) {
+  const Problem p = binary_problem();
+  const EvalEvent ref = binary_reference(p);
+  ASSERT_TRUE(std::isnan(ref.test_auc_per_output[3]));
+  for (int64_t j = 0; j < 3; ++j) ASSERT_GT(ref.test_auc_per_output[j], 0.6);
+  for (const testing::OutputMeshCase& c : testing::output_meshes(world_size())) {
+    SCOPED_TRACE(c.name);
+    const EvalEvent e = evaluate_on_mesh(p, LossKind::binary_cross_entropy, c, nullptr);
+    EXPECT_EQ(e.test_rows, kRows);
+    expect_close(e.test_loss, ref.test_loss, 1e-6, "test_loss");
+    expect_close(e.test_log_loss_per_output, ref.test_log_loss_per_output, 1e-9,
+                 "test_log_loss_per_output");
+    expect_close(e.test_log_loss, ref.test_log_loss, 1e-9, "test_log_loss");
+    // Counts: exact. The bins (1/512 of a logit for 4 outputs) are finer than the grid.
+    expect_close(e.test_auc_per_output, ref.test_auc_per_output, 0.0, "test_auc_per_output");
+    EXPECT_EQ(e.test_auc, ref.test_auc);
+    EXPECT_EQ(e.test_accuracy, ref.test_accuracy);
+    EXPECT_TRUE(e.test_mse_per_output.empty());
+    EXPECT_TRUE(e.test_class_accuracy.empty());
+    expect_same_on_every_rank(all_values(e));
+  }
+}
+
 // The eval record (metrics.jsonl, evaluate --json) and line: the fields that apply, a NaN
 // inside an array as null, doubles that read back to the same bits.
 TEST(EvalEvent, JsonAndLineHoldTheMetricsThatApply) {
@@ -357,6 +447,23 @@ TEST(EvalEvent, JsonAndLineHoldTheMetricsThatApply) {
             "\"test_rel_l2_per_output\":[0.125],\"test_rows\":10}");
   EXPECT_EQ(format_eval_line(r),
             "eval at step 3: test loss 2.00000  MSE 1.5  MAE 0.25  R^2 0.8750  rel L2 0.125");
+
+  EvalEvent b;
+  b.step = 5;
+  b.test_loss = 0.5;
+  b.test_accuracy = 0.75;
+  b.test_rows = 8;
+  b.test_auc = 0.875;
+  b.test_log_loss = 0.25;
+  b.test_auc_per_output = {0.875, kNaN};
+  b.test_log_loss_per_output = {0.25, 0.25};
+  EXPECT_EQ(eval_event_json(b),
+            "{\"event\":\"eval\",\"step\":5,\"test_accuracy\":0.75,\"test_auc\":0.875,"
+            "\"test_auc_per_output\":[0.875,null],\"test_log_loss\":0.25,"
+            "\"test_log_loss_per_output\":[0.25,0.25],\"test_loss\":0.5,\"test_rows\":8}");
+  EXPECT_EQ(
+      format_eval_line(b),
+      "eval at step 5: test loss 0.50000  test accuracy 0.7500  AUC 0.8750  log loss 0.25000");
 }
 
 }  // namespace

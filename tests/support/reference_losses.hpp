@@ -41,10 +41,11 @@ inline double mean_loss_and_gradient(LossKind kind, const std::vector<double>& y
   return loss / rows;
 }
 
-// A regression loss (mse, huber, mae) as docs/model_math.md writes it: the mean over rows of
-// the sum over outputs of weights[j] * term(y - t), term = d^2, huber's 0.5 d^2 (|d| <= delta)
-// or delta (|d| - 0.5 delta), or |d|; dy = weights[j] * term'(d) / rows, with huber's term' =
-// clamp(d, -delta, delta) and mae's sign(d) (0 at d = 0). Empty weights: all 1.
+// A loss with float targets (mse, huber, mae, binary_cross_entropy) as docs/model_math.md
+// writes it: the mean over rows of the sum over outputs of weights[j] * term, term = d^2,
+// huber's 0.5 d^2 (|d| <= delta) or delta (|d| - 0.5 delta), |d|, or log(1 + e^y) - y t;
+// dy = weights[j] * term' / rows, with huber's term' = clamp(d, -delta, delta), mae's sign(d)
+// (0 at d = 0) and binary cross-entropy's sigmoid(y) - t. d = y - t. Empty weights: all 1.
 inline double regression_loss_and_gradient(LossKind kind, const std::vector<double>& y,
                                            int64_t rows, int64_t width,
                                            const std::vector<double>& targets, double delta,
@@ -64,9 +65,13 @@ inline double regression_loss_and_gradient(LossKind kind, const std::vector<doub
       } else if (kind == LossKind::huber) {
         term = a <= delta ? 0.5 * d * d : delta * (a - 0.5 * delta);
         slope = std::clamp(d, -delta, delta);
-      } else {  // mae
+      } else if (kind == LossKind::mae) {
         term = a;
         slope = d > 0 ? 1.0 : (d < 0 ? -1.0 : 0.0);
+      } else {  // binary_cross_entropy
+        const double z = y[i * width + j], t = targets[i * width + j];
+        term = std::log1p(std::exp(-std::abs(z))) + std::max(z, 0.0) - z * t;
+        slope = 1.0 / (1.0 + std::exp(-z)) - t;
       }
       loss += w * term;
       dy[i * width + j] = w * slope / rows;

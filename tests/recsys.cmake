@@ -3,3 +3,4 @@
 meshtrain_add_command_test(NAME recsys_make_data TIMEOUT 120
   COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/recsys/check_recsys_data.py
           ${PROJECT_SOURCE_DIR}/scripts/make_recsys_data ${CMAKE_CURRENT_BINARY_DIR}/recsys_data)
+
