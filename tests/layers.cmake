@@ -39,4 +39,4 @@ meshtrain_add_test(NAME layers_moe_block_test SOURCES layers/moe_block_test.cpp
 # where sums keep their order); empty bags, repeated ids, ids on one shard, bad ids and specs.
 meshtrain_add_test(NAME layers_embedding_bag_test SOURCES layers/embedding_bag_test.cpp
                    LIBS meshtrain_layers meshtrain_test_counting_allocator NP 1 2 4 TIMEOUT 120
-                   EMULATED)
+                   BACKENDS mpi nccl EMULATED)

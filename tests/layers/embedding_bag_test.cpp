@@ -335,6 +335,46 @@ TEST(EmbeddingBag, EveryShardingEqualsOneRank) {
   }
 }
 
+// A gradient left partial (DeferredReduction::later, for gradient accumulation) and all-reduced
+// afterwards equals the one reduced in backward, bit for bit; before that all-reduce it is this
+// rank's part only (it differs from the sum wherever other ranks' bags add to it).
+TEST(EmbeddingBag, DeferredGradientEqualsTheOneReducedInBackward) {
+  const int n = world_size();
+  int deferrable = 0;
+  for (const TableMeshCase& c : mesh_cases(n)) {
+    const Mesh mesh = Mesh::create(c.axes, n);
+    MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+    ParallelContext context(comms, {"fsdp", "dp"}, "tp");
+    const Data d = make_data(Ids::spread, Values::random, 9);
+    const int64_t bags = kBatch / context.batch_parallel();
+    const int64_t first_bag = context.batch_index() * bags;
+    const LocalBags in = local_bags(d, first_bag, bags);
+    const Matrix dy = dy_block(d, first_bag, bags);
+    for (const PartitionSpec& spec : c.specs) {
+      SCOPED_TRACE(describe(c.axes) + " " + spec.to_string());
+      Built t = make_table(d, spec, mesh, comms.rank());
+      EmbeddingBag layer(kTable, {&t.weight, &t.grad}, EmbeddingPooling::mean, bags,
+                         most_ids(d, context.batch_parallel()), context);
+      const bool expected = !rows_cover_batch(spec, mesh);  // something left to all-reduce
+      EXPECT_EQ(layer.can_leave_gradients_partial(), expected);
+      if (!layer.can_leave_gradients_partial()) continue;
+      ++deferrable;
+      layer.forward({in.offsets, in.ids}, {});
+      layer.backward(dy, {});
+      const std::vector<float> reduced = to_floats(testing::to_host(t.grad));
+      LayerPass later;
+      later.deferred = DeferredReduction::later;
+      layer.forward({in.offsets, in.ids}, {});
+      layer.backward(dy, later);
+      const std::vector<float> partial = to_floats(testing::to_host(t.grad));
+      layer.sharded_parameters()[0]->all_reduce_deferred();
+      EXPECT_EQ(to_floats(testing::to_host(t.grad)), reduced);
+      EXPECT_NE(partial, reduced);
+    }
+  }
+  if (n > 1) EXPECT_GT(deferrable, 0);
+}
+
 // An id outside the table on batch rank 0: that rank names it; under row-wise sharding every
 // rank of the group throws too (and none waits for the others); the layer then works again.
 TEST(EmbeddingBag, IdOutsideTheTableIsBadInputOnTheWholeGroup) {
