@@ -168,12 +168,11 @@ EmbeddingBag::EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPool
   MESHTRAIN_REQUIRE(batch_rows >= 0 && max_ids >= 0, "embedding table '", table_,
                     "': negative batch rows or id capacity");
   const ShardedTensor& w = *weight.value;
-  if (w.global_shape.size() != 2 || w.global_shape[0] < 1 || w.global_shape[1] < 1) {
-    MESHTRAIN_BAD_INPUT("embedding table '", table_, "': parameter '", w.name, "' has shape ",
-                        format_shape(w.global_shape), ", not [rows, dim] with both at least 1");
-  }
-  rows_ = w.global_shape[0];
-  dim_ = w.global_shape[1];
+  // The sharding, from the spec (partition/embedding_layout.hpp): P() or P(batch axes, None).
+  layout_ = embedding_layout(table_, {w.name, w.global_shape, w.spec}, context.mesh(),
+                             LayerAxes{context.batch_axes(), context.feature_axis()});
+  rows_ = layout_.rows;
+  dim_ = layout_.dim;
   if (max_ids >= kExactInFloat) {
     // The per-owner counts and part indices travel as floats.
     MESHTRAIN_BAD_INPUT("embedding table '", table_, "': a capacity of ", max_ids,
@@ -183,48 +182,25 @@ EmbeddingBag::EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPool
     MESHTRAIN_BAD_INPUT("embedding table '", table_,
                         "': mixed precision is not supported by embedding bags yet (fp32 only)");
   }
-
-  // The sharding, from the spec: P() or P(batch axes, None).
-  const PartitionSpec spec = w.spec.with_rank(2);
-  const std::vector<std::string>& batch = context.batch_axes();
-  if (!spec.is_replicated()) {
-    bool row_wise = !spec.entries[0].is_none() && spec.entries[1].is_none();
-    for (const std::string& axis : spec.entries[0].axes) {
-      row_wise = row_wise && std::find(batch.begin(), batch.end(), axis) != batch.end();
-    }
-    if (!row_wise) {
-      MESHTRAIN_BAD_INPUT("embedding table '", table_, "': parameter '", w.name, "' has spec ",
-                          w.spec.to_string(),
-                          ", which embedding bags do not support: use P() (replicated) or "
-                          "P(axis, None) (row-wise) with batch axes ",
-                          axes_text(batch), "; column- and table-wise sharding come later");
-    }
-    row_axes_ = spec.entries[0].axes;
-  }
   first_row_ = w.box.offset.empty() ? 0 : w.box.offset[0];
   local_rows_ = w.box.extent.empty() ? rows_ : w.box.extent[0];
   MESHTRAIN_REQUIRE(w.box.extent.size() == 2 && w.box.extent[1] == dim_, "embedding table '",
                     table_, "': its block does not hold whole rows");
 
   // Communicators, in the same order on every rank: the owners' group, then the gradient's.
-  row_comm_ = context.comm(row_axes_);  // nullptr: replicated, or axes of size 1
+  row_comm_ = context.comm(layout_.row_axes);  // nullptr: replicated
   if (row_comm_) {
-    sharding_ = EmbeddingSharding::row_wise;
     group_ = row_comm_->size();
     me_ = row_comm_->rank();
     MESHTRAIN_REQUIRE(first_row_ == me_ * local_rows_ && local_rows_ * group_ == rows_,
-                      "embedding table '", table_, "': rank ", me_, " of ", axes_text(row_axes_),
-                      " holds rows from ", first_row_, ", not its group index's block");
+                      "embedding table '", table_, "': rank ", me_, " of ",
+                      axes_text(layout_.row_axes), " holds rows from ", first_row_,
+                      ", not its group index's block");
   }
   ParameterGathers gathers;
   gathers.compute = {1, local_rows_, dim_};
   gathers.stored = gathers.compute;
-  // The batch axes that do not hold rows hold copies computed from other bags: summed.
-  for (const std::string& axis : batch) {
-    if (std::find(row_axes_.begin(), row_axes_.end(), axis) == row_axes_.end()) {
-      gathers.allreduce.push_back(axis);
-    }
-  }
+  gathers.allreduce = layout_.gradient_allreduce;
   weight_ = ShardedParameter(weight, gathers, GatherMethod::by_dims, context);
   weight_.reserve_reductions(false);
 
@@ -273,8 +249,8 @@ EmbeddingBag::EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPool
 std::string EmbeddingBag::describe() const {
   std::string text =
       "embedding bag '" + table_ + "' " + format_shape({rows_, dim_}) + " " + to_string(pooling_);
-  if (sharding_ == EmbeddingSharding::replicated) return text + ", replicated";
-  return text + ", row-wise over " + axes_text(row_axes_) + " (rows [" +
+  if (layout_.sharding == EmbeddingSharding::replicated) return text + ", replicated";
+  return text + ", row-wise over " + axes_text(layout_.row_axes) + " (rows [" +
          std::to_string(first_row_) + ", " + std::to_string(first_row_ + local_rows_) + ") here)";
 }
 
@@ -376,7 +352,7 @@ void EmbeddingBag::plan_row_wise(const std::string& problem) {
   for (int j = 0; j < n; ++j) {
     if (counts_recv_host_(static_cast<size_t>(j), 2) != 0.0f) {
       MESHTRAIN_BAD_INPUT("embedding table '", table_, "': rank ", j, " of the row-wise group ",
-                          axes_text(row_axes_),
+                          axes_text(layout_.row_axes),
                           " was given bad bags in this step (its own error names them)");
     }
   }

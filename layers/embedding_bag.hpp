@@ -11,7 +11,8 @@
 // non-decreasing) and the int64 ids `values`, bag b being values[offsets[b], offsets[b + 1]).
 // Both in the default memory space; they must stay valid until backward.
 //
-// Sharding, from the table's PartitionSpec (as Linear's layout comes from its weight's):
+// Sharding, from the table's PartitionSpec (partition/embedding_layout.hpp decides it, as
+// linear_layout.hpp decides a Linear's layout from its weight's):
 //   replicated  P(): every rank holds the table; lookups are local; the gradient is summed over
 //               the batch axes (the one all-reduce a GradientReductionPlan may defer).
 //   row-wise    P(axis, None), `axis` one batch axis or a tuple of them: group rank j of the
@@ -48,6 +49,7 @@
 #include "layers/context.hpp"
 #include "layers/layer.hpp"
 #include "layers/sharded_parameter.hpp"
+#include "partition/embedding_layout.hpp"
 
 namespace meshtrain {
 
@@ -55,8 +57,6 @@ enum class EmbeddingPooling { sum, mean };
 // "sum" | "mean"; anything else is bad_input naming `key` and the value.
 EmbeddingPooling parse_embedding_pooling(const std::string& name, const std::string& key);
 const char* to_string(EmbeddingPooling pooling);
-
-enum class EmbeddingSharding { replicated, row_wise };
 
 // "embeddings/<table>/weight"
 std::string embedding_weight_name(const std::string& table);
@@ -93,7 +93,8 @@ class EmbeddingBag {
   bool can_leave_gradients_partial() const { return weight_.deferrable_group() != nullptr; }
 
   const std::string& table() const { return table_; }
-  EmbeddingSharding sharding() const { return sharding_; }
+  const EmbeddingLayout& layout() const { return layout_; }
+  EmbeddingSharding sharding() const { return layout_.sharding; }
   EmbeddingPooling pooling() const { return pooling_; }
   int64_t rows() const { return rows_; }            // of the whole table
   int64_t dim() const { return dim_; }              // output width (pooled rows are whole)
@@ -118,10 +119,9 @@ class EmbeddingBag {
 
   std::string table_;
   EmbeddingPooling pooling_ = EmbeddingPooling::sum;
-  EmbeddingSharding sharding_ = EmbeddingSharding::replicated;
+  EmbeddingLayout layout_;
   int64_t rows_ = 0, dim_ = 0, batch_rows_ = 0, max_ids_ = 0;
   int64_t first_row_ = 0, local_rows_ = 0;
-  std::vector<std::string> row_axes_;
   Communicator* row_comm_ = nullptr;  // row-wise: the owners' group
   int group_ = 1, me_ = 0;            // its size and this rank's index in it
   ShardedParameter weight_;
