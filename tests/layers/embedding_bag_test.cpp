@@ -442,6 +442,11 @@ TEST(EmbeddingBag, BadBagsAndSpecsAreBadInput) {
     Built t = make_table(d, PartitionSpec::parse(text), mesh, comms.rank());
     EmbeddingBag layer(kTable, {&t.weight, &t.grad}, EmbeddingPooling::mean, bags, capacity,
                        context);
+    EXPECT_NE(layer.describe().find(layer.sharding() == EmbeddingSharding::row_wise
+                                        ? "mean, row-wise over (fsdp)"
+                                        : "mean, replicated"),
+              std::string::npos)
+        << layer.describe();
     // Decreasing offsets (every rank's bags).
     LocalBags in = local_bags(d, first_bag, bags);
     auto offsets = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), in.offsets);
