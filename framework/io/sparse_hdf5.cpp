@@ -20,9 +20,9 @@ namespace {
 // What a rank found wrong in a batch, ordered so that the lowest (global row, table, kind) of
 // all ranks is the one reported: the same on every mesh.
 enum ProblemKind : int64_t {
-  read_failed = 0,  // an HDF5 read failed (row = the run's first row)
-  row_outside = 1,  // a row asked for is not in the data set (the caller's bug)
-  id_outside = 2,   // a = the id
+  read_failed = 0,       // an HDF5 read failed (row = the run's first row)
+  row_outside = 1,       // a row asked for is not in the data set (the caller's bug)
+  id_outside = 2,        // a = the id
   offsets_decrease = 3,  // a, b = the row's start and end offsets
   offset_past_ids = 4,   // a = the offset
   over_capacity = 5,     // a = the ids the rank's rows needed so far
@@ -57,18 +57,24 @@ struct SparseHdf5Reader::Table {
   std::string name;
   hdf5::Handle values_dataset, offsets_dataset;
   hdf5::Handle values_space, offsets_space;  // their file dataspaces (selections change)
-  hdf5::Handle memory;  // 1-D, long enough for either read into the buffers below
-  int64_t rows = 0;     // the table's size
-  int64_t ids = 0;      // length of values
+  hdf5::Handle memory;           // 1-D, long enough for either read into the buffers below
+  int64_t rows = 0;              // the table's size
+  int64_t ids = 0;               // length of values
   std::vector<int64_t> raw;      // [max_rows + 1]: one run's offsets as stored
   std::vector<int64_t> offsets;  // [max_rows + 1]: the batch's, rebased to 0
   std::vector<int64_t> values;   // [max_ids]
   int64_t batch_rows = 0;
+  // Fixed hotness: /sparse/<table>/ids [rows, hotness] (values_dataset, values_space), row r's
+  // ids its row of that array; no offsets dataset.
+  bool fixed = false;
+  int64_t hotness = 0;
 };
 
 namespace {
 
-hsize_t to_h(int64_t v) { return static_cast<hsize_t>(v); }
+hsize_t to_h(int64_t v) {
+  return static_cast<hsize_t>(v);
+}
 
 // Reads elements [first, first + count) of a 1-D int64 dataset into `out` (through `memory`,
 // whose selection is set to [0, count)).
@@ -77,10 +83,8 @@ void read_slab(hid_t dataset, hid_t file_space, hid_t memory, int64_t first, int
   const hsize_t start = to_h(first), n = to_h(count), zero = 0;
   hdf5::check(H5Sselect_hyperslab(file_space, H5S_SELECT_SET, &start, nullptr, &n, nullptr), kind,
               what);
-  hdf5::check(H5Sselect_hyperslab(memory, H5S_SELECT_SET, &zero, nullptr, &n, nullptr), kind,
-              what);
-  hdf5::check(H5Dread(dataset, H5T_NATIVE_INT64, memory, file_space, H5P_DEFAULT, out), kind,
-              what);
+  hdf5::check(H5Sselect_hyperslab(memory, H5S_SELECT_SET, &zero, nullptr, &n, nullptr), kind, what);
+  hdf5::check(H5Dread(dataset, H5T_NATIVE_INT64, memory, file_space, H5P_DEFAULT, out), kind, what);
 }
 
 }  // namespace
@@ -106,28 +110,42 @@ SparseHdf5Reader::SparseHdf5Reader(std::string path, std::vector<std::string> ta
       table->name = tables_[t];
       const std::string group = "/sparse/" + table->name;
       const std::string where = file_text + ", table '" + table->name + "'";
+      auto exists = [&](const std::string& name) {
+        return hdf5::path_exists(file_->file, name, ErrorKind::bad_input, file_text);
+      };
+      table->fixed = exists(group) && exists(group + "/ids");
       for (const char* member : {"", "/values", "/offsets"}) {
-        if (!hdf5::path_exists(file_->file, group + member, ErrorKind::bad_input, file_text)) {
+        if (table->fixed && *member) continue;
+        if (!exists(group + member)) {
           MESHTRAIN_BAD_INPUT("table '", table->name, "' is missing from ", file_text, " (no ",
-                              group, member, ")");
+                              group, member, *member ? ", nor the fixed-hotness ids" : "", ")");
         }
       }
-      auto open_ids = [&](const std::string& name, hdf5::Handle& dataset, hdf5::Handle& space) {
+      auto open_ids = [&](const std::string& name, hdf5::Handle& dataset, hdf5::Handle& space,
+                          size_t dims) {
         dataset = hdf5::make(H5Dopen2(file_->file, name.c_str(), H5P_DEFAULT), H5Dclose,
                              ErrorKind::bad_input, where + ": cannot open " + name);
         const hdf5::Handle type = hdf5::make(H5Dget_type(dataset), H5Tclose, ErrorKind::bad_input,
                                              where + ": the type of " + name);
         const std::vector<int64_t> shape =
             hdf5::dataset_shape(dataset, ErrorKind::bad_input, where + ": " + name);
-        if (H5Tget_class(type) != H5T_INTEGER || shape.size() != 1) {
-          MESHTRAIN_BAD_INPUT(where, ": ", name, " must be a 1-D integer dataset");
+        if (H5Tget_class(type) != H5T_INTEGER || shape.size() != dims) {
+          MESHTRAIN_BAD_INPUT(where, ": ", name, " must be a ", dims, "-D integer dataset");
         }
+        if (dims == 2) table->hotness = shape[1];
         space = hdf5::make(H5Dget_space(dataset), H5Sclose, ErrorKind::bad_input,
                            where + ": the dataspace of " + name);
         return shape[0];
       };
-      table->ids = open_ids(group + "/values", table->values_dataset, table->values_space);
-      const int64_t offsets = open_ids(group + "/offsets", table->offsets_dataset, table->offsets_space);
+      // Rows of the data set + 1: the length of offsets (CSR), or of ids + 1 (fixed hotness).
+      int64_t offsets = 0;
+      if (table->fixed) {
+        offsets = open_ids(group + "/ids", table->values_dataset, table->values_space, 2) + 1;
+        table->ids = (offsets - 1) * table->hotness;
+      } else {
+        table->ids = open_ids(group + "/values", table->values_dataset, table->values_space, 1);
+        offsets = open_ids(group + "/offsets", table->offsets_dataset, table->offsets_space, 1);
+      }
       const hdf5::Handle group_handle =
           hdf5::make(H5Gopen2(file_->file, group.c_str(), H5P_DEFAULT), H5Gclose,
                      ErrorKind::bad_input, where + ": cannot open " + group);
@@ -140,8 +158,8 @@ SparseHdf5Reader::SparseHdf5Reader(std::string path, std::vector<std::string> ta
       if (offsets < 1) MESHTRAIN_BAD_INPUT(where, ": ", group, "/offsets is empty");
       if (t == 0) num_rows_ = offsets - 1;
       if (offsets - 1 != num_rows_) {
-        MESHTRAIN_BAD_INPUT(where, ": ", group, "/offsets describes ", offsets - 1,
-                            " rows, but table '", tables_[0], "' describes ", num_rows_);
+        MESHTRAIN_BAD_INPUT(where, ": ", group, " describes ", offsets - 1, " rows, but table '",
+                            tables_[0], "' describes ", num_rows_);
       }
       const size_t longest = static_cast<size_t>(std::max(max_rows_ + 1, max_ids_));
       const hsize_t memory_size = std::max<hsize_t>(longest, 1);
@@ -150,6 +168,10 @@ SparseHdf5Reader::SparseHdf5Reader(std::string path, std::vector<std::string> ta
       table->raw.assign(static_cast<size_t>(max_rows_ + 1), 0);
       table->offsets.assign(static_cast<size_t>(max_rows_ + 1), 0);
       table->values.assign(static_cast<size_t>(std::max<int64_t>(max_ids_, 1)), 0);
+      if (table->fixed) {
+        state_.push_back(std::move(table));
+        continue;  // no offsets to check
+      }
       // The two ends of the offsets, once: every row's ids then lie inside values wherever
       // the offsets do not decrease (which each batch checks on its rows).
       int64_t first = 0, last = 0;
@@ -185,14 +207,18 @@ SparseHdf5Reader::~SparseHdf5Reader() {
   file_.reset();
 }
 
-int64_t SparseHdf5Reader::table_rows(size_t table) const { return state_.at(table)->rows; }
+int64_t SparseHdf5Reader::table_rows(size_t table) const {
+  return state_.at(table)->rows;
+}
 
 SparseTableRows SparseHdf5Reader::batch(size_t table) const {
   const Table& t = *state_.at(table);
   return {t.offsets.data(), t.values.data(), t.batch_rows};
 }
 
-void SparseHdf5Reader::read(const int64_t* rows, int64_t count) { read_runs(rows, 0, count); }
+void SparseHdf5Reader::read(const int64_t* rows, int64_t count) {
+  read_runs(rows, 0, count);
+}
 
 void SparseHdf5Reader::read_range(int64_t first, int64_t count) {
   read_runs(nullptr, first, count);
@@ -240,6 +266,49 @@ SparseHdf5Reader::Problem SparseHdf5Reader::read_table(Table& table, size_t inde
     if (start < 0 || start + len > num_rows_) {
       note(start < 0 ? start : std::max(start, num_rows_), row_outside);
       skip();
+      continue;
+    }
+    if (table.fixed) {
+      // Rows [start, start + len) of ids [rows, hotness]: one read, hotness ids per row.
+      const int64_t k = table.hotness;
+      if (!full && out_ids + len * k > max_ids_) {
+        const int64_t fit = (max_ids_ - out_ids) / k;  // k > 0 here: the rows that still fit
+        note(start + fit, over_capacity, out_ids + (fit + 1) * k);
+        full = true;
+      }
+      if (full) {
+        skip();
+        continue;
+      }
+      if (len * k > 0) {
+        const hsize_t file_start[2] = {to_h(start), 0}, file_count[2] = {to_h(len), to_h(k)};
+        const hsize_t zero = 0, n = to_h(len * k);
+        try {
+          ++reads_;
+          hdf5::check(H5Sselect_hyperslab(table.values_space, H5S_SELECT_SET, file_start, nullptr,
+                                          file_count, nullptr),
+                      ErrorKind::runtime, "selecting ids");
+          hdf5::check(
+              H5Sselect_hyperslab(table.memory, H5S_SELECT_SET, &zero, nullptr, &n, nullptr),
+              ErrorKind::runtime, "selecting ids");
+          hdf5::check(H5Dread(table.values_dataset, H5T_NATIVE_INT64, table.memory,
+                              table.values_space, H5P_DEFAULT, table.values.data() + out_ids),
+                      ErrorKind::runtime, "reading ids");
+        } catch (const Error&) {
+          note(start, read_failed);
+          skip();
+          continue;
+        }
+      }
+      for (int64_t r = 0; r < len; ++r) {
+        for (int64_t v = out_ids + r * k; v < out_ids + (r + 1) * k; ++v) {
+          const int64_t id = table.values[static_cast<size_t>(v)];
+          if (id < 0 || id >= table.rows) note(start + r, id_outside, id);
+        }
+        table.offsets[static_cast<size_t>(i + r + 1)] = out_ids + (r + 1) * k;
+      }
+      out_ids += len * k;
+      i += len;
       continue;
     }
     try {
@@ -322,13 +391,13 @@ void SparseHdf5Reader::agree(Problem problem) {
   };
   switch (p.kind) {
     case id_outside:
-      throw agreed_error(ErrorKind::bad_input,
-                         where + "id " + std::to_string(p.a) + " is outside the table's rows [0, " +
-                             std::to_string(table.rows) + ")");
+      throw agreed_error(ErrorKind::bad_input, where + "id " + std::to_string(p.a) +
+                                                   " is outside the table's rows [0, " +
+                                                   std::to_string(table.rows) + ")");
     case offsets_decrease:
-      throw agreed_error(ErrorKind::bad_input,
-                         where + "the offsets decrease (the row starts at " + std::to_string(p.a) +
-                             " and ends at " + std::to_string(p.b) + ")");
+      throw agreed_error(ErrorKind::bad_input, where + "the offsets decrease (the row starts at " +
+                                                   std::to_string(p.a) + " and ends at " +
+                                                   std::to_string(p.b) + ")");
     case offset_past_ids:
       throw agreed_error(ErrorKind::bad_input,
                          where + "offset " + std::to_string(p.a) + " lies outside the " +

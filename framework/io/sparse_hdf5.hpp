@@ -62,9 +62,9 @@ class SparseHdf5Reader {
 
   const std::string& path() const { return path_; }
   const std::vector<std::string>& tables() const { return tables_; }
-  int64_t num_rows() const { return num_rows_; }          // rows of the data set
-  int64_t table_rows(size_t table) const;                  // the table's size (attribute rows)
-  SparseTableRows batch(size_t table) const;               // of the last read
+  int64_t num_rows() const { return num_rows_; }  // rows of the data set
+  int64_t table_rows(size_t table) const;         // the table's size (attribute rows)
+  SparseTableRows batch(size_t table) const;      // of the last read
   // HDF5 reads (hyperslab selections) the last read() made, over all tables (for tests).
   int64_t reads_last_batch() const { return reads_; }
 
@@ -74,8 +74,7 @@ class SparseHdf5Reader {
   struct Problem;
   // The runs of consecutive rows in `rows` (or the one run [first, first + count)).
   void read_runs(const int64_t* rows, int64_t first, int64_t count);
-  Problem read_table(Table& table, size_t index, const int64_t* rows, int64_t first,
-                     int64_t count);
+  Problem read_table(Table& table, size_t index, const int64_t* rows, int64_t first, int64_t count);
   void agree(Problem problem);
 
   std::string path_;

@@ -50,12 +50,13 @@ struct TableData {
   std::string name;
   int64_t table_rows = 0;
   std::vector<int64_t> offsets, values;
+  int64_t hotness = 0;  // > 0: written as fixed-hotness ids [rows, hotness], not CSR
 };
 using FileData = std::vector<TableData>;
 
 FileData make_data() {
   std::mt19937_64 rng(39);
-  TableData one{"one", 10, {0}, {}}, bags{"bags", 48, {0}, {}};
+  TableData one{"one", 10, {0}, {}}, bags{"bags", 48, {0}, {}}, pair{"pair", 48, {0}, {}, 2};
   for (int64_t r = 0; r < kRows; ++r) {
     one.values.push_back(static_cast<int64_t>(rng() % 10));
     one.offsets.push_back(static_cast<int64_t>(one.values.size()));
@@ -65,17 +66,22 @@ FileData make_data() {
       bags.values.push_back(repeat ? bags.values.back() : static_cast<int64_t>(rng() % 48));
     }
     bags.offsets.push_back(static_cast<int64_t>(bags.values.size()));
+    for (int k = 0; k < 2; ++k) pair.values.push_back(static_cast<int64_t>(rng() % 48));
+    pair.offsets.push_back(static_cast<int64_t>(pair.values.size()));
   }
-  return {one, bags};
+  return {one, bags, pair};
 }
 
-void write_ids(hid_t group, const char* name, const std::vector<int64_t>& data) {
-  const hsize_t n = data.size();
-  const hid_t space = H5Screate_simple(1, &n, nullptr);
-  const hid_t set = H5Dcreate2(group, name, H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT,
-                               H5P_DEFAULT);
+void write_ids(hid_t group, const char* name, const std::vector<int64_t>& data,
+               int64_t hotness = 0) {
+  const hsize_t n[2] = {hotness > 0 ? data.size() / static_cast<size_t>(hotness) : data.size(),
+                        static_cast<hsize_t>(hotness)};
+  const hid_t space = H5Screate_simple(hotness > 0 ? 2 : 1, n, nullptr);
+  const hid_t set =
+      H5Dcreate2(group, name, H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
   ASSERT_GE(set, 0);
-  if (n > 0) ASSERT_GE(H5Dwrite(set, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, data.data()), 0);
+  if (!data.empty())
+    ASSERT_GE(H5Dwrite(set, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, data.data()), 0);
   H5Dclose(set);
   H5Sclose(space);
 }
@@ -88,11 +94,14 @@ void write_file(const std::string& path, const FileData& tables) {
     const hid_t sparse = H5Gcreate2(file, "sparse", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
     for (const TableData& t : tables) {
       const hid_t group = H5Gcreate2(sparse, t.name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-      write_ids(group, "values", t.values);
-      write_ids(group, "offsets", t.offsets);
+      if (t.hotness > 0) {
+        write_ids(group, "ids", t.values, t.hotness);
+      } else {
+        write_ids(group, "values", t.values);
+        write_ids(group, "offsets", t.offsets);
+      }
       const hid_t scalar = H5Screate(H5S_SCALAR);
-      const hid_t attr =
-          H5Acreate2(group, "rows", H5T_STD_I64LE, scalar, H5P_DEFAULT, H5P_DEFAULT);
+      const hid_t attr = H5Acreate2(group, "rows", H5T_STD_I64LE, scalar, H5P_DEFAULT, H5P_DEFAULT);
       H5Awrite(attr, H5T_NATIVE_INT64, &t.table_rows);
       H5Aclose(attr);
       H5Sclose(scalar);
@@ -104,7 +113,7 @@ void write_file(const std::string& path, const FileData& tables) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
-const std::vector<std::string> kTables = {"one", "bags"};
+const std::vector<std::string> kTables = {"one", "bags", "pair"};
 
 // One table's CSR as plain vectors.
 struct Csr {
@@ -153,7 +162,9 @@ TEST(SparseHdf5Reader, ReadsTheRowsAskedFor) {
   for (size_t t = 0; t < data.size(); ++t) {
     EXPECT_TRUE(csr(reader.batch(t)) == expected(data[t], range)) << data[t].name;
   }
-  EXPECT_EQ(reader.reads_last_batch(), 4) << "a range: one offsets and one values read per table";
+  EXPECT_EQ(reader.table_rows(2), 48);
+  EXPECT_EQ(reader.reads_last_batch(), 5)
+      << "a range: one offsets and one values read per CSR table, one ids read per fixed one";
   // The data has what the layer tests need: empty bags and repeated ids.
   const Csr all = expected(data[1], range);
   EXPECT_NE(std::adjacent_find(all.offsets.begin(), all.offsets.end()), all.offsets.end());
@@ -188,8 +199,12 @@ IdsView device_ids(const std::vector<int64_t>& v, const char* label) {
 }
 
 // Integer weights and dy (in [-4, 4]) from their global index: every sum is exact in fp32.
-float weight_value(int64_t i) { return static_cast<float>((i * 7 + 3) % 9 - 4); }
-float dy_value(int64_t i) { return static_cast<float>((i * 5 + 1) % 9 - 4); }
+float weight_value(int64_t i) {
+  return static_cast<float>((i * 7 + 3) % 9 - 4);
+}
+float dy_value(int64_t i) {
+  return static_cast<float>((i * 5 + 1) % 9 - 4);
+}
 
 struct Pooled {
   std::vector<float> out, grad;
@@ -198,11 +213,11 @@ struct Pooled {
 
 // The `bags` table's layer on `comms` with `spec`, fed `bags` (this rank's rows of the batch,
 // the global batch rows [first_bag, first_bag + rows)): its pooled rows and gradient block.
-Pooled pool(MeshCommunicators& comms, const PartitionSpec& spec, const Csr& bags,
-            int64_t first_bag, int64_t max_ids) {
+Pooled pool(MeshCommunicators& comms, const std::string& table, const PartitionSpec& spec,
+            const Csr& bags, int64_t first_bag, int64_t max_ids) {
   ParallelContext context(comms, {"fsdp", "dp"}, "tp");
   const int64_t rows = static_cast<int64_t>(bags.offsets.size()) - 1, table_rows = 48;
-  const std::string name = embedding_weight_name("bags");
+  const std::string name = embedding_weight_name(table);
   ShardedTensor weight =
       ShardedTensor::allocate(name, {table_rows, kDim}, spec, comms.mesh(), comms.rank());
   ShardedTensor grad =
@@ -211,17 +226,17 @@ Pooled pool(MeshCommunicators& comms, const PartitionSpec& spec, const Csr& bags
   const int64_t first = weight.box.offset[0];
   for (int64_t i = 0; i < weight.box.extent[0] * kDim; ++i) h(i) = weight_value(first * kDim + i);
   Kokkos::deep_copy(weight.local, h);
-  EmbeddingBag layer("bags", {&weight, &grad}, EmbeddingPooling::sum, rows, max_ids, context);
+  EmbeddingBag layer(table, {&weight, &grad}, EmbeddingPooling::sum, rows, max_ids, context);
   const IdsView offsets = device_ids(bags.offsets, "offsets"), ids = device_ids(bags.values, "ids");
   const LayerPass pass;
   layer.forward({offsets, ids}, pass);
-  const Matrix dy = testing::block_matrix("dy", rows, kDim, first_bag, 0, [](int64_t b, int64_t c) {
-    return dy_value(b * kDim + c);
-  });
+  const Matrix dy = testing::block_matrix(
+      "dy", rows, kDim, first_bag, 0, [](int64_t b, int64_t c) { return dy_value(b * kDim + c); });
   layer.backward(dy, pass);
   const testing::Tensor out = testing::host_matrix(layer.output());
   const testing::Tensor g = testing::to_host(grad);
-  return {std::vector<float>(out.begin(), out.end()), std::vector<float>(g.begin(), g.end()), first};
+  return {std::vector<float>(out.begin(), out.end()), std::vector<float>(g.begin(), g.end()),
+          first};
 }
 
 TEST(SparseHdf5Reader, EveryMeshReadsItsSliceOfTheOneRankBatch) {
@@ -259,20 +274,23 @@ TEST(SparseHdf5Reader, EveryMeshReadsItsSliceOfTheOneRankBatch) {
         EXPECT_TRUE(csr(reader.batch(t)) == want) << kTables[t];
         EXPECT_TRUE(csr(whole.batch(t)) == expected(data[t], global)) << kTables[t];
       }
-      const Csr mine = csr(reader.batch(1));
-      const Pooled ref = pool(single, PartitionSpec(), csr(whole.batch(1)), 0, kBatch * kMostPerBag);
-      PartitionSpec row_wise;
-      row_wise.entries.resize(2);
-      row_wise.entries[0].axes = c.row_axes;
-      for (const PartitionSpec& spec : {PartitionSpec(), row_wise}) {
-        SCOPED_TRACE(spec.to_string());
-        const Pooled got = pool(comms, spec, mine, s.begin(), max_ids);
-        ASSERT_EQ(got.out.size(), static_cast<size_t>(s.rows * kDim));
-        for (size_t i = 0; i < got.out.size(); ++i) {
-          ASSERT_EQ(got.out[i], ref.out[s.begin() * kDim + i]) << "pooled element " << i;
-        }
-        for (size_t i = 0; i < got.grad.size(); ++i) {
-          ASSERT_EQ(got.grad[i], ref.grad[got.first_row * kDim + i]) << "gradient element " << i;
+      for (size_t t : {size_t{1}, size_t{2}}) {  // the 48-row tables: CSR and fixed hotness
+        const Csr mine = csr(reader.batch(t));
+        const Pooled ref =
+            pool(single, kTables[t], PartitionSpec(), csr(whole.batch(t)), 0, kBatch * kMostPerBag);
+        PartitionSpec row_wise;
+        row_wise.entries.resize(2);
+        row_wise.entries[0].axes = c.row_axes;
+        for (const PartitionSpec& spec : {PartitionSpec(), row_wise}) {
+          SCOPED_TRACE(kTables[t] + " " + spec.to_string());
+          const Pooled got = pool(comms, kTables[t], spec, mine, s.begin(), max_ids);
+          ASSERT_EQ(got.out.size(), static_cast<size_t>(s.rows * kDim));
+          for (size_t i = 0; i < got.out.size(); ++i) {
+            ASSERT_EQ(got.out[i], ref.out[s.begin() * kDim + i]) << "pooled element " << i;
+          }
+          for (size_t i = 0; i < got.grad.size(); ++i) {
+            ASSERT_EQ(got.grad[i], ref.grad[got.first_row * kDim + i]) << "gradient element " << i;
+          }
         }
       }
     }
@@ -301,8 +319,10 @@ std::string read_error(const std::string& path, const FileData& tables, bool rev
 void expect_names(const std::string& message, const std::string& path, const std::string& table,
                   const std::string& row, const std::string& what) {
   EXPECT_NE(message.find("'" + path + "'"), std::string::npos) << message;
-  if (!table.empty()) EXPECT_NE(message.find("table '" + table + "'"), std::string::npos) << message;
-  if (!row.empty()) EXPECT_NE(message.find("global row " + row + ":"), std::string::npos) << message;
+  if (!table.empty())
+    EXPECT_NE(message.find("table '" + table + "'"), std::string::npos) << message;
+  if (!row.empty())
+    EXPECT_NE(message.find("global row " + row + ":"), std::string::npos) << message;
   EXPECT_NE(message.find(what), std::string::npos) << message;
 }
 
@@ -319,6 +339,12 @@ TEST(SparseHdf5Reader, BadFilesGiveOneSentenceOnEveryRank) {
       d[1].values[d[1].offsets[33]] = -1;
       expect_names(read_error(path, d, reversed), path, "bags", "29",
                    "id 48 is outside the table's rows [0, 48)");
+    }
+    {  // a fixed-hotness id outside its table at row 31
+      FileData d = make_data();
+      d[2].values[31 * 2 + 1] = 50;
+      expect_names(read_error(path, d, reversed), path, "pair", "31",
+                   "id 50 is outside the table's rows [0, 48)");
     }
     {  // row 13 of `one` ends before it starts
       FileData d = make_data();
@@ -348,7 +374,7 @@ TEST(SparseHdf5Reader, BadFilesGiveOneSentenceOnEveryRank) {
   }
   {  // at open: a table the file lacks
     FileData d = make_data();
-    d.pop_back();
+    d.erase(d.begin() + 1);  // `bags`
     const std::string message = read_error(path, d, false);
     expect_names(message, path, "bags", "", "is missing from sparse data file");
   }
