@@ -89,4 +89,4 @@ data_cli_error_test(nan_input_row 1
 # read, and through EmbeddingBag (replicated, row-wise) the one-rank layer's output and gradient;
 # bad ids, offsets, a missing table and the capacity: one sentence on every rank.
 meshtrain_add_test(NAME data_sparse_hdf5_test SOURCES data/sparse_hdf5_test.cpp
-                   LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120)
+                   LIBS meshtrain_layers meshtrain_test_counting_allocator NP 1 2 4 TIMEOUT 120)

@@ -16,6 +16,7 @@
 //   the table (two bad rows: the lower one is named on every mesh), decreasing offsets, an
 //   offset past the ids, offsets[0] != 0 and a last offset != the number of ids (at open), a
 //   missing table (at open), more ids than the capacity.
+// - A read allocates nothing on the heap (operator new, counted; HDF5's own mallocs are not).
 
 #include <gtest/gtest.h>
 #include <hdf5.h>
@@ -37,6 +38,7 @@
 #include "partition/partition_spec.hpp"
 #include "tests/support/agreed_error.hpp"
 #include "tests/support/backend.hpp"
+#include "tests/support/counting_allocator.hpp"
 #include "tests/support/full_tensor.hpp"
 #include "tests/support/temp_dir.hpp"
 #include "tests/support/world.hpp"
@@ -163,6 +165,12 @@ TEST(SparseHdf5Reader, ReadsTheRowsAskedFor) {
     EXPECT_TRUE(csr(reader.batch(t)) == expected(data[t], range)) << data[t].name;
   }
   EXPECT_EQ(reader.table_rows(2), 48);
+  {  // the buffers were sized at open: another batch allocates nothing of meshtrain's own
+    testing::AllocationWindow window;
+    reader.read(rows.data(), static_cast<int64_t>(rows.size()));
+    reader.read_range(9, 12);
+    EXPECT_EQ(window.close(), 0) << "heap allocations in read()";
+  }
   EXPECT_EQ(reader.reads_last_batch(), 5)
       << "a range: one offsets and one values read per CSR table, one ids read per fixed one";
   // The data has what the layer tests need: empty bags and repeated ids.
