@@ -26,6 +26,7 @@ enum ProblemKind : int64_t {
   offsets_decrease = 3,  // a, b = the row's start and end offsets
   offset_past_ids = 4,   // a = the offset
   over_capacity = 5,     // a = the ids the rank's rows needed so far
+  too_many_rows = 6,     // a = the rows asked for (row = -1: the caller's bug, first)
 };
 constexpr int64_t kNoRow = std::numeric_limits<int64_t>::max();
 constexpr int kProblemFields = 5;
@@ -193,6 +194,7 @@ SparseHdf5Reader::SparseHdf5Reader(std::string path, std::vector<std::string> ta
             "MPI_Type_contiguous");
   check_mpi(MPI_Type_commit(&problem_type_), "MPI_Type_commit");
   check_mpi(MPI_Op_create(&lowest_problem, 1, &lowest_problem_), "MPI_Op_create");
+  agreement_buffer_.resize(2 * kProblemFields * sizeof(int64_t));
 }
 
 SparseHdf5Reader::~SparseHdf5Reader() {
@@ -225,11 +227,13 @@ void SparseHdf5Reader::read_range(int64_t first, int64_t count) {
 }
 
 void SparseHdf5Reader::read_runs(const int64_t* rows, int64_t first, int64_t count) {
-  MESHTRAIN_REQUIRE(count >= 0 && count <= max_rows_, "SparseHdf5Reader: a read of ", count,
-                    " rows, more than the ", max_rows_, " it was opened for");
   reads_ = 0;
   Problem lowest;
-  {
+  if (count < 0 || count > max_rows_) {
+    // Agreed like the data's problems, so that a rank asking for too many rows (a bug of the
+    // caller) leaves none waiting in the all-reduce.
+    lowest = Problem{-1, 0, too_many_rows, count, 0};
+  } else {
     std::lock_guard<std::mutex> lock(hdf5::global_mutex());
     hdf5::silence_errors();
     for (size_t t = 0; t < state_.size(); ++t) {
@@ -377,10 +381,10 @@ SparseHdf5Reader::Problem SparseHdf5Reader::read_table(Table& table, size_t inde
 
 void SparseHdf5Reader::agree(Problem problem) {
   int64_t mine[kProblemFields] = {problem.row, problem.table, problem.kind, problem.a, problem.b};
-  int64_t agreed[kProblemFields];
-  check_mpi(MPI_Allreduce(mine, agreed, 1, problem_type_, lowest_problem_, comm_),
-            "MPI_Allreduce (sparse data checks)");
-  const Problem p{agreed[0], agreed[1], agreed[2], agreed[3], agreed[4]};
+  // Under the collective timeout, through a buffer sized at open: no allocation per batch.
+  all_reduce_collective(mine, 1, problem_type_, lowest_problem_, comm_,
+                        "MPI_Iallreduce (sparse data checks)", agreement_buffer_);
+  const Problem p{mine[0], mine[1], mine[2], mine[3], mine[4]};
   if (p.none()) return;
   const Table& table = *state_.at(static_cast<size_t>(p.table));
   const std::string where = "sparse data file '" + path_ + "', table '" + table.name +
@@ -407,6 +411,11 @@ void SparseHdf5Reader::agree(Problem problem) {
                          where + "a rank's rows of the batch hold " + std::to_string(p.a) +
                              " ids or more, over the capacity of " + std::to_string(max_ids_) +
                              " ids per table the reader was opened with");
+    case too_many_rows:
+      throw agreed_error(ErrorKind::runtime,
+                         "sparse data file '" + path_ + "': a rank asked for " +
+                             std::to_string(p.a) + " rows in one read, outside the 0 to " +
+                             std::to_string(max_rows_) + " the reader was opened for");
     case row_outside:
       throw agreed_error(ErrorKind::runtime,
                          "sparse data file '" + path_ + "': global row " + std::to_string(p.row) +

@@ -5,6 +5,8 @@
 //   /sparse/<table>/values   int64 [ids]       every row's ids, row after row
 //   /sparse/<table>/offsets  int64 [rows + 1]  row r's ids are values[offsets[r], offsets[r + 1])
 //   attribute `rows` on /sparse/<table>: the table's size (ids must lie in [0, rows))
+// or, for a table of fixed hotness k, /sparse/<table>/ids int64 [rows, k] instead of the pair
+// (taken when that dataset is present; one read of [count, k] per run).
 // The rows asked for are the ones the dense stream gives this rank (BatchSchedule::
 // slice_samples, or a contiguous range): only they are read, by hyperslab selections, one run
 // of consecutive global rows at a time (a shuffled batch is mostly runs of one row: two small
@@ -12,9 +14,9 @@
 //
 // Checks, each a bad_input AgreedError whose one sentence names the file, the table and the
 // global row, thrown by EVERY rank of the communicator at the same call:
-//  - at open (collective): the file cannot be opened, a table's group, datasets or `rows`
-//    attribute is missing or of another shape or type, tables of different row counts,
-//    offsets[0] != 0, the last offset != the number of ids in values;
+//  - at open (collective, agreed by on_every_rank): the file cannot be opened, a table's group,
+//    datasets or `rows` attribute is missing or of another shape or type, tables of different
+//    row counts, offsets[0] != 0, the last offset != the number of ids in values;
 //  - per batch (read: collective, one small all-reduce of the lowest failing (global row,
 //    table, problem) of every rank, so the sentence does not depend on the mesh): an id outside
 //    [0, table rows), offsets that decrease, an offset past the ids, and a batch whose ids
@@ -88,6 +90,7 @@ class SparseHdf5Reader {
   std::vector<std::unique_ptr<Table>> state_;
   MPI_Datatype problem_type_ = MPI_DATATYPE_NULL;
   MPI_Op lowest_problem_ = MPI_OP_NULL;
+  std::vector<char> agreement_buffer_;  // all_reduce_collective's copy, sized at open
 };
 
 }  // namespace meshtrain

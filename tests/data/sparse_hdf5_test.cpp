@@ -16,6 +16,8 @@
 //   the table (two bad rows: the lower one is named on every mesh), decreasing offsets, an
 //   offset past the ids, offsets[0] != 0 and a last offset != the number of ids (at open), a
 //   missing table (at open), more ids than the capacity.
+// - A row past the file and a read longer than max_rows on one rank: a runtime AgreedError on
+//   every rank, and the reader reads on.
 // - A read allocates nothing on the heap (operator new, counted; HDF5's own mallocs are not).
 
 #include <gtest/gtest.h>
@@ -386,6 +388,26 @@ TEST(SparseHdf5Reader, BadFilesGiveOneSentenceOnEveryRank) {
     const std::string message = read_error(path, d, false);
     expect_names(message, path, "bags", "", "is missing from sparse data file");
   }
+}
+
+// The caller's mistakes, on the last rank only, reach every rank as one runtime AgreedError (none
+// is left waiting in the agreement): a row past the file, a read longer than max_rows.
+TEST(SparseHdf5Reader, CallerMistakesOnOneRankReachEveryRank) {
+  testing::TempDir dir(true);
+  const std::string path = dir.file("sparse.h5");
+  write_file(path, make_data());
+  SparseHdf5Reader reader(path, kTables, 4, 16, MPI_COMM_WORLD);
+  const bool last = world_rank() == world_size() - 1;
+  std::vector<int64_t> rows = {1, 2, 3, last ? kRows : 4};
+  std::string message =
+      testing::expect_agreed_error([&] { reader.read(rows.data(), 4); }, ErrorKind::runtime);
+  EXPECT_NE(message.find("global row 40 was asked for, outside its 40 rows"), std::string::npos)
+      << message;
+  message =
+      testing::expect_agreed_error([&] { reader.read_range(0, last ? 5 : 4); }, ErrorKind::runtime);
+  EXPECT_NE(message.find("a rank asked for 5 rows in one read"), std::string::npos) << message;
+  reader.read_range(36, 4);  // and the reader still reads
+  EXPECT_TRUE(csr(reader.batch(1)) == expected(make_data()[1], {36, 37, 38, 39}));
 }
 
 }  // namespace
