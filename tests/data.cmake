@@ -84,3 +84,9 @@ data_cli_error_test(glob_matches_nothing 2
 data_cli_error_test(nan_input_row 1
   "^meshtrain: error: .*'.*/files/nan\\.h5': /x\\[37, 3\\] is -?nan. inputs must be finite"
   "${_data_files}/nan.h5")
+# Sparse features from HDF5 (framework/io/sparse_hdf5.hpp, issue 39): every rank's CSR of each
+# batch (shuffled and a range) on dp, fsdp, fsdp x dp and dp x tp equals its slice of a one-rank
+# read, and through EmbeddingBag (replicated, row-wise) the one-rank layer's output and gradient;
+# bad ids, offsets, a missing table and the capacity: one sentence on every rank.
+meshtrain_add_test(NAME data_sparse_hdf5_test SOURCES data/sparse_hdf5_test.cpp
+                   LIBS meshtrain_layers meshtrain_test_counting_allocator NP 1 2 4 TIMEOUT 120)

@@ -4,6 +4,7 @@ meshtrain_add_test(NAME partition_test
                            partition/planner_test.cpp partition/logical_axes_test.cpp
                            partition/sharding_picture_test.cpp
                            partition/linear_layout_test.cpp partition/cost_model_test.cpp
+                           partition/embedding_layout_test.cpp
                    LIBS meshtrain_partition)
 # `meshtrain plan` output (framework/train/plan_report).
 meshtrain_add_test(NAME plan_print_test

@@ -1,0 +1,429 @@
+#include "framework/io/sparse_hdf5.hpp"
+
+#include <hdf5.h>
+
+#include <algorithm>
+#include <limits>
+#include <mutex>
+#include <tuple>
+#include <utility>
+
+#include "base/error.hpp"
+#include "framework/comm/failure_agreement.hpp"
+#include "framework/comm/mpi_util.hpp"
+#include "framework/io/hdf5_util.hpp"
+
+namespace meshtrain {
+
+namespace {
+
+// What a rank found wrong in a batch, ordered so that the lowest (global row, table, kind) of
+// all ranks is the one reported: the same on every mesh.
+enum ProblemKind : int64_t {
+  read_failed = 0,       // an HDF5 read failed (row = the run's first row)
+  row_outside = 1,       // a row asked for is not in the data set (the caller's bug)
+  id_outside = 2,        // a = the id
+  offsets_decrease = 3,  // a, b = the row's start and end offsets
+  offset_past_ids = 4,   // a = the offset
+  over_capacity = 5,     // a = the ids the rank's rows needed so far
+  too_many_rows = 6,     // a = the rows asked for (row = -1: the caller's bug, first)
+};
+constexpr int64_t kNoRow = std::numeric_limits<int64_t>::max();
+constexpr int kProblemFields = 5;
+
+// MPI_Op over kProblemFields int64s: keeps the lexicographically lowest (row, table, kind).
+void lowest_problem(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const int64_t*>(in);
+  auto* b = static_cast<int64_t*>(inout);
+  for (int i = 0; i < *len; ++i, a += kProblemFields, b += kProblemFields) {
+    if (std::lexicographical_compare(a, a + 3, b, b + 3)) std::copy(a, a + kProblemFields, b);
+  }
+}
+
+}  // namespace
+
+struct SparseHdf5Reader::Problem {
+  int64_t row = kNoRow, table = 0, kind = 0, a = 0, b = 0;
+  bool none() const { return row == kNoRow; }
+  bool operator<(const Problem& o) const {
+    return std::tie(row, table, kind) < std::tie(o.row, o.table, o.kind);
+  }
+};
+
+struct SparseHdf5Reader::File {
+  hdf5::Handle file;
+};
+
+struct SparseHdf5Reader::Table {
+  std::string name;
+  hdf5::Handle values_dataset, offsets_dataset;
+  hdf5::Handle values_space, offsets_space;  // their file dataspaces (selections change)
+  hdf5::Handle memory;           // 1-D, long enough for either read into the buffers below
+  int64_t rows = 0;              // the table's size
+  int64_t ids = 0;               // length of values
+  std::vector<int64_t> raw;      // [max_rows + 1]: one run's offsets as stored
+  std::vector<int64_t> offsets;  // [max_rows + 1]: the batch's, rebased to 0
+  std::vector<int64_t> values;   // [max_ids]
+  int64_t batch_rows = 0;
+  // Fixed hotness: /sparse/<table>/ids [rows, hotness] (values_dataset, values_space), row r's
+  // ids its row of that array; no offsets dataset.
+  bool fixed = false;
+  int64_t hotness = 0;
+};
+
+namespace {
+
+hsize_t to_h(int64_t v) {
+  return static_cast<hsize_t>(v);
+}
+
+// Reads elements [first, first + count) of a 1-D int64 dataset into `out` (through `memory`,
+// whose selection is set to [0, count)).
+void read_slab(hid_t dataset, hid_t file_space, hid_t memory, int64_t first, int64_t count,
+               int64_t* out, ErrorKind kind, const std::string& what) {
+  const hsize_t start = to_h(first), n = to_h(count), zero = 0;
+  hdf5::check(H5Sselect_hyperslab(file_space, H5S_SELECT_SET, &start, nullptr, &n, nullptr), kind,
+              what);
+  hdf5::check(H5Sselect_hyperslab(memory, H5S_SELECT_SET, &zero, nullptr, &n, nullptr), kind, what);
+  hdf5::check(H5Dread(dataset, H5T_NATIVE_INT64, memory, file_space, H5P_DEFAULT, out), kind, what);
+}
+
+}  // namespace
+
+SparseHdf5Reader::SparseHdf5Reader(std::string path, std::vector<std::string> tables,
+                                   int64_t max_rows, int64_t max_ids, MPI_Comm comm)
+    : path_(std::move(path)),
+      tables_(std::move(tables)),
+      max_rows_(max_rows),
+      max_ids_(max_ids),
+      comm_(comm),
+      file_(std::make_unique<File>()) {
+  MESHTRAIN_REQUIRE(max_rows_ >= 0 && max_ids_ >= 0, "SparseHdf5Reader: negative capacity");
+  on_every_rank(comm_, [&] {
+    const std::string file_text = "sparse data file '" + path_ + "'";
+    if (tables_.empty()) MESHTRAIN_BAD_INPUT(file_text, ": no tables to read were named");
+    std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+    hdf5::silence_errors();
+    file_->file = hdf5::make(H5Fopen(path_.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose,
+                             ErrorKind::bad_input, file_text + ": cannot open it");
+    for (size_t t = 0; t < tables_.size(); ++t) {
+      auto table = std::make_unique<Table>();
+      table->name = tables_[t];
+      const std::string group = "/sparse/" + table->name;
+      const std::string where = file_text + ", table '" + table->name + "'";
+      auto exists = [&](const std::string& name) {
+        return hdf5::path_exists(file_->file, name, ErrorKind::bad_input, file_text);
+      };
+      table->fixed = exists(group) && exists(group + "/ids");
+      for (const char* member : {"", "/values", "/offsets"}) {
+        if (table->fixed && *member) continue;
+        if (!exists(group + member)) {
+          MESHTRAIN_BAD_INPUT("table '", table->name, "' is missing from ", file_text, " (no ",
+                              group, member, *member ? ", nor the fixed-hotness ids" : "", ")");
+        }
+      }
+      auto open_ids = [&](const std::string& name, hdf5::Handle& dataset, hdf5::Handle& space,
+                          size_t dims) {
+        dataset = hdf5::make(H5Dopen2(file_->file, name.c_str(), H5P_DEFAULT), H5Dclose,
+                             ErrorKind::bad_input, where + ": cannot open " + name);
+        const hdf5::Handle type = hdf5::make(H5Dget_type(dataset), H5Tclose, ErrorKind::bad_input,
+                                             where + ": the type of " + name);
+        const std::vector<int64_t> shape =
+            hdf5::dataset_shape(dataset, ErrorKind::bad_input, where + ": " + name);
+        if (H5Tget_class(type) != H5T_INTEGER || shape.size() != dims) {
+          MESHTRAIN_BAD_INPUT(where, ": ", name, " must be a ", dims, "-D integer dataset");
+        }
+        if (dims == 2) table->hotness = shape[1];
+        space = hdf5::make(H5Dget_space(dataset), H5Sclose, ErrorKind::bad_input,
+                           where + ": the dataspace of " + name);
+        return shape[0];
+      };
+      // Rows of the data set + 1: the length of offsets (CSR), or of ids + 1 (fixed hotness).
+      int64_t offsets = 0;
+      if (table->fixed) {
+        offsets = open_ids(group + "/ids", table->values_dataset, table->values_space, 2) + 1;
+        table->ids = (offsets - 1) * table->hotness;
+      } else {
+        table->ids = open_ids(group + "/values", table->values_dataset, table->values_space, 1);
+        offsets = open_ids(group + "/offsets", table->offsets_dataset, table->offsets_space, 1);
+      }
+      const hdf5::Handle group_handle =
+          hdf5::make(H5Gopen2(file_->file, group.c_str(), H5P_DEFAULT), H5Gclose,
+                     ErrorKind::bad_input, where + ": cannot open " + group);
+      table->rows = hdf5::read_int_attribute(group_handle, "rows", ErrorKind::bad_input,
+                                             where + " (" + group + ")");
+      if (table->rows <= 0) {
+        MESHTRAIN_BAD_INPUT(where, ": the attribute rows of ", group, " is ", table->rows,
+                            ", not a positive table size");
+      }
+      if (offsets < 1) MESHTRAIN_BAD_INPUT(where, ": ", group, "/offsets is empty");
+      if (t == 0) num_rows_ = offsets - 1;
+      if (offsets - 1 != num_rows_) {
+        MESHTRAIN_BAD_INPUT(where, ": ", group, " describes ", offsets - 1, " rows, but table '",
+                            tables_[0], "' describes ", num_rows_);
+      }
+      const size_t longest = static_cast<size_t>(std::max(max_rows_ + 1, max_ids_));
+      const hsize_t memory_size = std::max<hsize_t>(longest, 1);
+      table->memory = hdf5::make(H5Screate_simple(1, &memory_size, nullptr), H5Sclose,
+                                 ErrorKind::runtime, where + ": a memory dataspace");
+      table->raw.assign(static_cast<size_t>(max_rows_ + 1), 0);
+      table->offsets.assign(static_cast<size_t>(max_rows_ + 1), 0);
+      table->values.assign(static_cast<size_t>(std::max<int64_t>(max_ids_, 1)), 0);
+      if (table->fixed) {
+        state_.push_back(std::move(table));
+        continue;  // no offsets to check
+      }
+      // The two ends of the offsets, once: every row's ids then lie inside values wherever
+      // the offsets do not decrease (which each batch checks on its rows).
+      int64_t first = 0, last = 0;
+      read_slab(table->offsets_dataset, table->offsets_space, table->memory, 0, 1, &first,
+                ErrorKind::bad_input, where + ": reading offsets[0]");
+      read_slab(table->offsets_dataset, table->offsets_space, table->memory, num_rows_, 1, &last,
+                ErrorKind::bad_input, where + ": reading the last offset");
+      if (first != 0) {
+        MESHTRAIN_BAD_INPUT(where, ", global row 0: offsets[0] is ", first, ", not 0");
+      }
+      if (last != table->ids) {
+        MESHTRAIN_BAD_INPUT(where, ", global row ", num_rows_ - 1, ": the last offset is ", last,
+                            " but ", group, "/values holds ", table->ids, " ids");
+      }
+      state_.push_back(std::move(table));
+    }
+  });
+  check_mpi(MPI_Type_contiguous(kProblemFields, MPI_INT64_T, &problem_type_),
+            "MPI_Type_contiguous");
+  check_mpi(MPI_Type_commit(&problem_type_), "MPI_Type_commit");
+  check_mpi(MPI_Op_create(&lowest_problem, 1, &lowest_problem_), "MPI_Op_create");
+  agreement_buffer_.resize(2 * kProblemFields * sizeof(int64_t));
+}
+
+SparseHdf5Reader::~SparseHdf5Reader() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) {
+    if (lowest_problem_ != MPI_OP_NULL) MPI_Op_free(&lowest_problem_);
+    if (problem_type_ != MPI_DATATYPE_NULL) MPI_Type_free(&problem_type_);
+  }
+  std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+  state_.clear();
+  file_.reset();
+}
+
+int64_t SparseHdf5Reader::table_rows(size_t table) const {
+  return state_.at(table)->rows;
+}
+
+SparseTableRows SparseHdf5Reader::batch(size_t table) const {
+  const Table& t = *state_.at(table);
+  return {t.offsets.data(), t.values.data(), t.batch_rows};
+}
+
+void SparseHdf5Reader::read(const int64_t* rows, int64_t count) {
+  read_runs(rows, 0, count);
+}
+
+void SparseHdf5Reader::read_range(int64_t first, int64_t count) {
+  read_runs(nullptr, first, count);
+}
+
+void SparseHdf5Reader::read_runs(const int64_t* rows, int64_t first, int64_t count) {
+  reads_ = 0;
+  Problem lowest;
+  if (count < 0 || count > max_rows_) {
+    // Agreed like the data's problems, so that a rank asking for too many rows (a bug of the
+    // caller) leaves none waiting in the all-reduce.
+    lowest = Problem{-1, 0, too_many_rows, count, 0};
+  } else {
+    std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+    hdf5::silence_errors();
+    for (size_t t = 0; t < state_.size(); ++t) {
+      const Problem p = read_table(*state_[t], t, rows, first, count);
+      if (p < lowest) lowest = p;
+    }
+  }
+  agree(lowest);
+}
+
+SparseHdf5Reader::Problem SparseHdf5Reader::read_table(Table& table, size_t index,
+                                                       const int64_t* rows, int64_t first,
+                                                       int64_t count) {
+  Problem lowest;
+  auto note = [&](int64_t row, int64_t kind, int64_t a = 0, int64_t b = 0) {
+    const Problem p{row, static_cast<int64_t>(index), kind, a, b};
+    if (p < lowest) lowest = p;
+  };
+  auto row_at = [&](int64_t i) { return rows ? rows[i] : first + i; };
+  table.batch_rows = count;
+  table.offsets[0] = 0;
+  int64_t out_ids = 0;
+  bool full = false;  // the capacity ran out: later runs check their offsets only
+  int64_t i = 0;
+  while (i < count) {
+    // The run of consecutive global rows starting at position i.
+    const int64_t start = row_at(i);
+    int64_t len = 1;
+    while (i + len < count && row_at(i + len) == start + len) ++len;
+    auto skip = [&] {  // the run's rows as empty bags, so the CSR stays well formed
+      for (int64_t k = 0; k < len; ++k) table.offsets[static_cast<size_t>(i + k + 1)] = out_ids;
+      i += len;
+    };
+    if (start < 0 || start + len > num_rows_) {
+      note(start < 0 ? start : std::max(start, num_rows_), row_outside);
+      skip();
+      continue;
+    }
+    if (table.fixed) {
+      // Rows [start, start + len) of ids [rows, hotness]: one read, hotness ids per row.
+      const int64_t k = table.hotness;
+      if (!full && out_ids + len * k > max_ids_) {
+        const int64_t fit = (max_ids_ - out_ids) / k;  // k > 0 here: the rows that still fit
+        note(start + fit, over_capacity, out_ids + (fit + 1) * k);
+        full = true;
+      }
+      if (full) {
+        skip();
+        continue;
+      }
+      if (len * k > 0) {
+        const hsize_t file_start[2] = {to_h(start), 0}, file_count[2] = {to_h(len), to_h(k)};
+        const hsize_t zero = 0, n = to_h(len * k);
+        try {
+          ++reads_;
+          hdf5::check(H5Sselect_hyperslab(table.values_space, H5S_SELECT_SET, file_start, nullptr,
+                                          file_count, nullptr),
+                      ErrorKind::runtime, "selecting ids");
+          hdf5::check(
+              H5Sselect_hyperslab(table.memory, H5S_SELECT_SET, &zero, nullptr, &n, nullptr),
+              ErrorKind::runtime, "selecting ids");
+          hdf5::check(H5Dread(table.values_dataset, H5T_NATIVE_INT64, table.memory,
+                              table.values_space, H5P_DEFAULT, table.values.data() + out_ids),
+                      ErrorKind::runtime, "reading ids");
+        } catch (const Error&) {
+          note(start, read_failed);
+          skip();
+          continue;
+        }
+      }
+      for (int64_t r = 0; r < len; ++r) {
+        for (int64_t v = out_ids + r * k; v < out_ids + (r + 1) * k; ++v) {
+          const int64_t id = table.values[static_cast<size_t>(v)];
+          if (id < 0 || id >= table.rows) note(start + r, id_outside, id);
+        }
+        table.offsets[static_cast<size_t>(i + r + 1)] = out_ids + (r + 1) * k;
+      }
+      out_ids += len * k;
+      i += len;
+      continue;
+    }
+    try {
+      ++reads_;
+      read_slab(table.offsets_dataset, table.offsets_space, table.memory, start, len + 1,
+                table.raw.data(), ErrorKind::runtime, "reading offsets");
+    } catch (const Error&) {
+      note(start, read_failed);
+      skip();
+      continue;
+    }
+    const int64_t* raw = table.raw.data();
+    bool bad = false;
+    for (int64_t k = 0; k <= len; ++k) {
+      if (raw[k] < 0 || raw[k] > table.ids) {
+        // Offset k ends row k - 1 and starts row k: the lower of them that was asked for (so
+        // that the row named depends on the batch, not on how it is split into runs).
+        note(start + std::max<int64_t>(k - 1, 0), offset_past_ids, raw[k]);
+        bad = true;
+      }
+      if (k > 0 && raw[k] < raw[k - 1]) {
+        note(start + k - 1, offsets_decrease, raw[k - 1], raw[k]);
+        bad = true;
+      }
+    }
+    if (bad) {
+      skip();
+      continue;
+    }
+    if (!full && out_ids + (raw[len] - raw[0]) > max_ids_) {
+      // The first row of the run whose ids no longer fit.
+      int64_t k = 0;
+      while (out_ids + (raw[k + 1] - raw[0]) <= max_ids_) ++k;
+      note(start + k, over_capacity, out_ids + (raw[k + 1] - raw[0]));
+      full = true;
+    }
+    if (full) {
+      skip();
+      continue;
+    }
+    const int64_t n = raw[len] - raw[0];
+    if (n > 0) {
+      try {
+        ++reads_;
+        read_slab(table.values_dataset, table.values_space, table.memory, raw[0], n,
+                  table.values.data() + out_ids, ErrorKind::runtime, "reading values");
+      } catch (const Error&) {
+        note(start, read_failed);
+        skip();
+        continue;
+      }
+    }
+    for (int64_t k = 0; k < len; ++k) {
+      const int64_t begin = out_ids + raw[k] - raw[0], end = out_ids + raw[k + 1] - raw[0];
+      for (int64_t v = begin; v < end; ++v) {
+        const int64_t id = table.values[static_cast<size_t>(v)];
+        if (id < 0 || id >= table.rows) note(start + k, id_outside, id);
+      }
+      table.offsets[static_cast<size_t>(i + k + 1)] = end;
+    }
+    out_ids += n;
+    i += len;
+  }
+  return lowest;
+}
+
+void SparseHdf5Reader::agree(Problem problem) {
+  int64_t mine[kProblemFields] = {problem.row, problem.table, problem.kind, problem.a, problem.b};
+  // Under the collective timeout, through a buffer sized at open: no allocation per batch.
+  all_reduce_collective(mine, 1, problem_type_, lowest_problem_, comm_,
+                        "MPI_Iallreduce (sparse data checks)", agreement_buffer_);
+  const Problem p{mine[0], mine[1], mine[2], mine[3], mine[4]};
+  if (p.none()) return;
+  const Table& table = *state_.at(static_cast<size_t>(p.table));
+  const std::string where = "sparse data file '" + path_ + "', table '" + table.name +
+                            "', global row " + std::to_string(p.row) + ": ";
+  const std::string group = "/sparse/" + table.name;
+  auto agreed_error = [](ErrorKind kind, const std::string& message) {
+    return AgreedError(Error(kind, message, __FILE__, __LINE__));
+  };
+  switch (p.kind) {
+    case id_outside:
+      throw agreed_error(ErrorKind::bad_input, where + "id " + std::to_string(p.a) +
+                                                   " is outside the table's rows [0, " +
+                                                   std::to_string(table.rows) + ")");
+    case offsets_decrease:
+      throw agreed_error(ErrorKind::bad_input, where + "the offsets decrease (the row starts at " +
+                                                   std::to_string(p.a) + " and ends at " +
+                                                   std::to_string(p.b) + ")");
+    case offset_past_ids:
+      throw agreed_error(ErrorKind::bad_input,
+                         where + "offset " + std::to_string(p.a) + " lies outside the " +
+                             std::to_string(table.ids) + " ids of " + group + "/values");
+    case over_capacity:
+      throw agreed_error(ErrorKind::bad_input,
+                         where + "a rank's rows of the batch hold " + std::to_string(p.a) +
+                             " ids or more, over the capacity of " + std::to_string(max_ids_) +
+                             " ids per table the reader was opened with");
+    case too_many_rows:
+      throw agreed_error(ErrorKind::runtime,
+                         "sparse data file '" + path_ + "': a rank asked for " +
+                             std::to_string(p.a) + " rows in one read, outside the 0 to " +
+                             std::to_string(max_rows_) + " the reader was opened for");
+    case row_outside:
+      throw agreed_error(ErrorKind::runtime,
+                         "sparse data file '" + path_ + "': global row " + std::to_string(p.row) +
+                             " was asked for, outside its " + std::to_string(num_rows_) + " rows");
+    default:
+      throw agreed_error(ErrorKind::runtime,
+                         where + "reading the rows from this one failed on some rank (HDF5)");
+  }
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,96 @@
+#pragma once
+// Sparse features from HDF5 (issue 39 items 3 and 6; docs/recsys.md, "Reading the sparse data"):
+// for a list of embedding tables, this rank's rows of a batch as CSR per table, read from one
+// file of scripts/make_recsys_data's layout:
+//   /sparse/<table>/values   int64 [ids]       every row's ids, row after row
+//   /sparse/<table>/offsets  int64 [rows + 1]  row r's ids are values[offsets[r], offsets[r + 1])
+//   attribute `rows` on /sparse/<table>: the table's size (ids must lie in [0, rows))
+// or, for a table of fixed hotness k, /sparse/<table>/ids int64 [rows, k] instead of the pair
+// (taken when that dataset is present; one read of [count, k] per run).
+// The rows asked for are the ones the dense stream gives this rank (BatchSchedule::
+// slice_samples, or a contiguous range): only they are read, by hyperslab selections, one run
+// of consecutive global rows at a time (a shuffled batch is mostly runs of one row: two small
+// reads per row and table; a contiguous range is one run: two reads per table).
+//
+// Checks, each a bad_input AgreedError whose one sentence names the file, the table and the
+// global row, thrown by EVERY rank of the communicator at the same call:
+//  - at open (collective, agreed by on_every_rank): the file cannot be opened, a table's group,
+//    datasets or `rows` attribute is missing or of another shape or type, tables of different
+//    row counts, offsets[0] != 0, the last offset != the number of ids in values;
+//  - per batch (read: collective, one small all-reduce of the lowest failing (global row,
+//    table, problem) of every rank, so the sentence does not depend on the mesh): an id outside
+//    [0, table rows), offsets that decrease, an offset past the ids, and a batch whose ids
+//    exceed the capacity `max_ids` given at open.
+// A failed HDF5 read is a runtime AgreedError on every rank.
+//
+// Buffers: every table's offsets [max_rows + 1] and values [max_ids] and HDF5's memory space are
+// made at open; read() allocates nothing of its own (HDF5 may, inside its calls). Not thread
+// safe: one caller at a time; HDF5 calls hold hdf5::global_mutex().
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace meshtrain {
+
+// One table's CSR of the rows last read: offsets [rows + 1] (offsets[0] = 0) and ids
+// values[0, offsets[rows]). Pointers into the reader's buffers, valid until the next read.
+struct SparseTableRows {
+  const int64_t* offsets = nullptr;
+  const int64_t* values = nullptr;
+  int64_t rows = 0;
+  int64_t ids() const { return offsets[rows]; }
+};
+
+class SparseHdf5Reader {
+ public:
+  // Opens `path` and checks `tables` (collective over `comm`, which every later read() is
+  // too). max_rows: the most rows one read() asks for; max_ids: the most ids of one table that
+  // one read() may return (per rank, the same for every table). bad_input AgreedError as the
+  // header says.
+  SparseHdf5Reader(std::string path, std::vector<std::string> tables, int64_t max_rows,
+                   int64_t max_ids, MPI_Comm comm);
+  ~SparseHdf5Reader();
+  SparseHdf5Reader(const SparseHdf5Reader&) = delete;
+  SparseHdf5Reader& operator=(const SparseHdf5Reader&) = delete;
+
+  // Reads global rows rows[0, count) (any order, repeats allowed) of every table. Collective.
+  void read(const int64_t* rows, int64_t count);
+  // Reads global rows [first, first + count). Collective.
+  void read_range(int64_t first, int64_t count);
+
+  const std::string& path() const { return path_; }
+  const std::vector<std::string>& tables() const { return tables_; }
+  int64_t num_rows() const { return num_rows_; }  // rows of the data set
+  int64_t table_rows(size_t table) const;         // the table's size (attribute rows)
+  SparseTableRows batch(size_t table) const;      // of the last read
+  // HDF5 reads (hyperslab selections) the last read() made, over all tables (for tests).
+  int64_t reads_last_batch() const { return reads_; }
+
+ private:
+  struct File;
+  struct Table;
+  struct Problem;
+  // The runs of consecutive rows in `rows` (or the one run [first, first + count)).
+  void read_runs(const int64_t* rows, int64_t first, int64_t count);
+  Problem read_table(Table& table, size_t index, const int64_t* rows, int64_t first, int64_t count);
+  void agree(Problem problem);
+
+  std::string path_;
+  std::vector<std::string> tables_;
+  int64_t max_rows_ = 0;
+  int64_t max_ids_ = 0;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int64_t num_rows_ = 0;
+  int64_t reads_ = 0;
+  std::unique_ptr<File> file_;
+  std::vector<std::unique_ptr<Table>> state_;
+  MPI_Datatype problem_type_ = MPI_DATATYPE_NULL;
+  MPI_Op lowest_problem_ = MPI_OP_NULL;
+  std::vector<char> agreement_buffer_;  // all_reduce_collective's copy, sized at open
+};
+
+}  // namespace meshtrain

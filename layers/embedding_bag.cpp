@@ -1,0 +1,453 @@
+#include "layers/embedding_bag.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <utility>
+
+#include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
+#include "framework/core/kernel_label.hpp"
+#include "framework/core/view_ops.hpp"
+#include "partition/partition_spec.hpp"
+
+namespace meshtrain {
+namespace {
+
+using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
+
+// Integers below 2^24 are exact in a float: the counts and the row halves that travel as fp32.
+constexpr int64_t kExactInFloat = int64_t{1} << 24;
+
+KOKKOS_INLINE_FUNCTION int64_t decode_row(float high, float low) {
+  return static_cast<int64_t>(high) * kExactInFloat + static_cast<int64_t>(low);
+}
+
+Range2 range2(int64_t rows, int64_t cols) {
+  return Range2(device_space(), {0, 0}, {rows, cols});
+}
+
+std::string axes_text(const std::vector<std::string>& axes) {
+  std::string text = "(";
+  for (size_t i = 0; i < axes.size(); ++i) text += (i ? ", " : "") + axes[i];
+  return text + ")";
+}
+
+// The kernels, as free functions: nvcc rejects a device lambda inside a private member.
+
+// out[b] = the sum of the rows of bag b's ids, in order (mean: / its count; empty: 0).
+void pool_bags(ConstMatrixView table, IdView offsets, IdView values, bool mean, MatrixView out) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::embedding_bag_pool"),
+      range2(static_cast<int64_t>(out.extent(0)), static_cast<int64_t>(out.extent(1))),
+      KOKKOS_LAMBDA(const int64_t b, const int64_t c) {
+        float sum = 0.0f;
+        for (int64_t k = offsets(b); k < offsets(b + 1); ++k) sum += table(values(k), c);
+        const int64_t count = offsets(b + 1) - offsets(b);
+        out(b, c) = mean && count > 0 ? sum / static_cast<float>(count) : sum;
+      });
+}
+
+// grad[id] += dy[b] (mean: / the bag's count) for every id of every bag; one column per
+// thread, bags and ids in order, so a row's contributions add up in batch order.
+void scatter_bags(ConstMatrixView dy, IdView offsets, IdView values, bool mean, MatrixView grad) {
+  const int64_t bags = static_cast<int64_t>(dy.extent(0));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::embedding_bag_scatter"),
+      device_range(0, static_cast<int64_t>(dy.extent(1))), KOKKOS_LAMBDA(const int64_t c) {
+        for (int64_t b = 0; b < bags; ++b) {
+          const int64_t count = offsets(b + 1) - offsets(b);
+          const float g = mean && count > 0 ? dy(b, c) / static_cast<float>(count) : dy(b, c);
+          for (int64_t k = offsets(b); k < offsets(b + 1); ++k) grad(values(k), c) += g;
+        }
+      });
+}
+
+// Owner: part_start[s] = the first received id of part s (a part's ids are consecutive and
+// carry its index among its source's parts), part_start[parts] = received.
+void find_part_starts(ConstMatrixView requests, int64_t received, int64_t parts,
+                      Kokkos::View<const int64_t*> id_base, Kokkos::View<const int64_t*> part_base,
+                      Kokkos::View<int64_t*> part_start) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::embedding_bag_part_starts"), device_range(0, received + 1),
+      KOKKOS_LAMBDA(const int64_t i) {
+        if (i == received) {
+          part_start(parts) = received;
+          return;
+        }
+        int j = 0;
+        while (id_base(j + 1) <= i) ++j;
+        const int64_t part = static_cast<int64_t>(requests(i, 2));
+        if (i == id_base(j) || static_cast<int64_t>(requests(i - 1, 2)) != part) {
+          part_start(part_base(j) + part) = i;
+        }
+      });
+}
+
+// Owner: the partial sum of each part's rows, in the order of its ids.
+void pool_parts(ConstMatrixView table, ConstMatrixView requests,
+                Kokkos::View<const int64_t*> part_start, int64_t parts, MatrixView sums) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::embedding_bag_pool_parts"),
+      range2(parts, static_cast<int64_t>(table.extent(1))),
+      KOKKOS_LAMBDA(const int64_t s, const int64_t c) {
+        float sum = 0.0f;
+        for (int64_t i = part_start(s); i < part_start(s + 1); ++i) {
+          sum += table(decode_row(requests(i, 0), requests(i, 1)), c);
+        }
+        sums(s, c) = sum;
+      });
+}
+
+// Requester: out[b] = the sum of bag b's returned parts in owner order (mean: / its count).
+void combine_parts(ConstMatrixView returned, Kokkos::View<const int64_t*> bag_part_offsets,
+                   Kokkos::View<const int64_t*> bag_parts, IdView offsets, bool mean,
+                   MatrixView out) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::embedding_bag_combine"),
+      range2(static_cast<int64_t>(out.extent(0)), static_cast<int64_t>(out.extent(1))),
+      KOKKOS_LAMBDA(const int64_t b, const int64_t c) {
+        float sum = 0.0f;
+        for (int64_t p = bag_part_offsets(b); p < bag_part_offsets(b + 1); ++p) {
+          sum += returned(bag_parts(p), c);
+        }
+        const int64_t count = offsets(b + 1) - offsets(b);
+        out(b, c) = mean && count > 0 ? sum / static_cast<float>(count) : sum;
+      });
+}
+
+// Requester: the gradient of each part, its bag's dy (mean: / the bag's count, never 0 here).
+void part_gradients(ConstMatrixView dy, Kokkos::View<const int64_t*> part_bag, int64_t parts,
+                    IdView offsets, bool mean, MatrixView outgoing) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::embedding_bag_part_grads"),
+      range2(parts, static_cast<int64_t>(dy.extent(1))),
+      KOKKOS_LAMBDA(const int64_t p, const int64_t c) {
+        const int64_t b = part_bag(p);
+        const int64_t count = offsets(b + 1) - offsets(b);
+        outgoing(p, c) = mean ? dy(b, c) / static_cast<float>(count) : dy(b, c);
+      });
+}
+
+// Owner: each part's gradient into the rows of its ids; one column per thread, parts in
+// arrival order (source rank, then bag), ids in order.
+void scatter_parts(ConstMatrixView incoming, ConstMatrixView requests,
+                   Kokkos::View<const int64_t*> part_start, int64_t parts, MatrixView grad) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::embedding_bag_scatter_parts"),
+      device_range(0, static_cast<int64_t>(grad.extent(1))), KOKKOS_LAMBDA(const int64_t c) {
+        for (int64_t s = 0; s < parts; ++s) {
+          const float g = incoming(s, c);
+          for (int64_t i = part_start(s); i < part_start(s + 1); ++i) {
+            grad(decode_row(requests(i, 0), requests(i, 1)), c) += g;
+          }
+        }
+      });
+}
+
+}  // namespace
+
+EmbeddingPooling parse_embedding_pooling(const std::string& name, const std::string& key) {
+  if (name == "sum") return EmbeddingPooling::sum;
+  if (name == "mean") return EmbeddingPooling::mean;
+  MESHTRAIN_BAD_INPUT(key, " = '", name, "' is not a pooling: use 'sum' or 'mean'");
+}
+
+const char* to_string(EmbeddingPooling pooling) {
+  return pooling == EmbeddingPooling::sum ? "sum" : "mean";
+}
+
+std::string embedding_weight_name(const std::string& table) {
+  return "embeddings/" + table + "/weight";
+}
+
+EmbeddingBag::EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPooling pooling,
+                           int64_t batch_rows, int64_t max_ids, ParallelContext& context)
+    : table_(std::move(table)), pooling_(pooling), batch_rows_(batch_rows), max_ids_(max_ids) {
+  MESHTRAIN_REQUIRE(weight.value && weight.grad, "embedding table '", table_,
+                    "': no weight or gradient tensor");
+  MESHTRAIN_REQUIRE(batch_rows >= 0 && max_ids >= 0, "embedding table '", table_,
+                    "': negative batch rows or id capacity");
+  const ShardedTensor& w = *weight.value;
+  // The sharding, from the spec (partition/embedding_layout.hpp): P() or P(batch axes, None).
+  layout_ = embedding_layout(table_, {w.name, w.global_shape, w.spec}, context.mesh(),
+                             LayerAxes{context.batch_axes(), context.feature_axis()});
+  rows_ = layout_.rows;
+  dim_ = layout_.dim;
+  if (max_ids >= kExactInFloat) {
+    // The per-owner counts and part indices travel as floats.
+    MESHTRAIN_BAD_INPUT("embedding table '", table_, "': a capacity of ", max_ids,
+                        " ids per step is too large (at most ", kExactInFloat - 1, ")");
+  }
+  if (!context.precision().is_fp32()) {
+    MESHTRAIN_BAD_INPUT("embedding table '", table_,
+                        "': mixed precision is not supported by embedding bags yet (fp32 only)");
+  }
+  first_row_ = w.box.offset.empty() ? 0 : w.box.offset[0];
+  local_rows_ = w.box.extent.empty() ? rows_ : w.box.extent[0];
+  MESHTRAIN_REQUIRE(w.box.extent.size() == 2 && w.box.extent[1] == dim_, "embedding table '",
+                    table_, "': its block does not hold whole rows");
+
+  // Communicators, in the same order on every rank: the owners' group, then the gradient's.
+  row_comm_ = context.comm(layout_.row_axes);  // nullptr: replicated
+  if (row_comm_) {
+    group_ = row_comm_->size();
+    me_ = row_comm_->rank();
+    MESHTRAIN_REQUIRE(first_row_ == me_ * local_rows_ && local_rows_ * group_ == rows_,
+                      "embedding table '", table_, "': rank ", me_, " of ",
+                      axes_text(layout_.row_axes), " holds rows from ", first_row_,
+                      ", not its group index's block");
+  }
+  ParameterGathers gathers;
+  gathers.compute = {1, local_rows_, dim_};
+  gathers.stored = gathers.compute;
+  gathers.allreduce = layout_.gradient_allreduce;
+  weight_ = ShardedParameter(weight, gathers, GatherMethod::by_dims, context);
+  weight_.reserve_reductions(false);
+
+  out_ = Matrix("embeddings/" + table_ + "/pooled", static_cast<size_t>(batch_rows_),
+                static_cast<size_t>(dim_));
+  offsets_host_ =
+      HostIds("embeddings/" + table_ + "/offsets_host", static_cast<size_t>(batch_rows_ + 1));
+  values_host_ = HostIds("embeddings/" + table_ + "/ids_host", static_cast<size_t>(max_ids_));
+  if (!row_comm_) return;
+
+  const size_t n = static_cast<size_t>(group_), ids = static_cast<size_t>(max_ids_);
+  const size_t received = n * ids;
+  for (std::vector<int64_t>* v : {&send_ids_, &send_parts_, &recv_ids_, &recv_parts_, &id_cursor_,
+                                  &part_cursor_, &last_bag_}) {
+    v->assign(n, 0);
+  }
+  send_id_base_.assign(n + 1, 0);
+  send_part_base_.assign(n + 1, 0);
+  const std::string prefix = "embeddings/" + table_ + "/";
+  counts_send_ = Matrix(prefix + "counts_send", n, 4);
+  counts_recv_ = Matrix(prefix + "counts_recv", n, 4);
+  counts_send_host_ = host_mirror(counts_send_);
+  counts_recv_host_ = host_mirror(counts_recv_);
+  send_requests_ = Matrix(prefix + "send_requests", ids, 3);
+  send_requests_host_ = host_mirror(send_requests_);
+  recv_requests_ = Matrix(prefix + "recv_requests", received, 3);
+  source_id_base_ = Kokkos::View<int64_t*>(prefix + "source_id_base", n + 1);
+  source_part_base_ = Kokkos::View<int64_t*>(prefix + "source_part_base", n + 1);
+  source_id_base_host_ = host_mirror(source_id_base_);
+  source_part_base_host_ = host_mirror(source_part_base_);
+  part_start_ = Kokkos::View<int64_t*>(prefix + "part_start", received + 1);
+  owner_parts_ = Matrix(prefix + "owner_parts", received, static_cast<size_t>(dim_));
+  requester_parts_ = Matrix(prefix + "requester_parts", ids, static_cast<size_t>(dim_));
+  bag_part_offsets_ =
+      Kokkos::View<int64_t*>(prefix + "bag_part_offsets", static_cast<size_t>(batch_rows_ + 1));
+  bag_parts_ = Kokkos::View<int64_t*>(prefix + "bag_parts", ids);
+  part_bag_ = Kokkos::View<int64_t*>(prefix + "part_bag", ids);
+  bag_part_offsets_host_ = host_mirror(bag_part_offsets_);
+  bag_parts_host_ = host_mirror(bag_parts_);
+  part_bag_host_ = host_mirror(part_bag_);
+  // What a backend stages the largest all-to-all through (device memory): now, not in a step.
+  const size_t largest = received * static_cast<size_t>(std::max<int64_t>(dim_, 3)) * sizeof(float);
+  row_comm_->reserve_staging(largest, largest);
+}
+
+std::string EmbeddingBag::describe() const {
+  std::string text =
+      "embedding bag '" + table_ + "' " + format_shape({rows_, dim_}) + " " + to_string(pooling_);
+  if (layout_.sharding == EmbeddingSharding::replicated) return text + ", replicated";
+  return text + ", row-wise over " + axes_text(layout_.row_axes) + " (rows [" +
+         std::to_string(first_row_) + ", " + std::to_string(first_row_ + local_rows_) + ") here)";
+}
+
+std::string EmbeddingBag::read_bags(const SparseBags& bags) {
+  // The message is built only when something is wrong (a step allocates nothing).
+  const auto who = [this] { return "embedding table '" + table_ + "'"; };
+  if (static_cast<int64_t>(bags.offsets.extent(0)) != batch_rows_ + 1) {
+    return who() + ": the bags' offsets have " + std::to_string(bags.offsets.extent(0)) +
+           " entries, not batch rows + 1 = " + std::to_string(batch_rows_ + 1);
+  }
+  copy_view(offsets_host_, bags.offsets);
+  const auto& off = offsets_host_;
+  if (off(0) != 0)
+    return who() + ": the bags' offsets start at " + std::to_string(off(0)) + ", not 0";
+  for (int64_t b = 0; b < batch_rows_; ++b) {
+    if (off(b + 1) < off(b)) {
+      return who() + ": the bags' offsets decrease at bag " + std::to_string(b) + " (" +
+             std::to_string(off(b)) + " then " + std::to_string(off(b + 1)) + ")";
+    }
+  }
+  ids_ = off(batch_rows_);
+  if (ids_ > max_ids_) {
+    return who() + ": " + std::to_string(ids_) +
+           " ids in this step's bags, more than the capacity of " + std::to_string(max_ids_) +
+           " ids per step the layer was built with";
+  }
+  if (ids_ > static_cast<int64_t>(bags.values.extent(0))) {
+    return who() + ": the bags' offsets end at " + std::to_string(ids_) + ", past the " +
+           std::to_string(bags.values.extent(0)) + " ids given";
+  }
+  const std::pair<int64_t, int64_t> used(0, ids_);
+  copy_view(Kokkos::subview(values_host_, used), Kokkos::subview(bags.values, used));
+  for (int64_t b = 0; b < batch_rows_; ++b) {
+    for (int64_t k = off(b); k < off(b + 1); ++k) {
+      const int64_t id = values_host_(k);
+      if (id < 0 || id >= rows_) {
+        return who() + ": id " + std::to_string(id) + " (bag " + std::to_string(b) +
+               " of this rank's batch) is outside the table's rows [0, " + std::to_string(rows_) +
+               ")";
+      }
+    }
+  }
+  return "";
+}
+
+MatrixView EmbeddingBag::forward(const SparseBags& bags, const LayerPass& /*pass*/) {
+  const std::string problem = read_bags(bags);
+  if (!row_comm_) {
+    if (!problem.empty()) MESHTRAIN_BAD_INPUT(problem);
+    bags_ = bags;
+    forward_replicated(bags);
+  } else {
+    plan_row_wise(problem);  // every rank of the group throws when one has a problem
+    bags_ = bags;
+    forward_row_wise(bags);
+  }
+  return out_;
+}
+
+void EmbeddingBag::forward_replicated(const SparseBags& bags) {
+  pool_bags(weight_.value().matrix(), bags.offsets, bags.values, pooling_ == EmbeddingPooling::mean,
+            out_);
+}
+
+void EmbeddingBag::plan_row_wise(const std::string& problem) {
+  const int n = group_;
+  std::fill(send_ids_.begin(), send_ids_.end(), 0);
+  std::fill(send_parts_.begin(), send_parts_.end(), 0);
+  std::fill(last_bag_.begin(), last_bag_.end(), -1);
+  const auto& off = offsets_host_;
+  const auto& ids = values_host_;
+  if (problem.empty()) {
+    // Per owner: its ids, and its parts (the bags with at least one id there).
+    for (int64_t b = 0; b < batch_rows_; ++b) {
+      for (int64_t k = off(b); k < off(b + 1); ++k) {
+        const size_t j = static_cast<size_t>(ids(k) / local_rows_);
+        ++send_ids_[j];
+        if (last_bag_[j] != b) {
+          ++send_parts_[j];
+          last_bag_[j] = b;
+        }
+      }
+    }
+  }
+  for (int j = 0; j < n; ++j) {
+    const size_t u = static_cast<size_t>(j);
+    send_id_base_[u + 1] = send_id_base_[u] + send_ids_[u];
+    send_part_base_[u + 1] = send_part_base_[u] + send_parts_[u];
+    counts_send_host_(u, 0) = static_cast<float>(send_ids_[u]);
+    counts_send_host_(u, 1) = static_cast<float>(send_parts_[u]);
+    counts_send_host_(u, 2) = problem.empty() ? 0.0f : 1.0f;
+    counts_send_host_(u, 3) = 0.0f;
+  }
+  sent_parts_ = send_part_base_[static_cast<size_t>(n)];
+  copy_view(counts_send_, counts_send_host_);
+  row_comm_->all_to_all(counts_send_, counts_recv_);
+  copy_view(counts_recv_host_, counts_recv_);
+  if (!problem.empty()) MESHTRAIN_BAD_INPUT(problem);
+  for (int j = 0; j < n; ++j) {
+    if (counts_recv_host_(static_cast<size_t>(j), 2) != 0.0f) {
+      MESHTRAIN_BAD_INPUT("embedding table '", table_, "': rank ", j, " of the row-wise group ",
+                          axes_text(layout_.row_axes),
+                          " was given bad bags in this step (its own error names them)");
+    }
+  }
+  received_ids_ = received_parts_ = 0;
+  source_id_base_host_(0) = source_part_base_host_(0) = 0;
+  for (int j = 0; j < n; ++j) {
+    const size_t u = static_cast<size_t>(j);
+    recv_ids_[u] = static_cast<int64_t>(counts_recv_host_(u, 0));
+    recv_parts_[u] = static_cast<int64_t>(counts_recv_host_(u, 1));
+    received_ids_ += recv_ids_[u];
+    received_parts_ += recv_parts_[u];
+    source_id_base_host_(u + 1) = received_ids_;
+    source_part_base_host_(u + 1) = received_parts_;
+  }
+  MESHTRAIN_REQUIRE(received_ids_ <= static_cast<int64_t>(recv_requests_.extent(0)),
+                    "embedding table '", table_, "': ", received_ids_,
+                    " ids arrived, more than the buffers hold");
+
+  // The requests, per owner in bag order; each bag's parts (rows of requester_parts_, which
+  // come back per owner in part order) listed in owner order.
+  std::fill(id_cursor_.begin(), id_cursor_.end(), 0);
+  std::fill(part_cursor_.begin(), part_cursor_.end(), 0);
+  std::fill(last_bag_.begin(), last_bag_.end(), -1);
+  int64_t listed = 0;
+  bag_part_offsets_host_(0) = 0;
+  for (int64_t b = 0; b < batch_rows_; ++b) {
+    const int64_t first_part = listed;
+    for (int64_t k = off(b); k < off(b + 1); ++k) {
+      const int64_t id = ids(k);
+      const size_t j = static_cast<size_t>(id / local_rows_);
+      const int64_t local = id - static_cast<int64_t>(j) * local_rows_;
+      if (last_bag_[j] != b) {
+        last_bag_[j] = b;
+        const int64_t returned = send_part_base_[j] + part_cursor_[j]++;
+        bag_parts_host_(listed++) = returned;
+        part_bag_host_(returned) = b;
+      }
+      const size_t row = static_cast<size_t>(send_id_base_[j] + id_cursor_[j]++);
+      send_requests_host_(row, 0) = static_cast<float>(local / kExactInFloat);
+      send_requests_host_(row, 1) = static_cast<float>(local % kExactInFloat);
+      send_requests_host_(row, 2) = static_cast<float>(part_cursor_[j] - 1);
+    }
+    // Owner order: the returned rows of owner j precede those of owner j + 1.
+    std::sort(bag_parts_host_.data() + first_part, bag_parts_host_.data() + listed);
+    bag_part_offsets_host_(b + 1) = listed;
+  }
+  copy_view(send_requests_, send_requests_host_);
+  copy_view(bag_part_offsets_, bag_part_offsets_host_);
+  copy_view(bag_parts_, bag_parts_host_);
+  copy_view(part_bag_, part_bag_host_);
+  copy_view(source_id_base_, source_id_base_host_);
+  copy_view(source_part_base_, source_part_base_host_);
+}
+
+void EmbeddingBag::forward_row_wise(const SparseBags& bags) {
+  row_comm_->all_to_all_v(send_requests_, send_ids_, recv_requests_, recv_ids_);
+  // Owner: the parts' partial sums, back to their requesters, who add them up per bag.
+  find_part_starts(recv_requests_, received_ids_, received_parts_, source_id_base_,
+                   source_part_base_, part_start_);
+  pool_parts(weight_.value().matrix(), recv_requests_, part_start_, received_parts_, owner_parts_);
+  row_comm_->all_to_all_v(owner_parts_, recv_parts_, requester_parts_, send_parts_);
+  combine_parts(requester_parts_, bag_part_offsets_, bag_parts_, bags.offsets,
+                pooling_ == EmbeddingPooling::mean, out_);
+}
+
+void EmbeddingBag::backward(ConstMatrixView dy, const LayerPass& pass) {
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == batch_rows_ &&
+                        static_cast<int64_t>(dy.extent(1)) == dim_,
+                    "embedding table '", table_, "': dy is [", dy.extent(0), ", ", dy.extent(1),
+                    "], not [", batch_rows_, ", ", dim_, "]");
+  MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now || can_leave_gradients_partial(),
+                    "embedding table '", table_, "': its gradient reduction cannot be deferred");
+  fill_view(weight_.grad().local, 0.0f);
+  if (!row_comm_) {
+    backward_replicated(dy);
+  } else {
+    backward_row_wise(dy);
+  }
+  const bool now = pass.deferred == DeferredReduction::now;
+  weight_.reduce(no_scratch_, now);
+  if (pass.deferred == DeferredReduction::in_buckets) pass.buckets->layer_ready(pass.index);
+}
+
+void EmbeddingBag::backward_replicated(ConstMatrixView dy) {
+  scatter_bags(dy, bags_.offsets, bags_.values, pooling_ == EmbeddingPooling::mean,
+               weight_.grad().matrix());
+}
+
+void EmbeddingBag::backward_row_wise(ConstMatrixView dy) {
+  // dy of each part to the part's owner, who adds it into the rows of the part's ids.
+  part_gradients(dy, part_bag_, sent_parts_, bags_.offsets, pooling_ == EmbeddingPooling::mean,
+                 requester_parts_);
+  row_comm_->all_to_all_v(requester_parts_, send_parts_, owner_parts_, recv_parts_);
+  scatter_parts(owner_parts_, recv_requests_, part_start_, received_parts_,
+                weight_.grad().matrix());
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,165 @@
+#pragma once
+// An embedding bag (issue 39's first slice; docs/recsys.md): one table `embeddings/<table>/weight`
+// [rows, dim], a model parameter like any other (partition rules give its spec, checkpoints
+// save it), looked up by bags of ids and pooled:
+//   out[b] = sum over the ids i of bag b (in order, a repeated id counting each time) of W[i]
+//   (`mean`: divided by the bag's id count; an empty bag gives 0 with either pooling).
+// Backward writes the table gradient dW[i] += dy[b] (`mean`: dy[b] / count) for every id i of
+// every bag b; the bags have no input gradient.
+//
+// Input: this rank's batch rows as CSR (SparseBags): `offsets` [rows + 1] (offsets[0] = 0,
+// non-decreasing) and the int64 ids `values`, bag b being values[offsets[b], offsets[b + 1]).
+// Both in the default memory space; they must stay valid until backward.
+//
+// Sharding, from the table's PartitionSpec (partition/embedding_layout.hpp decides it, as
+// linear_layout.hpp decides a Linear's layout from its weight's):
+//   replicated  P(): every rank holds the table; lookups are local; the gradient is summed over
+//               the batch axes (the one all-reduce a GradientReductionPlan may defer).
+//   row-wise    P(axis, None), `axis` one batch axis or a tuple of them: group rank j of the
+//               axis holds rows [j * rows / n, (j + 1) * rows / n). Forward: the ids travel to
+//               their owners (per owner, grouped by bag, in bag order) by all_to_all_v over the
+//               axis, each owner pools a partial sum per (bag, owner) and sends it back, and the
+//               requester adds the parts of a bag in owner rank order (so the result does not
+//               depend on timing; a bag whose ids all live on one owner is bit for bit the
+//               one-rank sum). Backward: dy of each (bag, owner) part goes to the owner, who adds
+//               it into the rows of the bag's ids, in source rank order, then bag, then id order
+//               (the one-rank order when the axis is every batch axis); the gradient is then
+//               summed over the batch axes the spec does not name.
+// Column-wise and table-wise sharding are later slices: any other spec is bad_input naming the
+// parameter and the spec. Ranks of a non-batch axis (tp) hold the same bags and compute the
+// same outputs and gradients.
+//
+// Bad input (bad_input naming the table): an id outside [0, rows) (and the id), offsets that do
+// not start at 0, decrease or run past the ids, more ids in a step than max_ids (the capacity
+// given at construction). Under row-wise sharding the axis's ranks learn of it together (a flag
+// in the count exchange that precedes the all-to-all), so every rank of the group throws at the
+// same call and none is left waiting; a replicated table has no collective in forward, so only
+// the rank whose batch is wrong throws there.
+//
+// Buffers: everything is allocated at construction for `max_ids` ids per rank per step (an owner
+// may receive the whole group's: n x max_ids), so forward() and backward() allocate nothing.
+// Mixed precision is a later slice: fp32 only (bad_input otherwise).
+
+#include <Kokkos_Core.hpp>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "framework/core/views.hpp"
+#include "layers/context.hpp"
+#include "layers/layer.hpp"
+#include "layers/sharded_parameter.hpp"
+#include "partition/embedding_layout.hpp"
+
+namespace meshtrain {
+
+enum class EmbeddingPooling { sum, mean };
+// "sum" | "mean"; anything else is bad_input naming `key` and the value.
+EmbeddingPooling parse_embedding_pooling(const std::string& name, const std::string& key);
+const char* to_string(EmbeddingPooling pooling);
+
+// "embeddings/<table>/weight"
+std::string embedding_weight_name(const std::string& table);
+
+using IdView =
+    Kokkos::View<const int64_t*, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+
+// A batch of bags as CSR (see the header comment).
+struct SparseBags {
+  IdView offsets;  // [rows + 1]
+  IdView values;   // at least offsets[rows] ids
+};
+
+class EmbeddingBag {
+ public:
+  // weight: `embeddings/<table>/weight` [rows, dim] with its gradient, allocated under its spec;
+  // batch_rows: the bags of this rank per step; max_ids: the most ids any rank's bags hold in a
+  // step (the same on every rank). Asks the context for its communicators (collective, see
+  // context.hpp). bad_input for an unsupported spec or precision.
+  EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPooling pooling, int64_t batch_rows,
+               int64_t max_ids, ParallelContext& context);
+  EmbeddingBag(EmbeddingBag&&) = default;
+
+  // The pooled rows [batch_rows, dim], owned by the layer (valid until the next forward).
+  // Collective over the row-wise axis.
+  MatrixView forward(const SparseBags& bags, const LayerPass& pass);
+  // dy [batch_rows, dim] (times pass.loss_scale) -> the table gradient (overwritten), reduced as
+  // pass.deferred says. Collective over the row-wise axis (and the batch axes when reduced).
+  void backward(ConstMatrixView dy, const LayerPass& pass);
+
+  size_t parameter_count() const { return 1; }
+  std::vector<ShardedParameter*> sharded_parameters() { return {&weight_}; }
+  // Whether the gradient's only communication is its all-reduce over batch axes (deferrable).
+  bool can_leave_gradients_partial() const { return weight_.deferrable_group() != nullptr; }
+
+  const std::string& table() const { return table_; }
+  const EmbeddingLayout& layout() const { return layout_; }
+  EmbeddingSharding sharding() const { return layout_.sharding; }
+  EmbeddingPooling pooling() const { return pooling_; }
+  int64_t rows() const { return rows_; }            // of the whole table
+  int64_t dim() const { return dim_; }              // output width (pooled rows are whole)
+  int64_t first_row() const { return first_row_; }  // of this rank's block
+  int64_t local_rows() const { return local_rows_; }
+  int64_t max_ids() const { return max_ids_; }
+  MatrixView output() const { return out_; }
+  FeatureLayout output_layout() const { return FeatureLayout::replicated; }
+  // "embedding bag 'cat' [48, 6] sum, row-wise over (fsdp) (12 rows here)"
+  std::string describe() const;
+
+ private:
+  // Copies the bags to the host and checks them; "" or what is wrong.
+  std::string read_bags(const SparseBags& bags);
+  // Row-wise: buckets the ids by owner, exchanges the counts (with the error flag) and builds
+  // the plan of the step (host, then device).
+  void plan_row_wise(const std::string& problem);
+  void forward_replicated(const SparseBags& bags);
+  void forward_row_wise(const SparseBags& bags);
+  void backward_replicated(ConstMatrixView dy);
+  void backward_row_wise(ConstMatrixView dy);
+
+  std::string table_;
+  EmbeddingPooling pooling_ = EmbeddingPooling::sum;
+  EmbeddingLayout layout_;
+  int64_t rows_ = 0, dim_ = 0, batch_rows_ = 0, max_ids_ = 0;
+  int64_t first_row_ = 0, local_rows_ = 0;
+  Communicator* row_comm_ = nullptr;  // row-wise: the owners' group
+  int group_ = 1, me_ = 0;            // its size and this rank's index in it
+  ShardedParameter weight_;
+  LayerScratch no_scratch_;  // the parameter is never gathered: nothing of the scratch is used
+
+  // The last forward's bags (backward uses them) and their host copies.
+  SparseBags bags_;
+  using HostIds = Kokkos::View<int64_t*, Kokkos::LayoutRight, Kokkos::HostSpace>;
+  HostIds offsets_host_, values_host_;
+  int64_t ids_ = 0;  // in the last forward's bags
+
+  Matrix out_;  // [batch_rows, dim]
+
+  // Row-wise, per owner j (host): ids and parts ((bag, owner) pairs) sent to and received from
+  // j, where j's ids and parts start in the send buffers, cursors, the last bag seen per owner.
+  std::vector<int64_t> send_ids_, send_parts_, recv_ids_, recv_parts_;
+  std::vector<int64_t> send_id_base_, send_part_base_, id_cursor_, part_cursor_, last_bag_;
+  int64_t received_ids_ = 0, received_parts_ = 0, sent_parts_ = 0;
+  // The count exchange: [group, 4] rows (ids, parts, error flag, 0) sent to and received from
+  // each member.
+  Matrix counts_send_, counts_recv_;
+  Matrix::HostMirror counts_send_host_, counts_recv_host_;
+  // Requests [max_ids, 3] (local row / 2^24, local row mod 2^24, part index at the owner: floats
+  // hold integers below 2^24 exactly) and what arrives at the owner [group x max_ids, 3].
+  Matrix send_requests_, recv_requests_;
+  Matrix::HostMirror send_requests_host_;
+  // Owner: where the received ids of each source start, [group + 1], and of each part,
+  // [group x max_ids + 1] (computed on the device from the part indices).
+  Kokkos::View<int64_t*> source_id_base_, source_part_base_, part_start_;
+  Kokkos::View<int64_t*>::HostMirror source_id_base_host_, source_part_base_host_;
+  // Owner: partial sums of the parts [group x max_ids, dim] (forward) and the parts' gradients
+  // (backward, the same buffer). Requester: the parts returned [max_ids, dim], and dy of each
+  // part on its way out (backward, the same buffer).
+  Matrix owner_parts_, requester_parts_;
+  // Requester: a bag's parts in owner order (rows of requester_parts_), [batch_rows + 1] and
+  // [max_ids]; the bag of each part [max_ids].
+  Kokkos::View<int64_t*> bag_part_offsets_, bag_parts_, part_bag_;
+  Kokkos::View<int64_t*>::HostMirror bag_part_offsets_host_, bag_parts_host_, part_bag_host_;
+};
+
+}  // namespace meshtrain

@@ -1,0 +1,74 @@
+#include "partition/embedding_layout.hpp"
+
+#include <algorithm>
+
+#include "base/error.hpp"
+#include "partition/partition_spec.hpp"
+
+namespace meshtrain {
+namespace {
+
+std::string axes_text(const std::vector<std::string>& axes) {
+  std::string text = "(";
+  for (size_t i = 0; i < axes.size(); ++i) text += (i ? ", " : "") + axes[i];
+  return text + ")";
+}
+
+bool contains(const std::vector<std::string>& axes, const std::string& axis) {
+  return std::find(axes.begin(), axes.end(), axis) != axes.end();
+}
+
+}  // namespace
+
+const char* to_string(EmbeddingSharding sharding) {
+  return sharding == EmbeddingSharding::replicated ? "replicated" : "row-wise";
+}
+
+int64_t EmbeddingLayout::all_to_all_floats(int64_t ids) const {
+  if (sharding == EmbeddingSharding::replicated) return 0;
+  return ids * 3 + 2 * ids * dim;
+}
+
+EmbeddingLayout embedding_layout(const std::string& table, const LinearParameter& weight,
+                                 const Mesh& mesh, const LayerAxes& axes) {
+  EmbeddingLayout l;
+  l.table = table;
+  l.weight = weight.name;
+  if (weight.shape.size() != 2 || weight.shape[0] < 1 || weight.shape[1] < 1) {
+    MESHTRAIN_BAD_INPUT("embedding table '", table, "': parameter '", weight.name, "' has shape ",
+                        format_shape(weight.shape), ", not [rows, dim] with both at least 1");
+  }
+  l.rows = weight.shape[0];
+  l.dim = weight.shape[1];
+  const PartitionSpec spec = weight.spec.with_rank(2);
+  if (!spec.is_replicated()) {
+    bool row_wise = !spec.entries[0].is_none() && spec.entries[1].is_none();
+    for (const std::string& axis : spec.entries[0].axes) {
+      row_wise = row_wise && contains(axes.batch, axis);
+    }
+    if (!row_wise) {
+      MESHTRAIN_BAD_INPUT("embedding table '", table, "': parameter '", weight.name, "' has spec ",
+                          weight.spec.to_string(),
+                          ", which embedding bags do not support: use P() (replicated) or "
+                          "P(axis, None) (row-wise) with batch axes ",
+                          axes_text(axes.batch), "; column- and table-wise sharding come later");
+    }
+    check_divisible(weight.shape, spec, mesh, weight.name);
+    l.owners = mesh.size_of(spec.entries[0].axes);
+    if (l.owners > 1) {
+      l.sharding = EmbeddingSharding::row_wise;
+      l.row_axes = spec.entries[0].axes;
+    } else {
+      l.notes.push_back("row-wise over " + axes_text(spec.entries[0].axes) +
+                        ", axes of size 1: replicated");
+    }
+  }
+  l.rows_per_owner = l.rows / l.owners;
+  // The batch axes that do not hold rows hold copies computed from other bags: summed.
+  for (const std::string& axis : mesh.active_axes(axes.batch)) {
+    if (!contains(l.row_axes, axis)) l.gradient_allreduce.push_back(axis);
+  }
+  return l;
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,56 @@
+#pragma once
+// The layout of an embedding table `embeddings/<table>/weight` [rows, dim] (layers/
+// embedding_bag.hpp, docs/recsys.md), decided from its spec alone, as linear_layout.hpp decides a
+// Linear's: pure arithmetic, no MPI or Kokkos, so that the layer builds its communicators from
+// this decision and a planner can report the same one.
+//
+// The decision (batch axes B; "active" = in the mesh, size > 1):
+//   replicated  P(), or P(axes, None) whose axes are all of size 1 (the note says so): every
+//               rank holds the table; the gradient is all-reduced over the active batch axes.
+//   row-wise    P(axes, None) with `axes` (one axis or a tuple) all batch axes: group index j
+//               over `axes` holds rows [j rows / n, (j + 1) rows / n) (n = their product, which
+//               must divide rows: check_divisible's error otherwise); ids go to their owners by
+//               an all-to-all-v over the active ones, and the gradient is all-reduced over the
+//               active batch axes that `axes` does not name.
+//   Anything else is bad_input naming the table, the parameter and its spec: column-wise
+//   (P(None, tp)) and table-wise placement are later slices, and row-wise over an axis that
+//   does not split the batch (its ranks hold the same bags: every row's gradient would arrive
+//   once per rank).
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "partition/linear_layout.hpp"  // LayerAxes, LinearParameter
+#include "partition/mesh.hpp"
+
+namespace meshtrain {
+
+enum class EmbeddingSharding { replicated, row_wise };
+const char* to_string(EmbeddingSharding sharding);  // "replicated", "row-wise"
+
+struct EmbeddingLayout {
+  std::string table;   // "cat"
+  std::string weight;  // "embeddings/cat/weight"
+  int64_t rows = 0, dim = 0;
+  EmbeddingSharding sharding = EmbeddingSharding::replicated;
+  std::vector<std::string> row_axes;  // row-wise: the spec's axes (major to minor); else empty
+  int owners = 1;                     // their product (1: replicated)
+  int64_t rows_per_owner = 0;         // rows / owners
+  // The active batch axes the gradient is all-reduced over after backward.
+  std::vector<std::string> gradient_allreduce;
+  std::vector<std::string> notes;  // for a plan: row-wise over axes of size 1
+
+  // Floats this rank sends in a step's all-to-alls for `ids` ids in at most `ids` parts (the
+  // worst case: every id its own part): 3 per id out, dim per part back (owner), dim per part
+  // out in backward. 0 when replicated.
+  int64_t all_to_all_floats(int64_t ids) const;
+};
+
+// The layout of table `table` whose weight is `weight` ([rows, dim], its spec) on `mesh` with the
+// layer axes `axes` (layer_axes_on). bad_input as described above, and for a shape that is not
+// [rows, dim] with both at least 1.
+EmbeddingLayout embedding_layout(const std::string& table, const LinearParameter& weight,
+                                 const Mesh& mesh, const LayerAxes& axes);
+
+}  // namespace meshtrain

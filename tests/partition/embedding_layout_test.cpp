@@ -1,0 +1,95 @@
+// partition/embedding_layout.hpp: an embedding table's layout from its spec (replicated, row-wise
+// over batch axes, the gradient's all-reduce axes) and the specs it refuses, without MPI.
+
+#include "partition/embedding_layout.hpp"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "tests/support/expect_error.hpp"
+
+namespace meshtrain {
+namespace {
+
+using Strings = std::vector<std::string>;
+
+const LayerAxes kAxes{{"fsdp", "dp"}, "tp"};
+
+EmbeddingLayout layout(const std::vector<std::pair<std::string, int>>& mesh_axes,
+                       const std::string& spec, std::vector<int64_t> shape = {48, 6}) {
+  int world = 1;
+  for (const auto& axis : mesh_axes) world *= axis.second;
+  const Mesh mesh = Mesh::create(mesh_axes, world);
+  return embedding_layout("cat", {"embeddings/cat/weight", shape, PartitionSpec::parse(spec)}, mesh,
+                          layer_axes_on(mesh, kAxes));
+}
+
+TEST(EmbeddingLayout, ReplicatedSumsTheGradientOverTheBatchAxes) {
+  const EmbeddingLayout l = layout({{"fsdp", 2}, {"dp", 2}, {"tp", 2}}, "P()");
+  EXPECT_EQ(l.sharding, EmbeddingSharding::replicated);
+  EXPECT_EQ(l.rows, 48);
+  EXPECT_EQ(l.dim, 6);
+  EXPECT_EQ(l.owners, 1);
+  EXPECT_EQ(l.rows_per_owner, 48);
+  EXPECT_EQ(l.gradient_allreduce, (Strings{"fsdp", "dp"}));
+  EXPECT_EQ(l.all_to_all_floats(10), 0);
+}
+
+TEST(EmbeddingLayout, RowWiseSumsOverTheBatchAxesItDoesNotName) {
+  const EmbeddingLayout fsdp = layout({{"fsdp", 2}, {"dp", 2}}, "P(fsdp, None)");
+  EXPECT_EQ(fsdp.sharding, EmbeddingSharding::row_wise);
+  EXPECT_EQ(fsdp.row_axes, (Strings{"fsdp"}));
+  EXPECT_EQ(fsdp.owners, 2);
+  EXPECT_EQ(fsdp.rows_per_owner, 24);
+  EXPECT_EQ(fsdp.gradient_allreduce, (Strings{"dp"}));
+  EXPECT_EQ(fsdp.all_to_all_floats(10), 10 * 3 + 2 * 10 * 6);
+
+  const EmbeddingLayout both = layout({{"fsdp", 2}, {"dp", 2}}, "P((fsdp, dp), None)");
+  EXPECT_EQ(both.owners, 4);
+  EXPECT_EQ(both.rows_per_owner, 12);
+  EXPECT_TRUE(both.gradient_allreduce.empty());
+
+  // Over an axis of size 1: replicated, and the plan's note says why.
+  const EmbeddingLayout one = layout({{"dp", 1}, {"tp", 2}}, "P(dp, None)");
+  EXPECT_EQ(one.sharding, EmbeddingSharding::replicated);
+  ASSERT_EQ(one.notes.size(), 1u);
+  EXPECT_NE(one.notes[0].find("size 1"), std::string::npos);
+}
+
+TEST(EmbeddingLayout, OtherSpecsAndShapesAreBadInput) {
+  testing::expect_bad_input(
+      [] {
+        layout({{"fsdp", 2}, {"tp", 2}}, "P(None, tp)");
+      },
+      {"table 'cat'", "embeddings/cat/weight", "P(None, tp)", "P(axis, None)"});
+  testing::expect_bad_input(
+      [] {
+        layout({{"fsdp", 2}, {"tp", 2}}, "P(tp, None)");
+      },
+      {"table 'cat'", "P(tp, None)", "batch axes (fsdp)"});
+  testing::expect_bad_input(
+      [] {
+        layout({{"dp", 2}, {"tp", 2}}, "P(dp, tp)");
+      },
+      {"table 'cat'", "P(dp, tp)"});
+  testing::expect_bad_input(
+      [] {
+        layout({{"fsdp", 2}}, "P()", {48});
+      },
+      {"table 'cat'", "[48]", "not [rows, dim]"});
+  testing::expect_bad_input(
+      [] {
+        layout({{"fsdp", 2}}, "P(fsdp, None)", {5, 6});
+      },
+      {"embeddings/cat/weight", "size 5", "fsdp=2"});
+}
+
+TEST(EmbeddingLayout, ShardingNames) {
+  EXPECT_STREQ(to_string(EmbeddingSharding::replicated), "replicated");
+  EXPECT_STREQ(to_string(EmbeddingSharding::row_wise), "row-wise");
+}
+
+}  // namespace
+}  // namespace meshtrain
