@@ -41,6 +41,15 @@ void sum_columns_into(MatrixView dy, int64_t offset, VectorView full, Dtype dtyp
       });
 }
 
+// dst += src (a free function: nvcc's device lambdas cannot live in private member functions).
+void add_into(MatrixView src, MatrixView dst) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::linear_add_tangent_weight_grad"),
+      Range2(device_space(), {0, 0},
+             {static_cast<int64_t>(dst.extent(0)), static_cast<int64_t>(dst.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) += src(i, j); });
+}
+
 }  // namespace
 
 Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout input_layout,
@@ -302,11 +311,7 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
     // collective as the value's term (k times the rows), added before any reduction.
     const MatrixView tangent_g = tangent_weight_grad_;
     weight_gradient_product(tangent_x_used_, dt, tangent_g, scratch);
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::linear_add_tangent_weight_grad"),
-        Range2(device_space(), {0, 0},
-               {static_cast<int64_t>(g.extent(0)), static_cast<int64_t>(g.extent(1))}),
-        KOKKOS_LAMBDA(const int64_t i, const int64_t j) { g(i, j) += tangent_g(i, j); });
+    add_into(tangent_g, g);
   }
   round_in_place(g, compute_dtype_);  // the weight's gradient in its compute dtype
   if (next) next->poll_weight_prefetch();

@@ -17,7 +17,7 @@
 //   * SobolevTrainingFitsTheDerivatives (np 1): y = sin(x1) x2 on 32 points; the derivative loss
 //     falls to below a tenth of its start, and the Jacobian error on 256 other points after
 //     training is at most half of that of the same training with lambda = 0.
-//   * Refusals: dropout, and the layer default (a layer not built for it), are bad_input.
+//   * Refusals: dropout, MoE layers, a residual_mlp and bf16 parameters are bad_input.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -390,6 +390,18 @@ TEST(Sobolev, SobolevTrainingFitsTheDerivatives) {
   EXPECT_LT(sobolev.jacobian_rms_error, 0.5 * plain.jacobian_rms_error);
 }
 
+// reserve_tangent_backward refuses, as bad_input naming what: dropout, MoE layers, a
+// residual_mlp, 16-bit parameters.
+void expect_refused(Mlp& model, const std::string& what) {
+  try {
+    model.reserve_tangent_backward(1);
+    ADD_FAILURE() << what << " accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::bad_input) << e.what();
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+  }
+}
+
 TEST(Sobolev, RefusesWhatItIsNotBuiltFor) {
   const Mesh mesh = Mesh::create({{"dp", 1}}, 1);
   MeshCommunicators comms(mesh, MPI_COMM_SELF, CommunicatorFactory{});
@@ -397,13 +409,24 @@ TEST(Sobolev, RefusesWhatItIsNotBuiltFor) {
                           25.0);
   const SpecLookup replicated = [](const std::string&) { return PartitionSpec(); };
   Mlp with_dropout({2, 4, 1}, Activation::tanh, replicated, context, 4, {}, 0.1);
-  try {
-    with_dropout.reserve_tangent_backward(1);
-    ADD_FAILURE() << "dropout accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::bad_input);
-    EXPECT_NE(std::string(e.what()).find("dropout"), std::string::npos) << e.what();
-  }
+  expect_refused(with_dropout, "dropout");
+  MoeSettings moe;
+  moe.layers = {0};
+  moe.experts = 2;
+  moe.top_k = 1;
+  Mlp with_moe({2, 4, 1}, Activation::tanh, replicated, context, 4, moe);
+  expect_refused(with_moe, "MoE");
+  ResidualMlpShape shape;
+  shape.inputs = 2;
+  shape.outputs = 1;
+  shape.width = 4;
+  shape.hidden = 8;
+  shape.depth = 1;
+  Mlp residual(shape, Activation::silu, replicated, context, 4);
+  expect_refused(residual, "residual_mlp");
+  context.set_precision({Dtype::bf16, Dtype::bf16});
+  Mlp bf16(std::vector<int64_t>{2, 4, 1}, Activation::tanh, replicated, context, 4);
+  expect_refused(bf16, "fp32 only");
 }
 
 }  // namespace
