@@ -14,6 +14,8 @@
 //     both losses and every gradient of every step within 1e-5 after dividing by the
 //     tensor's largest |one| (measured at most 2.0e-6, the identity on fsdp x tp), and the
 //     parameters after the steps; the step's passes allocate nothing (Kokkos allocations counted).
+//     Each mesh twice: gradients reduced in backward_with_tangents, and left partial for
+//     reduce_gradients() (reduce = false, as gradient accumulation runs it).
 //   * SobolevTrainingFitsTheDerivatives (np 1): y = sin(x1) x2 on 32 points; the derivative loss
 //     falls to below a tenth of its start, and the Jacobian error on 256 other points after
 //     training is at most half of that of the same training with lambda = 0.
@@ -174,7 +176,10 @@ Matrix rows_of(const std::string& label, const Tensor& full, int64_t width, int6
   return m;
 }
 
-StepsRun run_steps(const testing::MeshCase& c, Activation act, bool self, int steps, float lr) {
+// reduce = false: the gradients the model's plan defers (DP storage) are left partial by
+// backward_with_tangents and completed by reduce_gradients(), as gradient accumulation does.
+StepsRun run_steps(const testing::MeshCase& c, Activation act, bool self, int steps, float lr,
+                   bool reduce = true) {
   MeshSetup s(c, self);
   ParallelContext& context = s.context;
   MPI_Comm comm = self ? MPI_COMM_SELF : MPI_COMM_WORLD;
@@ -209,7 +214,8 @@ StepsRun run_steps(const testing::MeshCase& c, Activation act, bool self, int st
     run.data_losses.push_back(loss.regression(y, t).loss);
     const MatrixView tangents = model.forward_tangents(derivative.seeds());
     run.derivative_losses.push_back(derivative.evaluate(tangents, dyt).loss);
-    model.backward_with_tangents(loss.gradient(), derivative.gradient());
+    model.backward_with_tangents(loss.gradient(), derivative.gradient(), reduce);
+    if (!reduce) model.reduce_gradients();
     allocations.stop();
     run.last_step_allocations = allocations.count();
     run.first_allocations = allocations.described();
@@ -278,29 +284,34 @@ TEST(Sobolev, EveryMeshEqualsOneRank) {
   for (const Activation act : kActivations) {
     const StepsRun one = run_steps({"dp", {{"dp", 1}}}, act, /*self=*/true, kSteps, kLr);
     for (const testing::MeshCase& c : testing::layer_meshes(world_size())) {
-      SCOPED_TRACE(std::string(to_string(act)) + " on " + testing::describe(c));
-      const StepsRun got = run_steps(c, act, /*self=*/false, kSteps, kLr);
-      double worst = 0.0;
-      for (int step = 0; step < kSteps; ++step) {
-        EXPECT_NEAR(got.data_losses[step], one.data_losses[step],
-                    kTolerance * one.data_losses[step]);
-        EXPECT_NEAR(got.derivative_losses[step], one.derivative_losses[step],
-                    kTolerance * one.derivative_losses[step]);
-        for (size_t q = 0; q < one.grads[step].size(); ++q) {
-          worst = std::max(worst,
-                           expect_close_scaled(
-                               got.grads[step][q], one.grads[step][q], kTolerance,
-                               "gradient " + std::to_string(q) + " step " + std::to_string(step)));
+      for (const bool reduce : {true, false}) {
+        SCOPED_TRACE(std::string(to_string(act)) + " on " + testing::describe(c) +
+                     (reduce ? "" : ", gradients reduced after backward"));
+        const StepsRun got = run_steps(c, act, /*self=*/false, kSteps, kLr, reduce);
+        double worst = 0.0;
+        for (int step = 0; step < kSteps; ++step) {
+          EXPECT_NEAR(got.data_losses[step], one.data_losses[step],
+                      kTolerance * one.data_losses[step]);
+          EXPECT_NEAR(got.derivative_losses[step], one.derivative_losses[step],
+                      kTolerance * one.derivative_losses[step]);
+          for (size_t q = 0; q < one.grads[step].size(); ++q) {
+            worst = std::max(
+                worst, expect_close_scaled(
+                           got.grads[step][q], one.grads[step][q], kTolerance,
+                           "gradient " + std::to_string(q) + " step " + std::to_string(step)));
+          }
         }
-      }
-      EXPECT_EQ(got.last_step_allocations, 0) << got.first_allocations;
-      for (size_t q = 0; q < one.final_params.size(); ++q) {
-        worst = std::max(worst, expect_close_scaled(got.final_params[q], one.final_params[q],
-                                                    kTolerance, "parameter " + std::to_string(q)));
-      }
-      if (world_rank() == 0) {
-        std::printf("[ sobolev ] %s on %s: largest difference from one rank %.2e\n", to_string(act),
-                    testing::describe(c).c_str(), worst);
+        EXPECT_EQ(got.last_step_allocations, 0) << got.first_allocations;
+        for (size_t q = 0; q < one.final_params.size(); ++q) {
+          worst =
+              std::max(worst, expect_close_scaled(got.final_params[q], one.final_params[q],
+                                                  kTolerance, "parameter " + std::to_string(q)));
+        }
+        if (world_rank() == 0) {
+          std::printf("[ sobolev ] %s on %s%s: largest difference from one rank %.2e\n",
+                      to_string(act), testing::describe(c).c_str(),
+                      reduce ? "" : " (reduce_gradients)", worst);
+        }
       }
     }
   }
