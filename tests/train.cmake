@@ -341,3 +341,17 @@ if(Python3_Interpreter_FOUND)
             -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
   _train_slots(train_loss_metrics_np2 2)
 endif()
+# Sobolev training from `meshtrain train` (issue 40, item 2a; tests/train/sobolev_train.py):
+# `train`: a smooth function with its exact Jacobian as data.dy_key, trained at np 1 (dp), np 2
+# (dp) and np 2 (tp), and with dy_inputs choosing two columns; step 1's loss is the plain run's
+# plus derivative_loss, equal on every mesh to 1e-5; `meshtrain predict --jacobian` on held-out
+# rows is within half the plain run's error. `refusals`: dy_key with bf16, residual_mlp, MoE,
+# dropout, cross_entropy, synthetic data, bad dy_inputs, and a missing or misshapen dataset.
+foreach(_case train refusals)
+  meshtrain_add_command_test(NAME train_sobolev_${_case} TIMEOUT 600
+    COMMAND ${MESHTRAIN_PYTHON} ${_train}/sobolev_train.py ${_case}
+            --meshtrain $<TARGET_FILE:meshtrain> --source-dir ${PROJECT_SOURCE_DIR}
+            --work ${_train_runs}/sobolev_${_case}
+            -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+  _train_slots(train_sobolev_${_case} 2)
+endforeach()
