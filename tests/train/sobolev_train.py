@@ -15,6 +15,8 @@ model.derivative_loss_weight = 4 with dy. Trained with the same seed:
   dy_tp_np2   np 2, tp = 2, the same config
   dy_accum_np2  np 2, dp = 2, 2 micro-batches of 8 rows (train.accumulation_steps = 2)
   dy_zero1_np2  np 2, dp = 2, optimizer.zero_stage = 1
+  dy_fsdp_np2   np 2, fsdp = 2, runtime.overlap = true (DP buckets and FSDP prefetch not used
+                by the backward through the tangents)
   dy_sub      np 1, dy_key = "dy_sub", dy_inputs = [2, 0]
 Checked:
   1. step 1's logged loss of every dy run is the plain run's plus its logged derivative_loss
@@ -179,6 +181,8 @@ def case_train(ctx):
                               other={"train": {"accumulation_steps": 2}}),
         "dy_zero1_np2": train(ctx, "dy_zero1_np2", data, ranks=2, data_extra=dy,
                               other={"optimizer": {"zero_stage": 1}}),
+        "dy_fsdp_np2": train(ctx, "dy_fsdp_np2", data, ranks=2, mesh={"fsdp": 2}, preset="fsdp",
+                             data_extra=dy, other={"runtime": {"overlap": True}}),
         "dy_sub": train(ctx, "dy_sub", data,
                         data_extra={"dy_key": "dy_sub", "dy_inputs": [2, 0]}),
     }
@@ -200,7 +204,7 @@ def case_train(ctx):
                   "%s: step 1's loss %.8g is not the plain run's %.8g plus derivative_loss %.8g"
                   % (name, first["loss"], plain_first["loss"], d))
     one = runs["dy_np1"][1][0]
-    for name in ("dy_dp_np2", "dy_tp_np2", "dy_accum_np2", "dy_zero1_np2"):
+    for name in ("dy_dp_np2", "dy_tp_np2", "dy_accum_np2", "dy_zero1_np2", "dy_fsdp_np2"):
         first = runs[name][1][0]
         for key in ("loss", "derivative_loss"):
             ctx.check(abs(first.get(key, float("nan")) - one[key]) <= 1e-5 * abs(one[key]),
