@@ -18,10 +18,12 @@ model.derivative_loss_weight = 4 with dy. Trained with the same seed:
   dy_fsdp_np2   np 2, fsdp = 2, runtime.overlap = true (DP buckets and FSDP prefetch not used
                 by the backward through the tangents)
   dy_sub      np 1, dy_key = "dy_sub", dy_inputs = [2, 0]
+  dy_chunked  np 1, dy_key = "dy_chunked": /dy's values chunked and gzip-compressed
 Checked:
   1. step 1's logged loss of every dy run is the plain run's plus its logged derivative_loss
      (the same first forward: the derivative term joins the loss), that term positive;
-  2. the np 2 runs log the same first loss and derivative_loss as dy_np1 (1e-5);
+  2. the np 2 runs log the same first loss and derivative_loss as dy_np1 (1e-5), and
+     dy_chunked every loss of dy_np1 bit for bit;
   3. `meshtrain predict --jacobian` on 256 held-out rows: the Jacobian's error against the
      exact one (Frobenius, relative) of every dy run is below half of the plain run's, and
      dy_sub's on the columns it was given likewise.
@@ -84,6 +86,9 @@ def write_data(path, rows, seed):
         f["y"] = y.astype(np.float32)
         f["dy"] = J.astype(np.float32)
         f["dy_sub"] = J[:, :, [2, 0]].astype(np.float32)
+        # The same values chunked and compressed: read through HDF5's hyperslabs, not pread.
+        f.create_dataset("dy_chunked", data=J.astype(np.float32), chunks=(8, 2, 3),
+                         compression="gzip")
     return x, J
 
 
@@ -183,6 +188,7 @@ def case_train(ctx):
                               other={"optimizer": {"zero_stage": 1}}),
         "dy_fsdp_np2": train(ctx, "dy_fsdp_np2", data, ranks=2, mesh={"fsdp": 2}, preset="fsdp",
                              data_extra=dy, other={"runtime": {"overlap": True}}),
+        "dy_chunked": train(ctx, "dy_chunked", data, data_extra={"dy_key": "dy_chunked"}),
         "dy_sub": train(ctx, "dy_sub", data,
                         data_extra={"dy_key": "dy_sub", "dy_inputs": [2, 0]}),
     }
@@ -210,6 +216,10 @@ def case_train(ctx):
             ctx.check(abs(first.get(key, float("nan")) - one[key]) <= 1e-5 * abs(one[key]),
                       "%s's first %s %r differs from dy_np1's %r beyond 1e-5" %
                       (name, key, first.get(key), one[key]))
+    chunked = [(e["loss"], e["derivative_loss"]) for e in runs["dy_chunked"][1]]
+    contiguous = [(e["loss"], e["derivative_loss"]) for e in runs["dy_np1"][1]]
+    ctx.check(chunked == contiguous,
+              "dy_chunked's logged losses differ from dy_np1's (the same values, chunked)")
     J = {name: jacobian(ctx, out, test) for name, (out, _) in runs.items()}
     errors = {name: relative_error(J[name], exact) for name in runs if name != "dy_sub"}
     sub, plain_J = J["dy_sub"], J["plain"]
