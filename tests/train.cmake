@@ -50,6 +50,7 @@ meshtrain_add_test(NAME train_memory_plan_test SOURCES train/memory_plan_test.cp
 # allocates nothing on the heap: operator new is counted over steps 2..4 on dp, fsdp, tp
 # and fsdp x tp meshes, in fp32 and in bf16 and fp16 (mixed precision, overlap off and on).
 # One case keeps a save in flight through the checkpoint fault hook (tests/checkpoint.cmake).
+# Sobolev training (data.dy_key, contiguous and chunked, 1 and 2 micro-batches) too.
 meshtrain_add_test(NAME train_step_allocations_test SOURCES train/step_allocations_test.cpp
                    LIBS meshtrain_checkpoint_faults meshtrain_run meshtrain_test_counting_allocator
                    NP 1 2 4 TIMEOUT 120 EMULATED)
