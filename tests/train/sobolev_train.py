@@ -12,6 +12,8 @@ model.derivative_loss_weight = 4 with dy. Trained with the same seed:
   plain       np 1, dp, no dy_key
   dy_np1      np 1, dp, dy_key = "dy"
   dy_dp_np2   np 2, dp = 2, the same config
+  dy_overlap_np2  np 2, dp = 2, runtime.overlap = true (no DP buckets in the backward through
+                the tangents: each layer all-reduces its gradients as it returns)
   dy_tp_np2   np 2, tp = 2, the same config
   dy_accum_np2  np 2, dp = 2, 2 micro-batches of 8 rows (train.accumulation_steps = 2)
   dy_zero1_np2  np 2, dp = 2, optimizer.zero_stage = 1
@@ -179,6 +181,8 @@ def case_train(ctx):
         "plain": train(ctx, "plain", data),
         "dy_np1": train(ctx, "dy_np1", data, data_extra=dy),
         "dy_dp_np2": train(ctx, "dy_dp_np2", data, ranks=2, data_extra=dy),
+        "dy_overlap_np2": train(ctx, "dy_overlap_np2", data, ranks=2, data_extra=dy,
+                                other={"runtime": {"overlap": True}}),
         "dy_tp_np2": train(ctx, "dy_tp_np2", data, ranks=2, mesh={"tp": 2}, preset="tp",
                            data_extra=dy),
         "dy_accum_np2": train(ctx, "dy_accum_np2", data, ranks=2,
@@ -210,7 +214,7 @@ def case_train(ctx):
                   "%s: step 1's loss %.8g is not the plain run's %.8g plus derivative_loss %.8g"
                   % (name, first["loss"], plain_first["loss"], d))
     one = runs["dy_np1"][1][0]
-    for name in ("dy_dp_np2", "dy_tp_np2", "dy_accum_np2", "dy_zero1_np2", "dy_fsdp_np2"):
+    for name in ("dy_dp_np2", "dy_overlap_np2", "dy_tp_np2", "dy_accum_np2", "dy_zero1_np2", "dy_fsdp_np2"):
         first = runs[name][1][0]
         for key in ("loss", "derivative_loss"):
             ctx.check(abs(first.get(key, float("nan")) - one[key]) <= 1e-5 * abs(one[key]),
