@@ -871,7 +871,6 @@ std::optional<KeyProblem> check_dy_key(const ConfigKey&, const RunConfig& c,
                                        const KeyNames& names) {
   const std::string& dy = c.data.dy_key;
   if (dy.empty()) return std::nullopt;
-  if (dy == "/") return problem("must name a dataset, e.g. \"/dy\"");
   if (dy == c.data.x_key || dy == c.data.y_key) {
     return problem("names the same dataset as ",
                    names(dy == c.data.x_key ? "data.x_key" : "data.y_key"), " (", dy, ")");
