@@ -154,6 +154,68 @@ void scale_tangents(const std::string& label, const MatrixView& z, const MatrixV
       });
 }
 
+// f''(x) of each activation, for training on derivatives (activation_curvature_add); relu's and
+// the identity's are 0 and never computed. In float32 from the same sigmoids and tanh as f':
+//   tanh      -2 t (1 - t^2), t = tanh(x)
+//   gelu      (1 - t^2) (u' - x t u'^2 + x u'' / 2), u = c (x + a x^3), t = tanh(u),
+//             u' = c (1 + 3 a x^2), u'' = 6 a c x
+//   gelu_erf  phi(x) (2 - x^2)
+//   silu      s (1 - s) (2 + x (1 - 2 s)), s = sigmoid(x)
+//   sigmoid   s (1 - s) (1 - 2 s)
+struct TanhCurvature {
+  KOKKOS_INLINE_FUNCTION float operator()(const float x) const {
+    const float t = kmath::tanh(x);
+    return -2.0f * t * (1.0f - t * t);
+  }
+};
+struct GeluCurvature {
+  KOKKOS_INLINE_FUNCTION float operator()(const float x) const {
+    using activation_math::kGeluCubic;
+    using activation_math::kSqrt2OverPi;
+    const float u = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
+    const float t = kmath::tanh(u);
+    const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
+    const float ddu = 6.0f * kGeluCubic * kSqrt2OverPi * x;
+    return (1.0f - t * t) * (du - x * t * du * du + 0.5f * x * ddu);
+  }
+};
+struct GeluErfCurvature {
+  KOKKOS_INLINE_FUNCTION float operator()(const float x) const {
+    return activation_math::kInvSqrt2Pi * kmath::exp(-0.5f * x * x) * (2.0f - x * x);
+  }
+};
+struct SiluCurvature {
+  KOKKOS_INLINE_FUNCTION float operator()(const float x) const {
+    const Sigmoids s = sigmoids_one_division(x);
+    return s.of_x * s.of_minus * (2.0f + x * (s.of_minus - s.of_x));
+  }
+};
+struct SigmoidCurvature {
+  KOKKOS_INLINE_FUNCTION float operator()(const float x) const {
+    const Sigmoids s = sigmoids_one_division(x);
+    return s.of_x * s.of_minus * (s.of_minus - s.of_x);
+  }
+};
+
+// grad(i, j) += curvature(z(i, j)) * sum over the k rows t of value row i of
+// t_in(t, j) * dt(t, j).
+template <class Curvature>
+void add_curvature(const MatrixView& z, const MatrixView& t_in, const MatrixView& dt,
+                   const MatrixView& grad, Curvature curvature) {
+  const int64_t rows = static_cast<int64_t>(z.extent(0));
+  const int64_t cols = static_cast<int64_t>(z.extent(1));
+  const int64_t k = rows > 0 ? static_cast<int64_t>(dt.extent(0)) / rows : 0;
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::activation_curvature_add"),
+      Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
+        for (int64_t j = 0; j < cols; ++j) {
+          float sum = 0.0f;
+          for (int64_t d = 0; d < k; ++d) sum += t_in(i * k + d, j) * dt(i * k + d, j);
+          grad(i, j) += curvature(z(i, j)) * sum;
+        }
+      });
+}
+
 void check_tangent_shapes(const char* who, const MatrixView& z, const MatrixView& dz,
                           const MatrixView& out) {
   MESHTRAIN_REQUIRE(z.extent(1) == dz.extent(1) && dz.extent(0) == out.extent(0) &&
@@ -186,6 +248,29 @@ void activation_tangent(Activation activation, MatrixView z, MatrixView dz, Matr
       return scale_tangents(label, z, dz, out, SigmoidSlope{});
     case Activation::none:
       return scale_tangents(label, z, dz, out, IdentitySlope{});
+  }
+}
+
+void activation_curvature_add(Activation activation, MatrixView z, MatrixView t_in, MatrixView dt,
+                              MatrixView grad) {
+  check_tangent_shapes("activation_curvature_add", z, t_in, dt);
+  MESHTRAIN_REQUIRE(grad.extent(0) == z.extent(0) && grad.extent(1) == z.extent(1),
+                    "activation_curvature_add: values [", z.extent(0), ", ", z.extent(1),
+                    "], gradient [", grad.extent(0), ", ", grad.extent(1), "]");
+  switch (activation) {
+    case Activation::relu:  // f'' = 0 (the kink has no second derivative either)
+    case Activation::none:
+      return;
+    case Activation::tanh:
+      return add_curvature(z, t_in, dt, grad, TanhCurvature{});
+    case Activation::gelu:
+      return add_curvature(z, t_in, dt, grad, GeluCurvature{});
+    case Activation::gelu_erf:
+      return add_curvature(z, t_in, dt, grad, GeluErfCurvature{});
+    case Activation::silu:
+      return add_curvature(z, t_in, dt, grad, SiluCurvature{});
+    case Activation::sigmoid:
+      return add_curvature(z, t_in, dt, grad, SigmoidCurvature{});
   }
 }
 
@@ -399,7 +484,29 @@ MatrixView ActivationLayer::forward_tangents(MatrixView dx, const LayerPass&) {
   const int64_t k = tangent_directions(static_cast<int64_t>(dx.extent(0)), rows, name_);
   const MatrixView out = leading_rows(tangents_, rows * k);
   activation_tangent(activation_, z_, dx, out);
+  tangent_in_ = dx;  // for backward_with_tangents
   return out;
+}
+
+MatrixView ActivationLayer::backward_with_tangents(MatrixView dy, MatrixView dt,
+                                                   bool need_input_grad, const LayerPass& pass,
+                                                   MatrixView* dt_in) {
+  MESHTRAIN_REQUIRE(dtype_ == Dtype::fp32, name_, ": training on derivatives is fp32 only");
+  if (!need_input_grad) return MatrixView();
+  MESHTRAIN_REQUIRE(tangent_in_.extent(0) == dt.extent(0) && tangent_in_.extent(1) == dt.extent(1),
+                    name_, ": tangent gradient is [", dt.extent(0), ", ", dt.extent(1),
+                    "], the last tangent pass [", tangent_in_.extent(0), ", ",
+                    tangent_in_.extent(1), "]");
+  // t_out = f'(z) t_in: g_z = dy f'(z) + f''(z) sum_d t_in g_t, and g_t_in = f'(z) g_t.
+  activation_backward(activation_, z_, dy, dtype_);
+  activation_curvature_add(activation_, z_, tangent_in_, dt, dy);
+  *dt_in = backward_cotangents(dt, pass);
+  return dy;
+}
+
+void ActivationLayer::reserve_tangent_backward(int64_t directions) {
+  reserve_tangents(directions);
+  reserve_cotangents(directions);
 }
 
 void ActivationLayer::reserve_tangents(int64_t directions) {

@@ -46,6 +46,11 @@ void swiglu_backward(MatrixView gate, MatrixView value, MatrixView dy, MatrixVie
 //                       g = gate(t / k, j), value = value(t / k, j)
 //   swiglu_cotangent    dgate(t, j) = dy(t, j) value silu'(g), dvalue(t, j) = dy(t, j) silu(g)
 void activation_tangent(Activation activation, MatrixView z, MatrixView dz, MatrixView out);
+// activation_curvature_add: grad(i, j) += f''(z(i, j)) sum_d t_in(i k + d, j) dt(i k + d, j), the
+// tangents' term of the pre-activation's gradient in training on derivatives (t_out = f'(z)
+// t_in); nothing for relu and none (f'' = 0). grad [rows, width] may be written in place.
+void activation_curvature_add(Activation activation, MatrixView z, MatrixView t_in, MatrixView dt,
+                              MatrixView grad);
 void swiglu_tangent(MatrixView gate, MatrixView value, MatrixView dgate, MatrixView dvalue,
                     MatrixView out);
 void swiglu_cotangent(MatrixView gate, MatrixView value, MatrixView dy, MatrixView dgate,
@@ -70,6 +75,11 @@ class ActivationLayer : public Layer {
   // dy * f'(x) per direction, into the layer's cotangent buffer.
   MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
   void reserve_cotangents(int64_t directions) override;
+  // Sobolev training: dy * f'(x) + f''(x) * sum_d t_in g_t in place in dy (backward's, plus the
+  // tangents' term), and *dt_in = f'(x) * dt per direction (the cotangent buffer).
+  MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
+                                    const LayerPass& pass, MatrixView* dt_in) override;
+  void reserve_tangent_backward(int64_t directions) override;
 
   MatrixView output() const override { return out_; }
   FeatureLayout output_layout() const override { return layout_; }
@@ -88,6 +98,7 @@ class ActivationLayer : public Layer {
   Matrix out_;    // [rows, width]
   std::string name_;
   Matrix tangents_, cotangents_;  // [rows * directions, width]
+  MatrixView tangent_in_;         // the input of the last forward_tangents
 };
 
 }  // namespace meshtrain

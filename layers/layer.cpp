@@ -43,6 +43,16 @@ void Layer::reserve_cotangents(int64_t directions) {
                     "' has no reverse-mode cotangent pass (asked for ", directions, " directions)");
 }
 
+MatrixView Layer::backward_with_tangents(MatrixView, MatrixView, bool, const LayerPass&,
+                                         MatrixView*) {
+  MESHTRAIN_BAD_INPUT("layer '", describe(), "' cannot be trained on derivatives");
+  return MatrixView();
+}
+
+void Layer::reserve_tangent_backward(int64_t) {
+  MESHTRAIN_BAD_INPUT("layer '", describe(), "' cannot be trained on derivatives");
+}
+
 namespace {
 int64_t directions_of(int64_t stacked, int64_t rows, int64_t capacity, const char* kind,
                       const std::string& who) {

@@ -173,6 +173,22 @@ class Layer {
   virtual void reserve_cotangents(int64_t directions);
   int64_t cotangent_capacity() const { return cotangent_capacity_; }
 
+  // Training on derivatives (Sobolev training, docs/derivatives.md): backward through the value
+  // pass and the tangent pass at once (reverse over forward). After forward(x) and
+  // forward_tangents(dx) with k directions: dy [rows, output_width()] is the loss's gradient
+  // w.r.t. the output, dt [rows * k, output_width()] w.r.t. the output's tangents. Writes the
+  // parameter gradients of both terms (overwriting them; reduced as backward's are, by
+  // pass.deferred, which may not be in_buckets) and returns dX as backward does; when
+  // need_input_grad, *dt_in is the gradient w.r.t. the input tangents, [rows * k, input width],
+  // owned by the layer. dy may be overwritten (as backward's). Needs
+  // reserve_tangent_backward(k') with k' >= k first; fp32; collective where backward is;
+  // allocates nothing. The default throws: the layer is not built for it.
+  virtual MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
+                                            const LayerPass& pass, MatrixView* dt_in);
+  // Allocates what forward_tangents and backward_with_tangents need for up to `directions`
+  // (once). Not collective. The default throws, as backward_with_tangents.
+  virtual void reserve_tangent_backward(int64_t directions);
+
   virtual MatrixView output() const = 0;
   virtual FeatureLayout output_layout() const = 0;
   virtual int64_t output_width() const = 0;   // local output columns

@@ -41,6 +41,15 @@ void sum_columns_into(MatrixView dy, int64_t offset, VectorView full, Dtype dtyp
       });
 }
 
+// dst += src (a free function: nvcc's device lambdas cannot live in private member functions).
+void add_into(MatrixView src, MatrixView dst) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::linear_add_tangent_weight_grad"),
+      Range2(device_space(), {0, 0},
+             {static_cast<int64_t>(dst.extent(0)), static_cast<int64_t>(dst.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) += src(i, j); });
+}
+
 }  // namespace
 
 Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout input_layout,
@@ -237,6 +246,53 @@ MatrixView Linear::infer(MatrixView x, const LayerPass& pass, Activation activat
 }
 
 MatrixView Linear::backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) {
+  return backward_pass(dy, MatrixView(), need_input_grad, pass, nullptr);
+}
+
+MatrixView Linear::backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
+                                          const LayerPass& pass, MatrixView* dt_in) {
+  MESHTRAIN_REQUIRE(compute_dtype_ == Dtype::fp32, "linear layer '", layout_.layer,
+                    "': training on derivatives is fp32 only");
+  MESHTRAIN_REQUIRE(pass.deferred != DeferredReduction::in_buckets, "linear layer '", layout_.layer,
+                    "': training on derivatives does not reduce in buckets");
+  const int64_t k = tangent_directions(static_cast<int64_t>(dt.extent(0)), rows_, layout_.layer);
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dt.extent(1)) == layout_.out_local &&
+                        tangent_weight_grad_.extent(0) > 0 &&
+                        tangent_x_used_.extent(0) == dt.extent(0),
+                    "linear layer '", layout_.layer, "': tangent gradient is [", dt.extent(0), ", ",
+                    dt.extent(1), "], expected [", rows_ * k, ", ", layout_.out_local,
+                    "] after forward_tangents of as many rows and reserve_tangent_backward");
+  return backward_pass(dy, dt, need_input_grad, pass, dt_in);
+}
+
+void Linear::reserve_tangent_backward(int64_t directions) {
+  reserve_tangents(directions);
+  reserve_cotangents(directions);
+  if (tangent_weight_grad_.extent(0) == 0) {
+    tangent_weight_grad_ =
+        Matrix(layout_.layer + "/tangent_weight_grad", layout_.in_compute, layout_.compute_cols());
+  }
+}
+
+void Linear::weight_gradient_product(MatrixView x, MatrixView dy, MatrixView g,
+                                     LayerScratch& scratch) {
+  if (layout_.column_gathers_input()) {
+    // dW_t = all_gather(X, features)ᵀ @ dY_t: the input gathered again (only its block is
+    // kept from forward), the gathered blocks landing on the rows of dW_t.
+    all_gather_matmul(*tp_comm_, GatherSide::left, 1, transposed(x), plain(dy), g,
+                      matmuls_.weight_grad, scratch.matmul, compute_dtype_);
+  } else if (layout_.column_parallel) {
+    gemm(transposed(x), plain(dy), 0.0f, g, compute_dtype_);
+  } else if (layout_.split_output) {
+    all_gather_matmul(*tp_comm_, GatherSide::right, 1, transposed(x), plain(dy), g,
+                      matmuls_.weight_grad, scratch.matmul, compute_dtype_);
+  } else {
+    gemm(transposed(x), plain(dy), 0.0f, g, compute_dtype_);
+  }
+}
+
+MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_grad,
+                                 const LayerPass& pass, MatrixView* dt_in) {
   LayerScratch& scratch = *pass.scratch;
   Layer* next = pass.prefetch;
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == rows_ &&
@@ -249,18 +305,13 @@ MatrixView Linear::backward(MatrixView dy, bool need_input_grad, const LayerPass
 
   // Weight gradient, compute block: X_cᵀ @ dY (dY all-gathered over features when split).
   MatrixView g = weight_.gradient_matrix(scratch);
-  if (layout_.column_gathers_input()) {
-    // dW_t = all_gather(X, features)ᵀ @ dY_t: the input gathered again (only its block is
-    // kept from forward), the gathered blocks landing on the rows of dW_t.
-    all_gather_matmul(*tp_comm_, GatherSide::left, 1, transposed(x_used_), plain(dy), g,
-                      matmuls_.weight_grad, scratch.matmul, compute_dtype_);
-  } else if (layout_.column_parallel) {
-    gemm(transposed(x_used_), plain(dy), 0.0f, g, compute_dtype_);
-  } else if (layout_.split_output) {
-    all_gather_matmul(*tp_comm_, GatherSide::right, 1, transposed(x_used_), plain(dy), g,
-                      matmuls_.weight_grad, scratch.matmul, compute_dtype_);
-  } else {
-    gemm(transposed(x_used_), plain(dy), 0.0f, g, compute_dtype_);
+  weight_gradient_product(x_used_, dy, g, scratch);
+  if (dt.data() != nullptr) {
+    // The tangents' term: dt_out = dt_in W, so dW += dt_inᵀ g_t, through the same product and
+    // collective as the value's term (k times the rows), added before any reduction.
+    const MatrixView tangent_g = tangent_weight_grad_;
+    weight_gradient_product(tangent_x_used_, dt, tangent_g, scratch);
+    add_into(tangent_g, g);
   }
   round_in_place(g, compute_dtype_);  // the weight's gradient in its compute dtype
   if (next) next->poll_weight_prefetch();
@@ -310,6 +361,8 @@ MatrixView Linear::backward(MatrixView dy, bool need_input_grad, const LayerPass
       dx = dx_c_;
     }
   }
+  // The input tangents' gradient: g_t Wᵀ, the cotangent pass on k times the rows.
+  if (dt.data() != nullptr && need_input_grad) *dt_in = cotangent_product(dt, w, scratch);
   if (bucketed) {
     pass.buckets->poll();
     return dx;
@@ -340,6 +393,7 @@ MatrixView Linear::forward_tangents(MatrixView dx, const LayerPass& pass) {
     x_used = leading_rows(tangent_x_c_, rows);
     tp_comm_->all_gather(dx, x_used, 1, compute_dtype_);
   }
+  tangent_x_used_ = x_used;  // for backward_with_tangents
   // ...and through the same product and collective (the bias has no derivative).
   MatrixView w = weight_.compute_matrix(scratch);
   MatrixView y = leading_rows(tangent_out_, rows);
@@ -373,11 +427,14 @@ void Linear::reserve_tangents(int64_t directions) {
 MatrixView Linear::backward_cotangents(MatrixView dy, const LayerPass& pass) {
   LayerScratch& scratch = *pass.scratch;
   const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows_, layout_.layer);
-  const int64_t rows = rows_ * k;
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(1)) == layout_.out_local, "linear layer '",
                     layout_.layer, "': cotangent input is [", dy.extent(0), ", ", dy.extent(1),
-                    "], expected [", rows, ", ", layout_.out_local, "]");
-  MatrixView w = weight_.compute_matrix(scratch);
+                    "], expected [", rows_ * k, ", ", layout_.out_local, "]");
+  return cotangent_product(dy, weight_.compute_matrix(scratch), scratch);
+}
+
+MatrixView Linear::cotangent_product(MatrixView dy, MatrixView w, LayerScratch& scratch) {
+  const int64_t rows = static_cast<int64_t>(dy.extent(0));
   // backward's input gradient, branch for branch.
   if (layout_.column_parallel) {
     if (layout_.column_gathers_input()) {

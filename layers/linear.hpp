@@ -102,6 +102,13 @@ class Linear final : public Layer {
   // weight and bias gradients.
   MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
   void reserve_cotangents(int64_t directions) override;
+  // Sobolev training (Layer::backward_with_tangents): backward's weight gradient plus the
+  // tangents' term dt_inᵀ g_t through the same product and collective on k times the rows, added
+  // before the reduction; the bias gets the value's term only (the tangents have no bias);
+  // *dt_in = g_t Wᵀ as backward_cotangents computes it.
+  MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
+                                    const LayerPass& pass, MatrixView* dt_in) override;
+  void reserve_tangent_backward(int64_t directions) override;
   size_t parameter_count() const override { return 2; }  // weight, bias
   std::vector<ShardedParameter*> sharded_parameters() override;
   bool can_leave_gradients_partial() const override { return true; }
@@ -157,6 +164,14 @@ class Linear final : public Layer {
   // Tangents and cotangents: the collective matmuls' workspace (needs_) and the feature axis'
   // buffers for `rows` stacked rows.
   void reserve_stacked_rows(int64_t rows);
+  // backward's and backward_with_tangents' weight gradient: x_cᵀ @ dy (dy or x all-gathered
+  // over the features as the layout needs) into the compute block g.
+  void weight_gradient_product(MatrixView x, MatrixView dy, MatrixView g, LayerScratch& scratch);
+  // backward_cotangents' product dy @ wᵀ into the input's layout, for dy's rows.
+  MatrixView cotangent_product(MatrixView dy, MatrixView w, LayerScratch& scratch);
+  // backward; with dt (non-empty) backward_with_tangents.
+  MatrixView backward_pass(MatrixView dy, MatrixView dt, bool need_input_grad,
+                           const LayerPass& pass, MatrixView* dt_in);
 
   LinearLayout layout_;
   ShardedParameter weight_;  // gathered, prefetched and reduced as its storage says
@@ -182,6 +197,10 @@ class Linear final : public Layer {
   // Cotangents (reserve_cotangents): dY Wᵀ in the compute layout [rows * k, in_c] and in the
   // input's [rows * k, input_width] when that differs, as dx_c_ and dx_.
   Matrix cotangent_dx_c_, cotangent_dx_;
+  // Sobolev training: the input tangents as the last forward_tangents used them, and the
+  // tangents' term of the weight gradient [in_c, compute cols] (reserve_tangent_backward).
+  MatrixView tangent_x_used_;
+  Matrix tangent_weight_grad_;
   LayerScratchNeeds needs_;
 };
 

@@ -459,6 +459,49 @@ void Mlp::reserve_cotangents(int64_t directions) {
   if (needs.matmul > scratch_.matmul.capacity_bytes()) scratch_.matmul.reserve(needs.matmul);
 }
 
+void Mlp::reserve_tangent_backward(int64_t directions) {
+  MESHTRAIN_REQUIRE(directions >= 1, "Mlp::reserve_tangent_backward: ", directions, " directions");
+  if (compute_dtype_ != Dtype::fp32) {
+    MESHTRAIN_BAD_INPUT("training on derivatives is fp32 only; this model computes in ",
+                        to_string(compute_dtype_));
+  }
+  if (!owned_.empty() || !moe_.empty() || !dropouts_.empty()) {
+    MESHTRAIN_BAD_INPUT("training on derivatives is built for a plain mlp only (no residual_mlp, ",
+                        "MoE layers or dropout)");
+  }
+  LayerScratchNeeds needs;
+  for (Layer* layer : sequence_) {
+    layer->reserve_tangent_backward(directions);
+    needs.merge(layer->scratch_needs());
+  }
+  if (needs.matmul > scratch_.matmul.capacity_bytes()) scratch_.matmul.reserve(needs.matmul);
+}
+
+void Mlp::backward_with_tangents(MatrixView output_grad, MatrixView tangent_grad, bool reduce) {
+  require_fp32(compute_dtype_);
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(output_grad.extent(1)) == output_width() &&
+                        static_cast<int64_t>(tangent_grad.extent(1)) == output_width(),
+                    "output gradient [", output_grad.extent(0), ", ", output_grad.extent(1),
+                    "] and tangent gradient [", tangent_grad.extent(0), ", ",
+                    tangent_grad.extent(1), "], expected ", output_width(), " columns");
+  // No buckets and no prefetch: each layer reduces its own gradients now, or leaves them for
+  // reduce_gradients(), and gathers its weight when it runs.
+  const DeferredReduction deferred = reduce ? DeferredReduction::now : DeferredReduction::later;
+  MatrixView grad = output_grad, tangent = tangent_grad;
+  for (size_t k = sequence_.size(); k-- > 0;) {
+    LayerPass pass;
+    pass.scratch = &scratch_;
+    pass.deferred = reductions_.for_layer(k, deferred);
+    pass.index = k;
+    TraceSpan span(tracer().on() ? trace_name(k) : "", TraceKind::layer);
+    span.detail("backward with tangents");
+    MatrixView tangent_in;
+    grad = sequence_[k]->backward_with_tangents(grad, tangent, /*need_input_grad=*/k > 0, pass,
+                                                &tangent_in);
+    tangent = tangent_in;
+  }
+}
+
 std::vector<std::string> Mlp::describe() const {
   std::vector<std::string> out;
   for (const Layer* layer : sequence_) {

@@ -156,6 +156,18 @@ class Mlp {
   // collective-matmul workspace for them. Not collective.
   void reserve_tangents(int64_t directions);
   void reserve_cotangents(int64_t directions);
+  // Training on derivatives (Sobolev training, docs/derivatives.md): after forward(x) and
+  // forward_tangents(dx) with k directions, the gradients of a loss of the output (output_grad
+  // [local_rows, output_width()]) and of its tangents (tangent_grad [local_rows * k,
+  // output_width()]) w.r.t. every parameter, by backpropagating through the tangent pass as
+  // well as the value pass (reverse over forward): overwrites every gradient, reduced as
+  // backward(output_grad, reduce) reduces them (without buckets: a layer that would bucket its
+  // all-reduce does it itself). The input tangents are constants (no gradient). Collective;
+  // allocates nothing; needs reserve_tangent_backward(k') with k' >= k first. A plain mlp in
+  // fp32 only: reserve_tangent_backward throws bad_input for a residual_mlp, MoE layers,
+  // dropout or 16-bit parameters.
+  void backward_with_tangents(MatrixView output_grad, MatrixView tangent_grad, bool reduce = true);
+  void reserve_tangent_backward(int64_t directions);
   // Reserves the buffers of the blocking gradient reductions that `reduction` will run
   // (Communicator::reserve_reductions: the MPI ring's partial sums), so that the first step
   // does not grow them: every reduce-scatter, and the all-reduces of the gradients that are

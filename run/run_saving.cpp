@@ -130,10 +130,13 @@ CheckpointInfo TrainingRun::load_model(const std::string& path) {
   on_every_rank(comm_, [&] { info = load_checkpoint(path, model_only, comm_); });
   normalization_ = read_checkpoint_normalization(info.path, "checkpoint");
   checkpoint_.normalization = normalization_;
+  // The derivative term's scales are the statistics' stds.
+  build_derivative_loss();
   if (train_stream_) {
     // Batches read ahead were standardized with the old statistics: read them again.
     train_stream_.reset();
     eval_stream_.reset();
+    dy_stream_.reset();
     eval_seq_ = 0;
     start_streams();
   }

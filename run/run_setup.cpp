@@ -64,6 +64,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   build_model();
   build_checkpoint_view();
   choose_start();
+  build_derivative_loss();
   start_streams();
 }
 
@@ -112,6 +113,11 @@ void TrainingRun::open_data(std::optional<RunData> data) {
     return;
   }
   on_every_rank(comm_, [&] {
+    if (data && !config_.data.dy_key.empty()) {
+      MESHTRAIN_BAD_INPUT("data.dy_key = \"", config_.data.dy_key, "\" reads derivative targets ",
+                          "from the HDF5 files of data.path, but this run was given its data in ",
+                          "code; unset data.dy_key");
+    }
     if (data) {
       check_data_fits_model(data->train, inputs, outputs, width_keys);
       check_data_fits_model(data->test, inputs, outputs, width_keys);
@@ -123,6 +129,12 @@ void TrainingRun::open_data(std::optional<RunData> data) {
                                        config_.model.loss, width_keys);
       test_source_ = open_data_source(config_.data, Split::test, seed, inputs, outputs,
                                       config_.model.loss, width_keys);
+      // Sobolev training: the training rows' derivative targets (the test split's are not
+      // read: evaluation reports the data loss alone).
+      const int64_t directions = config_.data.dy_inputs.empty()
+                                     ? inputs
+                                     : static_cast<int64_t>(config_.data.dy_inputs.size());
+      dy_source_ = open_derivative_source(config_.data, Split::train, outputs, directions);
     }
     const DataShape& train = train_source_->shape();
     if (!config_.model.loss) {
@@ -445,22 +457,53 @@ void TrainingRun::warn_about_input_scales() {
   if (!warning.empty()) warnings_.push_back(warning);
 }
 
+// Sobolev training (data.dy_key): the derivative term with the run's statistics (the seeds
+// carry 1 / input_std, the tangents target_std: the term is in the user's units), the
+// buffers of the tangent passes and this rank's rows of the targets, all made here so that
+// the step allocates nothing. Collective.
+void TrainingRun::build_derivative_loss() {
+  if (!dy_source_) return;
+  const int64_t inputs = config_.model.input_width(), outputs = config_.model.output_width();
+  DerivativeLossSettings settings;
+  settings.inputs = config_.data.dy_inputs;
+  if (settings.inputs.empty()) {
+    for (int64_t i = 0; i < inputs; ++i) settings.inputs.push_back(i);
+  }
+  settings.weight = config_.model.derivative_loss_weight;
+  settings.input_std = normalization_.input_std;    // empty (not normalized): every 1
+  settings.target_std = normalization_.target_std;  // likewise
+  const auto directions = static_cast<int64_t>(settings.inputs.size());
+  on_every_rank(comm_, [&] {
+    model_->reserve_tangent_backward(directions);
+    derivative_loss_ = std::make_unique<DerivativeLoss>(settings, *context_, slice_.rows, inputs,
+                                                        outputs, model_->output_layout());
+    if (dy_targets_.extent(0) == 0) {
+      dy_targets_ = Matrix("meshtrain::batch_dy", slice_.rows, outputs * directions);
+    }
+  });
+}
+
 // The reader threads start where the run does (after a resume), so the first batches are
 // being read while the first step is set up.
 void TrainingRun::start_streams() {
   on_every_rank(comm_, [&] {
     // A stream's buffer changes between batches (pull): read in the step.
     const int64_t depth = stream_ ? 0 : config_.data.prefetch;
-    train_stream_ = std::make_unique<BatchStream>(
-        *train_source_, slice_.rows,
-        [this](int64_t seq, int64_t* rows) {
-          if (stream_) return stream_->batch_slots(seq, slice_.rows, rows);
-          BatchSlice slice = slice_;
-          slice.offset = (seq % accumulation_) * slice_.global_batch;
-          schedule_->slice_samples(seq / accumulation_, slice, rows);
-          return slice.rows;
-        },
-        depth, steps_done_ * accumulation_, normalization_);
+    const BatchSamples training_samples = [this](int64_t seq, int64_t* rows) {
+      if (stream_) return stream_->batch_slots(seq, slice_.rows, rows);
+      BatchSlice slice = slice_;
+      slice.offset = (seq % accumulation_) * slice_.global_batch;
+      schedule_->slice_samples(seq / accumulation_, slice, rows);
+      return slice.rows;
+    };
+    train_stream_ =
+        std::make_unique<BatchStream>(*train_source_, slice_.rows, training_samples, depth,
+                                      steps_done_ * accumulation_, normalization_);
+    // The derivative targets of the same rows, in the user's units (not standardized).
+    if (dy_source_) {
+      dy_stream_ = std::make_unique<BatchStream>(*dy_source_, slice_.rows, training_samples, depth,
+                                                 steps_done_ * accumulation_);
+    }
     if (eval_schedule_.num_batches > 0) {
       // Every evaluation reads the same batches: the sequence goes round them, so the first
       // batches of the next evaluation are read ahead during training.
@@ -479,6 +522,8 @@ int64_t TrainingRun::data_bytes() const {
   int64_t bytes = train_source_->resident_bytes() + test_source_->resident_bytes();
   if (train_stream_) bytes += train_stream_->staging_bytes();
   if (eval_stream_) bytes += eval_stream_->staging_bytes();
+  if (dy_source_) bytes += dy_source_->resident_bytes();
+  if (dy_stream_) bytes += dy_stream_->staging_bytes();
   return bytes;
 }
 

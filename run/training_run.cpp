@@ -161,6 +161,7 @@ void TrainingRun::train_steps(RunSummary& summary) {
 void TrainingRun::log_step(const StepResult& result) {
   window_loss_ += result.loss;
   window_aux_loss_ += result.aux_loss;
+  window_derivative_loss_ += result.derivative_loss;
   ++window_steps_;
   if (result.step % config_.train.log_every != 0 && result.step != total_steps_ && !stream_ended_) {
     return;
@@ -174,6 +175,7 @@ void TrainingRun::log_step(const StepResult& result) {
   event.epoch = schedule_->epoch_of(result.step - 1);
   event.loss = window_loss_ / window_steps_;
   if (config_.model.moe().any()) event.aux_loss = window_aux_loss_ / window_steps_;
+  if (derivative_loss_) event.derivative_loss = window_derivative_loss_ / window_steps_;
   event.lr = lr_;
   const int64_t samples = window_steps_ * config_.data.batch_size * accumulation_;
   event.samples_per_s = elapsed > 0 ? samples / elapsed : 0.0;
@@ -208,6 +210,7 @@ void TrainingRun::log_step(const StepResult& result) {
   window_.start();
   window_loss_ = 0.0;
   window_aux_loss_ = 0.0;
+  window_derivative_loss_ = 0.0;
   window_steps_ = 0;
 }
 
@@ -246,6 +249,8 @@ void TrainingRun::load_batch(int64_t step, int64_t micro) {
       stream_->pull();
     }
     train_stream_->take(step * accumulation_ + micro, x_, labels_, targets_);
+    // The same rows' derivative targets (the same sample list, so the same order).
+    if (dy_stream_) dy_stream_->take(step * accumulation_ + micro, dy_targets_, {}, {});
   } catch (const Error&) {
     keep_data_error(*loss_);
   }
@@ -275,6 +280,15 @@ double TrainingRun::accumulate_loaded_batch() {
   // gradient); it is the same on every rank.
   const double aux_loss = model_->aux_loss();
   result.loss += aux_loss;
+  // Sobolev training: the derivative term on the tangents of the chosen input directions
+  // (reserved at set-up), reduced over the ranks as the loss is.
+  double derivative_loss = 0.0;
+  if (derivative_loss_) {
+    TraceSpan span("derivative loss");
+    const MatrixView tangents = model_->forward_tangents(derivative_loss_->seeds());
+    derivative_loss = derivative_loss_->evaluate(tangents, dy_targets_).loss;
+    result.loss += derivative_loss;
+  }
   // The loss is reduced over the ranks, so every rank decides here alike.
   if (!std::isfinite(result.loss)) {
     if (!scaler_) {
@@ -303,7 +317,14 @@ double TrainingRun::accumulate_loaded_batch() {
     // Partial gradients (gradient_reduction_ other than in_backward) are completed once per
     // step, in apply_update. The last micro-batch's gradient stays in the gradients.
     TraceSpan span("backward");
-    model_->backward(loss_->gradient(), gradient_reduction_, scaler_ ? scaler_->scale() : 1.0f);
+    if (derivative_loss_) {
+      // Through the value and the tangent pass at once; no loss scaling (fp32 only), no
+      // buckets or prefetch (each layer reduces, or leaves for apply_update, its own).
+      model_->backward_with_tangents(loss_->gradient(), derivative_loss_->gradient(),
+                                     gradient_reduction_ == GradientReduction::in_backward);
+    } else {
+      model_->backward(loss_->gradient(), gradient_reduction_, scaler_ ? scaler_->scale() : 1.0f);
+    }
     if (micro_done_ + 1 < accumulation_) {
       std::vector<ShardedTensor>& grads = model_->gradients();
       for (size_t i = 0; i < grads.size(); ++i) {
@@ -314,6 +335,7 @@ double TrainingRun::accumulate_loaded_batch() {
   ++micro_done_;
   micro_loss_sum_ += result.loss;
   micro_aux_loss_sum_ += aux_loss;
+  micro_derivative_loss_sum_ += derivative_loss;
   return result.loss;
 }
 
@@ -348,12 +370,13 @@ StepResult TrainingRun::apply_update() {
     // Every rank saw the same non-finite loss and skipped the same reductions.
     const double loss = micro_loss_sum_ / static_cast<double>(accumulation_);
     const double aux_loss = micro_aux_loss_sum_ / static_cast<double>(accumulation_);
+    const double derivative_loss = micro_derivative_loss_sum_ / static_cast<double>(accumulation_);
     forget_micro_batches();
     ++loss_overflows_in_a_row_;
     scaler_->update(/*finite=*/false);
     ++skipped_steps_;
     ++steps_done_;
-    return {steps_done_, loss, aux_loss};
+    return {steps_done_, loss, aux_loss, derivative_loss};
   }
   loss_overflows_in_a_row_ = 0;
   std::vector<ShardedTensor>& grads = model_->gradients();
@@ -375,6 +398,7 @@ StepResult TrainingRun::apply_update() {
   std::vector<ShardedTensor>& update_grads = updated_gradients();
   const double loss = micro_loss_sum_ / static_cast<double>(accumulation_);
   const double aux_loss = micro_aux_loss_sum_ / static_cast<double>(accumulation_);
+  const double derivative_loss = micro_derivative_loss_sum_ / static_cast<double>(accumulation_);
   forget_micro_batches();
   if (scaler_) {
     // fp16: the gradients come scaled; a step with an inf or NaN anywhere is skipped on
@@ -386,7 +410,7 @@ StepResult TrainingRun::apply_update() {
       check_fp16_overflow(/*loss_overflowed=*/false);
       ++skipped_steps_;
       ++steps_done_;
-      return {steps_done_, loss, aux_loss};
+      return {steps_done_, loss, aux_loss, derivative_loss};
     }
   }
   if (config_.optimizer.clip_norm > 0) {
@@ -417,7 +441,7 @@ StepResult TrainingRun::apply_update() {
     if (zero1_) zero1_->gather(model_->parameters());  // every replica gets every chunk
   }
   ++steps_done_;
-  return {steps_done_, loss, aux_loss};
+  return {steps_done_, loss, aux_loss, derivative_loss};
 }
 
 StepResult TrainingRun::step_on_loaded_batch() {
@@ -497,6 +521,7 @@ void TrainingRun::forget_micro_batches() {
   micro_done_ = 0;
   micro_loss_sum_ = 0.0;
   micro_aux_loss_sum_ = 0.0;
+  micro_derivative_loss_sum_ = 0.0;
   step_loss_overflowed_ = false;
 }
 

@@ -53,6 +53,7 @@
 #include "framework/train/optimizer.hpp"
 #include "framework/train/zero1.hpp"
 #include "layers/context.hpp"
+#include "layers/derivative_loss.hpp"
 #include "layers/eval_metrics.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
@@ -84,8 +85,9 @@ struct RunData {
 // global batch, the same on every rank).
 struct StepResult {
   int64_t step = 0;
-  double loss = 0.0;      // the MoE layers' load-balancing loss included
-  double aux_loss = 0.0;  // that part (0 without MoE layers)
+  double loss = 0.0;             // the MoE layers' load-balancing loss included
+  double aux_loss = 0.0;         // that part (0 without MoE layers)
+  double derivative_loss = 0.0;  // data.dy_key: the derivative term, part of loss (else 0)
 };
 
 // What train() did.
@@ -265,6 +267,7 @@ class TrainingRun {
   void log_step(const StepResult& result);
   void train_steps(RunSummary& summary);
   void start_streams();
+  void build_derivative_loss();
   void keep_data_error(Loss& loss);
   void check_fp16_overflow(bool loss_overflowed);
   void forget_micro_batches();  // the step under way starts over
@@ -345,6 +348,15 @@ class TrainingRun {
   int64_t micro_done_ = 0;
   double micro_loss_sum_ = 0.0;
   double micro_aux_loss_sum_ = 0.0;
+  double micro_derivative_loss_sum_ = 0.0;
+
+  // Sobolev training (data.dy_key; docs/derivatives.md): the derivative targets' source (the
+  // training files' dy_key, in the training rows' numbering), the loss term on the model's
+  // tangents (built once the normalization is known), and this rank's rows of the targets
+  // [rows, outputs * k]. Null / empty without dy_key.
+  std::unique_ptr<RowSource> dy_source_;
+  std::unique_ptr<DerivativeLoss> derivative_loss_;
+  Matrix dy_targets_;
 
   // Evaluation with another batch size than training: a forward-only model sharing the
   // training model's parameters, its loss and batch buffers. Empty: evaluation uses the
@@ -379,6 +391,7 @@ class TrainingRun {
   ProgressWindow window_;  // the steps', evaluation's and saving's time since the last log
   double window_loss_ = 0.0;
   double window_aux_loss_ = 0.0;
+  double window_derivative_loss_ = 0.0;
   int64_t window_steps_ = 0;
   double data_wait_s_ = 0.0;  // over the whole of train()
   // The heap copy of each log's data-wait reduction (framework/comm/mpi_util.hpp), made at
@@ -390,6 +403,7 @@ class TrainingRun {
   // data_error_ until the ranks agree on it.
   std::unique_ptr<BatchStream> train_stream_;
   std::unique_ptr<BatchStream> eval_stream_;
+  std::unique_ptr<BatchStream> dy_stream_;  // dy_source_'s rows of each training micro-batch
   int64_t eval_seq_ = 0;  // evaluation batches taken so far (the eval stream's sequence)
   std::exception_ptr data_error_;
 };

@@ -50,6 +50,7 @@ meshtrain_add_test(NAME train_memory_plan_test SOURCES train/memory_plan_test.cp
 # allocates nothing on the heap: operator new is counted over steps 2..4 on dp, fsdp, tp
 # and fsdp x tp meshes, in fp32 and in bf16 and fp16 (mixed precision, overlap off and on).
 # One case keeps a save in flight through the checkpoint fault hook (tests/checkpoint.cmake).
+# Sobolev training (data.dy_key, contiguous and chunked, 1 and 2 micro-batches) too.
 meshtrain_add_test(NAME train_step_allocations_test SOURCES train/step_allocations_test.cpp
                    LIBS meshtrain_checkpoint_faults meshtrain_run meshtrain_test_counting_allocator
                    NP 1 2 4 TIMEOUT 120 EMULATED)
@@ -341,3 +342,17 @@ if(Python3_Interpreter_FOUND)
             -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
   _train_slots(train_loss_metrics_np2 2)
 endif()
+# Sobolev training from `meshtrain train` (issue 40, item 2a; tests/train/sobolev_train.py):
+# `train`: a smooth function with its exact Jacobian as data.dy_key, trained at np 1 (dp), np 2
+# (dp) and np 2 (tp), and with dy_inputs choosing two columns; step 1's loss is the plain run's
+# plus derivative_loss, equal on every mesh to 1e-5; `meshtrain predict --jacobian` on held-out
+# rows is within half the plain run's error. `refusals`: dy_key with bf16, residual_mlp, MoE,
+# dropout, cross_entropy, synthetic data, bad dy_inputs, and a missing or misshapen dataset.
+foreach(_case train refusals)
+  meshtrain_add_command_test(NAME train_sobolev_${_case} TIMEOUT 600
+    COMMAND ${MESHTRAIN_PYTHON} ${_train}/sobolev_train.py ${_case}
+            --meshtrain $<TARGET_FILE:meshtrain> --source-dir ${PROJECT_SOURCE_DIR}
+            --work ${_train_runs}/sobolev_${_case}
+            -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+  _train_slots(train_sobolev_${_case} 2)
+endforeach()

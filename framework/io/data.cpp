@@ -239,6 +239,39 @@ std::unique_ptr<RowSource> open_data_source(const DataSection& data, Split split
   return source;
 }
 
+std::unique_ptr<RowSource> open_derivative_source(const DataSection& data, Split split,
+                                                  int64_t outputs, int64_t directions) {
+  if (data.dy_key.empty()) return nullptr;
+  MESHTRAIN_REQUIRE(data.source == DataSource::hdf5, "data.dy_key needs data.source = \"hdf5\"");
+  const std::vector<std::string>& entries = split == Split::train ? data.path : data.test_path;
+  if (entries.empty()) return nullptr;
+  const std::vector<std::string> files =
+      expand_data_paths(entries, split == Split::train ? "data.path" : "data.test_path");
+  Hdf5SourceOptions options;
+  options.random_rows = data.shuffle != ShuffleMode::none;
+  options.block_rows = data.shuffle == ShuffleMode::blocks ? data.block_rows : 0;
+  options.x_name = data.dy_key;
+  options.y_name = "";
+  options.x_row_shape = {outputs, directions};
+  options.x_key_name = "dy_key";
+  std::unique_ptr<RowSource> source = open_hdf5_source(files, 1, options);
+  // Each file's rows against its x's: the row numbers must mean the same samples.
+  Hdf5SourceOptions x_only;
+  x_only.x_name = data.x_key;
+  x_only.y_name = "";
+  for (const std::string& file : files) {
+    Hdf5SourceOptions dy_only = options;
+    const int64_t dy_rows = open_hdf5_source({file}, 1, dy_only)->shape().num_samples;
+    const int64_t x_rows = open_hdf5_source({file}, 1, x_only)->shape().num_samples;
+    if (dy_rows != x_rows) {
+      MESHTRAIN_BAD_INPUT("HDF5 data file '", file, "': ", data.dy_key, " (data.dy_key) has ",
+                          dy_rows, " rows but ", data.x_key, " has ", x_rows,
+                          "; each needs one derivative row per sample");
+    }
+  }
+  return source;
+}
+
 Dataset load_dataset(const DataSection& data, Split split, uint64_t seed, int64_t input_width,
                      int64_t output_width) {
   return read_all(*open_data_source(data, split, seed, input_width, output_width));

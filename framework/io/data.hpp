@@ -112,6 +112,11 @@ struct Hdf5SourceOptions {
   std::string x_name = "/x";  // the datasets' paths in each file (data.x_key, data.y_key)
   std::string y_name = "/y";  // "": inputs only (predict): no labels or targets are read, and
                               // the shape has num_classes = target_width = 0
+  // Non-empty: x_name holds rows of this shape, float [N, x_row_shape...] (Sobolev training's
+  // dy_key, [N, outputs, k] with y_name ""), read as [N, product] row-major; another rank or
+  // shape is a bad_input Error naming the file, data.<x_key_name> and both shapes.
+  std::vector<int64_t> x_row_shape;
+  std::string x_key_name = "x_key";
 };
 std::unique_ptr<RowSource> open_hdf5_source(const std::vector<std::string>& files,
                                             int64_t num_classes,
@@ -170,6 +175,14 @@ std::unique_ptr<RowSource> open_data_source(const DataSection& data, Split split
                                             int64_t input_width, int64_t output_width,
                                             std::optional<LossKind> loss = std::nullopt,
                                             const ModelWidthKeys& keys = {});
+// Sobolev training (data.dy_key, docs/derivatives.md): the derivative targets of `split`'s
+// files, streamed as rows of outputs x directions floats (dy[r, o, d] at column o *
+// directions + d), in the same row numbers as open_data_source's; nullptr when data.dy_key is
+// unset or the split has no files. Each file's dataset must be float [N, outputs, directions]
+// with N its x's rows: a missing dataset or another shape is a bad_input Error naming the
+// file, data.dy_key and both shapes. data.source must be "hdf5".
+std::unique_ptr<RowSource> open_derivative_source(const DataSection& data, Split split,
+                                                  int64_t outputs, int64_t directions);
 // The same, read into memory (allocates the whole split; for tests and tools).
 Dataset load_dataset(const DataSection& data, Split split, uint64_t seed, int64_t input_width,
                      int64_t output_width);

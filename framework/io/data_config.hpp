@@ -30,6 +30,11 @@ struct DataSection {
   // "/" is added when missing: "x" and "/x" are the same).
   std::string x_key = "/x";
   std::string y_key = "/y";
+  // hdf5, Sobolev training (docs/derivatives.md): the dataset of the targets' derivatives
+  // w.r.t. the inputs, float [N, outputs, k] with k = dy_inputs' count (all inputs, in order,
+  // when dy_inputs is empty); "" (the default): no derivative targets.
+  std::string dy_key;
+  std::vector<int64_t> dy_inputs;  // the input columns dy_key holds, in its order; empty: all
   // "standard": the model sees (x - mean) / std per input feature, and for regression is
   // trained on (y - mean) / std per target, with statistics from one pass over the training
   // rows kept in every checkpoint (framework/io/normalization.hpp). "none": the rows as read.

@@ -55,6 +55,8 @@ struct Column {
   Handle dataset;       // open only while its shard is in the window (read through HDF5)
   int64_t offset = -1;  // file offset of row 0 when read with pread; -1: through HDF5
   int64_t width = 1;    // values per row
+  int row_rank = 1;     // the dataset's rank - 1 (x with Hdf5SourceOptions::x_row_shape: 2)
+  int64_t row_dims[2] = {1, 1};  // a row's shape (width = their product)
   H5T_class_t type_class = H5T_NO_CLASS;
   size_t type_size = 0;       // bytes per value in the file
   bool native_int32 = false;  // labels stored as native int32 (pread, widened); else int64
@@ -115,8 +117,9 @@ void describe_column(Shard& shard, Column& column, const char* name, hid_t nativ
 
 // Reads one shard's metadata and checks it alone (the shards are compared after); leaves
 // nothing open (a shard is opened when a batch reads it). Call under the HDF5 lock.
-Shard describe_shard(const std::string& path, const std::string& x_name,
-                     const std::string& y_name) {
+Shard describe_shard(const std::string& path, const Hdf5SourceOptions& options) {
+  const std::string& x_name = options.x_name;
+  const std::string& y_name = options.y_name;
   Shard shard;
   shard.path = path;
   shard.x.name = x_name;
@@ -140,6 +143,34 @@ Shard describe_shard(const std::string& path, const std::string& x_name,
                       "HDF5 data file '" + path + "': cannot open " + name);
   };
 
+  const std::vector<int64_t>& row_shape = options.x_row_shape;
+  if (!row_shape.empty()) {  // x as float [N, row_shape...] (Sobolev training's dy_key)
+    MESHTRAIN_REQUIRE(row_shape.size() <= 2, "open_hdf5_source: x_row_shape of rank > 2");
+    std::vector<int64_t> expected{-1};
+    expected.insert(expected.end(), row_shape.begin(), row_shape.end());
+    shard.x.dataset = open(x, "the derivative targets", options.x_key_name.c_str());
+    const std::vector<int64_t> xd =
+        hdf5::dataset_shape(shard.x.dataset, ErrorKind::bad_input, x_name + " in '" + path + "'");
+    describe_column(shard, shard.x, x, H5T_NATIVE_FLOAT);
+    expected[0] = xd.empty() ? 0 : xd[0];
+    if (xd != expected || shard.x.type_class != H5T_FLOAT) {
+      bad_file(path, x, " (data.", options.x_key_name, ") must be float ", shape_text(expected),
+               ", got ", shard.x.type_class == H5T_FLOAT ? "float " : "non-float ", shape_text(xd));
+    }
+    shard.rows = xd[0];
+    shard.x.row_rank = static_cast<int>(row_shape.size());
+    shard.x.width = 1;
+    for (size_t i = 0; i < row_shape.size(); ++i) {
+      shard.x.row_dims[i] = row_shape[i];
+      shard.x.width *= row_shape[i];
+    }
+    MESHTRAIN_REQUIRE(y_name.empty(), "open_hdf5_source: x_row_shape needs y_name \"\"");
+    shard.y.present = false;
+    shard.y.width = 0;
+    shard.x.dataset.reset();
+    shard.file.reset();
+    return shard;
+  }
   // x: float [N, features]
   shard.x.dataset = open(x, "float inputs [N, features]", "x_key");
   const std::vector<int64_t> xd =
@@ -244,7 +275,7 @@ class Hdf5Source final : public RowSource {
       set_.access = hdf5::make(H5Pcreate(H5P_DATASET_ACCESS), H5Pclose, ErrorKind::runtime,
                                "cannot create a dataset access property list");
       for (const std::string& path : files) {
-        set_.shards.push_back(describe_shard(path, options.x_name, options.y_name));
+        set_.shards.push_back(describe_shard(path, options));
       }
     }
     set_.open.reserve(static_cast<size_t>(std::min<int64_t>(open_shards_, files.size())));
@@ -686,8 +717,11 @@ class Hdf5Source final : public RowSource {
     int64_t distinct = 0;
     for (int64_t k = begin; k < end;) {
       const Run run = run_at(rows, k, end);
-      const hsize_t start[2] = {static_cast<hsize_t>(run.first - s.first), 0};
-      const hsize_t count[2] = {static_cast<hsize_t>(run.length), static_cast<hsize_t>(c.width)};
+      // A row of rank row_rank (2 for x_row_shape's [N, outputs, k]): whole rows.
+      const hsize_t start[3] = {static_cast<hsize_t>(run.first - s.first), 0, 0};
+      const hsize_t count[3] = {static_cast<hsize_t>(run.length),
+                                static_cast<hsize_t>(c.row_rank == 1 ? c.width : c.row_dims[0]),
+                                static_cast<hsize_t>(c.row_dims[1])};
       check(H5Sselect_hyperslab(space, H5S_SELECT_OR, start, nullptr, count, nullptr));
       distinct += run.length;
       k = run.next;

@@ -58,6 +58,7 @@ void MetricsLog::log(const LogEvent& e) {
     j["skipped_steps"] = e.skipped_steps;
   }
   if (!std::isnan(e.aux_loss)) j["aux_loss"] = e.aux_loss;
+  if (!std::isnan(e.derivative_loss)) j["derivative_loss"] = e.derivative_loss;
   if (e.stream_rows_received >= 0) {
     j["stream_rows_received"] = e.stream_rows_received;
     j["stream_rows_overwritten"] = e.stream_rows_overwritten;
@@ -226,6 +227,9 @@ std::string format_log_line(const LogEvent& e) {
   }
   char aux[48] = "";
   if (!std::isnan(e.aux_loss)) std::snprintf(aux, sizeof aux, " (aux %.5f)", e.aux_loss);
+  if (!std::isnan(e.derivative_loss)) {
+    std::snprintf(aux, sizeof aux, " (derivative %.5f)", e.derivative_loss);
+  }
   char save[48] = "";
   if (!std::isnan(e.save_s)) std::snprintf(save, sizeof save, "  save %.1f ms", 1e3 * e.save_s);
   char stream[96] = "";

@@ -37,6 +37,9 @@ struct LogEvent {
   // MoE models: the mean load-balancing loss (times its coefficient; part of `loss`) since
   // the last log; NaN (not written) without MoE layers.
   double aux_loss = std::nan("");
+  // Sobolev training (data.dy_key): the mean derivative term (times model.derivative_loss_weight;
+  // part of `loss`) since the last log; NaN (not written) without it.
+  double derivative_loss = std::nan("");
   // Mean seconds of a step of the window: the window's time less evaluation and saving (what
   // samples_per_s, tflops_per_rank and the ETA are computed from).
   double step_s = 0.0;

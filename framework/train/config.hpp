@@ -72,6 +72,8 @@ struct ModelSection {
   // Inverted dropout on the hidden activations in training steps (layers/dropout.hpp), in
   // [0, 1); 0: none.
   double dropout = 0.0;
+  // Sobolev training (data.dy_key set): lambda, the derivative term's weight in the loss.
+  double derivative_loss_weight = 1.0;
   MoeSettings moe() const { return {moe_layers, experts, top_k, aux_loss_coef}; }
   // (A model.dropout key for both kinds goes here; see docs/models.md.)
 

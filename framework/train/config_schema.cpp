@@ -47,6 +47,8 @@ std::optional<KeyProblem> check_path(const ConfigKey&, const RunConfig&, const K
 std::optional<KeyProblem> read_shuffle(const ConfigKey&, const toml::node&, RunConfig&);
 void write_shuffle(const ConfigKey&, const RunConfig&, toml::table&);
 std::optional<KeyProblem> check_dataset_key(const ConfigKey&, const RunConfig&, const KeyNames&);
+std::optional<KeyProblem> check_dy_key(const ConfigKey&, const RunConfig&, const KeyNames&);
+std::optional<KeyProblem> check_dy_inputs(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> check_normalize_targets(const ConfigKey&, const RunConfig&,
                                                   const KeyNames&);
 std::optional<KeyProblem> check_min_lr(const ConfigKey&, const RunConfig&, const KeyNames&);
@@ -254,6 +256,11 @@ const std::vector<ConfigKey>& config_keys() {
                          "same mask on every mesh ([model_math.md](model_math.md#dropout))")
                     .checked_by(check_dropout, "0 with MoE blocks")
                     .left_out_at_default());
+    k.push_back(
+        make_key("model", "derivative_loss_weight", FIELD(model.derivative_loss_weight), positive(),
+                 kFileCommands,
+                 "data.dy_key: lambda, the derivative term's weight in the loss (unused without)")
+            .left_out_at_default());
     // --- [partition] ---------------------------------------------------------------------
     k.push_back(make_key("partition", "preset", FIELD(partition.preset), any_value(), kEveryCommand,
                          "the rules of a training mode "
@@ -322,6 +329,20 @@ const std::vector<ConfigKey>& config_keys() {
                     .checked_by(check_dataset_key)
                     .shown_as("a dataset name other than x_key")
                     .left_out_at_default());
+    k.push_back(make_key("data", "dy_key", FIELD(data.dy_key), any_value(), kFileCommands,
+                         "hdf5: the targets' derivatives w.r.t. the inputs, float [N, outputs, "
+                         "k], for Sobolev training ([derivatives.md](derivatives.md))")
+                    .checked_by(check_dy_key,
+                                "hdf5, an fp32 mlp without MoE or dropout, a "
+                                "regression loss")
+                    .shown_as("a dataset name")
+                    .unset_when_empty()
+                    .defaults_to("none"));
+    k.push_back(make_key("data", "dy_inputs", FIELD(data.dy_inputs), any_value(), kFileCommands,
+                         "dy_key: the input columns its last axis holds, in its order")
+                    .checked_by(check_dy_inputs, "each once, 0 to inputs - 1")
+                    .left_out_at_default()
+                    .defaults_to("all inputs"));
     k.push_back(make_key("data", "normalize_inputs",
                          NAMED(data.normalize_inputs, normalize_choices()), any_value(),
                          kFileCommands,
@@ -842,6 +863,70 @@ std::optional<KeyProblem> check_dataset_key(const ConfigKey& key, const RunConfi
   if (value.empty()) return problem("must name a dataset, e.g. \"/x\"");
   if (!x && c.data.y_key == c.data.x_key) {
     return problem("names the same dataset as ", names("data.x_key"), " (", c.data.x_key, ")");
+  }
+  return std::nullopt;
+}
+
+// data.dy_key (Sobolev training): what the derivative path is built for
+// (Mlp::reserve_tangent_backward): an hdf5 source, a plain fp32 mlp, a regression loss.
+std::optional<KeyProblem> check_dy_key(const ConfigKey&, const RunConfig& c,
+                                       const KeyNames& names) {
+  const std::string& dy = c.data.dy_key;
+  if (dy.empty()) return std::nullopt;
+  if (dy == c.data.x_key || dy == c.data.y_key) {
+    return problem("names the same dataset as ",
+                   names(dy == c.data.x_key ? "data.x_key" : "data.y_key"), " (", dy, ")");
+  }
+  if (c.data.source != DataSource::hdf5) {
+    return problem("needs ", names("data.source"),
+                   " = \"hdf5\" (the derivative targets are read "
+                   "from the files beside x and y)");
+  }
+  if (c.mixed_precision.param_dtype != Dtype::fp32) {
+    return problem("is not supported with ", names("mixed_precision.param_dtype"),
+                   " other than \"fp32\" (derivatives are trained in fp32)");
+  }
+  if (c.model.kind != ModelKind::mlp) {
+    return problem("is not supported with ", names("model.kind"),
+                   " = \"residual_mlp\" (Sobolev training is built for kind = \"mlp\")");
+  }
+  if (!c.model.moe_layers.empty()) {
+    return problem("is not supported with ", names("model.moe_layers"),
+                   " (Sobolev training is built for a plain mlp)");
+  }
+  if (c.model.dropout > 0) {
+    return problem("is not supported with ", names("model.dropout"), " = ", c.model.dropout,
+                   " (set it to 0)");
+  }
+  if (c.model.loss && !is_regression(*c.model.loss)) {
+    return problem("needs a regression loss, but ", names("model.loss"),
+                   " is \"cross_entropy\"; set it to \"mse\", \"huber\" or \"mae\"");
+  }
+  return std::nullopt;
+}
+
+// data.dy_inputs: input columns, each once, within the model's inputs; only with dy_key.
+std::optional<KeyProblem> check_dy_inputs(const ConfigKey&, const RunConfig& c,
+                                          const KeyNames& names) {
+  const std::vector<int64_t>& columns = c.data.dy_inputs;
+  if (columns.empty()) return std::nullopt;
+  if (c.data.dy_key.empty()) {
+    return problem("chooses the columns of ", names("data.dy_key"), ", which is not set");
+  }
+  const int64_t inputs = c.model.input_width();
+  for (size_t i = 0; i < columns.size(); ++i) {
+    std::optional<KeyProblem> found;
+    if (columns[i] < 0 || (inputs > 0 && columns[i] >= inputs)) {
+      found = problem("entry ", columns[i], " is not an input column: the model has ", inputs,
+                      " inputs (0 to ", inputs - 1, "); ", names("data.dy_key"), " needs them");
+    }
+    for (size_t j = 0; j < i && !found; ++j) {
+      if (columns[j] == columns[i]) found = problem("lists input ", columns[i], " twice");
+    }
+    if (found) {
+      found->index = i;
+      return found;
+    }
   }
   return std::nullopt;
 }

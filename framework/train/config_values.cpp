@@ -326,6 +326,7 @@ void complete_config(RunConfig& config, bool from_file) {
   if (config.checkpoint.dir.empty()) config.checkpoint.dir = config.run.output_dir + "/checkpoints";
   config.data.x_key = canonical_dataset_key(config.data.x_key);
   config.data.y_key = canonical_dataset_key(config.data.y_key);
+  if (!config.data.dy_key.empty()) config.data.dy_key = canonical_dataset_key(config.data.dy_key);
   if (!from_file) return;  // a run made in code resolves these from the data it loads
   if (!config.model.loss) {
     config.model.loss =

@@ -93,6 +93,9 @@ std::ostream& operator<<(std::ostream& out, const Allocations& a) {
 struct DataCase {
   int64_t prefetch = 2;  // data.prefetch's default
   std::string hdf5_path;
+  // Sobolev training: data.dy_key and data.dy_inputs (the file holds the dataset).
+  std::string dy_key;
+  std::vector<int64_t> dy_inputs;
 };
 
 // [runtime] comm_thread of the runs below (the test with the communication thread sets it).
@@ -152,6 +155,8 @@ Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgo
   if (!data.hdf5_path.empty()) {
     config.data.source = DataSource::hdf5;
     config.data.path = {data.hdf5_path};
+    config.data.dy_key = data.dy_key;
+    config.data.dy_inputs = data.dy_inputs;
     rows.reset();
   }
   TrainingRun run(config, {}, std::move(rows));
@@ -480,6 +485,55 @@ TEST(TrainingStep, StreamedFromHdf5AllocatesNothing) {
         data.hdf5_path = path;
         EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::naive, LossKind::cross_entropy,
                                        OptimizerKind::adamw, 1, 0, false, 25.0, data),
+                  Allocations{})
+            << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
+      }
+    }
+  }
+}
+
+// Sobolev training (data.dy_key): the tangent pass, the derivative loss, the backward through
+// both and the derivative targets' stream (contiguous: pread; chunked: HDF5's hyperslabs of
+// [N, outputs, k]) are reserved at set-up, so nothing is allocated either; with one
+// micro-batch and with two.
+TEST(TrainingStep, WithDerivativeTargetsAllocatesNothing) {
+  testing::TempDir dir(/*shared=*/true);
+  const std::string contiguous = dir.file("dy.h5"), chunked = dir.file("dy-chunked.h5");
+  const std::vector<int64_t> chosen = {3, 17};
+  if (world_rank() == 0) {
+    const Dataset d = small_data(LossKind::mse);
+    const auto k = static_cast<hsize_t>(chosen.size());
+    std::vector<float> dy(static_cast<size_t>(d.num_samples * d.target_width) * k);
+    for (size_t i = 0; i < dy.size(); ++i) dy[i] = 0.1f * static_cast<float>(i % 7);
+    for (const bool is_chunked : {false, true}) {
+      testing::H5Layout layout;
+      layout.chunked = is_chunked;
+      const std::string& path = is_chunked ? chunked : contiguous;
+      testing::write_h5(path, d, layout);
+      std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+      const hid_t file = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+      ASSERT_GE(file, 0);
+      testing::write_h5_column(
+          file, "/dy", H5T_NATIVE_FLOAT,
+          {static_cast<hsize_t>(d.num_samples), static_cast<hsize_t>(d.target_width), k}, dy.data(),
+          layout);
+      ASSERT_GE(H5Fclose(file), 0);
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (const MeshCase& c : mesh_cases()) {
+    for (const std::string& path : {contiguous, chunked}) {
+      for (int64_t micro_batches : {1, 2}) {
+        if (micro_batches == 2 && c.axes.front().first != "tp" && 8 % c.axes.front().second != 0)
+          continue;
+        SCOPED_TRACE(c.preset + ", " + path + ", data.dy_key, " + std::to_string(micro_batches) +
+                     " micro-batches");
+        DataCase data;
+        data.hdf5_path = path;
+        data.dy_key = "/dy";
+        data.dy_inputs = chosen;
+        EXPECT_EQ(allocations_in_steps(c, CollectiveMatmulAlgorithm::naive, LossKind::mse,
+                                       OptimizerKind::adamw, micro_batches, 0, false, 25.0, data),
                   Allocations{})
             << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
       }
