@@ -899,8 +899,8 @@ std::optional<KeyProblem> check_dy_key(const ConfigKey&, const RunConfig& c,
                    " (set it to 0)");
   }
   if (c.model.loss && !is_regression(*c.model.loss)) {
-    return problem("needs a regression loss, but ", names("model.loss"),
-                   " is \"cross_entropy\"; set it to \"mse\", \"huber\" or \"mae\"");
+    return problem("needs a regression loss, but ", names("model.loss"), " is \"",
+                   to_string(*c.model.loss), "\"; set it to \"mse\", \"huber\" or \"mae\"");
   }
   return std::nullopt;
 }
