@@ -222,9 +222,22 @@ void TrainingRun::open_stream() {
   });
   // Collective over every process of the job (the rendezvous): no early return above on
   // some ranks only (on_every_rank agreed on it).
+  // What a publish carries, told to the producers at the rendezvous (their LiveModel is built
+  // from it before the first publish).
+  StreamModel model;
+  if (stream.publish_every > 0) {
+    model.config_text = config_.text.empty() ? config_to_toml(config_) : config_.text;
+    for (const ParameterShape& p : model_parameter_shapes(config_.model)) {
+      int64_t elements = 1;
+      for (int64_t d : p.shape) elements *= d;
+      model.parameter_floats += elements;
+    }
+    model.input_stats = config_.data.normalize_inputs == Normalize::standard;
+    model.target_stats = config_.data.normalize_targets == Normalize::standard;
+  }
   on_every_rank(comm_, [&] {
     auto source = std::make_unique<StreamSource>(stream, comm_, slice_, inputs, outputs, min_rows,
-                                                 config_.run.seed);
+                                                 config_.run.seed, model);
     stream_ = source.get();
     train_source_ = std::move(source);
     Dataset none;
@@ -356,6 +369,11 @@ void TrainingRun::build_checkpoint_view() {
   checkpoint_.config_text = config_.text;
   checkpointer_ = std::make_unique<Checkpointer>(comm_, config_.checkpoint.async);
   checkpoint_.params = model_->parameters();
+  // The publishes' gather and buffers (stream.publish_every), made once: a publish allocates
+  // nothing.
+  if (stream_ && stream_->publishing()) {
+    on_every_rank(comm_, [&] { stream_->prepare_publish(model_->parameters(), *mesh_); });
+  }
   for (const std::string& slot : optimizer_->slot_names()) {
     checkpoint_.opt_state.push_back({slot, optimizer_->slot(slot)});
   }

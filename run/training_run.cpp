@@ -201,6 +201,11 @@ void TrainingRun::log_step(const StepResult& result) {
     event.stream_rows_received = counters.rows_received;
     event.stream_rows_overwritten = counters.rows_overwritten;
     event.stream_buffer_rows = counters.buffer_rows;
+    if (stream_->publishing()) {
+      event.stream_publishes = counters.publishes;
+      event.stream_publishes_sent = counters.publishes_sent;
+      event.stream_publishes_replaced = counters.publishes_replaced;
+    }
   }
   data_wait_s_ += waited;
   metrics_->log(event);
@@ -227,6 +232,12 @@ StepResult TrainingRun::step() {
       accumulate_loaded_batch();
     }
     result = apply_update();
+  }
+  if (stream_ && stream_->publishing() && number % config_.stream.publish_every == 0) {
+    // The parameters after this step's update, to the producers' LiveModel (never waits for
+    // them to be taken).
+    TraceSpan span("stream publish");
+    stream_->publish(model_->parameters(), normalization_, number);
   }
   if (stream_ && config_.stream.until == StreamUntil::closed && stream_->ended()) {
     stream_ended_ = true;

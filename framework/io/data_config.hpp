@@ -48,6 +48,9 @@ struct StreamSection {
   StreamOrder order = StreamOrder::random;
   StreamRowType dtype = StreamRowType::float32;
   StreamUntil until = StreamUntil::steps;
+  // Every publish_every steps the trainer sends its parameters and normalization to the
+  // producers (their LiveModel); 0: never.
+  int64_t publish_every = 0;
 };
 
 // A dataset key as written ("x" or "/x") in its canonical form ("/x"); "" when it names no
