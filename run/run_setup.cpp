@@ -240,11 +240,16 @@ void TrainingRun::open_stream() {
                                                  config_.run.seed, model);
     stream_ = source.get();
     train_source_ = std::move(source);
-    Dataset none;
-    none.description = "no test set (a stream's held-out rows are not built yet)";
-    none.features = inputs;
-    none.target_width = outputs;
-    test_source_ = make_memory_source(std::move(none));
+    if (stream.test_fraction > 0.0) {
+      // The held-out rows are the test set; their count changes as they come (evaluate()).
+      test_source_ = stream_->make_held_out_source();
+    } else {
+      Dataset none;
+      none.description = "no test set (stream.test_fraction = 0)";
+      none.features = inputs;
+      none.target_width = outputs;
+      test_source_ = make_memory_source(std::move(none));
+    }
     // Steps are numbered by the schedule; its samples (the buffer's slots) are not used.
     schedule_.emplace(stream.buffer_rows * slice_.count, global_batch * accumulation_,
                       ShuffleMode::none, config_.run.seed);
@@ -476,7 +481,14 @@ void TrainingRun::start_streams() {
           return slice.rows;
         },
         depth, steps_done_ * accumulation_, normalization_);
-    if (eval_schedule_.num_batches > 0) {
+    if (evaluates_held_out_rows()) {
+      eval_stream_ = std::make_unique<BatchStream>(
+          *test_source_, eval_slice_.rows,
+          [this](int64_t seq, int64_t* rows) {
+            return stream_->held_out_slots(seq - eval_first_seq_, eval_slice_.rows, rows);
+          },
+          0, 0, normalization_);
+    } else if (eval_schedule_.num_batches > 0) {
       // Every evaluation reads the same batches: the sequence goes round them, so the first
       // batches of the next evaluation are read ahead during training.
       eval_stream_ = std::make_unique<BatchStream>(

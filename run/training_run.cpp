@@ -131,7 +131,7 @@ void TrainingRun::train_steps(RunSummary& summary) {
     const int64_t eval_every = config_.train.eval_interval(schedule_->steps_per_epoch());
     const bool eval_now = eval_every > 0 && done % eval_every == 0;
     bool improved = false;
-    if ((eval_now || last) && eval_schedule_.num_batches > 0) {
+    if ((eval_now || last) && (eval_schedule_.num_batches > 0 || evaluates_held_out_rows())) {
       summary.last_eval = evaluate();
       improved = record_evaluation(*summary.last_eval);
       metrics_->eval(*summary.last_eval);
@@ -201,6 +201,7 @@ void TrainingRun::log_step(const StepResult& result) {
     event.stream_rows_received = counters.rows_received;
     event.stream_rows_overwritten = counters.rows_overwritten;
     event.stream_buffer_rows = counters.buffer_rows;
+    if (config_.stream.test_fraction > 0.0) event.stream_rows_held_out = counters.rows_held_out;
     if (stream_->publishing()) {
       event.stream_publishes = counters.publishes;
       event.stream_publishes_sent = counters.publishes_sent;

@@ -63,6 +63,7 @@ void MetricsLog::log(const LogEvent& e) {
     j["stream_rows_overwritten"] = e.stream_rows_overwritten;
     j["stream_buffer_rows"] = e.stream_buffer_rows;
   }
+  if (e.stream_rows_held_out >= 0) j["stream_rows_held_out"] = e.stream_rows_held_out;
   if (e.stream_publishes >= 0) {
     j["stream_publishes"] = e.stream_publishes;
     j["stream_publishes_sent"] = e.stream_publishes_sent;
@@ -229,6 +230,11 @@ std::string format_log_line(const LogEvent& e) {
                   static_cast<long long>(e.stream_rows_received),
                   static_cast<long long>(e.stream_rows_overwritten),
                   static_cast<long long>(e.stream_buffer_rows));
+    if (e.stream_rows_held_out >= 0) {
+      const size_t used = std::strlen(stream);
+      std::snprintf(stream + used, sizeof stream - used, ", %lld held out",
+                    static_cast<long long>(e.stream_rows_held_out));
+    }
     if (e.stream_publishes >= 0) {
       const size_t used = std::strlen(stream);
       std::snprintf(stream + used, sizeof stream - used, ", %lld published",

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <thread>
 
@@ -13,6 +14,48 @@
 namespace meshtrain {
 
 namespace sp = stream_protocol;
+
+bool stream_row_held_out(int64_t producer, int64_t row, double fraction) {
+  if (fraction <= 0.0) return false;
+  const uint64_t h = stream_hash(stream_hash(static_cast<uint64_t>(producer)) ^
+                                 stream_hash(static_cast<uint64_t>(row) + 0x5eed));
+  return static_cast<double>(h >> 11) * 0x1.0p-53 < fraction;
+}
+
+namespace {
+
+// The held-out window as a RowSource: the run's test set.
+class HeldOutSource : public RowSource {
+ public:
+  HeldOutSource(const StreamBuffer& rows, const std::string& name) : rows_(rows) {
+    shape_.description = "the rows held out of stream \"" + name + "\"";
+    shape_.num_samples = rows.capacity();
+    shape_.features = rows.features();
+    shape_.target_width = rows.outputs();
+  }
+  void read(const int64_t* slots, int64_t count, const RowBuffers& out) override {
+    const int64_t f = rows_.features(), w = rows_.outputs();
+    for (int64_t i = 0; i < count; ++i) {
+      std::memcpy(out.x + i * f, rows_.x(slots[i]), static_cast<size_t>(f) * sizeof(float));
+      if (out.targets) {
+        std::memcpy(out.targets + i * w, rows_.y(slots[i]), static_cast<size_t>(w) * sizeof(float));
+      }
+    }
+  }
+  int64_t resident_bytes() const override { return 0; }  // counted by the StreamSource
+
+ private:
+  const StreamBuffer& rows_;
+};
+
+int64_t held_out_capacity(const StreamSection& section) {
+  if (section.test_fraction <= 0.0) return 1;  // unused
+  return std::max<int64_t>(
+      1, static_cast<int64_t>(
+             std::ceil(static_cast<double>(section.buffer_rows) * section.test_fraction)));
+}
+
+}  // namespace
 
 int64_t stream_rendezvous_count() {
   return sp::rendezvous_count();
@@ -36,7 +79,9 @@ StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
       group_(slice.index),
       min_rows_(min_rows),
       seed_(seed),
-      buffer_(section.buffer_rows, features, outputs, section.policy, seed, slice.index) {
+      buffer_(section.buffer_rows, features, outputs, section.policy, seed, slice.index),
+      held_out_(held_out_capacity(section), features, outputs, StreamPolicy::window, seed,
+                slice.index) {
   shape_.description = "stream \"" + section.name + "\"";
   shape_.num_samples = section.buffer_rows;
   shape_.features = features;
@@ -146,7 +191,7 @@ void StreamSource::read(const int64_t* rows, int64_t count, const RowBuffers& ou
 }
 
 int64_t StreamSource::resident_bytes() const {
-  return buffer_.bytes() +
+  return buffer_.bytes() + (section_.test_fraction > 0.0 ? held_out_.bytes() : 0) +
          static_cast<int64_t>(producers_.size()) * sp::kStagingSlots * message_bytes_;
 }
 
@@ -172,15 +217,24 @@ void StreamSource::receive() {
   }
 }
 
-void StreamSource::take(const unsigned char* message) {
+void StreamSource::take(int64_t producer, const unsigned char* message) {
   sp::Header header;
   std::memcpy(&header, message, sizeof header);
   const unsigned char* payload = message + sizeof header;
   const int64_t f = buffer_.features(), w = buffer_.outputs();
+  const double fraction = section_.test_fraction;
+  // Row r of the message is the producer's row first_row + r: held out or trained on.
+  const auto keep = [&](int64_t r, const float* x, const float* y) {
+    if (stream_row_held_out(producer, header.first_row + r, fraction)) {
+      held_out_.add(x, y);
+    } else {
+      buffer_.add(x, y);
+    }
+  };
   if (dtype_ == sp::kFloat32) {
     const auto* x = reinterpret_cast<const float*>(payload);
     const float* y = x + header.rows * f;
-    for (int64_t r = 0; r < header.rows; ++r) buffer_.add(x + r * f, y + r * w);
+    for (int64_t r = 0; r < header.rows; ++r) keep(r, x + r * f, y + r * w);
     return;
   }
   const auto* x = reinterpret_cast<const double*>(payload);
@@ -191,7 +245,7 @@ void StreamSource::take(const unsigned char* message) {
     for (int64_t j = 0; j < w; ++j) {
       row_scratch_[static_cast<size_t>(f + j)] = static_cast<float>(y[r * w + j]);
     }
-    buffer_.add(row_scratch_.data(), row_scratch_.data() + f);
+    keep(r, row_scratch_.data(), row_scratch_.data() + f);
   }
 }
 
@@ -211,7 +265,7 @@ void StreamSource::pull_once() {
         closed_[p] = 1;
         if (p == 0) end_owed_ = true;  // no publish after producer 0's close
       } else {
-        take(slot.data());
+        take(static_cast<int64_t>(p), slot.data());
       }
       staged_head_[p] = (staged_head_[p] + 1) % sp::kStagingSlots;
       --staged_count_[p];
@@ -220,12 +274,16 @@ void StreamSource::pull_once() {
   // The publish in flight tested, the waiting one or the end started (never waits).
   if (publish_every_ > 0 && trainer_rank_ == 0) progress_publish();
   const bool all_closed = std::find(closed_.begin(), closed_.end(), 0) == closed_.end();
-  int64_t sums[5] = {group_lead_ ? buffer_.seen() : 0, group_lead_ ? buffer_.overwritten() : 0,
-                     group_lead_ ? buffer_.filled() : 0, buffer_.filled() < min_rows_ ? 1 : 0,
-                     all_closed ? 1 : 0};
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, sums, 5, MPI_INT64_T, MPI_SUM, trainer_comm_),
+  int64_t sums[6] = {group_lead_ ? buffer_.seen() + held_out_.seen() : 0,
+                     group_lead_ ? buffer_.overwritten() : 0,
+                     group_lead_ ? buffer_.filled() : 0,
+                     buffer_.filled() < min_rows_ ? 1 : 0,
+                     all_closed ? 1 : 0,
+                     group_lead_ ? held_out_.seen() : 0};
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, sums, 6, MPI_INT64_T, MPI_SUM, trainer_comm_),
             "MPI_Allreduce (a stream's counters)");
   counters_.rows_received = sums[0];
+  counters_.rows_held_out = sums[5];
   counters_.rows_overwritten = sums[1];
   counters_.buffer_rows = sums[2];
   ended_ = sums[4] == trainer_size_;
@@ -406,6 +464,17 @@ bool StreamSource::publish_finished() {
   int done = 0;
   if (MPI_Test(&end_request_, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return true;
   return done != 0;
+}
+
+std::unique_ptr<RowSource> StreamSource::make_held_out_source() const {
+  return std::make_unique<HeldOutSource>(held_out_, section_.name);
+}
+
+int64_t StreamSource::held_out_slots(int64_t batch, int64_t rows, int64_t* out) const {
+  const int64_t first = batch * rows;
+  const int64_t valid = std::clamp<int64_t>(held_out_.filled() - first, 0, rows);
+  for (int64_t i = 0; i < valid; ++i) out[i] = first + i;
+  return valid;
 }
 
 int64_t StreamSource::batch_slots(int64_t seq, int64_t rows, int64_t* out) const {

@@ -12,6 +12,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,7 @@ struct StreamCounters {
   int64_t rows_received = 0;     // rows taken into the buffers
   int64_t rows_overwritten = 0;  // replaced, or not kept by the reservoir
   int64_t buffer_rows = 0;       // rows the buffers hold
+  int64_t rows_held_out = 0;     // stream.test_fraction: rows taken into the held-out windows
   // Publishes (stream.publish_every), as trainer rank 0 counts them (0 on the other ranks).
   int64_t publishes = 0;           // made: the version of the newest
   int64_t publishes_sent = 0;      // handed to MPI toward producer 0
@@ -50,6 +52,10 @@ struct StreamModel {
 void stream_trainer_failed(const std::string& sentence, MPI_Comm parent = MPI_COMM_WORLD);
 // The stream rendezvous this process took part in so far.
 int64_t stream_rendezvous_count();
+
+// Whether row `row` of producer `producer` is held out for evaluation at `fraction`: a hash of
+// the two (no seed: the same rows in every run) below fraction.
+bool stream_row_held_out(int64_t producer, int64_t row, double fraction);
 
 class StreamSource : public RowSource {
  public:
@@ -78,6 +84,15 @@ class StreamSource : public RowSource {
   // Every producer had closed, on every rank, at the last pull.
   bool ended() const { return ended_; }
   const StreamBuffer& buffer() const { return buffer_; }
+  // The held-out rows (stream.test_fraction > 0): a window of this rank's newest, which
+  // held_out_source() reads (the run's test set).
+  const StreamBuffer& held_out() const { return held_out_; }
+  // A RowSource over the held-out window (its slots), for the run to own as its test set;
+  // it reads this source's window, so it must not outlive it.
+  std::unique_ptr<RowSource> make_held_out_source() const;
+  // This rank's slots of evaluation batch `batch` of `rows` rows: [batch x rows, +valid) of
+  // the held-out window; returns valid (the rest padding).
+  int64_t held_out_slots(int64_t batch, int64_t rows, int64_t* out) const;
   int64_t producers() const { return static_cast<int64_t>(producers_.size()); }
 
   // Publishes (docs/online.md). Collective over the trainer, once before the first publish:
@@ -95,7 +110,7 @@ class StreamSource : public RowSource {
  private:
   void receive();
   void pull_once();
-  void take(const unsigned char* message);
+  void take(int64_t producer, const unsigned char* message);
   // Rank 0: starts the send of the waiting publish once the previous one completed, and the
   // end once producer 0 closed (never waits).
   void progress_publish();
@@ -115,6 +130,7 @@ class StreamSource : public RowSource {
   int64_t message_bytes_ = 0;
   std::vector<int> producers_;  // stream-communicator ranks
   StreamBuffer buffer_;
+  StreamBuffer held_out_;
   // Each producer's received messages not yet taken: a FIFO of kStagingSlots slots.
   std::vector<std::vector<std::vector<unsigned char>>> staging_;
   std::vector<int64_t> staged_head_, staged_count_;
