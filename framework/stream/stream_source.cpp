@@ -459,7 +459,11 @@ void StreamSource::progress_publish() {
 
 bool StreamSource::publish_finished() {
   if (publish_every_ <= 0 || trainer_rank_ != 0 || producers_.empty()) return true;
-  progress_publish();
+  try {
+    progress_publish();
+  } catch (const Error&) {
+    return true;  // called by the destructor, which does not throw: stop waiting
+  }
   if (!end_sent_ || in_flight_request_ != MPI_REQUEST_NULL) return false;
   int done = 0;
   if (MPI_Test(&end_request_, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return true;

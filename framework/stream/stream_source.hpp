@@ -114,7 +114,8 @@ class StreamSource : public RowSource {
   // Rank 0: starts the send of the waiting publish once the previous one completed, and the
   // end once producer 0 closed (never waits).
   void progress_publish();
-  // Rank 0, in the destructor: whether the end was sent and every publish send completed.
+  // Rank 0, in the destructor: whether the end was sent and every publish send completed
+  // (never throws: an MPI error ends the wait).
   bool publish_finished();
 
   StreamSection section_;
