@@ -55,6 +55,30 @@ int mt_stream_connect_f(MPI_Fint comm, const char* name, int64_t inputs, int64_t
                         int dtype, int64_t ring_rows, int64_t message_rows, int backpressure,
                         mt_stream** out);
 
+/* The trainer's model as it trains (its stream.publish_every > 0): the C form of
+ * meshtrain::LiveModel (docs/online.md), in the meshtrain_run library.
+ *
+ *   mt_live_model* m = NULL;
+ *   mt_live_model_create(s, 0, &m);            // collective over the producers' comm
+ *   each step: mt_live_model_refresh(m);       // collective; 1: newer weights taken
+ *              if (mt_live_model_version(m) > 0) mt_live_model_predict(m, x, y, rows);
+ *   mt_live_model_free(m);                     // before mt_stream_free(s)
+ *
+ * predict takes x [rows, inputs] and writes y [rows, outputs], row-major host arrays of the
+ * stream's dtype, rows <= mt_live_model_local_rows(m); before the first publish it returns
+ * MT_STREAM_BAD_INPUT with the sentence in mt_live_model_last_error. */
+typedef struct mt_live_model mt_live_model; /* opaque */
+
+int mt_live_model_create(mt_stream* s, int64_t batch_size, mt_live_model** out);
+/* 1: newer weights were taken, 0: none, negative: -MT_STREAM_BAD_INPUT or -MT_STREAM_ERROR. */
+int mt_live_model_refresh(mt_live_model* m);
+int mt_live_model_predict(mt_live_model* m, const void* x, void* y, int64_t rows);
+int64_t mt_live_model_version(const mt_live_model* m); /* 0 before the first publish */
+int64_t mt_live_model_step(const mt_live_model* m);    /* the weights' training step */
+int64_t mt_live_model_local_rows(const mt_live_model* m);
+void mt_live_model_free(mt_live_model* m);
+const char* mt_live_model_last_error(const mt_live_model* m);
+
 #ifdef __cplusplus
 }
 #endif

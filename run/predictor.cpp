@@ -254,10 +254,47 @@ Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,
   normalization_.target_mean = broadcast_doubles(stats.target_mean, comm_);
   normalization_.target_std = broadcast_doubles(stats.target_std, comm_);
 
+  build(config_text, "the config of checkpoint '" + path_ + "'", overrides, batch_size,
+        /*whole_model_on_every_rank=*/false);
+  CheckpointContents contents;
+  contents.mesh = *mesh_;
+  contents.params = model_->parameters();  // views: the load fills the model's tensors
+  load_checkpoint(path_, contents, comm_);
+  finish_construction();
+}
+
+Predictor::Predictor(const NoWeightsYet& model, int64_t batch_size, MPI_Comm comm) : comm_(comm) {
+  predictor_detail::copy_rows_label();
+  device_space();
+  host_space();
+  path_ = model.source;
+  not_ready_ = model.not_ready;
+  on_every_rank(comm_, [&] {
+    if (batch_size < 0) MESHTRAIN_BAD_INPUT("the batch size must be positive, got ", batch_size);
+  });
+  build(model.config_text, model.source, {}, batch_size, /*whole_model_on_every_rank=*/true);
+  // Identity statistics until the first weights come with their own.
+  if (model.input_stats) {
+    normalization_.input_mean.assign(static_cast<size_t>(inputs()), 0.0);
+    normalization_.input_std.assign(static_cast<size_t>(inputs()), 1.0);
+  }
+  if (model.target_stats) {
+    normalization_.target_mean.assign(static_cast<size_t>(outputs()), 0.0);
+    normalization_.target_std.assign(static_cast<size_t>(outputs()), 1.0);
+  }
+  finish_construction();
+}
+
+void Predictor::build(const std::string& config_text, const std::string& where,
+                      const std::vector<std::string>& overrides, int64_t batch_size,
+                      bool whole_model_on_every_rank) {
   // --- The model's config, the mesh and the plan. ------------------------------------------
+  int rank = 0, world_size = 1;
+  check_mpi(MPI_Comm_rank(comm_, &rank), "MPI_Comm_rank");
+  check_mpi(MPI_Comm_size(comm_, &world_size), "MPI_Comm_size");
   LayerAxes axes;
   on_every_rank(comm_, [&] {
-    config_ = parse_config(config_text, "the config of checkpoint '" + path_ + "'", overrides);
+    config_ = parse_config(config_text, where, overrides);
     require_comm_backend_available(config_.runtime.backend);
     const int64_t inputs = config_.model.input_width(), outputs = config_.model.output_width();
     classification_ = config_.model.loss == LossKind::cross_entropy;
@@ -278,11 +315,9 @@ Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,
     if (!overrides_key(overrides, "runtime.matmul_precision")) {
       config_.runtime.matmul_precision = MatmulPrecision::fp32;
     }
-    try {
-      mesh_ = config_.mesh.resolve(world_size);
-    } catch (const Error& e) {
-      if (overrides_section(overrides, "mesh")) throw;
-      // Every axis of the config's mesh stays (the partition rules may name it), at size 1.
+    // Every axis of the config's mesh stays (the partition rules may name it), at size 1, and
+    // dp takes every rank: each rank holds the whole model and computes its own rows.
+    const auto whole_model_per_rank = [&] {
       bool has_dp = false;
       for (auto& [name, size] : config_.mesh.axes) {
         size = name == "dp" ? world_size : 1;
@@ -290,8 +325,18 @@ Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,
       }
       if (!has_dp) config_.mesh.axes.insert(config_.mesh.axes.begin(), {"dp", world_size});
       mesh_ = config_.mesh.resolve(world_size);
-      mesh_note_ = detail::concat("the checkpoint's mesh does not fit ", world_size, " ranks (",
-                                  e.what(), "): predicting on dp = ", world_size);
+    };
+    if (whole_model_on_every_rank) {
+      whole_model_per_rank();
+    } else {
+      try {
+        mesh_ = config_.mesh.resolve(world_size);
+      } catch (const Error& e) {
+        if (overrides_section(overrides, "mesh")) throw;
+        whole_model_per_rank();
+        mesh_note_ = detail::concat("the checkpoint's mesh does not fit ", world_size, " ranks (",
+                                    e.what(), "): predicting on dp = ", world_size);
+      }
     }
     // Rows per call: the batch axes must divide them.
     PlanOptions options = plan_options(config_);
@@ -322,13 +367,30 @@ Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,
                    config_.runtime.overlap, config_.runtime.bucket_mb);
   context_->set_precision(config_.mixed_precision.policy());
   model_ = make_model(config_.model, specs_from_plan(*plan_), *context_, slice_.rows);
-  CheckpointContents contents;
-  contents.mesh = *mesh_;
-  contents.params = model_->parameters();  // views: the load fills the model's tensors
-  load_checkpoint(path_, contents, comm_);
   whole_rows_ =
       std::make_unique<WholeOutputRows>(*context_, slice_.rows, outputs(), model_->output_layout());
+}
 
+void Predictor::set_normalization(const double* input_mean, const double* input_std,
+                                  const double* target_mean, const double* target_std) {
+  const auto copy_into = [](std::vector<double>& values, const DoubleView& view,
+                            const double* from) {
+    std::copy(from, from + values.size(), values.begin());
+    Kokkos::View<const double*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> host(
+        from, values.size());
+    Kokkos::deep_copy(view, host);
+  };
+  if (normalization_.inputs() && input_mean) {
+    copy_into(normalization_.input_mean, input_mean_, input_mean);
+    copy_into(normalization_.input_std, input_std_, input_std);
+  }
+  if (normalization_.targets() && target_mean) {
+    copy_into(normalization_.target_mean, target_mean_, target_mean);
+    copy_into(normalization_.target_std, target_std_, target_std);
+  }
+}
+
+void Predictor::finish_construction() {
   // --- Buffers, allocated once. -------------------------------------------------------------
   x_ = Matrix("meshtrain::predict_x", slice_.rows, inputs());
   x_host_ = host_mirror(x_);
@@ -354,6 +416,7 @@ Predictor::Predictor(const std::string& checkpoint, int64_t batch_size,
 Predictor::~Predictor() = default;
 
 void Predictor::check_input(int64_t rows, int64_t width) const {
+  if (!not_ready_.empty()) MESHTRAIN_BAD_INPUT(not_ready_);
   if (width != inputs()) {
     MESHTRAIN_BAD_INPUT("Predictor::predict: the input has ", width,
                         " columns but the model of checkpoint '", path_, "' takes ", inputs(),

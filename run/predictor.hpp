@@ -177,8 +177,37 @@ class Predictor {
   // Lines describing the predictor: checkpoint, model, mesh, batch, normalization.
   std::vector<std::string> describe() const;
 
+ protected:
+  // A model whose parameters come later (LiveModel, run/live_model.hpp): built from a run's
+  // config text, every rank holding the whole model (dp = the ranks of comm, each computing its
+  // own rows), its normalization (when it has one) the identity until set; predict() and
+  // jacobian() throw bad_input `not_ready` until the weights are set. Collective over comm.
+  struct NoWeightsYet {
+    std::string config_text;
+    std::string source;     // what the model is, in messages (checkpoint_path())
+    std::string not_ready;  // the sentence predict() throws until the weights are set
+    bool input_stats = false, target_stats = false;
+  };
+  Predictor(const NoWeightsYet& model, int64_t batch_size, MPI_Comm comm);
+  // The model's parameters (each whole on this rank when built from NoWeightsYet).
+  std::vector<ShardedTensor>& parameters() { return model_->parameters(); }
+  // Copies the statistics (each as long as this model's) where they apply; allocates nothing.
+  void set_normalization(const double* input_mean, const double* input_std,
+                         const double* target_mean, const double* target_std);
+  void set_ready(int64_t step) {
+    step_ = step;
+    not_ready_.clear();
+  }
+
  private:
   using HostMatrix = Matrix::HostMirror;
+  // The model's config (parsed from config_text, `where` naming it in messages), the mesh, the
+  // plan and the model on it (its parameters zero). Collective.
+  void build(const std::string& config_text, const std::string& where,
+             const std::vector<std::string>& overrides, int64_t batch_size,
+             bool whole_model_on_every_rank);
+  // The buffers, allocated once, and a pass on zeros.
+  void finish_construction();
   void check_input(int64_t rows, int64_t width) const;
   // x_ rows [0, rows) hold the input: pads, normalizes, forwards, gathers, de-normalizes.
   // for_derivatives: the model's forward(), which keeps what the tangent and cotangent passes
@@ -196,6 +225,7 @@ class Predictor {
 
   std::string path_;
   int64_t step_ = 0;
+  std::string not_ready_;  // non-empty: predict() throws it (a LiveModel before its weights)
   RunConfig config_;
   bool classification_ = false;
   std::string mesh_note_;

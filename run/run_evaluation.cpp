@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "base/error.hpp"
+#include "framework/comm/mpi_util.hpp"
 #include "framework/observe/trace.hpp"
 
 namespace meshtrain {
@@ -22,6 +23,16 @@ EvalEvent TrainingRun::evaluate() {
   const BatchLabels& labels = eval_model_ ? eval_labels_ : labels_;
   const Matrix& targets = eval_model_ ? eval_targets_ : targets_;
   eval_metrics_->reset();
+  if (evaluates_held_out_rows()) {
+    // A stream's held-out rows: as many batches as the fullest rank's window needs (a rank
+    // with fewer rows pads), agreed, numbered from this evaluation's first.
+    const int64_t rows = eval_slice_.rows;
+    int64_t batches = (stream_->held_out().filled() + rows - 1) / rows;
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, &batches, 1, MPI_INT64_T, MPI_MAX, comm_),
+              "MPI_Allreduce (the held-out rows' batches)");
+    eval_schedule_.num_batches = batches;
+    eval_first_seq_ = eval_seq_;
+  }
   for (int64_t b = 0; b < eval_schedule_.num_batches; ++b) {
     int64_t valid = 0;
     try {

@@ -237,16 +237,34 @@ void TrainingRun::open_stream() {
   });
   // Collective over every process of the job (the rendezvous): no early return above on
   // some ranks only (on_every_rank agreed on it).
+  // What a publish carries, told to the producers at the rendezvous (their LiveModel is built
+  // from it before the first publish).
+  StreamModel model;
+  if (stream.publish_every > 0) {
+    model.config_text = config_.text.empty() ? config_to_toml(config_) : config_.text;
+    for (const ParameterShape& p : model_parameter_shapes(config_.model)) {
+      int64_t elements = 1;
+      for (int64_t d : p.shape) elements *= d;
+      model.parameter_floats += elements;
+    }
+    model.input_stats = config_.data.normalize_inputs == Normalize::standard;
+    model.target_stats = config_.data.normalize_targets == Normalize::standard;
+  }
   on_every_rank(comm_, [&] {
     auto source = std::make_unique<StreamSource>(stream, comm_, slice_, inputs, outputs, min_rows,
-                                                 config_.run.seed);
+                                                 config_.run.seed, model);
     stream_ = source.get();
     train_source_ = std::move(source);
-    Dataset none;
-    none.description = "no test set (a stream's held-out rows are not built yet)";
-    none.features = inputs;
-    none.target_width = outputs;
-    test_source_ = make_memory_source(std::move(none));
+    if (stream.test_fraction > 0.0) {
+      // The held-out rows are the test set; their count changes as they come (evaluate()).
+      test_source_ = stream_->make_held_out_source();
+    } else {
+      Dataset none;
+      none.description = "no test set (stream.test_fraction = 0)";
+      none.features = inputs;
+      none.target_width = outputs;
+      test_source_ = make_memory_source(std::move(none));
+    }
     // Steps are numbered by the schedule; its samples (the buffer's slots) are not used.
     schedule_.emplace(stream.buffer_rows * slice_.count, global_batch * accumulation_,
                       ShuffleMode::none, config_.run.seed);
@@ -371,6 +389,11 @@ void TrainingRun::build_checkpoint_view() {
   checkpoint_.config_text = config_.text;
   checkpointer_ = std::make_unique<Checkpointer>(comm_, config_.checkpoint.async);
   checkpoint_.params = model_->parameters();
+  // The publishes' gather and buffers (stream.publish_every), made once: a publish allocates
+  // nothing.
+  if (stream_ && stream_->publishing()) {
+    on_every_rank(comm_, [&] { stream_->prepare_publish(model_->parameters(), *mesh_); });
+  }
   for (const std::string& slot : optimizer_->slot_names()) {
     checkpoint_.opt_state.push_back({slot, optimizer_->slot(slot)});
   }
@@ -504,7 +527,14 @@ void TrainingRun::start_streams() {
       dy_stream_ = std::make_unique<BatchStream>(*dy_source_, slice_.rows, training_samples, depth,
                                                  steps_done_ * accumulation_);
     }
-    if (eval_schedule_.num_batches > 0) {
+    if (evaluates_held_out_rows()) {
+      eval_stream_ = std::make_unique<BatchStream>(
+          *test_source_, eval_slice_.rows,
+          [this](int64_t seq, int64_t* rows) {
+            return stream_->held_out_slots(seq - eval_first_seq_, eval_slice_.rows, rows);
+          },
+          0, 0, normalization_);
+    } else if (eval_schedule_.num_batches > 0) {
       // Every evaluation reads the same batches: the sequence goes round them, so the first
       // batches of the next evaluation are read ahead during training.
       eval_stream_ = std::make_unique<BatchStream>(

@@ -131,7 +131,7 @@ void TrainingRun::train_steps(RunSummary& summary) {
     const int64_t eval_every = config_.train.eval_interval(schedule_->steps_per_epoch());
     const bool eval_now = eval_every > 0 && done % eval_every == 0;
     bool improved = false;
-    if ((eval_now || last) && eval_schedule_.num_batches > 0) {
+    if ((eval_now || last) && (eval_schedule_.num_batches > 0 || evaluates_held_out_rows())) {
       summary.last_eval = evaluate();
       improved = record_evaluation(*summary.last_eval);
       metrics_->eval(*summary.last_eval);
@@ -203,6 +203,12 @@ void TrainingRun::log_step(const StepResult& result) {
     event.stream_rows_received = counters.rows_received;
     event.stream_rows_overwritten = counters.rows_overwritten;
     event.stream_buffer_rows = counters.buffer_rows;
+    if (config_.stream.test_fraction > 0.0) event.stream_rows_held_out = counters.rows_held_out;
+    if (stream_->publishing()) {
+      event.stream_publishes = counters.publishes;
+      event.stream_publishes_sent = counters.publishes_sent;
+      event.stream_publishes_replaced = counters.publishes_replaced;
+    }
   }
   data_wait_s_ += waited;
   metrics_->log(event);
@@ -230,6 +236,12 @@ StepResult TrainingRun::step() {
       accumulate_loaded_batch();
     }
     result = apply_update();
+  }
+  if (stream_ && stream_->publishing() && number % config_.stream.publish_every == 0) {
+    // The parameters after this step's update, to the producers' LiveModel (never waits for
+    // them to be taken).
+    TraceSpan span("stream publish");
+    stream_->publish(model_->parameters(), normalization_, number);
   }
   if (stream_ && config_.stream.until == StreamUntil::closed && stream_->ended()) {
     stream_ended_ = true;

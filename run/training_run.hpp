@@ -292,6 +292,12 @@ class TrainingRun {
   std::unique_ptr<RowSource> test_source_;
   // data.source = "stream": train_source_ as what it is (pulled before every micro-batch).
   StreamSource* stream_ = nullptr;
+  // stream.test_fraction > 0: evaluations read the stream's held-out rows, their batches
+  // numbered from eval_first_seq_ (the evaluation's first).
+  bool evaluates_held_out_rows() const {
+    return stream_ != nullptr && config_.stream.test_fraction > 0.0;
+  }
+  int64_t eval_first_seq_ = 0;
   bool stream_ended_ = false;              // stream.until = "closed" and every producer had closed
   std::optional<BatchSchedule> schedule_;  // of optimizer steps: accumulation x batch rows
   BatchSlice slice_;                       // of one micro-batch

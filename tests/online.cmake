@@ -38,6 +38,13 @@ meshtrain_add_command_test(NAME online_mpmd_trainer_fails_at_setup TIMEOUT 60
   PASS_REGULAR_EXPRESSION "producer: error: stream \"c-demo\": the trainer stopped before it trained: [^\n]*optimizer\\.lr")
 set_tests_properties(online_mpmd_trainer_fails_at_setup PROPERTIES PROCESSORS 2)
 
+# The trainer's model back in the simulation (stream.publish_every, LiveModel; 1 + 1, 1 + 2,
+# 2 + 2 ranks, the trainer on dp, fsdp and tp): versions and steps, refresh() allocating
+# nothing, the LiveModel bit for bit predict on the checkpoint of its step, a producer that
+# takes no publish not holding the trainer. The timeout ends any hang of a publish or a close.
+meshtrain_add_test(NAME online_live_test SOURCES online/live_test.cpp
+                   LIBS meshtrain_run meshtrain_test_counting_allocator NP 2 3 4 TIMEOUT 180)
+
 # The same with a Fortran producer (fortran_producer.f90: stream.h through iso_c_binding, the
 # interface block docs/online.md shows): every row counted, and a shape mismatch's sentence read
 # back in Fortran through mt_stream_last_error. Fortran comes with Debian's libopenmpi-dev

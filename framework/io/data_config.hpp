@@ -53,6 +53,13 @@ struct StreamSection {
   StreamOrder order = StreamOrder::random;
   StreamRowType dtype = StreamRowType::float32;
   StreamUntil until = StreamUntil::steps;
+  // Every publish_every steps the trainer sends its parameters and normalization to the
+  // producers (their LiveModel); 0: never.
+  int64_t publish_every = 0;
+  // The fraction of rows held out for evaluation (by a hash of producer rank and row number:
+  // the same rows in every run), kept in a window of ceil(buffer_rows x test_fraction) rows
+  // per trainer rank and evaluated as the run's test set; 0: none.
+  double test_fraction = 0.0;
 };
 
 // A dataset key as written ("x" or "/x") in its canonical form ("/x"); "" when it names no

@@ -64,6 +64,12 @@ void MetricsLog::log(const LogEvent& e) {
     j["stream_rows_overwritten"] = e.stream_rows_overwritten;
     j["stream_buffer_rows"] = e.stream_buffer_rows;
   }
+  if (e.stream_rows_held_out >= 0) j["stream_rows_held_out"] = e.stream_rows_held_out;
+  if (e.stream_publishes >= 0) {
+    j["stream_publishes"] = e.stream_publishes;
+    j["stream_publishes_sent"] = e.stream_publishes_sent;
+    j["stream_publishes_replaced"] = e.stream_publishes_replaced;
+  }
   write_line(j.dump());
 }
 
@@ -232,12 +238,22 @@ std::string format_log_line(const LogEvent& e) {
   }
   char save[48] = "";
   if (!std::isnan(e.save_s)) std::snprintf(save, sizeof save, "  save %.1f ms", 1e3 * e.save_s);
-  char stream[96] = "";
+  char stream[128] = "";
   if (e.stream_rows_received >= 0) {
     std::snprintf(stream, sizeof stream, "  stream %lld rows (%lld overwritten, %lld buffered)",
                   static_cast<long long>(e.stream_rows_received),
                   static_cast<long long>(e.stream_rows_overwritten),
                   static_cast<long long>(e.stream_buffer_rows));
+    if (e.stream_rows_held_out >= 0) {
+      const size_t used = std::strlen(stream);
+      std::snprintf(stream + used, sizeof stream - used, ", %lld held out",
+                    static_cast<long long>(e.stream_rows_held_out));
+    }
+    if (e.stream_publishes >= 0) {
+      const size_t used = std::strlen(stream);
+      std::snprintf(stream + used, sizeof stream - used, ", %lld published",
+                    static_cast<long long>(e.stream_publishes));
+    }
   }
   char line[500];
   std::snprintf(line, sizeof line,

@@ -52,6 +52,12 @@ struct LogEvent {
   int64_t stream_rows_received = -1;
   int64_t stream_rows_overwritten = -1;
   int64_t stream_buffer_rows = -1;
+  // stream.publish_every > 0: publishes made, sent toward the producers, and replaced by a
+  // newer one before they could be sent (trainer rank 0's counts); -1 (not written) otherwise.
+  int64_t stream_rows_held_out = -1;  // stream.test_fraction > 0; -1 (not written) otherwise
+  int64_t stream_publishes = -1;
+  int64_t stream_publishes_sent = -1;
+  int64_t stream_publishes_replaced = -1;
 };
 
 // One evaluation over the test split (or `meshtrain evaluate`'s data). The metrics are

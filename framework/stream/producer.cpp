@@ -52,6 +52,8 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
     MESHTRAIN_BAD_INPUT(r.problem);
   }
   stream_comm_ = stream_comm;
+  comm_ = comm;
+  rank_ = rank;
   name_ = name;
   producer_index_ = rank;
   producers_ = size;
@@ -72,6 +74,48 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
   size_t widest = 0;
   for (const auto& group : group_ranks_) widest = std::max(widest, group.size());
   for (auto& requests : slot_requests_) requests.reserve(std::max(widest, trainers_.size()));
+  publish_every_ = r.publish_every;
+  latest_version_ = 0;
+  publish_ended_ = false;
+  if (publish_every_ > 0) {
+    publish_floats_ = r.publish_floats;
+    input_stats_ = r.input_stats;
+    target_stats_ = r.target_stats;
+    model_text_ = r.model_text;
+    publisher_ = r.trainers.front();
+    const auto bytes = static_cast<size_t>(
+        sp::publish_bytes(publish_floats_, inputs, outputs, input_stats_, target_stats_));
+    latest_.assign(bytes, 0);
+    if (rank_ == 0) incoming_.assign(bytes, 0);
+  }
+}
+
+// Receives the next publish message (waiting for it): the newest publish is kept in latest_.
+void StreamProducer::receive_publish() {
+  check_mpi(MPI_Recv(incoming_.data(), static_cast<int>(incoming_.size()), MPI_BYTE, publisher_,
+                     sp::kPublishTag, stream_comm_, MPI_STATUS_IGNORE),
+            "MPI_Recv (a publish)");
+  sp::PublishHeader header;
+  std::memcpy(&header, incoming_.data(), sizeof header);
+  if (header.kind == sp::kPublishEnd) {
+    publish_ended_ = true;
+  } else if (header.version > latest_version_) {
+    std::swap(incoming_, latest_);  // the newest kept, no copy
+    latest_version_ = header.version;
+  }
+}
+
+int64_t StreamProducer::take_publishes() {
+  if (!connected() || publish_every_ <= 0 || rank_ != 0) return latest_version_;
+  bool came = true;
+  while (came && !publish_ended_) {
+    int flag = 0;
+    check_mpi(MPI_Iprobe(publisher_, sp::kPublishTag, stream_comm_, &flag, MPI_STATUS_IGNORE),
+              "MPI_Iprobe (a publish)");
+    came = flag != 0;
+    if (came) receive_publish();
+  }
+  return latest_version_;
 }
 
 void StreamProducer::send(const float* x, const float* y, int64_t rows) {
@@ -176,6 +220,11 @@ void StreamProducer::close() {
   }
   check_mpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
             "MPI_Waitall (a stream's close)");
+  // The trainer sends its publishes' end once it took this close (at its next pull, or as its
+  // run ends): every publish it started is taken (the newest kept), so that its sends complete.
+  if (publish_every_ > 0 && rank_ == 0) {
+    while (!publish_ended_) receive_publish();
+  }
   check_mpi(MPI_Comm_free(&stream_comm_), "MPI_Comm_free (a stream's communicator)");
   stream_comm_ = MPI_COMM_NULL;
 }

@@ -53,6 +53,24 @@ class StreamProducer {
   void close();
 
   bool connected() const { return stream_comm_ != MPI_COMM_NULL; }
+  MPI_Comm comm() const { return comm_; }  // the producers' communicator given to connect
+
+  // The trainer's publishes (stream.publish_every > 0; docs/online.md), which a LiveModel
+  // (<meshtrain/stream.hpp>) reads. Only producer rank 0 receives them: take_publishes()
+  // receives every publish that has come without waiting, keeping the newest (buffers
+  // reserved at connect: nothing allocated); close() takes them until the trainer's end.
+  int64_t publish_every() const { return publish_every_; }       // 0: the trainer publishes nothing
+  const std::string& model_text() const { return model_text_; }  // the run's config text
+  int64_t publish_floats() const { return publish_floats_; }
+  bool publish_input_stats() const { return input_stats_; }
+  bool publish_target_stats() const { return target_stats_; }
+  int64_t publish_bytes() const { return static_cast<int64_t>(latest_.size()); }
+  // Rank 0: receives what has come; returns the newest version held (0: none yet).
+  int64_t take_publishes();
+  int64_t latest_version() const { return latest_version_; }  // rank 0's
+  // The newest publish's message (stream_protocol::PublishHeader, then its contents), on every
+  // rank publish_bytes() long; only rank 0's is filled by take_publishes.
+  unsigned char* latest_publish() { return latest_.data(); }
   int64_t rows_sent() const { return rows_sent_; }        // handed to MPI
   int64_t rows_dropped() const { return rows_dropped_; }  // ring full (drop)
   const std::string& name() const { return name_; }
@@ -61,7 +79,11 @@ class StreamProducer {
   void send_bytes(const void* x, const void* y, int64_t rows, int64_t element_bytes);
   int take_free_slot();  // -1: none (drop)
 
+  void receive_publish();  // one message into incoming_, the newest kept
+
   MPI_Comm stream_comm_ = MPI_COMM_NULL;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
   std::string name_;
   int64_t producer_index_ = 0, producers_ = 1, groups_ = 1;
   std::vector<std::vector<int>> group_ranks_;  // stream-communicator ranks of each group
@@ -75,6 +97,14 @@ class StreamProducer {
   int64_t messages_ = 0;  // rows messages started (the group of the next is chosen by it)
   int64_t next_row_ = 0;  // the row number of the next row sent
   int64_t rows_sent_ = 0, rows_dropped_ = 0;
+  // Publishes: the trainer rank 0 that sends them (stream-communicator rank).
+  int64_t publish_every_ = 0, publish_floats_ = 0;
+  bool input_stats_ = false, target_stats_ = false;
+  std::string model_text_;
+  int publisher_ = 0;
+  std::vector<unsigned char> incoming_, latest_;  // rank 0: incoming_; every rank: latest_
+  int64_t latest_version_ = 0;
+  bool publish_ended_ = false;  // the trainer's end came: nothing more will
 };
 
 }  // namespace meshtrain

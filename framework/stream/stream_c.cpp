@@ -4,14 +4,7 @@
 #include <string>
 
 #include "base/error.hpp"
-#include "framework/stream/producer.hpp"
-#include "stream.h"
-
-struct mt_stream {
-  meshtrain::StreamProducer producer;
-  int dtype = MT_STREAM_FLOAT32;
-  std::string error;
-};
+#include "framework/stream/stream_c_handle.hpp"
 
 namespace {
 

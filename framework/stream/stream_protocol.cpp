@@ -27,7 +27,8 @@ int64_t rendezvous_count() {
   return g_rendezvous_count;
 }
 
-Rendezvous rendezvous(MPI_Comm parent, const Hello& mine, MPI_Comm* stream_comm) {
+Rendezvous rendezvous(MPI_Comm parent, const Hello& mine, MPI_Comm* stream_comm,
+                      const std::string& model_text) {
   ++g_rendezvous_count;
   check_mpi(MPI_Comm_dup(parent, stream_comm), "MPI_Comm_dup (the stream's communicator)");
   int size = 0;
@@ -107,6 +108,25 @@ Rendezvous rendezvous(MPI_Comm parent, const Hello& mine, MPI_Comm* stream_comm)
   for (int rank : r.producers) {
     r.max_message_rows =
         std::max(r.max_message_rows, hellos[static_cast<size_t>(rank)].message_rows);
+  }
+  r.publish_every = t.publish_every;
+  if (r.publish_every > 0) {
+    // Every rank takes this branch (the same table): the model's text from trainer rank 0.
+    r.publish_floats = t.publish_floats;
+    r.input_stats = t.input_stats != 0;
+    r.target_stats = t.target_stats != 0;
+    const int root = r.trainers.front();
+    int rank = 0;
+    check_mpi(MPI_Comm_rank(*stream_comm, &rank), "MPI_Comm_rank");
+    long long length = rank == root ? static_cast<long long>(model_text.size()) : 0;
+    check_mpi(MPI_Bcast(&length, 1, MPI_LONG_LONG, root, *stream_comm),
+              "MPI_Bcast (the stream's model text)");
+    r.model_text = rank == root ? model_text : std::string(static_cast<size_t>(length), ' ');
+    if (length > 0) {
+      check_mpi(
+          MPI_Bcast(r.model_text.data(), static_cast<int>(length), MPI_CHAR, root, *stream_comm),
+          "MPI_Bcast (the stream's model text)");
+    }
   }
   return r;
 }

@@ -15,6 +15,9 @@ namespace meshtrain::stream_protocol {
 // Every message of a stream on its own communicator (a dup of the parent) has this tag, so
 // MPI's non-overtaking order holds between a producer's rows and its close.
 constexpr int kTag = 3801;
+// The trainer's publishes (parameters and normalization) to producer 0, and its end: another
+// tag, so that a producer probing for them never sees rows (and the reverse).
+constexpr int kPublishTag = 3802;
 // Slots of received messages per producer on a trainer rank.
 constexpr int64_t kStagingSlots = 4;
 constexpr int kNameBytes = 64;
@@ -24,7 +27,7 @@ constexpr int kNoteBytes = 512;
 // why (Hello::note), so that the producers' connect fails rather than waits.
 enum Role : int64_t { kNone = 0, kProducer = 1, kTrainer = 2, kFailedTrainer = 3 };
 enum Dtype : int64_t { kFloat32 = 0, kFloat64 = 1 };
-enum Kind : int64_t { kRows = 1, kClose = 2, kStop = 3 };
+enum Kind : int64_t { kRows = 1, kClose = 2, kStop = 3, kPublish = 4, kPublishEnd = 5 };
 
 // One per rank of the parent, gathered by every rank at the rendezvous.
 struct Hello {
@@ -33,9 +36,13 @@ struct Hello {
   int64_t inputs = 0;
   int64_t outputs = 0;
   int64_t dtype = kFloat32;
-  int64_t message_rows = 0;  // producers: rows of their largest message
-  int64_t batch_index = 0;   // trainers: the index in their group over the batch axes
-  int64_t batch_count = 1;   // trainers: the number of those groups
+  int64_t message_rows = 0;    // producers: rows of their largest message
+  int64_t batch_index = 0;     // trainers: the index in their group over the batch axes
+  int64_t batch_count = 1;     // trainers: the number of those groups
+  int64_t publish_every = 0;   // trainers: stream.publish_every (0: no publishes)
+  int64_t publish_floats = 0;  // trainers: the model's parameters (every element, whole)
+  int64_t input_stats = 0;     // trainers: 1 when a publish carries input statistics
+  int64_t target_stats = 0;    // trainers: 1 when it carries target statistics
   char name[kNameBytes] = {};
   char note[kNoteBytes] = {};  // kFailedTrainer: the error's sentence
 };
@@ -53,6 +60,28 @@ inline int64_t dtype_bytes(int64_t dtype) {
 inline const char* dtype_name(int64_t dtype) {
   return dtype == kFloat64 ? "float64" : "float32";
 }
+// The head of a publish message (trainer rank 0 to producer 0). Then, in this order: the input
+// mean and std (inputs doubles each) when input_stats, the target mean and std (outputs
+// doubles each) when target_stats, and every parameter whole, row-major, in the model's
+// parameters() order (floats). A kPublishEnd message is the head alone: no publish follows.
+struct PublishHeader {
+  int64_t kind = kPublish;
+  int64_t version = 0;  // 1, 2, ...: the trainer's publishes so far
+  int64_t step = 0;     // the training step the parameters come from
+  int64_t floats = 0;
+  int64_t input_stats = 0, target_stats = 0;
+  int64_t unused[2] = {0, 0};  // 64 bytes: the doubles after it stay aligned
+};
+
+// Bytes of a publish message.
+inline int64_t publish_bytes(int64_t floats, int64_t inputs, int64_t outputs, bool input_stats,
+                             bool target_stats) {
+  return static_cast<int64_t>(sizeof(PublishHeader)) +
+         static_cast<int64_t>(sizeof(double)) *
+             (2 * inputs * (input_stats ? 1 : 0) + 2 * outputs * (target_stats ? 1 : 0)) +
+         static_cast<int64_t>(sizeof(float)) * floats;
+}
+
 // Bytes of a rows message of `rows` rows.
 inline int64_t message_bytes(int64_t rows, int64_t inputs, int64_t outputs, int64_t dtype) {
   return static_cast<int64_t>(sizeof(Header)) + rows * (inputs + outputs) * dtype_bytes(dtype);
@@ -67,12 +96,21 @@ struct Rendezvous {
   int64_t batch_count = 1;
   int64_t inputs = 0, outputs = 0, dtype = kFloat32;
   int64_t max_message_rows = 0;
+  // The trainer's publishes: stream.publish_every (0: none), and what a LiveModel needs to
+  // build the model before the first one (the run's config text, the message's contents).
+  int64_t publish_every = 0;
+  int64_t publish_floats = 0;
+  bool input_stats = false, target_stats = false;
+  std::string model_text;
   std::string problem;
 };
 
 // Every rank of `parent` calls it once (collective): dups `parent` into *stream_comm and
-// gathers every rank's `mine`. The same result on every rank.
-Rendezvous rendezvous(MPI_Comm parent, const Hello& mine, MPI_Comm* stream_comm);
+// gathers every rank's `mine`. The same result on every rank. With publishes (the trainer's
+// publish_every > 0) and no problem, trainer rank 0's `model_text` (the run's config text) is
+// broadcast to every rank, as Rendezvous::model_text.
+Rendezvous rendezvous(MPI_Comm parent, const Hello& mine, MPI_Comm* stream_comm,
+                      const std::string& model_text = {});
 
 // The rendezvous this process took part in so far (a program may hold several streams in
 // turn: the tests do).

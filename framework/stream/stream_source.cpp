@@ -2,16 +2,60 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <thread>
 
 #include "base/error.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/stream/stream_protocol.hpp"
+#include "partition/partition_spec.hpp"
 
 namespace meshtrain {
 
 namespace sp = stream_protocol;
+
+bool stream_row_held_out(int64_t producer, int64_t row, double fraction) {
+  if (fraction <= 0.0) return false;
+  const uint64_t h = stream_hash(stream_hash(static_cast<uint64_t>(producer)) ^
+                                 stream_hash(static_cast<uint64_t>(row) + 0x5eed));
+  return static_cast<double>(h >> 11) * 0x1.0p-53 < fraction;
+}
+
+namespace {
+
+// The held-out window as a RowSource: the run's test set.
+class HeldOutSource : public RowSource {
+ public:
+  HeldOutSource(const StreamBuffer& rows, const std::string& name) : rows_(rows) {
+    shape_.description = "the rows held out of stream \"" + name + "\"";
+    shape_.num_samples = rows.capacity();
+    shape_.features = rows.features();
+    shape_.target_width = rows.outputs();
+  }
+  void read(const int64_t* slots, int64_t count, const RowBuffers& out) override {
+    const int64_t f = rows_.features(), w = rows_.outputs();
+    for (int64_t i = 0; i < count; ++i) {
+      std::memcpy(out.x + i * f, rows_.x(slots[i]), static_cast<size_t>(f) * sizeof(float));
+      if (out.targets) {
+        std::memcpy(out.targets + i * w, rows_.y(slots[i]), static_cast<size_t>(w) * sizeof(float));
+      }
+    }
+  }
+  int64_t resident_bytes() const override { return 0; }  // counted by the StreamSource
+
+ private:
+  const StreamBuffer& rows_;
+};
+
+int64_t held_out_capacity(const StreamSection& section) {
+  if (section.test_fraction <= 0.0) return 1;  // unused
+  return std::max<int64_t>(
+      1, static_cast<int64_t>(
+             std::ceil(static_cast<double>(section.buffer_rows) * section.test_fraction)));
+}
+
+}  // namespace
 
 int64_t stream_rendezvous_count() {
   return sp::rendezvous_count();
@@ -29,13 +73,15 @@ void stream_trainer_failed(const std::string& sentence, MPI_Comm parent) {
 
 StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
                            const BatchSlice& slice, int64_t features, int64_t outputs,
-                           int64_t min_rows, uint64_t seed)
+                           int64_t min_rows, uint64_t seed, const StreamModel& model)
     : section_(section),
       trainer_comm_(trainer_comm),
       group_(slice.index),
       min_rows_(min_rows),
       seed_(seed),
-      buffer_(section.buffer_rows, features, outputs, section.policy, seed, slice.index) {
+      buffer_(section.buffer_rows, features, outputs, section.policy, seed, slice.index),
+      held_out_(held_out_capacity(section), features, outputs, StreamPolicy::window, seed,
+                slice.index) {
   shape_.description = "stream \"" + section.name + "\"";
   shape_.num_samples = section.buffer_rows;
   shape_.features = features;
@@ -43,6 +89,7 @@ StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
   int rank = 0;
   check_mpi(MPI_Comm_rank(trainer_comm, &rank), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(trainer_comm, &trainer_size_), "MPI_Comm_size");
+  trainer_rank_ = rank;
 
   sp::Hello hello;
   hello.role = sp::kTrainer;
@@ -52,10 +99,15 @@ StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
   hello.dtype = section.dtype == StreamRowType::float64 ? sp::kFloat64 : sp::kFloat32;
   hello.batch_index = slice.index;
   hello.batch_count = slice.count;
+  hello.publish_every = section.publish_every;
+  hello.publish_floats = model.parameter_floats;
+  hello.input_stats = model.input_stats ? 1 : 0;
+  hello.target_stats = model.target_stats ? 1 : 0;
   const std::string& name = section.name;
   std::memcpy(hello.name, name.data(),
               std::min<size_t>(name.size(), static_cast<size_t>(sp::kNameBytes - 1)));
-  const sp::Rendezvous r = sp::rendezvous(MPI_COMM_WORLD, hello, &stream_comm_);
+  const sp::Rendezvous r = sp::rendezvous(MPI_COMM_WORLD, hello, &stream_comm_,
+                                          section.publish_every > 0 ? model.config_text : "");
   if (!r.problem.empty()) {
     check_mpi(MPI_Comm_free(&stream_comm_), "MPI_Comm_free (a refused stream)");
     MESHTRAIN_BAD_INPUT(r.problem);
@@ -80,6 +132,10 @@ StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
   agreed_.assign(producers, 0);
   closed_.assign(producers, 0);
   row_scratch_.assign(static_cast<size_t>(features + outputs), 0.0f);
+  publish_every_ = section.publish_every;
+  publish_floats_ = model.parameter_floats;
+  input_stats_ = model.input_stats;
+  target_stats_ = model.target_stats;
 }
 
 StreamSource::~StreamSource() {
@@ -96,7 +152,9 @@ StreamSource::~StreamSource() {
     }
   }
   std::vector<unsigned char> scratch(static_cast<size_t>(message_bytes_));
-  while (std::find(closed.begin(), closed.end(), 0) != closed.end()) {
+  // Producer 0's close ends the publishes; its close() takes them until the end comes.
+  if (!closed.empty() && closed[0]) end_owed_ = true;
+  while (std::find(closed.begin(), closed.end(), 0) != closed.end() || !publish_finished()) {
     bool got = false;
     for (size_t p = 0; p < producers_.size(); ++p) {
       if (closed[p]) continue;
@@ -110,7 +168,10 @@ StreamSource::~StreamSource() {
                stream_comm_, MPI_STATUS_IGNORE);
       sp::Header header;
       std::memcpy(&header, scratch.data(), sizeof header);
-      if (header.kind == sp::kClose) closed[p] = 1;
+      if (header.kind == sp::kClose) {
+        closed[p] = 1;
+        if (p == 0) end_owed_ = true;
+      }
       got = true;
     }
     if (!got) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -130,7 +191,7 @@ void StreamSource::read(const int64_t* rows, int64_t count, const RowBuffers& ou
 }
 
 int64_t StreamSource::resident_bytes() const {
-  return buffer_.bytes() +
+  return buffer_.bytes() + (section_.test_fraction > 0.0 ? held_out_.bytes() : 0) +
          static_cast<int64_t>(producers_.size()) * sp::kStagingSlots * message_bytes_;
 }
 
@@ -156,15 +217,24 @@ void StreamSource::receive() {
   }
 }
 
-void StreamSource::take(const unsigned char* message) {
+void StreamSource::take(int64_t producer, const unsigned char* message) {
   sp::Header header;
   std::memcpy(&header, message, sizeof header);
   const unsigned char* payload = message + sizeof header;
   const int64_t f = buffer_.features(), w = buffer_.outputs();
+  const double fraction = section_.test_fraction;
+  // Row r of the message is the producer's row first_row + r: held out or trained on.
+  const auto keep = [&](int64_t r, const float* x, const float* y) {
+    if (stream_row_held_out(producer, header.first_row + r, fraction)) {
+      held_out_.add(x, y);
+    } else {
+      buffer_.add(x, y);
+    }
+  };
   if (dtype_ == sp::kFloat32) {
     const auto* x = reinterpret_cast<const float*>(payload);
     const float* y = x + header.rows * f;
-    for (int64_t r = 0; r < header.rows; ++r) buffer_.add(x + r * f, y + r * w);
+    for (int64_t r = 0; r < header.rows; ++r) keep(r, x + r * f, y + r * w);
     return;
   }
   const auto* x = reinterpret_cast<const double*>(payload);
@@ -175,7 +245,7 @@ void StreamSource::take(const unsigned char* message) {
     for (int64_t j = 0; j < w; ++j) {
       row_scratch_[static_cast<size_t>(f + j)] = static_cast<float>(y[r * w + j]);
     }
-    buffer_.add(row_scratch_.data(), row_scratch_.data() + f);
+    keep(r, row_scratch_.data(), row_scratch_.data() + f);
   }
 }
 
@@ -193,20 +263,27 @@ void StreamSource::pull_once() {
       std::memcpy(&header, slot.data(), sizeof header);
       if (header.kind == sp::kClose) {
         closed_[p] = 1;
+        if (p == 0) end_owed_ = true;  // no publish after producer 0's close
       } else {
-        take(slot.data());
+        take(static_cast<int64_t>(p), slot.data());
       }
       staged_head_[p] = (staged_head_[p] + 1) % sp::kStagingSlots;
       --staged_count_[p];
     }
   }
+  // The publish in flight tested, the waiting one or the end started (never waits).
+  if (publish_every_ > 0 && trainer_rank_ == 0) progress_publish();
   const bool all_closed = std::find(closed_.begin(), closed_.end(), 0) == closed_.end();
-  int64_t sums[5] = {group_lead_ ? buffer_.seen() : 0, group_lead_ ? buffer_.overwritten() : 0,
-                     group_lead_ ? buffer_.filled() : 0, buffer_.filled() < min_rows_ ? 1 : 0,
-                     all_closed ? 1 : 0};
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, sums, 5, MPI_INT64_T, MPI_SUM, trainer_comm_),
+  int64_t sums[6] = {group_lead_ ? buffer_.seen() + held_out_.seen() : 0,
+                     group_lead_ ? buffer_.overwritten() : 0,
+                     group_lead_ ? buffer_.filled() : 0,
+                     buffer_.filled() < min_rows_ ? 1 : 0,
+                     all_closed ? 1 : 0,
+                     group_lead_ ? held_out_.seen() : 0};
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, sums, 6, MPI_INT64_T, MPI_SUM, trainer_comm_),
             "MPI_Allreduce (a stream's counters)");
   counters_.rows_received = sums[0];
+  counters_.rows_held_out = sums[5];
   counters_.rows_overwritten = sums[1];
   counters_.buffer_rows = sums[2];
   ended_ = sums[4] == trainer_size_;
@@ -226,6 +303,182 @@ void StreamSource::pull() {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
     pull_once();
   }
+}
+
+void StreamSource::prepare_publish(const std::vector<ShardedTensor>& params, const Mesh& mesh) {
+  if (publish_every_ <= 0 || publish_prepared_) return;
+  publish_prepared_ = true;
+  int64_t local = 0, whole = 0;
+  for (const ShardedTensor& t : params) {
+    local += t.box.elements();
+    whole_offsets_.push_back(whole);
+    int64_t elements = 1;
+    for (int64_t d : t.global_shape) elements *= d;
+    whole += elements;
+    global_shapes_.push_back(t.global_shape);
+  }
+  MESHTRAIN_REQUIRE(whole == publish_floats_, "stream \"", section_.name, "\": the model has ",
+                    whole, " parameters, but the rendezvous announced ", publish_floats_);
+  pack_.assign(static_cast<size_t>(local), 0.0f);
+  if (trainer_rank_ != 0) return;
+  counts_.assign(static_cast<size_t>(trainer_size_), 0);
+  displs_.assign(static_cast<size_t>(trainer_size_), 0);
+  boxes_.assign(static_cast<size_t>(trainer_size_), {});
+  int64_t total = 0;
+  for (int r = 0; r < trainer_size_; ++r) {
+    int64_t count = 0;
+    for (const ShardedTensor& t : params) {
+      boxes_[static_cast<size_t>(r)].push_back(shard_box(t.global_shape, t.spec, mesh, r));
+      count += boxes_[static_cast<size_t>(r)].back().elements();
+    }
+    counts_[static_cast<size_t>(r)] = static_cast<int>(count);
+    displs_[static_cast<size_t>(r)] = static_cast<int>(total);
+    total += count;
+  }
+  gathered_.assign(static_cast<size_t>(total), 0.0f);
+  const int64_t inputs = buffer_.features(), outputs = buffer_.outputs();
+  const auto bytes = static_cast<size_t>(
+      sp::publish_bytes(publish_floats_, inputs, outputs, input_stats_, target_stats_));
+  waiting_.assign(bytes, 0);
+  in_flight_.assign(bytes, 0);
+}
+
+namespace {
+
+// Copies a block (row-major over box.extent) into its place in the whole tensor (row-major
+// over shape), one run of the last dimension at a time.
+void place_block(const float* block, const ShardBox& box, const std::vector<int64_t>& shape,
+                 float* whole) {
+  const size_t dims = shape.size();
+  if (dims == 0) {
+    whole[0] = block[0];
+    return;
+  }
+  const int64_t run = box.extent[dims - 1];
+  int64_t runs = 1;
+  for (size_t d = 0; d + 1 < dims; ++d) runs *= box.extent[d];
+  for (int64_t k = 0; k < runs; ++k) {
+    // k's index over the leading dimensions of the box, to the whole tensor's offset.
+    int64_t rest = k, offset = 0, stride = 1;
+    for (size_t d = dims; d-- > 0;) {
+      const int64_t index = d + 1 == dims ? 0 : rest % box.extent[d];
+      if (d + 1 != dims) rest /= box.extent[d];
+      offset += (box.offset[d] + index) * stride;
+      stride *= shape[d];
+    }
+    std::memcpy(whole + offset, block + k * run, static_cast<size_t>(run) * sizeof(float));
+  }
+}
+
+}  // namespace
+
+void StreamSource::publish(const std::vector<ShardedTensor>& params, const Normalization& stats,
+                           int64_t step) {
+  if (publish_every_ <= 0) return;
+  MESHTRAIN_REQUIRE(publish_prepared_, "StreamSource::publish before prepare_publish");
+  // This rank's blocks, from the memory they live in (a device's) to the host.
+  int64_t at = 0;
+  for (const ShardedTensor& t : params) {
+    const auto n = static_cast<size_t>(t.box.elements());
+    Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> host(
+        pack_.data() + at, n);
+    Kokkos::deep_copy(host, t.local);
+    at += static_cast<int64_t>(n);
+  }
+  check_mpi(MPI_Gatherv(pack_.data(), static_cast<int>(pack_.size()), MPI_FLOAT,
+                        trainer_rank_ == 0 ? gathered_.data() : nullptr,
+                        trainer_rank_ == 0 ? counts_.data() : nullptr,
+                        trainer_rank_ == 0 ? displs_.data() : nullptr, MPI_FLOAT, 0, trainer_comm_),
+            "MPI_Gatherv (a publish's parameters)");
+  if (trainer_rank_ != 0) return;
+  ++counters_.publishes;
+  if (end_owed_ || end_sent_) return;                  // producer 0 closed: nobody takes it
+  if (waiting_ready_) ++counters_.publishes_replaced;  // never sent: this one replaces it
+  sp::PublishHeader header;
+  header.kind = sp::kPublish;
+  header.version = counters_.publishes;
+  header.step = step;
+  header.floats = publish_floats_;
+  header.input_stats = input_stats_ ? 1 : 0;
+  header.target_stats = target_stats_ ? 1 : 0;
+  unsigned char* bytes = waiting_.data();
+  std::memcpy(bytes, &header, sizeof header);
+  auto* doubles = reinterpret_cast<double*>(bytes + sizeof header);
+  const auto put = [&](const std::vector<double>& values, size_t n) {
+    for (size_t i = 0; i < n; ++i) *doubles++ = i < values.size() ? values[i] : 0.0;
+  };
+  if (input_stats_) {
+    put(stats.input_mean, static_cast<size_t>(buffer_.features()));
+    put(stats.input_std, static_cast<size_t>(buffer_.features()));
+  }
+  if (target_stats_) {
+    put(stats.target_mean, static_cast<size_t>(buffer_.outputs()));
+    put(stats.target_std, static_cast<size_t>(buffer_.outputs()));
+  }
+  float* whole = reinterpret_cast<float*>(doubles);
+  // Every rank's blocks in rank order: the replicas of a block hold the same bits.
+  for (int r = 0; r < trainer_size_; ++r) {
+    const float* block = gathered_.data() + displs_[static_cast<size_t>(r)];
+    for (size_t i = 0; i < params.size(); ++i) {
+      const ShardBox& box = boxes_[static_cast<size_t>(r)][i];
+      place_block(block, box, global_shapes_[i], whole + whole_offsets_[i]);
+      block += box.elements();
+    }
+  }
+  waiting_ready_ = true;
+  progress_publish();
+}
+
+void StreamSource::progress_publish() {
+  if (producers_.empty()) return;
+  if (in_flight_request_ != MPI_REQUEST_NULL) {
+    int done = 0;
+    check_mpi(MPI_Test(&in_flight_request_, &done, MPI_STATUS_IGNORE),
+              "MPI_Test (a publish in flight)");
+    if (!done) return;
+  }
+  if (waiting_ready_ && !end_sent_) {
+    std::swap(waiting_, in_flight_);  // no copy, no allocation
+    waiting_ready_ = false;
+    check_mpi(MPI_Isend(in_flight_.data(), static_cast<int>(in_flight_.size()), MPI_BYTE,
+                        producers_[0], sp::kPublishTag, stream_comm_, &in_flight_request_),
+              "MPI_Isend (a publish)");
+    ++counters_.publishes_sent;
+    return;  // the end follows once this one completed
+  }
+  if (end_owed_ && !end_sent_) {
+    end_message_ = sp::PublishHeader{};
+    end_message_.kind = sp::kPublishEnd;
+    end_message_.version = counters_.publishes;
+    check_mpi(MPI_Isend(&end_message_, sizeof end_message_, MPI_BYTE, producers_[0],
+                        sp::kPublishTag, stream_comm_, &end_request_),
+              "MPI_Isend (the publishes' end)");
+    end_sent_ = true;
+  }
+}
+
+bool StreamSource::publish_finished() {
+  if (publish_every_ <= 0 || trainer_rank_ != 0 || producers_.empty()) return true;
+  try {
+    progress_publish();
+  } catch (const Error&) {
+    return true;  // called by the destructor, which does not throw: stop waiting
+  }
+  if (!end_sent_ || in_flight_request_ != MPI_REQUEST_NULL) return false;
+  int done = 0;
+  if (MPI_Test(&end_request_, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return true;
+  return done != 0;
+}
+
+std::unique_ptr<RowSource> StreamSource::make_held_out_source() const {
+  return std::make_unique<HeldOutSource>(held_out_, section_.name);
+}
+
+int64_t StreamSource::held_out_slots(int64_t batch, int64_t rows, int64_t* out) const {
+  const int64_t first = batch * rows;
+  const int64_t valid = std::clamp<int64_t>(held_out_.filled() - first, 0, rows);
+  for (int64_t i = 0; i < valid; ++i) out[i] = first + i;
+  return valid;
 }
 
 int64_t StreamSource::batch_slots(int64_t seq, int64_t rows, int64_t* out) const {

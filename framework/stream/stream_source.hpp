@@ -12,12 +12,16 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "framework/core/sharded_tensor.hpp"
 #include "framework/io/data.hpp"
 #include "framework/io/data_config.hpp"
+#include "framework/io/normalization.hpp"
 #include "framework/stream/stream_buffer.hpp"
+#include "framework/stream/stream_protocol.hpp"
 
 namespace meshtrain {
 
@@ -26,6 +30,19 @@ struct StreamCounters {
   int64_t rows_received = 0;     // rows taken into the buffers
   int64_t rows_overwritten = 0;  // replaced, or not kept by the reservoir
   int64_t buffer_rows = 0;       // rows the buffers hold
+  int64_t rows_held_out = 0;     // stream.test_fraction: rows taken into the held-out windows
+  // Publishes (stream.publish_every), as trainer rank 0 counts them (0 on the other ranks).
+  int64_t publishes = 0;           // made: the version of the newest
+  int64_t publishes_sent = 0;      // handed to MPI toward producer 0
+  int64_t publishes_replaced = 0;  // overtaken by a newer one before they could be sent
+};
+
+// What the trainer publishes (stream.publish_every > 0), told to the producers at the
+// rendezvous so that their LiveModel is built before the first publish.
+struct StreamModel {
+  std::string config_text;       // the run's TOML text (what its checkpoints store)
+  int64_t parameter_floats = 0;  // every parameter's elements, whole
+  bool input_stats = false, target_stats = false;  // the normalization a publish carries
 };
 
 // A trainer whose run failed before its stream's rendezvous (a bad config, say) calls this on
@@ -36,12 +53,18 @@ void stream_trainer_failed(const std::string& sentence, MPI_Comm parent = MPI_CO
 // The stream rendezvous this process took part in so far.
 int64_t stream_rendezvous_count();
 
+// Whether row `row` of producer `producer` is held out for evaluation at `fraction`: a hash of
+// the two (no seed: the same rows in every run) below fraction.
+bool stream_row_held_out(int64_t producer, int64_t row, double fraction);
+
 class StreamSource : public RowSource {
  public:
   // `slice`: this rank's batch slice (its group over the batch axes); `min_rows` resolved
   // (> 0). Collective over MPI_COMM_WORLD (the rendezvous) and `trainer_comm`.
+  // `model`: what a publish carries (read with section.publish_every > 0).
   StreamSource(const StreamSection& section, MPI_Comm trainer_comm, const BatchSlice& slice,
-               int64_t features, int64_t outputs, int64_t min_rows, uint64_t seed);
+               int64_t features, int64_t outputs, int64_t min_rows, uint64_t seed,
+               const StreamModel& model = {});
   ~StreamSource() override;
   StreamSource(const StreamSource&) = delete;
   StreamSource& operator=(const StreamSource&) = delete;
@@ -61,12 +84,39 @@ class StreamSource : public RowSource {
   // Every producer had closed, on every rank, at the last pull.
   bool ended() const { return ended_; }
   const StreamBuffer& buffer() const { return buffer_; }
+  // The held-out rows (stream.test_fraction > 0): a window of this rank's newest, which
+  // held_out_source() reads (the run's test set).
+  const StreamBuffer& held_out() const { return held_out_; }
+  // A RowSource over the held-out window (its slots), for the run to own as its test set;
+  // it reads this source's window, so it must not outlive it.
+  std::unique_ptr<RowSource> make_held_out_source() const;
+  // This rank's slots of evaluation batch `batch` of `rows` rows: [batch x rows, +valid) of
+  // the held-out window; returns valid (the rest padding).
+  int64_t held_out_slots(int64_t batch, int64_t rows, int64_t* out) const;
   int64_t producers() const { return static_cast<int64_t>(producers_.size()); }
+
+  // Publishes (docs/online.md). Collective over the trainer, once before the first publish:
+  // the gather of `params` (sharded on the trainer's `mesh`, its ranks those of trainer_comm)
+  // and every buffer a publish uses, so that publish() allocates nothing.
+  void prepare_publish(const std::vector<ShardedTensor>& params, const Mesh& mesh);
+  // Collective over the trainer: the whole parameters gathered on rank 0 (every rank's block,
+  // MPI_Gatherv) and, with `stats`, sent to producer 0 without waiting: when the previous
+  // publish is still in flight (producer 0 has not taken it), this one waits in rank 0's
+  // message until that send completes (tested at every pull), a newer one replacing it.
+  // Nothing after producer 0 closed.
+  void publish(const std::vector<ShardedTensor>& params, const Normalization& stats, int64_t step);
+  bool publishing() const { return publish_every_ > 0; }
 
  private:
   void receive();
   void pull_once();
-  void take(const unsigned char* message);
+  void take(int64_t producer, const unsigned char* message);
+  // Rank 0: starts the send of the waiting publish once the previous one completed, and the
+  // end once producer 0 closed (never waits).
+  void progress_publish();
+  // Rank 0, in the destructor: whether the end was sent and every publish send completed
+  // (never throws: an MPI error ends the wait).
+  bool publish_finished();
 
   StreamSection section_;
   MPI_Comm trainer_comm_ = MPI_COMM_NULL;  // the caller's
@@ -81,6 +131,7 @@ class StreamSource : public RowSource {
   int64_t message_bytes_ = 0;
   std::vector<int> producers_;  // stream-communicator ranks
   StreamBuffer buffer_;
+  StreamBuffer held_out_;
   // Each producer's received messages not yet taken: a FIFO of kStagingSlots slots.
   std::vector<std::vector<std::vector<unsigned char>>> staging_;
   std::vector<int64_t> staged_head_, staged_count_;
@@ -91,6 +142,26 @@ class StreamSource : public RowSource {
   bool started_ = false;
   bool ended_ = false;
   StreamCounters counters_;
+
+  // Publishes. Every rank: its blocks packed (pack_); rank 0: every rank's blocks (gathered_,
+  // at displs_), each rank's boxes, the message being made or waiting (waiting_) and the one
+  // in flight (in_flight_), swapped rather than copied.
+  int trainer_rank_ = 0;
+  int64_t publish_every_ = 0, publish_floats_ = 0;
+  bool input_stats_ = false, target_stats_ = false;
+  bool publish_prepared_ = false;
+  std::vector<float> pack_, gathered_;
+  std::vector<int> counts_, displs_;
+  std::vector<std::vector<ShardBox>> boxes_;         // [rank][parameter]
+  std::vector<std::vector<int64_t>> global_shapes_;  // [parameter]
+  std::vector<int64_t> whole_offsets_;               // [parameter]: floats into the message
+  std::vector<unsigned char> waiting_, in_flight_;
+  MPI_Request in_flight_request_ = MPI_REQUEST_NULL;
+  bool waiting_ready_ = false;  // waiting_ holds a publish not yet sent
+  bool end_owed_ = false;       // producer 0 closed: send the end, publish nothing more
+  bool end_sent_ = false;
+  stream_protocol::PublishHeader end_message_;  // lives until its send completes
+  MPI_Request end_request_ = MPI_REQUEST_NULL;
 };
 
 }  // namespace meshtrain

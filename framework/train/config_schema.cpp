@@ -378,6 +378,14 @@ const std::vector<ConfigKey>& config_keys() {
                          any_value(), kFileCommands,
                          "closed: the run also ends once every producer has closed")
                     .only_when(unless_stream));
+    k.push_back(make_key("stream", "publish_every", FIELD(stream.publish_every),
+                         non_negative("never"), kFileCommands,
+                         "steps between publishes of the parameters to the producers' LiveModel")
+                    .only_when(unless_stream));
+    k.push_back(make_key("stream", "test_fraction", FIELD(stream.test_fraction),
+                         between(0, 1, true, "none held out"), kFileCommands,
+                         "rows held out for evaluation, by a hash of producer rank and row number")
+                    .only_when(unless_stream));
     // --- [optimizer] ---------------------------------------------------------------------
     k.push_back(make_key("optimizer", "kind", NAMED(optimizer.kind, optimizer_kind_choices()),
                          any_value(), kFileCommands, "the update rule"));

@@ -912,11 +912,16 @@ TEST(Config, NonFiniteNumbersAreRefusedFromFilesAndFromCode) {
          {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
       SCOPED_TRACE(name + " = " + std::to_string(bad));
       const std::string text = std::isnan(bad) ? "nan" : "inf";
-      // loss = "huber": every number key applies (model.huber_delta is huber's).
+      // loss = "huber": every number key applies (model.huber_delta is huber's); the [stream]
+      // keys apply with data.source = "stream".
+      const bool stream = std::string(key.section) == "stream";
+      std::vector<std::string> overrides = {name + "=" + text, "model.loss=\"huber\""};
+      if (stream) overrides.push_back("data.source=\"stream\"");
       expect_config_error(minimal(), {"[" + std::string(key.section) + "] " + key.name, "finite"},
-                          {name + "=" + text, "model.loss=\"huber\""});
+                          overrides);
       RunConfig in_code = parse(minimal());
       in_code.model.loss = LossKind::huber;
+      if (stream) in_code.data.source = DataSource::stream;
       *std::get<double*>(key.at(in_code)) = bad;
       expect_bad_input([&] { check_config(in_code); }, {name, "finite"});
     }

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <fstream>
+#include <iterator>
 #include <set>
 #include <string>
 #include <vector>
@@ -363,6 +364,76 @@ TEST(Stream, RunEqualsTheSameRowsFromHdf5) {
 
 // Shapes that disagree: the same sentence on both sides, naming the stream and both shapes,
 // before any step (the run is never built).
+// stream.test_fraction: the rows held out are those of a seedless hash of (producer rank, row
+// number), so the same in every run; none of them is trained on, every one is counted
+// (stream_rows_held_out) and the run's evaluation reads them (its test_rows).
+TEST(Stream, HeldOutRowsByTheirHashAreEvaluatedAndNeverTrainedOn) {
+  Roles roles;
+  const int64_t rows_per_producer = 300;
+  const double fraction = 0.25;
+  for (const testing::MeshCase& mesh : trainer_meshes(roles.trainers)) {
+    SCOPED_TRACE(mesh.preset);
+    TempDir dir(/*shared=*/true);
+    const std::string name = "held-out-" + mesh.preset;
+    if (roles.producer) {
+      StreamProducerOptions options;
+      options.message_rows = 16;
+      options.ring_rows = 64;
+      options.backpressure = StreamBackpressure::block;
+      produce(roles.comm, roles.rank, name, rows_per_producer, StreamDtype::float64, options);
+      continue;
+    }
+    // The rows every producer sends that the hash holds out, counted here.
+    int64_t expected = 0;
+    for (int64_t p = 0; p < roles.producers; ++p) {
+      for (int64_t r = 0; r < rows_per_producer; ++r) {
+        expected += stream_row_held_out(p, r, fraction) ? 1 : 0;
+      }
+    }
+    const double total = static_cast<double>(rows_per_producer * roles.producers);
+    EXPECT_GT(static_cast<double>(expected), 0.15 * total);
+    EXPECT_LT(static_cast<double>(expected), 0.35 * total);
+
+    RunConfig config = trainer_config(name, mesh.axes, mesh.preset);
+    config.stream.buffer_rows = 1000;  // every row kept: the window never overwrites
+    config.stream.min_rows = 4;
+    config.stream.dtype = StreamRowType::float64;
+    config.stream.until = StreamUntil::closed;
+    config.stream.test_fraction = fraction;
+    config.train.steps = 1000000;
+    config.train.eval_every = 1000000;  // the last step evaluates
+    config.run.output_dir = dir.path() + "/run";
+    config.checkpoint.dir = dir.path() + "/run/checkpoints";
+    TrainingRun run(config, {}, std::nullopt, roles.comm);
+    const RunSummary summary = run.train();
+    const auto& source = dynamic_cast<const StreamSource&>(run.train_data());
+    EXPECT_EQ(source.counters().rows_held_out, expected);
+    EXPECT_EQ(source.counters().rows_received,
+              rows_per_producer * roles.producers);  // held out or trained on, every row
+    // Row ids: x[0] = p * 100000 + r (make_row).
+    const auto held = [&](float id) {
+      const auto n = static_cast<int64_t>(id);
+      return stream_row_held_out(n / 100000, n % 100000, fraction);
+    };
+    for (int64_t s = 0; s < source.buffer().filled(); ++s) {
+      EXPECT_FALSE(held(source.buffer().x(s)[0]))
+          << "trained on held-out row " << source.buffer().x(s)[0];
+    }
+    for (int64_t s = 0; s < source.held_out().filled(); ++s) {
+      EXPECT_TRUE(held(source.held_out().x(s)[0])) << "held out row " << source.held_out().x(s)[0];
+    }
+    ASSERT_TRUE(summary.last_eval.has_value()) << "the held-out rows were not evaluated";
+    EXPECT_EQ(summary.last_eval->test_rows, expected);
+    EXPECT_TRUE(std::isfinite(summary.last_eval->test_loss));
+    if (roles.rank == 0) {
+      std::ifstream metrics(dir.path() + "/run/metrics.jsonl");
+      std::string text((std::istreambuf_iterator<char>(metrics)), std::istreambuf_iterator<char>());
+      EXPECT_NE(text.find("\"stream_rows_held_out\":" + std::to_string(expected)),
+                std::string::npos);
+    }
+  }
+}
+
 TEST(Stream, ShapeMismatchIsOneSentenceOnBothSides) {
   Roles roles;
   std::string message;
