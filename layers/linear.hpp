@@ -49,8 +49,10 @@
 //   reduced in the reduce dtype and kept in fp32. In fp32 none of this does anything.
 //
 // Buffers: the layer owns its activations for backward (input as used, output) and its
-// input gradient; gathered weights and gradient staging live in a LayerScratch shared by
-// all layers of a model. Nothing is allocated in forward() or backward().
+// input gradient (with LinearSharedBuffers, a 16-bit plain MLP's, the model owns them: shared
+// fp32 working buffers and a 16-bit copy of the input); gathered weights and gradient staging
+// live in a LayerScratch shared by all layers of a model. Nothing is allocated in forward() or
+// backward().
 
 #include <cstdint>
 #include <string>
