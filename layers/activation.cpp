@@ -421,6 +421,96 @@ void activation_backward(Activation activation, MatrixView z, MatrixView grad, D
   }
 }
 
+namespace {
+
+struct Identity {
+  KOKKOS_INLINE_FUNCTION static float value(float x) { return x; }
+  KOKKOS_INLINE_FUNCTION static float gradient(float, float g) { return g; }
+};
+
+// The kernels of the two functions below for one activation's formulas (Op: those of
+// activation_forward and activation_backward, framework/core/activation_math.hpp). Function
+// templates, not generic lambdas: CUDA's device lambdas cannot live in a generic lambda.
+template <class Op>
+void forward_keeping(float* values, uint16_t* kept_z, uint16_t* kept_out, int64_t n, Dtype dtype) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::activation_forward_keeping_16bit"),
+      Kokkos::RangePolicy<>(device_space(), 0, n), KOKKOS_LAMBDA(const int64_t k) {
+        const float x = values[k];  // a 16-bit value already: its bits are exact
+        const uint16_t out = to_16bit(Op::value(x), dtype);
+        kept_z[k] = to_16bit(x, dtype);
+        kept_out[k] = out;
+        values[k] = from_16bit(out, dtype);
+      });
+}
+
+template <class Op>
+void backward_from(const uint16_t* kept_z, float* grads, int64_t n, Dtype dtype) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::activation_backward_from_16bit"),
+      Kokkos::RangePolicy<>(device_space(), 0, n), KOKKOS_LAMBDA(const int64_t k) {
+        grads[k] = round_to(Op::gradient(from_16bit(kept_z[k], dtype), grads[k]), dtype);
+      });
+}
+
+}  // namespace
+
+void activation_forward_keeping_16bit(Activation activation, MatrixView z, HalfMatrixView kept_z,
+                                      HalfMatrixView kept_out, Dtype dtype) {
+  const auto n = static_cast<int64_t>(z.extent(0) * z.extent(1));
+  MESHTRAIN_REQUIRE(dtype != Dtype::fp32 && z.span_is_contiguous() &&
+                        kept_z.extent(0) == z.extent(0) && kept_z.extent(1) == z.extent(1) &&
+                        kept_out.extent(0) == z.extent(0) && kept_out.extent(1) == z.extent(1),
+                    "activation_forward_keeping_16bit: a 16-bit dtype and contiguous views of "
+                    "the same extents are needed");
+  float* v = z.data();
+  uint16_t* kz = kept_z.data();
+  uint16_t* ko = kept_out.data();
+  switch (activation) {
+    case Activation::relu:
+      return forward_keeping<activation_math::Relu>(v, kz, ko, n, dtype);
+    case Activation::tanh:
+      return forward_keeping<activation_math::Tanh>(v, kz, ko, n, dtype);
+    case Activation::gelu:
+      return forward_keeping<activation_math::GeluTanh>(v, kz, ko, n, dtype);
+    case Activation::gelu_erf:
+      return forward_keeping<activation_math::GeluErf>(v, kz, ko, n, dtype);
+    case Activation::silu:
+      return forward_keeping<activation_math::Silu>(v, kz, ko, n, dtype);
+    case Activation::sigmoid:
+      return forward_keeping<activation_math::Sigmoid>(v, kz, ko, n, dtype);
+    case Activation::none:
+      return forward_keeping<Identity>(v, kz, ko, n, dtype);
+  }
+}
+
+void activation_backward_from_16bit(Activation activation, ConstHalfMatrixView kept_z,
+                                    MatrixView grad, Dtype dtype) {
+  const auto n = static_cast<int64_t>(grad.extent(0) * grad.extent(1));
+  MESHTRAIN_REQUIRE(dtype != Dtype::fp32 && grad.span_is_contiguous() &&
+                        kept_z.extent(0) == grad.extent(0) && kept_z.extent(1) == grad.extent(1),
+                    "activation_backward_from_16bit: a 16-bit dtype and contiguous views of "
+                    "the same extents are needed");
+  const uint16_t* kz = kept_z.data();
+  float* g = grad.data();
+  switch (activation) {
+    case Activation::relu:
+      return backward_from<activation_math::Relu>(kz, g, n, dtype);
+    case Activation::tanh:
+      return backward_from<activation_math::Tanh>(kz, g, n, dtype);
+    case Activation::gelu:
+      return backward_from<activation_math::GeluTanh>(kz, g, n, dtype);
+    case Activation::gelu_erf:
+      return backward_from<activation_math::GeluErf>(kz, g, n, dtype);
+    case Activation::silu:
+      return backward_from<activation_math::Silu>(kz, g, n, dtype);
+    case Activation::sigmoid:
+      return backward_from<activation_math::Sigmoid>(kz, g, n, dtype);
+    case Activation::none:
+      return backward_from<Identity>(kz, g, n, dtype);
+  }
+}
+
 void swiglu_forward(MatrixView gate, MatrixView value, MatrixView out, Dtype dtype) {
   MESHTRAIN_REQUIRE(gate.extent(0) == out.extent(0) && gate.extent(1) == out.extent(1) &&
                         value.extent(0) == out.extent(0) && value.extent(1) == out.extent(1),
@@ -459,15 +549,33 @@ void swiglu_backward(MatrixView gate, MatrixView value, MatrixView dy, MatrixVie
 }
 
 ActivationLayer::ActivationLayer(Activation activation, const std::string& name, int64_t rows,
-                                 int64_t width, FeatureLayout layout, int64_t offset, Dtype dtype)
+                                 int64_t width, FeatureLayout layout, int64_t offset, Dtype dtype,
+                                 bool keeps_16bit)
     : activation_(activation),
       layout_(layout),
       offset_(offset),
       dtype_(dtype),
-      out_(name, rows, width),
-      name_(name) {}
+      rows_(rows),
+      width_(width),
+      name_(name) {
+  MESHTRAIN_REQUIRE(!keeps_16bit || dtype != Dtype::fp32, "activation '", name,
+                    "': 16-bit storage needs a 16-bit compute dtype");
+  if (keeps_16bit) {
+    kept_input_ = HalfMatrix(name + "/input_16bit", rows, width);
+    kept_output_ = HalfMatrix(name + "/output_16bit", rows, width);
+  } else {
+    out_ = Matrix(name, rows, width);
+    output_ = out_;
+  }
+}
 
 MatrixView ActivationLayer::forward(MatrixView x, const LayerPass&) {
+  if (kept_input_.data() != nullptr) {
+    // In place in the model's working buffer; z and f(z) kept as 16-bit copies, one pass.
+    activation_forward_keeping_16bit(activation_, x, kept_input_, kept_output_, dtype_);
+    output_ = x;
+    return x;
+  }
   z_ = x;
   activation_forward(activation_, x, out_, dtype_);
   return out_;
@@ -475,12 +583,16 @@ MatrixView ActivationLayer::forward(MatrixView x, const LayerPass&) {
 
 MatrixView ActivationLayer::backward(MatrixView dy, bool need_input_grad, const LayerPass&) {
   if (!need_input_grad) return MatrixView();
-  activation_backward(activation_, z_, dy, dtype_);
+  if (kept_input_.data() != nullptr) {
+    activation_backward_from_16bit(activation_, kept_input_, dy, dtype_);
+  } else {
+    activation_backward(activation_, z_, dy, dtype_);
+  }
   return dy;
 }
 
 MatrixView ActivationLayer::forward_tangents(MatrixView dx, const LayerPass&) {
-  const int64_t rows = static_cast<int64_t>(out_.extent(0));
+  const int64_t rows = rows_;
   const int64_t k = tangent_directions(static_cast<int64_t>(dx.extent(0)), rows, name_);
   const MatrixView out = leading_rows(tangents_, rows * k);
   activation_tangent(activation_, z_, dx, out);
@@ -511,12 +623,12 @@ void ActivationLayer::reserve_tangent_backward(int64_t directions) {
 
 void ActivationLayer::reserve_tangents(int64_t directions) {
   if (directions <= tangent_capacity_) return;
-  tangents_ = Matrix(name_ + "/tangents", out_.extent(0) * directions, out_.extent(1));
+  tangents_ = Matrix(name_ + "/tangents", rows_ * directions, width_);
   tangent_capacity_ = directions;
 }
 
 MatrixView ActivationLayer::backward_cotangents(MatrixView dy, const LayerPass&) {
-  const int64_t rows = static_cast<int64_t>(out_.extent(0));
+  const int64_t rows = rows_;
   const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows, name_);
   const MatrixView out = leading_rows(cotangents_, rows * k);
   activation_tangent(activation_, z_, dy, out);  // a diagonal Jacobian: the same product
@@ -525,7 +637,7 @@ MatrixView ActivationLayer::backward_cotangents(MatrixView dy, const LayerPass&)
 
 void ActivationLayer::reserve_cotangents(int64_t directions) {
   if (directions <= cotangent_capacity_) return;
-  cotangents_ = Matrix(name_ + "/cotangents", out_.extent(0) * directions, out_.extent(1));
+  cotangents_ = Matrix(name_ + "/cotangents", rows_ * directions, width_);
   cotangent_capacity_ = directions;
 }
 

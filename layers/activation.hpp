@@ -16,7 +16,8 @@
 
 #include <string>
 
-#include "framework/core/choices.hpp"  // Activation, its names
+#include "framework/core/choices.hpp"    // Activation, its names
+#include "framework/core/precision.hpp"  // HalfMatrix
 #include "framework/core/sharded_tensor.hpp"
 #include "layers/layer.hpp"
 
@@ -29,6 +30,17 @@ void activation_forward(Activation activation, MatrixView z, MatrixView out,
 // grad = grad * f'(z) rounded to `dtype`, in place; `z` is the forward input.
 void activation_backward(Activation activation, MatrixView z, MatrixView grad,
                          Dtype dtype = Dtype::fp32);
+
+// Mixed precision's 16-bit storage (docs/mixed_precision.md, "Compute and memory on this
+// build"): z's elements hold `dtype` values (16-bit). Forward, in one pass: z = f(z) rounded to
+// `dtype` in place, kept_z = z's 16-bit bits and kept_out = f(z)'s. Backward: grad = grad * f'(z)
+// rounded to `dtype`, in place, z read from kept_z. The formulas and roundings of
+// activation_forward / activation_backward (so the values are bit for bit theirs); views
+// contiguous.
+void activation_forward_keeping_16bit(Activation activation, MatrixView z, HalfMatrixView kept_z,
+                                      HalfMatrixView kept_out, Dtype dtype);
+void activation_backward_from_16bit(Activation activation, ConstHalfMatrixView kept_z,
+                                    MatrixView grad, Dtype dtype);
 
 // SwiGLU on two inputs (Shazeer 2020), elementwise: out = silu(gate) * value, rounded once to
 // `dtype`. Backward from dY: dgate = dY * value * silu'(gate), dvalue = dY * silu(gate), each
@@ -61,11 +73,15 @@ void swiglu_cotangent(MatrixView gate, MatrixView value, MatrixView dy, MatrixVi
 class ActivationLayer : public Layer {
  public:
   // `name` labels the output buffer [rows, width]; `dtype`: the compute dtype the output and
-  // the gradient are rounded to.
+  // the gradient are rounded to. keeps_16bit (a 16-bit dtype; Mlp's 16-bit storage): the layer
+  // computes in place in its input (the model's working buffer) and keeps its input and output
+  // as 16-bit copies ("<name>/input_16bit", "<name>/output_16bit"), which backward and the next
+  // layer's backward (kept_output()) read; it has no fp32 buffer of its own.
   ActivationLayer(Activation activation, const std::string& name, int64_t rows, int64_t width,
-                  FeatureLayout layout, int64_t offset, Dtype dtype);
+                  FeatureLayout layout, int64_t offset, Dtype dtype, bool keeps_16bit = false);
 
-  // f(x) into the layer's buffer; x (the pre-activation) is kept for backward.
+  // f(x) into the layer's buffer (keeps_16bit: into x); x (the pre-activation) is kept for
+  // backward (keeps_16bit: as its 16-bit copy).
   MatrixView forward(MatrixView x, const LayerPass& pass) override;
   // dY * f'(x) in place in dy (the input gradient of the layer after, owned by it).
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
@@ -81,21 +97,27 @@ class ActivationLayer : public Layer {
                                     const LayerPass& pass, MatrixView* dt_in) override;
   void reserve_tangent_backward(int64_t directions) override;
 
-  MatrixView output() const override { return out_; }
+  MatrixView output() const override { return output_; }
   FeatureLayout output_layout() const override { return layout_; }
-  int64_t output_width() const override { return static_cast<int64_t>(out_.extent(1)); }
+  int64_t output_width() const override { return width_; }
   int64_t output_offset() const override { return offset_; }
   std::string describe() const override { return ""; }
   Activation activation() const { return activation_; }
   Dtype dtype() const { return dtype_; }
+  // keeps_16bit: the last forward's output as 16-bit bits of dtype() (what the next Linear
+  // keeps of its input); else empty.
+  ConstHalfMatrixView kept_output() const { return kept_output_; }
 
  private:
   Activation activation_;
   FeatureLayout layout_;
   int64_t offset_ = 0;
   Dtype dtype_ = Dtype::fp32;
-  MatrixView z_;  // the input of the last forward
-  Matrix out_;    // [rows, width]
+  int64_t rows_ = 0, width_ = 0;
+  MatrixView z_;       // the input of the last forward
+  Matrix out_;         // [rows, width] (empty when keeping 16-bit copies)
+  MatrixView output_;  // out_, or the last forward's input when keeping 16-bit copies
+  HalfMatrix kept_input_, kept_output_;  // [rows, width] when keeping 16-bit copies
   std::string name_;
   Matrix tangents_, cotangents_;  // [rows * directions, width]
   MatrixView tangent_in_;         // the input of the last forward_tangents

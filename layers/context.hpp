@@ -54,6 +54,11 @@ class ParallelContext {
   double bucket_mb() const { return bucket_mb_; }
   const MixedPrecision& precision() const { return precision_; }
   void set_precision(const MixedPrecision& precision) { precision_ = precision; }
+  // Whether a plain MLP computing in 16 bits keeps its activations for backward in 16-bit
+  // buffers (layers/mlp.hpp; on by default, where it applies). Off only to test that storage
+  // changes no value (the simulated path: fp32 buffers holding the same 16-bit values).
+  bool stores_16bit_activations() const { return store_16bit_activations_; }
+  void set_store_16bit_activations(bool store) { store_16bit_activations_ = store; }
 
   // Size of the feature axis (1 when there is none) and this rank's index on it.
   int feature_parallel() const;
@@ -85,6 +90,7 @@ class ParallelContext {
   bool overlap_ = false;
   double bucket_mb_ = 25.0;
   MixedPrecision precision_;
+  bool store_16bit_activations_ = true;
 };
 
 }  // namespace meshtrain

@@ -53,7 +53,8 @@ void add_into(MatrixView src, MatrixView dst) {
 }  // namespace
 
 Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout input_layout,
-               int64_t rows, ParallelContext& context, bool input_grad_partial)
+               int64_t rows, ParallelContext& context, bool input_grad_partial,
+               const LinearSharedBuffers* shared)
     : layout_(decide_linear_layout(
           linear_layer_name(weight_ref.value->name),
           {weight_ref.value->name, weight_ref.value->global_shape, weight_ref.value->spec},
@@ -121,13 +122,33 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
 
   // Buffers.
   const int64_t in_c = l.in_compute, out = l.out;
+  if (shared) {
+    MESHTRAIN_REQUIRE(compute_dtype_ != Dtype::fp32 && !l.tensor_parallel && !l.column_parallel &&
+                          !l.slices_input() && !l.gathers_input(),
+                      "linear layer '", name,
+                      "': shared buffers need a 16-bit compute dtype and no feature axis");
+    const auto fits = [&](auto view, int64_t cols) {
+      return static_cast<int64_t>(view.extent(0)) == rows_ &&
+             static_cast<int64_t>(view.extent(1)) == cols;
+    };
+    MESHTRAIN_REQUIRE((shared->output.data() == nullptr || fits(shared->output, l.out_local)) &&
+                          fits(shared->work, in_c) && fits(shared->kept_input, in_c),
+                      "linear layer '", name, "': shared buffers of the wrong extents");
+    output_view_ = shared->output;
+    dx_c_view_ = shared->work;
+    kept_input_ = shared->kept_input;
+  }
   if (l.slices_input() || l.gathers_input()) x_c_ = Matrix(name + "/input", rows_, in_c);
-  output_ = Matrix(name + "/output", rows_, l.out_local);
+  if (output_view_.data() == nullptr) {
+    output_ = Matrix(name + "/output", rows_, l.out_local);
+    output_view_ = output_;
+  }
   if (l.column_gathers_input()) {
     // dY @ Wᵀ is reduce-scattered straight into the input's layout.
     dx_ = Matrix(name + "/input_grad", rows_, input_width());
-  } else {
+  } else if (!shared) {
     dx_c_ = Matrix(name + "/input_grad_compute", rows_, in_c);
+    dx_c_view_ = dx_c_;
   }
   if (l.slices_input() || l.gathers_input()) {
     dx_ = Matrix(name + "/input_grad", rows_, input_width());
@@ -173,7 +194,7 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   }
   MatrixView w = weight_.compute_matrix(scratch);
   if (next) next->start_weight_prefetch(scratch);
-  MatrixView y = output_;
+  MatrixView y = output_view_;
   if (layout_.column_gathers_input()) {
     // Y_t = all_gather(X, features) @ W_t: the K blocks of X arrive and accumulate.
     all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(x_used_), plain(w), y, matmuls_.forward,
@@ -225,7 +246,7 @@ MatrixView Linear::infer(MatrixView x, const LayerPass& pass, Activation activat
                     x.extent(1), "], expected [", rows_, ", ", input_width(), "]");
   LayerScratch& scratch = *pass.scratch;
   const MatrixView w = weight_.compute_matrix(scratch);
-  const MatrixView y = output_;
+  const MatrixView y = output_view_;
   const ConstVectorView bias = bias_.compute(scratch);
   if (inference_gemm_fuses_forward_epilogues() && residual.data() == nullptr) {
     // oneDNN: the bias and the activation inside the matmul, no pass over C.
@@ -305,7 +326,14 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
 
   // Weight gradient, compute block: X_cᵀ @ dY (dY all-gathered over features when split).
   MatrixView g = weight_.gradient_matrix(scratch);
-  weight_gradient_product(x_used_, dy, g, scratch);
+  MatrixView x_used = x_used_;
+  if (kept_input_.data() != nullptr) {
+    // 16-bit storage: the input widened (exactly) into the working buffer that dX then
+    // overwrites; the GEMM sees forward's values.
+    widen_16bit(kept_input_, dx_c_view_, compute_dtype_);
+    x_used = dx_c_view_;
+  }
+  weight_gradient_product(x_used, dy, g, scratch);
   if (dt.data() != nullptr) {
     // The tangents' term: dt_out = dt_in W, so dW += dt_inᵀ g_t, through the same product and
     // collective as the value's term (k times the rows), added before any reduction.
@@ -336,29 +364,29 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
       round_in_place(MatrixView(dx_), compute_dtype_);
       dx = dx_;
     } else {
-      gemm(plain(dy), transposed(w), 0.0f, dx_c_, compute_dtype_);
+      gemm(plain(dy), transposed(w), 0.0f, dx_c_view_, compute_dtype_);
       if (!layout_.input_grad_partial) {
-        tp_comm_->all_reduce(MatrixView(dx_c_), ReduceOp::sum, compute_dtype_);
+        tp_comm_->all_reduce(dx_c_view_, ReduceOp::sum, compute_dtype_);
       }
-      round_in_place(MatrixView(dx_c_), compute_dtype_);
-      dx = dx_c_;
+      round_in_place(dx_c_view_, compute_dtype_);
+      dx = dx_c_view_;
     }
   } else if (need_input_grad) {
     if (layout_.split_output) {
-      all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(dy), transposed(w), dx_c_,
+      all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(dy), transposed(w), dx_c_view_,
                         matmuls_.input_grad, scratch.matmul, compute_dtype_);
     } else {
-      gemm(plain(dy), transposed(w), 0.0f, dx_c_, compute_dtype_);
+      gemm(plain(dy), transposed(w), 0.0f, dx_c_view_, compute_dtype_);
     }
-    round_in_place(MatrixView(dx_c_), compute_dtype_);
+    round_in_place(dx_c_view_, compute_dtype_);
     if (layout_.slices_input()) {
-      tp_comm_->all_gather(MatrixView(dx_c_), dx_, 1, compute_dtype_);
+      tp_comm_->all_gather(dx_c_view_, dx_, 1, compute_dtype_);
       dx = dx_;
     } else if (layout_.gathers_input()) {
-      copy_columns(dx_c_, tp_index_ * layout_.input_width(), dx_);
+      copy_columns(dx_c_view_, tp_index_ * layout_.input_width(), dx_);
       dx = dx_;
     } else {
-      dx = dx_c_;
+      dx = dx_c_view_;
     }
   }
   // The input tangents' gradient: g_t Wᵀ, the cotangent pass on k times the rows.

@@ -49,14 +49,17 @@
 //   reduced in the reduce dtype and kept in fp32. In fp32 none of this does anything.
 //
 // Buffers: the layer owns its activations for backward (input as used, output) and its
-// input gradient; gathered weights and gradient staging live in a LayerScratch shared by
-// all layers of a model. Nothing is allocated in forward() or backward().
+// input gradient (with LinearSharedBuffers, a 16-bit plain MLP's, the model owns them: shared
+// fp32 working buffers and a 16-bit copy of the input); gathered weights and gradient staging
+// live in a LayerScratch shared by all layers of a model. Nothing is allocated in forward() or
+// backward().
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "framework/comm/collective_matmul.hpp"
+#include "framework/core/precision.hpp"  // ConstHalfMatrixView
 #include "framework/core/sharded_tensor.hpp"
 #include "layers/context.hpp"
 #include "layers/layer.hpp"
@@ -64,6 +67,20 @@
 #include "partition/linear_layout.hpp"
 
 namespace meshtrain {
+
+// Mixed precision's 16-bit storage (Mlp; docs/mixed_precision.md, "Compute and memory on this
+// build"), for a layer with neither tensor parallelism nor a sliced or gathered input: the fp32
+// buffers it computes in are the model's working buffers, shared with the other layers, and what
+// backward needs of forward's input is the 16-bit copy its producer kept.
+struct LinearSharedBuffers {
+  // [rows, out]: forward's output (empty: the layer's own, as without storage).
+  MatrixView output;
+  // [rows, in]: where backward widens kept_input for the weight gradient, then writes dX.
+  MatrixView work;
+  // [rows, in]: forward's input as 16-bit bits of the compute dtype (the same values), valid
+  // from each forward to its backward.
+  ConstHalfMatrixView kept_input;
+};
 
 class Linear final : public Layer {
  public:
@@ -74,8 +91,11 @@ class Linear final : public Layer {
   // input_grad_partial (a SwiGLU's gate or up sharing its one gather, see
   // shares_input_gather; column-parallel fed a replicated input only): backward leaves dX as
   // this rank's partial sum, for the SwiGLU to add and reduce-scatter.
+  // shared (a 16-bit compute dtype, a layout without a feature axis; else bad_input): the
+  // buffers above instead of the layer's own output and input gradient.
   Linear(ParameterRef weight, ParameterRef bias, FeatureLayout input_layout, int64_t rows,
-         ParallelContext& context, bool input_grad_partial = false);
+         ParallelContext& context, bool input_grad_partial = false,
+         const LinearSharedBuffers* shared = nullptr);
 
   // y = x W + b. x: [rows, input_width()]. Returns the output [rows, output_width()],
   // owned by the layer (valid until the next forward). x must stay valid until backward.
@@ -137,7 +157,7 @@ class Linear final : public Layer {
   bool tensor_parallel() const { return layout_.tensor_parallel; }
   const LinearLayout& layout() const { return layout_; }
   // The output of the last forward (the pre-activation, kept for backward).
-  MatrixView output() const override { return output_; }
+  MatrixView output() const override { return output_view_; }
   LayerScratchNeeds scratch_needs() const override { return needs_; }
   // One line for logs, "<layer>: " + describe_linear_layout: "layers/0: TP in 784 -> out
   // 128 (split 32), weight gathered over (fsdp) on dim 1, grads all-reduced over (dp)".
@@ -188,9 +208,13 @@ class Linear final : public Layer {
 
   Matrix x_c_;  // the input as used, when it is not the caller's view
   MatrixView x_used_;
-  Matrix output_;  // [rows, out_local]
-  Matrix dx_c_;    // [rows, in_c]
-  Matrix dx_;      // [rows, input_width] when it differs from dx_c_
+  Matrix output_;  // [rows, out_local] (empty when shared)
+  Matrix dx_c_;    // [rows, in_c] (empty when shared)
+  // What forward writes and backward's input gradient goes to: output_ and dx_c_, or the
+  // model's shared buffers (LinearSharedBuffers), whose kept_input backward then reads.
+  MatrixView output_view_, dx_c_view_;
+  ConstHalfMatrixView kept_input_;
+  Matrix dx_;  // [rows, input_width] when it differs from dx_c_
   // Tangents (reserve_tangents): the input as used [rows * k, in_c] when it is not the
   // caller's, the output [rows * k, out_local].
   Matrix tangent_x_c_, tangent_out_;

@@ -1,5 +1,6 @@
 #include "layers/mlp.hpp"
 
+#include <algorithm>
 #include <map>
 
 #include "base/error.hpp"
@@ -50,6 +51,24 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
   activations_.reserve(n);
   if (dropout > 0.0) dropouts_.reserve(n);
   auto ref = [this](size_t p) { return ParameterRef{&params_[p], &grads_[p]}; };
+  // 16-bit storage (docs/mixed_precision.md, "Compute and memory on this build"): the layers
+  // compute in two fp32 working buffers of the model, [rows, widest input], in turn (layer i
+  // reads work_[i % 2] and writes work_[(i + 1) % 2], its activation works in place there), and
+  // keep for backward only 16-bit copies: the model's input, each activation's input and output.
+  // Backward runs on the same two buffers: layer i widens its kept input into work_[i % 2] for
+  // its weight gradient and then writes its input gradient there, which the layer below reads
+  // as its dY from the other buffer. The last layer's output (the logits) stays its own.
+  // Where it does not apply (fp32, MoE, dropout, a feature axis: tensor parallelism), the
+  // simulated path: fp32 buffers holding 16-bit values. framework/train/memory_plan.cpp counts
+  // the same buffers under the same condition.
+  keeps_16bit_ = compute_dtype_ != Dtype::fp32 && context.stores_16bit_activations() &&
+                 moe.layers.empty() && dropout == 0.0 && context.feature_parallel() == 1;
+  if (keeps_16bit_) {
+    const int64_t widest = *std::max_element(sizes.begin(), sizes.end() - 1);
+    work_[0] = Matrix("model/work_0", rows_, widest);
+    work_[1] = Matrix("model/work_1", rows_, widest);
+    input_16bit_ = HalfMatrix("model/input_16bit", rows_, sizes.front());
+  }
   FeatureLayout layout = FeatureLayout::replicated;  // x arrives with all features
   size_t param = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -58,6 +77,14 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
       moe_.emplace_back(ref(param), ref(param + 1), ref(param + 2), moe.top_k, moe.aux_loss_coef,
                         layout, rows_, context);
       layer = &moe_.back();
+    } else if (keeps_16bit_) {
+      LinearSharedBuffers shared;
+      if (i + 1 < n) shared.output = work_view((i + 1) % 2, sizes[i + 1]);
+      shared.work = work_view(i % 2, sizes[i]);
+      shared.kept_input =
+          i == 0 ? ConstHalfMatrixView(input_16bit_) : activations_.back().kept_output();
+      linear_.emplace_back(ref(param), ref(param + 1), layout, rows_, context, false, &shared);
+      layer = &linear_.back();
     } else {
       linear_.emplace_back(ref(param), ref(param + 1), layout, rows_, context);
       layer = &linear_.back();
@@ -68,7 +95,7 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
     if (i + 1 < n) {
       activations_.emplace_back(activation, "layers/" + std::to_string(i) + "/activation", rows_,
                                 layer->output_width(), layout, layer->output_offset(),
-                                compute_dtype_);
+                                compute_dtype_, keeps_16bit_);
       sequence_.push_back(&activations_.back());
       if (dropout > 0.0) {
         dropouts_.emplace_back(
@@ -267,7 +294,9 @@ void Mlp::finish(ParallelContext& context) {
       group->reserve_started_all_gathers(1, g.send_elements, g.wire);
     }
   }
-  if (compute_dtype_ != Dtype::fp32) input_ = Matrix("model/input", rows_, sizes_.front());
+  if (compute_dtype_ != Dtype::fp32 && !keeps_16bit_) {
+    input_ = Matrix("model/input", rows_, sizes_.front());
+  }
   if (compute_dtype_ != Dtype::fp32 || context.precision().needs_loss_scaling()) {
     output_grad_ = Matrix("model/output_grad", rows_, output_width());
   }
@@ -309,7 +338,14 @@ void Mlp::initialize(InitScheme scheme, uint64_t seed) {
 
 MatrixView Mlp::forward(MatrixView x, const TrainingPass* training) {
   MatrixView input = x;
-  if (compute_dtype_ != Dtype::fp32) {  // the model input cast to the compute dtype
+  if (keeps_16bit_) {  // cast into the first working buffer, and kept as 16 bits, in one pass
+    MESHTRAIN_REQUIRE(
+        x.extent(0) == input_16bit_.extent(0) && x.extent(1) == input_16bit_.extent(1),
+        "model input is [", x.extent(0), ", ", x.extent(1), "], expected [", input_16bit_.extent(0),
+        ", ", input_16bit_.extent(1), "]");
+    input = work_view(0, sizes_.front());
+    round_copy_keeping_16bit(x, input, input_16bit_, compute_dtype_);
+  } else if (compute_dtype_ != Dtype::fp32) {  // the model input cast to the compute dtype
     MESHTRAIN_REQUIRE(x.extent(0) == input_.extent(0) && x.extent(1) == input_.extent(1),
                       "model input is [", x.extent(0), ", ", x.extent(1), "], expected [",
                       input_.extent(0), ", ", input_.extent(1), "]");
@@ -326,6 +362,10 @@ MatrixView Mlp::forward(MatrixView x, const TrainingPass* training) {
     input = sequence_[k]->forward(input, pass);
   }
   return input;
+}
+
+MatrixView Mlp::work_view(size_t buffer, int64_t width) const {
+  return MatrixView(work_[buffer].data(), rows_, width);
 }
 
 MatrixView Mlp::infer(MatrixView x) {

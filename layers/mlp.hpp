@@ -202,6 +202,8 @@ class Mlp {
   const GradientReductionPlan& gradient_reductions() const { return reductions_; }
   // One line per layer with parameters (Layer::describe).
   std::vector<std::string> describe() const;
+  // Whether the activations kept for backward live in 16-bit buffers (the plain constructor).
+  bool keeps_16bit_activations() const { return keeps_16bit_; }
   // The DP gradient buckets (empty when overlap is off or no layer has DP storage).
   const GradientBuckets& gradient_buckets() const { return buckets_; }
 
@@ -234,8 +236,14 @@ class Mlp {
   // After sequence_ is built: prefetch, scratch, buffers, the reduction plan, the buckets.
   void finish(ParallelContext& context);
   Dtype compute_dtype_ = Dtype::fp32;  // context.precision().param
-  Matrix input_;                       // the input cast to the compute dtype (empty in fp32)
-  Matrix output_grad_;                 // the output gradient, scaled and cast (empty in plain fp32)
+  Matrix input_;  // the input cast to the compute dtype (empty in fp32 and with 16-bit storage)
+  // 16-bit storage (the plain constructor explains it): the two fp32 working buffers
+  // [rows, widest input], and the input kept for the first layer's backward.
+  bool keeps_16bit_ = false;
+  Matrix work_[2];
+  HalfMatrix input_16bit_;
+  MatrixView work_view(size_t buffer, int64_t width) const;  // work_[buffer] as [rows, width]
+  Matrix output_grad_;  // the output gradient, scaled and cast (empty in plain fp32)
   LayerScratch scratch_;
   inference::Sequence inference_;  // sequence_ as infer() runs it
   GradientReductionPlan reductions_;

@@ -104,7 +104,8 @@ struct GemmEpilogue {
 };
 
 // `inputs`: the dtype the operands' values hold (mixed precision, docs/mixed_precision.md);
-// the operands and C are fp32 buffers (16-bit storage is to come, issue 37 item 1).
+// the operands and C are fp32 buffers (a layer that keeps 16-bit copies widens them into fp32
+// working buffers first: docs/mixed_precision.md, "Compute and memory on this build").
 //   oneDNN      bf16: a bf16 matmul (operands copied to 16 bits into scratch kept between
 //               calls, fp32 accumulation and C) where the CPU has AVX512_BF16 (or AMX);
 //               elsewhere, and for fp16 (oneDNN 2.6 has no fp16 matmul on CPUs), the fp32

@@ -39,6 +39,39 @@ void round_copy(ConstMatrixView src, MatrixView dst, Dtype dtype) {
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) = round_to(src(i, j), dtype); });
 }
 
+void round_copy_keeping_16bit(ConstMatrixView src, MatrixView dst, HalfMatrixView kept,
+                              Dtype dtype) {
+  MESHTRAIN_REQUIRE(dtype != Dtype::fp32 && src.extent(0) == dst.extent(0) &&
+                        src.extent(1) == dst.extent(1) && kept.extent(0) == dst.extent(0) &&
+                        kept.extent(1) == dst.extent(1) && dst.span_is_contiguous() &&
+                        kept.span_is_contiguous(),
+                    "round_copy_keeping_16bit: a 16-bit dtype and [", src.extent(0), ", ",
+                    src.extent(1), "] contiguous destinations of the same extents are needed");
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::round_copy_keeping_16bit"),
+      Range2(device_space(), {0, 0},
+             {static_cast<int64_t>(dst.extent(0)), static_cast<int64_t>(dst.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        const uint16_t bits = to_16bit(src(i, j), dtype);
+        kept(i, j) = bits;
+        dst(i, j) = from_16bit(bits, dtype);
+      });
+}
+
+void widen_16bit(ConstHalfMatrixView src, MatrixView dst, Dtype dtype) {
+  MESHTRAIN_REQUIRE(dtype != Dtype::fp32 && src.extent(0) == dst.extent(0) &&
+                        src.extent(1) == dst.extent(1) && src.span_is_contiguous() &&
+                        dst.span_is_contiguous(),
+                    "widen_16bit: a 16-bit dtype and contiguous [", src.extent(0), ", ",
+                    src.extent(1), "] views of the same extents are needed");
+  const uint16_t* from = src.data();
+  float* to = dst.data();
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::widen_16bit"),
+      device_range(0, static_cast<int64_t>(dst.extent(0) * dst.extent(1))),
+      KOKKOS_LAMBDA(const int64_t k) { to[k] = from_16bit(from[k], dtype); });
+}
+
 void pack_16bit(const float* src, uint16_t* dst, std::size_t count, Dtype dtype) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::pack_16bit"), device_range(0, count),

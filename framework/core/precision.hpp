@@ -6,7 +6,8 @@
 // __float2half_rn and PyTorch's .to(): NaN stays a (quiet) NaN, fp16 overflows to inf.
 //
 // Values between cast points live in fp32 buffers holding exactly representable 16-bit
-// values (round_to); only communication moves 16-bit elements (docs/mixed_precision.md).
+// values (round_to); communication moves 16-bit elements, and a plain MLP keeps the
+// activations backward needs as 16-bit elements (HalfMatrix; docs/mixed_precision.md).
 
 #include <Kokkos_Core.hpp>
 #include <cstddef>
@@ -97,11 +98,25 @@ inline void add_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, std::
 // Bits of 16-bit elements in the default memory space (what communication moves).
 using HalfBits = Kokkos::View<uint16_t*, Kokkos::LayoutRight>;
 
+// Matrices of 16-bit elements (the bits of a bf16 or fp16 value; which one is the caller's
+// Dtype), row-major: the activations a 16-bit model keeps for backward.
+using HalfMatrix = Kokkos::View<uint16_t**, Kokkos::LayoutRight>;
+using HalfMatrixView =
+    Kokkos::View<uint16_t**, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+using ConstHalfMatrixView =
+    Kokkos::View<const uint16_t**, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+
 // In place: every element rounded to `dtype` (nothing for fp32). Labelled kernels.
 void round_in_place(VectorView data, Dtype dtype);
 void round_in_place(MatrixView data, Dtype dtype);
 // dst = src rounded to `dtype` (a copy for fp32); same extents.
 void round_copy(ConstMatrixView src, MatrixView dst, Dtype dtype);
+// One pass: dst = src rounded to `dtype` (16-bit) and kept = its 16-bit bits; same extents,
+// dst and kept contiguous.
+void round_copy_keeping_16bit(ConstMatrixView src, MatrixView dst, HalfMatrixView kept,
+                              Dtype dtype);
+// dst = the fp32 values of the 16-bit elements src (exact); same extents, both contiguous.
+void widen_16bit(ConstHalfMatrixView src, MatrixView dst, Dtype dtype);
 // dst[k] = to_16bit(src[k]) and back; count elements, contiguous.
 void pack_16bit(const float* src, uint16_t* dst, std::size_t count, Dtype dtype);
 void unpack_16bit(const uint16_t* src, float* dst, std::size_t count, Dtype dtype);

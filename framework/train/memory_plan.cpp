@@ -149,16 +149,32 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   };
   int64_t activation_floats = 0;
   const size_t n = plan.layers.size();
+  // A plain MLP's 16-bit storage (layers/mlp.cpp, the plain constructor: a 16-bit param_dtype,
+  // no MoE, no dropout, no feature axis): its Linears write to and compute their input
+  // gradients in two shared fp32 working buffers [rows, widest input] (the last layer's output
+  // excepted), its activations work in place there and keep their input and output as 16 bits,
+  // and the model keeps its input as 16 bits (instead of an fp32 copy).
+  const bool keeps_16bit =
+      !fp32 && !residual && config.model.dropout == 0.0 &&
+      std::none_of(plan.layers.begin(), plan.layers.end(),
+                   [](const LayerPlan& l) { return l.moe || l.layout.tp > 1; });
+  int64_t activation_halves = 0;  // 16-bit elements
+  if (keeps_16bit) {
+    int64_t widest = 0;
+    for (const LayerPlan& layer : plan.layers) widest = std::max(widest, layer.layout.in);
+    activation_floats += 2 * rows * widest;
+    activation_halves += rows * config.model.input_width();
+  }
   for (size_t i = 0; i < n; ++i) {
     const LayerPlan& layer = plan.layers[i];
     if (layer.moe) continue;  // an MoE layer's buffers: its dispatch buffers (totals) only
     const LinearLayout& l = layer.layout;
     // Linear's buffers (layers/linear.cpp).
     if (l.slices_input() || l.gathers_input()) activation_floats += rows * l.in_compute;  // input
-    activation_floats += rows * l.out_local;                                              // output
+    if (!keeps_16bit || i + 1 == n) activation_floats += rows * l.out_local;              // output
     if (l.column_gathers_input()) {
       activation_floats += rows * l.input_width();  // input_grad
-    } else {
+    } else if (!keeps_16bit) {
       activation_floats += rows * l.in_compute;  // input_grad_compute
     }
     if (l.slices_input() || l.gathers_input()) activation_floats += rows * l.input_width();
@@ -169,7 +185,9 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
                  : i + 1 < n;
     const bool gate = residual && layer.name.size() > 5 &&
                       layer.name.compare(layer.name.size() - 5, 5, "/gate") == 0;
-    if (hidden && !(residual && gated)) {
+    if (hidden && keeps_16bit) {
+      activation_halves += 2 * rows * l.out_local;  // input_16bit, output_16bit
+    } else if (hidden && !(residual && gated)) {
       activation_floats += rows * l.out_local;
       if (config.model.dropout > 0.0) activation_floats += rows * l.out_local;
     }
@@ -229,7 +247,7 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   // The model's 16-bit input copy and output gradient (layers/mlp.cpp).
   const LinearLayout& last = plan.layers.back().layout;
   const int64_t outputs = config.model.output_width();
-  if (!fp32) activation_floats += rows * config.model.input_width();
+  if (!fp32 && !keeps_16bit) activation_floats += rows * config.model.input_width();
   if (!fp32 || precision.needs_loss_scaling()) activation_floats += rows * last.out_local;
   // The loss (layers/loss.cpp): gradient, row maxima, statistics, per-row losses.
   const bool split = last.tp > 1 && last.output_layout() == FeatureLayout::split;
@@ -238,7 +256,8 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   if (split) reserve({last.feature_axis}, rows * last.tp);
   // The loss's three double sums, and their host mirror where device memory is separate.
   const int64_t loss_scalars = (kDeviceMemoryIsSeparate ? 2 : 1) * 3 * sizeof(double);
-  w.activation_bytes = activation_floats * kFloat + loss_scalars;
+  w.activation_bytes = activation_floats * kFloat +
+                       activation_halves * static_cast<int64_t>(sizeof(uint16_t)) + loss_scalars;
   // The batch (run/run_setup.cpp): inputs, and int32 labels or float targets.
   const bool labels = config.model.loss == LossKind::cross_entropy;
   w.batch_bytes = rows * config.model.input_width() * kFloat +

@@ -316,16 +316,23 @@ struct RunResult {
   std::vector<std::string> names;
   int batch_ranks = 1, feature_ranks = 1;  // the sizes of the batch axes and the feature axis
   bool tensor_parallel = false;            // some layer is TP (else the forward is row-local)
+  bool keeps_16bit = false;                // Mlp::keeps_16bit_activations()
+  std::vector<Tensor> params;              // full shape, after the run's updates
 };
 
-// policy nullptr: the context's precision is never set.
+// policy nullptr: the context's precision is never set. steps > 1: that many training steps,
+// each but the first after the update w -= 0.1 * grad of the previous one (the gradients and
+// logits reported are the last step's, the parameters those it started from). store_16bit:
+// ParallelContext::set_store_16bit_activations.
 RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPrecision* policy,
-                    float loss_scale, bool overlap = false) {
+                    float loss_scale, bool overlap = false, int steps = 1,
+                    bool store_16bit = true) {
   const Mesh mesh = Mesh::create(layout.mesh, world_size());
   MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
   const double bucket_mb = 200.0 * sizeof(float) / (1024 * 1024);  // several buckets
   ParallelContext context(comms, {"fsdp", "dp"}, "tp", layout.algorithm, overlap, bucket_mb);
   if (policy) context.set_precision(*policy);
+  context.set_store_16bit_activations(store_16bit);
 
   ShardingPlan plan;
   SpecLookup spec_of;
@@ -373,6 +380,24 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
   Kokkos::deep_copy(targets, th);
   Kokkos::deep_copy(labels, lh);
 
+  run.keeps_16bit = model.keeps_16bit_activations();
+  for (int step = 1; step < steps; ++step) {
+    const MatrixView out = model.forward(x);
+    if (m.loss == LossKind::mse) {
+      loss.regression(out, targets);
+    } else {
+      loss.cross_entropy(out, labels);
+    }
+    model.backward(loss.gradient(), true, loss_scale);
+    for (size_t k = 0; k < model.parameters().size(); ++k) {
+      const Vector p = model.parameters()[k].local;
+      const Vector g = model.gradients()[k].local;
+      Kokkos::parallel_for(
+          "sgd", p.extent(0), KOKKOS_LAMBDA(const int64_t e) { p(e) -= 0.1f * g(e); });
+    }
+  }
+  for (const auto& p : model.parameters())
+    run.params.push_back(gather_full(p, mesh, context.rank()));
   MatrixView logits = model.forward(x);
   auto logits_host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), logits);
   run.col_offset = model.output_offset();
@@ -586,6 +611,47 @@ TEST(MixedPrecision, Fp16LossScaleScalesTheGradients) {
     }
   }
   print_observed();
+}
+
+// 16-bit storage (docs/mixed_precision.md, "Compute and memory on this build": the activations
+// kept for backward in 16-bit buffers, fp32 working buffers shared by the layers) changes no
+// value: three training steps give bit for bit the loss, logits, gradients and parameters of the
+// simulated path (fp32 buffers holding the same 16-bit values), on every layout (storage where
+// there is no feature axis; the simulated path on both sides elsewhere) with overlap off and on.
+TEST(MixedPrecision, SixteenBitStorageIsBitIdenticalToTheSimulatedPath) {
+  const std::vector<Policy> sixteen = {{"bf16/bf16", {Dtype::bf16, Dtype::bf16}},
+                                       {"fp16/fp16", {Dtype::fp16, Dtype::fp16}},
+                                       {"bf16/fp32", {Dtype::bf16, Dtype::fp32}}};
+  std::vector<ModelCase> cases = models();
+  cases.push_back({"gelu_ce_one_hidden", {32, 24, 6}, Activation::gelu, LossKind::cross_entropy});
+  for (const auto& m : cases) {
+    for (const auto& policy : sixteen) {
+      for (const auto& layout : layouts_for(world_size())) {
+        for (bool overlap : {false, true}) {
+          SCOPED_TRACE(m.name + ", " + policy.name + " on " + layout.name +
+                       (overlap ? " with overlap" : ""));
+          const RunResult stored = run_model(m, layout, &policy.mp, 1.0f, overlap, 3, true);
+          const RunResult simulated = run_model(m, layout, &policy.mp, 1.0f, overlap, 3, false);
+          bool feature_axis = false;
+          for (const auto& [axis, size] : layout.mesh) feature_axis |= axis == "tp" && size > 1;
+          EXPECT_EQ(stored.keeps_16bit, !feature_axis);
+          EXPECT_FALSE(simulated.keeps_16bit);
+          EXPECT_EQ(stored.loss, simulated.loss);
+          ASSERT_EQ(stored.logits.size(), simulated.logits.size());
+          for (size_t i = 0; i < stored.logits.size(); ++i)
+            ASSERT_EQ(float(stored.logits[i]), float(simulated.logits[i])) << "logit " << i;
+          for (size_t k = 0; k < stored.grads.size(); ++k) {
+            for (size_t i = 0; i < stored.grads[k].size(); ++i) {
+              ASSERT_EQ(float(stored.grads[k][i]), float(simulated.grads[k][i]))
+                  << stored.names[k] << " gradient element " << i;
+              ASSERT_EQ(float(stored.params[k][i]), float(simulated.params[k][i]))
+                  << stored.names[k] << " element " << i;
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 // {fp32, fp32} changes nothing: bit for bit the model built without a policy.
