@@ -51,9 +51,8 @@ const char* mt_stream_last_error(const mt_stream* s);
  * the communicator as a Fortran handle (`comm%MPI_VAL` under `use mpi_f08`, the integer under
  * `use mpi`), the options as values (0: the defaults; the parent is MPI_COMM_WORLD) and the
  * name NUL-terminated (`trim(name) // c_null_char`). */
-int mt_stream_connect_f(MPI_Fint comm, const char* name, int64_t inputs, int64_t outputs,
-                        int dtype, int64_t ring_rows, int64_t message_rows, int backpressure,
-                        mt_stream** out);
+int mt_stream_connect_f(MPI_Fint comm, const char* name, int64_t inputs, int64_t outputs, int dtype,
+                        int64_t ring_rows, int64_t message_rows, int backpressure, mt_stream** out);
 
 /* The trainer's model as it trains (its stream.publish_every > 0): the C form of
  * meshtrain::LiveModel (docs/online.md), in the meshtrain_run library.

@@ -87,8 +87,8 @@ const char* mt_stream_last_error(const mt_stream* s) {
   return s ? s->error.c_str() : "mt_stream: no stream (NULL handle)";
 }
 
-int mt_stream_connect_f(MPI_Fint comm, const char* name, int64_t inputs, int64_t outputs,
-                        int dtype, int64_t ring_rows, int64_t message_rows, int backpressure,
+int mt_stream_connect_f(MPI_Fint comm, const char* name, int64_t inputs, int64_t outputs, int dtype,
+                        int64_t ring_rows, int64_t message_rows, int backpressure,
                         mt_stream** out) {
   const mt_stream_options options = {ring_rows, message_rows, backpressure, MPI_COMM_NULL};
   return mt_stream_connect(MPI_Comm_f2c(comm), name, inputs, outputs, dtype, &options, out);
