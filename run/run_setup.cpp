@@ -163,13 +163,7 @@ void TrainingRun::open_data(std::optional<RunData> data) {
         MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"", name, "\" is not ",
                             "reported for model.loss = \"", to_string(*config_.model.loss),
                             "\" (the ", train.description, "); use ",
-                            *config_.model.loss == LossKind::cross_entropy
-                                ? "\"test_loss\", \"test_accuracy\" or \"test_top5_accuracy\""
-                            : *config_.model.loss == LossKind::binary_cross_entropy
-                                ? "\"test_loss\", \"test_accuracy\", \"test_auc\" or "
-                                  "\"test_log_loss\""
-                                : "\"test_loss\", \"test_mse\", \"test_mae\", \"test_r2\" or "
-                                  "\"test_rel_l2\"");
+                            reported_metrics_text(*config_.model.loss));
       }
       if (best->output >= outputs) {
         MESHTRAIN_BAD_INPUT(config_.file, ": checkpoint.keep_best = \"", name, "\" names output ",

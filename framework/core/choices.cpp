@@ -180,6 +180,21 @@ std::optional<EvalMetric> find_eval_metric(const std::string& name) {
   return metric;
 }
 
+std::string reported_metrics_text(LossKind loss) {
+  std::vector<std::string> reported;
+  const std::vector<std::string>& names = eval_metric_names();
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (EvalMetric{static_cast<EvalMetric::Kind>(i), -1}.reported_for(loss)) {
+      reported.push_back(names[i]);
+    }
+  }
+  std::string text;
+  for (size_t i = 0; i < reported.size(); ++i) {
+    text += (i == 0 ? "" : i + 1 == reported.size() ? " or " : ", ") + reported[i];
+  }
+  return text;
+}
+
 std::string eval_metric_choices_text() {
   return join(eval_metric_names(), " | ") +
          ", or one output's test_mse[j] | test_mae[j] | test_r2[j] | test_rel_l2[j] | "

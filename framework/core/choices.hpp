@@ -150,6 +150,9 @@ const std::vector<std::string>& eval_metric_names();
 // "test_mse", "test_r2[2]", ...; nullopt for a name that is none (an index on a metric that has
 // none per output, a malformed index). The index is not checked against any model.
 std::optional<EvalMetric> find_eval_metric(const std::string& name);
+// The metrics a model trained with `loss` reports, for a sentence: "test_loss, test_accuracy or
+// test_top5_accuracy" (EvalMetric::reported_for, in the order of eval_metric_names()).
+std::string reported_metrics_text(LossKind loss);
 // What the metric names and what they may be, for messages and the docs.
 std::string eval_metric_choices_text();
 const ChoiceTable<Normalize>& normalize_choices();

@@ -1095,13 +1095,8 @@ std::optional<KeyProblem> check_keep_best(const ConfigKey&, const RunConfig& c,
     const char* kind = metric.classification() ? "a classification metric"
                        : metric.binary()       ? "a binary_cross_entropy model's metric"
                                                : "a regression metric";
-    const char* instead = loss == LossKind::cross_entropy
-                              ? "test_loss, test_accuracy or test_top5_accuracy"
-                          : loss == LossKind::binary_cross_entropy
-                              ? "test_loss, test_accuracy, test_auc or test_log_loss"
-                              : "test_loss, test_mse, test_mae, test_r2 or test_rel_l2";
     return problem("= \"", name, "\" is ", kind, ", but ", names("model.loss"), " = \"",
-                   to_string(loss), "\" does not report it; use ", instead);
+                   to_string(loss), "\" does not report it; use ", reported_metrics_text(loss));
   }
   const bool residual = c.model.kind == ModelKind::residual_mlp;
   const int64_t outputs = c.model.output_width();

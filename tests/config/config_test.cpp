@@ -610,6 +610,14 @@ TEST(Config, KeepBestTakesAnyMetricEvaluateReports) {
                       {"[checkpoint] keep_best", "regression metric", "test_auc"});
   expect_config_error(with("binary_cross_entropy", "test_top5_accuracy"),
                       {"[checkpoint] keep_best", "classification metric", "test_log_loss"});
+  // The sentence's list is the metrics reported_for() accepts, in their documented order.
+  EXPECT_EQ(reported_metrics_text(LossKind::cross_entropy),
+            "test_loss, test_accuracy or test_top5_accuracy");
+  EXPECT_EQ(reported_metrics_text(LossKind::binary_cross_entropy),
+            "test_loss, test_accuracy, test_auc or test_log_loss");
+  for (LossKind loss : {LossKind::mse, LossKind::huber, LossKind::mae}) {
+    EXPECT_EQ(reported_metrics_text(loss), "test_loss, test_mse, test_mae, test_r2 or test_rel_l2");
+  }
   // Direction: higher is better for the accuracies and R^2 only.
   EXPECT_TRUE((EvalMetric{Kind::r2, 2}).higher_is_better());
   EXPECT_TRUE(EvalMetric::test_accuracy.higher_is_better());
