@@ -133,10 +133,10 @@ Loss::Loss(LossKind kind, ParallelContext& context, int64_t rows, int64_t width,
   if (tp_comm_) tp_comm_->reserve_scratch(static_cast<size_t>(rows_ * tp_));
 }
 
-LossResult Loss::finish(double local_sum, double local_correct, double local_count) {
+LossResult Loss::finish(double local_sum, double local_counted, double local_count) {
   scalars_host_(0) = poisoned_ ? std::numeric_limits<double>::quiet_NaN() : local_sum;
   poisoned_ = false;
-  scalars_host_(1) = local_correct;
+  scalars_host_(1) = local_counted;
   scalars_host_(2) = local_count;
   if (scalar_comm_) {
     copy_view(scalars_, scalars_host_);
@@ -145,7 +145,9 @@ LossResult Loss::finish(double local_sum, double local_correct, double local_cou
   }
   LossResult r;
   r.loss_sum = scalars_host_(0);
-  r.correct = static_cast<int64_t>(std::llround(scalars_host_(1)));
+  const int64_t counted = static_cast<int64_t>(std::llround(scalars_host_(1)));
+  if (kind_ == LossKind::cross_entropy) r.correct = counted;
+  if (kind_ == LossKind::binary_cross_entropy) r.targets_outside = counted;
   r.count = static_cast<int64_t>(std::llround(scalars_host_(2)));
   r.loss = r.count > 0 ? r.loss_sum / static_cast<double>(r.count) : 0.0;
   return r;

@@ -14,7 +14,8 @@
 //   binary_cross_entropy  PyTorch's BCEWithLogitsLoss (reduction mean over rows, summed over
 //                  outputs): log(1 + e^z) - z t per output, computed as max(z, 0) - z t +
 //                  log1p(e^-|z|); gradient (sigmoid(z) - t) / N. Targets belong in [0, 1]:
-//                  LossResult::correct counts those outside (NaN included) over the batch.
+//                  LossResult::targets_outside counts those outside (NaN included) over the
+//                  batch.
 // The regression losses multiply output j's term (and its gradient) by weights[j] when
 // weights are given (model.loss_weights); without them the kernels are the unweighted ones,
 // so an mse without weights rounds exactly as before weights existed.
@@ -41,11 +42,11 @@
 namespace meshtrain {
 
 struct LossResult {
-  double loss = 0.0;      // mean over the valid rows of the global batch
-  double loss_sum = 0.0;  // sum over the valid rows of the global batch
-  int64_t correct = 0;    // cross_entropy: rows whose argmax is the label (global);
-                          // binary_cross_entropy: targets outside [0, 1] (global)
-  int64_t count = 0;      // valid rows (global)
+  double loss = 0.0;            // mean over the valid rows of the global batch
+  double loss_sum = 0.0;        // sum over the valid rows of the global batch
+  int64_t correct = 0;          // cross_entropy: rows whose argmax is the label (global)
+  int64_t targets_outside = 0;  // binary_cross_entropy: targets outside [0, 1] (global)
+  int64_t count = 0;            // valid rows (global)
 };
 
 using LabelView = Kokkos::View<const int32_t*>;
@@ -82,7 +83,9 @@ class Loss {
   int64_t local_width() const { return local_width_; }
 
  private:
-  LossResult finish(double local_sum, double local_correct, double local_count);
+  // Reduces the three scalars; `local_counted` is what the kind counts (argmax hits or targets
+  // outside [0, 1]) and lands in the LossResult field of that meaning.
+  LossResult finish(double local_sum, double local_counted, double local_count);
 
   LossKind kind_;
   int64_t rows_, width_, local_width_, offset_ = 0;

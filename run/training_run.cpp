@@ -359,7 +359,7 @@ LossResult TrainingRun::compute_loss(Loss& loss, MatrixView output, const BatchL
   }
   LossResult result = loss.regression(output, targets, with_gradient, valid_rows);
   // The count is reduced over every rank with the loss: they all stop here, with this sentence.
-  if (loss.kind() == LossKind::binary_cross_entropy && result.correct > 0) {
+  if (loss.kind() == LossKind::binary_cross_entropy && result.targets_outside > 0) {
     const DataSection& data = config_.data;
     const std::vector<std::string>& paths = with_gradient ? data.path : data.test_path;
     const std::string origin =
@@ -369,7 +369,7 @@ LossResult TrainingRun::compute_loss(Loss& loss, MatrixView output, const BatchL
             : std::string("data.source = \"") + to_string(data.source) + "\"";
     MESHTRAIN_BAD_INPUT(config_.file.empty() ? "" : config_.file + ": ",
                         "model.loss = \"binary_cross_entropy\" needs targets in [0, 1], but ",
-                        result.correct, " of a batch's targets are outside (the ",
+                        result.targets_outside, " of a batch's targets are outside (the ",
                         with_gradient ? "training" : "test", " data, ", origin, ")");
   }
   return result;

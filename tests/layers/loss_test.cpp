@@ -121,7 +121,8 @@ TEST(RegressionLoss, MatchesFloat64ReferenceOnEveryMesh) {
       Kokkos::deep_copy(targets, th);
       const LossResult r = loss.regression(output, targets);
       EXPECT_EQ(r.count, kRows);
-      EXPECT_EQ(r.correct, 0);  // binary_cross_entropy: no target outside [0, 1]
+      EXPECT_EQ(r.targets_outside, 0);
+      EXPECT_EQ(r.correct, 0);  // counts argmax hits for cross_entropy only
       EXPECT_NEAR(r.loss, ref_loss, 1e-6 * std::max(1.0, std::abs(ref_loss)));
       auto gh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), loss.gradient());
       int reported = 0;
@@ -189,11 +190,11 @@ TEST(RegressionLoss, BinaryCrossEntropyCountsTargetsOutsideZeroToOne) {
     }
     Kokkos::deep_copy(output, oh);
     Kokkos::deep_copy(targets, th);
-    EXPECT_EQ(loss.regression(output, targets).correct, 4);
+    EXPECT_EQ(loss.regression(output, targets).targets_outside, 4);
     // Every rank's last row is padding: the bad targets in those rows are not counted.
     int64_t counted = 0;
     for (const auto& [row, column] : bad) counted += row % rows != rows - 1 ? 1 : 0;
-    EXPECT_EQ(loss.regression(output, targets, false, rows - 1).correct, counted);
+    EXPECT_EQ(loss.regression(output, targets, false, rows - 1).targets_outside, counted);
   }
 }
 
