@@ -217,6 +217,17 @@ std::string format_value(double value, const char* format) {
 }
 
 // The human-readable report (rank 0).
+// What the test loss of a model trained with a loss on float targets is, in words.
+std::string loss_description(LossKind loss, bool weighted) {
+  const char* term = loss == LossKind::binary_cross_entropy ? "binary cross entropy"
+                     : loss == LossKind::huber              ? "Huber loss"
+                     : loss == LossKind::mae                ? "absolute error"
+                                                            : "squared error";
+  return std::string("mean over rows of the ") + (weighted ? "weighted " : "") +
+         "sum over outputs of the " + term +
+         (is_regression(loss) ? ", in the units the model was trained in" : "");
+}
+
 void print_report(std::FILE* out, const Checkpoint& checkpoint, const TrainingRun& run,
                   const EvalEvent& e) {
   const RunConfig& config = run.config();
@@ -230,21 +241,10 @@ void print_report(std::FILE* out, const Checkpoint& checkpoint, const TrainingRu
       static_cast<long long>(config.data.eval_batch_size.value_or(config.data.batch_size)));
   const bool classification = !e.test_class_accuracy.empty();
   const LossKind loss = config.model.loss.value_or(LossKind::cross_entropy);
-  const char* term = loss == LossKind::huber ? "Huber loss"
-                     : loss == LossKind::mae ? "absolute error"
-                                             : "squared error";
-  const std::string regression_loss = std::string("mean over rows of the ") +
-                                      (config.model.loss_weights.empty() ? "" : "weighted ") +
-                                      "sum over outputs of the " + term +
-                                      ", in the units the model was trained in";
   const bool binary = loss == LossKind::binary_cross_entropy;
-  const std::string binary_loss = std::string("mean over rows of the ") +
-                                  (config.model.loss_weights.empty() ? "" : "weighted ") +
-                                  "sum over outputs of the binary cross entropy";
   std::fprintf(out, "test loss %.6g (as trained: %s)\n", e.test_loss,
                classification ? "cross entropy, mean over rows"
-               : binary       ? binary_loss.c_str()
-                              : regression_loss.c_str());
+                              : loss_description(loss, !config.model.loss_weights.empty()).c_str());
   if (binary) {
     std::fprintf(out,
                  "AUC %s  log loss %.6g  accuracy %.4f (over all outputs; t >= 0.5 is a yes)\n",
