@@ -511,8 +511,9 @@ void TrainingRun::set_physics(RunPhysics physics) {
   const int64_t inputs = config_.model.input_width(), outputs = config_.model.output_width();
   on_every_rank(comm_, [&] {
     const char* where = "set_physics: ";
-    if (steps_done_ > 0 || micro_done_ > 0 || physics_loss_) {
-      MESHTRAIN_BAD_INPUT(where, "a physics loss is set once, before the first step");
+    // Between steps, so a resumed run sets it again after its constructor resumed.
+    if (micro_done_ > 0 || physics_loss_) {
+      MESHTRAIN_BAD_INPUT(where, "a physics loss is set once, between steps");
     }
     if (derivative_loss_) MESHTRAIN_BAD_INPUT(where, "a physics loss cannot join data.dy_key");
     if (loss_->kind() == LossKind::cross_entropy) {

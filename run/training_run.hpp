@@ -231,7 +231,8 @@ class TrainingRun {
   // for a model that does not match (naming the parameter and both shapes) and for
   // statistics that do not match data.normalize_inputs / normalize_targets (naming the key).
   CheckpointInfo load_model(const std::string& path);
-  // Collective, before the first step: every later step adds `physics`'s term (above) through
+  // Collective, once, between steps (a resumed run calls it again: the term is not saved in
+  // checkpoints): every later step adds `physics`'s term (above) through
   // Mlp::forward_laplacian and backward_with_laplacian. Throws bad_input (agreed) for what the
   // forward Laplacian is not built for (mixed precision, a residual_mlp, MoE layers, dropout),
   // with data.dy_key, for a cross_entropy loss, statistics set in `physics.loss`, a negative

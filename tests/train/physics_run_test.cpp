@@ -8,7 +8,8 @@
 //     (MPI_COMM_SELF) in the same test: every step's loss and physics_loss within 1e-5
 //     relative (later steps' losses depend on every earlier gradient).
 //   * Refusals: statistics set in the settings, a negative data_loss_weight, a second call,
-//     a call after a step, and PhysicsLoss's own (no residual function): bad_input, agreed.
+//     a call within a step, and PhysicsLoss's own (no residual function): bad_input, agreed;
+//     a call after a step (as after a resume) is accepted.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -128,11 +129,17 @@ TEST(PhysicsRun, Refusals) {
                         {"no residual function"});
   run.set_physics(physics());
   testing::expect_error([&] { run.set_physics(physics()); }, ErrorKind::bad_input,
-                        {"once, before the first step"});
+                        {"set once, between steps"});
+  // Within a step (a micro-batch accumulated, the update not applied): refused. After a step
+  // (as after a resume): accepted.
   TrainingRun stepped(config_on(one), {}, points(), MPI_COMM_SELF);
-  stepped.step();
+  stepped.load_batch(0);
+  stepped.accumulate_loaded_batch();
   testing::expect_error([&] { stepped.set_physics(physics()); }, ErrorKind::bad_input,
-                        {"before the first step"});
+                        {"between steps"});
+  stepped.apply_update();
+  stepped.set_physics(physics());
+  EXPECT_GT(stepped.step().physics_loss, 0.0);
 }
 
 }  // namespace
