@@ -23,6 +23,7 @@
 #include "framework/observe/flight_recorder.hpp"
 #include "framework/train/config.hpp"
 #include "layers/mlp.hpp"
+#include "layers/physics_loss.hpp"  // physics losses (docs/derivatives.md)
 #include "partition/mesh.hpp"
 #include "partition/partition_spec.hpp"
 #include "partition/planner.hpp"

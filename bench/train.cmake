@@ -7,3 +7,11 @@ target_link_libraries(bench_train_step PRIVATE meshtrain_run CLI11::CLI11
                       nlohmann_json::nlohmann_json)
 # Exported symbols, so --trace-allocations prints function names.
 target_link_options(bench_train_step PRIVATE -rdynamic)
+
+# A training step with a physics loss (the forward Laplacian) against a plain step of the same
+# model and batch (issue 40 item 2b); bench/laplacian_speed.sh runs it beside PyTorch's double
+# backward (bench/laplacian_speed_torch.py):
+#   OPENBLAS_NUM_THREADS=1 build/bin/bench_laplacian --rows 4096 --width 64 --depth 3
+add_executable(bench_laplacian ${CMAKE_CURRENT_SOURCE_DIR}/laplacian_speed.cpp)
+target_link_libraries(bench_laplacian PRIVATE meshtrain_run CLI11::CLI11
+                      nlohmann_json::nlohmann_json)

@@ -216,6 +216,95 @@ void add_curvature(const MatrixView& z, const MatrixView& t_in, const MatrixView
       });
 }
 
+// f', f'' and f''' of each activation at once, for the forward Laplacian (second-order streams)
+// and the exact backward through it. f' and f'' as the slopes and curvatures above; f''':
+//   relu, none  0 (relu's kink has no second or third derivative, as backward takes it)
+//   tanh      (6 t^2 - 2) (1 - t^2)
+//   gelu      0.5 (3 h'' + x h'''), h = 1 + tanh(u): h'' = S (u'' - 2 t u'^2),
+//             h''' = S (u''' - 6 t u' u'' + (4 t^2 - 2 S) u'^3), S = 1 - t^2, u''' = 6 a c
+//   gelu_erf  x phi(x) (x^2 - 4)
+//   silu      3 p (1 - 2 s) + x p (1 - 6 p), p = s (1 - s)
+//   sigmoid   p (1 - 6 p)
+struct Derivatives3 {
+  float d1, d2, d3;
+};
+struct ReluDerivatives3 {
+  KOKKOS_INLINE_FUNCTION Derivatives3 operator()(const float x) const {
+    return {ReluSlope{}(x), 0.0f, 0.0f};
+  }
+};
+struct IdentityDerivatives3 {
+  KOKKOS_INLINE_FUNCTION Derivatives3 operator()(const float) const { return {1.0f, 0.0f, 0.0f}; }
+};
+struct TanhDerivatives3 {
+  KOKKOS_INLINE_FUNCTION Derivatives3 operator()(const float x) const {
+    const float t = kmath::tanh(x);
+    const float sech2 = 1.0f - t * t;
+    return {sech2, -2.0f * t * sech2, (6.0f * t * t - 2.0f) * sech2};
+  }
+};
+struct GeluDerivatives3 {
+  KOKKOS_INLINE_FUNCTION Derivatives3 operator()(const float x) const {
+    using activation_math::kGeluCubic;
+    using activation_math::kSqrt2OverPi;
+    const float u = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
+    const float t = kmath::tanh(u);
+    const float sech2 = 1.0f - t * t;
+    const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
+    const float ddu = 6.0f * kGeluCubic * kSqrt2OverPi * x;
+    const float dddu = 6.0f * kGeluCubic * kSqrt2OverPi;
+    const float h1 = sech2 * du;
+    const float h2 = sech2 * (ddu - 2.0f * t * du * du);
+    const float h3 =
+        sech2 * (dddu - 6.0f * t * du * ddu + (4.0f * t * t - 2.0f * sech2) * du * du * du);
+    return {0.5f * (1.0f + t) + 0.5f * x * h1, 0.5f * (2.0f * h1 + x * h2),
+            0.5f * (3.0f * h2 + x * h3)};
+  }
+};
+struct GeluErfDerivatives3 {
+  KOKKOS_INLINE_FUNCTION Derivatives3 operator()(const float x) const {
+    const float phi = activation_math::kInvSqrt2Pi * kmath::exp(-0.5f * x * x);
+    return {GeluErfSlope{}(x), phi * (2.0f - x * x), x * phi * (x * x - 4.0f)};
+  }
+};
+struct SiluDerivatives3 {
+  KOKKOS_INLINE_FUNCTION Derivatives3 operator()(const float x) const {
+    const Sigmoids s = sigmoids_one_division(x);
+    const float p = s.of_x * s.of_minus;
+    const float one_minus_2s = s.of_minus - s.of_x;
+    return {s.of_x * (1.0f + x * s.of_minus), p * (2.0f + x * one_minus_2s),
+            3.0f * p * one_minus_2s + x * p * (1.0f - 6.0f * p)};
+  }
+};
+struct SigmoidDerivatives3 {
+  KOKKOS_INLINE_FUNCTION Derivatives3 operator()(const float x) const {
+    const Sigmoids s = sigmoids_one_division(x);
+    const float p = s.of_x * s.of_minus;
+    return {p, p * (s.of_minus - s.of_x), p * (1.0f - 6.0f * p)};
+  }
+};
+
+// Runs body(functor) with the activation's Derivatives3 functor.
+template <class Body>
+void with_derivatives3(Activation activation, Body body) {
+  switch (activation) {
+    case Activation::relu:
+      return body(ReluDerivatives3{});
+    case Activation::tanh:
+      return body(TanhDerivatives3{});
+    case Activation::gelu:
+      return body(GeluDerivatives3{});
+    case Activation::gelu_erf:
+      return body(GeluErfDerivatives3{});
+    case Activation::silu:
+      return body(SiluDerivatives3{});
+    case Activation::sigmoid:
+      return body(SigmoidDerivatives3{});
+    case Activation::none:
+      return body(IdentityDerivatives3{});
+  }
+}
+
 void check_tangent_shapes(const char* who, const MatrixView& z, const MatrixView& dz,
                           const MatrixView& out) {
   MESHTRAIN_REQUIRE(z.extent(1) == dz.extent(1) && dz.extent(0) == out.extent(0) &&
@@ -272,6 +361,69 @@ void activation_curvature_add(Activation activation, MatrixView z, MatrixView t_
     case Activation::sigmoid:
       return add_curvature(z, t_in, dt, grad, SigmoidCurvature{});
   }
+}
+
+void activation_second_order(Activation activation, MatrixView z, MatrixView streams,
+                             MatrixView out) {
+  check_tangent_shapes("activation_second_order", z, streams, out);
+  const int64_t rows = static_cast<int64_t>(z.extent(0));
+  const int64_t cols = static_cast<int64_t>(z.extent(1));
+  const int64_t per_row = rows > 0 ? static_cast<int64_t>(streams.extent(0)) / rows : 0;
+  MESHTRAIN_REQUIRE(per_row % 2 == 0, "activation_second_order: ", per_row,
+                    " streams per row, expected 2k (k tangents, k second derivatives)");
+  const int64_t k = per_row / 2;
+  with_derivatives3(activation, [&](auto derivatives) {
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::activation_second_order"),
+        Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
+          const int64_t t0 = i * 2 * k, s0 = t0 + k;
+          for (int64_t j = 0; j < cols; ++j) {
+            const Derivatives3 f = derivatives(z(i, j));
+            for (int64_t d = 0; d < k; ++d) {
+              const float t = streams(t0 + d, j);
+              out(t0 + d, j) = f.d1 * t;
+              out(s0 + d, j) = f.d1 * streams(s0 + d, j) + f.d2 * t * t;
+            }
+          }
+        });
+  });
+}
+
+void activation_second_order_backward(Activation activation, MatrixView z, MatrixView streams,
+                                      MatrixView grad, MatrixView stream_grad,
+                                      MatrixView stream_grad_in) {
+  check_tangent_shapes("activation_second_order_backward", z, streams, stream_grad);
+  check_tangent_shapes("activation_second_order_backward", z, stream_grad, stream_grad_in);
+  MESHTRAIN_REQUIRE(grad.extent(0) == z.extent(0) && grad.extent(1) == z.extent(1),
+                    "activation_second_order_backward: values [", z.extent(0), ", ", z.extent(1),
+                    "], gradient [", grad.extent(0), ", ", grad.extent(1), "]");
+  const int64_t rows = static_cast<int64_t>(z.extent(0));
+  const int64_t cols = static_cast<int64_t>(z.extent(1));
+  const int64_t per_row = rows > 0 ? static_cast<int64_t>(streams.extent(0)) / rows : 0;
+  MESHTRAIN_REQUIRE(per_row % 2 == 0, "activation_second_order_backward: ", per_row,
+                    " streams per row, expected 2k");
+  const int64_t k = per_row / 2;
+  with_derivatives3(activation, [&](auto derivatives) {
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::activation_second_order_backward"),
+        Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
+          const int64_t t0 = i * 2 * k, s0 = t0 + k;
+          for (int64_t j = 0; j < cols; ++j) {
+            const Derivatives3 f = derivatives(z(i, j));
+            // Forward: t' = f' t, s' = f' s + f'' t^2 per direction d.
+            float curvature = 0.0f, third = 0.0f;
+            for (int64_t d = 0; d < k; ++d) {
+              const float t = streams(t0 + d, j), s = streams(s0 + d, j);
+              const float gt = stream_grad(t0 + d, j), gs = stream_grad(s0 + d, j);
+              curvature += t * gt + s * gs;
+              third += t * t * gs;
+              stream_grad_in(t0 + d, j) = f.d1 * gt + 2.0f * f.d2 * t * gs;
+              stream_grad_in(s0 + d, j) = f.d1 * gs;
+            }
+            grad(i, j) = f.d1 * grad(i, j) + f.d2 * curvature + f.d3 * third;
+          }
+        });
+  });
 }
 
 void swiglu_tangent(MatrixView gate, MatrixView value, MatrixView dgate, MatrixView dvalue,
@@ -591,12 +743,18 @@ MatrixView ActivationLayer::backward(MatrixView dy, bool need_input_grad, const 
   return dy;
 }
 
-MatrixView ActivationLayer::forward_tangents(MatrixView dx, const LayerPass&) {
+MatrixView ActivationLayer::forward_tangents(MatrixView dx, const LayerPass& pass) {
   const int64_t rows = rows_;
   const int64_t k = tangent_directions(static_cast<int64_t>(dx.extent(0)), rows, name_);
   const MatrixView out = leading_rows(tangents_, rows * k);
-  activation_tangent(activation_, z_, dx, out);
+  if (pass.second_order) {
+    MESHTRAIN_REQUIRE(dtype_ == Dtype::fp32, name_, ": the forward Laplacian is fp32 only");
+    activation_second_order(activation_, z_, dx, out);
+  } else {
+    activation_tangent(activation_, z_, dx, out);
+  }
   tangent_in_ = dx;  // for backward_with_tangents
+  second_order_ = pass.second_order;
   return out;
 }
 
@@ -609,6 +767,15 @@ MatrixView ActivationLayer::backward_with_tangents(MatrixView dy, MatrixView dt,
                     name_, ": tangent gradient is [", dt.extent(0), ", ", dt.extent(1),
                     "], the last tangent pass [", tangent_in_.extent(0), ", ",
                     tangent_in_.extent(1), "]");
+  MESHTRAIN_REQUIRE(second_order_ == pass.second_order, name_,
+                    ": the backward's streams are not of the kind the last tangent pass had");
+  if (second_order_) {
+    const int64_t k = cotangent_directions(static_cast<int64_t>(dt.extent(0)), rows_, name_);
+    const MatrixView out = leading_rows(cotangents_, rows_ * k);
+    activation_second_order_backward(activation_, z_, tangent_in_, dy, dt, out);
+    *dt_in = out;
+    return dy;
+  }
   // t_out = f'(z) t_in: g_z = dy f'(z) + f''(z) sum_d t_in g_t, and g_t_in = f'(z) g_t.
   activation_backward(activation_, z_, dy, dtype_);
   activation_curvature_add(activation_, z_, tangent_in_, dt, dy);

@@ -63,6 +63,20 @@ void activation_tangent(Activation activation, MatrixView z, MatrixView dz, Matr
 // t_in); nothing for relu and none (f'' = 0). grad [rows, width] may be written in place.
 void activation_curvature_add(Activation activation, MatrixView z, MatrixView t_in, MatrixView dt,
                               MatrixView grad);
+// The forward Laplacian (docs/derivatives.md, "Physics losses"), fp32. streams [rows * 2k,
+// width] hold per value row i, at rows 2k i .. 2k i + 2k - 1, k first-derivative tangents t_d
+// then k diagonal second derivatives s_d (d^2 / dx_d^2 of the pre-activation):
+//   activation_second_order  out: t_d' = f'(z) t_d, s_d' = f'(z) s_d + f''(z) t_d^2
+//   activation_second_order_backward  with g [rows, width] the gradient w.r.t. the value
+//       output (overwritten in place by that w.r.t. z) and stream_grad w.r.t. the output
+//       streams: g_z = f' g + f'' sum_d (t_d g_t_d + s_d g_s_d) + f''' sum_d t_d^2 g_s_d,
+//       stream_grad_in: g_t_d = f' g_t_d + 2 f'' t_d g_s_d, g_s_d = f' g_s_d.
+// relu's (and the identity's) f'' and f''' are 0. Outputs never share memory with inputs.
+void activation_second_order(Activation activation, MatrixView z, MatrixView streams,
+                             MatrixView out);
+void activation_second_order_backward(Activation activation, MatrixView z, MatrixView streams,
+                                      MatrixView grad, MatrixView stream_grad,
+                                      MatrixView stream_grad_in);
 void swiglu_tangent(MatrixView gate, MatrixView value, MatrixView dgate, MatrixView dvalue,
                     MatrixView out);
 void swiglu_cotangent(MatrixView gate, MatrixView value, MatrixView dy, MatrixView dgate,
@@ -121,6 +135,7 @@ class ActivationLayer : public Layer {
   std::string name_;
   Matrix tangents_, cotangents_;  // [rows * directions, width]
   MatrixView tangent_in_;         // the input of the last forward_tangents
+  bool second_order_ = false;     // whether that pass carried second-order streams
 };
 
 }  // namespace meshtrain

@@ -106,6 +106,11 @@ struct LayerPass {
   float loss_scale = 1.0f;             // dY arrives times it; gradients a layer adds must be too
   // Forward only: set in a training pass, nullptr in evaluation and prediction.
   const TrainingPass* training = nullptr;
+  // Tangent passes (forward_tangents, backward_with_tangents): the forward Laplacian's streams
+  // (docs/derivatives.md, "Physics losses"): each value row's 2k tangent rows are k first
+  // derivatives then k diagonal second derivatives. Linear maps them as any tangents; an
+  // activation adds f''(z) t_d^2 to the second-order ones (and differentiates that backward).
+  bool second_order = false;
 };
 
 class Layer {

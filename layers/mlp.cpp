@@ -464,6 +464,14 @@ MatrixView Mlp::backward_cotangents(MatrixView dy) {
 }
 
 MatrixView Mlp::forward_tangents(MatrixView dx) {
+  return tangent_pass(dx, false);
+}
+
+MatrixView Mlp::forward_laplacian(MatrixView streams) {
+  return tangent_pass(streams, true);
+}
+
+MatrixView Mlp::tangent_pass(MatrixView dx, bool second_order) {
   require_fp32(compute_dtype_);
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dx.extent(1)) == sizes_.front(), "input tangents are [",
                     dx.extent(0), ", ", dx.extent(1), "], expected [", rows_, " x directions, ",
@@ -473,7 +481,8 @@ MatrixView Mlp::forward_tangents(MatrixView dx) {
     LayerPass pass;
     pass.scratch = &scratch_;
     TraceSpan span(tracer().on() ? trace_name(k) : "", TraceKind::layer);
-    span.detail("tangents");
+    pass.second_order = second_order;
+    span.detail(second_order ? "laplacian" : "tangents");
     t = sequence_[k]->forward_tangents(t, pass);
   }
   return t;
@@ -517,7 +526,21 @@ void Mlp::reserve_tangent_backward(int64_t directions) {
   if (needs.matmul > scratch_.matmul.capacity_bytes()) scratch_.matmul.reserve(needs.matmul);
 }
 
+void Mlp::reserve_laplacian(int64_t directions) {
+  MESHTRAIN_REQUIRE(directions >= 1, "Mlp::reserve_laplacian: ", directions, " directions");
+  reserve_tangent_backward(2 * directions);
+}
+
 void Mlp::backward_with_tangents(MatrixView output_grad, MatrixView tangent_grad, bool reduce) {
+  backward_through_tangents(output_grad, tangent_grad, reduce, false);
+}
+
+void Mlp::backward_with_laplacian(MatrixView output_grad, MatrixView stream_grad, bool reduce) {
+  backward_through_tangents(output_grad, stream_grad, reduce, true);
+}
+
+void Mlp::backward_through_tangents(MatrixView output_grad, MatrixView tangent_grad, bool reduce,
+                                    bool second_order) {
   require_fp32(compute_dtype_);
   MESHTRAIN_REQUIRE(static_cast<int64_t>(output_grad.extent(1)) == output_width() &&
                         static_cast<int64_t>(tangent_grad.extent(1)) == output_width(),
@@ -533,8 +556,9 @@ void Mlp::backward_with_tangents(MatrixView output_grad, MatrixView tangent_grad
     pass.scratch = &scratch_;
     pass.deferred = reductions_.for_layer(k, deferred);
     pass.index = k;
+    pass.second_order = second_order;
     TraceSpan span(tracer().on() ? trace_name(k) : "", TraceKind::layer);
-    span.detail("backward with tangents");
+    span.detail(second_order ? "backward with laplacian" : "backward with tangents");
     MatrixView tangent_in;
     grad = sequence_[k]->backward_with_tangents(grad, tangent, /*need_input_grad=*/k > 0, pass,
                                                 &tangent_in);

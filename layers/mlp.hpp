@@ -168,6 +168,18 @@ class Mlp {
   // dropout or 16-bit parameters.
   void backward_with_tangents(MatrixView output_grad, MatrixView tangent_grad, bool reduce = true);
   void reserve_tangent_backward(int64_t directions);
+  // Physics losses (the forward Laplacian, docs/derivatives.md): after forward(x), streams
+  // [local_rows * 2k, sizes[0]] hold per row r, at rows 2k r .. 2k r + 2k - 1, k seed
+  // directions v_d then k zero rows; the result [local_rows * 2k, output_width()] holds per row
+  // the output's first derivatives along v_d, then its second derivatives v_dᵀ H v_d (H the
+  // Hessian of each output by the input). backward_with_laplacian backpropagates a loss of the
+  // output (output_grad) and of those streams (stream_grad, [local_rows * 2k, output_width()])
+  // to every parameter, as backward_with_tangents does. reserve_laplacian(k) reserves
+  // everything for k directions (reserve_tangent_backward(2k), with its refusals). Collective,
+  // as forward; allocate nothing.
+  MatrixView forward_laplacian(MatrixView streams);
+  void backward_with_laplacian(MatrixView output_grad, MatrixView stream_grad, bool reduce = true);
+  void reserve_laplacian(int64_t directions);
   // Reserves the buffers of the blocking gradient reductions that `reduction` will run
   // (Communicator::reserve_reductions: the MPI ring's partial sums), so that the first step
   // does not grow them: every reduce-scatter, and the all-reduces of the gradients that are
@@ -208,6 +220,10 @@ class Mlp {
   const GradientBuckets& gradient_buckets() const { return buckets_; }
 
  private:
+  // forward_tangents / backward_with_tangents, the streams second-order (LayerPass) or not.
+  MatrixView tangent_pass(MatrixView dx, bool second_order);
+  void backward_through_tangents(MatrixView output_grad, MatrixView tangent_grad, bool reduce,
+                                 bool second_order);
   std::vector<int64_t> sizes_;
   Activation activation_;
   int64_t rows_;

@@ -21,6 +21,7 @@
 #include "framework/comm/runtime.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
+#include "framework/core/view_ops.hpp"
 #include "framework/io/normalization_stats.hpp"
 #include "framework/observe/flight_recorder.hpp"
 #include "framework/observe/memory_tracker.hpp"
@@ -497,6 +498,47 @@ void TrainingRun::build_derivative_loss() {
     if (dy_targets_.extent(0) == 0) {
       dy_targets_ = Matrix("meshtrain::batch_dy", slice_.rows, outputs * directions);
     }
+  });
+}
+
+void TrainingRun::set_physics(RunPhysics physics) {
+  const int64_t inputs = config_.model.input_width(), outputs = config_.model.output_width();
+  on_every_rank(comm_, [&] {
+    const char* where = "set_physics: ";
+    // Between steps, so a resumed run sets it again after its constructor resumed.
+    if (micro_done_ > 0 || physics_loss_) {
+      MESHTRAIN_BAD_INPUT(where, "a physics loss is set once, between steps");
+    }
+    if (derivative_loss_) MESHTRAIN_BAD_INPUT(where, "a physics loss cannot join data.dy_key");
+    if (loss_->kind() == LossKind::cross_entropy) {
+      MESHTRAIN_BAD_INPUT(where, "a physics loss needs a regression model.loss, not cross_entropy");
+    }
+    if (!physics.loss.input_std.empty() || !physics.loss.target_mean.empty() ||
+        !physics.loss.target_std.empty()) {
+      MESHTRAIN_BAD_INPUT(where, "leave the statistics of RunPhysics::loss empty: the run's ",
+                          "normalization statistics are used");
+    }
+    if (!(physics.data_loss_weight >= 0.0)) {
+      MESHTRAIN_BAD_INPUT(where, "data_loss_weight must be >= 0, got ", physics.data_loss_weight);
+    }
+    physics.loss.input_std = normalization_.input_std;  // empty (not normalized): every 1
+    physics.loss.target_mean = normalization_.target_mean;
+    physics.loss.target_std = normalization_.target_std;
+    model_->reserve_laplacian(static_cast<int64_t>(physics.loss.inputs.size()));
+    physics_loss_ = std::make_unique<PhysicsLoss>(std::move(physics.loss), *context_, slice_.rows,
+                                                  inputs, outputs, model_->output_layout());
+    physics_x_ = Matrix("meshtrain::physics_x", slice_.rows, inputs);
+    physics_input_mean_ = Vector("meshtrain::physics_input_mean", inputs);
+    physics_input_std_ = Vector("meshtrain::physics_input_std", inputs);
+    auto mean = host_mirror(physics_input_mean_);
+    auto scale = host_mirror(physics_input_std_);
+    for (int64_t i = 0; i < inputs; ++i) {
+      mean(i) = normalization_.inputs() ? static_cast<float>(normalization_.input_mean[i]) : 0.0f;
+      scale(i) = normalization_.inputs() ? static_cast<float>(normalization_.input_std[i]) : 1.0f;
+    }
+    copy_view(physics_input_mean_, mean);
+    copy_view(physics_input_std_, scale);
+    physics_data_weight_ = physics.data_loss_weight;
   });
 }
 

@@ -301,6 +301,16 @@ double TrainingRun::accumulate_loaded_batch() {
     derivative_loss = derivative_loss_->evaluate(tangents, dy_targets_).loss;
     result.loss += derivative_loss;
   }
+  // A physics loss (set_physics): the residual of the forward Laplacian's u, du, d2u at the
+  // batch's points (de-normalized for the residual), joined to the weighted data loss.
+  double physics_loss = 0.0;
+  if (physics_loss_) {
+    TraceSpan span("physics loss");
+    denormalize_physics_points();
+    const MatrixView streams = model_->forward_laplacian(physics_loss_->seeds());
+    physics_loss = physics_loss_->evaluate(physics_x_, output, streams).loss;
+    result.loss = physics_data_weight_ * result.loss + physics_loss;
+  }
   // The loss is reduced over the ranks, so every rank decides here alike.
   if (!std::isfinite(result.loss)) {
     if (!scaler_) {
@@ -329,7 +339,13 @@ double TrainingRun::accumulate_loaded_batch() {
     // Partial gradients (gradient_reduction_ other than in_backward) are completed once per
     // step, in apply_update. The last micro-batch's gradient stays in the gradients.
     TraceSpan span("backward");
-    if (derivative_loss_) {
+    if (physics_loss_) {
+      // Through the value and the Laplacian's streams at once (fp32, as below).
+      physics_loss_->add_output_gradient_to(loss_->gradient(),
+                                            static_cast<float>(physics_data_weight_));
+      model_->backward_with_laplacian(loss_->gradient(), physics_loss_->stream_gradient(),
+                                      gradient_reduction_ == GradientReduction::in_backward);
+    } else if (derivative_loss_) {
       // Through the value and the tangent pass at once; no loss scaling (fp32 only), no
       // buckets or prefetch (each layer reduces, or leaves for apply_update, its own).
       model_->backward_with_tangents(loss_->gradient(), derivative_loss_->gradient(),
@@ -348,7 +364,19 @@ double TrainingRun::accumulate_loaded_batch() {
   micro_loss_sum_ += result.loss;
   micro_aux_loss_sum_ += aux_loss;
   micro_derivative_loss_sum_ += derivative_loss;
+  micro_physics_loss_sum_ += physics_loss;
   return result.loss;
+}
+
+void TrainingRun::denormalize_physics_points() {
+  const Matrix x = x_, out = physics_x_;
+  const Vector mean = physics_input_mean_, scale = physics_input_std_;
+  const int64_t inputs = static_cast<int64_t>(x.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::physics_points"),
+      device_range(0, static_cast<int64_t>(x.extent(0))), KOKKOS_LAMBDA(const int64_t r) {
+        for (int64_t i = 0; i < inputs; ++i) out(r, i) = x(r, i) * scale(i) + mean(i);
+      });
 }
 
 LossResult TrainingRun::compute_loss(Loss& loss, MatrixView output, const BatchLabels& labels,
@@ -383,12 +411,13 @@ StepResult TrainingRun::apply_update() {
     const double loss = micro_loss_sum_ / static_cast<double>(accumulation_);
     const double aux_loss = micro_aux_loss_sum_ / static_cast<double>(accumulation_);
     const double derivative_loss = micro_derivative_loss_sum_ / static_cast<double>(accumulation_);
+    const double physics_loss = micro_physics_loss_sum_ / static_cast<double>(accumulation_);
     forget_micro_batches();
     ++loss_overflows_in_a_row_;
     scaler_->update(/*finite=*/false);
     ++skipped_steps_;
     ++steps_done_;
-    return {steps_done_, loss, aux_loss, derivative_loss};
+    return {steps_done_, loss, aux_loss, derivative_loss, physics_loss};
   }
   loss_overflows_in_a_row_ = 0;
   std::vector<ShardedTensor>& grads = model_->gradients();
@@ -411,6 +440,7 @@ StepResult TrainingRun::apply_update() {
   const double loss = micro_loss_sum_ / static_cast<double>(accumulation_);
   const double aux_loss = micro_aux_loss_sum_ / static_cast<double>(accumulation_);
   const double derivative_loss = micro_derivative_loss_sum_ / static_cast<double>(accumulation_);
+  const double physics_loss = micro_physics_loss_sum_ / static_cast<double>(accumulation_);
   forget_micro_batches();
   if (scaler_) {
     // fp16: the gradients come scaled; a step with an inf or NaN anywhere is skipped on
@@ -422,7 +452,7 @@ StepResult TrainingRun::apply_update() {
       check_fp16_overflow(/*loss_overflowed=*/false);
       ++skipped_steps_;
       ++steps_done_;
-      return {steps_done_, loss, aux_loss, derivative_loss};
+      return {steps_done_, loss, aux_loss, derivative_loss, physics_loss};
     }
   }
   if (config_.optimizer.clip_norm > 0) {
@@ -453,7 +483,7 @@ StepResult TrainingRun::apply_update() {
     if (zero1_) zero1_->gather(model_->parameters());  // every replica gets every chunk
   }
   ++steps_done_;
-  return {steps_done_, loss, aux_loss, derivative_loss};
+  return {steps_done_, loss, aux_loss, derivative_loss, physics_loss};
 }
 
 StepResult TrainingRun::step_on_loaded_batch() {
@@ -534,6 +564,7 @@ void TrainingRun::forget_micro_batches() {
   micro_loss_sum_ = 0.0;
   micro_aux_loss_sum_ = 0.0;
   micro_derivative_loss_sum_ = 0.0;
+  micro_physics_loss_sum_ = 0.0;
   step_loss_overflowed_ = false;
 }
 

@@ -57,6 +57,7 @@
 #include "layers/eval_metrics.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
+#include "layers/physics_loss.hpp"
 #include "partition/linear_layout.hpp"  // LayerAxes
 #include "partition/planner.hpp"
 #include "run/progress_window.hpp"
@@ -88,6 +89,18 @@ struct StepResult {
   double loss = 0.0;             // the MoE layers' load-balancing loss included
   double aux_loss = 0.0;         // that part (0 without MoE layers)
   double derivative_loss = 0.0;  // data.dy_key: the derivative term, part of loss (else 0)
+  double physics_loss = 0.0;     // set_physics: the residual term, part of loss (else 0)
+};
+
+// A physics loss joined to a run from C++ (docs/derivatives.md, "Physics losses"): each
+// micro-batch's rows are collocation points; the run's loss becomes
+//   data_loss_weight * (data loss) + loss.weight * mean r^2.
+// The residual reads the batch's inputs in the data's units (the batch de-normalized, x' std +
+// mean) and u, du/dx, d2u/dx2 in the targets' units: leave loss.input_std, target_mean and
+// target_std empty (the run fills them with its normalization statistics).
+struct RunPhysics {
+  PhysicsLossSettings loss;
+  double data_loss_weight = 1.0;  // >= 0; 0: the physics term alone (targets still read)
 };
 
 // What train() did.
@@ -218,6 +231,14 @@ class TrainingRun {
   // for a model that does not match (naming the parameter and both shapes) and for
   // statistics that do not match data.normalize_inputs / normalize_targets (naming the key).
   CheckpointInfo load_model(const std::string& path);
+  // Collective, once, between steps (a resumed run calls it again: the term is not saved in
+  // checkpoints): every later step adds `physics`'s term (above) through
+  // Mlp::forward_laplacian and backward_with_laplacian. Throws bad_input (agreed) for what the
+  // forward Laplacian is not built for (mixed precision, a residual_mlp, MoE layers, dropout),
+  // with data.dy_key, for a cross_entropy loss, statistics set in `physics.loss`, a negative
+  // data_loss_weight, or what PhysicsLoss refuses. Evaluation (test loss, metrics) stays the
+  // data loss's.
+  void set_physics(RunPhysics physics);
   // The clock train() times its progress windows on (the steps' time, which samples/s and
   // TFLOP/s are computed from, and the time spent saving; LogEvent): steady_clock unless a
   // program (a test) gives its own, in seconds.
@@ -268,6 +289,7 @@ class TrainingRun {
   void train_steps(RunSummary& summary);
   void start_streams();
   void build_derivative_loss();
+  void denormalize_physics_points();  // physics_x_ = x_ in the data's units
   void keep_data_error(Loss& loss);
   void check_fp16_overflow(bool loss_overflowed);
   void forget_micro_batches();  // the step under way starts over
@@ -363,6 +385,13 @@ class TrainingRun {
   std::unique_ptr<RowSource> dy_source_;
   std::unique_ptr<DerivativeLoss> derivative_loss_;
   Matrix dy_targets_;
+  // set_physics: the residual term, the batch's inputs in the data's units, the data loss's
+  // weight, and the step's physics losses so far.
+  std::unique_ptr<PhysicsLoss> physics_loss_;
+  Matrix physics_x_;
+  Vector physics_input_mean_, physics_input_std_;
+  double physics_data_weight_ = 1.0;
+  double micro_physics_loss_sum_ = 0.0;
 
   // Evaluation with another batch size than training: a forward-only model sharing the
   // training model's parameters, its loss and batch buffers. Empty: evaluation uses the

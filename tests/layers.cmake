@@ -11,6 +11,11 @@ meshtrain_add_test(NAME layers_mlp_test SOURCES layers/mlp_test.cpp
 # after 3 steps, and a small Sobolev fit of y = sin(x1) x2.
 meshtrain_add_test(NAME layers_sobolev_test SOURCES layers/sobolev_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 300)
+# Physics losses through the forward Laplacian (docs/derivatives.md): the network's Laplacian
+# against finite differences, every parameter gradient against float64 central differences for
+# every mlp activation, every mesh against one rank after 3 steps, no allocation per step.
+meshtrain_add_test(NAME layers_physics_loss_test SOURCES layers/physics_loss_test.cpp
+                   LIBS meshtrain_layers NP 1 2 4 TIMEOUT 300)
 meshtrain_add_test(NAME layers_mixed_precision_test SOURCES layers/mixed_precision_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300 BACKENDS mpi nccl EMULATED)
 meshtrain_add_test(NAME layers_units_test SOURCES layers/units_test.cpp

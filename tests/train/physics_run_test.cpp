@@ -1,0 +1,146 @@
+// TrainingRun::set_physics (docs/derivatives.md, "Physics losses"): a physics loss joined to a
+// training run from C++, with standardized inputs and targets (so the residual's units matter):
+// 2-8-8-1 tanh on 64 rows, r = d2u/dx0^2 + d2u/dx1^2 + u - x0, data_loss_weight 0.5.
+//
+//   * StepLossIsWeightedDataPlusPhysics (np 1): step 1's loss is 0.5 times the same run's loss
+//     without the physics term plus StepResult::physics_loss (> 0), within 1e-6.
+//   * EveryMeshEqualsOneRank (np 1, 2, 4): 4 steps on dp, fsdp, tp and fsdp x tp against one rank
+//     (MPI_COMM_SELF) in the same test: every step's loss and physics_loss within 1e-5
+//     relative (later steps' losses depend on every earlier gradient).
+//   * Refusals: statistics set in the settings, a negative data_loss_weight, a second call,
+//     a call within a step, and PhysicsLoss's own (no residual function): bad_input, agreed;
+//     a call after a step (as after a resume) is accepted.
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "framework/core/kokkos_math.hpp"
+#include "run/training_run.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/mesh_cases.hpp"
+#include "tests/support/training_runs.hpp"
+#include "tests/support/world.hpp"
+
+namespace meshtrain {
+namespace {
+
+RunData points() {
+  Dataset d;
+  d.description = "physics run test points";
+  d.num_samples = 64;
+  d.features = 2;
+  d.target_width = 1;
+  for (int64_t s = 0; s < d.num_samples; ++s) {
+    const double x0 = 3.0 * std::sin(0.7 * s) + 1.0, x1 = 0.2 * std::cos(1.3 * s);
+    d.inputs.push_back(static_cast<float>(x0));
+    d.inputs.push_back(static_cast<float>(x1));
+    d.targets.push_back(static_cast<float>(5.0 + 2.0 * std::sin(x0) * x1));
+  }
+  Dataset none;
+  none.features = 2;
+  none.target_width = 1;
+  return RunData{d, none};
+}
+
+RunConfig config_on(const testing::MeshCase& m) {
+  RunConfig config = testing::synthetic_run_config("physics_run_test", m.axes, m.preset);
+  config.run.seed = 3;
+  config.model.sizes = {2, 8, 8, 1};
+  config.model.activation = Activation::tanh;
+  config.data.batch_size = 16;
+  config.data.normalize_inputs = Normalize::standard;
+  config.data.normalize_targets = Normalize::standard;
+  config.optimizer.lr = 1e-2;
+  config.train.steps = 4;
+  return config;
+}
+
+void residual(const PhysicsPoints& p, const PhysicsResiduals& q) {
+  const MatrixView x = p.x, u = p.u, d2u = p.d2u, r = q.r, dr_du = q.dr_du, dr_dd2u = q.dr_dd2u;
+  Kokkos::parallel_for(
+      "physics_run_test_residual", Kokkos::RangePolicy<>(0, static_cast<int64_t>(u.extent(0))),
+      KOKKOS_LAMBDA(const int64_t i) {
+        r(i, 0) = d2u(i, 0) + d2u(i, 1) + u(i, 0) - x(i, 0);
+        dr_du(i, 0) = 1.0f;
+        dr_dd2u(i, 0) = 1.0f;
+        dr_dd2u(i, 1) = 1.0f;
+      });
+}
+
+RunPhysics physics() {
+  RunPhysics p;
+  p.loss.inputs = {0, 1};
+  p.loss.weight = 0.3;
+  p.loss.residual = residual;
+  p.data_loss_weight = 0.5;
+  return p;
+}
+
+std::vector<StepResult> steps(const testing::MeshCase& m, MPI_Comm comm, bool with_physics) {
+  TrainingRun run(config_on(m), {}, points(), comm);
+  if (with_physics) run.set_physics(physics());
+  std::vector<StepResult> results;
+  while (!run.finished()) results.push_back(run.step());
+  return results;
+}
+
+TEST(PhysicsRun, StepLossIsWeightedDataPlusPhysics) {
+  if (world_size() > 1) GTEST_SKIP() << "at np 1";
+  const testing::MeshCase one{"dp", {{"dp", 1}}};
+  const StepResult plain = steps(one, MPI_COMM_SELF, false).front();
+  const StepResult with = steps(one, MPI_COMM_SELF, true).front();
+  EXPECT_GT(with.physics_loss, 0.0);
+  EXPECT_NEAR(with.loss, 0.5 * plain.loss + with.physics_loss, 1e-6 * with.loss);
+}
+
+TEST(PhysicsRun, EveryMeshEqualsOneRank) {
+  const std::vector<StepResult> one = steps({"dp", {{"dp", 1}}}, MPI_COMM_SELF, true);
+  ASSERT_EQ(one.size(), 4u);
+  for (const testing::MeshCase& m : testing::every_mesh(world_size())) {
+    SCOPED_TRACE(m.preset);
+    const std::vector<StepResult> got = steps(m, MPI_COMM_WORLD, true);
+    ASSERT_EQ(got.size(), one.size());
+    for (size_t s = 0; s < one.size(); ++s) {
+      EXPECT_NEAR(got[s].loss, one[s].loss, 1e-5 * one[s].loss) << "step " << s + 1;
+      EXPECT_NEAR(got[s].physics_loss, one[s].physics_loss, 1e-5 * one[s].physics_loss)
+          << "step " << s + 1;
+    }
+  }
+}
+
+TEST(PhysicsRun, Refusals) {
+  const testing::MeshCase one{"dp", {{"dp", 1}}};
+  TrainingRun run(config_on(one), {}, points(), MPI_COMM_SELF);
+  RunPhysics stats = physics();
+  stats.loss.input_std = {1.0, 1.0};
+  testing::expect_error([&] { run.set_physics(stats); }, ErrorKind::bad_input,
+                        {"set_physics", "statistics"});
+  RunPhysics negative = physics();
+  negative.data_loss_weight = -1.0;
+  testing::expect_error([&] { run.set_physics(negative); }, ErrorKind::bad_input,
+                        {"data_loss_weight"});
+  RunPhysics no_function = physics();
+  no_function.loss.residual = nullptr;
+  testing::expect_error([&] { run.set_physics(no_function); }, ErrorKind::bad_input,
+                        {"no residual function"});
+  run.set_physics(physics());
+  testing::expect_error([&] { run.set_physics(physics()); }, ErrorKind::bad_input,
+                        {"set once, between steps"});
+  // Within a step (a micro-batch accumulated, the update not applied): refused. After a step
+  // (as after a resume): accepted.
+  TrainingRun stepped(config_on(one), {}, points(), MPI_COMM_SELF);
+  stepped.load_batch(0);
+  stepped.accumulate_loaded_batch();
+  testing::expect_error([&] { stepped.set_physics(physics()); }, ErrorKind::bad_input,
+                        {"between steps"});
+  stepped.apply_update();
+  stepped.set_physics(physics());
+  EXPECT_GT(stepped.step().physics_loss, 0.0);
+}
+
+}  // namespace
+}  // namespace meshtrain
