@@ -19,8 +19,8 @@
 //   PhysicsLoss physics({{0, 1}, 1, 1.0, {}, {}, {}, poisson_residual}, context, rows, 2, 1,
 //                       model.output_layout());
 //   model.reserve_laplacian(physics.directions());
-//   const MatrixView y = model.forward(x);                       // x normalized, as the model
-//   takes it const PhysicsLossResult p =
+//   const MatrixView y = model.forward(x);  // x normalized, as the model takes it
+//   const PhysicsLossResult p =
 //       physics.evaluate(x_user, y, model.forward_laplacian(physics.seeds()));
 //   model.backward_with_laplacian(physics.output_gradient(), physics.stream_gradient());
 
