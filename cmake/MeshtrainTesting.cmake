@@ -8,9 +8,10 @@
 #   <base>_<backend>_np<n>  ->  mpiexec -n <n> <flags> build/bin/<name> <args>
 # Without NP it runs once, without mpiexec (MPI initializes as a singleton): <base>_<backend>.
 # The backends come from the build configuration, not from the call:
-#   mpi       every build but an emulated one (a CUDA build stages MPI through pinned memory)
-#   emulated  a MESHTRAIN_EMULATE_DEVICE_MEMORY=ON build (the MPI backend, device memory
-#             emulated); it registers only the tests marked EMULATED
+#   mpi       every build (a CUDA build stages MPI through pinned memory)
+#   emulated  a CPU build, for the tests marked EMULATED: the same program over MPI with
+#             MESHTRAIN_EMULATE_DEVICE_MEMORY=1 (host memory treated as a GPU's:
+#             base/device_memory_emulation.hpp)
 #   nccl      a build with NCCL, for tests whose BACKENDS name it. A test that runs over MPI
 #             too chooses NCCL as runtime.backend does, which also needs a CUDA Kokkos.
 # BACKENDS (default mpi) are the backends the test can run on; each registration sets
@@ -99,18 +100,17 @@ function(_meshtrain_test_backends out target)
   get_property(wanted TARGET ${target} PROPERTY MESHTRAIN_TEST_BACKENDS)
   get_property(emulated TARGET ${target} PROPERTY MESHTRAIN_TEST_EMULATED)
   set(backends)
-  if(MESHTRAIN_EMULATE_DEVICE_MEMORY)
-    if(emulated AND "mpi" IN_LIST wanted)
-      set(backends emulated)
-    endif()
-  else()
-    if("mpi" IN_LIST wanted)
-      list(APPEND backends mpi)
-    endif()
-    if("nccl" IN_LIST wanted AND MESHTRAIN_HAVE_NCCL
-       AND (MESHTRAIN_KOKKOS_CUDA OR NOT "mpi" IN_LIST wanted))
-      list(APPEND backends nccl)
-    endif()
+  if("mpi" IN_LIST wanted)
+    list(APPEND backends mpi)
+  endif()
+  if("nccl" IN_LIST wanted AND MESHTRAIN_HAVE_NCCL
+     AND (MESHTRAIN_KOKKOS_CUDA OR NOT "mpi" IN_LIST wanted))
+    list(APPEND backends nccl)
+  endif()
+  # Device memory is emulated by an environment variable of the same programs, so a CPU build
+  # runs them both ways without building them twice.
+  if(emulated AND "mpi" IN_LIST wanted AND NOT MESHTRAIN_KOKKOS_CUDA)
+    list(APPEND backends emulated)
   endif()
   set(${out} ${backends} PARENT_SCOPE)
 endfunction()
@@ -150,6 +150,9 @@ function(_meshtrain_register_test target variant)
         endif()
       endif()
       set(environment ${MESHTRAIN_TEST_ENVIRONMENT} MESHTRAIN_TEST_BACKEND=${comm} ${ARGN})
+      if(backend STREQUAL "emulated")
+        list(APPEND environment MESHTRAIN_EMULATE_DEVICE_MEMORY=1)
+      endif()
       set(labels ${backend} ${MESHTRAIN_TEST_LABELS})
       add_test(NAME ${test} COMMAND ${command} ${args})
       set_tests_properties(${test} PROPERTIES TIMEOUT ${timeout} PROCESSORS ${slots}
@@ -183,10 +186,7 @@ function(meshtrain_add_command_test)
 endfunction()
 
 # Called once after every test list (tests/CMakeLists.txt). The tests not registered by
-# meshtrain_add_test (command tests, anything added with add_test) are labelled command; an
-# emulated build, which builds only its GoogleTest programs, names them in CTestCustom.cmake's
-# CTEST_CUSTOM_TESTS_IGNORE, so that ctest neither lists nor runs them there (they stay
-# registered, so the set_tests_properties calls after them work in every build).
+# meshtrain_add_test (command tests, anything added with add_test) are labelled command.
 # The target meshtrain_test_programs builds the programs of the tests this build registers.
 function(meshtrain_finish_tests)
   get_property(others DIRECTORY PROPERTY TESTS)
@@ -198,12 +198,6 @@ function(meshtrain_finish_tests)
   foreach(test IN LISTS others)
     set_property(TEST ${test} APPEND PROPERTY LABELS command ${MESHTRAIN_TEST_LABELS})
   endforeach()
-  set(ignored)
-  if(MESHTRAIN_EMULATE_DEVICE_MEMORY)
-    list(JOIN others "\n  " ignored)
-  endif()
-  file(CONFIGURE OUTPUT ${CMAKE_BINARY_DIR}/CTestCustom.cmake
-       CONTENT "set(CTEST_CUSTOM_TESTS_IGNORE\n  ${ignored})\n")
   list(REMOVE_DUPLICATES programs)
   add_custom_target(meshtrain_test_programs)
   if(programs)
