@@ -162,9 +162,13 @@ function(_meshtrain_register_test target variant)
       endif()
       set(labels ${backend} ${MESHTRAIN_TEST_LABELS})
       add_test(NAME ${test} COMMAND ${command} ${args})
+      # RESOURCE_LOCK: two registrations of one program (its emulated one, a variant) never run
+      # at the same time; some programs write fixed paths named by mesh and rank count only
+      # (/tmp/meshtrain_memory_plan_dp_np1), which its mpi and emulated np 1 runs would share.
       set_tests_properties(${test} PROPERTIES TIMEOUT ${timeout} PROCESSORS ${slots}
                            ENVIRONMENT "${environment}" LABELS "${labels}"
-                           SKIP_RETURN_CODE ${MESHTRAIN_TEST_SKIP_CODE})
+                           SKIP_RETURN_CODE ${MESHTRAIN_TEST_SKIP_CODE}
+                           RESOURCE_LOCK ${target})
       set_property(GLOBAL APPEND PROPERTY MESHTRAIN_REGISTERED_TESTS ${test})
       set_property(GLOBAL APPEND PROPERTY MESHTRAIN_TEST_PROGRAMS ${target})
     endforeach()
