@@ -430,11 +430,11 @@ void Predictor::check_input(int64_t rows, int64_t width) const {
 }
 
 void Predictor::upload_input() {
-  if constexpr (kDeviceMemoryIsSeparate) copy_view(x_, x_host_);
+  if (device_memory_is_separate()) copy_view(x_, x_host_);
 }
 
 void Predictor::download_output() {
-  if constexpr (kDeviceMemoryIsSeparate) copy_view(output_host_, output_);
+  if (device_memory_is_separate()) copy_view(output_host_, output_);
 }
 
 Prediction Predictor::run(int64_t rows, bool for_derivatives) {
@@ -570,7 +570,7 @@ Prediction Predictor::run_jacobian(int64_t rows, JacobianMode mode) {
 }
 
 void Predictor::download_jacobian() {
-  if constexpr (kDeviceMemoryIsSeparate) Kokkos::deep_copy(jacobian_host_, jacobian_);
+  if (device_memory_is_separate()) Kokkos::deep_copy(jacobian_host_, jacobian_);
 }
 
 std::string Predictor::model_description() const {

@@ -58,7 +58,8 @@ unset(CMAKE_REQUIRED_FLAGS)
 unset(CMAKE_REQUIRED_LINK_OPTIONS)
 if(MESHTRAIN_HAVE_TSAN)
   # The thread records its spans through the tracer (framework/observe/trace.cpp, and
-  # device_timer.cpp's host branch): compiled in as well, so its lanes are checked too.
+  # device_timer.cpp's host branch, without Kokkos' library): compiled in as well, so its
+  # lanes are checked too.
   add_executable(comm_progress_thread_tsan comm/progress_thread_tsan.cpp
                  ${PROJECT_SOURCE_DIR}/framework/comm/progress_thread.cpp
                  ${PROJECT_SOURCE_DIR}/framework/observe/trace.cpp
@@ -66,6 +67,7 @@ if(MESHTRAIN_HAVE_TSAN)
   target_include_directories(comm_progress_thread_tsan PRIVATE ${PROJECT_SOURCE_DIR}
     $<TARGET_PROPERTY:meshtrain::kokkos,INTERFACE_INCLUDE_DIRECTORIES>)
   target_compile_options(comm_progress_thread_tsan PRIVATE -fsanitize=thread -O1 -g)
+  target_compile_definitions(comm_progress_thread_tsan PRIVATE MESHTRAIN_DEVICE_TIMER_WITHOUT_KOKKOS=1)
   target_link_options(comm_progress_thread_tsan PRIVATE -fsanitize=thread)
   find_package(Threads REQUIRED)
   target_link_libraries(comm_progress_thread_tsan PRIVATE Threads::Threads

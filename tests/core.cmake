@@ -13,6 +13,12 @@ meshtrain_add_test(NAME core_gemm_test SOURCES core/gemm_test.cpp
 if(MESHTRAIN_GEMM_ONEDNN)
   meshtrain_add_test_variant(NAME core_gemm_test VARIANT avx2 ENVIRONMENT ONEDNN_MAX_CPU_ISA=AVX2)
 endif()
+# Device memory emulated on a CPU, a run-time switch (base/device_memory_emulation.hpp): run
+# with and without MESHTRAIN_EMULATE_DEVICE_MEMORY=1 (EMULATED), host mirrors, MPI and
+# checkpoint staging and device spans follow it; a bad value is refused.
+meshtrain_add_test(NAME core_device_memory_emulation_test
+                   SOURCES core/device_memory_emulation_test.cpp
+                   LIBS meshtrain_framework NP 1 2 TIMEOUT 60 EMULATED)
 # Philox-4x32-10 (framework/core/philox.hpp) against Random123's known-answer vectors.
 meshtrain_add_test(NAME core_philox_test SOURCES core/philox_test.cpp
                    LIBS meshtrain_framework TIMEOUT 60)

@@ -12,6 +12,8 @@
 
 #include <Kokkos_Core.hpp>
 
+#include "base/device_memory_emulation.hpp"
+
 namespace meshtrain {
 
 using Vector = Kokkos::View<float*, Kokkos::LayoutRight>;
@@ -45,22 +47,25 @@ inline constexpr bool kDeviceMemoryIsHostInaccessible =
                                 Kokkos::DefaultExecutionSpace::memory_space>::accessible;
 
 // True when host code must treat the default memory space as apart from the host's: on a
-// GPU, and on a CPU build with the CMake option MESHTRAIN_EMULATE_DEVICE_MEMORY, which makes
-// every host mirror its own allocation and stages MPI and checkpoints through host buffers
-// exactly where a CUDA build does, so that a missing deep_copy (or a read of a mirror
-// before it) gives wrong results on the CPU too.
-#if defined(MESHTRAIN_EMULATE_DEVICE_MEMORY)
-inline constexpr bool kDeviceMemoryIsSeparate = true;
-#else
-inline constexpr bool kDeviceMemoryIsSeparate = kDeviceMemoryIsHostInaccessible;
-#endif
+// GPU, and on a CPU when device memory is emulated (the environment variable
+// MESHTRAIN_EMULATE_DEVICE_MEMORY=1, base/device_memory_emulation.hpp; the tests registered
+// EMULATED run so), which makes every host mirror its own allocation and stages MPI and
+// checkpoints through host buffers exactly where a CUDA build does, so that a missing
+// deep_copy (or a read of a mirror before it) gives wrong results on the CPU too.
+inline bool device_memory_is_separate() {
+  if constexpr (kDeviceMemoryIsHostInaccessible) {
+    return true;
+  } else {
+    return device_memory_emulated();
+  }
+}
 
 // The host copy of `view` that host code reads and writes (Kokkos::deep_copy between the
 // two): the view itself where memory is shared, a separate allocation where it is not (the
 // one place meshtrain makes host mirrors).
 template <class View>
 typename View::HostMirror host_mirror(const View& view) {
-  if constexpr (kDeviceMemoryIsSeparate) {
+  if (device_memory_is_separate()) {
     return Kokkos::create_mirror(view);
   } else {
     return Kokkos::create_mirror_view(view);

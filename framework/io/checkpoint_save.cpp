@@ -69,7 +69,9 @@ inline void fault_point(const char*, int64_t = 0) {}
 using StagingView = Kokkos::View<float*, HostStagingSpace>;  // pinned with CUDA
 using HostFloats = Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 // Emulating device memory, tensors are staged as on a GPU.
-constexpr bool kTensorsOnHost = !kDeviceMemoryIsSeparate;
+bool tensors_on_host() {
+  return !device_memory_is_separate();
+}
 
 // Writes of at most this many bytes, each checksummed just before it is written (the bytes
 // are then still in cache).
@@ -411,7 +413,7 @@ Checkpointer::Checkpointer(MPI_Comm comm, bool async)
     : comm_(std::make_unique<PrivateComm>(comm)), async_(async) {}
 
 bool checkpoint_stages_tensors(bool async) {
-  return async || !kTensorsOnHost;
+  return async || !tensors_on_host();
 }
 
 Checkpointer::~Checkpointer() {
@@ -475,7 +477,7 @@ std::string Checkpointer::save(const CheckpointContents& contents, const std::st
         block.meta = t;
         block.meta.local = Vector();
         const int64_t n = t.box.elements();
-        if constexpr (kTensorsOnHost) {
+        if (tensors_on_host()) {
           block.mirror = host_mirror(t.local);  // shared memory here: no copy
           block.source = block.mirror.data();
           if (stage) block.staged = staging_->view.data() + next;

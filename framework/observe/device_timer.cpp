@@ -1,16 +1,19 @@
 #include "framework/observe/device_timer.hpp"
 
-// Kokkos' configuration first: which of the three builds this is. The plain host build needs
-// nothing of Kokkos here (the communication thread's ThreadSanitizer test links this file
-// without the Kokkos library).
+// Kokkos' configuration first: a CUDA build or a host one. A host build times device spans
+// only when it emulates device memory (base/device_memory_emulation.hpp, a run-time switch);
+// the communication thread's ThreadSanitizer test compiles this file without the Kokkos
+// library (MESHTRAIN_DEVICE_TIMER_WITHOUT_KOKKOS), and then never does.
 #include <Kokkos_Macros.hpp>
 
 #include <cmath>
 
+#include "base/device_memory_emulation.hpp"
 #include "base/error.hpp"
 #include "framework/observe/trace.hpp"
 
-#if defined(KOKKOS_ENABLE_CUDA) || defined(MESHTRAIN_EMULATE_DEVICE_MEMORY)
+#if !defined(MESHTRAIN_DEVICE_TIMER_WITHOUT_KOKKOS)
+#define MESHTRAIN_DEVICE_TIMER_HAS_QUEUE 1
 #include <Kokkos_Core.hpp>
 #include <string>
 #endif
@@ -30,7 +33,7 @@ std::vector<int64_t> marker_times(int64_t reference_ns, const std::vector<float>
   return ns;
 }
 
-#if defined(KOKKOS_ENABLE_CUDA) || defined(MESHTRAIN_EMULATE_DEVICE_MEMORY)
+#if defined(MESHTRAIN_DEVICE_TIMER_HAS_QUEUE)
 namespace {
 // The device's work queue. A default-constructed instance refers to Kokkos' default instance
 // (on CUDA its one stream), the same queue as framework/core/exec_space.hpp's device_space()
@@ -110,23 +113,27 @@ std::vector<int64_t> resolve() {
   return marker_times(m.reference_ns, elapsed_ms);
 }
 
-#elif defined(MESHTRAIN_EMULATE_DEVICE_MEMORY)
+#elif defined(MESHTRAIN_DEVICE_TIMER_HAS_QUEUE)
 
+// Host memory, emulated as a device's or not (the run-time switch): a marker is the host clock
+// after a fence of the device space.
 namespace {
 std::vector<int64_t> marker_ns;  // reserved at reserve(); the tracing thread's only
 }  // namespace
 
 bool enabled() {
-  return true;
+  return device_memory_emulated();
 }
 
 void reserve(std::size_t count) {
+  if (!enabled()) return;
   (void)work_queue();
   marker_ns.clear();
   marker_ns.reserve(count);
 }
 
 int32_t record() {
+  // Without emulation nothing was reserved: capacity 0, no marker.
   if (marker_ns.size() >= marker_ns.capacity()) return -1;
 #if KOKKOS_VERSION >= 30500
   static const std::string label("meshtrain::trace_device_marker");  // no allocation per marker

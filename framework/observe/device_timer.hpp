@@ -4,9 +4,9 @@
 // window. On a CUDA build a marker is a CUDA event recorded on the stream of Kokkos' default
 // execution space (the one cuBLAS and every kernel use), so a GEMM's device span is the time
 // the GPU ran it, not the time the host took to launch it. A CPU build has no work queue and
-// no device spans, except the emulated-device-memory build: there a marker is the host clock
-// after a fence of the device space, so that the CPU tests read the device track a GPU build
-// writes.
+// no device spans, except where it emulates device memory (MESHTRAIN_EMULATE_DEVICE_MEMORY=1,
+// base/device_memory_emulation.hpp): there a marker is the host clock after a fence of the
+// device space, so that the CPU tests read the device track a GPU build writes.
 //
 // Used by the tracing thread only (framework/observe/trace.hpp).
 
@@ -16,7 +16,7 @@
 
 namespace meshtrain::device_timer {
 
-// Whether this build times device spans.
+// Whether this build (or, on a CPU, this process) times device spans.
 bool enabled();
 
 // Makes room for `markers` markers and takes the reference point (at the trace window's

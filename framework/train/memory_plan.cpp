@@ -255,7 +255,7 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   activation_floats += rows * (local_width + 1 + (split ? last.tp : 1) + 3 + 1);
   if (split) reserve({last.feature_axis}, rows * last.tp);
   // The loss's three double sums, and their host mirror where device memory is separate.
-  const int64_t loss_scalars = (kDeviceMemoryIsSeparate ? 2 : 1) * 3 * sizeof(double);
+  const int64_t loss_scalars = (device_memory_is_separate() ? 2 : 1) * 3 * sizeof(double);
   w.activation_bytes = activation_floats * kFloat +
                        activation_halves * static_cast<int64_t>(sizeof(uint16_t)) + loss_scalars;
   // The batch (run/run_setup.cpp): inputs, and int32 labels or float targets.

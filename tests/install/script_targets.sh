@@ -4,7 +4,8 @@
 # programs and benchmarks; scripts/test builds everything. Runs copies of scripts/run,
 # scripts/build, scripts/test and scripts/env.sh in a scratch tree with cmake, ctest, mpirun
 # and scripts/setup replaced by stubs that log their arguments; then checks that the targets
-# scripts/run names exist in the real build.
+# scripts/run names exist in the real build. scripts/test builds once and runs the emulated
+# tests from that build (a second ctest run, -L emulated).
 #   script_targets.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 source_dir=$1
@@ -48,6 +49,23 @@ builds=$(grep '^cmake --build' "$work/calls.log" || true)
   fail "scripts/test should build every target, ran: $builds"
 grep -q '^ctest --test-dir build' "$work/calls.log" || fail "scripts/test ran no ctest"
 
+# scripts/test with the emulated-device-memory tests (the default): still one build (the
+# emulation is an environment variable of the same programs, not a second build of the code),
+# then ctest twice in it: everything but the emulated tests, then those.
+: > "$work/calls.log"
+bash "$work/repo/scripts/test" > "$work/test.log"
+builds=$(grep '^cmake --build' "$work/calls.log" || true)
+[[ $builds == "cmake --build build -j 2" ]] ||
+  fail "scripts/test should build every target once, ran: $builds"
+configures=$(grep -c '^cmake -S' "$work/calls.log" || true)
+[[ $configures == 1 ]] || fail "scripts/test should configure one build, configured $configures"
+ctests=$(grep '^ctest' "$work/calls.log" || true)
+[[ $(wc -l <<< "$ctests") -eq 2 ]] || fail "scripts/test should run ctest twice, ran: $ctests"
+grep -q '^ctest --test-dir build .* -LE emulated$' <<< "$ctests" ||
+  fail "scripts/test's first ctest should leave out the emulated tests, ran: $ctests"
+grep -q '^ctest --test-dir build .* -L emulated$' <<< "$ctests" ||
+  fail "scripts/test's second ctest should run the emulated tests in build, ran: $ctests"
+
 # The targets scripts/run names are targets of the real build.
 targets=$("$real_cmake" --build "$build_dir" --target help 2>/dev/null || true)
 for target in meshtrain write_hdf5_dataset; do
@@ -56,4 +74,4 @@ for target in meshtrain write_hdf5_dataset; do
     exit 1
   }
 done
-echo "script_targets: scripts/run builds meshtrain and write_hdf5_dataset only; scripts/test builds all"
+echo "script_targets: scripts/run builds meshtrain and write_hdf5_dataset only; scripts/test builds all, once"

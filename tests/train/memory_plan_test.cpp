@@ -301,7 +301,7 @@ TEST(MemoryPlan, EveryRanksPeakAtTheEndIsWithinTheBandOfItsPlan) {
       // Where device memory is separate (a GPU build, the emulated one) MPI also stages
       // through host buffers (meshtrain::mpi_host_staging) that the plan does not hold yet
       // (docs/running.md): there the peak may exceed the band by them.
-      if (!kDeviceMemoryIsSeparate) {
+      if (!device_memory_is_separate()) {
         EXPECT_LE(ratio, kBandHigh) << end.kokkos_peak_bytes[r] << " against " << planned;
       }
     }

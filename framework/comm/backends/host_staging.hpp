@@ -26,12 +26,12 @@ class HostStaging {
  public:
   // Whether MPI needs host copies of Kokkos' default memory space (or, emulating device
   // memory, is given them as if it did).
-  static constexpr bool kStages = kDeviceMemoryIsSeparate;
+  static bool stages() { return device_memory_is_separate(); }
 
   // What MPI sends from: `data` itself, or a host copy of its `count` elements.
   template <class T>
   const T* send_buffer(const T* data, std::size_t count) {
-    if constexpr (!kStages) return data;
+    if (!stages()) return data;
     T* host = reinterpret_cast<T*>(grow(send_, count * sizeof(T)));
     copy_to_host(host, data, count);
     return host;
@@ -41,7 +41,7 @@ class HostStaging {
   // from `data` first when the operation works in place (copy_in).
   template <class T>
   T* receive_buffer(T* data, std::size_t count, bool copy_in) {
-    if constexpr (!kStages) return data;
+    if (!stages()) return data;
     T* host = reinterpret_cast<T*>(grow(receive_, count * sizeof(T)));
     if (copy_in) copy_to_host(host, data, count);
     return host;
@@ -53,7 +53,7 @@ class HostStaging {
 
   // Grows both buffers to at least these sizes now (no-op without staging).
   void reserve(std::size_t send_bytes, std::size_t receive_bytes) {
-    if constexpr (!kStages) return;
+    if (!stages()) return;
     grow(send_, send_bytes);
     grow(receive_, receive_bytes);
   }
@@ -61,7 +61,7 @@ class HostStaging {
   // After MPI completed: the received elements back into `data` (no-op without staging).
   template <class T>
   void finish_receive(T* data, std::size_t count) {
-    if constexpr (!kStages) return;
+    if (!stages()) return;
     copy_to_device(data, reinterpret_cast<const T*>(receive_.data()), count);
   }
 

@@ -331,7 +331,7 @@ MpiRequestSlot& acquire_request_slot(const std::shared_ptr<MpiCommunicator::Stat
                                      double timeout, const char* op, std::size_t send_bytes,
                                      std::size_t recv_bytes) {
   const SlotCapacity need =
-      HostStaging::kStages ? SlotCapacity{send_bytes, recv_bytes} : SlotCapacity{};
+      HostStaging::stages() ? SlotCapacity{send_bytes, recv_bytes} : SlotCapacity{};
   MpiRequestSlot& slot =
       state->request_slots.acquire(need, [&] { return std::make_unique<MpiRequestSlot>(*state); });
   slot.start(state, timeout, op);
@@ -581,7 +581,7 @@ MpiRingSlot& acquire_ring_slot(MpiCommunicator::State& state, std::size_t count,
                                int size) {
   const std::size_t n = static_cast<std::size_t>(size);
   const std::size_t block_bytes = (count / n + (count % n != 0 ? 1 : 0)) * bytes_of(dtype);
-  const SlotCapacity need{block_bytes, HostStaging::kStages ? count * bytes_of(dtype) : 0};
+  const SlotCapacity need{block_bytes, HostStaging::stages() ? count * bytes_of(dtype) : 0};
   return state.ring_slots.acquire(need, [&] { return std::make_unique<MpiRingSlot>(state); });
 }
 
