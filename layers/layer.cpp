@@ -22,7 +22,7 @@ LayerScratch::LayerScratch(const LayerScratchNeeds& needs, bool with_prefetch)
       grad("meshtrain::scratch_grad", needs.grad),
       stage("meshtrain::scratch_stage", needs.stage),
       bias("meshtrain::scratch_bias", needs.bias),
-      weight_16bit("meshtrain::scratch_weight_16bit", needs.weight_16bit) {
+      weight_16bit("meshtrain::scratch_weight_16bit", with_prefetch ? needs.weight_16bit : 0) {
   if (needs.matmul > 0) matmul.reserve(needs.matmul);
 }
 

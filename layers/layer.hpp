@@ -64,8 +64,8 @@ struct LayerScratchNeeds {
   size_t matmul = 0;  // collective matmul workspace (bytes)
   // The fp32 landing of a prefetched weight: as `weight`, for the weights without a 16-bit copy.
   size_t prefetch = 0;
-  // The 16-bit landing of a weight gathered from its 16-bit compute copy (blocking or
-  // prefetched), widened from there into `weight` (16-bit elements).
+  // The 16-bit landing of a weight prefetched from its 16-bit compute copy, widened from there
+  // into `weight` (16-bit elements).
   size_t weight_16bit = 0;
   void merge(const LayerScratchNeeds& o);
 };
@@ -79,9 +79,9 @@ struct LayerScratch {
   Vector grad;
   Vector stage;
   Vector bias;
-  // A weight gathered from 16-bit compute copies lands here (as 16 bits, blocking or prefetched)
-  // and is widened into `weight`. One gather at a time: `landing_busy` while a prefetch is in
-  // flight into it.
+  // A weight prefetched from its 16-bit compute copy lands here (as 16 bits; a blocking gather
+  // lands in `grad`'s bytes) and is widened into `weight`; empty without prefetch.
+  // `landing_busy` while a prefetch is in flight into it.
   HalfBits weight_16bit;
   bool landing_busy = false;
   CollectiveMatmulWorkspace matmul;

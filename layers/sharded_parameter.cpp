@@ -157,8 +157,9 @@ LayerScratchNeeds ShardedParameter::scratch_needs() const {
     needs.weight = static_cast<size_t>(d1 * d2);  // the rounded copy of the stored block
   }
   if (copy_) {
-    // Widened into scratch.weight; a gather lands (prefetched or not) in the 16-bit landing.
-    if (gathered()) needs.weight_16bit = static_cast<size_t>(d1 * d2);
+    // Widened into scratch.weight; a prefetch lands in the 16-bit landing (a blocking gather in
+    // scratch.grad's bytes).
+    if (can_prefetch()) needs.weight_16bit = static_cast<size_t>(d1 * d2);
   } else {
     needs.prefetch = needs.weight;
   }
@@ -184,13 +185,29 @@ const uint16_t* ShardedParameter::current_copy() {
   return copy_->bits.data();
 }
 
+namespace {
+// Where a blocking gather of a 16-bit copy lands: the first half of the bytes of scratch.grad,
+// the gathered weight gradient's buffer (d1 * d2 floats, twice what the d1 * d2 16-bit elements
+// need), which is free whenever a weight is gathered: forward writes no weight gradient, and
+// backward gathers the weight before it computes the gradient there (the layer before has
+// reduce-scattered its own). A prefetch lands in scratch.weight_16bit instead (it runs while the
+// layer before uses scratch.grad).
+uint16_t* blocking_landing(LayerScratch& scratch) {
+  return reinterpret_cast<uint16_t*>(scratch.grad.data());
+}
+}  // namespace
+
+// The gathered blocks widened into scratch.weight: from scratch.weight_16bit while a prefetch is
+// being completed, else from the blocking landing.
 MatrixView ShardedParameter::widen_landed(LayerScratch& scratch) {
   const int64_t d1 = g_.compute[1], d2 = g_.compute[2];
   MatrixView full(scratch.weight.data(), d1, d2);
+  const uint16_t* landed =
+      prefetch_started_ ? scratch.weight_16bit.data() : blocking_landing(scratch);
   if (gather1_) {  // dim 0 blocks in rank order are the matrix itself
-    widen_16bit(ConstHalfMatrixView(scratch.weight_16bit.data(), d1, d2), full, compute_);
+    widen_16bit(ConstHalfMatrixView(landed, d1, d2), full, compute_);
   } else {
-    widen_gathered_columns(scratch.weight_16bit.data(), full, gather2_->size(), compute_);
+    widen_gathered_columns(landed, full, gather2_->size(), compute_);
   }
   return full;
 }
@@ -206,16 +223,16 @@ MatrixView ShardedParameter::compute_matrix(LayerScratch& scratch) {
       return full;
     }
     if (prefetch_started_) {
-      prefetch_started_ = false;
       prefetch_.wait();
       scratch.landing_busy = false;
-      return widen_landed(scratch);
+      const MatrixView widened = widen_landed(scratch);  // from scratch.weight_16bit
+      prefetch_started_ = false;
+      return widened;
     }
-    MESHTRAIN_REQUIRE(!scratch.landing_busy, "parameter '", value().name,
-                      "': gathered while another weight's prefetch is landing in the 16-bit "
-                      "scratch");
+    MESHTRAIN_REQUIRE(scratch.grad.extent(0) >= static_cast<size_t>(d1 * d2), "parameter '",
+                      value().name, "': no gradient scratch to land its gather in");
     Communicator& group = gather1_ ? *gather1_ : *gather2_;
-    group.all_gather_16bit(current_copy(), scratch.weight_16bit.data(), value().local.extent(0),
+    group.all_gather_16bit(current_copy(), blocking_landing(scratch), value().local.extent(0),
                            compute_);
     return widen_landed(scratch);
   }

@@ -40,8 +40,9 @@
 // A by_dims parameter whose tensor has a 16-bit compute copy (ShardedTensor::copy_16bit: a plain
 // MLP's weights in 16-bit storage, docs/mixed_precision.md) computes from it: the optimizer wrote
 // it, so no cast pass runs; stored whole it is widened into scratch.weight, gathered (over one
-// group) its 16-bit elements travel as they are into scratch.weight_16bit (prefetched too) and
-// are widened into scratch.weight. A copy that is not current (the master was written some other
+// group) its 16-bit elements travel as they are, blocking into the bytes of scratch.grad (free
+// until backward computes the gradient there) or prefetched into scratch.weight_16bit, and are
+// widened into scratch.weight. A copy that is not current (the master was written some other
 // way) is cast again from the master first.
 // Everything is allocated at construction: nothing in compute(), gradient() or reduce().
 
@@ -147,7 +148,7 @@ class ShardedParameter {
   detail::GatheredBlocks blocks() const;
   // The 16-bit compute copy's bits, cast from the master first when not current.
   const uint16_t* current_copy();
-  // scratch.weight_16bit's gathered blocks widened into scratch.weight as [d1, d2].
+  // The landed gathered blocks (see above) widened into scratch.weight as [d1, d2].
   MatrixView widen_landed(LayerScratch& scratch);
 
   ParameterRef ref_;

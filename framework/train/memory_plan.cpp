@@ -213,11 +213,14 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     const bool two_gathers = !l.weight_gather_dim0.empty() && !l.weight_gather_dim1.empty();
     if (two_gathers) stage = std::max(stage, std::max(d1 * s2, s1 * d2));
     // 16-bit storage: each weight's 16-bit compute copy of its stored block (layers/mlp.cpp), from
-    // which a weight gathered over one group is gathered as 16 bits, blocking or prefetched, into
-    // the 16-bit landing (layers/sharded_parameter.cpp).
+    // which a weight gathered over one group is gathered as 16 bits: blocking into the bytes of
+    // the gradient scratch, prefetched (overlap) into the 16-bit landing
+    // (layers/sharded_parameter.cpp).
     if (keeps_16bit) {
       copy_halves += s1 * s2;
-      if (gathered && !two_gathers) weight_16bit = std::max(weight_16bit, d1 * d2);
+      if (config.runtime.overlap && gathered && !two_gathers) {
+        weight_16bit = std::max(weight_16bit, d1 * d2);
+      }
     }
     // Prefetched (overlap) when gathered over one group: into the fp32 prefetch buffer without a
     // 16-bit copy.
