@@ -441,8 +441,9 @@ TEST(MemoryPlan, SixteenBitActivationsOfAPlainMlpTakeLittleMoreThanHalfOfFp32s) 
 // MLP computing in bf16 or fp16 gathers its weights as 16 bits into one 16-bit landing, widened
 // into the one fp32 weight buffer, instead of an fp32 weight buffer and an fp32 prefetch buffer:
 // the gathered weight buffers (scratch weight, prefetch and 16-bit landing) take at most 0.75 of
-// fp32's (6 bytes an element against 8), and the plan counts them and the copies (2 bytes an
-// element of each stored block) to the byte as the tracker measures them.
+// fp32's (6 bytes an element against 8) where the weights are gathered (np > 1), and the plan
+// counts them and the copies (2 bytes an element of each stored block) to the byte as the tracker
+// measures them.
 TEST(MemoryPlan, SixteenBitGatheredWeightsOfAPlainMlpUnderFsdpPrefetch) {
   std::map<Dtype, int64_t> gathered;
   for (const Dtype dtype : {Dtype::fp32, Dtype::bf16, Dtype::fp16}) {
@@ -486,6 +487,9 @@ TEST(MemoryPlan, SixteenBitGatheredWeightsOfAPlainMlpUnderFsdpPrefetch) {
     if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
     MPI_Barrier(MPI_COMM_WORLD);
   }
+  // (On one rank nothing is gathered: fp32 computes from the master itself, 16 bits from the copy
+  // widened into the fp32 weight buffer, as the simulated path rounded the master into it.)
+  if (world_size() == 1) return;
   for (const Dtype dtype : {Dtype::bf16, Dtype::fp16}) {
     EXPECT_LE(double(gathered[dtype]), 0.75 * double(gathered[Dtype::fp32]) + 3 * 128)
         << to_string(dtype) << " against fp32";
