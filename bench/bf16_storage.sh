@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Activation memory and step time of 16-bit storage (docs/mixed_precision.md, "Compute and
-# memory on this build"): an MLP 784-1024-1024-10, batch 512, FSDP, in fp32, bf16 and fp16, on
-# np 1 and 2 (JSON lines, one per run).
+# Activation and gathered-weight memory and step time of 16-bit storage (docs/mixed_precision.md,
+# "Compute and memory on this build"): an MLP 784-1024-1024-10, batch 512, FSDP, in fp32, bf16
+# and fp16, on np 1 and 2 (JSON lines, one per run).
 #
-#   [STEPS=12] [ROUNDS=1] [MESHTRAIN=build/bin/meshtrain] [BEFORE=other/bin/meshtrain]
-#       bench/bf16_storage.sh [NPS]          default NPS "1 2"
+#   [STEPS=12] [ROUNDS=1] [OVERLAP=false] [MESHTRAIN=build/bin/meshtrain]
+#   [BEFORE=other/bin/meshtrain] bench/bf16_storage.sh [NPS]          default NPS "1 2"
 # With BEFORE, each (np, dtype) runs that binary too ("build": "before", this one "this"),
 # the two one after the other, so that a noisy neighbour spoils both or neither. Each line has
 # the plan's activation bytes per rank (`meshtrain plan --json`, totals.activation_bytes: what
 # the memory tracker measures, to the byte, as train_memory_plan_test checks on dp and fsdp in
-# bf16), the Kokkos peak per rank at the end (max over ranks, from metrics.jsonl's last memory
-# event), and the median step time over steps 2..STEPS (from metrics.jsonl's samples_per_s, the
+# bf16), its gathered-weight bytes (the shared scratch, and the weights' 16-bit compute copies
+# of which sixteen_bit_copy_bytes says how much) and total bytes per rank, with OVERLAP=true the
+# FSDP prefetch ([runtime] overlap), the Kokkos peak per rank at the end (max over ranks, from
+# metrics.jsonl's last memory event), and the median step time over steps 2..STEPS (from metrics.jsonl's samples_per_s, the
 # slowest rank's interval). Synthetic data, mse, adamw.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +49,8 @@ reduce_dtype = "$2"
 source = "synthetic"
 synthetic_samples = 4096
 batch_size = 512
+[runtime]
+overlap = ${OVERLAP:-false}
 [optimizer]
 kind = "adamw"
 lr = 1e-3
@@ -72,19 +76,24 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
         $mpirun -np "$np" "$binary" train "$work/$name.toml" > "$work/$name.log" 2>&1 ||
           { cat "$work/$name.log" >&2; exit 1; }
         python3 - "$work/$name/metrics.jsonl" "$work/$name.plan.json" "$label" "$dtype" "$np" \
-          "$round" <<'PY'
+          "$round" "${OVERLAP:-false}" <<'PY'
 import json, statistics, sys
-metrics, plan, label, dtype, np_, round_ = sys.argv[1:]
+metrics, plan, label, dtype, np_, round_, overlap = sys.argv[1:]
 records = [json.loads(line) for line in open(metrics)]
 rates = [r["samples_per_s"] for r in records if r.get("event") == "log" and r["step"] >= 2]
 if not rates:
     sys.exit(f"{metrics}: no log record after the first step")
 memory = [r for r in records if r.get("event") == "memory"]
 step = statistics.median(512 / r for r in rates)
-planned = json.load(open(plan))["totals"]["activation_bytes"]
+totals = json.load(open(plan))["totals"]
+planned = totals["activation_bytes"]
 print(json.dumps({"bench": "bf16_storage", "build": label, "round": int(round_),
                   "model": "784-1024-1024-10", "mode": "fsdp", "np": int(np_), "batch": 512,
-                  "dtype": dtype, "activation_bytes": planned,
+                  "dtype": dtype, "overlap": overlap == "true",
+                  "activation_bytes": planned,
+                  "gathered_weight_bytes": totals["gathered_weight_bytes"],
+                  "sixteen_bit_copy_bytes": totals.get("sixteen_bit_copy_bytes", 0),
+                  "bytes_per_rank": totals["bytes_per_rank"],
                   "kokkos_peak_bytes": max(memory[-1]["kokkos_peak_bytes"]) if memory else None,
                   "steps_timed": len(rates), "step_time_median_s": round(step, 4)}))
 PY

@@ -12,14 +12,17 @@ void LayerScratchNeeds::merge(const LayerScratchNeeds& o) {
   stage = std::max(stage, o.stage);
   bias = std::max(bias, o.bias);
   matmul = std::max(matmul, o.matmul);
+  prefetch = std::max(prefetch, o.prefetch);
+  weight_16bit = std::max(weight_16bit, o.weight_16bit);
 }
 
 LayerScratch::LayerScratch(const LayerScratchNeeds& needs, bool with_prefetch)
     : weight("meshtrain::scratch_weight", needs.weight),
-      prefetch("meshtrain::scratch_prefetch", with_prefetch ? needs.weight : 0),
+      prefetch("meshtrain::scratch_prefetch", with_prefetch ? needs.prefetch : 0),
       grad("meshtrain::scratch_grad", needs.grad),
       stage("meshtrain::scratch_stage", needs.stage),
-      bias("meshtrain::scratch_bias", needs.bias) {
+      bias("meshtrain::scratch_bias", needs.bias),
+      weight_16bit("meshtrain::scratch_weight_16bit", with_prefetch ? needs.weight_16bit : 0) {
   if (needs.matmul > 0) matmul.reserve(needs.matmul);
 }
 

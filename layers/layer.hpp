@@ -62,6 +62,11 @@ struct LayerScratchNeeds {
   size_t stage = 0;   // between the two gathers / reduce-scatters of a 2-D storage split
   size_t bias = 0;    // gathered bias / full-width bias gradient
   size_t matmul = 0;  // collective matmul workspace (bytes)
+  // The fp32 landing of a prefetched weight: as `weight`, for the weights without a 16-bit copy.
+  size_t prefetch = 0;
+  // The 16-bit landing of a weight prefetched from its 16-bit compute copy, widened from there
+  // into `weight` (16-bit elements).
+  size_t weight_16bit = 0;
   void merge(const LayerScratchNeeds& o);
 };
 
@@ -74,6 +79,11 @@ struct LayerScratch {
   Vector grad;
   Vector stage;
   Vector bias;
+  // A weight prefetched from its 16-bit compute copy lands here (as 16 bits; a blocking gather
+  // lands in `grad`'s bytes) and is widened into `weight`; empty without prefetch.
+  // `landing_busy` while a prefetch is in flight into it.
+  HalfBits weight_16bit;
+  bool landing_busy = false;
   CollectiveMatmulWorkspace matmul;
   explicit LayerScratch(const LayerScratchNeeds& needs = {}, bool with_prefetch = false);
 };

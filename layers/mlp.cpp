@@ -68,6 +68,20 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
     work_[0] = Matrix("model/work_0", rows_, widest);
     work_[1] = Matrix("model/work_1", rows_, widest);
     input_16bit_ = HalfMatrix("model/input_16bit", rows_, sizes.front());
+    // Each weight's 16-bit compute copy, which the optimizer writes as it updates the master
+    // and the Linear computes from (gathered as 16 bits under FSDP). A model sharing another's
+    // parameters shares its copies (the same ShardedTensors); it makes none of its own, which
+    // the optimizer would not keep current.
+    if (!shares_parameters_of) {
+      for (size_t i = 0; i + 1 < sizes.size(); ++i) {
+        ShardedTensor& weight = params_[2 * i];
+        auto copy = std::make_shared<SixteenBitCopy>();
+        copy->bits =
+            HalfBits("meshtrain::scratch_16bit_copy:" + weight.name, weight.local.extent(0));
+        copy->dtype = compute_dtype_;
+        weight.copy_16bit = std::move(copy);
+      }
+    }
   }
   FeatureLayout layout = FeatureLayout::replicated;  // x arrives with all features
   size_t param = 0;
@@ -291,7 +305,11 @@ void Mlp::finish(ParallelContext& context) {
       }
     }
     for (const auto& [group, g] : largest) {
-      group->reserve_started_all_gathers(1, g.send_elements, g.wire);
+      if (g.sixteen_bit_copy) {
+        group->reserve_started_16bit_all_gathers(1, g.send_elements, g.wire);
+      } else {
+        group->reserve_started_all_gathers(1, g.send_elements, g.wire);
+      }
     }
   }
   if (compute_dtype_ != Dtype::fp32 && !keeps_16bit_) {
@@ -332,6 +350,7 @@ double Mlp::aux_loss() const {
 }
 
 void Mlp::initialize(InitScheme scheme, uint64_t seed) {
+  masters_written();
   for (auto& p : params_) meshtrain::initialize(p, scheme, seed);
   for (FeatureNorm* norm : norms_) norm->initialize_parameters();
 }

@@ -190,7 +190,19 @@ class Mlp {
   // weight, bias of layer 0, then of layer 1, ... (an MoE layer: router, experts weight,
   // experts bias; names as in the class comment). The layers hold pointers to these
   // elements: assign them (sharing another model's memory), never resize the vectors.
-  std::vector<ShardedTensor>& parameters() { return params_; }
+  // Whoever takes the parameters to write may change the masters: the weights' 16-bit compute
+  // copies (16-bit storage) are then cast again at their next use, unless the optimizer writes
+  // them first (framework/train/optimizer.hpp). Read through the const overload.
+  std::vector<ShardedTensor>& parameters() {
+    masters_written();
+    return params_;
+  }
+  // The masters were written through views taken earlier (a checkpoint's): the same.
+  void masters_written() {
+    for (ShardedTensor& p : params_) {
+      if (p.copy_16bit) p.copy_16bit->current = false;
+    }
+  }
   const std::vector<ShardedTensor>& parameters() const { return params_; }
   std::vector<ShardedTensor>& gradients() { return grads_; }
   const std::vector<ShardedTensor>& gradients() const { return grads_; }

@@ -88,6 +88,14 @@ ShardedParameter::ShardedParameter(ParameterRef ref, const ParameterGathers& gat
   scale_ = 1.0f / static_cast<float>(g_.nonbatch_replication);
 
   if (method == GatherMethod::by_dims) {
+    const std::shared_ptr<SixteenBitCopy>& copy = value().copy_16bit;
+    if (copy && !(gather1_ && gather2_)) {
+      MESHTRAIN_REQUIRE(copy->dtype == compute_ && copy->bits.extent(0) == value().local.extent(0),
+                        "parameter '", value().name,
+                        "': its 16-bit copy is not of the compute dtype or not of its block");
+      copy_ = copy;
+      return;  // gathered as 16 bits into the shared scratch: no communicator scratch
+    }
     if (gather2_) gather2_->reserve_scratch(static_cast<size_t>(compute_elements));
     return;  // its buffers are the shared scratch's
   }
@@ -148,6 +156,13 @@ LayerScratchNeeds ShardedParameter::scratch_needs() const {
   } else if (compute_ != Dtype::fp32) {
     needs.weight = static_cast<size_t>(d1 * d2);  // the rounded copy of the stored block
   }
+  if (copy_) {
+    // Widened into scratch.weight; a prefetch lands in the 16-bit landing (a blocking gather in
+    // scratch.grad's bytes).
+    if (can_prefetch()) needs.weight_16bit = static_cast<size_t>(d1 * d2);
+  } else {
+    needs.prefetch = needs.weight;
+  }
   if (gather1_ && gather2_) needs.stage = static_cast<size_t>(std::max(d1 * s2, s1 * d2));
   return needs;
 }
@@ -161,10 +176,66 @@ detail::GatheredBlocks ShardedParameter::blocks() const {
           group2_};
 }
 
+const uint16_t* ShardedParameter::current_copy() {
+  if (!copy_->current) {
+    const Vector& local = value().local;
+    pack_16bit(local.data(), copy_->bits.data(), local.extent(0), compute_);
+    copy_->current = true;
+  }
+  return copy_->bits.data();
+}
+
+namespace {
+// Where a blocking gather of a 16-bit copy lands: the first half of the bytes of scratch.grad,
+// the gathered weight gradient's buffer (d1 * d2 floats, twice what the d1 * d2 16-bit elements
+// need), which is free whenever a weight is gathered: forward writes no weight gradient, and
+// backward gathers the weight before it computes the gradient there (the layer before has
+// reduce-scattered its own). A prefetch lands in scratch.weight_16bit instead (it runs while the
+// layer before uses scratch.grad).
+uint16_t* blocking_landing(LayerScratch& scratch) {
+  return reinterpret_cast<uint16_t*>(scratch.grad.data());
+}
+}  // namespace
+
+// The gathered blocks widened into scratch.weight: from scratch.weight_16bit while a prefetch is
+// being completed, else from the blocking landing.
+MatrixView ShardedParameter::widen_landed(LayerScratch& scratch) {
+  const int64_t d1 = g_.compute[1], d2 = g_.compute[2];
+  MatrixView full(scratch.weight.data(), d1, d2);
+  const uint16_t* landed =
+      prefetch_started_ ? scratch.weight_16bit.data() : blocking_landing(scratch);
+  if (gather1_) {  // dim 0 blocks in rank order are the matrix itself
+    widen_16bit(ConstHalfMatrixView(landed, d1, d2), full, compute_);
+  } else {
+    widen_gathered_columns(landed, full, gather2_->size(), compute_);
+  }
+  return full;
+}
+
 MatrixView ShardedParameter::compute_matrix(LayerScratch& scratch) {
   const int64_t d1 = g_.compute[1], d2 = g_.compute[2];
   MatrixView stored = value().matrix();
   MatrixView full(scratch.weight.data(), d1, d2);
+  if (copy_) {
+    if (!gathered()) {
+      // The optimizer's 16-bit copy widened (exactly): round_P(master) without a cast pass.
+      widen_16bit(ConstHalfMatrixView(current_copy(), d1, d2), full, compute_);
+      return full;
+    }
+    if (prefetch_started_) {
+      prefetch_.wait();
+      scratch.landing_busy = false;
+      const MatrixView widened = widen_landed(scratch);  // from scratch.weight_16bit
+      prefetch_started_ = false;
+      return widened;
+    }
+    MESHTRAIN_REQUIRE(scratch.grad.extent(0) >= static_cast<size_t>(d1 * d2), "parameter '",
+                      value().name, "': no gradient scratch to land its gather in");
+    Communicator& group = gather1_ ? *gather1_ : *gather2_;
+    group.all_gather_16bit(current_copy(), blocking_landing(scratch), value().local.extent(0),
+                           compute_);
+    return widen_landed(scratch);
+  }
   if (!gathered()) {
     if (compute_ == Dtype::fp32) return stored;
     round_copy(stored, full, compute_);  // the fp32 master cast to the compute dtype
@@ -200,18 +271,28 @@ MatrixView ShardedParameter::compute_matrix(LayerScratch& scratch) {
 
 ShardedParameter::PrefetchGather ShardedParameter::prefetch_gather() const {
   MESHTRAIN_REQUIRE(can_prefetch(), "parameter '", value().name, "' cannot be prefetched");
-  return {gather1_ ? gather1_ : gather2_, value().local.extent(0), compute_};
+  return {gather1_ ? gather1_ : gather2_, value().local.extent(0), compute_, copy_ != nullptr};
 }
 
 void ShardedParameter::start_prefetch(LayerScratch& scratch) {
   const size_t gathered = static_cast<size_t>(g_.compute[1] * g_.compute[2]);
   MESHTRAIN_REQUIRE(
-      can_prefetch() && !prefetch_started_ && scratch.prefetch.extent(0) >= gathered, "parameter '",
-      value().name,
+      can_prefetch() && !prefetch_started_ &&
+          (copy_ ? scratch.weight_16bit.extent(0) : scratch.prefetch.extent(0)) >= gathered,
+      "parameter '", value().name,
       "': it cannot be prefetched (gathered over two groups, already started, or a scratch "
       "made without prefetch)");
   Communicator& group = gather1_ ? *gather1_ : *gather2_;
   const Vector& stored = value().local;
+  if (copy_) {
+    MESHTRAIN_REQUIRE(!scratch.landing_busy, "parameter '", value().name,
+                      "': its prefetch would land where another gather is landing");
+    prefetch_ = group.start_all_gather_16bit(current_copy(), scratch.weight_16bit.data(),
+                                             stored.extent(0), compute_);
+    scratch.landing_busy = true;
+    prefetch_started_ = true;
+    return;
+  }
   prefetch_ = group.start_all_gather(ConstVectorView(stored.data(), stored.extent(0)),
                                      VectorView(scratch.prefetch.data(), gathered), compute_);
   prefetch_started_ = true;

@@ -37,9 +37,17 @@
 //              are all-reduced in one collective (reduce_side_by_side).
 // Mixed precision: gathered (or rounded) in the compute dtype; the gradient moves and sums in
 // the reduce dtype and is stored in fp32. In fp32 none of this does anything.
+// A by_dims parameter whose tensor has a 16-bit compute copy (ShardedTensor::copy_16bit: a plain
+// MLP's weights in 16-bit storage, docs/mixed_precision.md) computes from it: the optimizer wrote
+// it, so no cast pass runs; stored whole it is widened into scratch.weight, gathered (over one
+// group) its 16-bit elements travel as they are, blocking into the bytes of scratch.grad (free
+// until backward computes the gradient there) or prefetched into scratch.weight_16bit, and are
+// widened into scratch.weight. A copy that is not current (the master was written some other
+// way) is cast again from the master first.
 // Everything is allocated at construction: nothing in compute(), gradient() or reduce().
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -102,6 +110,7 @@ class ShardedParameter {
     Communicator* group = nullptr;
     std::size_t send_elements = 0;
     Dtype wire = Dtype::fp32;
+    bool sixteen_bit_copy = false;  // start_all_gather_16bit of the copy (no wire slot)
   };
   PrefetchGather prefetch_gather() const;
   void poll_prefetch() { prefetch_.test(); }
@@ -137,6 +146,10 @@ class ShardedParameter {
 
  private:
   detail::GatheredBlocks blocks() const;
+  // The 16-bit compute copy's bits, cast from the master first when not current.
+  const uint16_t* current_copy();
+  // The landed gathered blocks (see above) widened into scratch.weight as [d1, d2].
+  MatrixView widen_landed(LayerScratch& scratch);
 
   ParameterRef ref_;
   ParameterGathers g_;
@@ -155,6 +168,8 @@ class ShardedParameter {
   // as_blocks buffers: the compute block (gathered or rounded), its gradient, the group's
   // blocks in rank order.
   Vector block_, grad_, stage_;
+  // by_dims: the tensor's 16-bit compute copy when the parameter computes from it (see above).
+  std::shared_ptr<SixteenBitCopy> copy_;
 };
 
 }  // namespace meshtrain

@@ -129,7 +129,7 @@ std::string TrainingRun::plan_item_of(const TrackedAllocation& a) const {
     return false;
   };
   const auto starts = [&](const char* prefix) { return a.label.rfind(prefix, 0) == 0; };
-  if (holds(model_->parameters())) return "parameters";
+  if (holds(std::as_const(*model_).parameters())) return "parameters";  // read: copies stay current
   if (holds(model_->gradients())) return "gradients";
   for (const std::string& slot : optimizer_->slot_names()) {
     if (holds(optimizer_->slot(slot))) return "optimizer state";

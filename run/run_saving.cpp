@@ -102,6 +102,7 @@ void TrainingRun::resume() {
   // load_checkpoint throws the same error on every rank, after the same collectives.
   CheckpointInfo info;
   on_every_rank(comm_, [&] { info = load_checkpoint(*latest, checkpoint_, comm_); });
+  model_->masters_written();  // through checkpoint_'s views: the 16-bit copies are cast again
   steps_done_ = info.train_state.step;
   optimizer_->set_step_count(info.train_state.optimizer_step);
   // A run saved without loss scaling (bf16, fp32) resumed under fp16 starts at the initial scale.

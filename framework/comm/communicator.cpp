@@ -410,6 +410,12 @@ void Communicator::reserve_started_all_gathers(std::size_t count, std::size_t se
       });
 }
 
+void Communicator::reserve_started_16bit_all_gathers(std::size_t count, std::size_t send_elements,
+                                                     Dtype dtype) {
+  const std::size_t total = send_elements * static_cast<std::size_t>(size_);
+  raw_reserve_requests(count, send_elements * bytes_of(dtype), total * bytes_of(dtype));
+}
+
 uint16_t* Communicator::wire_send(std::size_t count) {
   return grown(wire_send_, count);
 }
@@ -553,6 +559,38 @@ Request Communicator::start_all_gather(ConstVectorView send, VectorView recv, Dt
                                                                  slot.send.data(), slot.recv.data(),
                                                                  count, wire, op);
                                                            })),
+                          timeout_seconds_);
+  } catch (...) {
+    rethrow_recorded(flight.serial(), timeout_seconds_);
+  }
+}
+
+void Communicator::all_gather_16bit(const uint16_t* send, uint16_t* recv, std::size_t count,
+                                    Dtype dtype) {
+  const char* op = "all_gather";
+  MESHTRAIN_REQUIRE(is_16bit(dtype), op, " of 16-bit elements on ", description_, " given fp32");
+  const std::size_t total = count * static_cast<std::size_t>(size_);
+  TraceSpan span("all-gather", TraceKind::collective);
+  describe_collective(span, CollectiveKind::all_gather, description_, size_, total, dtype);
+  FlightScope flight(flight_group_, op, total * bytes_of(dtype), dtype);
+  try {
+    raw_all_gather(send, recv, count, dtype, op);
+  } catch (...) {
+    rethrow_recorded(flight.serial(), timeout_seconds_);
+  }
+  flight.completed();
+}
+
+Request Communicator::start_all_gather_16bit(const uint16_t* send, uint16_t* recv,
+                                             std::size_t count, Dtype dtype) {
+  const char* op = "all_gather";
+  MESHTRAIN_REQUIRE(is_16bit(dtype), op, " of 16-bit elements on ", description_, " given fp32");
+  const std::size_t total = count * static_cast<std::size_t>(size_);
+  TraceSpan span("all-gather", TraceKind::collective);
+  describe_collective(span, CollectiveKind::all_gather, description_, size_, total, dtype);
+  FlightScope flight(flight_group_, op, total * bytes_of(dtype), dtype, /*started=*/true);
+  try {
+    return flight.started(traced_start(span, raw_start_all_gather(send, recv, count, dtype, op)),
                           timeout_seconds_);
   } catch (...) {
     rethrow_recorded(flight.serial(), timeout_seconds_);

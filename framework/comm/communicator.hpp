@@ -196,6 +196,13 @@ class Communicator {
   // (every rank must start them in the same order). A matrix gathered along dim 1 arrives
   // as n [r, c] blocks in rank order: place_gathered_columns() puts them in place.
   Request start_all_gather(ConstVectorView send, VectorView recv, Dtype wire = Dtype::fp32);
+  // Flat all-gathers of 16-bit elements as they are (a parameter's 16-bit compute copy,
+  // docs/mixed_precision.md): `count` elements of `dtype` (bf16 or fp16) per rank from `send`
+  // into `recv` [n * count], rank j's at j * count; nothing packed or widened, so no wire
+  // staging. Blocking, and started as start_all_gather (same rules).
+  void all_gather_16bit(const uint16_t* send, uint16_t* recv, std::size_t count, Dtype dtype);
+  Request start_all_gather_16bit(const uint16_t* send, uint16_t* recv, std::size_t count,
+                                 Dtype dtype);
   // Non-blocking in-place sum (DP gradient buckets): `data` must stay untouched (neither
   // read nor written) until the Request completes; then it holds the sum over the group,
   // as all_reduce(data) gives. Every rank must start the same operations on this
@@ -247,6 +254,8 @@ class Communicator {
                                    Dtype wire = Dtype::fp32);
   void reserve_started_all_gathers(std::size_t count, std::size_t send_elements,
                                    Dtype wire = Dtype::fp32);
+  // The same for start_all_gather_16bit (the backend's request slots only: no wire slots).
+  void reserve_started_16bit_all_gathers(std::size_t count, std::size_t send_elements, Dtype dtype);
 
  protected:
   Communicator(int size, int rank, std::string description);

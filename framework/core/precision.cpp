@@ -84,4 +84,20 @@ void unpack_16bit(const uint16_t* src, float* dst, std::size_t count, Dtype dtyp
       KOKKOS_LAMBDA(const std::size_t k) { dst[k] = from_16bit(src[k], dtype); });
 }
 
+void widen_gathered_columns(const uint16_t* blocks, MatrixView dst, int n, Dtype dtype) {
+  const int64_t r = static_cast<int64_t>(dst.extent(0));
+  const int64_t c = static_cast<int64_t>(dst.extent(1)) / n;
+  MESHTRAIN_REQUIRE(dtype != Dtype::fp32 && n >= 1 &&
+                        c * n == static_cast<int64_t>(dst.extent(1)) && dst.span_is_contiguous(),
+                    "widen_gathered_columns: [", dst.extent(0), ", ", dst.extent(1),
+                    "] is not a contiguous matrix of ", n, " column blocks, or fp32");
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::widen_gathered_columns"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<3>>(device_space(), {0, 0, 0},
+                                             {static_cast<int64_t>(n), r, c}),
+      KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
+        dst(row, j * c + cc) = from_16bit(blocks[(j * r + row) * c + cc], dtype);
+      });
+}
+
 }  // namespace meshtrain

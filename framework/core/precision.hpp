@@ -119,6 +119,9 @@ void round_copy_keeping_16bit(ConstMatrixView src, MatrixView dst, HalfMatrixVie
 void widen_16bit(ConstHalfMatrixView src, MatrixView dst, Dtype dtype);
 // dst[k] = to_16bit(src[k]) and back; count elements, contiguous.
 void pack_16bit(const float* src, uint16_t* dst, std::size_t count, Dtype dtype);
+// dst [r, n*c] = the fp32 values of n gathered blocks [n][r][c] of 16-bit elements (block j at
+// columns j*c), in one pass: a weight all-gathered on its columns as 16 bits, widened in place.
+void widen_gathered_columns(const uint16_t* blocks, MatrixView dst, int n, Dtype dtype);
 void unpack_16bit(const uint16_t* src, float* dst, std::size_t count, Dtype dtype);
 
 }  // namespace meshtrain

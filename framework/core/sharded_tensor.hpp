@@ -6,14 +6,29 @@
 
 #include <Kokkos_Core.hpp>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "framework/core/precision.hpp"  // HalfBits
 #include "framework/core/views.hpp"
 #include "partition/mesh.hpp"
 #include "partition/partition_spec.hpp"
 
 namespace meshtrain {
+
+// Mixed precision's 16-bit compute copy of a parameter's local block (docs/mixed_precision.md,
+// "Compute and memory on this build"): round_P(master) as 16-bit bits, written by the optimizer
+// in the pass that updates the master. `current` says whether it holds the master's present
+// values: the optimizer sets it; whoever may have written the master some other way (init, a
+// checkpoint load, ZeRO-1's gather: anyone who took the model's parameters to write) clears it,
+// and the next use casts the master again (refresh_16bit_copy). Shared by every copy of the
+// ShardedTensor (a model sharing another's parameters uses the same copy).
+struct SixteenBitCopy {
+  HalfBits bits;
+  Dtype dtype = Dtype::bf16;
+  bool current = false;
+};
 
 struct ShardedTensor {
   std::string name;  // '/'-joined, e.g. "layers/0/weight"
@@ -21,6 +36,8 @@ struct ShardedTensor {
   PartitionSpec spec;  // storage layout
   ShardBox box;        // the block this rank holds
   Vector local;        // box.elements() values, row-major over box.extent
+  // The 16-bit compute copy of `local` (null: none; only where the model computes from one).
+  std::shared_ptr<SixteenBitCopy> copy_16bit;
 
   // Allocates the local block of `rank` (zero-filled); the label is the name.
   static ShardedTensor allocate(const std::string& name, const std::vector<int64_t>& global_shape,

@@ -143,6 +143,8 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   // The shared scratch's needs in floats (LayerScratchNeeds, merged by maximum over the layers)
   // and each communicator's largest scratch, by its axes.
   int64_t weight = 0, prefetch = 0, grad = 0, stage = 0, bias = 0, matmul_bytes = 0;
+  // 16-bit elements: the gathered 16-bit landing, the weights' 16-bit compute copies.
+  int64_t weight_16bit = 0, copy_halves = 0;
   const auto reserve = [&](const std::vector<std::string>& axes, int64_t floats) {
     int64_t& most = comm_scratch[axes];
     most = std::max(most, floats);
@@ -210,8 +212,21 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     if (gathered) grad = std::max(grad, d1 * d2);
     const bool two_gathers = !l.weight_gather_dim0.empty() && !l.weight_gather_dim1.empty();
     if (two_gathers) stage = std::max(stage, std::max(d1 * s2, s1 * d2));
-    // Prefetched (overlap) when gathered over one group.
-    if (config.runtime.overlap && gathered && !two_gathers) prefetch = std::max(prefetch, d1 * d2);
+    // 16-bit storage: each weight's 16-bit compute copy of its stored block (layers/mlp.cpp), from
+    // which a weight gathered over one group is gathered as 16 bits: blocking into the bytes of
+    // the gradient scratch, prefetched (overlap) into the 16-bit landing
+    // (layers/sharded_parameter.cpp).
+    if (keeps_16bit) {
+      copy_halves += s1 * s2;
+      if (config.runtime.overlap && gathered && !two_gathers) {
+        weight_16bit = std::max(weight_16bit, d1 * d2);
+      }
+    }
+    // Prefetched (overlap) when gathered over one group: into the fp32 prefetch buffer without a
+    // 16-bit copy.
+    if (config.runtime.overlap && gathered && !two_gathers && !keeps_16bit) {
+      prefetch = std::max(prefetch, d1 * d2);
+    }
     if (!l.bias_gather.empty() || !l.bias_direct) bias = std::max(bias, l.out);
     int64_t matmul = 0;
     if (l.tensor_parallel) matmul = 3 * rows * l.out * kFloat;
@@ -262,7 +277,10 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   const bool labels = config.model.loss == LossKind::cross_entropy;
   w.batch_bytes = rows * config.model.input_width() * kFloat +
                   (labels ? rows * static_cast<int64_t>(sizeof(int32_t)) : rows * outputs * kFloat);
-  w.gathered_weight_bytes = (weight + prefetch + grad + stage + bias) * kFloat;
+  constexpr int64_t kHalf = sizeof(uint16_t);
+  w.sixteen_bit_copy_bytes = copy_halves * kHalf;
+  w.gathered_weight_bytes = (weight + prefetch + grad + stage + bias) * kFloat +
+                            weight_16bit * kHalf + w.sixteen_bit_copy_bytes;
   // CollectiveMatmulWorkspace::reserve rounds up to whole floats.
   w.collective_matmul_bytes = (matmul_bytes + kFloat - 1) / kFloat * kFloat;
   return w;
@@ -314,7 +332,8 @@ EvaluationBuffers evaluation_buffers(const RunConfig& config, const ShardingPlan
   e.activation_bytes = eval.activation_bytes;
   e.batch_bytes = eval.batch_bytes;
   // Each model has a LayerScratch of its own: gathered weights and collective matmul workspace.
-  e.gathered_weight_bytes = eval.gathered_weight_bytes;
+  // (The weights' 16-bit copies are the training model's, shared.)
+  e.gathered_weight_bytes = eval.gathered_weight_bytes - eval.sixteen_bit_copy_bytes;
   e.collective_matmul_bytes = eval.collective_matmul_bytes;
   return e;
 }

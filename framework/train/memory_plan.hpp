@@ -64,8 +64,13 @@ struct TrainingWorkspace {
   int64_t batch_bytes = 0;
   // "gathered weights": the layers' shared scratch (layers/layer.hpp LayerScratch): FSDP's
   // gathered weight block, its gradient, the prefetched weight under overlap, the stage of a
-  // 2-D gather, the gathered bias / full-width bias gradient (meshtrain::scratch_*).
+  // 2-D gather, the gathered bias / full-width bias gradient (meshtrain::scratch_*); with a
+  // plain MLP's 16-bit storage, the weights' 16-bit compute copies (2 bytes an element of the
+  // stored block) and the 16-bit landing of a gathered one, instead of the fp32 prefetch buffer.
   int64_t gathered_weight_bytes = 0;
+  // Of which the weights' 16-bit compute copies (the training model's: a separate evaluation
+  // model shares them).
+  int64_t sixteen_bit_copy_bytes = 0;
   // "collective matmul workspace" (meshtrain::collective_matmul_workspace).
   int64_t collective_matmul_bytes = 0;
   // "communicator scratch": the largest scratch each communicator reserves

@@ -7,32 +7,58 @@
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
+#include "framework/core/precision.hpp"
 #include "framework/core/view_ops.hpp"
 
 namespace meshtrain {
 namespace {
 
-void sgd_update(Vector p, Vector g, Vector buf, float lr, float momentum, float wd, bool first) {
+// Where an update also writes the parameter's 16-bit compute copy (ShardedTensor::copy_16bit):
+// round_P(new master) in the same pass, so that no cast pass runs before the next forward.
+// Without a copy (fp32, or a model that computes from the master) nothing is written.
+struct CopyOut {
+  HalfBits bits;
+  Dtype dtype = Dtype::fp32;
+  bool on = false;
+  explicit CopyOut(const ShardedTensor& t) {
+    if (t.copy_16bit) {
+      bits = t.copy_16bit->bits;
+      dtype = t.copy_16bit->dtype;
+      on = true;
+    }
+  }
+  KOKKOS_INLINE_FUNCTION void write(int64_t i, float master) const {
+    if (on) bits(i) = to_16bit(master, dtype);
+  }
+};
+
+void sgd_update(Vector p, Vector g, Vector buf, float lr, float momentum, float wd, bool first,
+                CopyOut copy) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::sgd_step"), Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)),
       KOKKOS_LAMBDA(const int64_t i) {
         const float grad = g(i) + wd * p(i);
         const float b = first ? grad : momentum * buf(i) + grad;
         buf(i) = b;
-        p(i) -= lr * b;
+        const float updated = p(i) - lr * b;
+        p(i) = updated;
+        copy.write(i, updated);
       });
 }
 
 // Plain SGD (momentum 0): no state, so no slot is allocated (the plan counts none).
-void sgd_plain_update(Vector p, Vector g, float lr, float wd) {
+void sgd_plain_update(Vector p, Vector g, float lr, float wd, CopyOut copy) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::sgd_plain_step"),
-      Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)),
-      KOKKOS_LAMBDA(const int64_t i) { p(i) -= lr * (g(i) + wd * p(i)); });
+      Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
+        const float updated = p(i) - lr * (g(i) + wd * p(i));
+        p(i) = updated;
+        copy.write(i, updated);
+      });
 }
 
 void adamw_update(Vector p, Vector g, Vector m, Vector v, float lr, float beta1, float beta2,
-                  float eps, float wd, float correction1, float correction2) {
+                  float eps, float wd, float correction1, float correction2, CopyOut copy) {
   const float step_size = lr / correction1;
   const float inv_correction2 = 1.0f / correction2;
   const float decay = 1.0f - lr * wd;
@@ -45,7 +71,10 @@ void adamw_update(Vector p, Vector g, Vector m, Vector v, float lr, float beta1,
         m(i) = mi;
         v(i) = vi;
         // m_hat = m / c1 and v_hat = v / c2, with the divisions by c1, c2 hoisted out.
-        p(i) = p(i) * decay - step_size * mi / (kmath::sqrt(vi * inv_correction2) + eps);
+        const float updated =
+            p(i) * decay - step_size * mi / (kmath::sqrt(vi * inv_correction2) + eps);
+        p(i) = updated;
+        copy.write(i, updated);
       });
 }
 
@@ -132,15 +161,22 @@ void Optimizer::step(std::vector<ShardedTensor>& params, const std::vector<Shard
     check_same_layout(i, params[i], "parameter");
     check_same_layout(i, grads[i], "gradient");
   }
+  // The 16-bit compute copies hold the new masters once the update has run.
+  const auto copies_current = [&] {
+    for (ShardedTensor& p : params) {
+      if (p.copy_16bit) p.copy_16bit->current = true;
+    }
+  };
   if (s.kind == OptimizerKind::sgd) {
     for (size_t i = 0; i < n; ++i) {
       if (slots_.empty()) {
-        sgd_plain_update(params[i].local, grads[i].local, lr, s.weight_decay);
+        sgd_plain_update(params[i].local, grads[i].local, lr, s.weight_decay, CopyOut(params[i]));
       } else {
         sgd_update(params[i].local, grads[i].local, slots_[0][i].local, lr, s.momentum,
-                   s.weight_decay, first);
+                   s.weight_decay, first, CopyOut(params[i]));
       }
     }
+    copies_current();
     return;
   }
   const double t = static_cast<double>(step_count_);
@@ -148,8 +184,10 @@ void Optimizer::step(std::vector<ShardedTensor>& params, const std::vector<Shard
   const float correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(s.beta2), t));
   for (size_t i = 0; i < n; ++i) {
     adamw_update(params[i].local, grads[i].local, slots_[0][i].local, slots_[1][i].local, lr,
-                 s.beta1, s.beta2, s.eps, s.weight_decay, correction1, correction2);
+                 s.beta1, s.beta2, s.eps, s.weight_decay, correction1, correction2,
+                 CopyOut(params[i]));
   }
+  copies_current();
 }
 
 GradientClipper::GradientClipper(const Mesh& mesh, int rank,

@@ -12,6 +12,8 @@
 //   adamw: slots "m" and "v" (torch.optim.AdamW): p *= 1 - lr * wd;  m = b1 m + (1 - b1) g;
 //          v = b2 v + (1 - b2) g^2;  p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 // The step counter t (after step() it is the number of steps taken) is checkpointed too.
+// A parameter with a 16-bit compute copy (ShardedTensor::copy_16bit, mixed precision's 16-bit
+// storage) gets round_P(new p) written into it in the same pass, and the copy marked current.
 
 #include <cstdint>
 #include <string>

@@ -691,6 +691,7 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
     doc["totals"]["activation_bytes"] = w.activation_bytes;
     doc["totals"]["batch_buffer_bytes"] = w.batch_bytes;
     doc["totals"]["gathered_weight_bytes"] = w.gathered_weight_bytes;
+    doc["totals"]["sixteen_bit_copy_bytes"] = w.sixteen_bit_copy_bytes;  // (of gathered weights)
     doc["totals"]["collective_matmul_workspace_bytes"] = w.collective_matmul_bytes;
     doc["totals"]["communicator_scratch_bytes"] = w.comm_scratch_bytes;
     doc["totals"]["checkpoint_staging_bytes"] = staging;

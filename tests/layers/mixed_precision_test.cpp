@@ -56,12 +56,14 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/train/init.hpp"
+#include "framework/train/optimizer.hpp"
 #include "layers/context.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
@@ -318,15 +320,19 @@ struct RunResult {
   bool tensor_parallel = false;            // some layer is TP (else the forward is row-local)
   bool keeps_16bit = false;                // Mlp::keeps_16bit_activations()
   std::vector<Tensor> params;              // full shape, after the run's updates
+  // Every weight has a 16-bit compute copy, and (with an optimizer) the last update left each
+  // one current: the last forward computed from the optimizer's copies, with no cast pass.
+  bool weights_have_copies = false, copies_current_after_update = false;
 };
 
 // policy nullptr: the context's precision is never set. steps > 1: that many training steps,
 // each but the first after the update w -= 0.1 * grad of the previous one (the gradients and
 // logits reported are the last step's, the parameters those it started from). store_16bit:
 // ParallelContext::set_store_16bit_activations.
+// optimizer: the updates are that optimizer's steps (lr 0.01) instead of w -= 0.1 * grad.
 RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPrecision* policy,
-                    float loss_scale, bool overlap = false, int steps = 1,
-                    bool store_16bit = true) {
+                    float loss_scale, bool overlap = false, int steps = 1, bool store_16bit = true,
+                    const OptimizerSettings* optimizer = nullptr) {
   const Mesh mesh = Mesh::create(layout.mesh, world_size());
   MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
   const double bucket_mb = 200.0 * sizeof(float) / (1024 * 1024);  // several buckets
@@ -381,6 +387,8 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
   Kokkos::deep_copy(labels, lh);
 
   run.keeps_16bit = model.keeps_16bit_activations();
+  std::unique_ptr<Optimizer> opt;
+  if (optimizer) opt = std::make_unique<Optimizer>(*optimizer, model.parameters());
   for (int step = 1; step < steps; ++step) {
     const MatrixView out = model.forward(x);
     if (m.loss == LossKind::mse) {
@@ -389,6 +397,10 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
       loss.cross_entropy(out, labels);
     }
     model.backward(loss.gradient(), true, loss_scale);
+    if (opt) {
+      opt->step(model.parameters(), model.gradients(), 0.01f);
+      continue;
+    }
     for (size_t k = 0; k < model.parameters().size(); ++k) {
       const Vector p = model.parameters()[k].local;
       const Vector g = model.gradients()[k].local;
@@ -396,8 +408,17 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
           "sgd", p.extent(0), KOKKOS_LAMBDA(const int64_t e) { p(e) -= 0.1f * g(e); });
     }
   }
-  for (const auto& p : model.parameters())
+  // Read through the const overload, which leaves the 16-bit copies current.
+  const Mlp& read = model;
+  run.weights_have_copies = true;
+  run.copies_current_after_update = true;
+  for (const auto& p : read.parameters()) {
     run.params.push_back(gather_full(p, mesh, context.rank()));
+    if (p.name.size() < 6 || p.name.compare(p.name.size() - 6, 6, "weight") != 0) continue;
+    run.weights_have_copies = run.weights_have_copies && p.copy_16bit != nullptr;
+    run.copies_current_after_update =
+        run.copies_current_after_update && p.copy_16bit && p.copy_16bit->current;
+  }
   MatrixView logits = model.forward(x);
   auto logits_host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), logits);
   run.col_offset = model.output_offset();
@@ -650,6 +671,116 @@ TEST(MixedPrecision, SixteenBitStorageIsBitIdenticalToTheSimulatedPath) {
           }
         }
       }
+    }
+  }
+}
+
+// The weights' 16-bit compute copies (docs/mixed_precision.md, "Compute and memory on this
+// build"): the optimizer writes round_P(new master) into them in its update pass, and the layers
+// compute from them (DP: widened; FSDP: gathered as 16 bits, blocking or prefetched, then
+// widened). Three steps of AdamW and of SGD with momentum give bit for bit the loss, logits,
+// gradients and parameters of the simulated path (weights cast from the fp32 masters at use), on
+// every layout with overlap off and on, and the last forward computed from the optimizer's copies
+// (current after the update: no cast pass). fp32 makes no copies.
+TEST(MixedPrecision, SixteenBitCopiesWrittenByTheOptimizerAreBitIdenticalToTheSimulatedPath) {
+  const std::vector<Policy> sixteen = {{"bf16/bf16", {Dtype::bf16, Dtype::bf16}},
+                                       {"fp16/fp16", {Dtype::fp16, Dtype::fp16}},
+                                       {"bf16/fp32", {Dtype::bf16, Dtype::fp32}}};
+  OptimizerSettings adamw;
+  adamw.kind = OptimizerKind::adamw;
+  adamw.weight_decay = 0.01f;
+  OptimizerSettings sgd;
+  sgd.kind = OptimizerKind::sgd;
+  sgd.momentum = 0.9f;
+  const ModelCase m = models().front();
+  for (const auto& policy : sixteen) {
+    for (const OptimizerSettings* optimizer : {&adamw, &sgd}) {
+      for (const auto& layout : layouts_for(world_size())) {
+        for (bool overlap : {false, true}) {
+          SCOPED_TRACE(m.name + ", " + policy.name + ", " + to_string(optimizer->kind) + " on " +
+                       layout.name + (overlap ? " with overlap" : ""));
+          const RunResult stored =
+              run_model(m, layout, &policy.mp, 1.0f, overlap, 3, true, optimizer);
+          const RunResult simulated =
+              run_model(m, layout, &policy.mp, 1.0f, overlap, 3, false, optimizer);
+          EXPECT_EQ(stored.weights_have_copies, stored.keeps_16bit);
+          if (stored.keeps_16bit) EXPECT_TRUE(stored.copies_current_after_update);
+          EXPECT_FALSE(simulated.weights_have_copies);
+          EXPECT_EQ(stored.loss, simulated.loss);
+          ASSERT_EQ(stored.logits.size(), simulated.logits.size());
+          for (size_t i = 0; i < stored.logits.size(); ++i)
+            ASSERT_EQ(float(stored.logits[i]), float(simulated.logits[i])) << "logit " << i;
+          for (size_t k = 0; k < stored.grads.size(); ++k) {
+            for (size_t i = 0; i < stored.grads[k].size(); ++i) {
+              ASSERT_EQ(float(stored.grads[k][i]), float(simulated.grads[k][i]))
+                  << stored.names[k] << " gradient element " << i;
+              ASSERT_EQ(float(stored.params[k][i]), float(simulated.params[k][i]))
+                  << stored.names[k] << " element " << i;
+            }
+          }
+        }
+      }
+    }
+  }
+  // fp32: no copies.
+  const MixedPrecision fp32{Dtype::fp32, Dtype::fp32};
+  const RunResult plain =
+      run_model(m, layouts_for(world_size()).front(), &fp32, 1.0f, false, 2, true, &adamw);
+  EXPECT_FALSE(plain.weights_have_copies);
+}
+
+// The optimizer's update pass writes round_P(new master) into a parameter's 16-bit compute copy
+// (every element, bf16 and fp16, AdamW, SGD with momentum and plain SGD), marks it current, and
+// leaves the fp32 master bit for bit what it is without a copy.
+TEST(MixedPrecision, TheOptimizerWritesTheSixteenBitCopyInItsUpdate) {
+  const Mesh mesh = Mesh::create({{"dp", world_size()}}, world_size());
+  const int64_t n = 1000;
+  OptimizerSettings adamw, sgd, plain;
+  adamw.kind = OptimizerKind::adamw;
+  adamw.weight_decay = 0.01f;
+  sgd.kind = plain.kind = OptimizerKind::sgd;
+  sgd.momentum = 0.9f;
+  plain.momentum = 0.0f;
+  for (const Dtype dtype : {Dtype::bf16, Dtype::fp16}) {
+    for (const OptimizerSettings* settings : {&adamw, &sgd, &plain}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + ", " + to_string(settings->kind) +
+                   (settings == &plain ? " (plain)" : ""));
+      std::vector<ShardedTensor> with = {
+          ShardedTensor::allocate("w", {n}, PartitionSpec::parse("P()"), mesh, world_rank())};
+      std::vector<ShardedTensor> without = {
+          ShardedTensor::allocate("w", {n}, PartitionSpec::parse("P()"), mesh, world_rank())};
+      std::vector<ShardedTensor> grads = {
+          ShardedTensor::allocate("w", {n}, PartitionSpec::parse("P()"), mesh, world_rank())};
+      auto copy = std::make_shared<SixteenBitCopy>();
+      copy->bits = HalfBits("copy", n);
+      copy->dtype = dtype;
+      with[0].copy_16bit = copy;
+      // (Separate host Views: a mirror of host memory would be the parameter itself.)
+      Kokkos::View<float*, Kokkos::HostSpace> p("p", n), g("g", n);
+      for (int64_t i = 0; i < n; ++i) {
+        p(i) = static_cast<float>(std::sin(0.37 * i)) * 3.0f;
+        g(i) = static_cast<float>(std::cos(0.11 * i)) * 0.5f;
+      }
+      Kokkos::deep_copy(with[0].local, p);
+      Kokkos::deep_copy(without[0].local, p);
+      Kokkos::deep_copy(grads[0].local, g);
+      Optimizer a(*settings, with), b(*settings, without);
+      for (int step = 0; step < 2; ++step) {
+        copy->current = false;
+        a.step(with, grads, 0.05f);
+        b.step(without, grads, 0.05f);
+        EXPECT_TRUE(copy->current);
+      }
+      auto master = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), with[0].local);
+      auto reference = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), without[0].local);
+      auto bits = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), copy->bits);
+      int64_t moved = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(master(i), reference(i)) << "master element " << i;
+        ASSERT_EQ(bits(i), to_16bit(master(i), dtype)) << "copy element " << i;
+        moved += master(i) != p(i);
+      }
+      EXPECT_GT(moved, n / 2);  // the update did move the masters
     }
   }
 }

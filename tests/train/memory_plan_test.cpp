@@ -382,13 +382,13 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
       EXPECT_EQ(totals.evaluation_bytes, e.total_bytes());
       if (c.eval_batch > 0) EXPECT_GT(e.activation_bytes, 0);
       EXPECT_EQ(measured["batch buffers"], w.batch_bytes);
-      // The shared scratch's five Views exist even when empty, and Kokkos reports an empty
-      // labelled View as its allocation header (128 bytes): at most 5 such headers a model (a
+      // The shared scratch's six Views exist even when empty, and Kokkos reports an empty
+      // labelled View as its allocation header (128 bytes): at most 6 such headers a model (a
       // separate evaluation model has a scratch of its own).
       const int64_t models = c.eval_batch > 0 ? 2 : 1;
       EXPECT_GE(measured["gathered weights"], w.gathered_weight_bytes + e.gathered_weight_bytes);
       EXPECT_LE(measured["gathered weights"],
-                w.gathered_weight_bytes + e.gathered_weight_bytes + models * 5 * 128);
+                w.gathered_weight_bytes + e.gathered_weight_bytes + models * 6 * 128);
       EXPECT_EQ(measured["collective matmul workspace"],
                 w.collective_matmul_bytes + e.collective_matmul_bytes);
       EXPECT_EQ(measured["communicator scratch"], w.comm_scratch_bytes);
@@ -434,6 +434,65 @@ TEST(MemoryPlan, SixteenBitActivationsOfAPlainMlpTakeLittleMoreThanHalfOfFp32s) 
       EXPECT_LE(double(measured[dtype]), 0.6 * double(measured[Dtype::fp32]))
           << preset << ", " << to_string(dtype) << " against fp32";
     }
+  }
+}
+
+// The weights' 16-bit compute copies (docs/mixed_precision.md): under FSDP with prefetch, a plain
+// MLP computing in bf16 or fp16 gathers its weights as 16 bits into one 16-bit landing, widened
+// into the one fp32 weight buffer, instead of an fp32 weight buffer and an fp32 prefetch buffer:
+// the gathered weight buffers (scratch weight, prefetch and 16-bit landing) take at most 0.75 of
+// fp32's (6 bytes an element against 8) where the weights are gathered (np > 1), and the plan
+// counts them and the copies (2 bytes an element of each stored block) to the byte as the tracker
+// measures them.
+TEST(MemoryPlan, SixteenBitGatheredWeightsOfAPlainMlpUnderFsdpPrefetch) {
+  std::map<Dtype, int64_t> gathered;
+  for (const Dtype dtype : {Dtype::fp32, Dtype::bf16, Dtype::fp16}) {
+    SCOPED_TRACE(to_string(dtype));
+    RunConfig config = config_for("fsdp", run_dir("sixteen_bit_gathered"));
+    config.mixed_precision.param_dtype = dtype;
+    config.mixed_precision.reduce_dtype = dtype;
+    config.runtime.overlap = true;
+    if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
+    MPI_Barrier(MPI_COMM_WORLD);
+    {
+      TrainingRun run(config);
+      run.train();
+      int64_t copies = 0, buffers = 0, item = 0;
+      for (const TrackedAllocation& a : kokkos_memory(1 << 20).largest) {
+        if (a.label.rfind("meshtrain::scratch_16bit_copy:", 0) == 0) copies += a.bytes;
+        if (a.label == "meshtrain::scratch_weight" || a.label == "meshtrain::scratch_prefetch" ||
+            a.label == "meshtrain::scratch_weight_16bit") {
+          buffers += a.bytes;
+        }
+        if (run.plan_item_of(a) == "gathered weights") item += a.bytes;
+      }
+      const TrainingWorkspace& w = run.planned_memory().workspace;
+      EXPECT_EQ(copies, w.sixteen_bit_copy_bytes);
+      if (dtype == Dtype::fp32) EXPECT_EQ(copies, 0);
+      // Each weight's stored block, 2 bytes an element.
+      if (dtype != Dtype::fp32) {
+        int64_t stored = 0;
+        for (const ShardedTensor& t : run.model().parameters()) {
+          if (t.name.size() > 6 && t.name.compare(t.name.size() - 6, 6, "weight") == 0) {
+            stored += static_cast<int64_t>(t.local.extent(0));
+          }
+        }
+        EXPECT_EQ(copies, 2 * stored);
+      }
+      // The scratch's empty Views are reported as headers (128 bytes each, six a model).
+      EXPECT_GE(item, w.gathered_weight_bytes);
+      EXPECT_LE(item, w.gathered_weight_bytes + 6 * 128);
+      gathered[dtype] = buffers;
+    }
+    if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  // (On one rank nothing is gathered: fp32 computes from the master itself, 16 bits from the copy
+  // widened into the fp32 weight buffer, as the simulated path rounded the master into it.)
+  if (world_size() == 1) return;
+  for (const Dtype dtype : {Dtype::bf16, Dtype::fp16}) {
+    EXPECT_LE(double(gathered[dtype]), 0.75 * double(gathered[Dtype::fp32]) + 3 * 128)
+        << to_string(dtype) << " against fp32";
   }
 }
 

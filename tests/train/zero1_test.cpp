@@ -115,6 +115,42 @@ TEST(Zero1, TrainsLikePlainDp) {
   }
 }
 
+// bf16 (docs/mixed_precision.md): the optimizer updates ZeRO-1's chunks, not the model's
+// tensors, so it cannot write the weights' 16-bit compute copies; the gather of the updated
+// masters marks them stale and the next forward casts them again. ZeRO-1 then trains like plain
+// DP in bf16 (whose optimizer writes the copies and leaves them current), within bf16's rounding
+// of the differently ordered gradient sums.
+TEST(Zero1, SixteenBitCopiesAreCastAgainAfterTheGather) {
+  auto configure = [](int64_t zero_stage) {
+    RunConfig c = config_on(MPI_COMM_WORLD, zero_stage);
+    c.mixed_precision.param_dtype = Dtype::bf16;
+    c.mixed_precision.reduce_dtype = Dtype::bf16;
+    return c;
+  };
+  TrainingRun plain(configure(0), {}, std::nullopt, MPI_COMM_WORLD);
+  TrainingRun zero(configure(1), {}, std::nullopt, MPI_COMM_WORLD);
+  const std::vector<double> plain_losses = losses_of(plain, 6);
+  const std::vector<double> zero_losses = losses_of(zero, 6);
+  expect_losses(zero_losses, plain_losses, 1e-2);
+  EXPECT_LT(zero_losses.back(), zero_losses.front());  // it learns
+  const Mlp& zm = zero.model();
+  const Mlp& pm = plain.model();
+  int copies = 0;
+  for (size_t i = 0; i < zm.parameters().size(); ++i) {
+    const ShardedTensor& z = zm.parameters()[i];
+    const ShardedTensor& p = pm.parameters()[i];
+    ASSERT_EQ(z.copy_16bit != nullptr, p.copy_16bit != nullptr) << z.name;
+    if (!z.copy_16bit) continue;
+    ++copies;
+    // (On one rank ZeRO-1 splits nothing: the optimizer updates the model's own tensors.)
+    if (world_size() > 1) {
+      EXPECT_FALSE(z.copy_16bit->current) << z.name << ": ZeRO-1's gather left it current";
+    }
+    EXPECT_TRUE(p.copy_16bit->current) << p.name << ": the optimizer did not leave it current";
+  }
+  EXPECT_EQ(copies, 3);  // one per weight
+}
+
 // On dp x fsdp and dp x tp meshes the layers reduce their gradients themselves (a
 // reduce-scatter over fsdp, the bias over tp) before ZeRO-1 takes each rank's rows of the
 // blocks replicated over dp: the same losses as without ZeRO-1.
