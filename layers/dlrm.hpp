@@ -39,37 +39,10 @@
 #include "layers/embedding_bag.hpp"
 #include "layers/linear.hpp"
 #include "layers/mlp.hpp"  // SpecLookup
+#include "partition/dlrm_shape.hpp"
 #include "partition/planner.hpp"
 
 namespace meshtrain {
-
-enum class DlrmInteraction { dot, cat };
-// "dot" | "cat"; anything else is bad_input naming `key` and the value.
-DlrmInteraction parse_dlrm_interaction(const std::string& name, const std::string& key);
-const char* to_string(DlrmInteraction interaction);
-
-struct DlrmTable {
-  std::string name;
-  int64_t rows = 0, dim = 0;
-  EmbeddingPooling pooling = EmbeddingPooling::sum;
-};
-
-struct DlrmShape {
-  std::vector<int64_t> bottom;  // [dense features, hidden..., d]
-  std::vector<int64_t> top;     // [interaction width, hidden..., 1]
-  std::vector<DlrmTable> tables;
-  DlrmInteraction interaction = DlrmInteraction::dot;
-};
-
-// The interaction's output width for `shape`'s bottom and tables (top[0] must equal it).
-int64_t dlrm_interaction_width(const DlrmShape& shape);
-// bad_input, one sentence naming what is wrong: bottom or top with fewer than two sizes or a
-// size below 1, no table, a table without a name, twice, or with rows or dim below 1, dot with a
-// table dim other than bottom's last size, top's first size other than the interaction's
-// width, top's last size other than 1. `where`: what names the shape in messages ("model").
-void check_dlrm_shape(const DlrmShape& shape, const std::string& where = "model");
-// bottom/<i>/weight, bottom/<i>/bias, ..., embeddings/<t>/weight, ..., top/<i>/weight, ...
-std::vector<ParameterShape> dlrm_parameter_shapes(const DlrmShape& shape);
 
 class Dlrm {
  public:

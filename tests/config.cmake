@@ -192,3 +192,6 @@ meshtrain_cli_test(train_steps_replaces_epochs 0 -
   -- ${_meshtrain} train ${_configs}/fashion_mnist_dp.toml --set "model.sizes=[784, 16, 10]"
      --set train.steps=2 --set train.log_every=1
      --set run.output_dir=${CMAKE_CURRENT_BINARY_DIR}/cli_runs/train_steps_replaces_epochs)
+# kind = "dlrm" (docs/recsys.md): bottom, top, [[model.tables]], interaction and
+# data.sparse_key read and written back; each inconsistency refused in one sentence.
+meshtrain_add_test(NAME config_dlrm_test SOURCES config/dlrm_config_test.cpp LIBS meshtrain_framework)
