@@ -11,6 +11,72 @@
 
 namespace meshtrain {
 
+namespace {
+
+// The kernels are free functions: nvcc rejects a device lambda inside a private member.
+
+// to(r, first + c) = from(r, c) for every column c of `from`.
+void place_columns(MatrixView from, MatrixView to, int64_t first) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::dlrm_place_features"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          device_space(), {0, 0},
+          {static_cast<int64_t>(from.extent(0)), static_cast<int64_t>(from.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t r, const int64_t c) { to(r, first + c) = from(r, c); });
+}
+
+// to(r, c) = from(r, first + c) for every column c of `to`.
+void take_columns(MatrixView from, MatrixView to, int64_t first) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::dlrm_take_features"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          device_space(), {0, 0},
+          {static_cast<int64_t>(to.extent(0)), static_cast<int64_t>(to.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t r, const int64_t c) { to(r, c) = from(r, first + c); });
+}
+
+// dot: out = [z, F_i . F_j for i = 1 .. blocks-1, j < i] from the features [z, e_1, ..] (each
+// d wide), one row per thread, the pairs in that order.
+void dot_interaction(MatrixView features, MatrixView out, int64_t d, int64_t blocks) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::dlrm_dot"), device_range(0, static_cast<int64_t>(out.extent(0))),
+      KOKKOS_LAMBDA(const int64_t r) {
+        for (int64_t c = 0; c < d; ++c) out(r, c) = features(r, c);
+        int64_t column = d;
+        for (int64_t i = 1; i < blocks; ++i) {
+          for (int64_t j = 0; j < i; ++j) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < d; ++k) sum += features(r, i * d + k) * features(r, j * d + k);
+            out(r, column++) = sum;
+          }
+        }
+      });
+}
+
+// Its backward: d/dF_i of F_i . F_j is F_j and d/dF_j is F_i; per row, the pairs in forward's
+// order, z's own columns passed through.
+void dot_interaction_backward(MatrixView features, MatrixView g, MatrixView grads, int64_t d,
+                              int64_t blocks) {
+  const int64_t width = static_cast<int64_t>(grads.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::dlrm_dot_backward"),
+      device_range(0, static_cast<int64_t>(grads.extent(0))), KOKKOS_LAMBDA(const int64_t r) {
+        for (int64_t c = 0; c < width; ++c) grads(r, c) = c < d ? g(r, c) : 0.0f;
+        int64_t column = d;
+        for (int64_t i = 1; i < blocks; ++i) {
+          for (int64_t j = 0; j < i; ++j) {
+            const float gp = g(r, column++);
+            for (int64_t k = 0; k < d; ++k) {
+              grads(r, i * d + k) += gp * features(r, j * d + k);
+              grads(r, j * d + k) += gp * features(r, i * d + k);
+            }
+          }
+        }
+      });
+}
+
+}  // namespace
+
 Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec_of,
            ParallelContext& context, int64_t local_rows, int64_t max_ids)
     : shape_(shape), rows_(local_rows) {
@@ -109,81 +175,30 @@ void Dlrm::initialize(InitScheme scheme, uint64_t seed) {
 }
 
 void Dlrm::interact() {
-  const Matrix features = features_, top_input = top_input_;
-  const int64_t rows = rows_, d = width_d_, width = feature_width_;
   // The features side by side: z (the bottom's output), then each table's pooled rows.
-  auto place = [&](MatrixView block, int64_t first) {
-    const int64_t cols = static_cast<int64_t>(block.extent(1));
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::dlrm_place_features"),
-        Kokkos::MDRangePolicy<Kokkos::Rank<2>>(device_space(), {0, 0}, {rows, cols}),
-        KOKKOS_LAMBDA(const int64_t r, const int64_t c) { features(r, first + c) = block(r, c); });
-  };
-  place(bottom_act_.back().output(), 0);
-  for (size_t t = 0; t < tables_.size(); ++t) place(tables_[t].output(), block_first_[t + 1]);
-  if (shape_.interaction == DlrmInteraction::cat) {
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::dlrm_cat"),
-        Kokkos::MDRangePolicy<Kokkos::Rank<2>>(device_space(), {0, 0}, {rows, width}),
-        KOKKOS_LAMBDA(const int64_t r, const int64_t c) { top_input(r, c) = features(r, c); });
-    return;
+  place_columns(bottom_act_.back().output(), features_, 0);
+  for (size_t t = 0; t < tables_.size(); ++t) {
+    place_columns(tables_[t].output(), features_, block_first_[t + 1]);
   }
-  // dot: [z, F_i . F_j for i = 1 .. T, j < i], one row per thread, the pairs in that order.
-  const int64_t blocks = static_cast<int64_t>(tables_.size()) + 1;
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::dlrm_dot"), Kokkos::RangePolicy<>(device_space(), 0, rows),
-      KOKKOS_LAMBDA(const int64_t r) {
-        for (int64_t c = 0; c < d; ++c) top_input(r, c) = features(r, c);
-        int64_t column = d;
-        for (int64_t i = 1; i < blocks; ++i) {
-          for (int64_t j = 0; j < i; ++j) {
-            float sum = 0.0f;
-            for (int64_t k = 0; k < d; ++k) sum += features(r, i * d + k) * features(r, j * d + k);
-            top_input(r, column++) = sum;
-          }
-        }
-      });
+  if (shape_.interaction == DlrmInteraction::cat) {
+    take_columns(features_, top_input_, 0);
+  } else {
+    dot_interaction(features_, top_input_, width_d_, static_cast<int64_t>(tables_.size()) + 1);
+  }
 }
 
 void Dlrm::interact_backward(MatrixView top_input_grad) {
-  const Matrix features = features_, grads = feature_grads_;
-  const MatrixView g = top_input_grad;
-  const int64_t rows = rows_, d = width_d_, width = feature_width_;
   if (shape_.interaction == DlrmInteraction::cat) {
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::dlrm_cat_backward"),
-        Kokkos::MDRangePolicy<Kokkos::Rank<2>>(device_space(), {0, 0}, {rows, width}),
-        KOKKOS_LAMBDA(const int64_t r, const int64_t c) { grads(r, c) = g(r, c); });
+    take_columns(top_input_grad, feature_grads_, 0);
   } else {
-    // d/dF_i of F_i . F_j is F_j and d/dF_j is F_i; per row, the pairs in forward's order.
-    const int64_t blocks = static_cast<int64_t>(tables_.size()) + 1;
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::dlrm_dot_backward"),
-        Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t r) {
-          for (int64_t c = 0; c < width; ++c) grads(r, c) = c < d ? g(r, c) : 0.0f;
-          int64_t column = d;
-          for (int64_t i = 1; i < blocks; ++i) {
-            for (int64_t j = 0; j < i; ++j) {
-              const float gp = g(r, column++);
-              for (int64_t k = 0; k < d; ++k) {
-                grads(r, i * d + k) += gp * features(r, j * d + k);
-                grads(r, j * d + k) += gp * features(r, i * d + k);
-              }
-            }
-          }
-        });
+    dot_interaction_backward(features_, top_input_grad, feature_grads_, width_d_,
+                             static_cast<int64_t>(tables_.size()) + 1);
   }
   // Each block's gradient into its own buffer (the layers below take whole matrices).
-  auto take = [&](const Matrix& block, int64_t first) {
-    const int64_t cols = static_cast<int64_t>(block.extent(1));
-    const Matrix out = block;
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::dlrm_take_feature_grads"),
-        Kokkos::MDRangePolicy<Kokkos::Rank<2>>(device_space(), {0, 0}, {rows, cols}),
-        KOKKOS_LAMBDA(const int64_t r, const int64_t c) { out(r, c) = grads(r, first + c); });
-  };
-  take(dz_, 0);
-  for (size_t t = 0; t < tables_.size(); ++t) take(table_grads_[t], block_first_[t + 1]);
+  take_columns(feature_grads_, dz_, 0);
+  for (size_t t = 0; t < tables_.size(); ++t) {
+    take_columns(feature_grads_, table_grads_[t], block_first_[t + 1]);
+  }
 }
 
 MatrixView Dlrm::forward(MatrixView dense, const std::vector<SparseBags>& bags) {
