@@ -17,6 +17,7 @@
 #include "framework/io/metrics.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/hardware_file.hpp"
+#include "layers/mlp.hpp"  // require_model_the_commands_build
 #include "partition/planner.hpp"
 #include "run/training_run.hpp"
 
@@ -102,6 +103,7 @@ int train_on(MPI_Comm comm, const std::string& config_path,
   std::optional<RunConfig> config;
   if (auto error = run_agreed(comm, [&] {
         config = load_config(config_path, overrides);
+        require_model_the_commands_build(config->model);  // every rank agrees: one line
         if (!hardware.empty()) set_collective_matmul_hardware(read_hardware_profile(hardware));
       })) {
     throw *error;

@@ -146,16 +146,6 @@ void scatter_parts(ConstMatrixView incoming, ConstMatrixView requests,
 
 }  // namespace
 
-EmbeddingPooling parse_embedding_pooling(const std::string& name, const std::string& key) {
-  if (name == "sum") return EmbeddingPooling::sum;
-  if (name == "mean") return EmbeddingPooling::mean;
-  MESHTRAIN_BAD_INPUT(key, " = '", name, "' is not a pooling: use 'sum' or 'mean'");
-}
-
-const char* to_string(EmbeddingPooling pooling) {
-  return pooling == EmbeddingPooling::sum ? "sum" : "mean";
-}
-
 std::string embedding_weight_name(const std::string& table) {
   return "embeddings/" + table + "/weight";
 }

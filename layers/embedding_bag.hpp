@@ -53,11 +53,6 @@
 
 namespace meshtrain {
 
-enum class EmbeddingPooling { sum, mean };
-// "sum" | "mean"; anything else is bad_input naming `key` and the value.
-EmbeddingPooling parse_embedding_pooling(const std::string& name, const std::string& key);
-const char* to_string(EmbeddingPooling pooling);
-
 // "embeddings/<table>/weight"
 std::string embedding_weight_name(const std::string& table);
 

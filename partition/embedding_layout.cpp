@@ -6,6 +6,17 @@
 #include "partition/partition_spec.hpp"
 
 namespace meshtrain {
+
+EmbeddingPooling parse_embedding_pooling(const std::string& name, const std::string& key) {
+  if (name == "sum") return EmbeddingPooling::sum;
+  if (name == "mean") return EmbeddingPooling::mean;
+  MESHTRAIN_BAD_INPUT(key, " = '", name, "' is not a pooling: use 'sum' or 'mean'");
+}
+
+const char* to_string(EmbeddingPooling pooling) {
+  return pooling == EmbeddingPooling::sum ? "sum" : "mean";
+}
+
 namespace {
 
 std::string axes_text(const std::vector<std::string>& axes) {

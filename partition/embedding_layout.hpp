@@ -27,6 +27,12 @@
 namespace meshtrain {
 
 enum class EmbeddingSharding { replicated, row_wise };
+// How a bag's rows are pooled (layers/embedding_bag.hpp); here so that shapes (dlrm_shape.hpp)
+// can name it without the layer.
+enum class EmbeddingPooling { sum, mean };
+// "sum" | "mean"; anything else is bad_input naming `key` and the value.
+EmbeddingPooling parse_embedding_pooling(const std::string& name, const std::string& key);
+const char* to_string(EmbeddingPooling pooling);
 const char* to_string(EmbeddingSharding sharding);  // "replicated", "row-wise"
 
 struct EmbeddingLayout {

@@ -58,6 +58,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   install_memory_tracker();
   reset_kokkos_peak();
   check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+  require_model_the_commands_build(config_.model);  // before any data is opened
   plan_run();
   open_data(std::move(data));
   agree_on_data_shape();

@@ -50,3 +50,7 @@ meshtrain_add_test(NAME layers_moe_block_test SOURCES layers/moe_block_test.cpp
 meshtrain_add_test(NAME layers_embedding_bag_test SOURCES layers/embedding_bag_test.cpp
                    LIBS meshtrain_layers meshtrain_test_counting_allocator NP 1 2 4 TIMEOUT 120
                    BACKENDS mpi nccl EMULATED)
+# DLRM (layers/dlrm.hpp, issue 39): one rank against a float64 reference, and dp, fsdp and
+# fsdp x dp with replicated and row-wise tables against one rank; dot and cat; the refusals.
+meshtrain_add_test(NAME layers_dlrm_test SOURCES layers/dlrm_test.cpp
+                   LIBS meshtrain_layers meshtrain_test_counting_allocator NP 1 2 4 TIMEOUT 120)

@@ -26,9 +26,16 @@ const char* name_of(const ChoiceTable<Enum>& table, Enum value) {
 
 }  // namespace
 
+const ChoiceTable<DlrmInteraction>& dlrm_interaction_choices() {
+  static const ChoiceTable<DlrmInteraction> table = {{"dot", DlrmInteraction::dot},
+                                                     {"cat", DlrmInteraction::cat}};
+  return table;
+}
+
 const ChoiceTable<ModelKind>& model_kind_choices() {
   static const ChoiceTable<ModelKind> table = {{"mlp", ModelKind::mlp},
-                                               {"residual_mlp", ModelKind::residual_mlp}};
+                                               {"residual_mlp", ModelKind::residual_mlp},
+                                               {"dlrm", ModelKind::dlrm}};
   return table;
 }
 

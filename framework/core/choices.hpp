@@ -4,8 +4,9 @@
 // value (parse_*) reads the same table, so the two cannot disagree.
 //
 // clang-format off
-//   model.kind                    ModelKind                  mlp | residual_mlp
+//   model.kind                    ModelKind                  mlp | residual_mlp | dlrm
 //   model.norm                    ModelNorm                  layernorm | rmsnorm | none
+//   model.interaction             DlrmInteraction            dot | cat
 //   model.activation              Activation                 relu | tanh | gelu | gelu_erf | silu | sigmoid | none
 //   model.init                    InitScheme                 he_normal | xavier_uniform | normal | zeros
 //   model.loss                    LossKind                   cross_entropy | mse | huber | mae | binary_cross_entropy
@@ -40,12 +41,13 @@
 
 #include "base/dtype.hpp"                             // Dtype
 #include "partition/collective_matmul_algorithm.hpp"  // CollectiveMatmulAlgorithm
+#include "partition/dlrm_shape.hpp"                   // DlrmInteraction
 
 namespace meshtrain {
 
 // mlp: a plain stack of layers (model.sizes); residual_mlp: pre-norm residual blocks
 // (docs/models.md).
-enum class ModelKind { mlp, residual_mlp };
+enum class ModelKind { mlp, residual_mlp, dlrm };
 // The norm of a residual_mlp's blocks and its output (layers/norm.hpp).
 enum class ModelNorm { layernorm, rmsnorm, none };
 // gelu: the tanh form; gelu_erf: the exact erf form; none: the identity (layers/activation.hpp).
@@ -129,6 +131,7 @@ template <class Enum>
 using ChoiceTable = std::vector<std::pair<std::string, Enum>>;
 const ChoiceTable<ModelKind>& model_kind_choices();
 const ChoiceTable<ModelNorm>& model_norm_choices();
+const ChoiceTable<DlrmInteraction>& dlrm_interaction_choices();
 const ChoiceTable<Activation>& activation_choices();
 const ChoiceTable<InitScheme>& init_scheme_choices();
 const ChoiceTable<LossKind>& loss_kind_choices();

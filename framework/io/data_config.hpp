@@ -34,6 +34,10 @@ struct DataSection {
   // w.r.t. the inputs, float [N, outputs, k] with k = dy_inputs' count (all inputs, in order,
   // when dy_inputs is empty); "" (the default): no derivative targets.
   std::string dy_key;
+  // hdf5, model.kind = "dlrm": the group of the sparse features, one subgroup per table
+  // (<sparse_key>/<table>/values and offsets, or ids [rows, k]: docs/recsys.md); x_key then
+  // names the dense features and y_key the click labels.
+  std::string sparse_key = "/sparse";
   std::vector<int64_t> dy_inputs;  // the input columns dy_key holds, in its order; empty: all
   // "standard": the model sees (x - mean) / std per input feature, and for regression is
   // trained on (y - mean) / std per target, with statistics from one pass over the training

@@ -31,11 +31,13 @@ toml::table parse_toml(const std::string& text, const std::string& source) {
 
 int64_t ModelSection::input_width() const {
   if (kind == ModelKind::residual_mlp) return inputs;
+  if (kind == ModelKind::dlrm) return bottom.empty() ? 0 : bottom.front();
   return sizes.empty() ? 0 : sizes.front();
 }
 
 int64_t ModelSection::output_width() const {
   if (kind == ModelKind::residual_mlp) return outputs;
+  if (kind == ModelKind::dlrm) return 1;
   return sizes.empty() ? 0 : sizes.back();
 }
 
@@ -53,12 +55,25 @@ ResidualMlpShape ModelSection::residual() const {
   return shape;
 }
 
+DlrmShape ModelSection::dlrm() const {
+  DlrmShape shape;
+  shape.bottom = bottom;
+  shape.top = top;
+  shape.tables = tables;
+  for (DlrmTable& t : shape.tables) {
+    if (t.dim == 0 && !bottom.empty()) t.dim = bottom.back();
+  }
+  shape.interaction = interaction;
+  return shape;
+}
+
 std::string ModelSection::activation_name() const {
   return swiglu ? "swiglu" : to_string(activation);
 }
 
 std::vector<ParameterShape> model_parameter_shapes(const ModelSection& model) {
   if (model.kind == ModelKind::residual_mlp) return residual_mlp_parameter_shapes(model.residual());
+  if (model.kind == ModelKind::dlrm) return dlrm_parameter_shapes(model.dlrm());
   return mlp_parameter_shapes(model.sizes, model.moe());
 }
 
@@ -69,6 +84,7 @@ std::vector<NormLayerParameters> model_norm_layers(const ModelSection& model) {
 
 std::vector<LinearLayerParameters> model_linear_layers(const ModelSection& model) {
   if (model.kind == ModelKind::residual_mlp) return residual_mlp_linear_layers(model.residual());
+  if (model.kind == ModelKind::dlrm) return dlrm_linear_layers(model.dlrm());
   return mlp_linear_layers(model.sizes, model.moe());
 }
 

@@ -18,6 +18,7 @@
 #include "base/dtype.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/io/data_config.hpp"
+#include "partition/dlrm_shape.hpp"
 #include "partition/mesh.hpp"
 #include "partition/partition_spec.hpp"
 #include "partition/planner.hpp"
@@ -74,11 +75,19 @@ struct ModelSection {
   double dropout = 0.0;
   // Sobolev training (data.dy_key set): lambda, the derivative term's weight in the loss.
   double derivative_loss_weight = 1.0;
+  // kind dlrm (docs/recsys.md): the bottom MLP's sizes [dense features, ..., d], the top MLP's
+  // [interaction width, ..., 1], the tables (a dim of 0: bottom's last size, d) and the
+  // interaction.
+  std::vector<int64_t> bottom, top;
+  std::vector<DlrmTable> tables;
+  DlrmInteraction interaction = DlrmInteraction::dot;
   MoeSettings moe() const { return {moe_layers, experts, top_k, aux_loss_coef}; }
+  // kind dlrm's shape, every table's dim resolved (partition/dlrm_shape.hpp).
+  DlrmShape dlrm() const;
   // (A model.dropout key for both kinds goes here; see docs/models.md.)
 
-  int64_t input_width() const;   // features of a row: sizes[0], or inputs
-  int64_t output_width() const;  // classes / targets: sizes[-1], or outputs
+  int64_t input_width() const;   // features of a row: sizes[0], inputs, or bottom[0] (dense)
+  int64_t output_width() const;  // classes / targets: sizes[-1], outputs, or 1 (dlrm)
   bool has_norms() const { return kind == ModelKind::residual_mlp && norm != ModelNorm::none; }
   // kind residual_mlp's shape (partition/planner.hpp).
   ResidualMlpShape residual() const;

@@ -66,6 +66,14 @@ std::optional<KeyProblem> read_trace_steps(const ConfigKey&, const toml::node&, 
 void write_trace_steps(const ConfigKey&, const RunConfig&, toml::table&);
 std::optional<KeyProblem> check_trace_steps(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> check_reduce_dtype(const ConfigKey&, const RunConfig&, const KeyNames&);
+std::optional<KeyProblem> check_dlrm_bottom(const ConfigKey&, const RunConfig&, const KeyNames&);
+std::optional<KeyProblem> check_dlrm_top(const ConfigKey&, const RunConfig&, const KeyNames&);
+std::optional<KeyProblem> read_tables(const ConfigKey&, const toml::node&, RunConfig&);
+void write_tables(const ConfigKey&, const RunConfig&, toml::table&);
+std::optional<KeyProblem> check_tables(const ConfigKey&, const RunConfig&, const KeyNames&);
+std::optional<KeyProblem> check_sparse_key(const ConfigKey&, const RunConfig&, const KeyNames&);
+std::optional<KeyProblem> check_dlrm_loss(const ConfigKey&, const RunConfig&, const KeyNames&);
+std::optional<KeyProblem> check_dlrm_source(const ConfigKey&, const RunConfig&, const KeyNames&);
 
 // Keys of one model kind (ConfigKey::not_for).
 const char* unless_residual(const RunConfig& c) {
@@ -74,9 +82,15 @@ const char* unless_residual(const RunConfig& c) {
              : "is a key of kind = \"residual_mlp\"; kind = \"mlp\" gives its widths in sizes";
 }
 const char* unless_mlp(const RunConfig& c) {
+  if (c.model.kind == ModelKind::dlrm) {
+    return "is a key of kind = \"mlp\"; kind = \"dlrm\" takes bottom, top and tables instead";
+  }
   return c.model.kind == ModelKind::mlp ? nullptr
                                         : "is a key of kind = \"mlp\"; kind = \"residual_mlp\" "
                                           "takes inputs, outputs, width, hidden and depth instead";
+}
+const char* unless_dlrm(const RunConfig& c) {
+  return c.model.kind == ModelKind::dlrm ? nullptr : "is a key of kind = \"dlrm\" (docs/recsys.md)";
 }
 
 // Keys of the regression losses (ConfigKey::not_for). An unset loss (a run made in code,
@@ -182,7 +196,9 @@ const std::vector<ConfigKey>& config_keys() {
     }
     // --- [model] -------------------------------------------------------------------------
     k.push_back(make_key("model", "kind", NAMED(model.kind, model_kind_choices()), any_value(),
-                         kFileCommands, "a stack of layers, or pre-norm residual blocks"));
+                         kFileCommands,
+                         "a stack of layers, pre-norm residual blocks, or a click model of dense "
+                         "features and embedding tables (dlrm)"));
     k.push_back(make_key("model", "sizes", FIELD(model.sizes), at_least(1), kFileCommands,
                          "mlp: input width, hidden widths..., outputs")
                     .only_when(unless_mlp, "is required, e.g. sizes = [784, 512, 512, 10]")
@@ -201,6 +217,31 @@ const std::vector<ConfigKey>& config_keys() {
     k.push_back(
         residual_width("hidden", FIELD(model.hidden), "residual_mlp: each block's inner width"));
     k.push_back(residual_width("depth", FIELD(model.depth), "residual_mlp: the number of blocks"));
+    k.push_back(make_key("model", "bottom", FIELD(model.bottom), at_least(1), kFileCommands,
+                         "dlrm: the bottom MLP's sizes, dense features first, its last the "
+                         "width d the interaction takes ([recsys.md](recsys.md#the-model))")
+                    .only_when(unless_dlrm, "is required with kind = \"dlrm\", e.g. [13, 64, 16]")
+                    .checked_by(check_dlrm_bottom, "at least 2 entries")
+                    .defaults_to("required (dlrm)"));
+    k.push_back(shaped("model", "tables", any_value(), kFileCommands,
+                       "dlrm: the embedding tables, `[[model.tables]]` with name, rows and "
+                       "optionally dim (default: bottom's last size) and pooling (sum | mean)")
+                    .reads(read_tables, write_tables, "array of tables")
+                    .only_when(unless_dlrm, "is required with kind = \"dlrm\"")
+                    .checked_by(check_tables,
+                                "at least one; names unique; dot: every dim bottom's last size")
+                    .defaults_to("required (dlrm)"));
+    k.push_back(make_key("model", "interaction",
+                         NAMED(model.interaction, dlrm_interaction_choices()), any_value(),
+                         kFileCommands,
+                         "dlrm: dot (pairwise dot products of the features, DLRM's) or cat "
+                         "(the features side by side)")
+                    .only_when(unless_dlrm));
+    k.push_back(make_key("model", "top", FIELD(model.top), at_least(1), kFileCommands,
+                         "dlrm: the top MLP's sizes, the interaction's width first, 1 last")
+                    .only_when(unless_dlrm, "is required with kind = \"dlrm\", e.g. [367, 64, 1]")
+                    .checked_by(check_dlrm_top, "first the interaction's width, last 1")
+                    .defaults_to("required (dlrm)"));
     k.push_back(make_key("model", "norm", NAMED(model.norm, model_norm_choices()), any_value(),
                          kFileCommands, "residual_mlp: the blocks' and the output's norm")
                     .only_when(unless_residual));
@@ -217,7 +258,8 @@ const std::vector<ConfigKey>& config_keys() {
                          "auto: mse for synthetic data, cross_entropy otherwise; mse, huber and "
                          "mae are regression losses; binary_cross_entropy: one yes/no per "
                          "output, float targets in [0, 1] "
-                         "([model_math.md](model_math.md#losses-and-metrics))"));
+                         "([model_math.md](model_math.md#losses-and-metrics))")
+                    .checked_by(check_dlrm_loss, "binary_cross_entropy with kind = \"dlrm\""));
     k.push_back(make_key("model", "huber_delta", FIELD(model.huber_delta), positive(),
                          kFileCommands,
                          "huber: where the loss turns from quadratic to linear, in the "
@@ -289,7 +331,8 @@ const std::vector<ConfigKey>& config_keys() {
                          any_value(), kEveryCommand, "the tensor-parallel matmuls' algorithm"));
     // --- [data] --------------------------------------------------------------------------
     k.push_back(make_key("data", "source", NAMED(data.source, data_source_choices()), any_value(),
-                         kFileCommands, "where the rows come from"));
+                         kFileCommands, "where the rows come from")
+                    .checked_by(check_dlrm_source, "hdf5 with kind = \"dlrm\""));
     k.push_back(
         make_key("data", "path", FIELD(data.path), any_value(), kFileCommands | predict,
                  "fashion_mnist: its directory; hdf5: the training files (globs, in order); "
@@ -329,6 +372,13 @@ const std::vector<ConfigKey>& config_keys() {
                     .checked_by(check_dataset_key)
                     .shown_as("a dataset name other than x_key")
                     .left_out_at_default());
+    k.push_back(
+        make_key("data", "sparse_key", FIELD(data.sparse_key), any_value(), kEveryCommand,
+                 "dlrm: the group of the sparse features, <sparse_key>/<table>/values "
+                 "and offsets, or ids ([recsys.md](recsys.md#data-scriptsmake_recsys_data))")
+            .only_when(unless_dlrm)
+            .checked_by(check_sparse_key, "a group other than x_key and y_key")
+            .left_out_at_default());
     k.push_back(make_key("data", "dy_key", FIELD(data.dy_key), any_value(), kFileCommands,
                          "hdf5: the targets' derivatives w.r.t. the inputs, float [N, outputs, "
                          "k], for Sobolev training ([derivatives.md](derivatives.md))")
@@ -624,6 +674,9 @@ std::optional<KeyProblem> check_sizes(const ConfigKey&, const RunConfig& c, cons
 // (kind residual_mlp), and none twice.
 std::optional<KeyProblem> check_moe_layers(const ConfigKey&, const RunConfig& c, const KeyNames&) {
   const ModelSection& model = c.model;
+  if (model.kind == ModelKind::dlrm && !model.moe_layers.empty()) {
+    return problem("must be empty with kind = \"dlrm\" (it has no MoE layers)");
+  }
   const int64_t hidden = static_cast<int64_t>(model.sizes.size()) - 2;  // layers 0 .. hidden-1
   toml::array sizes;
   for (int64_t size : model.sizes) sizes.push_back(size);
@@ -652,6 +705,153 @@ std::optional<KeyProblem> check_moe_layers(const ConfigKey&, const RunConfig& c,
   return std::nullopt;
 }
 
+// model.bottom (kind dlrm): at least the dense features and d.
+std::optional<KeyProblem> check_dlrm_bottom(const ConfigKey&, const RunConfig& c, const KeyNames&) {
+  if (c.model.bottom.size() >= 2) return std::nullopt;
+  return problem(
+      "needs at least 2 entries (the dense features and the width d the interaction "
+      "takes), got ",
+      c.model.bottom.size());
+}
+
+// model.top (kind dlrm): the interaction's width first, one logit last.
+std::optional<KeyProblem> check_dlrm_top(const ConfigKey&, const RunConfig& c,
+                                         const KeyNames& names) {
+  const std::vector<int64_t>& top = c.model.top;
+  if (top.size() < 2) {
+    return problem("needs at least 2 entries (the interaction's width and 1), got ", top.size());
+  }
+  if (top.back() != 1) {
+    return problem("must end in 1 (one click logit per row), got ", top.back());
+  }
+  if (c.model.bottom.size() < 2 || c.model.tables.empty()) return std::nullopt;  // said there
+  const DlrmShape shape = c.model.dlrm();
+  const int64_t width = dlrm_interaction_width(shape);
+  if (top.front() == width) return std::nullopt;
+  const int64_t d = shape.bottom.back(), tables = static_cast<int64_t>(shape.tables.size());
+  return problem("starts with ", top.front(), " but ", names("model.interaction"), " = \"",
+                 to_string(shape.interaction), "\" of d = ", d, " and ", tables, " tables gives ",
+                 width, " features (",
+                 shape.interaction == DlrmInteraction::dot
+                     ? "d + T (T + 1) / 2 = " + std::to_string(d) + " + " + std::to_string(tables) +
+                           " x " + std::to_string(tables + 1) + " / 2"
+                     : std::string("d plus the tables' dims"),
+                 "): top = [", width, ", ...]");
+}
+
+// model.tables: [[model.tables]] name, rows, dim (optional), pooling (optional).
+std::optional<KeyProblem> read_tables(const ConfigKey&, const toml::node& node, RunConfig& c) {
+  const toml::array* array = node.as_array();
+  if (!array) return wrong_type(node, "an array of tables ([[model.tables]] name, rows, dim)");
+  c.model.tables.clear();
+  for (size_t i = 0; i < array->size(); ++i) {
+    auto entry_problem = [i](auto&&... parts) {
+      KeyProblem p = problem("entry ", i, " ", parts...);
+      p.index = i;
+      return p;
+    };
+    const toml::table* t = (*array)[i].as_table();
+    if (!t)
+      return entry_problem("must be a table {name, rows, dim, pooling}, got ",
+                           render_node((*array)[i]));
+    DlrmTable table;
+    for (const auto& [member, value] : *t) {
+      const std::string name(member.str());
+      if (name == "name" && value.is_string()) {
+        table.name = value.as_string()->get();
+      } else if ((name == "rows" || name == "dim") && value.is_integer()) {
+        const int64_t v = value.as_integer()->get();
+        if (v < 1) return entry_problem(name, " must be >= 1, got ", v);
+        (name == "rows" ? table.rows : table.dim) = v;
+      } else if (name == "pooling" && value.is_string()) {
+        const std::string pooling = value.as_string()->get();
+        if (pooling != "sum" && pooling != "mean") {
+          return entry_problem("pooling must be \"sum\" or \"mean\", got \"", pooling, "\"");
+        }
+        table.pooling = pooling == "sum" ? EmbeddingPooling::sum : EmbeddingPooling::mean;
+      } else if (name == "name" || name == "rows" || name == "dim" || name == "pooling") {
+        return entry_problem(name, " has the wrong type: ", render_node(value));
+      } else {
+        return entry_problem("has an unknown member '", name,
+                             "' (a table has name, rows, dim and pooling)");
+      }
+    }
+    if (table.name.empty()) return entry_problem("needs a name");
+    if (table.rows == 0) return entry_problem("('", table.name, "') needs rows");
+    c.model.tables.push_back(table);
+  }
+  return std::nullopt;
+}
+
+void write_tables(const ConfigKey& key, const RunConfig& c, toml::table& section) {
+  toml::array tables;
+  for (const DlrmTable& t : c.model.tables) {
+    toml::table entry{{"name", t.name}, {"rows", t.rows}};
+    if (t.dim != 0) entry.insert("dim", t.dim);
+    entry.insert("pooling", to_string(t.pooling));
+    tables.push_back(std::move(entry));
+  }
+  section.insert(key.name, std::move(tables));
+}
+
+// The tables, and what kind = "dlrm" needs of the other keys.
+std::optional<KeyProblem> check_tables(const ConfigKey&, const RunConfig& c,
+                                       const KeyNames& names) {
+  const ModelSection& m = c.model;
+  if (m.tables.empty()) return problem("needs at least one table");
+  for (size_t i = 0; i < m.tables.size(); ++i) {
+    const DlrmTable& t = m.tables[i];
+    std::optional<KeyProblem> found;
+    if (t.name.find('/') != std::string::npos) {
+      found = problem("entry ", i, " name \"", t.name, "\" must not contain '/'");
+    }
+    for (size_t j = 0; j < i && !found; ++j) {
+      if (m.tables[j].name == t.name) found = problem("names table \"", t.name, "\" twice");
+    }
+    if (!found && m.interaction == DlrmInteraction::dot && t.dim != 0 && !m.bottom.empty() &&
+        t.dim != m.bottom.back()) {
+      found = problem("entry ", i, " (\"", t.name, "\") has dim = ", t.dim, " but ",
+                      names("model.interaction"), " = \"dot\" needs every table's dim equal to ",
+                      names("model.bottom"), "'s last size, ", m.bottom.back());
+    }
+    if (found) {
+      found->index = i;
+      return found;
+    }
+  }
+  return std::nullopt;
+}
+
+// model.loss and data.source with kind = "dlrm": a click model on HDF5 files.
+std::optional<KeyProblem> check_dlrm_loss(const ConfigKey&, const RunConfig& c, const KeyNames&) {
+  if (c.model.kind != ModelKind::dlrm || !c.model.loss ||
+      *c.model.loss == LossKind::binary_cross_entropy) {
+    return std::nullopt;
+  }
+  return problem("must be \"binary_cross_entropy\" with kind = \"dlrm\" (a click model), got \"",
+                 to_string(*c.model.loss), "\"");
+}
+std::optional<KeyProblem> check_dlrm_source(const ConfigKey&, const RunConfig& c, const KeyNames&) {
+  if (c.model.kind != ModelKind::dlrm || c.data.source == DataSource::hdf5) return std::nullopt;
+  return problem(
+      "must be \"hdf5\" with kind = \"dlrm\" (dense, labels and sparse features from "
+      "HDF5 files), got \"",
+      to_string(c.data.source), "\"");
+}
+
+// data.sparse_key (canonical by complete_config): a group, not the dense or label dataset.
+std::optional<KeyProblem> check_sparse_key(const ConfigKey&, const RunConfig& c,
+                                           const KeyNames& names) {
+  if (c.data.sparse_key.empty()) return problem("must name a group, e.g. \"/sparse\"");
+  for (const char* key : {"data.x_key", "data.y_key"}) {
+    const std::string& other = std::string(key) == "data.x_key" ? c.data.x_key : c.data.y_key;
+    if (c.data.sparse_key == other) {
+      return problem("names the same dataset as ", names(key), " (", other, ")");
+    }
+  }
+  return std::nullopt;
+}
+
 std::optional<KeyProblem> check_top_k(const ConfigKey&, const RunConfig& c, const KeyNames&) {
   if (c.model.top_k > c.model.experts || c.model.top_k > 16) {
     return problem("= ", c.model.top_k, " must not exceed experts = ", c.model.experts,
@@ -662,6 +862,11 @@ std::optional<KeyProblem> check_top_k(const ConfigKey&, const RunConfig& c, cons
 
 std::optional<KeyProblem> check_dropout(const ConfigKey&, const RunConfig& c, const KeyNames&) {
   const ModelSection& m = c.model;
+  if (m.kind == ModelKind::dlrm && m.dropout > 0) {
+    return problem("= ", m.dropout,
+                   " is not supported with kind = \"dlrm\" (it has no dropout "
+                   "layers); set dropout = 0");
+  }
   if (m.kind == ModelKind::residual_mlp && !m.moe_layers.empty() && m.dropout > 0) {
     return problem("= ", m.dropout, " is not supported with moe_layers in ",
                    "kind = \"residual_mlp\" (the experts' hidden activations have no dropout); "

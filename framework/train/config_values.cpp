@@ -327,7 +327,11 @@ void complete_config(RunConfig& config, bool from_file) {
   config.data.x_key = canonical_dataset_key(config.data.x_key);
   config.data.y_key = canonical_dataset_key(config.data.y_key);
   if (!config.data.dy_key.empty()) config.data.dy_key = canonical_dataset_key(config.data.dy_key);
+  config.data.sparse_key = canonical_dataset_key(config.data.sparse_key);
   if (!from_file) return;  // a run made in code resolves these from the data it loads
+  if (!config.model.loss && config.model.kind == ModelKind::dlrm) {
+    config.model.loss = LossKind::binary_cross_entropy;  // a click model
+  }
   if (!config.model.loss) {
     config.model.loss =
         config.data.source == DataSource::synthetic ? LossKind::mse : LossKind::cross_entropy;

@@ -1,0 +1,262 @@
+#include "layers/dlrm.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
+#include "framework/core/kernel_label.hpp"
+#include "partition/partition_spec.hpp"
+
+namespace meshtrain {
+
+namespace {
+
+// The kernels are free functions: nvcc rejects a device lambda inside a private member.
+
+// to(r, first + c) = from(r, c) for every column c of `from`.
+void place_columns(MatrixView from, MatrixView to, int64_t first) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::dlrm_place_features"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          device_space(), {0, 0},
+          {static_cast<int64_t>(from.extent(0)), static_cast<int64_t>(from.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t r, const int64_t c) { to(r, first + c) = from(r, c); });
+}
+
+// to(r, c) = from(r, first + c) for every column c of `to`.
+void take_columns(MatrixView from, MatrixView to, int64_t first) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::dlrm_take_features"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          device_space(), {0, 0},
+          {static_cast<int64_t>(to.extent(0)), static_cast<int64_t>(to.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t r, const int64_t c) { to(r, c) = from(r, first + c); });
+}
+
+// dot: out = [z, F_i . F_j for i = 1 .. blocks-1, j < i] from the features [z, e_1, ..] (each
+// d wide), one row per thread, the pairs in that order.
+void dot_interaction(MatrixView features, MatrixView out, int64_t d, int64_t blocks) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::dlrm_dot"), device_range(0, static_cast<int64_t>(out.extent(0))),
+      KOKKOS_LAMBDA(const int64_t r) {
+        for (int64_t c = 0; c < d; ++c) out(r, c) = features(r, c);
+        int64_t column = d;
+        for (int64_t i = 1; i < blocks; ++i) {
+          for (int64_t j = 0; j < i; ++j) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < d; ++k) sum += features(r, i * d + k) * features(r, j * d + k);
+            out(r, column++) = sum;
+          }
+        }
+      });
+}
+
+// Its backward: d/dF_i of F_i . F_j is F_j and d/dF_j is F_i; per row, the pairs in forward's
+// order, z's own columns passed through.
+void dot_interaction_backward(MatrixView features, MatrixView g, MatrixView grads, int64_t d,
+                              int64_t blocks) {
+  const int64_t width = static_cast<int64_t>(grads.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::dlrm_dot_backward"),
+      device_range(0, static_cast<int64_t>(grads.extent(0))), KOKKOS_LAMBDA(const int64_t r) {
+        for (int64_t c = 0; c < width; ++c) grads(r, c) = c < d ? g(r, c) : 0.0f;
+        int64_t column = d;
+        for (int64_t i = 1; i < blocks; ++i) {
+          for (int64_t j = 0; j < i; ++j) {
+            const float gp = g(r, column++);
+            for (int64_t k = 0; k < d; ++k) {
+              grads(r, i * d + k) += gp * features(r, j * d + k);
+              grads(r, j * d + k) += gp * features(r, i * d + k);
+            }
+          }
+        }
+      });
+}
+
+}  // namespace
+
+Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec_of,
+           ParallelContext& context, int64_t local_rows, int64_t max_ids)
+    : shape_(shape), rows_(local_rows) {
+  check_dlrm_shape(shape);
+  if (rows_ < 1) MESHTRAIN_BAD_INPUT("the local batch must have at least one row, got ", rows_);
+  if (context.precision().param != Dtype::fp32) {
+    MESHTRAIN_BAD_INPUT("dlrm computes in fp32 only; this run asks for ",
+                        to_string(context.precision().param),
+                        " (mixed_precision.param_dtype = \"fp32\")");
+  }
+  const Mesh& mesh = context.mesh();
+  for (const ParameterShape& p : dlrm_parameter_shapes(shape)) {
+    const PartitionSpec spec = spec_of(p.name);
+    spec.check_axes(mesh, p.name);
+    check_divisible(p.shape, spec, mesh, p.name);
+    params_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
+    grads_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
+  }
+  size_t param = 0;
+  auto next = [this, &param]() {
+    const size_t p = param++;
+    return ParameterRef{&params_[p], &grads_[p]};
+  };
+  auto build_mlp = [&](const std::string& prefix, const std::vector<int64_t>& sizes,
+                       bool activate_last, std::vector<Linear>& linear,
+                       std::vector<ActivationLayer>& activations) {
+    const size_t n = sizes.size() - 1;
+    linear.reserve(n);
+    activations.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      const ParameterRef weight = next();
+      const ParameterRef bias = next();
+      linear.emplace_back(weight, bias, FeatureLayout::replicated, rows_, context);
+      if (linear.back().output_layout() != FeatureLayout::replicated) {
+        MESHTRAIN_BAD_INPUT(prefix, "/", i, ": dlrm needs every linear layer's output whole on ",
+                            "each rank, but the specs of ", weight.value->name, " (",
+                            weight.value->spec.to_string(),
+                            ") split it over the feature axis; use a rule without tp for it");
+      }
+      if (i + 1 < n || activate_last) {
+        activations.emplace_back(activation, prefix + "/" + std::to_string(i) + "/activation",
+                                 rows_, sizes[i + 1], FeatureLayout::replicated, 0, Dtype::fp32);
+      }
+    }
+  };
+  build_mlp("bottom", shape.bottom, /*activate_last=*/true, bottom_, bottom_act_);
+  tables_.reserve(shape.tables.size());
+  for (const DlrmTable& t : shape.tables) {
+    tables_.emplace_back(t.name, next(), t.pooling, rows_, max_ids, context);
+  }
+  build_mlp("top", shape.top, /*activate_last=*/false, top_, top_act_);
+  MESHTRAIN_REQUIRE(param == params_.size(), "dlrm took ", param, " of ", params_.size(),
+                    " parameters");
+
+  LayerScratchNeeds needs;
+  for (const Linear& l : bottom_) needs.merge(l.scratch_needs());
+  for (const Linear& l : top_) needs.merge(l.scratch_needs());
+  scratch_ = LayerScratch(needs, false);
+
+  width_d_ = shape.bottom.back();
+  feature_width_ = width_d_;
+  block_first_.assign(shape.tables.size() + 1, 0);
+  for (size_t t = 0; t < shape.tables.size(); ++t) {
+    block_first_[t + 1] = feature_width_;
+    feature_width_ += shape.tables[t].dim;
+    table_grads_.emplace_back("dlrm/" + shape.tables[t].name + "/pooled_grad", rows_,
+                              shape.tables[t].dim);
+  }
+  features_ = Matrix("dlrm/features", rows_, feature_width_);
+  feature_grads_ = Matrix("dlrm/feature_grads", rows_, feature_width_);
+  top_input_ = Matrix("dlrm/interaction", rows_, shape.top.front());
+  dz_ = Matrix("dlrm/bottom_output_grad", rows_, width_d_);
+}
+
+void Dlrm::initialize(InitScheme scheme, uint64_t seed) {
+  size_t table = 0;
+  for (ShardedTensor& p : params_) {
+    if (p.name.rfind("embeddings/", 0) != 0) {
+      meshtrain::initialize(p, scheme, seed);
+      continue;
+    }
+    // DLRM's tables: uniform in [-sqrt(1 / rows), sqrt(1 / rows)), by global index.
+    const int64_t rows = shape_.tables[table++].rows;
+    const double bound = std::sqrt(1.0 / static_cast<double>(rows));
+    const uint64_t stream = name_stream(p.name);
+    const int64_t dim = p.global_shape[1];
+    const int64_t first = p.box.offset[0] * dim + p.box.offset[1];
+    MESHTRAIN_REQUIRE(p.box.extent[1] == dim, "dlrm tables are whole in dim: ", p.name);
+    auto h = Kokkos::create_mirror_view(p.local);
+    for (int64_t i = 0; i < static_cast<int64_t>(h.extent(0)); ++i) {
+      const double u = counter_uniform(seed, stream, static_cast<uint64_t>(first + i));
+      h(i) = static_cast<float>((2.0 * u - 1.0) * bound);
+    }
+    Kokkos::deep_copy(p.local, h);
+  }
+}
+
+void Dlrm::interact() {
+  // The features side by side: z (the bottom's output), then each table's pooled rows.
+  place_columns(bottom_act_.back().output(), features_, 0);
+  for (size_t t = 0; t < tables_.size(); ++t) {
+    place_columns(tables_[t].output(), features_, block_first_[t + 1]);
+  }
+  if (shape_.interaction == DlrmInteraction::cat) {
+    take_columns(features_, top_input_, 0);
+  } else {
+    dot_interaction(features_, top_input_, width_d_, static_cast<int64_t>(tables_.size()) + 1);
+  }
+}
+
+void Dlrm::interact_backward(MatrixView top_input_grad) {
+  if (shape_.interaction == DlrmInteraction::cat) {
+    take_columns(top_input_grad, feature_grads_, 0);
+  } else {
+    dot_interaction_backward(features_, top_input_grad, feature_grads_, width_d_,
+                             static_cast<int64_t>(tables_.size()) + 1);
+  }
+  // Each block's gradient into its own buffer (the layers below take whole matrices).
+  take_columns(feature_grads_, dz_, 0);
+  for (size_t t = 0; t < tables_.size(); ++t) {
+    take_columns(feature_grads_, table_grads_[t], block_first_[t + 1]);
+  }
+}
+
+MatrixView Dlrm::forward(MatrixView dense, const std::vector<SparseBags>& bags) {
+  MESHTRAIN_REQUIRE(bags.size() == tables_.size(), "dlrm forward: ", bags.size(),
+                    " bag batches for ", tables_.size(), " tables");
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dense.extent(0)) == rows_ &&
+                        static_cast<int64_t>(dense.extent(1)) == shape_.bottom.front(),
+                    "dlrm dense input is [", dense.extent(0), ", ", dense.extent(1),
+                    "], expected [", rows_, ", ", shape_.bottom.front(), "]");
+  LayerPass pass;
+  pass.scratch = &scratch_;
+  MatrixView x = dense;
+  for (size_t i = 0; i < bottom_.size(); ++i) {
+    x = bottom_[i].forward(x, pass);
+    x = bottom_act_[i].forward(x, pass);
+  }
+  for (size_t t = 0; t < tables_.size(); ++t) tables_[t].forward(bags[t], pass);
+  interact();
+  x = top_input_;
+  for (size_t i = 0; i < top_.size(); ++i) {
+    x = top_[i].forward(x, pass);
+    if (i < top_act_.size()) x = top_act_[i].forward(x, pass);
+  }
+  logits_ = x;
+  return logits_;
+}
+
+void Dlrm::backward(MatrixView output_grad) {
+  MESHTRAIN_REQUIRE(
+      static_cast<int64_t>(output_grad.extent(0)) == rows_ && output_grad.extent(1) == 1,
+      "dlrm output gradient is [", output_grad.extent(0), ", ", output_grad.extent(1),
+      "], expected [", rows_, ", 1]");
+  // Every gradient is reduced by its layer (DeferredReduction::now, no buckets).
+  LayerPass pass;
+  pass.scratch = &scratch_;
+  MatrixView g = output_grad;
+  for (size_t i = top_.size(); i-- > 0;) {
+    if (i < top_act_.size()) g = top_act_[i].backward(g, true, pass);
+    g = top_[i].backward(g, /*need_input_grad=*/true, pass);
+  }
+  interact_backward(g);
+  for (size_t t = 0; t < tables_.size(); ++t) tables_[t].backward(table_grads_[t], pass);
+  g = dz_;
+  for (size_t i = bottom_.size(); i-- > 0;) {
+    g = bottom_act_[i].backward(g, true, pass);
+    g = bottom_[i].backward(g, /*need_input_grad=*/i > 0, pass);
+  }
+}
+
+std::vector<std::string> Dlrm::describe() const {
+  std::vector<std::string> lines;
+  for (const Linear& l : bottom_) lines.push_back(l.describe());
+  for (const EmbeddingBag& t : tables_) lines.push_back(t.describe());
+  lines.push_back(std::string("interaction ") + to_string(shape_.interaction) + ": " +
+                  std::to_string(feature_width_) + " features -> " +
+                  std::to_string(shape_.top.front()));
+  for (const Linear& l : top_) lines.push_back(l.describe());
+  return lines;
+}
+
+}  // namespace meshtrain

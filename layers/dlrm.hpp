@@ -1,0 +1,107 @@
+#pragma once
+// DLRM (issue 39 item 1; docs/recsys.md, "The model"): a click model of dense features and
+// bags of categorical ids.
+//
+//   z = bottom MLP(dense)                       bottom/<i>/weight [bottom[i], bottom[i+1]], bias
+//   e_t = EmbeddingBag_t(bags of table t)       embeddings/<t>/weight [rows_t, dim_t]
+//   h = interaction(z, e_1 .. e_T)
+//   logit = top MLP(h)                          top/<i>/weight [top[i], top[i+1]], bias
+//
+// The activation follows every bottom layer (DLRM's bottom MLP ends in its activation too) and
+// every top layer but the last (the logit). Interaction:
+//   dot  (DLRM's): the features F = [z, e_1, .., e_T] (all of width d = bottom's last size =
+//        every table's dim); h = [z, F_i . F_j for i = 1 .. T, j = 0 .. i-1] (the strictly
+//        lower triangle of F F^T, row by row, as dlrm_s_pytorch's interact_features without
+//        self-interaction): width d + T (T + 1) / 2.
+//   cat: h = [z, e_1, .., e_T]: width d + sum of the tables' dims.
+// top[0] must be that width and top's last size 1 (check_dlrm_shape). Parameters, in
+// parameters() order: the bottom layers, the tables in their order, the top layers.
+//
+// Sharding: every parameter's spec comes from the rules like any other. The linear layers are
+// the same Linear as an mlp's (replicated, DP or FSDP storage); their outputs must be whole rows
+// (a tensor-parallel split of a layer's output is refused, bad_input naming the layer). The
+// tables are EmbeddingBags (replicated or row-wise over batch axes: layers/embedding_bag.hpp).
+// Every gradient is reduced in backward (no deferral, no buckets, no FSDP prefetch yet).
+//
+// Everything (activations, the interaction's buffers, every table's pooled rows and their
+// gradients) is allocated at construction for `local_rows` rows and `max_ids` ids per table per
+// step: forward() and backward() allocate nothing. fp32 only (bad_input for a 16-bit context).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "framework/core/sharded_tensor.hpp"
+#include "framework/train/init.hpp"
+#include "layers/activation.hpp"
+#include "layers/context.hpp"
+#include "layers/embedding_bag.hpp"
+#include "layers/linear.hpp"
+#include "layers/mlp.hpp"  // SpecLookup
+#include "partition/dlrm_shape.hpp"
+#include "partition/planner.hpp"
+
+namespace meshtrain {
+
+class Dlrm {
+ public:
+  // Checks the shape (check_dlrm_shape) and the specs, allocates every parameter and buffer.
+  // Collective (the layers ask the context for communicators): every rank builds the same model.
+  // local_rows: this rank's rows per step; max_ids: the most ids one table's bags of a rank
+  // hold in a step (the same on every rank).
+  Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec_of,
+       ParallelContext& context, int64_t local_rows, int64_t max_ids);
+  Dlrm(const Dlrm&) = delete;
+  Dlrm& operator=(const Dlrm&) = delete;
+
+  // The linear layers under `scheme` (framework/train/init.hpp); the tables uniform in
+  // [-sqrt(1 / rows), sqrt(1 / rows)) as DLRM's reference does, from (seed, the table's name,
+  // the global index): the same global values on every mesh.
+  void initialize(InitScheme scheme, uint64_t seed);
+
+  // dense [local_rows, bottom[0]] and one SparseBags per table, in the shape's order (both must
+  // stay valid until backward) -> the logits [local_rows, 1], owned by the model.
+  MatrixView forward(MatrixView dense, const std::vector<SparseBags>& bags);
+  // dLoss/dlogit [local_rows, 1] -> every gradient, overwritten and reduced.
+  void backward(MatrixView output_grad);
+
+  std::vector<ShardedTensor>& parameters() { return params_; }
+  const std::vector<ShardedTensor>& parameters() const { return params_; }
+  std::vector<ShardedTensor>& gradients() { return grads_; }
+  const std::vector<ShardedTensor>& gradients() const { return grads_; }
+  const DlrmShape& shape() const { return shape_; }
+  int64_t local_rows() const { return rows_; }
+  const std::vector<EmbeddingBag>& tables() const { return tables_; }
+  // The interaction's output of the last forward [local_rows, top[0]] (the top MLP's input).
+  MatrixView interaction_output() const { return top_input_; }
+  // One line per layer with parameters.
+  std::vector<std::string> describe() const;
+
+ private:
+  // The interaction forward (features_ from z and the pooled rows, then top_input_) and
+  // backward (top_input_grad -> dz_, table_grads_).
+  void interact();
+  void interact_backward(MatrixView top_input_grad);
+
+  DlrmShape shape_;
+  int64_t rows_ = 0;
+  int64_t width_d_ = 0;        // bottom's last size
+  int64_t feature_width_ = 0;  // d + sum of the tables' dims (the features side by side)
+  std::vector<ShardedTensor> params_, grads_;
+  // The layers (reserved at construction: pointers stay valid).
+  std::vector<Linear> bottom_, top_;
+  std::vector<ActivationLayer> bottom_act_, top_act_;
+  std::vector<EmbeddingBag> tables_;
+  LayerScratch scratch_;
+  // The features [z, e_1, .., e_T] side by side [rows, feature_width_], and their gradient.
+  Matrix features_, feature_grads_;
+  Matrix top_input_;                 // the interaction's output [rows, top[0]]
+  Matrix dz_;                        // the bottom output's gradient [rows, d]
+  std::vector<Matrix> table_grads_;  // each table's pooled rows' gradient [rows, dim_t]
+  // Per feature block (z, then each table): its first column in features_.
+  std::vector<int64_t> block_first_;
+  MatrixView logits_;
+};
+
+}  // namespace meshtrain

@@ -1,0 +1,468 @@
+// DLRM (layers/dlrm.hpp): the forward and every parameter gradient
+//  * of the model on one rank (MPI_COMM_SELF) against a float64 reference written here from the
+//    same parameters (the definition in the header: bottom MLP with its activation after every
+//    layer, pooled bags, the dot or cat interaction, top MLP), within kReferenceTolerance;
+//  * of the model on every mesh below against that one-rank model in the same test, each rank
+//    comparing its rows of the logits and its block of each gradient, within kMeshTolerance
+//    (sums reorder: DP all-reduces, FSDP's per-rank GEMMs, row-wise pooling over owners).
+// Meshes: np 1 dp 1; np 2 and 4: dp n (linear layers replicated), fsdp n (weights P(fsdp, None)
+// where their first dimension divides, FSDP storage); np 4 also fsdp 2 x dp 2. Each with the
+// tables replicated P() and row-wise over the mesh's batch axes.
+//
+// Data: 16 rows of 8 dense features in [-1, 1); three tables: "a" [16, 4] sum, one id per row;
+// "b" [24, 4] mean, bags of 0 to 3 ids (rows 2, 7, 12 empty, row 3 with a repeated id); "c"
+// [8, 4] sum, two ids per row. cat uses dims 4, 2 and 6 instead. The activation is tanh (smooth:
+// no kink for a float64 reference to land on the other side of). Parameters from
+// Dlrm::initialize (the same global values on every mesh), dy random in [-1, 1).
+// A second forward and backward allocate nothing. Refusals: the shape checks (one sentence
+// each), 16-bit precision, a tp split of a linear layer's output.
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "framework/comm/mesh_communicators.hpp"
+#include "layers/context.hpp"
+#include "layers/dlrm.hpp"
+#include "partition/mesh.hpp"
+#include "partition/partition_spec.hpp"
+#include "tests/support/backend.hpp"
+#include "tests/support/counting_allocator.hpp"
+#include "tests/support/expect_error.hpp"
+#include "tests/support/full_tensor.hpp"
+#include "tests/support/mesh_cases.hpp"
+#include "tests/support/world.hpp"
+
+namespace meshtrain {
+namespace {
+
+using testing::Tensor;
+
+constexpr int64_t kBatch = 16, kDense = 8;
+constexpr double kReferenceTolerance = 1e-4;
+constexpr double kMeshTolerance = 2e-5;
+constexpr uint64_t kSeed = 5;
+
+DlrmShape make_shape(DlrmInteraction interaction) {
+  DlrmShape s;
+  s.interaction = interaction;
+  const bool dot = interaction == DlrmInteraction::dot;
+  s.bottom = {kDense, 8, 4};
+  s.tables = {{"a", 16, dot ? 4 : 4, EmbeddingPooling::sum},
+              {"b", 24, dot ? 4 : 2, EmbeddingPooling::mean},
+              {"c", 8, dot ? 4 : 6, EmbeddingPooling::sum}};
+  s.top = {dlrm_interaction_width(s), 8, 1};
+  return s;
+}
+
+// The global batch: dense [kBatch, kDense], per table CSR, dy [kBatch].
+struct Data {
+  std::vector<double> dense, dy;
+  std::vector<std::vector<int64_t>> offsets, ids;
+};
+
+Data make_data(const DlrmShape& shape) {
+  std::mt19937_64 rng(17);
+  auto uniform = [&] { return static_cast<double>(rng() >> 11) * 0x1.0p-53 * 2.0 - 1.0; };
+  Data d;
+  for (int64_t i = 0; i < kBatch * kDense; ++i) d.dense.push_back(uniform());
+  for (int64_t i = 0; i < kBatch; ++i) d.dy.push_back(uniform());
+  for (size_t t = 0; t < shape.tables.size(); ++t) {
+    const auto rows = static_cast<uint64_t>(shape.tables[t].rows);
+    std::vector<int64_t> offsets{0}, ids;
+    for (int64_t r = 0; r < kBatch; ++r) {
+      int64_t count = t == 0   ? 1
+                      : t == 2 ? 2
+                               : (r % 5 == 2 ? 0 : 1 + static_cast<int64_t>(rng() % 3));
+      for (int64_t k = 0; k < count; ++k) ids.push_back(static_cast<int64_t>(rng() % rows));
+      if (t == 1 && r == 3) ids.push_back(ids.back());  // a repeated id
+      offsets.push_back(static_cast<int64_t>(ids.size()));
+    }
+    d.offsets.push_back(offsets);
+    d.ids.push_back(ids);
+  }
+  return d;
+}
+
+// The most ids one table's rows of any batch slice of `parts` hold (every rank's capacity).
+int64_t most_ids(const Data& d, int parts) {
+  const int64_t rows = kBatch / parts;
+  int64_t most = 1;
+  for (const auto& offsets : d.offsets)
+    for (int p = 0; p < parts; ++p)
+      most = std::max(most, offsets[(p + 1) * rows] - offsets[p * rows]);
+  return most;
+}
+
+struct LocalBags {
+  Kokkos::View<int64_t*, Kokkos::LayoutRight> offsets, ids;
+};
+LocalBags local_bags(const std::vector<int64_t>& all_offsets, const std::vector<int64_t>& all_ids,
+                     int64_t first, int64_t rows) {
+  const int64_t begin = all_offsets[first], end = all_offsets[first + rows];
+  LocalBags l{
+      Kokkos::View<int64_t*, Kokkos::LayoutRight>("offsets", rows + 1),
+      Kokkos::View<int64_t*, Kokkos::LayoutRight>("ids", std::max<int64_t>(end - begin, 1))};
+  auto o = Kokkos::create_mirror_view(l.offsets);
+  auto v = Kokkos::create_mirror_view(l.ids);
+  for (int64_t r = 0; r <= rows; ++r) o(r) = all_offsets[first + r] - begin;
+  for (int64_t k = begin; k < end; ++k) v(k - begin) = all_ids[k];
+  Kokkos::deep_copy(l.offsets, o);
+  Kokkos::deep_copy(l.ids, v);
+  return l;
+}
+
+// What one rank computed: its logits (rows from first_row), and each parameter's value and
+// gradient block with the global flat index of every element.
+struct Result {
+  std::vector<double> logits;
+  int64_t first_row = 0;
+  std::vector<Tensor> values, grads;
+  std::vector<std::vector<int64_t>> indices;
+  std::vector<std::string> names;
+  long allocations = -1;
+};
+
+enum class Tables { replicated, row_wise };
+
+Result run(MeshCommunicators& comms, const DlrmShape& shape, const Data& d, Tables tables) {
+  ParallelContext context(comms, {"fsdp", "dp"}, "tp");
+  const Mesh& mesh = comms.mesh();
+  const int parts = context.batch_parallel();
+  // The batch axes of size > 1, for the row-wise tables.
+  std::vector<std::string> batch;
+  for (const char* axis : {"fsdp", "dp"})
+    if (mesh.has_axis(axis) && mesh.axis_size(axis) > 1) batch.push_back(axis);
+  const bool fsdp = mesh.has_axis("fsdp") && mesh.axis_size("fsdp") > 1;
+  const int fsdp_size = fsdp ? mesh.axis_size("fsdp") : 1;
+  const std::vector<ParameterShape> shapes = dlrm_parameter_shapes(shape);
+  auto spec_of = [&](const std::string& name) -> PartitionSpec {
+    const auto it = std::find_if(shapes.begin(), shapes.end(),
+                                 [&](const ParameterShape& p) { return p.name == name; });
+    if (name.rfind("embeddings/", 0) == 0) {
+      if (tables == Tables::replicated || batch.empty()) return PartitionSpec::parse("P()");
+      std::string axes = batch.size() == 1 ? batch[0] : "(" + batch[0] + ", " + batch[1] + ")";
+      return PartitionSpec::parse("P(" + axes + ", None)");
+    }
+    if (fsdp && it->shape[0] % fsdp_size == 0) {
+      return PartitionSpec::parse(it->shape.size() == 2 ? "P(fsdp, None)" : "P(fsdp)");
+    }
+    return PartitionSpec::parse("P()");
+  };
+  const int64_t rows = kBatch / parts;
+  Result r;
+  r.first_row = context.batch_index() * rows;
+  Dlrm model(shape, Activation::tanh, spec_of, context, rows, most_ids(d, parts));
+  model.initialize(InitScheme::he_normal, kSeed);
+  const Matrix dense =
+      testing::block_matrix("dense", rows, kDense, r.first_row, 0,
+                            [&](int64_t i, int64_t j) { return d.dense[i * kDense + j]; });
+  const Matrix dy = testing::block_matrix("dy", rows, 1, r.first_row, 0,
+                                          [&](int64_t i, int64_t) { return d.dy[i]; });
+  std::vector<LocalBags> local;
+  std::vector<SparseBags> bags;
+  for (size_t t = 0; t < shape.tables.size(); ++t) {
+    local.push_back(local_bags(d.offsets[t], d.ids[t], r.first_row, rows));
+  }
+  for (const LocalBags& l : local) bags.push_back({l.offsets, l.ids});
+  auto step = [&] {
+    model.forward(dense, bags);
+    model.backward(dy);
+  };
+  step();
+  r.logits = testing::host_matrix(model.forward(dense, bags));
+  model.backward(dy);
+  for (size_t p = 0; p < model.parameters().size(); ++p) {
+    r.names.push_back(model.parameters()[p].name);
+    r.values.push_back(testing::to_host(model.parameters()[p]));
+    r.grads.push_back(testing::to_host(model.gradients()[p]));
+    r.indices.push_back(testing::global_indices(model.parameters()[p]));
+  }
+  testing::AllocationWindow window;
+  step();
+  const long heap = window.close();
+  r.allocations = heap + window.kokkos_allocations();
+  return r;
+}
+
+Result one_rank(const DlrmShape& shape, const Data& d) {
+  MeshCommunicators single(Mesh::single(), MPI_COMM_SELF);
+  return run(single, shape, d, Tables::replicated);
+}
+
+// The float64 reference from the one-rank model's parameters (whole there): the logits and
+// every gradient of sum(logit * dy).
+struct Reference {
+  std::vector<double> logits;
+  std::vector<Tensor> grads;
+};
+
+Reference reference(const DlrmShape& shape, const Data& d, const Result& one) {
+  Reference ref;
+  for (const Tensor& v : one.values) ref.grads.emplace_back(v.size(), 0.0);
+  const size_t bottom_layers = shape.bottom.size() - 1, tables = shape.tables.size();
+  const size_t top_first = 2 * bottom_layers + tables;
+  const int64_t dd = shape.bottom.back();
+  for (int64_t r = 0; r < kBatch; ++r) {
+    // bottom
+    std::vector<std::vector<double>> bottom_in;   // each layer's input
+    std::vector<std::vector<double>> bottom_act;  // each layer's tanh output
+    std::vector<double> x(d.dense.begin() + r * kDense, d.dense.begin() + (r + 1) * kDense);
+    for (size_t i = 0; i < bottom_layers; ++i) {
+      bottom_in.push_back(x);
+      const Tensor& w = one.values[2 * i];
+      const Tensor& b = one.values[2 * i + 1];
+      const size_t out = b.size();
+      std::vector<double> y(out);
+      for (size_t j = 0; j < out; ++j) {
+        y[j] = b[j];
+        for (size_t c = 0; c < x.size(); ++c) y[j] += x[c] * w[c * out + j];
+        y[j] = std::tanh(y[j]);
+      }
+      bottom_act.push_back(y);
+      x = y;
+    }
+    // pooled bags
+    std::vector<std::vector<double>> features{x};
+    for (size_t t = 0; t < tables; ++t) {
+      const Tensor& w = one.values[2 * bottom_layers + t];
+      const int64_t dim = shape.tables[t].dim;
+      const int64_t begin = d.offsets[t][r], end = d.offsets[t][r + 1];
+      std::vector<double> e(dim, 0.0);
+      for (int64_t k = begin; k < end; ++k)
+        for (int64_t c = 0; c < dim; ++c) e[c] += w[d.ids[t][k] * dim + c];
+      if (shape.tables[t].pooling == EmbeddingPooling::mean && end > begin)
+        for (double& v : e) v /= static_cast<double>(end - begin);
+      features.push_back(e);
+    }
+    // interaction
+    std::vector<double> h(x);
+    if (shape.interaction == DlrmInteraction::dot) {
+      for (size_t i = 1; i < features.size(); ++i)
+        for (size_t j = 0; j < i; ++j) {
+          double s = 0.0;
+          for (int64_t k = 0; k < dd; ++k) s += features[i][k] * features[j][k];
+          h.push_back(s);
+        }
+    } else {
+      for (size_t t = 1; t < features.size(); ++t)
+        h.insert(h.end(), features[t].begin(), features[t].end());
+    }
+    // top
+    const size_t top_layers = shape.top.size() - 1;
+    std::vector<std::vector<double>> top_in, top_out;
+    std::vector<double> y = h;
+    for (size_t i = 0; i < top_layers; ++i) {
+      top_in.push_back(y);
+      const Tensor& w = one.values[top_first + 2 * i];
+      const Tensor& b = one.values[top_first + 2 * i + 1];
+      const size_t out = b.size();
+      std::vector<double> z(out);
+      for (size_t j = 0; j < out; ++j) {
+        z[j] = b[j];
+        for (size_t c = 0; c < y.size(); ++c) z[j] += y[c] * w[c * out + j];
+        if (i + 1 < top_layers) z[j] = std::tanh(z[j]);
+      }
+      top_out.push_back(z);
+      y = z;
+    }
+    ref.logits.push_back(y[0]);
+    // backward of sum(logit * dy)
+    std::vector<double> g{d.dy[r]};
+    for (size_t i = top_layers; i-- > 0;) {
+      if (i + 1 < top_layers)
+        for (size_t j = 0; j < g.size(); ++j) g[j] *= 1.0 - top_out[i][j] * top_out[i][j];
+      const Tensor& w = one.values[top_first + 2 * i];
+      Tensor& gw = ref.grads[top_first + 2 * i];
+      Tensor& gb = ref.grads[top_first + 2 * i + 1];
+      const std::vector<double>& in = top_in[i];
+      std::vector<double> gin(in.size(), 0.0);
+      for (size_t c = 0; c < in.size(); ++c)
+        for (size_t j = 0; j < g.size(); ++j) {
+          gw[c * g.size() + j] += in[c] * g[j];
+          gin[c] += w[c * g.size() + j] * g[j];
+        }
+      for (size_t j = 0; j < g.size(); ++j) gb[j] += g[j];
+      g = gin;
+    }
+    std::vector<std::vector<double>> fg;
+    fg.emplace_back(g.begin(), g.begin() + dd);
+    if (shape.interaction == DlrmInteraction::dot) {
+      for (size_t t = 1; t < features.size(); ++t) fg.emplace_back(dd, 0.0);
+      size_t column = static_cast<size_t>(dd);
+      for (size_t i = 1; i < features.size(); ++i)
+        for (size_t j = 0; j < i; ++j, ++column)
+          for (int64_t k = 0; k < dd; ++k) {
+            fg[i][k] += g[column] * features[j][k];
+            fg[j][k] += g[column] * features[i][k];
+          }
+    } else {
+      size_t column = static_cast<size_t>(dd);
+      for (size_t t = 0; t < tables; ++t) {
+        fg.emplace_back(g.begin() + column, g.begin() + column + shape.tables[t].dim);
+        column += shape.tables[t].dim;
+      }
+    }
+    for (size_t t = 0; t < tables; ++t) {
+      Tensor& gw = ref.grads[2 * bottom_layers + t];
+      const int64_t dim = shape.tables[t].dim;
+      const int64_t begin = d.offsets[t][r], end = d.offsets[t][r + 1];
+      const double scale = shape.tables[t].pooling == EmbeddingPooling::mean && end > begin
+                               ? 1.0 / static_cast<double>(end - begin)
+                               : 1.0;
+      for (int64_t k = begin; k < end; ++k)
+        for (int64_t c = 0; c < dim; ++c) gw[d.ids[t][k] * dim + c] += fg[t + 1][c] * scale;
+    }
+    g = fg[0];
+    for (size_t i = bottom_layers; i-- > 0;) {
+      for (size_t j = 0; j < g.size(); ++j) g[j] *= 1.0 - bottom_act[i][j] * bottom_act[i][j];
+      const Tensor& w = one.values[2 * i];
+      Tensor& gw = ref.grads[2 * i];
+      Tensor& gb = ref.grads[2 * i + 1];
+      const std::vector<double>& in = bottom_in[i];
+      std::vector<double> gin(in.size(), 0.0);
+      for (size_t c = 0; c < in.size(); ++c)
+        for (size_t j = 0; j < g.size(); ++j) {
+          gw[c * g.size() + j] += in[c] * g[j];
+          gin[c] += w[c * g.size() + j] * g[j];
+        }
+      for (size_t j = 0; j < g.size(); ++j) gb[j] += g[j];
+      g = gin;
+    }
+  }
+  return ref;
+}
+
+// A gradient that is all zeros would make the comparisons vacuous.
+bool any_nonzero(const Tensor& t) {
+  return std::any_of(t.begin(), t.end(), [](double v) { return std::abs(v) > 1e-6; });
+}
+
+TEST(Dlrm, OneRankEqualsFloat64Reference) {
+  for (DlrmInteraction interaction : {DlrmInteraction::dot, DlrmInteraction::cat}) {
+    SCOPED_TRACE(to_string(interaction));
+    const DlrmShape shape = make_shape(interaction);
+    const Data d = make_data(shape);
+    const Result one = one_rank(shape, d);
+    const Reference ref = reference(shape, d, one);
+    ASSERT_EQ(one.logits.size(), ref.logits.size());
+    for (size_t r = 0; r < ref.logits.size(); ++r)
+      EXPECT_NEAR(one.logits[r], ref.logits[r], kReferenceTolerance) << "logit " << r;
+    ASSERT_EQ(one.grads.size(), ref.grads.size());
+    for (size_t p = 0; p < ref.grads.size(); ++p) {
+      EXPECT_TRUE(any_nonzero(ref.grads[p])) << one.names[p];
+      for (size_t i = 0; i < ref.grads[p].size(); ++i)
+        ASSERT_NEAR(one.grads[p][i], ref.grads[p][i], kReferenceTolerance)
+            << one.names[p] << " element " << i;
+    }
+    EXPECT_EQ(one.allocations, 0) << "allocations in a second forward and backward";
+  }
+}
+
+TEST(Dlrm, EveryMeshEqualsOneRank) {
+  const int n = world_size();
+  std::vector<testing::Axes> meshes;
+  if (n == 1)
+    meshes = {{{"dp", 1}}};
+  else
+    meshes = {{{"dp", n}}, {{"fsdp", n}}};
+  if (n == 4) meshes.push_back({{"fsdp", 2}, {"dp", 2}});
+  for (const testing::Axes& axes : meshes) {
+    const Mesh mesh = Mesh::create(axes, n);
+    MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+    for (DlrmInteraction interaction : {DlrmInteraction::dot, DlrmInteraction::cat}) {
+      for (Tables tables : {Tables::replicated, Tables::row_wise}) {
+        SCOPED_TRACE(mesh.describe() + " " + to_string(interaction) +
+                     (tables == Tables::row_wise ? " row-wise tables" : " replicated tables"));
+        const DlrmShape shape = make_shape(interaction);
+        const Data d = make_data(shape);
+        const Result one = one_rank(shape, d);
+        const Result got = run(comms, shape, d, tables);
+        for (size_t r = 0; r < got.logits.size(); ++r)
+          ASSERT_NEAR(got.logits[r], one.logits[got.first_row + static_cast<int64_t>(r)],
+                      kMeshTolerance)
+              << "logit " << got.first_row + static_cast<int64_t>(r);
+        ASSERT_EQ(got.grads.size(), one.grads.size());
+        for (size_t p = 0; p < got.grads.size(); ++p) {
+          ASSERT_EQ(got.names[p], one.names[p]);
+          for (size_t i = 0; i < got.grads[p].size(); ++i) {
+            const auto global = static_cast<size_t>(got.indices[p][i]);
+            ASSERT_EQ(got.values[p][i], one.values[p][global]) << got.names[p] << " value";
+            ASSERT_NEAR(got.grads[p][i], one.grads[p][global], kMeshTolerance)
+                << got.names[p] << " element " << global;
+          }
+        }
+        EXPECT_EQ(got.allocations, 0) << "allocations in a second forward and backward";
+      }
+    }
+  }
+}
+
+TEST(Dlrm, BadShapesAreOneSentence) {
+  DlrmShape s = make_shape(DlrmInteraction::dot);
+  EXPECT_NO_THROW(check_dlrm_shape(s));
+  DlrmShape wrong_dim = s;
+  wrong_dim.tables[1].dim = 3;
+  testing::expect_bad_input([&] { check_dlrm_shape(wrong_dim); },
+                            {"model.tables[1] 'b' has dim 3", "bottom's last size, 4"});
+  DlrmShape wrong_top = s;
+  wrong_top.top[0] = 9;
+  testing::expect_bad_input([&] { check_dlrm_shape(wrong_top); },
+                            {"model.top[0] = 9", "gives 10 features"});
+  DlrmShape two_logits = s;
+  two_logits.top.back() = 2;
+  testing::expect_bad_input([&] { check_dlrm_shape(two_logits); }, {"model.top ends in 2"});
+  DlrmShape twice = s;
+  twice.tables[2].name = "a";
+  testing::expect_bad_input([&] { check_dlrm_shape(twice); }, {"'a' names a table twice"});
+  DlrmShape none = s;
+  none.tables.clear();
+  testing::expect_bad_input([&] { check_dlrm_shape(none); }, {"model.tables is empty"});
+  DlrmShape short_bottom = s;
+  short_bottom.bottom = {8};
+  testing::expect_bad_input([&] { check_dlrm_shape(short_bottom); }, {"model.bottom has 1 sizes"});
+  testing::expect_bad_input([] { parse_dlrm_interaction("outer", "model.interaction"); },
+                            {"model.interaction = 'outer'", "'dot' or 'cat'"});
+  // cat: top[0] is bottom's last size plus the dims.
+  const DlrmShape cat = make_shape(DlrmInteraction::cat);
+  EXPECT_EQ(cat.top[0], 4 + 4 + 2 + 6);
+  EXPECT_EQ(dlrm_interaction_width(s), 4 + 3 * 4 / 2);
+}
+
+TEST(Dlrm, SixteenBitAndTensorParallelOutputsAreRefused) {
+  const int n = world_size();
+  const DlrmShape shape = make_shape(DlrmInteraction::dot);
+  {
+    MeshCommunicators single(Mesh::single(), MPI_COMM_SELF);
+    ParallelContext context(single, {"fsdp", "dp"}, "tp");
+    context.set_precision({Dtype::bf16, Dtype::fp32});
+    testing::expect_bad_input(
+        [&] {
+          Dlrm model(
+              shape, Activation::tanh, [](const std::string&) { return PartitionSpec(); }, context,
+              kBatch, 4);
+        },
+        {"dlrm computes in fp32 only", "bf16"});
+  }
+  if (n < 2) return;
+  const Mesh mesh = Mesh::create({{"tp", n}}, n);
+  MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+  ParallelContext context(comms, {"fsdp", "dp"}, "tp");
+  auto spec_of = [](const std::string& name) {
+    return PartitionSpec::parse(name == "bottom/0/weight" ? "P(None, tp)"
+                                : name == "bottom/0/bias" ? "P(tp)"
+                                                          : "P()");
+  };
+  testing::expect_bad_input(
+      [&] { Dlrm model(shape, Activation::tanh, spec_of, context, kBatch, 4); },
+      {"bottom/0", "whole on each rank", "P(None, tp)"});
+}
+
+}  // namespace
+}  // namespace meshtrain
