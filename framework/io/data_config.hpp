@@ -60,6 +60,9 @@ struct StreamSection {
   // the same rows in every run), kept in a window of ceil(buffer_rows x test_fraction) rows
   // per trainer rank and evaluated as the run's test set; 0: none.
   double test_fraction = 0.0;
+  // Checkpoints hold every trainer rank's buffer and held-out window (/stream), and a resumed
+  // run continues with them; false: a resumed run starts with empty buffers.
+  bool checkpoint_buffer = true;
 };
 
 // A dataset key as written ("x" or "/x") in its canonical form ("/x"); "" when it names no
