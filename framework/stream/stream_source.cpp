@@ -49,10 +49,7 @@ class HeldOutSource : public RowSource {
 };
 
 int64_t held_out_capacity(const StreamSection& section) {
-  if (section.test_fraction <= 0.0) return 1;  // unused
-  return std::max<int64_t>(
-      1, static_cast<int64_t>(
-             std::ceil(static_cast<double>(section.buffer_rows) * section.test_fraction)));
+  return std::max<int64_t>(1, stream_held_out_rows(section));  // 1: unused
 }
 
 }  // namespace

@@ -398,6 +398,8 @@ TEST(Stream, StandardNormalizationFromTheFirstRows) {
   config.train.steps = 4;
   config.checkpoint.dir = dir.path() + "/checkpoints";
   TrainingRun run(config, {}, std::nullopt, roles.comm);
+  // `meshtrain plan` counts the buffer (128 rows of 4 + 2 floats; no held-out window here).
+  EXPECT_EQ(run.planned_memory().data.source_bytes, 128 * (kInputs + kOutputs) * 4);
   run.step();
   const Normalization n = run.normalization();
   // The reference: each group's first min_rows rows, its messages in order.
@@ -609,6 +611,10 @@ TEST(StreamConfig, KeysReadWrittenAndRefusedElsewhere) {
   EXPECT_EQ(c.stream.order, StreamOrder::arrival);
   EXPECT_EQ(c.stream.dtype, StreamRowType::float64);
   EXPECT_EQ(c.stream.until, StreamUntil::closed);
+  EXPECT_TRUE(c.stream.checkpoint_buffer);
+  const RunConfig off = parse_config(text, "online.toml", {"stream.checkpoint_buffer=false"});
+  EXPECT_FALSE(off.stream.checkpoint_buffer);
+  EXPECT_FALSE(parse_config(config_to_toml(off), "again.toml").stream.checkpoint_buffer);
   const RunConfig again = parse_config(config_to_toml(c), "again.toml");
   EXPECT_EQ(again.stream.name, "heat");
   EXPECT_EQ(again.stream.policy, StreamPolicy::reservoir);
