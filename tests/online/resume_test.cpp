@@ -4,7 +4,8 @@
 // run saved once every row had come, then resumed beside producers that have nothing more to
 // send, takes the same batches as the uninterrupted run (the same losses, parameters and
 // held-out evaluation, bit for bit, and the same stream counters): its reservoir, held-out
-// window and their counts came back with it; the checkpoint holds them under /stream (shapes,
+// window and their counts came back with it; beside producers that send their rows again, they
+// are counted on top of the saved ones; the checkpoint holds them under /stream (shapes,
 // rows_seen); stream.checkpoint_buffer = false leaves them out; a checkpoint's buffers on another
 // trainer count are refused in one sentence; a Predictor reads an online run's checkpoint. The
 // registration's timeout ends any hang.
@@ -212,6 +213,22 @@ TEST(StreamCheckpoint, ResumedRunContinuesWithItsBufferBitForBit) {
       EXPECT_TRUE(same_counters(stream_of(run).counters(), ref.counters))
           << stream_of(run).counters().rows_received << " rows against "
           << ref.counters.rows_received;
+    }
+    // Resumed again from the same checkpoint beside producers that send their rows again: they
+    // are new rows, added to the restored buffers, and the counters go on from the saved ones.
+    if (split.producer) {
+      produce(split, name, kRowsPerProducer);
+    } else {
+      RunConfig config = trainer_config(name, trainers, dir.path());
+      config.checkpoint.resume = true;
+      config.train.steps = 400;  // a longer run: until every new row has come
+      TrainingRun run(config, {}, std::nullopt, split.comm);
+      const int64_t expected = ref.counters.rows_received + producers * kRowsPerProducer;
+      while (run.steps_done() < 400 && stream_of(run).counters().rows_received < expected) {
+        run.step();
+      }
+      EXPECT_EQ(stream_of(run).counters().rows_received, expected);
+      EXPECT_GT(stream_of(run).counters().rows_overwritten, ref.counters.rows_overwritten);
     }
     // A Predictor reads the online run's checkpoint (its /stream group aside).
     if (!split.producer) {
