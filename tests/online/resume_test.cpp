@@ -1,6 +1,7 @@
 // Online training's checkpoints (docs/online.md, "Checkpoints"): one program splits
 // MPI_COMM_WORLD into producers and a trainer, at every split the world allows (np 2: 1 + 1;
-// np 3: 1 + 2 and 2 + 1; np 4: 2 + 2), so trainers 1 and 2 meet producers 1 and 2. Checked: a
+// np 3: 1 + 2 and 2 + 1; np 4: 2 + 2), so trainers 1 and 2 (two on dp and on tp) meet producers
+// 1 and 2. Checked: a
 // run saved once every row had come, then resumed beside producers that have nothing more to
 // send, takes the same batches as the uninterrupted run (the same losses, parameters and
 // held-out evaluation, bit for bit, and the same stream counters): its reservoir, held-out
@@ -95,18 +96,21 @@ void produce(const Split& split, const std::string& name, int64_t rows) {
 
 // A reservoir smaller than a group's rows and a held-out window smaller than its held-out
 // rows: both overwrite, so their counts matter on resume.
-RunConfig trainer_config(const std::string& name, int trainers, const std::string& dir) {
+// `tp`: the trainer's ranks on tp (one batch group whose ranks hold the same buffer) rather
+// than dp (a group per rank).
+RunConfig trainer_config(const std::string& name, int trainers, const std::string& dir,
+                         bool tp = false) {
   RunConfig config;
   config.file = "resume_test";
   config.run.seed = 11;
   config.run.output_dir = dir + "/run";
-  config.mesh.axes = {{"dp", trainers}};
+  config.mesh.axes = {{tp ? "tp" : "dp", trainers}};
   config.model.sizes = {kInputs, 16, kOutputs};
   config.model.activation = Activation::tanh;
   config.model.loss = LossKind::mse;
-  config.partition.preset = "dp";
+  config.partition.preset = tp ? "tp" : "dp";
   config.data.source = DataSource::stream;
-  config.data.batch_size = 8 * trainers;
+  config.data.batch_size = 8 * (tp ? 1 : trainers);
   config.optimizer.kind = OptimizerKind::adamw;
   config.optimizer.lr = 1e-2;
   config.train.steps = kSteps;
@@ -160,87 +164,92 @@ Reference run_uninterrupted(const Split& split, const RunConfig& config) {
 
 TEST(StreamCheckpoint, ResumedRunContinuesWithItsBufferBitForBit) {
   for (const auto& [producers, trainers] : splits()) {
-    SCOPED_TRACE(std::to_string(producers) + " producers, " + std::to_string(trainers) +
-                 " trainer ranks");
-    Split split(producers, trainers);
-    TempDir dir(/*shared=*/true);
-    const std::string name = "resume-" + std::to_string(producers) + "-" + std::to_string(trainers);
-    // The uninterrupted run, saving once every row had come.
-    Reference ref;
-    if (split.producer) {
-      produce(split, name, kRowsPerProducer);
-    } else {
-      ref = run_uninterrupted(split, trainer_config(name, trainers, dir.path()));
-      ASSERT_GT(ref.saved_at, 0) << "not every row had come by step " << kSteps;
-      ASSERT_LT(ref.saved_at, kSteps - 4);
-      EXPECT_EQ(ref.counters.rows_received, producers * kRowsPerProducer);
-      // Every group's reservoir chose (each took more than kBufferRows training rows).
-      EXPECT_GT(ref.counters.rows_overwritten, 0);
-      EXPECT_GT(ref.counters.rows_received - ref.counters.rows_held_out,
-                trainers * (kBufferRows + 8));
-    }
-    // The checkpoint holds every group's buffers and counts.
-    if (!split.producer && split.rank == 0) {
-      const std::string file = *find_latest_checkpoint(dir.path() + "/checkpoints");
-      std::vector<int64_t> x_shape, held_shape;
-      for (const DatasetListing& d : list_checkpoint(file).datasets) {
-        if (d.path == "/stream/x") x_shape = d.shape;
-        if (d.path == "/stream/held_out_y") held_shape = d.shape;
+    for (const bool tp : {false, true}) {
+      if (tp && trainers == 1) continue;
+      SCOPED_TRACE(std::to_string(producers) + " producers, " + std::to_string(trainers) +
+                   " trainer ranks" + (tp ? " on tp" : " on dp"));
+      Split split(producers, trainers);
+      TempDir dir(/*shared=*/true);
+      const int64_t groups = tp ? 1 : trainers;
+      const std::string name = "resume-" + std::to_string(producers) + "-" +
+                               std::to_string(trainers) + (tp ? "-tp" : "");
+      // The uninterrupted run, saving once every row had come.
+      Reference ref;
+      if (split.producer) {
+        produce(split, name, kRowsPerProducer);
+      } else {
+        ref = run_uninterrupted(split, trainer_config(name, trainers, dir.path(), tp));
+        ASSERT_GT(ref.saved_at, 0) << "not every row had come by step " << kSteps;
+        ASSERT_LT(ref.saved_at, kSteps - 4);
+        EXPECT_EQ(ref.counters.rows_received, producers * kRowsPerProducer);
+        // Every group's reservoir chose (each took more than kBufferRows training rows).
+        EXPECT_GT(ref.counters.rows_overwritten, 0);
+        EXPECT_GT(ref.counters.rows_received - ref.counters.rows_held_out,
+                  groups * (kBufferRows + 8));
       }
-      EXPECT_EQ(x_shape, (std::vector<int64_t>{trainers, kBufferRows, kInputs}));
-      EXPECT_EQ(held_shape, (std::vector<int64_t>{trainers, kBufferRows / 4, kOutputs}));
-      const std::vector<int64_t> seen = read_stream_rows_seen(file);
-      ASSERT_EQ(seen.size(), static_cast<size_t>(trainers * 2));
-      int64_t sum = 0;
-      for (int64_t v : seen) sum += v;
-      EXPECT_EQ(sum, producers * kRowsPerProducer);
-      EXPECT_GT(verify_checkpoint(file), 0);
-    }
-    // Resumed beside producers that have nothing more to send.
-    if (split.producer) {
-      produce(split, name, 0);
-    } else {
-      RunConfig config = trainer_config(name, trainers, dir.path());
-      config.checkpoint.resume = true;
-      TrainingRun run(config, {}, std::nullopt, split.comm);
-      ASSERT_TRUE(run.resumed_from().has_value());
-      EXPECT_EQ(run.steps_done(), ref.saved_at);
-      std::vector<double> losses;
-      while (run.steps_done() < kSteps) losses.push_back(run.step().loss);
-      EXPECT_EQ(losses, ref.losses) << "the resumed run took other batches";
-      EXPECT_TRUE(testing::same_bits(testing::copy_parameters(run), ref.params));
-      EXPECT_EQ(run.evaluate().test_loss, ref.test_loss) << "another held-out window";
-      EXPECT_TRUE(same_counters(stream_of(run).counters(), ref.counters))
-          << stream_of(run).counters().rows_received << " rows against "
-          << ref.counters.rows_received;
-    }
-    // Resumed again from the same checkpoint beside producers that send their rows again: they
-    // are new rows, added to the restored buffers, and the counters go on from the saved ones.
-    if (split.producer) {
-      produce(split, name, kRowsPerProducer);
-    } else {
-      RunConfig config = trainer_config(name, trainers, dir.path());
-      config.checkpoint.resume = true;
-      config.train.steps = 400;  // a longer run: until every new row has come
-      TrainingRun run(config, {}, std::nullopt, split.comm);
-      const int64_t expected = ref.counters.rows_received + producers * kRowsPerProducer;
-      while (run.steps_done() < 400 && stream_of(run).counters().rows_received < expected) {
-        run.step();
+      // The checkpoint holds every group's buffers and counts.
+      if (!split.producer && split.rank == 0) {
+        const std::string file = *find_latest_checkpoint(dir.path() + "/checkpoints");
+        std::vector<int64_t> x_shape, held_shape;
+        for (const DatasetListing& d : list_checkpoint(file).datasets) {
+          if (d.path == "/stream/x") x_shape = d.shape;
+          if (d.path == "/stream/held_out_y") held_shape = d.shape;
+        }
+        EXPECT_EQ(x_shape, (std::vector<int64_t>{groups, kBufferRows, kInputs}));
+        EXPECT_EQ(held_shape, (std::vector<int64_t>{groups, kBufferRows / 4, kOutputs}));
+        const std::vector<int64_t> seen = read_stream_rows_seen(file);
+        ASSERT_EQ(seen.size(), static_cast<size_t>(groups * 2));
+        int64_t sum = 0;
+        for (int64_t v : seen) sum += v;
+        EXPECT_EQ(sum, producers * kRowsPerProducer);
+        EXPECT_GT(verify_checkpoint(file), 0);
       }
-      EXPECT_EQ(stream_of(run).counters().rows_received, expected);
-      EXPECT_GT(stream_of(run).counters().rows_overwritten, ref.counters.rows_overwritten);
+      // Resumed beside producers that have nothing more to send.
+      if (split.producer) {
+        produce(split, name, 0);
+      } else {
+        RunConfig config = trainer_config(name, trainers, dir.path(), tp);
+        config.checkpoint.resume = true;
+        TrainingRun run(config, {}, std::nullopt, split.comm);
+        ASSERT_TRUE(run.resumed_from().has_value());
+        EXPECT_EQ(run.steps_done(), ref.saved_at);
+        std::vector<double> losses;
+        while (run.steps_done() < kSteps) losses.push_back(run.step().loss);
+        EXPECT_EQ(losses, ref.losses) << "the resumed run took other batches";
+        EXPECT_TRUE(testing::same_bits(testing::copy_parameters(run), ref.params));
+        EXPECT_EQ(run.evaluate().test_loss, ref.test_loss) << "another held-out window";
+        EXPECT_TRUE(same_counters(stream_of(run).counters(), ref.counters))
+            << stream_of(run).counters().rows_received << " rows against "
+            << ref.counters.rows_received;
+      }
+      // Resumed again from the same checkpoint beside producers that send their rows again: they
+      // are new rows, added to the restored buffers, and the counters go on from the saved ones.
+      if (split.producer) {
+        produce(split, name, kRowsPerProducer);
+      } else {
+        RunConfig config = trainer_config(name, trainers, dir.path(), tp);
+        config.checkpoint.resume = true;
+        config.train.steps = 400;  // a longer run: until every new row has come
+        TrainingRun run(config, {}, std::nullopt, split.comm);
+        const int64_t expected = ref.counters.rows_received + producers * kRowsPerProducer;
+        while (run.steps_done() < 400 && stream_of(run).counters().rows_received < expected) {
+          run.step();
+        }
+        EXPECT_EQ(stream_of(run).counters().rows_received, expected);
+        EXPECT_GT(stream_of(run).counters().rows_overwritten, ref.counters.rows_overwritten);
+      }
+      // A Predictor reads the online run's checkpoint (its /stream group aside).
+      if (!split.producer) {
+        const std::string file = *find_latest_checkpoint(dir.path() + "/checkpoints");
+        Predictor predictor(file, 8, {}, split.comm);
+        Kokkos::View<float**, Kokkos::HostSpace> x("x", predictor.local_rows(), kInputs);
+        Kokkos::View<float**, Kokkos::HostSpace> y("y", predictor.local_rows(), kOutputs);
+        for (int64_t i = 0; i < predictor.local_rows(); ++i) make_row(0, i, &x(i, 0), &y(i, 0));
+        EXPECT_EQ(predictor.predict(x, y), predictor.local_rows());
+        EXPECT_TRUE(std::isfinite(y(0, 0)));
+      }
+      check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
     }
-    // A Predictor reads the online run's checkpoint (its /stream group aside).
-    if (!split.producer) {
-      const std::string file = *find_latest_checkpoint(dir.path() + "/checkpoints");
-      Predictor predictor(file, 8, {}, split.comm);
-      Kokkos::View<float**, Kokkos::HostSpace> x("x", predictor.local_rows(), kInputs);
-      Kokkos::View<float**, Kokkos::HostSpace> y("y", predictor.local_rows(), kOutputs);
-      for (int64_t i = 0; i < predictor.local_rows(); ++i) make_row(0, i, &x(i, 0), &y(i, 0));
-      EXPECT_EQ(predictor.predict(x, y), predictor.local_rows());
-      EXPECT_TRUE(std::isfinite(y(0, 0)));
-    }
-    check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
   }
 }
 
