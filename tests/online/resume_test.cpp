@@ -1,15 +1,14 @@
 // Online training's checkpoints (docs/online.md, "Checkpoints"): one program splits
 // MPI_COMM_WORLD into producers and a trainer, at every split the world allows (np 2: 1 + 1;
-// np 3: 1 + 2 and 2 + 1; np 4: 2 + 2), so trainers 1 and 2 (two on dp and on tp) meet producers
-// 1 and 2. Checked: a
-// run saved once every row had come, then resumed beside producers that have nothing more to
-// send, takes the same batches as the uninterrupted run (the same losses, parameters and
-// held-out evaluation, bit for bit, and the same stream counters): its reservoir, held-out
-// window and their counts came back with it; beside producers that send their rows again, they
-// are counted on top of the saved ones; the checkpoint holds them under /stream (shapes,
-// rows_seen); stream.checkpoint_buffer = false leaves them out; a checkpoint's buffers on another
-// trainer count are refused in one sentence; a Predictor reads an online run's checkpoint. The
-// registration's timeout ends any hang.
+// np 3: 1 + 2 and 2 + 1; np 4: 2 + 2), so trainers 1 and 2 (two on dp and on tp) meet
+// producers 1 and 2. Checked: a run saved once every row had come, then resumed beside
+// producers that have nothing more to send, takes the same batches as the uninterrupted run
+// (the same losses, parameters and held-out evaluation, bit for bit, and the same stream
+// counters): its reservoir, held-out window and their counts came back with it; beside
+// producers that send their rows again, they are counted on top of the saved ones; the
+// checkpoint holds them under /stream (shapes, rows_seen); stream.checkpoint_buffer = false
+// leaves them out; a checkpoint's buffers on another trainer count are refused in one sentence;
+// a Predictor reads an online run's checkpoint. The registration's timeout ends any hang.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
