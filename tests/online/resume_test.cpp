@@ -38,7 +38,7 @@ namespace {
 using testing::TempDir;
 
 constexpr int64_t kInputs = 4, kOutputs = 2;
-constexpr int64_t kRowsPerProducer = 160, kSteps = 16, kBufferRows = 40;
+constexpr int64_t kRowsPerProducer = 160, kSteps = 24, kBufferRows = 40;
 
 // One split of the world: producers are world ranks [0, producers), the trainer the rest.
 struct Split {
@@ -145,6 +145,9 @@ struct Reference {
 Reference run_uninterrupted(const Split& split, const RunConfig& config) {
   Reference ref;
   TrainingRun run(config, {}, std::nullopt, split.comm);
+  // The producers have sent every row (and closed) before the first step, so that on a loaded
+  // machine every row still comes within the first steps (a pull takes 4 messages a producer).
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
   const int64_t total = split.producers * kRowsPerProducer;
   for (int64_t s = 0; s < kSteps; ++s) {
     const double loss = run.step().loss;
@@ -176,6 +179,7 @@ TEST(StreamCheckpoint, ResumedRunContinuesWithItsBufferBitForBit) {
       Reference ref;
       if (split.producer) {
         produce(split, name, kRowsPerProducer);
+        check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");  // run_uninterrupted's
       } else {
         ref = run_uninterrupted(split, trainer_config(name, trainers, dir.path(), tp));
         ASSERT_GT(ref.saved_at, 0) << "not every row had come by step " << kSteps;
