@@ -50,6 +50,10 @@ std::string TrainingRun::start_save() {
   state.best_metric_name = to_string(best_metric_kind());
   // The best evaluation so far is this step's: this checkpoint becomes `best`.
   const bool best = config_.checkpoint.keep_best && best_step_ == steps_done_;
+  // The stream's buffers as they are now (collective; a pull waits for the snapshot).
+  if (!checkpoint_.stream.tensors.empty()) {
+    on_every_rank(comm_, [&] { stream_->checkpoint_state(checkpoint_.stream); });
+  }
   std::string path;
   TraceSpan span("checkpoint save");
   on_every_rank(comm_, [&] {
@@ -90,19 +94,48 @@ void TrainingRun::resume() {
   latest = broadcast_from_rank0(latest, comm_);
   if (!latest) return;
   // Same data order and model, and a step before the end, before any tensor is read.
+  int stream_buffer_saved = 0;
   on_every_rank(comm_, [&] {
     if (rank_ == 0) {
-      const CheckpointInfo saved = list_checkpoint(*latest).info;
+      const CheckpointListing listing = list_checkpoint(*latest);
+      const CheckpointInfo& saved = listing.info;
+      // Before the data order's check, which another trainer mesh also fails (its schedule
+      // counts the buffers' slots of every group), with a sentence about the data.
+      if (!checkpoint_.stream.tensors.empty()) {
+        stream_buffer_saved = check_stream_buffer_fits(listing) ? 1 : 0;
+      }
       check_resume_compatible(config_, saved, total_steps_, schedule_->order().name());
       const std::string warning =
           learning_rate_change_warning(config_, saved, total_steps_, schedule_->steps_per_epoch());
       if (!warning.empty()) warnings_.push_back(warning);
     }
   });
-  // load_checkpoint throws the same error on every rank, after the same collectives.
+  // load_checkpoint throws the same error on every rank, after the same collectives. The
+  // stream's buffers with the rest, when the checkpoint holds them.
+  broadcast_collective(&stream_buffer_saved, 1, MPI_INT, 0, comm_,
+                       "MPI_Ibcast (whether the checkpoint holds the stream's buffers)");
+  std::vector<ShardedTensor> stream_tensors;
+  if (!stream_buffer_saved) std::swap(stream_tensors, checkpoint_.stream.tensors);
   CheckpointInfo info;
   on_every_rank(comm_, [&] { info = load_checkpoint(*latest, checkpoint_, comm_); });
   model_->masters_written();  // through checkpoint_'s views: the 16-bit copies are cast again
+  if (!stream_buffer_saved) std::swap(stream_tensors, checkpoint_.stream.tensors);
+  if (stream_buffer_saved) {
+    std::vector<int64_t> rows_seen(static_cast<size_t>(stream_->groups() * 2), 0);
+    on_every_rank(comm_, [&] {
+      if (rank_ == 0) {
+        rows_seen = read_stream_rows_seen(info.path);
+        if (rows_seen.size() != static_cast<size_t>(stream_->groups() * 2)) {
+          MESHTRAIN_BAD_INPUT("checkpoint '", info.path, "': /stream/rows_seen counts ",
+                              rows_seen.size() / 2, " batch groups, but its buffers hold ",
+                              stream_->groups());
+        }
+      }
+    });
+    broadcast_collective(rows_seen.data(), static_cast<int>(rows_seen.size()), MPI_INT64_T, 0,
+                         comm_, "MPI_Ibcast (the stream's rows in the checkpoint)");
+    on_every_rank(comm_, [&] { stream_->restore(rows_seen); });
+  }
   steps_done_ = info.train_state.step;
   optimizer_->set_step_count(info.train_state.optimizer_step);
   // A run saved without loss scaling (bf16, fp32) resumed under fp16 starts at the initial scale.
@@ -120,6 +153,42 @@ void TrainingRun::resume() {
   stopped_early_ =
       config_.train.early_stopping > 0 && evals_since_best_ >= config_.train.early_stopping;
   resumed_from_ = info;
+}
+
+// Rank 0, resuming an online run that saves its buffers: whether the checkpoint holds them
+// (a run saved with stream.checkpoint_buffer = false starts with empty buffers, said in a
+// warning); bad_input, one sentence, when it holds buffers of another shape (another trainer
+// mesh, buffer_rows or test_fraction): they are not redistributed.
+bool TrainingRun::check_stream_buffer_fits(const CheckpointListing& listing) {
+  const std::vector<ShardedTensor>& wanted = checkpoint_.stream.tensors;
+  bool any = false;
+  for (const DatasetListing& d : listing.datasets) any = any || d.path.rfind("/stream/", 0) == 0;
+  if (!any) {
+    warnings_.push_back(detail::concat(
+        "checkpoint '", listing.info.path, "' holds no buffer of stream \"", config_.stream.name,
+        "\" (saved with stream.checkpoint_buffer = false?): the resumed run starts with empty ",
+        "buffers"));
+    return false;
+  }
+  for (const ShardedTensor& t : wanted) {
+    const std::string path = "/stream/" + t.name;
+    std::vector<int64_t> saved;
+    for (const DatasetListing& d : listing.datasets) {
+      if (d.path == path) saved = d.shape;
+    }
+    if (saved != t.global_shape) {
+      MESHTRAIN_BAD_INPUT(
+          "checkpoint '", listing.info.path, "' holds stream buffers ", path, " of shape ",
+          saved.empty() ? std::string("(none)") : format_shape(saved),
+          " [batch groups, rows, width], but this run keeps ", format_shape(t.global_shape), " (",
+          stream_->groups(), " batch groups of mesh ", mesh_->describe(),
+          ", stream.buffer_rows = ", config_.stream.buffer_rows,
+          ", stream.test_fraction = ", config_.stream.test_fraction,
+          "); resume on the trainer mesh and [stream] keys it was saved with (the buffers ",
+          "are not redistributed)");
+    }
+  }
+  return true;
 }
 
 CheckpointInfo TrainingRun::load_model(const std::string& path) {

@@ -15,6 +15,7 @@
 
 #include "base/error.hpp"
 #include "framework/comm/collective_matmul.hpp"
+#include "framework/comm/communicator.hpp"
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/comm/reduction_choice.hpp"
@@ -217,12 +218,6 @@ void TrainingRun::open_stream() {
                           "model.loss = \"", to_string(*config_.model.loss), "\"; use \"mse\", ",
                           "\"huber\" or \"mae\"");
     }
-    if (config_.data.normalize_inputs == Normalize::standard ||
-        config_.data.normalize_targets == Normalize::standard) {
-      MESHTRAIN_BAD_INPUT(where, "data.normalize_inputs / normalize_targets = \"standard\" is ",
-                          "not yet supported with data.source = \"stream\"; set them to ",
-                          "\"none\"");
-    }
     slice_ = make_batch_slice(*mesh_, rank_, layer_axes_.batch, global_batch);
     min_rows = stream.min_rows > 0 ? stream.min_rows : slice_.rows;
     if (min_rows > stream.buffer_rows) {
@@ -250,6 +245,11 @@ void TrainingRun::open_stream() {
     auto source = std::make_unique<StreamSource>(stream, comm_, slice_, inputs, outputs, min_rows,
                                                  config_.run.seed, model);
     stream_ = source.get();
+    // Normalization "standard": the statistics of the first min_rows rows (below).
+    if (config_.data.normalize_inputs == Normalize::standard ||
+        config_.data.normalize_targets == Normalize::standard) {
+      stream_->keep_first_rows(min_rows);
+    }
     train_source_ = std::move(source);
     if (stream.test_fraction > 0.0) {
       // The held-out rows are the test set; their count changes as they come (evaluate()).
@@ -393,6 +393,12 @@ void TrainingRun::build_checkpoint_view() {
   for (const std::string& slot : optimizer_->slot_names()) {
     checkpoint_.opt_state.push_back({slot, optimizer_->slot(slot)});
   }
+  // An online run's buffers go with its checkpoints (stream.checkpoint_buffer).
+  if (stream_ && config_.stream.checkpoint_buffer) {
+    on_every_rank(comm_, [&] {
+      checkpoint_.stream.tensors = stream_->prepare_checkpoint(*mesh_, layer_axes_.batch, rank_);
+    });
+  }
 }
 
 // Where the run starts: a checkpoint of its own (resume wins), another run's parameters and
@@ -460,12 +466,89 @@ void TrainingRun::compute_statistics() {
   const bool inputs = config_.data.normalize_inputs == Normalize::standard;
   const bool targets = config_.data.normalize_targets == Normalize::standard;
   if (!inputs && !targets) return;
+  // A stream's buffer is empty at set-up: its statistics come with its first rows.
+  if (stream_) {
+    stream_statistics_pending_ = true;
+    return;
+  }
   const NormalizationStats stats =
       compute_normalization(*train_source_, inputs, targets, comm_, slice_.rows);
   normalization_ = stats.normalization;
   checkpoint_.normalization = normalization_;
   const std::string note = constant_features_note(stats);
   if (!note.empty() && rank_ == 0) warnings_.push_back(note);
+}
+
+// data.source = "stream" with normalization "standard" (docs/online.md), before the first
+// batch: the first pull (every rank holds stream.min_rows rows), then the statistics of the
+// first min_rows rows each batch group took, in a fixed order (group, then producer rank, then
+// row number), by compute_normalization over them all on every rank (so the same bits on every
+// rank, as for a file), frozen from then on (checkpoints keep them; a resume reads them). The
+// batch streams are made again with them. Collective.
+void TrainingRun::freeze_stream_statistics() {
+  stream_statistics_pending_ = false;
+  {
+    TraceSpan span("stream receive");
+    stream_->pull();
+  }
+  const int64_t features = train_source_->shape().features;
+  const int64_t outputs = train_source_->shape().output_width();
+  std::vector<float> x, y;
+  const int64_t mine = stream_->group_lead() ? stream_->first_rows(x, y) : 0;
+  int size = 1;
+  check_mpi(MPI_Comm_size(comm_, &size), "MPI_Comm_size");
+  // Each rank's (group, rows): only a group's lead gives rows (its other ranks hold the same).
+  const int64_t entry[2] = {slice_.index, mine};
+  std::vector<int64_t> entries(static_cast<size_t>(2 * size));
+  check_mpi(MPI_Allgather(entry, 2, MPI_INT64_T, entries.data(), 2, MPI_INT64_T, comm_),
+            "MPI_Allgather (the rows of a stream's statistics)");
+  std::vector<int> counts_x(static_cast<size_t>(size)), counts_y(counts_x), displs_x(counts_x),
+      displs_y(counts_x);
+  int64_t total = 0;
+  // Displacements in group order, so that the rows are laid out group by group.
+  std::vector<int> ranks(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) ranks[static_cast<size_t>(r)] = r;
+  std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) {
+    return entries[static_cast<size_t>(2 * a)] < entries[static_cast<size_t>(2 * b)];
+  });
+  for (int r : ranks) {
+    const int64_t rows = entries[static_cast<size_t>(2 * r + 1)];
+    counts_x[static_cast<size_t>(r)] =
+        checked_int(static_cast<size_t>(rows * features), "a stream's statistics rows");
+    counts_y[static_cast<size_t>(r)] =
+        checked_int(static_cast<size_t>(rows * outputs), "a stream's statistics rows");
+    displs_x[static_cast<size_t>(r)] =
+        checked_int(static_cast<size_t>(total * features), "a stream's statistics rows");
+    displs_y[static_cast<size_t>(r)] =
+        checked_int(static_cast<size_t>(total * outputs), "a stream's statistics rows");
+    total += rows;
+  }
+  Dataset first;
+  first.description = "the first stream.min_rows rows of stream \"" + config_.stream.name + "\"";
+  first.num_samples = total;
+  first.features = features;
+  first.target_width = outputs;
+  first.inputs.resize(static_cast<size_t>(total * features));
+  first.targets.resize(static_cast<size_t>(total * outputs));
+  check_mpi(MPI_Allgatherv(x.data(), static_cast<int>(x.size()), MPI_FLOAT, first.inputs.data(),
+                           counts_x.data(), displs_x.data(), MPI_FLOAT, comm_),
+            "MPI_Allgatherv (the rows of a stream's statistics)");
+  check_mpi(MPI_Allgatherv(y.data(), static_cast<int>(y.size()), MPI_FLOAT, first.targets.data(),
+                           counts_y.data(), displs_y.data(), MPI_FLOAT, comm_),
+            "MPI_Allgatherv (the rows of a stream's statistics)");
+  const std::unique_ptr<RowSource> rows = make_memory_source(std::move(first));
+  const NormalizationStats stats = compute_normalization(
+      *rows, config_.data.normalize_inputs == Normalize::standard,
+      config_.data.normalize_targets == Normalize::standard, comm_, slice_.rows);
+  normalization_ = stats.normalization;
+  checkpoint_.normalization = normalization_;
+  const std::string note = constant_features_note(stats);
+  if (!note.empty() && rank_ == 0) warnings_.push_back(note);
+  // The batch streams standardize with the statistics they were made with.
+  train_stream_.reset();
+  eval_stream_.reset();
+  eval_seq_ = 0;
+  start_streams();
 }
 
 // Raw inputs of very different scales train badly and silently: rank 0 looks at a sample.

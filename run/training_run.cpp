@@ -255,8 +255,13 @@ StepResult TrainingRun::step() {
 }
 
 void TrainingRun::load_batch(int64_t step, int64_t micro) {
+  if (stream_statistics_pending_) freeze_stream_statistics();
   try {
     if (stream_) {
+      // A save in flight may still be copying the buffer that this pull changes.
+      if (!checkpoint_.stream.tensors.empty() && checkpointer_->in_flight()) {
+        checkpointer_->wait_snapshot();
+      }
       TraceSpan span("stream receive");
       stream_->pull();
     }

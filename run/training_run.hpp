@@ -283,6 +283,8 @@ class TrainingRun {
   // The checkpoint's statistics (read on rank 0, the same bits on every rank), checked
   // against data.normalize_inputs / normalize_targets and the data's widths.
   Normalization read_checkpoint_normalization(const std::string& file, const std::string& role);
+  bool check_stream_buffer_fits(const CheckpointListing& listing);
+  void freeze_stream_statistics();
   void compute_statistics();
   void warn_about_input_scales();
   void log_step(const StepResult& result);
@@ -320,6 +322,9 @@ class TrainingRun {
     return stream_ != nullptr && config_.stream.test_fraction > 0.0;
   }
   int64_t eval_first_seq_ = 0;
+  // data.source = "stream" with normalization "standard": the statistics are made from the
+  // first rows before the first batch (freeze_stream_statistics).
+  bool stream_statistics_pending_ = false;
   bool stream_ended_ = false;              // stream.until = "closed" and every producer had closed
   std::optional<BatchSchedule> schedule_;  // of optimizer steps: accumulation x batch rows
   BatchSlice slice_;                       // of one micro-batch

@@ -5,6 +5,13 @@
 meshtrain_add_test(NAME online_stream_test SOURCES online/stream_test.cpp LIBS meshtrain_run
                    NP 2 3 4 TIMEOUT 120)
 
+# Checkpoints of an online run (its buffers under /stream) and resuming with them, at trainers 1
+# and 2 x producers 1 and 2 (np 2: 1 + 1; np 3: 1 + 2 and 2 + 1; np 4: 2 + 2): the resumed run
+# equal bit for bit to the uninterrupted one, the key that turns it off, another trainer count
+# refused. The timeout ends any hang of a rendezvous, a resume or a close.
+meshtrain_add_test(NAME online_resume_test SOURCES online/resume_test.cpp LIBS meshtrain_run
+                   NP 2 3 4 TIMEOUT 180)
+
 # MPMD, as a simulation runs beside `meshtrain train`: a C producer using only stream.h
 # (c_producer.c) as the first program, the trainer on two ranks as the second; each takes its
 # part of MPI_COMM_WORLD by MPI_APPNUM. The run ends when the producer closes and its last log

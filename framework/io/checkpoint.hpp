@@ -12,6 +12,10 @@
 //                           with a crc32 attribute each (normalization.hpp; absent when off).
 //                           Written whole by rank 0 with the structure; read with
 //                           read_normalization, not by load_checkpoint
+//   /stream/<name>          an online run's buffers (docs/online.md): float32 tensors as
+//                           /params (x, y, held_out_x, held_out_y: [groups, rows, width]);
+//   /stream/rows_seen       int64 [groups, 2], written whole by rank 0 with the structure
+//                           (read with read_stream_rows_seen); absent when none
 //
 // A rank-0 (scalar) tensor is stored as shape [1] with attribute scalar = 1. A flipped byte
 // fails the dataset's CRC-32 on load and in verify_checkpoint. Of the ranks holding the same
@@ -102,6 +106,15 @@ struct OptimizerSlot {
   std::vector<ShardedTensor> tensors;
 };
 
+// An online run's buffers (data.source = "stream", stream.checkpoint_buffer): saved under
+// /stream, loaded by load_checkpoint as the other tensors when `tensors` is not empty.
+struct StreamCheckpoint {
+  std::vector<ShardedTensor> tensors;  // /stream/<name>
+  // Rank 0's, for a save: per batch group the rows its training buffer and its held-out
+  // window have seen, [groups x 2] (the rest of the buffers' state follows from them).
+  std::vector<int64_t> rows_seen;
+};
+
 // What a checkpoint holds. The tensors are shallow (Kokkos Views share their data), so a
 // contents built from the trainer's tensors is saved without a copy, and a load writes
 // straight into them. Tensor boxes must be those of this rank (comm rank) under `mesh`.
@@ -112,6 +125,7 @@ struct CheckpointContents {
   std::vector<ShardedTensor> params;
   std::vector<OptimizerSlot> opt_state;
   Normalization normalization;  // saved under /normalization (none: no group)
+  StreamCheckpoint stream;      // saved under /stream (no tensors: no group)
 };
 
 // What a load found besides the tensors.
@@ -221,6 +235,11 @@ std::string resolve_checkpoint_path(const std::string& path);
 // shape mismatch (naming the parameter and both shapes), and a dataset whose checksum
 // fails (naming the dataset and the file).
 CheckpointInfo load_checkpoint(const std::string& path, CheckpointContents& into, MPI_Comm comm);
+
+// /stream/rows_seen of a checkpoint file ([groups x 2], row-major), read with the serial driver
+// and checked against its crc32 attribute; empty when the file holds no stream buffer. Throws
+// bad_input naming the file when it cannot be read. Not collective.
+std::vector<int64_t> read_stream_rows_seen(const std::string& path);
 
 // --- Reading without MPI (inspect) -------------------------------------------------------
 

@@ -1,10 +1,12 @@
 #include "framework/io/checkpoint_format.hpp"
 
 #include <filesystem>
+#include <mutex>
 #include <set>
 
 #include "base/error.hpp"
 #include "framework/core/version.hpp"
+#include "framework/io/checkpoint_checksums.hpp"
 #include "partition/planner.hpp"
 
 namespace meshtrain::checkpoint_format {
@@ -63,6 +65,10 @@ std::vector<DatasetEntry> dataset_entries(const CheckpointContents& c, int rank)
       add("/opt_state/" + slot.name + "/" + t.name,
           "optimizer state '" + slot.name + "' of parameter '" + t.name + "'", t);
     }
+  }
+  for (const auto& t : c.stream.tensors) {
+    check_name(t.name, "stream buffer");
+    add("/stream/" + t.name, "stream buffer '" + t.name + "'", t);
   }
   return entries;
 }
@@ -260,4 +266,65 @@ Handle open_serial(const std::string& path, unsigned flags) {
                     "cannot open checkpoint '" + path + "' as an HDF5 file");
 }
 
+// --- an online run's buffers ---------------------------------------------------------------
+
+namespace {
+constexpr const char* kRowsSeen = "/stream/rows_seen";
+}
+
+void write_stream_rows_seen(hid_t file, const std::vector<int64_t>& rows_seen,
+                            const std::string& path) {
+  if (rows_seen.empty()) return;
+  const ErrorKind fail = ErrorKind::runtime;
+  const std::string what =
+      std::string("cannot write '") + kRowsSeen + "' in checkpoint file '" + path + "'";
+  Handle lcpl = hdf5::make(H5Pcreate(H5P_LINK_CREATE), H5Pclose, fail, what);
+  hdf5::check(H5Pset_create_intermediate_group(lcpl, 1), fail, what);
+  const hsize_t dims[2] = {rows_seen.size() / 2, 2};
+  Handle space = hdf5::make(H5Screate_simple(2, dims, nullptr), H5Sclose, fail, what);
+  Handle dataset =
+      hdf5::make(H5Dcreate2(file, kRowsSeen, H5T_STD_I64LE, space, lcpl, H5P_DEFAULT, H5P_DEFAULT),
+                 H5Dclose, fail, what);
+  hdf5::check(H5Dwrite(dataset, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows_seen.data()),
+              fail, what);
+  hdf5::write_attribute(
+      dataset, kChecksumAttribute,
+      static_cast<uint64_t>(crc32_update(0, rows_seen.data(), rows_seen.size() * sizeof(int64_t))));
+  dataset.close(what);
+}
+
 }  // namespace meshtrain::checkpoint_format
+
+namespace meshtrain {
+
+std::vector<int64_t> read_stream_rows_seen(const std::string& path) {
+  using namespace checkpoint_format;
+  std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+  hdf5::silence_errors();
+  Handle file = open_serial(path);
+  const ErrorKind bad = ErrorKind::bad_input;
+  const std::string what =
+      std::string("cannot read '") + kRowsSeen + "' in checkpoint '" + path + "'";
+  if (!hdf5::path_exists(file, kRowsSeen, bad, what)) return {};
+  Handle dataset = hdf5::make(H5Dopen2(file, kRowsSeen, H5P_DEFAULT), H5Dclose, bad, what);
+  const std::vector<int64_t> shape = hdf5::dataset_shape(dataset, bad, what);
+  if (shape.size() != 2 || shape[1] != 2) {
+    MESHTRAIN_BAD_INPUT(what, ": expected shape [groups, 2], found ", format_shape(shape));
+  }
+  std::vector<int64_t> values(static_cast<size_t>(shape[0] * 2));
+  if (!values.empty() &&
+      H5Dread(dataset, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data()) < 0) {
+    throw_read_failure(kRowsSeen, path);
+  }
+  const uint32_t stored =
+      static_cast<uint32_t>(hdf5::read_uint_attribute(dataset, kChecksumAttribute, bad, what));
+  const uint32_t computed = crc32_update(0, values.data(), values.size() * sizeof(int64_t));
+  if (computed != stored) {
+    MESHTRAIN_BAD_INPUT("dataset '", kRowsSeen, "' in checkpoint '", path,
+                        "' is corrupt: the CRC-32 of its bytes is ", computed,
+                        " but the file records ", stored);
+  }
+  return values;
+}
+
+}  // namespace meshtrain

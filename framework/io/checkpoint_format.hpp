@@ -56,6 +56,11 @@ void for_each_run(const ShardedTensor& t,
 // datasets under /normalization, each with its crc32 attribute; nothing when there are none.
 void write_normalization(hid_t file, const Normalization& normalization, const std::string& path);
 
+// Rank 0, creating a file: an online run's /stream/rows_seen (int64 [groups, 2], with its
+// crc32 attribute); nothing when `rows_seen` is empty.
+void write_stream_rows_seen(hid_t file, const std::vector<int64_t>& rows_seen,
+                            const std::string& path);
+
 // --- metadata ----------------------------------------------------------------------------
 
 void write_metadata(hid_t file, const CheckpointContents& c);

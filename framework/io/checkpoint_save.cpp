@@ -273,6 +273,7 @@ std::vector<int64_t> create_file(const SaveJob& job, const CheckpointContents& c
                            H5Fclose, fail, "cannot create " + where);
   write_metadata(file, c);
   write_normalization(file, c.normalization, job.tmp_path);
+  write_stream_rows_seen(file, c.stream.rows_seen, job.tmp_path);
   Handle lcpl = hdf5::make(H5Pcreate(H5P_LINK_CREATE), H5Pclose, fail, "H5Pcreate(link create)");
   hdf5::check(H5Pset_create_intermediate_group(lcpl, 1), fail, "H5Pset_create_intermediate_group");
   std::vector<int64_t> offsets;

@@ -332,8 +332,12 @@ DataFootprint data_footprint(const DataSection& data, const DataUse& use, int64_
     return f;
   }
   if (data.source == DataSource::stream) {
-    f.source = "a stream (its buffer is not counted yet)";
+    // The buffer and the held-out window, float32 rows; the staging of the producers'
+    // messages (4 per producer) depends on the producers, unknown to the plan.
+    f.source = "a stream's buffer and held-out window (not its message staging)";
     f.read.pattern = ReadPattern::memory;
+    f.read.row_bytes = 4 * (features + outputs);
+    f.source_bytes = (use.stream_buffer_rows + use.stream_held_out_rows) * f.read.row_bytes;
     return f;
   }
   f.source = "in memory";

@@ -215,6 +215,9 @@ struct DataUse {
   int64_t outputs = 0;
   bool labels = false;
   int64_t accumulation_steps = 1;
+  // data.source = "stream": a trainer rank's buffer and held-out window, in rows.
+  int64_t stream_buffer_rows = 0;
+  int64_t stream_held_out_rows = 0;
 };
 DataFootprint data_footprint(const DataSection& data, const DataUse& use, int64_t rows,
                              int64_t eval_rows);

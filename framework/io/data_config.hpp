@@ -3,6 +3,7 @@
 // Apart from framework/train/config.hpp, which includes it, so that io depends on this
 // section alone and not on the whole run configuration.
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -64,7 +65,19 @@ struct StreamSection {
   // the same rows in every run), kept in a window of ceil(buffer_rows x test_fraction) rows
   // per trainer rank and evaluated as the run's test set; 0: none.
   double test_fraction = 0.0;
+  // Checkpoints hold every trainer rank's buffer and held-out window (/stream), and a resumed
+  // run continues with them; false: a resumed run starts with empty buffers.
+  bool checkpoint_buffer = true;
 };
+
+// Rows of a trainer rank's held-out window: ceil(buffer_rows x test_fraction), at least 1
+// (0 without test_fraction).
+inline int64_t stream_held_out_rows(const StreamSection& stream) {
+  if (stream.test_fraction <= 0.0) return 0;
+  const double rows = static_cast<double>(stream.buffer_rows) * stream.test_fraction;
+  const auto whole = static_cast<int64_t>(rows);
+  return std::max<int64_t>(1, whole + (static_cast<double>(whole) < rows ? 1 : 0));
+}
 
 // A dataset key as written ("x" or "/x") in its canonical form ("/x"); "" when it names no
 // dataset ("" or "/").

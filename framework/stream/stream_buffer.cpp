@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "base/error.hpp"
+
 namespace meshtrain {
 
 StreamBuffer::StreamBuffer(int64_t capacity, int64_t features, int64_t outputs, StreamPolicy policy,
@@ -33,6 +35,13 @@ void StreamBuffer::add(const float* x, const float* y) {
   }
   std::copy(x, x + features_, x_.begin() + slot * features_);
   std::copy(y, y + outputs_, y_.begin() + slot * outputs_);
+}
+
+void StreamBuffer::restore_seen(int64_t seen) {
+  if (seen < 0) MESHTRAIN_BAD_INPUT("a stream buffer's row count ", seen, " is negative");
+  seen_ = seen;
+  filled_ = std::min(seen, capacity_);
+  overwritten_ = std::max<int64_t>(0, seen - capacity_);
 }
 
 }  // namespace meshtrain

@@ -38,6 +38,15 @@ class StreamBuffer {
   int64_t outputs() const { return outputs_; }
   int64_t bytes() const { return static_cast<int64_t>((x_.size() + y_.size()) * sizeof(float)); }
 
+  // A checkpoint's copy (docs/online.md): the slots' bits ([capacity, features] and
+  // [capacity, outputs], written in place by a load) and seen(). filled() and overwritten()
+  // follow from seen(), and the reservoir's choices are a hash of the row count, so a buffer
+  // restored with restore_seen() continues exactly as the one saved.
+  float* x_data() { return x_.data(); }
+  float* y_data() { return y_.data(); }
+  // Throws bad_input when `seen` is negative (a damaged checkpoint).
+  void restore_seen(int64_t seen);
+
  private:
   int64_t capacity_, features_, outputs_;
   StreamPolicy policy_;

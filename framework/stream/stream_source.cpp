@@ -49,10 +49,7 @@ class HeldOutSource : public RowSource {
 };
 
 int64_t held_out_capacity(const StreamSection& section) {
-  if (section.test_fraction <= 0.0) return 1;  // unused
-  return std::max<int64_t>(
-      1, static_cast<int64_t>(
-             std::ceil(static_cast<double>(section.buffer_rows) * section.test_fraction)));
+  return std::max<int64_t>(1, stream_held_out_rows(section));  // 1: unused
 }
 
 }  // namespace
@@ -77,6 +74,7 @@ StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
     : section_(section),
       trainer_comm_(trainer_comm),
       group_(slice.index),
+      groups_(slice.count),
       min_rows_(min_rows),
       seed_(seed),
       buffer_(section.buffer_rows, features, outputs, section.policy, seed, slice.index),
@@ -227,8 +225,13 @@ void StreamSource::take(int64_t producer, const unsigned char* message) {
   const auto keep = [&](int64_t r, const float* x, const float* y) {
     if (stream_row_held_out(producer, header.first_row + r, fraction)) {
       held_out_.add(x, y);
-    } else {
-      buffer_.add(x, y);
+      return;
+    }
+    buffer_.add(x, y);
+    if (first_kept_ < first_wanted_) {
+      std::copy(x, x + f, first_x_.begin() + first_kept_ * f);
+      std::copy(y, y + w, first_y_.begin() + first_kept_ * w);
+      first_ids_[static_cast<size_t>(first_kept_++)] = {producer, header.first_row + r};
     }
   };
   if (dtype_ == sp::kFloat32) {
@@ -495,6 +498,132 @@ int64_t StreamSource::batch_slots(int64_t seq, int64_t rows, int64_t* out) const
     }
   }
   return rows;
+}
+
+void StreamSource::keep_first_rows(int64_t rows) {
+  first_wanted_ = rows;
+  first_x_.assign(static_cast<size_t>(rows * buffer_.features()), 0.0f);
+  first_y_.assign(static_cast<size_t>(rows * buffer_.outputs()), 0.0f);
+  first_ids_.assign(static_cast<size_t>(rows), {0, 0});
+}
+
+int64_t StreamSource::first_rows(std::vector<float>& x, std::vector<float>& y) const {
+  const int64_t f = buffer_.features(), w = buffer_.outputs();
+  std::vector<int64_t> order(static_cast<size_t>(first_kept_));
+  for (int64_t i = 0; i < first_kept_; ++i) order[static_cast<size_t>(i)] = i;
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return first_ids_[static_cast<size_t>(a)] < first_ids_[static_cast<size_t>(b)];
+  });
+  x.resize(static_cast<size_t>(first_kept_ * f));
+  y.resize(static_cast<size_t>(first_kept_ * w));
+  for (int64_t i = 0; i < first_kept_; ++i) {
+    const int64_t from = order[static_cast<size_t>(i)];
+    std::copy(first_x_.begin() + from * f, first_x_.begin() + (from + 1) * f, x.begin() + i * f);
+    std::copy(first_y_.begin() + from * w, first_y_.begin() + (from + 1) * w, y.begin() + i * w);
+  }
+  return first_kept_;
+}
+
+// --- checkpoints ---------------------------------------------------------------------------
+
+const std::vector<ShardedTensor>& StreamSource::prepare_checkpoint(
+    const Mesh& mesh, const std::vector<std::string>& batch_axes, int rank) {
+  if (!checkpoint_tensors_.empty()) return checkpoint_tensors_;
+  // Dimension 0 (the group) split over the batch axes the mesh has, as make_batch_slice
+  // numbers the groups; the other axes (tp) hold copies.
+  SpecEntry groups;
+  for (const std::string& axis : batch_axes) {
+    if (mesh.has_axis(axis)) groups.axes.push_back(axis);
+  }
+  const PartitionSpec spec({groups, SpecEntry{}, SpecEntry{}});
+  const auto add = [&](const char* name, StreamBuffer& rows, bool inputs) {
+    const int64_t width = inputs ? rows.features() : rows.outputs();
+    ShardedTensor t;
+    t.name = name;
+    t.global_shape = {groups_, rows.capacity(), width};
+    t.spec = spec;
+    t.box = shard_box(t.global_shape, spec, mesh, rank);
+    MESHTRAIN_REQUIRE(t.box.offset[0] == group_ && t.box.extent[0] == 1, "stream \"", section_.name,
+                      "\": the checkpoint block of ", name, " is not batch group ", group_, "'s");
+    const size_t elements = static_cast<size_t>(rows.capacity() * width);
+    if constexpr (kDeviceMemoryIsHostInaccessible) {
+      t.local =
+          Vector(std::string(name), elements);  // copied to and from the buffer (checkpoint_state)
+    } else {
+      t.local = Vector(inputs ? rows.x_data() : rows.y_data(), elements);  // the buffer itself
+    }
+    checkpoint_tensors_.push_back(std::move(t));
+  };
+  add("x", buffer_, true);
+  add("y", buffer_, false);
+  if (section_.test_fraction > 0.0) {
+    add("held_out_x", held_out_, true);
+    add("held_out_y", held_out_, false);
+  }
+  return checkpoint_tensors_;
+}
+
+namespace {
+// The buffer a checkpoint tensor (in prepare_checkpoint's order) holds: x, y, held-out x, y.
+float* tensor_rows(size_t index, StreamBuffer& buffer, StreamBuffer& held_out) {
+  StreamBuffer& rows = index < 2 ? buffer : held_out;
+  return index % 2 == 0 ? rows.x_data() : rows.y_data();
+}
+}  // namespace
+
+void StreamSource::checkpoint_state(StreamCheckpoint& into) {
+  if constexpr (kDeviceMemoryIsHostInaccessible) {
+    for (size_t i = 0; i < checkpoint_tensors_.size(); ++i) {
+      ShardedTensor& t = checkpoint_tensors_[i];
+      Kokkos::deep_copy(t.local, Kokkos::View<const float*, Kokkos::HostSpace>(
+                                     tensor_rows(i, buffer_, held_out_), t.local.extent(0)));
+    }
+  }
+  // Every group's counts, from its lead (the other ranks of a group hold the same).
+  std::vector<int64_t> seen(static_cast<size_t>(groups_ * 2), 0);
+  if (group_lead_) {
+    seen[static_cast<size_t>(group_ * 2)] = buffer_.seen();
+    seen[static_cast<size_t>(group_ * 2 + 1)] = held_out_.seen();
+  }
+  into.rows_seen.assign(seen.size(), 0);
+  check_mpi(MPI_Reduce(seen.data(), into.rows_seen.data(), static_cast<int>(seen.size()),
+                       MPI_INT64_T, MPI_SUM, 0, trainer_comm_),
+            "MPI_Reduce (a stream's rows for a checkpoint)");
+  if (trainer_rank_ != 0) into.rows_seen.clear();
+}
+
+void StreamSource::restore(const std::vector<int64_t>& rows_seen) {
+  if (rows_seen.size() != static_cast<size_t>(groups_ * 2)) {
+    MESHTRAIN_BAD_INPUT("stream \"", section_.name, "\": the checkpoint counts the rows of ",
+                        rows_seen.size() / 2, " batch groups, but this trainer has ", groups_);
+  }
+  if constexpr (kDeviceMemoryIsHostInaccessible) {
+    for (size_t i = 0; i < checkpoint_tensors_.size(); ++i) {
+      const ShardedTensor& t = checkpoint_tensors_[i];
+      Kokkos::deep_copy(Kokkos::View<float*, Kokkos::HostSpace>(tensor_rows(i, buffer_, held_out_),
+                                                                t.local.extent(0)),
+                        t.local);
+    }
+  }
+  buffer_.restore_seen(rows_seen[static_cast<size_t>(group_ * 2)]);
+  // Without test_fraction the window is not saved (nor used): it starts empty.
+  if (section_.test_fraction > 0.0) {
+    held_out_.restore_seen(rows_seen[static_cast<size_t>(group_ * 2 + 1)]);
+  }
+  // The counters as a pull would agree on them (the first pull after the resume recounts).
+  counters_.rows_received = 0;
+  counters_.rows_overwritten = 0;
+  counters_.buffer_rows = 0;
+  counters_.rows_held_out = 0;
+  for (int64_t g = 0; g < groups_; ++g) {
+    const int64_t seen = rows_seen[static_cast<size_t>(g * 2)];
+    const int64_t held =
+        section_.test_fraction > 0.0 ? rows_seen[static_cast<size_t>(g * 2 + 1)] : 0;
+    counters_.rows_received += seen + held;
+    counters_.rows_held_out += held;
+    counters_.rows_overwritten += std::max<int64_t>(0, seen - buffer_.capacity());
+    counters_.buffer_rows += std::min(seen, buffer_.capacity());
+  }
 }
 
 }  // namespace meshtrain

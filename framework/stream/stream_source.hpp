@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "framework/core/sharded_tensor.hpp"
+#include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
 #include "framework/io/data_config.hpp"
 #include "framework/io/normalization.hpp"
@@ -95,6 +96,33 @@ class StreamSource : public RowSource {
   int64_t held_out_slots(int64_t batch, int64_t rows, int64_t* out) const;
   int64_t producers() const { return static_cast<int64_t>(producers_.size()); }
 
+  // Checkpoints (stream.checkpoint_buffer, docs/online.md). Made once, not collective: this
+  // rank's training buffer and (with test_fraction) held-out window as tensors of the trainer's
+  // `mesh` (rank `rank`), "x", "y", "held_out_x", "held_out_y" of shape [groups, rows, width],
+  // split over `batch_axes` (the ranks of a group hold the same bits, so one of them writes).
+  // They view the buffers' own memory where the host can read the tensors' (else copies made
+  // by checkpoint_state() and read back by restore()).
+  const std::vector<ShardedTensor>& prepare_checkpoint(const Mesh& mesh,
+                                                       const std::vector<std::string>& batch_axes,
+                                                       int rank);
+  // Collective over the trainer, before a save (`into.tensors` being prepare_checkpoint's):
+  // the tensors current, and into rank 0's `rows_seen` every group's rows seen by its buffer
+  // and its window ([groups x 2]).
+  void checkpoint_state(StreamCheckpoint& into);
+  // After load_checkpoint filled the tensors: the buffers continue from `rows_seen` (every
+  // group's, as checkpoint_state() gave rank 0). bad_input when it does not fit them.
+  void restore(const std::vector<int64_t>& rows_seen);
+  int64_t groups() const { return groups_; }
+  bool group_lead() const { return group_lead_; }
+
+  // Normalization "standard" on a stream (docs/online.md): the first `rows` rows this rank's
+  // training buffer takes are also kept aside, with their producer and row number, for the
+  // statistics. Not collective; call before the first pull (allocates them).
+  void keep_first_rows(int64_t rows);
+  // Those kept so far, ordered by producer rank, then row number, into x [count, features]
+  // and y [count, outputs]; returns count.
+  int64_t first_rows(std::vector<float>& x, std::vector<float>& y) const;
+
   // Publishes (docs/online.md). Collective over the trainer, once before the first publish:
   // the gather of `params` (sharded on the trainer's `mesh`, its ranks those of trainer_comm)
   // and every buffer a publish uses, so that publish() allocates nothing.
@@ -125,6 +153,12 @@ class StreamSource : public RowSource {
   bool group_lead_ = false;
   int trainer_size_ = 1;
   int64_t group_ = 0;
+  int64_t groups_ = 1;
+  std::vector<ShardedTensor> checkpoint_tensors_;  // prepare_checkpoint's
+  // keep_first_rows: the first rows taken, their (producer, row number), how many so far.
+  int64_t first_wanted_ = 0, first_kept_ = 0;
+  std::vector<float> first_x_, first_y_;
+  std::vector<std::pair<int64_t, int64_t>> first_ids_;
   int64_t min_rows_ = 1;
   uint64_t seed_ = 0;
   int64_t dtype_ = 0;

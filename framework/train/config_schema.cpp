@@ -436,6 +436,10 @@ const std::vector<ConfigKey>& config_keys() {
                          between(0, 1, true, "none held out"), kFileCommands,
                          "rows held out for evaluation, by a hash of producer rank and row number")
                     .only_when(unless_stream));
+    k.push_back(make_key("stream", "checkpoint_buffer", FIELD(stream.checkpoint_buffer),
+                         any_value(), kFileCommands,
+                         "checkpoints hold the buffers, and a resumed run continues with them")
+                    .only_when(unless_stream));
     // --- [optimizer] ---------------------------------------------------------------------
     k.push_back(make_key("optimizer", "kind", NAMED(optimizer.kind, optimizer_kind_choices()),
                          any_value(), kFileCommands, "the update rule"));

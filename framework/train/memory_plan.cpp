@@ -369,8 +369,12 @@ PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan,
   }
   // This rank's rows of a batch and of an evaluation batch (the plan's batch shards).
   const int64_t eval_rows = evaluation_rows(config, plan);
-  const DataUse use{config.model.input_width(), config.model.output_width(),
-                    config.model.loss == LossKind::cross_entropy, config.train.accumulation_steps};
+  DataUse use{config.model.input_width(), config.model.output_width(),
+              config.model.loss == LossKind::cross_entropy, config.train.accumulation_steps};
+  if (config.data.source == DataSource::stream) {
+    use.stream_buffer_rows = config.stream.buffer_rows;
+    use.stream_held_out_rows = stream_held_out_rows(config.stream);
+  }
   memory.data =
       data_footprint(config.data, use, std::max<int64_t>(plan.local_batch_rows, 0), eval_rows);
   memory.ring = ring_reduction_bytes(plan, config, hardware);

@@ -362,6 +362,92 @@ TEST(Stream, RunEqualsTheSameRowsFromHdf5) {
   }
 }
 
+// Normalization "standard" on a stream: the statistics of the first stream.min_rows rows each
+// batch group took (one producer per group: the first min_rows rows of its messages in order;
+// several: every row, min_rows being all of them), against the same statistics computed here
+// in float64 (two passes), to 1e-12 of the std; frozen in the checkpoint.
+TEST(Stream, StandardNormalizationFromTheFirstRows) {
+  Roles roles;
+  const int groups = roles.trainers;  // dp over the trainer
+  constexpr int64_t kRows = 64;       // per producer, in messages of 8
+  const int64_t per_group = kRows * roles.producers / groups;
+  const bool one_producer_per_group = roles.producers <= groups;
+  const int64_t min_rows = one_producer_per_group ? 24 : per_group;
+  TempDir dir(/*shared=*/true);
+  if (roles.producer) {
+    StreamProducerOptions options;
+    options.message_rows = 8;
+    options.backpressure = StreamBackpressure::block;
+    StreamProducer producer;
+    producer.connect(roles.comm, "standard", kInputs, kOutputs, StreamDtype::float32, options);
+    std::vector<float> x(8 * kInputs), y(8 * kOutputs);
+    for (int64_t r = 0; r < kRows; r += 8) {
+      for (int64_t i = 0; i < 8; ++i)
+        make_row_f(roles.rank, r + i, &x[i * kInputs], &y[i * kOutputs]);
+      producer.send(x.data(), y.data(), 8);
+    }
+    producer.close();
+    return;
+  }
+  RunConfig config = trainer_config("standard", {{"dp", groups}}, "dp");
+  config.data.normalize_inputs = Normalize::standard;
+  config.data.normalize_targets = Normalize::standard;
+  config.data.batch_size = 8 * groups;
+  config.stream.buffer_rows = 128;
+  config.stream.min_rows = min_rows;
+  config.train.steps = 4;
+  config.checkpoint.dir = dir.path() + "/checkpoints";
+  TrainingRun run(config, {}, std::nullopt, roles.comm);
+  // `meshtrain plan` counts the buffer (128 rows of 4 + 2 floats; no held-out window here).
+  EXPECT_EQ(run.planned_memory().data.source_bytes, 128 * (kInputs + kOutputs) * 4);
+  run.step();
+  const Normalization n = run.normalization();
+  // The reference: each group's first min_rows rows, its messages in order.
+  std::vector<std::vector<double>> columns(static_cast<size_t>(kInputs + kOutputs));
+  for (int64_t g = 0; g < groups; ++g) {
+    int64_t taken = 0;
+    for (int64_t p = 0; p < roles.producers; ++p) {
+      for (int64_t m = 0; m * 8 < kRows; ++m) {
+        if (stream_protocol::group_of_message(p, m, roles.producers, groups) != g) continue;
+        for (int64_t i = 0; i < 8 && taken < min_rows; ++i, ++taken) {
+          float x[kInputs], y[kOutputs];
+          make_row_f(p, m * 8 + i, x, y);
+          for (int64_t j = 0; j < kInputs; ++j) columns[static_cast<size_t>(j)].push_back(x[j]);
+          for (int64_t o = 0; o < kOutputs; ++o)
+            columns[static_cast<size_t>(kInputs + o)].push_back(y[o]);
+        }
+      }
+    }
+    EXPECT_EQ(taken, min_rows);
+  }
+  ASSERT_EQ(n.input_mean.size(), static_cast<size_t>(kInputs));
+  ASSERT_EQ(n.target_std.size(), static_cast<size_t>(kOutputs));
+  for (int64_t c = 0; c < kInputs + kOutputs; ++c) {
+    const std::vector<double>& v = columns[static_cast<size_t>(c)];
+    double mean = 0.0, squares = 0.0;
+    for (double e : v) mean += e;
+    mean /= static_cast<double>(v.size());
+    for (double e : v) squares += (e - mean) * (e - mean);
+    const double std_dev = std::sqrt(squares / static_cast<double>(v.size()));
+    const bool input = c < kInputs;
+    const double got_mean = input ? n.input_mean[static_cast<size_t>(c)]
+                                  : n.target_mean[static_cast<size_t>(c - kInputs)];
+    const double got_std = input ? n.input_std[static_cast<size_t>(c)]
+                                 : n.target_std[static_cast<size_t>(c - kInputs)];
+    EXPECT_NEAR(got_mean, mean, 1e-12 * std_dev) << "column " << c;
+    EXPECT_NEAR(got_std, std_dev, 1e-12 * std_dev) << "column " << c;
+  }
+  // Frozen: the same after more steps, and in the checkpoint.
+  run.step();
+  EXPECT_EQ(run.normalization().input_mean, n.input_mean);
+  const std::string file = run.save();
+  if (roles.rank == 0) {
+    const Normalization saved = read_normalization(file);
+    EXPECT_EQ(saved.input_std, n.input_std);
+    EXPECT_EQ(saved.target_mean, n.target_mean);
+  }
+}
+
 // Shapes that disagree: the same sentence on both sides, naming the stream and both shapes,
 // before any step (the run is never built).
 // stream.test_fraction: the rows held out are those of a seedless hash of (producer rank, row
@@ -525,6 +611,10 @@ TEST(StreamConfig, KeysReadWrittenAndRefusedElsewhere) {
   EXPECT_EQ(c.stream.order, StreamOrder::arrival);
   EXPECT_EQ(c.stream.dtype, StreamRowType::float64);
   EXPECT_EQ(c.stream.until, StreamUntil::closed);
+  EXPECT_TRUE(c.stream.checkpoint_buffer);
+  const RunConfig off = parse_config(text, "online.toml", {"stream.checkpoint_buffer=false"});
+  EXPECT_FALSE(off.stream.checkpoint_buffer);
+  EXPECT_FALSE(parse_config(config_to_toml(off), "again.toml").stream.checkpoint_buffer);
   const RunConfig again = parse_config(config_to_toml(c), "again.toml");
   EXPECT_EQ(again.stream.name, "heat");
   EXPECT_EQ(again.stream.policy, StreamPolicy::reservoir);
