@@ -305,6 +305,59 @@ void with_derivatives3(Activation activation, Body body) {
   }
 }
 
+// The second-order streams' forward through an activation with derivatives f (Derivatives3):
+// per row i, k tangents t then k second derivatives s; t' = f' t, s' = f' s + f'' t^2. A
+// function of its own (not a lambda inside with_derivatives3's generic lambda): nvcc cannot
+// define a device lambda there.
+template <class Derivatives>
+void second_order_streams(const MatrixView& z, const MatrixView& streams, const MatrixView& out,
+                          int64_t k, Derivatives derivatives) {
+  const int64_t rows = static_cast<int64_t>(z.extent(0));
+  const int64_t cols = static_cast<int64_t>(z.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::activation_second_order"),
+      Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
+        const int64_t t0 = i * 2 * k, s0 = t0 + k;
+        for (int64_t j = 0; j < cols; ++j) {
+          const Derivatives3 f = derivatives(z(i, j));
+          for (int64_t d = 0; d < k; ++d) {
+            const float t = streams(t0 + d, j);
+            out(t0 + d, j) = f.d1 * t;
+            out(s0 + d, j) = f.d1 * streams(s0 + d, j) + f.d2 * t * t;
+          }
+        }
+      });
+}
+
+// Its exact backward (the same layout), f''' included.
+template <class Derivatives>
+void second_order_streams_backward(const MatrixView& z, const MatrixView& streams,
+                                   const MatrixView& grad, const MatrixView& stream_grad,
+                                   const MatrixView& stream_grad_in, int64_t k,
+                                   Derivatives derivatives) {
+  const int64_t rows = static_cast<int64_t>(z.extent(0));
+  const int64_t cols = static_cast<int64_t>(z.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::activation_second_order_backward"),
+      Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
+        const int64_t t0 = i * 2 * k, s0 = t0 + k;
+        for (int64_t j = 0; j < cols; ++j) {
+          const Derivatives3 f = derivatives(z(i, j));
+          // Forward: t' = f' t, s' = f' s + f'' t^2 per direction d.
+          float curvature = 0.0f, third = 0.0f;
+          for (int64_t d = 0; d < k; ++d) {
+            const float t = streams(t0 + d, j), s = streams(s0 + d, j);
+            const float gt = stream_grad(t0 + d, j), gs = stream_grad(s0 + d, j);
+            curvature += t * gt + s * gs;
+            third += t * t * gs;
+            stream_grad_in(t0 + d, j) = f.d1 * gt + 2.0f * f.d2 * t * gs;
+            stream_grad_in(s0 + d, j) = f.d1 * gs;
+          }
+          grad(i, j) = f.d1 * grad(i, j) + f.d2 * curvature + f.d3 * third;
+        }
+      });
+}
+
 void check_tangent_shapes(const char* who, const MatrixView& z, const MatrixView& dz,
                           const MatrixView& out) {
   MESHTRAIN_REQUIRE(z.extent(1) == dz.extent(1) && dz.extent(0) == out.extent(0) &&
@@ -367,26 +420,12 @@ void activation_second_order(Activation activation, MatrixView z, MatrixView str
                              MatrixView out) {
   check_tangent_shapes("activation_second_order", z, streams, out);
   const int64_t rows = static_cast<int64_t>(z.extent(0));
-  const int64_t cols = static_cast<int64_t>(z.extent(1));
   const int64_t per_row = rows > 0 ? static_cast<int64_t>(streams.extent(0)) / rows : 0;
   MESHTRAIN_REQUIRE(per_row % 2 == 0, "activation_second_order: ", per_row,
                     " streams per row, expected 2k (k tangents, k second derivatives)");
   const int64_t k = per_row / 2;
-  with_derivatives3(activation, [&](auto derivatives) {
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::activation_second_order"),
-        Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
-          const int64_t t0 = i * 2 * k, s0 = t0 + k;
-          for (int64_t j = 0; j < cols; ++j) {
-            const Derivatives3 f = derivatives(z(i, j));
-            for (int64_t d = 0; d < k; ++d) {
-              const float t = streams(t0 + d, j);
-              out(t0 + d, j) = f.d1 * t;
-              out(s0 + d, j) = f.d1 * streams(s0 + d, j) + f.d2 * t * t;
-            }
-          }
-        });
-  });
+  with_derivatives3(
+      activation, [&](auto derivatives) { second_order_streams(z, streams, out, k, derivatives); });
 }
 
 void activation_second_order_backward(Activation activation, MatrixView z, MatrixView streams,
@@ -398,31 +437,12 @@ void activation_second_order_backward(Activation activation, MatrixView z, Matri
                     "activation_second_order_backward: values [", z.extent(0), ", ", z.extent(1),
                     "], gradient [", grad.extent(0), ", ", grad.extent(1), "]");
   const int64_t rows = static_cast<int64_t>(z.extent(0));
-  const int64_t cols = static_cast<int64_t>(z.extent(1));
   const int64_t per_row = rows > 0 ? static_cast<int64_t>(streams.extent(0)) / rows : 0;
   MESHTRAIN_REQUIRE(per_row % 2 == 0, "activation_second_order_backward: ", per_row,
                     " streams per row, expected 2k");
   const int64_t k = per_row / 2;
   with_derivatives3(activation, [&](auto derivatives) {
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::activation_second_order_backward"),
-        Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
-          const int64_t t0 = i * 2 * k, s0 = t0 + k;
-          for (int64_t j = 0; j < cols; ++j) {
-            const Derivatives3 f = derivatives(z(i, j));
-            // Forward: t' = f' t, s' = f' s + f'' t^2 per direction d.
-            float curvature = 0.0f, third = 0.0f;
-            for (int64_t d = 0; d < k; ++d) {
-              const float t = streams(t0 + d, j), s = streams(s0 + d, j);
-              const float gt = stream_grad(t0 + d, j), gs = stream_grad(s0 + d, j);
-              curvature += t * gt + s * gs;
-              third += t * t * gs;
-              stream_grad_in(t0 + d, j) = f.d1 * gt + 2.0f * f.d2 * t * gs;
-              stream_grad_in(s0 + d, j) = f.d1 * gs;
-            }
-            grad(i, j) = f.d1 * grad(i, j) + f.d2 * curvature + f.d3 * third;
-          }
-        });
+    second_order_streams_backward(z, streams, grad, stream_grad, stream_grad_in, k, derivatives);
   });
 }
 
