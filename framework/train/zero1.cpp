@@ -60,6 +60,9 @@ Zero1::Zero1(const std::vector<ShardedTensor>& params, const std::vector<Sharded
       pc.box.extent[0] = row_count;
       gc.box = pc.box;
       pc.local = Kokkos::subview(p.local, std::make_pair(s.first, s.first + s.count));
+      // A chunk has no 16-bit copy of its own (the optimizer would write the chunk's elements at
+      // the copy's first offsets): gather() marks the whole tensor's copy stale instead.
+      pc.copy_16bit.reset();
       Vector storage(p.name + "/zero1_grad_chunk", static_cast<size_t>(s.chunk));
       gc.local = Kokkos::subview(storage, std::make_pair(int64_t{0}, s.count));
       grad_chunk_storage_.push_back(storage);
@@ -86,7 +89,8 @@ void Zero1::reduce(const std::vector<ShardedTensor>& grads) {
     Communicator* partial = partial_[i];
     if (!s.split || (partial && partial != &dp_)) {
       // Not split, or partial over another group: the whole sum first (as the layer would).
-      if (partial) partial->all_reduce(VectorView(g.data(), g.extent(0)), ReduceOp::sum, reduce_dtype_);
+      if (partial)
+        partial->all_reduce(VectorView(g.data(), g.extent(0)), ReduceOp::sum, reduce_dtype_);
       if (s.split) copy(g.data() + s.first, grad_chunks_[i].local.data(), s.count);
       continue;
     }
@@ -119,6 +123,7 @@ void Zero1::gather(const std::vector<ShardedTensor>& params) {
     dp_.all_gather(ConstVectorView(send_chunk_.data(), static_cast<size_t>(s.chunk)),
                    VectorView(recv, static_cast<size_t>(s.chunk * n)));
     if (!s.divides) copy(padded_.data(), p.data(), static_cast<int64_t>(p.extent(0)));
+    if (params[i].copy_16bit) params[i].copy_16bit->current = false;  // cast again at next use
   }
 }
 
