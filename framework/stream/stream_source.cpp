@@ -546,7 +546,7 @@ const std::vector<ShardedTensor>& StreamSource::prepare_checkpoint(
     MESHTRAIN_REQUIRE(t.box.offset[0] == group_ && t.box.extent[0] == 1, "stream \"", section_.name,
                       "\": the checkpoint block of ", name, " is not batch group ", group_, "'s");
     const size_t elements = static_cast<size_t>(rows.capacity() * width);
-    if constexpr (kDeviceMemoryIsHostInaccessible) {
+    if (device_memory_is_separate()) {
       t.local =
           Vector(std::string(name), elements);  // copied to and from the buffer (checkpoint_state)
     } else {
@@ -572,7 +572,7 @@ float* tensor_rows(size_t index, StreamBuffer& buffer, StreamBuffer& held_out) {
 }  // namespace
 
 void StreamSource::checkpoint_state(StreamCheckpoint& into) {
-  if constexpr (kDeviceMemoryIsHostInaccessible) {
+  if (device_memory_is_separate()) {
     for (size_t i = 0; i < checkpoint_tensors_.size(); ++i) {
       ShardedTensor& t = checkpoint_tensors_[i];
       Kokkos::deep_copy(t.local, Kokkos::View<const float*, Kokkos::HostSpace>(
@@ -597,7 +597,7 @@ void StreamSource::restore(const std::vector<int64_t>& rows_seen) {
     MESHTRAIN_BAD_INPUT("stream \"", section_.name, "\": the checkpoint counts the rows of ",
                         rows_seen.size() / 2, " batch groups, but this trainer has ", groups_);
   }
-  if constexpr (kDeviceMemoryIsHostInaccessible) {
+  if (device_memory_is_separate()) {
     for (size_t i = 0; i < checkpoint_tensors_.size(); ++i) {
       const ShardedTensor& t = checkpoint_tensors_[i];
       Kokkos::deep_copy(Kokkos::View<float*, Kokkos::HostSpace>(tensor_rows(i, buffer_, held_out_),
