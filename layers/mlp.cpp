@@ -497,6 +497,12 @@ MatrixView Mlp::forward_tangents(MatrixView dx) {
 }
 
 MatrixView Mlp::forward_laplacian(MatrixView streams) {
+  // Only Linear and the activation know second-order streams: the residual blocks, norms, MoE
+  // and SwiGLU would take them for plain tangents (a wrong d2u, silently).
+  if (!owned_.empty() || !moe_.empty() || !dropouts_.empty()) {
+    MESHTRAIN_BAD_INPUT("the forward Laplacian is built for a plain mlp only (no residual_mlp, ",
+                        "MoE layers or dropout)");
+  }
   return tangent_pass(streams, true);
 }
 

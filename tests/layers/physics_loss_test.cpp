@@ -523,6 +523,10 @@ TEST(PhysicsLoss, Refusals) {
   shape.depth = 1;
   Mlp residual(shape, Activation::silu, replicated, context, 4);
   expect_bad_input([&] { residual.reserve_laplacian(2); }, "residual_mlp");
+  // Reserved for the Jacobian (which residual models have), then asked for the Laplacian.
+  residual.reserve_tangents(4);
+  Matrix streams("streams", 4 * 4, 2);
+  expect_bad_input([&] { residual.forward_laplacian(streams); }, "residual_mlp");
   PhysicsLossSettings none;
   none.inputs = {0, 1};
   expect_bad_input([&] { PhysicsLoss(none, context, 4, 2, 1, FeatureLayout::replicated); },
