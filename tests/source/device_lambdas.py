@@ -13,6 +13,12 @@ a captured variable is inside one ("An extended __host__ __device__ lambda canno
 first-capture variable in constexpr-if context"). The fix is a plain `if` on the constant,
 which the compiler folds just the same.
 
+The third: a device lambda defined inside a generic lambda (one with an `auto` parameter, such
+as a dispatch over functor types: `with_functor(kind, [&](auto f) { parallel_for(...,
+KOKKOS_LAMBDA ...); })`): "An extended __host__ __device__ lambda cannot be defined inside a
+generic lambda expression". The fix is a function template that launches the kernel, called
+from the generic lambda.
+
 usage: device_lambdas.py ROOT_DIR...   (or --self-test)
 """
 import os
@@ -23,6 +29,7 @@ TEST_MACRO = re.compile(r"^\s*(TEST|TEST_F|TEST_P|TYPED_TEST|TYPED_TEST_P)\s*\("
 DEVICE_LAMBDA = re.compile(r"\bKOKKOS_(CLASS_)?LAMBDA\b|__device__")
 KOKKOS_LAMBDA = re.compile(r"\bKOKKOS_(CLASS_)?LAMBDA\b")
 CONSTEXPR_IF = re.compile(r"\bif\s+constexpr\b")
+GENERIC_LAMBDA = re.compile(r"\[[^\[\]]*\]\s*\([^()]*\bauto\b[^()]*\)\s*(mutable\s*)?(->[^{;]*)?\{")
 
 
 def strip_comments_and_strings(text):
@@ -75,6 +82,14 @@ def findings(text, path):
             line = code.count("\n", 0, cif.start()) + 1
             out.append(f"{path}:{line}: `if constexpr` inside a device lambda; nvcc rejects a "
                        "capture first used there (use a plain `if` on the constant)")
+    for generic in GENERIC_LAMBDA.finditer(code):
+        block = block_after(code, generic.start() + code[generic.start():].find("("))
+        if block is None:
+            continue
+        for lam in KOKKOS_LAMBDA.finditer(code, *block):
+            line = code.count("\n", 0, lam.start()) + 1
+            out.append(f"{path}:{line}: {lam.group(0)} inside a generic lambda; nvcc rejects it "
+                       "(launch the kernel from a function template the generic lambda calls)")
     return out
 
 
@@ -95,8 +110,20 @@ def self_test():
     found_bad, found_good = findings(constexpr_bad, "bad.cpp"), findings(constexpr_good, "g.cpp")
     assert len(found_bad) == 1 and found_bad[0].startswith("bad.cpp:4:"), found_bad
     assert not found_good, found_good
+    generic_bad = 'void f(A a, V v) {\n  dispatch(a, [&](auto g) {\n    Kokkos::parallel_for(\n' \
+                  '        "x", 4, KOKKOS_LAMBDA(const int i) { v(i) = g(v(i)); });\n  });\n}\n'
+    generic_good = 'template <class G> void run(V v, G g) {\n  Kokkos::parallel_for(\n' \
+                   '      "x", 4, KOKKOS_LAMBDA(const int i) { v(i) = g(v(i)); });\n}\n' \
+                   'void f(A a, V v) {\n  dispatch(a, [&](auto g) { run(v, g); });\n' \
+                   '  auto h = [&](int n) { Kokkos::parallel_for("y", n, KOKKOS_LAMBDA(int i) ' \
+                   '{ v(i) = 0; }); };\n}\n'
+    found_bad, found_good = findings(generic_bad, "bad.cpp"), findings(generic_good, "g.cpp")
+    assert len(found_bad) == 1 and found_bad[0].startswith("bad.cpp:4:"), found_bad
+    assert not found_good, found_good
     print("self-test: a lambda in a TEST body is found, one in a free function is not; an "
-          "`if constexpr` inside a device lambda is found, one around it is not")
+          "`if constexpr` inside a device lambda is found, one around it is not; a device "
+          "lambda inside a generic lambda is found, one in a template it calls or in a "
+          "non-generic lambda is not")
 
 
 def main(argv):
