@@ -22,9 +22,9 @@ meshtrain_add_test(NAME core_device_memory_emulation_test
 # Philox-4x32-10 (framework/core/philox.hpp) against Random123's known-answer vectors.
 meshtrain_add_test(NAME core_philox_test SOURCES core/philox_test.cpp
                    LIBS meshtrain_framework TIMEOUT 60)
-# A source check, not a program: no Kokkos device lambda directly in a GoogleTest body and no
-# `if constexpr` inside one, which nvcc rejects and a host compiler accepts
-# (tests/source/device_lambdas.py says why).
+# A source check, not a program: no Kokkos device lambda directly in a GoogleTest body or inside
+# a generic lambda, and no `if constexpr` inside one, which nvcc rejects and a host compiler
+# accepts (tests/source/device_lambdas.py says why).
 find_package(Python3 COMPONENTS Interpreter)
 if(Python3_Interpreter_FOUND)
   meshtrain_add_command_test(NAME source_device_lambdas_selftest TIMEOUT 30
