@@ -8,9 +8,10 @@ meshtrain_add_test(NAME online_stream_test SOURCES online/stream_test.cpp LIBS m
 # Checkpoints of an online run (its buffers under /stream) and resuming with them, at trainers 1
 # and 2 x producers 1 and 2 (np 2: 1 + 1; np 3: 1 + 2 and 2 + 1; np 4: 2 + 2): the resumed run
 # equal bit for bit to the uninterrupted one, the key that turns it off, another trainer count
-# refused. The timeout ends any hang of a rendezvous, a resume or a close.
+# refused. The timeout ends any hang of a rendezvous, a resume or a close. Emulated too: the
+# buffers are copied to and from checkpoint tensors where device memory is separate.
 meshtrain_add_test(NAME online_resume_test SOURCES online/resume_test.cpp LIBS meshtrain_run
-                   NP 2 3 4 TIMEOUT 180)
+                   NP 2 3 4 TIMEOUT 180 EMULATED)
 
 # MPMD, as a simulation runs beside `meshtrain train`: a C producer using only stream.h
 # (c_producer.c) as the first program, the trainer on two ranks as the second; each takes its
