@@ -156,7 +156,10 @@ function(_meshtrain_register_test target variant)
           set(slots 2)
         endif()
       endif()
-      set(environment ${MESHTRAIN_TEST_ENVIRONMENT} MESHTRAIN_TEST_BACKEND=${comm} ${ARGN})
+      # MESHTRAIN_TEST_REGISTRATION: which registration runs (mpi, nccl, emulated), so a test can
+      # check that its registration was given the environment it stands for.
+      set(environment ${MESHTRAIN_TEST_ENVIRONMENT} MESHTRAIN_TEST_BACKEND=${comm}
+                      MESHTRAIN_TEST_REGISTRATION=${backend} ${ARGN})
       if(backend STREQUAL "emulated")
         list(APPEND environment MESHTRAIN_EMULATE_DEVICE_MEMORY=1)
       endif()

@@ -27,6 +27,18 @@ bool run_emulates() {
   return value != nullptr && std::string(value) == "1";
 }
 
+// The emulated registration is given the variable and the others are not (ctest sets
+// MESHTRAIN_TEST_REGISTRATION; a run by hand has none and checks nothing here). Without this,
+// a registration that lost the variable would pass as the plain one.
+TEST(DeviceMemoryEmulation, TheRegistrationGivesTheVariable) {
+  const char* registration = std::getenv("MESHTRAIN_TEST_REGISTRATION");
+  if (registration == nullptr) GTEST_SKIP() << "not run by ctest";
+  EXPECT_EQ(run_emulates(), std::string(registration) == "emulated")
+      << "registration " << registration;
+  EXPECT_EQ(device_memory_is_separate(),
+            kDeviceMemoryIsHostInaccessible || std::string(registration) == "emulated");
+}
+
 TEST(DeviceMemoryEmulation, ValuesOfTheVariable) {
   EXPECT_FALSE(device_memory_emulation_from(nullptr));
   EXPECT_FALSE(device_memory_emulation_from(""));
