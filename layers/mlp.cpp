@@ -474,6 +474,15 @@ void require_fp32(Dtype dtype) {
                         "computes in ", to_string(dtype));
   }
 }
+
+// Only Linear and the activation know second-order streams and the tangents' backward: residual
+// blocks, norms, MoE and SwiGLU would take them for plain tangents (wrong values, silently).
+void require_plain_mlp(bool plain, const char* what) {
+  if (!plain) {
+    MESHTRAIN_BAD_INPUT(what, " is built for a plain mlp only (no residual_mlp, MoE layers or ",
+                        "dropout)");
+  }
+}
 }  // namespace
 
 MatrixView Mlp::backward_cotangents(MatrixView dy) {
@@ -497,12 +506,7 @@ MatrixView Mlp::forward_tangents(MatrixView dx) {
 }
 
 MatrixView Mlp::forward_laplacian(MatrixView streams) {
-  // Only Linear and the activation know second-order streams: the residual blocks, norms, MoE
-  // and SwiGLU would take them for plain tangents (a wrong d2u, silently).
-  if (!owned_.empty() || !moe_.empty() || !dropouts_.empty()) {
-    MESHTRAIN_BAD_INPUT("the forward Laplacian is built for a plain mlp only (no residual_mlp, ",
-                        "MoE layers or dropout)");
-  }
+  require_plain_mlp(owned_.empty() && moe_.empty() && dropouts_.empty(), "the forward Laplacian");
   return tangent_pass(streams, true);
 }
 
@@ -549,10 +553,7 @@ void Mlp::reserve_tangent_backward(int64_t directions) {
     MESHTRAIN_BAD_INPUT("training on derivatives is fp32 only; this model computes in ",
                         to_string(compute_dtype_));
   }
-  if (!owned_.empty() || !moe_.empty() || !dropouts_.empty()) {
-    MESHTRAIN_BAD_INPUT("training on derivatives is built for a plain mlp only (no residual_mlp, ",
-                        "MoE layers or dropout)");
-  }
+  require_plain_mlp(owned_.empty() && moe_.empty() && dropouts_.empty(), "training on derivatives");
   LayerScratchNeeds needs;
   for (Layer* layer : sequence_) {
     layer->reserve_tangent_backward(directions);
