@@ -16,6 +16,7 @@
 #include "framework/io/data.hpp"
 #include "framework/train/config.hpp"
 #include "partition/sharding_picture.hpp"
+#include "partition/sixteen_bit_storage.hpp"
 
 namespace meshtrain {
 
@@ -212,21 +213,19 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     if (gathered) grad = std::max(grad, d1 * d2);
     const bool two_gathers = !l.weight_gather_dim0.empty() && !l.weight_gather_dim1.empty();
     if (two_gathers) stage = std::max(stage, std::max(d1 * s2, s1 * d2));
-    // 16-bit storage: each weight's 16-bit compute copy of its stored block (layers/mlp.cpp), from
-    // which a weight gathered over one group is gathered as 16 bits: blocking into the bytes of
-    // the gradient scratch, prefetched (overlap) into the 16-bit landing
-    // (layers/sharded_parameter.cpp).
-    if (keeps_16bit) {
+    // 16-bit storage: a weight gathered over one group has a 16-bit compute copy of its stored
+    // block (partition/sixteen_bit_storage.hpp, as layers/mlp.cpp), gathered as 16 bits: blocking
+    // into the bytes of the gradient scratch, prefetched (overlap) into the 16-bit landing
+    // (layers/sharded_parameter.cpp). A weight stored whole, or gathered over two groups, has none.
+    const bool one_gather = gathered && !two_gathers;
+    const bool copy = keeps_16bit && keeps_16bit_weight_copy(l);
+    if (copy) {
       copy_halves += s1 * s2;
-      if (config.runtime.overlap && gathered && !two_gathers) {
-        weight_16bit = std::max(weight_16bit, d1 * d2);
-      }
+      if (config.runtime.overlap) weight_16bit = std::max(weight_16bit, d1 * d2);
     }
     // Prefetched (overlap) when gathered over one group: into the fp32 prefetch buffer without a
     // 16-bit copy.
-    if (config.runtime.overlap && gathered && !two_gathers && !keeps_16bit) {
-      prefetch = std::max(prefetch, d1 * d2);
-    }
+    if (config.runtime.overlap && one_gather && !copy) prefetch = std::max(prefetch, d1 * d2);
     if (!l.bias_gather.empty() || !l.bias_direct) bias = std::max(bias, l.out);
     int64_t matmul = 0;
     if (l.tensor_parallel) matmul = 3 * rows * l.out * kFloat;

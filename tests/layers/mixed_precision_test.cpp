@@ -283,6 +283,9 @@ std::vector<LayoutCase> layouts_for(int n) {
                  "P((fsdp, tp))"});
     c.push_back(
         {"dp2_fsdp2_tuple", {{"dp", 2}, {"fsdp", 2}}, "", 0, "P((fsdp, dp), None)", "P(dp)"});
+    // A weight gathered over two groups (fsdp on dim 0, dp on dim 1) and no feature axis.
+    c.push_back(
+        {"dp2_fsdp2_storage_2d", {{"dp", 2}, {"fsdp", 2}}, "", 0, "P(fsdp, dp)", "P(fsdp)"});
     c.push_back({"dp2_tp2_dp_storage", {{"dp", 2}, {"tp", 2}}, "", 0, "P(tp, dp)", "P(tp)"});
   } else if (n == 8) {
     c.push_back({"fsdp2_tp4", {{"fsdp", 2}, {"tp", 4}}, "fsdp_tp", 0, "", ""});
@@ -320,9 +323,12 @@ struct RunResult {
   bool tensor_parallel = false;            // some layer is TP (else the forward is row-local)
   bool keeps_16bit = false;                // Mlp::keeps_16bit_activations()
   std::vector<Tensor> params;              // full shape, after the run's updates
-  // Every weight has a 16-bit compute copy, and (with an optimizer) the last update left each
-  // one current: the last forward computed from the optimizer's copies, with no cast pass.
-  bool weights_have_copies = false, copies_current_after_update = false;
+  // The weights with a 16-bit compute copy, and those whose layer gathers them over exactly one
+  // group.
+  int weights_with_copies = 0, weights_gathered_over_one_group = 0;
+  // (With an optimizer) the last update left each copy current: the last forward computed from
+  // the optimizer's copies, with no cast pass.
+  bool copies_current = true;
 };
 
 // policy nullptr: the context's precision is never set. steps > 1: that many training steps,
@@ -410,14 +416,16 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
   }
   // Read through the const overload, which leaves the 16-bit copies current.
   const Mlp& read = model;
-  run.weights_have_copies = true;
-  run.copies_current_after_update = true;
   for (const auto& p : read.parameters()) {
     run.params.push_back(gather_full(p, mesh, context.rank()));
     if (p.name.size() < 6 || p.name.compare(p.name.size() - 6, 6, "weight") != 0) continue;
-    run.weights_have_copies = run.weights_have_copies && p.copy_16bit != nullptr;
-    run.copies_current_after_update =
-        run.copies_current_after_update && p.copy_16bit && p.copy_16bit->current;
+    run.weights_with_copies += p.copy_16bit != nullptr;
+    if (p.copy_16bit) run.copies_current = run.copies_current && p.copy_16bit->current;
+  }
+  for (const Linear& l : read.layers()) {
+    const bool dim0 = !l.layout().weight_gather_dim0.empty();
+    const bool dim1 = !l.layout().weight_gather_dim1.empty();
+    run.weights_gathered_over_one_group += dim0 != dim1;
   }
   MatrixView logits = model.forward(x);
   auto logits_host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), logits);
@@ -677,8 +685,9 @@ TEST(MixedPrecision, SixteenBitStorageIsBitIdenticalToTheSimulatedPath) {
 
 // The weights' 16-bit compute copies (docs/mixed_precision.md, "Compute and memory on this
 // build"): the optimizer writes round_P(new master) into them in its update pass, and the layers
-// compute from them (DP: widened; FSDP: gathered as 16 bits, blocking or prefetched, then
-// widened). Three steps of AdamW and of SGD with momentum give bit for bit the loss, logits,
+// compute from them (gathered as 16 bits, blocking or prefetched, then widened). Only the weights
+// gathered over one group (FSDP) have them; DP, one rank and a 2-D storage split round the master
+// at use. Three steps of AdamW and of SGD with momentum give bit for bit the loss, logits,
 // gradients and parameters of the simulated path (weights cast from the fp32 masters at use), on
 // every layout with overlap off and on, and the last forward computed from the optimizer's copies
 // (current after the update: no cast pass). fp32 makes no copies.
@@ -703,9 +712,12 @@ TEST(MixedPrecision, SixteenBitCopiesWrittenByTheOptimizerAreBitIdenticalToTheSi
               run_model(m, layout, &policy.mp, 1.0f, overlap, 3, true, optimizer);
           const RunResult simulated =
               run_model(m, layout, &policy.mp, 1.0f, overlap, 3, false, optimizer);
-          EXPECT_EQ(stored.weights_have_copies, stored.keeps_16bit);
-          if (stored.keeps_16bit) EXPECT_TRUE(stored.copies_current_after_update);
-          EXPECT_FALSE(simulated.weights_have_copies);
+          // Copies only of the weights gathered over one group (DP, one rank, a 2-D storage
+          // split: none), each current after the update.
+          EXPECT_EQ(stored.weights_with_copies,
+                    stored.keeps_16bit ? stored.weights_gathered_over_one_group : 0);
+          EXPECT_TRUE(stored.copies_current);
+          EXPECT_EQ(simulated.weights_with_copies, 0);
           EXPECT_EQ(stored.loss, simulated.loss);
           ASSERT_EQ(stored.logits.size(), simulated.logits.size());
           for (size_t i = 0; i < stored.logits.size(); ++i)
@@ -726,7 +738,7 @@ TEST(MixedPrecision, SixteenBitCopiesWrittenByTheOptimizerAreBitIdenticalToTheSi
   const MixedPrecision fp32{Dtype::fp32, Dtype::fp32};
   const RunResult plain =
       run_model(m, layouts_for(world_size()).front(), &fp32, 1.0f, false, 2, true, &adamw);
-  EXPECT_FALSE(plain.weights_have_copies);
+  EXPECT_EQ(plain.weights_with_copies, 0);
 }
 
 // The optimizer's update pass writes round_P(new master) into a parameter's 16-bit compute copy
