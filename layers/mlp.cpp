@@ -195,11 +195,27 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
     const size_t p = param++;
     return ParameterRef{&params_[p], &grads_[p]};
   };
-  auto linear = [&](FeatureLayout layout, bool input_grad_partial = false) {
+  auto linear = [&](FeatureLayout layout, bool input_grad_partial = false,
+                    const LinearSharedBuffers* shared = nullptr) {
     const ParameterRef weight = next();
     const ParameterRef bias = next();
-    return std::make_unique<Linear>(weight, bias, layout, rows_, context, input_grad_partial);
+    return std::make_unique<Linear>(weight, bias, layout, rows_, context, input_grad_partial,
+                                    shared);
   };
+  // 16-bit storage of the blocks' hidden activations (docs/mixed_precision.md, "Compute and
+  // memory on this build"), under a 16-bit param_dtype for blocks of up, activation and down (no
+  // SwiGLU, MoE or dropout) on a mesh without a feature axis: the up projection writes its output
+  // into one fp32 working buffer [rows, hidden] that every block shares, the activation works in
+  // place there and keeps its input and output as 16 bits (in the same pass), and the down
+  // projection keeps nothing of its input but that 16-bit output: in backward it widens it into
+  // the shared buffer for its weight gradient and writes its input gradient over it, through which
+  // the activation's backward runs in place and which the up projection reads as its dY. The
+  // values are those of the simulated path (fp32 buffers holding 16-bit values), bit for bit.
+  // framework/train/memory_plan.cpp counts the same buffers under the same condition.
+  hidden_16bit_ = compute_dtype_ != Dtype::fp32 && context.stores_16bit_activations() &&
+                  !shape.moe.any() && !shape.gated && dropout == 0.0 &&
+                  context.feature_parallel() == 1;
+  if (hidden_16bit_) hidden_work_ = Matrix("model/hidden_work", rows_, shape.hidden);
   // The layout of the linear layer whose weight is parameter p, fed `layout`.
   auto layout_of = [&](size_t p, FeatureLayout layout) {
     const ShardedTensor& w = params_[p];
@@ -262,6 +278,23 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
       f.push_back(std::make_unique<SwiGlu>(
           block + "/swiglu", std::move(gate), std::move(up), rows_, compute_dtype_,
           shared ? context.comm({context.feature_axis()}) : nullptr));
+    } else if (hidden_16bit_) {
+      LinearSharedBuffers up_buffers;
+      up_buffers.output = hidden_work_;
+      std::unique_ptr<Linear> up = linear(layout, false, &up_buffers);
+      auto act = std::make_unique<ActivationLayer>(
+          activation, block + "/activation", rows_, up->output_width(), up->output_layout(),
+          up->output_offset(), compute_dtype_, /*keeps_16bit=*/true);
+      LinearSharedBuffers down_buffers;
+      down_buffers.work = hidden_work_;
+      down_buffers.kept_input = act->kept_output();
+      const FeatureLayout hidden_layout = act->output_layout();
+      f.push_back(std::move(up));
+      f.push_back(std::move(act));
+      f.push_back(linear(hidden_layout, false, &down_buffers));  // down
+      add(std::make_unique<ResidualBlock>(block, std::move(f), layout, offset, rows_, width,
+                                          compute_dtype_));
+      continue;
     } else {
       std::unique_ptr<Linear> up = linear(layout);
       auto act = std::make_unique<ActivationLayer>(activation, block + "/activation", rows_,
