@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Activation and gathered-weight memory and step time of 16-bit storage (docs/mixed_precision.md,
-# "Compute and memory on this build"): an MLP 784-1024-1024-10, batch 512, FSDP, in fp32, bf16
-# and fp16, on np 1 and 2 (JSON lines, one per run).
+# "Compute and memory on this build"): an MLP 784-1024-1024-10, batch 512, FSDP (PRESET=dp: DP),
+# in fp32, bf16 and fp16, on np 1 and 2 (JSON lines, one per run).
 #
-#   [STEPS=12] [ROUNDS=1] [OVERLAP=false] [MESHTRAIN=build/bin/meshtrain]
+#   [STEPS=12] [ROUNDS=1] [OVERLAP=false] [PRESET=fsdp] [MESHTRAIN=build/bin/meshtrain]
 #   [BEFORE=other/bin/meshtrain] bench/bf16_storage.sh [NPS]          default NPS "1 2"
 # With BEFORE, each (np, dtype) runs that binary too ("build": "before", this one "this"),
 # the two one after the other, so that a noisy neighbour spoils both or neither. Each line has
@@ -33,9 +33,9 @@ name = "$1"
 seed = 0
 output_dir = "$work/$1"
 [mesh]
-fsdp = -1
+${PRESET:-fsdp} = -1
 [partition]
-preset = "fsdp"
+preset = "${PRESET:-fsdp}"
 min_sharding_size = 0
 [model]
 sizes = [784, 1024, 1024, 10]
@@ -76,9 +76,9 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
         $mpirun -np "$np" "$binary" train "$work/$name.toml" > "$work/$name.log" 2>&1 ||
           { cat "$work/$name.log" >&2; exit 1; }
         python3 - "$work/$name/metrics.jsonl" "$work/$name.plan.json" "$label" "$dtype" "$np" \
-          "$round" "${OVERLAP:-false}" <<'PY'
+          "$round" "${OVERLAP:-false}" "${PRESET:-fsdp}" <<'PY'
 import json, statistics, sys
-metrics, plan, label, dtype, np_, round_, overlap = sys.argv[1:]
+metrics, plan, label, dtype, np_, round_, overlap, mode = sys.argv[1:]
 records = [json.loads(line) for line in open(metrics)]
 rates = [r["samples_per_s"] for r in records if r.get("event") == "log" and r["step"] >= 2]
 if not rates:
@@ -88,7 +88,7 @@ step = statistics.median(512 / r for r in rates)
 totals = json.load(open(plan))["totals"]
 planned = totals["activation_bytes"]
 print(json.dumps({"bench": "bf16_storage", "build": label, "round": int(round_),
-                  "model": "784-1024-1024-10", "mode": "fsdp", "np": int(np_), "batch": 512,
+                  "model": "784-1024-1024-10", "mode": mode, "np": int(np_), "batch": 512,
                   "dtype": dtype, "overlap": overlap == "true",
                   "activation_bytes": planned,
                   "gathered_weight_bytes": totals["gathered_weight_bytes"],

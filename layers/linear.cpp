@@ -131,8 +131,13 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
       return static_cast<int64_t>(view.extent(0)) == rows_ &&
              static_cast<int64_t>(view.extent(1)) == cols;
     };
+    // Each may be empty (the layer's own buffer, forward's input kept as it is), but a kept
+    // 16-bit input needs a working buffer to be widened into.
+    const bool kept = shared->kept_input.data() != nullptr;
+    const bool work = shared->work.data() != nullptr;
     MESHTRAIN_REQUIRE((shared->output.data() == nullptr || fits(shared->output, l.out_local)) &&
-                          fits(shared->work, in_c) && fits(shared->kept_input, in_c),
+                          (!work || fits(shared->work, in_c)) &&
+                          (!kept || (work && fits(shared->kept_input, in_c))),
                       "linear layer '", name, "': shared buffers of the wrong extents");
     output_view_ = shared->output;
     dx_c_view_ = shared->work;
@@ -146,7 +151,7 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
   if (l.column_gathers_input()) {
     // dY @ Wᵀ is reduce-scattered straight into the input's layout.
     dx_ = Matrix(name + "/input_grad", rows_, input_width());
-  } else if (!shared) {
+  } else if (dx_c_view_.data() == nullptr) {
     dx_c_ = Matrix(name + "/input_grad_compute", rows_, in_c);
     dx_c_view_ = dx_c_;
   }

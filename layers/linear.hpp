@@ -75,10 +75,12 @@ namespace meshtrain {
 struct LinearSharedBuffers {
   // [rows, out]: forward's output (empty: the layer's own, as without storage).
   MatrixView output;
-  // [rows, in]: where backward widens kept_input for the weight gradient, then writes dX.
+  // [rows, in]: where backward widens kept_input for the weight gradient, then writes dX
+  // (empty: the layer's own input gradient buffer; then kept_input must be empty too).
   MatrixView work;
   // [rows, in]: forward's input as 16-bit bits of the compute dtype (the same values), valid
-  // from each forward to its backward.
+  // from each forward to its backward (empty: forward's input itself is kept, as without
+  // storage; a residual block's up projection reads its norm's output).
   ConstHalfMatrixView kept_input;
 };
 

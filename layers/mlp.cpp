@@ -11,6 +11,7 @@
 #include "framework/train/config.hpp"
 #include "layers/residual_block.hpp"
 #include "layers/swiglu.hpp"
+#include "partition/sixteen_bit_storage.hpp"
 
 namespace meshtrain {
 
@@ -38,6 +39,20 @@ std::unique_ptr<Mlp> make_model(const ModelSection& model, const SpecLookup& spe
   return std::make_unique<Mlp>(model.sizes, model.activation, spec_of, context, local_rows,
                                model.moe(), model.dropout, shares_parameters_of);
 }
+
+namespace {
+
+// Whether the Linear of `weight` and `bias`, fed `layout`, keeps a 16-bit compute copy of its
+// weight under 16-bit storage (partition/sixteen_bit_storage.hpp: gathered over one group).
+bool weight_copy_wanted(const ShardedTensor& weight, const ShardedTensor& bias,
+                        FeatureLayout layout, const ParallelContext& context) {
+  return keeps_16bit_weight_copy(decide_linear_layout(
+      linear_layer_name(weight.name), {weight.name, weight.global_shape, weight.spec},
+      {bias.name, bias.global_shape, bias.spec}, context.mesh(),
+      {context.batch_axes(), context.feature_axis()}, layout));
+}
+
+}  // namespace
 
 Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLookup& spec_of,
          ParallelContext& context, int64_t local_rows, const MoeSettings& moe, double dropout,
@@ -78,20 +93,6 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
     work_[0] = Matrix("model/work_0", rows_, widest);
     work_[1] = Matrix("model/work_1", rows_, widest);
     input_16bit_ = HalfMatrix("model/input_16bit", rows_, sizes.front());
-    // Each weight's 16-bit compute copy, which the optimizer writes as it updates the master
-    // and the Linear computes from (gathered as 16 bits under FSDP). A model sharing another's
-    // parameters shares its copies (the same ShardedTensors); it makes none of its own, which
-    // the optimizer would not keep current.
-    if (!shares_parameters_of) {
-      for (size_t i = 0; i + 1 < sizes.size(); ++i) {
-        ShardedTensor& weight = params_[2 * i];
-        auto copy = std::make_shared<SixteenBitCopy>();
-        copy->bits =
-            HalfBits("meshtrain::scratch_16bit_copy:" + weight.name, weight.local.extent(0));
-        copy->dtype = compute_dtype_;
-        weight.copy_16bit = std::move(copy);
-      }
-    }
   }
   FeatureLayout layout = FeatureLayout::replicated;  // x arrives with all features
   size_t param = 0;
@@ -102,6 +103,23 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
                         layout, rows_, context);
       layer = &moe_.back();
     } else if (keeps_16bit_) {
+      // A 16-bit compute copy of the weight, which the optimizer writes as it updates the master
+      // and the Linear gathers as 16 bits, only where the weight is gathered over one group
+      // (FSDP): a weight stored whole (DP, one rank) is rounded from the master into the fp32
+      // weight buffer the GEMM reads, as a copy would be widened into it, so a copy would be 2
+      // bytes a parameter more and save no pass until a GEMM reads 16 bits; a weight gathered over
+      // two groups is gathered from the master. A model sharing another's parameters shares its
+      // copies (the same ShardedTensors) and makes none, which the optimizer would not keep
+      // current. framework/train/memory_plan.cpp counts them under the same condition.
+      if (!shares_parameters_of &&
+          weight_copy_wanted(params_[param], params_[param + 1], layout, context)) {
+        ShardedTensor& weight = params_[param];
+        auto copy = std::make_shared<SixteenBitCopy>();
+        copy->bits =
+            HalfBits("meshtrain::scratch_16bit_copy:" + weight.name, weight.local.extent(0));
+        copy->dtype = compute_dtype_;
+        weight.copy_16bit = std::move(copy);
+      }
       LinearSharedBuffers shared;
       if (i + 1 < n) shared.output = work_view((i + 1) % 2, sizes[i + 1]);
       shared.work = work_view(i % 2, sizes[i]);
@@ -177,11 +195,27 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
     const size_t p = param++;
     return ParameterRef{&params_[p], &grads_[p]};
   };
-  auto linear = [&](FeatureLayout layout, bool input_grad_partial = false) {
+  auto linear = [&](FeatureLayout layout, bool input_grad_partial = false,
+                    const LinearSharedBuffers* shared = nullptr) {
     const ParameterRef weight = next();
     const ParameterRef bias = next();
-    return std::make_unique<Linear>(weight, bias, layout, rows_, context, input_grad_partial);
+    return std::make_unique<Linear>(weight, bias, layout, rows_, context, input_grad_partial,
+                                    shared);
   };
+  // 16-bit storage of the blocks' hidden activations (docs/mixed_precision.md, "Compute and
+  // memory on this build"), under a 16-bit param_dtype for blocks of up, activation and down (no
+  // SwiGLU, MoE or dropout) on a mesh without a feature axis: the up projection writes its output
+  // into one fp32 working buffer [rows, hidden] that every block shares, the activation works in
+  // place there and keeps its input and output as 16 bits (in the same pass), and the down
+  // projection keeps nothing of its input but that 16-bit output: in backward it widens it into
+  // the shared buffer for its weight gradient and writes its input gradient over it, through which
+  // the activation's backward runs in place and which the up projection reads as its dY. The
+  // values are those of the simulated path (fp32 buffers holding 16-bit values), bit for bit.
+  // framework/train/memory_plan.cpp counts the same buffers under the same condition.
+  hidden_16bit_ = compute_dtype_ != Dtype::fp32 && context.stores_16bit_activations() &&
+                  !shape.moe.any() && !shape.gated && dropout == 0.0 &&
+                  context.feature_parallel() == 1;
+  if (hidden_16bit_) hidden_work_ = Matrix("model/hidden_work", rows_, shape.hidden);
   // The layout of the linear layer whose weight is parameter p, fed `layout`.
   auto layout_of = [&](size_t p, FeatureLayout layout) {
     const ShardedTensor& w = params_[p];
@@ -244,6 +278,23 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
       f.push_back(std::make_unique<SwiGlu>(
           block + "/swiglu", std::move(gate), std::move(up), rows_, compute_dtype_,
           shared ? context.comm({context.feature_axis()}) : nullptr));
+    } else if (hidden_16bit_) {
+      LinearSharedBuffers up_buffers;
+      up_buffers.output = hidden_work_;
+      std::unique_ptr<Linear> up = linear(layout, false, &up_buffers);
+      auto act = std::make_unique<ActivationLayer>(
+          activation, block + "/activation", rows_, up->output_width(), up->output_layout(),
+          up->output_offset(), compute_dtype_, /*keeps_16bit=*/true);
+      LinearSharedBuffers down_buffers;
+      down_buffers.work = hidden_work_;
+      down_buffers.kept_input = act->kept_output();
+      const FeatureLayout hidden_layout = act->output_layout();
+      f.push_back(std::move(up));
+      f.push_back(std::move(act));
+      f.push_back(linear(hidden_layout, false, &down_buffers));  // down
+      add(std::make_unique<ResidualBlock>(block, std::move(f), layout, offset, rows_, width,
+                                          compute_dtype_));
+      continue;
     } else {
       std::unique_ptr<Linear> up = linear(layout);
       auto act = std::make_unique<ActivationLayer>(activation, block + "/activation", rows_,

@@ -231,8 +231,9 @@ class Mlp {
   const GradientReductionPlan& gradient_reductions() const { return reductions_; }
   // One line per layer with parameters (Layer::describe).
   std::vector<std::string> describe() const;
-  // Whether the activations kept for backward live in 16-bit buffers (the plain constructor).
-  bool keeps_16bit_activations() const { return keeps_16bit_; }
+  // Whether the activations kept for backward live in 16-bit buffers (the plain constructor: all
+  // of them; a residual_mlp: its blocks' hidden activations).
+  bool keeps_16bit_activations() const { return keeps_16bit_ || hidden_16bit_; }
   // The DP gradient buckets (empty when overlap is off or no layer has DP storage).
   const GradientBuckets& gradient_buckets() const { return buckets_; }
 
@@ -276,6 +277,10 @@ class Mlp {
   Matrix work_[2];
   HalfMatrix input_16bit_;
   MatrixView work_view(size_t buffer, int64_t width) const;  // work_[buffer] as [rows, width]
+  // A residual_mlp's 16-bit storage of its blocks' hidden activations (the residual constructor
+  // explains it): the one fp32 working buffer [rows, hidden] its blocks share.
+  bool hidden_16bit_ = false;
+  Matrix hidden_work_;
   Matrix output_grad_;  // the output gradient, scaled and cast (empty in plain fp32)
   LayerScratch scratch_;
   inference::Sequence inference_;  // sequence_ as infer() runs it

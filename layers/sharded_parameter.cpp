@@ -160,8 +160,8 @@ LayerScratchNeeds ShardedParameter::scratch_needs() const {
     // Widened into scratch.weight; a prefetch lands in the 16-bit landing (a blocking gather in
     // scratch.grad's bytes).
     if (can_prefetch()) needs.weight_16bit = static_cast<size_t>(d1 * d2);
-  } else {
-    needs.prefetch = needs.weight;
+  } else if (can_prefetch()) {
+    needs.prefetch = needs.weight;  // (a weight stored whole is never prefetched)
   }
   if (gather1_ && gather2_) needs.stage = static_cast<size_t>(std::max(d1 * s2, s1 * d2));
   return needs;

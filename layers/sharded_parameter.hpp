@@ -38,7 +38,8 @@
 // Mixed precision: gathered (or rounded) in the compute dtype; the gradient moves and sums in
 // the reduce dtype and is stored in fp32. In fp32 none of this does anything.
 // A by_dims parameter whose tensor has a 16-bit compute copy (ShardedTensor::copy_16bit: a plain
-// MLP's weights in 16-bit storage, docs/mixed_precision.md) computes from it: the optimizer wrote
+// MLP's weights gathered over one group in 16-bit storage, docs/mixed_precision.md) computes from
+// it: the optimizer wrote
 // it, so no cast pass runs; stored whole it is widened into scratch.weight, gathered (over one
 // group) its 16-bit elements travel as they are, blocking into the bytes of scratch.grad (free
 // until backward computes the gradient there) or prefetched into scratch.weight_16bit, and are

@@ -16,6 +16,7 @@
 #include "framework/io/data.hpp"
 #include "framework/train/config.hpp"
 #include "partition/sharding_picture.hpp"
+#include "partition/sixteen_bit_storage.hpp"
 
 namespace meshtrain {
 
@@ -156,10 +157,16 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   // gradients in two shared fp32 working buffers [rows, widest input] (the last layer's output
   // excepted), its activations work in place there and keep their input and output as 16 bits,
   // and the model keeps its input as 16 bits (instead of an fp32 copy).
-  const bool keeps_16bit =
-      !fp32 && !residual && config.model.dropout == 0.0 &&
+  const bool storage_16bit =
+      !fp32 && config.model.dropout == 0.0 &&
       std::none_of(plan.layers.begin(), plan.layers.end(),
                    [](const LayerPlan& l) { return l.moe || l.layout.tp > 1; });
+  const bool keeps_16bit = storage_16bit && !residual;
+  // A residual_mlp's 16-bit storage of its blocks' hidden activations (layers/mlp.cpp, the
+  // residual constructor: no SwiGLU, MoE or dropout, no feature axis): the up projections write
+  // into one shared fp32 working buffer [rows, hidden], the activations keep their input and
+  // output as 16 bits, the down projections compute their input gradient in that buffer.
+  const bool hidden_16bit = storage_16bit && residual && !gated;
   int64_t activation_halves = 0;  // 16-bit elements
   if (keeps_16bit) {
     int64_t widest = 0;
@@ -167,27 +174,35 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     activation_floats += 2 * rows * widest;
     activation_halves += rows * config.model.input_width();
   }
+  if (hidden_16bit) activation_floats += rows * config.model.residual().hidden;
+  const auto ends_with = [](const std::string& name, const std::string& tail) {
+    return name.size() > tail.size() &&
+           name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+  };
   for (size_t i = 0; i < n; ++i) {
     const LayerPlan& layer = plan.layers[i];
     if (layer.moe) continue;  // an MoE layer's buffers: its dispatch buffers (totals) only
     const LinearLayout& l = layer.layout;
-    // Linear's buffers (layers/linear.cpp).
+    // Linear's buffers (layers/linear.cpp); with 16-bit storage the shared working buffers
+    // instead of a hidden layer's output (a residual block's up projection's) and of the input
+    // gradient (a residual block's down projection's).
+    const bool up = residual && ends_with(layer.name, "/up");
+    const bool down = residual && ends_with(layer.name, "/down");
+    const bool shared_output = (keeps_16bit && i + 1 < n) || (hidden_16bit && up);
+    const bool shared_input_grad = keeps_16bit || (hidden_16bit && down);
     if (l.slices_input() || l.gathers_input()) activation_floats += rows * l.in_compute;  // input
-    if (!keeps_16bit || i + 1 == n) activation_floats += rows * l.out_local;              // output
+    if (!shared_output) activation_floats += rows * l.out_local;                          // output
     if (l.column_gathers_input()) {
       activation_floats += rows * l.input_width();  // input_grad
-    } else if (!keeps_16bit) {
+    } else if (!shared_input_grad) {
       activation_floats += rows * l.in_compute;  // input_grad_compute
     }
     if (l.slices_input() || l.gathers_input()) activation_floats += rows * l.input_width();
     // The layer that follows it in a plain MLP: its activation (and dropout); in a residual
     // block, the up projection's activation or the gate's SwiGLU (layers/swiglu.cpp).
-    const bool hidden =
-        residual ? layer.name.size() > 3 && layer.name.compare(layer.name.size() - 3, 3, "/up") == 0
-                 : i + 1 < n;
-    const bool gate = residual && layer.name.size() > 5 &&
-                      layer.name.compare(layer.name.size() - 5, 5, "/gate") == 0;
-    if (hidden && keeps_16bit) {
+    const bool hidden = residual ? up : i + 1 < n;
+    const bool gate = residual && ends_with(layer.name, "/gate");
+    if (hidden && (keeps_16bit || hidden_16bit)) {
       activation_halves += 2 * rows * l.out_local;  // input_16bit, output_16bit
     } else if (hidden && !(residual && gated)) {
       activation_floats += rows * l.out_local;
@@ -212,21 +227,19 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     if (gathered) grad = std::max(grad, d1 * d2);
     const bool two_gathers = !l.weight_gather_dim0.empty() && !l.weight_gather_dim1.empty();
     if (two_gathers) stage = std::max(stage, std::max(d1 * s2, s1 * d2));
-    // 16-bit storage: each weight's 16-bit compute copy of its stored block (layers/mlp.cpp), from
-    // which a weight gathered over one group is gathered as 16 bits: blocking into the bytes of
-    // the gradient scratch, prefetched (overlap) into the 16-bit landing
-    // (layers/sharded_parameter.cpp).
-    if (keeps_16bit) {
+    // 16-bit storage: a weight gathered over one group has a 16-bit compute copy of its stored
+    // block (partition/sixteen_bit_storage.hpp, as layers/mlp.cpp), gathered as 16 bits: blocking
+    // into the bytes of the gradient scratch, prefetched (overlap) into the 16-bit landing
+    // (layers/sharded_parameter.cpp). A weight stored whole, or gathered over two groups, has none.
+    const bool one_gather = gathered && !two_gathers;
+    const bool copy = keeps_16bit && keeps_16bit_weight_copy(l);
+    if (copy) {
       copy_halves += s1 * s2;
-      if (config.runtime.overlap && gathered && !two_gathers) {
-        weight_16bit = std::max(weight_16bit, d1 * d2);
-      }
+      if (config.runtime.overlap) weight_16bit = std::max(weight_16bit, d1 * d2);
     }
     // Prefetched (overlap) when gathered over one group: into the fp32 prefetch buffer without a
     // 16-bit copy.
-    if (config.runtime.overlap && gathered && !two_gathers && !keeps_16bit) {
-      prefetch = std::max(prefetch, d1 * d2);
-    }
+    if (config.runtime.overlap && one_gather && !copy) prefetch = std::max(prefetch, d1 * d2);
     if (!l.bias_gather.empty() || !l.bias_direct) bias = std::max(bias, l.out);
     int64_t matmul = 0;
     if (l.tensor_parallel) matmul = 3 * rows * l.out * kFloat;

@@ -13,6 +13,7 @@
 #include <Kokkos_Core.hpp>
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -339,6 +340,8 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
       {"fsdp", "fsdp"},
       {"tp", "tp"},
       {"fsdp_bf16_overlap", "fsdp", 1, true},
+      {"dp_residual_bf16_overlap", "dp", 1, true, true},
+      {"fsdp_residual_bf16_overlap_eval_batch", "fsdp", 1, true, true, false, kOtherEvalBatch},
       {"tp_residual", "tp", 1, false, true},
       {"tp_swiglu_dropout", "tp", 1, false, true, true},
       {"dp_dropout", "dp", 1, false, false, true},
@@ -437,6 +440,55 @@ TEST(MemoryPlan, SixteenBitActivationsOfAPlainMlpTakeLittleMoreThanHalfOfFp32s) 
   }
 }
 
+// A residual_mlp's 16-bit storage (docs/mixed_precision.md, "Compute and memory on this build"):
+// its blocks' hidden activations kept as 16 bits, the up projections' outputs and the down
+// projections' input gradients in one shared fp32 buffer. Its activations (64 -> 128 wide, hidden
+// 256, 2 LayerNorm blocks, 8 outputs, 16 rows a rank) are measured by the tracker as planned, to
+// the byte, in fp32, bf16 and fp16 on dp and fsdp, and bf16's and fp16's take at most 0.85 of
+// fp32's (0.81-0.82 measured; the simulated path's take more than fp32's: its input copy and output
+// gradient).
+TEST(MemoryPlan, SixteenBitHiddenActivationsOfAResidualMlp) {
+  for (const std::string preset : {"dp", "fsdp"}) {
+    std::map<Dtype, int64_t> measured, planned;
+    for (const Dtype dtype : {Dtype::fp32, Dtype::bf16, Dtype::fp16}) {
+      SCOPED_TRACE(preset + ", " + to_string(dtype));
+      RunConfig config = config_for(preset, run_dir("sixteen_bit_residual_" + preset));
+      testing::use_residual_mlp(config, /*inputs=*/64, /*width=*/128, /*hidden=*/256,
+                                /*depth=*/2, /*outputs=*/8, ModelNorm::layernorm, false);
+      config.mixed_precision.param_dtype = dtype;
+      config.mixed_precision.reduce_dtype = dtype;
+      if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
+      MPI_Barrier(MPI_COMM_WORLD);
+      {
+        TrainingRun run(config);
+        run.train();
+        EXPECT_EQ(run.model().keeps_16bit_activations(), dtype != Dtype::fp32);
+        for (const TrackedAllocation& a : kokkos_memory(1 << 20).largest) {
+          // (fp16's LossScaler buffer is matched to activations by its label's prefix but is
+          // not one: left out on both sides.)
+          if (run.plan_item_of(a) == "activations" &&
+              a.label.rfind("meshtrain::loss_scaler", 0) != 0) {
+            measured[dtype] += a.bytes;
+          }
+        }
+        planned[dtype] = run.planned_memory().workspace.activation_bytes;
+      }
+      EXPECT_EQ(measured[dtype], planned[dtype]);
+      if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
+      MPI_Barrier(MPI_COMM_WORLD);
+    }
+    for (const Dtype dtype : {Dtype::bf16, Dtype::fp16}) {
+      if (world_rank() == 0) {
+        std::printf("[memory_plan np%d] residual %s activations %s / fp32: %.3f\n", world_size(),
+                    preset.c_str(), to_string(dtype),
+                    double(measured[dtype]) / double(measured[Dtype::fp32]));
+      }
+      EXPECT_LE(double(measured[dtype]), 0.85 * double(measured[Dtype::fp32]))
+          << preset << ", " << to_string(dtype) << " against fp32";
+    }
+  }
+}
+
 // The weights' 16-bit compute copies (docs/mixed_precision.md): under FSDP with prefetch, a plain
 // MLP computing in bf16 or fp16 gathers its weights as 16 bits into one 16-bit landing, widened
 // into the one fp32 weight buffer, instead of an fp32 weight buffer and an fp32 prefetch buffer:
@@ -469,7 +521,8 @@ TEST(MemoryPlan, SixteenBitGatheredWeightsOfAPlainMlpUnderFsdpPrefetch) {
       const TrainingWorkspace& w = run.planned_memory().workspace;
       EXPECT_EQ(copies, w.sixteen_bit_copy_bytes);
       if (dtype == Dtype::fp32) EXPECT_EQ(copies, 0);
-      // Each weight's stored block, 2 bytes an element.
+      // Each weight's stored block, 2 bytes an element, where the weights are gathered (np > 1;
+      // on one rank nothing is gathered and no weight has a copy).
       if (dtype != Dtype::fp32) {
         int64_t stored = 0;
         for (const ShardedTensor& t : run.model().parameters()) {
@@ -477,7 +530,7 @@ TEST(MemoryPlan, SixteenBitGatheredWeightsOfAPlainMlpUnderFsdpPrefetch) {
             stored += static_cast<int64_t>(t.local.extent(0));
           }
         }
-        EXPECT_EQ(copies, 2 * stored);
+        EXPECT_EQ(copies, world_size() > 1 ? 2 * stored : 0);
       }
       // The scratch's empty Views are reported as headers (128 bytes each, six a model).
       EXPECT_GE(item, w.gathered_weight_bytes);
@@ -487,12 +540,60 @@ TEST(MemoryPlan, SixteenBitGatheredWeightsOfAPlainMlpUnderFsdpPrefetch) {
     if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
     MPI_Barrier(MPI_COMM_WORLD);
   }
-  // (On one rank nothing is gathered: fp32 computes from the master itself, 16 bits from the copy
-  // widened into the fp32 weight buffer, as the simulated path rounded the master into it.)
+  // (On one rank nothing is gathered: fp32 computes from the master itself, 16 bits from the
+  // master rounded into the fp32 weight buffer.)
   if (world_size() == 1) return;
   for (const Dtype dtype : {Dtype::bf16, Dtype::fp16}) {
     EXPECT_LE(double(gathered[dtype]), 0.75 * double(gathered[Dtype::fp32]) + 3 * 128)
         << to_string(dtype) << " against fp32";
+  }
+}
+
+// The weights' 16-bit compute copies exist only where a weight is gathered over one group (FSDP):
+// under DP and on one rank a copy would be 2 bytes a parameter beside the fp32 weight buffer the
+// GEMM reads, into which the master is rounded as the copy would be widened (issue 37: a bf16 DP
+// plan 3% above fp32's). So, on dp (every np) and fsdp at np 1: no copy, measured or planned;
+// under fsdp at np > 1 one per weight; the plan agrees with the tracker to the byte; and with 128
+// rows a rank the bf16 plan's total is at most fp32's (with the copies it was 0.05 MB above on dp).
+TEST(MemoryPlan, SixteenBitCopiesOnlyForWeightsGatheredOverOneGroup) {
+  for (const std::string preset : {"dp", "fsdp"}) {
+    std::map<Dtype, int64_t> total;
+    for (const Dtype dtype : {Dtype::fp32, Dtype::bf16}) {
+      SCOPED_TRACE(preset + ", " + to_string(dtype));
+      RunConfig config = config_for(preset, run_dir("sixteen_bit_copies_" + preset));
+      config.data.batch_size = 128 * world_size();
+      config.data.synthetic_samples = 2 * config.data.batch_size;
+      config.mixed_precision.param_dtype = dtype;
+      config.mixed_precision.reduce_dtype = dtype;
+      if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
+      MPI_Barrier(MPI_COMM_WORLD);
+      {
+        TrainingRun run(config);
+        run.train();
+        int64_t copies = 0, item = 0, models_with_copies = 0;
+        for (const TrackedAllocation& a : kokkos_memory(1 << 20).largest) {
+          if (a.label.rfind("meshtrain::scratch_16bit_copy:", 0) == 0) copies += a.bytes;
+          if (run.plan_item_of(a) == "gathered weights") item += a.bytes;
+        }
+        for (const ShardedTensor& t : run.model().parameters())
+          models_with_copies += !!t.copy_16bit;
+        const TrainingWorkspace& w = run.planned_memory().workspace;
+        const bool gathered = preset == "fsdp" && world_size() > 1;
+        EXPECT_EQ(copies, w.sixteen_bit_copy_bytes);
+        if (!gathered) {
+          EXPECT_EQ(copies, 0);
+          EXPECT_EQ(models_with_copies, 0);
+        } else if (dtype != Dtype::fp32) {
+          EXPECT_EQ(models_with_copies, 4);  // every weight
+        }
+        EXPECT_GE(item, w.gathered_weight_bytes);
+        EXPECT_LE(item, w.gathered_weight_bytes + 6 * 128);  // the scratch's empty Views' headers
+        total[dtype] = run.planned_memory().kokkos_bytes();
+      }
+      if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
+      MPI_Barrier(MPI_COMM_WORLD);
+    }
+    EXPECT_LE(total[Dtype::bf16], total[Dtype::fp32]) << preset << ": the bf16 plan against fp32's";
   }
 }
 
