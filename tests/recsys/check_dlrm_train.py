@@ -17,7 +17,8 @@ where their rows divide, the rest replicated). Modes:
           uninterrupted run's bit for bit.
   bad_id  an id outside its table in one row of the training file: exit 2 with one sentence
           naming the table, the file and the global row, the same error on every rank (one
-          "meshtrain: error" line, no rank left hanging).
+          "meshtrain: error" line, no rank left hanging); the tables moved to another group
+          are read through data.sparse_key, and without it the missing table is named.
 
   check_dlrm_train.py MODE SCRIPT CONFIG WORK_DIR -- MPIEXEC... MESHTRAIN
 """
@@ -147,6 +148,24 @@ def mode_bad_id(launcher, config, work):
     if len(errors) != 1 or want not in errors[0]:
         fail(f"expected one error line with {want!r}, got {done.stderr!r}")
     print(f"dlrm bad id: {errors[0]}")
+    # data.sparse_key names the tables' group: moved to /features, the run reads them there,
+    # and the default key then names the missing table, the file and the group it looked in.
+    moved = os.path.join(work, "data", "moved.h5")
+    shutil.copy(os.path.join(work, "data", "train.h5"), moved)
+    with h5py.File(moved, "r+") as f:
+        f.move("sparse", "features")
+    sets = ["--set", 'data.path="data/moved.h5"', "--set", 'data.test_path="data/moved.h5"',
+            "--set", "train.steps=2",
+            "--set", "train.eval_every=0"]
+    run(launcher, 2, "train", work, config, "--set", 'run.output_dir="moved"',
+        "--set", 'data.sparse_key="/features"', *sets)
+    done = run(launcher, 2, "train", work, config, "--set", 'run.output_dir="moved"', *sets,
+               expect=2)
+    want = "table 't00' is missing from sparse data file 'data/moved.h5' (no /sparse/t00)"
+    errors = [line for line in done.stderr.splitlines() if "meshtrain: error" in line]
+    if len(errors) != 1 or want not in errors[0]:
+        fail(f"expected one error line with {want!r}, got {done.stderr!r}")
+    print(f"dlrm sparse_key: read from /features; {errors[0]}")
 
 
 def main():
