@@ -49,11 +49,13 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   install_memory_tracker();
   reset_kokkos_peak();
   check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
-  if (config_.model.kind == ModelKind::dlrm) {  // before any data is opened
-    MESHTRAIN_BAD_INPUT(
-        "TrainingRun trains model.kind = \"mlp\" and \"residual_mlp\"; ",
-        "model.kind = \"dlrm\" is trained by meshtrain::DlrmRun (run/dlrm_run.hpp)");
-  }
+  on_every_rank(comm_, [&] {  // before any data is opened
+    if (config_.model.kind == ModelKind::dlrm) {
+      MESHTRAIN_BAD_INPUT(
+          "TrainingRun trains model.kind = \"mlp\" and \"residual_mlp\"; ",
+          "model.kind = \"dlrm\" is trained by meshtrain::DlrmRun (run/dlrm_run.hpp)");
+    }
+  });
   plan_run();
   open_data(std::move(data));
   agree_on_data_shape();
