@@ -154,10 +154,9 @@ class DlrmRun {
   LrSchedule lr_schedule_;
   float lr_ = 0.0f;
 
-  // The batch buffers: device views and the host rows they are copied from.
+  // The batch buffers: device views and the host mirrors the rows are read into.
   DlrmBatch batch_;
-  std::vector<int64_t> rows_;           // [slice rows]: the global rows of the batch
-  std::vector<float> host_x_, host_y_;  // [rows, features], [rows, 1]
+  std::vector<int64_t> rows_;  // [slice rows]: the global rows of the batch
   Matrix::HostMirror dense_mirror_, targets_mirror_;
   std::vector<Kokkos::View<int64_t*>::HostMirror> offsets_mirror_, values_mirror_;
 
