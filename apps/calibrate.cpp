@@ -29,6 +29,7 @@
 #include "framework/train/hardware_file.hpp"
 #include "layers/activation.hpp"
 #include "partition/cost_model.hpp"
+#include "run/dlrm_run.hpp"  // require_command_builds
 
 namespace meshtrain {
 namespace {
@@ -430,6 +431,7 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
           mesh = Mesh::create({{"dp", -1}}, world, "calibrate (dp = the world)");
         } else {
           const RunConfig config = load_config(config_path, overrides);
+          require_command_builds(config.model, "meshtrain calibrate");
           mesh = config.mesh.resolve(world);
           plan = make_plan(model_parameter_shapes(config.model), *mesh, partition_rules(config),
                            plan_options(config), model_linear_layers(config.model));

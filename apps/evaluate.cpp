@@ -24,6 +24,7 @@
 #include "framework/io/metrics.hpp"
 #include "framework/io/output_file.hpp"
 #include "framework/train/config.hpp"
+#include "run/dlrm_run.hpp"
 #include "run/training_run.hpp"
 
 namespace meshtrain {
@@ -228,16 +229,15 @@ std::string loss_description(LossKind loss, bool weighted) {
          (is_regression(loss) ? ", in the units the model was trained in" : "");
 }
 
-void print_report(std::FILE* out, const Checkpoint& checkpoint, const TrainingRun& run,
-                  const EvalEvent& e) {
-  const RunConfig& config = run.config();
+// `data`: the test data's description; `mesh`: the run's mesh.
+void print_report(std::FILE* out, const Checkpoint& checkpoint, const RunConfig& config,
+                  const std::string& data, const Mesh& mesh, const EvalEvent& e) {
   std::fprintf(out, "meshtrain evaluate %s (step %lld, saved on %s)\n", checkpoint.file.c_str(),
                static_cast<long long>(checkpoint.info.train_state.step),
                checkpoint.info.mesh.c_str());
   std::fprintf(
-      out, "  data: %s, %lld rows; mesh %s, eval batch %lld\n",
-      run.test_data().shape().description.c_str(), static_cast<long long>(e.test_rows),
-      run.mesh().short_description().c_str(),
+      out, "  data: %s, %lld rows; mesh %s, eval batch %lld\n", data.c_str(),
+      static_cast<long long>(e.test_rows), mesh.short_description().c_str(),
       static_cast<long long>(config.data.eval_batch_size.value_or(config.data.batch_size)));
   const bool classification = !e.test_class_accuracy.empty();
   const LossKind loss = config.model.loss.value_or(LossKind::cross_entropy);
@@ -301,15 +301,25 @@ int evaluate_command(const EvaluateArgs& args) try {
     if (rank == 0) check_json_output(args);
   });
 
-  TrainingRun run(*config);
-  EvalEvent event = run.evaluate();
-  event.step = checkpoint.info.train_state.step;  // the model's step (the run did none)
-  on_every_rank(MPI_COMM_WORLD, [&] {
-    if (rank != 0) return;
-    // With the JSON on standard output the report goes to standard error.
-    print_report(args.json == "-" ? stderr : stdout, checkpoint, run, event);
-    json->write(eval_event_json(event));
-  });
+  // The run of the checkpoint's kind (docs/recsys.md: a DLRM's), its parameters loaded.
+  auto evaluate_with = [&](auto& run, const std::string& data) {
+    EvalEvent event = run.evaluate();
+    event.step = checkpoint.info.train_state.step;  // the model's step (the run did none)
+    on_every_rank(MPI_COMM_WORLD, [&] {
+      if (rank != 0) return;
+      // With the JSON on standard output the report goes to standard error.
+      print_report(args.json == "-" ? stderr : stdout, checkpoint, run.config(), data, run.mesh(),
+                   event);
+      json->write(eval_event_json(event));
+    });
+  };
+  if (config->model.kind == ModelKind::dlrm) {
+    DlrmRun run(*config);
+    evaluate_with(run, run.test_shape().description);
+  } else {
+    TrainingRun run(*config);
+    evaluate_with(run, run.test_data().shape().description);
+  }
   return 0;
 } catch (const AgreedError& error) {
   return report_agreed_error(error);  // every rank holds it

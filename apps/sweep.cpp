@@ -29,6 +29,7 @@
 #include "framework/io/metrics.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/hardware_file.hpp"
+#include "run/dlrm_run.hpp"  // require_command_builds
 #include "run/training_run.hpp"
 
 namespace meshtrain {
@@ -360,6 +361,7 @@ int sweep_command(const SweepArgs& args) {
           set_collective_matmul_hardware(read_hardware_profile(args.hardware));
         }
         const RunConfig base = load_config(args.config, args.overrides);
+        require_command_builds(base.model, "meshtrain sweep");
         sweep_dir = base.run.output_dir + "/sweep";
         const std::vector<std::vector<std::string>> points = grid_points(axes);
         const size_t digits = std::to_string(points.size() - 1).size();

@@ -17,8 +17,8 @@
 #include "framework/io/metrics.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/hardware_file.hpp"
-#include "layers/mlp.hpp"  // require_model_the_commands_build
 #include "partition/planner.hpp"
+#include "run/dlrm_run.hpp"
 #include "run/training_run.hpp"
 
 namespace meshtrain {
@@ -93,6 +93,51 @@ int train_command(const std::string& config_path, const std::vector<std::string>
 
 namespace {
 
+// kind = "dlrm" (docs/recsys.md): a DlrmRun, printed as TrainingRun's run is.
+int train_dlrm(MPI_Comm comm, RunConfig config) {
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  const bool rank0 = rank == 0;
+  const RunEvents printing = printing_events(rank0);
+  DlrmRunEvents events{printing.on_log, printing.on_eval, printing.on_checkpoint};
+  DlrmRun run(std::move(config), events, comm);
+  if (rank0) {
+    if (const auto& info = run.resumed_from()) {
+      std::printf("resumed from %s at step %lld (saved on %s)\n", info->path.c_str(),
+                  static_cast<long long>(info->train_state.step), info->mesh.c_str());
+    } else if (const auto& from = run.initialized_from()) {
+      std::printf("initialized from %s (step %lld, saved on %s): starting from step 0\n",
+                  from->path.c_str(), static_cast<long long>(from->train_state.step),
+                  from->mesh.c_str());
+    } else if (run.config().checkpoint.resume) {
+      std::printf("no checkpoint in %s: starting from step 0\n",
+                  run.config().checkpoint.dir.c_str());
+    }
+    const std::vector<std::string> lines = run.describe();
+    std::printf("meshtrain train %s: %s\n", run.config().file.c_str(), lines.front().c_str());
+    for (size_t i = 1; i < lines.size(); ++i) std::printf("%s\n", lines[i].c_str());
+    for (const std::string& note : run.config().notes) std::printf("note: %s\n", note.c_str());
+    std::fflush(stdout);
+  }
+  const DlrmRunSummary summary = run.train();
+  if (rank0 && summary.steps_run == 0) {
+    std::printf(
+        "done: the checkpoint is at step %lld, the last step of the run: nothing to train\n",
+        static_cast<long long>(run.steps_done()));
+  } else if (rank0) {
+    std::printf("done: %lld steps in %s (%.1f s), %.1f samples/s",
+                static_cast<long long>(summary.steps_run), format_duration(summary.wall_s).c_str(),
+                summary.wall_s, summary.samples_per_s);
+    if (summary.last_eval) {
+      std::printf(", final test AUC %.4f, log loss %.5f", summary.last_eval->test_auc,
+                  summary.last_eval->test_log_loss);
+    }
+    std::printf("\n");
+  }
+  if (rank0) std::printf("metrics: %s/metrics.jsonl\n", run.config().run.output_dir.c_str());
+  return 0;
+}
+
 // The command on `comm`, its ranks.
 int train_on(MPI_Comm comm, const std::string& config_path,
              const std::vector<std::string>& overrides, const std::string& hardware) {
@@ -103,11 +148,11 @@ int train_on(MPI_Comm comm, const std::string& config_path,
   std::optional<RunConfig> config;
   if (auto error = run_agreed(comm, [&] {
         config = load_config(config_path, overrides);
-        require_model_the_commands_build(config->model);  // every rank agrees: one line
         if (!hardware.empty()) set_collective_matmul_hardware(read_hardware_profile(hardware));
       })) {
     throw *error;
   }
+  if (config->model.kind == ModelKind::dlrm) return train_dlrm(comm, std::move(*config));
   TrainingRun run(*config, printing_events(rank0), std::nullopt, comm);
   if (rank0) {
     if (const auto& info = run.resumed_from()) {

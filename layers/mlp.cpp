@@ -19,19 +19,14 @@ SpecLookup specs_from_plan(const ShardingPlan& plan) {
   return [&plan](const std::string& name) { return plan.find(name).spec; };
 }
 
-void require_model_the_commands_build(const ModelSection& model) {
-  if (model.kind == ModelKind::dlrm) {
-    // layers/dlrm.hpp builds the model; the run does not feed it sparse features yet.
-    MESHTRAIN_BAD_INPUT("model.kind = \"dlrm\" is not trained, evaluated or served by the ",
-                        "commands yet (issue 39: the run does not read the sparse features); ",
-                        "the model exists in code as meshtrain::Dlrm (layers/dlrm.hpp)");
-  }
-}
-
 std::unique_ptr<Mlp> make_model(const ModelSection& model, const SpecLookup& spec_of,
                                 ParallelContext& context, int64_t local_rows,
                                 const Mlp* shares_parameters_of) {
-  require_model_the_commands_build(model);
+  if (model.kind == ModelKind::dlrm) {
+    // Not an Mlp: which command serves which kind is the commands' policy (run/dlrm_run.hpp).
+    MESHTRAIN_BAD_INPUT("model.kind = \"dlrm\" is not an Mlp: it is built as meshtrain::Dlrm ",
+                        "(layers/dlrm.hpp) and trained by meshtrain::DlrmRun (run/dlrm_run.hpp)");
+  }
   if (model.kind == ModelKind::residual_mlp) {
     return std::make_unique<Mlp>(model.residual(), model.activation, spec_of, context, local_rows,
                                  model.dropout, shares_parameters_of);

@@ -83,13 +83,9 @@ SpecLookup specs_from_plan(const ShardingPlan& plan);
 
 struct ModelSection;
 
-// bad_input, one sentence, for a [model] the commands cannot build yet (kind = "dlrm": the
-// model is layers/dlrm.hpp, but the run does not read sparse features). make_model calls it;
-// the training run calls it before it opens any data.
-void require_model_the_commands_build(const ModelSection& model);
-
 class Mlp;
-// The model a run config's [model] section describes, either kind (collective).
+// The model a run config's [model] section describes, kind mlp or residual_mlp (collective;
+// bad_input for kind dlrm, which is a meshtrain::Dlrm).
 // `shares_parameters_of`: a model of the same [model] and specs whose parameters and gradients
 // this one uses (shallow Views) instead of allocating its own: a forward-only copy for other
 // rows (the evaluation batch) that never holds a second copy of the model, not even while it

@@ -29,20 +29,10 @@
 #include "framework/observe/trace.hpp"
 #include "framework/train/resume.hpp"
 #include "partition/zero1_layout.hpp"
+#include "run/run_common.hpp"
 
 namespace meshtrain {
 namespace {
-OptimizerSettings optimizer_settings(const OptimizerSection& section) {
-  OptimizerSettings settings;
-  settings.kind = section.kind;
-  settings.momentum = static_cast<float>(section.momentum);
-  settings.beta1 = static_cast<float>(section.betas.first);
-  settings.beta2 = static_cast<float>(section.betas.second);
-  settings.eps = static_cast<float>(section.eps);
-  settings.weight_decay = static_cast<float>(section.weight_decay);
-  return settings;
-}
-
 // Every mesh axis, for the communicator of all ranks (gradient clipping's norm).
 std::vector<std::string> all_axes(const Mesh& mesh) {
   std::vector<std::string> axes;
@@ -59,7 +49,13 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   install_memory_tracker();
   reset_kokkos_peak();
   check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
-  require_model_the_commands_build(config_.model);  // before any data is opened
+  on_every_rank(comm_, [&] {  // before any data is opened
+    if (config_.model.kind == ModelKind::dlrm) {
+      MESHTRAIN_BAD_INPUT(
+          "TrainingRun trains model.kind = \"mlp\" and \"residual_mlp\"; ",
+          "model.kind = \"dlrm\" is trained by meshtrain::DlrmRun (run/dlrm_run.hpp)");
+    }
+  });
   plan_run();
   open_data(std::move(data));
   agree_on_data_shape();

@@ -26,6 +26,7 @@
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/observe/trace.hpp"
+#include "run/run_common.hpp"
 
 namespace meshtrain {
 namespace {
@@ -33,21 +34,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-// Creates `dir` (and its parents) and checks that a file can be made in it; bad_input
-// naming the config key otherwise.
-void ensure_writable_directory(const std::string& dir, const char* key) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  const std::string probe = dir + "/.meshtrain-write-test";
-  std::FILE* file = ec ? nullptr : std::fopen(probe.c_str(), "w");
-  if (!file) {
-    MESHTRAIN_BAD_INPUT("cannot write to the directory '", dir, "' (", key,
-                        "): ", ec ? ec.message() : std::strerror(errno));
-  }
-  std::fclose(file);
-  std::remove(probe.c_str());
 }
 
 // sum = g (first) or sum += g: the gradient of one micro-batch added to the step's sum.

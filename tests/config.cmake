@@ -196,14 +196,19 @@ meshtrain_cli_test(train_steps_replaces_epochs 0 -
 # data.sparse_key read and written back; each inconsistency refused in one sentence.
 meshtrain_add_test(NAME config_dlrm_test SOURCES config/dlrm_config_test.cpp LIBS meshtrain_framework)
 # kind = "dlrm" (docs/recsys.md): `meshtrain plan` lists the tables (the large one row-wise over
-# fsdp, the small one replicated under min_sharding_size); `meshtrain train` refuses the kind in
-# one sentence before it opens any data; a top[0] that is not the interaction's width names it.
+# fsdp, the small one replicated under min_sharding_size); `meshtrain train` opens its data (a
+# missing file named in one sentence; tests/recsys.cmake trains it); `meshtrain sweep`, which does
+# not serve the kind yet, refuses it in one sentence (run/dlrm_run.hpp require_command_builds); a
+# top[0] that is not the interaction's width names it.
 meshtrain_cli_test(plan_dlrm 0 -
   --stdout "embeddings/large/weight"
   -- ${_meshtrain} plan ${_cli}/dlrm.toml --world 2)
-meshtrain_cli_test(train_dlrm_refused 2
-  "^meshtrain: error: model\\.kind = \"dlrm\" is not trained, evaluated or served by the commands yet"
+meshtrain_cli_test(train_dlrm_missing_data 2
+  "^meshtrain: error: cannot read the HDF5 data file 'data/recsys/train\\.h5': No such file"
   -- ${_meshtrain} train ${_cli}/dlrm.toml)
+meshtrain_cli_test(sweep_dlrm_refused 2
+  "^meshtrain: error: `meshtrain sweep` does not serve model\\.kind = \"dlrm\" yet"
+  -- ${_meshtrain} sweep ${_cli}/dlrm.toml --grid optimizer.lr=1e-3,2e-3)
 meshtrain_cli_test(dlrm_wrong_top 2
   "^meshtrain: error: .*\\[model\\] top starts with 20 but interaction = \"dot\" of d = 8 and 3 tables gives 14 features .*top = \\[14, \\.\\.\\.\\]$"
   -- ${_meshtrain} plan ${_cli}/dlrm.toml --set "model.top=[20, 1]")

@@ -4,3 +4,16 @@ meshtrain_add_command_test(NAME recsys_make_data TIMEOUT 120
   COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/recsys/check_recsys_data.py
           ${PROJECT_SOURCE_DIR}/scripts/make_recsys_data ${CMAKE_CURRENT_BINARY_DIR}/recsys_data)
 
+
+# `meshtrain train` and `evaluate` of a DLRM (docs/recsys.md): np 1, 2, 4 against np 1, the AUC,
+# evaluate resharding np 2's checkpoint onto 1 and 4 ranks; a resume bit for bit; an id outside
+# its table refused in one sentence on every rank (tests/recsys/check_dlrm_train.py says how).
+foreach(mode train resume bad_id)
+  meshtrain_add_command_test(NAME recsys_dlrm_${mode} TIMEOUT 180
+    COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/recsys/check_dlrm_train.py ${mode}
+            ${PROJECT_SOURCE_DIR}/scripts/make_recsys_data
+            ${CMAKE_CURRENT_SOURCE_DIR}/recsys/dlrm_small.toml
+            ${CMAKE_CURRENT_BINARY_DIR}/recsys_dlrm_${mode}
+            -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS} $<TARGET_FILE:meshtrain>)
+  set_tests_properties(recsys_dlrm_${mode} PROPERTIES PROCESSORS 2)
+endforeach()

@@ -88,17 +88,43 @@ void read_slab(hid_t dataset, hid_t file_space, hid_t memory, int64_t first, int
   hdf5::check(H5Dread(dataset, H5T_NATIVE_INT64, memory, file_space, H5P_DEFAULT, out), kind, what);
 }
 
+// The most ids of one row among rows [0, rows) of a CSR table: one pass over its offsets in
+// pieces of kScanRows (decreasing offsets are left to the batches' checks).
+int64_t largest_bag(hid_t dataset, hid_t file_space, int64_t rows, const std::string& what) {
+  constexpr int64_t kScanRows = int64_t{1} << 16;
+  std::vector<int64_t> offsets(static_cast<size_t>(kScanRows + 1));
+  const hsize_t memory_size = static_cast<hsize_t>(kScanRows + 1);
+  const hdf5::Handle memory = hdf5::make(H5Screate_simple(1, &memory_size, nullptr), H5Sclose,
+                                         ErrorKind::runtime, what + ": a memory dataspace");
+  int64_t largest = 0;
+  for (int64_t first = 0; first < rows; first += kScanRows) {
+    const int64_t n = std::min(kScanRows, rows - first);
+    read_slab(dataset, file_space, memory, first, n + 1, offsets.data(), ErrorKind::bad_input,
+              what);
+    for (int64_t i = 0; i < n; ++i) {
+      largest =
+          std::max(largest, offsets[static_cast<size_t>(i + 1)] - offsets[static_cast<size_t>(i)]);
+    }
+  }
+  return largest;
+}
+
 }  // namespace
 
 SparseHdf5Reader::SparseHdf5Reader(std::string path, std::vector<std::string> tables,
-                                   int64_t max_rows, int64_t max_ids, MPI_Comm comm)
+                                   int64_t max_rows, int64_t max_ids, MPI_Comm comm,
+                                   std::string group)
     : path_(std::move(path)),
       tables_(std::move(tables)),
+      group_(std::move(group)),
       max_rows_(max_rows),
       max_ids_(max_ids),
       comm_(comm),
       file_(std::make_unique<File>()) {
-  MESHTRAIN_REQUIRE(max_rows_ >= 0 && max_ids_ >= 0, "SparseHdf5Reader: negative capacity");
+  MESHTRAIN_REQUIRE(max_rows_ >= 0, "SparseHdf5Reader: negative capacity");
+  // max_ids < 0: the capacity is found in the file (below), the largest bag times max_rows.
+  const bool ids_from_file = max_ids_ < 0;
+  if (ids_from_file) max_ids_ = 0;
   on_every_rank(comm_, [&] {
     const std::string file_text = "sparse data file '" + path_ + "'";
     if (tables_.empty()) MESHTRAIN_BAD_INPUT(file_text, ": no tables to read were named");
@@ -109,7 +135,7 @@ SparseHdf5Reader::SparseHdf5Reader(std::string path, std::vector<std::string> ta
     for (size_t t = 0; t < tables_.size(); ++t) {
       auto table = std::make_unique<Table>();
       table->name = tables_[t];
-      const std::string group = "/sparse/" + table->name;
+      const std::string group = group_ + "/" + table->name;
       const std::string where = file_text + ", table '" + table->name + "'";
       auto exists = [&](const std::string& name) {
         return hdf5::path_exists(file_->file, name, ErrorKind::bad_input, file_text);
@@ -188,6 +214,25 @@ SparseHdf5Reader::SparseHdf5Reader(std::string path, std::vector<std::string> ta
                             " but ", group, "/values holds ", table->ids, " ids");
       }
       state_.push_back(std::move(table));
+    }
+    if (ids_from_file) {
+      // The capacity every rank's share of a batch may need: its rows times the largest bag
+      // of any table, read from the whole file (the same on every rank).
+      int64_t largest = 0;
+      for (const auto& table : state_) {
+        largest = std::max(
+            largest, table->fixed
+                         ? table->hotness
+                         : largest_bag(table->offsets_dataset, table->offsets_space, num_rows_,
+                                       file_text + ", table '" + table->name + "': offsets"));
+      }
+      max_ids_ = std::max<int64_t>(largest * max_rows_, 1);
+      const hsize_t memory_size = static_cast<hsize_t>(std::max(max_rows_ + 1, max_ids_));
+      for (const auto& table : state_) {
+        table->memory = hdf5::make(H5Screate_simple(1, &memory_size, nullptr), H5Sclose,
+                                   ErrorKind::runtime, file_text + ": a memory dataspace");
+        table->values.assign(static_cast<size_t>(max_ids_), 0);
+      }
     }
   });
   check_mpi(MPI_Type_contiguous(kProblemFields, MPI_INT64_T, &problem_type_),
@@ -389,7 +434,7 @@ void SparseHdf5Reader::agree(Problem problem) {
   const Table& table = *state_.at(static_cast<size_t>(p.table));
   const std::string where = "sparse data file '" + path_ + "', table '" + table.name +
                             "', global row " + std::to_string(p.row) + ": ";
-  const std::string group = "/sparse/" + table.name;
+  const std::string group = group_ + "/" + table.name;
   auto agreed_error = [](ErrorKind kind, const std::string& message) {
     return AgreedError(Error(kind, message, __FILE__, __LINE__));
   };

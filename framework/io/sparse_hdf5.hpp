@@ -51,8 +51,11 @@ class SparseHdf5Reader {
   // too). max_rows: the most rows one read() asks for; max_ids: the most ids of one table that
   // one read() may return (per rank, the same for every table). bad_input AgreedError as the
   // header says.
+  // max_ids < 0: found in the file at open, max_rows times the largest bag of any table (one
+  // pass over every table's offsets on every rank). `group`: where the tables are
+  // (data.sparse_key), <group>/<table>/values and offsets, or ids.
   SparseHdf5Reader(std::string path, std::vector<std::string> tables, int64_t max_rows,
-                   int64_t max_ids, MPI_Comm comm);
+                   int64_t max_ids, MPI_Comm comm, std::string group = "/sparse");
   ~SparseHdf5Reader();
   SparseHdf5Reader(const SparseHdf5Reader&) = delete;
   SparseHdf5Reader& operator=(const SparseHdf5Reader&) = delete;
@@ -65,6 +68,7 @@ class SparseHdf5Reader {
   const std::string& path() const { return path_; }
   const std::vector<std::string>& tables() const { return tables_; }
   int64_t num_rows() const { return num_rows_; }  // rows of the data set
+  int64_t max_ids() const { return max_ids_; }    // the capacity of ids per table and read
   int64_t table_rows(size_t table) const;         // the table's size (attribute rows)
   SparseTableRows batch(size_t table) const;      // of the last read
   // HDF5 reads (hyperslab selections) the last read() made, over all tables (for tests).
@@ -81,6 +85,7 @@ class SparseHdf5Reader {
 
   std::string path_;
   std::vector<std::string> tables_;
+  std::string group_;
   int64_t max_rows_ = 0;
   int64_t max_ids_ = 0;
   MPI_Comm comm_ = MPI_COMM_NULL;

@@ -1,0 +1,447 @@
+// DlrmRun (dlrm_run.hpp): set-up, the step, evaluation, checkpoints and train() of a DLRM run.
+
+#include "run/dlrm_run.hpp"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "base/error.hpp"
+#include "framework/comm/backend.hpp"
+#include "framework/comm/failure_agreement.hpp"
+#include "framework/comm/mpi_util.hpp"
+#include "framework/core/gemm.hpp"
+#include "framework/train/resume.hpp"
+#include "layers/mlp.hpp"  // specs_from_plan
+#include "run/run_common.hpp"
+
+namespace meshtrain {
+namespace {
+
+// The one file of data.path / data.test_path (`key`); "" when the key names none.
+std::string one_file(const std::vector<std::string>& entries, const std::string& key,
+                     const std::string& config_file) {
+  const std::vector<std::string> files = expand_data_paths(entries, key);
+  if (files.size() > 1) {
+    MESHTRAIN_BAD_INPUT(config_file, ": ", key, " names ", files.size(), " files ('", files.front(),
+                        "', ...), but model.kind = \"dlrm\" reads its sparse ",
+                        "features from one file per split (shards are not read yet)");
+  }
+  return files.empty() ? std::string() : files.front();
+}
+
+std::vector<std::string> table_names(const DlrmShape& shape) {
+  std::vector<std::string> names;
+  for (const DlrmTable& t : shape.tables) names.push_back(t.name);
+  return names;
+}
+
+}  // namespace
+
+void require_command_builds(const ModelSection& model, const std::string& command) {
+  if (model.kind == ModelKind::dlrm) {
+    MESHTRAIN_BAD_INPUT("`", command, "` does not serve model.kind = \"dlrm\" yet (issue 39: ",
+                        "`meshtrain train` and `meshtrain evaluate` do)");
+  }
+}
+
+DlrmRun::DlrmRun(RunConfig config, DlrmRunEvents events, MPI_Comm comm)
+    : config_(std::move(config)), events_(std::move(events)), comm_(comm) {
+  check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+  plan_run();
+  open_data();
+  build_model();
+  if (config_.checkpoint.resume) resume();
+  if (!resumed_from_ && !config_.checkpoint.init_from.empty()) {
+    initialized_from_ = load_model(config_.checkpoint.init_from);
+  }
+}
+
+DlrmRun::~DlrmRun() = default;
+
+// The config checked (with what this run does not do yet, each in one sentence naming the key),
+// the mesh, the plan, the communicators and the layers' context.
+void DlrmRun::plan_run() {
+  int world_size = 1;
+  check_mpi(MPI_Comm_size(comm_, &world_size), "MPI_Comm_size");
+  PlanOptions options;
+  on_every_rank(comm_, [&] {
+    MESHTRAIN_REQUIRE(config_.model.kind == ModelKind::dlrm, "DlrmRun needs model.kind = dlrm");
+    check_config(config_);
+    const std::string where = config_.file.empty() ? "" : config_.file + ": ";
+    auto refuse = [&](bool condition, const std::string& key_and_value) {
+      if (condition) {
+        MESHTRAIN_BAD_INPUT(where, key_and_value, ": model.kind = \"dlrm\" is not trained with ",
+                            "it yet (docs/recsys.md, \"What is left\")");
+      }
+    };
+    refuse(config_.train.accumulation_steps > 1,
+           "train.accumulation_steps = " + std::to_string(config_.train.accumulation_steps));
+    refuse(config_.optimizer.zero_stage > 0,
+           "optimizer.zero_stage = " + std::to_string(config_.optimizer.zero_stage));
+    refuse(config_.data.normalize_inputs != Normalize::none,
+           "data.normalize_inputs = \"standard\"");
+    refuse(config_.data.normalize_targets != Normalize::none,
+           "data.normalize_targets = \"standard\"");
+    refuse(!config_.data.dy_key.empty(), "data.dy_key = \"" + config_.data.dy_key + "\"");
+    refuse(config_.train.early_stopping > 0,
+           "train.early_stopping = " + std::to_string(config_.train.early_stopping));
+    refuse(config_.checkpoint.keep_best.has_value(), "checkpoint.keep_best");
+    refuse(config_.data.eval_batch_size && *config_.data.eval_batch_size != config_.data.batch_size,
+           "data.eval_batch_size other than data.batch_size");
+    set_matmul_precision(config_.runtime.matmul_precision);
+    mesh_ = config_.mesh.resolve(world_size);
+    options = plan_options(config_);
+    plan_ = make_plan(model_parameter_shapes(config_.model), *mesh_, partition_rules(config_),
+                      options, model_linear_layers(config_.model));
+    batch_axes_ = options.batch_axes;
+  });
+  const CommBackend backend = resolve_comm_backend(config_.runtime.backend, comm_);
+  comms_ = std::make_unique<MeshCommunicators>(*mesh_, comm_, prepare_comm_backend(backend, comm_));
+  std::vector<std::string> axes;
+  for (const auto& axis : mesh_->axes()) axes.push_back(axis.name);
+  world_ = &comms_->get(axes);
+  context_.emplace(*comms_, options.batch_axes, options.feature_axis,
+                   config_.partition.collective_matmul, config_.runtime.overlap,
+                   config_.runtime.bucket_mb);
+}
+
+// The dense rows (RowSource) and the sparse rows (SparseHdf5Reader) of the same files, the
+// schedules. The readers' capacity of ids comes from the files (the largest bag of any table
+// times this rank's rows), the larger of the two splits' for the model.
+void DlrmRun::open_data() {
+  const DlrmShape shape = config_.model.dlrm();
+  const std::vector<std::string> tables = table_names(shape);
+  const ModelWidthKeys keys{"model.bottom[0]", "the dlrm's one output"};
+  on_every_rank(comm_, [&] {
+    if (!config_.model.loss) config_.model.loss = LossKind::binary_cross_entropy;
+    train_file_ = one_file(config_.data.path, "data.path", config_.file);
+    test_file_ = one_file(config_.data.test_path, "data.test_path", config_.file);
+    const uint64_t seed = config_.run.seed;
+    train_source_ = open_data_source(config_.data, Split::train, seed, shape.bottom.front(), 1,
+                                     config_.model.loss, keys);
+    test_source_ = open_data_source(config_.data, Split::test, seed, shape.bottom.front(), 1,
+                                    config_.model.loss, keys);
+    const int64_t global_batch = config_.data.batch_size;
+    schedule_.emplace(train_source_->shape().num_samples, global_batch, config_.data.shuffle, seed,
+                      config_.data.block_rows, config_.data.shuffle_window);
+    slice_ = make_batch_slice(*mesh_, rank_, batch_axes_, global_batch);
+    eval_schedule_ = EvalSchedule::create(test_source_->shape().num_samples, global_batch,
+                                          "data.batch_size (the evaluation batch)");
+    total_steps_ = training_steps(config_, schedule_->steps_per_epoch());
+  });
+  // Collective, each agreeing on its own errors (a missing table names the file).
+  train_sparse_ = std::make_unique<SparseHdf5Reader>(train_file_, tables, slice_.rows, -1, comm_,
+                                                     config_.data.sparse_key);
+  max_ids_ = train_sparse_->max_ids();
+  if (!test_file_.empty()) {
+    test_sparse_ = std::make_unique<SparseHdf5Reader>(test_file_, tables, slice_.rows, -1, comm_,
+                                                      config_.data.sparse_key);
+    max_ids_ = std::max(max_ids_, test_sparse_->max_ids());
+  }
+  // The files' tables against the model's: ids are checked against the file's `rows`, so a
+  // file table larger than the model's would let ids past the model's rows through.
+  on_every_rank(comm_, [&] {
+    for (const SparseHdf5Reader* reader : {train_sparse_.get(), test_sparse_.get()}) {
+      if (!reader) continue;
+      for (size_t t = 0; t < shape.tables.size(); ++t) {
+        if (reader->table_rows(t) > shape.tables[t].rows) {
+          MESHTRAIN_BAD_INPUT("sparse data file '", reader->path(), "', table '",
+                              shape.tables[t].name, "': the file's table has ",
+                              reader->table_rows(t), " rows, more than the ", shape.tables[t].rows,
+                              " of model.tables (", config_.file, ")");
+        }
+      }
+      if (reader->num_rows() !=
+          (reader == train_sparse_.get() ? train_source_ : test_source_)->shape().num_samples) {
+        MESHTRAIN_BAD_INPUT(
+            "sparse data file '", reader->path(), "': its tables describe ", reader->num_rows(),
+            " rows, but ", config_.data.x_key, " holds ",
+            (reader == train_sparse_.get() ? train_source_ : test_source_)->shape().num_samples);
+      }
+    }
+  });
+}
+
+void DlrmRun::build_model() {
+  const DlrmShape shape = config_.model.dlrm();
+  const int64_t rows = slice_.rows;
+  on_every_rank(comm_, [&] {
+    model_ = std::make_unique<Dlrm>(shape, config_.model.activation, specs_from_plan(*plan_),
+                                    *context_, rows, max_ids_);
+    model_->initialize(config_.model.init, config_.run.seed);
+    loss_ = std::make_unique<Loss>(LossKind::binary_cross_entropy, *context_, rows, 1,
+                                   FeatureLayout::replicated);
+    eval_metrics_ = std::make_unique<EvalMetrics>(LossKind::binary_cross_entropy, *context_, rows,
+                                                  1, FeatureLayout::replicated);
+    optimizer_ =
+        std::make_unique<Optimizer>(optimizer_settings(config_.optimizer), model_->parameters());
+    clipper_ = std::make_unique<GradientClipper>(*mesh_, rank_, model_->gradients());
+  });
+  const OptimizerSection& opt = config_.optimizer;
+  lr_schedule_ = LrSchedule{opt.schedule, opt.lr, opt.min_lr, opt.warmup_steps, total_steps_};
+  lr_ = static_cast<float>(lr_schedule_.at(0));
+
+  // The batch buffers, made once.
+  const int64_t features = shape.bottom.front();
+  batch_.dense = Matrix("meshtrain::dlrm_dense", rows, features);
+  batch_.targets = Matrix("meshtrain::dlrm_targets", rows, 1);
+  dense_mirror_ = host_mirror(batch_.dense);
+  targets_mirror_ = host_mirror(batch_.targets);
+  rows_.assign(static_cast<size_t>(rows), 0);
+  for (size_t t = 0; t < shape.tables.size(); ++t) {
+    batch_.offsets.emplace_back("meshtrain::dlrm_offsets", rows + 1);
+    batch_.values.emplace_back("meshtrain::dlrm_ids", std::max<int64_t>(max_ids_, 1));
+    offsets_mirror_.push_back(host_mirror(batch_.offsets.back()));
+    values_mirror_.push_back(host_mirror(batch_.values.back()));
+    batch_.bags.push_back(
+        SparseBags{IdView(batch_.offsets.back().data(), rows + 1),
+                   IdView(batch_.values.back().data(), batch_.values.back().extent(0))});
+  }
+
+  // The checkpoint views the live tensors.
+  checkpoint_.mesh = *mesh_;
+  if (config_.text.empty()) config_.text = config_to_toml(config_);
+  checkpoint_.config_text = config_.text;
+  checkpoint_.params = model_->parameters();
+  for (const std::string& slot : optimizer_->slot_names()) {
+    checkpoint_.opt_state.push_back({slot, optimizer_->slot(slot)});
+  }
+  checkpointer_ = std::make_unique<Checkpointer>(comm_, config_.checkpoint.async);
+}
+
+void DlrmRun::read_rows(RowSource& source, SparseHdf5Reader& reader, const int64_t* rows,
+                        int64_t count) {
+  // The ids first: collective, its checks agreed on every rank (an id outside its table).
+  reader.read(rows, count);
+  const int64_t n = slice_.rows;
+  const int64_t features = batch_.dense.extent_int(1);
+  std::fill(dense_mirror_.data() + count * features, dense_mirror_.data() + n * features, 0.0f);
+  std::fill(targets_mirror_.data() + count, targets_mirror_.data() + n, 0.0f);
+  if (count > 0)
+    source.read(rows, count, RowBuffers{dense_mirror_.data(), nullptr, targets_mirror_.data()});
+  Kokkos::deep_copy(batch_.dense, dense_mirror_);
+  Kokkos::deep_copy(batch_.targets, targets_mirror_);
+  for (size_t t = 0; t < batch_.bags.size(); ++t) {
+    const SparseTableRows csr = reader.batch(t);
+    auto& offsets = offsets_mirror_[t];
+    for (int64_t r = 0; r <= count; ++r) offsets(r) = csr.offsets[r];
+    for (int64_t r = count + 1; r <= n; ++r) offsets(r) = csr.offsets[count];  // empty bags
+    std::copy(csr.values, csr.values + csr.ids(), values_mirror_[t].data());
+    Kokkos::deep_copy(batch_.offsets[t], offsets);
+    Kokkos::deep_copy(batch_.values[t], values_mirror_[t]);
+  }
+}
+
+double DlrmRun::step() {
+  schedule_->slice_samples(steps_done_, slice_, rows_.data());
+  // In file order: the same rows (the loss is their mean, the gradient their sum), but the reads
+  // go through each HDF5 chunk once instead of reloading a chunk for every row of a shuffled
+  // batch (the sparse datasets' chunks are larger than HDF5's chunk cache holds for them all).
+  std::sort(rows_.begin(), rows_.end());
+  // A dense row this rank cannot read (a runtime Error naming the file and row) poisons the
+  // loss's reduction, so every rank stops below and the error is agreed on.
+  std::exception_ptr data_error;
+  try {
+    read_rows(*train_source_, *train_sparse_, rows_.data(), slice_.rows);
+  } catch (const AgreedError&) {
+    throw;
+  } catch (const Error&) {
+    data_error = std::current_exception();
+    loss_->poison_next_reduction();
+  }
+  const MatrixView logits = model_->forward(batch_.dense, batch_.bags);
+  const LossResult result = loss_->regression(logits, batch_.targets, /*with_gradient=*/true);
+  if (!std::isfinite(result.loss) || result.targets_outside > 0) {
+    on_every_rank(comm_, [&] {
+      if (data_error) std::rethrow_exception(data_error);
+    });
+    if (result.targets_outside > 0) {
+      throw AgreedError(Error(ErrorKind::bad_input,
+                              detail::concat(config_.file, ": data.path = \"", train_file_,
+                                             "\": ", result.targets_outside, " of a batch's ",
+                                             config_.data.y_key, " labels are outside [0, 1]"),
+                              __FILE__, __LINE__));
+    }
+    throw AgreedError(Error(
+        ErrorKind::runtime,
+        detail::concat("the training loss became ", std::isnan(result.loss) ? "NaN" : "infinite",
+                       " at step ", steps_done_ + 1, "; lower optimizer.lr (now ",
+                       config_.optimizer.lr, ") or set optimizer.clip_norm"),
+        __FILE__, __LINE__));
+  }
+  model_->backward(loss_->gradient());
+  if (config_.optimizer.clip_norm > 0) {
+    const double norm = clipper_->clip(model_->gradients(), config_.optimizer.clip_norm, *world_);
+    if (!std::isfinite(norm)) {
+      throw AgreedError(
+          Error(ErrorKind::runtime,
+                detail::concat("the gradient norm became non-finite at step ", steps_done_ + 1,
+                               " (the gradient of ", clipper_->non_finite_gradient(), ")"),
+                __FILE__, __LINE__));
+    }
+  }
+  lr_ = static_cast<float>(lr_schedule_.at(steps_done_));
+  checkpointer_->wait_snapshot();  // a save in flight has copied the tensors
+  optimizer_->step(model_->parameters(), model_->gradients(), lr_);
+  ++steps_done_;
+  return result.loss;
+}
+
+EvalEvent DlrmRun::evaluate() {
+  eval_metrics_->reset();
+  for (int64_t b = 0; b < eval_schedule_.num_batches; ++b) {
+    const int64_t valid = eval_slice_samples(eval_schedule_, b, slice_, rows_.data());
+    std::exception_ptr data_error;
+    try {
+      read_rows(*test_source_, *test_sparse_, rows_.data(), valid);
+    } catch (const AgreedError&) {
+      throw;
+    } catch (const Error&) {
+      data_error = std::current_exception();
+      loss_->poison_next_reduction();
+    }
+    const MatrixView logits = model_->forward(batch_.dense, batch_.bags);
+    const LossResult r = loss_->regression(logits, batch_.targets, /*with_gradient=*/false, valid);
+    if (!std::isfinite(r.loss_sum)) {
+      on_every_rank(comm_, [&] {
+        if (data_error) std::rethrow_exception(data_error);
+      });
+    }
+    eval_metrics_->add(logits, LabelView(), batch_.targets, valid, r);
+  }
+  EvalEvent event;
+  eval_metrics_->finish(event, nullptr);
+  event.step = steps_done_;
+  return event;
+}
+
+void DlrmRun::report(const std::optional<std::string>& path) {
+  if (path) window_.mark_save();
+  if (path && events_.on_checkpoint) events_.on_checkpoint(in_flight_step_, *path);
+}
+
+std::string DlrmRun::save() {
+  TrainState& state = checkpoint_.train_state;
+  state.step = steps_done_;
+  state.epoch = schedule_->epoch_of(steps_done_);
+  state.batch_in_epoch = steps_done_ % schedule_->steps_per_epoch();
+  state.seed = config_.run.seed;
+  state.optimizer_step = optimizer_->step_count();
+  state.data_order = schedule_->order().name();
+  std::string path;
+  on_every_rank(comm_, [&] {
+    report(checkpointer_->wait());
+    in_flight_step_ = steps_done_;
+    path = checkpointer_->save(checkpoint_, config_.checkpoint.dir, config_.checkpoint.keep);
+    report(checkpointer_->async() ? checkpointer_->wait() : std::optional<std::string>(path));
+  });
+  return path;
+}
+
+void DlrmRun::resume() {
+  std::string latest;
+  on_every_rank(comm_, [&] {
+    if (rank_ == 0) latest = find_latest_checkpoint(config_.checkpoint.dir).value_or("");
+  });
+  broadcast_string(latest, 0, comm_, "MPI_Ibcast (the checkpoint to resume)");
+  if (latest.empty()) return;
+  on_every_rank(comm_, [&] {
+    if (rank_ == 0) {
+      const CheckpointInfo saved = list_checkpoint(latest).info;
+      check_resume_compatible(config_, saved, total_steps_, schedule_->order().name());
+    }
+  });
+  CheckpointInfo info;
+  on_every_rank(comm_, [&] { info = load_checkpoint(latest, checkpoint_, comm_); });
+  steps_done_ = info.train_state.step;
+  optimizer_->set_step_count(info.train_state.optimizer_step);
+  resumed_from_ = info;
+}
+
+CheckpointInfo DlrmRun::load_model(const std::string& path) {
+  CheckpointContents model_only;
+  model_only.mesh = *mesh_;
+  model_only.params = model_->parameters();
+  CheckpointInfo info;
+  on_every_rank(comm_, [&] { info = load_checkpoint(path, model_only, comm_); });
+  return info;
+}
+
+void DlrmRun::log_step(double loss) {
+  window_loss_ += loss;
+  ++window_steps_;
+  if (steps_done_ % config_.train.log_every != 0 && steps_done_ != total_steps_) return;
+  const double elapsed = window_.times().step_s;
+  LogEvent event;
+  event.step = steps_done_;
+  event.total_steps = total_steps_;
+  event.epoch = schedule_->epoch_of(steps_done_ - 1);
+  event.loss = window_loss_ / static_cast<double>(window_steps_);
+  event.lr = lr_;
+  const double samples = static_cast<double>(window_steps_ * config_.data.batch_size);
+  event.samples_per_s = elapsed > 0 ? samples / elapsed : 0.0;
+  event.step_s = elapsed / static_cast<double>(window_steps_);
+  event.eta_s = static_cast<double>(total_steps_ - steps_done_) * event.step_s;
+  const ProgressWindow::Times times = window_.times();
+  if (times.saved) event.save_s = times.save_s;
+  metrics_->log(event);
+  if (events_.on_log) events_.on_log(event);
+  window_.start();
+  window_loss_ = 0.0;
+  window_steps_ = 0;
+}
+
+DlrmRunSummary DlrmRun::train() {
+  on_every_rank(comm_, [&] {
+    metrics_ = std::make_unique<MetricsLog>(config_.run.output_dir, rank_ == 0,
+                                            /*append=*/steps_done_ > 0);
+    if (rank_ == 0) ensure_writable_directory(config_.checkpoint.dir, "checkpoint.dir");
+  });
+  DlrmRunSummary summary;
+  const int64_t first_step = steps_done_;
+  const double start = window_.now();
+  window_.start();
+  window_loss_ = 0.0;
+  window_steps_ = 0;
+  while (!finished()) {
+    const double loss = step();
+    log_step(loss);
+    const double after_step = window_.now();
+    const bool last = steps_done_ == total_steps_;
+    const int64_t eval_every = config_.train.eval_interval(schedule_->steps_per_epoch());
+    if (((eval_every > 0 && steps_done_ % eval_every == 0) || last) &&
+        eval_schedule_.num_batches > 0) {
+      summary.last_eval = evaluate();
+      metrics_->eval(*summary.last_eval);
+      if (events_.on_eval) events_.on_eval(*summary.last_eval);
+    }
+    const double before_save = window_.now();
+    window_.add_paused(before_save - after_step);
+    const int64_t every = config_.checkpoint.every_steps;
+    if ((every > 0 && steps_done_ % every == 0) || last) save();
+    window_.add_saving(window_.now() - before_save);
+  }
+  summary.wall_s = window_.now() - start;
+  summary.steps_run = steps_done_ - first_step;
+  summary.samples_per_s =
+      summary.wall_s > 0 ? summary.steps_run * config_.data.batch_size / summary.wall_s : 0.0;
+  return summary;
+}
+
+std::vector<std::string> DlrmRun::describe() const {
+  std::vector<std::string> lines;
+  lines.push_back(detail::concat("mesh ", mesh_->short_description(), ", batch ",
+                                 config_.data.batch_size, " (", slice_.rows, " per rank), ",
+                                 total_steps_, " steps of ", train_source_->shape().num_samples,
+                                 " rows; ", max_ids_, " ids per table and rank at most"));
+  for (const std::string& line : model_->describe()) lines.push_back("  " + line);
+  return lines;
+}
+
+}  // namespace meshtrain

@@ -1,0 +1,174 @@
+#pragma once
+// One training run of a DLRM (`[model] kind = "dlrm"`, docs/recsys.md), as a library type: what
+// `meshtrain train` does for that kind, TrainingRun's sibling. From a RunConfig it sets up, before
+// the first step:
+//   the mesh and the sharding plan (the one `meshtrain plan` prints) -> the communicators and the
+//   layers' context -> the data: the dense features and click labels of data.path / test_path
+//   (x_key, y_key; streamed as every HDF5 source) and the sparse features of the same files
+//   (data.sparse_key, SparseHdf5Reader), this rank's rows of every batch in the same order ->
+//   the model (Dlrm), its loss (binary cross entropy) and optimizer (the dense AdamW or SGD over
+//   every parameter, the tables included: sparse updates are a later slice) -> the checkpoint
+//   view of the live tensors -> resume from the latest checkpoint when checkpoint.resume (the
+//   tables resharded onto this mesh by the generic checkpoint code), else checkpoint.init_from's
+//   parameters when set, else the initializer.
+// The batch of a step is read in the step (no reader thread): the dense rows through the
+// RowSource, the ids of the same rows through the reader, both from BatchSchedule::
+// slice_samples. Every buffer is made at set-up: step() allocates nothing of its own (HDF5 may
+// inside its calls).
+//
+// Errors: set-up errors and bad data are AgreedErrors, the same on every rank (an id outside its
+// table names the table, the file and the global row: SparseHdf5Reader's agreement), as is a
+// non-finite loss. Every method is collective: every rank calls the same ones in the same order.
+//
+// Not yet (docs/recsys.md, "What is left"): gradient accumulation, zero_stage 1, mixed
+// precision, input normalization, a data reader thread, an evaluation batch other than the
+// training batch, early stopping and keep_best, traces and memory reports.
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "framework/comm/mesh_communicators.hpp"
+#include "framework/io/checkpoint.hpp"
+#include "framework/io/data.hpp"
+#include "framework/io/metrics.hpp"
+#include "framework/io/sparse_hdf5.hpp"
+#include "framework/train/config.hpp"
+#include "framework/train/lr_schedule.hpp"
+#include "framework/train/optimizer.hpp"
+#include "layers/context.hpp"
+#include "layers/dlrm.hpp"
+#include "layers/eval_metrics.hpp"
+#include "layers/loss.hpp"
+#include "partition/planner.hpp"
+#include "run/progress_window.hpp"
+
+namespace meshtrain {
+
+// bad_input, one sentence, when `command` (e.g. "meshtrain predict") does not build the model
+// kind of `model` yet: the commands' policy, which model kinds each serves (apps/ calls it).
+// `meshtrain train` and `meshtrain evaluate` build every kind; the others not kind = "dlrm".
+void require_command_builds(const ModelSection& model, const std::string& command);
+
+// The events DlrmRun::train() reports (on every rank; print on rank 0), as TrainingRun's.
+struct DlrmRunEvents {
+  std::function<void(const LogEvent&)> on_log;
+  std::function<void(const EvalEvent&)> on_eval;
+  std::function<void(int64_t step, const std::string& path)> on_checkpoint;
+};
+
+struct DlrmRunSummary {
+  int64_t steps_run = 0;
+  double wall_s = 0.0;
+  double samples_per_s = 0.0;
+  std::optional<EvalEvent> last_eval;
+};
+
+// This rank's rows of one batch: the dense features, the labels and each table's bags.
+struct DlrmBatch {
+  Matrix dense;    // [rows, bottom[0]]
+  Matrix targets;  // [rows, 1]
+  // Per table: the CSR copied from the reader (device memory), and the bags viewing it.
+  std::vector<Kokkos::View<int64_t*>> offsets, values;
+  std::vector<SparseBags> bags;
+};
+
+class DlrmRun {
+ public:
+  // Collective over `comm`. config.model.kind must be "dlrm".
+  explicit DlrmRun(RunConfig config, DlrmRunEvents events = {}, MPI_Comm comm = MPI_COMM_WORLD);
+  ~DlrmRun();
+  DlrmRun(const DlrmRun&) = delete;
+  DlrmRun& operator=(const DlrmRun&) = delete;
+
+  // One optimizer step on the next global batch; its loss (mean over the global batch).
+  double step();
+  // The test split's metrics (loss, AUC, log loss, accuracy) at the current step.
+  EvalEvent evaluate();
+  // A checkpoint of the current step under checkpoint.dir; its path once complete.
+  std::string save();
+  // The remaining steps with log, eval (train.eval_every and at the end) and checkpoint
+  // (checkpoint.every_steps and at the end) events; metrics.jsonl under run.output_dir.
+  DlrmRunSummary train();
+  // The parameters of the checkpoint at `path` (a file, pointer or directory), resharded onto
+  // this mesh; the step and optimizer state stay (checkpoint.init_from, `meshtrain evaluate`).
+  CheckpointInfo load_model(const std::string& path);
+
+  const RunConfig& config() const { return config_; }
+  const Mesh& mesh() const { return *mesh_; }
+  const ShardingPlan& plan() const { return *plan_; }
+  Dlrm& model() { return *model_; }
+  Optimizer& optimizer() { return *optimizer_; }
+  int64_t steps_done() const { return steps_done_; }
+  int64_t total_steps() const { return total_steps_; }
+  bool finished() const { return steps_done_ >= total_steps_; }
+  const std::optional<CheckpointInfo>& resumed_from() const { return resumed_from_; }
+  const std::optional<CheckpointInfo>& initialized_from() const { return initialized_from_; }
+  const DataShape& test_shape() const { return test_source_->shape(); }
+  const std::string& test_path() const { return test_file_; }
+  // Lines describing the run: the mesh, batch and steps, then one per layer.
+  std::vector<std::string> describe() const;
+
+ private:
+  void plan_run();
+  void open_data();
+  void build_model();
+  void resume();
+  // Reads `count` global rows of `source` / `reader` into this rank's buffers; rows [count,
+  // slice rows) are padding (zeros, empty bags).
+  void read_rows(RowSource& source, SparseHdf5Reader& reader, const int64_t* rows, int64_t count);
+  void log_step(double loss);
+  void report(const std::optional<std::string>& path);
+
+  RunConfig config_;
+  DlrmRunEvents events_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  std::optional<Mesh> mesh_;
+  std::optional<ShardingPlan> plan_;
+  std::vector<std::string> batch_axes_;
+  std::unique_ptr<MeshCommunicators> comms_;
+  std::optional<ParallelContext> context_;
+
+  std::string train_file_, test_file_;
+  std::unique_ptr<RowSource> train_source_, test_source_;
+  std::unique_ptr<SparseHdf5Reader> train_sparse_, test_sparse_;
+  std::optional<BatchSchedule> schedule_;
+  BatchSlice slice_;
+  EvalSchedule eval_schedule_;
+  int64_t total_steps_ = 0;
+  int64_t steps_done_ = 0;
+  int64_t max_ids_ = 0;  // per table and rank of a batch (the model's and the readers' capacity)
+
+  std::unique_ptr<Dlrm> model_;
+  std::unique_ptr<Loss> loss_;
+  std::unique_ptr<EvalMetrics> eval_metrics_;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<GradientClipper> clipper_;
+  Communicator* world_ = nullptr;
+  LrSchedule lr_schedule_;
+  float lr_ = 0.0f;
+
+  // The batch buffers: device views and the host mirrors the rows are read into.
+  DlrmBatch batch_;
+  std::vector<int64_t> rows_;  // [slice rows]: the global rows of the batch
+  Matrix::HostMirror dense_mirror_, targets_mirror_;
+  std::vector<Kokkos::View<int64_t*>::HostMirror> offsets_mirror_, values_mirror_;
+
+  CheckpointContents checkpoint_;
+  std::unique_ptr<Checkpointer> checkpointer_;
+  int64_t in_flight_step_ = 0;
+  std::optional<CheckpointInfo> resumed_from_, initialized_from_;
+
+  std::unique_ptr<MetricsLog> metrics_;
+  ProgressWindow window_;
+  double window_loss_ = 0.0;
+  int64_t window_steps_ = 0;
+};
+
+}  // namespace meshtrain

@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""`meshtrain train` and `meshtrain evaluate` of a DLRM (issue 39, docs/recsys.md) on a small
+synthetic click set that scripts/make_recsys_data writes (20,000 training and 4,000 test rows,
+tables of up to 2,000 rows), with tests/recsys/dlrm_small.toml (26 tables, t24 and t25 row-wise
+where their rows divide, the rest replicated). Modes:
+
+  train   np 1, 2 and 4 train 40 steps: every step's loss of np 2 and np 4 within 1e-5
+          (relative) of np 1's, the one-rank reference (sums reorder across ranks: a bag spread
+          over a row-wise table's owners, the gradients' all-reduce), and the final evaluation's
+          AUC and log loss within 1e-4; the final AUC above 0.66, above what the dense features
+          alone reach (about 0.6), below the teacher's own AUC on the file (about 0.8); then
+          `meshtrain evaluate --json -` of np 2's checkpoint on np 1 and np 4 (t25 row-wise
+          over 2 ranks resharded onto 1 and 4, t24 row-wise onto replicated) reports the
+          training run's final auc and log_loss within 1e-4.
+  resume  np 2: 20 steps, then resumed to 40 (checkpoint.resume): every logged loss of steps
+          21 to 40 and every parameter and optimizer state of the step-40 checkpoint equal an
+          uninterrupted run's bit for bit; the step-20 checkpoint of 2 ranks resumed on 4 (t24
+          row-wise to replicated, t25 row-wise over 2 to over 4, with their optimizer state):
+          the losses of steps 21 to 40 within 1e-5 (relative) of the uninterrupted run's.
+  bad_id  an id outside its table in one row of the training file: exit 2 with one sentence
+          naming the table, the file and the global row, the same error on every rank (one
+          "meshtrain: error" line, no rank left hanging); the tables moved to another group
+          are read through data.sparse_key, and without it the missing table is named.
+
+  check_dlrm_train.py MODE SCRIPT CONFIG WORK_DIR -- MPIEXEC... MESHTRAIN
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+
+
+def fail(message):
+    sys.exit(f"check_dlrm_train: {message}")
+
+
+def make_data(script, work):
+    out = os.path.join(work, "data")
+    args = [sys.executable, script, "--rows", "20000", "--test-rows", "4000",
+            "--max-table-rows", "2000", "--out", out]
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        fail(f"{' '.join(args)} failed: {done.stderr.strip()}")
+
+
+def run(launcher, np_, command, work, *args, expect=0):
+    mpiexec, meshtrain = launcher[:-1], launcher[-1]
+    argv = [*mpiexec, "-np", str(np_), meshtrain, command, *args]
+    done = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=300)
+    if done.returncode != expect:
+        fail(f"{' '.join(argv)} exited {done.returncode}, not {expect}:\n{done.stdout}\n"
+             f"{done.stderr}")
+    return done
+
+
+def train(launcher, np_, config, work, out, *sets):
+    run(launcher, np_, "train", work, config, "--set", f'run.output_dir="{out}"', *sets)
+    losses, evals = {}, []
+    with open(os.path.join(work, out, "metrics.jsonl")) as f:
+        for line in f:
+            event = json.loads(line)
+            if "test_auc" in event:
+                evals.append(event)
+            elif "loss" in event:
+                losses[event["step"]] = event["loss"]
+    return losses, evals
+
+
+def close(a, b, rel):
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
+
+
+def mode_train(launcher, config, work):
+    runs = {np_: train(launcher, np_, config, work, f"np{np_}") for np_ in (1, 2, 4)}
+    ref_losses, ref_evals = runs[1]
+    if sorted(ref_losses) != list(range(1, 41)) or [e["step"] for e in ref_evals] != [20, 40]:
+        fail(f"np 1 logged steps {sorted(ref_losses)} and evaluations at "
+             f"{[e['step'] for e in ref_evals]}, not steps 1..40 and evaluations at 20, 40")
+    for np_ in (2, 4):
+        losses, evals = runs[np_]
+        for step, loss in ref_losses.items():
+            if not close(losses.get(step, float("nan")), loss, 1e-5):
+                fail(f"np {np_}: the loss of step {step} is {losses.get(step)}, np 1's {loss}")
+        for mine, ref in zip(evals, ref_evals):
+            for key in ("test_auc", "test_log_loss"):
+                if abs(mine[key] - ref[key]) > 1e-4:
+                    fail(f"np {np_}: {key} at step {mine['step']} is {mine[key]}, np 1's {ref[key]}")
+    final = runs[2][1][-1]
+    with h5py.File(os.path.join(work, "data", "test.h5"), "r") as f:
+        teacher = float(f.attrs["teacher_auc"])
+    if not 0.66 < final["test_auc"] < teacher:
+        fail(f"the final test AUC {final['test_auc']} is not between 0.66 and the teacher's "
+             f"{teacher}")
+    for np_ in (1, 4):
+        done = run(launcher, np_, "evaluate", work, "np2/checkpoints", "--data",
+                   "data/test.h5", "--json", "-")
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        for key in ("test_auc", "test_log_loss"):
+            if not abs(report[key] - final[key]) <= 1e-4:
+                fail(f"evaluate on np {np_}: {key} {report[key]}, the training run's {final[key]}")
+    print(f"dlrm train: np 2 and 4 match np 1; AUC {final['test_auc']:.4f} (teacher {teacher:.4f})")
+
+
+def tensors(path):
+    out = {}
+    with h5py.File(path, "r") as f:
+        def visit(name, item):
+            if isinstance(item, h5py.Dataset) and name.split("/")[0] in ("params", "opt_state"):
+                out[name] = item[...]
+        f.visititems(visit)
+    return out
+
+
+def mode_resume(launcher, config, work):
+    whole, _ = train(launcher, 2, config, work, "whole")
+    train(launcher, 2, config, work, "parts", "--set", "train.steps=20")
+    resumed, _ = train(launcher, 2, config, work, "parts", "--set", "train.steps=40",
+                       "--set", "checkpoint.resume=true")
+    for step in range(21, 41):
+        if resumed.get(step) != whole[step]:
+            fail(f"the resumed run's loss of step {step} is {resumed.get(step)}, "
+                 f"the uninterrupted run's {whole[step]}")
+    a = tensors(os.path.join(work, "whole", "checkpoints", "ckpt-000040.h5"))
+    b = tensors(os.path.join(work, "parts", "checkpoints", "ckpt-000040.h5"))
+    if sorted(a) != sorted(b) or not any(k.startswith("params/embeddings/") for k in a):
+        fail(f"the checkpoints hold other datasets: {sorted(a)} and {sorted(b)}")
+    for name in a:
+        if a[name].tobytes() != b[name].tobytes():
+            fail(f"{name} of the resumed run's step-40 checkpoint differs from the "
+                 "uninterrupted run's")
+    # Saved on 2 ranks, resumed on 4: t24 row-wise over 2 becomes replicated (1618 rows do not
+    # divide by 4), t25 row-wise over 4, its AdamW moments with it; the losses go on as the
+    # uninterrupted run's, to the reordering of sums across ranks.
+    train(launcher, 2, config, work, "moved", "--set", "train.steps=20")
+    moved, _ = train(launcher, 4, config, work, "moved", "--set", "train.steps=40",
+                     "--set", "checkpoint.resume=true")
+    for step in range(21, 41):
+        if not close(moved.get(step, float("nan")), whole[step], 1e-5):
+            fail(f"resumed on 4 ranks, the loss of step {step} is {moved.get(step)}, the "
+                 f"uninterrupted 2-rank run's {whole[step]}")
+    print(f"dlrm resume: steps 21..40 and {len(a)} checkpoint datasets equal bit for bit; "
+          "resumed on 4 ranks within 1e-5")
+
+
+def mode_bad_id(launcher, config, work):
+    bad = os.path.join(work, "data", "bad.h5")
+    shutil.copy(os.path.join(work, "data", "train.h5"), bad)
+    with h5py.File(bad, "r+") as f:
+        offsets = f["sparse/t24/offsets"][...]
+        row = next(r for r in range(100, 20000) if offsets[r + 1] > offsets[r])
+        f["sparse/t24/values"][offsets[row]] = 1623  # the table has 1618 rows
+    done = run(launcher, 2, "train", work, config, "--set", 'run.output_dir="bad"',
+               "--set", 'data.path="data/bad.h5"', "--set", "data.shuffle=false", expect=2)
+    want = (f"sparse data file 'data/bad.h5', table 't24', global row {row}: id 1623 is "
+            "outside the table's rows [0, 1618)")
+    errors = [line for line in done.stderr.splitlines() if "meshtrain: error" in line]
+    if len(errors) != 1 or want not in errors[0]:
+        fail(f"expected one error line with {want!r}, got {done.stderr!r}")
+    print(f"dlrm bad id: {errors[0]}")
+    # data.sparse_key names the tables' group: moved to /features, the run reads them there,
+    # and the default key then names the missing table, the file and the group it looked in.
+    moved = os.path.join(work, "data", "moved.h5")
+    shutil.copy(os.path.join(work, "data", "train.h5"), moved)
+    with h5py.File(moved, "r+") as f:
+        f.move("sparse", "features")
+    sets = ["--set", 'data.path="data/moved.h5"', "--set", 'data.test_path="data/moved.h5"',
+            "--set", "train.steps=2",
+            "--set", "train.eval_every=0"]
+    run(launcher, 2, "train", work, config, "--set", 'run.output_dir="moved"',
+        "--set", 'data.sparse_key="/features"', *sets)
+    done = run(launcher, 2, "train", work, config, "--set", 'run.output_dir="moved"', *sets,
+               expect=2)
+    want = "table 't00' is missing from sparse data file 'data/moved.h5' (no /sparse/t00)"
+    errors = [line for line in done.stderr.splitlines() if "meshtrain: error" in line]
+    if len(errors) != 1 or want not in errors[0]:
+        fail(f"expected one error line with {want!r}, got {done.stderr!r}")
+    print(f"dlrm sparse_key: read from /features; {errors[0]}")
+
+
+def main():
+    if len(sys.argv) < 7 or sys.argv[5] != "--":
+        fail("usage: check_dlrm_train.py MODE SCRIPT CONFIG WORK_DIR -- MPIEXEC... MESHTRAIN")
+    mode, script, config, work = sys.argv[1:5]
+    launcher = sys.argv[6:]
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    make_data(script, work)
+    {"train": mode_train, "resume": mode_resume, "bad_id": mode_bad_id}[mode](
+        launcher, os.path.abspath(config), work)
+
+
+if __name__ == "__main__":
+    main()
