@@ -87,8 +87,8 @@ endif()
 # examples/online_heat (docs/online.md) built in-tree (its <meshtrain/...> includes through a
 # link to the source tree) and run as its README line says, 2 simulation ranks beside the
 # trainer on 1: the Kokkos simulation streams every cell's row each step, trusts the published
-# LiveModel once its error on a step's rows is under 2%, then takes every other step's update
-# from it, and the field must stay within 1% (relative L2) of the full solver's. The program
+# LiveModel once its error on a step's rows is under 5%, then takes every other step's update
+# from it, and the field must stay within 2% (relative L2) of the full solver's. The program
 # prints "under the tolerance" only then (and exits 1 otherwise); the timeout ends any hang.
 set(_online_example_include ${CMAKE_BINARY_DIR}/example_include)
 if(NOT EXISTS ${_online_example_include}/meshtrain)
