@@ -24,7 +24,8 @@
 // when no model was trusted within kMaxLearningSteps steps). The reference keeps streaming.
 //
 // Under MPMD the program takes its part of MPI_COMM_WORLD by MPI_APPNUM (the split is collective
-// over the whole job, and `meshtrain train` makes the same call). It needs no argument.
+// over the whole job, and `meshtrain train` makes the same call). It needs no argument;
+// `online_heat bench STEPS` times the producer's overhead instead (bench/online_overhead.sh).
 
 #include <meshtrain/meshtrain.hpp>
 #include <meshtrain/stream.hpp>
@@ -32,10 +33,12 @@
 #include <mpi.h>
 
 #include <Kokkos_Core.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <string>
 
@@ -156,7 +159,7 @@ double relative_error(const Field& a, const Field& b, int first_row, int rows, M
   return sums[1] > 0.0 ? std::sqrt(sums[0] / sums[1]) : 0.0;
 }
 
-int run(MPI_Comm sim) {
+int run(MPI_Comm sim, int bench_steps) {
   Slab slab;
   slab.comm = sim;
   int rank = 0, ranks = 1;
@@ -195,9 +198,45 @@ int run(MPI_Comm sim) {
   // block: the demo's simulation is far cheaper than training, so it waits for the trainer's
   // receives rather than dropping rows (a production run keeps drop: docs/online.md).
   meshtrain::StreamProducerOptions options;
-  options.backpressure = meshtrain::StreamBackpressure::block;
+  // (bench/online_overhead.sh: drop, as production runs keep, so sends never wait.)
+  options.backpressure =
+      bench_steps > 0 ? meshtrain::StreamBackpressure::drop : meshtrain::StreamBackpressure::block;
   meshtrain::StreamProducer producer;
   producer.connect(sim, "heat-2d", kInputs, kOutputs, meshtrain::StreamDtype::float64, options);
+  if (bench_steps > 0) {
+    // The producer's overhead: the same steps with and without sends, alternated three times
+    // (the fastest of each kept), timed on rank 0 between barriers.
+    double seconds_off = 1e30, seconds_on = 1e30;
+    for (int repeat = 0; repeat < 6; ++repeat) {
+      const bool sends = repeat % 2 == 1;
+      initial_state(u, slab, repeat);
+      MPI_Barrier(sim);
+      const auto begin = std::chrono::steady_clock::now();
+      for (int s = 0; s < bench_steps; ++s) {
+        exchange_halo(u, slab);
+        make_rows(u, k_east, k_north, slab, x, divergence);
+        if (sends) producer.send(x.data(), divergence.data(), slab.cells());
+        advance(u, divergence, slab);
+      }
+      MPI_Barrier(sim);
+      const double t =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+      double& best = sends ? seconds_on : seconds_off;
+      best = std::min(best, t);
+    }
+    producer.close();
+    long long sent = producer.rows_sent(), dropped = producer.rows_dropped();
+    MPI_Allreduce(MPI_IN_PLACE, &sent, 1, MPI_LONG_LONG, MPI_SUM, sim);
+    MPI_Allreduce(MPI_IN_PLACE, &dropped, 1, MPI_LONG_LONG, MPI_SUM, sim);
+    if (rank == 0)
+      std::printf(
+          "{\"bench\": \"online_producer_overhead\", \"ranks\": %d, \"cells\": %d, "
+          "\"steps\": %d, \"step_us_off\": %.3f, \"step_us_on\": %.3f, \"ratio\": "
+          "%.4f, \"rows_sent\": %lld, \"rows_dropped\": %lld}\n",
+          ranks, kGlobalCells * kGlobalCells, bench_steps, 1e6 * seconds_off / bench_steps,
+          1e6 * seconds_on / bench_steps, seconds_on / seconds_off, sent, dropped);
+    return 0;
+  }
   meshtrain::LiveModel model(producer, static_cast<int64_t>(slab.cells()) * ranks);
 
   // Phase 1: stream, refresh, and measure each new model on the step's rows until one is good.
@@ -290,7 +329,9 @@ int main(int argc, char** argv) {
   MPI_Comm_split(MPI_COMM_WORLD, flag && appnum ? *appnum : 0, runtime.world_rank(), &sim);
   int status = 0;
   try {
-    status = run(sim);
+    // `online_heat bench STEPS`: the producer's overhead (bench/online_overhead.sh) instead.
+    const int bench_steps = argc > 2 && std::string(argv[1]) == "bench" ? std::atoi(argv[2]) : 0;
+    status = run(sim, bench_steps);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "online_heat: error: %s\n", e.what());
     status = 2;
