@@ -83,3 +83,36 @@ if(CMAKE_Fortran_COMPILER)
 else()
   message(STATUS "meshtrain: no Fortran compiler, so the Fortran producer tests are not built")
 endif()
+
+# examples/online_heat (docs/online.md) built in-tree (its <meshtrain/...> includes through a
+# link to the source tree) and run as its README line says, 2 simulation ranks beside the
+# trainer on 1: the Kokkos simulation streams every cell's row each step, trusts the published
+# LiveModel once its error on a step's rows is under 5%, then takes every other step's update
+# from it, and the field must stay within 2% (relative L2) of the full solver's. The program
+# prints "under the tolerance" only then (and exits 1 otherwise); the timeout ends any hang.
+set(_online_example_include ${CMAKE_BINARY_DIR}/example_include)
+if(NOT EXISTS ${_online_example_include}/meshtrain)
+  file(MAKE_DIRECTORY ${_online_example_include})
+  file(CREATE_LINK ${PROJECT_SOURCE_DIR} ${_online_example_include}/meshtrain SYMBOLIC)
+endif()
+add_executable(online_heat ${PROJECT_SOURCE_DIR}/examples/online_heat/online_heat.cpp)
+target_include_directories(online_heat PRIVATE ${_online_example_include})
+target_link_libraries(online_heat PRIVATE meshtrain_run)
+meshtrain_add_command_test(NAME example_online_heat TIMEOUT 120
+  COMMAND ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS} ${MPIEXEC_NUMPROC_FLAG} 2
+          $<TARGET_FILE:online_heat> : ${MPIEXEC_NUMPROC_FLAG} 1 $<TARGET_FILE:meshtrain> train
+          ${PROJECT_SOURCE_DIR}/examples/online_heat/online.toml
+          --set run.output_dir=${_online_dir}/online_heat
+  PASS_REGULAR_EXPRESSION "relative L2 error [0-9.e+-]+ against the full solver \\(the field itself changed by [0-9.e+-]+\\), under the tolerance 0.02")
+set_tests_properties(example_online_heat PROPERTIES PROCESSORS 3)
+
+# A producer that ends without close() (tests/online/producer_gone.sh): two C producers, the
+# last returning from main unclosed, beside a trainer on one rank with stream.producer_timeout
+# = 2: one warning names it, every row is counted and the run ends by itself (before the fix it
+# waited for that close for ever: the timeout ends the hang).
+meshtrain_add_command_test(NAME online_mpmd_producer_gone TIMEOUT 60
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/online/producer_gone.sh
+          $<TARGET_FILE:online_c_producer> $<TARGET_FILE:meshtrain>
+          ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml ${_online_dir}/producer_gone
+          ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+set_tests_properties(online_mpmd_producer_gone PROPERTIES PROCESSORS 3)

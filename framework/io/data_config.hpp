@@ -68,6 +68,10 @@ struct StreamSection {
   // Checkpoints hold every trainer rank's buffer and held-out window (/stream), and a resumed
   // run continues with them; false: a resumed run starts with empty buffers.
   bool checkpoint_buffer = true;
+  // Seconds a producer may send nothing without having closed before the trainer takes it for
+  // gone (a process that ended without close()): one warning names it, the trainer goes on
+  // with the others and no longer waits for its close. 0: wait for ever.
+  double producer_timeout = 120.0;
 };
 
 // Rows of a trainer rank's held-out window: ceil(buffer_rows x test_fraction), at least 1

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -47,6 +48,9 @@ class HeldOutSource : public RowSource {
  private:
   const StreamBuffer& rows_;
 };
+
+// The counters every pull sums over the trainer, before the producers' messages and votes.
+constexpr size_t kCounterSums = 6;
 
 int64_t held_out_capacity(const StreamSection& section) {
   return std::max<int64_t>(1, stream_held_out_rows(section));  // 1: unused
@@ -129,6 +133,10 @@ StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
   taken_.assign(producers, 0);
   agreed_.assign(producers, 0);
   closed_.assign(producers, 0);
+  reduced_.assign(kCounterSums + 2 * producers, 0);
+  heard_total_.assign(producers, 0);
+  heard_at_.assign(producers, std::chrono::steady_clock::now());
+  gone_.assign(producers, 0);
   row_scratch_.assign(static_cast<size_t>(features + outputs), 0.0f);
   publish_every_ = section.publish_every;
   publish_floats_ = model.parameter_floats;
@@ -139,7 +147,11 @@ StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
 StreamSource::~StreamSource() {
   // What the producers still send is received and dropped until every one has closed, so
   // that their sends complete (a producer's close waits for them).
+  // A producer taken for gone is not waited for (nor, when it is producer 0, the publishes it
+  // would take: their sends are left to MPI).
   std::vector<char> closed = closed_;
+  for (size_t p = 0; p < producers_.size(); ++p) closed[p] = closed[p] || gone_[p];
+  if (!gone_.empty() && gone_[0]) publish_every_ = 0;
   for (size_t p = 0; p < producers_.size(); ++p) {
     for (int64_t i = 0; i < staged_count_[p]; ++i) {
       const auto& slot =
@@ -276,15 +288,50 @@ void StreamSource::pull_once() {
   }
   // The publish in flight tested, the waiting one or the end started (never waits).
   if (publish_every_ > 0 && trainer_rank_ == 0) progress_publish();
-  const bool all_closed = std::find(closed_.begin(), closed_.end(), 0) == closed_.end();
-  int64_t sums[6] = {group_lead_ ? buffer_.seen() + held_out_.seen() : 0,
-                     group_lead_ ? buffer_.overwritten() : 0,
-                     group_lead_ ? buffer_.filled() : 0,
-                     buffer_.filled() < min_rows_ ? 1 : 0,
-                     all_closed ? 1 : 0,
-                     group_lead_ ? held_out_.seen() : 0};
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, sums, 6, MPI_INT64_T, MPI_SUM, trainer_comm_),
+  bool all_closed = true;
+  for (size_t p = 0; p < producers_.size(); ++p)
+    all_closed = all_closed && (closed_[p] || gone_[p]);
+  const size_t producers = producers_.size();
+  const auto now = std::chrono::steady_clock::now();
+  const double timeout = section_.producer_timeout;
+  int64_t* sums = reduced_.data();
+  sums[0] = group_lead_ ? buffer_.seen() + held_out_.seen() : 0;
+  sums[1] = group_lead_ ? buffer_.overwritten() : 0;
+  sums[2] = group_lead_ ? buffer_.filled() : 0;
+  sums[3] = buffer_.filled() < min_rows_ ? 1 : 0;
+  sums[4] = all_closed ? 1 : 0;
+  sums[5] = group_lead_ ? held_out_.seen() : 0;
+  for (size_t p = 0; p < producers; ++p) {
+    sums[kCounterSums + p] = received_[p];
+    const bool silent = timeout > 0.0 && !closed_[p] && !gone_[p] &&
+                        std::chrono::duration<double>(now - heard_at_[p]).count() > timeout;
+    sums[kCounterSums + producers + p] = silent ? 1 : 0;
+  }
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, sums, static_cast<int>(reduced_.size()), MPI_INT64_T,
+                          MPI_SUM, trainer_comm_),
             "MPI_Allreduce (a stream's counters)");
+  for (size_t p = 0; p < producers; ++p) {
+    if (sums[kCounterSums + p] != heard_total_[p]) {
+      heard_total_[p] = sums[kCounterSums + p];
+      heard_at_[p] = now;
+    }
+    if (sums[kCounterSums + producers + p] == trainer_size_ && !gone_[p]) {
+      gone_[p] = 1;
+      if (p == 0) end_owed_ = true;  // nobody takes a publish any more
+      if (trainer_rank_ == 0) {
+        int64_t others = 0;
+        for (size_t q = 0; q < producers; ++q) others += closed_[q] || gone_[q] ? 0 : 1;
+        std::fprintf(stderr,
+                     "warning: stream \"%s\": producer %zu (world rank %d) sent nothing for "
+                     "%g s and has not closed (did it end without close()?); the trainer goes "
+                     "on with the %lld producers still open and no longer waits for it "
+                     "(stream.producer_timeout = %g)\n",
+                     section_.name.c_str(), p, producers_[p], timeout,
+                     static_cast<long long>(others), timeout);
+        std::fflush(stderr);
+      }
+    }
+  }
   counters_.rows_received = sums[0];
   counters_.rows_held_out = sums[5];
   counters_.rows_overwritten = sums[1];

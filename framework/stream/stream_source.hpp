@@ -11,6 +11,7 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -82,8 +83,12 @@ class StreamSource : public RowSource {
   // The slots of this rank's `rows` rows of micro-batch `seq` (BatchSamples).
   int64_t batch_slots(int64_t seq, int64_t rows, int64_t* out) const;
   const StreamCounters& counters() const { return counters_; }
-  // Every producer had closed, on every rank, at the last pull.
+  // Every producer had closed (or was gone: stream.producer_timeout), on every rank, at the
+  // last pull.
   bool ended() const { return ended_; }
+  // Producer p was taken for gone (sent nothing for stream.producer_timeout seconds without
+  // closing); the same on every trainer rank.
+  bool producer_gone(int64_t p) const { return gone_[static_cast<size_t>(p)] != 0; }
   const StreamBuffer& buffer() const { return buffer_; }
   // The held-out rows (stream.test_fraction > 0): a window of this rank's newest, which
   // held_out_source() reads (the run's test set).
@@ -172,7 +177,15 @@ class StreamSource : public RowSource {
   std::vector<int64_t> received_, taken_;  // messages, cumulative
   std::vector<int64_t> agreed_;            // the group's minimum of received_
   std::vector<char> closed_;               // its close was taken
-  std::vector<float> row_scratch_;         // a float64 row converted
+  // stream.producer_timeout: a producer none of the trainer's ranks heard from for that long,
+  // unclosed, is gone (every rank votes at each pull, on the totals agreed at the one before,
+  // and the unanimous vote decides, so every rank decides at the same pull). `reduced_`: the
+  // pull's counters, then each producer's messages (summed), then its votes.
+  std::vector<int64_t> reduced_;
+  std::vector<int64_t> heard_total_;  // the messages agreed at the last change
+  std::vector<std::chrono::steady_clock::time_point> heard_at_;  // when that changed
+  std::vector<char> gone_;
+  std::vector<float> row_scratch_;  // a float64 row converted
   bool started_ = false;
   bool ended_ = false;
   StreamCounters counters_;

@@ -440,6 +440,11 @@ const std::vector<ConfigKey>& config_keys() {
                          any_value(), kFileCommands,
                          "checkpoints hold the buffers, and a resumed run continues with them")
                     .only_when(unless_stream));
+    k.push_back(make_key("stream", "producer_timeout", FIELD(stream.producer_timeout),
+                         non_negative("wait for ever"), kFileCommands,
+                         "seconds a producer may send nothing, unclosed, before it is taken for "
+                         "gone (named in a warning; the others go on)")
+                    .only_when(unless_stream));
     // --- [optimizer] ---------------------------------------------------------------------
     k.push_back(make_key("optimizer", "kind", NAMED(optimizer.kind, optimizer_kind_choices()),
                          any_value(), kFileCommands, "the update rule"));

@@ -2,11 +2,14 @@
  * (`mpirun -np 1 online_c_producer : -np 2 meshtrain train online.toml`) it takes its part of
  * MPI_COMM_WORLD by MPI_APPNUM, connects to stream "c-demo" with 4 inputs and 2 outputs (or
  * the inputs given as its argument), sends 50 sends of 16 rows (backpressure block) and closes.
- * Prints what it sent; exits 2 with the error's sentence when connect fails. */
+ * Prints what it sent; exits 2 with the error's sentence when connect fails. With a second
+ * argument "no-close" its last rank (of two or more) ends without mt_stream_close or
+ * mt_stream_free, as a simulation that returns from main without closing its stream. */
 #include <math.h>
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "stream.h"
 
@@ -19,6 +22,10 @@ int main(int argc, char** argv) {
   MPI_Comm sim;
   MPI_Comm_split(MPI_COMM_WORLD, flag && appnum ? *appnum : 0, world_rank, &sim);
   MPI_Comm_rank(sim, &rank);
+  int ranks = 1;
+  MPI_Comm_size(sim, &ranks);
+  const int leaves_unclosed =
+      argc > 2 && strcmp(argv[2], "no-close") == 0 && ranks > 1 && rank == ranks - 1;
   const int64_t inputs = argc > 1 ? atoi(argv[1]) : 4, outputs = 2, rows = 16;
 
   /* block: every row reaches the trainer, however long it takes to start */
@@ -42,6 +49,13 @@ int main(int argc, char** argv) {
       fprintf(stderr, "producer: error: %s\n", mt_stream_last_error(s));
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
+  }
+  if (leaves_unclosed) {
+    printf("producer %d: sent %lld rows and ends without closing\n", rank,
+           (long long)mt_stream_rows_sent(s));
+    MPI_Comm_free(&sim);
+    MPI_Finalize();
+    return 0;
   }
   mt_stream_close(s);
   printf("producer %d: sent %lld rows, dropped %lld\n", rank, (long long)mt_stream_rows_sent(s),
