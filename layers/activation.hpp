@@ -110,6 +110,7 @@ class ActivationLayer : public Layer {
   MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
                                     const LayerPass& pass, MatrixView* dt_in) override;
   void reserve_tangent_backward(int64_t directions) override;
+  bool supports_laplacian() const override { return true; }
 
   MatrixView output() const override { return output_; }
   FeatureLayout output_layout() const override { return layout_; }
