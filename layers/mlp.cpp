@@ -511,15 +511,15 @@ MatrixView Mlp::forward_laplacian(MatrixView streams) {
 }
 
 // Each layer answers whether its passes carry second-order streams exactly (Linear, the
-// activations, LayerNorm, RMSNorm, residual blocks of them); MoE layers, SwiGLU and dropout
+// activations, SwiGLU, LayerNorm, RMSNorm, residual blocks of them); MoE layers and dropout
 // do not, and would take the streams for plain tangents (wrong values, silently).
 void Mlp::require_laplacian_layers() const {
   for (const Layer* layer : sequence_) {
     if (layer->supports_laplacian()) continue;
     const std::string line = layer->describe();
-    MESHTRAIN_BAD_INPUT("the forward Laplacian is built for linear layers, activations, ",
-                        "LayerNorm, RMSNorm and residual blocks of them, not for MoE layers, ",
-                        "SwiGLU or dropout, which this model has",
+    MESHTRAIN_BAD_INPUT("the forward Laplacian is built for linear layers, activations, SwiGLU, ",
+                        "LayerNorm, RMSNorm and residual blocks of them, not for MoE layers or ",
+                        "dropout, which this model has",
                         line.empty() ? std::string() : " ('" + line + "')");
   }
 }

@@ -181,9 +181,9 @@ class Mlp {
   // output (output_grad) and of those streams (stream_grad, [local_rows * 2k, output_width()])
   // to every parameter, as backward_with_tangents does. reserve_laplacian(k) reserves
   // everything for k directions (each layer's reserve_tangent_backward(2k)). An mlp or a
-  // residual_mlp (LayerNorm, RMSNorm or none) in fp32: bad_input for MoE layers, SwiGLU,
-  // dropout or 16-bit parameters (each layer's supports_laplacian()). Collective, as forward;
-  // allocate nothing.
+  // residual_mlp (LayerNorm, RMSNorm or none; SwiGLU or an activation) in fp32: bad_input for
+  // MoE layers, dropout or 16-bit parameters (each layer's supports_laplacian()). Collective,
+  // as forward; allocate nothing.
   MatrixView forward_laplacian(MatrixView streams);
   void backward_with_laplacian(MatrixView output_grad, MatrixView stream_grad, bool reduce = true);
   void reserve_laplacian(int64_t directions);

@@ -22,12 +22,13 @@
 //     step's passes make no Kokkos allocation; gradients reduced in the backward and left for
 //     reduce_gradients().
 //   * ResidualLaplacianMatchesFiniteDifferences, ResidualGradientsMatchFloat64CentralDifferences
-//     (np 1): the same for residual_mlps (3-8-...-2, hidden 16, 2 blocks; LayerNorm + silu,
-//     RMSNorm + tanh; the norms' scales and biases perturbed from 1 and 0), against a float64
+//     (np 1): the same for residual_mlps (4-8-...-2, hidden 16, 2 blocks; LayerNorm + silu,
+//     RMSNorm + tanh, RMSNorm + SwiGLU; the norms' scales and biases perturbed from 1 and 0),
+//     against a float64
 //     reference of jets (value, k first and k diagonal second derivatives through every
 //     operation of the forward, norms included), itself against central differences; the
 //     gradients to 1e-5 of each tensor's largest |fd|. The mesh test runs them too.
-//   * Refusals: SwiGLU, MoE and dropout models, no residual function, a repeated column.
+//   * Refusals: MoE and dropout models, no residual function, a repeated column.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -339,7 +340,7 @@ std::vector<Jet> norm_jets(const std::vector<Jet>& h, NormKind kind, const Tenso
 
 // The residual models of these tests: 3 inputs, 2 outputs, width 8, hidden 16, 2 blocks, a norm
 // of `kind` in each block and before the output.
-ResidualMlpShape residual_shape(NormKind kind) {
+ResidualMlpShape residual_shape(NormKind kind, bool gated = false) {
   ResidualMlpShape shape;
   shape.inputs = 4;  // divides by tp (the stream is split under tp from the input layer on)
   shape.outputs = kSizes.back();
@@ -348,14 +349,15 @@ ResidualMlpShape residual_shape(NormKind kind) {
   shape.depth = 2;
   shape.norm = true;
   shape.norm_kind = kind;
+  shape.gated = gated;  // SwiGLU blocks
   return shape;
 }
 
 // The forward Laplacian of the residual model, by jets (parameters in
 // residual_mlp_parameter_shapes' order).
 Propagated propagate_residual(const std::vector<Tensor>& p, NormKind kind, Activation act,
-                              const double* x_row) {
-  const ResidualMlpShape shape = residual_shape(kind);
+                              bool gated, const double* x_row) {
+  const ResidualMlpShape shape = residual_shape(kind, gated);
   std::vector<Jet> x(shape.inputs);
   for (int64_t i = 0; i < shape.inputs; ++i) {
     x[i].v = x_row[i];
@@ -371,11 +373,19 @@ Propagated propagate_residual(const std::vector<Tensor>& p, NormKind kind, Activ
   q = 2;
   for (int64_t block = 0; block < shape.depth; ++block) {
     std::vector<Jet> f = norm(h);
+    std::vector<Jet> gate;
+    if (gated) {  // silu(gate) * up
+      gate = linear_jets(f, p[q], p[q + 1]);
+      q += 2;
+      act = Activation::silu;
+    }
     f = linear_jets(f, p[q], p[q + 1]);
     q += 2;
-    for (Jet& z : f) {
+    for (size_t j = 0; j < f.size(); ++j) {
+      Jet& z = gated ? gate[j] : f[j];
       z = apply(z, testing::activation(act, z.v), testing::activation_derivative(act, z.v),
                 second_derivative(act, z.v));
+      if (gated) f[j] = gate[j] * f[j];
     }
     f = linear_jets(f, p[q], p[q + 1]);
     q += 2;
@@ -398,15 +408,17 @@ struct ModelCase {
   bool residual = false;
   NormKind norm = NormKind::layernorm;
   Activation activation = Activation::tanh;
+  bool gated = false;  // SwiGLU blocks (silu)
   std::string describe() const {
-    return residual ? std::string("residual_mlp ") + to_string(norm) + " " + to_string(activation)
+    return residual ? std::string("residual_mlp ") + to_string(norm) + " " +
+                          (gated ? std::string("swiglu") : to_string(activation))
                     : std::string("mlp ") + to_string(activation);
   }
   int64_t inputs() const { return residual ? residual_shape(norm).inputs : kSizes.front(); }
   Propagation propagation() const {
     const ModelCase m = *this;
     return [m](const std::vector<Tensor>& p, const double* x) {
-      return m.residual ? propagate_residual(p, m.norm, m.activation, x)
+      return m.residual ? propagate_residual(p, m.norm, m.activation, m.gated, x)
                         : propagate(p, m.activation, x);
     };
   }
@@ -414,6 +426,7 @@ struct ModelCase {
 const std::vector<ModelCase> kResidualCases = {
     {true, NormKind::layernorm, Activation::silu},
     {true, NormKind::rmsnorm, Activation::tanh},
+    {true, NormKind::rmsnorm, Activation::silu, /*gated=*/true},
 };
 
 // ---- the model on a mesh ------------------------------------------------------------------
@@ -433,11 +446,11 @@ struct MeshSetup {
     options.batch_axes = {"fsdp", "dp"};
     options.feature_axis = "tp";
     options.global_batch = kRows;
-    plan =
-        model.residual
-            ? make_plan(residual_mlp_parameter_shapes(residual_shape(model.norm)), mesh,
-                        preset_rules(c.preset, false, /*norms=*/true, /*residual=*/true), options)
-            : make_plan(mlp_parameter_shapes(kSizes), mesh, preset_rules(c.preset), options);
+    plan = model.residual
+               ? make_plan(residual_mlp_parameter_shapes(residual_shape(model.norm, model.gated)),
+                           mesh, preset_rules(c.preset, false, /*norms=*/true, /*residual=*/true),
+                           options)
+               : make_plan(mlp_parameter_shapes(kSizes), mesh, preset_rules(c.preset), options);
   }
   static Mesh make_mesh(const testing::MeshCase& c, bool self) {
     std::vector<std::pair<std::string, int>> axes = {{"dp", 1}, {"fsdp", 1}, {"tp", 1}};
@@ -503,9 +516,9 @@ StepsRun run_steps(const testing::MeshCase& c, const ModelCase& m, bool self, in
   const int64_t in = m.inputs();
   const int64_t rows = kRows / context.batch_parallel();
   const int64_t row0 = context.batch_index() * rows;
-  Mlp model =
-      m.residual ? Mlp(residual_shape(m.norm), m.activation, specs_from_plan(s.plan), context, rows)
-                 : Mlp(kSizes, m.activation, specs_from_plan(s.plan), context, rows);
+  Mlp model = m.residual ? Mlp(residual_shape(m.norm, m.gated), m.activation,
+                               specs_from_plan(s.plan), context, rows)
+                         : Mlp(kSizes, m.activation, specs_from_plan(s.plan), context, rows);
   model.initialize(InitScheme::he_normal, kSeed);
   if (m.residual) perturb_norms(model);
   model.reserve_laplacian(kK);
@@ -678,7 +691,8 @@ TEST(PhysicsLoss, ResidualLaplacianMatchesFiniteDifferences) {
     SCOPED_TRACE(m.describe());
     const int64_t in = m.inputs();
     MeshSetup s(one, true, m);
-    Mlp model(residual_shape(m.norm), m.activation, specs_from_plan(s.plan), s.context, kRows);
+    Mlp model(residual_shape(m.norm, m.gated), m.activation, specs_from_plan(s.plan), s.context,
+              kRows);
     model.initialize(InitScheme::he_normal, kSeed);
     perturb_norms(model);
     model.reserve_laplacian(kK);
@@ -838,17 +852,13 @@ TEST(PhysicsLoss, Refusals) {
   shape.depth = 1;
   Mlp residual(shape, Activation::silu, replicated, context, 4);
   residual.reserve_laplacian(2);  // LayerNorm or RMSNorm residual blocks: supported
-  // SwiGLU blocks, MoE blocks and dropout are not: refused at the reservation and, reserved for
-  // the Jacobian (which those models have), at the pass.
-  ResidualMlpShape gated = shape;
-  gated.gated = true;
+  // MoE blocks and dropout are not: refused at the reservation and, reserved for the Jacobian
+  // (which those models have), at the pass.
   ResidualMlpShape moe = shape;
   moe.moe.layers = {0};
   moe.moe.experts = 2;
   moe.moe.top_k = 1;
   const std::vector<std::pair<std::string, std::function<std::unique_ptr<Mlp>()>>> refused = {
-      {"SwiGLU",
-       [&] { return std::make_unique<Mlp>(gated, Activation::silu, replicated, context, 4); }},
       {"MoE", [&] { return std::make_unique<Mlp>(moe, Activation::silu, replicated, context, 4); }},
       {"dropout",
        [&] { return std::make_unique<Mlp>(shape, Activation::silu, replicated, context, 4, 0.1); }},
@@ -856,7 +866,7 @@ TEST(PhysicsLoss, Refusals) {
   for (const auto& [what, make] : refused) {
     SCOPED_TRACE(what);
     const std::unique_ptr<Mlp> model = make();
-    expect_bad_input([&] { model->reserve_laplacian(2); }, "not for MoE layers, SwiGLU or dropout");
+    expect_bad_input([&] { model->reserve_laplacian(2); }, "not for MoE layers or dropout");
     model->reserve_tangents(4);
     Matrix streams("streams", 4 * 4, 2);
     expect_bad_input([&] { model->forward_laplacian(streams); }, "the forward Laplacian");
