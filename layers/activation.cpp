@@ -238,7 +238,10 @@ struct IdentityDerivatives3 {
 };
 struct TanhDerivatives3 {
   KOKKOS_INLINE_FUNCTION Derivatives3 operator()(const float x) const {
-    const float t = kmath::tanh(x);
+    return of_value(kmath::tanh(x));
+  }
+  // From t = tanh(x), the forward's output (Derives3FromValue).
+  KOKKOS_INLINE_FUNCTION Derivatives3 of_value(const float t) const {
     const float sech2 = 1.0f - t * t;
     return {sech2, -2.0f * t * sech2, (6.0f * t * t - 2.0f) * sech2};
   }
@@ -284,6 +287,29 @@ struct SigmoidDerivatives3 {
   }
 };
 
+// Whether a Derivatives3 functor has of_value(f(z)): its derivatives from the forward's output,
+// which the forward Laplacian's kernels then read instead of computing f again.
+template <class Derivatives>
+struct Derives3FromValue {
+  static constexpr bool value = false;
+};
+template <>
+struct Derives3FromValue<TanhDerivatives3> {
+  static constexpr bool value = true;
+};
+
+// f', f'' and f''' at element (i, j): from the forward's output where the functor can and the
+// output is given (the same float f(z), so the same results), else from z.
+template <class Derivatives>
+KOKKOS_INLINE_FUNCTION Derivatives3 derivatives_at(const Derivatives& derivatives,
+                                                   const MatrixView& z, const MatrixView& value,
+                                                   bool use_value, int64_t i, int64_t j) {
+  if constexpr (Derives3FromValue<Derivatives>::value) {
+    if (use_value) return derivatives.of_value(value(i, j));
+  }
+  return derivatives(z(i, j));
+}
+
 // Runs body(functor) with the activation's Derivatives3 functor.
 template <class Body>
 void with_derivatives3(Activation activation, Body body) {
@@ -310,16 +336,17 @@ void with_derivatives3(Activation activation, Body body) {
 // function of its own (not a lambda inside with_derivatives3's generic lambda): nvcc cannot
 // define a device lambda there.
 template <class Derivatives>
-void second_order_streams(const MatrixView& z, const MatrixView& streams, const MatrixView& out,
-                          int64_t k, Derivatives derivatives) {
+void second_order_streams(const MatrixView& z, const MatrixView& value, const MatrixView& streams,
+                          const MatrixView& out, int64_t k, Derivatives derivatives) {
   const int64_t rows = static_cast<int64_t>(z.extent(0));
   const int64_t cols = static_cast<int64_t>(z.extent(1));
+  const bool use_value = value.data() != nullptr;
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::activation_second_order"),
       Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
         const int64_t t0 = i * 2 * k, s0 = t0 + k;
         for (int64_t j = 0; j < cols; ++j) {
-          const Derivatives3 f = derivatives(z(i, j));
+          const Derivatives3 f = derivatives_at(derivatives, z, value, use_value, i, j);
           for (int64_t d = 0; d < k; ++d) {
             const float t = streams(t0 + d, j);
             out(t0 + d, j) = f.d1 * t;
@@ -331,18 +358,19 @@ void second_order_streams(const MatrixView& z, const MatrixView& streams, const 
 
 // Its exact backward (the same layout), f''' included.
 template <class Derivatives>
-void second_order_streams_backward(const MatrixView& z, const MatrixView& streams,
-                                   const MatrixView& grad, const MatrixView& stream_grad,
-                                   const MatrixView& stream_grad_in, int64_t k,
-                                   Derivatives derivatives) {
+void second_order_streams_backward(const MatrixView& z, const MatrixView& value,
+                                   const MatrixView& streams, const MatrixView& grad,
+                                   const MatrixView& stream_grad, const MatrixView& stream_grad_in,
+                                   int64_t k, Derivatives derivatives) {
   const int64_t rows = static_cast<int64_t>(z.extent(0));
   const int64_t cols = static_cast<int64_t>(z.extent(1));
+  const bool use_value = value.data() != nullptr;
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::activation_second_order_backward"),
       Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
         const int64_t t0 = i * 2 * k, s0 = t0 + k;
         for (int64_t j = 0; j < cols; ++j) {
-          const Derivatives3 f = derivatives(z(i, j));
+          const Derivatives3 f = derivatives_at(derivatives, z, value, use_value, i, j);
           // Forward: t' = f' t, s' = f' s + f'' t^2 per direction d.
           float curvature = 0.0f, third = 0.0f;
           for (int64_t d = 0; d < k; ++d) {
@@ -417,20 +445,29 @@ void activation_curvature_add(Activation activation, MatrixView z, MatrixView t_
 }
 
 void activation_second_order(Activation activation, MatrixView z, MatrixView streams,
-                             MatrixView out) {
+                             MatrixView out, MatrixView value) {
   check_tangent_shapes("activation_second_order", z, streams, out);
+  MESHTRAIN_REQUIRE(
+      value.data() == nullptr || (value.extent(0) == z.extent(0) && value.extent(1) == z.extent(1)),
+      "activation_second_order: values [", z.extent(0), ", ", z.extent(1), "], outputs [",
+      value.extent(0), ", ", value.extent(1), "]");
   const int64_t rows = static_cast<int64_t>(z.extent(0));
   const int64_t per_row = rows > 0 ? static_cast<int64_t>(streams.extent(0)) / rows : 0;
   MESHTRAIN_REQUIRE(per_row % 2 == 0, "activation_second_order: ", per_row,
                     " streams per row, expected 2k (k tangents, k second derivatives)");
   const int64_t k = per_row / 2;
-  with_derivatives3(
-      activation, [&](auto derivatives) { second_order_streams(z, streams, out, k, derivatives); });
+  with_derivatives3(activation, [&](auto derivatives) {
+    second_order_streams(z, value, streams, out, k, derivatives);
+  });
 }
 
 void activation_second_order_backward(Activation activation, MatrixView z, MatrixView streams,
                                       MatrixView grad, MatrixView stream_grad,
-                                      MatrixView stream_grad_in) {
+                                      MatrixView stream_grad_in, MatrixView value) {
+  MESHTRAIN_REQUIRE(
+      value.data() == nullptr || (value.extent(0) == z.extent(0) && value.extent(1) == z.extent(1)),
+      "activation_second_order_backward: values [", z.extent(0), ", ", z.extent(1), "], outputs [",
+      value.extent(0), ", ", value.extent(1), "]");
   check_tangent_shapes("activation_second_order_backward", z, streams, stream_grad);
   check_tangent_shapes("activation_second_order_backward", z, stream_grad, stream_grad_in);
   MESHTRAIN_REQUIRE(grad.extent(0) == z.extent(0) && grad.extent(1) == z.extent(1),
@@ -442,7 +479,8 @@ void activation_second_order_backward(Activation activation, MatrixView z, Matri
                     " streams per row, expected 2k");
   const int64_t k = per_row / 2;
   with_derivatives3(activation, [&](auto derivatives) {
-    second_order_streams_backward(z, streams, grad, stream_grad, stream_grad_in, k, derivatives);
+    second_order_streams_backward(z, value, streams, grad, stream_grad, stream_grad_in, k,
+                                  derivatives);
   });
 }
 
@@ -769,7 +807,7 @@ MatrixView ActivationLayer::forward_tangents(MatrixView dx, const LayerPass& pas
   const MatrixView out = leading_rows(tangents_, rows * k);
   if (pass.second_order) {
     MESHTRAIN_REQUIRE(dtype_ == Dtype::fp32, name_, ": the forward Laplacian is fp32 only");
-    activation_second_order(activation_, z_, dx, out);
+    activation_second_order(activation_, z_, dx, out, output_);  // f(z) as forward left it
   } else {
     activation_tangent(activation_, z_, dx, out);
   }
@@ -792,7 +830,7 @@ MatrixView ActivationLayer::backward_with_tangents(MatrixView dy, MatrixView dt,
   if (second_order_) {
     const int64_t k = cotangent_directions(static_cast<int64_t>(dt.extent(0)), rows_, name_);
     const MatrixView out = leading_rows(cotangents_, rows_ * k);
-    activation_second_order_backward(activation_, z_, tangent_in_, dy, dt, out);
+    activation_second_order_backward(activation_, z_, tangent_in_, dy, dt, out, output_);
     *dt_in = out;
     return dy;
   }

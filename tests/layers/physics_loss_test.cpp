@@ -47,6 +47,7 @@
 #include "framework/core/kokkos_math.hpp"
 #include "framework/train/init.hpp"
 #include "framework/train/optimizer.hpp"
+#include "layers/activation.hpp"
 #include "layers/context.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
@@ -776,6 +777,46 @@ TEST(PhysicsLoss, ResidualGradientsMatchFloat64CentralDifferences) {
         "[ physics ] %s: loss %.4e (physics %.4e); gradient vs float64 central differences: "
         "largest |g - fd| / max|fd| %.2e (tolerance %.0e)\n",
         m.describe().c_str(), ref.total, kWeight * ref.physics, worst, kTolerance);
+  }
+}
+
+// The activation's second-order kernels read tanh's derivatives from the forward's output when
+// given it (activation.hpp): the same floats as computing tanh(z) again, so bit for bit the same
+// streams and gradients, for every activation (those without a formula in f(z) ignore it).
+TEST(PhysicsLoss, SecondOrderFromForwardOutputIsBitForBit) {
+  if (world_size() > 1) GTEST_SKIP() << "one process";
+  constexpr int64_t rows = 37, width = 19, k = 3;
+  for (const Activation act : kActivations) {
+    SCOPED_TRACE(std::string(to_string(act)));
+    Matrix z("z", rows, width), y("y", rows, width), streams("streams", rows * 2 * k, width);
+    Matrix grad_a("grad_a", rows, width), grad_b("grad_b", rows, width);
+    Matrix sg("sg", rows * 2 * k, width);
+    auto fill = [](Matrix& m, uint64_t stream, double scale) {
+      auto h = Kokkos::create_mirror_view(m);
+      for (size_t i = 0; i < h.extent(0); ++i)
+        for (size_t j = 0; j < h.extent(1); ++j)
+          h(i, j) = static_cast<float>(scale * counter_normal(kSeed, stream, i * h.extent(1) + j));
+      Kokkos::deep_copy(m, h);
+    };
+    fill(z, 1, 2.0);
+    fill(streams, 2, 1.0);
+    fill(grad_a, 3, 1.0);
+    fill(sg, 4, 1.0);
+    Kokkos::deep_copy(grad_b, grad_a);
+    activation_forward(act, z, y, Dtype::fp32);
+    Matrix out_a("out_a", rows * 2 * k, width), out_b("out_b", rows * 2 * k, width);
+    activation_second_order(act, z, streams, out_a);
+    activation_second_order(act, z, streams, out_b, y);
+    Matrix in_a("in_a", rows * 2 * k, width), in_b("in_b", rows * 2 * k, width);
+    activation_second_order_backward(act, z, streams, grad_a, sg, in_a);
+    activation_second_order_backward(act, z, streams, grad_b, sg, in_b, y);
+    for (const auto& [a, b] :
+         {std::pair<Matrix, Matrix>{out_a, out_b}, {in_a, in_b}, {grad_a, grad_b}}) {
+      const Tensor ta = to_tensor(a), tb = to_tensor(b);
+      size_t differing = 0;
+      for (size_t i = 0; i < ta.size(); ++i) differing += ta[i] != tb[i] ? 1 : 0;
+      EXPECT_EQ(differing, 0u) << a.label();
+    }
   }
 }
 
