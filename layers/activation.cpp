@@ -331,6 +331,12 @@ void with_derivatives3(Activation activation, Body body) {
   }
 }
 
+// Columns per chunk of the second-order kernels: a row's f', f'', f''' for a chunk go into
+// arrays first, then each stream runs over the chunk's columns in a loop of its own, which the
+// compiler vectorizes (a loop over a row's k streams inside the column loop does not). Each
+// element's arithmetic, and the order of its sums over the streams, are those of one loop.
+constexpr int64_t kSecondOrderChunk = 64;
+
 // The second-order streams' forward through an activation with derivatives f (Derivatives3):
 // per row i, k tangents t then k second derivatives s; t' = f' t, s' = f' s + f'' t^2. A
 // function of its own (not a lambda inside with_derivatives3's generic lambda): nvcc cannot
@@ -341,16 +347,31 @@ void second_order_streams(const MatrixView& z, const MatrixView& value, const Ma
   const int64_t rows = static_cast<int64_t>(z.extent(0));
   const int64_t cols = static_cast<int64_t>(z.extent(1));
   const bool use_value = value.data() != nullptr;
+  const int64_t in_stride = static_cast<int64_t>(streams.stride(0));
+  const int64_t out_stride = static_cast<int64_t>(out.stride(0));
+  const float* in_data = streams.data();
+  float* out_data = out.data();
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::activation_second_order"),
       Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
         const int64_t t0 = i * 2 * k, s0 = t0 + k;
-        for (int64_t j = 0; j < cols; ++j) {
-          const Derivatives3 f = derivatives_at(derivatives, z, value, use_value, i, j);
+        float d1[kSecondOrderChunk], d2[kSecondOrderChunk];
+        for (int64_t j0 = 0; j0 < cols; j0 += kSecondOrderChunk) {
+          const int64_t n = cols - j0 < kSecondOrderChunk ? cols - j0 : kSecondOrderChunk;
+          for (int64_t c = 0; c < n; ++c) {
+            const Derivatives3 f = derivatives_at(derivatives, z, value, use_value, i, j0 + c);
+            d1[c] = f.d1;
+            d2[c] = f.d2;
+          }
           for (int64_t d = 0; d < k; ++d) {
-            const float t = streams(t0 + d, j);
-            out(t0 + d, j) = f.d1 * t;
-            out(s0 + d, j) = f.d1 * streams(s0 + d, j) + f.d2 * t * t;
+            const float* KOKKOS_RESTRICT t = in_data + (t0 + d) * in_stride + j0;
+            const float* KOKKOS_RESTRICT s = in_data + (s0 + d) * in_stride + j0;
+            float* KOKKOS_RESTRICT ot = out_data + (t0 + d) * out_stride + j0;
+            float* KOKKOS_RESTRICT os = out_data + (s0 + d) * out_stride + j0;
+            for (int64_t c = 0; c < n; ++c) {
+              ot[c] = d1[c] * t[c];
+              os[c] = d1[c] * s[c] + d2[c] * t[c] * t[c];
+            }
           }
         }
       });
@@ -365,23 +386,47 @@ void second_order_streams_backward(const MatrixView& z, const MatrixView& value,
   const int64_t rows = static_cast<int64_t>(z.extent(0));
   const int64_t cols = static_cast<int64_t>(z.extent(1));
   const bool use_value = value.data() != nullptr;
+  const int64_t s_stride = static_cast<int64_t>(streams.stride(0));
+  const int64_t g_stride = static_cast<int64_t>(stream_grad.stride(0));
+  const int64_t o_stride = static_cast<int64_t>(stream_grad_in.stride(0));
+  const float* s_data = streams.data();
+  const float* g_data = stream_grad.data();
+  float* o_data = stream_grad_in.data();
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::activation_second_order_backward"),
       Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
         const int64_t t0 = i * 2 * k, s0 = t0 + k;
-        for (int64_t j = 0; j < cols; ++j) {
-          const Derivatives3 f = derivatives_at(derivatives, z, value, use_value, i, j);
-          // Forward: t' = f' t, s' = f' s + f'' t^2 per direction d.
-          float curvature = 0.0f, third = 0.0f;
-          for (int64_t d = 0; d < k; ++d) {
-            const float t = streams(t0 + d, j), s = streams(s0 + d, j);
-            const float gt = stream_grad(t0 + d, j), gs = stream_grad(s0 + d, j);
-            curvature += t * gt + s * gs;
-            third += t * t * gs;
-            stream_grad_in(t0 + d, j) = f.d1 * gt + 2.0f * f.d2 * t * gs;
-            stream_grad_in(s0 + d, j) = f.d1 * gs;
+        float d1[kSecondOrderChunk], d2[kSecondOrderChunk], d3[kSecondOrderChunk];
+        float curvature[kSecondOrderChunk], third[kSecondOrderChunk];
+        for (int64_t j0 = 0; j0 < cols; j0 += kSecondOrderChunk) {
+          const int64_t n = cols - j0 < kSecondOrderChunk ? cols - j0 : kSecondOrderChunk;
+          for (int64_t c = 0; c < n; ++c) {
+            const Derivatives3 f = derivatives_at(derivatives, z, value, use_value, i, j0 + c);
+            d1[c] = f.d1;
+            d2[c] = f.d2;
+            d3[c] = f.d3;
+            curvature[c] = 0.0f;
+            third[c] = 0.0f;
           }
-          grad(i, j) = f.d1 * grad(i, j) + f.d2 * curvature + f.d3 * third;
+          // Forward: t' = f' t, s' = f' s + f'' t^2 per direction d.
+          for (int64_t d = 0; d < k; ++d) {
+            const float* KOKKOS_RESTRICT t = s_data + (t0 + d) * s_stride + j0;
+            const float* KOKKOS_RESTRICT s = s_data + (s0 + d) * s_stride + j0;
+            const float* KOKKOS_RESTRICT gt = g_data + (t0 + d) * g_stride + j0;
+            const float* KOKKOS_RESTRICT gs = g_data + (s0 + d) * g_stride + j0;
+            float* KOKKOS_RESTRICT ot = o_data + (t0 + d) * o_stride + j0;
+            float* KOKKOS_RESTRICT os = o_data + (s0 + d) * o_stride + j0;
+            for (int64_t c = 0; c < n; ++c) {
+              curvature[c] += t[c] * gt[c] + s[c] * gs[c];
+              third[c] += t[c] * t[c] * gs[c];
+              ot[c] = d1[c] * gt[c] + 2.0f * d2[c] * t[c] * gs[c];
+              os[c] = d1[c] * gs[c];
+            }
+          }
+          for (int64_t c = 0; c < n; ++c) {
+            const int64_t j = j0 + c;
+            grad(i, j) = d1[c] * grad(i, j) + d2[c] * curvature[c] + d3[c] * third[c];
+          }
         }
       });
 }
