@@ -238,7 +238,10 @@ struct IdentityDerivatives3 {
 };
 struct TanhDerivatives3 {
   KOKKOS_INLINE_FUNCTION Derivatives3 operator()(const float x) const {
-    const float t = kmath::tanh(x);
+    return of_value(kmath::tanh(x));
+  }
+  // From t = tanh(x), the forward's output (Derives3FromValue).
+  KOKKOS_INLINE_FUNCTION Derivatives3 of_value(const float t) const {
     const float sech2 = 1.0f - t * t;
     return {sech2, -2.0f * t * sech2, (6.0f * t * t - 2.0f) * sech2};
   }
@@ -284,6 +287,29 @@ struct SigmoidDerivatives3 {
   }
 };
 
+// Whether a Derivatives3 functor has of_value(f(z)): its derivatives from the forward's output,
+// which the forward Laplacian's kernels then read instead of computing f again.
+template <class Derivatives>
+struct Derives3FromValue {
+  static constexpr bool value = false;
+};
+template <>
+struct Derives3FromValue<TanhDerivatives3> {
+  static constexpr bool value = true;
+};
+
+// f', f'' and f''' at element (i, j): from the forward's output where the functor can and the
+// output is given (the same float f(z), so the same results), else from z.
+template <class Derivatives>
+KOKKOS_INLINE_FUNCTION Derivatives3 derivatives_at(const Derivatives& derivatives,
+                                                   const MatrixView& z, const MatrixView& value,
+                                                   bool use_value, int64_t i, int64_t j) {
+  if constexpr (Derives3FromValue<Derivatives>::value) {
+    if (use_value) return derivatives.of_value(value(i, j));
+  }
+  return derivatives(z(i, j));
+}
+
 // Runs body(functor) with the activation's Derivatives3 functor.
 template <class Body>
 void with_derivatives3(Activation activation, Body body) {
@@ -305,25 +331,47 @@ void with_derivatives3(Activation activation, Body body) {
   }
 }
 
+// Columns per chunk of the second-order kernels: a row's f', f'', f''' for a chunk go into
+// arrays first, then each stream runs over the chunk's columns in a loop of its own, which the
+// compiler vectorizes (a loop over a row's k streams inside the column loop does not). Each
+// element's arithmetic, and the order of its sums over the streams, are those of one loop.
+constexpr int64_t kSecondOrderChunk = 64;
+
 // The second-order streams' forward through an activation with derivatives f (Derivatives3):
 // per row i, k tangents t then k second derivatives s; t' = f' t, s' = f' s + f'' t^2. A
 // function of its own (not a lambda inside with_derivatives3's generic lambda): nvcc cannot
 // define a device lambda there.
 template <class Derivatives>
-void second_order_streams(const MatrixView& z, const MatrixView& streams, const MatrixView& out,
-                          int64_t k, Derivatives derivatives) {
+void second_order_streams(const MatrixView& z, const MatrixView& value, const MatrixView& streams,
+                          const MatrixView& out, int64_t k, Derivatives derivatives) {
   const int64_t rows = static_cast<int64_t>(z.extent(0));
   const int64_t cols = static_cast<int64_t>(z.extent(1));
+  const bool use_value = value.data() != nullptr;
+  const int64_t in_stride = static_cast<int64_t>(streams.stride(0));
+  const int64_t out_stride = static_cast<int64_t>(out.stride(0));
+  const float* in_data = streams.data();
+  float* out_data = out.data();
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::activation_second_order"),
       Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
         const int64_t t0 = i * 2 * k, s0 = t0 + k;
-        for (int64_t j = 0; j < cols; ++j) {
-          const Derivatives3 f = derivatives(z(i, j));
+        float d1[kSecondOrderChunk], d2[kSecondOrderChunk];
+        for (int64_t j0 = 0; j0 < cols; j0 += kSecondOrderChunk) {
+          const int64_t n = cols - j0 < kSecondOrderChunk ? cols - j0 : kSecondOrderChunk;
+          for (int64_t c = 0; c < n; ++c) {
+            const Derivatives3 f = derivatives_at(derivatives, z, value, use_value, i, j0 + c);
+            d1[c] = f.d1;
+            d2[c] = f.d2;
+          }
           for (int64_t d = 0; d < k; ++d) {
-            const float t = streams(t0 + d, j);
-            out(t0 + d, j) = f.d1 * t;
-            out(s0 + d, j) = f.d1 * streams(s0 + d, j) + f.d2 * t * t;
+            const float* KOKKOS_RESTRICT t = in_data + (t0 + d) * in_stride + j0;
+            const float* KOKKOS_RESTRICT s = in_data + (s0 + d) * in_stride + j0;
+            float* KOKKOS_RESTRICT ot = out_data + (t0 + d) * out_stride + j0;
+            float* KOKKOS_RESTRICT os = out_data + (s0 + d) * out_stride + j0;
+            for (int64_t c = 0; c < n; ++c) {
+              ot[c] = d1[c] * t[c];
+              os[c] = d1[c] * s[c] + d2[c] * t[c] * t[c];
+            }
           }
         }
       });
@@ -331,29 +379,54 @@ void second_order_streams(const MatrixView& z, const MatrixView& streams, const 
 
 // Its exact backward (the same layout), f''' included.
 template <class Derivatives>
-void second_order_streams_backward(const MatrixView& z, const MatrixView& streams,
-                                   const MatrixView& grad, const MatrixView& stream_grad,
-                                   const MatrixView& stream_grad_in, int64_t k,
-                                   Derivatives derivatives) {
+void second_order_streams_backward(const MatrixView& z, const MatrixView& value,
+                                   const MatrixView& streams, const MatrixView& grad,
+                                   const MatrixView& stream_grad, const MatrixView& stream_grad_in,
+                                   int64_t k, Derivatives derivatives) {
   const int64_t rows = static_cast<int64_t>(z.extent(0));
   const int64_t cols = static_cast<int64_t>(z.extent(1));
+  const bool use_value = value.data() != nullptr;
+  const int64_t s_stride = static_cast<int64_t>(streams.stride(0));
+  const int64_t g_stride = static_cast<int64_t>(stream_grad.stride(0));
+  const int64_t o_stride = static_cast<int64_t>(stream_grad_in.stride(0));
+  const float* s_data = streams.data();
+  const float* g_data = stream_grad.data();
+  float* o_data = stream_grad_in.data();
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::activation_second_order_backward"),
       Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
         const int64_t t0 = i * 2 * k, s0 = t0 + k;
-        for (int64_t j = 0; j < cols; ++j) {
-          const Derivatives3 f = derivatives(z(i, j));
-          // Forward: t' = f' t, s' = f' s + f'' t^2 per direction d.
-          float curvature = 0.0f, third = 0.0f;
-          for (int64_t d = 0; d < k; ++d) {
-            const float t = streams(t0 + d, j), s = streams(s0 + d, j);
-            const float gt = stream_grad(t0 + d, j), gs = stream_grad(s0 + d, j);
-            curvature += t * gt + s * gs;
-            third += t * t * gs;
-            stream_grad_in(t0 + d, j) = f.d1 * gt + 2.0f * f.d2 * t * gs;
-            stream_grad_in(s0 + d, j) = f.d1 * gs;
+        float d1[kSecondOrderChunk], d2[kSecondOrderChunk], d3[kSecondOrderChunk];
+        float curvature[kSecondOrderChunk], third[kSecondOrderChunk];
+        for (int64_t j0 = 0; j0 < cols; j0 += kSecondOrderChunk) {
+          const int64_t n = cols - j0 < kSecondOrderChunk ? cols - j0 : kSecondOrderChunk;
+          for (int64_t c = 0; c < n; ++c) {
+            const Derivatives3 f = derivatives_at(derivatives, z, value, use_value, i, j0 + c);
+            d1[c] = f.d1;
+            d2[c] = f.d2;
+            d3[c] = f.d3;
+            curvature[c] = 0.0f;
+            third[c] = 0.0f;
           }
-          grad(i, j) = f.d1 * grad(i, j) + f.d2 * curvature + f.d3 * third;
+          // Forward: t' = f' t, s' = f' s + f'' t^2 per direction d.
+          for (int64_t d = 0; d < k; ++d) {
+            const float* KOKKOS_RESTRICT t = s_data + (t0 + d) * s_stride + j0;
+            const float* KOKKOS_RESTRICT s = s_data + (s0 + d) * s_stride + j0;
+            const float* KOKKOS_RESTRICT gt = g_data + (t0 + d) * g_stride + j0;
+            const float* KOKKOS_RESTRICT gs = g_data + (s0 + d) * g_stride + j0;
+            float* KOKKOS_RESTRICT ot = o_data + (t0 + d) * o_stride + j0;
+            float* KOKKOS_RESTRICT os = o_data + (s0 + d) * o_stride + j0;
+            for (int64_t c = 0; c < n; ++c) {
+              curvature[c] += t[c] * gt[c] + s[c] * gs[c];
+              third[c] += t[c] * t[c] * gs[c];
+              ot[c] = d1[c] * gt[c] + 2.0f * d2[c] * t[c] * gs[c];
+              os[c] = d1[c] * gs[c];
+            }
+          }
+          for (int64_t c = 0; c < n; ++c) {
+            const int64_t j = j0 + c;
+            grad(i, j) = d1[c] * grad(i, j) + d2[c] * curvature[c] + d3[c] * third[c];
+          }
         }
       });
 }
@@ -417,20 +490,29 @@ void activation_curvature_add(Activation activation, MatrixView z, MatrixView t_
 }
 
 void activation_second_order(Activation activation, MatrixView z, MatrixView streams,
-                             MatrixView out) {
+                             MatrixView out, MatrixView value) {
   check_tangent_shapes("activation_second_order", z, streams, out);
+  MESHTRAIN_REQUIRE(
+      value.data() == nullptr || (value.extent(0) == z.extent(0) && value.extent(1) == z.extent(1)),
+      "activation_second_order: values [", z.extent(0), ", ", z.extent(1), "], outputs [",
+      value.extent(0), ", ", value.extent(1), "]");
   const int64_t rows = static_cast<int64_t>(z.extent(0));
   const int64_t per_row = rows > 0 ? static_cast<int64_t>(streams.extent(0)) / rows : 0;
   MESHTRAIN_REQUIRE(per_row % 2 == 0, "activation_second_order: ", per_row,
                     " streams per row, expected 2k (k tangents, k second derivatives)");
   const int64_t k = per_row / 2;
-  with_derivatives3(
-      activation, [&](auto derivatives) { second_order_streams(z, streams, out, k, derivatives); });
+  with_derivatives3(activation, [&](auto derivatives) {
+    second_order_streams(z, value, streams, out, k, derivatives);
+  });
 }
 
 void activation_second_order_backward(Activation activation, MatrixView z, MatrixView streams,
                                       MatrixView grad, MatrixView stream_grad,
-                                      MatrixView stream_grad_in) {
+                                      MatrixView stream_grad_in, MatrixView value) {
+  MESHTRAIN_REQUIRE(
+      value.data() == nullptr || (value.extent(0) == z.extent(0) && value.extent(1) == z.extent(1)),
+      "activation_second_order_backward: values [", z.extent(0), ", ", z.extent(1), "], outputs [",
+      value.extent(0), ", ", value.extent(1), "]");
   check_tangent_shapes("activation_second_order_backward", z, streams, stream_grad);
   check_tangent_shapes("activation_second_order_backward", z, stream_grad, stream_grad_in);
   MESHTRAIN_REQUIRE(grad.extent(0) == z.extent(0) && grad.extent(1) == z.extent(1),
@@ -442,7 +524,8 @@ void activation_second_order_backward(Activation activation, MatrixView z, Matri
                     " streams per row, expected 2k");
   const int64_t k = per_row / 2;
   with_derivatives3(activation, [&](auto derivatives) {
-    second_order_streams_backward(z, streams, grad, stream_grad, stream_grad_in, k, derivatives);
+    second_order_streams_backward(z, value, streams, grad, stream_grad, stream_grad_in, k,
+                                  derivatives);
   });
 }
 
@@ -769,7 +852,7 @@ MatrixView ActivationLayer::forward_tangents(MatrixView dx, const LayerPass& pas
   const MatrixView out = leading_rows(tangents_, rows * k);
   if (pass.second_order) {
     MESHTRAIN_REQUIRE(dtype_ == Dtype::fp32, name_, ": the forward Laplacian is fp32 only");
-    activation_second_order(activation_, z_, dx, out);
+    activation_second_order(activation_, z_, dx, out, output_);  // f(z) as forward left it
   } else {
     activation_tangent(activation_, z_, dx, out);
   }
@@ -792,7 +875,7 @@ MatrixView ActivationLayer::backward_with_tangents(MatrixView dy, MatrixView dt,
   if (second_order_) {
     const int64_t k = cotangent_directions(static_cast<int64_t>(dt.extent(0)), rows_, name_);
     const MatrixView out = leading_rows(cotangents_, rows_ * k);
-    activation_second_order_backward(activation_, z_, tangent_in_, dy, dt, out);
+    activation_second_order_backward(activation_, z_, tangent_in_, dy, dt, out, output_);
     *dt_in = out;
     return dy;
   }

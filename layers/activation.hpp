@@ -72,11 +72,14 @@ void activation_curvature_add(Activation activation, MatrixView z, MatrixView t_
 //       streams: g_z = f' g + f'' sum_d (t_d g_t_d + s_d g_s_d) + f''' sum_d t_d^2 g_s_d,
 //       stream_grad_in: g_t_d = f' g_t_d + 2 f'' t_d g_s_d, g_s_d = f' g_s_d.
 // relu's (and the identity's) f'' and f''' are 0. Outputs never share memory with inputs.
+// value (optional, [rows, width]): f(z) as the forward computed it; tanh's derivatives are
+// functions of it (1 - f^2, ...) and read it instead of computing tanh(z) again, the same float
+// (activation_forward's fp32 tanh), so the same results, without the pass's most expensive call.
 void activation_second_order(Activation activation, MatrixView z, MatrixView streams,
-                             MatrixView out);
+                             MatrixView out, MatrixView value = MatrixView());
 void activation_second_order_backward(Activation activation, MatrixView z, MatrixView streams,
                                       MatrixView grad, MatrixView stream_grad,
-                                      MatrixView stream_grad_in);
+                                      MatrixView stream_grad_in, MatrixView value = MatrixView());
 void swiglu_tangent(MatrixView gate, MatrixView value, MatrixView dgate, MatrixView dvalue,
                     MatrixView out);
 void swiglu_cotangent(MatrixView gate, MatrixView value, MatrixView dy, MatrixView dgate,
@@ -110,6 +113,7 @@ class ActivationLayer : public Layer {
   MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
                                     const LayerPass& pass, MatrixView* dt_in) override;
   void reserve_tangent_backward(int64_t directions) override;
+  bool supports_laplacian() const override { return true; }
 
   MatrixView output() const override { return output_; }
   FeatureLayout output_layout() const override { return layout_; }

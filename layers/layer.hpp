@@ -203,6 +203,10 @@ class Layer {
   // Allocates what forward_tangents and backward_with_tangents need for up to `directions`
   // (once). Not collective. The default throws, as backward_with_tangents.
   virtual void reserve_tangent_backward(int64_t directions);
+  // Whether forward_tangents and backward_with_tangents handle the forward Laplacian's
+  // second-order streams (LayerPass::second_order) exactly. Mlp::reserve_laplacian refuses a
+  // model with a layer that does not (MoE, dropout); a layer's own answer, not a list of kinds.
+  virtual bool supports_laplacian() const { return false; }
 
   virtual MatrixView output() const = 0;
   virtual FeatureLayout output_layout() const = 0;

@@ -131,6 +131,7 @@ class Linear final : public Layer {
   MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
                                     const LayerPass& pass, MatrixView* dt_in) override;
   void reserve_tangent_backward(int64_t directions) override;
+  bool supports_laplacian() const override { return true; }
   size_t parameter_count() const override { return 2; }  // weight, bias
   std::vector<ShardedParameter*> sharded_parameters() override;
   bool can_leave_gradients_partial() const override { return true; }

@@ -552,8 +552,22 @@ MatrixView Mlp::forward_tangents(MatrixView dx) {
 }
 
 MatrixView Mlp::forward_laplacian(MatrixView streams) {
-  require_plain_mlp(owned_.empty() && moe_.empty() && dropouts_.empty(), "the forward Laplacian");
+  require_laplacian_layers();
   return tangent_pass(streams, true);
+}
+
+// Each layer answers whether its passes carry second-order streams exactly (Linear, the
+// activations, SwiGLU, LayerNorm, RMSNorm, residual blocks of them); MoE layers and dropout
+// do not, and would take the streams for plain tangents (wrong values, silently).
+void Mlp::require_laplacian_layers() const {
+  for (const Layer* layer : sequence_) {
+    if (layer->supports_laplacian()) continue;
+    const std::string line = layer->describe();
+    MESHTRAIN_BAD_INPUT("the forward Laplacian is built for linear layers, activations, SwiGLU, ",
+                        "LayerNorm, RMSNorm and residual blocks of them, not for MoE layers or ",
+                        "dropout, which this model has",
+                        line.empty() ? std::string() : " ('" + line + "')");
+  }
 }
 
 MatrixView Mlp::tangent_pass(MatrixView dx, bool second_order) {
@@ -610,7 +624,17 @@ void Mlp::reserve_tangent_backward(int64_t directions) {
 
 void Mlp::reserve_laplacian(int64_t directions) {
   MESHTRAIN_REQUIRE(directions >= 1, "Mlp::reserve_laplacian: ", directions, " directions");
-  reserve_tangent_backward(2 * directions);
+  if (compute_dtype_ != Dtype::fp32) {
+    MESHTRAIN_BAD_INPUT("the forward Laplacian is fp32 only; this model computes in ",
+                        to_string(compute_dtype_));
+  }
+  require_laplacian_layers();
+  LayerScratchNeeds needs;
+  for (Layer* layer : sequence_) {
+    layer->reserve_tangent_backward(2 * directions);  // k tangents and k second-order streams
+    needs.merge(layer->scratch_needs());
+  }
+  if (needs.matmul > scratch_.matmul.capacity_bytes()) scratch_.matmul.reserve(needs.matmul);
 }
 
 void Mlp::backward_with_tangents(MatrixView output_grad, MatrixView tangent_grad, bool reduce) {

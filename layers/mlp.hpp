@@ -176,7 +176,9 @@ class Mlp {
   // Hessian of each output by the input). backward_with_laplacian backpropagates a loss of the
   // output (output_grad) and of those streams (stream_grad, [local_rows * 2k, output_width()])
   // to every parameter, as backward_with_tangents does. reserve_laplacian(k) reserves
-  // everything for k directions (reserve_tangent_backward(2k), with its refusals). Collective,
+  // everything for k directions (each layer's reserve_tangent_backward(2k)). An mlp or a
+  // residual_mlp (LayerNorm, RMSNorm or none; SwiGLU or an activation) in fp32: bad_input for
+  // MoE layers, dropout or 16-bit parameters (each layer's supports_laplacian()). Collective,
   // as forward; allocate nothing.
   MatrixView forward_laplacian(MatrixView streams);
   void backward_with_laplacian(MatrixView output_grad, MatrixView stream_grad, bool reduce = true);
@@ -236,6 +238,8 @@ class Mlp {
  private:
   // forward_tangents / backward_with_tangents, the streams second-order (LayerPass) or not.
   MatrixView tangent_pass(MatrixView dx, bool second_order);
+  // bad_input, one sentence, unless every layer supports the forward Laplacian.
+  void require_laplacian_layers() const;
   void backward_through_tangents(MatrixView output_grad, MatrixView tangent_grad, bool reduce,
                                  bool second_order);
   std::vector<int64_t> sizes_;

@@ -458,6 +458,7 @@ MatrixView FeatureNorm::forward_tangents(MatrixView dx, const LayerPass& pass) {
                     "': tangent input is [", dx.extent(0), ", ", dx.extent(1), "], expected [",
                     rows, ", ", layout_.local_width, "]");
   MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
+  if (pass.second_order) return laplacian_forward(dx, pass);
   const MatrixView out = leading_rows(tangents_, rows);
   norm_jacobian(x_, stats_, dx, ConstVectorView(), params_[0].compute(*pass.scratch),
                 layout_.kind == NormKind::layernorm, static_cast<float>(layout_.width), tp_comm_,
@@ -495,6 +496,272 @@ void FeatureNorm::reserve_cotangents(int64_t directions) {
   cotangents_ = Matrix(name_ + "/cotangents", rows, layout_.local_width);
   if (tp_comm_) tp_comm_->reserve_reductions(static_cast<size_t>(rows * 2));
   cotangent_capacity_ = directions;
+}
+
+// ---- The forward Laplacian (docs/derivatives.md, "LayerNorm and RMSNorm, second order") ------
+// Per value row i and direction d, with t = stream row i * 2k + d (a tangent) and q = stream
+// row i * 2k + k + d (its second-order stream), r = rstd, N the global width, means over all N
+// (LayerNorm; RMSNorm: mean(t) = mean(q) = 0, no centring):
+//   a = mean(x_hat t), b = mean(x_hat q), m2 = mean(t^2) - mean(t)^2
+//   J t = r (t - mean(t) - x_hat a)                       (the first-order tangent)
+//   w   = r (q - mean(q) - x_hat b) - 2 r a J t - r^2 (m2 - a^2) x_hat
+// outputs scale * J t and scale * w; J t and w are kept (hat_streams_) for the backward.
+
+MatrixView FeatureNorm::laplacian_forward(MatrixView streams, const LayerPass& pass) {
+  const int64_t per_row = static_cast<int64_t>(streams.extent(0)) / rows_;
+  MESHTRAIN_REQUIRE(per_row % 2 == 0 && per_row <= laplacian_rows_, "norm '", name_, "': ", per_row,
+                    " second-order stream rows per row, with room for ", laplacian_rows_,
+                    " (reserve_tangent_backward; 2 per direction)");
+  const int64_t k = per_row / 2;
+  const int64_t rows = rows_;
+  const int64_t cols = layout_.local_width;
+  const float n = static_cast<float>(layout_.width);
+  const bool layernorm = layout_.kind == NormKind::layernorm;
+  const MatrixView x = x_, stats = stats_, x_hat = x_hat_, q_in = streams;
+  const MatrixView sums = leading_rows(laplacian_sums_, rows * 2 * k);
+  const MatrixView dir = leading_rows(laplacian_stats_, rows * k);
+  const MatrixView hat = leading_rows(hat_streams_, rows * 2 * k);
+  const MatrixView out = leading_rows(tangents_, rows * 2 * k);
+  const ConstVectorView scale = params_[0].compute(*pass.scratch);
+  streams_in_ = streams;
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_laplacian_row_sums"), Rows(device_space(), 0, rows),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const float m0 = stats(i, 0), delta = stats(i, 1), r = stats(i, 2);
+        for (int64_t j = 0; j < cols; ++j) {
+          x_hat(i, j) = layernorm ? ((x(i, j) - m0) - delta) * r : x(i, j) * r;
+        }
+        for (int64_t e = 0; e < 2 * k; ++e) {
+          const int64_t t = i * 2 * k + e;
+          float s = 0.0f, sx = 0.0f, ss = 0.0f;
+          for (int64_t j = 0; j < cols; ++j) {
+            const float v = q_in(t, j);
+            s += v;
+            sx += x_hat(i, j) * v;
+            ss += v * v;
+          }
+          sums(t, 0) = s;
+          sums(t, 1) = sx;
+          sums(t, 2) = e < k ? ss : 0.0f;
+        }
+      });
+  if (tp_comm_) tp_comm_->all_reduce(sums);  // over every feature
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_laplacian"), Rows(device_space(), 0, rows),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const float r = stats(i, 2);
+        for (int64_t d = 0; d < k; ++d) {
+          const int64_t tt = i * 2 * k + d, qq = tt + k;
+          const float mean_t = layernorm ? sums(tt, 0) / n : 0.0f;
+          const float mean_q = layernorm ? sums(qq, 0) / n : 0.0f;
+          const float a = sums(tt, 1) / n, b = sums(qq, 1) / n;
+          const float m2 = sums(tt, 2) / n - mean_t * mean_t;
+          dir(i * k + d, 0) = mean_t;
+          dir(i * k + d, 1) = a;
+          dir(i * k + d, 2) = b;
+          dir(i * k + d, 3) = m2;
+          dir(i * k + d, 4) = mean_q;
+          const float c2 = r * r * (m2 - a * a);
+          for (int64_t j = 0; j < cols; ++j) {
+            const float jt = r * (q_in(tt, j) - mean_t - x_hat(i, j) * a);
+            const float w =
+                r * (q_in(qq, j) - mean_q - x_hat(i, j) * b) - 2.0f * r * a * jt - c2 * x_hat(i, j);
+            hat(tt, j) = jt;
+            hat(qq, j) = w;
+            out(tt, j) = scale(j) * jt;
+            out(qq, j) = scale(j) * w;
+          }
+        }
+      });
+  return out;
+}
+
+// The backward, by the chain rule through the formulas above (docs/derivatives.md): with
+// A_t = scale * dt_t, A_w = scale * dt_q, A_x = scale * dy, the row sums
+//   P1 = sum A_w, P2 = sum x_hat A_w, P3 = sum Jt A_w, P4 = sum Jq A_w (Jq = r (q - ...) ),
+//   P5 = sum A_t, P6 = sum x_hat A_t, P7 = sum Jt A_t
+// give each direction's adjoints; T = A_t - 2 r a A_w (the adjoint of J t):
+//   m2' = -r^2 P2,  b' = -r P2,  a' = -2 r P3 + 2 r^2 a P2 - r sum(x_hat T)
+//   r'  = -2 a P3 - 2 r (m2 - a^2) P2 + (P4 + sum(Jt T)) / r
+//   grad q = r (A_w - mean(A_w) - x_hat P2 / N)
+//   grad t = r (T - mean(T)) + a' x_hat / N + 2 m2' ct / N                (ct = t - mean(t))
+//   x_hat' = A_x + sum_d [-(r^2 (m2 - a^2) + r b) A_w + b' cq / N - r a T + a' ct / N]
+//   grad x = r (x_hat' - mean(x_hat') - x_hat mean(x_hat x_hat')) - r^2 x_hat sum_d r' / N
+// (RMSNorm: no mean subtracted). The parameters: dscale = column sums of dy x_hat + sum over
+// the streams of dt * (J t or w), dbias = column sums of dy.
+MatrixView FeatureNorm::backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
+                                               const LayerPass& pass, MatrixView* dt_in) {
+  if (!pass.second_order) {
+    MESHTRAIN_BAD_INPUT("norm '", name_, "': training on first derivatives (data.dy_key) through ",
+                        "a norm is not built; the forward Laplacian is");
+  }
+  MESHTRAIN_REQUIRE(compute_dtype_ == Dtype::fp32, "norm '", name_,
+                    "': the forward Laplacian is fp32 only");
+  MESHTRAIN_REQUIRE(pass.deferred != DeferredReduction::in_buckets, "norm '", name_,
+                    "': training on derivatives does not reduce in buckets");
+  MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now || layout_.defers_reduction(), "norm '",
+                    name_, "': asked to leave gradients partial that it must reduce itself");
+  MESHTRAIN_REQUIRE(streams_in_.extent(0) == dt.extent(0) &&
+                        dt.extent(1) == streams_in_.extent(1) &&
+                        static_cast<int64_t>(dy.extent(0)) == rows_ &&
+                        static_cast<int64_t>(dy.extent(1)) == layout_.local_width,
+                    "norm '", name_, "': gradients [", dy.extent(0), ", ", dy.extent(1), "] and [",
+                    dt.extent(0), ", ", dt.extent(1), "] after a second-order pass of [",
+                    streams_in_.extent(0), ", ", streams_in_.extent(1), "]");
+  MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
+  const int64_t k = static_cast<int64_t>(dt.extent(0)) / rows_ / 2;
+  const int64_t rows = rows_;
+  const int64_t cols = layout_.local_width;
+  const float n = static_cast<float>(layout_.width);
+  const bool layernorm = layout_.kind == NormKind::layernorm;
+  const MatrixView stats = stats_, x_hat = x_hat_, q_in = streams_in_;
+  const MatrixView dir = leading_rows(laplacian_stats_, rows * k);
+  const MatrixView hat = leading_rows(hat_streams_, rows * 2 * k);
+  LayerScratch& scratch = *pass.scratch;
+  const ConstVectorView scale = params_[0].compute(scratch);
+
+  // The parameters' gradients: column sums over the value rows and the stream rows, into the
+  // stored blocks (direct) or full-width vectors (zeros outside this rank's columns).
+  {
+    const bool all_reduce = pass.deferred == DeferredReduction::now;
+    const int64_t offset = layout_.direct ? 0 : offset_;
+    const int64_t length = layout_.direct ? cols : layout_.width;
+    float* dscale = nullptr;
+    float* dbias = nullptr;
+    if (layout_.direct) {
+      dscale = params_[0].gradient(scratch).data();
+      if (layernorm) dbias = params_[1].gradient(scratch).data();
+    } else {
+      dscale = full_grad_.data();
+      if (layernorm) dbias = full_grad_.data() + layout_.width;
+    }
+    const int64_t stream_rows = rows * 2 * k;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::norm_laplacian_param_grad"), Rows(device_space(), 0, length),
+        KOKKOS_LAMBDA(const int64_t c) {
+          const int64_t j = c - offset;
+          float ss = 0.0f, sb = 0.0f;
+          if (j >= 0 && j < cols) {
+            for (int64_t i = 0; i < rows; ++i) {
+              ss += dy(i, j) * x_hat(i, j);
+              sb += dy(i, j);
+            }
+            for (int64_t t = 0; t < stream_rows; ++t) ss += dt(t, j) * hat(t, j);
+          }
+          dscale[c] = ss;
+          if (dbias) dbias[c] = sb;
+        });
+    if (layout_.direct) {
+      for (ShardedParameter& p : params_) p.reduce(scratch, all_reduce);
+    } else {
+      ShardedParameter::reduce_side_by_side(parameters_, all_reduce);
+    }
+  }
+  if (!need_input_grad) return MatrixView();
+
+  const MatrixView back = leading_rows(laplacian_back_sums_, rows * k);
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_laplacian_backward_sums"), Rows(device_space(), 0, rows),
+      KOKKOS_LAMBDA(const int64_t i) {
+        for (int64_t d = 0; d < k; ++d) {
+          const int64_t tt = i * 2 * k + d, qq = tt + k;
+          const float r = stats(i, 2), a = dir(i * k + d, 1), m2 = dir(i * k + d, 3);
+          const float c2 = r * r * (m2 - a * a);
+          float p[7] = {0, 0, 0, 0, 0, 0, 0};
+          for (int64_t j = 0; j < cols; ++j) {
+            const float aw = scale(j) * dt(qq, j), at = scale(j) * dt(tt, j);
+            const float jt = hat(tt, j);
+            const float jq = hat(qq, j) + 2.0f * r * a * jt + c2 * x_hat(i, j);
+            p[0] += aw;
+            p[1] += x_hat(i, j) * aw;
+            p[2] += jt * aw;
+            p[3] += jq * aw;
+            p[4] += at;
+            p[5] += x_hat(i, j) * at;
+            p[6] += jt * at;
+          }
+          for (int c = 0; c < 7; ++c) back(i * k + d, c) = p[c];
+        }
+      });
+  if (tp_comm_) tp_comm_->all_reduce(back);
+
+  const MatrixView grad_streams = leading_rows(stream_grad_, rows * 2 * k);
+  const MatrixView xbar = dx_;  // x_hat's adjoint first, the input gradient in place after
+  const MatrixView vsums = laplacian_value_sums_;
+  const Vector rbar = rstd_adjoint_;
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_laplacian_stream_grads"), Rows(device_space(), 0, rows),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const float r = stats(i, 2);
+        for (int64_t j = 0; j < cols; ++j) xbar(i, j) = scale(j) * dy(i, j);
+        float r_adjoint = 0.0f;
+        for (int64_t d = 0; d < k; ++d) {
+          const int64_t tt = i * 2 * k + d, qq = tt + k, e = i * k + d;
+          const float mean_t = dir(e, 0), a = dir(e, 1), b = dir(e, 2), m2 = dir(e, 3);
+          const float p1 = back(e, 0), p2 = back(e, 1), p3 = back(e, 2), p4 = back(e, 3);
+          const float p5 = back(e, 4), p6 = back(e, 5), p7 = back(e, 6);
+          const float mean_q = dir(e, 4);
+          const float two_ra = 2.0f * r * a;
+          const float sum_t = p5 - two_ra * p1;     // sum T
+          const float sum_xt = p6 - two_ra * p2;    // sum x_hat T
+          const float sum_jt_t = p7 - two_ra * p3;  // sum Jt T
+          const float m2_adj = -r * r * p2;
+          const float b_adj = -r * p2;
+          const float a_adj = -2.0f * r * p3 + 2.0f * r * r * a * p2 - r * sum_xt;
+          r_adjoint += -2.0f * a * p3 - 2.0f * r * (m2 - a * a) * p2 + (p4 + sum_jt_t) / r;
+          const float w_coef = r * r * (m2 - a * a) + r * b;
+          const float mean_tbar = layernorm ? sum_t / n : 0.0f;
+          const float mean_aw = layernorm ? p1 / n : 0.0f;
+          for (int64_t j = 0; j < cols; ++j) {
+            const float aw = scale(j) * dt(qq, j);
+            const float tbar = scale(j) * dt(tt, j) - two_ra * aw;
+            const float ct = q_in(tt, j) - mean_t;
+            const float cq = q_in(qq, j) - mean_q;
+            grad_streams(qq, j) = r * (aw - mean_aw - x_hat(i, j) * p2 / n);
+            grad_streams(tt, j) =
+                r * (tbar - mean_tbar) + a_adj * x_hat(i, j) / n + 2.0f * m2_adj * ct / n;
+            xbar(i, j) += -w_coef * aw + b_adj * cq / n - r * a * tbar + a_adj * ct / n;
+          }
+        }
+        float s = 0.0f, sx = 0.0f;
+        for (int64_t j = 0; j < cols; ++j) {
+          s += xbar(i, j);
+          sx += x_hat(i, j) * xbar(i, j);
+        }
+        vsums(i, 0) = layernorm ? s : 0.0f;
+        vsums(i, 1) = sx;
+        rbar(i) = r_adjoint;
+      });
+  if (tp_comm_) tp_comm_->all_reduce(vsums);
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::norm_laplacian_input_grad"), Rows(device_space(), 0, rows),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const float r = stats(i, 2);
+        const float mean = vsums(i, 0) / n, mean_x = vsums(i, 1) / n;
+        const float tail = r * r * rbar(i) / n;
+        for (int64_t j = 0; j < cols; ++j) {
+          xbar(i, j) = r * (xbar(i, j) - mean - x_hat(i, j) * mean_x) - tail * x_hat(i, j);
+        }
+      });
+  *dt_in = grad_streams;
+  return xbar;
+}
+
+void FeatureNorm::reserve_tangent_backward(int64_t directions) {
+  reserve_tangents(directions);
+  if (directions <= laplacian_rows_) return;
+  const int64_t k = (directions + 1) / 2;
+  const int64_t cols = layout_.local_width;
+  x_hat_ = Matrix(name_ + "/laplacian_x_hat", rows_, cols);
+  hat_streams_ = Matrix(name_ + "/laplacian_streams", rows_ * 2 * k, cols);
+  laplacian_sums_ = Matrix(name_ + "/laplacian_sums", rows_ * 2 * k, 3);
+  laplacian_stats_ = Matrix(name_ + "/laplacian_stats", rows_ * k, 5);
+  laplacian_back_sums_ = Matrix(name_ + "/laplacian_backward_sums", rows_ * k, 7);
+  laplacian_value_sums_ = Matrix(name_ + "/laplacian_value_sums", rows_, 2);
+  rstd_adjoint_ = Vector(name_ + "/laplacian_rstd_adjoint", rows_);
+  stream_grad_ = Matrix(name_ + "/laplacian_stream_grad", rows_ * 2 * k, cols);
+  if (tp_comm_) tp_comm_->reserve_reductions(static_cast<size_t>(rows_ * 2 * k * 7));
+  laplacian_rows_ = 2 * k;
 }
 
 void FeatureNorm::parameter_gradients(MatrixView dy, const LayerPass& pass) {

@@ -107,6 +107,18 @@ class FeatureNorm : public Layer {
   // gradient.
   MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
   void reserve_cotangents(int64_t directions) override;
+  // The forward Laplacian (pass.second_order, docs/derivatives.md "LayerNorm and RMSNorm, second
+  // order"): forward_tangents takes each row's k tangents t_d and k second-order streams q_d and
+  // returns scale * (J t_d) and scale * (J q_d - 2 rstd a_d J t_d - rstd^2 (m2_d - a_d^2) x_hat),
+  // a_d = mean(x_hat t_d), m2_d = mean((t_d - mean(t_d))^2) (RMSNorm: no centring), one
+  // all-reduce of [rows * 2k, 3] row sums over tp when split. backward_with_tangents is its
+  // exact backward (the scale's and bias's gradients, the value's and the streams' input
+  // gradients; two all-reduces of row sums over tp). Second order only: the first-order tangents'
+  // backward (Sobolev training) through a norm is not built (bad_input).
+  MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
+                                    const LayerPass& pass, MatrixView* dt_in) override;
+  void reserve_tangent_backward(int64_t directions) override;
+  bool supports_laplacian() const override { return true; }
 
   size_t parameter_count() const override { return layout_.params.size(); }
   std::vector<ShardedParameter*> sharded_parameters() override;
@@ -138,6 +150,8 @@ class FeatureNorm : public Layer {
   ShardedParameter make_param(ParameterRef ref, const NormParameterLayout& layout, int64_t index,
                               ParallelContext& context);
   void parameter_gradients(MatrixView dy, const LayerPass& pass);
+  // forward_tangents of second-order streams (LayerPass::second_order).
+  MatrixView laplacian_forward(MatrixView streams, const LayerPass& pass);
 
   NormLayout layout_;  // decide_norm_layout: what is split, gathered and reduced where
   std::string name_;
@@ -163,6 +177,18 @@ class FeatureNorm : public Layer {
   // the output's [rows * k, local_width]; cotangents (reserve_cotangents) alike.
   Matrix tangent_sums_, tangents_;
   Matrix cotangent_sums_, cotangents_;
+
+  // The forward Laplacian (reserve_tangent_backward, for up to laplacian_rows_ stream rows per
+  // value row): the streams of the last second-order pass (kept for the backward), x_hat
+  // [rows, local_width], the streams before the scale [rows * 2k, local_width] (J t_d and the
+  // second derivatives of x_hat), the forward's row sums [rows * 2k, 3] and per-direction
+  // statistics [rows * k, 5] (mean t, a, b, m2, mean q), the backward's row sums
+  // [rows * k, 7] and [rows, 2], the rstd adjoint [rows], the streams' input gradient.
+  int64_t laplacian_rows_ = 0;
+  MatrixView streams_in_;
+  Matrix x_hat_, hat_streams_, laplacian_sums_, laplacian_stats_;
+  Matrix laplacian_back_sums_, laplacian_value_sums_, stream_grad_;
+  Vector rstd_adjoint_;
 };
 
 class LayerNorm : public FeatureNorm {

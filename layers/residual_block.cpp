@@ -177,6 +177,7 @@ MatrixView ResidualBlock::forward_tangents(MatrixView dx, const LayerPass& pass)
   const int64_t k = tangent_directions(static_cast<int64_t>(dx.extent(0)), rows_, name_);
   LayerPass inner;
   inner.scratch = pass.scratch;
+  inner.second_order = pass.second_order;  // the streams add as tangents do: x + f(x) is linear
   MatrixView h = dx;
   for (const auto& layer : layers_) h = layer->forward_tangents(h, inner);
   const MatrixView out = leading_rows(tangents_, rows_ * k);
@@ -207,6 +208,50 @@ void ResidualBlock::reserve_cotangents(int64_t directions) {
   for (const auto& layer : layers_) layer->reserve_cotangents(directions);
   cotangents_ = Matrix(name_ + "/cotangents", rows_ * directions, out_.extent(1));
   cotangent_capacity_ = directions;
+}
+
+}  // namespace meshtrain
+
+namespace meshtrain {
+
+bool ResidualBlock::supports_laplacian() const {
+  for (const auto& layer : layers_) {
+    if (!layer->supports_laplacian()) return false;
+  }
+  return true;
+}
+
+// y = x + f(x) is linear in (x, f(x)), so every stream adds alike: the gradients are the
+// output's plus f's input gradients, for the value and for the streams. f's layers read dt
+// without writing it (Layer::backward_with_tangents may overwrite dy only), so dt is added
+// after them as it is.
+MatrixView ResidualBlock::backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
+                                                 const LayerPass& pass, MatrixView* dt_in) {
+  MESHTRAIN_REQUIRE(pass.deferred != DeferredReduction::in_buckets, "residual block '", name_,
+                    "': training on derivatives does not reduce in buckets");
+  const int64_t k = cotangent_directions(static_cast<int64_t>(dt.extent(0)), rows_, name_);
+  if (need_input_grad) copy_into(dx_, dy);
+  MatrixView g = dy, g_streams = dt;
+  for (size_t i = layers_.size(); i-- > 0;) {
+    LayerPass inner = pass;
+    inner.prefetch = nullptr;
+    MatrixView streams_in;
+    g = layers_[i]->backward_with_tangents(
+        g, g_streams, /*need_input_grad=*/i > 0 || need_input_grad, inner, &streams_in);
+    g_streams = streams_in;
+  }
+  if (!need_input_grad) return MatrixView();
+  add_rounded(dx_, g, dx_, dtype_, name_.c_str());
+  const MatrixView out = leading_rows(cotangents_, rows_ * k);
+  add_tangents(dt, g_streams, out);
+  *dt_in = out;
+  return dx_;
+}
+
+void ResidualBlock::reserve_tangent_backward(int64_t directions) {
+  for (const auto& layer : layers_) layer->reserve_tangent_backward(directions);
+  reserve_tangents(directions);
+  reserve_cotangents(directions);
 }
 
 }  // namespace meshtrain

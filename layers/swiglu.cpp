@@ -6,6 +6,7 @@
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
+#include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
 #include "layers/activation.hpp"
 
@@ -112,10 +113,18 @@ MatrixView SwiGlu::forward_tangents(MatrixView dx, const LayerPass& pass) {
     input = leading_rows(tangent_x_full_, rows_ * k);
     shared_gather_->all_gather(dx, input, 1, dtype_);
   }
+  inner.second_order = pass.second_order;
   const MatrixView dgate = gate_->forward_tangents(input, inner);
   const MatrixView dvalue = up_->forward_tangents(input, inner);
   const MatrixView out = leading_rows(tangents_, rows_ * k);
-  swiglu_tangent(gate_->output(), up_->output(), dgate, dvalue, out);
+  second_order_ = pass.second_order;
+  if (pass.second_order) {
+    stream_gate_ = dgate;
+    stream_value_ = dvalue;
+    swiglu_second_order(gate_->output(), up_->output(), dgate, dvalue, out);
+  } else {
+    swiglu_tangent(gate_->output(), up_->output(), dgate, dvalue, out);
+  }
   return out;
 }
 
@@ -171,6 +180,136 @@ void SwiGlu::reserve_cotangents(int64_t directions) {
     shared_gather_->reserve_reductions(static_cast<size_t>(rows * up_->in()), dtype_);
   }
   cotangent_capacity_ = directions;
+}
+
+namespace {
+
+// silu(z) = z s (s the sigmoid) and its first three derivatives, p = s (1 - s):
+//   h1 = s (1 + z (1 - s)),  h2 = p (2 + z (1 - 2s)),  h3 = 3 p (1 - 2s) + z p (1 - 6p).
+struct SiluDerivatives {
+  float h, h1, h2, h3;
+};
+KOKKOS_INLINE_FUNCTION SiluDerivatives silu_derivatives(float z) {
+  const float s = 1.0f / (1.0f + kmath::exp(-z));
+  const float p = s * (1.0f - s);
+  return {z * s, s * (1.0f + z * (1.0f - s)), p * (2.0f + z * (1.0f - 2.0f * s)),
+          3.0f * p * (1.0f - 2.0f * s) + z * p * (1.0f - 6.0f * p)};
+}
+
+}  // namespace
+
+// a = silu(g) u along each row's k tangents (t) and k second-order streams (s)
+// (docs/derivatives.md), h = silu(g) and h1, h2 its derivatives:
+//   t_a = h1 t_g u + h t_u,   s_a = (h1 s_g + h2 t_g^2) u + 2 h1 t_g t_u + h s_u.
+void SwiGlu::swiglu_second_order(MatrixView gate, MatrixView value, MatrixView dgate,
+                                 MatrixView dvalue, MatrixView out) const {
+  const int64_t rows = rows_;
+  const int64_t k = static_cast<int64_t>(dgate.extent(0)) / rows / 2;
+  const int64_t cols = static_cast<int64_t>(out.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::swiglu_second_order"),
+      Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
+        for (int64_t j = 0; j < cols; ++j) {
+          const SiluDerivatives f = silu_derivatives(gate(i, j));
+          const float u = value(i, j);
+          for (int64_t d = 0; d < k; ++d) {
+            const int64_t tt = i * 2 * k + d, qq = tt + k;
+            const float tg = dgate(tt, j), tu = dvalue(tt, j);
+            out(tt, j) = f.h1 * tg * u + f.h * tu;
+            out(qq, j) = (f.h1 * dgate(qq, j) + f.h2 * tg * tg) * u + 2.0f * f.h1 * tg * tu +
+                         f.h * dvalue(qq, j);
+          }
+        }
+      });
+}
+
+// The product's backward (docs/derivatives.md): the value's gradients (dgate_, dvalue_) and
+// the gate's and up's streams' gradients, then gate's and up's own backward_with_tangents,
+// their input gradients summed (and reduce-scattered once under a shared gather) as backward's.
+MatrixView SwiGlu::backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
+                                          const LayerPass& pass, MatrixView* dt_in) {
+  if (!pass.second_order || !second_order_) {
+    MESHTRAIN_BAD_INPUT("SwiGLU '", name_, "': training on first derivatives (data.dy_key) ",
+                        "through SwiGLU is not built; the forward Laplacian is");
+  }
+  MESHTRAIN_REQUIRE(dtype_ == Dtype::fp32, "SwiGLU '", name_,
+                    "': the forward Laplacian is fp32 only");
+  MESHTRAIN_REQUIRE(pass.deferred != DeferredReduction::in_buckets, "SwiGLU '", name_,
+                    "': training on derivatives does not reduce in buckets");
+  MESHTRAIN_REQUIRE(
+      stream_gate_.extent(0) == dt.extent(0) && stream_gate_.extent(1) == dt.extent(1), "SwiGLU '",
+      name_, "': stream gradient [", dt.extent(0), ", ", dt.extent(1),
+      "] after a second-order pass of [", stream_gate_.extent(0), ", ", stream_gate_.extent(1),
+      "]");
+  const int64_t rows = rows_;
+  const int64_t stream_rows = static_cast<int64_t>(dt.extent(0));
+  const int64_t k = stream_rows / rows / 2;
+  const int64_t cols = static_cast<int64_t>(dt.extent(1));
+  const MatrixView gate = gate_->output(), value = up_->output();
+  const MatrixView tgate = stream_gate_, tvalue = stream_value_;
+  const MatrixView ggate = dgate_, gvalue = dvalue_;
+  const MatrixView sgate = leading_rows(cotangent_gate_, stream_rows);
+  const MatrixView svalue = leading_rows(cotangent_value_, stream_rows);
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::swiglu_second_order_backward"),
+      Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
+        for (int64_t j = 0; j < cols; ++j) {
+          const SiluDerivatives f = silu_derivatives(gate(i, j));
+          const float u = value(i, j), a = dy(i, j);
+          float gu = a * f.h, gz = a * f.h1 * u;
+          for (int64_t d = 0; d < k; ++d) {
+            const int64_t tt = i * 2 * k + d, qq = tt + k;
+            const float tg = tgate(tt, j), sg = tgate(qq, j);
+            const float tu = tvalue(tt, j), su = tvalue(qq, j);
+            const float gt = dt(tt, j), gs = dt(qq, j);
+            svalue(qq, j) = gs * f.h;
+            sgate(qq, j) = gs * u * f.h1;
+            svalue(tt, j) = gt * f.h + 2.0f * gs * f.h1 * tg;
+            sgate(tt, j) = gt * f.h1 * u + 2.0f * gs * (f.h2 * tg * u + f.h1 * tu);
+            gu += gt * f.h1 * tg + gs * (f.h1 * sg + f.h2 * tg * tg);
+            gz += gt * (f.h2 * tg * u + f.h1 * tu) +
+                  gs * ((f.h2 * sg + f.h3 * tg * tg) * u + 2.0f * f.h2 * tg * tu + f.h1 * su);
+          }
+          gvalue(i, j) = gu;
+          ggate(i, j) = gz;
+        }
+      });
+  LayerPass inner = pass;
+  inner.prefetch = nullptr;
+  MatrixView streams_up, streams_gate;
+  const MatrixView dx_up =
+      up_->backward_with_tangents(dvalue_, svalue, need_input_grad, inner, &streams_up);
+  const MatrixView dx_gate =
+      gate_->backward_with_tangents(dgate_, sgate, need_input_grad, inner, &streams_gate);
+  if (!need_input_grad) return MatrixView();
+  const MatrixView dx = shared_gather_ ? MatrixView(dx_full_) : MatrixView(dx_);
+  const MatrixView dstreams = shared_gather_ ? leading_rows(cotangent_full_, stream_rows)
+                                             : leading_rows(cotangents_, stream_rows);
+  const int64_t in = static_cast<int64_t>(dx.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::swiglu_second_order_input_grads"),
+      Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
+        for (int64_t j = 0; j < in; ++j) dx(i, j) = dx_up(i, j) + dx_gate(i, j);
+        for (int64_t t = i * 2 * k; t < (i + 1) * 2 * k; ++t) {
+          for (int64_t j = 0; j < in; ++j) dstreams(t, j) = streams_up(t, j) + streams_gate(t, j);
+        }
+      });
+  if (!shared_gather_) {
+    *dt_in = dstreams;
+    return dx_;
+  }
+  shared_gather_->reduce_scatter(dx, MatrixView(dx_), 1, dtype_);
+  const MatrixView mine = leading_rows(cotangents_, stream_rows);
+  shared_gather_->reduce_scatter(dstreams, mine, 1, dtype_);
+  *dt_in = mine;
+  return dx_;
+}
+
+void SwiGlu::reserve_tangent_backward(int64_t directions) {
+  gate_->reserve_tangent_backward(directions);
+  up_->reserve_tangent_backward(directions);
+  reserve_tangents(directions);
+  reserve_cotangents(directions);
 }
 
 }  // namespace meshtrain

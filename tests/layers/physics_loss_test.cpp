@@ -21,7 +21,14 @@
 //     of every step and the parameters after within 1e-5 of the tensor's largest value; the
 //     step's passes make no Kokkos allocation; gradients reduced in the backward and left for
 //     reduce_gradients().
-//   * Refusals: a residual_mlp, no residual function, a repeated column.
+//   * ResidualLaplacianMatchesFiniteDifferences, ResidualGradientsMatchFloat64CentralDifferences
+//     (np 1): the same for residual_mlps (4-8-...-2, hidden 16, 2 blocks; LayerNorm + silu,
+//     RMSNorm + tanh, RMSNorm + SwiGLU; the norms' scales and biases perturbed from 1 and 0),
+//     against a float64
+//     reference of jets (value, k first and k diagonal second derivatives through every
+//     operation of the forward, norms included), itself against central differences; the
+//     gradients to 1e-5 of each tensor's largest |fd|. The mesh test runs them too.
+//   * Refusals: MoE and dropout models, no residual function, a repeated column.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -29,7 +36,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "base/error.hpp"
@@ -37,6 +47,7 @@
 #include "framework/core/kokkos_math.hpp"
 #include "framework/train/init.hpp"
 #include "framework/train/optimizer.hpp"
+#include "layers/activation.hpp"
 #include "layers/context.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
@@ -59,8 +70,9 @@ constexpr int64_t kRows = 16;  // global batch (divides by 1, 2, 4)
 const std::vector<int64_t> kSizes = {3, 16, 12, 2};
 const std::vector<int64_t> kChosen = {0, 2};  // k = 2 of the 3 input columns
 constexpr int64_t kK = 2, kOutputs = 2, kResiduals = 2;
-const std::vector<double> kInputMean = {0.1, -0.2, 0.3};
-const std::vector<double> kInputStd = {0.5, 2.0, 1.5};
+// 4 entries: the residual models take 4 inputs, the mlp the first 3.
+const std::vector<double> kInputMean = {0.1, -0.2, 0.3, 0.05};
+const std::vector<double> kInputStd = {0.5, 2.0, 1.5, 0.8};
 const std::vector<double> kTargetMean = {0.5, -1.0};
 const std::vector<double> kTargetStd = {3.0, 0.25};
 constexpr double kWeight = 0.7;
@@ -104,8 +116,8 @@ Residual64 residual_reference(const double* x, const double* u, const double* du
 struct Batch {
   Tensor x, x_user, t;
 };
-Batch make_batch(int64_t rows, int step) {
-  const int64_t in = kSizes.front(), out = kSizes.back();
+Batch make_batch(int64_t rows, int step, int64_t in = kSizes.front()) {
+  const int64_t out = kSizes.back();
   const uint64_t s = kSeed + 100 * static_cast<uint64_t>(step);
   Batch b;
   for (int64_t i = 0; i < rows * in; ++i) {
@@ -215,13 +227,14 @@ UserUnits user_units(const Propagated& n) {
 struct ReferenceLoss {
   double data = 0, physics = 0, total = 0;
 };
-ReferenceLoss reference_loss(const std::vector<Tensor>& p, Activation act, const Batch& b,
-                             int64_t rows) {
-  const int64_t in = kSizes.front();
+using Propagation = std::function<Propagated(const std::vector<Tensor>& p, const double* x_row)>;
+
+ReferenceLoss reference_loss_of(const std::vector<Tensor>& p, const Propagation& propagation,
+                                const Batch& b, int64_t rows, int64_t in = kSizes.front()) {
   ReferenceLoss loss;
   for (int64_t r = 0; r < rows; ++r) {
-    const UserUnits q = user_units(propagate(p, act, &b.x[r * in]));
-    const Propagated n = propagate(p, act, &b.x[r * in]);
+    const Propagated n = propagation(p, &b.x[r * in]);
+    const UserUnits q = user_units(n);
     for (int64_t o = 0; o < kOutputs; ++o) {
       const double e = n.u[o] - b.t[r * kOutputs + o];
       loss.data += e * e / rows;
@@ -234,13 +247,196 @@ ReferenceLoss reference_loss(const std::vector<Tensor>& p, Activation act, const
   return loss;
 }
 
+ReferenceLoss reference_loss(const std::vector<Tensor>& p, Activation act, const Batch& b,
+                             int64_t rows) {
+  return reference_loss_of(
+      p, [act](const std::vector<Tensor>& q, const double* x) { return propagate(q, act, x); }, b,
+      rows);
+}
+
+// ---- a residual_mlp's float64 reference: jets ---------------------------------------------------
+// A number with its first and diagonal second derivatives along the k seed directions: every
+// operation of the model's forward (the norms' means, square roots and products included)
+// propagates them by the chain rule, so the reference's d2u needs none of the layers' formulas.
+struct Jet {
+  double v = 0.0, t[kK] = {}, s[kK] = {};
+};
+Jet operator+(Jet a, const Jet& b) {
+  a.v += b.v;
+  for (int64_t d = 0; d < kK; ++d) a.t[d] += b.t[d], a.s[d] += b.s[d];
+  return a;
+}
+Jet operator-(Jet a, const Jet& b) {
+  a.v -= b.v;
+  for (int64_t d = 0; d < kK; ++d) a.t[d] -= b.t[d], a.s[d] -= b.s[d];
+  return a;
+}
+Jet operator*(double c, Jet a) {
+  a.v *= c;
+  for (int64_t d = 0; d < kK; ++d) a.t[d] *= c, a.s[d] *= c;
+  return a;
+}
+Jet operator*(const Jet& a, const Jet& b) {
+  Jet r;
+  r.v = a.v * b.v;
+  for (int64_t d = 0; d < kK; ++d) {
+    r.t[d] = a.t[d] * b.v + a.v * b.t[d];
+    r.s[d] = a.s[d] * b.v + 2.0 * a.t[d] * b.t[d] + a.v * b.s[d];
+  }
+  return r;
+}
+Jet constant(double c) {
+  Jet r;
+  r.v = c;
+  return r;
+}
+// f(a) given f, f' and f'' at a.v.
+Jet apply(const Jet& a, double f, double f1, double f2) {
+  Jet r;
+  r.v = f;
+  for (int64_t d = 0; d < kK; ++d) {
+    r.t[d] = f1 * a.t[d];
+    r.s[d] = f1 * a.s[d] + f2 * a.t[d] * a.t[d];
+  }
+  return r;
+}
+Jet rsqrt(const Jet& a) {
+  return apply(a, std::pow(a.v, -0.5), -0.5 * std::pow(a.v, -1.5), 0.75 * std::pow(a.v, -2.5));
+}
+
+std::vector<Jet> linear_jets(const std::vector<Jet>& in, const Tensor& w, const Tensor& b) {
+  const size_t out = b.size();
+  std::vector<Jet> y(out);
+  for (size_t j = 0; j < out; ++j) {
+    y[j] = constant(b[j]);
+    for (size_t i = 0; i < in.size(); ++i) y[j] = y[j] + w[i * out + j] * in[i];
+  }
+  return y;
+}
+
+// LayerNorm (bias non-null) or RMSNorm, as docs/model_math.md defines them, in float64.
+std::vector<Jet> norm_jets(const std::vector<Jet>& h, NormKind kind, const Tensor& scale,
+                           const Tensor* bias) {
+  const double n = static_cast<double>(h.size());
+  std::vector<Jet> c = h, y(h.size());
+  Jet second;
+  if (kind == NormKind::layernorm) {
+    Jet mean;
+    for (const Jet& v : h) mean = mean + v;
+    mean = (1.0 / n) * mean;
+    for (Jet& v : c) v = v - mean;
+    for (const Jet& v : c) second = second + v * v;
+    second = (1.0 / n) * second + constant(static_cast<double>(kLayerNormEps));
+  } else {
+    for (const Jet& v : c) second = second + v * v;
+    second = (1.0 / n) * second + constant(static_cast<double>(kRmsNormEps));
+  }
+  const Jet r = rsqrt(second);
+  for (size_t j = 0; j < h.size(); ++j) {
+    y[j] = scale[j] * (c[j] * r);
+    if (bias) y[j] = y[j] + constant((*bias)[j]);
+  }
+  return y;
+}
+
+// The residual models of these tests: 3 inputs, 2 outputs, width 8, hidden 16, 2 blocks, a norm
+// of `kind` in each block and before the output.
+ResidualMlpShape residual_shape(NormKind kind, bool gated = false) {
+  ResidualMlpShape shape;
+  shape.inputs = 4;  // divides by tp (the stream is split under tp from the input layer on)
+  shape.outputs = kSizes.back();
+  shape.width = 8;
+  shape.hidden = 16;
+  shape.depth = 2;
+  shape.norm = true;
+  shape.norm_kind = kind;
+  shape.gated = gated;  // SwiGLU blocks
+  return shape;
+}
+
+// The forward Laplacian of the residual model, by jets (parameters in
+// residual_mlp_parameter_shapes' order).
+Propagated propagate_residual(const std::vector<Tensor>& p, NormKind kind, Activation act,
+                              bool gated, const double* x_row) {
+  const ResidualMlpShape shape = residual_shape(kind, gated);
+  std::vector<Jet> x(shape.inputs);
+  for (int64_t i = 0; i < shape.inputs; ++i) {
+    x[i].v = x_row[i];
+    for (int64_t d = 0; d < kK; ++d) x[i].t[d] = i == kChosen[d] ? 1.0 / kInputStd[i] : 0.0;
+  }
+  size_t q = 0;
+  auto norm = [&](const std::vector<Jet>& h) {
+    const Tensor& scale = p[q++];
+    const Tensor* bias = kind == NormKind::layernorm ? &p[q++] : nullptr;
+    return norm_jets(h, kind, scale, bias);
+  };
+  std::vector<Jet> h = linear_jets(x, p[0], p[1]);
+  q = 2;
+  for (int64_t block = 0; block < shape.depth; ++block) {
+    std::vector<Jet> f = norm(h);
+    std::vector<Jet> gate;
+    if (gated) {  // silu(gate) * up
+      gate = linear_jets(f, p[q], p[q + 1]);
+      q += 2;
+      act = Activation::silu;
+    }
+    f = linear_jets(f, p[q], p[q + 1]);
+    q += 2;
+    for (size_t j = 0; j < f.size(); ++j) {
+      Jet& z = gated ? gate[j] : f[j];
+      z = apply(z, testing::activation(act, z.v), testing::activation_derivative(act, z.v),
+                second_derivative(act, z.v));
+      if (gated) f[j] = gate[j] * f[j];
+    }
+    f = linear_jets(f, p[q], p[q + 1]);
+    q += 2;
+    for (size_t j = 0; j < h.size(); ++j) h[j] = h[j] + f[j];
+  }
+  h = norm(h);
+  const std::vector<Jet> y = linear_jets(h, p[q], p[q + 1]);
+  Propagated result;
+  for (int64_t o = 0; o < kOutputs; ++o) result.u.push_back(y[o].v);
+  for (int64_t o = 0; o < kOutputs; ++o)
+    for (int64_t d = 0; d < kK; ++d) {
+      result.t.push_back(y[o].t[d]);
+      result.s.push_back(y[o].s[d]);
+    }
+  return result;
+}
+
+// Which model a test runs: the plain mlp kSizes (residual false) or residual_shape(norm).
+struct ModelCase {
+  bool residual = false;
+  NormKind norm = NormKind::layernorm;
+  Activation activation = Activation::tanh;
+  bool gated = false;  // SwiGLU blocks (silu)
+  std::string describe() const {
+    return residual ? std::string("residual_mlp ") + to_string(norm) + " " +
+                          (gated ? std::string("swiglu") : to_string(activation))
+                    : std::string("mlp ") + to_string(activation);
+  }
+  int64_t inputs() const { return residual ? residual_shape(norm).inputs : kSizes.front(); }
+  Propagation propagation() const {
+    const ModelCase m = *this;
+    return [m](const std::vector<Tensor>& p, const double* x) {
+      return m.residual ? propagate_residual(p, m.norm, m.activation, m.gated, x)
+                        : propagate(p, m.activation, x);
+    };
+  }
+};
+const std::vector<ModelCase> kResidualCases = {
+    {true, NormKind::layernorm, Activation::silu},
+    {true, NormKind::rmsnorm, Activation::tanh},
+    {true, NormKind::rmsnorm, Activation::silu, /*gated=*/true},
+};
+
 // ---- the model on a mesh ------------------------------------------------------------------
 struct MeshSetup {
   Mesh mesh;
   MeshCommunicators comms;
   ParallelContext context;
   ShardingPlan plan;
-  MeshSetup(const testing::MeshCase& c, bool self)
+  MeshSetup(const testing::MeshCase& c, bool self, const ModelCase& model = {})
       : mesh(make_mesh(c, self)),
         comms(mesh, self ? MPI_COMM_SELF : MPI_COMM_WORLD,
               self ? CommunicatorFactory{} : testing::test_communicator_factory()),
@@ -251,7 +447,11 @@ struct MeshSetup {
     options.batch_axes = {"fsdp", "dp"};
     options.feature_axis = "tp";
     options.global_batch = kRows;
-    plan = make_plan(mlp_parameter_shapes(kSizes), mesh, preset_rules(c.preset), options);
+    plan = model.residual
+               ? make_plan(residual_mlp_parameter_shapes(residual_shape(model.norm, model.gated)),
+                           mesh, preset_rules(c.preset, false, /*norms=*/true, /*residual=*/true),
+                           options)
+               : make_plan(mlp_parameter_shapes(kSizes), mesh, preset_rules(c.preset), options);
   }
   static Mesh make_mesh(const testing::MeshCase& c, bool self) {
     std::vector<std::pair<std::string, int>> axes = {{"dp", 1}, {"fsdp", 1}, {"tp", 1}};
@@ -282,8 +482,9 @@ Tensor to_tensor(MatrixView m) {
   return t;
 }
 
-PhysicsLossSettings physics_settings() {
-  return {kChosen, kResiduals, kWeight, kInputStd, kTargetMean, kTargetStd, residual_device};
+PhysicsLossSettings physics_settings(int64_t inputs = kSizes.front()) {
+  return {kChosen,     kResiduals, kWeight,        {kInputStd.begin(), kInputStd.begin() + inputs},
+          kTargetMean, kTargetStd, residual_device};
 }
 
 struct StepsRun {
@@ -294,23 +495,44 @@ struct StepsRun {
   std::string first_allocations;
 };
 
-StepsRun run_steps(const testing::MeshCase& c, Activation act, bool self, int steps, float lr,
+// The norms' scales and biases away from 1 and 0 (a factor of scale left out of a derivative
+// would not show at 1), the same global values on every mesh.
+void perturb_norms(Mlp& model) {
+  for (ShardedTensor& p : model.parameters()) {
+    if (p.name.find("norm/") == std::string::npos) continue;
+    const bool scale = p.name.find("/scale") != std::string::npos;
+    const uint64_t stream = name_stream(p.name);
+    testing::fill_global(p, [&](int64_t i) {
+      const double z = counter_normal(kSeed, stream, static_cast<uint64_t>(i));
+      return scale ? 1.0 + 0.3 * z : 0.2 * z;
+    });
+  }
+}
+
+StepsRun run_steps(const testing::MeshCase& c, const ModelCase& m, bool self, int steps, float lr,
                    bool reduce = true) {
-  MeshSetup s(c, self);
+  MeshSetup s(c, self, m);
   ParallelContext& context = s.context;
   MPI_Comm comm = self ? MPI_COMM_SELF : MPI_COMM_WORLD;
+  const int64_t in = m.inputs();
   const int64_t rows = kRows / context.batch_parallel();
   const int64_t row0 = context.batch_index() * rows;
-  Mlp model(kSizes, act, specs_from_plan(s.plan), context, rows);
+  Mlp model = m.residual ? Mlp(residual_shape(m.norm, m.gated), m.activation,
+                               specs_from_plan(s.plan), context, rows)
+                         : Mlp(kSizes, m.activation, specs_from_plan(s.plan), context, rows);
   model.initialize(InitScheme::he_normal, kSeed);
+  if (m.residual) perturb_norms(model);
   model.reserve_laplacian(kK);
   if (context.feature_parallel() > 1) {  // the tp meshes really split the layers
     bool split = false;
     for (const Linear& l : model.layers()) split = split || l.tensor_parallel();
+    for (const std::string& line : model.describe()) {
+      split = split || line.find("column-parallel") != std::string::npos;
+    }
     EXPECT_TRUE(split) << "no tensor-parallel layer";
   }
   Loss loss(LossKind::mse, context, rows, kSizes.back(), model.output_layout());
-  PhysicsLoss physics(physics_settings(), context, rows, kSizes.front(), kSizes.back(),
+  PhysicsLoss physics(physics_settings(in), context, rows, in, kSizes.back(),
                       model.output_layout());
   OptimizerSettings sgd;
   sgd.kind = OptimizerKind::sgd;
@@ -320,9 +542,9 @@ StepsRun run_steps(const testing::MeshCase& c, Activation act, bool self, int st
   for (const auto& p : model.parameters())
     run.initial.push_back(testing::gather_full(p, s.mesh, context.rank(), comm));
   for (int step = 0; step < steps; ++step) {
-    const Batch b = make_batch(kRows, step);
-    const Matrix x = rows_of("x", b.x, kSizes.front(), row0, rows);
-    const Matrix x_user = rows_of("x_user", b.x_user, kSizes.front(), row0, rows);
+    const Batch b = make_batch(kRows, step, in);
+    const Matrix x = rows_of("x", b.x, in, row0, rows);
+    const Matrix x_user = rows_of("x_user", b.x_user, in, row0, rows);
     const Matrix t = rows_of("t", b.t, kSizes.back(), row0, rows);
     testing::KokkosAllocationCounter allocations;  // the step allocates nothing
     const MatrixView y = model.forward(x);
@@ -431,7 +653,8 @@ TEST(PhysicsLoss, GradientsMatchFloat64CentralDifferences) {
   const testing::MeshCase one{"dp", {{"dp", 1}}};
   for (const Activation act : kActivations) {
     SCOPED_TRACE(std::string(to_string(act)));
-    const StepsRun run = run_steps(one, act, /*self=*/true, 1, 0.0f);
+    const StepsRun run =
+        run_steps(one, ModelCase{false, NormKind::layernorm, act}, /*self=*/true, 1, 0.0f);
     const Batch b = make_batch(kRows, 0);
     std::vector<Tensor> p = run.initial;
     const ReferenceLoss ref = reference_loss(p, act, b, kRows);
@@ -459,17 +682,164 @@ TEST(PhysicsLoss, GradientsMatchFloat64CentralDifferences) {
   }
 }
 
+// The residual models: the layers' u, du, d2u against the jets' float64 forward Laplacian, which
+// is checked against central differences of its own value forward.
+TEST(PhysicsLoss, ResidualLaplacianMatchesFiniteDifferences) {
+  if (world_size() > 1) GTEST_SKIP() << "against float64: checked at np 1";
+  constexpr double kStep = 1e-4;
+  const testing::MeshCase one{"dp", {{"dp", 1}}};
+  for (const ModelCase& m : kResidualCases) {
+    SCOPED_TRACE(m.describe());
+    const int64_t in = m.inputs();
+    MeshSetup s(one, true, m);
+    Mlp model(residual_shape(m.norm, m.gated), m.activation, specs_from_plan(s.plan), s.context,
+              kRows);
+    model.initialize(InitScheme::he_normal, kSeed);
+    perturb_norms(model);
+    model.reserve_laplacian(kK);
+    PhysicsLoss physics(physics_settings(in), s.context, kRows, in, kOutputs,
+                        model.output_layout());
+    std::vector<Tensor> p;
+    for (const auto& q : model.parameters())
+      p.push_back(testing::gather_full(q, s.mesh, 0, MPI_COMM_SELF));
+    const Propagation propagation = m.propagation();
+    const Batch b = make_batch(kRows, 0, in);
+    const Matrix x = rows_of("x", b.x, in, 0, kRows);
+    const Tensor y = to_tensor(model.forward(x));
+    const Tensor streams = to_tensor(model.forward_laplacian(physics.seeds()));
+    Tensor got_u, got_t, got_s, ref_u, ref_t, ref_s, fd_t, fd_s;
+    for (int64_t r = 0; r < kRows; ++r) {
+      const Propagated n = propagation(p, &b.x[r * in]);
+      for (int64_t o = 0; o < kOutputs; ++o) {
+        got_u.push_back(y[r * kOutputs + o]);
+        ref_u.push_back(n.u[o]);
+        for (int64_t d = 0; d < kK; ++d) {
+          got_t.push_back(streams[(r * 2 * kK + d) * kOutputs + o]);
+          got_s.push_back(streams[(r * 2 * kK + kK + d) * kOutputs + o]);
+          ref_t.push_back(n.t[o * kK + d]);
+          ref_s.push_back(n.s[o * kK + d]);
+          const int64_t i = kChosen[d];
+          std::vector<double> xp(&b.x[r * in], &b.x[r * in] + in), xm = xp;
+          xp[i] += kStep / kInputStd[i];
+          xm[i] -= kStep / kInputStd[i];
+          const double up = propagation(p, xp.data()).u[o];
+          const double down = propagation(p, xm.data()).u[o];
+          fd_t.push_back((up - down) / (2 * kStep));
+          fd_s.push_back((up - 2 * n.u[o] + down) / (kStep * kStep));
+        }
+      }
+    }
+    // The differences' truncation (h^2 f''' / 6) is larger through the norms than in the
+    // plain mlp: 2.4e-7 of the largest |du| measured, hence 1e-6 for du here.
+    const double ref_t_err = expect_close_scaled(ref_t, fd_t, 1e-6, "reference du vs fd");
+    const double ref_s_err = expect_close_scaled(fd_s, ref_s, 1e-5, "reference d2u vs fd");
+    const double u_err = expect_close_scaled(got_u, ref_u, 1e-5, "u");
+    const double t_err = expect_close_scaled(got_t, ref_t, 1e-5, "du");
+    const double s_err = expect_close_scaled(got_s, ref_s, 1e-5, "d2u");
+    std::printf(
+        "[ physics ] %s: reference vs fd du %.1e d2u %.1e; layers vs reference u %.1e du %.1e "
+        "d2u %.1e\n",
+        m.describe().c_str(), ref_t_err, ref_s_err, u_err, t_err, s_err);
+  }
+}
+
+// Every parameter gradient of L through the residual models (the norms' scales and biases
+// included) against central differences of the jets' float64 L.
+TEST(PhysicsLoss, ResidualGradientsMatchFloat64CentralDifferences) {
+  if (world_size() > 1) GTEST_SKIP() << "against float64: checked at np 1";
+  constexpr double kStep = 1e-6, kTolerance = 1e-5;
+  const testing::MeshCase one{"dp", {{"dp", 1}}};
+  for (const ModelCase& m : kResidualCases) {
+    SCOPED_TRACE(m.describe());
+    const StepsRun run = run_steps(one, m, /*self=*/true, 1, 0.0f);
+    const Batch b = make_batch(kRows, 0, m.inputs());
+    std::vector<Tensor> p = run.initial;
+    const Propagation propagation = m.propagation();
+    const ReferenceLoss ref = reference_loss_of(p, propagation, b, kRows, m.inputs());
+    EXPECT_NEAR(run.data_losses[0], ref.data, 1e-5 * ref.data);
+    EXPECT_NEAR(run.physics_losses[0], kWeight * ref.physics, 1e-5 * kWeight * ref.physics);
+    double worst = 0.0;
+    for (size_t q = 0; q < p.size(); ++q) {
+      Tensor fd(p[q].size());
+      for (size_t i = 0; i < p[q].size(); ++i) {
+        const double v = p[q][i];
+        p[q][i] = v + kStep;
+        const double up = reference_loss_of(p, propagation, b, kRows, m.inputs()).total;
+        p[q][i] = v - kStep;
+        const double down = reference_loss_of(p, propagation, b, kRows, m.inputs()).total;
+        p[q][i] = v;
+        fd[i] = (up - down) / (2 * kStep);
+      }
+      worst = std::max(worst, expect_close_scaled(run.grads[0][q], fd, kTolerance,
+                                                  "gradient " + std::to_string(q)));
+    }
+    std::printf(
+        "[ physics ] %s: loss %.4e (physics %.4e); gradient vs float64 central differences: "
+        "largest |g - fd| / max|fd| %.2e (tolerance %.0e)\n",
+        m.describe().c_str(), ref.total, kWeight * ref.physics, worst, kTolerance);
+  }
+}
+
+// The activation's second-order kernels read tanh's derivatives from the forward's output when
+// given it (activation.hpp): the same floats as computing tanh(z) again, so bit for bit the same
+// streams and gradients, for every activation (those without a formula in f(z) ignore it).
+TEST(PhysicsLoss, SecondOrderFromForwardOutputIsBitForBit) {
+  if (world_size() > 1) GTEST_SKIP() << "one process";
+  constexpr int64_t rows = 37, width = 149, k = 3;  // 149: two chunks of 64 and a rest
+  for (const Activation act : kActivations) {
+    SCOPED_TRACE(std::string(to_string(act)));
+    Matrix z("z", rows, width), y("y", rows, width), streams("streams", rows * 2 * k, width);
+    Matrix grad_a("grad_a", rows, width), grad_b("grad_b", rows, width);
+    Matrix sg("sg", rows * 2 * k, width);
+    auto fill = [](Matrix& m, uint64_t stream, double scale) {
+      auto h = Kokkos::create_mirror_view(m);
+      for (size_t i = 0; i < h.extent(0); ++i)
+        for (size_t j = 0; j < h.extent(1); ++j)
+          h(i, j) = static_cast<float>(scale * counter_normal(kSeed, stream, i * h.extent(1) + j));
+      Kokkos::deep_copy(m, h);
+    };
+    fill(z, 1, 2.0);
+    fill(streams, 2, 1.0);
+    fill(grad_a, 3, 1.0);
+    fill(sg, 4, 1.0);
+    Kokkos::deep_copy(grad_b, grad_a);
+    activation_forward(act, z, y, Dtype::fp32);
+    Matrix out_a("out_a", rows * 2 * k, width), out_b("out_b", rows * 2 * k, width);
+    activation_second_order(act, z, streams, out_a);
+    activation_second_order(act, z, streams, out_b, y);
+    Matrix in_a("in_a", rows * 2 * k, width), in_b("in_b", rows * 2 * k, width);
+    activation_second_order_backward(act, z, streams, grad_a, sg, in_a);
+    activation_second_order_backward(act, z, streams, grad_b, sg, in_b, y);
+    for (const auto& [a, b] :
+         {std::pair<Matrix, Matrix>{out_a, out_b}, {in_a, in_b}, {grad_a, grad_b}}) {
+      const Tensor ta = to_tensor(a), tb = to_tensor(b);
+      size_t differing = 0;
+      for (size_t i = 0; i < ta.size(); ++i) differing += ta[i] != tb[i] ? 1 : 0;
+      EXPECT_EQ(differing, 0u) << a.label();
+    }
+  }
+}
+
 TEST(PhysicsLoss, EveryMeshEqualsOneRank) {
   constexpr double kTolerance = 1e-5;
   constexpr int kSteps = 3;
   constexpr float kLr = 0.002f;
+  std::vector<ModelCase> models;
   for (const Activation act : {Activation::tanh, Activation::gelu, Activation::silu}) {
-    const StepsRun one = run_steps({"dp", {{"dp", 1}}}, act, /*self=*/true, kSteps, kLr);
+    models.push_back({false, NormKind::layernorm, act});
+  }
+  models.insert(models.end(), kResidualCases.begin(), kResidualCases.end());
+  for (const ModelCase& m : models) {
+    // The residual models' physics gradients are far larger (their d2u through the norms): a
+    // step of kLr would diverge (the loss 58 -> 7.7e3 -> 6e5), where rounding differences grow
+    // without bound; 100 times smaller steps descend.
+    const float lr = m.residual ? kLr / 100 : kLr;
+    const StepsRun one = run_steps({"dp", {{"dp", 1}}}, m, /*self=*/true, kSteps, lr);
     for (const testing::MeshCase& c : testing::layer_meshes(world_size())) {
       for (const bool reduce : {true, false}) {
-        SCOPED_TRACE(std::string(to_string(act)) + " on " + testing::describe(c) +
+        SCOPED_TRACE(m.describe() + " on " + testing::describe(c) +
                      (reduce ? "" : ", gradients reduced after backward"));
-        const StepsRun got = run_steps(c, act, /*self=*/false, kSteps, kLr, reduce);
+        const StepsRun got = run_steps(c, m, /*self=*/false, kSteps, lr, reduce);
         double worst = 0.0;
         for (int step = 0; step < kSteps; ++step) {
           EXPECT_NEAR(got.data_losses[step], one.data_losses[step],
@@ -491,7 +861,7 @@ TEST(PhysicsLoss, EveryMeshEqualsOneRank) {
         }
         if (world_rank() == 0) {
           std::printf("[ physics ] %s on %s%s: largest difference from one rank %.2e\n",
-                      to_string(act), testing::describe(c).c_str(),
+                      m.describe().c_str(), testing::describe(c).c_str(),
                       reduce ? "" : " (reduce_gradients)", worst);
         }
       }
@@ -522,11 +892,26 @@ TEST(PhysicsLoss, Refusals) {
   shape.hidden = 8;
   shape.depth = 1;
   Mlp residual(shape, Activation::silu, replicated, context, 4);
-  expect_bad_input([&] { residual.reserve_laplacian(2); }, "residual_mlp");
-  // Reserved for the Jacobian (which residual models have), then asked for the Laplacian.
-  residual.reserve_tangents(4);
-  Matrix streams("streams", 4 * 4, 2);
-  expect_bad_input([&] { residual.forward_laplacian(streams); }, "residual_mlp");
+  residual.reserve_laplacian(2);  // LayerNorm or RMSNorm residual blocks: supported
+  // MoE blocks and dropout are not: refused at the reservation and, reserved for the Jacobian
+  // (which those models have), at the pass.
+  ResidualMlpShape moe = shape;
+  moe.moe.layers = {0};
+  moe.moe.experts = 2;
+  moe.moe.top_k = 1;
+  const std::vector<std::pair<std::string, std::function<std::unique_ptr<Mlp>()>>> refused = {
+      {"MoE", [&] { return std::make_unique<Mlp>(moe, Activation::silu, replicated, context, 4); }},
+      {"dropout",
+       [&] { return std::make_unique<Mlp>(shape, Activation::silu, replicated, context, 4, 0.1); }},
+  };
+  for (const auto& [what, make] : refused) {
+    SCOPED_TRACE(what);
+    const std::unique_ptr<Mlp> model = make();
+    expect_bad_input([&] { model->reserve_laplacian(2); }, "not for MoE layers or dropout");
+    model->reserve_tangents(4);
+    Matrix streams("streams", 4 * 4, 2);
+    expect_bad_input([&] { model->forward_laplacian(streams); }, "the forward Laplacian");
+  }
   PhysicsLossSettings none;
   none.inputs = {0, 1};
   expect_bad_input([&] { PhysicsLoss(none, context, 4, 2, 1, FeatureLayout::replicated); },
