@@ -12,6 +12,8 @@ source scripts/env.sh
 np=${1:-2}
 shapes=${2:-"256,4096,4096 2048,2048,2048"}
 mpirun=${MPIRUN:-mpirun --oversubscribe}
+# The benchmarks are not in `all` after scripts/test (MESHTRAIN_BUILD_BENCHMARKS=OFF).
+cmake --build build --target meshtrain bench_collective_matmul >&2
 hw=$(mktemp -d)
 trap 'rm -rf "$hw"' EXIT
 $mpirun -np "$np" build/bin/meshtrain calibrate --out "$hw/hw.toml" > /dev/null

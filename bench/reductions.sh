@@ -16,6 +16,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=$(cd "$1" && pwd) rounds=${2:-3} max_bytes=${3:-268435456}
+# The benchmarks are not in `all` after scripts/test (MESHTRAIN_BUILD_BENCHMARKS=OFF).
+cmake --build "$build" --target meshtrain bench_reductions bench_train_step >&2
 for tool in meshtrain bench_reductions bench_train_step; do
   [[ -x $build/bin/$tool ]] || { echo "reductions.sh: $build/bin/$tool is not built" >&2; exit 2; }
 done

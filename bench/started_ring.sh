@@ -18,6 +18,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh  # one BLAS thread per rank; Open MPI may run as root
 build=$(cd "$1" && pwd) rounds=${2:-5} thread=${3:-0}
+# The benchmarks are not in `all` after scripts/test (MESHTRAIN_BUILD_BENCHMARKS=OFF).
+cmake --build "$build" --target bench_train_step >&2
 bench=$build/bin/bench_train_step
 [[ -x $bench ]] || { echo "started_ring.sh: $bench is not built" >&2; exit 2; }
 mpirun=(mpirun --oversubscribe --bind-to none)

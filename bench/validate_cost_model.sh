@@ -25,6 +25,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
+# The benchmarks are not in `all` after scripts/test (MESHTRAIN_BUILD_BENCHMARKS=OFF).
+cmake --build build --target meshtrain bench_train_step >&2
 nps=${1:-"1 2 4"}
 modes=${2:-"dp fsdp tp fsdp_tp"}
 sizes=${3:-784,2048,2048,10}
