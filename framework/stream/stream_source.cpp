@@ -164,6 +164,12 @@ StreamSource::~StreamSource() {
   std::vector<unsigned char> scratch(static_cast<size_t>(message_bytes_));
   // Producer 0's close ends the publishes; its close() takes them until the end comes.
   if (!closed.empty() && closed[0]) end_owed_ = true;
+  // A run that ends by its steps before a silent producer's timeout came due still applies it
+  // here, on each rank's own clock (nothing is agreed any more), counting what this drain takes.
+  std::vector<std::chrono::steady_clock::time_point> heard_at = heard_at_;
+  std::vector<char> has_sent(producers_.size(), 0);
+  for (size_t p = 0; p < producers_.size(); ++p) has_sent[p] = heard_total_[p] > 0;
+  const double timeout = section_.producer_timeout;
   while (std::find(closed.begin(), closed.end(), 0) != closed.end() || !publish_finished()) {
     bool got = false;
     for (size_t p = 0; p < producers_.size(); ++p) {
@@ -173,9 +179,22 @@ StreamSource::~StreamSource() {
       if (MPI_Iprobe(producers_[p], sp::kTag, stream_comm_, &flag, &status) != MPI_SUCCESS) {
         return;  // a destructor does not throw
       }
-      if (!flag) continue;
+      const auto now = std::chrono::steady_clock::now();
+      if (!flag) {
+        if (timeout > 0.0 && has_sent[p] &&
+            std::chrono::duration<double>(now - heard_at[p]).count() > timeout) {
+          closed[p] = 1;
+          if (p == 0) publish_every_ = 0;  // nobody takes the publishes
+          int64_t open = 0;
+          for (size_t q = 0; q < producers_.size(); ++q) open += closed[q] ? 0 : 1;
+          warn_producer_gone(p, open);
+        }
+        continue;
+      }
       MPI_Recv(scratch.data(), static_cast<int>(scratch.size()), MPI_BYTE, producers_[p], sp::kTag,
                stream_comm_, MPI_STATUS_IGNORE);
+      heard_at[p] = now;
+      has_sent[p] = 1;
       sp::Header header;
       std::memcpy(&header, scratch.data(), sizeof header);
       if (header.kind == sp::kClose) {
@@ -188,6 +207,20 @@ StreamSource::~StreamSource() {
   }
   MPI_Comm_free(&group_comm_);
   MPI_Comm_free(&stream_comm_);
+}
+
+// On trainer rank 0 only. Printed here, not returned to the run: it may come from the
+// destructor, after the run's last event.
+void StreamSource::warn_producer_gone(size_t producer, int64_t still_open) const {
+  if (trainer_rank_ != 0) return;
+  const double timeout = section_.producer_timeout;
+  std::fprintf(stderr,
+               "warning: stream \"%s\": producer %zu (world rank %d) sent nothing for %g s and "
+               "has not closed (did it end without close()?); the trainer goes on with the %lld "
+               "producers still open and no longer waits for it (stream.producer_timeout = %g)\n",
+               section_.name.c_str(), producer, producers_[producer], timeout,
+               static_cast<long long>(still_open), timeout);
+  std::fflush(stderr);
 }
 
 void StreamSource::read(const int64_t* rows, int64_t count, const RowBuffers& out) {
@@ -303,7 +336,9 @@ void StreamSource::pull_once() {
   sums[5] = group_lead_ ? held_out_.seen() : 0;
   for (size_t p = 0; p < producers; ++p) {
     sums[kCounterSums + p] = received_[p];
-    const bool silent = timeout > 0.0 && !closed_[p] && !gone_[p] &&
+    // The clock starts at a producer's first rows: a simulation's set-up may take longer than
+    // the timeout (one that dies before it sends anything is waited for).
+    const bool silent = timeout > 0.0 && !closed_[p] && !gone_[p] && heard_total_[p] > 0 &&
                         std::chrono::duration<double>(now - heard_at_[p]).count() > timeout;
     sums[kCounterSums + producers + p] = silent ? 1 : 0;
   }
@@ -318,18 +353,9 @@ void StreamSource::pull_once() {
     if (sums[kCounterSums + producers + p] == trainer_size_ && !gone_[p]) {
       gone_[p] = 1;
       if (p == 0) end_owed_ = true;  // nobody takes a publish any more
-      if (trainer_rank_ == 0) {
-        int64_t others = 0;
-        for (size_t q = 0; q < producers; ++q) others += closed_[q] || gone_[q] ? 0 : 1;
-        std::fprintf(stderr,
-                     "warning: stream \"%s\": producer %zu (world rank %d) sent nothing for "
-                     "%g s and has not closed (did it end without close()?); the trainer goes "
-                     "on with the %lld producers still open and no longer waits for it "
-                     "(stream.producer_timeout = %g)\n",
-                     section_.name.c_str(), p, producers_[p], timeout,
-                     static_cast<long long>(others), timeout);
-        std::fflush(stderr);
-      }
+      int64_t open = 0;
+      for (size_t q = 0; q < producers; ++q) open += closed_[q] || gone_[q] ? 0 : 1;
+      warn_producer_gone(p, open);
     }
   }
   counters_.rows_received = sums[0];

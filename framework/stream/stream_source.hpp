@@ -144,6 +144,7 @@ class StreamSource : public RowSource {
   void receive();
   void pull_once();
   void take(int64_t producer, const unsigned char* message);
+  void warn_producer_gone(size_t producer, int64_t still_open) const;
   // Rank 0: starts the send of the waiting publish once the previous one completed, and the
   // end once producer 0 closed (never waits).
   void progress_publish();

@@ -442,8 +442,8 @@ const std::vector<ConfigKey>& config_keys() {
                     .only_when(unless_stream));
     k.push_back(make_key("stream", "producer_timeout", FIELD(stream.producer_timeout),
                          non_negative("wait for ever"), kFileCommands,
-                         "seconds a producer may send nothing, unclosed, before it is taken for "
-                         "gone (named in a warning; the others go on)")
+                         "seconds a producer that has sent rows may send nothing, unclosed, before "
+                         "it is taken for gone (named in a warning; the others go on)")
                     .only_when(unless_stream));
     // --- [optimizer] ---------------------------------------------------------------------
     k.push_back(make_key("optimizer", "kind", NAMED(optimizer.kind, optimizer_kind_choices()),
