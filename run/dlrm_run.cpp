@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/dtype.hpp"
 #include "base/error.hpp"
 #include "framework/comm/backend.hpp"
 #include "framework/comm/failure_agreement.hpp"
@@ -92,6 +93,12 @@ void DlrmRun::plan_run() {
     refuse(config_.train.early_stopping > 0,
            "train.early_stopping = " + std::to_string(config_.train.early_stopping));
     refuse(config_.checkpoint.keep_best.has_value(), "checkpoint.keep_best");
+    refuse(config_.mixed_precision.param_dtype != Dtype::fp32,
+           std::string("mixed_precision.param_dtype = \"") +
+               to_string(config_.mixed_precision.param_dtype) + "\"");
+    refuse(config_.mixed_precision.reduce_dtype != Dtype::fp32,
+           std::string("mixed_precision.reduce_dtype = \"") +
+               to_string(config_.mixed_precision.reduce_dtype) + "\"");
     refuse(config_.data.eval_batch_size && *config_.data.eval_batch_size != config_.data.batch_size,
            "data.eval_batch_size other than data.batch_size");
     set_matmul_precision(config_.runtime.matmul_precision);
@@ -109,6 +116,7 @@ void DlrmRun::plan_run() {
   context_.emplace(*comms_, options.batch_axes, options.feature_axis,
                    config_.partition.collective_matmul, config_.runtime.overlap,
                    config_.runtime.bucket_mb);
+  context_->set_precision(config_.mixed_precision.policy());
 }
 
 // The dense rows (RowSource) and the sparse rows (SparseHdf5Reader) of the same files, the

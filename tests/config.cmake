@@ -206,6 +206,10 @@ meshtrain_cli_test(plan_dlrm 0 -
 meshtrain_cli_test(train_dlrm_missing_data 2
   "^meshtrain: error: cannot read the HDF5 data file 'data/recsys/train\\.h5': No such file"
   -- ${_meshtrain} train ${_cli}/dlrm.toml)
+# A 16-bit policy is refused by name (it was trained in fp32 under a checkpoint saying bf16).
+meshtrain_cli_test(train_dlrm_bf16_refused 2
+  "^meshtrain: error: .*dlrm\\.toml: mixed_precision\\.param_dtype = \"bf16\": model\\.kind = \"dlrm\" is not trained with it yet"
+  -- ${_meshtrain} train ${_cli}/dlrm.toml --set "mixed_precision.param_dtype=\"bf16\"")
 meshtrain_cli_test(sweep_dlrm_refused 2
   "^meshtrain: error: `meshtrain sweep` does not serve model\\.kind = \"dlrm\" yet"
   -- ${_meshtrain} sweep ${_cli}/dlrm.toml --grid optimizer.lr=1e-3,2e-3)
