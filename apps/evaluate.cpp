@@ -152,8 +152,14 @@ RunConfig evaluation_config(const Checkpoint& checkpoint, const EvaluateArgs& ar
                           " batch shards of mesh ", mesh.short_description(),
                           ": evaluate on fewer ranks or another mesh (--set mesh.*)");
     }
-    config.data.eval_batch_size = config.data.eval_batch_size.value_or(config.data.batch_size);
-    config.data.batch_size = shards;
+    if (config.model.kind == ModelKind::dlrm) {
+      // A DLRM evaluates with its training batch (DlrmRun): the largest whole number of shards.
+      config.data.batch_size = rows / shards * shards;
+      config.data.eval_batch_size = config.data.batch_size;
+    } else {
+      config.data.eval_batch_size = config.data.eval_batch_size.value_or(config.data.batch_size);
+      config.data.batch_size = shards;
+    }
   }
   return config;
 }

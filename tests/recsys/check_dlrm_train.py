@@ -11,7 +11,8 @@ where their rows divide, the rest replicated). Modes:
           alone reach (about 0.6), below the teacher's own AUC on the file (about 0.8); then
           `meshtrain evaluate --json -` of np 2's checkpoint on np 1 and np 4 (t25 row-wise
           over 2 ranks resharded onto 1 and 4, t24 row-wise onto replicated) reports the
-          training run's final auc and log_loss within 1e-4.
+          training run's final auc and log_loss within 1e-4; a --data file of 301 rows (fewer
+          than data.batch_size) evaluates alike on 1 and 2 ranks.
   resume  np 2: 20 steps, then resumed to 40 (checkpoint.resume): every logged loss of steps
           21 to 40 and every parameter and optimizer state of the step-40 checkpoint equal an
           uninterrupted run's bit for bit; the step-20 checkpoint of 2 ranks resumed on 4 (t24
@@ -85,6 +86,9 @@ def mode_train(launcher, config, work):
         for step, loss in ref_losses.items():
             if not close(losses.get(step, float("nan")), loss, 1e-5):
                 fail(f"np {np_}: the loss of step {step} is {losses.get(step)}, np 1's {loss}")
+        if [e["step"] for e in evals] != [e["step"] for e in ref_evals]:
+            fail(f"np {np_} evaluated at steps {[e['step'] for e in evals]}, np 1 at "
+                 f"{[e['step'] for e in ref_evals]}")
         for mine, ref in zip(evals, ref_evals):
             for key in ("test_auc", "test_log_loss"):
                 if abs(mine[key] - ref[key]) > 1e-4:
@@ -102,7 +106,41 @@ def mode_train(launcher, config, work):
         for key in ("test_auc", "test_log_loss"):
             if not abs(report[key] - final[key]) <= 1e-4:
                 fail(f"evaluate on np {np_}: {key} {report[key]}, the training run's {final[key]}")
+    # A --data file with fewer rows than data.batch_size: evaluated in whole shards, on 1 and 2
+    # ranks alike (the first 301 test rows).
+    small_reports = []
+    write_first_rows(os.path.join(work, "data", "test.h5"), os.path.join(work, "small.h5"), 301)
+    for np_ in (1, 2):
+        done = run(launcher, np_, "evaluate", work, "np2/checkpoints", "--data", "small.h5",
+                   "--json", "-")
+        small_reports.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    for key in ("test_auc", "test_log_loss"):
+        one, two = small_reports[0][key], small_reports[1][key]
+        if not (np.isfinite(one) and abs(one - two) <= 1e-4):
+            fail(f"evaluate of 301 rows: {key} {one} on 1 rank, {two} on 2")
     print(f"dlrm train: np 2 and 4 match np 1; AUC {final['test_auc']:.4f} (teacher {teacher:.4f})")
+
+
+def write_first_rows(source, target, rows):
+    """The first `rows` rows of a recsys file: dense and label rows, each table's CSR cut."""
+    with h5py.File(source, "r") as f, h5py.File(target, "w") as g:
+        for key, value in f.attrs.items():
+            g.attrs[key] = value
+        def visit(name, item):
+            if not isinstance(item, h5py.Dataset):
+                for key, value in item.attrs.items():  # a table's rows
+                    g.require_group(name).attrs[key] = value
+                return
+            if name.endswith("/offsets"):
+                offsets = item[: rows + 1]
+                g[name] = offsets
+                values = name[: -len("offsets")] + "values"
+                g[values] = f[values][: offsets[-1]]
+            elif not name.endswith("/values"):
+                g[name] = item[:rows]
+            for key, value in item.attrs.items():
+                g[name].attrs[key] = value
+        f.visititems(visit)
 
 
 def tensors(path):
