@@ -553,6 +553,12 @@ MatrixView Mlp::forward_tangents(MatrixView dx) {
 
 MatrixView Mlp::forward_laplacian(MatrixView streams) {
   require_laplacian_layers();
+  const int64_t streams_per_row = static_cast<int64_t>(streams.extent(0)) / rows_;
+  if (streams_per_row > 2 * laplacian_directions_) {
+    MESHTRAIN_BAD_INPUT("the forward Laplacian got ", streams_per_row / 2,
+                        " directions a row, but reserve_laplacian reserved ", laplacian_directions_,
+                        " (call reserve_laplacian(k) before it)");
+  }
   return tangent_pass(streams, true);
 }
 
@@ -635,6 +641,7 @@ void Mlp::reserve_laplacian(int64_t directions) {
     needs.merge(layer->scratch_needs());
   }
   if (needs.matmul > scratch_.matmul.capacity_bytes()) scratch_.matmul.reserve(needs.matmul);
+  laplacian_directions_ = std::max(laplacian_directions_, directions);
 }
 
 void Mlp::backward_with_tangents(MatrixView output_grad, MatrixView tangent_grad, bool reduce) {

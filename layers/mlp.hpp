@@ -245,6 +245,7 @@ class Mlp {
   std::vector<int64_t> sizes_;
   Activation activation_;
   int64_t rows_;
+  int64_t laplacian_directions_ = 0;  // reserve_laplacian's k (0: not reserved)
   std::vector<ShardedTensor> params_;
   std::vector<ShardedTensor> grads_;
   // The layers, owned per kind (reserved at construction: the pointers below stay valid)...

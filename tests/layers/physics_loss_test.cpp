@@ -892,6 +892,12 @@ TEST(PhysicsLoss, Refusals) {
   shape.hidden = 8;
   shape.depth = 1;
   Mlp residual(shape, Activation::silu, replicated, context, 4);
+  // Reserved for the Jacobian only, the pass is refused by name (the norms' streams need
+  // reserve_laplacian's room), not an internal error inside a layer.
+  residual.reserve_tangents(4);
+  Matrix unreserved("unreserved streams", 4 * 4, 2);
+  expect_bad_input([&] { residual.forward_laplacian(unreserved); },
+                   "call reserve_laplacian(k) before it");
   residual.reserve_laplacian(2);  // LayerNorm or RMSNorm residual blocks: supported
   // MoE blocks and dropout are not: refused at the reservation and, reserved for the Jacobian
   // (which those models have), at the pass.
