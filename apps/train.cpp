@@ -96,7 +96,7 @@ namespace {
 // kind = "dlrm" (docs/recsys.md): a DlrmRun, printed as TrainingRun's run is.
 int train_dlrm(MPI_Comm comm, RunConfig config) {
   int rank = 0;
-  MPI_Comm_rank(comm, &rank);
+  check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
   const bool rank0 = rank == 0;
   const RunEvents printing = printing_events(rank0);
   DlrmRunEvents events{printing.on_log, printing.on_eval, printing.on_checkpoint};
@@ -142,7 +142,7 @@ int train_dlrm(MPI_Comm comm, RunConfig config) {
 int train_on(MPI_Comm comm, const std::string& config_path,
              const std::vector<std::string>& overrides, const std::string& hardware) {
   int rank = 0;
-  MPI_Comm_rank(comm, &rank);
+  check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
   const bool rank0 = rank == 0;
 
   std::optional<RunConfig> config;
