@@ -93,6 +93,29 @@ int train_command(const std::string& config_path, const std::vector<std::string>
 
 namespace {
 
+// What a run (TrainingRun or DlrmRun) prints on rank 0 before its first step: where it starts
+// from, its description, and what loading decided for the user (--set train.steps replacing the
+// file's epochs).
+template <typename Run>
+void print_run_start(const Run& run, const std::string& resume_note) {
+  if (const auto& info = run.resumed_from()) {
+    std::printf("resumed from %s at step %lld (saved on %s)%s%s\n", info->path.c_str(),
+                static_cast<long long>(info->train_state.step), info->mesh.c_str(),
+                resume_note.empty() ? "" : "; ", resume_note.c_str());
+  } else if (const auto& from = run.initialized_from()) {
+    std::printf("initialized from %s (step %lld, saved on %s): starting from step 0\n",
+                from->path.c_str(), static_cast<long long>(from->train_state.step),
+                from->mesh.c_str());
+  } else if (run.config().checkpoint.resume) {
+    std::printf("no checkpoint in %s: starting from step 0\n", run.config().checkpoint.dir.c_str());
+  }
+  const std::vector<std::string> lines = run.describe();
+  std::printf("meshtrain train %s: %s\n", run.config().file.c_str(), lines.front().c_str());
+  for (size_t i = 1; i < lines.size(); ++i) std::printf("%s\n", lines[i].c_str());
+  for (const std::string& note : run.config().notes) std::printf("note: %s\n", note.c_str());
+  std::fflush(stdout);
+}
+
 // kind = "dlrm" (docs/recsys.md): a DlrmRun, printed as TrainingRun's run is.
 int train_dlrm(MPI_Comm comm, RunConfig config) {
   int rank = 0;
@@ -101,24 +124,7 @@ int train_dlrm(MPI_Comm comm, RunConfig config) {
   const RunEvents printing = printing_events(rank0);
   DlrmRunEvents events{printing.on_log, printing.on_eval, printing.on_checkpoint};
   DlrmRun run(std::move(config), events, comm);
-  if (rank0) {
-    if (const auto& info = run.resumed_from()) {
-      std::printf("resumed from %s at step %lld (saved on %s)\n", info->path.c_str(),
-                  static_cast<long long>(info->train_state.step), info->mesh.c_str());
-    } else if (const auto& from = run.initialized_from()) {
-      std::printf("initialized from %s (step %lld, saved on %s): starting from step 0\n",
-                  from->path.c_str(), static_cast<long long>(from->train_state.step),
-                  from->mesh.c_str());
-    } else if (run.config().checkpoint.resume) {
-      std::printf("no checkpoint in %s: starting from step 0\n",
-                  run.config().checkpoint.dir.c_str());
-    }
-    const std::vector<std::string> lines = run.describe();
-    std::printf("meshtrain train %s: %s\n", run.config().file.c_str(), lines.front().c_str());
-    for (size_t i = 1; i < lines.size(); ++i) std::printf("%s\n", lines[i].c_str());
-    for (const std::string& note : run.config().notes) std::printf("note: %s\n", note.c_str());
-    std::fflush(stdout);
-  }
+  if (rank0) print_run_start(run, "");
   const DlrmRunSummary summary = run.train();
   if (rank0 && summary.steps_run == 0) {
     std::printf(
@@ -155,24 +161,7 @@ int train_on(MPI_Comm comm, const std::string& config_path,
   if (config->model.kind == ModelKind::dlrm) return train_dlrm(comm, std::move(*config));
   TrainingRun run(*config, printing_events(rank0), std::nullopt, comm);
   if (rank0) {
-    if (const auto& info = run.resumed_from()) {
-      std::printf("resumed from %s at step %lld (saved on %s)%s%s\n", info->path.c_str(),
-                  static_cast<long long>(info->train_state.step), info->mesh.c_str(),
-                  run.resume_note().empty() ? "" : "; ", run.resume_note().c_str());
-    } else if (const auto& from = run.initialized_from()) {
-      std::printf("initialized from %s (step %lld, saved on %s): starting from step 0\n",
-                  from->path.c_str(), static_cast<long long>(from->train_state.step),
-                  from->mesh.c_str());
-    } else if (run.config().checkpoint.resume) {
-      std::printf("no checkpoint in %s: starting from step 0\n",
-                  run.config().checkpoint.dir.c_str());
-    }
-    const std::vector<std::string> lines = run.describe();
-    std::printf("meshtrain train %s: %s\n", run.config().file.c_str(), lines.front().c_str());
-    for (size_t i = 1; i < lines.size(); ++i) std::printf("%s\n", lines[i].c_str());
-    // What loading decided for the user: --set train.steps replacing the file's epochs.
-    for (const std::string& note : run.config().notes) std::printf("note: %s\n", note.c_str());
-    std::fflush(stdout);
+    print_run_start(run, run.resume_note());
     // Mesh axes that split neither parameters nor rows: their ranks repeat each other's work.
     const ShardingPlan& plan = run.plan();
     for (const std::string& axis : plan.replicated_axes) {
