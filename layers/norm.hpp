@@ -145,13 +145,15 @@ class FeatureNorm : public Layer {
   // (tp), parameters gathered over (fsdp), grads all-reduced over (fsdp, dp)".
   std::string describe() const override;
 
+  // forward_tangents of second-order streams (LayerPass::second_order). Public only because
+  // nvcc refuses device lambdas inside a private or protected member function.
+  MatrixView laplacian_forward(MatrixView streams, const LayerPass& pass);
+
  private:
   // One parameter as a ShardedParameter (GatherMethod::full_width_sum, see make_param).
   ShardedParameter make_param(ParameterRef ref, const NormParameterLayout& layout, int64_t index,
                               ParallelContext& context);
   void parameter_gradients(MatrixView dy, const LayerPass& pass);
-  // forward_tangents of second-order streams (LayerPass::second_order).
-  MatrixView laplacian_forward(MatrixView streams, const LayerPass& pass);
 
   NormLayout layout_;  // decide_norm_layout: what is split, gathered and reduced where
   std::string name_;

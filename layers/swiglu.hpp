@@ -72,6 +72,11 @@ class SwiGlu final : public Layer {
   const Linear& gate() const { return *gate_; }
   const Linear& up() const { return *up_; }
 
+  // The second-order streams of gate * value (the forward Laplacian's product rule). Public
+  // only because nvcc refuses device lambdas inside a private or protected member function.
+  void swiglu_second_order(MatrixView gate, MatrixView value, MatrixView dgate, MatrixView dvalue,
+                           MatrixView out) const;
+
  private:
   std::string name_;
   std::unique_ptr<Linear> gate_, up_;
@@ -93,8 +98,6 @@ class SwiGlu final : public Layer {
   // layers' buffers, kept for backward_with_tangents).
   bool second_order_ = false;
   MatrixView stream_gate_, stream_value_;
-  void swiglu_second_order(MatrixView gate, MatrixView value, MatrixView dgate, MatrixView dvalue,
-                           MatrixView out) const;
 };
 
 }  // namespace meshtrain
