@@ -620,9 +620,15 @@ void Mlp::reserve_tangent_backward(int64_t directions) {
                         to_string(compute_dtype_));
   }
   require_plain_mlp(owned_.empty() && moe_.empty() && dropouts_.empty(), "training on derivatives");
+  reserve_layers_tangent_backward(directions);
+}
+
+// Each layer's room for `streams` tangent streams a row in backward, and the shared matmul
+// scratch they need.
+void Mlp::reserve_layers_tangent_backward(int64_t streams) {
   LayerScratchNeeds needs;
   for (Layer* layer : sequence_) {
-    layer->reserve_tangent_backward(directions);
+    layer->reserve_tangent_backward(streams);
     needs.merge(layer->scratch_needs());
   }
   if (needs.matmul > scratch_.matmul.capacity_bytes()) scratch_.matmul.reserve(needs.matmul);
@@ -635,12 +641,7 @@ void Mlp::reserve_laplacian(int64_t directions) {
                         to_string(compute_dtype_));
   }
   require_laplacian_layers();
-  LayerScratchNeeds needs;
-  for (Layer* layer : sequence_) {
-    layer->reserve_tangent_backward(2 * directions);  // k tangents and k second-order streams
-    needs.merge(layer->scratch_needs());
-  }
-  if (needs.matmul > scratch_.matmul.capacity_bytes()) scratch_.matmul.reserve(needs.matmul);
+  reserve_layers_tangent_backward(2 * directions);  // k tangents and k second-order streams
   laplacian_directions_ = std::max(laplacian_directions_, directions);
 }
 

@@ -240,6 +240,7 @@ class Mlp {
   MatrixView tangent_pass(MatrixView dx, bool second_order);
   // bad_input, one sentence, unless every layer supports the forward Laplacian.
   void require_laplacian_layers() const;
+  void reserve_layers_tangent_backward(int64_t streams);
   void backward_through_tangents(MatrixView output_grad, MatrixView tangent_grad, bool reduce,
                                  bool second_order);
   std::vector<int64_t> sizes_;
