@@ -54,6 +54,17 @@ void finish_gradient(const Vector& g, const Vector& sum, int64_t micro_batches) 
       KOKKOS_LAMBDA(const int64_t i) { g(i) = (g(i) + sum(i)) * scale; });
 }
 
+// out = x * scale + mean per input column: standardized points back in the data's units. A
+// free function because nvcc refuses device lambdas in private member functions.
+void to_data_units(const Matrix& x, const Vector& mean, const Vector& scale, const Matrix& out) {
+  const int64_t inputs = static_cast<int64_t>(x.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::physics_points"),
+      device_range(0, static_cast<int64_t>(x.extent(0))), KOKKOS_LAMBDA(const int64_t r) {
+        for (int64_t i = 0; i < inputs; ++i) out(r, i) = x(r, i) * scale(i) + mean(i);
+      });
+}
+
 }  // namespace
 
 RunSummary TrainingRun::train() {
@@ -360,14 +371,7 @@ double TrainingRun::accumulate_loaded_batch() {
 }
 
 void TrainingRun::denormalize_physics_points() {
-  const Matrix x = x_, out = physics_x_;
-  const Vector mean = physics_input_mean_, scale = physics_input_std_;
-  const int64_t inputs = static_cast<int64_t>(x.extent(1));
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::physics_points"),
-      device_range(0, static_cast<int64_t>(x.extent(0))), KOKKOS_LAMBDA(const int64_t r) {
-        for (int64_t i = 0; i < inputs; ++i) out(r, i) = x(r, i) * scale(i) + mean(i);
-      });
+  to_data_units(x_, physics_input_mean_, physics_input_std_, physics_x_);
 }
 
 LossResult TrainingRun::compute_loss(Loss& loss, MatrixView output, const BatchLabels& labels,

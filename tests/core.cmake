@@ -22,9 +22,9 @@ meshtrain_add_test(NAME core_device_memory_emulation_test
 # Philox-4x32-10 (framework/core/philox.hpp) against Random123's known-answer vectors.
 meshtrain_add_test(NAME core_philox_test SOURCES core/philox_test.cpp
                    LIBS meshtrain_framework TIMEOUT 60)
-# A source check, not a program: no Kokkos device lambda directly in a GoogleTest body or inside
-# a generic lambda, and no `if constexpr` inside one, which nvcc rejects and a host compiler
-# accepts (tests/source/device_lambdas.py says why).
+# A source check, not a program: no Kokkos device lambda directly in a GoogleTest body, inside a
+# generic lambda or inside a private or protected member function, and no `if constexpr` inside
+# one, which nvcc rejects and a host compiler accepts (tests/source/device_lambdas.py says why).
 find_package(Python3 COMPONENTS Interpreter)
 if(Python3_Interpreter_FOUND)
   meshtrain_add_command_test(NAME source_device_lambdas_selftest TIMEOUT 30
@@ -33,7 +33,8 @@ if(Python3_Interpreter_FOUND)
     COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/source/device_lambdas.py
             ${PROJECT_SOURCE_DIR}/base ${PROJECT_SOURCE_DIR}/partition
             ${PROJECT_SOURCE_DIR}/framework ${PROJECT_SOURCE_DIR}/layers ${PROJECT_SOURCE_DIR}/run
-            ${PROJECT_SOURCE_DIR}/apps ${PROJECT_SOURCE_DIR}/tests ${PROJECT_SOURCE_DIR}/bench)
+            ${PROJECT_SOURCE_DIR}/apps ${PROJECT_SOURCE_DIR}/tests ${PROJECT_SOURCE_DIR}/bench
+            ${PROJECT_SOURCE_DIR}/examples)
   # The rooms of the source tree: no include runs back up (apps -> run -> layers -> framework
   # -> partition -> base, and inside framework/), and docs/layout.md's picture is the includes'.
   meshtrain_add_command_test(NAME source_dependencies_selftest TIMEOUT 30
