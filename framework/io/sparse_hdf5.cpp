@@ -88,17 +88,18 @@ void read_slab(hid_t dataset, hid_t file_space, hid_t memory, int64_t first, int
   hdf5::check(H5Dread(dataset, H5T_NATIVE_INT64, memory, file_space, H5P_DEFAULT, out), kind, what);
 }
 
-// The most ids of one row among rows [0, rows) of a CSR table: one pass over its offsets in
-// pieces of kScanRows (decreasing offsets are left to the batches' checks).
-int64_t largest_bag(hid_t dataset, hid_t file_space, int64_t rows, const std::string& what) {
+// The most ids of one row among rows [begin, end) of a CSR table: one pass over its offsets
+// in pieces of kScanRows (decreasing offsets are left to the batches' checks).
+int64_t largest_bag(hid_t dataset, hid_t file_space, int64_t begin, int64_t end,
+                    const std::string& what) {
   constexpr int64_t kScanRows = int64_t{1} << 16;
   std::vector<int64_t> offsets(static_cast<size_t>(kScanRows + 1));
   const hsize_t memory_size = static_cast<hsize_t>(kScanRows + 1);
   const hdf5::Handle memory = hdf5::make(H5Screate_simple(1, &memory_size, nullptr), H5Sclose,
                                          ErrorKind::runtime, what + ": a memory dataspace");
   int64_t largest = 0;
-  for (int64_t first = 0; first < rows; first += kScanRows) {
-    const int64_t n = std::min(kScanRows, rows - first);
+  for (int64_t first = begin; first < end; first += kScanRows) {
+    const int64_t n = std::min(kScanRows, end - first);
     read_slab(dataset, file_space, memory, first, n + 1, offsets.data(), ErrorKind::bad_input,
               what);
     for (int64_t i = 0; i < n; ++i) {
@@ -215,26 +216,42 @@ SparseHdf5Reader::SparseHdf5Reader(std::string path, std::vector<std::string> ta
       }
       state_.push_back(std::move(table));
     }
-    if (ids_from_file) {
-      // The capacity every rank's share of a batch may need: its rows times the largest bag
-      // of any table, read from the whole file (the same on every rank).
-      int64_t largest = 0;
+  });
+  if (ids_from_file) {
+    // The capacity every rank's share of a batch may need: its rows times the largest bag of
+    // any table in the whole file, the same on every rank. Each rank scans an equal share of
+    // the rows' offsets and the maximum is all-reduced: a file of billions of rows is read
+    // once across the ranks, not once per rank.
+    int rank = 0, ranks = 1;
+    check_mpi(MPI_Comm_rank(comm_, &rank), "MPI_Comm_rank");
+    check_mpi(MPI_Comm_size(comm_, &ranks), "MPI_Comm_size");
+    const int64_t begin = num_rows_ * rank / ranks, end = num_rows_ * (rank + 1) / ranks;
+    int64_t largest = 0;
+    on_every_rank(comm_, [&] {
+      const std::string file_text = "sparse data file '" + path_ + "'";
+      std::lock_guard<std::mutex> lock(hdf5::global_mutex());
       for (const auto& table : state_) {
         largest = std::max(
             largest, table->fixed
                          ? table->hotness
-                         : largest_bag(table->offsets_dataset, table->offsets_space, num_rows_,
+                         : largest_bag(table->offsets_dataset, table->offsets_space, begin, end,
                                        file_text + ", table '" + table->name + "': offsets"));
       }
-      max_ids_ = std::max<int64_t>(largest * max_rows_, 1);
+    });
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, &largest, 1, MPI_INT64_T, MPI_MAX, comm_),
+              "MPI_Allreduce (the largest bag)");
+    max_ids_ = std::max<int64_t>(largest * max_rows_, 1);
+    on_every_rank(comm_, [&] {
+      const std::string file_text = "sparse data file '" + path_ + "'";
+      std::lock_guard<std::mutex> lock(hdf5::global_mutex());
       const hsize_t memory_size = static_cast<hsize_t>(std::max(max_rows_ + 1, max_ids_));
       for (const auto& table : state_) {
         table->memory = hdf5::make(H5Screate_simple(1, &memory_size, nullptr), H5Sclose,
                                    ErrorKind::runtime, file_text + ": a memory dataspace");
         table->values.assign(static_cast<size_t>(max_ids_), 0);
       }
-    }
-  });
+    });
+  }
   check_mpi(MPI_Type_contiguous(kProblemFields, MPI_INT64_T, &problem_type_),
             "MPI_Type_contiguous");
   check_mpi(MPI_Type_commit(&problem_type_), "MPI_Type_commit");

@@ -52,7 +52,8 @@ class SparseHdf5Reader {
   // one read() may return (per rank, the same for every table). bad_input AgreedError as the
   // header says.
   // max_ids < 0: found in the file at open, max_rows times the largest bag of any table (one
-  // pass over every table's offsets on every rank). `group`: where the tables are
+  // pass over every table's offsets, each rank an equal share of the rows, the maximum
+  // all-reduced). `group`: where the tables are
   // (data.sparse_key), <group>/<table>/values and offsets, or ids.
   SparseHdf5Reader(std::string path, std::vector<std::string> tables, int64_t max_rows,
                    int64_t max_ids, MPI_Comm comm, std::string group = "/sparse");

@@ -249,6 +249,40 @@ Pooled pool(MeshCommunicators& comms, const std::string& table, const PartitionS
           first};
 }
 
+// max_ids < 0: the capacity is read from the file, max_rows times the largest bag of any
+// table. The ranks scan equal shares of the rows and all-reduce the maximum, so the largest
+// bag is put in each rank's share in turn (and in the last row): every rank must agree on it.
+TEST(SparseHdf5Reader, CapacityFromTheFileIsTheLargestBagWhereverItLies) {
+  testing::TempDir dir(true);
+  const int ranks = world_size();
+  std::vector<int64_t> rows_with_the_largest = {kRows - 1};
+  for (int r = 0; r < ranks; ++r) rows_with_the_largest.push_back(kRows * r / ranks + 1);
+  for (const int64_t big_row : rows_with_the_largest) {
+    FileData data = make_data();
+    TableData& bags = data[1];
+    constexpr int64_t kLargest = kMostPerBag + 3;  // larger than any other bag of any table
+    std::vector<int64_t> values, offsets = {0};
+    for (int64_t r = 0; r < kRows; ++r) {
+      const int64_t count = r == big_row ? kLargest : bags.offsets[r + 1] - bags.offsets[r];
+      for (int64_t k = 0; k < count; ++k) values.push_back((r * 7 + k) % bags.table_rows);
+      offsets.push_back(static_cast<int64_t>(values.size()));
+    }
+    bags.values = values;
+    bags.offsets = offsets;
+    const std::string path = dir.file("largest_" + std::to_string(big_row) + ".h5");
+    write_file(path, data);
+    constexpr int64_t kMaxRows = 3;
+    SparseHdf5Reader reader(path, kTables, kMaxRows, -1, MPI_COMM_WORLD);
+    EXPECT_EQ(reader.max_ids(), kMaxRows * kLargest) << "the largest bag at row " << big_row;
+    // The batch holding it and its neighbours reads whole (it fits the capacity exactly).
+    const int64_t first = std::min(big_row, kRows - kMaxRows);
+    reader.read_range(first, kMaxRows);
+    std::vector<int64_t> rows(kMaxRows);
+    for (int64_t i = 0; i < kMaxRows; ++i) rows[i] = first + i;
+    EXPECT_TRUE(csr(reader.batch(1)) == expected(bags, rows)) << "row " << big_row;
+  }
+}
+
 TEST(SparseHdf5Reader, EveryMeshReadsItsSliceOfTheOneRankBatch) {
   testing::TempDir dir(true);
   const std::string path = dir.file("sparse.h5");
