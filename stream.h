@@ -46,6 +46,9 @@ void mt_stream_free(mt_stream* s);
 int64_t mt_stream_rows_sent(const mt_stream* s);
 int64_t mt_stream_rows_dropped(const mt_stream* s);
 const char* mt_stream_last_error(const mt_stream* s);
+/* 1 when the trainer failed after connect and told the producers to stop: every send since
+ * then returned 0 and dropped its rows (mt_stream_rows_dropped); rank 0 printed one warning. */
+int mt_stream_stopped(const mt_stream* s);
 
 /* For Fortran (iso_c_binding; docs/online.md has the interface block): mt_stream_connect with
  * the communicator as a Fortran handle (`comm%MPI_VAL` under `use mpi_f08`, the integer under

@@ -8,6 +8,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <exception>
 #include <optional>
 #include <string>
 #include <utility>
@@ -58,13 +59,21 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
   });
   plan_run();
   open_data(std::move(data));
-  agree_on_data_shape();
-  connect();
-  build_model();
-  build_checkpoint_view();
-  choose_start();
-  build_derivative_loss();
-  start_streams();
+  try {
+    agree_on_data_shape();
+    connect();
+    build_model();
+    build_checkpoint_view();
+    choose_start();
+    build_derivative_loss();
+    start_streams();
+  } catch (const std::exception& error) {
+    // Refused after a stream's rendezvous (a checkpoint.init_from that does not exist, say):
+    // the producers are told why (they drop their rows from now on and warn with this
+    // sentence); the stream's destructor would only say that the run failed.
+    if (stream_) stream_->stop_producers(error.what());
+    throw;
+  }
 }
 
 // What to run: the config checked, the mesh, the plan (the one `meshtrain plan` prints), the

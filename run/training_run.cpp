@@ -88,7 +88,10 @@ RunSummary TrainingRun::train() {
   train_stream_->take_wait_seconds();  // waits before train() are not its steps'
   try {
     train_steps(summary);
-  } catch (const AgreedError&) {
+  } catch (const AgreedError& error) {
+    // The simulation's producers are told first (they drop their rows from now on and finish
+    // with a warning giving this sentence), not only when the run is destroyed.
+    if (stream_) stream_->stop_producers(error.what());
     // Every rank stopped at the same step and is alive: complete the save in flight, the
     // last good state a user resumes from (with a lower lr, or after fixing the data).
     try {

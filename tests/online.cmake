@@ -116,3 +116,25 @@ meshtrain_add_command_test(NAME online_mpmd_producer_gone TIMEOUT 60
           ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml ${_online_dir}/producer_gone
           ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
 set_tests_properties(online_mpmd_producer_gone PROPERTIES PROCESSORS 3)
+
+# A trainer that fails while the producers send (tests/online/trainer_fails.sh), at producers 1
+# and 2 x trainer ranks 1 and 2: its loss becomes infinite at its second step ("loss"), or its
+# config is refused after the rendezvous ("refused": a checkpoint.init_from that does not exist);
+# it tells the producers (a stop), so that their sends keep returning and drop their rows, their
+# close() returns and they exit 0 with one warning naming the stream and the trainer's sentence,
+# while the trainer exits non-zero with that sentence. Before the stop the producers were never
+# told (they give up and exit 1); the timeout ends any hang.
+foreach(_kind loss refused)
+  foreach(_producers 1 2)
+    foreach(_trainers 1 2)
+      set(_name online_mpmd_trainer_fails_${_kind}_p${_producers}_t${_trainers})
+      meshtrain_add_command_test(NAME ${_name} TIMEOUT 90
+        COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/online/trainer_fails.sh ${_kind} ${_producers}
+                ${_trainers} $<TARGET_FILE:online_c_producer> $<TARGET_FILE:meshtrain>
+                ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml ${_online_dir}/${_name}
+                ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+      math(EXPR _processes "${_producers} + ${_trainers}")
+      set_tests_properties(${_name} PROPERTIES PROCESSORS ${_processes})
+    endforeach()
+  endforeach()
+endforeach()

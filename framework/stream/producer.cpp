@@ -1,6 +1,7 @@
 #include "framework/stream/producer.hpp"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "base/error.hpp"
@@ -74,6 +75,8 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
   size_t widest = 0;
   for (const auto& group : group_ranks_) widest = std::max(widest, group.size());
   for (auto& requests : slot_requests_) requests.reserve(std::max(widest, trainers_.size()));
+  stopped_ = false;
+  stop_message_ = sp::StopMessage{};
   publish_every_ = r.publish_every;
   latest_version_ = 0;
   publish_ended_ = false;
@@ -116,6 +119,28 @@ int64_t StreamProducer::take_publishes() {
     if (came) receive_publish();
   }
   return latest_version_;
+}
+
+bool StreamProducer::check_stop() {
+  if (stopped_ || !connected()) return stopped_;
+  int flag = 0;
+  check_mpi(MPI_Iprobe(trainers_.front(), sp::kStopTag, stream_comm_, &flag, MPI_STATUS_IGNORE),
+            "MPI_Iprobe (the trainer's stop)");
+  if (!flag) return false;
+  check_mpi(MPI_Recv(&stop_message_, sizeof stop_message_, MPI_BYTE, trainers_.front(),
+                     sp::kStopTag, stream_comm_, MPI_STATUS_IGNORE),
+            "MPI_Recv (the trainer's stop)");
+  stop_message_.note[sp::kNoteBytes - 1] = '\0';
+  stopped_ = true;
+  // One warning for the simulation, from its rank 0 (each rank takes the stop on its own).
+  if (rank_ == 0) {
+    std::fprintf(stderr,
+                 "warning: stream \"%s\": the trainer stopped: %s; the simulation goes on "
+                 "without it, its rows dropped from now on (rows_dropped)\n",
+                 name_.c_str(), stop_message_.note);
+    std::fflush(stderr);
+  }
+  return true;
 }
 
 void StreamProducer::send(const float* x, const float* y, int64_t rows) {
@@ -161,6 +186,11 @@ int StreamProducer::take_free_slot() {
 void StreamProducer::send_bytes(const void* x, const void* y, int64_t rows, int64_t element_bytes) {
   MESHTRAIN_REQUIRE(connected(), "StreamProducer::send before connect (or after close)");
   MESHTRAIN_REQUIRE(rows >= 0, "StreamProducer::send: negative rows (", rows, ")");
+  if (check_stop()) {  // the trainer failed: nobody trains on these rows
+    rows_dropped_ += rows;
+    next_row_ += rows;
+    return;
+  }
   const auto* xb = static_cast<const unsigned char*>(x);
   const auto* yb = static_cast<const unsigned char*>(y);
   const int64_t x_row = inputs_ * element_bytes, y_row = outputs_ * element_bytes;
@@ -220,6 +250,8 @@ void StreamProducer::close() {
   }
   check_mpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
             "MPI_Waitall (a stream's close)");
+  // A stop that came after the last send is taken too (the trainer drained these sends).
+  check_stop();
   // The trainer sends its publishes' end once it took this close (at its next pull, or as its
   // run ends): every publish it started is taken (the newest kept), so that its sends complete.
   if (publish_every_ > 0 && rank_ == 0) {

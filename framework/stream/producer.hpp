@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "framework/stream/stream_protocol.hpp"
+
 namespace meshtrain {
 
 enum class StreamDtype { float32, float64 };
@@ -72,7 +74,12 @@ class StreamProducer {
   // rank publish_bytes() long; only rank 0's is filled by take_publishes.
   unsigned char* latest_publish() { return latest_.data(); }
   int64_t rows_sent() const { return rows_sent_; }        // handed to MPI
-  int64_t rows_dropped() const { return rows_dropped_; }  // ring full (drop)
+  int64_t rows_dropped() const { return rows_dropped_; }  // ring full (drop), or after a stop
+  // The trainer failed after the rendezvous and told the producers to stop (docs/online.md):
+  // every send since it came dropped its rows (rows_dropped), the simulation goes on. Producer
+  // rank 0 prints one warning naming the stream and the trainer's sentence (stop_reason()).
+  bool stopped() const { return stopped_; }
+  const char* stop_reason() const { return stop_message_.note; }
   const std::string& name() const { return name_; }
 
  private:
@@ -80,6 +87,8 @@ class StreamProducer {
   int take_free_slot();  // -1: none (drop)
 
   void receive_publish();  // one message into incoming_, the newest kept
+  // Takes the trainer's stop when it has come (never waits); true once stopped.
+  bool check_stop();
 
   MPI_Comm stream_comm_ = MPI_COMM_NULL;
   MPI_Comm comm_ = MPI_COMM_NULL;
@@ -105,6 +114,9 @@ class StreamProducer {
   std::vector<unsigned char> incoming_, latest_;  // rank 0: incoming_; every rank: latest_
   int64_t latest_version_ = 0;
   bool publish_ended_ = false;  // the trainer's end came: nothing more will
+  // The trainer's stop (stream_protocol::StopMessage), received into memory of the object.
+  bool stopped_ = false;
+  stream_protocol::StopMessage stop_message_;
 };
 
 }  // namespace meshtrain

@@ -83,6 +83,10 @@ int64_t mt_stream_rows_dropped(const mt_stream* s) {
   return s ? s->producer.rows_dropped() : 0;
 }
 
+int mt_stream_stopped(const mt_stream* s) {
+  return s && s->producer.stopped() ? 1 : 0;
+}
+
 const char* mt_stream_last_error(const mt_stream* s) {
   return s ? s->error.c_str() : "mt_stream: no stream (NULL handle)";
 }

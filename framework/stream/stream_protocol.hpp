@@ -18,6 +18,9 @@ constexpr int kTag = 3801;
 // The trainer's publishes (parameters and normalization) to producer 0, and its end: another
 // tag, so that a producer probing for them never sees rows (and the reverse).
 constexpr int kPublishTag = 3802;
+// The trainer's stop (its run failed after the rendezvous) to every producer: a tag of its own,
+// so that a producer probes for it alone.
+constexpr int kStopTag = 3803;
 // Slots of received messages per producer on a trainer rank.
 constexpr int64_t kStagingSlots = 4;
 constexpr int kNameBytes = 64;
@@ -70,7 +73,20 @@ struct PublishHeader {
   int64_t step = 0;     // the training step the parameters come from
   int64_t floats = 0;
   int64_t input_stats = 0, target_stats = 0;
-  int64_t unused[2] = {0, 0};  // 64 bytes: the doubles after it stay aligned
+  // When trainer rank 0 made it: seconds of std::chrono::steady_clock (CLOCK_MONOTONIC, the
+  // same clock in every process of one host), so a producer on that host can time the delay
+  // from publish to use (bench/online_ingest.sh).
+  double published_at = 0.0;
+  int64_t unused = 0;  // 64 bytes: the doubles after it stay aligned
+};
+static_assert(sizeof(PublishHeader) == 64);
+
+// The stop: trainer rank 0 sends it to every producer not yet closed when its run fails after
+// the rendezvous, so that the producers drop their rows from then on (docs/online.md).
+struct StopMessage {
+  int64_t kind = kStop;
+  int64_t unused[3] = {0, 0, 0};
+  char note[kNoteBytes] = {};  // the trainer's error (its sentence)
 };
 
 // Bytes of a publish message.

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <thread>
 
 #include "base/error.hpp"
@@ -142,9 +143,34 @@ StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
   publish_floats_ = model.parameter_floats;
   input_stats_ = model.input_stats;
   target_stats_ = model.target_stats;
+  stop_requests_.reserve(producers);
+  uncaught_at_construction_ = std::uncaught_exceptions();
+}
+
+void StreamSource::stop_producers(const std::string& why) {
+  if (stop_sent_) return;
+  stop_sent_ = true;
+  if (trainer_rank_ != 0) return;
+  stop_message_ = sp::StopMessage{};
+  std::memcpy(stop_message_.note, why.data(),
+              std::min<size_t>(why.size(), static_cast<size_t>(sp::kNoteBytes - 1)));
+  for (size_t p = 0; p < producers_.size(); ++p) {
+    if (closed_[p] || gone_[p]) continue;  // nobody would take it
+    MPI_Request request = MPI_REQUEST_NULL;
+    // On a failure path: an MPI error here must not hide the run's own error.
+    if (MPI_Isend(&stop_message_, sizeof stop_message_, MPI_BYTE, producers_[p], sp::kStopTag,
+                  stream_comm_, &request) == MPI_SUCCESS) {
+      stop_requests_.push_back(request);
+    }
+  }
 }
 
 StreamSource::~StreamSource() {
+  // Destroyed by an exception (the run failed after the rendezvous, in set-up or training):
+  // the producers are told to stop sending, unless the run already told them why.
+  if (std::uncaught_exceptions() > uncaught_at_construction_) {
+    stop_producers("the trainer's run ended on an error (the trainer's output says which)");
+  }
   // What the producers still send is received and dropped until every one has closed, so
   // that their sends complete (a producer's close waits for them).
   // A producer taken for gone is not waited for (nor, when it is producer 0, the publishes it
@@ -204,6 +230,14 @@ StreamSource::~StreamSource() {
       got = true;
     }
     if (!got) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  // A producer that closed before the stop came never takes it: the stop (sent eagerly) is
+  // left to MPI.
+  for (MPI_Request& request : stop_requests_) {
+    int done = 0;
+    if (MPI_Test(&request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done) {
+      if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);
+    }
   }
   MPI_Comm_free(&group_comm_);
   MPI_Comm_free(&stream_comm_);
@@ -477,6 +511,8 @@ void StreamSource::publish(const std::vector<ShardedTensor>& params, const Norma
   header.floats = publish_floats_;
   header.input_stats = input_stats_ ? 1 : 0;
   header.target_stats = target_stats_ ? 1 : 0;
+  header.published_at =
+      std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   unsigned char* bytes = waiting_.data();
   std::memcpy(bytes, &header, sizeof header);
   auto* doubles = reinterpret_cast<double*>(bytes + sizeof header);

@@ -140,6 +140,15 @@ class StreamSource : public RowSource {
   void publish(const std::vector<ShardedTensor>& params, const Normalization& stats, int64_t step);
   bool publishing() const { return publish_every_ > 0; }
 
+  // The run failed after the rendezvous (any error: a non-finite loss, a config refused after
+  // set-up): trainer rank 0 tells every producer not yet closed, on its own tag, `why` (the
+  // error's sentence), so that their sends drop their rows from then on and the simulation
+  // finishes with one warning (docs/online.md). Not collective; once (later calls do nothing).
+  // The destructor stops the producers by itself when it runs during an exception's unwinding
+  // (with a sentence that only says so); the run calls this first to give its reason.
+  void stop_producers(const std::string& why);
+  bool stopped_producers() const { return stop_sent_; }
+
  private:
   void receive();
   void pull_once();
@@ -210,6 +219,13 @@ class StreamSource : public RowSource {
   bool end_sent_ = false;
   stream_protocol::PublishHeader end_message_;  // lives until its send completes
   MPI_Request end_request_ = MPI_REQUEST_NULL;
+
+  // The stop (stop_producers): one message to every producer not closed, living until the
+  // destructor (its sends are small: MPI sends them eagerly).
+  int uncaught_at_construction_ = 0;  // std::uncaught_exceptions() then
+  bool stop_sent_ = false;
+  stream_protocol::StopMessage stop_message_;
+  std::vector<MPI_Request> stop_requests_;
 };
 
 }  // namespace meshtrain
