@@ -81,8 +81,13 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
   // Where it does not apply (fp32, MoE, dropout, a feature axis: tensor parallelism), the
   // simulated path: fp32 buffers holding 16-bit values. framework/train/memory_plan.cpp counts
   // the same buffers under the same condition.
-  keeps_16bit_ = compute_dtype_ != Dtype::fp32 && context.stores_16bit_activations() &&
-                 moe.layers.empty() && dropout == 0.0 && context.feature_parallel() == 1;
+  ActivationStorageQuery storage_query;  // the plan asks partition/sixteen_bit_storage.hpp too
+  storage_query.sixteen_bit_compute =
+      compute_dtype_ != Dtype::fp32 && context.stores_16bit_activations();
+  storage_query.moe = !moe.layers.empty();
+  storage_query.dropout = dropout > 0.0;
+  storage_query.feature_parallel = context.feature_parallel();
+  keeps_16bit_ = sixteen_bit_activation_storage(storage_query).plain;
   if (keeps_16bit_) {
     const int64_t widest = *std::max_element(sizes.begin(), sizes.end() - 1);
     work_[0] = Matrix("model/work_0", rows_, widest);
@@ -206,11 +211,44 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
   // the shared buffer for its weight gradient and writes its input gradient over it, through which
   // the activation's backward runs in place and which the up projection reads as its dY. The
   // values are those of the simulated path (fp32 buffers holding 16-bit values), bit for bit.
-  // framework/train/memory_plan.cpp counts the same buffers under the same condition.
-  hidden_16bit_ = compute_dtype_ != Dtype::fp32 && context.stores_16bit_activations() &&
-                  !shape.moe.any() && !shape.gated && dropout == 0.0 &&
-                  context.feature_parallel() == 1;
+  // With norms, the residual stream too: the input projection writes the stream into one fp32
+  // buffer [rows, width] (`model/stream`), each block's norm keeps its input (the stream) and its
+  // output as 16 bits in the passes that read and write them, writes its fp32 output into a
+  // second shared buffer (`model/norm_work`), which the up projection reads and keeps no more of
+  // than the norm's 16-bit output, the down projection writes its output there too, and the
+  // block adds it into the stream in place. Backward: the blocks pass the input gradient down in
+  // a third shared buffer (`model/stream_grad`) and add into it in place; the up projection widens
+  // its kept input into `model/norm_work` and writes its input gradient over it, the norm widens
+  // its kept input into `model/stream` (free in backward) and writes its input gradient in place.
+  // The output norm and the last layer alike. 16-bit values in fp32 buffers are widened and
+  // rounded exactly, so the values are the simulated path's, bit for bit.
+  // framework/train/memory_plan.cpp counts the same buffers under the same condition
+  // (partition/sixteen_bit_storage.hpp).
+  ActivationStorageQuery storage_query;
+  storage_query.sixteen_bit_compute =
+      compute_dtype_ != Dtype::fp32 && context.stores_16bit_activations();
+  storage_query.residual = true;
+  storage_query.gated = shape.gated;
+  storage_query.norms = shape.norm;
+  storage_query.moe = shape.moe.any();
+  storage_query.dropout = dropout > 0.0;
+  storage_query.feature_parallel = context.feature_parallel();
+  const ActivationStorage storage = sixteen_bit_activation_storage(storage_query);
+  hidden_16bit_ = storage.residual_hidden;
+  stream_16bit_ = storage.residual_stream;
   if (hidden_16bit_) hidden_work_ = Matrix("model/hidden_work", rows_, shape.hidden);
+  if (stream_16bit_) {
+    stream_ = Matrix("model/stream", rows_, shape.width);
+    norm_work_ = Matrix("model/norm_work", rows_, shape.width);
+    stream_grad_ = Matrix("model/stream_grad", rows_, shape.width);
+  }
+  NormSharedBuffers norm_buffers;
+  norm_buffers.output = norm_work_;
+  norm_buffers.input_work = stream_;
+  ResidualSharedBuffers block_buffers;
+  block_buffers.output = stream_;
+  block_buffers.input_grad = stream_grad_;
+  const ResidualSharedBuffers* shared_stream = stream_16bit_ ? &block_buffers : nullptr;
   // The layout of the linear layer whose weight is parameter p, fed `layout`.
   auto layout_of = [&](size_t p, FeatureLayout layout) {
     const ShardedTensor& w = params_[p];
@@ -222,11 +260,13 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
   auto norm = [&](const std::string& name, FeatureLayout layout) -> std::unique_ptr<Layer> {
     std::unique_ptr<FeatureNorm> layer;
     const ParameterRef scale = next();
+    const NormSharedBuffers* shared = stream_16bit_ ? &norm_buffers : nullptr;
     if (shape.norm_kind == NormKind::layernorm) {
       const ParameterRef bias = next();
-      layer = std::make_unique<LayerNorm>(name, scale, bias, layout, rows_, context);
+      layer = std::make_unique<LayerNorm>(name, scale, bias, layout, rows_, context, kLayerNormEps,
+                                          shared);
     } else {
-      layer = std::make_unique<RMSNorm>(name, scale, layout, rows_, context);
+      layer = std::make_unique<RMSNorm>(name, scale, layout, rows_, context, kRmsNormEps, shared);
     }
     norms_.push_back(layer.get());
     return layer;
@@ -236,7 +276,11 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
     owned_.push_back(std::move(layer));
   };
 
-  std::unique_ptr<Linear> input = linear(FeatureLayout::replicated);  // x has all features
+  LinearSharedBuffers input_buffers;  // 16-bit storage: the stream starts in model/stream
+  input_buffers.output = stream_;
+  std::unique_ptr<Linear> input =
+      linear(FeatureLayout::replicated, false,
+             stream_16bit_ ? &input_buffers : nullptr);  // x has all features
   // The residual stream as the input projection leaves it (split under tp).
   const FeatureLayout layout = input->output_layout();
   const int64_t offset = input->output_offset(), width = input->output_width();
@@ -276,6 +320,10 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
     } else if (hidden_16bit_) {
       LinearSharedBuffers up_buffers;
       up_buffers.output = hidden_work_;
+      if (stream_16bit_) {  // the norm's output kept as 16 bits, widened into model/norm_work
+        up_buffers.work = norm_work_;
+        up_buffers.kept_input = norms_.back()->kept_output();
+      }
       std::unique_ptr<Linear> up = linear(layout, false, &up_buffers);
       auto act = std::make_unique<ActivationLayer>(
           activation, block + "/activation", rows_, up->output_width(), up->output_layout(),
@@ -283,12 +331,13 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
       LinearSharedBuffers down_buffers;
       down_buffers.work = hidden_work_;
       down_buffers.kept_input = act->kept_output();
+      if (stream_16bit_) down_buffers.output = norm_work_;  // added into the stream at once
       const FeatureLayout hidden_layout = act->output_layout();
       f.push_back(std::move(up));
       f.push_back(std::move(act));
       f.push_back(linear(hidden_layout, false, &down_buffers));  // down
       add(std::make_unique<ResidualBlock>(block, std::move(f), layout, offset, rows_, width,
-                                          compute_dtype_));
+                                          compute_dtype_, shared_stream));
       continue;
     } else {
       std::unique_ptr<Linear> up = linear(layout);
@@ -309,7 +358,12 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
                                         compute_dtype_));
   }
   if (shape.norm) add(norm("output_norm", layout));
-  add(linear(layout));
+  LinearSharedBuffers last_buffers;  // 16-bit storage: the output norm's output kept as 16 bits
+  if (stream_16bit_) {
+    last_buffers.work = norm_work_;
+    last_buffers.kept_input = norms_.back()->kept_output();
+  }
+  add(linear(layout, false, stream_16bit_ ? &last_buffers : nullptr));
   MESHTRAIN_REQUIRE(param == params_.size(), "residual_mlp took ", param, " of ", params_.size(),
                     " parameters");
   finish(context);

@@ -232,6 +232,9 @@ class Mlp {
   // Whether the activations kept for backward live in 16-bit buffers (the plain constructor: all
   // of them; a residual_mlp: its blocks' hidden activations).
   bool keeps_16bit_activations() const { return keeps_16bit_ || hidden_16bit_; }
+  // Whether a residual_mlp also keeps its residual stream and its norms' inputs and outputs as
+  // 16 bits (the residual constructor).
+  bool keeps_16bit_residual_stream() const { return stream_16bit_; }
   // The DP gradient buckets (empty when overlap is off or no layer has DP storage).
   const GradientBuckets& gradient_buckets() const { return buckets_; }
 
@@ -283,6 +286,11 @@ class Mlp {
   // explains it): the one fp32 working buffer [rows, hidden] its blocks share.
   bool hidden_16bit_ = false;
   Matrix hidden_work_;
+  // And with norms, its residual stream (the residual constructor explains it): the stream, the
+  // norms' outputs and the down projections' outputs, and the input-gradient stream, fp32
+  // [rows, width] each, shared by every block.
+  bool stream_16bit_ = false;
+  Matrix stream_, norm_work_, stream_grad_;
   Matrix output_grad_;  // the output gradient, scaled and cast (empty in plain fp32)
   LayerScratch scratch_;
   inference::Sequence inference_;  // sequence_ as infer() runs it

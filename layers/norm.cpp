@@ -84,7 +84,7 @@ std::vector<ParameterShape> norm_parameter_shapes(NormKind kind, const std::stri
 
 FeatureNorm::FeatureNorm(NormKind kind, const std::string& name, ParameterRef scale,
                          ParameterRef bias, FeatureLayout layout, int64_t rows,
-                         ParallelContext& context, float eps)
+                         ParallelContext& context, float eps, const NormSharedBuffers* shared)
     : name_(name),
       eps_(eps),
       rows_(rows),
@@ -129,8 +129,27 @@ FeatureNorm::FeatureNorm(NormKind kind, const std::string& name, ParameterRef sc
   row_sum_ = Vector(name + "/row_sum", static_cast<size_t>(rows));
   row_sums2_ = Matrix(name + "/row_sums", rows, 2);
   stats_ = Matrix(name + "/statistics", rows, 3);
-  out_ = Matrix(name + "/output", rows, l.local_width);
-  dx_ = Matrix(name + "/input_grad", rows, l.local_width);
+  if (shared) {
+    const auto fits = [&](MatrixView v) {
+      return static_cast<int64_t>(v.extent(0)) == rows &&
+             static_cast<int64_t>(v.extent(1)) == l.local_width;
+    };
+    MESHTRAIN_REQUIRE(compute_dtype_ != Dtype::fp32 && tp_comm_ == nullptr &&
+                          l.local_width == l.width && fits(shared->output) &&
+                          fits(shared->input_work) &&
+                          shared->output.data() != shared->input_work.data(),
+                      "norm '", name,
+                      "': 16-bit storage needs a 16-bit compute dtype, whole features and two "
+                      "distinct shared buffers [rows, width]");
+    y_ = shared->output;
+    input_work_ = shared->input_work;
+    kept_input_ = HalfMatrix(name + "/input_16bit", rows, l.local_width);
+    kept_output_ = HalfMatrix(name + "/output_16bit", rows, l.local_width);
+  } else {
+    out_ = Matrix(name + "/output", rows, l.local_width);
+    dx_ = Matrix(name + "/input_grad", rows, l.local_width);
+    y_ = out_;
+  }
   // 16-bit wires allocate their staging on first use: reserved here instead (the
   // parameters' gathers reserve their own).
   if (grad_comm_) {
@@ -197,7 +216,11 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
   const Vector row_sum = row_sum_;
   const Matrix sums2 = row_sums2_;
   const Matrix stats = stats_;
-  const MatrixView y = out_;
+  const MatrixView y = y_;
+  // 16-bit storage: the input's and the output's 16-bit copies, written in the passes that read
+  // the input first and write the output (exact: both hold 16-bit values).
+  const bool keep = kept_input_.data() != nullptr;
+  const HalfMatrix kept_x = kept_input_, kept_y = kept_output_;
   MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
   LayerScratch& scratch = *pass.scratch;
   const ConstVectorView scale = params_[0].compute(scratch);
@@ -214,7 +237,11 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
           float ss = 0.0f;
           Kokkos::parallel_reduce(
               Kokkos::TeamThreadRange(team, cols),
-              [&](const int64_t j, float& sum) { sum += x(i, j) * x(i, j); }, ss);
+              [&](const int64_t j, float& sum) {
+                if (keep) kept_x(i, j) = to_16bit(x(i, j), dtype);
+                sum += x(i, j) * x(i, j);
+              },
+              ss);
           Kokkos::single(Kokkos::PerTeam(team), [&]() { row_sum(i) = ss; });
         });
     if (tp_comm_) tp_comm_->all_reduce(VectorView(row_sum.data(), row_sum.extent(0)));
@@ -229,6 +256,7 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
         MESHTRAIN_LABEL("meshtrain::rmsnorm_forward"), range_of(y),
         KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
           y(i, j) = round_to(x(i, j) * stats(i, 2) * round_to(scale(j), dtype), dtype);
+          if (keep) kept_y(i, j) = to_16bit(y(i, j), dtype);
         });
     if (pass.prefetch) pass.prefetch->poll_weight_prefetch();
     return y;
@@ -241,7 +269,11 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
         float s = 0.0f;
         Kokkos::parallel_reduce(
             Kokkos::TeamThreadRange(team, cols),
-            [&](const int64_t j, float& sum) { sum += x(i, j); }, s);
+            [&](const int64_t j, float& sum) {
+              if (keep) kept_x(i, j) = to_16bit(x(i, j), dtype);
+              sum += x(i, j);
+            },
+            s);
         Kokkos::single(Kokkos::PerTeam(team), [&]() { row_sum(i) = s; });
       });
   if (tp_comm_) tp_comm_->all_reduce(VectorView(row_sum.data(), row_sum.extent(0)));
@@ -281,6 +313,7 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
         const float x_hat = ((x(i, j) - stats(i, 0)) - stats(i, 1)) * stats(i, 2);
         y(i, j) = round_to(x_hat * round_to(scale(j), dtype) + round_to(bias(j), dtype), dtype);
+        if (keep) kept_y(i, j) = to_16bit(y(i, j), dtype);
       });
   if (pass.prefetch) pass.prefetch->poll_weight_prefetch();
   return y;
@@ -298,11 +331,11 @@ MatrixView FeatureNorm::infer(MatrixView x, const LayerPass& pass) {
   MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
   const float* scale = params_[0].compute(*pass.scratch).data();
   if (layout_.kind == NormKind::rmsnorm) {
-    inference::rmsnorm(x, scale, eps_, out_);
+    inference::rmsnorm(x, scale, eps_, y_);
   } else {
-    inference::layernorm(x, scale, params_[1].compute(*pass.scratch).data(), eps_, out_);
+    inference::layernorm(x, scale, params_[1].compute(*pass.scratch).data(), eps_, y_);
   }
-  return out_;
+  return y_;
 }
 
 MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) {
@@ -316,6 +349,11 @@ MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const Laye
   const bool bucketed = pass.deferred == DeferredReduction::in_buckets;
   // FSDP overlap: the previous layer's weight gather runs under this layer's backward.
   if (pass.prefetch) pass.prefetch->start_weight_prefetch(*pass.scratch);
+  if (kept_input_.data() != nullptr) {
+    // 16-bit storage: forward's input widened (exactly) for the kernels below.
+    widen_16bit(kept_input_, input_work_, compute_dtype_);
+    x_ = input_work_;
+  }
   parameter_gradients(dy, pass);
   if (bucketed) pass.buckets->layer_ready(pass.index);
   if (!need_input_grad) {
@@ -330,7 +368,8 @@ MatrixView FeatureNorm::backward(MatrixView dy, bool need_input_grad, const Laye
   const Vector sum1 = row_sum_;     // RMSNorm: sum g x_hat
   const Matrix sums2 = row_sums2_;  // LayerNorm: sum g, sum g x_hat
   const Matrix stats = stats_;
-  const MatrixView dx = dx_;
+  // 16-bit storage: dX in place over dY (each element reads its own dY after the row sums).
+  const MatrixView dx = kept_input_.data() != nullptr ? dy : MatrixView(dx_);
   const ConstVectorView scale = params_[0].compute(*pass.scratch);
   const bool layernorm = layout_.kind == NormKind::layernorm;
   // Row sums of g = dy * scale and of g * x_hat (fp32), over all features.

@@ -54,11 +54,19 @@
 //
 // Buffers (output, input gradient, statistics, gathered parameters, full-width gradients)
 // are allocated at construction; forward() and backward() allocate nothing.
+//
+// 16-bit storage (NormSharedBuffers; a residual_mlp computing in 16 bits, layers/mlp.cpp): the
+// layer keeps its input and its output as 16-bit copies (written in the passes that read the
+// input and write the output: the values are already 16-bit values, so the copies are exact),
+// writes its fp32 output into a buffer the model shares, and computes its input gradient in
+// place over dY. Backward widens the kept input into another shared fp32 buffer and runs the
+// same kernels on it: bit for bit the values of fp32 buffers holding the same 16-bit values.
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "framework/core/precision.hpp"  // HalfMatrix (16-bit storage)
 #include "framework/core/sharded_tensor.hpp"
 #include "layers/context.hpp"
 #include "layers/layer.hpp"
@@ -73,6 +81,14 @@ namespace meshtrain {
 std::vector<ParameterShape> norm_parameter_shapes(NormKind kind, const std::string& prefix,
                                                   int64_t width);
 
+// 16-bit storage's shared fp32 buffers [rows, local width] (see the top of this file): where
+// forward writes its output, and where backward widens the kept 16-bit input (free then: the
+// model's residual stream, which backward does not read).
+struct NormSharedBuffers {
+  MatrixView output;
+  MatrixView input_work;
+};
+
 // LayerNorm and RMSNorm share this implementation.
 class FeatureNorm : public Layer {
  public:
@@ -82,8 +98,10 @@ class FeatureNorm : public Layer {
   // the local batch. Asks the context for its communicators (collective, see context.hpp).
   // Throws bad_input when the parameters are not [width] vectors of the same width, or when
   // split features do not divide by the feature axis.
+  // `shared` (a 16-bit compute dtype, features whole on this rank): 16-bit storage.
   FeatureNorm(NormKind kind, const std::string& name, ParameterRef scale, ParameterRef bias,
-              FeatureLayout layout, int64_t rows, ParallelContext& context, float eps);
+              FeatureLayout layout, int64_t rows, ParallelContext& context, float eps,
+              const NormSharedBuffers* shared = nullptr);
 
   // x [rows, output_width()] (kept for backward) -> y, owned by the layer. pass.prefetch (FSDP
   // overlap): the layer whose weight gather starts once this one's parameters are in place.
@@ -137,7 +155,11 @@ class FeatureNorm : public Layer {
   // Whether the gradients go straight into their stored blocks (see the top of this file).
   bool direct_gradients() const { return layout_.direct; }
 
-  MatrixView output() const override { return out_; }
+  MatrixView output() const override { return y_; }
+  // 16-bit storage: the last forward's output as 16-bit bits of the compute dtype (what the next
+  // Linear keeps as its input); empty otherwise.
+  ConstHalfMatrixView kept_output() const { return kept_output_; }
+  bool keeps_16bit() const { return kept_input_.data() != nullptr; }
   FeatureLayout output_layout() const override { return layout_.layout; }
   int64_t output_width() const override { return layout_.local_width; }
   int64_t output_offset() const override { return offset_; }
@@ -171,9 +193,13 @@ class FeatureNorm : public Layer {
   Vector row_sum_;    // [rows]     first pass (sum x, or sum x^2)
   Matrix row_sums2_;  // [rows, 2]  second pass / backward sums
   Matrix stats_;      // [rows, 3]  m0, delta, rstd
-  Matrix out_;        // [rows, local_width]
-  Matrix dx_;         // [rows, local_width]
-  Vector full_grad_;  // [params * width] (full gradients only)
+  Matrix out_;        // [rows, local_width] (none under 16-bit storage)
+  Matrix dx_;         // [rows, local_width] (none under 16-bit storage: dX over dY)
+  MatrixView y_;      // where forward writes: out_, or the shared output
+  // 16-bit storage: the shared buffer the kept input is widened into, the kept input and output.
+  MatrixView input_work_;
+  HalfMatrix kept_input_, kept_output_;  // [rows, local_width]
+  Vector full_grad_;                     // [params * width] (full gradients only)
 
   // Tangents (reserve_tangents): per tangent row sum dx and sum x_hat dx [rows * k, 2], and
   // the output's [rows * k, local_width]; cotangents (reserve_cotangents) alike.
@@ -196,15 +222,18 @@ class FeatureNorm : public Layer {
 class LayerNorm : public FeatureNorm {
  public:
   LayerNorm(const std::string& name, ParameterRef scale, ParameterRef bias, FeatureLayout layout,
-            int64_t rows, ParallelContext& context, float eps = kLayerNormEps)
-      : FeatureNorm(NormKind::layernorm, name, scale, bias, layout, rows, context, eps) {}
+            int64_t rows, ParallelContext& context, float eps = kLayerNormEps,
+            const NormSharedBuffers* shared = nullptr)
+      : FeatureNorm(NormKind::layernorm, name, scale, bias, layout, rows, context, eps, shared) {}
 };
 
 class RMSNorm : public FeatureNorm {
  public:
   RMSNorm(const std::string& name, ParameterRef scale, FeatureLayout layout, int64_t rows,
-          ParallelContext& context, float eps = kRmsNormEps)
-      : FeatureNorm(NormKind::rmsnorm, name, scale, ParameterRef{}, layout, rows, context, eps) {}
+          ParallelContext& context, float eps = kRmsNormEps,
+          const NormSharedBuffers* shared = nullptr)
+      : FeatureNorm(NormKind::rmsnorm, name, scale, ParameterRef{}, layout, rows, context, eps,
+                    shared) {}
 };
 
 }  // namespace meshtrain

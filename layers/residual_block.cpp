@@ -56,7 +56,7 @@ void add_tangents(MatrixView a, MatrixView b, MatrixView out) {
 
 ResidualBlock::ResidualBlock(std::string name, std::vector<std::unique_ptr<Layer>> layers,
                              FeatureLayout input_layout, int64_t input_offset, int64_t rows,
-                             int64_t width, Dtype dtype)
+                             int64_t width, Dtype dtype, const ResidualSharedBuffers* shared)
     : name_(std::move(name)),
       layers_(std::move(layers)),
       layout_(input_layout),
@@ -79,8 +79,23 @@ ResidualBlock::ResidualBlock(std::string name, std::vector<std::unique_ptr<Layer
     if (first_with_parameters_ == layers_.size()) first_with_parameters_ = k;
     last_with_parameters_ = k;
   }
-  out_ = Matrix(name_ + "/output", rows, width);
-  dx_ = Matrix(name_ + "/input_grad", rows, width);
+  if (shared) {
+    const auto fits = [&](MatrixView v) {
+      return static_cast<int64_t>(v.extent(0)) == rows &&
+             static_cast<int64_t>(v.extent(1)) == width;
+    };
+    MESHTRAIN_REQUIRE(dtype != Dtype::fp32 && fits(shared->output) && fits(shared->input_grad),
+                      "residual block '", name_,
+                      "': 16-bit storage needs a 16-bit compute dtype and shared buffers [", rows,
+                      ", ", width, "]");
+    out_ = shared->output;
+    dx_ = shared->input_grad;
+  } else {
+    own_out_ = Matrix(name_ + "/output", rows, width);
+    own_dx_ = Matrix(name_ + "/input_grad", rows, width);
+    out_ = own_out_;
+    dx_ = own_dx_;
+  }
   rows_ = rows;
   std::vector<Layer*> inner;
   for (const auto& layer : layers_) inner.push_back(layer.get());
@@ -152,8 +167,9 @@ MatrixView ResidualBlock::infer(MatrixView x, const LayerPass& pass) {
 }
 
 MatrixView ResidualBlock::backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) {
-  // dY is the residual's part of dX; copied first, as a layer may write into dY's memory.
-  if (need_input_grad) copy_into(dx_, dy);
+  // dY is the residual's part of dX; copied first, as a layer may write into dY's memory (under
+  // 16-bit storage dY arrives in the gradient stream from the block above, which f only reads).
+  if (need_input_grad && dy.data() != dx_.data()) copy_into(dx_, dy);
   // The block's gradients reach the buckets as one entry: its layers leave them partial,
   // and the block reports them once all are computed.
   const bool bucketed = pass.deferred == DeferredReduction::in_buckets;

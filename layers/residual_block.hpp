@@ -17,7 +17,11 @@
 // their weights when they run (can_prefetch_weight() is false).
 //
 // Mixed precision: the sum and the input gradient are rounded to the compute dtype.
-// Buffers: the output and the input gradient, allocated at construction.
+// Buffers: the output and the input gradient, allocated at construction; or, under 16-bit
+// storage (ResidualSharedBuffers, a residual_mlp computing in 16 bits with norms, layers/mlp.cpp),
+// the model's residual stream, which the sum overwrites in place (the block's norm keeps its
+// input as 16 bits), and the model's input-gradient stream, which the blocks pass down and add
+// into in place (the block's layers only read their dY there).
 
 #include <cstdint>
 #include <memory>
@@ -29,14 +33,21 @@
 
 namespace meshtrain {
 
+// 16-bit storage's shared fp32 buffers [rows, width] (see above).
+struct ResidualSharedBuffers {
+  MatrixView output;      // the residual stream: forward's input, the sum written over it
+  MatrixView input_grad;  // the gradient stream: backward's dY (from the block above) and dX
+};
+
 class ResidualBlock : public Layer {
  public:
   // `layers` f, in order (owned by the block from here on); the input: [rows, width] in
   // `input_layout`, its first column `input_offset` of the global features. Throws
-  // bad_input when f does not end in the input's layout, width and offset.
+  // bad_input when f does not end in the input's layout, width and offset. `shared`: 16-bit
+  // storage (above).
   ResidualBlock(std::string name, std::vector<std::unique_ptr<Layer>> layers,
                 FeatureLayout input_layout, int64_t input_offset, int64_t rows, int64_t width,
-                Dtype dtype);
+                Dtype dtype, const ResidualSharedBuffers* shared = nullptr);
 
   MatrixView forward(MatrixView x, const LayerPass& pass) override;
   // x + f(x), the sum inside f's last GEMM where that is a Linear layer (layers/inference.hpp).
@@ -80,8 +91,9 @@ class ResidualBlock : public Layer {
   // The first and last layer with parameters (layers_.size(): none): where the model's
   // prefetch goes in backward and in forward.
   size_t first_with_parameters_ = 0, last_with_parameters_ = 0;
-  Matrix out_;                     // [rows, width]
-  Matrix dx_;                      // [rows, width]
+  MatrixView out_;  // [rows, width]: own_out_, or the shared stream
+  MatrixView dx_;   // [rows, width]: own_dx_, or the shared gradient stream
+  Matrix own_out_, own_dx_;
   inference::Sequence inference_;  // layers_ as infer() runs them
   int64_t rows_ = 0;
   Matrix tangents_, cotangents_;  // [rows * k, width]

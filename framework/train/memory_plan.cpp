@@ -157,16 +157,31 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   // gradients in two shared fp32 working buffers [rows, widest input] (the last layer's output
   // excepted), its activations work in place there and keep their input and output as 16 bits,
   // and the model keeps its input as 16 bits (instead of an fp32 copy).
-  const bool storage_16bit =
-      !fp32 && config.model.dropout == 0.0 &&
-      std::none_of(plan.layers.begin(), plan.layers.end(),
-                   [](const LayerPlan& l) { return l.moe || l.layout.tp > 1; });
-  const bool keeps_16bit = storage_16bit && !residual;
+  // Decided as the model decides it (partition/sixteen_bit_storage.hpp), on the mesh's feature
+  // axis as the run's context finds it.
+  const PlanOptions options = plan_options(config);
+  const LayerAxes axes = layer_axes_on(plan.mesh, {options.batch_axes, options.feature_axis});
+  ActivationStorageQuery storage_query;
+  storage_query.sixteen_bit_compute = !fp32;
+  storage_query.residual = residual;
+  storage_query.gated = gated;
+  storage_query.norms = residual && config.model.has_norms();
+  storage_query.moe = config.model.moe().any();
+  storage_query.dropout = config.model.dropout > 0.0;
+  storage_query.feature_parallel = axes.feature.empty() ? 1 : plan.mesh.axis_size(axes.feature);
+  const ActivationStorage storage = sixteen_bit_activation_storage(storage_query);
+  const bool keeps_16bit = storage.plain;
   // A residual_mlp's 16-bit storage of its blocks' hidden activations (layers/mlp.cpp, the
   // residual constructor: no SwiGLU, MoE or dropout, no feature axis): the up projections write
   // into one shared fp32 working buffer [rows, hidden], the activations keep their input and
   // output as 16 bits, the down projections compute their input gradient in that buffer.
-  const bool hidden_16bit = storage_16bit && residual && !gated;
+  const bool hidden_16bit = storage.residual_hidden;
+  // With norms, its residual stream: three shared fp32 buffers [rows, width] (the stream, the
+  // norms' and down projections' outputs, the gradient stream) instead of each block's output
+  // and input gradient and each norm's output and input gradient; the norms keep their input
+  // and output as 16 bits; the input projection writes into the stream, the up projections and
+  // the last layer compute their input gradients in the norms' buffer.
+  const bool stream_16bit = storage.residual_stream;
   int64_t activation_halves = 0;  // 16-bit elements
   if (keeps_16bit) {
     int64_t widest = 0;
@@ -188,8 +203,10 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     // gradient (a residual block's down projection's).
     const bool up = residual && ends_with(layer.name, "/up");
     const bool down = residual && ends_with(layer.name, "/down");
-    const bool shared_output = (keeps_16bit && i + 1 < n) || (hidden_16bit && up);
-    const bool shared_input_grad = keeps_16bit || (hidden_16bit && down);
+    const bool shared_output =
+        (keeps_16bit && i + 1 < n) || (hidden_16bit && up) || (stream_16bit && (i == 0 || down));
+    const bool shared_input_grad =
+        keeps_16bit || (hidden_16bit && down) || (stream_16bit && (up || i + 1 == n));
     if (l.slices_input() || l.gathers_input()) activation_floats += rows * l.in_compute;  // input
     if (!shared_output) activation_floats += rows * l.out_local;                          // output
     if (l.column_gathers_input()) {
@@ -260,7 +277,12 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   }
   for (const NormPlan& norm : norms) {
     const NormLayout& l = norm.layout;
-    activation_floats += rows * (1 + 2 + 3) + 2 * rows * l.local_width;
+    activation_floats += rows * (1 + 2 + 3);  // row sums, statistics
+    if (stream_16bit) {
+      activation_halves += 2 * rows * l.local_width;  // input_16bit, output_16bit
+    } else {
+      activation_floats += 2 * rows * l.local_width;  // output, input_grad
+    }
     // Full-width gradients ([scale | bias], when not direct) and each gathered parameter's own
     // buffer (layers/norm.cpp, layers/sharded_parameter.cpp: full_width_sum).
     if (!l.direct) activation_floats += static_cast<int64_t>(l.params.size()) * l.width;
@@ -270,7 +292,11 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   }
   if (residual) {
     const int64_t width = plan.layers.front().layout.out_local;
-    activation_floats += 2 * rows * width * config.model.residual().depth;
+    if (stream_16bit) {
+      activation_floats += 3 * rows * width;  // model/stream, norm_work, stream_grad
+    } else {
+      activation_floats += 2 * rows * width * config.model.residual().depth;
+    }
   }
   // The model's 16-bit input copy and output gradient (layers/mlp.cpp).
   const LinearLayout& last = plan.layers.back().layout;

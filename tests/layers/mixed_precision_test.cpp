@@ -324,6 +324,7 @@ struct RunResult {
   int batch_ranks = 1, feature_ranks = 1;  // the sizes of the batch axes and the feature axis
   bool tensor_parallel = false;            // some layer is TP (else the forward is row-local)
   bool keeps_16bit = false;                // Mlp::keeps_16bit_activations()
+  bool keeps_16bit_stream = false;         // Mlp::keeps_16bit_residual_stream()
   std::vector<Tensor> params;              // full shape, after the run's updates
   // The weights with a 16-bit compute copy, and those whose layer gathers them over exactly one
   // group.
@@ -402,6 +403,7 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
   Kokkos::deep_copy(labels, lh);
 
   run.keeps_16bit = model.keeps_16bit_activations();
+  run.keeps_16bit_stream = model.keeps_16bit_residual_stream();
   std::unique_ptr<Optimizer> opt;
   if (optimizer) opt = std::make_unique<Optimizer>(*optimizer, model.parameters());
   for (int step = 1; step < steps; ++step) {
@@ -692,10 +694,12 @@ TEST(MixedPrecision, SixteenBitStorageIsBitIdenticalToTheSimulatedPath) {
   }
 }
 
-// A residual_mlp's 16-bit storage of its blocks' hidden activations (docs/mixed_precision.md,
-// "Compute and memory on this build": the up projections' outputs in one shared fp32 working
-// buffer, the activations' input and output kept as 16 bits, the down projections' input
-// gradients in that buffer) changes no value: three training steps give bit for bit the loss,
+// A residual_mlp's 16-bit storage (docs/mixed_precision.md, "Compute and memory on this build":
+// the blocks' hidden activations, the up projections' outputs in one shared fp32 working buffer,
+// the activations' input and output kept as 16 bits, the down projections' input gradients in
+// that buffer; the residual stream, the norms keeping their input and output as 16 bits, the
+// stream, the norms' outputs and the gradient stream in three shared fp32 buffers, the norms'
+// input gradients in place) changes no value: three training steps give bit for bit the loss,
 // logits, gradients and parameters of the simulated path, LayerNorm with gelu and RMSNorm with
 // relu, on every preset layout and the 2-D storage splits without a feature axis (storage where
 // there is none; the simulated path on both sides elsewhere), with overlap off and on.
@@ -729,7 +733,9 @@ TEST(MixedPrecision, ResidualSixteenBitStorageIsBitIdenticalToTheSimulatedPath) 
           const RunResult stored = run_model(m, layout, &policy.mp, 1.0f, overlap, 3, true);
           const RunResult simulated = run_model(m, layout, &policy.mp, 1.0f, overlap, 3, false);
           EXPECT_EQ(stored.keeps_16bit, !feature_axis);
+          EXPECT_EQ(stored.keeps_16bit_stream, !feature_axis);
           EXPECT_FALSE(simulated.keeps_16bit);
+          EXPECT_FALSE(simulated.keeps_16bit_stream);
           EXPECT_EQ(stored.loss, simulated.loss);
           ASSERT_EQ(stored.logits.size(), simulated.logits.size());
           for (size_t i = 0; i < stored.logits.size(); ++i)

@@ -442,10 +442,12 @@ TEST(MemoryPlan, SixteenBitActivationsOfAPlainMlpTakeLittleMoreThanHalfOfFp32s) 
 
 // A residual_mlp's 16-bit storage (docs/mixed_precision.md, "Compute and memory on this build"):
 // its blocks' hidden activations kept as 16 bits, the up projections' outputs and the down
-// projections' input gradients in one shared fp32 buffer. Its activations (64 -> 128 wide, hidden
-// 256, 2 LayerNorm blocks, 8 outputs, 16 rows a rank) are measured by the tracker as planned, to
-// the byte, in fp32, bf16 and fp16 on dp and fsdp, and bf16's and fp16's take at most 0.85 of
-// fp32's (0.81-0.82 measured; the simulated path's take more than fp32's: its input copy and output
+// projections' input gradients in one shared fp32 buffer; its residual stream and its norms'
+// inputs and outputs kept as 16 bits, the stream, the norms' outputs and the gradient stream in
+// three shared fp32 buffers. Its activations (64 -> 128 wide, hidden 256, 2 LayerNorm blocks, 8
+// outputs, 16 rows a rank) are measured by the tracker as planned, to the byte, in fp32, bf16 and
+// fp16 on dp and fsdp, and bf16's and fp16's take at most 0.6 of fp32's (0.81-0.82 with the
+// hidden activations alone; the simulated path's take more than fp32's: its input copy and output
 // gradient).
 TEST(MemoryPlan, SixteenBitHiddenActivationsOfAResidualMlp) {
   for (const std::string preset : {"dp", "fsdp"}) {
@@ -463,6 +465,7 @@ TEST(MemoryPlan, SixteenBitHiddenActivationsOfAResidualMlp) {
         TrainingRun run(config);
         run.train();
         EXPECT_EQ(run.model().keeps_16bit_activations(), dtype != Dtype::fp32);
+        EXPECT_EQ(run.model().keeps_16bit_residual_stream(), dtype != Dtype::fp32);
         for (const TrackedAllocation& a : kokkos_memory(1 << 20).largest) {
           // (fp16's LossScaler buffer is matched to activations by its label's prefix but is
           // not one: left out on both sides.)
@@ -483,9 +486,86 @@ TEST(MemoryPlan, SixteenBitHiddenActivationsOfAResidualMlp) {
                     preset.c_str(), to_string(dtype),
                     double(measured[dtype]) / double(measured[Dtype::fp32]));
       }
-      EXPECT_LE(double(measured[dtype]), 0.85 * double(measured[Dtype::fp32]))
+      EXPECT_LE(double(measured[dtype]), 0.6 * double(measured[Dtype::fp32]))
           << preset << ", " << to_string(dtype) << " against fp32";
     }
+  }
+}
+
+// Activation bytes of one training run of `config` under `dtype` (param and reduce), as the
+// tracker measures them (which must be what the plan counts, to the byte); `storage` gets
+// Mlp::keeps_16bit_activations().
+int64_t measured_activation_bytes(RunConfig config, Dtype dtype, bool* storage = nullptr) {
+  config.mixed_precision.param_dtype = dtype;
+  config.mixed_precision.reduce_dtype = dtype;
+  if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
+  MPI_Barrier(MPI_COMM_WORLD);
+  int64_t measured = 0, planned = 0;
+  {
+    TrainingRun run(config);
+    run.train();
+    if (storage) *storage = run.model().keeps_16bit_activations();
+    for (const TrackedAllocation& a : kokkos_memory(1 << 20).largest) {
+      // (fp16's LossScaler buffer is matched to activations by its label's prefix but is not
+      // one: left out on both sides.)
+      if (run.plan_item_of(a) == "activations" && a.label.rfind("meshtrain::loss_scaler", 0) != 0) {
+        measured += a.bytes;
+      }
+    }
+    planned = run.planned_memory().workspace.activation_bytes;
+  }
+  EXPECT_EQ(measured, planned) << to_string(dtype);
+  if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
+  MPI_Barrier(MPI_COMM_WORLD);
+  return measured;
+}
+
+// Issue 37's residual model (12 inputs, width 128, hidden 256, 4 LayerNorm SiLU blocks, 4
+// outputs) at a batch of 512: under bf16 its activations take at most 0.6 of fp32's (the issue
+// asks 0.55-0.6; 0.735 with the blocks' hidden activations alone, 0.35 with the residual stream
+// and the norms as well: docs/mixed_precision.md), measured by the tracker as planned.
+TEST(MemoryPlan, SixteenBitActivationsOfTheIssuesResidualMlp) {
+  RunConfig config = config_for("dp", run_dir("sixteen_bit_issue_residual"));
+  testing::use_residual_mlp(config, /*inputs=*/12, /*width=*/128, /*hidden=*/256, /*depth=*/4,
+                            /*outputs=*/4, ModelNorm::layernorm, false);
+  config.model.activation = Activation::silu;
+  config.data.batch_size = 512;
+  config.data.synthetic_samples = 1024;
+  config.train.steps = 2;
+  config.checkpoint.keep_best = std::nullopt;
+  const int64_t fp32 = measured_activation_bytes(config, Dtype::fp32);
+  bool storage = false;
+  const int64_t bf16 = measured_activation_bytes(config, Dtype::bf16, &storage);
+  EXPECT_TRUE(storage);
+  if (world_rank() == 0) {
+    std::printf(
+        "[memory_plan np%d] issue's residual model, batch 512: activations bf16 %lld / "
+        "fp32 %lld bytes a rank: %.3f\n",
+        world_size(), static_cast<long long>(bf16), static_cast<long long>(fp32),
+        double(bf16) / double(fp32));
+  }
+  EXPECT_LE(double(bf16), 0.6 * double(fp32));
+}
+
+// Plan and model decide 16-bit activation storage by one predicate
+// (partition/sixteen_bit_storage.hpp): on a mesh with a feature axis of size 2 whose rules split
+// no layer over it (the dp preset: every weight replicated), neither stores 16 bits (the layers
+// could compute over the axis), and the tracker measures what the plan counts, to the byte, for a
+// plain MLP and a residual_mlp in bf16.
+TEST(MemoryPlan, SixteenBitStorageDecidedAlikeOnAFeatureAxisThatSplitsNoLayer) {
+  const int n = world_size();
+  if (n % 2 != 0) GTEST_SKIP() << "needs a feature axis of size 2";
+  for (const bool residual : {false, true}) {
+    SCOPED_TRACE(residual ? "residual_mlp" : "mlp");
+    RunConfig config = config_for("dp", run_dir("sixteen_bit_feature_axis"));
+    config.mesh.axes = {{"dp", n / 2}, {"tp", 2}};
+    if (residual) {
+      testing::use_residual_mlp(config, /*inputs=*/64, /*width=*/128, /*hidden=*/256,
+                                /*depth=*/2, /*outputs=*/8, ModelNorm::layernorm, false);
+    }
+    bool storage = true;
+    measured_activation_bytes(config, Dtype::bf16, &storage);
+    EXPECT_FALSE(storage);
   }
 }
 
