@@ -207,6 +207,12 @@ class Layer {
   // second-order streams (LayerPass::second_order) exactly. Mlp::reserve_laplacian refuses a
   // model with a layer that does not (MoE, dropout); a layer's own answer, not a list of kinds.
   virtual bool supports_laplacian() const { return false; }
+  // Whether backward_with_tangents handles first-order tangents (Sobolev training) exactly.
+  // Mlp::reserve_tangent_backward refuses a model with a layer that does not. A layer whose
+  // Laplacian backward is exact has it: the first-order backward is that backward's
+  // first-order part (the second-order streams and their gradients zero), so the default
+  // answer is supports_laplacian().
+  virtual bool supports_tangent_backward() const { return supports_laplacian(); }
 
   virtual MatrixView output() const = 0;
   virtual FeatureLayout output_layout() const = 0;

@@ -574,15 +574,6 @@ void require_fp32(Dtype dtype) {
                         "computes in ", to_string(dtype));
   }
 }
-
-// Only Linear and the activation know second-order streams and the tangents' backward: residual
-// blocks, norms, MoE and SwiGLU would take them for plain tangents (wrong values, silently).
-void require_plain_mlp(bool plain, const char* what) {
-  if (!plain) {
-    MESHTRAIN_BAD_INPUT(what, " is built for a plain mlp only (no residual_mlp, MoE layers or ",
-                        "dropout)");
-  }
-}
 }  // namespace
 
 MatrixView Mlp::backward_cotangents(MatrixView dy) {
@@ -673,7 +664,17 @@ void Mlp::reserve_tangent_backward(int64_t directions) {
     MESHTRAIN_BAD_INPUT("training on derivatives is fp32 only; this model computes in ",
                         to_string(compute_dtype_));
   }
-  require_plain_mlp(owned_.empty() && moe_.empty() && dropouts_.empty(), "training on derivatives");
+  // Each layer answers whether its backward carries first-order tangents exactly (Linear, the
+  // activations, SwiGLU, LayerNorm, RMSNorm, residual blocks of them); MoE layers and dropout
+  // do not.
+  for (const Layer* layer : sequence_) {
+    if (layer->supports_tangent_backward()) continue;
+    const std::string line = layer->describe();
+    MESHTRAIN_BAD_INPUT("training on derivatives is built for linear layers, activations, SwiGLU, ",
+                        "LayerNorm, RMSNorm and residual blocks of them, not for MoE layers or ",
+                        "dropout, which this model has",
+                        line.empty() ? std::string() : " ('" + line + "')");
+  }
   reserve_layers_tangent_backward(directions);
 }
 

@@ -164,9 +164,10 @@ class Mlp {
   // well as the value pass (reverse over forward): overwrites every gradient, reduced as
   // backward(output_grad, reduce) reduces them (without buckets: a layer that would bucket its
   // all-reduce does it itself). The input tangents are constants (no gradient). Collective;
-  // allocates nothing; needs reserve_tangent_backward(k') with k' >= k first. A plain mlp in
-  // fp32 only: reserve_tangent_backward throws bad_input for a residual_mlp, MoE layers,
-  // dropout or 16-bit parameters.
+  // allocates nothing; needs reserve_tangent_backward(k') with k' >= k first (before the
+  // forward_tangents it follows). An mlp or a residual_mlp (LayerNorm, RMSNorm or none; SwiGLU
+  // or an activation) in fp32: reserve_tangent_backward throws bad_input for MoE layers,
+  // dropout or 16-bit parameters (each layer's supports_tangent_backward()).
   void backward_with_tangents(MatrixView output_grad, MatrixView tangent_grad, bool reduce = true);
   void reserve_tangent_backward(int64_t directions);
   // Physics losses (the forward Laplacian, docs/derivatives.md): after forward(x), streams

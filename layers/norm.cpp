@@ -497,7 +497,10 @@ MatrixView FeatureNorm::forward_tangents(MatrixView dx, const LayerPass& pass) {
                     "': tangent input is [", dx.extent(0), ", ", dx.extent(1), "], expected [",
                     rows, ", ", layout_.local_width, "]");
   MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
-  if (pass.second_order) return laplacian_forward(dx, pass);
+  // The streams' form, which keeps what backward_with_tangents reads, for the forward Laplacian
+  // and for first-order tangents once reserve_tangent_backward made room for them (Sobolev
+  // training); its first-order arithmetic is norm_jacobian's, so the tangents are the same.
+  if (pass.second_order || k <= laplacian_rows_) return laplacian_forward(dx, pass);
   const MatrixView out = leading_rows(tangents_, rows);
   norm_jacobian(x_, stats_, dx, ConstVectorView(), params_[0].compute(*pass.scratch),
                 layout_.kind == NormKind::layernorm, static_cast<float>(layout_.width), tp_comm_,
@@ -545,24 +548,28 @@ void FeatureNorm::reserve_cotangents(int64_t directions) {
 //   J t = r (t - mean(t) - x_hat a)                       (the first-order tangent)
 //   w   = r (q - mean(q) - x_hat b) - 2 r a J t - r^2 (m2 - a^2) x_hat
 // outputs scale * J t and scale * w; J t and w are kept (hat_streams_) for the backward.
-
+// First-order tangents (pass.second_order false: Sobolev training) are the same with k stream
+// rows per value row, i * k + d, and no q: b = mean(q) = 0, and w is not computed.
 MatrixView FeatureNorm::laplacian_forward(MatrixView streams, const LayerPass& pass) {
+  const bool second = pass.second_order;
   const int64_t per_row = static_cast<int64_t>(streams.extent(0)) / rows_;
-  MESHTRAIN_REQUIRE(per_row % 2 == 0 && per_row <= laplacian_rows_, "norm '", name_, "': ", per_row,
-                    " second-order stream rows per row, with room for ", laplacian_rows_,
-                    " (reserve_tangent_backward; 2 per direction)");
-  const int64_t k = per_row / 2;
+  MESHTRAIN_REQUIRE((!second || per_row % 2 == 0) && per_row <= laplacian_rows_, "norm '", name_,
+                    "': ", per_row, second ? " second-order" : " tangent",
+                    " stream rows per row, with room for ", laplacian_rows_,
+                    " (reserve_tangent_backward; 2 per direction for the forward Laplacian)");
+  const int64_t k = second ? per_row / 2 : per_row;
   const int64_t rows = rows_;
   const int64_t cols = layout_.local_width;
   const float n = static_cast<float>(layout_.width);
   const bool layernorm = layout_.kind == NormKind::layernorm;
   const MatrixView x = x_, stats = stats_, x_hat = x_hat_, q_in = streams;
-  const MatrixView sums = leading_rows(laplacian_sums_, rows * 2 * k);
+  const MatrixView sums = leading_rows(laplacian_sums_, rows * per_row);
   const MatrixView dir = leading_rows(laplacian_stats_, rows * k);
-  const MatrixView hat = leading_rows(hat_streams_, rows * 2 * k);
-  const MatrixView out = leading_rows(tangents_, rows * 2 * k);
+  const MatrixView hat = leading_rows(hat_streams_, rows * per_row);
+  const MatrixView out = leading_rows(tangents_, rows * per_row);
   const ConstVectorView scale = params_[0].compute(*pass.scratch);
   streams_in_ = streams;
+  streams_second_order_ = second;
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::norm_laplacian_row_sums"), Rows(device_space(), 0, rows),
       KOKKOS_LAMBDA(const int64_t i) {
@@ -570,8 +577,8 @@ MatrixView FeatureNorm::laplacian_forward(MatrixView streams, const LayerPass& p
         for (int64_t j = 0; j < cols; ++j) {
           x_hat(i, j) = layernorm ? ((x(i, j) - m0) - delta) * r : x(i, j) * r;
         }
-        for (int64_t e = 0; e < 2 * k; ++e) {
-          const int64_t t = i * 2 * k + e;
+        for (int64_t e = 0; e < per_row; ++e) {
+          const int64_t t = i * per_row + e;
           float s = 0.0f, sx = 0.0f, ss = 0.0f;
           for (int64_t j = 0; j < cols; ++j) {
             const float v = q_in(t, j);
@@ -590,10 +597,10 @@ MatrixView FeatureNorm::laplacian_forward(MatrixView streams, const LayerPass& p
       KOKKOS_LAMBDA(const int64_t i) {
         const float r = stats(i, 2);
         for (int64_t d = 0; d < k; ++d) {
-          const int64_t tt = i * 2 * k + d, qq = tt + k;
+          const int64_t tt = i * per_row + d, qq = tt + k;
           const float mean_t = layernorm ? sums(tt, 0) / n : 0.0f;
-          const float mean_q = layernorm ? sums(qq, 0) / n : 0.0f;
-          const float a = sums(tt, 1) / n, b = sums(qq, 1) / n;
+          const float mean_q = layernorm && second ? sums(qq, 0) / n : 0.0f;
+          const float a = sums(tt, 1) / n, b = second ? sums(qq, 1) / n : 0.0f;
           const float m2 = sums(tt, 2) / n - mean_t * mean_t;
           dir(i * k + d, 0) = mean_t;
           dir(i * k + d, 1) = a;
@@ -603,11 +610,12 @@ MatrixView FeatureNorm::laplacian_forward(MatrixView streams, const LayerPass& p
           const float c2 = r * r * (m2 - a * a);
           for (int64_t j = 0; j < cols; ++j) {
             const float jt = r * (q_in(tt, j) - mean_t - x_hat(i, j) * a);
+            hat(tt, j) = jt;
+            out(tt, j) = scale(j) * jt;
+            if (!second) continue;
             const float w =
                 r * (q_in(qq, j) - mean_q - x_hat(i, j) * b) - 2.0f * r * a * jt - c2 * x_hat(i, j);
-            hat(tt, j) = jt;
             hat(qq, j) = w;
-            out(tt, j) = scale(j) * jt;
             out(qq, j) = scale(j) * w;
           }
         }
@@ -628,14 +636,16 @@ MatrixView FeatureNorm::laplacian_forward(MatrixView streams, const LayerPass& p
 //   grad x = r (x_hat' - mean(x_hat') - x_hat mean(x_hat x_hat')) - r^2 x_hat sum_d r' / N
 // (RMSNorm: no mean subtracted). The parameters: dscale = column sums of dy x_hat + sum over
 // the streams of dt * (J t or w), dbias = column sums of dy.
+// First-order tangents (Sobolev training) are the same with A_w = 0 (no q stream): P1..P4,
+// m2', b' and the w terms vanish, leaving grad t = r (A_t - mean(A_t) - x_hat P6 / N) (J's
+// transpose), x_hat' = A_x + sum_d [-r a A_t + a' ct / N], a' = -r P6, r' = sum_d P7 / r.
 MatrixView FeatureNorm::backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
                                                const LayerPass& pass, MatrixView* dt_in) {
-  if (!pass.second_order) {
-    MESHTRAIN_BAD_INPUT("norm '", name_, "': training on first derivatives (data.dy_key) through ",
-                        "a norm is not built; the forward Laplacian is");
-  }
+  MESHTRAIN_REQUIRE(streams_second_order_ == pass.second_order, "norm '", name_,
+                    "': the backward's streams are not of the kind the last tangent pass had ",
+                    "(reserve_tangent_backward before it)");
   MESHTRAIN_REQUIRE(compute_dtype_ == Dtype::fp32, "norm '", name_,
-                    "': the forward Laplacian is fp32 only");
+                    "': training on derivatives is fp32 only");
   MESHTRAIN_REQUIRE(pass.deferred != DeferredReduction::in_buckets, "norm '", name_,
                     "': training on derivatives does not reduce in buckets");
   MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now || layout_.defers_reduction(), "norm '",
@@ -648,14 +658,16 @@ MatrixView FeatureNorm::backward_with_tangents(MatrixView dy, MatrixView dt, boo
                     dt.extent(0), ", ", dt.extent(1), "] after a second-order pass of [",
                     streams_in_.extent(0), ", ", streams_in_.extent(1), "]");
   MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
-  const int64_t k = static_cast<int64_t>(dt.extent(0)) / rows_ / 2;
+  const bool second = streams_second_order_;
+  const int64_t per_row = static_cast<int64_t>(dt.extent(0)) / rows_;
+  const int64_t k = second ? per_row / 2 : per_row;
   const int64_t rows = rows_;
   const int64_t cols = layout_.local_width;
   const float n = static_cast<float>(layout_.width);
   const bool layernorm = layout_.kind == NormKind::layernorm;
   const MatrixView stats = stats_, x_hat = x_hat_, q_in = streams_in_;
   const MatrixView dir = leading_rows(laplacian_stats_, rows * k);
-  const MatrixView hat = leading_rows(hat_streams_, rows * 2 * k);
+  const MatrixView hat = leading_rows(hat_streams_, rows * per_row);
   LayerScratch& scratch = *pass.scratch;
   const ConstVectorView scale = params_[0].compute(scratch);
 
@@ -674,7 +686,7 @@ MatrixView FeatureNorm::backward_with_tangents(MatrixView dy, MatrixView dt, boo
       dscale = full_grad_.data();
       if (layernorm) dbias = full_grad_.data() + layout_.width;
     }
-    const int64_t stream_rows = rows * 2 * k;
+    const int64_t stream_rows = rows * per_row;
     Kokkos::parallel_for(
         MESHTRAIN_LABEL("meshtrain::norm_laplacian_param_grad"), Rows(device_space(), 0, length),
         KOKKOS_LAMBDA(const int64_t c) {
@@ -703,18 +715,21 @@ MatrixView FeatureNorm::backward_with_tangents(MatrixView dy, MatrixView dt, boo
       MESHTRAIN_LABEL("meshtrain::norm_laplacian_backward_sums"), Rows(device_space(), 0, rows),
       KOKKOS_LAMBDA(const int64_t i) {
         for (int64_t d = 0; d < k; ++d) {
-          const int64_t tt = i * 2 * k + d, qq = tt + k;
+          const int64_t tt = i * per_row + d, qq = tt + k;
           const float r = stats(i, 2), a = dir(i * k + d, 1), m2 = dir(i * k + d, 3);
           const float c2 = r * r * (m2 - a * a);
           float p[7] = {0, 0, 0, 0, 0, 0, 0};
           for (int64_t j = 0; j < cols; ++j) {
-            const float aw = scale(j) * dt(qq, j), at = scale(j) * dt(tt, j);
+            const float at = scale(j) * dt(tt, j);
             const float jt = hat(tt, j);
-            const float jq = hat(qq, j) + 2.0f * r * a * jt + c2 * x_hat(i, j);
-            p[0] += aw;
-            p[1] += x_hat(i, j) * aw;
-            p[2] += jt * aw;
-            p[3] += jq * aw;
+            if (second) {
+              const float aw = scale(j) * dt(qq, j);
+              const float jq = hat(qq, j) + 2.0f * r * a * jt + c2 * x_hat(i, j);
+              p[0] += aw;
+              p[1] += x_hat(i, j) * aw;
+              p[2] += jt * aw;
+              p[3] += jq * aw;
+            }
             p[4] += at;
             p[5] += x_hat(i, j) * at;
             p[6] += jt * at;
@@ -724,7 +739,7 @@ MatrixView FeatureNorm::backward_with_tangents(MatrixView dy, MatrixView dt, boo
       });
   if (tp_comm_) tp_comm_->all_reduce(back);
 
-  const MatrixView grad_streams = leading_rows(stream_grad_, rows * 2 * k);
+  const MatrixView grad_streams = leading_rows(stream_grad_, rows * per_row);
   const MatrixView xbar = dx_;  // x_hat's adjoint first, the input gradient in place after
   const MatrixView vsums = laplacian_value_sums_;
   const Vector rbar = rstd_adjoint_;
@@ -735,7 +750,7 @@ MatrixView FeatureNorm::backward_with_tangents(MatrixView dy, MatrixView dt, boo
         for (int64_t j = 0; j < cols; ++j) xbar(i, j) = scale(j) * dy(i, j);
         float r_adjoint = 0.0f;
         for (int64_t d = 0; d < k; ++d) {
-          const int64_t tt = i * 2 * k + d, qq = tt + k, e = i * k + d;
+          const int64_t tt = i * per_row + d, qq = tt + k, e = i * k + d;
           const float mean_t = dir(e, 0), a = dir(e, 1), b = dir(e, 2), m2 = dir(e, 3);
           const float p1 = back(e, 0), p2 = back(e, 1), p3 = back(e, 2), p4 = back(e, 3);
           const float p5 = back(e, 4), p6 = back(e, 5), p7 = back(e, 6);
@@ -752,11 +767,12 @@ MatrixView FeatureNorm::backward_with_tangents(MatrixView dy, MatrixView dt, boo
           const float mean_tbar = layernorm ? sum_t / n : 0.0f;
           const float mean_aw = layernorm ? p1 / n : 0.0f;
           for (int64_t j = 0; j < cols; ++j) {
-            const float aw = scale(j) * dt(qq, j);
+            // First order: no q stream, its gradient A_w and its centred values cq are 0.
+            const float aw = second ? scale(j) * dt(qq, j) : 0.0f;
             const float tbar = scale(j) * dt(tt, j) - two_ra * aw;
             const float ct = q_in(tt, j) - mean_t;
-            const float cq = q_in(qq, j) - mean_q;
-            grad_streams(qq, j) = r * (aw - mean_aw - x_hat(i, j) * p2 / n);
+            const float cq = second ? q_in(qq, j) - mean_q : 0.0f;
+            if (second) grad_streams(qq, j) = r * (aw - mean_aw - x_hat(i, j) * p2 / n);
             grad_streams(tt, j) =
                 r * (tbar - mean_tbar) + a_adj * x_hat(i, j) / n + 2.0f * m2_adj * ct / n;
             xbar(i, j) += -w_coef * aw + b_adj * cq / n - r * a * tbar + a_adj * ct / n;
@@ -786,21 +802,24 @@ MatrixView FeatureNorm::backward_with_tangents(MatrixView dy, MatrixView dt, boo
   return xbar;
 }
 
+// `directions` stream rows per value row: k first-order tangents (Sobolev training), or the
+// forward Laplacian's 2k (Mlp::reserve_laplacian); the per-direction statistics have room for
+// either (k = directions).
 void FeatureNorm::reserve_tangent_backward(int64_t directions) {
   reserve_tangents(directions);
   if (directions <= laplacian_rows_) return;
-  const int64_t k = (directions + 1) / 2;
+  const int64_t k = directions;
   const int64_t cols = layout_.local_width;
   x_hat_ = Matrix(name_ + "/laplacian_x_hat", rows_, cols);
-  hat_streams_ = Matrix(name_ + "/laplacian_streams", rows_ * 2 * k, cols);
-  laplacian_sums_ = Matrix(name_ + "/laplacian_sums", rows_ * 2 * k, 3);
+  hat_streams_ = Matrix(name_ + "/laplacian_streams", rows_ * directions, cols);
+  laplacian_sums_ = Matrix(name_ + "/laplacian_sums", rows_ * directions, 3);
   laplacian_stats_ = Matrix(name_ + "/laplacian_stats", rows_ * k, 5);
   laplacian_back_sums_ = Matrix(name_ + "/laplacian_backward_sums", rows_ * k, 7);
   laplacian_value_sums_ = Matrix(name_ + "/laplacian_value_sums", rows_, 2);
   rstd_adjoint_ = Vector(name_ + "/laplacian_rstd_adjoint", rows_);
-  stream_grad_ = Matrix(name_ + "/laplacian_stream_grad", rows_ * 2 * k, cols);
-  if (tp_comm_) tp_comm_->reserve_reductions(static_cast<size_t>(rows_ * 2 * k * 7));
-  laplacian_rows_ = 2 * k;
+  stream_grad_ = Matrix(name_ + "/laplacian_stream_grad", rows_ * directions, cols);
+  if (tp_comm_) tp_comm_->reserve_reductions(static_cast<size_t>(rows_ * k * 7));
+  laplacian_rows_ = directions;
 }
 
 void FeatureNorm::parameter_gradients(MatrixView dy, const LayerPass& pass) {

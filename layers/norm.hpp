@@ -131,8 +131,9 @@ class FeatureNorm : public Layer {
   // a_d = mean(x_hat t_d), m2_d = mean((t_d - mean(t_d))^2) (RMSNorm: no centring), one
   // all-reduce of [rows * 2k, 3] row sums over tp when split. backward_with_tangents is its
   // exact backward (the scale's and bias's gradients, the value's and the streams' input
-  // gradients; two all-reduces of row sums over tp). Second order only: the first-order tangents'
-  // backward (Sobolev training) through a norm is not built (bad_input).
+  // gradients; two all-reduces of row sums over tp). First-order tangents (Sobolev training)
+  // take the same passes without the second-order streams, once reserve_tangent_backward made
+  // room for them (forward_tangents then keeps what the backward reads).
   MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
                                     const LayerPass& pass, MatrixView* dt_in) override;
   void reserve_tangent_backward(int64_t directions) override;
@@ -212,8 +213,10 @@ class FeatureNorm : public Layer {
   // second derivatives of x_hat), the forward's row sums [rows * 2k, 3] and per-direction
   // statistics [rows * k, 5] (mean t, a, b, m2, mean q), the backward's row sums
   // [rows * k, 7] and [rows, 2], the rstd adjoint [rows], the streams' input gradient.
+  // (First-order tangents use them too, k stream rows per value row: streams_second_order_ false.)
   int64_t laplacian_rows_ = 0;
   MatrixView streams_in_;
+  bool streams_second_order_ = false;
   Matrix x_hat_, hat_streams_, laplacian_sums_, laplacian_stats_;
   Matrix laplacian_back_sums_, laplacian_value_sums_, stream_grad_;
   Vector rstd_adjoint_;

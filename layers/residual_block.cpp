@@ -237,6 +237,13 @@ bool ResidualBlock::supports_laplacian() const {
   return true;
 }
 
+bool ResidualBlock::supports_tangent_backward() const {
+  for (const auto& layer : layers_) {
+    if (!layer->supports_tangent_backward()) return false;
+  }
+  return true;
+}
+
 // y = x + f(x) is linear in (x, f(x)), so every stream adds alike: the gradients are the
 // output's plus f's input gradients, for the value and for the streams. f's layers read dt
 // without writing it (Layer::backward_with_tangents may overwrite dy only), so dt is added

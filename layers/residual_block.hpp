@@ -59,13 +59,15 @@ class ResidualBlock : public Layer {
   // dy + (f's cotangents of dy), for k directions per row.
   MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
   void reserve_cotangents(int64_t directions) override;
-  // The forward Laplacian's backward (and any tangents' backward its layers have): dy + f's
+  // The tangents' backward, first-order (Sobolev training) or the forward Laplacian's: dy + f's
   // input gradient, dt + f's streams' input gradient; the streams' result lives in the
-  // cotangents' buffer. Whether it is exact is its layers' answer (supports_laplacian).
+  // cotangents' buffer. Whether it is exact is its layers' answer (supports_laplacian,
+  // supports_tangent_backward).
   MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
                                     const LayerPass& pass, MatrixView* dt_in) override;
   void reserve_tangent_backward(int64_t directions) override;
   bool supports_laplacian() const override;
+  bool supports_tangent_backward() const override;
 
   size_t parameter_count() const override;
   std::vector<ShardedParameter*> sharded_parameters() override;

@@ -118,9 +118,9 @@ MatrixView SwiGlu::forward_tangents(MatrixView dx, const LayerPass& pass) {
   const MatrixView dvalue = up_->forward_tangents(input, inner);
   const MatrixView out = leading_rows(tangents_, rows_ * k);
   second_order_ = pass.second_order;
+  stream_gate_ = dgate;  // for backward_with_tangents, of either kind
+  stream_value_ = dvalue;
   if (pass.second_order) {
-    stream_gate_ = dgate;
-    stream_value_ = dvalue;
     swiglu_second_order(gate_->output(), up_->output(), dgate, dvalue, out);
   } else {
     swiglu_tangent(gate_->output(), up_->output(), dgate, dvalue, out);
@@ -226,14 +226,14 @@ void SwiGlu::swiglu_second_order(MatrixView gate, MatrixView value, MatrixView d
 // The product's backward (docs/derivatives.md): the value's gradients (dgate_, dvalue_) and
 // the gate's and up's streams' gradients, then gate's and up's own backward_with_tangents,
 // their input gradients summed (and reduce-scattered once under a shared gather) as backward's.
+// First-order tangents (Sobolev training: k stream rows per value row, no second-order ones)
+// take the same kernel with the second-order streams and their gradients (gs, sg, su) zero.
 MatrixView SwiGlu::backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
                                           const LayerPass& pass, MatrixView* dt_in) {
-  if (!pass.second_order || !second_order_) {
-    MESHTRAIN_BAD_INPUT("SwiGLU '", name_, "': training on first derivatives (data.dy_key) ",
-                        "through SwiGLU is not built; the forward Laplacian is");
-  }
+  MESHTRAIN_REQUIRE(second_order_ == pass.second_order, "SwiGLU '", name_,
+                    "': the backward's streams are not of the kind the last tangent pass had");
   MESHTRAIN_REQUIRE(dtype_ == Dtype::fp32, "SwiGLU '", name_,
-                    "': the forward Laplacian is fp32 only");
+                    "': training on derivatives is fp32 only");
   MESHTRAIN_REQUIRE(pass.deferred != DeferredReduction::in_buckets, "SwiGLU '", name_,
                     "': training on derivatives does not reduce in buckets");
   MESHTRAIN_REQUIRE(
@@ -243,7 +243,9 @@ MatrixView SwiGlu::backward_with_tangents(MatrixView dy, MatrixView dt, bool nee
       "]");
   const int64_t rows = rows_;
   const int64_t stream_rows = static_cast<int64_t>(dt.extent(0));
-  const int64_t k = stream_rows / rows / 2;
+  const bool second = second_order_;
+  const int64_t per_row = stream_rows / rows;
+  const int64_t k = second ? per_row / 2 : per_row;
   const int64_t cols = static_cast<int64_t>(dt.extent(1));
   const MatrixView gate = gate_->output(), value = up_->output();
   const MatrixView tgate = stream_gate_, tvalue = stream_value_;
@@ -258,12 +260,14 @@ MatrixView SwiGlu::backward_with_tangents(MatrixView dy, MatrixView dt, bool nee
           const float u = value(i, j), a = dy(i, j);
           float gu = a * f.h, gz = a * f.h1 * u;
           for (int64_t d = 0; d < k; ++d) {
-            const int64_t tt = i * 2 * k + d, qq = tt + k;
-            const float tg = tgate(tt, j), sg = tgate(qq, j);
-            const float tu = tvalue(tt, j), su = tvalue(qq, j);
-            const float gt = dt(tt, j), gs = dt(qq, j);
-            svalue(qq, j) = gs * f.h;
-            sgate(qq, j) = gs * u * f.h1;
+            const int64_t tt = i * per_row + d, qq = tt + k;
+            const float tg = tgate(tt, j), sg = second ? tgate(qq, j) : 0.0f;
+            const float tu = tvalue(tt, j), su = second ? tvalue(qq, j) : 0.0f;
+            const float gt = dt(tt, j), gs = second ? dt(qq, j) : 0.0f;
+            if (second) {
+              svalue(qq, j) = gs * f.h;
+              sgate(qq, j) = gs * u * f.h1;
+            }
             svalue(tt, j) = gt * f.h + 2.0f * gs * f.h1 * tg;
             sgate(tt, j) = gt * f.h1 * u + 2.0f * gs * (f.h2 * tg * u + f.h1 * tu);
             gu += gt * f.h1 * tg + gs * (f.h1 * sg + f.h2 * tg * tg);
@@ -290,7 +294,7 @@ MatrixView SwiGlu::backward_with_tangents(MatrixView dy, MatrixView dt, bool nee
       MESHTRAIN_LABEL("meshtrain::swiglu_second_order_input_grads"),
       Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
         for (int64_t j = 0; j < in; ++j) dx(i, j) = dx_up(i, j) + dx_gate(i, j);
-        for (int64_t t = i * 2 * k; t < (i + 1) * 2 * k; ++t) {
+        for (int64_t t = i * per_row; t < (i + 1) * per_row; ++t) {
           for (int64_t j = 0; j < in; ++j) dstreams(t, j) = streams_up(t, j) + streams_gate(t, j);
         }
       });

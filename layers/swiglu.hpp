@@ -50,8 +50,8 @@ class SwiGlu final : public Layer {
   // carries each row's k tangents and k second-order streams through the product,
   // t_a = h1 t_g u + h t_u, s_a = (h1 s_g + h2 t_g^2) u + 2 h1 t_g t_u + h s_u (h = silu of
   // the gate g, h1 and h2 its derivatives, u the up projection); backward_with_tangents is its
-  // exact backward, through gate's and up's. Second order only: the first-order tangents'
-  // backward (Sobolev training) is bad_input.
+  // exact backward, through gate's and up's; after first-order tangents (Sobolev training) the
+  // same kernel's first-order part.
   MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
                                     const LayerPass& pass, MatrixView* dt_in) override;
   void reserve_tangent_backward(int64_t directions) override;
@@ -94,7 +94,7 @@ class SwiGlu final : public Layer {
   // Cotangents: of gate and up [rows * k, hidden local] x 2, of the input [rows * k, input
   // width], and under a shared gather its full-width partial sum [rows * k, in].
   Matrix cotangent_gate_, cotangent_value_, cotangents_, cotangent_full_;
-  // The last tangent pass: whether it was second order, and then gate's and up's streams (their
+  // The last tangent pass: whether it was second order, and gate's and up's streams (their
   // layers' buffers, kept for backward_with_tangents).
   bool second_order_ = false;
   MatrixView stream_gate_, stream_value_;

@@ -351,9 +351,12 @@ endif()
 # `train`: a smooth function with its exact Jacobian as data.dy_key, trained at np 1 (dp), np 2
 # (dp) and np 2 (tp), and with dy_inputs choosing two columns; step 1's loss is the plain run's
 # plus derivative_loss, equal on every mesh to 1e-5; `meshtrain predict --jacobian` on held-out
-# rows is within half the plain run's error. `refusals`: dy_key with bf16, residual_mlp, MoE,
-# dropout, cross_entropy, synthetic data, bad dy_inputs, and a missing or misshapen dataset.
-foreach(_case train refusals)
+# rows is within half the plain run's error. `residual`: a residual_mlp (LayerNorm + silu) with
+# dy_key at np 1, fsdp and tp (np 2): step 1 equal on every mesh, the derivative loss falls below
+# a tenth, the Jacobian error below half the plain run's. `refusals`: dy_key with bf16, MoE
+# (mlp and residual_mlp), dropout, cross_entropy, synthetic data, bad dy_inputs, and a missing
+# or misshapen dataset.
+foreach(_case train residual refusals)
   meshtrain_add_command_test(NAME train_sobolev_${_case} TIMEOUT 600
     COMMAND ${MESHTRAIN_PYTHON} ${_train}/sobolev_train.py ${_case}
             --meshtrain $<TARGET_FILE:meshtrain> --source-dir ${PROJECT_SOURCE_DIR}

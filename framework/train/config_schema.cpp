@@ -383,8 +383,8 @@ const std::vector<ConfigKey>& config_keys() {
                          "hdf5: the targets' derivatives w.r.t. the inputs, float [N, outputs, "
                          "k], for Sobolev training ([derivatives.md](derivatives.md))")
                     .checked_by(check_dy_key,
-                                "hdf5, an fp32 mlp without MoE or dropout, a "
-                                "regression loss")
+                                "hdf5, an fp32 mlp or residual_mlp without MoE or dropout, "
+                                "a regression loss")
                     .shown_as("a dataset name")
                     .unset_when_empty()
                     .defaults_to("none"));
@@ -1090,7 +1090,8 @@ std::optional<KeyProblem> check_dataset_key(const ConfigKey& key, const RunConfi
 }
 
 // data.dy_key (Sobolev training): what the derivative path is built for
-// (Mlp::reserve_tangent_backward): an hdf5 source, a plain fp32 mlp, a regression loss.
+// (Mlp::reserve_tangent_backward): an hdf5 source, an fp32 mlp or residual_mlp without MoE
+// layers or dropout, a regression loss.
 std::optional<KeyProblem> check_dy_key(const ConfigKey&, const RunConfig& c,
                                        const KeyNames& names) {
   const std::string& dy = c.data.dy_key;
@@ -1108,13 +1109,13 @@ std::optional<KeyProblem> check_dy_key(const ConfigKey&, const RunConfig& c,
     return problem("is not supported with ", names("mixed_precision.param_dtype"),
                    " other than \"fp32\" (derivatives are trained in fp32)");
   }
-  if (c.model.kind != ModelKind::mlp) {
-    return problem("is not supported with ", names("model.kind"),
-                   " = \"residual_mlp\" (Sobolev training is built for kind = \"mlp\")");
+  if (c.model.kind != ModelKind::mlp && c.model.kind != ModelKind::residual_mlp) {
+    return problem("is not supported with ", names("model.kind"), " = \"", to_string(c.model.kind),
+                   "\" (Sobolev training is built for kind = \"mlp\" and \"residual_mlp\")");
   }
   if (!c.model.moe_layers.empty()) {
     return problem("is not supported with ", names("model.moe_layers"),
-                   " (Sobolev training is built for a plain mlp)");
+                   " (Sobolev training is built for dense layers)");
   }
   if (c.model.dropout > 0) {
     return problem("is not supported with ", names("model.dropout"), " = ", c.model.dropout,

@@ -19,7 +19,7 @@
 //   * SobolevTrainingFitsTheDerivatives (np 1): y = sin(x1) x2 on 32 points; the derivative loss
 //     falls to below a tenth of its start, and the Jacobian error on 256 other points after
 //     training is at most half of that of the same training with lambda = 0.
-//   * Refusals: dropout, MoE layers, a residual_mlp and bf16 parameters are bad_input.
+//   * Refusals: dropout, MoE layers and bf16 parameters are bad_input.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -401,8 +401,8 @@ TEST(Sobolev, SobolevTrainingFitsTheDerivatives) {
   EXPECT_LT(sobolev.jacobian_rms_error, 0.5 * plain.jacobian_rms_error);
 }
 
-// reserve_tangent_backward refuses, as bad_input naming what: dropout, MoE layers, a
-// residual_mlp, 16-bit parameters.
+// reserve_tangent_backward refuses, as bad_input naming what: dropout, MoE layers, 16-bit
+// parameters (a residual_mlp is tests/layers/sobolev_residual_test.cpp's).
 void expect_refused(Mlp& model, const std::string& what) {
   try {
     model.reserve_tangent_backward(1);
@@ -427,14 +427,6 @@ TEST(Sobolev, RefusesWhatItIsNotBuiltFor) {
   moe.top_k = 1;
   Mlp with_moe({2, 4, 1}, Activation::tanh, replicated, context, 4, moe);
   expect_refused(with_moe, "MoE");
-  ResidualMlpShape shape;
-  shape.inputs = 2;
-  shape.outputs = 1;
-  shape.width = 4;
-  shape.hidden = 8;
-  shape.depth = 1;
-  Mlp residual(shape, Activation::silu, replicated, context, 4);
-  expect_refused(residual, "residual_mlp");
   context.set_precision({Dtype::bf16, Dtype::bf16});
   Mlp bf16(std::vector<int64_t>{2, 4, 1}, Activation::tanh, replicated, context, 4);
   expect_refused(bf16, "fp32 only");

@@ -7,6 +7,10 @@
 //   * EveryMeshEqualsOneRank (np 1, 2, 4): 4 steps on dp, fsdp, tp and fsdp x tp against one rank
 //     (MPI_COMM_SELF) in the same test: every step's loss and physics_loss within 1e-5
 //     relative (later steps' losses depend on every earlier gradient).
+//   * ResidualEveryMeshEqualsOneRank (np 1, 2, 4): the same physics term on a residual_mlp
+//     (2 -> 8, 2 pre-norm blocks of LayerNorm + silu with hidden 16, -> 1), 4 steps on dp, fsdp,
+//     tp and fsdp x tp against one rank: every loss and physics_loss within 1e-5 relative, and
+//     every parameter after the steps within 1e-5 of its tensor's largest |value| on one rank.
 //   * Refusals: statistics set in the settings, a negative data_loss_weight, a second call,
 //     a call within a step, and PhysicsLoss's own (no residual function): bad_input, agreed;
 //     a call after a step (as after a resume) is accepted.
@@ -14,13 +18,16 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <string>
 #include <vector>
 
 #include "framework/core/kokkos_math.hpp"
 #include "run/training_run.hpp"
 #include "tests/support/expect_error.hpp"
+#include "tests/support/full_tensor.hpp"
 #include "tests/support/mesh_cases.hpp"
 #include "tests/support/training_runs.hpp"
 #include "tests/support/world.hpp"
@@ -46,11 +53,16 @@ RunData points() {
   return RunData{d, none};
 }
 
-RunConfig config_on(const testing::MeshCase& m) {
+RunConfig config_on(const testing::MeshCase& m, bool residual_mlp = false) {
   RunConfig config = testing::synthetic_run_config("physics_run_test", m.axes, m.preset);
   config.run.seed = 3;
   config.model.sizes = {2, 8, 8, 1};
   config.model.activation = Activation::tanh;
+  if (residual_mlp) {
+    testing::use_residual_mlp(config, /*inputs=*/2, /*width=*/8, /*hidden=*/16, /*depth=*/2,
+                              /*outputs=*/1, ModelNorm::layernorm, /*swiglu=*/false);
+    config.model.activation = Activation::silu;
+  }
   config.data.batch_size = 16;
   config.data.normalize_inputs = Normalize::standard;
   config.data.normalize_targets = Normalize::standard;
@@ -88,6 +100,24 @@ std::vector<StepResult> steps(const testing::MeshCase& m, MPI_Comm comm, bool wi
   return results;
 }
 
+// A residual_mlp run with the physics term: its steps and every parameter after them (whole).
+struct ResidualRun {
+  std::vector<StepResult> steps;
+  std::vector<testing::Tensor> parameters;
+};
+ResidualRun residual_steps(const testing::MeshCase& m, MPI_Comm comm) {
+  TrainingRun run(config_on(m, /*residual_mlp=*/true), {}, points(), comm);
+  run.set_physics(physics());
+  ResidualRun result;
+  while (!run.finished()) result.steps.push_back(run.step());
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  for (const ShardedTensor& p : run.model().parameters()) {
+    result.parameters.push_back(testing::gather_full(p, run.mesh(), rank, comm));
+  }
+  return result;
+}
+
 TEST(PhysicsRun, StepLossIsWeightedDataPlusPhysics) {
   if (world_size() > 1) GTEST_SKIP() << "at np 1";
   const testing::MeshCase one{"dp", {{"dp", 1}}};
@@ -108,6 +138,43 @@ TEST(PhysicsRun, EveryMeshEqualsOneRank) {
       EXPECT_NEAR(got[s].loss, one[s].loss, 1e-5 * one[s].loss) << "step " << s + 1;
       EXPECT_NEAR(got[s].physics_loss, one[s].physics_loss, 1e-5 * one[s].physics_loss)
           << "step " << s + 1;
+    }
+  }
+}
+
+TEST(PhysicsRun, ResidualEveryMeshEqualsOneRank) {
+  constexpr double kTolerance = 1e-5;
+  const ResidualRun one = residual_steps({"dp", {{"dp", 1}}}, MPI_COMM_SELF);
+  ASSERT_EQ(one.steps.size(), 4u);
+  EXPECT_GT(one.steps.front().physics_loss, 0.0);
+  for (const testing::MeshCase& m : testing::every_mesh(world_size())) {
+    SCOPED_TRACE(m.preset);
+    const ResidualRun got = residual_steps(m, MPI_COMM_WORLD);
+    ASSERT_EQ(got.steps.size(), one.steps.size());
+    for (size_t s = 0; s < one.steps.size(); ++s) {
+      EXPECT_NEAR(got.steps[s].loss, one.steps[s].loss, kTolerance * one.steps[s].loss)
+          << "step " << s + 1;
+      EXPECT_NEAR(got.steps[s].physics_loss, one.steps[s].physics_loss,
+                  kTolerance * one.steps[s].physics_loss)
+          << "step " << s + 1;
+    }
+    ASSERT_EQ(got.parameters.size(), one.parameters.size());
+    double worst = 0.0;
+    for (size_t q = 0; q < one.parameters.size(); ++q) {
+      ASSERT_EQ(got.parameters[q].size(), one.parameters[q].size());
+      double scale = 1e-30, diff = 0.0;
+      for (double v : one.parameters[q]) scale = std::max(scale, std::abs(v));
+      for (size_t i = 0; i < one.parameters[q].size(); ++i) {
+        diff = std::max(diff, std::abs(got.parameters[q][i] - one.parameters[q][i]));
+      }
+      EXPECT_LE(diff / scale, kTolerance) << "parameter " << q;
+      worst = std::max(worst, diff / scale);
+    }
+    if (world_rank() == 0) {
+      std::printf(
+          "[ physics run ] residual_mlp on %s: parameters' largest difference from one "
+          "rank %.2e\n",
+          m.preset.c_str(), worst);
     }
   }
 }

@@ -30,8 +30,15 @@ Checked:
      exact one (Frobenius, relative) of every dy run is below half of the plain run's, and
      dy_sub's on the columns it was given likewise.
 
+Case `residual`: the same data and derivative weight with a residual_mlp (3 -> 16, 2 pre-norm
+blocks of LayerNorm + silu with hidden 32, -> 2), 1000 steps: plain (np 1), dy_np1 (np 1),
+dy_fsdp_np2 (fsdp = 2) and dy_tp_np2 (tp = 2, the split norms included). Checked: step 1's loss
+is the plain run's plus derivative_loss; the np 2 runs' first loss and derivative_loss equal
+dy_np1's (1e-5); every dy run's logged derivative_loss falls below a tenth of its step 1's
+(mean of the last 20 steps) and its held-out Jacobian error is below half the plain run's.
+
 Case `refusals`: data.dy_key with what it is not built for (exit 2, one sentence naming both
-keys): mixed_precision.param_dtype = "bf16", model.kind = "residual_mlp", model.moe_layers,
+keys): mixed_precision.param_dtype = "bf16", model.moe_layers (a residual_mlp's too),
 model.dropout, model.loss = "cross_entropy", data.source = "synthetic", data.dy_inputs out of
 range, repeated and set without dy_key, dy_key naming y_key's dataset; and from the data:
 dy_key missing in the file, of the wrong rank or shape (naming the file, the key and both
@@ -144,13 +151,14 @@ def launch(ctx, ranks):
     return ctx.mpiexec[:1] + ["-n", str(ranks)] + ctx.mpiexec[1:]
 
 
-def train(ctx, name, data, ranks=1, mesh=None, preset="dp", data_extra=None, other=None):
+def train(ctx, name, data, ranks=1, mesh=None, preset="dp", data_extra=None, other=None,
+          model_extra=None):
     out = os.path.join(ctx.work, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     config = write_config(os.path.join(out, "config.toml"),
                           config_sections(out, data, mesh or {"dp": ranks}, preset, data_extra,
-                                          other=other))
+                                          model_extra, other=other))
     script_test.run_ok(launch(ctx, ranks) + [ctx.meshtrain, "train", config], RUN_TIMEOUT_S)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         logs = [e for e in map(json.loads, f) if e.get("event") == "log"]
@@ -244,6 +252,55 @@ def case_train(ctx):
               "plain run's %.4g" % (sub_error, plain_sub_error))
 
 
+RESIDUAL = {"kind": "residual_mlp", "sizes": None, "inputs": 3, "outputs": 2, "width": 16,
+            "hidden": 32, "depth": 2, "norm": "layernorm", "activation": "silu"}
+
+
+def case_residual(ctx):
+    data = os.path.join(ctx.work, "train.h5")
+    test = os.path.join(ctx.work, "test.h5")
+    write_data(data, TRAIN_ROWS, seed=1)
+    _, exact = write_data(test, TEST_ROWS, seed=2)
+    dy = {"dy_key": "dy"}
+    runs = {
+        "plain": train(ctx, "plain", data, model_extra=RESIDUAL),
+        "dy_np1": train(ctx, "dy_np1", data, data_extra=dy, model_extra=RESIDUAL),
+        "dy_fsdp_np2": train(ctx, "dy_fsdp_np2", data, ranks=2, mesh={"fsdp": 2},
+                             preset="fsdp", data_extra=dy, model_extra=RESIDUAL),
+        "dy_tp_np2": train(ctx, "dy_tp_np2", data, ranks=2, mesh={"tp": 2}, preset="tp",
+                           data_extra=dy, model_extra=RESIDUAL),
+    }
+    plain_first = runs["plain"][1][0]
+    one = runs["dy_np1"][1][0]
+    for name, (_, logs) in runs.items():
+        if name == "plain":
+            continue
+        first = logs[0]
+        if not ctx.check("derivative_loss" in first, "%s logged no derivative_loss: %s"
+                         % (name, first)):
+            continue
+        d = first["derivative_loss"]
+        ctx.check(abs(first["loss"] - (plain_first["loss"] + d)) <= 1e-5 * first["loss"],
+                  "%s: step 1's loss %.8g is not the plain run's %.8g plus derivative_loss %.8g"
+                  % (name, first["loss"], plain_first["loss"], d))
+        for key in ("loss", "derivative_loss"):
+            ctx.check(abs(first[key] - one[key]) <= 1e-5 * abs(one[key]),
+                      "%s's first %s %r differs from dy_np1's %r beyond 1e-5" %
+                      (name, key, first[key], one[key]))
+        last = float(np.mean([e["derivative_loss"] for e in logs[-20:]]))
+        print("%s: derivative_loss %.4g at step 1, %.4g over the last 20 steps" % (name, d, last))
+        ctx.check(last < 0.1 * d, "%s: derivative_loss %.4g over the last 20 steps is not below "
+                  "a tenth of step 1's %.4g" % (name, last, d))
+    errors = {name: relative_error(jacobian(ctx, out, test), exact)
+              for name, (out, _) in runs.items()}
+    for name, err in errors.items():
+        print("%s: held-out Jacobian error %.4g" % (name, err))
+        if name != "plain":
+            ctx.check(err < 0.5 * errors["plain"],
+                      "%s: held-out Jacobian error %.4g is not below half the plain run's %.4g"
+                      % (name, err, errors["plain"]))
+
+
 def expect_refusal(ctx, config, patterns, what, ranks=1):
     """meshtrain train refuses: exit 2, one 'meshtrain: error' line matching every pattern."""
     status, out, err = script_test.run(launch(ctx, ranks) + [ctx.meshtrain, "train", config],
@@ -275,9 +332,9 @@ def case_refusals(ctx):
     key = r"data\.dy_key|\[data\] dy_key"
     expect_refusal(ctx, config("bf16", dy, other={"mixed_precision": {"param_dtype": "bf16"}}),
                    [key, r"mixed_precision\.param_dtype", "fp32"], "bf16")
-    expect_refusal(ctx, config("residual", dy, model_extra={
-        "kind": "residual_mlp", "sizes": None, "inputs": 3, "outputs": 2, "width": 8,
-        "hidden": 8, "depth": 1}), [key, r"model\.kind", "residual_mlp"], "residual_mlp")
+    expect_refusal(ctx, config("residual_moe", dy, model_extra=dict(
+        RESIDUAL, moe_layers=[1], experts=2, top_k=1)),
+                   [key, r"model\.moe_layers"], "a residual_mlp's MoE blocks")
     expect_refusal(ctx, config("moe", dy, model_extra={"moe_layers": [0], "experts": 2,
                                                        "top_k": 1}),
                    [key, r"model\.moe_layers"], "MoE layers")
@@ -314,7 +371,7 @@ def case_refusals(ctx):
                    "dy of fewer rows than x")
 
 
-CASES = {"train": case_train, "refusals": case_refusals}
+CASES = {"train": case_train, "residual": case_residual, "refusals": case_refusals}
 
 if __name__ == "__main__":
     sys.exit(script_test.case_main(CASES, script_test.Checks))
