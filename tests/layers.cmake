@@ -58,4 +58,5 @@ meshtrain_add_test(NAME layers_dlrm_test SOURCES layers/dlrm_test.cpp
 # touched rows only, replicated and row-wise on dp, fsdp, fsdp x dp and dp x tp, against a
 # float64 reference; untouched rows bit for bit, empty bags, repeated ids, one shard's ids.
 meshtrain_add_test(NAME layers_sparse_optimizer_test SOURCES layers/sparse_optimizer_test.cpp
-                   LIBS meshtrain_layers meshtrain_test_counting_allocator NP 1 2 4 TIMEOUT 120)
+                   LIBS meshtrain_layers meshtrain_test_counting_allocator NP 1 2 4 TIMEOUT 120
+                   BACKENDS mpi nccl EMULATED)
