@@ -151,6 +151,26 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
   dz_ = Matrix("dlrm/bottom_output_grad", rows_, width_d_);
 }
 
+void Dlrm::use_sparse_table_gradients(ParallelContext& context) {
+  for (EmbeddingBag& table : tables_) table.use_sparse_gradient(context);
+}
+
+std::vector<ShardedTensor> Dlrm::dense_parameters() const {
+  std::vector<ShardedTensor> dense;
+  for (const ShardedTensor& p : params_) {
+    if (p.name.rfind("embeddings/", 0) != 0) dense.push_back(p);
+  }
+  return dense;
+}
+
+std::vector<ShardedTensor> Dlrm::dense_gradients() const {
+  std::vector<ShardedTensor> dense;
+  for (const ShardedTensor& g : grads_) {
+    if (g.name.rfind("embeddings/", 0) != 0) dense.push_back(g);
+  }
+  return dense;
+}
+
 void Dlrm::initialize(InitScheme scheme, uint64_t seed) {
   size_t table = 0;
   for (ShardedTensor& p : params_) {

@@ -73,6 +73,15 @@ class Dlrm {
   const DlrmShape& shape() const { return shape_; }
   int64_t local_rows() const { return rows_; }
   const std::vector<EmbeddingBag>& tables() const { return tables_; }
+  // Sparse updates of the tables (layers/sparse_optimizer.hpp): from now on every table's
+  // backward leaves the gradients of the rows it touched (EmbeddingBag::use_sparse_gradient)
+  // and not its dense gradient, which stays as it was. Collective; before the first step.
+  void use_sparse_table_gradients(ParallelContext& context);
+  // The parameters and gradients that are not tables (the bottom and top layers, in
+  // parameters() order): what a dense optimizer updates when the tables are updated sparsely.
+  // They share the model's storage.
+  std::vector<ShardedTensor> dense_parameters() const;
+  std::vector<ShardedTensor> dense_gradients() const;
   // The interaction's output of the last forward [local_rows, top[0]] (the top MLP's input).
   MatrixView interaction_output() const { return top_input_; }
   // One line per layer with parameters.

@@ -144,6 +144,35 @@ void scatter_parts(ConstMatrixView incoming, ConstMatrixView requests,
       });
 }
 
+// Sparse: grad[slot of id k] += dy[b] (mean: / the bag's count), in the order of scatter_bags.
+void scatter_bags_compact(ConstMatrixView dy, IdView offsets, Kokkos::View<const int64_t*> id_slot,
+                          bool mean, MatrixView grad) {
+  const int64_t bags = static_cast<int64_t>(dy.extent(0));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::embedding_bag_scatter_sparse"),
+      device_range(0, static_cast<int64_t>(dy.extent(1))), KOKKOS_LAMBDA(const int64_t c) {
+        for (int64_t b = 0; b < bags; ++b) {
+          const int64_t count = offsets(b + 1) - offsets(b);
+          const float g = mean && count > 0 ? dy(b, c) / static_cast<float>(count) : dy(b, c);
+          for (int64_t k = offsets(b); k < offsets(b + 1); ++k) grad(id_slot(k), c) += g;
+        }
+      });
+}
+
+// Sparse, owner: each part's gradient into the slots of its ids, in the order of scatter_parts.
+void scatter_parts_compact(ConstMatrixView incoming, Kokkos::View<const int64_t*> id_slot,
+                           Kokkos::View<const int64_t*> part_start, int64_t parts,
+                           MatrixView grad) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::embedding_bag_scatter_parts_sparse"),
+      device_range(0, static_cast<int64_t>(grad.extent(1))), KOKKOS_LAMBDA(const int64_t c) {
+        for (int64_t s = 0; s < parts; ++s) {
+          const float g = incoming(s, c);
+          for (int64_t i = part_start(s); i < part_start(s + 1); ++i) grad(id_slot(i), c) += g;
+        }
+      });
+}
+
 }  // namespace
 
 std::string embedding_weight_name(const std::string& table) {
@@ -415,6 +444,12 @@ void EmbeddingBag::backward(ConstMatrixView dy, const LayerPass& pass) {
                     "], not [", batch_rows_, ", ", dim_, "]");
   MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now || can_leave_gradients_partial(),
                     "embedding table '", table_, "': its gradient reduction cannot be deferred");
+  if (sparse_) {
+    MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now, "embedding table '", table_,
+                      "': a sparse gradient is reduced in backward, never deferred");
+    backward_sparse(dy);
+    return;
+  }
   fill_view(weight_.grad().local, 0.0f);
   if (!row_comm_) {
     backward_replicated(dy);
@@ -438,6 +473,114 @@ void EmbeddingBag::backward_row_wise(ConstMatrixView dy) {
   row_comm_->all_to_all_v(requester_parts_, send_parts_, owner_parts_, recv_parts_);
   scatter_parts(owner_parts_, recv_requests_, part_start_, received_parts_,
                 weight_.grad().matrix());
+}
+
+void EmbeddingBag::use_sparse_gradient(ParallelContext& context) {
+  if (sparse_) return;
+  sparse_ = true;
+  gradient_comm_ = context.comm(layout_.gradient_allreduce);  // nullptr: nothing to sum over
+  const int64_t arriving = row_comm_ ? group_ * max_ids_ : max_ids_;
+  local_touch_capacity_ = std::min(local_rows_, arriving);
+  const int64_t holders = gradient_comm_ ? gradient_comm_->size() : 1;
+  touch_capacity_ = std::min(local_rows_, holders * local_touch_capacity_);
+  const std::string prefix = "embeddings/" + table_ + "/sparse_";
+  const size_t capacity = static_cast<size_t>(std::max<int64_t>(touch_capacity_, 1));
+  slot_of_row_.assign(static_cast<size_t>(local_rows_), -1);
+  touched_host_rows_.assign(capacity, 0);
+  touched_rows_ = Kokkos::View<int64_t*>(prefix + "rows", capacity);
+  touched_rows_host_ = host_mirror(touched_rows_);
+  id_slot_ = Kokkos::View<int64_t*>(prefix + "id_slot",
+                                    static_cast<size_t>(std::max<int64_t>(arriving, 1)));
+  id_slot_host_ = host_mirror(id_slot_);
+  row_grads_ = Matrix(prefix + "grads", capacity, static_cast<size_t>(dim_));
+  if (row_comm_) recv_requests_host_ = host_mirror(recv_requests_);
+  if (gradient_comm_) {
+    const size_t per_rank = static_cast<size_t>(local_touch_capacity_ + 1);
+    touched_send_ = Matrix(prefix + "touched_send", per_rank, 2);
+    touched_recv_ = Matrix(prefix + "touched_recv", per_rank * static_cast<size_t>(holders), 2);
+    touched_send_host_ = host_mirror(touched_send_);
+    touched_recv_host_ = host_mirror(touched_recv_);
+    const size_t gathered = touched_recv_.size() * sizeof(float);
+    gradient_comm_->reserve_staging(gathered, gathered);
+    gradient_comm_->reserve_reductions(capacity * static_cast<size_t>(dim_));
+  }
+}
+
+void EmbeddingBag::touch(int64_t row) {
+  int32_t& slot = slot_of_row_[static_cast<size_t>(row)];
+  if (slot >= 0) return;
+  slot = static_cast<int32_t>(touched_);
+  touched_host_rows_[static_cast<size_t>(touched_++)] = row;
+}
+
+void EmbeddingBag::backward_sparse(ConstMatrixView dy) {
+  // The rows this rank's ids touch (the owner: the ids it received from its group).
+  touched_ = 0;
+  if (!row_comm_) {
+    for (int64_t k = 0; k < ids_; ++k) touch(values_host_(k));
+  } else {
+    const std::pair<int64_t, int64_t> used(0, received_ids_);
+    copy_view(Kokkos::subview(recv_requests_host_, used, Kokkos::ALL),
+              Kokkos::subview(recv_requests_, used, Kokkos::ALL));
+    for (int64_t i = 0; i < received_ids_; ++i) {
+      touch(decode_row(recv_requests_host_(i, 0), recv_requests_host_(i, 1)));
+    }
+  }
+  // Their union over the ranks that hold the same block with other bags: every one of them
+  // updates the same rows, so the compact gradients line up for the all-reduce.
+  if (gradient_comm_) {
+    const int64_t per_rank = local_touch_capacity_ + 1;
+    const auto put = [](Matrix::HostMirror& m, int64_t r, int64_t value) {
+      m(static_cast<size_t>(r), 0) = static_cast<float>(value / kExactInFloat);
+      m(static_cast<size_t>(r), 1) = static_cast<float>(value % kExactInFloat);
+    };
+    put(touched_send_host_, 0, touched_);
+    for (int64_t i = 0; i < touched_; ++i) {
+      put(touched_send_host_, i + 1, touched_host_rows_[static_cast<size_t>(i)]);
+    }
+    copy_view(touched_send_, touched_send_host_);
+    gradient_comm_->all_gather(touched_send_, touched_recv_, 0);
+    copy_view(touched_recv_host_, touched_recv_);
+    for (int j = 0; j < gradient_comm_->size(); ++j) {
+      const int64_t base = j * per_rank;
+      const int64_t count = decode_row(touched_recv_host_(base, 0), touched_recv_host_(base, 1));
+      for (int64_t i = 1; i <= count; ++i) {
+        touch(decode_row(touched_recv_host_(base + i, 0), touched_recv_host_(base + i, 1)));
+      }
+    }
+  }
+  // In row order, the same on every holder; each row's slot is its index.
+  std::sort(touched_host_rows_.begin(), touched_host_rows_.begin() + touched_);
+  for (int64_t i = 0; i < touched_; ++i) {
+    const int64_t row = touched_host_rows_[static_cast<size_t>(i)];
+    slot_of_row_[static_cast<size_t>(row)] = static_cast<int32_t>(i);
+    touched_rows_host_(i) = row;
+  }
+  const int64_t ids = row_comm_ ? received_ids_ : ids_;
+  for (int64_t k = 0; k < ids; ++k) {
+    const int64_t row = row_comm_ ? decode_row(recv_requests_host_(k, 0), recv_requests_host_(k, 1))
+                                  : values_host_(k);
+    id_slot_host_(k) = slot_of_row_[static_cast<size_t>(row)];
+  }
+  for (int64_t i = 0; i < touched_; ++i) {
+    slot_of_row_[static_cast<size_t>(touched_host_rows_[static_cast<size_t>(i)])] = -1;
+  }
+  const std::pair<int64_t, int64_t> touched(0, touched_), arrived(0, ids);
+  copy_view(Kokkos::subview(touched_rows_, touched), Kokkos::subview(touched_rows_host_, touched));
+  copy_view(Kokkos::subview(id_slot_, arrived), Kokkos::subview(id_slot_host_, arrived));
+
+  // The compact gradient: the dense one's sums, in its order, into the touched rows only.
+  const MatrixView grads = row_gradients();
+  fill_view(grads, 0.0f);
+  const bool mean = pooling_ == EmbeddingPooling::mean;
+  if (!row_comm_) {
+    scatter_bags_compact(dy, bags_.offsets, id_slot_, mean, grads);
+  } else {
+    part_gradients(dy, part_bag_, sent_parts_, bags_.offsets, mean, requester_parts_);
+    row_comm_->all_to_all_v(requester_parts_, send_parts_, owner_parts_, recv_parts_);
+    scatter_parts_compact(owner_parts_, id_slot_, part_start_, received_parts_, grads);
+  }
+  if (gradient_comm_ && touched_ > 0) gradient_comm_->all_reduce(grads);
 }
 
 }  // namespace meshtrain

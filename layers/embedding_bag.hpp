@@ -39,10 +39,20 @@
 // Buffers: everything is allocated at construction for `max_ids` ids per rank per step (an owner
 // may receive the whole group's: n x max_ids), so forward() and backward() allocate nothing.
 // Mixed precision is a later slice: fp32 only (bad_input otherwise).
+//
+// Sparse gradients (use_sparse_gradient(), for the row-wise optimizers of layers/
+// sparse_optimizer.hpp): backward then leaves the dense gradient tensor alone and writes only
+// the rows the step touched: touched_rows() (local row indices, sorted, each once; the union
+// over every rank that holds this block: the owners' group, then the batch axes the gradient is
+// summed over) and row_gradients() [touched, dim], the summed gradient of each (the same sums
+// in the same order as the dense gradient's rows, all-reduced over the same axes). Nothing in
+// a step passes over the whole table; the buffers are sized at use_sparse_gradient() from the
+// ids a step can bring (max_ids per rank of the group, capped at the local rows).
 
 #include <Kokkos_Core.hpp>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "framework/core/views.hpp"
@@ -82,6 +92,21 @@ class EmbeddingBag {
   // pass.deferred says. Collective over the row-wise axis (and the batch axes when reduced).
   void backward(ConstMatrixView dy, const LayerPass& pass);
 
+  // Switches backward to sparse gradients (above) and allocates their buffers. Collective (asks
+  // the context for the gradient's communicator); call before the first step.
+  void use_sparse_gradient(ParallelContext& context);
+  bool sparse_gradient() const { return sparse_; }
+  // After a sparse backward: the touched local rows (device, [touched_count()]) and their
+  // gradients [touched_count(), dim] (owned by the layer, valid until the next backward).
+  int64_t touched_count() const { return touched_; }
+  Kokkos::View<const int64_t*> touched_rows() const {
+    return Kokkos::subview(touched_rows_, std::make_pair(int64_t{0}, touched_));
+  }
+  MatrixView row_gradients() const {
+    return MatrixView(row_grads_.data(), static_cast<size_t>(touched_), static_cast<size_t>(dim_));
+  }
+  ShardedTensor& weight() const { return weight_.value(); }
+
   size_t parameter_count() const { return 1; }
   std::vector<ShardedParameter*> sharded_parameters() { return {&weight_}; }
   // Whether the gradient's only communication is its all-reduce over batch axes (deferrable).
@@ -111,6 +136,11 @@ class EmbeddingBag {
   void forward_row_wise(const SparseBags& bags);
   void backward_replicated(ConstMatrixView dy);
   void backward_row_wise(ConstMatrixView dy);
+  // Sparse backward: the touched rows (deduplicated, unioned over the gradient's group), then
+  // the compact gradient, all-reduced over that group.
+  void backward_sparse(ConstMatrixView dy);
+  // Adds local row `row` to the touched set (once).
+  void touch(int64_t row);
 
   std::string table_;
   EmbeddingPooling pooling_ = EmbeddingPooling::sum;
@@ -155,6 +185,23 @@ class EmbeddingBag {
   // [max_ids]; the bag of each part [max_ids].
   Kokkos::View<int64_t*> bag_part_offsets_, bag_parts_, part_bag_;
   Kokkos::View<int64_t*>::HostMirror bag_part_offsets_host_, bag_parts_host_, part_bag_host_;
+
+  // Sparse gradients (use_sparse_gradient). slot_of_row_ [local rows] is -1 except, inside a
+  // backward, for the touched rows (reset after: no pass over the table); id_slot_ maps each id
+  // of the step (replicated: of the bags; row-wise: received at the owner) to its touched row.
+  bool sparse_ = false;
+  Communicator* gradient_comm_ = nullptr;  // the batch axes the gradient is summed over
+  int64_t touched_ = 0, local_touch_capacity_ = 0, touch_capacity_ = 0;
+  std::vector<int32_t> slot_of_row_;
+  std::vector<int64_t> touched_host_rows_;
+  Kokkos::View<int64_t*> touched_rows_, id_slot_;
+  Kokkos::View<int64_t*>::HostMirror touched_rows_host_, id_slot_host_;
+  Matrix row_grads_;  // [touch capacity, dim]
+  // The owner's received requests on the host (row-wise), and the touched-row lists gathered
+  // over gradient_comm_: [local capacity + 1, 2] per rank (a count, then rows as 24-bit halves).
+  Matrix::HostMirror recv_requests_host_;
+  Matrix touched_send_, touched_recv_;
+  Matrix::HostMirror touched_send_host_, touched_recv_host_;
 };
 
 }  // namespace meshtrain

@@ -101,6 +101,14 @@ void DlrmRun::plan_run() {
                to_string(config_.mixed_precision.reduce_dtype) + "\"");
     refuse(config_.data.eval_batch_size && *config_.data.eval_batch_size != config_.data.batch_size,
            "data.eval_batch_size other than data.batch_size");
+    if (config_.optimizer.embeddings != EmbeddingOptimizer::dense &&
+        config_.optimizer.clip_norm > 0) {
+      // The norm would need the tables' gradients, which sparse updates never make whole.
+      MESHTRAIN_BAD_INPUT(where, "optimizer.clip_norm = ", config_.optimizer.clip_norm,
+                          " cannot be used with optimizer.embeddings = \"",
+                          to_string(config_.optimizer.embeddings),
+                          "\" yet (the tables' gradients are never whole); set one of them off");
+    }
     set_matmul_precision(config_.runtime.matmul_precision);
     mesh_ = config_.mesh.resolve(world_size);
     options = plan_options(config_);
@@ -187,8 +195,24 @@ void DlrmRun::build_model() {
                                    FeatureLayout::replicated);
     eval_metrics_ = std::make_unique<EvalMetrics>(LossKind::binary_cross_entropy, *context_, rows,
                                                   1, FeatureLayout::replicated);
+    if (config_.optimizer.embeddings != EmbeddingOptimizer::dense) {
+      const OptimizerSection& opt = config_.optimizer;
+      model_->use_sparse_table_gradients(*context_);
+      SparseOptimizerSettings sparse;
+      sparse.eps = static_cast<float>(opt.embeddings_eps);
+      sparse.beta1 = static_cast<float>(opt.betas.first);
+      sparse.beta2 = static_cast<float>(opt.betas.second);
+      sparse.weight_decay = static_cast<float>(opt.weight_decay);
+      sparse_tables_ = make_sparse_table_optimizer(opt.embeddings, sparse, model_->tables(), *mesh_,
+                                                   context_->rank());
+      optimized_params_ = model_->dense_parameters();
+      optimized_grads_ = model_->dense_gradients();
+    } else {
+      optimized_params_ = model_->parameters();
+      optimized_grads_ = model_->gradients();
+    }
     optimizer_ =
-        std::make_unique<Optimizer>(optimizer_settings(config_.optimizer), model_->parameters());
+        std::make_unique<Optimizer>(optimizer_settings(config_.optimizer), optimized_params_);
     clipper_ = std::make_unique<GradientClipper>(*mesh_, rank_, model_->gradients());
   });
   const OptimizerSection& opt = config_.optimizer;
@@ -219,6 +243,11 @@ void DlrmRun::build_model() {
   checkpoint_.params = model_->parameters();
   for (const std::string& slot : optimizer_->slot_names()) {
     checkpoint_.opt_state.push_back({slot, optimizer_->slot(slot)});
+  }
+  if (sparse_tables_) {
+    for (SparseOptimizerSlot& slot : sparse_tables_->slots()) {
+      checkpoint_.opt_state.push_back({slot.name, std::move(slot.tensors)});
+    }
   }
   checkpointer_ = std::make_unique<Checkpointer>(comm_, config_.checkpoint.async);
 }
@@ -296,7 +325,13 @@ double DlrmRun::step() {
   }
   lr_ = static_cast<float>(lr_schedule_.at(steps_done_));
   checkpointer_->wait_snapshot();  // a save in flight has copied the tensors
-  optimizer_->step(model_->parameters(), model_->gradients(), lr_);
+  optimizer_->step(optimized_params_, optimized_grads_, lr_);
+  if (sparse_tables_) {
+    // The tables' rate follows lr's schedule: embeddings_lr / lr times the step's rate.
+    const OptimizerSection& opt = config_.optimizer;
+    const double table_lr = opt.embeddings_lr > 0 ? lr_ * (opt.embeddings_lr / opt.lr) : lr_;
+    sparse_tables_->step(model_->tables(), static_cast<float>(table_lr));
+  }
   ++steps_done_;
   return result.loss;
 }

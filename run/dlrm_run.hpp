@@ -6,8 +6,9 @@
 //   layers' context -> the data: the dense features and click labels of data.path / test_path
 //   (x_key, y_key; streamed as every HDF5 source) and the sparse features of the same files
 //   (data.sparse_key, SparseHdf5Reader), this rank's rows of every batch in the same order ->
-//   the model (Dlrm), its loss (binary cross entropy) and optimizer (the dense AdamW or SGD over
-//   every parameter, the tables included: sparse updates are a later slice) -> the checkpoint
+//   the model (Dlrm), its loss (binary cross entropy) and optimizer (optimizer.kind, AdamW or SGD,
+//   over every parameter, or with a sparse optimizer.embeddings over the linear layers only, the
+//   tables then updated in their touched rows by layers/sparse_optimizer.hpp) -> the checkpoint
 //   view of the live tensors -> resume from the latest checkpoint when checkpoint.resume (the
 //   tables resharded onto this mesh by the generic checkpoint code), else checkpoint.init_from's
 //   parameters when set, else the initializer.
@@ -45,6 +46,7 @@
 #include "layers/dlrm.hpp"
 #include "layers/eval_metrics.hpp"
 #include "layers/loss.hpp"
+#include "layers/sparse_optimizer.hpp"
 #include "partition/planner.hpp"
 #include "run/progress_window.hpp"
 
@@ -104,6 +106,8 @@ class DlrmRun {
   const ShardingPlan& plan() const { return *plan_; }
   Dlrm& model() { return *model_; }
   Optimizer& optimizer() { return *optimizer_; }
+  // The tables' sparse optimizer (optimizer.embeddings other than "dense"), else nullptr.
+  SparseTableOptimizer* sparse_tables() { return sparse_tables_.get(); }
   int64_t steps_done() const { return steps_done_; }
   int64_t total_steps() const { return total_steps_; }
   bool finished() const { return steps_done_ >= total_steps_; }
@@ -149,6 +153,10 @@ class DlrmRun {
   std::unique_ptr<Loss> loss_;
   std::unique_ptr<EvalMetrics> eval_metrics_;
   std::unique_ptr<Optimizer> optimizer_;
+  // Sparse table updates: the tables' optimizer, and what optimizer_ updates then (the linear
+  // layers' parameters and gradients; with dense tables, every parameter).
+  std::unique_ptr<SparseTableOptimizer> sparse_tables_;
+  std::vector<ShardedTensor> optimized_params_, optimized_grads_;
   std::unique_ptr<GradientClipper> clipper_;
   Communicator* world_ = nullptr;
   LrSchedule lr_schedule_;

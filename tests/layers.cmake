@@ -60,3 +60,9 @@ meshtrain_add_test(NAME layers_embedding_bag_test SOURCES layers/embedding_bag_t
 # fsdp x dp with replicated and row-wise tables against one rank; dot and cat; the refusals.
 meshtrain_add_test(NAME layers_dlrm_test SOURCES layers/dlrm_test.cpp
                    LIBS meshtrain_layers meshtrain_test_counting_allocator NP 1 2 4 TIMEOUT 120)
+# Sparse table updates (layers/sparse_optimizer.hpp, issue 39 item 4): row-wise Adagrad of the
+# touched rows only, replicated and row-wise on dp, fsdp, fsdp x dp and dp x tp, against a
+# float64 reference; untouched rows bit for bit, empty bags, repeated ids, one shard's ids.
+meshtrain_add_test(NAME layers_sparse_optimizer_test SOURCES layers/sparse_optimizer_test.cpp
+                   LIBS meshtrain_layers meshtrain_test_counting_allocator NP 1 2 4 TIMEOUT 120
+                   BACKENDS mpi nccl EMULATED)

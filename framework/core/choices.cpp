@@ -79,6 +79,14 @@ const ChoiceTable<OptimizerKind>& optimizer_kind_choices() {
   return table;
 }
 
+const ChoiceTable<EmbeddingOptimizer>& embedding_optimizer_choices() {
+  static const ChoiceTable<EmbeddingOptimizer> table = {
+      {"dense", EmbeddingOptimizer::dense},
+      {"rowwise_adagrad", EmbeddingOptimizer::rowwise_adagrad},
+      {"sparse_adamw", EmbeddingOptimizer::sparse_adamw}};
+  return table;
+}
+
 const ChoiceTable<CollectiveMatmulAlgorithm>& collective_matmul_choices() {
   static const ChoiceTable<CollectiveMatmulAlgorithm> table = {
       {"naive", CollectiveMatmulAlgorithm::naive},
@@ -266,6 +274,9 @@ const char* to_string(LossKind value) {
 }
 const char* to_string(OptimizerKind value) {
   return name_of(optimizer_kind_choices(), value);
+}
+const char* to_string(EmbeddingOptimizer value) {
+  return name_of(embedding_optimizer_choices(), value);
 }
 const char* to_string(CollectiveMatmulAlgorithm value) {
   return name_of(collective_matmul_choices(), value);

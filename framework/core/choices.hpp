@@ -12,6 +12,7 @@
 //   model.loss                    LossKind                   cross_entropy | mse | huber | mae | binary_cross_entropy
 //                                                            (config: also auto)
 //   optimizer.kind                OptimizerKind              sgd | adamw
+//   optimizer.embeddings          EmbeddingOptimizer         dense | rowwise_adagrad | sparse_adamw
 //   optimizer.schedule            LrScheduleKind             constant | linear | cosine
 //   partition.collective_matmul   CollectiveMatmulAlgorithm  naive | ring | bidirectional | auto
 //   runtime.backend               CommBackendChoice          auto | mpi | nccl
@@ -68,6 +69,10 @@ constexpr bool is_regression(LossKind kind) {
   return kind == LossKind::mse || kind == LossKind::huber || kind == LossKind::mae;
 }
 enum class OptimizerKind { sgd, adamw };
+// How a dlrm's embedding tables are updated: dense (optimizer.kind over every row, as every
+// parameter), or only the rows a step touched (layers/sparse_optimizer.hpp) by rowwise_adagrad
+// or sparse_adamw (AdamW with lazy moments).
+enum class EmbeddingOptimizer { dense, rowwise_adagrad, sparse_adamw };
 enum class LrScheduleKind { constant, linear, cosine };
 enum class CommBackendChoice { automatic, mpi, nccl };
 // The MPI backend's blocking sums (framework/comm/reduction_choice.hpp): the MPI library's
@@ -136,6 +141,7 @@ const ChoiceTable<Activation>& activation_choices();
 const ChoiceTable<InitScheme>& init_scheme_choices();
 const ChoiceTable<LossKind>& loss_kind_choices();
 const ChoiceTable<OptimizerKind>& optimizer_kind_choices();
+const ChoiceTable<EmbeddingOptimizer>& embedding_optimizer_choices();
 const ChoiceTable<CollectiveMatmulAlgorithm>& collective_matmul_choices();
 const ChoiceTable<LrScheduleKind>& lr_schedule_choices();
 const ChoiceTable<CommBackendChoice>& comm_backend_choices();
@@ -193,6 +199,7 @@ const char* to_string(Activation value);
 const char* to_string(InitScheme value);
 const char* to_string(LossKind value);
 const char* to_string(OptimizerKind value);
+const char* to_string(EmbeddingOptimizer value);
 const char* to_string(CollectiveMatmulAlgorithm value);
 const char* to_string(LrScheduleKind value);
 const char* to_string(CommBackendChoice value);

@@ -133,6 +133,12 @@ struct OptimizerSection {
   // update are split over dp (gradients reduce-scattered, parameters all-gathered). With
   // dp = 1 the two are the same.
   int64_t zero_stage = 0;
+  // A dlrm's tables (docs/recsys.md, "Sparse updates"): dense (kind over every row), or only
+  // the touched rows by rowwise_adagrad or sparse_adamw (betas and weight_decay as above), at
+  // embeddings_lr (0: lr) on lr's schedule, with embeddings_eps.
+  EmbeddingOptimizer embeddings = EmbeddingOptimizer::dense;
+  double embeddings_lr = 0.0;
+  double embeddings_eps = 1e-8;
 };
 
 struct TrainSection {

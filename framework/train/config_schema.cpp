@@ -471,6 +471,21 @@ const std::vector<ConfigKey>& config_keys() {
         "optimizer", "zero_stage", FIELD(optimizer.zero_stage),
         between(0, 1, false, "optimizer state replicated over dp; 1: split over dp (ZeRO-1)"),
         kFileCommands, "whether the optimizer state is split over dp"));
+    k.push_back(make_key("optimizer", "embeddings",
+                         NAMED(optimizer.embeddings, embedding_optimizer_choices()), any_value(),
+                         kFileCommands,
+                         "dlrm: how the tables are updated: dense (`kind` over every row), or "
+                         "only the rows a step touched by rowwise_adagrad (TorchRec's fused "
+                         "default) or sparse_adamw (lazy moments, `betas`, `weight_decay`; "
+                         "[recsys.md](recsys.md#sparse-updates))")
+                    .only_when(unless_dlrm));
+    k.push_back(make_key("optimizer", "embeddings_lr", FIELD(optimizer.embeddings_lr),
+                         non_negative("optimizer.lr"), kFileCommands,
+                         "dlrm: the tables' rate with sparse updates (on `lr`'s schedule)")
+                    .only_when(unless_dlrm));
+    k.push_back(make_key("optimizer", "embeddings_eps", FIELD(optimizer.embeddings_eps), positive(),
+                         kFileCommands, "dlrm: the sparse updates' epsilon")
+                    .only_when(unless_dlrm));
     // --- [train] -------------------------------------------------------------------------
     k.push_back(make_key("train", "epochs", FIELD(train.epochs), at_least(1), kFileCommands,
                          "the run's length in epochs (exactly one of epochs and steps to train)")

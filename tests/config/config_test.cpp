@@ -39,6 +39,14 @@ std::string minimal(const std::string& extra = "") {
          extra;
 }
 
+// A small config of kind = "dlrm" (docs/recsys.md), for the keys only it takes.
+std::string minimal_dlrm() {
+  return "[model]\nkind = \"dlrm\"\nbottom = [13, 8]\ntop = [9, 1]\n"
+         "[[model.tables]]\nname = \"t00\"\nrows = 10\n"
+         "[data]\nsource = \"hdf5\"\npath = \"data/train.h5\"\nx_key = \"/dense\"\n"
+         "y_key = \"/label\"\n[train]\nsteps = 5\n";
+}
+
 RunConfig parse(const std::string& text, const std::vector<std::string>& overrides = {}) {
   return parse_config(text, kFile, overrides);
 }
@@ -921,14 +929,20 @@ TEST(Config, NonFiniteNumbersAreRefusedFromFilesAndFromCode) {
       SCOPED_TRACE(name + " = " + std::to_string(bad));
       const std::string text = std::isnan(bad) ? "nan" : "inf";
       // loss = "huber": every number key applies (model.huber_delta is huber's); the [stream]
-      // keys apply with data.source = "stream".
+      // keys apply with data.source = "stream"; the keys of kind = "dlrm" in a dlrm config.
       const bool stream = std::string(key.section) == "stream";
-      std::vector<std::string> overrides = {name + "=" + text, "model.loss=\"huber\""};
+      RunConfig mlp = parse(minimal());
+      mlp.model.loss = LossKind::huber;
+      const char* reason = key.not_for ? key.not_for(mlp) : nullptr;
+      const bool dlrm = reason && std::string(reason).find("dlrm") != std::string::npos;
+      const std::string base = dlrm ? minimal_dlrm() : minimal();
+      std::vector<std::string> overrides = {name + "=" + text};
+      if (!dlrm) overrides.push_back("model.loss=\"huber\"");
       if (stream) overrides.push_back("data.source=\"stream\"");
-      expect_config_error(minimal(), {"[" + std::string(key.section) + "] " + key.name, "finite"},
+      expect_config_error(base, {"[" + std::string(key.section) + "] " + key.name, "finite"},
                           overrides);
-      RunConfig in_code = parse(minimal());
-      in_code.model.loss = LossKind::huber;
+      RunConfig in_code = parse(base);
+      if (!dlrm) in_code.model.loss = LossKind::huber;
       if (stream) in_code.data.source = DataSource::stream;
       *std::get<double*>(key.at(in_code)) = bad;
       expect_bad_input([&] { check_config(in_code); }, {name, "finite"});

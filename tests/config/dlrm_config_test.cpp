@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 
 #include "framework/train/config.hpp"
 #include "tests/support/expect_error.hpp"
@@ -107,6 +108,35 @@ TEST(DlrmConfig, WritesBackTheSameValues) {
     EXPECT_EQ(b.model.tables[i].pooling, a.model.tables[i].pooling);
   }
   EXPECT_EQ(b.data.sparse_key, "/cats");
+}
+
+// optimizer.embeddings (docs/recsys.md, "Sparse updates"): dense by default; the sparse
+// optimizers with their rate and epsilon read and written back; a wrong name and the keys outside
+// kind = "dlrm" refused naming the key.
+TEST(DlrmConfig, ReadsTheTablesOptimizer) {
+  const RunConfig plain = parse(dlrm());
+  EXPECT_EQ(plain.optimizer.embeddings, EmbeddingOptimizer::dense);
+  EXPECT_EQ(plain.optimizer.embeddings_lr, 0.0);
+  for (const auto& [name, kind] : {std::pair<std::string, EmbeddingOptimizer>{
+                                       "rowwise_adagrad", EmbeddingOptimizer::rowwise_adagrad},
+                                   {"sparse_adamw", EmbeddingOptimizer::sparse_adamw}}) {
+    const RunConfig a = parse(dlrm("", "[optimizer]\nembeddings = \"" + name +
+                                           "\"\nembeddings_lr = 0.05\nembeddings_eps = 1e-6\n"));
+    EXPECT_EQ(a.optimizer.embeddings, kind);
+    EXPECT_EQ(a.optimizer.embeddings_lr, 0.05);
+    EXPECT_EQ(a.optimizer.embeddings_eps, 1e-6);
+    const RunConfig b = parse(config_to_toml(a));
+    EXPECT_EQ(b.optimizer.embeddings, kind);
+    EXPECT_EQ(b.optimizer.embeddings_lr, 0.05);
+    EXPECT_EQ(b.optimizer.embeddings_eps, 1e-6);
+  }
+  expect_config_error(dlrm("", "[optimizer]\nembeddings = \"adagrad\"\n"),
+                      {"[optimizer] embeddings", "\"adagrad\"", "rowwise_adagrad"});
+  expect_config_error(dlrm("", "[optimizer]\nembeddings_eps = 0\n"), {"embeddings_eps"});
+  expect_config_error(
+      "[model]\nsizes = [4, 3]\n[train]\nsteps = 5\n[optimizer]\nembeddings = "
+      "\"rowwise_adagrad\"\n",
+      {"embeddings", "kind = \"dlrm\""});
 }
 
 TEST(DlrmConfig, RefusesInconsistentShapesInOneSentence) {

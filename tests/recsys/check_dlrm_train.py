@@ -21,7 +21,19 @@ where their rows divide, the rest replicated). Modes:
   bad_id  an id outside its table in one row of the training file: exit 2 with one sentence
           naming the table, the file and the global row, the same error on every rank (one
           "meshtrain: error" line, no rank left hanging); the tables moved to another group
-          are read through data.sparse_key, and without it the missing table is named.
+          are read through data.sparse_key, and without it the missing table is named;
+          optimizer.clip_norm with optimizer.embeddings = "rowwise_adagrad" is refused (exit 2,
+          one sentence naming both keys).
+
+  train_rowwise_adagrad, resume_rowwise_adagrad, resume_sparse_adamw
+          train and resume with optimizer.embeddings = "rowwise_adagrad" or "sparse_adamw" (the
+          tables updated in the rows a step touched; the linear layers by AdamW): the same
+          checks (the resume: bit for bit on 2 ranks, the state resharded 2 -> 4 with its
+          table), and also: the checkpoints hold each table's state under the optimizer's slots
+          (/opt_state/rowwise_adagrad/embeddings/<t>/weight [rows], or sparse_adamw_m and _v
+          [rows, dim] and sparse_adamw_steps [rows]), not all zero, and no AdamW moments of a
+          table; train: every table of np 2's and np 4's step-40 checkpoint within 1e-4
+          (absolute) of np 1's.
 
   check_dlrm_train.py MODE SCRIPT CONFIG WORK_DIR -- MPIEXEC... MESHTRAIN
 """
@@ -33,6 +45,17 @@ import sys
 
 import h5py
 import numpy as np
+
+# `--set`s every training run of the mode gets (the modes ending in a sparse optimizer's name),
+# and the checkpoint slots of that optimizer with their shape per table ("rows" or "rows, dim").
+EXTRA_SETS = []
+SPARSE = {
+    "rowwise_adagrad": {"rowwise_adagrad": "rows"},
+    "sparse_adamw": {"sparse_adamw_m": "rows, dim", "sparse_adamw_v": "rows, dim",
+                     "sparse_adamw_steps": "rows"},
+}
+SPARSE_LR = {"rowwise_adagrad": 0.05, "sparse_adamw": 0.01}
+SLOTS = {}
 
 
 def fail(message):
@@ -59,7 +82,8 @@ def run(launcher, np_, command, work, *args, expect=0):
 
 
 def train(launcher, np_, config, work, out, *sets):
-    run(launcher, np_, "train", work, config, "--set", f'run.output_dir="{out}"', *sets)
+    run(launcher, np_, "train", work, config, "--set", f'run.output_dir="{out}"', *EXTRA_SETS,
+        *sets)
     losses, evals = {}, []
     with open(os.path.join(work, out, "metrics.jsonl")) as f:
         for line in f:
@@ -93,6 +117,8 @@ def mode_train(launcher, config, work):
             for key in ("test_auc", "test_log_loss"):
                 if abs(mine[key] - ref[key]) > 1e-4:
                     fail(f"np {np_}: {key} at step {mine['step']} is {mine[key]}, np 1's {ref[key]}")
+    if EXTRA_SETS:
+        check_sparse_tables(work)
     final = runs[2][1][-1]
     with h5py.File(os.path.join(work, "data", "test.h5"), "r") as f:
         teacher = float(f.attrs["teacher_auc"])
@@ -153,6 +179,42 @@ def tensors(path):
     return out
 
 
+def check_sparse_state(path):
+    """The sparse optimizer's state of every table in the checkpoint at `path`, and no AdamW
+    moments of a table; returns the checkpoint's tensors."""
+    found = tensors(path)
+    tables = [k for k in found if k.startswith("params/embeddings/")]
+    if len(tables) != 26:
+        fail(f"{path} holds {len(tables)} tables, not 26")
+    for name in tables:
+        table = name[len("params/"):]
+        rows, dim = found[name].shape
+        for slot, shape in SLOTS.items():
+            state = f"opt_state/{slot}/{table}"
+            want = (rows,) if shape == "rows" else (rows, dim)
+            if state not in found or found[state].shape != want:
+                fail(f"{path} has no {state} of shape {list(want)}")
+            if not found[state].any():
+                fail(f"{path}: {state} is all zero")
+        for slot in ("m", "v"):
+            if f"opt_state/{slot}/{table}" in found:
+                fail(f"{path} holds AdamW's {slot} of {name}")
+    return found
+
+
+def check_sparse_tables(work):
+    """The tables after 40 steps on 2 and 4 ranks against 1 rank's, with their state."""
+    ref = check_sparse_state(os.path.join(work, "np1", "checkpoints", "ckpt-000040.h5"))
+    for np_ in (2, 4):
+        got = check_sparse_state(os.path.join(work, f"np{np_}", "checkpoints", "ckpt-000040.h5"))
+        for name in ref:
+            if not name.startswith("params/embeddings/"):
+                continue
+            diff = float(np.max(np.abs(got[name] - ref[name])))
+            if diff > 1e-4:
+                fail(f"np {np_}: {name} after 40 steps differs from np 1's by {diff}")
+
+
 def mode_resume(launcher, config, work):
     whole, _ = train(launcher, 2, config, work, "whole")
     train(launcher, 2, config, work, "parts", "--set", "train.steps=20")
@@ -163,6 +225,8 @@ def mode_resume(launcher, config, work):
             fail(f"the resumed run's loss of step {step} is {resumed.get(step)}, "
                  f"the uninterrupted run's {whole[step]}")
     a = tensors(os.path.join(work, "whole", "checkpoints", "ckpt-000040.h5"))
+    if SLOTS:
+        check_sparse_state(os.path.join(work, "whole", "checkpoints", "ckpt-000040.h5"))
     b = tensors(os.path.join(work, "parts", "checkpoints", "ckpt-000040.h5"))
     if sorted(a) != sorted(b) or not any(k.startswith("params/embeddings/") for k in a):
         fail(f"the checkpoints hold other datasets: {sorted(a)} and {sorted(b)}")
@@ -217,12 +281,28 @@ def mode_bad_id(launcher, config, work):
     if len(errors) != 1 or want not in errors[0]:
         fail(f"expected one error line with {want!r}, got {done.stderr!r}")
     print(f"dlrm sparse_key: read from /features; {errors[0]}")
+    # Clipping needs the tables' whole gradients, which sparse updates never make.
+    done = run(launcher, 2, "train", work, config, "--set", 'run.output_dir="clip"',
+               "--set", 'optimizer.embeddings="rowwise_adagrad"', "--set", "optimizer.clip_norm=1",
+               expect=2)
+    want = ('optimizer.clip_norm = 1 cannot be used with optimizer.embeddings = '
+            '"rowwise_adagrad" yet')
+    errors = [line for line in done.stderr.splitlines() if "meshtrain: error" in line]
+    if len(errors) != 1 or want not in errors[0]:
+        fail(f"expected one error line with {want!r}, got {done.stderr!r}")
+    print(f"dlrm clip_norm with sparse tables: {errors[0]}")
 
 
 def main():
     if len(sys.argv) < 7 or sys.argv[5] != "--":
         fail("usage: check_dlrm_train.py MODE SCRIPT CONFIG WORK_DIR -- MPIEXEC... MESHTRAIN")
     mode, script, config, work = sys.argv[1:5]
+    for optimizer, slots in SPARSE.items():
+        if mode.endswith("_" + optimizer):
+            EXTRA_SETS.extend(["--set", f'optimizer.embeddings="{optimizer}"',
+                               "--set", f"optimizer.embeddings_lr={SPARSE_LR[optimizer]}"])
+            SLOTS.update(slots)
+            mode = mode[: -len("_" + optimizer)]
     launcher = sys.argv[6:]
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)

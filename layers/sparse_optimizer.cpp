@@ -1,0 +1,144 @@
+#include "layers/sparse_optimizer.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <cmath>
+
+#include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
+#include "framework/core/kernel_label.hpp"
+#include "framework/core/kokkos_math.hpp"
+
+namespace meshtrain {
+namespace {
+
+// The kernels, as free functions: nvcc rejects a device lambda inside a private member.
+
+// One thread per touched row: its mean squared gradient (columns in order), the accumulator,
+// then the row.
+void rowwise_adagrad_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView grads,
+                          MatrixView weight, VectorView state, float lr, float eps) {
+  const int64_t dim = static_cast<int64_t>(grads.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::rowwise_adagrad"),
+      device_range(0, static_cast<int64_t>(rows.extent(0))), KOKKOS_LAMBDA(const int64_t r) {
+        const int64_t row = rows(r);
+        float squares = 0.0f;
+        for (int64_t c = 0; c < dim; ++c) squares += grads(r, c) * grads(r, c);
+        const float sum = state(row) + squares / static_cast<float>(dim);
+        state(row) = sum;
+        const float multiplier = lr / (kmath::sqrt(sum) + eps);
+        for (int64_t c = 0; c < dim; ++c) weight(row, c) -= multiplier * grads(r, c);
+      });
+}
+
+// One thread per touched row: its step count, then AdamW's update of its elements, written as
+// Optimizer's adamw_update (framework/train/optimizer.cpp) so that a row touched by every step
+// gets the same floats.
+void sparse_adamw_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView grads, MatrixView weight,
+                       MatrixView m, MatrixView v, VectorView steps, float lr,
+                       const SparseOptimizerSettings s) {
+  const int64_t dim = static_cast<int64_t>(grads.extent(1));
+  const float decay = 1.0f - lr * s.weight_decay;
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::sparse_adamw"),
+      device_range(0, static_cast<int64_t>(rows.extent(0))), KOKKOS_LAMBDA(const int64_t r) {
+        const int64_t row = rows(r);
+        const float k = steps(row) + 1.0f;
+        steps(row) = k;
+        const double t = static_cast<double>(k);
+        const float correction1 = static_cast<float>(1.0 - kmath::pow(double(s.beta1), t));
+        const float correction2 = static_cast<float>(1.0 - kmath::pow(double(s.beta2), t));
+        const float step_size = lr / correction1;
+        const float inv_correction2 = 1.0f / correction2;
+        for (int64_t c = 0; c < dim; ++c) {
+          const float grad = grads(r, c);
+          const float mi = s.beta1 * m(row, c) + (1.0f - s.beta1) * grad;
+          const float vi = s.beta2 * v(row, c) + (1.0f - s.beta2) * grad * grad;
+          m(row, c) = mi;
+          v(row, c) = vi;
+          weight(row, c) =
+              weight(row, c) * decay - step_size * mi / (kmath::sqrt(vi * inv_correction2) + s.eps);
+        }
+      });
+}
+
+void require_sparse(const EmbeddingBag& table, const char* optimizer) {
+  MESHTRAIN_REQUIRE(table.sparse_gradient(), "embedding table '", table.table(), "': ", optimizer,
+                    " needs its sparse gradient (EmbeddingBag::use_sparse_gradient)");
+}
+
+// A tensor named and sharded like the table's rows: [rows] (per_row) or [rows, dim].
+ShardedTensor like_table(const EmbeddingBag& table, bool per_row, const Mesh& mesh, int rank) {
+  const ShardedTensor& w = table.weight();
+  ShardedTensor t = per_row ? ShardedTensor::allocate(w.name, {w.global_shape[0]},
+                                                      w.spec.with_rank(1), mesh, rank)
+                            : ShardedTensor::allocate(w.name, w.global_shape, w.spec, mesh, rank);
+  MESHTRAIN_REQUIRE(t.box.elements() == table.local_rows() * (per_row ? 1 : table.dim()),
+                    "embedding table '", table.table(),
+                    "': its optimizer state does not match its rows here");
+  return t;
+}
+
+void require_same_tables(const std::vector<EmbeddingBag>& tables, size_t built) {
+  MESHTRAIN_REQUIRE(tables.size() == built, "sparse table optimizer: ", tables.size(),
+                    " tables, built for ", built);
+}
+
+}  // namespace
+
+RowwiseAdagrad::RowwiseAdagrad(const std::vector<EmbeddingBag>& tables, float eps, const Mesh& mesh,
+                               int rank)
+    : eps_(eps) {
+  for (const EmbeddingBag& table : tables) {
+    require_sparse(table, "row-wise Adagrad");
+    state_.push_back(like_table(table, /*per_row=*/true, mesh, rank));
+  }
+}
+
+void RowwiseAdagrad::step(const std::vector<EmbeddingBag>& tables, float lr) {
+  require_same_tables(tables, state_.size());
+  for (size_t t = 0; t < tables.size(); ++t) {
+    const EmbeddingBag& table = tables[t];
+    if (table.touched_count() == 0) continue;
+    rowwise_adagrad_rows(table.touched_rows(), table.row_gradients(), table.weight().matrix(),
+                         state_[t].local, lr, eps_);
+  }
+}
+
+SparseAdamW::SparseAdamW(const std::vector<EmbeddingBag>& tables,
+                         const SparseOptimizerSettings& settings, const Mesh& mesh, int rank)
+    : settings_(settings) {
+  for (const EmbeddingBag& table : tables) {
+    require_sparse(table, "sparse AdamW");
+    m_.push_back(like_table(table, /*per_row=*/false, mesh, rank));
+    v_.push_back(like_table(table, /*per_row=*/false, mesh, rank));
+    steps_.push_back(like_table(table, /*per_row=*/true, mesh, rank));
+  }
+}
+
+void SparseAdamW::step(const std::vector<EmbeddingBag>& tables, float lr) {
+  require_same_tables(tables, m_.size());
+  for (size_t t = 0; t < tables.size(); ++t) {
+    const EmbeddingBag& table = tables[t];
+    if (table.touched_count() == 0) continue;
+    sparse_adamw_rows(table.touched_rows(), table.row_gradients(), table.weight().matrix(),
+                      m_[t].matrix(), v_[t].matrix(), steps_[t].local, lr, settings_);
+  }
+}
+
+std::unique_ptr<SparseTableOptimizer> make_sparse_table_optimizer(
+    EmbeddingOptimizer kind, const SparseOptimizerSettings& settings,
+    const std::vector<EmbeddingBag>& tables, const Mesh& mesh, int rank) {
+  switch (kind) {
+    case EmbeddingOptimizer::rowwise_adagrad:
+      return std::make_unique<RowwiseAdagrad>(tables, settings.eps, mesh, rank);
+    case EmbeddingOptimizer::sparse_adamw:
+      return std::make_unique<SparseAdamW>(tables, settings, mesh, rank);
+    case EmbeddingOptimizer::dense:
+      break;
+  }
+  MESHTRAIN_REQUIRE(false, "make_sparse_table_optimizer: the dense kind has no sparse optimizer");
+  return nullptr;
+}
+
+}  // namespace meshtrain

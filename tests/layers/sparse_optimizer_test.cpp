@@ -1,0 +1,453 @@
+// Sparse updates of embedding tables (layers/sparse_optimizer.hpp, EmbeddingBag's sparse
+// gradient; issue 39 item 4) on every mesh of the embedding bag's test, against a float64
+// reference of row-wise Adagrad written here from the data alone.
+//
+// Data: a table [48, 6] of values in [-1, 1), three steps of a global batch of 16 bags (bags 2,
+// 7 and 12 empty, bag 3 with a repeated id, the others 1 to 6 ids) with their dy; every rank makes
+// the same global values from one seed. Ids `spread` (over the whole table) or `one shard` (all
+// below 12, the rows owner 0 holds on every mesh here: the other owners touch nothing).
+//
+// Per step, on every rank: the touched rows are exactly the distinct ids of the global batch
+// inside this rank's block; their gradients equal the float64 sums within 1e-5; after row-wise
+// Adagrad (lr 0.1, eps 1e-8) the block of the table and of the accumulator equal the float64
+// reference within 1e-5, and every row no step has touched so far is the initial value bit for
+// bit (its accumulator 0). Where no all-reduce follows the owners (the row axes cover every batch
+// axis of size > 1, or one rank), the compact gradient is bit for bit the dense gradient's rows
+// (the same sums in the same order). A step (forward, backward, update) allocates nothing.
+// The same for sparse AdamW (lr 0.05, betas 0.9 / 0.99, eps 1e-8, weight decay 0.1) against a
+// float64 reference with lazy moments and per-row step counts: untouched rows, their moments and
+// counts unchanged bit for bit. And on one rank, a table whose every row every step touches:
+// sparse AdamW is dense AdamW (framework/train/optimizer.hpp) bit for bit.
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "framework/comm/mesh_communicators.hpp"
+#include "framework/core/sharded_tensor.hpp"
+#include "framework/train/optimizer.hpp"
+#include "layers/context.hpp"
+#include "layers/embedding_bag.hpp"
+#include "layers/sparse_optimizer.hpp"
+#include "partition/mesh.hpp"
+#include "partition/partition_spec.hpp"
+#include "tests/support/backend.hpp"
+#include "tests/support/counting_allocator.hpp"
+#include "tests/support/full_tensor.hpp"
+#include "tests/support/mesh_cases.hpp"
+#include "tests/support/world.hpp"
+
+namespace meshtrain {
+namespace {
+
+constexpr int64_t kRows = 48, kDim = 6, kBatch = 16, kSteps = 3;
+constexpr int64_t kOneShardRows = 12;
+constexpr double kEps = 1e-8, kTolerance = 1e-5;
+constexpr double kBeta1 = 0.9, kBeta2 = 0.99, kDecay = 0.1;
+
+enum class Kind { adagrad, adamw };
+double rate(Kind kind) {
+  return kind == Kind::adagrad ? 0.1 : 0.05;
+}
+const std::string kTable = "cat";
+
+enum class Ids { spread, one_shard };
+
+double uniform(std::mt19937_64& rng) {
+  return static_cast<double>(rng() >> 11) * 0x1.0p-53 * 2.0 - 1.0;
+}
+
+// One step's global batch as CSR and its dy [kBatch, kDim].
+struct Batch {
+  std::vector<int64_t> offsets, ids;
+  std::vector<float> dy;
+};
+
+Batch make_batch(Ids which, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const uint64_t range = which == Ids::one_shard ? kOneShardRows : kRows;
+  Batch b;
+  b.offsets.push_back(0);
+  for (int64_t bag = 0; bag < kBatch; ++bag) {
+    if (bag % 5 != 2) {  // bags 2, 7, 12 stay empty
+      const int64_t count = 1 + static_cast<int64_t>(rng() % 6);
+      for (int64_t k = 0; k < count; ++k) b.ids.push_back(static_cast<int64_t>(rng() % range));
+      if (bag == 3) b.ids.push_back(b.ids.back());  // a repeated id
+    }
+    b.offsets.push_back(static_cast<int64_t>(b.ids.size()));
+  }
+  for (int64_t i = 0; i < kBatch * kDim; ++i) b.dy.push_back(static_cast<float>(uniform(rng)));
+  return b;
+}
+
+std::vector<float> initial_table() {
+  std::mt19937_64 rng(99);
+  std::vector<float> t;
+  for (int64_t i = 0; i < kRows * kDim; ++i) t.push_back(static_cast<float>(uniform(rng)));
+  return t;
+}
+
+// The float64 reference: the table, the optimizer's state and which rows any step has touched.
+struct Reference {
+  Kind kind;
+  std::vector<double> table, state = std::vector<double>(kRows, 0.0);     // adagrad; adamw: counts
+  std::vector<double> m = std::vector<double>(kRows * kDim, 0.0), v = m;  // adamw
+  std::vector<bool> touched = std::vector<bool>(kRows, false);
+  std::vector<double> last_grad;  // the last step's [kRows, kDim]
+  std::vector<bool> last_touched;
+
+  Reference(Kind k, const std::vector<float>& start) : kind(k), table(start.begin(), start.end()) {}
+
+  void step(const Batch& b, bool mean) {
+    last_grad.assign(kRows * kDim, 0.0);
+    last_touched.assign(kRows, false);
+    for (int64_t bag = 0; bag < kBatch; ++bag) {
+      const int64_t begin = b.offsets[bag], end = b.offsets[bag + 1];
+      const double scale = mean && end > begin ? 1.0 / static_cast<double>(end - begin) : 1.0;
+      for (int64_t k = begin; k < end; ++k) {
+        const int64_t row = b.ids[k];
+        last_touched[row] = touched[row] = true;
+        for (int64_t c = 0; c < kDim; ++c)
+          last_grad[row * kDim + c] += b.dy[bag * kDim + c] * scale;
+      }
+    }
+    const double lr = rate(kind);
+    for (int64_t r = 0; r < kRows; ++r) {
+      if (!last_touched[r]) continue;
+      const double* g = &last_grad[r * kDim];
+      if (kind == Kind::adagrad) {
+        double squares = 0.0;
+        for (int64_t c = 0; c < kDim; ++c) squares += g[c] * g[c];
+        state[r] += squares / kDim;
+        for (int64_t c = 0; c < kDim; ++c) {
+          table[r * kDim + c] -= lr * g[c] / (std::sqrt(state[r]) + kEps);
+        }
+        continue;
+      }
+      const double k = state[r] += 1.0;  // this row's steps
+      for (int64_t c = 0; c < kDim; ++c) {
+        const size_t i = static_cast<size_t>(r * kDim + c);
+        m[i] = kBeta1 * m[i] + (1 - kBeta1) * g[c];
+        v[i] = kBeta2 * v[i] + (1 - kBeta2) * g[c] * g[c];
+        const double m_hat = m[i] / (1 - std::pow(kBeta1, k));
+        const double v_hat = v[i] / (1 - std::pow(kBeta2, k));
+        table[i] = table[i] * (1 - lr * kDecay) - lr * m_hat / (std::sqrt(v_hat) + kEps);
+      }
+    }
+  }
+};
+
+struct LocalBags {
+  Kokkos::View<int64_t*, Kokkos::LayoutRight> offsets, ids;
+};
+LocalBags local_bags(const Batch& d, int64_t first_bag, int64_t bags) {
+  const int64_t begin = d.offsets[first_bag], end = d.offsets[first_bag + bags];
+  LocalBags l{
+      Kokkos::View<int64_t*, Kokkos::LayoutRight>("offsets", bags + 1),
+      Kokkos::View<int64_t*, Kokkos::LayoutRight>("ids", std::max<int64_t>(end - begin, 1))};
+  auto offsets = Kokkos::create_mirror_view(l.offsets);
+  auto ids = Kokkos::create_mirror_view(l.ids);
+  for (int64_t b = 0; b <= bags; ++b) offsets(b) = d.offsets[first_bag + b] - begin;
+  for (int64_t k = begin; k < end; ++k) ids(k - begin) = d.ids[k];
+  Kokkos::deep_copy(l.offsets, offsets);
+  Kokkos::deep_copy(l.ids, ids);
+  return l;
+}
+
+int64_t most_ids(const std::vector<Batch>& steps, int parts) {
+  const int64_t bags = kBatch / parts;
+  int64_t most = 1;
+  for (const Batch& d : steps) {
+    for (int p = 0; p < parts; ++p) {
+      most = std::max(most, d.offsets[(p + 1) * bags] - d.offsets[p * bags]);
+    }
+  }
+  return most;
+}
+
+std::vector<float> host(const ShardedTensor& t) {
+  const testing::Tensor h = testing::to_host(t);
+  return std::vector<float>(h.begin(), h.end());
+}
+
+bool rows_cover_batch(const PartitionSpec& spec, const Mesh& mesh) {
+  const std::vector<std::string> rows =
+      spec.is_replicated() ? std::vector<std::string>{} : spec.entries[0].axes;
+  for (const std::string axis : {"fsdp", "dp"}) {
+    if (mesh.has_axis(axis) && mesh.axis_size(axis) > 1 &&
+        std::find(rows.begin(), rows.end(), axis) == rows.end()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+struct TableMeshCase {
+  testing::Axes axes;
+  std::vector<PartitionSpec> specs;
+};
+
+std::vector<TableMeshCase> mesh_cases(int n) {
+  auto P = [](const std::string& text) { return PartitionSpec::parse(text); };
+  if (n == 1) return {{{{"dp", 1}}, {P("P()"), P("P(dp, None)")}}};
+  std::vector<TableMeshCase> cases;
+  cases.push_back({{{"dp", n}}, {P("P()"), P("P(dp, None)")}});
+  cases.push_back({{{"fsdp", n}}, {P("P()"), P("P(fsdp, None)")}});
+  if (n == 4) {
+    cases.push_back(
+        {{{"fsdp", 2}, {"dp", 2}}, {P("P()"), P("P(fsdp, None)"), P("P((fsdp, dp), None)")}});
+    cases.push_back({{{"dp", 2}, {"tp", 2}}, {P("P()"), P("P(dp, None)")}});
+  }
+  return cases;
+}
+
+std::string describe(const testing::Axes& axes) {
+  std::string text;
+  for (const auto& [axis, size] : axes)
+    text += (text.empty() ? "" : " x ") + axis + std::to_string(size);
+  return text;
+}
+
+SparseOptimizerSettings settings() {
+  SparseOptimizerSettings s;
+  s.eps = static_cast<float>(kEps);
+  s.beta1 = static_cast<float>(kBeta1);
+  s.beta2 = static_cast<float>(kBeta2);
+  s.weight_decay = static_cast<float>(kDecay);
+  return s;
+}
+
+void check_mesh_case(MeshCommunicators& comms, const PartitionSpec& spec, Ids which,
+                     EmbeddingPooling pooling, Kind kind) {
+  const Mesh& mesh = comms.mesh();
+  ParallelContext context(comms, {"fsdp", "dp"}, "tp");
+  std::vector<Batch> steps;
+  for (int64_t s = 0; s < kSteps; ++s) {
+    steps.push_back(
+        make_batch(which, 40 + 3 * static_cast<uint64_t>(s) + static_cast<uint64_t>(which)));
+  }
+  const std::vector<float> start = initial_table();
+  Reference ref(kind, start);
+
+  // The sparse layer and its optimizer, and a dense twin on the same data for the gradient.
+  ShardedTensor weight = ShardedTensor::allocate(embedding_weight_name(kTable), {kRows, kDim}, spec,
+                                                 mesh, comms.rank());
+  ShardedTensor grad = ShardedTensor::allocate("grad", {kRows, kDim}, spec, mesh, comms.rank());
+  ShardedTensor dense_weight =
+      ShardedTensor::allocate("dense", {kRows, kDim}, spec, mesh, comms.rank());
+  ShardedTensor dense_grad =
+      ShardedTensor::allocate("dense_grad", {kRows, kDim}, spec, mesh, comms.rank());
+  const int64_t first_row = weight.box.offset[0], block_rows = weight.box.extent[0];
+  {
+    auto h = Kokkos::create_mirror_view(weight.local);
+    for (int64_t i = 0; i < block_rows * kDim; ++i) h(i) = start[first_row * kDim + i];
+    Kokkos::deep_copy(weight.local, h);
+    Kokkos::deep_copy(dense_weight.local, h);
+  }
+  const int parts = context.batch_parallel();
+  const int64_t bags = kBatch / parts, first_bag = context.batch_index() * bags;
+  const int64_t capacity = most_ids(steps, parts);
+  std::vector<EmbeddingBag> tables;
+  tables.emplace_back(kTable, ParameterRef{&weight, &grad}, pooling, bags, capacity, context);
+  EmbeddingBag dense(kTable, {&dense_weight, &dense_grad}, pooling, bags, capacity, context);
+  tables[0].use_sparse_gradient(context);
+  const std::unique_ptr<SparseTableOptimizer> optimizer =
+      make_sparse_table_optimizer(kind == Kind::adagrad ? EmbeddingOptimizer::rowwise_adagrad
+                                                        : EmbeddingOptimizer::sparse_adamw,
+                                  settings(), tables, mesh, comms.rank());
+  const std::vector<SparseOptimizerSlot> slots = optimizer->slots();
+  ASSERT_EQ(slots.size(), kind == Kind::adagrad ? 1u : 3u);
+  const bool bitwise_gradient = rows_cover_batch(spec, mesh);
+  const bool mean = pooling == EmbeddingPooling::mean;
+
+  for (int64_t s = 0; s < kSteps; ++s) {
+    SCOPED_TRACE("step " + std::to_string(s + 1));
+    const Batch& d = steps[s];
+    const LocalBags in = local_bags(d, first_bag, bags);
+    const Matrix dy = testing::block_matrix(
+        "dy", bags, kDim, first_bag, 0, [&](int64_t b, int64_t c) { return d.dy[b * kDim + c]; });
+    dense.forward({in.offsets, in.ids}, {});
+    dense.backward(dy, {});
+    testing::AllocationWindow window;
+    tables[0].forward({in.offsets, in.ids}, {});
+    tables[0].backward(dy, {});
+    optimizer->step(tables, static_cast<float>(rate(kind)));
+    const long heap = window.close();
+    if (s > 0) EXPECT_EQ(heap + window.kokkos_allocations(), 0) << "allocations in a step";
+    ref.step(d, mean);
+
+    // The touched rows: the distinct ids of the global batch in this block, in order.
+    std::vector<int64_t> want_rows;
+    for (int64_t r = first_row; r < first_row + block_rows; ++r) {
+      if (ref.last_touched[r]) want_rows.push_back(r - first_row);
+    }
+    auto rows = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), tables[0].touched_rows());
+    ASSERT_EQ(tables[0].touched_count(), static_cast<int64_t>(want_rows.size()));
+    const testing::Tensor grads = testing::host_matrix(tables[0].row_gradients());
+    const std::vector<float> dense_grads = host(dense_grad);
+    for (size_t i = 0; i < want_rows.size(); ++i) {
+      ASSERT_EQ(rows(i), want_rows[i]) << "touched row " << i;
+      const int64_t global = first_row + want_rows[i];
+      for (int64_t c = 0; c < kDim; ++c) {
+        const float got = grads[i * kDim + c];
+        ASSERT_NEAR(got, ref.last_grad[global * kDim + c], kTolerance)
+            << "gradient of row " << global;
+        const float dense_value = dense_grads[want_rows[i] * kDim + c];
+        if (bitwise_gradient) {
+          ASSERT_EQ(got, dense_value) << "gradient of row " << global << " (bit for bit)";
+        } else {
+          ASSERT_NEAR(got, dense_value, kTolerance) << "gradient of row " << global;
+        }
+      }
+    }
+    // The dense gradient is zero on every row not in the list: the list misses no row.
+    for (int64_t r = 0; r < block_rows; ++r) {
+      if (std::find(want_rows.begin(), want_rows.end(), r) != want_rows.end()) continue;
+      for (int64_t c = 0; c < kDim; ++c) ASSERT_EQ(dense_grads[r * kDim + c], 0.0f) << "row " << r;
+    }
+    const std::vector<float> table = host(weight);
+    // [rows]: adagrad's accumulator or adamw's counts; adamw's moments [rows, dim].
+    const std::vector<float> state = host(slots.back().tensors[0]);
+    ASSERT_EQ(static_cast<int64_t>(state.size()), block_rows);
+    const std::vector<float> m = kind == Kind::adamw ? host(slots[0].tensors[0]) : table;
+    const std::vector<float> v = kind == Kind::adamw ? host(slots[1].tensors[0]) : table;
+    for (int64_t r = 0; r < block_rows; ++r) {
+      const int64_t global = first_row + r;
+      ASSERT_NEAR(state[r], ref.state[global], kTolerance * std::max(1.0, ref.state[global]))
+          << "state of row " << global;
+      for (int64_t c = 0; c < kDim; ++c) {
+        const size_t i = static_cast<size_t>(r * kDim + c);
+        const size_t g = static_cast<size_t>(global * kDim + c);
+        if (!ref.touched[global]) {
+          ASSERT_EQ(table[i], start[g]) << "untouched row " << global;
+          ASSERT_EQ(state[r], 0.0f) << "untouched row " << global;
+          if (kind == Kind::adamw) {
+            ASSERT_EQ(m[i], 0.0f) << "untouched row " << global;
+            ASSERT_EQ(v[i], 0.0f) << "untouched row " << global;
+          }
+        } else {
+          ASSERT_NEAR(table[i], ref.table[g], kTolerance) << "row " << global;
+          if (kind == Kind::adamw) {
+            ASSERT_NEAR(m[i], ref.m[g], kTolerance) << "m of row " << global;
+            ASSERT_NEAR(v[i], ref.v[g], kTolerance) << "v of row " << global;
+          }
+        }
+      }
+    }
+  }
+  // Some row stayed untouched and some was updated (the test checks both kinds).
+  EXPECT_NE(std::count(ref.touched.begin(), ref.touched.end(), true), 0);
+  EXPECT_NE(std::count(ref.touched.begin(), ref.touched.end(), false), 0);
+}
+
+void every_sharding(Kind kind) {
+  const int n = world_size();
+  for (const TableMeshCase& c : mesh_cases(n)) {
+    const Mesh mesh = Mesh::create(c.axes, n);
+    MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+    for (const PartitionSpec& spec : c.specs) {
+      for (Ids ids : {Ids::spread, Ids::one_shard}) {
+        for (EmbeddingPooling pooling : {EmbeddingPooling::sum, EmbeddingPooling::mean}) {
+          SCOPED_TRACE(describe(c.axes) + " " + spec.to_string() + " " + to_string(pooling) +
+                       (ids == Ids::one_shard ? " one shard" : " spread"));
+          check_mesh_case(comms, spec, ids, pooling, kind);
+        }
+      }
+    }
+  }
+}
+
+TEST(RowwiseAdagrad, EveryShardingEqualsTheFloat64Reference) {
+  every_sharding(Kind::adagrad);
+}
+
+TEST(SparseAdamW, EveryShardingEqualsTheFloat64Reference) {
+  every_sharding(Kind::adamw);
+}
+
+// On one rank, with every row of the table touched by every step, sparse AdamW's lazy moments
+// are dense AdamW's moments: the same floats (Optimizer over the dense gradient of a twin).
+TEST(SparseAdamW, EveryRowTouchedIsDenseAdamWBitForBit) {
+  MeshCommunicators single(Mesh::single(), MPI_COMM_SELF);
+  ParallelContext context(single, {"fsdp", "dp"}, "tp");
+  const Mesh& mesh = single.mesh();
+  const std::vector<float> start = initial_table();
+  auto table = [&](const std::string& name) {
+    ShardedTensor t = ShardedTensor::allocate(name, {kRows, kDim}, PartitionSpec(), mesh, 0);
+    auto h = Kokkos::create_mirror_view(t.local);
+    for (int64_t i = 0; i < kRows * kDim; ++i) h(i) = start[i];
+    Kokkos::deep_copy(t.local, h);
+    return t;
+  };
+  ShardedTensor w = table(embedding_weight_name(kTable)), g = table("grad");
+  std::vector<ShardedTensor> dense_w = {table("dense")}, dense_g = {table("dense_grad")};
+  // Every bag holds 3 ids; bag b's ids are 3b, 3b + 1, 3b + 2: all 48 rows, every step.
+  std::vector<Batch> steps;
+  for (int64_t s = 0; s < kSteps; ++s) {
+    Batch b = make_batch(Ids::spread, 70 + static_cast<uint64_t>(s));
+    b.offsets.clear();
+    b.ids.clear();
+    for (int64_t bag = 0; bag <= kBatch; ++bag) b.offsets.push_back(3 * bag);
+    for (int64_t id = 0; id < kRows; ++id) b.ids.push_back(id);
+    steps.push_back(b);
+  }
+  std::vector<EmbeddingBag> tables;
+  tables.emplace_back(kTable, ParameterRef{&w, &g}, EmbeddingPooling::mean, kBatch, kRows, context);
+  EmbeddingBag dense(kTable, {&dense_w[0], &dense_g[0]}, EmbeddingPooling::mean, kBatch, kRows,
+                     context);
+  tables[0].use_sparse_gradient(context);
+  SparseAdamW sparse(tables, settings(), mesh, 0);
+  OptimizerSettings adamw;
+  adamw.kind = OptimizerKind::adamw;
+  adamw.beta1 = static_cast<float>(kBeta1);
+  adamw.beta2 = static_cast<float>(kBeta2);
+  adamw.eps = static_cast<float>(kEps);
+  adamw.weight_decay = static_cast<float>(kDecay);
+  Optimizer optimizer(adamw, dense_w);
+  const float lr = static_cast<float>(rate(Kind::adamw));
+  for (const Batch& d : steps) {
+    const LocalBags in = local_bags(d, 0, kBatch);
+    const Matrix dy = testing::block_matrix(
+        "dy", kBatch, kDim, 0, 0, [&](int64_t b, int64_t c) { return d.dy[b * kDim + c]; });
+    tables[0].forward({in.offsets, in.ids}, {});
+    tables[0].backward(dy, {});
+    ASSERT_EQ(tables[0].touched_count(), kRows);
+    sparse.step(tables, lr);
+    dense.forward({in.offsets, in.ids}, {});
+    dense.backward(dy, {});
+    optimizer.step(dense_w, dense_g, lr);
+  }
+  EXPECT_EQ(host(w), host(dense_w[0]));
+  EXPECT_EQ(host(sparse.m()[0]), host(optimizer.slot("m")[0]));
+  EXPECT_EQ(host(sparse.v()[0]), host(optimizer.slot("v")[0]));
+  EXPECT_NE(host(w), std::vector<float>(start.begin(), start.end()));
+}
+
+// A table without its sparse gradient is refused, naming the table.
+TEST(RowwiseAdagrad, NeedsTheSparseGradient) {
+  MeshCommunicators single(Mesh::single(), MPI_COMM_SELF);
+  ParallelContext context(single, {"fsdp", "dp"}, "tp");
+  ShardedTensor w = ShardedTensor::allocate(embedding_weight_name(kTable), {kRows, kDim},
+                                            PartitionSpec(), single.mesh(), 0);
+  ShardedTensor g =
+      ShardedTensor::allocate("grad", {kRows, kDim}, PartitionSpec(), single.mesh(), 0);
+  std::vector<EmbeddingBag> tables;
+  tables.emplace_back(kTable, ParameterRef{&w, &g}, EmbeddingPooling::sum, 4, 8, context);
+  try {
+    RowwiseAdagrad adagrad(tables, 1e-8f, single.mesh(), 0);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'" + kTable + "'"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace meshtrain
