@@ -5,6 +5,7 @@
 #include "base/error.hpp"
 #include "framework/core/activation_math.hpp"
 #include "framework/core/exec_space.hpp"
+#include "framework/core/fast_math.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
@@ -105,7 +106,7 @@ using GeluErfSlope = SlopeOf<activation_math::GeluErf>;
 // sigmoid(x) and 1 - sigmoid(x) with one division (the slopes' hot loop): e = exp(-|x|),
 // r = 1 / (1 + e); sigmoid(|x|) = r, sigmoid(-|x|) = e r, neither a difference.
 KOKKOS_INLINE_FUNCTION Sigmoids sigmoids_one_division(float x) {
-  const float e = kmath::exp(-kmath::fabs(x));
+  const float e = fast_math::exp(-kmath::fabs(x));
   const float r = 1.0f / (1.0f + e);
   return x >= 0.0f ? Sigmoids{r, e * r} : Sigmoids{e * r, r};
 }
@@ -164,7 +165,7 @@ void scale_tangents(const std::string& label, const MatrixView& z, const MatrixV
 //   sigmoid   s (1 - s) (1 - 2 s)
 struct TanhCurvature {
   KOKKOS_INLINE_FUNCTION float operator()(const float x) const {
-    const float t = kmath::tanh(x);
+    const float t = fast_math::tanh(x);
     return -2.0f * t * (1.0f - t * t);
   }
 };
@@ -173,7 +174,7 @@ struct GeluCurvature {
     using activation_math::kGeluCubic;
     using activation_math::kSqrt2OverPi;
     const float u = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
-    const float t = kmath::tanh(u);
+    const float t = fast_math::tanh(u);
     const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
     const float ddu = 6.0f * kGeluCubic * kSqrt2OverPi * x;
     return (1.0f - t * t) * (du - x * t * du * du + 0.5f * x * ddu);
@@ -238,7 +239,7 @@ struct IdentityDerivatives3 {
 };
 struct TanhDerivatives3 {
   KOKKOS_INLINE_FUNCTION Derivatives3 operator()(const float x) const {
-    return of_value(kmath::tanh(x));
+    return of_value(fast_math::tanh(x));
   }
   // From t = tanh(x), the forward's output (Derives3FromValue).
   KOKKOS_INLINE_FUNCTION Derivatives3 of_value(const float t) const {
@@ -251,7 +252,7 @@ struct GeluDerivatives3 {
     using activation_math::kGeluCubic;
     using activation_math::kSqrt2OverPi;
     const float u = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
-    const float t = kmath::tanh(u);
+    const float t = fast_math::tanh(u);
     const float sech2 = 1.0f - t * t;
     const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
     const float ddu = 6.0f * kGeluCubic * kSqrt2OverPi * x;

@@ -5,6 +5,7 @@
 
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
+#include "framework/core/fast_math.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
@@ -190,7 +191,7 @@ struct SiluDerivatives {
   float h, h1, h2, h3;
 };
 KOKKOS_INLINE_FUNCTION SiluDerivatives silu_derivatives(float z) {
-  const float s = 1.0f / (1.0f + kmath::exp(-z));
+  const float s = 1.0f / (1.0f + fast_math::exp(-z));  // +inf for z << 0: s = 0
   const float p = s * (1.0f - s);
   return {z * s, s * (1.0f + z * (1.0f - s)), p * (2.0f + z * (1.0f - 2.0f * s)),
           3.0f * p * (1.0f - 2.0f * s) + z * p * (1.0f - 6.0f * p)};

@@ -4,6 +4,10 @@
 # NCCL, over NCCL.
 meshtrain_add_test(NAME layers_init_test SOURCES layers/init_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 TIMEOUT 120)
+# The activations' fast float32 exp and tanh (framework/core/fast_math.hpp): their ulp bounds
+# against float64 over a dense sweep of every float32, and glibc's special values exactly.
+meshtrain_add_test(NAME layers_activation_fast_math_test SOURCES layers/activation_fast_math_test.cpp
+                   LIBS meshtrain_framework TIMEOUT 300)
 meshtrain_add_test(NAME layers_mlp_test SOURCES layers/mlp_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300 BACKENDS mpi nccl EMULATED)
 # Training on derivatives (Sobolev training, docs/derivatives.md): the gradient of the derivative
