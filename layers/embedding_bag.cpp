@@ -2,6 +2,7 @@
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "base/error.hpp"
@@ -483,6 +484,11 @@ void EmbeddingBag::use_sparse_gradient(ParallelContext& context) {
   local_touch_capacity_ = std::min(local_rows_, arriving);
   const int64_t holders = gradient_comm_ ? gradient_comm_->size() : 1;
   touch_capacity_ = std::min(local_rows_, holders * local_touch_capacity_);
+  // A step's touched rows are numbered in int32 slots (slot_of_row_): 2^31 of them per step
+  // and rank is far beyond any batch, but it is checked, not assumed.
+  MESHTRAIN_REQUIRE(touch_capacity_ <= std::numeric_limits<int32_t>::max(), "embedding table '",
+                    table_, "': ", touch_capacity_,
+                    " rows may be touched in one step on this rank, more than int32 slots hold");
   const std::string prefix = "embeddings/" + table_ + "/sparse_";
   const size_t capacity = static_cast<size_t>(std::max<int64_t>(touch_capacity_, 1));
   slot_of_row_.assign(static_cast<size_t>(local_rows_), -1);

@@ -71,7 +71,8 @@ void relu_row(float* __restrict row, int64_t cols) {
   for (int64_t j = 0; j < cols; ++j) row[j] = row[j] > 0.0f ? row[j] : 0.0f;
 }
 
-// The activations without a vectorized form here: activation_math's formulas (libm).
+// The activations without a vectorized form here: activation_math's formulas (fast_math's
+// exp and tanh, libm's erfc for gelu_erf).
 template <class Op>
 void formula_row(float* row, int64_t cols) {
   for (int64_t j = 0; j < cols; ++j) row[j] = Op::value(row[j]);

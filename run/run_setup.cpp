@@ -58,8 +58,8 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     }
   });
   plan_run();
-  open_data(std::move(data));
   try {
+    open_data(std::move(data));
     agree_on_data_shape();
     connect();
     build_model();
@@ -250,12 +250,13 @@ void TrainingRun::open_stream() {
     auto source = std::make_unique<StreamSource>(stream, comm_, slice_, inputs, outputs, min_rows,
                                                  config_.run.seed, model);
     stream_ = source.get();
+    train_source_ =
+        std::move(source);  // owned before anything below can throw (stream_ stays valid)
     // Normalization "standard": the statistics of the first min_rows rows (below).
     if (config_.data.normalize_inputs == Normalize::standard ||
         config_.data.normalize_targets == Normalize::standard) {
       stream_->keep_first_rows(min_rows);
     }
-    train_source_ = std::move(source);
     if (stream.test_fraction > 0.0) {
       // The held-out rows are the test set; their count changes as they come (evaluate()).
       test_source_ = stream_->make_held_out_source();
