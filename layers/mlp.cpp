@@ -574,6 +574,20 @@ void require_fp32(Dtype dtype) {
                         "computes in ", to_string(dtype));
   }
 }
+
+// Each layer answers whether its passes carry the derivative streams `what` needs exactly
+// (Linear, the activations, SwiGLU, LayerNorm, RMSNorm, residual blocks of them); MoE layers
+// and dropout do not, and would take the streams for plain tangents (wrong values, silently).
+void require_every_layer(const std::vector<Layer*>& sequence, bool (Layer::*supports)() const,
+                         const char* what) {
+  for (const Layer* layer : sequence) {
+    if ((layer->*supports)()) continue;
+    const std::string line = layer->describe();
+    MESHTRAIN_BAD_INPUT(what, " is built for linear layers, activations, SwiGLU, LayerNorm, ",
+                        "RMSNorm and residual blocks of them, not for MoE layers or dropout, ",
+                        "which this model has", line.empty() ? std::string() : " ('" + line + "')");
+  }
+}
 }  // namespace
 
 MatrixView Mlp::backward_cotangents(MatrixView dy) {
@@ -607,18 +621,8 @@ MatrixView Mlp::forward_laplacian(MatrixView streams) {
   return tangent_pass(streams, true);
 }
 
-// Each layer answers whether its passes carry second-order streams exactly (Linear, the
-// activations, SwiGLU, LayerNorm, RMSNorm, residual blocks of them); MoE layers and dropout
-// do not, and would take the streams for plain tangents (wrong values, silently).
 void Mlp::require_laplacian_layers() const {
-  for (const Layer* layer : sequence_) {
-    if (layer->supports_laplacian()) continue;
-    const std::string line = layer->describe();
-    MESHTRAIN_BAD_INPUT("the forward Laplacian is built for linear layers, activations, SwiGLU, ",
-                        "LayerNorm, RMSNorm and residual blocks of them, not for MoE layers or ",
-                        "dropout, which this model has",
-                        line.empty() ? std::string() : " ('" + line + "')");
-  }
+  require_every_layer(sequence_, &Layer::supports_laplacian, "the forward Laplacian");
 }
 
 MatrixView Mlp::tangent_pass(MatrixView dx, bool second_order) {
@@ -664,17 +668,7 @@ void Mlp::reserve_tangent_backward(int64_t directions) {
     MESHTRAIN_BAD_INPUT("training on derivatives is fp32 only; this model computes in ",
                         to_string(compute_dtype_));
   }
-  // Each layer answers whether its backward carries first-order tangents exactly (Linear, the
-  // activations, SwiGLU, LayerNorm, RMSNorm, residual blocks of them); MoE layers and dropout
-  // do not.
-  for (const Layer* layer : sequence_) {
-    if (layer->supports_tangent_backward()) continue;
-    const std::string line = layer->describe();
-    MESHTRAIN_BAD_INPUT("training on derivatives is built for linear layers, activations, SwiGLU, ",
-                        "LayerNorm, RMSNorm and residual blocks of them, not for MoE layers or ",
-                        "dropout, which this model has",
-                        line.empty() ? std::string() : " ('" + line + "')");
-  }
+  require_every_layer(sequence_, &Layer::supports_tangent_backward, "training on derivatives");
   reserve_layers_tangent_backward(directions);
 }
 
