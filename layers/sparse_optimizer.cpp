@@ -7,6 +7,7 @@
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
+#include "framework/train/adamw_math.hpp"
 
 namespace meshtrain {
 namespace {
@@ -46,18 +47,11 @@ void sparse_adamw_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView grads,
         const float k = steps(row) + 1.0f;
         steps(row) = k;
         const double t = static_cast<double>(k);
-        const float correction1 = static_cast<float>(1.0 - kmath::pow(double(s.beta1), t));
-        const float correction2 = static_cast<float>(1.0 - kmath::pow(double(s.beta2), t));
-        const float step_size = lr / correction1;
-        const float inv_correction2 = 1.0f / correction2;
+        const float step_size = lr / adamw_bias_correction(s.beta1, t);
+        const float inv_correction2 = 1.0f / adamw_bias_correction(s.beta2, t);
         for (int64_t c = 0; c < dim; ++c) {
-          const float grad = grads(r, c);
-          const float mi = s.beta1 * m(row, c) + (1.0f - s.beta1) * grad;
-          const float vi = s.beta2 * v(row, c) + (1.0f - s.beta2) * grad * grad;
-          m(row, c) = mi;
-          v(row, c) = vi;
-          weight(row, c) =
-              weight(row, c) * decay - step_size * mi / (kmath::sqrt(vi * inv_correction2) + s.eps);
+          weight(row, c) = adamw_element(weight(row, c), grads(r, c), m(row, c), v(row, c), s.beta1,
+                                         s.beta2, decay, step_size, inv_correction2, s.eps);
         }
       });
 }

@@ -9,6 +9,7 @@
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/core/view_ops.hpp"
+#include "framework/train/adamw_math.hpp"
 
 namespace meshtrain {
 namespace {
@@ -65,14 +66,8 @@ void adamw_update(Vector p, Vector g, Vector m, Vector v, float lr, float beta1,
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::adamw_step"),
       Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
-        const float grad = g(i);
-        const float mi = beta1 * m(i) + (1.0f - beta1) * grad;
-        const float vi = beta2 * v(i) + (1.0f - beta2) * grad * grad;
-        m(i) = mi;
-        v(i) = vi;
-        // m_hat = m / c1 and v_hat = v / c2, with the divisions by c1, c2 hoisted out.
-        const float updated =
-            p(i) * decay - step_size * mi / (kmath::sqrt(vi * inv_correction2) + eps);
+        const float updated = adamw_element(p(i), g(i), m(i), v(i), beta1, beta2, decay, step_size,
+                                            inv_correction2, eps);
         p(i) = updated;
         copy.write(i, updated);
       });
@@ -180,8 +175,8 @@ void Optimizer::step(std::vector<ShardedTensor>& params, const std::vector<Shard
     return;
   }
   const double t = static_cast<double>(step_count_);
-  const float correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(s.beta1), t));
-  const float correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(s.beta2), t));
+  const float correction1 = adamw_bias_correction(s.beta1, t);
+  const float correction2 = adamw_bias_correction(s.beta2, t);
   for (size_t i = 0; i < n; ++i) {
     adamw_update(params[i].local, grads[i].local, slots_[0][i].local, slots_[1][i].local, lr,
                  s.beta1, s.beta2, s.eps, s.weight_decay, correction1, correction2,
