@@ -298,7 +298,71 @@ def case_cat(ctx):
     export_and_compare(ctx, checkpoint, data, "cat_np2", ("fp32", "fp16"))
 
 
-CASES = {"dot": case_dot, "cat": case_cat}
+def write_predict_input(path, dense, bags, bad=None):
+    """An input file laid out as the training data, without labels: /dense and each table's CSR
+    (padding ids dropped: a CSR bag holds its ids only). bad = (table, row, id): that row's
+    bag of that table gets the id too."""
+    with h5py.File(path, "w") as f:
+        f["dense"] = dense
+        for name, (table_rows, _, _) in TABLES.items():
+            rows = [[i for i in bag if i >= 0] for bag in bags[name]]
+            if bad and bad[0] == name:
+                rows[bad[1]] = rows[bad[1]] + [bad[2]]
+            group = f.create_group("sparse/" + name)
+            group["values"] = np.array([i for r in rows for i in r], np.int64)
+            group["offsets"] = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
+            group.attrs["rows"] = np.int64(table_rows)
+    return path
+
+
+def predict(ctx, checkpoint, input_path, output, ranks, extra=()):
+    cmd = (ctx.mpiexec[:1] + ["-n", str(ranks)] + ctx.mpiexec[1:] +
+           [ctx.meshtrain, "predict", checkpoint, "--input", input_path, "--output", output,
+            "--batch-size", "8", "--set", "mesh.fsdp=%d" % ranks] + list(extra))
+    return et.run(cmd, timeout=90)
+
+
+def case_predict(ctx):
+    """`meshtrain predict` of a DLRM checkpoint (trained on 2 ranks, two tables row-wise) on 1, 2
+    and 4 ranks (row-wise over 2 and 4 where the rows divide, else replicated), in batches of
+    8 rows (the last one partial): /prediction (the probability) and /logit against the float64
+    forward to 1e-5; an id outside its table: exit 2, one sentence naming the table, the file
+    and the row, no output left."""
+    data = write_dlrm_data(os.path.join(ctx.work, "train.h5"))
+    tables = [{"name": n, "rows": rows, "pooling": pooling}
+              for n, (rows, _, pooling) in TABLES.items()]
+    checkpoint = train(ctx, "predict_np2", data, 2, tables)
+    ckpt = et.read_checkpoint(et.latest_file(checkpoint))
+    dense, bags = test_rows(data)
+    ref = dlrm_forward(ckpt, dense, bags)
+    input_path = write_predict_input(os.path.join(ctx.work, "input.h5"), dense, bags)
+    for ranks in (1, 2, 4):
+        output = os.path.join(ctx.work, "prediction_np%d.h5" % ranks)
+        status, out, err = predict(ctx, checkpoint, input_path, output, ranks)
+        if not ctx.check(status == 0, "predict on %d ranks: status %d, %s" % (ranks, status, err)):
+            continue
+        with h5py.File(output, "r") as f:
+            got = {"probability": f["prediction"][()], "logit": f["logit"][()]}
+            ctx.check(int(f.attrs["step"]) == ckpt["step"], "predict: step attribute %r" %
+                      f.attrs["step"])
+        et.compare(ctx, "meshtrain predict np%d vs float64 forward" % ranks, got, ref,
+                   et.FP32_RTOL)
+    bad = os.path.join(ctx.work, "bad.h5")
+    write_predict_input(bad, dense, bags, bad=("avg", 41, 6))
+    output = os.path.join(ctx.work, "bad_prediction.h5")
+    for ranks in (1, 2):
+        status, out, err = predict(ctx, checkpoint, bad, output, ranks)
+        lines = [l for l in err.splitlines() if l.startswith("meshtrain: error:")]
+        expected = ("sparse data file '%s', table 'avg', global row 41: id 6 is outside the "
+                    "table's rows [0, 6)" % bad)
+        ctx.check(status == 2 and len(lines) == 1 and expected in lines[0],
+                  "predict of a bad id on %d ranks: status %d, errors %s (expected %r)" %
+                  (ranks, status, lines, expected))
+        ctx.check(not os.path.exists(output) and not os.path.exists(output + ".tmp"),
+                  "predict of a bad id left %s behind" % output)
+
+
+CASES = {"dot": case_dot, "cat": case_cat, "predict": case_predict}
 
 
 def main():
