@@ -202,7 +202,6 @@ void DlrmRun::open_data() {
       }
       if (reader->num_rows() !=
           (reader == train_sparse_.get() ? train_source_ : test_source_)->shape().num_samples) {
-        // (predict: the --input file's tables against its dense rows)
         MESHTRAIN_BAD_INPUT(
             "sparse data file '", reader->path(), "': its tables describe ", reader->num_rows(),
             " rows, but ", config_.data.x_key, " holds ",
