@@ -75,12 +75,14 @@ int export_command(const ExportArgs& args, std::ostream& out) {
     return out ? 0 : 1;
   }
   const OnnxExportResult r = export_onnx(args.checkpoint, args.output, dtype, args.overwrite);
-  std::string outputs;
+  std::string inputs, outputs;
+  for (const auto& i : r.inputs) inputs += (inputs.empty() ? "'" : "', '") + i;
   for (const auto& o : r.outputs) outputs += (outputs.empty() ? "" : ", ") + o;
   out << "exported " << r.checkpoint << " (step " << r.step << ") to " << args.output
       << ": ONNX opset " << kOnnxOpset << ", " << args.dtype << " weights, " << std::fixed
-      << std::setprecision(2) << static_cast<double>(r.bytes) / (1024.0 * 1024.0) << " MiB; input '"
-      << onnx_input_name() << "', outputs " << outputs << "\n";
+      << std::setprecision(2) << static_cast<double>(r.bytes) / (1024.0 * 1024.0) << " MiB; "
+      << (r.inputs.size() == 1 ? "input " : "inputs ") << inputs << "', outputs " << outputs
+      << "\n";
   out.flush();
   return out ? 0 : 1;
 }

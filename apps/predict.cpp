@@ -17,6 +17,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -32,6 +33,8 @@
 #include "framework/io/metrics.hpp"  // format_duration
 #include "framework/io/output_file.hpp"
 #include "framework/observe/flight_recorder.hpp"
+#include "framework/train/model_summary.hpp"
+#include "run/dlrm_run.hpp"
 #include "run/predictor.hpp"
 
 namespace meshtrain {
@@ -74,6 +77,44 @@ void check_output(const PredictOptions& options, const std::vector<std::string>&
   std::remove(probe.c_str());
 }
 
+// A dataset of `file` contiguous and allocated, never filled: its byte offset in the file, where
+// the ranks pwrite their rows.
+long long create_contiguous(hid_t file, const char* name, hid_t type, std::vector<hsize_t> dims,
+                            const std::string& where) {
+  using hdf5::Handle;
+  const ErrorKind fail = ErrorKind::runtime;
+  const std::string what = std::string("cannot create dataset ") + name + " in " + where;
+  Handle dcpl = hdf5::make(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, fail, what);
+  hdf5::check(H5Pset_layout(dcpl, H5D_CONTIGUOUS), fail, what);
+  hdf5::check(H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY), fail, what);
+  hdf5::check(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER), fail, what);
+  Handle space = hdf5::make(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),
+                            H5Sclose, fail, what);
+  Handle dataset = hdf5::make(H5Dcreate2(file, name, type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT),
+                              H5Dclose, fail, what);
+  const haddr_t address = H5Dget_offset(dataset);
+  if (address == HADDR_UNDEF) hdf5::check(-1, fail, what);
+  dataset.close(what);
+  return static_cast<long long>(address);
+}
+
+// An empty FILE.tmp (HDF5 1.8 format) with the root attributes every predict output has.
+hdf5::Handle create_output_file(const std::string& tmp, const std::string& checkpoint, int64_t step,
+                                const std::string& model, int64_t rows) {
+  using hdf5::Handle;
+  const ErrorKind fail = ErrorKind::runtime;
+  Handle fapl = hdf5::make(H5Pcreate(H5P_FILE_ACCESS), H5Pclose, fail, "H5Pcreate(file access)");
+  hdf5::check(H5Pset_libver_bounds(fapl, H5F_LIBVER_V18, H5F_LIBVER_V18), fail,
+              "H5Pset_libver_bounds");
+  Handle file = hdf5::make(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), H5Fclose, fail,
+                           "cannot create the output file '" + tmp + "'");
+  hdf5::write_attribute(file, "checkpoint", checkpoint);
+  hdf5::write_attribute(file, "step", step);
+  hdf5::write_attribute(file, "model", model);
+  hdf5::write_attribute(file, "rows", rows);
+  return file;
+}
+
 // Rank 0: FILE.tmp with /prediction [N, outputs] float32 and, for classification, /class
 // int64 [N] and /probability float32 [N, classes], and with a Jacobian /jacobian float32 [N,
 // outputs, inputs], contiguous and allocated, never filled; root attributes checkpoint, step,
@@ -85,30 +126,11 @@ OutputLayout create_output(const std::string& tmp, const Predictor& predictor, i
   const std::string where = "the output file '" + tmp + "'";
   std::lock_guard<std::mutex> lock(hdf5::global_mutex());
   hdf5::silence_errors();
-  Handle fapl = hdf5::make(H5Pcreate(H5P_FILE_ACCESS), H5Pclose, fail, "H5Pcreate(file access)");
-  hdf5::check(H5Pset_libver_bounds(fapl, H5F_LIBVER_V18, H5F_LIBVER_V18), fail,
-              "H5Pset_libver_bounds");
-  Handle file = hdf5::make(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), H5Fclose, fail,
-                           "cannot create " + where);
-  hdf5::write_attribute(file, "checkpoint", predictor.checkpoint_path());
-  hdf5::write_attribute(file, "step", predictor.step());
-  hdf5::write_attribute(file, "model", predictor.model_description());
-  hdf5::write_attribute(file, "rows", rows);
+  Handle file = create_output_file(tmp, predictor.checkpoint_path(), predictor.step(),
+                                   predictor.model_description(), rows);
   if (jacobian) hdf5::write_attribute(file, "jacobian_mode", std::string(to_string(*jacobian)));
-  const auto create = [&](const char* name, hid_t type, std::vector<hsize_t> dims) -> long long {
-    const std::string what = std::string("cannot create dataset ") + name + " in " + where;
-    Handle dcpl = hdf5::make(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, fail, what);
-    hdf5::check(H5Pset_layout(dcpl, H5D_CONTIGUOUS), fail, what);
-    hdf5::check(H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY), fail, what);
-    hdf5::check(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER), fail, what);
-    Handle space = hdf5::make(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),
-                              H5Sclose, fail, what);
-    Handle dataset = hdf5::make(H5Dcreate2(file, name, type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT),
-                                H5Dclose, fail, what);
-    const haddr_t address = H5Dget_offset(dataset);
-    if (address == HADDR_UNDEF) hdf5::check(-1, fail, what);
-    dataset.close(what);
-    return static_cast<long long>(address);
+  const auto create = [&](const char* name, hid_t type, std::vector<hsize_t> dims) {
+    return create_contiguous(file, name, type, std::move(dims), where);
   };
   const auto n = static_cast<hsize_t>(rows);
   const auto width = static_cast<hsize_t>(predictor.outputs());
@@ -151,6 +173,156 @@ struct HostRows {
   int64_t rows = 0;   // valid rows (0: nothing to write)
 };
 
+// model.kind = "dlrm" (docs/recsys.md, "Predicting"): a DlrmRun on the checkpoint config's mesh
+// (or --set mesh.*) over the rows of the one --input file, laid out as the training data (x_key
+// dense features, the tables under data.sparse_key as CSR or [rows, k] ids; no labels read).
+// FILE.tmp holds /prediction [N, 1] (the click probability, sigmoid of the logit, evaluated in
+// float64 and rounded once) and /logit [N, 1], written as the other models' outputs are: each
+// slice's first rank pwrites its rows of every batch.
+int run_dlrm_predict(const PredictOptions& options, int rank, const std::vector<std::string>& files,
+                     const std::string& checkpoint, int64_t step, RunConfig config,
+                     bool& tmp_made) {
+  const bool rank0 = rank == 0;
+  const std::string tmp = options.output + ".tmp";
+  int world = 1;
+  check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world), "MPI_Comm_size");
+  on_every_rank(MPI_COMM_WORLD, [&] {
+    if (options.jacobian) {
+      MESHTRAIN_BAD_INPUT("--jacobian: checkpoint '", checkpoint, "' is of a model.kind = ",
+                          "\"dlrm\" model, whose sparse inputs have no derivative");
+    }
+    if (files.size() != 1) {
+      MESHTRAIN_BAD_INPUT("--input names ", files.size(), " files; a model.kind = \"dlrm\" ",
+                          "checkpoint predicts the rows of one file");
+    }
+    config.data.path = files;
+    config.data.test_path.clear();
+    config.data.shuffle = ShuffleMode::none;
+    config.checkpoint.init_from = checkpoint;
+    config.checkpoint.resume = false;
+    if (options.batch_size > 0) config.data.batch_size = options.batch_size;
+    // As evaluate: nothing goes into the training run's folder; flight records only where
+    // --flight-dir says, and no traces.
+    if (options.flight_dir.empty()) {
+      config.runtime.flight_records = 0;
+    } else {
+      config.run.output_dir = options.flight_dir;
+    }
+    config.runtime.trace_first = config.runtime.trace_last = 0;
+    try {
+      (void)config.mesh.resolve(world);
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::bad_input) throw;
+      MESHTRAIN_BAD_INPUT(e.what(),
+                          "; a DLRM predicts on the checkpoint config's mesh: start it on that "
+                          "many ranks, or give it another with --set mesh.AXIS=SIZE (a "
+                          "checkpoint loads onto any mesh)");
+    }
+  });
+  DlrmRun run(config, {}, MPI_COMM_WORLD, DlrmRunPurpose::predict);
+  const std::string model = model_summary(run.config().model);
+  if (rank0) {
+    std::printf("meshtrain predict: %s, step %lld of %s, mesh %s, batch %lld\n", model.c_str(),
+                static_cast<long long>(step), checkpoint.c_str(),
+                run.mesh().short_description().c_str(),
+                static_cast<long long>(run.config().data.batch_size));
+    std::fflush(stdout);
+  }
+  const int64_t total = run.rows_of_data();
+
+  // One rank per slice writes (ranks of the same slice index hold the same rows).
+  MPI_Comm slice_comm = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split(MPI_COMM_WORLD, static_cast<int>(run.slice().index), rank, &slice_comm),
+            "MPI_Comm_split (the writers of the output)");
+  int slice_rank = 0;
+  check_mpi(MPI_Comm_rank(slice_comm, &slice_rank), "MPI_Comm_rank");
+  check_mpi(MPI_Comm_free(&slice_comm), "MPI_Comm_free");
+  const bool writer = slice_rank == 0;
+
+  long long offsets[2] = {0, 0};  // /prediction, /logit
+  on_every_rank(MPI_COMM_WORLD, [&] {
+    if (!rank0) return;
+    tmp_made = true;
+    const std::string where = "the output file '" + tmp + "'";
+    std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+    hdf5::silence_errors();
+    hdf5::Handle file = create_output_file(tmp, checkpoint, step, model, total);
+    const auto n = static_cast<hsize_t>(total);
+    offsets[0] = create_contiguous(file, "/prediction", H5T_IEEE_F32LE, {n, 1}, where);
+    offsets[1] = create_contiguous(file, "/logit", H5T_IEEE_F32LE, {n, 1}, where);
+    file.close("cannot close " + where);
+  });
+  broadcast_collective(offsets, 2, MPI_LONG_LONG, 0, MPI_COMM_WORLD,
+                       "MPI_Ibcast (the output's layout)");
+
+  int fd = -1;
+  std::vector<float> probabilities(static_cast<size_t>(run.slice().rows));
+  on_every_rank(MPI_COMM_WORLD, [&] {
+    if (!writer) return;
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) {
+      MESHTRAIN_FAIL("cannot open the output file '", tmp, "' to write: ", std::strerror(errno));
+    }
+  });
+  const auto close_output = [&] {
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+  };
+  const auto start = Clock::now();
+  // A failed write is kept and agreed on after the last batch: every rank takes part in every
+  // batch's collectives (a row-wise table's all-to-all) until then.
+  std::exception_ptr failed;
+  try {
+    run.predict([&](const int64_t* rows, int64_t count, const float* logits) {
+      if (!writer || count == 0 || failed) return;
+      try {
+        for (int64_t r = 0; r < count; ++r) {
+          const double z = logits[r];  // a numerically safe sigmoid, rounded once
+          const double e = std::exp(-std::abs(z));
+          probabilities[static_cast<size_t>(r)] =
+              static_cast<float>(z >= 0 ? 1.0 / (1.0 + e) : e / (1.0 + e));
+        }
+        const long long at = rows[0] * 4LL;  // a slice's rows of a batch are consecutive
+        write_all(fd, probabilities.data(), static_cast<size_t>(count) * 4, offsets[0] + at, tmp);
+        write_all(fd, logits, static_cast<size_t>(count) * 4, offsets[1] + at, tmp);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    });
+    on_every_rank(MPI_COMM_WORLD, [&] {
+      if (failed) std::rethrow_exception(failed);
+      if (fd >= 0) {
+        const int synced = ::fsync(fd);
+        const int closed = ::close(fd);
+        fd = -1;
+        if (synced != 0 || closed != 0) {
+          MESHTRAIN_FAIL("cannot complete the output file '", tmp, "': ", std::strerror(errno));
+        }
+      }
+    });
+  } catch (...) {
+    close_output();
+    throw;
+  }
+  on_every_rank(MPI_COMM_WORLD, [&] {
+    if (!rank0) return;
+    std::error_code ec;
+    fs::rename(tmp, options.output, ec);
+    if (ec) {
+      MESHTRAIN_FAIL("cannot rename '", tmp, "' to '", options.output, "': ", ec.message());
+    }
+    tmp_made = false;
+  });
+  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  if (options.summary) *options.summary = PredictSummary{total, elapsed};
+  if (rank0) {
+    std::printf("wrote %s: %lld rows in %.2f s (%.0f rows/s)\n", options.output.c_str(),
+                static_cast<long long>(total), elapsed, elapsed > 0 ? total / elapsed : 0.0);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
   const bool rank0 = rank == 0;
   const std::string tmp = options.output + ".tmp";
@@ -160,6 +332,33 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
     files = expand_data_paths(options.inputs, "--input");
     if (rank0) check_output(options, files);
   });
+
+  // A DLRM is served by its own run (run/dlrm_run.hpp), not by a Predictor: rank 0 reads the
+  // checkpoint's config, every rank follows its answer.
+  {
+    std::string path, config_text;
+    long long step = 0;
+    on_every_rank(MPI_COMM_WORLD, [&] {
+      check_prediction_overrides(options.overrides);
+      if (!rank0) return;
+      path = resolve_checkpoint_path(options.checkpoint);
+      const CheckpointInfo info = list_checkpoint(path).info;
+      config_text = info.config_text;
+      step = info.train_state.step;
+    });
+    broadcast_string(path, 0, MPI_COMM_WORLD, "MPI_Ibcast (the checkpoint path)");
+    broadcast_string(config_text, 0, MPI_COMM_WORLD, "MPI_Ibcast (the checkpoint's config)");
+    broadcast_collective(&step, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD,
+                         "MPI_Ibcast (the checkpoint's step)");
+    std::optional<RunConfig> config;
+    on_every_rank(MPI_COMM_WORLD, [&] {
+      config =
+          parse_config(config_text, "the config of checkpoint '" + path + "'", options.overrides);
+    });
+    if (config->model.kind == ModelKind::dlrm) {
+      return run_dlrm_predict(options, rank, files, path, step, std::move(*config), tmp_made);
+    }
+  }
 
   Predictor predictor(options.checkpoint, options.batch_size, options.overrides);
   // --jacobian: the mode this model's Jacobian is computed in (agreed: the same on every rank).

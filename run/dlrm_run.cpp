@@ -47,16 +47,25 @@ std::vector<std::string> table_names(const DlrmShape& shape) {
 void require_command_builds(const ModelSection& model, const std::string& command) {
   if (model.kind == ModelKind::dlrm) {
     MESHTRAIN_BAD_INPUT("`", command, "` does not serve model.kind = \"dlrm\" yet (issue 39: ",
-                        "`meshtrain train` and `meshtrain evaluate` do)");
+                        "`meshtrain train`, `evaluate`, `predict` and `export --format onnx` do)");
   }
 }
 
-DlrmRun::DlrmRun(RunConfig config, DlrmRunEvents events, MPI_Comm comm)
-    : config_(std::move(config)), events_(std::move(events)), comm_(comm) {
+DlrmRun::DlrmRun(RunConfig config, DlrmRunEvents events, MPI_Comm comm, DlrmRunPurpose purpose)
+    : config_(std::move(config)),
+      events_(std::move(events)),
+      predicting_(purpose == DlrmRunPurpose::predict),
+      comm_(comm) {
   check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
   plan_run();
   open_data();
   build_model();
+  if (predicting_) {
+    MESHTRAIN_REQUIRE(!config_.checkpoint.init_from.empty(),
+                      "DlrmRun: a prediction needs checkpoint.init_from");
+    initialized_from_ = load_model(config_.checkpoint.init_from);
+    return;
+  }
   if (config_.checkpoint.resume) resume();
   if (!resumed_from_ && !config_.checkpoint.init_from.empty()) {
     initialized_from_ = load_model(config_.checkpoint.init_from);
@@ -136,6 +145,24 @@ void DlrmRun::open_data() {
   const ModelWidthKeys keys{"model.bottom[0]", "the dlrm's one output"};
   on_every_rank(comm_, [&] {
     if (!config_.model.loss) config_.model.loss = LossKind::binary_cross_entropy;
+    if (predicting_) {
+      // The dense features alone (no labels), every row in file order.
+      train_file_ = one_file(config_.data.path, "data.path", config_.file);
+      Hdf5SourceOptions options;
+      options.x_name = config_.data.x_key;
+      options.y_name = "";
+      train_source_ = open_hdf5_source({train_file_}, 1, options);
+      if (train_source_->shape().features != shape.bottom.front()) {
+        MESHTRAIN_BAD_INPUT("input file '", train_file_, "': dataset ", config_.data.x_key, " has ",
+                            train_source_->shape().features,
+                            " features per row but the model takes ", shape.bottom.front(),
+                            " (model.bottom[0])");
+      }
+      slice_ = make_batch_slice(*mesh_, rank_, batch_axes_, config_.data.batch_size);
+      eval_schedule_ = EvalSchedule::create(train_source_->shape().num_samples,
+                                            config_.data.batch_size, "data.batch_size");
+      return;
+    }
     train_file_ = one_file(config_.data.path, "data.path", config_.file);
     test_file_ = one_file(config_.data.test_path, "data.test_path", config_.file);
     const uint64_t seed = config_.run.seed;
@@ -155,7 +182,7 @@ void DlrmRun::open_data() {
   train_sparse_ = std::make_unique<SparseHdf5Reader>(train_file_, tables, slice_.rows, -1, comm_,
                                                      config_.data.sparse_key);
   max_ids_ = train_sparse_->max_ids();
-  if (!test_file_.empty()) {
+  if (!predicting_ && !test_file_.empty()) {
     test_sparse_ = std::make_unique<SparseHdf5Reader>(test_file_, tables, slice_.rows, -1, comm_,
                                                       config_.data.sparse_key);
     max_ids_ = std::max(max_ids_, test_sparse_->max_ids());
@@ -191,6 +218,7 @@ void DlrmRun::build_model() {
     model_ = std::make_unique<Dlrm>(shape, config_.model.activation, specs_from_plan(*plan_),
                                     *context_, rows, max_ids_);
     model_->initialize(config_.model.init, config_.run.seed);
+    if (predicting_) return;  // no loss, metrics, optimizer: the parameters are loaded
     loss_ = std::make_unique<Loss>(LossKind::binary_cross_entropy, *context_, rows, 1,
                                    FeatureLayout::replicated);
     eval_metrics_ = std::make_unique<EvalMetrics>(LossKind::binary_cross_entropy, *context_, rows,
@@ -215,9 +243,11 @@ void DlrmRun::build_model() {
         std::make_unique<Optimizer>(optimizer_settings(config_.optimizer), optimized_params_);
     clipper_ = std::make_unique<GradientClipper>(*mesh_, rank_, model_->gradients());
   });
-  const OptimizerSection& opt = config_.optimizer;
-  lr_schedule_ = LrSchedule{opt.schedule, opt.lr, opt.min_lr, opt.warmup_steps, total_steps_};
-  lr_ = static_cast<float>(lr_schedule_.at(0));
+  if (!predicting_) {
+    const OptimizerSection& opt = config_.optimizer;
+    lr_schedule_ = LrSchedule{opt.schedule, opt.lr, opt.min_lr, opt.warmup_steps, total_steps_};
+    lr_ = static_cast<float>(lr_schedule_.at(0));
+  }
 
   // The batch buffers, made once.
   const int64_t features = shape.bottom.front();
@@ -236,6 +266,7 @@ void DlrmRun::build_model() {
                    IdView(batch_.values.back().data(), batch_.values.back().extent(0))});
   }
 
+  if (predicting_) return;
   // The checkpoint views the live tensors.
   checkpoint_.mesh = *mesh_;
   if (config_.text.empty()) config_.text = config_to_toml(config_);
@@ -260,8 +291,12 @@ void DlrmRun::read_rows(RowSource& source, SparseHdf5Reader& reader, const int64
   const int64_t features = batch_.dense.extent_int(1);
   std::fill(dense_mirror_.data() + count * features, dense_mirror_.data() + n * features, 0.0f);
   std::fill(targets_mirror_.data() + count, targets_mirror_.data() + n, 0.0f);
-  if (count > 0)
-    source.read(rows, count, RowBuffers{dense_mirror_.data(), nullptr, targets_mirror_.data()});
+  if (count > 0) {
+    // A prediction's source has no labels.
+    source.read(
+        rows, count,
+        RowBuffers{dense_mirror_.data(), nullptr, predicting_ ? nullptr : targets_mirror_.data()});
+  }
   Kokkos::deep_copy(batch_.dense, dense_mirror_);
   Kokkos::deep_copy(batch_.targets, targets_mirror_);
   for (size_t t = 0; t < batch_.bags.size(); ++t) {
@@ -362,6 +397,30 @@ EvalEvent DlrmRun::evaluate() {
   eval_metrics_->finish(event, nullptr);
   event.step = steps_done_;
   return event;
+}
+
+void DlrmRun::predict(const DlrmLogitsSink& sink) {
+  MESHTRAIN_REQUIRE(predicting_, "DlrmRun::predict needs DlrmRunPurpose::predict");
+  Matrix::HostMirror logits_host("meshtrain::dlrm_predict_logits", slice_.rows, 1);
+  for (int64_t b = 0; b < eval_schedule_.num_batches; ++b) {
+    const int64_t valid = eval_slice_samples(eval_schedule_, b, slice_, rows_.data());
+    // The ids' checks are agreed inside the reader; a dense row one rank cannot read is agreed
+    // here, before the forward's collectives (no loss reduction to poison).
+    std::exception_ptr data_error;
+    try {
+      read_rows(*train_source_, *train_sparse_, rows_.data(), valid);
+    } catch (const AgreedError&) {
+      throw;
+    } catch (const Error&) {
+      data_error = std::current_exception();
+    }
+    on_every_rank(comm_, [&] {
+      if (data_error) std::rethrow_exception(data_error);
+    });
+    const MatrixView logits = model_->forward(batch_.dense, batch_.bags);
+    Kokkos::deep_copy(logits_host, logits);
+    sink(rows_.data(), valid, logits_host.data());
+  }
 }
 
 void DlrmRun::report(const std::optional<std::string>& path) {

@@ -54,7 +54,8 @@ namespace meshtrain {
 
 // bad_input, one sentence, when `command` (e.g. "meshtrain predict") does not build the model
 // kind of `model` yet: the commands' policy, which model kinds each serves (apps/ calls it).
-// `meshtrain train` and `meshtrain evaluate` build every kind; the others not kind = "dlrm".
+// `meshtrain train`, `evaluate` and `predict` (apps/predict.cpp: a DlrmRun for kind = "dlrm")
+// build every kind; the others (and Predictor) not kind = "dlrm".
 void require_command_builds(const ModelSection& model, const std::string& command);
 
 // The events DlrmRun::train() reports (on every rank; print on rank 0), as TrainingRun's.
@@ -80,10 +81,20 @@ struct DlrmBatch {
   std::vector<SparseBags> bags;
 };
 
+// What a DlrmRun is made for. predict: the rows of data.path (one file: its x_key dense features
+// and its tables, no labels read) in batches of data.batch_size, the parameters of
+// checkpoint.init_from; no test split, loss, optimizer or checkpoints are made.
+enum class DlrmRunPurpose { train, predict };
+
+// DlrmRun::predict's consumer: this rank's `count` valid rows of a batch (global row indices,
+// consecutive) and their logits. It must not throw (every rank takes part in every batch).
+using DlrmLogitsSink = std::function<void(const int64_t* rows, int64_t count, const float* logits)>;
+
 class DlrmRun {
  public:
   // Collective over `comm`. config.model.kind must be "dlrm".
-  explicit DlrmRun(RunConfig config, DlrmRunEvents events = {}, MPI_Comm comm = MPI_COMM_WORLD);
+  explicit DlrmRun(RunConfig config, DlrmRunEvents events = {}, MPI_Comm comm = MPI_COMM_WORLD,
+                   DlrmRunPurpose purpose = DlrmRunPurpose::train);
   ~DlrmRun();
   DlrmRun(const DlrmRun&) = delete;
   DlrmRun& operator=(const DlrmRun&) = delete;
@@ -92,6 +103,14 @@ class DlrmRun {
   double step();
   // The test split's metrics (loss, AUC, log loss, accuracy) at the current step.
   EvalEvent evaluate();
+  // Purpose predict: the logits of every row of data.path, batch after batch, handed to `sink`
+  // (the last batch's padding rows are not). An id outside its table, or a dense row a rank
+  // cannot read, is an AgreedError on every rank at the same batch. Collective.
+  void predict(const DlrmLogitsSink& sink);
+  // The rows of data.path (predict) or of the training split.
+  int64_t rows_of_data() const { return train_source_->shape().num_samples; }
+  // This rank's slice of every batch (ranks of the same index hold the same rows).
+  const BatchSlice& slice() const { return slice_; }
   // A checkpoint of the current step under checkpoint.dir; its path once complete.
   std::string save();
   // The remaining steps with log, eval (train.eval_every and at the end) and checkpoint
@@ -131,6 +150,7 @@ class DlrmRun {
 
   RunConfig config_;
   DlrmRunEvents events_;
+  bool predicting_ = false;  // DlrmRunPurpose::predict
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
   std::optional<Mesh> mesh_;

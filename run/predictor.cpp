@@ -296,7 +296,7 @@ void Predictor::build(const std::string& config_text, const std::string& where,
   LayerAxes axes;
   on_every_rank(comm_, [&] {
     config_ = parse_config(config_text, where, overrides);
-    require_command_builds(config_.model, "meshtrain predict");
+    require_command_builds(config_.model, "Predictor");  // meshtrain predict serves a DLRM itself
     require_comm_backend_available(config_.runtime.backend);
     const int64_t inputs = config_.model.input_width(), outputs = config_.model.output_width();
     classification_ = config_.model.loss == LossKind::cross_entropy;

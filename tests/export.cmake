@@ -20,6 +20,21 @@ foreach(_case classification regression_normalized activation_relu activation_ta
   set_tests_properties(export_${_case} PROPERTIES PROCESSORS 2 SKIP_RETURN_CODE 77)
 endforeach()
 
+# A DLRM checkpoint's ONNX export (tests/export/dlrm_export_test.py): a tiny DLRM trained on 1
+# and 2 ranks (two tables row-wise), exported (fp32, fp16, bf16), run in ONNX Runtime through
+# tests/export/run_onnx_inputs.js on rows with repeated ids, empty and padded bags, sum and mean
+# pooling, dot and cat, and compared with a float64 forward from the checkpoint. 77 = skipped,
+# as above, only when ONNX Runtime cannot be installed. export_dlrm_predict: `meshtrain predict`
+# of such a checkpoint on 1, 2 and 4 ranks against the same forward, and a bad id refused.
+foreach(_case dot cat predict)
+  meshtrain_add_command_test(NAME export_dlrm_${_case} TIMEOUT 180
+    COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/export/dlrm_export_test.py ${_case}
+            --meshtrain $<TARGET_FILE:meshtrain> --source-dir ${PROJECT_SOURCE_DIR}
+            --work ${_export_runs}/dlrm_${_case}
+            -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+  set_tests_properties(export_dlrm_${_case} PROPERTIES PROCESSORS 2 SKIP_RETURN_CODE 77)
+endforeach()
+
 # The protobuf encoder against the wire format's own examples (no MPI, no Python).
 meshtrain_add_test(NAME export_protobuf_test SOURCES export/protobuf_test.cpp
                    LIBS meshtrain_framework)

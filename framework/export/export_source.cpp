@@ -11,6 +11,7 @@
 
 #include "base/error.hpp"
 #include "framework/core/choices.hpp"
+#include "partition/dlrm_shape.hpp"
 
 namespace meshtrain {
 namespace {
@@ -47,6 +48,10 @@ void check_parameters(const ExportSource& s) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> expected;
   if (s.config.model.kind == ModelKind::residual_mlp) {
     for (const ParameterShape& p : model_parameter_shapes(s.config.model)) {
+      expected.push_back({p.name, p.shape});
+    }
+  } else if (s.config.model.kind == ModelKind::dlrm) {
+    for (const ParameterShape& p : dlrm_parameter_shapes(s.config.model.dlrm())) {
       expected.push_back({p.name, p.shape});
     }
   } else {
@@ -91,6 +96,12 @@ void check_finite(const ExportSource& s) {
 void check_normalization(const ExportSource& s) {
   const ModelSection& model = s.config.model;
   const Normalization& n = s.normalization;
+  if (model.kind == ModelKind::dlrm && (n.inputs() || n.targets())) {
+    // DlrmRun trains without statistics (it refuses [data] normalization), so a DLRM
+    // checkpoint holding some was not written by meshtrain as it is.
+    MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "' has /normalization statistics, which a ",
+                        "model.kind = \"dlrm\" model does not use");
+  }
   if (n.inputs() && static_cast<int64_t>(n.input_mean.size()) != model.input_width()) {
     MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': /normalization/input_mean has ",
                         n.input_mean.size(), " values but the model has ", model.input_width(),
@@ -116,7 +127,8 @@ ExportSource read_export_source(const std::string& checkpoint) {
   s.path = resolve_checkpoint_path(checkpoint);
   s.info = list_checkpoint(s.path).info;
   s.config = parse_config(s.info.config_text, "the config stored in checkpoint '" + s.path + "'");
-  if (s.config.model.kind != ModelKind::mlp && s.config.model.kind != ModelKind::residual_mlp) {
+  if (s.config.model.kind != ModelKind::mlp && s.config.model.kind != ModelKind::residual_mlp &&
+      s.config.model.kind != ModelKind::dlrm) {
     MESHTRAIN_BAD_INPUT("checkpoint '", s.path, "': export does not support model.kind = \"",
                         to_string(s.config.model.kind), "\"");
   }

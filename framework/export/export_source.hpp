@@ -23,9 +23,9 @@ struct ExportSource {
 
 // Reads `checkpoint` (a file, a latest/best pointer file or a checkpoint directory). Throws
 // bad_input naming the file, dataset or key when it cannot be read, a checksum fails, its
-// config is not one export understands (a model.kind other than mlp and residual_mlp, a
+// config is not one export understands (a model.kind other than mlp, residual_mlp and dlrm, a
 // model.loss left to "auto"), its parameters are not exactly its config's model's (missing,
-// extra, other shape), or its statistics do not fit the model.
+// extra, other shape), or its statistics do not fit the model (a dlrm has none).
 ExportSource read_export_source(const std::string& checkpoint);
 
 }  // namespace meshtrain

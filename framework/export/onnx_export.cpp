@@ -104,6 +104,13 @@ class GraphBuilder {
   // `dims` (the stored shape unless given: a reshape of the same row-major values), and the
   // name of its float32 value (a Cast for 16-bit weights).
   std::string parameter(const std::string& name, std::vector<int64_t> dims = {}) {
+    const std::string stored = stored_parameter(name, std::move(dims));
+    if (weights_ == Dtype::fp32) return stored;
+    return to_float32(stored, name + "/fp32");
+  }
+  // The parameter `name` as an initializer of the export's dtype, without the Cast: for a
+  // table, whose few gathered rows are cast (to_float32) rather than the whole table.
+  std::string stored_parameter(const std::string& name, std::vector<int64_t> dims = {}) {
     const CheckpointArray& array = source_.params.at(name);
     if (dims.empty()) dims = array.shape;
     claim(name);  // its values are finite (read_export_source)
@@ -120,7 +127,12 @@ class GraphBuilder {
     }
     const ElementType type = weights_ == Dtype::fp16 ? ElementType::float16 : ElementType::bfloat16;
     add_parameter(name, type, std::move(dims), array.values);
-    return node("Cast", {name}, name + "/fp32",
+    return name;
+  }
+  // A value of the export's weight dtype as float32 (itself with fp32 weights).
+  std::string to_float32(const std::string& value, const std::string& output) {
+    if (weights_ == Dtype::fp32) return value;
+    return node("Cast", {value}, output,
                 {Attribute::integer("to", static_cast<int64_t>(ElementType::float32))});
   }
 
@@ -389,6 +401,97 @@ std::string residual_mlp(GraphBuilder& b, const ModelSection& model, std::string
   return linear(b, "output", h);
 }
 
+// The graph inputs of a DLRM: the dense features, then one id array per table.
+std::string dlrm_dense_input() {
+  return "dense";
+}
+std::string dlrm_ids_input(const DlrmTable& table) {
+  return "sparse/" + table.name;
+}
+
+// EmbeddingBag `t` of fixed-width bags `ids` [batch, k] (negative ids are padding): the rows of
+// the real ids gathered and summed (layers/embedding_bag.hpp; mean: divided by the bag's count
+// of real ids, an empty bag giving 0 either way). Padding ids gather row 0 and are multiplied
+// by 0, so no zero row is appended to (and no copy made of) the table.
+std::string embedding_bag(GraphBuilder& b, const DlrmTable& t, const std::string& ids) {
+  const std::string p = "embeddings/" + t.name;
+  const std::string table = b.stored_parameter(p + "/weight");
+  const std::string zero_id = b.int64_constant("constants/zero_id", {0});
+  const std::string real = b.node("GreaterOrEqual", {ids, zero_id}, p + "/real_ids");
+  const std::string safe = b.node("Max", {ids, zero_id}, p + "/gather_ids");
+  // [batch, k, dim]; with 16-bit weights only these rows are converted.
+  const std::string rows =
+      b.to_float32(b.node("Gather", {table, safe}, p + "/rows", {Attribute::integer("axis", 0)}),
+                   p + "/rows_fp32");
+  const std::string mask =
+      b.node("Cast", {real}, p + "/mask",
+             {Attribute::integer("to", static_cast<int64_t>(ElementType::float32))});
+  const std::string mask3 =
+      b.node("Unsqueeze", {mask, b.int64_constant("constants/axes", {2})}, p + "/mask3");
+  const std::string kept = b.node("Mul", {rows, mask3}, p + "/kept_rows");
+  const std::string axis1 = b.int64_constant("constants/axes", {1});
+  const std::string sum =
+      b.node("ReduceSum", {kept, axis1}, p + "/sum", {Attribute::integer("keepdims", 0)});
+  if (t.pooling == EmbeddingPooling::sum) return sum;
+  const std::string count =
+      b.node("ReduceSum", {mask, axis1}, p + "/count", {Attribute::integer("keepdims", 1)});
+  const std::string divisor =
+      b.node("Max", {count, b.scalar("constants/one", 1.0f)}, p + "/count_or_one");
+  return b.node("Div", {sum, divisor}, p + "/mean");
+}
+
+// kind = "dlrm" (layers/dlrm.hpp, docs/recsys.md): the bottom MLP (its activation after every
+// layer), the embedding bags, the interaction, the top MLP (activation after all but the last).
+std::string dlrm(GraphBuilder& b, const ModelSection& model) {
+  const DlrmShape shape = model.dlrm();
+  std::string z = dlrm_dense_input();
+  for (size_t i = 0; i + 1 < shape.bottom.size(); ++i) {
+    const std::string p = "bottom/" + std::to_string(i);
+    z = activation(b, model.activation, linear(b, p, z), p);
+  }
+  std::vector<std::string> pooled;
+  for (const DlrmTable& t : shape.tables) pooled.push_back(embedding_bag(b, t, dlrm_ids_input(t)));
+
+  std::vector<std::string> features{z};
+  features.insert(features.end(), pooled.begin(), pooled.end());
+  std::string h;
+  if (shape.interaction == DlrmInteraction::cat) {
+    h = b.node("Concat", features, "interaction/cat", {Attribute::integer("axis", 1)});
+  } else {
+    // F = [z, e_1 .. e_T] as [batch, T + 1, d]; F F^T flattened; the strictly lower triangle
+    // row by row (i = 1 .. T, j < i: index i (T + 1) + j), training's order; then [z, pairs].
+    const std::string axis1 = b.int64_constant("constants/axes", {1});
+    std::vector<std::string> blocks;
+    for (size_t f = 0; f < features.size(); ++f) {
+      blocks.push_back(
+          b.node("Unsqueeze", {features[f], axis1}, "interaction/feature_" + std::to_string(f)));
+    }
+    const std::string stacked =
+        b.node("Concat", blocks, "interaction/features", {Attribute::integer("axis", 1)});
+    const std::string transposed = b.node("Transpose", {stacked}, "interaction/features_t",
+                                          {Attribute::integers("perm", {0, 2, 1})});
+    const std::string gram = b.node("MatMul", {stacked, transposed}, "interaction/gram");
+    const std::string flat =
+        b.node("Flatten", {gram}, "interaction/gram_flat", {Attribute::integer("axis", 1)});
+    const int64_t n = static_cast<int64_t>(features.size());
+    std::vector<int64_t> lower;
+    for (int64_t i = 1; i < n; ++i) {
+      for (int64_t j = 0; j < i; ++j) lower.push_back(i * n + j);
+    }
+    const std::string pairs =
+        b.node("Gather", {flat, b.int64_constant("constants/lower_triangle", lower)},
+               "interaction/pairs", {Attribute::integer("axis", 1)});
+    h = b.node("Concat", {z, pairs}, "interaction/dot", {Attribute::integer("axis", 1)});
+  }
+  const size_t top_layers = shape.top.size() - 1;
+  for (size_t i = 0; i < top_layers; ++i) {
+    const std::string p = "top/" + std::to_string(i);
+    h = linear(b, p, h);
+    if (i + 1 < top_layers) h = activation(b, model.activation, h, p);
+  }
+  return h;
+}
+
 std::string normalize_inputs(GraphBuilder& b, const Normalization& n, const std::string& x) {
   const int64_t width = static_cast<int64_t>(n.input_mean.size());
   std::vector<float> hi(n.input_mean.size()), lo(hi.size()), inv_std(hi.size());
@@ -419,8 +522,63 @@ std::string denormalize_outputs(GraphBuilder& b, const Normalization& n, const s
                 onnx_output_name());
 }
 
+// The model's metadata (docs/export.md), `normalization` and `outputs` as given.
+std::vector<std::pair<std::string, std::string>> model_metadata(const ExportSource& source,
+                                                                Dtype weights,
+                                                                const std::string& normalization,
+                                                                const std::string& outputs) {
+  return {
+      {"checkpoint", source.path},
+      {"step", std::to_string(source.info.train_state.step)},
+      {"mesh", source.info.mesh},
+      {"framework_version", source.info.framework_version},
+      {"model", model_summary(source.config.model)},
+      {"weights_dtype", to_string(weights)},
+      {"normalization", normalization},
+      {"outputs", outputs},
+      {"config", source.info.config_text},
+  };
+}
+
+onnx::Model dlrm_model(const ExportSource& source, Dtype weights, WeightStorage storage) {
+  const ModelSection& model = source.config.model;
+  const DlrmShape shape = model.dlrm();
+  GraphBuilder b(source, weights, storage);
+  const std::string logit = b.rename_last(dlrm(b, model), onnx_logit_name());
+  b.node("Sigmoid", {logit}, onnx_probability_name());
+
+  onnx::Graph& g = b.graph();
+  g.name = "meshtrain_dlrm";
+  const onnx::Dimension batch{0, "batch"};
+  g.inputs.push_back(
+      {dlrm_dense_input(), ElementType::float32, {batch, {shape.bottom.front(), ""}}});
+  std::string tables;
+  for (const DlrmTable& t : shape.tables) {
+    // Each table's bag width is its own symbolic dimension: any number of ids per row.
+    g.inputs.push_back({dlrm_ids_input(t), ElementType::int64, {batch, {0, "ids_" + t.name}}});
+    tables += (tables.empty() ? "'" : ", '") + dlrm_ids_input(t) + "'";
+  }
+  g.outputs.push_back({onnx_logit_name(), ElementType::float32, {batch, {1, ""}}});
+  g.outputs.push_back({onnx_probability_name(), ElementType::float32, {batch, {1, ""}}});
+  g.doc_string = "meshtrain " + model_summary(model) + ". Inputs 'dense' [batch, " +
+                 std::to_string(shape.bottom.front()) + "] float32 and " + tables +
+                 " [batch, ids] int64 (a negative id is padding: a bag of fewer ids); outputs " +
+                 "'logit' [batch, 1] and 'probability' (its sigmoid). See docs/export.md.";
+
+  onnx::Model m;
+  m.ir_version = kOnnxIrVersion;
+  m.opset_version = kOnnxOpset;
+  m.producer_name = "meshtrain";
+  m.producer_version = framework_version();
+  m.doc_string = g.doc_string;
+  m.graph = std::move(g);
+  m.metadata = model_metadata(source, weights, "none", "logit, probability");
+  return m;
+}
+
 onnx::Model build_model(const ExportSource& source, Dtype weights, WeightStorage storage) {
   const ModelSection& model = source.config.model;
+  if (model.kind == ModelKind::dlrm) return dlrm_model(source, weights, storage);
   const bool classifies = model.loss == LossKind::cross_entropy;
   const int64_t in = model.input_width(), out = model.output_width();
 
@@ -472,20 +630,12 @@ onnx::Model build_model(const ExportSource& source, Dtype weights, WeightStorage
   m.doc_string = g.doc_string;
   m.graph = std::move(g);
   const Normalization& n = source.normalization;
-  m.metadata = {
-      {"checkpoint", source.path},
-      {"step", std::to_string(source.info.train_state.step)},
-      {"mesh", source.info.mesh},
-      {"framework_version", source.info.framework_version},
-      {"model", model_summary(model)},
-      {"weights_dtype", to_string(weights)},
-      {"normalization", n.inputs() && n.targets() ? "inputs, targets"
-                        : n.inputs()              ? "inputs"
-                        : n.targets()             ? "targets"
-                                                  : "none"},
-      {"outputs", classifies ? "output, probability, class" : "output"},
-      {"config", source.info.config_text},
-  };
+  m.metadata = model_metadata(source, weights,
+                              n.inputs() && n.targets() ? "inputs, targets"
+                              : n.inputs()              ? "inputs"
+                              : n.targets()             ? "targets"
+                                                        : "none",
+                              classifies ? "output, probability, class" : "output");
   return m;
 }
 
@@ -511,6 +661,7 @@ OnnxExportResult export_onnx(const std::string& checkpoint, const std::string& o
   OnnxExportResult result;
   result.checkpoint = source.path;
   result.step = source.info.train_state.step;
+  for (const auto& i : model.graph.inputs) result.inputs.push_back(i.name);
   for (const auto& o : model.graph.outputs) result.outputs.push_back(o.name);
   // A protobuf message cannot exceed 2 GiB; ONNX's external data files are not written. The
   // weights alone are checked, then the whole encoding, before anything is written.

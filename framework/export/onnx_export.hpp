@@ -30,6 +30,13 @@
 //   G = ScatterElements(zeros [batch, E], e, g) (the gate of each chosen expert, 0 elsewhere);
 //   y = sum over e of G[:, e] * (x W_e + b_e), every expert computed for every row (E / k
 //   times the FLOPs of routing the rows; the same result).
+// kind = "dlrm" (layers/dlrm.hpp): inputs "dense" [batch, bottom[0]] float32 and per table
+//   "sparse/<table>" [batch, k] int64 (k symbolic per table; a negative id is padding); each
+//   bag: Gather of the clamped ids times a mask of the real ones, ReduceSum over the ids (mean:
+//   divided by max(count of real ids, 1), so an empty bag is 0); interaction dot: the strictly
+//   lower triangle of F F^T (F = [z, e_1 .. e_T]) gathered row by row after z, or cat; outputs
+//   "logit" [batch, 1] and "probability" = Sigmoid(logit). 16-bit tables are gathered, then the
+//   gathered rows Cast.
 // Weights (every /params dataset) are initializers in the export's dtype; fp16 and bf16 ones
 // are Cast to float32 (rounded to nearest even once, at export), so all arithmetic is
 // float32 and the model runs on any ONNX Runtime CPU. Normalization constants are float32.
@@ -60,6 +67,10 @@ inline const char* onnx_probability_name() {
 inline const char* onnx_class_name() {
   return "class";
 }
+// A DLRM's logit [batch, 1] (its probability is onnx_probability_name's Sigmoid of it).
+inline const char* onnx_logit_name() {
+  return "logit";
+}
 
 // The ONNX model of `source` with weights stored as `weights` (fp32, fp16 or bf16), each
 // initializer holding a copy of its bytes (the model stands alone). Throws bad_input naming
@@ -70,7 +81,8 @@ onnx::Model build_onnx_model(const ExportSource& source, Dtype weights);
 struct OnnxExportResult {
   std::string checkpoint;  // the file read
   int64_t step = 0;
-  int64_t bytes = 0;                 // of the written file
+  int64_t bytes = 0;                // of the written file
+  std::vector<std::string> inputs;  // the graph's inputs ("input"; a DLRM: "dense", "sparse/<t>"..)
   std::vector<std::string> outputs;  // the graph's outputs ("output", "probability", "class")
 };
 

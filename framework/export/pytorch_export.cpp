@@ -321,6 +321,10 @@ PytorchExportResult export_pytorch(const std::string& checkpoint, const std::str
   // Refused before the checkpoint is read: the common mistake costs nothing.
   for (const std::string& file : {weights_path, code_path}) refuse_existing_output(file, overwrite);
   const ExportSource source = read_export_source(checkpoint);
+  if (source.config.model.kind == ModelKind::dlrm) {
+    MESHTRAIN_BAD_INPUT("checkpoint '", source.path, "': --format pytorch does not write a ",
+                        "model.kind = \"dlrm\" model yet; --format onnx does");
+  }
   const auto read = checkpoint_files_read(checkpoint, "the checkpoint being exported");
   for (const std::string& file : {weights_path, code_path}) {
     refuse_output_that_is_read(file, "--output", read);
