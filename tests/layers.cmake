@@ -12,7 +12,7 @@ meshtrain_add_test(NAME layers_mlp_test SOURCES layers/mlp_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300 BACKENDS mpi nccl EMULATED)
 # Training on derivatives (Sobolev training, docs/derivatives.md): the gradient of the derivative
 # loss against float64 central differences for every mlp activation, every mesh against one rank
-# after 3 steps, and a small Sobolev fit of y = sin(x1) x2.
+# after 3 steps, and a small Sobolev fit of y = sin(x1) x2; dropout's mask held fixed likewise.
 meshtrain_add_test(NAME layers_sobolev_test SOURCES layers/sobolev_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 300)
 # The same through residual_mlps (LayerNorm + silu, RMSNorm + SwiGLU, no norm + tanh; norms
