@@ -120,4 +120,18 @@ void DropoutLayer::reserve_cotangents(int64_t directions) {
   cotangent_capacity_ = directions;
 }
 
+MatrixView DropoutLayer::backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
+                                                const LayerPass& pass, MatrixView* dt_in) {
+  MESHTRAIN_REQUIRE(dtype_ == Dtype::fp32, "dropout: training on derivatives is fp32 only");
+  if (!need_input_grad) return MatrixView();
+  // dt is not written (only dy may be): its product goes to the cotangents' buffer.
+  *dt_in = backward_cotangents(dt, pass);
+  return backward(dy, need_input_grad, pass);
+}
+
+void DropoutLayer::reserve_tangent_backward(int64_t directions) {
+  reserve_tangents(directions);
+  reserve_cotangents(directions);
+}
+
 }  // namespace meshtrain

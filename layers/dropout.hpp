@@ -63,6 +63,17 @@ class DropoutLayer : public Layer {
   // The same product for cotangents (a diagonal Jacobian).
   MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
   void reserve_cotangents(int64_t directions) override;
+  // Training on derivatives and the forward Laplacian (docs/derivatives.md): in a training pass
+  // the layer is a fixed diagonal map per row (the mask is drawn once per forward), so value,
+  // first-order tangents and second-order streams are all multiplied by the same mask and scale
+  // (the second derivative of a linear map adds nothing), and backward likewise: dX = mask *
+  // scale * dY, the streams' gradients the same product (forward_tangents and
+  // backward_cotangents, whatever LayerPass::second_order says). Outside training both are the
+  // identity. No parameters.
+  MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
+                                    const LayerPass& pass, MatrixView* dt_in) override;
+  void reserve_tangent_backward(int64_t directions) override;
+  bool supports_laplacian() const override { return true; }
 
   MatrixView output() const override { return last_; }
   FeatureLayout output_layout() const override { return layout_; }

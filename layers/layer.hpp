@@ -164,8 +164,8 @@ class Layer {
   // tangent pass. The same GEMMs and collectives as forward, on k times the rows, without the
   // biases; piecewise-constant choices (relu's kink, MoE routing) are those of the forward.
   // Needs reserve_tangents(k') with k' >= k first; collective where forward is; allocates
-  // nothing. Evaluation only: a forward given a TrainingPass (dropout on) is differentiated
-  // with its mask.
+  // nothing. After a forward given a TrainingPass (dropout on) it is the derivative of that
+  // pass, its mask held fixed.
   virtual MatrixView forward_tangents(MatrixView dx, const LayerPass& pass);
   // Allocates what forward_tangents needs for up to `directions` per row (once; a call with no
   // more directions than before does nothing). Not collective.
@@ -205,7 +205,7 @@ class Layer {
   virtual void reserve_tangent_backward(int64_t directions);
   // Whether forward_tangents and backward_with_tangents handle the forward Laplacian's
   // second-order streams (LayerPass::second_order) exactly. Mlp::reserve_laplacian refuses a
-  // model with a layer that does not (MoE, dropout); a layer's own answer, not a list of kinds.
+  // model with a layer that does not (MoE); a layer's own answer, not a list of kinds.
   virtual bool supports_laplacian() const { return false; }
   // Whether backward_with_tangents handles first-order tangents (Sobolev training) exactly.
   // Mlp::reserve_tangent_backward refuses a model with a layer that does not. A layer whose

@@ -576,15 +576,15 @@ void require_fp32(Dtype dtype) {
 }
 
 // Each layer answers whether its passes carry the derivative streams `what` needs exactly
-// (Linear, the activations, SwiGLU, LayerNorm, RMSNorm, residual blocks of them); MoE layers
-// and dropout do not, and would take the streams for plain tangents (wrong values, silently).
+// (Linear, the activations, SwiGLU, LayerNorm, RMSNorm, dropout, residual blocks of them); MoE
+// layers do not, and would take the streams for plain tangents (wrong values, silently).
 void require_every_layer(const std::vector<Layer*>& sequence, bool (Layer::*supports)() const,
                          const char* what) {
   for (const Layer* layer : sequence) {
     if ((layer->*supports)()) continue;
     const std::string line = layer->describe();
     MESHTRAIN_BAD_INPUT(what, " is built for linear layers, activations, SwiGLU, LayerNorm, ",
-                        "RMSNorm and residual blocks of them, not for MoE layers or dropout, ",
+                        "RMSNorm, dropout and residual blocks of them, not for MoE layers, ",
                         "which this model has", line.empty() ? std::string() : " ('" + line + "')");
   }
 }

@@ -166,8 +166,9 @@ class Mlp {
   // all-reduce does it itself). The input tangents are constants (no gradient). Collective;
   // allocates nothing; needs reserve_tangent_backward(k') with k' >= k first (before the
   // forward_tangents it follows). An mlp or a residual_mlp (LayerNorm, RMSNorm or none; SwiGLU
-  // or an activation) in fp32: reserve_tangent_backward throws bad_input for MoE layers,
-  // dropout or 16-bit parameters (each layer's supports_tangent_backward()).
+  // or an activation; dropout, its mask that of the forward's TrainingPass) in fp32:
+  // reserve_tangent_backward throws bad_input for MoE layers or 16-bit parameters (each layer's
+  // supports_tangent_backward()).
   void backward_with_tangents(MatrixView output_grad, MatrixView tangent_grad, bool reduce = true);
   void reserve_tangent_backward(int64_t directions);
   // Physics losses (the forward Laplacian, docs/derivatives.md): after forward(x), streams
@@ -178,9 +179,9 @@ class Mlp {
   // output (output_grad) and of those streams (stream_grad, [local_rows * 2k, output_width()])
   // to every parameter, as backward_with_tangents does. reserve_laplacian(k) reserves
   // everything for k directions (each layer's reserve_tangent_backward(2k)). An mlp or a
-  // residual_mlp (LayerNorm, RMSNorm or none; SwiGLU or an activation) in fp32: bad_input for
-  // MoE layers, dropout or 16-bit parameters (each layer's supports_laplacian()). Collective,
-  // as forward; allocate nothing.
+  // residual_mlp (LayerNorm, RMSNorm or none; SwiGLU or an activation; dropout) in fp32:
+  // bad_input for MoE layers or 16-bit parameters (each layer's supports_laplacian()).
+  // Collective, as forward; allocate nothing.
   MatrixView forward_laplacian(MatrixView streams);
   void backward_with_laplacian(MatrixView output_grad, MatrixView stream_grad, bool reduce = true);
   void reserve_laplacian(int64_t directions);

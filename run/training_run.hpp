@@ -234,7 +234,7 @@ class TrainingRun {
   // Collective, once, between steps (a resumed run calls it again: the term is not saved in
   // checkpoints): every later step adds `physics`'s term (above) through
   // Mlp::forward_laplacian and backward_with_laplacian. Throws bad_input (agreed) for what the
-  // forward Laplacian is not built for (mixed precision, a residual_mlp, MoE layers, dropout),
+  // forward Laplacian is not built for (mixed precision, MoE layers),
   // with data.dy_key, for a cross_entropy loss, statistics set in `physics.loss`, a negative
   // data_loss_weight, or what PhysicsLoss refuses. Evaluation (test loss, metrics) stays the
   // data loss's.

@@ -12,18 +12,19 @@ meshtrain_add_test(NAME layers_mlp_test SOURCES layers/mlp_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300 BACKENDS mpi nccl EMULATED)
 # Training on derivatives (Sobolev training, docs/derivatives.md): the gradient of the derivative
 # loss against float64 central differences for every mlp activation, every mesh against one rank
-# after 3 steps, and a small Sobolev fit of y = sin(x1) x2.
+# after 3 steps, and a small Sobolev fit of y = sin(x1) x2; dropout's mask held fixed likewise.
 meshtrain_add_test(NAME layers_sobolev_test SOURCES layers/sobolev_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 300)
 # The same through residual_mlps (LayerNorm + silu, RMSNorm + SwiGLU, no norm + tanh; norms
 # perturbed): losses and every parameter gradient against float64 dual numbers and central
-# differences, every mesh against one rank after 3 steps, no allocation per step; MoE blocks and
-# dropout refused.
+# differences, every mesh against one rank after 3 steps, no allocation per step; MoE blocks
+# refused, dropout accepted.
 meshtrain_add_test(NAME layers_sobolev_residual_test SOURCES layers/sobolev_residual_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 300)
 # Physics losses through the forward Laplacian (docs/derivatives.md): the network's Laplacian
 # against finite differences, every parameter gradient against float64 central differences for
-# every mlp activation, every mesh against one rank after 3 steps, no allocation per step.
+# every mlp activation, every mesh against one rank after 3 steps, no allocation per step; the
+# same with dropout (its training pass's mask held fixed).
 meshtrain_add_test(NAME layers_physics_loss_test SOURCES layers/physics_loss_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 300)
 meshtrain_add_test(NAME layers_mixed_precision_test SOURCES layers/mixed_precision_test.cpp

@@ -353,10 +353,12 @@ endif()
 # plus derivative_loss, equal on every mesh to 1e-5; `meshtrain predict --jacobian` on held-out
 # rows is within half the plain run's error. `residual`: a residual_mlp (LayerNorm + silu) with
 # dy_key at np 1, fsdp and tp (np 2): step 1 equal on every mesh, the derivative loss falls below
-# a tenth, the Jacobian error below half the plain run's. `refusals`: dy_key with bf16, MoE
-# (mlp and residual_mlp), dropout, cross_entropy, synthetic data, bad dy_inputs, and a missing
-# or misshapen dataset.
-foreach(_case train residual refusals)
+# a tenth, the Jacobian error below half the plain run's. `dropout`: model.dropout with dy_key
+# (mlp and residual_mlp) at np 1, dp and tp (np 2): step 1 equal on every mesh, the derivative
+# loss falls, the Jacobian error below half the plain run's. `refusals`: dy_key with bf16, MoE
+# (mlp and residual_mlp), cross_entropy, synthetic data, bad dy_inputs, and a missing or
+# misshapen dataset.
+foreach(_case train residual dropout refusals)
   meshtrain_add_command_test(NAME train_sobolev_${_case} TIMEOUT 600
     COMMAND ${MESHTRAIN_PYTHON} ${_train}/sobolev_train.py ${_case}
             --meshtrain $<TARGET_FILE:meshtrain> --source-dir ${PROJECT_SOURCE_DIR}

@@ -383,8 +383,8 @@ const std::vector<ConfigKey>& config_keys() {
                          "hdf5: the targets' derivatives w.r.t. the inputs, float [N, outputs, "
                          "k], for Sobolev training ([derivatives.md](derivatives.md))")
                     .checked_by(check_dy_key,
-                                "hdf5, an fp32 mlp or residual_mlp without MoE or dropout, "
-                                "a regression loss")
+                                "hdf5, an fp32 mlp or residual_mlp without MoE (dropout "
+                                "allowed), a regression loss")
                     .shown_as("a dataset name")
                     .unset_when_empty()
                     .defaults_to("none"));
@@ -1106,7 +1106,7 @@ std::optional<KeyProblem> check_dataset_key(const ConfigKey& key, const RunConfi
 
 // data.dy_key (Sobolev training): what the derivative path is built for
 // (Mlp::reserve_tangent_backward): an hdf5 source, an fp32 mlp or residual_mlp without MoE
-// layers or dropout, a regression loss.
+// layers (dropout included: its training pass's mask is held fixed), a regression loss.
 std::optional<KeyProblem> check_dy_key(const ConfigKey&, const RunConfig& c,
                                        const KeyNames& names) {
   const std::string& dy = c.data.dy_key;
@@ -1131,10 +1131,6 @@ std::optional<KeyProblem> check_dy_key(const ConfigKey&, const RunConfig& c,
   if (!c.model.moe_layers.empty()) {
     return problem("is not supported with ", names("model.moe_layers"),
                    " (Sobolev training is built for dense layers)");
-  }
-  if (c.model.dropout > 0) {
-    return problem("is not supported with ", names("model.dropout"), " = ", c.model.dropout,
-                   " (set it to 0)");
   }
   if (c.model.loss && !is_regression(*c.model.loss)) {
     return problem("needs a regression loss, but ", names("model.loss"), " is \"",

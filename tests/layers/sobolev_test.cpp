@@ -19,7 +19,10 @@
 //   * SobolevTrainingFitsTheDerivatives (np 1): y = sin(x1) x2 on 32 points; the derivative loss
 //     falls to below a tenth of its start, and the Jacobian error on 256 other points after
 //     training is at most half of that of the same training with lambda = 0.
-//   * Refusals: dropout, MoE layers and bf16 parameters are bad_input.
+//   * Dropout (model.dropout 0.3): the same gradient check and mesh runs with the training
+//     pass's mask, which the float64 reference draws from the same key (dropout_bits) and holds
+//     fixed (a fixed diagonal map per row: value and tangents times the same mask and scale).
+//   * Refusals: MoE layers and bf16 parameters are bad_input (dropout is accepted).
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -28,6 +31,7 @@
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "base/error.hpp"
@@ -36,6 +40,7 @@
 #include "framework/train/optimizer.hpp"
 #include "layers/context.hpp"
 #include "layers/derivative_loss.hpp"
+#include "layers/dropout.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
 #include "partition/planner.hpp"
@@ -63,6 +68,20 @@ constexpr uint64_t kSeed = 7;
 const std::vector<Activation> kActivations = {
     Activation::relu, Activation::tanh,    Activation::gelu, Activation::gelu_erf,
     Activation::silu, Activation::sigmoid, Activation::none};
+constexpr double kDropout = 0.3;  // the dropout cases' rate
+
+// The training pass of step `step` on the rank whose first global row is `first_row`.
+TrainingPass training_pass(int step, int64_t first_row) {
+  return {kSeed, step, /*micro_batch=*/0, first_row};
+}
+// What dropout multiplies element (global row, feature) of hidden layer `layer` by in step 0's
+// training pass: 0 or the layer's float scale (layers/dropout.hpp's key), 1 without dropout.
+double dropout_factor(double rate, int64_t row, int64_t feature, int64_t layer) {
+  if (rate == 0.0) return 1.0;
+  return dropout_bits(kSeed, 0, 0, row, feature, layer) >= dropout_threshold(rate)
+             ? static_cast<double>(dropout_scale(rate))
+             : 0.0;
+}
 
 // The global batch: x [rows, in], t [rows, out], dy_t [rows, out, k].
 struct Batch {
@@ -84,8 +103,9 @@ Batch make_batch(int64_t rows, int64_t k, int step) {
 struct ReferenceLoss {
   double data = 0, derivative = 0, total = 0;
 };
+// dropout: the rate of model.dropout, its mask that of step 0 (dropout_factor), held fixed.
 ReferenceLoss reference_loss(const std::vector<Tensor>& p, Activation act, const Batch& b,
-                             int64_t rows) {
+                             int64_t rows, double dropout = 0.0) {
   const int64_t k = static_cast<int64_t>(kChosen.size());
   const size_t layers = kSizes.size() - 1;
   const int64_t out_width = kSizes.back();
@@ -107,9 +127,10 @@ ReferenceLoss reference_loss(const std::vector<Tensor>& p, Activation act, const
         }
       if (l + 1 < layers) {
         for (int64_t j = 0; j < out; ++j) {
-          const double slope = testing::activation_derivative(act, z[j]);
+          const double keep = dropout_factor(dropout, r, j, static_cast<int64_t>(l));
+          const double slope = testing::activation_derivative(act, z[j]) * keep;
           for (int64_t d = 0; d < k; ++d) tz[d][j] *= slope;
-          z[j] = testing::activation(act, z[j]);
+          z[j] = testing::activation(act, z[j]) * keep;
         }
       }
       a = z;
@@ -178,15 +199,16 @@ Matrix rows_of(const std::string& label, const Tensor& full, int64_t width, int6
 
 // reduce = false: the gradients the model's plan defers (DP storage) are left partial by
 // backward_with_tangents and completed by reduce_gradients(), as gradient accumulation does.
+// dropout > 0: the model has dropout layers, and every forward is a training pass.
 StepsRun run_steps(const testing::MeshCase& c, Activation act, bool self, int steps, float lr,
-                   bool reduce = true) {
+                   bool reduce = true, double dropout = 0.0) {
   MeshSetup s(c, self);
   ParallelContext& context = s.context;
   MPI_Comm comm = self ? MPI_COMM_SELF : MPI_COMM_WORLD;
   const int64_t rows = kRows / context.batch_parallel();
   const int64_t row0 = context.batch_index() * rows;
   const int64_t k = static_cast<int64_t>(kChosen.size());
-  Mlp model(kSizes, act, specs_from_plan(s.plan), context, rows);
+  Mlp model(kSizes, act, specs_from_plan(s.plan), context, rows, {}, dropout);
   model.initialize(InitScheme::he_normal, kSeed);
   model.reserve_tangent_backward(k);
   if (context.feature_parallel() > 1) {  // the tp meshes really split the layers
@@ -209,8 +231,9 @@ StepsRun run_steps(const testing::MeshCase& c, Activation act, bool self, int st
     const Matrix x = rows_of("x", b.x, kSizes.front(), row0, rows);
     const Matrix t = rows_of("t", b.t, kSizes.back(), row0, rows);
     const Matrix dyt = rows_of("dyt", b.dyt, kSizes.back() * k, row0, rows);
+    const TrainingPass training = training_pass(step, row0);
     testing::KokkosAllocationCounter allocations;  // the step allocates nothing
-    const MatrixView y = model.forward(x);
+    const MatrixView y = model.forward(x, dropout > 0.0 ? &training : nullptr);
     run.data_losses.push_back(loss.regression(y, t).loss);
     const MatrixView tangents = model.forward_tangents(derivative.seeds());
     run.derivative_losses.push_back(derivative.evaluate(tangents, dyt).loss);
@@ -247,12 +270,17 @@ TEST(Sobolev, GradientsMatchFloat64CentralDifferences) {
   if (world_size() > 1) GTEST_SKIP() << "against float64: checked at np 1";
   constexpr double kStep = 1e-6, kTolerance = 2e-6;
   const testing::MeshCase one{"dp", {{"dp", 1}}};
-  for (const Activation act : kActivations) {
-    SCOPED_TRACE(std::string(to_string(act)));
-    const StepsRun run = run_steps(one, act, /*self=*/true, 1, 0.0f);
+  std::vector<std::pair<Activation, double>> cases;  // (activation, dropout)
+  for (const Activation act : kActivations) cases.push_back({act, 0.0});
+  for (const Activation act : {Activation::tanh, Activation::gelu})
+    cases.push_back({act, kDropout});
+  for (const auto& [act, dropout] : cases) {
+    const std::string name = std::string(to_string(act)) + (dropout > 0.0 ? " with dropout" : "");
+    SCOPED_TRACE(name);
+    const StepsRun run = run_steps(one, act, /*self=*/true, 1, 0.0f, true, dropout);
     const Batch b = make_batch(kRows, static_cast<int64_t>(kChosen.size()), 0);
     std::vector<Tensor> p = run.initial;
-    const ReferenceLoss ref = reference_loss(p, act, b, kRows);
+    const ReferenceLoss ref = reference_loss(p, act, b, kRows, dropout);
     EXPECT_NEAR(run.data_losses[0], ref.data, 1e-5 * ref.data);
     EXPECT_NEAR(run.derivative_losses[0], kLambda * ref.derivative, 1e-5 * ref.derivative);
     double worst = 0.0;
@@ -261,9 +289,9 @@ TEST(Sobolev, GradientsMatchFloat64CentralDifferences) {
       for (size_t i = 0; i < p[q].size(); ++i) {
         const double v = p[q][i];
         p[q][i] = v + kStep;
-        const double up = reference_loss(p, act, b, kRows).total;
+        const double up = reference_loss(p, act, b, kRows, dropout).total;
         p[q][i] = v - kStep;
-        const double down = reference_loss(p, act, b, kRows).total;
+        const double down = reference_loss(p, act, b, kRows, dropout).total;
         p[q][i] = v;
         fd[i] = (up - down) / (2 * kStep);
       }
@@ -273,7 +301,7 @@ TEST(Sobolev, GradientsMatchFloat64CentralDifferences) {
     std::printf(
         "[ sobolev ] %s: gradient vs float64 central differences: largest |g - fd| / "
         "max|fd| %.2e (tolerance %.0e)\n",
-        to_string(act), worst, kTolerance);
+        name.c_str(), worst, kTolerance);
   }
 }
 
@@ -281,13 +309,18 @@ TEST(Sobolev, EveryMeshEqualsOneRank) {
   constexpr double kTolerance = 1e-5;
   constexpr int kSteps = 3;
   constexpr float kLr = 0.02f;
-  for (const Activation act : kActivations) {
-    const StepsRun one = run_steps({"dp", {{"dp", 1}}}, act, /*self=*/true, kSteps, kLr);
+  std::vector<std::pair<Activation, double>> cases;  // (activation, dropout)
+  for (const Activation act : kActivations) cases.push_back({act, 0.0});
+  cases.push_back({Activation::tanh, kDropout});
+  for (const auto& [act, dropout] : cases) {
+    const std::string name = std::string(to_string(act)) + (dropout > 0.0 ? " with dropout" : "");
+    const StepsRun one =
+        run_steps({"dp", {{"dp", 1}}}, act, /*self=*/true, kSteps, kLr, true, dropout);
     for (const testing::MeshCase& c : testing::layer_meshes(world_size())) {
       for (const bool reduce : {true, false}) {
-        SCOPED_TRACE(std::string(to_string(act)) + " on " + testing::describe(c) +
+        SCOPED_TRACE(name + " on " + testing::describe(c) +
                      (reduce ? "" : ", gradients reduced after backward"));
-        const StepsRun got = run_steps(c, act, /*self=*/false, kSteps, kLr, reduce);
+        const StepsRun got = run_steps(c, act, /*self=*/false, kSteps, kLr, reduce, dropout);
         double worst = 0.0;
         for (int step = 0; step < kSteps; ++step) {
           EXPECT_NEAR(got.data_losses[step], one.data_losses[step],
@@ -309,7 +342,7 @@ TEST(Sobolev, EveryMeshEqualsOneRank) {
         }
         if (world_rank() == 0) {
           std::printf("[ sobolev ] %s on %s%s: largest difference from one rank %.2e\n",
-                      to_string(act), testing::describe(c).c_str(),
+                      name.c_str(), testing::describe(c).c_str(),
                       reduce ? "" : " (reduce_gradients)", worst);
         }
       }
@@ -401,8 +434,8 @@ TEST(Sobolev, SobolevTrainingFitsTheDerivatives) {
   EXPECT_LT(sobolev.jacobian_rms_error, 0.5 * plain.jacobian_rms_error);
 }
 
-// reserve_tangent_backward refuses, as bad_input naming what: dropout, MoE layers, 16-bit
-// parameters (a residual_mlp is tests/layers/sobolev_residual_test.cpp's).
+// reserve_tangent_backward refuses, as bad_input naming what: MoE layers, 16-bit parameters (a
+// residual_mlp is tests/layers/sobolev_residual_test.cpp's); dropout it accepts.
 void expect_refused(Mlp& model, const std::string& what) {
   try {
     model.reserve_tangent_backward(1);
@@ -420,7 +453,7 @@ TEST(Sobolev, RefusesWhatItIsNotBuiltFor) {
                           25.0);
   const SpecLookup replicated = [](const std::string&) { return PartitionSpec(); };
   Mlp with_dropout({2, 4, 1}, Activation::tanh, replicated, context, 4, {}, 0.1);
-  expect_refused(with_dropout, "dropout");
+  EXPECT_NO_THROW(with_dropout.reserve_tangent_backward(1));
   MoeSettings moe;
   moe.layers = {0};
   moe.experts = 2;
