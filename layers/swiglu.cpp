@@ -77,11 +77,11 @@ SwiGlu::SwiGlu(std::string name, std::unique_ptr<Linear> gate, std::unique_ptr<L
   if (keeps_16bit) {
     // 16-bit storage: forward computes in gate's and up's output buffers, backward in place
     // (dvalue over dY, dgate over gate's output, dX into up's input gradient): no fp32 buffer.
-    if (dtype == Dtype::fp32 || shared_gather_ || gate_->output().data() == up_->output().data()) {
-      MESHTRAIN_BAD_INPUT("SwiGLU '", name_,
-                          "': 16-bit storage needs a 16-bit compute dtype, no shared gather and "
-                          "distinct output buffers of gate and up");
-    }
+    MESHTRAIN_REQUIRE(
+        dtype != Dtype::fp32 && !shared_gather_ && gate_->output().data() != up_->output().data(),
+        "SwiGLU '", name_,
+        "': 16-bit storage needs a 16-bit compute dtype, no shared gather and distinct output "
+        "buffers of gate and up");
     kept_gate_ = HalfMatrix(name_ + "/gate_16bit", rows, width);
     kept_value_ = HalfMatrix(name_ + "/value_16bit", rows, width);
     kept_output_ = HalfMatrix(name_ + "/output_16bit", rows, width);

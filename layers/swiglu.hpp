@@ -43,7 +43,7 @@ class SwiGlu final : public Layer {
   // column-parallel on a replicated input with partial input gradients (shares_input_gather);
   // the SwiGLU's input arrives split over it, is all-gathered once for both (kept for their
   // weight gradients), and the sum of their input gradients is reduce-scattered once.
-  // keeps_16bit (a 16-bit dtype, no shared gather; else bad_input): 16-bit storage (above);
+  // keeps_16bit (a 16-bit dtype, no shared gather; else it throws): 16-bit storage (above);
   // gate's and up's output buffers must be distinct (the model's shared working buffers).
   SwiGlu(std::string name, std::unique_ptr<Linear> gate, std::unique_ptr<Linear> up, int64_t rows,
          Dtype dtype, Communicator* shared_gather = nullptr, bool keeps_16bit = false);
