@@ -203,8 +203,9 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
                                     shared);
   };
   // 16-bit storage of the blocks' hidden activations (docs/mixed_precision.md, "Compute and
-  // memory on this build"), under a 16-bit param_dtype for blocks of up, activation and down (no
-  // SwiGLU, MoE or dropout) on a mesh without a feature axis: the up projection writes its output
+  // memory on this build"), under a 16-bit param_dtype for blocks without MoE or dropout on a
+  // mesh without a feature axis (SwiGLU blocks alike: see the gated branch below, gate's output
+  // in a second shared buffer `model/gate_work`): the up projection writes its output
   // into one fp32 working buffer [rows, hidden] that every block shares, the activation works in
   // place there and keeps its input and output as 16 bits (in the same pass), and the down
   // projection keeps nothing of its input but that 16-bit output: in backward it widens it into
@@ -228,7 +229,6 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
   storage_query.sixteen_bit_compute =
       compute_dtype_ != Dtype::fp32 && context.stores_16bit_activations();
   storage_query.residual = true;
-  storage_query.gated = shape.gated;
   storage_query.norms = shape.norm;
   storage_query.moe = shape.moe.any();
   storage_query.dropout = dropout > 0.0;
@@ -237,6 +237,7 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
   hidden_16bit_ = storage.residual_hidden;
   stream_16bit_ = storage.residual_stream;
   if (hidden_16bit_) hidden_work_ = Matrix("model/hidden_work", rows_, shape.hidden);
+  if (hidden_16bit_ && shape.gated) gate_work_ = Matrix("model/gate_work", rows_, shape.hidden);
   if (stream_16bit_) {
     stream_ = Matrix("model/stream", rows_, shape.width);
     norm_work_ = Matrix("model/norm_work", rows_, shape.width);
@@ -307,7 +308,35 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
                                           compute_dtype_));
       continue;
     }
-    if (shape.gated) {
+    if (shape.gated && hidden_16bit_) {
+      // 16-bit storage (layers/swiglu.hpp): gate writes into model/gate_work, up into
+      // model/hidden_work, where the SwiGLU writes its output over up's and keeps gate, up and
+      // output as 16 bits; with the stream's storage both read the norm's output kept as 16 bits,
+      // widened in backward into model/norm_work (up) and model/stream (gate, free in backward),
+      // where each writes its input gradient (gate's then added into up's).
+      LinearSharedBuffers gate_buffers, up_buffers;
+      gate_buffers.output = gate_work_;
+      up_buffers.output = hidden_work_;
+      if (stream_16bit_) {
+        gate_buffers.work = stream_;
+        gate_buffers.kept_input = up_buffers.kept_input = norms_.back()->kept_output();
+        up_buffers.work = norm_work_;
+      }
+      std::unique_ptr<Linear> gate = linear(layout, false, &gate_buffers);
+      std::unique_ptr<Linear> up = linear(layout, false, &up_buffers);
+      auto swiglu = std::make_unique<SwiGlu>(block + "/swiglu", std::move(gate), std::move(up),
+                                             rows_, compute_dtype_, nullptr, /*keeps_16bit=*/true);
+      LinearSharedBuffers down_buffers;
+      down_buffers.work = hidden_work_;
+      down_buffers.kept_input = swiglu->kept_output();
+      if (stream_16bit_) down_buffers.output = norm_work_;  // added into the stream at once
+      const FeatureLayout hidden_layout = swiglu->output_layout();
+      f.push_back(std::move(swiglu));
+      f.push_back(linear(hidden_layout, false, &down_buffers));  // down
+      add(std::make_unique<ResidualBlock>(block, std::move(f), layout, offset, rows_, width,
+                                          compute_dtype_, shared_stream));
+      continue;
+    } else if (shape.gated) {
       // Gate and up column-parallel on the split stream share one gather of it.
       const bool shared =
           shares_input_gather(layout_of(param, layout), layout_of(param + 2, layout));

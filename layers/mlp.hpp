@@ -285,9 +285,10 @@ class Mlp {
   HalfMatrix input_16bit_;
   MatrixView work_view(size_t buffer, int64_t width) const;  // work_[buffer] as [rows, width]
   // A residual_mlp's 16-bit storage of its blocks' hidden activations (the residual constructor
-  // explains it): the one fp32 working buffer [rows, hidden] its blocks share.
+  // explains it): the one fp32 working buffer [rows, hidden] its blocks share, and a second one
+  // for SwiGLU blocks' gate projections.
   bool hidden_16bit_ = false;
-  Matrix hidden_work_;
+  Matrix hidden_work_, gate_work_;
   // And with norms, its residual stream (the residual constructor explains it): the stream, the
   // norms' outputs and the down projections' outputs, and the input-gradient stream, fp32
   // [rows, width] each, shared by every block.

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "base/error.hpp"
+#include "framework/core/activation_math.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/fast_math.hpp"
 #include "framework/core/kernel_label.hpp"
@@ -12,9 +13,52 @@
 #include "layers/activation.hpp"
 
 namespace meshtrain {
+namespace {
+
+// swiglu_forward's value (layers/activation.cpp, the same expression) from gate and value holding
+// 16-bit values, keeping both and the output as 16-bit bits, the output also written over value
+// (what the down projection reads), in one pass.
+void swiglu_forward_keeping_16bit(MatrixView gate, MatrixView value, HalfMatrixView kept_gate,
+                                  HalfMatrixView kept_value, HalfMatrixView kept_out, Dtype dtype) {
+  const int64_t cols = static_cast<int64_t>(value.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::swiglu_forward_keeping_16bit"),
+      Kokkos::RangePolicy<>(device_space(), 0, static_cast<int64_t>(value.extent(0))),
+      KOKKOS_LAMBDA(const int64_t i) {
+        for (int64_t j = 0; j < cols; ++j) {
+          const float g = gate(i, j), u = value(i, j);  // 16-bit values: their bits are exact
+          const uint16_t out = to_16bit(g * activation_math::sigmoids(g).of_x * u, dtype);
+          kept_gate(i, j) = to_16bit(g, dtype);
+          kept_value(i, j) = to_16bit(u, dtype);
+          kept_out(i, j) = out;
+          value(i, j) = from_16bit(out, dtype);
+        }
+      });
+}
+
+// swiglu_backward's gradients (the same expressions) from the kept 16-bit gate and value: dgate
+// into `dgate`, dvalue in place over dy.
+void swiglu_backward_from_16bit(ConstHalfMatrixView kept_gate, ConstHalfMatrixView kept_value,
+                                MatrixView dy, MatrixView dgate, Dtype dtype) {
+  const int64_t cols = static_cast<int64_t>(dy.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::swiglu_backward_from_16bit"),
+      Kokkos::RangePolicy<>(device_space(), 0, static_cast<int64_t>(dy.extent(0))),
+      KOKKOS_LAMBDA(const int64_t i) {
+        for (int64_t j = 0; j < cols; ++j) {
+          const float g = from_16bit(kept_gate(i, j), dtype), d = dy(i, j);
+          const float u = from_16bit(kept_value(i, j), dtype);
+          const activation_math::Sigmoids s = activation_math::sigmoids(g);
+          dgate(i, j) = round_to(d * u * (s.of_x * (1.0f + g * s.of_minus)), dtype);
+          dy(i, j) = round_to(d * g * s.of_x, dtype);  // dvalue
+        }
+      });
+}
+
+}  // namespace
 
 SwiGlu::SwiGlu(std::string name, std::unique_ptr<Linear> gate, std::unique_ptr<Linear> up,
-               int64_t rows, Dtype dtype, Communicator* shared_gather)
+               int64_t rows, Dtype dtype, Communicator* shared_gather, bool keeps_16bit)
     : name_(std::move(name)),
       gate_(std::move(gate)),
       up_(std::move(up)),
@@ -30,7 +74,22 @@ SwiGlu::SwiGlu(std::string name, std::unique_ptr<Linear> gate, std::unique_ptr<L
   }
   const int64_t width = up_->output_width();
   rows_ = rows;
+  if (keeps_16bit) {
+    // 16-bit storage: forward computes in gate's and up's output buffers, backward in place
+    // (dvalue over dY, dgate over gate's output, dX into up's input gradient): no fp32 buffer.
+    MESHTRAIN_REQUIRE(
+        dtype != Dtype::fp32 && !shared_gather_ && gate_->output().data() != up_->output().data(),
+        "SwiGLU '", name_,
+        "': 16-bit storage needs a 16-bit compute dtype, no shared gather and distinct output "
+        "buffers of gate and up");
+    kept_gate_ = HalfMatrix(name_ + "/gate_16bit", rows, width);
+    kept_value_ = HalfMatrix(name_ + "/value_16bit", rows, width);
+    kept_output_ = HalfMatrix(name_ + "/output_16bit", rows, width);
+    output_ = up_->output();
+    return;
+  }
   out_ = Matrix(name_ + "/output", rows, width);
+  output_ = out_;
   dgate_ = Matrix(name_ + "/gate_grad", rows, width);
   dvalue_ = Matrix(name_ + "/value_grad", rows, width);
   if (shared_gather_) {
@@ -43,6 +102,11 @@ SwiGlu::SwiGlu(std::string name, std::unique_ptr<Linear> gate, std::unique_ptr<L
   } else {
     dx_ = Matrix(name_ + "/input_grad", rows, up_->input_width());
   }
+}
+
+void SwiGlu::require_fp32_buffers(const char* what) const {
+  MESHTRAIN_REQUIRE(!keeps_16bit(), "SwiGLU '", name_, "': ", what,
+                    " need fp32 buffers, not 16-bit storage (derivatives are fp32 only)");
 }
 
 std::vector<ShardedParameter*> SwiGlu::sharded_parameters() {
@@ -72,26 +136,40 @@ MatrixView SwiGlu::forward(MatrixView x, const LayerPass& pass) {
   const MatrixView gate = gate_->forward(input, inner);
   inner.prefetch = pass.prefetch;
   const MatrixView value = up_->forward(input, inner);
+  if (keeps_16bit()) {
+    swiglu_forward_keeping_16bit(gate, value, kept_gate_, kept_value_, kept_output_, dtype_);
+    return value;  // the output, written over up's
+  }
   swiglu_forward(gate, value, out_, dtype_);
   return out_;
 }
 
 MatrixView SwiGlu::backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) {
-  swiglu_backward(gate_->output(), up_->output(), dy, dgate_, dvalue_, dtype_);
+  // 16-bit storage: dvalue in place over dY (read first), dgate over gate's output buffer.
+  const MatrixView dgate = keeps_16bit() ? gate_->output() : MatrixView(dgate_);
+  const MatrixView dvalue = keeps_16bit() ? dy : MatrixView(dvalue_);
+  if (keeps_16bit()) {
+    swiglu_backward_from_16bit(kept_gate_, kept_value_, dy, dgate, dtype_);
+  } else {
+    swiglu_backward(gate_->output(), up_->output(), dy, dgate, dvalue, dtype_);
+  }
   const bool bucketed = pass.deferred == DeferredReduction::in_buckets;
   LayerPass inner = pass;
   inner.prefetch = nullptr;
   if (bucketed) inner.deferred = DeferredReduction::later;
-  const MatrixView dx_up = up_->backward(dvalue_, need_input_grad, inner);
+  const MatrixView dx_up = up_->backward(dvalue, need_input_grad, inner);
   inner.prefetch = pass.prefetch;
-  const MatrixView dx_gate = gate_->backward(dgate_, need_input_grad, inner);
+  const MatrixView dx_gate = gate_->backward(dgate, need_input_grad, inner);
   if (bucketed) {
     pass.buckets->layer_ready(pass.index);
     pass.buckets->poll();
   }
   if (!need_input_grad) return MatrixView();
   // Shared gather: the two partial sums added at full width, then reduce-scattered once.
-  const MatrixView dx = shared_gather_ ? MatrixView(dx_full_) : MatrixView(dx_);
+  // 16-bit storage: gate's added into up's input gradient in place (elementwise: exact alike).
+  const MatrixView dx = shared_gather_  ? MatrixView(dx_full_)
+                        : keeps_16bit() ? dx_up
+                                        : MatrixView(dx_);
   const Dtype dtype = dtype_;
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::swiglu_input_grad"),
@@ -102,10 +180,11 @@ MatrixView SwiGlu::backward(MatrixView dy, bool need_input_grad, const LayerPass
         dx(i, j) = round_to(dx_up(i, j) + dx_gate(i, j), dtype);
       });
   if (shared_gather_) shared_gather_->reduce_scatter(dx, MatrixView(dx_), 1, dtype_);
-  return dx_;
+  return keeps_16bit() ? dx : MatrixView(dx_);
 }
 
 MatrixView SwiGlu::forward_tangents(MatrixView dx, const LayerPass& pass) {
+  require_fp32_buffers("tangents");
   const int64_t k = tangent_directions(static_cast<int64_t>(dx.extent(0)), rows_, name_);
   LayerPass inner;
   inner.scratch = pass.scratch;
@@ -143,6 +222,7 @@ void SwiGlu::reserve_tangents(int64_t directions) {
 }
 
 MatrixView SwiGlu::backward_cotangents(MatrixView dy, const LayerPass& pass) {
+  require_fp32_buffers("cotangents");
   const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows_, name_);
   const int64_t rows = rows_ * k;
   LayerPass inner;

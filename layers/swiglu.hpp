@@ -15,11 +15,21 @@
 // layer reports them ready once both are computed (its one bucket entry). FSDP prefetch: the
 // model's prefetch goes to up in forward and to gate in backward (the Linear that runs last).
 // Buffers (output, dgate, dvalue, dX) are allocated at construction.
+//
+// Mixed precision's 16-bit storage (keeps_16bit; Mlp's residual constructor,
+// docs/mixed_precision.md, "Compute and memory on this build"): gate and up write their outputs
+// into the model's shared fp32 working buffers (LinearSharedBuffers::output); forward keeps the
+// gate's and up's outputs and the SwiGLU's output as 16 bits in one pass, which also writes the
+// output in place over up's output (the down projection reads it there and keeps the 16-bit copy,
+// kept_output()). Backward reads the 16-bit copies, writes dvalue in place over dY and dgate over
+// gate's output buffer (free after forward), and adds gate's input gradient into up's in place: the
+// layer owns no fp32 buffer. The values are those of the fp32 buffers (16-bit values, exact).
 
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "framework/core/precision.hpp"  // HalfMatrix
 #include "layers/layer.hpp"
 #include "layers/linear.hpp"
 
@@ -33,8 +43,10 @@ class SwiGlu final : public Layer {
   // column-parallel on a replicated input with partial input gradients (shares_input_gather);
   // the SwiGLU's input arrives split over it, is all-gathered once for both (kept for their
   // weight gradients), and the sum of their input gradients is reduce-scattered once.
+  // keeps_16bit (a 16-bit dtype, no shared gather; else it throws): 16-bit storage (above);
+  // gate's and up's output buffers must be distinct (the model's shared working buffers).
   SwiGlu(std::string name, std::unique_ptr<Linear> gate, std::unique_ptr<Linear> up, int64_t rows,
-         Dtype dtype, Communicator* shared_gather = nullptr);
+         Dtype dtype, Communicator* shared_gather = nullptr, bool keeps_16bit = false);
 
   MatrixView forward(MatrixView x, const LayerPass& pass) override;
   MatrixView backward(MatrixView dy, bool need_input_grad, const LayerPass& pass) override;
@@ -62,7 +74,7 @@ class SwiGlu final : public Layer {
   bool can_leave_gradients_partial() const override { return true; }
   LayerScratchNeeds scratch_needs() const override;
 
-  MatrixView output() const override { return out_; }
+  MatrixView output() const override { return output_; }
   FeatureLayout output_layout() const override { return up_->output_layout(); }
   int64_t output_width() const override { return up_->output_width(); }
   int64_t output_offset() const override { return up_->output_offset(); }
@@ -71,6 +83,9 @@ class SwiGlu final : public Layer {
 
   const Linear& gate() const { return *gate_; }
   const Linear& up() const { return *up_; }
+  // keeps_16bit: the last forward's output as 16-bit bits of the compute dtype (what the down
+  // projection keeps of its input); else empty.
+  ConstHalfMatrixView kept_output() const { return kept_output_; }
 
   // The second-order streams of gate * value (the forward Laplacian's product rule). Public
   // only because nvcc refuses device lambdas inside a private or protected member function.
@@ -78,11 +93,18 @@ class SwiGlu final : public Layer {
                            MatrixView out) const;
 
  private:
+  bool keeps_16bit() const { return kept_output_.data() != nullptr; }
+  // Throws (internal) under 16-bit storage: the tangent passes read gate's and up's outputs.
+  void require_fp32_buffers(const char* what) const;
+
   std::string name_;
   std::unique_ptr<Linear> gate_, up_;
   Dtype dtype_ = Dtype::fp32;
-  Matrix out_;     // [rows, hidden local]
-  Matrix dgate_;   // [rows, hidden local]
+  Matrix out_;         // [rows, hidden local] (empty under 16-bit storage)
+  MatrixView output_;  // out_, or under 16-bit storage up's output buffer
+  // 16-bit storage: gate's and up's outputs and the SwiGLU's, [rows, hidden local] each.
+  HalfMatrix kept_gate_, kept_value_, kept_output_;
+  Matrix dgate_;   // [rows, hidden local] (empty under 16-bit storage, as the next two)
   Matrix dvalue_;  // [rows, hidden local]
   Matrix dx_;      // [rows, input width]
   Communicator* shared_gather_ = nullptr;

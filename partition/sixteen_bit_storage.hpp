@@ -19,8 +19,7 @@ inline bool keeps_16bit_weight_copy(const LinearLayout& layout) {
 // What a model is, as far as 16-bit activation storage cares.
 struct ActivationStorageQuery {
   bool sixteen_bit_compute = false;  // a 16-bit param_dtype (and storage not switched off)
-  bool residual = false;             // kind = "residual_mlp"
-  bool gated = false;                // residual_mlp: SwiGLU blocks
+  bool residual = false;             // kind = "residual_mlp" (plain or SwiGLU blocks alike)
   bool norms = false;                // residual_mlp: a norm in each block and at the output
   bool moe = false;                  // any MoE layer
   bool dropout = false;              // model.dropout > 0
@@ -30,19 +29,19 @@ struct ActivationStorageQuery {
 // Which activations live in 16-bit buffers.
 struct ActivationStorage {
   bool plain = false;            // a plain mlp: the input and every activation kept, shared work
-  bool residual_hidden = false;  // a residual_mlp's blocks' hidden activations
+  bool residual_hidden = false;  // a residual_mlp's blocks' hidden activations (SwiGLU's too)
   bool residual_stream = false;  // and its residual stream and norms (needs residual_hidden)
 };
 
 // Nothing where a layer could compute over the feature axis (tensor parallelism: the mesh's
 // feature axis has size > 1, whether or not the rules split a layer over it; the layers' buffers
-// then stay fp32 holding 16-bit values), nor with MoE layers or dropout; SwiGLU blocks keep
-// their hidden activations in fp32; the residual stream needs the norms, which keep it.
+// then stay fp32 holding 16-bit values), nor with MoE layers or dropout; the residual stream
+// needs the norms, which keep it.
 inline ActivationStorage sixteen_bit_activation_storage(const ActivationStorageQuery& q) {
   ActivationStorage s;
   const bool applies = q.sixteen_bit_compute && !q.moe && !q.dropout && q.feature_parallel == 1;
   s.plain = applies && !q.residual;
-  s.residual_hidden = applies && q.residual && !q.gated;
+  s.residual_hidden = applies && q.residual;
   s.residual_stream = s.residual_hidden && q.norms;
   return s;
 }

@@ -28,7 +28,7 @@ meshtrain_add_test(NAME layers_sobolev_residual_test SOURCES layers/sobolev_resi
 meshtrain_add_test(NAME layers_physics_loss_test SOURCES layers/physics_loss_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 300)
 meshtrain_add_test(NAME layers_mixed_precision_test SOURCES layers/mixed_precision_test.cpp
-                   LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 300 BACKENDS mpi nccl EMULATED)
+                   LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 420 BACKENDS mpi nccl EMULATED)
 meshtrain_add_test(NAME layers_units_test SOURCES layers/units_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120)
 meshtrain_add_test(NAME layers_moe_test SOURCES layers/moe_test.cpp

@@ -164,7 +164,6 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   ActivationStorageQuery storage_query;
   storage_query.sixteen_bit_compute = !fp32;
   storage_query.residual = residual;
-  storage_query.gated = gated;
   storage_query.norms = residual && config.model.has_norms();
   storage_query.moe = config.model.moe().any();
   storage_query.dropout = config.model.dropout > 0.0;
@@ -172,9 +171,13 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   const ActivationStorage storage = sixteen_bit_activation_storage(storage_query);
   const bool keeps_16bit = storage.plain;
   // A residual_mlp's 16-bit storage of its blocks' hidden activations (layers/mlp.cpp, the
-  // residual constructor: no SwiGLU, MoE or dropout, no feature axis): the up projections write
-  // into one shared fp32 working buffer [rows, hidden], the activations keep their input and
-  // output as 16 bits, the down projections compute their input gradient in that buffer.
+  // residual constructor: no MoE or dropout, no feature axis): the up projections write into one
+  // shared fp32 working buffer [rows, hidden], the activations keep their input and output as 16
+  // bits, the down projections compute their input gradient in that buffer. SwiGLU blocks: the
+  // gate projections write into a second shared buffer [rows, hidden], the SwiGLU keeps gate, up
+  // and its output as 16 bits and has no fp32 buffer (layers/swiglu.hpp); without the stream's
+  // storage gate and up keep their own input gradients, with it they compute them in the norms'
+  // buffer (up) and the stream (gate).
   const bool hidden_16bit = storage.residual_hidden;
   // With norms, its residual stream: three shared fp32 buffers [rows, width] (the stream, the
   // norms' and down projections' outputs, the gradient stream) instead of each block's output
@@ -189,7 +192,8 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     activation_floats += 2 * rows * widest;
     activation_halves += rows * config.model.input_width();
   }
-  if (hidden_16bit) activation_floats += rows * config.model.residual().hidden;
+  // model/hidden_work, and model/gate_work for SwiGLU blocks.
+  if (hidden_16bit) activation_floats += (gated ? 2 : 1) * rows * config.model.residual().hidden;
   const auto ends_with = [](const std::string& name, const std::string& tail) {
     return name.size() > tail.size() &&
            name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
@@ -203,10 +207,11 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     // gradient (a residual block's down projection's).
     const bool up = residual && ends_with(layer.name, "/up");
     const bool down = residual && ends_with(layer.name, "/down");
-    const bool shared_output =
-        (keeps_16bit && i + 1 < n) || (hidden_16bit && up) || (stream_16bit && (i == 0 || down));
+    const bool gate = residual && ends_with(layer.name, "/gate");
+    const bool shared_output = (keeps_16bit && i + 1 < n) || (hidden_16bit && (up || gate)) ||
+                               (stream_16bit && (i == 0 || down));
     const bool shared_input_grad =
-        keeps_16bit || (hidden_16bit && down) || (stream_16bit && (up || i + 1 == n));
+        keeps_16bit || (hidden_16bit && down) || (stream_16bit && (up || gate || i + 1 == n));
     if (l.slices_input() || l.gathers_input()) activation_floats += rows * l.in_compute;  // input
     if (!shared_output) activation_floats += rows * l.out_local;                          // output
     if (l.column_gathers_input()) {
@@ -218,14 +223,14 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     // The layer that follows it in a plain MLP: its activation (and dropout); in a residual
     // block, the up projection's activation or the gate's SwiGLU (layers/swiglu.cpp).
     const bool hidden = residual ? up : i + 1 < n;
-    const bool gate = residual && ends_with(layer.name, "/gate");
     if (hidden && (keeps_16bit || hidden_16bit)) {
-      activation_halves += 2 * rows * l.out_local;  // input_16bit, output_16bit
+      // input_16bit, output_16bit; a SwiGLU's gate_16bit, value_16bit, output_16bit
+      activation_halves += (gated ? 3 : 2) * rows * l.out_local;
     } else if (hidden && !(residual && gated)) {
       activation_floats += rows * l.out_local;
       if (config.model.dropout > 0.0) activation_floats += rows * l.out_local;
     }
-    if (gate) {
+    if (gate && !hidden_16bit) {
       // output, gate and value gradients; the input gradient: with a shared gather of the
       // input (both fed it replicated) the gathered input, its partial gradient and this
       // rank's block of it, else the input's width.

@@ -63,6 +63,7 @@
 
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/core/precision.hpp"
+#include "framework/observe/memory_tracker.hpp"
 #include "framework/train/init.hpp"
 #include "framework/train/optimizer.hpp"
 #include "layers/context.hpp"
@@ -325,7 +326,10 @@ struct RunResult {
   bool tensor_parallel = false;            // some layer is TP (else the forward is row-local)
   bool keeps_16bit = false;                // Mlp::keeps_16bit_activations()
   bool keeps_16bit_stream = false;         // Mlp::keeps_16bit_residual_stream()
-  std::vector<Tensor> params;              // full shape, after the run's updates
+  // The labels of the allocations live once the model is built (only while the memory tracker
+  // is installed): which buffers the storage made.
+  std::vector<std::string> live_labels;
+  std::vector<Tensor> params;  // full shape, after the run's updates
   // The weights with a 16-bit compute copy, and those whose layer gathers them over exactly one
   // group.
   int weights_with_copies = 0, weights_gathered_over_one_group = 0;
@@ -404,6 +408,11 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
 
   run.keeps_16bit = model.keeps_16bit_activations();
   run.keeps_16bit_stream = model.keeps_16bit_residual_stream();
+  if (memory_tracker_installed()) {
+    for (const TrackedAllocation& a : kokkos_memory(1 << 20).largest) {
+      run.live_labels.push_back(a.label);
+    }
+  }
   std::unique_ptr<Optimizer> opt;
   if (optimizer) opt = std::make_unique<Optimizer>(*optimizer, model.parameters());
   for (int step = 1; step < steps; ++step) {
@@ -701,9 +710,16 @@ TEST(MixedPrecision, SixteenBitStorageIsBitIdenticalToTheSimulatedPath) {
 // stream, the norms' outputs and the gradient stream in three shared fp32 buffers, the norms'
 // input gradients in place) changes no value: three training steps give bit for bit the loss,
 // logits, gradients and parameters of the simulated path, LayerNorm with gelu and RMSNorm with
-// relu, on every preset layout and the 2-D storage splits without a feature axis (storage where
-// there is none; the simulated path on both sides elsewhere), with overlap off and on.
+// relu, RMSNorm and LayerNorm with SwiGLU blocks (gate and up outputs and the SwiGLU's output
+// kept as 16 bits, gate's output in a second shared buffer: the SwiGLU has no fp32 buffer of its
+// own, checked by the allocations' labels), on every preset layout and the 2-D storage splits
+// without a feature axis (storage where there is none; the simulated path on both sides
+// elsewhere), with overlap off and on.
 TEST(MixedPrecision, ResidualSixteenBitStorageIsBitIdenticalToTheSimulatedPath) {
+  install_memory_tracker();  // the SwiGLU blocks' buffers, by their labels
+  const auto has_label = [](const RunResult& r, const std::string& label) {
+    return std::find(r.live_labels.begin(), r.live_labels.end(), label) != r.live_labels.end();
+  };
   const std::vector<Policy> sixteen = {{"bf16/bf16", {Dtype::bf16, Dtype::bf16}},
                                        {"fp16/fp16", {Dtype::fp16, Dtype::fp16}},
                                        {"bf16/fp32", {Dtype::bf16, Dtype::fp32}}};
@@ -717,9 +733,19 @@ TEST(MixedPrecision, ResidualSixteenBitStorageIsBitIdenticalToTheSimulatedPath) 
   ResidualMlpShape rmsnorm = layernorm;
   rmsnorm.outputs = 8;
   rmsnorm.norm_kind = NormKind::rmsnorm;
+  ResidualMlpShape rmsnorm_swiglu = rmsnorm;
+  rmsnorm_swiglu.gated = true;
+  ResidualMlpShape layernorm_swiglu = layernorm;
+  layernorm_swiglu.gated = true;
   const std::vector<ModelCase> cases = {
       {"residual_layernorm_gelu_ce", {32, 6}, Activation::gelu, LossKind::cross_entropy, layernorm},
-      {"residual_rmsnorm_relu_mse", {32, 8}, Activation::relu, LossKind::mse, rmsnorm}};
+      {"residual_rmsnorm_relu_mse", {32, 8}, Activation::relu, LossKind::mse, rmsnorm},
+      {"residual_rmsnorm_swiglu_mse", {32, 8}, Activation::silu, LossKind::mse, rmsnorm_swiglu},
+      {"residual_layernorm_swiglu_ce",
+       {32, 6},
+       Activation::silu,
+       LossKind::cross_entropy,
+       layernorm_swiglu}};
   for (const auto& m : cases) {
     for (const auto& policy : sixteen) {
       for (const auto& layout : layouts_for(world_size())) {
@@ -736,6 +762,23 @@ TEST(MixedPrecision, ResidualSixteenBitStorageIsBitIdenticalToTheSimulatedPath) 
           EXPECT_EQ(stored.keeps_16bit_stream, !feature_axis);
           EXPECT_FALSE(simulated.keeps_16bit);
           EXPECT_FALSE(simulated.keeps_16bit_stream);
+          if (m.residual->gated) {
+            // Each block's SwiGLU keeps gate, up and its output as 16 bits and owns no fp32
+            // buffer; gate's output lands in the model's second shared buffer.
+            for (int64_t b = 0; b < m.residual->depth; ++b) {
+              const std::string swiglu = "blocks/" + std::to_string(b) + "/swiglu";
+              for (const char* kept : {"/gate_16bit", "/value_16bit", "/output_16bit"}) {
+                EXPECT_EQ(has_label(stored, swiglu + kept), !feature_axis) << swiglu + kept;
+                EXPECT_FALSE(has_label(simulated, swiglu + kept)) << swiglu + kept;
+              }
+              for (const char* fp32 : {"/output", "/gate_grad", "/value_grad", "/input_grad"}) {
+                EXPECT_EQ(has_label(stored, swiglu + fp32), feature_axis) << swiglu + fp32;
+                EXPECT_TRUE(has_label(simulated, swiglu + fp32)) << swiglu + fp32;
+              }
+            }
+            EXPECT_EQ(has_label(stored, "model/gate_work"), !feature_axis);
+            EXPECT_FALSE(has_label(simulated, "model/gate_work"));
+          }
           EXPECT_EQ(stored.loss, simulated.loss);
           ASSERT_EQ(stored.logits.size(), simulated.logits.size());
           for (size_t i = 0; i < stored.logits.size(); ++i)

@@ -445,18 +445,24 @@ TEST(MemoryPlan, SixteenBitActivationsOfAPlainMlpTakeLittleMoreThanHalfOfFp32s) 
 // projections' input gradients in one shared fp32 buffer; its residual stream and its norms'
 // inputs and outputs kept as 16 bits, the stream, the norms' outputs and the gradient stream in
 // three shared fp32 buffers. Its activations (64 -> 128 wide, hidden 256, 2 LayerNorm blocks, 8
-// outputs, 16 rows a rank) are measured by the tracker as planned, to the byte, in fp32, bf16 and
-// fp16 on dp and fsdp, and bf16's and fp16's take at most 0.6 of fp32's (0.81-0.82 with the
-// hidden activations alone; the simulated path's take more than fp32's: its input copy and output
-// gradient).
+// outputs, 16 rows a rank; and the same with RMSNorm SwiGLU blocks, whose gate, up and SwiGLU
+// outputs are kept as 16 bits and gate's output computed in a second shared buffer) are measured
+// by the tracker as planned, to the byte, in fp32, bf16 and fp16 on dp and fsdp, and bf16's and
+// fp16's take at most 0.6 of fp32's (0.81-0.82 with the hidden activations alone; the simulated
+// path's take more than fp32's: its input copy and output gradient).
 TEST(MemoryPlan, SixteenBitHiddenActivationsOfAResidualMlp) {
-  for (const std::string preset : {"dp", "fsdp"}) {
+  const std::vector<std::pair<std::string, bool>> cases = {
+      {"dp", false}, {"fsdp", false}, {"dp", true}, {"fsdp", true}};  // preset, SwiGLU blocks
+  for (const auto& [preset, swiglu] : cases) {
     std::map<Dtype, int64_t> measured, planned;
+    const std::string name = preset + (swiglu ? " swiglu" : "");
     for (const Dtype dtype : {Dtype::fp32, Dtype::bf16, Dtype::fp16}) {
-      SCOPED_TRACE(preset + ", " + to_string(dtype));
+      SCOPED_TRACE(name + ", " + to_string(dtype));
       RunConfig config = config_for(preset, run_dir("sixteen_bit_residual_" + preset));
       testing::use_residual_mlp(config, /*inputs=*/64, /*width=*/128, /*hidden=*/256,
-                                /*depth=*/2, /*outputs=*/8, ModelNorm::layernorm, false);
+                                /*depth=*/2, /*outputs=*/8,
+                                swiglu ? ModelNorm::rmsnorm : ModelNorm::layernorm, swiglu);
+      if (swiglu) config.model.activation = Activation::silu;
       config.mixed_precision.param_dtype = dtype;
       config.mixed_precision.reduce_dtype = dtype;
       if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
@@ -483,11 +489,11 @@ TEST(MemoryPlan, SixteenBitHiddenActivationsOfAResidualMlp) {
     for (const Dtype dtype : {Dtype::bf16, Dtype::fp16}) {
       if (world_rank() == 0) {
         std::printf("[memory_plan np%d] residual %s activations %s / fp32: %.3f\n", world_size(),
-                    preset.c_str(), to_string(dtype),
+                    name.c_str(), to_string(dtype),
                     double(measured[dtype]) / double(measured[Dtype::fp32]));
       }
       EXPECT_LE(double(measured[dtype]), 0.6 * double(measured[Dtype::fp32]))
-          << preset << ", " << to_string(dtype) << " against fp32";
+          << name << ", " << to_string(dtype) << " against fp32";
     }
   }
 }
@@ -540,6 +546,33 @@ TEST(MemoryPlan, SixteenBitActivationsOfTheIssuesResidualMlp) {
   if (world_rank() == 0) {
     std::printf(
         "[memory_plan np%d] issue's residual model, batch 512: activations bf16 %lld / "
+        "fp32 %lld bytes a rank: %.3f\n",
+        world_size(), static_cast<long long>(bf16), static_cast<long long>(fp32),
+        double(bf16) / double(fp32));
+  }
+  EXPECT_LE(double(bf16), 0.6 * double(fp32));
+}
+
+// The issue's residual model with SwiGLU blocks (12 inputs, width 128, hidden 256, 4 RMSNorm
+// SwiGLU blocks, 4 outputs) at a batch of 512 on one rank per batch shard: under bf16 the SwiGLU
+// blocks keep gate, up and their output as 16 bits (docs/mixed_precision.md measures the ratio),
+// measured by the tracker as planned, to the byte; at most 0.6 of fp32's.
+TEST(MemoryPlan, SixteenBitActivationsOfTheIssuesResidualSwigluMlp) {
+  RunConfig config = config_for("dp", run_dir("sixteen_bit_issue_residual_swiglu"));
+  testing::use_residual_mlp(config, /*inputs=*/12, /*width=*/128, /*hidden=*/256, /*depth=*/4,
+                            /*outputs=*/4, ModelNorm::rmsnorm, /*swiglu=*/true);
+  config.model.activation = Activation::silu;
+  config.data.batch_size = 512;
+  config.data.synthetic_samples = 1024;
+  config.train.steps = 2;
+  config.checkpoint.keep_best = std::nullopt;
+  const int64_t fp32 = measured_activation_bytes(config, Dtype::fp32);
+  bool storage = false;
+  const int64_t bf16 = measured_activation_bytes(config, Dtype::bf16, &storage);
+  EXPECT_TRUE(storage);
+  if (world_rank() == 0) {
+    std::printf(
+        "[memory_plan np%d] issue's residual SwiGLU model, batch 512: activations bf16 %lld / "
         "fp32 %lld bytes a rank: %.3f\n",
         world_size(), static_cast<long long>(bf16), static_cast<long long>(fp32),
         double(bf16) / double(fp32));
