@@ -65,6 +65,7 @@
 #include "tests/support/kokkos_allocations.hpp"
 #include "tests/support/mesh_cases.hpp"
 #include "tests/support/reference_activations.hpp"
+#include "tests/support/reference_dropout.hpp"
 #include "tests/support/world.hpp"
 
 namespace meshtrain {
@@ -90,12 +91,9 @@ TrainingPass training_pass(int step, int64_t first_row) {
   return {kSeed, step, /*micro_batch=*/0, first_row};
 }
 // What dropout multiplies element (global row, feature) of hidden layer (block) `layer` by in
-// step 0's training pass: 0 or the layer's float scale (layers/dropout.hpp's key); 1 without.
+// step 0's training pass (tests/support/reference_dropout.hpp).
 double dropout_factor(double rate, int64_t row, int64_t feature, int64_t layer) {
-  if (rate == 0.0) return 1.0;
-  return dropout_bits(kSeed, 0, 0, row, feature, layer) >= dropout_threshold(rate)
-             ? static_cast<double>(dropout_scale(rate))
-             : 0.0;
+  return testing::dropout_factor(kSeed, rate, row, feature, layer);
 }
 
 const std::vector<Activation> kActivations = {
