@@ -88,8 +88,15 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
                         " (mixed_precision.param_dtype = \"fp32\")");
   }
   const Mesh& mesh = context.mesh();
+  size_t table_index = 0;
   for (const ParameterShape& p : dlrm_parameter_shapes(shape)) {
     const PartitionSpec spec = spec_of(p.name);
+    if (p.name.rfind("embeddings/", 0) == 0) {
+      // A table's spec is refused naming the table (e.g. a column split of a dim it does not
+      // divide) before the generic divisibility check below names only the parameter.
+      embedding_layout(shape.tables[table_index++].name, {p.name, p.shape, spec}, mesh,
+                       LayerAxes{context.batch_axes(), context.feature_axis()});
+    }
     spec.check_axes(mesh, p.name);
     check_divisible(p.shape, spec, mesh, p.name);
     params_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
@@ -182,12 +189,14 @@ void Dlrm::initialize(InitScheme scheme, uint64_t seed) {
     const int64_t rows = shape_.tables[table++].rows;
     const double bound = std::sqrt(1.0 / static_cast<double>(rows));
     const uint64_t stream = name_stream(p.name);
+    // Element (r, c) of the block is global (first row + r, first column + c): a column slice
+    // gets the same values as those columns of a whole table.
     const int64_t dim = p.global_shape[1];
-    const int64_t first = p.box.offset[0] * dim + p.box.offset[1];
-    MESHTRAIN_REQUIRE(p.box.extent[1] == dim, "dlrm tables are whole in dim: ", p.name);
+    const int64_t columns = p.box.extent[1];
     auto h = Kokkos::create_mirror_view(p.local);
     for (int64_t i = 0; i < static_cast<int64_t>(h.extent(0)); ++i) {
-      const double u = counter_uniform(seed, stream, static_cast<uint64_t>(first + i));
+      const int64_t global = (p.box.offset[0] + i / columns) * dim + p.box.offset[1] + i % columns;
+      const double u = counter_uniform(seed, stream, static_cast<uint64_t>(global));
       h(i) = static_cast<float>((2.0 * u - 1.0) * bound);
     }
     Kokkos::deep_copy(p.local, h);

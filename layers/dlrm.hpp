@@ -20,7 +20,8 @@
 // Sharding: every parameter's spec comes from the rules like any other. The linear layers are
 // the same Linear as an mlp's (replicated, DP or FSDP storage); their outputs must be whole rows
 // (a tensor-parallel split of a layer's output is refused, bad_input naming the layer). The
-// tables are EmbeddingBags (replicated or row-wise over batch axes: layers/embedding_bag.hpp).
+// tables are EmbeddingBags (replicated, row-wise over batch axes or column-wise over tp:
+// layers/embedding_bag.hpp).
 // Every gradient is reduced in backward (no deferral, no buckets, no FSDP prefetch yet).
 //
 // Everything (activations, the interaction's buffers, every table's pooled rows and their

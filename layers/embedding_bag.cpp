@@ -174,6 +174,14 @@ void scatter_parts_compact(ConstMatrixView incoming, Kokkos::View<const int64_t*
       });
 }
 
+// Column-wise: slice = dy's columns [first, first + slice width).
+void take_dy_columns(ConstMatrixView dy, int64_t first, MatrixView slice) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::embedding_bag_dy_columns"),
+      range2(static_cast<int64_t>(slice.extent(0)), static_cast<int64_t>(slice.extent(1))),
+      KOKKOS_LAMBDA(const int64_t b, const int64_t c) { slice(b, c) = dy(b, first + c); });
+}
+
 }  // namespace
 
 std::string embedding_weight_name(const std::string& table) {
@@ -204,8 +212,11 @@ EmbeddingBag::EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPool
   }
   first_row_ = w.box.offset.empty() ? 0 : w.box.offset[0];
   local_rows_ = w.box.extent.empty() ? rows_ : w.box.extent[0];
-  MESHTRAIN_REQUIRE(w.box.extent.size() == 2 && w.box.extent[1] == dim_, "embedding table '",
-                    table_, "': its block does not hold whole rows");
+  first_col_ = w.box.offset.size() == 2 ? w.box.offset[1] : 0;
+  local_dim_ = w.box.extent.size() == 2 ? w.box.extent[1] : dim_;
+  MESHTRAIN_REQUIRE(w.box.extent.size() == 2 && local_dim_ == layout_.dim_per_slice,
+                    "embedding table '", table_, "': its block holds ", local_dim_,
+                    " columns, not the layout's ", layout_.dim_per_slice);
 
   // Communicators, in the same order on every rank: the owners' group, then the gradient's.
   row_comm_ = context.comm(layout_.row_axes);  // nullptr: replicated
@@ -217,8 +228,17 @@ EmbeddingBag::EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPool
                       axes_text(layout_.row_axes), " holds rows from ", first_row_,
                       ", not its group index's block");
   }
+  if (layout_.column_slices > 1) {
+    col_comm_ = context.comm(layout_.column_axes);
+    // The all-gather puts rank k's slice at columns [k local_dim, (k + 1) local_dim).
+    MESHTRAIN_REQUIRE(col_comm_ && first_col_ == col_comm_->rank() * local_dim_ &&
+                          local_dim_ * col_comm_->size() == dim_,
+                      "embedding table '", table_, "': rank ", col_comm_ ? col_comm_->rank() : -1,
+                      " of ", axes_text(layout_.column_axes), " holds columns from ", first_col_,
+                      ", not its group index's slice");
+  }
   ParameterGathers gathers;
-  gathers.compute = {1, local_rows_, dim_};
+  gathers.compute = {1, local_rows_, local_dim_};
   gathers.stored = gathers.compute;
   gathers.allreduce = layout_.gradient_allreduce;
   weight_ = ShardedParameter(weight, gathers, GatherMethod::by_dims, context);
@@ -229,6 +249,14 @@ EmbeddingBag::EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPool
   offsets_host_ =
       HostIds("embeddings/" + table_ + "/offsets_host", static_cast<size_t>(batch_rows_ + 1));
   values_host_ = HostIds("embeddings/" + table_ + "/ids_host", static_cast<size_t>(max_ids_));
+  if (col_comm_) {
+    out_slice_ = Matrix("embeddings/" + table_ + "/pooled_slice", static_cast<size_t>(batch_rows_),
+                        static_cast<size_t>(local_dim_));
+    dy_slice_ = Matrix("embeddings/" + table_ + "/dy_slice", static_cast<size_t>(batch_rows_),
+                       static_cast<size_t>(local_dim_));
+    const size_t slice_bytes = out_slice_.size() * sizeof(float);
+    col_comm_->reserve_staging(slice_bytes, slice_bytes * static_cast<size_t>(col_comm_->size()));
+  }
   if (!row_comm_) return;
 
   const size_t n = static_cast<size_t>(group_), ids = static_cast<size_t>(max_ids_);
@@ -252,8 +280,8 @@ EmbeddingBag::EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPool
   source_id_base_host_ = host_mirror(source_id_base_);
   source_part_base_host_ = host_mirror(source_part_base_);
   part_start_ = Kokkos::View<int64_t*>(prefix + "part_start", received + 1);
-  owner_parts_ = Matrix(prefix + "owner_parts", received, static_cast<size_t>(dim_));
-  requester_parts_ = Matrix(prefix + "requester_parts", ids, static_cast<size_t>(dim_));
+  owner_parts_ = Matrix(prefix + "owner_parts", received, static_cast<size_t>(local_dim_));
+  requester_parts_ = Matrix(prefix + "requester_parts", ids, static_cast<size_t>(local_dim_));
   bag_part_offsets_ =
       Kokkos::View<int64_t*>(prefix + "bag_part_offsets", static_cast<size_t>(batch_rows_ + 1));
   bag_parts_ = Kokkos::View<int64_t*>(prefix + "bag_parts", ids);
@@ -262,16 +290,24 @@ EmbeddingBag::EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPool
   bag_parts_host_ = host_mirror(bag_parts_);
   part_bag_host_ = host_mirror(part_bag_);
   // What a backend stages the largest all-to-all through (device memory): now, not in a step.
-  const size_t largest = received * static_cast<size_t>(std::max<int64_t>(dim_, 3)) * sizeof(float);
+  const size_t largest =
+      received * static_cast<size_t>(std::max<int64_t>(local_dim_, 3)) * sizeof(float);
   row_comm_->reserve_staging(largest, largest);
 }
 
 std::string EmbeddingBag::describe() const {
   std::string text =
       "embedding bag '" + table_ + "' " + format_shape({rows_, dim_}) + " " + to_string(pooling_);
-  if (layout_.sharding == EmbeddingSharding::replicated) return text + ", replicated";
-  return text + ", row-wise over " + axes_text(layout_.row_axes) + " (rows [" +
-         std::to_string(first_row_) + ", " + std::to_string(first_row_ + local_rows_) + ") here)";
+  if (layout_.sharding == EmbeddingSharding::replicated) {
+    text += col_comm_ ? ", rows whole" : ", replicated";
+  } else {
+    text += ", row-wise over " + axes_text(layout_.row_axes) + " (rows [" +
+            std::to_string(first_row_) + ", " + std::to_string(first_row_ + local_rows_) +
+            ") here)";
+  }
+  if (!col_comm_) return text;
+  return text + ", column-wise over " + axes_text(layout_.column_axes) + " (columns [" +
+         std::to_string(first_col_) + ", " + std::to_string(first_col_ + local_dim_) + ") here)";
 }
 
 std::string EmbeddingBag::read_bags(const SparseBags& bags) {
@@ -327,12 +363,14 @@ MatrixView EmbeddingBag::forward(const SparseBags& bags, const LayerPass& /*pass
     bags_ = bags;
     forward_row_wise(bags);
   }
+  // Column-wise: the slices side by side, rank k's at columns [k local_dim, (k + 1) local_dim).
+  if (col_comm_) col_comm_->all_gather(out_slice_, out_, 1);
   return out_;
 }
 
 void EmbeddingBag::forward_replicated(const SparseBags& bags) {
   pool_bags(weight_.value().matrix(), bags.offsets, bags.values, pooling_ == EmbeddingPooling::mean,
-            out_);
+            col_comm_ ? out_slice_ : out_);
 }
 
 void EmbeddingBag::plan_row_wise(const std::string& problem) {
@@ -435,14 +473,17 @@ void EmbeddingBag::forward_row_wise(const SparseBags& bags) {
   pool_parts(weight_.value().matrix(), recv_requests_, part_start_, received_parts_, owner_parts_);
   row_comm_->all_to_all_v(owner_parts_, recv_parts_, requester_parts_, send_parts_);
   combine_parts(requester_parts_, bag_part_offsets_, bag_parts_, bags.offsets,
-                pooling_ == EmbeddingPooling::mean, out_);
+                pooling_ == EmbeddingPooling::mean, col_comm_ ? out_slice_ : out_);
 }
 
-void EmbeddingBag::backward(ConstMatrixView dy, const LayerPass& pass) {
-  MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == batch_rows_ &&
-                        static_cast<int64_t>(dy.extent(1)) == dim_,
-                    "embedding table '", table_, "': dy is [", dy.extent(0), ", ", dy.extent(1),
-                    "], not [", batch_rows_, ", ", dim_, "]");
+void EmbeddingBag::backward(ConstMatrixView whole_dy, const LayerPass& pass) {
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(whole_dy.extent(0)) == batch_rows_ &&
+                        static_cast<int64_t>(whole_dy.extent(1)) == dim_,
+                    "embedding table '", table_, "': dy is [", whole_dy.extent(0), ", ",
+                    whole_dy.extent(1), "], not [", batch_rows_, ", ", dim_, "]");
+  // Column-wise: this slice's columns of dy (every rank of the axis has the same dy).
+  if (col_comm_) take_dy_columns(whole_dy, first_col_, dy_slice_);
+  const ConstMatrixView dy = col_comm_ ? ConstMatrixView(dy_slice_) : whole_dy;
   MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now || can_leave_gradients_partial(),
                     "embedding table '", table_, "': its gradient reduction cannot be deferred");
   if (sparse_) {
@@ -498,7 +539,7 @@ void EmbeddingBag::use_sparse_gradient(ParallelContext& context) {
   id_slot_ = Kokkos::View<int64_t*>(prefix + "id_slot",
                                     static_cast<size_t>(std::max<int64_t>(arriving, 1)));
   id_slot_host_ = host_mirror(id_slot_);
-  row_grads_ = Matrix(prefix + "grads", capacity, static_cast<size_t>(dim_));
+  row_grads_ = Matrix(prefix + "grads", capacity, static_cast<size_t>(local_dim_));
   if (row_comm_) recv_requests_host_ = host_mirror(recv_requests_);
   if (gradient_comm_) {
     const size_t per_rank = static_cast<size_t>(local_touch_capacity_ + 1);
@@ -508,7 +549,7 @@ void EmbeddingBag::use_sparse_gradient(ParallelContext& context) {
     touched_recv_host_ = host_mirror(touched_recv_);
     const size_t gathered = touched_recv_.size() * sizeof(float);
     gradient_comm_->reserve_staging(gathered, gathered);
-    gradient_comm_->reserve_reductions(capacity * static_cast<size_t>(dim_));
+    gradient_comm_->reserve_reductions(capacity * static_cast<size_t>(local_dim_));
   }
 }
 

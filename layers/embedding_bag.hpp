@@ -25,9 +25,19 @@
 //               it into the rows of the bag's ids, in source rank order, then bag, then id order
 //               (the one-rank order when the axis is every batch axis); the gradient is then
 //               summed over the batch axes the spec does not name.
-// Column-wise and table-wise sharding are later slices: any other spec is bad_input naming the
-// parameter and the spec. Ranks of a non-batch axis (tp) hold the same bags and compute the
-// same outputs and gradients.
+//   column-wise P(None, axis), `axis` one non-batch axis (tp) or a tuple of them: group rank k
+//               of the axis holds columns [k * dim / m, (k + 1) * dim / m) of every row (m must
+//               divide dim). Forward: every rank of the axis pools its batch's bags (the same
+//               bags: the axis does not split the batch) in its columns, and the pooled slices
+//               are all-gathered over the axis into whole rows [batch_rows, dim]. Backward: each
+//               rank takes its columns of dy (equal on the axis's ranks: the output is whole)
+//               and scatters them into its slice, no communication for the table; then summed
+//               over the batch axes as a replicated table's. Every column's sums are the
+//               one-rank sums in the one-rank order (bit for bit). P(batch axes, tp) composes
+//               both: row-wise over the batch axes within each column slice.
+// Table-wise sharding is a later slice: any other spec is bad_input naming the parameter and
+// the spec. Ranks of a non-batch axis (tp) that does not split the columns hold the same bags
+// and compute the same outputs and gradients.
 //
 // Bad input (bad_input naming the table): an id outside [0, rows) (and the id), offsets that do
 // not start at 0, decrease or run past the ids, more ids in a step than max_ids (the capacity
@@ -102,9 +112,13 @@ class EmbeddingBag {
   Kokkos::View<const int64_t*> touched_rows() const {
     return Kokkos::subview(touched_rows_, std::make_pair(int64_t{0}, touched_));
   }
+  // Of this rank's columns: [touched_count(), local_dim()].
   MatrixView row_gradients() const {
-    return MatrixView(row_grads_.data(), static_cast<size_t>(touched_), static_cast<size_t>(dim_));
+    return MatrixView(row_grads_.data(), static_cast<size_t>(touched_),
+                      static_cast<size_t>(local_dim_));
   }
+  // The most rows a sparse backward may touch here (the sparse buffers' rows).
+  int64_t touch_capacity() const { return static_cast<int64_t>(row_grads_.extent(0)); }
   ShardedTensor& weight() const { return weight_.value(); }
 
   size_t parameter_count() const { return 1; }
@@ -116,8 +130,12 @@ class EmbeddingBag {
   const EmbeddingLayout& layout() const { return layout_; }
   EmbeddingSharding sharding() const { return layout_.sharding; }
   EmbeddingPooling pooling() const { return pooling_; }
-  int64_t rows() const { return rows_; }            // of the whole table
-  int64_t dim() const { return dim_; }              // output width (pooled rows are whole)
+  int64_t rows() const { return rows_; }               // of the whole table
+  int64_t dim() const { return dim_; }                 // output width (pooled rows are whole)
+  int64_t first_column() const { return first_col_; }  // of this rank's block
+  int64_t local_dim() const { return local_dim_; }     // its columns (dim unless column-wise)
+  // Column-wise: the column slices' group (nullptr when this rank holds whole rows).
+  Communicator* column_comm() const { return col_comm_; }
   int64_t first_row() const { return first_row_; }  // of this rank's block
   int64_t local_rows() const { return local_rows_; }
   int64_t max_ids() const { return max_ids_; }
@@ -149,6 +167,9 @@ class EmbeddingBag {
   int64_t first_row_ = 0, local_rows_ = 0;
   Communicator* row_comm_ = nullptr;  // row-wise: the owners' group
   int group_ = 1, me_ = 0;            // its size and this rank's index in it
+  // Column-wise: this rank's columns [first_col_, first_col_ + local_dim_) and their group.
+  int64_t first_col_ = 0, local_dim_ = 0;
+  Communicator* col_comm_ = nullptr;
   ShardedParameter weight_;
   LayerScratch no_scratch_;  // the parameter is never gathered: nothing of the scratch is used
 
@@ -159,6 +180,9 @@ class EmbeddingBag {
   int64_t ids_ = 0;  // in the last forward's bags
 
   Matrix out_;  // [batch_rows, dim]
+  // Column-wise: the pooled slice [batch_rows, local_dim] gathered into out_, and dy's columns
+  // of this slice in backward (the same shape). Else empty: out_ and dy are used directly.
+  Matrix out_slice_, dy_slice_;
 
   // Row-wise, per owner j (host): ids and parts ((bag, owner) pairs) sent to and received from
   // j, where j's ids and parts start in the send buffers, cursors, the last bag seen per owner.

@@ -2,6 +2,7 @@
 
 #include <Kokkos_Core.hpp>
 #include <cmath>
+#include <utility>
 
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
@@ -29,6 +30,39 @@ void rowwise_adagrad_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView gra
         state(row) = sum;
         const float multiplier = lr / (kmath::sqrt(sum) + eps);
         for (int64_t c = 0; c < dim; ++c) weight(row, c) -= multiplier * grads(r, c);
+      });
+}
+
+// Column-wise tables: each touched row's sum of squares over this rank's columns (in order).
+void rowwise_partial_squares(ConstMatrixView grads, VectorView squares) {
+  const int64_t columns = static_cast<int64_t>(grads.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::rowwise_adagrad_squares"),
+      device_range(0, static_cast<int64_t>(grads.extent(0))), KOKKOS_LAMBDA(const int64_t r) {
+        float squares_here = 0.0f;
+        for (int64_t c = 0; c < columns; ++c) squares_here += grads(r, c) * grads(r, c);
+        squares(r) = squares_here;
+      });
+}
+
+// Column-wise tables: as rowwise_adagrad_rows, the row's squares being the slices' partial sums
+// (gathered [slices x touched], slice-major) added in slice order, so that every rank of the
+// slices' group computes the same accumulator; the mean is over the whole row's `dim`.
+void rowwise_adagrad_sliced_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView grads,
+                                 ConstVectorView gathered, int64_t slices, int64_t dim,
+                                 MatrixView weight, VectorView state, float lr, float eps) {
+  const int64_t touched = static_cast<int64_t>(rows.extent(0));
+  const int64_t columns = static_cast<int64_t>(grads.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::rowwise_adagrad_sliced"), device_range(0, touched),
+      KOKKOS_LAMBDA(const int64_t r) {
+        const int64_t row = rows(r);
+        float squares = 0.0f;
+        for (int64_t k = 0; k < slices; ++k) squares += gathered(k * touched + r);
+        const float sum = state(row) + squares / static_cast<float>(dim);
+        state(row) = sum;
+        const float multiplier = lr / (kmath::sqrt(sum) + eps);
+        for (int64_t c = 0; c < columns; ++c) weight(row, c) -= multiplier * grads(r, c);
       });
 }
 
@@ -67,7 +101,7 @@ ShardedTensor like_table(const EmbeddingBag& table, bool per_row, const Mesh& me
   ShardedTensor t = per_row ? ShardedTensor::allocate(w.name, {w.global_shape[0]},
                                                       w.spec.with_rank(1), mesh, rank)
                             : ShardedTensor::allocate(w.name, w.global_shape, w.spec, mesh, rank);
-  MESHTRAIN_REQUIRE(t.box.elements() == table.local_rows() * (per_row ? 1 : table.dim()),
+  MESHTRAIN_REQUIRE(t.box.elements() == table.local_rows() * (per_row ? 1 : table.local_dim()),
                     "embedding table '", table.table(),
                     "': its optimizer state does not match its rows here");
   return t;
@@ -86,6 +120,17 @@ RowwiseAdagrad::RowwiseAdagrad(const std::vector<EmbeddingBag>& tables, float ep
   for (const EmbeddingBag& table : tables) {
     require_sparse(table, "row-wise Adagrad");
     state_.push_back(like_table(table, /*per_row=*/true, mesh, rank));
+    Kokkos::View<float*> squares, gathered;
+    if (Communicator* slices = table.column_comm()) {
+      const size_t capacity = static_cast<size_t>(table.touch_capacity());
+      const size_t n = static_cast<size_t>(slices->size());
+      squares = Kokkos::View<float*>(table.weight().name + "/rowwise_adagrad_squares", capacity);
+      gathered =
+          Kokkos::View<float*>(table.weight().name + "/rowwise_adagrad_gathered", capacity * n);
+      slices->reserve_staging(capacity * sizeof(float), capacity * n * sizeof(float));
+    }
+    squares_.push_back(squares);
+    gathered_.push_back(gathered);
   }
 }
 
@@ -94,8 +139,23 @@ void RowwiseAdagrad::step(const std::vector<EmbeddingBag>& tables, float lr) {
   for (size_t t = 0; t < tables.size(); ++t) {
     const EmbeddingBag& table = tables[t];
     if (table.touched_count() == 0) continue;
-    rowwise_adagrad_rows(table.touched_rows(), table.row_gradients(), table.weight().matrix(),
-                         state_[t].local, lr, eps_);
+    Communicator* slices = table.column_comm();
+    if (!slices) {
+      rowwise_adagrad_rows(table.touched_rows(), table.row_gradients(), table.weight().matrix(),
+                           state_[t].local, lr, eps_);
+      continue;
+    }
+    // Column-wise: the row's mean square needs every slice's columns. Every rank of the slices
+    // touched the same rows (the same bags), so the partial sums line up row for row.
+    const int64_t touched = table.touched_count();
+    const std::pair<int64_t, int64_t> mine(0, touched), all(0, touched * slices->size());
+    const VectorView squares = Kokkos::subview(squares_[t], mine);
+    const VectorView gathered = Kokkos::subview(gathered_[t], all);
+    rowwise_partial_squares(table.row_gradients(), squares);
+    slices->all_gather(squares, gathered);
+    rowwise_adagrad_sliced_rows(table.touched_rows(), table.row_gradients(), gathered,
+                                slices->size(), table.dim(), table.weight().matrix(),
+                                state_[t].local, lr, eps_);
   }
 }
 

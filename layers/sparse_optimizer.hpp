@@ -7,7 +7,11 @@
 // RowwiseAdagrad is TorchRec's fused default, FBGEMM's EXACT_ROWWISE_ADAGRAD: one fp32
 // accumulator per table row (zero at the start), and for every touched row r with gradient g:
 //   state[r] += mean over the row of g^2;   W[r] -= lr * g / (sqrt(state[r]) + eps)
-// (no weight decay). Slot "rowwise_adagrad": per table [rows].
+// (no weight decay). Slot "rowwise_adagrad": per table [rows]. A column-wise table (each rank a
+// slice of dim) takes the mean over the whole row: the slices' sums of squares are all-gathered
+// over the column axis and added in slice order (one float per touched row and slice), so every
+// slice's rank holds the same accumulator; the sum's order differs from one rank's, so the
+// accumulator matches it to rounding, not bit for bit.
 //
 // SparseAdamW is AdamW with lazy moments (as torch.optim.SparseAdam): a touched row r with
 // gradient g, touched for the k-th time (k counted per row, from 1):
@@ -21,7 +25,8 @@
 // per table) and "sparse_adamw_steps" ([rows], the count k as fp32: exact to 2^24 steps).
 //
 // The state of a table is named like the table (`embeddings/<t>/weight`) and sharded over its
-// row axes (a [rows] state: the table's spec without its dim entry), so the checkpoint saves it
+// row axes (a [rows] state: the table's spec without its dim entry; the [rows, dim] moments: the
+// table's spec, columns included), so the checkpoint saves it
 // as /opt_state/<slot>/embeddings/<t>/weight and a load reshards it with the table. Everything
 // is allocated at construction: step() allocates nothing.
 
@@ -77,6 +82,9 @@ class RowwiseAdagrad : public SparseTableOptimizer {
  private:
   float eps_ = 1e-8f;
   std::vector<ShardedTensor> state_;
+  // Per table, column-wise ones only (else empty): the touched rows' sums of squares over this
+  // rank's columns [touch capacity] and every slice's, gathered [slices x touch capacity].
+  std::vector<Kokkos::View<float*>> squares_, gathered_;
 };
 
 class SparseAdamW : public SparseTableOptimizer {

@@ -37,7 +37,7 @@ const char* to_string(EmbeddingSharding sharding) {
 
 int64_t EmbeddingLayout::all_to_all_floats(int64_t ids) const {
   if (sharding == EmbeddingSharding::replicated) return 0;
-  return ids * 3 + 2 * ids * dim;
+  return ids * 3 + 2 * ids * dim_per_slice;
 }
 
 EmbeddingLayout embedding_layout(const std::string& table, const LinearParameter& weight,
@@ -52,18 +52,41 @@ EmbeddingLayout embedding_layout(const std::string& table, const LinearParameter
   l.rows = weight.shape[0];
   l.dim = weight.shape[1];
   const PartitionSpec spec = weight.spec.with_rank(2);
-  if (!spec.is_replicated()) {
-    bool row_wise = !spec.entries[0].is_none() && spec.entries[1].is_none();
-    for (const std::string& axis : spec.entries[0].axes) {
-      row_wise = row_wise && contains(axes.batch, axis);
+  const auto refuse = [&] {
+    MESHTRAIN_BAD_INPUT("embedding table '", table, "': parameter '", weight.name, "' has spec ",
+                        weight.spec.to_string(),
+                        ", which embedding bags do not support: use P() (replicated), "
+                        "P(axis, None) (row-wise) with batch axes ",
+                        axes_text(axes.batch), ", or P(None, axis) (column-wise) with an axis ",
+                        "that is not a batch axis (e.g. tp); table-wise placement comes later");
+  };
+  // Rows: batch axes only (their ranks hold different bags, each id goes to its row's owner).
+  for (const std::string& axis : spec.entries[0].axes) {
+    if (!contains(axes.batch, axis)) refuse();
+  }
+  // Columns: no batch axis (every rank of the slices must look up the same bags).
+  for (const std::string& axis : spec.entries[1].axes) {
+    if (contains(axes.batch, axis)) refuse();
+  }
+  spec.check_axes(mesh, weight.name);
+  if (!spec.entries[1].is_none()) {
+    l.column_axes = spec.entries[1].axes;
+    l.column_slices = mesh.size_of(l.column_axes);
+    if (l.dim % l.column_slices != 0) {
+      // No uneven slices: the pooled slices are all-gathered side by side in equal widths.
+      MESHTRAIN_BAD_INPUT("embedding table '", table, "': its dim ", l.dim,
+                          " does not divide into the ", l.column_slices, " column slices of ",
+                          axes_text(l.column_axes), " that spec ", weight.spec.to_string(),
+                          " asks for; choose a dim divisible by ", l.column_slices,
+                          " or a smaller column axis");
     }
-    if (!row_wise) {
-      MESHTRAIN_BAD_INPUT("embedding table '", table, "': parameter '", weight.name, "' has spec ",
-                          weight.spec.to_string(),
-                          ", which embedding bags do not support: use P() (replicated) or "
-                          "P(axis, None) (row-wise) with batch axes ",
-                          axes_text(axes.batch), "; column- and table-wise sharding come later");
+    if (l.column_slices == 1) {
+      l.notes.push_back("column-wise over " + axes_text(l.column_axes) +
+                        ", axes of size 1: whole rows");
     }
+  }
+  l.dim_per_slice = l.dim / l.column_slices;
+  if (!spec.entries[0].is_none()) {
     check_divisible(weight.shape, spec, mesh, weight.name);
     l.owners = mesh.size_of(spec.entries[0].axes);
     if (l.owners > 1) {

@@ -12,10 +12,17 @@
 //               must divide rows: check_divisible's error otherwise); ids go to their owners by
 //               an all-to-all-v over the active ones, and the gradient is all-reduced over the
 //               active batch axes that `axes` does not name.
-//   Anything else is bad_input naming the table, the parameter and its spec: column-wise
-//   (P(None, tp)) and table-wise placement are later slices, and row-wise over an axis that
-//   does not split the batch (its ranks hold the same bags: every row's gradient would arrive
-//   once per rank).
+//   column-wise P(None, axes) with `axes` (one axis or a tuple) none of them a batch axis (e.g.
+//               tp: its ranks hold the same bags): group index k over `axes` holds columns
+//               [k dim / m, (k + 1) dim / m) of every row (m = their product, which must divide
+//               dim: bad_input naming the table and its dim otherwise, no uneven slices); each
+//               rank pools its columns and the pooled slices are all-gathered over the active
+//               ones. Composes with row-wise: P(batch axes, tp) is row-wise over the batch axes
+//               in each column slice.
+//   Anything else is bad_input naming the table, the parameter and its spec: table-wise
+//   placement is a later slice, row-wise over an axis that does not split the batch (its ranks
+//   hold the same bags: every row's gradient would arrive once per rank), and column-wise over
+//   a batch axis (its ranks hold different bags, whose ids every slice would need).
 
 #include <cstdint>
 #include <string>
@@ -43,13 +50,18 @@ struct EmbeddingLayout {
   std::vector<std::string> row_axes;  // row-wise: the spec's axes (major to minor); else empty
   int owners = 1;                     // their product (1: replicated)
   int64_t rows_per_owner = 0;         // rows / owners
+  // Column-wise: the spec's dim axes (active or not); empty when the table is whole in dim.
+  std::vector<std::string> column_axes;
+  int column_slices = 1;      // their product (1: every rank holds whole rows)
+  int64_t dim_per_slice = 0;  // dim / column_slices
   // The active batch axes the gradient is all-reduced over after backward.
   std::vector<std::string> gradient_allreduce;
   std::vector<std::string> notes;  // for a plan: row-wise over axes of size 1
 
   // Floats this rank sends in a step's all-to-alls for `ids` ids in at most `ids` parts (the
-  // worst case: every id its own part): 3 per id out, dim per part back (owner), dim per part
-  // out in backward. 0 when replicated.
+  // worst case: every id its own part): 3 per id out, dim_per_slice per part back (owner), as
+  // many per part out in backward. 0 when no rows are split (the column-wise all-gather is not
+  // an all-to-all).
   int64_t all_to_all_floats(int64_t ids) const;
 };
 

@@ -7,7 +7,10 @@
 //    (sums reorder: DP all-reduces, FSDP's per-rank GEMMs, row-wise pooling over owners).
 // Meshes: np 1 dp 1; np 2 and 4: dp n (linear layers replicated), fsdp n (weights P(fsdp, None)
 // where their first dimension divides, FSDP storage); np 4 also fsdp 2 x dp 2. Each with the
-// tables replicated P() and row-wise over the mesh's batch axes.
+// tables replicated P() and row-wise over the mesh's batch axes. Meshes with a tp axis (np 1
+// dp1 x tp1, np 2 tp2, np 4 dp2 x tp2 and tp4) also run a mixed model: "a" column-wise
+// P(None, tp) (its 4 columns sliced over tp, the pooled slices all-gathered), "b" row-wise over
+// the batch axes (replicated where there are none), "c" replicated.
 //
 // Data: 16 rows of 8 dense features in [-1, 1); three tables: "a" [16, 4] sum, one id per row;
 // "b" [24, 4] mean, bags of 0 to 3 ids (rows 2, 7, 12 empty, row 3 with a repeated id); "c"
@@ -15,7 +18,8 @@
 // no kink for a float64 reference to land on the other side of). Parameters from
 // Dlrm::initialize (the same global values on every mesh), dy random in [-1, 1).
 // A second forward and backward allocate nothing. Refusals: the shape checks (one sentence
-// each), 16-bit precision, a tp split of a linear layer's output.
+// each), 16-bit precision, a tp split of a linear layer's output, a column split of a table's dim
+// that tp does not divide.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -129,7 +133,7 @@ struct Result {
   long allocations = -1;
 };
 
-enum class Tables { replicated, row_wise };
+enum class Tables { replicated, row_wise, mixed };
 
 Result run(MeshCommunicators& comms, const DlrmShape& shape, const Data& d, Tables tables) {
   ParallelContext context(comms, {"fsdp", "dp"}, "tp");
@@ -146,6 +150,10 @@ Result run(MeshCommunicators& comms, const DlrmShape& shape, const Data& d, Tabl
     const auto it = std::find_if(shapes.begin(), shapes.end(),
                                  [&](const ParameterShape& p) { return p.name == name; });
     if (name.rfind("embeddings/", 0) == 0) {
+      if (tables == Tables::mixed) {
+        if (name == "embeddings/a/weight") return PartitionSpec::parse("P(None, tp)");
+        if (name == "embeddings/c/weight" || batch.empty()) return PartitionSpec::parse("P()");
+      }
       if (tables == Tables::replicated || batch.empty()) return PartitionSpec::parse("P()");
       std::string axes = batch.size() == 1 ? batch[0] : "(" + batch[0] + ", " + batch[1] + ")";
       return PartitionSpec::parse("P(" + axes + ", None)");
@@ -373,13 +381,24 @@ TEST(Dlrm, EveryMeshEqualsOneRank) {
   else
     meshes = {{{"dp", n}}, {{"fsdp", n}}};
   if (n == 4) meshes.push_back({{"fsdp", 2}, {"dp", 2}});
+  // Meshes with tp, for the column-wise table.
+  if (n == 1) meshes.push_back({{"dp", 1}, {"tp", 1}});
+  if (n == 2) meshes.push_back({{"tp", 2}});
+  if (n == 4) meshes.push_back({{"dp", 2}, {"tp", 2}});
+  if (n == 4) meshes.push_back({{"tp", 4}});
+  int mixed_runs = 0;
   for (const testing::Axes& axes : meshes) {
     const Mesh mesh = Mesh::create(axes, n);
     MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+    std::vector<Tables> kinds = {Tables::replicated, Tables::row_wise};
+    if (mesh.has_axis("tp")) kinds.push_back(Tables::mixed);
     for (DlrmInteraction interaction : {DlrmInteraction::dot, DlrmInteraction::cat}) {
-      for (Tables tables : {Tables::replicated, Tables::row_wise}) {
-        SCOPED_TRACE(mesh.describe() + " " + to_string(interaction) +
-                     (tables == Tables::row_wise ? " row-wise tables" : " replicated tables"));
+      for (Tables tables : kinds) {
+        const char* kind_text = tables == Tables::row_wise ? " row-wise tables"
+                                : tables == Tables::mixed  ? " mixed tables"
+                                                           : " replicated tables";
+        SCOPED_TRACE(mesh.describe() + " " + to_string(interaction) + kind_text);
+        mixed_runs += tables == Tables::mixed ? 1 : 0;
         const DlrmShape shape = make_shape(interaction);
         const Data d = make_data(shape);
         const Result one = one_rank(shape, d);
@@ -402,6 +421,7 @@ TEST(Dlrm, EveryMeshEqualsOneRank) {
       }
     }
   }
+  EXPECT_GT(mixed_runs, 0);
 }
 
 TEST(Dlrm, BadShapesAreOneSentence) {
@@ -462,6 +482,17 @@ TEST(Dlrm, SixteenBitAndTensorParallelOutputsAreRefused) {
   testing::expect_bad_input(
       [&] { Dlrm model(shape, Activation::tanh, spec_of, context, kBatch, 4); },
       {"bottom/0", "whole on each rank", "P(None, tp)"});
+  // A column split of a table dim that tp does not divide: refused naming the table and its dim
+  // (before the generic divisibility check, which names only the parameter).
+  DlrmShape odd = make_shape(DlrmInteraction::cat);
+  odd.tables[1].dim = 3;
+  odd.top[0] = dlrm_interaction_width(odd);
+  auto columns = [](const std::string& name) {
+    return PartitionSpec::parse(name.rfind("embeddings/", 0) == 0 ? "P(None, tp)" : "P()");
+  };
+  testing::expect_bad_input(
+      [&] { Dlrm model(odd, Activation::tanh, columns, context, kBatch, 4); },
+      {"embedding table 'b'", "dim 3", std::to_string(n) + " column slices of (tp)"});
 }
 
 }  // namespace

@@ -4,8 +4,8 @@
 // reference's rows of its batch slice and its block of the table gradient with the reference's
 // rows of that block (no gather needed: the reference holds everything).
 //
-// Data: a table [48, 6], a global batch of 16 bags (bags 2, 7 and 12 empty, bag 3 with a
-// repeated id, the others 1 to 6 ids), dy [16, 6]; every rank makes the same global values from
+// Data: a table [48, 12], a global batch of 16 bags (bags 2, 7 and 12 empty, bag 3 with a
+// repeated id, the others 1 to 6 ids), dy [16, 12]; every rank makes the same global values from
 // one seed. Ids `spread` (uniform over the table: most bags span several owners) or `one shard`
 // (all below 12: rows owner 0 holds on every mesh here, blocks of 12 rows or more). Values
 // `random` (uniform in [-1, 1)) or `integers` (in [-4, 4]: every sum is exact in fp32).
@@ -14,9 +14,13 @@
 // row-wise over its batch axes: np 1 dp1 (row-wise P(dp, None) over an axis of size 1); np 2 and
 // 4: dp n, fsdp n; np 4 also fsdp2 x dp2 with P(fsdp, None) (the gradient then all-reduced over
 // dp) and P((fsdp, dp), None), and dp2 x tp2 with P(dp, None) (tp ranks hold the same bags).
+// Column-wise (each rank of tp a slice of the 12 columns, the pooled slices all-gathered): np 2
+// tp2 and np 4 tp4 with P(None, tp) (every rank the whole batch), np 4 dp2 x tp2 with P(None, tp)
+// (the gradient all-reduced over dp) and P(dp, tp) (row-wise over dp within each column slice).
 //
 // What must be bit for bit (the order of every sum is the reference's):
-//  * the forward of a replicated table (each bag summed in its order, locally);
+//  * the forward of a replicated or column-wise table (each bag summed in its order, locally;
+//    a column's sums do not depend on the other columns);
 //  * the forward of a row-wise table with `one shard` ids (each bag's part is its whole sum,
 //    added to 0 on the requester);
 //  * the table gradient of a row-wise table whose axes are every batch axis of size > 1 (the
@@ -29,7 +33,8 @@
 //
 // Errors: an id outside [0, 48) (48, and -1) on the batch of batch rank 0, with the layer used
 // again with good bags afterwards; decreasing offsets; more ids than the capacity; a spec that is
-// neither replicated nor row-wise over batch axes; a pooling name; mixed precision.
+// neither replicated, row-wise over batch axes nor column-wise over non-batch axes; a column
+// split of a dim it does not divide; a pooling name; mixed precision.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -62,7 +67,7 @@ namespace {
 
 using testing::Tensor;
 
-constexpr int64_t kRows = 48, kDim = 6, kBatch = 16;
+constexpr int64_t kRows = 48, kDim = 12, kBatch = 16;
 constexpr int64_t kOneShardRows = 12;  // rows [0, 12) are owner 0's on every mesh here
 constexpr double kTolerance = 1e-4;    // see the header
 constexpr int64_t kMostTerms = 20;
@@ -100,10 +105,11 @@ Data make_data(Ids ids, Values values, uint64_t seed) {
   return d;
 }
 
-// What one rank computed: its pooled rows [batch rows, kDim] and its block of the table gradient.
+// What one rank computed: its pooled rows [batch rows, kDim] and its block of the table gradient
+// ([rows, columns] from (first_row, first_col)).
 struct Result {
   std::vector<float> out, grad;
-  int64_t first_bag = 0, first_row = 0;
+  int64_t first_bag = 0, first_row = 0, first_col = 0, columns = kDim;
   EmbeddingSharding sharding = EmbeddingSharding::replicated;
   long allocations = -1;
 };
@@ -152,7 +158,12 @@ Built make_table(const Data& d, const PartitionSpec& spec, const Mesh& mesh, int
                                   mesh, rank)};
   auto h = Kokkos::create_mirror_view(t.weight.local);
   const int64_t first = t.weight.box.offset[0], rows = t.weight.box.extent[0];
-  for (int64_t i = 0; i < rows * kDim; ++i) h(i) = d.table[static_cast<size_t>(first * kDim + i)];
+  const int64_t first_col = t.weight.box.offset[1], columns = t.weight.box.extent[1];
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < columns; ++c) {
+      h(r * columns + c) = d.table[static_cast<size_t>((first + r) * kDim + first_col + c)];
+    }
+  }
   Kokkos::deep_copy(t.weight.local, h);
   return t;
 }
@@ -173,6 +184,8 @@ Result run(MeshCommunicators& comms, const PartitionSpec& spec, EmbeddingPooling
   Result r;
   r.first_bag = context.batch_index() * bags;
   r.first_row = t.weight.box.offset[0];
+  r.first_col = t.weight.box.offset[1];
+  r.columns = t.weight.box.extent[1];
   const LocalBags in = local_bags(d, r.first_bag, bags);
   const Matrix dy = dy_block(d, r.first_bag, bags);
   EmbeddingBag layer(kTable, {&t.weight, &t.grad}, pooling, bags, most_ids(d, parts), context);
@@ -213,6 +226,26 @@ void expect_rows(const std::vector<float>& got, const std::vector<float>& ref, i
   }
 }
 
+// A block [rows, columns] from (first_row, first_col) vs the reference's whole [kRows, kDim].
+void expect_block(const std::vector<float>& got, const std::vector<float>& ref, int64_t first_row,
+                  int64_t first_col, int64_t columns, bool bitwise, const char* what) {
+  ASSERT_EQ(got.size() % static_cast<size_t>(columns), 0u) << what;
+  const int64_t rows = static_cast<int64_t>(got.size()) / columns;
+  ASSERT_LE((first_row + rows) * kDim, static_cast<int64_t>(ref.size())) << what;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < columns; ++c) {
+      const float value = got[static_cast<size_t>(r * columns + c)];
+      const int64_t at = (first_row + r) * kDim + first_col + c;
+      const float want = ref[static_cast<size_t>(at)];
+      if (bitwise) {
+        ASSERT_EQ(value, want) << what << " element " << at << " (bit for bit)";
+      } else {
+        ASSERT_NEAR(value, want, kTolerance) << what << " element " << at;
+      }
+    }
+  }
+}
+
 struct TableMeshCase {
   testing::Axes axes;
   std::vector<PartitionSpec> specs;
@@ -221,13 +254,18 @@ struct TableMeshCase {
 std::vector<TableMeshCase> mesh_cases(int n) {
   auto P = [](const std::string& text) { return PartitionSpec::parse(text); };
   std::vector<TableMeshCase> cases;
-  if (n == 1) return {{{{"dp", 1}}, {P("P()"), P("P(dp, None)")}}};
+  if (n == 1) {
+    return {{{{"dp", 1}}, {P("P()"), P("P(dp, None)")}},
+            {{{"tp", 1}}, {P("P(None, tp)")}}};  // column-wise over an axis of size 1
+  }
   cases.push_back({{{"dp", n}}, {P("P()"), P("P(dp, None)")}});
   cases.push_back({{{"fsdp", n}}, {P("P()"), P("P(fsdp, None)")}});
+  cases.push_back({{{"tp", n}}, {P("P()"), P("P(None, tp)")}});  // column-wise, the whole batch
   if (n == 4) {
     cases.push_back(
         {{{"fsdp", 2}, {"dp", 2}}, {P("P()"), P("P(fsdp, None)"), P("P((fsdp, dp), None)")}});
-    cases.push_back({{{"dp", 2}, {"tp", 2}}, {P("P()"), P("P(dp, None)")}});
+    cases.push_back(
+        {{{"dp", 2}, {"tp", 2}}, {P("P()"), P("P(dp, None)"), P("P(None, tp)"), P("P(dp, tp)")}});
   }
   return cases;
 }
@@ -325,8 +363,12 @@ TEST(EmbeddingBag, EveryShardingEqualsOneRank) {
             const bool forward_bitwise = !row_wise || ids == Ids::one_shard || exact;
             const bool grad_bitwise =
                 rows_cover_batch(spec, mesh) || (exact && pooling == EmbeddingPooling::sum);
+            const bool column_wise = spec.with_rank(2).entries[1].axes.size() > 0 &&
+                                     mesh.size_of(spec.with_rank(2).entries[1].axes) > 1;
+            EXPECT_EQ(got.columns, column_wise ? kDim / mesh.axis_size("tp") : kDim);
             expect_rows(got.out, ref.out, got.first_bag, forward_bitwise, "pooled rows");
-            expect_rows(got.grad, ref.grad, got.first_row, grad_bitwise, "table gradient");
+            expect_block(got.grad, ref.grad, got.first_row, got.first_col, got.columns,
+                         grad_bitwise, "table gradient");
             EXPECT_EQ(got.allocations, 0) << "allocations in a second forward and backward";
           }
         }
@@ -422,8 +464,9 @@ TEST(EmbeddingBag, IdOutsideTheTableIsBadInputOnTheWholeGroup) {
         const Result ref = reference(good, EmbeddingPooling::sum);
         expect_rows(to_floats(testing::host_matrix(layer.output())), ref.out, first_bag, !row_wise,
                     "pooled rows after the error");
-        expect_rows(to_floats(testing::to_host(t.grad)), ref.grad, t.weight.box.offset[0],
-                    rows_cover_batch(spec, mesh), "table gradient after the error");
+        expect_block(to_floats(testing::to_host(t.grad)), ref.grad, t.weight.box.offset[0],
+                     t.weight.box.offset[1], t.weight.box.extent[1], rows_cover_batch(spec, mesh),
+                     "table gradient after the error");
       }
     }
   }
@@ -480,8 +523,9 @@ TEST(EmbeddingBag, BadBagsAndSpecsAreBadInput) {
           {"table '" + kTable + "'", "bad bags"});
     }
   }
-  // Specs other than P() and P(batch axes, None).
-  {  // column-wise, on a table whose dim divides by any world size here
+  // Specs other than P(), P(batch axes, None) and P(None, non-batch axes).
+  {  // column-wise over a batch axis (its ranks hold different bags), on a table whose dim
+     // divides by any world size here
     const PartitionSpec columns = PartitionSpec::parse("P(None, fsdp)");
     ShardedTensor weight = ShardedTensor::allocate(embedding_weight_name(kTable), {kRows, 8},
                                                    columns, mesh, comms.rank());
@@ -490,8 +534,8 @@ TEST(EmbeddingBag, BadBagsAndSpecsAreBadInput) {
         [&] {
           EmbeddingBag(kTable, {&weight, &grad}, EmbeddingPooling::sum, bags, capacity, context);
         },
-        {"table '" + kTable + "'", embedding_weight_name(kTable), "P(None, fsdp)",
-         "P(axis, None)"});
+        {"table '" + kTable + "'", embedding_weight_name(kTable), "P(None, fsdp)", "P(axis, None)",
+         "P(None, axis)", "not a batch axis"});
   }
   // Row-wise over a feature axis (not a batch axis).
   const Mesh tp = Mesh::create({{"tp", n}}, n);

@@ -1,5 +1,6 @@
 // partition/embedding_layout.hpp: an embedding table's layout from its spec (replicated, row-wise
-// over batch axes, the gradient's all-reduce axes) and the specs it refuses, without MPI.
+// over batch axes, column-wise over non-batch axes, the gradient's all-reduce axes) and the specs
+// it refuses, without MPI.
 
 #include "partition/embedding_layout.hpp"
 
@@ -58,12 +59,44 @@ TEST(EmbeddingLayout, RowWiseSumsOverTheBatchAxesItDoesNotName) {
   EXPECT_NE(one.notes[0].find("size 1"), std::string::npos);
 }
 
+TEST(EmbeddingLayout, ColumnWiseSlicesDimOverANonBatchAxis) {
+  // Column-wise alone: whole rows' ids looked up in every slice; the gradient summed over the
+  // batch axes like a replicated table's, no all-to-all.
+  const EmbeddingLayout columns = layout({{"dp", 2}, {"tp", 2}}, "P(None, tp)");
+  EXPECT_EQ(columns.sharding, EmbeddingSharding::replicated);
+  EXPECT_EQ(columns.column_axes, (Strings{"tp"}));
+  EXPECT_EQ(columns.column_slices, 2);
+  EXPECT_EQ(columns.dim_per_slice, 3);
+  EXPECT_EQ(columns.gradient_allreduce, (Strings{"dp"}));
+  EXPECT_EQ(columns.all_to_all_floats(10), 0);
+  // With row-wise over the batch axes: the all-to-all carries this slice's columns only.
+  const EmbeddingLayout both = layout({{"dp", 2}, {"tp", 2}}, "P(dp, tp)");
+  EXPECT_EQ(both.sharding, EmbeddingSharding::row_wise);
+  EXPECT_EQ(both.row_axes, (Strings{"dp"}));
+  EXPECT_EQ(both.column_slices, 2);
+  EXPECT_TRUE(both.gradient_allreduce.empty());
+  EXPECT_EQ(both.all_to_all_floats(10), 10 * 3 + 2 * 10 * 3);
+  // Over an axis of size 1: whole rows, and the plan's note says why.
+  const EmbeddingLayout one = layout({{"dp", 2}, {"tp", 1}}, "P(None, tp)");
+  EXPECT_EQ(one.column_slices, 1);
+  EXPECT_EQ(one.dim_per_slice, 6);
+  ASSERT_EQ(one.notes.size(), 1u);
+  EXPECT_NE(one.notes[0].find("column-wise over (tp), axes of size 1"), std::string::npos);
+}
+
 TEST(EmbeddingLayout, OtherSpecsAndShapesAreBadInput) {
+  // A column split of a dim it does not divide: no uneven slices.
   testing::expect_bad_input(
       [] {
-        layout({{"fsdp", 2}, {"tp", 2}}, "P(None, tp)");
+        layout({{"dp", 2}, {"tp", 4}}, "P(None, tp)");
       },
-      {"table 'cat'", "embeddings/cat/weight", "P(None, tp)", "P(axis, None)"});
+      {"table 'cat'", "dim 6", "4 column slices of (tp)", "P(None, tp)"});
+  // Columns over a batch axis (its ranks hold different bags).
+  testing::expect_bad_input(
+      [] {
+        layout({{"dp", 2}, {"tp", 2}}, "P(None, dp)");
+      },
+      {"table 'cat'", "embeddings/cat/weight", "P(None, dp)", "P(None, axis)", "not a batch axis"});
   testing::expect_bad_input(
       [] {
         layout({{"fsdp", 2}, {"tp", 2}}, "P(tp, None)");
@@ -71,9 +104,9 @@ TEST(EmbeddingLayout, OtherSpecsAndShapesAreBadInput) {
       {"table 'cat'", "P(tp, None)", "batch axes (fsdp)"});
   testing::expect_bad_input(
       [] {
-        layout({{"dp", 2}, {"tp", 2}}, "P(dp, tp)");
+        layout({{"dp", 2}, {"tp", 2}}, "P(tp, dp)");
       },
-      {"table 'cat'", "P(dp, tp)"});
+      {"table 'cat'", "P(tp, dp)"});
   testing::expect_bad_input(
       [] {
         layout({{"fsdp", 2}}, "P()", {48});

@@ -25,7 +25,18 @@ where their rows divide, the rest replicated). Modes:
           optimizer.clip_norm with optimizer.embeddings = "rowwise_adagrad" is refused (exit 2,
           one sentence naming both keys).
 
-  train_rowwise_adagrad, resume_rowwise_adagrad, resume_sparse_adamw
+  columns t23, t24 and t25 column-wise (P(None, tp): each rank of tp a slice of their 8
+          columns): 40 steps in four resumed legs of 10, each on another mesh and layout, against
+          an uninterrupted run on 1 rank: column-wise on 2 ranks (tp 2), row-wise on 4 (the
+          preset's rules: t25 over fsdp 4, t23 and t24 replicated), one rank (replicated),
+          column-wise on 4 (fsdp 2 x tp 2); every leg's losses within 1e-5 (relative) of the
+          one-rank run's, and the first leg's (column-wise tables, the dense layers replicated
+          over tp, the whole batch on every rank: the one-rank sums in the one-rank order)
+          bit for bit with the dense optimizer; the step-10 checkpoint of the column-wise leg
+          holds every table whole ([rows, 8], h5py), each equal to the one-rank run's step-10
+          table (bit for bit with the dense optimizer, else within 1e-6).
+
+  train_rowwise_adagrad, resume_rowwise_adagrad, resume_sparse_adamw, columns_rowwise_adagrad
           train and resume with optimizer.embeddings = "rowwise_adagrad" or "sparse_adamw" (the
           tables updated in the rows a step touched; the linear layers by AdamW): the same
           checks (the resume: bit for bit on 2 ranks, the state resharded 2 -> 4 with its
@@ -248,6 +259,60 @@ def mode_resume(launcher, config, work):
           "resumed on 4 ranks within 1e-5")
 
 
+COLUMN_RULES = ["--set", 'partition.rules=[["embeddings/t2[345]/weight", "P(None, tp)"]]']
+
+
+def mode_columns(launcher, config, work):
+    # The rules do make the three tables column-wise on the first leg's mesh (the plan says so:
+    # a slice of 4 of the 8 columns per rank).
+    plan = subprocess.run([launcher[-1], "plan", config, "--world", "2", "--set", "mesh.tp=2",
+                           *COLUMN_RULES], capture_output=True, text=True, cwd=work)
+    for table, rows in (("t23", 1309), ("t24", 1618), ("t25", 2000)):
+        line = next((l for l in plan.stdout.splitlines()
+                     if l.startswith(f"embeddings/{table}/weight ")), "")
+        if "P(None, tp)" not in line or f"[{rows}, 4]" not in line:
+            fail(f"meshtrain plan does not show {table} column-wise [{rows}, 4]: {line!r}\n"
+                 f"{plan.stdout}{plan.stderr}")
+    whole, _ = train(launcher, 1, config, work, "whole")
+    legs = [  # (ranks, the leg's sets, what the tables are)
+        (2, ["--set", "mesh.tp=2", *COLUMN_RULES], "column-wise on 2 ranks"),
+        (4, [], "row-wise on 4 ranks"),
+        (1, [], "on 1 rank"),
+        (4, ["--set", "mesh.tp=2", *COLUMN_RULES], "column-wise on 4 ranks (fsdp 2 x tp 2)"),
+    ]
+    for leg, (np_, sets, what) in enumerate(legs):
+        last = 10 * (leg + 1)
+        resume = ["--set", "checkpoint.resume=true"] if leg else []
+        losses, _ = train(launcher, np_, config, work, "moved", "--set", f"train.steps={last}",
+                          *resume, *sets)
+        bitwise = leg == 0 and not SLOTS
+        for step in range(last - 9, last + 1):
+            got, want = losses.get(step, float("nan")), whole[step]
+            if (got != want) if bitwise else not close(got, want, 1e-5):
+                fail(f"tables {what}: the loss of step {step} is {got}, the one-rank run's "
+                     f"{want}" + (" (bit for bit)" if bitwise else ""))
+    # The column-wise leg's checkpoint: whole tables, readable as any other.
+    got = tensors(os.path.join(work, "moved", "checkpoints", "ckpt-000010.h5"))
+    ref = tensors(os.path.join(work, "whole", "checkpoints", "ckpt-000010.h5"))
+    for table in ("t23", "t24", "t25"):
+        name = f"params/embeddings/{table}/weight"
+        if name not in got or got[name].shape != ref[name].shape or got[name].shape[1] != 8:
+            fail(f"the column-wise checkpoint's {name} is "
+                 f"{got[name].shape if name in got else 'missing'}, not {ref[name].shape}")
+        diff = float(np.max(np.abs(got[name] - ref[name])))
+        if (diff != 0.0) if not SLOTS else diff > 1e-6:
+            fail(f"the column-wise checkpoint's {name} differs from the one-rank run's by {diff}")
+        for slot in SLOTS:
+            state = f"opt_state/{slot}/embeddings/{table}/weight"
+            if state not in got or got[state].shape != ref[state].shape:
+                fail(f"the column-wise checkpoint has no {state} of shape {ref[state].shape}")
+            diff = float(np.max(np.abs(got[state] - ref[state])))
+            if diff > 1e-6 * max(1.0, float(np.max(np.abs(ref[state])))):
+                fail(f"the column-wise checkpoint's {state} differs from one rank's by {diff}")
+    print("dlrm columns: column-wise on 2 -> row-wise on 4 -> 1 rank -> column-wise on 4 "
+          "follows the one-rank run")
+
+
 def mode_bad_id(launcher, config, work):
     bad = os.path.join(work, "data", "bad.h5")
     shutil.copy(os.path.join(work, "data", "train.h5"), bad)
@@ -307,7 +372,8 @@ def main():
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     make_data(script, work)
-    {"train": mode_train, "resume": mode_resume, "bad_id": mode_bad_id}[mode](
+    {"train": mode_train, "resume": mode_resume, "bad_id": mode_bad_id,
+     "columns": mode_columns}[mode](
         launcher, os.path.abspath(config), work)
 
 
