@@ -73,6 +73,10 @@ struct RunEvents {
   // Every rank's memory against the plan, after train()'s first step and at its end
   // (measure_memory); metrics.jsonl gets them too.
   std::function<void(const MemoryEvent&)> on_memory;
+  // What the run's user should be told while it trains or ends, one sentence each (no
+  // "warning: " prefix), on rank 0: a stream's producer taken for gone (docs/online.md), which
+  // may come as the run is destroyed. The library prints nothing itself.
+  std::function<void(const std::string&)> on_warning;
 };
 
 // Training and test data given in code instead of config.data (a program's own data). The
