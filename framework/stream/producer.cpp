@@ -132,9 +132,8 @@ void StreamProducer::warn(const std::string& sentence) const {
 bool StreamProducer::check_stop() {
   if (last_word_received_ || !connected()) return stopped_;
   int flag = 0;
-  check_mpi(
-      MPI_Iprobe(trainers_.front(), sp::kLastWordTag, stream_comm_, &flag, MPI_STATUS_IGNORE),
-      "MPI_Iprobe (the trainer's last word)");
+  check_mpi(MPI_Iprobe(trainers_.front(), sp::kLastWordTag, stream_comm_, &flag, MPI_STATUS_IGNORE),
+            "MPI_Iprobe (the trainer's last word)");
   if (!flag) return false;
   check_mpi(MPI_Recv(&last_word_, sizeof last_word_, MPI_BYTE, trainers_.front(), sp::kLastWordTag,
                      stream_comm_, MPI_STATUS_IGNORE),
@@ -279,8 +278,8 @@ void StreamProducer::wait_for_last_word() {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (close_timeout_ > 0.0 && waited > close_timeout_) {
       warn(detail::concat("stream \"", name_, "\": producer rank ", rank_,
-                          ": the trainer did not answer its close within ", close_timeout_,
-                          " s (", last_word_received_ ? "the publishes' end" : "its last word",
+                          ": the trainer did not answer its close within ", close_timeout_, " s (",
+                          last_word_received_ ? "the publishes' end" : "its last word",
                           " never came: did the trainer end without taking the close?); close() "
                           "returns without it"));
       return;

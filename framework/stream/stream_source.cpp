@@ -185,13 +185,13 @@ void StreamSource::send_done(size_t producer) {
 }
 
 StreamSource::~StreamSource() {
-  // Destroyed before the run completed (an error, in set-up or training, thrown on or caught
-  // by the caller): the producers are told to stop sending, unless the run already told them
-  // why.
+  // Destroyed before the run completed (finish(): not after an error, in set-up or training,
+  // whether the caller caught it or not, nor when a caller stepping by hand stopped early): the
+  // producers are told to stop sending, unless the run already told them why.
   if (!finished_) {
     stop_producers(
-        "the trainer's run ended before it finished (on an error: the trainer's output says "
-        "which)");
+        "the trainer's run ended before it finished (on an error, or stopped early by its "
+        "program: the trainer's output says which)");
   }
   // What the producers still send is received and dropped until every one has closed, so
   // that their sends complete (a producer's close waits for them).
@@ -263,8 +263,8 @@ StreamSource::~StreamSource() {
   const auto sent_at = std::chrono::steady_clock::now();
   while (!last_word_requests_.empty()) {
     int done = 0;
-    if (MPI_Testall(static_cast<int>(last_word_requests_.size()), last_word_requests_.data(),
-                    &done, MPI_STATUSES_IGNORE) != MPI_SUCCESS ||
+    if (MPI_Testall(static_cast<int>(last_word_requests_.size()), last_word_requests_.data(), &done,
+                    MPI_STATUSES_IGNORE) != MPI_SUCCESS ||
         done) {
       break;
     }
@@ -381,7 +381,7 @@ void StreamSource::pull_once() {
       std::memcpy(&header, slot.data(), sizeof header);
       if (header.kind == sp::kClose) {
         closed_[p] = 1;
-        send_done(p);  // the handshake: this producer's close() waits for it
+        send_done(p);                  // the handshake: this producer's close() waits for it
         if (p == 0) end_owed_ = true;  // no publish after producer 0's close
       } else {
         take(static_cast<int64_t>(p), slot.data());

@@ -13,12 +13,14 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <iterator>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "framework/comm/mpi_util.hpp"
@@ -592,6 +594,61 @@ TEST(Stream, TrainerFailingAtSetUpEndsTheProducersConnect) {
   } catch (const AgreedError& e) {
     stream_trainer_failed(e.what());
   }
+}
+
+// A library caller that catches the run's error and then destroys the run (here: a loss that
+// becomes infinite in a step() called by hand, lr 1e38) ends its stream with the stop, decided
+// by the run's finished flag: every producer rank takes it (stopped(), the sentence saying the
+// run ended before it finished), drops its rows from then on and closes; producer rank 0 alone
+// is told once through options.on_warning (the library prints nothing itself). Before the flag
+// the destructor, run outside any exception's unwinding, sent no stop: the producers sent on
+// until they gave up, never told.
+TEST(Stream, RunDestroyedAfterACaughtErrorStopsTheProducers) {
+  Roles roles;
+  if (roles.producer) {
+    std::vector<std::string> warnings;
+    StreamProducerOptions options;
+    options.on_warning = [&](const std::string& warning) { warnings.push_back(warning); };
+    StreamProducer producer;
+    producer.connect(roles.comm, "caught", kInputs, kOutputs, StreamDtype::float32, options);
+    std::vector<float> x(8 * kInputs, 0.5f), y(8 * kOutputs, 0.25f);
+    int after_stop = -1;
+    for (int k = 0; k < 4000 && (after_stop < 0 || k < after_stop + 10); ++k) {
+      producer.send(x.data(), y.data(), 8);
+      if (after_stop < 0 && producer.stopped()) after_stop = k;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    producer.close();
+    ASSERT_TRUE(producer.stopped()) << "the destroyed run never told this producer to stop";
+    EXPECT_NE(std::string(producer.stop_reason()).find("ended before it finished"),
+              std::string::npos)
+        << producer.stop_reason();
+    EXPECT_GT(producer.rows_dropped(), 0) << "no send dropped its rows after the stop";
+    ASSERT_EQ(warnings.size(), roles.rank == 0 ? 1u : 0u);
+    if (roles.rank == 0) {
+      EXPECT_EQ(warnings[0].rfind("stream \"caught\": the trainer stopped: the trainer's run "
+                                  "ended before it finished",
+                                  0),
+                0u)
+          << warnings[0];
+    }
+    return;
+  }
+  RunConfig config = trainer_config("caught", {{"dp", roles.trainers}}, "dp");
+  config.optimizer.lr = 1e38;
+  config.stream.min_rows = 8;
+  config.train.steps = 1000;
+  std::string message;
+  {
+    TrainingRun run(config, {}, std::nullopt, roles.comm);
+    try {
+      while (!run.finished()) run.step();
+      ADD_FAILURE() << "the run at lr 1e38 finished";
+    } catch (const AgreedError& e) {
+      message = e.what();  // caught: the run is destroyed below, outside any exception
+    }
+  }
+  EXPECT_NE(message.find("the training loss became"), std::string::npos) << message;
 }
 
 // The [stream] keys go through the one schema: read, written back, refused without
