@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <set>
@@ -649,6 +650,59 @@ TEST(Stream, RunDestroyedAfterACaughtErrorStopsTheProducers) {
     }
   }
   EXPECT_NE(message.find("the training loss became"), std::string::npos) << message;
+}
+
+// A trainer that never answers a producer's close (here a stand-in: it takes part in the
+// rendezvous, receives every producer's close and sends no last word): close() waits
+// options.close_timeout, reports one warning on that rank through on_warning and returns, the
+// producer not stopped.
+TEST(Stream, CloseUnansweredReturnsAfterItsTimeoutWithOneWarning) {
+  namespace sp = stream_protocol;
+  Roles roles;
+  if (roles.producer) {
+    std::vector<std::string> warnings;
+    StreamProducerOptions options;
+    options.close_timeout = 0.5;
+    options.on_warning = [&](const std::string& warning) { warnings.push_back(warning); };
+    StreamProducer producer;
+    producer.connect(roles.comm, "mute", kInputs, kOutputs, StreamDtype::float32, options);
+    const auto start = std::chrono::steady_clock::now();
+    producer.close();
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_GE(waited, 0.5) << "close() did not wait for the trainer's last word";
+    EXPECT_FALSE(producer.stopped());
+    EXPECT_EQ(warnings.size(), 1u);
+    if (!warnings.empty()) {
+      const std::string expected = "stream \"mute\": producer rank " + std::to_string(roles.rank) +
+                                   ": the trainer did not answer its close within 0.5 s";
+      EXPECT_EQ(warnings[0].rfind(expected, 0), 0u) << warnings[0];
+    }
+    check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+    return;
+  }
+  sp::Hello hello;
+  hello.role = sp::kTrainer;
+  hello.local_rank = roles.rank;
+  hello.inputs = kInputs;
+  hello.outputs = kOutputs;
+  hello.dtype = sp::kFloat32;
+  hello.batch_index = roles.rank;
+  hello.batch_count = roles.trainers;
+  std::memcpy(hello.name, "mute", 4);
+  MPI_Comm stream_comm = MPI_COMM_NULL;
+  const sp::Rendezvous r = sp::rendezvous(MPI_COMM_WORLD, hello, &stream_comm);
+  EXPECT_EQ(r.problem, "");
+  // Every producer's close comes to every trainer rank: taken, never answered.
+  for (int producer : r.producers) {
+    sp::Header header;
+    check_mpi(MPI_Recv(&header, sizeof header, MPI_BYTE, producer, sp::kTag, stream_comm,
+                       MPI_STATUS_IGNORE),
+              "MPI_Recv");
+    EXPECT_EQ(header.kind, sp::kClose);
+  }
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  check_mpi(MPI_Comm_free(&stream_comm), "MPI_Comm_free");
 }
 
 // The [stream] keys go through the one schema: read, written back, refused without
