@@ -7,7 +7,8 @@
 // Set-up (the constructor) takes part in the rendezvous over MPI_COMM_WORLD: a mismatch with
 // the producers is a bad_input Error naming the stream and both shapes, the same sentence the
 // producers get. The destructor receives (and drops) what the producers still send until
-// every producer has closed.
+// every producer has closed; trainer rank 0 answers every producer's close with its last word
+// (stream_protocol::LastWord: done, or the stop of a run that failed before it took it).
 
 #include <mpi.h>
 
