@@ -41,13 +41,16 @@ int mt_stream_connect(MPI_Comm comm, const char* name, int64_t inputs, int64_t o
                       const mt_stream_options* options, mt_stream** out);
 /* x [rows, inputs], y [rows, outputs], row-major, of the connected dtype. */
 int mt_stream_send(mt_stream* s, const void* x, const void* y, int64_t rows);
+/* Sends the close, then waits for the trainer's last word (its stop, or done once it took the
+ * close; at most 120 s, after which it prints one warning and returns). */
 int mt_stream_close(mt_stream* s);
 void mt_stream_free(mt_stream* s);
 int64_t mt_stream_rows_sent(const mt_stream* s);
 int64_t mt_stream_rows_dropped(const mt_stream* s);
 const char* mt_stream_last_error(const mt_stream* s);
 /* 1 when the trainer failed after connect and told the producers to stop: every send since
- * then returned 0 and dropped its rows (mt_stream_rows_dropped); rank 0 printed one warning. */
+ * then returned 0 and dropped its rows (mt_stream_rows_dropped); rank 0 printed one warning
+ * (the C API prints it to stderr; the C++ library reports it through on_warning). */
 int mt_stream_stopped(const mt_stream* s);
 
 /* For Fortran (iso_c_binding; docs/online.md has the interface block): mt_stream_connect with

@@ -36,6 +36,10 @@ RunEvents printing_events(bool rank0) {
   events.on_log = [](const LogEvent& e) { print_line(format_log_line(e)); };
   events.on_eval = [](const EvalEvent& e) { print_line(format_eval_line(e)); };
   events.on_checkpoint = [](int64_t, const std::string& path) { print_line("checkpoint " + path); };
+  events.on_warning = [](const std::string& warning) {
+    std::fprintf(stderr, "warning: %s\n", warning.c_str());
+    std::fflush(stderr);
+  };
   // The end's figures are in the done line; a run above its plan is warned about once.
   events.on_memory = [warned = std::make_shared<bool>(false)](const MemoryEvent& e) {
     if (e.when != "end") print_line(format_memory_line(e));

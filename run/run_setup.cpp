@@ -250,6 +250,7 @@ void TrainingRun::open_stream() {
     auto source = std::make_unique<StreamSource>(stream, comm_, slice_, inputs, outputs, min_rows,
                                                  config_.run.seed, model);
     stream_ = source.get();
+    stream_->set_on_warning(events_.on_warning);
     train_source_ =
         std::move(source);  // owned before anything below can throw (stream_ stays valid)
     // Normalization "standard": the statistics of the first min_rows rows (below).

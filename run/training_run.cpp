@@ -100,8 +100,14 @@ RunSummary TrainingRun::train() {
       // The save failed too: the error that stopped training is the one to report.
     }
     throw;
+  } catch (const std::exception& error) {
+    // An error on this rank alone (the program ends every rank): the producers are told too.
+    if (stream_) stream_->stop_producers(error.what());
+    throw;
   }
   finish_save();
+  // Training completed: the stream ends with "done" to its producers, not a stop.
+  if (stream_) stream_->finish();
   // A run that stopped inside its trace window (early stopping, fewer steps) writes what it
   // recorded.
   if (tracing_) end_trace();
@@ -246,6 +252,9 @@ StepResult TrainingRun::step() {
   if (stream_ && config_.stream.until == StreamUntil::closed && stream_->ended()) {
     stream_ended_ = true;
   }
+  // The last step done (also when stepped by hand): destroyed from now on, the run ends its
+  // stream with "done" to the producers; destroyed before, it stops them (a failed run).
+  if (stream_ && finished()) stream_->finish();
   // Into the room begin_trace reserved (a window of more steps keeps the first ones).
   if (tracing_ && traced_passes_.steps.size() < traced_passes_.steps.capacity()) {
     traced_passes_.steps.push_back({number, pass_totals()});

@@ -73,6 +73,10 @@ struct RunEvents {
   // Every rank's memory against the plan, after train()'s first step and at its end
   // (measure_memory); metrics.jsonl gets them too.
   std::function<void(const MemoryEvent&)> on_memory;
+  // What the run's user should be told while it trains or ends, one sentence each (no
+  // "warning: " prefix), on rank 0: a stream's producer taken for gone (docs/online.md), which
+  // may come as the run is destroyed. The library prints nothing itself.
+  std::function<void(const std::string&)> on_warning;
 };
 
 // Training and test data given in code instead of config.data (a program's own data). The
@@ -205,6 +209,13 @@ class TrainingRun {
   // a checkpoint saved as it stopped).
   // With stream.until = "closed": every producer had closed at the last step.
   bool finished() const { return steps_done_ >= total_steps_ || stopped_early_ || stream_ended_; }
+  // Ends the training here on purpose (a program stepping by hand that stops before
+  // finished()): the run counts as completed, so that destroyed it ends its stream with "done"
+  // to the producers rather than the stop a run destroyed before it finished sends (an error
+  // the caller caught, say; docs/online.md). train() and the last step() do this themselves.
+  void mark_completed() {
+    if (stream_) stream_->finish();
+  }
   bool stopped_early() const { return stopped_early_; }
   // The best evaluation so far by the run's metric (checkpoint.keep_best, else the test
   // loss; NaN before the first) and the step it was made at (-1 when not in this process).

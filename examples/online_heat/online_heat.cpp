@@ -201,6 +201,12 @@ int run(MPI_Comm sim, int bench_steps) {
   // (bench/online_overhead.sh: drop, as production runs keep, so sends never wait.)
   options.backpressure =
       bench_steps > 0 ? meshtrain::StreamBackpressure::drop : meshtrain::StreamBackpressure::block;
+  // The library prints nothing: the simulation says what it is told (the trainer's stop, on
+  // rank 0; a close the trainer did not answer).
+  options.on_warning = [](const std::string& warning) {
+    std::fprintf(stderr, "warning: %s\n", warning.c_str());
+    std::fflush(stderr);
+  };
   meshtrain::StreamProducer producer;
   producer.connect(sim, "heat-2d", kInputs, kOutputs, meshtrain::StreamDtype::float64, options);
   if (bench_steps > 0) {

@@ -1,8 +1,9 @@
 #include "framework/stream/producer.hpp"
 
 #include <algorithm>
-#include <cstdio>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "base/error.hpp"
 #include "framework/comm/mpi_util.hpp"
@@ -76,7 +77,10 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
   for (const auto& group : group_ranks_) widest = std::max(widest, group.size());
   for (auto& requests : slot_requests_) requests.reserve(std::max(widest, trainers_.size()));
   stopped_ = false;
-  stop_message_ = sp::StopMessage{};
+  last_word_received_ = false;
+  last_word_ = sp::LastWord{};
+  close_timeout_ = options.close_timeout;
+  on_warning_ = options.on_warning;
   publish_every_ = r.publish_every;
   latest_version_ = 0;
   publish_ended_ = false;
@@ -121,24 +125,28 @@ int64_t StreamProducer::take_publishes() {
   return latest_version_;
 }
 
+void StreamProducer::warn(const std::string& sentence) const {
+  if (on_warning_) on_warning_(sentence);
+}
+
 bool StreamProducer::check_stop() {
-  if (stopped_ || !connected()) return stopped_;
+  if (last_word_received_ || !connected()) return stopped_;
   int flag = 0;
-  check_mpi(MPI_Iprobe(trainers_.front(), sp::kStopTag, stream_comm_, &flag, MPI_STATUS_IGNORE),
-            "MPI_Iprobe (the trainer's stop)");
+  check_mpi(MPI_Iprobe(trainers_.front(), sp::kLastWordTag, stream_comm_, &flag, MPI_STATUS_IGNORE),
+            "MPI_Iprobe (the trainer's last word)");
   if (!flag) return false;
-  check_mpi(MPI_Recv(&stop_message_, sizeof stop_message_, MPI_BYTE, trainers_.front(),
-                     sp::kStopTag, stream_comm_, MPI_STATUS_IGNORE),
-            "MPI_Recv (the trainer's stop)");
-  stop_message_.note[sp::kNoteBytes - 1] = '\0';
+  check_mpi(MPI_Recv(&last_word_, sizeof last_word_, MPI_BYTE, trainers_.front(), sp::kLastWordTag,
+                     stream_comm_, MPI_STATUS_IGNORE),
+            "MPI_Recv (the trainer's last word)");
+  last_word_received_ = true;
+  last_word_.note[sp::kNoteBytes - 1] = '\0';
+  if (last_word_.kind != sp::kStop) return false;  // done: the trainer took this rank's close
   stopped_ = true;
   // One warning for the simulation, from its rank 0 (each rank takes the stop on its own).
   if (rank_ == 0) {
-    std::fprintf(stderr,
-                 "warning: stream \"%s\": the trainer stopped: %s; the simulation goes on "
-                 "without it, its rows dropped from now on (rows_dropped)\n",
-                 name_.c_str(), stop_message_.note);
-    std::fflush(stderr);
+    warn(detail::concat("stream \"", name_, "\": the trainer stopped: ", last_word_.note,
+                        "; the simulation goes on without it, its rows dropped from now on "
+                        "(rows_dropped)"));
   }
   return true;
 }
@@ -250,15 +258,34 @@ void StreamProducer::close() {
   }
   check_mpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
             "MPI_Waitall (a stream's close)");
-  // A stop that came after the last send is taken too (the trainer drained these sends).
-  check_stop();
-  // The trainer sends its publishes' end once it took this close (at its next pull, or as its
-  // run ends): every publish it started is taken (the newest kept), so that its sends complete.
-  if (publish_every_ > 0 && rank_ == 0) {
-    while (!publish_ended_) receive_publish();
-  }
+  wait_for_last_word();
   check_mpi(MPI_Comm_free(&stream_comm_), "MPI_Comm_free (a stream's communicator)");
   stream_comm_ = MPI_COMM_NULL;
+}
+
+// The handshake's end (docs/online.md): trainer rank 0 sends every producer rank one last word,
+// its stop (it failed before it took this close) or done (it took it), so that nothing it sent
+// is left unreceived. Producer 0 also takes the publishes until their end, which the trainer
+// sends once it took that close and its publish in flight completed.
+void StreamProducer::wait_for_last_word() {
+  const bool publishes = publish_every_ > 0 && rank_ == 0;
+  const auto start = std::chrono::steady_clock::now();
+  while (true) {
+    check_stop();
+    if (publishes) take_publishes();
+    if (last_word_received_ && (!publishes || publish_ended_)) return;
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (close_timeout_ > 0.0 && waited > close_timeout_) {
+      warn(detail::concat("stream \"", name_, "\": producer rank ", rank_,
+                          ": the trainer did not answer its close within ", close_timeout_, " s (",
+                          last_word_received_ ? "the publishes' end" : "its last word",
+                          " never came: did the trainer end without taking the close?); close() "
+                          "returns without it"));
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
 }
 
 }  // namespace meshtrain

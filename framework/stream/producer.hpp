@@ -19,6 +19,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,15 @@ struct StreamProducerOptions {
   int64_t message_rows = 256;  // rows of one message at most
   StreamBackpressure backpressure = StreamBackpressure::drop;
   MPI_Comm parent = MPI_COMM_WORLD;  // where the trainer is found
+  // Seconds close() waits for the trainer's last word (its stop or its done, docs/online.md)
+  // after this rank's sends completed; 0: for ever. On timeout close() reports one warning
+  // (on_warning) and returns, the last word left unreceived.
+  double close_timeout = 120.0;
+  // What the simulation should be told, one sentence each (no "warning: " prefix): the trainer's
+  // stop (on producer rank 0 only: every rank takes it) and a close the trainer did not answer
+  // in close_timeout (on that rank). The library prints nothing itself: empty, nothing is
+  // reported but stopped() and stop_reason(). The C API (stream.h) prints them to stderr.
+  std::function<void(const std::string&)> on_warning;
 };
 
 class StreamProducer {
@@ -51,7 +61,9 @@ class StreamProducer {
   // connected dtype (another dtype is a bad_input Error).
   void send(const float* x, const float* y, int64_t rows);
   void send(const double* x, const double* y, int64_t rows);
-  // Sends the close after every row and waits for this rank's sends to complete.
+  // Sends the close after every row, waits for this rank's sends to complete, then for the
+  // trainer's last word (its stop, or done once it took this close; options.close_timeout),
+  // and on rank 0 with publishes for the publishes' end.
   void close();
 
   bool connected() const { return stream_comm_ != MPI_COMM_NULL; }
@@ -77,9 +89,10 @@ class StreamProducer {
   int64_t rows_dropped() const { return rows_dropped_; }  // ring full (drop), or after a stop
   // The trainer failed after the rendezvous and told the producers to stop (docs/online.md):
   // every send since it came dropped its rows (rows_dropped), the simulation goes on. Producer
-  // rank 0 prints one warning naming the stream and the trainer's sentence (stop_reason()).
+  // rank 0 reports one warning naming the stream and the trainer's sentence (stop_reason())
+  // through options.on_warning. A stop that comes while close() waits counts too.
   bool stopped() const { return stopped_; }
-  const char* stop_reason() const { return stop_message_.note; }
+  const char* stop_reason() const { return last_word_.note; }
   const std::string& name() const { return name_; }
 
  private:
@@ -87,8 +100,11 @@ class StreamProducer {
   int take_free_slot();  // -1: none (drop)
 
   void receive_publish();  // one message into incoming_, the newest kept
-  // Takes the trainer's stop when it has come (never waits); true once stopped.
+  // Takes the trainer's last word when it has come (never waits); true once stopped.
   bool check_stop();
+  // close(): waits for the last word (and rank 0's publishes' end) up to close_timeout_.
+  void wait_for_last_word();
+  void warn(const std::string& sentence) const;
 
   MPI_Comm stream_comm_ = MPI_COMM_NULL;
   MPI_Comm comm_ = MPI_COMM_NULL;
@@ -114,9 +130,13 @@ class StreamProducer {
   std::vector<unsigned char> incoming_, latest_;  // rank 0: incoming_; every rank: latest_
   int64_t latest_version_ = 0;
   bool publish_ended_ = false;  // the trainer's end came: nothing more will
-  // The trainer's stop (stream_protocol::StopMessage), received into memory of the object.
+  // The trainer's last word (stream_protocol::LastWord: its stop or done), received into memory
+  // of the object.
   bool stopped_ = false;
-  stream_protocol::StopMessage stop_message_;
+  bool last_word_received_ = false;
+  stream_protocol::LastWord last_word_;
+  double close_timeout_ = 120.0;
+  std::function<void(const std::string&)> on_warning_;
 };
 
 }  // namespace meshtrain

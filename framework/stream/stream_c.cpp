@@ -1,5 +1,6 @@
 // The C producer API (stream.h) over StreamProducer.
 
+#include <cstdio>
 #include <exception>
 #include <string>
 
@@ -47,6 +48,12 @@ int mt_stream_connect(MPI_Comm comm, const char* name, int64_t inputs, int64_t o
                            : meshtrain::StreamBackpressure::drop;
       if (options->parent != MPI_COMM_NULL) o.parent = options->parent;
     }
+    // The C API prints what the simulation should be told (the trainer's stop on producer rank
+    // 0, a close the trainer did not answer), as C has no callback for it.
+    o.on_warning = [](const std::string& warning) {
+      std::fprintf(stderr, "warning: %s\n", warning.c_str());
+      std::fflush(stderr);
+    };
     s->dtype = dtype;
     s->producer.connect(comm, name, inputs, outputs,
                         dtype == MT_STREAM_FLOAT64 ? meshtrain::StreamDtype::float64

@@ -18,9 +18,9 @@ constexpr int kTag = 3801;
 // The trainer's publishes (parameters and normalization) to producer 0, and its end: another
 // tag, so that a producer probing for them never sees rows (and the reverse).
 constexpr int kPublishTag = 3802;
-// The trainer's stop (its run failed after the rendezvous) to every producer: a tag of its own,
-// so that a producer probes for it alone.
-constexpr int kStopTag = 3803;
+// The trainer's last word to each producer rank (a LastWord: its stop, or done): a tag of its
+// own, so that a producer probes for it alone.
+constexpr int kLastWordTag = 3803;
 // Slots of received messages per producer on a trainer rank.
 constexpr int64_t kStagingSlots = 4;
 constexpr int kNameBytes = 64;
@@ -30,7 +30,7 @@ constexpr int kNoteBytes = 512;
 // why (Hello::note), so that the producers' connect fails rather than waits.
 enum Role : int64_t { kNone = 0, kProducer = 1, kTrainer = 2, kFailedTrainer = 3 };
 enum Dtype : int64_t { kFloat32 = 0, kFloat64 = 1 };
-enum Kind : int64_t { kRows = 1, kClose = 2, kStop = 3, kPublish = 4, kPublishEnd = 5 };
+enum Kind : int64_t { kRows = 1, kClose = 2, kStop = 3, kPublish = 4, kPublishEnd = 5, kDone = 6 };
 
 // One per rank of the parent, gathered by every rank at the rendezvous.
 struct Hello {
@@ -81,12 +81,16 @@ struct PublishHeader {
 };
 static_assert(sizeof(PublishHeader) == 64);
 
-// The stop: trainer rank 0 sends it to every producer not yet closed when its run fails after
-// the rendezvous, so that the producers drop their rows from then on (docs/online.md).
-struct StopMessage {
+// The trainer's last word: trainer rank 0 sends every producer rank exactly one (the
+// handshake that ends a stream, docs/online.md), which the producer's close() waits for:
+// - kStop, when the run fails after the rendezvous before it took that producer's close (sent
+//   at once, so that the producer drops its rows from then on), with the trainer's sentence;
+// - kDone, when it took that producer's close and had not failed (sent as it takes it).
+// So every producer receives its last word and no message is left unreceived at finalize.
+struct LastWord {
   int64_t kind = kStop;
   int64_t unused[3] = {0, 0, 0};
-  char note[kNoteBytes] = {};  // the trainer's error (its sentence)
+  char note[kNoteBytes] = {};  // kStop: the trainer's error (its sentence)
 };
 
 // Bytes of a publish message.

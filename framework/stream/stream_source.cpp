@@ -3,9 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
-#include <exception>
 #include <thread>
 
 #include "base/error.hpp"
@@ -52,6 +50,10 @@ class HeldOutSource : public RowSource {
 
 // The counters every pull sums over the trainer, before the producers' messages and votes.
 constexpr size_t kCounterSums = 6;
+
+// Seconds the destructor waits for its last words' sends to complete (each producer's close()
+// takes its own at once; one that gave up waiting never does).
+constexpr double kLastWordWaitSeconds = 30.0;
 
 int64_t held_out_capacity(const StreamSection& section) {
   return std::max<int64_t>(1, stream_held_out_rows(section));  // 1: unused
@@ -143,33 +145,53 @@ StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
   publish_floats_ = model.parameter_floats;
   input_stats_ = model.input_stats;
   target_stats_ = model.target_stats;
-  stop_requests_.reserve(producers);
-  uncaught_at_construction_ = std::uncaught_exceptions();
+  last_word_sent_.assign(producers, 0);
+  last_word_requests_.reserve(producers);
+  done_message_.kind = sp::kDone;
 }
 
 void StreamSource::stop_producers(const std::string& why) {
   if (stop_sent_) return;
   stop_sent_ = true;
   if (trainer_rank_ != 0) return;
-  stop_message_ = sp::StopMessage{};
+  stop_message_ = sp::LastWord{};
+  stop_message_.kind = sp::kStop;
   std::memcpy(stop_message_.note, why.data(),
               std::min<size_t>(why.size(), static_cast<size_t>(sp::kNoteBytes - 1)));
   for (size_t p = 0; p < producers_.size(); ++p) {
-    if (closed_[p] || gone_[p]) continue;  // nobody would take it
+    // A closed producer had its done; a gone one would never take it (its last word is left
+    // out, as its close is not waited for).
+    if (last_word_sent_[p] || closed_[p] || gone_[p]) continue;
     MPI_Request request = MPI_REQUEST_NULL;
     // On a failure path: an MPI error here must not hide the run's own error.
-    if (MPI_Isend(&stop_message_, sizeof stop_message_, MPI_BYTE, producers_[p], sp::kStopTag,
+    if (MPI_Isend(&stop_message_, sizeof stop_message_, MPI_BYTE, producers_[p], sp::kLastWordTag,
                   stream_comm_, &request) == MPI_SUCCESS) {
-      stop_requests_.push_back(request);
+      last_word_requests_.push_back(request);
     }
+    last_word_sent_[p] = 1;
+  }
+}
+
+void StreamSource::send_done(size_t producer) {
+  if (trainer_rank_ != 0 || last_word_sent_[producer]) return;
+  last_word_sent_[producer] = 1;
+  MPI_Request request = MPI_REQUEST_NULL;
+  // Also called by the destructor, which does not throw: an MPI error leaves the producer's
+  // close() to its timeout.
+  if (MPI_Isend(&done_message_, sizeof done_message_, MPI_BYTE, producers_[producer],
+                sp::kLastWordTag, stream_comm_, &request) == MPI_SUCCESS) {
+    last_word_requests_.push_back(request);
   }
 }
 
 StreamSource::~StreamSource() {
-  // Destroyed by an exception (the run failed after the rendezvous, in set-up or training):
-  // the producers are told to stop sending, unless the run already told them why.
-  if (std::uncaught_exceptions() > uncaught_at_construction_) {
-    stop_producers("the trainer's run ended on an error (the trainer's output says which)");
+  // Destroyed before the run completed (finish(): not after an error, in set-up or training,
+  // whether the caller caught it or not, nor when a caller stepping by hand stopped early): the
+  // producers are told to stop sending, unless the run already told them why.
+  if (!finished_) {
+    stop_producers(
+        "the trainer's run ended before it finished (on an error, or stopped early by its "
+        "program: the trainer's output says which)");
   }
   // What the producers still send is received and dropped until every one has closed, so
   // that their sends complete (a producer's close waits for them).
@@ -184,7 +206,10 @@ StreamSource::~StreamSource() {
           staging_[p][static_cast<size_t>((staged_head_[p] + i) % sp::kStagingSlots)];
       sp::Header header;
       std::memcpy(&header, slot.data(), sizeof header);
-      if (header.kind == sp::kClose) closed[p] = 1;
+      if (header.kind == sp::kClose) {
+        closed[p] = 1;
+        send_done(p);
+      }
     }
   }
   std::vector<unsigned char> scratch(static_cast<size_t>(message_bytes_));
@@ -225,36 +250,47 @@ StreamSource::~StreamSource() {
       std::memcpy(&header, scratch.data(), sizeof header);
       if (header.kind == sp::kClose) {
         closed[p] = 1;
+        send_done(p);
         if (p == 0) end_owed_ = true;
       }
       got = true;
     }
     if (!got) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  // A producer that closed before the stop came never takes it: the stop (sent eagerly) is
-  // left to MPI.
-  for (MPI_Request& request : stop_requests_) {
+  // Every last word sent is taken by its producer's close(), which waits for it (a producer
+  // taken for gone had none). A bound all the same: a producer whose close() gave up waiting
+  // (its close_timeout) never takes it, and the message is then left to MPI.
+  const auto sent_at = std::chrono::steady_clock::now();
+  while (!last_word_requests_.empty()) {
     int done = 0;
-    if (MPI_Test(&request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done) {
-      if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);
+    if (MPI_Testall(static_cast<int>(last_word_requests_.size()), last_word_requests_.data(), &done,
+                    MPI_STATUSES_IGNORE) != MPI_SUCCESS ||
+        done) {
+      break;
     }
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - sent_at).count() >
+        kLastWordWaitSeconds) {
+      for (MPI_Request& request : last_word_requests_) {
+        if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);
+      }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   MPI_Comm_free(&group_comm_);
   MPI_Comm_free(&stream_comm_);
 }
 
-// On trainer rank 0 only. Printed here, not returned to the run: it may come from the
+// On trainer rank 0 only, through on_warning_ (set by the run): it may come from the
 // destructor, after the run's last event.
 void StreamSource::warn_producer_gone(size_t producer, int64_t still_open) const {
-  if (trainer_rank_ != 0) return;
+  if (trainer_rank_ != 0 || !on_warning_) return;
   const double timeout = section_.producer_timeout;
-  std::fprintf(stderr,
-               "warning: stream \"%s\": producer %zu (world rank %d) sent nothing for %g s and "
-               "has not closed (did it end without close()?); the trainer goes on with the %lld "
-               "producers still open and no longer waits for it (stream.producer_timeout = %g)\n",
-               section_.name.c_str(), producer, producers_[producer], timeout,
-               static_cast<long long>(still_open), timeout);
-  std::fflush(stderr);
+  on_warning_(detail::concat(
+      "stream \"", section_.name, "\": producer ", producer, " (world rank ", producers_[producer],
+      ") sent nothing for ", timeout, " s and has not closed (did it end without close()?); the ",
+      "trainer goes on with the ", still_open, " producers still open and no longer waits for it ",
+      "(stream.producer_timeout = ", timeout, ")"));
 }
 
 void StreamSource::read(const int64_t* rows, int64_t count, const RowBuffers& out) {
@@ -345,6 +381,7 @@ void StreamSource::pull_once() {
       std::memcpy(&header, slot.data(), sizeof header);
       if (header.kind == sp::kClose) {
         closed_[p] = 1;
+        send_done(p);                  // the handshake: this producer's close() waits for it
         if (p == 0) end_owed_ = true;  // no publish after producer 0's close
       } else {
         take(static_cast<int64_t>(p), slot.data());

@@ -7,12 +7,14 @@
 // Set-up (the constructor) takes part in the rendezvous over MPI_COMM_WORLD: a mismatch with
 // the producers is a bad_input Error naming the stream and both shapes, the same sentence the
 // producers get. The destructor receives (and drops) what the producers still send until
-// every producer has closed.
+// every producer has closed; trainer rank 0 answers every producer's close with its last word
+// (stream_protocol::LastWord: done, or the stop of a run that failed before it took it).
 
 #include <mpi.h>
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -141,13 +143,24 @@ class StreamSource : public RowSource {
   bool publishing() const { return publish_every_ > 0; }
 
   // The run failed after the rendezvous (any error: a non-finite loss, a config refused after
-  // set-up): trainer rank 0 tells every producer not yet closed, on its own tag, `why` (the
-  // error's sentence), so that their sends drop their rows from then on and the simulation
-  // finishes with one warning (docs/online.md). Not collective; once (later calls do nothing).
-  // The destructor stops the producers by itself when it runs during an exception's unwinding
+  // set-up): trainer rank 0 tells every producer whose close it has not taken, on its own tag,
+  // `why` (the error's sentence) as their last word, so that their sends drop their rows from
+  // then on and the simulation finishes with one warning (docs/online.md). Not collective; once
+  // (later calls do nothing). A source destroyed before finish() stops the producers by itself
   // (with a sentence that only says so); the run calls this first to give its reason.
   void stop_producers(const std::string& why);
   bool stopped_producers() const { return stop_sent_; }
+  // The run completed its training (its last step, early stopping, every producer closed):
+  // destroyed after this, the source ends the stream with "done" to every producer rather than
+  // a stop. Without it (an error the caller caught, a caller that stops stepping early) the
+  // destructor stops the producers.
+  void finish() { finished_ = true; }
+  // What the run's user should be told, on trainer rank 0 (one sentence each, no "warning: "
+  // prefix): a producer taken for gone (stream.producer_timeout), also from the destructor.
+  // The library prints nothing itself; `meshtrain train` prints them (RunEvents::on_warning).
+  void set_on_warning(std::function<void(const std::string&)> on_warning) {
+    on_warning_ = std::move(on_warning);
+  }
 
  private:
   void receive();
@@ -220,12 +233,20 @@ class StreamSource : public RowSource {
   stream_protocol::PublishHeader end_message_;  // lives until its send completes
   MPI_Request end_request_ = MPI_REQUEST_NULL;
 
-  // The stop (stop_producers): one message to every producer not closed, living until the
-  // destructor (its sends are small: MPI sends them eagerly).
-  int uncaught_at_construction_ = 0;  // std::uncaught_exceptions() then
+  // Rank 0: sends producer p its last word (done; the stop is stop_producers') once its close
+  // was taken, unless it had one.
+  void send_done(size_t producer);
+
+  // The last words (stream_protocol::LastWord): rank 0 sends every producer exactly one, its
+  // stop (stop_producers) or done (send_done); both messages live until the destructor, which
+  // waits for their sends (the requests reserved at construction: a pull allocates nothing).
+  bool finished_ = false;  // finish(): the run completed
   bool stop_sent_ = false;
-  stream_protocol::StopMessage stop_message_;
-  std::vector<MPI_Request> stop_requests_;
+  stream_protocol::LastWord stop_message_;
+  stream_protocol::LastWord done_message_;
+  std::vector<char> last_word_sent_;  // [producer]
+  std::vector<MPI_Request> last_word_requests_;
+  std::function<void(const std::string&)> on_warning_;
 };
 
 }  // namespace meshtrain

@@ -7,7 +7,10 @@
  * mt_stream_free, as a simulation that returns from main without closing its stream. With
  * "until-stopped" every rank sends 16 rows a millisecond until the trainer's stop comes (the
  * trainer failed: mt_stream_stopped), then 100 sends more (dropped), closes and exits 0; it
- * gives up after 20,000 sends, printing "never stopped" and exiting 1. */
+ * gives up after 20,000 sends, printing "never stopped" and exiting 1. With "close-at-once" every
+ * rank closes right after connect, sending nothing, and prints whether the trainer's stop came
+ * (its last word, which close() waits for): "closed at once, stopped" (exit 0) or "closed at
+ * once, never stopped" (exit 1). */
 #define _POSIX_C_SOURCE 199309L /* nanosleep */
 #include <math.h>
 #include <mpi.h>
@@ -32,6 +35,7 @@ int main(int argc, char** argv) {
   const int leaves_unclosed =
       argc > 2 && strcmp(argv[2], "no-close") == 0 && ranks > 1 && rank == ranks - 1;
   const int until_stopped = argc > 2 && strcmp(argv[2], "until-stopped") == 0;
+  const int close_at_once = argc > 2 && strcmp(argv[2], "close-at-once") == 0;
   const int64_t inputs = argc > 1 ? atoi(argv[1]) : 4, outputs = 2, rows = 16;
 
   /* block: every row reaches the trainer, however long it takes to start */
@@ -45,7 +49,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   float x[16 * 8], y[16 * 2];
-  int steps = until_stopped ? 20000 : 50, after_stop = -1;
+  int steps = until_stopped ? 20000 : close_at_once ? 0 : 50, after_stop = -1;
   for (int step = 0; step < steps; ++step) {
     for (int64_t i = 0; i < rows; ++i) {
       const double t = 0.01 * (double)(step * rows + i) + 0.5 * rank;
@@ -79,6 +83,11 @@ int main(int argc, char** argv) {
   printf("producer %d: sent %lld rows, dropped %lld\n", rank, (long long)mt_stream_rows_sent(s),
          (long long)mt_stream_rows_dropped(s));
   int code = 0;
+  if (close_at_once) {
+    printf("producer %d: closed at once, %s\n", rank,
+           mt_stream_stopped(s) ? "stopped" : "never stopped");
+    code = mt_stream_stopped(s) ? 0 : 1;
+  }
   if (until_stopped) {
     if (after_stop < 0) {
       printf("producer %d: never stopped after %d sends\n", rank, steps);

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -78,7 +79,10 @@ void make_row(int64_t p, int64_t r, float* x, float* y) {
 }
 
 // A producer's side: connect, send `rows` rows (none: a simulation that has finished), close.
-void produce(const Split& split, const std::string& name, int64_t rows) {
+// `before_close`: what the producer does between its last send and its close (which waits for
+// the trainer to take it, at a pull: a barrier with the trainer goes before it).
+void produce(const Split& split, const std::string& name, int64_t rows,
+             const std::function<void()>& before_close = {}) {
   StreamProducerOptions options;
   options.message_rows = 8;
   options.backpressure = StreamBackpressure::block;
@@ -89,6 +93,7 @@ void produce(const Split& split, const std::string& name, int64_t rows) {
     for (int64_t i = 0; i < 8; ++i) make_row(split.rank, r + i, &x[i * kInputs], &y[i * kOutputs]);
     producer.send(x.data(), y.data(), 8);
   }
+  if (before_close) before_close();
   producer.close();
   EXPECT_EQ(producer.rows_dropped(), 0);
 }
@@ -178,8 +183,9 @@ TEST(StreamCheckpoint, ResumedRunContinuesWithItsBufferBitForBit) {
       // The uninterrupted run, saving once every row had come.
       Reference ref;
       if (split.producer) {
-        produce(split, name, kRowsPerProducer);
-        check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");  // run_uninterrupted's
+        produce(split, name, kRowsPerProducer, [] {
+          check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");  // run_uninterrupted's
+        });
       } else {
         ref = run_uninterrupted(split, trainer_config(name, trainers, dir.path(), tp));
         ASSERT_GT(ref.saved_at, 0) << "not every row had come by step " << kSteps;
@@ -238,6 +244,7 @@ TEST(StreamCheckpoint, ResumedRunContinuesWithItsBufferBitForBit) {
         while (run.steps_done() < 400 && stream_of(run).counters().rows_received < expected) {
           run.step();
         }
+        run.mark_completed();  // stopped early on purpose: the producers get done, not a stop
         EXPECT_EQ(stream_of(run).counters().rows_received, expected);
         EXPECT_GT(stream_of(run).counters().rows_overwritten, ref.counters.rows_overwritten);
       }
@@ -273,6 +280,7 @@ TEST(StreamCheckpoint, BufferLeftOutWhenTurnedOff) {
       TrainingRun run(config, {}, std::nullopt, split.comm);
       run.step();
       run.save();
+      run.mark_completed();  // one step on purpose: the producers get done, not a stop
     }
     if (!split.producer && split.rank == 0) {
       for (const DatasetListing& d :
@@ -295,6 +303,7 @@ TEST(StreamCheckpoint, BufferLeftOutWhenTurnedOff) {
             }));
       }
       run.step();
+      run.mark_completed();
       EXPECT_LE(stream_of(run).counters().rows_received, producers * kRowsPerProducer);
     }
     check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
@@ -315,6 +324,7 @@ TEST(StreamCheckpoint, AnotherTrainerCountIsRefused) {
       TrainingRun run(trainer_config(name, trainers, dir.path()), {}, std::nullopt, split.comm);
       run.step();
       run.save();
+      run.mark_completed();  // one step on purpose: the producers get done, not a stop
     }
     // Trainer rank 0 alone resumes; trainer rank 1 only takes part in the rendezvous.
     if (split.producer) {

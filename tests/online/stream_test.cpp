@@ -13,12 +13,15 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "framework/comm/mpi_util.hpp"
@@ -592,6 +595,114 @@ TEST(Stream, TrainerFailingAtSetUpEndsTheProducersConnect) {
   } catch (const AgreedError& e) {
     stream_trainer_failed(e.what());
   }
+}
+
+// A library caller that catches the run's error and then destroys the run (here: a loss that
+// becomes infinite in a step() called by hand, lr 1e38) ends its stream with the stop, decided
+// by the run's finished flag: every producer rank takes it (stopped(), the sentence saying the
+// run ended before it finished), drops its rows from then on and closes; producer rank 0 alone
+// is told once through options.on_warning (the library prints nothing itself). Before the flag
+// the destructor, run outside any exception's unwinding, sent no stop: the producers sent on
+// until they gave up, never told.
+TEST(Stream, RunDestroyedAfterACaughtErrorStopsTheProducers) {
+  Roles roles;
+  if (roles.producer) {
+    std::vector<std::string> warnings;
+    StreamProducerOptions options;
+    options.on_warning = [&](const std::string& warning) { warnings.push_back(warning); };
+    StreamProducer producer;
+    producer.connect(roles.comm, "caught", kInputs, kOutputs, StreamDtype::float32, options);
+    std::vector<float> x(8 * kInputs, 0.5f), y(8 * kOutputs, 0.25f);
+    int after_stop = -1;
+    for (int k = 0; k < 4000 && (after_stop < 0 || k < after_stop + 10); ++k) {
+      producer.send(x.data(), y.data(), 8);
+      if (after_stop < 0 && producer.stopped()) after_stop = k;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    producer.close();
+    ASSERT_TRUE(producer.stopped()) << "the destroyed run never told this producer to stop";
+    EXPECT_NE(std::string(producer.stop_reason()).find("ended before it finished"),
+              std::string::npos)
+        << producer.stop_reason();
+    EXPECT_GT(producer.rows_dropped(), 0) << "no send dropped its rows after the stop";
+    ASSERT_EQ(warnings.size(), roles.rank == 0 ? 1u : 0u);
+    if (roles.rank == 0) {
+      EXPECT_EQ(warnings[0].rfind("stream \"caught\": the trainer stopped: the trainer's run "
+                                  "ended before it finished",
+                                  0),
+                0u)
+          << warnings[0];
+    }
+    return;
+  }
+  RunConfig config = trainer_config("caught", {{"dp", roles.trainers}}, "dp");
+  config.optimizer.lr = 1e38;
+  config.stream.min_rows = 8;
+  config.train.steps = 1000;
+  std::string message;
+  {
+    TrainingRun run(config, {}, std::nullopt, roles.comm);
+    try {
+      while (!run.finished()) run.step();
+      ADD_FAILURE() << "the run at lr 1e38 finished";
+    } catch (const AgreedError& e) {
+      message = e.what();  // caught: the run is destroyed below, outside any exception
+    }
+  }
+  EXPECT_NE(message.find("the training loss became"), std::string::npos) << message;
+}
+
+// A trainer that never answers a producer's close (here a stand-in: it takes part in the
+// rendezvous, receives every producer's close and sends no last word): close() waits
+// options.close_timeout, reports one warning on that rank through on_warning and returns, the
+// producer not stopped.
+TEST(Stream, CloseUnansweredReturnsAfterItsTimeoutWithOneWarning) {
+  namespace sp = stream_protocol;
+  Roles roles;
+  if (roles.producer) {
+    std::vector<std::string> warnings;
+    StreamProducerOptions options;
+    options.close_timeout = 0.5;
+    options.on_warning = [&](const std::string& warning) { warnings.push_back(warning); };
+    StreamProducer producer;
+    producer.connect(roles.comm, "mute", kInputs, kOutputs, StreamDtype::float32, options);
+    const auto start = std::chrono::steady_clock::now();
+    producer.close();
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_GE(waited, 0.5) << "close() did not wait for the trainer's last word";
+    EXPECT_FALSE(producer.stopped());
+    EXPECT_EQ(warnings.size(), 1u);
+    if (!warnings.empty()) {
+      const std::string expected = "stream \"mute\": producer rank " + std::to_string(roles.rank) +
+                                   ": the trainer did not answer its close within 0.5 s";
+      EXPECT_EQ(warnings[0].rfind(expected, 0), 0u) << warnings[0];
+    }
+    check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+    return;
+  }
+  sp::Hello hello;
+  hello.role = sp::kTrainer;
+  hello.local_rank = roles.rank;
+  hello.inputs = kInputs;
+  hello.outputs = kOutputs;
+  hello.dtype = sp::kFloat32;
+  hello.batch_index = roles.rank;
+  hello.batch_count = roles.trainers;
+  std::memcpy(hello.name, "mute", 4);
+  MPI_Comm stream_comm = MPI_COMM_NULL;
+  const sp::Rendezvous r = sp::rendezvous(MPI_COMM_WORLD, hello, &stream_comm);
+  EXPECT_EQ(r.problem, "");
+  // Every producer's close comes to every trainer rank: taken, never answered.
+  for (int producer : r.producers) {
+    sp::Header header;
+    check_mpi(MPI_Recv(&header, sizeof header, MPI_BYTE, producer, sp::kTag, stream_comm,
+                       MPI_STATUS_IGNORE),
+              "MPI_Recv");
+    EXPECT_EQ(header.kind, sp::kClose);
+  }
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  check_mpi(MPI_Comm_free(&stream_comm), "MPI_Comm_free");
 }
 
 // The [stream] keys go through the one schema: read, written back, refused without
