@@ -2,6 +2,7 @@
 // loaded, one evaluation (see evaluate.hpp).
 
 #include "apps/evaluate.hpp"
+#include "apps/checkpoint_mesh.hpp"
 #include "apps/command.hpp"
 
 #include <mpi.h>
@@ -129,17 +130,7 @@ RunConfig evaluation_config(const Checkpoint& checkpoint, const EvaluateArgs& ar
     config.run.output_dir = args.flight_dir;
   }
   config.runtime.trace_first = config.runtime.trace_last = 0;
-  std::optional<Mesh> resolved;
-  try {
-    resolved = config.mesh.resolve(world);
-  } catch (const Error& e) {
-    if (e.kind() != ErrorKind::bad_input) throw;
-    MESHTRAIN_BAD_INPUT(e.what(),
-                        "; evaluate uses the checkpoint config's mesh: start it on "
-                        "that many ranks, or give it another with --set mesh.AXIS=SIZE (a "
-                        "checkpoint loads onto any mesh)");
-  }
-  const Mesh& mesh = *resolved;
+  const Mesh mesh = resolve_checkpoint_mesh(config.mesh, world, "evaluate uses");
   const int64_t rows = check_data(config, checkpoint.file);
   if (rows < config.data.batch_size) {
     std::vector<std::string> axes;

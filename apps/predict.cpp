@@ -9,12 +9,15 @@
 // and synced its part; a failure removes FILE.tmp, a kill leaves only FILE.tmp.
 
 #include "apps/predict.hpp"
+#include "apps/checkpoint_mesh.hpp"
 #include "apps/command.hpp"
 
 #include <fcntl.h>
 #include <mpi.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -22,6 +25,8 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <functional>
+#include <mutex>
 #include <optional>
 
 #include "base/error.hpp"
@@ -29,6 +34,7 @@
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/io/batch_stream.hpp"
+#include "framework/io/data.hpp"
 #include "framework/io/hdf5_util.hpp"
 #include "framework/io/metrics.hpp"  // format_duration
 #include "framework/io/output_file.hpp"
@@ -43,10 +49,11 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-// Where each output dataset starts in the file (bytes), as rank 0 created it.
-struct OutputLayout {
-  long long prediction = 0, classes = 0, probability = 0, jacobian = 0;
-};
+// Where each output dataset starts in the file (bytes), as rank 0 created it; the index of
+// each dataset is its path's own (kPrediction... for a Predictor's output, kDlrm... for a DLRM's).
+using OutputOffsets = std::array<long long, 4>;
+enum : size_t { kPrediction = 0, kClass = 1, kProbability = 2, kJacobian = 3 };
+enum : size_t { kDlrmPrediction = 0, kDlrmLogit = 1 };
 
 // Rank 0: the output is new (or --overwrite), not a directory, not a file predict reads (the
 // checkpoint, the pointer naming it, an input), and its directory takes a file.
@@ -119,8 +126,8 @@ hdf5::Handle create_output_file(const std::string& tmp, const std::string& check
 // int64 [N] and /probability float32 [N, classes], and with a Jacobian /jacobian float32 [N,
 // outputs, inputs], contiguous and allocated, never filled; root attributes checkpoint, step,
 // model, rows (and jacobian_mode: forward or reverse).
-OutputLayout create_output(const std::string& tmp, const Predictor& predictor, int64_t rows,
-                           const std::optional<JacobianMode>& jacobian) {
+OutputOffsets create_output(const std::string& tmp, const Predictor& predictor, int64_t rows,
+                            const std::optional<JacobianMode>& jacobian) {
   using hdf5::Handle;
   const ErrorKind fail = ErrorKind::runtime;
   const std::string where = "the output file '" + tmp + "'";
@@ -134,18 +141,18 @@ OutputLayout create_output(const std::string& tmp, const Predictor& predictor, i
   };
   const auto n = static_cast<hsize_t>(rows);
   const auto width = static_cast<hsize_t>(predictor.outputs());
-  OutputLayout layout;
-  layout.prediction = create("/prediction", H5T_IEEE_F32LE, {n, width});
+  OutputOffsets offsets{};
+  offsets[kPrediction] = create("/prediction", H5T_IEEE_F32LE, {n, width});
   if (predictor.classification()) {
-    layout.classes = create("/class", H5T_STD_I64LE, {n});
-    layout.probability = create("/probability", H5T_IEEE_F32LE, {n, width});
+    offsets[kClass] = create("/class", H5T_STD_I64LE, {n});
+    offsets[kProbability] = create("/probability", H5T_IEEE_F32LE, {n, width});
   }
   if (jacobian) {
-    layout.jacobian =
+    offsets[kJacobian] =
         create("/jacobian", H5T_IEEE_F32LE, {n, width, static_cast<hsize_t>(predictor.inputs())});
   }
   file.close("cannot close " + where);
-  return layout;
+  return offsets;
 }
 
 void write_all(int fd, const void* data, size_t bytes, long long offset, const std::string& path) {
@@ -162,6 +169,119 @@ void write_all(int fd, const void* data, size_t bytes, long long offset, const s
     offset += done;
   }
 }
+
+// The output file of both predict paths (the comment at the top of this file), written once:
+// rank 0 creates FILE.tmp, the first rank of each batch slice opens it and pwrites its rows,
+// finish() agrees on the ranks' failures, syncs and closes the file and renames it to FILE;
+// rank 0 prints the progress lines (every options.progress_seconds) and the "wrote" line.
+class PredictOutput {
+ public:
+  // Collective. `slice_index`: this rank's batch slice (ranks of the same index hold the same
+  // rows: the first of them writes). `create` runs on rank 0 with FILE.tmp's path and returns
+  // where its datasets start; tmp_made is set while FILE.tmp is rank 0's to remove on failure.
+  PredictOutput(const PredictOptions& options, int rank, int64_t slice_index, int64_t rows,
+                bool& tmp_made, const std::function<OutputOffsets(const std::string&)>& create)
+      : options_(options),
+        rank0_(rank == 0),
+        tmp_(options.output + ".tmp"),
+        rows_(rows),
+        tmp_made_(tmp_made) {
+    MPI_Comm slice_comm = MPI_COMM_NULL;
+    check_mpi(MPI_Comm_split(MPI_COMM_WORLD, static_cast<int>(slice_index), rank, &slice_comm),
+              "MPI_Comm_split (the writers of the output)");
+    int slice_rank = 0;
+    check_mpi(MPI_Comm_rank(slice_comm, &slice_rank), "MPI_Comm_rank");
+    check_mpi(MPI_Comm_free(&slice_comm), "MPI_Comm_free");
+    writer_ = slice_rank == 0;
+    on_every_rank(MPI_COMM_WORLD, [&] {
+      if (!rank0_) return;
+      tmp_made_ = true;
+      offsets_ = create(tmp_);
+    });
+    broadcast_collective(offsets_.data(), static_cast<int>(offsets_.size()), MPI_LONG_LONG, 0,
+                         MPI_COMM_WORLD, "MPI_Ibcast (the output's layout)");
+  }
+  ~PredictOutput() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  PredictOutput(const PredictOutput&) = delete;
+  PredictOutput& operator=(const PredictOutput&) = delete;
+
+  bool writer() const { return writer_; }
+  // A writer opens FILE.tmp (the others do nothing); called under the caller's agreement.
+  void open() {
+    if (!writer_) return;
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd_ < 0) {
+      MESHTRAIN_FAIL("cannot open the output file '", tmp_, "' to write: ", std::strerror(errno));
+    }
+  }
+  // A writer's `bytes` of `data` at byte `at` of dataset `dataset`.
+  void write(size_t dataset, const void* data, size_t bytes, long long at) const {
+    write_all(fd_, data, bytes, offsets_[dataset] + at, tmp_);
+  }
+  // The batches' clock starts (PredictSummary::seconds).
+  void start() { start_ = last_print_ = Clock::now(); }
+  // Rank 0: a progress line when options.progress_seconds have passed, and after the last batch.
+  void progress(int64_t done, bool last) {
+    const auto now = Clock::now();
+    if (!rank0_ ||
+        (std::chrono::duration<double>(now - last_print_).count() < options_.progress_seconds &&
+         !last)) {
+      return;
+    }
+    const double elapsed = std::chrono::duration<double>(now - start_).count();
+    const double rate = elapsed > 0 ? done / elapsed : 0.0;
+    std::printf("predict: %lld/%lld rows (%.1f%%), %.0f rows/s, ETA %s\n",
+                static_cast<long long>(done), static_cast<long long>(rows_), 100.0 * done / rows_,
+                rate, format_duration(rate > 0 ? (rows_ - done) / rate : 0.0).c_str());
+    std::fflush(stdout);
+    last_print_ = now;
+  }
+  // Collective: `failed` (a rank's kept error) ends every rank; else `last_writes`, the file
+  // synced, closed and renamed to FILE, options.summary filled and the "wrote" line printed.
+  void finish(const std::exception_ptr& failed, const std::function<void()>& last_writes) {
+    on_every_rank(MPI_COMM_WORLD, [&] {
+      if (failed) std::rethrow_exception(failed);
+      if (last_writes) last_writes();
+      if (fd_ >= 0) {
+        const int synced = ::fsync(fd_);
+        const int closed = ::close(fd_);
+        fd_ = -1;
+        if (synced != 0 || closed != 0) {
+          MESHTRAIN_FAIL("cannot complete the output file '", tmp_, "': ", std::strerror(errno));
+        }
+      }
+    });
+    on_every_rank(MPI_COMM_WORLD, [&] {
+      if (!rank0_) return;
+      std::error_code ec;
+      fs::rename(tmp_, options_.output, ec);
+      if (ec) {
+        MESHTRAIN_FAIL("cannot rename '", tmp_, "' to '", options_.output, "': ", ec.message());
+      }
+      tmp_made_ = false;
+    });
+    const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
+    if (options_.summary) *options_.summary = PredictSummary{rows_, elapsed};
+    if (rank0_) {
+      std::printf("wrote %s: %lld rows in %.2f s (%.0f rows/s)\n", options_.output.c_str(),
+                  static_cast<long long>(rows_), elapsed, elapsed > 0 ? rows_ / elapsed : 0.0);
+      std::fflush(stdout);
+    }
+  }
+
+ private:
+  const PredictOptions& options_;
+  const bool rank0_;
+  const std::string tmp_;
+  const int64_t rows_;
+  bool& tmp_made_;
+  bool writer_ = false;
+  OutputOffsets offsets_{};
+  int fd_ = -1;
+  Clock::time_point start_ = Clock::now(), last_print_ = start_;
+};
 
 // The prediction's rows on the host, and where they go in the output.
 struct HostRows {
@@ -183,7 +303,6 @@ int run_dlrm_predict(const PredictOptions& options, int rank, const std::vector<
                      const std::string& checkpoint, int64_t step, RunConfig config,
                      bool& tmp_made) {
   const bool rank0 = rank == 0;
-  const std::string tmp = options.output + ".tmp";
   int world = 1;
   check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world), "MPI_Comm_size");
   on_every_rank(MPI_COMM_WORLD, [&] {
@@ -200,81 +319,73 @@ int run_dlrm_predict(const PredictOptions& options, int rank, const std::vector<
     config.data.shuffle = ShuffleMode::none;
     config.checkpoint.init_from = checkpoint;
     config.checkpoint.resume = false;
-    if (options.batch_size > 0) config.data.batch_size = options.batch_size;
+    const Mesh mesh = resolve_checkpoint_mesh(config.mesh, world, "a DLRM predicts on");
+    // The batch as a Predictor chooses it (run/predictor.cpp): --batch-size, which the batch
+    // shards must divide (the error names the flag), else the checkpoint's evaluation batch
+    // rounded up to a multiple of them. DlrmRun predicts in batches of data.batch_size and
+    // refuses an eval_batch_size that differs from it: both are set.
+    std::vector<std::string> batch_axes;
+    for (const std::string& axis : plan_options(config).batch_axes) {
+      if (mesh.has_axis(axis)) batch_axes.push_back(axis);
+    }
+    int64_t batch = options.batch_size;
+    if (batch > 0) {
+      (void)make_batch_slice(mesh, rank, batch_axes, batch, "--batch-size");
+    } else {
+      const int64_t shards = mesh.size_of(batch_axes);
+      batch = config.data.eval_batch_size.value_or(config.data.batch_size);
+      batch = (batch + shards - 1) / shards * shards;
+    }
+    config.data.batch_size = batch;
+    config.data.eval_batch_size = batch;
     // As evaluate: nothing goes into the training run's folder; flight records only where
-    // --flight-dir says, and no traces.
+    // --flight-dir says (the recorder configured here, as run_predict does: a DlrmRun does not),
+    // and no traces.
+    config.runtime.trace_first = config.runtime.trace_last = 0;
     if (options.flight_dir.empty()) {
       config.runtime.flight_records = 0;
     } else {
       config.run.output_dir = options.flight_dir;
-    }
-    config.runtime.trace_first = config.runtime.trace_last = 0;
-    try {
-      (void)config.mesh.resolve(world);
-    } catch (const Error& e) {
-      if (e.kind() != ErrorKind::bad_input) throw;
-      MESHTRAIN_BAD_INPUT(e.what(),
-                          "; a DLRM predicts on the checkpoint config's mesh: start it on that "
-                          "many ranks, or give it another with --set mesh.AXIS=SIZE (a "
-                          "checkpoint loads onto any mesh)");
+      flight_recorder().configure(static_cast<std::size_t>(config.runtime.flight_records),
+                                  options.flight_dir, rank, world);
     }
   });
   DlrmRun run(config, {}, MPI_COMM_WORLD, DlrmRunPurpose::predict);
   const std::string model = model_summary(run.config().model);
+  const int64_t global_batch = run.config().data.batch_size;
   if (rank0) {
     std::printf("meshtrain predict: %s, step %lld of %s, mesh %s, batch %lld\n", model.c_str(),
                 static_cast<long long>(step), checkpoint.c_str(),
-                run.mesh().short_description().c_str(),
-                static_cast<long long>(run.config().data.batch_size));
+                run.mesh().short_description().c_str(), static_cast<long long>(global_batch));
     std::fflush(stdout);
   }
   const int64_t total = run.rows_of_data();
+  const int64_t num_batches = (total + global_batch - 1) / global_batch;
 
-  // One rank per slice writes (ranks of the same slice index hold the same rows).
-  MPI_Comm slice_comm = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_split(MPI_COMM_WORLD, static_cast<int>(run.slice().index), rank, &slice_comm),
-            "MPI_Comm_split (the writers of the output)");
-  int slice_rank = 0;
-  check_mpi(MPI_Comm_rank(slice_comm, &slice_rank), "MPI_Comm_rank");
-  check_mpi(MPI_Comm_free(&slice_comm), "MPI_Comm_free");
-  const bool writer = slice_rank == 0;
-
-  long long offsets[2] = {0, 0};  // /prediction, /logit
-  on_every_rank(MPI_COMM_WORLD, [&] {
-    if (!rank0) return;
-    tmp_made = true;
-    const std::string where = "the output file '" + tmp + "'";
-    std::lock_guard<std::mutex> lock(hdf5::global_mutex());
-    hdf5::silence_errors();
-    hdf5::Handle file = create_output_file(tmp, checkpoint, step, model, total);
-    const auto n = static_cast<hsize_t>(total);
-    offsets[0] = create_contiguous(file, "/prediction", H5T_IEEE_F32LE, {n, 1}, where);
-    offsets[1] = create_contiguous(file, "/logit", H5T_IEEE_F32LE, {n, 1}, where);
-    file.close("cannot close " + where);
-  });
-  broadcast_collective(offsets, 2, MPI_LONG_LONG, 0, MPI_COMM_WORLD,
-                       "MPI_Ibcast (the output's layout)");
-
-  int fd = -1;
+  PredictOutput output(
+      options, rank, run.slice().index, total, tmp_made, [&](const std::string& tmp) {
+        const std::string where = "the output file '" + tmp + "'";
+        std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+        hdf5::silence_errors();
+        hdf5::Handle file = create_output_file(tmp, checkpoint, step, model, total);
+        const auto n = static_cast<hsize_t>(total);
+        OutputOffsets offsets{};
+        offsets[kDlrmPrediction] =
+            create_contiguous(file, "/prediction", H5T_IEEE_F32LE, {n, 1}, where);
+        offsets[kDlrmLogit] = create_contiguous(file, "/logit", H5T_IEEE_F32LE, {n, 1}, where);
+        file.close("cannot close " + where);
+        return offsets;
+      });
   std::vector<float> probabilities(static_cast<size_t>(run.slice().rows));
-  on_every_rank(MPI_COMM_WORLD, [&] {
-    if (!writer) return;
-    fd = ::open(tmp.c_str(), O_WRONLY | O_CLOEXEC);
-    if (fd < 0) {
-      MESHTRAIN_FAIL("cannot open the output file '", tmp, "' to write: ", std::strerror(errno));
-    }
-  });
-  const auto close_output = [&] {
-    if (fd >= 0) ::close(fd);
-    fd = -1;
-  };
-  const auto start = Clock::now();
+  on_every_rank(MPI_COMM_WORLD, [&] { output.open(); });
+  output.start();
   // A failed write is kept and agreed on after the last batch: every rank takes part in every
   // batch's collectives (a row-wise table's all-to-all) until then.
   std::exception_ptr failed;
-  try {
-    run.predict([&](const int64_t* rows, int64_t count, const float* logits) {
-      if (!writer || count == 0 || failed) return;
+  int64_t batches_done = 0;
+  run.predict([&](const int64_t* rows, int64_t count, const float* logits) {
+    ++batches_done;
+    if (output.writer() && count > 0 && !failed) {
       try {
         for (int64_t r = 0; r < count; ++r) {
           const double z = logits[r];  // a numerically safe sigmoid, rounded once
@@ -283,49 +394,20 @@ int run_dlrm_predict(const PredictOptions& options, int rank, const std::vector<
               static_cast<float>(z >= 0 ? 1.0 / (1.0 + e) : e / (1.0 + e));
         }
         const long long at = rows[0] * 4LL;  // a slice's rows of a batch are consecutive
-        write_all(fd, probabilities.data(), static_cast<size_t>(count) * 4, offsets[0] + at, tmp);
-        write_all(fd, logits, static_cast<size_t>(count) * 4, offsets[1] + at, tmp);
+        output.write(kDlrmPrediction, probabilities.data(), static_cast<size_t>(count) * 4, at);
+        output.write(kDlrmLogit, logits, static_cast<size_t>(count) * 4, at);
       } catch (...) {
         failed = std::current_exception();
       }
-    });
-    on_every_rank(MPI_COMM_WORLD, [&] {
-      if (failed) std::rethrow_exception(failed);
-      if (fd >= 0) {
-        const int synced = ::fsync(fd);
-        const int closed = ::close(fd);
-        fd = -1;
-        if (synced != 0 || closed != 0) {
-          MESHTRAIN_FAIL("cannot complete the output file '", tmp, "': ", std::strerror(errno));
-        }
-      }
-    });
-  } catch (...) {
-    close_output();
-    throw;
-  }
-  on_every_rank(MPI_COMM_WORLD, [&] {
-    if (!rank0) return;
-    std::error_code ec;
-    fs::rename(tmp, options.output, ec);
-    if (ec) {
-      MESHTRAIN_FAIL("cannot rename '", tmp, "' to '", options.output, "': ", ec.message());
     }
-    tmp_made = false;
+    output.progress(std::min(total, batches_done * global_batch), batches_done == num_batches);
   });
-  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-  if (options.summary) *options.summary = PredictSummary{total, elapsed};
-  if (rank0) {
-    std::printf("wrote %s: %lld rows in %.2f s (%.0f rows/s)\n", options.output.c_str(),
-                static_cast<long long>(total), elapsed, elapsed > 0 ? total / elapsed : 0.0);
-    std::fflush(stdout);
-  }
+  output.finish(failed, {});
   return 0;
 }
 
 int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
   const bool rank0 = rank == 0;
-  const std::string tmp = options.output + ".tmp";
   std::vector<std::string> files;
   on_every_rank(MPI_COMM_WORLD, [&] {
     if (options.inputs.empty()) MESHTRAIN_BAD_INPUT("--input names no file");
@@ -415,84 +497,53 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
   const EvalSchedule schedule = EvalSchedule::create(total, predictor.batch_size(), "--batch-size");
 
   // One rank per slice writes (tp partners hold the same rows).
-  MPI_Comm slice_comm = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_split(MPI_COMM_WORLD, static_cast<int>(slice.index), rank, &slice_comm),
-            "MPI_Comm_split (the writers of the output)");
-  int slice_rank = 0;
-  check_mpi(MPI_Comm_rank(slice_comm, &slice_rank), "MPI_Comm_rank");
-  check_mpi(MPI_Comm_free(&slice_comm), "MPI_Comm_free");
-  const bool writer = slice_rank == 0;
-
-  OutputLayout layout;
-  on_every_rank(MPI_COMM_WORLD, [&] {
-    if (!rank0) return;
-    tmp_made = true;
-    layout = create_output(tmp, predictor, total, jacobian);
+  PredictOutput output(options, rank, slice.index, total, tmp_made, [&](const std::string& tmp) {
+    return create_output(tmp, predictor, total, jacobian);
   });
-  broadcast_collective(&layout, 4, MPI_LONG_LONG, 0, MPI_COMM_WORLD,
-                       "MPI_Ibcast (the output's layout)");
 
   // This rank's buffers, its batch stream and the output file: made under the agreement,
   // so that a rank that cannot (memory, a thread, the file) ends every rank with its error
   // instead of leaving the others in the predictions' collectives.
-  int fd = -1;
   HostRows host;
   const int64_t rows = predictor.local_rows(), width = predictor.outputs();
   std::optional<BatchStream> stream;
   Matrix x;
   const auto write_rows = [&] {
-    if (!writer || host.rows == 0) return;
+    if (!output.writer() || host.rows == 0) return;
     const size_t row_bytes = static_cast<size_t>(width) * 4;
-    write_all(fd, host.outputs.data(), host.rows * row_bytes,
-              layout.prediction + host.first * static_cast<long long>(row_bytes), tmp);
+    const auto at = host.first * static_cast<long long>(row_bytes);
+    output.write(kPrediction, host.outputs.data(), host.rows * row_bytes, at);
     if (!predictor.classification()) return;
-    write_all(fd, host.classes.data(), host.rows * 8, layout.classes + host.first * 8LL, tmp);
-    write_all(fd, host.probabilities.data(), host.rows * row_bytes,
-              layout.probability + host.first * static_cast<long long>(row_bytes), tmp);
+    output.write(kClass, host.classes.data(), host.rows * 8, host.first * 8LL);
+    output.write(kProbability, host.probabilities.data(), host.rows * row_bytes, at);
   };
   const auto write_jacobian = [&] {
-    if (!writer || host.rows == 0 || !jacobian) return;
+    if (!output.writer() || host.rows == 0 || !jacobian) return;
     const size_t row_bytes = static_cast<size_t>(width * predictor.inputs()) * 4;
-    write_all(fd, host.jacobian.data(), host.rows * row_bytes,
-              layout.jacobian + host.first * static_cast<long long>(row_bytes), tmp);
+    output.write(kJacobian, host.jacobian.data(), host.rows * row_bytes,
+                 host.first * static_cast<long long>(row_bytes));
   };
-  const auto close_output = [&] {
-    if (fd >= 0) ::close(fd);
-    fd = -1;
-  };
-  try {
-    on_every_rank(MPI_COMM_WORLD, [&] {
-      host.outputs = Matrix::HostMirror("meshtrain::predict_host_outputs", rows, width);
-      if (predictor.classification()) {
-        host.classes = decltype(host.classes)("meshtrain::predict_host_classes", rows);
-        host.probabilities =
-            Matrix::HostMirror("meshtrain::predict_host_probabilities", rows, width);
-      }
-      if (jacobian) {
-        host.jacobian = decltype(host.jacobian)("meshtrain::predict_host_jacobian", rows, width,
-                                                predictor.inputs());
-      }
-      x = Matrix("meshtrain::predict_batch", rows, predictor.inputs());
-      stream.emplace(
-          *source, rows,
-          [&](int64_t seq, int64_t* samples) {
-            return eval_slice_samples(schedule, seq, slice, samples);
-          },
-          predictor.config().data.prefetch);
-      if (!writer) return;
-      fd = ::open(tmp.c_str(), O_WRONLY | O_CLOEXEC);
-      if (fd < 0) {
-        MESHTRAIN_FAIL("cannot open the output file '", tmp, "' to write: ", std::strerror(errno));
-      }
-    });
-  } catch (...) {
-    close_output();
-    throw;
-  }
+  on_every_rank(MPI_COMM_WORLD, [&] {
+    host.outputs = Matrix::HostMirror("meshtrain::predict_host_outputs", rows, width);
+    if (predictor.classification()) {
+      host.classes = decltype(host.classes)("meshtrain::predict_host_classes", rows);
+      host.probabilities = Matrix::HostMirror("meshtrain::predict_host_probabilities", rows, width);
+    }
+    if (jacobian) {
+      host.jacobian = decltype(host.jacobian)("meshtrain::predict_host_jacobian", rows, width,
+                                              predictor.inputs());
+    }
+    x = Matrix("meshtrain::predict_batch", rows, predictor.inputs());
+    stream.emplace(
+        *source, rows,
+        [&](int64_t seq, int64_t* samples) {
+          return eval_slice_samples(schedule, seq, slice, samples);
+        },
+        predictor.config().data.prefetch);
+    output.open();
+  });
 
-  const auto start = Clock::now();
-  auto last_print = start;
-  int64_t done = 0;
+  output.start();
   // This rank's first failure since the ranks last agreed; agreeing costs a reduction, so
   // not every batch.
   constexpr int64_t kAgreeEvery = 64;
@@ -502,84 +553,42 @@ int run_predict(const PredictOptions& options, int rank, bool& tmp_made) {
       if (failed) std::rethrow_exception(failed);
     });
   };
-  try {
-    for (int64_t b = 0; b < schedule.num_batches; ++b) {
-      // The previous batch's rows are written, this one's taken. A rank that fails here (a
-      // bad row, a failed write) keeps its first error and takes part in the collective
-      // predictions with no rows until the ranks next agree (every kAgreeEvery batches and at
-      // the end): the output is renamed only after the last agreement.
-      int64_t valid = 0;
-      try {
-        if (!failed) {
-          write_rows();
-          write_jacobian();
-        }
-        valid = stream->take(b, x, BatchLabels(), Matrix());
-      } catch (...) {
-        if (!failed) failed = std::current_exception();
-        valid = 0;
+  for (int64_t b = 0; b < schedule.num_batches; ++b) {
+    // The previous batch's rows are written, this one's taken. A rank that fails here (a
+    // bad row, a failed write) keeps its first error and takes part in the collective
+    // predictions with no rows until the ranks next agree (every kAgreeEvery batches and at
+    // the end): the output is renamed only after the last agreement.
+    int64_t valid = 0;
+    try {
+      if (!failed) {
+        write_rows();
+        write_jacobian();
       }
-      if (failed) valid = 0;
-      if ((b + 1) % kAgreeEvery == 0) agree_on_failure();
-      const auto x_rows = Kokkos::subview(x, std::make_pair(int64_t{0}, valid), Kokkos::ALL);
-      const Prediction p = jacobian ? predictor.jacobian(x_rows, host.jacobian, *jacobian)
-                                    : predictor.predict(x_rows);
-      const auto range = std::make_pair(int64_t{0}, valid);
-      Kokkos::deep_copy(Kokkos::subview(host.outputs, range, Kokkos::ALL), p.outputs);
-      if (predictor.classification()) {
-        Kokkos::deep_copy(Kokkos::subview(host.classes, range), p.classes);
-        Kokkos::deep_copy(Kokkos::subview(host.probabilities, range, Kokkos::ALL), p.probabilities);
-      }
-      host.first = b * schedule.global_batch + slice.begin();
-      host.rows = valid;
-      done = std::min(total, (b + 1) * schedule.global_batch);
-      const auto now = Clock::now();
-      if (rank0 &&
-          (std::chrono::duration<double>(now - last_print).count() >= options.progress_seconds ||
-           b + 1 == schedule.num_batches)) {
-        const double elapsed = std::chrono::duration<double>(now - start).count();
-        const double rate = elapsed > 0 ? done / elapsed : 0.0;
-        std::printf("predict: %lld/%lld rows (%.1f%%), %.0f rows/s, ETA %s\n",
-                    static_cast<long long>(done), static_cast<long long>(total),
-                    100.0 * done / total, rate,
-                    format_duration(rate > 0 ? (total - done) / rate : 0.0).c_str());
-        std::fflush(stdout);
-        last_print = now;
-      }
+      valid = stream->take(b, x, BatchLabels(), Matrix());
+    } catch (...) {
+      if (!failed) failed = std::current_exception();
+      valid = 0;
     }
-    on_every_rank(MPI_COMM_WORLD, [&] {
-      if (failed) std::rethrow_exception(failed);
-      write_rows();
-      write_jacobian();
-      if (fd >= 0) {
-        const int synced = ::fsync(fd);
-        const int closed = ::close(fd);
-        fd = -1;
-        if (synced != 0 || closed != 0) {
-          MESHTRAIN_FAIL("cannot complete the output file '", tmp, "': ", std::strerror(errno));
-        }
-      }
-    });
-  } catch (...) {
-    close_output();
-    throw;
+    if (failed) valid = 0;
+    if ((b + 1) % kAgreeEvery == 0) agree_on_failure();
+    const auto x_rows = Kokkos::subview(x, std::make_pair(int64_t{0}, valid), Kokkos::ALL);
+    const Prediction p =
+        jacobian ? predictor.jacobian(x_rows, host.jacobian, *jacobian) : predictor.predict(x_rows);
+    const auto range = std::make_pair(int64_t{0}, valid);
+    Kokkos::deep_copy(Kokkos::subview(host.outputs, range, Kokkos::ALL), p.outputs);
+    if (predictor.classification()) {
+      Kokkos::deep_copy(Kokkos::subview(host.classes, range), p.classes);
+      Kokkos::deep_copy(Kokkos::subview(host.probabilities, range, Kokkos::ALL), p.probabilities);
+    }
+    host.first = b * schedule.global_batch + slice.begin();
+    host.rows = valid;
+    output.progress(std::min(total, (b + 1) * schedule.global_batch),
+                    b + 1 == schedule.num_batches);
   }
-  on_every_rank(MPI_COMM_WORLD, [&] {
-    if (!rank0) return;
-    std::error_code ec;
-    fs::rename(tmp, options.output, ec);
-    if (ec) {
-      MESHTRAIN_FAIL("cannot rename '", tmp, "' to '", options.output, "': ", ec.message());
-    }
-    tmp_made = false;
+  output.finish(failed, [&] {
+    write_rows();
+    write_jacobian();
   });
-  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-  if (options.summary) *options.summary = PredictSummary{total, elapsed};
-  if (rank0) {
-    std::printf("wrote %s: %lld rows in %.2f s (%.0f rows/s)\n", options.output.c_str(),
-                static_cast<long long>(total), elapsed, elapsed > 0 ? total / elapsed : 0.0);
-    std::fflush(stdout);
-  }
   return 0;
 }
 

@@ -217,8 +217,10 @@ void DlrmRun::build_model() {
   on_every_rank(comm_, [&] {
     model_ = std::make_unique<Dlrm>(shape, config_.model.activation, specs_from_plan(*plan_),
                                     *context_, rows, max_ids_);
+    // Predicting, load_model overwrites every parameter: no initializer pass over the tables,
+    // no loss, metrics or optimizer.
+    if (predicting_) return;
     model_->initialize(config_.model.init, config_.run.seed);
-    if (predicting_) return;  // no loss, metrics, optimizer: the parameters are loaded
     loss_ = std::make_unique<Loss>(LossKind::binary_cross_entropy, *context_, rows, 1,
                                    FeatureLayout::replicated);
     eval_metrics_ = std::make_unique<EvalMetrics>(LossKind::binary_cross_entropy, *context_, rows,

@@ -25,7 +25,9 @@ endforeach()
 # tests/export/run_onnx_inputs.js on rows with repeated ids, empty and padded bags, sum and mean
 # pooling, dot and cat, and compared with a float64 forward from the checkpoint. 77 = skipped,
 # as above, only when ONNX Runtime cannot be installed. export_dlrm_predict: `meshtrain predict`
-# of such a checkpoint on 1, 2 and 4 ranks against the same forward, and a bad id refused.
+# of such a checkpoint on 1, 2, 3 (the default batch) and 4 ranks (fsdp 4; fsdp 2 x tp 2 with
+# --flight-dir) against the same forward, and its refusals (a bad id, --jacobian, two inputs,
+# a mesh that does not fit, a --batch-size the shards do not divide).
 foreach(_case dot cat predict)
   meshtrain_add_command_test(NAME export_dlrm_${_case} TIMEOUT 180
     COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/export/dlrm_export_test.py ${_case}

@@ -16,7 +16,9 @@
 #include "framework/core/version.hpp"
 #include "framework/export/output_writer.hpp"
 #include "framework/export/pytorch_model_text.hpp"  // generated from pytorch_model.py
+#include "framework/io/checkpoint.hpp"
 #include "framework/io/output_file.hpp"
+#include "framework/train/config.hpp"
 #include "framework/train/model_summary.hpp"
 #include "partition/norm_layout.hpp"  // the norms' eps
 
@@ -320,11 +322,17 @@ PytorchExportResult export_pytorch(const std::string& checkpoint, const std::str
   const std::string weights_path = (fs::path(output) / pytorch_weights_file()).string();
   // Refused before the checkpoint is read: the common mistake costs nothing.
   for (const std::string& file : {weights_path, code_path}) refuse_existing_output(file, overwrite);
-  const ExportSource source = read_export_source(checkpoint);
-  if (source.config.model.kind == ModelKind::dlrm) {
-    MESHTRAIN_BAD_INPUT("checkpoint '", source.path, "': --format pytorch does not write a ",
-                        "model.kind = \"dlrm\" model yet; --format onnx does");
+  {
+    // The model kind from the config in the file's attributes (no dataset read or checked).
+    const std::string path = resolve_checkpoint_path(checkpoint);
+    const RunConfig config = parse_config(list_checkpoint(path).info.config_text,
+                                          "the config stored in checkpoint '" + path + "'");
+    if (config.model.kind == ModelKind::dlrm) {
+      MESHTRAIN_BAD_INPUT("checkpoint '", path, "': --format pytorch does not write a ",
+                          "model.kind = \"dlrm\" model yet; --format onnx does");
+    }
   }
+  const ExportSource source = read_export_source(checkpoint);
   const auto read = checkpoint_files_read(checkpoint, "the checkpoint being exported");
   for (const std::string& file : {weights_path, code_path}) {
     refuse_output_that_is_read(file, "--output", read);
