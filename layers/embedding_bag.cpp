@@ -256,6 +256,8 @@ EmbeddingBag::EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPool
                        static_cast<size_t>(local_dim_));
     const size_t slice_bytes = out_slice_.size() * sizeof(float);
     col_comm_->reserve_staging(slice_bytes, slice_bytes * static_cast<size_t>(col_comm_->size()));
+    // The gather of the slices side by side (dim 1) stages through the scratch buffer.
+    col_comm_->reserve_scratch(static_cast<size_t>(batch_rows_) * static_cast<size_t>(dim_));
   }
   if (!row_comm_) return;
 
