@@ -60,6 +60,7 @@ EmbeddingLayout embedding_layout(const std::string& table, const LinearParameter
                         axes_text(axes.batch), ", or P(None, axis) (column-wise) with an axis ",
                         "that is not a batch axis (e.g. tp); table-wise placement comes later");
   };
+  spec.check_axes(mesh, weight.name);  // a misspelt axis is named before any layout is refused
   // Rows: batch axes only (their ranks hold different bags, each id goes to its row's owner).
   for (const std::string& axis : spec.entries[0].axes) {
     if (!contains(axes.batch, axis)) refuse();
@@ -68,7 +69,6 @@ EmbeddingLayout embedding_layout(const std::string& table, const LinearParameter
   for (const std::string& axis : spec.entries[1].axes) {
     if (contains(axes.batch, axis)) refuse();
   }
-  spec.check_axes(mesh, weight.name);
   if (!spec.entries[1].is_none()) {
     l.column_axes = spec.entries[1].axes;
     l.column_slices = mesh.size_of(l.column_axes);

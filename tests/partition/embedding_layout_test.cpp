@@ -97,6 +97,12 @@ TEST(EmbeddingLayout, OtherSpecsAndShapesAreBadInput) {
         layout({{"dp", 2}, {"tp", 2}}, "P(None, dp)");
       },
       {"table 'cat'", "embeddings/cat/weight", "P(None, dp)", "P(None, axis)", "not a batch axis"});
+  // A misspelt axis is named as such, not refused as an unsupported layout.
+  testing::expect_bad_input(
+      [] {
+        layout({{"dp", 2}, {"tp", 2}}, "P(None, tq)");
+      },
+      {"embeddings/cat/weight", "P(None, tq)", "mesh axis 'tq'", "does not have"});
   testing::expect_bad_input(
       [] {
         layout({{"fsdp", 2}, {"tp", 2}}, "P(tp, None)");
