@@ -17,6 +17,9 @@ namespace {
 // too); this file runs them as the layers' own passes.
 using activation_math::Sigmoids;
 using activation_math::sigmoids;
+using activation_math::swiglu_gradients;
+using activation_math::swiglu_value;
+using activation_math::SwigluGradients;
 
 // The elementwise kernels run one flat loop over all elements where the views are contiguous
 // (the usual case: a simple loop the compiler vectorizes, where the Serial backend's 2-D
@@ -777,8 +780,7 @@ void swiglu_forward(MatrixView gate, MatrixView value, MatrixView out, Dtype dty
       Kokkos::RangePolicy<>(device_space(), 0, static_cast<int64_t>(out.extent(0))),
       KOKKOS_LAMBDA(const int64_t i) {
         for (int64_t j = 0; j < cols; ++j) {
-          const float g = gate(i, j);
-          out(i, j) = round_to(g * sigmoids(g).of_x * value(i, j), dtype);
+          out(i, j) = round_to(swiglu_value(gate(i, j), value(i, j)), dtype);
         }
       });
 }
@@ -796,10 +798,9 @@ void swiglu_backward(MatrixView gate, MatrixView value, MatrixView dy, MatrixVie
       Kokkos::RangePolicy<>(device_space(), 0, static_cast<int64_t>(dy.extent(0))),
       KOKKOS_LAMBDA(const int64_t i) {
         for (int64_t j = 0; j < cols; ++j) {
-          const float g = gate(i, j), d = dy(i, j);
-          const Sigmoids s = sigmoids(g);
-          dgate(i, j) = round_to(d * value(i, j) * (s.of_x * (1.0f + g * s.of_minus)), dtype);
-          dvalue(i, j) = round_to(d * g * s.of_x, dtype);  // may be dy itself: read first
+          const SwigluGradients grad = swiglu_gradients(gate(i, j), value(i, j), dy(i, j));
+          dgate(i, j) = round_to(grad.gate, dtype);
+          dvalue(i, j) = round_to(grad.value, dtype);  // may be dy itself: read first
         }
       });
 }

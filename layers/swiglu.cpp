@@ -15,7 +15,7 @@
 namespace meshtrain {
 namespace {
 
-// swiglu_forward's value (layers/activation.cpp, the same expression) from gate and value holding
+// swiglu_forward's value (activation_math::swiglu_value) from gate and value holding
 // 16-bit values, keeping both and the output as 16-bit bits, the output also written over value
 // (what the down projection reads), in one pass.
 void swiglu_forward_keeping_16bit(MatrixView gate, MatrixView value, HalfMatrixView kept_gate,
@@ -27,7 +27,7 @@ void swiglu_forward_keeping_16bit(MatrixView gate, MatrixView value, HalfMatrixV
       KOKKOS_LAMBDA(const int64_t i) {
         for (int64_t j = 0; j < cols; ++j) {
           const float g = gate(i, j), u = value(i, j);  // 16-bit values: their bits are exact
-          const uint16_t out = to_16bit(g * activation_math::sigmoids(g).of_x * u, dtype);
+          const uint16_t out = to_16bit(activation_math::swiglu_value(g, u), dtype);
           kept_gate(i, j) = to_16bit(g, dtype);
           kept_value(i, j) = to_16bit(u, dtype);
           kept_out(i, j) = out;
@@ -36,8 +36,8 @@ void swiglu_forward_keeping_16bit(MatrixView gate, MatrixView value, HalfMatrixV
       });
 }
 
-// swiglu_backward's gradients (the same expressions) from the kept 16-bit gate and value: dgate
-// into `dgate`, dvalue in place over dy.
+// swiglu_backward's gradients (activation_math::swiglu_gradients) from the kept 16-bit gate and
+// value: dgate into `dgate`, dvalue in place over dy.
 void swiglu_backward_from_16bit(ConstHalfMatrixView kept_gate, ConstHalfMatrixView kept_value,
                                 MatrixView dy, MatrixView dgate, Dtype dtype) {
   const int64_t cols = static_cast<int64_t>(dy.extent(1));
@@ -48,9 +48,9 @@ void swiglu_backward_from_16bit(ConstHalfMatrixView kept_gate, ConstHalfMatrixVi
         for (int64_t j = 0; j < cols; ++j) {
           const float g = from_16bit(kept_gate(i, j), dtype), d = dy(i, j);
           const float u = from_16bit(kept_value(i, j), dtype);
-          const activation_math::Sigmoids s = activation_math::sigmoids(g);
-          dgate(i, j) = round_to(d * u * (s.of_x * (1.0f + g * s.of_minus)), dtype);
-          dy(i, j) = round_to(d * g * s.of_x, dtype);  // dvalue
+          const activation_math::SwigluGradients grad = activation_math::swiglu_gradients(g, u, d);
+          dgate(i, j) = round_to(grad.gate, dtype);
+          dy(i, j) = round_to(grad.value, dtype);  // dvalue
         }
       });
 }

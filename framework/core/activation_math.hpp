@@ -46,6 +46,20 @@ KOKKOS_FORCEINLINE_FUNCTION Sigmoids sigmoids(float x) {
   return x >= 0.0f ? Sigmoids{big, small} : Sigmoids{small, big};
 }
 
+// SwiGLU, silu(g) * u, and its two partial derivatives times the output gradient d: the one
+// expression of every SwiGLU kernel, so fp32 buffers and 16-bit storage agree bit for bit.
+KOKKOS_FORCEINLINE_FUNCTION float swiglu_value(float g, float u) {
+  return g * sigmoids(g).of_x * u;
+}
+struct SwigluGradients {
+  float gate;   // d * u * silu'(g)
+  float value;  // d * silu(g)
+};
+KOKKOS_FORCEINLINE_FUNCTION SwigluGradients swiglu_gradients(float g, float u, float d) {
+  const Sigmoids s = sigmoids(g);
+  return {d * u * (s.of_x * (1.0f + g * s.of_minus)), d * g * s.of_x};
+}
+
 // Phi(x) = 0.5 (1 + erf(x / sqrt 2)) written 0.5 erfc(-x / sqrt 2): no cancellation for x << 0.
 KOKKOS_FORCEINLINE_FUNCTION float normal_cdf(float x) {
   return 0.5f * kmath::erfc(-x * kInvSqrt2);
