@@ -18,7 +18,8 @@
 //     gradient of every step, and the parameters after, within 1e-5 of the tensor's largest
 //     |one|; with the gradients reduced in backward_with_tangents and left for
 //     reduce_gradients(); the step's passes make no Kokkos allocation.
-//   * Refusals: a residual_mlp with MoE blocks is bad_input; one with dropout is accepted.
+//   * Refusals: a residual_mlp with MoE blocks of SwiGLU experts is bad_input; one with
+//     activation experts (tests/layers/sobolev_moe_test.cpp) or dropout is accepted.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -473,8 +474,8 @@ TEST(SobolevResidual, EveryMeshEqualsOneRank) {
   }
 }
 
-// reserve_tangent_backward refuses a residual_mlp with MoE blocks (bad_input, naming what); dropout
-// it accepts (its Sobolev backward is checked through tests/layers/physics_loss_test.cpp's
+// reserve_tangent_backward refuses a residual_mlp with MoE blocks of SwiGLU experts (bad_input,
+// naming what); activation experts and dropout it accepts (its Sobolev backward is checked through tests/layers/physics_loss_test.cpp's
 // dropout cases, whose Laplacian backward carries the first-order tangents).
 void expect_refused(Mlp& model, const std::string& what) {
   try {
@@ -486,7 +487,7 @@ void expect_refused(Mlp& model, const std::string& what) {
   }
 }
 
-TEST(SobolevResidual, RefusesMoeBlocksAcceptsDropout) {
+TEST(SobolevResidual, RefusesSwigluMoeBlocksAcceptsDropout) {
   const Mesh mesh = Mesh::create({{"dp", 1}}, 1);
   MeshCommunicators comms(mesh, MPI_COMM_SELF, CommunicatorFactory{});
   ParallelContext context(comms, {"dp"}, "tp", CollectiveMatmulAlgorithm::bidirectional, false,
@@ -507,7 +508,10 @@ TEST(SobolevResidual, RefusesMoeBlocksAcceptsDropout) {
   moe.moe.experts = 2;
   moe.moe.top_k = 1;
   Mlp with_moe(moe, Activation::silu, replicated, context, 4);
-  expect_refused(with_moe, "MoE");
+  EXPECT_NO_THROW(with_moe.reserve_tangent_backward(2));  // tests/layers/sobolev_moe_test.cpp
+  moe.gated = true;
+  Mlp with_swiglu_experts(moe, Activation::silu, replicated, context, 4);
+  expect_refused(with_swiglu_experts, "not for MoE layers of SwiGLU experts");
 }
 
 }  // namespace
