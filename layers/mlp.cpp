@@ -701,8 +701,7 @@ void Mlp::reserve_tangent_backward(int64_t directions) {
   }
   require_every_layer(sequence_, &Layer::supports_tangent_backward, "training on derivatives",
                       "linear layers, activations, SwiGLU, LayerNorm, RMSNorm, dropout, MoE "
-                      "layers of linear or activation experts and residual blocks of them, not "
-                      "for MoE layers of SwiGLU experts");
+                      "layers and residual blocks of them");
   reserve_layers_tangent_backward(directions);
 }
 

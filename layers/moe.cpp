@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "base/error.hpp"
+#include "framework/core/activation_math.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
@@ -165,6 +166,41 @@ void router_logit_gradient_kernel(const Matrix& probs, const Matrix& gates, cons
         for (int64_t e = 0; e < experts; ++e) dot += probs(r, e) * dl(r, e);
         for (int64_t e = 0; e < experts; ++e)
           dl(r, e) = round_to(probs(r, e) * (dl(r, e) - dot), dtype);
+      });
+}
+
+// SwiGLU experts' backward through first-order tangents (training on derivatives), per
+// element of the `received` rows, h = silu(a) u with a = gate, u = up (pre-activations), and
+// the tangents t_h = silu'(a) u t_a + silu(a) t_u (k per row): from dh (the value's gradient,
+// overwritten by up's) and dth (the tangents'):
+//   d_gate = dh u silu'(a) + sum_d dth (silu''(a) u t_a + silu'(a) t_u)
+//   d_up   = dh silu(a) + sum_d dth silu'(a) t_a
+//   d_t_a  = dth u silu'(a),  d_t_u = dth silu(a)
+void swiglu_backward_with_tangents(MatrixView gate, MatrixView up, MatrixView t_gate,
+                                   MatrixView t_up, MatrixView dh, MatrixView dth,
+                                   MatrixView d_gate, MatrixView d_t_gate, MatrixView d_t_up,
+                                   int64_t received, int64_t k) {
+  const int64_t width = static_cast<int64_t>(gate.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::moe_swiglu_backward_with_tangents"),
+      matrix_range(received, width), KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        const float a = gate(i, j), u = up(i, j);
+        const activation_math::Sigmoids sg = activation_math::sigmoids(a);
+        const float silu = a * sg.of_x;
+        const float slope = sg.of_x * (1.0f + a * sg.of_minus);
+        const float curvature = sg.of_x * sg.of_minus * (2.0f + a * (sg.of_minus - sg.of_x));
+        const float g = dh(i, j);
+        float grad_gate = g * u * slope, grad_up = g * silu;
+        for (int64_t d = 0; d < k; ++d) {
+          const int64_t t = i * k + d;
+          const float gt = dth(t, j);
+          grad_gate += gt * (curvature * u * t_gate(t, j) + slope * t_up(t, j));
+          grad_up += gt * slope * t_gate(t, j);
+          d_t_gate(t, j) = gt * u * slope;
+          d_t_up(t, j) = gt * silu;
+        }
+        d_gate(i, j) = grad_gate;
+        dh(i, j) = grad_up;
       });
 }
 
@@ -971,8 +1007,6 @@ MatrixView MoeLayer::backward_with_tangents(MatrixView dy, MatrixView dt, bool n
   const MoeLayout& l = layout_;
   MESHTRAIN_REQUIRE(compute_dtype_ == Dtype::fp32, "MoE layer '", l.layer,
                     "': training on derivatives is fp32 only");
-  MESHTRAIN_REQUIRE(!l.gated, "MoE layer '", l.layer,
-                    "': training on derivatives is not built for SwiGLU experts");
   MESHTRAIN_REQUIRE(!pass.second_order, "MoE layer '", l.layer,
                     "': the forward Laplacian's streams are not built for MoE layers");
   const int64_t dirs = tangent_directions(static_cast<int64_t>(dt.extent(0)), rows_, l.layer);
@@ -1183,13 +1217,27 @@ void MoeLayer::experts_backward_with_tangents(LayerScratch& scratch, int64_t dir
                      ffn_dh_, dtype);
   expert_input_gemms(g_t, down_weight_.compute(scratch), hidden, out, offsets, local, 0.0f, g_th,
                      dtype, directions);
-  // Through the activation (t_h = f'(u) t_up): dU = f'(u) dH + f''(u) sum_d t_up dTH,
-  // dT_up = f'(u) dTH.
   const MatrixView u = row_block(ffn_up_, 0, received_);
   const MatrixView dh = row_block(ffn_dh_, 0, received_);
-  activation_backward(activation_, u, dh, dtype);
-  activation_curvature_add(activation_, u, row_block(t_up, 0, rows), row_block(g_th, 0, rows), dh);
-  activation_tangent(activation_, u, row_block(g_th, 0, rows), row_block(g_tu, 0, rows));
+  if (l.gated) {  // SwiGLU: ffn_dh_ becomes up's gradient, ffn_dgate_ gate's
+    const MatrixView g_tg(cotangent_gate_.data(), capacity_ * directions, hidden);
+    swiglu_backward_with_tangents(row_block(ffn_gate_, 0, received_), u,
+                                  MatrixView(tangent_gate_.data(), capacity_ * directions, hidden),
+                                  t_up, dh, g_th, row_block(ffn_dgate_, 0, received_), g_tg, g_tu,
+                                  received_, directions);
+    const VectorView gg = gate_weight_.gradient(scratch);
+    expert_weight_gradients(expert_x_, ffn_dgate_, gg, in, hidden, offsets, local, dtype);
+    expert_weight_gradients_add(t_x, g_tg, gg, in, hidden, offsets, local, directions);
+    expert_bias_gradients(ffn_dgate_, gate_bias_.gradient(scratch), bias_first(l.experts_gate_bias),
+                          expert_offsets_, local, hidden, dtype);
+  } else {
+    // Through the activation (t_h = f'(u) t_up): dU = f'(u) dH + f''(u) sum_d t_up dTH,
+    // dT_up = f'(u) dTH.
+    activation_backward(activation_, u, dh, dtype);
+    activation_curvature_add(activation_, u, row_block(t_up, 0, rows), row_block(g_th, 0, rows),
+                             dh);
+    activation_tangent(activation_, u, row_block(g_th, 0, rows), row_block(g_tu, 0, rows));
+  }
   // Up: dU_e = X_eᵀ dU + T_eᵀ dT_up, dbu_e, dX_e = dU W_eᵀ, dT_in = dT_up W_eᵀ.
   const VectorView gu = weight_.gradient(scratch);
   expert_weight_gradients(expert_x_, ffn_dh_, gu, in, hidden, offsets, local, dtype);
@@ -1201,6 +1249,13 @@ void MoeLayer::experts_backward_with_tangents(LayerScratch& scratch, int64_t dir
                        expert_dx_, dtype);
     expert_input_gemms(g_tu, weight_.compute(scratch), in, hidden, offsets, local, 0.0f, g_t_x,
                        dtype, directions);
+    if (l.gated) {  // plus the gate's parts
+      expert_input_gemms(ffn_dgate_, gate_weight_.compute(scratch), in, hidden, offsets, local,
+                         1.0f, expert_dx_, dtype);
+      expert_input_gemms(MatrixView(cotangent_gate_.data(), capacity_ * directions, hidden),
+                         gate_weight_.compute(scratch), in, hidden, offsets, local, 1.0f, g_t_x,
+                         dtype, directions);
+    }
   }
 }
 

@@ -104,13 +104,14 @@ class MoeLayer : public Layer {
   // chosen experts, the gates' gradient gains sum_d dt . t_s + c_s (a_s - m) - a_s w, each expert's
   // value gradient is g_s dy + sum_d dg_s dt and its tangents' g_s dt; the experts' tangent passes
   // are differentiated as Linear's (feed-forward: f'' times the hidden tangents joins the
-  // pre-activation's gradient). The tangent gradients travel as wide rows of the forward's
-  // dispatch plan. Gradients reduced as backward's; fp32; linear and activation experts (not
-  // SwiGLU ones: supports_tangent_backward()); first-order only (no forward Laplacian).
+  // pre-activation's gradient; SwiGLU: its second derivatives likewise). The tangent gradients
+  // travel as wide rows of the forward's dispatch plan. Gradients reduced as backward's; fp32;
+  // linear, activation and SwiGLU experts; first-order only (no forward Laplacian:
+  // supports_laplacian() is false).
   MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
                                     const LayerPass& pass, MatrixView* dt_in) override;
   void reserve_tangent_backward(int64_t directions) override;
-  bool supports_tangent_backward() const override { return !layout_.gated; }
+  bool supports_tangent_backward() const override { return true; }
   // Router, experts weight, bias; feed-forward: router, (gate weight, bias,) up weight, bias,
   // down weight, bias.
   size_t parameter_count() const override { return layout_.storages().size(); }
