@@ -20,6 +20,8 @@
 //     dp x ep, fsdp x ep, ep x tp against the same steps on one rank (MPI_COMM_SELF) in the same
 //     test: losses, every gradient of every step and the parameters after, within 1e-5 of the
 //     tensor's largest |value|; the step's passes allocate nothing (Kokkos allocations counted).
+//     Each mesh twice: gradients reduced in backward_with_tangents, and left for
+//     reduce_gradients().
 //   * Refusals: any MoE layer in the forward Laplacian stays bad_input (reserve_tangent_backward
 //     accepts every kind of expert).
 
@@ -330,7 +332,10 @@ Matrix rows_of(const std::string& label, const Tensor& full, int64_t width, int6
   return m;
 }
 
-StepsRun run_steps(const ModelCase& m, const MeshCase& c, bool self, int steps, float lr) {
+// reduce = false: the gradients are left for reduce_gradients(), as gradient accumulation runs
+// it (the MoE layers reduce theirs in the backward either way).
+StepsRun run_steps(const ModelCase& m, const MeshCase& c, bool self, int steps, float lr,
+                   bool reduce = true) {
   MPI_Comm comm = self ? MPI_COMM_SELF : MPI_COMM_WORLD;
   const int ranks = self ? 1 : world_size();
   const Mesh mesh =
@@ -387,7 +392,8 @@ StepsRun run_steps(const ModelCase& m, const MeshCase& c, bool self, int steps, 
     run.aux_losses.push_back(model.aux_loss());
     const MatrixView tangents = model.forward_tangents(derivative.seeds());
     run.derivative_losses.push_back(derivative.evaluate(tangents, dyt).loss);
-    model.backward_with_tangents(loss.gradient(), derivative.gradient());
+    model.backward_with_tangents(loss.gradient(), derivative.gradient(), reduce);
+    if (!reduce) model.reduce_gradients();
     allocations.stop();
     run.last_step_allocations = allocations.count();
     run.first_allocations = allocations.described();
@@ -465,33 +471,38 @@ TEST(SobolevMoe, EveryMeshEqualsOneRank) {
           << m.name() << " step " << step;
     }
     for (const MeshCase& c : meshes_for(world_size())) {
-      SCOPED_TRACE(m.name() + " on " + c.name);
-      const StepsRun got = run_steps(m, c, /*self=*/false, kSteps, lr);
-      ASSERT_FALSE(got.built.empty());
-      if (c.ep > 1) {  // the experts really are split over ep, the rows sent by all-to-all
-        EXPECT_NE(got.built[0].find("over (ep) by all-to-all"), std::string::npos) << got.built[0];
-      }
-      double worst = 0.0;
-      for (int step = 0; step < kSteps; ++step) {
-        EXPECT_NEAR(got.data_losses[step], one.data_losses[step],
-                    kTolerance * one.data_losses[step]);
-        EXPECT_NEAR(got.derivative_losses[step], one.derivative_losses[step],
-                    kTolerance * one.derivative_losses[step]);
-        for (size_t q = 0; q < one.grads[step].size(); ++q) {
-          worst = std::max(worst,
-                           expect_close_scaled(
-                               got.grads[step][q], one.grads[step][q], kTolerance,
-                               "gradient " + std::to_string(q) + " step " + std::to_string(step)));
+      for (const bool reduce : {true, false}) {
+        SCOPED_TRACE(m.name() + " on " + c.name + (reduce ? "" : ", reduce_gradients()"));
+        const StepsRun got = run_steps(m, c, /*self=*/false, kSteps, lr, reduce);
+        ASSERT_FALSE(got.built.empty());
+        if (c.ep > 1) {  // the experts really are split over ep, the rows sent by all-to-all
+          EXPECT_NE(got.built[0].find("over (ep) by all-to-all"), std::string::npos)
+              << got.built[0];
         }
-      }
-      EXPECT_EQ(got.last_step_allocations, 0) << got.first_allocations;
-      for (size_t q = 0; q < one.final_params.size(); ++q) {
-        worst = std::max(worst, expect_close_scaled(got.final_params[q], one.final_params[q],
-                                                    kTolerance, "parameter " + std::to_string(q)));
-      }
-      if (world_rank() == 0) {
-        std::printf("[ sobolev moe ] %s on %s (%s): largest difference from one rank %.2e\n",
-                    m.name().c_str(), c.name.c_str(), got.built[0].c_str(), worst);
+        double worst = 0.0;
+        for (int step = 0; step < kSteps; ++step) {
+          EXPECT_NEAR(got.data_losses[step], one.data_losses[step],
+                      kTolerance * one.data_losses[step]);
+          EXPECT_NEAR(got.derivative_losses[step], one.derivative_losses[step],
+                      kTolerance * one.derivative_losses[step]);
+          for (size_t q = 0; q < one.grads[step].size(); ++q) {
+            worst = std::max(
+                worst, expect_close_scaled(
+                           got.grads[step][q], one.grads[step][q], kTolerance,
+                           "gradient " + std::to_string(q) + " step " + std::to_string(step)));
+          }
+        }
+        EXPECT_EQ(got.last_step_allocations, 0) << got.first_allocations;
+        for (size_t q = 0; q < one.final_params.size(); ++q) {
+          worst =
+              std::max(worst, expect_close_scaled(got.final_params[q], one.final_params[q],
+                                                  kTolerance, "parameter " + std::to_string(q)));
+        }
+        if (world_rank() == 0) {
+          std::printf("[ sobolev moe ] %s on %s%s (%s): largest difference from one rank %.2e\n",
+                      m.name().c_str(), c.name.c_str(), reduce ? "" : " (reduce_gradients)",
+                      got.built[0].c_str(), worst);
+        }
       }
     }
   }
