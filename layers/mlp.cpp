@@ -604,17 +604,17 @@ void require_fp32(Dtype dtype) {
   }
 }
 
-// Each layer answers whether its passes carry the derivative streams `what` needs exactly
-// (Linear, the activations, SwiGLU, LayerNorm, RMSNorm, dropout, residual blocks of them); MoE
-// layers do not, and would take the streams for plain tangents (wrong values, silently).
+// Each layer answers whether its passes carry the derivative streams `what` needs exactly;
+// `built_for` names the layers that do (MoE layers take part in training on derivatives, not
+// yet in the forward Laplacian, and would take its streams for plain tangents: wrong values,
+// silently).
 void require_every_layer(const std::vector<Layer*>& sequence, bool (Layer::*supports)() const,
-                         const char* what) {
+                         const char* what, const char* built_for) {
   for (const Layer* layer : sequence) {
     if ((layer->*supports)()) continue;
     const std::string line = layer->describe();
-    MESHTRAIN_BAD_INPUT(what, " is built for linear layers, activations, SwiGLU, LayerNorm, ",
-                        "RMSNorm, dropout and residual blocks of them, not for MoE layers, ",
-                        "which this model has", line.empty() ? std::string() : " ('" + line + "')");
+    MESHTRAIN_BAD_INPUT(what, " is built for ", built_for, ", which this model has",
+                        line.empty() ? std::string() : " ('" + line + "')");
   }
 }
 }  // namespace
@@ -651,7 +651,9 @@ MatrixView Mlp::forward_laplacian(MatrixView streams) {
 }
 
 void Mlp::require_laplacian_layers() const {
-  require_every_layer(sequence_, &Layer::supports_laplacian, "the forward Laplacian");
+  require_every_layer(sequence_, &Layer::supports_laplacian, "the forward Laplacian",
+                      "linear layers, activations, SwiGLU, LayerNorm, RMSNorm, dropout and "
+                      "residual blocks of them, not for MoE layers");
 }
 
 MatrixView Mlp::tangent_pass(MatrixView dx, bool second_order) {
@@ -697,7 +699,9 @@ void Mlp::reserve_tangent_backward(int64_t directions) {
     MESHTRAIN_BAD_INPUT("training on derivatives is fp32 only; this model computes in ",
                         to_string(compute_dtype_));
   }
-  require_every_layer(sequence_, &Layer::supports_tangent_backward, "training on derivatives");
+  require_every_layer(sequence_, &Layer::supports_tangent_backward, "training on derivatives",
+                      "linear layers, activations, SwiGLU, LayerNorm, RMSNorm, dropout, MoE "
+                      "layers and residual blocks of them");
   reserve_layers_tangent_backward(directions);
 }
 

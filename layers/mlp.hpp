@@ -167,8 +167,8 @@ class Mlp {
   // allocates nothing; needs reserve_tangent_backward(k') with k' >= k first (before the
   // forward_tangents it follows). An mlp or a residual_mlp (LayerNorm, RMSNorm or none; SwiGLU
   // or an activation; dropout, its mask that of the forward's TrainingPass) in fp32:
-  // reserve_tangent_backward throws bad_input for MoE layers or 16-bit parameters (each layer's
-  // supports_tangent_backward()).
+  // reserve_tangent_backward throws bad_input for 16-bit parameters (MoE layers included: each
+  // layer's supports_tangent_backward()).
   void backward_with_tangents(MatrixView output_grad, MatrixView tangent_grad, bool reduce = true);
   void reserve_tangent_backward(int64_t directions);
   // Physics losses (the forward Laplacian, docs/derivatives.md): after forward(x), streams

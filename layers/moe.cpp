@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "base/error.hpp"
+#include "framework/core/activation_math.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
@@ -110,6 +111,20 @@ void expert_bias_gradients(MatrixView dye, VectorView gb, int64_t bias_first,
       });
 }
 
+// dW_e += T_eᵀ dT_e per local expert, with `rows_per_entry` rows per (row, expert) pair (the
+// tangent terms of training on derivatives; fp32).
+void expert_weight_gradients_add(MatrixView t, MatrixView dt, VectorView gw, int64_t in,
+                                 int64_t out, const HostOffsets& offsets, int64_t local,
+                                 int64_t rows_per_entry) {
+  for (int64_t e = 0; e < local; ++e) {
+    const int64_t first = offsets(e) * rows_per_entry,
+                  count = offsets(e + 1) * rows_per_entry - first;
+    if (count == 0) continue;
+    gemm(transposed(row_block(t, first, count)), plain(row_block(dt, first, count)), 1.0f,
+         MatrixView(gw.data() + e * in * out, in, out), Dtype::fp32);
+  }
+}
+
 // dX_e (+)= dY_e W_eᵀ per local expert (beta 0: overwrite, 1: add).
 // rows_per_entry as expert_gemms'.
 void expert_input_gemms(MatrixView dy, ConstVectorView w, int64_t in, int64_t out,
@@ -123,6 +138,70 @@ void expert_input_gemms(MatrixView dy, ConstVectorView w, int64_t in, int64_t ou
          transposed(ConstMatrixView(w.data() + e * in * out, in, out)), beta,
          row_block(dx, first, count), dtype);
   }
+}
+
+// The router's backward for `rows` rows: dl(r, 0..k) holds the gates' gradients on entry, the
+// logits' gradient on return (renormalized gates g_s = p_s / S over the chosen: dL/dp_s =
+// (dg_s - sum_t g_t dg_t) / S, plus the balancing loss's aux_scale * rows routed to e, then
+// the softmax backward).
+void router_logit_gradient_kernel(const Matrix& probs, const Matrix& gates, const Matrix& dl,
+                                  const Kokkos::View<int**>& chosen,
+                                  const Kokkos::View<double*>& stats, int64_t rows, int64_t k,
+                                  int64_t experts, float aux_scale, Dtype dtype) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::moe_router_grad"), Range(device_space(), 0, rows),
+      KOKKOS_LAMBDA(const int64_t r) {
+        // Gates g_s = p_s / S over the chosen: dL/dp_s = (dg_s - sum_t g_t dg_t) / S.
+        float chosen_sum = 0.0f, weighted = 0.0f;
+        float dgate[kMaxTopK];  // k <= kMaxTopK (checked at construction)
+        for (int64_t s = 0; s < k; ++s) {
+          dgate[s] = dl(r, s);
+          chosen_sum += probs(r, chosen(r, s));
+          weighted += gates(r, s) * dgate[s];
+        }
+        // dp into dl(r, :) (dgate saved above), then the softmax backward in place.
+        for (int64_t e = 0; e < experts; ++e) dl(r, e) = aux_scale * static_cast<float>(stats(e));
+        for (int64_t s = 0; s < k; ++s) dl(r, chosen(r, s)) += (dgate[s] - weighted) / chosen_sum;
+        float dot = 0.0f;
+        for (int64_t e = 0; e < experts; ++e) dot += probs(r, e) * dl(r, e);
+        for (int64_t e = 0; e < experts; ++e)
+          dl(r, e) = round_to(probs(r, e) * (dl(r, e) - dot), dtype);
+      });
+}
+
+// SwiGLU experts' backward through first-order tangents (training on derivatives), per
+// element of the `received` rows, h = silu(a) u with a = gate, u = up (pre-activations), and
+// the tangents t_h = silu'(a) u t_a + silu(a) t_u (k per row): from dh (the value's gradient,
+// overwritten by up's) and dth (the tangents'):
+//   d_gate = dh u silu'(a) + sum_d dth (silu''(a) u t_a + silu'(a) t_u)
+//   d_up   = dh silu(a) + sum_d dth silu'(a) t_a
+//   d_t_a  = dth u silu'(a),  d_t_u = dth silu(a)
+void swiglu_backward_with_tangents(MatrixView gate, MatrixView up, MatrixView t_gate,
+                                   MatrixView t_up, MatrixView dh, MatrixView dth,
+                                   MatrixView d_gate, MatrixView d_t_gate, MatrixView d_t_up,
+                                   int64_t received, int64_t k) {
+  const int64_t width = static_cast<int64_t>(gate.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::moe_swiglu_backward_with_tangents"),
+      matrix_range(received, width), KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        const float a = gate(i, j), u = up(i, j);
+        const activation_math::Sigmoids sg = activation_math::sigmoids(a);
+        const float silu = a * sg.of_x;
+        const float slope = sg.of_x * (1.0f + a * sg.of_minus);
+        const float curvature = sg.of_x * sg.of_minus * (2.0f + a * (sg.of_minus - sg.of_x));
+        const float g = dh(i, j);
+        float grad_gate = g * u * slope, grad_up = g * silu;
+        for (int64_t d = 0; d < k; ++d) {
+          const int64_t t = i * k + d;
+          const float gt = dth(t, j);
+          grad_gate += gt * (curvature * u * t_gate(t, j) + slope * t_up(t, j));
+          grad_up += gt * slope * t_gate(t, j);
+          d_t_gate(t, j) = gt * u * slope;
+          d_t_up(t, j) = gt * silu;
+        }
+        d_gate(i, j) = grad_gate;
+        dh(i, j) = grad_up;
+      });
 }
 
 LinearParameter linear_parameter(const ParameterRef& p) {
@@ -644,34 +723,7 @@ MatrixView MoeLayer::backward(MatrixView dy, bool need_input_grad, const LayerPa
   }
 
   // Router: gate gradients -> probabilities (+ the balancing loss's) -> logits (softmax).
-  {
-    const Matrix probs = probs_, gates = gates_, dl = dlogits_;
-    const Kokkos::View<int**> chosen = chosen_;
-    const Kokkos::View<double*> stats = stats_;
-    const double n = static_cast<double>(global_rows_);
-    // d aux / d p(r, e) = coef * E * f_e / n with f_e = rows_e / n; times the loss scale.
-    const float aux_scale =
-        static_cast<float>(loss_scale * aux_loss_coef_ * static_cast<double>(experts) / (n * n));
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::moe_router_grad"), Range(device_space(), 0, rows_),
-        KOKKOS_LAMBDA(const int64_t r) {
-          // Gates g_s = p_s / S over the chosen: dL/dp_s = (dg_s - sum_t g_t dg_t) / S.
-          float chosen_sum = 0.0f, weighted = 0.0f;
-          float dgate[kMaxTopK];  // k <= kMaxTopK (checked at construction)
-          for (int64_t s = 0; s < k; ++s) {
-            dgate[s] = dl(r, s);
-            chosen_sum += probs(r, chosen(r, s));
-            weighted += gates(r, s) * dgate[s];
-          }
-          // dp into dl(r, :) (dgate saved above), then the softmax backward in place.
-          for (int64_t e = 0; e < experts; ++e) dl(r, e) = aux_scale * static_cast<float>(stats(e));
-          for (int64_t s = 0; s < k; ++s) dl(r, chosen(r, s)) += (dgate[s] - weighted) / chosen_sum;
-          float dot = 0.0f;
-          for (int64_t e = 0; e < experts; ++e) dot += probs(r, e) * dl(r, e);
-          for (int64_t e = 0; e < experts; ++e)
-            dl(r, e) = round_to(probs(r, e) * (dl(r, e) - dot), dtype);
-        });
-  }
+  router_logit_gradients(loss_scale);
   const VectorView gr = router_.gradient(scratch);
   gemm(transposed(x_used_), plain(dlogits_), 0.0f, MatrixView(gr.data(), in, experts), dtype);
   round_in_place(MatrixView(gr.data(), 1, gr.extent(0)), dtype);
@@ -701,6 +753,22 @@ MatrixView MoeLayer::backward(MatrixView dy, bool need_input_grad, const LayerPa
     dx = dx_;
   }
 
+  reduce_gradients(scratch);
+  return dx;
+}
+
+void MoeLayer::router_logit_gradients(float loss_scale) {
+  const double n = static_cast<double>(global_rows_);
+  const int64_t experts = layout_.experts;
+  // d aux / d p(r, e) = coef * E * f_e / n with f_e = rows_e / n; times the loss scale.
+  const float aux_scale =
+      static_cast<float>(loss_scale * aux_loss_coef_ * static_cast<double>(experts) / (n * n));
+  router_logit_gradient_kernel(probs_, gates_, dlogits_, chosen_, stats_, rows_, layout_.top_k,
+                               experts, aux_scale, compute_dtype_);
+}
+
+void MoeLayer::reduce_gradients(LayerScratch& scratch) {
+  const MoeLayout& l = layout_;
   if (l.feed_forward()) {
     down_weight_.reduce(scratch);
     down_bias_.reduce(scratch);
@@ -712,7 +780,6 @@ MatrixView MoeLayer::backward(MatrixView dy, bool need_input_grad, const LayerPa
     gate_bias_.reduce(scratch);
   }
   router_.reduce(scratch);
-  return dx;
 }
 
 MatrixView MoeLayer::forward_tangents(MatrixView dx, const LayerPass& pass) {
@@ -731,6 +798,7 @@ MatrixView MoeLayer::forward_tangents(MatrixView dx, const LayerPass& pass) {
     feature_comm_->all_gather(dx, dxu, 1, dtype);
   }
 
+  tangent_x_used_ = dxu;  // for backward_with_tangents
   // Router: dl = dX Wr, then the softmax's and the renormalized gates' derivatives.
   const ConstVectorView wr = router_.compute(scratch);
   const MatrixView dl = leading_rows(tangent_logits_, rows);
@@ -931,6 +999,269 @@ MatrixView MoeLayer::backward_cotangents(MatrixView dy, const LayerPass& pass) {
         KOKKOS_LAMBDA(const int64_t t, const int64_t c) { result(t, c) = full(t, offset + c); });
   }
   return result;
+}
+
+MatrixView MoeLayer::backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
+                                            const LayerPass& pass, MatrixView* dt_in) {
+  LayerScratch& scratch = *pass.scratch;
+  const MoeLayout& l = layout_;
+  MESHTRAIN_REQUIRE(compute_dtype_ == Dtype::fp32, "MoE layer '", l.layer,
+                    "': training on derivatives is fp32 only");
+  MESHTRAIN_REQUIRE(!pass.second_order, "MoE layer '", l.layer,
+                    "': the forward Laplacian's streams are not built for MoE layers");
+  const int64_t dirs = tangent_directions(static_cast<int64_t>(dt.extent(0)), rows_, l.layer);
+  const int64_t rows = rows_ * dirs;
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == rows_ &&
+                        static_cast<int64_t>(dy.extent(1)) == l.output_width() &&
+                        static_cast<int64_t>(dt.extent(1)) == l.output_width() &&
+                        cotangent_capacity_ >= dirs &&
+                        static_cast<int64_t>(tangent_x_used_.extent(0)) == rows,
+                    "MoE layer '", l.layer, "': output gradient [", dy.extent(0), ", ",
+                    dy.extent(1), "] and tangent gradient [", dt.extent(0), ", ", dt.extent(1),
+                    "], expected [", rows_, ", ", l.output_width(),
+                    "] and as many tangent rows as the last forward_tangents after "
+                    "reserve_tangent_backward");
+  const int64_t in = l.in, out = l.out, experts = l.experts, k = l.top_k;
+  MatrixView dtu = dt;
+  if (l.splits_output()) {  // every tp rank computes the whole layer: the whole gradients
+    feature_comm_->all_gather(dy, dy_full_, 1, Dtype::fp32);
+    dy = dy_full_;
+    dtu = leading_rows(cotangent_y_full_, rows);
+    feature_comm_->all_gather(dt, dtu, 1, Dtype::fp32);
+  }
+
+  // Per row: c(d, s) = dt_d . y_s (into cotangent_gates_), w_d = sum_s g_s c(d, s),
+  // m_d = sum_s g_s a(d, s) with a the tangent logits of the chosen experts; the gates'
+  // gradients dy . y_s + sum_d dt_d . t_s + c (a - m) - a w (t_s: the expert's tangents, as
+  // forward_tangents received them; into dlogits_' first k columns) and the tangent logits'
+  // gradients g_s (c - w) on the chosen experts, 0 elsewhere.
+  const MatrixView cg = leading_rows(cotangent_gates_, rows);
+  const MatrixView ga = leading_rows(cotangent_logits_, rows);
+  {
+    const Matrix values = returned_y_, gates = gates_, dl = dlogits_;
+    const MatrixView tl = leading_rows(tangent_logits_, rows);
+    const MatrixView expert_tangents(tangent_returned_.data(), assignments_, dirs * out);
+    const Kokkos::View<int**> chosen = chosen_;
+    const Kokkos::View<int64_t**> position = position_;
+    const MatrixView g_value = dy, g_tangent = dtu;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_gate_grad_with_tangents"), Range(device_space(), 0, rows_),
+        KOKKOS_LAMBDA(const int64_t r) {
+          float gate_grad[kMaxTopK];
+          for (int64_t s = 0; s < k; ++s) {
+            const int64_t p = position(r, s);
+            float dot = 0.0f;
+            for (int64_t c = 0; c < out; ++c) dot += g_value(r, c) * values(p, c);
+            gate_grad[s] = dot;
+          }
+          for (int64_t d = 0; d < dirs; ++d) {
+            const int64_t t = r * dirs + d;
+            float w = 0.0f, m = 0.0f;
+            for (int64_t s = 0; s < k; ++s) {
+              const int64_t p = position(r, s);
+              float dot = 0.0f;
+              for (int64_t c = 0; c < out; ++c) dot += g_tangent(t, c) * values(p, c);
+              cg(t, s) = dot;
+              w += gates(r, s) * dot;
+              // g_s t_s in the output tangent: the gate's gradient gains dt . t_s.
+              float through_tangent = 0.0f;
+              for (int64_t c = 0; c < out; ++c)
+                through_tangent += g_tangent(t, c) * expert_tangents(p, d * out + c);
+              gate_grad[s] += through_tangent;
+              m += gates(r, s) * tl(t, chosen(r, s));
+            }
+            for (int64_t e = 0; e < experts; ++e) ga(t, e) = 0.0f;
+            for (int64_t s = 0; s < k; ++s) {
+              const float a = tl(t, chosen(r, s));
+              gate_grad[s] += cg(t, s) * (a - m) - a * w;
+              ga(t, chosen(r, s)) = gates(r, s) * (cg(t, s) - w);
+            }
+          }
+          for (int64_t s = 0; s < k; ++s) dl(r, s) = gate_grad[s];
+        });
+  }
+  // The experts' value gradients g_s dy + sum_d dg_s dt_d (send order) and tangent gradients
+  // g_s dt_d (one wide row [k * out] per pair), out through the forward's dispatch plan.
+  const MatrixView send_t(cotangent_send_y_.data(), assignments_, dirs * out);
+  {
+    const Matrix send = send_dy_, gates = gates_;
+    const MatrixView dg = leading_rows(tangent_gates_, rows);
+    const Kokkos::View<int64_t**> position = position_;
+    const MatrixView g_value = dy, g_tangent = dtu;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_pack_grads_with_tangents"), matrix_range(assignments_, out),
+        KOKKOS_LAMBDA(const int64_t a, const int64_t c) {
+          const int64_t r = a / k, s = a % k, p = position(r, s);
+          const float gate = gates(r, s);
+          float sum = gate * g_value(r, c);
+          for (int64_t d = 0; d < dirs; ++d) {
+            sum += dg(r * dirs + d, s) * g_tangent(r * dirs + d, c);
+            send_t(p, d * out + c) = gate * g_tangent(r * dirs + d, c);
+          }
+          send(p, c) = sum;
+        });
+  }
+  dispatch(send_dy_, back_y_, true);
+  permute(back_y_, expert_y_, true);  // expert_y_ now holds the experts' output gradients
+  const MatrixView recv_t(cotangent_recv_y_.data(), capacity_, dirs * out);
+  dispatch(send_t, recv_t, true);
+  permute(recv_t, MatrixView(cotangent_expert_y_.data(), capacity_, dirs * out), true);
+
+  experts_backward_with_tangents(scratch, dirs, need_input_grad);
+  const MatrixView returned_t(cotangent_returned_x_.data(), assignments_, dirs * in);
+  if (need_input_grad) {
+    permute(expert_dx_, recv_x_, false);
+    dispatch(recv_x_, send_x_, false);  // send_x_ now holds each pair's input gradient
+    const MatrixView back_t(cotangent_back_x_.data(), capacity_, dirs * in);
+    permute(MatrixView(cotangent_expert_x_.data(), capacity_, dirs * in), back_t, false);
+    dispatch(back_t, returned_t, false);
+  }
+
+  // Router: logits' gradient (with the balancing loss's term); its weight's gradient
+  // xᵀ dl + tᵀ ga.
+  router_logit_gradients(pass.loss_scale);
+  const VectorView gr = router_.gradient(scratch);
+  const MatrixView gr_matrix(gr.data(), in, experts);
+  gemm(transposed(x_used_), plain(dlogits_), 0.0f, gr_matrix, Dtype::fp32);
+  gemm(transposed(tangent_x_used_), plain(ga), 1.0f, gr_matrix, Dtype::fp32);
+
+  MatrixView dx;
+  *dt_in = MatrixView();
+  if (need_input_grad) {
+    // dX = dl Wrᵀ + the experts' input gradients; dT = ga Wrᵀ + the experts' input tangents'.
+    const ConstVectorView wr = router_.compute(scratch);
+    const ConstMatrixView wr_matrix(wr.data(), in, experts);
+    const MatrixView full = feature_comm_ ? MatrixView(dx_full_) : MatrixView(dx_);
+    const MatrixView full_t =
+        feature_comm_ ? leading_rows(cotangent_x_full_, rows) : leading_rows(cotangents_, rows);
+    gemm(plain(dlogits_), transposed(wr_matrix), 0.0f, full, Dtype::fp32);
+    gemm(plain(ga), transposed(wr_matrix), 0.0f, full_t, Dtype::fp32);
+    const Matrix returned = send_x_;
+    const Kokkos::View<int64_t**> position = position_;
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_input_grad"), matrix_range(rows_, in),
+        KOKKOS_LAMBDA(const int64_t r, const int64_t c) {
+          float sum = full(r, c);
+          for (int64_t s = 0; s < k; ++s) sum += returned(position(r, s), c);
+          full(r, c) = sum;
+        });
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::moe_input_cotangents"), matrix_range(rows, in),
+        KOKKOS_LAMBDA(const int64_t t, const int64_t c) {
+          const int64_t r = t / dirs, d = t % dirs;
+          float sum = full_t(t, c);
+          for (int64_t s = 0; s < k; ++s) sum += returned_t(position(r, s), d * in + c);
+          full_t(t, c) = sum;
+        });
+    dx = dx_;
+    *dt_in = leading_rows(cotangents_, rows);
+    if (feature_comm_) {  // back to this rank's feature blocks
+      const int64_t width = l.input_width(), offset = feature_index_ * width;
+      const Matrix part = dx_;
+      const MatrixView part_t = *dt_in;
+      Kokkos::parallel_for(
+          MESHTRAIN_LABEL("meshtrain::moe_input_grad_block"), matrix_range(rows_, width),
+          KOKKOS_LAMBDA(const int64_t r, const int64_t c) { part(r, c) = full(r, offset + c); });
+      Kokkos::parallel_for(
+          MESHTRAIN_LABEL("meshtrain::moe_cotangent_block"), matrix_range(rows, width),
+          KOKKOS_LAMBDA(const int64_t t, const int64_t c) {
+            part_t(t, c) = full_t(t, offset + c);
+          });
+    }
+  }
+  reduce_gradients(scratch);
+  return dx;
+}
+
+void MoeLayer::experts_backward_with_tangents(LayerScratch& scratch, int64_t directions,
+                                              bool need_input_grad) {
+  const MoeLayout& l = layout_;
+  const Dtype dtype = Dtype::fp32;
+  const int64_t local = l.experts_local, rows = received_ * directions;
+  const HostOffsets& offsets = expert_offsets_host_;
+  auto bias_first = [this](const MoeParameterStorage& b) {
+    return b.all_experts ? first_expert_ : int64_t{0};
+  };
+  // The tangent inputs and the tangent gradients, `directions` rows per pair, expert-major.
+  const MatrixView t_x(tangent_expert_x_.data(), capacity_ * directions, l.in);
+  const MatrixView g_t(cotangent_expert_y_.data(), capacity_ * directions, l.out);
+  const MatrixView g_t_x(cotangent_expert_x_.data(), capacity_ * directions, l.in);
+  if (!l.feed_forward()) {
+    // dW_e = X_eᵀ dY_e + T_eᵀ dT_e, db_e = column sums of dY_e, dX_e = dY_e W_eᵀ,
+    // dT_in = dT_e W_eᵀ.
+    const VectorView gw = weight_.gradient(scratch);
+    expert_weight_gradients(expert_x_, expert_y_, gw, l.in, l.out, offsets, local, dtype);
+    expert_weight_gradients_add(t_x, g_t, gw, l.in, l.out, offsets, local, directions);
+    expert_bias_gradients(expert_y_, bias_.gradient(scratch), bias_first(l.experts_bias),
+                          expert_offsets_, local, l.out, dtype);
+    if (need_input_grad) {
+      expert_input_gemms(expert_y_, weight_.compute(scratch), l.in, l.out, offsets, local, 0.0f,
+                         expert_dx_, dtype);
+      expert_input_gemms(g_t, weight_.compute(scratch), l.in, l.out, offsets, local, 0.0f, g_t_x,
+                         dtype, directions);
+    }
+    return;
+  }
+  const int64_t in = l.in, hidden = l.hidden, out = l.out;
+  const MatrixView t_up(tangent_up_.data(), capacity_ * directions, hidden);
+  const MatrixView t_h(tangent_h_.data(), capacity_ * directions, hidden);
+  const MatrixView g_th(cotangent_h_.data(), capacity_ * directions, hidden);
+  const MatrixView g_tu(cotangent_up_.data(), capacity_ * directions, hidden);
+  // Down: dD_e = H_eᵀ dY_e + TH_eᵀ dT_e, dbd_e, dH_e = dY_e D_eᵀ, dTH_e = dT_e D_eᵀ.
+  const VectorView gd = down_weight_.gradient(scratch);
+  expert_weight_gradients(ffn_h_, expert_y_, gd, hidden, out, offsets, local, dtype);
+  expert_weight_gradients_add(t_h, g_t, gd, hidden, out, offsets, local, directions);
+  expert_bias_gradients(expert_y_, down_bias_.gradient(scratch), bias_first(l.experts_down_bias),
+                        expert_offsets_, local, out, dtype);
+  expert_input_gemms(expert_y_, down_weight_.compute(scratch), hidden, out, offsets, local, 0.0f,
+                     ffn_dh_, dtype);
+  expert_input_gemms(g_t, down_weight_.compute(scratch), hidden, out, offsets, local, 0.0f, g_th,
+                     dtype, directions);
+  const MatrixView u = row_block(ffn_up_, 0, received_);
+  const MatrixView dh = row_block(ffn_dh_, 0, received_);
+  if (l.gated) {  // SwiGLU: ffn_dh_ becomes up's gradient, ffn_dgate_ gate's
+    const MatrixView g_tg(cotangent_gate_.data(), capacity_ * directions, hidden);
+    swiglu_backward_with_tangents(row_block(ffn_gate_, 0, received_), u,
+                                  MatrixView(tangent_gate_.data(), capacity_ * directions, hidden),
+                                  t_up, dh, g_th, row_block(ffn_dgate_, 0, received_), g_tg, g_tu,
+                                  received_, directions);
+    const VectorView gg = gate_weight_.gradient(scratch);
+    expert_weight_gradients(expert_x_, ffn_dgate_, gg, in, hidden, offsets, local, dtype);
+    expert_weight_gradients_add(t_x, g_tg, gg, in, hidden, offsets, local, directions);
+    expert_bias_gradients(ffn_dgate_, gate_bias_.gradient(scratch), bias_first(l.experts_gate_bias),
+                          expert_offsets_, local, hidden, dtype);
+  } else {
+    // Through the activation (t_h = f'(u) t_up): dU = f'(u) dH + f''(u) sum_d t_up dTH,
+    // dT_up = f'(u) dTH.
+    activation_backward(activation_, u, dh, dtype);
+    activation_curvature_add(activation_, u, row_block(t_up, 0, rows), row_block(g_th, 0, rows),
+                             dh);
+    activation_tangent(activation_, u, row_block(g_th, 0, rows), row_block(g_tu, 0, rows));
+  }
+  // Up: dU_e = X_eᵀ dU + T_eᵀ dT_up, dbu_e, dX_e = dU W_eᵀ, dT_in = dT_up W_eᵀ.
+  const VectorView gu = weight_.gradient(scratch);
+  expert_weight_gradients(expert_x_, ffn_dh_, gu, in, hidden, offsets, local, dtype);
+  expert_weight_gradients_add(t_x, g_tu, gu, in, hidden, offsets, local, directions);
+  expert_bias_gradients(ffn_dh_, bias_.gradient(scratch), bias_first(l.experts_bias),
+                        expert_offsets_, local, hidden, dtype);
+  if (need_input_grad) {
+    expert_input_gemms(ffn_dh_, weight_.compute(scratch), in, hidden, offsets, local, 0.0f,
+                       expert_dx_, dtype);
+    expert_input_gemms(g_tu, weight_.compute(scratch), in, hidden, offsets, local, 0.0f, g_t_x,
+                       dtype, directions);
+    if (l.gated) {  // plus the gate's parts
+      expert_input_gemms(ffn_dgate_, gate_weight_.compute(scratch), in, hidden, offsets, local,
+                         1.0f, expert_dx_, dtype);
+      expert_input_gemms(MatrixView(cotangent_gate_.data(), capacity_ * directions, hidden),
+                         gate_weight_.compute(scratch), in, hidden, offsets, local, 1.0f, g_t_x,
+                         dtype, directions);
+    }
+  }
+}
+
+void MoeLayer::reserve_tangent_backward(int64_t directions) {
+  reserve_tangents(directions);
+  reserve_cotangents(directions);  // the backward's tangent-side buffers
 }
 
 void MoeLayer::experts_cotangents(LayerScratch& scratch, int64_t directions) {

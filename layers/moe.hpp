@@ -96,6 +96,22 @@ class MoeLayer : public Layer {
   // softmax; no parameter gradient, no balancing-loss term.
   MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
   void reserve_cotangents(int64_t directions) override;
+  // Training on derivatives (Sobolev training, docs/derivatives.md): backward through the value
+  // and the first-order tangents of the last forward and forward_tangents, the routing held
+  // fixed. The renormalized gates are the softmax of the chosen logits (g = softmax(l_S)), so
+  // per row, with a_s = dl_s (the tangent logits), m = sum_s g_s a_s, c_s = dt . y_s and
+  // w = sum_s g_s c_s per direction: the tangent logits' gradient is g_s (c_s - w) on the
+  // chosen experts, the gates' gradient gains sum_d dt . t_s + c_s (a_s - m) - a_s w, each expert's
+  // value gradient is g_s dy + sum_d dg_s dt and its tangents' g_s dt; the experts' tangent passes
+  // are differentiated as Linear's (feed-forward: f'' times the hidden tangents joins the
+  // pre-activation's gradient; SwiGLU: its second derivatives likewise). The tangent gradients
+  // travel as wide rows of the forward's dispatch plan. Gradients reduced as backward's; fp32;
+  // linear, activation and SwiGLU experts; first-order only (no forward Laplacian:
+  // supports_laplacian() is false).
+  MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
+                                    const LayerPass& pass, MatrixView* dt_in) override;
+  void reserve_tangent_backward(int64_t directions) override;
+  bool supports_tangent_backward() const override { return true; }
   // Router, experts weight, bias; feed-forward: router, (gate weight, bias,) up weight, bias,
   // down weight, bias.
   size_t parameter_count() const override { return layout_.storages().size(); }
@@ -132,6 +148,17 @@ class MoeLayer : public Layer {
   void experts_tangents(LayerScratch& scratch, int64_t directions);
   // The experts' cotangents: cotangent_expert_y_ -> cotangent_expert_x_, likewise.
   void experts_cotangents(LayerScratch& scratch, int64_t directions);
+  // Training on derivatives: the experts' value gradients (expert_y_) and tangent gradients
+  // (cotangent_expert_y_, `directions` rows per pair) -> every expert parameter's gradient,
+  // and, when need_input_grad, the input's (expert_dx_) and the input tangents'
+  // (cotangent_expert_x_).
+  void experts_backward_with_tangents(LayerScratch& scratch, int64_t directions,
+                                      bool need_input_grad);
+  // The router's gates' gradients in dlogits_(r, 0..k) -> the logits' gradient in dlogits_
+  // (renormalized gates, the balancing loss's term times loss_scale, then the softmax).
+  void router_logit_gradients(float loss_scale);
+  // Gathered, split and FSDP-stored gradients reduced as their storage says (backward's end).
+  void reduce_gradients(LayerScratch& scratch);
   void plan_dispatch();
   // Sends `send` [assignments, c] out and receives into `recv` [received, c] (forward
   // direction), or the reverse; a copy without an expert group.
@@ -201,6 +228,7 @@ class MoeLayer : public Layer {
   Matrix tangent_up_, tangent_gate_, tangent_h_;
   Matrix tangent_expert_y_, tangent_back_y_, tangent_returned_;
   Matrix tangent_out_full_, tangents_;
+  MatrixView tangent_x_used_;  // the last forward_tangents' whole input tangents
   // Cotangents (reserve_cotangents), the same path backwards: the whole output's [rows * k,
   // out] (split output), the gates' and logits', [assignments * k, out] and [capacity * k,
   // out] x 2 to the experts, [capacity * k, hidden] x 3 inside, [capacity * k, in] x 2 and

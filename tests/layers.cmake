@@ -17,8 +17,8 @@ meshtrain_add_test(NAME layers_sobolev_test SOURCES layers/sobolev_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 300)
 # The same through residual_mlps (LayerNorm + silu, RMSNorm + SwiGLU, no norm + tanh; norms
 # perturbed): losses and every parameter gradient against float64 dual numbers and central
-# differences, every mesh against one rank after 3 steps, no allocation per step; MoE blocks
-# refused, dropout accepted.
+# differences, every mesh against one rank after 3 steps, no allocation per step; MoE blocks and
+# dropout accepted.
 meshtrain_add_test(NAME layers_sobolev_residual_test SOURCES layers/sobolev_residual_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 300)
 # Physics losses through the forward Laplacian (docs/derivatives.md): the network's Laplacian
@@ -71,3 +71,9 @@ meshtrain_add_test(NAME layers_dlrm_test SOURCES layers/dlrm_test.cpp
 meshtrain_add_test(NAME layers_sparse_optimizer_test SOURCES layers/sparse_optimizer_test.cpp
                    LIBS meshtrain_layers meshtrain_test_counting_allocator NP 1 2 4 TIMEOUT 120
                    BACKENDS mpi nccl EMULATED)
+# Training on derivatives through MoE layers (an mlp of linear experts, residual_mlp blocks of
+# activation or SwiGLU experts): losses and every parameter gradient against float64 central
+# differences with the routing held fixed, ep, dp, fsdp, tp, dp x ep, fsdp x ep, ep x tp against
+# one rank after 3 steps, no allocation per step; the Laplacian refused.
+meshtrain_add_test(NAME layers_sobolev_moe_test SOURCES layers/sobolev_moe_test.cpp
+                   LIBS meshtrain_layers NP 1 2 4 TIMEOUT 300)

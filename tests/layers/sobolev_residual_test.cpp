@@ -18,7 +18,8 @@
 //     gradient of every step, and the parameters after, within 1e-5 of the tensor's largest
 //     |one|; with the gradients reduced in backward_with_tangents and left for
 //     reduce_gradients(); the step's passes make no Kokkos allocation.
-//   * Refusals: a residual_mlp with MoE blocks is bad_input; one with dropout is accepted.
+//   * A residual_mlp with MoE blocks (tests/layers/sobolev_moe_test.cpp) or dropout is accepted
+//     (16-bit parameters are refused: tests/layers/sobolev_test.cpp).
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -473,20 +474,11 @@ TEST(SobolevResidual, EveryMeshEqualsOneRank) {
   }
 }
 
-// reserve_tangent_backward refuses a residual_mlp with MoE blocks (bad_input, naming what); dropout
-// it accepts (its Sobolev backward is checked through tests/layers/physics_loss_test.cpp's
-// dropout cases, whose Laplacian backward carries the first-order tangents).
-void expect_refused(Mlp& model, const std::string& what) {
-  try {
-    model.reserve_tangent_backward(1);
-    ADD_FAILURE() << what << " accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::bad_input) << e.what();
-    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
-  }
-}
-
-TEST(SobolevResidual, RefusesMoeBlocksAcceptsDropout) {
+// reserve_tangent_backward accepts residual_mlps with MoE blocks (activation and SwiGLU experts:
+// tests/layers/sobolev_moe_test.cpp) and with dropout (its Sobolev backward is checked through
+// tests/layers/physics_loss_test.cpp's dropout cases, whose Laplacian backward carries the
+// first-order tangents).
+TEST(SobolevResidual, AcceptsMoeBlocksAndDropout) {
   const Mesh mesh = Mesh::create({{"dp", 1}}, 1);
   MeshCommunicators comms(mesh, MPI_COMM_SELF, CommunicatorFactory{});
   ParallelContext context(comms, {"dp"}, "tp", CollectiveMatmulAlgorithm::bidirectional, false,
@@ -507,7 +499,10 @@ TEST(SobolevResidual, RefusesMoeBlocksAcceptsDropout) {
   moe.moe.experts = 2;
   moe.moe.top_k = 1;
   Mlp with_moe(moe, Activation::silu, replicated, context, 4);
-  expect_refused(with_moe, "MoE");
+  EXPECT_NO_THROW(with_moe.reserve_tangent_backward(2));  // tests/layers/sobolev_moe_test.cpp
+  moe.gated = true;
+  Mlp with_swiglu_experts(moe, Activation::silu, replicated, context, 4);
+  EXPECT_NO_THROW(with_swiglu_experts.reserve_tangent_backward(2));
 }
 
 }  // namespace
