@@ -185,7 +185,6 @@ def main():
                    "  per step: forward ids all-to-all"):
         if needle not in body:
             fail(f"the text plan's embedding tables section lacks {needle!r}:\n{body}")
-    # A model of another kind has no such section.
     print("PASS")
 
 
