@@ -339,8 +339,8 @@ int run_dlrm_predict(const PredictOptions& options, int rank, const std::vector<
     config.data.batch_size = batch;
     config.data.eval_batch_size = batch;
     // As evaluate: nothing goes into the training run's folder; flight records only where
-    // --flight-dir says (the recorder configured here, as run_predict does: a DlrmRun does not),
-    // and no traces.
+    // --flight-dir says (the recorder configured here, as run_predict does; the DlrmRun then
+    // configures it again from the same keys), and no traces.
     config.runtime.trace_first = config.runtime.trace_last = 0;
     if (options.flight_dir.empty()) {
       config.runtime.flight_records = 0;

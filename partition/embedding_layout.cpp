@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "base/error.hpp"
+#include "partition/collectives.hpp"
 #include "partition/partition_spec.hpp"
 
 namespace meshtrain {
@@ -102,7 +103,48 @@ EmbeddingLayout embedding_layout(const std::string& table, const LinearParameter
   for (const std::string& axis : mesh.active_axes(axes.batch)) {
     if (!contains(l.row_axes, axis)) l.gradient_allreduce.push_back(axis);
   }
+  l.gradient_ranks = mesh.size_of(l.gradient_allreduce);
   return l;
+}
+
+EmbeddingStepBytes embedding_step_bytes(const EmbeddingLayout& l, int64_t bags, int64_t ids_per_bag,
+                                        bool sparse_gradient) {
+  MESHTRAIN_REQUIRE(bags >= 0 && ids_per_bag >= 0, "embedding_step_bytes: ", bags, " bags of ",
+                    ids_per_bag, " ids");
+  constexpr int64_t kFloat = sizeof(float);
+  EmbeddingStepBytes b;
+  b.ids = bags * ids_per_bag;
+  const int64_t slice_floats = l.dim_per_slice;
+  if (l.sharding == EmbeddingSharding::row_wise) {
+    const int n = l.owners;
+    b.parts = bags * std::min<int64_t>(ids_per_bag, n);
+    b.counts_all_to_all = collective_bytes_per_rank(CollectiveKind::all_to_all, n * 4 * kFloat, n);
+    b.ids_all_to_all = collective_bytes_per_rank(CollectiveKind::all_to_all, b.ids * 3 * kFloat, n);
+    b.partial_sums_all_to_all =
+        collective_bytes_per_rank(CollectiveKind::all_to_all, b.parts * slice_floats * kFloat, n);
+    b.backward_all_to_all = b.partial_sums_all_to_all;
+  }
+  if (l.column_slices > 1) {
+    b.column_all_gather = collective_bytes_per_rank(CollectiveKind::all_gather,
+                                                    bags * l.dim * kFloat, l.column_slices);
+  }
+  if (l.gradient_ranks > 1) {
+    int64_t rows = l.rows_per_owner;
+    if (sparse_gradient) {
+      // As EmbeddingBag::use_sparse_gradient: the rows this rank's step can touch (an owner
+      // receives the whole group's ids), then those of every holder, capped at the local rows.
+      const int64_t arriving = l.sharding == EmbeddingSharding::row_wise ? l.owners * b.ids : b.ids;
+      const int64_t local_touch = std::min(l.rows_per_owner, arriving);
+      rows = std::min(l.rows_per_owner, l.gradient_ranks * local_touch);
+      // Each rank's list: a count and its rows, 2 floats each (a row split in two exact parts).
+      b.touched_rows_all_gather = collective_bytes_per_rank(
+          CollectiveKind::all_gather, l.gradient_ranks * (local_touch + 1) * 2 * kFloat,
+          l.gradient_ranks);
+    }
+    b.gradient_all_reduce = collective_bytes_per_rank(
+        CollectiveKind::all_reduce, rows * slice_floats * kFloat, l.gradient_ranks);
+  }
+  return b;
 }
 
 }  // namespace meshtrain

@@ -54,16 +54,52 @@ struct EmbeddingLayout {
   std::vector<std::string> column_axes;
   int column_slices = 1;      // their product (1: every rank holds whole rows)
   int64_t dim_per_slice = 0;  // dim / column_slices
-  // The active batch axes the gradient is all-reduced over after backward.
+  // The active batch axes the gradient is all-reduced over after backward, and their size.
   std::vector<std::string> gradient_allreduce;
+  int gradient_ranks = 1;
   std::vector<std::string> notes;  // for a plan: row-wise over axes of size 1
 
   // Floats this rank sends in a step's all-to-alls for `ids` ids in at most `ids` parts (the
   // worst case: every id its own part): 3 per id out, dim_per_slice per part back (owner), as
   // many per part out in backward. 0 when no rows are split (the column-wise all-gather is not
-  // an all-to-all).
+  // an all-to-all: step_bytes counts it).
   int64_t all_to_all_floats(int64_t ids) const;
 };
+
+// What one rank moves for one table in one training step (`meshtrain plan`), in bytes, by the
+// cost model of partition/collectives.hpp (an all-to-all: what the rank sends, of which
+// (n - 1) / n leaves it at uniform ids; an all-gather of S gathered bytes: S (n - 1) / n; an
+// all-reduce: 2 S (n - 1) / n), for `bags` bags in this rank's batch of `ids_per_bag` ids each.
+// A bag sends one part (a partial sum, and its dy in backward) to each owner of its ids: at most
+// min(ids_per_bag, owners) parts; the figures take that bound, and the owner's returns as many
+// parts as it was sent (uniform ids). fp32 throughout (the layer's only precision).
+struct EmbeddingStepBytes {
+  int64_t ids = 0;    // bags x ids_per_bag
+  int64_t parts = 0;  // row-wise: bags x min(ids_per_bag, owners); else 0
+  // Forward.
+  int64_t counts_all_to_all = 0;        // row-wise: 4 floats per owner, before the ids
+  int64_t ids_all_to_all = 0;           // row-wise: 3 floats per id (the local row, its part)
+  int64_t partial_sums_all_to_all = 0;  // row-wise: dim_per_slice floats per part, back
+  int64_t column_all_gather = 0;  // column-wise: the pooled slices [bags, dim] over the slices
+  // Backward.
+  int64_t backward_all_to_all = 0;      // row-wise: dy of each part to its owner
+  int64_t gradient_all_reduce = 0;      // over gradient_allreduce (sparse: the touched rows only)
+  int64_t touched_rows_all_gather = 0;  // sparse gradients: the touched row lists
+  int64_t forward() const {
+    return counts_all_to_all + ids_all_to_all + partial_sums_all_to_all + column_all_gather;
+  }
+  int64_t backward() const {
+    return backward_all_to_all + gradient_all_reduce + touched_rows_all_gather;
+  }
+  int64_t total() const { return forward() + backward(); }
+};
+
+// `sparse_gradient`: the tables are updated in the rows a step touched (optimizer.embeddings
+// other than "dense"): the gradient all-reduce then carries at most the rows the step's ids can
+// touch (every rank's ids distinct), after an all-gather of the touched lists, as
+// EmbeddingBag::use_sparse_gradient sizes them; dense: the whole local block.
+EmbeddingStepBytes embedding_step_bytes(const EmbeddingLayout& layout, int64_t bags,
+                                        int64_t ids_per_bag, bool sparse_gradient);
 
 // The layout of table `table` whose weight is `weight` ([rows, dim], its spec) on `mesh` with the
 // layer axes `axes` (layer_axes_on). bad_input as described above, and for a shape that is not

@@ -17,6 +17,7 @@
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/core/gemm.hpp"
+#include "framework/observe/flight_recorder.hpp"
 #include "framework/train/resume.hpp"
 #include "layers/mlp.hpp"  // specs_from_plan
 #include "run/run_common.hpp"
@@ -124,6 +125,15 @@ void DlrmRun::plan_run() {
     plan_ = make_plan(model_parameter_shapes(config_.model), *mesh_, partition_rules(config_),
                       options, model_linear_layers(config_.model));
     batch_axes_ = options.batch_axes;
+    // Every collective from here on goes into the flight recorder ([runtime] flight_records),
+    // written to <run.output_dir>/flight/ as TrainingRun's (`meshtrain evaluate` and `predict`
+    // set flight_records = 0 or point output_dir at --flight-dir before they build the run).
+    int world_rank = 0;
+    check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "MPI_Comm_rank");
+    const std::string run_dir =
+        config_.run.output_dir.empty() ? "runs/" + config_.run.name : config_.run.output_dir;
+    flight_recorder().configure(static_cast<std::size_t>(config_.runtime.flight_records), run_dir,
+                                world_rank, world_size);
   });
   const CommBackend backend = resolve_comm_backend(config_.runtime.backend, comm_);
   comms_ = std::make_unique<MeshCommunicators>(*mesh_, comm_, prepare_comm_backend(backend, comm_));

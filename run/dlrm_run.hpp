@@ -2,10 +2,12 @@
 // One training run of a DLRM (`[model] kind = "dlrm"`, docs/recsys.md), as a library type: what
 // `meshtrain train` does for that kind, TrainingRun's sibling. From a RunConfig it sets up, before
 // the first step:
-//   the mesh and the sharding plan (the one `meshtrain plan` prints) -> the communicators and the
-//   layers' context -> the data: the dense features and click labels of data.path / test_path
-//   (x_key, y_key; streamed as every HDF5 source) and the sparse features of the same files
-//   (data.sparse_key, SparseHdf5Reader), this rank's rows of every batch in the same order ->
+//   the mesh and the sharding plan (the one `meshtrain plan` prints), the flight recorder
+//   ([runtime] flight_records, into <run.output_dir>/flight/ as TrainingRun's) -> the
+//   communicators and the layers' context -> the data: the dense features and click labels of
+//   data.path / test_path (x_key, y_key; streamed as every HDF5 source) and the sparse features
+//   of the same files (data.sparse_key, SparseHdf5Reader), this rank's rows of every batch in
+//   the same order ->
 //   the model (Dlrm), its loss (binary cross entropy) and optimizer (optimizer.kind, AdamW or SGD,
 //   over every parameter, or with a sparse optimizer.embeddings over the linear layers only, the
 //   tables then updated in their touched rows by layers/sparse_optimizer.hpp) -> the checkpoint

@@ -20,3 +20,21 @@ foreach(mode train resume bad_id train_rowwise_adagrad resume_rowwise_adagrad re
             -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS} $<TARGET_FILE:meshtrain>)
   set_tests_properties(recsys_dlrm_${mode} PROPERTIES PROCESSORS 2)
 endforeach()
+
+# `meshtrain plan` of a DLRM (docs/recsys.md, "The plan"): each table's placement, rows and
+# columns per rank, bytes per rank and communication per step against hand-computed figures at
+# world 1, 2 and 4 (a row-wise, a column-wise and a replicated table; tests/recsys/
+# check_dlrm_plan.py says how), and the --json keys. No MPI, no data.
+meshtrain_add_command_test(NAME recsys_dlrm_plan TIMEOUT 60
+  COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/recsys/check_dlrm_plan.py
+          $<TARGET_FILE:meshtrain> ${CMAKE_CURRENT_SOURCE_DIR}/recsys/dlrm_plan.toml)
+
+# The flight recorder in a DLRM run: `meshtrain train` on 2 ranks writes <run.output_dir>/flight/
+# rank-{0,1}.json on SIGUSR1 and SIGTERM, as a TrainingRun does (check_dlrm_train.py flight).
+meshtrain_add_command_test(NAME recsys_dlrm_flight TIMEOUT 180 SIGTERM_GRACE
+  COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/recsys/check_dlrm_train.py flight
+          ${PROJECT_SOURCE_DIR}/scripts/make_recsys_data
+          ${CMAKE_CURRENT_SOURCE_DIR}/recsys/dlrm_small.toml
+          ${CMAKE_CURRENT_BINARY_DIR}/recsys_dlrm_flight
+          -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS} $<TARGET_FILE:meshtrain>)
+set_tests_properties(recsys_dlrm_flight PROPERTIES PROCESSORS 2)

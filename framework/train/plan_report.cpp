@@ -15,6 +15,7 @@
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
 #include "framework/train/config.hpp"
+#include "partition/embedding_layout.hpp"
 #include "partition/sharding_picture.hpp"
 
 namespace meshtrain {
@@ -603,6 +604,188 @@ nlohmann::ordered_json plan_to_json(const ShardingPlan& plan,
 
 namespace {
 
+// --- A DLRM's tables: placement, bytes per rank, communication per step -------------------
+
+// The ids per bag the per-step figures assume: the plan reads no data, and a bag's id count is
+// the data's (one id per bag is Criteo's; the figures grow linearly with it, see docs/recsys.md).
+constexpr int64_t kPlannedIdsPerBag = 1;
+
+struct TablePlan {
+  EmbeddingLayout layout;
+  std::string placement;  // "replicated", "row-wise over (fsdp)", "column-wise over (tp)", ...
+  int64_t weight_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0;
+  std::string optimizer_state;  // what optimizer_bytes holds
+  EmbeddingStepBytes step;
+  int64_t bytes_per_rank() const { return weight_bytes + gradient_bytes + optimizer_bytes; }
+};
+
+std::string axes_list(const std::vector<std::string>& axes) {
+  std::string text = "(";
+  for (size_t i = 0; i < axes.size(); ++i) text += (i ? ", " : "") + axes[i];
+  return text + ")";
+}
+
+std::vector<TablePlan> table_plans(const RunConfig& config, const ShardingPlan& plan,
+                                   const PlanOptions& options) {
+  std::vector<TablePlan> tables;
+  if (config.model.kind != ModelKind::dlrm) return tables;
+  const LayerAxes axes{options.batch_axes, options.feature_axis};
+  const EmbeddingOptimizer optimizer = config.optimizer.embeddings;
+  const bool sparse = optimizer != EmbeddingOptimizer::dense;
+  const int64_t bags = std::max<int64_t>(plan.local_batch_rows, 0);
+  for (const DlrmTable& table : config.model.dlrm().tables) {
+    const ParameterPlan& p = plan.find("embeddings/" + table.name + "/weight");
+    TablePlan t;
+    t.layout = embedding_layout(table.name, {p.name, p.shape, p.spec}, plan.mesh, axes);
+    const EmbeddingLayout& l = t.layout;
+    const bool rows_split = l.sharding == EmbeddingSharding::row_wise;
+    const bool columns_split = l.column_slices > 1;
+    if (rows_split && columns_split) {
+      t.placement = "row-wise over " + axes_list(l.row_axes) + ", column-wise over " +
+                    axes_list(l.column_axes);
+    } else if (rows_split) {
+      t.placement = "row-wise over " + axes_list(l.row_axes);
+    } else if (columns_split) {
+      t.placement = "column-wise over " + axes_list(l.column_axes);
+    } else {
+      t.placement = "replicated";
+    }
+    constexpr int64_t kFloat = sizeof(float);
+    const int64_t block = l.rows_per_owner * l.dim_per_slice * kFloat;
+    t.weight_bytes = block;
+    t.gradient_bytes = block;  // allocated in every mode (unused with sparse updates)
+    switch (optimizer) {
+      case EmbeddingOptimizer::dense:
+        t.optimizer_bytes = block * options.optimizer_slots;
+        t.optimizer_state = std::string(to_string(config.optimizer.kind)) + ", " +
+                            std::to_string(options.optimizer_slots) + " slot(s) like the table";
+        break;
+      case EmbeddingOptimizer::rowwise_adagrad:
+        // One accumulator per local row, whole on every rank of the column slices.
+        t.optimizer_bytes = l.rows_per_owner * kFloat;
+        t.optimizer_state = "rowwise_adagrad: 1 float per row";
+        break;
+      case EmbeddingOptimizer::sparse_adamw:
+        // m and v like the table, and each row's step count (whole on every column slice).
+        t.optimizer_bytes = 2 * block + l.rows_per_owner * kFloat;
+        t.optimizer_state = "sparse_adamw: m, v like the table and 1 step count per row";
+        break;
+    }
+    t.step = embedding_step_bytes(l, bags, kPlannedIdsPerBag, sparse);
+    tables.push_back(std::move(t));
+  }
+  return tables;
+}
+
+void write_tables_text(const std::vector<TablePlan>& tables, int64_t bags, std::ostream& out) {
+  if (tables.empty()) return;
+  out << "\nembedding tables (per rank; communication per training step at " << bags << " bags of "
+      << kPlannedIdsPerBag << " id each):\n";
+  std::vector<std::vector<std::string>> rows = {{"table", "placement", "rows x cols held",
+                                                 "weights", "optimizer", "ids a2a", "sums a2a",
+                                                 "col gather", "backward"}};
+  TablePlan sum;
+  for (const TablePlan& t : tables) {
+    const EmbeddingLayout& l = t.layout;
+    rows.push_back({l.table, t.placement,
+                    std::to_string(l.rows_per_owner) + " x " + std::to_string(l.dim_per_slice),
+                    format_bytes(t.weight_bytes), format_bytes(t.optimizer_bytes),
+                    format_bytes(t.step.counts_all_to_all + t.step.ids_all_to_all),
+                    format_bytes(t.step.partial_sums_all_to_all),
+                    format_bytes(t.step.column_all_gather), format_bytes(t.step.backward())});
+    sum.weight_bytes += t.weight_bytes;
+    sum.gradient_bytes += t.gradient_bytes;
+    sum.optimizer_bytes += t.optimizer_bytes;
+  }
+  std::ostringstream table_text;
+  write_table(rows, table_text);
+  std::istringstream lines(table_text.str());
+  for (std::string line; std::getline(lines, line);) out << "  " << line << "\n";
+  int64_t ids = 0, sums = 0, gather = 0, backward = 0;
+  for (const TablePlan& t : tables) {
+    ids += t.step.counts_all_to_all + t.step.ids_all_to_all;
+    sums += t.step.partial_sums_all_to_all;
+    gather += t.step.column_all_gather;
+    backward += t.step.backward();
+  }
+  out << "  total: weights " << format_bytes(sum.weight_bytes) << ", gradients "
+      << format_bytes(sum.gradient_bytes) << ", optimizer state "
+      << format_bytes(sum.optimizer_bytes) << " (" << tables.front().optimizer_state
+      << ") = " << format_bytes(sum.bytes_per_rank()) << " per rank\n";
+  out << "  per step: forward ids all-to-all " << format_bytes(ids) << ", partial sums all-to-all "
+      << format_bytes(sums) << ", column all-gather " << format_bytes(gather)
+      << "; backward (dy all-to-all, gradient all-reduce) " << format_bytes(backward) << "; total "
+      << format_bytes(ids + sums + gather + backward) << "\n";
+  out << "  (an all-to-all counts what a rank sends, its own part included; each further id per "
+         "bag adds 12 bytes to the ids all-to-all and, up to one part per owner, a partial sum "
+         "and its dy)\n";
+}
+
+nlohmann::ordered_json tables_json(const std::vector<TablePlan>& tables, int64_t bags) {
+  using json = nlohmann::ordered_json;
+  json list = json::array();
+  EmbeddingStepBytes total_step;
+  int64_t weights = 0, gradients = 0, optimizer = 0;
+  for (const TablePlan& t : tables) {
+    const EmbeddingLayout& l = t.layout;
+    const EmbeddingStepBytes& s = t.step;
+    list.push_back({{"table", l.table},
+                    {"parameter", l.weight},
+                    {"shape", {l.rows, l.dim}},
+                    {"placement", t.placement},
+                    {"sharding", to_string(l.sharding)},
+                    {"row_axes", l.row_axes},
+                    {"column_axes", l.column_axes},
+                    {"rows_per_rank", l.rows_per_owner},
+                    {"columns_per_rank", l.dim_per_slice},
+                    {"gradient_allreduce_axes", l.gradient_allreduce},
+                    {"weight_bytes_per_rank", t.weight_bytes},
+                    {"gradient_bytes_per_rank", t.gradient_bytes},
+                    {"optimizer_bytes_per_rank", t.optimizer_bytes},
+                    {"bytes_per_rank", t.bytes_per_rank()},
+                    {"step",
+                     {{"ids", s.ids},
+                      {"parts", s.parts},
+                      {"counts_all_to_all_bytes", s.counts_all_to_all},
+                      {"ids_all_to_all_bytes", s.ids_all_to_all},
+                      {"partial_sums_all_to_all_bytes", s.partial_sums_all_to_all},
+                      {"column_all_gather_bytes", s.column_all_gather},
+                      {"backward_all_to_all_bytes", s.backward_all_to_all},
+                      {"gradient_all_reduce_bytes", s.gradient_all_reduce},
+                      {"touched_rows_all_gather_bytes", s.touched_rows_all_gather},
+                      {"forward_bytes", s.forward()},
+                      {"backward_bytes", s.backward()},
+                      {"total_bytes", s.total()}}},
+                    {"notes", l.notes}});
+    weights += t.weight_bytes;
+    gradients += t.gradient_bytes;
+    optimizer += t.optimizer_bytes;
+    total_step.counts_all_to_all += s.counts_all_to_all;
+    total_step.ids_all_to_all += s.ids_all_to_all;
+    total_step.partial_sums_all_to_all += s.partial_sums_all_to_all;
+    total_step.column_all_gather += s.column_all_gather;
+    total_step.backward_all_to_all += s.backward_all_to_all;
+    total_step.gradient_all_reduce += s.gradient_all_reduce;
+    total_step.touched_rows_all_gather += s.touched_rows_all_gather;
+  }
+  return {{"bags_per_rank", bags},
+          {"ids_per_bag", kPlannedIdsPerBag},
+          {"optimizer_state", tables.empty() ? std::string() : tables.front().optimizer_state},
+          {"tables", list},
+          {"totals",
+           {{"weight_bytes_per_rank", weights},
+            {"gradient_bytes_per_rank", gradients},
+            {"optimizer_bytes_per_rank", optimizer},
+            {"bytes_per_rank", weights + gradients + optimizer},
+            {"all_to_all_bytes_per_step", total_step.counts_all_to_all + total_step.ids_all_to_all +
+                                              total_step.partial_sums_all_to_all +
+                                              total_step.backward_all_to_all},
+            {"column_all_gather_bytes_per_step", total_step.column_all_gather},
+            {"forward_bytes_per_step", total_step.forward()},
+            {"backward_bytes_per_step", total_step.backward()},
+            {"total_bytes_per_step", total_step.total()}}}};
+}
+
 // A run's plan on `world_size` ranks, what it reads, and its predicted step (none when the
 // global batch does not divide by the batch shards).
 struct PlannedStep {
@@ -670,6 +853,7 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
   const std::vector<GroupReduction> reductions = planned_reductions(plan, config, hw);
   const char* algorithm_name = to_string(config.runtime.reductions);
   const bool measured = config.runtime.reductions == ReductionAlgorithm::measure;
+  const std::vector<TablePlan> tables = table_plans(config, plan, options);
   if (json) {
     auto doc = plan_to_json(plan, rules, options, config.file);
     nlohmann::ordered_json groups = nlohmann::ordered_json::array();
@@ -687,6 +871,7 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
            {"all_reduce_ring_from", from(g.choice.all_reduce_ring_from)}});
     }
     doc["reductions"] = {{"algorithm", algorithm_name}, {"groups", groups}};
+    if (!tables.empty()) doc["embedding_tables"] = tables_json(tables, plan.local_batch_rows);
     const TrainingWorkspace& w = planned.memory.workspace;
     doc["totals"]["activation_bytes"] = w.activation_bytes;
     doc["totals"]["batch_buffer_bytes"] = w.batch_bytes;
@@ -723,6 +908,7 @@ void print_plan(const RunConfig& config, int world_size, bool json, std::ostream
         std::any_of(by_rank.begin(), by_rank.end(), [&](int64_t b) { return b != staging; });
     write_plan_text(plan, rules, options, config.file, out, staging, &data, &ring,
                     &planned.memory.workspace, some_ranks);
+    write_tables_text(tables, plan.local_batch_rows, out);
     // The groups' reduction algorithm, as the run chooses it under the same profile.
     if (!reductions.empty()) {
       out << "reductions (runtime.reductions = \"" << algorithm_name

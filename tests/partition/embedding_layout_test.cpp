@@ -125,6 +125,68 @@ TEST(EmbeddingLayout, OtherSpecsAndShapesAreBadInput) {
       {"embeddings/cat/weight", "size 5", "fsdp=2"});
 }
 
+// The bytes one rank moves for a table [48, 6] in a step (`meshtrain plan`), by hand: an
+// all-to-all or all-gather of S bytes over n ranks moves S (n - 1) / n, an all-reduce twice that.
+TEST(EmbeddingStepBytes, RowWiseSendsIdsAndPartialSumsToTheOwners) {
+  // 8 bags of 3 ids over 4 owners: 24 ids, at most 8 x min(3, 4) = 24 parts (one per owner a
+  // bag's ids live on).
+  const EmbeddingStepBytes four =
+      embedding_step_bytes(layout({{"fsdp", 4}}, "P(fsdp, None)"), 8, 3, false);
+  EXPECT_EQ(four.ids, 24);
+  EXPECT_EQ(four.parts, 24);
+  EXPECT_EQ(four.counts_all_to_all, 4 * 4 * 4 * 3 / 4);         // 4 floats per owner
+  EXPECT_EQ(four.ids_all_to_all, 24 * 3 * 4 * 3 / 4);           // 3 floats per id
+  EXPECT_EQ(four.partial_sums_all_to_all, 24 * 6 * 4 * 3 / 4);  // a row of dim per part
+  EXPECT_EQ(four.backward_all_to_all, 24 * 6 * 4 * 3 / 4);      // dy of each part
+  EXPECT_EQ(four.column_all_gather, 0);
+  EXPECT_EQ(four.gradient_all_reduce, 0);  // the rows cover every batch axis
+  EXPECT_EQ(four.forward(), 48 + 216 + 432);
+  EXPECT_EQ(four.total(), 48 + 216 + 432 + 432);
+  // Over 2 owners a bag sends at most 2 parts; the dp copies' gradients are summed.
+  const EmbeddingStepBytes two =
+      embedding_step_bytes(layout({{"fsdp", 2}, {"dp", 2}}, "P(fsdp, None)"), 8, 3, false);
+  EXPECT_EQ(two.parts, 16);
+  EXPECT_EQ(two.counts_all_to_all, 2 * 4 * 4 / 2);
+  EXPECT_EQ(two.ids_all_to_all, 24 * 3 * 4 / 2);
+  EXPECT_EQ(two.partial_sums_all_to_all, 16 * 6 * 4 / 2);
+  EXPECT_EQ(two.gradient_all_reduce, 2 * (24 * 6 * 4) / 2);  // the local [24, 6] over dp
+  // One id per bag: one part per bag.
+  EXPECT_EQ(embedding_step_bytes(layout({{"fsdp", 4}}, "P(fsdp, None)"), 8, 1, false).parts, 8);
+}
+
+TEST(EmbeddingStepBytes, ColumnWiseGathersThePooledSlices) {
+  // [8 bags, 6] gathered over tp 2; the [48, 3] slice's gradient all-reduced over dp 2.
+  const EmbeddingLayout columns = layout({{"dp", 2}, {"tp", 2}}, "P(None, tp)");
+  const EmbeddingStepBytes dense = embedding_step_bytes(columns, 8, 3, false);
+  EXPECT_EQ(dense.ids_all_to_all, 0);
+  EXPECT_EQ(dense.partial_sums_all_to_all, 0);
+  EXPECT_EQ(dense.column_all_gather, 8 * 6 * 4 / 2);
+  EXPECT_EQ(dense.gradient_all_reduce, 2 * (48 * 3 * 4) / 2);
+  EXPECT_EQ(dense.touched_rows_all_gather, 0);
+  // Sparse: at most 2 x 24 touched rows (capped at 48); the lists of 25 entries of 2 floats.
+  const EmbeddingStepBytes sparse = embedding_step_bytes(columns, 8, 3, true);
+  EXPECT_EQ(sparse.gradient_all_reduce, 2 * (48 * 3 * 4) / 2);
+  EXPECT_EQ(sparse.touched_rows_all_gather, 2 * 25 * 2 * 4 / 2);
+  // Row-wise within the slices: the all-to-alls carry 3 of the 6 columns.
+  const EmbeddingStepBytes both =
+      embedding_step_bytes(layout({{"dp", 2}, {"tp", 2}}, "P(dp, tp)"), 8, 1, false);
+  EXPECT_EQ(both.partial_sums_all_to_all, 8 * 3 * 4 / 2);
+  EXPECT_EQ(both.column_all_gather, 8 * 6 * 4 / 2);
+}
+
+TEST(EmbeddingStepBytes, ReplicatedSumsItsGradientOnly) {
+  // One rank: nothing moves.
+  EXPECT_EQ(embedding_step_bytes(layout({{"dp", 1}}, "P()"), 8, 3, false).total(), 0);
+  EXPECT_EQ(embedding_step_bytes(layout({{"dp", 1}}, "P(dp, None)"), 8, 3, true).total(), 0);
+  // dp 2: the whole [48, 6] all-reduced, or with sparse updates the rows 2 x 2 bags can touch.
+  const EmbeddingLayout replicated = layout({{"dp", 2}}, "P()");
+  EXPECT_EQ(embedding_step_bytes(replicated, 8, 1, false).total(), 2 * (48 * 6 * 4) / 2);
+  const EmbeddingStepBytes sparse = embedding_step_bytes(replicated, 2, 1, true);
+  EXPECT_EQ(sparse.gradient_all_reduce, 2 * (4 * 6 * 4) / 2);
+  EXPECT_EQ(sparse.touched_rows_all_gather, 2 * 3 * 2 * 4 / 2);
+  EXPECT_EQ(sparse.forward(), 0);
+}
+
 TEST(EmbeddingLayout, ShardingNames) {
   EXPECT_STREQ(to_string(EmbeddingSharding::replicated), "replicated");
   EXPECT_STREQ(to_string(EmbeddingSharding::row_wise), "row-wise");

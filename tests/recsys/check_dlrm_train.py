@@ -46,13 +46,20 @@ where their rows divide, the rest replicated). Modes:
           table; train: every table of np 2's and np 4's step-40 checkpoint within 1e-4
           (absolute) of np 1's.
 
+  flight  the flight recorder in a DLRM run (docs/running.md, "When a run hangs"): np 2 trains
+          without end; once it steps, SIGUSR1 to both ranks writes <run.output_dir>/flight/
+          rank-{0,1}.json (reason SIGUSR1, with the row-wise t25's all_to_all_v on fsdp) while
+          the run goes on; SIGTERM writes them again (reason SIGTERM) and ends the job.
+
   check_dlrm_train.py MODE SCRIPT CONFIG WORK_DIR -- MPIEXEC... MESHTRAIN
 """
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import h5py
 import numpy as np
@@ -358,6 +365,86 @@ def mode_bad_id(launcher, config, work):
     print(f"dlrm clip_norm with sparse tables: {errors[0]}")
 
 
+def mode_flight(launcher, config, work):
+    out = os.path.join(work, "flightrun")
+    mpiexec, meshtrain = launcher[:-1], launcher[-1]
+    argv = [*mpiexec, "-np", "2", meshtrain, "train", config, "--set", f'run.output_dir="{out}"',
+            "--set", "train.steps=100000000", "--set", "train.eval_every=0",
+            "--set", "checkpoint.every_steps=0", "--set", "train.log_every=100000000"]
+    job = subprocess.Popen(argv, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+
+    def ranks():  # the meshtrain processes whose command line names this run's folder
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    comm = f.read().strip()
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            if comm == "meshtrain" and out in cmdline:
+                found.append(int(pid))
+        return sorted(found)
+
+    def stop(message):
+        for pid in ranks():
+            os.kill(pid, signal.SIGKILL)
+        job.kill()
+        stdout, stderr = job.communicate()
+        fail(f"{message}\n{stdout}{stderr}")
+
+    def check_records(reason):
+        for rank in (0, 1):
+            path = os.path.join(out, "flight", f"rank-{rank}.json")
+            record = {}
+            for _ in range(100):
+                try:
+                    with open(path) as f:
+                        record = json.load(f)
+                    if record.get("reason") == reason:
+                        break
+                except (OSError, ValueError):
+                    pass
+                time.sleep(0.1)
+            if record.get("reason") != reason:
+                stop(f"{path}: no record written on {reason} (got {record.get('reason')!r})")
+            entries = record["entries"]
+            fsdp = {e["op"] for e in entries if e["group"] == "axis (fsdp)"}
+            if "all_to_all_v" not in fsdp:
+                stop(f"{path}: no all_to_all_v on axis (fsdp) among {len(entries)} entries "
+                     f"(ops on fsdp: {sorted(fsdp)})")
+            print(f"{path}: {reason}, {record['recorded']} collectives recorded")
+
+    metrics = os.path.join(out, "metrics.jsonl")
+    for _ in range(600):
+        if os.path.exists(metrics) or job.poll() is not None:
+            break
+        time.sleep(0.1)
+    if not os.path.exists(metrics):
+        stop("the DLRM run did not start stepping within 60 s")
+    time.sleep(1)
+    pids = ranks()
+    if len(pids) != 2:
+        stop(f"expected 2 ranks, found {pids}")
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR1)
+    check_records("SIGUSR1")
+    time.sleep(0.5)
+    if ranks() != pids:
+        stop("the run did not go on after SIGUSR1")
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    try:
+        job.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        stop("the job did not end within 60 s of SIGTERM")
+    if job.returncode == 0:
+        fail("the job exited 0 after SIGTERM")
+    check_records("SIGTERM")
+
+
 def main():
     if len(sys.argv) < 7 or sys.argv[5] != "--":
         fail("usage: check_dlrm_train.py MODE SCRIPT CONFIG WORK_DIR -- MPIEXEC... MESHTRAIN")
@@ -373,7 +460,7 @@ def main():
     os.makedirs(work)
     make_data(script, work)
     {"train": mode_train, "resume": mode_resume, "bad_id": mode_bad_id,
-     "columns": mode_columns}[mode](
+     "columns": mode_columns, "flight": mode_flight}[mode](
         launcher, os.path.abspath(config), work)
 
 

@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""`meshtrain plan` of a DLRM (issue 39, docs/recsys.md, "The plan"): tests/recsys/dlrm_plan.toml's
+three tables (big [64, 8] row-wise over fsdp, wide [10, 8] column-wise over tp, small [6, 8]
+replicated; batch 16) planned on world 1, 2 (fsdp 2; and tp 2) and 4 (fsdp 2 x tp 2), with AdamW
+and with each sparse optimizer.embeddings. Every table's placement, rows and columns per rank,
+bytes per rank (weights, gradient, optimizer state) and per-step bytes of `--json`'s
+"embedding_tables" are checked against the figures computed here by hand from the layer's
+protocol (layers/embedding_bag.hpp) and the cost model of partition/collectives.hpp, and a few of
+them against literal values; the text output's section is checked for its rows and totals.
+
+  check_dlrm_plan.py MESHTRAIN CONFIG
+"""
+import json
+import subprocess
+import sys
+
+F = 4  # bytes of a float
+BATCH = 16
+DIM = 8
+ROWS = {"big": 64, "wide": 10, "small": 6}
+TABLE_KEYS = ["table", "parameter", "shape", "placement", "sharding", "row_axes", "column_axes",
+              "rows_per_rank", "columns_per_rank", "gradient_allreduce_axes",
+              "weight_bytes_per_rank", "gradient_bytes_per_rank", "optimizer_bytes_per_rank",
+              "bytes_per_rank", "step", "notes"]
+STEP_KEYS = ["ids", "parts", "counts_all_to_all_bytes", "ids_all_to_all_bytes",
+             "partial_sums_all_to_all_bytes", "column_all_gather_bytes",
+             "backward_all_to_all_bytes", "gradient_all_reduce_bytes",
+             "touched_rows_all_gather_bytes", "forward_bytes", "backward_bytes", "total_bytes"]
+TOTAL_KEYS = ["weight_bytes_per_rank", "gradient_bytes_per_rank", "optimizer_bytes_per_rank",
+              "bytes_per_rank", "all_to_all_bytes_per_step", "column_all_gather_bytes_per_step",
+              "forward_bytes_per_step", "backward_bytes_per_step", "total_bytes_per_step"]
+
+
+def fail(message):
+    sys.exit(f"check_dlrm_plan: {message}")
+
+
+def moved(kind, full, ranks):
+    """Bytes one rank moves (partition/collectives.hpp): all_to_all and all_gather
+    S (n - 1) / n, all_reduce 2 S (n - 1) / n."""
+    return full * (ranks - 1) * (2 if kind == "all_reduce" else 1) // ranks
+
+
+def expected(table, fsdp, tp, optimizer):
+    """The hand-computed plan of one table on fsdp x tp ranks (1 id per bag)."""
+    rows, bags = ROWS[table], BATCH // fsdp
+    owners = fsdp if table == "big" else 1
+    slices = tp if table == "wide" else 1
+    local_rows, cols = rows // owners, DIM // slices
+    block = local_rows * cols * F
+    optimizer_bytes = {"dense": 2 * block, "rowwise_adagrad": local_rows * F,
+                       "sparse_adamw": 2 * block + local_rows * F}[optimizer]
+    step = dict.fromkeys(STEP_KEYS, 0)
+    step["ids"] = bags
+    if owners > 1:
+        step["parts"] = bags  # one id per bag: one part per bag
+        step["counts_all_to_all_bytes"] = moved("all_to_all", owners * 4 * F, owners)
+        step["ids_all_to_all_bytes"] = moved("all_to_all", bags * 3 * F, owners)
+        step["partial_sums_all_to_all_bytes"] = moved("all_to_all", bags * cols * F, owners)
+        step["backward_all_to_all_bytes"] = step["partial_sums_all_to_all_bytes"]
+    if slices > 1:
+        step["column_all_gather_bytes"] = moved("all_gather", bags * DIM * F, slices)
+    # The gradient is summed over the batch axis (fsdp) unless the rows are split over it.
+    holders = 1 if owners > 1 else fsdp
+    if holders > 1:
+        reduced_rows = local_rows
+        if optimizer != "dense":
+            touch = min(local_rows, bags)  # replicated: this rank's ids
+            reduced_rows = min(local_rows, holders * touch)
+            step["touched_rows_all_gather_bytes"] = moved(
+                "all_gather", holders * (touch + 1) * 2 * F, holders)
+        step["gradient_all_reduce_bytes"] = moved("all_reduce", reduced_rows * cols * F, holders)
+    step["forward_bytes"] = (step["counts_all_to_all_bytes"] + step["ids_all_to_all_bytes"] +
+                             step["partial_sums_all_to_all_bytes"] +
+                             step["column_all_gather_bytes"])
+    step["backward_bytes"] = (step["backward_all_to_all_bytes"] +
+                              step["gradient_all_reduce_bytes"] +
+                              step["touched_rows_all_gather_bytes"])
+    step["total_bytes"] = step["forward_bytes"] + step["backward_bytes"]
+    if owners > 1:
+        placement = "row-wise over (fsdp)"
+    elif slices > 1:
+        placement = "column-wise over (tp)"
+    else:
+        placement = "replicated"
+    return {"placement": placement, "rows_per_rank": local_rows, "columns_per_rank": cols,
+            "weight_bytes_per_rank": block, "gradient_bytes_per_rank": block,
+            "optimizer_bytes_per_rank": optimizer_bytes,
+            "bytes_per_rank": 2 * block + optimizer_bytes, "step": step}
+
+
+def plan(meshtrain, config, world, tp, optimizer, json_out):
+    sets = ["--set", f"mesh.tp={tp}", "--set", f'optimizer.embeddings="{optimizer}"']
+    argv = [meshtrain, "plan", config, "--world", str(world), *sets] + (["--json"] if json_out
+                                                                          else [])
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        fail(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}")
+    return json.loads(done.stdout) if json_out else done.stdout
+
+
+def check_json(meshtrain, config, world, tp, optimizer):
+    fsdp = world // tp
+    what = f"world {world} (fsdp {fsdp} x tp {tp}), optimizer.embeddings = {optimizer}"
+    doc = plan(meshtrain, config, world, tp, optimizer, True)
+    section = doc.get("embedding_tables")
+    if section is None:
+        fail(f"{what}: the JSON plan has no \"embedding_tables\": {sorted(doc)}")
+    if list(section) != ["bags_per_rank", "ids_per_bag", "optimizer_state", "tables", "totals"]:
+        fail(f"{what}: embedding_tables' keys are {list(section)}")
+    if section["bags_per_rank"] != BATCH // fsdp or section["ids_per_bag"] != 1:
+        fail(f"{what}: bags_per_rank {section['bags_per_rank']}, ids_per_bag "
+             f"{section['ids_per_bag']}, not {BATCH // fsdp} and 1")
+    tables = section["tables"]
+    if [t["table"] for t in tables] != list(ROWS):
+        fail(f"{what}: tables {[t['table'] for t in tables]}, not {list(ROWS)}")
+    totals = dict.fromkeys(TOTAL_KEYS, 0)
+    for t in tables:
+        if list(t) != TABLE_KEYS or list(t["step"]) != STEP_KEYS:
+            fail(f"{what}: table {t['table']}'s keys are {list(t)}, step {list(t['step'])}")
+        want = expected(t["table"], fsdp, tp, optimizer)
+        for key, value in want.items():
+            if t[key] != value:
+                fail(f"{what}: table {t['table']}'s {key} is {t[key]}, expected {value}")
+        if t["shape"] != [ROWS[t["table"]], DIM] or t["parameter"] != (
+                f"embeddings/{t['table']}/weight"):
+            fail(f"{what}: table {t['table']} is {t['parameter']} {t['shape']}")
+        # The table's parameter row agrees (its bytes per rank are the weights').
+        param = next(p for p in doc["parameters"] if p["name"] == t["parameter"])
+        if param["bytes_per_rank"] != t["weight_bytes_per_rank"]:
+            fail(f"{what}: {t['parameter']} holds {param['bytes_per_rank']} bytes per rank in "
+                 f"the parameters, {t['weight_bytes_per_rank']} in embedding_tables")
+        s = t["step"]
+        totals["weight_bytes_per_rank"] += t["weight_bytes_per_rank"]
+        totals["gradient_bytes_per_rank"] += t["gradient_bytes_per_rank"]
+        totals["optimizer_bytes_per_rank"] += t["optimizer_bytes_per_rank"]
+        totals["bytes_per_rank"] += t["bytes_per_rank"]
+        totals["all_to_all_bytes_per_step"] += (
+            s["counts_all_to_all_bytes"] + s["ids_all_to_all_bytes"] +
+            s["partial_sums_all_to_all_bytes"] + s["backward_all_to_all_bytes"])
+        totals["column_all_gather_bytes_per_step"] += s["column_all_gather_bytes"]
+        totals["forward_bytes_per_step"] += s["forward_bytes"]
+        totals["backward_bytes_per_step"] += s["backward_bytes"]
+        totals["total_bytes_per_step"] += s["total_bytes"]
+    if section["totals"] != totals:
+        fail(f"{what}: totals {section['totals']}, expected {totals}")
+    return section
+
+
+def main():
+    if len(sys.argv) != 3:
+        fail("usage: check_dlrm_plan.py MESHTRAIN CONFIG")
+    meshtrain, config = sys.argv[1:]
+    for world, tp in ((1, 1), (2, 1), (2, 2), (4, 2)):
+        for optimizer in ("dense", "rowwise_adagrad", "sparse_adamw"):
+            section = check_json(meshtrain, config, world, tp, optimizer)
+            if (world, tp, optimizer) == (4, 2, "dense"):
+                # Literal figures (8 bags per rank): big's ids all-to-all 8 ids x 12 bytes / 2
+                # and its partial sums 8 x 8 floats / 2; wide's gathered [8, 8] / 2; small's
+                # gradient [6, 8] all-reduced over fsdp 2: 2 x 192 / 2.
+                big, wide, small = section["tables"]
+                literal = [(big["step"]["ids_all_to_all_bytes"], 48),
+                           (big["step"]["partial_sums_all_to_all_bytes"], 128),
+                           (big["step"]["counts_all_to_all_bytes"], 16),
+                           (big["weight_bytes_per_rank"], 1024),
+                           (wide["step"]["column_all_gather_bytes"], 128),
+                           (wide["columns_per_rank"], 4),
+                           (small["step"]["gradient_all_reduce_bytes"], 192),
+                           (section["totals"]["all_to_all_bytes_per_step"], 16 + 48 + 128 + 128)]
+                for got, want in literal:
+                    if got != want:
+                        fail(f"world 4: a literal figure is {got}, not {want}: {section}")
+    # The text: the section's header, a row per table with its placement and block, the totals.
+    text = plan(meshtrain, config, 4, 2, "dense", False)
+    lines = text.splitlines()
+    try:
+        start = next(i for i, l in enumerate(lines) if l.startswith("embedding tables (per rank;"))
+    except StopIteration:
+        fail(f"the text plan has no embedding tables section:\n{text}")
+    if "8 bags of 1 id each" not in lines[start]:
+        fail(f"the section's header does not say 8 bags of 1 id: {lines[start]!r}")
+    body = "\n".join(lines[start:start + 8])
+    for needle in ("big    row-wise over (fsdp)", "wide   column-wise over (tp)",
+                   "small  replicated", "32 x 8", "10 x 4", "6 x 8", "  total: weights",
+                   "  per step: forward ids all-to-all"):
+        if needle not in body:
+            fail(f"the text plan's embedding tables section lacks {needle!r}:\n{body}")
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()
