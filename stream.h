@@ -34,6 +34,15 @@ typedef struct mt_stream_options {
   int64_t message_rows; /* rows of one message at most; 0: 256 */
   int backpressure;     /* MT_STREAM_DROP (default) or MT_STREAM_BLOCK */
   MPI_Comm parent;      /* where the trainer is found; MPI_COMM_NULL: MPI_COMM_WORLD */
+  /* Seconds mt_stream_close waits for the trainer's last word; 0: 120; INFINITY: for ever;
+   * negative or NaN: MT_STREAM_BAD_INPUT. */
+  double close_timeout;
+  /* Called with each sentence the simulation should be told (no "warning: " prefix): the
+   * trainer's stop (producer rank 0) and a close the trainer did not answer (that rank), with
+   * warning_data. NULL: printed to stderr as "warning: SENTENCE" (a simulation that gives no
+   * callback, the Fortran one, would otherwise never learn of an unanswered close). */
+  void (*on_warning)(const char* sentence, void* warning_data);
+  void* warning_data;
 } mt_stream_options;
 
 /* Collective over the parent communicator. *out is set (even on failure, for the error). */
@@ -42,23 +51,24 @@ int mt_stream_connect(MPI_Comm comm, const char* name, int64_t inputs, int64_t o
 /* x [rows, inputs], y [rows, outputs], row-major, of the connected dtype. */
 int mt_stream_send(mt_stream* s, const void* x, const void* y, int64_t rows);
 /* Sends the close, then waits for the trainer's last word (its stop, or done once it took the
- * close; at most 120 s, after which it prints one warning and returns). */
+ * close; at most options.close_timeout s, after which it reports one warning and returns). */
 int mt_stream_close(mt_stream* s);
 void mt_stream_free(mt_stream* s);
 int64_t mt_stream_rows_sent(const mt_stream* s);
 int64_t mt_stream_rows_dropped(const mt_stream* s);
 const char* mt_stream_last_error(const mt_stream* s);
 /* 1 when the trainer failed after connect and told the producers to stop: every send since
- * then returned 0 and dropped its rows (mt_stream_rows_dropped); rank 0 printed one warning
- * (the C API prints it to stderr; the C++ library reports it through on_warning). */
+ * then returned 0 and dropped its rows (mt_stream_rows_dropped); rank 0 reported one warning
+ * (options.on_warning, else stderr). */
 int mt_stream_stopped(const mt_stream* s);
 
 /* For Fortran (iso_c_binding; docs/online.md has the interface block): mt_stream_connect with
  * the communicator as a Fortran handle (`comm%MPI_VAL` under `use mpi_f08`, the integer under
- * `use mpi`), the options as values (0: the defaults; the parent is MPI_COMM_WORLD) and the
- * name NUL-terminated (`trim(name) // c_null_char`). */
+ * `use mpi`), the options as values (0: the defaults; the parent is MPI_COMM_WORLD; warnings
+ * printed to stderr) and the name NUL-terminated (`trim(name) // c_null_char`). */
 int mt_stream_connect_f(MPI_Fint comm, const char* name, int64_t inputs, int64_t outputs, int dtype,
-                        int64_t ring_rows, int64_t message_rows, int backpressure, mt_stream** out);
+                        int64_t ring_rows, int64_t message_rows, int backpressure,
+                        double close_timeout, mt_stream** out);
 
 /* The trainer's model as it trains (its stream.publish_every > 0): the C form of
  * meshtrain::LiveModel (docs/online.md), in the meshtrain_run library.

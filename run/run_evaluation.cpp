@@ -44,6 +44,7 @@ EvalEvent TrainingRun::evaluate() {
     const LossResult r =
         compute_loss(loss, output, labels, targets, /*with_gradient=*/false, valid);
     eval_metrics_->add(output, labels, targets, valid, r);
+    answer_stream_closes();  // a long evaluation leaves no simulation waiting on its close
   }
   if (!std::isfinite(eval_metrics_->loss_sum())) throw_agreed_data_error();
   EvalEvent event;

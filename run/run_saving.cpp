@@ -56,6 +56,7 @@ std::string TrainingRun::start_save() {
   }
   std::string path;
   TraceSpan span("checkpoint save");
+  answer_stream_closes();  // the waits below may be long
   on_every_rank(comm_, [&] {
     report_checkpoint(checkpointer_->wait());  // the previous one, when still in flight
     in_flight_step_ = steps_done_;
@@ -68,7 +69,9 @@ std::string TrainingRun::start_save() {
 
 std::optional<std::string> TrainingRun::finish_save() {
   std::optional<std::string> path;
+  answer_stream_closes();  // before and after the wait, which may be long
   on_every_rank(comm_, [&] { path = checkpointer_->wait(); });
+  answer_stream_closes();
   report_checkpoint(path);
   return path;
 }

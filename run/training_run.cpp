@@ -108,6 +108,9 @@ RunSummary TrainingRun::train() {
   finish_save();
   // Training completed: the stream ends with "done" to its producers, not a stop.
   if (stream_) stream_->finish();
+  // The closes that came during the last evaluation and save are answered now, not when the
+  // run is destroyed after the program's own code (the producers wait for it).
+  answer_stream_closes();
   // A run that stopped inside its trace window (early stopping, fewer steps) writes what it
   // recorded.
   if (tracing_) end_trace();
@@ -139,6 +142,7 @@ void TrainingRun::train_steps(RunSummary& summary) {
     bool improved = false;
     if ((eval_now || last) && (eval_schedule_.num_batches > 0 || evaluates_held_out_rows())) {
       summary.last_eval = evaluate();
+      answer_stream_closes();
       improved = record_evaluation(*summary.last_eval);
       metrics_->eval(*summary.last_eval);
       if (events_.on_eval) events_.on_eval(*summary.last_eval);
@@ -153,6 +157,7 @@ void TrainingRun::train_steps(RunSummary& summary) {
     window_.add_paused(before_save - after_step);
     if (save_now || last) {
       start_save();
+      answer_stream_closes();
       window_.mark_save();
     } else if (checkpointer_->in_flight()) {
       // Not wrapped in an agreement: poll() reads an MPI_Iallreduce started at the previous
@@ -227,6 +232,17 @@ void TrainingRun::log_step(const StepResult& result) {
 }
 
 StepResult TrainingRun::step() {
+  try {
+    return run_step();
+  } catch (const std::exception& error) {
+    // Also for a caller stepping by hand that catches the error and goes on to destroy the
+    // run: the producers are told this sentence rather than the destructor's generic one.
+    if (stream_) stream_->stop_producers(error.what());
+    throw;
+  }
+}
+
+StepResult TrainingRun::run_step() {
   const int64_t number = steps_done_ + 1;
   if (config_.runtime.traces() && number == config_.runtime.trace_first) begin_trace();
   if (tracing_) reset_pass_counts();

@@ -279,6 +279,12 @@ class TrainingRun {
   std::string plan_item_of(const TrackedAllocation& allocation) const;
 
  private:
+  StepResult run_step();  // step() without its stream stop on an error
+  // Trainer rank 0 answers the stream's producers' closes outside a step (evaluation, saves,
+  // the end of train()): StreamSource::answer_closes.
+  void answer_stream_closes() {
+    if (stream_) stream_->answer_closes();
+  }
   // Set-up, in the constructor's order (run_setup.cpp).
   void plan_run();
   void open_data(std::optional<RunData> data);

@@ -3,7 +3,7 @@
 # equal to the same rows from an HDF5 file, a shape mismatch one sentence on both sides. The
 # timeout ends any hang of the rendezvous or the close.
 meshtrain_add_test(NAME online_stream_test SOURCES online/stream_test.cpp LIBS meshtrain_run
-                   NP 2 3 4 TIMEOUT 120)
+                   NP 2 3 4 TIMEOUT 180)
 
 # Checkpoints of an online run (its buffers under /stream) and resuming with them, at trainers 1
 # and 2 x producers 1 and 2 (np 2: 1 + 1; np 3: 1 + 2 and 2 + 1; np 4: 2 + 2): the resumed run

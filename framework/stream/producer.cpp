@@ -36,6 +36,11 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
                         "), message_rows (", options.message_rows, ") and ring_rows (",
                         options.ring_rows, ") must be positive");
   }
+  // NaN compares false: refused with the negatives (it would otherwise wait for ever).
+  if (!(options.close_timeout >= 0.0)) {
+    MESHTRAIN_BAD_INPUT("stream \"", name, "\": close_timeout must be 0 (wait for ever) or a ",
+                        "positive number of seconds, got ", options.close_timeout);
+  }
   int rank = 0, size = 1;
   check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size");

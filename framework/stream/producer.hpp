@@ -36,13 +36,15 @@ struct StreamProducerOptions {
   StreamBackpressure backpressure = StreamBackpressure::drop;
   MPI_Comm parent = MPI_COMM_WORLD;  // where the trainer is found
   // Seconds close() waits for the trainer's last word (its stop or its done, docs/online.md)
-  // after this rank's sends completed; 0: for ever. On timeout close() reports one warning
-  // (on_warning) and returns, the last word left unreceived.
+  // after this rank's sends completed; 0 (or infinity): for ever; negative or NaN: connect
+  // refuses it (bad_input). On timeout close() reports one warning (on_warning) and returns,
+  // the last word left unreceived.
   double close_timeout = 120.0;
   // What the simulation should be told, one sentence each (no "warning: " prefix): the trainer's
   // stop (on producer rank 0 only: every rank takes it) and a close the trainer did not answer
   // in close_timeout (on that rank). The library prints nothing itself: empty, nothing is
-  // reported but stopped() and stop_reason(). The C API (stream.h) prints them to stderr.
+  // reported but stopped() and stop_reason(). The C API (stream.h) passes them to its
+  // mt_stream_options.on_warning, else prints them to stderr.
   std::function<void(const std::string&)> on_warning;
 };
 

@@ -40,6 +40,8 @@ int mt_stream_connect(MPI_Comm comm, const char* name, int64_t inputs, int64_t o
                           "MT_STREAM_FLOAT64, got ", dtype);
     }
     meshtrain::StreamProducerOptions o;
+    void (*on_warning)(const char*, void*) = nullptr;
+    void* warning_data = nullptr;
     if (options) {
       if (options->ring_rows > 0) o.ring_rows = options->ring_rows;
       if (options->message_rows > 0) o.message_rows = options->message_rows;
@@ -47,13 +49,24 @@ int mt_stream_connect(MPI_Comm comm, const char* name, int64_t inputs, int64_t o
                            ? meshtrain::StreamBackpressure::block
                            : meshtrain::StreamBackpressure::drop;
       if (options->parent != MPI_COMM_NULL) o.parent = options->parent;
+      // 0 is the struct's zero default (120 s); negatives and NaN reach connect's refusal.
+      if (options->close_timeout != 0.0) o.close_timeout = options->close_timeout;
+      on_warning = options->on_warning;
+      warning_data = options->warning_data;
     }
-    // The C API prints what the simulation should be told (the trainer's stop on producer rank
-    // 0, a close the trainer did not answer), as C has no callback for it.
-    o.on_warning = [](const std::string& warning) {
-      std::fprintf(stderr, "warning: %s\n", warning.c_str());
-      std::fflush(stderr);
-    };
+    if (on_warning) {
+      o.on_warning = [on_warning, warning_data](const std::string& warning) {
+        on_warning(warning.c_str(), warning_data);
+      };
+    } else {
+      // No callback (NULL options, the Fortran entry): printed, since a C or Fortran simulation
+      // has no other way to learn of a close the trainer did not answer (mt_stream_stopped
+      // covers the stop alone), and silence there would hide a 120 s wait.
+      o.on_warning = [](const std::string& warning) {
+        std::fprintf(stderr, "warning: %s\n", warning.c_str());
+        std::fflush(stderr);
+      };
+    }
     s->dtype = dtype;
     s->producer.connect(comm, name, inputs, outputs,
                         dtype == MT_STREAM_FLOAT64 ? meshtrain::StreamDtype::float64
@@ -100,8 +113,9 @@ const char* mt_stream_last_error(const mt_stream* s) {
 
 int mt_stream_connect_f(MPI_Fint comm, const char* name, int64_t inputs, int64_t outputs, int dtype,
                         int64_t ring_rows, int64_t message_rows, int backpressure,
-                        mt_stream** out) {
-  const mt_stream_options options = {ring_rows, message_rows, backpressure, MPI_COMM_NULL};
+                        double close_timeout, mt_stream** out) {
+  const mt_stream_options options = {ring_rows,     message_rows, backpressure, MPI_COMM_NULL,
+                                     close_timeout, nullptr,      nullptr};
   return mt_stream_connect(MPI_Comm_f2c(comm), name, inputs, outputs, dtype, &options, out);
 }
 

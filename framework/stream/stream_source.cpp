@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "base/error.hpp"
@@ -147,6 +148,8 @@ StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
   target_stats_ = model.target_stats;
   last_word_sent_.assign(producers, 0);
   last_word_requests_.reserve(producers);
+  close_drained_.assign(producers, 0);
+  drain_scratch_.assign(static_cast<size_t>(message_bytes_), 0);
   done_message_.kind = sp::kDone;
 }
 
@@ -184,6 +187,69 @@ void StreamSource::send_done(size_t producer) {
   }
 }
 
+void StreamSource::answer_closes() {
+  if (trainer_rank_ != 0 || producers_.empty()) return;
+  try {
+    if (finished_) {
+      drain_to_closes();
+    } else {
+      receive();  // into the free staging slots, as a pull would (its group takes them later)
+    }
+    for (size_t p = 0; p < producers_.size(); ++p) {
+      if (last_word_sent_[p] || gone_[p]) continue;
+      for (int64_t i = 0; i < staged_count_[p]; ++i) {
+        const auto& slot =
+            staging_[p][static_cast<size_t>((staged_head_[p] + i) % sp::kStagingSlots)];
+        sp::Header header;
+        std::memcpy(&header, slot.data(), sizeof header);
+        if (header.kind != sp::kClose) continue;
+        send_done(p);  // the pull that takes this close later sends nothing more
+        if (p == 0) end_owed_ = true;
+      }
+    }
+    if (publish_every_ > 0) progress_publish();
+  } catch (const Error&) {
+    // An early answer only: the destructor answers what is left (or the producer's
+    // close_timeout ends its wait); the run's own work goes on.
+  }
+}
+
+// After finish(): no step takes the rows any more. Each producer whose close is not staged and
+// whose staging is full has its further messages received and dropped up to its close (kept in
+// close_drained_ for the destructor).
+void StreamSource::drain_to_closes() {
+  receive();
+  for (size_t p = 0; p < producers_.size(); ++p) {
+    if (closed_[p] || gone_[p] || close_drained_[p] || last_word_sent_[p]) continue;
+    if (staged_count_[p] < sp::kStagingSlots) continue;  // all that came is staged
+    bool staged_close = false;
+    for (int64_t i = 0; i < staged_count_[p] && !staged_close; ++i) {
+      sp::Header header;
+      std::memcpy(
+          &header,
+          staging_[p][static_cast<size_t>((staged_head_[p] + i) % sp::kStagingSlots)].data(),
+          sizeof header);
+      staged_close = header.kind == sp::kClose;
+    }
+    while (!staged_close && !close_drained_[p]) {
+      int flag = 0;
+      check_mpi(MPI_Iprobe(producers_[p], sp::kTag, stream_comm_, &flag, MPI_STATUS_IGNORE),
+                "MPI_Iprobe (a stream's rows after training)");
+      if (!flag) break;
+      check_mpi(MPI_Recv(drain_scratch_.data(), static_cast<int>(drain_scratch_.size()), MPI_BYTE,
+                         producers_[p], sp::kTag, stream_comm_, MPI_STATUS_IGNORE),
+                "MPI_Recv (a stream's rows after training)");
+      sp::Header header;
+      std::memcpy(&header, drain_scratch_.data(), sizeof header);
+      if (header.kind == sp::kClose) {
+        close_drained_[p] = 1;
+        send_done(p);
+        if (p == 0) end_owed_ = true;
+      }
+    }
+  }
+}
+
 StreamSource::~StreamSource() {
   // Destroyed before the run completed (finish(): not after an error, in set-up or training,
   // whether the caller caught it or not, nor when a caller stepping by hand stopped early): the
@@ -198,7 +264,9 @@ StreamSource::~StreamSource() {
   // A producer taken for gone is not waited for (nor, when it is producer 0, the publishes it
   // would take: their sends are left to MPI).
   std::vector<char> closed = closed_;
-  for (size_t p = 0; p < producers_.size(); ++p) closed[p] = closed[p] || gone_[p];
+  for (size_t p = 0; p < producers_.size(); ++p) {
+    closed[p] = closed[p] || gone_[p] || close_drained_[p];
+  }
   if (!gone_.empty() && gone_[0]) publish_every_ = 0;
   for (size_t p = 0; p < producers_.size(); ++p) {
     for (int64_t i = 0; i < staged_count_[p]; ++i) {
@@ -221,7 +289,21 @@ StreamSource::~StreamSource() {
   std::vector<char> has_sent(producers_.size(), 0);
   for (size_t p = 0; p < producers_.size(); ++p) has_sent[p] = heard_total_[p] > 0;
   const double timeout = section_.producer_timeout;
-  while (std::find(closed.begin(), closed.end(), 0) != closed.end() || !publish_finished()) {
+  // Once every producer closed, the publishes' end is waited for at most kLastWordWaitSeconds:
+  // a producer 0 whose close() gave up waiting (its close_timeout) never takes them.
+  std::optional<std::chrono::steady_clock::time_point> all_closed_at;
+  while (true) {
+    if (std::find(closed.begin(), closed.end(), 0) == closed.end()) {
+      if (publish_finished()) break;
+      const auto now = std::chrono::steady_clock::now();
+      if (!all_closed_at) all_closed_at = now;
+      if (std::chrono::duration<double>(now - *all_closed_at).count() > kLastWordWaitSeconds) {
+        // Left to MPI: nobody receives them (their buffers are never read again).
+        if (in_flight_request_ != MPI_REQUEST_NULL) MPI_Request_free(&in_flight_request_);
+        if (end_request_ != MPI_REQUEST_NULL) MPI_Request_free(&end_request_);
+        break;
+      }
+    }
     bool got = false;
     for (size_t p = 0; p < producers_.size(); ++p) {
       if (closed[p]) continue;

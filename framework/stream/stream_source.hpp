@@ -155,6 +155,14 @@ class StreamSource : public RowSource {
   // a stop. Without it (an error the caller caught, a caller that stops stepping early) the
   // destructor stops the producers.
   void finish() { finished_ = true; }
+  // Trainer rank 0, outside pull() (the run's evaluation, its saves, the end of train()):
+  // answers with done every close that has come, so that a simulation closing while the
+  // trainer does something else than a step returns at once instead of at its close_timeout
+  // (docs/online.md). Never waits, not collective, never throws (what it cannot answer the
+  // destructor does). Before finish() only the closes a free staging slot receives are answered
+  // (the rows before them stay staged for the next pull); after it, the rows no step will take
+  // are received and dropped until each producer's close.
+  void answer_closes();
   // What the run's user should be told, on trainer rank 0 (one sentence each, no "warning: "
   // prefix): a producer taken for gone (stream.producer_timeout), also from the destructor.
   // The library prints nothing itself; `meshtrain train` prints them (RunEvents::on_warning).
@@ -245,6 +253,11 @@ class StreamSource : public RowSource {
   stream_protocol::LastWord stop_message_;
   stream_protocol::LastWord done_message_;
   std::vector<char> last_word_sent_;  // [producer]
+  // answer_closes() after finish(): the producers whose close it received past the staging
+  // (their rows dropped), and where it receives them (reserved at construction).
+  std::vector<char> close_drained_;
+  std::vector<unsigned char> drain_scratch_;
+  void drain_to_closes();
   std::vector<MPI_Request> last_word_requests_;
   std::function<void(const std::string&)> on_warning_;
 };

@@ -14,15 +14,16 @@ module meshtrain_stream
   integer(c_int), parameter :: MT_STREAM_DROP = 0, MT_STREAM_BLOCK = 1
   interface
     integer(c_int) function mt_stream_connect_f(comm, name, inputs, outputs, dtype, ring_rows, &
-                                                message_rows, backpressure, stream) &
-        bind(C, name="mt_stream_connect_f")
-      import :: c_int, c_int64_t, c_char, c_ptr
+                                                message_rows, backpressure, close_timeout, &
+                                                stream) bind(C, name="mt_stream_connect_f")
+      import :: c_int, c_int64_t, c_char, c_ptr, c_double
       integer(c_int), value :: comm  ! comm%MPI_VAL (mpi_f08) or the integer handle (mpi)
       character(kind=c_char), intent(in) :: name(*)  ! trim(name) // c_null_char
       integer(c_int64_t), value :: inputs, outputs
       integer(c_int), value :: dtype
       integer(c_int64_t), value :: ring_rows, message_rows  ! 0: the defaults
       integer(c_int), value :: backpressure
+      real(c_double), value :: close_timeout  ! seconds close waits for the trainer; 0: 120
       type(c_ptr), intent(out) :: stream
     end function
     ! x(inputs, rows) and y(outputs, rows): Fortran's column order is C's row-major [rows, n].
@@ -102,7 +103,7 @@ program fortran_producer
   ! block: every row reaches the trainer, however long it takes to start
   if (mt_stream_connect_f(sim%MPI_VAL, "c-demo"//c_null_char, inputs, outputs, &
                           MT_STREAM_FLOAT32, 0_c_int64_t, 0_c_int64_t, MT_STREAM_BLOCK, &
-                          stream) /= 0) then
+                          0.0_c_double, stream) /= 0) then
     write (0, '(a)') "fortran producer: error: "//mt_stream_error(stream)
     call mt_stream_free(stream)
     call MPI_Comm_free(sim)

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -599,11 +600,12 @@ TEST(Stream, TrainerFailingAtSetUpEndsTheProducersConnect) {
 
 // A library caller that catches the run's error and then destroys the run (here: a loss that
 // becomes infinite in a step() called by hand, lr 1e38) ends its stream with the stop, decided
-// by the run's finished flag: every producer rank takes it (stopped(), the sentence saying the
-// run ended before it finished), drops its rows from then on and closes; producer rank 0 alone
-// is told once through options.on_warning (the library prints nothing itself). Before the flag
-// the destructor, run outside any exception's unwinding, sent no stop: the producers sent on
-// until they gave up, never told.
+// by the run's finished flag: every producer rank takes it (stopped(), with the step's own
+// error as its sentence, which step() sends as it throws), drops its rows from then on and
+// closes; producer rank 0 alone is told once through options.on_warning (the library prints
+// nothing itself). Before the flag the destructor, run outside any exception's unwinding, sent
+// no stop: the producers sent on until they gave up, never told; before step() sent the stop
+// itself, they were told only the destructor's "ended before it finished".
 TEST(Stream, RunDestroyedAfterACaughtErrorStopsTheProducers) {
   Roles roles;
   if (roles.producer) {
@@ -621,17 +623,16 @@ TEST(Stream, RunDestroyedAfterACaughtErrorStopsTheProducers) {
     }
     producer.close();
     ASSERT_TRUE(producer.stopped()) << "the destroyed run never told this producer to stop";
-    EXPECT_NE(std::string(producer.stop_reason()).find("ended before it finished"),
+    // The step's own error, not the destructor's generic sentence.
+    EXPECT_NE(std::string(producer.stop_reason()).find("the training loss became"),
               std::string::npos)
         << producer.stop_reason();
     EXPECT_GT(producer.rows_dropped(), 0) << "no send dropped its rows after the stop";
     ASSERT_EQ(warnings.size(), roles.rank == 0 ? 1u : 0u);
     if (roles.rank == 0) {
-      EXPECT_EQ(warnings[0].rfind("stream \"caught\": the trainer stopped: the trainer's run "
-                                  "ended before it finished",
-                                  0),
-                0u)
+      EXPECT_EQ(warnings[0].rfind("stream \"caught\": the trainer stopped: ", 0), 0u)
           << warnings[0];
+      EXPECT_NE(warnings[0].find("the training loss became"), std::string::npos) << warnings[0];
     }
     return;
   }
@@ -703,6 +704,198 @@ TEST(Stream, CloseUnansweredReturnsAfterItsTimeoutWithOneWarning) {
   }
   check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
   check_mpi(MPI_Comm_free(&stream_comm), "MPI_Comm_free");
+}
+
+// A simulation that closes while the trainer is in its final evaluation, then waits for the
+// trainer's program (here: a barrier after train() returns, before the run is destroyed) is
+// answered at once: train() answers the closes that came during its last evaluation and save
+// (StreamSource::answer_closes). The close comes inside the last on_eval, ordered by a
+// non-blocking barrier the producers test between sends. Before, only a pull answered a close:
+// close() waited its whole close_timeout and warned, and the done was left unreceived.
+TEST(Stream, CloseDuringTheFinalEvaluationIsAnsweredAtOnce) {
+  Roles roles;
+  TempDir dir(/*shared=*/true);
+  constexpr double kCloseTimeout = 8.0;
+  if (roles.producer) {
+    std::vector<std::string> warnings;
+    StreamProducerOptions options;
+    options.close_timeout = kCloseTimeout;
+    options.message_rows = 8;
+    options.on_warning = [&](const std::string& warning) { warnings.push_back(warning); };
+    StreamProducer producer;
+    producer.connect(roles.comm, "final", kInputs, kOutputs, StreamDtype::float32, options);
+    std::vector<float> x(8 * kInputs), y(8 * kOutputs);
+    for (int64_t i = 0; i < 8; ++i) make_row_f(roles.rank, i, &x[i * kInputs], &y[i * kOutputs]);
+    MPI_Request in_final_eval = MPI_REQUEST_NULL;
+    check_mpi(MPI_Ibarrier(MPI_COMM_WORLD, &in_final_eval), "MPI_Ibarrier");
+    for (int reached = 0; !reached;) {
+      producer.send(x.data(), y.data(), 8);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      check_mpi(MPI_Test(&in_final_eval, &reached, MPI_STATUS_IGNORE), "MPI_Test");
+    }
+    const auto start = std::chrono::steady_clock::now();
+    producer.close();
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(waited, kCloseTimeout / 2) << "close() waited for its timeout";
+    EXPECT_TRUE(warnings.empty()) << warnings.front();
+    EXPECT_FALSE(producer.stopped()) << producer.stop_reason();
+    check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");  // the trainer's program goes on
+    return;
+  }
+  RunConfig config = trainer_config("final", {{"dp", roles.trainers}}, "dp");
+  config.stream.min_rows = 8;
+  config.stream.test_fraction = 0.25;
+  config.train.steps = 5;
+  config.train.eval_every = 1000000;  // the last step evaluates
+  config.run.output_dir = dir.path() + "/run";
+  config.checkpoint.dir = dir.path() + "/run/checkpoints";
+  RunEvents events;
+  events.on_eval = [&](const EvalEvent& eval) {
+    if (eval.step != config.train.steps) return;
+    MPI_Request in_final_eval = MPI_REQUEST_NULL;
+    check_mpi(MPI_Ibarrier(MPI_COMM_WORLD, &in_final_eval), "MPI_Ibarrier");
+    check_mpi(MPI_Wait(&in_final_eval, MPI_STATUS_IGNORE), "MPI_Wait");
+    // A slow evaluation: the producers' closes come now.
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  };
+  TrainingRun run(config, events, std::nullopt, roles.comm);
+  run.train();
+  // The program's own code before the run is destroyed: here it waits for the producers.
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+}
+
+// close_timeout negative or NaN would wait for ever: connect refuses it (before the
+// rendezvous, so no trainer takes part), in C++ and through the C API; every rank alone.
+TEST(Stream, CloseTimeoutNegativeOrNaNRefused) {
+  for (double bad : {-1.0, std::nan("")}) {
+    StreamProducerOptions options;
+    options.close_timeout = bad;
+    StreamProducer producer;
+    testing::expect_bad_input(
+        [&] {
+          producer.connect(MPI_COMM_SELF, "t", kInputs, kOutputs, StreamDtype::float32, options);
+        },
+        {"stream \"t\"", "close_timeout", std::isnan(bad) ? "nan" : "-1"});
+    EXPECT_FALSE(producer.connected());
+    mt_stream_options c_options = {0, 0, MT_STREAM_DROP, MPI_COMM_NULL, bad, nullptr, nullptr};
+    mt_stream* s = nullptr;
+    EXPECT_EQ(
+        mt_stream_connect(MPI_COMM_SELF, "t", kInputs, kOutputs, MT_STREAM_FLOAT32, &c_options, &s),
+        MT_STREAM_BAD_INPUT);
+    EXPECT_NE(std::string(mt_stream_last_error(s)).find("close_timeout"), std::string::npos)
+        << mt_stream_last_error(s);
+    mt_stream_free(s);
+  }
+}
+
+// The C API's warnings go to mt_stream_options.on_warning with its warning_data, and nothing
+// is printed (stderr captured): here a close no trainer answers (the stand-in of
+// CloseUnansweredReturnsAfterItsTimeoutWithOneWarning), close_timeout 0.5 s.
+TEST(Stream, CWarningsGoToTheirCallback) {
+  namespace sp = stream_protocol;
+  Roles roles;
+  if (roles.producer) {
+    std::vector<std::string> warnings;
+    mt_stream_options options = {0, 0, MT_STREAM_DROP, MPI_COMM_NULL, 0.5, nullptr, &warnings};
+    options.on_warning = [](const char* sentence, void* data) {
+      static_cast<std::vector<std::string>*>(data)->push_back(sentence);
+    };
+    mt_stream* s = nullptr;
+    EXPECT_EQ(
+        mt_stream_connect(roles.comm, "mute-c", kInputs, kOutputs, MT_STREAM_FLOAT32, &options, &s),
+        MT_STREAM_OK)
+        << mt_stream_last_error(s);
+    ::testing::internal::CaptureStderr();
+    EXPECT_EQ(mt_stream_close(s), MT_STREAM_OK) << mt_stream_last_error(s);
+    const std::string printed = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(printed, "") << "the C API printed a warning it had a callback for";
+    EXPECT_EQ(warnings.size(), 1u);  // not ASSERT: the barrier below must be reached
+    if (!warnings.empty()) {
+      EXPECT_EQ(warnings[0].rfind("stream \"mute-c\": producer rank " + std::to_string(roles.rank) +
+                                      ": the trainer did not answer its close within 0.5 s",
+                                  0),
+                0u)
+          << warnings[0];
+    }
+    mt_stream_free(s);
+    check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+    return;
+  }
+  sp::Hello hello;
+  hello.role = sp::kTrainer;
+  hello.local_rank = roles.rank;
+  hello.inputs = kInputs;
+  hello.outputs = kOutputs;
+  hello.dtype = sp::kFloat32;
+  hello.batch_index = roles.rank;
+  hello.batch_count = roles.trainers;
+  std::memcpy(hello.name, "mute-c", 6);
+  MPI_Comm stream_comm = MPI_COMM_NULL;
+  const sp::Rendezvous r = sp::rendezvous(MPI_COMM_WORLD, hello, &stream_comm);
+  EXPECT_EQ(r.problem, "");
+  for (int producer : r.producers) {
+    sp::Header header;
+    check_mpi(MPI_Recv(&header, sizeof header, MPI_BYTE, producer, sp::kTag, stream_comm,
+                       MPI_STATUS_IGNORE),
+              "MPI_Recv");
+    EXPECT_EQ(header.kind, sp::kClose);
+  }
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+  check_mpi(MPI_Comm_free(&stream_comm), "MPI_Comm_free");
+}
+
+// Producer 0 whose close() gave up waiting (close_timeout 0.5 s: the trainer's program does its
+// own work for 2 s after train() before it destroys the run) never takes the publish still
+// waiting on trainer rank 0 (wide: past the eager limits, so its send waits for a receive).
+// The run's destructor sends it, waits at most kLastWordWaitSeconds (30 s) and returns; before,
+// it waited for it for ever (the registration's timeout ended the test).
+TEST(Stream, DestructorStopsWaitingForPublishesAProducerGaveUpOn) {
+  Roles roles;
+  TempDir dir(/*shared=*/true);
+  if (roles.producer) {
+    std::vector<std::string> warnings;
+    StreamProducerOptions options;
+    options.close_timeout = 0.5;
+    options.message_rows = 8;
+    options.on_warning = [&](const std::string& warning) { warnings.push_back(warning); };
+    StreamProducer producer;
+    producer.connect(roles.comm, "gave-up", kInputs, kOutputs, StreamDtype::float32, options);
+    std::vector<float> x(8 * kInputs), y(8 * kOutputs);
+    for (int64_t i = 0; i < 8; ++i) make_row_f(roles.rank, i, &x[i * kInputs], &y[i * kOutputs]);
+    MPI_Request trained = MPI_REQUEST_NULL;
+    check_mpi(MPI_Ibarrier(MPI_COMM_WORLD, &trained), "MPI_Ibarrier");
+    for (int reached = 0; !reached;) {
+      producer.send(x.data(), y.data(), 8);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      check_mpi(MPI_Test(&trained, &reached, MPI_STATUS_IGNORE), "MPI_Test");
+    }
+    producer.close();
+    // The scenario: this rank's close went unanswered (the trainer was busy).
+    EXPECT_EQ(warnings.size(), 1u);
+    check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");  // after the trainer's destructor
+    return;
+  }
+  RunConfig config = trainer_config("gave-up", {{"dp", roles.trainers}}, "dp");
+  config.model.sizes = {kInputs, 4096, kOutputs};  // a publish of 112 KiB
+  config.stream.min_rows = 8;
+  config.stream.publish_every = 1;
+  config.train.steps = 3;
+  config.run.output_dir = dir.path() + "/run";
+  config.checkpoint.dir = dir.path() + "/run/checkpoints";
+  std::optional<TrainingRun> run;
+  run.emplace(config, RunEvents{}, std::nullopt, roles.comm);
+  run->train();
+  MPI_Request trained = MPI_REQUEST_NULL;
+  check_mpi(MPI_Ibarrier(MPI_COMM_WORLD, &trained), "MPI_Ibarrier");
+  check_mpi(MPI_Wait(&trained, MPI_STATUS_IGNORE), "MPI_Wait");
+  std::this_thread::sleep_for(std::chrono::seconds(2));  // the program's own work
+  const auto start = std::chrono::steady_clock::now();
+  run.reset();
+  const double destroy_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(destroy_s, 60.0) << "the destructor's wait for the publishes was not bounded";
+  check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
 }
 
 // The [stream] keys go through the one schema: read, written back, refused without
