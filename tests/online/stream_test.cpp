@@ -851,6 +851,9 @@ TEST(Stream, CWarningsGoToTheirCallback) {
 // The run's destructor sends it, waits at most kLastWordWaitSeconds (30 s) and returns; before,
 // it waited for it for ever (the registration's timeout ended the test).
 TEST(Stream, DestructorStopsWaitingForPublishesAProducerGaveUpOn) {
+  // The bound (30 s of waiting by design) does not depend on how many ranks take part: one
+  // count is enough for CI's time.
+  if (world_size() != 2) GTEST_SKIP() << "runs at np 2 only (it waits out the 30 s bound)";
   Roles roles;
   TempDir dir(/*shared=*/true);
   if (roles.producer) {
