@@ -298,9 +298,16 @@ StreamSource::~StreamSource() {
       const auto now = std::chrono::steady_clock::now();
       if (!all_closed_at) all_closed_at = now;
       if (std::chrono::duration<double>(now - *all_closed_at).count() > kLastWordWaitSeconds) {
-        // Left to MPI: nobody receives them (their buffers are never read again).
-        if (in_flight_request_ != MPI_REQUEST_NULL) MPI_Request_free(&in_flight_request_);
-        if (end_request_ != MPI_REQUEST_NULL) MPI_Request_free(&end_request_);
+        // Left to MPI. A producer 0 still inside close() could yet receive them, so their
+        // buffers outlive this object: deliberately leaked (once, at the end of a run).
+        if (in_flight_request_ != MPI_REQUEST_NULL) {
+          MPI_Request_free(&in_flight_request_);
+          static_cast<void>(new std::vector<unsigned char>(std::move(in_flight_)));  // same buffer
+        }
+        if (end_request_ != MPI_REQUEST_NULL) {
+          MPI_Request_free(&end_request_);
+          end_message_.release();
+        }
         break;
       }
     }
@@ -527,6 +534,10 @@ void StreamSource::pull_once() {
 }
 
 void StreamSource::pull() {
+  // After finish() rank 0 may have dropped rows to reach closes (drain_to_closes): a pull would
+  // line its slots up with the other ranks' wrongly. finish() is set alike on every rank.
+  MESHTRAIN_REQUIRE(!finished_, "stream '", section_.name,
+                    "': a pull after the run finished (no step takes rows any more)");
   pull_once();
   while (!started_) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -678,10 +689,10 @@ void StreamSource::progress_publish() {
     return;  // the end follows once this one completed
   }
   if (end_owed_ && !end_sent_) {
-    end_message_ = sp::PublishHeader{};
-    end_message_.kind = sp::kPublishEnd;
-    end_message_.version = counters_.publishes;
-    check_mpi(MPI_Isend(&end_message_, sizeof end_message_, MPI_BYTE, producers_[0],
+    *end_message_ = sp::PublishHeader{};
+    end_message_->kind = sp::kPublishEnd;
+    end_message_->version = counters_.publishes;
+    check_mpi(MPI_Isend(end_message_.get(), sizeof *end_message_, MPI_BYTE, producers_[0],
                         sp::kPublishTag, stream_comm_, &end_request_),
               "MPI_Isend (the publishes' end)");
     end_sent_ = true;

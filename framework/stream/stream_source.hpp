@@ -238,7 +238,9 @@ class StreamSource : public RowSource {
   bool waiting_ready_ = false;  // waiting_ holds a publish not yet sent
   bool end_owed_ = false;       // producer 0 closed: send the end, publish nothing more
   bool end_sent_ = false;
-  stream_protocol::PublishHeader end_message_;  // lives until its send completes
+  // Lives until its send completes (on the heap: a send given up on at the end leaks it).
+  std::unique_ptr<stream_protocol::PublishHeader> end_message_ =
+      std::make_unique<stream_protocol::PublishHeader>();
   MPI_Request end_request_ = MPI_REQUEST_NULL;
 
   // Rank 0: sends producer p its last word (done; the stop is stop_producers') once its close
