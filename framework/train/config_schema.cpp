@@ -1130,7 +1130,8 @@ std::optional<KeyProblem> check_dy_key(const ConfigKey&, const RunConfig& c,
   }
   if (!c.model.moe_layers.empty()) {
     return problem("is not supported with ", names("model.moe_layers"),
-                   " (Sobolev training is built for dense layers)");
+                   " (the library trains MoE layers on derivative targets, meshtrain train "
+                   "not yet)");
   }
   if (c.model.loss && !is_regression(*c.model.loss)) {
     return problem("needs a regression loss, but ", names("model.loss"), " is \"",

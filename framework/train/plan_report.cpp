@@ -716,9 +716,9 @@ void write_tables_text(const std::vector<TablePlan>& tables, int64_t bags, std::
       << format_bytes(sums) << ", column all-gather " << format_bytes(gather)
       << "; backward (dy all-to-all, gradient all-reduce) " << format_bytes(backward) << "; total "
       << format_bytes(ids + sums + gather + backward) << "\n";
-  out << "  (an all-to-all counts what a rank sends, its own part included; each further id per "
-         "bag adds 12 bytes to the ids all-to-all and, up to one part per owner, a partial sum "
-         "and its dy)\n";
+  out << "  (one id per bag: the plan reads no data; an all-to-all counts the (n - 1) / n of what "
+         "a rank sends that leaves it; each further id per bag adds 12 x bags x (n - 1) / n "
+         "bytes to the ids all-to-all and, up to one part per owner, a partial sum and its dy)\n";
 }
 
 nlohmann::ordered_json tables_json(const std::vector<TablePlan>& tables, int64_t bags) {
