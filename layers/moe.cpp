@@ -219,6 +219,21 @@ ParameterGathers gathers_of(const MoeParameterStorage& storage) {
           storage.gather_dim2, storage.allreduce, storage.nonbatch_replication};
 }
 
+// full(t, c) += the row's k experts' returned input cotangents, in fp32: row t of `full` is
+// direction t % dirs of row r = t / dirs, which the experts returned at columns
+// [d in, (d + 1) in) of assignment position(r, s) (dirs = 1: plain input gradients).
+void add_experts_input_cotangents(const std::string& label, MatrixView full,
+                                  ConstMatrixView returned, Kokkos::View<int64_t**> position,
+                                  int64_t rows, int64_t in, int64_t k, int64_t dirs) {
+  Kokkos::parallel_for(
+      label, matrix_range(rows, in), KOKKOS_LAMBDA(const int64_t t, const int64_t c) {
+        const int64_t r = t / dirs, d = t % dirs;
+        float sum = full(t, c);
+        for (int64_t s = 0; s < k; ++s) sum += returned(position(r, s), d * in + c);
+        full(t, c) = sum;
+      });
+}
+
 }  // namespace
 
 // --- MoeLayer ----------------------------------------------------------------------------
@@ -980,17 +995,8 @@ MatrixView MoeLayer::backward_cotangents(MatrixView dy, const LayerPass& pass) {
   const MatrixView full =
       feature_comm_ ? leading_rows(cotangent_x_full_, rows) : leading_rows(cotangents_, rows);
   gemm(plain(dl), transposed(ConstMatrixView(wr.data(), in, experts)), 0.0f, full, dtype);
-  {
-    const Kokkos::View<int64_t**> position = position_;
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::moe_input_cotangents"), matrix_range(rows, in),
-        KOKKOS_LAMBDA(const int64_t t, const int64_t c) {
-          const int64_t r = t / dirs, d = t % dirs;
-          float sum = full(t, c);
-          for (int64_t s = 0; s < k; ++s) sum += returned(position(r, s), d * in + c);
-          full(t, c) = sum;
-        });
-  }
+  add_experts_input_cotangents(MESHTRAIN_LABEL("meshtrain::moe_input_cotangents"), full, returned,
+                               position_, rows, in, k, dirs);
   const MatrixView result = leading_rows(cotangents_, rows);
   if (feature_comm_) {  // back to this rank's feature block
     const int64_t width = l.input_width(), offset = feature_index_ * width;
@@ -1136,23 +1142,10 @@ MatrixView MoeLayer::backward_with_tangents(MatrixView dy, MatrixView dt, bool n
         feature_comm_ ? leading_rows(cotangent_x_full_, rows) : leading_rows(cotangents_, rows);
     gemm(plain(dlogits_), transposed(wr_matrix), 0.0f, full, Dtype::fp32);
     gemm(plain(ga), transposed(wr_matrix), 0.0f, full_t, Dtype::fp32);
-    const Matrix returned = send_x_;
-    const Kokkos::View<int64_t**> position = position_;
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::moe_input_grad"), matrix_range(rows_, in),
-        KOKKOS_LAMBDA(const int64_t r, const int64_t c) {
-          float sum = full(r, c);
-          for (int64_t s = 0; s < k; ++s) sum += returned(position(r, s), c);
-          full(r, c) = sum;
-        });
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::moe_input_cotangents"), matrix_range(rows, in),
-        KOKKOS_LAMBDA(const int64_t t, const int64_t c) {
-          const int64_t r = t / dirs, d = t % dirs;
-          float sum = full_t(t, c);
-          for (int64_t s = 0; s < k; ++s) sum += returned_t(position(r, s), d * in + c);
-          full_t(t, c) = sum;
-        });
+    add_experts_input_cotangents(MESHTRAIN_LABEL("meshtrain::moe_input_grad"), full, send_x_,
+                                 position_, rows_, in, k, 1);
+    add_experts_input_cotangents(MESHTRAIN_LABEL("meshtrain::moe_input_cotangents"), full_t,
+                                 returned_t, position_, rows, in, k, dirs);
     dx = dx_;
     *dt_in = leading_rows(cotangents_, rows);
     if (feature_comm_) {  // back to this rank's feature blocks
