@@ -187,6 +187,19 @@ void StreamSource::send_done(size_t producer) {
   }
 }
 
+bool StreamSource::has_staged_close(size_t producer) const {
+  for (int64_t i = 0; i < staged_count_[producer]; ++i) {
+    sp::Header header;
+    std::memcpy(
+        &header,
+        staging_[producer][static_cast<size_t>((staged_head_[producer] + i) % sp::kStagingSlots)]
+            .data(),
+        sizeof header);
+    if (header.kind == sp::kClose) return true;
+  }
+  return false;
+}
+
 void StreamSource::answer_closes() {
   if (trainer_rank_ != 0 || producers_.empty()) return;
   try {
@@ -197,15 +210,9 @@ void StreamSource::answer_closes() {
     }
     for (size_t p = 0; p < producers_.size(); ++p) {
       if (last_word_sent_[p] || gone_[p]) continue;
-      for (int64_t i = 0; i < staged_count_[p]; ++i) {
-        const auto& slot =
-            staging_[p][static_cast<size_t>((staged_head_[p] + i) % sp::kStagingSlots)];
-        sp::Header header;
-        std::memcpy(&header, slot.data(), sizeof header);
-        if (header.kind != sp::kClose) continue;
-        send_done(p);  // the pull that takes this close later sends nothing more
-        if (p == 0) end_owed_ = true;
-      }
+      if (!has_staged_close(p)) continue;
+      send_done(p);  // the pull that takes this close later sends nothing more
+      if (p == 0) end_owed_ = true;
     }
     if (publish_every_ > 0) progress_publish();
   } catch (const Error&) {
@@ -222,15 +229,7 @@ void StreamSource::drain_to_closes() {
   for (size_t p = 0; p < producers_.size(); ++p) {
     if (closed_[p] || gone_[p] || close_drained_[p] || last_word_sent_[p]) continue;
     if (staged_count_[p] < sp::kStagingSlots) continue;  // all that came is staged
-    bool staged_close = false;
-    for (int64_t i = 0; i < staged_count_[p] && !staged_close; ++i) {
-      sp::Header header;
-      std::memcpy(
-          &header,
-          staging_[p][static_cast<size_t>((staged_head_[p] + i) % sp::kStagingSlots)].data(),
-          sizeof header);
-      staged_close = header.kind == sp::kClose;
-    }
+    const bool staged_close = has_staged_close(p);
     while (!staged_close && !close_drained_[p]) {
       int flag = 0;
       check_mpi(MPI_Iprobe(producers_[p], sp::kTag, stream_comm_, &flag, MPI_STATUS_IGNORE),
@@ -269,16 +268,9 @@ StreamSource::~StreamSource() {
   }
   if (!gone_.empty() && gone_[0]) publish_every_ = 0;
   for (size_t p = 0; p < producers_.size(); ++p) {
-    for (int64_t i = 0; i < staged_count_[p]; ++i) {
-      const auto& slot =
-          staging_[p][static_cast<size_t>((staged_head_[p] + i) % sp::kStagingSlots)];
-      sp::Header header;
-      std::memcpy(&header, slot.data(), sizeof header);
-      if (header.kind == sp::kClose) {
-        closed[p] = 1;
-        send_done(p);
-      }
-    }
+    if (!has_staged_close(p)) continue;
+    closed[p] = 1;
+    send_done(p);
   }
   std::vector<unsigned char> scratch(static_cast<size_t>(message_bytes_));
   // Producer 0's close ends the publishes; its close() takes them until the end comes.

@@ -246,6 +246,8 @@ class StreamSource : public RowSource {
   // Rank 0: sends producer p its last word (done; the stop is stop_producers') once its close
   // was taken, unless it had one.
   void send_done(size_t producer);
+  // Whether a close is among the producer's staged messages (not yet taken by a pull).
+  bool has_staged_close(size_t producer) const;
 
   // The last words (stream_protocol::LastWord): rank 0 sends every producer exactly one, its
   // stop (stop_producers) or done (send_done); both messages live until the destructor, which
