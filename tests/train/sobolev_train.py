@@ -49,8 +49,8 @@ no dropout) below 0.6 of the plain run's (dropout's noise: measured 0.088 and 0.
 Case `moe`: the same data and derivative weight through MoE layers (4 experts, top 2,
 aux_loss_coef 0.01): the mlp 3-32-32-2 tanh with layer 1 an MoE layer, and the residual_mlp
 above with block 1 an MoE block. Each: plain and dy_np1 (np 1, 1000 steps), dy_ep2 (np 2, the
-experts split over ep = 2, 3 steps) and, for the mlp, dy_dp2_ep2 (np 4, dp = 2 x ep = 2, 3
-steps). Checked: step 1's loss of every dy run is the plain run's plus derivative_loss (1e-5);
+experts split over ep = 2, 3 steps) and, for the mlp, dy_dp2_ep2_zero1 (np 4, dp = 2 x ep = 2,
+optimizer.zero_stage = 1, 3 steps). Checked: step 1's loss of every dy run is the plain run's plus derivative_loss (1e-5);
 each logged loss and derivative_loss of the multi-rank runs equals dy_np1's of the same step
 (1e-5 relative: float32 sums in another order, the routing the same); after training, the
 derivative term on the training rows (lambda times the mean square of `predict --jacobian`
@@ -377,9 +377,9 @@ def case_dropout(ctx):
 
 
 MOE = {"moe_layers": [1], "experts": 4, "top_k": 2, "aux_loss_coef": 0.01}
-MOE_MESHES = {  # the multi-rank runs of case_moe: name -> (ranks, mesh)
-    "dy_ep2": (2, {"ep": 2}),
-    "dy_dp2_ep2": (4, {"dp": 2, "ep": 2}),
+MOE_MESHES = {  # the multi-rank runs of case_moe: name -> (ranks, mesh, other sections)
+    "dy_ep2": (2, {"ep": 2}, {}),
+    "dy_dp2_ep2_zero1": (4, {"dp": 2, "ep": 2}, {"optimizer": {"zero_stage": 1}}),
 }
 MOE_SHORT = 3  # steps of the multi-rank runs: each logged loss is compared with dy_np1's
 
@@ -401,11 +401,11 @@ def case_moe(ctx):
             "plain": train(ctx, model + "_plain", data, model_extra=extra),
             "dy_np1": train(ctx, model + "_dy_np1", data, data_extra=dy, model_extra=extra),
         }
-        for name, (ranks, mesh) in MOE_MESHES.items():
+        for name, (ranks, mesh, other) in MOE_MESHES.items():
             if model == "residual" and ranks > 2:
                 continue  # the mlp covers np 4; the residual's MoE block is the same layer
             runs[name] = train(ctx, model + "_" + name, data, ranks=ranks, mesh=mesh,
-                               data_extra=dy, model_extra=extra, other=short)
+                               data_extra=dy, model_extra=extra, other=dict(short, **other))
         plain_first = runs["plain"][1][0]
         one = runs["dy_np1"][1]
         for name, (_, logs) in runs.items():
