@@ -355,10 +355,13 @@ endif()
 # dy_key at np 1, fsdp and tp (np 2): step 1 equal on every mesh, the derivative loss falls below
 # a tenth, the Jacobian error below half the plain run's. `dropout`: model.dropout with dy_key
 # (mlp and residual_mlp) at np 1, dp and tp (np 2): step 1 equal on every mesh, the derivative
-# loss falls below a fifth, the Jacobian error below 0.6 of the plain run's (dropout's noise). `refusals`: dy_key with bf16, MoE
-# (mlp and residual_mlp), cross_entropy, synthetic data, bad dy_inputs, and a missing or
-# misshapen dataset.
-foreach(_case train residual dropout refusals)
+# loss falls below a fifth, the Jacobian error below 0.6 of the plain run's (dropout's noise).
+# `moe`: an mlp whose layer 1 and a residual_mlp whose block 1 are MoE layers (4 experts, top 2)
+# with dy_key at np 1, ep (np 2) and, for the mlp, dp x ep with ZeRO-1 (np 4) for 3 steps: every logged loss
+# and derivative_loss equal to np 1's (1e-5); at np 1 the derivative term on the training rows
+# below a tenth of the plain run's, the held-out Jacobian error below half. `refusals`: dy_key
+# with bf16, cross_entropy, synthetic data, bad dy_inputs, and a missing or misshapen dataset.
+foreach(_case train residual dropout moe refusals)
   meshtrain_add_command_test(NAME train_sobolev_${_case} TIMEOUT 600
     COMMAND ${MESHTRAIN_PYTHON} ${_train}/sobolev_train.py ${_case}
             --meshtrain $<TARGET_FILE:meshtrain> --source-dir ${PROJECT_SOURCE_DIR}

@@ -383,8 +383,8 @@ const std::vector<ConfigKey>& config_keys() {
                          "hdf5: the targets' derivatives w.r.t. the inputs, float [N, outputs, "
                          "k], for Sobolev training ([derivatives.md](derivatives.md))")
                     .checked_by(check_dy_key,
-                                "hdf5, an fp32 mlp or residual_mlp without MoE (dropout "
-                                "allowed), a regression loss")
+                                "hdf5, an fp32 mlp or residual_mlp (MoE layers and "
+                                "dropout allowed), a regression loss")
                     .shown_as("a dataset name")
                     .unset_when_empty()
                     .defaults_to("none"));
@@ -1105,8 +1105,8 @@ std::optional<KeyProblem> check_dataset_key(const ConfigKey& key, const RunConfi
 }
 
 // data.dy_key (Sobolev training): what the derivative path is built for
-// (Mlp::reserve_tangent_backward): an hdf5 source, an fp32 mlp or residual_mlp without MoE
-// layers (dropout included: its training pass's mask is held fixed), a regression loss.
+// (Mlp::reserve_tangent_backward): an hdf5 source, an fp32 mlp or residual_mlp (MoE layers and
+// dropout included: routing and the training pass's mask are held fixed), a regression loss.
 std::optional<KeyProblem> check_dy_key(const ConfigKey&, const RunConfig& c,
                                        const KeyNames& names) {
   const std::string& dy = c.data.dy_key;
@@ -1127,11 +1127,6 @@ std::optional<KeyProblem> check_dy_key(const ConfigKey&, const RunConfig& c,
   if (c.model.kind != ModelKind::mlp && c.model.kind != ModelKind::residual_mlp) {
     return problem("is not supported with ", names("model.kind"), " = \"", to_string(c.model.kind),
                    "\" (Sobolev training is built for kind = \"mlp\" and \"residual_mlp\")");
-  }
-  if (!c.model.moe_layers.empty()) {
-    return problem("is not supported with ", names("model.moe_layers"),
-                   " (the library trains MoE layers on derivative targets, meshtrain train "
-                   "not yet)");
   }
   if (c.model.loss && !is_regression(*c.model.loss)) {
     return problem("needs a regression loss, but ", names("model.loss"), " is \"",

@@ -46,9 +46,19 @@ runs' first loss and derivative_loss equal dy_np1's (1e-5); dy_np1's derivative_
 a fifth of its step 1's (mean of the last 20 steps) and its held-out Jacobian error (predict:
 no dropout) below 0.6 of the plain run's (dropout's noise: measured 0.088 and 0.48 for the mlp).
 
+Case `moe`: the same data and derivative weight through MoE layers (4 experts, top 2,
+aux_loss_coef 0.01): the mlp 3-32-32-2 tanh with layer 1 an MoE layer, and the residual_mlp
+above with block 1 an MoE block. Each: plain and dy_np1 (np 1, 1000 steps), dy_ep2 (np 2, the
+experts split over ep = 2, 3 steps) and, for the mlp, dy_dp2_ep2_zero1 (np 4, dp = 2 x ep = 2,
+optimizer.zero_stage = 1, 3 steps). Checked: step 1's loss of every dy run is the plain run's plus derivative_loss (1e-5);
+each logged loss and derivative_loss of the multi-rank runs equals dy_np1's of the same step
+(1e-5 relative: float32 sums in another order, the routing the same); after training, the
+derivative term on the training rows (lambda times the mean square of `predict --jacobian`
+minus /dy, the logged term's definition) of dy_np1 is below a tenth of the plain run's, and
+its held-out Jacobian error below half the plain run's.
+
 Case `refusals`: data.dy_key with what it is not built for (exit 2, one sentence naming both
-keys): mixed_precision.param_dtype = "bf16", model.moe_layers (a residual_mlp's too),
-model.loss = "cross_entropy", data.source = "synthetic", data.dy_inputs out of
+keys): mixed_precision.param_dtype = "bf16", model.loss = "cross_entropy", data.source = "synthetic", data.dy_inputs out of
 range, repeated and set without dy_key, dy_key naming y_key's dataset; and from the data:
 dy_key missing in the file, of the wrong rank or shape (naming the file, the key and both
 shapes), and of another row count than /x.
@@ -168,7 +178,10 @@ def train(ctx, name, data, ranks=1, mesh=None, preset="dp", data_extra=None, oth
     config = write_config(os.path.join(out, "config.toml"),
                           config_sections(out, data, mesh or {"dp": ranks}, preset, data_extra,
                                           model_extra, other=other))
-    script_test.run_ok(launch(ctx, ranks) + [ctx.meshtrain, "train", config], RUN_TIMEOUT_S)
+    stdout = script_test.run_ok(launch(ctx, ranks) + [ctx.meshtrain, "train", config],
+                                RUN_TIMEOUT_S)
+    with open(os.path.join(out, "stdout.txt"), "w") as f:  # the layers' layouts among it
+        f.write(stdout)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         logs = [e for e in map(json.loads, f) if e.get("event") == "log"]
     if not logs or logs[0]["step"] != 1:
@@ -176,8 +189,8 @@ def train(ctx, name, data, ranks=1, mesh=None, preset="dp", data_extra=None, oth
     return out, logs
 
 
-def jacobian(ctx, out, test_data):
-    result = os.path.join(out, "prediction.h5")
+def jacobian(ctx, out, test_data, result="prediction.h5"):
+    result = os.path.join(out, result)
     script_test.run_ok([ctx.meshtrain, "predict", os.path.join(out, "checkpoints"), "--input",
                         test_data, "--output", result, "--jacobian"], RUN_TIMEOUT_S)
     with h5py.File(result, "r") as f:
@@ -363,6 +376,93 @@ def case_dropout(ctx):
                   "%.4g" % (model, errors["dy_np1"], errors["plain"]))
 
 
+MOE = {"moe_layers": [1], "experts": 4, "top_k": 2, "aux_loss_coef": 0.01}
+MOE_MESHES = {  # the multi-rank runs of case_moe: name -> (ranks, mesh, other sections)
+    "dy_ep2": (2, {"ep": 2}, {}),
+    "dy_dp2_ep2_zero1": (4, {"dp": 2, "ep": 2}, {"optimizer": {"zero_stage": 1}}),
+}
+MOE_SHORT = 3  # steps of the multi-rank runs: each logged loss is compared with dy_np1's
+
+
+def derivative_error(J, dy):
+    """The derivative term's mean square in the user's units, times lambda (as logged)."""
+    return float(LAMBDA * np.mean((J - dy) ** 2))
+
+
+def case_moe(ctx):
+    data = os.path.join(ctx.work, "train.h5")
+    test = os.path.join(ctx.work, "test.h5")
+    _, train_J = write_data(data, TRAIN_ROWS, seed=1)
+    _, exact = write_data(test, TEST_ROWS, seed=2)
+    dy = {"dy_key": "dy"}
+    short = {"train": {"steps": MOE_SHORT}}
+    for model, extra in (("mlp", dict(MOE)), ("residual", dict(RESIDUAL, **MOE))):
+        runs = {
+            "plain": train(ctx, model + "_plain", data, model_extra=extra),
+            "dy_np1": train(ctx, model + "_dy_np1", data, data_extra=dy, model_extra=extra),
+        }
+        for name, (ranks, mesh, other) in MOE_MESHES.items():
+            if model == "residual" and ranks > 2:
+                continue  # the mlp covers np 4; the residual's MoE block is the same layer
+            runs[name] = train(ctx, model + "_" + name, data, ranks=ranks, mesh=mesh,
+                               data_extra=dy, model_extra=extra, other=dict(short, **other))
+        plain_first = runs["plain"][1][0]
+        one = runs["dy_np1"][1]
+        for name, (_, logs) in runs.items():
+            if name == "plain":
+                continue
+            label = "%s %s" % (model, name)
+            first = logs[0]
+            if not ctx.check("derivative_loss" in first, "%s logged no derivative_loss: %s"
+                             % (label, first)):
+                continue
+            d = first["derivative_loss"]
+            ctx.check(d > 0, "%s: derivative_loss %g at step 1 is not positive" % (label, d))
+            ctx.check(abs(first["loss"] - (plain_first["loss"] + d)) <= 1e-5 * first["loss"],
+                      "%s: step 1's loss %.8g is not the plain run's %.8g plus derivative_loss "
+                      "%.8g" % (label, first["loss"], plain_first["loss"], d))
+            if name == "dy_np1":
+                continue
+            # The experts really are split over ep (the layout the run prints).
+            with open(os.path.join(runs[name][0], "stdout.txt")) as f:
+                layouts = [l.strip() for l in f if "MoE in" in l]
+            ctx.check(len(layouts) == 1 and "2 per rank over (ep) by all-to-all" in layouts[0],
+                      "%s: the MoE layer's experts are not split over ep: %s" % (label, layouts))
+            # Every step of the short run against one rank's: the same forward, tangents and
+            # losses, and (from step 2) the same update through the MoE layers' gradients.
+            ctx.check(len(logs) == MOE_SHORT, "%s: %d log events, expected %d" %
+                      (label, len(logs), MOE_SHORT))
+            worst = 0.0
+            for got, ref in zip(logs, one):
+                for key in ("loss", "derivative_loss"):
+                    diff = abs(got.get(key, float("nan")) - ref[key]) / abs(ref[key])
+                    worst = max(worst, diff)
+                    ctx.check(diff <= 1e-5, "%s step %d: %s %r differs from dy_np1's %r beyond "
+                              "1e-5" % (label, got["step"], key, got.get(key), ref[key]))
+            print("%s: steps 1-%d, largest relative difference from dy_np1 %.2e" %
+                  (label, len(logs), worst))
+        # Trained: the derivative term on the training rows (predict --jacobian, the same
+        # mean square as the logged term) of the dy run against the plain run's, and the
+        # held-out Jacobian error.
+        train_error = {name: derivative_error(jacobian(ctx, runs[name][0], data,
+                                                       "train_jacobian.h5"), train_J)
+                       for name in ("plain", "dy_np1")}
+        held_out = {name: relative_error(jacobian(ctx, runs[name][0], test), exact)
+                    for name in ("plain", "dy_np1")}
+        logs = runs["dy_np1"][1]
+        print("%s: derivative term on the training rows %.4g (plain run %.4g; logged at step 1 "
+              "%.4g, last 20 steps %.4g); held-out Jacobian error %.4g (plain %.4g)" %
+              (model, train_error["dy_np1"], train_error["plain"], logs[0]["derivative_loss"],
+               float(np.mean([e["derivative_loss"] for e in logs[-20:]])), held_out["dy_np1"],
+               held_out["plain"]))
+        ctx.check(train_error["dy_np1"] < 0.1 * train_error["plain"],
+                  "%s dy_np1: derivative term on the training rows %.4g is not below a tenth of "
+                  "the plain run's %.4g" % (model, train_error["dy_np1"], train_error["plain"]))
+        ctx.check(held_out["dy_np1"] < 0.5 * held_out["plain"],
+                  "%s dy_np1: held-out Jacobian error %.4g is not below half the plain run's "
+                  "%.4g" % (model, held_out["dy_np1"], held_out["plain"]))
+
+
 def expect_refusal(ctx, config, patterns, what, ranks=1):
     """meshtrain train refuses: exit 2, one 'meshtrain: error' line matching every pattern."""
     status, out, err = script_test.run(launch(ctx, ranks) + [ctx.meshtrain, "train", config],
@@ -394,12 +494,6 @@ def case_refusals(ctx):
     key = r"data\.dy_key|\[data\] dy_key"
     expect_refusal(ctx, config("bf16", dy, other={"mixed_precision": {"param_dtype": "bf16"}}),
                    [key, r"mixed_precision\.param_dtype", "fp32"], "bf16")
-    expect_refusal(ctx, config("residual_moe", dy, model_extra=dict(
-        RESIDUAL, moe_layers=[1], experts=2, top_k=1)),
-                   [key, r"model\.moe_layers"], "a residual_mlp's MoE blocks")
-    expect_refusal(ctx, config("moe", dy, model_extra={"moe_layers": [0], "experts": 2,
-                                                       "top_k": 1}),
-                   [key, r"model\.moe_layers"], "MoE layers")
     expect_refusal(ctx, config("cross_entropy", dy, model_extra={"loss": "cross_entropy"}),
                    [key, r"model\.loss", "regression"], "cross_entropy")
     expect_refusal(ctx, config("synthetic", {"source": "synthetic", "path": None, "dy_key": "dy",
@@ -432,7 +526,7 @@ def case_refusals(ctx):
 
 
 CASES = {"train": case_train, "residual": case_residual, "dropout": case_dropout,
-         "refusals": case_refusals}
+         "moe": case_moe, "refusals": case_refusals}
 
 if __name__ == "__main__":
     sys.exit(script_test.case_main(CASES, script_test.Checks))

@@ -495,7 +495,7 @@ TEST(TrainingStep, StreamedFromHdf5AllocatesNothing) {
 // Sobolev training (data.dy_key): the tangent pass, the derivative loss, the backward through
 // both and the derivative targets' stream (contiguous: pread; chunked: HDF5's hyperslabs of
 // [N, outputs, k]) are reserved at set-up, so nothing is allocated either; with one
-// micro-batch and with two.
+// micro-batch and with two, and with an MoE layer whose experts are split over ep.
 TEST(TrainingStep, WithDerivativeTargetsAllocatesNothing) {
   testing::TempDir dir(/*shared=*/true);
   const std::string contiguous = dir.file("dy.h5"), chunked = dir.file("dy-chunked.h5");
@@ -538,6 +538,24 @@ TEST(TrainingStep, WithDerivativeTargetsAllocatesNothing) {
             << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
       }
     }
+  }
+  // An MoE layer (layer 1, its experts over ep): its tangent backward's dispatch buffers and
+  // wide rows are reserved at set-up too.
+  const int n = world_size();
+  const MeshCase moe{"dp", {{"dp", 1}, {"ep", n}}};
+  for (int64_t micro_batches : {1, 2}) {
+    if (micro_batches == 2 && 8 % n != 0) continue;
+    SCOPED_TRACE("MoE over ep " + std::to_string(n) + ", data.dy_key, " +
+                 std::to_string(micro_batches) + " micro-batches");
+    DataCase data;
+    data.hdf5_path = contiguous;
+    data.dy_key = "/dy";
+    data.dy_inputs = chosen;
+    EXPECT_EQ(
+        allocations_in_steps(moe, CollectiveMatmulAlgorithm::naive, LossKind::mse,
+                             OptimizerKind::adamw, micro_batches, 0, false, 25.0, data, {}, {1}),
+        Allocations{})
+        << "heap allocations in steps 2..4 (rerun with MESHTRAIN_TRACE_ALLOCATIONS=5)";
   }
 }
 
