@@ -92,6 +92,8 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
     device_staging_ = Kokkos::View<unsigned char*, Kokkos::DefaultExecutionSpace::memory_space>(
         Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshtrain::stream_device_staging"),
         staging_bytes);
+    gather_label();
+    staged_fence_label();
   }
   stopped_ = false;
   last_word_received_ = false;
@@ -258,6 +260,16 @@ void StreamProducer::pack_host_rows(const HostRows& from, int64_t first, int64_t
       }
     }
   }
+}
+
+const std::string& StreamProducer::gather_label() {
+  static const std::string label("meshtrain::stream_gather_rows");
+  return label;
+}
+
+const std::string& StreamProducer::staged_fence_label() {
+  static const std::string label("meshtrain::stream_staged_rows");
+  return label;
 }
 
 void StreamProducer::release_staging() {

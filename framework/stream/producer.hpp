@@ -42,7 +42,6 @@
 
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
-#include "framework/core/kernel_label.hpp"
 #include "framework/core/views.hpp"
 #include "framework/stream/stream_protocol.hpp"
 
@@ -199,6 +198,10 @@ class StreamProducer {
   void pack_view_rows(const View& view, bool staged, int64_t first, int64_t count,
                       unsigned char* out);
   void release_staging();
+  // The labels of the staging's kernel and fence: one string each for every view type (made by
+  // connect: a label made at a template's first send would allocate there).
+  static const std::string& gather_label();
+  static const std::string& staged_fence_label();
   int take_free_slot();  // -1: none (drop)
 
   void receive_publish();  // one message into incoming_, the newest kept
@@ -273,12 +276,12 @@ void StreamProducer::pack_staged_rows(const View& view, int64_t first, int64_t c
     stream_detail::UnmanagedRows<T> gathered(reinterpret_cast<T*>(device_staging_.data()), count,
                                              width);
     Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::stream_gather_rows"),
+        gather_label(),
         Kokkos::RangePolicy<Kokkos::DefaultExecutionSpace>(device_space(), 0, count * width),
         stream_detail::GatherRows<View, T>{view, gathered, first, width});
     Kokkos::deep_copy(device_space(), host, gathered);
   }
-  fence_device("meshtrain::stream_staged_rows");
+  fence_device(staged_fence_label());
   std::memcpy(out, host.data(), static_cast<size_t>(count * width) * sizeof(T));
 }
 

@@ -8,7 +8,8 @@
 // device memory emulated the views (in the default memory space) go through the producer's
 // staging, the path a CUDA view takes (the deep copy of contiguous rows, the gather kernel of
 // the others); without it they are packed straight from host memory. Shapes or a dtype that
-// disagree with the stream: one sentence naming the stream and both shapes. The registration's
+// disagree with the stream: one sentence naming the stream and both shapes. No view send
+// allocates (heap and Kokkos counted). The registration's
 // timeout ends any hang.
 
 #include <gtest/gtest.h>
@@ -27,6 +28,7 @@
 #include "framework/core/views.hpp"
 #include "framework/stream/producer.hpp"
 #include "framework/stream/stream_source.hpp"
+#include "tests/support/counting_allocator.hpp"
 #include "tests/support/expect_error.hpp"
 #include "tests/support/world.hpp"
 
@@ -143,6 +145,14 @@ void send_views(const Split& split, const std::string& name, StreamDtype dtype) 
   Right x_wide("x_wide", longest, kInputs + 3), y_wide("y_wide", longest, kOutputs + 2);
   // Every other column of a matrix twice as wide: a LayoutStride view.
   Right x_spread("x_spread", longest, 2 * kInputs), y_spread("y_spread", longest, 2 * kOutputs);
+  // Each send's allocations, heap and Kokkos (the views' filling through mirrors left out).
+  long heap = 0, kokkos = 0;
+  const auto counted = [&](const auto& send) {
+    testing::AllocationWindow window;
+    send();
+    heap += window.close();
+    kokkos += window.kokkos_allocations();
+  };
   int64_t r = 0, k = 0;
   for (int64_t n : send_sizes()) {
     const std::pair<int64_t, int64_t> rows(0, n);
@@ -152,13 +162,13 @@ void send_views(const Split& split, const std::string& name, StreamDtype dtype) 
         auto y = Kokkos::subview(y_right, rows, Kokkos::ALL);
         fill(x, split.rank, r, 0);
         fill(y, split.rank, r, kInputs);
-        producer.send(x, y);
+        counted([&] { producer.send(x, y); });
         break;
       }
       case 1: {  // LayoutLeft, the first n rows of longer views
         fill(x_left, split.rank, r, 0);
         fill(y_left, split.rank, r, kInputs);
-        producer.send(x_left, y_left, n);
+        counted([&] { producer.send(x_left, y_left, n); });
         break;
       }
       case 2: {  // row-strided column blocks (x), LayoutLeft (y)
@@ -166,7 +176,7 @@ void send_views(const Split& split, const std::string& name, StreamDtype dtype) 
         auto y = Kokkos::subview(y_left, rows, Kokkos::ALL);
         fill(x, split.rank, r, 0);
         fill(y, split.rank, r, kInputs);
-        producer.send(x, y);
+        counted([&] { producer.send(x, y); });
         break;
       }
       case 3: {  // strided columns
@@ -174,7 +184,7 @@ void send_views(const Split& split, const std::string& name, StreamDtype dtype) 
         Strided y(y_spread.data() + 1, Kokkos::LayoutStride(n, 2 * kOutputs, kOutputs, 2));
         fill(x, split.rank, r, 0);
         fill(y, split.rank, r, kInputs);
-        producer.send(x, y);
+        counted([&] { producer.send(x, y); });
         break;
       }
       default: {  // const views of LayoutRight (x) and row-strided (y)
@@ -184,13 +194,15 @@ void send_views(const Split& split, const std::string& name, StreamDtype dtype) 
         fill(ym, split.rank, r, kInputs);
         Kokkos::View<const T**, Kokkos::LayoutRight> x = xm;
         Kokkos::View<const T**, Kokkos::LayoutStride> y = ym;
-        producer.send(x, y);
+        counted([&] { producer.send(x, y); });
         break;
       }
     }
     r += n;
     ++k;
   }
+  EXPECT_EQ(heap, 0) << "a view send allocated on the heap";
+  EXPECT_EQ(kokkos, 0) << "a view send allocated a Kokkos view";
   // Shapes or a dtype the stream does not take: one sentence, nothing sent.
   const std::string quoted = "stream \"" + name + "\"";
   testing::expect_bad_input(
