@@ -141,3 +141,13 @@ foreach(_kind loss refused closed)
     endforeach()
   endforeach()
 endforeach()
+
+# Kokkos views in the producer's send (tests/online/views_test.cpp), at producers 1 and 2 x
+# trainers 1 and 2 (np 2: 1 + 1; np 3: 1 + 2 and 2 + 1; np 4: 2 + 2): rows sent as views of
+# every layout, float and double, equal the same rows sent as pointers, bit for bit in the
+# trainer's buffer; no view send allocates (heap and Kokkos counted); shapes that disagree
+# refused in one sentence. EMULATED: there the views are
+# staged through the producer's host buffer as a CUDA view is. The timeout ends any hang.
+meshtrain_add_test(NAME online_views_test SOURCES online/views_test.cpp
+                   LIBS meshtrain_run meshtrain_test_counting_allocator NP 2 3 4 TIMEOUT 120
+                   EMULATED)

@@ -72,6 +72,10 @@ struct StreamSection {
   // gone (a process that ended without close()): one warning names it, the trainer goes on
   // with the others and no longer waits for its close. 0: wait for ever.
   double producer_timeout = 120.0;
+  // Seconds the trainer's end (StreamSource's destructor) waits, once every producer has
+  // closed, for its last words and publishes to be taken: a producer whose close() gave up
+  // waiting (its close_timeout) never takes them, and they are then left to MPI. > 0.
+  double last_word_timeout = 30.0;
 };
 
 // Rows of a trainer rank's held-out window: ceil(buffer_rows x test_fraction), at least 1

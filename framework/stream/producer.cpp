@@ -81,6 +81,20 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
   size_t widest = 0;
   for (const auto& group : group_ranks_) widest = std::max(widest, group.size());
   for (auto& requests : slot_requests_) requests.reserve(std::max(widest, trainers_.size()));
+  // View sends' staging, where device memory is separate (views in it are copied to the host a
+  // message at a time); only with Kokkos running (a C or Fortran producer may not start it).
+  if (device_memory_is_separate() && Kokkos::is_initialized()) {
+    const auto staging_bytes =
+        static_cast<size_t>(message_rows_ * std::max(inputs, outputs) * element_bytes_);
+    host_staging_ = Kokkos::View<unsigned char*, HostStagingSpace>(
+        Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshtrain::stream_host_staging"),
+        staging_bytes);
+    device_staging_ = Kokkos::View<unsigned char*, Kokkos::DefaultExecutionSpace::memory_space>(
+        Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshtrain::stream_device_staging"),
+        staging_bytes);
+    gather_label();
+    staged_fence_label();
+  }
   stopped_ = false;
   last_word_received_ = false;
   last_word_ = sp::LastWord{};
@@ -197,6 +211,81 @@ int StreamProducer::take_free_slot() {
 }
 
 void StreamProducer::send_bytes(const void* x, const void* y, int64_t rows, int64_t element_bytes) {
+  struct Context {
+    const unsigned char *x, *y;
+    int64_t x_row, y_row;  // bytes
+  } context{static_cast<const unsigned char*>(x), static_cast<const unsigned char*>(y),
+            inputs_ * element_bytes, outputs_ * element_bytes};
+  send_packed(
+      rows,
+      [](void* c, int64_t first, int64_t count, unsigned char* x_out, unsigned char* y_out) {
+        const auto* ctx = static_cast<const Context*>(c);
+        std::memcpy(x_out, ctx->x + first * ctx->x_row, static_cast<size_t>(count * ctx->x_row));
+        std::memcpy(y_out, ctx->y + first * ctx->y_row, static_cast<size_t>(count * ctx->y_row));
+      },
+      &context);
+}
+
+void StreamProducer::check_view_send(int64_t element_bytes, int64_t x_rows, int64_t x_columns,
+                                     int64_t y_rows, int64_t y_columns, int64_t rows,
+                                     bool all) const {
+  MESHTRAIN_REQUIRE(connected(), "StreamProducer::send before connect (or after close)");
+  if (element_bytes != element_bytes_) {
+    MESHTRAIN_BAD_INPUT("stream \"", name_, "\": send got views of ",
+                        element_bytes == 8 ? "double" : "float", ", but the stream was connected ",
+                        "with ", element_bytes_ == 8 ? "float64" : "float32", " rows");
+  }
+  if (x_columns != inputs_ || y_columns != outputs_ || rows < 0 || rows > x_rows || rows > y_rows ||
+      (all && x_rows != y_rows)) {
+    const std::string sent = all ? std::string("all of them") : detail::concat("the first ", rows);
+    MESHTRAIN_BAD_INPUT("stream \"", name_, "\": send got views x of shape [", x_rows, ", ",
+                        x_columns, "] and y of shape [", y_rows, ", ", y_columns,
+                        "] (rows sent: ", sent, "), but the stream takes x [rows, ", inputs_,
+                        "] and y [rows, ", outputs_, "] with the rows sent in both");
+  }
+}
+
+void StreamProducer::pack_host_rows(const HostRows& from, int64_t first, int64_t count,
+                                    int64_t width, int64_t element_bytes, unsigned char* out) {
+  const int64_t row_bytes = width * element_bytes;
+  for (int64_t r = 0; r < count; ++r) {
+    const unsigned char* row = from.base + (first + r) * from.row_stride * element_bytes;
+    unsigned char* to = out + r * row_bytes;
+    if (from.column_stride == 1 || width == 1) {
+      std::memcpy(to, row, static_cast<size_t>(row_bytes));
+    } else {
+      const int64_t step = from.column_stride * element_bytes;
+      for (int64_t c = 0; c < width; ++c) {
+        std::memcpy(to + c * element_bytes, row + c * step, static_cast<size_t>(element_bytes));
+      }
+    }
+  }
+}
+
+const std::string& StreamProducer::gather_label() {
+  static const std::string label("meshtrain::stream_gather_rows");
+  return label;
+}
+
+const std::string& StreamProducer::staged_fence_label() {
+  static const std::string label("meshtrain::stream_staged_rows");
+  return label;
+}
+
+void StreamProducer::release_staging() {
+  if (host_staging_.data() == nullptr && device_staging_.data() == nullptr) return;
+  if (Kokkos::is_initialized()) {
+    host_staging_ = {};
+    device_staging_ = {};
+  } else {
+    // Closed after Kokkos::finalize (it should not be): freeing now would call into a Kokkos
+    // that has ended, so the two buffers are left to the process's end.
+    static_cast<void>(new decltype(host_staging_)(std::move(host_staging_)));
+    static_cast<void>(new decltype(device_staging_)(std::move(device_staging_)));
+  }
+}
+
+void StreamProducer::send_packed(int64_t rows, PackRows pack, void* context) {
   MESHTRAIN_REQUIRE(connected(), "StreamProducer::send before connect (or after close)");
   MESHTRAIN_REQUIRE(rows >= 0, "StreamProducer::send: negative rows (", rows, ")");
   if (check_stop()) {  // the trainer failed: nobody trains on these rows
@@ -204,9 +293,7 @@ void StreamProducer::send_bytes(const void* x, const void* y, int64_t rows, int6
     next_row_ += rows;
     return;
   }
-  const auto* xb = static_cast<const unsigned char*>(x);
-  const auto* yb = static_cast<const unsigned char*>(y);
-  const int64_t x_row = inputs_ * element_bytes, y_row = outputs_ * element_bytes;
+  const int64_t x_row = inputs_ * element_bytes_, y_row = outputs_ * element_bytes_;
   for (int64_t done = 0; done < rows;) {
     const int64_t count = std::min(message_rows_, rows - done);
     const int slot = take_free_slot();
@@ -223,8 +310,7 @@ void StreamProducer::send_bytes(const void* x, const void* y, int64_t rows, int6
     header.first_row = next_row_;
     std::memcpy(bytes, &header, sizeof header);
     unsigned char* payload = bytes + sizeof header;
-    std::memcpy(payload, xb + done * x_row, static_cast<size_t>(count * x_row));
-    std::memcpy(payload + count * x_row, yb + done * y_row, static_cast<size_t>(count * y_row));
+    pack(context, done, count, payload, payload + count * x_row);
     const int message_bytes = static_cast<int>(sizeof header + count * (x_row + y_row));
     const int64_t group = sp::group_of_message(producer_index_, messages_, producers_, groups_);
     std::vector<MPI_Request>& requests = slot_requests_[static_cast<size_t>(slot)];
@@ -263,6 +349,7 @@ void StreamProducer::close() {
   }
   check_mpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
             "MPI_Waitall (a stream's close)");
+  release_staging();
   wait_for_last_word();
   check_mpi(MPI_Comm_free(&stream_comm_), "MPI_Comm_free (a stream's communicator)");
   stream_comm_ = MPI_COMM_NULL;

@@ -5,6 +5,7 @@
 //   meshtrain::StreamProducer producer;
 //   producer.connect(sim_comm, "heat", 5, 1, meshtrain::StreamDtype::float64);  // collective
 //   producer.send(x, y, rows);  // copies into the ring and returns
+//   producer.send(x_view, y_view);  // Kokkos views [rows, 5] and [rows, 1], any layout/space
 //   producer.close();
 //
 // connect is collective over the parent communicator (MPI_COMM_WORLD unless options say):
@@ -15,14 +16,33 @@
 // backpressure is block: with drop (the default) a message that finds no free slot after the
 // sends in flight are tested is dropped and its rows counted in rows_dropped(). Nothing is
 // allocated after connect.
+//
+// Kokkos views (send(x, y) and send(x, y, rows)): rank 2, float or double, any layout and
+// memory space. Views the host can read are packed straight into the ring (row by row, or
+// element by element when their columns are strided: LayoutLeft, LayoutStride). Views in
+// memory the host cannot read (CUDA's) are copied a message at a time into a host staging
+// buffer (pinned with CUDA) that connect made, sized by message_rows, then packed; those
+// whose rows are not contiguous are first gathered by a kernel into a device buffer connect
+// made too. With device memory emulated (MESHTRAIN_EMULATE_DEVICE_MEMORY=1) views in the
+// default memory space take that path on a CPU. The staging exists only where device memory
+// is separate and Kokkos was initialized before connect; close() (or the destructor) frees it,
+// so it must come before Kokkos::finalize, as for any view.
 
 #include <mpi.h>
 
+#include <Kokkos_Core.hpp>
+
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "base/error.hpp"
+#include "framework/core/exec_space.hpp"
+#include "framework/core/views.hpp"
 #include "framework/stream/stream_protocol.hpp"
 
 namespace meshtrain {
@@ -48,6 +68,40 @@ struct StreamProducerOptions {
   std::function<void(const std::string&)> on_warning;
 };
 
+namespace stream_detail {
+
+template <class T>
+using UnmanagedRows =
+    Kokkos::View<T**, Kokkos::LayoutRight, Kokkos::DefaultExecutionSpace::memory_space,
+                 Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+
+// Whether send stages `View` through the host staging buffer: memory the host cannot read,
+// or the default memory space where device memory is emulated on a CPU.
+template <class View>
+bool staged_view() {
+  using Space = typename View::memory_space;
+  if constexpr (!Kokkos::SpaceAccessibility<Kokkos::HostSpace, Space>::accessible) {
+    return true;
+  } else if constexpr (std::is_same<Space, Kokkos::DefaultExecutionSpace::memory_space>::value) {
+    return device_memory_is_separate();
+  } else {
+    return false;
+  }
+}
+
+// Gathers rows [first, first + rows of dst) of `src` (any layout) into the contiguous dst.
+template <class View, class T>
+struct GatherRows {
+  View src;
+  UnmanagedRows<T> dst;
+  int64_t first = 0, width = 1;
+  KOKKOS_INLINE_FUNCTION void operator()(const int64_t i) const {
+    dst(i / width, i % width) = src(first + i / width, i % width);
+  }
+};
+
+}  // namespace stream_detail
+
 class StreamProducer {
  public:
   StreamProducer() = default;
@@ -63,6 +117,23 @@ class StreamProducer {
   // connected dtype (another dtype is a bad_input Error).
   void send(const float* x, const float* y, int64_t rows);
   void send(const double* x, const double* y, int64_t rows);
+  // The first `rows` rows of Kokkos views x [>= rows, inputs] and y [>= rows, outputs] (rank
+  // 2, float or double, one type for both, any layout and memory space; see above); shapes
+  // that disagree with the connected stream, or another dtype, are a bad_input Error naming the
+  // stream and both shapes. Nothing allocated; a staged view waits for its copy to the host.
+  template <
+      class XView, class YView,
+      std::enable_if_t<Kokkos::is_view<XView>::value && Kokkos::is_view<YView>::value, int> = 0>
+  void send(const XView& x, const YView& y, int64_t rows) {
+    send_view(x, y, rows, false);
+  }
+  // Every row of x and y (their extents 0 must agree).
+  template <
+      class XView, class YView,
+      std::enable_if_t<Kokkos::is_view<XView>::value && Kokkos::is_view<YView>::value, int> = 0>
+  void send(const XView& x, const YView& y) {
+    send_view(x, y, static_cast<int64_t>(std::min(x.extent(0), y.extent(0))), true);
+  }
   // Sends the close after every row, waits for this rank's sends to complete, then for the
   // trainer's last word (its stop, or done once it took this close; options.close_timeout),
   // and on rank 0 with publishes for the publishes' end.
@@ -99,6 +170,38 @@ class StreamProducer {
 
  private:
   void send_bytes(const void* x, const void* y, int64_t rows, int64_t element_bytes);
+  // Packs rows [first, first + count) of the send's x and y into `x_out` [count, inputs] and
+  // `y_out` [count, outputs], row-major, of the connected dtype.
+  using PackRows = void (*)(void* context, int64_t first, int64_t count, unsigned char* x_out,
+                            unsigned char* y_out);
+  // The ring's work for every send: `rows` rows, a message at a time, each packed by `pack`.
+  void send_packed(int64_t rows, PackRows pack, void* context);
+  // The view sends: `all`, every row of x and y (their rows must agree), else the first `rows`.
+  template <class XView, class YView>
+  void send_view(const XView& x, const YView& y, int64_t rows, bool all);
+  // A view send's checks: the element type against the dtype, the extents against the stream
+  // and the rows sent (one sentence, bad_input).
+  void check_view_send(int64_t element_bytes, int64_t x_rows, int64_t x_columns, int64_t y_rows,
+                       int64_t y_columns, int64_t rows, bool all) const;
+  // Host-readable rows: element (r, c) at base + (r * row_stride + c * column_stride) elements.
+  struct HostRows {
+    const unsigned char* base = nullptr;
+    int64_t row_stride = 0, column_stride = 1;
+  };
+  static void pack_host_rows(const HostRows& from, int64_t first, int64_t count, int64_t width,
+                             int64_t element_bytes, unsigned char* out);
+  // Rows [first, first + count) of a staged view into `out` [count, width], through the host
+  // staging buffer (and the device one when its rows are not contiguous).
+  template <class View>
+  void pack_staged_rows(const View& view, int64_t first, int64_t count, unsigned char* out);
+  template <class View>
+  void pack_view_rows(const View& view, bool staged, int64_t first, int64_t count,
+                      unsigned char* out);
+  void release_staging();
+  // The labels of the staging's kernel and fence: one string each for every view type (made by
+  // connect: a label made at a template's first send would allocate there).
+  static const std::string& gather_label();
+  static const std::string& staged_fence_label();
   int take_free_slot();  // -1: none (drop)
 
   void receive_publish();  // one message into incoming_, the newest kept
@@ -139,6 +242,100 @@ class StreamProducer {
   stream_protocol::LastWord last_word_;
   double close_timeout_ = 120.0;
   std::function<void(const std::string&)> on_warning_;
+  // View sends' staging (only where device memory is separate; made at connect): one message's
+  // rows of the wider of x and y, on the host (pinned with CUDA) and in the default memory
+  // space (for views whose rows are not contiguous).
+  Kokkos::View<unsigned char*, HostStagingSpace> host_staging_;
+  Kokkos::View<unsigned char*, Kokkos::DefaultExecutionSpace::memory_space> device_staging_;
 };
+
+template <class View>
+void StreamProducer::pack_staged_rows(const View& view, int64_t first, int64_t count,
+                                      unsigned char* out) {
+  using T = typename View::non_const_value_type;
+  using Space = typename View::memory_space;
+  const int64_t width = static_cast<int64_t>(view.extent(1));
+  if (host_staging_.data() == nullptr) {
+    MESHTRAIN_BAD_INPUT("stream \"", name_, "\": send got a view in device memory, but Kokkos ",
+                        "was not initialized when connect ran (connect makes the staging "
+                        "buffer such views are copied through): initialize Kokkos first");
+  }
+  using HostRowsView = Kokkos::View<T**, Kokkos::LayoutRight, HostStagingSpace,
+                                    Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  HostRowsView host(reinterpret_cast<T*>(host_staging_.data()), count, width);
+  // One span when the columns are adjacent and the rows follow each other (a single column
+  // or a single row: whatever the other stride).
+  const bool dense = (width == 1 || view.stride(1) == 1) &&
+                     (count == 1 || static_cast<int64_t>(view.stride(0)) == width);
+  if (dense) {
+    // The rows are one span: copied as they are.
+    Kokkos::View<const T**, Kokkos::LayoutRight, Space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>
+        rows(view.data() + first * static_cast<int64_t>(view.stride(0)), count, width);
+    Kokkos::deep_copy(device_space(), host, rows);
+  } else {
+    stream_detail::UnmanagedRows<T> gathered(reinterpret_cast<T*>(device_staging_.data()), count,
+                                             width);
+    Kokkos::parallel_for(
+        gather_label(),
+        Kokkos::RangePolicy<Kokkos::DefaultExecutionSpace>(device_space(), 0, count * width),
+        stream_detail::GatherRows<View, T>{view, gathered, first, width});
+    Kokkos::deep_copy(device_space(), host, gathered);
+  }
+  fence_device(staged_fence_label());
+  std::memcpy(out, host.data(), static_cast<size_t>(count * width) * sizeof(T));
+}
+
+template <class View>
+void StreamProducer::pack_view_rows(const View& view, bool staged, int64_t first, int64_t count,
+                                    unsigned char* out) {
+  using T = typename View::non_const_value_type;
+  using Space = typename View::memory_space;
+  constexpr bool host_reads = Kokkos::SpaceAccessibility<Kokkos::HostSpace, Space>::accessible;
+  constexpr bool device_reads =
+      Kokkos::SpaceAccessibility<Kokkos::DefaultExecutionSpace, Space>::accessible;
+  static_assert(host_reads || device_reads,
+                "StreamProducer::send: a view in memory neither the host nor the default "
+                "execution space can read");
+  if constexpr (device_reads) {
+    if (staged) {  // always, where the host cannot read it
+      pack_staged_rows(view, first, count, out);
+      return;
+    }
+  }
+  if constexpr (host_reads) {
+    HostRows from;
+    from.base = reinterpret_cast<const unsigned char*>(view.data());
+    from.row_stride = static_cast<int64_t>(view.stride(0));
+    from.column_stride = static_cast<int64_t>(view.stride(1));
+    pack_host_rows(from, first, count, static_cast<int64_t>(view.extent(1)), sizeof(T), out);
+  }
+}
+
+template <class XView, class YView>
+void StreamProducer::send_view(const XView& x, const YView& y, int64_t rows, bool all) {
+  using T = typename XView::non_const_value_type;
+  static_assert(XView::rank == 2 && YView::rank == 2,
+                "StreamProducer::send takes rank-2 views x [rows, inputs] and y [rows, outputs]");
+  static_assert(std::is_same<T, typename YView::non_const_value_type>::value,
+                "StreamProducer::send: x and y must hold the same type");
+  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
+                "StreamProducer::send: views of float or double");
+  check_view_send(sizeof(T), static_cast<int64_t>(x.extent(0)), static_cast<int64_t>(x.extent(1)),
+                  static_cast<int64_t>(y.extent(0)), static_cast<int64_t>(y.extent(1)), rows, all);
+  struct Context {
+    StreamProducer* self;
+    const XView* x;
+    const YView* y;
+    bool x_staged, y_staged;
+  } context{this, &x, &y, stream_detail::staged_view<XView>(), stream_detail::staged_view<YView>()};
+  send_packed(
+      rows,
+      [](void* c, int64_t first, int64_t count, unsigned char* x_out, unsigned char* y_out) {
+        auto* ctx = static_cast<Context*>(c);
+        ctx->self->pack_view_rows(*ctx->x, ctx->x_staged, first, count, x_out);
+        ctx->self->pack_view_rows(*ctx->y, ctx->y_staged, first, count, y_out);
+      },
+      &context);
+}
 
 }  // namespace meshtrain

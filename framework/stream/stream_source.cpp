@@ -52,10 +52,6 @@ class HeldOutSource : public RowSource {
 // The counters every pull sums over the trainer, before the producers' messages and votes.
 constexpr size_t kCounterSums = 6;
 
-// Seconds the destructor waits for its last words' sends to complete (each producer's close()
-// takes its own at once; one that gave up waiting never does).
-constexpr double kLastWordWaitSeconds = 30.0;
-
 int64_t held_out_capacity(const StreamSection& section) {
   return std::max<int64_t>(1, stream_held_out_rows(section));  // 1: unused
 }
@@ -88,6 +84,13 @@ StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
       buffer_(section.buffer_rows, features, outputs, section.policy, seed, slice.index),
       held_out_(held_out_capacity(section), features, outputs, StreamPolicy::window, seed,
                 slice.index) {
+  // The config checks it too (stream.last_word_timeout); here for library users, before the
+  // rendezvous (a trainer failing there says why to the producers: stream_trainer_failed).
+  // NaN compares false: refused with the rest.
+  if (!(section.last_word_timeout > 0.0)) {
+    MESHTRAIN_BAD_INPUT("stream \"", section.name, "\": last_word_timeout must be a positive ",
+                        "number of seconds, got ", section.last_word_timeout);
+  }
   shape_.description = "stream \"" + section.name + "\"";
   shape_.num_samples = section.buffer_rows;
   shape_.features = features;
@@ -281,15 +284,17 @@ StreamSource::~StreamSource() {
   std::vector<char> has_sent(producers_.size(), 0);
   for (size_t p = 0; p < producers_.size(); ++p) has_sent[p] = heard_total_[p] > 0;
   const double timeout = section_.producer_timeout;
-  // Once every producer closed, the publishes' end is waited for at most kLastWordWaitSeconds:
-  // a producer 0 whose close() gave up waiting (its close_timeout) never takes them.
+  // Once every producer closed, the publishes' end is waited for at most
+  // stream.last_word_timeout seconds: a producer 0 whose close() gave up waiting (its
+  // close_timeout) never takes them.
+  const double last_word_timeout = section_.last_word_timeout;
   std::optional<std::chrono::steady_clock::time_point> all_closed_at;
   while (true) {
     if (std::find(closed.begin(), closed.end(), 0) == closed.end()) {
       if (publish_finished()) break;
       const auto now = std::chrono::steady_clock::now();
       if (!all_closed_at) all_closed_at = now;
-      if (std::chrono::duration<double>(now - *all_closed_at).count() > kLastWordWaitSeconds) {
+      if (std::chrono::duration<double>(now - *all_closed_at).count() > last_word_timeout) {
         // Left to MPI. A producer 0 still inside close() could yet receive them, so their
         // buffers outlive this object: deliberately leaked (once, at the end of a run).
         if (in_flight_request_ != MPI_REQUEST_NULL) {
@@ -339,8 +344,9 @@ StreamSource::~StreamSource() {
     if (!got) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   // Every last word sent is taken by its producer's close(), which waits for it (a producer
-  // taken for gone had none). A bound all the same: a producer whose close() gave up waiting
-  // (its close_timeout) never takes it, and the message is then left to MPI.
+  // taken for gone had none). A bound all the same (stream.last_word_timeout): a producer whose
+  // close() gave up waiting (its close_timeout) never takes it, and the message is then left to
+  // MPI.
   const auto sent_at = std::chrono::steady_clock::now();
   while (!last_word_requests_.empty()) {
     int done = 0;
@@ -350,7 +356,7 @@ StreamSource::~StreamSource() {
       break;
     }
     if (std::chrono::duration<double>(std::chrono::steady_clock::now() - sent_at).count() >
-        kLastWordWaitSeconds) {
+        last_word_timeout) {
       for (MPI_Request& request : last_word_requests_) {
         if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);
       }

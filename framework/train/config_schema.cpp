@@ -445,6 +445,12 @@ const std::vector<ConfigKey>& config_keys() {
                          "seconds a producer that has sent rows may send nothing, unclosed, before "
                          "it is taken for gone (named in a warning; the others go on)")
                     .only_when(unless_stream));
+    k.push_back(make_key("stream", "last_word_timeout", FIELD(stream.last_word_timeout),
+                         positive("s"), kFileCommands,
+                         "seconds the trainer's end waits, once every producer closed, for its "
+                         "last words and publishes to be taken (a producer whose close() gave up "
+                         "never takes them)")
+                    .only_when(unless_stream));
     // --- [optimizer] ---------------------------------------------------------------------
     k.push_back(make_key("optimizer", "kind", NAMED(optimizer.kind, optimizer_kind_choices()),
                          any_value(), kFileCommands, "the update rule"));
