@@ -2,11 +2,13 @@
 // and backward_with_laplacian with PhysicsLoss, the loss
 //   L = mse(y, t) + weight * mean over (rows, residuals) of r^2 + the MoE load-balancing loss
 // with the residuals of tests/layers/physics_loss_test.cpp (u, du/dx and d2u/dx2 in the user's
-// units, nonlinearly), 2 of 3 inputs differentiated, the routing of each row held fixed (the
+// units, nonlinearly), inputs 0 and 2 differentiated, the routing of each row held fixed (the
 // derivatives of the piece the forward chose).
 //
 // The models of sobolev_moe_test.cpp, 4 experts, top 2, aux_loss_coef 0.01:
-//   * mlp 3-8-6-2 with layer 1 an MoE layer of linear experts (tanh, gelu between the layers);
+//   * mlp 4-8-6-2 with layer 1 an MoE layer of linear experts (tanh, gelu between the layers),
+//     and with layer 0 one (tanh: its input streams are the seeds, second-order rows zero);
+//     4 inputs, so that tp splits layer 0 (or an MoE layer 0's experts on their input dim);
 //   * residual_mlp 3 -> 6, one block without norm whose feed-forward is an MoE layer of
 //     activation experts (6 -> 8 -> 6; tanh, silu) or of SwiGLU experts, -> 2.
 //
@@ -24,8 +26,9 @@
 //   * EveryMeshEqualsOneRank (np 1, 2, 4): 3 SGD steps on ep2, dp2, fsdp2, tp2 and (np 4) ep4,
 //     dp2 x ep2, fsdp2 x ep2, ep2 x tp2 against the same steps on one rank (MPI_COMM_SELF) in the
 //     same test: both losses, every gradient of every step and the parameters after, within
-//     1e-5 of the tensor's largest value; the step's passes allocate nothing. Each mesh with the
-//     gradients reduced in the backward and left for reduce_gradients().
+//     1e-5 of the tensor's largest value; the step's passes allocate nothing; on tp the MoE
+//     layer's experts split over tp (and the mlp's MoE layer 1 gathering its split input). Each
+//     mesh with the gradients reduced in the backward and left for reduce_gradients().
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -62,16 +65,17 @@ namespace {
 using testing::Tensor;
 using Vec = std::vector<double>;
 
-constexpr int64_t kRows = 16;  // global batch (divides by 1, 2, 4)
-constexpr int64_t kInputs = 3, kOutputs = 2, kResiduals = 2;
+constexpr int64_t kRows = 16;                                 // global batch (divides by 1, 2, 4)
+constexpr int64_t kInputs = 3, kOutputs = 2, kResiduals = 2;  // the residual_mlps'; mlps' 4
 constexpr int64_t kExperts = 4, kTopK = 2;
 constexpr double kAuxCoef = 0.01;
-const std::vector<int64_t> kMlpSizes = {3, 8, 6, 2};  // layer 1: MoE, linear experts
+const std::vector<int64_t> kMlpSizes = {4, 8, 6, 2};  // layer 1 (or 0): MoE, linear experts
 constexpr int64_t kWidth = 6, kHidden = 8;            // the residual_mlp's
 const std::vector<int64_t> kChosen = {0, 2};          // k = 2 of the 3 input columns
 constexpr int64_t kK = 2;
-const std::vector<double> kInputMean = {0.1, -0.2, 0.3};
-const std::vector<double> kInputStd = {0.5, 2.0, 1.5};
+// 4 entries: the mlps take 4 inputs, the residual_mlps the first 3.
+const std::vector<double> kInputMean = {0.1, -0.2, 0.3, 0.05};
+const std::vector<double> kInputStd = {0.5, 2.0, 1.5, 0.8};
 const std::vector<double> kTargetMean = {0.5, -1.0};
 const std::vector<double> kTargetStd = {3.0, 0.25};
 constexpr double kWeight = 0.7;
@@ -80,21 +84,22 @@ constexpr uint64_t kSeed = 11;
 struct ModelCase {
   bool residual = false;  // false: the mlp with linear experts
   Activation act = Activation::tanh;
-  bool gated = false;  // the residual_mlp's experts SwiGLU (act: silu)
+  bool gated = false;     // the residual_mlp's experts SwiGLU (act: silu)
+  int64_t moe_layer = 1;  // the mlp's MoE layer: 1, or 0 (the model's first layer)
+  int64_t inputs() const { return residual ? kInputs : kMlpSizes[0]; }
   std::string name() const {
     if (gated) return "residual_mlp, SwiGLU experts";
-    return std::string(residual ? "residual_mlp, activation experts, " : "mlp, linear experts, ") +
-           to_string(act);
+    if (residual) return std::string("residual_mlp, activation experts, ") + to_string(act);
+    return "mlp, linear experts in layer " + std::to_string(moe_layer) + ", " + to_string(act);
   }
 };
-const std::vector<ModelCase> kModels = {{false, Activation::tanh},
-                                        {false, Activation::gelu},
-                                        {true, Activation::tanh},
-                                        {true, Activation::silu},
-                                        {true, Activation::silu, true}};
+const std::vector<ModelCase> kModels = {
+    {false, Activation::tanh}, {false, Activation::gelu}, {false, Activation::tanh, false, 0},
+    {true, Activation::tanh},  {true, Activation::silu},  {true, Activation::silu, true}};
 
-MoeSettings moe_settings(bool residual) {
-  return MoeSettings{{residual ? 0 : 1}, kExperts, kTopK, kAuxCoef};
+// The mlp's MoE layer, or the residual_mlp's block 0.
+MoeSettings moe_settings(int64_t layer) {
+  return MoeSettings{{layer}, kExperts, kTopK, kAuxCoef};
 }
 ResidualMlpShape residual_shape(bool gated = false) {
   ResidualMlpShape shape;
@@ -105,7 +110,7 @@ ResidualMlpShape residual_shape(bool gated = false) {
   shape.depth = 1;
   shape.norm = false;
   shape.gated = gated;
-  shape.moe = moe_settings(true);
+  shape.moe = moe_settings(0);
   return shape;
 }
 
@@ -135,20 +140,21 @@ void residual_reference(const double* x, const double* u, const double* du, cons
   r[0] = d2u[0] + d2u[1] + 0.5 * u[1] * du[1] - std::sin(x[0]);
   r[1] = u[0] - 0.3 * d2u[2] + du[2] * du[2] + x[1] * u[1];
 }
-PhysicsLossSettings physics_settings() {
-  return {kChosen, kResiduals, kWeight, kInputStd, kTargetMean, kTargetStd, residual_device};
+PhysicsLossSettings physics_settings(int64_t inputs) {
+  return {kChosen,     kResiduals, kWeight,        {kInputStd.begin(), kInputStd.begin() + inputs},
+          kTargetMean, kTargetStd, residual_device};
 }
 
 // The global batch: x' (normalized, what the model takes), the user's x, targets t.
 struct Batch {
   Tensor x, x_user, t;
 };
-Batch make_batch(int64_t rows, int step) {
+Batch make_batch(int64_t rows, int step, int64_t in) {
   const uint64_t s = kSeed + 100 * static_cast<uint64_t>(step);
   Batch b;
-  for (int64_t i = 0; i < rows * kInputs; ++i) {
+  for (int64_t i = 0; i < rows * in; ++i) {
     b.x.push_back(counter_normal(s, name_stream("x"), i));
-    b.x_user.push_back(kInputMean[i % kInputs] + kInputStd[i % kInputs] * b.x.back());
+    b.x_user.push_back(kInputMean[i % in] + kInputStd[i % in] * b.x.back());
   }
   for (int64_t i = 0; i < rows * kOutputs; ++i)
     b.t.push_back(counter_normal(s, name_stream("t"), i));
@@ -292,10 +298,23 @@ std::vector<Jet> moe_row(const std::vector<Jet>& a, const Tensor& wr, int64_t ou
 std::vector<Jet> propagate(const ModelCase& m, const std::vector<Tensor>& p, const double* x_row,
                            std::vector<int>& chosen, AuxStats& stats,
                            bool drop_gate_second = false) {
-  std::vector<Jet> a(kInputs);
-  for (int64_t i = 0; i < kInputs; ++i) {
+  std::vector<Jet> a(static_cast<size_t>(m.inputs()));
+  for (int64_t i = 0; i < m.inputs(); ++i) {
     a[i].v = x_row[i];
     for (int64_t d = 0; d < kK; ++d) a[i].t[d] = i == kChosen[d] ? 1.0 / kInputStd[i] : 0.0;
+  }
+  if (!m.residual && m.moe_layer == 0) {
+    // layer 0 MoE on the model's input (router p0 [4, E], experts weight p1 [E, 4, 8], bias p2
+    // [E, 8]; its streams are the seeds), act; layer 1 linear, act; layer 2 linear.
+    const int64_t in = kMlpSizes[0], out = kMlpSizes[1];
+    const Expert expert = [&](int64_t e, const std::vector<Jet>& x) {
+      return linear_jets(x, p[1].data() + e * in * out, p[2].data() + e * out, out);
+    };
+    std::vector<Jet> y = moe_row(a, p[0], out, expert, chosen, stats, drop_gate_second);
+    for (Jet& v : y) v = activate(m.act, v);
+    std::vector<Jet> z = linear_jets(y, p[3].data(), p[4].data(), kMlpSizes[2]);
+    for (Jet& v : z) v = activate(m.act, v);
+    return linear_jets(z, p[5].data(), p[6].data(), kMlpSizes[3]);
   }
   if (!m.residual) {
     // layer 0 linear, act; layer 1 MoE (router p2, experts weight p3 [E, 8, 6], bias p4), act;
@@ -340,9 +359,9 @@ ReferenceLoss reference_loss(const ModelCase& m, const std::vector<Tensor>& p, c
                              Routing& routing, bool drop_gate_second = false) {
   ReferenceLoss loss;
   AuxStats stats;
+  const int64_t in = m.inputs();
   for (int64_t r = 0; r < kRows; ++r) {
-    const std::vector<Jet> y =
-        propagate(m, p, &b.x[r * kInputs], routing[r], stats, drop_gate_second);
+    const std::vector<Jet> y = propagate(m, p, &b.x[r * in], routing[r], stats, drop_gate_second);
     double u[kOutputs], du[kOutputs * kK], d2u[kOutputs * kK], res[kResiduals];
     for (int64_t o = 0; o < kOutputs; ++o) {
       loss.u.push_back(y[o].v);
@@ -356,7 +375,7 @@ ReferenceLoss reference_loss(const ModelCase& m, const std::vector<Tensor>& p, c
         d2u[o * kK + d] = kTargetStd[o] * y[o].s[d];
       }
     }
-    residual_reference(&b.x_user[r * kInputs], u, du, d2u, res);
+    residual_reference(&b.x_user[r * in], u, du, d2u, res);
     for (double v : res) loss.physics += v * v / static_cast<double>(kRows * kResiduals);
   }
   double balance = 0.0;
@@ -436,16 +455,17 @@ StepsRun run_steps(const ModelCase& m, const MeshCase& c, bool self, int steps, 
   const std::vector<PartitionRule> rules = preset_rules(self ? "dp" : c.preset, /*moe=*/true);
   const ResidualMlpShape shape = residual_shape(m.gated);
   const ShardingPlan plan =
-      m.residual ? make_plan(residual_mlp_parameter_shapes(shape), mesh, rules, options,
-                             residual_mlp_linear_layers(shape))
-                 : make_plan(mlp_parameter_shapes(kMlpSizes, moe_settings(false)), mesh, rules,
-                             options, mlp_linear_layers(kMlpSizes, moe_settings(false)));
+      m.residual
+          ? make_plan(residual_mlp_parameter_shapes(shape), mesh, rules, options,
+                      residual_mlp_linear_layers(shape))
+          : make_plan(mlp_parameter_shapes(kMlpSizes, moe_settings(m.moe_layer)), mesh, rules,
+                      options, mlp_linear_layers(kMlpSizes, moe_settings(m.moe_layer)));
   const int64_t rows = kRows / context.batch_parallel();
   const int64_t row0 = context.batch_index() * rows;
   std::unique_ptr<Mlp> built =
       m.residual ? std::make_unique<Mlp>(shape, m.act, specs_from_plan(plan), context, rows)
                  : std::make_unique<Mlp>(kMlpSizes, m.act, specs_from_plan(plan), context, rows,
-                                         moe_settings(false));
+                                         moe_settings(m.moe_layer));
   Mlp& model = *built;
   model.initialize(InitScheme::he_normal, kSeed);
   model.reserve_laplacian(kK);
@@ -454,7 +474,8 @@ StepsRun run_steps(const ModelCase& m, const MeshCase& c, bool self, int steps, 
     if (line.find("router") != std::string::npos || line.find("expert") != std::string::npos)
       run.built.push_back(line);
   Loss loss(LossKind::mse, context, rows, kOutputs, model.output_layout());
-  PhysicsLoss physics(physics_settings(), context, rows, kInputs, kOutputs, model.output_layout());
+  const int64_t in = m.inputs();
+  PhysicsLoss physics(physics_settings(in), context, rows, in, kOutputs, model.output_layout());
   OptimizerSettings sgd;
   sgd.kind = OptimizerKind::sgd;
   sgd.momentum = 0.9f;
@@ -462,9 +483,9 @@ StepsRun run_steps(const ModelCase& m, const MeshCase& c, bool self, int steps, 
   for (const auto& p : model.parameters())
     run.initial.push_back(testing::gather_full(p, mesh, context.rank(), comm));
   for (int step = 0; step < steps; ++step) {
-    const Batch b = make_batch(kRows, step);
-    const Matrix x = rows_of("x", b.x, kInputs, row0, rows);
-    const Matrix x_user = rows_of("x_user", b.x_user, kInputs, row0, rows);
+    const Batch b = make_batch(kRows, step, in);
+    const Matrix x = rows_of("x", b.x, in, row0, rows);
+    const Matrix x_user = rows_of("x_user", b.x_user, in, row0, rows);
     const Matrix t = rows_of("t", b.t, kOutputs, row0, rows);
     testing::KokkosAllocationCounter allocations;  // the step allocates nothing
     const MatrixView y = model.forward(x);
@@ -518,7 +539,8 @@ TEST(PhysicsMoe, StreamsAndGradientsMatchFloat64) {
   for (const ModelCase& m : kModels) {
     SCOPED_TRACE(m.name());
     const StepsRun run = run_steps(m, meshes_for(1)[0], /*self=*/true, 1, 0.0f);
-    const Batch b = make_batch(kRows, 0);
+    const int64_t in = m.inputs();
+    const Batch b = make_batch(kRows, 0, in);
     std::vector<Tensor> p = run.initial;
     Routing routing(kRows);  // chosen by the unperturbed forward, then held fixed
     const ReferenceLoss ref = reference_loss(m, p, b, routing);
@@ -527,10 +549,10 @@ TEST(PhysicsMoe, StreamsAndGradientsMatchFloat64) {
     Tensor fd_t, fd_s;
     for (int64_t r = 0; r < kRows; ++r) {
       AuxStats ignored;
-      const std::vector<Jet> mid = propagate(m, p, &b.x[r * kInputs], routing[r], ignored);
+      const std::vector<Jet> mid = propagate(m, p, &b.x[r * in], routing[r], ignored);
       std::vector<std::vector<Jet>> plus(kK), minus(kK);
       for (int64_t d = 0; d < kK; ++d) {
-        Vec x(b.x.begin() + r * kInputs, b.x.begin() + (r + 1) * kInputs);
+        Vec x(b.x.begin() + r * in, b.x.begin() + (r + 1) * in);
         const double h = kFdStep / kInputStd[kChosen[d]];  // the seed's step, in x'
         x[kChosen[d]] += h;
         plus[d] = propagate(m, p, x.data(), routing[r], ignored);
@@ -593,13 +615,15 @@ TEST(PhysicsMoe, StreamsAndGradientsMatchFloat64) {
 TEST(PhysicsMoe, EveryMeshEqualsOneRank) {
   constexpr double kTolerance = 1e-5;
   constexpr int kSteps = 3;
-  constexpr float kLr = 0.01f;
+  // lr 1e-4: the physics loss is steep (second derivatives of the experts and gates), and at
+  // lr 0.01 the third step's gradients and the parameters after differ from one rank by up to
+  // 4.8e-5 (residual_mlps) and 7.2e-5 (the mlp with MoE layer 0; 1.1e-5 the mlp with MoE layer
+  // 1 on tp2), every first step's gradient within 1e-5 (the second's up to 1.07e-5): rounding
+  // amplified by the steps, as physics_loss_test's residual models, which take a step 100 times
+  // smaller too.
+  constexpr float kLr = 1e-4f;
   for (const ModelCase& m : kModels) {
-    // The residual models' physics loss is steeper (its experts' second derivatives): at the
-    // mlp's step their parameters move so far that the 3 steps amplify rounding (measured up to
-    // 4.8e-5 from one rank at step 3 with lr 0.01, every first-step gradient within 1e-5); a step
-    // 100 times smaller, as physics_loss_test's residual models take.
-    const float lr = m.residual ? 0.01f * kLr : kLr;
+    const float lr = kLr;
     const StepsRun one = run_steps(m, meshes_for(1)[0], /*self=*/true, kSteps, lr);
     for (int step = 0; step < kSteps; ++step) {
       ASSERT_TRUE(std::isfinite(one.data_losses[step]) && std::isfinite(one.physics_losses[step]))
@@ -610,6 +634,14 @@ TEST(PhysicsMoe, EveryMeshEqualsOneRank) {
         SCOPED_TRACE(m.name() + " on " + c.name + (reduce ? "" : ", reduce_gradients()"));
         const StepsRun got = run_steps(m, c, /*self=*/false, kSteps, lr, reduce);
         ASSERT_FALSE(got.built.empty());
+        if (c.tp > 1) {  // the feature-axis paths are taken (as sobolev_moe_test asserts)
+          EXPECT_NE(got.built[0].find("experts gathered over (tp)"), std::string::npos)
+              << got.built[0];
+          if (!m.residual && m.moe_layer == 1) {  // its input split over tp by layers/0
+            EXPECT_NE(got.built[0].find("MoE in 8 (split 4, gathered)"), std::string::npos)
+                << got.built[0];
+          }
+        }
         if (c.ep > 1) {  // the experts really are split over ep, the rows sent by all-to-all
           EXPECT_NE(got.built[0].find("over (ep) by all-to-all"), std::string::npos)
               << got.built[0];
