@@ -13,7 +13,8 @@
 //     every parameter after the steps within 1e-5 of its tensor's largest |value| on one rank.
 //   * MoeEveryMeshEqualsOneRank (np 1, 2, 4): the same physics term on the mlp whose hidden
 //     layer 1 is an MoE layer (4 experts, top-2), 4 steps on ep, dp x ep, fsdp x ep and ep x tp
-//     against one rank: every loss and physics_loss within 1e-5 relative.
+//     against one rank: every loss and physics_loss within 1e-5 relative; step 1's loss is
+//     0.5 times the data loss plus the balancing loss (unweighted) and the physics term.
 //   * Refusals: statistics set in the settings, a negative data_loss_weight, a second call,
 //     a call within a step, and PhysicsLoss's own (no residual function): bad_input, agreed;
 //     a call after a step (as after a resume) is accepted.
@@ -185,7 +186,8 @@ TEST(PhysicsRun, ResidualEveryMeshEqualsOneRank) {
 // An mlp whose hidden layer 1 is an MoE layer (4 experts, top-2; docs/derivatives.md, "MoE
 // layers"): the physics term through the run on ep, dp x ep, fsdp x ep and ep x tp.
 std::vector<StepResult> moe_steps(const std::vector<std::pair<std::string, int>>& axes,
-                                  const std::string& preset, MPI_Comm comm) {
+                                  const std::string& preset, MPI_Comm comm,
+                                  bool with_physics = true) {
   RunConfig config = config_on({preset, axes});
   config.model.moe_layers = {1};
   config.model.experts = 4;
@@ -193,7 +195,7 @@ std::vector<StepResult> moe_steps(const std::vector<std::pair<std::string, int>>
   config.model.aux_loss_coef = 0.05;
   TrainingRun run(config, {}, points(), comm);
   EXPECT_EQ(run.model().moe_layers().size(), 1u);
-  run.set_physics(physics());
+  if (with_physics) run.set_physics(physics());
   std::vector<StepResult> results;
   while (!run.finished()) results.push_back(run.step());
   return results;
@@ -206,6 +208,13 @@ TEST(PhysicsRun, MoeEveryMeshEqualsOneRank) {
   ASSERT_EQ(one.size(), 4u);
   EXPECT_GT(one.front().physics_loss, 0.0);
   EXPECT_GT(one.front().aux_loss, 0.0);
+  // Step 1's loss: data_loss_weight (0.5) times the data loss, plus the balancing loss (not
+  // weighted: its gradient is not) and the physics term; the same first forward without it.
+  const StepResult plain = moe_steps({{"dp", 1}, {"ep", 1}}, "dp", MPI_COMM_SELF, false).front();
+  EXPECT_NEAR(one.front().aux_loss, plain.aux_loss, 1e-6 * plain.aux_loss);
+  EXPECT_NEAR(one.front().loss,
+              0.5 * (plain.loss - plain.aux_loss) + plain.aux_loss + one.front().physics_loss,
+              1e-6 * one.front().loss);
   struct Case {
     std::string preset;
     std::vector<std::pair<std::string, int>> axes;
