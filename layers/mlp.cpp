@@ -605,9 +605,8 @@ void require_fp32(Dtype dtype) {
 }
 
 // Each layer answers whether its passes carry the derivative streams `what` needs exactly;
-// `built_for` names the layers that do (MoE layers take part in training on derivatives, not
-// yet in the forward Laplacian, and would take its streams for plain tangents: wrong values,
-// silently).
+// `built_for` names the layers that do (a layer without the second-order rules would take the
+// Laplacian's streams for plain tangents: wrong values, silently).
 void require_every_layer(const std::vector<Layer*>& sequence, bool (Layer::*supports)() const,
                          const char* what, const char* built_for) {
   for (const Layer* layer : sequence) {
@@ -652,8 +651,8 @@ MatrixView Mlp::forward_laplacian(MatrixView streams) {
 
 void Mlp::require_laplacian_layers() const {
   require_every_layer(sequence_, &Layer::supports_laplacian, "the forward Laplacian",
-                      "linear layers, activations, SwiGLU, LayerNorm, RMSNorm, dropout and "
-                      "residual blocks of them, not for MoE layers");
+                      "linear layers, activations, SwiGLU, LayerNorm, RMSNorm, dropout, MoE "
+                      "layers and residual blocks of them");
 }
 
 MatrixView Mlp::tangent_pass(MatrixView dx, bool second_order) {

@@ -179,8 +179,9 @@ class Mlp {
   // output (output_grad) and of those streams (stream_grad, [local_rows * 2k, output_width()])
   // to every parameter, as backward_with_tangents does. reserve_laplacian(k) reserves
   // everything for k directions (each layer's reserve_tangent_backward(2k)). An mlp or a
-  // residual_mlp (LayerNorm, RMSNorm or none; SwiGLU or an activation; dropout) in fp32:
-  // bad_input for MoE layers or 16-bit parameters (each layer's supports_laplacian()).
+  // residual_mlp (LayerNorm, RMSNorm or none; SwiGLU or an activation; dropout; MoE layers of
+  // linear, activation or SwiGLU experts) in fp32: bad_input for 16-bit parameters (and any
+  // layer whose supports_laplacian() is false).
   // Collective, as forward; allocate nothing.
   MatrixView forward_laplacian(MatrixView streams);
   void backward_with_laplacian(MatrixView output_grad, MatrixView stream_grad, bool reduce = true);

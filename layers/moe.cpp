@@ -169,35 +169,83 @@ void router_logit_gradient_kernel(const Matrix& probs, const Matrix& gates, cons
       });
 }
 
-// SwiGLU experts' backward through first-order tangents (training on derivatives), per
-// element of the `received` rows, h = silu(a) u with a = gate, u = up (pre-activations), and
-// the tangents t_h = silu'(a) u t_a + silu(a) t_u (k per row): from dh (the value's gradient,
+// silu(a) = a s (s the sigmoid) and its first three derivatives, p = s (1 - s):
+//   h1 = s (1 + a (1 - s)),  h2 = p (2 + a (1 - 2s)),  h3 = 3 p (1 - 2s) + a p (1 - 6p)
+// (layers/swiglu.cpp's, from activation_math's sigmoids as the experts' forward).
+struct SiluJet {
+  float h, h1, h2, h3;
+};
+KOKKOS_INLINE_FUNCTION SiluJet silu_jet(float a) {
+  const activation_math::Sigmoids sg = activation_math::sigmoids(a);
+  const float s = sg.of_x, p = sg.of_x * sg.of_minus;
+  return {a * s, s * (1.0f + a * sg.of_minus), p * (2.0f + a * (sg.of_minus - s)),
+          3.0f * p * (sg.of_minus - s) + a * p * (1.0f - 6.0f * p)};
+}
+
+// SwiGLU experts' second-order streams (the forward Laplacian), h = silu(a) u per element of
+// the `received` rows, each with k tangents then k second-order streams (2k rows):
+//   t_h = h1 t_a u + h t_u,   q_h = (h1 q_a + h2 t_a^2) u + 2 h1 t_a t_u + h q_u.
+void swiglu_second_order_streams(MatrixView gate, MatrixView up, MatrixView t_gate, MatrixView t_up,
+                                 MatrixView out, int64_t received, int64_t k) {
+  const int64_t width = static_cast<int64_t>(gate.extent(1));
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::moe_swiglu_second_order"), matrix_range(received, width),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        const SiluJet f = silu_jet(gate(i, j));
+        const float u = up(i, j);
+        for (int64_t d = 0; d < k; ++d) {
+          const int64_t tt = i * 2 * k + d, qq = tt + k;
+          const float tg = t_gate(tt, j), tu = t_up(tt, j);
+          out(tt, j) = f.h1 * tg * u + f.h * tu;
+          out(qq, j) = (f.h1 * t_gate(qq, j) + f.h2 * tg * tg) * u + 2.0f * f.h1 * tg * tu +
+                       f.h * t_up(qq, j);
+        }
+      });
+}
+
+// SwiGLU experts' backward through the tangents, per element of the `received` rows,
+// h = silu(a) u with a = gate, u = up (pre-activations). First order (Sobolev training: k
+// tangents per row, t_h = silu'(a) u t_a + silu(a) t_u), from dh (the value's gradient,
 // overwritten by up's) and dth (the tangents'):
 //   d_gate = dh u silu'(a) + sum_d dth (silu''(a) u t_a + silu'(a) t_u)
 //   d_up   = dh silu(a) + sum_d dth silu'(a) t_a
 //   d_t_a  = dth u silu'(a),  d_t_u = dth silu(a)
+// Second order (the forward Laplacian: k tangents then k second-order streams q per row, whose
+// gradients g_q follow the tangents' in dth), the reverse of swiglu_second_order_streams, as
+// SwiGlu::backward_with_tangents (docs/derivatives.md):
+//   d_t_a += 2 g_q (h2 t_a u + h1 t_u),  d_t_u += 2 g_q h1 t_a,  d_q_a = g_q u h1,  d_q_u = g_q h
+//   d_gate += g_q ((h2 q_a + h3 t_a^2) u + 2 h2 t_a t_u + h1 q_u),  d_up += g_q (h1 q_a + h2 t_a^2)
 void swiglu_backward_with_tangents(MatrixView gate, MatrixView up, MatrixView t_gate,
                                    MatrixView t_up, MatrixView dh, MatrixView dth,
                                    MatrixView d_gate, MatrixView d_t_gate, MatrixView d_t_up,
-                                   int64_t received, int64_t k) {
+                                   int64_t received, int64_t k, bool second) {
   const int64_t width = static_cast<int64_t>(gate.extent(1));
+  const int64_t per_row = second ? 2 * k : k;
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::moe_swiglu_backward_with_tangents"),
       matrix_range(received, width), KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-        const float a = gate(i, j), u = up(i, j);
-        const activation_math::Sigmoids sg = activation_math::sigmoids(a);
-        const float silu = a * sg.of_x;
-        const float slope = sg.of_x * (1.0f + a * sg.of_minus);
-        const float curvature = sg.of_x * sg.of_minus * (2.0f + a * (sg.of_minus - sg.of_x));
+        const SiluJet f = silu_jet(gate(i, j));
+        const float u = up(i, j);
         const float g = dh(i, j);
-        float grad_gate = g * u * slope, grad_up = g * silu;
+        float grad_gate = g * u * f.h1, grad_up = g * f.h;
         for (int64_t d = 0; d < k; ++d) {
-          const int64_t t = i * k + d;
-          const float gt = dth(t, j);
-          grad_gate += gt * (curvature * u * t_gate(t, j) + slope * t_up(t, j));
-          grad_up += gt * slope * t_gate(t, j);
-          d_t_gate(t, j) = gt * u * slope;
-          d_t_up(t, j) = gt * silu;
+          const int64_t t = i * per_row + d, q = t + k;
+          const float gt = dth(t, j), ta = t_gate(t, j), tu = t_up(t, j);
+          grad_gate += gt * (f.h2 * u * ta + f.h1 * tu);
+          grad_up += gt * f.h1 * ta;
+          float d_ta = gt * u * f.h1, d_tu = gt * f.h;
+          if (second) {
+            const float gq = dth(q, j), qa = t_gate(q, j), qu = t_up(q, j);
+            d_ta += 2.0f * gq * (f.h2 * ta * u + f.h1 * tu);
+            d_tu += 2.0f * gq * f.h1 * ta;
+            d_t_gate(q, j) = gq * u * f.h1;
+            d_t_up(q, j) = gq * f.h;
+            grad_gate +=
+                gq * ((f.h2 * qa + f.h3 * ta * ta) * u + 2.0f * f.h2 * ta * tu + f.h1 * qu);
+            grad_up += gq * (f.h1 * qa + f.h2 * ta * ta);
+          }
+          d_t_gate(t, j) = d_ta;
+          d_t_up(t, j) = d_tu;
         }
         d_gate(i, j) = grad_gate;
         dh(i, j) = grad_up;
@@ -814,6 +862,12 @@ MatrixView MoeLayer::forward_tangents(MatrixView dx, const LayerPass& pass) {
   }
 
   tangent_x_used_ = dxu;  // for backward_with_tangents
+  // The forward Laplacian: per row, dirs / 2 tangents then as many second-order streams.
+  const bool second = pass.second_order;
+  MESHTRAIN_REQUIRE(!second || dirs % 2 == 0, "MoE layer '", l.layer, "': ", dirs,
+                    " stream rows per row in a second-order pass (2 per direction)");
+  second_order_ = second;
+  const int64_t half = second ? dirs / 2 : dirs;
   // Router: dl = dX Wr, then the softmax's and the renormalized gates' derivatives.
   const ConstVectorView wr = router_.compute(scratch);
   const MatrixView dl = leading_rows(tangent_logits_, rows);
@@ -825,7 +879,27 @@ MatrixView MoeLayer::forward_tangents(MatrixView dx, const LayerPass& pass) {
     Kokkos::parallel_for(
         MESHTRAIN_LABEL("meshtrain::moe_gate_tangent"), Range(device_space(), 0, rows),
         KOKKOS_LAMBDA(const int64_t t) {
-          const int64_t r = t / dirs;
+          const int64_t r = t / dirs, j = t % dirs;
+          if (j >= half) {
+            // Second order along direction d = j - half (g = softmax of the chosen logits):
+            // a, b the tangent and second-order logits, m = sum g a, dg = g (a - m),
+            // n = sum dg a + g b, d2g = dg (a - m) + g (b - n).
+            const int64_t tt = r * dirs + (j - half);
+            float m = 0.0f;
+            for (int64_t s = 0; s < k; ++s) m += gates(r, s) * dl(tt, chosen(r, s));
+            float n = 0.0f;
+            for (int64_t s = 0; s < k; ++s) {
+              const int e = chosen(r, s);
+              const float dgs = gates(r, s) * (dl(tt, e) - m);
+              n += dgs * dl(tt, e) + gates(r, s) * dl(t, e);
+            }
+            for (int64_t s = 0; s < k; ++s) {
+              const int e = chosen(r, s);
+              const float a = dl(tt, e) - m;
+              dg(t, s) = gates(r, s) * a * a + gates(r, s) * (dl(t, e) - n);
+            }
+            return;
+          }
           float dot = 0.0f;
           for (int64_t e = 0; e < experts; ++e) dot += probs(r, e) * dl(t, e);
           float chosen_sum = 0.0f, dp_sum = 0.0f;
@@ -856,7 +930,7 @@ MatrixView MoeLayer::forward_tangents(MatrixView dx, const LayerPass& pass) {
   const MatrixView recv(tangent_recv_x_.data(), capacity_, dirs * in);
   dispatch(send, recv, true);
   permute(recv, MatrixView(tangent_expert_x_.data(), capacity_, dirs * in), true);
-  experts_tangents(scratch, dirs);
+  experts_tangents(scratch, dirs, second);
   const MatrixView back(tangent_back_y_.data(), capacity_, dirs * out);
   permute(MatrixView(tangent_expert_y_.data(), capacity_, dirs * out), back, false);
   const MatrixView returned(tangent_returned_.data(), assignments_, dirs * out);
@@ -878,6 +952,12 @@ MatrixView MoeLayer::forward_tangents(MatrixView dx, const LayerPass& pass) {
             const int64_t p = position(r, s);
             sum += dg(t, s) * values(p, c) + gates(r, s) * returned(p, d * out + c);
           }
+          if (d >= half) {  // second order: q_y = sum d2g y + 2 dg t + g q
+            const int64_t first = d - half, tt = r * dirs + first;
+            for (int64_t s = 0; s < k; ++s) {
+              sum += 2.0f * dg(tt, s) * returned(position(r, s), first * out + c);
+            }
+          }
           y(t, c) = sum;
         });
   }
@@ -891,7 +971,7 @@ MatrixView MoeLayer::forward_tangents(MatrixView dx, const LayerPass& pass) {
   return result;
 }
 
-void MoeLayer::experts_tangents(LayerScratch& scratch, int64_t directions) {
+void MoeLayer::experts_tangents(LayerScratch& scratch, int64_t directions, bool second_order) {
   const MoeLayout& l = layout_;
   const Dtype dtype = compute_dtype_;
   const int64_t local = l.experts_local, rows = received_ * directions;
@@ -910,8 +990,18 @@ void MoeLayer::experts_tangents(LayerScratch& scratch, int64_t directions) {
     const MatrixView dgate(tangent_gate_.data(), capacity_ * directions, hidden);
     expert_gemms(x, gate_weight_.compute(scratch), l.in, hidden, offsets, local, dgate, dtype,
                  directions);
-    swiglu_tangent(row_block(ffn_gate_, 0, received_), row_block(ffn_up_, 0, received_),
-                   row_block(dgate, 0, rows), row_block(du, 0, rows), row_block(dh, 0, rows));
+    if (second_order) {
+      swiglu_second_order_streams(row_block(ffn_gate_, 0, received_),
+                                  row_block(ffn_up_, 0, received_), row_block(dgate, 0, rows),
+                                  row_block(du, 0, rows), row_block(dh, 0, rows), received_,
+                                  directions / 2);
+    } else {
+      swiglu_tangent(row_block(ffn_gate_, 0, received_), row_block(ffn_up_, 0, received_),
+                     row_block(dgate, 0, rows), row_block(du, 0, rows), row_block(dh, 0, rows));
+    }
+  } else if (second_order) {  // t_h = f' t_u, q_h = f' q_u + f'' t_u^2
+    activation_second_order(activation_, row_block(ffn_up_, 0, received_), row_block(du, 0, rows),
+                            row_block(dh, 0, rows), row_block(ffn_h_, 0, received_));
   } else {
     activation_tangent(activation_, row_block(ffn_up_, 0, received_), row_block(du, 0, rows),
                        row_block(dh, 0, rows));
@@ -1013,10 +1103,12 @@ MatrixView MoeLayer::backward_with_tangents(MatrixView dy, MatrixView dt, bool n
   const MoeLayout& l = layout_;
   MESHTRAIN_REQUIRE(compute_dtype_ == Dtype::fp32, "MoE layer '", l.layer,
                     "': training on derivatives is fp32 only");
-  MESHTRAIN_REQUIRE(!pass.second_order, "MoE layer '", l.layer,
-                    "': the forward Laplacian's streams are not built for MoE layers");
+  MESHTRAIN_REQUIRE(second_order_ == pass.second_order, "MoE layer '", l.layer,
+                    "': the backward's streams are not of the kind the last tangent pass had");
   const int64_t dirs = tangent_directions(static_cast<int64_t>(dt.extent(0)), rows_, l.layer);
   const int64_t rows = rows_ * dirs;
+  const bool second = second_order_;
+  const int64_t half = second ? dirs / 2 : dirs;  // first-order rows per row
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(0)) == rows_ &&
                         static_cast<int64_t>(dy.extent(1)) == l.output_width() &&
                         static_cast<int64_t>(dt.extent(1)) == l.output_width() &&
@@ -1050,6 +1142,7 @@ MatrixView MoeLayer::backward_with_tangents(MatrixView dy, MatrixView dt, bool n
     const Kokkos::View<int**> chosen = chosen_;
     const Kokkos::View<int64_t**> position = position_;
     const MatrixView g_value = dy, g_tangent = dtu;
+    const MatrixView dgates = leading_rows(tangent_gates_, rows);
     Kokkos::parallel_for(
         MESHTRAIN_LABEL("meshtrain::moe_gate_grad_with_tangents"), Range(device_space(), 0, rows_),
         KOKKOS_LAMBDA(const int64_t r) {
@@ -1059,6 +1152,55 @@ MatrixView MoeLayer::backward_with_tangents(MatrixView dy, MatrixView dt, bool n
             float dot = 0.0f;
             for (int64_t c = 0; c < out; ++c) dot += g_value(r, c) * values(p, c);
             gate_grad[s] = dot;
+          }
+          if (second) {
+            // The reverse of the second-order gates (docs/derivatives.md, "MoE layers"), per
+            // direction: C = g_q . y_s (d2g's gradient), D = g_t . y_s + 2 g_q . t_s (dg's),
+            // W2 = sum g C, D' = D + C (a - m) - W2 a, mbar = -sum C dg - sum g D';
+            // the logits' gradients a: dg (C - W2) + g (D' + mbar), b: g (C - W2); the gates'
+            // g_t . t_s + g_q . q_s + C (b - n) - W2 b + D' (a - m) + a mbar.
+            for (int64_t d = 0; d < half; ++d) {
+              const int64_t tt = r * dirs + d, qq = tt + half;
+              float cc[kMaxTopK], dd[kMaxTopK];
+              float m = 0.0f, n = 0.0f, w2 = 0.0f;
+              for (int64_t s = 0; s < k; ++s) {
+                const int64_t p = position(r, s);
+                const int e = chosen(r, s);
+                float c_dot = 0.0f, d_dot = 0.0f, direct = 0.0f;
+                for (int64_t c = 0; c < out; ++c) {
+                  const float ts = expert_tangents(p, d * out + c);
+                  c_dot += g_tangent(qq, c) * values(p, c);
+                  d_dot += g_tangent(tt, c) * values(p, c) + 2.0f * g_tangent(qq, c) * ts;
+                  direct += g_tangent(tt, c) * ts +
+                            g_tangent(qq, c) * expert_tangents(p, (d + half) * out + c);
+                }
+                cc[s] = c_dot;
+                dd[s] = d_dot;
+                gate_grad[s] += direct;
+                m += gates(r, s) * tl(tt, e);
+                n += dgates(tt, s) * tl(tt, e) + gates(r, s) * tl(qq, e);
+                w2 += gates(r, s) * c_dot;
+              }
+              float mbar = 0.0f;
+              for (int64_t s = 0; s < k; ++s) {
+                const float a = tl(tt, chosen(r, s));
+                dd[s] += cc[s] * (a - m) - w2 * a;
+                mbar -= cc[s] * dgates(tt, s) + gates(r, s) * dd[s];
+              }
+              for (int64_t e = 0; e < experts; ++e) {
+                ga(tt, e) = 0.0f;
+                ga(qq, e) = 0.0f;
+              }
+              for (int64_t s = 0; s < k; ++s) {
+                const int e = chosen(r, s);
+                const float a = tl(tt, e), b = tl(qq, e), g = gates(r, s);
+                ga(tt, e) = dgates(tt, s) * (cc[s] - w2) + g * (dd[s] + mbar);
+                ga(qq, e) = g * (cc[s] - w2);
+                gate_grad[s] += cc[s] * (b - n) - w2 * b + dd[s] * (a - m) + a * mbar;
+              }
+            }
+            for (int64_t s = 0; s < k; ++s) dl(r, s) = gate_grad[s];
+            return;
           }
           for (int64_t d = 0; d < dirs; ++d) {
             const int64_t t = r * dirs + d;
@@ -1099,10 +1241,16 @@ MatrixView MoeLayer::backward_with_tangents(MatrixView dy, MatrixView dt, bool n
         KOKKOS_LAMBDA(const int64_t a, const int64_t c) {
           const int64_t r = a / k, s = a % k, p = position(r, s);
           const float gate = gates(r, s);
+          // (second order: dg holds d2g on the second-order rows, and a tangent's gradient
+          // gains 2 dg g_q from the combination's 2 dg t_s)
           float sum = gate * g_value(r, c);
           for (int64_t d = 0; d < dirs; ++d) {
             sum += dg(r * dirs + d, s) * g_tangent(r * dirs + d, c);
-            send_t(p, d * out + c) = gate * g_tangent(r * dirs + d, c);
+            float grad = gate * g_tangent(r * dirs + d, c);
+            if (d < half && second) {
+              grad += 2.0f * dg(r * dirs + d, s) * g_tangent(r * dirs + d + half, c);
+            }
+            send_t(p, d * out + c) = grad;
           }
           send(p, c) = sum;
         });
@@ -1113,7 +1261,7 @@ MatrixView MoeLayer::backward_with_tangents(MatrixView dy, MatrixView dt, bool n
   dispatch(send_t, recv_t, true);
   permute(recv_t, MatrixView(cotangent_expert_y_.data(), capacity_, dirs * out), true);
 
-  experts_backward_with_tangents(scratch, dirs, need_input_grad);
+  experts_backward_with_tangents(scratch, dirs, need_input_grad, second);
   const MatrixView returned_t(cotangent_returned_x_.data(), assignments_, dirs * in);
   if (need_input_grad) {
     permute(expert_dx_, recv_x_, false);
@@ -1167,7 +1315,7 @@ MatrixView MoeLayer::backward_with_tangents(MatrixView dy, MatrixView dt, bool n
 }
 
 void MoeLayer::experts_backward_with_tangents(LayerScratch& scratch, int64_t directions,
-                                              bool need_input_grad) {
+                                              bool need_input_grad, bool second_order) {
   const MoeLayout& l = layout_;
   const Dtype dtype = Dtype::fp32;
   const int64_t local = l.experts_local, rows = received_ * directions;
@@ -1217,12 +1365,20 @@ void MoeLayer::experts_backward_with_tangents(LayerScratch& scratch, int64_t dir
     swiglu_backward_with_tangents(row_block(ffn_gate_, 0, received_), u,
                                   MatrixView(tangent_gate_.data(), capacity_ * directions, hidden),
                                   t_up, dh, g_th, row_block(ffn_dgate_, 0, received_), g_tg, g_tu,
-                                  received_, directions);
+                                  received_, second_order ? directions / 2 : directions,
+                                  second_order);
     const VectorView gg = gate_weight_.gradient(scratch);
     expert_weight_gradients(expert_x_, ffn_dgate_, gg, in, hidden, offsets, local, dtype);
     expert_weight_gradients_add(t_x, g_tg, gg, in, hidden, offsets, local, directions);
     expert_bias_gradients(ffn_dgate_, gate_bias_.gradient(scratch), bias_first(l.experts_gate_bias),
                           expert_offsets_, local, hidden, dtype);
+  } else if (second_order) {
+    // Through the activation's second-order rule (t_h = f' t_u, q_h = f' q_u + f'' t_u^2):
+    // dU = f' dH + f'' sum_d (t_u g_t + q_u g_q) + f''' sum_d t_u^2 g_q, g_t_u = f' g_t +
+    // 2 f'' t_u g_q, g_q_u = f' g_q (activation_second_order_backward).
+    activation_second_order_backward(activation_, u, row_block(t_up, 0, rows), dh,
+                                     row_block(g_th, 0, rows), row_block(g_tu, 0, rows),
+                                     row_block(ffn_h_, 0, received_));
   } else {
     // Through the activation (t_h = f'(u) t_up): dU = f'(u) dH + f''(u) sum_d t_up dTH,
     // dT_up = f'(u) dTH.

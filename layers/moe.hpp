@@ -106,12 +106,20 @@ class MoeLayer : public Layer {
   // are differentiated as Linear's (feed-forward: f'' times the hidden tangents joins the
   // pre-activation's gradient; SwiGLU: its second derivatives likewise). The tangent gradients
   // travel as wide rows of the forward's dispatch plan. Gradients reduced as backward's; fp32;
-  // linear, activation and SwiGLU experts; first-order only (no forward Laplacian:
-  // supports_laplacian() is false).
+  // linear, activation and SwiGLU experts.
+  // The forward Laplacian (pass.second_order, docs/derivatives.md "MoE layers"): each row's 2k
+  // stream rows (k tangents t, then k diagonal second derivatives q) through the router
+  // (s_l = q Wr), the gates' second order d2g_s = dg_s (a_s - m) + g_s (b_s - n) (a, b the
+  // tangent and second-order logits of the chosen experts, m = sum_s g_s a_s, n = sum_s dg_s a_s
+  // + g_s b_s), the experts' second-order rules (activation, SwiGLU) and the combination
+  // q_y = sum_s d2g_s y_s + 2 dg_s t_s + g_s q_s, all 2k streams as one wide row per pair; the
+  // backward is its reverse (the same kinds of pass must alternate: forward_laplacian, then
+  // backward_with_laplacian).
   MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
                                     const LayerPass& pass, MatrixView* dt_in) override;
   void reserve_tangent_backward(int64_t directions) override;
   bool supports_tangent_backward() const override { return true; }
+  bool supports_laplacian() const override { return true; }
   // Router, experts weight, bias; feed-forward: router, (gate weight, bias,) up weight, bias,
   // down weight, bias.
   size_t parameter_count() const override { return layout_.storages().size(); }
@@ -144,16 +152,19 @@ class MoeLayer : public Layer {
   void experts_forward(LayerScratch& scratch);
   void experts_backward(LayerScratch& scratch, bool need_input_grad);
   // The experts' tangents on their rows: tangent_expert_x_ -> tangent_expert_y_, `directions`
-  // rows per (row, expert) pair, in expert-major order.
-  void experts_tangents(LayerScratch& scratch, int64_t directions);
+  // rows per (row, expert) pair, in expert-major order (second_order: k tangents then k
+  // second-order streams, directions = 2k).
+  void experts_tangents(LayerScratch& scratch, int64_t directions, bool second_order);
   // The experts' cotangents: cotangent_expert_y_ -> cotangent_expert_x_, likewise.
   void experts_cotangents(LayerScratch& scratch, int64_t directions);
   // Training on derivatives: the experts' value gradients (expert_y_) and tangent gradients
   // (cotangent_expert_y_, `directions` rows per pair) -> every expert parameter's gradient,
   // and, when need_input_grad, the input's (expert_dx_) and the input tangents'
   // (cotangent_expert_x_).
+  // second_order: `directions` is 2k, k tangents then k second-order streams per pair (the
+  // forward Laplacian's rules for the activation or SwiGLU).
   void experts_backward_with_tangents(LayerScratch& scratch, int64_t directions,
-                                      bool need_input_grad);
+                                      bool need_input_grad, bool second_order);
   // The router's gates' gradients in dlogits_(r, 0..k) -> the logits' gradient in dlogits_
   // (renormalized gates, the balancing loss's term times loss_scale, then the softmax).
   void router_logit_gradients(float loss_scale);
@@ -229,6 +240,7 @@ class MoeLayer : public Layer {
   Matrix tangent_expert_y_, tangent_back_y_, tangent_returned_;
   Matrix tangent_out_full_, tangents_;
   MatrixView tangent_x_used_;  // the last forward_tangents' whole input tangents
+  bool second_order_ = false;  // whether the last forward_tangents carried second-order streams
   // Cotangents (reserve_cotangents), the same path backwards: the whole output's [rows * k,
   // out] (split output), the gates' and logits', [assignments * k, out] and [capacity * k,
   // out] x 2 to the experts, [capacity * k, hidden] x 3 inside, [capacity * k, in] x 2 and

@@ -339,7 +339,9 @@ double TrainingRun::accumulate_loaded_batch() {
     denormalize_physics_points();
     const MatrixView streams = model_->forward_laplacian(physics_loss_->seeds());
     physics_loss = physics_loss_->evaluate(physics_x_, output, streams).loss;
-    result.loss = physics_data_weight_ * result.loss + physics_loss;
+    // data_loss_weight weighs the data loss only: the balancing loss's gradient (the MoE layers'
+    // backward) is not weighted, so neither is its share of the loss.
+    result.loss = physics_data_weight_ * (result.loss - aux_loss) + aux_loss + physics_loss;
   }
   // The loss is reduced over the ranks, so every rank decides here alike.
   if (!std::isfinite(result.loss)) {

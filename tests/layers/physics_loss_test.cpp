@@ -33,7 +33,8 @@
 //     RMSNorm + SwiGLU), every forward a training pass: the float64 references draw the same
 //     mask (dropout_bits, the pass's key) and hold it fixed, so their central differences are of
 //     the model with that mask. The mesh test runs them too (the mask is the same on any mesh).
-//   * Refusals: MoE models, no residual function, a repeated column.
+//   * Refusals: no residual function, a repeated column, a pass before reserve_laplacian (MoE
+//     models accepted: tests/layers/physics_moe_test.cpp).
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -966,17 +967,18 @@ TEST(PhysicsLoss, Refusals) {
   residual.reserve_laplacian(2);  // LayerNorm or RMSNorm residual blocks: supported
   Mlp with_dropout(shape, Activation::silu, replicated, context, 4, 0.1);
   EXPECT_NO_THROW(with_dropout.reserve_laplacian(2));  // dropout: supported
-  // MoE blocks are not: refused at the reservation and, reserved for the Jacobian (which those
-  // models have), at the pass.
+  // MoE blocks too (tests/layers/physics_moe_test.cpp); reserved for the Jacobian only, the pass
+  // is refused by name as above.
   ResidualMlpShape moe = shape;
   moe.moe.layers = {0};
   moe.moe.experts = 2;
   moe.moe.top_k = 1;
   Mlp with_moe(moe, Activation::silu, replicated, context, 4);
-  expect_bad_input([&] { with_moe.reserve_laplacian(2); }, "not for MoE layers");
   with_moe.reserve_tangents(4);
   Matrix streams("streams", 4 * 4, 2);
-  expect_bad_input([&] { with_moe.forward_laplacian(streams); }, "the forward Laplacian");
+  expect_bad_input([&] { with_moe.forward_laplacian(streams); },
+                   "call reserve_laplacian(k) before it");
+  EXPECT_NO_THROW(with_moe.reserve_laplacian(2));
   PhysicsLossSettings none;
   none.inputs = {0, 1};
   expect_bad_input([&] { PhysicsLoss(none, context, 4, 2, 1, FeatureLayout::replicated); },

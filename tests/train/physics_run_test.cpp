@@ -11,6 +11,10 @@
 //     (2 -> 8, 2 pre-norm blocks of LayerNorm + silu with hidden 16, -> 1), 4 steps on dp, fsdp,
 //     tp and fsdp x tp against one rank: every loss and physics_loss within 1e-5 relative, and
 //     every parameter after the steps within 1e-5 of its tensor's largest |value| on one rank.
+//   * MoeEveryMeshEqualsOneRank (np 1, 2, 4): the same physics term on the mlp whose hidden
+//     layer 1 is an MoE layer (4 experts, top-2), 4 steps on ep, dp x ep, fsdp x ep and ep x tp
+//     against one rank: every loss and physics_loss within 1e-5 relative; step 1's loss is
+//     0.5 times the data loss plus the balancing loss (unweighted) and the physics term.
 //   * Refusals: statistics set in the settings, a negative data_loss_weight, a second call,
 //     a call within a step, and PhysicsLoss's own (no residual function): bad_input, agreed;
 //     a call after a step (as after a resume) is accepted.
@@ -175,6 +179,71 @@ TEST(PhysicsRun, ResidualEveryMeshEqualsOneRank) {
           "[ physics run ] residual_mlp on %s: parameters' largest difference from one "
           "rank %.2e\n",
           m.preset.c_str(), worst);
+    }
+  }
+}
+
+// An mlp whose hidden layer 1 is an MoE layer (4 experts, top-2; docs/derivatives.md, "MoE
+// layers"): the physics term through the run on ep, dp x ep, fsdp x ep and ep x tp.
+std::vector<StepResult> moe_steps(const std::vector<std::pair<std::string, int>>& axes,
+                                  const std::string& preset, MPI_Comm comm,
+                                  bool with_physics = true) {
+  RunConfig config = config_on({preset, axes});
+  config.model.moe_layers = {1};
+  config.model.experts = 4;
+  config.model.top_k = 2;
+  config.model.aux_loss_coef = 0.05;
+  TrainingRun run(config, {}, points(), comm);
+  EXPECT_EQ(run.model().moe_layers().size(), 1u);
+  if (with_physics) run.set_physics(physics());
+  std::vector<StepResult> results;
+  while (!run.finished()) results.push_back(run.step());
+  return results;
+}
+
+TEST(PhysicsRun, MoeEveryMeshEqualsOneRank) {
+  const int n = world_size();
+  // (A mesh made in code has the axes it lists: the preset puts experts on ep.)
+  const std::vector<StepResult> one = moe_steps({{"dp", 1}, {"ep", 1}}, "dp", MPI_COMM_SELF);
+  ASSERT_EQ(one.size(), 4u);
+  EXPECT_GT(one.front().physics_loss, 0.0);
+  EXPECT_GT(one.front().aux_loss, 0.0);
+  // Step 1's loss: data_loss_weight (0.5) times the data loss, plus the balancing loss (not
+  // weighted: its gradient is not) and the physics term; the same first forward without it.
+  const StepResult plain = moe_steps({{"dp", 1}, {"ep", 1}}, "dp", MPI_COMM_SELF, false).front();
+  EXPECT_NEAR(one.front().aux_loss, plain.aux_loss, 1e-6 * plain.aux_loss);
+  EXPECT_NEAR(one.front().loss,
+              0.5 * (plain.loss - plain.aux_loss) + plain.aux_loss + one.front().physics_loss,
+              1e-6 * one.front().loss);
+  struct Case {
+    std::string preset;
+    std::vector<std::pair<std::string, int>> axes;
+  };
+  std::vector<Case> cases = {{"dp", {{"ep", n}}}};
+  if (n % 2 == 0) {
+    cases.push_back({"dp", {{"dp", n / 2}, {"ep", 2}}});
+    cases.push_back({"fsdp", {{"fsdp", n / 2}, {"ep", 2}}});
+    cases.push_back({"fsdp_tp", {{"fsdp", 1}, {"ep", n / 2}, {"tp", 2}}});
+  }
+  for (const Case& c : cases) {
+    std::string name = c.preset;
+    for (const auto& [axis, size] : c.axes) name += " " + axis + "=" + std::to_string(size);
+    SCOPED_TRACE(name);
+    const std::vector<StepResult> got = moe_steps(c.axes, c.preset, MPI_COMM_WORLD);
+    ASSERT_EQ(got.size(), one.size());
+    double worst = 0.0;
+    for (size_t s = 0; s < one.size(); ++s) {
+      EXPECT_NEAR(got[s].loss, one[s].loss, 1e-5 * one[s].loss) << "step " << s + 1;
+      EXPECT_NEAR(got[s].physics_loss, one[s].physics_loss, 1e-5 * one[s].physics_loss)
+          << "step " << s + 1;
+      worst = std::max({worst, std::abs(got[s].loss - one[s].loss) / one[s].loss,
+                        std::abs(got[s].physics_loss - one[s].physics_loss) / one[s].physics_loss});
+    }
+    if (world_rank() == 0) {
+      std::printf(
+          "[ physics run ] MoE mlp on %s: losses' largest relative difference from one "
+          "rank %.2e\n",
+          name.c_str(), worst);
     }
   }
 }
