@@ -154,8 +154,7 @@ Result run(MeshCommunicators& comms, const DlrmShape& shape, const Data& d, Tabl
   // bytes: b, a, c in decreasing size onto the least loaded member).
   ShardingPlan placed;
   if (tables == Tables::table_wise && !batch.empty()) {
-    const std::string axes =
-        batch.size() == 1 ? batch[0] : "(" + batch[0] + ", " + batch[1] + ")";
+    const std::string axes = batch.size() == 1 ? batch[0] : "(" + batch[0] + ", " + batch[1] + ")";
     PlanOptions options;
     options.min_sharding_size = 0;
     placed = make_plan(shapes, mesh,
