@@ -42,7 +42,8 @@ where their rows divide, the rest replicated). Modes:
           t23 on member 1), one rank; every leg's losses within 1e-5 (relative) of an
           uninterrupted one-rank run's, and the table-wise leg's step-20 checkpoint holds each
           table and its AdamW moments whole ([rows, 8], h5py) within 2e-4 of the one-rank run's
-          (measured 5.5e-5).
+          (measured 5.5e-5). tablewise_rowwise_adagrad: the same with the tables' row-wise
+          Adagrad accumulators ([rows]) resharded through the table-wise leg.
 
   train_rowwise_adagrad, resume_rowwise_adagrad, resume_sparse_adamw, columns_rowwise_adagrad
           train and resume with optimizer.embeddings = "rowwise_adagrad" or "sparse_adamw" (the
@@ -369,9 +370,9 @@ def mode_tablewise(launcher, config, work):
     ref = tensors(os.path.join(work, "whole", "checkpoints", "ckpt-000020.h5"))
     for table in ("t22", "t23", "t24", "t25"):
         for name in [f"params/embeddings/{table}/weight"] + [
-                f"opt_state/{slot}/embeddings/{table}/weight" for slot in ("m", "v")]:
+                f"opt_state/{slot}/embeddings/{table}/weight" for slot in (SLOTS or ("m", "v"))]:
             if name not in ref:
-                continue
+                fail(f"the one-rank checkpoint has no {name}")
             if name not in got or got[name].shape != ref[name].shape:
                 fail(f"the table-wise checkpoint's {name} is "
                      f"{got[name].shape if name in got else 'missing'}, not {ref[name].shape}")
