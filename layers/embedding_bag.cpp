@@ -223,10 +223,20 @@ EmbeddingBag::EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPool
   if (row_comm_) {
     group_ = row_comm_->size();
     me_ = row_comm_->rank();
-    MESHTRAIN_REQUIRE(first_row_ == me_ * local_rows_ && local_rows_ * group_ == rows_,
-                      "embedding table '", table_, "': rank ", me_, " of ",
-                      axes_text(layout_.row_axes), " holds rows from ", first_row_,
-                      ", not its group index's block");
+    if (layout_.sharding == EmbeddingSharding::table_wise) {
+      row_blocks_ = 0;
+      // The holder has every row, the other members none.
+      MESHTRAIN_REQUIRE(first_row_ == 0 && local_rows_ == (me_ == layout_.holder ? rows_ : 0),
+                        "embedding table '", table_, "': rank ", me_, " of ",
+                        axes_text(layout_.row_axes), " holds ", local_rows_,
+                        " rows, not what table-wise placement on member ", layout_.holder,
+                        " gives it");
+    } else {
+      MESHTRAIN_REQUIRE(first_row_ == me_ * local_rows_ && local_rows_ * group_ == rows_,
+                        "embedding table '", table_, "': rank ", me_, " of ",
+                        axes_text(layout_.row_axes), " holds rows from ", first_row_,
+                        ", not its group index's block");
+    }
   }
   if (layout_.column_slices > 1) {
     col_comm_ = context.comm(layout_.column_axes);
@@ -302,6 +312,9 @@ std::string EmbeddingBag::describe() const {
       "embedding bag '" + table_ + "' " + format_shape({rows_, dim_}) + " " + to_string(pooling_);
   if (layout_.sharding == EmbeddingSharding::replicated) {
     text += col_comm_ ? ", rows whole" : ", replicated";
+  } else if (layout_.sharding == EmbeddingSharding::table_wise) {
+    text += ", table-wise on member " + std::to_string(layout_.holder) + " of " +
+            axes_text(layout_.row_axes) + (me_ == layout_.holder ? " (here)" : " (not here)");
   } else {
     text += ", row-wise over " + axes_text(layout_.row_axes) + " (rows [" +
             std::to_string(first_row_) + ", " + std::to_string(first_row_ + local_rows_) +
@@ -375,6 +388,11 @@ void EmbeddingBag::forward_replicated(const SparseBags& bags) {
             col_comm_ ? out_slice_ : out_);
 }
 
+int64_t EmbeddingBag::owner_of(int64_t id) const {
+  // Row-wise: the block of rows_per_owner rows the id falls in; table-wise: the holder.
+  return row_blocks_ ? id / layout_.rows_per_owner : layout_.holder;
+}
+
 void EmbeddingBag::plan_row_wise(const std::string& problem) {
   const int n = group_;
   std::fill(send_ids_.begin(), send_ids_.end(), 0);
@@ -386,7 +404,7 @@ void EmbeddingBag::plan_row_wise(const std::string& problem) {
     // Per owner: its ids, and its parts (the bags with at least one id there).
     for (int64_t b = 0; b < batch_rows_; ++b) {
       for (int64_t k = off(b); k < off(b + 1); ++k) {
-        const size_t j = static_cast<size_t>(ids(k) / local_rows_);
+        const size_t j = static_cast<size_t>(owner_of(ids(k)));
         ++send_ids_[j];
         if (last_bag_[j] != b) {
           ++send_parts_[j];
@@ -442,8 +460,8 @@ void EmbeddingBag::plan_row_wise(const std::string& problem) {
     const int64_t first_part = listed;
     for (int64_t k = off(b); k < off(b + 1); ++k) {
       const int64_t id = ids(k);
-      const size_t j = static_cast<size_t>(id / local_rows_);
-      const int64_t local = id - static_cast<int64_t>(j) * local_rows_;
+      const size_t j = static_cast<size_t>(owner_of(id));
+      const int64_t local = id - static_cast<int64_t>(j) * layout_.rows_per_owner * row_blocks_;
       if (last_bag_[j] != b) {
         last_bag_[j] = b;
         const int64_t returned = send_part_base_[j] + part_cursor_[j]++;

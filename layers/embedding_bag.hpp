@@ -35,8 +35,12 @@
 //               over the batch axes as a replicated table's. Every column's sums are the
 //               one-rank sums in the one-rank order (bit for bit). P(batch axes, tp) composes
 //               both: row-wise over the batch axes within each column slice.
-// Table-wise sharding is a later slice: any other spec is bad_input naming the parameter and
-// the spec. Ranks of a non-batch axis (tp) that does not split the columns hold the same bags
+//   table-wise  P(axis@k), `axis` batch axes as row-wise (the planner places P(axis@table) on a
+//               member k): member k holds the whole table, the others no rows of it. Row-wise's
+//               exchange with one owner: every id goes to member k, which pools each bag whole
+//               (one part per bag, in id order: the one-rank sum) and returns it; backward as
+//               row-wise. Any other spec is bad_input naming the parameter and the spec. Ranks of a
+//               non-batch axis (tp) that does not split the columns hold the same bags
 // and compute the same outputs and gradients.
 //
 // Bad input (bad_input naming the table): an id outside [0, rows) (and the id), offsets that do
@@ -150,6 +154,8 @@ class EmbeddingBag {
   // Row-wise: buckets the ids by owner, exchanges the counts (with the error flag) and builds
   // the plan of the step (host, then device).
   void plan_row_wise(const std::string& problem);
+  // The member of the owners' group that holds global row `id`.
+  int64_t owner_of(int64_t id) const;
   void forward_replicated(const SparseBags& bags);
   void forward_row_wise(const SparseBags& bags);
   void backward_replicated(ConstMatrixView dy);
@@ -167,6 +173,8 @@ class EmbeddingBag {
   int64_t first_row_ = 0, local_rows_ = 0;
   Communicator* row_comm_ = nullptr;  // row-wise: the owners' group
   int group_ = 1, me_ = 0;            // its size and this rank's index in it
+  // 1: row-wise (member j owns rows [j rows_per_owner, ...)); 0: table-wise (one holder).
+  int64_t row_blocks_ = 1;
   // Column-wise: this rank's columns [first_col_, first_col_ + local_dim_) and their group.
   int64_t first_col_ = 0, local_dim_ = 0;
   Communicator* col_comm_ = nullptr;

@@ -33,7 +33,15 @@ bool contains(const std::vector<std::string>& axes, const std::string& axis) {
 }  // namespace
 
 const char* to_string(EmbeddingSharding sharding) {
-  return sharding == EmbeddingSharding::replicated ? "replicated" : "row-wise";
+  switch (sharding) {
+    case EmbeddingSharding::replicated:
+      return "replicated";
+    case EmbeddingSharding::row_wise:
+      return "row-wise";
+    case EmbeddingSharding::table_wise:
+      return "table-wise";
+  }
+  return "?";
 }
 
 int64_t EmbeddingLayout::all_to_all_floats(int64_t ids) const {
@@ -58,8 +66,9 @@ EmbeddingLayout embedding_layout(const std::string& table, const LinearParameter
                         weight.spec.to_string(),
                         ", which embedding bags do not support: use P() (replicated), "
                         "P(axis, None) (row-wise) with batch axes ",
+                        axes_text(axes.batch), ", P(axis@table) (table-wise) with batch axes ",
                         axes_text(axes.batch), ", or P(None, axis) (column-wise) with an axis ",
-                        "that is not a batch axis (e.g. tp); table-wise placement comes later");
+                        "that is not a batch axis (e.g. tp)");
   };
   spec.check_axes(mesh, weight.name);  // a misspelt axis is named before any layout is refused
   // Rows: batch axes only (their ranks hold different bags, each id goes to its row's owner).
@@ -69,6 +78,34 @@ EmbeddingLayout embedding_layout(const std::string& table, const LinearParameter
   // Columns: no batch axis (every rank of the slices must look up the same bags).
   for (const std::string& axis : spec.entries[1].axes) {
     if (contains(axes.batch, axis)) refuse();
+  }
+  if (spec.entries[1].table) refuse();
+  if (spec.entries[0].table) {
+    // Table-wise: whole on one member of the row axes (the planner placed it).
+    if (!spec.entries[1].is_none()) refuse();
+    const int members = mesh.size_of(spec.entries[0].axes);
+    if (spec.entries[0].member < 0 || spec.entries[0].member >= members) {
+      MESHTRAIN_BAD_INPUT("embedding table '", table, "': parameter '", weight.name, "' has spec ",
+                          weight.spec.to_string(), ", a table-wise placement not on a member of ",
+                          axis_product_text(spec.entries[0], mesh),
+                          " (the plan places P(axis@table) on one)");
+    }
+    l.dim_per_slice = l.dim;
+    l.owners = members;
+    l.rows_per_owner = l.rows;
+    if (members > 1) {
+      l.sharding = EmbeddingSharding::table_wise;
+      l.row_axes = spec.entries[0].axes;
+      l.holder = spec.entries[0].member;
+    } else {
+      l.notes.push_back("table-wise over " + axes_text(spec.entries[0].axes) +
+                        ", axes of size 1: replicated");
+    }
+    for (const std::string& axis : mesh.active_axes(axes.batch)) {
+      if (!contains(l.row_axes, axis)) l.gradient_allreduce.push_back(axis);
+    }
+    l.gradient_ranks = mesh.size_of(l.gradient_allreduce);
+    return l;
   }
   if (!spec.entries[1].is_none()) {
     l.column_axes = spec.entries[1].axes;
@@ -115,9 +152,11 @@ EmbeddingStepBytes embedding_step_bytes(const EmbeddingLayout& l, int64_t bags, 
   EmbeddingStepBytes b;
   b.ids = bags * ids_per_bag;
   const int64_t slice_floats = l.dim_per_slice;
-  if (l.sharding == EmbeddingSharding::row_wise) {
+  if (l.sharding != EmbeddingSharding::replicated) {
+    // Table-wise: the same exchange with one owner (a bag is one part there).
     const int n = l.owners;
-    b.parts = bags * std::min<int64_t>(ids_per_bag, n);
+    b.parts =
+        bags * std::min<int64_t>(ids_per_bag, l.sharding == EmbeddingSharding::table_wise ? 1 : n);
     b.counts_all_to_all = collective_bytes_per_rank(CollectiveKind::all_to_all, n * 4 * kFloat, n);
     b.ids_all_to_all = collective_bytes_per_rank(CollectiveKind::all_to_all, b.ids * 3 * kFloat, n);
     b.partial_sums_all_to_all =
@@ -133,7 +172,8 @@ EmbeddingStepBytes embedding_step_bytes(const EmbeddingLayout& l, int64_t bags, 
     if (sparse_gradient) {
       // As EmbeddingBag::use_sparse_gradient: the rows this rank's step can touch (an owner
       // receives the whole group's ids), then those of every holder, capped at the local rows.
-      const int64_t arriving = l.sharding == EmbeddingSharding::row_wise ? l.owners * b.ids : b.ids;
+      const int64_t arriving =
+          l.sharding != EmbeddingSharding::replicated ? l.owners * b.ids : b.ids;
       const int64_t local_touch = std::min(l.rows_per_owner, arriving);
       rows = std::min(l.rows_per_owner, l.gradient_ranks * local_touch);
       // Each rank's list: a count and its rows, 2 floats each (a row split in two exact parts).

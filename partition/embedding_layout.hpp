@@ -19,10 +19,16 @@
 //               rank pools its columns and the pooled slices are all-gathered over the active
 //               ones. Composes with row-wise: P(batch axes, tp) is row-wise over the batch axes
 //               in each column slice.
-//   Anything else is bad_input naming the table, the parameter and its spec: table-wise
-//   placement is a later slice, row-wise over an axis that does not split the batch (its ranks
-//   hold the same bags: every row's gradient would arrive once per rank), and column-wise over
-//   a batch axis (its ranks hold different bags, whose ids every slice would need).
+//   table-wise  P(axes@k) (written P(axes@table) in a rule; the planner places it on member k,
+//               planner.hpp) with `axes` all batch axes: group index k over `axes` holds the
+//               whole table, the other members none of it. The layer runs row-wise's
+//               all-to-all with one owner: every id goes to member k, which pools each bag's
+//               partial sum (the whole bag) and returns it; the gradient is all-reduced over
+//               the active batch axes that `axes` does not name (among the holders).
+//   Anything else is bad_input naming the table, the parameter and its spec: row-wise or
+//   table-wise over an axis that does not split the batch (its ranks hold the same bags: every
+//   row's gradient would arrive once per rank), column-wise over a batch axis (its ranks hold
+//   different bags, whose ids every slice would need), and table-wise with columns split.
 
 #include <cstdint>
 #include <string>
@@ -33,23 +39,25 @@
 
 namespace meshtrain {
 
-enum class EmbeddingSharding { replicated, row_wise };
+enum class EmbeddingSharding { replicated, row_wise, table_wise };
 // How a bag's rows are pooled (layers/embedding_bag.hpp); here so that shapes (dlrm_shape.hpp)
 // can name it without the layer.
 enum class EmbeddingPooling { sum, mean };
 // "sum" | "mean"; anything else is bad_input naming `key` and the value.
 EmbeddingPooling parse_embedding_pooling(const std::string& name, const std::string& key);
 const char* to_string(EmbeddingPooling pooling);
-const char* to_string(EmbeddingSharding sharding);  // "replicated", "row-wise"
+const char* to_string(EmbeddingSharding sharding);  // "replicated", "row-wise", "table-wise"
 
 struct EmbeddingLayout {
   std::string table;   // "cat"
   std::string weight;  // "embeddings/cat/weight"
   int64_t rows = 0, dim = 0;
   EmbeddingSharding sharding = EmbeddingSharding::replicated;
-  std::vector<std::string> row_axes;  // row-wise: the spec's axes (major to minor); else empty
-  int owners = 1;                     // their product (1: replicated)
-  int64_t rows_per_owner = 0;         // rows / owners
+  // Row-wise and table-wise: the spec's axes (major to minor); else empty.
+  std::vector<std::string> row_axes;
+  int owners = 1;              // their product (1: replicated)
+  int64_t rows_per_owner = 0;  // rows / owners; table-wise: rows (on the holder, 0 elsewhere)
+  int holder = -1;             // table-wise: the member of row_axes that holds the table
   // Column-wise: the spec's dim axes (active or not); empty when the table is whole in dim.
   std::vector<std::string> column_axes;
   int column_slices = 1;      // their product (1: every rank holds whole rows)

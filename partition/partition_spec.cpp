@@ -81,11 +81,35 @@ class SpecReader {
         if (!take_comma()) break;
       }
       expect(')');
+      read_placement(entry);
       return entry;  // `()` is None, as in JAX
     }
     const std::string name = read_name();
     if (name != "None") entry.axes.push_back(name);
+    read_placement(entry);
     return entry;
+  }
+
+  // An optional `@table` or `@<member>` after an entry (table-wise placement).
+  void read_placement(SpecEntry& entry) {
+    skip_spaces();
+    if (at_end() || peek() != '@') return;
+    if (entry.axes.empty()) fail("table-wise placement '@' needs an axis, not None");
+    ++pos_;
+    skip_spaces();
+    const size_t start = pos_;
+    while (!at_end() && is_identifier_char(peek())) ++pos_;
+    const std::string word(text_.substr(start, pos_ - start));
+    entry.table = true;
+    if (word == "table") return;
+    if (!word.empty() && word.size() < 9 && std::all_of(word.begin(), word.end(), [](char c) {
+          return std::isdigit(static_cast<unsigned char>(c)) != 0;
+        })) {
+      entry.member = std::stoi(word);
+      return;
+    }
+    pos_ = start;
+    fail("expected 'table' or a member index after '@' (e.g. fsdp@table or fsdp@1)");
   }
 
   // An axis name or None, optionally quoted ('tp' or "tp", as written in Python).
@@ -174,6 +198,14 @@ std::string PartitionSpec::to_string() const {
     } else {
       out << "(" << join(axes) << ")";
     }
+    if (entries[i].table) {
+      out << "@";
+      if (entries[i].member < 0) {
+        out << "table";
+      } else {
+        out << entries[i].member;
+      }
+    }
   }
   out << ")";
   return out.str();
@@ -182,6 +214,13 @@ std::string PartitionSpec::to_string() const {
 bool PartitionSpec::is_replicated() const {
   return std::all_of(entries.begin(), entries.end(),
                      [](const SpecEntry& e) { return e.is_none(); });
+}
+
+int PartitionSpec::table_entry() const {
+  for (size_t d = 0; d < entries.size(); ++d) {
+    if (entries[d].table) return static_cast<int>(d);
+  }
+  return -1;
 }
 
 std::vector<std::string> PartitionSpec::axes() const {
@@ -248,7 +287,7 @@ int first_indivisible_dim(const std::vector<int64_t>& shape, const PartitionSpec
                     " is longer than the shape ", format_shape(shape));
   for (size_t d = 0; d < spec.size(); ++d) {
     const SpecEntry& entry = spec.entries[d];
-    if (!entry.is_none() && shape[d] % mesh.size_of(entry.axes) != 0) return static_cast<int>(d);
+    if (entry.splits() && shape[d] % mesh.size_of(entry.axes) != 0) return static_cast<int>(d);
   }
   return -1;
 }
@@ -287,7 +326,7 @@ std::vector<int64_t> local_shape(const std::vector<int64_t>& shape, const Partit
   check_divisible(shape, spec, mesh, "(unnamed)");
   std::vector<int64_t> local = shape;
   for (size_t d = 0; d < spec.size(); ++d) {
-    if (!spec.entries[d].is_none()) local[d] /= mesh.size_of(spec.entries[d].axes);
+    if (spec.entries[d].splits()) local[d] /= mesh.size_of(spec.entries[d].axes);
   }
   return local;
 }
@@ -300,6 +339,13 @@ ShardBox shard_box(const std::vector<int64_t>& shape, const PartitionSpec& spec,
   for (size_t d = 0; d < spec.size(); ++d) {
     const SpecEntry& entry = spec.entries[d];
     if (entry.is_none()) continue;
+    if (entry.table) {
+      MESHTRAIN_REQUIRE(entry.member >= 0 && entry.member < mesh.size_of(entry.axes), "spec ",
+                        spec.to_string(), ": a table-wise entry not placed on a member of ",
+                        axis_product_text(entry, mesh));
+      if (mesh.group_index(rank, entry.axes) != entry.member) box.extent[d] = 0;
+      continue;
+    }
     box.offset[d] = static_cast<int64_t>(mesh.group_index(rank, entry.axes)) * box.extent[d];
   }
   return box;
@@ -311,6 +357,9 @@ bool owns_block(const Mesh& mesh, int rank, const PartitionSpec& spec) {
   for (size_t a = 0; a < mesh.axes().size(); ++a) {
     const bool in_spec = std::find(used.begin(), used.end(), mesh.axes()[a].name) != used.end();
     if (!in_spec && coords[a] != 0) return false;
+  }
+  for (const SpecEntry& entry : spec.entries) {
+    if (entry.table && mesh.group_index(rank, entry.axes) != entry.member) return false;
   }
   return true;
 }

@@ -14,11 +14,22 @@
 namespace meshtrain {
 
 // One dimension of a spec: the mesh axes it is split over, major to minor; empty = None.
+// Table-wise placement (embedding tables only, docs/recsys.md): `axis@table` on dimension 0 puts
+// the whole tensor on one member of the axis group (the others hold none of it): `table` set,
+// `member` the group index that holds it, -1 while the planner has not placed it (written
+// `fsdp@table`; placed or pinned: `fsdp@1`). Only shard_box, owns_block and the planner read
+// the placement: the engine otherwise treats the entry as not splitting the dimension.
 struct SpecEntry {
   std::vector<std::string> axes;
+  bool table = false;
+  int member = -1;
   bool is_none() const { return axes.empty(); }
-  bool operator==(const SpecEntry& o) const { return axes == o.axes; }
-  bool operator!=(const SpecEntry& o) const { return axes != o.axes; }
+  // Whether the entry splits its dimension into equal blocks (a table-wise entry does not).
+  bool splits() const { return !axes.empty() && !table; }
+  bool operator==(const SpecEntry& o) const {
+    return axes == o.axes && table == o.table && member == o.member;
+  }
+  bool operator!=(const SpecEntry& o) const { return !(*this == o); }
 };
 
 struct PartitionSpec {
@@ -27,9 +38,10 @@ struct PartitionSpec {
   PartitionSpec() = default;
   explicit PartitionSpec(std::vector<SpecEntry> e) : entries(std::move(e)) {}
 
-  // Parses `P(fsdp, tp)`, `P((fsdp,dp), None)`, `P()`; also accepts the same without the
-  // leading P. Throws bad_input naming the text and what is wrong (including an axis that
-  // appears twice).
+  // Parses `P(fsdp, tp)`, `P((fsdp,dp), None)`, `P()`, and a table-wise entry `P(fsdp@table)`,
+  // `P((fsdp, dp)@1)` (an axis or tuple, `@`, then `table` or a member index); also accepts the
+  // same without the leading P. Throws bad_input naming the text and what is wrong (including an
+  // axis that appears twice).
   static PartitionSpec parse(std::string_view text);
 
   // `P(fsdp, tp)`, `P((fsdp, dp), None)`, `P()`: parse(to_string()) == *this.
@@ -37,6 +49,8 @@ struct PartitionSpec {
 
   size_t size() const { return entries.size(); }
   bool is_replicated() const;  // no entry names an axis
+  // The index of the table-wise entry (axis@table), or -1 when there is none.
+  int table_entry() const;
   // Every axis named by the spec, in order of appearance.
   std::vector<std::string> axes() const;
 
@@ -86,17 +100,20 @@ std::string indivisible_dim_text(const std::vector<int64_t>& shape, const Partit
 void check_divisible(const std::vector<int64_t>& shape, const PartitionSpec& spec, const Mesh& mesh,
                      const std::string& parameter);
 
-// The local shape of every rank (identical on all ranks because splits must divide).
+// The local shape of every rank (identical on all ranks because splits must divide; a
+// table-wise entry leaves its dimension whole: the holder's shape, the others hold nothing).
 std::vector<int64_t> local_shape(const std::vector<int64_t>& shape, const PartitionSpec& spec,
                                  const Mesh& mesh);
 
-// The block held by `rank`. Replicated dimensions give offset 0 and the full extent.
+// The block held by `rank`. Replicated dimensions give offset 0 and the full extent. A
+// table-wise entry: the whole dimension on its member, extent 0 elsewhere (the planner must have
+// placed it: member >= 0).
 ShardBox shard_box(const std::vector<int64_t>& shape, const PartitionSpec& spec, const Mesh& mesh,
                    int rank);
 
 // True when `rank` holds the first copy of its block: coordinate 0 on every mesh axis the
 // spec does not split over, so the first copies tile the tensor exactly once (the block a
-// checkpoint writes, the one a global norm counts).
+// checkpoint writes, the one a global norm counts); a table-wise entry's axes: the member only.
 bool owns_block(const Mesh& mesh, int rank, const PartitionSpec& spec);
 
 }  // namespace meshtrain

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <set>
 
 #include "base/error.hpp"
@@ -50,6 +51,86 @@ void check_rule_axes(const PartitionSpec& spec, const Mesh& mesh, const std::str
   if (!problem.empty()) {
     MESHTRAIN_BAD_INPUT("parameter '", parameter, "' matched ", describe_rule(rules, rule),
                         ", whose spec ", problem);
+  }
+}
+
+int64_t checked_mul(int64_t a, int64_t b);
+
+// A table-wise entry (axis@table, docs/recsys.md) only on an embedding table's rows: the
+// parameter embeddings/<t>/weight [rows, dim], the entry first, no other split, a pinned member
+// inside the axis group. bad_input naming the parameter, the rule and its spec otherwise.
+void check_table_wise(const PartitionSpec& spec, const std::vector<int64_t>& shape,
+                      const Mesh& mesh, const std::string& parameter,
+                      const std::vector<PartitionRule>& rules, int rule) {
+  const int d = spec.table_entry();
+  if (d < 0) return;
+  const auto refuse = [&](const std::string& why) {
+    MESHTRAIN_BAD_INPUT("parameter '", parameter, "' matched ", describe_rule(rules, rule),
+                        ", whose table-wise placement ", why);
+  };
+  const std::string prefix = "embeddings/", suffix = "/weight";
+  const bool table =
+      parameter.size() > prefix.size() + suffix.size() &&
+      parameter.compare(0, prefix.size(), prefix) == 0 &&
+      parameter.compare(parameter.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+      parameter.find('/', prefix.size()) == parameter.size() - suffix.size();
+  if (!table || shape.size() != 2) {
+    refuse(
+        "applies to embedding tables only (embeddings/<table>/weight [rows, dim]), not to this " +
+        format_shape(shape) + " parameter");
+  }
+  if (d != 0) {
+    refuse("must be on dimension 0 (the rows: P(axis@table)), not on dimension " +
+           std::to_string(d));
+  }
+  for (size_t e = 1; e < spec.size(); ++e) {
+    if (!spec.entries[e].is_none()) {
+      refuse("cannot be combined with a split of dimension " + std::to_string(e) +
+             " (table-wise tables are whole: P(axis@table))");
+    }
+  }
+  const int members = mesh.size_of(spec.entries[0].axes);
+  if (spec.entries[0].member >= members) {
+    refuse("names member " + std::to_string(spec.entries[0].member) + " of " +
+           axis_product_text(spec.entries[0], mesh) + ", which has members 0 to " +
+           std::to_string(members - 1));
+  }
+}
+
+// Places every table-wise tensor not yet placed on one member of its axis group: per group of
+// axes, the pinned tensors' bytes count first, then the others in decreasing bytes (input order
+// among equals) each go to the least loaded member (the lowest index among equals). Pure
+// arithmetic on the plan: the same on every rank.
+void place_tables(ShardingPlan& plan, int64_t bytes_per_element) {
+  std::map<std::vector<std::string>, std::vector<int64_t>> load;
+  std::vector<ParameterPlan*> waiting;
+  for (ParameterPlan& p : plan.parameters) {
+    const int d = p.spec.table_entry();
+    if (d < 0) continue;
+    SpecEntry& entry = p.spec.entries[static_cast<size_t>(d)];
+    std::vector<int64_t>& members = load[entry.axes];
+    members.resize(static_cast<size_t>(plan.mesh.size_of(entry.axes)), 0);
+    if (entry.member >= 0) {
+      members[static_cast<size_t>(entry.member)] +=
+          checked_mul(element_count(p.shape, p.name), bytes_per_element);
+      p.notes.push_back("table-wise: whole on member " + std::to_string(entry.member) + " of " +
+                        axis_product_text(entry, plan.mesh) + " (pinned by its rule)");
+    } else {
+      waiting.push_back(&p);
+    }
+  }
+  std::stable_sort(waiting.begin(), waiting.end(),
+                   [](const ParameterPlan* a, const ParameterPlan* b) {
+                     return element_count(a->shape, a->name) > element_count(b->shape, b->name);
+                   });
+  for (ParameterPlan* p : waiting) {
+    SpecEntry& entry = p->spec.entries[static_cast<size_t>(p->spec.table_entry())];
+    std::vector<int64_t>& members = load[entry.axes];
+    const auto least = std::min_element(members.begin(), members.end());
+    entry.member = static_cast<int>(least - members.begin());
+    *least += checked_mul(element_count(p->shape, p->name), bytes_per_element);
+    p->notes.push_back("table-wise: whole on member " + std::to_string(entry.member) + " of " +
+                       axis_product_text(entry, plan.mesh) + " (balanced by bytes)");
   }
 }
 
@@ -625,6 +706,7 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
       used[p.rule] = true;
       const PartitionRule& rule = rules[p.rule];
       check_rule_axes(rule.spec, mesh, p.name, rules, p.rule);
+      check_table_wise(rule.spec, p.shape, mesh, p.name, rules, p.rule);
       p.spec = rule.spec;
 
       if (elements < options.min_sharding_size && !p.spec.is_replicated()) {
@@ -659,6 +741,11 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
   // Under preset rules a residual model's stream keeps one layout (may change the input
   // projection's specs; before the local shapes and bytes are counted).
   align_residual_stream(plan, layers, rules, options);
+  // Table-wise tensors onto members of their axes (balanced by bytes).
+  place_tables(plan, options.bytes_per_element);
+  // Table-wise tensors' bytes per member of each group of axes: the totals count the most
+  // loaded member of each group (a rank's worst case; the others hold less).
+  std::map<std::vector<std::string>, std::vector<int64_t>> table_load;
   for (ParameterPlan& p : plan.parameters) {
     const int64_t elements = element_count(p.shape, p.name);
     // Local shape and replication, without touching individual ranks.
@@ -667,17 +754,30 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
     for (size_t d = 0; d < p.spec.size(); ++d) {
       if (p.spec.entries[d].is_none()) continue;
       const int64_t k = mesh.size_of(p.spec.entries[d].axes);
-      p.local_shape[d] /= k;
-      split *= k;
+      if (p.spec.entries[d].splits()) p.local_shape[d] /= k;
+      split *= k;  // table-wise: one member of k holds it
     }
     p.replicas = mesh.world_size() / split;
     int64_t local_elements = 1;
     for (int64_t size : p.local_shape) local_elements *= size;
+    // Table-wise: the holder's bytes (its members' ranks; the others hold 0).
     p.bytes_per_rank = checked_mul(local_elements, options.bytes_per_element);
 
-    plan.totals.parameter_bytes = checked_add(plan.totals.parameter_bytes, p.bytes_per_rank);
+    const int t = p.spec.table_entry();
+    if (t >= 0) {
+      const SpecEntry& entry = p.spec.entries[static_cast<size_t>(t)];
+      std::vector<int64_t>& members = table_load[entry.axes];
+      members.resize(static_cast<size_t>(mesh.size_of(entry.axes)), 0);
+      members[static_cast<size_t>(entry.member)] += p.bytes_per_rank;
+    } else {
+      plan.totals.parameter_bytes = checked_add(plan.totals.parameter_bytes, p.bytes_per_rank);
+    }
     plan.totals.global_parameter_bytes = checked_add(
         plan.totals.global_parameter_bytes, checked_mul(elements, options.bytes_per_element));
+  }
+  for (const auto& group : table_load) {
+    plan.totals.parameter_bytes = checked_add(
+        plan.totals.parameter_bytes, *std::max_element(group.second.begin(), group.second.end()));
   }
   plan.totals.gradient_bytes = plan.totals.parameter_bytes;
   plan.totals.optimizer_bytes = checked_mul(plan.totals.parameter_bytes, options.optimizer_slots);

@@ -14,7 +14,7 @@ std::vector<std::vector<std::vector<int>>> block_owners(const std::vector<int64_
                     shape.size());
   // Number of blocks along each drawn dimension: rows = dim 0 of a 2-D tensor.
   auto splits = [&](size_t d) -> int64_t {
-    if (d >= spec.size() || spec.entries[d].is_none()) return 1;
+    if (d >= spec.size() || !spec.entries[d].splits()) return 1;  // table-wise: one block
     return mesh.size_of(spec.entries[d].axes);
   };
   const int64_t rows = shape.size() == 2 ? splits(0) : 1;
@@ -23,6 +23,7 @@ std::vector<std::vector<std::vector<int>>> block_owners(const std::vector<int64_
       static_cast<size_t>(rows), std::vector<std::vector<int>>(static_cast<size_t>(cols)));
   for (int rank = 0; rank < mesh.world_size(); ++rank) {
     const ShardBox box = shard_box(shape, spec, mesh, rank);
+    if (box.elements() == 0 && spec.table_entry() >= 0) continue;  // not its table-wise member
     int64_t row = 0, col = 0;
     if (shape.size() == 2) {
       row = box.extent[0] ? box.offset[0] / box.extent[0] : 0;

@@ -55,7 +55,8 @@ meshtrain_add_test(NAME layers_residual_mlp_test SOURCES layers/residual_mlp_tes
 # MoE blocks in residual_mlp (model.moe_layers naming blocks): float64 reference and one rank.
 meshtrain_add_test(NAME layers_moe_block_test SOURCES layers/moe_block_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120 BACKENDS mpi nccl EMULATED)
-# The embedding bag (layers/embedding_bag.hpp, issue 39): replicated and row-wise tables on dp,
+# The embedding bag (layers/embedding_bag.hpp, issue 39): replicated, row-wise, column-wise and
+# table-wise tables on dp,
 # fsdp, fsdp x dp and dp x tp, sum and mean, against the same layer on one rank (bit for bit
 # where sums keep their order); empty bags, repeated ids, ids on one shard, bad ids and specs.
 meshtrain_add_test(NAME layers_embedding_bag_test SOURCES layers/embedding_bag_test.cpp

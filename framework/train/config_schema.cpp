@@ -914,7 +914,19 @@ KeyProblem rule_problem(size_t index, std::string message) {
 
 std::optional<KeyProblem> read_spec_entry(size_t index, const toml::node& node, SpecEntry& entry) {
   if (node.is_string()) {
-    if (!node.as_string()->get().empty()) entry.axes.push_back(node.as_string()->get());
+    const std::string& text = node.as_string()->get();
+    if (text.find('@') != std::string::npos) {
+      // A table-wise entry, "fsdp@table" or "fsdp@1": read as the text form reads it.
+      try {
+        const PartitionSpec one = PartitionSpec::parse("P(" + text + ")");
+        if (one.size() != 1) return rule_problem(index, "'" + text + "' is not one spec entry");
+        entry = one.entries[0];
+      } catch (const Error& e) {
+        return rule_problem(index, e.what());
+      }
+      return std::nullopt;
+    }
+    if (!text.empty()) entry.axes.push_back(text);
     return std::nullopt;
   }
   if (node.is_array()) {

@@ -37,6 +37,10 @@ nlohmann::ordered_json spec_json(const PartitionSpec& spec) {
   for (const auto& entry : spec.entries) {
     if (entry.is_none()) {
       entries.push_back(nullptr);
+    } else if (entry.table) {
+      // Table-wise: its text, "fsdp@1" (PartitionSpec::parse reads it back).
+      const std::string text = PartitionSpec({entry}).to_string();
+      entries.push_back(text.substr(2, text.size() - 3));
     } else if (entry.axes.size() == 1) {
       entries.push_back(entry.axes[0]);
     } else {
@@ -625,6 +629,30 @@ std::string axes_list(const std::vector<std::string>& axes) {
   return text + ")";
 }
 
+// The tables' bytes on the most loaded rank, of `bytes` (one of TablePlan's figures): every
+// table counts on every rank except a table-wise one, which counts on its holder only; per group
+// of row axes the most loaded member is taken (an upper bound when groups of different axes meet
+// on one rank).
+template <class Bytes>
+int64_t busiest_rank_bytes(const std::vector<TablePlan>& tables, Bytes bytes) {
+  int64_t everywhere = 0;
+  std::map<std::vector<std::string>, std::vector<int64_t>> members;
+  for (const TablePlan& t : tables) {
+    const EmbeddingLayout& l = t.layout;
+    if (l.sharding != EmbeddingSharding::table_wise) {
+      everywhere += bytes(t);
+      continue;
+    }
+    std::vector<int64_t>& load = members[l.row_axes];
+    load.resize(static_cast<size_t>(l.owners), 0);
+    load[static_cast<size_t>(l.holder)] += bytes(t);
+  }
+  for (const auto& group : members) {
+    everywhere += *std::max_element(group.second.begin(), group.second.end());
+  }
+  return everywhere;
+}
+
 std::vector<TablePlan> table_plans(const RunConfig& config, const ShardingPlan& plan,
                                    const PlanOptions& options) {
   std::vector<TablePlan> tables;
@@ -640,7 +668,10 @@ std::vector<TablePlan> table_plans(const RunConfig& config, const ShardingPlan& 
     const EmbeddingLayout& l = t.layout;
     const bool rows_split = l.sharding == EmbeddingSharding::row_wise;
     const bool columns_split = l.column_slices > 1;
-    if (rows_split && columns_split) {
+    if (l.sharding == EmbeddingSharding::table_wise) {
+      t.placement =
+          "table-wise on member " + std::to_string(l.holder) + " of " + axes_list(l.row_axes);
+    } else if (rows_split && columns_split) {
       t.placement = "row-wise over " + axes_list(l.row_axes) + ", column-wise over " +
                     axes_list(l.column_axes);
     } else if (rows_split) {
@@ -687,16 +718,23 @@ void write_tables_text(const std::vector<TablePlan>& tables, int64_t bags, std::
   TablePlan sum;
   for (const TablePlan& t : tables) {
     const EmbeddingLayout& l = t.layout;
-    rows.push_back({l.table, t.placement,
-                    std::to_string(l.rows_per_owner) + " x " + std::to_string(l.dim_per_slice),
-                    format_bytes(t.weight_bytes), format_bytes(t.optimizer_bytes),
+    const std::string held = std::to_string(l.rows_per_owner) + " x " +
+                             std::to_string(l.dim_per_slice) +
+                             (l.sharding == EmbeddingSharding::table_wise ? " (others: 0)" : "");
+    rows.push_back({l.table, t.placement, held, format_bytes(t.weight_bytes),
+                    format_bytes(t.optimizer_bytes),
                     format_bytes(t.step.counts_all_to_all + t.step.ids_all_to_all),
                     format_bytes(t.step.partial_sums_all_to_all),
                     format_bytes(t.step.column_all_gather), format_bytes(t.step.backward())});
-    sum.weight_bytes += t.weight_bytes;
-    sum.gradient_bytes += t.gradient_bytes;
-    sum.optimizer_bytes += t.optimizer_bytes;
   }
+  sum.weight_bytes = busiest_rank_bytes(tables, [](const TablePlan& t) { return t.weight_bytes; });
+  sum.gradient_bytes =
+      busiest_rank_bytes(tables, [](const TablePlan& t) { return t.gradient_bytes; });
+  sum.optimizer_bytes =
+      busiest_rank_bytes(tables, [](const TablePlan& t) { return t.optimizer_bytes; });
+  const bool table_wise = std::any_of(tables.begin(), tables.end(), [](const TablePlan& t) {
+    return t.layout.sharding == EmbeddingSharding::table_wise;
+  });
   std::ostringstream table_text;
   write_table(rows, table_text);
   std::istringstream lines(table_text.str());
@@ -711,7 +749,10 @@ void write_tables_text(const std::vector<TablePlan>& tables, int64_t bags, std::
   out << "  total: weights " << format_bytes(sum.weight_bytes) << ", gradients "
       << format_bytes(sum.gradient_bytes) << ", optimizer state "
       << format_bytes(sum.optimizer_bytes) << " (" << tables.front().optimizer_state
-      << ") = " << format_bytes(sum.bytes_per_rank()) << " per rank\n";
+      << ") = " << format_bytes(sum.bytes_per_rank())
+      << (table_wise ? " on the most loaded rank (a table-wise table is held by its member only)"
+                     : " per rank")
+      << "\n";
   out << "  per step: forward ids all-to-all " << format_bytes(ids) << ", partial sums all-to-all "
       << format_bytes(sums) << ", column all-gather " << format_bytes(gather)
       << "; backward (dy all-to-all, gradient all-reduce) " << format_bytes(backward) << "; total "
@@ -735,6 +776,7 @@ nlohmann::ordered_json tables_json(const std::vector<TablePlan>& tables, int64_t
                     {"placement", t.placement},
                     {"sharding", to_string(l.sharding)},
                     {"row_axes", l.row_axes},
+                    {"table_wise_member", l.holder},
                     {"column_axes", l.column_axes},
                     {"rows_per_rank", l.rows_per_owner},
                     {"columns_per_rank", l.dim_per_slice},
@@ -757,9 +799,6 @@ nlohmann::ordered_json tables_json(const std::vector<TablePlan>& tables, int64_t
                       {"backward_bytes", s.backward()},
                       {"total_bytes", s.total()}}},
                     {"notes", l.notes}});
-    weights += t.weight_bytes;
-    gradients += t.gradient_bytes;
-    optimizer += t.optimizer_bytes;
     total_step.counts_all_to_all += s.counts_all_to_all;
     total_step.ids_all_to_all += s.ids_all_to_all;
     total_step.partial_sums_all_to_all += s.partial_sums_all_to_all;
@@ -768,6 +807,9 @@ nlohmann::ordered_json tables_json(const std::vector<TablePlan>& tables, int64_t
     total_step.gradient_all_reduce += s.gradient_all_reduce;
     total_step.touched_rows_all_gather += s.touched_rows_all_gather;
   }
+  weights = busiest_rank_bytes(tables, [](const TablePlan& t) { return t.weight_bytes; });
+  gradients = busiest_rank_bytes(tables, [](const TablePlan& t) { return t.gradient_bytes; });
+  optimizer = busiest_rank_bytes(tables, [](const TablePlan& t) { return t.optimizer_bytes; });
   return {{"bags_per_rank", bags},
           {"ids_per_bag", kPlannedIdsPerBag},
           {"optimizer_state", tables.empty() ? std::string() : tables.front().optimizer_state},

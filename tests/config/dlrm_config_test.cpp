@@ -139,6 +139,21 @@ TEST(DlrmConfig, ReadsTheTablesOptimizer) {
       {"embeddings", "kind = \"dlrm\""});
 }
 
+// Table-wise rules (docs/recsys.md): the text form and the array form's "axis@table" entry,
+// written back as text; a bad placement names the rule.
+TEST(DlrmConfig, ReadsTableWiseRules) {
+  const RunConfig a = parse(dlrm(
+      "", "[partition]\nrules = [[\"t01\", \"P(fsdp@table)\"], [\"t02\", [\"dp@1\", \"\"]]]\n"));
+  ASSERT_EQ(a.partition.rules.size(), 2u);
+  EXPECT_EQ(a.partition.rules[0].spec.to_string(), "P(fsdp@table)");
+  EXPECT_EQ(a.partition.rules[1].spec.to_string(), "P(dp@1, None)");
+  const RunConfig b = parse(config_to_toml(a));
+  EXPECT_EQ(b.partition.rules[0].spec, a.partition.rules[0].spec);
+  EXPECT_EQ(b.partition.rules[1].spec, a.partition.rules[1].spec);
+  expect_config_error(dlrm("", "[partition]\nrules = [[\"t01\", [\"fsdp@tables\"]]]\n"),
+                      {"t.toml", "rule 0", "fsdp@tables", "'table' or a member index"});
+}
+
 TEST(DlrmConfig, RefusesInconsistentShapesInOneSentence) {
   // top's first size against the interaction's width.
   expect_config_error(dlrm(),

@@ -10,7 +10,9 @@
 // tables replicated P() and row-wise over the mesh's batch axes. Meshes with a tp axis (np 1
 // dp1 x tp1, np 2 tp2, np 4 dp2 x tp2 and tp4) also run a mixed model: "a" column-wise
 // P(None, tp) (its 4 columns sliced over tp, the pooled slices all-gathered), "b" row-wise over
-// the batch axes (replicated where there are none), "c" replicated.
+// the batch axes (replicated where there are none), "c" replicated. Every mesh also runs the
+// tables table-wise over its batch axes, placed by the planner (P(axes@table): b on member 0,
+// a on 1, c on 1 of 2 or on 2 of 4; replicated where there are no batch axes).
 //
 // Data: 16 rows of 8 dense features in [-1, 1); three tables: "a" [16, 4] sum, one id per row;
 // "b" [24, 4] mean, bags of 0 to 3 ids (rows 2, 7, 12 empty, row 3 with a repeated id); "c"
@@ -36,6 +38,8 @@
 #include "layers/dlrm.hpp"
 #include "partition/mesh.hpp"
 #include "partition/partition_spec.hpp"
+#include "partition/planner.hpp"
+#include "partition/rules.hpp"
 #include "tests/support/backend.hpp"
 #include "tests/support/counting_allocator.hpp"
 #include "tests/support/expect_error.hpp"
@@ -133,7 +137,7 @@ struct Result {
   long allocations = -1;
 };
 
-enum class Tables { replicated, row_wise, mixed };
+enum class Tables { replicated, row_wise, mixed, table_wise };
 
 Result run(MeshCommunicators& comms, const DlrmShape& shape, const Data& d, Tables tables) {
   ParallelContext context(comms, {"fsdp", "dp"}, "tp");
@@ -146,10 +150,25 @@ Result run(MeshCommunicators& comms, const DlrmShape& shape, const Data& d, Tabl
   const bool fsdp = mesh.has_axis("fsdp") && mesh.axis_size("fsdp") > 1;
   const int fsdp_size = fsdp ? mesh.axis_size("fsdp") : 1;
   const std::vector<ParameterShape> shapes = dlrm_parameter_shapes(shape);
+  // Table-wise: the planner places the tables over the batch axes (P(axes@table), balanced by
+  // bytes: b, a, c in decreasing size onto the least loaded member).
+  ShardingPlan placed;
+  if (tables == Tables::table_wise && !batch.empty()) {
+    const std::string axes = batch.size() == 1 ? batch[0] : "(" + batch[0] + ", " + batch[1] + ")";
+    PlanOptions options;
+    options.min_sharding_size = 0;
+    placed = make_plan(shapes, mesh,
+                       {{"embeddings/", PartitionSpec::parse("P(" + axes + "@table)"), false},
+                        {".*", PartitionSpec(), false}},
+                       options);
+  }
   auto spec_of = [&](const std::string& name) -> PartitionSpec {
     const auto it = std::find_if(shapes.begin(), shapes.end(),
                                  [&](const ParameterShape& p) { return p.name == name; });
     if (name.rfind("embeddings/", 0) == 0) {
+      if (tables == Tables::table_wise) {
+        return batch.empty() ? PartitionSpec::parse("P()") : placed.find(name).spec;
+      }
       if (tables == Tables::mixed) {
         if (name == "embeddings/a/weight") return PartitionSpec::parse("P(None, tp)");
         if (name == "embeddings/c/weight" || batch.empty()) return PartitionSpec::parse("P()");
@@ -390,13 +409,14 @@ TEST(Dlrm, EveryMeshEqualsOneRank) {
   for (const testing::Axes& axes : meshes) {
     const Mesh mesh = Mesh::create(axes, n);
     MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
-    std::vector<Tables> kinds = {Tables::replicated, Tables::row_wise};
+    std::vector<Tables> kinds = {Tables::replicated, Tables::row_wise, Tables::table_wise};
     if (mesh.has_axis("tp")) kinds.push_back(Tables::mixed);
     for (DlrmInteraction interaction : {DlrmInteraction::dot, DlrmInteraction::cat}) {
       for (Tables tables : kinds) {
-        const char* kind_text = tables == Tables::row_wise ? " row-wise tables"
-                                : tables == Tables::mixed  ? " mixed tables"
-                                                           : " replicated tables";
+        const char* kind_text = tables == Tables::row_wise     ? " row-wise tables"
+                                : tables == Tables::mixed      ? " mixed tables"
+                                : tables == Tables::table_wise ? " table-wise tables"
+                                                               : " replicated tables";
         SCOPED_TRACE(mesh.describe() + " " + to_string(interaction) + kind_text);
         mixed_runs += tables == Tables::mixed ? 1 : 0;
         const DlrmShape shape = make_shape(interaction);

@@ -18,6 +18,8 @@
 // float64 reference with lazy moments and per-row step counts: untouched rows, their moments and
 // counts unchanged bit for bit. And on one rank, a table whose every row every step touches:
 // sparse AdamW is dense AdamW (framework/train/optimizer.hpp) bit for bit.
+// Table-wise tables (P(dp@n-1) on dp n, P(fsdp@1) on fsdp2 x dp2: the holders' touched rows
+// all-reduced over dp): the holder's block is the whole table, the other members' empty.
 // Column-wise tables (P(None, tp) on tp n and dp2 x tp2, P(dp, tp) on dp2 x tp2): each rank checks
 // its columns of the rows against the same reference; row-wise Adagrad's accumulator (the mean
 // over the whole row, from every slice's squares) equals the reference within the same tolerance
@@ -205,12 +207,15 @@ std::vector<TableMeshCase> mesh_cases(int n) {
     return {{{{"dp", 1}}, {P("P()"), P("P(dp, None)")}}, {{{"tp", 1}}, {P("P(None, tp)")}}};
   }
   std::vector<TableMeshCase> cases;
-  cases.push_back({{{"dp", n}}, {P("P()"), P("P(dp, None)")}});
+  // Table-wise (placed: P(axis@k)): the holder updates the whole table, the others nothing.
+  cases.push_back(
+      {{{"dp", n}}, {P("P()"), P("P(dp, None)"), P("P(dp@" + std::to_string(n - 1) + ", None)")}});
   cases.push_back({{{"fsdp", n}}, {P("P()"), P("P(fsdp, None)")}});
   cases.push_back({{{"tp", n}}, {P("P(None, tp)")}});
   if (n == 4) {
     cases.push_back(
-        {{{"fsdp", 2}, {"dp", 2}}, {P("P()"), P("P(fsdp, None)"), P("P((fsdp, dp), None)")}});
+        {{{"fsdp", 2}, {"dp", 2}},
+         {P("P()"), P("P(fsdp, None)"), P("P((fsdp, dp), None)"), P("P(fsdp@1, None)")}});
     cases.push_back(
         {{{"dp", 2}, {"tp", 2}}, {P("P()"), P("P(dp, None)"), P("P(None, tp)"), P("P(dp, tp)")}});
   }

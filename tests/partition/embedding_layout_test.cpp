@@ -192,5 +192,69 @@ TEST(EmbeddingLayout, ShardingNames) {
   EXPECT_STREQ(to_string(EmbeddingSharding::row_wise), "row-wise");
 }
 
+// Table-wise (P(axes@k), placed by the planner): the whole table on member k of batch axes.
+TEST(EmbeddingLayout, TableWiseIsWholeOnOneMemberOfBatchAxes) {
+  const EmbeddingLayout l = layout({{"fsdp", 2}, {"dp", 2}}, "P(fsdp@1, None)", {5, 6});
+  EXPECT_EQ(l.sharding, EmbeddingSharding::table_wise);
+  EXPECT_EQ(l.row_axes, (Strings{"fsdp"}));
+  EXPECT_EQ(l.owners, 2);
+  EXPECT_EQ(l.holder, 1);
+  EXPECT_EQ(l.rows_per_owner, 5);  // on the holder; rows need not divide
+  EXPECT_EQ(l.dim_per_slice, 6);
+  EXPECT_EQ(l.gradient_allreduce, (Strings{"dp"}));  // among the holders' dp copies
+  const EmbeddingLayout all = layout({{"fsdp", 2}, {"dp", 2}}, "P((fsdp, dp)@3)");
+  EXPECT_EQ(all.owners, 4);
+  EXPECT_EQ(all.holder, 3);
+  EXPECT_TRUE(all.gradient_allreduce.empty());
+  // Over axes of size 1: replicated, with the note.
+  const EmbeddingLayout one = layout({{"dp", 1}, {"tp", 2}}, "P(dp@0, None)");
+  EXPECT_EQ(one.sharding, EmbeddingSharding::replicated);
+  ASSERT_EQ(one.notes.size(), 1u);
+  EXPECT_NE(one.notes[0].find("table-wise over (dp), axes of size 1"), std::string::npos);
+  // Refused, naming the table and the spec: a non-batch axis (its ranks hold the same bags),
+  // columns split as well, a placement on dimension 1, one the planner has not placed, or off
+  // the group.
+  testing::expect_bad_input(
+      [] {
+        layout({{"dp", 2}, {"tp", 2}}, "P(tp@0, None)");
+      },
+      {"table 'cat'", "P(tp@0, None)", "P(axis@table)", "batch axes (dp)"});
+  testing::expect_bad_input(
+      [] {
+        layout({{"dp", 2}, {"tp", 2}}, "P(dp@0, tp)");
+      },
+      {"table 'cat'", "P(dp@0, tp)"});
+  testing::expect_bad_input(
+      [] {
+        layout({{"dp", 2}, {"tp", 2}}, "P(None, tp@1)");
+      },
+      {"table 'cat'", "P(None, tp@1)"});
+  testing::expect_bad_input(
+      [] {
+        layout({{"dp", 2}}, "P(dp@table, None)");
+      },
+      {"table 'cat'", "P(dp@table, None)", "not on a member of dp=2"});
+  testing::expect_bad_input(
+      [] {
+        layout({{"dp", 2}}, "P(dp@2, None)");
+      },
+      {"table 'cat'", "P(dp@2, None)", "not on a member of dp=2"});
+}
+
+// Table-wise moves what row-wise does with one owner: a bag is one part (its ids all go to
+// the holder); the figures are the mean over the group's ranks (collectives.hpp).
+TEST(EmbeddingStepBytes, TableWiseSendsEveryIdToTheHolder) {
+  const EmbeddingStepBytes b =
+      embedding_step_bytes(layout({{"fsdp", 4}}, "P(fsdp@2, None)"), 8, 3, false);
+  EXPECT_EQ(b.ids, 24);
+  EXPECT_EQ(b.parts, 8);
+  EXPECT_EQ(b.counts_all_to_all, 4 * 4 * 4 * 3 / 4);
+  EXPECT_EQ(b.ids_all_to_all, 24 * 3 * 4 * 3 / 4);
+  EXPECT_EQ(b.partial_sums_all_to_all, 8 * 6 * 4 * 3 / 4);
+  EXPECT_EQ(b.backward_all_to_all, 8 * 6 * 4 * 3 / 4);
+  EXPECT_EQ(b.gradient_all_reduce, 0);
+  EXPECT_STREQ(to_string(EmbeddingSharding::table_wise), "table-wise");
+}
+
 }  // namespace
 }  // namespace meshtrain

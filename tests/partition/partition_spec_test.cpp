@@ -175,5 +175,60 @@ TEST(ShardBox, IndivisibleAndTooLongSpecsAreErrors) {
                    {"'b'", "'ep'"});
 }
 
+// Table-wise placement (docs/recsys.md): `axis@table` (placed by the planner) or `axis@k`.
+TEST(PartitionSpec, TableWiseEntriesParsePrintAndRoundTrip) {
+  const PartitionSpec unplaced = PartitionSpec::parse("P(fsdp@table)");
+  ASSERT_EQ(unplaced.size(), 1u);
+  EXPECT_EQ(unplaced.entries[0].axes, (std::vector<std::string>{"fsdp"}));
+  EXPECT_TRUE(unplaced.entries[0].table);
+  EXPECT_EQ(unplaced.entries[0].member, -1);
+  EXPECT_FALSE(unplaced.entries[0].splits());
+  EXPECT_FALSE(unplaced.is_replicated());
+  EXPECT_EQ(unplaced.table_entry(), 0);
+  EXPECT_EQ(PartitionSpec::parse("P(fsdp, tp)").table_entry(), -1);
+  const PartitionSpec placed = PartitionSpec::parse("P((fsdp, dp) @ 3, None)");
+  EXPECT_EQ(placed.entries[0].axes, (std::vector<std::string>{"fsdp", "dp"}));
+  EXPECT_TRUE(placed.entries[0].table);
+  EXPECT_EQ(placed.entries[0].member, 3);
+  EXPECT_NE(placed, PartitionSpec::parse("P((fsdp, dp), None)"));
+  EXPECT_NE(placed, PartitionSpec::parse("P((fsdp, dp)@2, None)"));
+  for (const char* text :
+       {"P(fsdp@table)", "P(dp@0, None)", "P((fsdp, dp)@table, None)", "P((fsdp, dp)@12)"}) {
+    const PartitionSpec spec = PartitionSpec::parse(text);
+    EXPECT_EQ(spec.to_string(), text);
+    EXPECT_EQ(PartitionSpec::parse(spec.to_string()), spec);
+  }
+  expect_bad_input([] { PartitionSpec::parse("P(None@table)"); }, {"P(None@table)", "None"});
+  expect_bad_input([] { PartitionSpec::parse("P(fsdp@tables)"); },
+                   {"P(fsdp@tables)", "'table' or a member index"});
+  expect_bad_input([] { PartitionSpec::parse("P(fsdp@)"); }, {"'table' or a member index"});
+  expect_bad_input([] { PartitionSpec::parse("P(fsdp@-1)"); }, {"'table' or a member index"});
+}
+
+// The member holds the whole tensor, the others an empty block; only the member's first copy
+// owns it (a checkpoint writes it once).
+TEST(ShardBox, TableWiseIsWholeOnItsMemberAndEmptyElsewhere) {
+  const Mesh mesh = mesh_of({{"fsdp", 2}, {"dp", 2}});  // rank = 2 fsdp + dp
+  const std::vector<int64_t> shape{5, 3};               // rows need not divide
+  const PartitionSpec spec = PartitionSpec::parse("P(fsdp@1, None)");
+  EXPECT_EQ(first_indivisible_dim(shape, spec, mesh), -1);
+  EXPECT_EQ(local_shape(shape, spec, mesh), shape);  // the holder's
+  for (int rank = 0; rank < 4; ++rank) {
+    const ShardBox box = shard_box(shape, spec, mesh, rank);
+    const bool holder = rank >= 2;
+    EXPECT_EQ(box.offset, (std::vector<int64_t>{0, 0})) << rank;
+    EXPECT_EQ(box.extent, (std::vector<int64_t>{holder ? 5 : 0, 3})) << rank;
+    EXPECT_EQ(owns_block(mesh, rank, spec), rank == 2) << rank;  // dp copy 0 of the holder
+  }
+  const PartitionSpec both = PartitionSpec::parse("P((fsdp, dp)@2, None)");
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_EQ(shard_box(shape, both, mesh, rank).elements(), rank == 2 ? 15 : 0) << rank;
+    EXPECT_EQ(owns_block(mesh, rank, both), rank == 2) << rank;
+  }
+  // A 1-D tensor of the table's rows (a row-wise optimizer's state) follows the same entry.
+  EXPECT_EQ(shard_box({5}, spec.with_rank(1), mesh, 3).extent, (std::vector<int64_t>{5}));
+  EXPECT_EQ(shard_box({5}, spec.with_rank(1), mesh, 1).extent, (std::vector<int64_t>{0}));
+}
+
 }  // namespace
 }  // namespace meshtrain

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "partition/rules.hpp"
 #include "tests/support/expect_error.hpp"
 
@@ -754,6 +756,85 @@ TEST(ResidualStream, UserRulesThatSplitTheStreamTwoWaysAreRefused) {
       },
       {"residual block 'blocks/0'", "split features over tp", "arrives replicated",
        "partition.rules", "partition.min_sharding_size (16384"});
+}
+
+// Table-wise placement (docs/recsys.md): P(axis@table) tables balanced by bytes over the axis,
+// largest first onto the least loaded member; P(axis@k) pins one.
+TEST(Planner, TableWiseTablesAreBalancedByBytes) {
+  const std::vector<ParameterShape> params = {
+      {"embeddings/a/weight", {10, 4}},   {"embeddings/b/weight", {100, 4}},
+      {"embeddings/c/weight", {60, 4}},   {"embeddings/d/weight", {50, 4}},
+      {"embeddings/pin/weight", {30, 4}}, {"top/0/weight", {4, 1}}};
+  const ShardingPlan plan =
+      make_plan(params, mesh_of({{"fsdp", 2}, {"dp", 2}}),
+                {rule("embeddings/pin/", "P(fsdp@1)"), rule("embeddings/", "P(fsdp@table, None)"),
+                 rule(".*", "P()")},
+                no_minimum());
+  // Loads (rows x 4 x 4 bytes): pin 30 rows on member 1 first; then b (100) -> 0, c (60) -> 1
+  // (30 < 100), d (50) -> 1 (90 < 100), a (10) -> 0 (100 < 140).
+  const std::map<std::string, int> expected = {{"embeddings/a/weight", 0},
+                                               {"embeddings/b/weight", 0},
+                                               {"embeddings/c/weight", 1},
+                                               {"embeddings/d/weight", 1},
+                                               {"embeddings/pin/weight", 1}};
+  for (const auto& [name, member] : expected) {
+    const ParameterPlan& p = plan.find(name);
+    EXPECT_EQ(p.spec.to_string(), "P(fsdp@" + std::to_string(member) +
+                                      (name == "embeddings/pin/weight" ? ")" : ", None)"))
+        << name;
+    EXPECT_EQ(p.local_shape, p.shape) << name;  // the holder's
+    EXPECT_EQ(p.bytes_per_rank, p.shape[0] * 4 * 4) << name;
+    EXPECT_EQ(p.replicas, 2) << name;  // the holder's dp copies
+    ASSERT_FALSE(p.notes.empty()) << name;
+    EXPECT_NE(p.notes.back().find(name == "embeddings/pin/weight" ? "pinned" : "balanced"),
+              std::string::npos)
+        << p.notes.back();
+  }
+  // Per rank: the most loaded member (1: 140 rows) plus the replicated top weight.
+  EXPECT_EQ(plan.totals.parameter_bytes, 140 * 16 + 4 * 4);
+  EXPECT_EQ(plan.totals.global_parameter_bytes, (250 * 4 + 4) * 4);
+  // The same plan again (deterministic: every rank computes it alone).
+  const ShardingPlan again =
+      make_plan(params, mesh_of({{"fsdp", 2}, {"dp", 2}}),
+                {rule("embeddings/pin/", "P(fsdp@1)"), rule("embeddings/", "P(fsdp@table, None)"),
+                 rule(".*", "P()")},
+                no_minimum());
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_EQ(again.parameters[i].spec, plan.parameters[i].spec);
+  }
+}
+
+TEST(Planner, TableWiseBadFormsNameTheRuleAndSpec) {
+  const Mesh mesh = mesh_of({{"fsdp", 2}, {"tp", 2}});
+  expect_bad_input(
+      [&] {
+        make_plan({{"layers/0/weight", {4, 4}}}, mesh, {rule("weight", "P(fsdp@table, None)")},
+                  no_minimum());
+      },
+      {"'layers/0/weight'", "rule 0 'weight' -> P(fsdp@table, None)", "embedding tables only"});
+  expect_bad_input(
+      [&] {
+        make_plan({{"embeddings/a/weight", {4, 4}}}, mesh, {rule("a", "P(None, fsdp@table)")},
+                  no_minimum());
+      },
+      {"'embeddings/a/weight'", "P(None, fsdp@table)", "dimension 0", "not on dimension 1"});
+  expect_bad_input(
+      [&] {
+        make_plan({{"embeddings/a/weight", {4, 4}}}, mesh, {rule("a", "P(fsdp@table, tp)")},
+                  no_minimum());
+      },
+      {"'embeddings/a/weight'", "P(fsdp@table, tp)", "split of dimension 1"});
+  expect_bad_input(
+      [&] {
+        make_plan({{"embeddings/a/weight", {4, 4}}}, mesh, {rule("a", "P(ep@table)")},
+                  no_minimum());
+      },
+      {"'embeddings/a/weight'", "rule 0 'a' -> P(ep@table)", "'ep'", "does not have"});
+  expect_bad_input(
+      [&] {
+        make_plan({{"embeddings/a/weight", {4, 4}}}, mesh, {rule("a", "P(fsdp@2)")}, no_minimum());
+      },
+      {"'embeddings/a/weight'", "P(fsdp@2)", "member 2 of fsdp=2", "0 to 1"});
 }
 
 }  // namespace

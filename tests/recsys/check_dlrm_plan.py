@@ -7,6 +7,8 @@ bytes per rank (weights, gradient, optimizer state) and per-step bytes of `--jso
 "embedding_tables" are checked against the figures computed here by hand from the layer's
 protocol (layers/embedding_bag.hpp) and the cost model of partition/collectives.hpp, and a few of
 them against literal values; the text output's section is checked for its rows and totals.
+Also big and small table-wise (P(fsdp@table)) on world 2: their members, blocks, exchange and
+the most loaded rank's totals (check_table_wise).
 
   check_dlrm_plan.py MESHTRAIN CONFIG
 """
@@ -18,7 +20,8 @@ F = 4  # bytes of a float
 BATCH = 16
 DIM = 8
 ROWS = {"big": 64, "wide": 10, "small": 6}
-TABLE_KEYS = ["table", "parameter", "shape", "placement", "sharding", "row_axes", "column_axes",
+TABLE_KEYS = ["table", "parameter", "shape", "placement", "sharding", "row_axes",
+              "table_wise_member", "column_axes",
               "rows_per_rank", "columns_per_rank", "gradient_allreduce_axes",
               "weight_bytes_per_rank", "gradient_bytes_per_rank", "optimizer_bytes_per_rank",
               "bytes_per_rank", "step", "notes"]
@@ -83,7 +86,8 @@ def expected(table, fsdp, tp, optimizer):
         placement = "column-wise over (tp)"
     else:
         placement = "replicated"
-    return {"placement": placement, "rows_per_rank": local_rows, "columns_per_rank": cols,
+    return {"placement": placement, "table_wise_member": -1,
+            "rows_per_rank": local_rows, "columns_per_rank": cols,
             "weight_bytes_per_rank": block, "gradient_bytes_per_rank": block,
             "optimizer_bytes_per_rank": optimizer_bytes,
             "bytes_per_rank": 2 * block + optimizer_bytes, "step": step}
@@ -147,6 +151,55 @@ def check_json(meshtrain, config, world, tp, optimizer):
     return section
 
 
+TABLE_RULES = ('partition.rules=[["embeddings/(big|small)/weight", "P(fsdp@table)"], '
+               '["embeddings/wide/weight", "P(None, tp)"], [".*", "P()"]]')
+
+
+def check_table_wise(meshtrain, config):
+    """big and small table-wise over fsdp 2 (world 2): the planner puts big (64 rows) on member
+    0 and small (6) on member 1; each row shows its holder's block and row-wise's exchange with
+    one owner (one part per bag); the totals are the most loaded rank's: member 0's big plus
+    the replicated wide (tp 1), not big + small + wide."""
+    argv = [meshtrain, "plan", config, "--world", "2", "--set", TABLE_RULES, "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        fail(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}")
+    doc = json.loads(done.stdout)
+    tables = {t["table"]: t for t in doc["embedding_tables"]["tables"]}
+    bags = BATCH // 2
+    for table, member in (("big", 0), ("small", 1)):
+        t = tables[table]
+        rows = ROWS[table]
+        want = {"placement": f"table-wise on member {member} of (fsdp)",
+                "sharding": "table-wise", "table_wise_member": member, "row_axes": ["fsdp"],
+                "rows_per_rank": rows, "weight_bytes_per_rank": rows * DIM * F}
+        for key, value in want.items():
+            if t[key] != value:
+                fail(f"table-wise {table}: {key} is {t[key]}, expected {value}")
+        step = {"parts": bags, "counts_all_to_all_bytes": moved("all_to_all", 2 * 4 * F, 2),
+                "ids_all_to_all_bytes": moved("all_to_all", bags * 3 * F, 2),
+                "partial_sums_all_to_all_bytes": moved("all_to_all", bags * DIM * F, 2),
+                "backward_all_to_all_bytes": moved("all_to_all", bags * DIM * F, 2),
+                "gradient_all_reduce_bytes": 0}
+        for key, value in step.items():
+            if t["step"][key] != value:
+                fail(f"table-wise {table}: step {key} is {t['step'][key]}, expected {value}")
+        param = next(p for p in doc["parameters"] if p["name"] == t["parameter"])
+        if param["spec"] != [f"fsdp@{member}"] or param["bytes_per_rank"] != rows * DIM * F:
+            fail(f"table-wise {table}: the parameter row is {param}")
+    busiest = ROWS["big"] * DIM * F + ROWS["wide"] * DIM * F
+    totals = doc["embedding_tables"]["totals"]
+    if totals["weight_bytes_per_rank"] != busiest:
+        fail(f"table-wise: weights on the most loaded rank {totals['weight_bytes_per_rank']}, "
+             f"expected {busiest}")
+    text = subprocess.run(argv[:-1], capture_output=True, text=True).stdout
+    for needle in ("big    table-wise on member 0 of (fsdp)  64 x 8 (others: 0)",
+                   "small  table-wise on member 1 of (fsdp)  6 x 8 (others: 0)",
+                   "on the most loaded rank"):
+        if needle not in text:
+            fail(f"the table-wise text plan lacks {needle!r}:\n{text}")
+
+
 def main():
     if len(sys.argv) != 3:
         fail("usage: check_dlrm_plan.py MESHTRAIN CONFIG")
@@ -185,6 +238,7 @@ def main():
                    "  per step: forward ids all-to-all"):
         if needle not in body:
             fail(f"the text plan's embedding tables section lacks {needle!r}:\n{body}")
+    check_table_wise(meshtrain, config)
     print("PASS")
 
 
