@@ -209,6 +209,8 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   } else if (layout_.split_output) {
     matmul_reduce_scatter(*tp_comm_, 1, plain(x_used_), plain(w), y, matmuls_.forward,
                           scratch.matmul, compute_dtype_);
+  } else if (reads_kept_input()) {  // the producer's 16-bit copy, the same values as x
+    gemm(plain(kept_input_), plain(w), 0.0f, y, compute_dtype_);
   } else {
     gemm(plain(x_used_), plain(w), 0.0f, y, compute_dtype_);
     if (layout_.tensor_parallel) tp_comm_->all_reduce(y, ReduceOp::sum, compute_dtype_);
@@ -331,14 +333,17 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
 
   // Weight gradient, compute block: X_cᵀ @ dY (dY all-gathered over features when split).
   MatrixView g = weight_.gradient_matrix(scratch);
-  MatrixView x_used = x_used_;
-  if (kept_input_.data() != nullptr) {
+  if (reads_kept_input()) {
+    // 16-bit storage where gemm() reads 16 bits: the kept input as it is.
+    gemm(transposed(kept_input_), plain(dy), 0.0f, g, compute_dtype_);
+  } else if (kept_input_.data() != nullptr) {
     // 16-bit storage: the input widened (exactly) into the working buffer that dX then
     // overwrites; the GEMM sees forward's values.
     widen_16bit(kept_input_, dx_c_view_, compute_dtype_);
-    x_used = dx_c_view_;
+    weight_gradient_product(dx_c_view_, dy, g, scratch);
+  } else {
+    weight_gradient_product(x_used_, dy, g, scratch);
   }
-  weight_gradient_product(x_used, dy, g, scratch);
   if (dt.data() != nullptr) {
     // The tangents' term: dt_out = dt_in W, so dW += dt_inᵀ g_t, through the same product and
     // collective as the value's term (k times the rows), added before any reduction.
