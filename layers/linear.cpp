@@ -50,12 +50,13 @@ void add_into(MatrixView src, MatrixView dst) {
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) += src(i, j); });
 }
 
-// Under 16-bit storage where gemm() reads 16 bits, a weight stored whole with no 16-bit copy (DP,
-// one rank) reaches the GEMMs as its master rounded to 16 bits in the bytes of the shared fp32
-// weight scratch (the values compute_matrix() rounds into it as floats, in one pass writing half
-// the bytes; no bf16 copy inside the GEMM): nothing allocated, nothing more to count.
+// Under 16-bit storage where gemm() reads 16 bits, the weight reaches the GEMMs as 16 bits: a
+// weight with a 16-bit copy through ShardedParameter::compute_matrix_16bit, and a weight stored
+// whole with no copy (DP, one rank) as its master rounded to 16 bits in the bytes of the shared
+// fp32 weight scratch (the values compute_matrix() rounds into it as floats, in one pass writing
+// half the bytes; no bf16 copy inside the GEMM): nothing allocated, nothing more to count.
 bool packs_weight_16bit(const ShardedParameter& weight) {
-  return !weight.gathered() && weight.value().copy_16bit == nullptr;
+  return !weight.gathered() && !weight.has_16bit_copy();
 }
 ConstHalfMatrixView packed_weight(const ShardedParameter& weight, LayerScratch& scratch,
                                   Dtype dtype) {
@@ -215,9 +216,12 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   } else {
     x_used_ = x;
   }
-  const bool packed = reads_kept_input() && packs_weight_16bit(weight_);
-  const ConstHalfMatrixView w16 =
-      packed ? packed_weight(weight_, scratch, compute_dtype_) : ConstHalfMatrixView();
+  const bool packed =
+      reads_kept_input() && (weight_.has_16bit_copy() || packs_weight_16bit(weight_));
+  const ConstHalfMatrixView w16 = !packed ? ConstHalfMatrixView()
+                                  : weight_.has_16bit_copy()
+                                      ? weight_.compute_matrix_16bit(scratch)
+                                      : packed_weight(weight_, scratch, compute_dtype_);
   MatrixView w = packed ? MatrixView() : weight_.compute_matrix(scratch);
   if (next) next->start_weight_prefetch(scratch);
   MatrixView y = output_view_;
@@ -349,9 +353,12 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
                     "linear layer '", layout_.layer, "': output gradient is [", dy.extent(0), ", ",
                     dy.extent(1), "], expected [", rows_, ", ", layout_.out_local, "]");
   // Gathered again, not kept from forward.
-  const bool packed = reads_kept_input() && packs_weight_16bit(weight_);
-  const ConstHalfMatrixView w16 =
-      packed ? packed_weight(weight_, scratch, compute_dtype_) : ConstHalfMatrixView();
+  const bool packed =
+      reads_kept_input() && (weight_.has_16bit_copy() || packs_weight_16bit(weight_));
+  const ConstHalfMatrixView w16 = !packed ? ConstHalfMatrixView()
+                                  : weight_.has_16bit_copy()
+                                      ? weight_.compute_matrix_16bit(scratch)
+                                      : packed_weight(weight_, scratch, compute_dtype_);
   MatrixView w = packed ? MatrixView() : weight_.compute_matrix(scratch);
   if (next) next->start_weight_prefetch(scratch);
 
