@@ -6,12 +6,13 @@
 //
 // Shapes are M x K x N (C [M, N] = A [M, K] @ B [K, N]). Paths: openblas (cblas_sgemm, then
 // gemm()'s epilogue pass), onednn (fp32 matmul with post-ops), and for bf16 inputs onednn with
-// the kernel gemm() picks on this CPU ("automatic") and each forced one ("bf16 kernel": oneDNN's
-// bf16 matmul, emulated without AVX512_BF16; "fp32 kernel"). Epilogues: none, bias+relu and
-// bias+gelu forward, the relu backward with its bias gradient. The calls of all paths alternate
-// round by round (a loaded machine slows them alike); each line has the median over the rounds
-// of wall-clock and thread-CPU time, as GFLOP/s (2 M K N per call), and the ratio to OpenBLAS
-// fp32 on the same shape and epilogue.
+// the kernel gemm() picks on this CPU ("automatic") on fp32 buffers holding bf16 values and on
+// 16-bit operands (gemm.hpp: read as stored by the bf16 matmul, widened for an fp32 kernel), and
+// the bf16 kernel forced where oneDNN only emulates it. Epilogues: none, bias+relu and bias+gelu
+// forward, the relu backward with its bias gradient. The calls of all paths alternate round by
+// round (a loaded machine slows them alike); each line has the median over the rounds of
+// wall-clock and thread-CPU time, as GFLOP/s (2 M K N per call), and the ratio to OpenBLAS fp32
+// on the same shape and epilogue.
 
 #include <CLI/CLI.hpp>
 #include <Kokkos_Core.hpp>
@@ -80,6 +81,7 @@ struct Path {
   HostLibrary host;
   Bf16Kernel bf16_kernel;
   Dtype dtype;
+  bool sixteen_bit_operands = false;  // A and B as 16-bit buffers (gemm.hpp's 16-bit operands)
 };
 
 struct Epilogue {
@@ -151,6 +153,11 @@ int main(int argc, char** argv) {
   paths.push_back({"onednn", "fp32", HostLibrary::onednn, Bf16Kernel::automatic, Dtype::fp32});
   paths.push_back({"onednn", meshtrain::gemm_backend::onednn_has_native_bf16() ? "bf16" : "fp32",
                    HostLibrary::onednn, Bf16Kernel::automatic, Dtype::bf16});
+  paths.push_back({"onednn",
+                   meshtrain::gemm_backend::onednn_has_native_bf16()
+                       ? "bf16, 16-bit operands"
+                       : "fp32, 16-bit operands widened",
+                   HostLibrary::onednn, Bf16Kernel::automatic, Dtype::bf16, true});
   if (meshtrain::gemm_backend::onednn_has_bf16_matmul() &&
       !meshtrain::gemm_backend::onednn_has_native_bf16()) {
     paths.push_back(
@@ -167,10 +174,18 @@ int main(int argc, char** argv) {
       const int64_t c_cols = epilogue.backward ? s.k : s.n;
       std::vector<std::vector<double>> wall(paths.size()), cpu(paths.size());
       std::vector<Matrix> a_of(paths.size()), b_of(paths.size());
+      std::vector<meshtrain::HalfMatrix> a16_of(paths.size()), b16_of(paths.size());
       for (std::size_t p = 0; p < paths.size(); ++p) {
         // forward: C [M, N] = A [M, K] @ B [K, N]; backward: dX [M, K] = dY [M, N] @ Wᵀ, W [K, N]
         a_of[p] = random_matrix("a", s.m, epilogue.backward ? s.n : s.k, paths[p].dtype, 1);
         b_of[p] = random_matrix("b", s.k, s.n, paths[p].dtype, 2);
+        if (paths[p].sixteen_bit_operands) {
+          a16_of[p] = meshtrain::HalfMatrix("a16", a_of[p].extent(0), a_of[p].extent(1));
+          b16_of[p] = meshtrain::HalfMatrix("b16", b_of[p].extent(0), b_of[p].extent(1));
+          meshtrain::pack_16bit(a_of[p].data(), a16_of[p].data(), a_of[p].size(), paths[p].dtype);
+          meshtrain::pack_16bit(b_of[p].data(), b16_of[p].data(), b_of[p].size(), paths[p].dtype);
+          Kokkos::fence();
+        }
       }
       Matrix c("c", s.m, c_cols);
       const Matrix z = random_matrix("z", s.m, c_cols, Dtype::fp32, 3);
@@ -182,13 +197,15 @@ int main(int argc, char** argv) {
                                : epilogue.activation == Activation::none
                                    ? GemmEpilogue()
                                    : GemmEpilogue::forward(bias, epilogue.activation);
-        if (epilogue.backward) {
-          meshtrain::gemm(meshtrain::plain(a_of[p]), meshtrain::transposed(b_of[p]), 0.0f, c,
-                          paths[p].dtype, e);
-        } else {
-          meshtrain::gemm(meshtrain::plain(a_of[p]), meshtrain::plain(b_of[p]), 0.0f, c,
-                          paths[p].dtype, e);
-        }
+        const meshtrain::GemmOperand a =
+            paths[p].sixteen_bit_operands
+                ? meshtrain::plain(meshtrain::ConstHalfMatrixView(a16_of[p]))
+                : meshtrain::plain(a_of[p]);
+        meshtrain::GemmOperand b = paths[p].sixteen_bit_operands
+                                       ? meshtrain::plain(meshtrain::ConstHalfMatrixView(b16_of[p]))
+                                       : meshtrain::plain(b_of[p]);
+        b.transpose = epilogue.backward;
+        meshtrain::gemm(a, b, 0.0f, c, paths[p].dtype, e);
         Kokkos::fence();
       };
       for (int round = -1; round < rounds; ++round) {  // round -1 warms every path up

@@ -50,6 +50,25 @@ void add_into(MatrixView src, MatrixView dst) {
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) += src(i, j); });
 }
 
+// Under 16-bit storage where gemm() reads 16 bits, the weight reaches the GEMMs as 16 bits: a
+// weight with a 16-bit copy through ShardedParameter::compute_matrix_16bit, and a weight stored
+// whole with no copy (DP, one rank) as its master rounded to 16 bits in the bytes of the shared
+// fp32 weight scratch (the values compute_matrix() rounds into it as floats, in one pass writing
+// half the bytes; no bf16 copy inside the GEMM): nothing allocated, nothing more to count.
+bool packs_weight_16bit(const ShardedParameter& weight) {
+  return !weight.gathered() && !weight.has_16bit_copy();
+}
+ConstHalfMatrixView packed_weight(const ShardedParameter& weight, LayerScratch& scratch,
+                                  Dtype dtype) {
+  const MatrixView stored = weight.value().matrix();
+  MESHTRAIN_REQUIRE(stored.span_is_contiguous() && scratch.weight.span() >= stored.span(),
+                    "parameter '", weight.value().name,
+                    "': a contiguous weight and a weight scratch to hold it are needed");
+  uint16_t* bits = reinterpret_cast<uint16_t*>(scratch.weight.data());
+  pack_16bit(stored.data(), bits, stored.span(), dtype);
+  return ConstHalfMatrixView(bits, stored.extent(0), stored.extent(1));
+}
+
 }  // namespace
 
 Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout input_layout,
@@ -197,7 +216,13 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   } else {
     x_used_ = x;
   }
-  MatrixView w = weight_.compute_matrix(scratch);
+  const bool packed =
+      reads_kept_input() && (weight_.has_16bit_copy() || packs_weight_16bit(weight_));
+  const ConstHalfMatrixView w16 = !packed ? ConstHalfMatrixView()
+                                  : weight_.has_16bit_copy()
+                                      ? weight_.compute_matrix_16bit(scratch)
+                                      : packed_weight(weight_, scratch, compute_dtype_);
+  MatrixView w = packed ? MatrixView() : weight_.compute_matrix(scratch);
   if (next) next->start_weight_prefetch(scratch);
   MatrixView y = output_view_;
   if (layout_.column_gathers_input()) {
@@ -209,6 +234,8 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   } else if (layout_.split_output) {
     matmul_reduce_scatter(*tp_comm_, 1, plain(x_used_), plain(w), y, matmuls_.forward,
                           scratch.matmul, compute_dtype_);
+  } else if (reads_kept_input()) {  // the producer's 16-bit copy, the same values as x
+    gemm(plain(kept_input_), packed ? plain(w16) : plain(w), 0.0f, y, compute_dtype_);
   } else {
     gemm(plain(x_used_), plain(w), 0.0f, y, compute_dtype_);
     if (layout_.tensor_parallel) tp_comm_->all_reduce(y, ReduceOp::sum, compute_dtype_);
@@ -326,19 +353,28 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
                     "linear layer '", layout_.layer, "': output gradient is [", dy.extent(0), ", ",
                     dy.extent(1), "], expected [", rows_, ", ", layout_.out_local, "]");
   // Gathered again, not kept from forward.
-  MatrixView w = weight_.compute_matrix(scratch);
+  const bool packed =
+      reads_kept_input() && (weight_.has_16bit_copy() || packs_weight_16bit(weight_));
+  const ConstHalfMatrixView w16 = !packed ? ConstHalfMatrixView()
+                                  : weight_.has_16bit_copy()
+                                      ? weight_.compute_matrix_16bit(scratch)
+                                      : packed_weight(weight_, scratch, compute_dtype_);
+  MatrixView w = packed ? MatrixView() : weight_.compute_matrix(scratch);
   if (next) next->start_weight_prefetch(scratch);
 
   // Weight gradient, compute block: X_cᵀ @ dY (dY all-gathered over features when split).
   MatrixView g = weight_.gradient_matrix(scratch);
-  MatrixView x_used = x_used_;
-  if (kept_input_.data() != nullptr) {
+  if (reads_kept_input()) {
+    // 16-bit storage where gemm() reads 16 bits: the kept input as it is.
+    gemm(transposed(kept_input_), plain(dy), 0.0f, g, compute_dtype_);
+  } else if (kept_input_.data() != nullptr) {
     // 16-bit storage: the input widened (exactly) into the working buffer that dX then
     // overwrites; the GEMM sees forward's values.
     widen_16bit(kept_input_, dx_c_view_, compute_dtype_);
-    x_used = dx_c_view_;
+    weight_gradient_product(dx_c_view_, dy, g, scratch);
+  } else {
+    weight_gradient_product(x_used_, dy, g, scratch);
   }
-  weight_gradient_product(x_used, dy, g, scratch);
   if (dt.data() != nullptr) {
     // The tangents' term: dt_out = dt_in W, so dW += dt_inᵀ g_t, through the same product and
     // collective as the value's term (k times the rows), added before any reduction.
@@ -381,7 +417,7 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
       all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(dy), transposed(w), dx_c_view_,
                         matmuls_.input_grad, scratch.matmul, compute_dtype_);
     } else {
-      gemm(plain(dy), transposed(w), 0.0f, dx_c_view_, compute_dtype_);
+      gemm(plain(dy), packed ? transposed(w16) : transposed(w), 0.0f, dx_c_view_, compute_dtype_);
     }
     round_in_place(dx_c_view_, compute_dtype_);
     if (layout_.slices_input()) {

@@ -75,12 +75,15 @@ namespace meshtrain {
 struct LinearSharedBuffers {
   // [rows, out]: forward's output (empty: the layer's own, as without storage).
   MatrixView output;
-  // [rows, in]: where backward widens kept_input for the weight gradient, then writes dX
-  // (empty: the layer's own input gradient buffer; then kept_input must be empty too).
+  // [rows, in]: where backward widens kept_input for the weight gradient (unless gemm() reads
+  // 16-bit operands as stored: gemm_reads_16bit), then writes dX (empty: the layer's own input
+  // gradient buffer; then kept_input must be empty too).
   MatrixView work;
-  // [rows, in]: forward's input as 16-bit bits of the compute dtype (the same values), valid
-  // from each forward to its backward (empty: forward's input itself is kept, as without
-  // storage; a residual block's up projection reads its norm's output).
+  // [rows, in]: forward's input as 16-bit bits of the compute dtype (the same values), written
+  // by its producer before forward and valid from each forward to its backward (empty:
+  // forward's input itself is kept, as without storage; a residual block's up projection reads
+  // its norm's output). Where gemm_reads_16bit, forward's product and backward's weight
+  // gradient read it as it is, not the fp32 input.
   ConstHalfMatrixView kept_input;
 };
 
@@ -181,6 +184,11 @@ class Linear final : public Layer {
   bool can_infer_fused() const;
 
  private:
+  // Whether forward's product and backward's weight gradient read kept_input_ as 16 bits
+  // (LinearSharedBuffers::kept_input; gemm_reads_16bit).
+  bool reads_kept_input() const {
+    return kept_input_.data() != nullptr && gemm_reads_16bit(compute_dtype_);
+  }
   // Column sums of dy into this rank's block of the bias gradient; all_reduce: summed
   // over the bias's reduction group first.
   void bias_gradient(MatrixView dy, LayerScratch& scratch, bool all_reduce);

@@ -212,6 +212,45 @@ MatrixView ShardedParameter::widen_landed(LayerScratch& scratch) {
   return full;
 }
 
+ConstHalfMatrixView ShardedParameter::place_landed(LayerScratch& scratch) {
+  const int64_t d1 = g_.compute[1], d2 = g_.compute[2];
+  MESHTRAIN_REQUIRE(scratch.weight.span() * 2 >= static_cast<size_t>(d1 * d2), "parameter '",
+                    value().name, "': no weight scratch to put its 16-bit blocks in");
+  uint16_t* full = reinterpret_cast<uint16_t*>(scratch.weight.data());
+  const uint16_t* landed =
+      prefetch_started_ ? scratch.weight_16bit.data() : blocking_landing(scratch);
+  // Dim 0 blocks in rank order are the matrix itself (one block of d2 columns); dim 1 blocks
+  // [n][d1][d2 / n] go to their columns.
+  const int64_t n = gather1_ ? 1 : static_cast<int64_t>(gather2_->size());
+  const int64_t c = d2 / n;
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::place_gathered_16bit"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<3>>(device_space(), {0, 0, 0}, {n, d1, c}),
+      KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
+        full[row * d2 + j * c + cc] = landed[(j * d1 + row) * c + cc];
+      });
+  return ConstHalfMatrixView(full, d1, d2);
+}
+
+ConstHalfMatrixView ShardedParameter::compute_matrix_16bit(LayerScratch& scratch) {
+  MESHTRAIN_REQUIRE(copy_ != nullptr, "parameter '", value().name, "': no 16-bit compute copy");
+  const int64_t d1 = g_.compute[1], d2 = g_.compute[2];
+  if (!gathered()) return ConstHalfMatrixView(current_copy(), d1, d2);
+  if (prefetch_started_) {
+    prefetch_.wait();
+    scratch.landing_busy = false;
+    const ConstHalfMatrixView placed = place_landed(scratch);  // from scratch.weight_16bit
+    prefetch_started_ = false;
+    return placed;
+  }
+  MESHTRAIN_REQUIRE(scratch.grad.extent(0) >= static_cast<size_t>(d1 * d2), "parameter '",
+                    value().name, "': no gradient scratch to land its gather in");
+  Communicator& group = gather1_ ? *gather1_ : *gather2_;
+  group.all_gather_16bit(current_copy(), blocking_landing(scratch), value().local.extent(0),
+                         compute_);
+  return place_landed(scratch);
+}
+
 MatrixView ShardedParameter::compute_matrix(LayerScratch& scratch) {
   const int64_t d1 = g_.compute[1], d2 = g_.compute[2];
   MatrixView stored = value().matrix();

@@ -98,6 +98,13 @@ class ShardedParameter {
   // the layer's next use of the scratch.
   ConstVectorView compute(LayerScratch& scratch);
   MatrixView compute_matrix(LayerScratch& scratch);
+  // With a 16-bit compute copy (has_16bit_copy(): 16-bit storage, a weight gathered over one
+  // group), for a GEMM that reads 16 bits (gemm_reads_16bit): the compute block [d1, d2] as
+  // 16-bit elements, not widened: the copy itself when not gathered, else the gathered blocks
+  // put in place in the bytes of scratch.weight (one pass writing 2 bytes an element). Valid
+  // as compute_matrix()'s.
+  ConstHalfMatrixView compute_matrix_16bit(LayerScratch& scratch);
+  bool has_16bit_copy() const { return copy_ != nullptr; }
   // by_dims with exactly one gathering group.
   bool can_prefetch() const {
     return method_ == GatherMethod::by_dims && (gather1_ != nullptr) != (gather2_ != nullptr);
@@ -151,6 +158,8 @@ class ShardedParameter {
   const uint16_t* current_copy();
   // The landed gathered blocks (see above) widened into scratch.weight as [d1, d2].
   MatrixView widen_landed(LayerScratch& scratch);
+  // The same as 16-bit elements, put in place in the bytes of scratch.weight.
+  ConstHalfMatrixView place_landed(LayerScratch& scratch);
 
   ParameterRef ref_;
   ParameterGathers g_;

@@ -21,12 +21,26 @@ std::size_t length(const Range& r) {
 
 // op(X)[rows, :] and op(X)[:, cols] as the stored sub-block of X (no copy).
 GemmOperand op_row_block(const GemmOperand& x, const Range& rows) {
-  if (x.transpose) return {Kokkos::subview(x.matrix, Kokkos::ALL, rows), true};
-  return {Kokkos::subview(x.matrix, rows, Kokkos::ALL), false};
+  GemmOperand block = x;
+  if (x.sixteen_bit) {
+    block.half = x.transpose ? Kokkos::subview(x.half, Kokkos::ALL, rows)
+                             : Kokkos::subview(x.half, rows, Kokkos::ALL);
+  } else {
+    block.matrix = x.transpose ? Kokkos::subview(x.matrix, Kokkos::ALL, rows)
+                               : Kokkos::subview(x.matrix, rows, Kokkos::ALL);
+  }
+  return block;
 }
 GemmOperand op_col_block(const GemmOperand& x, const Range& cols) {
-  if (x.transpose) return {Kokkos::subview(x.matrix, cols, Kokkos::ALL), true};
-  return {Kokkos::subview(x.matrix, Kokkos::ALL, cols), false};
+  GemmOperand block = x;
+  if (x.sixteen_bit) {
+    block.half = x.transpose ? Kokkos::subview(x.half, cols, Kokkos::ALL)
+                             : Kokkos::subview(x.half, Kokkos::ALL, cols);
+  } else {
+    block.matrix = x.transpose ? Kokkos::subview(x.matrix, cols, Kokkos::ALL)
+                               : Kokkos::subview(x.matrix, Kokkos::ALL, cols);
+  }
+  return block;
 }
 
 void add_into(float* target, const float* source, std::size_t count) {
@@ -115,7 +129,8 @@ struct GatherPlan {
   void multiply_piece(const float* piece, std::size_t row0, std::size_t rows, std::size_t col0,
                       std::size_t cols) const {
     if (rows == 0 || cols == 0) return;
-    const GemmOperand p{ConstMatrixView(piece, rows, cols), gathered.transpose};
+    GemmOperand p = plain(ConstMatrixView(piece, rows, cols));
+    p.transpose = gathered.transpose;
     const Range stored_rows{row0, row0 + rows}, stored_cols{col0, col0 + cols};
     // op(piece) covers op rows/cols of the full operand:
     const Range op_r = gathered.transpose ? stored_cols : stored_rows;
@@ -187,6 +202,9 @@ GatherPlan plan_gather(Communicator& comm, GatherSide side, int gather_dim, Gemm
   plan.i = comm.rank();
   plan.gathered = side == GatherSide::left ? a : b;
   plan.other = side == GatherSide::left ? b : a;
+  if (plan.gathered.sixteen_bit) {  // its blocks travel as floats (the wire dtype rounds them)
+    MESHTRAIN_BAD_INPUT(op, ": the gathered operand must be an fp32 buffer, not a 16-bit one");
+  }
   plan.block_rows = plan.gathered.matrix.extent(0);
   plan.block_cols = plan.gathered.matrix.extent(1);
   plan.c = c;

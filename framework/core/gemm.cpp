@@ -182,6 +182,44 @@ void check_epilogue(const GemmEpilogue& e, std::size_t m, std::size_t n) {
   }
 }
 
+// The fp32 scratch gemm() widens 16-bit operands into where the kernel reads fp32 (gemm.hpp):
+// one per operand, made at the first such call and grown when a larger one comes, kept until
+// Kokkos::finalize.
+struct WideningScratch {
+  Matrix a, b;
+};
+WideningScratch* the_widening_scratch = nullptr;
+
+WideningScratch& widening_scratch() {
+  if (the_widening_scratch == nullptr) {
+    the_widening_scratch = new WideningScratch();
+    Kokkos::push_finalize_hook([] {
+      delete the_widening_scratch;
+      the_widening_scratch = nullptr;
+    });
+  }
+  return *the_widening_scratch;
+}
+
+// The stored 16-bit matrix `x` widened (exactly) into `buffer` (grown to hold it), contiguous.
+ConstMatrixView widened(ConstHalfMatrixView x, Dtype dtype, Matrix& buffer, const char* label) {
+  const std::size_t rows = x.extent(0), cols = x.extent(1);
+  if (buffer.span() < rows * cols) {
+    buffer = Matrix();
+    buffer =
+        Matrix(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), rows, cols);
+  }
+  const MatrixView out(buffer.data(), rows, cols);
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::gemm_widen_16bit"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          device_space(), {0, 0}, {static_cast<int64_t>(rows), static_cast<int64_t>(cols)}),
+      KOKKOS_LAMBDA(const int64_t r, const int64_t col) {
+        out(r, col) = from_16bit(x(r, col), dtype);
+      });
+  return out;
+}
+
 }  // namespace
 
 namespace gemm_backend {
@@ -269,7 +307,24 @@ gemm_backend::HostLibrary inference_host_library() {
 void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, float beta,
              MatrixView c, Dtype inputs, const GemmEpilogue& epilogue);
 
+// gemm_reads_16bit() for `library` (host memory) or CUDA.
+bool reads_16bit(gemm_backend::HostLibrary library, Dtype inputs) {
+  (void)library;
+  if (inputs == Dtype::fp32) return false;
+  if constexpr (kDeviceMemoryIsHostInaccessible) return true;  // cuBLAS
+#if defined(MESHTRAIN_GEMM_ONEDNN)
+  if (library == gemm_backend::HostLibrary::onednn) {
+    return gemm_backend::onednn_runs_bf16(inputs, g_bf16_kernel);
+  }
+#endif
+  return false;
+}
+
 }  // namespace
+
+bool gemm_reads_16bit(Dtype inputs) {
+  return reads_16bit(host_library(), inputs);
+}
 
 void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs,
           const GemmEpilogue& epilogue) {
@@ -290,7 +345,6 @@ namespace {
 
 void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, float beta,
              MatrixView c, Dtype inputs, const GemmEpilogue& epilogue) {
-  (void)library;  // host memory only
   const std::size_t m = op_rows(a), k = op_cols(a), n = op_cols(b);
   if (op_rows(b) != k || c.extent(0) != m || c.extent(1) != n) {
     MESHTRAIN_BAD_INPUT("gemm: op(A) is [", m, ", ", k, "], op(B) is [", op_rows(b), ", ", n,
@@ -298,6 +352,10 @@ void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, fl
                         "]; expected op(A) [M, K] @ op(B) [K, N] = C [M, N]");
   }
   check_epilogue(epilogue, m, n);
+  if ((a.sixteen_bit || b.sixteen_bit) && inputs == Dtype::fp32) {
+    MESHTRAIN_BAD_INPUT("gemm: a 16-bit operand needs inputs bf16 or fp16 (which its bits are), ",
+                        "got fp32");
+  }
   if (n == 0) return;
   if (m == 0) {  // no rows: an empty bias gradient is a sum of nothing
     if (epilogue.has_bias_gradient()) fill_view(epilogue.bias_gradient, 0.0f);
@@ -312,12 +370,12 @@ void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, fl
   call.m = blas_int(m, "M");
   call.n = blas_int(n, "N");
   call.k = blas_int(k, "K");
-  call.a = a.matrix.data();
-  call.lda =
-      leading_dimension(a.matrix.stride(0), a.matrix.extent(1), "the leading dimension of A");
-  call.b = b.matrix.data();
-  call.ldb =
-      leading_dimension(b.matrix.stride(0), b.matrix.extent(1), "the leading dimension of B");
+  call.a = a.sixteen_bit ? nullptr : a.matrix.data();
+  call.a16 = a.sixteen_bit ? a.half.data() : nullptr;
+  call.lda = leading_dimension(a.row_stride(), a.extent(1), "the leading dimension of A");
+  call.b = b.sixteen_bit ? nullptr : b.matrix.data();
+  call.b16 = b.sixteen_bit ? b.half.data() : nullptr;
+  call.ldb = leading_dimension(b.row_stride(), b.extent(1), "the leading dimension of B");
   call.beta = beta;
   call.c = c.data();
   call.ldc = leading_dimension(c.stride(0), c.extent(1), "the leading dimension of C");
@@ -336,6 +394,20 @@ void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, fl
     scale(c, beta);
     apply_epilogue_left(call, gemm_backend::whole_epilogue(call));
     return;
+  }
+  if ((a.sixteen_bit || b.sixteen_bit) && !reads_16bit(library, inputs)) {
+    // An fp32 kernel: the 16-bit operands widened into fp32 scratch first (gemm.hpp).
+    WideningScratch& scratch = widening_scratch();
+    if (a.sixteen_bit) {
+      call.a = widened(a.half, inputs, scratch.a, "meshtrain::gemm_widened_a").data();
+      call.a16 = nullptr;
+      call.lda = leading_dimension(a.extent(1), a.extent(1), "the leading dimension of A");
+    }
+    if (b.sixteen_bit) {
+      call.b = widened(b.half, inputs, scratch.b, "meshtrain::gemm_widened_b").data();
+      call.b16 = nullptr;
+      call.ldb = leading_dimension(b.extent(1), b.extent(1), "the leading dimension of B");
+    }
   }
 #if defined(KOKKOS_ENABLE_CUDA)
   if constexpr (std::is_same_v<MatrixView::memory_space, Kokkos::CudaSpace>) {

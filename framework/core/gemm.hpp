@@ -28,27 +28,51 @@
 
 #include "base/dtype.hpp"
 #include "framework/core/choices.hpp"
+#include "framework/core/precision.hpp"
 #include "framework/core/views.hpp"
 
 namespace meshtrain {
 
-// A GEMM operand as stored, and whether the GEMM uses its transpose.
+// A GEMM operand as stored, and whether the GEMM uses its transpose: fp32 elements, or 16-bit
+// ones (the bits of a bf16 or fp16 value, which gemm()'s `inputs` names) read as they are,
+// without a widened fp32 copy (docs/mixed_precision.md, "Compute and memory on this build"):
+//   gemm(plain(x_16bit), plain(w), 0.0f, y, Dtype::bf16);   // y = x @ w, x kept as bf16
 struct GemmOperand {
-  ConstMatrixView matrix;
+  ConstMatrixView matrix;  // fp32 elements, unless sixteen_bit
   bool transpose = false;
+  ConstHalfMatrixView half;  // 16-bit elements, when sixteen_bit
+  bool sixteen_bit = false;
+
+  std::size_t extent(int dim) const { return sixteen_bit ? half.extent(dim) : matrix.extent(dim); }
+  std::size_t row_stride() const { return sixteen_bit ? half.stride(0) : matrix.stride(0); }
 };
 inline GemmOperand plain(ConstMatrixView m) {
-  return {m, false};
+  GemmOperand x;
+  x.matrix = m;
+  return x;
 }
 inline GemmOperand transposed(ConstMatrixView m) {
-  return {m, true};
+  GemmOperand x = plain(m);
+  x.transpose = true;
+  return x;
+}
+inline GemmOperand plain(ConstHalfMatrixView m) {
+  GemmOperand x;
+  x.half = m;
+  x.sixteen_bit = true;
+  return x;
+}
+inline GemmOperand transposed(ConstHalfMatrixView m) {
+  GemmOperand x = plain(m);
+  x.transpose = true;
+  return x;
 }
 // Rows (dim 0) and columns (dim 1) of op(X).
 inline std::size_t op_rows(const GemmOperand& x) {
-  return x.matrix.extent(x.transpose ? 1 : 0);
+  return x.extent(x.transpose ? 1 : 0);
 }
 inline std::size_t op_cols(const GemmOperand& x) {
-  return x.matrix.extent(x.transpose ? 0 : 1);
+  return x.extent(x.transpose ? 0 : 1);
 }
 
 // How float GEMMs may round (MatmulPrecision, framework/core/choices.hpp), as
@@ -103,19 +127,29 @@ struct GemmEpilogue {
   bool is_none() const { return !is_backward && !has_bias() && activation == Activation::none; }
 };
 
-// `inputs`: the dtype the operands' values hold (mixed precision, docs/mixed_precision.md);
-// the operands and C are fp32 buffers (a layer that keeps 16-bit copies widens them into fp32
-// working buffers first: docs/mixed_precision.md, "Compute and memory on this build").
-//   oneDNN      bf16: a bf16 matmul (operands copied to 16 bits into scratch kept between
-//               calls, fp32 accumulation and C) where the CPU has AVX512_BF16 (or AMX);
-//               elsewhere, and for fp16 (oneDNN 2.6 has no fp16 matmul on CPUs), the fp32
-//               matmul of the same values: their products are exact in fp32, so only the
-//               order of the fp32 additions differs (slower than bf16 hardware, never wrong).
+// `inputs`: the dtype the operands' values hold (mixed precision, docs/mixed_precision.md).
+// Each operand is an fp32 buffer (holding `inputs` values) or, for bf16 and fp16, a 16-bit one
+// (plain/transposed of a ConstHalfMatrixView: bf16 or fp16 bits as `inputs` says); C is fp32.
+//   oneDNN      bf16: a bf16 matmul (fp32 accumulation and C) where the CPU has AVX512_BF16
+//               (or AMX): 16-bit operands read as stored, fp32 ones copied to bf16 scratch
+//               kept between calls. Elsewhere, and for fp16 (oneDNN 2.6 has no fp16 matmul
+//               on CPUs), the fp32 matmul of the same values: their products are exact in
+//               fp32, so only the order of the fp32 additions differs (slower than bf16
+//               hardware, never wrong).
 //   OpenBLAS    cblas_sgemm on the values as they are (Debian's OpenBLAS has no sbgemm).
-//   CUDA        16-bit copies of A and B (scratch kept), CUDA_R_16BF/16F inputs,
-//               CUBLAS_COMPUTE_32F (tensor cores, fp32 accumulation, C in fp32).
+//   CUDA        CUDA_R_16BF/16F inputs, CUBLAS_COMPUTE_32F (tensor cores, fp32 accumulation,
+//               C in fp32): 16-bit operands as stored, fp32 ones copied to 16 bits (scratch).
+// Where the kernel is an fp32 one (OpenBLAS, oneDNN's fp32 matmul), a 16-bit operand is first
+// widened, exactly, into fp32 scratch that gemm() keeps between calls (made at the first such
+// call, grown when a larger one comes): one pass over the operand, so the result is the fp32
+// GEMM's of the same values, bit for bit. gemm_reads_16bit() says when that pass is not needed;
+// a layer that has an fp32 working buffer of its own widens into it where it is.
 void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs = Dtype::fp32,
           const GemmEpilogue& epilogue = {});
+// Whether gemm() with `inputs` reads 16-bit operands as stored (oneDNN's bf16 matmul on a CPU
+// with AVX512_BF16 or AMX, unless a test forces the fp32 kernel; cuBLAS), rather than widening
+// them into fp32 scratch first.
+bool gemm_reads_16bit(Dtype inputs);
 
 // gemm() for inference (Predictor, layers/inference.hpp), in fp32: on host memory through oneDNN
 // wherever the build has it, whatever gemm() uses for training (OpenBLAS by default: the

@@ -264,7 +264,8 @@ void for_every_case(Body body) {
             const TestMatrix a = make_matrix(ta ? s.k : s.m, ta ? s.m : s.k, 3, dtype, rng);
             const TestMatrix b = make_matrix(tb ? s.n : s.k, tb ? s.k : s.n, 2, dtype, rng);
             const Product product = reference_product(a, ta, b, tb, s.m, s.k, s.n);
-            body(dtype, path, s, GemmOperand{a.view(), ta}, GemmOperand{b.view(), tb}, product, rng,
+            body(dtype, path, s, ta ? transposed(a.view()) : plain(a.view()),
+                 tb ? transposed(b.view()) : plain(b.view()), product, rng,
                  [&](const std::string& rest) { return case_name(path, dtype, s, ta, tb, rest); });
           }
         }
@@ -580,6 +581,87 @@ TEST(Gemm, EpiloguesThatDoNotFitAreBadInput) {
   forward_with_gradient.bias_gradient = bias5;
   expect_bad_input([&] { gemm(plain(a), plain(b), 0.0f, c, Dtype::fp32, forward_with_gradient); },
                    {"a forward epilogue takes no activation input or bias gradient"});
+}
+
+// 16-bit operands (plain/transposed of a ConstHalfMatrixView) give C bit for bit as the fp32
+// buffers holding the same values, on every path: oneDNN's bf16 matmul reads the same bf16
+// numbers either way (as stored, or its copy of the fp32 buffer), and an fp32 kernel gets the
+// 16-bit operand widened exactly. Row-strided 16-bit views (column blocks of wider matrices),
+// each operand alone 16-bit and both, with a forward epilogue; and an fp32 `inputs` with a
+// 16-bit operand is bad input.
+HalfMatrix sixteen_bit_store(const TestMatrix& t, Dtype dtype) {
+  HalfMatrix store("test_matrix_16bit", t.rows, t.cols + 2);
+  auto host = host_mirror(store);
+  for (std::size_t i = 0; i < t.rows; ++i)
+    for (std::size_t j = 0; j < t.cols + 2; ++j)
+      host(i, j) = j >= 1 && j < 1 + t.cols
+                       ? to_16bit(t.values[i * t.cols + j - 1], dtype)
+                       : to_16bit(std::numeric_limits<float>::quiet_NaN(), dtype);
+  Kokkos::deep_copy(store, host);
+  return store;
+}
+
+TEST(Gemm, SixteenBitOperandsGiveTheResultsOfTheirFp32Buffers) {
+  for_every_case([](Dtype dtype, const Path& path, const Shape& s, GemmOperand a, GemmOperand b,
+                    const Product&, std::mt19937& rng, auto name_of) {
+    if (dtype == Dtype::fp32) return;
+    // The stored matrices again, as 16 bits.
+    TestMatrix a_stored, b_stored;
+    a_stored.rows = a.matrix.extent(0), a_stored.cols = a.matrix.extent(1);
+    b_stored.rows = b.matrix.extent(0), b_stored.cols = b.matrix.extent(1);
+    for (TestMatrix* t : {&a_stored, &b_stored}) {
+      const GemmOperand& x = t == &a_stored ? a : b;
+      auto host = host_mirror(x.matrix);
+      Kokkos::deep_copy(host, x.matrix);
+      for (std::size_t i = 0; i < t->rows; ++i)
+        for (std::size_t j = 0; j < t->cols; ++j) t->values.push_back(host(i, j));
+    }
+    const HalfMatrix a16_store = sixteen_bit_store(a_stored, dtype),
+                     b16_store = sixteen_bit_store(b_stored, dtype);
+    const auto block = [](const HalfMatrix& m, std::size_t cols) {
+      return ConstHalfMatrixView(
+          Kokkos::subview(m, Kokkos::ALL, std::make_pair(std::size_t{1}, 1 + cols)));
+    };
+    GemmOperand a16 = plain(block(a16_store, a_stored.cols)),
+                b16 = plain(block(b16_store, b_stored.cols));
+    a16.transpose = a.transpose;
+    b16.transpose = b.transpose;
+    std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+    std::vector<float> bias_values(s.n);
+    for (float& v : bias_values) v = round_to(uniform(rng), dtype);
+    const Vector bias = make_vector(bias_values);
+    const GemmEpilogue epilogue = GemmEpilogue::forward(bias, Activation::relu);
+    const TestMatrix c0 = make_matrix(s.m, s.n, 4, Dtype::fp32, rng);
+    const auto product = [&](GemmOperand x, GemmOperand y) {
+      TestMatrix c = c0;
+      c.store = Matrix("c", c0.store.extent(0), c0.store.extent(1));
+      Kokkos::deep_copy(c.store, c0.store);
+      gemm(x, y, 0.5f, c.view(), dtype, epilogue);
+      return read_store(c);
+    };
+    const std::vector<float> want = product(a, b);
+    const std::pair<GemmOperand, GemmOperand> cases[] = {{a16, b}, {a, b16}, {a16, b16}};
+    for (std::size_t k = 0; k < 3; ++k) {
+      const std::vector<float> got = product(cases[k].first, cases[k].second);
+      const std::string name = name_of(k == 0 ? "16-bit A" : k == 1 ? "16-bit B" : "16-bit A, B");
+      ASSERT_EQ(got.size(), want.size());
+      for (std::size_t e = 0; e < got.size(); ++e) {
+        if (std::isnan(want[e]) && std::isnan(got[e])) continue;  // C's padding
+        ASSERT_EQ(precision_detail::bits_of(got[e]), precision_detail::bits_of(want[e]))
+            << name << ": element " << e;
+      }
+    }
+    if (path.library == HostLibrary::onednn && path.bf16_kernel == Bf16Kernel::bf16) {
+      EXPECT_TRUE(gemm_reads_16bit(dtype)) << path.name;
+    }
+    if (path.library == HostLibrary::openblas && !kDeviceMemoryIsHostInaccessible) {
+      EXPECT_FALSE(gemm_reads_16bit(dtype)) << path.name;
+    }
+  });
+  Matrix b("b", 3, 5), c("c", 4, 5);
+  HalfMatrix a16("a16", 4, 3);
+  expect_bad_input([&] { gemm(plain(ConstHalfMatrixView(a16)), plain(b), 0.0f, c); },
+                   {"a 16-bit operand needs inputs bf16 or fp16"});
 }
 
 // A repeated call (same N, dtype and epilogue; M and K may differ, as an MoE expert's rows do)

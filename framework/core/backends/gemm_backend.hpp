@@ -11,6 +11,7 @@
 //   gemm_cublas.cpp   cuBLAS and cuBLASLt on CUDA memory (built with a CUDA Kokkos)
 // Tests and benchmarks call a host backend directly to compare them in one process.
 
+#include <cstdint>
 #include <string>
 
 #include "framework/core/gemm.hpp"
@@ -18,8 +19,11 @@
 namespace meshtrain::gemm_backend {
 
 // Row-major C [m, n] = beta * C + op(A) @ op(B), op(A) [m, k], op(B) [k, n]; lda, ldb, ldc
-// are the row strides of the matrices as stored. m, n, k are positive. Then the epilogue
-// (GemmEpilogue, gemm.hpp): null pointers for what is absent.
+// are the row strides of the matrices as stored. m, n, k are positive. A and B are fp32 (a, b)
+// or, for 16-bit inputs, 16-bit elements (a16, b16, their bits in `inputs`' dtype; a or b null
+// then): a backend gets 16-bit operands only where gemm_reads_16bit(inputs), gemm() widening
+// them into fp32 scratch elsewhere. Then the epilogue (GemmEpilogue, gemm.hpp): null pointers
+// for what is absent.
 struct RowMajorGemm {
   bool transpose_a = false;
   bool transpose_b = false;
@@ -28,6 +32,8 @@ struct RowMajorGemm {
   int lda = 0;
   const float* b = nullptr;
   int ldb = 0;
+  const uint16_t* a16 = nullptr;  // A as 16-bit elements (row stride lda), instead of a
+  const uint16_t* b16 = nullptr;  // B as 16-bit elements (row stride ldb), instead of b
   float beta = 0.0f;
   float* c = nullptr;
   int ldc = 0;
@@ -88,6 +94,9 @@ std::string onednn_name();
 bool onednn_has_native_bf16();
 // Whether oneDNN makes a bf16 matmul on this CPU at all (natively or emulated on AVX-512).
 bool onednn_has_bf16_matmul();
+// Whether onednn_gemm() runs its bf16 matmul for `inputs` under `bf16_kernel` (bad_input where
+// the bf16 kernel is forced and oneDNN has none): it then reads 16-bit operands as stored.
+bool onednn_runs_bf16(Dtype inputs, Bf16Kernel bf16_kernel);
 #endif
 
 #if defined(KOKKOS_ENABLE_CUDA)

@@ -115,7 +115,8 @@ const uint16_t* to_16bit_copy(const float* data, int rows, int cols, int ld, Dty
   return out;
 }
 
-// The operands as the library reads them: the caller's fp32 matrices, or their 16-bit copies.
+// The operands as the library reads them: the caller's fp32 matrices; for 16-bit inputs the
+// caller's 16-bit matrices, or 16-bit copies of its fp32 ones.
 struct Operands {
   const void* a = nullptr;
   const void* b = nullptr;
@@ -140,10 +141,21 @@ Operands operands_of(const RowMajorGemm& call) {
             a_cols = call.transpose_a ? call.m : call.k;
   const int b_rows = call.transpose_b ? call.n : call.k,
             b_cols = call.transpose_b ? call.k : call.n;
-  o.a = to_16bit_copy(call.a, a_rows, a_cols, call.lda, call.inputs, the_16bit_a);
-  o.b = to_16bit_copy(call.b, b_rows, b_cols, call.ldb, call.inputs, the_16bit_b);
-  o.lda = a_cols;
-  o.ldb = b_cols;
+  // 16-bit operands as stored (no copy); fp32 ones holding 16-bit values copied to 16 bits.
+  if (call.a16 != nullptr) {
+    o.a = call.a16;
+    o.lda = call.lda;
+  } else {
+    o.a = to_16bit_copy(call.a, a_rows, a_cols, call.lda, call.inputs, the_16bit_a);
+    o.lda = a_cols;
+  }
+  if (call.b16 != nullptr) {
+    o.b = call.b16;
+    o.ldb = call.ldb;
+  } else {
+    o.b = to_16bit_copy(call.b, b_rows, b_cols, call.ldb, call.inputs, the_16bit_b);
+    o.ldb = b_cols;
+  }
   o.type = call.inputs == Dtype::bf16 ? CUDA_R_16BF : CUDA_R_16F;
   return o;
 }

@@ -19,11 +19,12 @@
 // thread per rank comes from OMP_NUM_THREADS=1, which scripts/env.sh and the tests set (as
 // OPENBLAS_NUM_THREADS=1 for OpenBLAS); onednn_description() says how many it uses.
 //
-// bf16 (RowMajorGemm::inputs): the operands' values are bf16 numbers held in fp32 buffers.
-// Where the CPU has bf16 instructions (AVX512_BF16, AMX) they are copied to bf16 scratch and
-// multiplied by the bf16 matmul (fp32 accumulation, fp32 C). Elsewhere oneDNN emulates bf16
-// on AVX-512 (several times slower than its fp32 matmul here) or has no bf16 matmul at all
-// (AVX2), so the fp32 matmul multiplies the same values: bf16 products are exact in fp32,
+// bf16 (RowMajorGemm::inputs): the operands' values are bf16 numbers, in 16-bit buffers (a16,
+// b16) or held in fp32 ones. Where the CPU has bf16 instructions (AVX512_BF16, AMX) the bf16
+// matmul (fp32 accumulation, fp32 C) reads 16-bit operands as stored and fp32 ones copied to
+// bf16 scratch. Elsewhere oneDNN emulates bf16 on AVX-512 (several times slower than its fp32
+// matmul) or has no bf16 matmul at all (AVX2), so the fp32 matmul multiplies the same values
+// (gemm() widens 16-bit operands into fp32 scratch first): bf16 products are exact in fp32,
 // the results differ only in the order of the fp32 additions. fp16 always takes the fp32
 // matmul (oneDNN 2.6 has no fp16 matmul on CPUs); its products are exact in fp32 as well.
 
@@ -317,27 +318,40 @@ bool onednn_has_bf16_matmul() {
   return bf16_matmul_exists(state);
 }
 
+namespace {
+
+// The decision of onednn_runs_bf16, under the state's lock.
+bool runs_bf16(OneDnn& state, Dtype inputs, Bf16Kernel bf16_kernel) {
+  if (inputs != Dtype::bf16) return false;
+  switch (bf16_kernel) {
+    case Bf16Kernel::automatic:
+      return onednn_has_native_bf16() && bf16_matmul_exists(state);
+    case Bf16Kernel::bf16:
+      if (!bf16_matmul_exists(state)) {
+        MESHTRAIN_FAIL("gemm (oneDNN): this CPU (", isa_name(effective_isa()),
+                       ") has no bf16 matmul");
+      }
+      return true;
+    case Bf16Kernel::fp32:
+      break;
+  }
+  return false;
+}
+
+}  // namespace
+
+bool onednn_runs_bf16(Dtype inputs, Bf16Kernel bf16_kernel) {
+  OneDnn& state = onednn();
+  const std::lock_guard<std::mutex> lock(state.mutex);
+  return runs_bf16(state, inputs, bf16_kernel);
+}
+
 EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
   OneDnn& state = onednn();
   const std::lock_guard<std::mutex> lock(state.mutex);
-  const bool bf16_inputs = call.inputs == Dtype::bf16;
-  bool bf16 = false;
-  if (bf16_inputs) {
-    switch (bf16_kernel) {
-      case Bf16Kernel::automatic:
-        bf16 = onednn_has_native_bf16() && bf16_matmul_exists(state);
-        break;
-      case Bf16Kernel::bf16:
-        if (!bf16_matmul_exists(state)) {
-          MESHTRAIN_FAIL("gemm (oneDNN): this CPU (", isa_name(effective_isa()),
-                         ") has no bf16 matmul");
-        }
-        bf16 = true;
-        break;
-      case Bf16Kernel::fp32:
-        break;
-    }
-  }
+  const bool bf16 = runs_bf16(state, call.inputs, bf16_kernel);
+  MESHTRAIN_REQUIRE(bf16 || (call.a16 == nullptr && call.b16 == nullptr),
+                    "gemm (oneDNN): 16-bit operands reach the fp32 matmul (gemm() widens them)");
 
   PrimitiveKey key;
   key.n = call.n;
@@ -371,11 +385,19 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
   const void* a = call.a;
   const void* b = call.b;
   int lda = call.lda, ldb = call.ldb;
-  if (bf16) {
-    a = bf16_copy(call.a, a_rows, a_cols, call.lda, state.a16, "meshtrain::gemm_bf16_a");
-    b = bf16_copy(call.b, b_rows, b_cols, call.ldb, state.b16, "meshtrain::gemm_bf16_b");
-    lda = a_cols;
-    ldb = b_cols;
+  if (bf16) {  // 16-bit operands as stored; fp32 ones (holding bf16 values) copied to bf16
+    if (call.a16 != nullptr) {
+      a = call.a16;
+    } else {
+      a = bf16_copy(call.a, a_rows, a_cols, call.lda, state.a16, "meshtrain::gemm_bf16_a");
+      lda = a_cols;
+    }
+    if (call.b16 != nullptr) {
+      b = call.b16;
+    } else {
+      b = bf16_copy(call.b, b_rows, b_cols, call.ldb, state.b16, "meshtrain::gemm_bf16_b");
+      ldb = b_cols;
+    }
   }
   const DataType operand = bf16 ? DataType::bf16 : DataType::f32;
   const CallMemory a_memory(state, call.m, call.k, op_strides(lda, call.transpose_a), operand, a);
