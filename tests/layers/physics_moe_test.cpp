@@ -30,10 +30,12 @@
 //     times the tolerance): the comparison sees that term.
 //   * EveryMeshEqualsOneRank (np 1, 2, 4): 3 SGD steps on ep2, dp2, fsdp2, tp2 and (np 4) ep4,
 //     dp2 x ep2, fsdp2 x ep2, ep2 x tp2 against the same steps on one rank (MPI_COMM_SELF) in the
-//     same test: both losses, every gradient of every step and the parameters after, within
-//     1e-5 of the tensor's largest value; the step's passes allocate nothing; on tp the MoE
-//     layer's experts split over tp (and the mlp's MoE layer 1 gathering its split input). Each
-//     mesh with the gradients reduced in the backward and left for reduce_gradients().
+//     same test: the three losses (data, physics, balancing; 1e-5 relative), every gradient of
+//     every step and the parameters after, within 1e-5 of the tensor's largest value, the
+//     updates (parameters after minus before) within 3e-5 of the largest update (a wrong update
+//     too small to show against the parameters shows there); the step's passes allocate nothing; on
+//     tp the MoE layer's experts split over tp (and the mlp's MoE layer 1 gathering its split
+//     input). Each mesh with the gradients reduced in the backward and left for reduce_gradients().
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -656,8 +658,20 @@ TEST(PhysicsMoe, StreamsAndGradientsMatchFloat64) {
   }
 }
 
+// A parameter's change over the steps (after minus before).
+Tensor update_of(const StepsRun& run, size_t q) {
+  Tensor d(run.final_params[q].size());
+  for (size_t i = 0; i < d.size(); ++i) d[i] = run.final_params[q][i] - run.initial[q][i];
+  return d;
+}
+
 TEST(PhysicsMoe, EveryMeshEqualsOneRank) {
   constexpr double kTolerance = 1e-5;
+  // The updates (parameters after minus before) are sums of lr times the steps' gradients
+  // (momentum), each gradient within kTolerance of its largest value, plus float32 rounding of
+  // the parameters (6e-8 of a parameter), which weighs more the smaller the steps: measured at
+  // most 6.7e-6 of the largest update, 1.2e-5 for the SwiGLU depth-2 model at lr 1e-6 on tp2.
+  constexpr double kUpdateTolerance = 3e-5;
   constexpr int kSteps = 3;
   // lr 1e-4: the physics loss is steep (second derivatives of the experts and gates), and at
   // lr 0.01 the third step's gradients and the parameters after differ from one rank by up to
@@ -713,10 +727,28 @@ TEST(PhysicsMoe, EveryMeshEqualsOneRank) {
               std::max(worst, expect_close_scaled(got.final_params[q], one.final_params[q],
                                                   kTolerance, "parameter " + std::to_string(q)));
         }
+        // The steps' updates (parameters after minus before) scaled by the largest update, not
+        // by the largest parameter: a wrong update smaller than 1e-5 of the parameters shows.
+        double worst_update = 0.0;
+        for (size_t q = 0; q < one.final_params.size(); ++q) {
+          worst_update =
+              std::max(worst_update,
+                       expect_close_scaled(update_of(got, q), update_of(one, q), kUpdateTolerance,
+                                           "update of parameter " + std::to_string(q)));
+        }
+        double worst_aux = 0.0;
+        for (int step = 0; step < kSteps; ++step) {
+          EXPECT_NEAR(got.aux_losses[step], one.aux_losses[step], kTolerance * one.aux_losses[step])
+              << "balancing loss, step " << step;
+          worst_aux = std::max(worst_aux, std::abs(got.aux_losses[step] - one.aux_losses[step]) /
+                                              one.aux_losses[step]);
+        }
         if (world_rank() == 0) {
-          std::printf("[ physics moe ] %s on %s%s (%s): largest difference from one rank %.2e\n",
-                      m.name().c_str(), c.name.c_str(), reduce ? "" : " (reduce_gradients)",
-                      got.built[0].c_str(), worst);
+          std::printf(
+              "[ physics moe ] %s on %s%s (%s): largest difference from one rank %.2e; updates "
+              "%.2e of the largest update; balancing losses %.2e relative\n",
+              m.name().c_str(), c.name.c_str(), reduce ? "" : " (reduce_gradients)",
+              got.built[0].c_str(), worst, worst_update, worst_aux);
         }
       }
     }
