@@ -13,13 +13,14 @@
 #include "framework/core/precision.hpp"
 #include "framework/core/view_ops.hpp"
 #include "layers/activation.hpp"
+#include "partition/moe_limits.hpp"
 
 namespace meshtrain {
 namespace {
 
 using Range = Kokkos::RangePolicy<>;
 using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
-constexpr int64_t kMaxTopK = 16;
+constexpr int64_t kMaxTopK = kMoeMaxTopK;  // partition/moe_limits.hpp
 
 Range2 matrix_range(int64_t rows, int64_t cols) {
   return Range2(device_space(), {0, 0}, {rows, cols});
@@ -362,7 +363,10 @@ void MoeLayer::build(ParameterRef router, ParameterRef experts_weight, Parameter
   capacity_ = moe_dispatch_capacity(l, rows);
   // The counts travel as floats (exact below 2^24); the gate gradient kernel keeps k of them
   // in registers; MPI counts are ints.
-  MESHTRAIN_REQUIRE(k <= kMaxTopK, "MoE layer '", l.layer, "': top_k ", k, " above ", kMaxTopK);
+  if (k > kMaxTopK) {
+    MESHTRAIN_BAD_INPUT("MoE layer '", l.layer, "': top_k = ", k, " is above the largest top_k ",
+                        kMaxTopK, " an MoE layer takes");
+  }
   if (rows >= (int64_t{1} << 24) || capacity_ * std::max(in, out) > INT32_MAX) {
     MESHTRAIN_BAD_INPUT("MoE layer '", l.layer, "': ", rows, " rows per rank (data.batch_size ",
                         "over the batch axes) x ", std::min(k, l.experts_local), " experts x ",

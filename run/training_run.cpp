@@ -318,10 +318,12 @@ double TrainingRun::accumulate_loaded_batch() {
     TraceSpan span("loss");
     return compute_loss(*loss_, output, labels_, targets_, /*with_gradient=*/true);
   }();
-  // MoE layers: their load-balancing loss is part of the training loss (backward adds its
-  // gradient); it is the same on every rank.
+  // The data loss alone, kept for the physics loss's weighting below. MoE layers: their
+  // load-balancing loss is part of the training loss (backward adds its gradient); it is the
+  // same on every rank.
+  const double data_loss = result.loss;
   const double aux_loss = model_->aux_loss();
-  result.loss += aux_loss;
+  result.loss = data_loss + aux_loss;
   // Sobolev training: the derivative term on the tangents of the chosen input directions
   // (reserved at set-up), reduced over the ranks as the loss is.
   double derivative_loss = 0.0;
@@ -341,7 +343,7 @@ double TrainingRun::accumulate_loaded_batch() {
     physics_loss = physics_loss_->evaluate(physics_x_, output, streams).loss;
     // data_loss_weight weighs the data loss only: the balancing loss's gradient (the MoE layers'
     // backward) is not weighted, so neither is its share of the loss.
-    result.loss = physics_data_weight_ * (result.loss - aux_loss) + aux_loss + physics_loss;
+    result.loss = physics_data_weight_ * (data_loss + derivative_loss) + aux_loss + physics_loss;
   }
   // The loss is reduced over the ranks, so every rank decides here alike.
   if (!std::isfinite(result.loss)) {

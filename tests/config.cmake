@@ -79,6 +79,10 @@ meshtrain_cli_test(plan_moe_not_hidden 2
   -- ${_meshtrain} plan ${_configs}/moe_fashion_mnist.toml --set "model.moe_layers=[2]")
 meshtrain_cli_test(plan_moe_top_k 2 "^meshtrain: error: .*\\[model\\] top_k = 9 must not exceed experts = 8"
   -- ${_meshtrain} plan ${_configs}/moe_fashion_mnist.toml --set model.top_k=9)
+# top_k above the MoE layer's limit (partition/moe_limits.hpp's kMoeMaxTopK) with enough experts.
+meshtrain_cli_test(plan_moe_top_k_limit 2
+  "^meshtrain: error: .*\\[model\\] top_k = 17 must not exceed experts = 20 \\(nor 16\\)"
+  -- ${_meshtrain} plan ${_configs}/moe_fashion_mnist.toml --set model.experts=20 --set model.top_k=17)
 meshtrain_cli_test(plan_moe_experts_ep 2
   "^meshtrain: error: .*model\\.experts = 8 does not divide by the 3 ranks of the expert axes \\(ep\\)"
   -- ${_meshtrain} plan ${_configs}/moe_fashion_mnist.toml --world 3)

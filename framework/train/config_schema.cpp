@@ -15,6 +15,7 @@
 #include "base/text.hpp"
 #include "partition/logical_axes.hpp"
 #include "partition/mesh.hpp"
+#include "partition/moe_limits.hpp"
 #include "partition/rules.hpp"
 
 namespace meshtrain {
@@ -883,9 +884,9 @@ std::optional<KeyProblem> check_sparse_key(const ConfigKey&, const RunConfig& c,
 }
 
 std::optional<KeyProblem> check_top_k(const ConfigKey&, const RunConfig& c, const KeyNames&) {
-  if (c.model.top_k > c.model.experts || c.model.top_k > 16) {
-    return problem("= ", c.model.top_k, " must not exceed experts = ", c.model.experts,
-                   " (nor 16)");
+  if (c.model.top_k > c.model.experts || c.model.top_k > kMoeMaxTopK) {
+    return problem("= ", c.model.top_k, " must not exceed experts = ", c.model.experts, " (nor ",
+                   kMoeMaxTopK, ")");
   }
   return std::nullopt;
 }

@@ -96,9 +96,11 @@
 #include "partition/linear_layout.hpp"
 #include "partition/logical_axes.hpp"
 #include "partition/moe_layout.hpp"
+#include "partition/moe_limits.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
 #include "tests/support/backend.hpp"
+#include "tests/support/expect_error.hpp"
 #include "tests/support/finite_differences.hpp"
 #include "tests/support/full_tensor.hpp"
 #include "tests/support/reference_activations.hpp"
@@ -937,6 +939,31 @@ TEST(Moe, Bf16IsCloseToTheReferenceAndToOneRankOnEveryMesh) {
       summary(c.name + " " + m.name + " bf16", errors);
     }
   }
+}
+
+// top_k above kMoeMaxTopK (partition/moe_limits.hpp; the gate kernels keep k values per row
+// in registers), with enough experts for it: bad_input naming top_k and the limit (the config
+// refuses it first: cli_plan_moe_top_k_limit; this is a model built in code).
+TEST(Moe, TopKAboveTheLimitIsBadInput) {
+  const Mesh mesh = Mesh::create({{"dp", 1}, {"fsdp", 1}, {"ep", 1}, {"tp", 1}, {"sp", 1}}, 1);
+  MeshCommunicators comms(mesh, MPI_COMM_SELF, CommunicatorFactory{});
+  const LayerAxes axes = layer_axes(LogicalAxes(), /*with_experts=*/true);
+  ParallelContext context(comms, axes.batch, axes.feature, CollectiveMatmulAlgorithm::automatic,
+                          false, 25.0);
+  const int64_t top_k = kMoeMaxTopK + 1;
+  const MoeSettings moe{{1}, top_k + 3, top_k, kAuxCoef};
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.batch_axes = axes.batch;
+  options.feature_axis = axes.feature;
+  options.global_batch = kBatch;
+  const ShardingPlan plan =
+      make_plan(mlp_parameter_shapes(kSizes, moe), mesh, preset_rules("dp", /*moe=*/true), options,
+                mlp_linear_layers(kSizes, moe));
+  testing::expect_error(
+      [&] { Mlp model(kSizes, Activation::relu, specs_from_plan(plan), context, kBatch, moe); },
+      ErrorKind::bad_input,
+      {"top_k = " + std::to_string(top_k), "largest top_k " + std::to_string(kMoeMaxTopK)});
 }
 
 }  // namespace

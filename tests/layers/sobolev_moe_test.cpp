@@ -7,7 +7,7 @@
 // Two models, 4 experts, top 2, aux_loss_coef 0.01:
 //   * mlp 4-8-6-2 with layer 1 an MoE layer of linear experts (tanh, gelu between the layers),
 //     and with layer 0 (the model's first layer, on the input and its seeds) instead (tanh);
-//   * residual_mlp 4 -> 6, one block without norm whose feed-forward is an MoE layer of
+//   * residual_mlp 3 -> 6, one block without norm whose feed-forward is an MoE layer of
 //     activation experts (6 -> 8 -> 6; tanh, silu) or of SwiGLU experts, -> 2.
 //
 //   * GradientsMatchFloat64CentralDifferences (np 1): both losses against a float64 forward of
@@ -16,14 +16,13 @@
 //     docs/derivatives.md, the experts' tangents by f' only), and every parameter gradient
 //     against its central differences (h = 1e-6, the routing of the unperturbed forward held
 //     fixed, as the layer differentiates): |got - fd| <= 2e-6 max |fd| per tensor.
-//   * EveryMeshEqualsOneRank (np 1, 2, 4): 3 SGD steps (lr 0.02, SwiGLU 4e-4) on ep, dp, fsdp, tp
-//   and (np 4) ep4,
-//     dp x ep, fsdp x ep, ep x tp against the same steps on one rank (MPI_COMM_SELF) in the same
-//     test: losses, every gradient of every step and the parameters after, within 1e-5 of the
-//     tensor's largest |value|; the step's passes allocate nothing (Kokkos allocations counted).
-//     Each mesh twice: gradients reduced in backward_with_tangents, and left for
-//     reduce_gradients(). On tp the layers' reported layouts show the feature-axis paths taken
-//     (the MoE layer's input gathered over tp, a block's output split, Linears split).
+//   * EveryMeshEqualsOneRank (np 1, 2, 4): 3 SGD steps (lr 0.02, SwiGLU 4e-4) on ep, dp, fsdp,
+//     tp and (np 4) ep4, dp x ep, fsdp x ep, ep x tp against the same steps on one rank
+//     (MPI_COMM_SELF) in the same test: losses, every gradient of every step and the parameters
+//     after, within 1e-5 of the tensor's largest |value|; the step's passes allocate nothing
+//     (Kokkos allocations counted). Each mesh twice: gradients reduced in backward_with_tangents,
+//     and left for reduce_gradients(). On tp the layers' reported layouts show the feature-axis
+//     paths taken (the MoE layer's input gathered over tp, a block's output split, Linears split).
 //   * AcceptsTheLaplacian: reserve_tangent_backward and reserve_laplacian accept every kind of
 //     expert (the forward Laplacian's checks: tests/layers/physics_moe_test.cpp).
 
@@ -68,10 +67,9 @@ constexpr int64_t kRows = 16;                 // global batch (divides by 1, 2, 
 constexpr int64_t kInputs = 3, kOutputs = 2;  // the residual_mlps'; the mlps' 4 (ModelCase)
 constexpr int64_t kExperts = 4, kTopK = 2;
 constexpr double kAuxCoef = 0.01;
-const std::vector<int64_t> kMlpSizes = {4, 8, 6,
-                                        2};   // ModelCase::sizes()  // layer 1: MoE, linear experts
-constexpr int64_t kWidth = 6, kHidden = 8;    // the residual_mlp's
-const std::vector<int64_t> kChosen = {0, 2};  // k = 2 of the 4 input columns
+const std::vector<int64_t> kMlpSizes = {4, 8, 6, 2};  // layer 1 (or 0): MoE, linear experts
+constexpr int64_t kWidth = 6, kHidden = 8;            // the residual_mlp's
+const std::vector<int64_t> kChosen = {0, 2};          // k = 2 of the input columns
 const std::vector<double> kInputStd = {0.5, 2.0, 1.5};
 const std::vector<double> kTargetStd = {3.0, 0.25};
 constexpr double kLambda = 0.7;
@@ -89,7 +87,6 @@ struct ModelCase {
   // MoE, which the planner does not follow; with 4 inputs the stream is split, and the silu
   // case's 3 steps differ from one rank by up to 3.3e-5, beyond the tolerance: not used).
   int64_t inputs() const { return residual ? kInputs : 4; }
-  std::vector<int64_t> sizes() const { return kMlpSizes; }
   std::vector<double> input_std() const {
     std::vector<double> s = kInputStd;
     if (inputs() == 4) s.push_back(1.0);
@@ -389,14 +386,14 @@ StepsRun run_steps(const ModelCase& m, const MeshCase& c, bool self, int steps, 
       m.residual
           ? make_plan(residual_mlp_parameter_shapes(shape), mesh, rules, options,
                       residual_mlp_linear_layers(shape))
-          : make_plan(mlp_parameter_shapes(m.sizes(), moe_settings(m.moe_layer)), mesh, rules,
-                      options, mlp_linear_layers(m.sizes(), moe_settings(m.moe_layer)));
+          : make_plan(mlp_parameter_shapes(kMlpSizes, moe_settings(m.moe_layer)), mesh, rules,
+                      options, mlp_linear_layers(kMlpSizes, moe_settings(m.moe_layer)));
   const int64_t rows = kRows / context.batch_parallel();
   const int64_t row0 = context.batch_index() * rows;
   const int64_t k = static_cast<int64_t>(kChosen.size());
   std::unique_ptr<Mlp> built =
       m.residual ? std::make_unique<Mlp>(shape, m.act, specs_from_plan(plan), context, rows)
-                 : std::make_unique<Mlp>(m.sizes(), m.act, specs_from_plan(plan), context, rows,
+                 : std::make_unique<Mlp>(kMlpSizes, m.act, specs_from_plan(plan), context, rows,
                                          moe_settings(m.moe_layer));
   Mlp& model = *built;
   model.initialize(InitScheme::he_normal, kSeed);
