@@ -212,6 +212,24 @@ MatrixView ShardedParameter::widen_landed(LayerScratch& scratch) {
   return full;
 }
 
+namespace {
+
+// The n gathered blocks [n][d1][d2 / n] of a 16-bit weight put in place as the matrix [d1, d2]
+// (block j holds columns [j d2 / n, (j + 1) d2 / n)). A free function: nvcc refuses a device
+// lambda inside a private member function.
+void place_gathered_blocks_16bit(const uint16_t* landed, int64_t n, int64_t d1, int64_t d2,
+                                 uint16_t* full) {
+  const int64_t c = d2 / n;
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::place_gathered_16bit"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<3>>(device_space(), {0, 0, 0}, {n, d1, c}),
+      KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
+        full[row * d2 + j * c + cc] = landed[(j * d1 + row) * c + cc];
+      });
+}
+
+}  // namespace
+
 ConstHalfMatrixView ShardedParameter::place_landed(LayerScratch& scratch) {
   const int64_t d1 = g_.compute[1], d2 = g_.compute[2];
   MESHTRAIN_REQUIRE(scratch.weight.span() * 2 >= static_cast<size_t>(d1 * d2), "parameter '",
@@ -222,13 +240,7 @@ ConstHalfMatrixView ShardedParameter::place_landed(LayerScratch& scratch) {
   // Dim 0 blocks in rank order are the matrix itself (one block of d2 columns); dim 1 blocks
   // [n][d1][d2 / n] go to their columns.
   const int64_t n = gather1_ ? 1 : static_cast<int64_t>(gather2_->size());
-  const int64_t c = d2 / n;
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::place_gathered_16bit"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<3>>(device_space(), {0, 0, 0}, {n, d1, c}),
-      KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
-        full[row * d2 + j * c + cc] = landed[(j * d1 + row) * c + cc];
-      });
+  place_gathered_blocks_16bit(landed, n, d1, d2, full);
   return ConstHalfMatrixView(full, d1, d2);
 }
 
