@@ -429,8 +429,8 @@ void EmbeddingBag::plan_row_wise(const std::string& problem) {
   if (!problem.empty()) MESHTRAIN_BAD_INPUT(problem);
   for (int j = 0; j < n; ++j) {
     if (counts_recv_host_(static_cast<size_t>(j), 2) != 0.0f) {
-      MESHTRAIN_BAD_INPUT("embedding table '", table_, "': rank ", j, " of the row-wise group ",
-                          axes_text(layout_.row_axes),
+      MESHTRAIN_BAD_INPUT("embedding table '", table_, "': rank ", j, " of the ",
+                          to_string(layout_.sharding), " group ", axes_text(layout_.row_axes),
                           " was given bad bags in this step (its own error names them)");
     }
   }

@@ -18,7 +18,9 @@ StreamProducer::~StreamProducer() {
   try {
     close();
   } catch (...) {
-    // A destructor does not throw: close() reports what went wrong.
+    // A destructor does not throw: close() reports what went wrong. The staging buffers are
+    // freed all the same (close() may have thrown before it freed them).
+    release_staging();
   }
 }
 
@@ -83,6 +85,14 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
   for (auto& requests : slot_requests_) requests.reserve(std::max(widest, trainers_.size()));
   // View sends' staging, where device memory is separate (views in it are copied to the host a
   // message at a time); only with Kokkos running (a C or Fortran producer may not start it).
+  // The execution space instance and the labels the view sends use are made here, so that a
+  // first send allocates nothing (even without meshtrain::Runtime, which makes the instance).
+  if (Kokkos::is_initialized()) {
+    device_space();
+    gather_label();
+    staged_fence_label();
+    written_fence_label();
+  }
   if (device_memory_is_separate() && Kokkos::is_initialized()) {
     const auto staging_bytes =
         static_cast<size_t>(message_rows_ * std::max(inputs, outputs) * element_bytes_);
@@ -92,8 +102,6 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
     device_staging_ = Kokkos::View<unsigned char*, Kokkos::DefaultExecutionSpace::memory_space>(
         Kokkos::view_alloc(Kokkos::WithoutInitializing, "meshtrain::stream_device_staging"),
         staging_bytes);
-    gather_label();
-    staged_fence_label();
   }
   stopped_ = false;
   last_word_received_ = false;
@@ -270,6 +278,19 @@ const std::string& StreamProducer::gather_label() {
 const std::string& StreamProducer::staged_fence_label() {
   static const std::string label("meshtrain::stream_staged_rows");
   return label;
+}
+
+const std::string& StreamProducer::written_fence_label() {
+  static const std::string label("meshtrain::stream_device_written_rows");
+  return label;
+}
+
+void StreamProducer::check_staging(bool staged) const {
+  if (staged && host_staging_.data() == nullptr) {
+    MESHTRAIN_BAD_INPUT("stream \"", name_, "\": send got a view in device memory, but Kokkos ",
+                        "was not initialized when connect ran (connect makes the staging "
+                        "buffer such views are copied through): initialize Kokkos first");
+  }
 }
 
 void StreamProducer::release_staging() {

@@ -202,6 +202,20 @@ class StreamProducer {
   // connect: a label made at a template's first send would allocate there).
   static const std::string& gather_label();
   static const std::string& staged_fence_label();
+  static const std::string& written_fence_label();
+  // Refuses a staged send when connect made no staging buffer (before anything is sent).
+  void check_staging(bool staged) const;
+  // Waits for the kernels of device_space() when `View` is memory the host reads but a device
+  // may write (CUDA UVM or host-pinned): the host packs it, so a kernel still writing it would
+  // race the pack. HostSpace, and every space of a build without a device, need no wait.
+  template <class View>
+  static void fence_device_written() {
+    using Space = typename View::memory_space;
+    if constexpr (Kokkos::SpaceAccessibility<Kokkos::DefaultExecutionSpace, Space>::accessible &&
+                  !std::is_same<Space, Kokkos::HostSpace>::value) {
+      fence_device(written_fence_label());
+    }
+  }
   int take_free_slot();  // -1: none (drop)
 
   void receive_publish();  // one message into incoming_, the newest kept
@@ -255,11 +269,6 @@ void StreamProducer::pack_staged_rows(const View& view, int64_t first, int64_t c
   using T = typename View::non_const_value_type;
   using Space = typename View::memory_space;
   const int64_t width = static_cast<int64_t>(view.extent(1));
-  if (host_staging_.data() == nullptr) {
-    MESHTRAIN_BAD_INPUT("stream \"", name_, "\": send got a view in device memory, but Kokkos ",
-                        "was not initialized when connect ran (connect makes the staging "
-                        "buffer such views are copied through): initialize Kokkos first");
-  }
   using HostRowsView = Kokkos::View<T**, Kokkos::LayoutRight, HostStagingSpace,
                                     Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
   HostRowsView host(reinterpret_cast<T*>(host_staging_.data()), count, width);
@@ -328,6 +337,9 @@ void StreamProducer::send_view(const XView& x, const YView& y, int64_t rows, boo
     const YView* y;
     bool x_staged, y_staged;
   } context{this, &x, &y, stream_detail::staged_view<XView>(), stream_detail::staged_view<YView>()};
+  check_staging(context.x_staged || context.y_staged);
+  fence_device_written<XView>();
+  fence_device_written<YView>();
   send_packed(
       rows,
       [](void* c, int64_t first, int64_t count, unsigned char* x_out, unsigned char* y_out) {

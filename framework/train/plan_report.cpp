@@ -629,26 +629,39 @@ std::string axes_list(const std::vector<std::string>& axes) {
   return text + ")";
 }
 
-// The tables' bytes on the most loaded rank, of `bytes` (one of TablePlan's figures): every
-// table counts on every rank except a table-wise one, which counts on its holder only; per group
-// of row axes the most loaded member is taken (an upper bound when groups of different axes meet
-// on one rank).
-template <class Bytes>
-int64_t busiest_rank_bytes(const std::vector<TablePlan>& tables, Bytes bytes) {
-  int64_t everywhere = 0;
-  std::map<std::vector<std::string>, std::vector<int64_t>> members;
+// The tables' weight, gradient and optimizer bytes on the most loaded rank: every table counts on
+// every rank except a table-wise one, which counts on its holder only; per group of row axes the
+// member whose weights + gradients + optimizer state is largest is taken, with its own split (the
+// three maxima taken separately can come from different members and overstate the total); an
+// upper bound when groups of different axes meet on one rank.
+struct RankBytes {
+  int64_t weight = 0, gradient = 0, optimizer = 0;
+  int64_t total() const { return weight + gradient + optimizer; }
+  void add(const RankBytes& other) {
+    weight += other.weight;
+    gradient += other.gradient;
+    optimizer += other.optimizer;
+  }
+};
+
+RankBytes busiest_rank_bytes(const std::vector<TablePlan>& tables) {
+  RankBytes everywhere;
+  std::map<std::vector<std::string>, std::vector<RankBytes>> members;
   for (const TablePlan& t : tables) {
     const EmbeddingLayout& l = t.layout;
+    const RankBytes bytes{t.weight_bytes, t.gradient_bytes, t.optimizer_bytes};
     if (l.sharding != EmbeddingSharding::table_wise) {
-      everywhere += bytes(t);
+      everywhere.add(bytes);
       continue;
     }
-    std::vector<int64_t>& load = members[l.row_axes];
-    load.resize(static_cast<size_t>(l.owners), 0);
-    load[static_cast<size_t>(l.holder)] += bytes(t);
+    std::vector<RankBytes>& load = members[l.row_axes];
+    load.resize(static_cast<size_t>(l.owners));
+    load[static_cast<size_t>(l.holder)].add(bytes);
   }
   for (const auto& group : members) {
-    everywhere += *std::max_element(group.second.begin(), group.second.end());
+    everywhere.add(*std::max_element(
+        group.second.begin(), group.second.end(),
+        [](const RankBytes& a, const RankBytes& b) { return a.total() < b.total(); }));
   }
   return everywhere;
 }
@@ -727,11 +740,10 @@ void write_tables_text(const std::vector<TablePlan>& tables, int64_t bags, std::
                     format_bytes(t.step.partial_sums_all_to_all),
                     format_bytes(t.step.column_all_gather), format_bytes(t.step.backward())});
   }
-  sum.weight_bytes = busiest_rank_bytes(tables, [](const TablePlan& t) { return t.weight_bytes; });
-  sum.gradient_bytes =
-      busiest_rank_bytes(tables, [](const TablePlan& t) { return t.gradient_bytes; });
-  sum.optimizer_bytes =
-      busiest_rank_bytes(tables, [](const TablePlan& t) { return t.optimizer_bytes; });
+  const RankBytes busiest = busiest_rank_bytes(tables);
+  sum.weight_bytes = busiest.weight;
+  sum.gradient_bytes = busiest.gradient;
+  sum.optimizer_bytes = busiest.optimizer;
   const bool table_wise = std::any_of(tables.begin(), tables.end(), [](const TablePlan& t) {
     return t.layout.sharding == EmbeddingSharding::table_wise;
   });
@@ -807,9 +819,10 @@ nlohmann::ordered_json tables_json(const std::vector<TablePlan>& tables, int64_t
     total_step.gradient_all_reduce += s.gradient_all_reduce;
     total_step.touched_rows_all_gather += s.touched_rows_all_gather;
   }
-  weights = busiest_rank_bytes(tables, [](const TablePlan& t) { return t.weight_bytes; });
-  gradients = busiest_rank_bytes(tables, [](const TablePlan& t) { return t.gradient_bytes; });
-  optimizer = busiest_rank_bytes(tables, [](const TablePlan& t) { return t.optimizer_bytes; });
+  const RankBytes busiest = busiest_rank_bytes(tables);
+  weights = busiest.weight;
+  gradients = busiest.gradient;
+  optimizer = busiest.optimizer;
   return {{"bags_per_rank", bags},
           {"ids_per_bag", kPlannedIdsPerBag},
           {"optimizer_state", tables.empty() ? std::string() : tables.front().optimizer_state},

@@ -488,7 +488,8 @@ TEST(EmbeddingBag, IdOutsideTheTableIsBadInputOnTheWholeGroup) {
               [&] {
                 layer.forward({in_wrong.offsets, in_wrong.ids}, {});
               },
-              {"table '" + kTable + "'", "rank 0", "bad bags"});
+              {"table '" + kTable + "'",
+               std::string("rank 0 of the ") + to_string(layer.sharding()) + " group", "bad bags"});
         } else {
           EXPECT_NO_THROW(layer.forward({in_wrong.offsets, in_wrong.ids}, {}));
         }

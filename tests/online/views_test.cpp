@@ -8,7 +8,9 @@
 // device memory emulated the views (in the default memory space) go through the producer's
 // staging, the path a CUDA view takes (the deep copy of contiguous rows, the gather kernel of
 // the others); without it they are packed straight from host memory. Shapes or a dtype that
-// disagree with the stream: one sentence naming the stream and both shapes. No view send
+// disagree with the stream: one sentence naming the stream and both shapes. A second float
+// stream takes y of width 1 (the single-column paths: LayoutLeft y, a column of a LayoutRight
+// matrix). No view send
 // allocates (heap and Kokkos counted). The registration's
 // timeout ends any hang.
 
@@ -97,18 +99,18 @@ StreamProducerOptions producer_options() {
 
 // Rows through pointers, row-major.
 template <class T>
-void send_pointers(const Split& split, const std::string& name, StreamDtype dtype) {
+void send_pointers(const Split& split, const std::string& name, StreamDtype dtype,
+                   int64_t outputs) {
   StreamProducer producer;
-  producer.connect(split.comm, name, kInputs, kOutputs, dtype, producer_options());
-  std::vector<T> x(kRows * kInputs), y(kRows * kOutputs);
+  producer.connect(split.comm, name, kInputs, outputs, dtype, producer_options());
+  std::vector<T> x(kRows * kInputs), y(kRows * outputs);
   for (int64_t r = 0; r < kRows; ++r) {
     for (int64_t j = 0; j < kInputs; ++j) x[r * kInputs + j] = T(value(split.rank, r, j));
-    for (int64_t o = 0; o < kOutputs; ++o)
-      y[r * kOutputs + o] = T(value(split.rank, r, kInputs + o));
+    for (int64_t o = 0; o < outputs; ++o) y[r * outputs + o] = T(value(split.rank, r, kInputs + o));
   }
   int64_t r = 0;
   for (int64_t n : send_sizes()) {
-    producer.send(x.data() + r * kInputs, y.data() + r * kOutputs, n);
+    producer.send(x.data() + r * kInputs, y.data() + r * outputs, n);
     r += n;
   }
   producer.close();
@@ -131,20 +133,20 @@ void fill(const View& view, int64_t p, int64_t first, int64_t offset) {
 
 // The same rows through views, each send's x and y of another layout in turn.
 template <class T>
-void send_views(const Split& split, const std::string& name, StreamDtype dtype) {
+void send_views(const Split& split, const std::string& name, StreamDtype dtype, int64_t outputs) {
   using Right = Kokkos::View<T**, Kokkos::LayoutRight>;
   using Left = Kokkos::View<T**, Kokkos::LayoutLeft>;
   using Strided = Kokkos::View<T**, Kokkos::LayoutStride>;
   StreamProducer producer;
-  producer.connect(split.comm, name, kInputs, kOutputs, dtype, producer_options());
+  producer.connect(split.comm, name, kInputs, outputs, dtype, producer_options());
   const int64_t longest = 40;
   // Made before the sends, as a simulation's fields are.
-  Right x_right("x_right", longest, kInputs), y_right("y_right", longest, kOutputs);
-  Left x_left("x_left", longest, kInputs), y_left("y_left", longest, kOutputs);
+  Right x_right("x_right", longest, kInputs), y_right("y_right", longest, outputs);
+  Left x_left("x_left", longest, kInputs), y_left("y_left", longest, outputs);
   // Wider matrices whose column blocks are row-strided (LayoutRight, stride(0) > extent(1)).
-  Right x_wide("x_wide", longest, kInputs + 3), y_wide("y_wide", longest, kOutputs + 2);
+  Right x_wide("x_wide", longest, kInputs + 3), y_wide("y_wide", longest, outputs + 2);
   // Every other column of a matrix twice as wide: a LayoutStride view.
-  Right x_spread("x_spread", longest, 2 * kInputs), y_spread("y_spread", longest, 2 * kOutputs);
+  Right x_spread("x_spread", longest, 2 * kInputs), y_spread("y_spread", longest, 2 * outputs);
   // Each send's allocations, heap and Kokkos (the views' filling through mirrors left out).
   long heap = 0, kokkos = 0;
   const auto counted = [&](const auto& send) {
@@ -181,7 +183,7 @@ void send_views(const Split& split, const std::string& name, StreamDtype dtype) 
       }
       case 3: {  // strided columns
         Strided x(x_spread.data(), Kokkos::LayoutStride(n, 2 * kInputs, kInputs, 2));
-        Strided y(y_spread.data() + 1, Kokkos::LayoutStride(n, 2 * kOutputs, kOutputs, 2));
+        Strided y(y_spread.data() + 1, Kokkos::LayoutStride(n, 2 * outputs, outputs, 2));
         fill(x, split.rank, r, 0);
         fill(y, split.rank, r, kInputs);
         counted([&] { producer.send(x, y); });
@@ -189,7 +191,7 @@ void send_views(const Split& split, const std::string& name, StreamDtype dtype) 
       }
       default: {  // const views of LayoutRight (x) and row-strided (y)
         auto xm = Kokkos::subview(x_right, rows, Kokkos::ALL);
-        auto ym = Kokkos::subview(y_wide, rows, std::pair<int64_t, int64_t>(1, 1 + kOutputs));
+        auto ym = Kokkos::subview(y_wide, rows, std::pair<int64_t, int64_t>(1, 1 + outputs));
         fill(xm, split.rank, r, 0);
         fill(ym, split.rank, r, kInputs);
         Kokkos::View<const T**, Kokkos::LayoutRight> x = xm;
@@ -203,6 +205,12 @@ void send_views(const Split& split, const std::string& name, StreamDtype dtype) 
   }
   EXPECT_EQ(heap, 0) << "a view send allocated on the heap";
   EXPECT_EQ(kokkos, 0) << "a view send allocated a Kokkos view";
+  if (outputs != kOutputs) {  // the refusals below are checked once, at kOutputs
+    producer.close();
+    EXPECT_EQ(producer.rows_sent(), kRows);
+    EXPECT_EQ(producer.rows_dropped(), 0);
+    return;
+  }
   // Shapes or a dtype the stream does not take: one sentence, nothing sent.
   const std::string quoted = "stream \"" + name + "\"";
   testing::expect_bad_input(
@@ -217,17 +225,17 @@ void send_views(const Split& split, const std::string& name, StreamDtype dtype) 
   testing::expect_bad_input([&] { producer.send(x_right, y_right, longest + 1); },
                             {quoted, "the first 41"});
   using Other = std::conditional_t<std::is_same<T, float>::value, double, float>;
-  Kokkos::View<Other**> x_other("x_other", 2, kInputs), y_other("y_other", 2, kOutputs);
+  Kokkos::View<Other**> x_other("x_other", 2, kInputs), y_other("y_other", 2, outputs);
   testing::expect_bad_input([&] { producer.send(x_other, y_other); }, {quoted, "connected with"});
   producer.close();
   EXPECT_EQ(producer.rows_sent(), kRows);
   EXPECT_EQ(producer.rows_dropped(), 0);
 }
 
-// The rows this trainer rank's buffer holds, each [kInputs + kOutputs] floats as received,
+// The rows this trainer rank's buffer holds, each [kInputs + outputs] floats as received,
 // sorted (two producers' messages arrive in either order).
 std::vector<std::vector<float>> receive(const Split& split, const std::string& name,
-                                        StreamRowType dtype) {
+                                        StreamRowType dtype, int64_t outputs) {
   StreamSection section;
   section.name = name;
   section.buffer_rows = 2 * kRows;  // every row: nothing overwritten
@@ -239,7 +247,7 @@ std::vector<std::vector<float>> receive(const Split& split, const std::string& n
   slice.count = split.trainers;
   slice.global_batch = split.trainers;
   slice.rows = 1;
-  StreamSource source(section, split.comm, slice, kInputs, kOutputs, 1, 7);
+  StreamSource source(section, split.comm, slice, kInputs, outputs, 1, 7);
   do {
     source.pull();
   } while (!source.ended());
@@ -250,7 +258,7 @@ std::vector<std::vector<float>> receive(const Split& split, const std::string& n
   std::vector<std::vector<float>> rows;
   for (int64_t s = 0; s < buffer.filled(); ++s) {
     std::vector<float> row(buffer.x(s), buffer.x(s) + kInputs);
-    row.insert(row.end(), buffer.y(s), buffer.y(s) + kOutputs);
+    row.insert(row.end(), buffer.y(s), buffer.y(s) + outputs);
     rows.push_back(std::move(row));
   }
   std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) {
@@ -260,7 +268,8 @@ std::vector<std::vector<float>> receive(const Split& split, const std::string& n
 }
 
 template <class T>
-void views_equal_pointers(StreamDtype dtype, StreamRowType row_type, const char* tag) {
+void views_equal_pointers(StreamDtype dtype, StreamRowType row_type, const char* tag,
+                          int64_t outputs) {
   for (const auto& [p, t] : splits()) {
     SCOPED_TRACE(std::string(tag) + ": producers " + std::to_string(p) + " x trainers " +
                  std::to_string(t));
@@ -268,12 +277,12 @@ void views_equal_pointers(StreamDtype dtype, StreamRowType row_type, const char*
     const std::string pointers = std::string(tag) + "-pointers",
                       views = std::string(tag) + "-views";
     if (split.producer) {
-      send_pointers<T>(split, pointers, dtype);
-      send_views<T>(split, views, dtype);
+      send_pointers<T>(split, pointers, dtype, outputs);
+      send_views<T>(split, views, dtype, outputs);
       continue;
     }
-    const auto from_pointers = receive(split, pointers, row_type);
-    const auto from_views = receive(split, views, row_type);
+    const auto from_pointers = receive(split, pointers, row_type, outputs);
+    const auto from_views = receive(split, views, row_type, outputs);
     // Every row reached one trainer rank (dp: a batch group each).
     int64_t mine = static_cast<int64_t>(from_pointers.size()), all = 0;
     check_mpi(MPI_Allreduce(&mine, &all, 1, MPI_INT64_T, MPI_SUM, split.comm), "MPI_Allreduce");
@@ -289,11 +298,18 @@ void views_equal_pointers(StreamDtype dtype, StreamRowType row_type, const char*
 }
 
 TEST(StreamViews, FloatViewsOfEveryLayoutEqualPointers) {
-  views_equal_pointers<float>(StreamDtype::float32, StreamRowType::float32, "f32");
+  views_equal_pointers<float>(StreamDtype::float32, StreamRowType::float32, "f32", kOutputs);
 }
 
 TEST(StreamViews, DoubleViewsOfEveryLayoutEqualPointers) {
-  views_equal_pointers<double>(StreamDtype::float64, StreamRowType::float64, "f64");
+  views_equal_pointers<double>(StreamDtype::float64, StreamRowType::float64, "f64", kOutputs);
+}
+
+// y of width 1 (its own stream, connected with one output): LayoutLeft y (one span whatever
+// the rows), one column of a LayoutRight matrix (row-strided: gathered, or one row per copy),
+// every other column of a wider matrix; the pointer send's rows bit for bit.
+TEST(StreamViews, FloatViewsOfWidthOneEqualPointers) {
+  views_equal_pointers<float>(StreamDtype::float32, StreamRowType::float32, "f32w1", 1);
 }
 
 // Which path the views took, so that the emulated registration is known to stage them.

@@ -8,13 +8,18 @@ bytes per rank (weights, gradient, optimizer state) and per-step bytes of `--jso
 protocol (layers/embedding_bag.hpp) and the cost model of partition/collectives.hpp, and a few of
 them against literal values; the text output's section is checked for its rows and totals.
 Also big and small table-wise (P(fsdp@table)) on world 2: their members, blocks, exchange and
-the most loaded rank's totals (check_table_wise).
+the most loaded rank's totals (check_table_wise), and two table-wise tables of different dims
+(interaction "cat") whose busiest weights and busiest optimizer state lie on different members
+(check_table_wise_mixed).
 
   check_dlrm_plan.py MESHTRAIN CONFIG
 """
 import json
+import os
+import re
 import subprocess
 import sys
+import tempfile
 
 F = 4  # bytes of a float
 BATCH = 16
@@ -200,6 +205,61 @@ def check_table_wise(meshtrain, config):
             fail(f"the table-wise text plan lacks {needle!r}:\n{text}")
 
 
+def check_table_wise_mixed(meshtrain, config):
+    """Tables a [100, 8] and b [300, 2] (interaction "cat"), table-wise over fsdp 2 with
+    rowwise_adagrad: the planner puts a (800 floats) on member 0 and b (600) on member 1. Member
+    0 holds weights 3200 + gradient 3200 + state 400 = 6800 bytes, member 1 2400 + 2400 + 1200 =
+    6000: the most loaded rank holds 6800, split as member 0's (taking each figure's maximum
+    separately would give 3200 + 3200 + 1200 = 7600, on no rank)."""
+    with open(config) as f:
+        text = f.read()
+    text = re.sub(r"\[partition\].*?\n\n", "[partition]\nmin_sharding_size = 0\n"
+                  "rules = [[\"embeddings/(a|b)/weight\", \"P(fsdp@table)\"], [\".*\", \"P()\"]]"
+                  "\n\n", text, flags=re.S)
+    text = re.sub(r"top = .*?\n", "top = [18, 4, 1]\n", text)  # 8 + 8 + 2
+    text = text.replace('interaction = "dot"', 'interaction = "cat"')
+    text = re.sub(r"\[\[model\.tables\]\].*?(?=\n\[data\])",
+                  '[[model.tables]]\nname = "a"\nrows = 100\ndim = 8\n'
+                  '[[model.tables]]\nname = "b"\nrows = 300\ndim = 2\n', text, flags=re.S)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "dlrm_mixed.toml")
+        with open(path, "w") as f:
+            f.write(text)
+        argv = [meshtrain, "plan", path, "--world", "2", "--set",
+                'optimizer.embeddings="rowwise_adagrad"', "--json"]
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode != 0:
+            fail(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}")
+        section = json.loads(done.stdout)["embedding_tables"]
+        text_plan = subprocess.run(argv[:-1], capture_output=True, text=True).stdout
+    tables = {t["table"]: t for t in section["tables"]}
+    members = {}
+    for name, rows, dim in (("a", 100, 8), ("b", 300, 2)):
+        t = tables[name]
+        block = rows * dim * F
+        want = {"weight_bytes_per_rank": block, "gradient_bytes_per_rank": block,
+                "optimizer_bytes_per_rank": rows * F}
+        for key, value in want.items():
+            if t[key] != value:
+                fail(f"mixed table-wise {name}: {key} is {t[key]}, expected {value}")
+        members[t["table_wise_member"]] = want
+    if sorted(members) != [0, 1] or tables["a"]["table_wise_member"] != 0:
+        fail(f"mixed table-wise: members {[(n, t['table_wise_member']) for n, t in tables.items()]}"
+             ", expected a on 0 and b on 1")
+    busiest = max(members.values(), key=lambda m: sum(m.values()))
+    totals = section["totals"]
+    got = [totals["weight_bytes_per_rank"], totals["gradient_bytes_per_rank"],
+           totals["optimizer_bytes_per_rank"], totals["bytes_per_rank"]]
+    want = [busiest["weight_bytes_per_rank"], busiest["gradient_bytes_per_rank"],
+            busiest["optimizer_bytes_per_rank"], sum(busiest.values())]
+    if got != want or want[3] != 6800:
+        fail(f"mixed table-wise: the most loaded rank's weights, gradients, state and total are "
+             f"{got}, expected {want} (6800)")
+    if "= 6.64 KiB on the most loaded rank" not in text_plan:  # 6800 / 1024
+        line = next((l for l in text_plan.splitlines() if l.startswith("  total: weights")), "")
+        fail(f"mixed table-wise: the text plan's total line is {line!r}, expected 6800 bytes")
+
+
 def main():
     if len(sys.argv) != 3:
         fail("usage: check_dlrm_plan.py MESHTRAIN CONFIG")
@@ -239,6 +299,7 @@ def main():
         if needle not in body:
             fail(f"the text plan's embedding tables section lacks {needle!r}:\n{body}")
     check_table_wise(meshtrain, config)
+    check_table_wise_mixed(meshtrain, config)
     print("PASS")
 
 
