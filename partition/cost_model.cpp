@@ -781,8 +781,14 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       collective(layer, c);
     }
     const int64_t dp = mesh.size_of({kZeroAxis});
-    updated_bytes = 0.0;
+    // Table-wise tensors are not split (zero1_splits): their share of the plan's parameter
+    // bytes (the most loaded member of each group), not every table's holder bytes.
+    updated_bytes = static_cast<double>(plan.totals.parameter_bytes);
     for (const ParameterPlan& p : plan.parameters) {
+      if (p.spec.table_entry() < 0) updated_bytes -= static_cast<double>(p.bytes_per_rank);
+    }
+    for (const ParameterPlan& p : plan.parameters) {
+      if (p.spec.table_entry() >= 0) continue;
       const double bytes = static_cast<double>(p.bytes_per_rank);
       if (!zero1_splits(p.local_shape.size(), p.spec, dp) || p.local_shape[0] <= 0) {
         updated_bytes += bytes;

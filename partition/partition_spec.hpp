@@ -17,8 +17,11 @@ namespace meshtrain {
 // Table-wise placement (embedding tables only, docs/recsys.md): `axis@table` on dimension 0 puts
 // the whole tensor on one member of the axis group (the others hold none of it): `table` set,
 // `member` the group index that holds it, -1 while the planner has not placed it (written
-// `fsdp@table`; placed or pinned: `fsdp@1`). Only shard_box, owns_block and the planner read
-// the placement: the engine otherwise treats the entry as not splitting the dimension.
+// `fsdp@table`; placed or pinned: `fsdp@1`). The placement is read by shard_box and owns_block
+// (the holder's block and writer), the planner (placing, totals), embedding_layout (the holder
+// the layer sends ids to), sharding_picture (no block on the others), plan_report (the JSON
+// text `"fsdp@1"`) and zero1_splits (not chunked over dp); everything else treats the entry as
+// not splitting the dimension (splits() is false).
 struct SpecEntry {
   std::vector<std::string> axes;
   bool table = false;

@@ -784,8 +784,14 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
   if (options.zero_stage == 1) {
     // ZeRO-1: the state of dp rank 0 (the largest chunk) of each tensor replicated over dp.
     const int64_t dp = mesh.has_axis(kZeroAxis) ? mesh.size_of({kZeroAxis}) : 1;
+    // Table-wise tensors are not split (zero1_splits): the most loaded member of each group,
+    // as above, not every table's holder bytes on every rank.
     int64_t state = 0, grad_chunks = 0, send = 0, padded = 0;
+    for (const auto& group : table_load) {
+      state = checked_add(state, *std::max_element(group.second.begin(), group.second.end()));
+    }
     for (const ParameterPlan& p : plan.parameters) {
+      if (p.spec.table_entry() >= 0) continue;
       int64_t bytes = p.bytes_per_rank;
       if (zero1_splits(p.local_shape.size(), p.spec, dp) && p.local_shape[0] > 0) {
         const int64_t rows = p.local_shape[0];

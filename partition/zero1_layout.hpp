@@ -5,8 +5,9 @@
 // A tensor whose spec does not name `dp` is replicated over dp; with dp = n > 1 its
 // optimizer state is split over dp along dim 0 of the rank's own block: R rows go in
 // chunks of r = ceil(R / n), rank i of dp holding rows [i*r, min((i+1)*r, R)) (the last
-// chunks may be shorter or empty when R does not divide by n). Scalars and tensors whose
-// spec names dp keep the whole state of their block.
+// chunks may be shorter or empty when R does not divide by n). Scalars, tensors whose
+// spec names dp and table-wise tensors (`P(fsdp@1)`, docs/recsys.md: a spec cannot say "the
+// holder's block, split again over dp") keep the whole state of their block.
 
 #include <algorithm>
 #include <cstdint>
@@ -21,7 +22,7 @@ inline constexpr const char* kZeroAxis = "dp";
 
 // Whether ZeRO-1 splits the state of a tensor of this rank and spec over dp of size n.
 inline bool zero1_splits(size_t tensor_rank, const PartitionSpec& spec, int64_t dp_size) {
-  if (dp_size <= 1 || tensor_rank == 0) return false;
+  if (dp_size <= 1 || tensor_rank == 0 || spec.table_entry() >= 0) return false;
   const std::vector<std::string> axes = spec.axes();
   return std::find(axes.begin(), axes.end(), kZeroAxis) == axes.end();
 }

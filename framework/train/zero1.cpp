@@ -24,8 +24,11 @@ void copy(const float* src, float* dst, int64_t count) {
       KOKKOS_LAMBDA(const int64_t i) { dst[i] = src[i]; });
 }
 
-// The parameter's spec with dp added, as the minor axis, to dim 0.
+// The parameter's spec with dp added, as the minor axis, to dim 0 (never a table-wise spec:
+// zero1_splits keeps those whole, and dp added to `fsdp@1` would name another holder).
 PartitionSpec chunk_spec(const PartitionSpec& spec, size_t rank) {
+  MESHTRAIN_REQUIRE(spec.table_entry() < 0, "zero1: the table-wise spec ", spec.to_string(),
+                    " has no chunk over dp");
   PartitionSpec out = spec.with_rank(rank);
   out.entries.resize(rank);
   out.entries[0].axes.push_back(kZeroAxis);

@@ -16,7 +16,8 @@
 // global tensor and the parameter's spec with dp added (minor) to dim 0, so an Optimizer
 // built on param_chunks() allocates exactly the split state, and checkpoints store it as the
 // same global arrays as plain DP (either loads the other's checkpoints). Tensors that are not
-// split (scalars, specs naming dp) pass through: their chunk is the whole block.
+// split (scalars, specs naming dp, table-wise tables) pass through: their chunk is the whole
+// block.
 // Everything is allocated at construction; reduce() and gather() allocate nothing.
 
 #include <vector>

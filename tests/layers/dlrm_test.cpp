@@ -11,8 +11,9 @@
 // dp1 x tp1, np 2 tp2, np 4 dp2 x tp2 and tp4) also run a mixed model: "a" column-wise
 // P(None, tp) (its 4 columns sliced over tp, the pooled slices all-gathered), "b" row-wise over
 // the batch axes (replicated where there are none), "c" replicated. Every mesh also runs the
-// tables table-wise over its batch axes, placed by the planner (P(axes@table): b on member 0,
-// a on 1, c on 1 of 2 or on 2 of 4; replicated where there are no batch axes).
+// tables table-wise over its batch axes, placed by the planner (P(axes@table), checked: with dot
+// b (384 B) on member 0, a (256 B) on 1; with cat a (256 B) on 0, b (192 B) on 1; c on 1 of 2 or
+// on 2 of 4; replicated where there are no batch axes).
 //
 // Data: 16 rows of 8 dense features in [-1, 1); three tables: "a" [16, 4] sum, one id per row;
 // "b" [24, 4] mean, bags of 0 to 3 ids (rows 2, 7, 12 empty, row 3 with a repeated id); "c"
@@ -161,6 +162,17 @@ Result run(MeshCommunicators& comms, const DlrmShape& shape, const Data& d, Tabl
                        {{"embeddings/", PartitionSpec::parse("P(" + axes + "@table)"), false},
                         {".*", PartitionSpec(), false}},
                        options);
+    // Largest first onto the least loaded member (the config's order among equals: cat's b
+    // and c are both 192 B).
+    const int group = parts;
+    const bool dot = shape.interaction == DlrmInteraction::dot;
+    const std::vector<std::pair<std::string, int>> members = {
+        {"a", dot ? 1 : 0}, {"b", dot ? 0 : 1}, {"c", group == 2 ? 1 : 2}};
+    for (const auto& [table, member] : members) {
+      EXPECT_EQ(placed.find(embedding_weight_name(table)).spec.to_string(),
+                "P(" + axes + "@" + std::to_string(member) + ")")
+          << table;
+    }
   }
   auto spec_of = [&](const std::string& name) -> PartitionSpec {
     const auto it = std::find_if(shapes.begin(), shapes.end(),

@@ -393,6 +393,41 @@ TEST(CostModel, ZeroOneReduceScattersAndUpdatesHalfTheState) {
       kTolerance);
 }
 
+// ZeRO-1 with table-wise tables (docs/recsys.md): the tables are not chunked (no all-gather of
+// theirs) and the update passes over the most loaded member's tables, not every table's holder
+// bytes: on fsdp 2 x dp 2, tables of 40 and 24 rows x 4 floats on members 0 and 1 (640 B the
+// larger) beside the MLP [4, 8, 2] chunked as in the test above (116 B): 7 passes of 756 B.
+TEST(CostModel, ZeroOneUpdatesTableWiseTablesWhole) {
+  const Mesh mesh = Mesh::create({{"fsdp", 2}, {"dp", 2}}, 4, "test");
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.global_batch = 4;
+  options.zero_stage = 1;
+  std::vector<ParameterShape> shapes = mlp_parameter_shapes({4, 8, 2});
+  shapes.push_back({"embeddings/a/weight", {40, 4}});
+  shapes.push_back({"embeddings/b/weight", {24, 4}});
+  const ShardingPlan plan =
+      make_plan(shapes, mesh,
+                {{"embeddings/", PartitionSpec::parse("P(fsdp@table)"), false},
+                 {".*", PartitionSpec(), false}},
+                options, mlp_linear_layers({4, 8, 2}));
+  const StepCost cost =
+      predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::automatic);
+  int all_gathers = 0, steps = 0;
+  for (const CostItem& item : cost.items) {
+    if (item.what.rfind("all-gather", 0) == 0 && item.phase == "update") {
+      ++all_gathers;
+      EXPECT_EQ(item.what.find("embeddings/"), std::string::npos) << item.what;
+    }
+    if (item.what.rfind("optimizer step", 0) == 0) {
+      ++steps;
+      EXPECT_NEAR(item.seconds, 7 * (640 + 116) / 1e9, kTolerance) << item.what;
+    }
+  }
+  EXPECT_EQ(all_gathers, 4);  // the MLP's four tensors
+  EXPECT_EQ(steps, 1);
+}
+
 // Reading a step's rows (docs/data.md): by hand on a disk of 1e8 B/s and 1 ms per random
 // read, rows of 1000 bytes; a prefetching reader hides it up to the rest of the step.
 TEST(CostModel, DataReadByHandAndWhatPrefetchHides) {

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
 #include <sstream>
 
 #include "framework/train/config.hpp"
@@ -172,6 +173,44 @@ TEST(PlanPrint, JsonDocument) {
       {"partition.preset=dp", R"(partition.rules=[["weight", [["fsdp", "tp"], ""]]])"});
   const auto doc2 = nlohmann::json::parse(plan_text(batch, 4, true));
   EXPECT_EQ(doc2["parameters"][0]["spec"], nlohmann::json::parse(R"([["fsdp", "tp"], null])"));
+}
+
+// A table-wise entry is its text as a string in the JSON, over one axis or several
+// (docs/recsys.md, "Table-wise placement"), while the other tuple entries are arrays: on fsdp
+// 2 x dp 2, big (256 B) on member 0 of (fsdp, dp), small (96 B) on member 1 of fsdp.
+TEST(PlanPrint, TableWiseSpecIsItsTextInJson) {
+  const char* dlrm = R"toml(
+[mesh]
+fsdp = 2
+dp = 2
+[partition]
+min_sharding_size = 0
+rules = [["embeddings/big/weight", "P((fsdp, dp)@table)"], ["embeddings/small/weight", "P(fsdp@1)"],
+         ["bottom/0/weight", [["fsdp", "dp"], ""]], [".*", "P()"]]
+[model]
+kind = "dlrm"
+bottom = [4, 4]
+top = [7, 1]                  # 4 + 2 * 3 / 2
+[[model.tables]]
+name = "big"
+rows = 16
+[[model.tables]]
+name = "small"
+rows = 6
+[data]
+source = "hdf5"
+path = "data/train.h5"
+x_key = "/dense"
+y_key = "/label"
+batch_size = 8
+)toml";
+  const RunConfig config = parse_config(dlrm, "dlrm.toml");
+  const auto doc = nlohmann::json::parse(plan_text(config, 4, true));
+  std::map<std::string, nlohmann::json> specs;
+  for (const auto& p : doc["parameters"]) specs[p["name"].get<std::string>()] = p["spec"];
+  EXPECT_EQ(specs["embeddings/big/weight"], nlohmann::json::parse(R"(["(fsdp, dp)@0"])"));
+  EXPECT_EQ(specs["embeddings/small/weight"], nlohmann::json::parse(R"(["fsdp@1"])"));
+  EXPECT_EQ(specs["bottom/0/weight"], nlohmann::json::parse(R"([["fsdp", "dp"], null])"));
 }
 
 // plan_options takes the layers' axes from [partition] logical_axes and the batch from

@@ -5,6 +5,7 @@
 #include <map>
 
 #include "partition/rules.hpp"
+#include "partition/zero1_layout.hpp"
 #include "tests/support/expect_error.hpp"
 
 namespace meshtrain {
@@ -793,7 +794,9 @@ TEST(Planner, TableWiseTablesAreBalancedByBytes) {
   // Per rank: the most loaded member (1: 140 rows) plus the replicated top weight.
   EXPECT_EQ(plan.totals.parameter_bytes, 140 * 16 + 4 * 4);
   EXPECT_EQ(plan.totals.global_parameter_bytes, (250 * 4 + 4) * 4);
-  // The same plan again (deterministic: every rank computes it alone).
+  // Planning the same inputs a second time in this process places every table the same (no
+  // state carried between calls; that other processes agree rests on the placement reading
+  // only its inputs, which this does not show).
   const ShardingPlan again =
       make_plan(params, mesh_of({{"fsdp", 2}, {"dp", 2}}),
                 {rule("embeddings/pin/", "P(fsdp@1)"), rule("embeddings/", "P(fsdp@table, None)"),
@@ -802,6 +805,33 @@ TEST(Planner, TableWiseTablesAreBalancedByBytes) {
   for (size_t i = 0; i < params.size(); ++i) {
     EXPECT_EQ(again.parameters[i].spec, plan.parameters[i].spec);
   }
+}
+
+// ZeRO-1 does not chunk a table-wise tensor over dp (partition/zero1_layout.hpp: dp added to
+// `fsdp@1` would name another holder): its holders keep the whole state, and the totals count
+// the most loaded member of each group as without ZeRO-1, not every table's holder bytes on
+// every rank. The same tables and mesh as above (member 1 holds 140 rows x 4 x 4 bytes).
+TEST(Planner, ZeroOneKeepsTableWiseTablesWhole) {
+  EXPECT_FALSE(zero1_splits(2, PartitionSpec::parse("P(fsdp@1)"), 2));
+  EXPECT_FALSE(zero1_splits(2, PartitionSpec::parse("P(fsdp@table, None)"), 2));
+  EXPECT_TRUE(zero1_splits(2, PartitionSpec::parse("P(fsdp, None)"), 2));
+  const std::vector<ParameterShape> params = {
+      {"embeddings/a/weight", {10, 4}},   {"embeddings/b/weight", {100, 4}},
+      {"embeddings/c/weight", {60, 4}},   {"embeddings/d/weight", {50, 4}},
+      {"embeddings/pin/weight", {30, 4}}, {"top/0/weight", {4, 1}}};
+  PlanOptions options = no_minimum();
+  options.zero_stage = 1;
+  const ShardingPlan plan =
+      make_plan(params, mesh_of({{"fsdp", 2}, {"dp", 2}}),
+                {rule("embeddings/pin/", "P(fsdp@1)"), rule("embeddings/", "P(fsdp@table, None)"),
+                 rule(".*", "P()")},
+                options);
+  // State: member 1's tables whole (140 rows x 16 bytes) plus dp rank 0's 2 of the top
+  // weight's 4 rows (2 x 4 bytes); 2 slots (AdamW).
+  EXPECT_EQ(plan.totals.optimizer_bytes, 2 * (140 * 16 + 2 * 4));
+  // ZeRO-1's buffers: the top weight's gradient chunk and its send chunk only (4 rows divide by
+  // dp = 2: no padding).
+  EXPECT_EQ(plan.totals.zero1_buffer_bytes, 2 * 4 + 2 * 4);
 }
 
 TEST(Planner, TableWiseBadFormsNameTheRuleAndSpec) {

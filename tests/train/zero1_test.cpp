@@ -4,7 +4,7 @@
 // (uneven and empty chunks), with clipping, weight decay and gradient accumulation; each
 // rank holds only its chunk of the state; a ZeRO-1 checkpoint resumes onto ZeRO-1 and onto
 // plain DP with the same state, and a plain-DP checkpoint onto ZeRO-1; the plan counts half
-// the optimizer bytes at dp = 2.
+// the optimizer bytes at dp = 2; a table-wise tensor is not chunked.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -14,8 +14,10 @@
 #include <string>
 #include <vector>
 
+#include "framework/comm/mesh_communicators.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/train/config.hpp"
+#include "framework/train/zero1.hpp"
 #include "partition/zero1_layout.hpp"
 #include "run/training_run.hpp"
 #include "tests/support/training_runs.hpp"
@@ -261,6 +263,57 @@ TEST(Zero1, PlanCountsTheSplitState) {
   // dp = 1: nothing to split.
   const Mesh one = Mesh::create({{"dp", 1}}, 1);
   EXPECT_EQ(optimizer_bytes(1, one), optimizer_bytes(0, one));
+}
+
+// A table-wise tensor (docs/recsys.md; P(fsdp@0) on fsdp 1 x dp n: every rank is a holder, the
+// table replicated over dp) is not chunked over dp: its chunk keeps the tensor's spec and whole
+// block (dp added to `fsdp@0` would name another holder), reduce() sums its whole gradient over
+// dp and gather() leaves it alone; a replicated tensor beside it is chunked as always. Values
+// are small integers: the sums are exact.
+TEST(Zero1, TableWiseTensorsAreNotChunked) {
+  const int n = world_size(), rank = world_rank();
+  const Mesh mesh = Mesh::create({{"fsdp", 1}, {"dp", n}}, n);
+  MeshCommunicators comms(mesh);
+  Communicator& dp = comms.get({kZeroAxis});
+  const std::vector<int64_t> shape = {6, 4};
+  const PartitionSpec table = PartitionSpec::parse("P(fsdp@0, None)");
+  std::vector<ShardedTensor> params = {
+      ShardedTensor::allocate("embeddings/t/weight", shape, table, mesh, rank),
+      ShardedTensor::allocate("top/0/weight", shape, PartitionSpec(), mesh, rank)};
+  std::vector<ShardedTensor> grads = params;
+  for (ShardedTensor& g : grads) g.local = Vector(g.name + "/grad", g.local.extent(0));
+  for (size_t i = 0; i < 2; ++i) {
+    Kokkos::deep_copy(params[i].local, static_cast<float>(rank + 1));
+    Kokkos::deep_copy(grads[i].local, static_cast<float>(rank + 1));
+  }
+  Zero1 zero(params, grads, {&dp, &dp}, dp);
+
+  const ShardedTensor& tc = zero.param_chunks()[0];
+  EXPECT_EQ(tc.spec, table) << tc.spec.to_string();
+  EXPECT_EQ(tc.box.offset, params[0].box.offset);
+  EXPECT_EQ(tc.box.extent, shape);
+  EXPECT_EQ(tc.local.extent(0), 24u);
+  const auto [first, count] = zero1_rows(6, n, rank);
+  const ShardedTensor& dc = zero.param_chunks()[1];
+  EXPECT_EQ(dc.spec.to_string(), n > 1 ? "P(dp, None)" : "P()");
+  EXPECT_EQ(dc.box.offset[0], n > 1 ? first : 0);
+  EXPECT_EQ(dc.box.extent[0], n > 1 ? count : 6);
+
+  zero.reduce(grads);
+  const float sum = static_cast<float>(n * (n + 1) / 2);
+  for (size_t i = 0; i < 2; ++i) {
+    const std::vector<float> g = host(zero.grad_chunks()[i].local);
+    EXPECT_EQ(g.size(), i == 0 || n == 1 ? 24u : static_cast<size_t>(count * 4));
+    for (size_t j = 0; j < g.size(); ++j) ASSERT_EQ(g[j], sum) << params[i].name << "[" << j << "]";
+  }
+  zero.gather(params);
+  const std::vector<float> t = host(params[0].local), d = host(params[1].local);
+  for (size_t j = 0; j < t.size(); ++j) ASSERT_EQ(t[j], rank + 1) << "table [" << j << "]";
+  // The replicated tensor: row r from dp rank r / ceil(6 / n), its chunk's owner.
+  for (size_t j = 0; j < d.size(); ++j) {
+    const int64_t owner = static_cast<int64_t>(j / 4) / zero1_chunk_rows(6, n);
+    ASSERT_EQ(d[j], n > 1 ? owner + 1 : 1) << "top/0/weight [" << j << "]";
+  }
 }
 
 }  // namespace
