@@ -51,10 +51,12 @@ void add_into(MatrixView src, MatrixView dst) {
 }
 
 // Under 16-bit storage where gemm() reads 16 bits, the weight reaches the GEMMs as 16 bits: a
-// weight with a 16-bit copy through ShardedParameter::compute_matrix_16bit, and a weight stored
-// whole with no copy (DP, one rank) as its master rounded to 16 bits in the bytes of the shared
-// fp32 weight scratch (the values compute_matrix() rounds into it as floats, in one pass writing
-// half the bytes; no bf16 copy inside the GEMM): nothing allocated, nothing more to count.
+// weight with a 16-bit copy through ShardedParameter::compute_matrix_16bit (a plain MLP's weights
+// gathered over one group, or stored whole: the copy itself, no pass), and a weight stored whole
+// with no copy (a residual_mlp's, DP or one rank) as its master rounded to 16 bits in the bytes of
+// the shared fp32 weight scratch (the values compute_matrix() rounds into it as floats, in one
+// pass writing half the bytes; no bf16 copy inside the GEMM): nothing allocated, nothing more to
+// count.
 bool packs_weight_16bit(const ShardedParameter& weight) {
   return !weight.gathered() && !weight.has_16bit_copy();
 }

@@ -5,6 +5,7 @@
 
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
+#include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/observe/trace.hpp"
@@ -38,13 +39,16 @@ std::unique_ptr<Mlp> make_model(const ModelSection& model, const SpecLookup& spe
 namespace {
 
 // Whether the Linear of `weight` and `bias`, fed `layout`, keeps a 16-bit compute copy of its
-// weight under 16-bit storage (partition/sixteen_bit_storage.hpp: gathered over one group).
+// weight under 16-bit storage (partition/sixteen_bit_storage.hpp: gathered over one group, or
+// stored whole where gemm() reads 16 bits).
 bool weight_copy_wanted(const ShardedTensor& weight, const ShardedTensor& bias,
                         FeatureLayout layout, const ParallelContext& context) {
-  return keeps_16bit_weight_copy(decide_linear_layout(
-      linear_layer_name(weight.name), {weight.name, weight.global_shape, weight.spec},
-      {bias.name, bias.global_shape, bias.spec}, context.mesh(),
-      {context.batch_axes(), context.feature_axis()}, layout));
+  return keeps_16bit_weight_copy(
+      decide_linear_layout(linear_layer_name(weight.name),
+                           {weight.name, weight.global_shape, weight.spec},
+                           {bias.name, bias.global_shape, bias.spec}, context.mesh(),
+                           {context.batch_axes(), context.feature_axis()}, layout),
+      gemm_reads_16bit(context.precision().param));
 }
 
 }  // namespace
@@ -103,14 +107,15 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
                         layout, rows_, context);
       layer = &moe_.back();
     } else if (keeps_16bit_) {
-      // A 16-bit compute copy of the weight, which the optimizer writes as it updates the master
-      // and the Linear gathers as 16 bits, only where the weight is gathered over one group
-      // (FSDP): a weight stored whole (DP, one rank) is rounded from the master into the fp32
-      // weight buffer the GEMM reads, as a copy would be widened into it, so a copy would be 2
-      // bytes a parameter more and save no pass until a GEMM reads 16 bits; a weight gathered over
-      // two groups is gathered from the master. A model sharing another's parameters shares its
-      // copies (the same ShardedTensors) and makes none, which the optimizer would not keep
-      // current. framework/train/memory_plan.cpp counts them under the same condition.
+      // A 16-bit compute copy of the weight, which the optimizer writes as it updates the master:
+      // where the weight is gathered over one group (FSDP) the Linear gathers it as 16 bits;
+      // where it is stored whole (DP, one rank) only if gemm() reads 16 bits, the GEMMs then
+      // reading it as it is (no cast of the master at each use); elsewhere a weight stored whole
+      // is rounded from the master into the fp32 weight buffer the GEMM reads, as a copy would be
+      // widened into it, so a copy would be 2 bytes a parameter more and save no pass; a weight
+      // gathered over two groups is gathered from the master. A model sharing another's parameters
+      // shares its copies (the same ShardedTensors) and makes none, which the optimizer would not
+      // keep current. framework/train/memory_plan.cpp counts them under the same condition.
       if (!shares_parameters_of &&
           weight_copy_wanted(params_[param], params_[param + 1], layout, context)) {
         ShardedTensor& weight = params_[param];

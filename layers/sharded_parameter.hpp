@@ -38,7 +38,8 @@
 // Mixed precision: gathered (or rounded) in the compute dtype; the gradient moves and sums in
 // the reduce dtype and is stored in fp32. In fp32 none of this does anything.
 // A by_dims parameter whose tensor has a 16-bit compute copy (ShardedTensor::copy_16bit: a plain
-// MLP's weights gathered over one group in 16-bit storage, docs/mixed_precision.md) computes from
+// MLP's weights gathered over one group in 16-bit storage, or stored whole where gemm() reads 16
+// bits, docs/mixed_precision.md) computes from
 // it: the optimizer wrote
 // it, so no cast pass runs; stored whole it is widened into scratch.weight, gathered (over one
 // group) its 16-bit elements travel as they are, blocking into the bytes of scratch.grad (free
@@ -99,10 +100,10 @@ class ShardedParameter {
   ConstVectorView compute(LayerScratch& scratch);
   MatrixView compute_matrix(LayerScratch& scratch);
   // With a 16-bit compute copy (has_16bit_copy(): 16-bit storage, a weight gathered over one
-  // group), for a GEMM that reads 16 bits (gemm_reads_16bit): the compute block [d1, d2] as
-  // 16-bit elements, not widened: the copy itself when not gathered, else the gathered blocks
-  // put in place in the bytes of scratch.weight (one pass writing 2 bytes an element). Valid
-  // as compute_matrix()'s.
+  // group or stored whole where gemm() reads 16 bits), for a GEMM that reads 16 bits
+  // (gemm_reads_16bit): the compute block [d1, d2] as 16-bit elements, not widened: the copy itself
+  // when not gathered, else the gathered blocks put in place in the bytes of scratch.weight (one
+  // pass writing 2 bytes an element). Valid as compute_matrix()'s.
   ConstHalfMatrixView compute_matrix_16bit(LayerScratch& scratch);
   bool has_16bit_copy() const { return copy_ != nullptr; }
   // by_dims with exactly one gathering group.

@@ -9,11 +9,14 @@ namespace meshtrain {
 
 // A weight gathered over exactly one group of axes (FSDP): its 16-bit copy, written by the
 // optimizer, is what the gather moves (blocking or prefetched). A weight stored whole (DP, one
-// rank) is rounded from its master into the fp32 buffer the GEMM reads, as its copy would be
-// widened into it, so a copy would cost 2 bytes a parameter and save no pass (until a GEMM reads
-// 16 bits); a weight gathered over two groups is gathered from its master.
-inline bool keeps_16bit_weight_copy(const LinearLayout& layout) {
-  return layout.weight_gather_dim0.empty() != layout.weight_gather_dim1.empty();
+// rank) has one only where the GEMMs read 16-bit operands (`gemm_reads_16bit`: gemm_reads_16bit()
+// of the compute dtype, framework/core/gemm.hpp): they then read the copy as it is, instead of the
+// master rounded to 16 bits at every use; elsewhere its master is rounded into the fp32 buffer
+// the GEMM reads, as a copy would be widened into it, so a copy would cost 2 bytes a parameter
+// and save no pass. A weight gathered over two groups is gathered from its master.
+inline bool keeps_16bit_weight_copy(const LinearLayout& layout, bool gemm_reads_16bit) {
+  const bool dim0 = !layout.weight_gather_dim0.empty(), dim1 = !layout.weight_gather_dim1.empty();
+  return dim0 != dim1 || (!dim0 && !dim1 && gemm_reads_16bit);
 }
 
 // What a model is, as far as 16-bit activation storage cares.

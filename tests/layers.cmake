@@ -29,6 +29,14 @@ meshtrain_add_test(NAME layers_physics_loss_test SOURCES layers/physics_loss_tes
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 300)
 meshtrain_add_test(NAME layers_mixed_precision_test SOURCES layers/mixed_precision_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 420 BACKENDS mpi nccl EMULATED)
+# The weights' 16-bit copies where gemm() reads 16 bits (oneDNN's bf16 matmul on a CPU with
+# AVX512_BF16: DP and one-rank weights have copies too, read by the GEMMs as they are): the copies
+# test alone (GTEST_FILTER), about 20 s over its registrations. Elsewhere it repeats the default.
+if(MESHTRAIN_GEMM_ONEDNN)
+  meshtrain_add_test_variant(NAME layers_mixed_precision_test VARIANT onednn ENVIRONMENT
+                             MESHTRAIN_CPU_GEMM=onednn
+                             GTEST_FILTER=MixedPrecision.SixteenBitCopies*)
+endif()
 meshtrain_add_test(NAME layers_units_test SOURCES layers/units_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120)
 meshtrain_add_test(NAME layers_moe_test SOURCES layers/moe_test.cpp

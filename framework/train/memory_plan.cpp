@@ -11,6 +11,7 @@
 #include "framework/comm/backend.hpp"
 #include "framework/comm/reduction_choice.hpp"
 #include "framework/core/choices.hpp"
+#include "framework/core/gemm.hpp"
 #include "framework/core/views.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
@@ -139,6 +140,7 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   constexpr int64_t kFloat = sizeof(float);
   const MixedPrecision precision = config.mixed_precision.policy();
   const bool fp32 = precision.param == Dtype::fp32;
+  const bool reads_16bit = gemm_reads_16bit(precision.param);  // (layers/linear.hpp's GEMMs)
   const bool residual = config.model.kind == ModelKind::residual_mlp;
   const bool gated = residual && config.model.residual().gated;
   // The shared scratch's needs in floats (LayerScratchNeeds, merged by maximum over the layers)
@@ -252,12 +254,15 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     // 16-bit storage: a weight gathered over one group has a 16-bit compute copy of its stored
     // block (partition/sixteen_bit_storage.hpp, as layers/mlp.cpp), gathered as 16 bits: blocking
     // into the bytes of the gradient scratch, prefetched (overlap) into the 16-bit landing
-    // (layers/sharded_parameter.cpp). A weight stored whole, or gathered over two groups, has none.
+    // (layers/sharded_parameter.cpp). A weight stored whole has one where gemm() reads 16 bits
+    // (read as it is: no landing); this process's gemm_reads_16bit() answers for the run's, so
+    // the plan is the run's when made on the run's machine with its MESHTRAIN_CPU_GEMM
+    // (docs/mixed_precision.md). A weight gathered over two groups has none.
     const bool one_gather = gathered && !two_gathers;
-    const bool copy = keeps_16bit && keeps_16bit_weight_copy(l);
+    const bool copy = keeps_16bit && keeps_16bit_weight_copy(l, reads_16bit);
     if (copy) {
       copy_halves += s1 * s2;
-      if (config.runtime.overlap) weight_16bit = std::max(weight_16bit, d1 * d2);
+      if (config.runtime.overlap && one_gather) weight_16bit = std::max(weight_16bit, d1 * d2);
     }
     // Prefetched (overlap) when gathered over one group: into the fp32 prefetch buffer without a
     // 16-bit copy.

@@ -65,9 +65,9 @@ struct TrainingWorkspace {
   // "gathered weights": the layers' shared scratch (layers/layer.hpp LayerScratch): FSDP's
   // gathered weight block, its gradient, the prefetched weight under overlap, the stage of a
   // 2-D gather, the gathered bias / full-width bias gradient (meshtrain::scratch_*); with a
-  // plain MLP's 16-bit storage, the 16-bit compute copies of the weights gathered over one group
-  // (2 bytes an element of the stored block) and their 16-bit landing, instead of the fp32
-  // prefetch buffer.
+  // plain MLP's 16-bit storage, the 16-bit compute copies of the weights gathered over one group,
+  // and of those stored whole where gemm() reads 16 bits (2 bytes an element of the stored block),
+  // and the gathered ones' 16-bit landing, instead of the fp32 prefetch buffer.
   int64_t gathered_weight_bytes = 0;
   // Of which the weights' 16-bit compute copies (the training model's: a separate evaluation
   // model shares them).

@@ -62,6 +62,7 @@
 #include <vector>
 
 #include "framework/comm/mesh_communicators.hpp"
+#include "framework/core/gemm.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/observe/memory_tracker.hpp"
 #include "framework/train/init.hpp"
@@ -332,7 +333,7 @@ struct RunResult {
   std::vector<Tensor> params;  // full shape, after the run's updates
   // The weights with a 16-bit compute copy, and those whose layer gathers them over exactly one
   // group.
-  int weights_with_copies = 0, weights_gathered_over_one_group = 0;
+  int weights_with_copies = 0, weights_gathered_over_one_group = 0, weights_stored_whole = 0;
   // (With an optimizer) the last update left each copy current: the last forward computed from
   // the optimizer's copies, with no cast pass.
   bool copies_current = true;
@@ -446,6 +447,7 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
     const bool dim0 = !l.layout().weight_gather_dim0.empty();
     const bool dim1 = !l.layout().weight_gather_dim1.empty();
     run.weights_gathered_over_one_group += dim0 != dim1;
+    run.weights_stored_whole += !dim0 && !dim1;
   }
   MatrixView logits = model.forward(x);
   auto logits_host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), logits);
@@ -800,9 +802,11 @@ TEST(MixedPrecision, ResidualSixteenBitStorageIsBitIdenticalToTheSimulatedPath) 
 
 // The weights' 16-bit compute copies (docs/mixed_precision.md, "Compute and memory on this
 // build"): the optimizer writes round_P(new master) into them in its update pass, and the layers
-// compute from them (gathered as 16 bits, blocking or prefetched, then widened). Only the weights
-// gathered over one group (FSDP) have them; DP, one rank and a 2-D storage split round the master
-// at use. Three steps of AdamW and of SGD with momentum give bit for bit the loss, logits,
+// compute from them (gathered as 16 bits, blocking or prefetched, then widened; read as they are
+// where gemm() reads 16 bits). The weights gathered over one group (FSDP) have them, and those
+// stored whole (DP, one rank) where gemm() reads 16 bits (run it with MESHTRAIN_CPU_GEMM=onednn on
+// a CPU with AVX512_BF16 for those); elsewhere DP, one rank and a 2-D storage split round the
+// master at use. Three steps of AdamW and of SGD with momentum give bit for bit the loss, logits,
 // gradients and parameters of the simulated path (weights cast from the fp32 masters at use), on
 // every layout with overlap off and on, and the last forward computed from the optimizer's copies
 // (current after the update: no cast pass). fp32 makes no copies.
@@ -817,6 +821,7 @@ TEST(MixedPrecision, SixteenBitCopiesWrittenByTheOptimizerAreBitIdenticalToTheSi
   sgd.kind = OptimizerKind::sgd;
   sgd.momentum = 0.9f;
   const ModelCase m = models().front();
+  int whole_copies = 0;  // copies of weights stored whole seen (where gemm() reads 16 bits)
   for (const auto& policy : sixteen) {
     for (const OptimizerSettings* optimizer : {&adamw, &sgd}) {
       for (const auto& layout : layouts_for(world_size())) {
@@ -827,10 +832,13 @@ TEST(MixedPrecision, SixteenBitCopiesWrittenByTheOptimizerAreBitIdenticalToTheSi
               run_model(m, layout, &policy.mp, 1.0f, overlap, 3, true, optimizer);
           const RunResult simulated =
               run_model(m, layout, &policy.mp, 1.0f, overlap, 3, false, optimizer);
-          // Copies only of the weights gathered over one group (DP, one rank, a 2-D storage
-          // split: none), each current after the update.
+          // Copies of the weights gathered over one group, and of those stored whole (DP, one
+          // rank) only where gemm() reads 16 bits (a 2-D storage split: none), each current
+          // after the update.
+          const int whole = gemm_reads_16bit(policy.mp.param) ? stored.weights_stored_whole : 0;
           EXPECT_EQ(stored.weights_with_copies,
-                    stored.keeps_16bit ? stored.weights_gathered_over_one_group : 0);
+                    stored.keeps_16bit ? stored.weights_gathered_over_one_group + whole : 0);
+          if (stored.keeps_16bit) whole_copies += whole;
           EXPECT_TRUE(stored.copies_current);
           EXPECT_EQ(simulated.weights_with_copies, 0);
           EXPECT_EQ(stored.loss, simulated.loss);
@@ -849,6 +857,11 @@ TEST(MixedPrecision, SixteenBitCopiesWrittenByTheOptimizerAreBitIdenticalToTheSi
       }
     }
   }
+  std::printf(
+      "[mixed_precision np%d] gemm() reads bf16: %s, fp16: %s; copies of weights stored "
+      "whole checked: %d\n",
+      world_size(), gemm_reads_16bit(Dtype::bf16) ? "yes" : "no",
+      gemm_reads_16bit(Dtype::fp16) ? "yes" : "no", whole_copies);
   // fp32: no copies.
   const MixedPrecision fp32{Dtype::fp32, Dtype::fp32};
   const RunResult plain =
