@@ -29,6 +29,13 @@ meshtrain_add_test(NAME layers_physics_loss_test SOURCES layers/physics_loss_tes
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 300)
 meshtrain_add_test(NAME layers_mixed_precision_test SOURCES layers/mixed_precision_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 420 BACKENDS mpi nccl EMULATED)
+# The layers' 16-bit operand paths (a Linear's kept 16-bit input, DP's packed weight, FSDP's
+# gathered 16-bit blocks read by the GEMM: docs/mixed_precision.md) on any CPU: gemm() takes them
+# where it reads 16 bits (oneDNN bf16 on AVX512_BF16 or AMX, cuBLAS), and elsewhere widens them
+# itself; the 16-bit storage tests stay bit for bit the simulated path either way.
+meshtrain_add_test_variant(NAME layers_mixed_precision_test VARIANT operands16 NP 2 4
+                           BACKENDS mpi ENVIRONMENT MESHTRAIN_GEMM_16BIT_OPERANDS=always
+                           GTEST_FILTER=*SixteenBit*BitIdentical*)
 meshtrain_add_test(NAME layers_units_test SOURCES layers/units_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120)
 meshtrain_add_test(NAME layers_moe_test SOURCES layers/moe_test.cpp
