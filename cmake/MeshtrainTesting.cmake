@@ -26,8 +26,10 @@
 # which is the test's SKIP_RETURN_CODE: ctest counts it as skipped, not passed. A program that
 # skips some cases and runs others passes.
 #
-# meshtrain_add_test_variant(NAME <name> VARIANT <variant> ENVIRONMENT <VAR=value...>)
-# registers test <name> again wherever it is registered, with more environment, as
+# meshtrain_add_test_variant(NAME <name> VARIANT <variant> ENVIRONMENT <VAR=value...>
+#                            [NP <n...>] [BACKENDS <backend...>])
+# registers test <name> again wherever it is registered (or at the process counts NP, on those of
+# its backends in BACKENDS: mpi, nccl, emulated), with more environment, as
 # <base>_<variant>_<backend>_np<n>.
 
 find_program(MESHTRAIN_MPIEXEC NAMES ${MPIEXEC_EXECUTABLE} mpiexec mpirun REQUIRED)
@@ -98,7 +100,10 @@ function(meshtrain_add_test)
 endfunction()
 
 function(meshtrain_add_test_variant)
-  cmake_parse_arguments(T "" "NAME;VARIANT" "ENVIRONMENT" ${ARGN})
+  cmake_parse_arguments(T "" "NAME;VARIANT" "ENVIRONMENT;NP;BACKENDS" ${ARGN})
+  # NP and BACKENDS, when given, narrow the test's own (read by _meshtrain_register_test).
+  set(_variant_counts ${T_NP})
+  set(_variant_backends ${T_BACKENDS})
   _meshtrain_register_test(${T_NAME} ${T_VARIANT} ${T_ENVIRONMENT})
 endfunction()
 
@@ -135,6 +140,18 @@ function(_meshtrain_register_test target variant)
     set(counts 0)  # once, without mpiexec
   endif()
   _meshtrain_test_backends(backends ${target})
+  if(_variant_counts)
+    set(counts ${_variant_counts})
+  endif()
+  if(_variant_backends)
+    set(narrowed)
+    foreach(backend IN LISTS backends)
+      if(backend IN_LIST _variant_backends)
+        list(APPEND narrowed ${backend})
+      endif()
+    endforeach()
+    set(backends ${narrowed})
+  endif()
   foreach(backend IN LISTS backends)
     set(comm mpi)
     set(launch)

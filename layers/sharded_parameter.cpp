@@ -220,6 +220,8 @@ namespace {
 void place_gathered_blocks_16bit(const uint16_t* landed, int64_t n, int64_t d1, int64_t d2,
                                  uint16_t* full) {
   const int64_t c = d2 / n;
+  MESHTRAIN_REQUIRE(n >= 1 && c * n == d2, "place_gathered_blocks_16bit: ", d2, " columns are not ",
+                    n, " equal column blocks");
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::place_gathered_16bit"),
       Kokkos::MDRangePolicy<Kokkos::Rank<3>>(device_space(), {0, 0, 0}, {n, d1, c}),

@@ -31,12 +31,19 @@ meshtrain_add_test(NAME layers_mixed_precision_test SOURCES layers/mixed_precisi
                    LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 420 BACKENDS mpi nccl EMULATED)
 # The weights' 16-bit copies where gemm() reads 16 bits (oneDNN's bf16 matmul on a CPU with
 # AVX512_BF16: DP and one-rank weights have copies too, read by the GEMMs as they are): the copies
-# test alone (GTEST_FILTER), about 20 s over its registrations. Elsewhere it repeats the default.
+# test alone (GTEST_FILTER), at np 1 2 4 over MPI. Elsewhere it repeats the default.
 if(MESHTRAIN_GEMM_ONEDNN)
-  meshtrain_add_test_variant(NAME layers_mixed_precision_test VARIANT onednn ENVIRONMENT
-                             MESHTRAIN_CPU_GEMM=onednn
+  meshtrain_add_test_variant(NAME layers_mixed_precision_test VARIANT onednn NP 1 2 4
+                             BACKENDS mpi ENVIRONMENT MESHTRAIN_CPU_GEMM=onednn
                              GTEST_FILTER=MixedPrecision.SixteenBitCopies*)
 endif()
+# The layers' 16-bit operand paths (a Linear's kept 16-bit input, DP's packed weight, FSDP's
+# gathered 16-bit blocks read by the GEMM: docs/mixed_precision.md) on any CPU: gemm() takes them
+# where it reads 16 bits (oneDNN bf16 on AVX512_BF16 or AMX, cuBLAS), and elsewhere widens them
+# itself; the 16-bit storage tests stay bit for bit the simulated path either way.
+meshtrain_add_test_variant(NAME layers_mixed_precision_test VARIANT operands16 NP 2 4
+                           BACKENDS mpi ENVIRONMENT MESHTRAIN_GEMM_16BIT_OPERANDS=always
+                           GTEST_FILTER=*SixteenBit*BitIdentical*)
 meshtrain_add_test(NAME layers_units_test SOURCES layers/units_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120)
 meshtrain_add_test(NAME layers_moe_test SOURCES layers/moe_test.cpp

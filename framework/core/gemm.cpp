@@ -323,6 +323,16 @@ bool reads_16bit(gemm_backend::HostLibrary library, Dtype inputs) {
 }  // namespace
 
 bool gemm_reads_16bit(Dtype inputs) {
+  // MESHTRAIN_GEMM_16BIT_OPERANDS=always (gemm.hpp): the layers hand 16-bit operands whatever the
+  // kernel; gemm() widens them where it reads fp32 (reads_16bit, not this, decides that).
+  static const bool always = [] {
+    const char* text = std::getenv("MESHTRAIN_GEMM_16BIT_OPERANDS");
+    if (text == nullptr || *text == '\0' || std::string(text) == "auto") return false;
+    if (std::string(text) == "always") return true;
+    MESHTRAIN_BAD_INPUT("the environment's MESHTRAIN_GEMM_16BIT_OPERANDS = '", text,
+                        "' is not one of auto | always");
+  }();
+  if (always && inputs != Dtype::fp32) return true;
   return reads_16bit(host_library(), inputs);
 }
 

@@ -148,7 +148,10 @@ void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs =
           const GemmEpilogue& epilogue = {});
 // Whether gemm() with `inputs` reads 16-bit operands as stored (oneDNN's bf16 matmul on a CPU
 // with AVX512_BF16 or AMX, unless a test forces the fp32 kernel; cuBLAS), rather than widening
-// them into fp32 scratch first.
+// them into fp32 scratch first. The environment's MESHTRAIN_GEMM_16BIT_OPERANDS=always makes it
+// true for 16-bit inputs whatever the kernel, so that the layers take their 16-bit operand paths
+// on any CPU (tests: tests/layers.cmake's operands16 registrations); gemm() then widens those
+// operands itself where its kernel reads fp32, with the same results.
 bool gemm_reads_16bit(Dtype inputs);
 
 // gemm() for inference (Predictor, layers/inference.hpp), in fp32: on host memory through oneDNN
