@@ -71,6 +71,31 @@ ConstHalfMatrixView packed_weight(const ShardedParameter& weight, LayerScratch& 
   return ConstHalfMatrixView(bits, stored.extent(0), stored.extent(1));
 }
 
+// The weight as a layer's GEMMs read it: where the layer reads its kept 16-bit input
+// (reads_kept_input) and the weight has 16 bits to give (its optimizer-written copy, or its master
+// packed into the weight scratch), those 16 bits; else the fp32 compute matrix (gathered, or
+// rounded at use), which the tensor-parallel paths take.
+struct WeightForGemm {
+  ConstHalfMatrixView bits;  // empty unless the GEMMs read 16 bits
+  MatrixView floats;         // empty when they do
+  GemmOperand operand(bool transpose) const {
+    if (bits.data() != nullptr) return transpose ? transposed(bits) : plain(bits);
+    return transpose ? transposed(floats) : plain(floats);
+  }
+};
+WeightForGemm weight_for_gemm(ShardedParameter& weight, bool reads_kept_input,
+                              LayerScratch& scratch, Dtype dtype) {
+  WeightForGemm w;
+  if (reads_kept_input && weight.has_16bit_copy()) {
+    w.bits = weight.compute_matrix_16bit(scratch);
+  } else if (reads_kept_input && packs_weight_16bit(weight)) {
+    w.bits = packed_weight(weight, scratch, dtype);
+  } else {
+    w.floats = weight.compute_matrix(scratch);
+  }
+  return w;
+}
+
 }  // namespace
 
 Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout input_layout,
@@ -218,13 +243,9 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   } else {
     x_used_ = x;
   }
-  const bool packed =
-      reads_kept_input() && (weight_.has_16bit_copy() || packs_weight_16bit(weight_));
-  const ConstHalfMatrixView w16 = !packed ? ConstHalfMatrixView()
-                                  : weight_.has_16bit_copy()
-                                      ? weight_.compute_matrix_16bit(scratch)
-                                      : packed_weight(weight_, scratch, compute_dtype_);
-  MatrixView w = packed ? MatrixView() : weight_.compute_matrix(scratch);
+  const WeightForGemm weight =
+      weight_for_gemm(weight_, reads_kept_input(), scratch, compute_dtype_);
+  const MatrixView w = weight.floats;
   if (next) next->start_weight_prefetch(scratch);
   MatrixView y = output_view_;
   if (layout_.column_gathers_input()) {
@@ -237,7 +258,7 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
     matmul_reduce_scatter(*tp_comm_, 1, plain(x_used_), plain(w), y, matmuls_.forward,
                           scratch.matmul, compute_dtype_);
   } else if (reads_kept_input()) {  // the producer's 16-bit copy, the same values as x
-    gemm(plain(kept_input_), packed ? plain(w16) : plain(w), 0.0f, y, compute_dtype_);
+    gemm(plain(kept_input_), weight.operand(false), 0.0f, y, compute_dtype_);
   } else {
     gemm(plain(x_used_), plain(w), 0.0f, y, compute_dtype_);
     if (layout_.tensor_parallel) tp_comm_->all_reduce(y, ReduceOp::sum, compute_dtype_);
@@ -355,13 +376,9 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
                     "linear layer '", layout_.layer, "': output gradient is [", dy.extent(0), ", ",
                     dy.extent(1), "], expected [", rows_, ", ", layout_.out_local, "]");
   // Gathered again, not kept from forward.
-  const bool packed =
-      reads_kept_input() && (weight_.has_16bit_copy() || packs_weight_16bit(weight_));
-  const ConstHalfMatrixView w16 = !packed ? ConstHalfMatrixView()
-                                  : weight_.has_16bit_copy()
-                                      ? weight_.compute_matrix_16bit(scratch)
-                                      : packed_weight(weight_, scratch, compute_dtype_);
-  MatrixView w = packed ? MatrixView() : weight_.compute_matrix(scratch);
+  const WeightForGemm weight =
+      weight_for_gemm(weight_, reads_kept_input(), scratch, compute_dtype_);
+  const MatrixView w = weight.floats;
   if (next) next->start_weight_prefetch(scratch);
 
   // Weight gradient, compute block: X_cᵀ @ dY (dY all-gathered over features when split).
@@ -419,7 +436,7 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
       all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(dy), transposed(w), dx_c_view_,
                         matmuls_.input_grad, scratch.matmul, compute_dtype_);
     } else {
-      gemm(plain(dy), packed ? transposed(w16) : transposed(w), 0.0f, dx_c_view_, compute_dtype_);
+      gemm(plain(dy), weight.operand(true), 0.0f, dx_c_view_, compute_dtype_);
     }
     round_in_place(dx_c_view_, compute_dtype_);
     if (layout_.slices_input()) {
