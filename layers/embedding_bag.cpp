@@ -184,10 +184,6 @@ void take_dy_columns(ConstMatrixView dy, int64_t first, MatrixView slice) {
 
 }  // namespace
 
-std::string embedding_weight_name(const std::string& table) {
-  return "embeddings/" + table + "/weight";
-}
-
 EmbeddingBag::EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPooling pooling,
                            int64_t batch_rows, int64_t max_ids, ParallelContext& context)
     : table_(std::move(table)), pooling_(pooling), batch_rows_(batch_rows), max_ids_(max_ids) {

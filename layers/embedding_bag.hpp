@@ -77,9 +77,6 @@
 
 namespace meshtrain {
 
-// "embeddings/<table>/weight"
-std::string embedding_weight_name(const std::string& table);
-
 using IdView =
     Kokkos::View<const int64_t*, Kokkos::LayoutRight, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 

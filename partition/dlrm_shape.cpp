@@ -85,8 +85,7 @@ std::vector<ParameterShape> dlrm_parameter_shapes(const DlrmShape& shape) {
   };
   mlp("bottom", shape.bottom);
   for (const DlrmTable& t : shape.tables) {
-    shapes.push_back(
-        {"embeddings/" + t.name + "/weight", {t.rows, t.dim}});  // embedding_weight_name
+    shapes.push_back({embedding_weight_name(t.name), {t.rows, t.dim}});
   }
   mlp("top", shape.top);
   return shapes;

@@ -8,6 +8,21 @@
 
 namespace meshtrain {
 
+namespace {
+const std::string kTablePrefix = "embeddings/", kTableSuffix = "/weight";
+}  // namespace
+
+std::string embedding_weight_name(const std::string& table) {
+  return kTablePrefix + table + kTableSuffix;
+}
+
+bool is_embedding_weight_name(const std::string& name) {
+  return name.size() > kTablePrefix.size() + kTableSuffix.size() &&
+         name.compare(0, kTablePrefix.size(), kTablePrefix) == 0 &&
+         name.compare(name.size() - kTableSuffix.size(), kTableSuffix.size(), kTableSuffix) == 0 &&
+         name.find('/', kTablePrefix.size()) == name.size() - kTableSuffix.size();
+}
+
 EmbeddingPooling parse_embedding_pooling(const std::string& name, const std::string& key) {
   if (name == "sum") return EmbeddingPooling::sum;
   if (name == "mean") return EmbeddingPooling::mean;

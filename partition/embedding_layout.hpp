@@ -39,6 +39,11 @@
 
 namespace meshtrain {
 
+// An embedding table's weight parameter, "embeddings/<table>/weight" (EmbeddingBag, the DLRM's
+// shapes, the planner's table-wise check), and whether a parameter name is one.
+std::string embedding_weight_name(const std::string& table);
+bool is_embedding_weight_name(const std::string& name);
+
 enum class EmbeddingSharding { replicated, row_wise, table_wise };
 // How a bag's rows are pooled (layers/embedding_bag.hpp); here so that shapes (dlrm_shape.hpp)
 // can name it without the layer.

@@ -8,6 +8,7 @@
 
 #include "base/error.hpp"
 #include "base/text.hpp"
+#include "partition/embedding_layout.hpp"
 
 namespace meshtrain {
 
@@ -68,13 +69,7 @@ void check_table_wise(const PartitionSpec& spec, const std::vector<int64_t>& sha
     MESHTRAIN_BAD_INPUT("parameter '", parameter, "' matched ", describe_rule(rules, rule),
                         ", whose table-wise placement ", why);
   };
-  const std::string prefix = "embeddings/", suffix = "/weight";
-  const bool table =
-      parameter.size() > prefix.size() + suffix.size() &&
-      parameter.compare(0, prefix.size(), prefix) == 0 &&
-      parameter.compare(parameter.size() - suffix.size(), suffix.size(), suffix) == 0 &&
-      parameter.find('/', prefix.size()) == parameter.size() - suffix.size();
-  if (!table || shape.size() != 2) {
+  if (!is_embedding_weight_name(parameter) || shape.size() != 2) {
     refuse(
         "applies to embedding tables only (embeddings/<table>/weight [rows, dim]), not to this " +
         format_shape(shape) + " parameter");

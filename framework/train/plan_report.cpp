@@ -675,7 +675,7 @@ std::vector<TablePlan> table_plans(const RunConfig& config, const ShardingPlan& 
   const bool sparse = optimizer != EmbeddingOptimizer::dense;
   const int64_t bags = std::max<int64_t>(plan.local_batch_rows, 0);
   for (const DlrmTable& table : config.model.dlrm().tables) {
-    const ParameterPlan& p = plan.find("embeddings/" + table.name + "/weight");
+    const ParameterPlan& p = plan.find(embedding_weight_name(table.name));
     TablePlan t;
     t.layout = embedding_layout(table.name, {p.name, p.shape, p.spec}, plan.mesh, axes);
     const EmbeddingLayout& l = t.layout;
