@@ -5,15 +5,13 @@
 // around an Mlp's one input matrix (normalization, classes, Jacobians, tp output gathering), a
 // DLRM takes bags of ids beside its dense rows.
 //
-//   meshtrain::Runtime runtime(argc, argv);                             // MPI + Kokkos
-//   meshtrain::DlrmPredictor clicks("runs/dlrm/checkpoints", 256, 256 * 4);  // batch, ids per
-//   table Kokkos::View<float**, Kokkos::HostSpace> dense("dense", 256, clicks.dense_features());
-//   std::vector<int64_t> offsets[T], ids[T];                    // per table: CSR of the rows' bags
-//   std::vector<meshtrain::DlrmBags> bags(T);                    // made once, viewing them
-//   each call:  fill dense, offsets, ids;  bags[t] = {HostIds(offsets[t].data(), rows + 1),
-//               HostIds(ids[t].data(), ids[t].size())};
-//               DlrmPrediction p = clicks.predict(Kokkos::subview(dense, {0, rows}, Kokkos::ALL),
-//               bags);
+//   meshtrain::Runtime runtime(argc, argv);                   // MPI + Kokkos
+//   meshtrain::DlrmPredictor clicks("runs/dlrm/checkpoints", 256, 1024);  // rows, ids per table
+//   Kokkos::View<float**, Kokkos::HostSpace> dense("dense", 256, clicks.dense_features());
+//   std::vector<meshtrain::DlrmBags> bags(clicks.tables().size());         // made once
+//   each call:  fill dense rows [0, rows) and per table t offsets[t] [rows + 1], ids[t];
+//               bags[t] = {HostIds(offsets[t].data(), rows + 1), HostIds(ids[t].data(), n_t)};
+//               p = clicks.predict(Kokkos::subview(dense, std::make_pair(0, rows), ALL), bags);
 //
 // One rank: the model is built on this process alone (MPI_COMM_SELF), every table whole on it,
 // whatever mesh trained it: the checkpoint config's mesh axes are kept (its partition rules may
