@@ -434,7 +434,8 @@ def case_predictor(ctx):
     forward and of `meshtrain predict` on one rank of the same rows; no heap or Kokkos
     allocation in the calls after the first. Refused in one sentence, exit 2: a dense
     (model.kind = "mlp") checkpoint, an id outside its table (naming the table, the row and
-    the id), dense rows of 5 features, more ids than max_ids, more rows than the batch; and
+    the id), dense rows of 5 features, more ids than max_ids, more rows than the batch, the bags
+    of 2 tables of 3, decreasing offsets; and
     meshtrain::Predictor refuses the DLRM checkpoint, naming DlrmPredictor."""
     data = write_dlrm_data(os.path.join(ctx.work, "train.h5"))
     tables = [{"name": n, "rows": rows, "pooling": pooling}
@@ -496,6 +497,19 @@ def case_predictor(ctx):
     refused("more rows than the batch",
             run_tool(ctx, checkpoint, folder, output, "--batch", 8, "--call-rows", 9),
             "DlrmPredictor::predict: the dense view has 9 rows, more than the batch size of 8")
+    refused("the bags of 2 tables of 3",
+            run_tool(ctx, checkpoint, folder, output, "--max-ids", 200, "--tables-given", 2),
+            "DlrmPredictor::predict: 2 tables' bags given but the model has 3 tables")
+    decreasing = write_tool_input(os.path.join(ctx.work, "decreasing"), dense, bags)
+    offsets_file = os.path.join(decreasing, "offsets_1.bin")  # table `bags`
+    offsets = np.fromfile(offsets_file, "<i8")
+    row = int(np.flatnonzero(np.diff(offsets) > 0)[0])  # a non-empty bag: lower its end
+    offsets[row + 1] = offsets[row] - 1
+    offsets.tofile(offsets_file)
+    refused("decreasing offsets",
+            run_tool(ctx, checkpoint, decreasing, output, "--batch", 48, "--max-ids", 200),
+            "DlrmPredictor::predict: table 'bags': offsets[%d] = %d is below offsets[%d] = %d "
+            "(the offsets must not decrease)" % (row + 1, offsets[row + 1], row, offsets[row]))
     refused("meshtrain::Predictor of a DLRM",
             run_tool(ctx, checkpoint, folder, output, "--dense-predictor", 1),
             "describes a model.kind = \"dlrm\" model, which meshtrain::Predictor does not build: "

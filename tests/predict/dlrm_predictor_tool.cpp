@@ -2,7 +2,7 @@
 // dlrm_export_test.py's case predictor:
 //
 //   dlrm_predictor_tool CHECKPOINT INPUT_DIR OUTPUT [--batch N] [--max-ids N] [--call-rows N]
-//                       [--dense-predictor 1]
+//                       [--dense-predictor 1] [--tables-given N]
 //
 // INPUT_DIR holds `shape.txt` ("rows width tables"), `dense.bin` (float32 [rows, width]) and per
 // table t (the model's order) `offsets_<t>.bin` (int64 [rows + 1], CSR from 0) and `ids_<t>.bin`
@@ -15,7 +15,8 @@
 // [rows] logits then float32 [rows] probabilities; stdout one JSON line: rows, calls, step,
 // heap and Kokkos allocations counted, the model description. A meshtrain Error: its sentence
 // on stderr after "error: ", exit 2. --dense-predictor 1: only a meshtrain::Predictor of the
-// checkpoint (which refuses a DLRM's), on this rank.
+// checkpoint (which refuses a DLRM's), on this rank. --tables-given N: the first N tables' bags
+// only (a list of the wrong length).
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
@@ -56,7 +57,7 @@ int run(int argc, char** argv) {
     return 1;
   }
   const std::string checkpoint = argv[1], input = argv[2], output = argv[3];
-  int64_t batch = 0, max_ids = 0, call_rows = 0, dense_predictor = 0;
+  int64_t batch = 0, max_ids = 0, call_rows = 0, dense_predictor = 0, tables_given = -1;
   for (int i = 4; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const int64_t value = std::atoll(argv[i + 1]);
@@ -68,6 +69,8 @@ int run(int argc, char** argv) {
       call_rows = value;
     else if (flag == "--dense-predictor")
       dense_predictor = value;
+    else if (flag == "--tables-given")
+      tables_given = value;
   }
   if (dense_predictor) {  // meshtrain::Predictor on the checkpoint: refused for a DLRM
     meshtrain::Predictor predictor(checkpoint, 0, {}, MPI_COMM_SELF);
@@ -112,6 +115,7 @@ int run(int argc, char** argv) {
       bags[t] = meshtrain::DlrmBags{meshtrain::HostIds(rebased[t].data(), n + 1),
                                     meshtrain::HostIds(ids[t].data() + base, ids[t].size() - base)};
     }
+    if (tables_given >= 0) bags.resize(static_cast<size_t>(tables_given));  // a wrong list
     const HostDense x(dense.data() + first * width, n, width);
     meshtrain::DlrmPrediction p;
     if (calls % 2 == 1) {
