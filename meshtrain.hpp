@@ -28,5 +28,6 @@
 #include "partition/partition_spec.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
+#include "run/dlrm_predictor.hpp"
 #include "run/predictor.hpp"
 #include "run/training_run.hpp"

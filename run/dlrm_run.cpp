@@ -48,7 +48,8 @@ std::vector<std::string> table_names(const DlrmShape& shape) {
 void require_command_builds(const ModelSection& model, const std::string& command) {
   if (model.kind == ModelKind::dlrm) {
     MESHTRAIN_BAD_INPUT("`", command, "` does not serve model.kind = \"dlrm\" yet (issue 39: ",
-                        "`meshtrain train`, `evaluate`, `predict` and `export --format onnx` do)");
+                        "`meshtrain train`, `evaluate`, `predict`, `export` and ",
+                        "meshtrain::DlrmPredictor do)");
   }
 }
 

@@ -1,7 +1,6 @@
 // A trained model as a function: see predictor.hpp for the contract.
 
 #include "run/predictor.hpp"
-#include "run/dlrm_run.hpp"  // require_command_builds
 
 #include <algorithm>
 #include <cmath>
@@ -296,7 +295,11 @@ void Predictor::build(const std::string& config_text, const std::string& where,
   LayerAxes axes;
   on_every_rank(comm_, [&] {
     config_ = parse_config(config_text, where, overrides);
-    require_command_builds(config_.model, "Predictor");  // meshtrain predict serves a DLRM itself
+    if (config_.model.kind == ModelKind::dlrm) {
+      MESHTRAIN_BAD_INPUT(where, " describes a model.kind = \"dlrm\" model, which ",
+                          "meshtrain::Predictor does not build: meshtrain::DlrmPredictor ",
+                          "(run/dlrm_predictor.hpp) predicts with it");
+    }
     require_comm_backend_available(config_.runtime.backend);
     const int64_t inputs = config_.model.input_width(), outputs = config_.model.output_width();
     classification_ = config_.model.loss == LossKind::cross_entropy;

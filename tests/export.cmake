@@ -28,11 +28,19 @@ endforeach()
 # of such a checkpoint on 1, 2, 3 (the default batch) and 4 ranks (fsdp 4; fsdp 2 x tp 2 with
 # --flight-dir) against the same forward, and its refusals (a bad id, --jacobian, two inputs,
 # a mesh that does not fit, a --batch-size the shards do not divide).
-foreach(_case dot cat predict)
+# export_dlrm_predictor: meshtrain::DlrmPredictor (run/dlrm_predictor.hpp) on one rank through
+# tests/predict/dlrm_predictor_tool.cpp, of checkpoints trained on 2 ranks (row-wise) and 4
+# (row-wise and table-wise), against the same forward and `meshtrain predict`, no allocation per
+# call, and its refusals (a dense checkpoint, a bad id, a wrong feature count, too many ids or
+# rows).
+add_executable(dlrm_predictor_tool predict/dlrm_predictor_tool.cpp)
+target_link_libraries(dlrm_predictor_tool PRIVATE meshtrain_run meshtrain_test_counting_allocator)
+foreach(_case dot cat predict predictor)
   meshtrain_add_command_test(NAME export_dlrm_${_case} TIMEOUT 180
     COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/export/dlrm_export_test.py ${_case}
             --meshtrain $<TARGET_FILE:meshtrain> --source-dir ${PROJECT_SOURCE_DIR}
             --work ${_export_runs}/dlrm_${_case}
+            --predictor-tool $<TARGET_FILE:dlrm_predictor_tool>
             -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
   set_tests_properties(export_dlrm_${_case} PROPERTIES PROCESSORS 2 SKIP_RETURN_CODE 77)
 endforeach()
@@ -86,10 +94,12 @@ set_tests_properties(export_regression_normalized_without_onnxruntime PROPERTIES
 # python3-torch `import model; m = model.load()` in a fresh interpreter, m(x) against `meshtrain
 # predict` and the float64 forward to 1e-5 relative: mlp (every activation, a classifier, raw
 # inputs with normalization), residual_mlp (LayerNorm + SiLU, RMSNorm + SwiGLU, no norm), MoE
-# layers and blocks (ties included); cli_errors: the output folder's refusals. Exit status 77 =
-# skipped, only when python3 cannot import torch, after every other check passed.
+# layers and blocks (ties included); dlrm: DLRMs (dot trained on 2 ranks, cat on 4, tables
+# row-wise) as nn.EmbeddingBag modules, m(dense, indices, offsets) against `meshtrain predict` and
+# dlrm_export_test.py's float64 forward; cli_errors: the output folder's refusals. Exit status
+# 77 = skipped, only when python3 cannot import torch, after every other check passed.
 foreach(_case mlp_classification mlp_regression_normalized mlp_activations
-              residual_layernorm_silu residual_rmsnorm_swiglu moe residual_moe cli_errors)
+              residual_layernorm_silu residual_rmsnorm_swiglu moe residual_moe dlrm cli_errors)
   meshtrain_add_command_test(NAME export_pytorch_${_case} TIMEOUT 120
     COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/export/pytorch_export_test.py ${_case}
             --meshtrain $<TARGET_FILE:meshtrain> --source-dir ${PROJECT_SOURCE_DIR}

@@ -20,7 +20,9 @@
 #include "framework/io/output_file.hpp"
 #include "framework/train/config.hpp"
 #include "framework/train/model_summary.hpp"
-#include "partition/norm_layout.hpp"  // the norms' eps
+#include "partition/dlrm_shape.hpp"
+#include "partition/embedding_layout.hpp"  // embedding_weight_name
+#include "partition/norm_layout.hpp"       // the norms' eps
 
 namespace meshtrain {
 namespace {
@@ -183,7 +185,20 @@ std::string model_config(const ExportSource& source) {
   const ModelSection& m = source.config.model;
   std::vector<std::pair<std::string, std::string>> entries = {
       {"kind", python_string(to_string(m.kind))}};
-  if (m.kind == ModelKind::residual_mlp) {
+  if (m.kind == ModelKind::dlrm) {
+    const DlrmShape shape = m.dlrm();
+    std::string tables = "[\n";
+    for (const DlrmTable& t : shape.tables) {
+      tables += "        {\"name\": " + python_string(t.name) +
+                ", \"rows\": " + std::to_string(t.rows) + ", \"dim\": " + std::to_string(t.dim) +
+                ", \"pooling\": " + python_string(to_string(t.pooling)) + "},\n";
+    }
+    entries.insert(entries.end(), {{"bottom", python_ints(shape.bottom)},
+                                   {"top", python_ints(shape.top)},
+                                   {"tables", tables + "    ]"},
+                                   {"interaction", python_string(to_string(shape.interaction))},
+                                   {"activation", python_string(to_string(m.activation))}});
+  } else if (m.kind == ModelKind::residual_mlp) {
     entries.insert(entries.end(), {{"inputs", std::to_string(m.inputs)},
                                    {"outputs", std::to_string(m.outputs)},
                                    {"width", std::to_string(m.width)},
@@ -254,6 +269,21 @@ std::vector<safetensors::Tensor> pytorch_tensors(const ExportSource& source) {
     t.statistics("target_mean", n.target_mean);
     t.statistics("target_std", n.target_std);
   }
+  if (model.kind == ModelKind::dlrm) {
+    // nn.Linear's [out, in] weights; an nn.EmbeddingBag's weight is the table as it is.
+    const DlrmShape shape = model.dlrm();
+    for (size_t i = 0; i + 1 < shape.bottom.size(); ++i) {
+      t.linear("network.bottom." + std::to_string(i), "bottom/" + std::to_string(i));
+    }
+    for (size_t i = 0; i < shape.tables.size(); ++i) {
+      t.copy("network.embeddings." + std::to_string(i) + ".weight",
+             embedding_weight_name(shape.tables[i].name));
+    }
+    for (size_t i = 0; i + 1 < shape.top.size(); ++i) {
+      t.linear("network.top." + std::to_string(i), "top/" + std::to_string(i));
+    }
+    return t.finish();
+  }
   if (model.kind == ModelKind::mlp) {
     for (size_t i = 0; i + 1 < model.sizes.size(); ++i) {
       const std::string p = "layers/" + std::to_string(i),
@@ -322,16 +352,6 @@ PytorchExportResult export_pytorch(const std::string& checkpoint, const std::str
   const std::string weights_path = (fs::path(output) / pytorch_weights_file()).string();
   // Refused before the checkpoint is read: the common mistake costs nothing.
   for (const std::string& file : {weights_path, code_path}) refuse_existing_output(file, overwrite);
-  {
-    // The model kind from the config in the file's attributes (no dataset read or checked).
-    const std::string path = resolve_checkpoint_path(checkpoint);
-    const RunConfig config = parse_config(list_checkpoint(path).info.config_text,
-                                          "the config stored in checkpoint '" + path + "'");
-    if (config.model.kind == ModelKind::dlrm) {
-      MESHTRAIN_BAD_INPUT("checkpoint '", path, "': --format pytorch does not write a ",
-                          "model.kind = \"dlrm\" model yet; --format onnx does");
-    }
-  }
   const ExportSource source = read_export_source(checkpoint);
   const auto read = checkpoint_files_read(checkpoint, "the checkpoint being exported");
   for (const std::string& file : {weights_path, code_path}) {

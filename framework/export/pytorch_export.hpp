@@ -26,6 +26,12 @@
 //   /normalization/<name> (float64)       <name> (F64 buffers: input_mean, input_std,
 //                                         target_mean, target_std; absent when off)
 //
+// A DLRM (model.py's Dlrm: m(dense, indices, offsets), one nn.EmbeddingBag per table):
+//   bottom/<i>/weight [in, out], bias     network.bottom.<i>.weight [out, in], .bias
+//   embeddings/<table>/weight [rows, dim] network.embeddings.<t>.weight, as it is (t: the
+//                                         table's index in model.tables)
+//   top/<i>/weight [in, out], bias        network.top.<i>.weight [out, in], .bias
+//
 // Weights are streamed from the checkpoint's values to the file (transposed in pieces):
 // memory holds them once.
 

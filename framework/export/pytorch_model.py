@@ -3,6 +3,8 @@
     import model          # this file; model.safetensors lies beside it
     m = model.load()      # a torch.nn.Module in eval mode, on the CPU
     y = m(x)              # x: float32 [rows, inputs] in your units; y: [rows, outputs]
+    y = m(dense, indices, offsets)   # a DLRM: per table nn.EmbeddingBag's ids and bag
+                                     # starts; y: logits [rows, 1] (torch.sigmoid: clicks)
 
 The model: @SUMMARY@.
 
@@ -185,6 +187,58 @@ class ResidualMlp(nn.Module):
         return self.output(self.output_norm(h))
 
 
+class Dlrm(nn.Module):
+    """model.kind = "dlrm" (meshtrain's docs/recsys.md): z = bottom MLP(dense) (the activation
+    after every layer, the last one too); per table an nn.EmbeddingBag (mode "sum" or "mean":
+    an empty bag gives 0 either way); the interaction "dot" (DLRM's: z and the pooled rows
+    F = [z, e_1, .., e_T], h = [z, F_i . F_j for i > j], the strictly lower triangle of F F^T
+    row by row) or "cat" (h = [z, e_1, .., e_T]); the top MLP (the activation after every layer
+    but the last) -> one logit per row. The tables are `embeddings.<t>` in the order of
+    `tables` (their names)."""
+
+    def __init__(self, config):
+        super().__init__()
+        bottom, top = config["bottom"], config["top"]
+        self.bottom = nn.ModuleList(nn.Linear(a, b) for a, b in zip(bottom[:-1], bottom[1:]))
+        self.top = nn.ModuleList(nn.Linear(a, b) for a, b in zip(top[:-1], top[1:]))
+        self.tables = [t["name"] for t in config["tables"]]
+        self.embeddings = nn.ModuleList(
+            nn.EmbeddingBag(t["rows"], t["dim"], mode=t["pooling"]) for t in config["tables"])
+        self.interaction = config["interaction"]
+        self.activation = make_activation(config["activation"])
+        count = len(self.tables) + 1
+        rows, cols = torch.tril_indices(count, count, offset=-1)
+        self.register_buffer("pair_rows", rows, persistent=False)
+        self.register_buffer("pair_cols", cols, persistent=False)
+
+    def forward(self, dense, indices, offsets):
+        """dense: float [rows, bottom[0]]; indices and offsets: per table (a list in the order of
+        `tables`, or a dict by name) the int64 ids of every bag one after the other and each
+        bag's first position in them [rows] (nn.EmbeddingBag's input and offsets)."""
+        if isinstance(indices, dict):
+            indices = [indices[name] for name in self.tables]
+        if isinstance(offsets, dict):
+            offsets = [offsets[name] for name in self.tables]
+        if len(indices) != len(self.tables) or len(offsets) != len(self.tables):
+            raise ValueError("expected the ids and offsets of %d tables %s, got %d and %d" %
+                             (len(self.tables), self.tables, len(indices), len(offsets)))
+        z = dense
+        for layer in self.bottom:
+            z = self.activation(layer(z))
+        pooled = [bag(ids, starts) for bag, ids, starts in zip(self.embeddings, indices, offsets)]
+        if self.interaction == "cat":
+            h = torch.cat([z] + pooled, dim=1)
+        else:
+            features = torch.stack([z] + pooled, dim=1)  # [rows, tables + 1, d]
+            products = torch.bmm(features, features.transpose(1, 2))
+            h = torch.cat([z, products[:, self.pair_rows, self.pair_cols]], dim=1)
+        for i, layer in enumerate(self.top):
+            h = layer(h)
+            if i + 1 < len(self.top):
+                h = self.activation(h)
+        return h
+
+
 class Model(nn.Module):
     """The model in the user's units: the inputs standardized, the network, the outputs
     returned to the targets' units (each step only when the checkpoint has its statistics:
@@ -192,10 +246,15 @@ class Model(nn.Module):
 
     def __init__(self, config=CONFIG):
         super().__init__()
+        self.dlrm = config["kind"] == "dlrm"
         residual = config["kind"] == "residual_mlp"
-        self.network = ResidualMlp(config) if residual else Mlp(config)
-        inputs = config["inputs"] if residual else config["sizes"][0]
-        outputs = config["outputs"] if residual else config["sizes"][-1]
+        if self.dlrm:  # no statistics: m(dense, indices, offsets) returns the logits [rows, 1]
+            self.network = Dlrm(config)
+            inputs, outputs = config["bottom"][0], 1
+        else:
+            self.network = ResidualMlp(config) if residual else Mlp(config)
+            inputs = config["inputs"] if residual else config["sizes"][0]
+            outputs = config["outputs"] if residual else config["sizes"][-1]
 
         def statistics(present, width):
             return torch.zeros(width, dtype=torch.float64) if present else None
@@ -205,7 +264,9 @@ class Model(nn.Module):
         self.register_buffer("target_mean", statistics(config["normalize_targets"], outputs))
         self.register_buffer("target_std", statistics(config["normalize_targets"], outputs))
 
-    def forward(self, x):
+    def forward(self, x, *sparse):
+        if self.dlrm:
+            return self.network(x, *sparse)
         # The standardization and its inverse in float64, rounded once, as predict does.
         if self.input_mean is not None:
             x = ((x.double() - self.input_mean) / self.input_std).to(x.dtype)

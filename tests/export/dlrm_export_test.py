@@ -16,7 +16,7 @@ datasets (h5py) following docs/model_math.md ("DLRM").
 
   dot   interaction dot, trained on 1 rank and on 2 (fsdp 2: two tables row-wise); fp32, and
         on the 2-rank checkpoint fp16 and bf16 weights; the graph's ops (Gather, ReduceSum, no
-        op outside the expected set) and inputs; --format pytorch refused in one sentence.
+        op outside the expected set) and inputs. (--format pytorch: pytorch_export_test.py.)
   cat   interaction cat with tables of dims 3, 5 and 2 (cat allows any), 2 ranks; fp32, fp16.
 
 Tolerances (export_test.py's, per output, |got - ref| / max(|ref|, 0.1 max|ref|)): 1e-5 against
@@ -153,7 +153,7 @@ def dlrm_forward(ckpt, dense, bags, dtype="fp32"):
 # --- training, export, ONNX Runtime ----------------------------------------------------------
 
 def train(ctx, name, data, ranks, tables, interaction="dot", top_hidden=8, steps=6,
-          data_lines=()):
+          data_lines=(), partition_lines=()):
     out = os.path.join(ctx.work, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
@@ -163,7 +163,7 @@ def train(ctx, name, data, ranks, tables, interaction="dot", top_hidden=8, steps
     lines = [
         "[run]", 'name = "%s"' % name, "seed = 5", 'output_dir = "%s"' % out,
         "[mesh]", "fsdp = %d" % ranks,
-        "[partition]", 'preset = "fsdp"', "min_sharding_size = 0",
+        "[partition]", 'preset = "fsdp"', "min_sharding_size = 0", *partition_lines,
         "[model]", 'kind = "dlrm"', "bottom = %s" % BOTTOM,
         "top = [%d, %d, 1]" % (width, top_hidden), 'interaction = "%s"' % interaction,
     ]
@@ -281,29 +281,6 @@ def case_dot(ctx):
     ctx.check(status == 0 and "inputs 'dense', 'sparse/one', 'sparse/bags', 'sparse/avg', "
               "outputs logit, probability" in out, "export's line %r (status %d, %s)" %
               (out, status, err))
-    # --format pytorch has no DLRM yet: one sentence, exit 2, no folder written.
-    folder = os.path.join(ctx.work, "pytorch")
-    status, out, err = et.run([ctx.meshtrain, "export", checkpoints[1], "--format", "pytorch",
-                               "--output", folder])
-    ctx.check(status == 2 and "--format pytorch does not write a model.kind = \"dlrm\" model"
-              in err and not os.path.exists(folder),
-              "pytorch export of a DLRM: status %d, stderr %r" % (status, err))
-    # ... refused from the config in the file's attributes, before any dataset is read: a
-    # corrupt table gives the same sentence, not the CRC-32 error.
-    corrupt = os.path.join(ctx.work, "corrupt.h5")
-    shutil.copyfile(et.latest_file(checkpoints[1]), corrupt)
-    with h5py.File(corrupt, "r") as f:
-        offset = f["params/embeddings/bags/weight"].id.get_offset()
-    with open(corrupt, "r+b") as f:
-        f.seek(offset + 5)
-        byte = f.read(1)
-        f.seek(offset + 5)
-        f.write(bytes([byte[0] ^ 0x10]))
-    status, out, err = et.run([ctx.meshtrain, "export", corrupt, "--format", "pytorch",
-                               "--output", folder])
-    ctx.check(status == 2 and "--format pytorch does not write a model.kind = \"dlrm\" model"
-              in err and "CRC" not in err and not os.path.exists(folder),
-              "pytorch export of a corrupt DLRM checkpoint: status %d, stderr %r" % (status, err))
 
 
 def case_cat(ctx):
@@ -422,7 +399,131 @@ def case_predict(ctx):
                       "table's rows [0, 8)" % bad, output)
 
 
-CASES = {"dot": case_dot, "cat": case_cat, "predict": case_predict}
+def write_tool_input(folder, dense, bags, bad=None):
+    """DlrmPredictor's input for tests/predict/dlrm_predictor_tool.cpp: shape.txt, dense.bin and
+    per table (TABLES' order) offsets_<t>.bin, ids_<t>.bin (padding ids dropped). bad = (table,
+    row, id) as write_predict_input's."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "shape.txt"), "w") as f:
+        f.write("%d %d %d\n" % (dense.shape[0], dense.shape[1], len(TABLES)))
+    np.ascontiguousarray(dense, "<f4").tofile(os.path.join(folder, "dense.bin"))
+    for t, name in enumerate(TABLES):
+        rows = [[i for i in bag if i >= 0] for bag in bags[name]]
+        if bad and bad[0] == name:
+            rows[bad[1]] = rows[bad[1]] + [bad[2]]
+        np.array([i for r in rows for i in r], "<i8").tofile(
+            os.path.join(folder, "ids_%d.bin" % t))
+        np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype("<i8").tofile(
+            os.path.join(folder, "offsets_%d.bin" % t))
+    return folder
+
+
+def run_tool(ctx, checkpoint, folder, output, *options):
+    return et.run([ctx.predictor_tool, checkpoint, folder, output] + [str(o) for o in options],
+                  timeout=60)
+
+
+def case_predictor(ctx):
+    """meshtrain::DlrmPredictor (run/dlrm_predictor.hpp) on one rank, through
+    tests/predict/dlrm_predictor_tool.cpp, of checkpoints trained on 2 ranks (fsdp 2: `bags`
+    and `avg` row-wise) and on 4 (fsdp 4: `bags` row-wise, `one` and `avg` table-wise by a
+    P(fsdp@table) rule): the rows of test_rows (empty bags in every table, repeated ids, a row
+    of nothing but empty bags) in calls of 8 rows (the last partial; the forms predict(dense,
+    bags) and predict(dense, bags, y) alternating) and in one call of the checkpoint's batch.
+    The logits and probabilities within 1e-5 (export_test.py's relative error) of the float64
+    forward and of `meshtrain predict` on one rank of the same rows; no heap or Kokkos
+    allocation in the calls after the first. Refused in one sentence, exit 2: a dense
+    (model.kind = "mlp") checkpoint, an id outside its table (naming the table, the row and
+    the id), dense rows of 5 features, more ids than max_ids, more rows than the batch, the bags
+    of 2 tables of 3, decreasing offsets; and
+    meshtrain::Predictor refuses the DLRM checkpoint, naming DlrmPredictor."""
+    data = write_dlrm_data(os.path.join(ctx.work, "train.h5"))
+    tables = [{"name": n, "rows": rows, "pooling": pooling}
+              for n, (rows, _, pooling) in TABLES.items()]
+    dense, bags = test_rows(data)
+    rows = len(dense)
+    folder = write_tool_input(os.path.join(ctx.work, "input"), dense, bags)
+    input_path = write_predict_input(os.path.join(ctx.work, "input.h5"), dense, bags)
+    checkpoints = {
+        "np2_rowwise": train(ctx, "predictor_np2", data, 2, tables),
+        "np4_tablewise": train(ctx, "predictor_np4", data, 4, tables, partition_lines=[
+            'rules = [["embeddings/(one|avg)/weight", "P(fsdp@table)"]]']),
+    }
+    for label, checkpoint in checkpoints.items():
+        ckpt = et.read_checkpoint(et.latest_file(checkpoint))
+        ref = dlrm_forward(ckpt, dense, bags)
+        predicted = os.path.join(ctx.work, "predict_%s.h5" % label)
+        status, out, err = predict(ctx, checkpoint, input_path, predicted, 1)
+        if not ctx.check(status == 0, "predict %s: status %d, %s" % (label, status, err)):
+            continue
+        with h5py.File(predicted, "r") as f:
+            command = {"probability": f["prediction"][()], "logit": f["logit"][()]}
+        for options in (["--batch", 8, "--max-ids", 64], ["--max-ids", 200]):
+            what = "DlrmPredictor %s %s" % (label, " ".join(map(str, options)))
+            output = os.path.join(ctx.work, "tool.bin")
+            status, out, err = run_tool(ctx, checkpoint, folder, output, *options)
+            if not ctx.check(status == 0, "%s: status %d, %s" % (what, status, err)):
+                continue
+            info = json.loads(out.strip().splitlines()[-1])
+            print("%s: %s" % (what, info))
+            ctx.check(info["rows"] == rows and info["step"] == ckpt["step"],
+                      "%s: %s" % (what, info))
+            ctx.check(info["heap_allocations"] == 0 and info["kokkos_allocations"] == 0,
+                      "%s: allocations in the calls after the first: %s" % (what, info))
+            values = np.fromfile(output, "<f4")
+            got = {"logit": values[:rows, None], "probability": values[rows:, None]}
+            et.compare(ctx, "%s vs float64 forward" % what, got, ref, et.FP32_RTOL)
+            et.compare(ctx, "%s vs meshtrain predict" % what, got, command, et.FP32_RTOL)
+
+    def refused(what, result, expected):
+        status, out, err = result
+        lines = [l for l in err.splitlines() if l.startswith("error:")]
+        ctx.check(status == 2 and len(lines) == 1 and expected in lines[0],
+                  "%s: status %d, errors %s (expected %r)" % (what, status, lines, expected))
+
+    checkpoint = checkpoints["np2_rowwise"]
+    output = os.path.join(ctx.work, "refused.bin")
+    bad = write_tool_input(os.path.join(ctx.work, "bad"), dense, bags, bad=("avg", 41, 8))
+    refused("an id outside its table",
+            run_tool(ctx, checkpoint, bad, output, "--batch", 48, "--max-ids", 200),
+            "DlrmPredictor::predict: table 'avg', row 41: id 8 is outside the table's rows [0, 8)")
+    wide = write_tool_input(os.path.join(ctx.work, "wide"),
+                            np.concatenate([dense, dense[:, :1]], axis=1), bags)
+    refused("5 dense features", run_tool(ctx, checkpoint, wide, output, "--max-ids", 200),
+            "DlrmPredictor::predict: the dense view has 5 features per row but the model takes "
+            "4 (model.bottom[0])")
+    refused("more ids than max_ids", run_tool(ctx, checkpoint, folder, output),
+            "ids in one call, more than the max_ids of 32 the predictor was made for")
+    refused("more rows than the batch",
+            run_tool(ctx, checkpoint, folder, output, "--batch", 8, "--call-rows", 9),
+            "DlrmPredictor::predict: the dense view has 9 rows, more than the batch size of 8")
+    refused("the bags of 2 tables of 3",
+            run_tool(ctx, checkpoint, folder, output, "--max-ids", 200, "--tables-given", 2),
+            "DlrmPredictor::predict: 2 tables' bags given but the model has 3 tables")
+    decreasing = write_tool_input(os.path.join(ctx.work, "decreasing"), dense, bags)
+    offsets_file = os.path.join(decreasing, "offsets_1.bin")  # table `bags`
+    offsets = np.fromfile(offsets_file, "<i8")
+    row = int(np.flatnonzero(np.diff(offsets) > 0)[0])  # a non-empty bag: lower its end
+    offsets[row + 1] = offsets[row] - 1
+    offsets.tofile(offsets_file)
+    refused("decreasing offsets",
+            run_tool(ctx, checkpoint, decreasing, output, "--batch", 48, "--max-ids", 200),
+            "DlrmPredictor::predict: table 'bags': offsets[%d] = %d is below offsets[%d] = %d "
+            "(the offsets must not decrease)" % (row + 1, offsets[row + 1], row, offsets[row]))
+    refused("meshtrain::Predictor of a DLRM",
+            run_tool(ctx, checkpoint, folder, output, "--dense-predictor", 1),
+            "describes a model.kind = \"dlrm\" model, which meshtrain::Predictor does not build: "
+            "meshtrain::DlrmPredictor (run/dlrm_predictor.hpp) predicts with it")
+    mlp_data = os.path.join(ctx.work, "mlp.h5")
+    et.write_data(mlp_data, "regression")
+    mlp = et.train(ctx, "mlp", mlp_data, [et.FEATURES, 8, 2], "relu", "mse")
+    refused("a dense checkpoint", run_tool(ctx, mlp, folder, output),
+            "holds a model.kind = \"mlp\" model; DlrmPredictor reads model.kind = \"dlrm\" "
+            "checkpoints only (meshtrain::Predictor reads the others)")
+
+
+CASES = {"dot": case_dot, "cat": case_cat, "predict": case_predict,
+         "predictor": case_predictor}
 
 
 def main():
@@ -430,7 +531,14 @@ def main():
     # not this script's: case_predict runs `meshtrain predict` itself.
     def no_predict(parser):
         parser.set_defaults(predict=False)
-    return script_test.case_main(CASES, et.Context, add_arguments=no_predict,
+        parser.add_argument("--predictor-tool", default=None,
+                            help="tests/predict/dlrm_predictor_tool.cpp's program (case predictor)")
+
+    def make_context(args):
+        ctx = et.Context(args)
+        ctx.predictor_tool = args.predictor_tool
+        return ctx
+    return script_test.case_main(CASES, make_context, add_arguments=no_predict,
                                  skip_reason=lambda ctx: ctx.ort_missing,
                                  skip_needs="ONNX Runtime")
 

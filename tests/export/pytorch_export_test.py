@@ -123,7 +123,13 @@ def pytorch_state(ckpt):
     for key, values in ckpt["normalization"].items():
         state[key] = values
     moe_layers = set(model.get("moe_layers", []))
-    if model.get("kind") == "residual_mlp":
+    if model.get("kind") == "dlrm":
+        for part in ("bottom", "top"):
+            for i in range(len(model[part]) - 1):
+                linear("network.%s.%d" % (part, i), "%s/%d" % (part, i))
+        for t, table in enumerate(model["tables"]):  # nn.EmbeddingBag: the table as it is
+            state["network.embeddings.%d.weight" % t] = p["embeddings/%s/weight" % table["name"]]
+    elif model.get("kind") == "residual_mlp":
         linear("network.input", "input")
         for i in range(model["depth"]):
             name, prefix = "network.blocks.%d" % i, "blocks/%d" % i
@@ -246,6 +252,86 @@ def export_and_compare(ctx, checkpoint, x, label, min_ties=0):
     et.compare(ctx, "%s PyTorch vs float64 forward" % label, {"output": got},
                {"output": reference["output"]}, RTOL)
     return ckpt
+
+
+# --- DLRM ----------------------------------------------------------------------------------
+
+def run_torch_dlrm(ctx, folder, dense, bags, tables):
+    """The logits of `import model; m = model.load(); m(dense, indices, offsets)` from `folder`
+    (run_torch_dlrm.py, a fresh isolated interpreter) for bags {table: list of id lists}
+    (negative ids dropped: a PyTorch bag holds its ids only); None without PyTorch."""
+    if not ctx.torch_available():
+        return None
+    work = tempfile.mkdtemp(dir=ctx.work)
+    arrays = {"dense": np.ascontiguousarray(dense, np.float32)}
+    for t, name in enumerate(tables):
+        rows = [[i for i in bag if i >= 0] for bag in bags[name]]
+        arrays["indices_%d" % t] = np.array([i for r in rows for i in r], np.int64)
+        arrays["offsets_%d" % t] = np.cumsum([0] + [len(r) for r in rows[:-1]]).astype(np.int64)
+    input_file, y_file = os.path.join(work, "input.npz"), os.path.join(work, "y.npy")
+    np.savez(input_file, **arrays)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_torch_dlrm.py")
+    out = et.run_ok([sys.executable, "-I", script, os.path.abspath(folder), input_file, y_file],
+                    cwd=work)
+    info = json.loads(out.strip().splitlines()[-1])
+    ctx.check(info["training"] is False and info["dtype"] == "torch.float32" and
+              info["shape"] == [len(dense), 1] and info["tables"] == list(tables) and
+              info["modules"] == ["EmbeddingBag"] and info["dict_equal"],
+              "%s: the module says %s" % (folder, info))
+    y = np.load(y_file)
+    shutil.rmtree(work)
+    return y, info
+
+
+def case_dlrm(ctx):
+    """DLRMs (dlrm_export_test.py's data, rows and float64 forward): interaction dot trained on
+    2 ranks (fsdp 2: tables `bags` and `avg` row-wise, `one` replicated), cat with tables of
+    dims 3, 5 and 2 trained on 4 ranks (all three row-wise where their rows divide); both with
+    sum and mean pooling, empty bags (in every table, and a row of nothing but empty bags) and
+    repeated ids. The tensors bit for bit; m(dense, indices, offsets) within 1e-5 of the float64
+    forward and of `meshtrain predict` on one rank; nn.EmbeddingBag modules of the tables'
+    pooling."""
+    import dlrm_export_test as dt
+    data = dt.write_dlrm_data(os.path.join(ctx.work, "train.h5"))
+    dense, bags = dt.test_rows(data)
+    dims = {"one": 3, "bags": 5, "avg": 2}
+    for label, ranks, interaction in (("dlrm_dot_np2", 2, "dot"), ("dlrm_cat_np4", 4, "cat")):
+        tables = [{"name": n, "rows": rows, "pooling": pooling}
+                  for n, (rows, _, pooling) in dt.TABLES.items()]
+        if interaction == "cat":
+            for t in tables:
+                t["dim"] = dims[t["name"]]
+        checkpoint = dt.train(ctx, label, data, ranks, tables, interaction=interaction)
+        ckpt = et.read_checkpoint(et.latest_file(checkpoint))
+        folder = export(ctx, checkpoint, os.path.join(ctx.work, label + "_pytorch"))
+        ctx.check(sorted(os.listdir(folder)) == ["model.py", "model.safetensors"],
+                  "%s: the folder holds %s" % (label, sorted(os.listdir(folder))))
+        tensors, metadata = read_safetensors(ctx, os.path.join(folder, "model.safetensors"))
+        check_tensors(ctx, label, tensors, ckpt)
+        check_metadata(ctx, label, metadata, ckpt)
+        check_imports(ctx, label, os.path.join(folder, "model.py"))
+        reference = dt.dlrm_forward(ckpt, dense, bags)
+        input_path = dt.write_predict_input(os.path.join(ctx.work, label + "_input.h5"), dense,
+                                            bags)
+        output = os.path.join(ctx.work, label + "_prediction.h5")
+        status, out, err = dt.predict(ctx, checkpoint, input_path, output, 1)
+        if not ctx.check(status == 0, "%s: predict: status %d, %s" % (label, status, err)):
+            continue
+        with et.h5py.File(output, "r") as f:
+            predicted = {"logit": f["logit"][()]}
+        et.compare(ctx, "%s meshtrain predict vs float64 forward" % label, predicted,
+                   {"logit": reference["logit"]}, RTOL)
+        result = run_torch_dlrm(ctx, folder, dense, bags, [t["name"] for t in tables])
+        if result is None:
+            continue
+        got, info = result
+        pooling = [t["pooling"] for t in tables]
+        ctx.check(info["modes"] == pooling, "%s: EmbeddingBag modes %s, expected %s" %
+                  (label, info["modes"], pooling))
+        et.compare(ctx, "%s PyTorch vs meshtrain predict" % label, {"logit": got}, predicted,
+                   RTOL)
+        et.compare(ctx, "%s PyTorch vs float64 forward" % label, {"logit": got},
+                   {"logit": reference["logit"]}, RTOL)
 
 
 # --- cases ---------------------------------------------------------------------------------
@@ -437,6 +523,7 @@ CASES = {
     "moe": case_moe,
     "residual_moe": case_residual_moe,
     "cli_errors": case_cli_errors,
+    "dlrm": case_dlrm,
 }
 
 
