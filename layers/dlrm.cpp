@@ -7,6 +7,7 @@
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
+#include "partition/embedding_layout.hpp"
 #include "partition/partition_spec.hpp"
 
 namespace meshtrain {
@@ -91,7 +92,7 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
   size_t table_index = 0;
   for (const ParameterShape& p : dlrm_parameter_shapes(shape)) {
     const PartitionSpec spec = spec_of(p.name);
-    if (p.name.rfind("embeddings/", 0) == 0) {
+    if (is_embedding_weight_name(p.name)) {
       // A table's spec is refused naming the table (e.g. a column split of a dim it does not
       // divide) before the generic divisibility check below names only the parameter.
       embedding_layout(shape.tables[table_index++].name, {p.name, p.shape, spec}, mesh,
@@ -165,7 +166,7 @@ void Dlrm::use_sparse_table_gradients(ParallelContext& context) {
 std::vector<ShardedTensor> Dlrm::dense_parameters() const {
   std::vector<ShardedTensor> dense;
   for (const ShardedTensor& p : params_) {
-    if (p.name.rfind("embeddings/", 0) != 0) dense.push_back(p);
+    if (!is_embedding_weight_name(p.name)) dense.push_back(p);
   }
   return dense;
 }
@@ -173,7 +174,7 @@ std::vector<ShardedTensor> Dlrm::dense_parameters() const {
 std::vector<ShardedTensor> Dlrm::dense_gradients() const {
   std::vector<ShardedTensor> dense;
   for (const ShardedTensor& g : grads_) {
-    if (g.name.rfind("embeddings/", 0) != 0) dense.push_back(g);
+    if (!is_embedding_weight_name(g.name)) dense.push_back(g);
   }
   return dense;
 }
@@ -181,7 +182,7 @@ std::vector<ShardedTensor> Dlrm::dense_gradients() const {
 void Dlrm::initialize(InitScheme scheme, uint64_t seed) {
   size_t table = 0;
   for (ShardedTensor& p : params_) {
-    if (p.name.rfind("embeddings/", 0) != 0) {
+    if (!is_embedding_weight_name(p.name)) {
       meshtrain::initialize(p, scheme, seed);
       continue;
     }
