@@ -5,6 +5,15 @@
 meshtrain_add_test(NAME online_stream_test SOURCES online/stream_test.cpp LIBS meshtrain_run
                    NP 2 3 4 TIMEOUT 180)
 
+# Two producers feeding one batch group (np 3: trainer 1 rank on dp; np 4: 2 ranks on tp):
+# stream.merge = "round_robin" gives the same buffer, losses and parameters bit for bit in two
+# runs whose producers sleep at random between sends, and the same as one producer sending the
+# merged order; the statistics of the first min_rows rows the same in both; stream.held_out_rows
+# sizes the held-out window (its newest rows, evaluated whole, counted by the plan). The timeout
+# ends any hang of the merge, a rendezvous or a close.
+meshtrain_add_test(NAME online_order_test SOURCES online/order_test.cpp LIBS meshtrain_run
+                   NP 3 4 TIMEOUT 120)
+
 # Checkpoints of an online run (its buffers under /stream) and resuming with them, at trainers 1
 # and 2 x producers 1 and 2 (np 2: 1 + 1; np 3: 1 + 2 and 2 + 1; np 4: 2 + 2): the resumed run
 # equal bit for bit to the uninterrupted one, the key that turns it off, another trainer count
