@@ -40,6 +40,34 @@ meshtrain_add_command_test(NAME online_mpmd_c_producer TIMEOUT 60
           --set run.output_dir=${_online_dir}/c_producer
   PASS_REGULAR_EXPRESSION "stream 800 rows \\(288 overwritten, 512 buffered\\)")
 set_tests_properties(online_mpmd_c_producer PROPERTIES PROCESSORS 2)
+# Two C producers (800 rows each) into one batch group through `meshtrain train` (1 rank on dp,
+# 2 on tp), merged round robin, with a held-out window of its own size: the keys read from the
+# command line, every row counted, the 421 rows the hash holds out (computed once from
+# stream_row_held_out's definition: splitmix64, fraction 0.25) never trained on.
+set(_online_mpmd_p2 ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS}
+    ${MPIEXEC_NUMPROC_FLAG} 2 $<TARGET_FILE:online_c_producer>)
+foreach(_t 1 2)
+  if(_t EQUAL 1)
+    set(_mesh --set mesh.dp=1)
+  else()
+    set(_mesh --set mesh.dp=1 --set mesh.tp=2 --set partition.preset=tp)
+  endif()
+  meshtrain_add_command_test(NAME online_mpmd_round_robin_p2_t${_t} TIMEOUT 60
+    COMMAND ${_online_mpmd_p2} : ${MPIEXEC_NUMPROC_FLAG} ${_t} $<TARGET_FILE:meshtrain> train
+            ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml ${_mesh}
+            --set stream.merge=round_robin --set stream.test_fraction=0.25
+            --set stream.held_out_rows=16
+            --set run.output_dir=${_online_dir}/round_robin_t${_t}
+    PASS_REGULAR_EXPRESSION "stream 1600 rows \\(923 overwritten, 256 buffered\\), 421 held out")
+  math(EXPR _procs "2 + ${_t}")
+  set_tests_properties(online_mpmd_round_robin_p2_t${_t} PROPERTIES PROCESSORS ${_procs})
+endforeach()
+# `meshtrain plan` counts the held-out window at its own size: (256 + 16) rows x 6 floats x 4 B
+# = 6.38 KiB (ceil(256 x 0.25) = 64 rows without the key: 7.50 KiB).
+meshtrain_add_command_test(NAME online_plan_held_out_rows TIMEOUT 30
+  COMMAND $<TARGET_FILE:meshtrain> plan ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml
+          --set mesh.dp=1 --set stream.test_fraction=0.25 --set stream.held_out_rows=16
+  PASS_REGULAR_EXPRESSION "data +6.38 KiB a stream's buffer and held-out window")
 meshtrain_add_command_test(NAME online_mpmd_shape_mismatch TIMEOUT 60
   COMMAND ${_online_mpmd} 5 : ${MPIEXEC_NUMPROC_FLAG} 2 $<TARGET_FILE:meshtrain> train
           ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml
