@@ -153,6 +153,14 @@ meshtrain_add_command_test(NAME online_mpmd_producer_gone TIMEOUT 60
           ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml ${_online_dir}/producer_gone
           ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
 set_tests_properties(online_mpmd_producer_gone PROPERTIES PROCESSORS 3)
+# The same with stream.merge = "round_robin": the merge waiting at the gone producer's turn
+# goes on once the pulls' vote takes it for gone.
+meshtrain_add_command_test(NAME online_mpmd_producer_gone_round_robin TIMEOUT 60
+  COMMAND env STREAM_MERGE=round_robin bash ${CMAKE_CURRENT_SOURCE_DIR}/online/producer_gone.sh
+          $<TARGET_FILE:online_c_producer> $<TARGET_FILE:meshtrain>
+          ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml ${_online_dir}/producer_gone_round_robin
+          ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+set_tests_properties(online_mpmd_producer_gone_round_robin PROPERTIES PROCESSORS 3)
 
 # A trainer that fails while the producers send (tests/online/trainer_fails.sh), at producers 1
 # and 2 x trainer ranks 1 and 2: its loss becomes infinite at its second step ("loss"), or its
