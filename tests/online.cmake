@@ -5,6 +5,15 @@
 meshtrain_add_test(NAME online_stream_test SOURCES online/stream_test.cpp LIBS meshtrain_run
                    NP 2 3 4 TIMEOUT 180)
 
+# Two producers feeding one batch group (np 3: trainer 1 rank on dp; np 4: 2 ranks on tp):
+# stream.merge = "round_robin" gives the same buffer, losses and parameters bit for bit in two
+# runs whose producers sleep at random between sends, and the same as one producer sending the
+# merged order; the statistics of the first min_rows rows the same in both; stream.held_out_rows
+# sizes the held-out window (its newest rows, evaluated whole, counted by the plan). The timeout
+# ends any hang of the merge, a rendezvous or a close.
+meshtrain_add_test(NAME online_order_test SOURCES online/order_test.cpp LIBS meshtrain_run
+                   NP 3 4 TIMEOUT 120)
+
 # Checkpoints of an online run (its buffers under /stream) and resuming with them, at trainers 1
 # and 2 x producers 1 and 2 (np 2: 1 + 1; np 3: 1 + 2 and 2 + 1; np 4: 2 + 2): the resumed run
 # equal bit for bit to the uninterrupted one, the key that turns it off, another trainer count
@@ -31,6 +40,34 @@ meshtrain_add_command_test(NAME online_mpmd_c_producer TIMEOUT 60
           --set run.output_dir=${_online_dir}/c_producer
   PASS_REGULAR_EXPRESSION "stream 800 rows \\(288 overwritten, 512 buffered\\)")
 set_tests_properties(online_mpmd_c_producer PROPERTIES PROCESSORS 2)
+# Two C producers (800 rows each) into one batch group through `meshtrain train` (1 rank on dp,
+# 2 on tp), merged round robin, with a held-out window of its own size: the keys read from the
+# command line, every row counted, the 421 rows the hash holds out (computed once from
+# stream_row_held_out's definition: splitmix64, fraction 0.25) never trained on.
+set(_online_mpmd_p2 ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS}
+    ${MPIEXEC_NUMPROC_FLAG} 2 $<TARGET_FILE:online_c_producer>)
+foreach(_t 1 2)
+  if(_t EQUAL 1)
+    set(_mesh --set mesh.dp=1)
+  else()
+    set(_mesh --set mesh.dp=1 --set mesh.tp=2 --set partition.preset=tp)
+  endif()
+  meshtrain_add_command_test(NAME online_mpmd_round_robin_p2_t${_t} TIMEOUT 60
+    COMMAND ${_online_mpmd_p2} : ${MPIEXEC_NUMPROC_FLAG} ${_t} $<TARGET_FILE:meshtrain> train
+            ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml ${_mesh}
+            --set stream.merge=round_robin --set stream.test_fraction=0.25
+            --set stream.held_out_rows=16
+            --set run.output_dir=${_online_dir}/round_robin_t${_t}
+    PASS_REGULAR_EXPRESSION "stream 1600 rows \\(923 overwritten, 256 buffered\\), 421 held out")
+  math(EXPR _procs "2 + ${_t}")
+  set_tests_properties(online_mpmd_round_robin_p2_t${_t} PROPERTIES PROCESSORS ${_procs})
+endforeach()
+# `meshtrain plan` counts the held-out window at its own size: (256 + 16) rows x 6 floats x 4 B
+# = 6.38 KiB (ceil(256 x 0.25) = 64 rows without the key: 7.50 KiB).
+meshtrain_add_command_test(NAME online_plan_held_out_rows TIMEOUT 30
+  COMMAND $<TARGET_FILE:meshtrain> plan ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml
+          --set mesh.dp=1 --set stream.test_fraction=0.25 --set stream.held_out_rows=16
+  PASS_REGULAR_EXPRESSION "data +6.38 KiB a stream's buffer and held-out window")
 meshtrain_add_command_test(NAME online_mpmd_shape_mismatch TIMEOUT 60
   COMMAND ${_online_mpmd} 5 : ${MPIEXEC_NUMPROC_FLAG} 2 $<TARGET_FILE:meshtrain> train
           ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml
@@ -116,6 +153,14 @@ meshtrain_add_command_test(NAME online_mpmd_producer_gone TIMEOUT 60
           ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml ${_online_dir}/producer_gone
           ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
 set_tests_properties(online_mpmd_producer_gone PROPERTIES PROCESSORS 3)
+# The same with stream.merge = "round_robin": the merge waiting at the gone producer's turn
+# goes on once the pulls' vote takes it for gone.
+meshtrain_add_command_test(NAME online_mpmd_producer_gone_round_robin TIMEOUT 60
+  COMMAND env STREAM_MERGE=round_robin bash ${CMAKE_CURRENT_SOURCE_DIR}/online/producer_gone.sh
+          $<TARGET_FILE:online_c_producer> $<TARGET_FILE:meshtrain>
+          ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml ${_online_dir}/producer_gone_round_robin
+          ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
+set_tests_properties(online_mpmd_producer_gone_round_robin PROPERTIES PROCESSORS 3)
 
 # A trainer that fails while the producers send (tests/online/trainer_fails.sh), at producers 1
 # and 2 x trainer ranks 1 and 2: its loss becomes infinite at its second step ("loss"), or its

@@ -150,6 +150,12 @@ const ChoiceTable<StreamOrder>& stream_order_choices() {
   return table;
 }
 
+const ChoiceTable<StreamMerge>& stream_merge_choices() {
+  static const ChoiceTable<StreamMerge> table = {{"arrival", StreamMerge::arrival},
+                                                 {"round_robin", StreamMerge::round_robin}};
+  return table;
+}
+
 const ChoiceTable<StreamRowType>& stream_row_type_choices() {
   static const ChoiceTable<StreamRowType> table = {{"float32", StreamRowType::float32},
                                                    {"float64", StreamRowType::float64}};
@@ -309,6 +315,9 @@ const char* to_string(StreamPolicy value) {
 }
 const char* to_string(StreamOrder value) {
   return name_of(stream_order_choices(), value);
+}
+const char* to_string(StreamMerge value) {
+  return name_of(stream_merge_choices(), value);
 }
 const char* to_string(StreamRowType value) {
   return name_of(stream_row_type_choices(), value);

@@ -21,6 +21,7 @@
 //   data.source                   DataSource                 fashion_mnist | synthetic | hdf5 | stream
 //   stream.policy                 StreamPolicy               window | reservoir
 //   stream.order                  StreamOrder                random | arrival
+//   stream.merge                  StreamMerge                arrival | round_robin
 //   stream.dtype                  StreamRowType              float32 | float64
 //   stream.until                  StreamUntil                steps | closed
 //   data.shuffle                  ShuffleMode                none | rows | blocks (config: false | true | "blocks")
@@ -88,6 +89,7 @@ enum class DataSource { fashion_mnist, synthetic, hdf5, stream };
 enum class StreamPolicy { window, reservoir };
 // Which buffer rows a batch takes: hashed at random, or in the order they came.
 enum class StreamOrder { random, arrival };
+enum class StreamMerge { arrival, round_robin };
 // The type of a stream's rows on the wire.
 enum class StreamRowType { float32, float64 };
 // A stream run ends at train.steps, or after the step in which every producer had closed.
@@ -152,6 +154,7 @@ const ChoiceTable<DataSource>& data_source_choices();
 const ChoiceTable<ShuffleMode>& shuffle_mode_choices();
 const ChoiceTable<StreamPolicy>& stream_policy_choices();
 const ChoiceTable<StreamOrder>& stream_order_choices();
+const ChoiceTable<StreamMerge>& stream_merge_choices();
 const ChoiceTable<StreamRowType>& stream_row_type_choices();
 const ChoiceTable<StreamUntil>& stream_until_choices();
 // The names of the metrics over every output, in EvalMetric::Kind's order ("test_loss", ...).
@@ -210,6 +213,7 @@ const char* to_string(DataSource value);
 const char* to_string(ShuffleMode value);
 const char* to_string(StreamPolicy value);
 const char* to_string(StreamOrder value);
+const char* to_string(StreamMerge value);
 const char* to_string(StreamRowType value);
 const char* to_string(StreamUntil value);
 std::string to_string(const EvalMetric& value);  // "test_loss", "test_r2[2]"

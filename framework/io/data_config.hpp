@@ -56,15 +56,22 @@ struct StreamSection {
   // Rows every trainer rank's buffer holds before the first step; 0: one batch's rows.
   int64_t min_rows = 0;
   StreamOrder order = StreamOrder::random;
+  // How a batch group takes the messages of several producers: as they come (arrival), or
+  // merged round robin by producer rank and message index (round_robin: the same rows in the
+  // same order whatever the timing, a slow producer holding back the others' rows).
+  StreamMerge merge = StreamMerge::arrival;
   StreamRowType dtype = StreamRowType::float32;
   StreamUntil until = StreamUntil::steps;
   // Every publish_every steps the trainer sends its parameters and normalization to the
   // producers (their LiveModel); 0: never.
   int64_t publish_every = 0;
   // The fraction of rows held out for evaluation (by a hash of producer rank and row number:
-  // the same rows in every run), kept in a window of ceil(buffer_rows x test_fraction) rows
-  // per trainer rank and evaluated as the run's test set; 0: none.
+  // the same rows in every run), kept in a window of held_out_rows rows per trainer rank and
+  // evaluated as the run's test set; 0: none.
   double test_fraction = 0.0;
+  // Rows of each trainer rank's held-out window (its newest held-out rows), with
+  // test_fraction > 0; 0: ceil(buffer_rows x test_fraction).
+  int64_t held_out_rows = 0;
   // Checkpoints hold every trainer rank's buffer and held-out window (/stream), and a resumed
   // run continues with them; false: a resumed run starts with empty buffers.
   bool checkpoint_buffer = true;
@@ -78,10 +85,11 @@ struct StreamSection {
   double last_word_timeout = 30.0;
 };
 
-// Rows of a trainer rank's held-out window: ceil(buffer_rows x test_fraction), at least 1
-// (0 without test_fraction).
+// Rows of a trainer rank's held-out window: stream.held_out_rows when set, else
+// ceil(buffer_rows x test_fraction), at least 1 (0 without test_fraction).
 inline int64_t stream_held_out_rows(const StreamSection& stream) {
   if (stream.test_fraction <= 0.0) return 0;
+  if (stream.held_out_rows > 0) return stream.held_out_rows;
   const double rows = static_cast<double>(stream.buffer_rows) * stream.test_fraction;
   const auto whole = static_cast<int64_t>(rows);
   return std::max<int64_t>(1, whole + (static_cast<double>(whole) < rows ? 1 : 0));

@@ -145,6 +145,16 @@ StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
   heard_at_.assign(producers, std::chrono::steady_clock::now());
   gone_.assign(producers, 0);
   row_scratch_.assign(static_cast<size_t>(features + outputs), 0.0f);
+  // Producer p sends message m to group group_of_message(p, m): whether any reaches this one.
+  feeds_group_.assign(producers, 0);
+  for (size_t p = 0; p < producers; ++p) {
+    for (int64_t m = 0; m < groups_; ++m) {
+      if (sp::group_of_message(static_cast<int64_t>(p), m, static_cast<int64_t>(producers),
+                               groups_) == group_) {
+        feeds_group_[p] = 1;
+      }
+    }
+  }
   publish_every_ = section.publish_every;
   publish_floats_ = model.parameter_floats;
   input_stats_ = model.input_stats;
@@ -454,6 +464,50 @@ void StreamSource::take(int64_t producer, const unsigned char* message) {
   }
 }
 
+void StreamSource::take_next(size_t p) {
+  const auto& slot = staging_[p][static_cast<size_t>(staged_head_[p])];
+  sp::Header header;
+  std::memcpy(&header, slot.data(), sizeof header);
+  if (header.kind == sp::kClose) {
+    closed_[p] = 1;
+    send_done(p);                  // the handshake: this producer's close() waits for it
+    if (p == 0) end_owed_ = true;  // no publish after producer 0's close
+  } else {
+    take(static_cast<int64_t>(p), slot.data());
+  }
+  staged_head_[p] = (staged_head_[p] + 1) % sp::kStagingSlots;
+  --staged_count_[p];
+  ++taken_[p];
+}
+
+// stream.merge = "round_robin": this group's messages in the sequence (producer q_0's first,
+// q_1's first, ..., q_0's second, ...) over the producers that feed it, a producer leaving the
+// turn once its close is taken (or it is gone); the longest prefix of that sequence that every
+// rank of the group has (agreed_) is taken. The turn (merge_turn_) carries over to the next
+// pull. Producers that feed no row to this group send it only their close, taken as it comes.
+void StreamSource::take_round_robin() {
+  const size_t producers = producers_.size();
+  for (size_t p = 0; p < producers; ++p) {
+    if (!feeds_group_[p]) {
+      while (taken_[p] < agreed_[p]) take_next(p);
+    }
+  }
+  while (true) {
+    size_t p = merge_turn_;
+    size_t looked = 0;
+    for (; looked < producers; ++looked, p = (p + 1) % producers) {
+      if (feeds_group_[p] && !closed_[p] && !gone_[p]) break;
+    }
+    if (looked == producers) return;  // every producer of this group closed (or gone)
+    if (taken_[p] >= agreed_[p]) {
+      merge_turn_ = p;  // its next message has not come to every rank: wait
+      return;
+    }
+    take_next(p);
+    merge_turn_ = (p + 1) % producers;
+  }
+}
+
 void StreamSource::pull_once() {
   receive();
   // The ranks of a group take the same messages, producer by producer: the same buffer bits.
@@ -461,20 +515,11 @@ void StreamSource::pull_once() {
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, agreed_.data(), static_cast<int>(agreed_.size()),
                           MPI_INT64_T, MPI_MIN, group_comm_),
             "MPI_Allreduce (a stream's messages)");
-  for (size_t p = 0; p < producers_.size(); ++p) {
-    for (; taken_[p] < agreed_[p]; ++taken_[p]) {
-      const auto& slot = staging_[p][static_cast<size_t>(staged_head_[p])];
-      sp::Header header;
-      std::memcpy(&header, slot.data(), sizeof header);
-      if (header.kind == sp::kClose) {
-        closed_[p] = 1;
-        send_done(p);                  // the handshake: this producer's close() waits for it
-        if (p == 0) end_owed_ = true;  // no publish after producer 0's close
-      } else {
-        take(static_cast<int64_t>(p), slot.data());
-      }
-      staged_head_[p] = (staged_head_[p] + 1) % sp::kStagingSlots;
-      --staged_count_[p];
+  if (section_.merge == StreamMerge::round_robin) {
+    take_round_robin();
+  } else {
+    for (size_t p = 0; p < producers_.size(); ++p) {
+      while (taken_[p] < agreed_[p]) take_next(p);
     }
   }
   // The publish in flight tested, the waiting one or the end started (never waits).

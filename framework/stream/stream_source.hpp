@@ -174,6 +174,9 @@ class StreamSource : public RowSource {
   void receive();
   void pull_once();
   void take(int64_t producer, const unsigned char* message);
+  // Takes producer p's oldest staged message (rows or its close).
+  void take_next(size_t p);
+  void take_round_robin();  // stream.merge = "round_robin"
   void warn_producer_gone(size_t producer, int64_t still_open) const;
   // Rank 0: starts the send of the waiting publish once the previous one completed, and the
   // end once producer 0 closed (never waits).
@@ -208,6 +211,10 @@ class StreamSource : public RowSource {
   std::vector<int64_t> received_, taken_;  // messages, cumulative
   std::vector<int64_t> agreed_;            // the group's minimum of received_
   std::vector<char> closed_;               // its close was taken
+  // stream.merge = "round_robin": whether producer p sends rows to this group, and whose turn
+  // it is (the producer whose next message the merge waits for).
+  std::vector<char> feeds_group_;
+  size_t merge_turn_ = 0;
   // stream.producer_timeout: a producer none of the trainer's ranks heard from for that long,
   // unclosed, is gone (every rank votes at each pull, on the totals agreed at the one before,
   // and the unanimous vote decides, so every rank decides at the same pull). `reduced_`: the

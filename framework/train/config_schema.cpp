@@ -53,6 +53,7 @@ std::optional<KeyProblem> check_dy_inputs(const ConfigKey&, const RunConfig&, co
 std::optional<KeyProblem> check_normalize_targets(const ConfigKey&, const RunConfig&,
                                                   const KeyNames&);
 std::optional<KeyProblem> check_min_lr(const ConfigKey&, const RunConfig&, const KeyNames&);
+std::optional<KeyProblem> check_held_out_rows(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> check_steps(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> read_eval_every(const ConfigKey&, const toml::node&, RunConfig&);
 void write_eval_every(const ConfigKey&, const RunConfig&, toml::table&);
@@ -422,6 +423,12 @@ const std::vector<ConfigKey>& config_keys() {
                          any_value(), kFileCommands,
                          "a batch's rows: hashed from the buffer, or in the order they came")
                     .only_when(unless_stream));
+    k.push_back(make_key("stream", "merge", NAMED(stream.merge, stream_merge_choices()),
+                         any_value(), kFileCommands,
+                         "several producers' rows into one batch group: as they come, or round "
+                         "robin by producer rank and message index (the same order in every run; "
+                         "a slow producer holds back the others)")
+                    .only_when(unless_stream));
     k.push_back(make_key("stream", "dtype", NAMED(stream.dtype, stream_row_type_choices()),
                          any_value(), kFileCommands, "the rows' type as the producers send them")
                     .only_when(unless_stream));
@@ -436,6 +443,12 @@ const std::vector<ConfigKey>& config_keys() {
     k.push_back(make_key("stream", "test_fraction", FIELD(stream.test_fraction),
                          between(0, 1, true, "none held out"), kFileCommands,
                          "rows held out for evaluation, by a hash of producer rank and row number")
+                    .only_when(unless_stream));
+    k.push_back(make_key("stream", "held_out_rows", FIELD(stream.held_out_rows),
+                         non_negative("ceil(buffer_rows x test_fraction)"), kFileCommands,
+                         "rows each trainer rank keeps of the held-out rows (the newest): the "
+                         "test set's bound")
+                    .checked_by(check_held_out_rows, "with test_fraction > 0")
                     .only_when(unless_stream));
     k.push_back(make_key("stream", "checkpoint_buffer", FIELD(stream.checkpoint_buffer),
                          any_value(), kFileCommands,
@@ -1253,6 +1266,16 @@ std::optional<KeyProblem> check_min_lr(const ConfigKey&, const RunConfig& c,
   const OptimizerSection& opt = c.optimizer;
   if (!(opt.min_lr >= 0 && opt.min_lr <= opt.lr)) {
     return problem("must be in [0, ", names("optimizer.lr"), " = ", opt.lr, "], got ", opt.min_lr);
+  }
+  return std::nullopt;
+}
+
+std::optional<KeyProblem> check_held_out_rows(const ConfigKey&, const RunConfig& c,
+                                              const KeyNames& names) {
+  if (c.stream.held_out_rows > 0 && !(c.stream.test_fraction > 0.0)) {
+    return problem("= ", c.stream.held_out_rows, " sizes a held-out window, but ",
+                   names("stream.test_fraction"), " = ", c.stream.test_fraction,
+                   " holds no row out; set test_fraction > 0, or leave held_out_rows out");
   }
   return std::nullopt;
 }

@@ -5,6 +5,9 @@
 # every row both sent and end by itself (ctest's timeout ends a hang). Twice: with steps enough
 # that only the producers' ends end the run (the pulls' vote takes producer 1 for gone), and
 # with 50 steps, done before the timeout comes due (the trainer's end applies it).
+# With STREAM_MERGE=round_robin in the environment the trainer merges the two producers round
+# robin (stream.merge): once producer 0 closed, the merge waits at producer 1's turn until it
+# is taken for gone, then ends the same.
 #   producer_gone.sh PRODUCER MESHTRAIN TOML OUTPUT_DIR MPIEXEC [MPIEXEC FLAGS...]
 set -uo pipefail
 producer=$1 meshtrain=$2 toml=$3 out=$4
@@ -18,7 +21,8 @@ for steps in 100000000 50; do
   mkdir -p "$out"
   "$@" -np 2 "$producer" 4 no-close : -np 1 "$meshtrain" train "$toml" \
     --set run.output_dir="$out/run-$steps" --set stream.producer_timeout=2 \
-    --set train.steps=$steps --set train.log_every=1000 > "$log" 2> "$log.stderr"
+    --set train.steps=$steps --set train.log_every=1000 \
+    --set stream.merge="${STREAM_MERGE:-arrival}" > "$log" 2> "$log.stderr"
   rc=$?
   cat "$log" "$log.stderr"
   # The warning is read from stderr alone: in one file it may land inside a progress line.
