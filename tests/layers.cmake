@@ -5,7 +5,8 @@
 meshtrain_add_test(NAME layers_init_test SOURCES layers/init_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 TIMEOUT 120)
 # The activations' fast float32 exp and tanh (framework/core/fast_math.hpp): their ulp bounds
-# against float64 over a dense sweep of every float32, and glibc's special values exactly.
+# against float64 over a dense sweep of every float32, and glibc's special values exactly; the
+# SwiGLU layer's and MoE experts' silu jet (activation_math::silu_jet) against float64.
 meshtrain_add_test(NAME layers_activation_fast_math_test SOURCES layers/activation_fast_math_test.cpp
                    LIBS meshtrain_framework TIMEOUT 300)
 meshtrain_add_test(NAME layers_mlp_test SOURCES layers/mlp_test.cpp
