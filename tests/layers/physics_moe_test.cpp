@@ -65,6 +65,7 @@
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
 #include "tests/support/backend.hpp"
+#include "tests/support/expect_close.hpp"
 #include "tests/support/full_tensor.hpp"
 #include "tests/support/kokkos_allocations.hpp"
 #include "tests/support/reference_activations.hpp"
@@ -73,6 +74,9 @@
 namespace meshtrain {
 namespace {
 
+using testing::expect_close_scaled;
+using testing::rows_of;
+using testing::scaled_difference;
 using testing::Tensor;
 using Vec = std::vector<double>;
 
@@ -458,15 +462,6 @@ struct StepsRun {
   std::vector<std::string> built;  // the MoE layers' describe()
 };
 
-Matrix rows_of(const std::string& label, const Tensor& full, int64_t width, int64_t row0,
-               int64_t rows) {
-  Matrix m(label, rows, width);
-  auto h = Kokkos::create_mirror_view(m);
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < width; ++j) h(i, j) = static_cast<float>(full[(row0 + i) * width + j]);
-  Kokkos::deep_copy(m, h);
-  return m;
-}
 Tensor to_tensor(MatrixView m) {
   auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), m);
   Tensor t;
@@ -562,24 +557,6 @@ StepsRun run_steps(const ModelCase& m, const MeshCase& c, bool self, int steps, 
   for (const auto& p : model.parameters())
     run.final_params.push_back(testing::gather_full(p, mesh, context.rank(), comm));
   return run;
-}
-
-// The largest |got - ref| / max |ref| (no assertion).
-double scaled_difference(const Tensor& got, const Tensor& ref) {
-  double scale = 1e-30, worst = 0.0;
-  for (double v : ref) scale = std::max(scale, std::abs(v));
-  for (size_t i = 0; i < std::min(got.size(), ref.size()); ++i) {
-    worst = std::max(worst, std::abs(got[i] - ref[i]) / scale);
-  }
-  return worst;
-}
-// |got - ref| <= tolerance * max |ref| elementwise; returns the largest such ratio.
-double expect_close_scaled(const Tensor& got, const Tensor& ref, double tolerance,
-                           const std::string& what) {
-  EXPECT_EQ(got.size(), ref.size()) << what;
-  const double worst = scaled_difference(got, ref);
-  EXPECT_LE(worst, tolerance) << what << ": largest |got - ref| / max |ref| " << worst;
-  return worst;
 }
 
 // Every parameter gradient of `run`'s first step against central differences (h = 1e-6) of the

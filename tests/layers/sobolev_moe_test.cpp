@@ -55,6 +55,7 @@
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
 #include "tests/support/backend.hpp"
+#include "tests/support/expect_close.hpp"
 #include "tests/support/full_tensor.hpp"
 #include "tests/support/kokkos_allocations.hpp"
 #include "tests/support/reference_activations.hpp"
@@ -63,6 +64,8 @@
 namespace meshtrain {
 namespace {
 
+using testing::expect_close_scaled;
+using testing::rows_of;
 using testing::Tensor;
 using Vec = std::vector<double>;
 
@@ -374,16 +377,6 @@ struct StepsRun {
   std::vector<std::string> described;  // every layer's describe()
 };
 
-Matrix rows_of(const std::string& label, const Tensor& full, int64_t width, int64_t row0,
-               int64_t rows) {
-  Matrix m(label, rows, width);
-  auto h = Kokkos::create_mirror_view(m);
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < width; ++j) h(i, j) = static_cast<float>(full[(row0 + i) * width + j]);
-  Kokkos::deep_copy(m, h);
-  return m;
-}
-
 // reduce = false: the gradients are left for reduce_gradients(), as gradient accumulation runs
 // it (the MoE layers reduce theirs in the backward either way).
 StepsRun run_steps(const ModelCase& m, const MeshCase& c, bool self, int steps, float lr,
@@ -460,19 +453,6 @@ StepsRun run_steps(const ModelCase& m, const MeshCase& c, bool self, int steps, 
   for (const auto& p : model.parameters())
     run.final_params.push_back(testing::gather_full(p, mesh, context.rank(), comm));
   return run;
-}
-
-// |got - ref| <= tolerance * max |ref| elementwise; returns the largest such ratio.
-double expect_close_scaled(const Tensor& got, const Tensor& ref, double tolerance,
-                           const std::string& what) {
-  EXPECT_EQ(got.size(), ref.size()) << what;
-  double scale = 1e-30, worst = 0.0;
-  for (double v : ref) scale = std::max(scale, std::abs(v));
-  for (size_t i = 0; i < std::min(got.size(), ref.size()); ++i) {
-    worst = std::max(worst, std::abs(got[i] - ref[i]) / scale);
-  }
-  EXPECT_LE(worst, tolerance) << what << ": largest |got - ref| / max |ref| " << worst;
-  return worst;
 }
 
 // Under tp the runs take the feature-axis paths (the layouts the layers report): every model
