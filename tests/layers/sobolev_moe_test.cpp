@@ -18,8 +18,8 @@
 //     docs/derivatives.md, the experts' tangents by f' only), and every parameter gradient
 //     against its central differences (h = 1e-6, the routing of the unperturbed forward held
 //     fixed, as the layer differentiates): |got - fd| <= 2e-6 max |fd| per tensor.
-//   * EveryMeshEqualsOneRank (np 1, 2, 4): 3 SGD steps (lr 0.02, SwiGLU 4e-4, the split-stream
-//     residual_mlps 0.005, see ModelCase::lr) on ep, dp, fsdp,
+//   * EveryMeshEqualsOneRank (np 1, 2, 4): 3 SGD steps (lr 0.02, SwiGLU 4e-4, the 4-input silu
+//     residual_mlp 0.005, see ModelCase::lr) on ep, dp, fsdp,
 //     tp and (np 4) ep4, dp x ep, fsdp x ep, ep x tp against the same steps on one rank
 //     (MPI_COMM_SELF) in the same test: losses, every gradient of every step and the parameters
 //     after, within 1e-5 of the tensor's largest |value|; the step's passes allocate nothing
@@ -97,7 +97,7 @@ struct ModelCase {
   int64_t inputs() const { return residual ? residual_inputs : 4; }
   bool split_stream() const { return residual && residual_inputs == 4; }
   // SGD's step: 0.02; SwiGLU experts 50 times smaller (their products grow faster: at 0.02 the
-  // 3 steps are not finite). The split-stream residual_mlps 4 times smaller: at 0.02 their
+  // 3 steps are not finite). The 4-input silu residual_mlp 4 times smaller: at 0.02 its
   // loss grows 100-fold by step 3 (data 36 -> 3.9e3, derivative 73 -> 2.9e4, gradients 80 ->
   // 2.4e4), which magnifies the float32 rounding of the first step (1e-7) to 1.2e-5 of the
   // gradients on dp2, beyond the tolerance; one rank fed the same 16 rows in reverse order
