@@ -170,21 +170,9 @@ void router_logit_gradient_kernel(const Matrix& probs, const Matrix& gates, cons
       });
 }
 
-// silu(a) = a s (s the sigmoid) and its first three derivatives, p = s (1 - s):
-//   h1 = s (1 + a (1 - s)),  h2 = p (2 + a (1 - 2s)),  h3 = 3 p (1 - 2s) + a p (1 - 6p)
-// (layers/swiglu.cpp's, from activation_math's sigmoids as the experts' forward).
-struct SiluJet {
-  float h, h1, h2, h3;
-};
-KOKKOS_INLINE_FUNCTION SiluJet silu_jet(float a) {
-  const activation_math::Sigmoids sg = activation_math::sigmoids(a);
-  const float s = sg.of_x, p = sg.of_x * sg.of_minus;
-  return {a * s, s * (1.0f + a * sg.of_minus), p * (2.0f + a * (sg.of_minus - s)),
-          3.0f * p * (sg.of_minus - s) + a * p * (1.0f - 6.0f * p)};
-}
-
 // SwiGLU experts' second-order streams (the forward Laplacian), h = silu(a) u per element of
-// the `received` rows, each with k tangents then k second-order streams (2k rows):
+// the `received` rows, each with k tangents then k second-order streams (2k rows), by the
+// SwiGLU layer's jet and formulas (activation_math::silu_jet, swiglu_streams):
 //   t_h = h1 t_a u + h t_u,   q_h = (h1 q_a + h2 t_a^2) u + 2 h1 t_a t_u + h q_u.
 void swiglu_second_order_streams(MatrixView gate, MatrixView up, MatrixView t_gate, MatrixView t_up,
                                  MatrixView out, int64_t received, int64_t k) {
@@ -192,19 +180,20 @@ void swiglu_second_order_streams(MatrixView gate, MatrixView up, MatrixView t_ga
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::moe_swiglu_second_order"), matrix_range(received, width),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-        const SiluJet f = silu_jet(gate(i, j));
+        const activation_math::SiluJet f = activation_math::silu_jet(gate(i, j));
         const float u = up(i, j);
         for (int64_t d = 0; d < k; ++d) {
           const int64_t tt = i * 2 * k + d, qq = tt + k;
-          const float tg = t_gate(tt, j), tu = t_up(tt, j);
-          out(tt, j) = f.h1 * tg * u + f.h * tu;
-          out(qq, j) = (f.h1 * t_gate(qq, j) + f.h2 * tg * tg) * u + 2.0f * f.h1 * tg * tu +
-                       f.h * t_up(qq, j);
+          const activation_math::SwigluStreams o = activation_math::swiglu_streams(
+              f, u, t_gate(tt, j), t_up(tt, j), t_gate(qq, j), t_up(qq, j));
+          out(tt, j) = o.t;
+          out(qq, j) = o.q;
         }
       });
 }
 
-// SwiGLU experts' backward through the tangents, per element of the `received` rows,
+// SwiGLU experts' backward through the tangents, per element of the `received` rows (the SwiGLU
+// layer's jet and formulas: activation_math::silu_jet, swiglu_stream_gradients),
 // h = silu(a) u with a = gate, u = up (pre-activations). First order (Sobolev training: k
 // tangents per row, t_h = silu'(a) u t_a + silu(a) t_u), from dh (the value's gradient,
 // overwritten by up's) and dth (the tangents'):
@@ -225,28 +214,24 @@ void swiglu_backward_with_tangents(MatrixView gate, MatrixView up, MatrixView t_
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::moe_swiglu_backward_with_tangents"),
       matrix_range(received, width), KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
-        const SiluJet f = silu_jet(gate(i, j));
+        const activation_math::SiluJet f = activation_math::silu_jet(gate(i, j));
         const float u = up(i, j);
         const float g = dh(i, j);
         float grad_gate = g * u * f.h1, grad_up = g * f.h;
         for (int64_t d = 0; d < k; ++d) {
           const int64_t t = i * per_row + d, q = t + k;
-          const float gt = dth(t, j), ta = t_gate(t, j), tu = t_up(t, j);
-          grad_gate += gt * (f.h2 * u * ta + f.h1 * tu);
-          grad_up += gt * f.h1 * ta;
-          float d_ta = gt * u * f.h1, d_tu = gt * f.h;
+          const float qa = second ? t_gate(q, j) : 0.0f, qu = second ? t_up(q, j) : 0.0f;
+          const float gq = second ? dth(q, j) : 0.0f;
+          const activation_math::SwigluStreamGradients r = activation_math::swiglu_stream_gradients(
+              f, u, t_gate(t, j), t_up(t, j), qa, qu, dth(t, j), gq);
+          grad_gate += r.gate;
+          grad_up += r.up;
+          d_t_gate(t, j) = r.t_gate;
+          d_t_up(t, j) = r.t_up;
           if (second) {
-            const float gq = dth(q, j), qa = t_gate(q, j), qu = t_up(q, j);
-            d_ta += 2.0f * gq * (f.h2 * ta * u + f.h1 * tu);
-            d_tu += 2.0f * gq * f.h1 * ta;
-            d_t_gate(q, j) = gq * u * f.h1;
-            d_t_up(q, j) = gq * f.h;
-            grad_gate +=
-                gq * ((f.h2 * qa + f.h3 * ta * ta) * u + 2.0f * f.h2 * ta * tu + f.h1 * qu);
-            grad_up += gq * (f.h1 * qa + f.h2 * ta * ta);
+            d_t_gate(q, j) = r.q_gate;
+            d_t_up(q, j) = r.q_up;
           }
-          d_t_gate(t, j) = d_ta;
-          d_t_up(t, j) = d_tu;
         }
         d_gate(i, j) = grad_gate;
         dh(i, j) = grad_up;

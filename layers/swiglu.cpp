@@ -6,7 +6,6 @@
 #include "base/error.hpp"
 #include "framework/core/activation_math.hpp"
 #include "framework/core/exec_space.hpp"
-#include "framework/core/fast_math.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
@@ -263,24 +262,9 @@ void SwiGlu::reserve_cotangents(int64_t directions) {
   cotangent_capacity_ = directions;
 }
 
-namespace {
-
-// silu(z) = z s (s the sigmoid) and its first three derivatives, p = s (1 - s):
-//   h1 = s (1 + z (1 - s)),  h2 = p (2 + z (1 - 2s)),  h3 = 3 p (1 - 2s) + z p (1 - 6p).
-struct SiluDerivatives {
-  float h, h1, h2, h3;
-};
-KOKKOS_INLINE_FUNCTION SiluDerivatives silu_derivatives(float z) {
-  const float s = 1.0f / (1.0f + fast_math::exp(-z));  // +inf for z << 0: s = 0
-  const float p = s * (1.0f - s);
-  return {z * s, s * (1.0f + z * (1.0f - s)), p * (2.0f + z * (1.0f - 2.0f * s)),
-          3.0f * p * (1.0f - 2.0f * s) + z * p * (1.0f - 6.0f * p)};
-}
-
-}  // namespace
-
 // a = silu(g) u along each row's k tangents (t) and k second-order streams (s)
-// (docs/derivatives.md), h = silu(g) and h1, h2 its derivatives:
+// (docs/derivatives.md), h = silu(g) and h1, h2 its derivatives (activation_math::silu_jet and
+// swiglu_streams, the MoE layer's SwiGLU experts' too):
 //   t_a = h1 t_g u + h t_u,   s_a = (h1 s_g + h2 t_g^2) u + 2 h1 t_g t_u + h s_u.
 void SwiGlu::swiglu_second_order(MatrixView gate, MatrixView value, MatrixView dgate,
                                  MatrixView dvalue, MatrixView out) const {
@@ -291,14 +275,14 @@ void SwiGlu::swiglu_second_order(MatrixView gate, MatrixView value, MatrixView d
       MESHTRAIN_LABEL("meshtrain::swiglu_second_order"),
       Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
         for (int64_t j = 0; j < cols; ++j) {
-          const SiluDerivatives f = silu_derivatives(gate(i, j));
+          const activation_math::SiluJet f = activation_math::silu_jet(gate(i, j));
           const float u = value(i, j);
           for (int64_t d = 0; d < k; ++d) {
             const int64_t tt = i * 2 * k + d, qq = tt + k;
-            const float tg = dgate(tt, j), tu = dvalue(tt, j);
-            out(tt, j) = f.h1 * tg * u + f.h * tu;
-            out(qq, j) = (f.h1 * dgate(qq, j) + f.h2 * tg * tg) * u + 2.0f * f.h1 * tg * tu +
-                         f.h * dvalue(qq, j);
+            const activation_math::SwigluStreams o = activation_math::swiglu_streams(
+                f, u, dgate(tt, j), dvalue(tt, j), dgate(qq, j), dvalue(qq, j));
+            out(tt, j) = o.t;
+            out(qq, j) = o.q;
           }
         }
       });
@@ -337,23 +321,24 @@ MatrixView SwiGlu::backward_with_tangents(MatrixView dy, MatrixView dt, bool nee
       MESHTRAIN_LABEL("meshtrain::swiglu_second_order_backward"),
       Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
         for (int64_t j = 0; j < cols; ++j) {
-          const SiluDerivatives f = silu_derivatives(gate(i, j));
+          const activation_math::SiluJet f = activation_math::silu_jet(gate(i, j));
           const float u = value(i, j), a = dy(i, j);
-          float gu = a * f.h, gz = a * f.h1 * u;
+          float gu = a * f.h, gz = a * u * f.h1;
           for (int64_t d = 0; d < k; ++d) {
             const int64_t tt = i * per_row + d, qq = tt + k;
-            const float tg = tgate(tt, j), sg = second ? tgate(qq, j) : 0.0f;
-            const float tu = tvalue(tt, j), su = second ? tvalue(qq, j) : 0.0f;
-            const float gt = dt(tt, j), gs = second ? dt(qq, j) : 0.0f;
+            const float sg = second ? tgate(qq, j) : 0.0f, su = second ? tvalue(qq, j) : 0.0f;
+            const float gs = second ? dt(qq, j) : 0.0f;
+            const activation_math::SwigluStreamGradients r =
+                activation_math::swiglu_stream_gradients(f, u, tgate(tt, j), tvalue(tt, j), sg, su,
+                                                         dt(tt, j), gs);
             if (second) {
-              svalue(qq, j) = gs * f.h;
-              sgate(qq, j) = gs * u * f.h1;
+              svalue(qq, j) = r.q_up;
+              sgate(qq, j) = r.q_gate;
             }
-            svalue(tt, j) = gt * f.h + 2.0f * gs * f.h1 * tg;
-            sgate(tt, j) = gt * f.h1 * u + 2.0f * gs * (f.h2 * tg * u + f.h1 * tu);
-            gu += gt * f.h1 * tg + gs * (f.h1 * sg + f.h2 * tg * tg);
-            gz += gt * (f.h2 * tg * u + f.h1 * tu) +
-                  gs * ((f.h2 * sg + f.h3 * tg * tg) * u + 2.0f * f.h2 * tg * tu + f.h1 * su);
+            svalue(tt, j) = r.t_up;
+            sgate(tt, j) = r.t_gate;
+            gu += r.up;
+            gz += r.gate;
           }
           gvalue(i, j) = gu;
           ggate(i, j) = gz;

@@ -5,7 +5,8 @@
 meshtrain_add_test(NAME layers_init_test SOURCES layers/init_test.cpp
                    LIBS meshtrain_framework NP 1 2 4 TIMEOUT 120)
 # The activations' fast float32 exp and tanh (framework/core/fast_math.hpp): their ulp bounds
-# against float64 over a dense sweep of every float32, and glibc's special values exactly.
+# against float64 over a dense sweep of every float32, and glibc's special values exactly; the
+# SwiGLU layer's and MoE experts' silu jet (activation_math::silu_jet) against float64.
 meshtrain_add_test(NAME layers_activation_fast_math_test SOURCES layers/activation_fast_math_test.cpp
                    LIBS meshtrain_framework TIMEOUT 300)
 meshtrain_add_test(NAME layers_mlp_test SOURCES layers/mlp_test.cpp
@@ -90,8 +91,9 @@ meshtrain_add_test(NAME layers_sparse_optimizer_test SOURCES layers/sparse_optim
 # Training on derivatives through MoE layers (an mlp of linear experts, residual_mlp blocks of
 # activation or SwiGLU experts): losses and every parameter gradient against float64 central
 # differences with the routing held fixed, ep, dp, fsdp, tp, dp x ep, fsdp x ep, ep x tp against
-# one rank after 3 steps, no allocation per step; the Laplacian accepted for every kind of
-# expert (its checks: layers_physics_moe_test).
+# one rank after 3 steps (the residual_mlps with 4 inputs through the MoE block's split-input
+# path under tp), no allocation per step; the Laplacian accepted for every kind of expert (its
+# checks: layers_physics_moe_test).
 meshtrain_add_test(NAME layers_sobolev_moe_test SOURCES layers/sobolev_moe_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 300)
 # Physics losses through MoE layers (linear, activation and SwiGLU experts, the latter two also
@@ -99,6 +101,6 @@ meshtrain_add_test(NAME layers_sobolev_moe_test SOURCES layers/sobolev_moe_test.
 # float64 reference of jets (itself against central differences), every parameter gradient
 # against float64 central differences with the routing held fixed, the gates' second-order term
 # seen; ep, dp, fsdp, tp, dp x ep, fsdp x ep, ep x tp against one rank after 3 steps, no
-# allocation per step.
+# allocation per step; the MoE block's split-input path on tp2 and ep2 x tp2 against float64.
 meshtrain_add_test(NAME layers_physics_moe_test SOURCES layers/physics_moe_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 300)

@@ -60,6 +60,57 @@ KOKKOS_FORCEINLINE_FUNCTION SwigluGradients swiglu_gradients(float g, float u, f
   return {d * u * (s.of_x * (1.0f + g * s.of_minus)), d * g * s.of_x};
 }
 
+// silu(a) = a s (s the sigmoid) and its first three derivatives, p = s (1 - s):
+//   h1 = s (1 + a (1 - s)),  h2 = p (2 + a (1 - 2s)),  h3 = 3 p (1 - 2s) + a p (1 - 6p)
+// from sigmoids(a), so 1 - s is never a difference (p is exact to rounding where s rounds to 1)
+// and h, h1 are swiglu_value's and swiglu_gradients' silu and slope bit for bit. The one jet
+// of the SwiGLU layer's and the SwiGLU MoE experts' second-order streams (swiglu_streams,
+// swiglu_stream_gradients below).
+struct SiluJet {
+  float h, h1, h2, h3;
+};
+KOKKOS_FORCEINLINE_FUNCTION SiluJet silu_jet(float a) {
+  const Sigmoids sg = sigmoids(a);
+  const float s = sg.of_x, p = sg.of_x * sg.of_minus, one_minus_2s = sg.of_minus - s;
+  return {a * s, s * (1.0f + a * sg.of_minus), p * (2.0f + a * one_minus_2s),
+          3.0f * p * one_minus_2s + a * p * (1.0f - 6.0f * p)};
+}
+
+// SwiGLU's streams per element and direction (docs/derivatives.md), h = silu(a) u with a the
+// gate's and u the up projection's pre-activation, f = silu_jet(a); t_a, t_u their tangents and
+// q_a, q_u their second-order streams (0 for first-order tangents):
+//   t = h1 t_a u + h t_u,   q = (h1 q_a + h2 t_a^2) u + 2 h1 t_a t_u + h q_u
+struct SwigluStreams {
+  float t, q;
+};
+KOKKOS_FORCEINLINE_FUNCTION SwigluStreams swiglu_streams(const SiluJet& f, float u, float ta,
+                                                         float tu, float qa, float qu) {
+  return {f.h1 * ta * u + f.h * tu,
+          (f.h1 * qa + f.h2 * ta * ta) * u + 2.0f * f.h1 * ta * tu + f.h * qu};
+}
+// Their reverse for one direction, from the streams' gradients g_t, g_q (g_q, q_a, q_u 0 for
+// first-order tangents): the terms this direction adds to the gate's and up's value gradients
+// and the gradients of t_a, t_u, q_a, q_u:
+//   gate  += g_t (h2 t_a u + h1 t_u) + g_q ((h2 q_a + h3 t_a^2) u + 2 h2 t_a t_u + h1 q_u)
+//   up    += g_t h1 t_a + g_q (h1 q_a + h2 t_a^2)
+//   d t_a  = g_t h1 u + 2 g_q (h2 t_a u + h1 t_u),   d t_u = g_t h + 2 g_q h1 t_a
+//   d q_a  = g_q h1 u,                              d q_u = g_q h
+struct SwigluStreamGradients {
+  float gate, up, t_gate, t_up, q_gate, q_up;
+};
+KOKKOS_FORCEINLINE_FUNCTION SwigluStreamGradients swiglu_stream_gradients(const SiluJet& f, float u,
+                                                                          float ta, float tu,
+                                                                          float qa, float qu,
+                                                                          float gt, float gq) {
+  return {gt * (f.h2 * ta * u + f.h1 * tu) +
+              gq * ((f.h2 * qa + f.h3 * ta * ta) * u + 2.0f * f.h2 * ta * tu + f.h1 * qu),
+          gt * f.h1 * ta + gq * (f.h1 * qa + f.h2 * ta * ta),
+          gt * f.h1 * u + 2.0f * gq * (f.h2 * ta * u + f.h1 * tu),
+          gt * f.h + 2.0f * gq * f.h1 * ta,
+          gq * f.h1 * u,
+          gq * f.h};
+}
+
 // Phi(x) = 0.5 (1 + erf(x / sqrt 2)) written 0.5 erfc(-x / sqrt 2): no cancellation for x << 0.
 KOKKOS_FORCEINLINE_FUNCTION float normal_cdf(float x) {
   return 0.5f * kmath::erfc(-x * kInvSqrt2);

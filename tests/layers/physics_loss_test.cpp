@@ -62,6 +62,7 @@
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
 #include "tests/support/backend.hpp"
+#include "tests/support/expect_close.hpp"
 #include "tests/support/full_tensor.hpp"
 #include "tests/support/kokkos_allocations.hpp"
 #include "tests/support/mesh_cases.hpp"
@@ -72,6 +73,8 @@
 namespace meshtrain {
 namespace {
 
+using testing::expect_close_scaled;
+using testing::rows_of;
 using testing::Tensor;
 
 constexpr int64_t kRows = 16;  // global batch (divides by 1, 2, 4)
@@ -500,16 +503,6 @@ struct MeshSetup {
   }
 };
 
-Matrix rows_of(const std::string& label, const Tensor& full, int64_t width, int64_t row0,
-               int64_t rows) {
-  Matrix m(label, rows, width);
-  auto h = Kokkos::create_mirror_view(m);
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < width; ++j) h(i, j) = static_cast<float>(full[(row0 + i) * width + j]);
-  Kokkos::deep_copy(m, h);
-  return m;
-}
-
 Tensor to_tensor(MatrixView m) {
   auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), m);
   Tensor t;
@@ -611,20 +604,6 @@ StepsRun run_steps(const testing::MeshCase& c, const ModelCase& m, bool self, in
   for (const auto& p : model.parameters())
     run.final_params.push_back(testing::gather_full(p, s.mesh, context.rank(), comm));
   return run;
-}
-
-// |got - ref| <= tolerance * max |ref| elementwise; returns the largest such ratio.
-// floor: the least scale (for a reference that is 0 throughout, as relu's d2u).
-double expect_close_scaled(const Tensor& got, const Tensor& ref, double tolerance,
-                           const std::string& what, double floor = 1e-30) {
-  EXPECT_EQ(got.size(), ref.size()) << what;
-  double scale = floor, worst = 0.0;
-  for (double v : ref) scale = std::max(scale, std::abs(v));
-  for (size_t i = 0; i < std::min(got.size(), ref.size()); ++i) {
-    worst = std::max(worst, std::abs(got[i] - ref[i]) / scale);
-  }
-  EXPECT_LE(worst, tolerance) << what << ": largest |got - ref| / max |ref| " << worst;
-  return worst;
 }
 
 TEST(PhysicsLoss, LaplacianMatchesFiniteDifferences) {

@@ -101,4 +101,15 @@ inline Tensor gather_full(const ShardedTensor& t, const Mesh& mesh, int rank,
   return full;
 }
 
+// Rows row0 .. row0 + rows - 1 of a global [*, width] tensor, as this rank's float input.
+inline Matrix rows_of(const std::string& label, const Tensor& full, int64_t width, int64_t row0,
+                      int64_t rows) {
+  Matrix m(label, rows, width);
+  auto h = Kokkos::create_mirror_view(m);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < width; ++j) h(i, j) = static_cast<float>(full[(row0 + i) * width + j]);
+  Kokkos::deep_copy(m, h);
+  return m;
+}
+
 }  // namespace meshtrain::testing
