@@ -33,6 +33,7 @@
 #include "framework/comm/exit_policy.hpp"
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
+#include "framework/core/sigmoid.hpp"
 #include "framework/io/batch_stream.hpp"
 #include "framework/io/data.hpp"
 #include "framework/io/hdf5_util.hpp"
@@ -388,10 +389,7 @@ int run_dlrm_predict(const PredictOptions& options, int rank, const std::vector<
     if (output.writer() && count > 0 && !failed) {
       try {
         for (int64_t r = 0; r < count; ++r) {
-          const double z = logits[r];  // a numerically safe sigmoid, rounded once
-          const double e = std::exp(-std::abs(z));
-          probabilities[static_cast<size_t>(r)] =
-              static_cast<float>(z >= 0 ? 1.0 / (1.0 + e) : e / (1.0 + e));
+          probabilities[static_cast<size_t>(r)] = stable_sigmoid(logits[r]);
         }
         const long long at = rows[0] * 4LL;  // a slice's rows of a batch are consecutive
         output.write(kDlrmPrediction, probabilities.data(), static_cast<size_t>(count) * 4, at);

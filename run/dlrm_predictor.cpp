@@ -13,7 +13,8 @@
 #include "framework/core/exec_space.hpp"
 #include "framework/core/gemm.hpp"  // set_matmul_precision
 #include "framework/core/kernel_label.hpp"
-#include "framework/core/kokkos_math.hpp"
+#include "framework/core/sigmoid.hpp"
+#include "framework/core/view_ops.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/train/model_summary.hpp"
 #include "layers/mlp.hpp"  // specs_from_plan
@@ -21,34 +22,29 @@
 namespace meshtrain {
 namespace {
 
-// dense rows [first, end) = 0 (the padding of a partial call).
-void zero_dense_rows(const Matrix& x, int64_t first) {
-  if (first >= static_cast<int64_t>(x.extent(0))) return;
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::dlrm_predict_pad"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
-          device_space(), {first, int64_t{0}},
-          {static_cast<int64_t>(x.extent(0)), static_cast<int64_t>(x.extent(1))}),
-      KOKKOS_LAMBDA(const int64_t i, const int64_t j) { x(i, j) = 0.0f; });
-}
-
-// p = sigmoid(z) per row, evaluated in double (numerically safe) and rounded once, as `meshtrain
-// predict` writes /prediction.
+// p = sigmoid(z) per row (stable_sigmoid: in double, rounded once, as `meshtrain predict`).
 void sigmoid_rows(const MatrixView& logits, const Matrix& probabilities) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::dlrm_predict_sigmoid"),
       Kokkos::RangePolicy<>(device_space(), 0, static_cast<int64_t>(probabilities.extent(0))),
-      KOKKOS_LAMBDA(const int64_t i) {
-        const double z = logits(i, 0);
-        const double e = kmath::exp(-(z < 0 ? -z : z));
-        probabilities(i, 0) = static_cast<float>(z >= 0 ? 1.0 / (1.0 + e) : e / (1.0 + e));
-      });
+      KOKKOS_LAMBDA(const int64_t i) { probabilities(i, 0) = stable_sigmoid(logits(i, 0)); });
 }
 
-// The fence's label, made once (a std::string made per call would be a heap allocation).
-const std::string& fence_label() {
-  static const std::string label = "meshtrain::dlrm_predict_fence";
-  return label;
+// The checkpoint config's overrides that DlrmPredictor cannot honour: the mesh is this rank's
+// (every axis at size 1) and the model predicts in fp32 as it trains (Dlrm refuses a 16-bit
+// context), whatever they say. Throws bad_input naming the first such key.
+void refuse_dlrm_overrides(const std::vector<std::string>& overrides) {
+  for (const std::string& o : overrides) {
+    const std::string key = override_key(o);
+    const bool mesh = key == "mesh" || key.rfind("mesh.", 0) == 0;
+    const bool precision = key == "mixed_precision" || key.rfind("mixed_precision.", 0) == 0;
+    if (mesh || precision) {
+      MESHTRAIN_BAD_INPUT("DlrmPredictor: the override of ", key, " is refused: ",
+                          mesh ? "the model is whole on this rank, every mesh axis at size 1"
+                               : "a DLRM predicts in fp32, as it trains",
+                          ", whatever the override says");
+    }
+  }
 }
 
 }  // namespace
@@ -58,7 +54,6 @@ DlrmPredictor::DlrmPredictor(const std::string& checkpoint, int64_t batch_size, 
   device_space();  // the long-lived instances (exec_space.hpp), made before any call
   host_space();
   predictor_detail::copy_rows_label();
-  fence_label();
   if (batch_size < 0) {
     MESHTRAIN_BAD_INPUT("DlrmPredictor: the batch size must be positive or 0 (the config's), got ",
                         batch_size);
@@ -68,6 +63,7 @@ DlrmPredictor::DlrmPredictor(const std::string& checkpoint, int64_t batch_size, 
                         max_ids);
   }
   check_prediction_overrides(overrides);
+  refuse_dlrm_overrides(overrides);
   path_ = resolve_checkpoint_path(checkpoint);
   const CheckpointInfo info = list_checkpoint(path_).info;
   step_ = info.train_state.step;
@@ -80,15 +76,16 @@ DlrmPredictor::DlrmPredictor(const std::string& checkpoint, int64_t batch_size, 
   }
   shape_ = config_.model.dlrm();
   require_comm_backend_available(config_.runtime.backend);
-  // fp32, as the model trains (Dlrm refuses a 16-bit context).
+  // fp32, as the model trains (Dlrm refuses a 16-bit context); the matmul precision fp32 unless
+  // an override sets it, as for Predictor.
   config_.mixed_precision = {};
-  config_.runtime.matmul_precision = MatmulPrecision::fp32;
+  if (!predictor_detail::overrides_key(overrides, "runtime.matmul_precision")) {
+    config_.runtime.matmul_precision = MatmulPrecision::fp32;
+  }
   set_matmul_precision(config_.runtime.matmul_precision);
 
-  // Every axis of the config's mesh stays (the partition rules may name them), at size 1: the
-  // whole model on this rank.
-  for (auto& axis : config_.mesh.axes) axis.second = 1;
-  mesh_ = config_.mesh.resolve(1);
+  // The whole model on this rank (Predictor's mesh for a model whole on every rank).
+  mesh_ = predictor_detail::whole_model_mesh(config_.mesh, 1);
   batch_size_ =
       batch_size > 0 ? batch_size : config_.data.eval_batch_size.value_or(config_.data.batch_size);
   max_ids_ = max_ids > 0 ? max_ids : batch_size_;
@@ -130,7 +127,6 @@ DlrmPredictor::DlrmPredictor(const std::string& checkpoint, int64_t batch_size, 
   std::vector<int64_t> zeros(1, 0);
   std::vector<DlrmBags> empty(shape_.tables.size(),
                               DlrmBags{HostIds(zeros.data(), 1), HostIds(zeros.data(), 0)});
-  zero_dense_rows(dense_, 0);
   run(0, empty);
 }
 
@@ -208,7 +204,7 @@ void DlrmPredictor::check_input(int64_t rows, int64_t width,
 }
 
 DlrmPrediction DlrmPredictor::run(int64_t rows, const std::vector<DlrmBags>& bags) {
-  zero_dense_rows(dense_, rows);
+  if (rows < batch_size_) predictor_detail::zero_rows(dense_, rows);
   for (size_t t = 0; t < bags.size(); ++t) {
     const HostIds& offsets = bags[t].offsets;
     const HostIds& ids = bags[t].ids;
@@ -217,16 +213,18 @@ DlrmPrediction DlrmPredictor::run(int64_t rows, const std::vector<DlrmBags>& bag
     for (int64_t r = 0; r <= rows; ++r) offsets_host(r) = offsets(r);
     for (int64_t r = rows + 1; r <= batch_size_; ++r) offsets_host(r) = count;  // empty bags
     std::copy(ids.data(), ids.data() + count, ids_host_[t].data());
-    if (offsets_host.data() != offsets_[t].data()) {
-      Kokkos::deep_copy(offsets_[t], offsets_host);
-      Kokkos::deep_copy(Kokkos::subview(ids_[t], std::make_pair(int64_t{0}, count)),
-                        Kokkos::subview(ids_host_[t], std::make_pair(int64_t{0}, count)));
+    if (device_memory_is_separate()) {
+      copy_view(offsets_[t], offsets_host);
+      copy_view(Kokkos::subview(ids_[t], std::make_pair(int64_t{0}, count)),
+                Kokkos::subview(ids_host_[t], std::make_pair(int64_t{0}, count)));
     }
   }
   const MatrixView logits = model_->forward(dense_, model_bags_);
   sigmoid_rows(logits, probabilities_);
-  fence_space(device_space(), fence_label());
-  return DlrmPrediction{rows, logits, probabilities_};
+  fence_device(MESHTRAIN_LABEL("meshtrain::DlrmPredictor::predict"));
+  // Rows [0, rows): the padding rows are computed, never returned.
+  return DlrmPrediction{rows, ConstMatrixView(logits.data(), rows, 1),
+                        ConstMatrixView(probabilities_.data(), rows, 1)};
 }
 
 }  // namespace meshtrain

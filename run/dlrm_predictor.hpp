@@ -33,7 +33,8 @@
 // model trains in fp32 only).
 //
 // Errors, all bad_input in one sentence, thrown by the call that meets them: the constructor's
-// (a checkpoint that is not a DLRM's, naming its model.kind; an override that changes the model;
+// (a checkpoint that is not a DLRM's, naming its model.kind; an override that changes the model
+// or sets mesh.* or mixed_precision.*;
 // a negative batch_size or max_ids) and predict()'s (a dense view of the wrong width or too many
 // rows; a bags list of the wrong length; offsets too short, not starting at 0 or decreasing;
 // more ids in a table than max_ids(); an id outside its table, naming the table, the row and the
@@ -48,6 +49,7 @@
 #include <vector>
 
 #include "framework/comm/mesh_communicators.hpp"
+#include "framework/core/view_ops.hpp"  // copy_view
 #include "framework/core/views.hpp"
 #include "framework/train/config.hpp"
 #include "layers/context.hpp"
@@ -67,11 +69,11 @@ struct DlrmBags {
 };
 
 // The result of one DlrmPredictor::predict call, in the default memory space, valid until the
-// next call: rows [0, rows) of each view.
+// next call: the call's rows [0, rows), as Prediction's (run/predictor.hpp).
 struct DlrmPrediction {
   int64_t rows = 0;
-  ConstMatrixView logits;         // [batch_size, 1]
-  ConstMatrixView probabilities;  // [batch_size, 1]: sigmoid(logit)
+  ConstMatrixView logits;         // [rows, 1]
+  ConstMatrixView probabilities;  // [rows, 1]: sigmoid(logit)
 };
 
 class DlrmPredictor {
@@ -80,7 +82,9 @@ class DlrmPredictor {
   // batch_size: the most rows per call (0: the config's data.eval_batch_size, else
   // data.batch_size). max_ids: the most ids one table's bags hold in a call (0: batch_size, one
   // id per bag). overrides: "section.key=value" as Predictor's (those that leave the model as
-  // it is; the mesh is this rank's whatever they say). A Runtime must exist. Not collective.
+  // it is; runtime.matmul_precision honoured as there, fp32 without it), but none of mesh.* or
+  // mixed_precision.* (the mesh is this rank's, the model fp32: refused naming the key). A
+  // Runtime must exist. Not collective.
   explicit DlrmPredictor(const std::string& checkpoint, int64_t batch_size = 0, int64_t max_ids = 0,
                          const std::vector<std::string>& overrides = {});
   ~DlrmPredictor();
@@ -149,11 +153,10 @@ DlrmPrediction DlrmPredictor::predict(const DenseView& dense, const std::vector<
                                                                cols);
   } else {
     predictor_detail::copy_rows<Kokkos::DefaultHostExecutionSpace>(dense_host_, dense, rows, cols);
-    if (dense_host_.data() != dense_.data()) {
+    if (device_memory_is_separate()) {
       // Only the rows given: the padding rows are zeroed on the model's side.
-      Kokkos::deep_copy(
-          Kokkos::subview(dense_, std::make_pair(int64_t{0}, rows), Kokkos::ALL),
-          Kokkos::subview(dense_host_, std::make_pair(int64_t{0}, rows), Kokkos::ALL));
+      copy_view(Kokkos::subview(dense_, std::make_pair(int64_t{0}, rows), Kokkos::ALL),
+                Kokkos::subview(dense_host_, std::make_pair(int64_t{0}, rows), Kokkos::ALL));
     }
   }
   return run(rows, bags);
@@ -173,9 +176,7 @@ int64_t DlrmPredictor::predict(const DenseView& dense, const std::vector<DlrmBag
     predictor_detail::copy_rows<Kokkos::DefaultExecutionSpace>(y, result.probabilities, result.rows,
                                                                1);
   } else {
-    if (probabilities_host_.data() != probabilities_.data()) {
-      Kokkos::deep_copy(probabilities_host_, probabilities_);
-    }
+    if (device_memory_is_separate()) copy_view(probabilities_host_, probabilities_);
     predictor_detail::copy_rows<Kokkos::DefaultHostExecutionSpace>(y, probabilities_host_,
                                                                    result.rows, 1);
   }

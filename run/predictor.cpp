@@ -28,11 +28,6 @@ bool overrides_section(const std::vector<std::string>& overrides, const char* se
                      [&](const std::string& o) { return in_section(override_key(o), section); });
 }
 
-bool overrides_key(const std::vector<std::string>& overrides, const char* key) {
-  return std::any_of(overrides.begin(), overrides.end(),
-                     [&](const std::string& o) { return override_key(o) == key; });
-}
-
 // Rank 0's string on every rank.
 void broadcast_text(std::string& text, MPI_Comm comm, const char* what) {
   broadcast_string(text, 0, comm, what);
@@ -61,16 +56,6 @@ Kokkos::View<double*, Kokkos::LayoutRight> device_doubles(const std::vector<doub
 // The kernels of a prediction, as free functions (CUDA's extended lambdas may not live in a
 // private member function).
 using DoubleView = Kokkos::View<double*, Kokkos::LayoutRight>;
-
-// x rows [first, end) = 0.
-void zero_rows(const Matrix& x, int64_t first) {
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::predict_pad"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
-          device_space(), {first, int64_t{0}},
-          {static_cast<int64_t>(x.extent(0)), static_cast<int64_t>(x.extent(1))}),
-      KOKKOS_LAMBDA(const int64_t i, const int64_t j) { x(i, j) = 0.0f; });
-}
 
 // x = (x - mean) / std per column, in double.
 void standardize(const Matrix& x, const DoubleView& mean, const DoubleView& stddev) {
@@ -211,6 +196,30 @@ JacobianMode parse_jacobian_mode(const std::string& text, const std::string& wha
   MESHTRAIN_BAD_INPUT(what, " is '", text, "'; choose auto, forward or reverse");
 }
 
+void predictor_detail::zero_rows(const Matrix& x, int64_t first) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::predict_pad"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          device_space(), {first, int64_t{0}},
+          {static_cast<int64_t>(x.extent(0)), static_cast<int64_t>(x.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) { x(i, j) = 0.0f; });
+}
+
+bool predictor_detail::overrides_key(const std::vector<std::string>& overrides, const char* key) {
+  return std::any_of(overrides.begin(), overrides.end(),
+                     [&](const std::string& o) { return override_key(o) == key; });
+}
+
+Mesh predictor_detail::whole_model_mesh(MeshSection& mesh, int world_size) {
+  bool has_dp = false;
+  for (auto& [name, size] : mesh.axes) {
+    size = name == "dp" ? world_size : 1;
+    has_dp = has_dp || name == "dp";
+  }
+  if (!has_dp) mesh.axes.insert(mesh.axes.begin(), {"dp", world_size});
+  return mesh.resolve(world_size);
+}
+
 const std::string& predictor_detail::copy_rows_label() {
   static const std::string label = "meshtrain::predictor_copy_rows";
   return label;
@@ -317,19 +326,13 @@ void Predictor::build(const std::string& config_text, const std::string& where,
     }
     // fp32 whatever the model was trained in, unless asked otherwise.
     if (!overrides_section(overrides, "mixed_precision")) config_.mixed_precision = {};
-    if (!overrides_key(overrides, "runtime.matmul_precision")) {
+    if (!predictor_detail::overrides_key(overrides, "runtime.matmul_precision")) {
       config_.runtime.matmul_precision = MatmulPrecision::fp32;
     }
     // Every axis of the config's mesh stays (the partition rules may name it), at size 1, and
     // dp takes every rank: each rank holds the whole model and computes its own rows.
     const auto whole_model_per_rank = [&] {
-      bool has_dp = false;
-      for (auto& [name, size] : config_.mesh.axes) {
-        size = name == "dp" ? world_size : 1;
-        has_dp = has_dp || name == "dp";
-      }
-      if (!has_dp) config_.mesh.axes.insert(config_.mesh.axes.begin(), {"dp", world_size});
-      mesh_ = config_.mesh.resolve(world_size);
+      mesh_ = predictor_detail::whole_model_mesh(config_.mesh, world_size);
     };
     if (whole_model_on_every_rank) {
       whole_model_per_rank();
@@ -443,7 +446,8 @@ void Predictor::download_output() {
 }
 
 Prediction Predictor::run(int64_t rows, bool for_derivatives) {
-  if (rows < slice_.rows) zero_rows(x_, rows);  // padding: computed, never returned
+  if (rows < slice_.rows)
+    predictor_detail::zero_rows(x_, rows);  // padding: computed, never returned
   if (normalization_.inputs()) standardize(x_, input_mean_, input_std_);
   const MatrixView output = for_derivatives ? model_->forward(x_) : model_->infer(x_);
   const MatrixView whole = whole_rows_->gather(output);

@@ -269,6 +269,15 @@ class Predictor {
 
 namespace predictor_detail {
 
+// Shared by Predictor and DlrmPredictor (run/dlrm_predictor.hpp), defined in predictor.cpp.
+// x rows [first, end) = 0 (the padding of a partial call).
+void zero_rows(const Matrix& x, int64_t first);
+// Whether an override ("section.key=value") sets `key`.
+bool overrides_key(const std::vector<std::string>& overrides, const char* key);
+// The mesh of a model whole on every one of world_size ranks: every axis of `mesh` stays (the
+// partition rules may name them) at size 1, but dp, which takes every rank (added when absent).
+Mesh whole_model_mesh(MeshSection& mesh, int world_size);
+
 // The copy kernels' label, made once by the Predictor's constructor (a label made at a
 // template's first call would be a heap allocation inside a predict() call).
 const std::string& copy_rows_label();

@@ -29,10 +29,12 @@ endforeach()
 # --flight-dir) against the same forward, and its refusals (a bad id, --jacobian, two inputs,
 # a mesh that does not fit, a --batch-size the shards do not divide).
 # export_dlrm_predictor: meshtrain::DlrmPredictor (run/dlrm_predictor.hpp) on one rank through
-# tests/predict/dlrm_predictor_tool.cpp, of checkpoints trained on 2 ranks (row-wise) and 4
-# (row-wise and table-wise), against the same forward and `meshtrain predict`, no allocation per
-# call, and its refusals (a dense checkpoint, a bad id, a wrong feature count, too many ids or
-# rows).
+# tests/predict/dlrm_predictor_tool.cpp, of checkpoints trained on 2 ranks (row-wise), 4
+# (row-wise and table-wise) and 2 (column-wise over tp), against the same forward and `meshtrain
+# predict`, no allocation in any call, the same values and allocations with device memory
+# emulated (MESHTRAIN_EMULATE_DEVICE_MEMORY=1), the same values on each of 2 ranks holding their
+# own, and its refusals (a dense checkpoint, a bad id, a wrong feature count, too many ids or
+# rows, mesh.* and mixed_precision.* overrides). Only dot and cat may exit 77.
 add_executable(dlrm_predictor_tool predict/dlrm_predictor_tool.cpp)
 target_link_libraries(dlrm_predictor_tool PRIVATE meshtrain_run meshtrain_test_counting_allocator)
 foreach(_case dot cat predict predictor)
@@ -42,7 +44,10 @@ foreach(_case dot cat predict predictor)
             --work ${_export_runs}/dlrm_${_case}
             --predictor-tool $<TARGET_FILE:dlrm_predictor_tool>
             -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS})
-  set_tests_properties(export_dlrm_${_case} PROPERTIES PROCESSORS 2 SKIP_RETURN_CODE 77)
+  set_tests_properties(export_dlrm_${_case} PROPERTIES PROCESSORS 2)
+  if(_case STREQUAL "dot" OR _case STREQUAL "cat")  # the others need no ONNX Runtime: no skip
+    set_tests_properties(export_dlrm_${_case} PROPERTIES SKIP_RETURN_CODE 77)
+  endif()
 endforeach()
 
 # The protobuf encoder against the wire format's own examples (no MPI, no Python).

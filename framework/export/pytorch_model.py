@@ -211,14 +211,25 @@ class Dlrm(nn.Module):
         self.register_buffer("pair_rows", rows, persistent=False)
         self.register_buffer("pair_cols", cols, persistent=False)
 
+    def _by_table(self, given, what):
+        """A dict by table name as a list in the order of `tables`: ValueError naming the keys
+        that are not the model's tables, and those of its tables that are missing."""
+        if not isinstance(given, dict):
+            return given
+        unknown = [k for k in given if k not in self.tables]
+        missing = [name for name in self.tables if name not in given]
+        if unknown or missing:
+            raise ValueError("%s: the keys %s are not the model's tables %s (unknown: %s, "
+                             "missing: %s)" % (what, sorted(given, key=str), self.tables,
+                                               unknown, missing))
+        return [given[name] for name in self.tables]
+
     def forward(self, dense, indices, offsets):
         """dense: float [rows, bottom[0]]; indices and offsets: per table (a list in the order of
         `tables`, or a dict by name) the int64 ids of every bag one after the other and each
         bag's first position in them [rows] (nn.EmbeddingBag's input and offsets)."""
-        if isinstance(indices, dict):
-            indices = [indices[name] for name in self.tables]
-        if isinstance(offsets, dict):
-            offsets = [offsets[name] for name in self.tables]
+        indices = self._by_table(indices, "indices")
+        offsets = self._by_table(offsets, "offsets")
         if len(indices) != len(self.tables) or len(offsets) != len(self.tables):
             raise ValueError("expected the ids and offsets of %d tables %s, got %d and %d" %
                              (len(self.tables), self.tables, len(indices), len(offsets)))
@@ -265,8 +276,18 @@ class Model(nn.Module):
         self.register_buffer("target_std", statistics(config["normalize_targets"], outputs))
 
     def forward(self, x, *sparse):
+        """m(x) for an MLP; m(dense, indices, offsets) for a DLRM (Dlrm.forward). Any other
+        number of arguments is a TypeError naming what was passed."""
         if self.dlrm:
+            if len(sparse) != 2:
+                raise TypeError("a DLRM is called m(dense, indices, offsets), got %d arguments "
+                                "after dense" % len(sparse))
             return self.network(x, *sparse)
+        if sparse:
+            raise TypeError("this %s model is called m(x), got %d more arguments (%s): only a "
+                            "DLRM takes ids and offsets" %
+                            (type(self.network).__name__, len(sparse),
+                             ", ".join(type(a).__name__ for a in sparse)))
         # The standardization and its inverse in float64, rounded once, as predict does.
         if self.input_mean is not None:
             x = ((x.double() - self.input_mean) / self.input_std).to(x.dtype)

@@ -153,7 +153,7 @@ def dlrm_forward(ckpt, dense, bags, dtype="fp32"):
 # --- training, export, ONNX Runtime ----------------------------------------------------------
 
 def train(ctx, name, data, ranks, tables, interaction="dot", top_hidden=8, steps=6,
-          data_lines=(), partition_lines=()):
+          data_lines=(), partition_lines=(), mesh_lines=None):
     out = os.path.join(ctx.work, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
@@ -162,7 +162,7 @@ def train(ctx, name, data, ranks, tables, interaction="dot", top_hidden=8, steps
              else BOTTOM[-1] + dims)
     lines = [
         "[run]", 'name = "%s"' % name, "seed = 5", 'output_dir = "%s"' % out,
-        "[mesh]", "fsdp = %d" % ranks,
+        "[mesh]", *(mesh_lines or ["fsdp = %d" % ranks]),
         "[partition]", 'preset = "fsdp"', "min_sharding_size = 0", *partition_lines,
         "[model]", 'kind = "dlrm"', "bottom = %s" % BOTTOM,
         "top = [%d, %d, 1]" % (width, top_hidden), 'interaction = "%s"' % interaction,
@@ -418,21 +418,33 @@ def write_tool_input(folder, dense, bags, bad=None):
     return folder
 
 
-def run_tool(ctx, checkpoint, folder, output, *options):
-    return et.run([ctx.predictor_tool, checkpoint, folder, output] + [str(o) for o in options],
-                  timeout=60)
+def run_tool(ctx, checkpoint, folder, output, *options, env=None, ranks=None):
+    """The tool on one process, or started on `ranks` ranks by the launcher (each rank its own
+    predictor on MPI_COMM_SELF, its own OUTPUT.<rank>); env: added to the environment."""
+    launch = [] if ranks is None else ctx.mpiexec[:1] + ["-n", str(ranks)] + ctx.mpiexec[1:]
+    return script_test.run(launch + [ctx.predictor_tool, checkpoint, folder, output] +
+                           [str(o) for o in options], 60, env_extra=env)
+
+
+EMULATED = {"MESHTRAIN_EMULATE_DEVICE_MEMORY": "1"}  # host memory treated as a GPU's
 
 
 def case_predictor(ctx):
     """meshtrain::DlrmPredictor (run/dlrm_predictor.hpp) on one rank, through
     tests/predict/dlrm_predictor_tool.cpp, of checkpoints trained on 2 ranks (fsdp 2: `bags`
     and `avg` row-wise) and on 4 (fsdp 4: `bags` row-wise, `one` and `avg` table-wise by a
-    P(fsdp@table) rule): the rows of test_rows (empty bags in every table, repeated ids, a row
+    P(fsdp@table) rule) and on 2 (tp 2: `bags` and `avg` column-wise by a P(None, tp) rule): the
+    rows of test_rows (empty bags in every table, repeated ids, a row
     of nothing but empty bags) in calls of 8 rows (the last partial; the forms predict(dense,
     bags) and predict(dense, bags, y) alternating) and in one call of the checkpoint's batch.
     The logits and probabilities within 1e-5 (export_test.py's relative error) of the float64
     forward and of `meshtrain predict` on one rank of the same rows; no heap or Kokkos
-    allocation in the calls after the first. Refused in one sentence, exit 2: a dense
+    allocation in any call, the first included; with device memory emulated
+    (MESHTRAIN_EMULATE_DEVICE_MEMORY=1: the host <-> model copies run) the same values bit for
+    bit and the same allocation counts; the tool started on 2 ranks (each its own predictor on
+    MPI_COMM_SELF) gives each rank the values of one process bit for bit; --set
+    runtime.matmul_precision="tf32" honoured. Refused in one sentence, exit 2: mesh.* and
+    mixed_precision.* overrides (naming the key), a dense
     (model.kind = "mlp") checkpoint, an id outside its table (naming the table, the row and
     the id), dense rows of 5 features, more ids than max_ids, more rows than the batch, the bags
     of 2 tables of 3, decreasing offsets; and
@@ -448,32 +460,92 @@ def case_predictor(ctx):
         "np2_rowwise": train(ctx, "predictor_np2", data, 2, tables),
         "np4_tablewise": train(ctx, "predictor_np4", data, 4, tables, partition_lines=[
             'rules = [["embeddings/(one|avg)/weight", "P(fsdp@table)"]]']),
+        "np2_columnwise": train(ctx, "predictor_tp2", data, 2, tables,
+                                mesh_lines=["fsdp = 1", "tp = 2"], partition_lines=[
+                                    'rules = [["embeddings/(bags|avg)/weight", "P(None, tp)"]]']),
     }
+    with h5py.File(et.latest_file(checkpoints["np2_columnwise"]), "r") as f:
+        specs = {n: f["params/embeddings/%s/weight" % n].attrs["spec"] for n in ("bags", "avg")}
+    ctx.check(all(spec in (b"P(None, tp)", "P(None, tp)") for spec in specs.values()),
+              "the tp 2 checkpoint's tables are not column-wise: %s" % specs)
+    output = os.path.join(ctx.work, "tool.bin")
+
+    def tool_result(what, ckpt, status, out, err, path):
+        """The tool's (values, info) after its checks (rows, step, no allocation); None when
+        it failed."""
+        if not ctx.check(status == 0, "%s: status %d, %s" % (what, status, err)):
+            return None
+        info = json.loads(out.strip().splitlines()[-1])
+        print("%s: %s" % (what, info))
+        ctx.check(info["rows"] == rows and info["step"] == ckpt["step"], "%s: %s" % (what, info))
+        ctx.check(info["heap_allocations"] == 0 and info["kokkos_allocations"] == 0,
+                  "%s: allocations in the calls: %s" % (what, info))
+        values = np.fromfile(path, "<f4")
+        return {"logit": values[:rows, None], "probability": values[rows:, None]}, info
+
     for label, checkpoint in checkpoints.items():
         ckpt = et.read_checkpoint(et.latest_file(checkpoint))
         ref = dlrm_forward(ckpt, dense, bags)
         predicted = os.path.join(ctx.work, "predict_%s.h5" % label)
-        status, out, err = predict(ctx, checkpoint, input_path, predicted, 1)
+        one_rank = ["--batch-size", "8", "--set", "mesh.tp=1"] if label == "np2_columnwise" \
+            else None
+        status, out, err = predict(ctx, checkpoint, input_path, predicted, 1, one_rank)
         if not ctx.check(status == 0, "predict %s: status %d, %s" % (label, status, err)):
             continue
         with h5py.File(predicted, "r") as f:
             command = {"probability": f["prediction"][()], "logit": f["logit"][()]}
         for options in (["--batch", 8, "--max-ids", 64], ["--max-ids", 200]):
             what = "DlrmPredictor %s %s" % (label, " ".join(map(str, options)))
-            output = os.path.join(ctx.work, "tool.bin")
-            status, out, err = run_tool(ctx, checkpoint, folder, output, *options)
-            if not ctx.check(status == 0, "%s: status %d, %s" % (what, status, err)):
+            result = tool_result(what, ckpt, *run_tool(ctx, checkpoint, folder, output, *options),
+                                 output)
+            if result is None:
                 continue
-            info = json.loads(out.strip().splitlines()[-1])
-            print("%s: %s" % (what, info))
-            ctx.check(info["rows"] == rows and info["step"] == ckpt["step"],
-                      "%s: %s" % (what, info))
-            ctx.check(info["heap_allocations"] == 0 and info["kokkos_allocations"] == 0,
-                      "%s: allocations in the calls after the first: %s" % (what, info))
-            values = np.fromfile(output, "<f4")
-            got = {"logit": values[:rows, None], "probability": values[rows:, None]}
+            got, info = result
             et.compare(ctx, "%s vs float64 forward" % what, got, ref, et.FP32_RTOL)
             et.compare(ctx, "%s vs meshtrain predict" % what, got, command, et.FP32_RTOL)
+            # Device memory emulated: the copies between the host and the model's memory run,
+            # and give the same values bit for bit (the same kernels on the same inputs), with
+            # the same (zero) allocations. In calls of 8 rows only (partial calls, both forms
+            # of predict): the test's time.
+            if options[0] != "--batch":
+                continue
+            emulated = tool_result(what + " (emulated device memory)", ckpt,
+                                   *run_tool(ctx, checkpoint, folder, output, *options,
+                                             env=EMULATED), output)
+            if emulated is not None:
+                ctx.check(all(np.array_equal(emulated[0][k], got[k]) for k in got),
+                          "%s: the values differ with device memory emulated" % what)
+                ctx.check(emulated[1]["heap_allocations"] == info["heap_allocations"] and
+                          emulated[1]["kokkos_allocations"] == info["kokkos_allocations"],
+                          "%s: allocations %s emulated, %s not" % (what, emulated[1], info))
+
+    # Two ranks of one program, each with its own predictor on MPI_COMM_SELF: the same values
+    # on both, bit for bit as on one process.
+    checkpoint = checkpoints["np2_rowwise"]
+    ckpt = et.read_checkpoint(et.latest_file(checkpoint))
+    single = tool_result("DlrmPredictor on one process", ckpt,
+                         *run_tool(ctx, checkpoint, folder, output, "--max-ids", 200), output)
+    status, out, err = run_tool(ctx, checkpoint, folder, output, "--max-ids", 200, ranks=2)
+    for rank in range(2):
+        lines = [l for l in out.strip().splitlines() if l.startswith("{")]
+        got = tool_result("DlrmPredictor on rank %d of 2" % rank, ckpt, status,
+                          lines[rank] if len(lines) == 2 else "", err,
+                          "%s.%d" % (output, rank))
+        if got is not None and single is not None:
+            ctx.check(all(np.array_equal(got[0][k], single[0][k]) for k in got[0]),
+                      "DlrmPredictor on rank %d of 2 differs from one process" % rank)
+
+    # Overrides: runtime.matmul_precision honoured (as by Predictor), mesh.* and
+    # mixed_precision.* refused naming the key.
+    matmul = tool_result("DlrmPredictor --set runtime.matmul_precision", ckpt,
+                         *run_tool(ctx, checkpoint, folder, output, "--max-ids", 200, "--set",
+                                   'runtime.matmul_precision="tf32"'), output)
+    if matmul is not None:
+        ctx.check(matmul[1]["matmul_precision"] == "tf32",
+                  "runtime.matmul_precision = tf32 not honoured: %s" % matmul[1])
+    if single is not None:
+        ctx.check(single[1]["matmul_precision"] == "fp32",
+                  "the default matmul precision is not fp32: %s" % single[1])
 
     def refused(what, result, expected):
         status, out, err = result
@@ -481,8 +553,16 @@ def case_predictor(ctx):
         ctx.check(status == 2 and len(lines) == 1 and expected in lines[0],
                   "%s: status %d, errors %s (expected %r)" % (what, status, lines, expected))
 
-    checkpoint = checkpoints["np2_rowwise"]
     output = os.path.join(ctx.work, "refused.bin")
+    refused("an override of mesh.fsdp",
+            run_tool(ctx, checkpoint, folder, output, "--max-ids", 200, "--set", "mesh.fsdp=2"),
+            "DlrmPredictor: the override of mesh.fsdp is refused: the model is whole on this "
+            "rank, every mesh axis at size 1, whatever the override says")
+    refused("an override of mixed_precision.param_dtype",
+            run_tool(ctx, checkpoint, folder, output, "--max-ids", 200, "--set",
+                     'mixed_precision.param_dtype="bf16"'),
+            "DlrmPredictor: the override of mixed_precision.param_dtype is refused: a DLRM "
+            "predicts in fp32, as it trains, whatever the override says")
     bad = write_tool_input(os.path.join(ctx.work, "bad"), dense, bags, bad=("avg", 41, 8))
     refused("an id outside its table",
             run_tool(ctx, checkpoint, bad, output, "--batch", 48, "--max-ids", 200),
@@ -524,6 +604,7 @@ def case_predictor(ctx):
 
 CASES = {"dot": case_dot, "cat": case_cat, "predict": case_predict,
          "predictor": case_predictor}
+ONNX_CASES = ("dot", "cat")  # the cases that run ONNX Runtime
 
 
 def main():
@@ -538,8 +619,10 @@ def main():
         ctx = et.Context(args)
         ctx.predictor_tool = args.predictor_tool
         return ctx
+    # Only the ONNX cases need ONNX Runtime: the others never report skipped for its lack.
+    onnx_case = sys.argv[1:2] and sys.argv[1] in ONNX_CASES
     return script_test.case_main(CASES, make_context, add_arguments=no_predict,
-                                 skip_reason=lambda ctx: ctx.ort_missing,
+                                 skip_reason=lambda ctx: ctx.ort_missing if onnx_case else None,
                                  skip_needs="ONNX Runtime")
 
 

@@ -18,7 +18,9 @@ configs, meshes and float64 forward, imported from it), exports each to a folder
      folder (tests/export/run_torch_model.py), `import model; m = model.load()` with the folder
      on sys.path: m is in eval mode and m(x) on float32 rows in the user's units is float32
      and within 1e-5 relative (export_test.relative_error: floored at 0.1 of the largest
-     output) of `meshtrain predict` and of the float64 forward.
+     output) of `meshtrain predict` and of the float64 forward; m(x, x) is a TypeError naming
+     the extra argument (a DLRM's m(dense, indices, offsets): one argument too many is a
+     TypeError, indices by a key that is no table a ValueError naming it).
 
 Without PyTorch (python3 cannot import torch) part 2 is left out: the case exits 77 (ctest:
 skipped) saying so when everything else passed, 1 otherwise.
@@ -221,6 +223,10 @@ def run_torch(ctx, folder, x):
               (folder, info["dtype"]))
     ctx.check(info["model_file"] == os.path.join(os.path.abspath(folder), "model.py"),
               "%s: `import model` found %s" % (folder, info["model_file"]))
+    ctx.check(info["extra_args"].startswith("TypeError: this ") and
+              "model is called m(x), got 1 more arguments (Tensor)" in info["extra_args"],
+              "%s: m(x, x) gave %r, expected a TypeError naming the extra argument" %
+              (folder, info["extra_args"]))
     y = np.load(y_file)
     shutil.rmtree(work)
     return y
@@ -278,6 +284,12 @@ def run_torch_dlrm(ctx, folder, dense, bags, tables):
               info["shape"] == [len(dense), 1] and info["tables"] == list(tables) and
               info["modules"] == ["EmbeddingBag"] and info["dict_equal"],
               "%s: the module says %s" % (folder, info))
+    unknown, extra = info["refusals"]
+    ctx.check(unknown.startswith("ValueError: indices: the keys ") and
+              "unknown: ['not_a_table'], missing: ['%s']" % tables[0] in unknown,
+              "%s: indices by a key that is no table gave %r" % (folder, unknown))
+    ctx.check(extra == "TypeError: a DLRM is called m(dense, indices, offsets), got 3 "
+              "arguments after dense", "%s: one argument too many gave %r" % (folder, extra))
     y = np.load(y_file)
     shutil.rmtree(work)
     return y, info

@@ -9,7 +9,8 @@ m = model.load()`, and writes to Y.npy the logits m(dense, indices, offsets) of 
 int64 ids of every bag one after the other) and `offsets_<t>` (each bag's first position,
 [rows]: nn.EmbeddingBag's convention); the same with the tables given as dicts by name must
 agree. Prints one JSON line: the torch version, whether m is in training mode, the output's
-dtype and shape, the tables' names and module types.
+dtype and shape, the tables' names and module types, and what m did with indices by a key that
+is no table and with one argument too many ("ValueError: ..." / "TypeError: ...").
 """
 
 import json
@@ -34,12 +35,22 @@ def main():
     with torch.no_grad():
         y = m(dense, indices, offsets)
         by_name = m(dense, dict(zip(tables, indices)), dict(zip(tables, offsets)))
+        refusals = []
+        wrong = dict(zip(tables, indices))
+        wrong["not_a_table"] = wrong.pop(tables[0])
+        for args in ((dense, wrong, dict(zip(tables, offsets))),  # a key that is no table
+                     (dense, indices, offsets, offsets)):  # one argument too many
+            try:
+                m(*args)
+                refusals.append("accepted")
+            except (TypeError, ValueError) as e:
+                refusals.append("%s: %s" % (type(e).__name__, e))
     np.save(y_file, y.numpy())
     print(json.dumps({"torch": torch.__version__, "training": m.training, "dtype": str(y.dtype),
                       "shape": list(y.shape), "tables": tables,
                       "dict_equal": bool(torch.equal(y, by_name)),
                       "modules": sorted({type(b).__name__ for b in m.network.embeddings}),
-                      "modes": [b.mode for b in m.network.embeddings]}))
+                      "modes": [b.mode for b in m.network.embeddings], "refusals": refusals}))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@
 
 puts FOLDER (meshtrain export --format pytorch's output) on sys.path, `import model;
 m = model.load()`, writes m(x) for the float32 rows of X.npy to Y.npy and prints one JSON line:
-the torch version, whether m is in training mode, the output's dtype and the file `import
-model` found.
+the torch version, whether m is in training mode, the output's dtype, the file `import
+model` found and what m(x, x) did (an MLP takes one argument: "TypeError: <message>").
 """
 
 import json
@@ -26,9 +26,14 @@ def main():
     x = torch.from_numpy(np.load(x_file))
     with torch.no_grad():
         y = m(x)
+        try:  # a DLRM's extra arguments given to this model: refused
+            m(x, x)
+            extra_args = "accepted"
+        except TypeError as e:
+            extra_args = "TypeError: %s" % e
     np.save(y_file, y.numpy())
     print(json.dumps({"torch": torch.__version__, "training": m.training, "dtype": str(y.dtype),
-                      "model_file": model.__file__}))
+                      "model_file": model.__file__, "extra_args": extra_args}))
 
 
 if __name__ == "__main__":

@@ -2,34 +2,40 @@
 // dlrm_export_test.py's case predictor:
 //
 //   dlrm_predictor_tool CHECKPOINT INPUT_DIR OUTPUT [--batch N] [--max-ids N] [--call-rows N]
-//                       [--dense-predictor 1] [--tables-given N]
+//                       [--dense-predictor 1] [--tables-given N] [--set KEY=VALUE]...
 //
 // INPUT_DIR holds `shape.txt` ("rows width tables"), `dense.bin` (float32 [rows, width]) and per
 // table t (the model's order) `offsets_<t>.bin` (int64 [rows + 1], CSR from 0) and `ids_<t>.bin`
 // (int64). The rows go through predict() in calls of --call-rows rows (default: the batch size;
 // the last call partial), each call's offsets rebased to 0 in a buffer made before the first,
-// its ids and dense rows viewed in place. Every call but the first runs inside an
+// its ids and dense rows viewed in place. Every call, the first included, runs inside an
 // AllocationWindow (tests/support/counting_allocator.hpp; oneDNN's own blocks left out). Odd
 // calls use predict(dense, bags, y) with y a host double LayoutLeft view of the probabilities,
-// the others predict(dense, bags); the logits come from the returned views. OUTPUT gets float32
-// [rows] logits then float32 [rows] probabilities; stdout one JSON line: rows, calls, step,
-// heap and Kokkos allocations counted, the model description. A meshtrain Error: its sentence
-// on stderr after "error: ", exit 2. --dense-predictor 1: only a meshtrain::Predictor of the
+// the others predict(dense, bags); the logits come from the returned views, which must hold the
+// call's rows and no more (else exit 1). OUTPUT gets float32 [rows] logits then float32 [rows]
+// probabilities (OUTPUT.<rank> when started on several ranks: each rank runs its own predictor
+// on MPI_COMM_SELF); stdout one JSON line: rows, calls, step, heap and Kokkos allocations
+// counted, the matmul precision, the model description. A meshtrain Error: its sentence on
+// stderr after "error: ", exit 2. --dense-predictor 1: only a meshtrain::Predictor of the
 // checkpoint (which refuses a DLRM's), on this rank. --tables-given N: the first N tables' bags
-// only (a list of the wrong length).
+// only (a list of the wrong length). --set KEY=VALUE (repeatable): the predictor's overrides.
 
+#include <mpi.h>
 #include <Kokkos_Core.hpp>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <optional>
 #include <string>
 #include <vector>
 
 #include "base/error.hpp"
+#include "framework/comm/mpi_util.hpp"  // check_mpi
 #include "framework/comm/runtime.hpp"
+#include "framework/core/choices.hpp"   // to_string
+#include "framework/core/view_ops.hpp"  // copy_view
 #include "run/dlrm_predictor.hpp"
 #include "run/predictor.hpp"
 #include "tests/support/counting_allocator.hpp"
@@ -49,6 +55,20 @@ std::vector<T> read_file(const std::string& path, size_t count) {
   return values;
 }
 
+// The views a call returns hold its rows, no more.
+bool returned_rows_ok(const meshtrain::DlrmPrediction& p, int64_t rows) {
+  if (p.rows == rows && static_cast<int64_t>(p.logits.extent(0)) == rows &&
+      static_cast<int64_t>(p.probabilities.extent(0)) == rows && p.logits.extent(1) == 1 &&
+      p.probabilities.extent(1) == 1) {
+    return true;
+  }
+  std::fprintf(stderr, "dlrm_predictor_tool: a call of %lld rows returned rows %lld, [%zu, %zu]\n",
+               static_cast<long long>(rows), static_cast<long long>(p.rows),
+               static_cast<size_t>(p.logits.extent(0)),
+               static_cast<size_t>(p.probabilities.extent(0)));
+  return false;
+}
+
 int run(int argc, char** argv) {
   if (argc < 4) {
     std::fprintf(stderr,
@@ -58,8 +78,13 @@ int run(int argc, char** argv) {
   }
   const std::string checkpoint = argv[1], input = argv[2], output = argv[3];
   int64_t batch = 0, max_ids = 0, call_rows = 0, dense_predictor = 0, tables_given = -1;
+  std::vector<std::string> overrides;
   for (int i = 4; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
+    if (flag == "--set") {
+      overrides.push_back(argv[i + 1]);
+      continue;
+    }
     const int64_t value = std::atoll(argv[i + 1]);
     if (flag == "--batch")
       batch = value;
@@ -90,7 +115,7 @@ int run(int argc, char** argv) {
                                      static_cast<size_t>(offsets.back().back())));
   }
 
-  meshtrain::DlrmPredictor predictor(checkpoint, batch, max_ids);
+  meshtrain::DlrmPredictor predictor(checkpoint, batch, max_ids, overrides);
   if (call_rows == 0) call_rows = predictor.batch_size();
   // Everything a call uses, made before the first.
   std::vector<std::vector<int64_t>> rebased(tables, std::vector<int64_t>(call_rows + 1));
@@ -101,13 +126,12 @@ int run(int argc, char** argv) {
                                                 meshtrain::Matrix("l", predictor.batch_size(), 1));
   using HostDense = Kokkos::View<const float**, Kokkos::LayoutRight, Kokkos::HostSpace,
                                  Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-  std::optional<meshtrain::testing::AllocationWindow> window;
+  // Every call, the first included (the constructor's warm-up call exists for it).
+  meshtrain::testing::AllocationWindow window(
+      meshtrain::testing::AllocationWindow::Threads::all,
+      meshtrain::testing::AllocationWindow::OneDnn::left_out);
   int64_t calls = 0;
   for (int64_t first = 0; first < rows; first += call_rows, ++calls) {
-    if (calls == 1) {
-      window.emplace(meshtrain::testing::AllocationWindow::Threads::all,
-                     meshtrain::testing::AllocationWindow::OneDnn::left_out);
-    }
     const int64_t n = std::min(call_rows, rows - first);
     for (int64_t t = 0; t < tables; ++t) {
       const int64_t base = offsets[t][first];
@@ -118,32 +142,37 @@ int run(int argc, char** argv) {
     if (tables_given >= 0) bags.resize(static_cast<size_t>(tables_given));  // a wrong list
     const HostDense x(dense.data() + first * width, n, width);
     meshtrain::DlrmPrediction p;
+    const auto returned = Kokkos::subview(logits_host, std::make_pair(int64_t{0}, n), Kokkos::ALL);
     if (calls % 2 == 1) {
       predictor.predict(x, bags, y);
       for (int64_t r = 0; r < n; ++r) probabilities[first + r] = static_cast<float>(y(r, 0));
       p = predictor.predict(x, bags);  // the logits
     } else {
       p = predictor.predict(x, bags);
-      Kokkos::deep_copy(logits_host, p.probabilities);
+      if (!returned_rows_ok(p, n)) return 1;
+      meshtrain::copy_view(returned, p.probabilities);
       for (int64_t r = 0; r < n; ++r) probabilities[first + r] = logits_host(r, 0);
     }
-    Kokkos::deep_copy(logits_host, p.logits);
+    if (!returned_rows_ok(p, n)) return 1;
+    meshtrain::copy_view(returned, p.logits);
     for (int64_t r = 0; r < n; ++r) logits[first + r] = logits_host(r, 0);
   }
-  long heap = 0, kokkos = 0;
-  if (window) {
-    heap = window->close();
-    kokkos = window->kokkos_allocations();
-  }
-  std::ofstream out(output, std::ios::binary);
+  const long heap = window.close();
+  const long kokkos = window.kokkos_allocations();
+  // Several ranks (each with its own predictor on MPI_COMM_SELF): one output per rank.
+  int rank = 0, world = 1;
+  meshtrain::check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
+  meshtrain::check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world), "MPI_Comm_size");
+  std::ofstream out(world > 1 ? output + "." + std::to_string(rank) : output, std::ios::binary);
   out.write(reinterpret_cast<const char*>(logits.data()), static_cast<std::streamsize>(rows * 4));
   out.write(reinterpret_cast<const char*>(probabilities.data()),
             static_cast<std::streamsize>(rows * 4));
   std::printf(
       "{\"rows\": %lld, \"calls\": %lld, \"step\": %lld, \"heap_allocations\": %ld, "
-      "\"kokkos_allocations\": %ld, \"model\": \"%s\"}\n",
+      "\"kokkos_allocations\": %ld, \"matmul_precision\": \"%s\", \"model\": \"%s\"}\n",
       static_cast<long long>(rows), static_cast<long long>(calls),
       static_cast<long long>(predictor.step()), heap, kokkos,
+      meshtrain::to_string(predictor.config().runtime.matmul_precision),
       predictor.model_description().c_str());
   return 0;
 }
