@@ -6,9 +6,11 @@
 #include "framework/core/activation_math.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/fast_math.hpp"
+#include "framework/core/host_clones.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
+#include "layers/inference.hpp"
 
 namespace meshtrain {
 namespace {
@@ -73,6 +75,34 @@ struct Rounded {
   }
 };
 
+// out = f(z) for one row of `cols` values on host memory (out may be z), compiled per
+// instruction set without FMA contraction: activation_math's formulas, the same bits as
+// map_flat's loop (the training step's forward runs it too).
+template <class Op>
+MESHTRAIN_INLINE void forward_row(const float* z, float* out, int64_t cols) {
+  for (int64_t j = 0; j < cols; ++j) out[j] = Op::value(z[j]);
+}
+
+MESHTRAIN_HOST_CLONES_EXACT
+void forward_row_host(Activation activation, const float* z, float* out, int64_t cols) {
+  switch (activation) {
+    case Activation::relu:
+      return forward_row<activation_math::Relu>(z, out, cols);
+    case Activation::tanh:
+      return forward_row<activation_math::Tanh>(z, out, cols);
+    case Activation::gelu:
+      return forward_row<activation_math::GeluTanh>(z, out, cols);
+    case Activation::gelu_erf:
+      return forward_row<activation_math::GeluErf>(z, out, cols);
+    case Activation::silu:
+      return forward_row<activation_math::Silu>(z, out, cols);
+    case Activation::sigmoid:
+      return forward_row<activation_math::Sigmoid>(z, out, cols);
+    case Activation::none:
+      return forward_row<activation_math::Identity>(z, out, cols);
+  }
+}
+
 // out = round_to(f(z), dtype) and grad = round_to(f(z, grad), dtype) elementwise. fp32 runs f
 // alone (round_to is the identity there): no test of the dtype per element, so the loop has
 // no branch and vectorizes.
@@ -127,13 +157,54 @@ struct SigmoidSlope {
 };
 using IdentitySlope = SlopeOf<activation_math::Identity>;
 
-// out(t, j) = slope(z(t / k, j)) * dz(t, j) for the k rows t of each value row. Each slope is
-// computed once for its k rows: into the block's first output row, then every row of the block
-// is that times dz (the first one last). out must not be dz (check_tangent_shapes). Plain
-// pointer loops over a row's columns (views may be row-strided), which the compiler vectorizes.
+// One value row i of scale_tangents below: the slopes of z's row into the block's first output
+// row, then every row of the block is that times dz (the first one last).
 template <class Slope>
-void scale_tangents(const std::string& label, const MatrixView& z, const MatrixView& dz,
-                    const MatrixView& out, Slope slope) {
+KOKKOS_FORCEINLINE_FUNCTION void scale_block(const float* KOKKOS_RESTRICT zi, const float* d_data,
+                                             int64_t d_stride, float* o_data, int64_t o_stride,
+                                             int64_t i, int64_t k, int64_t cols, Slope slope) {
+  float* KOKKOS_RESTRICT slopes = o_data + i * k * o_stride;
+  for (int64_t j = 0; j < cols; ++j) slopes[j] = slope(zi[j]);
+  for (int64_t d = k; d-- > 1;) {
+    float* KOKKOS_RESTRICT o = o_data + (i * k + d) * o_stride;
+    const float* KOKKOS_RESTRICT g = d_data + (i * k + d) * d_stride;
+    for (int64_t j = 0; j < cols; ++j) o[j] = slopes[j] * g[j];
+  }
+  const float* KOKKOS_RESTRICT g = d_data + i * k * d_stride;
+  for (int64_t j = 0; j < cols; ++j) slopes[j] *= g[j];
+}
+
+// scale_block on host memory, compiled per instruction set (framework/core/host_clones.hpp)
+// without FMA contraction: the same arithmetic, so the same bits, 16 lanes wide on AVX-512 where
+// the build's SSE2 runs 4 (the silu slope's polynomial exp and division included).
+MESHTRAIN_HOST_CLONES_EXACT
+void scale_block_host(Activation activation, const float* zi, const float* d_data, int64_t d_stride,
+                      float* o_data, int64_t o_stride, int64_t i, int64_t k, int64_t cols) {
+  switch (activation) {
+    case Activation::relu:
+      return scale_block(zi, d_data, d_stride, o_data, o_stride, i, k, cols, ReluSlope{});
+    case Activation::tanh:
+      return scale_block(zi, d_data, d_stride, o_data, o_stride, i, k, cols, TanhSlope{});
+    case Activation::gelu:
+      return scale_block(zi, d_data, d_stride, o_data, o_stride, i, k, cols, GeluSlope{});
+    case Activation::gelu_erf:
+      return scale_block(zi, d_data, d_stride, o_data, o_stride, i, k, cols, GeluErfSlope{});
+    case Activation::silu:
+      return scale_block(zi, d_data, d_stride, o_data, o_stride, i, k, cols, SiluSlope{});
+    case Activation::sigmoid:
+      return scale_block(zi, d_data, d_stride, o_data, o_stride, i, k, cols, SigmoidSlope{});
+    case Activation::none:
+      return scale_block(zi, d_data, d_stride, o_data, o_stride, i, k, cols, IdentitySlope{});
+  }
+}
+
+// out(t, j) = slope(z(t / k, j)) * dz(t, j) for the k rows t of each value row. Each slope is
+// computed once for its k rows. out must not be dz (check_tangent_shapes). Plain pointer loops
+// over a row's columns (views may be row-strided), which the compiler vectorizes; on host
+// memory through scale_block_host.
+template <class Slope>
+void scale_tangents(const std::string& label, Activation activation, const MatrixView& z,
+                    const MatrixView& dz, const MatrixView& out, Slope slope) {
   const int64_t rows = static_cast<int64_t>(z.extent(0));
   const int64_t cols = static_cast<int64_t>(z.extent(1));
   const int64_t k = rows > 0 ? static_cast<int64_t>(dz.extent(0)) / rows : 0;
@@ -143,18 +214,19 @@ void scale_tangents(const std::string& label, const MatrixView& z, const MatrixV
   const float* z_data = z.data();
   const float* d_data = dz.data();
   float* o_data = out.data();
+  if (inference::runs_host_kernels()) {
+    Kokkos::parallel_for(
+        label, Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0, rows),
+        [=](const int64_t i) {
+          scale_block_host(activation, z_data + i * z_stride, d_data, d_stride, o_data, o_stride, i,
+                           k, cols);
+        });
+    fence_space(host_space(), label);
+    return;
+  }
   Kokkos::parallel_for(
       label, Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
-        const float* KOKKOS_RESTRICT zi = z_data + i * z_stride;
-        float* KOKKOS_RESTRICT slopes = o_data + i * k * o_stride;
-        for (int64_t j = 0; j < cols; ++j) slopes[j] = slope(zi[j]);
-        for (int64_t d = k; d-- > 1;) {
-          float* KOKKOS_RESTRICT o = o_data + (i * k + d) * o_stride;
-          const float* KOKKOS_RESTRICT g = d_data + (i * k + d) * d_stride;
-          for (int64_t j = 0; j < cols; ++j) o[j] = slopes[j] * g[j];
-        }
-        const float* KOKKOS_RESTRICT g = d_data + i * k * d_stride;
-        for (int64_t j = 0; j < cols; ++j) slopes[j] *= g[j];
+        scale_block(z_data + i * z_stride, d_data, d_stride, o_data, o_stride, i, k, cols, slope);
       });
 }
 
@@ -454,19 +526,19 @@ void activation_tangent(Activation activation, MatrixView z, MatrixView dz, Matr
   const std::string& label = MESHTRAIN_LABEL("meshtrain::activation_tangent");
   switch (activation) {
     case Activation::relu:
-      return scale_tangents(label, z, dz, out, ReluSlope{});
+      return scale_tangents(label, Activation::relu, z, dz, out, ReluSlope{});
     case Activation::tanh:
-      return scale_tangents(label, z, dz, out, TanhSlope{});
+      return scale_tangents(label, Activation::tanh, z, dz, out, TanhSlope{});
     case Activation::gelu:
-      return scale_tangents(label, z, dz, out, GeluSlope{});
+      return scale_tangents(label, Activation::gelu, z, dz, out, GeluSlope{});
     case Activation::gelu_erf:
-      return scale_tangents(label, z, dz, out, GeluErfSlope{});
+      return scale_tangents(label, Activation::gelu_erf, z, dz, out, GeluErfSlope{});
     case Activation::silu:
-      return scale_tangents(label, z, dz, out, SiluSlope{});
+      return scale_tangents(label, Activation::silu, z, dz, out, SiluSlope{});
     case Activation::sigmoid:
-      return scale_tangents(label, z, dz, out, SigmoidSlope{});
+      return scale_tangents(label, Activation::sigmoid, z, dz, out, SigmoidSlope{});
     case Activation::none:
-      return scale_tangents(label, z, dz, out, IdentitySlope{});
+      return scale_tangents(label, Activation::none, z, dz, out, IdentitySlope{});
   }
 }
 
@@ -587,6 +659,23 @@ void swiglu_cotangent(MatrixView gate, MatrixView value, MatrixView dy, MatrixVi
 void activation_forward(Activation activation, MatrixView z, MatrixView out, Dtype dtype) {
   MESHTRAIN_REQUIRE(z.extent(0) == out.extent(0) && z.extent(1) == out.extent(1),
                     "activation_forward: shapes differ");
+  if (dtype == Dtype::fp32 && activation != Activation::none && inference::runs_host_kernels()) {
+    const std::string& label = MESHTRAIN_LABEL("meshtrain::activation_forward_host");
+    const float* z_data = z.data();
+    float* o_data = out.data();
+    const auto z_stride = static_cast<int64_t>(z.stride(0));
+    const auto o_stride = static_cast<int64_t>(out.stride(0));
+    const auto cols = static_cast<int64_t>(z.extent(1));
+    Kokkos::parallel_for(label,
+                         Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(
+                             host_space(), 0, static_cast<int64_t>(z.extent(0))),
+                         [=](const int64_t i) {
+                           forward_row_host(activation, z_data + i * z_stride,
+                                            o_data + i * o_stride, cols);
+                         });
+    fence_space(host_space(), label);
+    return;
+  }
   switch (activation) {
     case Activation::relu:
       map_elements(

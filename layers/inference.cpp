@@ -9,21 +9,11 @@
 #include "base/error.hpp"
 #include "framework/core/activation_math.hpp"
 #include "framework/core/exec_space.hpp"
+#include "framework/core/host_clones.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "layers/activation.hpp"
 #include "layers/layer.hpp"
 #include "layers/linear.hpp"
-
-// One copy of each kernel per instruction set, picked by the loader (GCC; elsewhere the
-// baseline only).
-#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__) && defined(__x86_64__)
-#define MESHTRAIN_HOST_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#define MESHTRAIN_INLINE inline __attribute__((always_inline))
-#else
-#define MESHTRAIN_HOST_CLONES
-#define MESHTRAIN_INLINE inline
-#endif
 
 namespace meshtrain::inference {
 namespace {
@@ -88,7 +78,12 @@ void fill_row(float* __restrict row, int64_t cols, const float* __restrict bias,
   }
 }
 
-MESHTRAIN_HOST_CLONES
+MESHTRAIN_HOST_CLONES_EXACT
+void add_bias_row(float* __restrict row, int64_t cols, const float* __restrict bias) {
+  for (int64_t j = 0; j < cols; ++j) row[j] = row[j] + bias[j];
+}
+
+MESHTRAIN_HOST_CLONES_EXACT
 void add_row(const float* __restrict a, const float* __restrict b, float* __restrict out,
              int64_t cols) {
   for (int64_t j = 0; j < cols; ++j) out[j] = a[j] + b[j];
@@ -171,6 +166,13 @@ void fill_bias(MatrixView c, const float* bias, ConstMatrixView residual) {
   for_rows(MESHTRAIN_LABEL("meshtrain::infer_bias"), rows_of(c), [=](const int64_t i) {
     fill_row(data + i * ld, cols, bias, r != nullptr ? r + i * ldr : nullptr);
   });
+}
+
+void add_bias(MatrixView c, const float* bias) {
+  float* data = c.data();
+  const int64_t ld = ld_of(c), cols = cols_of(c);
+  for_rows(MESHTRAIN_LABEL("meshtrain::linear_add_bias_host"), rows_of(c),
+           [=](const int64_t i) { add_bias_row(data + i * ld, cols, bias); });
 }
 
 void activate(MatrixView c, Activation activation) {

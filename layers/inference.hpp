@@ -40,6 +40,8 @@ bool runs_host_kernels();
 
 // c(i, j) = bias[j] + (residual ? residual(i, j) : 0); residual may be empty.
 void fill_bias(MatrixView c, const float* bias, ConstMatrixView residual);
+// c(i, j) += bias[j] (Linear::forward's fp32 bias, the same sums).
+void add_bias(MatrixView c, const float* bias);
 // c = f(c) in place, f = `activation` (none: nothing).
 void activate(MatrixView c, Activation activation);
 // y(i, :) = layernorm(x(i, :)) * scale + bias (the whole row on this rank), with LayerNorm's

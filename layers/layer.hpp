@@ -116,6 +116,9 @@ struct LayerPass {
   float loss_scale = 1.0f;             // dY arrives times it; gradients a layer adds must be too
   // Forward only: set in a training pass, nullptr in evaluation and prediction.
   const TrainingPass* training = nullptr;
+  // Forward only: a prediction's forward that derivative passes follow (Mlp::forward_for_
+  // derivatives): a Linear layer may fill C with its bias first, as infer() does (GEMM beta 1).
+  bool inference_gemms = false;
   // Tangent passes (forward_tangents, backward_with_tangents): the forward Laplacian's streams
   // (docs/derivatives.md, "Physics losses"): each value row's 2k tangent rows are k first
   // derivatives then k diagonal second derivatives. Linear maps them as any tangents; an

@@ -248,6 +248,17 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   const MatrixView w = weight.floats;
   if (next) next->start_weight_prefetch(scratch);
   MatrixView y = output_view_;
+  if (pass.inference_gemms && compute_dtype_ == Dtype::fp32 && inference::runs_host_kernels() &&
+      !layout_.tensor_parallel && !layout_.column_parallel && !reads_kept_input()) {
+    // A prediction's forward before its derivative passes: C starts as the bias and the GEMM
+    // adds the product (beta = 1), as infer() does on OpenBLAS, where BLAS would zero C first
+    // and a pass would add the bias. gemm(), not inference_gemm(): oneDNN's matmul allocates
+    // per call, and Predictor::jacobian allocates nothing (tests/predict/jacobian_test.cpp).
+    inference::fill_bias(y, bias_.compute(scratch).data(), ConstMatrixView());
+    gemm(plain(x_used_), plain(w), 1.0f, y, compute_dtype_);
+    if (next) next->poll_weight_prefetch();
+    return y;
+  }
   if (layout_.column_gathers_input()) {
     // Y_t = all_gather(X, features) @ W_t: the K blocks of X arrive and accumulate.
     all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(x_used_), plain(w), y, matmuls_.forward,
@@ -268,6 +279,10 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   // roundings, as docs/mixed_precision.md lists them (none in fp32).
   const float* b = bias_.compute(scratch).data();
   const Dtype dtype = compute_dtype_;
+  if (dtype == Dtype::fp32 && inference::runs_host_kernels()) {
+    inference::add_bias(y, b);  // per-ISA clones, the same sums
+    return y;
+  }
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::linear_add_bias"),
       Range2(device_space(), {0, 0},

@@ -500,6 +500,14 @@ void Mlp::initialize(InitScheme scheme, uint64_t seed) {
 }
 
 MatrixView Mlp::forward(MatrixView x, const TrainingPass* training) {
+  return forward_pass(x, training, /*inference_gemms=*/false);
+}
+
+MatrixView Mlp::forward_for_derivatives(MatrixView x) {
+  return forward_pass(x, nullptr, /*inference_gemms=*/true);
+}
+
+MatrixView Mlp::forward_pass(MatrixView x, const TrainingPass* training, bool inference_gemms) {
   MatrixView input = x;
   if (keeps_16bit_) {  // cast into the first working buffer, and kept as 16 bits, in one pass
     MESHTRAIN_REQUIRE(
@@ -520,6 +528,7 @@ MatrixView Mlp::forward(MatrixView x, const TrainingPass* training) {
     pass.scratch = &scratch_;
     pass.prefetch = forward_prefetch_[k];
     pass.training = training;
+    pass.inference_gemms = inference_gemms;
     TraceSpan span(tracer().on() ? trace_name(k) : "", TraceKind::layer);
     span.detail("forward");
     input = sequence_[k]->forward(input, pass);

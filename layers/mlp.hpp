@@ -127,6 +127,11 @@ class Mlp {
   // rounding). forward() itself where the model computes in 16 bits or on a GPU. Allocates
   // nothing.
   MatrixView infer(MatrixView x);
+  // forward(x) for the derivative passes of prediction (Predictor::jacobian): keeps what the
+  // tangent and cotangent passes read, as forward() does; each Linear layer's C starts as its
+  // bias and the GEMM adds the product (no zeroing pass, no bias pass; LayerPass's
+  // inference_gemms). Equal to forward within rounding; forward() itself off host memory.
+  MatrixView forward_for_derivatives(MatrixView x);
   // dLoss/dOutput [local_rows, output_width()]: overwrites every gradient. With reduce =
   // false the layers that defer their reduction (gradient_reductions(), DP storage) leave
   // this rank's partial gradients, for reduce_gradients() after accumulating
@@ -242,6 +247,7 @@ class Mlp {
   const GradientBuckets& gradient_buckets() const { return buckets_; }
 
  private:
+  MatrixView forward_pass(MatrixView x, const TrainingPass* training, bool inference_gemms);
   // forward_tangents / backward_with_tangents, the streams second-order (LayerPass) or not.
   MatrixView tangent_pass(MatrixView dx, bool second_order);
   // bad_input, one sentence, unless every layer supports the forward Laplacian.

@@ -7,6 +7,7 @@
 
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
+#include "framework/core/host_clones.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
@@ -488,6 +489,57 @@ void norm_jacobian(MatrixView x, MatrixView stats, MatrixView d, ConstVectorView
       });
 }
 
+// One value row of norm_jacobian for the cotangents (pre = the scale, no post), on host memory
+// with the whole row on this rank: the two row sums of each direction and its output in one
+// visit of the row (in cache), plus `add` (the residual stream's cotangents, or null). The
+// sums run in 16 partial sums (a fixed order that vectorizes, as the inference LayerNorm's),
+// so they differ from norm_jacobian's by float rounding; compiled per instruction set.
+MESHTRAIN_HOST_CLONES
+void norm_cotangent_block_host(const float* xi, float m0, float delta, float rstd,
+                               const float* d_data, int64_t d_stride, const float* pre,
+                               const float* add_data, int64_t a_stride, float* o_data,
+                               int64_t o_stride, int64_t i, int64_t k, int64_t cols, bool layernorm,
+                               float n) {
+  constexpr int kLanes = 16;
+  float* x_hat = o_data + i * k * o_stride;  // the first row: written last, in place
+  for (int64_t j = 0; j < cols; ++j) {
+    x_hat[j] = layernorm ? ((xi[j] - m0) - delta) * rstd : xi[j] * rstd;
+  }
+  for (int64_t e = k; e-- > 0;) {
+    const int64_t t = i * k + e;
+    const float* __restrict g = d_data + t * d_stride;
+    float lanes_s[kLanes] = {}, lanes_x[kLanes] = {};
+    int64_t j = 0;
+    for (; j + kLanes <= cols; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        const float gj = g[j + l] * pre[j + l];
+        lanes_s[l] += gj;
+        lanes_x[l] += gj * x_hat[j + l];
+      }
+    }
+    for (int l = 0; j < cols; ++j, ++l) {
+      const float gj = g[j] * pre[j];
+      lanes_s[l] += gj;
+      lanes_x[l] += gj * x_hat[j];
+    }
+    float s = 0.0f, sx = 0.0f;
+    for (int l = 0; l < kLanes; ++l) {
+      s += lanes_s[l];
+      sx += lanes_x[l];
+    }
+    const float mean = layernorm ? s / n : 0.0f, mean_x = sx / n;
+    float* o = o_data + t * o_stride;
+    if (add_data != nullptr) {
+      const float* __restrict a = add_data + t * a_stride;
+      for (int64_t c = 0; c < cols; ++c) {
+        o[c] = a[c] + rstd * (g[c] * pre[c] - mean - x_hat[c] * mean_x);
+      }
+    } else {
+      for (int64_t c = 0; c < cols; ++c) o[c] = rstd * (g[c] * pre[c] - mean - x_hat[c] * mean_x);
+    }
+  }
+}
+
 }  // namespace
 
 MatrixView FeatureNorm::forward_tangents(MatrixView dx, const LayerPass& pass) {
@@ -525,10 +577,56 @@ MatrixView FeatureNorm::backward_cotangents(MatrixView dy, const LayerPass& pass
                     rows, ", ", layout_.local_width, "]");
   MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
   const MatrixView out = leading_rows(cotangents_, rows);
+  if (cotangents_in_one_pass()) {
+    cotangents_adding(dy, MatrixView(), out, pass);
+    return out;
+  }
   norm_jacobian(x_, stats_, dy, params_[0].compute(*pass.scratch), ConstVectorView(),
                 layout_.kind == NormKind::layernorm, static_cast<float>(layout_.width), tp_comm_,
                 leading_rows(cotangent_sums_, rows), out);
   return out;
+}
+
+bool FeatureNorm::cotangents_in_one_pass() const {
+  return inference::runs_host_kernels() && tp_comm_ == nullptr && compute_dtype_ == Dtype::fp32;
+}
+
+void FeatureNorm::cotangents_adding(MatrixView dy, MatrixView add, MatrixView out,
+                                    const LayerPass& pass) {
+  MESHTRAIN_REQUIRE(cotangents_in_one_pass(), "norm '", name_,
+                    "': one-pass cotangents need host memory, fp32 and whole rows");
+  const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows_, name_);
+  const int64_t cols = layout_.local_width;
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(1)) == cols && out.extent(0) == dy.extent(0) &&
+                        out.extent(1) == dy.extent(1) && out.data() != dy.data() &&
+                        (add.data() == nullptr ||
+                         (add.extent(0) == dy.extent(0) && add.extent(1) == dy.extent(1))),
+                    "norm '", name_, "': cotangents [", dy.extent(0), ", ", dy.extent(1),
+                    "] into [", out.extent(0), ", ", out.extent(1), "] (", rows_ * k, ", ", cols,
+                    " expected)");
+  MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
+  const ConstVectorView scale = params_[0].compute(*pass.scratch);
+  const float* pre = scale.data();
+  const float* x_data = x_.data();
+  const float* d_data = dy.data();
+  const float* a_data = add.data();
+  float* o_data = out.data();
+  const int64_t x_stride = static_cast<int64_t>(x_.stride(0));
+  const int64_t d_stride = static_cast<int64_t>(dy.stride(0));
+  const int64_t a_stride = a_data != nullptr ? static_cast<int64_t>(add.stride(0)) : 0;
+  const int64_t o_stride = static_cast<int64_t>(out.stride(0));
+  const bool layernorm = layout_.kind == NormKind::layernorm;
+  const float n = static_cast<float>(layout_.width);
+  const MatrixView stats = stats_;
+  const std::string& label = MESHTRAIN_LABEL("meshtrain::norm_cotangents_host");
+  Kokkos::parallel_for(
+      label, Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0, rows_),
+      [=](const int64_t i) {
+        norm_cotangent_block_host(x_data + i * x_stride, stats(i, 0), stats(i, 1), stats(i, 2),
+                                  d_data, d_stride, pre, a_data, a_stride, o_data, o_stride, i, k,
+                                  cols, layernorm, n);
+      });
+  fence_space(host_space(), label);
 }
 
 void FeatureNorm::reserve_cotangents(int64_t directions) {

@@ -125,6 +125,13 @@ class FeatureNorm : public Layer {
   // gradient.
   MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
   void reserve_cotangents(int64_t directions) override;
+  // Whether the cotangents go in one pass per row (host memory, fp32, the whole row on this
+  // rank: no tp), which cotangents_adding needs.
+  bool cotangents_in_one_pass() const;
+  // out = add + backward_cotangents(dy) in that pass (add [rows * k, local_width] or empty: a
+  // residual block's stream, added without a pass of its own); out [rows * k, local_width], not
+  // dy's memory, may be add's. After forward; allocates nothing.
+  void cotangents_adding(MatrixView dy, MatrixView add, MatrixView out, const LayerPass& pass);
   // The forward Laplacian (pass.second_order, docs/derivatives.md "LayerNorm and RMSNorm, second
   // order"): forward_tangents takes each row's k tangents t_d and k second-order streams q_d and
   // returns scale * (J t_d) and scale * (J q_d - 2 rstd a_d J t_d - rstd^2 (m2_d - a_d^2) x_hat),

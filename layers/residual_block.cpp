@@ -8,6 +8,8 @@
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/core/view_ops.hpp"
+#include "layers/inference.hpp"
+#include "layers/norm.hpp"
 
 namespace meshtrain {
 namespace {
@@ -18,6 +20,10 @@ void add_rounded(MatrixView a, MatrixView b, MatrixView out, Dtype dtype, const 
                         b.extent(0) == out.extent(0) && b.extent(1) == out.extent(1),
                     what, ": [", a.extent(0), ", ", a.extent(1), "] + [", b.extent(0), ", ",
                     b.extent(1), "] into [", out.extent(0), ", ", out.extent(1), "]");
+  if (dtype == Dtype::fp32 && inference::runs_host_kernels() && out.data() != a.data() &&
+      out.data() != b.data()) {
+    return inference::add(a, b, out);  // per-ISA clones, the same sums
+  }
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::residual_add"),
       Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
@@ -38,6 +44,7 @@ void add_tangents(MatrixView a, MatrixView b, MatrixView out) {
   const int64_t a_stride = static_cast<int64_t>(a.stride(0));
   const int64_t b_stride = static_cast<int64_t>(b.stride(0));
   const int64_t o_stride = static_cast<int64_t>(out.stride(0));
+  if (inference::runs_host_kernels()) return inference::add(a, b, out);  // per-ISA clones
   const float* a_data = a.data();
   const float* b_data = b.data();
   float* o_data = out.data();
@@ -153,6 +160,7 @@ MatrixView ResidualBlock::forward(MatrixView x, const LayerPass& pass) {
     inner.scratch = pass.scratch;
     inner.prefetch = k == last_with_parameters_ ? pass.prefetch : nullptr;
     inner.training = pass.training;  // a dropout inside the block keys on the same pass
+    inner.inference_gemms = pass.inference_gemms;
     h = layers_[k]->forward(h, inner);
   }
   add_rounded(x, h, out_, dtype_, name_.c_str());
@@ -213,9 +221,18 @@ MatrixView ResidualBlock::backward_cotangents(MatrixView dy, const LayerPass& pa
   LayerPass inner;
   inner.scratch = pass.scratch;
   MatrixView g = dy;
-  for (size_t i = layers_.size(); i-- > 0;) g = layers_[i]->backward_cotangents(g, inner);
   const MatrixView out = leading_rows(cotangents_, rows_ * k);
-  add_tangents(dy, g, out);
+  // A pre-norm block (the norm first) adds dy inside the norm's one pass over its cotangents.
+  auto* norm = dynamic_cast<FeatureNorm*>(layers_.front().get());
+  const bool fused = norm != nullptr && norm->cotangents_in_one_pass();
+  for (size_t i = layers_.size(); i-- > (fused ? 1 : 0);) {
+    g = layers_[i]->backward_cotangents(g, inner);
+  }
+  if (fused) {
+    norm->cotangents_adding(g, dy, out, inner);
+  } else {
+    add_tangents(dy, g, out);
+  }
   return out;
 }
 

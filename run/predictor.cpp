@@ -449,7 +449,8 @@ Prediction Predictor::run(int64_t rows, bool for_derivatives) {
   if (rows < slice_.rows)
     predictor_detail::zero_rows(x_, rows);  // padding: computed, never returned
   if (normalization_.inputs()) standardize(x_, input_mean_, input_std_);
-  const MatrixView output = for_derivatives ? model_->forward(x_) : model_->infer(x_);
+  const MatrixView output =
+      for_derivatives ? model_->forward_for_derivatives(x_) : model_->infer(x_);
   const MatrixView whole = whole_rows_->gather(output);
   if (normalization_.targets()) {
     to_target_units(whole, target_mean_, target_std_, output_);
