@@ -71,10 +71,11 @@ ConstHalfMatrixView packed_weight(const ShardedParameter& weight, LayerScratch& 
   return ConstHalfMatrixView(bits, stored.extent(0), stored.extent(1));
 }
 
-// The weight as a layer's GEMMs read it: where the layer reads its kept 16-bit input
-// (reads_kept_input) and the weight has 16 bits to give (its optimizer-written copy, or its master
-// packed into the weight scratch), those 16 bits; else the fp32 compute matrix (gathered, or
-// rounded at use), which the tensor-parallel paths take.
+// The weight as a layer's GEMMs read it: where the layer reads 16-bit weights (reads_16bit_weight:
+// its kept 16-bit input, or a tensor-parallel weight's copy where gemm() reads 16 bits) and the
+// weight has 16 bits to give (its optimizer-written copy, or, with a kept input, its master packed
+// into the weight scratch), those 16 bits, which the collective matmuls take as they are too; else
+// the fp32 compute matrix (gathered, or rounded at use).
 struct WeightForGemm {
   ConstHalfMatrixView bits;  // empty unless the GEMMs read 16 bits
   MatrixView floats;         // empty when they do
@@ -83,12 +84,12 @@ struct WeightForGemm {
     return transpose ? transposed(floats) : plain(floats);
   }
 };
-WeightForGemm weight_for_gemm(ShardedParameter& weight, bool reads_kept_input,
-                              LayerScratch& scratch, Dtype dtype) {
+WeightForGemm weight_for_gemm(ShardedParameter& weight, bool reads_16bit, LayerScratch& scratch,
+                              Dtype dtype) {
   WeightForGemm w;
-  if (reads_kept_input && weight.has_16bit_copy()) {
+  if (reads_16bit && weight.has_16bit_copy()) {
     w.bits = weight.compute_matrix_16bit(scratch);
-  } else if (reads_kept_input && packs_weight_16bit(weight)) {
+  } else if (reads_16bit && packs_weight_16bit(weight)) {
     w.bits = packed_weight(weight, scratch, dtype);
   } else {
     w.floats = weight.compute_matrix(scratch);
@@ -244,23 +245,23 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
     x_used_ = x;
   }
   const WeightForGemm weight =
-      weight_for_gemm(weight_, reads_kept_input(), scratch, compute_dtype_);
-  const MatrixView w = weight.floats;
+      weight_for_gemm(weight_, reads_16bit_weight(), scratch, compute_dtype_);
+  const GemmOperand w = weight.operand(false);
   if (next) next->start_weight_prefetch(scratch);
   MatrixView y = output_view_;
   if (layout_.column_gathers_input()) {
     // Y_t = all_gather(X, features) @ W_t: the K blocks of X arrive and accumulate.
-    all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(x_used_), plain(w), y, matmuls_.forward,
+    all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(x_used_), w, y, matmuls_.forward,
                       scratch.matmul, compute_dtype_);
   } else if (layout_.column_parallel) {
-    gemm(plain(x_used_), plain(w), 0.0f, y, compute_dtype_);  // replicated input, no reduction
+    gemm(plain(x_used_), w, 0.0f, y, compute_dtype_);  // replicated input, no reduction
   } else if (layout_.split_output) {
-    matmul_reduce_scatter(*tp_comm_, 1, plain(x_used_), plain(w), y, matmuls_.forward,
-                          scratch.matmul, compute_dtype_);
+    matmul_reduce_scatter(*tp_comm_, 1, plain(x_used_), w, y, matmuls_.forward, scratch.matmul,
+                          compute_dtype_);
   } else if (reads_kept_input()) {  // the producer's 16-bit copy, the same values as x
-    gemm(plain(kept_input_), weight.operand(false), 0.0f, y, compute_dtype_);
+    gemm(plain(kept_input_), w, 0.0f, y, compute_dtype_);
   } else {
-    gemm(plain(x_used_), plain(w), 0.0f, y, compute_dtype_);
+    gemm(plain(x_used_), w, 0.0f, y, compute_dtype_);
     if (layout_.tensor_parallel) tp_comm_->all_reduce(y, ReduceOp::sum, compute_dtype_);
   }
   if (next) next->poll_weight_prefetch();
@@ -377,8 +378,8 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
                     dy.extent(1), "], expected [", rows_, ", ", layout_.out_local, "]");
   // Gathered again, not kept from forward.
   const WeightForGemm weight =
-      weight_for_gemm(weight_, reads_kept_input(), scratch, compute_dtype_);
-  const MatrixView w = weight.floats;
+      weight_for_gemm(weight_, reads_16bit_weight(), scratch, compute_dtype_);
+  const GemmOperand w_t = weight.operand(true);
   if (next) next->start_weight_prefetch(scratch);
 
   // Weight gradient, compute block: X_cᵀ @ dY (dY all-gathered over features when split).
@@ -419,12 +420,12 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
   if (need_input_grad && layout_.column_parallel) {
     // dY_t @ W_tᵀ is this rank's partial sum of dX over the feature ranks.
     if (layout_.column_gathers_input()) {
-      matmul_reduce_scatter(*tp_comm_, 1, plain(dy), transposed(w), dx_, matmuls_.input_grad,
-                            scratch.matmul, compute_dtype_);
+      matmul_reduce_scatter(*tp_comm_, 1, plain(dy), w_t, dx_, matmuls_.input_grad, scratch.matmul,
+                            compute_dtype_);
       round_in_place(MatrixView(dx_), compute_dtype_);
       dx = dx_;
     } else {
-      gemm(plain(dy), transposed(w), 0.0f, dx_c_view_, compute_dtype_);
+      gemm(plain(dy), w_t, 0.0f, dx_c_view_, compute_dtype_);
       if (!layout_.input_grad_partial) {
         tp_comm_->all_reduce(dx_c_view_, ReduceOp::sum, compute_dtype_);
       }
@@ -433,10 +434,10 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
     }
   } else if (need_input_grad) {
     if (layout_.split_output) {
-      all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(dy), transposed(w), dx_c_view_,
+      all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(dy), w_t, dx_c_view_,
                         matmuls_.input_grad, scratch.matmul, compute_dtype_);
     } else {
-      gemm(plain(dy), weight.operand(true), 0.0f, dx_c_view_, compute_dtype_);
+      gemm(plain(dy), w_t, 0.0f, dx_c_view_, compute_dtype_);
     }
     round_in_place(dx_c_view_, compute_dtype_);
     if (layout_.slices_input()) {
@@ -450,7 +451,9 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
     }
   }
   // The input tangents' gradient: g_t Wᵀ, the cotangent pass on k times the rows.
-  if (dt.data() != nullptr && need_input_grad) *dt_in = cotangent_product(dt, w, scratch);
+  if (dt.data() != nullptr && need_input_grad) {  // fp32 only: the weight as floats
+    *dt_in = cotangent_product(dt, weight.floats, scratch);
+  }
   if (bucketed) {
     pass.buckets->poll();
     return dx;

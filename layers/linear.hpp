@@ -189,6 +189,12 @@ class Linear final : public Layer {
   bool reads_kept_input() const {
     return kept_input_.data() != nullptr && gemm_reads_16bit(compute_dtype_);
   }
+  // Whether the GEMMs (and collective matmuls) read the weight as 16 bits: with a kept input, or
+  // with a 16-bit copy where gemm() reads 16 bits (a tensor-parallel weight's, which the
+  // collective matmuls take as it is: partition/sixteen_bit_storage.hpp).
+  bool reads_16bit_weight() const {
+    return reads_kept_input() || (weight_.has_16bit_copy() && gemm_reads_16bit(compute_dtype_));
+  }
   // Column sums of dy into this rank's block of the bias gradient; all_reduce: summed
   // over the bias's reduction group first.
   void bias_gradient(MatrixView dy, LayerScratch& scratch, bool all_reduce);
