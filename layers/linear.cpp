@@ -205,6 +205,12 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
   if (l.slices_input() || l.gathers_input()) {
     dx_ = Matrix(name + "/input_grad", rows_, input_width());
   }
+  // Under tensor parallelism (a split output, row-parallel) with a 16-bit weight copy: dY's 16 bits
+  // for backward's two all-gather-matmuls (framework/train/memory_plan.cpp counts it alike).
+  if (l.split_output && !l.column_parallel && kept_input_.data() == nullptr &&
+      reads_16bit_weight()) {
+    dy_16bit_ = HalfMatrix(name + "/output_grad_16bit", rows_, l.out_local);
+  }
 
   needs_ = weight_.scratch_needs();
   needs_.merge(bias_.scratch_needs());
@@ -352,7 +358,7 @@ void Linear::reserve_tangent_backward(int64_t directions) {
 }
 
 void Linear::weight_gradient_product(MatrixView x, MatrixView dy, MatrixView g,
-                                     LayerScratch& scratch) {
+                                     LayerScratch& scratch, ConstHalfMatrixView dy_16bit) {
   if (layout_.column_gathers_input()) {
     // dW_t = all_gather(X, features)ᵀ @ dY_t: the input gathered again (only its block is
     // kept from forward), the gathered blocks landing on the rows of dW_t.
@@ -361,7 +367,8 @@ void Linear::weight_gradient_product(MatrixView x, MatrixView dy, MatrixView g,
   } else if (layout_.column_parallel) {
     gemm(transposed(x), plain(dy), 0.0f, g, compute_dtype_);
   } else if (layout_.split_output) {
-    all_gather_matmul(*tp_comm_, GatherSide::right, 1, transposed(x), plain(dy), g,
+    const GemmOperand gathered = dy_16bit.data() != nullptr ? plain(dy_16bit) : plain(dy);
+    all_gather_matmul(*tp_comm_, GatherSide::right, 1, transposed(x), gathered, g,
                       matmuls_.weight_grad, scratch.matmul, compute_dtype_);
   } else {
     gemm(transposed(x), plain(dy), 0.0f, g, compute_dtype_);
@@ -382,6 +389,16 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
   const GemmOperand w_t = weight.operand(true);
   if (next) next->start_weight_prefetch(scratch);
 
+  // dY as 16 bits for the all-gather-matmuls below (tensor parallelism with a 16-bit weight copy):
+  // packed once (it holds 16-bit values: the activation's or the loss's rounded gradient), then
+  // gathered as 2-byte blocks, no wire packing per hop nor bf16 copy inside the GEMMs.
+  ConstHalfMatrixView dy_16bit;
+  if (dy_16bit_.data() != nullptr) {
+    MESHTRAIN_REQUIRE(dy.span_is_contiguous(), "linear layer '", layout_.layer,
+                      "': the output gradient must be contiguous");
+    pack_16bit(dy.data(), dy_16bit_.data(), dy.span(), compute_dtype_);
+    dy_16bit = dy_16bit_;
+  }
   // Weight gradient, compute block: X_cᵀ @ dY (dY all-gathered over features when split).
   MatrixView g = weight_.gradient_matrix(scratch);
   if (reads_kept_input()) {
@@ -393,7 +410,7 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
     widen_16bit(kept_input_, dx_c_view_, compute_dtype_);
     weight_gradient_product(dx_c_view_, dy, g, scratch);
   } else {
-    weight_gradient_product(x_used_, dy, g, scratch);
+    weight_gradient_product(x_used_, dy, g, scratch, dy_16bit);
   }
   if (dt.data() != nullptr) {
     // The tangents' term: dt_out = dt_in W, so dW += dt_inᵀ g_t, through the same product and
@@ -434,7 +451,8 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
     }
   } else if (need_input_grad) {
     if (layout_.split_output) {
-      all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(dy), w_t, dx_c_view_,
+      const GemmOperand gathered = dy_16bit.data() != nullptr ? plain(dy_16bit) : plain(dy);
+      all_gather_matmul(*tp_comm_, GatherSide::left, 1, gathered, w_t, dx_c_view_,
                         matmuls_.input_grad, scratch.matmul, compute_dtype_);
     } else {
       gemm(plain(dy), w_t, 0.0f, dx_c_view_, compute_dtype_);
