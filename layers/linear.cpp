@@ -71,10 +71,11 @@ ConstHalfMatrixView packed_weight(const ShardedParameter& weight, LayerScratch& 
   return ConstHalfMatrixView(bits, stored.extent(0), stored.extent(1));
 }
 
-// The weight as a layer's GEMMs read it: where the layer reads its kept 16-bit input
-// (reads_kept_input) and the weight has 16 bits to give (its optimizer-written copy, or its master
-// packed into the weight scratch), those 16 bits; else the fp32 compute matrix (gathered, or
-// rounded at use), which the tensor-parallel paths take.
+// The weight as a layer's GEMMs read it: where the layer reads 16-bit weights (reads_16bit_weight:
+// its kept 16-bit input, or a tensor-parallel weight's copy where gemm() reads 16 bits) and the
+// weight has 16 bits to give (its optimizer-written copy, or, with a kept input, its master packed
+// into the weight scratch), those 16 bits, which the collective matmuls take as they are too; else
+// the fp32 compute matrix (gathered, or rounded at use).
 struct WeightForGemm {
   ConstHalfMatrixView bits;  // empty unless the GEMMs read 16 bits
   MatrixView floats;         // empty when they do
@@ -83,12 +84,12 @@ struct WeightForGemm {
     return transpose ? transposed(floats) : plain(floats);
   }
 };
-WeightForGemm weight_for_gemm(ShardedParameter& weight, bool reads_kept_input,
-                              LayerScratch& scratch, Dtype dtype) {
+WeightForGemm weight_for_gemm(ShardedParameter& weight, bool reads_16bit, LayerScratch& scratch,
+                              Dtype dtype) {
   WeightForGemm w;
-  if (reads_kept_input && weight.has_16bit_copy()) {
+  if (reads_16bit && weight.has_16bit_copy()) {
     w.bits = weight.compute_matrix_16bit(scratch);
-  } else if (reads_kept_input && packs_weight_16bit(weight)) {
+  } else if (reads_16bit && packs_weight_16bit(weight)) {
     w.bits = packed_weight(weight, scratch, dtype);
   } else {
     w.floats = weight.compute_matrix(scratch);
@@ -204,6 +205,12 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
   if (l.slices_input() || l.gathers_input()) {
     dx_ = Matrix(name + "/input_grad", rows_, input_width());
   }
+  // Under tensor parallelism (a split output, row-parallel) with a 16-bit weight copy: dY's 16 bits
+  // for backward's two all-gather-matmuls (framework/train/memory_plan.cpp counts it alike).
+  if (l.split_output && !l.column_parallel && kept_input_.data() == nullptr &&
+      reads_16bit_weight()) {
+    dy_16bit_ = HalfMatrix(name + "/output_grad_16bit", rows_, l.out_local);
+  }
 
   needs_ = weight_.scratch_needs();
   needs_.merge(bias_.scratch_needs());
@@ -244,8 +251,8 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
     x_used_ = x;
   }
   const WeightForGemm weight =
-      weight_for_gemm(weight_, reads_kept_input(), scratch, compute_dtype_);
-  const MatrixView w = weight.floats;
+      weight_for_gemm(weight_, reads_16bit_weight(), scratch, compute_dtype_);
+  const GemmOperand w = weight.operand(false);
   if (next) next->start_weight_prefetch(scratch);
   MatrixView y = output_view_;
   if (pass.inference_gemms && compute_dtype_ == Dtype::fp32 && inference::runs_host_kernels() &&
@@ -261,17 +268,17 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   }
   if (layout_.column_gathers_input()) {
     // Y_t = all_gather(X, features) @ W_t: the K blocks of X arrive and accumulate.
-    all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(x_used_), plain(w), y, matmuls_.forward,
+    all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(x_used_), w, y, matmuls_.forward,
                       scratch.matmul, compute_dtype_);
   } else if (layout_.column_parallel) {
-    gemm(plain(x_used_), plain(w), 0.0f, y, compute_dtype_);  // replicated input, no reduction
+    gemm(plain(x_used_), w, 0.0f, y, compute_dtype_);  // replicated input, no reduction
   } else if (layout_.split_output) {
-    matmul_reduce_scatter(*tp_comm_, 1, plain(x_used_), plain(w), y, matmuls_.forward,
-                          scratch.matmul, compute_dtype_);
+    matmul_reduce_scatter(*tp_comm_, 1, plain(x_used_), w, y, matmuls_.forward, scratch.matmul,
+                          compute_dtype_);
   } else if (reads_kept_input()) {  // the producer's 16-bit copy, the same values as x
-    gemm(plain(kept_input_), weight.operand(false), 0.0f, y, compute_dtype_);
+    gemm(plain(kept_input_), w, 0.0f, y, compute_dtype_);
   } else {
-    gemm(plain(x_used_), plain(w), 0.0f, y, compute_dtype_);
+    gemm(plain(x_used_), w, 0.0f, y, compute_dtype_);
     if (layout_.tensor_parallel) tp_comm_->all_reduce(y, ReduceOp::sum, compute_dtype_);
   }
   if (next) next->poll_weight_prefetch();
@@ -366,7 +373,7 @@ void Linear::reserve_tangent_backward(int64_t directions) {
 }
 
 void Linear::weight_gradient_product(MatrixView x, MatrixView dy, MatrixView g,
-                                     LayerScratch& scratch) {
+                                     LayerScratch& scratch, ConstHalfMatrixView dy_16bit) {
   if (layout_.column_gathers_input()) {
     // dW_t = all_gather(X, features)ᵀ @ dY_t: the input gathered again (only its block is
     // kept from forward), the gathered blocks landing on the rows of dW_t.
@@ -375,7 +382,8 @@ void Linear::weight_gradient_product(MatrixView x, MatrixView dy, MatrixView g,
   } else if (layout_.column_parallel) {
     gemm(transposed(x), plain(dy), 0.0f, g, compute_dtype_);
   } else if (layout_.split_output) {
-    all_gather_matmul(*tp_comm_, GatherSide::right, 1, transposed(x), plain(dy), g,
+    const GemmOperand gathered = dy_16bit.data() != nullptr ? plain(dy_16bit) : plain(dy);
+    all_gather_matmul(*tp_comm_, GatherSide::right, 1, transposed(x), gathered, g,
                       matmuls_.weight_grad, scratch.matmul, compute_dtype_);
   } else {
     gemm(transposed(x), plain(dy), 0.0f, g, compute_dtype_);
@@ -392,10 +400,20 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
                     dy.extent(1), "], expected [", rows_, ", ", layout_.out_local, "]");
   // Gathered again, not kept from forward.
   const WeightForGemm weight =
-      weight_for_gemm(weight_, reads_kept_input(), scratch, compute_dtype_);
-  const MatrixView w = weight.floats;
+      weight_for_gemm(weight_, reads_16bit_weight(), scratch, compute_dtype_);
+  const GemmOperand w_t = weight.operand(true);
   if (next) next->start_weight_prefetch(scratch);
 
+  // dY as 16 bits for the all-gather-matmuls below (tensor parallelism with a 16-bit weight copy):
+  // packed once (it holds 16-bit values: the activation's or the loss's rounded gradient), then
+  // gathered as 2-byte blocks, no wire packing per hop nor bf16 copy inside the GEMMs.
+  ConstHalfMatrixView dy_16bit;
+  if (dy_16bit_.data() != nullptr) {
+    MESHTRAIN_REQUIRE(dy.span_is_contiguous(), "linear layer '", layout_.layer,
+                      "': the output gradient must be contiguous");
+    pack_16bit(dy.data(), dy_16bit_.data(), dy.span(), compute_dtype_);
+    dy_16bit = dy_16bit_;
+  }
   // Weight gradient, compute block: X_cᵀ @ dY (dY all-gathered over features when split).
   MatrixView g = weight_.gradient_matrix(scratch);
   if (reads_kept_input()) {
@@ -407,7 +425,7 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
     widen_16bit(kept_input_, dx_c_view_, compute_dtype_);
     weight_gradient_product(dx_c_view_, dy, g, scratch);
   } else {
-    weight_gradient_product(x_used_, dy, g, scratch);
+    weight_gradient_product(x_used_, dy, g, scratch, dy_16bit);
   }
   if (dt.data() != nullptr) {
     // The tangents' term: dt_out = dt_in W, so dW += dt_inᵀ g_t, through the same product and
@@ -434,12 +452,12 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
   if (need_input_grad && layout_.column_parallel) {
     // dY_t @ W_tᵀ is this rank's partial sum of dX over the feature ranks.
     if (layout_.column_gathers_input()) {
-      matmul_reduce_scatter(*tp_comm_, 1, plain(dy), transposed(w), dx_, matmuls_.input_grad,
-                            scratch.matmul, compute_dtype_);
+      matmul_reduce_scatter(*tp_comm_, 1, plain(dy), w_t, dx_, matmuls_.input_grad, scratch.matmul,
+                            compute_dtype_);
       round_in_place(MatrixView(dx_), compute_dtype_);
       dx = dx_;
     } else {
-      gemm(plain(dy), transposed(w), 0.0f, dx_c_view_, compute_dtype_);
+      gemm(plain(dy), w_t, 0.0f, dx_c_view_, compute_dtype_);
       if (!layout_.input_grad_partial) {
         tp_comm_->all_reduce(dx_c_view_, ReduceOp::sum, compute_dtype_);
       }
@@ -448,10 +466,11 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
     }
   } else if (need_input_grad) {
     if (layout_.split_output) {
-      all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(dy), transposed(w), dx_c_view_,
+      const GemmOperand gathered = dy_16bit.data() != nullptr ? plain(dy_16bit) : plain(dy);
+      all_gather_matmul(*tp_comm_, GatherSide::left, 1, gathered, w_t, dx_c_view_,
                         matmuls_.input_grad, scratch.matmul, compute_dtype_);
     } else {
-      gemm(plain(dy), weight.operand(true), 0.0f, dx_c_view_, compute_dtype_);
+      gemm(plain(dy), w_t, 0.0f, dx_c_view_, compute_dtype_);
     }
     round_in_place(dx_c_view_, compute_dtype_);
     if (layout_.slices_input()) {
@@ -465,7 +484,9 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
     }
   }
   // The input tangents' gradient: g_t Wᵀ, the cotangent pass on k times the rows.
-  if (dt.data() != nullptr && need_input_grad) *dt_in = cotangent_product(dt, w, scratch);
+  if (dt.data() != nullptr && need_input_grad) {  // fp32 only: the weight as floats
+    *dt_in = cotangent_product(dt, weight.floats, scratch);
+  }
   if (bucketed) {
     pass.buckets->poll();
     return dx;

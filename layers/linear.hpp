@@ -189,6 +189,12 @@ class Linear final : public Layer {
   bool reads_kept_input() const {
     return kept_input_.data() != nullptr && gemm_reads_16bit(compute_dtype_);
   }
+  // Whether the GEMMs (and collective matmuls) read the weight as 16 bits: with a kept input, or
+  // with a 16-bit copy where gemm() reads 16 bits (a tensor-parallel weight's, which the
+  // collective matmuls take as it is: partition/sixteen_bit_storage.hpp).
+  bool reads_16bit_weight() const {
+    return reads_kept_input() || (weight_.has_16bit_copy() && gemm_reads_16bit(compute_dtype_));
+  }
   // Column sums of dy into this rank's block of the bias gradient; all_reduce: summed
   // over the bias's reduction group first.
   void bias_gradient(MatrixView dy, LayerScratch& scratch, bool all_reduce);
@@ -197,7 +203,9 @@ class Linear final : public Layer {
   void reserve_stacked_rows(int64_t rows);
   // backward's and backward_with_tangents' weight gradient: x_cᵀ @ dy (dy or x all-gathered
   // over the features as the layout needs) into the compute block g.
-  void weight_gradient_product(MatrixView x, MatrixView dy, MatrixView g, LayerScratch& scratch);
+  // dy_16bit (optional): dy's 16 bits (dy_16bit_), which a gathered dy then travels as.
+  void weight_gradient_product(MatrixView x, MatrixView dy, MatrixView g, LayerScratch& scratch,
+                               ConstHalfMatrixView dy_16bit = {});
   // backward_cotangents' product dy @ wᵀ into the input's layout, for dy's rows.
   MatrixView cotangent_product(MatrixView dy, MatrixView w, LayerScratch& scratch);
   // backward; with dt (non-empty) backward_with_tangents.
@@ -225,6 +233,10 @@ class Linear final : public Layer {
   // model's shared buffers (LinearSharedBuffers), whose kept_input backward then reads.
   MatrixView output_view_, dx_c_view_;
   ConstHalfMatrixView kept_input_;
+  // [rows, out_local] under tensor parallelism with a 16-bit weight copy (reads_16bit_weight) and
+  // a split output: backward packs dY into it once, and both all-gather-matmuls (weight and input
+  // gradients) gather it as 2-byte blocks that their GEMMs read as they are.
+  HalfMatrix dy_16bit_;
   Matrix dx_;  // [rows, input_width] when it differs from dx_c_
   // Tangents (reserve_tangents): the input as used [rows * k, in_c] when it is not the
   // caller's, the output [rows * k, out_local].

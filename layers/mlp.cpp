@@ -41,14 +41,26 @@ namespace {
 // Whether the Linear of `weight` and `bias`, fed `layout`, keeps a 16-bit compute copy of its
 // weight under 16-bit storage (partition/sixteen_bit_storage.hpp: gathered over one group, or
 // stored whole where gemm() reads 16 bits).
+LinearLayout layout_of(const ShardedTensor& weight, const ShardedTensor& bias, FeatureLayout layout,
+                       const ParallelContext& context) {
+  return decide_linear_layout(linear_layer_name(weight.name),
+                              {weight.name, weight.global_shape, weight.spec},
+                              {bias.name, bias.global_shape, bias.spec}, context.mesh(),
+                              {context.batch_axes(), context.feature_axis()}, layout);
+}
+
 bool weight_copy_wanted(const ShardedTensor& weight, const ShardedTensor& bias,
                         FeatureLayout layout, const ParallelContext& context) {
-  return keeps_16bit_weight_copy(
-      decide_linear_layout(linear_layer_name(weight.name),
-                           {weight.name, weight.global_shape, weight.spec},
-                           {bias.name, bias.global_shape, bias.spec}, context.mesh(),
-                           {context.batch_axes(), context.feature_axis()}, layout),
-      gemm_reads_16bit(context.precision().param));
+  return keeps_16bit_weight_copy(layout_of(weight, bias, layout, context),
+                                 gemm_reads_16bit(context.precision().param));
+}
+
+// Gives `weight` a 16-bit compute copy of its block, which the optimizer writes.
+void add_16bit_copy(ShardedTensor& weight, Dtype dtype) {
+  auto copy = std::make_shared<SixteenBitCopy>();
+  copy->bits = HalfBits("meshtrain::scratch_16bit_copy:" + weight.name, weight.local.extent(0));
+  copy->dtype = dtype;
+  weight.copy_16bit = std::move(copy);
 }
 
 }  // namespace
@@ -118,12 +130,7 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
       // keep current. framework/train/memory_plan.cpp counts them under the same condition.
       if (!shares_parameters_of &&
           weight_copy_wanted(params_[param], params_[param + 1], layout, context)) {
-        ShardedTensor& weight = params_[param];
-        auto copy = std::make_shared<SixteenBitCopy>();
-        copy->bits =
-            HalfBits("meshtrain::scratch_16bit_copy:" + weight.name, weight.local.extent(0));
-        copy->dtype = compute_dtype_;
-        weight.copy_16bit = std::move(copy);
+        add_16bit_copy(params_[param], compute_dtype_);
       }
       LinearSharedBuffers shared;
       if (i + 1 < n) shared.output = work_view((i + 1) % 2, sizes[i + 1]);
@@ -133,6 +140,15 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
       linear_.emplace_back(ref(param), ref(param + 1), layout, rows_, context, false, &shared);
       layer = &linear_.back();
     } else {
+      // Under a feature axis (no 16-bit activation storage), where gemm() reads 16 bits: a weight
+      // not gathered has a 16-bit copy that the GEMMs and collective matmuls read as it is
+      // (partition/sixteen_bit_storage.hpp; memory_plan.cpp counts it under the same condition).
+      if (!shares_parameters_of &&
+          keeps_feature_parallel_weight_copy(
+              storage_query, layout_of(params_[param], params_[param + 1], layout, context),
+              gemm_reads_16bit(compute_dtype_))) {
+        add_16bit_copy(params_[param], compute_dtype_);
+      }
       linear_.emplace_back(ref(param), ref(param + 1), layout, rows_, context);
       layer = &linear_.back();
     }

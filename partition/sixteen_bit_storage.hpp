@@ -49,4 +49,16 @@ inline ActivationStorage sixteen_bit_activation_storage(const ActivationStorageQ
   return s;
 }
 
+// A plain MLP's weight under a feature axis (tensor parallelism, where its activations stay fp32
+// buffers holding 16-bit values) has a 16-bit compute copy, written by the optimizer as for DP and
+// FSDP, where the GEMMs read 16-bit operands (`gemm_reads_16bit`) and the weight is not gathered
+// (stored as its compute block: tp, dp_tp): the GEMMs and the collective matmuls around them
+// (framework/comm/collective_matmul.hpp) read the copy as it is, instead of the master rounded to
+// 16 bits at every use. A weight gathered over an FSDP axis as well (fsdp_tp) has none.
+inline bool keeps_feature_parallel_weight_copy(const ActivationStorageQuery& q,
+                                               const LinearLayout& layout, bool gemm_reads_16bit) {
+  return q.sixteen_bit_compute && !q.residual && q.feature_parallel > 1 && gemm_reads_16bit &&
+         layout.weight_gather_dim0.empty() && layout.weight_gather_dim1.empty();
+}
+
 }  // namespace meshtrain

@@ -51,7 +51,8 @@ void add_into(float* target, const float* source, std::size_t count) {
       KOKKOS_LAMBDA(const std::size_t k) { t(k) += s(k); });
 }
 
-void require_contiguous_block(const ConstMatrixView& m, const Communicator& comm, const char* op,
+template <class View>
+void require_contiguous_block(const View& m, const Communicator& comm, const char* op,
                               const char* which) {
   if (!m.span_is_contiguous()) {
     MESHTRAIN_BAD_INPUT(op, " on ", comm.description(), ": the ", which,
@@ -61,6 +62,34 @@ void require_contiguous_block(const ConstMatrixView& m, const Communicator& comm
 
 std::size_t block_floats(std::size_t rows, std::size_t cols) {
   return rows * cols;
+}
+
+// `count` elements of T (float, or uint16_t: 16-bit blocks) from the workspace.
+template <class T>
+T* acquire_elements(CollectiveMatmulWorkspace& ws, std::size_t count) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, uint16_t>);
+  const std::size_t floats = (count * sizeof(T) + sizeof(float) - 1) / sizeof(float);
+  return reinterpret_cast<T*>(ws.acquire(floats));
+}
+
+// The travelling blocks' moves: fp32 buffers through the wire dtype (rounded to it on the way,
+// widened on arrival), 16-bit ones as they are (half the bytes, nothing packed or widened).
+void gather_blocks(Communicator& comm, const float* send, float* recv, std::size_t count,
+                   Dtype wire) {
+  comm.all_gather(ConstVectorView(send, count),
+                  VectorView(recv, count * static_cast<std::size_t>(comm.size())), wire);
+}
+void gather_blocks(Communicator& comm, const uint16_t* send, uint16_t* recv, std::size_t count,
+                   Dtype wire) {
+  comm.all_gather_16bit(send, recv, count, wire);
+}
+Request shift_block(Communicator& comm, const float* send, float* recv, std::size_t count,
+                    int offset, Dtype wire) {
+  return comm.shift(ConstVectorView(send, count), VectorView(recv, count), offset, wire);
+}
+Request shift_block(Communicator& comm, const uint16_t* send, uint16_t* recv, std::size_t count,
+                    int offset, Dtype wire) {
+  return comm.shift_16bit(send, recv, count, offset, wire);
 }
 
 }  // namespace
@@ -117,7 +146,7 @@ struct GatherPlan {
   int gather_dim = 0;
   int n = 1;
   int i = 0;
-  GemmOperand gathered;  // this rank's block
+  GemmOperand gathered;  // this rank's block (fp32, or 16-bit elements of `wire`)
   GemmOperand other;
   std::size_t block_rows = 0, block_cols = 0;  // stored block extents
   std::size_t k = 0;                           // contraction length of the full product
@@ -126,10 +155,16 @@ struct GatherPlan {
   // GEMM of one piece of the full gathered operand: stored rows [row0, row0+rows) and
   // cols [col0, col0+cols) of it, held contiguously in `piece`. beta 0 when the piece
   // spans all of K (pieces then write disjoint parts of C), 1 otherwise (C zeroed first).
-  void multiply_piece(const float* piece, std::size_t row0, std::size_t rows, std::size_t col0,
+  template <class T>
+  void multiply_piece(const T* piece, std::size_t row0, std::size_t rows, std::size_t col0,
                       std::size_t cols) const {
     if (rows == 0 || cols == 0) return;
-    GemmOperand p = plain(ConstMatrixView(piece, rows, cols));
+    GemmOperand p;
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      p = plain(ConstHalfMatrixView(piece, rows, cols));
+    } else {
+      p = plain(ConstMatrixView(piece, rows, cols));
+    }
     p.transpose = gathered.transpose;
     const Range stored_rows{row0, row0 + rows}, stored_cols{col0, col0 + cols};
     // op(piece) covers op rows/cols of the full operand:
@@ -171,7 +206,8 @@ struct GatherPlan {
   }
 
   // Piece `rows` [sub0, sub0+rows) of block j.
-  void multiply_block_rows(const float* piece, int j, std::size_t sub0, std::size_t rows) const {
+  template <class T>
+  void multiply_block_rows(const T* piece, int j, std::size_t sub0, std::size_t rows) const {
     const std::size_t jj = static_cast<std::size_t>(j);
     if (gather_dim == 0) {
       multiply_piece(piece, jj * block_rows + sub0, rows, 0, block_cols);
@@ -202,11 +238,14 @@ GatherPlan plan_gather(Communicator& comm, GatherSide side, int gather_dim, Gemm
   plan.i = comm.rank();
   plan.gathered = side == GatherSide::left ? a : b;
   plan.other = side == GatherSide::left ? b : a;
-  if (plan.gathered.sixteen_bit) {  // its blocks travel as floats (the wire dtype rounds them)
-    MESHTRAIN_BAD_INPUT(op, ": the gathered operand must be an fp32 buffer, not a 16-bit one");
+  if (plan.gathered.sixteen_bit && wire == Dtype::fp32) {  // its blocks travel as they are
+    MESHTRAIN_BAD_INPUT(op, " on ", comm.description(),
+                        ": a 16-bit gathered operand needs a 16-bit wire dtype (bf16 or fp16, "
+                        "the dtype of its elements), got ",
+                        to_string(wire));
   }
-  plan.block_rows = plan.gathered.matrix.extent(0);
-  plan.block_cols = plan.gathered.matrix.extent(1);
+  plan.block_rows = plan.gathered.extent(0);
+  plan.block_cols = plan.gathered.extent(1);
   plan.c = c;
   const std::size_t n = static_cast<std::size_t>(plan.n);
   const std::size_t full_rows = gather_dim == 0 ? n * plan.block_rows : plan.block_rows;
@@ -248,16 +287,23 @@ GatherPlan plan_gather(Communicator& comm, GatherSide side, int gather_dim, Gemm
                         c.extent(1), "], expected [", m, ", ", cols, "]");
   }
   plan.k = k_left;
-  require_contiguous_block(plan.gathered.matrix, comm, op, "gathered");
+  if (plan.gathered.sixteen_bit) {
+    require_contiguous_block(plan.gathered.half, comm, op, "gathered");
+  } else {
+    require_contiguous_block(plan.gathered.matrix, comm, op, "gathered");
+  }
   return plan;
 }
 
-void gather_naive(const GatherPlan& plan, Communicator& comm, CollectiveMatmulWorkspace& ws) {
+// The algorithms on the gathered operand's elements: T = float (an fp32 buffer) or uint16_t (16-bit
+// elements of plan.wire), `mine` its data.
+template <class T>
+void gather_naive(const GatherPlan& plan, const T* mine, Communicator& comm,
+                  CollectiveMatmulWorkspace& ws) {
   const std::size_t block = block_floats(plan.block_rows, plan.block_cols);
   const std::size_t n = static_cast<std::size_t>(plan.n);
-  float* full = ws.acquire(n * block);
-  comm.all_gather(ConstVectorView(plan.gathered.matrix.data(), block), VectorView(full, n * block),
-                  plan.wire);
+  T* full = acquire_elements<T>(ws, n * block);
+  gather_blocks(comm, mine, full, block, plan.wire);
   if (plan.gather_dim == 0) {
     plan.multiply_piece(full, 0, n * plan.block_rows, 0, plan.block_cols);
     return;
@@ -267,17 +313,17 @@ void gather_naive(const GatherPlan& plan, Communicator& comm, CollectiveMatmulWo
     plan.multiply_block_rows(full + j * block, j, 0, plan.block_rows);
 }
 
-void gather_ring(const GatherPlan& plan, Communicator& comm, CollectiveMatmulWorkspace& ws) {
+template <class T>
+void gather_ring(const GatherPlan& plan, const T* mine, Communicator& comm,
+                 CollectiveMatmulWorkspace& ws) {
   const std::size_t block = block_floats(plan.block_rows, plan.block_cols);
-  float* buffers = ws.acquire(2 * block);
+  T* buffers = acquire_elements<T>(ws, 2 * block);
   if (plan.splits_k(plan.gather_dim)) set_zero(plan.c);
-  const float* in_hand = plan.gathered.matrix.data();
+  const T* in_hand = mine;
   for (int s = 0; s < plan.n; ++s) {
-    float* next = buffers + (s % 2) * block;
+    T* next = buffers + (s % 2) * block;
     Request moving;
-    if (s + 1 < plan.n) {
-      moving = comm.shift(ConstVectorView(in_hand, block), VectorView(next, block), +1, plan.wire);
-    }
+    if (s + 1 < plan.n) moving = shift_block(comm, in_hand, next, block, +1, plan.wire);
     const int source = ((plan.i - s) % plan.n + plan.n) % plan.n;
     plan.multiply_block_rows(in_hand, source, 0, plan.block_rows);
     moving.wait();
@@ -285,23 +331,22 @@ void gather_ring(const GatherPlan& plan, Communicator& comm, CollectiveMatmulWor
   }
 }
 
-void gather_bidirectional(const GatherPlan& plan, Communicator& comm,
+template <class T>
+void gather_bidirectional(const GatherPlan& plan, const T* mine, Communicator& comm,
                           CollectiveMatmulWorkspace& ws) {
   const std::size_t lo_rows = plan.block_rows / 2, hi_rows = plan.block_rows - lo_rows;
   const std::size_t lo = lo_rows * plan.block_cols, hi = hi_rows * plan.block_cols;
-  float* buffers = ws.acquire(2 * (lo + hi));
-  float* lo_buf[2] = {buffers, buffers + lo};
-  float* hi_buf[2] = {buffers + 2 * lo, buffers + 2 * lo + hi};
+  T* buffers = acquire_elements<T>(ws, 2 * (lo + hi));
+  T* lo_buf[2] = {buffers, buffers + lo};
+  T* hi_buf[2] = {buffers + 2 * lo, buffers + 2 * lo + hi};
   if (plan.splits_k(plan.gather_dim) || plan.splits_k(0)) set_zero(plan.c);
-  const float* lo_in = plan.gathered.matrix.data();  // stored rows [0, lo_rows) of the block
-  const float* hi_in = lo_in + lo;                   // stored rows [lo_rows, block_rows)
+  const T* lo_in = mine;        // stored rows [0, lo_rows) of the block
+  const T* hi_in = lo_in + lo;  // stored rows [lo_rows, block_rows)
   for (int s = 0; s < plan.n; ++s) {
     Request lo_moving, hi_moving;
     if (s + 1 < plan.n) {  // every rank starts lo (up) before hi (down)
-      lo_moving =
-          comm.shift(ConstVectorView(lo_in, lo), VectorView(lo_buf[s % 2], lo), +1, plan.wire);
-      hi_moving =
-          comm.shift(ConstVectorView(hi_in, hi), VectorView(hi_buf[s % 2], hi), -1, plan.wire);
+      lo_moving = shift_block(comm, lo_in, lo_buf[s % 2], lo, +1, plan.wire);
+      hi_moving = shift_block(comm, hi_in, hi_buf[s % 2], hi, -1, plan.wire);
     }
     const int lo_source = ((plan.i - s) % plan.n + plan.n) % plan.n;
     const int hi_source = (plan.i + s) % plan.n;
@@ -326,16 +371,23 @@ void all_gather_matmul(Communicator& comm, GatherSide side, int gather_dim, Gemm
                        GemmOperand b, MatrixView c, CollectiveMatmulAlgorithm algorithm,
                        CollectiveMatmulWorkspace& workspace, Dtype wire) {
   const GatherPlan plan = plan_gather(comm, side, gather_dim, a, b, c, wire);
-  switch (resolve_collective_matmul_algorithm(algorithm, plan.shape())) {
-    case CollectiveMatmulAlgorithm::ring:
-      gather_ring(plan, comm, workspace);
-      break;
-    case CollectiveMatmulAlgorithm::bidirectional:
-      gather_bidirectional(plan, comm, workspace);
-      break;
-    default:
-      gather_naive(plan, comm, workspace);
-      break;
+  const auto run = [&](const auto* mine) {
+    switch (resolve_collective_matmul_algorithm(algorithm, plan.shape())) {
+      case CollectiveMatmulAlgorithm::ring:
+        gather_ring(plan, mine, comm, workspace);
+        break;
+      case CollectiveMatmulAlgorithm::bidirectional:
+        gather_bidirectional(plan, mine, comm, workspace);
+        break;
+      default:
+        gather_naive(plan, mine, comm, workspace);
+        break;
+    }
+  };
+  if (plan.gathered.sixteen_bit) {
+    run(plan.gathered.half.data());
+  } else {
+    run(plan.gathered.matrix.data());
   }
   fence_all(MESHTRAIN_LABEL("meshtrain::all_gather_matmul"));
 }

@@ -45,6 +45,16 @@
 // Wire (mixed precision): the travelling operand moves as `wire` elements (Communicator's
 // wire type): gathered blocks arrive rounded to it, and the partial sums of the
 // reduce-scatter are rounded to it at every hop (naive: the reduce-scatter's own 16-bit sum).
+// `wire` is also the dtype gemm() is told the operands hold (its `inputs`).
+//
+// 16-bit operands (GemmOperand of a ConstHalfMatrixView, elements of the 16-bit `wire`): either
+// operand of either function may be one, and the GEMMs read it as it is (gemm(), which widens it
+// where its kernel reads fp32). A 16-bit gathered operand travels as it is: its blocks move as
+// 2-byte elements (Communicator::all_gather_16bit / shift_16bit: half the bytes of an fp32
+// buffer, nothing packed or widened), land in the workspace as 16-bit blocks (half the bytes)
+// and are multiplied from there. The result is that of fp32 buffers holding the same values
+// (the wire rounds nothing), bit for bit where the same GEMM kernel runs. A 16-bit gathered
+// operand with an fp32 wire is bad_input.
 //
 // Shapes that do not split over n are bad_input naming the dimension, its size and n.
 // Every rank of comm must call with the same algorithm and shapes.

@@ -822,6 +822,25 @@ Request Communicator::shift(ConstVectorView send, VectorView recv, int offset, D
   }
 }
 
+Request Communicator::shift_16bit(const uint16_t* send, uint16_t* recv, std::size_t count,
+                                  int offset, Dtype dtype) {
+  const char* op = "shift";
+  MESHTRAIN_REQUIRE(is_16bit(dtype), op, " of 16-bit elements on ", description_, " given fp32");
+  if (count > 0 && send < recv + count && recv < send + count) {
+    MESHTRAIN_BAD_INPUT(op, " on ", description_,
+                        ": the send and receive buffers overlap; use separate buffers");
+  }
+  TraceSpan span("shift", TraceKind::collective);
+  describe_transfer(span, description_, count * bytes_of(dtype), to_string(dtype));
+  FlightScope flight(flight_group_, op, count * bytes_of(dtype), dtype, /*started=*/true);
+  try {
+    return flight.started(traced_start(span, raw_shift(send, recv, count, dtype, offset, op)),
+                          timeout_seconds_);
+  } catch (...) {
+    rethrow_recorded(flight.serial(), timeout_seconds_);
+  }
+}
+
 Request Communicator::shift(ConstMatrixView send, MatrixView recv, int offset, Dtype wire) {
   if (send.extent(0) != recv.extent(0) || send.extent(1) != recv.extent(1)) {
     MESHTRAIN_BAD_INPUT("shift on ", description_, ": send shape [", send.extent(0), ", ",

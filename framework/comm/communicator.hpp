@@ -190,6 +190,10 @@ class Communicator {
   // be in flight at once (bidirectional rings) if every rank starts them in the same order.
   Request shift(ConstVectorView send, VectorView recv, int offset, Dtype wire = Dtype::fp32);
   Request shift(ConstMatrixView send, MatrixView recv, int offset, Dtype wire = Dtype::fp32);
+  // The same for `count` 16-bit elements of `dtype` (bf16 or fp16) as they are: nothing packed
+  // or widened, so no wire slot (the collective matmuls' 16-bit blocks).
+  Request shift_16bit(const uint16_t* send, uint16_t* recv, std::size_t count, int offset,
+                      Dtype dtype);
   // Non-blocking tiled all-gather of contiguous blocks: recv [n * send.extent(0)] gets
   // rank j's send at offset j * send.extent(0). send must stay untouched and recv unread
   // until the Request completes. Other operations on this communicator may run meanwhile

@@ -222,6 +222,12 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
       activation_floats += rows * l.in_compute;  // input_grad_compute
     }
     if (l.slices_input() || l.gathers_input()) activation_floats += rows * l.input_width();
+    // Tensor parallelism with 16-bit weight copies: a row-parallel layer's dY as 16 bits
+    // (output_grad_16bit), gathered by its backward all-gather-matmuls.
+    if (l.split_output && !l.column_parallel &&
+        keeps_feature_parallel_weight_copy(storage_query, l, reads_16bit)) {
+      activation_halves += rows * l.out_local;
+    }
     // The layer that follows it in a plain MLP: its activation (and dropout); in a residual
     // block, the up projection's activation or the gate's SwiGLU (layers/swiglu.cpp).
     const bool hidden = residual ? up : i + 1 < n;
@@ -259,7 +265,10 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     // the plan is the run's when made on the run's machine with its MESHTRAIN_CPU_GEMM
     // (docs/mixed_precision.md). A weight gathered over two groups has none.
     const bool one_gather = gathered && !two_gathers;
-    const bool copy = keeps_16bit && keeps_16bit_weight_copy(l, reads_16bit);
+    // Under a feature axis, a weight not gathered has one where gemm() reads 16 bits (the
+    // collective matmuls read it as it is).
+    const bool copy = (keeps_16bit && keeps_16bit_weight_copy(l, reads_16bit)) ||
+                      keeps_feature_parallel_weight_copy(storage_query, l, reads_16bit);
     if (copy) {
       copy_halves += s1 * s2;
       if (config.runtime.overlap && one_gather) weight_16bit = std::max(weight_16bit, d1 * d2);

@@ -3,7 +3,8 @@
 // dim, transposed operands, odd blocks (3 rows per rank), square and non-square shapes, strided
 // outputs, on the world and on sub-communicators of an fsdp x tp mesh whose groups hold
 // different data. Also: workspace peak memory (ring/bidirectional: 2 blocks, not n) and
-// reuse, non-divisible shapes, and gemm() on LayoutRight (strided) views.
+// reuse, non-divisible shapes, and gemm() on LayoutRight (strided) views. 16-bit operands (gathered
+// blocks travelling as 2-byte elements) against fp32 buffers holding the same values: bit for bit.
 // Tolerance: |got - want| <= 1e-5 * (1 + max |want|) (see tests/support/communicator_cases.hpp).
 
 #include "framework/comm/collective_matmul.hpp"
@@ -11,6 +12,8 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cstdint>
+#include <cstring>
 
 #include "tests/support/communicator_cases.hpp"
 #include "tests/support/expect_error.hpp"
@@ -196,6 +199,136 @@ TEST(CollectiveMatmul, TensorParallelLinearProducts) {
     reference_gemm(x, true, dy, false, dw);
     expect_matches(dw_local, dw, i * 3, 0, out, describe(g, alg, "TP dW"));
   }
+}
+
+// 16-bit operands (elements of the wire dtype, read by the GEMMs as they are, gathered blocks
+// travelling as 2-byte elements) give what fp32 buffers holding the same values give, bit for bit:
+// both run the same GEMM kernel on the same pieces (gemm() widens 16-bit operands exactly where
+// its kernel reads fp32; oneDNN's bf16 matmul reads both as bf16), and a wire of the operands'
+// dtype rounds nothing on the way. Every algorithm, side, dim and transpose, bf16 and fp16, the
+// gathered operand 16-bit with the other fp32 or 16-bit; the reduce-scatter with both 16-bit.
+
+// m's values rounded to `dtype`, in place, and their 16-bit bits.
+HalfMatrix round_and_pack(DeviceMatrix& m, Dtype dtype) {
+  round_in_place(MatrixView(m), dtype);
+  HalfMatrix bits("bits", m.extent(0), m.extent(1));
+  pack_16bit(m.data(), bits.data(), m.span(), dtype);
+  Kokkos::fence();
+  return bits;
+}
+
+GemmOperand operand(const DeviceMatrix& m, const HalfMatrix& bits, bool sixteen_bit,
+                    bool transpose) {
+  GemmOperand x = sixteen_bit ? plain(ConstHalfMatrixView(bits)) : plain(ConstMatrixView(m));
+  x.transpose = transpose;
+  return x;
+}
+
+uint32_t bits_of(float x) {
+  uint32_t u = 0;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+void expect_same_bits(const DeviceMatrix& got_view, const DeviceMatrix& want_view,
+                      const std::string& what) {
+  const HostMatrix got = to_host(got_view), want = to_host(want_view);
+  for (std::size_t r = 0; r < got.extent(0); ++r)
+    for (std::size_t c = 0; c < got.extent(1); ++c)
+      ASSERT_EQ(bits_of(got(r, c)), bits_of(want(r, c)))
+          << what << " at (" << r << ", " << c << "): " << got(r, c) << " vs " << want(r, c);
+}
+
+TEST(CollectiveMatmul, SixteenBitOperandsGiveTheFp32BuffersBits) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    Communicator& comm = *g.comm;
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    const std::size_t i = static_cast<std::size_t>(comm.rank());
+    for (Dtype dtype : {Dtype::bf16, Dtype::fp16}) {
+      for (CollectiveMatmulAlgorithm alg : kAlgorithms) {
+        CollectiveMatmulWorkspace ws;
+        for (GatherSide side : {GatherSide::left, GatherSide::right})
+          for (int dim = 0; dim < 2; ++dim)
+            for (bool ta : {false, true})
+              for (bool tb : {false, true}) {
+                // K of 2 blocks of 8 per rank where K is gathered (several accumulating pieces).
+                std::size_t m = 6, k = 16, cols = 10;
+                const bool g_trans = side == GatherSide::left ? ta : tb;
+                const int op_dim = g_trans ? 1 - dim : dim;
+                std::size_t& gathered =
+                    side == GatherSide::left ? (op_dim == 0 ? m : k) : (op_dim == 0 ? k : cols);
+                gathered = 8 * n;
+                const auto [ar, ac] = stored(m, k, ta);
+                const auto [br, bc] = stored(k, cols, tb);
+                const uint64_t seed = g.seed * 23 + 5 + 100 * i;
+                DeviceMatrix a = make_matrix("a", ar, ac, seed),
+                             b = make_matrix("b", br, bc, seed + 1);
+                // The gathered operand is this rank's block (different data on every rank).
+                DeviceMatrix& gm = side == GatherSide::left ? a : b;
+                const std::size_t gr = dim == 0 ? gm.extent(0) / n : gm.extent(0);
+                const std::size_t gc = dim == 1 ? gm.extent(1) / n : gm.extent(1);
+                gm = copy_block(gm, 0, gr, 0, gc);
+                const HalfMatrix a16 = round_and_pack(a, dtype), b16 = round_and_pack(b, dtype);
+                DeviceMatrix want("want", m, cols), got("got", m, cols);
+                all_gather_matmul(comm, side, dim, {a, ta}, {b, tb}, want, alg, ws, dtype);
+                for (bool other_16bit : {false, true}) {
+                  const bool a_16 = side == GatherSide::left || other_16bit;
+                  const bool b_16 = side == GatherSide::right || other_16bit;
+                  Kokkos::deep_copy(got, 7.0f);
+                  all_gather_matmul(comm, side, dim, operand(a, a16, a_16, ta),
+                                    operand(b, b16, b_16, tb), got, alg, ws, dtype);
+                  expect_same_bits(
+                      got, want,
+                      describe(g, alg,
+                               std::string("16-bit all_gather_matmul ") + to_string(dtype) +
+                                   " side " + (side == GatherSide::left ? "left" : "right") +
+                                   " dim " + std::to_string(dim) + " ta " + std::to_string(ta) +
+                                   " tb " + std::to_string(tb) + " other 16-bit " +
+                                   std::to_string(other_16bit)));
+                }
+              }
+        for (int dim = 0; dim < 2; ++dim)
+          for (bool ta : {false, true})
+            for (bool tb : {false, true}) {
+              const std::size_t m = dim == 0 ? 4 * n : 5, k = 12, cols = dim == 1 ? 4 * n : 6;
+              const auto [ar, ac] = stored(m, k, ta);
+              const auto [br, bc] = stored(k, cols, tb);
+              const uint64_t seed = g.seed * 29 + 7 + 100 * i;
+              DeviceMatrix a = make_matrix("a", ar, ac, seed),
+                           b = make_matrix("b", br, bc, seed + 1);
+              const HalfMatrix a16 = round_and_pack(a, dtype), b16 = round_and_pack(b, dtype);
+              const std::size_t c_rows = dim == 0 ? 4 : m, c_cols = dim == 1 ? 4 : cols;
+              DeviceMatrix want("want", c_rows, c_cols), got("got", c_rows, c_cols);
+              matmul_reduce_scatter(comm, dim, {a, ta}, {b, tb}, want, alg, ws, dtype);
+              matmul_reduce_scatter(comm, dim, operand(a, a16, true, ta), operand(b, b16, true, tb),
+                                    got, alg, ws, dtype);
+              expect_same_bits(
+                  got, want,
+                  describe(g, alg,
+                           std::string("16-bit matmul_reduce_scatter ") + to_string(dtype) +
+                               " dim " + std::to_string(dim) + " ta " + std::to_string(ta) +
+                               " tb " + std::to_string(tb)));
+            }
+      }
+    }
+  }
+}
+
+TEST(CollectiveMatmul, SixteenBitGatheredOperandNeedsASixteenBitWire) {
+  MeshCommunicators comms(Mesh::create({{"tp", -1}}, world_size()));
+  Communicator& tp = comms.get({"tp"});
+  const std::size_t n = static_cast<std::size_t>(tp.size());
+  DeviceMatrix lhs = make_matrix("lhs", 4, 3 * n, 1), block = make_matrix("blk", 3, 5, 2);
+  const HalfMatrix bits = round_and_pack(block, Dtype::bf16);
+  DeviceMatrix out("out", 4, 5);
+  CollectiveMatmulWorkspace ws;
+  expect_bad_input(
+      [&] {
+        all_gather_matmul(tp, GatherSide::right, 0, plain(lhs), plain(ConstHalfMatrixView(bits)),
+                          out, CollectiveMatmulAlgorithm::ring, ws);
+      },
+      {"all_gather_matmul on", "a 16-bit gathered operand needs a 16-bit wire dtype", "got fp32"});
 }
 
 TEST(CollectiveMatmul, RingAndBidirectionalHoldTwoBlocksNotN) {

@@ -806,10 +806,12 @@ TEST(MixedPrecision, ResidualSixteenBitStorageIsBitIdenticalToTheSimulatedPath) 
 // where gemm() reads 16 bits). The weights gathered over one group (FSDP) have them, and those
 // stored whole (DP, one rank) where gemm() reads 16 bits (run it with MESHTRAIN_CPU_GEMM=onednn on
 // a CPU with AVX512_BF16 for those); elsewhere DP, one rank and a 2-D storage split round the
-// master at use. Three steps of AdamW and of SGD with momentum give bit for bit the loss, logits,
-// gradients and parameters of the simulated path (weights cast from the fp32 masters at use), on
-// every layout with overlap off and on, and the last forward computed from the optimizer's copies
-// (current after the update: no cast pass). fp32 makes no copies.
+// master at use; under a feature axis (tensor parallelism, no 16-bit activation storage) the
+// weights not gathered have copies where gemm() reads 16 bits, read as they are by the GEMMs and
+// the collective matmuls. Three steps of AdamW and of SGD with momentum give bit for bit the loss,
+// logits, gradients and parameters of the simulated path (weights cast from the fp32 masters at
+// use), on every layout with overlap off and on, and the last forward computed from the optimizer's
+// copies (current after the update: no cast pass). fp32 makes no copies.
 TEST(MixedPrecision, SixteenBitCopiesWrittenByTheOptimizerAreBitIdenticalToTheSimulatedPath) {
   const std::vector<Policy> sixteen = {{"bf16/bf16", {Dtype::bf16, Dtype::bf16}},
                                        {"fp16/fp16", {Dtype::fp16, Dtype::fp16}},
@@ -822,6 +824,7 @@ TEST(MixedPrecision, SixteenBitCopiesWrittenByTheOptimizerAreBitIdenticalToTheSi
   sgd.momentum = 0.9f;
   const ModelCase m = models().front();
   int whole_copies = 0;  // copies of weights stored whole seen (where gemm() reads 16 bits)
+  int feature_parallel_copies = 0;  // of those under a feature axis
   for (const auto& policy : sixteen) {
     for (const OptimizerSettings* optimizer : {&adamw, &sgd}) {
       for (const auto& layout : layouts_for(world_size())) {
@@ -835,10 +838,16 @@ TEST(MixedPrecision, SixteenBitCopiesWrittenByTheOptimizerAreBitIdenticalToTheSi
           // Copies of the weights gathered over one group, and of those stored whole (DP, one
           // rank) only where gemm() reads 16 bits (a 2-D storage split: none), each current
           // after the update.
+          // Under a feature axis (no 16-bit activation storage) the weights not gathered have
+          // copies where gemm() reads 16 bits, which the GEMMs and the collective matmuls read
+          // as they are (tensor parallelism; a weight gathered over an FSDP axis too has none).
           const int whole = gemm_reads_16bit(policy.mp.param) ? stored.weights_stored_whole : 0;
-          EXPECT_EQ(stored.weights_with_copies,
-                    stored.keeps_16bit ? stored.weights_gathered_over_one_group + whole : 0);
+          const bool feature_axis = stored.feature_ranks > 1;
+          EXPECT_EQ(stored.weights_with_copies, stored.keeps_16bit
+                                                    ? stored.weights_gathered_over_one_group + whole
+                                                    : (feature_axis ? whole : 0));
           if (stored.keeps_16bit) whole_copies += whole;
+          if (feature_axis) feature_parallel_copies += whole;
           EXPECT_TRUE(stored.copies_current);
           EXPECT_EQ(simulated.weights_with_copies, 0);
           EXPECT_EQ(stored.loss, simulated.loss);
@@ -859,9 +868,9 @@ TEST(MixedPrecision, SixteenBitCopiesWrittenByTheOptimizerAreBitIdenticalToTheSi
   }
   std::printf(
       "[mixed_precision np%d] gemm() reads bf16: %s, fp16: %s; copies of weights stored "
-      "whole checked: %d\n",
+      "whole checked: %d, of weights under a feature axis: %d\n",
       world_size(), gemm_reads_16bit(Dtype::bf16) ? "yes" : "no",
-      gemm_reads_16bit(Dtype::fp16) ? "yes" : "no", whole_copies);
+      gemm_reads_16bit(Dtype::fp16) ? "yes" : "no", whole_copies, feature_parallel_copies);
   // fp32: no copies.
   const MixedPrecision fp32{Dtype::fp32, Dtype::fp32};
   const RunResult plain =

@@ -340,6 +340,9 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
       {"dp", "dp"},
       {"fsdp", "fsdp"},
       {"tp", "tp"},
+      // (bf16 under tp: where gemm() reads 16 bits, MESHTRAIN_CPU_GEMM=onednn on a CPU with
+      // AVX512_BF16, the weights' 16-bit copies and the layers' 16-bit dY.)
+      {"tp_bf16_overlap", "tp", 1, true},
       {"fsdp_bf16_overlap", "fsdp", 1, true},
       {"dp_residual_bf16_overlap", "dp", 1, true, true},
       {"fsdp_residual_bf16_overlap_eval_batch", "fsdp", 1, true, true, false, kOtherEvalBatch},
@@ -683,9 +686,12 @@ TEST(MemoryPlan, SixteenBitGatheredWeightsOfAPlainMlpUnderFsdpPrefetch) {
 // none otherwise, measured or planned; under fsdp at np > 1 one per weight; the plan agrees with
 // the tracker to the byte; and with 128 rows a rank the bf16 plan's total is at most fp32's, less
 // the copies where weights stored whole have them (the 2 bytes a parameter spent to save passes;
-// with them it was 0.05 MB above on dp).
+// with them it was 0.05 MB above on dp). Under tp (a feature axis: no 16-bit activation storage)
+// the weights, stored as their compute blocks, have copies where gemm() reads 16 bits, as DP's
+// (the collective matmuls read them as they are); its activations are the simulated path's (fp32
+// buffers), so its bf16 total is not compared with fp32's.
 TEST(MemoryPlan, SixteenBitCopiesWhereGatheredOverOneGroupOrWhereGemmReads16Bits) {
-  for (const std::string preset : {"dp", "fsdp"}) {
+  for (const std::string preset : {"dp", "fsdp", "tp"}) {
     std::map<Dtype, int64_t> total;
     int64_t whole_copies = 0;  // bf16: the planned copies of weights stored whole
     for (const Dtype dtype : {Dtype::fp32, Dtype::bf16}) {
@@ -726,8 +732,10 @@ TEST(MemoryPlan, SixteenBitCopiesWhereGatheredOverOneGroupOrWhereGemmReads16Bits
       if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
       MPI_Barrier(MPI_COMM_WORLD);
     }
-    EXPECT_LE(total[Dtype::bf16] - whole_copies, total[Dtype::fp32])
-        << preset << ": the bf16 plan against fp32's";
+    if (preset != "tp") {
+      EXPECT_LE(total[Dtype::bf16] - whole_copies, total[Dtype::fp32])
+          << preset << ": the bf16 plan against fp32's";
+    }
   }
 }
 
