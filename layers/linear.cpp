@@ -262,7 +262,7 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
     // and a pass would add the bias. gemm(), not inference_gemm(): oneDNN's matmul allocates
     // per call, and Predictor::jacobian allocates nothing (tests/predict/jacobian_test.cpp).
     inference::fill_bias(y, bias_.compute(scratch).data(), ConstMatrixView());
-    gemm(plain(x_used_), plain(w), 1.0f, y, compute_dtype_);
+    gemm(plain(x_used_), w, 1.0f, y, compute_dtype_);  // fp32 here: w is the fp32 operand
     if (next) next->poll_weight_prefetch();
     return y;
   }
