@@ -309,7 +309,9 @@ int openmp_threads() {
 }  // namespace
 
 bool onednn_has_native_bf16() {
-  return has_isa(effective_isa(), dnnl_cpu_isa_avx512_core_bf16);
+  // The ISA oneDNN takes is fixed at its first use (the CPU, ONEDNN_MAX_CPU_ISA).
+  static const bool native = has_isa(effective_isa(), dnnl_cpu_isa_avx512_core_bf16);
+  return native;
 }
 
 bool onednn_has_bf16_matmul() {
@@ -403,16 +405,19 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
   const CallMemory a_memory(state, call.m, call.k, op_strides(lda, call.transpose_a), operand, a);
   const CallMemory b_memory(state, call.k, call.n, op_strides(ldb, call.transpose_b), operand, b);
   const CallMemory c_memory(state, call.m, call.n, Strides{call.ldc, 1}, DataType::f32, call.c);
-  set_buffer(p.scratchpad, state.scratchpad.data());
+  // Each argument is a block oneDNN allocates inside the execution (its argument map): the
+  // scratchpad goes only to a primitive that uses one (its gemm kernel does not).
   dnnl_exec_arg_t args[5] = {{DNNL_ARG_SRC, a_memory.get()},
                              {DNNL_ARG_WEIGHTS, b_memory.get()},
-                             {DNNL_ARG_DST, c_memory.get()},
-                             {DNNL_ARG_SCRATCHPAD, p.scratchpad.get()},
-                             {DNNL_ARG_BIAS, nullptr}};
-  int count = 4;
+                             {DNNL_ARG_DST, c_memory.get()}};
+  int count = 3;
+  if (p.scratchpad_bytes > 0) {
+    set_buffer(p.scratchpad, state.scratchpad.data());
+    args[count++] = {DNNL_ARG_SCRATCHPAD, p.scratchpad.get()};
+  }
   if (key.bias) {
     set_buffer(p.bias, call.bias);
-    args[count++].memory = p.bias.get();
+    args[count++] = {DNNL_ARG_BIAS, p.bias.get()};
   }
   check(dnnl_primitive_execute(p.matmul.get(), state.stream.get(), count, args),
         "dnnl_primitive_execute");
