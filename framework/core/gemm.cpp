@@ -256,11 +256,11 @@ HostLibrary default_host_library() {
                         "-DMESHTRAIN_CPU_GEMM=openblas)");
 #endif
   }
-  // oneDNN is the default only where the build asked for it (-DMESHTRAIN_CPU_GEMM=onednn): the
-  // layers do not use its fused epilogues yet, and its matmul allocates a few small blocks in
-  // every execution, which the allocation-free step does not allow (issue 37). A build that
-  // found it (auto) runs OpenBLAS unless MESHTRAIN_CPU_GEMM says otherwise.
-#if defined(MESHTRAIN_GEMM_ONEDNN_DEFAULT)
+  // oneDNN wherever the build has it (-DMESHTRAIN_CPU_GEMM=auto or onednn; issue 37): fp32 as fast
+  // as OpenBLAS or faster here, its bf16 matmul on CPUs with AVX512_BF16 or AMX, fused forward
+  // epilogues. Its executions allocate only their own argument maps, freed before they return
+  // (docs/design.md, GEMM).
+#if defined(MESHTRAIN_GEMM_ONEDNN)
   return HostLibrary::onednn;
 #else
   return HostLibrary::openblas;
