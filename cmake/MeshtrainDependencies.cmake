@@ -29,12 +29,10 @@ endif()
 
 # --- GEMM: oneDNN or CBLAS (OpenBLAS) on host memory, cuBLAS/cuBLASLt on CUDA memory -------
 # MESHTRAIN_CPU_GEMM picks the library of gemm() on host memory (framework/core/gemm.hpp):
-#   auto      OpenBLAS, with oneDNN 2.6 or later built in where found (Debian: libdnnl-dev) for
-#             programs and tests that ask for it (MESHTRAIN_CPU_GEMM=onednn in the environment);
-#             not the default yet: the layers do not use its epilogues, and its matmul
-#             allocates inside every call (issue 37)
-#   onednn    oneDNN matmul by default (fused bias and activation post-ops, bf16 kernels on
-#             AVX512_BF16); configuring fails without it
+#   auto      oneDNN 2.6 or later where found (Debian: libdnnl-dev): its matmul (fused bias and
+#             activation post-ops, bf16 kernels on AVX512_BF16 and AMX), OpenBLAS selectable at
+#             run time (MESHTRAIN_CPU_GEMM=openblas in the environment); OpenBLAS elsewhere
+#   onednn    the same, but configuring fails without oneDNN
 #   openblas  cblas_sgemm; oneDNN is not used at all
 # OpenBLAS is linked in every build (the benchmarks compare against it; other code calls it).
 # A build with a CUDA Kokkos multiplies on the GPU only, so it uses no oneDNN.
@@ -81,8 +79,8 @@ if(NOT MESHTRAIN_KOKKOS_CUDA AND NOT MESHTRAIN_CPU_GEMM STREQUAL "openblas")
     set(MESHTRAIN_GEMM_ONEDNN ON)
     target_include_directories(meshtrain_blas SYSTEM INTERFACE ${MESHTRAIN_ONEDNN_INCLUDE_DIR})
     target_link_libraries(meshtrain_blas INTERFACE ${MESHTRAIN_ONEDNN_LIBRARY} ${CMAKE_DL_LIBS})
-    target_compile_definitions(meshtrain_blas INTERFACE MESHTRAIN_GEMM_ONEDNN=1
-                               $<$<STREQUAL:${MESHTRAIN_CPU_GEMM},onednn>:MESHTRAIN_GEMM_ONEDNN_DEFAULT=1>)
+    # gemm() runs oneDNN by default wherever it is built in (auto and onednn; issue 37).
+    target_compile_definitions(meshtrain_blas INTERFACE MESHTRAIN_GEMM_ONEDNN=1)
     message(STATUS "meshtrain: GEMM on host memory through oneDNN ${dnnl_VERSION} "
                    "(${MESHTRAIN_ONEDNN_LIBRARY}, MESHTRAIN_CPU_GEMM=${MESHTRAIN_CPU_GEMM}; "
                    "its ISA is chosen at run time; =openblas for OpenBLAS)")

@@ -31,12 +31,16 @@ meshtrain_add_test(NAME layers_physics_loss_test SOURCES layers/physics_loss_tes
 meshtrain_add_test(NAME layers_mixed_precision_test SOURCES layers/mixed_precision_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 8 TIMEOUT 420 BACKENDS mpi nccl EMULATED)
 # The weights' 16-bit copies where gemm() reads 16 bits (oneDNN's bf16 matmul on a CPU with
-# AVX512_BF16: DP and one-rank weights have copies too, read by the GEMMs as they are): the copies
-# test alone (GTEST_FILTER), at np 1 2 4 over MPI. Elsewhere it repeats the default.
+# AVX512_BF16, the default where oneDNN is built in: DP and one-rank weights have copies too, read
+# by the GEMMs as they are) and where it does not (OpenBLAS: the copies test alone, GTEST_FILTER,
+# at np 1 2 4 over MPI, with MESHTRAIN_CPU_GEMM=openblas). The MLP's equivalence tests on OpenBLAS
+# as well (np 1 2 4 over MPI), so that both host libraries stay tested.
 if(MESHTRAIN_GEMM_ONEDNN)
-  meshtrain_add_test_variant(NAME layers_mixed_precision_test VARIANT onednn NP 1 2 4
-                             BACKENDS mpi ENVIRONMENT MESHTRAIN_CPU_GEMM=onednn
+  meshtrain_add_test_variant(NAME layers_mixed_precision_test VARIANT openblas NP 1 2 4
+                             BACKENDS mpi ENVIRONMENT MESHTRAIN_CPU_GEMM=openblas
                              GTEST_FILTER=MixedPrecision.SixteenBitCopies*)
+  meshtrain_add_test_variant(NAME layers_mlp_test VARIANT openblas NP 1 2 4 BACKENDS mpi
+                             ENVIRONMENT MESHTRAIN_CPU_GEMM=openblas)
 endif()
 # The layers' 16-bit operand paths (a Linear's kept 16-bit input, DP's packed weight, FSDP's
 # gathered 16-bit blocks read by the GEMM: docs/mixed_precision.md) on any CPU: gemm() takes them

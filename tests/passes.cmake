@@ -7,3 +7,8 @@ meshtrain_add_test(NAME train_pass_budget_test SOURCES train/pass_budget_test.cp
                    LIBS meshtrain_run meshtrain_test_counting_allocator NP 1 2 TIMEOUT 120)
 target_compile_definitions(train_pass_budget_test PRIVATE
                            MESHTRAIN_PASS_BUDGET_DIR="${PROJECT_SOURCE_DIR}/tests/train/pass_budget")
+# The OpenBLAS budget too where oneDNN is the default (each library has its file).
+if(MESHTRAIN_GEMM_ONEDNN)
+  meshtrain_add_test_variant(NAME train_pass_budget_test VARIANT openblas NP 1 2
+                             ENVIRONMENT MESHTRAIN_CPU_GEMM=openblas)
+endif()

@@ -1,6 +1,7 @@
 #include "framework/core/gemm.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstddef>
 #include <cstdlib>
@@ -30,6 +31,18 @@ MatmulPrecision g_matmul_precision = MatmulPrecision::fp32;
 bool g_host_library_set = false;
 gemm_backend::HostLibrary g_host_library = gemm_backend::HostLibrary::openblas;
 gemm_backend::Bf16Kernel g_bf16_kernel = gemm_backend::Bf16Kernel::automatic;
+// reads_16bit()'s answers for the selected kernels, per host library and 16-bit dtype (bf16,
+// fp16): -1 until asked, then 0 or 1. Asked 3-4 times per layer pass (Linear::reads_kept_input),
+// while oneDNN's answer takes its lock (and makes a primitive the first time): decided once per
+// selection, forgotten by select_host_library. Atomic: evaluation and the step may ask from two
+// threads.
+std::atomic<int> g_reads_16bit[2][2] = {{{-1}, {-1}}, {{-1}, {-1}}};
+
+void forget_reads_16bit() {
+  for (auto& library : g_reads_16bit) {
+    for (auto& answer : library) answer.store(-1, std::memory_order_relaxed);
+  }
+}
 
 gemm_backend::HostLibrary host_library() {
   if (!g_host_library_set) {
@@ -243,11 +256,11 @@ HostLibrary default_host_library() {
                         "-DMESHTRAIN_CPU_GEMM=openblas)");
 #endif
   }
-  // oneDNN is the default only where the build asked for it (-DMESHTRAIN_CPU_GEMM=onednn): the
-  // layers do not use its fused epilogues yet, and its matmul allocates a few small blocks in
-  // every execution, which the allocation-free step does not allow (issue 37). A build that
-  // found it (auto) runs OpenBLAS unless MESHTRAIN_CPU_GEMM says otherwise.
-#if defined(MESHTRAIN_GEMM_ONEDNN_DEFAULT)
+  // oneDNN wherever the build has it (-DMESHTRAIN_CPU_GEMM=auto or onednn; issue 37): fp32 as fast
+  // as OpenBLAS or faster here, its bf16 matmul on CPUs with AVX512_BF16 or AMX, fused forward
+  // epilogues. Its executions allocate only their own argument maps, freed before they return
+  // (docs/design.md, GEMM).
+#if defined(MESHTRAIN_GEMM_ONEDNN)
   return HostLibrary::onednn;
 #else
   return HostLibrary::openblas;
@@ -262,6 +275,7 @@ void select_host_library(HostLibrary library, Bf16Kernel bf16_kernel) {
   g_host_library = library;
   g_bf16_kernel = bf16_kernel;
   g_host_library_set = true;
+  forget_reads_16bit();
 }
 
 HostLibrary selected_host_library() {
@@ -307,8 +321,8 @@ gemm_backend::HostLibrary inference_host_library() {
 void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, float beta,
              MatrixView c, Dtype inputs, const GemmEpilogue& epilogue);
 
-// gemm_reads_16bit() for `library` (host memory) or CUDA.
-bool reads_16bit(gemm_backend::HostLibrary library, Dtype inputs) {
+// gemm_reads_16bit() for `library` (host memory) or CUDA, asked of the library.
+bool library_reads_16bit(gemm_backend::HostLibrary library, Dtype inputs) {
   (void)library;
   if (inputs == Dtype::fp32) return false;
   if constexpr (kDeviceMemoryIsHostInaccessible) return true;  // cuBLAS
@@ -318,6 +332,19 @@ bool reads_16bit(gemm_backend::HostLibrary library, Dtype inputs) {
   }
 #endif
   return false;
+}
+
+// The same, asked once per selection (g_reads_16bit).
+bool reads_16bit(gemm_backend::HostLibrary library, Dtype inputs) {
+  if (inputs == Dtype::fp32) return false;
+  std::atomic<int>& known = g_reads_16bit[library == gemm_backend::HostLibrary::onednn ? 1 : 0]
+                                         [inputs == Dtype::bf16 ? 0 : 1];
+  int answer = known.load(std::memory_order_relaxed);
+  if (answer < 0) {
+    answer = library_reads_16bit(library, inputs) ? 1 : 0;
+    known.store(answer, std::memory_order_relaxed);
+  }
+  return answer == 1;
 }
 
 }  // namespace

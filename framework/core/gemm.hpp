@@ -3,9 +3,9 @@
 // space, with transposes as flags (never materialized), and an optional epilogue (bias,
 // activation; for backward the activation's derivative and the bias gradient) fused into
 // the GEMM where the library can. The implementation follows the memory space and the build:
-//   host memory   CBLAS (OpenBLAS) and one pass for the epilogue: the default, also where
-//                 oneDNN is built in (MESHTRAIN_CPU_GEMM=auto); or oneDNN matmul with
-//                 post-ops, when configured or set at run time MESHTRAIN_CPU_GEMM=onednn;
+//   host memory   oneDNN matmul with post-ops, the default wherever the build has it
+//                 (MESHTRAIN_CPU_GEMM=auto or onednn); or CBLAS (OpenBLAS) and one pass for the
+//                 epilogue, without oneDNN or set at run time MESHTRAIN_CPU_GEMM=openblas;
 //                 docs/design.md, GEMM
 //   CUDA memory   cuBLAS, and cuBLASLt with its epilogues when there is one (one handle
 //                 each, on the stream of Kokkos' default execution space, made on first
@@ -155,9 +155,9 @@ void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs =
 bool gemm_reads_16bit(Dtype inputs);
 
 // gemm() for inference (Predictor, layers/inference.hpp), in fp32: on host memory through oneDNN
-// wherever the build has it, whatever gemm() uses for training (OpenBLAS by default: the
-// training step's allocation-free rule), since its matmul fuses the bias and the activation
-// and runs an inference's shapes faster (bench/predictor_vs_onnxruntime.sh); the environment's
+// wherever the build has it (as gemm() by default), even where a test or benchmark selects
+// another library for gemm(), since its matmul fuses the bias and the activation and runs an
+// inference's shapes faster (bench/predictor_vs_onnxruntime.sh); the environment's
 // MESHTRAIN_CPU_GEMM, when set, chooses for both. Elsewhere the same as gemm().
 void inference_gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c,
                     const GemmEpilogue& epilogue = {});

@@ -25,6 +25,9 @@ std::thread::id g_counted_thread;
 std::atomic<bool> g_leave_out_onednn{false};
 std::atomic<long> g_heap_allocations{0};
 std::atomic<long> g_kokkos_allocations{0};
+// With oneDNN left out: its allocations, and the blocks its code frees, in the window.
+std::atomic<long> g_onednn_allocations{0};
+std::atomic<long> g_onednn_frees{0};
 int g_trace_left = 0;
 thread_local bool g_tracing = false;  // no counting while a trace is printed
 
@@ -42,6 +45,7 @@ void on_allocation(std::size_t bytes) {
   }
   if (g_leave_out_onednn.load(std::memory_order_relaxed) &&
       meshtrain::testing::allocation_made_by_onednn()) {
+    g_onednn_allocations.fetch_add(1, std::memory_order_relaxed);
     return;
   }
   g_heap_allocations.fetch_add(1, std::memory_order_relaxed);
@@ -53,6 +57,26 @@ void on_allocation(std::size_t bytes) {
   std::fprintf(stderr, "heap allocation of %zu bytes inside a counted window:\n", bytes);
   backtrace_symbols_fd(frames, depth, 2);  // writes to stderr without allocating
   g_tracing = false;
+}
+
+// A block freed while oneDNN's allocations are left out: counted when oneDNN's code frees it.
+void on_free(void* p) {
+  if (p == nullptr || !g_leave_out_onednn.load(std::memory_order_relaxed) ||
+      !g_window_open.load(std::memory_order_relaxed) || g_tracing) {
+    return;
+  }
+  if (g_one_thread.load(std::memory_order_relaxed) &&
+      std::this_thread::get_id() != g_counted_thread) {
+    return;
+  }
+  if (meshtrain::testing::allocation_made_by_onednn()) {
+    g_onednn_frees.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+void release(void* p) {
+  on_free(p);
+  std::free(p);
 }
 
 void* allocate(std::size_t bytes) {
@@ -97,28 +121,28 @@ void* operator new[](std::size_t bytes, std::align_val_t a) {
   return allocate_aligned(bytes, static_cast<std::size_t>(a));
 }
 void operator delete(void* p) noexcept {
-  std::free(p);
+  release(p);
 }
 void operator delete[](void* p) noexcept {
-  std::free(p);
+  release(p);
 }
 void operator delete(void* p, std::size_t) noexcept {
-  std::free(p);
+  release(p);
 }
 void operator delete[](void* p, std::size_t) noexcept {
-  std::free(p);
+  release(p);
 }
 void operator delete(void* p, std::align_val_t) noexcept {
-  std::free(p);
+  release(p);
 }
 void operator delete[](void* p, std::align_val_t) noexcept {
-  std::free(p);
+  release(p);
 }
 void operator delete(void* p, std::size_t, std::align_val_t) noexcept {
-  std::free(p);
+  release(p);
 }
 void operator delete[](void* p, std::size_t, std::align_val_t) noexcept {
-  std::free(p);
+  release(p);
 }
 
 namespace meshtrain::testing {
@@ -131,6 +155,8 @@ AllocationWindow::AllocationWindow(Threads threads, OneDnn onednn) {
   g_trace_left = trace != nullptr ? std::atoi(trace) : 0;
   g_heap_allocations = 0;
   g_kokkos_allocations = 0;
+  g_onednn_allocations = 0;
+  g_onednn_frees = 0;
   g_counted_thread = std::this_thread::get_id();
   g_one_thread = threads == Threads::this_thread;
   Kokkos::Tools::Experimental::set_allocate_data_callback(count_kokkos_allocation);
@@ -156,6 +182,14 @@ long AllocationWindow::heap_allocations() const {
 
 long AllocationWindow::kokkos_allocations() const {
   return g_kokkos_allocations.load();
+}
+
+long AllocationWindow::onednn_allocations() const {
+  return g_onednn_allocations.load();
+}
+
+long AllocationWindow::onednn_blocks_kept() const {
+  return g_onednn_allocations.load() - g_onednn_frees.load();
 }
 
 }  // namespace meshtrain::testing

@@ -15,8 +15,10 @@ class AllocationWindow {
   enum class Threads { all, this_thread };
 
   // Which heap allocations count: all, or all but those made from inside oneDNN's code (its
-  // matmul allocates a few small blocks in every execution, which its API cannot avoid:
-  // tests/support/onednn_allocations.hpp; everything meshtrain allocates itself still counts).
+  // matmul allocates a few small blocks in every execution, the map of its arguments, which its
+  // API cannot avoid: tests/support/onednn_allocations.hpp; everything meshtrain allocates
+  // itself still counts). Those left out are counted apart, with the blocks oneDNN frees, so that
+  // a test can check that none outlives its execution (onednn_blocks_kept).
   enum class OneDnn { counted, left_out };
 
   // Opens the window (one at a time); it closes at close() or destruction.
@@ -30,6 +32,11 @@ class AllocationWindow {
   // Counted so far (or in the closed window).
   long heap_allocations() const;
   long kokkos_allocations() const;
+  // With OneDnn::left_out: the heap allocations made from inside oneDNN, and how many of them
+  // it had not freed by the close (its blocks freed in the window, less those allocated in it;
+  // 0 when every block lives inside one execution, as its argument map does).
+  long onednn_allocations() const;
+  long onednn_blocks_kept() const;
 };
 
 }  // namespace meshtrain::testing

@@ -11,9 +11,10 @@
 // every call (0.6x of OpenBLAS for x @ W; docs/design.md, GEMM). Each call describes its
 // operands through oneDNN's C API (memory objects made and destroyed inside oneDNN, none of
 // ours) and executes the primitive: oneDNN allocates a few small blocks on the heap inside
-// every execution, which no call of its API avoids (tests/onednn_allocations.hpp).
+// every execution (the map of its arguments, freed before it returns), which no call of its API
+// avoids (tests/support/onednn_allocations.hpp; the step test checks that none is kept).
 // Scratchpads are ours (scratchpad_mode::user): one buffer, grown to the largest primitive's
-// need and shared, since calls are serialized.
+// need and shared, since calls are serialized; passed only to a primitive that has one.
 //
 // Threads: Debian's libdnnl runs on OpenMP and uses omp_get_max_threads() threads, so one
 // thread per rank comes from OMP_NUM_THREADS=1, which scripts/env.sh and the tests set (as
@@ -309,7 +310,9 @@ int openmp_threads() {
 }  // namespace
 
 bool onednn_has_native_bf16() {
-  return has_isa(effective_isa(), dnnl_cpu_isa_avx512_core_bf16);
+  // The ISA oneDNN takes is fixed at its first use (the CPU, ONEDNN_MAX_CPU_ISA).
+  static const bool native = has_isa(effective_isa(), dnnl_cpu_isa_avx512_core_bf16);
+  return native;
 }
 
 bool onednn_has_bf16_matmul() {
@@ -403,16 +406,18 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
   const CallMemory a_memory(state, call.m, call.k, op_strides(lda, call.transpose_a), operand, a);
   const CallMemory b_memory(state, call.k, call.n, op_strides(ldb, call.transpose_b), operand, b);
   const CallMemory c_memory(state, call.m, call.n, Strides{call.ldc, 1}, DataType::f32, call.c);
-  set_buffer(p.scratchpad, state.scratchpad.data());
+  // The scratchpad goes only to a primitive that uses one (its gemm kernel does not).
   dnnl_exec_arg_t args[5] = {{DNNL_ARG_SRC, a_memory.get()},
                              {DNNL_ARG_WEIGHTS, b_memory.get()},
-                             {DNNL_ARG_DST, c_memory.get()},
-                             {DNNL_ARG_SCRATCHPAD, p.scratchpad.get()},
-                             {DNNL_ARG_BIAS, nullptr}};
-  int count = 4;
+                             {DNNL_ARG_DST, c_memory.get()}};
+  int count = 3;
+  if (p.scratchpad_bytes > 0) {
+    set_buffer(p.scratchpad, state.scratchpad.data());
+    args[count++] = {DNNL_ARG_SCRATCHPAD, p.scratchpad.get()};
+  }
   if (key.bias) {
     set_buffer(p.bias, call.bias);
-    args[count++].memory = p.bias.get();
+    args[count++] = {DNNL_ARG_BIAS, p.bias.get()};
   }
   check(dnnl_primitive_execute(p.matmul.get(), state.stream.get(), count, args),
         "dnnl_primitive_execute");
