@@ -47,6 +47,9 @@ class GradientBuckets {
 
   bool empty() const { return buckets_.empty(); }
   std::size_t size() const { return buckets_.size(); }
+  // What the sums move and add in: every bucketed gradient is packed to it (rounded, when it
+  // is a 16-bit format) before it is read again.
+  Dtype wire() const { return wire_; }
   // Floats in each bucket, in the order they start.
   std::vector<std::size_t> bucket_floats() const;
 

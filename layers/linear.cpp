@@ -434,14 +434,21 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
     weight_gradient_product(tangent_x_used_, dt, tangent_g, scratch);
     add_into(tangent_g, g);
   }
-  round_in_place(g, compute_dtype_);  // the weight's gradient in its compute dtype
-  if (next) next->poll_weight_prefetch();
-  // DP overlap: both gradients are final here (no gathers, no scale); hand them to the
-  // buckets, whose all-reduce runs while dX is computed.
   MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now || defers_reduction(), "linear layer '",
                     layout_.layer,
                     "': asked to leave gradients partial that it must reduce itself");
   const bool bucketed = pass.deferred == DeferredReduction::in_buckets;
+  // The weight's gradient in its compute dtype. Where the reduction that follows packs it to
+  // 16 bits of that dtype (the buckets' all-reduce, or the parameter's own reduction), the
+  // packing rounds each element as this pass would (the same bits), so the pass is left out.
+  const bool wire_rounds =
+      bucketed
+          ? pass.buckets->wire() == compute_dtype_
+          : weight_.reduce_rounds_to(compute_dtype_, pass.deferred != DeferredReduction::later);
+  if (!wire_rounds) round_in_place(g, compute_dtype_);
+  if (next) next->poll_weight_prefetch();
+  // DP overlap: both gradients are final here (no gathers, no scale); hand them to the
+  // buckets, whose all-reduce runs while dX is computed.
   if (bucketed) {
     bias_gradient(dy, scratch, /*all_reduce=*/false);
     pass.buckets->layer_ready(pass.index);

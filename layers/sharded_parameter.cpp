@@ -411,6 +411,12 @@ VectorView ShardedParameter::gradient(LayerScratch& scratch) {
   return VectorView(local.data(), local.extent(0));
 }
 
+bool ShardedParameter::reduce_rounds_to(Dtype dtype, bool all_reduce) const {
+  if (dtype == Dtype::fp32 || reduce_ != dtype || method_ != GatherMethod::by_dims) return false;
+  if (gather1_ != nullptr || gather2_ != nullptr) return true;  // the reduce-scatter packs first
+  return allreduce_ != nullptr && all_reduce && scale_ == 1.0f;
+}
+
 void ShardedParameter::reduce(LayerScratch& scratch, bool all_reduce) {
   const Dtype wire = reduce_;
   if (method_ == GatherMethod::by_dims) {

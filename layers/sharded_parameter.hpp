@@ -132,6 +132,11 @@ class ShardedParameter {
   // The gradient written at gradient() back to storage; all_reduce = false leaves out the
   // final all-reduce (for all_reduce_deferred()).
   void reduce(LayerScratch& scratch, bool all_reduce = true);
+  // True when reduce(scratch, all_reduce) moves the gradient at gradient_matrix() through a
+  // 16-bit wire of `dtype` before anything else reads it (a reduce-scatter, or the all-reduce
+  // of an ungathered, unscaled gradient): packing rounds every element to `dtype`, as
+  // round_in_place would, so the caller's rounding pass is redundant (by_dims only).
+  bool reduce_rounds_to(Dtype dtype, bool all_reduce) const;
   void all_reduce_deferred();
   // full_width_sum parameters whose full_gradient views lie side by side in this order, over
   // one group: their gradients reduced as reduce() does, with one all-reduce for all.

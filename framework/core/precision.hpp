@@ -86,12 +86,37 @@ KOKKOS_INLINE_FUNCTION float round_to(float f, Dtype dtype) {
   return dtype == Dtype::fp32 ? f : from_16bit(to_16bit(f, dtype), dtype);
 }
 
+// The same conversions with the format fixed at compile time (no branch on the dtype: what a
+// loop that should vectorize calls).
+template <Dtype dtype>
+KOKKOS_INLINE_FUNCTION uint16_t to_16bit_as(float f) {
+  static_assert(dtype != Dtype::fp32, "to_16bit_as: a 16-bit format");
+  if constexpr (dtype == Dtype::bf16) {
+    return float_to_bf16(f);
+  } else {
+    return float_to_fp16(f);
+  }
+}
+template <Dtype dtype>
+KOKKOS_INLINE_FUNCTION float from_16bit_as(uint16_t h) {
+  static_assert(dtype != Dtype::fp32, "from_16bit_as: a 16-bit format");
+  if constexpr (dtype == Dtype::bf16) {
+    return bf16_to_float(h);
+  } else {
+    return fp16_to_float(h);
+  }
+}
+template <Dtype dtype>
+KOKKOS_INLINE_FUNCTION float round_as(float f) {
+  return from_16bit_as<dtype>(to_16bit_as<dtype>(f));
+}
+
 // out[k] = a[k] + b[k] on the host for 16-bit elements of `dtype`: added in fp32 and rounded
 // once to 16 bits, as NCCL's 16-bit sums do (the MPI backend's wire sums; out may be a or b).
 template <Dtype dtype>
 inline void add_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, std::size_t count) {
   for (std::size_t k = 0; k < count; ++k) {
-    out[k] = to_16bit(from_16bit(a[k], dtype) + from_16bit(b[k], dtype), dtype);
+    out[k] = to_16bit_as<dtype>(from_16bit_as<dtype>(a[k]) + from_16bit_as<dtype>(b[k]));
   }
 }
 

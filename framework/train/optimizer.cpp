@@ -16,25 +16,37 @@ namespace {
 
 // Where an update also writes the parameter's 16-bit compute copy (ShardedTensor::copy_16bit):
 // round_P(new master) in the same pass, so that no cast pass runs before the next forward.
-// Without a copy (fp32, or a model that computes from the master) nothing is written.
+// Without a copy (fp32, or a model that computes from the master) nothing is written. The
+// copy's format is a template argument (fp32: no copy), so that each update is one loop
+// without a per-element branch, which the compiler vectorizes.
+template <Dtype dtype>
 struct CopyOut {
-  HalfBits bits;
-  Dtype dtype = Dtype::fp32;
-  bool on = false;
-  explicit CopyOut(const ShardedTensor& t) {
-    if (t.copy_16bit) {
-      bits = t.copy_16bit->bits;
-      dtype = t.copy_16bit->dtype;
-      on = true;
-    }
-  }
+  uint16_t* bits = nullptr;
   KOKKOS_INLINE_FUNCTION void write(int64_t i, float master) const {
-    if (on) bits(i) = to_16bit(master, dtype);
+    if constexpr (dtype != Dtype::fp32) bits[i] = to_16bit_as<dtype>(master);
   }
 };
 
+// f(CopyOut<D>{...}) for the copy `t` has (CopyOut<fp32> without one).
+template <class F>
+void with_copy(const ShardedTensor& t, F&& f) {
+  if (!t.copy_16bit) {
+    f(CopyOut<Dtype::fp32>{});
+    return;
+  }
+  uint16_t* bits = t.copy_16bit->bits.data();
+  if (t.copy_16bit->dtype == Dtype::bf16) {
+    f(CopyOut<Dtype::bf16>{bits});
+  } else {
+    MESHTRAIN_REQUIRE(t.copy_16bit->dtype == Dtype::fp16, "optimizer: the 16-bit copy of '", t.name,
+                      "' is not bf16 or fp16");
+    f(CopyOut<Dtype::fp16>{bits});
+  }
+}
+
+template <class Copy>
 void sgd_update(Vector p, Vector g, Vector buf, float lr, float momentum, float wd, bool first,
-                CopyOut copy) {
+                Copy copy) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::sgd_step"), Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)),
       KOKKOS_LAMBDA(const int64_t i) {
@@ -48,7 +60,8 @@ void sgd_update(Vector p, Vector g, Vector buf, float lr, float momentum, float 
 }
 
 // Plain SGD (momentum 0): no state, so no slot is allocated (the plan counts none).
-void sgd_plain_update(Vector p, Vector g, float lr, float wd, CopyOut copy) {
+template <class Copy>
+void sgd_plain_update(Vector p, Vector g, float lr, float wd, Copy copy) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::sgd_plain_step"),
       Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
@@ -58,17 +71,22 @@ void sgd_plain_update(Vector p, Vector g, float lr, float wd, CopyOut copy) {
       });
 }
 
+template <class Copy>
 void adamw_update(Vector p, Vector g, Vector m, Vector v, float lr, float beta1, float beta2,
-                  float eps, float wd, float correction1, float correction2, CopyOut copy) {
+                  float eps, float wd, float correction1, float correction2, Copy copy) {
   const float step_size = lr / correction1;
   const float inv_correction2 = 1.0f / correction2;
   const float decay = 1.0f - lr * wd;
+  float* pp = p.data();
+  const float* gp = g.data();
+  float* mp = m.data();
+  float* vp = v.data();
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::adamw_step"),
       Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
-        const float updated = adamw_element(p(i), g(i), m(i), v(i), beta1, beta2, decay, step_size,
-                                            inv_correction2, eps);
-        p(i) = updated;
+        const float updated = adamw_element(pp[i], gp[i], mp[i], vp[i], beta1, beta2, decay,
+                                            step_size, inv_correction2, eps);
+        pp[i] = updated;
         copy.write(i, updated);
       });
 }
@@ -164,12 +182,14 @@ void Optimizer::step(std::vector<ShardedTensor>& params, const std::vector<Shard
   };
   if (s.kind == OptimizerKind::sgd) {
     for (size_t i = 0; i < n; ++i) {
-      if (slots_.empty()) {
-        sgd_plain_update(params[i].local, grads[i].local, lr, s.weight_decay, CopyOut(params[i]));
-      } else {
-        sgd_update(params[i].local, grads[i].local, slots_[0][i].local, lr, s.momentum,
-                   s.weight_decay, first, CopyOut(params[i]));
-      }
+      with_copy(params[i], [&](auto copy) {
+        if (slots_.empty()) {
+          sgd_plain_update(params[i].local, grads[i].local, lr, s.weight_decay, copy);
+        } else {
+          sgd_update(params[i].local, grads[i].local, slots_[0][i].local, lr, s.momentum,
+                     s.weight_decay, first, copy);
+        }
+      });
     }
     copies_current();
     return;
@@ -178,9 +198,10 @@ void Optimizer::step(std::vector<ShardedTensor>& params, const std::vector<Shard
   const float correction1 = adamw_bias_correction(s.beta1, t);
   const float correction2 = adamw_bias_correction(s.beta2, t);
   for (size_t i = 0; i < n; ++i) {
-    adamw_update(params[i].local, grads[i].local, slots_[0][i].local, slots_[1][i].local, lr,
-                 s.beta1, s.beta2, s.eps, s.weight_decay, correction1, correction2,
-                 CopyOut(params[i]));
+    with_copy(params[i], [&](auto copy) {
+      adamw_update(params[i].local, grads[i].local, slots_[0][i].local, slots_[1][i].local, lr,
+                   s.beta1, s.beta2, s.eps, s.weight_decay, correction1, correction2, copy);
+    });
   }
   copies_current();
 }

@@ -360,6 +360,17 @@ TEST(Precision, KernelsMatchTheScalarFunctions) {
   host(0, 1) = -0.0f;
   host(0, 2) = 0x1p-25f;
   host(0, 3) = 70000.0f;
+  // The bf16 passes run as vectorized loops over the contiguous elements: NaN, the
+  // infinities, an fp32 subnormal, fp16 subnormals and ties go through them too.
+  host(0, 4) = std::numeric_limits<float>::quiet_NaN();
+  host(0, 5) = std::numeric_limits<float>::infinity();
+  host(0, 6) = -std::numeric_limits<float>::infinity();
+  host(0, 7) = 0x1p-130f;
+  host(0, 8) = 1.0f + 0x1p-8f;    // a bf16 tie (to even: 1)
+  host(0, 9) = 1.0f + 0x3p-8f;    // a bf16 tie (to even: 1 + 2^-6)
+  host(0, 10) = 1.0f + 0x1p-11f;  // an fp16 tie
+  host(0, 11) = 0x1.8p-20f;       // an fp16 subnormal
+  host(0, 12) = -0x1p-24f;        // fp16's smallest subnormal
   for (Dtype dtype : {Dtype::fp32, Dtype::bf16, Dtype::fp16}) {
     SCOPED_TRACE(dtype == Dtype::fp32 ? "fp32" : dtype == Dtype::bf16 ? "bf16" : "fp16");
     Matrix src("src", rows, cols), in_place("in_place", rows, cols), copied("copied", rows, cols);
