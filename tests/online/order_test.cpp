@@ -464,6 +464,18 @@ TEST(StreamMerge, KeysReadAndRefused) {
         parse_config(text, "t.toml", {"stream.test_fraction=0.1", "stream.held_out_rows=-1"});
       },
       {"stream.held_out_rows", "-1"});
+  // A library caller's section, not read from a config: refused before the rendezvous (so not
+  // collective; each rank on its own).
+  StreamSection section;
+  section.name = "negative-window";
+  section.buffer_rows = 16;
+  section.test_fraction = 0.5;
+  section.held_out_rows = -1;
+  BatchSlice slice;
+  slice.global_batch = slice.rows = 4;
+  testing::expect_bad_input(
+      [&] { StreamSource source(section, MPI_COMM_SELF, slice, kInputs, kOutputs, 4, 0); },
+      {"stream \"negative-window\"", "held_out_rows", "-1"});
 }
 
 }  // namespace
