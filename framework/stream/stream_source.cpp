@@ -388,14 +388,23 @@ StreamSource::~StreamSource() {
 
 // On trainer rank 0 only, through on_warning_ (set by the run): it may come from the
 // destructor, after the run's last event.
-void StreamSource::warn_producer_gone(size_t producer, int64_t still_open) const {
+void StreamSource::warn_producer_gone(size_t producer, int64_t still_open,
+                                      int64_t held_back) const {
   if (trainer_rank_ != 0 || !on_warning_) return;
   const double timeout = section_.producer_timeout;
+  // Under round_robin a producer waiting for another in its own exchange (a halo, a collective)
+  // while the merge waits at its turn looks the same from here: said, as a possible cause.
+  const std::string held =
+      held_back < 0 ? std::string()
+                    : detail::concat("; the merge waited at its turn and held back producer ",
+                                     held_back, " meanwhile (producers that wait for each other ",
+                                     "must send as many messages per step under stream.merge = ",
+                                     "round_robin: docs/online.md)");
   on_warning_(detail::concat(
       "stream \"", section_.name, "\": producer ", producer, " (world rank ", producers_[producer],
       ") sent nothing for ", timeout, " s and has not closed (did it end without close()?); the ",
       "trainer goes on with the ", still_open, " producers still open and no longer waits for it ",
-      "(stream.producer_timeout = ", timeout, ")"));
+      "(stream.producer_timeout = ", timeout, ")", held));
 }
 
 void StreamSource::read(const int64_t* rows, int64_t count, const RowBuffers& out) {
@@ -579,9 +588,15 @@ void StreamSource::pull_once() {
     if (sums[kCounterSums + producers + p] == trainer_size_ && !gone_[p]) {
       gone_[p] = 1;
       if (p == 0) end_owed_ = true;  // nobody takes a publish any more
-      int64_t open = 0;
-      for (size_t q = 0; q < producers; ++q) open += closed_[q] || gone_[q] ? 0 : 1;
-      warn_producer_gone(p, open);
+      int64_t open = 0, held_back = -1;
+      for (size_t q = 0; q < producers; ++q) {
+        open += closed_[q] || gone_[q] ? 0 : 1;
+        const bool held = sums[kCounterSums + 2 * producers + q] > 0;
+        if (held && held_back < 0 && sums[kCounterSums + 3 * producers + p] > 0) {
+          held_back = static_cast<int64_t>(q);
+        }
+      }
+      warn_producer_gone(p, open, held_back);
     }
   }
   counters_.rows_received = sums[0];

@@ -177,7 +177,8 @@ class StreamSource : public RowSource {
   // Takes producer p's oldest staged message (rows or its close).
   void take_next(size_t p);
   void take_round_robin();  // stream.merge = "round_robin"
-  void warn_producer_gone(size_t producer, int64_t still_open) const;
+  // `held_back`: a producer the merge held back at that pull (its staging full), or -1.
+  void warn_producer_gone(size_t producer, int64_t still_open, int64_t held_back = -1) const;
   // Rank 0: starts the send of the waiting publish once the previous one completed, and the
   // end once producer 0 closed (never waits).
   void progress_publish();
