@@ -161,7 +161,8 @@ void TrainingRun::resume() {
 // Rank 0, resuming an online run that saves its buffers: whether the checkpoint holds them
 // (a run saved with stream.checkpoint_buffer = false starts with empty buffers, said in a
 // warning); bad_input, one sentence, when it holds buffers of another shape (another trainer
-// mesh, buffer_rows, test_fraction or held_out_rows): they are not redistributed.
+// mesh, buffer_rows, or held-out window size): they are not redistributed. By shape alone:
+// another test_fraction with the same window size is accepted (docs/online.md).
 bool TrainingRun::check_stream_buffer_fits(const CheckpointListing& listing) {
   const std::vector<ShardedTensor>& wanted = checkpoint_.stream.tensors;
   bool any = false;
@@ -187,7 +188,7 @@ bool TrainingRun::check_stream_buffer_fits(const CheckpointListing& listing) {
           stream_->groups(), " batch groups of mesh ", mesh_->describe(),
           ", stream.buffer_rows = ", config_.stream.buffer_rows,
           ", stream.test_fraction = ", config_.stream.test_fraction,
-          ", stream.held_out_rows = ", stream_held_out_rows(config_.stream),
+          ", held-out window = ", stream_held_out_rows(config_.stream), " rows",
           "); resume on the trainer mesh and [stream] keys it was saved with (the buffers ",
           "are not redistributed)");
     }

@@ -89,6 +89,7 @@ enum class DataSource { fashion_mnist, synthetic, hdf5, stream };
 enum class StreamPolicy { window, reservoir };
 // Which buffer rows a batch takes: hashed at random, or in the order they came.
 enum class StreamOrder { random, arrival };
+// How a batch group takes several producers' messages: as they come, or in a fixed turn.
 enum class StreamMerge { arrival, round_robin };
 // The type of a stream's rows on the wire.
 enum class StreamRowType { float32, float64 };

@@ -91,6 +91,10 @@ StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
     MESHTRAIN_BAD_INPUT("stream \"", section.name, "\": last_word_timeout must be a positive ",
                         "number of seconds, got ", section.last_word_timeout);
   }
+  if (section.held_out_rows < 0) {
+    MESHTRAIN_BAD_INPUT("stream \"", section.name, "\": held_out_rows must be 0 (the default ",
+                        "window) or a positive number of rows, got ", section.held_out_rows);
+  }
   shape_.description = "stream \"" + section.name + "\"";
   shape_.num_samples = section.buffer_rows;
   shape_.features = features;
@@ -140,10 +144,12 @@ StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
   taken_.assign(producers, 0);
   agreed_.assign(producers, 0);
   closed_.assign(producers, 0);
-  reduced_.assign(kCounterSums + 2 * producers, 0);
+  reduced_.assign(kCounterSums + 4 * producers, 0);
   heard_total_.assign(producers, 0);
   heard_at_.assign(producers, std::chrono::steady_clock::now());
   gone_.assign(producers, 0);
+  merge_waits_at_.assign(producers, 0);
+  blocks_merge_.assign(producers, 0);
   row_scratch_.assign(static_cast<size_t>(features + outputs), 0.0f);
   // Producer p sends message m to group group_of_message(p, m): whether any reaches this one.
   feeds_group_.assign(producers, 0);
@@ -292,7 +298,9 @@ StreamSource::~StreamSource() {
   // here, on each rank's own clock (nothing is agreed any more), counting what this drain takes.
   std::vector<std::chrono::steady_clock::time_point> heard_at = heard_at_;
   std::vector<char> has_sent(producers_.size(), 0);
-  for (size_t p = 0; p < producers_.size(); ++p) has_sent[p] = heard_total_[p] > 0;
+  for (size_t p = 0; p < producers_.size(); ++p) {
+    has_sent[p] = heard_total_[p] > 0 || blocks_merge_[p];  // on the clock, as in the pulls
+  }
   const double timeout = section_.producer_timeout;
   // Once every producer closed, the publishes' end is waited for at most
   // stream.last_word_timeout seconds: a producer 0 whose close() gave up waiting (its
@@ -380,14 +388,23 @@ StreamSource::~StreamSource() {
 
 // On trainer rank 0 only, through on_warning_ (set by the run): it may come from the
 // destructor, after the run's last event.
-void StreamSource::warn_producer_gone(size_t producer, int64_t still_open) const {
+void StreamSource::warn_producer_gone(size_t producer, int64_t still_open,
+                                      int64_t held_back) const {
   if (trainer_rank_ != 0 || !on_warning_) return;
   const double timeout = section_.producer_timeout;
+  // Under round_robin a producer waiting for another in its own exchange (a halo, a collective)
+  // while the merge waits at its turn looks the same from here: said, as a possible cause.
+  const std::string held =
+      held_back < 0 ? std::string()
+                    : detail::concat("; the merge waited at its turn and held back producer ",
+                                     held_back, " meanwhile (producers that wait for each other ",
+                                     "must send as many messages per step under stream.merge = ",
+                                     "round_robin: docs/online.md)");
   on_warning_(detail::concat(
       "stream \"", section_.name, "\": producer ", producer, " (world rank ", producers_[producer],
       ") sent nothing for ", timeout, " s and has not closed (did it end without close()?); the ",
       "trainer goes on with the ", still_open, " producers still open and no longer waits for it ",
-      "(stream.producer_timeout = ", timeout, ")"));
+      "(stream.producer_timeout = ", timeout, ")", held));
 }
 
 void StreamSource::read(const int64_t* rows, int64_t count, const RowBuffers& out) {
@@ -487,9 +504,12 @@ void StreamSource::take_next(size_t p) {
 // pull. Producers that feed no row to this group send it only their close, taken as it comes.
 void StreamSource::take_round_robin() {
   const size_t producers = producers_.size();
+  std::fill(merge_waits_at_.begin(), merge_waits_at_.end(), 0);
   for (size_t p = 0; p < producers; ++p) {
-    if (!feeds_group_[p]) {
-      while (taken_[p] < agreed_[p]) take_next(p);
+    // A producer taken for gone only leaves the turn: what it still sends is taken as it comes
+    // (else its staging stays full, its sends never complete and its close() never returns).
+    if (!feeds_group_[p] || gone_[p]) {
+      while (taken_[p] < agreed_[p] && !closed_[p]) take_next(p);
     }
   }
   while (true) {
@@ -501,6 +521,7 @@ void StreamSource::take_round_robin() {
     if (looked == producers) return;  // every producer of this group closed (or gone)
     if (taken_[p] >= agreed_[p]) {
       merge_turn_ = p;  // its next message has not come to every rank: wait
+      merge_waits_at_[p] = 1;
       return;
     }
     take_next(p);
@@ -540,25 +561,42 @@ void StreamSource::pull_once() {
   for (size_t p = 0; p < producers; ++p) {
     sums[kCounterSums + p] = received_[p];
     // The clock starts at a producer's first rows: a simulation's set-up may take longer than
-    // the timeout (one that dies before it sends anything is waited for).
-    const bool silent = timeout > 0.0 && !closed_[p] && !gone_[p] && heard_total_[p] > 0 &&
+    // the timeout (one that dies before it sends anything is waited for). Under round_robin a
+    // producer that has sent nothing while a merge waits at its turn is on the clock from the
+    // rendezvous: else one that died before its first rows would hold the run for ever.
+    // A producer whose staging is full is held back by this rank (the merge waits at another
+    // producer's turn), not silent: no vote.
+    const bool held = staged_count_[p] == sp::kStagingSlots;
+    const bool on_clock = heard_total_[p] > 0 || blocks_merge_[p];
+    const bool silent = timeout > 0.0 && !closed_[p] && !gone_[p] && !held && on_clock &&
                         std::chrono::duration<double>(now - heard_at_[p]).count() > timeout;
     sums[kCounterSums + producers + p] = silent ? 1 : 0;
+    sums[kCounterSums + 2 * producers + p] = held ? 1 : 0;
+    sums[kCounterSums + 3 * producers + p] = merge_waits_at_[p];
   }
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, sums, static_cast<int>(reduced_.size()), MPI_INT64_T,
                           MPI_SUM, trainer_comm_),
             "MPI_Allreduce (a stream's counters)");
   for (size_t p = 0; p < producers; ++p) {
-    if (sums[kCounterSums + p] != heard_total_[p]) {
+    // Held back by some rank: its clock restarts (the silence is the trainer's, not its own),
+    // so that it is not voted gone the pull after the merge lets it go.
+    if (sums[kCounterSums + p] != heard_total_[p] || sums[kCounterSums + 2 * producers + p] > 0) {
       heard_total_[p] = sums[kCounterSums + p];
       heard_at_[p] = now;
     }
+    blocks_merge_[p] = sums[kCounterSums + 3 * producers + p] > 0 ? 1 : 0;
     if (sums[kCounterSums + producers + p] == trainer_size_ && !gone_[p]) {
       gone_[p] = 1;
       if (p == 0) end_owed_ = true;  // nobody takes a publish any more
-      int64_t open = 0;
-      for (size_t q = 0; q < producers; ++q) open += closed_[q] || gone_[q] ? 0 : 1;
-      warn_producer_gone(p, open);
+      int64_t open = 0, held_back = -1;
+      for (size_t q = 0; q < producers; ++q) {
+        open += closed_[q] || gone_[q] ? 0 : 1;
+        const bool held = sums[kCounterSums + 2 * producers + q] > 0;
+        if (held && held_back < 0 && sums[kCounterSums + 3 * producers + p] > 0) {
+          held_back = static_cast<int64_t>(q);
+        }
+      }
+      warn_producer_gone(p, open, held_back);
     }
   }
   counters_.rows_received = sums[0];

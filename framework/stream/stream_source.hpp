@@ -177,7 +177,8 @@ class StreamSource : public RowSource {
   // Takes producer p's oldest staged message (rows or its close).
   void take_next(size_t p);
   void take_round_robin();  // stream.merge = "round_robin"
-  void warn_producer_gone(size_t producer, int64_t still_open) const;
+  // `held_back`: a producer the merge held back at that pull (its staging full), or -1.
+  void warn_producer_gone(size_t producer, int64_t still_open, int64_t held_back = -1) const;
   // Rank 0: starts the send of the waiting publish once the previous one completed, and the
   // end once producer 0 closed (never waits).
   void progress_publish();
@@ -215,10 +216,16 @@ class StreamSource : public RowSource {
   // it is (the producer whose next message the merge waits for).
   std::vector<char> feeds_group_;
   size_t merge_turn_ = 0;
+  // This rank's merge waited at producer p's turn at this pull (sent in the vote), and whether
+  // any rank's did at the last one (agreed): a producer that has sent nothing is then on the
+  // producer_timeout clock from the rendezvous.
+  std::vector<int64_t> merge_waits_at_;
+  std::vector<char> blocks_merge_;
   // stream.producer_timeout: a producer none of the trainer's ranks heard from for that long,
   // unclosed, is gone (every rank votes at each pull, on the totals agreed at the one before,
   // and the unanimous vote decides, so every rank decides at the same pull). `reduced_`: the
-  // pull's counters, then each producer's messages (summed), then its votes.
+  // pull's counters, then each producer's messages (summed), its votes, the ranks holding it
+  // back (its staging full) and the ranks whose merge waits at its turn.
   std::vector<int64_t> reduced_;
   std::vector<int64_t> heard_total_;  // the messages agreed at the last change
   std::vector<std::chrono::steady_clock::time_point> heard_at_;  // when that changed

@@ -457,7 +457,9 @@ const std::vector<ConfigKey>& config_keys() {
     k.push_back(make_key("stream", "producer_timeout", FIELD(stream.producer_timeout),
                          non_negative("wait for ever"), kFileCommands,
                          "seconds a producer that has sent rows may send nothing, unclosed, before "
-                         "it is taken for gone (named in a warning; the others go on)")
+                         "it is taken for gone (named in a warning; the others go on); under merge "
+                         "= round_robin also one that has sent nothing, from the rendezvous, while "
+                         "the merge waits at its turn")
                     .only_when(unless_stream));
     k.push_back(make_key("stream", "last_word_timeout", FIELD(stream.last_word_timeout),
                          positive("s"), kFileCommands,

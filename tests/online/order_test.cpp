@@ -9,7 +9,11 @@
 //   min_rows rows (fewer than every row) are the same bits in both runs.
 // - stream.held_out_rows: the held-out window has that size (not ceil(buffer_rows x
 //   test_fraction)), holds exactly the newest held-out rows, is evaluated whole, and the plan
-//   counts it; the key is refused without test_fraction.
+//   counts it; the key is refused without test_fraction. On dp = 2 (np 4) each group's window
+//   holds its own producer's rows, the other producer's close taken outside the turn.
+// - stream.producer_timeout under round_robin: a producer silent from the rendezvous while the
+//   merge waits at it is taken for gone, the producer held back meanwhile is not, and the gone
+//   one's later rows and close are still taken.
 // The registration's timeout ends any hang.
 
 #include <gtest/gtest.h>
@@ -302,10 +306,20 @@ TEST(StreamMerge, HeldOutWindowOfItsOwnSize) {
     }
   }
   ASSERT_GT(static_cast<int64_t>(held.size()), window) << "the window must overwrite";
-  std::vector<int64_t> expected_window(static_cast<size_t>(window));
-  for (size_t n = 0; n < held.size(); ++n) expected_window[n % window] = held[n];
-  for (const testing::MeshCase& mesh : one_group_meshes(roles.trainers)) {
+  // The newest `window` of `rows` (in the order taken), row n in slot n mod window.
+  const auto window_of = [&](const std::vector<int64_t>& rows) {
+    std::vector<int64_t> slots(static_cast<size_t>(window));
+    for (size_t n = 0; n < rows.size(); ++n) slots[n % window] = rows[n];
+    return slots;
+  };
+  // On dp = 2 (np 4) each group takes one producer's rows (group_of_message: producer p's
+  // messages all go to group p) and only the other's close, which the merge takes outside the
+  // turn: the window of group g holds producer g's newest held-out rows.
+  std::vector<testing::MeshCase> meshes = one_group_meshes(roles.trainers);
+  if (roles.trainers == 2) meshes.push_back({"dp", {{"dp", 2}}});
+  for (const testing::MeshCase& mesh : meshes) {
     SCOPED_TRACE(mesh.preset);
+    const bool two_groups = mesh.preset == "dp" && roles.trainers == 2;
     const std::string name = "held-out-window-" + mesh.preset;
     TempDir dir(/*shared=*/true);  // collective over the world
     if (roles.producer) {
@@ -328,9 +342,103 @@ TEST(StreamMerge, HeldOutWindowOfItsOwnSize) {
     const auto& source = dynamic_cast<const StreamSource&>(run.train_data());
     EXPECT_EQ(source.held_out().capacity(), window);
     EXPECT_EQ(source.counters().rows_held_out, static_cast<int64_t>(held.size()));
-    EXPECT_EQ(buffer_ids(source.held_out()), expected_window);
+    std::vector<int64_t> mine = held;  // this rank's group's held-out rows, in the merge's order
+    if (two_groups) {
+      ASSERT_EQ(source.groups(), 2);
+      const int64_t group = roles.rank;  // dp over the trainer's 2 ranks
+      mine.clear();
+      for (int64_t id : held) {
+        if (id / 100000 == group) mine.push_back(id);
+      }
+      ASSERT_GT(static_cast<int64_t>(mine.size()), window) << "the window must overwrite";
+    }
+    EXPECT_EQ(buffer_ids(source.held_out()), window_of(mine));
     ASSERT_TRUE(summary.last_eval.has_value());
-    EXPECT_EQ(summary.last_eval->test_rows, window);  // one group: its window, once
+    // Each group's window once (the ranks of a group hold the same rows).
+    EXPECT_EQ(summary.last_eval->test_rows, (two_groups ? 2 : 1) * window);
+  }
+}
+
+// A producer that sends nothing for longer than stream.producer_timeout while the merge waits
+// at its turn, beside one that the merge holds back meanwhile: producer 0 connects, then sleeps
+// 2 s before its first send; producer 1 sends 6 sends (more than the trainer's 4 staging slots
+// of messages) at once, then the rest, one every 0.5 s, and closes once producer 0 closed.
+// With producer_timeout = 1 s:
+// - producer 0 is taken for gone (its clock runs from the rendezvous while the merge waits at
+//   it; before, one that died before its first rows held a round_robin run for ever);
+// - producer 1, whose staging stayed full meanwhile, is not (before, its clock ran while the
+//   trainer held it back and it was named too);
+// - producer 0's rows and close, sent once it was taken for gone, are still taken, as they
+//   come, and its close() gets its done (before, its staging stayed full and its close()
+//   waited for a last word that never came: the registration's timeout);
+// so the run ends by itself with exactly one warning, naming producer 0 (and producer 1 as held
+// back by the merge meanwhile), and every row.
+TEST(StreamMerge, ProducerGoneLeavesTheTurnOnly) {
+  Roles roles;
+  ASSERT_GE(roles.trainers, 1);
+  for (const testing::MeshCase& mesh : one_group_meshes(roles.trainers)) {
+    SCOPED_TRACE(mesh.preset);
+    const std::string name = "gone-" + mesh.preset;
+    if (roles.producer) {
+      const int64_t p = roles.rank;
+      StreamProducer producer;
+      producer.connect(roles.comm, name, kInputs, kOutputs, StreamDtype::float32,
+                       producer_options());
+      if (p == 0) std::this_thread::sleep_for(std::chrono::seconds(2));
+      std::vector<float> x(32 * kInputs), y(32 * kOutputs);
+      int64_t r = 0, sends = 0;
+      for (int64_t n : send_sizes(p)) {
+        // Producer 1's rest every 0.5 s (never silent for the timeout).
+        if (p == 1 && sends++ >= 6) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        for (int64_t i = 0; i < n; ++i) make_row(p, r + i, &x[i * kInputs], &y[i * kOutputs]);
+        producer.send(x.data(), y.data(), n);
+        r += n;
+      }
+      // Producer 1's close, which lets the run end, only once producer 0's close() returned,
+      // i.e. once a pull took that close outside the turn.
+      if (p == 0) producer.close();
+      check_mpi(MPI_Barrier(roles.comm), "MPI_Barrier");
+      if (p == 1) producer.close();
+      EXPECT_EQ(producer.rows_dropped(), 0);
+      continue;
+    }
+    RunConfig config = trainer_config(name, mesh);
+    config.stream.buffer_rows = kRows[0] + kRows[1];
+    config.stream.min_rows = 4;
+    config.stream.until = StreamUntil::closed;
+    config.stream.producer_timeout = 1.0;
+    config.train.steps = 100000000;
+    config.train.log_every = 1000000;
+    std::vector<std::string> warnings;
+    RunEvents events;
+    events.on_warning = [&](const std::string& w) { warnings.push_back(w); };
+    std::vector<int64_t> ids;
+    {
+      TrainingRun run(config, events, std::nullopt, roles.comm);
+      run.train();
+      const auto& source = dynamic_cast<const StreamSource&>(run.train_data());
+      EXPECT_TRUE(source.producer_gone(0));
+      EXPECT_FALSE(source.producer_gone(1)) << "held back by the merge, not silent";
+      EXPECT_EQ(source.counters().rows_received, kRows[0] + kRows[1]);
+      ids = buffer_ids(source.buffer());
+    }
+    std::vector<int64_t> every_id;
+    for (int64_t p = 0; p < kProducers; ++p) {
+      for (int64_t r = 0; r < kRows[p]; ++r) every_id.push_back(p * 100000 + r);
+    }
+    std::sort(ids.begin(), ids.end());
+    EXPECT_EQ(ids, every_id);  // every row once (out of the turn's order after the gone one)
+    if (roles.rank == 0) {
+      ASSERT_EQ(warnings.size(), 1u);
+      EXPECT_NE(warnings[0].find("producer 0 (world rank 0) sent nothing for 1 s"),
+                std::string::npos)
+          << warnings[0];
+      EXPECT_NE(warnings[0].find("the merge waited at its turn and held back producer 1"),
+                std::string::npos)
+          << warnings[0];
+    } else {
+      EXPECT_TRUE(warnings.empty());  // trainer rank 0 alone reports
+    }
   }
 }
 
@@ -360,6 +468,18 @@ TEST(StreamMerge, KeysReadAndRefused) {
         parse_config(text, "t.toml", {"stream.test_fraction=0.1", "stream.held_out_rows=-1"});
       },
       {"stream.held_out_rows", "-1"});
+  // A library caller's section, not read from a config: refused before the rendezvous (so not
+  // collective; each rank on its own).
+  StreamSection section;
+  section.name = "negative-window";
+  section.buffer_rows = 16;
+  section.test_fraction = 0.5;
+  section.held_out_rows = -1;
+  BatchSlice slice;
+  slice.global_batch = slice.rows = 4;
+  testing::expect_bad_input(
+      [&] { StreamSource source(section, MPI_COMM_SELF, slice, kInputs, kOutputs, 4, 0); },
+      {"stream \"negative-window\"", "held_out_rows", "-1"});
 }
 
 }  // namespace
