@@ -89,29 +89,13 @@ void add_row(const float* __restrict a, const float* __restrict b, float* __rest
   for (int64_t j = 0; j < cols; ++j) out[j] = a[j] + b[j];
 }
 
-// Sums of a row in 16 partial sums (a fixed order that vectorizes), then added in order.
-constexpr int kLanes = 16;
-
-template <class F>
-MESHTRAIN_INLINE float lane_sum(const float* x, int64_t n, F f) {
-  float lanes[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) lanes[l] += f(x[j + l]);
-  }
-  for (int l = 0; j < n; ++j, ++l) lanes[l] += f(x[j]);
-  float sum = 0.0f;
-  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
-  return sum;
-}
-
 MESHTRAIN_HOST_CLONES
 void layernorm_row(const float* __restrict x, float* __restrict y, int64_t cols,
                    const float* __restrict scale, const float* __restrict bias, float eps) {
   const float n = static_cast<float>(cols);
-  const float m0 = lane_sum(x, cols, [](float v) { return v; }) / n;
-  const float a = lane_sum(x, cols, [m0](float v) { return v - m0; });
-  const float b = lane_sum(x, cols, [m0](float v) { return (v - m0) * (v - m0); });
+  const float m0 = lane_sum(cols, [=](int64_t j) { return x[j]; }) / n;
+  const float a = lane_sum(cols, [=](int64_t j) { return x[j] - m0; });
+  const float b = lane_sum(cols, [=](int64_t j) { return (x[j] - m0) * (x[j] - m0); });
   const float delta = a / n;
   const float var = b / n - delta * delta;
   const float rstd = 1.0f / std::sqrt((var > 0.0f ? var : 0.0f) + eps);
@@ -122,18 +106,19 @@ MESHTRAIN_HOST_CLONES
 void rmsnorm_row(const float* __restrict x, float* __restrict y, int64_t cols,
                  const float* __restrict scale, float eps) {
   const float n = static_cast<float>(cols);
-  const float ss = lane_sum(x, cols, [](float v) { return v * v; });
+  const float ss = lane_sum(cols, [=](int64_t j) { return x[j] * x[j]; });
   const float rstd = 1.0f / std::sqrt(ss / n + eps);
   for (int64_t j = 0; j < cols; ++j) y[j] = x[j] * rstd * scale[j];
 }
 
 // body(i) for each row i of `rows`, one Kokkos kernel on the host execution space (a plain
-// host lambda: these kernels never run on a GPU), labelled so that tools count it as a pass.
+// host lambda: these kernels never run on a GPU), labelled so that tools count it as a pass;
+// fenced only where the default execution space is another (fence_after_host_kernel).
 template <class Body>
 void for_rows(const std::string& label, int64_t rows, const Body& body) {
   Kokkos::parallel_for(
       label, Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0, rows), body);
-  fence_space(host_space(), label);
+  fence_after_host_kernel(label);
 }
 
 int64_t rows_of(ConstMatrixView m) {
@@ -158,6 +143,15 @@ bool runs_host_kernels() {
   return kHostKernels;
 }
 
+bool layers_run_host_kernels() {
+  return kHostKernels && kDeviceSpaceIsHost;
+}
+
+void fence_after_host_kernel(const std::string& label) {
+  if constexpr (!kDeviceSpaceIsHost) fence_space(host_space(), label);
+  (void)label;
+}
+
 void fill_bias(MatrixView c, const float* bias, ConstMatrixView residual) {
   if (residual.data() != nullptr) check_same_shape(residual, c, "inference::fill_bias");
   float* data = c.data();
@@ -171,7 +165,7 @@ void fill_bias(MatrixView c, const float* bias, ConstMatrixView residual) {
 void add_bias(MatrixView c, const float* bias) {
   float* data = c.data();
   const int64_t ld = ld_of(c), cols = cols_of(c);
-  for_rows(MESHTRAIN_LABEL("meshtrain::linear_add_bias_host"), rows_of(c),
+  for_rows(MESHTRAIN_LABEL("meshtrain::linear_add_bias"), rows_of(c),
            [=](const int64_t i) { add_bias_row(data + i * ld, cols, bias); });
 }
 
@@ -219,14 +213,14 @@ void rmsnorm(ConstMatrixView x, const float* scale, float eps, MatrixView y) {
            [=](const int64_t i) { rmsnorm_row(in + i * ldx, out + i * ldy, cols, scale, eps); });
 }
 
-void add(ConstMatrixView a, ConstMatrixView b, MatrixView out) {
+void add(ConstMatrixView a, ConstMatrixView b, MatrixView out, const std::string& label) {
   check_same_shape(a, out, "inference::add");
   check_same_shape(b, out, "inference::add");
   const float* pa = a.data();
   const float* pb = b.data();
   float* po = out.data();
   const int64_t lda = ld_of(a), ldb = ld_of(b), ldo = ld_of(out), cols = cols_of(out);
-  for_rows(MESHTRAIN_LABEL("meshtrain::infer_residual_add"), rows_of(out),
+  for_rows(label, rows_of(out),
            [=](const int64_t i) { add_row(pa + i * lda, pb + i * ldb, po + i * ldo, cols); });
 }
 
@@ -266,7 +260,7 @@ MatrixView Sequence::run(MatrixView x, const LayerPass& pass, ConstMatrixView re
   }
   if (residual.data() == nullptr) return h;
   MESHTRAIN_REQUIRE(sum.data() != nullptr, "inference::Sequence: a residual without a buffer");
-  add(residual, h, sum);
+  add(residual, h, sum, MESHTRAIN_LABEL("meshtrain::infer_residual_add"));
   return sum;
 }
 

@@ -490,17 +490,17 @@ void norm_jacobian(MatrixView x, MatrixView stats, MatrixView d, ConstVectorView
 }
 
 // One value row of norm_jacobian for the cotangents (pre = the scale, no post), on host memory
-// with the whole row on this rank: the two row sums of each direction and its output in one
-// visit of the row (in cache), plus `add` (the residual stream's cotangents, or null). The
-// sums run in 16 partial sums (a fixed order that vectorizes, as the inference LayerNorm's),
-// so they differ from norm_jacobian's by float rounding; compiled per instruction set.
+// with the whole row on this rank: the two row sums of each direction and its output while
+// the row is in cache, plus `add` (the residual stream's cotangents, or null). The sums are
+// lane_sum's (host_clones.hpp: 16 partial sums, a fixed order that vectorizes, as the
+// inference LayerNorm's), so they differ from norm_jacobian's by float rounding; compiled per
+// instruction set.
 MESHTRAIN_HOST_CLONES
 void norm_cotangent_block_host(const float* xi, float m0, float delta, float rstd,
                                const float* d_data, int64_t d_stride, const float* pre,
                                const float* add_data, int64_t a_stride, float* o_data,
                                int64_t o_stride, int64_t i, int64_t k, int64_t cols, bool layernorm,
                                float n) {
-  constexpr int kLanes = 16;
   float* x_hat = o_data + i * k * o_stride;  // the first row: written last, in place
   for (int64_t j = 0; j < cols; ++j) {
     x_hat[j] = layernorm ? ((xi[j] - m0) - delta) * rstd : xi[j] * rstd;
@@ -508,25 +508,8 @@ void norm_cotangent_block_host(const float* xi, float m0, float delta, float rst
   for (int64_t e = k; e-- > 0;) {
     const int64_t t = i * k + e;
     const float* __restrict g = d_data + t * d_stride;
-    float lanes_s[kLanes] = {}, lanes_x[kLanes] = {};
-    int64_t j = 0;
-    for (; j + kLanes <= cols; j += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        const float gj = g[j + l] * pre[j + l];
-        lanes_s[l] += gj;
-        lanes_x[l] += gj * x_hat[j + l];
-      }
-    }
-    for (int l = 0; j < cols; ++j, ++l) {
-      const float gj = g[j] * pre[j];
-      lanes_s[l] += gj;
-      lanes_x[l] += gj * x_hat[j];
-    }
-    float s = 0.0f, sx = 0.0f;
-    for (int l = 0; l < kLanes; ++l) {
-      s += lanes_s[l];
-      sx += lanes_x[l];
-    }
+    const float s = lane_sum(cols, [=](int64_t j) { return g[j] * pre[j]; });
+    const float sx = lane_sum(cols, [=](int64_t j) { return g[j] * pre[j] * x_hat[j]; });
     const float mean = layernorm ? s / n : 0.0f, mean_x = sx / n;
     float* o = o_data + t * o_stride;
     if (add_data != nullptr) {
@@ -588,7 +571,8 @@ MatrixView FeatureNorm::backward_cotangents(MatrixView dy, const LayerPass& pass
 }
 
 bool FeatureNorm::cotangents_in_one_pass() const {
-  return inference::runs_host_kernels() && tp_comm_ == nullptr && compute_dtype_ == Dtype::fp32;
+  return inference::layers_run_host_kernels() && tp_comm_ == nullptr &&
+         compute_dtype_ == Dtype::fp32;
 }
 
 void FeatureNorm::cotangents_adding(MatrixView dy, MatrixView add, MatrixView out,
@@ -599,11 +583,12 @@ void FeatureNorm::cotangents_adding(MatrixView dy, MatrixView add, MatrixView ou
   const int64_t cols = layout_.local_width;
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(1)) == cols && out.extent(0) == dy.extent(0) &&
                         out.extent(1) == dy.extent(1) && out.data() != dy.data() &&
+                        out.data() != add.data() &&
                         (add.data() == nullptr ||
                          (add.extent(0) == dy.extent(0) && add.extent(1) == dy.extent(1))),
                     "norm '", name_, "': cotangents [", dy.extent(0), ", ", dy.extent(1),
                     "] into [", out.extent(0), ", ", out.extent(1), "] (", rows_ * k, ", ", cols,
-                    " expected)");
+                    " expected; out neither dy's nor add's memory)");
   MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
   const ConstVectorView scale = params_[0].compute(*pass.scratch);
   const float* pre = scale.data();
@@ -626,7 +611,7 @@ void FeatureNorm::cotangents_adding(MatrixView dy, MatrixView add, MatrixView ou
                                   d_data, d_stride, pre, a_data, a_stride, o_data, o_stride, i, k,
                                   cols, layernorm, n);
       });
-  fence_space(host_space(), label);
+  inference::fence_after_host_kernel(label);
 }
 
 void FeatureNorm::reserve_cotangents(int64_t directions) {
