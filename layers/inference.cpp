@@ -89,13 +89,29 @@ void add_row(const float* __restrict a, const float* __restrict b, float* __rest
   for (int64_t j = 0; j < cols; ++j) out[j] = a[j] + b[j];
 }
 
+// Sums of a row in 16 partial sums (a fixed order that vectorizes), then added in order.
+constexpr int kLanes = 16;
+
+template <class F>
+MESHTRAIN_INLINE float lane_sum(const float* x, int64_t n, F f) {
+  float lanes[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] += f(x[j + l]);
+  }
+  for (int l = 0; j < n; ++j, ++l) lanes[l] += f(x[j]);
+  float sum = 0.0f;
+  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+  return sum;
+}
+
 MESHTRAIN_HOST_CLONES
 void layernorm_row(const float* __restrict x, float* __restrict y, int64_t cols,
                    const float* __restrict scale, const float* __restrict bias, float eps) {
   const float n = static_cast<float>(cols);
-  const float m0 = lane_sum(cols, [=](int64_t j) { return x[j]; }) / n;
-  const float a = lane_sum(cols, [=](int64_t j) { return x[j] - m0; });
-  const float b = lane_sum(cols, [=](int64_t j) { return (x[j] - m0) * (x[j] - m0); });
+  const float m0 = lane_sum(x, cols, [](float v) { return v; }) / n;
+  const float a = lane_sum(x, cols, [m0](float v) { return v - m0; });
+  const float b = lane_sum(x, cols, [m0](float v) { return (v - m0) * (v - m0); });
   const float delta = a / n;
   const float var = b / n - delta * delta;
   const float rstd = 1.0f / std::sqrt((var > 0.0f ? var : 0.0f) + eps);
@@ -106,7 +122,7 @@ MESHTRAIN_HOST_CLONES
 void rmsnorm_row(const float* __restrict x, float* __restrict y, int64_t cols,
                  const float* __restrict scale, float eps) {
   const float n = static_cast<float>(cols);
-  const float ss = lane_sum(cols, [=](int64_t j) { return x[j] * x[j]; });
+  const float ss = lane_sum(x, cols, [](float v) { return v * v; });
   const float rstd = 1.0f / std::sqrt(ss / n + eps);
   for (int64_t j = 0; j < cols; ++j) y[j] = x[j] * rstd * scale[j];
 }

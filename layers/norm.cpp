@@ -490,17 +490,17 @@ void norm_jacobian(MatrixView x, MatrixView stats, MatrixView d, ConstVectorView
 }
 
 // One value row of norm_jacobian for the cotangents (pre = the scale, no post), on host memory
-// with the whole row on this rank: the two row sums of each direction and its output while
-// the row is in cache, plus `add` (the residual stream's cotangents, or null). The sums are
-// lane_sum's (host_clones.hpp: 16 partial sums, a fixed order that vectorizes, as the
-// inference LayerNorm's), so they differ from norm_jacobian's by float rounding; compiled per
-// instruction set.
+// with the whole row on this rank: the two row sums of each direction and its output in one
+// visit of the row (in cache), plus `add` (the residual stream's cotangents, or null). The
+// sums run in 16 partial sums (a fixed order that vectorizes, as the inference LayerNorm's),
+// so they differ from norm_jacobian's by float rounding; compiled per instruction set.
 MESHTRAIN_HOST_CLONES
 void norm_cotangent_block_host(const float* xi, float m0, float delta, float rstd,
                                const float* d_data, int64_t d_stride, const float* pre,
                                const float* add_data, int64_t a_stride, float* o_data,
                                int64_t o_stride, int64_t i, int64_t k, int64_t cols, bool layernorm,
                                float n) {
+  constexpr int kLanes = 16;
   float* x_hat = o_data + i * k * o_stride;  // the first row: written last, in place
   for (int64_t j = 0; j < cols; ++j) {
     x_hat[j] = layernorm ? ((xi[j] - m0) - delta) * rstd : xi[j] * rstd;
@@ -508,8 +508,25 @@ void norm_cotangent_block_host(const float* xi, float m0, float delta, float rst
   for (int64_t e = k; e-- > 0;) {
     const int64_t t = i * k + e;
     const float* __restrict g = d_data + t * d_stride;
-    const float s = lane_sum(cols, [=](int64_t j) { return g[j] * pre[j]; });
-    const float sx = lane_sum(cols, [=](int64_t j) { return g[j] * pre[j] * x_hat[j]; });
+    float lanes_s[kLanes] = {}, lanes_x[kLanes] = {};
+    int64_t j = 0;
+    for (; j + kLanes <= cols; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        const float gj = g[j + l] * pre[j + l];
+        lanes_s[l] += gj;
+        lanes_x[l] += gj * x_hat[j + l];
+      }
+    }
+    for (int l = 0; j < cols; ++j, ++l) {
+      const float gj = g[j] * pre[j];
+      lanes_s[l] += gj;
+      lanes_x[l] += gj * x_hat[j];
+    }
+    float s = 0.0f, sx = 0.0f;
+    for (int l = 0; l < kLanes; ++l) {
+      s += lanes_s[l];
+      sx += lanes_x[l];
+    }
     const float mean = layernorm ? s / n : 0.0f, mean_x = sx / n;
     float* o = o_data + t * o_stride;
     if (add_data != nullptr) {

@@ -33,29 +33,3 @@
 #define MESHTRAIN_HOST_CLONES_EXACT
 #define MESHTRAIN_INLINE inline
 #endif
-
-#include <cstdint>
-
-namespace meshtrain {
-
-// The lanes of lane_sum.
-constexpr int kSumLanes = 16;
-
-// The sum of term(j) for 0 <= j < n in kSumLanes partial sums (term j into lane j % kSumLanes,
-// the tail into the first lanes), then the lanes added in order: a fixed order that
-// vectorizes (the compiler may not reorder a float sum itself). Host code, for the inference
-// norms' row statistics and the one-pass norm cotangents.
-template <class Term>
-MESHTRAIN_INLINE float lane_sum(int64_t n, Term term) {
-  float lanes[kSumLanes] = {};
-  int64_t j = 0;
-  for (; j + kSumLanes <= n; j += kSumLanes) {
-    for (int l = 0; l < kSumLanes; ++l) lanes[l] += term(j + l);
-  }
-  for (int l = 0; j < n; ++j, ++l) lanes[l] += term(j);
-  float sum = 0.0f;
-  for (int l = 0; l < kSumLanes; ++l) sum += lanes[l];
-  return sum;
-}
-
-}  // namespace meshtrain
