@@ -103,6 +103,27 @@ void forward_row_host(Activation activation, const float* z, float* out, int64_t
   }
 }
 
+// The label of activation_forward's kernel for `activation` (not none), host or not.
+const std::string& forward_label(Activation activation) {
+  switch (activation) {
+    case Activation::relu:
+      return MESHTRAIN_LABEL("meshtrain::relu_forward");
+    case Activation::tanh:
+      return MESHTRAIN_LABEL("meshtrain::tanh_forward");
+    case Activation::gelu:
+      return MESHTRAIN_LABEL("meshtrain::gelu_forward");
+    case Activation::gelu_erf:
+      return MESHTRAIN_LABEL("meshtrain::gelu_erf_forward");
+    case Activation::silu:
+      return MESHTRAIN_LABEL("meshtrain::silu_forward");
+    case Activation::sigmoid:
+      return MESHTRAIN_LABEL("meshtrain::sigmoid_forward");
+    case Activation::none:
+      break;
+  }
+  return MESHTRAIN_LABEL("meshtrain::identity_forward");
+}
+
 // out = round_to(f(z), dtype) and grad = round_to(f(z, grad), dtype) elementwise. fp32 runs f
 // alone (round_to is the identity there): no test of the dtype per element, so the loop has
 // no branch and vectorizes.
@@ -198,36 +219,47 @@ void scale_block_host(Activation activation, const float* zi, const float* d_dat
   }
 }
 
-// out(t, j) = slope(z(t / k, j)) * dz(t, j) for the k rows t of each value row. Each slope is
-// computed once for its k rows. out must not be dz (check_tangent_shapes). Plain pointer loops
-// over a row's columns (views may be row-strided), which the compiler vectorizes; on host
-// memory through scale_block_host.
-template <class Slope>
-void scale_tangents(const std::string& label, Activation activation, const MatrixView& z,
-                    const MatrixView& dz, const MatrixView& out, Slope slope) {
+// out(t, j) = slope(z(t / k, j)) * dz(t, j) for the k rows t of each value row, each slope
+// computed once for its k rows (scale_block). out must not be dz (check_tangent_shapes).
+struct TangentRows {
+  int64_t rows, cols, k, z_stride, d_stride, o_stride;
+  const float* z_data;
+  const float* d_data;
+  float* o_data;
+};
+TangentRows tangent_rows(const MatrixView& z, const MatrixView& dz, const MatrixView& out) {
   const int64_t rows = static_cast<int64_t>(z.extent(0));
-  const int64_t cols = static_cast<int64_t>(z.extent(1));
-  const int64_t k = rows > 0 ? static_cast<int64_t>(dz.extent(0)) / rows : 0;
-  const int64_t z_stride = static_cast<int64_t>(z.stride(0));
-  const int64_t d_stride = static_cast<int64_t>(dz.stride(0));
-  const int64_t o_stride = static_cast<int64_t>(out.stride(0));
-  const float* z_data = z.data();
-  const float* d_data = dz.data();
-  float* o_data = out.data();
-  if (inference::runs_host_kernels()) {
-    Kokkos::parallel_for(
-        label, Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0, rows),
-        [=](const int64_t i) {
-          scale_block_host(activation, z_data + i * z_stride, d_data, d_stride, o_data, o_stride, i,
-                           k, cols);
-        });
-    fence_space(host_space(), label);
-    return;
-  }
+  return {rows,
+          static_cast<int64_t>(z.extent(1)),
+          rows > 0 ? static_cast<int64_t>(dz.extent(0)) / rows : 0,
+          static_cast<int64_t>(z.stride(0)),
+          static_cast<int64_t>(dz.stride(0)),
+          static_cast<int64_t>(out.stride(0)),
+          z.data(),
+          dz.data(),
+          out.data()};
+}
+
+// On the default execution space: plain pointer loops over a row's columns (views may be
+// row-strided), which the compiler vectorizes.
+template <class Slope>
+void scale_tangents(const std::string& label, const TangentRows& t, Slope slope) {
   Kokkos::parallel_for(
-      label, Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
-        scale_block(z_data + i * z_stride, d_data, d_stride, o_data, o_stride, i, k, cols, slope);
+      label, Kokkos::RangePolicy<>(device_space(), 0, t.rows), KOKKOS_LAMBDA(const int64_t i) {
+        scale_block(t.z_data + i * t.z_stride, t.d_data, t.d_stride, t.o_data, t.o_stride, i, t.k,
+                    t.cols, slope);
       });
+}
+
+// On the host (inference::layers_run_host_kernels()): scale_block_host, which picks the slope.
+void scale_tangents_host(const std::string& label, Activation activation, const TangentRows& t) {
+  Kokkos::parallel_for(
+      label, Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0, t.rows),
+      [=](const int64_t i) {
+        scale_block_host(activation, t.z_data + i * t.z_stride, t.d_data, t.d_stride, t.o_data,
+                         t.o_stride, i, t.k, t.cols);
+      });
+  inference::fence_after_host_kernel(label);
 }
 
 // f''(x) of each activation, for training on derivatives (activation_curvature_add); relu's and
@@ -524,21 +556,23 @@ void check_tangent_shapes(const char* who, const MatrixView& z, const MatrixView
 void activation_tangent(Activation activation, MatrixView z, MatrixView dz, MatrixView out) {
   check_tangent_shapes("activation_tangent", z, dz, out);
   const std::string& label = MESHTRAIN_LABEL("meshtrain::activation_tangent");
+  const TangentRows t = tangent_rows(z, dz, out);
+  if (inference::layers_run_host_kernels()) return scale_tangents_host(label, activation, t);
   switch (activation) {
     case Activation::relu:
-      return scale_tangents(label, Activation::relu, z, dz, out, ReluSlope{});
+      return scale_tangents(label, t, ReluSlope{});
     case Activation::tanh:
-      return scale_tangents(label, Activation::tanh, z, dz, out, TanhSlope{});
+      return scale_tangents(label, t, TanhSlope{});
     case Activation::gelu:
-      return scale_tangents(label, Activation::gelu, z, dz, out, GeluSlope{});
+      return scale_tangents(label, t, GeluSlope{});
     case Activation::gelu_erf:
-      return scale_tangents(label, Activation::gelu_erf, z, dz, out, GeluErfSlope{});
+      return scale_tangents(label, t, GeluErfSlope{});
     case Activation::silu:
-      return scale_tangents(label, Activation::silu, z, dz, out, SiluSlope{});
+      return scale_tangents(label, t, SiluSlope{});
     case Activation::sigmoid:
-      return scale_tangents(label, Activation::sigmoid, z, dz, out, SigmoidSlope{});
+      return scale_tangents(label, t, SigmoidSlope{});
     case Activation::none:
-      return scale_tangents(label, Activation::none, z, dz, out, IdentitySlope{});
+      return scale_tangents(label, t, IdentitySlope{});
   }
 }
 
@@ -659,8 +693,9 @@ void swiglu_cotangent(MatrixView gate, MatrixView value, MatrixView dy, MatrixVi
 void activation_forward(Activation activation, MatrixView z, MatrixView out, Dtype dtype) {
   MESHTRAIN_REQUIRE(z.extent(0) == out.extent(0) && z.extent(1) == out.extent(1),
                     "activation_forward: shapes differ");
-  if (dtype == Dtype::fp32 && activation != Activation::none && inference::runs_host_kernels()) {
-    const std::string& label = MESHTRAIN_LABEL("meshtrain::activation_forward_host");
+  if (dtype == Dtype::fp32 && activation != Activation::none &&
+      inference::layers_run_host_kernels()) {
+    const std::string& label = forward_label(activation);  // the kernel it replaces
     const float* z_data = z.data();
     float* o_data = out.data();
     const auto z_stride = static_cast<int64_t>(z.stride(0));
@@ -673,38 +708,38 @@ void activation_forward(Activation activation, MatrixView z, MatrixView out, Dty
                            forward_row_host(activation, z_data + i * z_stride,
                                             o_data + i * o_stride, cols);
                          });
-    fence_space(host_space(), label);
+    inference::fence_after_host_kernel(label);
     return;
   }
   switch (activation) {
     case Activation::relu:
       map_elements(
-          MESHTRAIN_LABEL("meshtrain::relu_forward"), z, out, dtype,
+          forward_label(Activation::relu), z, out, dtype,
           KOKKOS_LAMBDA(const float x) { return activation_math::Relu::value(x); });
       return;
     case Activation::tanh:
       map_elements(
-          MESHTRAIN_LABEL("meshtrain::tanh_forward"), z, out, dtype,
+          forward_label(Activation::tanh), z, out, dtype,
           KOKKOS_LAMBDA(const float x) { return activation_math::Tanh::value(x); });
       return;
     case Activation::gelu:
       map_elements(
-          MESHTRAIN_LABEL("meshtrain::gelu_forward"), z, out, dtype,
+          forward_label(Activation::gelu), z, out, dtype,
           KOKKOS_LAMBDA(const float x) { return activation_math::GeluTanh::value(x); });
       return;
     case Activation::gelu_erf:
       map_elements(
-          MESHTRAIN_LABEL("meshtrain::gelu_erf_forward"), z, out, dtype,
+          forward_label(Activation::gelu_erf), z, out, dtype,
           KOKKOS_LAMBDA(const float x) { return activation_math::GeluErf::value(x); });
       return;
     case Activation::silu:
       map_elements(
-          MESHTRAIN_LABEL("meshtrain::silu_forward"), z, out, dtype,
+          forward_label(Activation::silu), z, out, dtype,
           KOKKOS_LAMBDA(const float x) { return activation_math::Silu::value(x); });
       return;
     case Activation::sigmoid:
       map_elements(
-          MESHTRAIN_LABEL("meshtrain::sigmoid_forward"), z, out, dtype,
+          forward_label(Activation::sigmoid), z, out, dtype,
           KOKKOS_LAMBDA(const float x) { return activation_math::Sigmoid::value(x); });
       return;
     case Activation::none:

@@ -128,12 +128,13 @@ void rmsnorm_row(const float* __restrict x, float* __restrict y, int64_t cols,
 }
 
 // body(i) for each row i of `rows`, one Kokkos kernel on the host execution space (a plain
-// host lambda: these kernels never run on a GPU), labelled so that tools count it as a pass.
+// host lambda: these kernels never run on a GPU), labelled so that tools count it as a pass;
+// fenced only where the default execution space is another (fence_after_host_kernel).
 template <class Body>
 void for_rows(const std::string& label, int64_t rows, const Body& body) {
   Kokkos::parallel_for(
       label, Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0, rows), body);
-  fence_space(host_space(), label);
+  fence_after_host_kernel(label);
 }
 
 int64_t rows_of(ConstMatrixView m) {
@@ -158,6 +159,15 @@ bool runs_host_kernels() {
   return kHostKernels;
 }
 
+bool layers_run_host_kernels() {
+  return kHostKernels && kDeviceSpaceIsHost;
+}
+
+void fence_after_host_kernel(const std::string& label) {
+  if constexpr (!kDeviceSpaceIsHost) fence_space(host_space(), label);
+  (void)label;
+}
+
 void fill_bias(MatrixView c, const float* bias, ConstMatrixView residual) {
   if (residual.data() != nullptr) check_same_shape(residual, c, "inference::fill_bias");
   float* data = c.data();
@@ -171,7 +181,7 @@ void fill_bias(MatrixView c, const float* bias, ConstMatrixView residual) {
 void add_bias(MatrixView c, const float* bias) {
   float* data = c.data();
   const int64_t ld = ld_of(c), cols = cols_of(c);
-  for_rows(MESHTRAIN_LABEL("meshtrain::linear_add_bias_host"), rows_of(c),
+  for_rows(MESHTRAIN_LABEL("meshtrain::linear_add_bias"), rows_of(c),
            [=](const int64_t i) { add_bias_row(data + i * ld, cols, bias); });
 }
 
@@ -219,14 +229,14 @@ void rmsnorm(ConstMatrixView x, const float* scale, float eps, MatrixView y) {
            [=](const int64_t i) { rmsnorm_row(in + i * ldx, out + i * ldy, cols, scale, eps); });
 }
 
-void add(ConstMatrixView a, ConstMatrixView b, MatrixView out) {
+void add(ConstMatrixView a, ConstMatrixView b, MatrixView out, const std::string& label) {
   check_same_shape(a, out, "inference::add");
   check_same_shape(b, out, "inference::add");
   const float* pa = a.data();
   const float* pb = b.data();
   float* po = out.data();
   const int64_t lda = ld_of(a), ldb = ld_of(b), ldo = ld_of(out), cols = cols_of(out);
-  for_rows(MESHTRAIN_LABEL("meshtrain::infer_residual_add"), rows_of(out),
+  for_rows(label, rows_of(out),
            [=](const int64_t i) { add_row(pa + i * lda, pb + i * ldb, po + i * ldo, cols); });
 }
 
@@ -266,7 +276,7 @@ MatrixView Sequence::run(MatrixView x, const LayerPass& pass, ConstMatrixView re
   }
   if (residual.data() == nullptr) return h;
   MESHTRAIN_REQUIRE(sum.data() != nullptr, "inference::Sequence: a residual without a buffer");
-  add(residual, h, sum);
+  add(residual, h, sum, MESHTRAIN_LABEL("meshtrain::infer_residual_add"));
   return sum;
 }
 

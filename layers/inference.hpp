@@ -19,6 +19,8 @@
 // values it is made of (tests/predict: 1e-5 of the largest output against float64).
 
 #include <cstdint>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "framework/core/choices.hpp"
@@ -37,10 +39,25 @@ constexpr bool kHostKernels = !kDeviceMemoryIsHostInaccessible;
 // kHostKernels, for the layers' run-time choice (a function: no code after it is unreachable
 // to a compiler in a GPU build, which would warn).
 bool runs_host_kernels();
+// Whether the default execution space is the default host execution space (Serial, OpenMP).
+constexpr bool kDeviceSpaceIsHost =
+    std::is_same_v<Kokkos::DefaultExecutionSpace, Kokkos::DefaultHostExecutionSpace>;
+// Whether the layers' training and derivative kernels take their host versions: host memory
+// and, more than runs_host_kernels(), the default execution space is the host's
+// (kDeviceSpaceIsHost). A GPU build with host-readable device memory (CUDA with unified
+// memory) runs its other kernels on the GPU, which a host loop would not wait for.
+bool layers_run_host_kernels();
+// After a kernel on the host execution space that stands where a default-space kernel would:
+// nothing where the two spaces are one type (a Serial or OpenMP parallel_for returns after
+// its work, and the default-space kernel it replaces had no fence; Kokkos 4 reports a fence
+// to tools, and the training step's pass budget holds none), a fence of the host space
+// otherwise.
+void fence_after_host_kernel(const std::string& label);
 
 // c(i, j) = bias[j] + (residual ? residual(i, j) : 0); residual may be empty.
 void fill_bias(MatrixView c, const float* bias, ConstMatrixView residual);
-// c(i, j) += bias[j] (Linear::forward's fp32 bias, the same sums).
+// c(i, j) += bias[j] (Linear::forward's fp32 bias, the same sums), labelled
+// "meshtrain::linear_add_bias" as the kernel it replaces.
 void add_bias(MatrixView c, const float* bias);
 // c = f(c) in place, f = `activation` (none: nothing).
 void activate(MatrixView c, Activation activation);
@@ -50,8 +67,9 @@ void activate(MatrixView c, Activation activation);
 void layernorm(ConstMatrixView x, const float* scale, const float* bias, float eps, MatrixView y);
 // y(i, :) = x(i, :) * rstd(i) * scale, rstd = 1 / sqrt(mean(x^2) + eps) (RMSNorm).
 void rmsnorm(ConstMatrixView x, const float* scale, float eps, MatrixView y);
-// out = a + b elementwise.
-void add(ConstMatrixView a, ConstMatrixView b, MatrixView out);
+// out = a + b elementwise, one kernel labelled `label` (the inference residual's
+// "meshtrain::infer_residual_add"; the training step's residual adds keep their own labels).
+void add(ConstMatrixView a, ConstMatrixView b, MatrixView out, const std::string& label);
 
 // A sequence of layers as infer() runs it: each Linear followed by an fp32 activation layer
 // takes that activation into its own pass (the activation layer is skipped), decided once.

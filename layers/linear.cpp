@@ -255,8 +255,9 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   const GemmOperand w = weight.operand(false);
   if (next) next->start_weight_prefetch(scratch);
   MatrixView y = output_view_;
-  if (pass.inference_gemms && compute_dtype_ == Dtype::fp32 && inference::runs_host_kernels() &&
-      !layout_.tensor_parallel && !layout_.column_parallel && !reads_kept_input()) {
+  if (pass.inference_gemms && compute_dtype_ == Dtype::fp32 &&
+      inference::layers_run_host_kernels() && !layout_.tensor_parallel &&
+      !layout_.column_parallel && !reads_kept_input()) {
     // A prediction's forward before its derivative passes: C starts as the bias and the GEMM
     // adds the product (beta = 1), as infer() does on OpenBLAS, where BLAS would zero C first
     // and a pass would add the bias. gemm(), not inference_gemm(): oneDNN's matmul allocates
@@ -286,7 +287,7 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   // roundings, as docs/mixed_precision.md lists them (none in fp32).
   const float* b = bias_.compute(scratch).data();
   const Dtype dtype = compute_dtype_;
-  if (dtype == Dtype::fp32 && inference::runs_host_kernels()) {
+  if (dtype == Dtype::fp32 && inference::layers_run_host_kernels()) {
     inference::add_bias(y, b);  // per-ISA clones, the same sums
     return y;
   }
@@ -313,7 +314,9 @@ MatrixView Linear::infer(MatrixView x, const LayerPass& pass, Activation activat
     MESHTRAIN_REQUIRE(inference::runs_host_kernels(), "linear layer '", layout_.layer,
                       "': the inference kernels need host memory");
     const MatrixView y = forward(x, pass);
-    if (residual.data() != nullptr) inference::add(residual, y, y);
+    if (residual.data() != nullptr) {
+      inference::add(residual, y, y, MESHTRAIN_LABEL("meshtrain::infer_residual_add"));
+    }
     inference::activate(y, activation);
     return y;
   }

@@ -588,7 +588,8 @@ MatrixView FeatureNorm::backward_cotangents(MatrixView dy, const LayerPass& pass
 }
 
 bool FeatureNorm::cotangents_in_one_pass() const {
-  return inference::runs_host_kernels() && tp_comm_ == nullptr && compute_dtype_ == Dtype::fp32;
+  return inference::layers_run_host_kernels() && tp_comm_ == nullptr &&
+         compute_dtype_ == Dtype::fp32;
 }
 
 void FeatureNorm::cotangents_adding(MatrixView dy, MatrixView add, MatrixView out,
@@ -599,11 +600,12 @@ void FeatureNorm::cotangents_adding(MatrixView dy, MatrixView add, MatrixView ou
   const int64_t cols = layout_.local_width;
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(1)) == cols && out.extent(0) == dy.extent(0) &&
                         out.extent(1) == dy.extent(1) && out.data() != dy.data() &&
+                        out.data() != add.data() &&
                         (add.data() == nullptr ||
                          (add.extent(0) == dy.extent(0) && add.extent(1) == dy.extent(1))),
                     "norm '", name_, "': cotangents [", dy.extent(0), ", ", dy.extent(1),
                     "] into [", out.extent(0), ", ", out.extent(1), "] (", rows_ * k, ", ", cols,
-                    " expected)");
+                    " expected; out neither dy's nor add's memory)");
   MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
   const ConstVectorView scale = params_[0].compute(*pass.scratch);
   const float* pre = scale.data();
@@ -626,7 +628,7 @@ void FeatureNorm::cotangents_adding(MatrixView dy, MatrixView add, MatrixView ou
                                   d_data, d_stride, pre, a_data, a_stride, o_data, o_stride, i, k,
                                   cols, layernorm, n);
       });
-  fence_space(host_space(), label);
+  inference::fence_after_host_kernel(label);
 }
 
 void FeatureNorm::reserve_cotangents(int64_t directions) {

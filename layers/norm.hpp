@@ -129,8 +129,9 @@ class FeatureNorm : public Layer {
   // rank: no tp), which cotangents_adding needs.
   bool cotangents_in_one_pass() const;
   // out = add + backward_cotangents(dy) in that pass (add [rows * k, local_width] or empty: a
-  // residual block's stream, added without a pass of its own); out [rows * k, local_width], not
-  // dy's memory, may be add's. After forward; allocates nothing.
+  // residual block's stream, added without a pass of its own); out [rows * k, local_width],
+  // neither dy's memory nor add's (a row block's first output row holds x-hat before add's rows
+  // are read). After forward; allocates nothing.
   void cotangents_adding(MatrixView dy, MatrixView add, MatrixView out, const LayerPass& pass);
   // The forward Laplacian (pass.second_order, docs/derivatives.md "LayerNorm and RMSNorm, second
   // order"): forward_tangents takes each row's k tangents t_d and k second-order streams q_d and

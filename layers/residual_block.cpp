@@ -20,9 +20,10 @@ void add_rounded(MatrixView a, MatrixView b, MatrixView out, Dtype dtype, const 
                         b.extent(0) == out.extent(0) && b.extent(1) == out.extent(1),
                     what, ": [", a.extent(0), ", ", a.extent(1), "] + [", b.extent(0), ", ",
                     b.extent(1), "] into [", out.extent(0), ", ", out.extent(1), "]");
-  if (dtype == Dtype::fp32 && inference::runs_host_kernels() && out.data() != a.data() &&
+  if (dtype == Dtype::fp32 && inference::layers_run_host_kernels() && out.data() != a.data() &&
       out.data() != b.data()) {
-    return inference::add(a, b, out);  // per-ISA clones, the same sums
+    // per-ISA clones, the same sums
+    return inference::add(a, b, out, MESHTRAIN_LABEL("meshtrain::residual_add"));
   }
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::residual_add"),
@@ -44,7 +45,9 @@ void add_tangents(MatrixView a, MatrixView b, MatrixView out) {
   const int64_t a_stride = static_cast<int64_t>(a.stride(0));
   const int64_t b_stride = static_cast<int64_t>(b.stride(0));
   const int64_t o_stride = static_cast<int64_t>(out.stride(0));
-  if (inference::runs_host_kernels()) return inference::add(a, b, out);  // per-ISA clones
+  if (inference::layers_run_host_kernels()) {  // per-ISA clones
+    return inference::add(a, b, out, MESHTRAIN_LABEL("meshtrain::residual_tangents"));
+  }
   const float* a_data = a.data();
   const float* b_data = b.data();
   float* o_data = out.data();

@@ -18,7 +18,10 @@
 // every clone, only more lanes at a time (sums reordered for lanes would still differ).
 // Such functions are host code: call them from host lambdas only (inference::runs_host_kernels()).
 
-#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__) && defined(__x86_64__)
+// GCC 12 is the first to know the arch=x86-64-vN levels (older GCC rejects them); clang is
+// left to the baseline (its target_clones with these levels is not checked here), as is nvcc.
+#if defined(__GNUC__) && __GNUC__ >= 12 && !defined(__clang__) && !defined(__CUDACC__) && \
+    defined(__x86_64__)
 #define MESHTRAIN_HOST_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #define MESHTRAIN_HOST_CLONES_EXACT                                            \

@@ -1,6 +1,7 @@
 // Predictor::jacobian (docs/derivatives.md) on every mesh the world allows: dp, fsdp, tp,
 // fsdp x tp, and ep for the MoE models. Small regression models (an MLP, residual_mlps with
-// LayerNorm + SiLU and RMSNorm + SwiGLU, an MoE MLP and an MoE residual block) are trained two
+// LayerNorm + SiLU (widths 8 and 40) and RMSNorm + SwiGLU, an MoE MLP and an MoE residual
+// block) are trained two
 // steps on dp with standardized inputs and targets, saved, and differentiated on each mesh in
 // both modes. Checked, on 37 rows (not a multiple of the batch of 16, inputs at scales 1e-3 to
 // 1e3):
@@ -88,6 +89,14 @@ std::vector<ModelCase> model_cases() {
   residual_moe.experts = 4;
   residual_moe.top_k = 2;
   cases.push_back({"moe_residual", residual_moe, true});
+
+  // Width 40: the reverse pass's one-pass norm cotangents (layers/norm.cpp) run their 16-lane
+  // loop twice and the tail for 8 columns per row (width 8 above runs the tail alone).
+  ModelSection wide = residual;
+  wide.width = 40;
+  wide.hidden = 48;
+  wide.depth = 1;
+  cases.push_back({"residual_layernorm_silu_wide", wide});
   return cases;
 }
 
