@@ -261,9 +261,10 @@ StepResult TrainingRun::run_step() {
   }
   if (stream_ && stream_->publishing() && number % config_.stream.publish_every == 0) {
     // The parameters after this step's update, to the producers' LiveModel (never waits for
-    // them to be taken).
+    // them to be taken). Read through the const overload: publishing writes no master, so the
+    // 16-bit copies the optimizer just wrote stay current (no cast pass at the next step).
     TraceSpan span("stream publish");
-    stream_->publish(model_->parameters(), normalization_, number);
+    stream_->publish(std::as_const(*model_).parameters(), normalization_, number);
   }
   if (stream_ && config_.stream.until == StreamUntil::closed && stream_->ended()) {
     stream_ended_ = true;

@@ -92,7 +92,8 @@ set_tests_properties(online_mpmd_trainer_fails_at_setup PROPERTIES PROCESSORS 2)
 # The trainer's model back in the simulation (stream.publish_every, LiveModel; 1 + 1, 1 + 2,
 # 2 + 2 ranks, the trainer on dp, fsdp and tp): versions and steps, refresh() allocating
 # nothing, the LiveModel bit for bit predict on the checkpoint of its step, a producer that
-# takes no publish not holding the trainer. The timeout ends any hang of a publish or a close.
+# takes no publish not holding the trainer, a bf16 trainer's publish leaving its 16-bit weight
+# copies current. The timeout ends any hang of a publish or a close.
 meshtrain_add_test(NAME online_live_test SOURCES online/live_test.cpp
                    LIBS meshtrain_run meshtrain_test_counting_allocator NP 2 3 4 TIMEOUT 180)
 

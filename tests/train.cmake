@@ -51,6 +51,13 @@ meshtrain_add_test(NAME train_save_events_test SOURCES train/save_events_test.cp
 # allocation the plan does not know is named in the warning, a normal run has none.
 meshtrain_add_test(NAME train_memory_plan_test SOURCES train/memory_plan_test.cpp
                    LIBS meshtrain_run NP 1 2 4 TIMEOUT 60 EMULATED)
+# ... and the plan's terms that exist only where gemm() reads 16 bits (tp's 16-bit weight copies,
+# a row-parallel layer's layers/<i>/output_grad_16bit; DP's whole-weight copies) on any CPU:
+# MESHTRAIN_GEMM_16BIT_OPERANDS=always makes the layers take their 16-bit operand paths (gemm()
+# widens the operands where its kernel reads fp32), the cases that plan and measure them alone.
+meshtrain_add_test_variant(NAME train_memory_plan_test VARIANT operands16 NP 2 4
+                           BACKENDS mpi ENVIRONMENT MESHTRAIN_GEMM_16BIT_OPERANDS=always
+                           GTEST_FILTER=MemoryPlan.EachWorkspaceItem*:MemoryPlan.SixteenBitCopies*)
 # A training step (TrainingRun::step: batch, forward, loss, backward, clipping, optimizer)
 # allocates nothing on the heap: operator new is counted over steps 2..4 on dp, fsdp, tp
 # and fsdp x tp meshes, in fp32 and in bf16 and fp16 (mixed precision, overlap off and on).
@@ -66,6 +73,11 @@ if(MESHTRAIN_GEMM_ONEDNN)
   meshtrain_add_test_variant(NAME train_step_allocations_test VARIANT openblas NP 1 2 4
                              BACKENDS mpi ENVIRONMENT MESHTRAIN_CPU_GEMM=openblas)
 endif()
+# ... and the 16-bit steps where gemm() reads 16 bits, on any CPU (as above): tp's bf16 and fp16
+# steps with the weights' 16-bit copies and the packed dY, 16-bit blocks in the collective matmuls.
+meshtrain_add_test_variant(NAME train_step_allocations_test VARIANT operands16 NP 2 4
+                           BACKENDS mpi ENVIRONMENT MESHTRAIN_GEMM_16BIT_OPERANDS=always
+                           GTEST_FILTER=TrainingStep.MixedPrecisionAllocatesNothing)
 # Dropout (issue 27 item 5): the mask against the key formula on dp, fsdp, tp, fsdp x tp (and
 # 2 x 4 at np 8), every mesh like one rank, resume bit for bit, evaluation and Predictor
 # unaffected, kept fraction within 4 sigma, bad model.dropout named.

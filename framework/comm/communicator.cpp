@@ -299,14 +299,18 @@ void require_contiguous(const View& v, const std::string& group, const char* op,
   }
 }
 
-bool overlaps(const float* a, std::size_t na, const float* b, std::size_t nb) {
-  if (na == 0 || nb == 0) return false;
-  return a < b + nb && b < a + na;
+// Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte (compared as addresses: the
+// buffers may be of any element type, fp32 views or 16-bit blocks).
+bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) {
+  if (a_bytes == 0 || b_bytes == 0) return false;
+  const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
+  return x < y + b_bytes && y < x + a_bytes;
 }
 
-void require_disjoint(const float* a, std::size_t na, const float* b, std::size_t nb,
+// The send and receive buffers of `op`, a_bytes and b_bytes long, apart from each other.
+void require_disjoint(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes,
                       const std::string& group, const char* op) {
-  if (overlaps(a, na, b, nb)) {
+  if (overlaps(a, a_bytes, b, b_bytes)) {
     MESHTRAIN_BAD_INPUT(op, " on ", group,
                         ": the send and receive views overlap; use separate buffers");
   }
@@ -320,7 +324,8 @@ void require_gather_lengths(ConstVectorView send, VectorView recv, int size,
     MESHTRAIN_BAD_INPUT(op, " on ", group, ": receive length ", recv.extent(0), " is not ", size,
                         " x send length ", count);
   }
-  require_disjoint(send.data(), count, recv.data(), recv.extent(0), group, op);
+  require_disjoint(send.data(), count * sizeof(float), recv.data(), recv.extent(0) * sizeof(float),
+                   group, op);
 }
 
 void require_dim(int dim, const std::string& group, const char* op) {
@@ -507,7 +512,8 @@ void Communicator::all_gather(ConstMatrixView send, MatrixView recv, int dim, Dt
                         ", ", c, "] gathered over ", n, " ranks");
   }
   require_contiguous(send, description_, op, "send");
-  require_disjoint(send.data(), r * c, recv.data(), recv.span(), description_, op);
+  require_disjoint(send.data(), r * c * sizeof(float), recv.data(), recv.span() * sizeof(float),
+                   description_, op);
   if (dim == 0 || n == 1 || r == 1) {
     // Dim 0 (and the degenerate dim-1 cases) is the flat gather.
     require_contiguous(recv, description_, op, "receive");
@@ -680,7 +686,8 @@ void Communicator::reduce_scatter(ConstVectorView send, VectorView recv, Dtype w
     MESHTRAIN_BAD_INPUT(op, " on ", description_, ": send length ", send.extent(0), " is not ",
                         size_, " x receive length ", count);
   }
-  require_disjoint(send.data(), send.extent(0), recv.data(), count, description_, op);
+  require_disjoint(send.data(), send.extent(0) * sizeof(float), recv.data(), count * sizeof(float),
+                   description_, op);
   reduce_scatter_flat(send.data(), recv.data(), count, wire, op);
 }
 
@@ -697,7 +704,8 @@ void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim
                         ", ", c, "] scattered over ", n, " ranks");
   }
   require_contiguous(recv, description_, op, "receive");
-  require_disjoint(send.data(), send.span(), recv.data(), r * c, description_, op);
+  require_disjoint(send.data(), send.span() * sizeof(float), recv.data(), r * c * sizeof(float),
+                   description_, op);
   if (dim == 0 || n == 1 || r == 1) {
     require_contiguous(send, description_, op, "send");
     reduce_scatter_flat(send.data(), recv.data(), r * c, wire, op);
@@ -797,7 +805,8 @@ Request Communicator::shift(ConstVectorView send, VectorView recv, int offset, D
     MESHTRAIN_BAD_INPUT(op, " on ", description_, ": send length ", send.extent(0),
                         " differs from receive length ", recv.extent(0));
   }
-  require_disjoint(send.data(), send.extent(0), recv.data(), recv.extent(0), description_, op);
+  require_disjoint(send.data(), send.extent(0) * sizeof(float), recv.data(),
+                   recv.extent(0) * sizeof(float), description_, op);
   const std::size_t count = send.extent(0);
   TraceSpan span("shift", TraceKind::collective);
   describe_transfer(span, description_, count * bytes_of(wire), to_string(wire));
@@ -826,10 +835,8 @@ Request Communicator::shift_16bit(const uint16_t* send, uint16_t* recv, std::siz
                                   int offset, Dtype dtype) {
   const char* op = "shift";
   MESHTRAIN_REQUIRE(is_16bit(dtype), op, " of 16-bit elements on ", description_, " given fp32");
-  if (count > 0 && send < recv + count && recv < send + count) {
-    MESHTRAIN_BAD_INPUT(op, " on ", description_,
-                        ": the send and receive buffers overlap; use separate buffers");
-  }
+  require_disjoint(send, count * sizeof(uint16_t), recv, count * sizeof(uint16_t), description_,
+                   op);
   TraceSpan span("shift", TraceKind::collective);
   describe_transfer(span, description_, count * bytes_of(dtype), to_string(dtype));
   FlightScope flight(flight_group_, op, count * bytes_of(dtype), dtype, /*started=*/true);
@@ -864,7 +871,8 @@ void Communicator::all_to_all(ConstMatrixView send, MatrixView recv) {
   }
   require_contiguous(send, description_, op, "send");
   require_contiguous(recv, description_, op, "receive");
-  require_disjoint(send.data(), send.span(), recv.data(), recv.span(), description_, op);
+  require_disjoint(send.data(), send.span() * sizeof(float), recv.data(),
+                   recv.span() * sizeof(float), description_, op);
   TraceSpan span("all-to-all", TraceKind::collective);
   describe_collective(span, CollectiveKind::all_to_all, description_, size_, send.span(),
                       Dtype::fp32);
@@ -942,7 +950,8 @@ void Communicator::all_to_all_v(ConstMatrixView send, const std::vector<int64_t>
   require_contiguous(send, description_, op, "send");
   require_contiguous(recv, description_, op, "receive");
   const std::size_t send_count = sent_rows * cols, recv_count = received_rows * cols;
-  require_disjoint(send.data(), send_count, recv.data(), recv_count, description_, op);
+  require_disjoint(send.data(), send_count * sizeof(float), recv.data(), recv_count * sizeof(float),
+                   description_, op);
   TraceSpan span("all-to-all", TraceKind::collective);
   describe_collective(span, CollectiveKind::all_to_all, description_, size_, send_count, wire);
   FlightScope flight(flight_group_, op, send_count * bytes_of(wire), wire);

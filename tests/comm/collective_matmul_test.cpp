@@ -206,7 +206,8 @@ TEST(CollectiveMatmul, TensorParallelLinearProducts) {
 // both run the same GEMM kernel on the same pieces (gemm() widens 16-bit operands exactly where
 // its kernel reads fp32; oneDNN's bf16 matmul reads both as bf16), and a wire of the operands'
 // dtype rounds nothing on the way. Every algorithm, side, dim and transpose, bf16 and fp16, the
-// gathered operand 16-bit with the other fp32 or 16-bit; the reduce-scatter with both 16-bit.
+// gathered operand 16-bit with the other fp32 or 16-bit; the reduce-scatter with both 16-bit;
+// even blocks and odd ones (3 x 5 per rank and the like: odd counts of 2-byte elements).
 
 // m's values rounded to `dtype`, in place, and their 16-bit bits.
 HalfMatrix round_and_pack(DeviceMatrix& m, Dtype dtype) {
@@ -248,68 +249,76 @@ TEST(CollectiveMatmul, SixteenBitOperandsGiveTheFp32BuffersBits) {
     for (Dtype dtype : {Dtype::bf16, Dtype::fp16}) {
       for (CollectiveMatmulAlgorithm alg : kAlgorithms) {
         CollectiveMatmulWorkspace ws;
-        for (GatherSide side : {GatherSide::left, GatherSide::right})
+        // Even blocks, and odd ones: 3 x 5 or 3 x 7 per rank, an odd element count (the
+        // bidirectional ring's lo and hi halves of unequal, odd lengths of 2-byte elements; the
+        // workspace's 16-bit elements rounded up for an odd count).
+        for (bool odd : {false, true})
+          for (GatherSide side : {GatherSide::left, GatherSide::right})
+            for (int dim = 0; dim < 2; ++dim)
+              for (bool ta : {false, true})
+                for (bool tb : {false, true}) {
+                  // Even: K of 2 blocks of 8 per rank where K is gathered (several accumulating
+                  // pieces). Odd: blocks of 3 along the gathered dim, the other dims 5 and 7.
+                  std::size_t m = odd ? 5 : 6, k = odd ? 7 : 16, cols = odd ? 5 : 10;
+                  const bool g_trans = side == GatherSide::left ? ta : tb;
+                  const int op_dim = g_trans ? 1 - dim : dim;
+                  std::size_t& gathered =
+                      side == GatherSide::left ? (op_dim == 0 ? m : k) : (op_dim == 0 ? k : cols);
+                  gathered = (odd ? 3 : 8) * n;
+                  const auto [ar, ac] = stored(m, k, ta);
+                  const auto [br, bc] = stored(k, cols, tb);
+                  const uint64_t seed = g.seed * 23 + 5 + 100 * i;
+                  DeviceMatrix a = make_matrix("a", ar, ac, seed),
+                               b = make_matrix("b", br, bc, seed + 1);
+                  // The gathered operand is this rank's block (different data on every rank).
+                  DeviceMatrix& gm = side == GatherSide::left ? a : b;
+                  const std::size_t gr = dim == 0 ? gm.extent(0) / n : gm.extent(0);
+                  const std::size_t gc = dim == 1 ? gm.extent(1) / n : gm.extent(1);
+                  gm = copy_block(gm, 0, gr, 0, gc);
+                  const HalfMatrix a16 = round_and_pack(a, dtype), b16 = round_and_pack(b, dtype);
+                  DeviceMatrix want("want", m, cols), got("got", m, cols);
+                  all_gather_matmul(comm, side, dim, {a, ta}, {b, tb}, want, alg, ws, dtype);
+                  for (bool other_16bit : {false, true}) {
+                    const bool a_16 = side == GatherSide::left || other_16bit;
+                    const bool b_16 = side == GatherSide::right || other_16bit;
+                    Kokkos::deep_copy(got, 7.0f);
+                    all_gather_matmul(comm, side, dim, operand(a, a16, a_16, ta),
+                                      operand(b, b16, b_16, tb), got, alg, ws, dtype);
+                    expect_same_bits(
+                        got, want,
+                        describe(g, alg,
+                                 std::string("16-bit all_gather_matmul ") + to_string(dtype) +
+                                     " side " + (side == GatherSide::left ? "left" : "right") +
+                                     " dim " + std::to_string(dim) + " ta " + std::to_string(ta) +
+                                     " tb " + std::to_string(tb) + " other 16-bit " +
+                                     std::to_string(other_16bit) + (odd ? " odd blocks" : "")));
+                  }
+                }
+        // Output blocks of 4 x 6 (6 x 4), and odd ones of 3 x 5 (5 x 3) with K = 7.
+        for (bool odd : {false, true})
           for (int dim = 0; dim < 2; ++dim)
             for (bool ta : {false, true})
               for (bool tb : {false, true}) {
-                // K of 2 blocks of 8 per rank where K is gathered (several accumulating pieces).
-                std::size_t m = 6, k = 16, cols = 10;
-                const bool g_trans = side == GatherSide::left ? ta : tb;
-                const int op_dim = g_trans ? 1 - dim : dim;
-                std::size_t& gathered =
-                    side == GatherSide::left ? (op_dim == 0 ? m : k) : (op_dim == 0 ? k : cols);
-                gathered = 8 * n;
+                const std::size_t blk = odd ? 3 : 4, other = odd ? 5 : 6, k = odd ? 7 : 12;
+                const std::size_t m = dim == 0 ? blk * n : other, cols = dim == 1 ? blk * n : other;
                 const auto [ar, ac] = stored(m, k, ta);
                 const auto [br, bc] = stored(k, cols, tb);
-                const uint64_t seed = g.seed * 23 + 5 + 100 * i;
+                const uint64_t seed = g.seed * 29 + 7 + 100 * i;
                 DeviceMatrix a = make_matrix("a", ar, ac, seed),
                              b = make_matrix("b", br, bc, seed + 1);
-                // The gathered operand is this rank's block (different data on every rank).
-                DeviceMatrix& gm = side == GatherSide::left ? a : b;
-                const std::size_t gr = dim == 0 ? gm.extent(0) / n : gm.extent(0);
-                const std::size_t gc = dim == 1 ? gm.extent(1) / n : gm.extent(1);
-                gm = copy_block(gm, 0, gr, 0, gc);
                 const HalfMatrix a16 = round_and_pack(a, dtype), b16 = round_and_pack(b, dtype);
-                DeviceMatrix want("want", m, cols), got("got", m, cols);
-                all_gather_matmul(comm, side, dim, {a, ta}, {b, tb}, want, alg, ws, dtype);
-                for (bool other_16bit : {false, true}) {
-                  const bool a_16 = side == GatherSide::left || other_16bit;
-                  const bool b_16 = side == GatherSide::right || other_16bit;
-                  Kokkos::deep_copy(got, 7.0f);
-                  all_gather_matmul(comm, side, dim, operand(a, a16, a_16, ta),
-                                    operand(b, b16, b_16, tb), got, alg, ws, dtype);
-                  expect_same_bits(
-                      got, want,
-                      describe(g, alg,
-                               std::string("16-bit all_gather_matmul ") + to_string(dtype) +
-                                   " side " + (side == GatherSide::left ? "left" : "right") +
-                                   " dim " + std::to_string(dim) + " ta " + std::to_string(ta) +
-                                   " tb " + std::to_string(tb) + " other 16-bit " +
-                                   std::to_string(other_16bit)));
-                }
+                const std::size_t c_rows = dim == 0 ? blk : m, c_cols = dim == 1 ? blk : cols;
+                DeviceMatrix want("want", c_rows, c_cols), got("got", c_rows, c_cols);
+                matmul_reduce_scatter(comm, dim, {a, ta}, {b, tb}, want, alg, ws, dtype);
+                matmul_reduce_scatter(comm, dim, operand(a, a16, true, ta),
+                                      operand(b, b16, true, tb), got, alg, ws, dtype);
+                expect_same_bits(
+                    got, want,
+                    describe(g, alg,
+                             std::string("16-bit matmul_reduce_scatter ") + to_string(dtype) +
+                                 " dim " + std::to_string(dim) + " ta " + std::to_string(ta) +
+                                 " tb " + std::to_string(tb) + (odd ? " odd blocks" : "")));
               }
-        for (int dim = 0; dim < 2; ++dim)
-          for (bool ta : {false, true})
-            for (bool tb : {false, true}) {
-              const std::size_t m = dim == 0 ? 4 * n : 5, k = 12, cols = dim == 1 ? 4 * n : 6;
-              const auto [ar, ac] = stored(m, k, ta);
-              const auto [br, bc] = stored(k, cols, tb);
-              const uint64_t seed = g.seed * 29 + 7 + 100 * i;
-              DeviceMatrix a = make_matrix("a", ar, ac, seed),
-                           b = make_matrix("b", br, bc, seed + 1);
-              const HalfMatrix a16 = round_and_pack(a, dtype), b16 = round_and_pack(b, dtype);
-              const std::size_t c_rows = dim == 0 ? 4 : m, c_cols = dim == 1 ? 4 : cols;
-              DeviceMatrix want("want", c_rows, c_cols), got("got", c_rows, c_cols);
-              matmul_reduce_scatter(comm, dim, {a, ta}, {b, tb}, want, alg, ws, dtype);
-              matmul_reduce_scatter(comm, dim, operand(a, a16, true, ta), operand(b, b16, true, tb),
-                                    got, alg, ws, dtype);
-              expect_same_bits(
-                  got, want,
-                  describe(g, alg,
-                           std::string("16-bit matmul_reduce_scatter ") + to_string(dtype) +
-                               " dim " + std::to_string(dim) + " ta " + std::to_string(ta) +
-                               " tb " + std::to_string(tb)));
-            }
       }
     }
   }

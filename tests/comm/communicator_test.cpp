@@ -777,6 +777,10 @@ TEST(Communicator, BadShapesAndCounts) {
   expect_bad_input(
       [&] { comm.all_gather(ConstVectorView(shared.data(), 2), VectorView(shared.data(), 2 * n)); },
       {"overlap"});
+  // The same check on 16-bit elements (in bytes): blocks one element apart overlap.
+  Kokkos::View<uint16_t*> halves("halves", 3);
+  expect_bad_input([&] { comm.shift_16bit(halves.data(), halves.data() + 1, 2, 1, Dtype::bf16); },
+                   {"shift on world", "overlap"});
   expect_error([] { checked_int(std::size_t{1} << 33, "all_gather count"); }, ErrorKind::runtime,
                {"all_gather count", "8589934592"});
   expect_bad_input([&] { comm.set_timeout_seconds(0); }, {"timeout"});

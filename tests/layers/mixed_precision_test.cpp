@@ -824,7 +824,8 @@ TEST(MixedPrecision, SixteenBitCopiesWrittenByTheOptimizerAreBitIdenticalToTheSi
   sgd.momentum = 0.9f;
   const ModelCase m = models().front();
   int whole_copies = 0;  // copies of weights stored whole seen (where gemm() reads 16 bits)
-  int feature_parallel_copies = 0;  // of those under a feature axis
+  int feature_parallel_copies = 0;       // of those under a feature axis
+  bool feature_parallel_layout = false;  // a layout under a feature axis seen
   for (const auto& policy : sixteen) {
     for (const OptimizerSettings* optimizer : {&adamw, &sgd}) {
       for (const auto& layout : layouts_for(world_size())) {
@@ -848,6 +849,7 @@ TEST(MixedPrecision, SixteenBitCopiesWrittenByTheOptimizerAreBitIdenticalToTheSi
                                                     : (feature_axis ? whole : 0));
           if (stored.keeps_16bit) whole_copies += whole;
           if (feature_axis) feature_parallel_copies += whole;
+          feature_parallel_layout = feature_parallel_layout || feature_axis;
           EXPECT_TRUE(stored.copies_current);
           EXPECT_EQ(simulated.weights_with_copies, 0);
           EXPECT_EQ(stored.loss, simulated.loss);
@@ -871,6 +873,11 @@ TEST(MixedPrecision, SixteenBitCopiesWrittenByTheOptimizerAreBitIdenticalToTheSi
       "whole checked: %d, of weights under a feature axis: %d\n",
       world_size(), gemm_reads_16bit(Dtype::bf16) ? "yes" : "no",
       gemm_reads_16bit(Dtype::fp16) ? "yes" : "no", whole_copies, feature_parallel_copies);
+  // Where gemm() reads 16 bits (oneDNN bf16, or MESHTRAIN_GEMM_16BIT_OPERANDS=always: the
+  // operands16 registration), the tp layouts' weights have copies, and they were checked.
+  if (gemm_reads_16bit(Dtype::bf16) && world_size() > 1 && feature_parallel_layout) {
+    EXPECT_GT(feature_parallel_copies, 0) << "no copy of a weight under a feature axis checked";
+  }
   // fp32: no copies.
   const MixedPrecision fp32{Dtype::fp32, Dtype::fp32};
   const RunResult plain =

@@ -7,7 +7,8 @@
 // checkpoint of the same step predicts (same weights, same dp mesh of the producers, same
 // kernels: nothing may differ); and a producer that never takes a publish (a model of ~270 KB,
 // past MPI's eager sends) does not hold the trainer back, and still gets the newest publish
-// when it closes. The registration's timeout ends any hang.
+// when it closes. A bf16 trainer's publish leaves the optimizer's 16-bit weight copies current.
+// The registration's timeout ends any hang.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -20,6 +21,7 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "framework/comm/mpi_util.hpp"
@@ -255,6 +257,52 @@ TEST(LiveModel, AProducerThatNeverTakesAPublishDoesNotHoldTheTrainer) {
     producer.close();
     // The newest publish replaced the older ones and reached producer 0 as it closed.
     if (roles.rank == 0) EXPECT_EQ(producer.latest_version(), steps);
+  }
+}
+
+// A publish reads the parameters and writes none: the 16-bit copies the optimizer wrote in the
+// step (bf16, fsdp's weights gathered over one group; tp's where gemm() reads 16 bits) stay
+// current after it, so the next step casts nothing again (a publish once marked every copy stale
+// through Mlp::parameters()' non-const overload: one cast pass over the weights per publish).
+// Steps by hand, a publish after each; a trainer mesh of two ranks must have copies on fsdp.
+TEST(LiveModel, APublishLeavesTheOptimizersSixteenBitCopiesCurrent) {
+  Roles roles;
+  const int64_t steps = 3;
+  for (const testing::MeshCase& mesh : trainer_meshes(roles.trainers)) {
+    SCOPED_TRACE("trainer mesh " + mesh.preset);
+    TempDir dir(/*shared=*/true);
+    const std::string name = "copies-" + mesh.preset;
+    if (!roles.producer) {
+      RunConfig config = trainer_config(name, mesh, dir.path(), {kInputs, 32, kOutputs});
+      config.mixed_precision.param_dtype = Dtype::bf16;
+      config.mixed_precision.reduce_dtype = Dtype::bf16;
+      config.stream.publish_every = 1;
+      config.train.steps = steps;
+      TrainingRun run(config, {}, std::nullopt, roles.comm);
+      int copies = 0;
+      for (int64_t s = 1; s <= steps; ++s) {
+        run.step();
+        for (const ShardedTensor& p : std::as_const(run.model()).parameters()) {
+          if (!p.copy_16bit) continue;
+          ++copies;
+          EXPECT_TRUE(p.copy_16bit->current) << p.name << " stale after step " << s << "'s publish";
+        }
+      }
+      const auto& source = dynamic_cast<const StreamSource&>(run.train_data());
+      if (roles.rank == 0) EXPECT_EQ(source.counters().publishes, steps);
+      if (mesh.preset == "fsdp" && roles.trainers > 1) EXPECT_GT(copies, 0);
+      check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+      continue;
+    }
+    StreamProducer producer;
+    producer.connect(roles.comm, name, kInputs, kOutputs, StreamDtype::float32, blocking_options());
+    std::vector<float> xs, ys;
+    for (int64_t first = 0; first < 32; first += 8) {
+      make_rows(roles.rank, first, 8, xs, ys);
+      producer.send(xs.data(), ys.data(), 8);
+    }
+    check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");  // the trainer took its steps
+    producer.close();
   }
 }
 

@@ -33,6 +33,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "framework/comm/mpi_util.hpp"
@@ -188,6 +189,18 @@ Allocations allocations_in_steps(const MeshCase& mesh_case, CollectiveMatmulAlgo
     run.step();
   }
   const long heap = window.close();
+  // Where gemm() reads 16 bits (MESHTRAIN_GEMM_16BIT_OPERANDS=always: the operands16
+  // registration), a plain MLP's tp weights have 16-bit copies (and its row-parallel layers a
+  // 16-bit dY): the steps counted above took that path.
+  if (mesh_case.preset == "tp" && world_size() > 1 && precision.param != Dtype::fp32 &&
+      gemm_reads_16bit(precision.param) && moe_layers.empty() && residual == nullptr &&
+      dropout == 0.0) {
+    int copies = 0;
+    for (const ShardedTensor& p : std::as_const(run.model()).parameters()) {
+      copies += p.copy_16bit != nullptr;
+    }
+    EXPECT_GT(copies, 0) << "tp without 16-bit weight copies where gemm() reads 16 bits";
+  }
   if (scaler) EXPECT_EQ(run.skipped_steps(), 1) << "step 3 (only) must overflow";
   // (Blocks made before the window and freed in it make the difference negative: none kept.)
   return {heap, window.kokkos_allocations(), std::max(window.onednn_blocks_kept(), 0L)};
