@@ -33,6 +33,7 @@
 #include <dnnl.hpp>
 
 #include <Kokkos_Core.hpp>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -299,6 +300,9 @@ bool bf16_matmul_exists(OneDnn& state) {
   return exists;
 }
 
+// dnnl_primitive_execute calls so far (onednn_executions).
+std::atomic<int64_t> g_executions{0};
+
 // The threads oneDNN's parallel regions use: omp_get_max_threads() of the OpenMP runtime that
 // libdnnl loaded (looked up rather than linked, so that nothing else links OpenMP).
 int openmp_threads() {
@@ -421,11 +425,16 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
   }
   check(dnnl_primitive_execute(p.matmul.get(), state.stream.get(), count, args),
         "dnnl_primitive_execute");
+  g_executions.fetch_add(1, std::memory_order_relaxed);
   check(dnnl_stream_wait(state.stream.get()), "dnnl_stream_wait");
 
   EpilogueLeft left;
   left.backward = call.backward;  // the derivative and the bias gradient: gemm()'s pass
   return left;
+}
+
+int64_t onednn_executions() {
+  return g_executions.load(std::memory_order_relaxed);
 }
 
 std::string onednn_name() {
