@@ -10,9 +10,10 @@
 // brgemm kernel, which it takes for fixed shapes, copies a plain B into its blocked layout at
 // every call (0.6x of OpenBLAS for x @ W; docs/design.md, GEMM). Each call describes its
 // operands through oneDNN's C API (memory objects made and destroyed inside oneDNN, none of
-// ours) and executes the primitive: oneDNN allocates a few small blocks on the heap inside
-// every execution (the map of its arguments, freed before it returns), which no call of its API
-// avoids (tests/support/onednn_allocations.hpp; the step test checks that none is kept).
+// ours) and executes the primitive: oneDNN allocates inside every execution, freed before it
+// returns, which no call of its API avoids: a few small operator new blocks (its execution
+// context and argument map; tests/support/onednn_allocations.hpp, the allocation tests require
+// none kept) and, with posix_memalign, those memory objects and a workspace of its gemm kernel.
 // Scratchpads are ours (scratchpad_mode::user): one buffer, grown to the largest primitive's
 // need and shared, since calls are serialized; passed only to a primitive that has one.
 //
