@@ -258,8 +258,9 @@ HostLibrary default_host_library() {
   }
   // oneDNN wherever the build has it (-DMESHTRAIN_CPU_GEMM=auto or onednn; issue 37): fp32 as fast
   // as OpenBLAS or faster here, its bf16 matmul on CPUs with AVX512_BF16 or AMX, fused forward
-  // epilogues. Its executions allocate only their own argument maps, freed before they return
-  // (docs/design.md, GEMM).
+  // epilogues. Each execution allocates inside oneDNN, freed before it returns: on the heap its
+  // execution context and argument map (operator new), and with posix_memalign the call's memory
+  // objects and its gemm kernel's workspace (docs/design.md, GEMM; docs/limits.md).
 #if defined(MESHTRAIN_GEMM_ONEDNN)
   return HostLibrary::onednn;
 #else

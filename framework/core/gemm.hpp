@@ -11,6 +11,11 @@
 //                 each, on the stream of Kokkos' default execution space, made on first
 //                 use and destroyed by Kokkos::finalize)
 // gemm_kernels() names what this process uses (the library, oneDNN's ISA, the threads).
+// The host library is chosen at the first gemm() (MESHTRAIN_CPU_GEMM) or by
+// gemm_backend::select_host_library (tests, benchmarks), and must be chosen only while no thread
+// is multiplying: the choice and its cached answers (gemm_reads_16bit's, per library) are plain
+// process-wide state, so a selection while another thread is inside gemm() (or two threads making
+// the first call at once) races. Choose it before starting threads that multiply.
 //
 //   gemm(plain(x), plain(w), 0.0f, y);                       // y = x @ w
 //   gemm(transposed(x), plain(dy), 0.0f, dw);                // dw = xᵀ @ dy

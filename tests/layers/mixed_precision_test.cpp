@@ -804,14 +804,14 @@ TEST(MixedPrecision, ResidualSixteenBitStorageIsBitIdenticalToTheSimulatedPath) 
 // build"): the optimizer writes round_P(new master) into them in its update pass, and the layers
 // compute from them (gathered as 16 bits, blocking or prefetched, then widened; read as they are
 // where gemm() reads 16 bits). The weights gathered over one group (FSDP) have them, and those
-// stored whole (DP, one rank) where gemm() reads 16 bits (run it with MESHTRAIN_CPU_GEMM=onednn on
-// a CPU with AVX512_BF16 for those); elsewhere DP, one rank and a 2-D storage split round the
-// master at use; under a feature axis (tensor parallelism, no 16-bit activation storage) the
-// weights not gathered have copies where gemm() reads 16 bits, read as they are by the GEMMs and
-// the collective matmuls. Three steps of AdamW and of SGD with momentum give bit for bit the loss,
-// logits, gradients and parameters of the simulated path (weights cast from the fp32 masters at
-// use), on every layout with overlap off and on, and the last forward computed from the optimizer's
-// copies (current after the update: no cast pass). fp32 makes no copies.
+// stored whole (DP, one rank) where gemm() reads 16 bits (oneDNN, the default, on a CPU with
+// AVX512_BF16; the _openblas registrations read fp32); elsewhere DP, one rank and a 2-D storage
+// split round the master at use; under a feature axis (tensor parallelism, no 16-bit activation
+// storage) the weights not gathered have copies where gemm() reads 16 bits, read as they are by the
+// GEMMs and the collective matmuls. Three steps of AdamW and of SGD with momentum give bit for bit
+// the loss, logits, gradients and parameters of the simulated path (weights cast from the fp32
+// masters at use), on every layout with overlap off and on, and the last forward computed from the
+// optimizer's copies (current after the update: no cast pass). fp32 makes no copies.
 TEST(MixedPrecision, SixteenBitCopiesWrittenByTheOptimizerAreBitIdenticalToTheSimulatedPath) {
   const std::vector<Policy> sixteen = {{"bf16/bf16", {Dtype::bf16, Dtype::bf16}},
                                        {"fp16/fp16", {Dtype::fp16, Dtype::fp16}},

@@ -25,9 +25,52 @@ std::thread::id g_counted_thread;
 std::atomic<bool> g_leave_out_onednn{false};
 std::atomic<long> g_heap_allocations{0};
 std::atomic<long> g_kokkos_allocations{0};
-// With oneDNN left out: its allocations, and the blocks its code frees, in the window.
+// With oneDNN left out: its allocations in the window, and the addresses of those not freed
+// yet, in an open-addressing table (linear probing from the address's hash; slots claimed by
+// compare-and-swap, so any thread may record or clear one without a lock or an allocation). A
+// freed block's slot becomes a tombstone, never empty again in the window, so a lookup stops at
+// the first empty slot. Blocks the table has no room for count as kept (g_onednn_unrecorded).
 std::atomic<long> g_onednn_allocations{0};
-std::atomic<long> g_onednn_frees{0};
+constexpr std::size_t kOneDnnSlots = 4096;
+constexpr uintptr_t kEmpty = 0, kFreed = 1;
+std::atomic<uintptr_t> g_onednn_blocks[kOneDnnSlots];
+std::atomic<long> g_onednn_live{0};
+std::atomic<long> g_onednn_unrecorded{0};
+
+std::size_t slot_of(uintptr_t p) {
+  return static_cast<std::size_t>((p >> 4) * 0x9E3779B97F4A7C15ull >> 32) % kOneDnnSlots;
+}
+
+void record_onednn_block(void* block) {
+  const auto p = reinterpret_cast<uintptr_t>(block);
+  const std::size_t first = slot_of(p);
+  for (std::size_t i = 0; i < kOneDnnSlots; ++i) {
+    std::atomic<uintptr_t>& slot = g_onednn_blocks[(first + i) % kOneDnnSlots];
+    uintptr_t seen = slot.load(std::memory_order_relaxed);
+    while (seen == kEmpty || seen == kFreed) {
+      if (slot.compare_exchange_weak(seen, p, std::memory_order_acq_rel)) {
+        g_onednn_live.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+    }
+  }
+  g_onednn_unrecorded.fetch_add(1, std::memory_order_relaxed);
+}
+
+// Clears `block`'s slot if it was recorded (whichever code frees it).
+void clear_onednn_block(void* block) {
+  const auto p = reinterpret_cast<uintptr_t>(block);
+  const std::size_t first = slot_of(p);
+  for (std::size_t i = 0; i < kOneDnnSlots; ++i) {
+    std::atomic<uintptr_t>& slot = g_onednn_blocks[(first + i) % kOneDnnSlots];
+    uintptr_t seen = slot.load(std::memory_order_acquire);
+    if (seen == kEmpty) return;
+    if (seen == p && slot.compare_exchange_strong(seen, kFreed, std::memory_order_acq_rel)) {
+      g_onednn_live.fetch_sub(1, std::memory_order_relaxed);
+      return;
+    }
+  }
+}
 int g_trace_left = 0;
 thread_local bool g_tracing = false;  // no counting while a trace is printed
 
@@ -37,19 +80,21 @@ void count_kokkos_allocation(Kokkos::Profiling::SpaceHandle, const char*, const 
   }
 }
 
-void on_allocation(std::size_t bytes) {
-  if (!g_window_open.load(std::memory_order_relaxed) || g_tracing) return;
+// Counts an allocation about to be made; returns whether oneDNN makes it (left out: its
+// address is recorded once made).
+bool on_allocation(std::size_t bytes) {
+  if (!g_window_open.load(std::memory_order_relaxed) || g_tracing) return false;
   if (g_one_thread.load(std::memory_order_relaxed) &&
       std::this_thread::get_id() != g_counted_thread) {
-    return;
+    return false;
   }
   if (g_leave_out_onednn.load(std::memory_order_relaxed) &&
       meshtrain::testing::allocation_made_by_onednn()) {
     g_onednn_allocations.fetch_add(1, std::memory_order_relaxed);
-    return;
+    return true;
   }
   g_heap_allocations.fetch_add(1, std::memory_order_relaxed);
-  if (g_trace_left <= 0) return;
+  if (g_trace_left <= 0) return false;
   --g_trace_left;
   g_tracing = true;
   void* frames[32];
@@ -57,21 +102,17 @@ void on_allocation(std::size_t bytes) {
   std::fprintf(stderr, "heap allocation of %zu bytes inside a counted window:\n", bytes);
   backtrace_symbols_fd(frames, depth, 2);  // writes to stderr without allocating
   g_tracing = false;
+  return false;
 }
 
-// A block freed while oneDNN's allocations are left out: counted when oneDNN's code frees it.
+// A block freed while oneDNN's allocations are left out: its record cleared, if it has one
+// (by any thread: a block oneDNN made on the counted thread may be freed on another).
 void on_free(void* p) {
-  if (p == nullptr || !g_leave_out_onednn.load(std::memory_order_relaxed) ||
-      !g_window_open.load(std::memory_order_relaxed) || g_tracing) {
+  if (p == nullptr || g_onednn_live.load(std::memory_order_relaxed) == 0 ||
+      !g_window_open.load(std::memory_order_relaxed)) {
     return;
   }
-  if (g_one_thread.load(std::memory_order_relaxed) &&
-      std::this_thread::get_id() != g_counted_thread) {
-    return;
-  }
-  if (meshtrain::testing::allocation_made_by_onednn()) {
-    g_onednn_frees.fetch_add(1, std::memory_order_relaxed);
-  }
+  clear_onednn_block(p);
 }
 
 void release(void* p) {
@@ -80,15 +121,21 @@ void release(void* p) {
 }
 
 void* allocate(std::size_t bytes) {
-  on_allocation(bytes);
-  if (void* p = std::malloc(bytes ? bytes : 1)) return p;
+  const bool onednn = on_allocation(bytes);
+  if (void* p = std::malloc(bytes ? bytes : 1)) {
+    if (onednn) record_onednn_block(p);
+    return p;
+  }
   throw std::bad_alloc();
 }
 
 void* allocate_aligned(std::size_t bytes, std::size_t alignment) {
-  on_allocation(bytes);
+  const bool onednn = on_allocation(bytes);
   const std::size_t rounded = (bytes + alignment - 1) / alignment * alignment;
-  if (void* p = std::aligned_alloc(alignment, rounded ? rounded : alignment)) return p;
+  if (void* p = std::aligned_alloc(alignment, rounded ? rounded : alignment)) {
+    if (onednn) record_onednn_block(p);
+    return p;
+  }
   throw std::bad_alloc();
 }
 
@@ -156,7 +203,9 @@ AllocationWindow::AllocationWindow(Threads threads, OneDnn onednn) {
   g_heap_allocations = 0;
   g_kokkos_allocations = 0;
   g_onednn_allocations = 0;
-  g_onednn_frees = 0;
+  for (std::atomic<uintptr_t>& slot : g_onednn_blocks) slot.store(kEmpty);
+  g_onednn_live = 0;
+  g_onednn_unrecorded = 0;
   g_counted_thread = std::this_thread::get_id();
   g_one_thread = threads == Threads::this_thread;
   Kokkos::Tools::Experimental::set_allocate_data_callback(count_kokkos_allocation);
@@ -171,9 +220,10 @@ long AllocationWindow::close() {
   if (g_window_open.exchange(false)) {
     Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
     g_one_thread = false;
-    g_leave_out_onednn = false;
+    onednn_left_out_ = g_leave_out_onednn.exchange(false);
   }
-  return g_heap_allocations.load();
+  // oneDNN's blocks still recorded stop changing here (frees clear them while open only).
+  return g_heap_allocations.load() + (onednn_left_out_ ? onednn_blocks_kept() : 0);
 }
 
 long AllocationWindow::heap_allocations() const {
@@ -189,7 +239,7 @@ long AllocationWindow::onednn_allocations() const {
 }
 
 long AllocationWindow::onednn_blocks_kept() const {
-  return g_onednn_allocations.load() - g_onednn_frees.load();
+  return g_onednn_live.load() + g_onednn_unrecorded.load();
 }
 
 }  // namespace meshtrain::testing

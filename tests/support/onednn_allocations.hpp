@@ -1,10 +1,14 @@
 #pragma once
 // For the tests that count heap allocations (replacing operator new): whether an allocation is
 // made from inside oneDNN. oneDNN's matmul (gemm() on host memory where it runs oneDNN,
-// framework/core/backends/gemm_onednn.cpp) allocates a few small blocks inside every execution
-// (its execution context: 8 per call in 2.6.3), which no call of its API avoids; those tests
-// count them apart. Everything meshtrain allocates itself, the GEMM's primitives, memory objects
-// and scratch included, is made from meshtrain's code and still counted.
+// framework/core/backends/gemm_onednn.cpp) allocates inside every execution, which no call of its
+// API avoids: with operator new its execution context and argument map (3-5 blocks per call in
+// the training step, up to 8 in 2.6.3), which those tests count apart and require freed
+// (AllocationWindow::close); with its own posix_memalign the call's memory objects and its gemm
+// kernel's workspace, which operator new's replacement does not see (docs/design.md, GEMM).
+// What meshtrain allocates itself through operator new (the C++ handles of the GEMM's primitives
+// and memory objects, its tables) is made from meshtrain's code and still counted; the blocks
+// oneDNN makes inside their creation count as oneDNN's (kept ones seen by the window).
 //
 //   find_onednn_code();               // once, before counting (outside any counted window)
 //   if (allocation_made_by_onednn()) ...  // inside the counting operator new

@@ -340,8 +340,8 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
       {"dp", "dp"},
       {"fsdp", "fsdp"},
       {"tp", "tp"},
-      // (bf16 under tp: where gemm() reads 16 bits, MESHTRAIN_CPU_GEMM=onednn on a CPU with
-      // AVX512_BF16, the weights' 16-bit copies and the layers' 16-bit dY.)
+      // (bf16 under tp: where gemm() reads 16 bits, oneDNN (the default) on a CPU
+      // with AVX512_BF16, the weights' 16-bit copies and the layers' 16-bit dY.)
       {"tp_bf16_overlap", "tp", 1, true},
       {"fsdp_bf16_overlap", "fsdp", 1, true},
       {"dp_residual_bf16_overlap", "dp", 1, true, true},
@@ -682,7 +682,7 @@ TEST(MemoryPlan, SixteenBitGatheredWeightsOfAPlainMlpUnderFsdpPrefetch) {
 // copy instead of the master rounded at each use): elsewhere a copy would be 2 bytes a parameter
 // beside the fp32 weight buffer the GEMM reads, into which the master is rounded as the copy would
 // be widened (issue 37: a bf16 DP plan 3% above fp32's). So, on dp (every np) and fsdp at np 1: a
-// copy per weight where gemm() reads bf16 (MESHTRAIN_CPU_GEMM=onednn on a CPU with AVX512_BF16),
+// copy per weight where gemm() reads bf16 (oneDNN, the default, on a CPU with AVX512_BF16),
 // none otherwise, measured or planned; under fsdp at np > 1 one per weight; the plan agrees with
 // the tracker to the byte; and with 128 rows a rank the bf16 plan's total is at most fp32's, less
 // the copies where weights stored whole have them (the 2 bytes a parameter spent to save passes;

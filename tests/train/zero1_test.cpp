@@ -125,7 +125,7 @@ TEST(Zero1, TrainsLikePlainDp) {
 // rounding of the differently ordered gradient sums (on one dp rank ZeRO-1 splits nothing: the
 // optimizer writes the copies). Weights gathered over one group have copies:
 // on dp x fsdp (np 4: dp 2, fsdp 2) every weight; on dp (np 1, 2) every weight where gemm() reads
-// 16 bits (MESHTRAIN_CPU_GEMM=onednn on a CPU with AVX512_BF16), else none.
+// 16 bits (oneDNN, the default, on a CPU with AVX512_BF16), else none.
 TEST(Zero1, SixteenBitCopiesAreCastAgainAfterTheGather) {
   const int n = world_size();
   const bool hybrid = n >= 4 && n % 2 == 0;

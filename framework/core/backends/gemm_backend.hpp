@@ -87,6 +87,9 @@ HostLibrary default_host_library();
 EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel = Bf16Kernel::automatic);
 // "oneDNN 2.6.3 avx512_core_vnni (bf16 inputs: fp32 kernel, no AVX512_BF16), 1 thread".
 std::string onednn_description();
+// The matmul executions onednn_gemm() has run in this process (gemm() and inference_gemm() on
+// oneDNN), for the tests that bound oneDNN's allocations per call.
+int64_t onednn_executions();
 // "oneDNN 2.6.3 avx512_core_vnni": the version and the ISA of the kernels it picks.
 std::string onednn_name();
 // Whether the CPU has bf16 instructions (AVX512_BF16, AMX): an automatic bf16 GEMM then runs

@@ -10,9 +10,10 @@
 // brgemm kernel, which it takes for fixed shapes, copies a plain B into its blocked layout at
 // every call (0.6x of OpenBLAS for x @ W; docs/design.md, GEMM). Each call describes its
 // operands through oneDNN's C API (memory objects made and destroyed inside oneDNN, none of
-// ours) and executes the primitive: oneDNN allocates a few small blocks on the heap inside
-// every execution (the map of its arguments, freed before it returns), which no call of its API
-// avoids (tests/support/onednn_allocations.hpp; the step test checks that none is kept).
+// ours) and executes the primitive: oneDNN allocates inside every execution, freed before it
+// returns, which no call of its API avoids: a few small operator new blocks (its execution
+// context and argument map; tests/support/onednn_allocations.hpp, the allocation tests require
+// none kept) and, with posix_memalign, those memory objects and a workspace of its gemm kernel.
 // Scratchpads are ours (scratchpad_mode::user): one buffer, grown to the largest primitive's
 // need and shared, since calls are serialized; passed only to a primitive that has one.
 //
@@ -33,6 +34,7 @@
 #include <dnnl.hpp>
 
 #include <Kokkos_Core.hpp>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -299,6 +301,9 @@ bool bf16_matmul_exists(OneDnn& state) {
   return exists;
 }
 
+// dnnl_primitive_execute calls so far (onednn_executions).
+std::atomic<int64_t> g_executions{0};
+
 // The threads oneDNN's parallel regions use: omp_get_max_threads() of the OpenMP runtime that
 // libdnnl loaded (looked up rather than linked, so that nothing else links OpenMP).
 int openmp_threads() {
@@ -421,11 +426,16 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
   }
   check(dnnl_primitive_execute(p.matmul.get(), state.stream.get(), count, args),
         "dnnl_primitive_execute");
+  g_executions.fetch_add(1, std::memory_order_relaxed);
   check(dnnl_stream_wait(state.stream.get()), "dnnl_stream_wait");
 
   EpilogueLeft left;
   left.backward = call.backward;  // the derivative and the bias gradient: gemm()'s pass
   return left;
+}
+
+int64_t onednn_executions() {
+  return g_executions.load(std::memory_order_relaxed);
 }
 
 std::string onednn_name() {
