@@ -49,6 +49,8 @@ endif()
 meshtrain_add_test_variant(NAME layers_mixed_precision_test VARIANT operands16 NP 2 4
                            BACKENDS mpi ENVIRONMENT MESHTRAIN_GEMM_16BIT_OPERANDS=always
                            GTEST_FILTER=*SixteenBit*BitIdentical*)
+# Small unit tests of the MLP's pieces, among them the weight gradient's rounding left out where
+# the wire rounds (WireRounding.*: DP all-reduce, FSDP reduce-scatter, buckets, bit for bit).
 meshtrain_add_test(NAME layers_units_test SOURCES layers/units_test.cpp
                    LIBS meshtrain_layers NP 1 2 4 TIMEOUT 120)
 meshtrain_add_test(NAME layers_moe_test SOURCES layers/moe_test.cpp

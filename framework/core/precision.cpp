@@ -45,14 +45,9 @@ void round_contiguous(float* data, int64_t count, Dtype dtype) {
 }  // namespace
 
 void round_in_place(VectorView data, Dtype dtype) {
+  // A LayoutRight rank-1 view has stride 1: always contiguous (no strided fallback).
   if (dtype == Dtype::fp32) return;
-  if (data.span_is_contiguous()) {
-    round_contiguous(data.data(), static_cast<int64_t>(data.extent(0)), dtype);
-    return;
-  }
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::round_to_dtype"), device_range(0, data.extent(0)),
-      KOKKOS_LAMBDA(const std::size_t k) { data(k) = round_to(data(k), dtype); });
+  round_contiguous(data.data(), static_cast<int64_t>(data.extent(0)), dtype);
 }
 
 void round_in_place(MatrixView data, Dtype dtype) {

@@ -34,6 +34,11 @@ void with_copy(const ShardedTensor& t, F&& f) {
     f(CopyOut<Dtype::fp32>{});
     return;
   }
+  // CopyOut writes bits[i] for every i of the update's range (t.local's): a raw pointer, so
+  // the extents are checked here once.
+  MESHTRAIN_REQUIRE(t.copy_16bit->bits.extent(0) == t.local.extent(0),
+                    "optimizer: the 16-bit copy of '", t.name, "' holds ",
+                    t.copy_16bit->bits.extent(0), " elements, its master ", t.local.extent(0));
   uint16_t* bits = t.copy_16bit->bits.data();
   if (t.copy_16bit->dtype == Dtype::bf16) {
     f(CopyOut<Dtype::bf16>{bits});

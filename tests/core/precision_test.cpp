@@ -408,5 +408,39 @@ TEST(Precision, KernelsMatchTheScalarFunctions) {
   }
 }
 
+// round_in_place on a matrix whose rows are not contiguous (a column block of a wider
+// matrix: the 2-D fallback, not the contiguous loop) rounds exactly the block's elements, as
+// round_to does, and leaves the columns outside it untouched, bit for bit.
+TEST(Precision, RoundInPlaceOfAStridedMatrix) {
+  const std::size_t rows = 5, cols = 11, first = 3, last = 9;
+  Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::HostSpace> host("host", rows, cols);
+  std::mt19937 random(777);
+  std::uniform_real_distribution<float> uniform(-70000.0f, 70000.0f);
+  for (std::size_t k = 0; k < rows * cols; ++k) host.data()[k] = uniform(random) * 1e-3f;
+  host(0, first) = 65520.0f;
+  host(0, first + 1) = std::numeric_limits<float>::quiet_NaN();
+  host(0, first + 2) = 1.0f + 0x1p-8f;   // a bf16 tie
+  host(0, first + 3) = 1.0f + 0x1p-11f;  // an fp16 tie
+  host(0, first + 4) = 0x1.8p-20f;       // an fp16 subnormal
+  host(0, first + 5) = -70000.0f;
+  for (Dtype dtype : {Dtype::bf16, Dtype::fp16}) {
+    SCOPED_TRACE(dtype == Dtype::bf16 ? "bf16" : "fp16");
+    Matrix full("full", rows, cols);
+    Kokkos::deep_copy(full, host);
+    MatrixView block = Kokkos::subview(MatrixView(full), Kokkos::ALL, std::make_pair(first, last));
+    ASSERT_FALSE(block.span_is_contiguous());  // else this would not test the fallback
+    round_in_place(block, dtype);
+    Kokkos::fence();
+    const auto out = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), full);
+    for (std::size_t i = 0; i < rows; ++i) {
+      for (std::size_t j = 0; j < cols; ++j) {
+        const bool inside = j >= first && j < last;
+        const float want = inside ? round_to(host(i, j), dtype) : host(i, j);
+        ASSERT_EQ(bits_of_float(out(i, j)), bits_of_float(want)) << i << ", " << j;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace meshtrain

@@ -11,6 +11,8 @@
 #include <cfenv>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <random>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -20,10 +22,13 @@
 #include "framework/train/init.hpp"
 #include "framework/train/optimizer.hpp"
 #include "layers/activation.hpp"
+#include "layers/gradient_buckets.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
+#include "layers/sharded_parameter.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
+#include "tests/support/backend.hpp"
 #include "tests/support/expect_error.hpp"
 #include "tests/support/kokkos_allocations.hpp"
 #include "tests/support/reference_activations.hpp"
@@ -250,6 +255,216 @@ TEST(Optimizer, StateIsShardedLikeItsParameter) {
   EXPECT_EQ(opt2.step_count(), 1);
   auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), params[0].local);
   EXPECT_FLOAT_EQ(h(0), 0.5f);
+}
+
+// ---------------------------------------------------------------- the wire's rounding
+// layers/linear.cpp leaves out the weight gradient's round_in_place where the reduction that
+// follows packs it to a 16-bit wire of the compute dtype (ShardedParameter::reduce_rounds_to;
+// GradientBuckets::wire() for the DP overlap buckets): rounding twice to one format is
+// rounding once, so the reduced gradient must be the same bits. Pinned here bit for bit: the
+// same unrounded fp32 gradients reduced (a) as they are and (b) after round_in_place, for the
+// DP all-reduce, the FSDP reduce-scatter and the buckets, bf16 and fp16, on values that
+// overflow fp16 (65520, 70000, -70000), NaN, ties to even, fp16 and bf16 subnormals. Where
+// reduce_rounds_to says the wire rounds, (a) and (b) are the same bits; where it says not
+// (fp32 wire, a scale before the all-reduce, a deferred all-reduce, one rank), they differ on
+// some element (so a skip there would change the result: the test fails if the predicate
+// said true). Plus the predicate's truth table, and at np 2 the DP sum against a host
+// reference (one 16-bit sum of the two ranks' rounded values, as the wire adds).
+namespace {
+
+constexpr int64_t kWireRows = 8, kWireCols = 12;  // rows: a multiple of 4 (the FSDP split)
+
+// Rank `rank`'s unrounded gradient for micro-batch `micro`: random magnitudes from fp16
+// subnormals to 4096, and the corner cases at places that move with the rank (so that they
+// meet each other and random values in the sums).
+std::vector<float> raw_gradient(int rank, int micro) {
+  const std::size_t count = static_cast<std::size_t>(kWireRows * kWireCols);
+  std::vector<float> g(count);
+  std::mt19937 random(static_cast<unsigned>(9000 + 17 * rank + micro));
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-30, 12);
+  for (float& v : g) v = std::ldexp(uniform(random), exponent(random));
+  const float corners[] = {
+      65520.0f,  // fp16: to inf (a tie past 65504); bf16: 65536
+      70000.0f,
+      -70000.0f,
+      1.0f + 0x1p-8f,    // bf16 tie, to even: 1
+      1.0f + 0x3p-8f,    // bf16 tie, to even: 1 + 2^-6
+      1.0f + 0x1p-11f,   // fp16 tie, to even: 1
+      1.0f + 0x3p-11f,   // fp16 tie, to even: 1 + 2^-9
+      0x1.8p-20f,        // fp16 subnormal
+      0x1.666666p-24f,   // 1.4 of fp16's smallest subnormal (halved: 0.7, rounds up)
+      -0x1p-25f,         // fp16: a tie to -0
+      0x1.666666p-133f,  // 1.4 of bf16's smallest subnormal
+      0x1p-130f,         // fp32 subnormal
+      -0.0f,
+      65504.0f,
+      3.0e38f};
+  const std::size_t n = sizeof(corners) / sizeof(corners[0]);
+  for (std::size_t i = 0; i < n; ++i)
+    g[(i + 5 * static_cast<std::size_t>(rank)) % count] = corners[i];
+  // On every rank: 1.4 of each format's smallest subnormal, which a halving rounds
+  // differently from a rounding then a halving (the scaled cases' control).
+  g[count - 2] = 0x1.666666p-133f;
+  g[count - 3] = 0x1.666666p-24f;
+  if (rank == world_size() - 1) g[count - 1] = std::numeric_limits<float>::quiet_NaN();
+  return g;
+}
+
+void write_gradient(VectorView dst, std::vector<float> values, bool round_first, Dtype dtype) {
+  ASSERT_EQ(dst.extent(0), values.size());
+  Kokkos::deep_copy(dst,
+                    Kokkos::View<const float*, Kokkos::HostSpace>(values.data(), values.size()));
+  if (round_first) round_in_place(dst, dtype);
+  Kokkos::fence();
+}
+
+std::vector<uint32_t> bits_of(const Vector& v) {
+  const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+  std::vector<uint32_t> out(h.extent(0));
+  std::memcpy(out.data(), h.data(), out.size() * sizeof(float));
+  return out;
+}
+
+const char* dtype_name(Dtype d) {
+  return d == Dtype::fp32 ? "fp32" : d == Dtype::bf16 ? "bf16" : "fp16";
+}
+
+struct WireCase {
+  bool gathered;    // FSDP: storage split over fsdp, the gradient reduce-scattered
+  Dtype wire;       // reduce dtype (the compute dtype is the test's)
+  int replication;  // nonbatch_replication: a scale 1 / replication
+  bool deferred;    // DeferredReduction::later: two micro-batches summed, then all-reduced
+  bool rounds;      // reduce_rounds_to's answer on more than one rank
+};
+
+}  // namespace
+
+TEST(WireRounding, SkippedRoundingIsBitIdenticalWhereTheWireRounds) {
+  const int n = world_size(), rank = world_rank();
+  for (Dtype param : {Dtype::bf16, Dtype::fp16}) {
+    const std::vector<WireCase> cases = {
+        {false, param, 1, false, true},         // DP all-reduce
+        {false, Dtype::fp32, 1, false, false},  // fp32 wire
+        {false, param, 2, false, false},        // scaled before the all-reduce
+        {false, param, 1, true, false},         // deferred (accumulation, ZeRO-1)
+        {true, param, 1, false, true},          // FSDP reduce-scatter
+        {true, param, 2, false, true},          // scaled after it
+        {true, param, 1, true, true},           // accumulating: the reduce-scatter per micro-batch
+        {true, Dtype::fp32, 1, false, false},   // fp32 wire
+    };
+    for (const WireCase& c : cases) {
+      SCOPED_TRACE(std::string(dtype_name(param)) + " wire " + dtype_name(c.wire) +
+                   (c.gathered ? " fsdp" : " dp") + " replication " +
+                   std::to_string(c.replication) + (c.deferred ? " deferred" : " now") + " np " +
+                   std::to_string(n));
+      const std::string axis = c.gathered ? "fsdp" : "dp";
+      MeshCommunicators comms(Mesh::create({{axis, n}}, n), MPI_COMM_WORLD,
+                              testing::test_communicator_factory());
+      ParallelContext context(comms, {axis}, "");
+      context.set_precision({param, c.wire});
+      const PartitionSpec spec =
+          c.gathered ? PartitionSpec::parse("P(fsdp, None)") : PartitionSpec();
+      ShardedTensor value =
+          ShardedTensor::allocate("w", {kWireRows, kWireCols}, spec, comms.mesh(), rank);
+      ShardedTensor grad =
+          ShardedTensor::allocate("w/grad", {kWireRows, kWireCols}, spec, comms.mesh(), rank);
+      ParameterGathers gathers;
+      gathers.compute = {1, kWireRows, kWireCols};
+      gathers.stored = {1, value.box.extent[0], kWireCols};
+      (c.gathered ? gathers.gather_dim1 : gathers.allreduce) = {axis};
+      gathers.nonbatch_replication = c.replication;
+      ShardedParameter parameter({&value, &grad}, gathers, GatherMethod::by_dims, context);
+      LayerScratchNeeds needs;
+      needs.grad = static_cast<std::size_t>(kWireRows * kWireCols);
+      LayerScratch scratch(needs);
+
+      const bool skip = parameter.reduce_rounds_to(param, !c.deferred);
+      EXPECT_EQ(skip, n > 1 && c.rounds);
+      // What the layer leaves in the stored gradient: micro-batches reduced (all-reduce left
+      // out when deferred), summed in fp32, then the deferred all-reduce.
+      auto reduced = [&](bool round_first) {
+        std::vector<float> sum(grad.local.extent(0), 0.0f);
+        for (int micro = 0; micro < (c.deferred ? 2 : 1); ++micro) {
+          MatrixView g = parameter.gradient_matrix(scratch);
+          write_gradient(VectorView(g.data(), g.span()), raw_gradient(rank, micro), round_first,
+                         param);
+          parameter.reduce(scratch, !c.deferred);
+          Kokkos::fence();
+          const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), grad.local);
+          for (std::size_t k = 0; k < sum.size(); ++k) sum[k] += h(k);
+        }
+        if (c.deferred) {
+          write_gradient(VectorView(grad.local.data(), grad.local.extent(0)), sum, false, param);
+          parameter.all_reduce_deferred();
+          Kokkos::fence();
+        }
+        return bits_of(grad.local);
+      };
+      const std::vector<uint32_t> as_is = reduced(false), rounded = reduced(true);
+      if (skip) {
+        EXPECT_EQ(as_is, rounded);
+      } else {
+        // The positive control: here the rounding pass changes the result.
+        EXPECT_NE(as_is, rounded);
+      }
+      if (n == 2 && !c.gathered && c.wire == param && c.replication == 1 && !c.deferred) {
+        // The host reference: each element one 16-bit sum of the two ranks' rounded values.
+        const std::vector<float> g0 = raw_gradient(0, 0), g1 = raw_gradient(1, 0);
+        for (std::size_t k = 0; k < g0.size(); ++k) {
+          const float want =
+              from_16bit(to_16bit(round_to(g0[k], param) + round_to(g1[k], param), param), param);
+          uint32_t want_bits;
+          std::memcpy(&want_bits, &want, sizeof want_bits);
+          ASSERT_EQ(rounded[k], want_bits) << k;
+        }
+      }
+    }
+  }
+}
+
+// The DP overlap buckets: a 16-bit wire of the compute dtype gives the same bits from the
+// unrounded gradients as from the rounded ones (what linear.cpp's `wire() == compute dtype`
+// relies on); an fp32 wire does not (there the rounding pass must run). Two layers' gradients
+// in one bucket (the packed buffer) and a bucket of its own (one piece, reduced in place).
+TEST(WireRounding, BucketsRoundOnTheirSixteenBitWire) {
+  const int n = world_size(), rank = world_rank();
+  if (n == 1) GTEST_SKIP() << "no bucket without a second rank (nothing is reduced)";
+  MeshCommunicators comms(Mesh::create({{"dp", n}}, n), MPI_COMM_WORLD,
+                          testing::test_communicator_factory());
+  ParallelContext context(comms, {"dp"}, "");
+  const std::size_t count = static_cast<std::size_t>(kWireRows * kWireCols);
+  for (Dtype param : {Dtype::bf16, Dtype::fp16}) {
+    for (Dtype wire : {param, Dtype::fp32}) {
+      for (double bucket_mb : {25.0, count * sizeof(float) / (1024.0 * 1024.0)}) {
+        SCOPED_TRACE(std::string(dtype_name(param)) + " wire " + dtype_name(wire) + " bucket_mb " +
+                     std::to_string(bucket_mb));
+        Vector a("a", count), b("b", count);
+        GradientBuckets buckets(
+            {LayerGradients{{VectorView(a.data(), count)}, context.comm({"dp"})},
+             LayerGradients{{VectorView(b.data(), count)}, context.comm({"dp"})}},
+            bucket_mb, wire);
+        ASSERT_EQ(buckets.size(), bucket_mb == 25.0 ? 1u : 2u);
+        auto reduced = [&](bool round_first) {
+          write_gradient(VectorView(a.data(), count), raw_gradient(rank, 0), round_first, param);
+          write_gradient(VectorView(b.data(), count), raw_gradient(rank, 1), round_first, param);
+          buckets.layer_ready(1);
+          buckets.layer_ready(0);
+          buckets.wait_all();
+          Kokkos::fence();
+          std::vector<uint32_t> out = bits_of(a), more = bits_of(b);
+          out.insert(out.end(), more.begin(), more.end());
+          return out;
+        };
+        const std::vector<uint32_t> as_is = reduced(false), rounded = reduced(true);
+        if (buckets.wire() == param) {
+          EXPECT_EQ(as_is, rounded);
+        } else {
+          EXPECT_NE(as_is, rounded);
+        }
+      }
+    }
+  }
 }
 
 TEST(Mlp, TrainingStepsAllocateNothing) {
