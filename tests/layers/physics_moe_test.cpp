@@ -66,6 +66,7 @@
 #include "partition/rules.hpp"
 #include "tests/support/backend.hpp"
 #include "tests/support/expect_close.hpp"
+#include "tests/support/finite_differences.hpp"
 #include "tests/support/full_tensor.hpp"
 #include "tests/support/kokkos_allocations.hpp"
 #include "tests/support/reference_activations.hpp"
@@ -568,18 +569,11 @@ double gradients_against_central_differences(const ModelCase& m, const StepsRun&
   constexpr double kStep = 1e-6;
   std::vector<Tensor> p = run.initial;
   double worst = 0.0;
+  const std::vector<Tensor> fd = testing::central_differences(
+      p, [&](const std::vector<Tensor>& v) { return reference_loss(m, v, b, routing).total; },
+      kStep);
   for (size_t q = 0; q < p.size(); ++q) {
-    Tensor fd(p[q].size());
-    for (size_t i = 0; i < p[q].size(); ++i) {
-      const double v = p[q][i];
-      p[q][i] = v + kStep;
-      const double up = reference_loss(m, p, b, routing).total;
-      p[q][i] = v - kStep;
-      const double down = reference_loss(m, p, b, routing).total;
-      p[q][i] = v;
-      fd[i] = (up - down) / (2 * kStep);
-    }
-    worst = std::max(worst, expect_close_scaled(run.grads[0][q], fd, kGradTolerance,
+    worst = std::max(worst, expect_close_scaled(run.grads[0][q], fd[q], kGradTolerance,
                                                 "gradient " + std::to_string(q)));
   }
   return worst;

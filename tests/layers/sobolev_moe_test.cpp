@@ -56,6 +56,7 @@
 #include "partition/rules.hpp"
 #include "tests/support/backend.hpp"
 #include "tests/support/expect_close.hpp"
+#include "tests/support/finite_differences.hpp"
 #include "tests/support/full_tensor.hpp"
 #include "tests/support/kokkos_allocations.hpp"
 #include "tests/support/reference_activations.hpp"
@@ -502,18 +503,11 @@ TEST(SobolevMoe, GradientsMatchFloat64CentralDifferences) {
     EXPECT_NEAR(run.derivative_losses[0], kLambda * ref.derivative, 1e-5 * ref.derivative);
     EXPECT_NEAR(run.aux_losses[0], ref.aux, 1e-5 * ref.aux);
     double worst = 0.0;
+    const std::vector<Tensor> fd = testing::central_differences(
+        p, [&](const std::vector<Tensor>& v) { return reference_loss(m, v, b, routing).total; },
+        kStep);
     for (size_t q = 0; q < p.size(); ++q) {
-      Tensor fd(p[q].size());
-      for (size_t i = 0; i < p[q].size(); ++i) {
-        const double v = p[q][i];
-        p[q][i] = v + kStep;
-        const double up = reference_loss(m, p, b, routing).total;
-        p[q][i] = v - kStep;
-        const double down = reference_loss(m, p, b, routing).total;
-        p[q][i] = v;
-        fd[i] = (up - down) / (2 * kStep);
-      }
-      worst = std::max(worst, expect_close_scaled(run.grads[0][q], fd, kTolerance,
+      worst = std::max(worst, expect_close_scaled(run.grads[0][q], fd[q], kTolerance,
                                                   "gradient " + std::to_string(q)));
     }
     std::printf(

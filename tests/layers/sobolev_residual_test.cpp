@@ -42,6 +42,7 @@
 #include "partition/rules.hpp"
 #include "tests/support/backend.hpp"
 #include "tests/support/expect_close.hpp"
+#include "tests/support/finite_differences.hpp"
 #include "tests/support/full_tensor.hpp"
 #include "tests/support/kokkos_allocations.hpp"
 #include "tests/support/mesh_cases.hpp"
@@ -393,18 +394,10 @@ TEST(SobolevResidual, GradientsMatchFloat64CentralDifferences) {
     EXPECT_NEAR(run.data_losses[0], ref.data, 1e-5 * ref.data);
     EXPECT_NEAR(run.derivative_losses[0], kLambda * ref.derivative, 1e-5 * ref.derivative);
     double worst = 0.0;
+    const std::vector<Tensor> fd = testing::central_differences(
+        p, [&](const std::vector<Tensor>& v) { return reference_loss(v, m, b).total; }, kStep);
     for (size_t q = 0; q < p.size(); ++q) {
-      Tensor fd(p[q].size());
-      for (size_t i = 0; i < p[q].size(); ++i) {
-        const double v = p[q][i];
-        p[q][i] = v + kStep;
-        const double up = reference_loss(p, m, b).total;
-        p[q][i] = v - kStep;
-        const double down = reference_loss(p, m, b).total;
-        p[q][i] = v;
-        fd[i] = (up - down) / (2 * kStep);
-      }
-      worst = std::max(worst, expect_close_scaled(run.grads[0][q], fd, kTolerance,
+      worst = std::max(worst, expect_close_scaled(run.grads[0][q], fd[q], kTolerance,
                                                   "gradient " + std::to_string(q)));
     }
     std::printf(
