@@ -299,7 +299,7 @@ StreamSource::~StreamSource() {
   std::vector<std::chrono::steady_clock::time_point> heard_at = heard_at_;
   std::vector<char> has_sent(producers_.size(), 0);
   for (size_t p = 0; p < producers_.size(); ++p) {
-    has_sent[p] = heard_total_[p] > 0 || blocks_merge_[p];  // on the clock, as in the pulls
+    has_sent[p] = on_clock(p);  // as in the pulls
   }
   const double timeout = section_.producer_timeout;
   // Once every producer closed, the publishes' end is waited for at most
@@ -567,8 +567,7 @@ void StreamSource::pull_once() {
     // A producer whose staging is full is held back by this rank (the merge waits at another
     // producer's turn), not silent: no vote.
     const bool held = staged_count_[p] == sp::kStagingSlots;
-    const bool on_clock = heard_total_[p] > 0 || blocks_merge_[p];
-    const bool silent = timeout > 0.0 && !closed_[p] && !gone_[p] && !held && on_clock &&
+    const bool silent = timeout > 0.0 && !closed_[p] && !gone_[p] && !held && on_clock(p) &&
                         std::chrono::duration<double>(now - heard_at_[p]).count() > timeout;
     sums[kCounterSums + producers + p] = silent ? 1 : 0;
     sums[kCounterSums + 2 * producers + p] = held ? 1 : 0;
@@ -592,7 +591,7 @@ void StreamSource::pull_once() {
       for (size_t q = 0; q < producers; ++q) {
         open += closed_[q] || gone_[q] ? 0 : 1;
         const bool held = sums[kCounterSums + 2 * producers + q] > 0;
-        if (held && held_back < 0 && sums[kCounterSums + 3 * producers + p] > 0) {
+        if (held && held_back < 0 && blocks_merge_[p]) {
           held_back = static_cast<int64_t>(q);
         }
       }

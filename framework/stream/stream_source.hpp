@@ -229,6 +229,9 @@ class StreamSource : public RowSource {
   std::vector<int64_t> reduced_;
   std::vector<int64_t> heard_total_;  // the messages agreed at the last change
   std::vector<std::chrono::steady_clock::time_point> heard_at_;  // when that changed
+  // Whether producer p's silence counts toward producer_timeout: it has sent (agreed), or a
+  // merge waits at its turn.
+  bool on_clock(size_t p) const { return heard_total_[p] > 0 || blocks_merge_[p]; }
   std::vector<char> gone_;
   std::vector<float> row_scratch_;  // a float64 row converted
   bool started_ = false;
