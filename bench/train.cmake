@@ -15,3 +15,10 @@ target_link_options(bench_train_step PRIVATE -rdynamic)
 add_executable(bench_laplacian ${CMAKE_CURRENT_SOURCE_DIR}/laplacian_speed.cpp)
 target_link_libraries(bench_laplacian PRIVATE meshtrain_run CLI11::CLI11
                       nlohmann_json::nlohmann_json)
+
+# The memory tracker's bytes by plan item against the plan's, after a run of a config (issue 37;
+# bench/bf16_memory.sh):
+#   mpirun -np 2 build/bin/bench_memory_items CONFIG [--set section.key=value ...]
+add_executable(bench_memory_items ${CMAKE_CURRENT_SOURCE_DIR}/memory_items.cpp)
+target_link_libraries(bench_memory_items PRIVATE meshtrain_run CLI11::CLI11
+                      nlohmann_json::nlohmann_json)

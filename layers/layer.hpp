@@ -57,7 +57,7 @@ struct ParameterRef {
 
 // Floats of shared scratch a layer needs; a model allocates the maximum over its layers.
 struct LayerScratchNeeds {
-  size_t weight = 0;  // gathered compute block of a weight (and of a prefetched one)
+  size_t weight = 0;  // a weight's gathered compute block (its 16 bits: sharded_parameter.cpp)
   size_t grad = 0;    // compute block of a weight gradient
   size_t stage = 0;   // between the two gathers / reduce-scatters of a 2-D storage split
   size_t bias = 0;    // gathered bias / full-width bias gradient

@@ -6,6 +6,7 @@
 
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
+#include "framework/core/gemm_kernel_reads.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
 
@@ -160,6 +161,16 @@ LayerScratchNeeds ShardedParameter::scratch_needs() const {
     // Widened into scratch.weight; a prefetch lands in the 16-bit landing (a blocking gather in
     // scratch.grad's bytes).
     if (can_prefetch()) needs.weight_16bit = static_cast<size_t>(d1 * d2);
+    // Where gemm()'s kernel reads 16 bits as stored (not merely gemm_reads_16bit(): under
+    // MESHTRAIN_GEMM_16BIT_OPERANDS=always an fp32 kernel widens into gemm()'s own scratch), the
+    // Linear's GEMMs take the weight only through compute_matrix_16bit(): gathered, its blocks put
+    // in place in scratch.weight's bytes, 2 bytes an element (d1 d2 / 2 floats, rounded up);
+    // stored whole, the copy itself, nothing in scratch.weight. (The fp32 uses, the tangent
+    // passes, are fp32-only; compute_matrix() checks the size all the same.)
+    // framework/train/memory_plan.cpp counts it alike.
+    if (gemm_kernel_reads_16bit(compute_)) {
+      needs.weight = gathered() ? static_cast<size_t>((d1 * d2 + 1) / 2) : 0;
+    }
   } else if (can_prefetch()) {
     needs.prefetch = needs.weight;  // (a weight stored whole is never prefetched)
   }
@@ -268,6 +279,11 @@ ConstHalfMatrixView ShardedParameter::compute_matrix_16bit(LayerScratch& scratch
 MatrixView ShardedParameter::compute_matrix(LayerScratch& scratch) {
   const int64_t d1 = g_.compute[1], d2 = g_.compute[2];
   MatrixView stored = value().matrix();
+  const bool writes_scratch = copy_ || gathered() || compute_ != Dtype::fp32;
+  MESHTRAIN_REQUIRE(!writes_scratch || scratch.weight.extent(0) >= static_cast<size_t>(d1 * d2),
+                    "parameter '", value().name, "': its fp32 compute block [", d1, ", ", d2,
+                    "] does not fit the weight scratch (", scratch.weight.extent(0),
+                    " floats: sized for 16-bit weights where gemm()'s kernel reads 16 bits)");
   MatrixView full(scratch.weight.data(), d1, d2);
   if (copy_) {
     if (!gathered()) {

@@ -44,8 +44,8 @@
 // it, so no cast pass runs; stored whole it is widened into scratch.weight, gathered (over one
 // group) its 16-bit elements travel as they are, blocking into the bytes of scratch.grad (free
 // until backward computes the gradient there) or prefetched into scratch.weight_16bit, and are
-// widened into scratch.weight. A copy that is not current (the master was written some other
-// way) is cast again from the master first.
+// widened into scratch.weight (or put there as 16 bits: compute_matrix_16bit, scratch_needs).
+// A copy that is not current (the master was written some other way) is cast from it first.
 // Everything is allocated at construction: nothing in compute(), gradient() or reduce().
 
 #include <cstdint>

@@ -1,4 +1,5 @@
 #include "framework/core/gemm.hpp"
+#include "framework/core/gemm_kernel_reads.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -361,6 +362,10 @@ bool gemm_reads_16bit(Dtype inputs) {
                         "' is not one of auto | always");
   }();
   if (always && inputs != Dtype::fp32) return true;
+  return reads_16bit(host_library(), inputs);
+}
+
+bool gemm_kernel_reads_16bit(Dtype inputs) {
   return reads_16bit(host_library(), inputs);
 }
 

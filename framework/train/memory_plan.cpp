@@ -12,6 +12,7 @@
 #include "framework/comm/reduction_choice.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
+#include "framework/core/gemm_kernel_reads.hpp"
 #include "framework/core/views.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
@@ -141,6 +142,8 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   const MixedPrecision precision = config.mixed_precision.policy();
   const bool fp32 = precision.param == Dtype::fp32;
   const bool reads_16bit = gemm_reads_16bit(precision.param);  // (layers/linear.hpp's GEMMs)
+  // Whether gemm()'s kernel reads them as stored (not widened into gemm()'s own scratch).
+  const bool kernel_reads_16bit = gemm_kernel_reads_16bit(precision.param);
   const bool residual = config.model.kind == ModelKind::residual_mlp;
   const bool gated = residual && config.model.residual().gated;
   // The shared scratch's needs in floats (LayerScratchNeeds, merged by maximum over the layers)
@@ -253,7 +256,6 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     // Its parameters' needs of the shared scratch (ShardedParameter::scratch_needs).
     const int64_t d1 = l.in_compute, d2 = l.compute_cols(), s1 = l.stored_rows, s2 = l.stored_cols;
     const bool gathered = l.gathers_weight();
-    if (gathered || !fp32) weight = std::max(weight, d1 * d2);
     if (gathered) grad = std::max(grad, d1 * d2);
     const bool two_gathers = !l.weight_gather_dim0.empty() && !l.weight_gather_dim1.empty();
     if (two_gathers) stage = std::max(stage, std::max(d1 * s2, s1 * d2));
@@ -269,6 +271,15 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     // collective matmuls read it as it is).
     const bool copy = (keeps_16bit && keeps_16bit_weight_copy(l, reads_16bit)) ||
                       keeps_feature_parallel_weight_copy(storage_query, l, reads_16bit);
+    // The shared fp32 weight buffer (scratch.weight) the GEMMs read; where gemm()'s kernel reads
+    // 16 bits as stored, a weight with a copy reaches them only as 16 bits: gathered, put in place
+    // in that buffer's bytes (2 bytes an element, whole floats), stored whole, the copy itself
+    // (ShardedParameter::scratch_needs).
+    if (copy && kernel_reads_16bit) {
+      if (one_gather) weight = std::max(weight, (d1 * d2 + 1) / 2);
+    } else if (gathered || !fp32) {
+      weight = std::max(weight, d1 * d2);
+    }
     if (copy) {
       copy_halves += s1 * s2;
       if (config.runtime.overlap && one_gather) weight_16bit = std::max(weight_16bit, d1 * d2);

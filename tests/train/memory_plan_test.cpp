@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "framework/core/gemm.hpp"
+#include "framework/core/gemm_kernel_reads.hpp"
 #include "framework/core/views.hpp"
 #include "framework/observe/memory_tracker.hpp"
 #include "run/training_run.hpp"
@@ -618,14 +619,19 @@ TEST(MemoryPlan, SixteenBitStorageDecidedAlikeOnAFeatureAxisThatSplitsNoLayer) {
 }
 
 // The weights' 16-bit compute copies (docs/mixed_precision.md): under FSDP with prefetch, a plain
-// MLP computing in bf16 or fp16 gathers its weights as 16 bits into one 16-bit landing, widened
-// into the one fp32 weight buffer, instead of an fp32 weight buffer and an fp32 prefetch buffer:
-// the gathered weight buffers (scratch weight, prefetch and 16-bit landing) take at most 0.75 of
-// fp32's (6 bytes an element against 8) where the weights are gathered (np > 1), and the plan
-// counts them and the copies (2 bytes an element of each stored block) to the byte as the tracker
-// measures them.
+// MLP computing in bf16 or fp16 gathers its weights as 16 bits into one 16-bit landing, instead of
+// an fp32 weight buffer and an fp32 prefetch buffer. Where gemm()'s kernel reads the dtype as
+// stored (gemm_kernel_reads_16bit: oneDNN's bf16 matmul on a CPU with AVX512_BF16, cuBLAS) the
+// GEMMs read the gathered blocks put in place in the weight buffer's bytes, which is then 2 bytes
+// an element: the gathered weight buffers (scratch weight, prefetch and 16-bit landing) take half
+// of fp32's (4 bytes an element against 8; the weight buffer exactly half of fp32's) where the
+// weights are gathered (np > 1). Elsewhere (fp16 on a CPU, OpenBLAS, and an fp32 kernel under
+// MESHTRAIN_GEMM_16BIT_OPERANDS=always, the operands16_openblas registration) the landing is
+// widened into an fp32 weight buffer: at most 0.75 (6 bytes against 8; the weight buffer as
+// fp32's). The plan counts them and the copies (2 bytes an element of each stored block) to the
+// byte as the tracker measures them.
 TEST(MemoryPlan, SixteenBitGatheredWeightsOfAPlainMlpUnderFsdpPrefetch) {
-  std::map<Dtype, int64_t> gathered;
+  std::map<Dtype, int64_t> gathered, weight_buffer;
   for (const Dtype dtype : {Dtype::fp32, Dtype::bf16, Dtype::fp16}) {
     SCOPED_TRACE(to_string(dtype));
     RunConfig config = config_for("fsdp", run_dir("sixteen_bit_gathered"));
@@ -644,6 +650,8 @@ TEST(MemoryPlan, SixteenBitGatheredWeightsOfAPlainMlpUnderFsdpPrefetch) {
             a.label == "meshtrain::scratch_weight_16bit") {
           buffers += a.bytes;
         }
+        // (fp32 swaps the weight and prefetch buffers, of one size: either label.)
+        if (a.label == "meshtrain::scratch_weight") weight_buffer[dtype] = a.bytes;
         if (run.plan_item_of(a) == "gathered weights") item += a.bytes;
       }
       const TrainingWorkspace& w = run.planned_memory().workspace;
@@ -672,7 +680,15 @@ TEST(MemoryPlan, SixteenBitGatheredWeightsOfAPlainMlpUnderFsdpPrefetch) {
   // master rounded into the fp32 weight buffer.)
   if (world_size() == 1) return;
   for (const Dtype dtype : {Dtype::bf16, Dtype::fp16}) {
-    EXPECT_LE(double(gathered[dtype]), 0.75 * double(gathered[Dtype::fp32]) + 3 * 128)
+    const bool reads = gemm_kernel_reads_16bit(dtype);
+    SCOPED_TRACE(to_string(dtype) +
+                 std::string(reads ? ": the kernel reads it" : ": an fp32 kernel"));
+    // (64-256-256-256-8: the largest gathered block has an even number of elements.)
+    EXPECT_EQ(weight_buffer[dtype],
+              reads ? weight_buffer[Dtype::fp32] / 2 : weight_buffer[Dtype::fp32]);
+    // Up to 3 empty Views' 128-byte headers on either side.
+    EXPECT_LE(double(gathered[dtype]),
+              (reads ? 0.5 : 0.75) * double(gathered[Dtype::fp32]) + 3 * 128)
         << to_string(dtype) << " against fp32";
   }
 }
@@ -724,7 +740,9 @@ TEST(MemoryPlan, SixteenBitCopiesWhereGatheredOverOneGroupOrWhereGemmReads16Bits
           EXPECT_EQ(models_with_copies, 4);  // every weight
           EXPECT_GT(copies, 0);
         }
-        if (whole_copy) whole_copies = w.sixteen_bit_copy_bytes;
+        // Where gemm()'s kernel reads 16 bits the weights stored whole reach the GEMMs as their
+        // copies alone (no fp32 weight buffer): the bf16 total is at most fp32's, copies and all.
+        if (whole_copy && !gemm_kernel_reads_16bit(dtype)) whole_copies = w.sixteen_bit_copy_bytes;
         EXPECT_GE(item, w.gathered_weight_bytes);
         EXPECT_LE(item, w.gathered_weight_bytes + 6 * 128);  // the scratch's empty Views' headers
         total[dtype] = run.planned_memory().kokkos_bytes();
