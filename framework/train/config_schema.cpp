@@ -871,7 +871,7 @@ std::optional<KeyProblem> check_tables(const ConfigKey&, const RunConfig& c,
   return std::nullopt;
 }
 
-// model.loss and data.source with kind = "dlrm": a click model on HDF5 files.
+// partition.preset = "dlrm" with kind = "dlrm" only (its rules are about embedding tables).
 std::optional<KeyProblem> check_preset(const ConfigKey&, const RunConfig& c,
                                        const KeyNames& names) {
   if (c.partition.preset != "dlrm" || c.model.kind == ModelKind::dlrm) return std::nullopt;
@@ -880,6 +880,7 @@ std::optional<KeyProblem> check_preset(const ConfigKey&, const RunConfig& c,
                  "\"; \"dp\" replicates every parameter");
 }
 
+// model.loss and data.source with kind = "dlrm": a click model on HDF5 files.
 std::optional<KeyProblem> check_dlrm_loss(const ConfigKey&, const RunConfig& c, const KeyNames&) {
   if (c.model.kind != ModelKind::dlrm || !c.model.loss ||
       *c.model.loss == LossKind::binary_cross_entropy) {
