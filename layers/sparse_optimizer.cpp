@@ -8,6 +8,7 @@
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
+#include "framework/core/stochastic_rounding.hpp"
 #include "framework/train/adamw_math.hpp"
 
 namespace meshtrain {
@@ -15,10 +16,20 @@ namespace {
 
 // The kernels, as free functions: nvcc rejects a device lambda inside a private member.
 
+// What an update writes into element (row, column) of the local block: `value`, or it
+// stochastically rounded to bf16 (TableRounding).
+KOKKOS_INLINE_FUNCTION float written(const TableRounding& r, float value, int64_t row,
+                                     int64_t column) {
+  if (!r.bf16) return value;
+  return round_bf16_stochastic(
+      value, stochastic_rounding_bits(r.seed, r.first_row + row, r.first_column + column, r.step));
+}
+
 // One thread per touched row: its mean squared gradient (columns in order), the accumulator,
 // then the row.
 void rowwise_adagrad_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView grads,
-                          MatrixView weight, VectorView state, float lr, float eps) {
+                          MatrixView weight, VectorView state, float lr, float eps,
+                          const TableRounding rounding) {
   const int64_t dim = static_cast<int64_t>(grads.extent(1));
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::rowwise_adagrad"),
@@ -29,7 +40,9 @@ void rowwise_adagrad_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView gra
         const float sum = state(row) + squares / static_cast<float>(dim);
         state(row) = sum;
         const float multiplier = lr / (kmath::sqrt(sum) + eps);
-        for (int64_t c = 0; c < dim; ++c) weight(row, c) -= multiplier * grads(r, c);
+        for (int64_t c = 0; c < dim; ++c) {
+          weight(row, c) = written(rounding, weight(row, c) - multiplier * grads(r, c), row, c);
+        }
       });
 }
 
@@ -50,7 +63,8 @@ void rowwise_partial_squares(ConstMatrixView grads, VectorView squares) {
 // slices' group computes the same accumulator; the mean is over the whole row's `dim`.
 void rowwise_adagrad_sliced_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView grads,
                                  ConstVectorView gathered, int64_t slices, int64_t dim,
-                                 MatrixView weight, VectorView state, float lr, float eps) {
+                                 MatrixView weight, VectorView state, float lr, float eps,
+                                 const TableRounding rounding) {
   const int64_t touched = static_cast<int64_t>(rows.extent(0));
   const int64_t columns = static_cast<int64_t>(grads.extent(1));
   Kokkos::parallel_for(
@@ -62,7 +76,9 @@ void rowwise_adagrad_sliced_rows(Kokkos::View<const int64_t*> rows, ConstMatrixV
         const float sum = state(row) + squares / static_cast<float>(dim);
         state(row) = sum;
         const float multiplier = lr / (kmath::sqrt(sum) + eps);
-        for (int64_t c = 0; c < columns; ++c) weight(row, c) -= multiplier * grads(r, c);
+        for (int64_t c = 0; c < columns; ++c) {
+          weight(row, c) = written(rounding, weight(row, c) - multiplier * grads(r, c), row, c);
+        }
       });
 }
 
@@ -71,7 +87,7 @@ void rowwise_adagrad_sliced_rows(Kokkos::View<const int64_t*> rows, ConstMatrixV
 // gets the same floats.
 void sparse_adamw_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView grads, MatrixView weight,
                        MatrixView m, MatrixView v, VectorView steps, float lr,
-                       const SparseOptimizerSettings s) {
+                       const SparseOptimizerSettings s, const TableRounding rounding) {
   const int64_t dim = static_cast<int64_t>(grads.extent(1));
   const float decay = 1.0f - lr * s.weight_decay;
   Kokkos::parallel_for(
@@ -84,8 +100,10 @@ void sparse_adamw_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView grads,
         const float step_size = lr / adamw_bias_correction(s.beta1, t);
         const float inv_correction2 = 1.0f / adamw_bias_correction(s.beta2, t);
         for (int64_t c = 0; c < dim; ++c) {
-          weight(row, c) = adamw_element(weight(row, c), grads(r, c), m(row, c), v(row, c), s.beta1,
-                                         s.beta2, decay, step_size, inv_correction2, s.eps);
+          const float value =
+              adamw_element(weight(row, c), grads(r, c), m(row, c), v(row, c), s.beta1, s.beta2,
+                            decay, step_size, inv_correction2, s.eps);
+          weight(row, c) = written(rounding, value, row, c);
         }
       });
 }
@@ -113,6 +131,17 @@ void require_same_tables(const std::vector<EmbeddingBag>& tables, size_t built) 
 }
 
 }  // namespace
+
+TableRounding SparseTableOptimizer::rounding(const EmbeddingBag& table, size_t t) const {
+  TableRounding r;
+  r.bf16 = bf16_;
+  // Each table its own stream of draws: the seed mixed with the table's index.
+  r.seed = seed_ ^ ((static_cast<uint64_t>(t) + 1) * 0x9E3779B97F4A7C15ull);
+  r.first_row = table.first_row();
+  r.first_column = table.first_column();
+  r.step = updates_;
+  return r;
+}
 
 RowwiseAdagrad::RowwiseAdagrad(const std::vector<EmbeddingBag>& tables, float eps, const Mesh& mesh,
                                int rank)
@@ -142,7 +171,7 @@ void RowwiseAdagrad::step(const std::vector<EmbeddingBag>& tables, float lr) {
     Communicator* slices = table.column_comm();
     if (!slices) {
       rowwise_adagrad_rows(table.touched_rows(), table.row_gradients(), table.weight().matrix(),
-                           state_[t].local, lr, eps_);
+                           state_[t].local, lr, eps_, rounding(table, t));
       continue;
     }
     // Column-wise: the row's mean square needs every slice's columns. Every rank of the slices
@@ -155,8 +184,9 @@ void RowwiseAdagrad::step(const std::vector<EmbeddingBag>& tables, float lr) {
     slices->all_gather(squares, gathered);
     rowwise_adagrad_sliced_rows(table.touched_rows(), table.row_gradients(), gathered,
                                 slices->size(), table.dim(), table.weight().matrix(),
-                                state_[t].local, lr, eps_);
+                                state_[t].local, lr, eps_, rounding(table, t));
   }
+  ++updates_;
 }
 
 SparseAdamW::SparseAdamW(const std::vector<EmbeddingBag>& tables,
@@ -176,20 +206,29 @@ void SparseAdamW::step(const std::vector<EmbeddingBag>& tables, float lr) {
     const EmbeddingBag& table = tables[t];
     if (table.touched_count() == 0) continue;
     sparse_adamw_rows(table.touched_rows(), table.row_gradients(), table.weight().matrix(),
-                      m_[t].matrix(), v_[t].matrix(), steps_[t].local, lr, settings_);
+                      m_[t].matrix(), v_[t].matrix(), steps_[t].local, lr, settings_,
+                      rounding(table, t));
   }
+  ++updates_;
 }
 
 std::unique_ptr<SparseTableOptimizer> make_sparse_table_optimizer(
     EmbeddingOptimizer kind, const SparseOptimizerSettings& settings,
     const std::vector<EmbeddingBag>& tables, const Mesh& mesh, int rank) {
+  std::unique_ptr<SparseTableOptimizer> optimizer;
   switch (kind) {
     case EmbeddingOptimizer::rowwise_adagrad:
-      return std::make_unique<RowwiseAdagrad>(tables, settings.eps, mesh, rank);
+      optimizer = std::make_unique<RowwiseAdagrad>(tables, settings.eps, mesh, rank);
+      break;
     case EmbeddingOptimizer::sparse_adamw:
-      return std::make_unique<SparseAdamW>(tables, settings, mesh, rank);
+      optimizer = std::make_unique<SparseAdamW>(tables, settings, mesh, rank);
+      break;
     case EmbeddingOptimizer::dense:
       break;
+  }
+  if (optimizer) {
+    if (settings.bf16_tables) optimizer->keep_tables_in_bf16(settings.rounding_seed);
+    return optimizer;
   }
   MESHTRAIN_REQUIRE(false, "make_sparse_table_optimizer: the dense kind has no sparse optimizer");
   return nullptr;

@@ -29,6 +29,19 @@
 // table's spec, columns included), so the checkpoint saves it
 // as /opt_state/<slot>/embeddings/<t>/weight and a load reshards it with the table. Everything
 // is allocated at construction: step() allocates nothing.
+//
+// bf16 tables (docs/recsys.md, "bf16 tables"; keep_tables_in_bf16): every element an update
+// writes is stochastically rounded to bf16 (framework/core/stochastic_rounding.hpp) with the
+// draw of (the seed mixed with the table's index, its global row, its global column, the
+// update's index), so the table holds bf16 values, the same on every mesh; the state stays fp32
+// and there is no fp32 copy of the table (TorchRec's fused optimizers with bf16 weights: the
+// memory of a table is what bf16 is for, and an fp32 master would take 4 bytes an element more
+// than the table it replaces). Stochastic rather than nearest: an update under half a bf16 step
+// (2^-9 of the value) would be lost every time by nearest rounding, and a table row is updated
+// only when its ids come, so such small steps are common; stochastic rounding keeps them in
+// expectation. The table's storage is still fp32 in this slice (values that are bf16); its 2-byte
+// storage, the forward reading it, DLRM under mixed_precision.param_dtype = "bf16" and the plan's
+// 2 bytes are not built yet.
 
 #include <memory>
 #include <string>
@@ -46,6 +59,18 @@ struct SparseOptimizerSettings {
   float eps = 1e-8f;
   float beta1 = 0.9f, beta2 = 0.999f;  // sparse_adamw
   float weight_decay = 0.0f;           // sparse_adamw (decoupled)
+  // bf16 tables (above): make_sparse_table_optimizer calls keep_tables_in_bf16(rounding_seed).
+  bool bf16_tables = false;
+  uint64_t rounding_seed = 0;
+};
+
+// How an update writes a table's elements (device-copyable): as computed, or stochastically
+// rounded to bf16 with the draw of (seed, first_row + local row, first_column + local column,
+// step).
+struct TableRounding {
+  bool bf16 = false;
+  uint64_t seed = 0;
+  int64_t first_row = 0, first_column = 0, step = 0;
 };
 
 // A state slot for the checkpoint: its name and one tensor per table.
@@ -62,6 +87,26 @@ class SparseTableOptimizer {
   virtual void step(const std::vector<EmbeddingBag>& tables, float lr) = 0;
   // The state (views of the live tensors: a checkpoint load writes into them).
   virtual std::vector<SparseOptimizerSlot> slots() const = 0;
+
+  // From now on every element an update writes is stochastically rounded to bf16 (above); the
+  // tables should hold bf16 values already (e.g. initialized so). Table t's draws are keyed by
+  // `seed` mixed with t.
+  void keep_tables_in_bf16(uint64_t seed) {
+    bf16_ = true;
+    seed_ = seed;
+  }
+  bool bf16_tables() const { return bf16_; }
+  // The updates made so far: the draw's step index of the next one (step() adds 1). A resume
+  // that should round as the uninterrupted run sets it to the run's step (not wired yet).
+  int64_t updates() const { return updates_; }
+  void set_updates(int64_t updates) { updates_ = updates; }
+
+ protected:
+  // How step() writes table t (of `table`'s block) in the current update.
+  TableRounding rounding(const EmbeddingBag& table, size_t t) const;
+  bool bf16_ = false;
+  uint64_t seed_ = 0;
+  int64_t updates_ = 0;
 };
 
 class RowwiseAdagrad : public SparseTableOptimizer {

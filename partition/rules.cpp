@@ -15,14 +15,22 @@ PartitionRule preset_rule(const std::string& pattern, const std::string& spec) {
 
 }  // namespace
 
+const char* const kDlrmTablePattern = "^embeddings/[^/]+/weight$";
+
+std::string dlrm_table_spec(const std::vector<std::string>& table_axes) {
+  if (table_axes.empty()) return "P()";
+  if (table_axes.size() == 1) return "P(" + table_axes[0] + ", None)";
+  return "P((" + join(table_axes) + "), None)";
+}
+
 const std::vector<std::string>& preset_names() {
-  static const std::vector<std::string> names = {"dp",    "fsdp",    "tp",        "fsdp_tp",
-                                                 "dp_tp", "dp_fsdp", "replicated"};
+  static const std::vector<std::string> names = {"dp",    "fsdp",    "tp",         "fsdp_tp",
+                                                 "dp_tp", "dp_fsdp", "replicated", "dlrm"};
   return names;
 }
 
 std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe, bool norms,
-                                        bool residual) {
+                                        bool residual, const std::vector<std::string>& table_axes) {
   // Weights are [in, out] (y = x W + b). A norm's scale [width] (layers/norm.hpp) is stored
   // like a bias (its bias matches "bias$"): under tp split like the features it scales.
   // Data-parallel axes never shard parameters: dp
@@ -45,7 +53,12 @@ std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe, boo
     rules.push_back(preset_rule("blocks/[0-9]+/(up|gate)/weight$", weight));
     rules.push_back(preset_rule("blocks/[0-9]+/(up|gate)/bias$", "P(tp)"));
   };
-  if (preset == "dp" || preset == "replicated") {
+  if (preset == "dlrm") {
+    // TorchRec's default plan, simply: every embedding table row-wise over the batch axes
+    // (min_sharding_size keeps the small ones replicated, the replicate fallback those whose
+    // rows do not divide), every dense layer data-parallel (the catch-all below).
+    rules.push_back(preset_rule(kDlrmTablePattern, dlrm_table_spec(table_axes)));
+  } else if (preset == "dp" || preset == "replicated") {
     experts("None, None", "None");
   } else if (preset == "fsdp" || preset == "dp_fsdp") {
     experts("fsdp, None", "fsdp");

@@ -19,18 +19,26 @@ struct PartitionRule {
 };
 
 // Rules of a named preset for the MLP: "dp", "fsdp", "tp", "fsdp_tp", "dp_tp", "dp_fsdp"
-// (also "replicated"). Every preset ends with a catch-all `.*` -> P(). Unknown name:
-// bad_input naming it and listing the known ones. With `moe`, rules for MoE layers' parameters
-// come first: router/weight P(), experts/weight P(ep, <the dense weight's entries>),
-// experts/bias P(ep, <the dense bias's entry>). With `norms` (a model with norms, e.g.
-// residual_mlp), "scale$" is stored as "bias$" is (a norm's bias matches "bias$"). With
-// `residual` (kind residual_mlp) and a preset that splits over tp (tp, dp_tp, fsdp_tp), the
-// blocks' feed-forward is Megatron's pair (docs/partitioning.md): blocks/<i>/up and
+// (also "replicated"); and "dlrm" for a DLRM (docs/recsys.md, "The dlrm preset"): the tables
+// (kDlrmTablePattern) row-wise over `table_axes` (dlrm_table_spec), everything else P(). Every
+// preset ends with a catch-all `.*` -> P(). Unknown name: bad_input naming it and listing the known
+// ones. With `moe`, rules for MoE layers' parameters come first: router/weight P(), experts/weight
+// P(ep, <the dense weight's entries>), experts/bias P(ep, <the dense bias's entry>). With `norms`
+// (a model with norms, e.g. residual_mlp), "scale$" is stored as "bias$" is (a norm's bias matches
+// "bias$"). With `residual` (kind residual_mlp) and a preset that splits over tp (tp, dp_tp,
+// fsdp_tp), the blocks' feed-forward is Megatron's pair (docs/partitioning.md): blocks/<i>/up and
 // blocks/<i>/gate weights column-parallel, P(None, tp) (fsdp_tp: P(fsdp, tp)), their biases
 // P(tp); blocks/<i>/down row-parallel as every other weight, P(tp, None) (fsdp_tp:
 // P(tp, fsdp)). One all-gather into and one reduce-scatter out of each block's feed-forward.
+// `table_axes` ("dlrm" only): the batch axes the run's mesh has, major to minor.
 std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe = false,
-                                        bool norms = false, bool residual = false);
+                                        bool norms = false, bool residual = false,
+                                        const std::vector<std::string>& table_axes = {});
+
+// The "dlrm" preset's table rule: its pattern, and its spec over `table_axes`: "P(fsdp, None)",
+// "P((fsdp, dp), None)", or "P()" when there are none.
+extern const char* const kDlrmTablePattern;
+std::string dlrm_table_spec(const std::vector<std::string>& table_axes);
 
 // The preset names preset_rules() knows, in a stable order.
 const std::vector<std::string>& preset_names();

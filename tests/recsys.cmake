@@ -10,9 +10,10 @@ meshtrain_add_command_test(NAME recsys_make_data TIMEOUT 120
 # its table refused in one sentence on every rank (tests/recsys/check_dlrm_train.py says how);
 # the same training and resumes with the tables updated sparsely (row-wise Adagrad, sparse AdamW);
 # three tables column-wise on 2 ranks, resumed row-wise on 4, on 1, column-wise on 4 (columns*);
-# four tables row-wise on 4 ranks, resumed table-wise on 2 (P(fsdp@table)), then on 1 (tablewise).
+# four tables row-wise on 4 ranks, resumed table-wise on 2 (P(fsdp@table)), then on 1 (tablewise);
+# the dlrm preset's plan at world 1, 2, 4 and np 2, 4 training as np 1 (preset).
 foreach(mode train resume bad_id train_rowwise_adagrad resume_rowwise_adagrad resume_sparse_adamw
-        columns columns_rowwise_adagrad tablewise tablewise_rowwise_adagrad)
+        columns columns_rowwise_adagrad tablewise tablewise_rowwise_adagrad preset)
   meshtrain_add_command_test(NAME recsys_dlrm_${mode} TIMEOUT 180
     COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/recsys/check_dlrm_train.py ${mode}
             ${PROJECT_SOURCE_DIR}/scripts/make_recsys_data

@@ -76,6 +76,7 @@ std::optional<KeyProblem> check_tables(const ConfigKey&, const RunConfig&, const
 std::optional<KeyProblem> check_sparse_key(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> check_dlrm_loss(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> check_dlrm_source(const ConfigKey&, const RunConfig&, const KeyNames&);
+std::optional<KeyProblem> check_preset(const ConfigKey&, const RunConfig&, const KeyNames&);
 
 // Keys of one model kind (ConfigKey::not_for).
 const char* unless_residual(const RunConfig& c) {
@@ -308,8 +309,10 @@ const std::vector<ConfigKey>& config_keys() {
     // --- [partition] ---------------------------------------------------------------------
     k.push_back(make_key("partition", "preset", FIELD(partition.preset), any_value(), kEveryCommand,
                          "the rules of a training mode "
-                         "([training_modes.md](training_modes.md))")
+                         "([training_modes.md](training_modes.md); dlrm: the tables row-wise, "
+                         "[recsys.md](recsys.md#the-dlrm-preset))")
                     .one_of(preset_choices)
+                    .checked_by(check_preset, "\"dlrm\" with kind = \"dlrm\"")
                     .unset_when_empty()
                     .defaults_to("none"));
     k.push_back(make_key("partition", "min_sharding_size", FIELD(partition.min_sharding_size),
@@ -866,6 +869,15 @@ std::optional<KeyProblem> check_tables(const ConfigKey&, const RunConfig& c,
     }
   }
   return std::nullopt;
+}
+
+// partition.preset = "dlrm" with kind = "dlrm" only (its rules are about embedding tables).
+std::optional<KeyProblem> check_preset(const ConfigKey&, const RunConfig& c,
+                                       const KeyNames& names) {
+  if (c.partition.preset != "dlrm" || c.model.kind == ModelKind::dlrm) return std::nullopt;
+  return problem("\"dlrm\" is the preset of ", names("model.kind"),
+                 " = \"dlrm\" (its embedding tables row-wise), not of \"", to_string(c.model.kind),
+                 "\"; \"dp\" replicates every parameter");
 }
 
 // model.loss and data.source with kind = "dlrm": a click model on HDF5 files.

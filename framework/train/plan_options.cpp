@@ -11,6 +11,25 @@
 
 namespace meshtrain {
 
+namespace {
+
+// The "dlrm" preset's table axes: the layers' batch axes (partition.logical_axes) that the
+// config's [mesh] names with a size other than 1 (-1 included: it may take several ranks), in
+// the logical order. An axis of size 1 splits nothing and would only lengthen the rule.
+std::vector<std::string> dlrm_table_axes(const RunConfig& config) {
+  const LayerAxes axes = layer_axes(LogicalAxes::with_overrides(config.partition.logical_axes),
+                                    config.model.moe().any());
+  std::vector<std::string> out;
+  for (const std::string& axis : axes.batch) {
+    for (const auto& [name, size] : config.mesh.axes) {
+      if (name == axis && size != 1) out.push_back(axis);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 std::vector<PartitionRule> partition_rules(const RunConfig& config) {
   std::vector<PartitionRule> rules;
   for (const PartitionRuleText& rule : config.partition.rules) {
@@ -19,7 +38,7 @@ std::vector<PartitionRule> partition_rules(const RunConfig& config) {
   if (!config.partition.preset.empty()) {
     for (PartitionRule& rule :
          preset_rules(config.partition.preset, config.model.moe().any(), config.model.has_norms(),
-                      config.model.kind == ModelKind::residual_mlp))
+                      config.model.kind == ModelKind::residual_mlp, dlrm_table_axes(config)))
       rules.push_back(std::move(rule));
   }
   if (rules.empty()) {

@@ -154,6 +154,47 @@ TEST(DlrmConfig, ReadsTableWiseRules) {
                       {"t.toml", "rule 0", "fsdp@tables", "'table' or a member index"});
 }
 
+// The dlrm preset (docs/recsys.md, "The dlrm preset"): its rules over the batch axes the
+// config's [mesh] gives a size other than 1 (in the logical order fsdp, dp), then the catch-all;
+// min_sharding_size passed on as for any preset; refused for another model kind.
+TEST(DlrmConfig, DlrmPresetRules) {
+  auto rules_of = [](const std::string& mesh) {
+    const RunConfig c =
+        parse(dlrm("", "[partition]\npreset = \"dlrm\"\nmin_sharding_size = 5000\n" + mesh));
+    EXPECT_EQ(plan_options(c).min_sharding_size, 5000);
+    std::vector<std::string> out;
+    for (const PartitionRule& rule : partition_rules(c)) {
+      EXPECT_TRUE(rule.replicate_if_indivisible) << rule.pattern;
+      out.push_back(rule.pattern + " -> " + rule.spec.to_string());
+    }
+    return out;
+  };
+  using Rules = std::vector<std::string>;
+  EXPECT_EQ(rules_of("[mesh]\nfsdp = -1\n"),
+            (Rules{"^embeddings/[^/]+/weight$ -> P(fsdp, None)", ".* -> P()"}));
+  EXPECT_EQ(rules_of("[mesh]\ndp = 2\nfsdp = -1\n"),
+            (Rules{"^embeddings/[^/]+/weight$ -> P((fsdp, dp), None)", ".* -> P()"}));
+  EXPECT_EQ(rules_of("[mesh]\ndp = -1\ntp = 2\n"),
+            (Rules{"^embeddings/[^/]+/weight$ -> P(dp, None)", ".* -> P()"}));
+  // No [mesh]: every axis 1 (one rank), nothing to split over.
+  EXPECT_EQ(rules_of(""), (Rules{"^embeddings/[^/]+/weight$ -> P()", ".* -> P()"}));
+  // Only tp: no batch axis to split rows over, so the tables are replicated too.
+  EXPECT_EQ(rules_of("[mesh]\ndp = 1\ntp = -1\n"),
+            (Rules{"^embeddings/[^/]+/weight$ -> P()", ".* -> P()"}));
+  // logical_axes.batch names the axes and their order.
+  EXPECT_EQ(rules_of("logical_axes = { batch = [\"dp\", \"fsdp\"] }\n[mesh]\ndp = 2\nfsdp = -1\n"),
+            (Rules{"^embeddings/[^/]+/weight$ -> P((dp, fsdp), None)", ".* -> P()"}));
+  // User rules come first.
+  const RunConfig user = parse(dlrm(
+      "", "[partition]\npreset = \"dlrm\"\nrules = [[\"t01\", \"P()\"]]\n[mesh]\nfsdp = -1\n"));
+  ASSERT_EQ(partition_rules(user).size(), 3u);
+  EXPECT_EQ(partition_rules(user)[0].pattern, "t01");
+  // Another kind.
+  expect_config_error("[model]\nsizes = [4, 8, 2]\n[partition]\npreset = \"dlrm\"\n",
+                      {"t.toml", "[partition] preset",
+                       "\"dlrm\" is the preset of model.kind = \"dlrm\"", "not of \"mlp\""});
+}
+
 TEST(DlrmConfig, RefusesInconsistentShapesInOneSentence) {
   // top's first size against the interaction's width.
   expect_config_error(dlrm(),

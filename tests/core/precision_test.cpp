@@ -7,6 +7,7 @@
 // (round_in_place, round_copy, pack_16bit, unpack_16bit) against the scalar functions.
 
 #include "framework/core/precision.hpp"
+#include "framework/core/stochastic_rounding.hpp"
 
 #include <gtest/gtest.h>
 
@@ -293,6 +294,60 @@ TEST(Precision, Bf16RoundsToNearestEven) {
 }
 
 // round_to: the nearest value of the dtype, the identity for fp32.
+// Stochastic rounding to bf16 (stochastic_rounding.hpp): every result is one of f's two bf16
+// neighbours; bf16 values (and inf, NaN) come back unchanged; over all 65536 draws each
+// neighbour is chosen exactly as often as makes the mean f (counted, so exact, not statistical);
+// a negative value mirrors its magnitude; the keyed draws are the same for the same coordinates
+// and differ between steps.
+TEST(Precision, Bf16StochasticRoundingIsUnbiasedOverEveryDraw) {
+  using precision_detail::bits_of;
+  std::mt19937 rng(11);
+  std::vector<float> values = {1.0f,    -1.0f,  0.0f,     1.00390625f, 1.001f,  -1.001f,
+                               3.0e-3f, 1e-30f, -2.5e20f, 0.1f,        65504.0f};
+  std::uniform_real_distribution<float> any(-100.0f, 100.0f);
+  for (int i = 0; i < 20; ++i) values.push_back(any(rng));
+  for (const float f : values) {
+    SCOPED_TRACE(f);
+    const uint32_t top = bits_of(f) >> 16;
+    const float down = bf16_to_float(static_cast<uint16_t>(top));     // towards 0
+    const float up = bf16_to_float(static_cast<uint16_t>(top + 1u));  // away from 0
+    const bool exact = down == f;
+    double sum = 0.0;
+    uint32_t ups = 0;
+    for (uint32_t r = 0; r < 65536u; ++r) {
+      const float got = round_bf16_stochastic(f, r | (r << 16));
+      if (exact) {
+        ASSERT_EQ(bits_of(got), bits_of(f)) << r;
+        continue;
+      }
+      ASSERT_TRUE(got == down || got == up) << r;
+      ups += got == up ? 1u : 0u;
+      sum += got;
+    }
+    if (exact) continue;
+    EXPECT_EQ(ups, bits_of(f) & 0xffffu);  // the share away from 0 is the cut-off bits / 2^16
+    EXPECT_NEAR(sum / 65536.0, static_cast<double>(f), std::abs(static_cast<double>(f)) * 1e-12);
+    EXPECT_EQ(float_to_bf16_stochastic(-f, 12345u),
+              static_cast<uint16_t>(float_to_bf16_stochastic(f, 12345u) ^ 0x8000u));
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(round_bf16_stochastic(inf, 0xffffu), inf);
+  EXPECT_EQ(round_bf16_stochastic(-inf, 0xffffu), -inf);
+  EXPECT_TRUE(std::isnan(round_bf16_stochastic(std::numeric_limits<float>::quiet_NaN(), 0xffffu)));
+  // The keyed draws: a function of (seed, row, column, step), different when any changes.
+  EXPECT_EQ(stochastic_rounding_bits(7, 3, 5, 2), stochastic_rounding_bits(7, 3, 5, 2));
+  EXPECT_NE(stochastic_rounding_bits(7, 3, 5, 2), stochastic_rounding_bits(7, 3, 5, 3));
+  EXPECT_NE(stochastic_rounding_bits(7, 3, 5, 2), stochastic_rounding_bits(7, 3, 6, 2));
+  EXPECT_NE(stochastic_rounding_bits(7, 3, 5, 2), stochastic_rounding_bits(7, 4, 5, 2));
+  EXPECT_NE(stochastic_rounding_bits(7, 3, 5, 2), stochastic_rounding_bits(8, 3, 5, 2));
+  // Their low 16 bits are close to uniform: over 65536 steps of one element, each of 16 buckets
+  // of the draw holds 4096 +- 5 sigma (sigma = sqrt(4096 * 15 / 16) = 62).
+  std::vector<int> buckets(16, 0);
+  for (int64_t step = 0; step < 65536; ++step)
+    ++buckets[(stochastic_rounding_bits(7, 3, 5, step) & 0xffffu) >> 12];
+  for (int count : buckets) EXPECT_NEAR(count, 4096, 5 * 62);
+}
+
 TEST(Precision, RoundToIsConversionAndBack) {
   for (float f : {0.1f, -3.3f, 1e-6f, 70000.0f, 1.0f + 0x1p-11f}) {
     EXPECT_EQ(round_to(f, Dtype::fp32), f);

@@ -13,7 +13,10 @@
 // the batch axes (replicated where there are none), "c" replicated. Every mesh also runs the
 // tables table-wise over its batch axes, placed by the planner (P(axes@table), checked: with dot
 // b (384 B) on member 0, a (256 B) on 1; with cat a (256 B) on 0, b (192 B) on 1; c on 1 of 2 or
-// on 2 of 4; replicated where there are no batch axes).
+// on 2 of 4; replicated where there are no batch axes). And every mesh under the dlrm preset
+// (partition/rules.hpp: its rules over the mesh's batch axes, min_sharding_size 64): "a" and,
+// with dot, "b" row-wise over the batch axes, the rest (the linear layers too) replicated, each
+// spec checked.
 //
 // Data: 16 rows of 8 dense features in [-1, 1); three tables: "a" [16, 4] sum, one id per row;
 // "b" [24, 4] mean, bags of 0 to 3 ids (rows 2, 7, 12 empty, row 3 with a repeated id); "c"
@@ -138,7 +141,11 @@ struct Result {
   long allocations = -1;
 };
 
-enum class Tables { replicated, row_wise, mixed, table_wise };
+enum class Tables { replicated, row_wise, mixed, table_wise, preset };
+
+// The dlrm preset's min_sharding_size here: "a" (64 elements) and, with dot, "b" (96) row-wise,
+// the smaller ones replicated.
+constexpr int64_t kPresetMinSharding = 64;
 
 Result run(MeshCommunicators& comms, const DlrmShape& shape, const Data& d, Tables tables) {
   ParallelContext context(comms, {"fsdp", "dp"}, "tp");
@@ -174,7 +181,23 @@ Result run(MeshCommunicators& comms, const DlrmShape& shape, const Data& d, Tabl
           << table;
     }
   }
+  // The dlrm preset (partition/rules.hpp): its rules over the mesh's batch axes, planned.
+  ShardingPlan preset;
+  if (tables == Tables::preset) {
+    PlanOptions options;
+    options.min_sharding_size = kPresetMinSharding;
+    preset = make_plan(shapes, mesh, preset_rules("dlrm", false, false, false, batch), options);
+    for (const ParameterPlan& p : preset.parameters) {
+      const bool row_wise = p.name.rfind("embeddings/", 0) == 0 && !batch.empty() &&
+                            p.shape[0] * p.shape[1] >= kPresetMinSharding;
+      const std::string axes = batch.empty()       ? ""
+                               : batch.size() == 1 ? batch[0]
+                                                   : "(" + batch[0] + ", " + batch[1] + ")";
+      EXPECT_EQ(p.spec.to_string(), row_wise ? "P(" + axes + ", None)" : "P()") << p.name;
+    }
+  }
   auto spec_of = [&](const std::string& name) -> PartitionSpec {
+    if (tables == Tables::preset) return preset.find(name).spec;
     const auto it = std::find_if(shapes.begin(), shapes.end(),
                                  [&](const ParameterShape& p) { return p.name == name; });
     if (name.rfind("embeddings/", 0) == 0) {
@@ -424,13 +447,15 @@ TEST(Dlrm, EveryMeshEqualsOneRank) {
   for (const testing::Axes& axes : meshes) {
     const Mesh mesh = Mesh::create(axes, n);
     MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
-    std::vector<Tables> kinds = {Tables::replicated, Tables::row_wise, Tables::table_wise};
+    std::vector<Tables> kinds = {Tables::replicated, Tables::row_wise, Tables::table_wise,
+                                 Tables::preset};
     if (mesh.has_axis("tp")) kinds.push_back(Tables::mixed);
     for (DlrmInteraction interaction : {DlrmInteraction::dot, DlrmInteraction::cat}) {
       for (Tables tables : kinds) {
         const char* kind_text = tables == Tables::row_wise     ? " row-wise tables"
                                 : tables == Tables::mixed      ? " mixed tables"
                                 : tables == Tables::table_wise ? " table-wise tables"
+                                : tables == Tables::preset     ? " the dlrm preset"
                                                                : " replicated tables";
         SCOPED_TRACE(mesh.describe() + " " + to_string(interaction) + kind_text);
         mixed_runs += tables == Tables::mixed ? 1 : 0;

@@ -225,9 +225,9 @@ TEST(Planner, BadOptionsAndShapes) {
 }
 
 TEST(Presets, RulesOfEveryPreset) {
-  auto specs = [](const std::string& preset) {
+  auto specs = [](const std::string& preset, const std::vector<std::string>& table_axes = {}) {
     std::vector<std::string> out;
-    for (const auto& r : preset_rules(preset)) {
+    for (const auto& r : preset_rules(preset, false, false, false, table_axes)) {
       EXPECT_TRUE(r.replicate_if_indivisible) << preset;
       out.push_back(r.pattern + " " + r.spec.to_string());
     }
@@ -241,6 +241,12 @@ TEST(Presets, RulesOfEveryPreset) {
   EXPECT_EQ(specs("tp"), (V{"weight$ P(tp, None)", "bias$ P(tp)", ".* P()"}));
   EXPECT_EQ(specs("dp_tp"), specs("tp"));
   EXPECT_EQ(specs("fsdp_tp"), (V{"weight$ P(tp, fsdp)", "bias$ P(tp)", ".* P()"}));
+  // dlrm: the tables row-wise over the table axes it is given (the run's batch axes), the rest
+  // replicated.
+  EXPECT_EQ(specs("dlrm"), (V{"^embeddings/[^/]+/weight$ P()", ".* P()"}));
+  EXPECT_EQ(specs("dlrm", {"fsdp"}), (V{"^embeddings/[^/]+/weight$ P(fsdp, None)", ".* P()"}));
+  EXPECT_EQ(specs("dlrm", {"fsdp", "dp"}),
+            (V{"^embeddings/[^/]+/weight$ P((fsdp, dp), None)", ".* P()"}));
   for (const auto& name : preset_names()) EXPECT_FALSE(preset_rules(name).empty());
   expect_bad_input([] { preset_rules("zero3"); }, {"'zero3'", "fsdp_tp", "dp_fsdp"});
 }

@@ -168,6 +168,9 @@ TEST(PresetGrid, EveryPresetPlansAndTrainsEveryModelKindAndSize) {
     reference[model.name] = losses_of(one);
   }
   for (const std::string& preset : preset_names()) {
+    // The dlrm preset is for kind = "dlrm" only (refused for these kinds in config_dlrm_test;
+    // planned and trained on its model in layers_dlrm_test and recsys_dlrm_preset).
+    if (preset == "dlrm") continue;
     for (const ModelCase& model : model_cases()) {
       const Axes axes = mesh_for(preset, n, model.moe);
       SCOPED_TRACE("preset " + preset + ", " + model.name);

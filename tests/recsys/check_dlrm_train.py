@@ -55,6 +55,15 @@ where their rows divide, the rest replicated). Modes:
           table; train: every table of np 2's and np 4's step-40 checkpoint within 1e-4
           (absolute) of np 1's.
 
+  preset  partition.preset = "dlrm" (TorchRec's default plan, simply: every table of at least
+          min_sharding_size (8000) elements row-wise over the mesh's batch axes where its rows
+          divide, the rest and every linear layer replicated): `meshtrain plan` at world 1, 2
+          and 4 shows the preset's two rules and gives every parameter that spec (t24 row-wise
+          over fsdp 2, replicated on 4: 1618 rows; t25 over fsdp 2 and 4; t22 and t23 replicated
+          with a note: odd rows; t21 and smaller by size); np 1, 2 and 4 train 20 steps, every
+          loss of np 2 and 4 within 1e-5 (relative) of np 1's and the final AUC and log loss
+          within 1e-4.
+
   flight  the flight recorder in a DLRM run (docs/running.md, "When a run hangs"): np 2 trains
           without end; once it steps, SIGUSR1 to both ranks writes <run.output_dir>/flight/
           rank-{0,1}.json (reason SIGUSR1, with the row-wise t25's all_to_all_v on fsdp) while
@@ -382,6 +391,70 @@ def mode_tablewise(launcher, config, work):
     print("dlrm tablewise: row-wise on 4 -> table-wise on 2 -> 1 rank follows the one-rank run")
 
 
+PRESET_SETS = ["--set", 'partition.preset="dlrm"', "--set", "train.steps=20",
+               "--set", "train.eval_every=0", "--set", "checkpoint.every_steps=0"]
+
+
+def preset_specs(config, world):
+    """The specs the dlrm preset should give on `world` ranks (fsdp = world): a table of at
+    least min_sharding_size elements whose rows divide row-wise, everything else replicated."""
+    rows = {}
+    table = None
+    with open(config) as f:  # the [[model.tables]] names and rows of the small config
+        for line in f:
+            line = line.split("#")[0].strip()
+            if line.startswith("name ="):
+                table = line.split('"')[1]
+            elif line.startswith("rows =") and table:
+                rows[table] = int(line.split("=")[1])
+    specs = {}
+    for name, n in rows.items():
+        split = n * 8 >= 8000 and n % world == 0  # fsdp = -1: P(fsdp, None) at world 1 too
+        specs[f"embeddings/{name}/weight"] = "P(fsdp, None)" if split else "P()"
+    return specs
+
+
+def mode_preset(launcher, config, work):
+    for world in (1, 2, 4):
+        plan = subprocess.run([launcher[-1], "plan", config, "--world", str(world), "--json",
+                               *PRESET_SETS], capture_output=True, text=True, cwd=work)
+        if plan.returncode != 0:
+            fail(f"meshtrain plan --world {world} failed: {plan.stdout}{plan.stderr}")
+        doc = json.loads(plan.stdout)
+        rules = [(r["pattern"], r["spec"]) for r in doc["rules"]]
+        want_rules = [("^embeddings/[^/]+/weight$", ["fsdp", None]), (".*", [])]
+        if rules != want_rules:
+            fail(f"world {world}: the dlrm preset's rules are {rules}, not {want_rules}")
+        want = preset_specs(config, world)
+        for p in doc["parameters"]:
+            spec = p["spec"]
+            text = "P()" if not any(spec) else "P(fsdp, None)" if spec == ["fsdp", None] else spec
+            expected = want.get(p["name"], "P()")  # the linear layers: replicated
+            if text != expected:
+                fail(f"world {world}: {p['name']} {p['shape']} has spec {spec}, not {expected} "
+                     f"(notes: {p.get('notes')})")
+        # The text form lists the same two rules.
+        text = subprocess.run([launcher[-1], "plan", config, "--world", str(world), *PRESET_SETS],
+                              capture_output=True, text=True, cwd=work).stdout
+        if "rule 0 '^embeddings/[^/]+/weight$' -> P(fsdp, None)" not in text:
+            fail(f"world {world}: the plan's text does not show the table rule:\n{text}")
+    runs = {np_: train(launcher, np_, config, work, f"np{np_}", *PRESET_SETS) for np_ in (1, 2, 4)}
+    ref_losses, ref_evals = runs[1]
+    if sorted(ref_losses) != list(range(1, 21)) or len(ref_evals) != 1:
+        fail(f"np 1 logged steps {sorted(ref_losses)} and {len(ref_evals)} evaluations, not steps "
+             "1..20 and one")
+    for np_ in (2, 4):
+        losses, evals = runs[np_]
+        for step, loss in ref_losses.items():
+            if not close(losses.get(step, float("nan")), loss, 1e-5):
+                fail(f"np {np_}: the loss of step {step} is {losses.get(step)}, np 1's {loss}")
+        for key in ("test_auc", "test_log_loss"):
+            if not abs(evals[-1][key] - ref_evals[-1][key]) <= 1e-4:
+                fail(f"np {np_}: {key} {evals[-1][key]}, np 1's {ref_evals[-1][key]}")
+    print(f"dlrm preset: the plan's specs at world 1, 2, 4; np 2 and 4 match np 1 (AUC "
+          f"{ref_evals[-1]['test_auc']:.4f})")
+
+
 def mode_bad_id(launcher, config, work):
     bad = os.path.join(work, "data", "bad.h5")
     shutil.copy(os.path.join(work, "data", "train.h5"), bad)
@@ -522,7 +595,8 @@ def main():
     os.makedirs(work)
     make_data(script, work)
     {"train": mode_train, "resume": mode_resume, "bad_id": mode_bad_id,
-     "columns": mode_columns, "tablewise": mode_tablewise, "flight": mode_flight}[mode](
+     "columns": mode_columns, "tablewise": mode_tablewise, "flight": mode_flight,
+     "preset": mode_preset}[mode](
         launcher, os.path.abspath(config), work)
 
 
