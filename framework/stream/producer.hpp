@@ -33,6 +33,7 @@
 #include <Kokkos_Core.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -216,7 +217,9 @@ class StreamProducer {
       fence_device(written_fence_label());
     }
   }
+  void test_ring();      // one MPI_Testsome over every send in flight
   int take_free_slot();  // -1: none (drop)
+  bool slot_free(size_t slot) const;
 
   void receive_publish();  // one message into incoming_, the newest kept
   // Takes the trainer's last word when it has come (never waits); true once stopped.
@@ -236,7 +239,12 @@ class StreamProducer {
   StreamBackpressure backpressure_ = StreamBackpressure::drop;
   // The ring: slots of one message each, every slot's sends (one per rank of its group).
   std::vector<std::vector<unsigned char>> slots_;
-  std::vector<std::vector<MPI_Request>> slot_requests_;
+  // slot s's sends: requests_[s * slot_width_ ...], MPI_REQUEST_NULL once complete (or unused);
+  // completed_: MPI_Testsome's indices.
+  std::vector<MPI_Request> requests_;
+  std::vector<int> completed_;
+  size_t slot_width_ = 1;
+  std::chrono::steady_clock::time_point last_stop_check_;  // send's last look for a stop
   int64_t next_slot_ = 0;
   int64_t messages_ = 0;  // rows messages started (the group of the next is chosen by it)
   int64_t next_row_ = 0;  // the row number of the next row sent
