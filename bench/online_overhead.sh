@@ -5,9 +5,12 @@
 # Prints one JSON line: step_us_off, step_us_on and ratio (the fastest of three alternated runs
 # of STEPS steps each, after a warm-up with sends that gets the trainer training, so that it
 # trains through every timed run alike), send_call_us (the send call itself, steady_clock around
-# it, per step, the largest over the ranks), exchange_us_off/on (the halo exchange's), and
-# phase_step_us (every run's step, the warm-up first). Target: ratio <= 1.03. One run; on a
-# loaded machine the ratio moves with the load.
+# it, per step, the largest over the ranks; send_call_cpu_us: the thread's CPU time in it),
+# ratio_send_call ((off + send_call) / off: the send's own share, what the ratio would be if the
+# send slowed nothing else), exchange_us_off/on (the halo exchange's), and phase_step_us and
+# phase_send_us (every run's, the warm-up first). Target: ratio <= 1.03. One run; on a loaded
+# machine the ratio moves with the load (the runs without sends differ by more than 3% among
+# themselves: compare phase_step_us).
 #   bench/online_overhead.sh [STEPS] [GRID] [SIM_RANKS]     (after scripts/build; defaults 2000,
 #                                                           32, 2)
 # Environment: MPI_OPTIONS (default none) go to mpirun, e.g. "--mca mpi_yield_when_idle 1": Open
