@@ -74,6 +74,9 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
   element_bytes_ = sp::dtype_bytes(hello.dtype);
   message_rows_ = options.message_rows;
   backpressure_ = options.backpressure;
+  pack_ = options.pack;
+  open_slot_ = -1;
+  open_rows_ = 0;
   const int64_t slots =
       std::max<int64_t>(1, (options.ring_rows + message_rows_ - 1) / message_rows_);
   slots_.assign(static_cast<size_t>(slots),
@@ -325,7 +328,7 @@ void StreamProducer::send_packed(int64_t rows, PackRows pack, void* context) {
   MESHTRAIN_REQUIRE(connected(), "StreamProducer::send before connect (or after close)");
   MESHTRAIN_REQUIRE(rows >= 0, "StreamProducer::send: negative rows (", rows, ")");
   // The trainer's stop is looked for once a millisecond at most: its MPI_Iprobe enters MPI's
-  // progress engine (see take_free_slot), and a stop noticed a millisecond late costs nothing.
+  // progress engine (see test_ring), and a stop noticed a millisecond late costs nothing.
   const auto now = std::chrono::steady_clock::now();
   if (!stopped_ && now - last_stop_check_ >= std::chrono::milliseconds(1)) {
     last_stop_check_ = now;
@@ -339,39 +342,71 @@ void StreamProducer::send_packed(int64_t rows, PackRows pack, void* context) {
   const int64_t x_row = inputs_ * element_bytes_, y_row = outputs_ * element_bytes_;
   test_ring();
   for (int64_t done = 0; done < rows;) {
-    const int64_t count = std::min(message_rows_, rows - done);
-    const int slot = take_free_slot();
-    if (slot < 0) {
-      rows_dropped_ += count;
-      next_row_ += count;
-      done += count;
-      continue;
+    if (open_slot_ < 0) {
+      const int slot = take_free_slot();
+      if (slot < 0) {
+        const int64_t count = std::min(message_rows_, rows - done);
+        rows_dropped_ += count;
+        next_row_ += count;
+        done += count;
+        continue;
+      }
+      open_slot_ = slot;
+      open_rows_ = 0;
+      open_first_row_ = next_row_;
     }
-    unsigned char* bytes = slots_[static_cast<size_t>(slot)].data();
-    sp::Header header;
-    header.kind = sp::kRows;
-    header.rows = count;
-    header.first_row = next_row_;
-    std::memcpy(bytes, &header, sizeof header);
-    unsigned char* payload = bytes + sizeof header;
-    pack(context, done, count, payload, payload + count * x_row);
-    const int message_bytes = static_cast<int>(sizeof header + count * (x_row + y_row));
-    const int64_t group = sp::group_of_message(producer_index_, messages_, producers_, groups_);
-    MPI_Request* requests = &requests_[static_cast<size_t>(slot) * slot_width_];
-    for (int trainer : group_ranks_[static_cast<size_t>(group)]) {
-      check_mpi(
-          MPI_Isend(bytes, message_bytes, MPI_BYTE, trainer, sp::kTag, stream_comm_, requests++),
-          "MPI_Isend (a stream's rows)");
-    }
-    ++messages_;
+    const int64_t count = std::min(message_rows_ - open_rows_, rows - done);
+    unsigned char* payload = slots_[static_cast<size_t>(open_slot_)].data() + sizeof(sp::Header);
+    pack(context, done, count, payload + open_rows_ * x_row,
+         payload + message_rows_ * x_row + open_rows_ * y_row);
+    open_rows_ += count;
     next_row_ += count;
-    rows_sent_ += count;
     done += count;
+    if (!pack_ || open_rows_ == message_rows_) start_open();
   }
+}
+
+void StreamProducer::start_open() {
+  const int64_t x_row = inputs_ * element_bytes_, y_row = outputs_ * element_bytes_;
+  unsigned char* bytes = slots_[static_cast<size_t>(open_slot_)].data();
+  sp::Header header;
+  header.kind = sp::kRows;
+  header.rows = open_rows_;
+  header.first_row = open_first_row_;
+  std::memcpy(bytes, &header, sizeof header);
+  unsigned char* payload = bytes + sizeof header;
+  if (open_rows_ < message_rows_) {  // y follows the x rows on the wire
+    std::memmove(payload + open_rows_ * x_row, payload + message_rows_ * x_row,
+                 static_cast<size_t>(open_rows_ * y_row));
+  }
+  const int message_bytes = static_cast<int>(sizeof header + open_rows_ * (x_row + y_row));
+  const int64_t group = sp::group_of_message(producer_index_, messages_, producers_, groups_);
+  MPI_Request* requests = &requests_[static_cast<size_t>(open_slot_) * slot_width_];
+  for (int trainer : group_ranks_[static_cast<size_t>(group)]) {
+    check_mpi(
+        MPI_Isend(bytes, message_bytes, MPI_BYTE, trainer, sp::kTag, stream_comm_, requests++),
+        "MPI_Isend (a stream's rows)");
+  }
+  ++messages_;
+  rows_sent_ += open_rows_;
+  open_slot_ = -1;
+  open_rows_ = 0;
+}
+
+void StreamProducer::flush() {
+  if (open_slot_ < 0) return;
+  if (check_stop()) {  // the trainer failed: the rows waiting are dropped
+    rows_dropped_ += open_rows_;
+    open_slot_ = -1;
+    open_rows_ = 0;
+    return;
+  }
+  start_open();
 }
 
 void StreamProducer::close() {
   if (!connected()) return;
+  flush();
   // The close goes to every trainer rank, after this rank's rows (one tag: MPI keeps the
   // order); its header lives in the object until the sends complete.
   std::vector<MPI_Request> requests;
