@@ -111,6 +111,9 @@ int64_t check_data(const RunConfig& config, const std::string& checkpoint) {
 RunConfig evaluation_config(const Checkpoint& checkpoint, const EvaluateArgs& args, int world) {
   RunConfig config = parse_config(checkpoint.config_text, checkpoint.file, args.overrides);
   config.data.source = DataSource::hdf5;
+  // An online run's [stream] keys describe its stream, not --data: back to their defaults, or
+  // the check of the config refuses them as keys given without data.source = "stream".
+  config.stream = StreamSection{};
   config.data.path = args.data;
   config.data.test_path = args.data;
   config.data.shuffle = ShuffleMode::none;  // the training order is never used

@@ -6,3 +6,10 @@
 add_executable(bench_online_ingest ${CMAKE_CURRENT_SOURCE_DIR}/online_ingest.cpp)
 target_include_directories(bench_online_ingest PRIVATE ${PROJECT_SOURCE_DIR})
 target_link_libraries(bench_online_ingest PRIVATE meshtrain_run meshtrain::hdf5)
+
+# Online training against offline at equal wall clock (issue 38; bench/online_vs_offline.sh runs
+# it): examples/online_heat's simulation with finer substeps, streaming its rows beside
+# `meshtrain train` or writing them to HDF5, and the held-out rows both models are evaluated on.
+add_executable(bench_online_vs_offline ${CMAKE_CURRENT_SOURCE_DIR}/online_vs_offline.cpp)
+target_include_directories(bench_online_vs_offline PRIVATE ${PROJECT_SOURCE_DIR})
+target_link_libraries(bench_online_vs_offline PRIVATE meshtrain_run meshtrain::hdf5)

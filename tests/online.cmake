@@ -203,3 +203,19 @@ endforeach()
 meshtrain_add_test(NAME online_views_test SOURCES online/views_test.cpp
                    LIBS meshtrain_run meshtrain_test_counting_allocator NP 2 3 4 TIMEOUT 120
                    EMULATED)
+# `meshtrain evaluate` and `predict` of an online run's checkpoint (the C producer beside a
+# trainer on 1 and 2 ranks, evaluated and predicted on as many): evaluate takes the rows and its
+# test_mse equals the MSE of predict's outputs (tests/online/evaluate_checkpoint.sh).
+foreach(_t 1 2)
+  meshtrain_add_command_test(NAME online_evaluate_checkpoint_t${_t} TIMEOUT 60
+    COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/online/evaluate_checkpoint.sh
+            ${_online_dir}/evaluate_t${_t} $<TARGET_FILE:meshtrain>
+            $<TARGET_FILE:evaluate_write_data> ${MESHTRAIN_PYTHON} ${_t}
+            ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS} --
+            ${_online_mpmd} : ${MPIEXEC_NUMPROC_FLAG} ${_t} $<TARGET_FILE:meshtrain> train
+            ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml
+            --set run.output_dir=${_online_dir}/evaluate_t${_t}
+    PASS_REGULAR_EXPRESSION "evaluate_checkpoint: evaluate and predict agree")
+  math(EXPR _procs "1 + ${_t}")
+  set_tests_properties(online_evaluate_checkpoint_t${_t} PROPERTIES PROCESSORS ${_procs})
+endforeach()

@@ -25,10 +25,13 @@
 //
 // Under MPMD the program takes its part of MPI_COMM_WORLD by MPI_APPNUM (the split is collective
 // over the whole job, and `meshtrain train` makes the same call). It needs no argument;
-// `online_heat bench STEPS` times the producer's overhead instead (bench/online_overhead.sh).
+// `online_heat bench STEPS [GRID]` times the producer's overhead instead, on a GRID x GRID grid
+// (default 32; bench/online_overhead.sh).
 
 #include <meshtrain/meshtrain.hpp>
 #include <meshtrain/stream.hpp>
+
+#include "heat.hpp"
 
 #include <mpi.h>
 
@@ -39,112 +42,17 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <exception>
 #include <string>
 
 namespace {
 
-constexpr int kInputs = 8, kOutputs = 1;
-constexpr int kGlobalCells = 32;          // the grid is kGlobalCells x kGlobalCells
-constexpr int kRestartEvery = 100;        // steps between new random states
 constexpr int kMaxLearningSteps = 60000;  // phase 1 gives up after this many steps
 constexpr double kTrustTolerance = 0.05;  // the model's relative RMS error to be used
 constexpr double kFieldTolerance = 0.02;  // the hybrid field's relative L2 error to pass
-constexpr double kPi = 3.14159265358979323846;
-constexpr double kMaxConductivity = 1.5;
-constexpr double kCourant = 0.2 / kMaxConductivity;  // dt / h^2, under the explicit limit 1/4k
 
-using Host = Kokkos::DefaultHostExecutionSpace;
-// Host memory: the halo rows go straight to MPI, and the rows to the stream.
-using Field = Kokkos::View<double**, Kokkos::LayoutRight, Kokkos::HostSpace>;
-
-double conductivity(double x, double y) {
-  return 1.0 + 0.5 * std::sin(2.0 * kPi * x) * std::cos(2.0 * kPi * y);
-}
-
-// This rank's rows of the grid: field rows 1 .. rows, rows 0 and rows + 1 the halo.
-struct Slab {
-  int rows = 0, first_row = 0;
-  int below = 0, above = 0;  // the neighbouring ranks (periodic)
-  MPI_Comm comm = MPI_COMM_NULL;
-  int cells() const { return rows * kGlobalCells; }
-};
-
-Field make_field(const char* name, const Slab& slab) {
-  return Field(std::string(name), static_cast<size_t>(slab.rows + 2),
-               static_cast<size_t>(kGlobalCells));
-}
-
-// The wave numbers (x, y) of the initial states' modes: low, so that a state decays by about
-// half over kRestartEvery steps (the rows then span a modest range of scales).
-constexpr int kModes[3][2] = {{1, 0}, {0, 1}, {1, 1}};
-
-// Three smooth modes with amplitudes and phases from a small LCG seeded by `restart`, the same
-// on every rank.
-void initial_state(const Field& u, const Slab& slab, int restart) {
-  uint64_t state = 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(restart + 1);
-  const auto uniform = [&state] {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    return static_cast<double>(state >> 11) / 9007199254740992.0;
-  };
-  double amplitude[3], phase_x[3], phase_y[3];
-  for (int m = 0; m < 3; ++m) {
-    amplitude[m] = uniform() - 0.5;
-    phase_x[m] = 2.0 * kPi * uniform();
-    phase_y[m] = 2.0 * kPi * uniform();
-  }
-  const double h = 1.0 / kGlobalCells;
-  const int first = slab.first_row;
-  Kokkos::parallel_for("initial_state", Kokkos::RangePolicy<Host>(0, slab.cells()), [=](int cell) {
-    const int j = cell / kGlobalCells, i = cell % kGlobalCells;
-    const double x = (i + 0.5) * h, y = (first + j + 0.5) * h;
-    double value = 0.0;
-    for (int m = 0; m < 3; ++m)
-      value += amplitude[m] * std::sin(2.0 * kPi * kModes[m][0] * x + phase_x[m]) *
-               std::cos(2.0 * kPi * kModes[m][1] * y + phase_y[m]);
-    u(j + 1, i) = value;
-  });
-  Kokkos::fence();
-}
-
-void exchange_halo(const Field& u, const Slab& slab) {
-  // my first row goes below, my last above; each row is contiguous (LayoutRight)
-  MPI_Sendrecv(&u(1, 0), kGlobalCells, MPI_DOUBLE, slab.below, 0, &u(slab.rows + 1, 0),
-               kGlobalCells, MPI_DOUBLE, slab.above, 0, slab.comm, MPI_STATUS_IGNORE);
-  MPI_Sendrecv(&u(slab.rows, 0), kGlobalCells, MPI_DOUBLE, slab.above, 1, &u(0, 0), kGlobalCells,
-               MPI_DOUBLE, slab.below, 1, slab.comm, MPI_STATUS_IGNORE);
-}
-
-// One row per cell: the stencil's differences and face conductivities (inputs) and the flux
-// divergence (target). `k_east(r, i)`: the face east of cell (r, i); `k_north(r, i)`: the face
-// between field rows r and r + 1 (r = 0 .. rows).
-void make_rows(const Field& u, const Field& k_east, const Field& k_north, const Slab& slab,
-               const Field& x, const Field& divergence) {
-  Kokkos::parallel_for("make_rows", Kokkos::RangePolicy<Host>(0, slab.cells()), [=](int cell) {
-    const int r = cell / kGlobalCells + 1, i = cell % kGlobalCells;
-    const int east = (i + 1) % kGlobalCells, west = (i + kGlobalCells - 1) % kGlobalCells;
-    const double centre = u(r, i);
-    const double d[4] = {u(r, east) - centre, u(r, west) - centre, u(r + 1, i) - centre,
-                         u(r - 1, i) - centre};
-    const double k[4] = {k_east(r - 1, i), k_east(r - 1, west), k_north(r, i), k_north(r - 1, i)};
-    double sum = 0.0;
-    for (int f = 0; f < 4; ++f) {
-      x(cell, f) = d[f];
-      x(cell, 4 + f) = k[f];
-      sum += k[f] * d[f];
-    }
-    divergence(cell, 0) = sum;
-  });
-  Kokkos::fence();
-}
-
-void advance(const Field& u, const Field& divergence, const Slab& slab) {
-  Kokkos::parallel_for("advance", Kokkos::RangePolicy<Host>(0, slab.cells()), [=](int cell) {
-    const int r = cell / kGlobalCells + 1, i = cell % kGlobalCells;
-    u(r, i) += kCourant * divergence(cell, 0);
-  });
-  Kokkos::fence();
-}
+using namespace online_heat;
 
 // sqrt(sum (a - b)^2 / sum b^2) over every rank's first `cells` rows (column 0) or field cells.
 double relative_error(const Field& a, const Field& b, int first_row, int rows, MPI_Comm comm) {
@@ -159,34 +67,118 @@ double relative_error(const Field& a, const Field& b, int first_row, int rows, M
   return sums[1] > 0.0 ? std::sqrt(sums[0] / sums[1]) : 0.0;
 }
 
-int run(MPI_Comm sim, int bench_steps) {
-  Slab slab;
-  slab.comm = sim;
+// This thread's CPU time (the send call's own work, without the time the thread was not on a
+// core).
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+// `online_heat bench STEPS [GRID]`: the producer's overhead on a GRID x GRID grid instead.
+struct Bench {
+  int steps = 0;  // 0: the example itself
+  int grid = kGrid;
+};
+
+// The producer's overhead (bench/online_overhead.sh): a warm-up with sends (so that the trainer
+// holds min_rows and trains from then on, in every timed phase alike), then the same steps with
+// and without sends, alternated three times, timed on rank 0 between barriers (the fastest of
+// each kept). Inside the timed phases each rank also times its own send calls and halo
+// exchanges (steady_clock around them), and the thread's CPU time in its send calls: the send
+// call's own cost, against what the step around it pays (a rank descheduled, the neighbour's
+// halo late). ratio_send_call = (off + the send calls' time) / off: the step's cost if the send
+// took only its own time, which on loaded cores the measured ratio cannot resolve.
+void bench_overhead(meshtrain::StreamProducer& producer, const Bench& bench, const Slab& slab,
+                    const Field& u, const Field& k_east, const Field& k_north, const Field& x,
+                    const Field& divergence) {
+  using Clock = std::chrono::steady_clock;
+  const auto since = [](Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+  };
+  int rank = 0, ranks = 1;
+  MPI_Comm_rank(slab.comm, &rank);
+  MPI_Comm_size(slab.comm, &ranks);
+  struct Phase {
+    double seconds = 1e30, send = 0, send_cpu = 0, send_max = 0, exchange = 0;  // the fastest's
+  } off, on;
+  double phase_us[7], phase_send_us[7];  // rank 0's step and send call, the warm-up first
+  for (int repeat = -1; repeat < 6; ++repeat) {
+    const bool warm_up = repeat < 0, sends = warm_up || repeat % 2 == 1;
+    const int steps = warm_up ? std::max(200, bench.steps / 4) : bench.steps;
+    initial_state(u, slab, repeat + 1);
+    MPI_Barrier(slab.comm);
+    double send = 0, send_cpu = 0, send_max = 0, exchange = 0;
+    const auto begin = Clock::now();
+    for (int s = 0; s < steps; ++s) {
+      const auto t0 = Clock::now();
+      exchange_halo(u, slab);
+      exchange += since(t0);
+      make_rows(u, k_east, k_north, slab, x, divergence);
+      if (sends) {
+        const double cpu = thread_cpu_seconds();
+        const auto t1 = Clock::now();
+        producer.send(x.data(), divergence.data(), slab.cells());
+        const double t = since(t1);
+        send_cpu += thread_cpu_seconds() - cpu;
+        send += t;
+        send_max = std::max(send_max, t);
+      }
+      advance(u, divergence, slab);
+    }
+    MPI_Barrier(slab.comm);
+    const double t = since(begin);
+    phase_us[repeat + 1] = 1e6 * t / steps;
+    phase_send_us[repeat + 1] = 1e6 * send / steps;
+    Phase& best = sends ? on : off;
+    if (!warm_up && t < best.seconds) best = Phase{t, send, send_cpu, send_max, exchange};
+  }
+  // rank 0's step times; each send and exchange figure the largest over the ranks
+  double worst[5] = {on.send, on.send_max, on.exchange, off.exchange, on.send_cpu};
+  MPI_Allreduce(MPI_IN_PLACE, worst, 5, MPI_DOUBLE, MPI_MAX, slab.comm);
+  const double per_step = 1e6 / bench.steps;
+  const long long rows_sent = producer.rows_sent(), rows_dropped = producer.rows_dropped();
+  long long counts[2] = {rows_sent, rows_dropped};
+  MPI_Allreduce(MPI_IN_PLACE, counts, 2, MPI_LONG_LONG, MPI_SUM, slab.comm);
+  if (rank == 0) {
+    std::string phases, sends;
+    for (int p = 0; p < 7; ++p) {
+      phases += (p ? ", " : "") + std::to_string(phase_us[p]);
+      sends += (p ? ", " : "") + std::to_string(phase_send_us[p]);
+    }
+    std::printf(
+        "{\"bench\": \"online_producer_overhead\", \"ranks\": %d, \"cells\": %d, "
+        "\"steps\": %d, \"step_us_off\": %.3f, \"step_us_on\": %.3f, \"ratio\": %.4f, "
+        "\"send_call_us\": %.3f, \"send_call_cpu_us\": %.3f, \"ratio_send_call\": %.4f, "
+        "\"send_call_max_us\": %.1f, "
+        "\"exchange_us_off\": %.3f, "
+        "\"exchange_us_on\": %.3f, \"rows_sent\": %lld, \"rows_dropped\": %lld, \"phase_step_us\": "
+        "[%s], \"phase_send_us\": [%s]}\n",
+        ranks, slab.n * slab.n, bench.steps, per_step * off.seconds, per_step * on.seconds,
+        on.seconds / off.seconds, per_step * worst[0], per_step * worst[4],
+        (off.seconds + worst[0]) / off.seconds, 1e6 * worst[1], per_step * worst[3],
+        per_step * worst[2], counts[0], counts[1], phases.c_str(), sends.c_str());
+  }
+}
+
+int run(MPI_Comm sim, const Bench& bench) {
+  const int bench_steps = bench.steps;
   int rank = 0, ranks = 1;
   MPI_Comm_rank(sim, &rank);
   MPI_Comm_size(sim, &ranks);
-  if (kGlobalCells % ranks != 0) {
+  if (bench.grid < 2 || bench.grid % ranks != 0) {
     // before connect: the trainer waits in the rendezvous, so the whole job ends
     if (rank == 0)
-      std::fprintf(stderr, "online_heat: %d simulation ranks do not divide the %d grid rows\n",
-                   ranks, kGlobalCells);
+      std::fprintf(stderr,
+                   "online_heat: the grid's side (%d) must be at least 2 and a multiple of the "
+                   "%d simulation ranks\n",
+                   bench.grid, ranks);
     MPI_Abort(MPI_COMM_WORLD, 2);
   }
-  slab.rows = kGlobalCells / ranks;
-  slab.first_row = rank * slab.rows;
-  slab.below = (rank + ranks - 1) % ranks;
-  slab.above = (rank + 1) % ranks;
-  const double h = 1.0 / kGlobalCells;
-
-  const auto columns = static_cast<size_t>(kGlobalCells);
+  const Slab slab = make_slab(sim, bench.grid);
   const auto cells = static_cast<size_t>(slab.cells());
-  Field k_east("k_east", static_cast<size_t>(slab.rows), columns);
-  Field k_north("k_north", static_cast<size_t>(slab.rows + 1), columns);
-  for (int r = 0; r <= slab.rows; ++r)
-    for (int i = 0; i < kGlobalCells; ++i) {
-      if (r < slab.rows) k_east(r, i) = conductivity((i + 1) * h, (slab.first_row + r + 0.5) * h);
-      k_north(r, i) = conductivity((i + 0.5) * h, (slab.first_row + r) * h);
-    }
+  Field k_east, k_north;
+  make_conductivities(slab, k_east, k_north);
   Field u = make_field("u", slab), hybrid = make_field("hybrid", slab);
   Field x("x", cells, static_cast<size_t>(kInputs));
   Field divergence("divergence", cells, static_cast<size_t>(kOutputs));
@@ -210,37 +202,8 @@ int run(MPI_Comm sim, int bench_steps) {
   meshtrain::StreamProducer producer;
   producer.connect(sim, "heat-2d", kInputs, kOutputs, meshtrain::StreamDtype::float64, options);
   if (bench_steps > 0) {
-    // The producer's overhead: the same steps with and without sends, alternated three times
-    // (the fastest of each kept), timed on rank 0 between barriers.
-    double seconds_off = 1e30, seconds_on = 1e30;
-    for (int repeat = 0; repeat < 6; ++repeat) {
-      const bool sends = repeat % 2 == 1;
-      initial_state(u, slab, repeat);
-      MPI_Barrier(sim);
-      const auto begin = std::chrono::steady_clock::now();
-      for (int s = 0; s < bench_steps; ++s) {
-        exchange_halo(u, slab);
-        make_rows(u, k_east, k_north, slab, x, divergence);
-        if (sends) producer.send(x.data(), divergence.data(), slab.cells());
-        advance(u, divergence, slab);
-      }
-      MPI_Barrier(sim);
-      const double t =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
-      double& best = sends ? seconds_on : seconds_off;
-      best = std::min(best, t);
-    }
+    bench_overhead(producer, bench, slab, u, k_east, k_north, x, divergence);
     producer.close();
-    long long sent = producer.rows_sent(), dropped = producer.rows_dropped();
-    MPI_Allreduce(MPI_IN_PLACE, &sent, 1, MPI_LONG_LONG, MPI_SUM, sim);
-    MPI_Allreduce(MPI_IN_PLACE, &dropped, 1, MPI_LONG_LONG, MPI_SUM, sim);
-    if (rank == 0)
-      std::printf(
-          "{\"bench\": \"online_producer_overhead\", \"ranks\": %d, \"cells\": %d, "
-          "\"steps\": %d, \"step_us_off\": %.3f, \"step_us_on\": %.3f, \"ratio\": "
-          "%.4f, \"rows_sent\": %lld, \"rows_dropped\": %lld}\n",
-          ranks, kGlobalCells * kGlobalCells, bench_steps, 1e6 * seconds_off / bench_steps,
-          1e6 * seconds_on / bench_steps, seconds_on / seconds_off, sent, dropped);
     return 0;
   }
   meshtrain::LiveModel model(producer, static_cast<int64_t>(slab.cells()) * ranks);
@@ -319,7 +282,7 @@ int run(MPI_Comm sim, int bench_steps) {
         static_cast<long long>(model.step()), field_error, change, passed ? "under" : "NOT under",
         kFieldTolerance);
     std::printf("online_heat: %d steps of %d x %d cells on %d ranks in %.1f s; sent %lld rows\n",
-                step + kRestartEvery, kGlobalCells, kGlobalCells, ranks, seconds(), sent);
+                step + kRestartEvery, slab.n, slab.n, ranks, seconds(), sent);
   }
   return passed ? 0 : 1;
 }
@@ -336,8 +299,12 @@ int main(int argc, char** argv) {
   int status = 0;
   try {
     // `online_heat bench STEPS`: the producer's overhead (bench/online_overhead.sh) instead.
-    const int bench_steps = argc > 2 && std::string(argv[1]) == "bench" ? std::atoi(argv[2]) : 0;
-    status = run(sim, bench_steps);
+    Bench bench;
+    if (argc > 2 && std::string(argv[1]) == "bench") {
+      bench.steps = std::atoi(argv[2]);
+      if (argc > 3) bench.grid = std::atoi(argv[3]);
+    }
+    status = run(sim, bench);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "online_heat: error: %s\n", e.what());
     status = 2;

@@ -74,15 +74,19 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
   element_bytes_ = sp::dtype_bytes(hello.dtype);
   message_rows_ = options.message_rows;
   backpressure_ = options.backpressure;
+  pack_ = options.pack;
+  open_slot_ = -1;
+  open_rows_ = 0;
   const int64_t slots =
       std::max<int64_t>(1, (options.ring_rows + message_rows_ - 1) / message_rows_);
   slots_.assign(static_cast<size_t>(slots),
                 std::vector<unsigned char>(static_cast<size_t>(
                     sp::message_bytes(message_rows_, inputs, outputs, hello.dtype))));
-  slot_requests_.assign(static_cast<size_t>(slots), {});
-  size_t widest = 0;
-  for (const auto& group : group_ranks_) widest = std::max(widest, group.size());
-  for (auto& requests : slot_requests_) requests.reserve(std::max(widest, trainers_.size()));
+  slot_width_ = 1;
+  for (const auto& group : group_ranks_) slot_width_ = std::max(slot_width_, group.size());
+  requests_.assign(static_cast<size_t>(slots) * slot_width_, MPI_REQUEST_NULL);
+  completed_.assign(requests_.size(), 0);
+  last_stop_check_ = {};
   // View sends' staging, where device memory is separate (views in it are copied to the host a
   // message at a time); only with Kokkos running (a C or Fortran producer may not start it).
   // The execution space instance and the labels the view sends use are made here, so that a
@@ -194,25 +198,39 @@ void StreamProducer::send(const double* x, const double* y, int64_t rows) {
   send_bytes(x, y, rows, 8);
 }
 
+bool StreamProducer::slot_free(size_t slot) const {
+  const MPI_Request* requests = &requests_[slot * slot_width_];
+  return std::all_of(requests, requests + slot_width_,
+                     [](MPI_Request r) { return r == MPI_REQUEST_NULL; });
+}
+
+// Every send in flight tested at once (one MPI_Testsome: the completed ones become
+// MPI_REQUEST_NULL, freeing their slots). A test enters MPI's progress engine, which moves the
+// sends' data (a message longer than the shared-memory transport's eager limit needs the
+// sender's progress) and yields the core when nothing progressed under mpi_yield_when_idle
+// (Open MPI's default on an oversubscribed node), so a send tests once: a test per message and
+// a stop check per send made a send of two messages cost up to three yields, milliseconds on
+// loaded cores (docs/online.md, "Figures").
+void StreamProducer::test_ring() {
+  if (std::all_of(requests_.begin(), requests_.end(),
+                  [](MPI_Request r) { return r == MPI_REQUEST_NULL; })) {
+    return;
+  }
+  int completed = 0;
+  check_mpi(MPI_Testsome(static_cast<int>(requests_.size()), requests_.data(), &completed,
+                         completed_.data(), MPI_STATUSES_IGNORE),
+            "MPI_Testsome (a stream's ring)");
+}
+
 // A slot whose sends have all completed, in ring order; with backpressure drop, -1 when the
-// next slot's sends are still in flight.
+// next slot's sends are still in flight (as the send's test_ring left them).
 int StreamProducer::take_free_slot() {
   const size_t slot = static_cast<size_t>(next_slot_);
-  std::vector<MPI_Request>& requests = slot_requests_[slot];
-  if (!requests.empty()) {
-    int done = 0;
-    if (backpressure_ == StreamBackpressure::block) {
-      check_mpi(
-          MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
-          "MPI_Waitall (a stream's ring)");
-      done = 1;
-    } else {
-      check_mpi(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
-                            MPI_STATUSES_IGNORE),
-                "MPI_Testall (a stream's ring)");
-    }
-    if (!done) return -1;
-    requests.clear();
+  if (!slot_free(slot)) {
+    if (backpressure_ != StreamBackpressure::block) return -1;
+    check_mpi(MPI_Waitall(static_cast<int>(slot_width_), &requests_[slot * slot_width_],
+                          MPI_STATUSES_IGNORE),
+              "MPI_Waitall (a stream's ring)");
   }
   next_slot_ = (next_slot_ + 1) % static_cast<int64_t>(slots_.size());
   return static_cast<int>(slot);
@@ -309,53 +327,92 @@ void StreamProducer::release_staging() {
 void StreamProducer::send_packed(int64_t rows, PackRows pack, void* context) {
   MESHTRAIN_REQUIRE(connected(), "StreamProducer::send before connect (or after close)");
   MESHTRAIN_REQUIRE(rows >= 0, "StreamProducer::send: negative rows (", rows, ")");
-  if (check_stop()) {  // the trainer failed: nobody trains on these rows
+  // The trainer's stop is looked for once a millisecond at most: its MPI_Iprobe enters MPI's
+  // progress engine (see test_ring), and a stop noticed a millisecond late costs nothing.
+  const auto now = std::chrono::steady_clock::now();
+  if (!stopped_ && now - last_stop_check_ >= std::chrono::milliseconds(1)) {
+    last_stop_check_ = now;
+    check_stop();
+  }
+  if (stopped_) {  // the trainer failed: nobody trains on these rows
     rows_dropped_ += rows;
     next_row_ += rows;
     return;
   }
   const int64_t x_row = inputs_ * element_bytes_, y_row = outputs_ * element_bytes_;
+  test_ring();
   for (int64_t done = 0; done < rows;) {
-    const int64_t count = std::min(message_rows_, rows - done);
-    const int slot = take_free_slot();
-    if (slot < 0) {
-      rows_dropped_ += count;
-      next_row_ += count;
-      done += count;
-      continue;
+    if (open_slot_ < 0) {
+      const int slot = take_free_slot();
+      if (slot < 0) {
+        const int64_t count = std::min(message_rows_, rows - done);
+        rows_dropped_ += count;
+        next_row_ += count;
+        done += count;
+        continue;
+      }
+      open_slot_ = slot;
+      open_rows_ = 0;
+      open_first_row_ = next_row_;
     }
-    unsigned char* bytes = slots_[static_cast<size_t>(slot)].data();
-    sp::Header header;
-    header.kind = sp::kRows;
-    header.rows = count;
-    header.first_row = next_row_;
-    std::memcpy(bytes, &header, sizeof header);
-    unsigned char* payload = bytes + sizeof header;
-    pack(context, done, count, payload, payload + count * x_row);
-    const int message_bytes = static_cast<int>(sizeof header + count * (x_row + y_row));
-    const int64_t group = sp::group_of_message(producer_index_, messages_, producers_, groups_);
-    std::vector<MPI_Request>& requests = slot_requests_[static_cast<size_t>(slot)];
-    for (int trainer : group_ranks_[static_cast<size_t>(group)]) {
-      requests.emplace_back();
-      check_mpi(MPI_Isend(bytes, message_bytes, MPI_BYTE, trainer, sp::kTag, stream_comm_,
-                          &requests.back()),
-                "MPI_Isend (a stream's rows)");
-    }
-    ++messages_;
+    const int64_t count = std::min(message_rows_ - open_rows_, rows - done);
+    unsigned char* payload = slots_[static_cast<size_t>(open_slot_)].data() + sizeof(sp::Header);
+    pack(context, done, count, payload + open_rows_ * x_row,
+         payload + message_rows_ * x_row + open_rows_ * y_row);
+    open_rows_ += count;
     next_row_ += count;
-    rows_sent_ += count;
     done += count;
+    if (!pack_ || open_rows_ == message_rows_) start_open();
   }
+}
+
+void StreamProducer::start_open() {
+  const int64_t x_row = inputs_ * element_bytes_, y_row = outputs_ * element_bytes_;
+  unsigned char* bytes = slots_[static_cast<size_t>(open_slot_)].data();
+  sp::Header header;
+  header.kind = sp::kRows;
+  header.rows = open_rows_;
+  header.first_row = open_first_row_;
+  std::memcpy(bytes, &header, sizeof header);
+  unsigned char* payload = bytes + sizeof header;
+  if (open_rows_ < message_rows_) {  // y follows the x rows on the wire
+    std::memmove(payload + open_rows_ * x_row, payload + message_rows_ * x_row,
+                 static_cast<size_t>(open_rows_ * y_row));
+  }
+  const int message_bytes = static_cast<int>(sizeof header + open_rows_ * (x_row + y_row));
+  const int64_t group = sp::group_of_message(producer_index_, messages_, producers_, groups_);
+  MPI_Request* requests = &requests_[static_cast<size_t>(open_slot_) * slot_width_];
+  for (int trainer : group_ranks_[static_cast<size_t>(group)]) {
+    check_mpi(
+        MPI_Isend(bytes, message_bytes, MPI_BYTE, trainer, sp::kTag, stream_comm_, requests++),
+        "MPI_Isend (a stream's rows)");
+  }
+  ++messages_;
+  rows_sent_ += open_rows_;
+  open_slot_ = -1;
+  open_rows_ = 0;
+}
+
+void StreamProducer::flush() {
+  if (open_slot_ < 0) return;
+  if (check_stop()) {  // the trainer failed: the rows waiting are dropped
+    rows_dropped_ += open_rows_;
+    open_slot_ = -1;
+    open_rows_ = 0;
+    return;
+  }
+  start_open();
 }
 
 void StreamProducer::close() {
   if (!connected()) return;
+  flush();
   // The close goes to every trainer rank, after this rank's rows (one tag: MPI keeps the
   // order); its header lives in the object until the sends complete.
   std::vector<MPI_Request> requests;
-  for (auto& slot : slot_requests_) {
-    requests.insert(requests.end(), slot.begin(), slot.end());
-    slot.clear();
+  for (MPI_Request& r : requests_) {
+    if (r != MPI_REQUEST_NULL) requests.push_back(r);
+    r = MPI_REQUEST_NULL;
   }
   static_assert(sizeof(sp::Header) == 4 * sizeof(int64_t));
   sp::Header header;

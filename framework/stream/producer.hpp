@@ -33,6 +33,7 @@
 #include <Kokkos_Core.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -54,6 +55,11 @@ struct StreamProducerOptions {
   int64_t ring_rows = 4096;    // rows the ring holds (rounded up to whole messages)
   int64_t message_rows = 256;  // rows of one message at most
   StreamBackpressure backpressure = StreamBackpressure::drop;
+  // Consecutive sends share a message until it holds message_rows rows (false: each send's rows
+  // start their own message, however few): many small sends then fill the ring's slots, and
+  // the trainer's receives, with whole messages. The last message's rows wait in the ring
+  // until it fills, flush() or close(); rows_sent() counts them once their message started.
+  bool pack = false;
   MPI_Comm parent = MPI_COMM_WORLD;  // where the trainer is found
   // Seconds close() waits for the trainer's last word (its stop or its done, docs/online.md)
   // after this rank's sends completed; 0 (or infinity): for ever; negative or NaN: connect
@@ -134,6 +140,8 @@ class StreamProducer {
   void send(const XView& x, const YView& y) {
     send_view(x, y, static_cast<int64_t>(std::min(x.extent(0), y.extent(0))), true);
   }
+  // With options.pack: starts the message being filled, if any (close() does it too).
+  void flush();
   // Sends the close after every row, waits for this rank's sends to complete, then for the
   // trainer's last word (its stop, or done once it took this close; options.close_timeout),
   // and on rank 0 with publishes for the publishes' end.
@@ -159,6 +167,7 @@ class StreamProducer {
   // rank publish_bytes() long; only rank 0's is filled by take_publishes.
   unsigned char* latest_publish() { return latest_.data(); }
   int64_t rows_sent() const { return rows_sent_; }        // handed to MPI
+  int64_t messages_sent() const { return messages_; }     // rows messages handed to MPI
   int64_t rows_dropped() const { return rows_dropped_; }  // ring full (drop), or after a stop
   // The trainer failed after the rendezvous and told the producers to stop (docs/online.md):
   // every send since it came dropped its rows (rows_dropped), the simulation goes on. Producer
@@ -216,7 +225,10 @@ class StreamProducer {
       fence_device(written_fence_label());
     }
   }
+  void test_ring();      // one MPI_Testsome over every send in flight
   int take_free_slot();  // -1: none (drop)
+  void start_open();     // the message in open_slot_: its header, then its sends
+  bool slot_free(size_t slot) const;
 
   void receive_publish();  // one message into incoming_, the newest kept
   // Takes the trainer's last word when it has come (never waits); true once stopped.
@@ -236,8 +248,19 @@ class StreamProducer {
   StreamBackpressure backpressure_ = StreamBackpressure::drop;
   // The ring: slots of one message each, every slot's sends (one per rank of its group).
   std::vector<std::vector<unsigned char>> slots_;
-  std::vector<std::vector<MPI_Request>> slot_requests_;
+  // slot s's sends: requests_[s * slot_width_ ...], MPI_REQUEST_NULL once complete (or unused);
+  // completed_: MPI_Testsome's indices.
+  std::vector<MPI_Request> requests_;
+  std::vector<int> completed_;
+  size_t slot_width_ = 1;
+  std::chrono::steady_clock::time_point last_stop_check_;  // send's last look for a stop
   int64_t next_slot_ = 0;
+  // The message being filled (pack): its slot (-1: none), rows so far and first row number.
+  // Its x rows are packed from the payload's start and its y rows after message_rows_ x rows,
+  // moved down to follow its x rows when it starts.
+  int open_slot_ = -1;
+  int64_t open_rows_ = 0, open_first_row_ = 0;
+  bool pack_ = false;
   int64_t messages_ = 0;  // rows messages started (the group of the next is chosen by it)
   int64_t next_row_ = 0;  // the row number of the next row sent
   int64_t rows_sent_ = 0, rows_dropped_ = 0;

@@ -1014,5 +1014,66 @@ TEST(Stream, DropWhenTheRingIsFullIsCounted) {
   EXPECT_EQ(source.counters().rows_received, sum_over_world(0));
 }
 
+// options.pack: sends of 1 to 37 rows (300 rows per producer) fill messages of 16 rows, the
+// last one's 12 rows started by close(): 19 messages of consecutive rows, message m of producer
+// p to the group stream_protocol::group_of_message gives it; each batch group's buffer (large
+// enough for every row) holds exactly the rows of its messages, rebuilt here from that rule.
+// Without pack the same 16 sends make 27 messages (one or more per send).
+TEST(Stream, PackedSendsFillWholeMessages) {
+  Roles roles;
+  constexpr int64_t kRows = 300, kMessageRows = 16;
+  constexpr int64_t kMessages = (kRows + kMessageRows - 1) / kMessageRows;
+  if (roles.producer) {
+    StreamProducerOptions options;
+    options.pack = true;
+    options.message_rows = kMessageRows;
+    options.ring_rows = 64;
+    options.backpressure = StreamBackpressure::block;
+    StreamProducer producer;
+    producer.connect(roles.comm, "packed", kInputs, kOutputs, StreamDtype::float32, options);
+    std::vector<float> x(64 * kInputs), y(64 * kOutputs);
+    int64_t r = 0;
+    for (int64_t k = 0; r < kRows; ++k) {
+      const int64_t n = std::min<int64_t>(1 + (k * 7) % 37, kRows - r);
+      for (int64_t i = 0; i < n; ++i)
+        make_row_f(roles.rank, r + i, &x[i * kInputs], &y[i * kOutputs]);
+      producer.send(x.data(), y.data(), n);
+      r += n;
+    }
+    EXPECT_EQ(producer.messages_sent(), kRows / kMessageRows) << "only whole messages before close";
+    EXPECT_EQ(producer.rows_sent(), kRows / kMessageRows * kMessageRows);
+    producer.close();
+    EXPECT_EQ(producer.messages_sent(), kMessages);
+    EXPECT_EQ(producer.rows_sent(), kRows);
+    EXPECT_EQ(producer.rows_dropped(), 0);
+    sum_over_world(producer.rows_sent());
+    return;
+  }
+  RunConfig config = trainer_config("packed", {{"dp", roles.trainers}}, "dp");
+  config.stream.buffer_rows = 1024;  // every row of every producer of a group
+  config.stream.min_rows = 1;
+  config.stream.until = StreamUntil::closed;
+  config.data.batch_size = roles.trainers;
+  config.train.steps = 1000000;
+  TrainingRun run(config, {}, std::nullopt, roles.comm);
+  while (!run.finished()) run.step();
+  const auto& source = dynamic_cast<const StreamSource&>(run.train_data());
+  EXPECT_EQ(source.counters().rows_received, sum_over_world(0));
+  EXPECT_EQ(source.counters().rows_received, kRows * roles.producers);
+  std::multiset<int64_t> expected;
+  const int64_t group = run.batch_slice().index, groups = run.batch_slice().count;
+  for (int64_t p = 0; p < roles.producers; ++p) {
+    for (int64_t m = 0; m < kMessages; ++m) {
+      if (stream_protocol::group_of_message(p, m, roles.producers, groups) != group) continue;
+      for (int64_t r = m * kMessageRows; r < std::min(kRows, (m + 1) * kMessageRows); ++r) {
+        expected.insert(p * 100000 + r);
+      }
+    }
+  }
+  const std::vector<int64_t> ids = buffer_ids(source.buffer());
+  EXPECT_EQ(std::multiset<int64_t>(ids.begin(), ids.end()), expected)
+      << "a group's buffer holds other rows than its whole messages'";
+}
+
 }  // namespace
 }  // namespace meshtrain
