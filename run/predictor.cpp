@@ -606,12 +606,17 @@ Prediction Predictor::run_jacobian(int64_t rows, JacobianMode mode) {
       // Every block's seed is the first rows of one: row t's direction is t % dirs.
       seed_output_directions(MatrixView(cotangent_seed_.data(), block * dirs, width), first, dirs,
                              offset, target_scale_);
+      if (block >= local) {  // one block: the pass over every row (collective where layers are)
+        const MatrixView seed(cotangent_seed_.data(), local * dirs, width);
+        store_input_cotangents(model_->backward_cotangents(seed), first, dirs, inverse_input_std_,
+                               jacobian_, 0, local);
+        continue;
+      }
       for (int64_t row = 0; row < local; row += block) {  // each block through every layer
         const int64_t n = std::min(block, local - row);
         const MatrixView seed(cotangent_seed_.data(), n * dirs, width);
-        const MatrixView dx = block == local ? model_->backward_cotangents(seed)
-                                             : model_->backward_cotangents(seed, row, n);
-        store_input_cotangents(dx, first, dirs, inverse_input_std_, jacobian_, row, n);
+        store_input_cotangents(model_->backward_cotangents(seed, row, n), first, dirs,
+                               inverse_input_std_, jacobian_, row, n);
       }
     }
   }
