@@ -7,7 +7,9 @@
 // seconds of the best round on rank 0.
 //
 //   OPENBLAS_NUM_THREADS=1 mpirun -np 1 build/bin/bench_jacobian CHECKPOINT --rows 10000 \
-//       [--mode all|auto|forward|reverse] [--rounds 5] [--set k=v ...]
+//       [--mode all|auto|forward|reverse] [--rounds 5] [--row-block N] [--set k=v ...]
+// --row-block: reverse mode's rows per block (Predictor::set_jacobian_row_block; 0, the
+// default: automatic; >= the local rows: one block).
 
 #include <mpi.h>
 #include <time.h>
@@ -23,6 +25,7 @@
 #include <vector>
 
 #include "framework/comm/exit_policy.hpp"
+#include "framework/core/gemm.hpp"
 #include "run/predictor.hpp"
 
 namespace {
@@ -56,11 +59,14 @@ int main(int argc, char** argv) {
   std::string checkpoint, mode_name = "all";
   int64_t rows = 10000;
   int rounds = 5;
+  int64_t row_block = 0;
   std::vector<std::string> overrides;
   app.add_option("checkpoint", checkpoint, "A checkpoint file or directory")->required();
   app.add_option("--rows", rows, "Global rows per call")->check(CLI::PositiveNumber);
   app.add_option("--mode", mode_name, "all, auto, forward or reverse");
   app.add_option("--rounds", rounds, "Timed rounds")->check(CLI::PositiveNumber);
+  app.add_option("--row-block", row_block, "Reverse mode's rows per block (0: automatic)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--set", overrides, "Overrides (mesh, partition, ...)")->take_all();
   CLI11_PARSE(app, argc, argv);
   const auto runtime = meshtrain::start_runtime_or_abort(argc, argv);
@@ -70,6 +76,7 @@ int main(int argc, char** argv) {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world);
     meshtrain::Predictor predictor(checkpoint, rows, overrides);
+    predictor.set_jacobian_row_block(row_block);
     std::vector<JacobianMode> modes;
     if (mode_name == "all") {
       modes = {JacobianMode::forward, JacobianMode::reverse};
@@ -125,6 +132,8 @@ int main(int argc, char** argv) {
       line["mode"] = meshtrain::to_string(mode);
       line["automatic_mode"] = meshtrain::to_string(predictor.jacobian_mode());
       line["directions_per_pass"] = predictor.jacobian_directions(mode);
+      if (mode == JacobianMode::reverse) line["row_block"] = predictor.jacobian_row_block();
+      line["gemm"] = meshtrain::gemm_kernels();
       line["rounds"] = rounds;
       line["jacobian_s"] = best_j;
       line["jacobian_median_s"] = median(jacobian);
@@ -133,6 +142,26 @@ int main(int argc, char** argv) {
       line["jacobian_over_forward"] = best_j / best_f;
       line["jacobian_cpu_s"] = best_jacobian_cpu;
       line["forward_cpu_s"] = best_forward_cpu;
+      if (mode == JacobianMode::reverse && predictor.jacobian_row_block() < local) {
+        // The blocked pass against one block of every row: elements whose bits differ, and the
+        // largest difference over the largest |J| (this rank's rows).
+        Kokkos::View<float***, Kokkos::HostSpace> blocked("blocked", local, out, in);
+        Kokkos::deep_copy(blocked, J);
+        const int64_t block = predictor.jacobian_row_block();
+        predictor.set_jacobian_row_block(local);
+        predictor.jacobian(x, J, mode);
+        predictor.set_jacobian_row_block(block);
+        int64_t differing = 0;
+        double largest = 0.0, diff = 0.0;
+        for (size_t i = 0; i < J.size(); ++i) {
+          const float a = blocked.data()[i], b = J.data()[i];
+          differing += a != b;
+          largest = std::max(largest, std::abs(static_cast<double>(b)));
+          diff = std::max(diff, std::abs(static_cast<double>(a) - b));
+        }
+        line["blocked_elements_differing"] = differing;
+        line["blocked_max_difference_over_max"] = largest > 0.0 ? diff / largest : 0.0;
+      }
       std::printf("%s\n", line.dump().c_str());
       std::fflush(stdout);
     }

@@ -1,6 +1,7 @@
 #include "layers/activation.hpp"
 
 #include <Kokkos_Core.hpp>
+#include <utility>
 
 #include "base/error.hpp"
 #include "framework/core/activation_math.hpp"
@@ -1023,11 +1024,18 @@ void ActivationLayer::reserve_tangents(int64_t directions) {
   tangent_capacity_ = directions;
 }
 
-MatrixView ActivationLayer::backward_cotangents(MatrixView dy, const LayerPass&) {
-  const int64_t rows = rows_;
+MatrixView ActivationLayer::backward_cotangents(MatrixView dy, const LayerPass& pass) {
+  const int64_t rows = cotangent_block_rows(pass, rows_);
+  const int64_t first = pass.cotangent_first_row;
+  MESHTRAIN_REQUIRE(first >= 0 && first + rows <= rows_, name_, ": cotangents of value rows [",
+                    first, ", ", first + rows, ") of ", rows_);
   const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows, name_);
   const MatrixView out = leading_rows(cotangents_, rows * k);
-  activation_tangent(activation_, z_, dy, out);  // a diagonal Jacobian: the same product
+  const MatrixView z =
+      pass.cotangent_rows > 0
+          ? MatrixView(Kokkos::subview(z_, std::make_pair(first, first + rows), Kokkos::ALL))
+          : z_;
+  activation_tangent(activation_, z, dy, out);  // a diagonal Jacobian: the same product
   return out;
 }
 

@@ -108,6 +108,7 @@ class ActivationLayer : public Layer {
   // dy * f'(x) per direction, into the layer's cotangent buffer.
   MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
   void reserve_cotangents(int64_t directions) override;
+  bool cotangents_by_rows() const override { return true; }  // elementwise
   // Sobolev training: dy * f'(x) + f''(x) * sum_d t_in g_t in place in dy (backward's, plus the
   // tangents' term), and *dt_in = f'(x) * dt per direction (the cotangent buffer).
   MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,

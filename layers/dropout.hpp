@@ -63,6 +63,8 @@ class DropoutLayer : public Layer {
   // The same product for cotangents (a diagonal Jacobian).
   MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
   void reserve_cotangents(int64_t directions) override;
+  // Outside training (no mask: the identity) only.
+  bool cotangents_by_rows() const override { return !has_mask_; }
   // Training on derivatives and the forward Laplacian (docs/derivatives.md): in a training pass
   // the layer is a fixed diagonal map per row (the mask is drawn once per forward), so value,
   // first-order tangents and second-order streams are all multiplied by the same mask and scale

@@ -124,6 +124,12 @@ struct LayerPass {
   // derivatives then k diagonal second derivatives. Linear maps them as any tangents; an
   // activation adds f''(z) t_d^2 to the second-order ones (and differentiates that backward).
   bool second_order = false;
+  // Cotangent passes only (backward_cotangents): dy's rows belong to the forward's value rows
+  // [cotangent_first_row, cotangent_first_row + cotangent_rows) alone (the reverse pass blocked
+  // over row blocks that stay in cache, Mlp::backward_cotangents(dy, first_row, rows)); 0 rows:
+  // all of them. Only layers whose cotangents_by_rows() is true are handed a block.
+  int64_t cotangent_first_row = 0;
+  int64_t cotangent_rows = 0;
 };
 
 class Layer {
@@ -190,6 +196,10 @@ class Layer {
   // reserve_tangents).
   virtual void reserve_cotangents(int64_t directions);
   int64_t cotangent_capacity() const { return cotangent_capacity_; }
+  // Whether backward_cotangents takes a block of the value rows (LayerPass::cotangent_first_row
+  // and cotangent_rows) without a collective: each block's cotangents alone, the same values a
+  // pass over every row gives those rows. The default: no.
+  virtual bool cotangents_by_rows() const { return false; }
 
   // Training on derivatives (Sobolev training, docs/derivatives.md): backward through the value
   // pass and the tangent pass at once (reverse over forward). After forward(x) and
@@ -230,6 +240,11 @@ class Layer {
   // names the layer.
   int64_t tangent_directions(int64_t tangent_rows, int64_t rows, const std::string& who) const;
   int64_t cotangent_directions(int64_t cotangent_rows, int64_t rows, const std::string& who) const;
+  // The value rows a cotangent pass is of: the pass's block (cotangents_by_rows() layers), else
+  // `rows` (all of them).
+  static int64_t cotangent_block_rows(const LayerPass& pass, int64_t rows) {
+    return pass.cotangent_rows > 0 ? pass.cotangent_rows : rows;
+  }
   int64_t tangent_capacity_ = 0, cotangent_capacity_ = 0;
 };
 

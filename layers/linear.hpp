@@ -127,6 +127,8 @@ class Linear final : public Layer {
   // weight and bias gradients.
   MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
   void reserve_cotangents(int64_t directions) override;
+  // By row blocks where the product has no collective: no tp, the weight not gathered (FSDP).
+  bool cotangents_by_rows() const override;
   // Sobolev training (Layer::backward_with_tangents): backward's weight gradient plus the
   // tangents' term dt_inᵀ g_t through the same product and collective on k times the rows, added
   // before the reduction; the bias gets the value's term only (the tangents have no bias);

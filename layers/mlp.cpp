@@ -649,14 +649,31 @@ void require_every_layer(const std::vector<Layer*>& sequence, bool (Layer::*supp
 }  // namespace
 
 MatrixView Mlp::backward_cotangents(MatrixView dy) {
+  return backward_cotangents(dy, 0, 0);
+}
+
+bool Mlp::cotangents_by_rows() const {
+  for (const Layer* layer : sequence_) {
+    if (!layer->cotangents_by_rows()) return false;
+  }
+  return true;
+}
+
+MatrixView Mlp::backward_cotangents(MatrixView dy, int64_t first_row, int64_t rows) {
   require_fp32(compute_dtype_);
+  const bool block = rows > 0;
+  MESHTRAIN_REQUIRE(!block || (cotangents_by_rows() && first_row >= 0 && first_row + rows <= rows_),
+                    "cotangents of value rows [", first_row, ", ", first_row + rows, ") of ", rows_,
+                    block && !cotangents_by_rows() ? ": a layer takes no block of rows" : "");
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(1)) == output_width(), "output cotangents are [",
-                    dy.extent(0), ", ", dy.extent(1), "], expected [", rows_, " x directions, ",
-                    output_width(), "]");
+                    dy.extent(0), ", ", dy.extent(1), "], expected [", block ? rows : rows_,
+                    " x directions, ", output_width(), "]");
   MatrixView g = dy;
   for (size_t k = sequence_.size(); k-- > 0;) {
     LayerPass pass;
     pass.scratch = &scratch_;
+    pass.cotangent_first_row = block ? first_row : 0;
+    pass.cotangent_rows = block ? rows : 0;
     TraceSpan span(tracer().on() ? trace_name(k) : "", TraceKind::layer);
     span.detail("cotangents");
     g = sequence_[k]->backward_cotangents(g, pass);

@@ -158,6 +158,15 @@ class Mlp {
   // each row's output (owned by the first layer, valid until the next cotangent pass). Needs
   // reserve_cotangents(k') with k' >= k first.
   MatrixView backward_cotangents(MatrixView dy);
+  // The same for the value rows [first_row, first_row + rows) alone: dy [rows * k,
+  // output_width()] -> [rows * k, sizes[0]], the rows backward_cotangents(dy of every row) gives
+  // them. A reverse pass blocked over row blocks (each block through every layer before the
+  // next) keeps a block's cotangents and the forward's values it reads in cache. Only where
+  // cotangents_by_rows(); no collective.
+  MatrixView backward_cotangents(MatrixView dy, int64_t first_row, int64_t rows);
+  // Whether every layer takes a block of rows in its cotangent pass (no tp, no gathered
+  // parameter, no MoE or SwiGLU layer, the norms' one-pass cotangents: host memory).
+  bool cotangents_by_rows() const;
   // Allocate every layer's buffers for up to `directions` per row, and the shared scratch's
   // collective-matmul workspace for them. Not collective.
   void reserve_tangents(int64_t directions);

@@ -570,8 +570,11 @@ void FeatureNorm::reserve_tangents(int64_t directions) {
 }
 
 MatrixView FeatureNorm::backward_cotangents(MatrixView dy, const LayerPass& pass) {
-  const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows_, name_);
-  const int64_t rows = rows_ * k;
+  const int64_t block = cotangent_block_rows(pass, rows_);
+  MESHTRAIN_REQUIRE(block == rows_ || cotangents_by_rows(), "norm '", name_,
+                    "': a cotangent pass over a block of rows needs the one-pass cotangents");
+  const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), block, name_);
+  const int64_t rows = block * k;
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(1)) == layout_.local_width, "norm '", name_,
                     "': cotangent input is [", dy.extent(0), ", ", dy.extent(1), "], expected [",
                     rows, ", ", layout_.local_width, "]");
@@ -592,11 +595,23 @@ bool FeatureNorm::cotangents_in_one_pass() const {
          compute_dtype_ == Dtype::fp32;
 }
 
+bool FeatureNorm::cotangents_by_rows() const {
+  return cotangents_in_one_pass() && !params_[0].gathered();
+}
+
 void FeatureNorm::cotangents_adding(MatrixView dy, MatrixView add, MatrixView out,
                                     const LayerPass& pass) {
   MESHTRAIN_REQUIRE(cotangents_in_one_pass(), "norm '", name_,
                     "': one-pass cotangents need host memory, fp32 and whole rows");
-  const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows_, name_);
+  // A block of the value rows (LayerPass::cotangent_first_row, cotangent_rows), or all of them:
+  // x_ and stats_ read at the block's rows, dy, add and out from their first row.
+  const int64_t block = cotangent_block_rows(pass, rows_);
+  const int64_t first = pass.cotangent_first_row;
+  MESHTRAIN_REQUIRE(
+      first >= 0 && first + block <= rows_ && (block == rows_ || !params_[0].gathered()), "norm '",
+      name_, "': cotangents of value rows [", first, ", ", first + block, ") of ", rows_,
+      " (a block needs the scale not gathered)");
+  const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), block, name_);
   const int64_t cols = layout_.local_width;
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(1)) == cols && out.extent(0) == dy.extent(0) &&
                         out.extent(1) == dy.extent(1) && out.data() != dy.data() &&
@@ -604,7 +619,7 @@ void FeatureNorm::cotangents_adding(MatrixView dy, MatrixView add, MatrixView ou
                         (add.data() == nullptr ||
                          (add.extent(0) == dy.extent(0) && add.extent(1) == dy.extent(1))),
                     "norm '", name_, "': cotangents [", dy.extent(0), ", ", dy.extent(1),
-                    "] into [", out.extent(0), ", ", out.extent(1), "] (", rows_ * k, ", ", cols,
+                    "] into [", out.extent(0), ", ", out.extent(1), "] (", block * k, ", ", cols,
                     " expected; out neither dy's nor add's memory)");
   MESHTRAIN_REQUIRE(pass.scratch, "norm '", name_, "': a pass without the model's scratch");
   const ConstVectorView scale = params_[0].compute(*pass.scratch);
@@ -622,9 +637,10 @@ void FeatureNorm::cotangents_adding(MatrixView dy, MatrixView add, MatrixView ou
   const MatrixView stats = stats_;
   const std::string& label = MESHTRAIN_LABEL("meshtrain::norm_cotangents_host");
   Kokkos::parallel_for(
-      label, Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0, rows_),
+      label, Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0, block),
       [=](const int64_t i) {
-        norm_cotangent_block_host(x_data + i * x_stride, stats(i, 0), stats(i, 1), stats(i, 2),
+        const int64_t v = first + i;  // the value row
+        norm_cotangent_block_host(x_data + v * x_stride, stats(v, 0), stats(v, 1), stats(v, 2),
                                   d_data, d_stride, pre, a_data, a_stride, o_data, o_stride, i, k,
                                   cols, layernorm, n);
       });

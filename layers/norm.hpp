@@ -128,6 +128,8 @@ class FeatureNorm : public Layer {
   // Whether the cotangents go in one pass per row (host memory, fp32, the whole row on this
   // rank: no tp), which cotangents_adding needs.
   bool cotangents_in_one_pass() const;
+  // By row blocks in that one pass, the scale not gathered (FSDP).
+  bool cotangents_by_rows() const override;
   // out = add + backward_cotangents(dy) in that pass (add [rows * k, local_width] or empty: a
   // residual block's stream, added without a pass of its own); out [rows * k, local_width],
   // neither dy's memory nor add's (a row block's first output row holds x-hat before add's rows

@@ -220,11 +220,16 @@ void ResidualBlock::reserve_tangents(int64_t directions) {
 }
 
 MatrixView ResidualBlock::backward_cotangents(MatrixView dy, const LayerPass& pass) {
-  const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows_, name_);
+  const int64_t rows = cotangent_block_rows(pass, rows_);
+  MESHTRAIN_REQUIRE(rows == rows_ || cotangents_by_rows(), "residual block '", name_,
+                    "': a cotangent pass over a block of rows, which a layer of it cannot take");
+  const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows, name_);
   LayerPass inner;
   inner.scratch = pass.scratch;
+  inner.cotangent_first_row = pass.cotangent_first_row;
+  inner.cotangent_rows = pass.cotangent_rows;
   MatrixView g = dy;
-  const MatrixView out = leading_rows(cotangents_, rows_ * k);
+  const MatrixView out = leading_rows(cotangents_, rows * k);
   // A pre-norm block (the norm first) adds dy inside the norm's one pass over its cotangents.
   auto* norm = dynamic_cast<FeatureNorm*>(layers_.front().get());
   const bool fused = norm != nullptr && norm->cotangents_in_one_pass();
@@ -237,6 +242,13 @@ MatrixView ResidualBlock::backward_cotangents(MatrixView dy, const LayerPass& pa
     add_tangents(dy, g, out);
   }
   return out;
+}
+
+bool ResidualBlock::cotangents_by_rows() const {
+  for (const auto& layer : layers_) {
+    if (!layer->cotangents_by_rows()) return false;
+  }
+  return true;
 }
 
 void ResidualBlock::reserve_cotangents(int64_t directions) {

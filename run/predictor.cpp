@@ -14,6 +14,7 @@
 #include "framework/core/view_ops.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/train/model_summary.hpp"
+#include "layers/inference.hpp"  // layers_run_host_kernels
 
 namespace meshtrain {
 namespace {
@@ -152,19 +153,26 @@ void seed_output_directions(const MatrixView& seed, int64_t first, int64_t dirs,
       });
 }
 
-// J(r, first + d, c) = cotangents(r * dirs + d, c) * scale(c) for the model's rows.
+// J(first_row + r, first + d, c) = cotangents(r * dirs + d, c) * scale(c) for the block's rows
+// r < rows.
 void store_input_cotangents(const MatrixView& cotangents, int64_t first, int64_t dirs,
                             const Vector& scale,
-                            const Kokkos::View<float***, Kokkos::LayoutRight>& J) {
+                            const Kokkos::View<float***, Kokkos::LayoutRight>& J, int64_t first_row,
+                            int64_t rows) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::jacobian_store_cotangents"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<3>>(
-          device_space(), {int64_t{0}, int64_t{0}, int64_t{0}},
-          {static_cast<int64_t>(J.extent(0)), dirs, static_cast<int64_t>(J.extent(2))}),
+      Kokkos::MDRangePolicy<Kokkos::Rank<3>>(device_space(), {int64_t{0}, int64_t{0}, int64_t{0}},
+                                             {rows, dirs, static_cast<int64_t>(J.extent(2))}),
       KOKKOS_LAMBDA(const int64_t r, const int64_t d, const int64_t c) {
-        J(r, first + d, c) = cotangents(r * dirs + d, c) * scale(c);
+        J(first_row + r, first + d, c) = cotangents(r * dirs + d, c) * scale(c);
       });
 }
+
+// A reverse-mode row block's working set: a block's cotangents going in and out of the widest
+// layer (2k rows a value row) and the forward's values it reads (one). Half of a 2 MiB L2, the
+// rest for the weights every block reads again (the benchmark's model: 8 of 128 KiB); measured
+// against 1 MiB and 256 KiB in docs/derivatives.md.
+constexpr int64_t kRowBlockBytes = int64_t{1} << 19;
 
 // The widest layer's features (global), for the forward-mode passes' size.
 int64_t widest_layer(const ModelSection& model) {
@@ -500,6 +508,31 @@ void Predictor::limit_jacobian_directions(int64_t k) {
   directions_limit_ = k;
 }
 
+void Predictor::set_jacobian_row_block(int64_t rows) {
+  if (rows < 0) {
+    MESHTRAIN_BAD_INPUT("set_jacobian_row_block(", rows, "): rows per block must be 0 (automatic) ",
+                        "or positive");
+  }
+  row_block_ = rows;
+}
+
+int64_t Predictor::jacobian_row_block() const {
+  const int64_t rows = slice_.rows;
+  if (!model_->cotangents_by_rows() || !inference::layers_run_host_kernels() || rows == 0) {
+    return rows;
+  }
+  int64_t block = row_block_;
+  if (block == 0) {
+    const int64_t k = jacobian_directions(JacobianMode::reverse);
+    const int64_t bytes_per_row =
+        static_cast<int64_t>(sizeof(float)) * (2 * k + 1) * widest_layer(config_.model);
+    block = std::max<int64_t>(8, kRowBlockBytes / bytes_per_row);
+  }
+  if (block >= rows) return rows;
+  const int64_t blocks = (rows + block - 1) / block;  // as even as whole blocks go
+  return (rows + blocks - 1) / blocks;
+}
+
 JacobianMode Predictor::prepare_jacobian(JacobianMode requested) {
   const JacobianMode mode = jacobian_mode(requested);
   bool& ready = mode == JacobianMode::forward ? forward_ready_ : reverse_ready_;
@@ -567,12 +600,24 @@ Prediction Predictor::run_jacobian(int64_t rows, JacobianMode mode) {
     }
   } else {
     const int64_t offset = model_->output_offset(), width = model_->output_width();
+    const int64_t local = slice_.rows, block = jacobian_row_block();
     for (int64_t first = 0; first < outputs(); first += k) {
       const int64_t dirs = std::min(k, outputs() - first);
-      const MatrixView seed(cotangent_seed_.data(), slice_.rows * dirs, width);
-      seed_output_directions(seed, first, dirs, offset, target_scale_);
-      store_input_cotangents(model_->backward_cotangents(seed), first, dirs, inverse_input_std_,
-                             jacobian_);
+      // Every block's seed is the first rows of one: row t's direction is t % dirs.
+      seed_output_directions(MatrixView(cotangent_seed_.data(), block * dirs, width), first, dirs,
+                             offset, target_scale_);
+      if (block >= local) {  // one block: the pass over every row (collective where layers are)
+        const MatrixView seed(cotangent_seed_.data(), local * dirs, width);
+        store_input_cotangents(model_->backward_cotangents(seed), first, dirs, inverse_input_std_,
+                               jacobian_, 0, local);
+        continue;
+      }
+      for (int64_t row = 0; row < local; row += block) {  // each block through every layer
+        const int64_t n = std::min(block, local - row);
+        const MatrixView seed(cotangent_seed_.data(), n * dirs, width);
+        store_input_cotangents(model_->backward_cotangents(seed, row, n), first, dirs,
+                               inverse_input_std_, jacobian_, row, n);
+      }
     }
   }
   fence_device(MESHTRAIN_LABEL("meshtrain::Predictor::jacobian"));

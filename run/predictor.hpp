@@ -155,6 +155,15 @@ class Predictor {
   // Makes `mode`'s buffers and warms it up, as its first jacobian() call would (collective;
   // nothing when done before). Returns the mode resolved.
   JacobianMode prepare_jacobian(JacobianMode mode = JacobianMode::automatic);
+  // Reverse mode's row blocks: each block of this many local rows takes its cotangents through
+  // every layer before the next block (docs/derivatives.md, "Blocked reverse pass"), so that
+  // they and the forward's values they read stay in cache. 0 (the default): rows chosen so that
+  // a block's cotangents and values fit about 512 KiB; rows >= local_rows(): one block. Only where
+  // every layer takes blocks (Mlp::cotangents_by_rows: no tp, no gathered parameter, no MoE or
+  // SwiGLU) on host kernels; elsewhere one block. Not collective; any time.
+  void set_jacobian_row_block(int64_t rows);
+  // The rows per block reverse mode uses (local_rows() when unblocked).
+  int64_t jacobian_row_block() const;
 
   int64_t inputs() const { return config_.model.input_width(); }
   int64_t outputs() const { return config_.model.output_width(); }
@@ -255,6 +264,7 @@ class Predictor {
   // target_std per output (reverse).
   bool forward_ready_ = false, reverse_ready_ = false;
   int64_t directions_limit_ = 0;  // limit_jacobian_directions (0: none)
+  int64_t row_block_ = 0;         // set_jacobian_row_block (0: automatic)
   Vector inverse_input_std_;      // [inputs] (1 without input statistics)
   Vector target_scale_;           // [outputs] target_std (1 without target statistics)
   Kokkos::View<float***, Kokkos::LayoutRight> jacobian_;  // [local_rows, outputs, inputs]
