@@ -5,6 +5,8 @@
 
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
+#include "framework/core/host_chunks.hpp"
+#include "framework/core/host_clones.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
@@ -21,6 +23,7 @@ namespace {
 // without a per-element branch, which the compiler vectorizes.
 template <Dtype dtype>
 struct CopyOut {
+  static constexpr Dtype kDtype = dtype;
   uint16_t* bits = nullptr;
   KOKKOS_INLINE_FUNCTION void write(int64_t i, float master) const {
     if constexpr (dtype != Dtype::fp32) bits[i] = to_16bit_as<dtype>(master);
@@ -49,12 +52,114 @@ void with_copy(const ShardedTensor& t, F&& f) {
   }
 }
 
+// The updates on host memory (host_chunks.hpp: where the default execution space is the host's)
+// as per-ISA clones without FMA contraction (host_clones.hpp): each element is the same IEEE
+// operations as the Kokkos kernels' below (the baseline build has no FMA to contract into), so
+// the masters, the state and the 16-bit copies are the same bits, 16 lanes at a time on AVX-512.
+// The arrays are distinct allocations (master, gradient, slots, copy): __restrict.
+template <Dtype dtype>
+MESHTRAIN_INLINE void write_copy(uint16_t* __restrict bits, int64_t i, float master) {
+  if constexpr (dtype != Dtype::fp32) bits[i] = to_16bit_as<dtype>(master);
+}
+
+struct AdamwScalars {
+  float beta1, beta2, decay, step_size, inv_correction2, eps;
+};
+
+template <Dtype dtype>
+MESHTRAIN_INLINE void adamw_span(float* __restrict p, const float* __restrict g,
+                                 float* __restrict m, float* __restrict v,
+                                 uint16_t* __restrict bits, int64_t n, AdamwScalars s) {
+  for (int64_t i = 0; i < n; ++i) {
+    float mi = m[i], vi = v[i];
+    const float updated = adamw_element(p[i], g[i], mi, vi, s.beta1, s.beta2, s.decay, s.step_size,
+                                        s.inv_correction2, s.eps);
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = updated;
+    write_copy<dtype>(bits, i, updated);
+  }
+}
+
+// [[maybe_unused]]: a GPU build (kDefaultSpaceIsHost false) compiles them and calls none.
+[[maybe_unused]] MESHTRAIN_HOST_CLONES_EXACT void adamw_host(float* p, const float* g, float* m,
+                                                             float* v, uint16_t* bits, Dtype copy,
+                                                             int64_t n, AdamwScalars s) {
+  if (copy == Dtype::bf16) {
+    adamw_span<Dtype::bf16>(p, g, m, v, bits, n, s);
+  } else if (copy == Dtype::fp16) {
+    adamw_span<Dtype::fp16>(p, g, m, v, bits, n, s);
+  } else {
+    adamw_span<Dtype::fp32>(p, g, m, v, bits, n, s);
+  }
+}
+
+template <Dtype dtype>
+MESHTRAIN_INLINE void sgd_span(float* __restrict p, const float* __restrict g,
+                               float* __restrict buf, uint16_t* __restrict bits, int64_t n,
+                               float lr, float momentum, float wd, bool first) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float grad = g[i] + wd * p[i];
+    const float b = first ? grad : momentum * buf[i] + grad;
+    buf[i] = b;
+    const float updated = p[i] - lr * b;
+    p[i] = updated;
+    write_copy<dtype>(bits, i, updated);
+  }
+}
+
+[[maybe_unused]] MESHTRAIN_HOST_CLONES_EXACT void sgd_host(float* p, const float* g, float* buf,
+                                                           uint16_t* bits, Dtype copy, int64_t n,
+                                                           float lr, float momentum, float wd,
+                                                           bool first) {
+  if (copy == Dtype::bf16) {
+    sgd_span<Dtype::bf16>(p, g, buf, bits, n, lr, momentum, wd, first);
+  } else if (copy == Dtype::fp16) {
+    sgd_span<Dtype::fp16>(p, g, buf, bits, n, lr, momentum, wd, first);
+  } else {
+    sgd_span<Dtype::fp32>(p, g, buf, bits, n, lr, momentum, wd, first);
+  }
+}
+
+template <Dtype dtype>
+MESHTRAIN_INLINE void sgd_plain_span(float* __restrict p, const float* __restrict g,
+                                     uint16_t* __restrict bits, int64_t n, float lr, float wd) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float updated = p[i] - lr * (g[i] + wd * p[i]);
+    p[i] = updated;
+    write_copy<dtype>(bits, i, updated);
+  }
+}
+
+[[maybe_unused]] MESHTRAIN_HOST_CLONES_EXACT void sgd_plain_host(float* p, const float* g,
+                                                                 uint16_t* bits, Dtype copy,
+                                                                 int64_t n, float lr, float wd) {
+  if (copy == Dtype::bf16) {
+    sgd_plain_span<Dtype::bf16>(p, g, bits, n, lr, wd);
+  } else if (copy == Dtype::fp16) {
+    sgd_plain_span<Dtype::fp16>(p, g, bits, n, lr, wd);
+  } else {
+    sgd_plain_span<Dtype::fp32>(p, g, bits, n, lr, wd);
+  }
+}
+
 template <class Copy>
 void sgd_update(Vector p, Vector g, Vector buf, float lr, float momentum, float wd, bool first,
                 Copy copy) {
+  const std::string& label = MESHTRAIN_LABEL("meshtrain::sgd_step");
+  if constexpr (kDefaultSpaceIsHost) {
+    float* pp = p.data();
+    const float* gp = g.data();
+    float* bp = buf.data();
+    uint16_t* bits = copy.bits;
+    for_host_chunks(label, static_cast<int64_t>(p.extent(0)), [=](int64_t begin, int64_t end) {
+      sgd_host(pp + begin, gp + begin, bp + begin, bits == nullptr ? nullptr : bits + begin,
+               Copy::kDtype, end - begin, lr, momentum, wd, first);
+    });
+    return;
+  }
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::sgd_step"), Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)),
-      KOKKOS_LAMBDA(const int64_t i) {
+      label, Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
         const float grad = g(i) + wd * p(i);
         const float b = first ? grad : momentum * buf(i) + grad;
         buf(i) = b;
@@ -67,9 +172,19 @@ void sgd_update(Vector p, Vector g, Vector buf, float lr, float momentum, float 
 // Plain SGD (momentum 0): no state, so no slot is allocated (the plan counts none).
 template <class Copy>
 void sgd_plain_update(Vector p, Vector g, float lr, float wd, Copy copy) {
+  const std::string& label = MESHTRAIN_LABEL("meshtrain::sgd_plain_step");
+  if constexpr (kDefaultSpaceIsHost) {
+    float* pp = p.data();
+    const float* gp = g.data();
+    uint16_t* bits = copy.bits;
+    for_host_chunks(label, static_cast<int64_t>(p.extent(0)), [=](int64_t begin, int64_t end) {
+      sgd_plain_host(pp + begin, gp + begin, bits == nullptr ? nullptr : bits + begin, Copy::kDtype,
+                     end - begin, lr, wd);
+    });
+    return;
+  }
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::sgd_plain_step"),
-      Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
+      label, Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
         const float updated = p(i) - lr * (g(i) + wd * p(i));
         p(i) = updated;
         copy.write(i, updated);
@@ -86,9 +201,18 @@ void adamw_update(Vector p, Vector g, Vector m, Vector v, float lr, float beta1,
   const float* gp = g.data();
   float* mp = m.data();
   float* vp = v.data();
+  const std::string& label = MESHTRAIN_LABEL("meshtrain::adamw_step");
+  if constexpr (kDefaultSpaceIsHost) {
+    const AdamwScalars s{beta1, beta2, decay, step_size, inv_correction2, eps};
+    uint16_t* bits = copy.bits;
+    for_host_chunks(label, static_cast<int64_t>(p.extent(0)), [=](int64_t begin, int64_t end) {
+      adamw_host(pp + begin, gp + begin, mp + begin, vp + begin,
+                 bits == nullptr ? nullptr : bits + begin, Copy::kDtype, end - begin, s);
+    });
+    return;
+  }
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::adamw_step"),
-      Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
+      label, Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
         const float updated = adamw_element(pp[i], gp[i], mp[i], vp[i], beta1, beta2, decay,
                                             step_size, inv_correction2, eps);
         pp[i] = updated;

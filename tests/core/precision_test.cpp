@@ -463,6 +463,46 @@ TEST(Precision, KernelsMatchTheScalarFunctions) {
   }
 }
 
+// pack_16bit, unpack_16bit and round_in_place over many bit patterns: every upper half of an
+// fp32 (every sign, exponent, NaN payload and infinity) with lower halves at and around the
+// rounding points of bf16 (0x8000: the tie) and fp16 (bit 13's neighbourhood: 0x1000, 0x3000),
+// as one contiguous array whose length is no multiple of any vector width and spans several of
+// the host passes' chunks (framework/core/host_chunks.hpp): each element must be what the scalar
+// functions give, bit for bit, whichever instruction set's clone of the loop the CPU runs.
+TEST(Precision, ContiguousPassesMatchTheScalarFunctionsOnEveryUpperHalf) {
+  const uint32_t lows[] = {0x0000u, 0x0001u, 0x0fffu, 0x1000u, 0x1001u, 0x2fffu,
+                           0x3000u, 0x3001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu};
+  constexpr std::size_t kLows = sizeof(lows) / sizeof(lows[0]);
+  const std::size_t count = 65536 * kLows + 5;  // + 5: a tail past the vector lanes
+  Kokkos::View<float*, Kokkos::HostSpace> host("host", count);
+  for (std::size_t k = 0; k < count; ++k) {
+    const uint32_t high = static_cast<uint32_t>(k / kLows) & 0xffffu;
+    host(k) = float_of_bits((high << 16) | lows[k % kLows]);
+  }
+  for (Dtype dtype : {Dtype::bf16, Dtype::fp16}) {
+    SCOPED_TRACE(dtype == Dtype::bf16 ? "bf16" : "fp16");
+    Vector src("src", count), rounded("rounded", count), unpacked("unpacked", count);
+    HalfBits packed("packed", count);
+    Kokkos::deep_copy(src, host);
+    Kokkos::deep_copy(rounded, host);
+    pack_16bit(src.data(), packed.data(), count, dtype);
+    unpack_16bit(packed.data(), unpacked.data(), count, dtype);
+    round_in_place(VectorView(rounded), dtype);
+    Kokkos::fence();
+    const auto packed_host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), packed);
+    const auto unpacked_host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), unpacked);
+    const auto rounded_host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), rounded);
+    for (std::size_t k = 0; k < count; ++k) {
+      const uint16_t want = to_16bit(host(k), dtype);
+      ASSERT_EQ(packed_host(k), want) << hex(bits_of_float(host(k)), 8);
+      ASSERT_EQ(bits_of_float(unpacked_host(k)), bits_of_float(from_16bit(want, dtype)))
+          << hex(bits_of_float(host(k)), 8);
+      ASSERT_EQ(bits_of_float(rounded_host(k)), bits_of_float(round_to(host(k), dtype)))
+          << hex(bits_of_float(host(k)), 8);
+    }
+  }
+}
+
 // round_in_place on a matrix whose rows are not contiguous (a column block of a wider
 // matrix: the 2-D fallback, not the contiguous loop) rounds exactly the block's elements, as
 // round_to does, and leaves the columns outside it untouched, bit for bit.

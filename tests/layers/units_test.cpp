@@ -19,6 +19,7 @@
 
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/core/precision.hpp"
+#include "framework/train/adamw_math.hpp"
 #include "framework/train/init.hpp"
 #include "framework/train/optimizer.hpp"
 #include "layers/activation.hpp"
@@ -255,6 +256,110 @@ TEST(Optimizer, StateIsShardedLikeItsParameter) {
   EXPECT_EQ(opt2.step_count(), 1);
   auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), params[0].local);
   EXPECT_FLOAT_EQ(h(0), 0.5f);
+}
+
+// The updates run as per-ISA clones of host loops where the default execution space is the
+// host's (framework/core/host_clones.hpp, without FMA contraction): the masters, the state and
+// the 16-bit copies must stay the bits of the formulas applied one element at a time
+// (adamw_math.hpp's adamw_element; SGD's written out as optimizer.hpp states them), for AdamW,
+// SGD with momentum (its first step and a later one) and plain SGD, with a bf16, an fp16 or no
+// copy, over a length that spans several chunks and ends past the vector lanes. Values from
+// 1e-30 to 1e4 and zeros, so that the divisions, square roots and roundings meet subnormals,
+// ties and large quotients.
+TEST(Optimizer, UpdatesAreTheScalarFormulasBitForBit) {
+  const Mesh mesh = Mesh::create({{"dp", world_size()}}, world_size());
+  const int64_t n = 3 * 16384 + 7;
+  std::mt19937 random(2718);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-100, 13);
+  std::vector<float> p0(n), g0(n), g1(n);
+  for (auto* v : {&p0, &g0, &g1}) {
+    for (float& x : *v) x = std::ldexp(uniform(random), exponent(random));
+  }
+  for (int64_t i = 0; i < n; i += 97) g0[i] = 0.0f;
+  const std::vector<float>* grads_by_step[] = {&g0, &g1};
+  const float lr = 0.05f, wd = 0.01f;
+  OptimizerSettings adamw, sgd, plain;
+  adamw.kind = OptimizerKind::adamw;
+  sgd.kind = plain.kind = OptimizerKind::sgd;
+  sgd.momentum = 0.9f;
+  plain.momentum = 0.0f;
+  for (OptimizerSettings* settings : {&adamw, &sgd, &plain}) {
+    settings->weight_decay = wd;
+    for (const Dtype dtype : {Dtype::fp32, Dtype::bf16, Dtype::fp16}) {
+      SCOPED_TRACE(std::string(dtype == Dtype::fp32   ? "fp32"
+                               : dtype == Dtype::bf16 ? "bf16"
+                                                      : "fp16") +
+                   ", " + to_string(settings->kind) + (settings == &plain ? " (plain)" : ""));
+      std::vector<ShardedTensor> params = {
+          ShardedTensor::allocate("w", {n}, PartitionSpec::parse("P()"), mesh, world_rank())};
+      std::vector<ShardedTensor> grads = {
+          ShardedTensor::allocate("w", {n}, PartitionSpec::parse("P()"), mesh, world_rank())};
+      auto copy = std::make_shared<SixteenBitCopy>();
+      if (dtype != Dtype::fp32) {
+        copy->bits = HalfBits("copy", n);
+        copy->dtype = dtype;
+        params[0].copy_16bit = copy;
+      }
+      Kokkos::deep_copy(params[0].local,
+                        Kokkos::View<const float*, Kokkos::HostSpace>(p0.data(), n));
+      Optimizer optimizer(*settings, params);
+      // The reference, one element at a time on the host.
+      std::vector<float> p = p0, m(n, 0.0f), v(n, 0.0f), b(n, 0.0f);
+      for (int step = 0; step < 2; ++step) {
+        const std::vector<float>& g = *grads_by_step[step];
+        Kokkos::deep_copy(grads[0].local,
+                          Kokkos::View<const float*, Kokkos::HostSpace>(g.data(), n));
+        optimizer.step(params, grads, lr);
+        if (settings == &adamw) {
+          const double t = step + 1;
+          const float c1 = adamw_bias_correction(adamw.beta1, t);
+          const float c2 = adamw_bias_correction(adamw.beta2, t);
+          for (int64_t i = 0; i < n; ++i) {
+            p[i] = adamw_element(p[i], g[i], m[i], v[i], adamw.beta1, adamw.beta2, 1.0f - lr * wd,
+                                 lr / c1, 1.0f / c2, adamw.eps);
+          }
+        } else {
+          for (int64_t i = 0; i < n; ++i) {
+            const float grad = g[i] + wd * p[i];
+            if (settings == &plain) {
+              p[i] = p[i] - lr * grad;
+            } else {
+              b[i] = step == 0 ? grad : sgd.momentum * b[i] + grad;
+              p[i] = p[i] - lr * b[i];
+            }
+          }
+        }
+        const auto master =
+            Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), params[0].local);
+        int64_t moved = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          uint32_t got, want;
+          std::memcpy(&got, &master(i), sizeof got);
+          std::memcpy(&want, &p[i], sizeof want);
+          ASSERT_EQ(got, want) << "step " << step << ", master element " << i;
+          moved += p[i] != p0[i];
+        }
+        EXPECT_GT(moved, n / 2);  // the update did move the masters
+        if (dtype != Dtype::fp32) {
+          const auto bits = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), copy->bits);
+          for (int64_t i = 0; i < n; ++i) {
+            ASSERT_EQ(bits(i), to_16bit(p[i], dtype)) << "step " << step << ", copy element " << i;
+          }
+        }
+        if (settings == &adamw) {
+          const auto mh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(),
+                                                              optimizer.slot("m")[0].local);
+          const auto vh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(),
+                                                              optimizer.slot("v")[0].local);
+          for (int64_t i = 0; i < n; ++i) {
+            ASSERT_EQ(mh(i), m[i]) << "step " << step << ", m element " << i;
+            ASSERT_EQ(vh(i), v[i]) << "step " << step << ", v element " << i;
+          }
+        }
+      }
+    }
+  }
 }
 
 // ---------------------------------------------------------------- the wire's rounding
