@@ -25,10 +25,10 @@
 
 namespace meshtrain {
 
-// The default (device) execution space instance: every kernel of meshtrain runs on it. With
-// CUDA it runs on a stream meshtrain creates (non-blocking, never destroyed), not on the legacy
-// default stream, which cannot be captured as a CUDA graph (step_graph.hpp); cuBLAS and NCCL
-// take their stream from it.
+// The default (device) execution space instance: every kernel of meshtrain runs on it; cuBLAS
+// and NCCL take their stream from it. With CUDA that is the stream Kokkos 4 creates for its
+// default instance (cudaStreamCreate at initialize), not the legacy default stream, so a
+// CUDA graph can capture it (step_graph.hpp; backends/step_graph_cuda.cpp checks).
 const Kokkos::DefaultExecutionSpace& device_space();
 // The default host execution space instance (copies between host buffers).
 const Kokkos::DefaultHostExecutionSpace& host_space();

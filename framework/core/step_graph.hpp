@@ -6,9 +6,10 @@
 // - CUDA build (backends/step_graph_cuda.cpp): the next call captures it on device_space()'s
 //   stream (cudaStreamBeginCapture, thread-local mode; step_fn; cudaStreamEndCapture;
 //   cudaGraphInstantiate) and launches the graph once, for that step's work; every later call
-//   launches the graph (cudaGraphLaunch) without calling step_fn. device_space() is then an
-//   instance on a stream meshtrain created (exec_space.cpp): the legacy default stream cannot
-//   be captured. Every CUDA error is thrown with cudaGetErrorString's text.
+//   launches the graph (cudaGraphLaunch) without calling step_fn. device_space()'s stream is
+//   the one Kokkos 4 creates for its default instance (exec_space.cpp): the legacy default
+//   stream, which cannot be captured, is refused. Every CUDA error is thrown with
+//   cudaGetErrorString's text.
 // - Host build (what runs here and in CI; no CUDA): the same protocol with a capture-safety
 //   checker. The capturing call and every later one run step_fn with the checker open: it
 //   records every fence (meshtrain's fence_* functions and Kokkos' fence callback), deep copy

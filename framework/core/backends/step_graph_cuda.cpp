@@ -1,10 +1,10 @@
 // StepGraph's CUDA backend (step_graph_backend.hpp): the region captured on device_space()'s
-// stream, which exec_space.cpp creates for this (a stream of the legacy default kind cannot be
-// captured). Thread-local capture mode: what this thread does inside the region must be
-// capturable (kernels, cuBLAS/cuBLASLt on the same stream, NCCL collectives on a stream joined
-// to it through events, asynchronous copies between device buffers); other threads (a
-// checkpoint writer) may go on with their own CUDA calls. Built with a CUDA Kokkos only
-// (framework/CMakeLists.txt). Compiled with nvcc, not yet run on a GPU (docs/gpu.md).
+// stream (Kokkos 4's default instance's, made by cudaStreamCreate; the legacy default stream
+// cannot be captured, and capture() refuses it). Thread-local capture mode: what this thread does
+// inside the region must be capturable (kernels, cuBLAS/cuBLASLt on the same stream, NCCL
+// collectives on a stream joined to it through events, asynchronous copies between device buffers);
+// other threads (a checkpoint writer) may go on with their own CUDA calls. Built with a CUDA Kokkos
+// only (framework/CMakeLists.txt). Compiled with nvcc, not yet run on a GPU (docs/gpu.md).
 
 #include <cuda_runtime.h>
 
