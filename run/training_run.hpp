@@ -267,6 +267,11 @@ class TrainingRun {
   const std::string& cuda_graphs_note() const { return graphs_note_; }
   // The regions' replays so far (0 before the capture or with graphs off).
   int64_t cuda_graph_replays() const { return graphs_ ? forward_backward_graph_->replays() : 0; }
+  // The host checker's count of the kernels in the two captured regions (StepGraph).
+  int64_t cuda_graph_kernels() const {
+    return graphs_ ? forward_backward_graph_->captured_kernels() + update_graph_->captured_kernels()
+                   : 0;
+  }
   // What the plan predicts per rank for this run (the "per rank" total of `meshtrain plan`),
   // with the data path's bytes measured where the data was given in code.
   const PlannedMemory& planned_memory() const { return planned_memory_; }

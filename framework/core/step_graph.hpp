@@ -84,6 +84,9 @@ class StepGraph {
   bool captured() const { return captured_; }
   int64_t replays() const { return replays_; }
   static bool replays_cuda_graphs();
+  // The host checker: the Kokkos kernels the captured region launched (0 before the capture
+  // and on a CUDA build, where the graph holds them).
+  int64_t captured_kernels() const { return kernel_count_; }
   const std::string& name() const { return name_; }
 
  private:
