@@ -8,6 +8,7 @@
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
+#include "framework/core/step_graph.hpp"
 #include "framework/core/view_ops.hpp"
 
 namespace meshtrain {
@@ -155,6 +156,12 @@ LossResult Loss::finish(double local_sum, double local_counted, double local_cou
 
 LossResult Loss::cross_entropy(MatrixView logits, LabelView labels, bool with_gradient,
                                int64_t valid_rows) {
+  cross_entropy_kernels(logits, labels, with_gradient, valid_rows);
+  return cross_entropy_result(valid_rows);
+}
+
+void Loss::cross_entropy_kernels(MatrixView logits, LabelView labels, bool with_gradient,
+                                 int64_t valid_rows) {
   MESHTRAIN_REQUIRE(kind_ == LossKind::cross_entropy, "Loss::cross_entropy on a ", to_string(kind_),
                     " loss");
   MESHTRAIN_REQUIRE(static_cast<int64_t>(logits.extent(0)) == rows_ &&
@@ -233,6 +240,13 @@ LossResult Loss::cross_entropy(MatrixView logits, LabelView labels, bool with_gr
       MESHTRAIN_LABEL("meshtrain::cross_entropy_hits"), device_range(0, valid),
       KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += stats(i, 2); },
       Kokkos::subview(scalars_, 1));
+}
+
+LossResult Loss::cross_entropy_result(int64_t valid_rows) {
+  MESHTRAIN_REQUIRE(kind_ == LossKind::cross_entropy, "Loss::cross_entropy_result on a ",
+                    to_string(kind_), " loss");
+  const int64_t valid = valid_rows < 0 ? rows_ : std::min(valid_rows, rows_);
+  note_host_read("the loss (Loss::cross_entropy_result)");
   copy_view(scalars_host_, scalars_);
   const double sum = scalars_host_(0), correct = scalars_host_(1);
   return finish(share(sum), share(correct), share(static_cast<double>(valid)));
@@ -285,6 +299,7 @@ LossResult Loss::regression(MatrixView logits, MatrixView targets, bool with_gra
         KOKKOS_LAMBDA(const int64_t i, double& acc) { acc += bad(i, 0); },
         Kokkos::subview(scalars_, 1));
   }
+  note_host_read("the loss (Loss::regression)");
   copy_view(scalars_host_, scalars_);
   const double sum = scalars_host_(0);
   if (kind_ == LossKind::binary_cross_entropy) outside = scalars_host_(1);

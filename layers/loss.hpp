@@ -68,6 +68,12 @@ class Loss {
   // dLoss/dLogits afterwards. Labels: [rows] in [0, width) (cross_entropy only).
   LossResult cross_entropy(MatrixView logits, LabelView labels, bool with_gradient = true,
                            int64_t valid_rows = -1);
+  // cross_entropy in two parts (a training step captured as a CUDA graph, run/training_run.cpp):
+  // the kernels (and a split loss's collectives), which leave the sums in device scalars and
+  // read nothing on the host, then the read-back and reduction over the ranks. The same result.
+  void cross_entropy_kernels(MatrixView logits, LabelView labels, bool with_gradient = true,
+                             int64_t valid_rows = -1);
+  LossResult cross_entropy_result(int64_t valid_rows = -1);
   // A loss with float targets (mse, huber, mae, binary_cross_entropy) of the local outputs.
   // Targets: [rows, width].
   LossResult regression(MatrixView logits, MatrixView targets, bool with_gradient = true,

@@ -281,6 +281,7 @@ std::vector<std::string> TrainingRun::describe() const {
   }
   for (const std::string& line : model_->describe()) lines.push_back("  " + line);
   lines.push_back("  " + describe_planned_memory(planned_memory_));
+  lines.push_back("  " + graphs_note_);
   // Last: tests index the lines above.
   if (!reduction_choices_.empty()) {
     std::string groups;

@@ -8,6 +8,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <exception>
 #include <optional>
 #include <string>
@@ -67,6 +68,7 @@ TrainingRun::TrainingRun(RunConfig config, RunEvents events, std::optional<RunDa
     choose_start();
     build_derivative_loss();
     start_streams();
+    choose_cuda_graphs();
   } catch (const std::exception& error) {
     // Refused after a stream's rendezvous (a checkpoint.init_from that does not exist, say):
     // the producers are told why (they drop their rows from now on and warn with this
@@ -682,6 +684,93 @@ int64_t TrainingRun::data_bytes() const {
   if (dy_source_) bytes += dy_source_->resident_bytes();
   if (dy_stream_) bytes += dy_stream_->staging_bytes();
   return bytes;
+}
+
+// Why this run's step cannot be captured as a CUDA graph, or "" when it can. Every rank
+// decides alike (the config, the build, the backend, the world size). The step is
+// capturable where its device work between loading the batch and reading the loss back, and
+// the update, neither waits for the device nor reads device values on the host, and every
+// value its kernels take changes in memory, not as an argument (framework/core/step_graph.hpp).
+// What each configuration left out does on the host every step is named.
+std::string TrainingRun::cuda_graphs_blocker() const {
+  const ModelSection& model = config_.model;
+  const int world = mesh_->world_size();
+  if (world > 1 && backend_ == CommBackend::mpi) {
+    return "the MPI backend stages the step's collectives through host memory (Open MPI here is "
+           "not CUDA-aware), which a graph cannot capture";
+  }
+  if (world > 1) {
+    return "the NCCL backend's blocking collectives wait for their completion on the host (their "
+           "timeout), which a capture forbids; a capture-mode NCCL path is not built yet";
+  }
+  if (model.kind != ModelKind::mlp) {
+    return detail::concat("model.kind = \"", to_string(model.kind),
+                          "\" is not checked capture-safe yet (only \"mlp\" is)");
+  }
+  if (!model.moe_layers.empty()) {
+    return "mixture-of-experts layers read their routing and load-balancing loss on the host";
+  }
+  if (model.dropout > 0.0) {
+    return "dropout's key changes every step and reaches its kernels as an argument, which a "
+           "replayed graph would repeat";
+  }
+  if (loss_->kind() != LossKind::cross_entropy) {
+    return detail::concat("model.loss = \"", to_string(loss_->kind()),
+                          "\" reads its loss back inside the step (only cross_entropy's is "
+                          "split from its kernels)");
+  }
+  if (scaler_) {
+    return "fp16's loss scaler reads the gradients' finiteness on the host every step and passes "
+           "its scale to backward as an argument";
+  }
+  if (config_.optimizer.clip_norm > 0) {
+    return "optimizer.clip_norm reads the gradient norm on the host every step";
+  }
+  if (accumulation_ > 1) return "train.accumulation_steps > 1 is not captured yet";
+  if (zero1_) return "ZeRO-1's update is not captured yet";
+  if (config_.runtime.overlap) {
+    return "runtime.overlap polls started collectives from the host between the step's GEMMs";
+  }
+  if (derivative_loss_) return "Sobolev training (data.dy_key) is not captured yet";
+  if (config_.runtime.traces()) {
+    return "runtime.trace_steps times the step's parts with events and fences between them";
+  }
+  return "";
+}
+
+// [runtime] cuda_graphs: "off", or "auto" (capture where legal, cuda_graphs_blocker), the
+// choice said in one sentence (describe()). On a build without CUDA there is nothing to
+// capture, unless MESHTRAIN_EMULATE_CUDA_GRAPHS=1 asks for StepGraph's host checker.
+void TrainingRun::choose_cuda_graphs() {
+  const char* emulate_env = std::getenv("MESHTRAIN_EMULATE_CUDA_GRAPHS");
+  const bool emulated = !StepGraph::replays_cuda_graphs() && emulate_env != nullptr &&
+                        std::string(emulate_env) == "1";
+  std::string why_not;
+  if (config_.runtime.cuda_graphs == CudaGraphsChoice::off) {
+    why_not = "runtime.cuda_graphs = \"off\"";
+  } else if (!StepGraph::replays_cuda_graphs() && !emulated) {
+    why_not = detail::concat("this build computes on ", Kokkos::DefaultExecutionSpace::name(),
+                             ", not CUDA: there is no graph to capture");
+  } else {
+    why_not = cuda_graphs_blocker();
+  }
+  graphs_ = why_not.empty();
+  if (!graphs_) {
+    graphs_note_ = "CUDA graphs: off, " + why_not;
+    return;
+  }
+  graphs_note_ = detail::concat(
+      "CUDA graphs: the step's forward, loss and backward and its update are captured at step ",
+      steps_done_ + 3, " and replayed",
+      emulated ? " (emulated: each replay re-runs the step under the host capture-safety checker)"
+               : "");
+  optimizer_->enable_prepared_steps();
+  forward_backward_graph_ = std::make_unique<StepGraph>("forward, loss and backward");
+  update_graph_ = std::make_unique<StepGraph>("optimizer update");
+  // The regions' buffers, sized once (fill_graph_buffers writes them in place every step).
+  const size_t tensors = model_->parameters().size();
+  forward_backward_graph_->buffers().assign(3 + 2 * tensors, nullptr);
+  update_graph_->buffers().assign(2 * tensors, nullptr);
 }
 
 }  // namespace meshtrain

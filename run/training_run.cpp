@@ -188,6 +188,7 @@ void TrainingRun::log_step(const StepResult& result) {
   if (config_.model.moe().any()) event.aux_loss = window_aux_loss_ / window_steps_;
   if (derivative_loss_) event.derivative_loss = window_derivative_loss_ / window_steps_;
   event.lr = lr_;
+  event.cuda_graphs = graphs_ ? "on" : "off";
   const int64_t samples = window_steps_ * config_.data.batch_size * accumulation_;
   event.samples_per_s = elapsed > 0 ? samples / elapsed : 0.0;
   // Model TFLOP/s of one rank (torchtitan's convention: the model's FLOPs over the ranks).
@@ -255,7 +256,11 @@ StepResult TrainingRun::run_step() {
         TraceSpan data("data wait");
         load_batch(steps_done_, micro);
       }
-      accumulate_loaded_batch();
+      if (graphs_) {
+        accumulate_captured_batch();
+      } else {
+        accumulate_loaded_batch();
+      }
     }
     result = apply_update();
   }
@@ -403,6 +408,80 @@ double TrainingRun::accumulate_loaded_batch() {
   return result.loss;
 }
 
+// accumulate_loaded_batch for a run whose step is captured (graphs_, choose_cuda_graphs: one
+// micro-batch, cross-entropy, no loss scaling, clipping, dropout, MoE or derivative terms): the
+// forward, the loss's kernels and backward are one region (StepGraph), then the loss is read
+// back and checked as there. Unlike the eager step, backward runs before the check; a
+// non-finite loss still throws before the update, so the parameters are those of the eager
+// step (the gradients, rewritten by the next step, are not).
+double TrainingRun::accumulate_captured_batch() {
+  MESHTRAIN_REQUIRE(micro_done_ == 0 && accumulation_ == 1,
+                    "accumulate_captured_batch: a captured step has one micro-batch");
+  // Dropout's key (unused: no dropout when graphs_) as in accumulate_loaded_batch.
+  const TrainingPass training{config_.run.seed, steps_done_, 0, slice_.begin()};
+  auto region = [&] {
+    const MatrixView output = [&] {
+      TraceSpan span("forward");
+      return model_->forward(x_, &training);
+    }();
+    {
+      TraceSpan span("loss");
+      loss_->cross_entropy_kernels(output, labels_, /*with_gradient=*/true);
+    }
+    TraceSpan span("backward");
+    model_->backward(loss_->gradient(), gradient_reduction_, 1.0f);
+  };
+  // A 16-bit compute copy marked stale (a checkpoint loaded between steps) makes forward cast
+  // it, which the captured region does not: such a step runs eagerly (the update marks them
+  // current again).
+  bool copies_current = true;
+  for (const ShardedTensor& p : std::as_const(*model_).parameters()) {  // const: reads only
+    if (p.copy_16bit && !p.copy_16bit->current) copies_current = false;
+  }
+  if (copies_current) {
+    fill_graph_buffers();
+    forward_backward_graph_->run(region);
+  } else {
+    forward_backward_graph_->run_eagerly(region);
+  }
+  LossResult result = loss_->cross_entropy_result();
+  const double aux_loss = model_->aux_loss();  // 0: no MoE layers
+  result.loss += aux_loss;
+  if (!std::isfinite(result.loss)) {
+    forget_micro_batches();
+    throw_agreed_data_error();
+    throw AgreedError(Error(
+        ErrorKind::runtime,
+        detail::concat("the training loss became ", std::isnan(result.loss) ? "NaN" : "infinite",
+                       " at step ", steps_done_ + 1, "; lower optimizer.lr (now ",
+                       config_.optimizer.lr, ") or set optimizer.clip_norm"),
+        __FILE__, __LINE__));
+  }
+  ++micro_done_;
+  micro_loss_sum_ += result.loss;
+  micro_aux_loss_sum_ += aux_loss;
+  return result.loss;
+}
+
+// The addresses the captured regions read and write, in place (no allocation): the batch, the
+// loss's gradient, every parameter and gradient.
+void TrainingRun::fill_graph_buffers() {
+  std::vector<const void*>& region = forward_backward_graph_->buffers();
+  std::vector<const void*>& update = update_graph_->buffers();
+  // Through the const overload: the non-const one marks the 16-bit copies stale.
+  const std::vector<ShardedTensor>& params = std::as_const(*model_).parameters();
+  const std::vector<ShardedTensor>& grads = model_->gradients();
+  region[0] = x_.data();
+  region[1] = labels_.data();
+  region[2] = loss_->gradient().data();
+  for (size_t i = 0; i < params.size(); ++i) {
+    region[3 + 2 * i] = params[i].local.data();
+    region[4 + 2 * i] = grads[i].local.data();
+    update[2 * i] = params[i].local.data();
+    update[2 * i + 1] = grads[i].local.data();
+  }
+}
+
 void TrainingRun::denormalize_physics_points() {
   to_data_units(x_, physics_input_mean_, physics_input_std_, physics_x_);
 }
@@ -507,7 +586,14 @@ StepResult TrainingRun::apply_update() {
       checkpointer_->wait_snapshot();
       window_.add_saving(window_.now() - waiting);
     }
-    optimizer_->step(updated_parameters(), update_grads, lr_);
+    if (graphs_) {
+      // The step's rate and bias corrections into the memory the captured kernels read.
+      optimizer_->prepare_step(lr_);
+      auto update = [&] { optimizer_->launch_prepared(updated_parameters(), update_grads); };
+      update_graph_->run(update);
+    } else {
+      optimizer_->step(updated_parameters(), update_grads, lr_);
+    }
     if (zero1_) zero1_->gather(model_->parameters());  // every replica gets every chunk
   }
   ++steps_done_;
@@ -519,7 +605,11 @@ StepResult TrainingRun::step_on_loaded_batch() {
                     "step_on_loaded_batch needs train.accumulation_steps = 1; use step()");
   TraceSpan span("step", TraceKind::step);
   span.number(steps_done_ + 1);
-  accumulate_loaded_batch();
+  if (graphs_) {
+    accumulate_captured_batch();
+  } else {
+    accumulate_loaded_batch();
+  }
   return apply_update();
 }
 

@@ -38,6 +38,7 @@
 #include "framework/comm/failure_agreement.hpp"  // AgreedError
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/comm/progress_thread.hpp"
+#include "framework/core/step_graph.hpp"
 #include "framework/io/batch_stream.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
@@ -257,6 +258,20 @@ class TrainingRun {
   // What set-up found worth a warning but not an error (on rank 0 only; e.g. a resumed run
   // whose learning-rate schedule was stretched to another length).
   const std::vector<std::string>& warnings() const { return warnings_; }
+  // [runtime] cuda_graphs (docs/gpu.md, "CUDA graphs"): whether this run's steps replay their
+  // captured device work (framework/core/step_graph.hpp), and the sentence saying what was
+  // chosen and why (describe() prints it; metrics.jsonl's log lines carry "cuda_graphs").
+  // On a build without CUDA, MESHTRAIN_EMULATE_CUDA_GRAPHS=1 makes "auto" choose as a CUDA
+  // build would and run the chosen steps through StepGraph's host capture-safety checker.
+  bool cuda_graphs() const { return graphs_; }
+  const std::string& cuda_graphs_note() const { return graphs_note_; }
+  // The regions' replays so far (0 before the capture or with graphs off).
+  int64_t cuda_graph_replays() const { return graphs_ ? forward_backward_graph_->replays() : 0; }
+  // The host checker's count of the kernels in the two captured regions (StepGraph).
+  int64_t cuda_graph_kernels() const {
+    return graphs_ ? forward_backward_graph_->captured_kernels() + update_graph_->captured_kernels()
+                   : 0;
+  }
   // What the plan predicts per rank for this run (the "per rank" total of `meshtrain plan`),
   // with the data path's bytes measured where the data was given in code.
   const PlannedMemory& planned_memory() const { return planned_memory_; }
@@ -293,6 +308,8 @@ class TrainingRun {
   void build_model();
   void build_checkpoint_view();
   void choose_start();
+  void choose_cuda_graphs();
+  std::string cuda_graphs_blocker() const;  // why this run's step cannot be captured, or ""
 
   LossResult compute_loss(Loss& loss, MatrixView output, const BatchLabels& labels,
                           const Matrix& targets, bool with_gradient, int64_t valid_rows = -1);
@@ -310,6 +327,8 @@ class TrainingRun {
   void build_derivative_loss();
   void denormalize_physics_points();  // physics_x_ = x_ in the data's units
   void keep_data_error(Loss& loss);
+  double accumulate_captured_batch();  // accumulate_loaded_batch with graphs_ on
+  void fill_graph_buffers();
   void check_fp16_overflow(bool loss_overflowed);
   void forget_micro_batches();  // the step under way starts over
   bool record_evaluation(const EvalEvent& eval);
@@ -390,6 +409,13 @@ class TrainingRun {
   }
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<GradientClipper> clipper_;
+  // [runtime] cuda_graphs on (choose_cuda_graphs): the step's two captured regions, forward,
+  // loss kernels and backward, then (after the loss is read back and checked on the host) the
+  // optimizer's update; the note describe() prints either way.
+  bool graphs_ = false;
+  std::string graphs_note_;
+  std::unique_ptr<StepGraph> forward_backward_graph_;
+  std::unique_ptr<StepGraph> update_graph_;
   LrSchedule lr_schedule_;
   float lr_ = 0.0f;  // of the last step
   // Gradient accumulation (accumulation_ > 1): the sum of the step's earlier micro-batch

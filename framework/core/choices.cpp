@@ -110,6 +110,12 @@ const ChoiceTable<CommBackendChoice>& comm_backend_choices() {
   return table;
 }
 
+const ChoiceTable<CudaGraphsChoice>& cuda_graphs_choices() {
+  static const ChoiceTable<CudaGraphsChoice> table = {{"auto", CudaGraphsChoice::automatic},
+                                                      {"off", CudaGraphsChoice::off}};
+  return table;
+}
+
 const ChoiceTable<ReductionAlgorithm>& reduction_algorithm_choices() {
   static const ChoiceTable<ReductionAlgorithm> table = {{"auto", ReductionAlgorithm::automatic},
                                                         {"mpi", ReductionAlgorithm::mpi},
@@ -295,6 +301,9 @@ const char* to_string(CommBackendChoice value) {
 }
 const char* to_string(ReductionAlgorithm value) {
   return name_of(reduction_algorithm_choices(), value);
+}
+const char* to_string(CudaGraphsChoice value) {
+  return name_of(cuda_graphs_choices(), value);
 }
 const char* to_string(MatmulPrecision value) {
   return name_of(matmul_precision_choices(), value);

@@ -18,6 +18,7 @@
 //   runtime.backend               CommBackendChoice          auto | mpi | nccl
 //   runtime.reductions            ReductionAlgorithm         auto | mpi | ring | measure
 //   runtime.matmul_precision      MatmulPrecision            fp32 | tf32
+//   runtime.cuda_graphs           CudaGraphsChoice           auto | off
 //   data.source                   DataSource                 fashion_mnist | synthetic | hdf5 | stream
 //   stream.policy                 StreamPolicy               window | reservoir
 //   stream.order                  StreamOrder                random | arrival
@@ -82,6 +83,9 @@ enum class CommBackendChoice { automatic, mpi, nccl };
 enum class ReductionAlgorithm { automatic, mpi, ring, measure };
 // [runtime] comm_thread: true | false | "auto" (framework/comm/progress_thread.hpp).
 enum class CommThreadChoice { automatic, on, off };
+// [runtime] cuda_graphs: capture the training step once as a CUDA graph and replay it where that
+// is legal (automatic), or never (off); framework/core/step_graph.hpp.
+enum class CudaGraphsChoice { automatic, off };
 // How float GEMMs may round (see framework/core/gemm.hpp).
 enum class MatmulPrecision { fp32, tf32 };
 enum class DataSource { fashion_mnist, synthetic, hdf5, stream };
@@ -150,6 +154,7 @@ const ChoiceTable<LrScheduleKind>& lr_schedule_choices();
 const ChoiceTable<CommBackendChoice>& comm_backend_choices();
 const ChoiceTable<ReductionAlgorithm>& reduction_algorithm_choices();
 const ChoiceTable<MatmulPrecision>& matmul_precision_choices();
+const ChoiceTable<CudaGraphsChoice>& cuda_graphs_choices();
 const ChoiceTable<Dtype>& dtype_choices();
 const ChoiceTable<DataSource>& data_source_choices();
 const ChoiceTable<ShuffleMode>& shuffle_mode_choices();
@@ -209,6 +214,7 @@ const char* to_string(LrScheduleKind value);
 const char* to_string(CommBackendChoice value);
 const char* to_string(ReductionAlgorithm value);
 const char* to_string(MatmulPrecision value);
+const char* to_string(CudaGraphsChoice value);
 const char* to_string(Dtype value);
 const char* to_string(DataSource value);
 const char* to_string(ShuffleMode value);

@@ -15,6 +15,7 @@
 // for them. Their destructors run at exit, after Kokkos::finalize, and only drop a reference
 // count (Kokkos 4: the default instance's deleter is empty; Kokkos 3.4: nothing to free).
 
+#include <atomic>
 #include <string>
 #include <type_traits>
 
@@ -24,13 +25,29 @@
 
 namespace meshtrain {
 
-// The default (device) execution space instance: every kernel of meshtrain runs on it.
+// The default (device) execution space instance: every kernel of meshtrain runs on it; cuBLAS
+// and NCCL take their stream from it. With CUDA that is the stream Kokkos 4 creates for its
+// default instance (cudaStreamCreate at initialize), not the legacy default stream, so a
+// CUDA graph can capture it (step_graph.hpp; backends/step_graph_cuda.cpp checks).
 const Kokkos::DefaultExecutionSpace& device_space();
 // The default host execution space instance (copies between host buffers).
 const Kokkos::DefaultHostExecutionSpace& host_space();
 
+namespace exec_space_detail {
+// Set while StepGraph's host checker watches a region (framework/core/step_graph.hpp):
+// meshtrain's own fences are reported to it (Kokkos 3.4's Serial space reports none to the
+// tools). One atomic load otherwise.
+extern std::atomic<void (*)(const char*)> fence_observer;
+inline void observe_fence(const std::string& label) {
+  if (void (*observer)(const char*) = fence_observer.load(std::memory_order_acquire)) {
+    observer(label.c_str());
+  }
+}
+}  // namespace exec_space_detail
+
 // Waits for everything queued on every instance of every execution space (Kokkos::fence()).
 inline void fence_all(const std::string& label) {
+  exec_space_detail::observe_fence(label);
 #if KOKKOS_VERSION >= 30500
   Kokkos::fence(label);
 #else
@@ -42,6 +59,7 @@ inline void fence_all(const std::string& label) {
 // Waits for what is queued on the instance `space` only.
 template <class Space>
 void fence_space(const Space& space, const std::string& label) {
+  exec_space_detail::observe_fence(label);
 #if KOKKOS_VERSION >= 30500
   space.fence(label);
 #else

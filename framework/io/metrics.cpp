@@ -51,6 +51,7 @@ void MetricsLog::log(const LogEvent& e) {
                       {"tflops_per_rank", e.tflops_per_rank},
                       {"data_wait_s", e.data_wait_s},
                       {"step_s", e.step_s}};
+  if (!e.cuda_graphs.empty()) j["cuda_graphs"] = e.cuda_graphs;
   if (!std::isnan(e.save_s)) j["save_s"] = e.save_s;
   if (!std::isnan(e.mfu_percent)) j["mfu_percent"] = e.mfu_percent;
   if (!std::isnan(e.loss_scale)) {

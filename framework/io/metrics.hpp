@@ -43,6 +43,9 @@ struct LogEvent {
   // Mean seconds of a step of the window: the window's time less evaluation and saving (what
   // samples_per_s, tflops_per_rank and the ETA are computed from).
   double step_s = 0.0;
+  // [runtime] cuda_graphs as the run chose it: "on" (the step replays its captured work) or
+  // "off" (TrainingRun::cuda_graphs_note says why); empty (not written) when not said.
+  std::string cuda_graphs;
   // Seconds of the window spent saving checkpoints (starting and completing saves, a step's
   // wait for an asynchronous save's snapshot); NaN (not written, not shown) when no save was
   // started or completed in the window.

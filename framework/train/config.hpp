@@ -200,6 +200,10 @@ struct RuntimeSection {
   // (framework/comm/progress_thread.hpp): true, false, or automatic (on with overlap where a
   // core is free for it; want_comm_thread in framework/comm/runtime.hpp).
   CommThreadChoice comm_thread = CommThreadChoice::automatic;
+  // CUDA graphs for the training step (framework/core/step_graph.hpp, docs/gpu.md): automatic
+  // captures the step once and replays it where every collective of the step runs on the
+  // device stream (NCCL, or one rank) and the step reads nothing on the host; off never.
+  CudaGraphsChoice cuda_graphs = CudaGraphsChoice::automatic;
   // Steps [first, last] (1-based, inclusive) to record on every rank as a Chrome/Perfetto
   // trace in <output_dir>/trace/ (framework/observe/trace.hpp); {0, 0}: none.
   int64_t trace_first = 0;

@@ -584,6 +584,11 @@ const std::vector<ConfigKey>& config_keys() {
     k.push_back(make_key("runtime", "reductions",
                          NAMED(runtime.reductions, reduction_algorithm_choices()), any_value(),
                          kEveryCommand, "the MPI backend's reduce-scatters and all-reduces"));
+    k.push_back(make_key("runtime", "cuda_graphs",
+                         NAMED(runtime.cuda_graphs, cuda_graphs_choices()), any_value(),
+                         kEveryCommand,
+                         "capture the training step as a CUDA graph and replay it (auto: where "
+                         "legal; the run says which and why)"));
     k.push_back(shaped("runtime", "trace_steps", any_value(), kEveryCommand,
                        "steps to record as a trace in `<run.output_dir>/trace/`")
                     .reads(read_trace_steps, write_trace_steps, "[integer, integer]")

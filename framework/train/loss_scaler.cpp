@@ -7,6 +7,7 @@
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
+#include "framework/core/step_graph.hpp"
 #include "framework/core/view_ops.hpp"
 
 namespace meshtrain {
@@ -58,6 +59,7 @@ bool LossScaler::unscale(std::vector<ShardedTensor>& grads) {
       });
   fence_all(MESHTRAIN_LABEL("meshtrain::loss_scaler_before_sum"));
   world_.all_reduce(DoubleVectorView(non_finite_.data(), 1));
+  note_host_read("the gradients' finiteness (LossScaler::unscale)");
   copy_view(non_finite_host_, non_finite_);
   return non_finite_host_(0) == 0.0;
 }

@@ -10,6 +10,7 @@
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
+#include "framework/core/step_graph.hpp"
 #include "framework/core/view_ops.hpp"
 #include "framework/train/adamw_math.hpp"
 
@@ -220,6 +221,55 @@ void adamw_update(Vector p, Vector g, Vector m, Vector v, float lr, float beta1,
       });
 }
 
+// The updates of a prepared step (Optimizer::prepare_step): the step's scalars read from
+// `scalars` (pinned host memory) when the kernel runs, not passed by value; otherwise the same
+// arithmetic as above, so the same bits.
+template <class Copy>
+void sgd_update_prepared(Vector p, Vector g, Vector buf, const float* scalars, float momentum,
+                         float wd, Copy copy) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::sgd_step"), Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)),
+      KOKKOS_LAMBDA(const int64_t i) {
+        const float lr = scalars[0];
+        const bool first = scalars[3] != 0.0f;
+        const float grad = g(i) + wd * p(i);
+        const float b = first ? grad : momentum * buf(i) + grad;
+        buf(i) = b;
+        const float updated = p(i) - lr * b;
+        p(i) = updated;
+        copy.write(i, updated);
+      });
+}
+
+template <class Copy>
+void sgd_plain_update_prepared(Vector p, Vector g, const float* scalars, float wd, Copy copy) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::sgd_plain_step"),
+      Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
+        const float lr = scalars[0];
+        const float updated = p(i) - lr * (g(i) + wd * p(i));
+        p(i) = updated;
+        copy.write(i, updated);
+      });
+}
+
+template <class Copy>
+void adamw_update_prepared(Vector p, Vector g, Vector m, Vector v, const float* scalars,
+                           float beta1, float beta2, float eps, Copy copy) {
+  float* pp = p.data();
+  const float* gp = g.data();
+  float* mp = m.data();
+  float* vp = v.data();
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::adamw_step"),
+      Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
+        const float updated = adamw_element(pp[i], gp[i], mp[i], vp[i], beta1, beta2, scalars[2],
+                                            scalars[0], scalars[1], eps);
+        pp[i] = updated;
+        copy.write(i, updated);
+      });
+}
+
 // The sum over g[0, count) of g^2 into the device scalar `total` (reduce_into,
 // exec_space.hpp: no fence, no allocation). An empty range writes 0.
 template <class Total>
@@ -291,18 +341,79 @@ const std::vector<ShardedTensor>& Optimizer::slot(const std::string& name) const
   return const_cast<Optimizer*>(this)->slot(name);
 }
 
-void Optimizer::step(std::vector<ShardedTensor>& params, const std::vector<ShardedTensor>& grads,
-                     float lr) {
+void Optimizer::check_step_arguments(const std::vector<ShardedTensor>& params,
+                                     const std::vector<ShardedTensor>& grads) const {
   const size_t n = layout_.size();
   MESHTRAIN_REQUIRE(params.size() == n && grads.size() == n, "optimizer step: got ", params.size(),
                     " parameters and ", grads.size(), " gradients, expected ", n);
-  const bool first = step_count_ == 0;
-  ++step_count_;
-  const auto& s = settings_;
   for (size_t i = 0; i < n; ++i) {
     check_same_layout(i, params[i], "parameter");
     check_same_layout(i, grads[i], "gradient");
   }
+}
+
+void Optimizer::enable_prepared_steps() {
+  if (prepared_.extent(0) == 0) {
+    prepared_ = Kokkos::View<float*, HostStagingSpace>("meshtrain::optimizer_step_scalars", 4);
+  }
+}
+
+void Optimizer::prepare_step(float lr) {
+  MESHTRAIN_REQUIRE(prepared_.extent(0) == 4,
+                    "Optimizer::prepare_step before enable_prepared_steps()");
+  const bool first = step_count_ == 0;
+  ++step_count_;
+  const auto& s = settings_;
+  // Written while no kernel of the previous step reads them: the caller has read that step's
+  // loss back (a fence) before this step's update.
+  float* out = prepared_.data();
+  if (s.kind == OptimizerKind::sgd) {
+    out[0] = lr;
+    out[1] = out[2] = 0.0f;
+    out[3] = first ? 1.0f : 0.0f;
+    return;
+  }
+  // As step(): adamw_update's step size, 1 / correction2 and decay, from the same floats.
+  const double t = static_cast<double>(step_count_);
+  const float correction1 = adamw_bias_correction(s.beta1, t);
+  const float correction2 = adamw_bias_correction(s.beta2, t);
+  out[0] = lr / correction1;
+  out[1] = 1.0f / correction2;
+  out[2] = 1.0f - lr * s.weight_decay;
+  out[3] = 0.0f;
+}
+
+void Optimizer::launch_prepared(std::vector<ShardedTensor>& params,
+                                const std::vector<ShardedTensor>& grads) {
+  check_step_arguments(params, grads);
+  const size_t n = layout_.size();
+  const auto& s = settings_;
+  const float* scalars = prepared_.data();
+  for (size_t i = 0; i < n; ++i) {
+    with_copy(params[i], [&](auto copy) {
+      if (s.kind == OptimizerKind::adamw) {
+        adamw_update_prepared(params[i].local, grads[i].local, slots_[0][i].local,
+                              slots_[1][i].local, scalars, s.beta1, s.beta2, s.eps, copy);
+      } else if (slots_.empty()) {
+        sgd_plain_update_prepared(params[i].local, grads[i].local, scalars, s.weight_decay, copy);
+      } else {
+        sgd_update_prepared(params[i].local, grads[i].local, slots_[0][i].local, scalars,
+                            s.momentum, s.weight_decay, copy);
+      }
+    });
+  }
+  for (ShardedTensor& p : params) {
+    if (p.copy_16bit) p.copy_16bit->current = true;
+  }
+}
+
+void Optimizer::step(std::vector<ShardedTensor>& params, const std::vector<ShardedTensor>& grads,
+                     float lr) {
+  const size_t n = layout_.size();
+  check_step_arguments(params, grads);
+  const bool first = step_count_ == 0;
+  ++step_count_;
+  const auto& s = settings_;
   // The 16-bit compute copies hold the new masters once the update has run.
   const auto copies_current = [&] {
     for (ShardedTensor& p : params) {
@@ -354,6 +465,7 @@ double GradientClipper::global_norm(const std::vector<ShardedTensor>& grads, Com
   }
   fence_all(MESHTRAIN_LABEL("meshtrain::grad_norm_before_sum"));
   world.all_reduce(DoubleVectorView(buffer_.data(), buffer_.extent(0)), ReduceOp::sum);
+  note_host_read("the gradient norm (GradientClipper::clip)");
   copy_view(host_, buffer_);
   double total = 0.0;
   for (size_t i = 0; i < grads.size(); ++i) total += host_(i);

@@ -22,6 +22,7 @@
 #include "framework/comm/communicator.hpp"
 #include "framework/core/choices.hpp"  // OptimizerKind, its names
 #include "framework/core/sharded_tensor.hpp"
+#include "framework/core/views.hpp"
 #include "partition/mesh.hpp"
 
 namespace meshtrain {
@@ -56,6 +57,17 @@ class Optimizer {
   std::vector<ShardedTensor>& slot(const std::string& name);
   const std::vector<ShardedTensor>& slot(const std::string& name) const;
 
+  // The same update in two parts, for a step whose device work is captured as a CUDA graph
+  // and replayed (framework/core/step_graph.hpp; run/training_run.cpp): prepare_step is the
+  // host part (the step count; the rate, the bias corrections and SGD's first-step flag
+  // written into pinned host memory), launch_prepared the kernels, which read those values
+  // from that memory when they run, so that a replayed graph uses the current step's. The
+  // results equal step()'s bit for bit (the same floats, the same arithmetic). Call
+  // enable_prepared_steps() once, outside the steps (it allocates the 16 bytes).
+  void enable_prepared_steps();
+  void prepare_step(float lr);
+  void launch_prepared(std::vector<ShardedTensor>& params, const std::vector<ShardedTensor>& grads);
+
   int64_t step_count() const { return step_count_; }
   void set_step_count(int64_t steps) { step_count_ = steps; }  // when loading a checkpoint
 
@@ -67,6 +79,10 @@ class Optimizer {
   std::vector<int64_t> local_sizes_;               // per parameter: local elements
   void check_same_layout(size_t i, const ShardedTensor& b, const char* what) const;
   int64_t step_count_ = 0;
+  // prepare_step's values: adamw [step size, 1 / correction2, decay, -]; sgd [lr, -, -, first].
+  Kokkos::View<float*, HostStagingSpace> prepared_;
+  void check_step_arguments(const std::vector<ShardedTensor>& params,
+                            const std::vector<ShardedTensor>& grads) const;
 };
 
 // Global-norm gradient clipping (torch.nn.utils.clip_grad_norm_). The norm counts every

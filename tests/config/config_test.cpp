@@ -336,6 +336,11 @@ TEST(Config, RuntimeSectionAndItsOverrides) {
                       {"t.toml", "comm_thread", "true, false or \"auto\", got"});
   expect_config_error(minimal("[runtime]\ncomm_thread = 1\n"),
                       {"t.toml", "comm_thread", "true, false or \"auto\", got"});
+  // cuda_graphs: "auto" (the default) or "off"; written back and read again the same.
+  EXPECT_EQ(parse(minimal()).runtime.cuda_graphs, CudaGraphsChoice::automatic);
+  const RunConfig graphs_off = parse(minimal(), {"runtime.cuda_graphs=off"});
+  EXPECT_EQ(graphs_off.runtime.cuda_graphs, CudaGraphsChoice::off);
+  EXPECT_EQ(parse(config_to_toml(graphs_off)).runtime.cuda_graphs, CudaGraphsChoice::off);
 }
 
 // [data] x_key / y_key: the HDF5 datasets' names, "/" added when missing; written back only
@@ -436,6 +441,9 @@ TEST(Config, RangeErrorsNameFileLineKeyAndValue) {
        {"t.toml:6", "[runtime] backend", "auto | mpi | nccl", "\"gloo\""}},
       {"[runtime]\nmatmul_precision = \"bf16\"\n",
        {"t.toml:6", "[runtime] matmul_precision", "fp32 | tf32", "\"bf16\""}},
+      {"[runtime]\ncuda_graphs = \"on\"\n",
+       {"t.toml:6", "[runtime] cuda_graphs", "auto | off", "\"on\""}},
+      {"[runtime]\ncuda_graphs = true\n", {"t.toml:6", "[runtime] cuda_graphs"}},
       {"[runtime]\nbucket_mb = 0\n", {"t.toml:6", "[runtime] bucket_mb", "positive", "got 0"}},
       {"[runtime]\nflight_records = -1\n",
        {"t.toml:6", "[runtime] flight_records", "non-negative", "got -1"}},

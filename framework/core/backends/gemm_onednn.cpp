@@ -48,6 +48,7 @@
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
+#include "framework/core/step_graph.hpp"
 
 namespace meshtrain::gemm_backend {
 
@@ -177,7 +178,10 @@ const uint16_t* bf16_copy(const float* data, int rows, int cols, int ld, HostBit
         uint16_t* row = out + r * static_cast<int64_t>(cols);
         for (int c = 0; c < cols; ++c) row[c] = float_to_bf16(in[c]);
       });
-  fence_space(host_space(), MESHTRAIN_LABEL("meshtrain::gemm_to_bf16"));
+  {
+    const HostLibraryFence host_library_only;  // a host GEMM's (step_graph.hpp)
+    fence_space(host_space(), MESHTRAIN_LABEL("meshtrain::gemm_to_bf16"));
+  }
   return out;
 }
 
