@@ -101,7 +101,22 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
     spec.check_axes(mesh, p.name);
     check_divisible(p.shape, spec, mesh, p.name);
     params_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
-    grads_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
+    if (is_embedding_weight_name(p.name)) {
+      // A table's gradient: every dense backward zero-fills it before adding into it
+      // (EmbeddingBag::backward), and sparse updates release it unused
+      // (use_sparse_table_gradients). Allocated without the zero fill, its pages are never
+      // touched in the sparse case: a table's size is not resident even for a moment.
+      ShardedTensor g;
+      g.name = p.name;
+      g.global_shape = p.shape;
+      g.spec = spec;
+      g.box = shard_box(p.shape, spec, mesh, context.rank());
+      g.local = Vector(Kokkos::view_alloc(Kokkos::WithoutInitializing, p.name),
+                       static_cast<size_t>(g.box.elements()));
+      grads_.push_back(std::move(g));
+    } else {
+      grads_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
+    }
   }
   size_t param = 0;
   auto next = [this, &param]() {
@@ -161,6 +176,11 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
 
 void Dlrm::use_sparse_table_gradients(ParallelContext& context) {
   for (EmbeddingBag& table : tables_) table.use_sparse_gradient(context);
+  // The dense gradients of the tables are never written again: their memory is released (the
+  // layers reach the tensor through ParameterRef, and keep no copy of its view).
+  for (ShardedTensor& g : grads_) {
+    if (is_embedding_weight_name(g.name)) g.local = Vector(g.name, 0);
+  }
 }
 
 std::vector<ShardedTensor> Dlrm::dense_parameters() const {

@@ -76,7 +76,10 @@ class Dlrm {
   const std::vector<EmbeddingBag>& tables() const { return tables_; }
   // Sparse updates of the tables (layers/sparse_optimizer.hpp): from now on every table's
   // backward leaves the gradients of the rows it touched (EmbeddingBag::use_sparse_gradient)
-  // and not its dense gradient, which stays as it was. Collective; before the first step.
+  // and not its dense gradient, which is released: each table's tensor in gradients() keeps
+  // its name, spec and box but holds no elements (`local` empty), so a table costs its weights
+  // and its optimizer's rows only (a 12 GiB table set does not need 12 GiB more for gradients
+  // no step writes). Collective; before the first step.
   void use_sparse_table_gradients(ParallelContext& context);
   // The parameters and gradients that are not tables (the bottom and top layers, in
   // parameters() order): what a dense optimizer updates when the tables are updated sparsely.

@@ -6,6 +6,7 @@
 
 #include "base/error.hpp"
 #include "base/text.hpp"
+#include "partition/embedding_layout.hpp"
 #include "partition/zero1_layout.hpp"
 
 namespace meshtrain {
@@ -761,6 +762,15 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
   // Per micro-batch so far; the optimizer once per step.
   const size_t per_micro = cost.items.size();
   double updated_bytes = static_cast<double>(plan.totals.parameter_bytes);
+  if (options.sparse_tables) {
+    // The tables' touched rows are updated by the sparse optimizer, not this pass (its cost is
+    // not charged: a few rows per id). Table-wise tables stay counted (their holder's share).
+    for (const ParameterPlan& p : plan.parameters) {
+      if (is_embedding_weight_name(p.name) && p.spec.table_entry() < 0) {
+        updated_bytes -= static_cast<double>(p.bytes_per_rank);
+      }
+    }
+  }
   if (!zero1) {
     // Gradient accumulation: the layers with DP storage all-reduce the sum of their
     // micro-batches' gradients once, in apply_update.

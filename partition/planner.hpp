@@ -117,6 +117,9 @@ struct PlanOptions {
   int optimizer_slots = 2;            // AdamW m and v
   // optimizer.zero_stage: 1 splits the optimizer state over dp (partition/zero1_layout.hpp).
   int zero_stage = 0;
+  // A DLRM's tables (embeddings/<t>/weight) updated in their touched rows only
+  // (optimizer.embeddings other than "dense"): the cost model's optimizer pass leaves them out.
+  bool sparse_tables = false;
   // For the layers' layouts and collectives (the logical axes `batch` and `hidden`).
   std::vector<std::string> batch_axes = {"fsdp", "dp"};
   std::string feature_axis = "tp";  // "" = none

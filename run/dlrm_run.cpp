@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,7 +19,9 @@
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
 #include "framework/core/gemm.hpp"
+#include "framework/observe/device_timer.hpp"
 #include "framework/observe/flight_recorder.hpp"
+#include "framework/observe/trace.hpp"
 #include "framework/train/resume.hpp"
 #include "layers/mlp.hpp"  // specs_from_plan
 #include "run/run_common.hpp"
@@ -35,6 +39,11 @@ std::string one_file(const std::vector<std::string>& entries, const std::string&
                         "features from one file per split (shards are not read yet)");
   }
   return files.empty() ? std::string() : files.front();
+}
+
+// run.output_dir, or runs/<run.name> (as TrainingRun's).
+std::string run_directory(const RunConfig& config) {
+  return config.run.output_dir.empty() ? "runs/" + config.run.name : config.run.output_dir;
 }
 
 std::vector<std::string> table_names(const DlrmShape& shape) {
@@ -74,7 +83,9 @@ DlrmRun::DlrmRun(RunConfig config, DlrmRunEvents events, MPI_Comm comm, DlrmRunP
   }
 }
 
-DlrmRun::~DlrmRun() = default;
+DlrmRun::~DlrmRun() {
+  if (tracing_) tracer().stop();  // a run that ended inside its trace window writes nothing
+}
 
 // The config checked (with what this run does not do yet, each in one sentence naming the key),
 // the mesh, the plan, the communicators and the layers' context.
@@ -324,6 +335,60 @@ void DlrmRun::read_rows(RowSource& source, SparseHdf5Reader& reader, const int64
 }
 
 double DlrmRun::step() {
+  const int64_t number = steps_done_ + 1;
+  if (config_.runtime.traces() && number == config_.runtime.trace_first) begin_trace();
+  double loss = 0.0;
+  {
+    TraceSpan span("step", TraceKind::step);
+    span.number(number);
+    loss = traced_step();
+  }
+  if (tracing_ && number == config_.runtime.trace_last) end_trace();
+  return loss;
+}
+
+void DlrmRun::begin_trace() {
+  const std::string dir = run_directory(config_) + "/trace";
+  // An earlier run's files, of more ranks, must not be read as this one's.
+  if (rank_ == 0) {
+    std::error_code error;
+    std::filesystem::remove_all(dir, error);
+  }
+  trace_clock_offset_ns_ = clock_offset_to_rank0_ns(comm_);
+  trace_origin_ns_ = Tracer::now_ns() + trace_clock_offset_ns_;
+  check_mpi(MPI_Bcast(&trace_origin_ns_, 1, MPI_INT64_T, 0, comm_), "MPI_Bcast (trace origin)");
+  const int64_t steps = config_.runtime.trace_last - config_.runtime.trace_first + 1;
+  // Room for 64 Ki events a step (a few MiB); more are counted as dropped in the file.
+  tracer().start(static_cast<std::size_t>(std::min<int64_t>(steps, 64)) << 16);
+  tracing_ = true;
+}
+
+void DlrmRun::end_trace() {
+  tracer().stop();
+  tracing_ = false;
+  int ranks = 1;
+  check_mpi(MPI_Comm_size(comm_, &ranks), "MPI_Comm_size");
+  const std::string dir = run_directory(config_) + "/trace";
+  on_every_rank(comm_, [&] {
+    std::error_code error;
+    std::filesystem::create_directories(dir, error);
+    if (error) MESHTRAIN_FAIL("cannot create the trace folder '", dir, "': ", error.message());
+    write_chrome_trace(tracer().events(), device_timer::resolve(), tracer().lane_events(),
+                       tracer().dropped(), rank_, ranks, trace_clock_offset_ns_, trace_origin_ns_,
+                       dir + "/rank-" + std::to_string(rank_) + ".json");
+  });
+  on_every_rank(comm_, [&] {
+    if (rank_ != 0) return;
+    std::vector<std::string> paths;
+    for (int r = 0; r < ranks; ++r) paths.push_back(dir + "/rank-" + std::to_string(r) + ".json");
+    merge_chrome_traces(paths, dir + "/all-ranks.json");
+    std::ofstream config_file(dir + "/config.toml");
+    config_file << config_to_toml(config_);
+    if (!config_file) MESHTRAIN_FAIL("cannot write '", dir, "/config.toml'");
+  });
+}
+
+double DlrmRun::traced_step() {
   schedule_->slice_samples(steps_done_, slice_, rows_.data());
   // In file order: the same rows (the loss is their mean, the gradient their sum), but the reads
   // go through each HDF5 chunk once instead of reloading a chunk for every row of a shuffled
@@ -333,6 +398,7 @@ double DlrmRun::step() {
   // loss's reduction, so every rank stops below and the error is agreed on.
   std::exception_ptr data_error;
   try {
+    TraceSpan span("data read");
     read_rows(*train_source_, *train_sparse_, rows_.data(), slice_.rows);
   } catch (const AgreedError&) {
     throw;
@@ -340,8 +406,16 @@ double DlrmRun::step() {
     data_error = std::current_exception();
     loss_->poison_next_reduction();
   }
-  const MatrixView logits = model_->forward(batch_.dense, batch_.bags);
-  const LossResult result = loss_->regression(logits, batch_.targets, /*with_gradient=*/true);
+  MatrixView logits;
+  {
+    TraceSpan span("forward");
+    logits = model_->forward(batch_.dense, batch_.bags);
+  }
+  LossResult result;
+  {
+    TraceSpan span("loss");
+    result = loss_->regression(logits, batch_.targets, /*with_gradient=*/true);
+  }
   if (!std::isfinite(result.loss) || result.targets_outside > 0) {
     on_every_rank(comm_, [&] {
       if (data_error) std::rethrow_exception(data_error);
@@ -360,8 +434,12 @@ double DlrmRun::step() {
                        config_.optimizer.lr, ") or set optimizer.clip_norm"),
         __FILE__, __LINE__));
   }
-  model_->backward(loss_->gradient());
+  {
+    TraceSpan span("backward");
+    model_->backward(loss_->gradient());
+  }
   if (config_.optimizer.clip_norm > 0) {
+    TraceSpan span("clip");
     const double norm = clipper_->clip(model_->gradients(), config_.optimizer.clip_norm, *world_);
     if (!std::isfinite(norm)) {
       throw AgreedError(
@@ -373,6 +451,7 @@ double DlrmRun::step() {
   }
   lr_ = static_cast<float>(lr_schedule_.at(steps_done_));
   checkpointer_->wait_snapshot();  // a save in flight has copied the tensors
+  TraceSpan span("optimizer");
   optimizer_->step(optimized_params_, optimized_grads_, lr_);
   if (sparse_tables_) {
     // The tables' rate follows lr's schedule: embeddings_lr / lr times the step's rate.

@@ -25,7 +25,10 @@
 //
 // Not yet (docs/recsys.md, "What is left"): gradient accumulation, zero_stage 1, mixed
 // precision, input normalization, a data reader thread, an evaluation batch other than the
-// training batch, early stopping and keep_best, traces and memory reports.
+// training batch, early stopping and keep_best, memory reports. Traces ([runtime] trace_steps):
+// the steps, their phases (data read, forward, loss, backward, optimizer) and every collective
+// (the tables' all-to-alls included) into <run.output_dir>/trace/ as TrainingRun's, without its
+// passes.json.
 
 #include <mpi.h>
 
@@ -149,6 +152,13 @@ class DlrmRun {
   void read_rows(RowSource& source, SparseHdf5Reader& reader, const int64_t* rows, int64_t count);
   void log_step(double loss);
   void report(const std::optional<std::string>& path);
+  // The step's work inside its trace span (step() opens and closes the trace window).
+  double traced_step();
+  // [runtime] trace_steps: start recording before step trace_first; after trace_last each rank
+  // writes <output_dir>/trace/rank-<k>.json and rank 0 merges them (all-ranks.json) with the
+  // run's config.toml. Collective.
+  void begin_trace();
+  void end_trace();
 
   RunConfig config_;
   DlrmRunEvents events_;
@@ -194,6 +204,9 @@ class DlrmRun {
   std::unique_ptr<Checkpointer> checkpointer_;
   int64_t in_flight_step_ = 0;
   std::optional<CheckpointInfo> resumed_from_, initialized_from_;
+
+  bool tracing_ = false;
+  int64_t trace_clock_offset_ns_ = 0, trace_origin_ns_ = 0;
 
   std::unique_ptr<MetricsLog> metrics_;
   ProgressWindow window_;

@@ -40,3 +40,14 @@ meshtrain_add_command_test(NAME recsys_dlrm_flight TIMEOUT 180 SIGTERM_GRACE
           ${CMAKE_CURRENT_BINARY_DIR}/recsys_dlrm_flight
           -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS} $<TARGET_FILE:meshtrain>)
 set_tests_properties(recsys_dlrm_flight PROPERTIES PROCESSORS 2)
+
+# Traces of a DLRM run ([runtime] trace_steps; check_dlrm_train.py trace): np 1, 2 and 4 trace
+# steps 3 to 5; the files, the step and phase spans, the row-wise tables' all-to-alls per step
+# against the plan, and the losses unchanged by tracing.
+meshtrain_add_command_test(NAME recsys_dlrm_trace TIMEOUT 240
+  COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/recsys/check_dlrm_train.py trace
+          ${PROJECT_SOURCE_DIR}/scripts/make_recsys_data
+          ${CMAKE_CURRENT_SOURCE_DIR}/recsys/dlrm_small.toml
+          ${CMAKE_CURRENT_BINARY_DIR}/recsys_dlrm_trace
+          -- ${MESHTRAIN_MPIEXEC} ${MESHTRAIN_MPIEXEC_TEST_FLAGS} $<TARGET_FILE:meshtrain>)
+set_tests_properties(recsys_dlrm_trace PROPERTIES PROCESSORS 2)

@@ -17,6 +17,7 @@
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
 #include "framework/train/config.hpp"
+#include "partition/embedding_layout.hpp"
 #include "partition/sharding_picture.hpp"
 #include "partition/sixteen_bit_storage.hpp"
 
@@ -429,8 +430,20 @@ PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan,
     for (int r = 0; r < world; ++r) {
       int64_t& bytes = memory.checkpoint_staging_by_rank[static_cast<size_t>(r)];
       if (zero1) bytes = plan.totals.optimizer_bytes;
+      // A DLRM's tables under sparse updates: the block and its own state (one float per row
+      // of rowwise_adagrad; m, v and a step count per row of sparse_adamw), not `slots`.
+      const EmbeddingOptimizer tables = config.model.kind == ModelKind::dlrm
+                                            ? config.optimizer.embeddings
+                                            : EmbeddingOptimizer::dense;
       for (const auto& p : plan.parameters) {
         if (!owns_block(plan.mesh, r, p.spec)) continue;
+        if (tables != EmbeddingOptimizer::dense && is_embedding_weight_name(p.name)) {
+          const int64_t per_row = p.local_shape.empty() ? 0 : p.local_shape[0] * 4;
+          bytes += p.bytes_per_rank + (tables == EmbeddingOptimizer::sparse_adamw
+                                           ? 2 * p.bytes_per_rank + per_row
+                                           : per_row);
+          continue;
+        }
         bytes += p.bytes_per_rank * (zero1 ? 1 : 1 + slots);
       }
       memory.checkpoint_staging_bytes = std::max(memory.checkpoint_staging_bytes, bytes);

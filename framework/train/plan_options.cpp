@@ -59,6 +59,8 @@ PlanOptions plan_options(const RunConfig& config) {
   settings.momentum = static_cast<float>(config.optimizer.momentum);
   options.optimizer_slots = static_cast<int>(optimizer_slot_names(settings).size());
   options.zero_stage = static_cast<int>(config.optimizer.zero_stage);
+  options.sparse_tables = config.model.kind == ModelKind::dlrm &&
+                          config.optimizer.embeddings != EmbeddingOptimizer::dense;
   const LayerAxes axes = layer_axes(LogicalAxes::with_overrides(config.partition.logical_axes),
                                     config.model.moe().any());
   options.batch_axes = axes.batch;

@@ -697,7 +697,11 @@ std::vector<TablePlan> table_plans(const RunConfig& config, const ShardingPlan& 
     constexpr int64_t kFloat = sizeof(float);
     const int64_t block = l.rows_per_owner * l.dim_per_slice * kFloat;
     t.weight_bytes = block;
-    t.gradient_bytes = block;  // allocated in every mode (unused with sparse updates)
+    // Sparse updates release the dense gradient (Dlrm::use_sparse_table_gradients).
+    t.gradient_bytes = sparse ? 0 : block;
+    // Sparse updates also keep a host int32 row -> slot map of every local row
+    // (EmbeddingBag::use_sparse_gradient), counted here with the optimizer's rows.
+    const int64_t slot_map = sparse ? l.rows_per_owner * static_cast<int64_t>(sizeof(int32_t)) : 0;
     switch (optimizer) {
       case EmbeddingOptimizer::dense:
         t.optimizer_bytes = block * options.optimizer_slots;
@@ -706,13 +710,14 @@ std::vector<TablePlan> table_plans(const RunConfig& config, const ShardingPlan& 
         break;
       case EmbeddingOptimizer::rowwise_adagrad:
         // One accumulator per local row, whole on every rank of the column slices.
-        t.optimizer_bytes = l.rows_per_owner * kFloat;
-        t.optimizer_state = "rowwise_adagrad: 1 float per row";
+        t.optimizer_bytes = l.rows_per_owner * kFloat + slot_map;
+        t.optimizer_state = "rowwise_adagrad: 1 float per row, and a 4-byte row-to-slot map";
         break;
       case EmbeddingOptimizer::sparse_adamw:
         // m and v like the table, and each row's step count (whole on every column slice).
-        t.optimizer_bytes = 2 * block + l.rows_per_owner * kFloat;
-        t.optimizer_state = "sparse_adamw: m, v like the table and 1 step count per row";
+        t.optimizer_bytes = 2 * block + l.rows_per_owner * kFloat + slot_map;
+        t.optimizer_state =
+            "sparse_adamw: m, v like the table, 1 step count per row and a 4-byte row-to-slot map";
         break;
     }
     t.step = embedding_step_bytes(l, bags, kPlannedIdsPerBag, sparse);
@@ -843,6 +848,74 @@ nlohmann::ordered_json tables_json(const std::vector<TablePlan>& tables, int64_t
 
 // A run's plan on `world_size` ranks, what it reads, and its predicted step (none when the
 // global batch does not divide by the batch shards).
+// A DLRM's tables' collectives in the step's cost, one item per table and collective at the
+// plan's bytes (one id per bag: embedding_step_bytes): the forward's counts, ids and partial-sum
+// all-to-alls and column all-gather, the backward's dy all-to-all, the touched rows' all-gather
+// and the gradient's all-reduce. The plan's figures are the bytes that leave a rank (an
+// all-to-all or all-gather of S: S (n - 1) / n; an all-reduce twice that): the operand given to
+// collective_seconds is S. Not charged: the lookups, the pooling and the gradient scatter
+// (memory passes over ids x dim), and the sparse optimizer's rows.
+void add_table_collectives(const std::vector<TablePlan>& tables, const Mesh& mesh,
+                           const HardwareProfile& hw, StepCost& cost) {
+  const auto group_text = [&](const std::vector<std::string>& axes) {
+    std::string text = axes.size() == 1 ? axes[0] : axes_list(axes);
+    return text + "=" + std::to_string(mesh.size_of(axes));
+  };
+  for (const TablePlan& t : tables) {
+    const EmbeddingLayout& l = t.layout;
+    const std::string layer = "embeddings/" + l.table;
+    const auto add = [&](const char* phase, CollectiveKind kind, const char* what,
+                         const std::vector<std::string>& axes, int64_t leaving) {
+      const int n = axes.empty() ? 1 : static_cast<int>(mesh.size_of(axes));
+      if (leaving <= 0 || n <= 1) return;
+      const double share =
+          static_cast<double>(n - 1) / n * (kind == CollectiveKind::all_reduce ? 2 : 1);
+      const double seconds =
+          collective_seconds(kind, static_cast<double>(leaving) / share, n, hw.group_link(axes));
+      cost.items.push_back({layer, phase, "collective", what, group_text(axes), seconds});
+      cost.collective_s += seconds;
+      cost.total_s += seconds;
+      cost.serial_s += seconds;
+      cost.full_overlap_s += seconds;
+    };
+    const EmbeddingStepBytes& b = t.step;
+    add("forward", CollectiveKind::all_to_all, "all-to-all id counts", l.row_axes,
+        b.counts_all_to_all);
+    add("forward", CollectiveKind::all_to_all, "all-to-all ids", l.row_axes, b.ids_all_to_all);
+    add("forward", CollectiveKind::all_to_all, "all-to-all partial sums", l.row_axes,
+        b.partial_sums_all_to_all);
+    add("forward", CollectiveKind::all_gather, "all-gather pooled columns", l.column_axes,
+        b.column_all_gather);
+    add("backward", CollectiveKind::all_to_all, "all-to-all dy of the parts", l.row_axes,
+        b.backward_all_to_all);
+    add("backward", CollectiveKind::all_gather, "all-gather touched rows", l.gradient_allreduce,
+        b.touched_rows_all_gather);
+    add("backward", CollectiveKind::all_reduce, "all-reduce table gradient", l.gradient_allreduce,
+        b.gradient_all_reduce);
+  }
+}
+
+// A DLRM's tables in the plan's totals: the planner counts every parameter as a dense one (a
+// gradient like it and options.optimizer_slots like it); with sparse updates a table has no
+// gradient and its own state (table_plans). The difference on the most loaded rank replaces
+// the planner's count, so "per rank" and its total are the run's.
+void use_table_totals(const RunConfig& config, const PlanOptions& options, ShardingPlan& plan) {
+  if (config.model.kind != ModelKind::dlrm ||
+      config.optimizer.embeddings == EmbeddingOptimizer::dense || options.zero_stage != 0) {
+    return;
+  }
+  const std::vector<TablePlan> actual = table_plans(config, plan, options);
+  std::vector<TablePlan> dense = actual;
+  for (TablePlan& t : dense) {
+    t.gradient_bytes = t.weight_bytes;
+    t.optimizer_bytes = t.weight_bytes * options.optimizer_slots;
+  }
+  const RankBytes now = busiest_rank_bytes(actual);
+  const RankBytes planned = busiest_rank_bytes(dense);
+  plan.totals.gradient_bytes += now.gradient - planned.gradient;
+  plan.totals.optimizer_bytes += now.optimizer - planned.optimizer;
+}
+
 struct PlannedStep {
   std::vector<PartitionRule> rules;
   PlanOptions options;
@@ -861,6 +934,7 @@ PlannedStep plan_step(const RunConfig& config, int world_size, const HardwarePro
   std::vector<LinearLayerParameters> layers = model_linear_layers(config.model);
   ShardingPlan plan =
       make_plan(shapes, mesh, rules, options, layers, model_norm_layers(config.model));
+  use_table_totals(config, options, plan);
   PlannedMemory memory = planned_memory(config, plan, hw);
   // The plan's table shows the memory model's evaluation buffers.
   plan.totals.evaluation_bytes = memory.totals.evaluation_bytes;
@@ -868,6 +942,7 @@ PlannedStep plan_step(const RunConfig& config, int world_size, const HardwarePro
   std::optional<StepCost> cost;
   if (plan.local_batch_rows > 0) {
     cost = predict_step(plan, options, hw, config.partition.collective_matmul);
+    add_table_collectives(table_plans(config, plan, options), mesh, hw, *cost);
     add_data_read(*cost, data.read, hw);
   }
   return {std::move(rules), std::move(options), std::move(shapes), std::move(layers),

@@ -69,6 +69,15 @@ where their rows divide, the rest replicated). Modes:
           rank-{0,1}.json (reason SIGUSR1, with the row-wise t25's all_to_all_v on fsdp) while
           the run goes on; SIGTERM writes them again (reason SIGTERM) and ends the job.
 
+  trace   [runtime] trace_steps in a DLRM run (docs/recsys.md, "Training it"): np 1, 2 and 4
+          train 6 steps with rowwise_adagrad tracing steps 3 to 5: <run.output_dir>/trace/
+          holds rank-<k>.json for every rank, all-ranks.json and config.toml; every rank has the
+          3 step spans (numbered 3, 4, 5), each holding the phases data read, forward, loss,
+          backward and optimizer; the all-to-all spans per step are 4 per table `meshtrain plan
+          --json` places row-wise (the counts, the ids, the partial sums, the dy; none at np 1)
+          and each table's first (the counts) moves the plan's counts_all_to_all_bytes; the
+          traced run's losses equal an untraced run's bit for bit.
+
   check_dlrm_train.py MODE SCRIPT CONFIG WORK_DIR -- MPIEXEC... MESHTRAIN
 """
 import json
@@ -580,6 +589,60 @@ def mode_flight(launcher, config, work):
     check_records("SIGTERM")
 
 
+def mode_trace(launcher, config, work):
+    sets = ["--set", "train.steps=6", "--set", "train.log_every=1", "--set", "train.eval_every=0",
+            "--set", 'optimizer.embeddings="rowwise_adagrad"', "--set",
+            "optimizer.embeddings_lr=0.05"]
+    plain, _ = train(launcher, 2, config, work, "untraced", *sets)
+    for np_ in (1, 2, 4):
+        out = f"traced{np_}"
+        losses, _ = train(launcher, np_, config, work, out, *sets, "--set",
+                          "runtime.trace_steps=[3, 5]")
+        if np_ == 2 and losses != plain:
+            fail(f"np 2: the traced run's losses {losses} differ from the untraced {plain}")
+        folder = os.path.join(work, out, "trace")
+        for name in ["all-ranks.json", "config.toml"] + [f"rank-{r}.json" for r in range(np_)]:
+            if not os.path.isfile(os.path.join(folder, name)):
+                fail(f"np {np_}: {folder} has no {name} ({sorted(os.listdir(folder))})")
+        argv = [launcher[-1], "plan", config, "--world", str(np_), "--json", *sets]
+        done = subprocess.run(argv, cwd=work, capture_output=True, text=True)
+        if done.returncode != 0:
+            fail(f"{' '.join(argv)} exited {done.returncode}: {done.stderr}")
+        row_wise = [t for t in json.loads(done.stdout)["embedding_tables"]["tables"]
+                    if t["step"]["counts_all_to_all_bytes"] > 0]
+        if np_ > 1 and not row_wise:
+            fail(f"np {np_}: the plan places no table row-wise; the test needs one")
+        with open(os.path.join(folder, "all-ranks.json")) as f:
+            trace = json.load(f)
+        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        spans = [e for e in events if e.get("ph") == "X" and e.get("tid", 0) == 0]
+        for rank in range(np_):
+            mine = [e for e in spans if e["pid"] == rank]
+            steps = sorted((e for e in mine if e["cat"] == "step"), key=lambda e: e["ts"])
+            if [e["args"]["step"] for e in steps] != [3, 4, 5]:
+                fail(f"np {np_}, rank {rank}: step spans {[e['args'] for e in steps]}, "
+                     "expected steps 3, 4, 5")
+            for step in steps:
+                inside = sorted((e for e in mine if e is not step and
+                                 step["ts"] <= e["ts"] <= step["ts"] + step["dur"]),
+                                key=lambda e: e["ts"])
+                phases = [e["name"] for e in inside if e["cat"] == "phase"]
+                if phases != ["data read", "forward", "loss", "backward", "optimizer"]:
+                    fail(f"np {np_}, rank {rank}, step {step['args']['step']}: phases {phases}")
+                a2a = sorted((e for e in inside if e["cat"] == "collective" and
+                              e["name"] == "all-to-all"), key=lambda e: e["ts"])
+                if len(a2a) != 4 * len(row_wise):
+                    fail(f"np {np_}, rank {rank}: {len(a2a)} all-to-all spans in a step, "
+                         f"expected 4 for each of the {len(row_wise)} row-wise tables")
+                # Forward: counts, ids, sums per table in the tables' order; backward: the dy.
+                for k, table in enumerate(row_wise):
+                    got = a2a[3 * k]["args"]["bytes"]
+                    want = table["step"]["counts_all_to_all_bytes"]
+                    if got != want:
+                        fail(f"np {np_}, rank {rank}: table {table['table']}'s counts "
+                             f"all-to-all moved {got} bytes, the plan says {want}")
+
+
 def main():
     if len(sys.argv) < 7 or sys.argv[5] != "--":
         fail("usage: check_dlrm_train.py MODE SCRIPT CONFIG WORK_DIR -- MPIEXEC... MESHTRAIN")
@@ -596,7 +659,7 @@ def main():
     make_data(script, work)
     {"train": mode_train, "resume": mode_resume, "bad_id": mode_bad_id,
      "columns": mode_columns, "tablewise": mode_tablewise, "flight": mode_flight,
-     "preset": mode_preset}[mode](
+     "preset": mode_preset, "trace": mode_trace}[mode](
         launcher, os.path.abspath(config), work)
 
 

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The row-wise tables' all-to-alls' share of a DLRM training step (issue 39, "Measured"), traced,
+# against the cost model's prediction (`meshtrain plan --json`'s `cost`, which charges each
+# table's collectives: docs/recsys.md, "The plan").
+#
+#   [STEPS=60] [TRACED=20] [NP=2] bench/dlrm_a2a_share.sh [DATA_DIR] [-- --set KEY=VALUE ...]
+#
+# configs/dlrm_synthetic.toml on scripts/make_recsys_data's default set (t17, t18 and t25
+# row-wise over fsdp on 2 ranks), optimizer.embeddings = "rowwise_adagrad", STEPS steps with the
+# last TRACED traced ([runtime] trace_steps). Measured, per rank, over the traced steps: the
+# step spans' time, the `all-to-all` collective spans' time (every table's counts, ids, partial
+# sums and dy exchanges; blocking, so a span includes waiting for the slower rank), the other
+# collectives' and each phase's (data read, forward, loss, backward, optimizer). Predicted, with
+# the default hardware profile (or MESHTRAIN_HARDWARE=FILE, `meshtrain plan --hardware`): the
+# cost items whose `what` starts with "all-to-all" and the step. One JSON line: both, per step,
+# and the shares.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+cmake --build build --target meshtrain >&2
+steps=${STEPS:-60}
+traced=${TRACED:-20}
+np=${NP:-2}
+mpirun=${MPIRUN:-mpirun --oversubscribe}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+data=$work/data
+if [[ $# -gt 0 && $1 != -- ]]; then
+  data=$1
+  shift
+fi
+[[ ${1:-} == -- ]] && shift
+if [[ ! -f $data/train.h5 ]]; then scripts/make_recsys_data --out "$data" >&2; fi
+sets=(--set data.path="$data/train.h5" --set data.test_path="$data/test.h5"
+      --set run.output_dir="$work/run" --set train.steps="$steps" --set train.log_every=20
+      --set optimizer.embeddings=rowwise_adagrad --set optimizer.embeddings_lr=0.05
+      --set checkpoint.async=false
+      --set "runtime.trace_steps=[$((steps - traced + 1)), $steps]" "$@")
+hardware=()
+[[ -n ${MESHTRAIN_HARDWARE:-} ]] && hardware=(--hardware "$MESHTRAIN_HARDWARE")
+build/bin/meshtrain plan configs/dlrm_synthetic.toml --world "$np" --json "${hardware[@]}" \
+  "${sets[@]}" > "$work/plan.json"
+$mpirun -np "$np" build/bin/meshtrain train configs/dlrm_synthetic.toml "${sets[@]}" \
+  > "$work/train.log" 2>&1 || { cat "$work/train.log" >&2; exit 1; }
+/usr/bin/python3 - "$work/plan.json" "$work/run/trace/all-ranks.json" "$np" "$traced" <<'PY'
+import json, sys
+from collections import defaultdict
+plan = json.load(open(sys.argv[1]))
+trace = json.load(open(sys.argv[2]))
+np_, traced = int(sys.argv[3]), int(sys.argv[4])
+events = trace["traceEvents"] if isinstance(trace, dict) else trace
+spans = [e for e in events if e.get("ph") == "X" and e.get("tid", 0) == 0]
+per_rank = []
+for r in range(np_):
+    mine = [e for e in spans if e["pid"] == r]
+    steps = [e for e in mine if e["cat"] == "step"]
+    step_us = sum(e["dur"] for e in steps)
+    a2a = [e for e in mine if e["cat"] == "collective" and e["name"] == "all-to-all"]
+    other = [e for e in mine if e["cat"] == "collective" and e["name"] != "all-to-all"]
+    phases = defaultdict(float)
+    for e in mine:
+        if e["cat"] == "phase":
+            phases[e["name"]] += e["dur"] / len(steps) / 1e3
+    per_rank.append({"rank": r, "steps": len(steps), "step_ms": step_us / len(steps) / 1e3,
+                     "all_to_all_ms": sum(e["dur"] for e in a2a) / len(steps) / 1e3,
+                     "all_to_alls_per_step": len(a2a) / len(steps),
+                     "all_to_all_bytes_per_step": sum(e["args"]["bytes"] for e in a2a) / len(steps),
+                     "other_collectives_ms": sum(e["dur"] for e in other) / len(steps) / 1e3,
+                     "phases_ms": {k: round(v, 3) for k, v in phases.items()}})
+for p in per_rank:
+    p["all_to_all_share"] = p["all_to_all_ms"] / p["step_ms"]
+cost = plan["cost"]
+items = cost["items"]
+a2a_items = [i for i in items if i["what"].startswith("all-to-all")]
+pred_a2a = sum(i["seconds"] for i in a2a_items)
+pred_step = cost["step_s"]
+measured_a2a = sum(p["all_to_all_ms"] for p in per_rank) / np_ / 1e3
+measured_step = sum(p["step_ms"] for p in per_rank) / np_ / 1e3
+print(json.dumps({
+    "bench": "dlrm_a2a_share", "ranks": np_, "traced_steps": traced,
+    "hardware": cost.get("hardware"),
+    "measured": {"step_ms": measured_step * 1e3, "all_to_all_ms": measured_a2a * 1e3,
+                 "all_to_all_share": measured_a2a / measured_step, "per_rank": per_rank},
+    "predicted": {"step_ms": pred_step * 1e3, "all_to_all_ms": pred_a2a * 1e3,
+                  "all_to_all_items": len(a2a_items),
+                  "all_to_all_share": pred_a2a / pred_step if pred_step > 0 else None,
+                  "data_read_ms": cost.get("data_read_s", 0) * 1e3},
+    "all_to_all_predicted_over_measured": pred_a2a / measured_a2a if measured_a2a > 0 else None,
+    "share_predicted_over_measured":
+        (pred_a2a / pred_step) / (measured_a2a / measured_step) if measured_a2a > 0 else None}))
+PY
