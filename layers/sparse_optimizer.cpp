@@ -18,8 +18,8 @@ namespace {
 
 // What an update writes into element (row, column) of the local block: `value`, or it
 // stochastically rounded to bf16 (TableRounding).
-KOKKOS_INLINE_FUNCTION float written(const TableRounding& r, float value, int64_t row,
-                                     int64_t column) {
+KOKKOS_INLINE_FUNCTION float value_to_store(const TableRounding& r, float value, int64_t row,
+                                            int64_t column) {
   if (!r.bf16) return value;
   return round_bf16_stochastic(
       value, stochastic_rounding_bits(r.seed, r.first_row + row, r.first_column + column, r.step));
@@ -41,7 +41,8 @@ void rowwise_adagrad_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView gra
         state(row) = sum;
         const float multiplier = lr / (kmath::sqrt(sum) + eps);
         for (int64_t c = 0; c < dim; ++c) {
-          weight(row, c) = written(rounding, weight(row, c) - multiplier * grads(r, c), row, c);
+          weight(row, c) =
+              value_to_store(rounding, weight(row, c) - multiplier * grads(r, c), row, c);
         }
       });
 }
@@ -77,7 +78,8 @@ void rowwise_adagrad_sliced_rows(Kokkos::View<const int64_t*> rows, ConstMatrixV
         state(row) = sum;
         const float multiplier = lr / (kmath::sqrt(sum) + eps);
         for (int64_t c = 0; c < columns; ++c) {
-          weight(row, c) = written(rounding, weight(row, c) - multiplier * grads(r, c), row, c);
+          weight(row, c) =
+              value_to_store(rounding, weight(row, c) - multiplier * grads(r, c), row, c);
         }
       });
 }
@@ -103,9 +105,17 @@ void sparse_adamw_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView grads,
           const float value =
               adamw_element(weight(row, c), grads(r, c), m(row, c), v(row, c), s.beta1, s.beta2,
                             decay, step_size, inv_correction2, s.eps);
-          weight(row, c) = written(rounding, value, row, c);
+          weight(row, c) = value_to_store(rounding, value, row, c);
         }
       });
+}
+
+// bf16 tables at setup: every element of a table's local block to its nearest bf16.
+void round_block_to_bf16(VectorView block) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::round_table_to_bf16"),
+      device_range(0, static_cast<int64_t>(block.extent(0))),
+      KOKKOS_LAMBDA(const int64_t i) { block(i) = bf16_to_float(float_to_bf16(block(i))); });
 }
 
 void require_sparse(const EmbeddingBag& table, const char* optimizer) {
@@ -132,11 +142,17 @@ void require_same_tables(const std::vector<EmbeddingBag>& tables, size_t built) 
 
 }  // namespace
 
+void SparseTableOptimizer::keep_tables_in_bf16(uint64_t seed,
+                                               const std::vector<EmbeddingBag>& tables) {
+  for (const EmbeddingBag& table : tables) round_block_to_bf16(table.weight().local);
+  bf16_ = true;
+  seed_ = seed;
+}
+
 TableRounding SparseTableOptimizer::rounding(const EmbeddingBag& table, size_t t) const {
   TableRounding r;
   r.bf16 = bf16_;
-  // Each table its own stream of draws: the seed mixed with the table's index.
-  r.seed = seed_ ^ ((static_cast<uint64_t>(t) + 1) * 0x9E3779B97F4A7C15ull);
+  r.seed = table_rounding_seed(seed_, static_cast<uint64_t>(t));  // each table its own draws
   r.first_row = table.first_row();
   r.first_column = table.first_column();
   r.step = updates_;
@@ -227,7 +243,7 @@ std::unique_ptr<SparseTableOptimizer> make_sparse_table_optimizer(
       break;
   }
   if (optimizer) {
-    if (settings.bf16_tables) optimizer->keep_tables_in_bf16(settings.rounding_seed);
+    if (settings.bf16_tables) optimizer->keep_tables_in_bf16(settings.rounding_seed, tables);
     return optimizer;
   }
   MESHTRAIN_REQUIRE(false, "make_sparse_table_optimizer: the dense kind has no sparse optimizer");

@@ -30,10 +30,13 @@
 // as /opt_state/<slot>/embeddings/<t>/weight and a load reshards it with the table. Everything
 // is allocated at construction: step() allocates nothing.
 //
-// bf16 tables (docs/recsys.md, "bf16 tables"; keep_tables_in_bf16): every element an update
-// writes is stochastically rounded to bf16 (framework/core/stochastic_rounding.hpp) with the
-// draw of (the seed mixed with the table's index, its global row, its global column, the
-// update's index), so the table holds bf16 values, the same on every mesh; the state stays fp32
+// bf16 tables (docs/recsys.md, "bf16 tables"; keep_tables_in_bf16): not reachable from a config
+// or DlrmRun yet, only tests use it. The tables' blocks are first rounded to the nearest bf16;
+// then every element an update writes is stochastically rounded to bf16
+// (framework/core/stochastic_rounding.hpp) with the draw of (table_rounding_seed(seed, table's
+// index), its global row, its global column, the update's index), so the table holds bf16
+// values and the draw is the same on every mesh (the fp32 value it rounds may differ where a
+// gradient's sum changes order with the layout); the state stays fp32
 // and there is no fp32 copy of the table (TorchRec's fused optimizers with bf16 weights: the
 // memory of a table is what bf16 is for, and an fp32 master would take 4 bytes an element more
 // than the table it replaces). Stochastic rather than nearest: an update under half a bf16 step
@@ -59,7 +62,8 @@ struct SparseOptimizerSettings {
   float eps = 1e-8f;
   float beta1 = 0.9f, beta2 = 0.999f;  // sparse_adamw
   float weight_decay = 0.0f;           // sparse_adamw (decoupled)
-  // bf16 tables (above): make_sparse_table_optimizer calls keep_tables_in_bf16(rounding_seed).
+  // bf16 tables (above): make_sparse_table_optimizer calls keep_tables_in_bf16(rounding_seed,
+  // tables). Only tests set it: no config key or DlrmRun reaches it yet.
   bool bf16_tables = false;
   uint64_t rounding_seed = 0;
 };
@@ -88,16 +92,15 @@ class SparseTableOptimizer {
   // The state (views of the live tensors: a checkpoint load writes into them).
   virtual std::vector<SparseOptimizerSlot> slots() const = 0;
 
-  // From now on every element an update writes is stochastically rounded to bf16 (above); the
-  // tables should hold bf16 values already (e.g. initialized so). Table t's draws are keyed by
-  // `seed` mixed with t.
-  void keep_tables_in_bf16(uint64_t seed) {
-    bf16_ = true;
-    seed_ = seed;
-  }
+  // Rounds each of `tables`' local blocks to the nearest bf16 (one labelled kernel per table:
+  // Dlrm::initialize writes fp32 values), and from now on every element an update writes is
+  // stochastically rounded to bf16 (above). Table t's draws are keyed by
+  // table_rounding_seed(seed, t).
+  void keep_tables_in_bf16(uint64_t seed, const std::vector<EmbeddingBag>& tables);
   bool bf16_tables() const { return bf16_; }
-  // The updates made so far: the draw's step index of the next one (step() adds 1). A resume
-  // that should round as the uninterrupted run sets it to the run's step (not wired yet).
+  // The updates made so far: the draw's step index of the next one (step() adds 1). DlrmRun's
+  // resume sets it to the steps the checkpoint had done (one update per step), so that a
+  // resumed run draws as the uninterrupted one; the checkpoint does not store it.
   int64_t updates() const { return updates_; }
   void set_updates(int64_t updates) { updates_ = updates; }
 

@@ -54,9 +54,11 @@ std::vector<PartitionRule> preset_rules(const std::string& preset, bool moe, boo
     rules.push_back(preset_rule("blocks/[0-9]+/(up|gate)/bias$", "P(tp)"));
   };
   if (preset == "dlrm") {
-    // TorchRec's default plan, simply: every embedding table row-wise over the batch axes
-    // (min_sharding_size keeps the small ones replicated, the replicate fallback those whose
-    // rows do not divide), every dense layer data-parallel (the catch-all below).
+    // A fixed plan in the spirit of TorchRec's row-wise sharding: every embedding table
+    // row-wise over the batch axes (min_sharding_size keeps the small ones replicated, the
+    // replicate fallback those whose rows do not divide the axes' whole product: with
+    // P((fsdp, dp), None), rows that divide by fsdp but not by fsdp * dp are replicated, not
+    // split over fsdp alone), every dense layer data-parallel (the catch-all below).
     rules.push_back(preset_rule(kDlrmTablePattern, dlrm_table_spec(table_axes)));
   } else if (preset == "dp" || preset == "replicated") {
     experts("None, None", "None");

@@ -555,6 +555,8 @@ void DlrmRun::resume() {
   on_every_rank(comm_, [&] { info = load_checkpoint(latest, checkpoint_, comm_); });
   steps_done_ = info.train_state.step;
   optimizer_->set_step_count(info.train_state.optimizer_step);
+  // The sparse update's index (bf16 tables' draws) is not in the checkpoint: one per step.
+  if (sparse_tables_) sparse_tables_->set_updates(steps_done_);
   resumed_from_ = info;
 }
 

@@ -5,8 +5,9 @@
 // result the value itself, so an update smaller than half a bf16 step still moves a row on
 // average (round to nearest would drop it every time: a row at 1.0 ignores any step below
 // 2^-9). The random bits are Philox-4x32-10 (framework/core/philox.hpp) of the element's global
-// coordinates and the update's index, so the result is the same on every mesh, in any order,
-// and again after a resume that restores the index. Header-only and device-callable.
+// coordinates and the update's index, so the draw is the same on every mesh, in any order, and
+// again after a resume that restores the index (the fp32 value it rounds may still differ from
+// one mesh to another where a gradient's sum changes order). Header-only and device-callable.
 
 #include <Kokkos_Core.hpp>
 #include <cstdint>
@@ -20,12 +21,18 @@ namespace meshtrain {
 // down otherwise; `random`'s low 16 bits are the uniform draw: added to the 16 bits bf16 cuts
 // off, the sum truncated (FBGEMM's and torch's recipe). A bf16 value comes back unchanged
 // whatever `random`; NaN stays NaN and inf stays inf; a finite f above the largest bf16 may
-// round to inf.
+// round to inf. NaN needs its branch (a payload in the low bits alone would truncate to inf);
+// inf does not: its low 16 bits are zero, so the sum truncates back to inf whatever the draw.
 KOKKOS_INLINE_FUNCTION uint16_t float_to_bf16_stochastic(float f, uint32_t random) {
   const uint32_t u = precision_detail::bits_of(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN
-  if ((u & 0x7fffffffu) == 0x7f800000u) return static_cast<uint16_t>(u >> 16);           // inf
   return static_cast<uint16_t>((u + (random & 0xffffu)) >> 16);
+}
+
+// Table t's stream of draws under a run's rounding `seed`: the seed mixed with the table's
+// index (t + 1 times the golden-ratio constant), so that tables draw independently.
+KOKKOS_INLINE_FUNCTION constexpr uint64_t table_rounding_seed(uint64_t seed, uint64_t t) {
+  return seed ^ ((t + 1) * 0x9E3779B97F4A7C15ull);
 }
 
 // The draw for element (row, column) of a table at update `step` under `seed` (a run's seed

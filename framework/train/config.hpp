@@ -107,9 +107,9 @@ struct PartitionRuleText {
 };
 
 struct PartitionSection {
-  std::string preset;                    // "" | dp | fsdp | tp | fsdp_tp | dp_tp | dp_fsdp
-  int64_t min_sharding_size = 16384;     // the reference's default
-  std::vector<PartitionRuleText> rules;  // tried before the preset's rules
+  std::string preset;  // "" | dp | fsdp | tp | fsdp_tp | dp_tp | dp_fsdp | replicated | dlrm
+  int64_t min_sharding_size = 16384;                             // the reference's default
+  std::vector<PartitionRuleText> rules;                          // tried before the preset's rules
   std::map<std::string, std::vector<std::string>> logical_axes;  // overrides
   CollectiveMatmulAlgorithm collective_matmul = CollectiveMatmulAlgorithm::automatic;
 };

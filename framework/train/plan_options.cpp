@@ -13,12 +13,20 @@ namespace meshtrain {
 
 namespace {
 
-// The "dlrm" preset's table axes: the layers' batch axes (partition.logical_axes) that the
-// config's [mesh] names with a size other than 1 (-1 included: it may take several ranks), in
-// the logical order. An axis of size 1 splits nothing and would only lengthen the rule.
+// The layers' axes under the config's partition.logical_axes (what the planner and the preset
+// both read).
+LayerAxes config_layer_axes(const RunConfig& config) {
+  return layer_axes(LogicalAxes::with_overrides(config.partition.logical_axes),
+                    config.model.moe().any());
+}
+
+// The "dlrm" preset's table axes: the layers' batch axes (partition.logical_axes.batch, then the
+// `sequence` axes that layer_axes appends: every layer splits the batch over them too) that the
+// config's [mesh] names with a size other than 1 (-1 included: it may take several ranks, and
+// at world 1 it leaves a size-1 axis in the rule), in that order. An axis of size 1 splits
+// nothing and would only lengthen the rule.
 std::vector<std::string> dlrm_table_axes(const RunConfig& config) {
-  const LayerAxes axes = layer_axes(LogicalAxes::with_overrides(config.partition.logical_axes),
-                                    config.model.moe().any());
+  const LayerAxes axes = config_layer_axes(config);
   std::vector<std::string> out;
   for (const std::string& axis : axes.batch) {
     for (const auto& [name, size] : config.mesh.axes) {
@@ -61,8 +69,7 @@ PlanOptions plan_options(const RunConfig& config) {
   options.zero_stage = static_cast<int>(config.optimizer.zero_stage);
   options.sparse_tables = config.model.kind == ModelKind::dlrm &&
                           config.optimizer.embeddings != EmbeddingOptimizer::dense;
-  const LayerAxes axes = layer_axes(LogicalAxes::with_overrides(config.partition.logical_axes),
-                                    config.model.moe().any());
+  const LayerAxes axes = config_layer_axes(config);
   options.batch_axes = axes.batch;
   options.feature_axis = axes.feature;
   options.global_batch = config.data.batch_size;

@@ -293,12 +293,13 @@ TEST(Precision, Bf16RoundsToNearestEven) {
                       });
 }
 
-// round_to: the nearest value of the dtype, the identity for fp32.
 // Stochastic rounding to bf16 (stochastic_rounding.hpp): every result is one of f's two bf16
 // neighbours; bf16 values (and inf, NaN) come back unchanged; over all 65536 draws each
 // neighbour is chosen exactly as often as makes the mean f (counted, so exact, not statistical);
-// a negative value mirrors its magnitude; the keyed draws are the same for the same coordinates
-// and differ between steps.
+// a negative value mirrors its magnitude (subnormals included); FLT_MAX rounds up to inf with
+// the share of its cut-off bits; a NaN stays NaN for every draw, also one whose payload is only
+// in the low 16 bits (0x7f800001, which truncation alone would turn into inf); the keyed draws
+// are the same for the same coordinates and differ between steps.
 TEST(Precision, Bf16StochasticRoundingIsUnbiasedOverEveryDraw) {
   using precision_detail::bits_of;
   std::mt19937 rng(11);
@@ -306,6 +307,10 @@ TEST(Precision, Bf16StochasticRoundingIsUnbiasedOverEveryDraw) {
                                3.0e-3f, 1e-30f, -2.5e20f, 0.1f,        65504.0f};
   std::uniform_real_distribution<float> any(-100.0f, 100.0f);
   for (int i = 0; i < 20; ++i) values.push_back(any(rng));
+  // Subnormals: the smallest, one with every cut-off bit set, one with bits on both sides of
+  // the cut (and its negative), and a bf16 subnormal (exact).
+  for (const uint32_t u : {0x00000001u, 0x0000ffffu, 0x00012345u, 0x80012345u, 0x00010000u})
+    values.push_back(float_of_bits(u));
   for (const float f : values) {
     SCOPED_TRACE(f);
     const uint32_t top = bits_of(f) >> 16;
@@ -334,6 +339,18 @@ TEST(Precision, Bf16StochasticRoundingIsUnbiasedOverEveryDraw) {
   EXPECT_EQ(round_bf16_stochastic(inf, 0xffffu), inf);
   EXPECT_EQ(round_bf16_stochastic(-inf, 0xffffu), -inf);
   EXPECT_TRUE(std::isnan(round_bf16_stochastic(std::numeric_limits<float>::quiet_NaN(), 0xffffu)));
+  // FLT_MAX (0x7f7fffff) lies above the largest bf16 (0x7f7f): inf with probability
+  // 0xffff / 2^16, else the largest bf16; a NaN with its payload in the low bits stays NaN.
+  uint32_t to_inf = 0;
+  for (uint32_t r = 0; r < 65536u; ++r) {
+    const uint16_t got = float_to_bf16_stochastic(FLT_MAX, r);
+    ASSERT_TRUE(got == 0x7f7fu || got == 0x7f80u) << r;
+    to_inf += got == 0x7f80u ? 1u : 0u;
+    ASSERT_TRUE(std::isnan(round_bf16_stochastic(float_of_bits(0x7f800001u), r))) << r;
+    ASSERT_TRUE(std::isnan(round_bf16_stochastic(float_of_bits(0xff800001u), r))) << r;
+    ASSERT_EQ(round_bf16_stochastic(inf, r), inf) << r;
+  }
+  EXPECT_EQ(to_inf, 0xffffu);
   // The keyed draws: a function of (seed, row, column, step), different when any changes.
   EXPECT_EQ(stochastic_rounding_bits(7, 3, 5, 2), stochastic_rounding_bits(7, 3, 5, 2));
   EXPECT_NE(stochastic_rounding_bits(7, 3, 5, 2), stochastic_rounding_bits(7, 3, 5, 3));
@@ -348,6 +365,7 @@ TEST(Precision, Bf16StochasticRoundingIsUnbiasedOverEveryDraw) {
   for (int count : buckets) EXPECT_NEAR(count, 4096, 5 * 62);
 }
 
+// round_to: the nearest value of the dtype, the identity for fp32.
 TEST(Precision, RoundToIsConversionAndBack) {
   for (float f : {0.1f, -3.3f, 1e-6f, 70000.0f, 1.0f + 0x1p-11f}) {
     EXPECT_EQ(round_to(f, Dtype::fp32), f);

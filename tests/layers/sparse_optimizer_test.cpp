@@ -25,14 +25,16 @@
 // over the whole row, from every slice's squares) equals the reference within the same tolerance
 // on every rank of the slices.
 // bf16 tables (SparseOptimizerSettings::bf16_tables, on every mesh and layout above, both
-// optimizers): the table starts at bf16 values; each step the reference takes this rank's block
-// as the layer left it (bf16 values), computes the update in float64 and rounds each written
+// optimizers): the layer's table starts at fp32 values, which the optimizer's setup rounds to
+// the nearest bf16 (checked against the host's rounding); each step the reference takes this rank's
+// block as the layer left it (bf16 values), computes the update in float64 and rounds each written
 // element as the optimizer does (stochastic_rounding.hpp: its fp32 value rounded with the draw of
 // (the seed mixed with the table's index, global row, global column, step)). Every element the
 // layer holds is a bf16 value; a touched one equals the reference's bit for bit, or (when the
 // draw's threshold falls between the fp32 and the float64 update, a chance of a few in 2^16 per
-// element) its bf16 neighbour: at least 99% of all touched elements of the test are exact
-// (measured: see the test's output). Untouched rows and the state as above.
+// element) its bf16 neighbour (the same sign, the 16 bits one apart): at most 2 such in any one
+// case and at least 99% of all touched elements of the test exact (measured: see the test's
+// output). Untouched rows and the state as above.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -41,6 +43,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <set>
@@ -70,12 +73,25 @@ constexpr int64_t kRows = 48, kDim = 12, kBatch = 16, kSteps = 3;
 constexpr int64_t kOneShardRows = 12;
 constexpr double kEps = 1e-8, kTolerance = 1e-5;
 constexpr double kBeta1 = 0.9, kBeta2 = 0.99, kDecay = 0.1;
-// bf16 tables: the optimizer's rounding seed, and table 0's stream of draws (the seed mixed
-// with the table's index as SparseTableOptimizer::rounding mixes it).
+// bf16 tables: the optimizer's rounding seed, and table 0's stream of draws.
 constexpr uint64_t kRoundingSeed = 21;
-constexpr uint64_t kTable0Seed = kRoundingSeed ^ 0x9E3779B97F4A7C15ull;
+constexpr uint64_t kTable0Seed = table_rounding_seed(kRoundingSeed, 0);
 // bf16 tables, over the whole test: touched elements compared and those equal bit for bit.
 int64_t bf16_compared = 0, bf16_exact = 0;
+// bf16 tables: the most touched elements of one check_mesh_case that may be the reference's
+// bf16 neighbour rather than its value. The chance per element is a few in 2^16 (the draw's
+// threshold between the fp32 and the float64 update), over one case's touched elements (a few
+// thousand at most: the test prints the total over all cases), so 2 leaves room for a rare pair
+// while a draw bug confined to one layout (which would miss about half of its elements) fails;
+// the 99% over the whole test alone would let such a bug in one of ~100 cases pass.
+constexpr int64_t kMostBf16NeighboursPerCase = 2;
+
+// The 16 bits of a bf16 value held in a float.
+uint16_t bits16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return static_cast<uint16_t>(u >> 16);
+}
 
 enum class Kind { adagrad, adamw };
 double rate(Kind kind) {
@@ -277,11 +293,15 @@ void check_mesh_case(MeshCommunicators& comms, const PartitionSpec& spec, Ids wh
     steps.push_back(
         make_batch(which, 40 + 3 * static_cast<uint64_t>(s) + static_cast<uint64_t>(which)));
   }
-  std::vector<float> start = initial_table();
+  // The layer's table starts at fp32 values; with bf16 tables the optimizer rounds them to the
+  // nearest bf16 at setup, and the reference (and the untouched rows' check) starts from those.
+  const std::vector<float> initial = initial_table();
+  std::vector<float> start = initial;
   if (bf16) {
     for (float& v : start) v = bf16_to_float(float_to_bf16(v));
   }
   Reference ref(kind, start);
+  int64_t bf16_neighbours = 0;  // this case's touched elements one bf16 step off the reference
   ref.bf16 = bf16;
 
   // The sparse layer and its optimizer, and a dense twin on the same data for the gradient.
@@ -298,7 +318,7 @@ void check_mesh_case(MeshCommunicators& comms, const PartitionSpec& spec, Ids wh
     auto h = Kokkos::create_mirror_view(weight.local);
     for (int64_t r = 0; r < block_rows; ++r) {
       for (int64_t c = 0; c < cols; ++c) {
-        h(r * cols + c) = start[(first_row + r) * kDim + first_col + c];
+        h(r * cols + c) = initial[(first_row + r) * kDim + first_col + c];
       }
     }
     Kokkos::deep_copy(weight.local, h);
@@ -319,6 +339,16 @@ void check_mesh_case(MeshCommunicators& comms, const PartitionSpec& spec, Ids wh
                                                         : EmbeddingOptimizer::sparse_adamw,
                                   with, tables, mesh, comms.rank());
   ASSERT_EQ(optimizer->bf16_tables(), bf16);
+  if (bf16) {  // the setup rounded the block to the nearest bf16 (and left the twin alone)
+    const std::vector<float> rounded = host(weight), twin = host(dense_weight);
+    for (int64_t r = 0; r < block_rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const size_t g = static_cast<size_t>((first_row + r) * kDim + first_col + c);
+        ASSERT_EQ(rounded[r * cols + c], start[g]) << "setup rounding of row " << first_row + r;
+        ASSERT_EQ(twin[r * cols + c], initial[g]);
+      }
+    }
+  }
   const std::vector<SparseOptimizerSlot> slots = optimizer->slots();
   ASSERT_EQ(slots.size(), kind == Kind::adagrad ? 1u : 3u);
   const bool bitwise_gradient = rows_cover_batch(spec, mesh);
@@ -401,9 +431,13 @@ void check_mesh_case(MeshCommunicators& comms, const PartitionSpec& spec, Ids wh
           ++bf16_compared;
           if (table[i] == want) {
             ++bf16_exact;
-          } else {  // the neighbour: one bf16 step apart
-            const float step = std::abs(want) * 0x1.0p-7f;
-            ASSERT_LE(std::abs(table[i] - want), step) << "row " << global << " column " << c;
+          } else {  // the neighbour: the same sign, the 16 bits one apart
+            ++bf16_neighbours;
+            const uint16_t got_bits = bits16(table[i]), want_bits = bits16(want);
+            ASSERT_EQ(float_to_bf16(want), want_bits) << "reference not bf16: " << global;
+            ASSERT_EQ(got_bits >> 15, want_bits >> 15) << "row " << global << " column " << c;
+            ASSERT_EQ(std::abs(static_cast<int>(got_bits) - static_cast<int>(want_bits)), 1)
+                << "row " << global << " column " << c;
           }
           if (kind == Kind::adamw) {
             ASSERT_NEAR(m[i], ref.m[g], kTolerance) << "m of row " << global;
@@ -419,6 +453,7 @@ void check_mesh_case(MeshCommunicators& comms, const PartitionSpec& spec, Ids wh
       }
     }
   }
+  EXPECT_LE(bf16_neighbours, kMostBf16NeighboursPerCase) << "touched elements off the reference";
   // Some row stayed untouched and some was updated (the test checks both kinds).
   EXPECT_NE(std::count(ref.touched.begin(), ref.touched.end(), true), 0);
   EXPECT_NE(std::count(ref.touched.begin(), ref.touched.end(), false), 0);

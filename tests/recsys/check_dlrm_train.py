@@ -91,6 +91,11 @@ import time
 import h5py
 import numpy as np
 
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    import tomli as tomllib
+
 # `--set`s every training run of the mode gets (the modes ending in a sparse optimizer's name),
 # and the checkpoint slots of that optimizer with their shape per table ("rows" or "rows, dim").
 EXTRA_SETS = []
@@ -406,20 +411,18 @@ PRESET_SETS = ["--set", 'partition.preset="dlrm"', "--set", "train.steps=20",
 
 def preset_specs(config, world):
     """The specs the dlrm preset should give on `world` ranks (fsdp = world): a table of at
-    least min_sharding_size elements whose rows divide row-wise, everything else replicated."""
-    rows = {}
-    table = None
-    with open(config) as f:  # the [[model.tables]] names and rows of the small config
-        for line in f:
-            line = line.split("#")[0].strip()
-            if line.startswith("name ="):
-                table = line.split('"')[1]
-            elif line.startswith("rows =") and table:
-                rows[table] = int(line.split("=")[1])
+    least min_sharding_size elements whose rows divide row-wise, everything else replicated.
+    The tables' rows and dims and the threshold are read from the config."""
+    with open(config, "rb") as f:
+        doc = tomllib.load(f)
+    model = doc["model"]
+    threshold = doc["partition"]["min_sharding_size"]
     specs = {}
-    for name, n in rows.items():
-        split = n * 8 >= 8000 and n % world == 0  # fsdp = -1: P(fsdp, None) at world 1 too
-        specs[f"embeddings/{name}/weight"] = "P(fsdp, None)" if split else "P()"
+    for table in model["tables"]:
+        n = table["rows"]
+        dim = table.get("dim", model["bottom"][-1])  # the default: bottom's last size
+        split = n * dim >= threshold and n % world == 0  # fsdp = -1: P(fsdp, None) at world 1 too
+        specs[f"embeddings/{table['name']}/weight"] = "P(fsdp, None)" if split else "P()"
     return specs
 
 
