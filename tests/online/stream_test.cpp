@@ -1191,5 +1191,44 @@ TEST(Stream, SharedMessageHalfFilledAtAStopIsDropped) {
   }
 }
 
+// The C API's mt_stream_options.share_messages: six sends of 5 rows fill one message of 16
+// (mt_stream_rows_sent 16: the rows of the second wait in it, not handed to MPI) until
+// mt_stream_close starts the second; the trainer receives the 30 rows of every producer (two
+// messages: one for each batch group with 2 trainer ranks).
+TEST(Stream, CSharedMessagesWaitForTheClose) {
+  Roles roles;
+  if (roles.producer) {
+    mt_stream_options options = {64, 16, MT_STREAM_BLOCK, MPI_COMM_NULL, 0.0, nullptr, nullptr, 1};
+    mt_stream* s = nullptr;
+    ASSERT_EQ(mt_stream_connect(roles.comm, "c-shared", kInputs, kOutputs, MT_STREAM_FLOAT32,
+                                &options, &s),
+              MT_STREAM_OK)
+        << mt_stream_last_error(s);
+    std::vector<float> x(5 * kInputs), y(5 * kOutputs);
+    for (int64_t k = 0; k < 6; ++k) {
+      for (int64_t i = 0; i < 5; ++i)
+        make_row_f(roles.rank, 5 * k + i, &x[i * kInputs], &y[i * kOutputs]);
+      EXPECT_EQ(mt_stream_send(s, x.data(), y.data(), 5), MT_STREAM_OK) << mt_stream_last_error(s);
+    }
+    EXPECT_EQ(mt_stream_rows_sent(s), 16) << "a shared message started before it filled";
+    EXPECT_EQ(mt_stream_close(s), MT_STREAM_OK) << mt_stream_last_error(s);
+    EXPECT_EQ(mt_stream_rows_sent(s), 30);
+    EXPECT_EQ(mt_stream_rows_dropped(s), 0);
+    sum_over_world(mt_stream_rows_sent(s));
+    mt_stream_free(s);
+    return;
+  }
+  RunConfig config = trainer_config("c-shared", {{"dp", roles.trainers}}, "dp");
+  config.stream.min_rows = 1;
+  config.stream.until = StreamUntil::closed;
+  config.data.batch_size = roles.trainers;
+  config.train.steps = 1000000;
+  TrainingRun run(config, {}, std::nullopt, roles.comm);
+  while (!run.finished()) run.step();
+  const auto& source = dynamic_cast<const StreamSource&>(run.train_data());
+  EXPECT_EQ(source.counters().rows_received, sum_over_world(0));
+  EXPECT_EQ(source.counters().rows_received, 30 * roles.producers);
+}
+
 }  // namespace
 }  // namespace meshtrain
