@@ -43,6 +43,10 @@ typedef struct mt_stream_options {
    * callback, the Fortran one, would otherwise never learn of an unanswered close). */
   void (*on_warning)(const char* sentence, void* warning_data);
   void* warning_data;
+  /* Non-zero: consecutive sends share a message until it holds message_rows rows (the last
+   * one's rows wait until mt_stream_close); 0 (default): each send's rows start their own
+   * message (docs/online.md, "The producer"). Last, so older initializers leave it 0. */
+  int share_messages;
 } mt_stream_options;
 
 /* Collective over the parent communicator. *out is set (even on failure, for the error). */

@@ -112,7 +112,9 @@ RunConfig evaluation_config(const Checkpoint& checkpoint, const EvaluateArgs& ar
   RunConfig config = parse_config(checkpoint.config_text, checkpoint.file, args.overrides);
   config.data.source = DataSource::hdf5;
   // An online run's [stream] keys describe its stream, not --data: back to their defaults, or
-  // the check of the config refuses them as keys given without data.source = "stream".
+  // the check of the config refuses them as keys given without data.source = "stream". No
+  // `--set stream.*` is lost here: check_evaluate_overrides refused them before (every
+  // stream key is one evaluate does not take), in one sentence naming the key.
   config.stream = StreamSection{};
   config.data.path = args.data;
   config.data.test_path = args.data;

@@ -218,27 +218,34 @@ int run(MPI_Comm comm, int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+  if (MPI_Init(&argc, &argv) != MPI_SUCCESS) {
+    std::fprintf(stderr, "online_vs_offline: error: MPI_Init failed\n");
+    return 2;
+  }
   int status = 0;
   {
     Kokkos::ScopeGuard kokkos(argc, argv);
-    int* appnum = nullptr;
-    int flag = 0;
-    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_APPNUM, &appnum, &flag);
-    int world_rank = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
-    MPI_Comm comm = MPI_COMM_NULL;
-    meshtrain::check_mpi(
-        MPI_Comm_split(MPI_COMM_WORLD, flag && appnum ? *appnum : 0, world_rank, &comm),
-        "MPI_Comm_split");
     try {
+      int* appnum = nullptr;
+      int flag = 0;
+      meshtrain::check_mpi(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_APPNUM, &appnum, &flag),
+                           "MPI_Comm_get_attr (MPI_APPNUM)");
+      int world_rank = 0;
+      meshtrain::check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "MPI_Comm_rank");
+      MPI_Comm comm = MPI_COMM_NULL;
+      meshtrain::check_mpi(
+          MPI_Comm_split(MPI_COMM_WORLD, flag && appnum ? *appnum : 0, world_rank, &comm),
+          "MPI_Comm_split");
       status = run(comm, argc, argv);
+      meshtrain::check_mpi(MPI_Comm_free(&comm), "MPI_Comm_free");
     } catch (const std::exception& e) {
       std::fprintf(stderr, "online_vs_offline: error: %s\n", e.what());
       MPI_Abort(MPI_COMM_WORLD, 2);
     }
-    MPI_Comm_free(&comm);
   }
-  MPI_Finalize();
+  if (MPI_Finalize() != MPI_SUCCESS) {
+    std::fprintf(stderr, "online_vs_offline: error: MPI_Finalize failed\n");
+    return 2;
+  }
   return status;
 }

@@ -189,6 +189,12 @@ meshtrain_cli_test(evaluate_set_refuses_model_key 2
   "^meshtrain: error: --set model\\.sizes is not allowed with evaluate: .* evaluate takes --set of mesh\\.\\*, partition\\.\\*, data\\.batch_size"
   -- ${_meshtrain} evaluate ${CMAKE_CURRENT_BINARY_DIR}/no_such_checkpoint.h5
      --data ${CMAKE_CURRENT_BINARY_DIR}/no_such_data.h5 --set "model.sizes = [4, 2]")
+# An online run's checkpoint: evaluate resets its [stream] keys (they describe the stream, not
+# --data), so a --set stream.* would be lost: it is refused, before the checkpoint is read.
+meshtrain_cli_test(evaluate_set_refuses_stream_key 2
+  "^meshtrain: error: --set stream\\.test_fraction is not allowed with evaluate: "
+  -- ${_meshtrain} evaluate ${CMAKE_CURRENT_BINARY_DIR}/no_such_checkpoint.h5
+     --data ${CMAKE_CURRENT_BINARY_DIR}/no_such_data.h5 --set "stream.test_fraction = 0.5")
 # --set train.steps replaces the file's train.epochs, and the run says so in one line (issue
 # 36, defect 21).
 meshtrain_cli_test(train_steps_replaces_epochs 0 -

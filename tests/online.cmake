@@ -205,7 +205,10 @@ meshtrain_add_test(NAME online_views_test SOURCES online/views_test.cpp
                    EMULATED)
 # `meshtrain evaluate` and `predict` of an online run's checkpoint (the C producer beside a
 # trainer on 1 and 2 ranks, evaluated and predicted on as many): evaluate takes the rows and its
-# test_mse equals the MSE of predict's outputs (tests/online/evaluate_checkpoint.sh).
+# test_mse equals the MSE of predict's outputs (tests/online/evaluate_checkpoint.sh). The run
+# normalizes inputs and targets (statistics frozen from its first rows, stored in the
+# checkpoint) and holds a quarter of its rows out, so that evaluate must use the stored
+# statistics and score --data, not the checkpoint's held-out window.
 foreach(_t 1 2)
   meshtrain_add_command_test(NAME online_evaluate_checkpoint_t${_t} TIMEOUT 60
     COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/online/evaluate_checkpoint.sh
@@ -215,6 +218,8 @@ foreach(_t 1 2)
             ${_online_mpmd} : ${MPIEXEC_NUMPROC_FLAG} ${_t} $<TARGET_FILE:meshtrain> train
             ${CMAKE_CURRENT_SOURCE_DIR}/online/online_c.toml
             --set run.output_dir=${_online_dir}/evaluate_t${_t}
+            --set data.normalize_inputs=standard --set data.normalize_targets=standard
+            --set stream.test_fraction=0.25
     PASS_REGULAR_EXPRESSION "evaluate_checkpoint: evaluate and predict agree")
   math(EXPR _procs "1 + ${_t}")
   set_tests_properties(online_evaluate_checkpoint_t${_t} PROPERTIES PROCESSORS ${_procs})

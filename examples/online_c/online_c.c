@@ -80,7 +80,7 @@ int main(int argc, char** argv) {
   /* block: the demo trains on every row it makes (a production run would keep the default,
    * drop, so that the simulation never waits for the trainer). */
   /* close_timeout 0: 120 s; no warning callback: the library prints them to stderr. */
-  const mt_stream_options options = {0, 0, MT_STREAM_BLOCK, MPI_COMM_NULL, 0.0, NULL, NULL};
+  const mt_stream_options options = {0, 0, MT_STREAM_BLOCK, MPI_COMM_NULL, 0.0, NULL, NULL, 0};
   mt_stream* stream = NULL;
   if (mt_stream_connect(sim, "heat-c", kInputs, kOutputs, MT_STREAM_FLOAT64, &options, &stream) !=
       0) {

@@ -11,6 +11,7 @@
 #include <Kokkos_Core.hpp>
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 
 namespace online_heat {
@@ -25,6 +26,16 @@ constexpr double kCourant = 0.2 / kMaxConductivity;  // dt / h^2, under the expl
 using Host = Kokkos::DefaultHostExecutionSpace;
 // Host memory: the halo rows go straight to MPI, and the rows to the stream.
 using Field = Kokkos::View<double**, Kokkos::LayoutRight, Kokkos::HostSpace>;
+
+// Every MPI call's return code checked: a failure throws with MPI's own sentence (main prints
+// it). Here, not meshtrain's check_mpi: the example builds on the installed meshtrain alone.
+inline void mpi_check(int code, const char* call) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  throw std::runtime_error(std::string(call) + " failed: " + std::string(text, length));
+}
 
 inline double conductivity(double x, double y) {
   return 1.0 + 0.5 * std::sin(2.0 * kPi * x) * std::cos(2.0 * kPi * y);
@@ -46,8 +57,8 @@ inline Field make_field(const char* name, const Slab& slab) {
 // This rank's slab of an n x n grid over `comm`'s ranks (n a multiple of their count).
 inline Slab make_slab(MPI_Comm comm, int n) {
   int rank = 0, ranks = 1;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &ranks);
+  mpi_check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  mpi_check(MPI_Comm_size(comm, &ranks), "MPI_Comm_size");
   Slab slab;
   slab.n = n;
   slab.comm = comm;
@@ -107,10 +118,12 @@ inline void initial_state(const Field& u, const Slab& slab, int restart) {
 
 inline void exchange_halo(const Field& u, const Slab& slab) {
   // my first row goes below, my last above; each row is contiguous (LayoutRight)
-  MPI_Sendrecv(&u(1, 0), slab.n, MPI_DOUBLE, slab.below, 0, &u(slab.rows + 1, 0), slab.n,
-               MPI_DOUBLE, slab.above, 0, slab.comm, MPI_STATUS_IGNORE);
-  MPI_Sendrecv(&u(slab.rows, 0), slab.n, MPI_DOUBLE, slab.above, 1, &u(0, 0), slab.n, MPI_DOUBLE,
-               slab.below, 1, slab.comm, MPI_STATUS_IGNORE);
+  mpi_check(MPI_Sendrecv(&u(1, 0), slab.n, MPI_DOUBLE, slab.below, 0, &u(slab.rows + 1, 0), slab.n,
+                         MPI_DOUBLE, slab.above, 0, slab.comm, MPI_STATUS_IGNORE),
+            "MPI_Sendrecv (the halo below)");
+  mpi_check(MPI_Sendrecv(&u(slab.rows, 0), slab.n, MPI_DOUBLE, slab.above, 1, &u(0, 0), slab.n,
+                         MPI_DOUBLE, slab.below, 1, slab.comm, MPI_STATUS_IGNORE),
+            "MPI_Sendrecv (the halo above)");
 }
 
 // One row per cell: the stencil's differences and face conductivities (inputs) and the flux

@@ -63,7 +63,7 @@ double relative_error(const Field& a, const Field& b, int first_row, int rows, M
       sums[0] += diff * diff;
       sums[1] += b(r, i) * b(r, i);
     }
-  MPI_Allreduce(MPI_IN_PLACE, sums, 2, MPI_DOUBLE, MPI_SUM, comm);
+  mpi_check(MPI_Allreduce(MPI_IN_PLACE, sums, 2, MPI_DOUBLE, MPI_SUM, comm), "MPI_Allreduce");
   return sums[1] > 0.0 ? std::sqrt(sums[0] / sums[1]) : 0.0;
 }
 
@@ -97,8 +97,8 @@ void bench_overhead(meshtrain::StreamProducer& producer, const Bench& bench, con
     return std::chrono::duration<double>(Clock::now() - t).count();
   };
   int rank = 0, ranks = 1;
-  MPI_Comm_rank(slab.comm, &rank);
-  MPI_Comm_size(slab.comm, &ranks);
+  mpi_check(MPI_Comm_rank(slab.comm, &rank), "MPI_Comm_rank");
+  mpi_check(MPI_Comm_size(slab.comm, &ranks), "MPI_Comm_size");
   struct Phase {
     double seconds = 1e30, send = 0, send_cpu = 0, send_max = 0, exchange = 0;  // the fastest's
   } off, on;
@@ -107,7 +107,7 @@ void bench_overhead(meshtrain::StreamProducer& producer, const Bench& bench, con
     const bool warm_up = repeat < 0, sends = warm_up || repeat % 2 == 1;
     const int steps = warm_up ? std::max(200, bench.steps / 4) : bench.steps;
     initial_state(u, slab, repeat + 1);
-    MPI_Barrier(slab.comm);
+    mpi_check(MPI_Barrier(slab.comm), "MPI_Barrier");
     double send = 0, send_cpu = 0, send_max = 0, exchange = 0;
     const auto begin = Clock::now();
     for (int s = 0; s < steps; ++s) {
@@ -116,17 +116,18 @@ void bench_overhead(meshtrain::StreamProducer& producer, const Bench& bench, con
       exchange += since(t0);
       make_rows(u, k_east, k_north, slab, x, divergence);
       if (sends) {
-        const double cpu = thread_cpu_seconds();
+        // The wall timer around the CPU timer: the CPU clock read right around the send.
         const auto t1 = Clock::now();
+        const double cpu = thread_cpu_seconds();
         producer.send(x.data(), divergence.data(), slab.cells());
-        const double t = since(t1);
         send_cpu += thread_cpu_seconds() - cpu;
+        const double t = since(t1);
         send += t;
         send_max = std::max(send_max, t);
       }
       advance(u, divergence, slab);
     }
-    MPI_Barrier(slab.comm);
+    mpi_check(MPI_Barrier(slab.comm), "MPI_Barrier");
     const double t = since(begin);
     phase_us[repeat + 1] = 1e6 * t / steps;
     phase_send_us[repeat + 1] = 1e6 * send / steps;
@@ -135,11 +136,12 @@ void bench_overhead(meshtrain::StreamProducer& producer, const Bench& bench, con
   }
   // rank 0's step times; each send and exchange figure the largest over the ranks
   double worst[5] = {on.send, on.send_max, on.exchange, off.exchange, on.send_cpu};
-  MPI_Allreduce(MPI_IN_PLACE, worst, 5, MPI_DOUBLE, MPI_MAX, slab.comm);
+  mpi_check(MPI_Allreduce(MPI_IN_PLACE, worst, 5, MPI_DOUBLE, MPI_MAX, slab.comm), "MPI_Allreduce");
   const double per_step = 1e6 / bench.steps;
   const long long rows_sent = producer.rows_sent(), rows_dropped = producer.rows_dropped();
   long long counts[2] = {rows_sent, rows_dropped};
-  MPI_Allreduce(MPI_IN_PLACE, counts, 2, MPI_LONG_LONG, MPI_SUM, slab.comm);
+  mpi_check(MPI_Allreduce(MPI_IN_PLACE, counts, 2, MPI_LONG_LONG, MPI_SUM, slab.comm),
+            "MPI_Allreduce");
   if (rank == 0) {
     std::string phases, sends;
     for (int p = 0; p < 7; ++p) {
@@ -164,8 +166,8 @@ void bench_overhead(meshtrain::StreamProducer& producer, const Bench& bench, con
 int run(MPI_Comm sim, const Bench& bench) {
   const int bench_steps = bench.steps;
   int rank = 0, ranks = 1;
-  MPI_Comm_rank(sim, &rank);
-  MPI_Comm_size(sim, &ranks);
+  mpi_check(MPI_Comm_rank(sim, &rank), "MPI_Comm_rank");
+  mpi_check(MPI_Comm_size(sim, &ranks), "MPI_Comm_size");
   if (bench.grid < 2 || bench.grid % ranks != 0) {
     // before connect: the trainer waits in the rendezvous, so the whole job ends
     if (rank == 0)
@@ -271,7 +273,7 @@ int run(MPI_Comm sim, const Bench& bench) {
   const double field_error = relative_error(hybrid, u, 1, slab.rows, sim);
   const double change = relative_error(start_of_phase, u, 1, slab.rows, sim);
   long long sent = producer.rows_sent();
-  MPI_Allreduce(MPI_IN_PLACE, &sent, 1, MPI_LONG_LONG, MPI_SUM, sim);
+  mpi_check(MPI_Allreduce(MPI_IN_PLACE, &sent, 1, MPI_LONG_LONG, MPI_SUM, sim), "MPI_Allreduce");
   const bool passed = field_error < kFieldTolerance;
   if (rank == 0) {
     std::printf(
@@ -291,13 +293,16 @@ int run(MPI_Comm sim, const Bench& bench) {
 
 int main(int argc, char** argv) {
   meshtrain::Runtime runtime(argc, argv);  // MPI and Kokkos
-  int* appnum = nullptr;
-  int flag = 0;
-  MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_APPNUM, &appnum, &flag);
   MPI_Comm sim = MPI_COMM_NULL;
-  MPI_Comm_split(MPI_COMM_WORLD, flag && appnum ? *appnum : 0, runtime.world_rank(), &sim);
   int status = 0;
   try {
+    int* appnum = nullptr;
+    int flag = 0;
+    mpi_check(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_APPNUM, &appnum, &flag),
+              "MPI_Comm_get_attr (MPI_APPNUM)");
+    mpi_check(
+        MPI_Comm_split(MPI_COMM_WORLD, flag && appnum ? *appnum : 0, runtime.world_rank(), &sim),
+        "MPI_Comm_split");
     // `online_heat bench STEPS`: the producer's overhead (bench/online_overhead.sh) instead.
     Bench bench;
     if (argc > 2 && std::string(argv[1]) == "bench") {
@@ -309,6 +314,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "online_heat: error: %s\n", e.what());
     status = 2;
   }
-  MPI_Comm_free(&sim);
+  if (sim != MPI_COMM_NULL && MPI_Comm_free(&sim) != MPI_SUCCESS) {
+    std::fprintf(stderr, "online_heat: error: MPI_Comm_free failed\n");
+    status = 2;
+  }
   return status;
 }

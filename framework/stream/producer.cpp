@@ -74,7 +74,7 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
   element_bytes_ = sp::dtype_bytes(hello.dtype);
   message_rows_ = options.message_rows;
   backpressure_ = options.backpressure;
-  pack_ = options.pack;
+  share_messages_ = options.share_messages;
   open_slot_ = -1;
   open_rows_ = 0;
   const int64_t slots =
@@ -86,6 +86,7 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
   for (const auto& group : group_ranks_) slot_width_ = std::max(slot_width_, group.size());
   requests_.assign(static_cast<size_t>(slots) * slot_width_, MPI_REQUEST_NULL);
   completed_.assign(requests_.size(), 0);
+  in_flight_ = 0;
   last_stop_check_ = {};
   // View sends' staging, where device memory is separate (views in it are copied to the host a
   // message at a time); only with Kokkos running (a C or Fortran producer may not start it).
@@ -212,24 +213,24 @@ bool StreamProducer::slot_free(size_t slot) const {
 // a stop check per send made a send of two messages cost up to three yields, milliseconds on
 // loaded cores (docs/online.md, "Figures").
 void StreamProducer::test_ring() {
-  if (std::all_of(requests_.begin(), requests_.end(),
-                  [](MPI_Request r) { return r == MPI_REQUEST_NULL; })) {
-    return;
-  }
+  if (in_flight_ == 0) return;  // nothing to test: no scan of the ring, no progress call
   int completed = 0;
   check_mpi(MPI_Testsome(static_cast<int>(requests_.size()), requests_.data(), &completed,
                          completed_.data(), MPI_STATUSES_IGNORE),
             "MPI_Testsome (a stream's ring)");
+  if (completed != MPI_UNDEFINED) in_flight_ -= completed;
 }
 
 // A slot whose sends have all completed, in ring order; with backpressure drop, -1 when the
 // next slot's sends are still in flight (as the send's test_ring left them).
 int StreamProducer::take_free_slot() {
   const size_t slot = static_cast<size_t>(next_slot_);
-  if (!slot_free(slot)) {
+  if (in_flight_ > 0 && !slot_free(slot)) {
     if (backpressure_ != StreamBackpressure::block) return -1;
-    check_mpi(MPI_Waitall(static_cast<int>(slot_width_), &requests_[slot * slot_width_],
-                          MPI_STATUSES_IGNORE),
+    MPI_Request* requests = &requests_[slot * slot_width_];
+    in_flight_ -= std::count_if(requests, requests + slot_width_,
+                                [](MPI_Request r) { return r != MPI_REQUEST_NULL; });
+    check_mpi(MPI_Waitall(static_cast<int>(slot_width_), requests, MPI_STATUSES_IGNORE),
               "MPI_Waitall (a stream's ring)");
   }
   next_slot_ = (next_slot_ + 1) % static_cast<int64_t>(slots_.size());
@@ -327,14 +328,7 @@ void StreamProducer::release_staging() {
 void StreamProducer::send_packed(int64_t rows, PackRows pack, void* context) {
   MESHTRAIN_REQUIRE(connected(), "StreamProducer::send before connect (or after close)");
   MESHTRAIN_REQUIRE(rows >= 0, "StreamProducer::send: negative rows (", rows, ")");
-  // The trainer's stop is looked for once a millisecond at most: its MPI_Iprobe enters MPI's
-  // progress engine (see test_ring), and a stop noticed a millisecond late costs nothing.
-  const auto now = std::chrono::steady_clock::now();
-  if (!stopped_ && now - last_stop_check_ >= std::chrono::milliseconds(1)) {
-    last_stop_check_ = now;
-    check_stop();
-  }
-  if (stopped_) {  // the trainer failed: nobody trains on these rows
+  if (check_stop_now_and_then()) {  // the trainer failed: nobody trains on these rows
     rows_dropped_ += rows;
     next_row_ += rows;
     return;
@@ -357,12 +351,15 @@ void StreamProducer::send_packed(int64_t rows, PackRows pack, void* context) {
     }
     const int64_t count = std::min(message_rows_ - open_rows_, rows - done);
     unsigned char* payload = slots_[static_cast<size_t>(open_slot_)].data() + sizeof(sp::Header);
-    pack(context, done, count, payload + open_rows_ * x_row,
-         payload + message_rows_ * x_row + open_rows_ * y_row);
+    // A shared message's y rows go after message_rows_ x rows (moved down by start_open); an
+    // unshared one's straight after its x rows, where the wire has them.
+    unsigned char* y_out = share_messages_ ? payload + message_rows_ * x_row + open_rows_ * y_row
+                                           : payload + count * x_row;
+    pack(context, done, count, payload + open_rows_ * x_row, y_out);
     open_rows_ += count;
     next_row_ += count;
     done += count;
-    if (!pack_ || open_rows_ == message_rows_) start_open();
+    if (!share_messages_ || open_rows_ == message_rows_) start_open();
   }
 }
 
@@ -375,7 +372,7 @@ void StreamProducer::start_open() {
   header.first_row = open_first_row_;
   std::memcpy(bytes, &header, sizeof header);
   unsigned char* payload = bytes + sizeof header;
-  if (open_rows_ < message_rows_) {  // y follows the x rows on the wire
+  if (share_messages_ && open_rows_ < message_rows_) {  // y follows the x rows on the wire
     std::memmove(payload + open_rows_ * x_row, payload + message_rows_ * x_row,
                  static_cast<size_t>(open_rows_ * y_row));
   }
@@ -386,6 +383,7 @@ void StreamProducer::start_open() {
     check_mpi(
         MPI_Isend(bytes, message_bytes, MPI_BYTE, trainer, sp::kTag, stream_comm_, requests++),
         "MPI_Isend (a stream's rows)");
+    ++in_flight_;
   }
   ++messages_;
   rows_sent_ += open_rows_;
@@ -393,9 +391,27 @@ void StreamProducer::start_open() {
   open_rows_ = 0;
 }
 
+// The trainer's stop looked for once a millisecond at most (send, flush): its MPI_Iprobe enters
+// MPI's progress engine (see test_ring), and a stop noticed a millisecond late costs nothing.
+bool StreamProducer::check_stop_now_and_then() {
+  if (stopped_) return true;
+  const auto now = std::chrono::steady_clock::now();
+  if (now - last_stop_check_ >= std::chrono::milliseconds(1)) {
+    last_stop_check_ = now;
+    check_stop();
+  }
+  return stopped_;
+}
+
 void StreamProducer::flush() {
+  flush_open(false);
+}
+
+void StreamProducer::flush_open(bool check_stop_always) {
   if (open_slot_ < 0) return;
-  if (check_stop()) {  // the trainer failed: the rows waiting are dropped
+  // close() looks for the stop every time; flush(), called as often as send, once a millisecond.
+  if (check_stop_always ? check_stop() : check_stop_now_and_then()) {
+    // the trainer failed: the rows waiting are dropped
     rows_dropped_ += open_rows_;
     open_slot_ = -1;
     open_rows_ = 0;
@@ -406,7 +422,7 @@ void StreamProducer::flush() {
 
 void StreamProducer::close() {
   if (!connected()) return;
-  flush();
+  flush_open(true);
   // The close goes to every trainer rank, after this rank's rows (one tag: MPI keeps the
   // order); its header lives in the object until the sends complete.
   std::vector<MPI_Request> requests;
@@ -414,6 +430,7 @@ void StreamProducer::close() {
     if (r != MPI_REQUEST_NULL) requests.push_back(r);
     r = MPI_REQUEST_NULL;
   }
+  in_flight_ = 0;
   static_assert(sizeof(sp::Header) == 4 * sizeof(int64_t));
   sp::Header header;
   header.kind = sp::kClose;

@@ -59,7 +59,7 @@ struct StreamProducerOptions {
   // start their own message, however few): many small sends then fill the ring's slots, and
   // the trainer's receives, with whole messages. The last message's rows wait in the ring
   // until it fills, flush() or close(); rows_sent() counts them once their message started.
-  bool pack = false;
+  bool share_messages = false;
   MPI_Comm parent = MPI_COMM_WORLD;  // where the trainer is found
   // Seconds close() waits for the trainer's last word (its stop or its done, docs/online.md)
   // after this rank's sends completed; 0 (or infinity): for ever; negative or NaN: connect
@@ -140,7 +140,8 @@ class StreamProducer {
   void send(const XView& x, const YView& y) {
     send_view(x, y, static_cast<int64_t>(std::min(x.extent(0), y.extent(0))), true);
   }
-  // With options.pack: starts the message being filled, if any (close() does it too).
+  // With options.share_messages: starts the message being filled, if any (close() does it
+  // too). Looks for the trainer's stop once a millisecond at most, as send does.
   void flush();
   // Sends the close after every row, waits for this rank's sends to complete, then for the
   // trainer's last word (its stop, or done once it took this close; options.close_timeout),
@@ -225,7 +226,7 @@ class StreamProducer {
       fence_device(written_fence_label());
     }
   }
-  void test_ring();      // one MPI_Testsome over every send in flight
+  void test_ring();      // one MPI_Testsome over every send in flight (none: returns)
   int take_free_slot();  // -1: none (drop)
   void start_open();     // the message in open_slot_: its header, then its sends
   bool slot_free(size_t slot) const;
@@ -233,6 +234,10 @@ class StreamProducer {
   void receive_publish();  // one message into incoming_, the newest kept
   // Takes the trainer's last word when it has come (never waits); true once stopped.
   bool check_stop();
+  // check_stop once a millisecond at most (send and flush); true once stopped.
+  bool check_stop_now_and_then();
+  // flush(), looking for the stop every call (close) or once a millisecond (flush).
+  void flush_open(bool check_stop_always);
   // close(): waits for the last word (and rank 0's publishes' end) up to close_timeout_.
   void wait_for_last_word();
   void warn(const std::string& sentence) const;
@@ -253,14 +258,16 @@ class StreamProducer {
   std::vector<MPI_Request> requests_;
   std::vector<int> completed_;
   size_t slot_width_ = 1;
+  int64_t in_flight_ = 0;  // requests_ not MPI_REQUEST_NULL (0: send tests nothing)
   std::chrono::steady_clock::time_point last_stop_check_;  // send's last look for a stop
   int64_t next_slot_ = 0;
-  // The message being filled (pack): its slot (-1: none), rows so far and first row number.
-  // Its x rows are packed from the payload's start and its y rows after message_rows_ x rows,
-  // moved down to follow its x rows when it starts.
+  // The message being filled: its slot (-1: none), rows so far and first row number. With
+  // share_messages_ its x rows are written from the payload's start and its y rows after
+  // message_rows_ x rows, moved down to follow its x rows when it starts; without, a send's
+  // rows start it at once, y straight after x.
   int open_slot_ = -1;
   int64_t open_rows_ = 0, open_first_row_ = 0;
-  bool pack_ = false;
+  bool share_messages_ = false;
   int64_t messages_ = 0;  // rows messages started (the group of the next is chosen by it)
   int64_t next_row_ = 0;  // the row number of the next row sent
   int64_t rows_sent_ = 0, rows_dropped_ = 0;

@@ -53,6 +53,7 @@ int mt_stream_connect(MPI_Comm comm, const char* name, int64_t inputs, int64_t o
       if (options->close_timeout != 0.0) o.close_timeout = options->close_timeout;
       on_warning = options->on_warning;
       warning_data = options->warning_data;
+      o.share_messages = options->share_messages != 0;
     }
     if (on_warning) {
       o.on_warning = [on_warning, warning_data](const std::string& warning) {
@@ -115,7 +116,7 @@ int mt_stream_connect_f(MPI_Fint comm, const char* name, int64_t inputs, int64_t
                         int64_t ring_rows, int64_t message_rows, int backpressure,
                         double close_timeout, mt_stream** out) {
   const mt_stream_options options = {ring_rows,     message_rows, backpressure, MPI_COMM_NULL,
-                                     close_timeout, nullptr,      nullptr};
+                                     close_timeout, nullptr,      nullptr,      0};
   return mt_stream_connect(MPI_Comm_f2c(comm), name, inputs, outputs, dtype, &options, out);
 }
 

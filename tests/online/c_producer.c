@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
 
   /* block: every row reaches the trainer, however long it takes to start */
   /* close_timeout 0: 120 s; no warning callback: the library prints them to stderr. */
-  const mt_stream_options options = {0, 0, MT_STREAM_BLOCK, MPI_COMM_NULL, 0.0, NULL, NULL};
+  const mt_stream_options options = {0, 0, MT_STREAM_BLOCK, MPI_COMM_NULL, 0.0, NULL, NULL, 0};
   mt_stream* s = NULL;
   if (mt_stream_connect(sim, "c-demo", inputs, outputs, MT_STREAM_FLOAT32, &options, &s) != 0) {
     fprintf(stderr, "producer: error: %s\n", mt_stream_last_error(s));

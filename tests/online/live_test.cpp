@@ -317,7 +317,7 @@ TEST(LiveModel, CFormEqualsPredictOnTheCheckpointOfItsStep) {
     train_until_closed(roles, mesh, dir.path(), name);
     return;
   }
-  mt_stream_options options = {64, 8, MT_STREAM_BLOCK, MPI_COMM_NULL, 0.0, nullptr, nullptr};
+  mt_stream_options options = {64, 8, MT_STREAM_BLOCK, MPI_COMM_NULL, 0.0, nullptr, nullptr, 0};
   mt_stream* s = nullptr;
   ASSERT_EQ(mt_stream_connect(roles.comm, name.c_str(), kInputs, kOutputs, MT_STREAM_FLOAT32,
                               &options, &s),

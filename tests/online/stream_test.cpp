@@ -23,6 +23,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "framework/comm/mpi_util.hpp"
@@ -778,7 +779,7 @@ TEST(Stream, CloseTimeoutNegativeOrNaNRefused) {
         },
         {"stream \"t\"", "close_timeout", std::isnan(bad) ? "nan" : "-1"});
     EXPECT_FALSE(producer.connected());
-    mt_stream_options c_options = {0, 0, MT_STREAM_DROP, MPI_COMM_NULL, bad, nullptr, nullptr};
+    mt_stream_options c_options = {0, 0, MT_STREAM_DROP, MPI_COMM_NULL, bad, nullptr, nullptr, 0};
     mt_stream* s = nullptr;
     EXPECT_EQ(
         mt_stream_connect(MPI_COMM_SELF, "t", kInputs, kOutputs, MT_STREAM_FLOAT32, &c_options, &s),
@@ -797,7 +798,7 @@ TEST(Stream, CWarningsGoToTheirCallback) {
   Roles roles;
   if (roles.producer) {
     std::vector<std::string> warnings;
-    mt_stream_options options = {0, 0, MT_STREAM_DROP, MPI_COMM_NULL, 0.5, nullptr, &warnings};
+    mt_stream_options options = {0, 0, MT_STREAM_DROP, MPI_COMM_NULL, 0.5, nullptr, &warnings, 0};
     options.on_warning = [](const char* sentence, void* data) {
       static_cast<std::vector<std::string>*>(data)->push_back(sentence);
     };
@@ -1014,43 +1015,210 @@ TEST(Stream, DropWhenTheRingIsFullIsCounted) {
   EXPECT_EQ(source.counters().rows_received, sum_over_world(0));
 }
 
-// options.pack: sends of 1 to 37 rows (300 rows per producer) fill messages of 16 rows, the
-// last one's 12 rows started by close(): 19 messages of consecutive rows, message m of producer
-// p to the group stream_protocol::group_of_message gives it; each batch group's buffer (large
-// enough for every row) holds exactly the rows of its messages, rebuilt here from that rule.
-// Without pack the same 16 sends make 27 messages (one or more per send).
-TEST(Stream, PackedSendsFillWholeMessages) {
+// options.share_messages: sends of 1 to 37 rows (300 rows per producer) fill messages of 16
+// rows, the last one's 12 rows started by close(): 19 messages of consecutive rows, message m
+// of producer p to the group stream_protocol::group_of_message gives it; each batch group's
+// buffers (large enough for every row) hold exactly the rows of its messages, rebuilt here from
+// that rule. With stream.test_fraction 0.25 the trainer holds rows out by the hash of their
+// (producer, row number), which it computes from each message's first_row: a wrong first_row
+// puts other rows in the held-out window. Without share_messages the same sends make 27
+// messages (one per 16 rows or fewer of each send), counted here from the sends; the groups'
+// buffers are rebuilt from those messages the same way.
+TEST(Stream, SharedSendsFillWholeMessages) {
   Roles roles;
   constexpr int64_t kRows = 300, kMessageRows = 16;
+  constexpr double kFraction = 0.25;
   constexpr int64_t kMessages = (kRows + kMessageRows - 1) / kMessageRows;
-  if (roles.producer) {
-    StreamProducerOptions options;
-    options.pack = true;
-    options.message_rows = kMessageRows;
-    options.ring_rows = 64;
-    options.backpressure = StreamBackpressure::block;
-    StreamProducer producer;
-    producer.connect(roles.comm, "packed", kInputs, kOutputs, StreamDtype::float32, options);
-    std::vector<float> x(64 * kInputs), y(64 * kOutputs);
-    int64_t r = 0;
-    for (int64_t k = 0; r < kRows; ++k) {
-      const int64_t n = std::min<int64_t>(1 + (k * 7) % 37, kRows - r);
-      for (int64_t i = 0; i < n; ++i)
-        make_row_f(roles.rank, r + i, &x[i * kInputs], &y[i * kOutputs]);
-      producer.send(x.data(), y.data(), n);
+  for (const bool share : {true, false}) {
+    SCOPED_TRACE(share ? "share_messages" : "unshared");
+    const std::string name = share ? "shared" : "unshared";
+    if (roles.producer) {
+      StreamProducerOptions options;
+      options.share_messages = share;
+      options.message_rows = kMessageRows;
+      options.ring_rows = 64;
+      options.backpressure = StreamBackpressure::block;
+      StreamProducer producer;
+      producer.connect(roles.comm, name, kInputs, kOutputs, StreamDtype::float32, options);
+      std::vector<float> x(64 * kInputs), y(64 * kOutputs);
+      int64_t r = 0, unshared_messages = 0;
+      for (int64_t k = 0; r < kRows; ++k) {
+        const int64_t n = std::min<int64_t>(1 + (k * 7) % 37, kRows - r);
+        for (int64_t i = 0; i < n; ++i)
+          make_row_f(roles.rank, r + i, &x[i * kInputs], &y[i * kOutputs]);
+        producer.send(x.data(), y.data(), n);
+        unshared_messages += (n + kMessageRows - 1) / kMessageRows;
+        r += n;
+      }
+      EXPECT_EQ(unshared_messages, 27) << "the sends' sizes are not the ones this test describes";
+      if (share) {
+        EXPECT_EQ(producer.messages_sent(), kRows / kMessageRows)
+            << "only whole messages before close";
+        EXPECT_EQ(producer.rows_sent(), kRows / kMessageRows * kMessageRows);
+      }
+      producer.close();
+      EXPECT_EQ(producer.messages_sent(), share ? kMessages : unshared_messages);
+      EXPECT_EQ(producer.rows_sent(), kRows);
+      EXPECT_EQ(producer.rows_dropped(), 0);
+      sum_over_world(producer.rows_sent());
+      continue;
+    }
+    RunConfig config = trainer_config(name, {{"dp", roles.trainers}}, "dp");
+    config.stream.buffer_rows = 1024;  // every row of every producer of a group
+    config.stream.min_rows = 1;
+    config.stream.until = StreamUntil::closed;
+    config.stream.test_fraction = kFraction;
+    config.data.batch_size = roles.trainers;
+    config.train.steps = 1000000;
+    config.train.eval_every = 1000000;
+    TrainingRun run(config, {}, std::nullopt, roles.comm);
+    while (!run.finished()) run.step();
+    const auto& source = dynamic_cast<const StreamSource&>(run.train_data());
+    EXPECT_EQ(source.counters().rows_received, sum_over_world(0));
+    EXPECT_EQ(source.counters().rows_received, kRows * roles.producers);
+    // The messages every producer sent ({first row, rows}, in order): shared, whole messages
+    // of consecutive rows; unshared, each send's rows in messages of 16 or fewer. Message m
+    // of producer p goes to group_of_message(p, m); of its rows, the hash holds some out.
+    std::vector<std::pair<int64_t, int64_t>> messages;
+    for (int64_t k = 0, r = 0; r < kRows; ++k) {
+      const int64_t n = share ? std::min(kMessageRows, kRows - r)
+                              : std::min<int64_t>(1 + (k * 7) % 37, kRows - r);
+      for (int64_t first = r; first < r + n; first += kMessageRows) {
+        messages.emplace_back(first, std::min(kMessageRows, r + n - first));
+      }
       r += n;
     }
-    EXPECT_EQ(producer.messages_sent(), kRows / kMessageRows) << "only whole messages before close";
-    EXPECT_EQ(producer.rows_sent(), kRows / kMessageRows * kMessageRows);
+    EXPECT_EQ(static_cast<int64_t>(messages.size()), share ? kMessages : 27);
+    std::multiset<int64_t> trained, held;
+    const int64_t group = run.batch_slice().index, groups = run.batch_slice().count;
+    for (int64_t p = 0; p < roles.producers; ++p) {
+      for (size_t m = 0; m < messages.size(); ++m) {
+        if (stream_protocol::group_of_message(p, static_cast<int64_t>(m), roles.producers,
+                                              groups) != group) {
+          continue;
+        }
+        for (int64_t r = messages[m].first; r < messages[m].first + messages[m].second; ++r) {
+          (stream_row_held_out(p, r, kFraction) ? held : trained).insert(p * 100000 + r);
+        }
+      }
+    }
+    const std::vector<int64_t> ids = buffer_ids(source.buffer());
+    const std::vector<int64_t> held_ids = buffer_ids(source.held_out());
+    EXPECT_EQ(std::multiset<int64_t>(ids.begin(), ids.end()), trained)
+        << "a group's buffer holds other rows than its messages' not held out";
+    EXPECT_EQ(std::multiset<int64_t>(held_ids.begin(), held_ids.end()), held)
+        << "the held-out window holds other rows than the hash of their row numbers gives";
+    EXPECT_GT(held.size(), 0u);
+  }
+}
+
+// options.share_messages with backpressure drop: a ring of two messages whose sends cannot
+// complete (no trainer receives until the producers are done; wide rows, past the eager
+// limit) drops sends' rows once both slots are taken; every row is sent or dropped, and the
+// trainer receives exactly the rows sent.
+TEST(Stream, SharedMessagesDropWhenTheRingIsFull) {
+  Roles roles;
+  constexpr int64_t kWide = 4096;
+  if (roles.producer) {
+    StreamProducer producer;
+    StreamProducerOptions options;
+    options.share_messages = true;
+    options.message_rows = 4;
+    options.ring_rows = 8;
+    producer.connect(roles.comm, "shared-drop", kWide, 1, StreamDtype::float32, options);
+    std::vector<float> x(3 * kWide, 1.0f), y(3, 2.0f);
+    for (int k = 0; k < 20; ++k) producer.send(x.data(), y.data(), 3);
+    EXPECT_GT(producer.rows_dropped(), 0) << "the ring never filled";
+    MPI_Barrier(MPI_COMM_WORLD);  // only now may the trainer receive
     producer.close();
-    EXPECT_EQ(producer.messages_sent(), kMessages);
-    EXPECT_EQ(producer.rows_sent(), kRows);
-    EXPECT_EQ(producer.rows_dropped(), 0);
+    EXPECT_EQ(producer.rows_sent() + producer.rows_dropped(), 60);
     sum_over_world(producer.rows_sent());
     return;
   }
-  RunConfig config = trainer_config("packed", {{"dp", roles.trainers}}, "dp");
-  config.stream.buffer_rows = 1024;  // every row of every producer of a group
+  RunConfig config = trainer_config("shared-drop", {{"dp", roles.trainers}}, "dp");
+  config.model.sizes = {kWide, 4, 1};
+  config.stream.until = StreamUntil::closed;
+  config.stream.min_rows = 1;
+  config.data.batch_size = roles.trainers;
+  config.train.steps = 1000;
+  TrainingRun run(config, {}, std::nullopt, roles.comm);
+  MPI_Barrier(MPI_COMM_WORLD);
+  while (!run.finished()) run.step();
+  const auto& source = dynamic_cast<const StreamSource&>(run.train_data());
+  EXPECT_EQ(source.counters().rows_received, sum_over_world(0));
+}
+
+// options.share_messages and the trainer's stop (a run at lr 1e38 that fails and is
+// destroyed): two whole messages are sent, then 5 rows wait in a half-filled message while
+// the producer looks for the stop with empty sends; close() drops those 5 rows (rows_dropped)
+// instead of sending them to a trainer that stopped.
+TEST(Stream, SharedMessageHalfFilledAtAStopIsDropped) {
+  Roles roles;
+  if (roles.producer) {
+    StreamProducerOptions options;
+    options.share_messages = true;
+    options.message_rows = 16;
+    StreamProducer producer;
+    producer.connect(roles.comm, "shared-stop", kInputs, kOutputs, StreamDtype::float32, options);
+    std::vector<float> x(8 * kInputs, 0.5f), y(8 * kOutputs, 0.25f);
+    for (int k = 0; k < 4; ++k) producer.send(x.data(), y.data(), 8);  // two whole messages
+    producer.send(x.data(), y.data(), 5);                              // half a message
+    EXPECT_EQ(producer.rows_sent(), 32);
+    for (int k = 0; k < 20000 && !producer.stopped(); ++k) {
+      producer.send(x.data(), y.data(), 0);  // looks for the stop only
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_TRUE(producer.stopped()) << "the failed run never told this producer to stop";
+    EXPECT_EQ(producer.rows_dropped(), 0);
+    producer.close();
+    EXPECT_EQ(producer.rows_sent(), 32);
+    EXPECT_EQ(producer.rows_dropped(), 5) << "the half-filled message's rows at close";
+    EXPECT_EQ(producer.messages_sent(), 2);
+    EXPECT_EQ(producer.rows_sent() + producer.rows_dropped(), 37);
+    return;
+  }
+  RunConfig config = trainer_config("shared-stop", {{"dp", roles.trainers}}, "dp");
+  config.optimizer.lr = 1e38;
+  config.stream.min_rows = 8;
+  config.data.batch_size = roles.trainers;
+  config.train.steps = 1000;
+  {
+    TrainingRun run(config, {}, std::nullopt, roles.comm);
+    const auto train = [&] {
+      while (!run.finished()) run.step();
+    };
+    EXPECT_THROW(train(), AgreedError);
+  }
+}
+
+// The C API's mt_stream_options.share_messages: six sends of 5 rows fill one message of 16
+// (mt_stream_rows_sent 16: the rows of the second wait in it, not handed to MPI) until
+// mt_stream_close starts the second; the trainer receives the 30 rows of every producer (two
+// messages: one for each batch group with 2 trainer ranks).
+TEST(Stream, CSharedMessagesWaitForTheClose) {
+  Roles roles;
+  if (roles.producer) {
+    mt_stream_options options = {64, 16, MT_STREAM_BLOCK, MPI_COMM_NULL, 0.0, nullptr, nullptr, 1};
+    mt_stream* s = nullptr;
+    ASSERT_EQ(mt_stream_connect(roles.comm, "c-shared", kInputs, kOutputs, MT_STREAM_FLOAT32,
+                                &options, &s),
+              MT_STREAM_OK)
+        << mt_stream_last_error(s);
+    std::vector<float> x(5 * kInputs), y(5 * kOutputs);
+    for (int64_t k = 0; k < 6; ++k) {
+      for (int64_t i = 0; i < 5; ++i)
+        make_row_f(roles.rank, 5 * k + i, &x[i * kInputs], &y[i * kOutputs]);
+      EXPECT_EQ(mt_stream_send(s, x.data(), y.data(), 5), MT_STREAM_OK) << mt_stream_last_error(s);
+    }
+    EXPECT_EQ(mt_stream_rows_sent(s), 16) << "a shared message started before it filled";
+    EXPECT_EQ(mt_stream_close(s), MT_STREAM_OK) << mt_stream_last_error(s);
+    EXPECT_EQ(mt_stream_rows_sent(s), 30);
+    EXPECT_EQ(mt_stream_rows_dropped(s), 0);
+    sum_over_world(mt_stream_rows_sent(s));
+    mt_stream_free(s);
+    return;
+  }
+  RunConfig config = trainer_config("c-shared", {{"dp", roles.trainers}}, "dp");
   config.stream.min_rows = 1;
   config.stream.until = StreamUntil::closed;
   config.data.batch_size = roles.trainers;
@@ -1059,20 +1227,7 @@ TEST(Stream, PackedSendsFillWholeMessages) {
   while (!run.finished()) run.step();
   const auto& source = dynamic_cast<const StreamSource&>(run.train_data());
   EXPECT_EQ(source.counters().rows_received, sum_over_world(0));
-  EXPECT_EQ(source.counters().rows_received, kRows * roles.producers);
-  std::multiset<int64_t> expected;
-  const int64_t group = run.batch_slice().index, groups = run.batch_slice().count;
-  for (int64_t p = 0; p < roles.producers; ++p) {
-    for (int64_t m = 0; m < kMessages; ++m) {
-      if (stream_protocol::group_of_message(p, m, roles.producers, groups) != group) continue;
-      for (int64_t r = m * kMessageRows; r < std::min(kRows, (m + 1) * kMessageRows); ++r) {
-        expected.insert(p * 100000 + r);
-      }
-    }
-  }
-  const std::vector<int64_t> ids = buffer_ids(source.buffer());
-  EXPECT_EQ(std::multiset<int64_t>(ids.begin(), ids.end()), expected)
-      << "a group's buffer holds other rows than its whole messages'";
+  EXPECT_EQ(source.counters().rows_received, 30 * roles.producers);
 }
 
 }  // namespace
