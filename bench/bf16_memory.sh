@@ -5,8 +5,9 @@
 # tp 2), with the FSDP prefetch ([runtime] overlap = true), fp32 and bf16. One JSON line per run:
 # the plan's bytes per rank from `meshtrain plan --json` (totals: activation_bytes,
 # gathered_weight_bytes, bytes_per_rank) and the memory tracker's after STEPS steps, by plan item
-# (bench_memory_items: the largest rank's live Kokkos bytes matched to each item), then one line
-# per mode with bf16 over fp32.
+# (bench_memory_items: the live Kokkos bytes matched to each item on the rank with the largest
+# live total, and the shared weight scratch by label as "weight buffers"), then one line per mode
+# with bf16 over fp32.
 #
 #   [STEPS=2] [MODES="dp fsdp tp fsdp_tp"] [MESHTRAIN=build/bin/meshtrain]
 #   [ITEMS=build/bin/bench_memory_items] bench/bf16_memory.sh [NP]          default NP 2
@@ -87,7 +88,7 @@ print(json.dumps({"bench": "bf16_memory", "model": "784-4096-4096-10", "batch": 
                   "np": int(np_), "mode": mode, "dtype": dtype, "overlap": True,
                   "plan_activation_bytes": totals["activation_bytes"],
                   "plan_gathered_weight_bytes": totals["gathered_weight_bytes"],
-                  "plan_sixteen_bit_copy_bytes": totals.get("sixteen_bit_copy_bytes", 0),
+                  "plan_sixteen_bit_copy_bytes": totals["sixteen_bit_copy_bytes"],
                   "plan_bytes_per_rank": totals["bytes_per_rank"],
                   "measured": measured["measured"], "planned_by_run": measured["planned"],
                   "unplanned_bytes_rank0": measured["unplanned_bytes_rank0"]}))
@@ -110,6 +111,8 @@ for mode in dict.fromkeys(m for m, _ in runs):
                                        f["plan_gathered_weight_bytes"]),
         "gathered_weights_measured": ratio(b["measured"]["gathered weights"],
                                            f["measured"]["gathered weights"]),
+        "weight_buffers_measured": ratio(b["measured"]["weight buffers"],
+                                         f["measured"]["weight buffers"]),
         "total_plan": ratio(b["plan_bytes_per_rank"], f["plan_bytes_per_rank"]),
         "kokkos_measured": ratio(b["measured"]["kokkos"], f["measured"]["kokkos"])}))
 PY

@@ -1,8 +1,9 @@
 // The memory tracker's figures by plan item against the plan's (issue 37, "Memory per rank (plan
 // and tracker)"): a `meshtrain train` run of CONFIG (TrainingRun::train), then every live Kokkos
 // allocation of each rank matched to its plan item (TrainingRun::plan_item_of, as
-// tests/train/memory_plan_test.cpp does), summed, and the largest rank's sum printed beside the
-// plan's figure for the same item; one JSON line on rank 0. bench/bf16_memory.sh runs it.
+// tests/train/memory_plan_test.cpp does), summed per rank, and the sums of the rank with the
+// largest live Kokkos total ("rank" in the line) printed beside the plan's figure for the same
+// item; one JSON line on rank 0. bench/bf16_memory.sh runs it.
 //
 //   mpirun -np 2 build/bin/bench_memory_items CONFIG [--set section.key=value ...]
 //
@@ -11,11 +12,12 @@
 // headers), "kokkos" (every live allocation against planned kokkos_bytes()), and the items that
 // match no plan item ("unplanned": e.g. gemm()'s bf16 copies of fp32 operands, the
 // communicators' 16-bit wire staging, DP's gradient buckets) with rank 0's bytes by label.
+// measured."weight buffers" (no plan item of its own: part of "gathered weights") is the shared
+// weight scratch by label: meshtrain::scratch_weight + scratch_prefetch + scratch_weight_16bit.
 
 #include <mpi.h>
 
 #include <CLI/CLI.hpp>
-#include <algorithm>
 #include <cstdint>
 #include <iostream>
 #include <map>
@@ -28,6 +30,18 @@
 #include "framework/comm/runtime.hpp"
 #include "framework/observe/memory_tracker.hpp"
 #include "run/training_run.hpp"
+
+namespace {
+
+void check_mpi(int status, const char* what) {
+  if (status == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(status, text, &length);
+  MESHTRAIN_FAIL("bench_memory_items: ", what, ": ", std::string(text, length));
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   const auto runtime = meshtrain::start_runtime_or_abort(argc, argv);
@@ -42,8 +56,9 @@ int main(int argc, char** argv) {
     } catch (const CLI::ParseError& e) {
       return app.exit(e);
     }
-    int rank = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    int rank = 0, size = 1;
+    check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
+    check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &size), "MPI_Comm_size");
     const meshtrain::RunConfig config = meshtrain::load_config(config_path, overrides);
     meshtrain::TrainingRun run(config);
     run.train();
@@ -58,27 +73,35 @@ int main(int argc, char** argv) {
       }
       mine[item] += a.bytes;
       live += a.bytes;
+      if (a.label == "meshtrain::scratch_weight" || a.label == "meshtrain::scratch_prefetch" ||
+          a.label == "meshtrain::scratch_weight_16bit") {
+        mine["weight buffers"] += a.bytes;
+      }
     }
-    const std::vector<std::string> items = {"activations", "gathered weights", "unplanned"};
+    const std::vector<std::string> items = {"activations", "gathered weights", "weight buffers",
+                                            "unplanned"};
     std::vector<int64_t> values;
     for (const std::string& item : items) values.push_back(mine[item]);
-    values.push_back(live);
-    std::vector<int64_t> largest(values.size());
-    int status = MPI_Allreduce(values.data(), largest.data(), static_cast<int>(values.size()),
-                               MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
-    if (status != MPI_SUCCESS) {
-      char text[MPI_MAX_ERROR_STRING];
-      int length = 0;
-      MPI_Error_string(status, text, &length);
-      MESHTRAIN_FAIL("bench_memory_items: MPI_Allreduce of the measured bytes: ",
-                     std::string(text, length));
-    }
+    values.push_back(live);  // last: the rank's live Kokkos total
+    const int count = static_cast<int>(values.size());
+    std::vector<int64_t> all(rank == 0 ? static_cast<size_t>(size) * values.size() : 0);
+    check_mpi(MPI_Gather(values.data(), count, MPI_INT64_T, all.data(), count, MPI_INT64_T, 0,
+                         MPI_COMM_WORLD),
+              "MPI_Gather of the measured bytes");
     if (rank == 0) {
+      // The rank with the largest live total (the first of equals), and its items.
+      int largest_rank = 0;
+      for (int r = 1; r < size; ++r) {
+        if (all[(r + 1) * count - 1] > all[(largest_rank + 1) * count - 1]) largest_rank = r;
+      }
+      const std::vector<int64_t> largest(all.begin() + largest_rank * count,
+                                         all.begin() + (largest_rank + 1) * count);
       const meshtrain::PlannedMemory& p = run.planned_memory();
       nlohmann::json line;
       line["bench"] = "memory_items";
       line["config"] = config_path;
       line["set"] = overrides;
+      line["rank"] = largest_rank;
       for (size_t i = 0; i < items.size(); ++i) line["measured"][items[i]] = largest[i];
       line["measured"]["kokkos"] = largest.back();
       line["planned"]["activations"] = p.workspace.activation_bytes + p.evaluation.activation_bytes;

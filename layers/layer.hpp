@@ -57,15 +57,15 @@ struct ParameterRef {
 
 // Floats of shared scratch a layer needs; a model allocates the maximum over its layers.
 struct LayerScratchNeeds {
-  size_t weight = 0;  // a weight's gathered compute block (its 16 bits: sharded_parameter.cpp)
+  size_t weight = 0;  // compute block, floats; half d1*d2 where the GEMMs read it as 16 bits
   size_t grad = 0;    // compute block of a weight gradient
   size_t stage = 0;   // between the two gathers / reduce-scatters of a 2-D storage split
   size_t bias = 0;    // gathered bias / full-width bias gradient
   size_t matmul = 0;  // collective matmul workspace (bytes)
   // The fp32 landing of a prefetched weight: as `weight`, for the weights without a 16-bit copy.
   size_t prefetch = 0;
-  // The 16-bit landing of a weight prefetched from its 16-bit compute copy, widened from there
-  // into `weight` (16-bit elements).
+  // The 16-bit landing of a weight prefetched from its 16-bit compute copy, put from there into
+  // `weight`, widened or as 16 bits (16-bit elements).
   size_t weight_16bit = 0;
   void merge(const LayerScratchNeeds& o);
 };
@@ -80,7 +80,7 @@ struct LayerScratch {
   Vector stage;
   Vector bias;
   // A weight prefetched from its 16-bit compute copy lands here (as 16 bits; a blocking gather
-  // lands in `grad`'s bytes) and is widened into `weight`; empty without prefetch.
+  // lands in `grad`'s bytes) and goes into `weight`, widened or as 16 bits; empty without prefetch.
   // `landing_busy` while a prefetch is in flight into it.
   HalfBits weight_16bit;
   bool landing_busy = false;

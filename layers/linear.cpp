@@ -54,7 +54,7 @@ void add_into(MatrixView src, MatrixView dst) {
 // weight with a 16-bit copy through ShardedParameter::compute_matrix_16bit (a plain MLP's weights
 // gathered over one group, or stored whole: the copy itself, no pass), and a weight stored whole
 // with no copy (a residual_mlp's, DP or one rank) as its master rounded to 16 bits in the bytes of
-// the shared fp32 weight scratch (the values compute_matrix() rounds into it as floats, in one
+// the shared weight scratch (the values compute_matrix() rounds into it as floats, in one
 // pass writing half the bytes; no bf16 copy inside the GEMM): nothing allocated, nothing more to
 // count.
 bool packs_weight_16bit(const ShardedParameter& weight) {

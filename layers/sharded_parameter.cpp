@@ -6,9 +6,10 @@
 
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
-#include "framework/core/gemm_kernel_reads.hpp"
+#include "framework/core/gemm.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
+#include "partition/sixteen_bit_storage.hpp"
 
 namespace meshtrain {
 namespace {
@@ -151,26 +152,21 @@ LayerScratchNeeds ShardedParameter::scratch_needs() const {
   }
   if (method_ != GatherMethod::by_dims) return needs;
   const int64_t d1 = g_.compute[1], d2 = g_.compute[2], s1 = g_.stored[1], s2 = g_.stored[2];
-  if (gathered()) {
-    needs.weight = static_cast<size_t>(d1 * d2);
-    needs.grad = static_cast<size_t>(d1 * d2);
-  } else if (compute_ != Dtype::fp32) {
-    needs.weight = static_cast<size_t>(d1 * d2);  // the rounded copy of the stored block
-  }
+  // The fp32 compute block (gathered, or the stored block rounded to the compute dtype); where
+  // gemm()'s kernel reads 16 bits as stored (not merely gemm_reads_16bit(): under
+  // MESHTRAIN_GEMM_16BIT_OPERANDS=always an fp32 kernel widens into gemm()'s own scratch), a
+  // weight with a copy reaches the Linear's GEMMs only through compute_matrix_16bit(): 2 bytes an
+  // element, or nothing stored whole (partition/sixteen_bit_storage.hpp, weight_scratch_floats;
+  // framework/train/memory_plan.cpp counts it alike). (The fp32 uses, the tangent passes, are
+  // fp32-only; compute_matrix() checks the size all the same.)
+  needs.weight = static_cast<size_t>(
+      weight_scratch_floats(d1, d2, gathered(), compute_ != Dtype::fp32, copy_ != nullptr,
+                            gemm_kernel_reads_16bit(compute_)));
+  if (gathered()) needs.grad = static_cast<size_t>(d1 * d2);
   if (copy_) {
-    // Widened into scratch.weight; a prefetch lands in the 16-bit landing (a blocking gather in
-    // scratch.grad's bytes).
+    // Widened into scratch.weight (or put there as 16 bits); a prefetch lands in the 16-bit
+    // landing (a blocking gather in scratch.grad's bytes).
     if (can_prefetch()) needs.weight_16bit = static_cast<size_t>(d1 * d2);
-    // Where gemm()'s kernel reads 16 bits as stored (not merely gemm_reads_16bit(): under
-    // MESHTRAIN_GEMM_16BIT_OPERANDS=always an fp32 kernel widens into gemm()'s own scratch), the
-    // Linear's GEMMs take the weight only through compute_matrix_16bit(): gathered, its blocks put
-    // in place in scratch.weight's bytes, 2 bytes an element (d1 d2 / 2 floats, rounded up);
-    // stored whole, the copy itself, nothing in scratch.weight. (The fp32 uses, the tangent
-    // passes, are fp32-only; compute_matrix() checks the size all the same.)
-    // framework/train/memory_plan.cpp counts it alike.
-    if (gemm_kernel_reads_16bit(compute_)) {
-      needs.weight = gathered() ? static_cast<size_t>((d1 * d2 + 1) / 2) : 0;
-    }
   } else if (can_prefetch()) {
     needs.prefetch = needs.weight;  // (a weight stored whole is never prefetched)
   }
@@ -279,13 +275,16 @@ ConstHalfMatrixView ShardedParameter::compute_matrix_16bit(LayerScratch& scratch
 MatrixView ShardedParameter::compute_matrix(LayerScratch& scratch) {
   const int64_t d1 = g_.compute[1], d2 = g_.compute[2];
   MatrixView stored = value().matrix();
-  const bool writes_scratch = copy_ || gathered() || compute_ != Dtype::fp32;
-  MESHTRAIN_REQUIRE(!writes_scratch || scratch.weight.extent(0) >= static_cast<size_t>(d1 * d2),
-                    "parameter '", value().name, "': its fp32 compute block [", d1, ", ", d2,
-                    "] does not fit the weight scratch (", scratch.weight.extent(0),
-                    " floats: sized for 16-bit weights where gemm()'s kernel reads 16 bits)");
+  // Each branch checks the buffer it writes its fp32 compute block into (the weight scratch is
+  // half that size where gemm()'s kernel reads a weight with a copy as 16 bits: scratch_needs).
+  const auto require_fits = [&](const Vector& buffer, const char* which) {
+    MESHTRAIN_REQUIRE(buffer.extent(0) >= static_cast<size_t>(d1 * d2), "parameter '", value().name,
+                      "': its fp32 compute block [", d1, ", ", d2, "] does not fit the ", which,
+                      " scratch of ", buffer.extent(0), " floats");
+  };
   MatrixView full(scratch.weight.data(), d1, d2);
   if (copy_) {
+    require_fits(scratch.weight, "weight");
     if (!gathered()) {
       // The optimizer's 16-bit copy widened (exactly): round_P(master) without a cast pass.
       widen_16bit(ConstHalfMatrixView(current_copy(), d1, d2), full, compute_);
@@ -307,6 +306,7 @@ MatrixView ShardedParameter::compute_matrix(LayerScratch& scratch) {
   }
   if (!gathered()) {
     if (compute_ == Dtype::fp32) return stored;
+    require_fits(scratch.weight, "weight");
     round_copy(stored, full, compute_);  // the fp32 master cast to the compute dtype
     return full;
   }
@@ -319,13 +319,16 @@ MatrixView ShardedParameter::compute_matrix(LayerScratch& scratch) {
     if (gather1_) {
       // Dim 1 blocks in rank order are the block itself: the landing buffer becomes the
       // weight buffer, and the old weight buffer (free: its layer is done) the landing one.
+      require_fits(scratch.prefetch, "prefetch");
       std::swap(scratch.weight, scratch.prefetch);
       return MatrixView(scratch.weight.data(), d1, d2);
     }
+    require_fits(scratch.weight, "weight");
     place_gathered_columns(ConstVectorView(scratch.prefetch.data(), full.span()), full,
                            gather2_->size());
     return full;
   }
+  require_fits(scratch.weight, "weight");
   if (gather1_ && gather2_) {
     MatrixView stage(scratch.stage.data(), d1, g_.stored[2]);
     gather1_->all_gather(stored, stage, 0, compute_);

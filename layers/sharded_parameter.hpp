@@ -96,7 +96,9 @@ class ShardedParameter {
   bool gathered() const { return gather1_ != nullptr || gather2_ != nullptr; }
 
   // The compute block: as_blocks flat [d0 d1 d2], by_dims the matrix [d1, d2]. Valid until
-  // the layer's next use of the scratch.
+  // the layer's next use of the scratch. compute_matrix() is not for a weight with a 16-bit copy
+  // where gemm()'s kernel reads 16 bits (gemm_kernel_reads_16bit): the weight scratch is then
+  // sized for its 16 bits (scratch_needs) and it fails, naming the parameter.
   ConstVectorView compute(LayerScratch& scratch);
   MatrixView compute_matrix(LayerScratch& scratch);
   // With a 16-bit compute copy (has_16bit_copy(): 16-bit storage, a weight gathered over one

@@ -3,6 +3,8 @@
 // "Compute and memory on this build"): the conditions the model (layers/mlp.cpp) and the memory
 // plan (framework/train/memory_plan.cpp) share, so the two cannot disagree.
 
+#include <cstdint>
+
 #include "partition/linear_layout.hpp"
 
 namespace meshtrain {
@@ -59,6 +61,22 @@ inline bool keeps_feature_parallel_weight_copy(const ActivationStorageQuery& q,
                                                const LinearLayout& layout, bool gemm_reads_16bit) {
   return q.sixteen_bit_compute && !q.residual && q.feature_parallel > 1 && gemm_reads_16bit &&
          layout.weight_gather_dim0.empty() && layout.weight_gather_dim1.empty();
+}
+
+// Floats of the shared weight scratch (scratch.weight) a weight's d1 x d2 compute block needs:
+// the block gathered (`gathered`), or its stored block rounded to 16 bits (`sixteen_bit_compute`:
+// a 16-bit compute dtype), widened to fp32 for the GEMMs. Where the weight has a 16-bit compute
+// copy (`copy`) and gemm()'s kernel reads 16 bits as stored (`kernel_reads_16bit`:
+// gemm_kernel_reads_16bit() of the compute dtype, framework/core/gemm.hpp, passed in so that
+// partition does not depend on framework), the GEMMs read it only as 16 bits: gathered, its
+// blocks put in place in the scratch's bytes, 2 bytes an element (d1 d2 / 2 floats, rounded up);
+// stored whole, the copy itself, nothing in the scratch. The model
+// (ShardedParameter::scratch_needs) and the memory plan (framework/train/memory_plan.cpp) both
+// size it by this.
+inline int64_t weight_scratch_floats(int64_t d1, int64_t d2, bool gathered,
+                                     bool sixteen_bit_compute, bool copy, bool kernel_reads_16bit) {
+  if (copy && kernel_reads_16bit) return gathered ? (d1 * d2 + 1) / 2 : 0;
+  return gathered || sixteen_bit_compute ? d1 * d2 : 0;
 }
 
 }  // namespace meshtrain

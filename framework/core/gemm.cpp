@@ -1,5 +1,4 @@
 #include "framework/core/gemm.hpp"
-#include "framework/core/gemm_kernel_reads.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -362,8 +361,7 @@ bool gemm_reads_16bit(Dtype inputs) {
     MESHTRAIN_BAD_INPUT("the environment's MESHTRAIN_GEMM_16BIT_OPERANDS = '", text,
                         "' is not one of auto | always");
   }();
-  if (always && inputs != Dtype::fp32) return true;
-  return reads_16bit(host_library(), inputs);
+  return (always && inputs != Dtype::fp32) || gemm_kernel_reads_16bit(inputs);
 }
 
 bool gemm_kernel_reads_16bit(Dtype inputs) {

@@ -15,7 +15,9 @@
 // gemm_backend::select_host_library (tests, benchmarks), and must be chosen only while no thread
 // is multiplying: the choice and its cached answers (gemm_reads_16bit's, per library) are plain
 // process-wide state, so a selection while another thread is inside gemm() (or two threads making
-// the first call at once) races. Choose it before starting threads that multiply.
+// the first call at once) races. Choose it before starting threads that multiply, and do not
+// change it once a model is built: the model's weight scratch is sized by
+// gemm_kernel_reads_16bit()'s answer for the library then selected (layers/sharded_parameter.cpp).
 //
 //   gemm(plain(x), plain(w), 0.0f, y);                       // y = x @ w
 //   gemm(transposed(x), plain(dy), 0.0f, dw);                // dw = xᵀ @ dy
@@ -158,6 +160,11 @@ void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs =
 // on any CPU (tests: tests/layers.cmake's operands16 registrations); gemm() then widens those
 // operands itself where its kernel reads fp32, with the same results.
 bool gemm_reads_16bit(Dtype inputs);
+// gemm_reads_16bit(inputs) without MESHTRAIN_GEMM_16BIT_OPERANDS=always: whether gemm()'s kernel
+// itself reads 16-bit operands as stored. Where it does, a weight with a 16-bit copy needs no fp32
+// buffer: the shared weight scratch is sized by this (layers/sharded_parameter.cpp,
+// framework/train/memory_plan.cpp; partition/sixteen_bit_storage.hpp, weight_scratch_floats).
+bool gemm_kernel_reads_16bit(Dtype inputs);
 
 // gemm() for inference (Predictor, layers/inference.hpp), in fp32: on host memory through oneDNN
 // wherever the build has it (as gemm() by default), even where a test or benchmark selects

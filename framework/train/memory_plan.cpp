@@ -12,7 +12,6 @@
 #include "framework/comm/reduction_choice.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
-#include "framework/core/gemm_kernel_reads.hpp"
 #include "framework/core/views.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
@@ -272,15 +271,11 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     // collective matmuls read it as it is).
     const bool copy = (keeps_16bit && keeps_16bit_weight_copy(l, reads_16bit)) ||
                       keeps_feature_parallel_weight_copy(storage_query, l, reads_16bit);
-    // The shared fp32 weight buffer (scratch.weight) the GEMMs read; where gemm()'s kernel reads
-    // 16 bits as stored, a weight with a copy reaches them only as 16 bits: gathered, put in place
-    // in that buffer's bytes (2 bytes an element, whole floats), stored whole, the copy itself
-    // (ShardedParameter::scratch_needs).
-    if (copy && kernel_reads_16bit) {
-      if (one_gather) weight = std::max(weight, (d1 * d2 + 1) / 2);
-    } else if (gathered || !fp32) {
-      weight = std::max(weight, d1 * d2);
-    }
+    // The shared weight buffer (scratch.weight) the GEMMs read: fp32, or 2 bytes an element where
+    // gemm()'s kernel reads a weight with a copy as 16 bits (partition/sixteen_bit_storage.hpp,
+    // as ShardedParameter::scratch_needs).
+    weight =
+        std::max(weight, weight_scratch_floats(d1, d2, gathered, !fp32, copy, kernel_reads_16bit));
     if (copy) {
       copy_halves += s1 * s2;
       if (config.runtime.overlap && one_gather) weight_16bit = std::max(weight_16bit, d1 * d2);

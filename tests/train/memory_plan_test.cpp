@@ -23,7 +23,6 @@
 #include <vector>
 
 #include "framework/core/gemm.hpp"
-#include "framework/core/gemm_kernel_reads.hpp"
 #include "framework/core/views.hpp"
 #include "framework/observe/memory_tracker.hpp"
 #include "run/training_run.hpp"
@@ -681,8 +680,15 @@ TEST(MemoryPlan, SixteenBitGatheredWeightsOfAPlainMlpUnderFsdpPrefetch) {
   if (world_size() == 1) return;
   for (const Dtype dtype : {Dtype::bf16, Dtype::fp16}) {
     const bool reads = gemm_kernel_reads_16bit(dtype);
-    SCOPED_TRACE(to_string(dtype) +
-                 std::string(reads ? ": the kernel reads it" : ": an fp32 kernel"));
+    // Which sizing this CPU checked (the half-size branch runs only where the kernel reads 16
+    // bits: oneDNN bf16 on AVX512_BF16 or AMX, cuBLAS): in the XML report and on rank 0's output.
+    const std::string branch = reads ? "half: the kernel reads it" : "fp32: an fp32 kernel";
+    RecordProperty(std::string("weight_buffer_") + to_string(dtype), branch);
+    if (world_rank() == 0) {
+      std::printf("[memory_plan np%d] %s weight buffer checked at %s (%s)\n", world_size(),
+                  to_string(dtype), branch.c_str(), gemm_kernels().c_str());
+    }
+    SCOPED_TRACE(std::string(to_string(dtype)) + ": " + branch);
     // (64-256-256-256-8: the largest gathered block has an even number of elements.)
     EXPECT_EQ(weight_buffer[dtype],
               reads ? weight_buffer[Dtype::fp32] / 2 : weight_buffer[Dtype::fp32]);
