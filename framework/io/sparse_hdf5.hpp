@@ -6,7 +6,7 @@
 //   /sparse/<table>/offsets  int64 [rows + 1]  row r's ids are values[offsets[r], offsets[r + 1])
 //   attribute `rows` on /sparse/<table>: the table's size (ids must lie in [0, rows))
 // or, for a table of fixed hotness k, /sparse/<table>/ids int64 [rows, k] instead of the pair
-// (taken when that dataset is present; one read of [count, k] per run).
+// (taken when that dataset is present; one read of the rows' ids per batch).
 // The rows asked for are the ones the dense stream gives this rank (BatchSchedule::
 // slice_samples, or a contiguous range): only they are read. read() (any order, repeats) makes
 // per table one read of the rows' offsets (a point selection of offsets r and r + 1 of every
