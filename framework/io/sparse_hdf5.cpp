@@ -56,6 +56,7 @@ struct SparseHdf5Reader::File {
 
 struct SparseHdf5Reader::Table {
   std::string name;
+  std::string values_name, offsets_name;  // their paths in the file
   hdf5::Handle values_dataset, offsets_dataset;
   hdf5::Handle values_space, offsets_space;  // their file dataspaces (selections change)
   hdf5::Handle memory;           // 1-D, long enough for either read into the buffers below
@@ -86,6 +87,44 @@ void read_slab(hid_t dataset, hid_t file_space, hid_t memory, int64_t first, int
               what);
   hdf5::check(H5Sselect_hyperslab(memory, H5S_SELECT_SET, &zero, nullptr, &n, nullptr), kind, what);
   hdf5::check(H5Dread(dataset, H5T_NATIVE_INT64, memory, file_space, H5P_DEFAULT, out), kind, what);
+}
+
+// Reads the elements of a 1-D or 2-D int64 dataset at `points` (n elements, each its rank's
+// coordinates, in the order listed) into out[0, n) (through `memory`, selection [0, n)).
+void read_points(hid_t dataset, hid_t file_space, hid_t memory, const hsize_t* points, int64_t n,
+                 int64_t* out, const std::string& what) {
+  const hsize_t zero = 0, count = to_h(n);
+  hdf5::check(H5Sselect_elements(file_space, H5S_SELECT_SET, static_cast<size_t>(n), points),
+              ErrorKind::runtime, what);
+  hdf5::check(H5Sselect_hyperslab(memory, H5S_SELECT_SET, &zero, nullptr, &count, nullptr),
+              ErrorKind::runtime, what);
+  hdf5::check(H5Dread(dataset, H5T_NATIVE_INT64, memory, file_space, H5P_DEFAULT, out),
+              ErrorKind::runtime, what);
+}
+
+// The bytes and the number of all the chunks of a chunked dataset ({0, 0} when it is not
+// chunked: then HDF5 has no chunk cache for it).
+std::pair<int64_t, int64_t> chunked_bytes(hid_t dataset, const std::string& what) {
+  const hdf5::Handle plist = hdf5::make(H5Dget_create_plist(dataset), H5Pclose,
+                                        ErrorKind::bad_input, what + ": its creation properties");
+  const H5D_layout_t layout = H5Pget_layout(plist);
+  if (layout < 0) hdf5::check(-1, ErrorKind::bad_input, what + ": its layout");
+  if (layout != H5D_CHUNKED) return {0, 0};
+  hsize_t chunk[H5S_MAX_RANK] = {};
+  const int rank = H5Pget_chunk(plist, H5S_MAX_RANK, chunk);
+  if (rank < 0) hdf5::check(-1, ErrorKind::bad_input, what + ": its chunk shape");
+  const std::vector<int64_t> shape = hdf5::dataset_shape(dataset, ErrorKind::bad_input, what);
+  const hdf5::Handle type =
+      hdf5::make(H5Dget_type(dataset), H5Tclose, ErrorKind::bad_input, what + ": its type");
+  int64_t bytes = static_cast<int64_t>(H5Tget_size(type));
+  if (bytes <= 0) hdf5::check(-1, ErrorKind::bad_input, what + ": its type's size");
+  int64_t chunks = 1;
+  for (int d = 0; d < rank && d < static_cast<int>(shape.size()); ++d) {
+    const int64_t c = static_cast<int64_t>(chunk[d]);
+    chunks *= (shape[static_cast<size_t>(d)] + c - 1) / c;
+    bytes *= c;
+  }
+  return {bytes * chunks, chunks};
 }
 
 // The most ids of one row among rows [begin, end) of a CSR table: one pass over its offsets
@@ -168,9 +207,12 @@ SparseHdf5Reader::SparseHdf5Reader(std::string path, std::vector<std::string> ta
       // Rows of the data set + 1: the length of offsets (CSR), or of ids + 1 (fixed hotness).
       int64_t offsets = 0;
       if (table->fixed) {
+        table->values_name = group + "/ids";
         offsets = open_ids(group + "/ids", table->values_dataset, table->values_space, 2) + 1;
         table->ids = (offsets - 1) * table->hotness;
       } else {
+        table->values_name = group + "/values";
+        table->offsets_name = group + "/offsets";
         table->ids = open_ids(group + "/values", table->values_dataset, table->values_space, 1);
         offsets = open_ids(group + "/offsets", table->offsets_dataset, table->offsets_space, 1);
       }
@@ -252,6 +294,24 @@ SparseHdf5Reader::SparseHdf5Reader(std::string path, std::vector<std::string> ta
       }
     });
   }
+  // read()'s buffers and the memory spaces (long enough for the offsets of max_rows distinct
+  // rows, 2 per row, and for max_ids ids), and the chunk caches.
+  on_every_rank(comm_, [&] {
+    const std::string file_text = "sparse data file '" + path_ + "'";
+    std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+    const size_t rows = static_cast<size_t>(max_rows_), ids = static_cast<size_t>(max_ids_);
+    const hsize_t memory_size = std::max<hsize_t>({2 * rows + 1, ids, 1});
+    for (const auto& table : state_) {
+      table->memory = hdf5::make(H5Screate_simple(1, &memory_size, nullptr), H5Sclose,
+                                 ErrorKind::runtime, file_text + ": a memory dataspace");
+    }
+    for (auto* v : {&order_, &distinct_, &slot_, &at_, &begin_}) v->assign(rows, 0);
+    points_.assign(2 * rows, 0);
+    raw_.assign(2 * rows, 0);
+    id_points_.assign(2 * std::max<size_t>(ids, 1), 0);
+    gathered_.assign(std::max<size_t>(ids, 1), 0);
+    open_caches();
+  });
   check_mpi(MPI_Type_contiguous(kProblemFields, MPI_INT64_T, &problem_type_),
             "MPI_Type_contiguous");
   check_mpi(MPI_Type_commit(&problem_type_), "MPI_Type_commit");
@@ -271,6 +331,37 @@ SparseHdf5Reader::~SparseHdf5Reader() {
   file_.reset();
 }
 
+void SparseHdf5Reader::open_caches() {
+  // Each dataset reopened with a chunk cache of all its chunks while the total stays within
+  // kSparseCacheBytes (in table order); the slots outnumber the chunks, so no two chunks
+  // share one (HDF5 hashes a chunk to its index modulo the slots).
+  const std::string file_text = "sparse data file '" + path_ + "'";
+  for (const auto& table : state_) {
+    const std::string where = file_text + ", table '" + table->name + "'";
+    auto reopen = [&](const std::string& name, hdf5::Handle& dataset, hdf5::Handle& space) {
+      const auto [bytes, chunks] = chunked_bytes(dataset, where + ": " + name);
+      if (bytes == 0 || cache_bytes_ + bytes > kSparseCacheBytes) return;
+      const hdf5::Handle access =
+          hdf5::make(H5Pcreate(H5P_DATASET_ACCESS), H5Pclose, ErrorKind::runtime,
+                     where + ": the access properties of " + name);
+      const size_t slots = static_cast<size_t>(chunks + 1);
+      hdf5::check(H5Pset_chunk_cache(access, slots, static_cast<size_t>(bytes), 1.0),
+                  ErrorKind::runtime, where + ": the chunk cache of " + name);
+      // Closed first: HDF5 shares one object between the opens of a dataset, whose cache
+      // is the first open's.
+      space.reset();
+      dataset.reset();
+      dataset = hdf5::make(H5Dopen2(file_->file, name.c_str(), access), H5Dclose,
+                           ErrorKind::bad_input, where + ": cannot open " + name);
+      space = hdf5::make(H5Dget_space(dataset), H5Sclose, ErrorKind::bad_input,
+                         where + ": the dataspace of " + name);
+      cache_bytes_ += bytes;
+    };
+    reopen(table->values_name, table->values_dataset, table->values_space);
+    if (!table->fixed) reopen(table->offsets_name, table->offsets_dataset, table->offsets_space);
+  }
+}
+
 int64_t SparseHdf5Reader::table_rows(size_t table) const {
   return state_.at(table)->rows;
 }
@@ -281,7 +372,177 @@ SparseTableRows SparseHdf5Reader::batch(size_t table) const {
 }
 
 void SparseHdf5Reader::read(const int64_t* rows, int64_t count) {
-  read_runs(rows, 0, count);
+  read_gathered(rows, count);
+}
+
+void SparseHdf5Reader::read_gathered(const int64_t* rows, int64_t count) {
+  reads_ = 0;
+  Problem lowest;
+  if (count < 0 || count > max_rows_) {
+    lowest = Problem{-1, 0, too_many_rows, count, 0};  // agreed, as in read_runs
+    agree(lowest);
+    return;
+  }
+  // The positions asked for in file order (a repeated row: its first position first), the
+  // distinct rows, each position's distinct row.
+  for (int64_t i = 0; i < count; ++i) order_[static_cast<size_t>(i)] = i;
+  std::sort(order_.begin(), order_.begin() + count, [rows](int64_t a, int64_t b) {
+    return rows[a] < rows[b] || (rows[a] == rows[b] && a < b);
+  });
+  int64_t distinct = 0;
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t i = order_[static_cast<size_t>(k)];
+    if (distinct == 0 || distinct_[static_cast<size_t>(distinct - 1)] != rows[i]) {
+      distinct_[static_cast<size_t>(distinct++)] = rows[i];
+    }
+    slot_[static_cast<size_t>(i)] = distinct - 1;
+  }
+  // The offsets to read: r and r + 1 of every distinct row inside the file, each once, in
+  // increasing order (at_[j]: where row j's start lies among them, its end the next).
+  int64_t points = 0;
+  for (int64_t j = 0; j < distinct; ++j) {
+    const int64_t r = distinct_[static_cast<size_t>(j)];
+    if (r < 0 || r >= num_rows_) {
+      const Problem p{r, 0, row_outside, 0, 0};
+      if (p < lowest) lowest = p;
+      at_[static_cast<size_t>(j)] = -1;
+      continue;
+    }
+    if (points == 0 || points_[static_cast<size_t>(points - 1)] != to_h(r)) {
+      points_[static_cast<size_t>(points++)] = to_h(r);
+    }
+    at_[static_cast<size_t>(j)] = points - 1;
+    points_[static_cast<size_t>(points++)] = to_h(r + 1);
+  }
+  {
+    std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+    hdf5::silence_errors();
+    for (size_t t = 0; t < state_.size(); ++t) {
+      const Problem p = gather_table(*state_[t], t, rows, count, distinct, points);
+      if (p < lowest) lowest = p;
+    }
+  }
+  agree(lowest);
+}
+
+SparseHdf5Reader::Problem SparseHdf5Reader::gather_table(Table& table, size_t index,
+                                                         const int64_t* rows, int64_t count,
+                                                         int64_t distinct, int64_t points) {
+  // begin_[j] of distinct row j: where its ids lie in gathered_, or one of these.
+  constexpr int64_t kUnread = -1, kBad = -2, kNeeded = -3;
+  Problem lowest;
+  auto note = [&](int64_t row, int64_t kind, int64_t a = 0, int64_t b = 0) {
+    const Problem p{row, static_cast<int64_t>(index), kind, a, b};
+    if (p < lowest) lowest = p;
+  };
+  const size_t d = static_cast<size_t>(distinct);
+  table.batch_rows = count;
+  table.offsets[0] = 0;
+  auto all_empty = [&] {  // every row an empty bag, so that the CSR stays well formed
+    for (int64_t i = 0; i < count; ++i) table.offsets[static_cast<size_t>(i + 1)] = 0;
+    return lowest;
+  };
+  auto first_row = [&] {  // the lowest row inside the file (for a failed read)
+    for (size_t j = 0; j < d; ++j) {
+      if (at_[j] >= 0) return distinct_[j];
+    }
+    return int64_t{0};
+  };
+  // Each distinct row's ids: [raw_[at], raw_[at + 1]) (CSR) or k of them (fixed hotness).
+  if (!table.fixed && points > 0) {
+    try {
+      ++reads_;
+      read_points(table.offsets_dataset, table.offsets_space, table.memory, points_.data(), points,
+                  raw_.data(), "reading offsets");
+    } catch (const Error&) {
+      note(first_row(), read_failed);
+      return all_empty();
+    }
+  }
+  auto length = [&](size_t j) {
+    if (begin_[j] == kBad) return int64_t{0};
+    if (table.fixed) return table.hotness;
+    const size_t at = static_cast<size_t>(at_[j]);
+    return raw_[at + 1] - raw_[at];
+  };
+  for (size_t j = 0; j < d; ++j) {
+    begin_[j] = kUnread;
+    if (at_[j] < 0) {
+      begin_[j] = kBad;  // outside the file: noted above
+      continue;
+    }
+    if (table.fixed) continue;
+    const int64_t r = distinct_[j];
+    const int64_t s = raw_[static_cast<size_t>(at_[j])], e = raw_[static_cast<size_t>(at_[j] + 1)];
+    // As read_table's checks: an offset outside the ids (the start first), then decreasing.
+    if (s < 0 || s > table.ids) note(r, offset_past_ids, s);
+    if (e < 0 || e > table.ids) note(r, offset_past_ids, e);
+    if (e < s) note(r, offsets_decrease, s, e);
+    if (s < 0 || s > table.ids || e < 0 || e > table.ids || e < s) begin_[j] = kBad;
+  }
+  // The capacity, in the order asked for: the first position whose ids no longer fit, and the
+  // rows before it are the ones read.
+  int64_t limit = count, total = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const size_t j = static_cast<size_t>(slot_[static_cast<size_t>(i)]);
+    const int64_t n = length(j);
+    if (total + n > max_ids_) {
+      note(rows[i], over_capacity, total + n);
+      limit = i;
+      break;
+    }
+    total += n;
+  }
+  for (int64_t i = 0; i < limit; ++i) {
+    const size_t j = static_cast<size_t>(slot_[static_cast<size_t>(i)]);
+    if (begin_[j] == kUnread) begin_[j] = kNeeded;
+  }
+  // The ids of the rows needed, in file order: one read.
+  int64_t n = 0;
+  for (size_t j = 0; j < d; ++j) {
+    if (begin_[j] != kNeeded) continue;
+    begin_[j] = n;
+    if (table.fixed) {
+      for (int64_t c = 0; c < table.hotness; ++c, ++n) {
+        id_points_[static_cast<size_t>(2 * n)] = to_h(distinct_[j]);
+        id_points_[static_cast<size_t>(2 * n + 1)] = to_h(c);
+      }
+    } else {
+      const size_t at = static_cast<size_t>(at_[j]);
+      for (int64_t v = raw_[at]; v < raw_[at + 1]; ++v)
+        id_points_[static_cast<size_t>(n++)] = to_h(v);
+    }
+  }
+  if (n > 0) {
+    try {
+      ++reads_;
+      read_points(table.values_dataset, table.values_space, table.memory, id_points_.data(), n,
+                  gathered_.data(), table.fixed ? "reading ids" : "reading values");
+    } catch (const Error&) {
+      note(first_row(), read_failed);
+      return all_empty();
+    }
+  }
+  for (size_t j = 0; j < d; ++j) {
+    if (begin_[j] < 0) continue;
+    for (int64_t v = begin_[j]; v < begin_[j] + length(j); ++v) {
+      const int64_t id = gathered_[static_cast<size_t>(v)];
+      if (id < 0 || id >= table.rows) note(distinct_[j], id_outside, id);
+    }
+  }
+  // Back into the order asked for.
+  int64_t out = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const size_t j = static_cast<size_t>(slot_[static_cast<size_t>(i)]);
+    if (i < limit && begin_[j] >= 0) {
+      const int64_t len = length(j);
+      std::copy(gathered_.begin() + begin_[j], gathered_.begin() + begin_[j] + len,
+                table.values.begin() + out);
+      out += len;
+    }
+    table.offsets[static_cast<size_t>(i + 1)] = out;
+  }
+  return lowest;
 }
 
 void SparseHdf5Reader::read_range(int64_t first, int64_t count) {

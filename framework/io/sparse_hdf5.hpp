@@ -6,11 +6,17 @@
 //   /sparse/<table>/offsets  int64 [rows + 1]  row r's ids are values[offsets[r], offsets[r + 1])
 //   attribute `rows` on /sparse/<table>: the table's size (ids must lie in [0, rows))
 // or, for a table of fixed hotness k, /sparse/<table>/ids int64 [rows, k] instead of the pair
-// (taken when that dataset is present; one read of [count, k] per run).
+// (taken when that dataset is present; one read of the rows' ids per batch).
 // The rows asked for are the ones the dense stream gives this rank (BatchSchedule::
-// slice_samples, or a contiguous range): only they are read, by hyperslab selections, one run
-// of consecutive global rows at a time (a shuffled batch is mostly runs of one row: two small
-// reads per row and table; a contiguous range is one run: two reads per table).
+// slice_samples, or a contiguous range): only they are read. read() (any order, repeats) makes
+// per table one read of the rows' offsets (a point selection of offsets r and r + 1 of every
+// distinct row, in file order) and one of their ids (a point selection, in file order; fixed
+// hotness: the one read of the rows' ids), then puts the rows back in the order asked for in
+// memory; read_range() one hyperslab read of the offsets and one of the ids per table.
+// Chunk cache: every sparse dataset is opened with an HDF5 chunk cache that holds all its
+// chunks while the reader's datasets together take at most kSparseCacheBytes (1 GiB; filled
+// as the batches touch the chunks, so after the first pass over the file a read is memory
+// copies); past that bound, in table order, a dataset keeps HDF5's default 1 MiB cache.
 //
 // Checks, each a bad_input AgreedError whose one sentence names the file, the table and the
 // global row, thrown by EVERY rank of the communicator at the same call:
@@ -27,6 +33,7 @@
 // made at open; read() allocates nothing of its own (HDF5 may, inside its calls). Not thread
 // safe: one caller at a time; HDF5 calls hold hdf5::global_mutex().
 
+#include <hdf5.h>
 #include <mpi.h>
 
 #include <cstdint>
@@ -72,8 +79,12 @@ class SparseHdf5Reader {
   int64_t max_ids() const { return max_ids_; }    // the capacity of ids per table and read
   int64_t table_rows(size_t table) const;         // the table's size (attribute rows)
   SparseTableRows batch(size_t table) const;      // of the last read
-  // HDF5 reads (hyperslab selections) the last read() made, over all tables (for tests).
+  // HDF5 reads (H5Dread calls) the last read() or read_range() made, over all tables (for
+  // tests: two per CSR table and one per fixed one, whatever the rows).
   int64_t reads_last_batch() const { return reads_; }
+  // The bytes of chunk cache the reader's datasets were opened with (a bound, filled lazily).
+  int64_t chunk_cache_bytes() const { return cache_bytes_; }
+  static constexpr int64_t kSparseCacheBytes = int64_t{1} << 30;
 
  private:
   struct File;
@@ -82,6 +93,11 @@ class SparseHdf5Reader {
   // The runs of consecutive rows in `rows` (or the one run [first, first + count)).
   void read_runs(const int64_t* rows, int64_t first, int64_t count);
   Problem read_table(Table& table, size_t index, const int64_t* rows, int64_t first, int64_t count);
+  // read(): the rows sorted by file position, one point-selection read per dataset.
+  void read_gathered(const int64_t* rows, int64_t count);
+  Problem gather_table(Table& table, size_t index, const int64_t* rows, int64_t count,
+                       int64_t distinct, int64_t points);
+  void open_caches();  // reopens the datasets with their chunk caches (at open)
   void agree(Problem problem);
 
   std::string path_;
@@ -92,6 +108,14 @@ class SparseHdf5Reader {
   MPI_Comm comm_ = MPI_COMM_NULL;
   int64_t num_rows_ = 0;
   int64_t reads_ = 0;
+  int64_t cache_bytes_ = 0;
+  // read()'s buffers, made at open, shared by the tables: the positions asked for sorted by
+  // row, the distinct rows, each position's distinct row, each distinct row's first offset in
+  // the offsets read (its end is the next), its ids' place among the ids read (-1: not read),
+  // the point coordinates and the ids read in file order.
+  std::vector<int64_t> order_, distinct_, slot_, at_, begin_;
+  std::vector<hsize_t> points_, id_points_;
+  std::vector<int64_t> raw_, gathered_;
   std::unique_ptr<File> file_;
   std::vector<std::unique_ptr<Table>> state_;
   MPI_Datatype problem_type_ = MPI_DATATYPE_NULL;

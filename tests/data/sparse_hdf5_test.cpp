@@ -175,6 +175,14 @@ TEST(SparseHdf5Reader, ReadsTheRowsAskedFor) {
   }
   EXPECT_EQ(reader.reads_last_batch(), 5)
       << "a range: one offsets and one values read per CSR table, one ids read per fixed one";
+  // Shuffled rows (runs, a repeat): the same 5 reads, the rows' offsets and then their ids each
+  // one point selection in file order, put back in the order asked for.
+  reader.read(rows.data(), static_cast<int64_t>(rows.size()));
+  EXPECT_EQ(reader.reads_last_batch(), 5) << "shuffled rows: still one read per dataset";
+  for (size_t t = 0; t < data.size(); ++t) {
+    EXPECT_TRUE(csr(reader.batch(t)) == expected(data[t], rows)) << data[t].name;
+  }
+  EXPECT_EQ(reader.chunk_cache_bytes(), 0) << "contiguous datasets: HDF5 keeps no chunk cache";
   // The data has what the layer tests need: empty bags and repeated ids.
   const Csr all = expected(data[1], range);
   EXPECT_NE(std::adjacent_find(all.offsets.begin(), all.offsets.end()), all.offsets.end());
