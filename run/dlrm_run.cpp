@@ -237,8 +237,13 @@ void DlrmRun::build_model() {
   const DlrmShape shape = config_.model.dlrm();
   const int64_t rows = slice_.rows;
   on_every_rank(comm_, [&] {
+    // Sparse updates: the tables never get a dense gradient (not even allocated then freed).
+    const TableGradients table_gradients =
+        !predicting_ && config_.optimizer.embeddings != EmbeddingOptimizer::dense
+            ? TableGradients::sparse
+            : TableGradients::dense;
     model_ = std::make_unique<Dlrm>(shape, config_.model.activation, specs_from_plan(*plan_),
-                                    *context_, rows, max_ids_);
+                                    *context_, rows, max_ids_, table_gradients);
     // Predicting, load_model overwrites every parameter: no initializer pass over the tables,
     // no loss, metrics or optimizer.
     if (predicting_) return;
@@ -249,7 +254,6 @@ void DlrmRun::build_model() {
                                                   1, FeatureLayout::replicated);
     if (config_.optimizer.embeddings != EmbeddingOptimizer::dense) {
       const OptimizerSection& opt = config_.optimizer;
-      model_->use_sparse_table_gradients(*context_);
       SparseOptimizerSettings sparse;
       sparse.eps = static_cast<float>(opt.embeddings_eps);
       sparse.beta1 = static_cast<float>(opt.betas.first);

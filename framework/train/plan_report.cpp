@@ -697,7 +697,7 @@ std::vector<TablePlan> table_plans(const RunConfig& config, const ShardingPlan& 
     constexpr int64_t kFloat = sizeof(float);
     const int64_t block = l.rows_per_owner * l.dim_per_slice * kFloat;
     t.weight_bytes = block;
-    // Sparse updates release the dense gradient (Dlrm::use_sparse_table_gradients).
+    // Sparse updates allocate no dense gradient (TableGradients::sparse, layers/dlrm.hpp).
     t.gradient_bytes = sparse ? 0 : block;
     // Sparse updates also keep a host int32 row -> slot map of every local row
     // (EmbeddingBag::use_sparse_gradient), counted here with the optimizer's rows.
