@@ -898,12 +898,11 @@ void add_table_collectives(const std::vector<TablePlan>& tables, const Mesh& mes
 // A DLRM's tables in the plan's totals: the planner counts every parameter as a dense one (a
 // gradient like it and options.optimizer_slots like it); with sparse updates a table has no
 // gradient and its own state (table_plans). The difference on the most loaded rank replaces
-// the planner's count, so "per rank" and its total are the run's.
+// the planner's count, so "per rank" and its total are the run's. All three figures move: with
+// table-wise tables the most loaded member under sparse updates need not be the one the
+// planner's dense count picked, and the totals must be one member's, not a mix.
 void use_table_totals(const RunConfig& config, const PlanOptions& options, ShardingPlan& plan) {
-  if (config.model.kind != ModelKind::dlrm ||
-      config.optimizer.embeddings == EmbeddingOptimizer::dense || options.zero_stage != 0) {
-    return;
-  }
+  if (!options.sparse_tables || options.zero_stage != 0) return;
   const std::vector<TablePlan> actual = table_plans(config, plan, options);
   std::vector<TablePlan> dense = actual;
   for (TablePlan& t : dense) {
@@ -912,6 +911,7 @@ void use_table_totals(const RunConfig& config, const PlanOptions& options, Shard
   }
   const RankBytes now = busiest_rank_bytes(actual);
   const RankBytes planned = busiest_rank_bytes(dense);
+  plan.totals.parameter_bytes += now.weight - planned.weight;
   plan.totals.gradient_bytes += now.gradient - planned.gradient;
   plan.totals.optimizer_bytes += now.optimizer - planned.optimizer;
 }
