@@ -672,7 +672,7 @@ std::vector<TablePlan> table_plans(const RunConfig& config, const ShardingPlan& 
   if (config.model.kind != ModelKind::dlrm) return tables;
   const LayerAxes axes{options.batch_axes, options.feature_axis};
   const EmbeddingOptimizer optimizer = config.optimizer.embeddings;
-  const bool sparse = optimizer != EmbeddingOptimizer::dense;
+  const bool sparse = options.sparse_tables;
   const int64_t bags = std::max<int64_t>(plan.local_batch_rows, 0);
   for (const DlrmTable& table : config.model.dlrm().tables) {
     const ParameterPlan& p = plan.find(embedding_weight_name(table.name));
