@@ -84,7 +84,8 @@ DlrmRun::DlrmRun(RunConfig config, DlrmRunEvents events, MPI_Comm comm, DlrmRunP
 }
 
 DlrmRun::~DlrmRun() {
-  if (tracing_) tracer().stop();  // a run that ended inside its trace window writes nothing
+  // Only a run that failed inside its trace window gets here still tracing: it writes nothing.
+  if (tracing_) tracer().stop();
 }
 
 // The config checked (with what this run does not do yet, each in one sentence naming the key),
@@ -625,6 +626,9 @@ DlrmRunSummary DlrmRun::train() {
     if ((every > 0 && steps_done_ % every == 0) || last) save();
     window_.add_saving(window_.now() - before_save);
   }
+  // A run that ended inside its trace window (fewer steps than trace_last) writes what it
+  // recorded, as a TrainingRun does.
+  if (tracing_) end_trace();
   summary.wall_s = window_.now() - start;
   summary.steps_run = steps_done_ - first_step;
   summary.samples_per_s =
