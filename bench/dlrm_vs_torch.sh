@@ -38,14 +38,15 @@ run_meshtrain() {  # NAME NP [--set ...]
     --set checkpoint.async=false "$@" > "$work/$name.log" 2>&1 ||
     { cat "$work/$name.log" >&2; exit 1; }
   /usr/bin/python3 - "$work/$name/metrics.jsonl" "$name" "$np" <<'PY'
-import json, sys
+import json, os, sys
 lines = [json.loads(l) for l in open(sys.argv[1])]
 logs = [l for l in lines if l["event"] == "log"][1:]  # the first 25 steps: warm-up
 evals = [l for l in lines if l["event"] == "eval"]
 steps = logs[-1]["step"] - (logs[0]["step"] - 25)
 seconds = sum(25 * l["step_s"] for l in logs)
 print(json.dumps({"bench": "dlrm_vs_torch", "framework": "meshtrain", "run": sys.argv[2],
-                  "ranks": int(sys.argv[3]), "threads_per_rank": 1, "timed_steps": steps,
+                  "ranks": int(sys.argv[3]),
+                  "threads_per_rank": int(os.environ["OMP_NUM_THREADS"]), "timed_steps": steps,
                   "timed_s": seconds, "samples_per_s": steps * 512 / seconds,
                   "last_loss": logs[-1]["loss"], "test_auc": evals[-1]["test_auc"],
                   "test_log_loss": evals[-1]["test_log_loss"]}))

@@ -79,8 +79,9 @@ void dot_interaction_backward(MatrixView features, MatrixView g, MatrixView grad
 }  // namespace
 
 Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec_of,
-           ParallelContext& context, int64_t local_rows, int64_t max_ids)
-    : shape_(shape), rows_(local_rows) {
+           ParallelContext& context, int64_t local_rows, int64_t max_ids,
+           TableGradients table_gradients)
+    : shape_(shape), rows_(local_rows), table_gradients_(table_gradients) {
   check_dlrm_shape(shape);
   if (rows_ < 1) MESHTRAIN_BAD_INPUT("the local batch must have at least one row, got ", rows_);
   if (context.precision().param != Dtype::fp32) {
@@ -101,18 +102,17 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
     spec.check_axes(mesh, p.name);
     check_divisible(p.shape, spec, mesh, p.name);
     params_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
-    if (is_embedding_weight_name(p.name)) {
-      // A table's gradient: every dense backward zero-fills it before adding into it
-      // (EmbeddingBag::backward), and sparse updates release it unused
-      // (use_sparse_table_gradients). Allocated without the zero fill, its pages are never
-      // touched in the sparse case: a table's size is not resident even for a moment.
+    if (table_gradients == TableGradients::sparse && is_embedding_weight_name(p.name)) {
+      // Sparse updates: a table's backward leaves the gradients of the rows it touched
+      // (EmbeddingBag::use_sparse_gradient) and never its dense gradient, so none is allocated:
+      // the tensor keeps its name and spec, and its box and `local` are empty (matrix() is
+      // [0, 0]), so nothing reads a block that is not there.
       ShardedTensor g;
       g.name = p.name;
       g.global_shape = p.shape;
       g.spec = spec;
       g.box = shard_box(p.shape, spec, mesh, context.rank());
-      g.local = Vector(Kokkos::view_alloc(Kokkos::WithoutInitializing, p.name),
-                       static_cast<size_t>(g.box.elements()));
+      std::fill(g.box.extent.begin(), g.box.extent.end(), int64_t{0});
       grads_.push_back(std::move(g));
     } else {
       grads_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
@@ -149,6 +149,7 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
   tables_.reserve(shape.tables.size());
   for (const DlrmTable& t : shape.tables) {
     tables_.emplace_back(t.name, next(), t.pooling, rows_, max_ids, context);
+    if (table_gradients == TableGradients::sparse) tables_.back().use_sparse_gradient(context);
   }
   build_mlp("top", shape.top, /*activate_last=*/false, top_, top_act_);
   MESHTRAIN_REQUIRE(param == params_.size(), "dlrm took ", param, " of ", params_.size(),
@@ -172,15 +173,6 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
   feature_grads_ = Matrix("dlrm/feature_grads", rows_, feature_width_);
   top_input_ = Matrix("dlrm/interaction", rows_, shape.top.front());
   dz_ = Matrix("dlrm/bottom_output_grad", rows_, width_d_);
-}
-
-void Dlrm::use_sparse_table_gradients(ParallelContext& context) {
-  for (EmbeddingBag& table : tables_) table.use_sparse_gradient(context);
-  // The dense gradients of the tables are never written again: their memory is released (the
-  // layers reach the tensor through ParameterRef, and keep no copy of its view).
-  for (ShardedTensor& g : grads_) {
-    if (is_embedding_weight_name(g.name)) g.local = Vector(g.name, 0);
-  }
 }
 
 std::vector<ShardedTensor> Dlrm::dense_parameters() const {

@@ -45,14 +45,25 @@
 
 namespace meshtrain {
 
+// How a DLRM's tables are updated, fixed at construction (optimizer.embeddings).
+//   dense:  every table has a dense gradient like any parameter (a dense optimizer updates it).
+//   sparse: the tables' backward leaves the gradients of the rows they touched only
+//           (EmbeddingBag::use_sparse_gradient; a sparse optimizer updates them,
+//           layers/sparse_optimizer.hpp) and no dense table gradient is ever allocated.
+enum class TableGradients { dense, sparse };
+
 class Dlrm {
  public:
   // Checks the shape (check_dlrm_shape) and the specs, allocates every parameter and buffer.
   // Collective (the layers ask the context for communicators): every rank builds the same model.
   // local_rows: this rank's rows per step; max_ids: the most ids one table's bags of a rank
-  // hold in a step (the same on every rank).
+  // hold in a step (the same on every rank). table_gradients: see TableGradients; with
+  // `sparse`, each table's tensor in gradients() keeps its name and spec but its box and `local`
+  // are empty, so a table costs its weights and its optimizer's rows only (a 12 GiB table set
+  // never needs 12 GiB more for gradients no step writes, not even for a moment).
   Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec_of,
-       ParallelContext& context, int64_t local_rows, int64_t max_ids);
+       ParallelContext& context, int64_t local_rows, int64_t max_ids,
+       TableGradients table_gradients = TableGradients::dense);
   Dlrm(const Dlrm&) = delete;
   Dlrm& operator=(const Dlrm&) = delete;
 
@@ -74,13 +85,7 @@ class Dlrm {
   const DlrmShape& shape() const { return shape_; }
   int64_t local_rows() const { return rows_; }
   const std::vector<EmbeddingBag>& tables() const { return tables_; }
-  // Sparse updates of the tables (layers/sparse_optimizer.hpp): from now on every table's
-  // backward leaves the gradients of the rows it touched (EmbeddingBag::use_sparse_gradient)
-  // and not its dense gradient, which is released: each table's tensor in gradients() keeps
-  // its name, spec and box but holds no elements (`local` empty), so a table costs its weights
-  // and its optimizer's rows only (a 12 GiB table set does not need 12 GiB more for gradients
-  // no step writes). Collective; before the first step.
-  void use_sparse_table_gradients(ParallelContext& context);
+  TableGradients table_gradients() const { return table_gradients_; }
   // The parameters and gradients that are not tables (the bottom and top layers, in
   // parameters() order): what a dense optimizer updates when the tables are updated sparsely.
   // They share the model's storage.
@@ -99,6 +104,7 @@ class Dlrm {
 
   DlrmShape shape_;
   int64_t rows_ = 0;
+  TableGradients table_gradients_ = TableGradients::dense;
   int64_t width_d_ = 0;        // bottom's last size
   int64_t feature_width_ = 0;  // d + sum of the tables' dims (the features side by side)
   std::vector<ShardedTensor> params_, grads_;

@@ -763,8 +763,16 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
   const size_t per_micro = cost.items.size();
   double updated_bytes = static_cast<double>(plan.totals.parameter_bytes);
   if (options.sparse_tables) {
-    // The tables' touched rows are updated by the sparse optimizer, not this pass (its cost is
-    // not charged: a few rows per id). Table-wise tables stay counted (their holder's share).
+    // Every table's touched rows are updated by the sparse optimizer, not this pass (its cost
+    // is not charged: a few rows per id): table-wise tables too. Their share of the plan's
+    // parameter bytes is what the other tensors do not account for (the most loaded member of
+    // each group, as in the ZeRO-1 branch below); a table-wise entry is only allowed on a table
+    // (planner.cpp), so that share is all tables.
+    double table_wise_share = static_cast<double>(plan.totals.parameter_bytes);
+    for (const ParameterPlan& p : plan.parameters) {
+      if (p.spec.table_entry() < 0) table_wise_share -= static_cast<double>(p.bytes_per_rank);
+    }
+    updated_bytes -= table_wise_share;
     for (const ParameterPlan& p : plan.parameters) {
       if (is_embedding_weight_name(p.name) && p.spec.table_entry() < 0) {
         updated_bytes -= static_cast<double>(p.bytes_per_rank);

@@ -7,8 +7,6 @@
 #include <algorithm>
 #include <cmath>
 #include <exception>
-#include <filesystem>
-#include <fstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,11 +37,6 @@ std::string one_file(const std::vector<std::string>& entries, const std::string&
                         "features from one file per split (shards are not read yet)");
   }
   return files.empty() ? std::string() : files.front();
-}
-
-// run.output_dir, or runs/<run.name> (as TrainingRun's).
-std::string run_directory(const RunConfig& config) {
-  return config.run.output_dir.empty() ? "runs/" + config.run.name : config.run.output_dir;
 }
 
 std::vector<std::string> table_names(const DlrmShape& shape) {
@@ -84,7 +77,8 @@ DlrmRun::DlrmRun(RunConfig config, DlrmRunEvents events, MPI_Comm comm, DlrmRunP
 }
 
 DlrmRun::~DlrmRun() {
-  if (tracing_) tracer().stop();  // a run that ended inside its trace window writes nothing
+  // Only a run that failed inside its trace window gets here still tracing: it writes nothing.
+  if (tracing_) tracer().stop();
 }
 
 // The config checked (with what this run does not do yet, each in one sentence naming the key),
@@ -237,8 +231,13 @@ void DlrmRun::build_model() {
   const DlrmShape shape = config_.model.dlrm();
   const int64_t rows = slice_.rows;
   on_every_rank(comm_, [&] {
+    // Sparse updates: the tables never get a dense gradient (not even allocated then freed).
+    const TableGradients table_gradients =
+        !predicting_ && config_.optimizer.embeddings != EmbeddingOptimizer::dense
+            ? TableGradients::sparse
+            : TableGradients::dense;
     model_ = std::make_unique<Dlrm>(shape, config_.model.activation, specs_from_plan(*plan_),
-                                    *context_, rows, max_ids_);
+                                    *context_, rows, max_ids_, table_gradients);
     // Predicting, load_model overwrites every parameter: no initializer pass over the tables,
     // no loss, metrics or optimizer.
     if (predicting_) return;
@@ -249,7 +248,6 @@ void DlrmRun::build_model() {
                                                   1, FeatureLayout::replicated);
     if (config_.optimizer.embeddings != EmbeddingOptimizer::dense) {
       const OptimizerSection& opt = config_.optimizer;
-      model_->use_sparse_table_gradients(*context_);
       SparseOptimizerSettings sparse;
       sparse.eps = static_cast<float>(opt.embeddings_eps);
       sparse.beta1 = static_cast<float>(opt.betas.first);
@@ -348,44 +346,18 @@ double DlrmRun::step() {
 }
 
 void DlrmRun::begin_trace() {
-  const std::string dir = run_directory(config_) + "/trace";
-  // An earlier run's files, of more ranks, must not be read as this one's.
-  if (rank_ == 0) {
-    std::error_code error;
-    std::filesystem::remove_all(dir, error);
-  }
-  trace_clock_offset_ns_ = clock_offset_to_rank0_ns(comm_);
-  trace_origin_ns_ = Tracer::now_ns() + trace_clock_offset_ns_;
-  check_mpi(MPI_Bcast(&trace_origin_ns_, 1, MPI_INT64_T, 0, comm_), "MPI_Bcast (trace origin)");
-  const int64_t steps = config_.runtime.trace_last - config_.runtime.trace_first + 1;
-  // Room for 64 Ki events a step (a few MiB); more are counted as dropped in the file.
-  tracer().start(static_cast<std::size_t>(std::min<int64_t>(steps, 64)) << 16);
+  const TraceClock clock =
+      start_trace(comm_, rank_, config_.runtime, run_directory(config_) + "/trace");
+  trace_clock_offset_ns_ = clock.offset_ns;
+  trace_origin_ns_ = clock.origin_ns;
   tracing_ = true;
 }
 
 void DlrmRun::end_trace() {
   tracer().stop();
   tracing_ = false;
-  int ranks = 1;
-  check_mpi(MPI_Comm_size(comm_, &ranks), "MPI_Comm_size");
-  const std::string dir = run_directory(config_) + "/trace";
-  on_every_rank(comm_, [&] {
-    std::error_code error;
-    std::filesystem::create_directories(dir, error);
-    if (error) MESHTRAIN_FAIL("cannot create the trace folder '", dir, "': ", error.message());
-    write_chrome_trace(tracer().events(), device_timer::resolve(), tracer().lane_events(),
-                       tracer().dropped(), rank_, ranks, trace_clock_offset_ns_, trace_origin_ns_,
-                       dir + "/rank-" + std::to_string(rank_) + ".json");
-  });
-  on_every_rank(comm_, [&] {
-    if (rank_ != 0) return;
-    std::vector<std::string> paths;
-    for (int r = 0; r < ranks; ++r) paths.push_back(dir + "/rank-" + std::to_string(r) + ".json");
-    merge_chrome_traces(paths, dir + "/all-ranks.json");
-    std::ofstream config_file(dir + "/config.toml");
-    config_file << config_to_toml(config_);
-    if (!config_file) MESHTRAIN_FAIL("cannot write '", dir, "/config.toml'");
-  });
+  write_traces(comm_, rank_, {trace_clock_offset_ns_, trace_origin_ns_},
+               run_directory(config_) + "/trace", config_);
 }
 
 double DlrmRun::traced_step() {
@@ -623,6 +595,9 @@ DlrmRunSummary DlrmRun::train() {
     if ((every > 0 && steps_done_ % every == 0) || last) save();
     window_.add_saving(window_.now() - before_save);
   }
+  // A run that ended inside its trace window (fewer steps than trace_last) writes what it
+  // recorded, as a TrainingRun does.
+  if (tracing_) end_trace();
   summary.wall_s = window_.now() - start;
   summary.steps_run = steps_done_ - first_step;
   summary.samples_per_s =

@@ -156,7 +156,8 @@ class DlrmRun {
   double traced_step();
   // [runtime] trace_steps: start recording before step trace_first; after trace_last each rank
   // writes <output_dir>/trace/rank-<k>.json and rank 0 merges them (all-ranks.json) with the
-  // run's config.toml. Collective.
+  // run's config.toml (or at the end of train(), for a run that ends inside the window).
+  // Collective.
   void begin_trace();
   void end_trace();
 

@@ -20,6 +20,7 @@
 #include "framework/core/gemm.hpp"
 #include "framework/observe/memory_tracker.hpp"
 #include "framework/observe/trace.hpp"
+#include "run/run_common.hpp"
 
 namespace meshtrain {
 namespace {
@@ -57,7 +58,7 @@ std::string describe_planned_memory(const PlannedMemory& m) {
 }  // namespace
 
 std::string TrainingRun::run_dir() const {
-  return config_.run.output_dir.empty() ? "runs/" + config_.run.name : config_.run.output_dir;
+  return run_directory(config_);
 }
 
 std::string TrainingRun::trace_dir() const {
@@ -67,15 +68,10 @@ std::string TrainingRun::trace_dir() const {
 // [runtime] trace_steps: the tracer records from the first traced step on; every rank's
 // timestamps go onto rank 0's clock. Collective (all ranks step together).
 void TrainingRun::begin_trace() {
-  // An earlier run's files, of more ranks, must not be read as this one's (trace-report);
-  // the others write theirs only after the collectives below.
-  if (rank_ == 0) remove_trace_files(trace_dir());
-  trace_clock_offset_ns_ = clock_offset_to_rank0_ns(comm_);
-  trace_origin_ns_ = Tracer::now_ns() + trace_clock_offset_ns_;
-  check_mpi(MPI_Bcast(&trace_origin_ns_, 1, MPI_INT64_T, 0, comm_), "MPI_Bcast (trace origin)");
+  const TraceClock clock = start_trace(comm_, rank_, config_.runtime, trace_dir());
+  trace_clock_offset_ns_ = clock.offset_ns;
+  trace_origin_ns_ = clock.origin_ns;
   const int64_t steps = config_.runtime.trace_last - config_.runtime.trace_first + 1;
-  // Room for 64 Ki events a step (a few MiB); more are counted as dropped in the file.
-  tracer().start(static_cast<std::size_t>(std::min<int64_t>(steps, 64)) << 16);
   // Kernels, copies and fences per traced step (passes.json beside the trace).
   traced_passes_ = TracedPasses{};
   traced_passes_.rank = rank_;
@@ -84,8 +80,8 @@ void TrainingRun::begin_trace() {
   tracing_ = true;
 }
 
-// After the last traced step: each rank writes <output_dir>/trace/rank-<k>.json, then rank 0
-// merges them into all-ranks.json (a track per rank). Collective; errors are agreed.
+// After the last traced step: the run's traces (write_traces) and rank 0's passes.json.
+// Collective; errors are agreed.
 void TrainingRun::end_trace() {
   tracer().stop();
   tracing_ = false;
@@ -93,24 +89,8 @@ void TrainingRun::end_trace() {
   traced_passes_.labels = pass_counts();
   traced_passes_.labels_step = traced_passes_.steps.empty() ? 0 : traced_passes_.steps.back().step;
   uninstall_pass_counter();
-  int ranks = 1;
-  check_mpi(MPI_Comm_size(comm_, &ranks), "MPI_Comm_size");
   const std::string dir = trace_dir();
-  on_every_rank(comm_, [&] {
-    std::error_code error;
-    std::filesystem::create_directories(dir, error);
-    if (error) MESHTRAIN_FAIL("cannot create the trace folder '", dir, "': ", error.message());
-    write_chrome_trace(tracer().events(), device_timer::resolve(), tracer().lane_events(),
-                       tracer().dropped(), rank_, ranks, trace_clock_offset_ns_, trace_origin_ns_,
-                       dir + "/rank-" + std::to_string(rank_) + ".json");
-  });
-  on_every_rank(comm_, [&] {
-    if (rank_ != 0) return;
-    std::vector<std::string> paths;
-    for (int r = 0; r < ranks; ++r) paths.push_back(dir + "/rank-" + std::to_string(r) + ".json");
-    merge_chrome_traces(paths, dir + "/all-ranks.json");
-    // The run's config beside it: `meshtrain trace-report` predicts the step from it.
-    write_trace_file(dir + "/config.toml", config_to_toml(config_));
+  write_traces(comm_, rank_, {trace_clock_offset_ns_, trace_origin_ns_}, dir, config_, [&] {
     write_trace_file(dir + "/passes.json", traced_passes_json(traced_passes_).dump(2) + "\n");
   });
 }

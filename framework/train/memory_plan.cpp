@@ -420,23 +420,22 @@ PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan,
   if (checkpoint_stages_tensors(config.checkpoint.async)) {
     const int world = plan.mesh.world_size();
     const bool zero1 = plan.totals.zero1_buffer_bytes > 0;
-    const int64_t slots = plan_options(config).optimizer_slots;
+    const PlanOptions options = plan_options(config);
+    const int64_t slots = options.optimizer_slots;
     memory.checkpoint_staging_by_rank.assign(static_cast<size_t>(world), 0);
     for (int r = 0; r < world; ++r) {
       int64_t& bytes = memory.checkpoint_staging_by_rank[static_cast<size_t>(r)];
       if (zero1) bytes = plan.totals.optimizer_bytes;
       // A DLRM's tables under sparse updates: the block and its own state (one float per row
       // of rowwise_adagrad; m, v and a step count per row of sparse_adamw), not `slots`.
-      const EmbeddingOptimizer tables = config.model.kind == ModelKind::dlrm
-                                            ? config.optimizer.embeddings
-                                            : EmbeddingOptimizer::dense;
       for (const auto& p : plan.parameters) {
         if (!owns_block(plan.mesh, r, p.spec)) continue;
-        if (tables != EmbeddingOptimizer::dense && is_embedding_weight_name(p.name)) {
+        if (options.sparse_tables && is_embedding_weight_name(p.name)) {
           const int64_t per_row = p.local_shape.empty() ? 0 : p.local_shape[0] * 4;
-          bytes += p.bytes_per_rank + (tables == EmbeddingOptimizer::sparse_adamw
-                                           ? 2 * p.bytes_per_rank + per_row
-                                           : per_row);
+          bytes +=
+              p.bytes_per_rank + (config.optimizer.embeddings == EmbeddingOptimizer::sparse_adamw
+                                      ? 2 * p.bytes_per_rank + per_row
+                                      : per_row);
           continue;
         }
         bytes += p.bytes_per_rank * (zero1 ? 1 : 1 + slots);

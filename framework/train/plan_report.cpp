@@ -672,7 +672,7 @@ std::vector<TablePlan> table_plans(const RunConfig& config, const ShardingPlan& 
   if (config.model.kind != ModelKind::dlrm) return tables;
   const LayerAxes axes{options.batch_axes, options.feature_axis};
   const EmbeddingOptimizer optimizer = config.optimizer.embeddings;
-  const bool sparse = optimizer != EmbeddingOptimizer::dense;
+  const bool sparse = options.sparse_tables;
   const int64_t bags = std::max<int64_t>(plan.local_batch_rows, 0);
   for (const DlrmTable& table : config.model.dlrm().tables) {
     const ParameterPlan& p = plan.find(embedding_weight_name(table.name));
@@ -697,7 +697,7 @@ std::vector<TablePlan> table_plans(const RunConfig& config, const ShardingPlan& 
     constexpr int64_t kFloat = sizeof(float);
     const int64_t block = l.rows_per_owner * l.dim_per_slice * kFloat;
     t.weight_bytes = block;
-    // Sparse updates release the dense gradient (Dlrm::use_sparse_table_gradients).
+    // Sparse updates allocate no dense gradient (TableGradients::sparse, layers/dlrm.hpp).
     t.gradient_bytes = sparse ? 0 : block;
     // Sparse updates also keep a host int32 row -> slot map of every local row
     // (EmbeddingBag::use_sparse_gradient), counted here with the optimizer's rows.
@@ -898,12 +898,11 @@ void add_table_collectives(const std::vector<TablePlan>& tables, const Mesh& mes
 // A DLRM's tables in the plan's totals: the planner counts every parameter as a dense one (a
 // gradient like it and options.optimizer_slots like it); with sparse updates a table has no
 // gradient and its own state (table_plans). The difference on the most loaded rank replaces
-// the planner's count, so "per rank" and its total are the run's.
+// the planner's count, so "per rank" and its total are the run's. All three figures move: with
+// table-wise tables the most loaded member under sparse updates need not be the one the
+// planner's dense count picked, and the totals must be one member's, not a mix.
 void use_table_totals(const RunConfig& config, const PlanOptions& options, ShardingPlan& plan) {
-  if (config.model.kind != ModelKind::dlrm ||
-      config.optimizer.embeddings == EmbeddingOptimizer::dense || options.zero_stage != 0) {
-    return;
-  }
+  if (!options.sparse_tables || options.zero_stage != 0) return;
   const std::vector<TablePlan> actual = table_plans(config, plan, options);
   std::vector<TablePlan> dense = actual;
   for (TablePlan& t : dense) {
@@ -912,6 +911,7 @@ void use_table_totals(const RunConfig& config, const PlanOptions& options, Shard
   }
   const RankBytes now = busiest_rank_bytes(actual);
   const RankBytes planned = busiest_rank_bytes(dense);
+  plan.totals.parameter_bytes += now.weight - planned.weight;
   plan.totals.gradient_bytes += now.gradient - planned.gradient;
   plan.totals.optimizer_bytes += now.optimizer - planned.optimizer;
 }

@@ -23,7 +23,11 @@
 // [8, 4] sum, two ids per row. cat uses dims 4, 2 and 6 instead. The activation is tanh (smooth:
 // no kink for a float64 reference to land on the other side of). Parameters from
 // Dlrm::initialize (the same global values on every mesh), dy random in [-1, 1).
-// A second forward and backward allocate nothing. Refusals: the shape checks (one sentence
+// A second forward and backward allocate nothing. Sparse table gradients (TableGradients::sparse,
+// dp n with row-wise tables): no table gradient is allocated (each tensor empty; the memory
+// tracker's live allocations under a table's name are its weights only, the dense model's
+// gradient blocks fewer bytes), and the logits and linear layers' gradients still equal the
+// one-rank dense model's. Refusals: the shape checks (one sentence
 // each), 16-bit precision, a tp split of a linear layer's output, a column split of a table's dim
 // that tp does not divide.
 
@@ -38,6 +42,7 @@
 #include <vector>
 
 #include "framework/comm/mesh_communicators.hpp"
+#include "framework/observe/memory_tracker.hpp"
 #include "layers/context.hpp"
 #include "layers/dlrm.hpp"
 #include "partition/mesh.hpp"
@@ -482,6 +487,95 @@ TEST(Dlrm, EveryMeshEqualsOneRank) {
     }
   }
   EXPECT_GT(mixed_runs, 0);
+}
+
+TEST(Dlrm, SparseTableGradientsAreNeverAllocated) {
+  const int n = world_size();
+  const Mesh mesh = Mesh::create({{"dp", n}}, n);
+  MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+  ParallelContext context(comms, {"fsdp", "dp"}, "tp");
+  const DlrmShape shape = make_shape(DlrmInteraction::dot);
+  const Data d = make_data(shape);
+  const Result one = one_rank(shape, d);
+  auto spec_of = [](const std::string& name) {
+    return PartitionSpec::parse(name.rfind("embeddings/", 0) == 0 ? "P(dp, None)" : "P()");
+  };
+  const int64_t rows = kBatch / n;
+  const int64_t first_row = context.batch_index() * rows;
+  install_memory_tracker();
+  // The live bytes of the tracker's allocations labelled with a table's weight name (the
+  // weights and, in a dense model, the gradients: both carry the parameter's name).
+  auto table_named_bytes = [&] {
+    int64_t bytes = 0;
+    for (const TrackedAllocation& a : kokkos_memory(1 << 20).largest) {
+      for (const DlrmTable& t : shape.tables) {
+        if (a.label == "embeddings/" + t.name + "/weight") bytes += a.bytes;
+      }
+    }
+    return bytes;
+  };
+  const int64_t before = table_named_bytes();
+  int64_t dense_bytes = 0, gradient_blocks = 0;
+  {
+    Dlrm dense(shape, Activation::tanh, spec_of, context, rows, most_ids(d, n));
+    dense_bytes = table_named_bytes() - before;
+    for (const ShardedTensor& g : dense.gradients()) {
+      if (g.name.rfind("embeddings/", 0) == 0) {
+        gradient_blocks += static_cast<int64_t>(g.local.extent(0) * sizeof(float));
+      }
+    }
+  }
+  ASSERT_GT(gradient_blocks, 0);
+  Dlrm model(shape, Activation::tanh, spec_of, context, rows, most_ids(d, n),
+             TableGradients::sparse);
+  EXPECT_EQ(model.table_gradients(), TableGradients::sparse);
+  EXPECT_TRUE(kokkos_memory(0).complete) << "the tracker missed allocations";
+  EXPECT_EQ(table_named_bytes() - before, dense_bytes - gradient_blocks)
+      << "live bytes under the tables' names: the weights only";
+  for (size_t p = 0; p < model.gradients().size(); ++p) {
+    const ShardedTensor& g = model.gradients()[p];
+    if (g.name.rfind("embeddings/", 0) != 0) continue;
+    EXPECT_EQ(g.local.extent(0), 0u) << g.name;
+    EXPECT_EQ(g.box.elements(), 0) << g.name;
+    EXPECT_EQ(g.matrix().size(), 0u) << g.name;
+    EXPECT_EQ(g.spec.to_string(), model.parameters()[p].spec.to_string()) << g.name;
+  }
+  // It still computes: the logits and the linear layers' gradients are the one-rank dense
+  // model's (the same parameters; within kMeshTolerance: DP sums reorder).
+  model.initialize(InitScheme::he_normal, kSeed);
+  const Matrix dense_in =
+      testing::block_matrix("dense", rows, kDense, first_row, 0,
+                            [&](int64_t i, int64_t j) { return d.dense[i * kDense + j]; });
+  const Matrix dy = testing::block_matrix("dy", rows, 1, first_row, 0,
+                                          [&](int64_t i, int64_t) { return d.dy[i]; });
+  std::vector<LocalBags> local;
+  std::vector<SparseBags> bags;
+  for (size_t t = 0; t < shape.tables.size(); ++t) {
+    local.push_back(local_bags(d.offsets[t], d.ids[t], first_row, rows));
+  }
+  for (const LocalBags& l : local) bags.push_back({l.offsets, l.ids});
+  const std::vector<double> logits = testing::host_matrix(model.forward(dense_in, bags));
+  model.backward(dy);
+  ASSERT_EQ(static_cast<int64_t>(logits.size()), rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    EXPECT_NEAR(logits[static_cast<size_t>(r)], one.logits[static_cast<size_t>(first_row + r)],
+                kMeshTolerance)
+        << "logit " << first_row + r;
+  }
+  int compared = 0;
+  for (size_t p = 0; p < model.gradients().size(); ++p) {
+    const ShardedTensor& g = model.gradients()[p];
+    if (g.name.rfind("embeddings/", 0) == 0) continue;
+    ASSERT_EQ(g.name, one.names[p]);
+    const Tensor got = testing::to_host(g);
+    const std::vector<int64_t> index = testing::global_indices(g);
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_NEAR(got[i], one.grads[p][static_cast<size_t>(index[i])], kMeshTolerance)
+          << g.name << " element " << index[i];
+    }
+    ++compared;
+  }
+  EXPECT_EQ(compared, static_cast<int>(model.gradients().size() - shape.tables.size()));
 }
 
 TEST(Dlrm, BadShapesAreOneSentence) {

@@ -428,6 +428,45 @@ TEST(CostModel, ZeroOneUpdatesTableWiseTablesWhole) {
   EXPECT_EQ(steps, 1);
 }
 
+// Sparse table updates (options.sparse_tables, docs/recsys.md): the sparse optimizer updates
+// every table, so the dense optimizer pass covers the MLP only, table-wise tables included in
+// what leaves it. On fsdp 2 the MLP [4, 8, 2] is replicated by its rule (232 B), a
+// row-wise table [40, 4] (320 B per rank) and table-wise tables [40, 4] and [24, 4] (640 B and
+// 384 B, on members 0 and 1): 7 passes of 232 B; dense updates pass over 232 + 320 + 640 B.
+TEST(CostModel, SparseTablesLeaveEveryTableOutOfTheOptimizerPass) {
+  const Mesh mesh = Mesh::create({{"fsdp", 2}}, 2, "test");
+  std::vector<ParameterShape> shapes = mlp_parameter_shapes({4, 8, 2});
+  shapes.push_back({"embeddings/a/weight", {40, 4}});
+  shapes.push_back({"embeddings/b/weight", {40, 4}});
+  shapes.push_back({"embeddings/c/weight", {24, 4}});
+  const std::vector<PartitionRule> rules = {
+      {"embeddings/a/", PartitionSpec::parse("P(fsdp, None)"), false},
+      {"embeddings/", PartitionSpec::parse("P(fsdp@table)"), false},
+      {".*", PartitionSpec(), false}};
+  auto optimizer_step = [&](bool sparse) {
+    PlanOptions options;
+    options.min_sharding_size = 0;
+    options.global_batch = 4;
+    options.sparse_tables = sparse;
+    const ShardingPlan plan = make_plan(shapes, mesh, rules, options, mlp_linear_layers({4, 8, 2}));
+    EXPECT_EQ(plan.totals.parameter_bytes, 232 + 320 + 640);
+    const StepCost cost =
+        predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::automatic);
+    double seconds = -1.0;
+    int steps = 0;
+    for (const CostItem& item : cost.items) {
+      if (item.what.rfind("optimizer step", 0) == 0) {
+        ++steps;
+        seconds = item.seconds;
+      }
+    }
+    EXPECT_EQ(steps, 1);
+    return seconds;
+  };
+  EXPECT_NEAR(optimizer_step(false), 7 * (232 + 320 + 640) / 1e9, kTolerance);
+  EXPECT_NEAR(optimizer_step(true), 7 * 232 / 1e9, kTolerance);
+}
+
 // Reading a step's rows (docs/data.md): by hand on a disk of 1e8 B/s and 1 ms per random
 // read, rows of 1000 bytes; a prefetching reader hides it up to the rest of the step.
 TEST(CostModel, DataReadByHandAndWhatPrefetchHides) {

@@ -214,7 +214,7 @@ def check_table_wise_mixed(meshtrain, config):
     0 holds weights 3200 + no gradient (sparse updates release it) + state 400 + row-to-slot map
     400 = 4000 bytes, member 1 2400 + 0 + 1200 + 1200 = 4800: the most loaded rank holds 4800,
     split as member 1's (taking each figure's maximum separately would give 3200 + 0 + 2400 =
-    5600, on no rank)."""
+    5600, on no rank). The plan's top-level totals are the linear layers' plus member 1's."""
     with open(config) as f:
         text = f.read()
     text = re.sub(r"\[partition\].*?\n\n", "[partition]\nmin_sharding_size = 0\n"
@@ -234,7 +234,8 @@ def check_table_wise_mixed(meshtrain, config):
         done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode != 0:
             fail(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}")
-        section = json.loads(done.stdout)["embedding_tables"]
+        whole = json.loads(done.stdout)
+        section = whole["embedding_tables"]
         text_plan = subprocess.run(argv[:-1], capture_output=True, text=True).stdout
     tables = {t["table"]: t for t in section["tables"]}
     members = {}
@@ -259,6 +260,19 @@ def check_table_wise_mixed(meshtrain, config):
     if got != want or want[3] != 4800:
         fail(f"mixed table-wise: the most loaded rank's weights, gradients, state and total are "
              f"{got}, expected {want} (4800)")
+    # The plan's top-level totals: the linear layers' (replicated: whole on each rank, a
+    # gradient and AdamW's m and v each) plus the same member's tables, not a mix of members.
+    slots = whole["options"]["optimizer_slots"]
+    linear = sum(p["bytes_per_rank"] for p in whole["parameters"]
+                 if not p["name"].startswith("embeddings/"))
+    top = whole["totals"]
+    got = [top["parameter_bytes"], top["gradient_bytes"], top["optimizer_bytes"]]
+    want = [linear + busiest["weight_bytes_per_rank"], linear + busiest["gradient_bytes_per_rank"],
+            slots * linear + busiest["optimizer_bytes_per_rank"]]
+    if slots != 2 or linear <= 0 or got != want:
+        fail(f"mixed table-wise: the plan's totals (parameters, gradients, optimizer) are {got}, "
+             f"expected {want} (the linear layers' {linear} bytes with {slots} slots, and member "
+             f"1's tables)")
     if "= 4.69 KiB on the most loaded rank" not in text_plan:  # 4800 / 1024
         line = next((l for l in text_plan.splitlines() if l.startswith("  total: weights")), "")
         fail(f"mixed table-wise: the text plan's total line is {line!r}, expected 4800 bytes")

@@ -76,7 +76,8 @@ where their rows divide, the rest replicated). Modes:
           backward and optimizer; the all-to-all spans per step are 4 per table `meshtrain plan
           --json` places row-wise (the counts, the ids, the partial sums, the dy; none at np 1)
           and each table's first (the counts) moves the plan's counts_all_to_all_bytes; the
-          traced run's losses equal an untraced run's bit for bit.
+          traced run's losses equal an untraced run's bit for bit. And np 2 tracing steps 5 to 9
+          of 6: the trace is written at the end of the run (steps 5 and 6).
 
   check_dlrm_train.py MODE SCRIPT CONFIG WORK_DIR -- MPIEXEC... MESHTRAIN
 """
@@ -644,6 +645,23 @@ def mode_trace(launcher, config, work):
                     if got != want:
                         fail(f"np {np_}, rank {rank}: table {table['table']}'s counts "
                              f"all-to-all moved {got} bytes, the plan says {want}")
+    # A run that ends inside its trace window (6 steps, steps 5 to 9 traced) still writes what
+    # it recorded: steps 5 and 6.
+    train(launcher, 2, config, work, "traced_past_end", *sets, "--set",
+          "runtime.trace_steps=[5, 9]")
+    folder = os.path.join(work, "traced_past_end", "trace")
+    if not os.path.isfile(os.path.join(folder, "all-ranks.json")):
+        fail(f"np 2, trace_steps [5, 9] in 6 steps: {folder} has no all-ranks.json "
+             f"({sorted(os.listdir(folder)) if os.path.isdir(folder) else 'no folder'})")
+    with open(os.path.join(folder, "all-ranks.json")) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    for rank in range(2):
+        steps = sorted(e["args"]["step"] for e in events if e.get("ph") == "X" and
+                       e.get("pid") == rank and e.get("cat") == "step")
+        if steps != [5, 6]:
+            fail(f"np 2, trace_steps [5, 9] in 6 steps, rank {rank}: step spans {steps}, "
+                 "expected 5 and 6")
 
 
 def main():
