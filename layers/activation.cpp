@@ -1,7 +1,6 @@
 #include "layers/activation.hpp"
 
 #include <Kokkos_Core.hpp>
-#include <utility>
 
 #include "base/error.hpp"
 #include "framework/core/activation_math.hpp"
@@ -1025,17 +1024,11 @@ void ActivationLayer::reserve_tangents(int64_t directions) {
 }
 
 MatrixView ActivationLayer::backward_cotangents(MatrixView dy, const LayerPass& pass) {
-  const int64_t rows = cotangent_block_rows(pass, rows_);
-  const int64_t first = pass.cotangent_first_row;
-  MESHTRAIN_REQUIRE(first >= 0 && first + rows <= rows_, name_, ": cotangents of value rows [",
-                    first, ", ", first + rows, ") of ", rows_);
-  const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows, name_);
-  const MatrixView out = leading_rows(cotangents_, rows * k);
-  const MatrixView z =
-      pass.cotangent_rows > 0
-          ? MatrixView(Kokkos::subview(z_, std::make_pair(first, first + rows), Kokkos::ALL))
-          : z_;
-  activation_tangent(activation_, z, dy, out);  // a diagonal Jacobian: the same product
+  const RowBlock block = cotangent_block_rows(pass, rows_, name_);
+  const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), block.rows, name_);
+  const MatrixView out = leading_rows(cotangents_, block.rows * k);
+  // A diagonal Jacobian: the same product, with the block's pre-activations.
+  activation_tangent(activation_, row_block(z_, block.first, block.rows), dy, out);
   return out;
 }
 

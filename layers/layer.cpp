@@ -36,9 +36,24 @@ void Layer::reserve_tangents(int64_t directions) {
                     directions, " directions)");
 }
 
-MatrixView Layer::backward_cotangents(MatrixView, const LayerPass&) {
+MatrixView Layer::backward_cotangents(MatrixView, const LayerPass& pass) {
+  cotangent_block_rows(pass, 0, describe());  // a block: refused as such
   MESHTRAIN_REQUIRE(false, "layer '", describe(), "' has no reverse-mode cotangent pass");
   return MatrixView();
+}
+
+Layer::RowBlock Layer::cotangent_block_rows(const LayerPass& pass, int64_t rows,
+                                            const std::string& who) const {
+  if (pass.cotangent_rows == 0 && pass.cotangent_first_row == 0) return {0, rows};
+  MESHTRAIN_REQUIRE(cotangents_by_rows(), "layer '", who, "': a cotangent pass over value rows [",
+                    pass.cotangent_first_row, ", ", pass.cotangent_first_row + pass.cotangent_rows,
+                    "), which this layer takes only whole (cotangents_by_rows() is false)");
+  MESHTRAIN_REQUIRE(pass.cotangent_rows > 0 && pass.cotangent_first_row >= 0 &&
+                        pass.cotangent_first_row + pass.cotangent_rows <= rows,
+                    "layer '", who, "': a cotangent pass over value rows [",
+                    pass.cotangent_first_row, ", ", pass.cotangent_first_row + pass.cotangent_rows,
+                    ") of ", rows);
+  return {pass.cotangent_first_row, pass.cotangent_rows};
 }
 
 void Layer::reserve_cotangents(int64_t directions) {

@@ -127,7 +127,8 @@ struct LayerPass {
   // Cotangent passes only (backward_cotangents): dy's rows belong to the forward's value rows
   // [cotangent_first_row, cotangent_first_row + cotangent_rows) alone (the reverse pass blocked
   // over row blocks that stay in cache, Mlp::backward_cotangents(dy, first_row, rows)); 0 rows:
-  // all of them. Only layers whose cotangents_by_rows() is true are handed a block.
+  // all of them. Only layers whose cotangents_by_rows() is true take a block; every
+  // backward_cotangents reads it through Layer::cotangent_block_rows, which refuses the rest.
   int64_t cotangent_first_row = 0;
   int64_t cotangent_rows = 0;
 };
@@ -190,7 +191,8 @@ class Layer {
   // the rows, with what forward kept (activations' slopes computed once for the k); no
   // parameter gradient is touched and no loss term of a layer's own (MoE load balancing) joins.
   // Needs reserve_cotangents(k') with k' >= k first; collective where backward is; allocates
-  // nothing.
+  // nothing. dy is read, never written: a pass blocked over rows hands every block the same
+  // seed rows (run/predictor.cpp), and a residual block adds its dy after its layers' passes.
   virtual MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass);
   // Allocates what backward_cotangents needs for up to `directions` per row (as
   // reserve_tangents).
@@ -240,11 +242,15 @@ class Layer {
   // names the layer.
   int64_t tangent_directions(int64_t tangent_rows, int64_t rows, const std::string& who) const;
   int64_t cotangent_directions(int64_t cotangent_rows, int64_t rows, const std::string& who) const;
-  // The value rows a cotangent pass is of: the pass's block (cotangents_by_rows() layers), else
-  // `rows` (all of them).
-  static int64_t cotangent_block_rows(const LayerPass& pass, int64_t rows) {
-    return pass.cotangent_rows > 0 ? pass.cotangent_rows : rows;
-  }
+  // The value rows [first, first + rows) a cotangent pass is of: the pass's block
+  // (LayerPass::cotangent_first_row, cotangent_rows), or all `rows` of the forward when the
+  // pass's cotangent_rows is 0. Fails (internal use, `who` names the layer) for a block where
+  // cotangents_by_rows() is false, or one outside [0, rows). Every backward_cotangents (and a
+  // norm's cotangents_adding) starts with it, so a layer that takes no block refuses one.
+  struct RowBlock {
+    int64_t first = 0, rows = 0;
+  };
+  RowBlock cotangent_block_rows(const LayerPass& pass, int64_t rows, const std::string& who) const;
   int64_t tangent_capacity_ = 0, cotangent_capacity_ = 0;
 };
 
@@ -252,6 +258,11 @@ class Layer {
 // directions than reserved uses).
 inline MatrixView leading_rows(const Matrix& m, int64_t count) {
   return MatrixView(m.data(), count, m.extent(1));
+}
+
+// Rows [first, first + count) of a row-major matrix, as a view (a block of the value rows).
+inline MatrixView row_block(MatrixView m, int64_t first, int64_t count) {
+  return MatrixView(m.data() + first * static_cast<int64_t>(m.extent(1)), count, m.extent(1));
 }
 
 }  // namespace meshtrain

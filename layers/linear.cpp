@@ -560,9 +560,7 @@ void Linear::reserve_tangents(int64_t directions) {
 
 MatrixView Linear::backward_cotangents(MatrixView dy, const LayerPass& pass) {
   LayerScratch& scratch = *pass.scratch;
-  const int64_t rows = cotangent_block_rows(pass, rows_);
-  MESHTRAIN_REQUIRE(rows == rows_ || cotangents_by_rows(), "linear layer '", layout_.layer,
-                    "': a cotangent pass over a block of rows needs no tp and no gathered weight");
+  const int64_t rows = cotangent_block_rows(pass, rows_, layout_.layer).rows;
   const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows, layout_.layer);
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(1)) == layout_.out_local, "linear layer '",
                     layout_.layer, "': cotangent input is [", dy.extent(0), ", ", dy.extent(1),

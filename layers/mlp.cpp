@@ -649,7 +649,7 @@ void require_every_layer(const std::vector<Layer*>& sequence, bool (Layer::*supp
 }  // namespace
 
 MatrixView Mlp::backward_cotangents(MatrixView dy) {
-  return backward_cotangents(dy, 0, 0);
+  return backward_cotangents(dy, 0, rows_);
 }
 
 bool Mlp::cotangents_by_rows() const {
@@ -661,19 +661,29 @@ bool Mlp::cotangents_by_rows() const {
 
 MatrixView Mlp::backward_cotangents(MatrixView dy, int64_t first_row, int64_t rows) {
   require_fp32(compute_dtype_);
-  const bool block = rows > 0;
-  MESHTRAIN_REQUIRE(!block || (cotangents_by_rows() && first_row >= 0 && first_row + rows <= rows_),
-                    "cotangents of value rows [", first_row, ", ", first_row + rows, ") of ", rows_,
-                    block && !cotangents_by_rows() ? ": a layer takes no block of rows" : "");
+  const bool whole = first_row == 0 && rows == rows_;  // the pass over every row
+  if (!whole && (rows <= 0 || first_row < 0 || first_row + rows > rows_)) {
+    MESHTRAIN_BAD_INPUT("Mlp::backward_cotangents: value rows [", first_row, ", ", first_row + rows,
+                        ") are not a block of the forward's ", rows_,
+                        " rows (first_row >= 0, rows > 0, first_row + rows <= ", rows_, ")");
+  }
+  const bool blocked = !whole;
+  if (blocked && !cotangents_by_rows()) {
+    MESHTRAIN_BAD_INPUT("Mlp::backward_cotangents: value rows [", first_row, ", ", first_row + rows,
+                        ") of ", rows_, ": a layer of this model takes its ",
+                        "cotangents only for every row (cotangents_by_rows() is false: tp, a ",
+                        "gathered parameter, SwiGLU, MoE, dropout after a training forward, or ",
+                        "device kernels)");
+  }
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(1)) == output_width(), "output cotangents are [",
-                    dy.extent(0), ", ", dy.extent(1), "], expected [", block ? rows : rows_,
-                    " x directions, ", output_width(), "]");
+                    dy.extent(0), ", ", dy.extent(1), "], expected [", rows, " x directions, ",
+                    output_width(), "]");
   MatrixView g = dy;
   for (size_t k = sequence_.size(); k-- > 0;) {
     LayerPass pass;
     pass.scratch = &scratch_;
-    pass.cotangent_first_row = block ? first_row : 0;
-    pass.cotangent_rows = block ? rows : 0;
+    pass.cotangent_first_row = blocked ? first_row : 0;
+    pass.cotangent_rows = blocked ? rows : 0;
     TraceSpan span(tracer().on() ? trace_name(k) : "", TraceKind::layer);
     span.detail("cotangents");
     g = sequence_[k]->backward_cotangents(g, pass);

@@ -161,11 +161,18 @@ class Mlp {
   // The same for the value rows [first_row, first_row + rows) alone: dy [rows * k,
   // output_width()] -> [rows * k, sizes[0]], the rows backward_cotangents(dy of every row) gives
   // them. A reverse pass blocked over row blocks (each block through every layer before the
-  // next) keeps a block's cotangents and the forward's values it reads in cache. Only where
-  // cotangents_by_rows(); no collective.
+  // next) keeps a block's cotangents and the forward's values it reads in cache. [0,
+  // local_rows) is the pass over every row, backward_cotangents(dy) (collective where layers
+  // are); a smaller block needs cotangents_by_rows() and has no collective. bad_input for rows
+  // <= 0, first_row < 0, first_row + rows > local_rows, or a block where !cotangents_by_rows().
+  // dy is only read (every block may be handed the same seed rows).
   MatrixView backward_cotangents(MatrixView dy, int64_t first_row, int64_t rows);
   // Whether every layer takes a block of rows in its cotangent pass (no tp, no gathered
-  // parameter, no MoE or SwiGLU layer, the norms' one-pass cotangents: host memory).
+  // parameter, no MoE or SwiGLU layer, the norms' one-pass cotangents: host memory). It
+  // depends on the last forward through the layers (not infer's host path): a dropout layer
+  // takes blocks after one outside training (forward_for_derivatives, as the Predictor runs)
+  // and not after a training one, whose mask it keeps (DropoutLayer::cotangents_by_rows); ask
+  // after the forward the cotangents are of.
   bool cotangents_by_rows() const;
   // Allocate every layer's buffers for up to `directions` per row, and the shared scratch's
   // collective-matmul workspace for them. Not collective.

@@ -42,11 +42,6 @@ void permute_rows(MatrixView src, MatrixView dst, const Kokkos::View<int64_t*>& 
       });
 }
 
-// Rows [first, first + count) of m.
-MatrixView row_block(MatrixView m, int64_t first, int64_t count) {
-  return MatrixView(m.data() + first * static_cast<int64_t>(m.extent(1)), count, m.extent(1));
-}
-
 using HostOffsets = Kokkos::View<int64_t*>::HostMirror;
 
 // Y_e = X_e W_e for each of the `local` experts on its rows (expert-major offsets); w holds
@@ -1002,6 +997,7 @@ void MoeLayer::experts_tangents(LayerScratch& scratch, int64_t directions, bool 
 MatrixView MoeLayer::backward_cotangents(MatrixView dy, const LayerPass& pass) {
   LayerScratch& scratch = *pass.scratch;
   const MoeLayout& l = layout_;
+  cotangent_block_rows(pass, rows_, l.layer);  // whole passes only: a block is refused
   const int64_t dirs = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows_, l.layer);
   const int64_t rows = rows_ * dirs;
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(1)) == l.output_width(), "MoE layer '", l.layer,

@@ -570,9 +570,7 @@ void FeatureNorm::reserve_tangents(int64_t directions) {
 }
 
 MatrixView FeatureNorm::backward_cotangents(MatrixView dy, const LayerPass& pass) {
-  const int64_t block = cotangent_block_rows(pass, rows_);
-  MESHTRAIN_REQUIRE(block == rows_ || cotangents_by_rows(), "norm '", name_,
-                    "': a cotangent pass over a block of rows needs the one-pass cotangents");
+  const int64_t block = cotangent_block_rows(pass, rows_, name_).rows;
   const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), block, name_);
   const int64_t rows = block * k;
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(1)) == layout_.local_width, "norm '", name_,
@@ -605,12 +603,8 @@ void FeatureNorm::cotangents_adding(MatrixView dy, MatrixView add, MatrixView ou
                     "': one-pass cotangents need host memory, fp32 and whole rows");
   // A block of the value rows (LayerPass::cotangent_first_row, cotangent_rows), or all of them:
   // x_ and stats_ read at the block's rows, dy, add and out from their first row.
-  const int64_t block = cotangent_block_rows(pass, rows_);
-  const int64_t first = pass.cotangent_first_row;
-  MESHTRAIN_REQUIRE(
-      first >= 0 && first + block <= rows_ && (block == rows_ || !params_[0].gathered()), "norm '",
-      name_, "': cotangents of value rows [", first, ", ", first + block, ") of ", rows_,
-      " (a block needs the scale not gathered)");
+  const RowBlock rows_of = cotangent_block_rows(pass, rows_, name_);
+  const int64_t block = rows_of.rows, first = rows_of.first;
   const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), block, name_);
   const int64_t cols = layout_.local_width;
   MESHTRAIN_REQUIRE(static_cast<int64_t>(dy.extent(1)) == cols && out.extent(0) == dy.extent(0) &&

@@ -220,9 +220,7 @@ void ResidualBlock::reserve_tangents(int64_t directions) {
 }
 
 MatrixView ResidualBlock::backward_cotangents(MatrixView dy, const LayerPass& pass) {
-  const int64_t rows = cotangent_block_rows(pass, rows_);
-  MESHTRAIN_REQUIRE(rows == rows_ || cotangents_by_rows(), "residual block '", name_,
-                    "': a cotangent pass over a block of rows, which a layer of it cannot take");
+  const int64_t rows = cotangent_block_rows(pass, rows_, name_).rows;
   const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows, name_);
   LayerPass inner;
   inner.scratch = pass.scratch;

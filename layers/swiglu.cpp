@@ -222,6 +222,7 @@ void SwiGlu::reserve_tangents(int64_t directions) {
 
 MatrixView SwiGlu::backward_cotangents(MatrixView dy, const LayerPass& pass) {
   require_fp32_buffers("cotangents");
+  cotangent_block_rows(pass, rows_, name_);  // whole passes only: a block is refused
   const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), rows_, name_);
   const int64_t rows = rows_ * k;
   LayerPass inner;

@@ -2,6 +2,7 @@
 
 #include "run/predictor.hpp"
 
+#include <unistd.h>  // sysconf
 #include <algorithm>
 #include <cmath>
 #include <utility>
@@ -169,10 +170,20 @@ void store_input_cotangents(const MatrixView& cotangents, int64_t first, int64_t
 }
 
 // A reverse-mode row block's working set: a block's cotangents going in and out of the widest
-// layer (2k rows a value row) and the forward's values it reads (one). Half of a 2 MiB L2, the
-// rest for the weights every block reads again (the benchmark's model: 8 of 128 KiB); measured
-// against 1 MiB and 256 KiB in docs/derivatives.md.
-constexpr int64_t kRowBlockBytes = int64_t{1} << 19;
+// layer (2k rows a value row) and the forward's values it reads (one). A quarter of the core's
+// L2 (sysconf; 512 KiB, a quarter of 2 MiB, where it says nothing), the rest for the weights
+// every block reads again (the benchmark's model: 8 of 128 KiB) and what the GEMMs pack;
+// measured against 1 MiB and 256 KiB on a 2 MiB L2 in docs/derivatives.md.
+int64_t row_block_bytes() {
+  static const int64_t bytes = [] {
+    int64_t l2 = 0;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    l2 = static_cast<int64_t>(sysconf(_SC_LEVEL2_CACHE_SIZE));  // 0 or -1: unknown
+#endif
+    return l2 > 0 ? l2 / 4 : int64_t{1} << 19;
+  }();
+  return bytes;
+}
 
 // The widest layer's features (global), for the forward-mode passes' size.
 int64_t widest_layer(const ModelSection& model) {
@@ -526,7 +537,7 @@ int64_t Predictor::jacobian_row_block() const {
     const int64_t k = jacobian_directions(JacobianMode::reverse);
     const int64_t bytes_per_row =
         static_cast<int64_t>(sizeof(float)) * (2 * k + 1) * widest_layer(config_.model);
-    block = std::max<int64_t>(8, kRowBlockBytes / bytes_per_row);
+    block = std::max<int64_t>(8, row_block_bytes() / bytes_per_row);
   }
   if (block >= rows) return rows;
   const int64_t blocks = (rows + block - 1) / block;  // as even as whole blocks go
@@ -601,19 +612,18 @@ Prediction Predictor::run_jacobian(int64_t rows, JacobianMode mode) {
   } else {
     const int64_t offset = model_->output_offset(), width = model_->output_width();
     const int64_t local = slice_.rows, block = jacobian_row_block();
+    // One block (block == local) is the pass over every row, padding included (collective where
+    // layers are); blocks have no collective and stop after the call's rows (the padding's are
+    // never returned); the warm-up (rows 0) takes every row.
+    const int64_t end = block < local && rows > 0 ? rows : local;
     for (int64_t first = 0; first < outputs(); first += k) {
       const int64_t dirs = std::min(k, outputs() - first);
-      // Every block's seed is the first rows of one: row t's direction is t % dirs.
+      // Every block's seed is the first rows of one: row t's direction is t % dirs (the layers
+      // read it and never write it).
       seed_output_directions(MatrixView(cotangent_seed_.data(), block * dirs, width), first, dirs,
                              offset, target_scale_);
-      if (block >= local) {  // one block: the pass over every row (collective where layers are)
-        const MatrixView seed(cotangent_seed_.data(), local * dirs, width);
-        store_input_cotangents(model_->backward_cotangents(seed), first, dirs, inverse_input_std_,
-                               jacobian_, 0, local);
-        continue;
-      }
-      for (int64_t row = 0; row < local; row += block) {  // each block through every layer
-        const int64_t n = std::min(block, local - row);
+      for (int64_t row = 0; row < end; row += block) {  // each block through every layer
+        const int64_t n = std::min(block, end - row);
         const MatrixView seed(cotangent_seed_.data(), n * dirs, width);
         store_input_cotangents(model_->backward_cotangents(seed, row, n), first, dirs,
                                inverse_input_std_, jacobian_, row, n);

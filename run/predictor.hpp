@@ -158,12 +158,16 @@ class Predictor {
   // Reverse mode's row blocks: each block of this many local rows takes its cotangents through
   // every layer before the next block (docs/derivatives.md, "Blocked reverse pass"), so that
   // they and the forward's values they read stay in cache. 0 (the default): rows chosen so that
-  // a block's cotangents and values fit about 512 KiB; rows >= local_rows(): one block. Only where
+  // a block's cotangents and values fit a quarter of the L2 (sysconf; 512 KiB where it says
+  // nothing); rows >= local_rows(): one block. Only where
   // every layer takes blocks (Mlp::cotangents_by_rows: no tp, no gathered parameter, no MoE or
   // SwiGLU) on host kernels; elsewhere one block. Not collective; any time.
   void set_jacobian_row_block(int64_t rows);
   // The rows per block reverse mode uses (local_rows() when unblocked).
   int64_t jacobian_row_block() const;
+  // The model, for the layers' own API (tests: Mlp::backward_cotangents's refusals). Calls on it
+  // change what the Predictor's buffers hold: run jacobian() or predict() again after.
+  Mlp& model() { return *model_; }
 
   int64_t inputs() const { return config_.model.input_width(); }
   int64_t outputs() const { return config_.model.output_width(); }

@@ -14,7 +14,7 @@ meshtrain_add_test(NAME predict_inference_test SOURCES predict/inference_test.cp
 # (dp, fsdp, tp, fsdp x tp, ep) against one rank, central differences of predict(), several
 # passes of each mode against one, reverse mode blocked over rows against one block, no
 # allocation per call, the refusals; MLP, residual_mlp
-# (LayerNorm + SiLU, RMSNorm + SwiGLU) and MoE models.
+# (LayerNorm + SiLU, RMSNorm + SwiGLU, RMSNorm + SiLU + dropout) and MoE models.
 meshtrain_add_test(NAME predict_jacobian_test SOURCES predict/jacobian_test.cpp
                    LIBS meshtrain_run meshtrain_test_counting_allocator NP 1 2 4 TIMEOUT 300
                    EMULATED)

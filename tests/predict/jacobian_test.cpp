@@ -1,7 +1,7 @@
 // Predictor::jacobian (docs/derivatives.md) on every mesh the world allows: dp, fsdp, tp,
 // fsdp x tp, and ep for the MoE models. Small regression models (an MLP, residual_mlps with
-// LayerNorm + SiLU (widths 8 and 40) and RMSNorm + SwiGLU, an MoE MLP and an MoE residual
-// block) are trained two
+// LayerNorm + SiLU (widths 8 and 40), RMSNorm + SwiGLU and RMSNorm + SiLU + dropout, an MoE MLP
+// and an MoE residual block) are trained two
 // steps on dp with standardized inputs and targets, saved, and differentiated on each mesh in
 // both modes. Checked, on 37 rows (not a multiple of the batch of 16, inputs at scales 1e-3 to
 // 1e3):
@@ -98,6 +98,12 @@ std::vector<ModelCase> model_cases() {
   wide.hidden = 48;
   wide.depth = 1;
   cases.push_back({"residual_layernorm_silu_wide", wide});
+
+  // Dropout in training, the identity here (the Predictor's forward is not a training one).
+  ModelSection dropout = residual;
+  dropout.norm = ModelNorm::rmsnorm;
+  dropout.dropout = 0.1;
+  cases.push_back({"residual_rmsnorm_silu_dropout", dropout});
   return cases;
 }
 
@@ -450,11 +456,14 @@ TEST_F(JacobianTest, AllocatesNothingPerCall) {
 // pass"): blocks of 1 and 3 rows (a partial last block) against one block of every row, in
 // normalized units within 1e-5 of the largest |J'|, the tolerance of forward against reverse mode:
 // the same float32 arithmetic per row but for the GEMMs, whose kernels for a few rows may sum in
-// another order (measured: at most 2.8e-7 here, 0 at np 4); no allocation per call. Where a layer
-// takes no blocks (a gathered weight under fsdp, tp, SwiGLU, MoE) one block is used.
+// another order (measured: at most 2.8e-7 here, 0 at np 4); no allocation per call; a partial
+// batch (the last of kRows) stops after its rows' blocks. Where a layer takes no blocks (a
+// gathered weight under fsdp, tp, SwiGLU, MoE) one block is used: checked with blocks of 3
+// asked. Models: the MLP, residual LayerNorm + SiLU, residual RMSNorm + SiLU + dropout (eval),
+// SwiGLU and the MoE MLP (one block).
 TEST_F(JacobianTest, BlockedReversePassEqualsOneBlock) {
   const std::vector<ModelCase> cases = model_cases();
-  for (size_t k : {size_t{0}, size_t{1}, size_t{2}}) {  // mlp, residual, SwiGLU (one block)
+  for (size_t k : {size_t{0}, size_t{1}, size_t{6}, size_t{2}, size_t{3}}) {
     const ModelCase& m = cases[k];
     const std::vector<float> x = inputs(kRows, m.model.input_width());
     for (const MeshCase& mesh : mesh_cases(m)) {
@@ -465,9 +474,9 @@ TEST_F(JacobianTest, BlockedReversePassEqualsOneBlock) {
       EXPECT_EQ(whole.jacobian_row_block(), whole.local_rows());
       const std::vector<double> once =
           normalized(whole, jacobian_all(whole, x, JacobianMode::reverse).jacobian);
-      const bool blocks = inference::layers_run_host_kernels() && !m.model.swiglu &&
+      const bool blocks = inference::layers_run_host_kernels() && !m.model.swiglu && !m.moe &&
                           (mesh.name == "dp" || world_size() == 1);
-      for (int64_t rows : {1, 3}) {
+      for (int64_t rows : blocks ? std::vector<int64_t>{1, 3} : std::vector<int64_t>{3}) {
         Predictor p(checkpoints_[k], kBatch, mesh.overrides);
         p.set_jacobian_row_block(rows);
         const int64_t local = p.local_rows();
@@ -487,7 +496,7 @@ TEST_F(JacobianTest, BlockedReversePassEqualsOneBlock) {
         EXPECT_EQ(window.close(), 0) << "heap allocations in a blocked jacobian() call";
         EXPECT_EQ(window.kokkos_allocations(), 0);
       }
-      if (m.model.input_width() == 5 && mesh.name == "dp") {   // mlp_gelu: 3 outputs
+      if (k == 0 && mesh.name == "dp") {                       // mlp_gelu: 3 outputs
         Predictor p(checkpoints_[k], kBatch, mesh.overrides);  // passes of 2 and 1 outputs
         p.limit_jacobian_directions(2);
         p.set_jacobian_row_block(3);
@@ -499,6 +508,50 @@ TEST_F(JacobianTest, BlockedReversePassEqualsOneBlock) {
   Predictor p(checkpoints_[0], kBatch);
   testing::expect_bad_input([&] { p.set_jacobian_row_block(-1); },
                             {"set_jacobian_row_block(-1)", "0 (automatic) or positive"});
+}
+
+// Mlp::backward_cotangents(dy, first_row, rows): [0, local rows) is the pass over every row,
+// bit for bit, on a model that takes no block (SwiGLU), which refuses a smaller block; a model
+// that takes blocks refuses rows <= 0 and blocks outside its rows. dy is one direction a row.
+TEST_F(JacobianTest, CotangentBlocksOfTheModel) {
+  {
+    Predictor swiglu(checkpoints_[2], kBatch);
+    swiglu.prepare_jacobian(JacobianMode::reverse);  // the forward, the cotangent buffers
+    Mlp& model = swiglu.model();
+    const int64_t n = swiglu.local_rows();
+    EXPECT_FALSE(model.cotangents_by_rows());
+    Matrix dy("dy", n, model.output_width());
+    Kokkos::deep_copy(dy, 0.5f);
+    Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::HostSpace> whole("whole", n,
+                                                                        swiglu.inputs());
+    Kokkos::deep_copy(whole, model.backward_cotangents(dy));
+    const auto block = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(),
+                                                           model.backward_cotangents(dy, 0, n));
+    ASSERT_EQ(block.extent(0), whole.extent(0));
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t c = 0; c < swiglu.inputs(); ++c) ASSERT_EQ(block(r, c), whole(r, c));
+    }
+    if (n > 1) {
+      testing::expect_bad_input(
+          [&] { model.backward_cotangents(MatrixView(dy.data(), n - 1, dy.extent(1)), 1, n - 1); },
+          {"Mlp::backward_cotangents", "takes its cotangents only for every row"});
+    }
+  }
+  Predictor mlp(checkpoints_[0], kBatch);
+  mlp.prepare_jacobian(JacobianMode::reverse);
+  Mlp& model = mlp.model();
+  const int64_t n = mlp.local_rows();
+  EXPECT_EQ(model.cotangents_by_rows(), inference::layers_run_host_kernels());
+  Matrix dy("dy", n, model.output_width());
+  const MatrixView two(dy.data(), 2, dy.extent(1));
+  testing::expect_bad_input([&] { model.backward_cotangents(two, n - 1, 2); },
+                            {"Mlp::backward_cotangents", "not a block of the forward's"});
+  testing::expect_bad_input([&] { model.backward_cotangents(two, -1, 2); },
+                            {"Mlp::backward_cotangents", "not a block of the forward's"});
+  testing::expect_bad_input([&] { model.backward_cotangents(two, 0, -2); },
+                            {"Mlp::backward_cotangents", "not a block of the forward's"});
+  testing::expect_bad_input([&] { model.backward_cotangents(two, 1, 0); },
+                            {"Mlp::backward_cotangents", "not a block of the forward's"});
 }
 
 TEST_F(JacobianTest, RefusesBadShapesAndModes) {
