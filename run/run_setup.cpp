@@ -770,7 +770,7 @@ void TrainingRun::choose_cuda_graphs() {
   // The regions' buffers, sized once (fill_graph_buffers writes them in place every step).
   const size_t tensors = model_->parameters().size();
   forward_backward_graph_->buffers().assign(3 + 2 * tensors, nullptr);
-  update_graph_->buffers().assign(2 * tensors, nullptr);
+  update_graph_->buffers().assign((3 + optimizer_->slot_names().size()) * tensors, nullptr);
 }
 
 }  // namespace meshtrain

@@ -440,7 +440,7 @@ double TrainingRun::accumulate_captured_batch() {
   }
   if (copies_current) {
     fill_graph_buffers();
-    forward_backward_graph_->run(region);
+    run_graphed(*forward_backward_graph_, StepRegion(region));
   } else {
     forward_backward_graph_->run_eagerly(region);
   }
@@ -464,7 +464,8 @@ double TrainingRun::accumulate_captured_batch() {
 }
 
 // The addresses the captured regions read and write, in place (no allocation): the batch, the
-// loss's gradient, every parameter and gradient.
+// loss's gradient, every parameter and gradient; for the update also the optimizer's slots and
+// the parameters' 16-bit compute copies (null where a parameter has none).
 void TrainingRun::fill_graph_buffers() {
   std::vector<const void*>& region = forward_backward_graph_->buffers();
   std::vector<const void*>& update = update_graph_->buffers();
@@ -479,6 +480,43 @@ void TrainingRun::fill_graph_buffers() {
     region[4 + 2 * i] = grads[i].local.data();
     update[2 * i] = params[i].local.data();
     update[2 * i + 1] = grads[i].local.data();
+  }
+  size_t next = 2 * params.size();
+  for (const std::string& name : optimizer_->slot_names()) {
+    for (const ShardedTensor& s : std::as_const(*optimizer_).slot(name)) {
+      update[next++] = s.local.data();
+    }
+  }
+  for (const ShardedTensor& p : params) {
+    update[next++] = p.copy_16bit ? static_cast<const void*>(p.copy_16bit->bits.data()) : nullptr;
+  }
+}
+
+// Graphs are on only under runtime.cuda_graphs = "auto" (no setting insists on them), which
+// promises the step's results, not its speed: a capture or replay that StepGraph refuses (the
+// host checker's refusal, a CUDA capture error, scratch reallocated under the graph) turns
+// graphs off for the rest of the run, with one warning, and the region runs eagerly, unless
+// the refused call already did its work (the host checker refuses after running it). For the
+// update, prepare_step has counted the step already: the eager region is launch_prepared, with
+// the rates it wrote. A region that fails eagerly too throws as it would without graphs.
+void TrainingRun::run_graphed(StepGraph& graph, const StepRegion& region) {
+  try {
+    graph.run_region(region);
+  } catch (const std::exception& error) {
+    turn_graphs_off(graph, error.what());
+    if (!graph.last_call_ran()) region();
+  }
+}
+
+void TrainingRun::turn_graphs_off(const StepGraph& graph, const std::string& why) {
+  graphs_ = false;
+  graphs_note_ =
+      detail::concat("CUDA graphs: off from step ", steps_done_ + 1, ", where the ", graph.name(),
+                     " region could not be ", graph.captured() ? "replayed" : "captured", " (", why,
+                     "); the run goes on eagerly");
+  if (rank_ == 0) {
+    warnings_.push_back(graphs_note_);
+    if (events_.on_warning) events_.on_warning(graphs_note_);
   }
 }
 
@@ -590,7 +628,7 @@ StepResult TrainingRun::apply_update() {
       // The step's rate and bias corrections into the memory the captured kernels read.
       optimizer_->prepare_step(lr_);
       auto update = [&] { optimizer_->launch_prepared(updated_parameters(), update_grads); };
-      update_graph_->run(update);
+      run_graphed(*update_graph_, StepRegion(update));
     } else {
       optimizer_->step(updated_parameters(), update_grads, lr_);
     }

@@ -329,6 +329,9 @@ class TrainingRun {
   void keep_data_error(Loss& loss);
   double accumulate_captured_batch();  // accumulate_loaded_batch with graphs_ on
   void fill_graph_buffers();
+  // One call of a captured region; a capture or replay it refuses turns graphs off (below).
+  void run_graphed(StepGraph& graph, const StepRegion& region);
+  void turn_graphs_off(const StepGraph& graph, const std::string& why);
   void check_fp16_overflow(bool loss_overflowed);
   void forget_micro_batches();  // the step under way starts over
   bool record_evaluation(const EvalEvent& eval);

@@ -79,8 +79,10 @@ meshtrain_add_test(NAME train_step_allocations_test SOURCES train/step_allocatio
 # allocation or host read inside the regions; the same buffers and kernels at every replay), and
 # a replay re-runs the step: the protocol and the checker are tested, not CUDA. The default MLP
 # step in fp32 and bf16 at np 1 is captured and equals the eager step bit for bit, allocating
-# nothing; at np 2 (MPI staging through the host) "auto" stays off and says why; the checker's
-# positive controls (an injected fence, host read, copy, allocation, moved buffer, other kernel).
+# nothing; at np 2 (MPI staging through the host) "auto" stays off and says why; a refusal
+# injected at either region's capture falls back to the eager step (bit for bit, one warning);
+# the checker's positive controls (an injected fence, host read, copy, allocation, moved buffer,
+# scratch regrown since the capture, other kernel).
 meshtrain_add_test(NAME train_step_graph_test SOURCES train/step_graph_test.cpp
                    LIBS meshtrain_run meshtrain_test_counting_allocator NP 1 2 TIMEOUT 60 EMULATED)
 # GEMMs run on oneDNN where the build has it (the default): nothing is allocated but the map of

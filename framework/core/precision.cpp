@@ -20,8 +20,9 @@ using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 // clones (host_clones.hpp, without FMA contraction: the fp16 conversions' one float addition or
 // subtraction is the same IEEE operation in every clone; the bf16 ones are integer arithmetic),
 // so 16 lanes on AVX-512 where the baseline runs 4; the same bits, the same one labelled kernel.
-// No __restrict: nothing checks that a caller's source and destination are disjoint, so the
-// compiler's vectorized loop checks the overlap at run time (and runs scalar where they overlap).
+// pack_span and unpack_span's source and destination must not overlap (precision.hpp): they
+// are of different types (float, uint16_t), so under strict aliasing the compiler may assume
+// them disjoint and vectorize without a run-time overlap check.
 template <Dtype dtype>
 MESHTRAIN_INLINE void round_span(float* data, int64_t count) {
   for (int64_t k = 0; k < count; ++k) data[k] = round_as<dtype>(data[k]);

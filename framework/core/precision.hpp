@@ -142,7 +142,8 @@ void round_copy_keeping_16bit(ConstMatrixView src, MatrixView dst, HalfMatrixVie
                               Dtype dtype);
 // dst = the fp32 values of the 16-bit elements src (exact); same extents, both contiguous.
 void widen_16bit(ConstHalfMatrixView src, MatrixView dst, Dtype dtype);
-// dst[k] = to_16bit(src[k]) and back; count elements, contiguous.
+// dst[k] = to_16bit(src[k]) (pack) and src[k]'s fp32 value (unpack); count elements,
+// contiguous. src and dst must not overlap (the loops assume them disjoint, precision.cpp).
 void pack_16bit(const float* src, uint16_t* dst, std::size_t count, Dtype dtype);
 // dst [r, n*c] = the fp32 values of n gathered blocks [n][r][c] of 16-bit elements (block j at
 // columns j*c), in one pass: a weight all-gathered on its columns as 16 bits, widened in place.

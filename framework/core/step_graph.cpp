@@ -36,6 +36,8 @@ struct Checker {
 
 Checker g_checker;
 
+std::atomic<uint64_t> g_scratch_generation{0};
+
 thread_local int t_host_library_fences = 0;  // HostLibraryFence's depth on this thread
 
 bool watching() {
@@ -179,6 +181,14 @@ HostLibraryFence::~HostLibraryFence() {
   --t_host_library_fences;
 }
 
+uint64_t device_scratch_generation() {
+  return g_scratch_generation.load(std::memory_order_acquire);
+}
+
+void note_device_scratch_regrown() {
+  g_scratch_generation.fetch_add(1, std::memory_order_acq_rel);
+}
+
 bool step_graph_checking() {
   return g_checker.open.load(std::memory_order_acquire);
 }
@@ -200,6 +210,12 @@ bool StepGraph::replays_cuda_graphs() {
 }
 
 void StepGraph::check_buffers() const {
+  if (device_scratch_generation() != captured_generation_) {
+    MESHTRAIN_FAIL("StepGraph '", name_, "': device scratch was freed and reallocated ",
+                   device_scratch_generation() - captured_generation_,
+                   " time(s) since the capture (a larger GEMM grew its staging buffers); a "
+                   "replay would read and write freed memory");
+  }
   if (buffers_.size() != captured_buffers_.size()) {
     MESHTRAIN_FAIL("StepGraph '", name_, "': the region names ", buffers_.size(),
                    " buffers, the captured one ", captured_buffers_.size(),
@@ -225,6 +241,7 @@ void StepGraph::checked_call(const StepRegion& step_fn, bool capturing) {
     throw;
   }
   close_checker();
+  last_call_ran_ = true;  // a refusal below comes after the work was done
   const Checker& c = g_checker;
   if (c.problems > 0) {
     MESHTRAIN_FAIL("StepGraph '", name_, "' cannot be captured as a CUDA graph: ", c.problems,
@@ -247,6 +264,7 @@ void StepGraph::run_region(const StepRegion& step_fn) {
   MESHTRAIN_REQUIRE(!broken_, "StepGraph '", name_,
                     "' failed to capture or replay at an earlier step and does not run again");
   ++calls_;
+  last_call_ran_ = false;
   if (calls_ <= warm_up_) {
     step_fn();
     return;
@@ -254,6 +272,7 @@ void StepGraph::run_region(const StepRegion& step_fn) {
   try {
     if (!captured_) {
       captured_buffers_ = buffers_;  // once, outside the steady state
+      captured_generation_ = device_scratch_generation();
       if (step_graph_backend::available()) {
         step_graph_backend::capture(backend_->graph, name_, step_fn);
         step_graph_backend::launch(backend_->graph, name_);

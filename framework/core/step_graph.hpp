@@ -26,7 +26,15 @@
 //
 // A region may not throw between steps on a GPU without the graph being dropped: run()
 // rethrows step_fn's exception after ending the capture, and the StepGraph then refuses to
-// run again (it says so).
+// run again (it says so). A caller that can go on without the graph (TrainingRun under
+// runtime.cuda_graphs = "auto") catches that error and runs the region eagerly from then on;
+// last_call_ran() tells it whether the failed call's work was done (the host checker refuses
+// after running step_fn to its end) or must be done again.
+//
+// Device scratch that grows by free and reallocation (gemm_cublas.cpp's 16-bit staging) would
+// leave a captured graph pointing at freed memory: every such growth calls
+// note_device_scratch_regrown(), and a replay after one is refused (the capture recorded
+// device_scratch_generation()).
 
 #include <cstdint>
 #include <memory>
@@ -82,6 +90,10 @@ class StepGraph {
   // Whether the region has been captured (run() now replays), how many times it was replayed,
   // and whether run() replays a CUDA graph (true) or re-runs step_fn under the checker (false).
   bool captured() const { return captured_; }
+  // After run() threw: whether that call's step_fn ran to its end (the host checker's refusal
+  // of what it saw, after the fact); false where it did not run, threw, or was only recorded
+  // into a CUDA graph (nothing ran), so its work is still to be done.
+  bool last_call_ran() const { return last_call_ran_; }
   int64_t replays() const { return replays_; }
   static bool replays_cuda_graphs();
   // The host checker: the Kokkos kernels the captured region launched (0 before the capture
@@ -96,6 +108,8 @@ class StepGraph {
   int64_t calls_ = 0;
   bool captured_ = false;
   bool broken_ = false;
+  bool last_call_ran_ = false;
+  uint64_t captured_generation_ = 0;  // device_scratch_generation() at the capture
   int64_t replays_ = 0;
   std::vector<const void*> buffers_;
   std::vector<const void*> captured_buffers_;
@@ -105,6 +119,12 @@ class StepGraph {
   void check_buffers() const;
   void checked_call(const StepRegion& step_fn, bool capturing);
 };
+
+// How many times device scratch that a captured graph may point at was freed and reallocated
+// (a grow: gemm_cublas.cpp's 16-bit staging). Each grow calls note_device_scratch_regrown();
+// a StepGraph refuses to replay a graph captured at another generation.
+uint64_t device_scratch_generation();
+void note_device_scratch_regrown();
 
 // Marks a read of device data on the host (a loss read back, a norm checked): inside a region
 // the checker watches, the region is refused with `what` named. Costs one load otherwise.

@@ -1,7 +1,8 @@
 #pragma once
 // One AdamW element update and its bias correction (torch.optim.AdamW's arithmetic), shared by
 // the dense optimizer (framework/train/optimizer.cpp) and the sparse table updates
-// (layers/sparse_optimizer.cpp), so that a row updated every step is the same float either way.
+// (layers/sparse_optimizer.cpp), so that a row updated every step is the same float either way;
+// and SGD's element updates (torch.optim.SGD's), which every path of the dense optimizer calls.
 
 #include <Kokkos_Core.hpp>
 
@@ -25,6 +26,21 @@ KOKKOS_INLINE_FUNCTION float adamw_element(float p, float grad, float& m, float&
   m = mi;
   v = vi;
   return p * decay - step_size * mi / (kmath::sqrt(vi * inv_correction2) + eps);
+}
+
+// SGD with momentum: buf updated in place (at the first step buf = the gradient, torch's);
+// returns p - lr * buf, the gradient with weight decay wd added.
+KOKKOS_INLINE_FUNCTION float sgd_element(float p, float grad, float& buf, float lr, float momentum,
+                                         float wd, bool first) {
+  const float decayed = grad + wd * p;
+  const float b = first ? decayed : momentum * buf + decayed;
+  buf = b;
+  return p - lr * b;
+}
+
+// Plain SGD (momentum 0, no state): p - lr * (grad + wd * p).
+KOKKOS_INLINE_FUNCTION float sgd_plain_element(float p, float grad, float lr, float wd) {
+  return p - lr * (grad + wd * p);
 }
 
 }  // namespace meshtrain

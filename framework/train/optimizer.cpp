@@ -2,6 +2,7 @@
 
 #include <Kokkos_Core.hpp>
 #include <cmath>
+#include <type_traits>
 
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
@@ -17,6 +18,14 @@
 namespace meshtrain {
 namespace {
 
+// bits[i] = master rounded to `dtype`'s 16 bits (nothing for fp32): what every update writes
+// into the parameter's 16-bit compute copy, the Kokkos kernels through CopyOut and the host
+// loops directly.
+template <Dtype dtype>
+KOKKOS_INLINE_FUNCTION void write_copy(uint16_t* bits, int64_t i, float master) {
+  if constexpr (dtype != Dtype::fp32) bits[i] = to_16bit_as<dtype>(master);
+}
+
 // Where an update also writes the parameter's 16-bit compute copy (ShardedTensor::copy_16bit):
 // round_P(new master) in the same pass, so that no cast pass runs before the next forward.
 // Without a copy (fp32, or a model that computes from the master) nothing is written. The
@@ -27,7 +36,7 @@ struct CopyOut {
   static constexpr Dtype kDtype = dtype;
   uint16_t* bits = nullptr;
   KOKKOS_INLINE_FUNCTION void write(int64_t i, float master) const {
-    if constexpr (dtype != Dtype::fp32) bits[i] = to_16bit_as<dtype>(master);
+    write_copy<dtype>(bits, i, master);
   }
 };
 
@@ -53,16 +62,27 @@ void with_copy(const ShardedTensor& t, F&& f) {
   }
 }
 
+// The step's scalars as Optimizer::prepare_step lays them out: [0] the rate (SGD) or AdamW's
+// step size lr / c1, [1] AdamW's 1 / c2, [2] AdamW's decay 1 - lr * wd, [3] SGD's first step
+// (1 or 0). An eager step passes them by value (ByValue); a prepared step's kernels read them
+// from memory when they run (InMemory: pinned host memory), so that a replayed graph uses the
+// current step's. The same floats either way, so the same bits.
+struct ByValue {
+  float s[4];
+  KOKKOS_INLINE_FUNCTION float operator[](int k) const { return s[k]; }
+};
+struct InMemory {
+  const float* s;
+  KOKKOS_INLINE_FUNCTION float operator[](int k) const { return s[k]; }
+};
+
 // The updates on host memory (host_chunks.hpp: where the default execution space is the host's)
 // as per-ISA clones without FMA contraction (host_clones.hpp): each element is the same IEEE
-// operations as the Kokkos kernels' below (the baseline build has no FMA to contract into), so
-// the masters, the state and the 16-bit copies are the same bits, 16 lanes at a time on AVX-512.
-// The arrays are distinct allocations (master, gradient, slots, copy): __restrict.
-template <Dtype dtype>
-MESHTRAIN_INLINE void write_copy(uint16_t* __restrict bits, int64_t i, float master) {
-  if constexpr (dtype != Dtype::fp32) bits[i] = to_16bit_as<dtype>(master);
-}
-
+// operations as the Kokkos kernels' below (adamw_math.hpp's element functions; the baseline
+// build has no FMA to contract into), so the masters, the state and the 16-bit copies are the
+// same bits, 16 lanes at a time on AVX-512. The arrays are distinct allocations (master,
+// gradient, slots, copy): __restrict. An eager step on the host only: a prepared step's
+// scalars are read in its Kokkos kernel, as a graph's would be.
 struct AdamwScalars {
   float beta1, beta2, decay, step_size, inv_correction2, eps;
 };
@@ -100,10 +120,9 @@ MESHTRAIN_INLINE void sgd_span(float* __restrict p, const float* __restrict g,
                                float* __restrict buf, uint16_t* __restrict bits, int64_t n,
                                float lr, float momentum, float wd, bool first) {
   for (int64_t i = 0; i < n; ++i) {
-    const float grad = g[i] + wd * p[i];
-    const float b = first ? grad : momentum * buf[i] + grad;
+    float b = buf[i];
+    const float updated = sgd_element(p[i], g[i], b, lr, momentum, wd, first);
     buf[i] = b;
-    const float updated = p[i] - lr * b;
     p[i] = updated;
     write_copy<dtype>(bits, i, updated);
   }
@@ -126,7 +145,7 @@ template <Dtype dtype>
 MESHTRAIN_INLINE void sgd_plain_span(float* __restrict p, const float* __restrict g,
                                      uint16_t* __restrict bits, int64_t n, float lr, float wd) {
   for (int64_t i = 0; i < n; ++i) {
-    const float updated = p[i] - lr * (g[i] + wd * p[i]);
+    const float updated = sgd_plain_element(p[i], g[i], lr, wd);
     p[i] = updated;
     write_copy<dtype>(bits, i, updated);
   }
@@ -144,130 +163,89 @@ MESHTRAIN_INLINE void sgd_plain_span(float* __restrict p, const float* __restric
   }
 }
 
-template <class Copy>
-void sgd_update(Vector p, Vector g, Vector buf, float lr, float momentum, float wd, bool first,
+// Whether an update with these scalars runs as the host loops above (an eager step on a host
+// build) rather than as its Kokkos kernel.
+template <class Scalars>
+constexpr bool kHostLoop = kDefaultSpaceIsHost&& std::is_same_v<Scalars, ByValue>;
+
+template <class Copy, class Scalars>
+void sgd_update(Vector p, Vector g, Vector buf, Scalars scalars, float momentum, float wd,
                 Copy copy) {
   const std::string& label = MESHTRAIN_LABEL("meshtrain::sgd_step");
-  if constexpr (kDefaultSpaceIsHost) {
+  if constexpr (kHostLoop<Scalars>) {
     float* pp = p.data();
     const float* gp = g.data();
     float* bp = buf.data();
     uint16_t* bits = copy.bits;
+    const float lr = scalars[0];
+    const bool first = scalars[3] != 0.0f;
     for_host_chunks(label, static_cast<int64_t>(p.extent(0)), [=](int64_t begin, int64_t end) {
       sgd_host(pp + begin, gp + begin, bp + begin, bits == nullptr ? nullptr : bits + begin,
                Copy::kDtype, end - begin, lr, momentum, wd, first);
     });
-    return;
+  } else {
+    Kokkos::parallel_for(
+        label, Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)),
+        KOKKOS_LAMBDA(const int64_t i) {
+          float b = buf(i);
+          const float updated =
+              sgd_element(p(i), g(i), b, scalars[0], momentum, wd, scalars[3] != 0.0f);
+          buf(i) = b;
+          p(i) = updated;
+          copy.write(i, updated);
+        });
   }
-  Kokkos::parallel_for(
-      label, Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
-        const float grad = g(i) + wd * p(i);
-        const float b = first ? grad : momentum * buf(i) + grad;
-        buf(i) = b;
-        const float updated = p(i) - lr * b;
-        p(i) = updated;
-        copy.write(i, updated);
-      });
 }
 
 // Plain SGD (momentum 0): no state, so no slot is allocated (the plan counts none).
-template <class Copy>
-void sgd_plain_update(Vector p, Vector g, float lr, float wd, Copy copy) {
+template <class Copy, class Scalars>
+void sgd_plain_update(Vector p, Vector g, Scalars scalars, float wd, Copy copy) {
   const std::string& label = MESHTRAIN_LABEL("meshtrain::sgd_plain_step");
-  if constexpr (kDefaultSpaceIsHost) {
+  if constexpr (kHostLoop<Scalars>) {
     float* pp = p.data();
     const float* gp = g.data();
     uint16_t* bits = copy.bits;
+    const float lr = scalars[0];
     for_host_chunks(label, static_cast<int64_t>(p.extent(0)), [=](int64_t begin, int64_t end) {
       sgd_plain_host(pp + begin, gp + begin, bits == nullptr ? nullptr : bits + begin, Copy::kDtype,
                      end - begin, lr, wd);
     });
-    return;
+  } else {
+    Kokkos::parallel_for(
+        label, Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)),
+        KOKKOS_LAMBDA(const int64_t i) {
+          const float updated = sgd_plain_element(p(i), g(i), scalars[0], wd);
+          p(i) = updated;
+          copy.write(i, updated);
+        });
   }
-  Kokkos::parallel_for(
-      label, Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
-        const float updated = p(i) - lr * (g(i) + wd * p(i));
-        p(i) = updated;
-        copy.write(i, updated);
-      });
 }
 
-template <class Copy>
-void adamw_update(Vector p, Vector g, Vector m, Vector v, float lr, float beta1, float beta2,
-                  float eps, float wd, float correction1, float correction2, Copy copy) {
-  const float step_size = lr / correction1;
-  const float inv_correction2 = 1.0f / correction2;
-  const float decay = 1.0f - lr * wd;
+template <class Copy, class Scalars>
+void adamw_update(Vector p, Vector g, Vector m, Vector v, Scalars scalars, float beta1, float beta2,
+                  float eps, Copy copy) {
   float* pp = p.data();
   const float* gp = g.data();
   float* mp = m.data();
   float* vp = v.data();
   const std::string& label = MESHTRAIN_LABEL("meshtrain::adamw_step");
-  if constexpr (kDefaultSpaceIsHost) {
-    const AdamwScalars s{beta1, beta2, decay, step_size, inv_correction2, eps};
+  if constexpr (kHostLoop<Scalars>) {
+    const AdamwScalars s{beta1, beta2, scalars[2], scalars[0], scalars[1], eps};
     uint16_t* bits = copy.bits;
     for_host_chunks(label, static_cast<int64_t>(p.extent(0)), [=](int64_t begin, int64_t end) {
       adamw_host(pp + begin, gp + begin, mp + begin, vp + begin,
                  bits == nullptr ? nullptr : bits + begin, Copy::kDtype, end - begin, s);
     });
-    return;
+  } else {
+    Kokkos::parallel_for(
+        label, Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)),
+        KOKKOS_LAMBDA(const int64_t i) {
+          const float updated = adamw_element(pp[i], gp[i], mp[i], vp[i], beta1, beta2, scalars[2],
+                                              scalars[0], scalars[1], eps);
+          pp[i] = updated;
+          copy.write(i, updated);
+        });
   }
-  Kokkos::parallel_for(
-      label, Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
-        const float updated = adamw_element(pp[i], gp[i], mp[i], vp[i], beta1, beta2, decay,
-                                            step_size, inv_correction2, eps);
-        pp[i] = updated;
-        copy.write(i, updated);
-      });
-}
-
-// The updates of a prepared step (Optimizer::prepare_step): the step's scalars read from
-// `scalars` (pinned host memory) when the kernel runs, not passed by value; otherwise the same
-// arithmetic as above, so the same bits.
-template <class Copy>
-void sgd_update_prepared(Vector p, Vector g, Vector buf, const float* scalars, float momentum,
-                         float wd, Copy copy) {
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::sgd_step"), Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)),
-      KOKKOS_LAMBDA(const int64_t i) {
-        const float lr = scalars[0];
-        const bool first = scalars[3] != 0.0f;
-        const float grad = g(i) + wd * p(i);
-        const float b = first ? grad : momentum * buf(i) + grad;
-        buf(i) = b;
-        const float updated = p(i) - lr * b;
-        p(i) = updated;
-        copy.write(i, updated);
-      });
-}
-
-template <class Copy>
-void sgd_plain_update_prepared(Vector p, Vector g, const float* scalars, float wd, Copy copy) {
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::sgd_plain_step"),
-      Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
-        const float lr = scalars[0];
-        const float updated = p(i) - lr * (g(i) + wd * p(i));
-        p(i) = updated;
-        copy.write(i, updated);
-      });
-}
-
-template <class Copy>
-void adamw_update_prepared(Vector p, Vector g, Vector m, Vector v, const float* scalars,
-                           float beta1, float beta2, float eps, Copy copy) {
-  float* pp = p.data();
-  const float* gp = g.data();
-  float* mp = m.data();
-  float* vp = v.data();
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::adamw_step"),
-      Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)), KOKKOS_LAMBDA(const int64_t i) {
-        const float updated = adamw_element(pp[i], gp[i], mp[i], vp[i], beta1, beta2, scalars[2],
-                                            scalars[0], scalars[1], eps);
-        pp[i] = updated;
-        copy.write(i, updated);
-      });
 }
 
 // The sum over g[0, count) of g^2 into the device scalar `total` (reduce_into,
@@ -386,19 +364,25 @@ void Optimizer::prepare_step(float lr) {
 void Optimizer::launch_prepared(std::vector<ShardedTensor>& params,
                                 const std::vector<ShardedTensor>& grads) {
   check_step_arguments(params, grads);
-  const size_t n = layout_.size();
+  launch(params, grads, InMemory{prepared_.data()});
+}
+
+// The update's kernels, one per tensor, with the step's scalars from `scalars` (ByValue or
+// InMemory, above); then the 16-bit compute copies hold the new masters.
+template <class Scalars>
+void Optimizer::launch(std::vector<ShardedTensor>& params, const std::vector<ShardedTensor>& grads,
+                       const Scalars& scalars) {
   const auto& s = settings_;
-  const float* scalars = prepared_.data();
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < layout_.size(); ++i) {
     with_copy(params[i], [&](auto copy) {
       if (s.kind == OptimizerKind::adamw) {
-        adamw_update_prepared(params[i].local, grads[i].local, slots_[0][i].local,
-                              slots_[1][i].local, scalars, s.beta1, s.beta2, s.eps, copy);
+        adamw_update(params[i].local, grads[i].local, slots_[0][i].local, slots_[1][i].local,
+                     scalars, s.beta1, s.beta2, s.eps, copy);
       } else if (slots_.empty()) {
-        sgd_plain_update_prepared(params[i].local, grads[i].local, scalars, s.weight_decay, copy);
+        sgd_plain_update(params[i].local, grads[i].local, scalars, s.weight_decay, copy);
       } else {
-        sgd_update_prepared(params[i].local, grads[i].local, slots_[0][i].local, scalars,
-                            s.momentum, s.weight_decay, copy);
+        sgd_update(params[i].local, grads[i].local, slots_[0][i].local, scalars, s.momentum,
+                   s.weight_decay, copy);
       }
     });
   }
@@ -409,41 +393,20 @@ void Optimizer::launch_prepared(std::vector<ShardedTensor>& params,
 
 void Optimizer::step(std::vector<ShardedTensor>& params, const std::vector<ShardedTensor>& grads,
                      float lr) {
-  const size_t n = layout_.size();
   check_step_arguments(params, grads);
   const bool first = step_count_ == 0;
   ++step_count_;
   const auto& s = settings_;
-  // The 16-bit compute copies hold the new masters once the update has run.
-  const auto copies_current = [&] {
-    for (ShardedTensor& p : params) {
-      if (p.copy_16bit) p.copy_16bit->current = true;
-    }
-  };
   if (s.kind == OptimizerKind::sgd) {
-    for (size_t i = 0; i < n; ++i) {
-      with_copy(params[i], [&](auto copy) {
-        if (slots_.empty()) {
-          sgd_plain_update(params[i].local, grads[i].local, lr, s.weight_decay, copy);
-        } else {
-          sgd_update(params[i].local, grads[i].local, slots_[0][i].local, lr, s.momentum,
-                     s.weight_decay, first, copy);
-        }
-      });
-    }
-    copies_current();
+    launch(params, grads, ByValue{{lr, 0.0f, 0.0f, first ? 1.0f : 0.0f}});
     return;
   }
+  // The same floats as prepare_step's.
   const double t = static_cast<double>(step_count_);
   const float correction1 = adamw_bias_correction(s.beta1, t);
   const float correction2 = adamw_bias_correction(s.beta2, t);
-  for (size_t i = 0; i < n; ++i) {
-    with_copy(params[i], [&](auto copy) {
-      adamw_update(params[i].local, grads[i].local, slots_[0][i].local, slots_[1][i].local, lr,
-                   s.beta1, s.beta2, s.eps, s.weight_decay, correction1, correction2, copy);
-    });
-  }
-  copies_current();
+  launch(params, grads,
+         ByValue{{lr / correction1, 1.0f / correction2, 1.0f - lr * s.weight_decay, 0.0f}});
 }
 
 GradientClipper::GradientClipper(const Mesh& mesh, int rank,

@@ -83,6 +83,10 @@ class Optimizer {
   Kokkos::View<float*, HostStagingSpace> prepared_;
   void check_step_arguments(const std::vector<ShardedTensor>& params,
                             const std::vector<ShardedTensor>& grads) const;
+  // step()'s and launch_prepared's kernels: the scalars by value or read from prepared_.
+  template <class Scalars>
+  void launch(std::vector<ShardedTensor>& params, const std::vector<ShardedTensor>& grads,
+              const Scalars& scalars);
 };
 
 // Global-norm gradient clipping (torch.nn.utils.clip_grad_norm_). The norm counts every

@@ -352,9 +352,12 @@ TEST(Optimizer, UpdatesAreTheScalarFormulasBitForBit) {
                                                               optimizer.slot("m")[0].local);
           const auto vh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(),
                                                               optimizer.slot("v")[0].local);
+          // As bits (a float == would take -0 for +0 and fail on NaN).
           for (int64_t i = 0; i < n; ++i) {
-            ASSERT_EQ(mh(i), m[i]) << "step " << step << ", m element " << i;
-            ASSERT_EQ(vh(i), v[i]) << "step " << step << ", v element " << i;
+            ASSERT_EQ(std::memcmp(&mh(i), &m[i], sizeof(float)), 0)
+                << "step " << step << ", m element " << i << ": " << mh(i) << " vs " << m[i];
+            ASSERT_EQ(std::memcmp(&vh(i), &v[i], sizeof(float)), 0)
+                << "step " << step << ", v element " << i << ": " << vh(i) << " vs " << v[i];
           }
         }
       }

@@ -41,6 +41,7 @@
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
+#include "framework/core/step_graph.hpp"
 
 namespace meshtrain::gemm_backend {
 
@@ -62,6 +63,9 @@ cudaStream_t kokkos_stream() {
 // steady state of a training step); Kokkos::finalize destroys it.
 cublasHandle_t the_handle = nullptr;
 
+// cuBLASLt's workspace (below), given to cuBLAS too.
+void share_lt_workspace(cublasHandle_t handle);
+
 cublasHandle_t handle() {
   if (the_handle == nullptr) {
     cublasHandle_t made = nullptr;
@@ -69,6 +73,15 @@ cublasHandle_t handle() {
     const cublasStatus_t bound = cublasSetStream(made, kokkos_stream());
     if (bound != CUBLAS_STATUS_SUCCESS) cublasDestroy(made);
     check_cublas(bound, "cublasSetStream");
+    // Without a workspace of its own cuBLAS allocates one on its first calls, which a graph
+    // capture forbids. cuBLASLt's is shared: both run on Kokkos' one stream, one after the
+    // other. lt() registers its finalize hook first, so the handle is destroyed before it.
+    try {
+      share_lt_workspace(made);
+    } catch (...) {
+      cublasDestroy(made);
+      throw;
+    }
     the_handle = made;
     Kokkos::push_finalize_hook([] {
       cublasDestroy(the_handle);
@@ -92,6 +105,8 @@ uint16_t* grown(HalfBits& buffer, std::size_t count) {
     });
   }
   if (buffer.extent(0) < count) {
+    // A graph captured before holds the old address: StepGraph refuses to replay it.
+    if (buffer.extent(0) > 0) note_device_scratch_regrown();
     buffer = HalfBits();
     buffer = HalfBits(
         Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("meshtrain::gemm_16bit")),
@@ -236,6 +251,12 @@ CublasLt& lt() {
     });
   }
   return *the_lt;
+}
+
+void share_lt_workspace(cublasHandle_t handle) {
+  Workspace& workspace = lt().workspace;
+  check_cublas(cublasSetWorkspace(handle, workspace.data(), workspace.extent(0)),
+               "cublasSetWorkspace");
 }
 
 template <class T>

@@ -8,6 +8,9 @@
 
 #include <cuda_runtime.h>
 
+#include <exception>
+#include <string>
+
 #include "base/error.hpp"
 #include "framework/core/backends/step_graph_backend.hpp"
 #include "framework/core/exec_space.hpp"
@@ -45,8 +48,20 @@ void capture(Graph& graph, const std::string& name, const StepRegion& step_fn) {
   cudaGraph_t captured = nullptr;
   try {
     step_fn();
+  } catch (const std::exception& error) {
+    // End the capture so that the stream is usable again; the region's error comes first, and
+    // EndCapture's own, where it failed too (often why the region failed), is appended.
+    const cudaError_t ended = cudaStreamEndCapture(s, &captured);
+    if (captured != nullptr) cudaGraphDestroy(captured);
+    if (ended == cudaSuccess) throw;
+    const std::string message =
+        detail::concat(error.what(), "; ending the capture, cudaStreamEndCapture failed too: ",
+                       cudaGetErrorString(ended), " (", cudaGetErrorName(ended), ")");
+    if (const auto* e = dynamic_cast<const Error*>(&error)) {
+      throw Error(e->kind(), message, e->file(), e->line());
+    }
+    MESHTRAIN_FAIL(message);
   } catch (...) {
-    // End the capture so that the stream is usable again; the region's error wins.
     cudaStreamEndCapture(s, &captured);
     if (captured != nullptr) cudaGraphDestroy(captured);
     throw;
