@@ -354,14 +354,7 @@ double TrainingRun::accumulate_loaded_batch() {
   // The loss is reduced over the ranks, so every rank decides here alike.
   if (!std::isfinite(result.loss)) {
     if (!scaler_) {
-      forget_micro_batches();
-      throw_agreed_data_error();
-      throw AgreedError(Error(
-          ErrorKind::runtime,
-          detail::concat("the training loss became ", std::isnan(result.loss) ? "NaN" : "infinite",
-                         " at step ", steps_done_ + 1, "; lower optimizer.lr (now ",
-                         config_.optimizer.lr, ") or set optimizer.clip_norm"),
-          __FILE__, __LINE__));
+      fail_non_finite_loss(result.loss);
     }
     // fp16, as GradScaler: this loss's gradient would not be finite, so the step's update is
     // skipped (apply_update) and the scale backs off.
@@ -448,14 +441,7 @@ double TrainingRun::accumulate_captured_batch() {
   const double aux_loss = model_->aux_loss();  // 0: no MoE layers
   result.loss += aux_loss;
   if (!std::isfinite(result.loss)) {
-    forget_micro_batches();
-    throw_agreed_data_error();
-    throw AgreedError(Error(
-        ErrorKind::runtime,
-        detail::concat("the training loss became ", std::isnan(result.loss) ? "NaN" : "infinite",
-                       " at step ", steps_done_ + 1, "; lower optimizer.lr (now ",
-                       config_.optimizer.lr, ") or set optimizer.clip_norm"),
-        __FILE__, __LINE__));
+    fail_non_finite_loss(result.loss);
   }
   ++micro_done_;
   micro_loss_sum_ += result.loss;
@@ -665,6 +651,19 @@ void TrainingRun::throw_agreed_data_error() {
   on_every_rank(comm_, [&] {
     if (error) std::rethrow_exception(error);
   });
+}
+
+// A non-finite reduced loss without a loss scaler ends the run on every rank alike: with the
+// data error of a rank that could not read its rows where there is one, else this sentence.
+void TrainingRun::fail_non_finite_loss(double loss) {
+  forget_micro_batches();
+  throw_agreed_data_error();
+  throw AgreedError(
+      Error(ErrorKind::runtime,
+            detail::concat("the training loss became ", std::isnan(loss) ? "NaN" : "infinite",
+                           " at step ", steps_done_ + 1, "; lower optimizer.lr (now ",
+                           config_.optimizer.lr, ") or set optimizer.clip_norm"),
+            __FILE__, __LINE__));
 }
 
 // Under fp16, after a non-finite loss or gradient. Skipping steps and backing off the scale

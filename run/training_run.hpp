@@ -337,6 +337,7 @@ class TrainingRun {
   bool record_evaluation(const EvalEvent& eval);
   EvalMetric best_metric_kind() const;  // checkpoint.keep_best, else test_loss
   void throw_agreed_data_error();
+  [[noreturn]] void fail_non_finite_loss(double loss);
   void agree_on_data_shape();
   void report_checkpoint(const std::optional<std::string>& path);
   void begin_trace();
