@@ -11,6 +11,8 @@ dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 fail() {
   echo "FAIL: $*" >&2
+  # What the run said, so that a failure under load can be told from a wrong recorder.
+  [ -s "$dir/stderr" ] && { echo "the run's stderr (last lines):" >&2; tail -n 8 "$dir/stderr" >&2; }
   [ -n "${ranks:-}" ] && kill -KILL $ranks 2>/dev/null
   exit 1
 }
