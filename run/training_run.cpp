@@ -256,11 +256,7 @@ StepResult TrainingRun::run_step() {
         TraceSpan data("data wait");
         load_batch(steps_done_, micro);
       }
-      if (graphs_) {
-        accumulate_captured_batch();
-      } else {
-        accumulate_loaded_batch();
-      }
+      accumulate_loaded_batch();
     }
     result = apply_update();
   }
@@ -307,6 +303,7 @@ void TrainingRun::load_batch(int64_t step, int64_t micro) {
 // The training step, top to bottom: accumulate_loaded_batch for each micro-batch, then
 // apply_update. Nothing here allocates.
 double TrainingRun::accumulate_loaded_batch() {
+  if (graphs_) return accumulate_captured_batch();  // the same step, as captured regions
   MESHTRAIN_REQUIRE(micro_done_ < accumulation_, "accumulate_loaded_batch: the step already has ",
                     accumulation_, " micro-batches; call apply_update()");
   // Dropout's key: the run's seed and step counter (restored by a resume), the micro-batch,
@@ -629,11 +626,7 @@ StepResult TrainingRun::step_on_loaded_batch() {
                     "step_on_loaded_batch needs train.accumulation_steps = 1; use step()");
   TraceSpan span("step", TraceKind::step);
   span.number(steps_done_ + 1);
-  if (graphs_) {
-    accumulate_captured_batch();
-  } else {
-    accumulate_loaded_batch();
-  }
+  accumulate_loaded_batch();
   return apply_update();
 }
 
