@@ -130,6 +130,11 @@ void ingest(const Roles& roles, int64_t rows, int64_t inputs, int64_t message_ro
   // 1. The stream.
   double stream_s = 0;
   int64_t received = 0;
+  // The copies' accounting: the producer's time in send() and in its pack (the copy into the
+  // ring), the trainer's time in MPI's receives (the wire's copy) and in taking rows into the
+  // buffer (its copy).
+  double send_s = 0, close_s = 0, pack_s = 0, receive_s = 0, take_s = 0;
+  int64_t direct_rows = 0;
   std::vector<float> x, y;
   fill_rows(message_rows, inputs, roles.world_rank, x, y);
   if (roles.producer) {
@@ -140,9 +145,14 @@ void ingest(const Roles& roles, int64_t rows, int64_t inputs, int64_t message_ro
     StreamProducer producer;
     producer.connect(roles.comm, "ingest", inputs, 1, StreamDtype::float32, options);
     for (int64_t done = 0; done < rows; done += message_rows) {
+      const double start = now_s();
       producer.send(x.data(), y.data(), std::min(message_rows, rows - done));
+      send_s += now_s() - start;
     }
+    const double close_start = now_s();
     producer.close();
+    close_s = now_s() - close_start;
+    pack_s = producer.pack_seconds();
   } else {
     StreamSection section;
     section.name = "ingest";
@@ -162,8 +172,17 @@ void ingest(const Roles& roles, int64_t rows, int64_t inputs, int64_t message_ro
     } while (!source.ended());
     stream_s = now_s() - start;
     received = source.counters().rows_received;
+    receive_s = source.copy_times().receive_s;
+    take_s = source.copy_times().take_s;
+    direct_rows = source.copy_times().rows_direct;
   }
   stream_s = max_over_world(stream_s);
+  send_s = max_over_world(send_s);
+  close_s = max_over_world(close_s);
+  pack_s = max_over_world(pack_s);
+  receive_s = max_over_world(receive_s);
+  take_s = max_over_world(take_s);
+  direct_rows = static_cast<int64_t>(max_over_world(static_cast<double>(direct_rows)));
   received = static_cast<int64_t>(max_over_world(static_cast<double>(received)));
   MESHTRAIN_REQUIRE(received == total_rows, "online_ingest: the trainer received ", received,
                     " rows of ", total_rows);
@@ -235,6 +254,19 @@ void ingest(const Roles& roles, int64_t rows, int64_t inputs, int64_t message_ro
         "\"rows_per_s\": %.0f, \"page_cache\": \"warm (the read follows the write)\"}\n",
         write_s, read_s, hdf5_rate);
     line("memcpy", copy_s, copy_rate);
+    // Per rank (the slowest of each role): the bytes one producer sent, one trainer received.
+    const double producer_mb = rows * row_bytes / 1e6;
+    const double trainer_mb = total_rows * row_bytes / roles.trainers / 1e6;
+    std::printf(
+        "{\"bench\": \"online_ingest\", \"part\": \"copies\", \"producer_send_s\": %.4f, "
+        "\"producer_close_s\": %.4f, \"producer_pack_s\": %.4f, \"producer_pack_mb_per_s\": %.0f, "
+        "\"trainer_pull_s\": %.4f, \"trainer_receive_s\": %.4f, \"trainer_receive_mb_per_s\": "
+        "%.0f, \"trainer_take_s\": %.4f, \"trainer_take_mb_per_s\": %.0f, "
+        "\"trainer_rows_received_direct\": %lld, \"memcpy_mb_per_s\": %.0f}\n",
+        send_s, close_s, pack_s, pack_s > 0 ? producer_mb / pack_s : 0.0, stream_s, receive_s,
+        receive_s > 0 ? trainer_mb / receive_s : 0.0, take_s,
+        take_s > 0 ? trainer_mb / take_s : 0.0, static_cast<long long>(direct_rows),
+        copy_rate * row_bytes / 1e6 / roles.trainers);
     std::printf(
         "{\"bench\": \"online_ingest\", \"summary\": true, \"stream_over_hdf5\": %.2f, "
         "\"target_stream_over_hdf5\": 5, \"stream_over_memcpy\": %.3f, "

@@ -33,6 +33,10 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
     MESHTRAIN_BAD_INPUT("a stream's name must have 1 to ", sp::kNameBytes - 1,
                         " characters, got \"", name, "\"");
   }
+  if (options.split_bytes < 0) {
+    MESHTRAIN_BAD_INPUT("stream \"", name, "\": split_bytes must be 0 (every message split) or a ",
+                        "positive number of bytes, got ", options.split_bytes);
+  }
   if (inputs < 1 || outputs < 1 || options.message_rows < 1 || options.ring_rows < 1) {
     MESHTRAIN_BAD_INPUT("stream \"", name, "\": inputs (", inputs, "), outputs (", outputs,
                         "), message_rows (", options.message_rows, ") and ring_rows (",
@@ -75,6 +79,7 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
   message_rows_ = options.message_rows;
   backpressure_ = options.backpressure;
   share_messages_ = options.share_messages;
+  split_bytes_ = options.split_bytes;
   open_slot_ = -1;
   open_rows_ = 0;
   const int64_t slots =
@@ -82,8 +87,9 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
   slots_.assign(static_cast<size_t>(slots),
                 std::vector<unsigned char>(static_cast<size_t>(
                     sp::message_bytes(message_rows_, inputs, outputs, hello.dtype))));
+  // Each trainer rank of a group: a message's header and, when it splits, its x and y rows.
   slot_width_ = 1;
-  for (const auto& group : group_ranks_) slot_width_ = std::max(slot_width_, group.size());
+  for (const auto& group : group_ranks_) slot_width_ = std::max(slot_width_, 3 * group.size());
   requests_.assign(static_cast<size_t>(slots) * slot_width_, MPI_REQUEST_NULL);
   completed_.assign(requests_.size(), 0);
   in_flight_ = 0;
@@ -355,7 +361,10 @@ void StreamProducer::send_packed(int64_t rows, PackRows pack, void* context) {
     // unshared one's straight after its x rows, where the wire has them.
     unsigned char* y_out = share_messages_ ? payload + message_rows_ * x_row + open_rows_ * y_row
                                            : payload + count * x_row;
+    const auto pack_start = std::chrono::steady_clock::now();
     pack(context, done, count, payload + open_rows_ * x_row, y_out);
+    pack_seconds_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - pack_start).count();
     open_rows_ += count;
     next_row_ += count;
     done += count;
@@ -372,18 +381,40 @@ void StreamProducer::start_open() {
   header.first_row = open_first_row_;
   std::memcpy(bytes, &header, sizeof header);
   unsigned char* payload = bytes + sizeof header;
-  if (share_messages_ && open_rows_ < message_rows_) {  // y follows the x rows on the wire
-    std::memmove(payload + open_rows_ * x_row, payload + message_rows_ * x_row,
-                 static_cast<size_t>(open_rows_ * y_row));
-  }
-  const int message_bytes = static_cast<int>(sizeof header + open_rows_ * (x_row + y_row));
   const int64_t group = sp::group_of_message(producer_index_, messages_, producers_, groups_);
   MPI_Request* requests = &requests_[static_cast<size_t>(open_slot_) * slot_width_];
-  for (int trainer : group_ranks_[static_cast<size_t>(group)]) {
-    check_mpi(
-        MPI_Isend(bytes, message_bytes, MPI_BYTE, trainer, sp::kTag, stream_comm_, requests++),
-        "MPI_Isend (a stream's rows)");
-    ++in_flight_;
+  const int64_t rows_bytes = open_rows_ * (x_row + y_row);
+  if (rows_bytes >= split_bytes_) {
+    // The header alone, then x and y as they lie in the slot (a shared message's y rows where
+    // they were written: no move).
+    header.split = 1;
+    std::memcpy(bytes, &header, sizeof header);
+    const unsigned char* y_rows =
+        share_messages_ ? payload + message_rows_ * x_row : payload + open_rows_ * x_row;
+    for (int trainer : group_ranks_[static_cast<size_t>(group)]) {
+      check_mpi(MPI_Isend(bytes, static_cast<int>(sizeof header), MPI_BYTE, trainer, sp::kTag,
+                          stream_comm_, requests++),
+                "MPI_Isend (a stream's rows header)");
+      check_mpi(MPI_Isend(payload, static_cast<int>(open_rows_ * x_row), MPI_BYTE, trainer,
+                          sp::kPayloadTag, stream_comm_, requests++),
+                "MPI_Isend (a stream's x rows)");
+      check_mpi(MPI_Isend(y_rows, static_cast<int>(open_rows_ * y_row), MPI_BYTE, trainer,
+                          sp::kPayloadTag, stream_comm_, requests++),
+                "MPI_Isend (a stream's y rows)");
+      in_flight_ += 3;
+    }
+  } else {
+    if (share_messages_ && open_rows_ < message_rows_) {  // y follows the x rows on the wire
+      std::memmove(payload + open_rows_ * x_row, payload + message_rows_ * x_row,
+                   static_cast<size_t>(open_rows_ * y_row));
+    }
+    const int message_bytes = static_cast<int>(sizeof header + rows_bytes);
+    for (int trainer : group_ranks_[static_cast<size_t>(group)]) {
+      check_mpi(
+          MPI_Isend(bytes, message_bytes, MPI_BYTE, trainer, sp::kTag, stream_comm_, requests++),
+          "MPI_Isend (a stream's rows)");
+      ++in_flight_;
+    }
   }
   ++messages_;
   rows_sent_ += open_rows_;

@@ -1230,5 +1230,154 @@ TEST(Stream, CSharedMessagesWaitForTheClose) {
   EXPECT_EQ(source.counters().rows_received, 30 * roles.producers);
 }
 
+// mt_stream_flush (C, and Fortran through the same function) starts the shared message being
+// filled: its rows are handed to MPI at once, not when it fills or at the close; a second flush,
+// or one with nothing waiting, sends nothing; on a closed stream it is bad input with a
+// sentence. The trainer receives every row.
+TEST(Stream, CFlushStartsTheSharedMessage) {
+  Roles roles;
+  if (roles.producer) {
+    EXPECT_EQ(mt_stream_flush(nullptr), MT_STREAM_BAD_INPUT);
+    mt_stream_options options = {64, 16, MT_STREAM_BLOCK, MPI_COMM_NULL, 0.0, nullptr, nullptr, 1};
+    mt_stream* s = nullptr;
+    ASSERT_EQ(mt_stream_connect(roles.comm, "c-flush", kInputs, kOutputs, MT_STREAM_FLOAT32,
+                                &options, &s),
+              MT_STREAM_OK)
+        << mt_stream_last_error(s);
+    std::vector<float> x(5 * kInputs), y(5 * kOutputs);
+    for (int64_t i = 0; i < 5; ++i) make_row_f(roles.rank, i, &x[i * kInputs], &y[i * kOutputs]);
+    EXPECT_EQ(mt_stream_flush(s), MT_STREAM_OK) << "nothing waits: a flush that sends nothing";
+    EXPECT_EQ(mt_stream_send(s, x.data(), y.data(), 5), MT_STREAM_OK) << mt_stream_last_error(s);
+    EXPECT_EQ(mt_stream_rows_sent(s), 0) << "a shared message started before it filled";
+    EXPECT_EQ(mt_stream_flush(s), MT_STREAM_OK) << mt_stream_last_error(s);
+    EXPECT_EQ(mt_stream_rows_sent(s), 5) << "the flush did not start the shared message";
+    EXPECT_EQ(mt_stream_flush(s), MT_STREAM_OK);
+    EXPECT_EQ(mt_stream_rows_sent(s), 5);
+    for (int64_t i = 0; i < 5; ++i) {
+      make_row_f(roles.rank, 5 + i, &x[i * kInputs], &y[i * kOutputs]);
+    }
+    EXPECT_EQ(mt_stream_send(s, x.data(), y.data(), 5), MT_STREAM_OK) << mt_stream_last_error(s);
+    EXPECT_EQ(mt_stream_rows_sent(s), 5);
+    EXPECT_EQ(mt_stream_close(s), MT_STREAM_OK) << mt_stream_last_error(s);
+    EXPECT_EQ(mt_stream_rows_sent(s), 10);
+    EXPECT_EQ(mt_stream_rows_dropped(s), 0);
+    EXPECT_EQ(mt_stream_flush(s), MT_STREAM_BAD_INPUT);
+    EXPECT_NE(std::string(mt_stream_last_error(s))
+                  .find("mt_stream_flush: the stream is not "
+                        "connected"),
+              std::string::npos)
+        << mt_stream_last_error(s);
+    sum_over_world(mt_stream_rows_sent(s));
+    mt_stream_free(s);
+    return;
+  }
+  RunConfig config = trainer_config("c-flush", {{"dp", roles.trainers}}, "dp");
+  config.stream.min_rows = 1;
+  config.stream.until = StreamUntil::closed;
+  config.data.batch_size = roles.trainers;
+  config.train.steps = 1000000;
+  TrainingRun run(config, {}, std::nullopt, roles.comm);
+  while (!run.finished()) run.step();
+  const auto& source = dynamic_cast<const StreamSource&>(run.train_data());
+  EXPECT_EQ(source.counters().rows_received, sum_over_world(0));
+  EXPECT_EQ(source.counters().rows_received, 10 * roles.producers);
+}
+
+// Large messages go as a header and two payloads (StreamProducerOptions::split_bytes), which
+// the trainer receives straight into its buffer's slots where they fit (float32, nothing held
+// out, consecutive slots) and through its staging otherwise (the window wrapping within a
+// message, the full reservoir, float64, held-out rows). The reference, computed in the same
+// test: the same rows sent whole (split_bytes too large to split), into a StreamSource of the
+// same keys. Both buffers (and held-out windows) must hold the same bits, row for row, with the
+// same counters; the rows received straight are counted where the path applies. dp groups
+// and, with 2 trainer ranks, one group of both ranks (tp-like: the same bits on each).
+TEST(Stream, SplitMessagesLandInTheBufferAsWholeOnesDo) {
+  Roles roles;
+  struct Case {
+    const char* name;
+    StreamPolicy policy;
+    StreamDtype dtype;
+    double test_fraction;
+    bool direct;  // some rows must go straight into the buffer
+  };
+  // 300 rows per producer in messages of 16 (sends of irregular sizes cut them) into 40 slots:
+  // the window wraps inside some messages, the reservoir fills and then hashes.
+  const Case cases[] = {{"window-f32", StreamPolicy::window, StreamDtype::float32, 0.0, true},
+                        {"reservoir-f32", StreamPolicy::reservoir, StreamDtype::float32, 0.0, true},
+                        {"window-f64", StreamPolicy::window, StreamDtype::float64, 0.0, false},
+                        {"held-out-f32", StreamPolicy::window, StreamDtype::float32, 0.25, false}};
+  const int64_t rows_per_producer = 300, capacity = 40;
+  for (const bool one_group : {false, true}) {
+    if (one_group && roles.trainers < 2) continue;
+    for (const Case& c : cases) {
+      SCOPED_TRACE(std::string(c.name) + (one_group ? " in one group" : " in dp groups"));
+      std::vector<std::vector<float>> bits[2];  // [split][x, y, held-out x, held-out y]
+      int64_t counters[2][3] = {};
+      for (const int split : {0, 1}) {
+        const std::string name = std::string("split-") + c.name + (split ? "-1" : "-0");
+        if (roles.producer) {
+          StreamProducerOptions options;
+          options.message_rows = 16;
+          options.ring_rows = 64;
+          options.backpressure = StreamBackpressure::block;
+          options.split_bytes = split ? 0 : (int64_t{1} << 40);
+          EXPECT_EQ(produce(roles.comm, roles.rank, name, rows_per_producer, c.dtype, options),
+                    rows_per_producer);
+          continue;
+        }
+        StreamSection section;
+        section.name = name;
+        section.buffer_rows = capacity;
+        section.policy = c.policy;
+        section.dtype =
+            c.dtype == StreamDtype::float64 ? StreamRowType::float64 : StreamRowType::float32;
+        section.test_fraction = c.test_fraction;
+        section.min_rows = 1;
+        section.until = StreamUntil::closed;
+        section.producer_timeout = 0;
+        section.merge = StreamMerge::round_robin;  // two producers in one group: a fixed order
+        BatchSlice slice;
+        slice.index = one_group ? 0 : roles.rank;
+        slice.count = one_group ? 1 : roles.trainers;
+        slice.global_batch = roles.trainers;
+        slice.rows = one_group ? roles.trainers : 1;
+        StreamSource source(section, roles.comm, slice, kInputs, kOutputs, 1, 7);
+        source.keep_first_rows(8);
+        do {
+          source.pull();
+        } while (!source.ended());
+        source.finish();
+        const StreamBuffer& b = source.buffer();
+        const StreamBuffer& h = source.held_out();
+        bits[split] = {std::vector<float>(b.x(0), b.x(0) + capacity * kInputs),
+                       std::vector<float>(b.y(0), b.y(0) + capacity * kOutputs),
+                       std::vector<float>(h.x(0), h.x(0) + h.capacity() * kInputs),
+                       std::vector<float>(h.y(0), h.y(0) + h.capacity() * kOutputs)};
+        std::vector<float> first_x, first_y;
+        source.first_rows(first_x, first_y);
+        bits[split].push_back(first_x);
+        bits[split].push_back(first_y);
+        counters[split][0] = source.counters().rows_received;
+        counters[split][1] = source.counters().rows_overwritten;
+        counters[split][2] = source.counters().rows_held_out;
+        if (split == 0) {
+          EXPECT_EQ(source.copy_times().rows_direct, 0) << "a whole message went straight";
+        } else if (c.direct) {
+          EXPECT_GT(source.copy_times().rows_direct, 0) << "no split message went straight";
+          EXPECT_LT(source.copy_times().rows_direct, b.seen()) << "the staging path never ran";
+        } else {
+          EXPECT_EQ(source.copy_times().rows_direct, 0);
+        }
+        EXPECT_EQ(source.counters().rows_received, int64_t{roles.producers} * rows_per_producer);
+      }
+      if (roles.producer) continue;
+      for (size_t k = 0; k < bits[0].size(); ++k) {
+        EXPECT_EQ(bits[1][k], bits[0][k]) << "part " << k << " differs when messages split";
+      }
+      for (int k = 0; k < 3; ++k) EXPECT_EQ(counters[1][k], counters[0][k]) << "counter " << k;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace meshtrain
