@@ -47,6 +47,10 @@ typedef struct mt_stream_options {
    * one's rows wait until mt_stream_close); 0 (default): each send's rows start their own
    * message (docs/online.md, "The producer"). Last, so older initializers leave it 0. */
   int share_messages;
+  /* Non-zero (with MT_STREAM_BLOCK only; not with share_messages): messages of 64 KiB or more
+   * are sent straight from x and y, with no copy into the ring, and mt_stream_send returns
+   * once the trainer took them (docs/online.md, "Copies per byte"). 0: the default. */
+  int direct_sends;
 } mt_stream_options;
 
 /* Collective over the parent communicator. *out is set (even on failure, for the error). */

@@ -127,6 +127,9 @@ void ingest(const Roles& roles, int64_t rows, int64_t inputs, int64_t message_ro
   const int64_t total_rows = rows * roles.producers;
   const double row_bytes = static_cast<double>((inputs + 1) * 4);
   const char* machine = std::getenv("MACHINE_NOTE") ? std::getenv("MACHINE_NOTE") : "";
+  const std::string path = std::getenv("INGEST_PATH") ? std::getenv("INGEST_PATH") : "split";
+  MESHTRAIN_REQUIRE(path == "whole" || path == "split" || path == "direct",
+                    "online_ingest: INGEST_PATH must be whole, split or direct, got ", path);
   // 1. The stream.
   double stream_s = 0;
   int64_t received = 0;
@@ -142,6 +145,12 @@ void ingest(const Roles& roles, int64_t rows, int64_t inputs, int64_t message_ro
     options.message_rows = message_rows;
     options.ring_rows = 4 * message_rows;
     options.backpressure = StreamBackpressure::block;
+    // INGEST_PATH: "whole" (every message whole: the copy into the ring, MPI's, the copy from
+    // the trainer's staging into its buffer), "split" (the default options: large messages
+    // split, received straight into the buffer) or "direct" (split and sent from the caller's
+    // arrays: direct_sends).
+    if (path == "whole") options.split_bytes = int64_t{1} << 40;
+    options.direct_sends = path == "direct";
     StreamProducer producer;
     producer.connect(roles.comm, "ingest", inputs, 1, StreamDtype::float32, options);
     for (int64_t done = 0; done < rows; done += message_rows) {
@@ -242,11 +251,13 @@ void ingest(const Roles& roles, int64_t rows, int64_t inputs, int64_t message_ro
     const double copy_rate = total_rows / copy_s;
     const auto line = [&](const char* part, double seconds, double rate) {
       std::printf(
-          "{\"bench\": \"online_ingest\", \"part\": \"%s\", \"producers\": %d, \"trainers\": %d, "
-          "\"rows\": %lld, \"row_bytes\": %.0f, \"message_rows\": %lld, \"seconds\": %.4f, "
+          "{\"bench\": \"online_ingest\", \"part\": \"%s\", \"path\": \"%s\", \"producers\": %d, "
+          "\"trainers\": %d, \"rows\": %lld, \"row_bytes\": %.0f, \"message_rows\": %lld, "
+          "\"seconds\": %.4f, "
           "\"rows_per_s\": %.0f, \"mb_per_s\": %.1f, \"machine\": \"%s\"}\n",
-          part, roles.producers, roles.trainers, static_cast<long long>(total_rows), row_bytes,
-          static_cast<long long>(message_rows), seconds, rate, rate * row_bytes / 1e6, machine);
+          part, path.c_str(), roles.producers, roles.trainers, static_cast<long long>(total_rows),
+          row_bytes, static_cast<long long>(message_rows), seconds, rate, rate * row_bytes / 1e6,
+          machine);
     };
     line("stream", stream_s, stream_rate);
     std::printf(
@@ -258,20 +269,22 @@ void ingest(const Roles& roles, int64_t rows, int64_t inputs, int64_t message_ro
     const double producer_mb = rows * row_bytes / 1e6;
     const double trainer_mb = total_rows * row_bytes / roles.trainers / 1e6;
     std::printf(
-        "{\"bench\": \"online_ingest\", \"part\": \"copies\", \"producer_send_s\": %.4f, "
+        "{\"bench\": \"online_ingest\", \"part\": \"copies\", \"path\": \"%s\", "
+        "\"producer_send_s\": %.4f, "
         "\"producer_close_s\": %.4f, \"producer_pack_s\": %.4f, \"producer_pack_mb_per_s\": %.0f, "
         "\"trainer_pull_s\": %.4f, \"trainer_receive_s\": %.4f, \"trainer_receive_mb_per_s\": "
         "%.0f, \"trainer_take_s\": %.4f, \"trainer_take_mb_per_s\": %.0f, "
         "\"trainer_rows_received_direct\": %lld, \"memcpy_mb_per_s\": %.0f}\n",
-        send_s, close_s, pack_s, pack_s > 0 ? producer_mb / pack_s : 0.0, stream_s, receive_s,
-        receive_s > 0 ? trainer_mb / receive_s : 0.0, take_s,
+        path.c_str(), send_s, close_s, pack_s, pack_s > 0 ? producer_mb / pack_s : 0.0, stream_s,
+        receive_s, receive_s > 0 ? trainer_mb / receive_s : 0.0, take_s,
         take_s > 0 ? trainer_mb / take_s : 0.0, static_cast<long long>(direct_rows),
         copy_rate * row_bytes / 1e6 / roles.trainers);
     std::printf(
-        "{\"bench\": \"online_ingest\", \"summary\": true, \"stream_over_hdf5\": %.2f, "
+        "{\"bench\": \"online_ingest\", \"summary\": true, \"path\": \"%s\", \"stream_over_hdf5\": "
+        "%.2f, "
         "\"target_stream_over_hdf5\": 5, \"stream_over_memcpy\": %.3f, "
         "\"target_stream_over_memcpy\": 0.5}\n",
-        stream_rate / hdf5_rate, stream_rate / copy_rate);
+        path.c_str(), stream_rate / hdf5_rate, stream_rate / copy_rate);
     std::fflush(stdout);
   }
 }

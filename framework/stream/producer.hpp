@@ -66,6 +66,14 @@ struct StreamProducerOptions {
   // single copy between processes applies to each); smaller ones go whole, one message (three
   // small messages would cost more than the copy they save). 0: every message splits.
   int64_t split_bytes = 64 * 1024;
+  // With backpressure block (connect refuses it with drop): a pointer send's messages that
+  // split (split_bytes) are sent straight from the caller's x and y, with no copy into the
+  // ring, and send() returns once they completed, i.e. once the trainer took them (its next
+  // pull, which copies them into its buffer): the caller may then reuse its arrays. A large
+  // message's bytes are then copied once in all, by MPI, instead of three times; the price is
+  // that every such send waits for the trainer (no sending ahead into the ring). Not with
+  // share_messages (whose messages gather several sends) nor for Kokkos views (always packed).
+  bool direct_sends = false;
   MPI_Comm parent = MPI_COMM_WORLD;  // where the trainer is found
   // Seconds close() waits for the trainer's last word (its stop or its done, docs/online.md)
   // after this rank's sends completed; 0 (or infinity): for ever; negative or NaN: connect
@@ -190,6 +198,9 @@ class StreamProducer {
 
  private:
   void send_bytes(const void* x, const void* y, int64_t rows, int64_t element_bytes);
+  // options.direct_sends: the messages that split sent from x and y themselves, the others
+  // packed into the ring; returns once the direct ones completed.
+  void send_direct(const unsigned char* x, const unsigned char* y, int64_t rows);
   // Packs rows [first, first + count) of the send's x and y into `x_out` [count, inputs] and
   // `y_out` [count, outputs], row-major, of the connected dtype.
   using PackRows = void (*)(void* context, int64_t first, int64_t count, unsigned char* x_out,
@@ -279,8 +290,10 @@ class StreamProducer {
   int64_t open_rows_ = 0, open_first_row_ = 0;
   bool share_messages_ = false;
   int64_t split_bytes_ = 64 * 1024;
-  int64_t messages_ = 0;  // rows messages started (the group of the next is chosen by it)
-  int64_t next_row_ = 0;  // the row number of the next row sent
+  bool direct_sends_ = false;
+  std::vector<char> direct_slot_;  // [slot]: its sends read the caller's rows (send_direct)
+  int64_t messages_ = 0;           // rows messages started (the group of the next is chosen by it)
+  int64_t next_row_ = 0;           // the row number of the next row sent
   int64_t rows_sent_ = 0, rows_dropped_ = 0;
   double pack_seconds_ = 0.0;
   // Publishes: the trainer rank 0 that sends them (stream-communicator rank).

@@ -54,6 +54,7 @@ int mt_stream_connect(MPI_Comm comm, const char* name, int64_t inputs, int64_t o
       on_warning = options->on_warning;
       warning_data = options->warning_data;
       o.share_messages = options->share_messages != 0;
+      o.direct_sends = options->direct_sends != 0;
     }
     if (on_warning) {
       o.on_warning = [on_warning, warning_data](const std::string& warning) {
@@ -126,8 +127,9 @@ const char* mt_stream_last_error(const mt_stream* s) {
 int mt_stream_connect_f(MPI_Fint comm, const char* name, int64_t inputs, int64_t outputs, int dtype,
                         int64_t ring_rows, int64_t message_rows, int backpressure,
                         double close_timeout, int share_messages, mt_stream** out) {
-  const mt_stream_options options = {ring_rows,     message_rows, backpressure, MPI_COMM_NULL,
-                                     close_timeout, nullptr,      nullptr,      share_messages};
+  const mt_stream_options options = {ring_rows,     message_rows,   backpressure,
+                                     MPI_COMM_NULL, close_timeout,  nullptr,
+                                     nullptr,       share_messages, 0};
   return mt_stream_connect(MPI_Comm_f2c(comm), name, inputs, outputs, dtype, &options, out);
 }
 

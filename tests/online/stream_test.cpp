@@ -97,6 +97,14 @@ int64_t produce(MPI_Comm comm, int p, const std::string& name, int64_t rows, Str
     } else {
       producer.send(xf.data(), yf.data(), n);
     }
+    if (options.direct_sends) {
+      // send() returned: the rows may be reused (a direct send still reading them would carry
+      // these NaNs to the trainer).
+      std::fill(xd.begin(), xd.end(), std::nan(""));
+      std::fill(xf.begin(), xf.end(), std::nanf(""));
+      std::fill(yd.begin(), yd.end(), std::nan(""));
+      std::fill(yf.begin(), yf.end(), std::nanf(""));
+    }
     r += n;
   }
   producer.close();
@@ -1230,6 +1238,32 @@ TEST(Stream, CSharedMessagesWaitForTheClose) {
   EXPECT_EQ(source.counters().rows_received, 30 * roles.producers);
 }
 
+// direct_sends needs backpressure block and excludes share_messages; split_bytes may not be
+// negative: connect refuses each before the rendezvous (every rank alone), naming the option.
+TEST(Stream, DirectSendsAndSplitBytesRefusedWhereTheyCannotHold) {
+  const auto refused = [](const StreamProducerOptions& options,
+                          std::initializer_list<std::string> fragments) {
+    StreamProducer producer;
+    testing::expect_bad_input(
+        [&] {
+          producer.connect(MPI_COMM_SELF, "t", kInputs, kOutputs, StreamDtype::float32, options);
+        },
+        fragments);
+    EXPECT_FALSE(producer.connected());
+  };
+  StreamProducerOptions drop;
+  drop.direct_sends = true;
+  refused(drop, {"stream \"t\"", "direct_sends needs backpressure block", "drop"});
+  StreamProducerOptions shared;
+  shared.direct_sends = true;
+  shared.backpressure = StreamBackpressure::block;
+  shared.share_messages = true;
+  refused(shared, {"direct_sends and share_messages"});
+  StreamProducerOptions negative;
+  negative.split_bytes = -1;
+  refused(negative, {"split_bytes", "-1"});
+}
+
 // mt_stream_flush (C, and Fortran through the same function) starts the shared message being
 // filled: its rows are handed to MPI at once, not when it fills or at the close; a second flush,
 // or one with nothing waiting, sends nothing; on a closed stream it is bad input with a
@@ -1288,9 +1322,11 @@ TEST(Stream, CFlushStartsTheSharedMessage) {
 // out, consecutive slots) and through its staging otherwise (the window wrapping within a
 // message, the full reservoir, float64, held-out rows). The reference, computed in the same
 // test: the same rows sent whole (split_bytes too large to split), into a StreamSource of the
-// same keys. Both buffers (and held-out windows) must hold the same bits, row for row, with the
-// same counters; the rows received straight are counted where the path applies. dp groups
-// and, with 2 trainer ranks, one group of both ranks (tp-like: the same bits on each).
+// same keys. The split runs, and those with direct_sends (sent from the caller's arrays, which
+// it fills with NaN as soon as send() returns), must hold the same bits in the buffer and
+// held-out window, row for row, with the same counters; the rows received straight are counted
+// where the path applies. dp groups and, with 2 trainer ranks, one group of both ranks
+// (tp-like: the same bits on each).
 TEST(Stream, SplitMessagesLandInTheBufferAsWholeOnesDo) {
   Roles roles;
   struct Case {
@@ -1311,16 +1347,18 @@ TEST(Stream, SplitMessagesLandInTheBufferAsWholeOnesDo) {
     if (one_group && roles.trainers < 2) continue;
     for (const Case& c : cases) {
       SCOPED_TRACE(std::string(c.name) + (one_group ? " in one group" : " in dp groups"));
-      std::vector<std::vector<float>> bits[2];  // [split][x, y, held-out x, held-out y]
-      int64_t counters[2][3] = {};
-      for (const int split : {0, 1}) {
-        const std::string name = std::string("split-") + c.name + (split ? "-1" : "-0");
+      // [whole, split, direct][x, y, held-out x, held-out y, first rows' x and y]
+      std::vector<std::vector<float>> bits[3];
+      int64_t counters[3][3] = {};
+      for (const int split : {0, 1, 2}) {
+        const std::string name = std::string("split-") + c.name + "-" + std::to_string(split);
         if (roles.producer) {
           StreamProducerOptions options;
           options.message_rows = 16;
           options.ring_rows = 64;
           options.backpressure = StreamBackpressure::block;
           options.split_bytes = split ? 0 : (int64_t{1} << 40);
+          options.direct_sends = split == 2;
           EXPECT_EQ(produce(roles.comm, roles.rank, name, rows_per_producer, c.dtype, options),
                     rows_per_producer);
           continue;
@@ -1371,10 +1409,13 @@ TEST(Stream, SplitMessagesLandInTheBufferAsWholeOnesDo) {
         EXPECT_EQ(source.counters().rows_received, int64_t{roles.producers} * rows_per_producer);
       }
       if (roles.producer) continue;
-      for (size_t k = 0; k < bits[0].size(); ++k) {
-        EXPECT_EQ(bits[1][k], bits[0][k]) << "part " << k << " differs when messages split";
+      for (int run = 1; run < 3; ++run) {
+        for (size_t k = 0; k < bits[0].size(); ++k) {
+          EXPECT_EQ(bits[run][k], bits[0][k])
+              << "part " << k << " differs when messages split" << (run == 2 ? " (direct)" : "");
+        }
+        for (int k = 0; k < 3; ++k) EXPECT_EQ(counters[run][k], counters[0][k]) << "counter " << k;
       }
-      for (int k = 0; k < 3; ++k) EXPECT_EQ(counters[1][k], counters[0][k]) << "counter " << k;
     }
   }
 }
