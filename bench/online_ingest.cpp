@@ -136,8 +136,8 @@ void ingest(const Roles& roles, int64_t rows, int64_t inputs, int64_t message_ro
   // The copies' accounting: the producer's time in send() and in its pack (the copy into the
   // ring), the trainer's time in MPI's receives (the wire's copy) and in taking rows into the
   // buffer (its copy).
-  double send_s = 0, close_s = 0, pack_s = 0, receive_s = 0, take_s = 0;
-  int64_t direct_rows = 0;
+  double send_s = 0, close_s = 0, pack_s = 0;
+  StreamCopyTimes times;
   std::vector<float> x, y;
   fill_rows(message_rows, inputs, roles.world_rank, x, y);
   if (roles.producer) {
@@ -181,17 +181,20 @@ void ingest(const Roles& roles, int64_t rows, int64_t inputs, int64_t message_ro
     } while (!source.ended());
     stream_s = now_s() - start;
     received = source.counters().rows_received;
-    receive_s = source.copy_times().receive_s;
-    take_s = source.copy_times().take_s;
-    direct_rows = source.copy_times().rows_direct;
+    times = source.copy_times();
   }
   stream_s = max_over_world(stream_s);
   send_s = max_over_world(send_s);
   close_s = max_over_world(close_s);
   pack_s = max_over_world(pack_s);
-  receive_s = max_over_world(receive_s);
-  take_s = max_over_world(take_s);
-  direct_rows = static_cast<int64_t>(max_over_world(static_cast<double>(direct_rows)));
+  // The slowest trainer rank's of each (the producers give 0).
+  times.pull_s = max_over_world(times.pull_s);
+  times.wire_s = max_over_world(times.wire_s);
+  times.receive_s = max_over_world(times.receive_s);
+  times.agree_s = max_over_world(times.agree_s);
+  times.take_s = max_over_world(times.take_s);
+  times.pulls = static_cast<int64_t>(max_over_world(static_cast<double>(times.pulls)));
+  times.rows_direct = static_cast<int64_t>(max_over_world(static_cast<double>(times.rows_direct)));
   received = static_cast<int64_t>(max_over_world(static_cast<double>(received)));
   MESHTRAIN_REQUIRE(received == total_rows, "online_ingest: the trainer received ", received,
                     " rows of ", total_rows);
@@ -268,16 +271,18 @@ void ingest(const Roles& roles, int64_t rows, int64_t inputs, int64_t message_ro
     // Per rank (the slowest of each role): the bytes one producer sent, one trainer received.
     const double producer_mb = rows * row_bytes / 1e6;
     const double trainer_mb = total_rows * row_bytes / roles.trainers / 1e6;
+    const auto rate = [](double mb, double seconds) { return seconds > 0 ? mb / seconds : 0.0; };
     std::printf(
         "{\"bench\": \"online_ingest\", \"part\": \"copies\", \"path\": \"%s\", "
-        "\"producer_send_s\": %.4f, "
-        "\"producer_close_s\": %.4f, \"producer_pack_s\": %.4f, \"producer_pack_mb_per_s\": %.0f, "
-        "\"trainer_pull_s\": %.4f, \"trainer_receive_s\": %.4f, \"trainer_receive_mb_per_s\": "
-        "%.0f, \"trainer_take_s\": %.4f, \"trainer_take_mb_per_s\": %.0f, "
-        "\"trainer_rows_received_direct\": %lld, \"memcpy_mb_per_s\": %.0f}\n",
-        path.c_str(), send_s, close_s, pack_s, pack_s > 0 ? producer_mb / pack_s : 0.0, stream_s,
-        receive_s, receive_s > 0 ? trainer_mb / receive_s : 0.0, take_s,
-        take_s > 0 ? trainer_mb / take_s : 0.0, static_cast<long long>(direct_rows),
+        "\"producer_send_s\": %.4f, \"producer_close_s\": %.4f, \"producer_pack_s\": %.4f, "
+        "\"producer_pack_mb_per_s\": %.0f, \"trainer_pulls\": %lld, \"trainer_pull_s\": %.4f, "
+        "\"trainer_wire_s\": %.4f, \"trainer_wire_mb_per_s\": %.0f, \"trainer_probe_s\": %.4f, "
+        "\"trainer_agree_s\": %.4f, \"trainer_take_s\": %.4f, \"trainer_take_mb_per_s\": %.0f, "
+        "\"trainer_rows_received_direct\": %lld, \"memcpy_mb_per_s_per_rank\": %.0f}\n",
+        path.c_str(), send_s, close_s, pack_s, rate(producer_mb, pack_s),
+        static_cast<long long>(times.pulls), times.pull_s, times.wire_s,
+        rate(trainer_mb, times.wire_s), times.receive_s, times.agree_s, times.take_s,
+        rate(trainer_mb, times.take_s), static_cast<long long>(times.rows_direct),
         copy_rate * row_bytes / 1e6 / roles.trainers);
     std::printf(
         "{\"bench\": \"online_ingest\", \"summary\": true, \"path\": \"%s\", \"stream_over_hdf5\": "

@@ -459,9 +459,12 @@ void StreamSource::receive() {
                 "MPI_Iprobe (a stream's rows)");
       if (!flag) break;
       auto& slot = staging_[p][tail];
+      const auto wire_start = std::chrono::steady_clock::now();
       check_mpi(MPI_Recv(slot.data(), static_cast<int>(slot.size()), MPI_BYTE, producers_[p],
                          sp::kTag, stream_comm_, MPI_STATUS_IGNORE),
                 "MPI_Recv (a stream's rows)");
+      copy_times_.wire_s +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - wire_start).count();
       sp::Header header;
       std::memcpy(&header, slot.data(), sizeof header);
       if (header.kind == sp::kRows && header.split != 0) {
@@ -496,6 +499,11 @@ void StreamSource::take_split(size_t p, unsigned char* message, MPI_Message* pay
   const int64_t rows = header.rows;
   const int64_t first =
       dtype_ == sp::kFloat32 && section_.test_fraction <= 0.0 ? buffer_.run_slot(rows) : -1;
+  const auto wire_start = std::chrono::steady_clock::now();
+  const auto wired = [&] {
+    copy_times_.wire_s +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - wire_start).count();
+  };
   if (first >= 0) {
     // Straight into the slots the rows would be copied to one by one: the same bits.
     check_mpi(MPI_Mrecv(buffer_.x_data() + first * f, static_cast<int>(rows * f * element),
@@ -504,6 +512,7 @@ void StreamSource::take_split(size_t p, unsigned char* message, MPI_Message* pay
     check_mpi(MPI_Mrecv(buffer_.y_data() + first * w, static_cast<int>(rows * w * element),
                         MPI_BYTE, &payloads[1], MPI_STATUS_IGNORE),
               "MPI_Mrecv (a stream's y rows)");
+    wired();
     buffer_.add_run(rows);
     for (int64_t r = 0; r < rows && first_kept_ < first_wanted_; ++r) {
       const float* x = buffer_.x(first + r);
@@ -524,6 +533,7 @@ void StreamSource::take_split(size_t p, unsigned char* message, MPI_Message* pay
   check_mpi(MPI_Mrecv(payload + rows * f * element, static_cast<int>(rows * w * element), MPI_BYTE,
                       &payloads[1], MPI_STATUS_IGNORE),
             "MPI_Mrecv (a stream's y rows)");
+  wired();
   take(static_cast<int64_t>(p), message);
 }
 
@@ -637,16 +647,22 @@ void StreamSource::take_round_robin() {
 
 void StreamSource::pull_once() {
   using Clock = std::chrono::steady_clock;
+  const auto seconds = [](Clock::time_point from, Clock::time_point to) {
+    return std::chrono::duration<double>(to - from).count();
+  };
   const auto receive_start = Clock::now();
+  const double wire_before = copy_times_.wire_s;
   receive();
   const auto receive_end = Clock::now();
-  copy_times_.receive_s += std::chrono::duration<double>(receive_end - receive_start).count();
+  copy_times_.receive_s += seconds(receive_start, receive_end) - (copy_times_.wire_s - wire_before);
   // The ranks of a group take the same messages, producer by producer: the same buffer bits.
   std::copy(received_.begin(), received_.end(), agreed_.begin());
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, agreed_.data(), static_cast<int>(agreed_.size()),
                           MPI_INT64_T, MPI_MIN, group_comm_),
             "MPI_Allreduce (a stream's messages)");
   const auto take_start = Clock::now();
+  copy_times_.agree_s += seconds(receive_end, take_start);
+  const double wire_taking = copy_times_.wire_s;
   if (section_.merge == StreamMerge::round_robin) {
     take_round_robin();
   } else {
@@ -654,7 +670,8 @@ void StreamSource::pull_once() {
       while (taken_[p] < agreed_[p]) take_next(p);
     }
   }
-  copy_times_.take_s += std::chrono::duration<double>(Clock::now() - take_start).count();
+  const auto take_end = Clock::now();
+  copy_times_.take_s += seconds(take_start, take_end) - (copy_times_.wire_s - wire_taking);
   // The publish in flight tested, the waiting one or the end started (never waits).
   if (publish_every_ > 0 && trainer_rank_ == 0) progress_publish();
   bool all_closed = true;
@@ -688,6 +705,7 @@ void StreamSource::pull_once() {
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, sums, static_cast<int>(reduced_.size()), MPI_INT64_T,
                           MPI_SUM, trainer_comm_),
             "MPI_Allreduce (a stream's counters)");
+  copy_times_.agree_s += seconds(take_end, Clock::now());
   for (size_t p = 0; p < producers; ++p) {
     // Held back by some rank: its clock restarts (the silence is the trainer's, not its own),
     // so that it is not voted gone the pull after the merge lets it go.
@@ -730,11 +748,15 @@ void StreamSource::pull() {
   // line its slots up with the other ranks' wrongly. finish() is set alike on every rank.
   MESHTRAIN_REQUIRE(!finished_, "stream '", section_.name,
                     "': a pull after the run finished (no step takes rows any more)");
+  const auto start = std::chrono::steady_clock::now();
   pull_once();
   while (!started_) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
     pull_once();
   }
+  ++copy_times_.pulls;
+  copy_times_.pull_s +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 void StreamSource::prepare_publish(const std::vector<ShardedTensor>& params, const Mesh& mesh) {

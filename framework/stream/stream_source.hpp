@@ -43,12 +43,14 @@ struct StreamCounters {
 };
 
 // Where this trainer rank's pulls spent their time (bench/online_ingest.sh's accounting of the
-// copies per byte): in MPI's receives (probes and the wire's copy into this rank's memory) and
-// in taking the received rows into the buffers (the copy from staging, the held-out split).
-// This rank's own, not agreed; two clock reads per part per pull.
+// copies per byte), this rank's own, not agreed; a few clock reads per pull and per message:
 struct StreamCopyTimes {
-  double receive_s = 0.0;
-  double take_s = 0.0;
+  int64_t pulls = 0;
+  double pull_s = 0.0;     // in pull() (the first one's wait for min_rows included)
+  double wire_s = 0.0;     // in the MPI_Recv and MPI_Mrecv of rows: MPI's copy into this rank
+  double receive_s = 0.0;  // the rest of receive(): probes, matched probes, headers' receives
+  double agree_s = 0.0;    // the two MPI_Allreduce of each pull (messages, counters)
+  double take_s = 0.0;     // taking rows into the buffers, wire_s excluded: the staging copy
   // Rows received by MPI straight into the buffer's slots (no staging copy: docs/online.md).
   int64_t rows_direct = 0;
 };
