@@ -248,6 +248,9 @@ void StreamSource::answer_closes() {
 // close_drained_ for the destructor).
 void StreamSource::drain_to_closes() {
   receive();
+  // The split messages staged will not be taken: their payloads received and dropped now, so
+  // that the producers' sends complete and a close() waiting for them returns.
+  discard_payloads();
   for (size_t p = 0; p < producers_.size(); ++p) {
     if (closed_[p] || gone_[p] || close_drained_[p] || last_word_sent_[p]) continue;
     if (staged_count_[p] < sp::kStagingSlots) continue;  // all that came is staged
@@ -538,7 +541,7 @@ void StreamSource::take_split(size_t p, unsigned char* message, MPI_Message* pay
 }
 
 void StreamSource::discard_payloads() {
-  std::vector<unsigned char> scratch(static_cast<size_t>(message_bytes_));
+  std::vector<unsigned char>& scratch = drain_scratch_;  // reserved at construction
   for (size_t p = 0; p < producers_.size(); ++p) {
     for (int64_t i = 0; i <= staged_count_[p] && i < sp::kStagingSlots; ++i) {
       // The staged slots, then the newest header's (matched in part) after them.

@@ -198,8 +198,9 @@ class StreamSource : public RowSource {
   // Matches (MPI_Improbe, never waiting) the payloads still owed to producer p's newest header
   // into `payloads`; true once both are.
   bool match_payloads(size_t p, MPI_Message* payloads);
-  // The destructor's: receives and drops every payload matched or owed but not taken, so that
-  // the producers' sends complete (never throws).
+  // The destructor's and drain_to_closes' (after finish(): nothing is taken any more): receives
+  // and drops every payload matched or owed but not taken, so that the producers' sends
+  // complete (never throws; allocates nothing).
   void discard_payloads();
   void take_round_robin();  // stream.merge = "round_robin"
   // `held_back`: a producer the merge held back at that pull (its staging full), or -1.
