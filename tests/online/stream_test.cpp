@@ -1420,5 +1420,68 @@ TEST(Stream, SplitMessagesLandInTheBufferAsWholeOnesDo) {
   }
 }
 
+// direct_sends with messages over MPI's eager limit (1,024 rows: x 16 KiB, y 8 KiB), whose
+// bytes MPI reads from the caller's arrays only when the trainer receives them: the producer
+// overwrites its arrays with NaN as soon as each send returns, and every row the trainer holds
+// must be the row sent (by its id, x[0]), with nothing dropped. A send returning before its
+// message was taken would deliver NaN (checked by hand: without the wait this fails).
+TEST(Stream, DirectSendsReturnOnlyOnceTheirRowsAreTaken) {
+  Roles roles;
+  constexpr int64_t kRows = 1024, kSends = 6;
+  if (roles.producer) {
+    StreamProducerOptions options;
+    options.message_rows = kRows;
+    options.ring_rows = 2 * kRows;
+    options.backpressure = StreamBackpressure::block;
+    options.direct_sends = true;
+    options.split_bytes = 0;  // 24 KiB messages: split (the default splits from 64 KiB)
+    StreamProducer producer;
+    producer.connect(roles.comm, "direct", kInputs, kOutputs, StreamDtype::float32, options);
+    std::vector<float> x(kRows * kInputs), y(kRows * kOutputs);
+    for (int64_t k = 0; k < kSends; ++k) {
+      for (int64_t i = 0; i < kRows; ++i) {
+        make_row_f(roles.rank, k * kRows + i, &x[i * kInputs], &y[i * kOutputs]);
+      }
+      producer.send(x.data(), y.data(), kRows);
+      std::fill(x.begin(), x.end(), std::nanf(""));
+      std::fill(y.begin(), y.end(), std::nanf(""));
+    }
+    EXPECT_DOUBLE_EQ(producer.pack_seconds(), 0.0) << "a direct send packed its rows";
+    producer.close();
+    EXPECT_EQ(producer.rows_sent(), kRows * kSends);
+    EXPECT_EQ(producer.rows_dropped(), 0);
+    return;
+  }
+  StreamSection section;
+  section.name = "direct";
+  section.buffer_rows = kRows * kSends * roles.producers;  // every row a group gets
+  section.min_rows = 1;
+  section.until = StreamUntil::closed;
+  section.producer_timeout = 0;
+  BatchSlice slice;
+  slice.index = roles.rank;
+  slice.count = roles.trainers;
+  slice.global_batch = roles.trainers;
+  slice.rows = 1;
+  StreamSource source(section, roles.comm, slice, kInputs, kOutputs, 1, 7);
+  do {
+    source.pull();
+  } while (!source.ended());
+  source.finish();
+  const StreamBuffer& buffer = source.buffer();
+  EXPECT_EQ(source.counters().rows_received, kRows * kSends * roles.producers);
+  EXPECT_EQ(source.copy_times().rows_direct, buffer.seen()) << "a message took the staging path";
+  int64_t wrong = 0;
+  for (int64_t slot = 0; slot < buffer.filled(); ++slot) {
+    const float* x = buffer.x(slot);
+    const float* y = buffer.y(slot);
+    const auto id = static_cast<int64_t>(x[0]);  // NaN: the check below fails
+    float ex[kInputs], ey[kOutputs];
+    make_row_f(id / 100000, id % 100000, ex, ey);
+    wrong += std::equal(x, x + kInputs, ex) && std::equal(y, y + kOutputs, ey) ? 0 : 1;
+  }
+  EXPECT_EQ(wrong, 0) << "rows that are not the rows sent (NaN: read after send() returned)";
+}
+
 }  // namespace
 }  // namespace meshtrain
