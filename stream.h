@@ -47,6 +47,10 @@ typedef struct mt_stream_options {
    * one's rows wait until mt_stream_close); 0 (default): each send's rows start their own
    * message (docs/online.md, "The producer"). Last, so older initializers leave it 0. */
   int share_messages;
+  /* Non-zero (with MT_STREAM_BLOCK only; not with share_messages): messages of 64 KiB or more
+   * are sent straight from x and y, with no copy into the ring, and mt_stream_send returns
+   * once the trainer took them (docs/online.md, "Copies per byte"). 0: the default. */
+  int direct_sends;
 } mt_stream_options;
 
 /* Collective over the parent communicator. *out is set (even on failure, for the error). */
@@ -54,6 +58,10 @@ int mt_stream_connect(MPI_Comm comm, const char* name, int64_t inputs, int64_t o
                       const mt_stream_options* options, mt_stream** out);
 /* x [rows, inputs], y [rows, outputs], row-major, of the connected dtype. */
 int mt_stream_send(mt_stream* s, const void* x, const void* y, int64_t rows);
+/* With options.share_messages: starts the message being filled, if any, so that its rows go
+ * now rather than when it fills or at mt_stream_close (the C form of StreamProducer::flush;
+ * never waits for the trainer). Without the option, or with nothing waiting: does nothing. */
+int mt_stream_flush(mt_stream* s);
 /* Sends the close, then waits for the trainer's last word (its stop, or done once it took the
  * close; at most options.close_timeout s, after which it reports one warning and returns). */
 int mt_stream_close(mt_stream* s);
@@ -69,10 +77,13 @@ int mt_stream_stopped(const mt_stream* s);
 /* For Fortran (iso_c_binding; docs/online.md has the interface block): mt_stream_connect with
  * the communicator as a Fortran handle (`comm%MPI_VAL` under `use mpi_f08`, the integer under
  * `use mpi`), the options as values (0: the defaults; the parent is MPI_COMM_WORLD; warnings
- * printed to stderr) and the name NUL-terminated (`trim(name) // c_null_char`). */
+ * printed to stderr; share_messages non-zero: consecutive sends share a message, flushed by
+ * mt_stream_flush or mt_stream_close) and the name NUL-terminated (`trim(name) //
+ * c_null_char`). share_messages came last in 2026-11: an interface block without it must add
+ * it (a missing value argument is undefined behaviour, not a default). */
 int mt_stream_connect_f(MPI_Fint comm, const char* name, int64_t inputs, int64_t outputs, int dtype,
                         int64_t ring_rows, int64_t message_rows, int backpressure,
-                        double close_timeout, mt_stream** out);
+                        double close_timeout, int share_messages, mt_stream** out);
 
 /* The trainer's model as it trains (its stream.publish_every > 0): the C form of
  * meshtrain::LiveModel (docs/online.md), in the meshtrain_run library.

@@ -127,9 +127,17 @@ void ingest(const Roles& roles, int64_t rows, int64_t inputs, int64_t message_ro
   const int64_t total_rows = rows * roles.producers;
   const double row_bytes = static_cast<double>((inputs + 1) * 4);
   const char* machine = std::getenv("MACHINE_NOTE") ? std::getenv("MACHINE_NOTE") : "";
+  const std::string path = std::getenv("INGEST_PATH") ? std::getenv("INGEST_PATH") : "split";
+  MESHTRAIN_REQUIRE(path == "whole" || path == "split" || path == "direct",
+                    "online_ingest: INGEST_PATH must be whole, split or direct, got ", path);
   // 1. The stream.
   double stream_s = 0;
   int64_t received = 0;
+  // The copies' accounting: the producer's time in send() and in its pack (the copy into the
+  // ring), the trainer's time in MPI's receives (the wire's copy) and in taking rows into the
+  // buffer (its copy).
+  double send_s = 0, close_s = 0, pack_s = 0;
+  StreamCopyTimes times;
   std::vector<float> x, y;
   fill_rows(message_rows, inputs, roles.world_rank, x, y);
   if (roles.producer) {
@@ -137,12 +145,23 @@ void ingest(const Roles& roles, int64_t rows, int64_t inputs, int64_t message_ro
     options.message_rows = message_rows;
     options.ring_rows = 4 * message_rows;
     options.backpressure = StreamBackpressure::block;
+    // INGEST_PATH: "whole" (every message whole: the copy into the ring, MPI's, the copy from
+    // the trainer's staging into its buffer), "split" (the default options: large messages
+    // split, received straight into the buffer) or "direct" (split and sent from the caller's
+    // arrays: direct_sends).
+    if (path == "whole") options.split_bytes = int64_t{1} << 40;
+    options.direct_sends = path == "direct";
     StreamProducer producer;
     producer.connect(roles.comm, "ingest", inputs, 1, StreamDtype::float32, options);
     for (int64_t done = 0; done < rows; done += message_rows) {
+      const double start = now_s();
       producer.send(x.data(), y.data(), std::min(message_rows, rows - done));
+      send_s += now_s() - start;
     }
+    const double close_start = now_s();
     producer.close();
+    close_s = now_s() - close_start;
+    pack_s = producer.pack_seconds();
   } else {
     StreamSection section;
     section.name = "ingest";
@@ -162,8 +181,20 @@ void ingest(const Roles& roles, int64_t rows, int64_t inputs, int64_t message_ro
     } while (!source.ended());
     stream_s = now_s() - start;
     received = source.counters().rows_received;
+    times = source.copy_times();
   }
   stream_s = max_over_world(stream_s);
+  send_s = max_over_world(send_s);
+  close_s = max_over_world(close_s);
+  pack_s = max_over_world(pack_s);
+  // The slowest trainer rank's of each (the producers give 0).
+  times.pull_s = max_over_world(times.pull_s);
+  times.wire_s = max_over_world(times.wire_s);
+  times.receive_s = max_over_world(times.receive_s);
+  times.agree_s = max_over_world(times.agree_s);
+  times.take_s = max_over_world(times.take_s);
+  times.pulls = static_cast<int64_t>(max_over_world(static_cast<double>(times.pulls)));
+  times.rows_direct = static_cast<int64_t>(max_over_world(static_cast<double>(times.rows_direct)));
   received = static_cast<int64_t>(max_over_world(static_cast<double>(received)));
   MESHTRAIN_REQUIRE(received == total_rows, "online_ingest: the trainer received ", received,
                     " rows of ", total_rows);
@@ -223,11 +254,13 @@ void ingest(const Roles& roles, int64_t rows, int64_t inputs, int64_t message_ro
     const double copy_rate = total_rows / copy_s;
     const auto line = [&](const char* part, double seconds, double rate) {
       std::printf(
-          "{\"bench\": \"online_ingest\", \"part\": \"%s\", \"producers\": %d, \"trainers\": %d, "
-          "\"rows\": %lld, \"row_bytes\": %.0f, \"message_rows\": %lld, \"seconds\": %.4f, "
+          "{\"bench\": \"online_ingest\", \"part\": \"%s\", \"path\": \"%s\", \"producers\": %d, "
+          "\"trainers\": %d, \"rows\": %lld, \"row_bytes\": %.0f, \"message_rows\": %lld, "
+          "\"seconds\": %.4f, "
           "\"rows_per_s\": %.0f, \"mb_per_s\": %.1f, \"machine\": \"%s\"}\n",
-          part, roles.producers, roles.trainers, static_cast<long long>(total_rows), row_bytes,
-          static_cast<long long>(message_rows), seconds, rate, rate * row_bytes / 1e6, machine);
+          part, path.c_str(), roles.producers, roles.trainers, static_cast<long long>(total_rows),
+          row_bytes, static_cast<long long>(message_rows), seconds, rate, rate * row_bytes / 1e6,
+          machine);
     };
     line("stream", stream_s, stream_rate);
     std::printf(
@@ -235,11 +268,28 @@ void ingest(const Roles& roles, int64_t rows, int64_t inputs, int64_t message_ro
         "\"rows_per_s\": %.0f, \"page_cache\": \"warm (the read follows the write)\"}\n",
         write_s, read_s, hdf5_rate);
     line("memcpy", copy_s, copy_rate);
+    // Per rank (the slowest of each role): the bytes one producer sent, one trainer received.
+    const double producer_mb = rows * row_bytes / 1e6;
+    const double trainer_mb = total_rows * row_bytes / roles.trainers / 1e6;
+    const auto rate = [](double mb, double seconds) { return seconds > 0 ? mb / seconds : 0.0; };
     std::printf(
-        "{\"bench\": \"online_ingest\", \"summary\": true, \"stream_over_hdf5\": %.2f, "
+        "{\"bench\": \"online_ingest\", \"part\": \"copies\", \"path\": \"%s\", "
+        "\"producer_send_s\": %.4f, \"producer_close_s\": %.4f, \"producer_pack_s\": %.4f, "
+        "\"producer_pack_mb_per_s\": %.0f, \"trainer_pulls\": %lld, \"trainer_pull_s\": %.4f, "
+        "\"trainer_wire_s\": %.4f, \"trainer_wire_mb_per_s\": %.0f, \"trainer_probe_s\": %.4f, "
+        "\"trainer_agree_s\": %.4f, \"trainer_take_s\": %.4f, \"trainer_take_mb_per_s\": %.0f, "
+        "\"trainer_rows_received_direct\": %lld, \"memcpy_mb_per_s_per_rank\": %.0f}\n",
+        path.c_str(), send_s, close_s, pack_s, rate(producer_mb, pack_s),
+        static_cast<long long>(times.pulls), times.pull_s, times.wire_s,
+        rate(trainer_mb, times.wire_s), times.receive_s, times.agree_s, times.take_s,
+        rate(trainer_mb, times.take_s), static_cast<long long>(times.rows_direct),
+        copy_rate * row_bytes / 1e6 / roles.trainers);
+    std::printf(
+        "{\"bench\": \"online_ingest\", \"summary\": true, \"path\": \"%s\", \"stream_over_hdf5\": "
+        "%.2f, "
         "\"target_stream_over_hdf5\": 5, \"stream_over_memcpy\": %.3f, "
         "\"target_stream_over_memcpy\": 0.5}\n",
-        stream_rate / hdf5_rate, stream_rate / copy_rate);
+        path.c_str(), stream_rate / hdf5_rate, stream_rate / copy_rate);
     std::fflush(stdout);
   }
 }

@@ -33,6 +33,18 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
     MESHTRAIN_BAD_INPUT("a stream's name must have 1 to ", sp::kNameBytes - 1,
                         " characters, got \"", name, "\"");
   }
+  if (options.split_bytes < 0) {
+    MESHTRAIN_BAD_INPUT("stream \"", name, "\": split_bytes must be 0 (every message split) or a ",
+                        "positive number of bytes, got ", options.split_bytes);
+  }
+  if (options.direct_sends && options.backpressure != StreamBackpressure::block) {
+    MESHTRAIN_BAD_INPUT("stream \"", name, "\": direct_sends needs backpressure block (a direct ",
+                        "send waits until the trainer took its rows), but backpressure is drop");
+  }
+  if (options.direct_sends && options.share_messages) {
+    MESHTRAIN_BAD_INPUT("stream \"", name, "\": direct_sends and share_messages exclude each ",
+                        "other (a shared message gathers several sends' rows in the ring)");
+  }
   if (inputs < 1 || outputs < 1 || options.message_rows < 1 || options.ring_rows < 1) {
     MESHTRAIN_BAD_INPUT("stream \"", name, "\": inputs (", inputs, "), outputs (", outputs,
                         "), message_rows (", options.message_rows, ") and ring_rows (",
@@ -75,6 +87,8 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
   message_rows_ = options.message_rows;
   backpressure_ = options.backpressure;
   share_messages_ = options.share_messages;
+  split_bytes_ = options.split_bytes;
+  direct_sends_ = options.direct_sends;
   open_slot_ = -1;
   open_rows_ = 0;
   const int64_t slots =
@@ -82,9 +96,11 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
   slots_.assign(static_cast<size_t>(slots),
                 std::vector<unsigned char>(static_cast<size_t>(
                     sp::message_bytes(message_rows_, inputs, outputs, hello.dtype))));
+  // Each trainer rank of a group: a message's header and, when it splits, its x and y rows.
   slot_width_ = 1;
-  for (const auto& group : group_ranks_) slot_width_ = std::max(slot_width_, group.size());
+  for (const auto& group : group_ranks_) slot_width_ = std::max(slot_width_, 3 * group.size());
   requests_.assign(static_cast<size_t>(slots) * slot_width_, MPI_REQUEST_NULL);
+  direct_slot_.assign(static_cast<size_t>(slots), 0);
   completed_.assign(requests_.size(), 0);
   in_flight_ = 0;
   last_stop_check_ = {};
@@ -238,6 +254,10 @@ int StreamProducer::take_free_slot() {
 }
 
 void StreamProducer::send_bytes(const void* x, const void* y, int64_t rows, int64_t element_bytes) {
+  if (direct_sends_) {
+    send_direct(static_cast<const unsigned char*>(x), static_cast<const unsigned char*>(y), rows);
+    return;
+  }
   struct Context {
     const unsigned char *x, *y;
     int64_t x_row, y_row;  // bytes
@@ -251,6 +271,77 @@ void StreamProducer::send_bytes(const void* x, const void* y, int64_t rows, int6
         std::memcpy(y_out, ctx->y + first * ctx->y_row, static_cast<size_t>(count * ctx->y_row));
       },
       &context);
+}
+
+void StreamProducer::send_direct(const unsigned char* x, const unsigned char* y, int64_t rows) {
+  MESHTRAIN_REQUIRE(connected(), "StreamProducer::send before connect (or after close)");
+  MESHTRAIN_REQUIRE(rows >= 0, "StreamProducer::send: negative rows (", rows, ")");
+  if (check_stop_now_and_then()) {  // the trainer failed: nobody trains on these rows
+    rows_dropped_ += rows;
+    next_row_ += rows;
+    return;
+  }
+  const int64_t x_row = inputs_ * element_bytes_, y_row = outputs_ * element_bytes_;
+  test_ring();
+  bool direct = false;
+  for (int64_t done = 0; done < rows;) {
+    const int64_t count = std::min(message_rows_, rows - done);
+    const int slot = take_free_slot();  // block: waits for the oldest slot when none is free
+    direct_slot_[static_cast<size_t>(slot)] = 0;  // its earlier sends completed
+    open_slot_ = slot;
+    open_rows_ = count;
+    open_first_row_ = next_row_;
+    unsigned char* bytes = slots_[static_cast<size_t>(slot)].data();
+    if (count * (x_row + y_row) < split_bytes_) {  // small: packed into the ring, sent whole
+      const auto pack_start = std::chrono::steady_clock::now();
+      std::memcpy(bytes + sizeof(sp::Header), x + done * x_row, static_cast<size_t>(count * x_row));
+      std::memcpy(bytes + sizeof(sp::Header) + count * x_row, y + done * y_row,
+                  static_cast<size_t>(count * y_row));
+      pack_seconds_ +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - pack_start).count();
+      start_open();
+    } else {  // the header from the ring, the rows from the caller's arrays
+      sp::Header header;
+      header.kind = sp::kRows;
+      header.rows = count;
+      header.first_row = next_row_;
+      header.split = 1;
+      std::memcpy(bytes, &header, sizeof header);
+      const int64_t group = sp::group_of_message(producer_index_, messages_, producers_, groups_);
+      MPI_Request* requests = &requests_[static_cast<size_t>(slot) * slot_width_];
+      for (int trainer : group_ranks_[static_cast<size_t>(group)]) {
+        check_mpi(MPI_Isend(bytes, static_cast<int>(sizeof header), MPI_BYTE, trainer, sp::kTag,
+                            stream_comm_, requests++),
+                  "MPI_Isend (a stream's rows header)");
+        check_mpi(MPI_Isend(x + done * x_row, static_cast<int>(count * x_row), MPI_BYTE, trainer,
+                            sp::kPayloadTag, stream_comm_, requests++),
+                  "MPI_Isend (a stream's x rows)");
+        check_mpi(MPI_Isend(y + done * y_row, static_cast<int>(count * y_row), MPI_BYTE, trainer,
+                            sp::kPayloadTag, stream_comm_, requests++),
+                  "MPI_Isend (a stream's y rows)");
+        in_flight_ += 3;
+      }
+      direct_slot_[static_cast<size_t>(slot)] = 1;
+      direct = true;
+      ++messages_;
+      rows_sent_ += count;
+      open_slot_ = -1;
+      open_rows_ = 0;
+    }
+    next_row_ += count;
+    done += count;
+  }
+  if (!direct) return;
+  // The caller's rows are read by the direct sends until they complete: waited for here.
+  for (size_t slot = 0; slot < direct_slot_.size(); ++slot) {
+    if (!direct_slot_[slot]) continue;
+    direct_slot_[slot] = 0;
+    MPI_Request* requests = &requests_[slot * slot_width_];
+    in_flight_ -= std::count_if(requests, requests + slot_width_,
+                                [](MPI_Request r) { return r != MPI_REQUEST_NULL; });
+    check_mpi(MPI_Waitall(static_cast<int>(slot_width_), requests, MPI_STATUSES_IGNORE),
+              "MPI_Waitall (a stream's direct sends)");
+  }
 }
 
 void StreamProducer::check_view_send(int64_t element_bytes, int64_t x_rows, int64_t x_columns,
@@ -355,7 +446,10 @@ void StreamProducer::send_packed(int64_t rows, PackRows pack, void* context) {
     // unshared one's straight after its x rows, where the wire has them.
     unsigned char* y_out = share_messages_ ? payload + message_rows_ * x_row + open_rows_ * y_row
                                            : payload + count * x_row;
+    const auto pack_start = std::chrono::steady_clock::now();
     pack(context, done, count, payload + open_rows_ * x_row, y_out);
+    pack_seconds_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - pack_start).count();
     open_rows_ += count;
     next_row_ += count;
     done += count;
@@ -372,18 +466,40 @@ void StreamProducer::start_open() {
   header.first_row = open_first_row_;
   std::memcpy(bytes, &header, sizeof header);
   unsigned char* payload = bytes + sizeof header;
-  if (share_messages_ && open_rows_ < message_rows_) {  // y follows the x rows on the wire
-    std::memmove(payload + open_rows_ * x_row, payload + message_rows_ * x_row,
-                 static_cast<size_t>(open_rows_ * y_row));
-  }
-  const int message_bytes = static_cast<int>(sizeof header + open_rows_ * (x_row + y_row));
   const int64_t group = sp::group_of_message(producer_index_, messages_, producers_, groups_);
   MPI_Request* requests = &requests_[static_cast<size_t>(open_slot_) * slot_width_];
-  for (int trainer : group_ranks_[static_cast<size_t>(group)]) {
-    check_mpi(
-        MPI_Isend(bytes, message_bytes, MPI_BYTE, trainer, sp::kTag, stream_comm_, requests++),
-        "MPI_Isend (a stream's rows)");
-    ++in_flight_;
+  const int64_t rows_bytes = open_rows_ * (x_row + y_row);
+  if (rows_bytes >= split_bytes_) {
+    // The header alone, then x and y as they lie in the slot (a shared message's y rows where
+    // they were written: no move).
+    header.split = 1;
+    std::memcpy(bytes, &header, sizeof header);
+    const unsigned char* y_rows =
+        share_messages_ ? payload + message_rows_ * x_row : payload + open_rows_ * x_row;
+    for (int trainer : group_ranks_[static_cast<size_t>(group)]) {
+      check_mpi(MPI_Isend(bytes, static_cast<int>(sizeof header), MPI_BYTE, trainer, sp::kTag,
+                          stream_comm_, requests++),
+                "MPI_Isend (a stream's rows header)");
+      check_mpi(MPI_Isend(payload, static_cast<int>(open_rows_ * x_row), MPI_BYTE, trainer,
+                          sp::kPayloadTag, stream_comm_, requests++),
+                "MPI_Isend (a stream's x rows)");
+      check_mpi(MPI_Isend(y_rows, static_cast<int>(open_rows_ * y_row), MPI_BYTE, trainer,
+                          sp::kPayloadTag, stream_comm_, requests++),
+                "MPI_Isend (a stream's y rows)");
+      in_flight_ += 3;
+    }
+  } else {
+    if (share_messages_ && open_rows_ < message_rows_) {  // y follows the x rows on the wire
+      std::memmove(payload + open_rows_ * x_row, payload + message_rows_ * x_row,
+                   static_cast<size_t>(open_rows_ * y_row));
+    }
+    const int message_bytes = static_cast<int>(sizeof header + rows_bytes);
+    for (int trainer : group_ranks_[static_cast<size_t>(group)]) {
+      check_mpi(
+          MPI_Isend(bytes, message_bytes, MPI_BYTE, trainer, sp::kTag, stream_comm_, requests++),
+          "MPI_Isend (a stream's rows)");
+      ++in_flight_;
+    }
   }
   ++messages_;
   rows_sent_ += open_rows_;

@@ -60,6 +60,20 @@ struct StreamProducerOptions {
   // the trainer's receives, with whole messages. The last message's rows wait in the ring
   // until it fills, flush() or close(); rows_sent() counts them once their message started.
   bool share_messages = false;
+  // A message whose rows take at least this many bytes goes as its header, then its x rows and
+  // its y rows as two messages of their own (stream_protocol::kPayloadTag), which the trainer
+  // receives straight into its buffer's slots (no copy from a staging message there, and MPI's
+  // single copy between processes applies to each); smaller ones go whole, one message (three
+  // small messages would cost more than the copy they save). 0: every message splits.
+  int64_t split_bytes = 64 * 1024;
+  // With backpressure block (connect refuses it with drop): a pointer send's messages that
+  // split (split_bytes) are sent straight from the caller's x and y, with no copy into the
+  // ring, and send() returns once they completed, i.e. once the trainer took them (its next
+  // pull, which copies them into its buffer): the caller may then reuse its arrays. A large
+  // message's bytes are then copied once in all, by MPI, instead of three times; the price is
+  // that every such send waits for the trainer (no sending ahead into the ring). Not with
+  // share_messages (whose messages gather several sends) nor for Kokkos views (always packed).
+  bool direct_sends = false;
   MPI_Comm parent = MPI_COMM_WORLD;  // where the trainer is found
   // Seconds close() waits for the trainer's last word (its stop or its done, docs/online.md)
   // after this rank's sends completed; 0 (or infinity): for ever; negative or NaN: connect
@@ -170,6 +184,10 @@ class StreamProducer {
   int64_t rows_sent() const { return rows_sent_; }        // handed to MPI
   int64_t messages_sent() const { return messages_; }     // rows messages handed to MPI
   int64_t rows_dropped() const { return rows_dropped_; }  // ring full (drop), or after a stop
+  // Seconds this rank spent copying rows into the ring (the pack: every copy from the
+  // caller's arrays, staged views' copies from the device included), over every send so far;
+  // bench/online_ingest.sh's accounting of the copies per byte. Two clock reads per message.
+  double pack_seconds() const { return pack_seconds_; }
   // The trainer failed after the rendezvous and told the producers to stop (docs/online.md):
   // every send since it came dropped its rows (rows_dropped), the simulation goes on. Producer
   // rank 0 reports one warning naming the stream and the trainer's sentence (stop_reason())
@@ -180,6 +198,9 @@ class StreamProducer {
 
  private:
   void send_bytes(const void* x, const void* y, int64_t rows, int64_t element_bytes);
+  // options.direct_sends: the messages that split sent from x and y themselves, the others
+  // packed into the ring; returns once the direct ones completed.
+  void send_direct(const unsigned char* x, const unsigned char* y, int64_t rows);
   // Packs rows [first, first + count) of the send's x and y into `x_out` [count, inputs] and
   // `y_out` [count, outputs], row-major, of the connected dtype.
   using PackRows = void (*)(void* context, int64_t first, int64_t count, unsigned char* x_out,
@@ -268,9 +289,13 @@ class StreamProducer {
   int open_slot_ = -1;
   int64_t open_rows_ = 0, open_first_row_ = 0;
   bool share_messages_ = false;
-  int64_t messages_ = 0;  // rows messages started (the group of the next is chosen by it)
-  int64_t next_row_ = 0;  // the row number of the next row sent
+  int64_t split_bytes_ = 64 * 1024;
+  bool direct_sends_ = false;
+  std::vector<char> direct_slot_;  // [slot]: its sends read the caller's rows (send_direct)
+  int64_t messages_ = 0;           // rows messages started (the group of the next is chosen by it)
+  int64_t next_row_ = 0;           // the row number of the next row sent
   int64_t rows_sent_ = 0, rows_dropped_ = 0;
+  double pack_seconds_ = 0.0;
   // Publishes: the trainer rank 0 that sends them (stream-communicator rank).
   int64_t publish_every_ = 0, publish_floats_ = 0;
   bool input_stats_ = false, target_stats_ = false;

@@ -37,6 +37,22 @@ void StreamBuffer::add(const float* x, const float* y) {
   std::copy(y, y + outputs_, y_.begin() + slot * outputs_);
 }
 
+int64_t StreamBuffer::run_slot(int64_t rows) const {
+  if (rows < 1 || rows > capacity_) return -1;
+  if (policy_ == StreamPolicy::window) {
+    const int64_t first = seen_ % capacity_;
+    return first + rows <= capacity_ ? first : -1;
+  }
+  return seen_ + rows <= capacity_ ? seen_ : -1;  // the reservoir before it is full
+}
+
+void StreamBuffer::add_run(int64_t rows) {
+  const int64_t before = std::max<int64_t>(0, seen_ - capacity_);
+  seen_ += rows;
+  filled_ = std::min(seen_, capacity_);
+  overwritten_ += std::max<int64_t>(0, seen_ - capacity_) - before;
+}
+
 void StreamBuffer::restore_seen(int64_t seen) {
   if (seen < 0) MESHTRAIN_BAD_INPUT("a stream buffer's row count ", seen, " is negative");
   seen_ = seen;

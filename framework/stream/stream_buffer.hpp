@@ -28,6 +28,13 @@ class StreamBuffer {
   // Row n = seen(): kept, replacing a row (counted in overwritten()), or not kept (counted
   // there too).
   void add(const float* x, const float* y);
+  // Rows n = seen() .. seen() + rows - 1 as one run of consecutive slots, filled in place by
+  // the caller (a receive straight into x_data() and y_data()) and then counted by add_run:
+  // the first slot, or -1 when they would not be consecutive (the window wraps within them;
+  // the reservoir is full, so its rows go to hashed slots): add() them one by one then.
+  int64_t run_slot(int64_t rows) const;
+  // Counts the run run_slot gave as add() would count its rows one by one.
+  void add_run(int64_t rows);
   int64_t capacity() const { return capacity_; }
   int64_t filled() const { return filled_; }  // min(seen, capacity)
   int64_t seen() const { return seen_; }

@@ -54,6 +54,7 @@ int mt_stream_connect(MPI_Comm comm, const char* name, int64_t inputs, int64_t o
       on_warning = options->on_warning;
       warning_data = options->warning_data;
       o.share_messages = options->share_messages != 0;
+      o.direct_sends = options->direct_sends != 0;
     }
     if (on_warning) {
       o.on_warning = [on_warning, warning_data](const std::string& warning) {
@@ -87,6 +88,17 @@ int mt_stream_send(mt_stream* s, const void* x, const void* y, int64_t rows) {
   });
 }
 
+int mt_stream_flush(mt_stream* s) {
+  if (!s) return MT_STREAM_BAD_INPUT;
+  return guarded(s, [&] {
+    if (!s->producer.connected()) {
+      MESHTRAIN_BAD_INPUT("mt_stream_flush: the stream is not connected (connect failed, or it ",
+                          "was closed)");
+    }
+    s->producer.flush();
+  });
+}
+
 int mt_stream_close(mt_stream* s) {
   if (!s) return MT_STREAM_BAD_INPUT;
   return guarded(s, [&] { s->producer.close(); });
@@ -114,9 +126,10 @@ const char* mt_stream_last_error(const mt_stream* s) {
 
 int mt_stream_connect_f(MPI_Fint comm, const char* name, int64_t inputs, int64_t outputs, int dtype,
                         int64_t ring_rows, int64_t message_rows, int backpressure,
-                        double close_timeout, mt_stream** out) {
-  const mt_stream_options options = {ring_rows,     message_rows, backpressure, MPI_COMM_NULL,
-                                     close_timeout, nullptr,      nullptr,      0};
+                        double close_timeout, int share_messages, mt_stream** out) {
+  const mt_stream_options options = {ring_rows,     message_rows,   backpressure,
+                                     MPI_COMM_NULL, close_timeout,  nullptr,
+                                     nullptr,       share_messages, 0};
   return mt_stream_connect(MPI_Comm_f2c(comm), name, inputs, outputs, dtype, &options, out);
 }
 

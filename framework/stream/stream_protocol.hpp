@@ -21,6 +21,13 @@ constexpr int kPublishTag = 3802;
 // The trainer's last word to each producer rank (a LastWord: its stop, or done): a tag of its
 // own, so that a producer probes for it alone.
 constexpr int kLastWordTag = 3803;
+// A rows message whose rows take at least StreamProducerOptions::split_bytes goes as three
+// messages: its Header alone (split = 1) on kTag, then its x rows and its y rows, each one
+// contiguous message on this tag (in that order: MPI keeps the order on one tag). The trainer
+// matches the two (MPI_Improbe) when the header comes and receives them (MPI_Mrecv) only when
+// it takes the message, straight into its buffer's slots where they fit (docs/online.md,
+// "Copies per byte"): a large message's bytes are then copied once on the trainer, by MPI.
+constexpr int kPayloadTag = 3804;
 // Slots of received messages per producer on a trainer rank.
 constexpr int64_t kStagingSlots = 4;
 constexpr int kNameBytes = 64;
@@ -54,7 +61,9 @@ struct Header {
   int64_t kind = kRows;
   int64_t rows = 0;
   int64_t first_row = 0;  // the producer's row number of the message's first row
-  int64_t unused = 0;     // keeps the payload 16-byte aligned
+  // 1: the rows follow as two messages on kPayloadTag (x, then y); 0: after this header, in
+  // this message. 8 bytes: the payload stays 16-byte aligned.
+  int64_t split = 0;
 };
 
 inline int64_t dtype_bytes(int64_t dtype) {

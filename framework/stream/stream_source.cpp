@@ -138,6 +138,9 @@ StreamSource::StreamSource(const StreamSection& section, MPI_Comm trainer_comm,
   staging_.assign(producers, std::vector<std::vector<unsigned char>>(
                                  sp::kStagingSlots,
                                  std::vector<unsigned char>(static_cast<size_t>(message_bytes_))));
+  payloads_.assign(producers, std::vector<std::array<MPI_Message, 2>>(
+                                  sp::kStagingSlots, {MPI_MESSAGE_NULL, MPI_MESSAGE_NULL}));
+  unmatched_.assign(producers, 0);
   staged_head_.assign(producers, 0);
   staged_count_.assign(producers, 0);
   received_.assign(producers, 0);
@@ -245,6 +248,9 @@ void StreamSource::answer_closes() {
 // close_drained_ for the destructor).
 void StreamSource::drain_to_closes() {
   receive();
+  // The split messages staged will not be taken: their payloads received and dropped now, so
+  // that the producers' sends complete and a close() waiting for them returns.
+  discard_payloads();
   for (size_t p = 0; p < producers_.size(); ++p) {
     if (closed_[p] || gone_[p] || close_drained_[p] || last_word_sent_[p]) continue;
     if (staged_count_[p] < sp::kStagingSlots) continue;  // all that came is staged
@@ -259,6 +265,13 @@ void StreamSource::drain_to_closes() {
                 "MPI_Recv (a stream's rows after training)");
       sp::Header header;
       std::memcpy(&header, drain_scratch_.data(), sizeof header);
+      // A split message's payloads follow its header (the staging is full: no payload of this
+      // producer is owed to a staged header).
+      for (int k = 0; header.kind == sp::kRows && header.split != 0 && k < 2; ++k) {
+        check_mpi(MPI_Recv(drain_scratch_.data(), static_cast<int>(drain_scratch_.size()), MPI_BYTE,
+                           producers_[p], sp::kPayloadTag, stream_comm_, MPI_STATUS_IGNORE),
+                  "MPI_Recv (a stream's rows after training)");
+      }
       if (header.kind == sp::kClose) {
         close_drained_[p] = 1;
         send_done(p);
@@ -291,6 +304,8 @@ StreamSource::~StreamSource() {
     closed[p] = 1;
     send_done(p);
   }
+  // The payloads of split messages staged and never taken (or still owed to a header).
+  discard_payloads();
   std::vector<unsigned char> scratch(static_cast<size_t>(message_bytes_));
   // Producer 0's close ends the publishes; its close() takes them until the end comes.
   if (!closed.empty() && closed[0]) end_owed_ = true;
@@ -352,6 +367,10 @@ StreamSource::~StreamSource() {
       has_sent[p] = 1;
       sp::Header header;
       std::memcpy(&header, scratch.data(), sizeof header);
+      for (int k = 0; header.kind == sp::kRows && header.split != 0 && k < 2; ++k) {
+        MPI_Recv(scratch.data(), static_cast<int>(scratch.size()), MPI_BYTE, producers_[p],
+                 sp::kPayloadTag, stream_comm_, MPI_STATUS_IGNORE);  // its payloads
+      }
       if (header.kind == sp::kClose) {
         closed[p] = 1;
         send_done(p);
@@ -424,22 +443,120 @@ int64_t StreamSource::resident_bytes() const {
 
 // Every producer's messages that have come, while it has a free staging slot: never waits
 // for a producer (MPI_Recv of a message MPI_Iprobe found only copies it).
+// A split message (a large one: stream_protocol::kPayloadTag) is staged as its header and its
+// two payloads matched, not received: they are received when the message is taken.
 void StreamSource::receive() {
   for (size_t p = 0; p < producers_.size(); ++p) {
-    while (staged_count_[p] < sp::kStagingSlots) {
+    while (true) {
+      const auto tail =
+          static_cast<size_t>((staged_head_[p] + staged_count_[p]) % sp::kStagingSlots);
+      if (unmatched_[p] > 0) {  // the newest header's payloads, as they come
+        if (!match_payloads(p, payloads_[p][tail].data())) break;
+        ++staged_count_[p];
+        ++received_[p];
+        continue;
+      }
+      if (staged_count_[p] >= sp::kStagingSlots) break;
       int flag = 0;
-      MPI_Status status;
-      check_mpi(MPI_Iprobe(producers_[p], sp::kTag, stream_comm_, &flag, &status),
+      check_mpi(MPI_Iprobe(producers_[p], sp::kTag, stream_comm_, &flag, MPI_STATUS_IGNORE),
                 "MPI_Iprobe (a stream's rows)");
       if (!flag) break;
-      auto& slot =
-          staging_[p]
-                  [static_cast<size_t>((staged_head_[p] + staged_count_[p]) % sp::kStagingSlots)];
+      auto& slot = staging_[p][tail];
+      const auto wire_start = std::chrono::steady_clock::now();
       check_mpi(MPI_Recv(slot.data(), static_cast<int>(slot.size()), MPI_BYTE, producers_[p],
                          sp::kTag, stream_comm_, MPI_STATUS_IGNORE),
                 "MPI_Recv (a stream's rows)");
+      copy_times_.wire_s +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - wire_start).count();
+      sp::Header header;
+      std::memcpy(&header, slot.data(), sizeof header);
+      if (header.kind == sp::kRows && header.split != 0) {
+        unmatched_[p] = 2;
+        continue;
+      }
       ++staged_count_[p];
       ++received_[p];
+    }
+  }
+}
+
+bool StreamSource::match_payloads(size_t p, MPI_Message* payloads) {
+  while (unmatched_[p] > 0) {
+    int flag = 0;
+    MPI_Message message = MPI_MESSAGE_NULL;
+    check_mpi(MPI_Improbe(producers_[p], sp::kPayloadTag, stream_comm_, &flag, &message,
+                          MPI_STATUS_IGNORE),
+              "MPI_Improbe (a stream's rows)");
+    if (!flag) return false;
+    payloads[2 - unmatched_[p]] = message;
+    --unmatched_[p];
+  }
+  return true;
+}
+
+void StreamSource::take_split(size_t p, unsigned char* message, MPI_Message* payloads) {
+  sp::Header header;
+  std::memcpy(&header, message, sizeof header);
+  const int64_t f = buffer_.features(), w = buffer_.outputs();
+  const int64_t element = sp::dtype_bytes(dtype_);
+  const int64_t rows = header.rows;
+  const int64_t first =
+      dtype_ == sp::kFloat32 && section_.test_fraction <= 0.0 ? buffer_.run_slot(rows) : -1;
+  const auto wire_start = std::chrono::steady_clock::now();
+  const auto wired = [&] {
+    copy_times_.wire_s +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - wire_start).count();
+  };
+  if (first >= 0) {
+    // Straight into the slots the rows would be copied to one by one: the same bits.
+    check_mpi(MPI_Mrecv(buffer_.x_data() + first * f, static_cast<int>(rows * f * element),
+                        MPI_BYTE, &payloads[0], MPI_STATUS_IGNORE),
+              "MPI_Mrecv (a stream's x rows)");
+    check_mpi(MPI_Mrecv(buffer_.y_data() + first * w, static_cast<int>(rows * w * element),
+                        MPI_BYTE, &payloads[1], MPI_STATUS_IGNORE),
+              "MPI_Mrecv (a stream's y rows)");
+    wired();
+    buffer_.add_run(rows);
+    for (int64_t r = 0; r < rows && first_kept_ < first_wanted_; ++r) {
+      const float* x = buffer_.x(first + r);
+      const float* y = buffer_.y(first + r);
+      std::copy(x, x + f, first_x_.begin() + first_kept_ * f);
+      std::copy(y, y + w, first_y_.begin() + first_kept_ * w);
+      first_ids_[static_cast<size_t>(first_kept_++)] = {static_cast<int64_t>(p),
+                                                        header.first_row + r};
+    }
+    copy_times_.rows_direct += rows;
+    return;
+  }
+  // As a whole message: x then y after the header, in the slot sized for one.
+  unsigned char* payload = message + sizeof header;
+  check_mpi(MPI_Mrecv(payload, static_cast<int>(rows * f * element), MPI_BYTE, &payloads[0],
+                      MPI_STATUS_IGNORE),
+            "MPI_Mrecv (a stream's x rows)");
+  check_mpi(MPI_Mrecv(payload + rows * f * element, static_cast<int>(rows * w * element), MPI_BYTE,
+                      &payloads[1], MPI_STATUS_IGNORE),
+            "MPI_Mrecv (a stream's y rows)");
+  wired();
+  take(static_cast<int64_t>(p), message);
+}
+
+void StreamSource::discard_payloads() {
+  std::vector<unsigned char>& scratch = drain_scratch_;  // reserved at construction
+  for (size_t p = 0; p < producers_.size(); ++p) {
+    for (int64_t i = 0; i <= staged_count_[p] && i < sp::kStagingSlots; ++i) {
+      // The staged slots, then the newest header's (matched in part) after them.
+      auto& payloads = payloads_[p][static_cast<size_t>((staged_head_[p] + i) % sp::kStagingSlots)];
+      for (MPI_Message& message : payloads) {
+        if (message == MPI_MESSAGE_NULL) continue;
+        if (MPI_Mrecv(scratch.data(), static_cast<int>(scratch.size()), MPI_BYTE, &message,
+                      MPI_STATUS_IGNORE) != MPI_SUCCESS) {
+          message = MPI_MESSAGE_NULL;
+        }
+      }
+    }
+    for (; unmatched_[p] > 0; --unmatched_[p]) {  // sent with their header: they come
+      MPI_Recv(scratch.data(), static_cast<int>(scratch.size()), MPI_BYTE, producers_[p],
+               sp::kPayloadTag, stream_comm_, MPI_STATUS_IGNORE);
     }
   }
 }
@@ -482,13 +599,15 @@ void StreamSource::take(int64_t producer, const unsigned char* message) {
 }
 
 void StreamSource::take_next(size_t p) {
-  const auto& slot = staging_[p][static_cast<size_t>(staged_head_[p])];
+  auto& slot = staging_[p][static_cast<size_t>(staged_head_[p])];
   sp::Header header;
   std::memcpy(&header, slot.data(), sizeof header);
   if (header.kind == sp::kClose) {
     closed_[p] = 1;
     send_done(p);                  // the handshake: this producer's close() waits for it
     if (p == 0) end_owed_ = true;  // no publish after producer 0's close
+  } else if (header.split != 0) {
+    take_split(p, slot.data(), payloads_[p][static_cast<size_t>(staged_head_[p])].data());
   } else {
     take(static_cast<int64_t>(p), slot.data());
   }
@@ -530,12 +649,23 @@ void StreamSource::take_round_robin() {
 }
 
 void StreamSource::pull_once() {
+  using Clock = std::chrono::steady_clock;
+  const auto seconds = [](Clock::time_point from, Clock::time_point to) {
+    return std::chrono::duration<double>(to - from).count();
+  };
+  const auto receive_start = Clock::now();
+  const double wire_before = copy_times_.wire_s;
   receive();
+  const auto receive_end = Clock::now();
+  copy_times_.receive_s += seconds(receive_start, receive_end) - (copy_times_.wire_s - wire_before);
   // The ranks of a group take the same messages, producer by producer: the same buffer bits.
   std::copy(received_.begin(), received_.end(), agreed_.begin());
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, agreed_.data(), static_cast<int>(agreed_.size()),
                           MPI_INT64_T, MPI_MIN, group_comm_),
             "MPI_Allreduce (a stream's messages)");
+  const auto take_start = Clock::now();
+  copy_times_.agree_s += seconds(receive_end, take_start);
+  const double wire_taking = copy_times_.wire_s;
   if (section_.merge == StreamMerge::round_robin) {
     take_round_robin();
   } else {
@@ -543,6 +673,8 @@ void StreamSource::pull_once() {
       while (taken_[p] < agreed_[p]) take_next(p);
     }
   }
+  const auto take_end = Clock::now();
+  copy_times_.take_s += seconds(take_start, take_end) - (copy_times_.wire_s - wire_taking);
   // The publish in flight tested, the waiting one or the end started (never waits).
   if (publish_every_ > 0 && trainer_rank_ == 0) progress_publish();
   bool all_closed = true;
@@ -576,6 +708,7 @@ void StreamSource::pull_once() {
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, sums, static_cast<int>(reduced_.size()), MPI_INT64_T,
                           MPI_SUM, trainer_comm_),
             "MPI_Allreduce (a stream's counters)");
+  copy_times_.agree_s += seconds(take_end, Clock::now());
   for (size_t p = 0; p < producers; ++p) {
     // Held back by some rank: its clock restarts (the silence is the trainer's, not its own),
     // so that it is not voted gone the pull after the merge lets it go.
@@ -618,11 +751,15 @@ void StreamSource::pull() {
   // line its slots up with the other ranks' wrongly. finish() is set alike on every rank.
   MESHTRAIN_REQUIRE(!finished_, "stream '", section_.name,
                     "': a pull after the run finished (no step takes rows any more)");
+  const auto start = std::chrono::steady_clock::now();
   pull_once();
   while (!started_) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
     pull_once();
   }
+  ++copy_times_.pulls;
+  copy_times_.pull_s +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 void StreamSource::prepare_publish(const std::vector<ShardedTensor>& params, const Mesh& mesh) {

@@ -12,6 +12,7 @@
 
 #include <mpi.h>
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -39,6 +40,19 @@ struct StreamCounters {
   int64_t publishes = 0;           // made: the version of the newest
   int64_t publishes_sent = 0;      // handed to MPI toward producer 0
   int64_t publishes_replaced = 0;  // overtaken by a newer one before they could be sent
+};
+
+// Where this trainer rank's pulls spent their time (bench/online_ingest.sh's accounting of the
+// copies per byte), this rank's own, not agreed; a few clock reads per pull and per message:
+struct StreamCopyTimes {
+  int64_t pulls = 0;
+  double pull_s = 0.0;     // in pull() (the first one's wait for min_rows included)
+  double wire_s = 0.0;     // in the MPI_Recv and MPI_Mrecv of rows: MPI's copy into this rank
+  double receive_s = 0.0;  // the rest of receive(): probes, matched probes, headers' receives
+  double agree_s = 0.0;    // the two MPI_Allreduce of each pull (messages, counters)
+  double take_s = 0.0;     // taking rows into the buffers, wire_s excluded: the staging copy
+  // Rows received by MPI straight into the buffer's slots (no staging copy: docs/online.md).
+  int64_t rows_direct = 0;
 };
 
 // What the trainer publishes (stream.publish_every > 0), told to the producers at the
@@ -85,6 +99,7 @@ class StreamSource : public RowSource {
   // The slots of this rank's `rows` rows of micro-batch `seq` (BatchSamples).
   int64_t batch_slots(int64_t seq, int64_t rows, int64_t* out) const;
   const StreamCounters& counters() const { return counters_; }
+  const StreamCopyTimes& copy_times() const { return copy_times_; }
   // Every producer had closed (or was gone: stream.producer_timeout), on every rank, at the
   // last pull.
   bool ended() const { return ended_; }
@@ -176,6 +191,17 @@ class StreamSource : public RowSource {
   void take(int64_t producer, const unsigned char* message);
   // Takes producer p's oldest staged message (rows or its close).
   void take_next(size_t p);
+  // A split message (stream_protocol::kPayloadTag): its two matched payloads received straight
+  // into the buffer's slots where they fit (float32, nothing held out, consecutive slots), else
+  // into its staging slot after the header, then taken as a whole message is.
+  void take_split(size_t p, unsigned char* message, MPI_Message* payloads);
+  // Matches (MPI_Improbe, never waiting) the payloads still owed to producer p's newest header
+  // into `payloads`; true once both are.
+  bool match_payloads(size_t p, MPI_Message* payloads);
+  // The destructor's and drain_to_closes' (after finish(): nothing is taken any more): receives
+  // and drops every payload matched or owed but not taken, so that the producers' sends
+  // complete (never throws; allocates nothing).
+  void discard_payloads();
   void take_round_robin();  // stream.merge = "round_robin"
   // `held_back`: a producer the merge held back at that pull (its staging full), or -1.
   void warn_producer_gone(size_t producer, int64_t still_open, int64_t held_back = -1) const;
@@ -209,6 +235,11 @@ class StreamSource : public RowSource {
   // Each producer's received messages not yet taken: a FIFO of kStagingSlots slots.
   std::vector<std::vector<std::vector<unsigned char>>> staging_;
   std::vector<int64_t> staged_head_, staged_count_;
+  // A split message's two payloads, matched but not received, per staging slot; and the
+  // payloads producer p's newest header (received into the slot after its staged ones, not yet
+  // counted as staged) still waits for (0: none).
+  std::vector<std::vector<std::array<MPI_Message, 2>>> payloads_;
+  std::vector<int> unmatched_;
   std::vector<int64_t> received_, taken_;  // messages, cumulative
   std::vector<int64_t> agreed_;            // the group's minimum of received_
   std::vector<char> closed_;               // its close was taken
@@ -237,6 +268,7 @@ class StreamSource : public RowSource {
   bool started_ = false;
   bool ended_ = false;
   StreamCounters counters_;
+  StreamCopyTimes copy_times_;
 
   // Publishes. Every rank: its blocks packed (pack_); rank 0: every rank's blocks (gathered_,
   // at displs_), each rank's boxes, the message being made or waiting (waiting_) and the one

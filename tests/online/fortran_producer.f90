@@ -3,8 +3,9 @@
 ! (`mpirun -np 1 online_fortran_producer : -np 2 meshtrain train online_c.toml`) it takes its
 ! part of MPI_COMM_WORLD by MPI_APPNUM, connects to stream "c-demo" with 4 inputs (or the
 ! number given as its argument) and 2 outputs, sends 50 sends of 16 rows (backpressure block,
-! the same values as c_producer.c) and closes. Exits 2 with the error's sentence when connect
-! fails.
+! the same values as c_producer.c; sends share messages, flushed every 10 sends with
+! mt_stream_flush, after which every row so far must have been handed to MPI, else exit 1) and
+! closes. Exits 2 with the error's sentence when connect fails.
 
 ! The interface block docs/online.md shows.
 module meshtrain_stream
@@ -15,7 +16,8 @@ module meshtrain_stream
   interface
     integer(c_int) function mt_stream_connect_f(comm, name, inputs, outputs, dtype, ring_rows, &
                                                 message_rows, backpressure, close_timeout, &
-                                                stream) bind(C, name="mt_stream_connect_f")
+                                                share_messages, stream) &
+      bind(C, name="mt_stream_connect_f")
       import :: c_int, c_int64_t, c_char, c_ptr, c_double
       integer(c_int), value :: comm  ! comm%MPI_VAL (mpi_f08) or the integer handle (mpi)
       character(kind=c_char), intent(in) :: name(*)  ! trim(name) // c_null_char
@@ -24,7 +26,13 @@ module meshtrain_stream
       integer(c_int64_t), value :: ring_rows, message_rows  ! 0: the defaults
       integer(c_int), value :: backpressure
       real(c_double), value :: close_timeout  ! seconds close waits for the trainer; 0: 120
+      integer(c_int), value :: share_messages  ! 1: sends share messages (mt_stream_flush); 0: not
       type(c_ptr), intent(out) :: stream
+    end function
+    ! With share_messages: the rows waiting in the message being filled go now.
+    integer(c_int) function mt_stream_flush(stream) bind(C, name="mt_stream_flush")
+      import :: c_int, c_ptr
+      type(c_ptr), value :: stream
     end function
     ! x(inputs, rows) and y(outputs, rows): Fortran's column order is C's row-major [rows, n].
     integer(c_int) function mt_stream_send(stream, x, y, rows) bind(C, name="mt_stream_send")
@@ -100,10 +108,11 @@ program fortran_producer
   end if
 
   allocate (x(inputs, rows), y(outputs, rows))
-  ! block: every row reaches the trainer, however long it takes to start
+  ! block: every row reaches the trainer, however long it takes to start; sends share messages
+  ! (of 256 rows, the default), flushed every 10 sends
   if (mt_stream_connect_f(sim%MPI_VAL, "c-demo"//c_null_char, inputs, outputs, &
                           MT_STREAM_FLOAT32, 0_c_int64_t, 0_c_int64_t, MT_STREAM_BLOCK, &
-                          0.0_c_double, stream) /= 0) then
+                          0.0_c_double, 1_c_int, stream) /= 0) then
     write (0, '(a)') "fortran producer: error: "//mt_stream_error(stream)
     call mt_stream_free(stream)
     call MPI_Comm_free(sim)
@@ -123,6 +132,18 @@ program fortran_producer
     if (mt_stream_send(stream, x, y, rows) /= 0) then
       write (0, '(a)') "fortran producer: error: "//mt_stream_error(stream)
       call MPI_Abort(MPI_COMM_WORLD, 1)
+    end if
+    if (mod(step + 1, 10) == 0) then
+      if (mt_stream_flush(stream) /= 0) then
+        write (0, '(a)') "fortran producer: error: "//mt_stream_error(stream)
+        call MPI_Abort(MPI_COMM_WORLD, 1)
+      end if
+      ! every row so far handed to MPI: the flush started the shared message
+      if (mt_stream_rows_sent(stream) /= (step + 1)*rows) then
+        write (0, '(a, i0, a, i0)') "fortran producer: error: after mt_stream_flush ", &
+          mt_stream_rows_sent(stream), " rows sent of ", (step + 1)*rows
+        call MPI_Abort(MPI_COMM_WORLD, 1)
+      end if
     end if
   end do
   if (mt_stream_close(stream) /= 0) write (0, '(a)') "fortran producer: error: "// &

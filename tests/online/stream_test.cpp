@@ -97,6 +97,14 @@ int64_t produce(MPI_Comm comm, int p, const std::string& name, int64_t rows, Str
     } else {
       producer.send(xf.data(), yf.data(), n);
     }
+    if (options.direct_sends) {
+      // send() returned: the rows may be reused (a direct send still reading them would carry
+      // these NaNs to the trainer).
+      std::fill(xd.begin(), xd.end(), std::nan(""));
+      std::fill(xf.begin(), xf.end(), std::nanf(""));
+      std::fill(yd.begin(), yd.end(), std::nan(""));
+      std::fill(yf.begin(), yf.end(), std::nanf(""));
+    }
     r += n;
   }
   producer.close();
@@ -1228,6 +1236,251 @@ TEST(Stream, CSharedMessagesWaitForTheClose) {
   const auto& source = dynamic_cast<const StreamSource&>(run.train_data());
   EXPECT_EQ(source.counters().rows_received, sum_over_world(0));
   EXPECT_EQ(source.counters().rows_received, 30 * roles.producers);
+}
+
+// direct_sends needs backpressure block and excludes share_messages; split_bytes may not be
+// negative: connect refuses each before the rendezvous (every rank alone), naming the option.
+TEST(Stream, DirectSendsAndSplitBytesRefusedWhereTheyCannotHold) {
+  const auto refused = [](const StreamProducerOptions& options,
+                          std::initializer_list<std::string> fragments) {
+    StreamProducer producer;
+    testing::expect_bad_input(
+        [&] {
+          producer.connect(MPI_COMM_SELF, "t", kInputs, kOutputs, StreamDtype::float32, options);
+        },
+        fragments);
+    EXPECT_FALSE(producer.connected());
+  };
+  StreamProducerOptions drop;
+  drop.direct_sends = true;
+  refused(drop, {"stream \"t\"", "direct_sends needs backpressure block", "drop"});
+  StreamProducerOptions shared;
+  shared.direct_sends = true;
+  shared.backpressure = StreamBackpressure::block;
+  shared.share_messages = true;
+  refused(shared, {"direct_sends and share_messages"});
+  StreamProducerOptions negative;
+  negative.split_bytes = -1;
+  refused(negative, {"split_bytes", "-1"});
+}
+
+// mt_stream_flush (C, and Fortran through the same function) starts the shared message being
+// filled: its rows are handed to MPI at once, not when it fills or at the close; a second flush,
+// or one with nothing waiting, sends nothing; on a closed stream it is bad input with a
+// sentence. The trainer receives every row.
+TEST(Stream, CFlushStartsTheSharedMessage) {
+  Roles roles;
+  if (roles.producer) {
+    EXPECT_EQ(mt_stream_flush(nullptr), MT_STREAM_BAD_INPUT);
+    mt_stream_options options = {64, 16, MT_STREAM_BLOCK, MPI_COMM_NULL, 0.0, nullptr, nullptr, 1};
+    mt_stream* s = nullptr;
+    ASSERT_EQ(mt_stream_connect(roles.comm, "c-flush", kInputs, kOutputs, MT_STREAM_FLOAT32,
+                                &options, &s),
+              MT_STREAM_OK)
+        << mt_stream_last_error(s);
+    std::vector<float> x(5 * kInputs), y(5 * kOutputs);
+    for (int64_t i = 0; i < 5; ++i) make_row_f(roles.rank, i, &x[i * kInputs], &y[i * kOutputs]);
+    EXPECT_EQ(mt_stream_flush(s), MT_STREAM_OK) << "nothing waits: a flush that sends nothing";
+    EXPECT_EQ(mt_stream_send(s, x.data(), y.data(), 5), MT_STREAM_OK) << mt_stream_last_error(s);
+    EXPECT_EQ(mt_stream_rows_sent(s), 0) << "a shared message started before it filled";
+    EXPECT_EQ(mt_stream_flush(s), MT_STREAM_OK) << mt_stream_last_error(s);
+    EXPECT_EQ(mt_stream_rows_sent(s), 5) << "the flush did not start the shared message";
+    EXPECT_EQ(mt_stream_flush(s), MT_STREAM_OK);
+    EXPECT_EQ(mt_stream_rows_sent(s), 5);
+    for (int64_t i = 0; i < 5; ++i) {
+      make_row_f(roles.rank, 5 + i, &x[i * kInputs], &y[i * kOutputs]);
+    }
+    EXPECT_EQ(mt_stream_send(s, x.data(), y.data(), 5), MT_STREAM_OK) << mt_stream_last_error(s);
+    EXPECT_EQ(mt_stream_rows_sent(s), 5);
+    EXPECT_EQ(mt_stream_close(s), MT_STREAM_OK) << mt_stream_last_error(s);
+    EXPECT_EQ(mt_stream_rows_sent(s), 10);
+    EXPECT_EQ(mt_stream_rows_dropped(s), 0);
+    EXPECT_EQ(mt_stream_flush(s), MT_STREAM_BAD_INPUT);
+    EXPECT_NE(std::string(mt_stream_last_error(s))
+                  .find("mt_stream_flush: the stream is not "
+                        "connected"),
+              std::string::npos)
+        << mt_stream_last_error(s);
+    sum_over_world(mt_stream_rows_sent(s));
+    mt_stream_free(s);
+    return;
+  }
+  RunConfig config = trainer_config("c-flush", {{"dp", roles.trainers}}, "dp");
+  config.stream.min_rows = 1;
+  config.stream.until = StreamUntil::closed;
+  config.data.batch_size = roles.trainers;
+  config.train.steps = 1000000;
+  TrainingRun run(config, {}, std::nullopt, roles.comm);
+  while (!run.finished()) run.step();
+  const auto& source = dynamic_cast<const StreamSource&>(run.train_data());
+  EXPECT_EQ(source.counters().rows_received, sum_over_world(0));
+  EXPECT_EQ(source.counters().rows_received, 10 * roles.producers);
+}
+
+// Large messages go as a header and two payloads (StreamProducerOptions::split_bytes), which
+// the trainer receives straight into its buffer's slots where they fit (float32, nothing held
+// out, consecutive slots) and through its staging otherwise (the window wrapping within a
+// message, the full reservoir, float64, held-out rows). The reference, computed in the same
+// test: the same rows sent whole (split_bytes too large to split), into a StreamSource of the
+// same keys. The split runs, and those with direct_sends (sent from the caller's arrays, which
+// it fills with NaN as soon as send() returns), must hold the same bits in the buffer and
+// held-out window, row for row, with the same counters; the rows received straight are counted
+// where the path applies. dp groups and, with 2 trainer ranks, one group of both ranks
+// (tp-like: the same bits on each).
+TEST(Stream, SplitMessagesLandInTheBufferAsWholeOnesDo) {
+  Roles roles;
+  struct Case {
+    const char* name;
+    StreamPolicy policy;
+    StreamDtype dtype;
+    double test_fraction;
+    bool direct;  // some rows must go straight into the buffer
+  };
+  // 300 rows per producer in messages of 16 (sends of irregular sizes cut them) into 40 slots:
+  // the window wraps inside some messages, the reservoir fills and then hashes.
+  const Case cases[] = {{"window-f32", StreamPolicy::window, StreamDtype::float32, 0.0, true},
+                        {"reservoir-f32", StreamPolicy::reservoir, StreamDtype::float32, 0.0, true},
+                        {"window-f64", StreamPolicy::window, StreamDtype::float64, 0.0, false},
+                        {"held-out-f32", StreamPolicy::window, StreamDtype::float32, 0.25, false}};
+  const int64_t rows_per_producer = 300, capacity = 40;
+  for (const bool one_group : {false, true}) {
+    if (one_group && roles.trainers < 2) continue;
+    for (const Case& c : cases) {
+      SCOPED_TRACE(std::string(c.name) + (one_group ? " in one group" : " in dp groups"));
+      // [whole, split, direct][x, y, held-out x, held-out y, first rows' x and y]
+      std::vector<std::vector<float>> bits[3];
+      int64_t counters[3][3] = {};
+      for (const int split : {0, 1, 2}) {
+        const std::string name = std::string("split-") + c.name + "-" + std::to_string(split);
+        if (roles.producer) {
+          StreamProducerOptions options;
+          options.message_rows = 16;
+          options.ring_rows = 64;
+          options.backpressure = StreamBackpressure::block;
+          options.split_bytes = split ? 0 : (int64_t{1} << 40);
+          options.direct_sends = split == 2;
+          EXPECT_EQ(produce(roles.comm, roles.rank, name, rows_per_producer, c.dtype, options),
+                    rows_per_producer);
+          continue;
+        }
+        StreamSection section;
+        section.name = name;
+        section.buffer_rows = capacity;
+        section.policy = c.policy;
+        section.dtype =
+            c.dtype == StreamDtype::float64 ? StreamRowType::float64 : StreamRowType::float32;
+        section.test_fraction = c.test_fraction;
+        section.min_rows = 1;
+        section.until = StreamUntil::closed;
+        section.producer_timeout = 0;
+        section.merge = StreamMerge::round_robin;  // two producers in one group: a fixed order
+        BatchSlice slice;
+        slice.index = one_group ? 0 : roles.rank;
+        slice.count = one_group ? 1 : roles.trainers;
+        slice.global_batch = roles.trainers;
+        slice.rows = one_group ? roles.trainers : 1;
+        StreamSource source(section, roles.comm, slice, kInputs, kOutputs, 1, 7);
+        source.keep_first_rows(8);
+        do {
+          source.pull();
+        } while (!source.ended());
+        source.finish();
+        const StreamBuffer& b = source.buffer();
+        const StreamBuffer& h = source.held_out();
+        bits[split] = {std::vector<float>(b.x(0), b.x(0) + capacity * kInputs),
+                       std::vector<float>(b.y(0), b.y(0) + capacity * kOutputs),
+                       std::vector<float>(h.x(0), h.x(0) + h.capacity() * kInputs),
+                       std::vector<float>(h.y(0), h.y(0) + h.capacity() * kOutputs)};
+        std::vector<float> first_x, first_y;
+        source.first_rows(first_x, first_y);
+        bits[split].push_back(first_x);
+        bits[split].push_back(first_y);
+        counters[split][0] = source.counters().rows_received;
+        counters[split][1] = source.counters().rows_overwritten;
+        counters[split][2] = source.counters().rows_held_out;
+        if (split == 0) {
+          EXPECT_EQ(source.copy_times().rows_direct, 0) << "a whole message went straight";
+        } else if (c.direct) {
+          EXPECT_GT(source.copy_times().rows_direct, 0) << "no split message went straight";
+          EXPECT_LT(source.copy_times().rows_direct, b.seen()) << "the staging path never ran";
+        } else {
+          EXPECT_EQ(source.copy_times().rows_direct, 0);
+        }
+        EXPECT_EQ(source.counters().rows_received, int64_t{roles.producers} * rows_per_producer);
+      }
+      if (roles.producer) continue;
+      for (int run = 1; run < 3; ++run) {
+        for (size_t k = 0; k < bits[0].size(); ++k) {
+          EXPECT_EQ(bits[run][k], bits[0][k])
+              << "part " << k << " differs when messages split" << (run == 2 ? " (direct)" : "");
+        }
+        for (int k = 0; k < 3; ++k) EXPECT_EQ(counters[run][k], counters[0][k]) << "counter " << k;
+      }
+    }
+  }
+}
+
+// direct_sends with messages over MPI's eager limit (1,024 rows: x 16 KiB, y 8 KiB), whose
+// bytes MPI reads from the caller's arrays only when the trainer receives them: the producer
+// overwrites its arrays with NaN as soon as each send returns, and every row the trainer holds
+// must be the row sent (by its id, x[0]), with nothing dropped. A send returning before its
+// message was taken would deliver NaN (checked by hand: without the wait this fails).
+TEST(Stream, DirectSendsReturnOnlyOnceTheirRowsAreTaken) {
+  Roles roles;
+  constexpr int64_t kRows = 1024, kSends = 6;
+  if (roles.producer) {
+    StreamProducerOptions options;
+    options.message_rows = kRows;
+    options.ring_rows = 2 * kRows;
+    options.backpressure = StreamBackpressure::block;
+    options.direct_sends = true;
+    options.split_bytes = 0;  // 24 KiB messages: split (the default splits from 64 KiB)
+    StreamProducer producer;
+    producer.connect(roles.comm, "direct", kInputs, kOutputs, StreamDtype::float32, options);
+    std::vector<float> x(kRows * kInputs), y(kRows * kOutputs);
+    for (int64_t k = 0; k < kSends; ++k) {
+      for (int64_t i = 0; i < kRows; ++i) {
+        make_row_f(roles.rank, k * kRows + i, &x[i * kInputs], &y[i * kOutputs]);
+      }
+      producer.send(x.data(), y.data(), kRows);
+      std::fill(x.begin(), x.end(), std::nanf(""));
+      std::fill(y.begin(), y.end(), std::nanf(""));
+    }
+    EXPECT_DOUBLE_EQ(producer.pack_seconds(), 0.0) << "a direct send packed its rows";
+    producer.close();
+    EXPECT_EQ(producer.rows_sent(), kRows * kSends);
+    EXPECT_EQ(producer.rows_dropped(), 0);
+    return;
+  }
+  StreamSection section;
+  section.name = "direct";
+  section.buffer_rows = kRows * kSends * roles.producers;  // every row a group gets
+  section.min_rows = 1;
+  section.until = StreamUntil::closed;
+  section.producer_timeout = 0;
+  BatchSlice slice;
+  slice.index = roles.rank;
+  slice.count = roles.trainers;
+  slice.global_batch = roles.trainers;
+  slice.rows = 1;
+  StreamSource source(section, roles.comm, slice, kInputs, kOutputs, 1, 7);
+  do {
+    source.pull();
+  } while (!source.ended());
+  source.finish();
+  const StreamBuffer& buffer = source.buffer();
+  EXPECT_EQ(source.counters().rows_received, kRows * kSends * roles.producers);
+  EXPECT_EQ(source.copy_times().rows_direct, buffer.seen()) << "a message took the staging path";
+  int64_t wrong = 0;
+  for (int64_t slot = 0; slot < buffer.filled(); ++slot) {
+    const float* x = buffer.x(slot);
+    const float* y = buffer.y(slot);
+    const auto id = static_cast<int64_t>(x[0]);  // NaN: the check below fails
+    float ex[kInputs], ey[kOutputs];
+    make_row_f(id / 100000, id % 100000, ex, ey);
+    wrong += std::equal(x, x + kInputs, ex) && std::equal(y, y + kOutputs, ey) ? 0 : 1;
+  }
+  EXPECT_EQ(wrong, 0) << "rows that are not the rows sent (NaN: read after send() returned)";
 }
 
 }  // namespace
