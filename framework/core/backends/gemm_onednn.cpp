@@ -9,7 +9,7 @@
 // which runs the GEMMs of a training step as fast as OpenBLAS's sgemm or faster here, while its
 // fp32 brgemm kernel, which it takes for fixed shapes, copies a plain B into its blocked layout
 // at every call (0.6x of OpenBLAS for x @ W; docs/design.md, GEMM). bf16: the other way round,
-// oneDNN's brgemm kernel (AMX) on fixed shapes beats its bf16 gemm kernel (2.4x on the weight
+// oneDNN's brgemm kernel (AMX) on fixed shapes beats its bf16 gemm kernel (2.2x on the weight
 // gradient Xᵀ @ dY, whose K is the batch), so a layer shape's first call makes a fixed-shape
 // primitive as well (primitive_for, below). Each call describes its
 // operands through oneDNN's C API (memory objects made and destroyed inside oneDNN, none of
@@ -398,16 +398,17 @@ Primitive& primitive_in_table(OneDnn& state, const PrimitiveKey& key, const Fixe
 // The primitive a call runs. fp32 (`shape` empty): the runtime-dimension one of `key`, whose
 // gemm kernel ("gemm:jit") is oneDNN 2.6's fastest fp32 matmul here. bf16 (`shape` the call's):
 // a primitive of the call's whole shape, on which oneDNN takes its brgemm kernel (AMX or
-// AVX512_BF16; on the shapes of the 784-4096-4096-10 step 1.0-1.3x its bf16 gemm kernel, 2.2x on
-// the weight gradient Xᵀ @ dY, whose K is the batch: docs/mixed_precision.md, "Where the bf16
-// step's GEMM time went"). A layer calls with the same shape at every step except for its rows (M
-// of x @ W and dY @ Wᵀ, K of Xᵀ @ dY), which vary where an MoE expert receives a varying number: so
-// the fixed-shape primitive is made for the first rows a layer shape (key and feature extent) sees,
-// together with the runtime-dimension one, which takes every other shape of it. Both are made at
-// the first call, so that a later step makes none (nothing allocated in the step). The two kernels
-// give the same bits where K is small (measured: K = 128 and 784, the step's Xᵀ @ dY and first
-// x @ W) and not at K = 4096 (the order of the fp32 additions differs; both within gemm.hpp's
-// bounds), so there a call's bits depend on whether its rows are the first its layer shape saw.
+// AVX512_BF16; on the shapes of the 784-4096-4096-10 step 1.0-1.3x its bf16 gemm kernel on x @ W
+// and dY @ Wᵀ, 1.8-2.2x on the weight gradients Xᵀ @ dY, whose K is the batch:
+// docs/mixed_precision.md, "Where the bf16 step's GEMM time went"). A layer calls with the same
+// shape at every step except for its rows (M of x @ W and dY @ Wᵀ, K of Xᵀ @ dY), which vary where
+// an MoE expert receives a varying number: so the fixed-shape primitive is made for the first rows
+// a layer shape (key and feature extent) sees, together with the runtime-dimension one, which takes
+// every other shape of it. Both are made at the first call, so that a later step makes none
+// (nothing allocated in the step). The two kernels give the same bits where K is small (measured: K
+// = 128 and 784, the step's Xᵀ @ dY and first x @ W) and not at K = 4096 (the order of the fp32
+// additions differs; both within gemm.hpp's bounds), so there a call's bits depend on whether its
+// rows are the first its layer shape saw.
 Primitive& primitive_for(OneDnn& state, const PrimitiveKey& key, const FixedShape& shape) {
   if (shape.m == 0) return primitive_in_table(state, key, shape);
   PrimitiveKey layer_key = key;
