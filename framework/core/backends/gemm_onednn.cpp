@@ -11,14 +11,15 @@
 // at every call (0.6x of OpenBLAS for x @ W; docs/design.md, GEMM). bf16: the other way round,
 // oneDNN's brgemm kernel (AMX) on fixed shapes beats its bf16 gemm kernel (2.2x on the weight
 // gradient Xᵀ @ dY, whose K is the batch), so a layer shape's first call makes a fixed-shape
-// primitive as well (primitive_for, below). Each call describes its
-// operands through oneDNN's C API (memory objects made and destroyed inside oneDNN, none of
-// ours) and executes the primitive: oneDNN allocates inside every execution, freed before it
-// returns, which no call of its API avoids: a few small operator new blocks (its execution
-// context and argument map; tests/support/onednn_allocations.hpp, the allocation tests require
-// none kept) and, with posix_memalign, those memory objects and a workspace of its gemm kernel.
-// Scratchpads are ours (scratchpad_mode::user): one buffer, grown to the largest primitive's
-// need and shared, since calls are serialized; passed only to a primitive that has one.
+// primitive as well (primitive_for, below; where an operand is row-strided, a block of a wider
+// matrix as tensor parallelism's are, oneDNN 2.6 makes even that one gemm:jit). Each call
+// describes its operands through oneDNN's C API (memory objects made and destroyed inside
+// oneDNN, none of ours) and executes the primitive: oneDNN allocates inside every execution, freed
+// before it returns, which no call of its API avoids: a few small operator new blocks (its
+// execution context and argument map; tests/support/onednn_allocations.hpp, the allocation tests
+// require none kept) and, with posix_memalign, those memory objects and a workspace of its gemm
+// kernel. Scratchpads are ours (scratchpad_mode::user): one buffer, grown to the largest
+// primitive's need and shared, since calls are serialized; passed only to a primitive that has one.
 //
 // Threads: Debian's libdnnl runs on OpenMP and uses omp_get_max_threads() threads, so one
 // thread per rank comes from OMP_NUM_THREADS=1, which scripts/env.sh and the tests set (as
