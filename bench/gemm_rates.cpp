@@ -9,7 +9,9 @@
 // the kernel gemm() picks on this CPU ("automatic") on fp32 buffers holding bf16 values and on
 // 16-bit operands (gemm.hpp: read as stored by the bf16 matmul, widened for an fp32 kernel), and
 // the bf16 kernel forced where oneDNN only emulates it. Epilogues: none, bias+relu and bias+gelu
-// forward, the relu backward with its bias gradient. The calls of all paths alternate round by
+// forward, the relu backward with its bias gradient; and the other two products of a layer's
+// backward without an epilogue: weight_grad (Xᵀ @ dY, A transposed: the step's weight gradient,
+// whose K is the batch) and input_grad (dY @ Wᵀ). The calls of all paths alternate round by
 // round (a loaded machine slows them alike); each line has the median over the rounds of
 // wall-clock and thread-CPU time, as GFLOP/s (2 M K N per call), and the ratio to OpenBLAS fp32
 // on the same shape and epilogue.
@@ -88,6 +90,8 @@ struct Epilogue {
   std::string name;
   bool backward;
   Activation activation;
+  bool transpose_a = false;     // weight_grad: A stored [K, M], as a layer's Xᵀ @ dY
+  bool plain_backward = false;  // input_grad: the backward's dY @ Wᵀ without an epilogue
 };
 
 // Values in [-1, 1] rounded to `dtype`.
@@ -108,12 +112,14 @@ int main(int argc, char** argv) {
   CLI::App app{"gemm() GFLOP/s per host library, kernel, dtype, shape and epilogue"};
   std::string shapes_text = "256x4096x4096";
   int rounds = 7;
-  std::string epilogues_text = "none,bias_relu,bias_gelu,relu_backward";
+  std::string epilogues_text = "none,bias_relu,bias_gelu,relu_backward,weight_grad,input_grad";
   app.add_option("--shapes", shapes_text, "MxKxN,... (C [M, N] = A [M, K] @ B [K, N])");
   app.add_option("--rounds", rounds, "timed calls per path (after one warm-up call)")
       ->check(CLI::PositiveNumber);
   app.add_option("--epilogues", epilogues_text,
-                 "of none, bias_relu, bias_gelu, relu_backward (comma-separated)");
+                 "of none, bias_relu, bias_gelu, relu_backward, weight_grad (C = Aᵀ @ B, A stored "
+                 "[K, M]: a layer's Xᵀ @ dY), input_grad (dX [M, K] = dY [M, N] @ Wᵀ, W [K, N], no "
+                 "epilogue: a layer's dY @ Wᵀ) (comma-separated)");
   CLI11_PARSE(app, argc, argv);
   std::vector<Shape> shapes;
   try {
@@ -134,9 +140,14 @@ int main(int argc, char** argv) {
         epilogues.push_back({item, false, Activation::gelu});
       } else if (item == "relu_backward") {
         epilogues.push_back({item, true, Activation::relu});
+      } else if (item == "weight_grad") {
+        epilogues.push_back({item, false, Activation::none, true});
+      } else if (item == "input_grad") {
+        epilogues.push_back({item, false, Activation::none, false, true});
       } else {
         std::cerr << "--epilogues: '" << item
-                  << "' is not one of none, bias_relu, bias_gelu, relu_backward\n";
+                  << "' is not one of none, bias_relu, bias_gelu, relu_backward, weight_grad, "
+                     "input_grad\n";
         return 2;
       }
     }
@@ -171,13 +182,16 @@ int main(int argc, char** argv) {
   summary["kernels"] = meshtrain::gemm_kernels();
   for (const Shape& s : shapes) {
     for (const Epilogue& epilogue : epilogues) {
-      const int64_t c_cols = epilogue.backward ? s.k : s.n;
+      const bool backward_shape = epilogue.backward || epilogue.plain_backward;
+      const int64_t c_cols = backward_shape ? s.k : s.n;
       std::vector<std::vector<double>> wall(paths.size()), cpu(paths.size());
       std::vector<Matrix> a_of(paths.size()), b_of(paths.size());
       std::vector<meshtrain::HalfMatrix> a16_of(paths.size()), b16_of(paths.size());
       for (std::size_t p = 0; p < paths.size(); ++p) {
         // forward: C [M, N] = A [M, K] @ B [K, N]; backward: dX [M, K] = dY [M, N] @ Wᵀ, W [K, N]
-        a_of[p] = random_matrix("a", s.m, epilogue.backward ? s.n : s.k, paths[p].dtype, 1);
+        a_of[p] = epilogue.transpose_a
+                      ? random_matrix("a", s.k, s.m, paths[p].dtype, 1)
+                      : random_matrix("a", s.m, backward_shape ? s.n : s.k, paths[p].dtype, 1);
         b_of[p] = random_matrix("b", s.k, s.n, paths[p].dtype, 2);
         if (paths[p].sixteen_bit_operands) {
           a16_of[p] = meshtrain::HalfMatrix("a16", a_of[p].extent(0), a_of[p].extent(1));
@@ -197,14 +211,14 @@ int main(int argc, char** argv) {
                                : epilogue.activation == Activation::none
                                    ? GemmEpilogue()
                                    : GemmEpilogue::forward(bias, epilogue.activation);
-        const meshtrain::GemmOperand a =
-            paths[p].sixteen_bit_operands
-                ? meshtrain::plain(meshtrain::ConstHalfMatrixView(a16_of[p]))
-                : meshtrain::plain(a_of[p]);
+        meshtrain::GemmOperand a = paths[p].sixteen_bit_operands
+                                       ? meshtrain::plain(meshtrain::ConstHalfMatrixView(a16_of[p]))
+                                       : meshtrain::plain(a_of[p]);
         meshtrain::GemmOperand b = paths[p].sixteen_bit_operands
                                        ? meshtrain::plain(meshtrain::ConstHalfMatrixView(b16_of[p]))
                                        : meshtrain::plain(b_of[p]);
-        b.transpose = epilogue.backward;
+        a.transpose = epilogue.transpose_a;
+        b.transpose = backward_shape;
         meshtrain::gemm(a, b, 0.0f, c, paths[p].dtype, e);
         Kokkos::fence();
       };

@@ -659,6 +659,60 @@ TEST(Gemm, SixteenBitOperandsGiveTheResultsOfTheirFp32Buffers) {
                    {"a 16-bit operand needs inputs bf16 or fp16"});
 }
 
+// A layer shape called with other rows (an MoE expert's varying share): on oneDNN's bf16 matmul
+// the first rows of a layer shape run a primitive of that whole shape and any other rows the
+// runtime-dimension one (framework/core/backends/gemm_onednn.cpp, primitive_for); every call
+// within the float64 bounds, and a repeated call the same bits. Every path, fp32 too. Both
+// forms whose rows vary: x @ W (rows are M) and Xᵀ @ dY (rows are K), with K = 515 for x @ W
+// past oneDNN's K block. N = 133 is this test's alone, so its first call is the shape's first.
+TEST(Gemm, OtherRowsOfALayerShapeMatchFloat64) {
+  constexpr std::size_t kFeatures = 515, kOut = 133;
+  for (Dtype dtype : {Dtype::bf16, Dtype::fp32}) {
+    for (const Path& path : paths_for(dtype)) {
+      const SelectedPath selected(path);
+      std::mt19937 rng(21);
+      const TestMatrix w = make_matrix(kFeatures, kOut, 0, dtype, rng);
+      for (bool weight_gradient : {false, true}) {
+        for (std::size_t rows : {64, 17, 40, 64}) {
+          const TestMatrix x = make_matrix(rows, kFeatures, 0, dtype, rng);
+          const TestMatrix dy = make_matrix(rows, kOut, 0, dtype, rng);
+          // x @ W: [rows, 515] @ [515, 133]; Xᵀ @ dY: [515, rows] @ [rows, 133].
+          const std::size_t m = weight_gradient ? kFeatures : rows,
+                            k = weight_gradient ? rows : kFeatures;
+          const TestMatrix& b = weight_gradient ? dy : w;
+          const Product product = reference_product(x, weight_gradient, b, false, m, k, kOut);
+          TestMatrix c = make_matrix(m, kOut, 0, Dtype::fp32, rng);
+          gemm(weight_gradient ? transposed(x.view()) : plain(x.view()), plain(b.view()), 0.0f,
+               c.view(), dtype);
+          const std::vector<float> got = block_of(c);
+          std::ostringstream name;
+          name << path.name << " " << to_string(dtype) << (weight_gradient ? " Xᵀ @ dY" : " x @ W")
+               << " rows " << rows;
+          Checker checker(name.str());
+          for (std::size_t i = 0; i < m; ++i)
+            for (std::size_t j = 0; j < kOut; ++j) {
+              const std::size_t e = i * kOut + j;
+              checker.check("C", i, j, got[e], product.value[e],
+                            (k + 3) * kUnit * product.magnitude[e]);
+            }
+          g_worst_ratio = std::max(g_worst_ratio, checker.worst());
+        }
+        // The first rows again, twice on the same operands: the same bits both times.
+        const TestMatrix x = make_matrix(64, kFeatures, 0, dtype, rng);
+        const TestMatrix dy = make_matrix(64, kOut, 0, dtype, rng);
+        const std::size_t m = weight_gradient ? kFeatures : 64;
+        TestMatrix c1 = make_matrix(m, kOut, 0, Dtype::fp32, rng),
+                   c2 = make_matrix(m, kOut, 0, Dtype::fp32, rng);
+        const GemmOperand a = weight_gradient ? transposed(x.view()) : plain(x.view());
+        const GemmOperand b = plain(weight_gradient ? dy.view() : w.view());
+        gemm(a, b, 0.0f, c1.view(), dtype);
+        gemm(a, b, 0.0f, c2.view(), dtype);
+        EXPECT_EQ(block_of(c1), block_of(c2)) << path.name << " " << to_string(dtype);
+      }
+    }
+  }
+}
+
 // A repeated call (same N, dtype and epilogue; M and K may differ, as an MoE expert's rows do)
 // allocates nothing, neither Kokkos memory nor on the heap: primitives, scratchpads and 16-bit
 // copies are made at the first call and kept (the 16-bit copies grow only for larger operands).

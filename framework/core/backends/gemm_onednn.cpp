@@ -3,19 +3,23 @@
 //
 // One CPU engine and one stream for the process. A primitive is made for each distinct
 // (N, transposes, kernel dtype, bias, activation, beta) at its first call and kept in a table
-// on the heap (as cuBLAS keeps its handle). M, K and the row strides are runtime dimensions
-// (DNNL_RUNTIME_DIM_VAL): one primitive serves every batch size and every number of rows an
-// MoE expert receives, and oneDNN 2.6 then takes its gemm-based kernel ("gemm:jit"), which
-// runs the GEMMs of a training step as fast as OpenBLAS's sgemm or faster here, while its
-// brgemm kernel, which it takes for fixed shapes, copies a plain B into its blocked layout at
-// every call (0.6x of OpenBLAS for x @ W; docs/design.md, GEMM). Each call describes its
-// operands through oneDNN's C API (memory objects made and destroyed inside oneDNN, none of
-// ours) and executes the primitive: oneDNN allocates inside every execution, freed before it
-// returns, which no call of its API avoids: a few small operator new blocks (its execution
-// context and argument map; tests/support/onednn_allocations.hpp, the allocation tests require
-// none kept) and, with posix_memalign, those memory objects and a workspace of its gemm kernel.
-// Scratchpads are ours (scratchpad_mode::user): one buffer, grown to the largest primitive's
-// need and shared, since calls are serialized; passed only to a primitive that has one.
+// on the heap (as cuBLAS keeps its handle). fp32: M, K and the row strides are runtime
+// dimensions (DNNL_RUNTIME_DIM_VAL): one primitive serves every batch size and every number of
+// rows an MoE expert receives, and oneDNN 2.6 then takes its gemm-based kernel ("gemm:jit"),
+// which runs the GEMMs of a training step as fast as OpenBLAS's sgemm or faster here, while its
+// fp32 brgemm kernel, which it takes for fixed shapes, copies a plain B into its blocked layout
+// at every call (0.6x of OpenBLAS for x @ W; docs/design.md, GEMM). bf16: the other way round,
+// oneDNN's brgemm kernel (AMX) on fixed shapes beats its bf16 gemm kernel (2.2x on the weight
+// gradient Xᵀ @ dY, whose K is the batch), so a layer shape's first call makes a fixed-shape
+// primitive as well (primitive_for, below; where an operand is row-strided, a block of a wider
+// matrix as tensor parallelism's are, oneDNN 2.6 makes even that one gemm:jit). Each call
+// describes its operands through oneDNN's C API (memory objects made and destroyed inside
+// oneDNN, none of ours) and executes the primitive: oneDNN allocates inside every execution, freed
+// before it returns, which no call of its API avoids: a few small operator new blocks (its
+// execution context and argument map; tests/support/onednn_allocations.hpp, the allocation tests
+// require none kept) and, with posix_memalign, those memory objects and a workspace of its gemm
+// kernel. Scratchpads are ours (scratchpad_mode::user): one buffer, grown to the largest
+// primitive's need and shared, since calls are serialized; passed only to a primitive that has one.
 //
 // Threads: Debian's libdnnl runs on OpenMP and uses omp_get_max_threads() threads, so one
 // thread per rank comes from OMP_NUM_THREADS=1, which scripts/env.sh and the tests set (as
@@ -57,7 +61,8 @@ namespace {
 using DataType = dnnl::memory::data_type;
 using Dims = dnnl::memory::dims;
 
-// What a primitive is made for: everything but M, K, the row strides and the buffers.
+// What a primitive is made for: everything but M, K, the row strides and the buffers; and for a
+// bf16 layer shape (below), its feature extent (`features`: K of x @ W and dY @ Wᵀ, M of Xᵀ @ dY).
 struct PrimitiveKey {
   int n = 0;
   bool transpose_a = false, transpose_b = false;
@@ -65,11 +70,12 @@ struct PrimitiveKey {
   bool bias = false;
   Activation activation = Activation::none;
   uint32_t beta_bits = 0;  // beta, bit for bit (0: no sum post-op)
+  int features = 0;        // 0: the runtime-dimension primitive's key
 
   bool operator==(const PrimitiveKey& o) const {
     return n == o.n && transpose_a == o.transpose_a && transpose_b == o.transpose_b &&
            bf16 == o.bf16 && bias == o.bias && activation == o.activation &&
-           beta_bits == o.beta_bits;
+           beta_bits == o.beta_bits && features == o.features;
   }
 };
 
@@ -82,7 +88,17 @@ struct PrimitiveKeyHash {
         (static_cast<std::size_t>(key.bf16) << 2) | (static_cast<std::size_t>(key.bias) << 3) |
         (static_cast<std::size_t>(key.activation) << 4));
     mix(key.beta_bits);
+    mix(static_cast<std::size_t>(key.features));
     return h;
+  }
+};
+
+// The whole shape of a fixed-shape primitive: M, K and the row strides of A, B, C as the matmul
+// reads them (after any bf16 copy).
+struct FixedShape {
+  int m = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
+  bool operator==(const FixedShape& o) const {
+    return m == o.m && k == o.k && lda == o.lda && ldb == o.ldb && ldc == o.ldc;
   }
 };
 
@@ -91,6 +107,7 @@ struct Primitive {
   dnnl::matmul matmul;
   dnnl::memory bias, scratchpad;
   std::size_t scratchpad_bytes = 0;
+  FixedShape shape;  // a fixed-shape primitive's (M 0: runtime M, K and strides)
 };
 
 constexpr dnnl_dim_t kRuntime = DNNL_RUNTIME_DIM_VAL;
@@ -185,14 +202,18 @@ const uint16_t* bf16_copy(const float* data, int rows, int cols, int ld, HostBit
   return out;
 }
 
-std::unique_ptr<Primitive> make_primitive(OneDnn& state, const PrimitiveKey& key) {
+// A primitive for `key`: M, K and the row strides at run time (shape.m 0), or fixed to `shape`.
+std::unique_ptr<Primitive> make_primitive(OneDnn& state, const PrimitiveKey& key,
+                                          const FixedShape& shape = {}) {
   const DataType operand = key.bf16 ? DataType::bf16 : DataType::f32;
-  // M, K and the row strides at run time; N fixed (bias, post-ops).
-  const dnnl::memory::desc a_md({kRuntime, kRuntime}, operand,
-                                dims_of(op_strides(kRuntime, key.transpose_a)));
-  const dnnl::memory::desc b_md({kRuntime, key.n}, operand,
-                                dims_of(op_strides(kRuntime, key.transpose_b)));
-  const dnnl::memory::desc c_md({kRuntime, key.n}, DataType::f32, Dims{kRuntime, 1});
+  // N fixed (bias, post-ops); M, K and the row strides at run time or fixed.
+  const bool fixed = shape.m != 0;
+  const dnnl_dim_t m = fixed ? shape.m : kRuntime, k = fixed ? shape.k : kRuntime;
+  const dnnl::memory::desc a_md({m, k}, operand,
+                                dims_of(op_strides(fixed ? shape.lda : kRuntime, key.transpose_a)));
+  const dnnl::memory::desc b_md({k, key.n}, operand,
+                                dims_of(op_strides(fixed ? shape.ldb : kRuntime, key.transpose_b)));
+  const dnnl::memory::desc c_md({m, key.n}, DataType::f32, Dims{fixed ? shape.ldc : kRuntime, 1});
   const dnnl::memory::desc bias_md({1, key.n}, DataType::f32, Dims{key.n, 1});
   dnnl::post_ops post_ops;
   float beta = 0.0f;
@@ -215,6 +236,7 @@ std::unique_ptr<Primitive> make_primitive(OneDnn& state, const PrimitiveKey& key
   if (key.bias) made->bias = dnnl::memory(bias_md, state.engine, DNNL_MEMORY_NONE);
   made->scratchpad_bytes = pd.scratchpad_desc().get_size();
   made->scratchpad = dnnl::memory(pd.scratchpad_desc(), state.engine, DNNL_MEMORY_NONE);
+  made->shape = shape;
   return made;
 }
 
@@ -352,6 +374,53 @@ bool runs_bf16(OneDnn& state, Dtype inputs, Bf16Kernel bf16_kernel) {
 
 }  // namespace
 
+namespace {
+
+// The primitive for `key` in the table, made at its first use (and the scratchpad grown to it).
+Primitive& primitive_in_table(OneDnn& state, const PrimitiveKey& key, const FixedShape& shape) {
+  auto found = state.primitives.find(key);
+  if (found == state.primitives.end()) {
+    std::unique_ptr<Primitive> made;
+    try {
+      made = make_primitive(state, key, shape);
+    } catch (const dnnl::error& e) {
+      const std::string a_shape = shape.m != 0
+                                      ? std::to_string(shape.m) + ", " + std::to_string(shape.k)
+                                      : std::string("M, K");
+      MESHTRAIN_FAIL("gemm (oneDNN): no matmul for op(A) [", a_shape, "] @ op(B) [K, ", key.n,
+                     "] (", key.bf16 ? "bf16" : "fp32", "): ", e.what());
+    }
+    grown(state.scratchpad, made->scratchpad_bytes + 64, "meshtrain::gemm_onednn_scratchpad");
+    found = state.primitives.emplace(key, std::move(made)).first;
+  }
+  return *found->second;
+}
+
+// The primitive a call runs. fp32 (`shape` empty): the runtime-dimension one of `key`, whose
+// gemm kernel ("gemm:jit") is oneDNN 2.6's fastest fp32 matmul here. bf16 (`shape` the call's):
+// a primitive of the call's whole shape, on which oneDNN takes its brgemm kernel (AMX or
+// AVX512_BF16; on the shapes of the 784-4096-4096-10 step 1.0-1.3x its bf16 gemm kernel on x @ W
+// and dY @ Wᵀ, 1.8-2.2x on the weight gradients Xᵀ @ dY, whose K is the batch:
+// docs/mixed_precision.md, "Where the bf16 step's GEMM time went"). A layer calls with the same
+// shape at every step except for its rows (M of x @ W and dY @ Wᵀ, K of Xᵀ @ dY), which vary where
+// an MoE expert receives a varying number: so the fixed-shape primitive is made for the first rows
+// a layer shape (key and feature extent) sees, together with the runtime-dimension one, which takes
+// every other shape of it. Both are made at the first call, so that a later step makes none
+// (nothing allocated in the step). The two kernels give the same bits where K is small (measured: K
+// = 128 and 784, the step's Xᵀ @ dY and first x @ W) and not at K = 4096 (the order of the fp32
+// additions differs; both within gemm.hpp's bounds), so there a call's bits depend on whether its
+// rows are the first its layer shape saw.
+Primitive& primitive_for(OneDnn& state, const PrimitiveKey& key, const FixedShape& shape) {
+  if (shape.m == 0) return primitive_in_table(state, key, shape);
+  PrimitiveKey layer_key = key;
+  layer_key.features = key.transpose_a ? shape.m : shape.k;
+  Primitive& fixed = primitive_in_table(state, layer_key, shape);
+  Primitive& runtime = primitive_in_table(state, key, FixedShape{});
+  return fixed.shape == shape ? fixed : runtime;
+}
+
+}  // namespace
+
 bool onednn_runs_bf16(Dtype inputs, Bf16Kernel bf16_kernel) {
   OneDnn& state = onednn();
   const std::lock_guard<std::mutex> lock(state.mutex);
@@ -375,20 +444,6 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
   key.activation = forward_epilogue ? call.activation : Activation::none;
   if (call.beta != 0.0f) std::memcpy(&key.beta_bits, &call.beta, sizeof key.beta_bits);
 
-  auto found = state.primitives.find(key);
-  if (found == state.primitives.end()) {
-    std::unique_ptr<Primitive> made;
-    try {
-      made = make_primitive(state, key);
-    } catch (const dnnl::error& e) {
-      MESHTRAIN_FAIL("gemm (oneDNN): no matmul for op(A) [M, K] @ op(B) [K, ", call.n, "] (",
-                     bf16 ? "bf16" : "fp32", "): ", e.what());
-    }
-    grown(state.scratchpad, made->scratchpad_bytes + 64, "meshtrain::gemm_onednn_scratchpad");
-    found = state.primitives.emplace(key, std::move(made)).first;
-  }
-  Primitive& p = *found->second;
-
   // Stored shapes: op(A) [m, k], op(B) [k, n]; the bf16 copies are contiguous.
   const int a_rows = call.transpose_a ? call.k : call.m,
             a_cols = call.transpose_a ? call.m : call.k;
@@ -411,6 +466,9 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
       ldb = b_cols;
     }
   }
+
+  const FixedShape shape{call.m, call.k, lda, ldb, call.ldc};
+  Primitive& p = primitive_for(state, key, bf16 ? shape : FixedShape{});
   const DataType operand = bf16 ? DataType::bf16 : DataType::f32;
   const CallMemory a_memory(state, call.m, call.k, op_strides(lda, call.transpose_a), operand, a);
   const CallMemory b_memory(state, call.k, call.n, op_strides(ldb, call.transpose_b), operand, b);
