@@ -202,15 +202,17 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
         (shared->output.data() == nullptr || fits(shared->output, l.out_local)) &&
             (!work || fits(shared->work, in_c)) &&
             (!kept || (work && !l.slices_input() && fits(shared->kept_input, in_c))) &&
-            (dy_bits.data() == nullptr || (static_cast<int64_t>(dy_bits.extent(0)) == rows_ &&
-                                           static_cast<int64_t>(dy_bits.extent(1)) >= l.out_local)),
+            (dy_bits.data() == nullptr || !l.split_output ||
+             (static_cast<int64_t>(dy_bits.extent(0)) == rows_ &&
+              static_cast<int64_t>(dy_bits.extent(1)) >= l.out_local)),
         "linear layer '", name, "': shared buffers of the wrong extents");
     output_view_ = shared->output;
     dx_c_view_ = shared->work;
     kept_input_ = shared->kept_input;
     input_grad_ = shared->input_grad;
-    if (dy_bits.data() != nullptr)
+    if (dy_bits.data() != nullptr && l.split_output) {
       dy_16bit_view_ = HalfMatrixView(dy_bits.data(), rows_, l.out_local);
+    }
   }
   // Under 16-bit storage a sliced input is kept as 16 bits where gemm()'s kernel reads them
   // (partition/sixteen_bit_storage.hpp; framework/train/memory_plan.cpp sizes it alike).
