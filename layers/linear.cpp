@@ -196,7 +196,8 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
     // 16-bit input needs a working buffer to be widened into.
     const bool kept = shared->kept_input.data() != nullptr;
     const bool work = shared->work.data() != nullptr;
-    // A sliced input is kept by the layer itself (its slice).
+    // A sliced input is kept by the layer itself (its slice), not given; dY's shared 16 bits are
+    // used only where the output is split.
     const HalfMatrixView dy_bits = shared->output_grad_16bit;
     MESHTRAIN_REQUIRE(
         (shared->output.data() == nullptr || fits(shared->output, l.out_local)) &&
