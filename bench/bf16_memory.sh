@@ -6,7 +6,8 @@
 # the plan's bytes per rank from `meshtrain plan --json` (totals: activation_bytes,
 # gathered_weight_bytes, bytes_per_rank) and the memory tracker's after STEPS steps, by plan item
 # (bench_memory_items: the live Kokkos bytes matched to each item on the rank with the largest
-# live total, and the shared weight scratch by label as "weight buffers"), then one line per mode
+# live total, and the shared weight scratch by label as "weight buffers"; rank 0's activations by
+# label as activation_bytes_rank0), then one line per mode
 # with bf16 over fp32.
 #
 #   [STEPS=2] [MODES="dp fsdp tp fsdp_tp"] [MESHTRAIN=build/bin/meshtrain]
@@ -91,7 +92,8 @@ print(json.dumps({"bench": "bf16_memory", "model": "784-4096-4096-10", "batch": 
                   "plan_sixteen_bit_copy_bytes": totals["sixteen_bit_copy_bytes"],
                   "plan_bytes_per_rank": totals["bytes_per_rank"],
                   "measured": measured["measured"], "planned_by_run": measured["planned"],
-                  "unplanned_bytes_rank0": measured["unplanned_bytes_rank0"]}))
+                  "unplanned_bytes_rank0": measured["unplanned_bytes_rank0"],
+                  "activation_bytes_rank0": measured["activation_bytes_rank0"]}))
 PY
   done
 done

@@ -11,7 +11,8 @@
 // (workspace.gathered_weight_bytes; the tracker counts the scratch's empty Views as 128-byte
 // headers), "kokkos" (every live allocation against planned kokkos_bytes()), and the items that
 // match no plan item ("unplanned": e.g. gemm()'s bf16 copies of fp32 operands, the
-// communicators' 16-bit wire staging, DP's gradient buckets) with rank 0's bytes by label.
+// communicators' 16-bit wire staging, DP's gradient buckets) with rank 0's bytes by label, and
+// rank 0's activations by label ("activation_bytes_rank0": where a mode's activation bytes go).
 // measured."weight buffers" (no plan item of its own: part of "gathered weights") is the shared
 // weight scratch by label: meshtrain::scratch_weight + scratch_prefetch + scratch_weight_16bit.
 
@@ -63,7 +64,8 @@ int main(int argc, char** argv) {
     meshtrain::TrainingRun run(config);
     run.train();
     std::map<std::string, int64_t> mine;
-    std::map<std::string, int64_t> unplanned_labels;  // rank 0's, by label
+    std::map<std::string, int64_t> unplanned_labels;   // rank 0's, by label
+    std::map<std::string, int64_t> activation_labels;  // rank 0's, by label
     int64_t live = 0;
     for (const meshtrain::TrackedAllocation& a : meshtrain::kokkos_memory(1 << 20).largest) {
       std::string item = run.plan_item_of(a);
@@ -71,6 +73,7 @@ int main(int argc, char** argv) {
         item = "unplanned";
         unplanned_labels[a.label] += a.bytes;
       }
+      if (item == "activations") activation_labels[a.label] += a.bytes;
       mine[item] += a.bytes;
       live += a.bytes;
       if (a.label == "meshtrain::scratch_weight" || a.label == "meshtrain::scratch_prefetch" ||
@@ -111,6 +114,7 @@ int main(int argc, char** argv) {
       line["planned"]["kokkos"] = p.kokkos_bytes();
       line["planned"]["total"] = p.total_bytes();
       line["unplanned_bytes_rank0"] = unplanned_labels;
+      line["activation_bytes_rank0"] = activation_labels;
       std::cout << line.dump() << std::endl;
     }
     return 0;

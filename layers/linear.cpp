@@ -9,6 +9,7 @@
 #include "framework/core/precision.hpp"
 #include "layers/gradient_reduction.hpp"
 #include "layers/inference.hpp"
+#include "partition/sixteen_bit_storage.hpp"
 
 namespace meshtrain {
 namespace {
@@ -22,6 +23,18 @@ void copy_columns(MatrixView src, int64_t offset, MatrixView dst) {
       Range2(device_space(), {0, 0},
              {static_cast<int64_t>(dst.extent(0)), static_cast<int64_t>(dst.extent(1))}),
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) = src(i, offset + j); });
+}
+
+// dst = the 16 bits of src[:, offset : offset + dst.cols], whose elements hold `dtype` values (a
+// sliced input kept as 16 bits: exact).
+void copy_columns_to_16bit(MatrixView src, int64_t offset, HalfMatrixView dst, Dtype dtype) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::linear_take_columns_16bit"),
+      Range2(device_space(), {0, 0},
+             {static_cast<int64_t>(dst.extent(0)), static_cast<int64_t>(dst.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        dst(i, j) = to_16bit(src(i, offset + j), dtype);
+      });
 }
 
 // full[j] = sum over rows of dy(:, j - offset) for the columns dy covers, 0 elsewhere,
@@ -170,10 +183,11 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
   // Buffers.
   const int64_t in_c = l.in_compute, out = l.out;
   if (shared) {
-    MESHTRAIN_REQUIRE(compute_dtype_ != Dtype::fp32 && !l.tensor_parallel && !l.column_parallel &&
-                          !l.slices_input() && !l.gathers_input(),
+    // No feature axis (replicated, not gathering a split input), or row-parallel.
+    MESHTRAIN_REQUIRE(compute_dtype_ != Dtype::fp32 && !l.column_parallel && !l.gathers_input(),
                       "linear layer '", name,
-                      "': shared buffers need a 16-bit compute dtype and no feature axis");
+                      "': shared buffers need a 16-bit compute dtype and no feature axis or a "
+                      "row-parallel layout");
     const auto fits = [&](auto view, int64_t cols) {
       return static_cast<int64_t>(view.extent(0)) == rows_ &&
              static_cast<int64_t>(view.extent(1)) == cols;
@@ -182,15 +196,34 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
     // 16-bit input needs a working buffer to be widened into.
     const bool kept = shared->kept_input.data() != nullptr;
     const bool work = shared->work.data() != nullptr;
-    MESHTRAIN_REQUIRE((shared->output.data() == nullptr || fits(shared->output, l.out_local)) &&
-                          (!work || fits(shared->work, in_c)) &&
-                          (!kept || (work && fits(shared->kept_input, in_c))),
-                      "linear layer '", name, "': shared buffers of the wrong extents");
+    // A sliced input is kept by the layer itself (its slice), not given; dY's shared 16 bits are
+    // used only where the output is split.
+    const HalfMatrixView dy_bits = shared->output_grad_16bit;
+    MESHTRAIN_REQUIRE(
+        (shared->output.data() == nullptr || fits(shared->output, l.out_local)) &&
+            (!work || fits(shared->work, in_c)) &&
+            (!kept || (work && !l.slices_input() && fits(shared->kept_input, in_c))) &&
+            (dy_bits.data() == nullptr || !l.split_output ||
+             (static_cast<int64_t>(dy_bits.extent(0)) == rows_ &&
+              static_cast<int64_t>(dy_bits.extent(1)) >= l.out_local)),
+        "linear layer '", name, "': shared buffers of the wrong extents");
     output_view_ = shared->output;
     dx_c_view_ = shared->work;
     kept_input_ = shared->kept_input;
+    input_grad_ = shared->input_grad;
+    if (dy_bits.data() != nullptr && l.split_output) {
+      dy_16bit_view_ = HalfMatrixView(dy_bits.data(), rows_, l.out_local);
+    }
   }
-  if (l.slices_input() || l.gathers_input()) x_c_ = Matrix(name + "/input", rows_, in_c);
+  // Under 16-bit storage a sliced input is kept as 16 bits where gemm()'s kernel reads them
+  // (partition/sixteen_bit_storage.hpp; framework/train/memory_plan.cpp sizes it alike).
+  if (shared && l.slices_input() &&
+      keeps_16bit_sliced_input(true, gemm_kernel_reads_16bit(compute_dtype_))) {
+    x_c_16bit_ = HalfMatrix(name + "/input_16bit", rows_, in_c);
+    kept_input_ = x_c_16bit_;
+  } else if (l.slices_input() || l.gathers_input()) {
+    x_c_ = Matrix(name + "/input", rows_, in_c);
+  }
   if (output_view_.data() == nullptr) {
     output_ = Matrix(name + "/output", rows_, l.out_local);
     output_view_ = output_;
@@ -202,14 +235,19 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
     dx_c_ = Matrix(name + "/input_grad_compute", rows_, in_c);
     dx_c_view_ = dx_c_;
   }
-  if (l.slices_input() || l.gathers_input()) {
+  if ((l.slices_input() || l.gathers_input()) && input_grad_) {
     dx_ = Matrix(name + "/input_grad", rows_, input_width());
   }
-  // Under tensor parallelism (a split output, row-parallel) with a 16-bit weight copy: dY's 16 bits
-  // for backward's two all-gather-matmuls (framework/train/memory_plan.cpp counts it alike).
-  if (l.split_output && !l.column_parallel && kept_input_.data() == nullptr &&
-      reads_16bit_weight()) {
+  // Under tensor parallelism (a split output, row-parallel) reading a 16-bit weight: dY's 16 bits
+  // for backward's two all-gather-matmuls, in the model's shared buffer where it gives one
+  // (framework/train/memory_plan.cpp counts it alike).
+  if (l.split_output && !l.column_parallel && reads_16bit_weight() &&
+      dy_16bit_view_.data() == nullptr) {
     dy_16bit_ = HalfMatrix(name + "/output_grad_16bit", rows_, l.out_local);
+    dy_16bit_view_ = dy_16bit_;
+  }
+  if (!(l.split_output && !l.column_parallel && reads_16bit_weight())) {
+    dy_16bit_view_ = HalfMatrixView();
   }
 
   needs_ = weight_.scratch_needs();
@@ -241,7 +279,11 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
                         static_cast<int64_t>(x.extent(1)) == input_width(),
                     "linear layer '", layout_.layer, "': input is [", x.extent(0), ", ",
                     x.extent(1), "], expected [", rows_, ", ", input_width(), "]");
-  if (layout_.slices_input()) {
+  if (x_c_16bit_.data() != nullptr) {
+    // 16-bit storage: the slice kept as 16 bits only, which the product reads (kept_input_).
+    copy_columns_to_16bit(x, tp_index_ * layout_.in_compute, x_c_16bit_, compute_dtype_);
+    x_used_ = MatrixView();
+  } else if (layout_.slices_input()) {
     copy_columns(x, tp_index_ * layout_.in_compute, x_c_);
     x_used_ = x_c_;
   } else if (layout_.gathers_input()) {
@@ -253,6 +295,9 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   const WeightForGemm weight =
       weight_for_gemm(weight_, reads_16bit_weight(), scratch, compute_dtype_);
   const GemmOperand w = weight.operand(false);
+  // The input: the producer's (or the slice's) 16-bit copy where gemm() reads 16 bits, the same
+  // values as x.
+  const GemmOperand x_op = reads_kept_input() ? plain(kept_input_) : plain(x_used_);
   if (next) next->start_weight_prefetch(scratch);
   MatrixView y = output_view_;
   if (pass.inference_gemms && compute_dtype_ == Dtype::fp32 &&
@@ -269,17 +314,15 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
   }
   if (layout_.column_gathers_input()) {
     // Y_t = all_gather(X, features) @ W_t: the K blocks of X arrive and accumulate.
-    all_gather_matmul(*tp_comm_, GatherSide::left, 1, plain(x_used_), w, y, matmuls_.forward,
-                      scratch.matmul, compute_dtype_);
+    all_gather_matmul(*tp_comm_, GatherSide::left, 1, x_op, w, y, matmuls_.forward, scratch.matmul,
+                      compute_dtype_);
   } else if (layout_.column_parallel) {
-    gemm(plain(x_used_), w, 0.0f, y, compute_dtype_);  // replicated input, no reduction
+    gemm(x_op, w, 0.0f, y, compute_dtype_);  // replicated input, no reduction
   } else if (layout_.split_output) {
-    matmul_reduce_scatter(*tp_comm_, 1, plain(x_used_), w, y, matmuls_.forward, scratch.matmul,
+    matmul_reduce_scatter(*tp_comm_, 1, x_op, w, y, matmuls_.forward, scratch.matmul,
                           compute_dtype_);
-  } else if (reads_kept_input()) {  // the producer's 16-bit copy, the same values as x
-    gemm(plain(kept_input_), w, 0.0f, y, compute_dtype_);
   } else {
-    gemm(plain(x_used_), w, 0.0f, y, compute_dtype_);
+    gemm(x_op, w, 0.0f, y, compute_dtype_);
     if (layout_.tensor_parallel) tp_comm_->all_reduce(y, ReduceOp::sum, compute_dtype_);
   }
   if (next) next->poll_weight_prefetch();
@@ -375,21 +418,21 @@ void Linear::reserve_tangent_backward(int64_t directions) {
   }
 }
 
-void Linear::weight_gradient_product(MatrixView x, MatrixView dy, MatrixView g,
+void Linear::weight_gradient_product(GemmOperand x_t, MatrixView dy, MatrixView g,
                                      LayerScratch& scratch, ConstHalfMatrixView dy_16bit) {
   if (layout_.column_gathers_input()) {
     // dW_t = all_gather(X, features)ᵀ @ dY_t: the input gathered again (only its block is
     // kept from forward), the gathered blocks landing on the rows of dW_t.
-    all_gather_matmul(*tp_comm_, GatherSide::left, 1, transposed(x), plain(dy), g,
-                      matmuls_.weight_grad, scratch.matmul, compute_dtype_);
+    all_gather_matmul(*tp_comm_, GatherSide::left, 1, x_t, plain(dy), g, matmuls_.weight_grad,
+                      scratch.matmul, compute_dtype_);
   } else if (layout_.column_parallel) {
-    gemm(transposed(x), plain(dy), 0.0f, g, compute_dtype_);
+    gemm(x_t, plain(dy), 0.0f, g, compute_dtype_);
   } else if (layout_.split_output) {
     const GemmOperand gathered = dy_16bit.data() != nullptr ? plain(dy_16bit) : plain(dy);
-    all_gather_matmul(*tp_comm_, GatherSide::right, 1, transposed(x), gathered, g,
-                      matmuls_.weight_grad, scratch.matmul, compute_dtype_);
+    all_gather_matmul(*tp_comm_, GatherSide::right, 1, x_t, gathered, g, matmuls_.weight_grad,
+                      scratch.matmul, compute_dtype_);
   } else {
-    gemm(transposed(x), plain(dy), 0.0f, g, compute_dtype_);
+    gemm(x_t, plain(dy), 0.0f, g, compute_dtype_);
   }
 }
 
@@ -411,30 +454,30 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
   // packed once (it holds 16-bit values: the activation's or the loss's rounded gradient), then
   // gathered as 2-byte blocks, no wire packing per hop nor bf16 copy inside the GEMMs.
   ConstHalfMatrixView dy_16bit;
-  if (dy_16bit_.data() != nullptr) {
+  if (dy_16bit_view_.data() != nullptr) {
     MESHTRAIN_REQUIRE(dy.span_is_contiguous(), "linear layer '", layout_.layer,
                       "': the output gradient must be contiguous");
-    pack_16bit(dy.data(), dy_16bit_.data(), dy.span(), compute_dtype_);
-    dy_16bit = dy_16bit_;
+    pack_16bit(dy.data(), dy_16bit_view_.data(), dy.span(), compute_dtype_);
+    dy_16bit = dy_16bit_view_;
   }
   // Weight gradient, compute block: X_cᵀ @ dY (dY all-gathered over features when split).
   MatrixView g = weight_.gradient_matrix(scratch);
   if (reads_kept_input()) {
     // 16-bit storage where gemm() reads 16 bits: the kept input as it is.
-    gemm(transposed(kept_input_), plain(dy), 0.0f, g, compute_dtype_);
+    weight_gradient_product(transposed(kept_input_), dy, g, scratch, dy_16bit);
   } else if (kept_input_.data() != nullptr) {
     // 16-bit storage: the input widened (exactly) into the working buffer that dX then
     // overwrites; the GEMM sees forward's values.
     widen_16bit(kept_input_, dx_c_view_, compute_dtype_);
-    weight_gradient_product(dx_c_view_, dy, g, scratch);
+    weight_gradient_product(transposed(dx_c_view_), dy, g, scratch, dy_16bit);
   } else {
-    weight_gradient_product(x_used_, dy, g, scratch, dy_16bit);
+    weight_gradient_product(transposed(x_used_), dy, g, scratch, dy_16bit);
   }
   if (dt.data() != nullptr) {
     // The tangents' term: dt_out = dt_in W, so dW += dt_inᵀ g_t, through the same product and
     // collective as the value's term (k times the rows), added before any reduction.
     const MatrixView tangent_g = tangent_weight_grad_;
-    weight_gradient_product(tangent_x_used_, dt, tangent_g, scratch);
+    weight_gradient_product(transposed(tangent_x_used_), dt, tangent_g, scratch);
     add_into(tangent_g, g);
   }
   MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now || defers_reduction(), "linear layer '",
@@ -458,6 +501,8 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
   }
 
   // Input gradient: dY @ W_cᵀ, then back to the input's layout.
+  MESHTRAIN_REQUIRE(!need_input_grad || input_grad_, "linear layer '", layout_.layer,
+                    "': asked for an input gradient it was built without");
   MatrixView dx;
   if (need_input_grad && layout_.column_parallel) {
     // dY_t @ W_tᵀ is this rank's partial sum of dX over the feature ranks.

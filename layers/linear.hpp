@@ -69,9 +69,11 @@
 namespace meshtrain {
 
 // Mixed precision's 16-bit storage (Mlp; docs/mixed_precision.md, "Compute and memory on this
-// build"), for a layer with neither tensor parallelism nor a sliced or gathered input: the fp32
+// build"), for a layer without a feature axis or a row-parallel (tensor-parallel) one: the fp32
 // buffers it computes in are the model's working buffers, shared with the other layers, and what
-// backward needs of forward's input is the 16-bit copy its producer kept.
+// backward needs of forward's input is the 16-bit copy its producer kept (a row-parallel layer
+// fed a replicated input keeps its slice of it itself: as 16 bits where gemm()'s kernel reads
+// them, partition/sixteen_bit_storage.hpp's keeps_16bit_sliced_input).
 struct LinearSharedBuffers {
   // [rows, out]: forward's output (empty: the layer's own, as without storage).
   MatrixView output;
@@ -85,6 +87,13 @@ struct LinearSharedBuffers {
   // its norm's output). Where gemm_reads_16bit, forward's product and backward's weight
   // gradient read it as it is, not the fp32 input.
   ConstHalfMatrixView kept_input;
+  // [rows, >= out_local] (tensor parallelism with a split output): where backward packs dY's 16
+  // bits for its all-gather-matmuls, shared by the model's layers (one backward at a time; empty:
+  // the layer's own where it needs one).
+  HalfMatrixView output_grad_16bit;
+  // false: backward is never asked for dX (the model's first layer), and a sliced input has no
+  // buffer for dX in the input's layout.
+  bool input_grad = true;
 };
 
 class Linear final : public Layer {
@@ -96,8 +105,8 @@ class Linear final : public Layer {
   // input_grad_partial (a SwiGLU's gate or up sharing its one gather, see
   // shares_input_gather; column-parallel fed a replicated input only): backward leaves dX as
   // this rank's partial sum, for the SwiGLU to add and reduce-scatter.
-  // shared (a 16-bit compute dtype, a layout without a feature axis; else bad_input): the
-  // buffers above instead of the layer's own output and input gradient.
+  // shared (a 16-bit compute dtype, a layout without a feature axis or row-parallel; else
+  // bad_input): the buffers above instead of the layer's own output and input gradient.
   Linear(ParameterRef weight, ParameterRef bias, FeatureLayout input_layout, int64_t rows,
          ParallelContext& context, bool input_grad_partial = false,
          const LinearSharedBuffers* shared = nullptr);
@@ -206,7 +215,8 @@ class Linear final : public Layer {
   // backward's and backward_with_tangents' weight gradient: x_cᵀ @ dy (dy or x all-gathered
   // over the features as the layout needs) into the compute block g.
   // dy_16bit (optional): dy's 16 bits (dy_16bit_), which a gathered dy then travels as.
-  void weight_gradient_product(MatrixView x, MatrixView dy, MatrixView g, LayerScratch& scratch,
+  // x_t: the input (fp32, or its kept 16 bits), transposed.
+  void weight_gradient_product(GemmOperand x_t, MatrixView dy, MatrixView g, LayerScratch& scratch,
                                ConstHalfMatrixView dy_16bit = {});
   // backward_cotangents' product dy @ wᵀ into the input's layout, for dy's rows.
   MatrixView cotangent_product(MatrixView dy, MatrixView w, LayerScratch& scratch);
@@ -235,11 +245,17 @@ class Linear final : public Layer {
   // model's shared buffers (LinearSharedBuffers), whose kept_input backward then reads.
   MatrixView output_view_, dx_c_view_;
   ConstHalfMatrixView kept_input_;
+  // Under 16-bit storage, a sliced input kept as 16 bits (keeps_16bit_sliced_input): forward
+  // writes the slice here (kept_input_ is this), not into x_c_.
+  HalfMatrix x_c_16bit_;
   // [rows, out_local] under tensor parallelism with a 16-bit weight copy (reads_16bit_weight) and
   // a split output: backward packs dY into it once, and both all-gather-matmuls (weight and input
-  // gradients) gather it as 2-byte blocks that their GEMMs read as they are.
+  // gradients) gather it as 2-byte blocks that their GEMMs read as they are (dy_16bit_view_: this,
+  // or the model's shared buffer, LinearSharedBuffers::output_grad_16bit).
   HalfMatrix dy_16bit_;
-  Matrix dx_;  // [rows, input_width] when it differs from dx_c_
+  HalfMatrixView dy_16bit_view_;
+  bool input_grad_ = true;  // LinearSharedBuffers::input_grad
+  Matrix dx_;               // [rows, input_width] when it differs from dx_c_
   // Tangents (reserve_tangents): the input as used [rows * k, in_c] when it is not the
   // caller's, the output [rows * k, out_local].
   Matrix tangent_x_c_, tangent_out_;

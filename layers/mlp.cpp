@@ -94,21 +94,45 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
   // Backward runs on the same two buffers: layer i widens its kept input into work_[i % 2] for
   // its weight gradient and then writes its input gradient there, which the layer below reads
   // as its dY from the other buffer. The last layer's output (the logits) stays its own.
-  // Where it does not apply (fp32, MoE, dropout, a feature axis: tensor parallelism), the
-  // simulated path: fp32 buffers holding 16-bit values. framework/train/memory_plan.cpp counts
-  // the same buffers under the same condition.
+  // Under a feature axis whose layers are all row-parallel (tp, dp_tp, fsdp_tp) the same, with
+  // the widths local: the first layer keeps its slice of the input itself (16 bits where gemm()'s
+  // kernel reads them, layers/linear.cpp), the model casts its input into work_[0] and keeps no
+  // copy, and the layers pack their dY's 16 bits for their all-gather-matmuls into one shared
+  // buffer. Where it does not apply (fp32, MoE, dropout, a feature axis with a layer that is not
+  // row-parallel), the simulated path: fp32 buffers holding 16-bit values.
+  // framework/train/memory_plan.cpp counts the same buffers under the same condition.
   ActivationStorageQuery storage_query;  // the plan asks partition/sixteen_bit_storage.hpp too
   storage_query.sixteen_bit_compute =
       compute_dtype_ != Dtype::fp32 && context.stores_16bit_activations();
   storage_query.moe = !moe.layers.empty();
   storage_query.dropout = dropout > 0.0;
   storage_query.feature_parallel = context.feature_parallel();
+  // The layers' layouts as they will be built (without MoE layers, the storage's condition).
+  std::vector<LinearLayout> layouts;
+  if (moe.layers.empty()) {
+    FeatureLayout in_layout = FeatureLayout::replicated;
+    for (size_t i = 0; i < n; ++i) {
+      layouts.push_back(layout_of(params_[2 * i], params_[2 * i + 1], in_layout, context));
+      in_layout = layouts.back().output_layout();
+    }
+  }
+  storage_query.row_parallel_layers = row_parallel_only(layouts);
   keeps_16bit_ = sixteen_bit_activation_storage(storage_query).plain;
   if (keeps_16bit_) {
-    const int64_t widest = *std::max_element(sizes.begin(), sizes.end() - 1);
+    int64_t widest = 0, widest_split = 0;
+    for (const LinearLayout& l : layouts) {
+      widest = std::max(widest, l.input_width());
+      if (l.split_output) widest_split = std::max(widest_split, l.out_local);
+    }
     work_[0] = Matrix("model/work_0", rows_, widest);
     work_[1] = Matrix("model/work_1", rows_, widest);
-    input_16bit_ = HalfMatrix("model/input_16bit", rows_, sizes.front());
+    if (!layouts.front().slices_input()) {
+      input_16bit_ = HalfMatrix("model/input_16bit", rows_, sizes.front());
+    }
+    if (storage_query.feature_parallel > 1 && gemm_reads_16bit(compute_dtype_) &&
+        widest_split > 0) {
+      output_grad_16bit_ = HalfMatrix("model/output_grad_16bit", rows_, widest_split);
+    }
   }
   FeatureLayout layout = FeatureLayout::replicated;  // x arrives with all features
   size_t param = 0;
@@ -132,11 +156,14 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
           weight_copy_wanted(params_[param], params_[param + 1], layout, context)) {
         add_16bit_copy(params_[param], compute_dtype_);
       }
+      const LinearLayout& l = layouts[i];
       LinearSharedBuffers shared;
-      if (i + 1 < n) shared.output = work_view((i + 1) % 2, sizes[i + 1]);
-      shared.work = work_view(i % 2, sizes[i]);
+      if (i + 1 < n) shared.output = work_view((i + 1) % 2, l.out_local);
+      shared.work = work_view(i % 2, l.in_compute);
       shared.kept_input =
           i == 0 ? ConstHalfMatrixView(input_16bit_) : activations_.back().kept_output();
+      shared.output_grad_16bit = output_grad_16bit_;
+      shared.input_grad = i > 0 || !l.slices_input();  // the first layer is asked for none
       linear_.emplace_back(ref(param), ref(param + 1), layout, rows_, context, false, &shared);
       layer = &linear_.back();
     } else {
@@ -526,12 +553,16 @@ MatrixView Mlp::forward_for_derivatives(MatrixView x) {
 MatrixView Mlp::forward_pass(MatrixView x, const TrainingPass* training, bool inference_gemms) {
   MatrixView input = x;
   if (keeps_16bit_) {  // cast into the first working buffer, and kept as 16 bits, in one pass
-    MESHTRAIN_REQUIRE(
-        x.extent(0) == input_16bit_.extent(0) && x.extent(1) == input_16bit_.extent(1),
-        "model input is [", x.extent(0), ", ", x.extent(1), "], expected [", input_16bit_.extent(0),
-        ", ", input_16bit_.extent(1), "]");
+    MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
+                          static_cast<int64_t>(x.extent(1)) == sizes_.front(),
+                      "model input is [", x.extent(0), ", ", x.extent(1), "], expected [", rows_,
+                      ", ", sizes_.front(), "]");
     input = work_view(0, sizes_.front());
-    round_copy_keeping_16bit(x, input, input_16bit_, compute_dtype_);
+    if (input_16bit_.data() != nullptr) {
+      round_copy_keeping_16bit(x, input, input_16bit_, compute_dtype_);
+    } else {  // the first layer keeps its slice (a feature axis)
+      round_copy(x, input, compute_dtype_);
+    }
   } else if (compute_dtype_ != Dtype::fp32) {  // the model input cast to the compute dtype
     MESHTRAIN_REQUIRE(x.extent(0) == input_.extent(0) && x.extent(1) == input_.extent(1),
                       "model input is [", x.extent(0), ", ", x.extent(1), "], expected [",

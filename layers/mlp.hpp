@@ -302,10 +302,13 @@ class Mlp {
   Dtype compute_dtype_ = Dtype::fp32;  // context.precision().param
   Matrix input_;  // the input cast to the compute dtype (empty in fp32 and with 16-bit storage)
   // 16-bit storage (the plain constructor explains it): the two fp32 working buffers
-  // [rows, widest input], and the input kept for the first layer's backward.
+  // [rows, widest input], and the input kept for the first layer's backward (empty under a
+  // feature axis: the first layer keeps its slice); under a feature axis, the row-parallel
+  // layers' dY as 16 bits [rows, widest split output], one backward at a time.
   bool keeps_16bit_ = false;
   Matrix work_[2];
   HalfMatrix input_16bit_;
+  HalfMatrix output_grad_16bit_;
   MatrixView work_view(size_t buffer, int64_t width) const;  // work_[buffer] as [rows, width]
   // A residual_mlp's 16-bit storage of its blocks' hidden activations (the residual constructor
   // explains it): the one fp32 working buffer [rows, hidden] its blocks share, and a second one

@@ -4,6 +4,7 @@
 // plan (framework/train/memory_plan.cpp) share, so the two cannot disagree.
 
 #include <cstdint>
+#include <vector>
 
 #include "partition/linear_layout.hpp"
 
@@ -29,7 +30,22 @@ struct ActivationStorageQuery {
   bool moe = false;                  // any MoE layer
   bool dropout = false;              // model.dropout > 0
   int feature_parallel = 1;          // the size of the mesh's feature axis (1: none)
+  // Under a feature axis (feature_parallel > 1): whether every Linear of a plain MLP is
+  // tensor-parallel row-parallel (row_parallel_only below), as tp, dp_tp and fsdp_tp lay
+  // it out.
+  bool row_parallel_layers = false;
 };
+
+// Whether every layer of a plain MLP is tensor-parallel and row-parallel (its weight's rows split
+// over the feature axis: a sliced or split input, an output split or all-reduced), the layouts a
+// plain MLP's 16-bit storage supports under a feature axis (layers/linear.cpp).
+inline bool row_parallel_only(const std::vector<LinearLayout>& layouts) {
+  if (layouts.empty()) return false;
+  for (const LinearLayout& l : layouts) {
+    if (!l.tensor_parallel || l.column_parallel) return false;
+  }
+  return true;
+}
 
 // Which activations live in 16-bit buffers.
 struct ActivationStorage {
@@ -38,15 +54,17 @@ struct ActivationStorage {
   bool residual_stream = false;  // and its residual stream and norms (needs residual_hidden)
 };
 
-// Nothing where a layer could compute over the feature axis (tensor parallelism: the mesh's
-// feature axis has size > 1, whether or not the rules split a layer over it; the layers' buffers
-// then stay fp32 holding 16-bit values), nor with MoE layers or dropout; the residual stream
-// needs the norms, which keep it.
+// Nothing with MoE layers or dropout. Under a feature axis (the mesh's feature axis has size > 1,
+// whether or not the rules split a layer over it) only a plain MLP whose layers are all
+// row-parallel (row_parallel_layers: tp, dp_tp, fsdp_tp): elsewhere (a residual_mlp, a layer
+// column-parallel or replicated) the layers' buffers stay fp32 holding 16-bit values. The
+// residual stream needs the norms, which keep it.
 inline ActivationStorage sixteen_bit_activation_storage(const ActivationStorageQuery& q) {
   ActivationStorage s;
-  const bool applies = q.sixteen_bit_compute && !q.moe && !q.dropout && q.feature_parallel == 1;
-  s.plain = applies && !q.residual;
-  s.residual_hidden = applies && q.residual;
+  const bool applies = q.sixteen_bit_compute && !q.moe && !q.dropout;
+  const bool no_feature_axis = q.feature_parallel == 1;
+  s.plain = applies && !q.residual && (no_feature_axis || q.row_parallel_layers);
+  s.residual_hidden = applies && no_feature_axis && q.residual;
   s.residual_stream = s.residual_hidden && q.norms;
   return s;
 }
@@ -77,6 +95,20 @@ inline int64_t weight_scratch_floats(int64_t d1, int64_t d2, bool gathered,
                                      bool sixteen_bit_compute, bool copy, bool kernel_reads_16bit) {
   if (copy && kernel_reads_16bit) return gathered ? (d1 * d2 + 1) / 2 : 0;
   return gathered || sixteen_bit_compute ? d1 * d2 : 0;
+}
+
+// A tensor-parallel Linear's sliced input (its block of a replicated input: the first layer of a
+// row-parallel MLP) under a plain MLP's 16-bit storage: kept as 16 bits where gemm()'s kernel
+// reads them as stored (`kernel_reads_16bit`: gemm_kernel_reads_16bit() of the compute dtype, as
+// for the weight scratch above), where forward's product and the weight gradient read it as it
+// is; elsewhere an fp32 buffer as without storage. Whether it is 16-bit, and its bytes: the
+// layer (layers/linear.cpp) and the memory plan (framework/train/memory_plan.cpp) both ask these.
+inline bool keeps_16bit_sliced_input(bool storage, bool kernel_reads_16bit) {
+  return storage && kernel_reads_16bit;
+}
+inline int64_t sliced_input_bytes(int64_t rows, int64_t cols, bool storage,
+                                  bool kernel_reads_16bit) {
+  return rows * cols * (keeps_16bit_sliced_input(storage, kernel_reads_16bit) ? 2 : 4);
 }
 
 }  // namespace meshtrain

@@ -52,7 +52,8 @@ meshtrain_add_test(NAME train_save_events_test SOURCES train/save_events_test.cp
 meshtrain_add_test(NAME train_memory_plan_test SOURCES train/memory_plan_test.cpp
                    LIBS meshtrain_run NP 1 2 4 TIMEOUT 60 EMULATED)
 # ... and the plan's terms that exist only where gemm() reads 16 bits (tp's 16-bit weight copies,
-# a row-parallel layer's layers/<i>/output_grad_16bit; DP's whole-weight copies) on any CPU:
+# a row-parallel layer's 16-bit dY, model/output_grad_16bit under the 16-bit activation storage;
+# DP's whole-weight copies) on any CPU:
 # MESHTRAIN_GEMM_16BIT_OPERANDS=always makes the layers take their 16-bit operand paths (gemm()
 # widens the operands where its kernel reads fp32), the cases that plan and measure them alone.
 meshtrain_add_test_variant(NAME train_memory_plan_test VARIANT operands16 NP 2 4

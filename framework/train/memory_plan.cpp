@@ -173,6 +173,11 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   storage_query.moe = config.model.moe().any();
   storage_query.dropout = config.model.dropout > 0.0;
   storage_query.feature_parallel = axes.feature.empty() ? 1 : plan.mesh.axis_size(axes.feature);
+  std::vector<LinearLayout> layouts;
+  for (const LayerPlan& layer : plan.layers) {
+    if (!layer.moe) layouts.push_back(layer.layout);
+  }
+  storage_query.row_parallel_layers = !storage_query.moe && row_parallel_only(layouts);
   const ActivationStorage storage = sixteen_bit_activation_storage(storage_query);
   const bool keeps_16bit = storage.plain;
   // A residual_mlp's 16-bit storage of its blocks' hidden activations (layers/mlp.cpp, the
@@ -191,12 +196,23 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   // the last layer compute their input gradients in the norms' buffer.
   const bool stream_16bit = storage.residual_stream;
   int64_t activation_halves = 0;  // 16-bit elements
+  // Under a feature axis (every layer row-parallel), the first layer keeps its slice of the
+  // input (below) instead of the model's 16-bit copy, and the layers' dY as 16 bits for their
+  // all-gather-matmuls share one buffer [rows, widest split output] where gemm() reads 16 bits.
+  const bool tp_storage = keeps_16bit && storage_query.feature_parallel > 1;
   if (keeps_16bit) {
-    int64_t widest = 0;
-    for (const LayerPlan& layer : plan.layers) widest = std::max(widest, layer.layout.in);
-    activation_floats += 2 * rows * widest;
-    activation_halves += rows * config.model.input_width();
+    int64_t widest = 0, widest_split = 0;
+    for (const LayerPlan& layer : plan.layers) {
+      widest = std::max(widest, layer.layout.input_width());
+      if (layer.layout.split_output) widest_split = std::max(widest_split, layer.layout.out_local);
+    }
+    activation_floats += 2 * rows * widest;  // model/work_0, work_1
+    if (!plan.layers.front().layout.slices_input()) {
+      activation_halves += rows * config.model.input_width();  // model/input_16bit
+    }
+    if (tp_storage && reads_16bit) activation_halves += rows * widest_split;
   }
+  int64_t activation_bytes = 0;  // buffers counted in bytes (the sliced input)
   // model/hidden_work, and model/gate_work for SwiGLU blocks.
   if (hidden_16bit) activation_floats += (gated ? 2 : 1) * rows * config.model.residual().hidden;
   const auto ends_with = [](const std::string& name, const std::string& tail) {
@@ -217,17 +233,26 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
                                (stream_16bit && (i == 0 || down));
     const bool shared_input_grad =
         keeps_16bit || (hidden_16bit && down) || (stream_16bit && (up || gate || i + 1 == n));
-    if (l.slices_input() || l.gathers_input()) activation_floats += rows * l.in_compute;  // input
-    if (!shared_output) activation_floats += rows * l.out_local;                          // output
+    if (keeps_16bit && l.slices_input()) {  // input or input_16bit (the sliced input's rule)
+      activation_bytes += sliced_input_bytes(rows, l.in_compute, true, kernel_reads_16bit);
+    } else if (l.slices_input() || l.gathers_input()) {
+      activation_floats += rows * l.in_compute;  // input
+    }
+    if (!shared_output) activation_floats += rows * l.out_local;  // output
     if (l.column_gathers_input()) {
       activation_floats += rows * l.input_width();  // input_grad
     } else if (!shared_input_grad) {
       activation_floats += rows * l.in_compute;  // input_grad_compute
     }
-    if (l.slices_input() || l.gathers_input()) activation_floats += rows * l.input_width();
+    // input_grad (none for the first layer's slice under 16-bit storage: never asked for).
+    const bool input_grad = !(keeps_16bit && i == 0 && l.slices_input());
+    if ((l.slices_input() || l.gathers_input()) && input_grad) {
+      activation_floats += rows * l.input_width();
+    }
     // Tensor parallelism with 16-bit weight copies: a row-parallel layer's dY as 16 bits
-    // (output_grad_16bit), gathered by its backward all-gather-matmuls.
-    if (l.split_output && !l.column_parallel &&
+    // (output_grad_16bit), gathered by its backward all-gather-matmuls (under 16-bit storage the
+    // model's shared buffer, above).
+    if (!keeps_16bit && l.split_output && !l.column_parallel &&
         keeps_feature_parallel_weight_copy(storage_query, l, reads_16bit)) {
       activation_halves += rows * l.out_local;
     }
@@ -337,7 +362,8 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   // The loss's three double sums, and their host mirror where device memory is separate.
   const int64_t loss_scalars = (device_memory_is_separate() ? 2 : 1) * 3 * sizeof(double);
   w.activation_bytes = activation_floats * kFloat +
-                       activation_halves * static_cast<int64_t>(sizeof(uint16_t)) + loss_scalars;
+                       activation_halves * static_cast<int64_t>(sizeof(uint16_t)) +
+                       activation_bytes + loss_scalars;
   // The batch (run/run_setup.cpp): inputs, and int32 labels or float targets.
   const bool labels = config.model.loss == LossKind::cross_entropy;
   w.batch_bytes = rows * config.model.input_width() * kFloat +

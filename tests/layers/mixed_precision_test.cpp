@@ -327,6 +327,7 @@ struct RunResult {
   bool tensor_parallel = false;            // some layer is TP (else the forward is row-local)
   bool keeps_16bit = false;                // Mlp::keeps_16bit_activations()
   bool keeps_16bit_stream = false;         // Mlp::keeps_16bit_residual_stream()
+  bool row_parallel = false;               // every Linear tensor-parallel, none column-parallel
   // The labels of the allocations live once the model is built (only while the memory tracker
   // is installed): which buffers the storage made.
   std::vector<std::string> live_labels;
@@ -412,6 +413,10 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
 
   run.keeps_16bit = model.keeps_16bit_activations();
   run.keeps_16bit_stream = model.keeps_16bit_residual_stream();
+  run.row_parallel = !model.layers().empty();
+  for (const Linear& l : model.layers()) {
+    run.row_parallel = run.row_parallel && l.tensor_parallel() && !l.layout().column_parallel;
+  }
   if (memory_tracker_installed()) {
     for (const TrackedAllocation& a : kokkos_memory(1 << 20).largest) {
       run.live_labels.push_back(a.label);
@@ -673,7 +678,8 @@ TEST(MixedPrecision, Fp16LossScaleScalesTheGradients) {
 // kept for backward in 16-bit buffers, fp32 working buffers shared by the layers) changes no
 // value: three training steps give bit for bit the loss, logits, gradients and parameters of the
 // simulated path (fp32 buffers holding the same 16-bit values), on every layout (storage where
-// there is no feature axis; the simulated path on both sides elsewhere) with overlap off and on.
+// there is no feature axis, and under one where every layer is row-parallel: the tp, dp_tp and
+// fsdp_tp presets; the simulated path on both sides elsewhere) with overlap off and on.
 TEST(MixedPrecision, SixteenBitStorageIsBitIdenticalToTheSimulatedPath) {
   const std::vector<Policy> sixteen = {{"bf16/bf16", {Dtype::bf16, Dtype::bf16}},
                                        {"fp16/fp16", {Dtype::fp16, Dtype::fp16}},
@@ -690,7 +696,13 @@ TEST(MixedPrecision, SixteenBitStorageIsBitIdenticalToTheSimulatedPath) {
           const RunResult simulated = run_model(m, layout, &policy.mp, 1.0f, overlap, 3, false);
           bool feature_axis = false;
           for (const auto& [axis, size] : layout.mesh) feature_axis |= axis == "tp" && size > 1;
-          EXPECT_EQ(stored.keeps_16bit, !feature_axis);
+          EXPECT_EQ(stored.keeps_16bit, !feature_axis || stored.row_parallel);
+          // The presets that split a plain MLP's weights by rows over tp (every weight: no
+          // minimum size) store under it.
+          if (feature_axis && layout.min_sharding_size == 0 &&
+              (layout.preset == "tp" || layout.preset == "dp_tp" || layout.preset == "fsdp_tp")) {
+            EXPECT_TRUE(stored.keeps_16bit);
+          }
           EXPECT_FALSE(simulated.keeps_16bit);
           EXPECT_EQ(stored.loss, simulated.loss);
           ASSERT_EQ(stored.logits.size(), simulated.logits.size());

@@ -353,7 +353,12 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
       {"tp_residual_eval_batch", "tp", 1, false, true, false, kOtherEvalBatch},
       {"fsdp_swiglu_dropout_small_eval_batch", "fsdp", 1, false, true, true, 8},
       {"dp_eval_batch", "dp", 1, false, false, false, kOtherEvalBatch}};
-  if (n == 4) cases.push_back({"fsdp_tp", "fsdp_tp", 2});
+  if (n == 4) {
+    cases.push_back({"fsdp_tp", "fsdp_tp", 2});
+    // 16-bit storage under fsdp x tp: the weights' copies gathered over fsdp, the layers
+    // row-parallel over tp.
+    cases.push_back({"fsdp_tp_bf16_overlap", "fsdp_tp", 2, true});
+  }
   for (const WorkspaceCase& c : cases) {
     SCOPED_TRACE(c.name);
     RunConfig config = preset_config(c.preset, c.tp);
@@ -409,9 +414,11 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
 // computing in bf16 or fp16 keeps its activations for backward in 2-byte buffers and computes in
 // two shared fp32 working buffers, so its activations (64-256-256-256-8, 16 rows a rank) take at
 // most 0.6 of fp32's (0.56 by the count; the simulated path took 1.03), measured by the tracker
-// and planned alike, on dp and fsdp.
+// and planned alike, on dp and fsdp; and on tp, whose layers are all row-parallel (the first
+// keeping its slice of the input as 16 bits where gemm()'s kernel reads them, the layers' 16-bit
+// dY in one shared buffer; the simulated path took more than fp32's there).
 TEST(MemoryPlan, SixteenBitActivationsOfAPlainMlpTakeLittleMoreThanHalfOfFp32s) {
-  for (const std::string preset : {"dp", "fsdp"}) {
+  for (const std::string preset : {"dp", "fsdp", "tp"}) {
     std::map<Dtype, int64_t> measured, planned;
     for (const Dtype dtype : {Dtype::fp32, Dtype::bf16, Dtype::fp16}) {
       SCOPED_TRACE(preset + ", " + to_string(dtype));
@@ -432,6 +439,8 @@ TEST(MemoryPlan, SixteenBitActivationsOfAPlainMlpTakeLittleMoreThanHalfOfFp32s) 
           }
         }
         planned[dtype] = run.planned_memory().workspace.activation_bytes;
+        // Under tp every layer is row-parallel: the storage applies there too.
+        if (dtype != Dtype::fp32) EXPECT_TRUE(run.model().keeps_16bit_activations());
       }
       EXPECT_EQ(measured[dtype], planned[dtype]);
       if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
@@ -708,10 +717,10 @@ TEST(MemoryPlan, SixteenBitGatheredWeightsOfAPlainMlpUnderFsdpPrefetch) {
 // none otherwise, measured or planned; under fsdp at np > 1 one per weight; the plan agrees with
 // the tracker to the byte; and with 128 rows a rank the bf16 plan's total is at most fp32's, less
 // the copies where weights stored whole have them (the 2 bytes a parameter spent to save passes;
-// with them it was 0.05 MB above on dp). Under tp (a feature axis: no 16-bit activation storage)
-// the weights, stored as their compute blocks, have copies where gemm() reads 16 bits, as DP's
-// (the collective matmuls read them as they are); its activations are the simulated path's (fp32
-// buffers), so its bf16 total is not compared with fp32's.
+// with them it was 0.05 MB above on dp). Under tp the weights, stored as their compute blocks,
+// have copies where gemm() reads 16 bits, as DP's (the collective matmuls read them as they are),
+// and its layers, all row-parallel, keep their activations as 16 bits as DP's do: its bf16 total
+// is at most fp32's too (before that storage it was above).
 TEST(MemoryPlan, SixteenBitCopiesWhereGatheredOverOneGroupOrWhereGemmReads16Bits) {
   for (const std::string preset : {"dp", "fsdp", "tp"}) {
     std::map<Dtype, int64_t> total;
@@ -756,10 +765,8 @@ TEST(MemoryPlan, SixteenBitCopiesWhereGatheredOverOneGroupOrWhereGemmReads16Bits
       if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
       MPI_Barrier(MPI_COMM_WORLD);
     }
-    if (preset != "tp") {
-      EXPECT_LE(total[Dtype::bf16] - whole_copies, total[Dtype::fp32])
-          << preset << ": the bf16 plan against fp32's";
-    }
+    EXPECT_LE(total[Dtype::bf16] - whole_copies, total[Dtype::fp32])
+        << preset << ": the bf16 plan against fp32's";
   }
 }
 
