@@ -262,6 +262,52 @@ void scale_tangents_host(const std::string& label, Activation activation, const 
   inference::fence_after_host_kernel(label);
 }
 
+// The derivative forward's activation (LayerPass::derivative_forward): f(z) into out and f'(z)
+// into slopes for one row of host memory, one visit of z. The same formulas as forward_row and
+// scale_block's slopes, compiled without FMA contraction, so both are the bits those give (the
+// compiler computes silu's and sigmoid's exp(-|z|) once for the two).
+template <class Op, class Slope>
+MESHTRAIN_INLINE void forward_slope_row(const float* __restrict z, float* __restrict out,
+                                        float* __restrict slopes, int64_t cols, Slope slope) {
+  for (int64_t j = 0; j < cols; ++j) {
+    out[j] = Op::value(z[j]);
+    slopes[j] = slope(z[j]);
+  }
+}
+
+MESHTRAIN_HOST_CLONES_EXACT
+void forward_slope_row_host(Activation activation, const float* z, float* out, float* slopes,
+                            int64_t cols) {
+  switch (activation) {
+    case Activation::relu:
+      return forward_slope_row<activation_math::Relu>(z, out, slopes, cols, ReluSlope{});
+    case Activation::tanh:
+      return forward_slope_row<activation_math::Tanh>(z, out, slopes, cols, TanhSlope{});
+    case Activation::gelu:
+      return forward_slope_row<activation_math::GeluTanh>(z, out, slopes, cols, GeluSlope{});
+    case Activation::gelu_erf:
+      return forward_slope_row<activation_math::GeluErf>(z, out, slopes, cols, GeluErfSlope{});
+    case Activation::silu:
+      return forward_slope_row<activation_math::Silu>(z, out, slopes, cols, SiluSlope{});
+    case Activation::sigmoid:
+      return forward_slope_row<activation_math::Sigmoid>(z, out, slopes, cols, SigmoidSlope{});
+    case Activation::none:
+      return forward_slope_row<activation_math::Identity>(z, out, slopes, cols, IdentitySlope{});
+  }
+}
+
+// out(t, :) = slopes(i, :) * dz(t, :) for the k rows t = i k .. i k + k - 1 of value row i: the
+// products scale_block forms, from the kept slopes (the same floats), so the same bits.
+MESHTRAIN_HOST_CLONES_EXACT
+void kept_slope_block_host(const float* __restrict slopes, const float* d_data, int64_t d_stride,
+                           float* o_data, int64_t o_stride, int64_t i, int64_t k, int64_t cols) {
+  for (int64_t d = 0; d < k; ++d) {
+    const float* __restrict g = d_data + (i * k + d) * d_stride;
+    float* __restrict o = o_data + (i * k + d) * o_stride;
+    for (int64_t j = 0; j < cols; ++j) o[j] = slopes[j] * g[j];
+  }
+}
+
 // f''(x) of each activation, for training on derivatives (activation_curvature_add); relu's and
 // the identity's are 0 and never computed. In float32 from the same sigmoids and tanh as f':
 //   tanh      -2 t (1 - t^2), t = tanh(x)
@@ -549,6 +595,45 @@ void check_tangent_shapes(const char* who, const MatrixView& z, const MatrixView
                     out.extent(1), "]");
   MESHTRAIN_REQUIRE(out.extent(0) == 0 || out.data() != dz.data(), who,
                     ": the output may not be the input's memory");
+}
+
+// activation_forward's host kernel, also writing f'(z) into slopes [rows, width].
+void activation_forward_keeping_slopes(Activation activation, MatrixView z, MatrixView out,
+                                       MatrixView slopes) {
+  MESHTRAIN_REQUIRE(z.extent(0) == out.extent(0) && z.extent(1) == out.extent(1) &&
+                        slopes.extent(0) == out.extent(0) && slopes.extent(1) == out.extent(1),
+                    "activation_forward_keeping_slopes: shapes differ");
+  const std::string& label = forward_label(activation);  // the kernel it replaces
+  const float* z_data = z.data();
+  float* o_data = out.data();
+  float* s_data = slopes.data();
+  const auto z_stride = static_cast<int64_t>(z.stride(0));
+  const auto o_stride = static_cast<int64_t>(out.stride(0));
+  const auto s_stride = static_cast<int64_t>(slopes.stride(0));
+  const auto cols = static_cast<int64_t>(z.extent(1));
+  Kokkos::parallel_for(label,
+                       Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(
+                           host_space(), 0, static_cast<int64_t>(z.extent(0))),
+                       [=](const int64_t i) {
+                         forward_slope_row_host(activation, z_data + i * z_stride,
+                                                o_data + i * o_stride, s_data + i * s_stride, cols);
+                       });
+  inference::fence_after_host_kernel(label);
+}
+
+// activation_tangent from kept slopes [rows, width] (host memory): out(t, j) = slopes(t / k, j)
+// dz(t, j).
+void tangent_from_slopes(MatrixView slopes, MatrixView dz, MatrixView out) {
+  check_tangent_shapes("tangent_from_slopes", slopes, dz, out);
+  const std::string& label = MESHTRAIN_LABEL("meshtrain::activation_tangent");
+  const TangentRows t = tangent_rows(slopes, dz, out);
+  Kokkos::parallel_for(
+      label, Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0, t.rows),
+      [=](const int64_t i) {
+        kept_slope_block_host(t.z_data + i * t.z_stride, t.d_data, t.d_stride, t.o_data, t.o_stride,
+                              i, t.k, t.cols);
+      });
+  inference::fence_after_host_kernel(label);
 }
 
 }  // namespace
@@ -950,15 +1035,21 @@ ActivationLayer::ActivationLayer(Activation activation, const std::string& name,
   }
 }
 
-MatrixView ActivationLayer::forward(MatrixView x, const LayerPass&) {
+MatrixView ActivationLayer::forward(MatrixView x, const LayerPass& pass) {
   if (kept_input_.data() != nullptr) {
     // In place in the model's working buffer; z and f(z) kept as 16-bit copies, one pass.
     activation_forward_keeping_16bit(activation_, x, kept_input_, kept_output_, dtype_);
+    slopes_kept_ = false;
     output_ = x;
     return x;
   }
   z_ = x;
-  activation_forward(activation_, x, out_, dtype_);
+  slopes_kept_ = pass.derivative_forward && slopes_.extent(0) != 0;
+  if (slopes_kept_) {
+    activation_forward_keeping_slopes(activation_, x, out_, slopes_);
+  } else {
+    activation_forward(activation_, x, out_, dtype_);
+  }
   return out_;
 }
 
@@ -979,6 +1070,8 @@ MatrixView ActivationLayer::forward_tangents(MatrixView dx, const LayerPass& pas
   if (pass.second_order) {
     MESHTRAIN_REQUIRE(dtype_ == Dtype::fp32, name_, ": the forward Laplacian is fp32 only");
     activation_second_order(activation_, z_, dx, out, output_);  // f(z) as forward left it
+  } else if (slopes_kept_) {
+    tangent_from_slopes(slopes_, dx, out);
   } else {
     activation_tangent(activation_, z_, dx, out);
   }
@@ -1027,9 +1120,23 @@ MatrixView ActivationLayer::backward_cotangents(MatrixView dy, const LayerPass& 
   const RowBlock block = cotangent_block_rows(pass, rows_, name_);
   const int64_t k = cotangent_directions(static_cast<int64_t>(dy.extent(0)), block.rows, name_);
   const MatrixView out = leading_rows(cotangents_, block.rows * k);
-  // A diagonal Jacobian: the same product, with the block's pre-activations.
-  activation_tangent(activation_, row_block(z_, block.first, block.rows), dy, out);
+  // A diagonal Jacobian: the same product, with the block's slopes (kept by the derivative
+  // forward) or pre-activations.
+  if (slopes_kept_) {
+    tangent_from_slopes(row_block(slopes_, block.first, block.rows), dy, out);
+  } else {
+    activation_tangent(activation_, row_block(z_, block.first, block.rows), dy, out);
+  }
   return out;
+}
+
+void ActivationLayer::reserve_derivative_forward() {
+  // The slopes' host kernels: fp32 on host kernels (kept_input_: 16-bit storage has no fp32 z).
+  if (slopes_.extent(0) != 0 || dtype_ != Dtype::fp32 || kept_input_.data() != nullptr ||
+      !inference::layers_run_host_kernels()) {
+    return;
+  }
+  slopes_ = Matrix(name_ + "/slopes", rows_, width_);
 }
 
 void ActivationLayer::reserve_cotangents(int64_t directions) {

@@ -109,6 +109,10 @@ class ActivationLayer : public Layer {
   MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
   void reserve_cotangents(int64_t directions) override;
   bool cotangents_by_rows() const override { return true; }  // elementwise
+  // [rows, width] for f'(x), which a derivative forward (LayerPass::derivative_forward) writes
+  // in its visit of x and forward_tangents and backward_cotangents then read instead of
+  // computing f' again (fp32 on host kernels; elsewhere nothing).
+  void reserve_derivative_forward() override;
   // Sobolev training: dy * f'(x) + f''(x) * sum_d t_in g_t in place in dy (backward's, plus the
   // tangents' term), and *dt_in = f'(x) * dt per direction (the cotangent buffer).
   MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,
@@ -141,6 +145,8 @@ class ActivationLayer : public Layer {
   Matrix tangents_, cotangents_;  // [rows * directions, width]
   MatrixView tangent_in_;         // the input of the last forward_tangents
   bool second_order_ = false;     // whether that pass carried second-order streams
+  Matrix slopes_;                 // [rows, width] f'(z) (reserve_derivative_forward)
+  bool slopes_kept_ = false;      // whether the last forward wrote slopes_
 };
 
 }  // namespace meshtrain

@@ -105,9 +105,12 @@ MESHTRAIN_INLINE float lane_sum(const float* x, int64_t n, F f) {
   return sum;
 }
 
+// stats (3 floats) and x_hat (cols) null, or where the derivative forward keeps them: the same
+// y either way (x_hat the same product y starts from).
 MESHTRAIN_HOST_CLONES
 void layernorm_row(const float* __restrict x, float* __restrict y, int64_t cols,
-                   const float* __restrict scale, const float* __restrict bias, float eps) {
+                   const float* __restrict scale, const float* __restrict bias, float eps,
+                   float* __restrict stats = nullptr, float* __restrict x_hat = nullptr) {
   const float n = static_cast<float>(cols);
   const float m0 = lane_sum(x, cols, [](float v) { return v; }) / n;
   const float a = lane_sum(x, cols, [m0](float v) { return v - m0; });
@@ -115,16 +118,39 @@ void layernorm_row(const float* __restrict x, float* __restrict y, int64_t cols,
   const float delta = a / n;
   const float var = b / n - delta * delta;
   const float rstd = 1.0f / std::sqrt((var > 0.0f ? var : 0.0f) + eps);
-  for (int64_t j = 0; j < cols; ++j) y[j] = ((x[j] - m0) - delta) * rstd * scale[j] + bias[j];
+  if (x_hat == nullptr) {
+    for (int64_t j = 0; j < cols; ++j) y[j] = ((x[j] - m0) - delta) * rstd * scale[j] + bias[j];
+    return;
+  }
+  stats[0] = m0;
+  stats[1] = delta;
+  stats[2] = rstd;
+  for (int64_t j = 0; j < cols; ++j) {
+    const float h = ((x[j] - m0) - delta) * rstd;
+    x_hat[j] = h;
+    y[j] = h * scale[j] + bias[j];
+  }
 }
 
 MESHTRAIN_HOST_CLONES
 void rmsnorm_row(const float* __restrict x, float* __restrict y, int64_t cols,
-                 const float* __restrict scale, float eps) {
+                 const float* __restrict scale, float eps, float* __restrict stats = nullptr,
+                 float* __restrict x_hat = nullptr) {
   const float n = static_cast<float>(cols);
   const float ss = lane_sum(x, cols, [](float v) { return v * v; });
   const float rstd = 1.0f / std::sqrt(ss / n + eps);
-  for (int64_t j = 0; j < cols; ++j) y[j] = x[j] * rstd * scale[j];
+  if (x_hat == nullptr) {
+    for (int64_t j = 0; j < cols; ++j) y[j] = x[j] * rstd * scale[j];
+    return;
+  }
+  stats[0] = 0.0f;
+  stats[1] = 0.0f;
+  stats[2] = rstd;
+  for (int64_t j = 0; j < cols; ++j) {
+    const float h = x[j] * rstd;
+    x_hat[j] = h;
+    y[j] = h * scale[j];
+  }
 }
 
 // body(i) for each row i of `rows`, one Kokkos kernel on the host execution space (a plain
@@ -227,6 +253,45 @@ void rmsnorm(ConstMatrixView x, const float* scale, float eps, MatrixView y) {
   const int64_t ldx = ld_of(x), ldy = ld_of(y), cols = cols_of(x);
   for_rows(MESHTRAIN_LABEL("meshtrain::infer_rmsnorm"), rows_of(x),
            [=](const int64_t i) { rmsnorm_row(in + i * ldx, out + i * ldy, cols, scale, eps); });
+}
+
+namespace {
+void check_kept(ConstMatrixView x, ConstMatrixView y, ConstMatrixView stats, ConstMatrixView x_hat,
+                const char* what) {
+  check_same_shape(x, y, what);
+  check_same_shape(x, x_hat, what);
+  MESHTRAIN_REQUIRE(stats.extent(0) == x.extent(0) && stats.extent(1) == 3 && stats.stride(1) == 1,
+                    what, ": statistics [", stats.extent(0), ", ", stats.extent(1), "] for ",
+                    x.extent(0), " rows (3 a row expected)");
+}
+}  // namespace
+
+void layernorm_keeping(ConstMatrixView x, const float* scale, const float* bias, float eps,
+                       MatrixView y, MatrixView stats, MatrixView x_hat, const std::string& label) {
+  check_kept(x, y, stats, x_hat, "inference::layernorm_keeping");
+  const float* in = x.data();
+  float* out = y.data();
+  float* st = stats.data();
+  float* xh = x_hat.data();
+  const int64_t ldx = ld_of(x), ldy = ld_of(y), lds = ld_of(stats), ldh = ld_of(x_hat);
+  const int64_t cols = cols_of(x);
+  for_rows(label, rows_of(x), [=](const int64_t i) {
+    layernorm_row(in + i * ldx, out + i * ldy, cols, scale, bias, eps, st + i * lds, xh + i * ldh);
+  });
+}
+
+void rmsnorm_keeping(ConstMatrixView x, const float* scale, float eps, MatrixView y,
+                     MatrixView stats, MatrixView x_hat, const std::string& label) {
+  check_kept(x, y, stats, x_hat, "inference::rmsnorm_keeping");
+  const float* in = x.data();
+  float* out = y.data();
+  float* st = stats.data();
+  float* xh = x_hat.data();
+  const int64_t ldx = ld_of(x), ldy = ld_of(y), lds = ld_of(stats), ldh = ld_of(x_hat);
+  const int64_t cols = cols_of(x);
+  for_rows(label, rows_of(x), [=](const int64_t i) {
+    rmsnorm_row(in + i * ldx, out + i * ldy, cols, scale, eps, st + i * lds, xh + i * ldh);
+  });
 }
 
 void add(ConstMatrixView a, ConstMatrixView b, MatrixView out, const std::string& label) {

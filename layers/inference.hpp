@@ -67,6 +67,14 @@ void activate(MatrixView c, Activation activation);
 void layernorm(ConstMatrixView x, const float* scale, const float* bias, float eps, MatrixView y);
 // y(i, :) = x(i, :) * rstd(i) * scale, rstd = 1 / sqrt(mean(x^2) + eps) (RMSNorm).
 void rmsnorm(ConstMatrixView x, const float* scale, float eps, MatrixView y);
+// The same for a derivative forward (LayerPass::derivative_forward), keeping for the derivative
+// passes each row's statistics stats(i, :) = (m0, delta, rstd) (RMSNorm: 0, 0, rstd; FeatureNorm's
+// layout) and x_hat [rows, cols], the normalized values ((x - m0) - delta) rstd (RMSNorm: x rstd);
+// y the same bits as layernorm() and rmsnorm(). One visit of each row; labelled `label`.
+void layernorm_keeping(ConstMatrixView x, const float* scale, const float* bias, float eps,
+                       MatrixView y, MatrixView stats, MatrixView x_hat, const std::string& label);
+void rmsnorm_keeping(ConstMatrixView x, const float* scale, float eps, MatrixView y,
+                     MatrixView stats, MatrixView x_hat, const std::string& label);
 // out = a + b elementwise, one kernel labelled `label` (the inference residual's
 // "meshtrain::infer_residual_add"; the training step's residual adds keep their own labels).
 void add(ConstMatrixView a, ConstMatrixView b, MatrixView out, const std::string& label);

@@ -119,6 +119,11 @@ struct LayerPass {
   // Forward only: a prediction's forward that derivative passes follow (Mlp::forward_for_
   // derivatives): a Linear layer may fill C with its bias first, as infer() does (GEMM beta 1).
   bool inference_gemms = false;
+  // Forward only, in the same pass (Mlp::forward_for_derivatives): layers that made room for it
+  // (reserve_derivative_forward) keep what their derivative passes would otherwise recompute
+  // (an activation's slopes f'(z), a norm's normalized values), computed in the forward's own
+  // visit of each row.
+  bool derivative_forward = false;
   // Tangent passes (forward_tangents, backward_with_tangents): the forward Laplacian's streams
   // (docs/derivatives.md, "Physics losses"): each value row's 2k tangent rows are k first
   // derivatives then k diagonal second derivatives. Linear maps them as any tangents; an
@@ -202,6 +207,11 @@ class Layer {
   // and cotangent_rows) without a collective: each block's cotangents alone, the same values a
   // pass over every row gives those rows. The default: no.
   virtual bool cotangents_by_rows() const { return false; }
+  // Allocates what a forward with LayerPass::derivative_forward keeps for the tangent and
+  // cotangent passes after it (once; Predictor::prepare_jacobian). A layer with nothing to keep,
+  // or whose passes would not read it (off host kernels, 16-bit, tp), allocates nothing: the
+  // default. Not collective.
+  virtual void reserve_derivative_forward() {}
 
   // Training on derivatives (Sobolev training, docs/derivatives.md): backward through the value
   // pass and the tangent pass at once (reverse over forward). After forward(x) and

@@ -543,14 +543,14 @@ void Mlp::initialize(InitScheme scheme, uint64_t seed) {
 }
 
 MatrixView Mlp::forward(MatrixView x, const TrainingPass* training) {
-  return forward_pass(x, training, /*inference_gemms=*/false);
+  return forward_pass(x, training, /*for_derivatives=*/false);
 }
 
 MatrixView Mlp::forward_for_derivatives(MatrixView x) {
-  return forward_pass(x, nullptr, /*inference_gemms=*/true);
+  return forward_pass(x, nullptr, /*for_derivatives=*/true);
 }
 
-MatrixView Mlp::forward_pass(MatrixView x, const TrainingPass* training, bool inference_gemms) {
+MatrixView Mlp::forward_pass(MatrixView x, const TrainingPass* training, bool for_derivatives) {
   MatrixView input = x;
   if (keeps_16bit_) {  // cast into the first working buffer, and kept as 16 bits, in one pass
     MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
@@ -575,7 +575,8 @@ MatrixView Mlp::forward_pass(MatrixView x, const TrainingPass* training, bool in
     pass.scratch = &scratch_;
     pass.prefetch = forward_prefetch_[k];
     pass.training = training;
-    pass.inference_gemms = inference_gemms;
+    pass.inference_gemms = for_derivatives;
+    pass.derivative_forward = for_derivatives;
     TraceSpan span(tracer().on() ? trace_name(k) : "", TraceKind::layer);
     span.detail("forward");
     input = sequence_[k]->forward(input, pass);
@@ -778,6 +779,10 @@ void Mlp::reserve_cotangents(int64_t directions) {
     needs.merge(layer->scratch_needs());
   }
   if (needs.matmul > scratch_.matmul.capacity_bytes()) scratch_.matmul.reserve(needs.matmul);
+}
+
+void Mlp::reserve_derivative_forward() {
+  for (Layer* layer : sequence_) layer->reserve_derivative_forward();
 }
 
 void Mlp::reserve_tangent_backward(int64_t directions) {

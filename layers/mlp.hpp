@@ -131,6 +131,8 @@ class Mlp {
   // tangent and cotangent passes read, as forward() does; each Linear layer's C starts as its
   // bias and the GEMM adds the product (no zeroing pass, no bias pass; LayerPass's
   // inference_gemms). Equal to forward within rounding; forward() itself off host memory.
+  // After reserve_derivative_forward() the layers also keep their slopes and normalized values
+  // for the derivative passes (LayerPass::derivative_forward).
   MatrixView forward_for_derivatives(MatrixView x);
   // dLoss/dOutput [local_rows, output_width()]: overwrites every gradient. With reduce =
   // false the layers that defer their reduction (gradient_reductions(), DP storage) leave
@@ -178,6 +180,10 @@ class Mlp {
   // collective-matmul workspace for them. Not collective.
   void reserve_tangents(int64_t directions);
   void reserve_cotangents(int64_t directions);
+  // Every layer's reserve_derivative_forward: room for what forward_for_derivatives keeps for
+  // the derivative passes (activations' slopes, norms' normalized values; docs/derivatives.md).
+  // Not collective.
+  void reserve_derivative_forward();
   // Training on derivatives (Sobolev training, docs/derivatives.md): after forward(x) and
   // forward_tangents(dx) with k directions, the gradients of a loss of the output (output_grad
   // [local_rows, output_width()]) and of its tangents (tangent_grad [local_rows * k,
@@ -263,7 +269,7 @@ class Mlp {
   const GradientBuckets& gradient_buckets() const { return buckets_; }
 
  private:
-  MatrixView forward_pass(MatrixView x, const TrainingPass* training, bool inference_gemms);
+  MatrixView forward_pass(MatrixView x, const TrainingPass* training, bool for_derivatives);
   // forward_tangents / backward_with_tangents, the streams second-order (LayerPass) or not.
   MatrixView tangent_pass(MatrixView dx, bool second_order);
   // bad_input, one sentence, unless every layer supports the forward Laplacian.

@@ -229,6 +229,20 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
       layout_.kind == NormKind::layernorm ? params_[1].compute(scratch) : ConstVectorView();
   // FSDP overlap: the next layer's weight gather runs under this layer's work.
   if (pass.prefetch) pass.prefetch->start_weight_prefetch(*pass.scratch);
+  x_hat_kept_ = pass.derivative_forward && kept_x_hat_.extent(0) != 0 && !keep;
+  if (x_hat_kept_) {
+    // One host pass a row (the whole row here): y, the statistics and x_hat, which the one-pass
+    // cotangents read; labelled as the kernel that writes y elsewhere.
+    if (layout_.kind == NormKind::rmsnorm) {
+      inference::rmsnorm_keeping(x, scale.data(), eps, y, stats, kept_x_hat_,
+                                 MESHTRAIN_LABEL("meshtrain::rmsnorm_forward"));
+    } else {
+      inference::layernorm_keeping(x, scale.data(), bias.data(), eps, y, stats, kept_x_hat_,
+                                   MESHTRAIN_LABEL("meshtrain::layernorm_forward"));
+    }
+    if (pass.prefetch) pass.prefetch->poll_weight_prefetch();
+    return y;
+  }
 
   if (layout_.kind == NormKind::rmsnorm) {
     Kokkos::parallel_for(
@@ -494,16 +508,22 @@ void norm_jacobian(MatrixView x, MatrixView stats, MatrixView d, ConstVectorView
 // visit of the row (in cache), plus `add` (the residual stream's cotangents, or null). The
 // sums run in 16 partial sums (a fixed order that vectorizes, as the inference LayerNorm's),
 // so they differ from norm_jacobian's by float rounding; compiled per instruction set.
+// kept_x_hat: the row's x_hat as the derivative forward kept it (the same floats), or null:
+// computed here from xi and the statistics.
 MESHTRAIN_HOST_CLONES
-void norm_cotangent_block_host(const float* xi, float m0, float delta, float rstd,
-                               const float* d_data, int64_t d_stride, const float* pre,
+void norm_cotangent_block_host(const float* xi, const float* kept_x_hat, float m0, float delta,
+                               float rstd, const float* d_data, int64_t d_stride, const float* pre,
                                const float* add_data, int64_t a_stride, float* o_data,
                                int64_t o_stride, int64_t i, int64_t k, int64_t cols, bool layernorm,
                                float n) {
   constexpr int kLanes = 16;
-  float* x_hat = o_data + i * k * o_stride;  // the first row: written last, in place
-  for (int64_t j = 0; j < cols; ++j) {
-    x_hat[j] = layernorm ? ((xi[j] - m0) - delta) * rstd : xi[j] * rstd;
+  const float* x_hat = kept_x_hat;
+  if (x_hat == nullptr) {
+    float* first = o_data + i * k * o_stride;  // the first row: written last, in place
+    for (int64_t j = 0; j < cols; ++j) {
+      first[j] = layernorm ? ((xi[j] - m0) - delta) * rstd : xi[j] * rstd;
+    }
+    x_hat = first;
   }
   for (int64_t e = k; e-- > 0;) {
     const int64_t t = i * k + e;
@@ -629,16 +649,27 @@ void FeatureNorm::cotangents_adding(MatrixView dy, MatrixView add, MatrixView ou
   const bool layernorm = layout_.kind == NormKind::layernorm;
   const float n = static_cast<float>(layout_.width);
   const MatrixView stats = stats_;
+  const float* h_data = x_hat_kept_ ? kept_x_hat_.data() : nullptr;
+  const int64_t h_stride = x_hat_kept_ ? static_cast<int64_t>(kept_x_hat_.stride(0)) : 0;
   const std::string& label = MESHTRAIN_LABEL("meshtrain::norm_cotangents_host");
   Kokkos::parallel_for(
       label, Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0, block),
       [=](const int64_t i) {
         const int64_t v = first + i;  // the value row
-        norm_cotangent_block_host(x_data + v * x_stride, stats(v, 0), stats(v, 1), stats(v, 2),
-                                  d_data, d_stride, pre, a_data, a_stride, o_data, o_stride, i, k,
-                                  cols, layernorm, n);
+        norm_cotangent_block_host(x_data + v * x_stride,
+                                  h_data != nullptr ? h_data + v * h_stride : nullptr, stats(v, 0),
+                                  stats(v, 1), stats(v, 2), d_data, d_stride, pre, a_data, a_stride,
+                                  o_data, o_stride, i, k, cols, layernorm, n);
       });
   inference::fence_after_host_kernel(label);
+}
+
+void FeatureNorm::reserve_derivative_forward() {
+  if (kept_x_hat_.extent(0) != 0 || !cotangents_in_one_pass() || kept_input_.data() != nullptr ||
+      layout_.local_width != layout_.width) {
+    return;
+  }
+  kept_x_hat_ = Matrix(name_ + "/kept_x_hat", rows_, layout_.local_width);
 }
 
 void FeatureNorm::reserve_cotangents(int64_t directions) {

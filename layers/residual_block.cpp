@@ -164,6 +164,7 @@ MatrixView ResidualBlock::forward(MatrixView x, const LayerPass& pass) {
     inner.prefetch = k == last_with_parameters_ ? pass.prefetch : nullptr;
     inner.training = pass.training;  // a dropout inside the block keys on the same pass
     inner.inference_gemms = pass.inference_gemms;
+    inner.derivative_forward = pass.derivative_forward;
     h = layers_[k]->forward(h, inner);
   }
   add_rounded(x, h, out_, dtype_, name_.c_str());
@@ -247,6 +248,10 @@ bool ResidualBlock::cotangents_by_rows() const {
     if (!layer->cotangents_by_rows()) return false;
   }
   return true;
+}
+
+void ResidualBlock::reserve_derivative_forward() {
+  for (const auto& layer : layers_) layer->reserve_derivative_forward();
 }
 
 void ResidualBlock::reserve_cotangents(int64_t directions) {
