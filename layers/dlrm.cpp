@@ -102,11 +102,12 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
     spec.check_axes(mesh, p.name);
     check_divisible(p.shape, spec, mesh, p.name);
     params_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
-    if (table_gradients == TableGradients::sparse && is_embedding_weight_name(p.name)) {
+    if (table_gradients != TableGradients::dense && is_embedding_weight_name(p.name)) {
       // Sparse updates: a table's backward leaves the gradients of the rows it touched
-      // (EmbeddingBag::use_sparse_gradient) and never its dense gradient, so none is allocated:
-      // the tensor keeps its name and spec, and its box and `local` are empty (matrix() is
-      // [0, 0]), so nothing reads a block that is not there.
+      // (EmbeddingBag::use_sparse_gradient) and never its dense gradient, so none is allocated;
+      // a model that only predicts (none) has no backward. The tensor keeps its name and spec,
+      // and its box and `local` are empty (matrix() is [0, 0]), so nothing reads a block that
+      // is not there.
       ShardedTensor g;
       g.name = p.name;
       g.global_shape = p.shape;
@@ -166,13 +167,17 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
   for (size_t t = 0; t < shape.tables.size(); ++t) {
     block_first_[t + 1] = feature_width_;
     feature_width_ += shape.tables[t].dim;
-    table_grads_.emplace_back("dlrm/" + shape.tables[t].name + "/pooled_grad", rows_,
-                              shape.tables[t].dim);
+    if (table_gradients != TableGradients::none) {
+      table_grads_.emplace_back("dlrm/" + shape.tables[t].name + "/pooled_grad", rows_,
+                                shape.tables[t].dim);
+    }
   }
   features_ = Matrix("dlrm/features", rows_, feature_width_);
-  feature_grads_ = Matrix("dlrm/feature_grads", rows_, feature_width_);
   top_input_ = Matrix("dlrm/interaction", rows_, shape.top.front());
-  dz_ = Matrix("dlrm/bottom_output_grad", rows_, width_d_);
+  if (table_gradients != TableGradients::none) {
+    feature_grads_ = Matrix("dlrm/feature_grads", rows_, feature_width_);
+    dz_ = Matrix("dlrm/bottom_output_grad", rows_, width_d_);
+  }
 }
 
 std::vector<ShardedTensor> Dlrm::dense_parameters() const {
@@ -269,6 +274,9 @@ MatrixView Dlrm::forward(MatrixView dense, const std::vector<SparseBags>& bags) 
 }
 
 void Dlrm::backward(MatrixView output_grad) {
+  MESHTRAIN_REQUIRE(table_gradients_ != TableGradients::none,
+                    "dlrm backward: the model was built for prediction only "
+                    "(TableGradients::none) and has no gradients");
   MESHTRAIN_REQUIRE(
       static_cast<int64_t>(output_grad.extent(0)) == rows_ && output_grad.extent(1) == 1,
       "dlrm output gradient is [", output_grad.extent(0), ", ", output_grad.extent(1),

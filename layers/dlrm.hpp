@@ -50,7 +50,9 @@ namespace meshtrain {
 //   sparse: the tables' backward leaves the gradients of the rows they touched only
 //           (EmbeddingBag::use_sparse_gradient; a sparse optimizer updates them,
 //           layers/sparse_optimizer.hpp) and no dense table gradient is ever allocated.
-enum class TableGradients { dense, sparse };
+//   none:   a model that only predicts (run/dlrm_predictor.cpp): no table gradient, dense or
+//           sparse, and none of the interaction's gradient buffers; backward() refuses.
+enum class TableGradients { dense, sparse, none };
 
 class Dlrm {
  public:
@@ -58,9 +60,9 @@ class Dlrm {
   // Collective (the layers ask the context for communicators): every rank builds the same model.
   // local_rows: this rank's rows per step; max_ids: the most ids one table's bags of a rank
   // hold in a step (the same on every rank). table_gradients: see TableGradients; with
-  // `sparse`, each table's tensor in gradients() keeps its name and spec but its box and `local`
-  // are empty, so a table costs its weights and its optimizer's rows only (a 12 GiB table set
-  // never needs 12 GiB more for gradients no step writes, not even for a moment).
+  // `sparse` or `none`, each table's tensor in gradients() keeps its name and spec but its box
+  // and `local` are empty, so a table costs its weights and its optimizer's rows only (a 12 GiB
+  // table set never needs 12 GiB more for gradients no step writes, not even for a moment).
   Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec_of,
        ParallelContext& context, int64_t local_rows, int64_t max_ids,
        TableGradients table_gradients = TableGradients::dense);
@@ -75,7 +77,8 @@ class Dlrm {
   // dense [local_rows, bottom[0]] and one SparseBags per table, in the shape's order (both must
   // stay valid until backward) -> the logits [local_rows, 1], owned by the model.
   MatrixView forward(MatrixView dense, const std::vector<SparseBags>& bags);
-  // dLoss/dlogit [local_rows, 1] -> every gradient, overwritten and reduced.
+  // dLoss/dlogit [local_rows, 1] -> every gradient, overwritten and reduced. Refused (a runtime
+  // Error) for a model built with TableGradients::none.
   void backward(MatrixView output_grad);
 
   std::vector<ShardedTensor>& parameters() { return params_; }
@@ -118,6 +121,7 @@ class Dlrm {
   Matrix top_input_;                 // the interaction's output [rows, top[0]]
   Matrix dz_;                        // the bottom output's gradient [rows, d]
   std::vector<Matrix> table_grads_;  // each table's pooled rows' gradient [rows, dim_t]
+  // (feature_grads_, dz_ and table_grads_ are empty under TableGradients::none.)
   // Per feature block (z, then each table): its first column in features_.
   std::vector<int64_t> block_first_;
   MatrixView logits_;

@@ -186,11 +186,11 @@ bool runs_host_kernels() {
 }
 
 bool layers_run_host_kernels() {
-  return kHostKernels && kDeviceSpaceIsHost;
+  return kHostKernels && kDefaultSpaceIsHost;
 }
 
 void fence_after_host_kernel(const std::string& label) {
-  if constexpr (!kDeviceSpaceIsHost) fence_space(host_space(), label);
+  if constexpr (!kDefaultSpaceIsHost) fence_space(host_space(), label);
   (void)label;
 }
 

@@ -39,13 +39,11 @@ constexpr bool kHostKernels = !kDeviceMemoryIsHostInaccessible;
 // kHostKernels, for the layers' run-time choice (a function: no code after it is unreachable
 // to a compiler in a GPU build, which would warn).
 bool runs_host_kernels();
-// Whether the default execution space is the default host execution space (Serial, OpenMP).
-constexpr bool kDeviceSpaceIsHost =
-    std::is_same_v<Kokkos::DefaultExecutionSpace, Kokkos::DefaultHostExecutionSpace>;
 // Whether the layers' training and derivative kernels take their host versions: host memory
 // and, more than runs_host_kernels(), the default execution space is the host's
-// (kDeviceSpaceIsHost). A GPU build with host-readable device memory (CUDA with unified
-// memory) runs its other kernels on the GPU, which a host loop would not wait for.
+// (kDefaultSpaceIsHost, framework/core/exec_space.hpp). A GPU build with host-readable device
+// memory (CUDA with unified memory) runs its other kernels on the GPU, which a host loop would not
+// wait for.
 bool layers_run_host_kernels();
 // After a kernel on the host execution space that stands where a default-space kernel would:
 // nothing where the two spaces are one type (a Serial or OpenMP parallel_for returns after

@@ -102,8 +102,10 @@ DlrmPredictor::DlrmPredictor(const std::string& checkpoint, int64_t batch_size, 
                    config_.partition.collective_matmul, config_.runtime.overlap,
                    config_.runtime.bucket_mb);
   context_->set_precision(config_.mixed_precision.policy());
+  // TableGradients::none: prediction needs no table gradient (a dense one is as large as the
+  // table) and no interaction gradient; only the linear layers' small gradients are allocated.
   model_ = std::make_unique<Dlrm>(shape_, config_.model.activation, specs_from_plan(*plan_),
-                                  *context_, batch_size_, max_ids_);
+                                  *context_, batch_size_, max_ids_, TableGradients::none);
   CheckpointContents contents;
   contents.mesh = *mesh_;
   contents.params = model_->parameters();  // views: the load fills the model's tensors

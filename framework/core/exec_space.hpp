@@ -25,6 +25,13 @@
 
 namespace meshtrain {
 
+// Whether the default execution space is the default host execution space (Serial, OpenMP):
+// only then may a kernel on the default space's memory run as host loops (host_chunks.hpp; the
+// layers' host kernels, layers/inference.hpp). A GPU build's memory is not the host's, or, with
+// unified memory, its other kernels would not be waited for.
+constexpr bool kDefaultSpaceIsHost =
+    std::is_same_v<Kokkos::DefaultExecutionSpace, Kokkos::DefaultHostExecutionSpace>;
+
 // The default (device) execution space instance: every kernel of meshtrain runs on it; cuBLAS
 // and NCCL take their stream from it. With CUDA that is the stream Kokkos 4 creates for its
 // default instance (cudaStreamCreate at initialize), not the legacy default stream, so a

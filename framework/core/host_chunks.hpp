@@ -16,18 +16,12 @@
 
 namespace meshtrain {
 
-// Whether the default execution space is the default host execution space: only then may a
-// kernel on the default space's memory run as host loops (a GPU build's memory is not the
-// host's, or, with unified memory, its other kernels would not be waited for).
-constexpr bool kDefaultSpaceIsHost =
-    std::is_same_v<Kokkos::DefaultExecutionSpace, Kokkos::DefaultHostExecutionSpace>;
-
 // Elements per chunk: 64 KB of floats, so that an OpenMP build splits a large pass over its
 // threads and a chunk's loop is long enough for the vector lanes.
 constexpr int64_t kHostChunk = 16384;
 
 // body(begin, end) for the chunks [begin, end) of [0, count), as one kernel labelled `label` on
-// the host execution space. Only where kDefaultSpaceIsHost.
+// the host execution space. Only where kDefaultSpaceIsHost (exec_space.hpp).
 template <class Body>
 void for_host_chunks(const std::string& label, int64_t count, const Body& body) {
   const int64_t chunks = (count + kHostChunk - 1) / kHostChunk;

@@ -179,6 +179,26 @@ void widen_16bit(ConstHalfMatrixView src, MatrixView dst, Dtype dtype) {
       KOKKOS_LAMBDA(const int64_t k) { to[k] = from_16bit(from[k], dtype); });
 }
 
+template <Dtype dtype>
+MESHTRAIN_INLINE void add_16bit_span(uint16_t* out, const uint16_t* a, const uint16_t* b,
+                                     std::size_t count) {
+  for (std::size_t k = 0; k < count; ++k) {
+    out[k] = to_16bit_as<dtype>(from_16bit_as<dtype>(a[k]) + from_16bit_as<dtype>(b[k]));
+  }
+}
+
+// Without FMA contraction: one float addition, then the integer rounding of to_16bit_as.
+MESHTRAIN_HOST_CLONES_EXACT
+void add_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, std::size_t count,
+               Dtype dtype) {
+  if (dtype == Dtype::bf16) {
+    add_16bit_span<Dtype::bf16>(out, a, b, count);
+  } else {
+    MESHTRAIN_REQUIRE(dtype == Dtype::fp16, "add_16bit: the dtype must be bf16 or fp16, not fp32");
+    add_16bit_span<Dtype::fp16>(out, a, b, count);
+  }
+}
+
 void pack_16bit(const float* src, uint16_t* dst, std::size_t count, Dtype dtype) {
   MESHTRAIN_REQUIRE(dtype != Dtype::fp32, "pack_16bit: fp32 is not a 16-bit format");
   if (dtype == Dtype::bf16) {

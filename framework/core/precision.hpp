@@ -111,14 +111,11 @@ KOKKOS_INLINE_FUNCTION float round_as(float f) {
   return from_16bit_as<dtype>(to_16bit_as<dtype>(f));
 }
 
-// out[k] = a[k] + b[k] on the host for 16-bit elements of `dtype`: added in fp32 and rounded
-// once to 16 bits, as NCCL's 16-bit sums do (the MPI backend's wire sums; out may be a or b).
-template <Dtype dtype>
-inline void add_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, std::size_t count) {
-  for (std::size_t k = 0; k < count; ++k) {
-    out[k] = to_16bit_as<dtype>(from_16bit_as<dtype>(a[k]) + from_16bit_as<dtype>(b[k]));
-  }
-}
+// out[k] = a[k] + b[k] on the host for count 16-bit elements of `dtype` (bf16 or fp16): added in
+// fp32 and rounded once to 16 bits, as NCCL's 16-bit sums do (the MPI backend's wire sums: its
+// ring and its MPI user operation). out may be a or b (element by element in place); no other
+// overlap. Per-ISA clones (precision.cpp), the same bits in each.
+void add_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, std::size_t count, Dtype dtype);
 
 // Bits of 16-bit elements in the default memory space (what communication moves).
 using HalfBits = Kokkos::View<uint16_t*, Kokkos::LayoutRight>;

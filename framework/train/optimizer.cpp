@@ -65,8 +65,9 @@ void with_copy(const ShardedTensor& t, F&& f) {
 // The step's scalars as Optimizer::prepare_step lays them out: [0] the rate (SGD) or AdamW's
 // step size lr / c1, [1] AdamW's 1 / c2, [2] AdamW's decay 1 - lr * wd, [3] SGD's first step
 // (1 or 0). An eager step passes them by value (ByValue); a prepared step's kernels read them
-// from memory when they run (InMemory: pinned host memory), so that a replayed graph uses the
-// current step's. The same floats either way, so the same bits.
+// from memory when they run (InMemory: the device copy of Optimizer::prepared_, made by
+// launch_prepared's first kernel), so that a replayed graph uses the current step's. The same
+// floats either way, so the same bits.
 struct ByValue {
   float s[4];
   KOKKOS_INLINE_FUNCTION float operator[](int k) const { return s[k]; }
@@ -333,6 +334,7 @@ void Optimizer::check_step_arguments(const std::vector<ShardedTensor>& params,
 void Optimizer::enable_prepared_steps() {
   if (prepared_.extent(0) == 0) {
     prepared_ = Kokkos::View<float*, HostStagingSpace>("meshtrain::optimizer_step_scalars", 4);
+    prepared_device_ = Kokkos::View<float*>("meshtrain::optimizer_step_scalars_device", 4);
   }
 }
 
@@ -364,7 +366,19 @@ void Optimizer::prepare_step(float lr) {
 void Optimizer::launch_prepared(std::vector<ShardedTensor>& params,
                                 const std::vector<ShardedTensor>& grads) {
   check_step_arguments(params, grads);
-  launch(params, grads, InMemory{prepared_.data()});
+  // The 16 bytes to device memory by one kernel of 4 threads, each reading one float of pinned
+  // host memory (on a GPU over PCIe, once), before the update kernels, which read the copy (in
+  // device memory: every thread of every update kernel reads it). A kernel, not a deep_copy:
+  // a kernel is what a CUDA graph captures and replays reading the pinned bytes as they are at
+  // the replay, and the host capture-safety checker (step_graph.hpp) refuses any deep copy in a
+  // region, since it cannot tell an asynchronous one (capture-legal) from a synchronous one.
+  const float* from = prepared_.data();
+  float* to = prepared_device_.data();
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::optimizer_step_scalars"),
+      Kokkos::RangePolicy<>(device_space(), 0, 4),
+      KOKKOS_LAMBDA(const int64_t k) { to[k] = from[k]; });
+  launch(params, grads, InMemory{prepared_device_.data()});
 }
 
 // The update's kernels, one per tensor, with the step's scalars from `scalars` (ByValue or

@@ -61,9 +61,10 @@ class Optimizer {
   // and replayed (framework/core/step_graph.hpp; run/training_run.cpp): prepare_step is the
   // host part (the step count; the rate, the bias corrections and SGD's first-step flag
   // written into pinned host memory), launch_prepared the kernels, which read those values
-  // from that memory when they run, so that a replayed graph uses the current step's. The
-  // results equal step()'s bit for bit (the same floats, the same arithmetic). Call
-  // enable_prepared_steps() once, outside the steps (it allocates the 16 bytes).
+  // from that memory when they run, so that a replayed graph uses the current step's (one
+  // kernel copies the 16 bytes to device memory first, and the update kernels read that copy).
+  // The results equal step()'s bit for bit (the same floats, the same arithmetic). Call
+  // enable_prepared_steps() once, outside the steps (it allocates the 16 bytes, twice).
   void enable_prepared_steps();
   void prepare_step(float lr);
   void launch_prepared(std::vector<ShardedTensor>& params, const std::vector<ShardedTensor>& grads);
@@ -81,6 +82,10 @@ class Optimizer {
   int64_t step_count_ = 0;
   // prepare_step's values: adamw [step size, 1 / correction2, decay, -]; sgd [lr, -, -, first].
   Kokkos::View<float*, HostStagingSpace> prepared_;
+  // prepared_ copied into the default memory space at each launch_prepared (one 4-thread
+  // kernel, inside a captured region): the update kernels read the scalars there, not from
+  // pinned host memory (on a GPU, every thread's read of pinned memory crosses PCIe).
+  Kokkos::View<float*> prepared_device_;
   void check_step_arguments(const std::vector<ShardedTensor>& params,
                             const std::vector<ShardedTensor>& grads) const;
   // step()'s and launch_prepared's kernels: the scalars by value or read from prepared_.

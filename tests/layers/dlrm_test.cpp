@@ -27,7 +27,9 @@
 // dp n with row-wise tables): no table gradient is allocated (each tensor empty; the memory
 // tracker's live allocations under a table's name are its weights only, the dense model's
 // gradient blocks fewer bytes), and the logits and linear layers' gradients still equal the
-// one-rank dense model's. Refusals: the shape checks (one sentence
+// one-rank dense model's. A model built to predict only (TableGradients::none, DlrmPredictor's):
+// the tracker's live bytes are the dense model's less its table and interaction gradients, the
+// logits the one-rank model's, backward refused. Refusals: the shape checks (one sentence
 // each), 16-bit precision, a tp split of a linear layer's output, a column split of a table's dim
 // that tp does not divide.
 
@@ -576,6 +578,78 @@ TEST(Dlrm, SparseTableGradientsAreNeverAllocated) {
     ++compared;
   }
   EXPECT_EQ(compared, static_cast<int>(model.gradients().size() - shape.tables.size()));
+}
+
+// A model built to predict only (TableGradients::none, what DlrmPredictor builds), dp n with
+// row-wise tables: the tracker's live bytes while it lives are the dense model's less exactly its
+// table gradient blocks and the interaction's gradient buffers (feature gradients [rows, d + sum
+// of dims], the bottom output's [rows, d], each table's pooled rows' [rows, dim]); every table
+// gradient tensor is empty; its logits are the one-rank dense model's (within kMeshTolerance: DP
+// sums reorder); backward is refused.
+TEST(Dlrm, PredictOnlyModelAllocatesNoTableOrInteractionGradient) {
+  const int n = world_size();
+  const Mesh mesh = Mesh::create({{"dp", n}}, n);
+  MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+  ParallelContext context(comms, {"fsdp", "dp"}, "tp");
+  const DlrmShape shape = make_shape(DlrmInteraction::dot);
+  const Data d = make_data(shape);
+  const Result one = one_rank(shape, d);
+  auto spec_of = [](const std::string& name) {
+    return PartitionSpec::parse(name.rfind("embeddings/", 0) == 0 ? "P(dp, None)" : "P()");
+  };
+  const int64_t rows = kBatch / n;
+  const int64_t first_row = context.batch_index() * rows;
+  install_memory_tracker();
+  reset_kokkos_peak();  // `complete` counts from here (one_rank's allocation windows replaced it)
+  // A first model, dropped: what the context makes at first use (communicators, their buffers)
+  // and keeps is live before both measurements below.
+  { Dlrm warm_up(shape, Activation::tanh, spec_of, context, rows, most_ids(d, n)); }
+  const int64_t before = kokkos_memory(0).live_bytes;
+  int64_t dense_bytes = 0, gradient_blocks = 0;
+  {
+    Dlrm dense(shape, Activation::tanh, spec_of, context, rows, most_ids(d, n));
+    dense_bytes = kokkos_memory(0).live_bytes - before;
+    for (const ShardedTensor& g : dense.gradients()) {
+      if (g.name.rfind("embeddings/", 0) == 0) {
+        gradient_blocks += static_cast<int64_t>(g.local.extent(0) * sizeof(float));
+      }
+    }
+  }
+  ASSERT_GT(gradient_blocks, 0);
+  const int64_t d_width = shape.bottom.back();
+  int64_t dims = 0;
+  for (const DlrmTable& t : shape.tables) dims += t.dim;
+  // feature_grads_ [rows, d + dims] + dz_ [rows, d] + the pooled rows' gradients [rows, dims].
+  const int64_t interaction_grads =
+      rows * (2 * d_width + 2 * dims) * static_cast<int64_t>(sizeof(float));
+  Dlrm model(shape, Activation::tanh, spec_of, context, rows, most_ids(d, n), TableGradients::none);
+  EXPECT_EQ(model.table_gradients(), TableGradients::none);
+  EXPECT_TRUE(kokkos_memory(0).complete) << "the tracker missed allocations";
+  EXPECT_EQ(kokkos_memory(0).live_bytes - before, dense_bytes - gradient_blocks - interaction_grads)
+      << "live bytes: the dense model's less its table gradients and interaction gradients";
+  for (const ShardedTensor& g : model.gradients()) {
+    if (g.name.rfind("embeddings/", 0) == 0) EXPECT_EQ(g.local.extent(0), 0u) << g.name;
+  }
+  model.initialize(InitScheme::he_normal, kSeed);
+  const Matrix dense_in =
+      testing::block_matrix("dense", rows, kDense, first_row, 0,
+                            [&](int64_t i, int64_t j) { return d.dense[i * kDense + j]; });
+  std::vector<LocalBags> local;
+  std::vector<SparseBags> bags;
+  for (size_t t = 0; t < shape.tables.size(); ++t) {
+    local.push_back(local_bags(d.offsets[t], d.ids[t], first_row, rows));
+  }
+  for (const LocalBags& l : local) bags.push_back({l.offsets, l.ids});
+  const std::vector<double> logits = testing::host_matrix(model.forward(dense_in, bags));
+  ASSERT_EQ(static_cast<int64_t>(logits.size()), rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    EXPECT_NEAR(logits[static_cast<size_t>(r)], one.logits[static_cast<size_t>(first_row + r)],
+                kMeshTolerance)
+        << "logit " << first_row + r;
+  }
+  const Matrix dy("dy", rows, 1);
+  testing::expect_error([&] { model.backward(dy); }, ErrorKind::runtime,
+                        {"dlrm backward", "prediction only"});
 }
 
 TEST(Dlrm, BadShapesAreOneSentence) {

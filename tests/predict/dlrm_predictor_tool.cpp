@@ -15,7 +15,8 @@
 // call's rows and no more (else exit 1). OUTPUT gets float32 [rows] logits then float32 [rows]
 // probabilities (OUTPUT.<rank> when started on several ranks: each rank runs its own predictor
 // on MPI_COMM_SELF); stdout one JSON line: rows, calls, step, heap and Kokkos allocations
-// counted, the matmul precision, the model description. A meshtrain Error: its sentence on
+// counted, the predictor's live Kokkos bytes once built (the memory tracker's, across the
+// constructor), the matmul precision, the model description. A meshtrain Error: its sentence on
 // stderr after "error: ", exit 2. --dense-predictor 1: only a meshtrain::Predictor of the
 // checkpoint (which refuses a DLRM's), on this rank. --tables-given N: the first N tables' bags
 // only (a list of the wrong length). --set KEY=VALUE (repeatable): the predictor's overrides.
@@ -36,6 +37,7 @@
 #include "framework/comm/runtime.hpp"
 #include "framework/core/choices.hpp"   // to_string
 #include "framework/core/view_ops.hpp"  // copy_view
+#include "framework/observe/memory_tracker.hpp"
 #include "run/dlrm_predictor.hpp"
 #include "run/predictor.hpp"
 #include "tests/support/counting_allocator.hpp"
@@ -115,7 +117,11 @@ int run(int argc, char** argv) {
                                      static_cast<size_t>(offsets.back().back())));
   }
 
+  // The predictor's own Kokkos memory: the tracker's live bytes across its construction.
+  meshtrain::install_memory_tracker();
+  const int64_t live_before = meshtrain::kokkos_memory(0).live_bytes;
   meshtrain::DlrmPredictor predictor(checkpoint, batch, max_ids, overrides);
+  const int64_t predictor_bytes = meshtrain::kokkos_memory(0).live_bytes - live_before;
   if (call_rows == 0) call_rows = predictor.batch_size();
   // Everything a call uses, made before the first.
   std::vector<std::vector<int64_t>> rebased(tables, std::vector<int64_t>(call_rows + 1));
@@ -169,9 +175,11 @@ int run(int argc, char** argv) {
             static_cast<std::streamsize>(rows * 4));
   std::printf(
       "{\"rows\": %lld, \"calls\": %lld, \"step\": %lld, \"heap_allocations\": %ld, "
-      "\"kokkos_allocations\": %ld, \"matmul_precision\": \"%s\", \"model\": \"%s\"}\n",
+      "\"kokkos_allocations\": %ld, \"predictor_kokkos_bytes\": %lld, \"matmul_precision\": "
+      "\"%s\", \"model\": \"%s\"}\n",
       static_cast<long long>(rows), static_cast<long long>(calls),
       static_cast<long long>(predictor.step()), heap, kokkos,
+      static_cast<long long>(predictor_bytes),
       meshtrain::to_string(predictor.config().runtime.matmul_precision),
       predictor.model_description().c_str());
   return 0;

@@ -285,7 +285,7 @@ int size_of(MPI_Comm comm) {
 template <Dtype dtype>
 void sum_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
   uint16_t* sum = static_cast<uint16_t*>(inout);
-  add_16bit<dtype>(sum, static_cast<const uint16_t*>(in), sum, static_cast<std::size_t>(*len));
+  add_16bit(sum, static_cast<const uint16_t*>(in), sum, static_cast<std::size_t>(*len), dtype);
 }
 
 MPI_Op make_sum_op(MPI_User_function* function) {

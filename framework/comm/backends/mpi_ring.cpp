@@ -43,28 +43,10 @@ struct Blocks {
 // Host loops (MPI's buffers), compiled per instruction set without FMA contraction
 // (framework/core/host_clones.hpp): each sum is the same IEEE addition (and, for 16 bits, the
 // same integer rounding) in every clone, 16 lanes at a time on AVX-512 where the baseline runs 4.
+// The 16-bit sums are precision.hpp's add_16bit (cloned there).
 MESHTRAIN_HOST_CLONES_EXACT
 void add_fp32(float* out, const float* mine, const float* arrived, std::size_t count) {
   for (std::size_t k = 0; k < count; ++k) out[k] = mine[k] + arrived[k];
-}
-
-template <Dtype dtype>
-MESHTRAIN_INLINE void add_16bit_span(uint16_t* out, const uint16_t* a, const uint16_t* b,
-                                     std::size_t count) {
-  for (std::size_t k = 0; k < count; ++k) {
-    out[k] = to_16bit_as<dtype>(from_16bit_as<dtype>(a[k]) + from_16bit_as<dtype>(b[k]));
-  }
-}
-
-// add_16bit (precision.hpp), per instruction set.
-MESHTRAIN_HOST_CLONES_EXACT
-void add_16bit_host(uint16_t* out, const uint16_t* a, const uint16_t* b, std::size_t count,
-                    bool bf16) {
-  if (bf16) {
-    add_16bit_span<Dtype::bf16>(out, a, b, count);
-  } else {
-    add_16bit_span<Dtype::fp16>(out, a, b, count);
-  }
 }
 
 void add(char* out, const char* mine, const char* arrived, std::size_t bytes, Dtype dtype) {
@@ -73,9 +55,8 @@ void add(char* out, const char* mine, const char* arrived, std::size_t bytes, Dt
              reinterpret_cast<const float*>(arrived), bytes / sizeof(float));
     return;
   }
-  add_16bit_host(reinterpret_cast<uint16_t*>(out), reinterpret_cast<const uint16_t*>(mine),
-                 reinterpret_cast<const uint16_t*>(arrived), bytes / sizeof(uint16_t),
-                 dtype == Dtype::bf16);
+  add_16bit(reinterpret_cast<uint16_t*>(out), reinterpret_cast<const uint16_t*>(mine),
+            reinterpret_cast<const uint16_t*>(arrived), bytes / sizeof(uint16_t), dtype);
 }
 
 // Waits for requests [first, first + count) of the `total` a step posted; on a timeout or an
