@@ -37,6 +37,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,6 +52,30 @@ struct SparseTableRows {
   int64_t rows = 0;
   int64_t ids() const { return offsets[rows]; }
 };
+
+// What the chunk caches of the DLRM data readers of `path` hold at most (`meshtrain plan`, from
+// the file's metadata alone; no MPI): `tables`' datasets as a SparseHdf5Reader caches them (all
+// their chunks while the total stays within SparseHdf5Reader::kSparseCacheBytes, in table
+// order), and `dense` (data.x_key and data.y_key: every chunk of each, run/dlrm_run.cpp's
+// dense_chunk_cache_bytes). A missing file, group or dataset counts 0 (the run names it).
+struct DlrmDataCaches {
+  int64_t sparse_bytes = 0;
+  int64_t dense_bytes = 0;
+  // The budget a DLRM run gives its dense training source's chunk caches (Hdf5SourceOptions::
+  // chunk_cache_bytes) so that they keep every chunk once read: dense_bytes and a quarter more
+  // and 1 MiB (the source splits its budget between x and y by their rows' bytes, not their
+  // chunks'), at most kDenseCacheBytes (past it the source keeps the batch's chunks only); what
+  // the caches hold is at most dense_bytes. Never below the source's default 1 MiB.
+  static constexpr int64_t kDenseCacheBytes = int64_t{256} << 20;
+  int64_t dense_budget() const {
+    const int64_t budget = dense_bytes + dense_bytes / 4 + (int64_t{1} << 20);
+    return budget > kDenseCacheBytes ? kDenseCacheBytes : budget;
+  }
+};
+DlrmDataCaches dlrm_data_cache_bytes(const std::string& path,
+                                     const std::vector<std::string>& tables,
+                                     const std::string& group,
+                                     const std::vector<std::string>& dense);
 
 class SparseHdf5Reader {
  public:
@@ -70,6 +95,20 @@ class SparseHdf5Reader {
 
   // Reads global rows rows[0, count) (any order, repeats allowed) of every table. Collective.
   void read(const int64_t* rows, int64_t count);
+  // What the checks of one read found on this rank: the lowest (global row, table, kind) of its
+  // problems (none() when the rows passed). Opaque to callers: they hand it to agree().
+  struct Problem {
+    int64_t row = std::numeric_limits<int64_t>::max(), table = 0, kind = 0, a = 0, b = 0;
+    bool none() const { return row == std::numeric_limits<int64_t>::max(); }
+    bool operator<(const Problem& o) const;
+  };
+  // read() in two halves, for a reader thread (run/dlrm_run.cpp's read-ahead): read_unagreed()
+  // reads the rows as read() does and returns what its checks found, without MPI (any one
+  // thread may call it, one at a time; batch() then holds the rows); agree(), collective, turns
+  // every rank's finding into the one AgreedError every rank throws, or returns when none
+  // found one. read() is read_unagreed() then agree().
+  Problem read_unagreed(const int64_t* rows, int64_t count);
+  void agree(Problem problem);
   // Reads global rows [first, first + count). Collective.
   void read_range(int64_t first, int64_t count);
 
@@ -85,20 +124,21 @@ class SparseHdf5Reader {
   // The bytes of chunk cache the reader's datasets were opened with (a bound, filled lazily).
   int64_t chunk_cache_bytes() const { return cache_bytes_; }
   static constexpr int64_t kSparseCacheBytes = int64_t{1} << 30;
+  // The bytes of the buffers a reader of `tables` tables opened for (max_rows, max_ids) makes at
+  // open (the header's "Buffers"; `meshtrain plan`).
+  static int64_t buffer_bytes(int64_t tables, int64_t max_rows, int64_t max_ids);
 
  private:
   struct File;
   struct Table;
-  struct Problem;
   // The runs of consecutive rows in `rows` (or the one run [first, first + count)).
   void read_runs(const int64_t* rows, int64_t first, int64_t count);
   Problem read_table(Table& table, size_t index, const int64_t* rows, int64_t first, int64_t count);
   // read(): the rows sorted by file position, one point-selection read per dataset.
-  void read_gathered(const int64_t* rows, int64_t count);
+  Problem read_gathered(const int64_t* rows, int64_t count);
   Problem gather_table(Table& table, size_t index, const int64_t* rows, int64_t count,
                        int64_t distinct, int64_t points);
   void open_caches();  // reopens the datasets with their chunk caches (at open)
-  void agree(Problem problem);
 
   std::string path_;
   std::vector<std::string> tables_;
