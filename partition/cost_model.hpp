@@ -231,9 +231,10 @@ struct DataRead {
   int64_t tables = 0;
   int64_t ids_per_row = 0;
 };
-// HDF5's time per row of a read of random rows from cached chunks: measured on the build machine
-// (docs/recsys.md, "The all-to-all's share"), the traced `data read` of a DLRM step read in the
-// step (data.prefetch = 0) over its rows.
+// HDF5's time per row of a read of random rows from cached chunks: an estimate, not a fit (the
+// traced `data read` of a np 2 DLRM step read in the step, data.prefetch = 0: 21 ms for 256 rows
+// at load average 16 on 2 cores, the sparse part then memory gathers; docs/recsys.md, "Where a
+// np 2 step goes"), to be measured by calibrate.
 constexpr double kHdf5RowSeconds = 10e-6;
 
 // Seconds one rank spends reading a step's rows: memory bandwidth for in-memory rows; for
