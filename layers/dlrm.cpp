@@ -7,6 +7,7 @@
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
+#include "framework/observe/trace.hpp"
 #include "partition/embedding_layout.hpp"
 #include "partition/partition_spec.hpp"
 
@@ -258,16 +259,34 @@ MatrixView Dlrm::forward(MatrixView dense, const std::vector<SparseBags>& bags) 
   LayerPass pass;
   pass.scratch = &scratch_;
   MatrixView x = dense;
-  for (size_t i = 0; i < bottom_.size(); ++i) {
-    x = bottom_[i].forward(x, pass);
-    x = bottom_act_[i].forward(x, pass);
+  // Traced ([runtime] trace_steps) by part: the bottom MLP, the tables (their lookups, pooling
+  // and all-to-alls), the interaction, the top MLP.
+  {
+    TraceSpan span("bottom mlp", TraceKind::layer);
+    span.detail("forward");
+    for (size_t i = 0; i < bottom_.size(); ++i) {
+      x = bottom_[i].forward(x, pass);
+      x = bottom_act_[i].forward(x, pass);
+    }
   }
-  for (size_t t = 0; t < tables_.size(); ++t) tables_[t].forward(bags[t], pass);
-  interact();
-  x = top_input_;
-  for (size_t i = 0; i < top_.size(); ++i) {
-    x = top_[i].forward(x, pass);
-    if (i < top_act_.size()) x = top_act_[i].forward(x, pass);
+  {
+    TraceSpan span("embeddings", TraceKind::layer);
+    span.detail("forward");
+    for (size_t t = 0; t < tables_.size(); ++t) tables_[t].forward(bags[t], pass);
+  }
+  {
+    TraceSpan span("interaction", TraceKind::layer);
+    span.detail("forward");
+    interact();
+  }
+  {
+    TraceSpan span("top mlp", TraceKind::layer);
+    span.detail("forward");
+    x = top_input_;
+    for (size_t i = 0; i < top_.size(); ++i) {
+      x = top_[i].forward(x, pass);
+      if (i < top_act_.size()) x = top_act_[i].forward(x, pass);
+    }
   }
   logits_ = x;
   return logits_;
@@ -285,13 +304,28 @@ void Dlrm::backward(MatrixView output_grad) {
   LayerPass pass;
   pass.scratch = &scratch_;
   MatrixView g = output_grad;
-  for (size_t i = top_.size(); i-- > 0;) {
-    if (i < top_act_.size()) g = top_act_[i].backward(g, true, pass);
-    g = top_[i].backward(g, /*need_input_grad=*/true, pass);
+  {
+    TraceSpan span("top mlp", TraceKind::layer);
+    span.detail("backward");
+    for (size_t i = top_.size(); i-- > 0;) {
+      if (i < top_act_.size()) g = top_act_[i].backward(g, true, pass);
+      g = top_[i].backward(g, /*need_input_grad=*/true, pass);
+    }
   }
-  interact_backward(g);
-  for (size_t t = 0; t < tables_.size(); ++t) tables_[t].backward(table_grads_[t], pass);
+  {
+    TraceSpan span("interaction", TraceKind::layer);
+    span.detail("backward");
+    interact_backward(g);
+  }
+  {
+    // The dy all-to-alls and the gradient scatter (or the touched rows' gradient).
+    TraceSpan span("embeddings", TraceKind::layer);
+    span.detail("backward");
+    for (size_t t = 0; t < tables_.size(); ++t) tables_[t].backward(table_grads_[t], pass);
+  }
   g = dz_;
+  TraceSpan span("bottom mlp", TraceKind::layer);
+  span.detail("backward");
   for (size_t i = bottom_.size(); i-- > 0;) {
     g = bottom_act_[i].backward(g, true, pass);
     g = bottom_[i].backward(g, /*need_input_grad=*/i > 0, pass);

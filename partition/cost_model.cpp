@@ -847,6 +847,11 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
 double data_read_seconds(const DataRead& read, const HardwareProfile& hw) {
   const double rows = static_cast<double>(read.rows);
   const double bytes = rows * static_cast<double>(read.row_bytes);
+  if (read.tables > 0) {
+    const double elements =
+        rows * (2.0 * static_cast<double>(read.tables) + static_cast<double>(read.ids_per_row));
+    return rows * kHdf5RowSeconds + (64.0 * elements + 2.0 * bytes) / hw.memory_bandwidth;
+  }
   switch (read.pattern) {
     case ReadPattern::memory:
       return 2.0 * bytes / hw.memory_bandwidth;  // read and written once

@@ -223,13 +223,26 @@ struct DataRead {
   int64_t row_bytes = 0;    // bytes of one row as stored (inputs and target)
   int64_t block_rows = 1;   // blocks: rows of one block
   int64_t prefetch = 0;     // batches read ahead by a thread; 0: read inside the step
+  // A DLRM's reads (run/dlrm_run.cpp; 0: not a DLRM): its tables, and the ids of one row over
+  // all of them. Its files stay in memory once read (the sparse reader holds its tables whole,
+  // the dense source keeps its chunks in HDF5's cache), so a step's read is HDF5's work per dense
+  // row (kHdf5RowSeconds) and, per table, gathers of each row's two offsets and its ids (a cache
+  // line each at memory bandwidth), not the storage's.
+  int64_t tables = 0;
+  int64_t ids_per_row = 0;
 };
+// HDF5's time per row of a read of random rows from cached chunks: an estimate, not a fit (the
+// traced `data read` of a np 2 DLRM step read in the step, data.prefetch = 0: 21 ms for 256 rows
+// at load average 16 on 2 cores, the sparse part then memory gathers; docs/recsys.md, "Where a
+// np 2 step goes"), to be measured by calibrate.
+constexpr double kHdf5RowSeconds = 10e-6;
 
 // Seconds one rank spends reading a step's rows: memory bandwidth for in-memory rows; for
 // files, a sequential run costs one latency plus its bytes at storage_read_bandwidth, a
 // random row one latency plus a 4 KiB page, and blocks the whole global batch's bytes
 // (every rank's rows are spread over the same window, whose pages the OS reads ahead) plus
-// one latency per block started.
+// one latency per block started. A DLRM's (read.tables > 0): its rows at kHdf5RowSeconds, its
+// offsets and ids a cache line each and its rows' bytes at memory bandwidth.
 double data_read_seconds(const DataRead& read, const HardwareProfile& hardware);
 // Adds the step's data read to `cost`: with prefetch the reader thread hides it up to the
 // rest of the step (exposed: what exceeds it), without it is all exposed.

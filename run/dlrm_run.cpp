@@ -5,9 +5,13 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <exception>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -55,6 +59,124 @@ void require_command_builds(const ModelSection& model, const std::string& comman
   }
 }
 
+// The training batches read ahead (dlrm_run.hpp): a thread fills batch seq into slot seq % depth
+// once the step has taken what that slot held, from `first` to the last step. The thread calls
+// BatchSchedule::slice_samples (const), RowSource::read and SparseHdf5Reader::read_unagreed only
+// (no MPI, no Kokkos; HDF5 under its global mutex), into buffers made here. A read that throws
+// is kept in its slot and rethrown by take() on this rank, where the step reads it as a read in
+// the step would have failed.
+struct DlrmRun::ReadAhead {
+  struct Slot {
+    std::vector<int64_t> rows;
+    std::vector<float> dense, targets;
+    std::vector<std::vector<int64_t>> offsets, values;
+    SparseHdf5Reader::Problem problem;
+    std::exception_ptr error;
+    int64_t seq = -1;
+    bool ready = false;
+  };
+
+  ReadAhead(RowSource& source, SparseHdf5Reader& reader, const BatchSchedule& schedule,
+            BatchSlice slice, int64_t features, int64_t depth, int64_t first, int64_t end)
+      : source_(source),
+        reader_(reader),
+        schedule_(schedule),
+        slice_(slice),
+        slots_(static_cast<size_t>(depth)),
+        next_fill_(first),
+        end_(end) {
+    const auto n = static_cast<size_t>(slice.rows);
+    const size_t tables = reader.tables().size();
+    const auto ids = static_cast<size_t>(std::max<int64_t>(reader.max_ids(), 1));
+    for (Slot& slot : slots_) {
+      slot.rows.assign(n, 0);
+      slot.dense.assign(n * static_cast<size_t>(features), 0.0f);
+      slot.targets.assign(n, 0.0f);
+      slot.offsets.assign(tables, std::vector<int64_t>(n + 1, 0));
+      slot.values.assign(tables, std::vector<int64_t>(ids, 0));
+    }
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~ReadAhead() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    freed_.notify_all();
+    thread_.join();
+  }
+  ReadAhead(const ReadAhead&) = delete;
+  ReadAhead& operator=(const ReadAhead&) = delete;
+
+  // Batch `seq` (the next one) once read; give() hands its slot back.
+  Slot& take(int64_t seq) {
+    Slot& slot = slots_[static_cast<size_t>(seq) % slots_.size()];
+    std::unique_lock<std::mutex> lock(mutex_);
+    filled_.wait(lock, [&] { return slot.ready && slot.seq == seq; });
+    return slot;
+  }
+  void give(Slot& slot) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      slot.ready = false;
+    }
+    freed_.notify_all();
+  }
+  int64_t depth() const { return static_cast<int64_t>(slots_.size()); }
+
+ private:
+  void loop() {
+    for (int64_t seq = next_fill_; seq < end_; ++seq) {
+      Slot& slot = slots_[static_cast<size_t>(seq) % slots_.size()];
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        freed_.wait(lock, [&] { return stop_ || !slot.ready; });
+        if (stop_) return;
+      }
+      read(slot, seq);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        slot.seq = seq;
+        slot.ready = true;
+      }
+      filled_.notify_all();
+    }
+  }
+
+  // As DlrmRun::traced_step's read in the step: the rows in file order, the ids, the dense rows.
+  void read(Slot& slot, int64_t seq) {
+    slot.error = nullptr;
+    slot.problem = SparseHdf5Reader::Problem{};
+    try {
+      schedule_.slice_samples(seq, slice_, slot.rows.data());
+      std::sort(slot.rows.begin(), slot.rows.end());
+      const int64_t n = slice_.rows;
+      slot.problem = reader_.read_unagreed(slot.rows.data(), n);
+      for (size_t t = 0; t < slot.offsets.size(); ++t) {
+        const SparseTableRows csr = reader_.batch(t);
+        std::copy(csr.offsets, csr.offsets + n + 1, slot.offsets[t].data());
+        std::copy(csr.values, csr.values + csr.ids(), slot.values[t].data());
+      }
+      source_.read(slot.rows.data(), n,
+                   RowBuffers{slot.dense.data(), nullptr, slot.targets.data()});
+    } catch (...) {
+      slot.error = std::current_exception();
+    }
+  }
+
+  RowSource& source_;
+  SparseHdf5Reader& reader_;
+  const BatchSchedule& schedule_;
+  const BatchSlice slice_;
+  std::vector<Slot> slots_;
+  std::mutex mutex_;
+  std::condition_variable filled_, freed_;
+  const int64_t next_fill_;
+  const int64_t end_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 DlrmRun::DlrmRun(RunConfig config, DlrmRunEvents events, MPI_Comm comm, DlrmRunPurpose purpose)
     : config_(std::move(config)),
       events_(std::move(events)),
@@ -73,6 +195,12 @@ DlrmRun::DlrmRun(RunConfig config, DlrmRunEvents events, MPI_Comm comm, DlrmRunP
   if (config_.checkpoint.resume) resume();
   if (!resumed_from_ && !config_.checkpoint.init_from.empty()) {
     initialized_from_ = load_model(config_.checkpoint.init_from);
+  }
+  if (config_.data.prefetch > 0 && !finished()) {
+    // From the first step this run takes (a resumed run's next) to its last; its slots made now.
+    read_ahead_ = std::make_unique<ReadAhead>(*train_source_, *train_sparse_, *schedule_, slice_,
+                                              batch_.dense.extent_int(1), config_.data.prefetch,
+                                              steps_done_, total_steps_);
   }
 }
 
@@ -184,6 +312,21 @@ void DlrmRun::open_data() {
     const uint64_t seed = config_.run.seed;
     train_source_ = open_data_source(config_.data, Split::train, seed, shape.bottom.front(), 1,
                                      config_.model.loss, keys);
+    // Checked above; opened again with a chunk cache that keeps every chunk of its x_key and
+    // y_key once read (a shuffled batch touches nearly all of them, which HDF5's default 1 MiB
+    // reloaded every step), as the sparse reader keeps its tables' (DlrmDataCaches).
+    const DlrmDataCaches caches =
+        dlrm_data_cache_bytes(train_file_, {}, "", {config_.data.x_key, config_.data.y_key});
+    if (caches.dense_budget() > Hdf5SourceOptions{}.chunk_cache_bytes) {
+      Hdf5SourceOptions options;
+      options.chunk_cache_bytes = caches.dense_budget();
+      options.random_rows = config_.data.shuffle != ShuffleMode::none;
+      options.block_rows =
+          config_.data.shuffle == ShuffleMode::blocks ? config_.data.block_rows : 0;
+      options.x_name = config_.data.x_key;
+      options.y_name = config_.data.y_key;
+      train_source_ = open_hdf5_source({train_file_}, 1, options);
+    }
     test_source_ = open_data_source(config_.data, Split::test, seed, shape.bottom.front(), 1,
                                     config_.model.loss, keys);
     const int64_t global_batch = config_.data.batch_size;
@@ -313,23 +456,59 @@ void DlrmRun::read_rows(RowSource& source, SparseHdf5Reader& reader, const int64
   const int64_t features = batch_.dense.extent_int(1);
   std::fill(dense_mirror_.data() + count * features, dense_mirror_.data() + n * features, 0.0f);
   std::fill(targets_mirror_.data() + count, targets_mirror_.data() + n, 0.0f);
-  if (count > 0) {
-    // A prediction's source has no labels.
-    source.read(
-        rows, count,
-        RowBuffers{dense_mirror_.data(), nullptr, predicting_ ? nullptr : targets_mirror_.data()});
-  }
-  Kokkos::deep_copy(batch_.dense, dense_mirror_);
-  Kokkos::deep_copy(batch_.targets, targets_mirror_);
   for (size_t t = 0; t < batch_.bags.size(); ++t) {
     const SparseTableRows csr = reader.batch(t);
     auto& offsets = offsets_mirror_[t];
     for (int64_t r = 0; r <= count; ++r) offsets(r) = csr.offsets[r];
     for (int64_t r = count + 1; r <= n; ++r) offsets(r) = csr.offsets[count];  // empty bags
     std::copy(csr.values, csr.values + csr.ids(), values_mirror_[t].data());
-    Kokkos::deep_copy(batch_.offsets[t], offsets);
+  }
+  if (count > 0) {
+    // A prediction's source has no labels.
+    source.read(
+        rows, count,
+        RowBuffers{dense_mirror_.data(), nullptr, predicting_ ? nullptr : targets_mirror_.data()});
+  }
+  copy_batch_to_device();
+}
+
+void DlrmRun::copy_batch_to_device() {
+  Kokkos::deep_copy(batch_.dense, dense_mirror_);
+  Kokkos::deep_copy(batch_.targets, targets_mirror_);
+  for (size_t t = 0; t < batch_.bags.size(); ++t) {
+    Kokkos::deep_copy(batch_.offsets[t], offsets_mirror_[t]);
     Kokkos::deep_copy(batch_.values[t], values_mirror_[t]);
   }
+}
+
+void DlrmRun::read_training_batch() {
+  if (!read_ahead_ || steps_done_ >= total_steps_) {  // past the last step: read here
+    schedule_->slice_samples(steps_done_, slice_, rows_.data());
+    // In file order: the same rows (the loss is their mean, the gradient their sum), but the
+    // reads go through each HDF5 chunk once per batch.
+    std::sort(rows_.begin(), rows_.end());
+    read_rows(*train_source_, *train_sparse_, rows_.data(), slice_.rows);
+    return;
+  }
+  ReadAhead::Slot& slot = read_ahead_->take(steps_done_);
+  struct Give {
+    ReadAhead& ahead;
+    ReadAhead::Slot& slot;
+    ~Give() { ahead.give(slot); }
+  } give{*read_ahead_, slot};
+  // Collective: every rank agrees on the ids' checks before anything else (as read()).
+  train_sparse_->agree(slot.problem);
+  std::copy(slot.rows.begin(), slot.rows.end(), rows_.begin());
+  std::copy(slot.dense.begin(), slot.dense.end(), dense_mirror_.data());
+  std::copy(slot.targets.begin(), slot.targets.end(), targets_mirror_.data());
+  const int64_t n = slice_.rows;
+  for (size_t t = 0; t < batch_.bags.size(); ++t) {
+    std::copy(slot.offsets[t].begin(), slot.offsets[t].end(), offsets_mirror_[t].data());
+    std::copy(slot.values[t].begin(), slot.values[t].begin() + slot.offsets[t][n],
+              values_mirror_[t].data());
+  }
+  copy_batch_to_device();
+  if (slot.error) std::rethrow_exception(slot.error);
 }
 
 double DlrmRun::step() {
@@ -361,17 +540,12 @@ void DlrmRun::end_trace() {
 }
 
 double DlrmRun::traced_step() {
-  schedule_->slice_samples(steps_done_, slice_, rows_.data());
-  // In file order: the same rows (the loss is their mean, the gradient their sum), but the reads
-  // go through each HDF5 chunk once instead of reloading a chunk for every row of a shuffled
-  // batch (the sparse datasets' chunks are larger than HDF5's chunk cache holds for them all).
-  std::sort(rows_.begin(), rows_.end());
   // A dense row this rank cannot read (a runtime Error naming the file and row) poisons the
   // loss's reduction, so every rank stops below and the error is agreed on.
   std::exception_ptr data_error;
   try {
     TraceSpan span("data read");
-    read_rows(*train_source_, *train_sparse_, rows_.data(), slice_.rows);
+    read_training_batch();
   } catch (const AgreedError&) {
     throw;
   } catch (const Error&) {
@@ -426,6 +600,7 @@ double DlrmRun::traced_step() {
   TraceSpan span("optimizer");
   optimizer_->step(optimized_params_, optimized_grads_, lr_);
   if (sparse_tables_) {
+    TraceSpan tables_span("sparse optimizer", TraceKind::layer);
     // The tables' rate follows lr's schedule: embeddings_lr / lr times the step's rate.
     const OptimizerSection& opt = config_.optimizer;
     const double table_lr = opt.embeddings_lr > 0 ? lr_ * (opt.embeddings_lr / opt.lr) : lr_;

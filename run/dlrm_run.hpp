@@ -14,17 +14,23 @@
 //   view of the live tensors -> resume from the latest checkpoint when checkpoint.resume (the
 //   tables resharded onto this mesh by the generic checkpoint code), else checkpoint.init_from's
 //   parameters when set, else the initializer.
-// The batch of a step is read in the step (no reader thread): the dense rows through the
-// RowSource, the ids of the same rows through the reader, both from BatchSchedule::
-// slice_samples. Every buffer is made at set-up: step() allocates nothing of its own (HDF5 may
-// inside its calls).
+// The batches of the training steps are read ahead (data.prefetch > 0, the default 2: that many
+// batches) by a reader thread (ReadAhead, dlrm_run.cpp) into host slots: the dense rows through
+// the RowSource, the ids of the same rows through SparseHdf5Reader::read_unagreed (no MPI on the
+// thread), both from BatchSchedule::slice_samples in file order; the step takes its slot, agrees
+// on the ids' checks (collective, as SparseHdf5Reader::read) and copies it into the batch views:
+// the same rows in the same order as a read in the step (data.prefetch = 0), so the same bits.
+// Evaluation and prediction read in the step. The dense training source keeps every chunk of
+// x_key and y_key it reads in HDF5's cache (DlrmDataCaches::dense_budget), as the sparse reader
+// keeps its tables'. Every buffer is made at set-up: step() allocates nothing of its own (HDF5
+// may inside its calls).
 //
 // Errors: set-up errors and bad data are AgreedErrors, the same on every rank (an id outside its
 // table names the table, the file and the global row: SparseHdf5Reader's agreement), as is a
 // non-finite loss. Every method is collective: every rank calls the same ones in the same order.
 //
 // Not yet (docs/recsys.md, "What is left"): gradient accumulation, zero_stage 1, mixed
-// precision, input normalization, a data reader thread, an evaluation batch other than the
+// precision, input normalization, an evaluation batch other than the
 // training batch, early stopping and keep_best, memory reports. Traces ([runtime] trace_steps):
 // the steps, their phases (data read, forward, loss, backward, optimizer) and every collective
 // (the tables' all-to-alls included) into <run.output_dir>/trace/ as TrainingRun's, without its
@@ -150,6 +156,11 @@ class DlrmRun {
   // Reads `count` global rows of `source` / `reader` into this rank's buffers; rows [count,
   // slice rows) are padding (zeros, empty bags).
   void read_rows(RowSource& source, SparseHdf5Reader& reader, const int64_t* rows, int64_t count);
+  // The training batch of step steps_done_ + 1 into the batch buffers: read in the step, or
+  // taken from the read-ahead (started at the end of the constructor). Collective.
+  void read_training_batch();
+  // The batch buffers' device views from the host mirrors (count valid rows, the rest padding).
+  void copy_batch_to_device();
   void log_step(double loss);
   void report(const std::optional<std::string>& path);
   // The step's work inside its trace span (step() opens and closes the trace window).
@@ -213,6 +224,11 @@ class DlrmRun {
   ProgressWindow window_;
   double window_loss_ = 0.0;
   int64_t window_steps_ = 0;
+
+  // The training batches read ahead (data.prefetch > 0); declared last: it reads the sources,
+  // the schedule and the slice above, so it stops before they go.
+  struct ReadAhead;
+  std::unique_ptr<ReadAhead> read_ahead_;
 };
 
 }  // namespace meshtrain

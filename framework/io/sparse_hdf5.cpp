@@ -42,13 +42,11 @@ void lowest_problem(void* in, void* inout, int* len, MPI_Datatype*) {
 
 }  // namespace
 
-struct SparseHdf5Reader::Problem {
-  int64_t row = kNoRow, table = 0, kind = 0, a = 0, b = 0;
-  bool none() const { return row == kNoRow; }
-  bool operator<(const Problem& o) const {
-    return std::tie(row, table, kind) < std::tie(o.row, o.table, o.kind);
-  }
-};
+static_assert(SparseHdf5Reader::Problem{}.row == kNoRow, "a Problem starts as none");
+
+bool SparseHdf5Reader::Problem::operator<(const Problem& o) const {
+  return std::tie(row, table, kind) < std::tie(o.row, o.table, o.kind);
+}
 
 struct SparseHdf5Reader::File {
   hdf5::Handle file;
@@ -66,6 +64,9 @@ struct SparseHdf5Reader::Table {
   std::vector<int64_t> offsets;  // [max_rows + 1]: the batch's, rebased to 0
   std::vector<int64_t> values;   // [max_ids]
   int64_t batch_rows = 0;
+  // The datasets held in memory whole (open_caches; empty: read through HDF5): values (or the
+  // fixed ids, row-major) and offsets.
+  std::vector<int64_t> values_resident, offsets_resident;
   // Fixed hotness: /sparse/<table>/ids [rows, hotness] (values_dataset, values_space), row r's
   // ids its row of that array; no offsets dataset.
   bool fixed = false;
@@ -319,6 +320,50 @@ SparseHdf5Reader::SparseHdf5Reader(std::string path, std::vector<std::string> ta
   agreement_buffer_.resize(2 * kProblemFields * sizeof(int64_t));
 }
 
+int64_t SparseHdf5Reader::buffer_bytes(int64_t tables, int64_t max_rows, int64_t max_ids) {
+  const int64_t ids = std::max<int64_t>(max_ids, 1);
+  // Per table raw, offsets [max_rows + 1] and values [max_ids]; shared order_, distinct_, slot_,
+  // at_, begin_ [max_rows], points_ and raw_ [2 max_rows], id_points_ [2 ids], gathered_ [ids].
+  return 8 * (tables * (2 * (max_rows + 1) + ids) + 9 * max_rows + 3 * ids);
+}
+
+DlrmDataCaches dlrm_data_cache_bytes(const std::string& path,
+                                     const std::vector<std::string>& tables,
+                                     const std::string& group,
+                                     const std::vector<std::string>& dense) {
+  DlrmDataCaches caches;
+  std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+  hdf5::silence_errors();
+  const hid_t id = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  if (id < 0) return caches;
+  const hdf5::Handle file(id, H5Fclose);
+  const std::string what = "sparse data file '" + path + "'";
+  auto chunks_of = [&](const std::string& name) -> int64_t {
+    if (!hdf5::path_exists(file, name, ErrorKind::bad_input, what)) return 0;
+    const hid_t d = H5Dopen2(file, name.c_str(), H5P_DEFAULT);
+    if (d < 0) return 0;
+    const hdf5::Handle dataset(d, H5Dclose);
+    return chunked_bytes(dataset, what + ": " + name).first;
+  };
+  for (const std::string& table : tables) {
+    const std::string g = group + "/" + table;
+    if (!hdf5::path_exists(file, g, ErrorKind::bad_input, what)) continue;
+    const bool fixed = hdf5::path_exists(file, g + "/ids", ErrorKind::bad_input, what);
+    for (const char* member : {"/values", "/offsets"}) {
+      if (fixed && std::string(member) == "/offsets") continue;
+      const int64_t bytes = chunks_of(g + (fixed ? std::string("/ids") : std::string(member)));
+      // As open_caches: a dataset past the bound keeps HDF5's default cache (not counted).
+      if (bytes > 0 && caches.sparse_bytes + bytes <= SparseHdf5Reader::kSparseCacheBytes) {
+        caches.sparse_bytes += bytes;
+      }
+    }
+  }
+  for (const std::string& name : dense) {
+    if (!name.empty()) caches.dense_bytes += chunks_of(name.front() == '/' ? name : "/" + name);
+  }
+  return caches;
+}
+
 SparseHdf5Reader::~SparseHdf5Reader() {
   int finalized = 0;
   MPI_Finalized(&finalized);
@@ -332,33 +377,32 @@ SparseHdf5Reader::~SparseHdf5Reader() {
 }
 
 void SparseHdf5Reader::open_caches() {
-  // Each dataset reopened with a chunk cache of all its chunks while the total stays within
-  // kSparseCacheBytes (in table order); the slots outnumber the chunks, so no two chunks
-  // share one (HDF5 hashes a chunk to its index modulo the slots).
+  // Each chunked dataset read into memory whole while the total stays within kSparseCacheBytes
+  // (in table order): a batch's point selections are then gathers from memory instead of
+  // HDF5's per-element work over its chunk cache (1.7 us an element on the build machine:
+  // docs/recsys.md, "Reading the sparse data"). Past the bound a dataset is read through HDF5
+  // with its default chunk cache.
   const std::string file_text = "sparse data file '" + path_ + "'";
   for (const auto& table : state_) {
     const std::string where = file_text + ", table '" + table->name + "'";
-    auto reopen = [&](const std::string& name, hdf5::Handle& dataset, hdf5::Handle& space) {
-      const auto [bytes, chunks] = chunked_bytes(dataset, where + ": " + name);
+    auto load = [&](const std::string& name, hdf5::Handle& dataset, std::vector<int64_t>& into) {
+      const int64_t bytes = chunked_bytes(dataset, where + ": " + name).first;
       if (bytes == 0 || cache_bytes_ + bytes > kSparseCacheBytes) return;
-      const hdf5::Handle access =
-          hdf5::make(H5Pcreate(H5P_DATASET_ACCESS), H5Pclose, ErrorKind::runtime,
-                     where + ": the access properties of " + name);
-      const size_t slots = static_cast<size_t>(chunks + 1);
-      hdf5::check(H5Pset_chunk_cache(access, slots, static_cast<size_t>(bytes), 1.0),
-                  ErrorKind::runtime, where + ": the chunk cache of " + name);
-      // Closed first: HDF5 shares one object between the opens of a dataset, whose cache
-      // is the first open's.
-      space.reset();
-      dataset.reset();
-      dataset = hdf5::make(H5Dopen2(file_->file, name.c_str(), access), H5Dclose,
-                           ErrorKind::bad_input, where + ": cannot open " + name);
-      space = hdf5::make(H5Dget_space(dataset), H5Sclose, ErrorKind::bad_input,
-                         where + ": the dataspace of " + name);
+      const std::vector<int64_t> shape =
+          hdf5::dataset_shape(dataset, ErrorKind::bad_input, where + ": " + name);
+      int64_t elements = 1;
+      for (int64_t extent : shape) elements *= extent;
+      into.assign(static_cast<size_t>(std::max<int64_t>(elements, 1)), 0);
+      if (elements > 0) {
+        hdf5::check(H5Dread(dataset, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, into.data()),
+                    ErrorKind::runtime, where + ": reading " + name);
+      }
       cache_bytes_ += bytes;
     };
-    reopen(table->values_name, table->values_dataset, table->values_space);
-    if (!table->fixed) reopen(table->offsets_name, table->offsets_dataset, table->offsets_space);
+    load(table->values_name, table->values_dataset, table->values_resident);
+    if (!table->fixed) {
+      load(table->offsets_name, table->offsets_dataset, table->offsets_resident);
+    }
   }
 }
 
@@ -372,16 +416,18 @@ SparseTableRows SparseHdf5Reader::batch(size_t table) const {
 }
 
 void SparseHdf5Reader::read(const int64_t* rows, int64_t count) {
-  read_gathered(rows, count);
+  agree(read_unagreed(rows, count));
 }
 
-void SparseHdf5Reader::read_gathered(const int64_t* rows, int64_t count) {
+SparseHdf5Reader::Problem SparseHdf5Reader::read_unagreed(const int64_t* rows, int64_t count) {
+  return read_gathered(rows, count);
+}
+
+SparseHdf5Reader::Problem SparseHdf5Reader::read_gathered(const int64_t* rows, int64_t count) {
   reads_ = 0;
   Problem lowest;
   if (count < 0 || count > max_rows_) {
-    lowest = Problem{-1, 0, too_many_rows, count, 0};  // agreed, as in read_runs
-    agree(lowest);
-    return;
+    return Problem{-1, 0, too_many_rows, count, 0};  // agreed, as in read_runs
   }
   // The positions asked for in file order (a repeated row: its first position first), the
   // distinct rows, each position's distinct row.
@@ -422,7 +468,7 @@ void SparseHdf5Reader::read_gathered(const int64_t* rows, int64_t count) {
       if (p < lowest) lowest = p;
     }
   }
-  agree(lowest);
+  return lowest;
 }
 
 SparseHdf5Reader::Problem SparseHdf5Reader::gather_table(Table& table, size_t index,
@@ -452,8 +498,14 @@ SparseHdf5Reader::Problem SparseHdf5Reader::gather_table(Table& table, size_t in
   if (!table.fixed && points > 0) {
     try {
       ++reads_;
-      read_points(table.offsets_dataset, table.offsets_space, table.memory, points_.data(), points,
-                  raw_.data(), "reading offsets");
+      if (!table.offsets_resident.empty()) {
+        for (int64_t p = 0; p < points; ++p) {
+          raw_[static_cast<size_t>(p)] = table.offsets_resident[points_[static_cast<size_t>(p)]];
+        }
+      } else {
+        read_points(table.offsets_dataset, table.offsets_space, table.memory, points_.data(),
+                    points, raw_.data(), "reading offsets");
+      }
     } catch (const Error&) {
       note(first_row(), read_failed);
       return all_empty();
@@ -516,8 +568,20 @@ SparseHdf5Reader::Problem SparseHdf5Reader::gather_table(Table& table, size_t in
   if (n > 0) {
     try {
       ++reads_;
-      read_points(table.values_dataset, table.values_space, table.memory, id_points_.data(), n,
-                  gathered_.data(), table.fixed ? "reading ids" : "reading values");
+      if (!table.values_resident.empty()) {
+        // The points as read_points takes them: ids positions, or (row, column) pairs.
+        const std::vector<int64_t>& from = table.values_resident;
+        for (int64_t v = 0; v < n; ++v) {
+          const auto at = static_cast<size_t>(v);
+          gathered_[at] = table.fixed
+                              ? from[id_points_[2 * at] * static_cast<hsize_t>(table.hotness) +
+                                     id_points_[2 * at + 1]]
+                              : from[id_points_[at]];
+        }
+      } else {
+        read_points(table.values_dataset, table.values_space, table.memory, id_points_.data(), n,
+                    gathered_.data(), table.fixed ? "reading ids" : "reading values");
+      }
     } catch (const Error&) {
       note(first_row(), read_failed);
       return all_empty();

@@ -13,10 +13,11 @@
 // distinct row, in file order) and one of their ids (a point selection, in file order; fixed
 // hotness: the one read of the rows' ids), then puts the rows back in the order asked for in
 // memory; read_range() one hyperslab read of the offsets and one of the ids per table.
-// Chunk cache: every sparse dataset is opened with an HDF5 chunk cache that holds all its
-// chunks while the reader's datasets together take at most kSparseCacheBytes (1 GiB; filled
-// as the batches touch the chunks, so after the first pass over the file a read is memory
-// copies); past that bound, in table order, a dataset keeps HDF5's default 1 MiB cache.
+// Resident tables: every chunked sparse dataset is read whole into memory at open while the
+// reader's datasets together take at most kSparseCacheBytes (1 GiB, counted in whole chunks, in
+// table order), and a batch's offsets and ids are gathered from there at the positions the
+// point selections would name (HDF5's point selection over cached chunks cost ~1.7 us an
+// element); past that bound a dataset is read through HDF5 with its default 1 MiB cache.
 //
 // Checks, each a bad_input AgreedError whose one sentence names the file, the table and the
 // global row, thrown by EVERY rank of the communicator at the same call:
@@ -37,6 +38,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,6 +53,30 @@ struct SparseTableRows {
   int64_t rows = 0;
   int64_t ids() const { return offsets[rows]; }
 };
+
+// What the chunk caches of the DLRM data readers of `path` hold at most (`meshtrain plan`, from
+// the file's metadata alone; no MPI): `tables`' datasets as a SparseHdf5Reader caches them (all
+// their chunks while the total stays within SparseHdf5Reader::kSparseCacheBytes, in table
+// order), and `dense` (data.x_key and data.y_key: every chunk of each, run/dlrm_run.cpp's
+// dense_chunk_cache_bytes). A missing file, group or dataset counts 0 (the run names it).
+struct DlrmDataCaches {
+  int64_t sparse_bytes = 0;
+  int64_t dense_bytes = 0;
+  // The budget a DLRM run gives its dense training source's chunk caches (Hdf5SourceOptions::
+  // chunk_cache_bytes) so that they keep every chunk once read: dense_bytes and a quarter more
+  // and 1 MiB (the source splits its budget between x and y by their rows' bytes, not their
+  // chunks'), at most kDenseCacheBytes (past it the source keeps the batch's chunks only); what
+  // the caches hold is at most dense_bytes. Never below the source's default 1 MiB.
+  static constexpr int64_t kDenseCacheBytes = int64_t{256} << 20;
+  int64_t dense_budget() const {
+    const int64_t budget = dense_bytes + dense_bytes / 4 + (int64_t{1} << 20);
+    return budget > kDenseCacheBytes ? kDenseCacheBytes : budget;
+  }
+};
+DlrmDataCaches dlrm_data_cache_bytes(const std::string& path,
+                                     const std::vector<std::string>& tables,
+                                     const std::string& group,
+                                     const std::vector<std::string>& dense);
 
 class SparseHdf5Reader {
  public:
@@ -70,6 +96,20 @@ class SparseHdf5Reader {
 
   // Reads global rows rows[0, count) (any order, repeats allowed) of every table. Collective.
   void read(const int64_t* rows, int64_t count);
+  // What the checks of one read found on this rank: the lowest (global row, table, kind) of its
+  // problems (none() when the rows passed). Opaque to callers: they hand it to agree().
+  struct Problem {
+    int64_t row = std::numeric_limits<int64_t>::max(), table = 0, kind = 0, a = 0, b = 0;
+    bool none() const { return row == std::numeric_limits<int64_t>::max(); }
+    bool operator<(const Problem& o) const;
+  };
+  // read() in two halves, for a reader thread (run/dlrm_run.cpp's read-ahead): read_unagreed()
+  // reads the rows as read() does and returns what its checks found, without MPI (any one
+  // thread may call it, one at a time; batch() then holds the rows); agree(), collective, turns
+  // every rank's finding into the one AgreedError every rank throws, or returns when none
+  // found one. read() is read_unagreed() then agree().
+  Problem read_unagreed(const int64_t* rows, int64_t count);
+  void agree(Problem problem);
   // Reads global rows [first, first + count). Collective.
   void read_range(int64_t first, int64_t count);
 
@@ -82,23 +122,24 @@ class SparseHdf5Reader {
   // HDF5 reads (H5Dread calls) the last read() or read_range() made, over all tables (for
   // tests: two per CSR table and one per fixed one, whatever the rows).
   int64_t reads_last_batch() const { return reads_; }
-  // The bytes of chunk cache the reader's datasets were opened with (a bound, filled lazily).
+  // The bytes of the datasets held in memory whole (counted in whole chunks), from open on.
   int64_t chunk_cache_bytes() const { return cache_bytes_; }
   static constexpr int64_t kSparseCacheBytes = int64_t{1} << 30;
+  // The bytes of the buffers a reader of `tables` tables opened for (max_rows, max_ids) makes at
+  // open (the header's "Buffers"; `meshtrain plan`).
+  static int64_t buffer_bytes(int64_t tables, int64_t max_rows, int64_t max_ids);
 
  private:
   struct File;
   struct Table;
-  struct Problem;
   // The runs of consecutive rows in `rows` (or the one run [first, first + count)).
   void read_runs(const int64_t* rows, int64_t first, int64_t count);
   Problem read_table(Table& table, size_t index, const int64_t* rows, int64_t first, int64_t count);
   // read(): the rows sorted by file position, one point-selection read per dataset.
-  void read_gathered(const int64_t* rows, int64_t count);
+  Problem read_gathered(const int64_t* rows, int64_t count);
   Problem gather_table(Table& table, size_t index, const int64_t* rows, int64_t count,
                        int64_t distinct, int64_t points);
   void open_caches();  // reopens the datasets with their chunk caches (at open)
-  void agree(Problem problem);
 
   std::string path_;
   std::vector<std::string> tables_;

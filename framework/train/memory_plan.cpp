@@ -15,6 +15,7 @@
 #include "framework/core/views.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/data.hpp"
+#include "framework/io/sparse_hdf5.hpp"
 #include "framework/train/config.hpp"
 #include "partition/embedding_layout.hpp"
 #include "partition/sharding_picture.hpp"
@@ -429,6 +430,51 @@ EvaluationBuffers evaluation_buffers(const RunConfig& config, const ShardingPlan
   return e;
 }
 
+namespace {
+
+// A DLRM run's data path per rank (run/dlrm_run.cpp), in place of the dense one's: the dense
+// source's scratch (train and test) and the sparse readers' buffers (SparseHdf5Reader::
+// buffer_bytes, at one id per bag: the plan reads no offsets); the read-ahead's data.prefetch
+// slots of a training batch (its rows, dense features, labels and every table's CSR; evaluation
+// reads in the step); the chunk caches as the run sizes them from the files' chunks (the
+// training file's dense datasets and tables, the test file's tables and the dense source's
+// default 1 MiB), counted 0 for a file the plan cannot open (the run refuses it).
+void dlrm_data_footprint(const RunConfig& config, int64_t rows, DataFootprint& f) {
+  const DlrmShape shape = config.model.dlrm();
+  const auto tables = static_cast<int64_t>(shape.tables.size());
+  const int64_t features = shape.bottom.front();
+  const int64_t ids = rows;  // one id per bag
+  const bool test = !config.data.test_path.empty();
+  const int64_t readers = test ? 2 : 1;
+  const int64_t scratch_row = 8 + 4 * features + 4;  // the order, x and a float label
+  f.source_bytes =
+      readers * (rows * scratch_row + SparseHdf5Reader::buffer_bytes(tables, rows, ids));
+  const int64_t slot = rows * (8 + 4 * features + 4) + tables * 8 * (rows + 1 + ids);
+  f.staging_bytes = std::max<int64_t>(config.data.prefetch, 0) * slot;
+  std::vector<std::string> names;
+  for (const DlrmTable& t : shape.tables) names.push_back(t.name);
+  const auto file = [](const std::vector<std::string>& entries) {
+    return entries.size() == 1 ? entries.front() : std::string();
+  };
+  const DlrmDataCaches train =
+      dlrm_data_cache_bytes(file(config.data.path), names, config.data.sparse_key,
+                            {config.data.x_key, config.data.y_key});
+  f.cache_bytes = train.sparse_bytes + std::min(train.dense_bytes, train.dense_budget());
+  if (test) {
+    f.cache_bytes +=
+        dlrm_data_cache_bytes(file(config.data.test_path), names, config.data.sparse_key, {})
+            .sparse_bytes +
+        Hdf5SourceOptions{}.chunk_cache_bytes;
+  }
+  f.source =
+      "streamed from HDF5 (dense rows and the tables' ids; the sparse readers' buffers "
+      "at one id per bag)";
+  f.read.tables = tables;
+  f.read.ids_per_row = tables;  // one id per bag
+}
+
+}  // namespace
+
 PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan,
                              const HardwareProfile& hardware) {
   PlannedMemory memory;
@@ -479,6 +525,9 @@ PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan,
   }
   memory.data =
       data_footprint(config.data, use, std::max<int64_t>(plan.local_batch_rows, 0), eval_rows);
+  if (config.model.kind == ModelKind::dlrm && config.data.source == DataSource::hdf5) {
+    dlrm_data_footprint(config, std::max<int64_t>(plan.local_batch_rows, 0), memory.data);
+  }
   memory.ring = ring_reduction_bytes(plan, config, hardware);
   return memory;
 }

@@ -853,10 +853,11 @@ nlohmann::ordered_json tables_json(const std::vector<TablePlan>& tables, int64_t
 // all-to-alls and column all-gather, the backward's dy all-to-all, the touched rows' all-gather
 // and the gradient's all-reduce. The plan's figures are the bytes that leave a rank (an
 // all-to-all or all-gather of S: S (n - 1) / n; an all-reduce twice that): the operand given to
-// collective_seconds is S. Not charged: the lookups, the pooling and the gradient scatter
-// (memory passes over ids x dim), and the sparse optimizer's rows.
+// collective_seconds is S. Then the table's memory passes: its lookups and pooling, its gradient
+// scatter and, under sparse updates (`sparse`), the optimizer's touched rows, at `bags` bags of
+// one id each.
 void add_table_collectives(const std::vector<TablePlan>& tables, const Mesh& mesh,
-                           const HardwareProfile& hw, StepCost& cost) {
+                           const HardwareProfile& hw, int64_t bags, bool sparse, StepCost& cost) {
   const auto group_text = [&](const std::vector<std::string>& axes) {
     std::string text = axes.size() == 1 ? axes[0] : axes_list(axes);
     return text + "=" + std::to_string(mesh.size_of(axes));
@@ -892,6 +893,26 @@ void add_table_collectives(const std::vector<TablePlan>& tables, const Mesh& mes
         b.touched_rows_all_gather);
     add("backward", CollectiveKind::all_reduce, "all-reduce table gradient", l.gradient_allreduce,
         b.gradient_all_reduce);
+    // The table's memory passes (layers/embedding_bag.cpp), bytes at memory_bandwidth: the
+    // lookups and pooling (each id's row slice read, its id, and each bag's or part's sum
+    // written; row-wise, the owner sums its parts and the requester the parts it gets back),
+    // the gradient scatter (each id's dy read and its row's gradient written), and under sparse
+    // updates the optimizer's touched rows (weight, gradient and the row's state read, the
+    // weight and state written).
+    const auto pass = [&](const char* phase, const char* what, double bytes) {
+      const double seconds = bytes / hw.memory_bandwidth;
+      cost.items.push_back({layer, phase, "memory", what, "", seconds});
+      cost.memory_s += seconds;
+      cost.total_s += seconds;
+      cost.serial_s += seconds;
+      cost.full_overlap_s += seconds;
+    };
+    const auto ids = static_cast<double>(b.ids);
+    const auto row = static_cast<double>(l.dim_per_slice) * 4.0;
+    const double sums = static_cast<double>(b.parts > 0 ? 2 * b.parts : bags) * row;
+    pass("forward", "lookups and pooling", ids * (row + 8.0) + sums);
+    pass("backward", "gradient scatter", ids * (2.0 * row + 8.0) + sums);
+    if (sparse) pass("update", "sparse optimizer rows", ids * (5.0 * row + 8.0));
   }
 }
 
@@ -942,7 +963,8 @@ PlannedStep plan_step(const RunConfig& config, int world_size, const HardwarePro
   std::optional<StepCost> cost;
   if (plan.local_batch_rows > 0) {
     cost = predict_step(plan, options, hw, config.partition.collective_matmul);
-    add_table_collectives(table_plans(config, plan, options), mesh, hw, *cost);
+    add_table_collectives(table_plans(config, plan, options), mesh, hw, plan.local_batch_rows,
+                          options.sparse_tables, *cost);
     add_data_read(*cost, data.read, hw);
   }
   return {std::move(rules), std::move(options), std::move(shapes), std::move(layers),

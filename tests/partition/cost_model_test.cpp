@@ -508,6 +508,24 @@ TEST(CostModel, DataReadByHandAndWhatPrefetchHides) {
   EXPECT_NEAR(inline_read.total_s, 5e-3 + 2.4e-3, kTolerance);
 }
 
+// A DLRM's read (run/dlrm_run.cpp) by hand: its files in memory, so 10 rows of 56 bytes cost
+// kHdf5RowSeconds each, plus per row 3 tables' two offsets and 4 ids (10 elements, a 64-byte
+// line each) and the rows' bytes twice at the slow machine's 1e9 B/s; the storage's figures
+// do not enter.
+TEST(CostModel, DlrmDataReadByHand) {
+  HardwareProfile hw = slow_machine();
+  hw.storage_read_latency = 1.0;  // would dominate if it were charged
+  DataRead read;
+  read.pattern = ReadPattern::random_rows;
+  read.rows = 10;
+  read.global_rows = 20;
+  read.row_bytes = 56;
+  read.tables = 3;
+  read.ids_per_row = 4;
+  EXPECT_NEAR(data_read_seconds(read, hw),
+              10 * kHdf5RowSeconds + (64.0 * 10 * (2 * 3 + 4) + 2.0 * 10 * 56) / 1e9, kTolerance);
+}
+
 // ---- MoE layers ----------------------------------------------------------------------
 
 // [64, 128, 128, 10], layer 1 an MoE layer (8 experts, top-k), on a mesh of ep = 2 with

@@ -15,7 +15,8 @@ where their rows divide, the rest replicated). Modes:
           than data.batch_size) evaluates alike on 1 and 2 ranks.
   resume  np 2: 20 steps, then resumed to 40 (checkpoint.resume): every logged loss of steps
           21 to 40 and every parameter and optimizer state of the step-40 checkpoint equal an
-          uninterrupted run's bit for bit; the step-20 checkpoint of 2 ranks resumed on 4 (t24
+          uninterrupted run's bit for bit (both read their batches ahead, data.prefetch = 2), as
+          do every loss of a run that reads them in the step (data.prefetch = 0); the step-20 checkpoint of 2 ranks resumed on 4 (t24
           row-wise to replicated, t25 row-wise over 2 to over 4, with their optimizer state):
           the losses of steps 21 to 40 within 1e-5 (relative) of the uninterrupted run's.
   bad_id  an id outside its table in one row of the training file: exit 2 with one sentence
@@ -275,6 +276,13 @@ def mode_resume(launcher, config, work):
         if resumed.get(step) != whole[step]:
             fail(f"the resumed run's loss of step {step} is {resumed.get(step)}, "
                  f"the uninterrupted run's {whole[step]}")
+    # Both read their batches ahead on a thread (data.prefetch = 2, the default); read in the
+    # step instead, the same rows in the same order: the same losses, bit for bit.
+    inline, _ = train(launcher, 2, config, work, "inline", "--set", "data.prefetch=0")
+    if inline != whole:
+        step = min(s for s in whole if inline.get(s) != whole[s])
+        fail(f"read in the step (data.prefetch = 0), the loss of step {step} is "
+             f"{inline.get(step)}, read ahead {whole[step]}")
     a = tensors(os.path.join(work, "whole", "checkpoints", "ckpt-000040.h5"))
     if SLOTS:
         check_sparse_state(os.path.join(work, "whole", "checkpoints", "ckpt-000040.h5"))
@@ -296,6 +304,7 @@ def mode_resume(launcher, config, work):
             fail(f"resumed on 4 ranks, the loss of step {step} is {moved.get(step)}, the "
                  f"uninterrupted 2-rank run's {whole[step]}")
     print(f"dlrm resume: steps 21..40 and {len(a)} checkpoint datasets equal bit for bit; "
+          "read in the step: every loss bit for bit; "
           "resumed on 4 ranks within 1e-5")
 
 
