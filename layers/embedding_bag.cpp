@@ -595,6 +595,11 @@ void EmbeddingBag::use_sparse_gradient(ParallelContext& context) {
     touched_recv_host_ = host_mirror(touched_recv_);
     const size_t gathered = touched_recv_.size() * sizeof(float);
     gradient_comm_->reserve_staging(gathered, gathered);
+    // The compact gradient's all-reduce, up to every row a step may touch: staged (device
+    // memory) through buffers reserved now, so that a step touching more rows than the ones
+    // before it does not grow them.
+    const size_t grads = capacity * static_cast<size_t>(local_dim_) * sizeof(float);
+    gradient_comm_->reserve_staging(grads, grads);
     gradient_comm_->reserve_reductions(capacity * static_cast<size_t>(local_dim_));
   }
 }
