@@ -13,7 +13,28 @@
 #include "partition/partition_spec.hpp"
 
 namespace meshtrain {
+// Named, not anonymous: template arguments of the kernels below (nvcc's extended lambdas).
+namespace embedding_bag_detail {
+
+// A table's local block read as fp32: stored as fp32, or as bf16 bits widened (exact). The
+// pooling kernels take either, so a bf16 table is read as stored and summed in fp32.
+struct Fp32Table {
+  ConstMatrixView m;
+  KOKKOS_INLINE_FUNCTION float operator()(int64_t r, int64_t c) const { return m(r, c); }
+};
+struct Bf16Table {
+  ConstHalfMatrixView m;
+  KOKKOS_INLINE_FUNCTION float operator()(int64_t r, int64_t c) const {
+    return bf16_to_float(m(r, c));
+  }
+};
+
+}  // namespace embedding_bag_detail
+
 namespace {
+
+using embedding_bag_detail::Bf16Table;
+using embedding_bag_detail::Fp32Table;
 
 using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 
@@ -35,19 +56,6 @@ std::string axes_text(const std::vector<std::string>& axes) {
 }
 
 // The kernels, as free functions: nvcc rejects a device lambda inside a private member.
-
-// A table's local block read as fp32: stored as fp32, or as bf16 bits widened (exact). The
-// pooling kernels take either, so a bf16 table is read as stored and summed in fp32.
-struct Fp32Table {
-  ConstMatrixView m;
-  KOKKOS_INLINE_FUNCTION float operator()(int64_t r, int64_t c) const { return m(r, c); }
-};
-struct Bf16Table {
-  ConstHalfMatrixView m;
-  KOKKOS_INLINE_FUNCTION float operator()(int64_t r, int64_t c) const {
-    return bf16_to_float(m(r, c));
-  }
-};
 
 // out[b] = the sum of the rows of bag b's ids, in order (mean: / its count; empty: 0).
 template <class Table>

@@ -12,18 +12,8 @@
 #include "framework/train/adamw_math.hpp"
 
 namespace meshtrain {
-namespace {
-
-// The kernels, as free functions: nvcc rejects a device lambda inside a private member.
-
-// What an update writes into element (row, column) of the local block: `value`, or it
-// stochastically rounded to bf16 (TableRounding).
-KOKKOS_INLINE_FUNCTION float value_to_store(const TableRounding& r, float value, int64_t row,
-                                            int64_t column) {
-  if (!r.bf16) return value;
-  return round_bf16_stochastic(
-      value, stochastic_rounding_bits(r.seed, r.first_row + row, r.first_column + column, r.step));
-}
+// Named, not anonymous: template arguments of the kernels below (nvcc's extended lambdas).
+namespace sparse_optimizer_detail {
 
 // A table's local block as the update kernels read and write it: fp32 elements, or bf16 bits
 // (a table stored as bf16: what value_to_store gives is a bf16 value, so its bits are exact).
@@ -41,6 +31,24 @@ struct Bf16Weights {
     m(r, c) = float_to_bf16(value);
   }
 };
+
+}  // namespace sparse_optimizer_detail
+
+namespace {
+
+using sparse_optimizer_detail::Bf16Weights;
+using sparse_optimizer_detail::Fp32Weights;
+
+// The kernels, as free functions: nvcc rejects a device lambda inside a private member.
+
+// What an update writes into element (row, column) of the local block: `value`, or it
+// stochastically rounded to bf16 (TableRounding).
+KOKKOS_INLINE_FUNCTION float value_to_store(const TableRounding& r, float value, int64_t row,
+                                            int64_t column) {
+  if (!r.bf16) return value;
+  return round_bf16_stochastic(
+      value, stochastic_rounding_bits(r.seed, r.first_row + row, r.first_column + column, r.step));
+}
 
 // Calls kernel(weights) with the table's block as the kernels take it.
 template <class Kernel>

@@ -296,7 +296,7 @@ std::vector<int64_t> create_file(const SaveJob& job, const CheckpointContents& c
     Handle space = hdf5::make(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),
                               H5Sclose, fail, what);
     // A tensor stored as bf16 (a DLRM table, model.table_dtype = "bf16"): its bits as they are,
-    // uint16 with attribute dtype = "bf16" (kBf16Attribute).
+    // uint16 with attribute dtype = "bf16" (kDtypeAttribute, kBf16Dtype).
     const hid_t type = t.stored_16bit() ? H5T_STD_U16LE : H5T_IEEE_F32LE;
     Handle dataset =
         hdf5::make(H5Dcreate2(file, entry.path.c_str(), type, space, lcpl, dcpl, H5P_DEFAULT),
