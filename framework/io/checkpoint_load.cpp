@@ -77,15 +77,22 @@ struct HostBlock {
   std::vector<char> file_elements;     // the dataset's elements, when converted
   Dtype file = Dtype::fp32;            // the dataset's dtype
   bool convert = false;
+  int64_t elements = 0;  // of the block
 
   int64_t file_element_bytes() const { return file == Dtype::fp32 ? 4 : 2; }
+  // Where the read puts the dataset's elements (a converted block's buffer is made here, just
+  // before its read).
   char* target() {
-    if (convert) return file_elements.data();
+    if (convert) {
+      file_elements.resize(static_cast<size_t>(elements * file_element_bytes()));
+      return file_elements.data();
+    }
     return floats.size() > 0 ? reinterpret_cast<char*>(floats.data())
                              : reinterpret_cast<char*>(bits.data());
   }
-  // The file's elements into the tensor's storage (convert only), then the host block into the
-  // tensor.
+  // The file's elements into the tensor's storage (convert only; their buffer is released),
+  // then the host block into the tensor. Called as soon as the block is read, so a load holds
+  // one converted block's file elements at a time.
   void finish(ShardedTensor& t) {
     if (convert && t.stored_16bit()) {
       const float* from = reinterpret_cast<const float*>(file_elements.data());
@@ -94,6 +101,7 @@ struct HostBlock {
       const uint16_t* from = reinterpret_cast<const uint16_t*>(file_elements.data());
       for (size_t i = 0; i < floats.size(); ++i) floats(i) = bf16_to_float(from[i]);
     }
+    std::vector<char>().swap(file_elements);
     if (t.stored_16bit()) {
       Kokkos::deep_copy(t.bits, bits);
     } else {
@@ -111,9 +119,7 @@ HostBlock host_block(const ShardedTensor& t, Dtype file) {
   } else {
     block.floats = host_mirror(t.local);
   }
-  if (block.convert) {
-    block.file_elements.resize(static_cast<size_t>(t.box.elements() * block.file_element_bytes()));
-  }
+  block.elements = t.box.elements();
   return block;
 }
 
@@ -302,6 +308,7 @@ CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& i
           MESHTRAIN_REQUIRE(file_dtype == Dtype::fp32, "dataset '", entry.path, "' in ", where,
                             ": format 1 holds float32 only");
           read_with_hdf5(dataset, entry, path, hosts.back().target());
+          hosts.back().finish(*entry.tensor);
           continue;
         }
         const haddr_t address = H5Dget_offset(dataset);
@@ -329,6 +336,7 @@ CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& i
         for (size_t i = 0; i < entries.size(); ++i) {
           read_with_posix(fd, offsets[i], static_cast<int64_t>(i), entries[i], path,
                           hosts[i].target(), hosts[i].file_element_bytes(), pieces);
+          hosts[i].finish(*entries[i].tensor);
         }
       } catch (...) {
         ::close(fd);
@@ -336,7 +344,6 @@ CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& i
       }
       ::close(fd);
     }
-    for (size_t i = 0; i < entries.size(); ++i) hosts[i].finish(*entries[i].tensor);
     checked_int(pieces.size() * sizeof(Piece), "the checksums of a checkpoint (bytes)");
   });
   if (crc_format) {
