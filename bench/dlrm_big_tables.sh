@@ -10,7 +10,12 @@
 # Adagrad accumulators), then resumes from it for RESUME_STEPS more steps (the load reads into
 # the tensors in place).
 #
-#   [ROWS=67108864] [STEPS=10] [RESUME_STEPS=5] bench/dlrm_big_tables.sh [DATA_DIR]
+#   [ROWS=67108864] [STEPS=10] [RESUME_STEPS=5] [TABLE_DTYPE=fp32] bench/dlrm_big_tables.sh
+#   [DATA_DIR]
+#
+# TABLE_DTYPE=bf16: model.table_dtype = "bf16" (the tables 2 bytes an element, their Adagrad
+# state fp32; docs/recsys.md, "bf16 tables"); the checkpoint's tables are then uint16 bits,
+# widened here to read them.
 #
 # Each run under a watchdog: `timeout` (TIMEOUT, default 900 s) and a loop that kills the job
 # when /proc/meminfo's MemAvailable falls below 2 GiB (the machine is shared). Each rank runs
@@ -25,6 +30,8 @@ cmake --build build --target meshtrain >&2
 rows=${ROWS:-67108864}
 steps=${STEPS:-10}
 resume_steps=${RESUME_STEPS:-5}
+table_dtype=${TABLE_DTYPE:-fp32}
+element_bytes=$([[ $table_dtype == bf16 ]] && echo 2 || echo 4)
 limit=${TIMEOUT:-900}
 mpirun=${MPIRUN:-mpirun --oversubscribe}
 work=$(mktemp -d)
@@ -45,7 +52,8 @@ open(out, "w").write(src)
 PY
 sets=(--set data.path="$data/train.h5" --set data.test_path="$data/test.h5"
       --set run.output_dir="$work/run" --set optimizer.embeddings=rowwise_adagrad
-      --set optimizer.embeddings_lr=0.05 --set checkpoint.async=false --set train.log_every=5)
+      --set optimizer.embeddings_lr=0.05 --set checkpoint.async=false --set train.log_every=5
+      --set model.table_dtype="\"$table_dtype\"")
 plan_bytes=$(build/bin/meshtrain plan "$config" --world 2 --json "${sets[@]}" |
   /usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["totals"]["bytes_per_rank"])')
 
@@ -81,9 +89,10 @@ run_phase() {  # PHASE TOTAL_STEPS [--set ...]
     echo "$phase: exit $rc" >&2
     exit 1
   fi
-  /usr/bin/python3 - "$phase" "$rows" "$plan_bytes" "$start" "$end" "$work" <<'PY'
+  /usr/bin/python3 - "$phase" "$rows" "$plan_bytes" "$start" "$end" "$work" "$table_dtype" \
+    "$element_bytes" <<'PY'
 import json, re, sys
-phase, rows, plan, start, end, work = sys.argv[1:7]
+phase, rows, plan, start, end, work, dtype, element_bytes = sys.argv[1:9]
 rss = []
 for r in (0, 1):
     text = open(f"{work}/time.{phase}.{r}").read()
@@ -92,7 +101,9 @@ log = open(f"{work}/{phase}.log").read()
 steps = re.findall(r"^step +(\d+)/\d+ .*?loss ([0-9.]+)", log, re.M)
 plan = int(plan)
 print(json.dumps({"bench": "dlrm_big_tables", "phase": phase, "ranks": 2,
-                  "table_rows": [int(rows)] * 3, "table_bytes": 3 * int(rows) * 16 * 4,
+                  "table_dtype": dtype,
+                  "table_rows": [int(rows)] * 3,
+                  "table_bytes": 3 * int(rows) * 16 * int(element_bytes),
                   "plan_bytes_per_rank": plan, "peak_rss_bytes": rss,
                   "rss_over_plan": [round(x / plan, 4) for x in rss],
                   "wall_s": round(float(end) - float(start), 1),
@@ -113,14 +124,21 @@ with h5py.File(path, "r") as f:
     w = f["params/embeddings/t25/weight"]
     acc = f["opt_state/rowwise_adagrad/embeddings/t25/weight"]
     assert w.shape == (rows, 16) and acc.shape == (rows,), (w.shape, acc.shape)
-    lo = w[:100000]           # the rows the data's ids reach (rank 0's block)
-    hi = w[rows // 2: rows // 2 + 1000]  # rank 1's first rows
+    # A bf16 table: uint16 bits with attribute dtype = "bf16", widened to float32.
+    bf16 = w.attrs.get("dtype") in ("bf16", b"bf16")
+    read = lambda x: (x.astype(np.uint32) << 16).view(np.float32) if bf16 else x
+    lo = read(w[:100000])           # the rows the data's ids reach (rank 0's block)
+    hi = read(w[rows // 2: rows // 2 + 1000])  # rank 1's first rows
     bound = (1.0 / rows) ** 0.5
     touched = int(np.count_nonzero(acc[:100000]))
+    dtype = "bf16" if bf16 else str(w.dtype)
 print(json.dumps({"bench": "dlrm_big_tables", "phase": "h5py", "checkpoint_bytes":
                   os.path.getsize(path), "t25_shape": list(w.shape),
+                  "t25_dtype": dtype,
                   "t25_rows_with_adagrad_state": touched,
-                  "untouched_rows_within_init_bound": bool(np.all(np.abs(hi) <= bound)),
+                  # (a bf16 table: the bound's nearest bf16, up to 2^-8 above it)
+                  "untouched_rows_within_init_bound":
+                      bool(np.all(np.abs(hi) <= bound * (1 + 2.0**-8 if bf16 else 1))),
                   "finite": bool(np.isfinite(lo).all())}))
 PY
 run_phase resume $((steps + resume_steps)) --set checkpoint.resume=true

@@ -7,6 +7,7 @@
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
+#include "framework/core/precision.hpp"
 #include "framework/observe/trace.hpp"
 #include "partition/embedding_layout.hpp"
 #include "partition/partition_spec.hpp"
@@ -84,6 +85,9 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
            TableGradients table_gradients)
     : shape_(shape), rows_(local_rows), table_gradients_(table_gradients) {
   check_dlrm_shape(shape);
+  if (shape.table_dtype == Dtype::fp16) {
+    MESHTRAIN_BAD_INPUT("dlrm tables are stored as fp32 or bf16, not fp16 (model.table_dtype)");
+  }
   if (rows_ < 1) MESHTRAIN_BAD_INPUT("the local batch must have at least one row, got ", rows_);
   if (context.precision().param != Dtype::fp32) {
     MESHTRAIN_BAD_INPUT("dlrm computes in fp32 only; this run asks for ",
@@ -102,7 +106,10 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
     }
     spec.check_axes(mesh, p.name);
     check_divisible(p.shape, spec, mesh, p.name);
-    params_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
+    const bool bf16_table = shape.table_dtype == Dtype::bf16 && is_embedding_weight_name(p.name);
+    params_.push_back(
+        bf16_table ? ShardedTensor::allocate_bf16(p.name, p.shape, spec, mesh, context.rank())
+                   : ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
     if (table_gradients != TableGradients::dense && is_embedding_weight_name(p.name)) {
       // Sparse updates: a table's backward leaves the gradients of the rows it touched
       // (EmbeddingBag::use_sparse_gradient) and never its dense gradient, so none is allocated;
@@ -210,14 +217,25 @@ void Dlrm::initialize(InitScheme scheme, uint64_t seed) {
     const uint64_t stream = name_stream(p.name);
     // Element (r, c) of the block is global (first row + r, first column + c): a column slice
     // gets the same values as those columns of a whole table.
+    // A bf16 table holds each value rounded to the nearest bf16 (as keep_tables_in_bf16 rounds
+    // an fp32 one: the same values either way).
     const int64_t dim = p.global_shape[1];
     const int64_t columns = p.box.extent[1];
-    auto h = Kokkos::create_mirror_view(p.local);
-    for (int64_t i = 0; i < static_cast<int64_t>(h.extent(0)); ++i) {
+    const auto value = [&](int64_t i) {
       const int64_t global = (p.box.offset[0] + i / columns) * dim + p.box.offset[1] + i % columns;
       const double u = counter_uniform(seed, stream, static_cast<uint64_t>(global));
-      h(i) = static_cast<float>((2.0 * u - 1.0) * bound);
+      return static_cast<float>((2.0 * u - 1.0) * bound);
+    };
+    if (p.stored_16bit()) {
+      auto h = Kokkos::create_mirror_view(p.bits);
+      for (int64_t i = 0; i < static_cast<int64_t>(h.extent(0)); ++i) {
+        h(i) = float_to_bf16(value(i));
+      }
+      Kokkos::deep_copy(p.bits, h);
+      continue;
     }
+    auto h = Kokkos::create_mirror_view(p.local);
+    for (int64_t i = 0; i < static_cast<int64_t>(h.extent(0)); ++i) h(i) = value(i);
     Kokkos::deep_copy(p.local, h);
   }
 }

@@ -26,7 +26,10 @@
 //
 // Everything (activations, the interaction's buffers, every table's pooled rows and their
 // gradients) is allocated at construction for `local_rows` rows and `max_ids` ids per table per
-// step: forward() and backward() allocate nothing. fp32 only (bad_input for a 16-bit context).
+// step: forward() and backward() allocate nothing. fp32 only (bad_input for a 16-bit context),
+// except that the tables may be stored as bf16 (shape.table_dtype, model.table_dtype): their
+// tensors in parameters() then hold bf16 bits (ShardedTensor::storage) and only a sparse
+// optimizer that rounds to bf16 may update them (docs/recsys.md, "bf16 tables").
 
 #include <cstdint>
 #include <memory>

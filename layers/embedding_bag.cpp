@@ -8,11 +8,33 @@
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
+#include "framework/core/precision.hpp"
 #include "framework/core/view_ops.hpp"
 #include "partition/partition_spec.hpp"
 
 namespace meshtrain {
+// Named, not anonymous: template arguments of the kernels below (nvcc's extended lambdas).
+namespace embedding_bag_detail {
+
+// A table's local block read as fp32: stored as fp32, or as bf16 bits widened (exact). The
+// pooling kernels take either, so a bf16 table is read as stored and summed in fp32.
+struct Fp32Table {
+  ConstMatrixView m;
+  KOKKOS_INLINE_FUNCTION float operator()(int64_t r, int64_t c) const { return m(r, c); }
+};
+struct Bf16Table {
+  ConstHalfMatrixView m;
+  KOKKOS_INLINE_FUNCTION float operator()(int64_t r, int64_t c) const {
+    return bf16_to_float(m(r, c));
+  }
+};
+
+}  // namespace embedding_bag_detail
+
 namespace {
+
+using embedding_bag_detail::Bf16Table;
+using embedding_bag_detail::Fp32Table;
 
 using Range2 = Kokkos::MDRangePolicy<Kokkos::Rank<2>>;
 
@@ -36,7 +58,8 @@ std::string axes_text(const std::vector<std::string>& axes) {
 // The kernels, as free functions: nvcc rejects a device lambda inside a private member.
 
 // out[b] = the sum of the rows of bag b's ids, in order (mean: / its count; empty: 0).
-void pool_bags(ConstMatrixView table, IdView offsets, IdView values, bool mean, MatrixView out) {
+template <class Table>
+void pool_bags(Table table, IdView offsets, IdView values, bool mean, MatrixView out) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::embedding_bag_pool"),
       range2(static_cast<int64_t>(out.extent(0)), static_cast<int64_t>(out.extent(1))),
@@ -85,11 +108,12 @@ void find_part_starts(ConstMatrixView requests, int64_t received, int64_t parts,
 }
 
 // Owner: the partial sum of each part's rows, in the order of its ids.
-void pool_parts(ConstMatrixView table, ConstMatrixView requests,
-                Kokkos::View<const int64_t*> part_start, int64_t parts, MatrixView sums) {
+template <class Table>
+void pool_parts(Table table, ConstMatrixView requests, Kokkos::View<const int64_t*> part_start,
+                int64_t parts, MatrixView sums) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::embedding_bag_pool_parts"),
-      range2(parts, static_cast<int64_t>(table.extent(1))),
+      range2(parts, static_cast<int64_t>(sums.extent(1))),
       KOKKOS_LAMBDA(const int64_t s, const int64_t c) {
         float sum = 0.0f;
         for (int64_t i = part_start(s); i < part_start(s + 1); ++i) {
@@ -316,9 +340,11 @@ std::string EmbeddingBag::describe() const {
             std::to_string(first_row_) + ", " + std::to_string(first_row_ + local_rows_) +
             ") here)";
   }
-  if (!col_comm_) return text;
-  return text + ", column-wise over " + axes_text(layout_.column_axes) + " (columns [" +
-         std::to_string(first_col_) + ", " + std::to_string(first_col_ + local_dim_) + ") here)";
+  if (col_comm_) {
+    text += ", column-wise over " + axes_text(layout_.column_axes) + " (columns [" +
+            std::to_string(first_col_) + ", " + std::to_string(first_col_ + local_dim_) + ") here)";
+  }
+  return weight_.value().stored_16bit() ? text + ", stored as bf16" : text;
 }
 
 std::string EmbeddingBag::read_bags(const SparseBags& bags) {
@@ -380,8 +406,14 @@ MatrixView EmbeddingBag::forward(const SparseBags& bags, const LayerPass& /*pass
 }
 
 void EmbeddingBag::forward_replicated(const SparseBags& bags) {
-  pool_bags(weight_.value().matrix(), bags.offsets, bags.values, pooling_ == EmbeddingPooling::mean,
-            col_comm_ ? out_slice_ : out_);
+  const ShardedTensor& w = weight_.value();
+  const bool mean = pooling_ == EmbeddingPooling::mean;
+  const MatrixView out = col_comm_ ? out_slice_ : out_;
+  if (w.stored_16bit()) {
+    pool_bags(Bf16Table{w.bits_matrix()}, bags.offsets, bags.values, mean, out);
+  } else {
+    pool_bags(Fp32Table{w.matrix()}, bags.offsets, bags.values, mean, out);
+  }
 }
 
 int64_t EmbeddingBag::owner_of(int64_t id) const {
@@ -486,7 +518,13 @@ void EmbeddingBag::forward_row_wise(const SparseBags& bags) {
   // Owner: the parts' partial sums, back to their requesters, who add them up per bag.
   find_part_starts(recv_requests_, received_ids_, received_parts_, source_id_base_,
                    source_part_base_, part_start_);
-  pool_parts(weight_.value().matrix(), recv_requests_, part_start_, received_parts_, owner_parts_);
+  const ShardedTensor& w = weight_.value();
+  if (w.stored_16bit()) {
+    pool_parts(Bf16Table{w.bits_matrix()}, recv_requests_, part_start_, received_parts_,
+               owner_parts_);
+  } else {
+    pool_parts(Fp32Table{w.matrix()}, recv_requests_, part_start_, received_parts_, owner_parts_);
+  }
   row_comm_->all_to_all_v(owner_parts_, recv_parts_, requester_parts_, send_parts_);
   combine_parts(requester_parts_, bag_part_offsets_, bag_parts_, bags.offsets,
                 pooling_ == EmbeddingPooling::mean, col_comm_ ? out_slice_ : out_);
@@ -565,6 +603,11 @@ void EmbeddingBag::use_sparse_gradient(ParallelContext& context) {
     touched_recv_host_ = host_mirror(touched_recv_);
     const size_t gathered = touched_recv_.size() * sizeof(float);
     gradient_comm_->reserve_staging(gathered, gathered);
+    // The compact gradient's all-reduce, up to every row a step may touch: staged (device
+    // memory) through buffers reserved now, so that a step touching more rows than the ones
+    // before it does not grow them.
+    const size_t grads = capacity * static_cast<size_t>(local_dim_) * sizeof(float);
+    gradient_comm_->reserve_staging(grads, grads);
     gradient_comm_->reserve_reductions(capacity * static_cast<size_t>(local_dim_));
   }
 }

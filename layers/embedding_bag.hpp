@@ -52,7 +52,10 @@
 //
 // Buffers: everything is allocated at construction for `max_ids` ids per rank per step (an owner
 // may receive the whole group's: n x max_ids), so forward() and backward() allocate nothing.
-// Mixed precision is a later slice: fp32 only (bad_input otherwise).
+// Mixed precision is a later slice: the context must be fp32 (bad_input otherwise). The table
+// itself may be stored as bf16 (ShardedTensor::storage, model.table_dtype = "bf16"): the
+// pooling kernels then read its bf16 bits, widen them (exact) and sum in fp32; the pooled rows,
+// their all-to-all and all-gather, and the gradients stay fp32 (docs/recsys.md, "bf16 tables").
 //
 // Sparse gradients (use_sparse_gradient(), for the row-wise optimizers of layers/
 // sparse_optimizer.hpp): backward then leaves the dense gradient tensor alone and writes only

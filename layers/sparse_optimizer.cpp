@@ -12,7 +12,32 @@
 #include "framework/train/adamw_math.hpp"
 
 namespace meshtrain {
+// Named, not anonymous: template arguments of the kernels below (nvcc's extended lambdas).
+namespace sparse_optimizer_detail {
+
+// A table's local block as the update kernels read and write it: fp32 elements, or bf16 bits
+// (a table stored as bf16: what value_to_store gives is a bf16 value, so its bits are exact).
+struct Fp32Weights {
+  MatrixView m;
+  KOKKOS_INLINE_FUNCTION float operator()(int64_t r, int64_t c) const { return m(r, c); }
+  KOKKOS_INLINE_FUNCTION void put(int64_t r, int64_t c, float value) const { m(r, c) = value; }
+};
+struct Bf16Weights {
+  HalfMatrixView m;
+  KOKKOS_INLINE_FUNCTION float operator()(int64_t r, int64_t c) const {
+    return bf16_to_float(m(r, c));
+  }
+  KOKKOS_INLINE_FUNCTION void put(int64_t r, int64_t c, float value) const {
+    m(r, c) = float_to_bf16(value);
+  }
+};
+
+}  // namespace sparse_optimizer_detail
+
 namespace {
+
+using sparse_optimizer_detail::Bf16Weights;
+using sparse_optimizer_detail::Fp32Weights;
 
 // The kernels, as free functions: nvcc rejects a device lambda inside a private member.
 
@@ -25,11 +50,21 @@ KOKKOS_INLINE_FUNCTION float value_to_store(const TableRounding& r, float value,
       value, stochastic_rounding_bits(r.seed, r.first_row + row, r.first_column + column, r.step));
 }
 
+// Calls kernel(weights) with the table's block as the kernels take it.
+template <class Kernel>
+void with_weights(const ShardedTensor& w, const Kernel& kernel) {
+  if (w.stored_16bit()) {
+    kernel(Bf16Weights{w.bits_matrix()});
+  } else {
+    kernel(Fp32Weights{w.matrix()});
+  }
+}
+
 // One thread per touched row: its mean squared gradient (columns in order), the accumulator,
 // then the row.
-void rowwise_adagrad_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView grads,
-                          MatrixView weight, VectorView state, float lr, float eps,
-                          const TableRounding rounding) {
+template <class Weights>
+void rowwise_adagrad_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView grads, Weights weight,
+                          VectorView state, float lr, float eps, const TableRounding rounding) {
   const int64_t dim = static_cast<int64_t>(grads.extent(1));
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::rowwise_adagrad"),
@@ -41,8 +76,8 @@ void rowwise_adagrad_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView gra
         state(row) = sum;
         const float multiplier = lr / (kmath::sqrt(sum) + eps);
         for (int64_t c = 0; c < dim; ++c) {
-          weight(row, c) =
-              value_to_store(rounding, weight(row, c) - multiplier * grads(r, c), row, c);
+          weight.put(row, c,
+                     value_to_store(rounding, weight(row, c) - multiplier * grads(r, c), row, c));
         }
       });
 }
@@ -62,9 +97,10 @@ void rowwise_partial_squares(ConstMatrixView grads, VectorView squares) {
 // Column-wise tables: as rowwise_adagrad_rows, the row's squares being the slices' partial sums
 // (gathered [slices x touched], slice-major) added in slice order, so that every rank of the
 // slices' group computes the same accumulator; the mean is over the whole row's `dim`.
+template <class Weights>
 void rowwise_adagrad_sliced_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView grads,
                                  ConstVectorView gathered, int64_t slices, int64_t dim,
-                                 MatrixView weight, VectorView state, float lr, float eps,
+                                 Weights weight, VectorView state, float lr, float eps,
                                  const TableRounding rounding) {
   const int64_t touched = static_cast<int64_t>(rows.extent(0));
   const int64_t columns = static_cast<int64_t>(grads.extent(1));
@@ -78,8 +114,8 @@ void rowwise_adagrad_sliced_rows(Kokkos::View<const int64_t*> rows, ConstMatrixV
         state(row) = sum;
         const float multiplier = lr / (kmath::sqrt(sum) + eps);
         for (int64_t c = 0; c < columns; ++c) {
-          weight(row, c) =
-              value_to_store(rounding, weight(row, c) - multiplier * grads(r, c), row, c);
+          weight.put(row, c,
+                     value_to_store(rounding, weight(row, c) - multiplier * grads(r, c), row, c));
         }
       });
 }
@@ -87,7 +123,8 @@ void rowwise_adagrad_sliced_rows(Kokkos::View<const int64_t*> rows, ConstMatrixV
 // One thread per touched row: its step count, then AdamW's update of its elements, written as
 // Optimizer's adamw_update (framework/train/optimizer.cpp) so that a row touched by every step
 // gets the same floats.
-void sparse_adamw_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView grads, MatrixView weight,
+template <class Weights>
+void sparse_adamw_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView grads, Weights weight,
                        MatrixView m, MatrixView v, VectorView steps, float lr,
                        const SparseOptimizerSettings s, const TableRounding rounding) {
   const int64_t dim = static_cast<int64_t>(grads.extent(1));
@@ -105,7 +142,7 @@ void sparse_adamw_rows(Kokkos::View<const int64_t*> rows, ConstMatrixView grads,
           const float value =
               adamw_element(weight(row, c), grads(r, c), m(row, c), v(row, c), s.beta1, s.beta2,
                             decay, step_size, inv_correction2, s.eps);
-          weight(row, c) = value_to_store(rounding, value, row, c);
+          weight.put(row, c, value_to_store(rounding, value, row, c));
         }
       });
 }
@@ -142,9 +179,20 @@ void require_same_tables(const std::vector<EmbeddingBag>& tables, size_t built) 
 
 }  // namespace
 
+void SparseTableOptimizer::require_rounding_for(const std::vector<EmbeddingBag>& tables) const {
+  for (const EmbeddingBag& table : tables) {
+    MESHTRAIN_REQUIRE(bf16_ || !table.weight().stored_16bit(), "embedding table '", table.table(),
+                      "' is stored as bf16, but its sparse optimizer writes fp32 values ",
+                      "(keep_tables_in_bf16 was not called)");
+  }
+}
+
 void SparseTableOptimizer::keep_tables_in_bf16(uint64_t seed,
                                                const std::vector<EmbeddingBag>& tables) {
-  for (const EmbeddingBag& table : tables) round_block_to_bf16(table.weight().local);
+  // A table stored as bf16 holds bf16 values already.
+  for (const EmbeddingBag& table : tables) {
+    if (!table.weight().stored_16bit()) round_block_to_bf16(table.weight().local);
+  }
   bf16_ = true;
   seed_ = seed;
 }
@@ -181,13 +229,16 @@ RowwiseAdagrad::RowwiseAdagrad(const std::vector<EmbeddingBag>& tables, float ep
 
 void RowwiseAdagrad::step(const std::vector<EmbeddingBag>& tables, float lr) {
   require_same_tables(tables, state_.size());
+  require_rounding_for(tables);
   for (size_t t = 0; t < tables.size(); ++t) {
     const EmbeddingBag& table = tables[t];
     if (table.touched_count() == 0) continue;
     Communicator* slices = table.column_comm();
     if (!slices) {
-      rowwise_adagrad_rows(table.touched_rows(), table.row_gradients(), table.weight().matrix(),
-                           state_[t].local, lr, eps_, rounding(table, t));
+      with_weights(table.weight(), [&](auto weights) {
+        rowwise_adagrad_rows(table.touched_rows(), table.row_gradients(), weights, state_[t].local,
+                             lr, eps_, rounding(table, t));
+      });
       continue;
     }
     // Column-wise: the row's mean square needs every slice's columns. Every rank of the slices
@@ -198,9 +249,11 @@ void RowwiseAdagrad::step(const std::vector<EmbeddingBag>& tables, float lr) {
     const VectorView gathered = Kokkos::subview(gathered_[t], all);
     rowwise_partial_squares(table.row_gradients(), squares);
     slices->all_gather(squares, gathered);
-    rowwise_adagrad_sliced_rows(table.touched_rows(), table.row_gradients(), gathered,
-                                slices->size(), table.dim(), table.weight().matrix(),
-                                state_[t].local, lr, eps_, rounding(table, t));
+    with_weights(table.weight(), [&](auto weights) {
+      rowwise_adagrad_sliced_rows(table.touched_rows(), table.row_gradients(), gathered,
+                                  slices->size(), table.dim(), weights, state_[t].local, lr, eps_,
+                                  rounding(table, t));
+    });
   }
   ++updates_;
 }
@@ -218,12 +271,14 @@ SparseAdamW::SparseAdamW(const std::vector<EmbeddingBag>& tables,
 
 void SparseAdamW::step(const std::vector<EmbeddingBag>& tables, float lr) {
   require_same_tables(tables, m_.size());
+  require_rounding_for(tables);
   for (size_t t = 0; t < tables.size(); ++t) {
     const EmbeddingBag& table = tables[t];
     if (table.touched_count() == 0) continue;
-    sparse_adamw_rows(table.touched_rows(), table.row_gradients(), table.weight().matrix(),
-                      m_[t].matrix(), v_[t].matrix(), steps_[t].local, lr, settings_,
-                      rounding(table, t));
+    with_weights(table.weight(), [&](auto weights) {
+      sparse_adamw_rows(table.touched_rows(), table.row_gradients(), weights, m_[t].matrix(),
+                        v_[t].matrix(), steps_[t].local, lr, settings_, rounding(table, t));
+    });
   }
   ++updates_;
 }

@@ -30,21 +30,21 @@
 // as /opt_state/<slot>/embeddings/<t>/weight and a load reshards it with the table. Everything
 // is allocated at construction: step() allocates nothing.
 //
-// bf16 tables (docs/recsys.md, "bf16 tables"; keep_tables_in_bf16): not reachable from a config
-// or DlrmRun yet, only tests use it. The tables' blocks are first rounded to the nearest bf16;
-// then every element an update writes is stochastically rounded to bf16
+// bf16 tables (docs/recsys.md, "bf16 tables"; keep_tables_in_bf16; model.table_dtype = "bf16"
+// through DlrmRun). A table is either stored as bf16 (ShardedTensor::storage, 2 bytes an
+// element: what DlrmRun builds) or held in fp32 (tests), whose blocks are first rounded to the
+// nearest bf16. Then every element an update writes is stochastically rounded to bf16
 // (framework/core/stochastic_rounding.hpp) with the draw of (table_rounding_seed(seed, table's
 // index), its global row, its global column, the update's index), so the table holds bf16
 // values and the draw is the same on every mesh (the fp32 value it rounds may differ where a
-// gradient's sum changes order with the layout); the state stays fp32
-// and there is no fp32 copy of the table (TorchRec's fused optimizers with bf16 weights: the
-// memory of a table is what bf16 is for, and an fp32 master would take 4 bytes an element more
-// than the table it replaces). Stochastic rather than nearest: an update under half a bf16 step
-// (2^-9 of the value) would be lost every time by nearest rounding, and a table row is updated
-// only when its ids come, so such small steps are common; stochastic rounding keeps them in
-// expectation. The table's storage is still fp32 in this slice (values that are bf16); its 2-byte
-// storage, the forward reading it, DLRM under mixed_precision.param_dtype = "bf16" and the plan's
-// 2 bytes are not built yet.
+// gradient's sum changes order with the layout); the update is computed in fp32 from the bf16
+// value, the state stays fp32 and there is no fp32 copy of the table (TorchRec's fused
+// optimizers with bf16 weights: the memory of a table is what bf16 is for, and an fp32 master
+// would take 4 bytes an element more than the table it replaces). Stochastic rather than
+// nearest: an update under half a bf16 step (2^-9 of the value) would be lost every time by
+// nearest rounding, and a table row is updated only when its ids come, so such small steps are
+// common; stochastic rounding keeps them in expectation. A table stored as bf16 without
+// keep_tables_in_bf16 is refused at step() (the optimizer would write fp32 values).
 
 #include <memory>
 #include <string>
@@ -63,7 +63,7 @@ struct SparseOptimizerSettings {
   float beta1 = 0.9f, beta2 = 0.999f;  // sparse_adamw
   float weight_decay = 0.0f;           // sparse_adamw (decoupled)
   // bf16 tables (above): make_sparse_table_optimizer calls keep_tables_in_bf16(rounding_seed,
-  // tables). Only tests set it: no config key or DlrmRun reaches it yet.
+  // tables). DlrmRun sets it for model.table_dtype = "bf16" (the seed: run.seed).
   bool bf16_tables = false;
   uint64_t rounding_seed = 0;
 };
@@ -92,9 +92,9 @@ class SparseTableOptimizer {
   // The state (views of the live tensors: a checkpoint load writes into them).
   virtual std::vector<SparseOptimizerSlot> slots() const = 0;
 
-  // Rounds each of `tables`' local blocks to the nearest bf16 (one labelled kernel per table:
-  // Dlrm::initialize writes fp32 values), and from now on every element an update writes is
-  // stochastically rounded to bf16 (above). Table t's draws are keyed by
+  // Rounds each of `tables`' local blocks held in fp32 to the nearest bf16 (one labelled kernel
+  // per table; a table stored as bf16 holds bf16 values already), and from now on every element an
+  // update writes is stochastically rounded to bf16 (above). Table t's draws are keyed by
   // table_rounding_seed(seed, t).
   void keep_tables_in_bf16(uint64_t seed, const std::vector<EmbeddingBag>& tables);
   bool bf16_tables() const { return bf16_; }
@@ -105,6 +105,8 @@ class SparseTableOptimizer {
   void set_updates(int64_t updates) { updates_ = updates; }
 
  protected:
+  // A table stored as bf16 needs bf16 rounding (keep_tables_in_bf16) before a step.
+  void require_rounding_for(const std::vector<EmbeddingBag>& tables) const;
   // How step() writes table t (of `table`'s block) in the current update.
   TableRounding rounding(const EmbeddingBag& table, size_t t) const;
   bool bf16_ = false;

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "base/dtype.hpp"
 #include "partition/embedding_layout.hpp"  // EmbeddingPooling
 #include "partition/planner.hpp"           // ParameterShape
 
@@ -28,6 +29,9 @@ struct DlrmShape {
   std::vector<int64_t> top;     // [interaction width, hidden..., 1]
   std::vector<DlrmTable> tables;
   DlrmInteraction interaction = DlrmInteraction::dot;
+  // How the tables are stored (model.table_dtype): fp32, or bf16 (2 bytes an element, updated
+  // by a sparse optimizer with stochastic rounding; docs/recsys.md, "bf16 tables").
+  Dtype table_dtype = Dtype::fp32;
 };
 
 // The interaction's output width for `shape`'s bottom and tables (top[0] must equal it).

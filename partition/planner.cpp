@@ -737,7 +737,7 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
   // projection's specs; before the local shapes and bytes are counted).
   align_residual_stream(plan, layers, rules, options);
   // Table-wise tensors onto members of their axes (balanced by bytes).
-  place_tables(plan, options.bytes_per_element);
+  place_tables(plan, options.table_bytes_per_element);
   // Table-wise tensors' bytes per member of each group of axes: the totals count the most
   // loaded member of each group (a rank's worst case; the others hold less).
   std::map<std::vector<std::string>, std::vector<int64_t>> table_load;
@@ -756,7 +756,9 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
     int64_t local_elements = 1;
     for (int64_t size : p.local_shape) local_elements *= size;
     // Table-wise: the holder's bytes (its members' ranks; the others hold 0).
-    p.bytes_per_rank = checked_mul(local_elements, options.bytes_per_element);
+    const int64_t element_bytes = is_embedding_weight_name(p.name) ? options.table_bytes_per_element
+                                                                   : options.bytes_per_element;
+    p.bytes_per_rank = checked_mul(local_elements, element_bytes);
 
     const int t = p.spec.table_entry();
     if (t >= 0) {
@@ -767,8 +769,8 @@ ShardingPlan make_plan(const std::vector<ParameterShape>& parameters, const Mesh
     } else {
       plan.totals.parameter_bytes = checked_add(plan.totals.parameter_bytes, p.bytes_per_rank);
     }
-    plan.totals.global_parameter_bytes = checked_add(
-        plan.totals.global_parameter_bytes, checked_mul(elements, options.bytes_per_element));
+    plan.totals.global_parameter_bytes =
+        checked_add(plan.totals.global_parameter_bytes, checked_mul(elements, element_bytes));
   }
   for (const auto& group : table_load) {
     plan.totals.parameter_bytes = checked_add(

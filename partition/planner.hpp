@@ -114,7 +114,9 @@ std::vector<NormLayerParameters> residual_mlp_norm_layers(const ResidualMlpShape
 struct PlanOptions {
   int64_t min_sharding_size = 16384;  // reference default: smaller tensors are replicated
   int64_t bytes_per_element = 4;      // float32
-  int optimizer_slots = 2;            // AdamW m and v
+  // A DLRM's tables (embeddings/<t>/weight): 2 under model.table_dtype = "bf16".
+  int64_t table_bytes_per_element = 4;
+  int optimizer_slots = 2;  // AdamW m and v
   // optimizer.zero_stage: 1 splits the optimizer state over dp (partition/zero1_layout.hpp).
   int zero_stage = 0;
   // A DLRM's tables (embeddings/<t>/weight) updated in their touched rows only

@@ -396,6 +396,10 @@ void DlrmRun::build_model() {
       sparse.beta1 = static_cast<float>(opt.betas.first);
       sparse.beta2 = static_cast<float>(opt.betas.second);
       sparse.weight_decay = static_cast<float>(opt.weight_decay);
+      // model.table_dtype = "bf16": the tables are stored as bf16 and every update rounds
+      // stochastically, with draws keyed by run.seed (the same on every mesh).
+      sparse.bf16_tables = config_.model.table_dtype == Dtype::bf16;
+      sparse.rounding_seed = config_.run.seed;
       sparse_tables_ = make_sparse_table_optimizer(opt.embeddings, sparse, model_->tables(), *mesh_,
                                                    context_->rank());
       optimized_params_ = model_->dense_parameters();

@@ -26,8 +26,9 @@ endforeach()
 # pooling, dot and cat, and compared with a float64 forward from the checkpoint. 77 = skipped,
 # as above, only when ONNX Runtime cannot be installed. export_dlrm_predict: `meshtrain predict`
 # of such a checkpoint on 1, 2, 3 (the default batch) and 4 ranks (fsdp 4; fsdp 2 x tp 2 with
-# --flight-dir) against the same forward, and its refusals (a bad id, --jacobian, two inputs,
-# a mesh that does not fit, a --batch-size the shards do not divide).
+# --flight-dir) against the same forward, a checkpoint of bf16 tables (model.table_dtype) on 1
+# and 2 ranks against the forward of its widened values, and its refusals (a bad id, --jacobian,
+# two inputs, a mesh that does not fit, a --batch-size the shards do not divide).
 # export_dlrm_predictor: meshtrain::DlrmPredictor (run/dlrm_predictor.hpp) on one rank through
 # tests/predict/dlrm_predictor_tool.cpp, of checkpoints trained on 2 ranks (row-wise), 4
 # (row-wise and table-wise) and 2 (column-wise over tp), against the same forward and `meshtrain

@@ -11,9 +11,13 @@ meshtrain_add_command_test(NAME recsys_make_data TIMEOUT 120
 # the same training and resumes with the tables updated sparsely (row-wise Adagrad, sparse AdamW);
 # three tables column-wise on 2 ranks, resumed row-wise on 4, on 1, column-wise on 4 (columns*);
 # four tables row-wise on 4 ranks, resumed table-wise on 2 (P(fsdp@table)), then on 1 (tablewise);
-# the dlrm preset's plan at world 1, 2, 4 and np 2, 4 training as np 1 (preset).
+# the dlrm preset's plan at world 1, 2, 4 and np 2, 4 training as np 1 (preset); bf16 tables
+# (model.table_dtype = "bf16"): np 2 and 4 column-wise bit for bit with np 1, the AUC against fp32
+# tables (bf16), a resume bit for bit, resharded onto 4 ranks, into fp32 tables and from them
+# (bf16_resume).
 foreach(mode train resume bad_id train_rowwise_adagrad resume_rowwise_adagrad resume_sparse_adamw
-        columns columns_rowwise_adagrad tablewise tablewise_rowwise_adagrad preset)
+        columns columns_rowwise_adagrad tablewise tablewise_rowwise_adagrad preset bf16
+        bf16_resume)
   meshtrain_add_command_test(NAME recsys_dlrm_${mode} TIMEOUT 180
     COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/recsys/check_dlrm_train.py ${mode}
             ${PROJECT_SOURCE_DIR}/scripts/make_recsys_data

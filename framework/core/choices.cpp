@@ -136,6 +136,11 @@ const ChoiceTable<Dtype>& dtype_choices() {
   return table;
 }
 
+const ChoiceTable<Dtype>& table_dtype_choices() {
+  static const ChoiceTable<Dtype> table = {{"fp32", Dtype::fp32}, {"bf16", Dtype::bf16}};
+  return table;
+}
+
 const ChoiceTable<DataSource>& data_source_choices() {
   static const ChoiceTable<DataSource> table = {{"fashion_mnist", DataSource::fashion_mnist},
                                                 {"synthetic", DataSource::synthetic},

@@ -156,6 +156,8 @@ const ChoiceTable<ReductionAlgorithm>& reduction_algorithm_choices();
 const ChoiceTable<MatmulPrecision>& matmul_precision_choices();
 const ChoiceTable<CudaGraphsChoice>& cuda_graphs_choices();
 const ChoiceTable<Dtype>& dtype_choices();
+// model.table_dtype: fp32 | bf16.
+const ChoiceTable<Dtype>& table_dtype_choices();
 const ChoiceTable<DataSource>& data_source_choices();
 const ChoiceTable<ShuffleMode>& shuffle_mode_choices();
 const ChoiceTable<StreamPolicy>& stream_policy_choices();

@@ -38,6 +38,16 @@ struct ShardedTensor {
   Vector local;        // box.elements() values, row-major over box.extent
   // The 16-bit compute copy of `local` (null: none; only where the model computes from one).
   std::shared_ptr<SixteenBitCopy> copy_16bit;
+  // How the block is stored. fp32: in `local`. bf16 (a DLRM's tables under model.table_dtype =
+  // "bf16", docs/recsys.md "bf16 tables"): as bf16 bits in `bits` (box.elements() of them, 2
+  // bytes an element) and `local` is empty: only code that knows the storage reads such a
+  // tensor (the embedding bag, the sparse optimizers, the DLRM initializer, checkpoints).
+  Dtype storage = Dtype::fp32;
+  HalfBits bits;
+
+  bool stored_16bit() const { return storage != Dtype::fp32; }
+  // Bytes of one stored element (4, or 2 for a 16-bit storage).
+  int64_t element_bytes() const { return stored_16bit() ? 2 : 4; }
 
   // Allocates the local block of `rank` (zero-filled); the label is the name.
   static ShardedTensor allocate(const std::string& name, const std::vector<int64_t>& global_shape,
@@ -49,6 +59,27 @@ struct ShardedTensor {
     t.box = shard_box(global_shape, spec, mesh, rank);
     t.local = Vector(name, static_cast<size_t>(t.box.elements()));
     return t;
+  }
+
+  // allocate() with the block stored as bf16 bits (`bits`, zero-filled; `local` empty).
+  static ShardedTensor allocate_bf16(const std::string& name,
+                                     const std::vector<int64_t>& global_shape,
+                                     const PartitionSpec& spec, const Mesh& mesh, int rank) {
+    ShardedTensor t;
+    t.name = name;
+    t.global_shape = global_shape;
+    t.spec = spec;
+    t.box = shard_box(global_shape, spec, mesh, rank);
+    t.storage = Dtype::bf16;
+    t.bits = HalfBits(name, static_cast<size_t>(t.box.elements()));
+    return t;
+  }
+
+  // The bf16 block as a matrix (storage bf16; as matrix()'s shape).
+  HalfMatrixView bits_matrix() const {
+    const size_t rows = box.extent.size() == 2 ? static_cast<size_t>(box.extent[0]) : 1;
+    const size_t cols = box.extent.empty() ? 1 : static_cast<size_t>(box.extent.back());
+    return HalfMatrixView(bits.data(), rows, cols);
   }
 
   // The local block as a matrix (2-D tensors; a 1-D tensor is one row).

@@ -36,9 +36,10 @@ void check_tensor(const ShardedTensor& t, const std::string& label) {
                       "checkpoint: ", label, " has a box outside its shape ",
                       format_shape(t.global_shape));
   }
-  MESHTRAIN_REQUIRE(static_cast<int64_t>(t.local.extent(0)) == t.box.elements(),
-                    "checkpoint: ", label, " holds ", t.local.extent(0), " values but its box has ",
-                    t.box.elements());
+  // A tensor stored as bf16 holds its block in `bits` (checkpoint_format.hpp, kBf16Dtype).
+  const size_t held = t.stored_16bit() ? t.bits.extent(0) : t.local.extent(0);
+  MESHTRAIN_REQUIRE(static_cast<int64_t>(held) == t.box.elements(), "checkpoint: ", label,
+                    " holds ", held, " values but its box has ", t.box.elements());
 }
 
 }  // namespace

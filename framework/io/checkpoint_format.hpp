@@ -29,6 +29,12 @@ namespace meshtrain::checkpoint_format {
 constexpr const char* kFormat = "meshtrain-checkpoint-2";
 constexpr const char* kFormatFletcher = "meshtrain-checkpoint-1";  // read only
 constexpr const char* kChecksumAttribute = "crc32";
+// A tensor stored as bf16 (ShardedTensor::storage; a DLRM's tables under model.table_dtype =
+// "bf16"): a uint16 dataset of its bf16 bits with attribute dtype = "bf16" (h5py reads it as
+// uint16; (bits.astype(uint32) << 16).view(float32) are its values). Every other dataset is
+// float32 without the attribute.
+constexpr const char* kDtypeAttribute = "dtype";
+constexpr const char* kBf16Dtype = "bf16";
 
 // --- tensors and their bytes in the file ------------------------------------------------
 

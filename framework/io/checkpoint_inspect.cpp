@@ -4,11 +4,12 @@
 #include <cstring>
 #include <vector>
 
+#include "base/error.hpp"
+#include "framework/core/precision.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/checkpoint_checksums.hpp"
 #include "framework/io/checkpoint_format.hpp"
 #include "framework/io/hdf5_util.hpp"
-#include "base/error.hpp"
 
 namespace meshtrain {
 
@@ -164,14 +165,29 @@ std::vector<CheckpointArray> read_checkpoint_arrays(const std::string& path,
     const std::string what = "cannot read dataset '" + full + "' in " + where;
     Handle dataset = read_checked(file, full, path, crc_format, buffer);
     Handle type = hdf5::make(H5Dget_type(dataset), H5Tclose, bad, what);
-    if (H5Tget_class(type) != H5T_FLOAT || H5Tget_size(type) != sizeof(float) ||
-        H5Tget_order(type) != H5T_ORDER_LE) {
-      MESHTRAIN_BAD_INPUT("dataset '", full, "' in ", where, " is ", dtype_name(type),
-                          ", not little-endian float32");
-    }
     CheckpointArray array;
     array.name = name;
     array.shape = logical_shape(dataset, what);
+    // A bf16 tensor (uint16 bits with dtype = "bf16", checkpoint_format.hpp): its values
+    // widened to float32 (exact).
+    if (H5Tget_class(type) == H5T_INTEGER && H5Tget_size(type) == 2 &&
+        H5Tget_order(type) == H5T_ORDER_LE &&
+        hdf5::has_attribute(dataset, kDtypeAttribute, bad, what) &&
+        hdf5::read_string_attribute(dataset, kDtypeAttribute, bad, what) == kBf16Dtype) {
+      array.values.resize(buffer.size() / sizeof(uint16_t));
+      for (size_t i = 0; i < array.values.size(); ++i) {
+        uint16_t bits = 0;
+        std::memcpy(&bits, buffer.data() + i * sizeof(uint16_t), sizeof bits);
+        array.values[i] = bf16_to_float(bits);
+      }
+      arrays.push_back(std::move(array));
+      continue;
+    }
+    if (H5Tget_class(type) != H5T_FLOAT || H5Tget_size(type) != sizeof(float) ||
+        H5Tget_order(type) != H5T_ORDER_LE) {
+      MESHTRAIN_BAD_INPUT("dataset '", full, "' in ", where, " is ", dtype_name(type),
+                          ", not little-endian float32 (nor bf16)");
+    }
     array.values.resize(buffer.size() / sizeof(float));
     std::memcpy(array.values.data(), buffer.data(), buffer.size());
     arrays.push_back(std::move(array));

@@ -11,16 +11,17 @@
 #include <fstream>
 #include <set>
 
+#include "base/error.hpp"
 #include "framework/comm/communicator.hpp"  // checked_int
 #include "framework/comm/failure_agreement.hpp"
 #include "framework/comm/mpi_util.hpp"
+#include "framework/core/precision.hpp"
 #include "framework/io/checkpoint.hpp"
 #include "framework/io/checkpoint_checksums.hpp"
 #include "framework/io/checkpoint_comm.hpp"
 #include "framework/io/checkpoint_files.hpp"
 #include "framework/io/checkpoint_format.hpp"
 #include "framework/io/hdf5_util.hpp"
-#include "base/error.hpp"
 #include "partition/planner.hpp"
 
 namespace meshtrain {
@@ -66,8 +67,65 @@ void check_parameter_names(hid_t file, const CheckpointContents& into, const std
   }
 }
 
-// Checks a dataset against the model's tensor: present, the same shape, floating point.
-Handle open_dataset(hid_t file, const DatasetEntry& entry, const std::string& path) {
+// One tensor's block on the host as a load fills it: the tensor's own host view (the tensor
+// itself on a host build), or, when the file's dtype is not the tensor's storage, the file's
+// elements first (converted after the read: a bf16 dataset into an fp32 tensor exactly, an fp32
+// one into a bf16 tensor to the nearest bf16).
+struct HostBlock {
+  typename Vector::HostMirror floats;  // a tensor stored as fp32
+  HalfBits::HostMirror bits;           // a tensor stored as bf16
+  std::vector<char> file_elements;     // the dataset's elements, when converted
+  Dtype file = Dtype::fp32;            // the dataset's dtype
+  bool convert = false;
+  int64_t elements = 0;  // of the block
+
+  int64_t file_element_bytes() const { return file == Dtype::fp32 ? 4 : 2; }
+  // Where the read puts the dataset's elements (a converted block's buffer is made here, just
+  // before its read).
+  char* target() {
+    if (convert) {
+      file_elements.resize(static_cast<size_t>(elements * file_element_bytes()));
+      return file_elements.data();
+    }
+    return floats.size() > 0 ? reinterpret_cast<char*>(floats.data())
+                             : reinterpret_cast<char*>(bits.data());
+  }
+  // The file's elements into the tensor's storage (convert only; their buffer is released),
+  // then the host block into the tensor. Called as soon as the block is read, so a load holds
+  // one converted block's file elements at a time.
+  void finish(ShardedTensor& t) {
+    if (convert && t.stored_16bit()) {
+      const float* from = reinterpret_cast<const float*>(file_elements.data());
+      for (size_t i = 0; i < bits.size(); ++i) bits(i) = float_to_bf16(from[i]);
+    } else if (convert) {
+      const uint16_t* from = reinterpret_cast<const uint16_t*>(file_elements.data());
+      for (size_t i = 0; i < floats.size(); ++i) floats(i) = bf16_to_float(from[i]);
+    }
+    std::vector<char>().swap(file_elements);
+    if (t.stored_16bit()) {
+      Kokkos::deep_copy(t.bits, bits);
+    } else {
+      Kokkos::deep_copy(t.local, floats);
+    }
+  }
+};
+
+HostBlock host_block(const ShardedTensor& t, Dtype file) {
+  HostBlock block;
+  block.file = file;
+  block.convert = file != t.storage;
+  if (t.stored_16bit()) {
+    block.bits = host_mirror(t.bits);
+  } else {
+    block.floats = host_mirror(t.local);
+  }
+  block.elements = t.box.elements();
+  return block;
+}
+
+// Checks a dataset against the model's tensor: present, the same shape, float32 or bf16 (uint16
+// with attribute dtype = "bf16"); `stored` is set to which.
+Handle open_dataset(hid_t file, const DatasetEntry& entry, const std::string& path, Dtype& stored) {
   const ErrorKind bad = ErrorKind::bad_input;
   const ShardedTensor& t = *entry.tensor;
   const std::string where = "checkpoint '" + path + "'";
@@ -83,15 +141,24 @@ Handle open_dataset(hid_t file, const DatasetEntry& entry, const std::string& pa
                         "' but ", format_shape(t.global_shape), " in the model");
   }
   Handle type = hdf5::make(H5Dget_type(dataset), H5Tclose, bad, what);
-  if (H5Tget_class(type) != H5T_FLOAT || H5Tget_size(type) != 4) {
-    MESHTRAIN_BAD_INPUT("dataset '", entry.path, "' in checkpoint '", path, "' is not float32");
+  if (H5Tget_class(type) == H5T_FLOAT && H5Tget_size(type) == 4) {
+    stored = Dtype::fp32;
+    return dataset;
   }
-  return dataset;
+  if (H5Tget_class(type) == H5T_INTEGER && H5Tget_size(type) == 2 &&
+      H5Tget_sign(type) == H5T_SGN_NONE &&
+      hdf5::has_attribute(dataset, kDtypeAttribute, bad, what) &&
+      hdf5::read_string_attribute(dataset, kDtypeAttribute, bad, what) == kBf16Dtype) {
+    stored = Dtype::bf16;
+    return dataset;
+  }
+  MESHTRAIN_BAD_INPUT("dataset '", entry.path, "' in checkpoint '", path,
+                      "' is neither float32 nor bf16 (uint16 with attribute ", kDtypeAttribute,
+                      " = \"", kBf16Dtype, "\")");
 }
 
 // Format 1: HDF5 reads the box (Fletcher32 checked by its filter).
-void read_with_hdf5(hid_t dataset, const DatasetEntry& entry, const std::string& path,
-                    float* host) {
+void read_with_hdf5(hid_t dataset, const DatasetEntry& entry, const std::string& path, char* host) {
   const ErrorKind bad = ErrorKind::bad_input;
   const ShardedTensor& t = *entry.tensor;
   if (t.box.elements() == 0) return;
@@ -112,16 +179,18 @@ void read_with_hdf5(hid_t dataset, const DatasetEntry& entry, const std::string&
 
 // Format 2: pread of the box's runs at the dataset's offset, with their CRC-32s when this rank
 // owns the block.
+// `host` receives the dataset's elements of `size` bytes each.
 void read_with_posix(int fd, int64_t base, int64_t dataset_index, const DatasetEntry& entry,
-                     const std::string& path, float* host, std::vector<Piece>& pieces) {
+                     const std::string& path, char* host, int64_t size,
+                     std::vector<Piece>& pieces) {
   for_each_run(*entry.tensor, [&](int64_t local, int64_t global, int64_t count) {
-    char* bytes = reinterpret_cast<char*>(host + local);
-    const int64_t length = count * 4;
+    char* bytes = host + local * size;
+    const int64_t length = count * size;
     uint32_t crc = 0;
     for (int64_t done = 0; done < length;) {
       const int64_t want = std::min(kSliceBytes, length - done);
       const ssize_t n = ::pread(fd, bytes + done, static_cast<size_t>(want),
-                                static_cast<off_t>(base + global * 4 + done));
+                                static_cast<off_t>(base + global * size + done));
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) {
         MESHTRAIN_BAD_INPUT("cannot read dataset '", entry.path, "' in checkpoint '", path,
@@ -134,7 +203,7 @@ void read_with_posix(int fd, int64_t base, int64_t dataset_index, const DatasetE
       if (entry.owner) crc = crc32_update(crc, bytes + done, static_cast<size_t>(n));
       done += n;
     }
-    if (entry.owner) append_piece(pieces, Piece{dataset_index, global * 4, length, crc, 0});
+    if (entry.owner) append_piece(pieces, Piece{dataset_index, global * size, length, crc, 0});
   });
 }
 
@@ -218,7 +287,7 @@ CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& i
   on_every_rank(comm.get(), [&] {
     const std::string where = "checkpoint '" + path + "'";
     std::vector<int64_t> offsets;
-    std::vector<typename Vector::HostMirror> hosts;
+    std::vector<HostBlock> hosts;
     {
       std::lock_guard<std::mutex> lock(hdf5::global_mutex());
       Handle file = open_serial(path);
@@ -228,11 +297,18 @@ CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& i
       for (const DatasetEntry& entry : entries) {
         const ShardedTensor& t = *entry.tensor;
         const std::string what = "cannot read dataset '" + entry.path + "' in " + where;
-        Handle dataset = open_dataset(file, entry, path);
-        hosts.push_back(host_mirror(t.local));
-        dataset_bytes.push_back(global_elements(t.global_shape) * 4);
+        MESHTRAIN_REQUIRE(t.storage != Dtype::fp16, "checkpoint: tensor '", t.name,
+                          "' is stored as fp16, which checkpoints do not hold");
+        Dtype file_dtype = Dtype::fp32;
+        Handle dataset = open_dataset(file, entry, path, file_dtype);
+        hosts.push_back(host_block(t, file_dtype));
+        dataset_bytes.push_back(global_elements(t.global_shape) *
+                                hosts.back().file_element_bytes());
         if (!crc_format) {
-          read_with_hdf5(dataset, entry, path, hosts.back().data());
+          MESHTRAIN_REQUIRE(file_dtype == Dtype::fp32, "dataset '", entry.path, "' in ", where,
+                            ": format 1 holds float32 only");
+          read_with_hdf5(dataset, entry, path, hosts.back().target());
+          hosts.back().finish(*entry.tensor);
           continue;
         }
         const haddr_t address = H5Dget_offset(dataset);
@@ -259,7 +335,8 @@ CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& i
       try {
         for (size_t i = 0; i < entries.size(); ++i) {
           read_with_posix(fd, offsets[i], static_cast<int64_t>(i), entries[i], path,
-                          hosts[i].data(), pieces);
+                          hosts[i].target(), hosts[i].file_element_bytes(), pieces);
+          hosts[i].finish(*entries[i].tensor);
         }
       } catch (...) {
         ::close(fd);
@@ -267,8 +344,6 @@ CheckpointInfo load_checkpoint(const std::string& path_in, CheckpointContents& i
       }
       ::close(fd);
     }
-    for (size_t i = 0; i < entries.size(); ++i)
-      Kokkos::deep_copy(entries[i].tensor->local, hosts[i]);
     checked_int(pieces.size() * sizeof(Piece), "the checksums of a checkpoint (bytes)");
   });
   if (crc_format) {

@@ -68,6 +68,8 @@ inline void fault_point(const char*, int64_t = 0) {}
 
 using StagingView = Kokkos::View<float*, HostStagingSpace>;  // pinned with CUDA
 using HostFloats = Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+using HostBits =
+    Kokkos::View<uint16_t*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 // Emulating device memory, tensors are staged as on a GPU.
 bool tensors_on_host() {
   return !device_memory_is_separate();
@@ -144,8 +146,10 @@ struct SaveJob {
     int64_t dataset = 0;
     ShardedTensor meta;                  // shape, spec and box (its view left empty)
     typename Vector::HostMirror mirror;  // host tensors: the tensor itself (no copy)
-    const float* source = nullptr;       // host bytes to write (or to copy from)
-    float* staged = nullptr;             // set when the writer copies source here first
+    HalfBits::HostMirror bits_mirror;    // the same for a tensor stored as bf16
+    const char* source = nullptr;        // host bytes to write (or to copy from)
+    char* staged = nullptr;              // set when the writer copies source here first
+    int64_t element_bytes = 4;           // 2 for a tensor stored as bf16
   };
   std::vector<Block> blocks;  // the blocks this rank owns, in file order
 
@@ -199,18 +203,19 @@ void write_blocks(SaveJob& job) {
   try {
     int64_t written = 0;
     for (const SaveJob::Block& block : job.blocks) {
-      const float* data = block.staged != nullptr ? block.staged : block.source;
+      const char* data = block.staged != nullptr ? block.staged : block.source;
       const int64_t base = job.offsets[static_cast<size_t>(block.dataset)];
+      const int64_t size = block.element_bytes;
       for_each_run(block.meta, [&](int64_t local, int64_t global, int64_t count) {
-        const char* bytes = reinterpret_cast<const char*>(data + local);
-        const int64_t length = count * 4;
+        const char* bytes = data + local * size;
+        const int64_t length = count * size;
         uint32_t crc = 0;
         for (int64_t done = 0; done < length; done += kSliceBytes) {
           const int64_t n = std::min(kSliceBytes, length - done);
           crc = crc32_update(crc, bytes + done, static_cast<size_t>(n));
-          write_all(fd, bytes + done, n, base + global * 4 + done, job.tmp_path);
+          write_all(fd, bytes + done, n, base + global * size + done, job.tmp_path);
         }
-        append_piece(job.pieces, Piece{block.dataset, global * 4, length, crc, 0});
+        append_piece(job.pieces, Piece{block.dataset, global * size, length, crc, 0});
       });
       fault_point("after_dataset", ++written);
     }
@@ -245,7 +250,7 @@ void run_writer(SaveJob& job) {
       for (const SaveJob::Block& block : job.blocks) {
         if (block.staged != nullptr) {
           std::memcpy(block.staged, block.source,
-                      static_cast<size_t>(block.meta.box.elements()) * 4);
+                      static_cast<size_t>(block.meta.box.elements() * block.element_bytes));
         }
       }
     }
@@ -290,10 +295,14 @@ std::vector<int64_t> create_file(const SaveJob& job, const CheckpointContents& c
     const std::vector<hsize_t> dims = stored_dims(t.global_shape);
     Handle space = hdf5::make(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),
                               H5Sclose, fail, what);
-    Handle dataset = hdf5::make(
-        H5Dcreate2(file, entry.path.c_str(), H5T_IEEE_F32LE, space, lcpl, dcpl, H5P_DEFAULT),
-        H5Dclose, fail, what);
+    // A tensor stored as bf16 (a DLRM table, model.table_dtype = "bf16"): its bits as they are,
+    // uint16 with attribute dtype = "bf16" (kDtypeAttribute, kBf16Dtype).
+    const hid_t type = t.stored_16bit() ? H5T_STD_U16LE : H5T_IEEE_F32LE;
+    Handle dataset =
+        hdf5::make(H5Dcreate2(file, entry.path.c_str(), type, space, lcpl, dcpl, H5P_DEFAULT),
+                   H5Dclose, fail, what);
     hdf5::write_attribute(dataset, "spec", t.spec.to_string());
+    if (t.stored_16bit()) hdf5::write_attribute(dataset, kDtypeAttribute, std::string(kBf16Dtype));
     if (t.global_shape.empty()) hdf5::write_attribute(dataset, "scalar", int64_t{1});
     hdf5::write_attribute(dataset, kChecksumAttribute, uint64_t{0});  // set when complete
     const haddr_t address = H5Dget_offset(dataset);
@@ -453,10 +462,18 @@ std::string Checkpointer::save(const CheckpointContents& contents, const std::st
       job->file_name = checkpoint_file_name(contents.train_state.step);
       job->final_path = (fs::path(dir) / job->file_name).string();
       job->tmp_path = job->final_path + ".tmp";
+      // The staging buffer holds floats; a 16-bit block takes its bytes rounded up to whole
+      // floats, so that every block starts aligned for a float.
+      const auto staged_floats = [](const ShardedTensor& t) {
+        return (t.box.elements() * t.element_bytes() + 3) / 4;
+      };
       int64_t staged_elements = 0;
       for (const DatasetEntry& entry : job->entries) {
-        job->dataset_bytes.push_back(global_elements(entry.tensor->global_shape) * 4);
-        if (entry.owner) staged_elements += entry.tensor->box.elements();
+        const ShardedTensor& t = *entry.tensor;
+        MESHTRAIN_REQUIRE(t.storage != Dtype::fp16, "checkpoint: tensor '", t.name,
+                          "' is stored as fp16, which checkpoints do not hold");
+        job->dataset_bytes.push_back(global_elements(t.global_shape) * t.element_bytes());
+        if (entry.owner) staged_elements += staged_floats(t);
       }
       fault_point("prepare");
       if (stage &&
@@ -477,18 +494,31 @@ std::string Checkpointer::save(const CheckpointContents& contents, const std::st
         block.dataset = static_cast<int64_t>(i);
         block.meta = t;
         block.meta.local = Vector();
+        block.meta.bits = HalfBits();
+        block.element_bytes = t.element_bytes();
         const int64_t n = t.box.elements();
+        char* staging = stage ? reinterpret_cast<char*>(staging_->view.data() + next) : nullptr;
         if (tensors_on_host()) {
-          block.mirror = host_mirror(t.local);  // shared memory here: no copy
-          block.source = block.mirror.data();
-          if (stage) block.staged = staging_->view.data() + next;
-        } else {
+          // Shared memory here: no copy.
+          if (t.stored_16bit()) {
+            block.bits_mirror = host_mirror(t.bits);
+            block.source = reinterpret_cast<const char*>(block.bits_mirror.data());
+          } else {
+            block.mirror = host_mirror(t.local);
+            block.source = reinterpret_cast<const char*>(block.mirror.data());
+          }
+          block.staged = staging;
+        } else if (t.stored_16bit()) {
           // Device tensors: copied into the (pinned) staging buffer now, before save returns.
-          HostFloats target(staging_->view.data() + next, static_cast<size_t>(n));
+          HostBits target(reinterpret_cast<uint16_t*>(staging), static_cast<size_t>(n));
+          Kokkos::deep_copy(target, t.bits);
+          block.source = staging;
+        } else {
+          HostFloats target(reinterpret_cast<float*>(staging), static_cast<size_t>(n));
           Kokkos::deep_copy(target, t.local);
-          block.source = target.data();
+          block.source = staging;
         }
-        next += n;
+        next += staged_floats(t);
         job->blocks.push_back(std::move(block));
       }
       if (comm.rank() == 0) {

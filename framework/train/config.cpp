@@ -64,6 +64,7 @@ DlrmShape ModelSection::dlrm() const {
     if (t.dim == 0 && !bottom.empty()) t.dim = bottom.back();
   }
   shape.interaction = interaction;
+  shape.table_dtype = table_dtype;
   return shape;
 }
 

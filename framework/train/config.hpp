@@ -81,6 +81,8 @@ struct ModelSection {
   std::vector<int64_t> bottom, top;
   std::vector<DlrmTable> tables;
   DlrmInteraction interaction = DlrmInteraction::dot;
+  // kind dlrm: how the tables are stored (fp32 | bf16; docs/recsys.md, "bf16 tables").
+  Dtype table_dtype = Dtype::fp32;
   MoeSettings moe() const { return {moe_layers, experts, top_k, aux_loss_coef}; }
   // kind dlrm's shape, every table's dim resolved (partition/dlrm_shape.hpp).
   DlrmShape dlrm() const;

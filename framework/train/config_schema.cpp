@@ -73,6 +73,7 @@ std::optional<KeyProblem> check_dlrm_top(const ConfigKey&, const RunConfig&, con
 std::optional<KeyProblem> read_tables(const ConfigKey&, const toml::node&, RunConfig&);
 void write_tables(const ConfigKey&, const RunConfig&, toml::table&);
 std::optional<KeyProblem> check_tables(const ConfigKey&, const RunConfig&, const KeyNames&);
+std::optional<KeyProblem> check_table_dtype(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> check_sparse_key(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> check_dlrm_loss(const ConfigKey&, const RunConfig&, const KeyNames&);
 std::optional<KeyProblem> check_dlrm_source(const ConfigKey&, const RunConfig&, const KeyNames&);
@@ -240,6 +241,13 @@ const std::vector<ConfigKey>& config_keys() {
                          "dlrm: dot (pairwise dot products of the features, DLRM's) or cat "
                          "(the features side by side)")
                     .only_when(unless_dlrm));
+    k.push_back(make_key("model", "table_dtype", NAMED(model.table_dtype, table_dtype_choices()),
+                         any_value(), kFileCommands,
+                         "dlrm: how the tables are stored: fp32, or bf16 (2 bytes an element, "
+                         "updated with stochastic rounding by a sparse `optimizer.embeddings`; "
+                         "[recsys.md](recsys.md#bf16-tables))")
+                    .only_when(unless_dlrm)
+                    .checked_by(check_table_dtype, "bf16: a sparse optimizer.embeddings"));
     k.push_back(make_key("model", "top", FIELD(model.top), at_least(1), kFileCommands,
                          "dlrm: the top MLP's sizes, the interaction's width first, 1 last")
                     .only_when(unless_dlrm, "is required with kind = \"dlrm\", e.g. [367, 64, 1]")
@@ -849,6 +857,17 @@ void write_tables(const ConfigKey& key, const RunConfig& c, toml::table& section
 }
 
 // The tables, and what kind = "dlrm" needs of the other keys.
+// model.table_dtype = "bf16" (kind dlrm): the tables are written by a sparse optimizer only (a
+// dense one updates fp32 blocks).
+std::optional<KeyProblem> check_table_dtype(const ConfigKey&, const RunConfig& c,
+                                            const KeyNames& names) {
+  if (c.model.table_dtype != Dtype::bf16) return std::nullopt;
+  if (c.optimizer.embeddings != EmbeddingOptimizer::dense) return std::nullopt;
+  return problem("= \"bf16\" needs a sparse ", names("optimizer.embeddings"),
+                 " (\"rowwise_adagrad\" or \"sparse_adamw\"), which rounds the tables' updates to "
+                 "bf16; it is \"dense\"");
+}
+
 std::optional<KeyProblem> check_tables(const ConfigKey&, const RunConfig& c,
                                        const KeyNames& names) {
   const ModelSection& m = c.model;

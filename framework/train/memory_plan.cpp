@@ -504,9 +504,11 @@ PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan,
         if (!owns_block(plan.mesh, r, p.spec)) continue;
         if (options.sparse_tables && is_embedding_weight_name(p.name)) {
           const int64_t per_row = p.local_shape.empty() ? 0 : p.local_shape[0] * 4;
+          // The table as stored (2 bytes an element under table_dtype = "bf16"), its state fp32.
+          const int64_t fp32_block = p.bytes_per_rank / options.table_bytes_per_element * 4;
           bytes +=
               p.bytes_per_rank + (config.optimizer.embeddings == EmbeddingOptimizer::sparse_adamw
-                                      ? 2 * p.bytes_per_rank + per_row
+                                      ? 2 * fp32_block + per_row
                                       : per_row);
           continue;
         }

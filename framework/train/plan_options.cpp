@@ -61,6 +61,9 @@ PlanOptions plan_options(const RunConfig& config) {
   PlanOptions options;
   options.min_sharding_size = config.partition.min_sharding_size;
   options.bytes_per_element = 4;
+  options.table_bytes_per_element = config.model.kind == ModelKind::dlrm
+                                        ? static_cast<int64_t>(bytes_of(config.model.table_dtype))
+                                        : 4;
   // The slots the optimizer allocates, from the one function that decides them.
   OptimizerSettings settings;
   settings.kind = config.optimizer.kind;

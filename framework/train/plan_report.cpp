@@ -695,8 +695,10 @@ std::vector<TablePlan> table_plans(const RunConfig& config, const ShardingPlan& 
       t.placement = "replicated";
     }
     constexpr int64_t kFloat = sizeof(float);
+    // The table's block as stored (model.table_dtype: 4 or 2 bytes an element); its gradient
+    // and optimizer state are fp32 either way.
     const int64_t block = l.rows_per_owner * l.dim_per_slice * kFloat;
-    t.weight_bytes = block;
+    t.weight_bytes = l.rows_per_owner * l.dim_per_slice * options.table_bytes_per_element;
     // Sparse updates allocate no dense gradient (TableGradients::sparse, layers/dlrm.hpp).
     t.gradient_bytes = sparse ? 0 : block;
     // Sparse updates also keep a host int32 row -> slot map of every local row

@@ -139,6 +139,26 @@ TEST(DlrmConfig, ReadsTheTablesOptimizer) {
       {"embeddings", "kind = \"dlrm\""});
 }
 
+// model.table_dtype (docs/recsys.md, "bf16 tables"): fp32 by default; bf16 read, written back
+// and carried into the shape; another value refused naming the file, the key and the value; bf16
+// with the dense optimizer.embeddings refused naming both keys; outside kind = "dlrm" refused.
+TEST(DlrmConfig, ReadsTheTableDtype) {
+  EXPECT_EQ(parse(dlrm()).model.table_dtype, Dtype::fp32);
+  EXPECT_EQ(parse(dlrm()).model.dlrm().table_dtype, Dtype::fp32);
+  const RunConfig a =
+      parse(dlrm("table_dtype = \"bf16\"\n", "[optimizer]\nembeddings = \"rowwise_adagrad\"\n"));
+  EXPECT_EQ(a.model.table_dtype, Dtype::bf16);
+  EXPECT_EQ(a.model.dlrm().table_dtype, Dtype::bf16);
+  EXPECT_EQ(parse(config_to_toml(a)).model.table_dtype, Dtype::bf16);
+  expect_config_error(
+      dlrm("table_dtype = \"fp16\"\n", "[optimizer]\nembeddings = \"sparse_adamw\"\n"),
+      {"t.toml", "[model] table_dtype", "\"fp16\"", "fp32 | bf16"});
+  expect_config_error(dlrm("table_dtype = \"bf16\"\n"),
+                      {"t.toml", "[model] table_dtype", "bf16", "optimizer.embeddings", "dense"});
+  expect_config_error("[model]\nsizes = [4, 3]\ntable_dtype = \"bf16\"\n[train]\nsteps = 5\n",
+                      {"table_dtype", "kind = \"dlrm\""});
+}
+
 // Table-wise rules (docs/recsys.md): the text form and the array form's "axis@table" entry,
 // written back as text; a bad placement names the rule.
 TEST(DlrmConfig, ReadsTableWiseRules) {

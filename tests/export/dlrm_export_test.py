@@ -153,7 +153,8 @@ def dlrm_forward(ckpt, dense, bags, dtype="fp32"):
 # --- training, export, ONNX Runtime ----------------------------------------------------------
 
 def train(ctx, name, data, ranks, tables, interaction="dot", top_hidden=8, steps=6,
-          data_lines=(), partition_lines=(), mesh_lines=None):
+          data_lines=(), partition_lines=(), mesh_lines=None, model_lines=(),
+          optimizer_lines=()):
     out = os.path.join(ctx.work, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
@@ -166,6 +167,7 @@ def train(ctx, name, data, ranks, tables, interaction="dot", top_hidden=8, steps
         "[partition]", 'preset = "fsdp"', "min_sharding_size = 0", *partition_lines,
         "[model]", 'kind = "dlrm"', "bottom = %s" % BOTTOM,
         "top = [%d, %d, 1]" % (width, top_hidden), 'interaction = "%s"' % interaction,
+        *model_lines,
     ]
     for t in tables:
         lines.append("[[model.tables]]")
@@ -173,7 +175,7 @@ def train(ctx, name, data, ranks, tables, interaction="dot", top_hidden=8, steps
     lines += [
         "[data]", 'source = "hdf5"', 'path = "%s"' % data, 'x_key = "/dense"',
         'y_key = "/label"', "batch_size = 32", *data_lines,
-        "[optimizer]", 'kind = "adamw"', "lr = 0.05",
+        "[optimizer]", 'kind = "adamw"', "lr = 0.05", *optimizer_lines,
         "[train]", "steps = %d" % steps, "log_every = %d" % steps,
         "[checkpoint]", "keep = 1",
     ]
@@ -336,7 +338,9 @@ def case_predict(ctx):
     batch (32 rounded up to 33, a multiple of the 3 batch shards); on fsdp 2 x tp 2 (tp
     partners hold the same rows: one of each pair writes): /prediction (the probability) and
     /logit against the float64 forward to 1e-5, a progress line; --flight-dir starts the
-    recorder there. Refused, exit 2, one sentence, no output left: an id outside its table
+    recorder there. A checkpoint of bf16 tables (model.table_dtype = "bf16", its tables uint16
+    with dtype = "bf16") predicted on 1 and 2 ranks against the float64 forward of its widened
+    values, to the same 1e-5. Refused, exit 2, one sentence, no output left: an id outside its table
     (naming the table, the file and the row), --jacobian, two --input files, a mesh that does
     not fit the ranks, a --batch-size the batch shards do not divide (naming --batch-size)."""
     data = write_dlrm_data(os.path.join(ctx.work, "train.h5"))
@@ -372,6 +376,27 @@ def case_predict(ctx):
                    et.FP32_RTOL)
     ctx.check(not os.path.exists(stale), "predict --flight-dir: the recorder did not start in %s"
               % os.path.join(flight, "flight"))
+    # bf16 tables (model.table_dtype = "bf16", row-wise Adagrad): the checkpoint's tables are
+    # uint16 bits, widened for the float64 forward; predicted on 1 and 2 ranks (row-wise).
+    bf16_checkpoint = train(ctx, "predict_bf16_np2", data, 2, tables,
+                            model_lines=['table_dtype = "bf16"'],
+                            optimizer_lines=['embeddings = "rowwise_adagrad"'])
+    bf16_ckpt = et.read_checkpoint(et.latest_file(bf16_checkpoint))
+    with h5py.File(et.latest_file(bf16_checkpoint), "r") as f:
+        weight = f["params/embeddings/%s/weight" % next(iter(TABLES))]
+        ctx.check(weight.dtype == np.uint16 and weight.attrs.get("dtype") in ("bf16", b"bf16"),
+                  "bf16 tables saved as %s, dtype attribute %r" % (weight.dtype,
+                                                                  weight.attrs.get("dtype")))
+    bf16_ref = dlrm_forward(bf16_ckpt, dense, bags)
+    for ranks in (1, 2):
+        output = os.path.join(ctx.work, "prediction_bf16_np%d.h5" % ranks)
+        status, out, err = predict(ctx, bf16_checkpoint, input_path, output, ranks)
+        if not ctx.check(status == 0, "predict bf16 np %d: status %d, %s" % (ranks, status, err)):
+            continue
+        with h5py.File(output, "r") as f:
+            got = {"probability": f["prediction"][()], "logit": f["logit"][()]}
+        et.compare(ctx, "meshtrain predict of bf16 tables np %d vs float64 forward" % ranks, got,
+                   bf16_ref, et.FP32_RTOL)
     refused = os.path.join(ctx.work, "refused.h5")
     check_refused(ctx, "predict --jacobian",
                   predict(ctx, checkpoint, input_path, refused, 1, ["--jacobian"]),

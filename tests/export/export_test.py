@@ -201,6 +201,14 @@ def export(ctx, checkpoint, output, dtype=None, extra=()):
 
 # --- the checkpoint, read as a user would --------------------------------------------------
 
+def dataset_values(d):
+    """A checkpoint dataset's values in float64; a bf16 one (uint16 bits with attribute
+    dtype = "bf16", docs/recsys.md "bf16 tables") widened."""
+    if d.dtype == np.uint16 and d.attrs.get("dtype") in ("bf16", b"bf16"):
+        return (d[()].astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return d[()].astype(np.float64)
+
+
 def read_checkpoint(path):
     """{params: {name: float64 array}, config: dict, normalization: {name: array}, step}."""
     params, normalization = {}, {}
@@ -208,7 +216,7 @@ def read_checkpoint(path):
         text = f.attrs["config"]
         config = tomllib.loads(text.decode() if isinstance(text, bytes) else text)
         step = int(f.attrs["step"])
-        f["params"].visititems(lambda name, obj: params.__setitem__(name, obj[()].astype(np.float64))
+        f["params"].visititems(lambda name, obj: params.__setitem__(name, dataset_values(obj))
                                if isinstance(obj, h5py.Dataset) else None)
         if "normalization" in f:
             for name in f["normalization"]:

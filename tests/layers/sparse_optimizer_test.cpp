@@ -496,6 +496,161 @@ TEST(SparseTableOptimizer, Bf16TablesRoundLikeTheReferenceOnEverySharding) {
   EXPECT_GE(static_cast<double>(bf16_exact), 0.99 * static_cast<double>(bf16_compared));
 }
 
+// A bf16 table stored as 2 bytes an element (ShardedTensor::allocate_bf16, model.table_dtype =
+// "bf16"): kSteps of `kind` from the initial table rounded to the nearest bf16. Returns this
+// rank's block as bf16 bits (2-byte storage: the bits as stored; else the fp32 values' bits)
+// and appends every step's pooled rows to `pooled`. `two_bytes` false: the same with the table
+// held in fp32 and keep_tables_in_bf16 (the fp32 storage holding bf16 values).
+std::vector<uint16_t> bf16_run(MeshCommunicators& comms, const PartitionSpec& spec, Ids which,
+                               EmbeddingPooling pooling, Kind kind, bool two_bytes,
+                               std::vector<float>& pooled) {
+  const Mesh& mesh = comms.mesh();
+  ParallelContext context(comms, {"fsdp", "dp"}, "tp");
+  std::vector<Batch> steps;
+  for (int64_t s = 0; s < kSteps; ++s) {
+    steps.push_back(
+        make_batch(which, 40 + 3 * static_cast<uint64_t>(s) + static_cast<uint64_t>(which)));
+  }
+  const std::string name = embedding_weight_name(kTable);
+  ShardedTensor weight =
+      two_bytes ? ShardedTensor::allocate_bf16(name, {kRows, kDim}, spec, mesh, comms.rank())
+                : ShardedTensor::allocate(name, {kRows, kDim}, spec, mesh, comms.rank());
+  ShardedTensor grad = ShardedTensor::allocate("grad", {kRows, kDim}, spec, mesh, comms.rank());
+  const int64_t first_row = weight.box.offset[0], block_rows = weight.box.extent[0];
+  const int64_t first_col = weight.box.offset[1], cols = weight.box.extent[1];
+  const std::vector<float> initial = initial_table();
+  if (two_bytes) {
+    // 2 bytes an element, no fp32 block.
+    EXPECT_EQ(static_cast<int64_t>(weight.bits.extent(0)), block_rows * cols);
+    EXPECT_EQ(weight.local.extent(0), 0u);
+    EXPECT_EQ(weight.element_bytes(), 2);
+    auto h = Kokkos::create_mirror_view(weight.bits);
+    for (int64_t r = 0; r < block_rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        h(r * cols + c) = float_to_bf16(initial[(first_row + r) * kDim + first_col + c]);
+    Kokkos::deep_copy(weight.bits, h);
+  } else {
+    auto h = Kokkos::create_mirror_view(weight.local);
+    for (int64_t r = 0; r < block_rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        h(r * cols + c) = initial[(first_row + r) * kDim + first_col + c];
+    Kokkos::deep_copy(weight.local, h);
+  }
+  const int parts = context.batch_parallel();
+  const int64_t bags = kBatch / parts, first_bag = context.batch_index() * bags;
+  std::vector<EmbeddingBag> tables;
+  tables.emplace_back(kTable, ParameterRef{&weight, &grad}, pooling, bags, most_ids(steps, parts),
+                      context);
+  tables[0].use_sparse_gradient(context);
+  SparseOptimizerSettings with = settings();
+  with.bf16_tables = true;
+  with.rounding_seed = kRoundingSeed;
+  const std::unique_ptr<SparseTableOptimizer> optimizer =
+      make_sparse_table_optimizer(kind == Kind::adagrad ? EmbeddingOptimizer::rowwise_adagrad
+                                                        : EmbeddingOptimizer::sparse_adamw,
+                                  with, tables, mesh, comms.rank());
+  for (int64_t s = 0; s < kSteps; ++s) {
+    const Batch& d = steps[s];
+    const LocalBags in = local_bags(d, first_bag, bags);
+    const Matrix dy = testing::block_matrix(
+        "dy", bags, kDim, first_bag, 0, [&](int64_t b, int64_t c) { return d.dy[b * kDim + c]; });
+    testing::AllocationWindow window;
+    const MatrixView out = tables[0].forward({in.offsets, in.ids}, {});
+    tables[0].backward(dy, {});
+    optimizer->step(tables, static_cast<float>(rate(kind)));
+    const long heap = window.close();
+    if (s > 0) EXPECT_EQ(heap + window.kokkos_allocations(), 0) << "allocations in a step";
+    const testing::Tensor h = testing::host_matrix(out);
+    pooled.insert(pooled.end(), h.begin(), h.end());
+  }
+  std::vector<uint16_t> bits;
+  if (two_bytes) {
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), weight.bits);
+    bits.assign(h.data(), h.data() + h.extent(0));
+  } else {
+    for (float v : host(weight)) {
+      EXPECT_EQ(bf16_to_float(float_to_bf16(v)), v) << "an fp32-held bf16 table left bf16";
+      bits.push_back(bits16(v));
+    }
+  }
+  return bits;
+}
+
+// bf16 tables stored as 2 bytes an element, on every mesh and layout of mesh_cases, both
+// optimizers, 3 steps (the header's data; row-wise Adagrad with sum pooling and the ids on one
+// shard, sparse AdamW with mean pooling and the ids spread):
+//   - the pooled rows of every step and the table's bits after them equal the same run with the
+//     table held in fp32 (keep_tables_in_bf16) bit for bit: reading bf16 bits and widening them
+//     is the same sum as reading the fp32 values they equal;
+//   - this rank's block equals the one-rank run's (the same layer on MPI_COMM_SELF, computed in
+//     this test) bit for bit wherever the gradient's sums keep the one-rank order (the row axes
+//     cover every batch axis, and not row-wise Adagrad's column slices, whose accumulator adds
+//     the slices' squares in another order): the stochastic draws are the same on every mesh
+//     (keyed by global row and column). Elsewhere an element may be the one-rank value's bf16
+//     neighbour (16 bits one apart) where the fp32 value it rounds differs by a sum's order and
+//     the draw's threshold falls between: at most 2 per case (as kMostBf16NeighboursPerCase).
+TEST(SparseTableOptimizer, Bf16StorageEqualsTheFp32PathAndOneRank) {
+  const int n = world_size();
+  MeshCommunicators single(Mesh::single(), MPI_COMM_SELF);
+  int64_t elements = 0, exact = 0;
+  for (const TableMeshCase& c : mesh_cases(n)) {
+    const Mesh mesh = Mesh::create(c.axes, n);
+    MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+    for (const PartitionSpec& spec : c.specs) {
+      // Kept cheap (3 runs a case): row-wise Adagrad with sum pooling and ids on one shard,
+      // sparse AdamW with mean pooling and ids spread.
+      for (Kind kind : {Kind::adagrad, Kind::adamw}) {
+        {
+          const Ids ids = kind == Kind::adagrad ? Ids::one_shard : Ids::spread;
+          const EmbeddingPooling pooling =
+              kind == Kind::adagrad ? EmbeddingPooling::sum : EmbeddingPooling::mean;
+          {
+            SCOPED_TRACE(describe(c.axes) + " " + spec.to_string() + " " + to_string(pooling) +
+                         (kind == Kind::adagrad ? " rowwise_adagrad" : " sparse_adamw") +
+                         (ids == Ids::one_shard ? " one shard" : " spread"));
+            std::vector<float> pooled, pooled_fp32, pooled_one;
+            const std::vector<uint16_t> got =
+                bf16_run(comms, spec, ids, pooling, kind, true, pooled);
+            const std::vector<uint16_t> fp32_held =
+                bf16_run(comms, spec, ids, pooling, kind, false, pooled_fp32);
+            ASSERT_EQ(got, fp32_held) << "the 2-byte table differs from the fp32-held one";
+            ASSERT_EQ(pooled, pooled_fp32) << "the pooled rows differ";
+            const std::vector<uint16_t> one =
+                bf16_run(single, PartitionSpec(), ids, pooling, kind, true, pooled_one);
+            const ShardBox box = shard_box({kRows, kDim}, spec, mesh, comms.rank());
+            const bool bitwise =
+                rows_cover_batch(spec, mesh) &&
+                !(kind == Kind::adagrad && !box.extent.empty() && box.extent[1] < kDim);
+            int64_t neighbours = 0;
+            for (int64_t r = 0; r < box.extent[0]; ++r) {
+              for (int64_t col = 0; col < box.extent[1]; ++col) {
+                const uint16_t mine = got[static_cast<size_t>(r * box.extent[1] + col)];
+                const uint16_t want =
+                    one[static_cast<size_t>((box.offset[0] + r) * kDim + box.offset[1] + col)];
+                ++elements;
+                if (mine == want) {
+                  ++exact;
+                  continue;
+                }
+                ASSERT_FALSE(bitwise) << "row " << box.offset[0] + r << " column "
+                                      << box.offset[1] + col << " differs from one rank's";
+                ++neighbours;
+                ASSERT_EQ(mine >> 15, want >> 15);
+                ASSERT_EQ(std::abs(static_cast<int>(mine) - static_cast<int>(want)), 1)
+                    << "row " << box.offset[0] + r << " column " << box.offset[1] + col;
+              }
+            }
+            EXPECT_LE(neighbours, kMostBf16NeighboursPerCase);
+          }
+        }
+      }
+    }
+  }
+  ASSERT_GT(elements, 0);
+  std::printf("bf16 storage: %lld of %lld table elements equal one rank's bit for bit\n",
+              static_cast<long long>(exact), static_cast<long long>(elements));
+}
+
 // On one rank, with every row of the table touched by every step, sparse AdamW's lazy moments
 // are dense AdamW's moments: the same floats (Optimizer over the dense gradient of a twin).
 TEST(SparseAdamW, EveryRowTouchedIsDenseAdamWBitForBit) {

@@ -80,6 +80,33 @@ where their rows divide, the rest replicated). Modes:
           traced run's losses equal an untraced run's bit for bit. And np 2 tracing steps 5 to 9
           of 6: the trace is written at the end of the run (steps 5 and 6).
 
+  bf16    model.table_dtype = "bf16" (tables stored as 2 bytes an element, sparse_adamw with
+          stochastic rounding; docs/recsys.md, "bf16 tables"), 20 steps: np 1, np 2 (tp 2) and
+          np 4 (tp 4) with t23, t24 and t25 column-wise (P(None, tp)), the dense layers and the
+          other tables replicated over tp (the whole batch on every rank: the one-rank sums in
+          the one-rank order): every loss and every table of the step-20 checkpoint equal np 1's
+          bit for bit (the same stochastic draws on every mesh, keyed by global row and
+          column); the checkpoint's tables are uint16 [rows, dim] with attribute dtype = "bf16"
+          (h5py), their values (bits << 16 as float32) finite and not all zero, the AdamW state
+          float32; `meshtrain evaluate` of np 1's checkpoint on 2 ranks gives its final AUC
+          (within 1e-4). np 1, 40 steps of row-wise Adagrad (lr 0.05), bf16 tables and fp32
+          tables: the final test AUC of the bf16 run above 0.66 and within BF16_AUC_TOLERANCE of
+          the fp32 run's. And the refusals: table_dtype =
+          "fp16" (one sentence naming the file, the key and the value), "bf16" with
+          optimizer.embeddings = "dense". `meshtrain plan --json` at world 2: every table's bytes
+          per rank half the fp32 table's (parameters and embedding_tables), the optimizer
+          state's unchanged.
+  bf16_resume  bf16 tables with rowwise_adagrad on np 2 (t24 and t25 row-wise): 10 steps, then
+          resumed to 20: steps 11 to 20 and every dataset of the step-20 checkpoint equal an
+          uninterrupted run's bit for bit; the step-10 checkpoint resumed on 4 ranks (t25
+          row-wise over 4, t24 replicated): losses within 1e-5 (relative); resumed with
+          model.table_dtype = "fp32" (the bf16 tables widened exactly on load): step 11's loss
+          equal the bf16 run's bit for bit and the step-20 checkpoint's tables float32; an fp32
+          run's step-10 checkpoint resumed with bf16 tables (rounded to the nearest bf16 on
+          load): step 11's loss within 1e-4 (relative; measured 1.5e-5: the tables' rounding to
+          bf16 is a relative change of at most 2^-9 per element, averaged over a batch's ids),
+          the step-20 tables uint16.
+
   check_dlrm_train.py MODE SCRIPT CONFIG WORK_DIR -- MPIEXEC... MESHTRAIN
 """
 import json
@@ -673,6 +700,169 @@ def mode_trace(launcher, config, work):
                  "expected 5 and 6")
 
 
+# The bf16 run's final test AUC against the fp32 run's (mode bf16): see BF16 in mode_bf16.
+BF16_AUC_TOLERANCE = 0.005
+BF16_SETS = ["--set", 'model.table_dtype="bf16"', "--set", 'optimizer.embeddings="sparse_adamw"',
+             "--set", "optimizer.embeddings_lr=0.01", "--set", "train.steps=20"]
+
+
+def bf16_tables(path):
+    """The tables of a checkpoint as uint16 bits, checked to be bf16 datasets."""
+    out = {}
+    with h5py.File(path, "r") as f:
+        for name in f["params/embeddings"]:
+            d = f[f"params/embeddings/{name}/weight"]
+            if d.dtype != np.uint16 or d.attrs.get("dtype") not in ("bf16", b"bf16"):
+                fail(f"{path}: {d.name} is {d.dtype} with dtype attribute "
+                     f"{d.attrs.get('dtype')!r}, not uint16 with dtype = \"bf16\"")
+            bits = d[...]
+            values = (bits.astype(np.uint32) << 16).view(np.float32)
+            if not np.all(np.isfinite(values)) or not values.any():
+                fail(f"{path}: {d.name} holds non-finite or all-zero values")
+            out[name] = bits
+        for slot in ("sparse_adamw_m", "sparse_adamw_v", "rowwise_adagrad"):
+            if f"opt_state/{slot}" in f:
+                for name in f[f"opt_state/{slot}/embeddings"]:
+                    d = f[f"opt_state/{slot}/embeddings/{name}/weight"]
+                    if d.dtype != np.float32:
+                        fail(f"{path}: {d.name} is {d.dtype}, not float32")
+    if len(out) != 26:
+        fail(f"{path} holds {len(out)} tables, not 26")
+    return out
+
+
+def mode_bf16(launcher, config, work):
+    # Refusals, one sentence each: a value other than fp32 | bf16 (naming the file, the key and
+    # the value), and bf16 with the dense optimizer.embeddings.
+    for sets, words in ((['model.table_dtype="fp16"'], ["model.table_dtype", "fp16", "bf16"]),
+                        (['model.table_dtype="bf16"', 'optimizer.embeddings="dense"'],
+                         ["model.table_dtype", "optimizer.embeddings", "dense"])):
+        argv = [x for s_ in sets for x in ("--set", s_)]
+        done = run(launcher, 1, "train", work, config, *argv, expect=2)
+        errors = [l for l in done.stderr.splitlines() if "error" in l]
+        if len(errors) != 1 or not all(w in errors[0] for w in words + [os.path.basename(config)]):
+            fail(f"{sets}: expected one error naming {words} and the config file, got:\n"
+                 f"{done.stderr}")
+    # The plan at world 2: a bf16 table is 2 bytes an element (its bytes per rank half the fp32
+    # table's, in the parameters and in embedding_tables), its optimizer state and the dense
+    # layers as with fp32 tables.
+    plans = {}
+    for dtype in ("fp32", "bf16"):
+        done = subprocess.run([launcher[-1], "plan", config, "--world", "2", "--json", "--set",
+                               f'model.table_dtype="{dtype}"', "--set",
+                               'optimizer.embeddings="rowwise_adagrad"'],
+                              capture_output=True, text=True, cwd=work)
+        if done.returncode != 0:
+            fail(f"meshtrain plan with table_dtype {dtype}: {done.stderr}")
+        plans[dtype] = json.loads(done.stdout)
+    params = {d: {p["name"]: p for p in plans[d]["parameters"]} for d in plans}
+    tables = {d: {t["table"]: t for t in plans[d]["embedding_tables"]["tables"]} for d in plans}
+    for name, p in params["fp32"].items():
+        want = p["bytes_per_rank"] // 2 if name.startswith("embeddings/") else p["bytes_per_rank"]
+        if params["bf16"][name]["bytes_per_rank"] != want:
+            fail(f"plan with bf16 tables: {name} is {params['bf16'][name]['bytes_per_rank']} "
+                 f"bytes per rank, not {want}")
+    for table, t in tables["fp32"].items():
+        b = tables["bf16"][table]
+        if (b["weight_bytes_per_rank"] * 2 != t["weight_bytes_per_rank"] or
+                b["optimizer_bytes_per_rank"] != t["optimizer_bytes_per_rank"]):
+            fail(f"plan with bf16 tables: table {table} {b}, with fp32 tables {t}")
+    if plans["bf16"]["totals"]["optimizer_bytes"] != plans["fp32"]["totals"]["optimizer_bytes"]:
+        fail("plan with bf16 tables: the optimizer bytes changed")
+    ref, ref_evals = train(launcher, 1, config, work, "np1", *BF16_SETS)
+    ref_tables = bf16_tables(os.path.join(work, "np1", "checkpoints", "ckpt-000020.h5"))
+    for np_ in (2, 4):
+        losses, _ = train(launcher, np_, config, work, f"np{np_}", *BF16_SETS,
+                          "--set", f"mesh.tp={np_}", *COLUMN_RULES)
+        for step in range(1, 21):
+            if losses.get(step) != ref[step]:
+                fail(f"bf16 tables, np {np_} (tp {np_}): the loss of step {step} is "
+                     f"{losses.get(step)}, np 1's {ref[step]} (not bit for bit)")
+        got = bf16_tables(os.path.join(work, f"np{np_}", "checkpoints", "ckpt-000020.h5"))
+        for name, bits in ref_tables.items():
+            if got[name].tobytes() != bits.tobytes():
+                diff = int(np.count_nonzero(got[name] != bits))
+                fail(f"bf16 tables, np {np_}: table {name} after 20 steps differs from np 1's "
+                     f"in {diff} elements")
+    # `meshtrain evaluate` of np 1's bf16 checkpoint on 2 ranks: the training run's final AUC.
+    done = run(launcher, 2, "evaluate", work, "np1/checkpoints", "--data", "data/test.h5",
+               "--json", "-")
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    if not abs(report["test_auc"] - ref_evals[-1]["test_auc"]) <= 1e-4:
+        fail(f"evaluate of the bf16 checkpoint on np 2: test_auc {report['test_auc']}, the "
+             f"training run's {ref_evals[-1]['test_auc']}")
+    # The AUC with the train mode's 40 steps and row-wise Adagrad (where the model has learned
+    # past what the dense features alone give), bf16 tables against fp32 ones.
+    auc = {}
+    for dtype in ("bf16", "fp32"):
+        _, evals = train(launcher, 1, config, work, f"auc_{dtype}", "--set",
+                         f'model.table_dtype="{dtype}"', "--set",
+                         'optimizer.embeddings="rowwise_adagrad"', "--set",
+                         "optimizer.embeddings_lr=0.05", "--set", "train.eval_every=0")
+        auc[dtype] = evals[-1]["test_auc"]
+    bf16_auc, fp32_auc = auc["bf16"], auc["fp32"]
+    if not (bf16_auc > 0.66 and abs(bf16_auc - fp32_auc) <= BF16_AUC_TOLERANCE):
+        fail(f"bf16 tables: the test AUC after 40 steps is {bf16_auc}, fp32 tables' {fp32_auc} "
+             f"(within {BF16_AUC_TOLERANCE}, above 0.66)")
+    print(f"dlrm bf16: np 2 and 4 (column-wise) equal np 1 bit for bit; AUC {bf16_auc:.4f} "
+          f"(fp32 tables {fp32_auc:.4f})")
+
+
+def mode_bf16_resume(launcher, config, work):
+    sets = ["--set", 'model.table_dtype="bf16"', "--set", 'optimizer.embeddings="rowwise_adagrad"',
+            "--set", "optimizer.embeddings_lr=0.05", "--set", "train.eval_every=0"]
+    whole, _ = train(launcher, 2, config, work, "whole", *sets, "--set", "train.steps=20")
+    train(launcher, 2, config, work, "parts", *sets, "--set", "train.steps=10")
+    resumed, _ = train(launcher, 2, config, work, "parts", *sets, "--set", "train.steps=20",
+                       "--set", "checkpoint.resume=true")
+    for step in range(11, 21):
+        if resumed.get(step) != whole[step]:
+            fail(f"bf16 tables: the resumed run's loss of step {step} is {resumed.get(step)}, "
+                 f"the uninterrupted run's {whole[step]}")
+    a = tensors(os.path.join(work, "whole", "checkpoints", "ckpt-000020.h5"))
+    b = tensors(os.path.join(work, "parts", "checkpoints", "ckpt-000020.h5"))
+    bf16_tables(os.path.join(work, "whole", "checkpoints", "ckpt-000020.h5"))
+    if sorted(a) != sorted(b):
+        fail(f"the checkpoints hold other datasets: {sorted(a)} and {sorted(b)}")
+    for name in a:
+        if a[name].tobytes() != b[name].tobytes():
+            fail(f"bf16 tables: {name} of the resumed run's step-20 checkpoint differs")
+    step10 = os.path.join(work, "parts", "checkpoints", "ckpt-000010.h5")
+
+    def resume_from(out, np_, checkpoint, *more):
+        os.makedirs(os.path.join(work, out, "checkpoints"))
+        shutil.copy(checkpoint, os.path.join(work, out, "checkpoints"))
+        with open(os.path.join(work, out, "checkpoints", "latest"), "w") as f:
+            f.write(os.path.basename(checkpoint) + "\n")
+        losses, _ = train(launcher, np_, config, work, out, *sets, "--set", "train.steps=20",
+                          "--set", "checkpoint.resume=true", *more)
+        return losses
+
+    moved = resume_from("moved", 4, step10)
+    for step in range(11, 21):
+        if not close(moved.get(step, float("nan")), whole[step], 1e-5):
+            fail(f"bf16 tables resumed on 4 ranks: the loss of step {step} is {moved.get(step)}, "
+                 f"the 2-rank run's {whole[step]}")
+    widened = resume_from("widened", 2, step10, "--set", 'model.table_dtype="fp32"')
+    if widened.get(11) != whole[11]:
+        fail(f"a bf16 checkpoint resumed with fp32 tables: step 11's loss is {widened.get(11)}, "
+             f"the bf16 run's {whole[11]} (the tables were not widened exactly)")
+    with h5py.File(os.path.join(work, "widened", "checkpoints", "ckpt-000020.h5"), "r") as f:
+        if f["params/embeddings/t25/weight"].dtype != np.float32:
+            fail("a bf16 checkpoint resumed with fp32 tables saved them as "
+                 f"{f['params/embeddings/t25/weight'].dtype}")
+    fp32_sets = ["--set", 'model.table_dtype="fp32"']
+    fp32, _ = train(launcher, 2, config, work, "fp32", *sets, *fp32_sets, "--set", "train.steps=11")
+    rounded = resume_from("rounded", 2, os.path.join(work, "fp32", "checkpoints",
+                                                     "ckpt-000010.h5"))
+    if not close(rounded.get(11, float("nan")), fp32[11], 1e-4):
+        fail(f"an fp32 checkpoint resumed with bf16 tables: step 11's loss is {rounded.get(11)}, "
+             f"the fp32 run's {fp32[11]}")
+    bf16_tables(os.path.join(work, "rounded", "checkpoints", "ckpt-000020.h5"))
+    print(f"dlrm bf16 resume: steps 11..20 and {len(a)} datasets bit for bit; on 4 ranks within "
+          f"1e-5; bf16 -> fp32 exact, fp32 -> bf16 step 11 {rounded[11]} vs {fp32[11]}")
+
+
 def main():
     if len(sys.argv) < 7 or sys.argv[5] != "--":
         fail("usage: check_dlrm_train.py MODE SCRIPT CONFIG WORK_DIR -- MPIEXEC... MESHTRAIN")
@@ -689,7 +879,8 @@ def main():
     make_data(script, work)
     {"train": mode_train, "resume": mode_resume, "bad_id": mode_bad_id,
      "columns": mode_columns, "tablewise": mode_tablewise, "flight": mode_flight,
-     "preset": mode_preset, "trace": mode_trace}[mode](
+     "preset": mode_preset, "trace": mode_trace, "bf16": mode_bf16,
+     "bf16_resume": mode_bf16_resume}[mode](
         launcher, os.path.abspath(config), work)
 
 
