@@ -375,7 +375,7 @@ void Optimizer::launch_prepared(std::vector<ShardedTensor>& params,
   const float* from = prepared_.data();
   float* to = prepared_device_.data();
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::optimizer_step_scalars"),
+      MESHTRAIN_LABEL("meshtrain::optimizer_step_scalars_copy"),
       Kokkos::RangePolicy<>(device_space(), 0, 4),
       KOKKOS_LAMBDA(const int64_t k) { to[k] = from[k]; });
   launch(params, grads, InMemory{prepared_device_.data()});
