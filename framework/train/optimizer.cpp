@@ -365,6 +365,9 @@ void Optimizer::prepare_step(float lr) {
 
 void Optimizer::launch_prepared(std::vector<ShardedTensor>& params,
                                 const std::vector<ShardedTensor>& grads) {
+  MESHTRAIN_REQUIRE(prepared_device_.extent(0) == 4,
+                    "Optimizer::launch_prepared before enable_prepared_steps(): the step's "
+                    "scalars have no device memory to be copied to");
   check_step_arguments(params, grads);
   // The 16 bytes to device memory by one kernel of 4 threads, each reading one float of pinned
   // host memory (on a GPU over PCIe, once), before the update kernels, which read the copy (in
