@@ -90,7 +90,7 @@ def main(argv):
         elif name in tools and "=" in option:
             tools[name] = value
         else:
-            print(f"unknown option {option}; usage: {__doc__.strip().splitlines()[-1]}")
+            print(f"unknown option {option}; {__doc__.strip().splitlines()[-1]}")
             return 2
     objdump = tools["objdump"] or shutil.which("objdump")
     ar = tools["ar"] or shutil.which("ar")
@@ -103,7 +103,7 @@ def main(argv):
             words.append(arg)
             continue
         if len(words) < 2:
-            print(f"usage: {__doc__.strip().splitlines()[-1]}")
+            print(__doc__.strip().splitlines()[-1])
             return 2
         groups.append((words[0], words[1:]))
         words = []
