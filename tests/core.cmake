@@ -23,11 +23,20 @@ meshtrain_add_test(NAME core_device_memory_emulation_test
 # framework/core/host_clones.hpp): the built libraries' x86-64-v3/v4 clones of the optimizer,
 # precision, the MPI ring's sums and the activations' training kernels, disassembled by objdump
 # (tests/core/host_clones_fma.py; about 1 s). Skipped (77) without objdump or where the build
-# has no clones (clang, nvcc, GCC before 12, not x86-64).
+# has no clones (clang, nvcc, GCC before 12, not x86-64). Where host_clones.hpp's #if makes
+# clones (GCC >= 12, not clang, x86-64, no Kokkos CUDA so no nvcc), --expect-clones makes a
+# build without them fail instead of skip. An object given MESHTRAIN_HOST_CLONES_EXACT functions
+# is added to the list below (only objects whose clones are all EXACT: host_clones.hpp).
+set(_host_clones_flags)
+if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_GREATER_EQUAL 12
+   AND CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$" AND NOT MESHTRAIN_KOKKOS_CUDA)
+  set(_host_clones_flags --expect-clones)
+endif()
 meshtrain_add_command_test(NAME core_host_clones_fma_selftest TIMEOUT 30
   COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/core/host_clones_fma.py --self-test)
 meshtrain_add_command_test(NAME core_host_clones_fma TIMEOUT 60
   COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/core/host_clones_fma.py
+          ${_host_clones_flags} "--objdump=${CMAKE_OBJDUMP}" "--ar=${CMAKE_AR}"
           $<TARGET_FILE:meshtrain_framework> optimizer.cpp.o precision.cpp.o mpi_ring.cpp.o --
           $<TARGET_FILE:meshtrain_layers> activation.cpp.o)
 set_tests_properties(core_host_clones_fma PROPERTIES SKIP_RETURN_CODE ${MESHTRAIN_TEST_SKIP_CODE})

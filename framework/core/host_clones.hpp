@@ -17,6 +17,9 @@
 // MESHTRAIN_HOST_CLONES_EXACT: no contraction, so each element is the same IEEE operations in
 // every clone, only more lanes at a time (sums reordered for lanes would still differ).
 // Such functions are host code: call them from host lambdas only (inference::runs_host_kernels()).
+// Adding an EXACT clone to a source file: add its object (e.g. `foo.cpp.o`, under its library)
+// to the core_host_clones_fma registration in tests/core.cmake, which disassembles the clones and
+// fails on an FMA instruction; list only objects whose clones are all EXACT.
 
 // GCC 12 is the first to know the arch=x86-64-vN levels (older GCC rejects them); clang is
 // left to the baseline (its target_clones with these levels is not checked here), as is nvcc.

@@ -5,6 +5,7 @@
 #include "framework/core/host_chunks.hpp"
 #include "framework/core/host_clones.hpp"
 #include "framework/core/kernel_label.hpp"
+#include "framework/core/precision_sums.hpp"
 
 namespace meshtrain {
 
@@ -189,13 +190,22 @@ MESHTRAIN_INLINE void add_16bit_span(uint16_t* out, const uint16_t* a, const uin
 
 // Without FMA contraction: one float addition, then the integer rounding of to_16bit_as.
 MESHTRAIN_HOST_CLONES_EXACT
+void add_bf16(uint16_t* out, const uint16_t* a, const uint16_t* b, std::size_t count) noexcept {
+  add_16bit_span<Dtype::bf16>(out, a, b, count);
+}
+
+MESHTRAIN_HOST_CLONES_EXACT
+void add_fp16(uint16_t* out, const uint16_t* a, const uint16_t* b, std::size_t count) noexcept {
+  add_16bit_span<Dtype::fp16>(out, a, b, count);
+}
+
 void add_16bit(uint16_t* out, const uint16_t* a, const uint16_t* b, std::size_t count,
                Dtype dtype) {
   if (dtype == Dtype::bf16) {
-    add_16bit_span<Dtype::bf16>(out, a, b, count);
+    add_bf16(out, a, b, count);
   } else {
     MESHTRAIN_REQUIRE(dtype == Dtype::fp16, "add_16bit: the dtype must be bf16 or fp16, not fp32");
-    add_16bit_span<Dtype::fp16>(out, a, b, count);
+    add_fp16(out, a, b, count);
   }
 }
 

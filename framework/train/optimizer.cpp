@@ -365,6 +365,9 @@ void Optimizer::prepare_step(float lr) {
 
 void Optimizer::launch_prepared(std::vector<ShardedTensor>& params,
                                 const std::vector<ShardedTensor>& grads) {
+  MESHTRAIN_REQUIRE(prepared_device_.extent(0) == 4,
+                    "Optimizer::launch_prepared before enable_prepared_steps(): the step's "
+                    "scalars have no device memory to be copied to");
   check_step_arguments(params, grads);
   // The 16 bytes to device memory by one kernel of 4 threads, each reading one float of pinned
   // host memory (on a GPU over PCIe, once), before the update kernels, which read the copy (in
@@ -375,7 +378,7 @@ void Optimizer::launch_prepared(std::vector<ShardedTensor>& params,
   const float* from = prepared_.data();
   float* to = prepared_device_.data();
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::optimizer_step_scalars"),
+      MESHTRAIN_LABEL("meshtrain::optimizer_step_scalars_copy"),
       Kokkos::RangePolicy<>(device_space(), 0, 4),
       KOKKOS_LAMBDA(const int64_t k) { to[k] = from[k]; });
   launch(params, grads, InMemory{prepared_device_.data()});

@@ -15,10 +15,12 @@ the v3 clones are checked (both ISAs have FMA).
 
 Exit status 77 (skipped, with a line saying why) when objdump is not found or when the library
 holds no clone of these members (a build by clang or nvcc, GCC before 12, not x86-64: the
-baseline only, host_clones.hpp). Clones of some members and not others fail: the build would
-have changed under the check.
+baseline only, host_clones.hpp). With --expect-clones (CMake passes it where host_clones.hpp's
+#if makes clones) a library without clones fails instead. Clones of some members and not others
+fail: the build would have changed under the check. --objdump and --ar name the tools (CMake's
+CMAKE_OBJDUMP, CMAKE_AR); empty or absent, they are looked up on PATH.
 
-usage: host_clones_fma.py ARCHIVE MEMBER... [-- ARCHIVE MEMBER...]   (or --self-test)
+usage: host_clones_fma.py [--expect-clones] [--objdump=PATH] [--ar=PATH] ARCHIVE MEMBER... [-- ARCHIVE MEMBER...]   (or --self-test)
 """
 import os
 import re
@@ -78,9 +80,21 @@ def self_test():
 def main(argv):
     if argv == ["--self-test"]:
         return self_test()
-    objdump = shutil.which("objdump")
-    ar = shutil.which("ar")
-    if objdump is None or ar is None:
+    expect_clones = False
+    tools = {"objdump": "", "ar": ""}
+    while argv and argv[0].startswith("--") and argv[0] != "--":
+        option = argv.pop(0)
+        name, _, value = option[2:].partition("=")
+        if option == "--expect-clones":
+            expect_clones = True
+        elif name in tools and "=" in option:
+            tools[name] = value
+        else:
+            print(f"unknown option {option}; {__doc__.strip().splitlines()[-1]}")
+            return 2
+    objdump = tools["objdump"] or shutil.which("objdump")
+    ar = tools["ar"] or shutil.which("ar")
+    if not objdump or not ar:
         print("SKIP: objdump or ar (binutils) not found: the clones cannot be disassembled")
         return SKIP
     groups, words = [], []
@@ -89,7 +103,7 @@ def main(argv):
             words.append(arg)
             continue
         if len(words) < 2:
-            print(f"usage: {__doc__.strip().splitlines()[-1]}")
+            print(__doc__.strip().splitlines()[-1])
             return 2
         groups.append((words[0], words[1:]))
         words = []
@@ -121,6 +135,11 @@ def main(argv):
     if failures:
         for failure in failures:
             print(f"FAIL: {failure}")
+        return 1
+    if not with_clones and expect_clones:
+        print("FAIL: no x86-64-v3/v4 clone in " + ", ".join(without_clones) + ", but this "
+              "compiler and target make clones (framework/core/host_clones.hpp's #if; CMake "
+              "passed --expect-clones): MESHTRAIN_HOST_CLONES_EXACT no longer takes effect")
         return 1
     if not with_clones:
         print("SKIP: no x86-64-v3/v4 clone in " + ", ".join(without_clones) +

@@ -35,9 +35,13 @@
 
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
+#include "framework/core/sharded_tensor.hpp"
 #include "framework/core/step_graph.hpp"
 #include "framework/core/view_ops.hpp"
 #include "framework/core/views.hpp"
+#include "framework/train/optimizer.hpp"
+#include "partition/mesh.hpp"
+#include "partition/partition_spec.hpp"
 #include "run/training_run.hpp"
 #include "tests/support/counting_allocator.hpp"
 #include "tests/support/world.hpp"
@@ -238,6 +242,33 @@ TEST(StepGraphRun, ARefusedCaptureFallsBackToTheEagerStep) {
     EXPECT_TRUE(same_bits(parameters_of(eager), parameters_of(graphed)))
         << "the parameters after 7 steps differ";
   }
+}
+
+// The prepared update's two parts refuse to run before enable_prepared_steps() allocated the
+// scalars' pinned and device memory, each with a sentence naming it (nothing launched).
+TEST(StepGraphRun, APreparedStepBeforeEnablingIsRefused) {
+  const Mesh mesh = Mesh::single();
+  std::vector<ShardedTensor> params = {
+      ShardedTensor::allocate("w", {4, 4}, PartitionSpec(), mesh, 0)};
+  const std::vector<ShardedTensor> grads = {
+      ShardedTensor::allocate("g", {4, 4}, PartitionSpec(), mesh, 0)};
+  OptimizerSettings settings;
+  settings.kind = OptimizerKind::adamw;
+  Optimizer optimizer(settings, params);
+  auto refusal = [](auto&& call) -> std::string {
+    try {
+      call();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_NE(refusal([&] { optimizer.prepare_step(1e-3f); }).find("before enable_prepared_steps()"),
+            std::string::npos);
+  const std::string launch = refusal([&] { optimizer.launch_prepared(params, grads); });
+  EXPECT_NE(launch.find("Optimizer::launch_prepared before enable_prepared_steps()"),
+            std::string::npos)
+      << launch;
 }
 
 // What "auto" leaves eager, and the sentence that says why (the same on every rank).

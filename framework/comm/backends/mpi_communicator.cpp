@@ -17,6 +17,7 @@
 #include "framework/comm/slot_pool.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/precision.hpp"
+#include "framework/core/precision_sums.hpp"
 #include "framework/observe/flight_recorder.hpp"
 
 namespace meshtrain {
@@ -281,11 +282,19 @@ int size_of(MPI_Comm comm) {
 
 // MPI has no 16-bit float type: bf16 and fp16 travel as MPI_UINT16_T, and their sum is a
 // user operation that adds in fp32 and rounds the result to 16 bits, once per application
-// (each partial sum MPI's algorithm forms), as NCCL's 16-bit sums do.
+// (each partial sum MPI's algorithm forms), as NCCL's 16-bit sums do. MPI, a C library, calls
+// it: an exception must not leave it, so it calls the non-throwing add_bf16 / add_fp16.
 template <Dtype dtype>
-void sum_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
+void sum_16bit(void* in, void* inout, int* len, MPI_Datatype*) noexcept {
+  static_assert(dtype == Dtype::bf16 || dtype == Dtype::fp16, "a 16-bit dtype");
   uint16_t* sum = static_cast<uint16_t*>(inout);
-  add_16bit(sum, static_cast<const uint16_t*>(in), sum, static_cast<std::size_t>(*len), dtype);
+  const auto* arrived = static_cast<const uint16_t*>(in);
+  const auto count = static_cast<std::size_t>(*len);
+  if constexpr (dtype == Dtype::bf16) {
+    add_bf16(sum, arrived, sum, count);
+  } else {
+    add_fp16(sum, arrived, sum, count);
+  }
 }
 
 MPI_Op make_sum_op(MPI_User_function* function) {
