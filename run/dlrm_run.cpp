@@ -391,10 +391,13 @@ void DlrmRun::build_model() {
   const int64_t rows = slice_.rows;
   on_every_rank(comm_, [&] {
     // Sparse updates: the tables never get a dense gradient (not even allocated then freed).
+    // Predicting: no backward, so no table or interaction gradient (as DlrmPredictor; bf16
+    // tables, which Dlrm refuses with dense table gradients, predict whatever the config's
+    // optimizer.embeddings says).
     const TableGradients table_gradients =
-        !predicting_ && config_.optimizer.embeddings != EmbeddingOptimizer::dense
-            ? TableGradients::sparse
-            : TableGradients::dense;
+        predicting_                                                 ? TableGradients::none
+        : config_.optimizer.embeddings != EmbeddingOptimizer::dense ? TableGradients::sparse
+                                                                    : TableGradients::dense;
     model_ = std::make_unique<Dlrm>(shape, config_.model.activation, specs_from_plan(*plan_),
                                     *context_, rows, max_ids_, table_gradients);
     // Predicting, load_model overwrites every parameter: no initializer pass over the tables,
