@@ -88,6 +88,13 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
   if (shape.table_dtype == Dtype::fp16) {
     MESHTRAIN_BAD_INPUT("dlrm tables are stored as fp32 or bf16, not fp16 (model.table_dtype)");
   }
+  if (shape.table_dtype == Dtype::bf16 && table_gradients == TableGradients::dense) {
+    // The dense optimizer sizes its state from each parameter's fp32 block, which a bf16 table
+    // does not have: the table would never train.
+    MESHTRAIN_BAD_INPUT(
+        "dlrm tables stored as bf16 (model.table_dtype = \"bf16\") are updated by the sparse "
+        "optimizers only, not with dense table gradients (optimizer.embeddings = \"dense\")");
+  }
   if (rows_ < 1) MESHTRAIN_BAD_INPUT("the local batch must have at least one row, got ", rows_);
   if (context.precision().param != Dtype::fp32) {
     MESHTRAIN_BAD_INPUT("dlrm computes in fp32 only; this run asks for ",

@@ -60,11 +60,14 @@ void require_command_builds(const ModelSection& model, const std::string& comman
 }
 
 // The training batches read ahead (dlrm_run.hpp): a thread fills batch seq into slot seq % depth
-// once the step has taken what that slot held, from `first` to the last step. The thread calls
+// once the step has taken what that slot held, from `first` to the last step. The slots are made
+// with the run; the thread starts at the first take() (the first training step), so a run that
+// only evaluates (`meshtrain evaluate`) reads no training batch. The thread calls
 // BatchSchedule::slice_samples (const), RowSource::read and SparseHdf5Reader::read_unagreed only
 // (no MPI, no Kokkos; HDF5 under its global mutex), into buffers made here. A read that throws
 // is kept in its slot and rethrown by take() on this rank, where the step reads it as a read in
-// the step would have failed.
+// the step would have failed; an exception other than Error (std::bad_alloc...) is kept as a
+// runtime Error naming it, which the step's catch handles the same way.
 struct DlrmRun::ReadAhead {
   struct Slot {
     std::vector<int64_t> rows;
@@ -95,7 +98,6 @@ struct DlrmRun::ReadAhead {
       slot.offsets.assign(tables, std::vector<int64_t>(n + 1, 0));
       slot.values.assign(tables, std::vector<int64_t>(ids, 0));
     }
-    thread_ = std::thread([this] { loop(); });
   }
   ~ReadAhead() {
     {
@@ -103,13 +105,14 @@ struct DlrmRun::ReadAhead {
       stop_ = true;
     }
     freed_.notify_all();
-    thread_.join();
+    if (thread_.joinable()) thread_.join();
   }
   ReadAhead(const ReadAhead&) = delete;
   ReadAhead& operator=(const ReadAhead&) = delete;
 
   // Batch `seq` (the next one) once read; give() hands its slot back.
   Slot& take(int64_t seq) {
+    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
     Slot& slot = slots_[static_cast<size_t>(seq) % slots_.size()];
     std::unique_lock<std::mutex> lock(mutex_);
     filled_.wait(lock, [&] { return slot.ready && slot.seq == seq; });
@@ -159,9 +162,22 @@ struct DlrmRun::ReadAhead {
       }
       source_.read(slot.rows.data(), n,
                    RowBuffers{slot.dense.data(), nullptr, slot.targets.data()});
-    } catch (...) {
+    } catch (const Error&) {
       slot.error = std::current_exception();
+    } catch (const std::exception& e) {
+      // Any other failure (std::bad_alloc...) as a runtime Error, so that the step's catch
+      // poisons the loss's reduction and every rank stops at this step, as for a failed read.
+      slot.error = failure(seq, e.what());
+    } catch (...) {
+      slot.error = failure(seq, "an unknown exception");
     }
+  }
+  std::exception_ptr failure(int64_t seq, const std::string& what) const {
+    return std::make_exception_ptr(Error(ErrorKind::runtime,
+                                         "reading the training batch of step " +
+                                             std::to_string(seq + 1) + " of '" + reader_.path() +
+                                             "' on the read-ahead thread failed: " + what,
+                                         __FILE__, __LINE__));
   }
 
   RowSource& source_;
@@ -375,10 +391,13 @@ void DlrmRun::build_model() {
   const int64_t rows = slice_.rows;
   on_every_rank(comm_, [&] {
     // Sparse updates: the tables never get a dense gradient (not even allocated then freed).
+    // Predicting: no backward, so no table or interaction gradient (as DlrmPredictor; bf16
+    // tables, which Dlrm refuses with dense table gradients, predict whatever the config's
+    // optimizer.embeddings says).
     const TableGradients table_gradients =
-        !predicting_ && config_.optimizer.embeddings != EmbeddingOptimizer::dense
-            ? TableGradients::sparse
-            : TableGradients::dense;
+        predicting_                                                 ? TableGradients::none
+        : config_.optimizer.embeddings != EmbeddingOptimizer::dense ? TableGradients::sparse
+                                                                    : TableGradients::dense;
     model_ = std::make_unique<Dlrm>(shape, config_.model.activation, specs_from_plan(*plan_),
                                     *context_, rows, max_ids_, table_gradients);
     // Predicting, load_model overwrites every parameter: no initializer pass over the tables,

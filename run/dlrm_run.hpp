@@ -20,10 +20,11 @@
 // thread), both from BatchSchedule::slice_samples in file order; the step takes its slot, agrees
 // on the ids' checks (collective, as SparseHdf5Reader::read) and copies it into the batch views:
 // the same rows in the same order as a read in the step (data.prefetch = 0), so the same bits.
-// Evaluation and prediction read in the step. The dense training source keeps every chunk of
-// x_key and y_key it reads in HDF5's cache (DlrmDataCaches::dense_budget), as the sparse reader
-// keeps its tables'. Every buffer is made at set-up: step() allocates nothing of its own (HDF5
-// may inside its calls).
+// The slots are made with the run, the thread starts at the first training step (a run that only
+// evaluates reads no training batch). Evaluation and prediction read in the step. The dense
+// training source keeps every chunk of x_key and y_key it reads in HDF5's cache
+// (DlrmDataCaches::dense_budget), as the sparse reader keeps its tables'. Every buffer is made at
+// set-up: step() allocates nothing of its own (HDF5 may inside its calls).
 //
 // Errors: set-up errors and bad data are AgreedErrors, the same on every rank (an id outside its
 // table names the table, the file and the global row: SparseHdf5Reader's agreement), as is a
@@ -157,7 +158,7 @@ class DlrmRun {
   // slice rows) are padding (zeros, empty bags).
   void read_rows(RowSource& source, SparseHdf5Reader& reader, const int64_t* rows, int64_t count);
   // The training batch of step steps_done_ + 1 into the batch buffers: read in the step, or
-  // taken from the read-ahead (started at the end of the constructor). Collective.
+  // taken from the read-ahead (its thread started by the first call). Collective.
   void read_training_batch();
   // The batch buffers' device views from the host mirrors (count valid rows, the rest padding).
   void copy_batch_to_device();

@@ -128,6 +128,20 @@ std::pair<int64_t, int64_t> chunked_bytes(hid_t dataset, const std::string& what
   return {bytes * chunks, chunks};
 }
 
+// What holding a chunked dataset in memory whole costs (open_caches): its chunks' bytes at the
+// stored size, or its elements as int64 (the resident copy, std::vector<int64_t>) when more
+// (int32 and int16 id files: 2x and 4x their stored bytes). 0 for a dataset not chunked (never
+// held). open_caches and dlrm_data_cache_bytes both count this against kSparseCacheBytes.
+int64_t resident_bytes(hid_t dataset, const std::string& what) {
+  const int64_t stored = chunked_bytes(dataset, what).first;
+  if (stored == 0) return 0;
+  int64_t elements = 1;
+  for (int64_t extent : hdf5::dataset_shape(dataset, ErrorKind::bad_input, what)) {
+    elements *= extent;
+  }
+  return std::max(stored, std::max<int64_t>(elements, 1) * int64_t{sizeof(int64_t)});
+}
+
 // The most ids of one row among rows [begin, end) of a CSR table: one pass over its offsets
 // in pieces of kScanRows (decreasing offsets are left to the batches' checks).
 int64_t largest_bag(hid_t dataset, hid_t file_space, int64_t begin, int64_t end,
@@ -154,12 +168,13 @@ int64_t largest_bag(hid_t dataset, hid_t file_space, int64_t begin, int64_t end,
 
 SparseHdf5Reader::SparseHdf5Reader(std::string path, std::vector<std::string> tables,
                                    int64_t max_rows, int64_t max_ids, MPI_Comm comm,
-                                   std::string group)
+                                   std::string group, int64_t cache_bound)
     : path_(std::move(path)),
       tables_(std::move(tables)),
       group_(std::move(group)),
       max_rows_(max_rows),
       max_ids_(max_ids),
+      cache_bound_(cache_bound),
       comm_(comm),
       file_(std::make_unique<File>()) {
   MESHTRAIN_REQUIRE(max_rows_ >= 0, "SparseHdf5Reader: negative capacity");
@@ -330,7 +345,7 @@ int64_t SparseHdf5Reader::buffer_bytes(int64_t tables, int64_t max_rows, int64_t
 DlrmDataCaches dlrm_data_cache_bytes(const std::string& path,
                                      const std::vector<std::string>& tables,
                                      const std::string& group,
-                                     const std::vector<std::string>& dense) {
+                                     const std::vector<std::string>& dense, int64_t sparse_bound) {
   DlrmDataCaches caches;
   std::lock_guard<std::mutex> lock(hdf5::global_mutex());
   hdf5::silence_errors();
@@ -345,15 +360,22 @@ DlrmDataCaches dlrm_data_cache_bytes(const std::string& path,
     const hdf5::Handle dataset(d, H5Dclose);
     return chunked_bytes(dataset, what + ": " + name).first;
   };
+  auto resident_of = [&](const std::string& name) -> int64_t {
+    if (!hdf5::path_exists(file, name, ErrorKind::bad_input, what)) return 0;
+    const hid_t d = H5Dopen2(file, name.c_str(), H5P_DEFAULT);
+    if (d < 0) return 0;
+    const hdf5::Handle dataset(d, H5Dclose);
+    return resident_bytes(dataset, what + ": " + name);
+  };
   for (const std::string& table : tables) {
     const std::string g = group + "/" + table;
     if (!hdf5::path_exists(file, g, ErrorKind::bad_input, what)) continue;
     const bool fixed = hdf5::path_exists(file, g + "/ids", ErrorKind::bad_input, what);
     for (const char* member : {"/values", "/offsets"}) {
       if (fixed && std::string(member) == "/offsets") continue;
-      const int64_t bytes = chunks_of(g + (fixed ? std::string("/ids") : std::string(member)));
+      const int64_t bytes = resident_of(g + (fixed ? std::string("/ids") : std::string(member)));
       // As open_caches: a dataset past the bound keeps HDF5's default cache (not counted).
-      if (bytes > 0 && caches.sparse_bytes + bytes <= SparseHdf5Reader::kSparseCacheBytes) {
+      if (bytes > 0 && caches.sparse_bytes + bytes <= sparse_bound) {
         caches.sparse_bytes += bytes;
       }
     }
@@ -362,6 +384,54 @@ DlrmDataCaches dlrm_data_cache_bytes(const std::string& path,
     if (!name.empty()) caches.dense_bytes += chunks_of(name.front() == '/' ? name : "/" + name);
   }
   return caches;
+}
+
+DlrmBags dlrm_bags(const std::string& path, const std::vector<std::string>& tables,
+                   const std::string& group) {
+  DlrmBags bags;
+  std::lock_guard<std::mutex> lock(hdf5::global_mutex());
+  hdf5::silence_errors();
+  const hid_t id = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  if (id < 0) return bags;
+  const hdf5::Handle file(id, H5Fclose);
+  const std::string what = "sparse data file '" + path + "'";
+  auto open = [&](const std::string& name) -> hid_t {
+    if (!hdf5::path_exists(file, name, ErrorKind::bad_input, what)) return -1;
+    return H5Dopen2(file, name.c_str(), H5P_DEFAULT);
+  };
+  for (const std::string& table : tables) {
+    const std::string g = group + "/" + table;
+    if (!hdf5::path_exists(file, g, ErrorKind::bad_input, what)) continue;
+    const hid_t fixed_id = open(g + "/ids");
+    if (fixed_id >= 0) {
+      const hdf5::Handle ids(fixed_id, H5Dclose);
+      const std::vector<int64_t> shape =
+          hdf5::dataset_shape(ids, ErrorKind::bad_input, what + ": " + g + "/ids");
+      if (shape.size() != 2) continue;
+      bags.largest = std::max(bags.largest, shape[1]);
+      bags.ids_per_row += static_cast<double>(shape[1]);
+      continue;
+    }
+    if (!hdf5::path_exists(file, g + "/values", ErrorKind::bad_input, what)) continue;
+    const hid_t offsets_id = open(g + "/offsets");
+    if (offsets_id < 0) continue;
+    const hdf5::Handle offsets(offsets_id, H5Dclose);
+    const std::string name = what + ": " + g + "/offsets";
+    const std::vector<int64_t> shape = hdf5::dataset_shape(offsets, ErrorKind::bad_input, name);
+    if (shape.size() != 1 || shape[0] < 2) continue;
+    const hdf5::Handle space =
+        hdf5::make(H5Dget_space(offsets), H5Sclose, ErrorKind::bad_input, name + ": its dataspace");
+    const int64_t rows = shape[0] - 1;
+    bags.largest = std::max(bags.largest, largest_bag(offsets, space, 0, rows, name));
+    const hsize_t one = 1;
+    const hdf5::Handle memory = hdf5::make(H5Screate_simple(1, &one, nullptr), H5Sclose,
+                                           ErrorKind::runtime, name + ": a memory dataspace");
+    int64_t first = 0, last = 0;
+    read_slab(offsets, space, memory, 0, 1, &first, ErrorKind::bad_input, name);
+    read_slab(offsets, space, memory, rows, 1, &last, ErrorKind::bad_input, name);
+    bags.ids_per_row += static_cast<double>(last - first) / static_cast<double>(rows);
+  }
+  return bags;
 }
 
 SparseHdf5Reader::~SparseHdf5Reader() {
@@ -386,8 +456,8 @@ void SparseHdf5Reader::open_caches() {
   for (const auto& table : state_) {
     const std::string where = file_text + ", table '" + table->name + "'";
     auto load = [&](const std::string& name, hdf5::Handle& dataset, std::vector<int64_t>& into) {
-      const int64_t bytes = chunked_bytes(dataset, where + ": " + name).first;
-      if (bytes == 0 || cache_bytes_ + bytes > kSparseCacheBytes) return;
+      const int64_t bytes = resident_bytes(dataset, where + ": " + name);
+      if (bytes == 0 || cache_bytes_ + bytes > cache_bound_) return;
       const std::vector<int64_t> shape =
           hdf5::dataset_shape(dataset, ErrorKind::bad_input, where + ": " + name);
       int64_t elements = 1;

@@ -14,10 +14,11 @@
 // hotness: the one read of the rows' ids), then puts the rows back in the order asked for in
 // memory; read_range() one hyperslab read of the offsets and one of the ids per table.
 // Resident tables: every chunked sparse dataset is read whole into memory at open while the
-// reader's datasets together take at most kSparseCacheBytes (1 GiB, counted in whole chunks, in
-// table order), and a batch's offsets and ids are gathered from there at the positions the
-// point selections would name (HDF5's point selection over cached chunks cost ~1.7 us an
-// element); past that bound a dataset is read through HDF5 with its default 1 MiB cache.
+// reader's datasets together take at most kSparseCacheBytes (1 GiB, each dataset counted as its
+// whole chunks or its elements at 8 bytes, the larger: the copy is int64; in table order), and a
+// batch's offsets and ids are gathered from there at the positions the point selections would name
+// (HDF5's point selection over cached chunks cost ~1.7 us an element); past that bound a dataset is
+// read through HDF5 with its default 1 MiB cache.
 //
 // Checks, each a bad_input AgreedError whose one sentence names the file, the table and the
 // global row, thrown by EVERY rank of the communicator at the same call:
@@ -57,8 +58,10 @@ struct SparseTableRows {
 // What the chunk caches of the DLRM data readers of `path` hold at most (`meshtrain plan`, from
 // the file's metadata alone; no MPI): `tables`' datasets as a SparseHdf5Reader caches them (all
 // their chunks while the total stays within SparseHdf5Reader::kSparseCacheBytes, in table
-// order), and `dense` (data.x_key and data.y_key: every chunk of each, run/dlrm_run.cpp's
-// dense_chunk_cache_bytes). A missing file, group or dataset counts 0 (the run names it).
+// order, each counted as its chunks' bytes or its elements at 8 bytes, the larger), and `dense`
+// (data.x_key and data.y_key: every chunk of each, run/dlrm_run.cpp's dense_chunk_cache_bytes). A
+// missing file, group or dataset counts 0 (the run names it). sparse_bound: the readers'
+// cache_bound (kSparseCacheBytes, 1 GiB; tests give a smaller one).
 struct DlrmDataCaches {
   int64_t sparse_bytes = 0;
   int64_t dense_bytes = 0;
@@ -76,7 +79,19 @@ struct DlrmDataCaches {
 DlrmDataCaches dlrm_data_cache_bytes(const std::string& path,
                                      const std::vector<std::string>& tables,
                                      const std::string& group,
-                                     const std::vector<std::string>& dense);
+                                     const std::vector<std::string>& dense,
+                                     int64_t sparse_bound = int64_t{1} << 30);
+
+// The bags of `tables` in `path` (`meshtrain plan`, no MPI): the most ids of one row in any of
+// them (CSR: one pass over each table's offsets, as a reader opened with max_ids < 0 finds it;
+// fixed hotness: the hotness), and the ids of one row of all of them on average (each table's
+// ids over its rows, summed). A missing file, group or dataset counts 0 (the run names it).
+struct DlrmBags {
+  int64_t largest = 0;
+  double ids_per_row = 0.0;
+};
+DlrmBags dlrm_bags(const std::string& path, const std::vector<std::string>& tables,
+                   const std::string& group);
 
 class SparseHdf5Reader {
  public:
@@ -87,9 +102,11 @@ class SparseHdf5Reader {
   // max_ids < 0: found in the file at open, max_rows times the largest bag of any table (one
   // pass over every table's offsets, each rank an equal share of the rows, the maximum
   // all-reduced). `group`: where the tables are
-  // (data.sparse_key), <group>/<table>/values and offsets, or ids.
+  // (data.sparse_key), <group>/<table>/values and offsets, or ids. `cache_bound`: the bytes of
+  // the datasets held in memory whole (kSparseCacheBytes; tests give a smaller one).
   SparseHdf5Reader(std::string path, std::vector<std::string> tables, int64_t max_rows,
-                   int64_t max_ids, MPI_Comm comm, std::string group = "/sparse");
+                   int64_t max_ids, MPI_Comm comm, std::string group = "/sparse",
+                   int64_t cache_bound = kSparseCacheBytes);
   ~SparseHdf5Reader();
   SparseHdf5Reader(const SparseHdf5Reader&) = delete;
   SparseHdf5Reader& operator=(const SparseHdf5Reader&) = delete;
@@ -122,7 +139,8 @@ class SparseHdf5Reader {
   // HDF5 reads (H5Dread calls) the last read() or read_range() made, over all tables (for
   // tests: two per CSR table and one per fixed one, whatever the rows).
   int64_t reads_last_batch() const { return reads_; }
-  // The bytes of the datasets held in memory whole (counted in whole chunks), from open on.
+  // The bytes of the datasets held in memory whole (each its whole chunks or its elements at 8
+  // bytes, the larger), from open on.
   int64_t chunk_cache_bytes() const { return cache_bytes_; }
   static constexpr int64_t kSparseCacheBytes = int64_t{1} << 30;
   // The bytes of the buffers a reader of `tables` tables opened for (max_rows, max_ids) makes at
@@ -146,6 +164,7 @@ class SparseHdf5Reader {
   std::string group_;
   int64_t max_rows_ = 0;
   int64_t max_ids_ = 0;
+  int64_t cache_bound_ = kSparseCacheBytes;
   MPI_Comm comm_ = MPI_COMM_NULL;
   int64_t num_rows_ = 0;
   int64_t reads_ = 0;

@@ -1,6 +1,7 @@
 #include "framework/train/memory_plan.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <optional>
@@ -434,28 +435,39 @@ namespace {
 
 // A DLRM run's data path per rank (run/dlrm_run.cpp), in place of the dense one's: the dense
 // source's scratch (train and test) and the sparse readers' buffers (SparseHdf5Reader::
-// buffer_bytes, at one id per bag: the plan reads no offsets); the read-ahead's data.prefetch
-// slots of a training batch (its rows, dense features, labels and every table's CSR; evaluation
-// reads in the step); the chunk caches as the run sizes them from the files' chunks (the
-// training file's dense datasets and tables, the test file's tables and the dense source's
-// default 1 MiB), counted 0 for a file the plan cannot open (the run refuses it).
+// buffer_bytes, at the capacity the run finds in each file: the rows times the largest bag,
+// dlrm_bags; one id per bag for a file the plan cannot open); the read-ahead's data.prefetch
+// slots of a training batch (its rows, dense features, labels and every table's CSR at the
+// training file's capacity; evaluation reads in the step); the chunk caches as the run sizes them
+// from the files' chunks (the training file's dense datasets and tables, the test file's tables and
+// the dense source's default 1 MiB), counted 0 for a file the plan cannot open (the run refuses
+// it).
 void dlrm_data_footprint(const RunConfig& config, int64_t rows, DataFootprint& f) {
   const DlrmShape shape = config.model.dlrm();
   const auto tables = static_cast<int64_t>(shape.tables.size());
   const int64_t features = shape.bottom.front();
-  const int64_t ids = rows;  // one id per bag
   const bool test = !config.data.test_path.empty();
-  const int64_t readers = test ? 2 : 1;
-  const int64_t scratch_row = 8 + 4 * features + 4;  // the order, x and a float label
-  f.source_bytes =
-      readers * (rows * scratch_row + SparseHdf5Reader::buffer_bytes(tables, rows, ids));
-  const int64_t slot = rows * (8 + 4 * features + 4) + tables * 8 * (rows + 1 + ids);
-  f.staging_bytes = std::max<int64_t>(config.data.prefetch, 0) * slot;
   std::vector<std::string> names;
   for (const DlrmTable& t : shape.tables) names.push_back(t.name);
   const auto file = [](const std::vector<std::string>& entries) {
     return entries.size() == 1 ? entries.front() : std::string();
   };
+  // As SparseHdf5Reader opened with max_ids < 0: the rows times the largest bag, at least 1.
+  const DlrmBags train_bags = dlrm_bags(file(config.data.path), names, config.data.sparse_key);
+  const auto capacity = [&](const DlrmBags& bags) {
+    return std::max<int64_t>(rows * (bags.largest > 0 ? bags.largest : 1), 1);
+  };
+  const int64_t train_ids = capacity(train_bags);
+  const int64_t scratch_row = 8 + 4 * features + 4;  // the order, x and a float label
+  f.source_bytes = rows * scratch_row + SparseHdf5Reader::buffer_bytes(tables, rows, train_ids);
+  if (test) {
+    const int64_t test_ids =
+        capacity(dlrm_bags(file(config.data.test_path), names, config.data.sparse_key));
+    f.source_bytes += rows * scratch_row + SparseHdf5Reader::buffer_bytes(tables, rows, test_ids);
+  }
+  const int64_t slot =
+      rows * (8 + 4 * features + 4) + tables * 8 * (rows + 1) + tables * 8 * train_ids;
+  f.staging_bytes = std::max<int64_t>(config.data.prefetch, 0) * slot;
   const DlrmDataCaches train =
       dlrm_data_cache_bytes(file(config.data.path), names, config.data.sparse_key,
                             {config.data.x_key, config.data.y_key});
@@ -468,9 +480,12 @@ void dlrm_data_footprint(const RunConfig& config, int64_t rows, DataFootprint& f
   }
   f.source =
       "streamed from HDF5 (dense rows and the tables' ids; the sparse readers' buffers "
-      "at one id per bag)";
+      "at the rows times the file's largest bag)";
   f.read.tables = tables;
-  f.read.ids_per_row = tables;  // one id per bag
+  // The training file's ids of one row on average (one id per bag when it cannot be opened).
+  f.read.ids_per_row = train_bags.ids_per_row > 0.0
+                           ? std::max<int64_t>(std::llround(train_bags.ids_per_row), 1)
+                           : tables;
 }
 
 }  // namespace

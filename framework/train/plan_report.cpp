@@ -857,9 +857,11 @@ nlohmann::ordered_json tables_json(const std::vector<TablePlan>& tables, int64_t
 // all-to-all or all-gather of S: S (n - 1) / n; an all-reduce twice that): the operand given to
 // collective_seconds is S. Then the table's memory passes: its lookups and pooling, its gradient
 // scatter and, under sparse updates (`sparse`), the optimizer's touched rows, at `bags` bags of
-// one id each.
+// one id each. The table's own rows are read and written at `table_bytes` an element
+// (model.table_dtype); sums, gradients and optimizer state at 4.
 void add_table_collectives(const std::vector<TablePlan>& tables, const Mesh& mesh,
-                           const HardwareProfile& hw, int64_t bags, bool sparse, StepCost& cost) {
+                           const HardwareProfile& hw, int64_t bags, bool sparse,
+                           int64_t table_bytes, StepCost& cost) {
   const auto group_text = [&](const std::vector<std::string>& axes) {
     std::string text = axes.size() == 1 ? axes[0] : axes_list(axes);
     return text + "=" + std::to_string(mesh.size_of(axes));
@@ -911,10 +913,14 @@ void add_table_collectives(const std::vector<TablePlan>& tables, const Mesh& mes
     };
     const auto ids = static_cast<double>(b.ids);
     const auto row = static_cast<double>(l.dim_per_slice) * 4.0;
+    const double table_row =
+        static_cast<double>(l.dim_per_slice) * static_cast<double>(table_bytes);
     const double sums = static_cast<double>(b.parts > 0 ? 2 * b.parts : bags) * row;
-    pass("forward", "lookups and pooling", ids * (row + 8.0) + sums);
+    pass("forward", "lookups and pooling", ids * (table_row + 8.0) + sums);
     pass("backward", "gradient scatter", ids * (2.0 * row + 8.0) + sums);
-    if (sparse) pass("update", "sparse optimizer rows", ids * (5.0 * row + 8.0));
+    // The weight read and written (table_row each), the gradient and the state read and the
+    // state written (fp32).
+    if (sparse) pass("update", "sparse optimizer rows", ids * (2.0 * table_row + 3.0 * row + 8.0));
   }
 }
 
@@ -966,7 +972,7 @@ PlannedStep plan_step(const RunConfig& config, int world_size, const HardwarePro
   if (plan.local_batch_rows > 0) {
     cost = predict_step(plan, options, hw, config.partition.collective_matmul);
     add_table_collectives(table_plans(config, plan, options), mesh, hw, plan.local_batch_rows,
-                          options.sparse_tables, *cost);
+                          options.sparse_tables, options.table_bytes_per_element, *cost);
     add_data_read(*cost, data.read, hw);
   }
   return {std::move(rules), std::move(options), std::move(shapes), std::move(layers),

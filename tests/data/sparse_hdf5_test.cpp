@@ -19,6 +19,10 @@
 // - A row past the file and a read longer than max_rows on one rank: a runtime AgreedError on
 //   every rank, and the reader reads on.
 // - A read allocates nothing on the heap (operator new, counted; HDF5's own mallocs are not).
+// - Chunked files (tables held in memory whole, a batch gathered from there): CSR and fixed
+//   hotness, int64 and int32 ids, all resident and under a smaller bound a mix, read as the
+//   contiguous file; the bytes held as dlrm_data_cache_bytes counts them (the int64 copy's).
+// - The plan's dlrm_bags finds the largest bag the reader finds (max_ids < 0).
 
 #include <gtest/gtest.h>
 #include <hdf5.h>
@@ -76,22 +80,35 @@ FileData make_data() {
   return {one, bags, pair};
 }
 
-void write_ids(hid_t group, const char* name, const std::vector<int64_t>& data,
-               int64_t hotness = 0) {
+// How a file's id datasets are stored: contiguous (chunk_rows 0) or in chunks of chunk_rows rows
+// (as scripts/make_recsys_data writes them), as int64 or a narrower integer type.
+struct Storage {
+  hsize_t chunk_rows = 0;
+  bool int32 = false;
+};
+
+void write_ids(hid_t group, const char* name, const std::vector<int64_t>& data, int64_t hotness = 0,
+               Storage storage = {}) {
   const hsize_t n[2] = {hotness > 0 ? data.size() / static_cast<size_t>(hotness) : data.size(),
                         static_cast<hsize_t>(hotness)};
   const hid_t space = H5Screate_simple(hotness > 0 ? 2 : 1, n, nullptr);
-  const hid_t set =
-      H5Dcreate2(group, name, H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+  const hid_t create = H5Pcreate(H5P_DATASET_CREATE);
+  if (storage.chunk_rows > 0 && n[0] > 0) {
+    const hsize_t chunk[2] = {std::min(storage.chunk_rows, n[0]), n[1]};
+    ASSERT_GE(H5Pset_chunk(create, hotness > 0 ? 2 : 1, chunk), 0);
+  }
+  const hid_t set = H5Dcreate2(group, name, storage.int32 ? H5T_STD_I32LE : H5T_STD_I64LE, space,
+                               H5P_DEFAULT, create, H5P_DEFAULT);
   ASSERT_GE(set, 0);
   if (!data.empty())
     ASSERT_GE(H5Dwrite(set, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, data.data()), 0);
   H5Dclose(set);
+  H5Pclose(create);
   H5Sclose(space);
 }
 
 // Rank 0 writes the file; every rank waits for it.
-void write_file(const std::string& path, const FileData& tables) {
+void write_file(const std::string& path, const FileData& tables, Storage storage = {}) {
   if (world_rank() == 0) {
     const hid_t file = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
     EXPECT_GE(file, 0);
@@ -99,10 +116,10 @@ void write_file(const std::string& path, const FileData& tables) {
     for (const TableData& t : tables) {
       const hid_t group = H5Gcreate2(sparse, t.name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
       if (t.hotness > 0) {
-        write_ids(group, "ids", t.values, t.hotness);
+        write_ids(group, "ids", t.values, t.hotness, storage);
       } else {
-        write_ids(group, "values", t.values);
-        write_ids(group, "offsets", t.offsets);
+        write_ids(group, "values", t.values, 0, storage);
+        write_ids(group, "offsets", t.offsets, 0, storage);
       }
       const hid_t scalar = H5Screate(H5S_SCALAR);
       const hid_t attr = H5Acreate2(group, "rows", H5T_STD_I64LE, scalar, H5P_DEFAULT, H5P_DEFAULT);
@@ -186,6 +203,75 @@ TEST(SparseHdf5Reader, ReadsTheRowsAskedFor) {
   // The data has what the layer tests need: empty bags and repeated ids.
   const Csr all = expected(data[1], range);
   EXPECT_NE(std::adjacent_find(all.offsets.begin(), all.offsets.end()), all.offsets.end());
+}
+
+// Chunked files are held in memory whole at open and a batch's offsets and ids gathered from
+// there (SparseHdf5Reader::open_caches): CSR tables and the fixed-hotness one, ids stored as
+// int64 and as int32, every dataset resident and, under a bound that holds the first table's
+// two datasets only, a mix of resident tables and tables read through HDF5. Every read (rows
+// shuffled with a repeat, a range) equals a reader of the same data written contiguous (HDF5's
+// point selections, no gather), and the bytes held are each dataset's whole chunks at the stored
+// size or its elements at 8 bytes (the copy is int64), the larger, as dlrm_data_cache_bytes
+// counts them for the plan.
+TEST(SparseHdf5Reader, ResidentTablesReadAsTheContiguousFile) {
+  testing::TempDir dir(true);
+  const FileData data = make_data();
+  const std::string plain = dir.file("plain.h5");
+  write_file(plain, data);
+  SparseHdf5Reader reference(plain, kTables, kRows, kRows * kMostPerBag, MPI_COMM_SELF);
+  EXPECT_EQ(reference.chunk_cache_bytes(), 0);
+  const std::vector<int64_t> rows = {17, 3, 4, 5, 39, 0, 17, 22, 23};
+  constexpr hsize_t kChunkRows = 16;
+  for (const bool int32 : {false, true}) {
+    const std::string path = dir.file(int32 ? "chunked32.h5" : "chunked64.h5");
+    write_file(path, data, Storage{kChunkRows, int32});
+    // Each dataset's bytes held, in table order (one's values and offsets, bags' values and
+    // offsets, pair's ids [rows, 2]).
+    std::vector<int64_t> held;
+    int64_t stored_all = 0;
+    for (const TableData& t : data) {
+      const int64_t per_row = t.hotness > 0 ? t.hotness : 1;
+      std::vector<int64_t> lengths = {static_cast<int64_t>(t.values.size()) / per_row};
+      if (t.hotness == 0) lengths.push_back(static_cast<int64_t>(t.offsets.size()));
+      for (const int64_t n : lengths) {
+        const int64_t c = std::min<int64_t>(kChunkRows, n);
+        const int64_t stored = (n + c - 1) / c * c * per_row * (int32 ? 4 : 8);
+        held.push_back(std::max(stored, n * per_row * 8));
+        stored_all += stored;
+      }
+    }
+    ASSERT_EQ(held.size(), 5u);
+    int64_t all = 0;
+    for (const int64_t b : held) all += b;
+    // int32 ids: the int64 copy takes more than the file's chunks (what the bound once counted).
+    if (int32) EXPECT_GT(all, stored_all);
+    for (const int64_t bound : {SparseHdf5Reader::kSparseCacheBytes, held[0] + held[1] + 1}) {
+      const std::string what =
+          std::string(int32 ? "int32" : "int64") + " ids, bound " + std::to_string(bound);
+      SparseHdf5Reader reader(path, kTables, kRows, kRows * kMostPerBag, MPI_COMM_SELF, "/sparse",
+                              bound);
+      const int64_t expected_held = bound == SparseHdf5Reader::kSparseCacheBytes
+                                        ? all
+                                        : held[0] + held[1];  // the rest do not fit
+      EXPECT_EQ(reader.chunk_cache_bytes(), expected_held) << what;
+      EXPECT_EQ(dlrm_data_cache_bytes(path, kTables, "/sparse", {}, bound).sparse_bytes,
+                expected_held)
+          << what << ": the plan counts what the reader holds";
+      reader.read(rows.data(), static_cast<int64_t>(rows.size()));
+      reference.read(rows.data(), static_cast<int64_t>(rows.size()));
+      for (size_t t = 0; t < data.size(); ++t) {
+        EXPECT_TRUE(csr(reader.batch(t)) == csr(reference.batch(t)))
+            << what << ", shuffled rows, table " << data[t].name;
+        EXPECT_TRUE(csr(reader.batch(t)) == expected(data[t], rows)) << what << ", " << t;
+      }
+      reader.read_range(9, 12);
+      reference.read_range(9, 12);
+      for (size_t t = 0; t < data.size(); ++t) {
+        EXPECT_TRUE(csr(reader.batch(t)) == csr(reference.batch(t)))
+            << what << ", a range, table " << data[t].name;
+      }
+    }
+  }
 }
 
 struct MeshCase {
@@ -282,6 +368,13 @@ TEST(SparseHdf5Reader, CapacityFromTheFileIsTheLargestBagWhereverItLies) {
     constexpr int64_t kMaxRows = 3;
     SparseHdf5Reader reader(path, kTables, kMaxRows, -1, MPI_COMM_WORLD);
     EXPECT_EQ(reader.max_ids(), kMaxRows * kLargest) << "the largest bag at row " << big_row;
+    // The plan's reading of the same file (dlrm_bags, no MPI): the same largest bag, and the
+    // ids of a row on average, every table's ids over the rows.
+    const DlrmBags bags_of_file = dlrm_bags(path, kTables, "/sparse");
+    EXPECT_EQ(bags_of_file.largest * kMaxRows, reader.max_ids()) << "row " << big_row;
+    double ids = 0.0;
+    for (const TableData& t : data) ids += static_cast<double>(t.values.size());
+    EXPECT_NEAR(bags_of_file.ids_per_row, ids / kRows, 1e-12) << "row " << big_row;
     // The batch holding it and its neighbours reads whole (it fits the capacity exactly).
     const int64_t first = std::min(big_row, kRows - kMaxRows);
     reader.read_range(first, kMaxRows);

@@ -698,6 +698,24 @@ TEST(Dlrm, SixteenBitAndTensorParallelOutputsAreRefused) {
         },
         {"dlrm computes in fp32 only", "bf16"});
   }
+  {
+    // bf16 tables with dense table gradients: the dense optimizer would size the table's state
+    // from an empty fp32 block and never train it. Sparse gradients and a predict-only model
+    // build.
+    MeshCommunicators single(Mesh::single(), MPI_COMM_SELF);
+    ParallelContext context(single, {"fsdp", "dp"}, "tp");
+    DlrmShape bf16 = shape;
+    bf16.table_dtype = Dtype::bf16;
+    auto replicated = [](const std::string&) { return PartitionSpec(); };
+    testing::expect_bad_input(
+        [&] {
+          Dlrm model(bf16, Activation::tanh, replicated, context, kBatch, 4, TableGradients::dense);
+        },
+        {"model.table_dtype = \"bf16\"", "optimizer.embeddings = \"dense\""});
+    for (TableGradients g : {TableGradients::sparse, TableGradients::none}) {
+      EXPECT_NO_THROW(Dlrm(bf16, Activation::tanh, replicated, context, kBatch, 4, g));
+    }
+  }
   if (n < 2) return;
   const Mesh mesh = Mesh::create({{"tp", n}}, n);
   MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
