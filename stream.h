@@ -49,9 +49,16 @@ typedef struct mt_stream_options {
   int share_messages;
   /* Non-zero (with MT_STREAM_BLOCK only; not with share_messages): messages of 64 KiB or more
    * are sent straight from x and y, with no copy into the ring, and mt_stream_send returns
-   * once the trainer took them (docs/online.md, "Copies per byte"). 0: the default. */
+   * once their sends completed: once the trainer took them, for payloads above MPI's eager
+   * limit (a few KiB); a send after the trainer's run finished waits until the trainer drops
+   * it (in an evaluation or save it still runs, else when its stream source is destroyed)
+   * (docs/online.md, "Copies per byte"). 0: the default. */
   int direct_sends;
 } mt_stream_options;
+/* The struct grows at its end as options come (share_messages, direct_sends): fields an older
+ * initializer leaves out are 0 (their defaults), but a producer compiled against an older
+ * stream.h passes a smaller struct, of which the library reads past the end: recompile C
+ * producers against the stream.h of the meshtrain they link. */
 
 /* Collective over the parent communicator. *out is set (even on failure, for the error). */
 int mt_stream_connect(MPI_Comm comm, const char* name, int64_t inputs, int64_t outputs, int dtype,

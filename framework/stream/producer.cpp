@@ -96,9 +96,13 @@ void StreamProducer::connect(MPI_Comm comm, const std::string& name, int64_t inp
   slots_.assign(static_cast<size_t>(slots),
                 std::vector<unsigned char>(static_cast<size_t>(
                     sp::message_bytes(message_rows_, inputs, outputs, hello.dtype))));
-  // Each trainer rank of a group: a message's header and, when it splits, its x and y rows.
+  // Each trainer rank of a group: a message's header and, when it splits, its x and y rows
+  // (three requests only where a message of message_rows rows reaches split_bytes).
+  const bool may_split = message_rows_ * (inputs + outputs) * element_bytes_ >= split_bytes_;
+  const size_t per_rank = may_split ? 3 : 1;
   slot_width_ = 1;
-  for (const auto& group : group_ranks_) slot_width_ = std::max(slot_width_, 3 * group.size());
+  for (const auto& group : group_ranks_)
+    slot_width_ = std::max(slot_width_, per_rank * group.size());
   requests_.assign(static_cast<size_t>(slots) * slot_width_, MPI_REQUEST_NULL);
   direct_slot_.assign(static_cast<size_t>(slots), 0);
   completed_.assign(requests_.size(), 0);

@@ -68,8 +68,12 @@ struct StreamProducerOptions {
   int64_t split_bytes = 64 * 1024;
   // With backpressure block (connect refuses it with drop): a pointer send's messages that
   // split (split_bytes) are sent straight from the caller's x and y, with no copy into the
-  // ring, and send() returns once they completed, i.e. once the trainer took them (its next
-  // pull, which copies them into its buffer): the caller may then reuse its arrays. A large
+  // ring, and send() returns once they completed: the caller may then reuse its arrays. Above
+  // MPI's eager limit (4 KiB a payload with Open MPI's shared memory) that is once the trainer
+  // took them (its next pull, which copies them into its buffer); under it MPI copies the bytes
+  // at once and send() may return before. A direct send after the trainer's run finished (its
+  // last step) waits until the trainer drops it: in an evaluation or save it still runs, else
+  // when its StreamSource is destroyed. A large
   // message's bytes are then copied once in all, by MPI, instead of three times; the price is
   // that every such send waits for the trainer (no sending ahead into the ring). Not with
   // share_messages (whose messages gather several sends) nor for Kokkos views (always packed).

@@ -52,12 +52,31 @@ Rendezvous rendezvous(MPI_Comm parent, const Hello& mine, MPI_Comm* stream_comm,
       if (!first_trainer) first_trainer = &h;
     }
   }
+  // First the protocol: an older release's records may mean something else.
+  for (int rank = 1; rank < size; ++rank) {
+    const Hello& a = hellos[0];
+    const Hello& h = hellos[static_cast<size_t>(rank)];
+    if (h.protocol == a.protocol) continue;
+    const auto side = [](const Hello& x) {
+      return std::string(x.role == kProducer ? "a producer"
+                         : x.role == kNone   ? "outside the stream"
+                                             : "a trainer rank");
+    };
+    r.problem = "stream \"" + name_of(first_producer ? *first_producer : mine) +
+                "\": the ranks speak different versions of the stream protocol (rank 0 of the "
+                "rendezvous, " +
+                side(a) + ", version " + std::to_string(a.protocol) + "; rank " +
+                std::to_string(rank) + ", " + side(h) + ", version " + std::to_string(h.protocol) +
+                "; 0: a release before 2026-11-30): build the producers and the trainer from the "
+                "same meshtrain release";
+    return r;
+  }
   for (int rank = 0; rank < size; ++rank) {
     const Hello& h = hellos[static_cast<size_t>(rank)];
     if (h.role == kFailedTrainer) {
       r.problem = "stream \"" + name_of(first_producer ? *first_producer : h) +
                   "\": the trainer stopped before it trained: " +
-                  std::string(h.note, strnlen(h.note, kNoteBytes));
+                  std::string(h.note, strnlen(h.note, sizeof h.note));
       return r;
     }
   }

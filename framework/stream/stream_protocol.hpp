@@ -33,6 +33,11 @@ constexpr int64_t kStagingSlots = 4;
 constexpr int kNameBytes = 64;
 constexpr int kNoteBytes = 512;
 
+// The protocol's version, in every Hello: the rendezvous refuses ranks that differ (a trainer
+// of an older release would read a split message's header as a whole message). 2: split
+// messages (kPayloadTag); 0: a release before the field (the end of Hello::note, zero there).
+constexpr int64_t kProtocolVersion = 2;
+
 // kFailedTrainer: a trainer rank whose run failed before its rendezvous joins it only to say
 // why (Hello::note), so that the producers' connect fails rather than waits.
 enum Role : int64_t { kNone = 0, kProducer = 1, kTrainer = 2, kFailedTrainer = 3 };
@@ -54,8 +59,12 @@ struct Hello {
   int64_t input_stats = 0;     // trainers: 1 when a publish carries input statistics
   int64_t target_stats = 0;    // trainers: 1 when it carries target statistics
   char name[kNameBytes] = {};
-  char note[kNoteBytes] = {};  // kFailedTrainer: the error's sentence
+  char note[kNoteBytes - 8] = {};  // kFailedTrainer: the error's sentence
+  // Last, in the bytes that were the end of note (always zero there): the record keeps its
+  // size, so the gather with an older release works and its 0 is refused in one sentence.
+  int64_t protocol = kProtocolVersion;
 };
+static_assert(sizeof(Hello) == 12 * 8 + kNameBytes + kNoteBytes);
 
 struct Header {
   int64_t kind = kRows;

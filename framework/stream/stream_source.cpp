@@ -65,8 +65,7 @@ int64_t stream_rendezvous_count() {
 void stream_trainer_failed(const std::string& sentence, MPI_Comm parent) {
   sp::Hello hello;
   hello.role = sp::kFailedTrainer;
-  std::memcpy(hello.note, sentence.data(),
-              std::min<size_t>(sentence.size(), static_cast<size_t>(sp::kNoteBytes - 1)));
+  std::memcpy(hello.note, sentence.data(), std::min(sentence.size(), sizeof hello.note - 1));
   MPI_Comm stream_comm = MPI_COMM_NULL;
   sp::rendezvous(parent, hello, &stream_comm);
   check_mpi(MPI_Comm_free(&stream_comm), "MPI_Comm_free (a failed trainer's stream)");
@@ -223,13 +222,18 @@ bool StreamSource::has_staged_close(size_t producer) const {
 }
 
 void StreamSource::answer_closes() {
-  if (trainer_rank_ != 0 || producers_.empty()) return;
+  if (producers_.empty()) return;
+  // After finish() every trainer rank drains: the split messages staged on any rank keep their
+  // producers' sends (and so their close()) incomplete until their payloads are received. The
+  // last words are rank 0's alone (send_done sends nothing elsewhere).
+  if (trainer_rank_ != 0 && !finished_) return;
   try {
     if (finished_) {
       drain_to_closes();
     } else {
       receive();  // into the free staging slots, as a pull would (its group takes them later)
     }
+    if (trainer_rank_ != 0) return;
     for (size_t p = 0; p < producers_.size(); ++p) {
       if (last_word_sent_[p] || gone_[p]) continue;
       if (!has_staged_close(p)) continue;
@@ -305,7 +309,11 @@ StreamSource::~StreamSource() {
     send_done(p);
   }
   // The payloads of split messages staged and never taken (or still owed to a header).
-  discard_payloads();
+  try {
+    discard_payloads();
+  } catch (const Error&) {
+    return;  // a destructor does not throw
+  }
   std::vector<unsigned char> scratch(static_cast<size_t>(message_bytes_));
   // Producer 0's close ends the publishes; its close() takes them until the end comes.
   if (!closed.empty() && closed[0]) end_owed_ = true;
@@ -543,20 +551,26 @@ void StreamSource::take_split(size_t p, unsigned char* message, MPI_Message* pay
 void StreamSource::discard_payloads() {
   std::vector<unsigned char>& scratch = drain_scratch_;  // reserved at construction
   for (size_t p = 0; p < producers_.size(); ++p) {
+    // A producer taken for gone may never send what it owes: not waited for (its sends are
+    // left to MPI, as its close is).
+    if (gone_[p]) continue;
     for (int64_t i = 0; i <= staged_count_[p] && i < sp::kStagingSlots; ++i) {
       // The staged slots, then the newest header's (matched in part) after them.
       auto& payloads = payloads_[p][static_cast<size_t>((staged_head_[p] + i) % sp::kStagingSlots)];
       for (MPI_Message& message : payloads) {
         if (message == MPI_MESSAGE_NULL) continue;
-        if (MPI_Mrecv(scratch.data(), static_cast<int>(scratch.size()), MPI_BYTE, &message,
-                      MPI_STATUS_IGNORE) != MPI_SUCCESS) {
-          message = MPI_MESSAGE_NULL;
-        }
+        // MPI_Mrecv sets message to MPI_MESSAGE_NULL; on an error too, so none is received twice.
+        const int rc = MPI_Mrecv(scratch.data(), static_cast<int>(scratch.size()), MPI_BYTE,
+                                 &message, MPI_STATUS_IGNORE);
+        message = MPI_MESSAGE_NULL;
+        check_mpi(rc, "MPI_Mrecv (a stream's rows no step takes)");
       }
     }
-    for (; unmatched_[p] > 0; --unmatched_[p]) {  // sent with their header: they come
-      MPI_Recv(scratch.data(), static_cast<int>(scratch.size()), MPI_BYTE, producers_[p],
-               sp::kPayloadTag, stream_comm_, MPI_STATUS_IGNORE);
+    while (unmatched_[p] > 0) {  // sent with their header: they come
+      --unmatched_[p];
+      check_mpi(MPI_Recv(scratch.data(), static_cast<int>(scratch.size()), MPI_BYTE, producers_[p],
+                         sp::kPayloadTag, stream_comm_, MPI_STATUS_IGNORE),
+                "MPI_Recv (a stream's rows no step takes)");
     }
   }
 }

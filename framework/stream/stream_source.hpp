@@ -170,13 +170,14 @@ class StreamSource : public RowSource {
   // a stop. Without it (an error the caller caught, a caller that stops stepping early) the
   // destructor stops the producers.
   void finish() { finished_ = true; }
-  // Trainer rank 0, outside pull() (the run's evaluation, its saves, the end of train()):
+  // Outside pull() (the run's evaluation, its saves, the end of train()): trainer rank 0
   // answers with done every close that has come, so that a simulation closing while the
   // trainer does something else than a step returns at once instead of at its close_timeout
   // (docs/online.md). Never waits, not collective, never throws (what it cannot answer the
-  // destructor does). Before finish() only the closes a free staging slot receives are answered
-  // (the rows before them stay staged for the next pull); after it, the rows no step will take
-  // are received and dropped until each producer's close.
+  // destructor does). Before finish() only rank 0 acts, and only the closes a free staging slot
+  // receives are answered (the rows before them stay staged for the next pull); after it, every
+  // rank receives and drops the rows no step will take (split messages' payloads included, whose
+  // sends complete only then) until each producer's close, and rank 0 answers.
   void answer_closes();
   // What the run's user should be told, on trainer rank 0 (one sentence each, no "warning: "
   // prefix): a producer taken for gone (stream.producer_timeout), also from the destructor.

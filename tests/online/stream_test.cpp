@@ -97,6 +97,7 @@ int64_t produce(MPI_Comm comm, int p, const std::string& name, int64_t rows, Str
     } else {
       producer.send(xf.data(), yf.data(), n);
     }
+    if (options.share_messages && k == 3) producer.flush();  // a partial message, started now
     if (options.direct_sends) {
       // send() returned: the rows may be reused (a direct send still reading them would carry
       // these NaNs to the trainer).
@@ -578,6 +579,51 @@ TEST(Stream, ShapeMismatchIsOneSentenceOnBothSides) {
   EXPECT_EQ(lo, hi) << "the producers and the trainer report different sentences: " << message;
 }
 
+// The rendezvous refuses ranks of another protocol version (a trainer of a release before the
+// version, whose record reads 0 there, would take a split message's header for a whole one):
+// here a stand-in trainer whose Hello carries version 0; the producers' connect and the
+// trainer's rendezvous give the same sentence, naming both versions.
+TEST(Stream, ProtocolVersionMismatchIsOneSentenceOnBothSides) {
+  namespace sp = stream_protocol;
+  Roles roles;
+  std::string message;
+  if (roles.producer) {
+    StreamProducer producer;
+    try {
+      producer.connect(roles.comm, "version", kInputs, kOutputs, StreamDtype::float32);
+      ADD_FAILURE() << "connect accepted a trainer of protocol version 0";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::bad_input);
+      message = e.what();
+    }
+    EXPECT_FALSE(producer.connected());
+  } else {
+    sp::Hello hello;
+    hello.role = sp::kTrainer;
+    hello.local_rank = roles.rank;
+    hello.inputs = kInputs;
+    hello.outputs = kOutputs;
+    hello.batch_index = roles.rank;
+    hello.batch_count = roles.trainers;
+    hello.protocol = 0;
+    std::memcpy(hello.name, "version", 7);
+    MPI_Comm stream_comm = MPI_COMM_NULL;
+    message = sp::rendezvous(MPI_COMM_WORLD, hello, &stream_comm).problem;
+    check_mpi(MPI_Comm_free(&stream_comm), "MPI_Comm_free");
+  }
+  const std::string expected =
+      "stream \"version\": the ranks speak different versions of the "
+      "stream protocol (rank 0 of the rendezvous, a producer, version " +
+      std::to_string(sp::kProtocolVersion) + "; rank " + std::to_string(roles.producers) +
+      ", a trainer rank, version 0;";
+  EXPECT_EQ(message.rfind(expected, 0), 0u) << message;
+  const uint64_t hash = std::hash<std::string>{}(message);
+  uint64_t lo = 0, hi = 0;
+  MPI_Allreduce(&hash, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(&hash, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+  EXPECT_EQ(lo, hi) << "the producers and the trainer report different sentences: " << message;
+}
+
 // A trainer that fails before its rendezvous (here: no train.steps) tells the producers, whose
 // connect then fails with its sentence instead of waiting.
 TEST(Stream, TrainerFailingAtSetUpEndsTheProducersConnect) {
@@ -615,14 +661,15 @@ TEST(Stream, TrainerFailingAtSetUpEndsTheProducersConnect) {
 // nothing itself). Before the flag the destructor, run outside any exception's unwinding, sent
 // no stop: the producers sent on until they gave up, never told; before step() sent the stop
 // itself, they were told only the destructor's "ended before it finished".
-TEST(Stream, RunDestroyedAfterACaughtErrorStopsTheProducers) {
+void run_destroyed_after_a_caught_error(const std::string& name, bool split) {
   Roles roles;
   if (roles.producer) {
     std::vector<std::string> warnings;
     StreamProducerOptions options;
     options.on_warning = [&](const std::string& warning) { warnings.push_back(warning); };
+    if (split) options.split_bytes = 0;
     StreamProducer producer;
-    producer.connect(roles.comm, "caught", kInputs, kOutputs, StreamDtype::float32, options);
+    producer.connect(roles.comm, name, kInputs, kOutputs, StreamDtype::float32, options);
     std::vector<float> x(8 * kInputs, 0.5f), y(8 * kOutputs, 0.25f);
     int after_stop = -1;
     for (int k = 0; k < 4000 && (after_stop < 0 || k < after_stop + 10); ++k) {
@@ -639,13 +686,13 @@ TEST(Stream, RunDestroyedAfterACaughtErrorStopsTheProducers) {
     EXPECT_GT(producer.rows_dropped(), 0) << "no send dropped its rows after the stop";
     ASSERT_EQ(warnings.size(), roles.rank == 0 ? 1u : 0u);
     if (roles.rank == 0) {
-      EXPECT_EQ(warnings[0].rfind("stream \"caught\": the trainer stopped: ", 0), 0u)
+      EXPECT_EQ(warnings[0].rfind("stream \"" + name + "\": the trainer stopped: ", 0), 0u)
           << warnings[0];
       EXPECT_NE(warnings[0].find("the training loss became"), std::string::npos) << warnings[0];
     }
     return;
   }
-  RunConfig config = trainer_config("caught", {{"dp", roles.trainers}}, "dp");
+  RunConfig config = trainer_config(name, {{"dp", roles.trainers}}, "dp");
   config.optimizer.lr = 1e38;
   config.stream.min_rows = 8;
   config.train.steps = 1000;
@@ -660,6 +707,17 @@ TEST(Stream, RunDestroyedAfterACaughtErrorStopsTheProducers) {
     }
   }
   EXPECT_NE(message.find("the training loss became"), std::string::npos) << message;
+}
+
+TEST(Stream, RunDestroyedAfterACaughtErrorStopsTheProducers) {
+  run_destroyed_after_a_caught_error("caught", /*split=*/false);
+}
+
+// The same with every message split (split_bytes 0): the staged messages' payloads, matched but
+// never taken, and those owed to a header are received and dropped by the destructor
+// (StreamSource::discard_payloads), so that the producers' sends and close() complete.
+TEST(Stream, RunDestroyedAfterACaughtErrorStopsTheProducersWithSplitMessages) {
+  run_destroyed_after_a_caught_error("caught-split", /*split=*/true);
 }
 
 // A trainer that never answers a producer's close (here a stand-in: it takes part in the
@@ -721,24 +779,30 @@ TEST(Stream, CloseUnansweredReturnsAfterItsTimeoutWithOneWarning) {
 // (StreamSource::answer_closes). The close comes inside the last on_eval, ordered by a
 // non-blocking barrier the producers test between sends. Before, only a pull answered a close:
 // close() waited its whole close_timeout and warned, and the done was left unreceived.
-TEST(Stream, CloseDuringTheFinalEvaluationIsAnsweredAtOnce) {
+// `split`: sends of 512 rows split (split_bytes 0; x 8 KiB, over the 4 KiB eager limit, so a
+// send completes only when the trainer receives its payloads), else 8-row messages sent whole.
+void close_during_the_final_evaluation(const std::string& name, bool split) {
   Roles roles;
   TempDir dir(/*shared=*/true);
   constexpr double kCloseTimeout = 8.0;
+  const int64_t rows = split ? 512 : 8;
   if (roles.producer) {
     std::vector<std::string> warnings;
     StreamProducerOptions options;
     options.close_timeout = kCloseTimeout;
-    options.message_rows = 8;
+    options.message_rows = rows;
+    if (split) options.split_bytes = 0;
     options.on_warning = [&](const std::string& warning) { warnings.push_back(warning); };
     StreamProducer producer;
-    producer.connect(roles.comm, "final", kInputs, kOutputs, StreamDtype::float32, options);
-    std::vector<float> x(8 * kInputs), y(8 * kOutputs);
-    for (int64_t i = 0; i < 8; ++i) make_row_f(roles.rank, i, &x[i * kInputs], &y[i * kOutputs]);
+    producer.connect(roles.comm, name, kInputs, kOutputs, StreamDtype::float32, options);
+    std::vector<float> x(rows * kInputs), y(rows * kOutputs);
+    for (int64_t i = 0; i < rows; ++i) {
+      make_row_f(roles.rank, i, &x[i * kInputs], &y[i * kOutputs]);
+    }
     MPI_Request in_final_eval = MPI_REQUEST_NULL;
     check_mpi(MPI_Ibarrier(MPI_COMM_WORLD, &in_final_eval), "MPI_Ibarrier");
     for (int reached = 0; !reached;) {
-      producer.send(x.data(), y.data(), 8);
+      producer.send(x.data(), y.data(), rows);
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
       check_mpi(MPI_Test(&in_final_eval, &reached, MPI_STATUS_IGNORE), "MPI_Test");
     }
@@ -752,7 +816,7 @@ TEST(Stream, CloseDuringTheFinalEvaluationIsAnsweredAtOnce) {
     check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");  // the trainer's program goes on
     return;
   }
-  RunConfig config = trainer_config("final", {{"dp", roles.trainers}}, "dp");
+  RunConfig config = trainer_config(name, {{"dp", roles.trainers}}, "dp");
   config.stream.min_rows = 8;
   config.stream.test_fraction = 0.25;
   config.train.steps = 5;
@@ -772,6 +836,19 @@ TEST(Stream, CloseDuringTheFinalEvaluationIsAnsweredAtOnce) {
   run.train();
   // The program's own code before the run is destroyed: here it waits for the producers.
   check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+}
+
+TEST(Stream, CloseDuringTheFinalEvaluationIsAnsweredAtOnce) {
+  close_during_the_final_evaluation("final", /*split=*/false);
+}
+
+// The same with split messages: the ones staged and never taken hold their producer's sends
+// (and so its close()) until their payloads are received; after the run finished every trainer
+// rank drops them outside the steps (StreamSource::answer_closes), not only rank 0, so the close
+// returns before the trainer's program destroys the run (with 2 trainer ranks, before the fix,
+// rank 1 kept them until its destructor, after the barrier: a hang).
+TEST(Stream, CloseDuringTheFinalEvaluationIsAnsweredAtOnceWithSplitMessages) {
+  close_during_the_final_evaluation("final-split", /*split=*/true);
 }
 
 // close_timeout negative or NaN would wait for ever: connect refuses it (before the
@@ -1322,11 +1399,14 @@ TEST(Stream, CFlushStartsTheSharedMessage) {
 // out, consecutive slots) and through its staging otherwise (the window wrapping within a
 // message, the full reservoir, float64, held-out rows). The reference, computed in the same
 // test: the same rows sent whole (split_bytes too large to split), into a StreamSource of the
-// same keys. The split runs, and those with direct_sends (sent from the caller's arrays, which
-// it fills with NaN as soon as send() returns), must hold the same bits in the buffer and
-// held-out window, row for row, with the same counters; the rows received straight are counted
-// where the path applies. dp groups and, with 2 trainer ranks, one group of both ranks
-// (tp-like: the same bits on each).
+// same keys. The split runs (every message split; split from 8 rows' bytes, so one producer's
+// sends of 1 to 37 rows mix whole and split messages), and those with direct_sends (sent from
+// the caller's arrays, which it fills with NaN as soon as send() returns; at most 16 rows, 384
+// B, under MPI's 4 KiB eager limit, so the NaN cannot catch a send returning early here:
+// DirectSendsReturnOnlyOnceTheirRowsAreTaken does), must hold the same bits in the buffer and
+// held-out window, row for row, with the same counters; so must shared messages split against
+// shared messages whole. The rows received straight are counted where the path applies. dp groups
+// and, with 2 trainer ranks, one group of both ranks (tp-like: the same bits on each).
 TEST(Stream, SplitMessagesLandInTheBufferAsWholeOnesDo) {
   Roles roles;
   struct Case {
@@ -1347,18 +1427,27 @@ TEST(Stream, SplitMessagesLandInTheBufferAsWholeOnesDo) {
     if (one_group && roles.trainers < 2) continue;
     for (const Case& c : cases) {
       SCOPED_TRACE(std::string(c.name) + (one_group ? " in one group" : " in dp groups"));
-      // [whole, split, direct][x, y, held-out x, held-out y, first rows' x and y]
-      std::vector<std::vector<float>> bits[3];
-      int64_t counters[3][3] = {};
-      for (const int split : {0, 1, 2}) {
+      // Runs: 0 whole, 1 split, 2 direct, 3 split from 8 rows (the sends of 1 to 37 rows mix
+      // whole and split messages), 4 shared messages whole, 5 shared messages split (the
+      // partial ones flushed: produce(), and close()); 1-3 must equal 0, and 5 equal 4.
+      // [run][x, y, held-out x, held-out y, first rows' x and y]
+      constexpr int kRuns = 6;
+      std::vector<std::vector<float>> bits[kRuns];
+      int64_t counters[kRuns][3] = {};
+      for (int split = 0; split < kRuns; ++split) {
         const std::string name = std::string("split-") + c.name + "-" + std::to_string(split);
         if (roles.producer) {
           StreamProducerOptions options;
           options.message_rows = 16;
           options.ring_rows = 64;
           options.backpressure = StreamBackpressure::block;
-          options.split_bytes = split ? 0 : (int64_t{1} << 40);
+          const int64_t row_bytes =
+              (kInputs + kOutputs) * (c.dtype == StreamDtype::float64 ? 8 : 4);
+          options.split_bytes = split == 0 || split == 4 ? (int64_t{1} << 40)
+                                : split == 3             ? 8 * row_bytes
+                                                         : 0;
           options.direct_sends = split == 2;
+          options.share_messages = split >= 4;
           EXPECT_EQ(produce(roles.comm, roles.rank, name, rows_per_producer, c.dtype, options),
                     rows_per_producer);
           continue;
@@ -1398,7 +1487,7 @@ TEST(Stream, SplitMessagesLandInTheBufferAsWholeOnesDo) {
         counters[split][0] = source.counters().rows_received;
         counters[split][1] = source.counters().rows_overwritten;
         counters[split][2] = source.counters().rows_held_out;
-        if (split == 0) {
+        if (split == 0 || split == 4) {
           EXPECT_EQ(source.copy_times().rows_direct, 0) << "a whole message went straight";
         } else if (c.direct) {
           EXPECT_GT(source.copy_times().rows_direct, 0) << "no split message went straight";
@@ -1409,12 +1498,15 @@ TEST(Stream, SplitMessagesLandInTheBufferAsWholeOnesDo) {
         EXPECT_EQ(source.counters().rows_received, int64_t{roles.producers} * rows_per_producer);
       }
       if (roles.producer) continue;
-      for (int run = 1; run < 3; ++run) {
-        for (size_t k = 0; k < bits[0].size(); ++k) {
-          EXPECT_EQ(bits[run][k], bits[0][k])
-              << "part " << k << " differs when messages split" << (run == 2 ? " (direct)" : "");
+      for (int run = 1; run < kRuns; ++run) {
+        if (run == 4) continue;  // the reference of run 5
+        const int ref = run == 5 ? 4 : 0;
+        for (size_t k = 0; k < bits[ref].size(); ++k) {
+          EXPECT_EQ(bits[run][k], bits[ref][k]) << "part " << k << " differs in run " << run;
         }
-        for (int k = 0; k < 3; ++k) EXPECT_EQ(counters[run][k], counters[0][k]) << "counter " << k;
+        for (int k = 0; k < 3; ++k) {
+          EXPECT_EQ(counters[run][k], counters[ref][k]) << "counter " << k << ", run " << run;
+        }
       }
     }
   }
@@ -1475,7 +1567,11 @@ TEST(Stream, DirectSendsReturnOnlyOnceTheirRowsAreTaken) {
   for (int64_t slot = 0; slot < buffer.filled(); ++slot) {
     const float* x = buffer.x(slot);
     const float* y = buffer.y(slot);
-    const auto id = static_cast<int64_t>(x[0]);  // NaN: the check below fails
+    if (std::isnan(x[0])) {  // read after send() returned (a cast of NaN would be undefined)
+      ++wrong;
+      continue;
+    }
+    const auto id = static_cast<int64_t>(x[0]);
     float ex[kInputs], ey[kOutputs];
     make_row_f(id / 100000, id % 100000, ex, ey);
     wrong += std::equal(x, x + kInputs, ex) && std::equal(y, y + kOutputs, ey) ? 0 : 1;
