@@ -154,8 +154,6 @@ struct SlopeOf {
   KOKKOS_INLINE_FUNCTION float operator()(const float x) const { return Op::gradient(x, 1.0f); }
 };
 using ReluSlope = SlopeOf<activation_math::Relu>;
-using TanhSlope = SlopeOf<activation_math::Tanh>;
-using GeluSlope = SlopeOf<activation_math::GeluTanh>;
 using GeluErfSlope = SlopeOf<activation_math::GeluErf>;
 // sigmoid(x) and 1 - sigmoid(x) with one division (the slopes' hot loop): e = exp(-|x|),
 // r = 1 / (1 + e); sigmoid(|x|) = r, sigmoid(-|x|) = e r, neither a difference.
@@ -176,7 +174,22 @@ struct SigmoidSlope {
     return s.of_x * s.of_minus;
   }
 };
-using IdentitySlope = SlopeOf<activation_math::Identity>;
+// The slope functor of an activation_math struct: SlopeOf, except silu's and sigmoid's above.
+// With activation_math::with_activation, the one place an Activation picks its slope.
+template <class Op>
+struct SlopeFor {
+  using type = SlopeOf<Op>;
+};
+template <>
+struct SlopeFor<activation_math::Silu> {
+  using type = SiluSlope;
+};
+template <>
+struct SlopeFor<activation_math::Sigmoid> {
+  using type = SigmoidSlope;
+};
+template <class Op>
+using SlopeFunctor = typename SlopeFor<Op>::type;
 
 // One value row i of scale_tangents below: the slopes of z's row into the block's first output
 // row, then every row of the block is that times dz (the first one last).
@@ -198,25 +211,24 @@ KOKKOS_FORCEINLINE_FUNCTION void scale_block(const float* KOKKOS_RESTRICT zi, co
 // scale_block on host memory, compiled per instruction set (framework/core/host_clones.hpp)
 // without FMA contraction: the same arithmetic, so the same bits, 16 lanes wide on AVX-512 where
 // the build's SSE2 runs 4 (the silu slope's polynomial exp and division included).
+// The body given to with_activation: a functor whose call is forced inline (a lambda's could
+// be left out of line, outside the clone).
+struct ScaleBlock {
+  const float* zi;
+  const float* d_data;
+  int64_t d_stride;
+  float* o_data;
+  int64_t o_stride, i, k, cols;
+  template <class Op>
+  MESHTRAIN_INLINE void operator()(Op) const {
+    scale_block(zi, d_data, d_stride, o_data, o_stride, i, k, cols, SlopeFunctor<Op>{});
+  }
+};
 MESHTRAIN_HOST_CLONES_EXACT
 void scale_block_host(Activation activation, const float* zi, const float* d_data, int64_t d_stride,
                       float* o_data, int64_t o_stride, int64_t i, int64_t k, int64_t cols) {
-  switch (activation) {
-    case Activation::relu:
-      return scale_block(zi, d_data, d_stride, o_data, o_stride, i, k, cols, ReluSlope{});
-    case Activation::tanh:
-      return scale_block(zi, d_data, d_stride, o_data, o_stride, i, k, cols, TanhSlope{});
-    case Activation::gelu:
-      return scale_block(zi, d_data, d_stride, o_data, o_stride, i, k, cols, GeluSlope{});
-    case Activation::gelu_erf:
-      return scale_block(zi, d_data, d_stride, o_data, o_stride, i, k, cols, GeluErfSlope{});
-    case Activation::silu:
-      return scale_block(zi, d_data, d_stride, o_data, o_stride, i, k, cols, SiluSlope{});
-    case Activation::sigmoid:
-      return scale_block(zi, d_data, d_stride, o_data, o_stride, i, k, cols, SigmoidSlope{});
-    case Activation::none:
-      return scale_block(zi, d_data, d_stride, o_data, o_stride, i, k, cols, IdentitySlope{});
-  }
+  activation_math::with_activation(activation,
+                                   ScaleBlock{zi, d_data, d_stride, o_data, o_stride, i, k, cols});
 }
 
 // out(t, j) = slope(z(t / k, j)) * dz(t, j) for the k rows t of each value row, each slope
@@ -275,25 +287,20 @@ MESHTRAIN_INLINE void forward_slope_row(const float* __restrict z, float* __rest
   }
 }
 
+struct ForwardSlopeRow {  // with_activation's body, as ScaleBlock
+  const float* z;
+  float* out;
+  float* slopes;
+  int64_t cols;
+  template <class Op>
+  MESHTRAIN_INLINE void operator()(Op) const {
+    forward_slope_row<Op>(z, out, slopes, cols, SlopeFunctor<Op>{});
+  }
+};
 MESHTRAIN_HOST_CLONES_EXACT
 void forward_slope_row_host(Activation activation, const float* z, float* out, float* slopes,
                             int64_t cols) {
-  switch (activation) {
-    case Activation::relu:
-      return forward_slope_row<activation_math::Relu>(z, out, slopes, cols, ReluSlope{});
-    case Activation::tanh:
-      return forward_slope_row<activation_math::Tanh>(z, out, slopes, cols, TanhSlope{});
-    case Activation::gelu:
-      return forward_slope_row<activation_math::GeluTanh>(z, out, slopes, cols, GeluSlope{});
-    case Activation::gelu_erf:
-      return forward_slope_row<activation_math::GeluErf>(z, out, slopes, cols, GeluErfSlope{});
-    case Activation::silu:
-      return forward_slope_row<activation_math::Silu>(z, out, slopes, cols, SiluSlope{});
-    case Activation::sigmoid:
-      return forward_slope_row<activation_math::Sigmoid>(z, out, slopes, cols, SigmoidSlope{});
-    case Activation::none:
-      return forward_slope_row<activation_math::Identity>(z, out, slopes, cols, IdentitySlope{});
-  }
+  activation_math::with_activation(activation, ForwardSlopeRow{z, out, slopes, cols});
 }
 
 // out(t, :) = slopes(i, :) * dz(t, :) for the k rows t = i k .. i k + k - 1 of value row i: the
@@ -643,22 +650,8 @@ void activation_tangent(Activation activation, MatrixView z, MatrixView dz, Matr
   const std::string& label = MESHTRAIN_LABEL("meshtrain::activation_tangent");
   const TangentRows t = tangent_rows(z, dz, out);
   if (inference::layers_run_host_kernels()) return scale_tangents_host(label, activation, t);
-  switch (activation) {
-    case Activation::relu:
-      return scale_tangents(label, t, ReluSlope{});
-    case Activation::tanh:
-      return scale_tangents(label, t, TanhSlope{});
-    case Activation::gelu:
-      return scale_tangents(label, t, GeluSlope{});
-    case Activation::gelu_erf:
-      return scale_tangents(label, t, GeluErfSlope{});
-    case Activation::silu:
-      return scale_tangents(label, t, SiluSlope{});
-    case Activation::sigmoid:
-      return scale_tangents(label, t, SigmoidSlope{});
-    case Activation::none:
-      return scale_tangents(label, t, IdentitySlope{});
-  }
+  activation_math::with_activation(
+      activation, [&](auto op) { scale_tangents(label, t, SlopeFunctor<decltype(op)>{}); });
 }
 
 void activation_curvature_add(Activation activation, MatrixView z, MatrixView t_in, MatrixView dt,
@@ -1130,7 +1123,8 @@ MatrixView ActivationLayer::backward_cotangents(MatrixView dy, const LayerPass& 
   return out;
 }
 
-void ActivationLayer::reserve_derivative_forward() {
+void ActivationLayer::reserve_derivative_forward(bool /*for_cotangents*/) {
+  // Both passes read the slopes.
   // The slopes' host kernels: fp32 on host kernels (kept_input_: 16-bit storage has no fp32 z).
   if (slopes_.extent(0) != 0 || dtype_ != Dtype::fp32 || kept_input_.data() != nullptr ||
       !inference::layers_run_host_kernels()) {

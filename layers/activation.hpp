@@ -112,7 +112,7 @@ class ActivationLayer : public Layer {
   // [rows, width] for f'(x), which a derivative forward (LayerPass::derivative_forward) writes
   // in its visit of x and forward_tangents and backward_cotangents then read instead of
   // computing f' again (fp32 on host kernels; elsewhere nothing).
-  void reserve_derivative_forward() override;
+  void reserve_derivative_forward(bool for_cotangents) override;
   // Sobolev training: dy * f'(x) + f''(x) * sum_d t_in g_t in place in dy (backward's, plus the
   // tangents' term), and *dt_in = f'(x) * dt per direction (the cotangent buffer).
   MatrixView backward_with_tangents(MatrixView dy, MatrixView dt, bool need_input_grad,

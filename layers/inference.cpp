@@ -105,8 +105,8 @@ MESHTRAIN_INLINE float lane_sum(const float* x, int64_t n, F f) {
   return sum;
 }
 
-// stats (3 floats) and x_hat (cols) null, or where the derivative forward keeps them: the same
-// y either way (x_hat the same product y starts from).
+// stats (3 floats) and x_hat (cols) each null, or where the derivative forward keeps them: the
+// same y either way (x_hat the same product y starts from).
 MESHTRAIN_HOST_CLONES
 void layernorm_row(const float* __restrict x, float* __restrict y, int64_t cols,
                    const float* __restrict scale, const float* __restrict bias, float eps,
@@ -118,13 +118,15 @@ void layernorm_row(const float* __restrict x, float* __restrict y, int64_t cols,
   const float delta = a / n;
   const float var = b / n - delta * delta;
   const float rstd = 1.0f / std::sqrt((var > 0.0f ? var : 0.0f) + eps);
+  if (stats != nullptr) {
+    stats[0] = m0;
+    stats[1] = delta;
+    stats[2] = rstd;
+  }
   if (x_hat == nullptr) {
     for (int64_t j = 0; j < cols; ++j) y[j] = ((x[j] - m0) - delta) * rstd * scale[j] + bias[j];
     return;
   }
-  stats[0] = m0;
-  stats[1] = delta;
-  stats[2] = rstd;
   for (int64_t j = 0; j < cols; ++j) {
     const float h = ((x[j] - m0) - delta) * rstd;
     x_hat[j] = h;
@@ -139,13 +141,15 @@ void rmsnorm_row(const float* __restrict x, float* __restrict y, int64_t cols,
   const float n = static_cast<float>(cols);
   const float ss = lane_sum(x, cols, [](float v) { return v * v; });
   const float rstd = 1.0f / std::sqrt(ss / n + eps);
+  if (stats != nullptr) {
+    stats[0] = 0.0f;
+    stats[1] = 0.0f;
+    stats[2] = rstd;
+  }
   if (x_hat == nullptr) {
     for (int64_t j = 0; j < cols; ++j) y[j] = x[j] * rstd * scale[j];
     return;
   }
-  stats[0] = 0.0f;
-  stats[1] = 0.0f;
-  stats[2] = rstd;
   for (int64_t j = 0; j < cols; ++j) {
     const float h = x[j] * rstd;
     x_hat[j] = h;
@@ -237,29 +241,23 @@ void activate(MatrixView c, Activation activation) {
 }
 
 void layernorm(ConstMatrixView x, const float* scale, const float* bias, float eps, MatrixView y) {
-  check_same_shape(x, y, "inference::layernorm");
-  const float* in = x.data();
-  float* out = y.data();
-  const int64_t ldx = ld_of(x), ldy = ld_of(y), cols = cols_of(x);
-  for_rows(MESHTRAIN_LABEL("meshtrain::infer_layernorm"), rows_of(x), [=](const int64_t i) {
-    layernorm_row(in + i * ldx, out + i * ldy, cols, scale, bias, eps);
-  });
+  layernorm_keeping(x, scale, bias, eps, y, MatrixView(), MatrixView(),
+                    MESHTRAIN_LABEL("meshtrain::infer_layernorm"));
 }
 
 void rmsnorm(ConstMatrixView x, const float* scale, float eps, MatrixView y) {
-  check_same_shape(x, y, "inference::rmsnorm");
-  const float* in = x.data();
-  float* out = y.data();
-  const int64_t ldx = ld_of(x), ldy = ld_of(y), cols = cols_of(x);
-  for_rows(MESHTRAIN_LABEL("meshtrain::infer_rmsnorm"), rows_of(x),
-           [=](const int64_t i) { rmsnorm_row(in + i * ldx, out + i * ldy, cols, scale, eps); });
+  rmsnorm_keeping(x, scale, eps, y, MatrixView(), MatrixView(),
+                  MESHTRAIN_LABEL("meshtrain::infer_rmsnorm"));
 }
 
 namespace {
+// stats or x_hat empty: not kept (both, in layernorm() and rmsnorm(); x_hat alone, for a
+// derivative forward no cotangents follow); null pointers to the row kernels.
 void check_kept(ConstMatrixView x, ConstMatrixView y, ConstMatrixView stats, ConstMatrixView x_hat,
                 const char* what) {
   check_same_shape(x, y, what);
-  check_same_shape(x, x_hat, what);
+  if (x_hat.data() != nullptr) check_same_shape(x, x_hat, what);
+  if (stats.data() == nullptr) return;
   MESHTRAIN_REQUIRE(stats.extent(0) == x.extent(0) && stats.extent(1) == 3 && stats.stride(1) == 1,
                     what, ": statistics [", stats.extent(0), ", ", stats.extent(1), "] for ",
                     x.extent(0), " rows (3 a row expected)");
@@ -268,29 +266,31 @@ void check_kept(ConstMatrixView x, ConstMatrixView y, ConstMatrixView stats, Con
 
 void layernorm_keeping(ConstMatrixView x, const float* scale, const float* bias, float eps,
                        MatrixView y, MatrixView stats, MatrixView x_hat, const std::string& label) {
-  check_kept(x, y, stats, x_hat, "inference::layernorm_keeping");
+  check_kept(x, y, stats, x_hat, "inference::layernorm");
   const float* in = x.data();
   float* out = y.data();
   float* st = stats.data();
   float* xh = x_hat.data();
-  const int64_t ldx = ld_of(x), ldy = ld_of(y), lds = ld_of(stats), ldh = ld_of(x_hat);
-  const int64_t cols = cols_of(x);
+  const int64_t ldx = ld_of(x), ldy = ld_of(y), cols = cols_of(x);
+  const int64_t lds = st != nullptr ? ld_of(stats) : 0, ldh = xh != nullptr ? ld_of(x_hat) : 0;
   for_rows(label, rows_of(x), [=](const int64_t i) {
-    layernorm_row(in + i * ldx, out + i * ldy, cols, scale, bias, eps, st + i * lds, xh + i * ldh);
+    layernorm_row(in + i * ldx, out + i * ldy, cols, scale, bias, eps,
+                  st != nullptr ? st + i * lds : nullptr, xh != nullptr ? xh + i * ldh : nullptr);
   });
 }
 
 void rmsnorm_keeping(ConstMatrixView x, const float* scale, float eps, MatrixView y,
                      MatrixView stats, MatrixView x_hat, const std::string& label) {
-  check_kept(x, y, stats, x_hat, "inference::rmsnorm_keeping");
+  check_kept(x, y, stats, x_hat, "inference::rmsnorm");
   const float* in = x.data();
   float* out = y.data();
   float* st = stats.data();
   float* xh = x_hat.data();
-  const int64_t ldx = ld_of(x), ldy = ld_of(y), lds = ld_of(stats), ldh = ld_of(x_hat);
-  const int64_t cols = cols_of(x);
+  const int64_t ldx = ld_of(x), ldy = ld_of(y), cols = cols_of(x);
+  const int64_t lds = st != nullptr ? ld_of(stats) : 0, ldh = xh != nullptr ? ld_of(x_hat) : 0;
   for_rows(label, rows_of(x), [=](const int64_t i) {
-    rmsnorm_row(in + i * ldx, out + i * ldy, cols, scale, eps, st + i * lds, xh + i * ldh);
+    rmsnorm_row(in + i * ldx, out + i * ldy, cols, scale, eps,
+                st != nullptr ? st + i * lds : nullptr, xh != nullptr ? xh + i * ldh : nullptr);
   });
 }
 

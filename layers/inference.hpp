@@ -68,7 +68,9 @@ void rmsnorm(ConstMatrixView x, const float* scale, float eps, MatrixView y);
 // The same for a derivative forward (LayerPass::derivative_forward), keeping for the derivative
 // passes each row's statistics stats(i, :) = (m0, delta, rstd) (RMSNorm: 0, 0, rstd; FeatureNorm's
 // layout) and x_hat [rows, cols], the normalized values ((x - m0) - delta) rstd (RMSNorm: x rstd);
-// y the same bits as layernorm() and rmsnorm(). One visit of each row; labelled `label`.
+// y the same bits as layernorm() and rmsnorm(), which are these with stats and x_hat empty
+// (nothing kept); x_hat alone may be empty (kept for cotangents only). One visit of each row;
+// labelled `label`.
 void layernorm_keeping(ConstMatrixView x, const float* scale, const float* bias, float eps,
                        MatrixView y, MatrixView stats, MatrixView x_hat, const std::string& label);
 void rmsnorm_keeping(ConstMatrixView x, const float* scale, float eps, MatrixView y,

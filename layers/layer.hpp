@@ -208,10 +208,11 @@ class Layer {
   // pass over every row gives those rows. The default: no.
   virtual bool cotangents_by_rows() const { return false; }
   // Allocates what a forward with LayerPass::derivative_forward keeps for the tangent and
-  // cotangent passes after it (once; Predictor::prepare_jacobian). A layer with nothing to keep,
-  // or whose passes would not read it (off host kernels, 16-bit, tp), allocates nothing: the
-  // default. Not collective.
-  virtual void reserve_derivative_forward() {}
+  // cotangent passes after it (once; Predictor::prepare_jacobian). for_cotangents: whether
+  // cotangent passes (reverse mode) will follow, not only tangent ones; what only those read (a
+  // norm's x_hat) is kept only then. A layer with nothing to keep, or whose passes would not read
+  // it (off host kernels, 16-bit, tp), allocates nothing: the default. Not collective.
+  virtual void reserve_derivative_forward(bool /*for_cotangents*/) {}
 
   // Training on derivatives (Sobolev training, docs/derivatives.md): backward through the value
   // pass and the tangent pass at once (reverse over forward). After forward(x) and

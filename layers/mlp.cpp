@@ -781,8 +781,8 @@ void Mlp::reserve_cotangents(int64_t directions) {
   if (needs.matmul > scratch_.matmul.capacity_bytes()) scratch_.matmul.reserve(needs.matmul);
 }
 
-void Mlp::reserve_derivative_forward() {
-  for (Layer* layer : sequence_) layer->reserve_derivative_forward();
+void Mlp::reserve_derivative_forward(bool for_cotangents) {
+  for (Layer* layer : sequence_) layer->reserve_derivative_forward(for_cotangents);
 }
 
 void Mlp::reserve_tangent_backward(int64_t directions) {

@@ -181,9 +181,9 @@ class Mlp {
   void reserve_tangents(int64_t directions);
   void reserve_cotangents(int64_t directions);
   // Every layer's reserve_derivative_forward: room for what forward_for_derivatives keeps for
-  // the derivative passes (activations' slopes, norms' normalized values; docs/derivatives.md).
-  // Not collective.
-  void reserve_derivative_forward();
+  // the derivative passes (activations' slopes; norms' normalized values, only for_cotangents:
+  // only the cotangent passes read them; docs/derivatives.md). Not collective.
+  void reserve_derivative_forward(bool for_cotangents);
   // Training on derivatives (Sobolev training, docs/derivatives.md): after forward(x) and
   // forward_tangents(dx) with k directions, the gradients of a loss of the output (output_grad
   // [local_rows, output_width()]) and of its tangents (tangent_grad [local_rows * k,

@@ -229,15 +229,17 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
       layout_.kind == NormKind::layernorm ? params_[1].compute(scratch) : ConstVectorView();
   // FSDP overlap: the next layer's weight gather runs under this layer's work.
   if (pass.prefetch) pass.prefetch->start_weight_prefetch(*pass.scratch);
-  x_hat_kept_ = pass.derivative_forward && kept_x_hat_.extent(0) != 0 && !keep;
-  if (x_hat_kept_) {
-    // One host pass a row (the whole row here): y, the statistics and x_hat, which the one-pass
-    // cotangents read; labelled as the kernel that writes y elsewhere.
+  const bool one_pass = pass.derivative_forward && one_pass_derivative_forward_ && !keep;
+  x_hat_kept_ = one_pass && kept_x_hat_.extent(0) != 0;
+  if (one_pass) {
+    // One host pass a row (the whole row here): y, the statistics (the tangents' and the
+    // cotangents') and, for cotangents, x_hat; labelled as the kernel that writes y elsewhere.
+    const MatrixView x_hat = x_hat_kept_ ? MatrixView(kept_x_hat_) : MatrixView();
     if (layout_.kind == NormKind::rmsnorm) {
-      inference::rmsnorm_keeping(x, scale.data(), eps, y, stats, kept_x_hat_,
+      inference::rmsnorm_keeping(x, scale.data(), eps, y, stats, x_hat,
                                  MESHTRAIN_LABEL("meshtrain::rmsnorm_forward"));
     } else {
-      inference::layernorm_keeping(x, scale.data(), bias.data(), eps, y, stats, kept_x_hat_,
+      inference::layernorm_keeping(x, scale.data(), bias.data(), eps, y, stats, x_hat,
                                    MESHTRAIN_LABEL("meshtrain::layernorm_forward"));
     }
     if (pass.prefetch) pass.prefetch->poll_weight_prefetch();
@@ -335,6 +337,7 @@ MatrixView FeatureNorm::forward(MatrixView x, const LayerPass& pass) {
 }
 
 MatrixView FeatureNorm::infer(MatrixView x, const LayerPass& pass) {
+  x_hat_kept_ = false;  // forward sets it again where it falls back; no kept x_hat is of this x
   if (!inference::runs_host_kernels() || compute_dtype_ != Dtype::fp32 || tp_comm_ != nullptr ||
       layout_.local_width != layout_.width) {
     return forward(x, pass);
@@ -664,12 +667,16 @@ void FeatureNorm::cotangents_adding(MatrixView dy, MatrixView add, MatrixView ou
   inference::fence_after_host_kernel(label);
 }
 
-void FeatureNorm::reserve_derivative_forward() {
-  if (kept_x_hat_.extent(0) != 0 || !cotangents_in_one_pass() || kept_input_.data() != nullptr ||
+void FeatureNorm::reserve_derivative_forward(bool for_cotangents) {
+  if (!cotangents_in_one_pass() || kept_input_.data() != nullptr ||
       layout_.local_width != layout_.width) {
     return;
   }
-  kept_x_hat_ = Matrix(name_ + "/kept_x_hat", rows_, layout_.local_width);
+  one_pass_derivative_forward_ = true;
+  // x_hat only for the cotangents: the tangents' norm_jacobian reads x and the statistics.
+  if (for_cotangents && kept_x_hat_.extent(0) == 0) {
+    kept_x_hat_ = Matrix(name_ + "/kept_x_hat", rows_, layout_.local_width);
+  }
 }
 
 void FeatureNorm::reserve_cotangents(int64_t directions) {

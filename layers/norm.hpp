@@ -133,8 +133,9 @@ class FeatureNorm : public Layer {
   // [rows, local_width] for x_hat, which a derivative forward (LayerPass::derivative_forward)
   // writes, with the statistics, in one host pass over each row (inference::layernorm_keeping)
   // and the one-pass cotangents then read instead of computing it again; only where those run
-  // (cotangents_in_one_pass(), no 16-bit storage); elsewhere nothing.
-  void reserve_derivative_forward() override;
+  // (cotangents_in_one_pass(), no 16-bit storage) and for_cotangents (the tangents'
+  // norm_jacobian does not read it); elsewhere nothing.
+  void reserve_derivative_forward(bool for_cotangents) override;
   // out = add + backward_cotangents(dy) in that pass (add [rows * k, local_width] or empty: a
   // residual block's stream, added without a pass of its own); out [rows * k, local_width],
   // neither dy's memory nor add's (a row block's first output row holds x-hat before add's rows
@@ -205,10 +206,11 @@ class FeatureNorm : public Layer {
   Communicator* tp_comm_ = nullptr;    // the statistics' all-reduces (split features)
   Communicator* grad_comm_ = nullptr;  // the gradients' all-reduce (layout_.grad_reduce)
 
-  MatrixView x_;             // the input of the last forward
-  Vector row_sum_;           // [rows]     first pass (sum x, or sum x^2)
-  Matrix row_sums2_;         // [rows, 2]  second pass / backward sums
-  Matrix stats_;             // [rows, 3]  m0, delta, rstd
+  MatrixView x_;                              // the input of the last forward
+  Vector row_sum_;                            // [rows]     first pass (sum x, or sum x^2)
+  Matrix row_sums2_;                          // [rows, 2]  second pass / backward sums
+  Matrix stats_;                              // [rows, 3]  m0, delta, rstd
+  bool one_pass_derivative_forward_ = false;  // reserve_derivative_forward found it possible
   Matrix kept_x_hat_;        // [rows, local_width] x_hat of a derivative forward (or empty)
   bool x_hat_kept_ = false;  // whether the last forward wrote kept_x_hat_
   Matrix out_;               // [rows, local_width] (none under 16-bit storage)

@@ -250,8 +250,8 @@ bool ResidualBlock::cotangents_by_rows() const {
   return true;
 }
 
-void ResidualBlock::reserve_derivative_forward() {
-  for (const auto& layer : layers_) layer->reserve_derivative_forward();
+void ResidualBlock::reserve_derivative_forward(bool for_cotangents) {
+  for (const auto& layer : layers_) layer->reserve_derivative_forward(for_cotangents);
 }
 
 void ResidualBlock::reserve_cotangents(int64_t directions) {

@@ -59,8 +59,8 @@ class ResidualBlock : public Layer {
   // dy + (f's cotangents of dy), for k directions per row.
   MatrixView backward_cotangents(MatrixView dy, const LayerPass& pass) override;
   void reserve_cotangents(int64_t directions) override;
-  void reserve_derivative_forward() override;  // its layers'
-  bool cotangents_by_rows() const override;    // where every layer of f does
+  void reserve_derivative_forward(bool for_cotangents) override;  // its layers'
+  bool cotangents_by_rows() const override;                       // where every layer of f does
   // The tangents' backward, first-order (Sobolev training) or the forward Laplacian's: dy + f's
   // input gradient, dt + f's streams' input gradient; the streams' result lives in the
   // cotangents' buffer. Whether it is exact is its layers' answer (supports_laplacian,

@@ -574,7 +574,9 @@ JacobianMode Predictor::prepare_jacobian(JacobianMode requested) {
     Kokkos::deep_copy(target_scale_, target_host);
   }
   const int64_t k = jacobian_directions(mode);
-  model_->reserve_derivative_forward();  // once: what the derivative forward keeps
+  // Once: what the derivative forward keeps for this mode's passes (the norms' x_hat only for
+  // the cotangents: the tangents do not read it).
+  model_->reserve_derivative_forward(/*for_cotangents=*/mode == JacobianMode::reverse);
   if (mode == JacobianMode::forward) {
     model_->reserve_tangents(k);
     tangent_seed_ = Matrix("meshtrain::jacobian_input_tangents", rows * k, inputs());

@@ -18,12 +18,15 @@
 // element (GCC left Tanh::gradient out of line) keeps the caller's loop scalar.
 //
 // with_activation(kind, body) calls body(Op{}) with the struct of `kind`, so a kernel is
-// instantiated once per activation and its loop has no switch inside.
+// instantiated once per activation and its loop has no switch inside. Forced inline (GCC), so a
+// body called from a host clone (framework/core/host_clones.hpp) is compiled inside that clone,
+// for its instruction set and with its FMA setting.
 
 #include <Kokkos_Core.hpp>
 
 #include "framework/core/choices.hpp"
 #include "framework/core/fast_math.hpp"
+#include "framework/core/host_clones.hpp"
 #include "framework/core/kokkos_math.hpp"
 
 namespace meshtrain::activation_math {
@@ -169,7 +172,7 @@ struct Sigmoid {
 };
 
 template <class Body>
-void with_activation(Activation kind, Body&& body) {
+MESHTRAIN_INLINE void with_activation(Activation kind, Body&& body) {
   switch (kind) {
     case Activation::relu:
       body(Relu{});
