@@ -769,19 +769,22 @@ TEST(Gemm, OtherRowsOfALayerShapeMatchFloat64) {
 }
 
 // A call's bits do not depend on the calls before it (a sweep's second config, a resumed run,
-// `meshtrain evaluate` after training): x @ W with 64 rows called first in a process (its
+// `meshtrain evaluate` after training): x @ W with 128 rows called first in a process (its
 // primitives dropped before, as a new process has none) and called after 17 rows of the same
-// layer shape give the same bits, through gemm() and gemm_varying_rows(). K = 4096, where oneDNN's
-// bf16 brgemm and gemm kernels add in other orders and differ in the last bits (measured: the
-// 784-4096-4096-10 step); N = 32 keeps it cheap. The kernel each call ran is counted as well.
+// layer shape give the same bits, through gemm() and gemm_varying_rows(); the kernel each call ran
+// is counted as well. The shape is one where oneDNN's bf16 brgemm and gemm kernels differ in the
+// last bits (their fp32 additions in other orders), so the bits fail where the kernel depends on
+// the order: measured here (AMX), 128 x 4096 x N differs for N = 64 to 4096, while 64 x 4096 x N
+// (N 32 to 4096) and 128 x 1024 x 256 give the same bits on both kernels. An earlier version
+// (the first rows of a layer shape fixed, other rows on the runtime primitive) fails this test.
 TEST(Gemm, KernelOfACallDoesNotDependOnTheCallsBefore) {
-  constexpr std::size_t kFeatures = 4096, kOut = 32;
+  constexpr std::size_t kFeatures = 4096, kOut = 64, kRows = 128;
   for (Dtype dtype : {Dtype::bf16, Dtype::fp32}) {
     for (const Path& path : paths_for(dtype)) {
       const SelectedPath selected(path);
       std::mt19937 rng(23);
       const TestMatrix w = make_matrix(kFeatures, kOut, 0, dtype, rng);
-      const TestMatrix x = make_matrix(64, kFeatures, 0, dtype, rng);
+      const TestMatrix x = make_matrix(kRows, kFeatures, 0, dtype, rng);
       const MatrixView x17 =
           Kokkos::subview(x.view(), std::make_pair(std::size_t{0}, std::size_t{17}), Kokkos::ALL);
       for (bool rows_vary : {false, true}) {
@@ -789,8 +792,8 @@ TEST(Gemm, KernelOfACallDoesNotDependOnTheCallsBefore) {
         name << path.name << " " << to_string(dtype)
              << (rows_vary ? " gemm_varying_rows" : " gemm");
         const Executions want = expected_executions(path, dtype, rows_vary);
-        TestMatrix alone = make_matrix(64, kOut, 0, Dtype::fp32, rng),
-                   after = make_matrix(64, kOut, 0, Dtype::fp32, rng),
+        TestMatrix alone = make_matrix(kRows, kOut, 0, Dtype::fp32, rng),
+                   after = make_matrix(kRows, kOut, 0, Dtype::fp32, rng),
                    c17 = make_matrix(17, kOut, 0, Dtype::fp32, rng);
 #if defined(MESHTRAIN_GEMM_ONEDNN)
         gemm_backend::onednn_drop_primitives();
