@@ -13,8 +13,10 @@
 // backward without an epilogue: weight_grad (Xᵀ @ dY, A transposed: the step's weight gradient,
 // whose K is the batch) and input_grad (dY @ Wᵀ). The calls of all paths alternate round by
 // round (a loaded machine slows them alike); each line has the median over the rounds of
-// wall-clock and thread-CPU time, as GFLOP/s (2 M K N per call), and the ratio to OpenBLAS fp32
-// on the same shape and epilogue.
+// wall-clock and thread-CPU time, as GFLOP/s (2 M K N per call), the ratio to OpenBLAS fp32
+// on the same shape and epilogue, and the oneDNN primitive the timed calls ran ("primitive":
+// fixed_shape, runtime, or none off oneDNN). gemm() picks that primitive from the call alone
+// (gemm_onednn.cpp, primitive_for), so the order of --shapes does not change a line's kernel.
 
 #include <CLI/CLI.hpp>
 #include <Kokkos_Core.hpp>
@@ -108,6 +110,22 @@ Matrix random_matrix(const char* label, int64_t rows, int64_t cols, Dtype dtype,
 
 }  // namespace
 
+// oneDNN's execution counters (gemm_backend.hpp); zero without oneDNN.
+int64_t onednn_executions() {
+#if defined(MESHTRAIN_GEMM_ONEDNN)
+  return meshtrain::gemm_backend::onednn_executions();
+#else
+  return 0;
+#endif
+}
+int64_t onednn_fixed_shape_executions() {
+#if defined(MESHTRAIN_GEMM_ONEDNN)
+  return meshtrain::gemm_backend::onednn_fixed_shape_executions();
+#else
+  return 0;
+#endif
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"gemm() GFLOP/s per host library, kernel, dtype, shape and epilogue"};
   std::string shapes_text = "256x4096x4096";
@@ -185,6 +203,8 @@ int main(int argc, char** argv) {
       const bool backward_shape = epilogue.backward || epilogue.plain_backward;
       const int64_t c_cols = backward_shape ? s.k : s.n;
       std::vector<std::vector<double>> wall(paths.size()), cpu(paths.size());
+      // oneDNN executions of each path's timed calls, all and on a fixed-shape primitive.
+      std::vector<int64_t> executions(paths.size(), 0), fixed_executions(paths.size(), 0);
       std::vector<Matrix> a_of(paths.size()), b_of(paths.size());
       std::vector<meshtrain::HalfMatrix> a16_of(paths.size()), b16_of(paths.size());
       for (std::size_t p = 0; p < paths.size(); ++p) {
@@ -225,11 +245,14 @@ int main(int argc, char** argv) {
       for (int round = -1; round < rounds; ++round) {  // round -1 warms every path up
         for (std::size_t p = 0; p < paths.size(); ++p) {
           meshtrain::gemm_backend::select_host_library(paths[p].host, paths[p].bf16_kernel);
+          const int64_t executed = onednn_executions(), fixed = onednn_fixed_shape_executions();
           const double start = wall_seconds(), cpu_start = thread_cpu_seconds();
           call(p);
           if (round >= 0) {
             wall[p].push_back(wall_seconds() - start);
             cpu[p].push_back(thread_cpu_seconds() - cpu_start);
+            executions[p] += onednn_executions() - executed;
+            fixed_executions[p] += onednn_fixed_shape_executions() - fixed;
           }
         }
       }
@@ -241,6 +264,12 @@ int main(int argc, char** argv) {
         line["bench"] = "gemm_rates";
         line["library"] = paths[p].library;
         line["kernel"] = paths[p].kernel;
+        // oneDNN's primitive: made for the call's whole shape or with runtime M, K and strides
+        // (gemm_onednn.cpp, primitive_for); none where oneDNN did not run.
+        line["primitive"] = executions[p] == 0                     ? "none"
+                            : fixed_executions[p] == executions[p] ? "fixed_shape"
+                            : fixed_executions[p] == 0             ? "runtime"
+                                                                   : "both";
         line["inputs"] = meshtrain::to_string(paths[p].dtype);
         line["m"] = s.m;
         line["k"] = s.k;

@@ -44,6 +44,10 @@ void permute_rows(MatrixView src, MatrixView dst, const Kokkos::View<int64_t*>& 
 
 using HostOffsets = Kokkos::View<int64_t*>::HostMirror;
 
+// The experts' GEMMs (below) go through gemm_varying_rows(): an expert's rows change from step to
+// step, and so that no step makes a oneDNN primitive, every such call runs the one whose rows are
+// given at run time (gemm.hpp).
+
 // Y_e = X_e W_e for each of the `local` experts on its rows (expert-major offsets); w holds
 // the local experts' [in, out] matrices one after the other. rows_per_entry > 1: x and y hold
 // that many rows per (row, expert) pair (tangent directions), pair q's from row q * it on.
@@ -54,9 +58,9 @@ void expert_gemms(MatrixView x, ConstVectorView w, int64_t in, int64_t out,
     const int64_t first = offsets(e) * rows_per_entry,
                   count = offsets(e + 1) * rows_per_entry - first;
     if (count == 0) continue;
-    gemm(plain(row_block(x, first, count)),
-         plain(ConstMatrixView(w.data() + e * in * out, in, out)), 0.0f, row_block(y, first, count),
-         dtype);
+    gemm_varying_rows(plain(row_block(x, first, count)),
+                      plain(ConstMatrixView(w.data() + e * in * out, in, out)), 0.0f,
+                      row_block(y, first, count), dtype);
   }
 }
 
@@ -83,8 +87,8 @@ void expert_weight_gradients(MatrixView x, MatrixView dy, VectorView gw, int64_t
       set_zero(dw);
       continue;
     }
-    gemm(transposed(row_block(x, first, count)), plain(row_block(dy, first, count)), 0.0f, dw,
-         dtype);
+    gemm_varying_rows(transposed(row_block(x, first, count)), plain(row_block(dy, first, count)),
+                      0.0f, dw, dtype);
   }
   round_in_place(MatrixView(gw.data(), 1, gw.extent(0)), dtype);
 }
@@ -116,8 +120,8 @@ void expert_weight_gradients_add(MatrixView t, MatrixView dt, VectorView gw, int
     const int64_t first = offsets(e) * rows_per_entry,
                   count = offsets(e + 1) * rows_per_entry - first;
     if (count == 0) continue;
-    gemm(transposed(row_block(t, first, count)), plain(row_block(dt, first, count)), 1.0f,
-         MatrixView(gw.data() + e * in * out, in, out), Dtype::fp32);
+    gemm_varying_rows(transposed(row_block(t, first, count)), plain(row_block(dt, first, count)),
+                      1.0f, MatrixView(gw.data() + e * in * out, in, out), Dtype::fp32);
   }
 }
 
@@ -130,9 +134,9 @@ void expert_input_gemms(MatrixView dy, ConstVectorView w, int64_t in, int64_t ou
     const int64_t first = offsets(e) * rows_per_entry,
                   count = offsets(e + 1) * rows_per_entry - first;
     if (count == 0) continue;
-    gemm(plain(row_block(dy, first, count)),
-         transposed(ConstMatrixView(w.data() + e * in * out, in, out)), beta,
-         row_block(dx, first, count), dtype);
+    gemm_varying_rows(plain(row_block(dy, first, count)),
+                      transposed(ConstMatrixView(w.data() + e * in * out, in, out)), beta,
+                      row_block(dx, first, count), dtype);
   }
 }
 

@@ -321,7 +321,7 @@ gemm_backend::HostLibrary inference_host_library() {
 }
 
 void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, float beta,
-             MatrixView c, Dtype inputs, const GemmEpilogue& epilogue);
+             MatrixView c, Dtype inputs, const GemmEpilogue& epilogue, bool rows_vary = false);
 
 // gemm_reads_16bit() for `library` (host memory) or CUDA, asked of the library.
 bool library_reads_16bit(gemm_backend::HostLibrary library, Dtype inputs) {
@@ -373,6 +373,11 @@ void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs,
   gemm_on(host_library(), a, b, beta, c, inputs, epilogue);
 }
 
+void gemm_varying_rows(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs,
+                       const GemmEpilogue& epilogue) {
+  gemm_on(host_library(), a, b, beta, c, inputs, epilogue, /*rows_vary=*/true);
+}
+
 void inference_gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c,
                     const GemmEpilogue& epilogue) {
   gemm_on(inference_host_library(), a, b, beta, c, Dtype::fp32, epilogue);
@@ -386,7 +391,7 @@ bool inference_gemm_fuses_forward_epilogues() {
 namespace {
 
 void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, float beta,
-             MatrixView c, Dtype inputs, const GemmEpilogue& epilogue) {
+             MatrixView c, Dtype inputs, const GemmEpilogue& epilogue, bool rows_vary) {
   const std::size_t m = op_rows(a), k = op_cols(a), n = op_cols(b);
   if (op_rows(b) != k || c.extent(0) != m || c.extent(1) != n) {
     MESHTRAIN_BAD_INPUT("gemm: op(A) is [", m, ", ", k, "], op(B) is [", op_rows(b), ", ", n,
@@ -423,6 +428,7 @@ void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, fl
   call.ldc = leading_dimension(c.stride(0), c.extent(1), "the leading dimension of C");
   call.precision = g_matmul_precision;
   call.inputs = inputs;
+  call.rows_vary = rows_vary;
   call.backward = epilogue.is_backward;
   call.activation = epilogue.activation;
   call.bias = epilogue.bias.data();

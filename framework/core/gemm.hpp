@@ -153,6 +153,18 @@ struct GemmEpilogue {
 // a layer that has an fp32 working buffer of its own widens into it where it is.
 void gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c, Dtype inputs = Dtype::fp32,
           const GemmEpilogue& epilogue = {});
+// gemm() for a call whose rows change from step to step: M of x @ W and dY @ Wᵀ, K of Xᵀ @ dY,
+// as an MoE expert's share of the batch (layers/moe.cpp). The same results within the same
+// bounds; what differs is the kernel: gemm() runs oneDNN's bf16 matmul as a primitive made for
+// the call's whole shape at its first call (brgemm, AMX: faster), which a varying call would make
+// anew inside its steps, so this one always runs the primitive whose M, K and row strides are
+// given at run time (oneDNN's gemm kernel). Which of the two runs is a function of the call
+// alone (its shape, epilogue, dtype and entry point), never of the calls before it: a call gives
+// the same bits in a sweep's later config, in a resumed run and in `meshtrain evaluate` as in a
+// run of its own. The two kernels' bits may differ where K is large (they do at K = 4096). On
+// every other library and dtype, the same as gemm().
+void gemm_varying_rows(GemmOperand a, GemmOperand b, float beta, MatrixView c,
+                       Dtype inputs = Dtype::fp32, const GemmEpilogue& epilogue = {});
 // Whether gemm() with `inputs` reads 16-bit operands as stored (oneDNN's bf16 matmul on a CPU
 // with AVX512_BF16 or AMX, unless a test forces the fp32 kernel; cuBLAS), rather than widening
 // them into fp32 scratch first. The environment's MESHTRAIN_GEMM_16BIT_OPERANDS=always makes it

@@ -659,12 +659,57 @@ TEST(Gemm, SixteenBitOperandsGiveTheResultsOfTheirFp32Buffers) {
                    {"a 16-bit operand needs inputs bf16 or fp16"});
 }
 
-// A layer shape called with other rows (an MoE expert's varying share): on oneDNN's bf16 matmul
-// the first rows of a layer shape run a primitive of that whole shape and any other rows the
-// runtime-dimension one (framework/core/backends/gemm_onednn.cpp, primitive_for); every call
-// within the float64 bounds, and a repeated call the same bits. Every path, fp32 too. Both
-// forms whose rows vary: x @ W (rows are M) and Xᵀ @ dY (rows are K), with K = 515 for x @ W
-// past oneDNN's K block. N = 133 is this test's alone, so its first call is the shape's first.
+// The oneDNN executions a piece of code ran, by kind: on a primitive made for the call's whole
+// shape (fixed) or on the runtime-dimension one (gemm_onednn.cpp, primitive_for).
+struct Executions {
+  int64_t fixed = 0, runtime = 0;
+};
+template <class Run>
+Executions executions_of(Run&& run) {
+#if defined(MESHTRAIN_GEMM_ONEDNN)
+  const int64_t all = gemm_backend::onednn_executions(),
+                fixed = gemm_backend::onednn_fixed_shape_executions();
+  run();
+  const int64_t fixed_now = gemm_backend::onednn_fixed_shape_executions() - fixed;
+  return {fixed_now, gemm_backend::onednn_executions() - all - fixed_now};
+#else
+  run();
+  return {};
+#endif
+}
+
+// What one gemm() (or gemm_varying_rows()) call on `path` must run: on oneDNN's bf16 matmul a
+// fixed-shape primitive unless the rows vary; on its fp32 matmul the runtime one; elsewhere no
+// oneDNN execution at all.
+Executions expected_executions(const Path& path, Dtype dtype, bool rows_vary) {
+  Executions e;
+#if defined(MESHTRAIN_GEMM_ONEDNN)
+  if (!kDeviceMemoryIsHostInaccessible && path.library == HostLibrary::onednn) {
+    const bool fixed = !rows_vary && gemm_backend::onednn_runs_bf16(dtype, path.bf16_kernel);
+    (fixed ? e.fixed : e.runtime) = 1;
+  }
+#else
+  (void)path, (void)dtype, (void)rows_vary;
+#endif
+  return e;
+}
+
+// gemm() or gemm_varying_rows().
+void multiply(bool rows_vary, const GemmOperand& a, const GemmOperand& b, MatrixView c,
+              Dtype dtype) {
+  if (rows_vary) {
+    gemm_varying_rows(a, b, 0.0f, c, dtype);
+  } else {
+    gemm(a, b, 0.0f, c, dtype);
+  }
+}
+
+// A layer shape called with other rows (an MoE expert's varying share, or another batch size),
+// through gemm() and gemm_varying_rows(): each call within the float64 bounds, of the kernel its
+// entry point says (counted: on oneDNN's bf16 matmul gemm() runs a primitive of the call's whole
+// shape, gemm_varying_rows() the runtime-dimension one; framework/core/backends/gemm_onednn.cpp,
+// primitive_for), and a repeated call the same bits. Every path, fp32 too. Both forms whose rows
+// vary: x @ W (rows are M) and Xᵀ @ dY (rows are K), with K = 515 for x @ W past oneDNN's K block.
 TEST(Gemm, OtherRowsOfALayerShapeMatchFloat64) {
   constexpr std::size_t kFeatures = 515, kOut = 133;
   for (Dtype dtype : {Dtype::bf16, Dtype::fp32}) {
@@ -672,51 +717,110 @@ TEST(Gemm, OtherRowsOfALayerShapeMatchFloat64) {
       const SelectedPath selected(path);
       std::mt19937 rng(21);
       const TestMatrix w = make_matrix(kFeatures, kOut, 0, dtype, rng);
-      for (bool weight_gradient : {false, true}) {
-        for (std::size_t rows : {64, 17, 40, 64}) {
-          const TestMatrix x = make_matrix(rows, kFeatures, 0, dtype, rng);
-          const TestMatrix dy = make_matrix(rows, kOut, 0, dtype, rng);
-          // x @ W: [rows, 515] @ [515, 133]; Xᵀ @ dY: [515, rows] @ [rows, 133].
-          const std::size_t m = weight_gradient ? kFeatures : rows,
-                            k = weight_gradient ? rows : kFeatures;
-          const TestMatrix& b = weight_gradient ? dy : w;
-          const Product product = reference_product(x, weight_gradient, b, false, m, k, kOut);
-          TestMatrix c = make_matrix(m, kOut, 0, Dtype::fp32, rng);
-          gemm(weight_gradient ? transposed(x.view()) : plain(x.view()), plain(b.view()), 0.0f,
-               c.view(), dtype);
-          const std::vector<float> got = block_of(c);
-          std::ostringstream name;
-          name << path.name << " " << to_string(dtype) << (weight_gradient ? " Xᵀ @ dY" : " x @ W")
-               << " rows " << rows;
-          Checker checker(name.str());
-          for (std::size_t i = 0; i < m; ++i)
-            for (std::size_t j = 0; j < kOut; ++j) {
-              const std::size_t e = i * kOut + j;
-              checker.check("C", i, j, got[e], product.value[e],
-                            (k + 3) * kUnit * product.magnitude[e]);
-            }
-          g_worst_ratio = std::max(g_worst_ratio, checker.worst());
+      for (bool rows_vary : {false, true}) {
+        const Executions want = expected_executions(path, dtype, rows_vary);
+        for (bool weight_gradient : {false, true}) {
+          std::ostringstream form;
+          form << path.name << " " << to_string(dtype)
+               << (rows_vary ? " gemm_varying_rows " : " gemm ")
+               << (weight_gradient ? "Xᵀ @ dY" : "x @ W");
+          for (std::size_t rows : {64, 17, 40, 64}) {
+            const TestMatrix x = make_matrix(rows, kFeatures, 0, dtype, rng);
+            const TestMatrix dy = make_matrix(rows, kOut, 0, dtype, rng);
+            // x @ W: [rows, 515] @ [515, 133]; Xᵀ @ dY: [515, rows] @ [rows, 133].
+            const std::size_t m = weight_gradient ? kFeatures : rows,
+                              k = weight_gradient ? rows : kFeatures;
+            const TestMatrix& b = weight_gradient ? dy : w;
+            const Product product = reference_product(x, weight_gradient, b, false, m, k, kOut);
+            TestMatrix c = make_matrix(m, kOut, 0, Dtype::fp32, rng);
+            const Executions ran = executions_of([&] {
+              multiply(rows_vary, weight_gradient ? transposed(x.view()) : plain(x.view()),
+                       plain(b.view()), c.view(), dtype);
+            });
+            EXPECT_EQ(ran.fixed, want.fixed) << form.str() << " rows " << rows;
+            EXPECT_EQ(ran.runtime, want.runtime) << form.str() << " rows " << rows;
+            const std::vector<float> got = block_of(c);
+            std::ostringstream name;
+            name << form.str() << " rows " << rows;
+            Checker checker(name.str());
+            for (std::size_t i = 0; i < m; ++i)
+              for (std::size_t j = 0; j < kOut; ++j) {
+                const std::size_t e = i * kOut + j;
+                checker.check("C", i, j, got[e], product.value[e],
+                              (k + 3) * kUnit * product.magnitude[e]);
+              }
+            g_worst_ratio = std::max(g_worst_ratio, checker.worst());
+          }
+          // 64 rows again, twice on the same operands: the same bits both times.
+          const TestMatrix x = make_matrix(64, kFeatures, 0, dtype, rng);
+          const TestMatrix dy = make_matrix(64, kOut, 0, dtype, rng);
+          const std::size_t m = weight_gradient ? kFeatures : 64;
+          TestMatrix c1 = make_matrix(m, kOut, 0, Dtype::fp32, rng),
+                     c2 = make_matrix(m, kOut, 0, Dtype::fp32, rng);
+          const GemmOperand a = weight_gradient ? transposed(x.view()) : plain(x.view());
+          const GemmOperand b = plain(weight_gradient ? dy.view() : w.view());
+          multiply(rows_vary, a, b, c1.view(), dtype);
+          multiply(rows_vary, a, b, c2.view(), dtype);
+          EXPECT_EQ(block_of(c1), block_of(c2)) << form.str();
         }
-        // The first rows again, twice on the same operands: the same bits both times.
-        const TestMatrix x = make_matrix(64, kFeatures, 0, dtype, rng);
-        const TestMatrix dy = make_matrix(64, kOut, 0, dtype, rng);
-        const std::size_t m = weight_gradient ? kFeatures : 64;
-        TestMatrix c1 = make_matrix(m, kOut, 0, Dtype::fp32, rng),
-                   c2 = make_matrix(m, kOut, 0, Dtype::fp32, rng);
-        const GemmOperand a = weight_gradient ? transposed(x.view()) : plain(x.view());
-        const GemmOperand b = plain(weight_gradient ? dy.view() : w.view());
-        gemm(a, b, 0.0f, c1.view(), dtype);
-        gemm(a, b, 0.0f, c2.view(), dtype);
-        EXPECT_EQ(block_of(c1), block_of(c2)) << path.name << " " << to_string(dtype);
       }
     }
   }
 }
 
-// A repeated call (same N, dtype and epilogue; M and K may differ, as an MoE expert's rows do)
-// allocates nothing, neither Kokkos memory nor on the heap: primitives, scratchpads and 16-bit
-// copies are made at the first call and kept (the 16-bit copies grow only for larger operands).
-// The heap count leaves out what oneDNN allocates inside its calls
+// A call's bits do not depend on the calls before it (a sweep's second config, a resumed run,
+// `meshtrain evaluate` after training): x @ W with 128 rows called first in a process (its
+// primitives dropped before, as a new process has none) and called after 17 rows of the same
+// layer shape give the same bits, through gemm() and gemm_varying_rows(); the kernel each call ran
+// is counted as well. The shape is one where oneDNN's bf16 brgemm and gemm kernels differ in the
+// last bits (their fp32 additions in other orders), so the bits fail where the kernel depends on
+// the order: measured here (AMX), 128 x 4096 x N differs for N = 64 to 4096, while 64 x 4096 x N
+// (N 32 to 4096) and 128 x 1024 x 256 give the same bits on both kernels. An earlier version
+// (the first rows of a layer shape fixed, other rows on the runtime primitive) fails this test.
+TEST(Gemm, KernelOfACallDoesNotDependOnTheCallsBefore) {
+  constexpr std::size_t kFeatures = 4096, kOut = 64, kRows = 128;
+  for (Dtype dtype : {Dtype::bf16, Dtype::fp32}) {
+    for (const Path& path : paths_for(dtype)) {
+      const SelectedPath selected(path);
+      std::mt19937 rng(23);
+      const TestMatrix w = make_matrix(kFeatures, kOut, 0, dtype, rng);
+      const TestMatrix x = make_matrix(kRows, kFeatures, 0, dtype, rng);
+      const MatrixView x17 =
+          Kokkos::subview(x.view(), std::make_pair(std::size_t{0}, std::size_t{17}), Kokkos::ALL);
+      for (bool rows_vary : {false, true}) {
+        std::ostringstream name;
+        name << path.name << " " << to_string(dtype)
+             << (rows_vary ? " gemm_varying_rows" : " gemm");
+        const Executions want = expected_executions(path, dtype, rows_vary);
+        TestMatrix alone = make_matrix(kRows, kOut, 0, Dtype::fp32, rng),
+                   after = make_matrix(kRows, kOut, 0, Dtype::fp32, rng),
+                   c17 = make_matrix(17, kOut, 0, Dtype::fp32, rng);
+#if defined(MESHTRAIN_GEMM_ONEDNN)
+        gemm_backend::onednn_drop_primitives();
+#endif
+        const Executions ran_alone = executions_of(
+            [&] { multiply(rows_vary, plain(x.view()), plain(w.view()), alone.view(), dtype); });
+#if defined(MESHTRAIN_GEMM_ONEDNN)
+        gemm_backend::onednn_drop_primitives();
+#endif
+        const Executions ran_17 = executions_of(
+            [&] { multiply(rows_vary, plain(x17), plain(w.view()), c17.view(), dtype); });
+        const Executions ran_after = executions_of(
+            [&] { multiply(rows_vary, plain(x.view()), plain(w.view()), after.view(), dtype); });
+        EXPECT_EQ(block_of(alone), block_of(after)) << name.str();
+        for (const Executions& ran : {ran_alone, ran_17, ran_after}) {
+          EXPECT_EQ(ran.fixed, want.fixed) << name.str();
+          EXPECT_EQ(ran.runtime, want.runtime) << name.str();
+        }
+      }
+    }
+  }
+}
+
+// A repeated call (same shape, dtype and epilogue; through gemm_varying_rows(), M and K may differ,
+// as an MoE expert's rows do) allocates nothing, neither Kokkos memory nor on the heap: primitives,
+// scratchpads and 16-bit copies are made at the first call and kept (the 16-bit copies grow only
+// for larger operands). The heap count leaves out what oneDNN allocates inside its calls
 // (tests/support/onednn_allocations.hpp).
 
 TEST(Gemm, RepeatedCallsAllocateNothing) {
@@ -738,23 +842,26 @@ TEST(Gemm, RepeatedCallsAllocateNothing) {
              GemmEpilogue::backward(Activation::silu, x.view(), db));
         gemm(transposed(x.view()), plain(y.view()), 1.0f, dw.view(), dtype);
       };
-      // Fewer rows (an MoE expert's share of a batch): other M and K, the same primitives.
-      const auto fewer_rows = [&] {
-        const auto rows = std::make_pair(std::size_t{3}, std::size_t{20});
-        const MatrixView x17 = Kokkos::subview(x.view(), rows, Kokkos::ALL);
-        const MatrixView y17 = Kokkos::subview(y.view(), rows, Kokkos::ALL);
-        const MatrixView dx17 = Kokkos::subview(dx.view(), rows, Kokkos::ALL);
-        gemm(plain(x17), plain(w.view()), 0.0f, y17, dtype,
-             GemmEpilogue::forward(bias, Activation::gelu));
-        gemm(plain(y17), transposed(w.view()), 0.0f, dx17, dtype,
-             GemmEpilogue::backward(Activation::silu, x17, db));
-        gemm(transposed(x17), plain(y17), 1.0f, dw.view(), dtype);
+      // Other rows (an MoE expert's share of a batch) through gemm_varying_rows(): other M and
+      // K, the same runtime-dimension primitives, made at the first such call.
+      const auto fewer_rows = [&](std::size_t first, std::size_t count) {
+        const auto rows = std::make_pair(first, first + count);
+        const MatrixView xr = Kokkos::subview(x.view(), rows, Kokkos::ALL);
+        const MatrixView yr = Kokkos::subview(y.view(), rows, Kokkos::ALL);
+        const MatrixView dxr = Kokkos::subview(dx.view(), rows, Kokkos::ALL);
+        gemm_varying_rows(plain(xr), plain(w.view()), 0.0f, yr, dtype,
+                          GemmEpilogue::forward(bias, Activation::gelu));
+        gemm_varying_rows(plain(yr), transposed(w.view()), 0.0f, dxr, dtype,
+                          GemmEpilogue::backward(Activation::silu, xr, db));
+        gemm_varying_rows(transposed(xr), plain(yr), 1.0f, dw.view(), dtype);
       };
-      calls();  // the first call makes what the later ones reuse
+      calls();  // the first calls make what the later ones reuse
+      fewer_rows(3, 17);
       Kokkos::fence();
       AllocationWindow window(AllocationWindow::Threads::all, AllocationWindow::OneDnn::left_out);
       calls();
-      fewer_rows();
+      fewer_rows(0, 40);
+      fewer_rows(3, 17);
       calls();
       Kokkos::fence();
       EXPECT_EQ(window.close(), 0) << path.name << " " << to_string(dtype);

@@ -39,6 +39,7 @@ struct RowMajorGemm {
   int ldc = 0;
   MatmulPrecision precision = MatmulPrecision::fp32;
   Dtype inputs = Dtype::fp32;  // what A's and B's values hold
+  bool rows_vary = false;      // gemm_varying_rows(): M or K change from call to call
 
   // The epilogue.
   bool backward = false;
@@ -90,6 +91,13 @@ std::string onednn_description();
 // The matmul executions onednn_gemm() has run in this process (gemm() and inference_gemm() on
 // oneDNN), for the tests that bound oneDNN's allocations per call.
 int64_t onednn_executions();
+// Those of onednn_executions() that ran a primitive made for the call's whole shape (bf16 calls
+// whose rows are stable); the others ran the runtime-dimension primitive (gemm_onednn.cpp,
+// primitive_for). For the tests that check which kernel a call ran.
+int64_t onednn_fixed_shape_executions();
+// Drops every primitive made so far, so that the next calls find the table as a new process
+// does (tests that check a call's kernel does not depend on the calls before it).
+void onednn_drop_primitives();
 // "oneDNN 2.6.3 avx512_core_vnni": the version and the ISA of the kernels it picks.
 std::string onednn_name();
 // Whether the CPU has bf16 instructions (AVX512_BF16, AMX): an automatic bf16 GEMM then runs

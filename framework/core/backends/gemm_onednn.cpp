@@ -2,24 +2,27 @@
 // MESHTRAIN_CPU_GEMM=auto or onednn where oneDNN 2.6 or later is found).
 //
 // One CPU engine and one stream for the process. A primitive is made for each distinct
-// (N, transposes, kernel dtype, bias, activation, beta) at its first call and kept in a table
-// on the heap (as cuBLAS keeps its handle). fp32: M, K and the row strides are runtime
-// dimensions (DNNL_RUNTIME_DIM_VAL): one primitive serves every batch size and every number of
-// rows an MoE expert receives, and oneDNN 2.6 then takes its gemm-based kernel ("gemm:jit"),
-// which runs the GEMMs of a training step as fast as OpenBLAS's sgemm or faster here, while its
-// fp32 brgemm kernel, which it takes for fixed shapes, copies a plain B into its blocked layout
-// at every call (0.6x of OpenBLAS for x @ W; docs/design.md, GEMM). bf16: the other way round,
-// oneDNN's brgemm kernel (AMX) on fixed shapes beats its bf16 gemm kernel (2.2x on the weight
-// gradient Xᵀ @ dY, whose K is the batch), so a layer shape's first call makes a fixed-shape
-// primitive as well (primitive_for, below; where an operand is row-strided, a block of a wider
-// matrix as tensor parallelism's are, oneDNN 2.6 makes even that one gemm:jit). Each call
+// (N, transposes, kernel dtype, bias, activation, beta; a fixed-shape one's M, K and row
+// strides) at its first call and kept in a table on the heap (as cuBLAS keeps its handle).
+// fp32: M, K and the row strides are runtime dimensions (DNNL_RUNTIME_DIM_VAL): one primitive
+// serves every batch size and every number of rows an MoE expert receives, and oneDNN 2.6 then
+// takes its gemm-based kernel ("gemm:jit"), which runs the GEMMs of a training step as fast as
+// OpenBLAS's sgemm or faster here, while its fp32 brgemm kernel, which it takes for fixed
+// shapes, copies a plain B into its blocked layout at every call (0.6x of OpenBLAS for x @ W;
+// docs/design.md, GEMM). bf16: the other way round, oneDNN's brgemm kernel (AMX) on fixed shapes
+// beats its bf16 gemm kernel (2.2x on the weight gradient Xᵀ @ dY, whose K is the batch), so a
+// bf16 call whose rows are stable runs a primitive made for its whole shape, and one whose rows
+// vary (gemm_varying_rows(): an MoE expert's) the runtime-dimension one, a pure function of the
+// call (primitive_for, below; where an operand is row-strided, a block of a wider matrix as
+// tensor parallelism's are, oneDNN 2.6 makes even the fixed-shape one gemm:jit). Each call
 // describes its operands through oneDNN's C API (memory objects made and destroyed inside
-// oneDNN, none of ours) and executes the primitive: oneDNN allocates inside every execution, freed
-// before it returns, which no call of its API avoids: a few small operator new blocks (its
+// oneDNN, none of ours) and executes the primitive: oneDNN allocates inside every execution,
+// freed before it returns, which no call of its API avoids: a few small operator new blocks (its
 // execution context and argument map; tests/support/onednn_allocations.hpp, the allocation tests
 // require none kept) and, with posix_memalign, those memory objects and a workspace of its gemm
 // kernel. Scratchpads are ours (scratchpad_mode::user): one buffer, grown to the largest
-// primitive's need and shared, since calls are serialized; passed only to a primitive that has one.
+// primitive's need and shared, since calls are serialized; passed only to a primitive that has
+// one.
 //
 // Threads: Debian's libdnnl runs on OpenMP and uses omp_get_max_threads() threads, so one
 // thread per rank comes from OMP_NUM_THREADS=1, which scripts/env.sh and the tests set (as
@@ -42,6 +45,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -61,8 +65,18 @@ namespace {
 using DataType = dnnl::memory::data_type;
 using Dims = dnnl::memory::dims;
 
-// What a primitive is made for: everything but M, K, the row strides and the buffers; and for a
-// bf16 layer shape (below), its feature extent (`features`: K of x @ W and dY @ Wᵀ, M of Xᵀ @ dY).
+// M, K and the row strides of A, B, C as the matmul reads them (after any bf16 copy): the part
+// of a call's shape that a runtime-dimension primitive takes at run time.
+struct FixedShape {
+  int m = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
+  bool operator==(const FixedShape& o) const {
+    return m == o.m && k == o.k && lda == o.lda && ldb == o.ldb && ldc == o.ldc;
+  }
+};
+
+// What a primitive is made for: N, the transposes, the kernel dtype and the epilogue; and, for a
+// fixed-shape primitive, the rest of the call's shape (`shape`; all zero for a runtime-dimension
+// primitive, which serves every M, K and row stride).
 struct PrimitiveKey {
   int n = 0;
   bool transpose_a = false, transpose_b = false;
@@ -70,12 +84,13 @@ struct PrimitiveKey {
   bool bias = false;
   Activation activation = Activation::none;
   uint32_t beta_bits = 0;  // beta, bit for bit (0: no sum post-op)
-  int features = 0;        // 0: the runtime-dimension primitive's key
+  bool fixed = false;      // M, K and the row strides fixed to `shape` (else runtime)
+  FixedShape shape;
 
   bool operator==(const PrimitiveKey& o) const {
     return n == o.n && transpose_a == o.transpose_a && transpose_b == o.transpose_b &&
            bf16 == o.bf16 && bias == o.bias && activation == o.activation &&
-           beta_bits == o.beta_bits && features == o.features;
+           beta_bits == o.beta_bits && fixed == o.fixed && shape == o.shape;
   }
 };
 
@@ -86,19 +101,13 @@ struct PrimitiveKeyHash {
     mix(static_cast<std::size_t>(key.transpose_a) |
         (static_cast<std::size_t>(key.transpose_b) << 1) |
         (static_cast<std::size_t>(key.bf16) << 2) | (static_cast<std::size_t>(key.bias) << 3) |
-        (static_cast<std::size_t>(key.activation) << 4));
+        (static_cast<std::size_t>(key.fixed) << 4) |
+        (static_cast<std::size_t>(key.activation) << 5));
     mix(key.beta_bits);
-    mix(static_cast<std::size_t>(key.features));
+    for (int v : {key.shape.m, key.shape.k, key.shape.lda, key.shape.ldb, key.shape.ldc}) {
+      mix(static_cast<std::size_t>(v));
+    }
     return h;
-  }
-};
-
-// The whole shape of a fixed-shape primitive: M, K and the row strides of A, B, C as the matmul
-// reads them (after any bf16 copy).
-struct FixedShape {
-  int m = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
-  bool operator==(const FixedShape& o) const {
-    return m == o.m && k == o.k && lda == o.lda && ldb == o.ldb && ldc == o.ldc;
   }
 };
 
@@ -107,8 +116,12 @@ struct Primitive {
   dnnl::matmul matmul;
   dnnl::memory bias, scratchpad;
   std::size_t scratchpad_bytes = 0;
-  FixedShape shape;  // a fixed-shape primitive's (M 0: runtime M, K and strides)
 };
+
+// The fixed-shape primitives kept at most (primitive_for): the least recently used is dropped
+// beyond it. A model's GEMMs have a few shapes per layer shape; 256 bounds a process that sees
+// many (a sweep over batch sizes) without bounding anything a run needs.
+constexpr std::size_t kMaxFixedPrimitives = 256;
 
 constexpr dnnl_dim_t kRuntime = DNNL_RUNTIME_DIM_VAL;
 
@@ -155,7 +168,16 @@ using HostBytes = Kokkos::View<unsigned char*, Kokkos::HostSpace>;
 struct OneDnn {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
+  // Runtime-dimension primitives (key.fixed false), kept for the process.
   std::unordered_map<PrimitiveKey, std::unique_ptr<Primitive>, PrimitiveKeyHash> primitives;
+  // Fixed-shape primitives, most recently used first, at most kMaxFixedPrimitives; a null
+  // primitive: oneDNN made none for that shape, the call runs the runtime-dimension one.
+  struct Fixed {
+    PrimitiveKey key;
+    std::unique_ptr<Primitive> primitive;
+  };
+  std::list<Fixed> fixed;
+  std::unordered_map<PrimitiveKey, std::list<Fixed>::iterator, PrimitiveKeyHash> fixed_index;
   HostBytes scratchpad;  // shared by every primitive: calls are serialized by `mutex`
   HostBits a16, b16;     // the bf16 copies of A and B
   std::mutex mutex;
@@ -202,12 +224,12 @@ const uint16_t* bf16_copy(const float* data, int rows, int cols, int ld, HostBit
   return out;
 }
 
-// A primitive for `key`: M, K and the row strides at run time (shape.m 0), or fixed to `shape`.
-std::unique_ptr<Primitive> make_primitive(OneDnn& state, const PrimitiveKey& key,
-                                          const FixedShape& shape = {}) {
+// A primitive for `key`: M, K and the row strides at run time, or fixed to key.shape.
+std::unique_ptr<Primitive> make_primitive(OneDnn& state, const PrimitiveKey& key) {
   const DataType operand = key.bf16 ? DataType::bf16 : DataType::f32;
   // N fixed (bias, post-ops); M, K and the row strides at run time or fixed.
-  const bool fixed = shape.m != 0;
+  const bool fixed = key.fixed;
+  const FixedShape& shape = key.shape;
   const dnnl_dim_t m = fixed ? shape.m : kRuntime, k = fixed ? shape.k : kRuntime;
   const dnnl::memory::desc a_md({m, k}, operand,
                                 dims_of(op_strides(fixed ? shape.lda : kRuntime, key.transpose_a)));
@@ -236,7 +258,6 @@ std::unique_ptr<Primitive> make_primitive(OneDnn& state, const PrimitiveKey& key
   if (key.bias) made->bias = dnnl::memory(bias_md, state.engine, DNNL_MEMORY_NONE);
   made->scratchpad_bytes = pd.scratchpad_desc().get_size();
   made->scratchpad = dnnl::memory(pd.scratchpad_desc(), state.engine, DNNL_MEMORY_NONE);
-  made->shape = shape;
   return made;
 }
 
@@ -327,8 +348,10 @@ bool bf16_matmul_exists(OneDnn& state) {
   return exists;
 }
 
-// dnnl_primitive_execute calls so far (onednn_executions).
+// dnnl_primitive_execute calls so far (onednn_executions), and those of them on a fixed-shape
+// primitive (onednn_fixed_shape_executions).
 std::atomic<int64_t> g_executions{0};
+std::atomic<int64_t> g_fixed_executions{0};
 
 // The threads oneDNN's parallel regions use: omp_get_max_threads() of the OpenMP runtime that
 // libdnnl loaded (looked up rather than linked, so that nothing else links OpenMP).
@@ -376,19 +399,17 @@ bool runs_bf16(OneDnn& state, Dtype inputs, Bf16Kernel bf16_kernel) {
 
 namespace {
 
-// The primitive for `key` in the table, made at its first use (and the scratchpad grown to it).
-Primitive& primitive_in_table(OneDnn& state, const PrimitiveKey& key, const FixedShape& shape) {
+// The runtime-dimension primitive for `key`, made at its first use (and the scratchpad grown to
+// it) and kept.
+Primitive& runtime_primitive(OneDnn& state, const PrimitiveKey& key) {
   auto found = state.primitives.find(key);
   if (found == state.primitives.end()) {
     std::unique_ptr<Primitive> made;
     try {
-      made = make_primitive(state, key, shape);
+      made = make_primitive(state, key);
     } catch (const dnnl::error& e) {
-      const std::string a_shape = shape.m != 0
-                                      ? std::to_string(shape.m) + ", " + std::to_string(shape.k)
-                                      : std::string("M, K");
-      MESHTRAIN_FAIL("gemm (oneDNN): no matmul for op(A) [", a_shape, "] @ op(B) [K, ", key.n,
-                     "] (", key.bf16 ? "bf16" : "fp32", "): ", e.what());
+      MESHTRAIN_FAIL("gemm (oneDNN): no matmul for op(A) [M, K] @ op(B) [K, ", key.n, "] (",
+                     key.bf16 ? "bf16" : "fp32", "): ", e.what());
     }
     grown(state.scratchpad, made->scratchpad_bytes + 64, "meshtrain::gemm_onednn_scratchpad");
     found = state.primitives.emplace(key, std::move(made)).first;
@@ -396,27 +417,63 @@ Primitive& primitive_in_table(OneDnn& state, const PrimitiveKey& key, const Fixe
   return *found->second;
 }
 
-// The primitive a call runs. fp32 (`shape` empty): the runtime-dimension one of `key`, whose
-// gemm kernel ("gemm:jit") is oneDNN 2.6's fastest fp32 matmul here. bf16 (`shape` the call's):
-// a primitive of the call's whole shape, on which oneDNN takes its brgemm kernel (AMX or
-// AVX512_BF16; on the shapes of the 784-4096-4096-10 step 1.0-1.3x its bf16 gemm kernel on x @ W
-// and dY @ Wᵀ, 1.8-2.2x on the weight gradients Xᵀ @ dY, whose K is the batch:
-// docs/mixed_precision.md, "Where the bf16 step's GEMM time went"). A layer calls with the same
-// shape at every step except for its rows (M of x @ W and dY @ Wᵀ, K of Xᵀ @ dY), which vary where
-// an MoE expert receives a varying number: so the fixed-shape primitive is made for the first rows
-// a layer shape (key and feature extent) sees, together with the runtime-dimension one, which takes
-// every other shape of it. Both are made at the first call, so that a later step makes none
-// (nothing allocated in the step). The two kernels give the same bits where K is small (measured: K
-// = 128 and 784, the step's Xᵀ @ dY and first x @ W) and not at K = 4096 (the order of the fp32
-// additions differs; both within gemm.hpp's bounds), so there a call's bits depend on whether its
-// rows are the first its layer shape saw.
-Primitive& primitive_for(OneDnn& state, const PrimitiveKey& key, const FixedShape& shape) {
-  if (shape.m == 0) return primitive_in_table(state, key, shape);
-  PrimitiveKey layer_key = key;
-  layer_key.features = key.transpose_a ? shape.m : shape.k;
-  Primitive& fixed = primitive_in_table(state, layer_key, shape);
-  Primitive& runtime = primitive_in_table(state, key, FixedShape{});
-  return fixed.shape == shape ? fixed : runtime;
+// The fixed-shape primitive for `key` (key.fixed), made at its first use and kept among the
+// kMaxFixedPrimitives most recently used; null where oneDNN makes none for that shape.
+Primitive* fixed_primitive(OneDnn& state, const PrimitiveKey& key) {
+  const auto found = state.fixed_index.find(key);
+  if (found != state.fixed_index.end()) {
+    state.fixed.splice(state.fixed.begin(), state.fixed, found->second);  // most recent: first
+    return found->second->primitive.get();
+  }
+  std::unique_ptr<Primitive> made;
+  try {
+    made = make_primitive(state, key);
+    grown(state.scratchpad, made->scratchpad_bytes + 64, "meshtrain::gemm_onednn_scratchpad");
+  } catch (const dnnl::error&) {
+    made.reset();  // the runtime-dimension primitive takes this shape (primitive_for)
+  }
+  if (state.fixed.size() >= kMaxFixedPrimitives) {
+    state.fixed_index.erase(state.fixed.back().key);
+    state.fixed.pop_back();
+  }
+  state.fixed.push_front(OneDnn::Fixed{key, std::move(made)});
+  state.fixed_index.emplace(key, state.fixed.begin());
+  return state.fixed.front().primitive.get();
+}
+
+// The primitive a call runs: a pure function of the call (its key, shape and whether its rows
+// vary), never of the calls before it, so that a call gives the same bits whatever the process
+// ran first (a sweep's second config, a resumed run, `meshtrain evaluate`).
+//   fp32: the runtime-dimension primitive of `key`, whose gemm kernel ("gemm:jit") is oneDNN
+//     2.6's fastest fp32 matmul here.
+//   bf16, rows stable (every call but gemm_varying_rows()'s): the primitive of the call's whole
+//     shape, on which oneDNN takes its brgemm kernel (AMX or AVX512_BF16; on the shapes of the
+//     784-4096-4096-10 step 1.0-1.3x its bf16 gemm kernel on x @ W and dY @ Wᵀ, 1.8-2.2x on the
+//     weight gradients Xᵀ @ dY, whose K is the batch: docs/mixed_precision.md, "Where the bf16
+//     step's GEMM time went"). Made at the shape's first call and kept (the most recently used
+//     kMaxFixedPrimitives of them: one dropped and made again is the same kernel, the same bits).
+//     Where oneDNN rejects the fixed shape, the runtime-dimension primitive, for that shape always.
+//   bf16, rows varying (gemm_varying_rows(): an MoE expert's share of the batch): the
+//     runtime-dimension primitive, made at the first call, so that no step makes one.
+// Where an operand is row-strided (a block of a wider matrix, as tensor parallelism's are) oneDNN
+// 2.6 makes even the fixed-shape primitive gemm:jit. The two kernels give the same bits on the
+// shapes measured with K = 128 and 784 (the 784-4096-4096-10 step's Xᵀ @ dY and first x @ W;
+// other small K unmeasured) and not at K = 4096 (the order of the fp32 additions differs; both
+// within gemm.hpp's bounds): there a stable call and a varying-rows call of one shape differ.
+Primitive& primitive_for(OneDnn& state, PrimitiveKey key, const FixedShape& shape, bool rows_vary,
+                         bool& fixed) {
+  fixed = false;
+  if (key.bf16 && !rows_vary) {
+    key.fixed = true;
+    key.shape = shape;
+    if (Primitive* p = fixed_primitive(state, key)) {
+      fixed = true;
+      return *p;
+    }
+    key.fixed = false;
+    key.shape = FixedShape{};
+  }
+  return runtime_primitive(state, key);
 }
 
 }  // namespace
@@ -467,8 +524,9 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
     }
   }
 
-  const FixedShape shape{call.m, call.k, lda, ldb, call.ldc};
-  Primitive& p = primitive_for(state, key, bf16 ? shape : FixedShape{});
+  bool fixed = false;
+  Primitive& p = primitive_for(state, key, FixedShape{call.m, call.k, lda, ldb, call.ldc},
+                               call.rows_vary, fixed);
   const DataType operand = bf16 ? DataType::bf16 : DataType::f32;
   const CallMemory a_memory(state, call.m, call.k, op_strides(lda, call.transpose_a), operand, a);
   const CallMemory b_memory(state, call.k, call.n, op_strides(ldb, call.transpose_b), operand, b);
@@ -489,6 +547,7 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
   check(dnnl_primitive_execute(p.matmul.get(), state.stream.get(), count, args),
         "dnnl_primitive_execute");
   g_executions.fetch_add(1, std::memory_order_relaxed);
+  if (fixed) g_fixed_executions.fetch_add(1, std::memory_order_relaxed);
   check(dnnl_stream_wait(state.stream.get()), "dnnl_stream_wait");
 
   EpilogueLeft left;
@@ -498,6 +557,18 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
 
 int64_t onednn_executions() {
   return g_executions.load(std::memory_order_relaxed);
+}
+
+int64_t onednn_fixed_shape_executions() {
+  return g_fixed_executions.load(std::memory_order_relaxed);
+}
+
+void onednn_drop_primitives() {
+  OneDnn& state = onednn();
+  const std::lock_guard<std::mutex> lock(state.mutex);
+  state.primitives.clear();
+  state.fixed_index.clear();
+  state.fixed.clear();
 }
 
 std::string onednn_name() {
