@@ -217,8 +217,8 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
   }
   // Under 16-bit storage a sliced input is kept as 16 bits where gemm()'s kernel reads them
   // (partition/sixteen_bit_storage.hpp; framework/train/memory_plan.cpp sizes it alike).
-  if (shared && l.slices_input() &&
-      keeps_16bit_sliced_input(true, gemm_kernel_reads_16bit(compute_dtype_))) {
+  if (keeps_16bit_sliced_input(shared != nullptr, l.slices_input(),
+                               gemm_kernel_reads_16bit(compute_dtype_))) {
     x_c_16bit_ = HalfMatrix(name + "/input_16bit", rows_, in_c);
     kept_input_ = x_c_16bit_;
   } else if (l.slices_input() || l.gathers_input()) {

@@ -69,12 +69,16 @@ inline ActivationStorage sixteen_bit_activation_storage(const ActivationStorageQ
   return s;
 }
 
-// A plain MLP's weight under a feature axis (tensor parallelism, where its activations stay fp32
-// buffers holding 16-bit values) has a 16-bit compute copy, written by the optimizer as for DP and
-// FSDP, where the GEMMs read 16-bit operands (`gemm_reads_16bit`) and the weight is not gathered
-// (stored as its compute block: tp, dp_tp): the GEMMs and the collective matmuls around them
-// (framework/comm/collective_matmul.hpp) read the copy as it is, instead of the master rounded to
-// 16 bits at every use. A weight gathered over an FSDP axis as well (fsdp_tp) has none.
+// A plain MLP's weight under a feature axis where its activations have no 16-bit storage
+// (sixteen_bit_activation_storage's plain is false: dropout, MoE, or a layer column-parallel or
+// replicated; they stay fp32 buffers holding 16-bit values) has a 16-bit compute copy, written by
+// the optimizer as for DP and FSDP, where the GEMMs read 16-bit operands (`gemm_reads_16bit`) and
+// the weight is not gathered (stored as its compute block): the GEMMs and the collective matmuls
+// around them (framework/comm/collective_matmul.hpp) read the copy as it is, instead of the master
+// rounded to 16 bits at every use; a weight gathered over an FSDP axis as well has none. With
+// 16-bit storage (row-parallel: tp, dp_tp, fsdp_tp) the copy is decided by keeps_16bit_weight_copy
+// above, as without a feature axis: there fsdp_tp's weight, gathered over the FSDP axis only, has
+// one, and its gather moves it.
 inline bool keeps_feature_parallel_weight_copy(const ActivationStorageQuery& q,
                                                const LinearLayout& layout, bool gemm_reads_16bit) {
   return q.sixteen_bit_compute && !q.residual && q.feature_parallel > 1 && gemm_reads_16bit &&
@@ -97,18 +101,20 @@ inline int64_t weight_scratch_floats(int64_t d1, int64_t d2, bool gathered,
   return gathered || sixteen_bit_compute ? d1 * d2 : 0;
 }
 
-// A tensor-parallel Linear's sliced input (its block of a replicated input: the first layer of a
-// row-parallel MLP) under a plain MLP's 16-bit storage: kept as 16 bits where gemm()'s kernel
-// reads them as stored (`kernel_reads_16bit`: gemm_kernel_reads_16bit() of the compute dtype, as
-// for the weight scratch above), where forward's product and the weight gradient read it as it
-// is; elsewhere an fp32 buffer as without storage. Whether it is 16-bit, and its bytes: the
-// layer (layers/linear.cpp) and the memory plan (framework/train/memory_plan.cpp) both ask these.
-inline bool keeps_16bit_sliced_input(bool storage, bool kernel_reads_16bit) {
-  return storage && kernel_reads_16bit;
+// A Linear's copy of its input (its block of a replicated input, `slices_input`: the first layer
+// of a row-parallel MLP; or its gathered input): under a plain MLP's 16-bit storage (`storage`)
+// a sliced input is kept as 16 bits where gemm()'s kernel reads them as stored
+// (`kernel_reads_16bit`: gemm_kernel_reads_16bit() of the compute dtype, as for the weight
+// scratch above), where forward's product and the weight gradient read it as it is; elsewhere
+// an fp32 buffer as without storage. Whether it is 16-bit, and its bytes: the layer
+// (layers/linear.cpp) and the memory plan (framework/train/memory_plan.cpp) both ask these.
+inline bool keeps_16bit_sliced_input(bool storage, bool slices_input, bool kernel_reads_16bit) {
+  return storage && slices_input && kernel_reads_16bit;
 }
-inline int64_t sliced_input_bytes(int64_t rows, int64_t cols, bool storage,
+inline int64_t sliced_input_bytes(int64_t rows, int64_t cols, bool storage, bool slices_input,
                                   bool kernel_reads_16bit) {
-  return rows * cols * (keeps_16bit_sliced_input(storage, kernel_reads_16bit) ? 2 : 4);
+  return rows * cols *
+         (keeps_16bit_sliced_input(storage, slices_input, kernel_reads_16bit) ? 2 : 4);
 }
 
 }  // namespace meshtrain

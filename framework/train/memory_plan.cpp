@@ -160,8 +160,9 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   int64_t activation_floats = 0;
   const size_t n = plan.layers.size();
   // A plain MLP's 16-bit storage (layers/mlp.cpp, the plain constructor: a 16-bit param_dtype,
-  // no MoE, no dropout, no feature axis): its Linears write to and compute their input
-  // gradients in two shared fp32 working buffers [rows, widest input] (the last layer's output
+  // no MoE, no dropout, no feature axis or a feature axis whose layers are all row-parallel
+  // (row_parallel_only)): its Linears write to and compute their input gradients in two shared
+  // fp32 working buffers [rows, widest local input or output] (the last layer's output
   // excepted), its activations work in place there and keep their input and output as 16 bits,
   // and the model keeps its input as 16 bits (instead of an fp32 copy).
   // Decided as the model decides it (partition/sixteen_bit_storage.hpp), on the mesh's feature
@@ -214,7 +215,7 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     }
     if (tp_storage && reads_16bit) activation_halves += rows * widest_split;
   }
-  int64_t activation_bytes = 0;  // buffers counted in bytes (the sliced input)
+  int64_t activation_bytes = 0;  // buffers counted in bytes (a layer's sliced or gathered input)
   // model/hidden_work, and model/gate_work for SwiGLU blocks.
   if (hidden_16bit) activation_floats += (gated ? 2 : 1) * rows * config.model.residual().hidden;
   const auto ends_with = [](const std::string& name, const std::string& tail) {
@@ -235,10 +236,9 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
                                (stream_16bit && (i == 0 || down));
     const bool shared_input_grad =
         keeps_16bit || (hidden_16bit && down) || (stream_16bit && (up || gate || i + 1 == n));
-    if (keeps_16bit && l.slices_input()) {  // input or input_16bit (the sliced input's rule)
-      activation_bytes += sliced_input_bytes(rows, l.in_compute, true, kernel_reads_16bit);
-    } else if (l.slices_input() || l.gathers_input()) {
-      activation_floats += rows * l.in_compute;  // input
+    if (l.slices_input() || l.gathers_input()) {  // input, or input_16bit (the sliced input's rule)
+      activation_bytes +=
+          sliced_input_bytes(rows, l.in_compute, keeps_16bit, l.slices_input(), kernel_reads_16bit);
     }
     if (!shared_output) activation_floats += rows * l.out_local;  // output
     if (l.column_gathers_input()) {
