@@ -277,16 +277,21 @@ void StreamProducer::send_bytes(const void* x, const void* y, int64_t rows, int6
       &context);
 }
 
-void StreamProducer::send_direct(const unsigned char* x, const unsigned char* y, int64_t rows) {
+bool StreamProducer::begin_send(int64_t rows) {
   MESHTRAIN_REQUIRE(connected(), "StreamProducer::send before connect (or after close)");
   MESHTRAIN_REQUIRE(rows >= 0, "StreamProducer::send: negative rows (", rows, ")");
   if (check_stop_now_and_then()) {  // the trainer failed: nobody trains on these rows
     rows_dropped_ += rows;
     next_row_ += rows;
-    return;
+    return false;
   }
-  const int64_t x_row = inputs_ * element_bytes_, y_row = outputs_ * element_bytes_;
   test_ring();
+  return true;
+}
+
+void StreamProducer::send_direct(const unsigned char* x, const unsigned char* y, int64_t rows) {
+  if (!begin_send(rows)) return;
+  const int64_t x_row = inputs_ * element_bytes_, y_row = outputs_ * element_bytes_;
   bool direct = false;
   for (int64_t done = 0; done < rows;) {
     const int64_t count = std::min(message_rows_, rows - done);
@@ -421,15 +426,8 @@ void StreamProducer::release_staging() {
 }
 
 void StreamProducer::send_packed(int64_t rows, PackRows pack, void* context) {
-  MESHTRAIN_REQUIRE(connected(), "StreamProducer::send before connect (or after close)");
-  MESHTRAIN_REQUIRE(rows >= 0, "StreamProducer::send: negative rows (", rows, ")");
-  if (check_stop_now_and_then()) {  // the trainer failed: nobody trains on these rows
-    rows_dropped_ += rows;
-    next_row_ += rows;
-    return;
-  }
+  if (!begin_send(rows)) return;
   const int64_t x_row = inputs_ * element_bytes_, y_row = outputs_ * element_bytes_;
-  test_ring();
   for (int64_t done = 0; done < rows;) {
     if (open_slot_ < 0) {
       const int slot = take_free_slot();

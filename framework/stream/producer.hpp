@@ -251,6 +251,9 @@ class StreamProducer {
       fence_device(written_fence_label());
     }
   }
+  // A send's first steps, shared by send_packed and send_direct: checks the call, drops the rows
+  // (false) when the trainer has stopped, otherwise completes what it can of the sends in flight.
+  bool begin_send(int64_t rows);
   void test_ring();      // one MPI_Testsome over every send in flight (none: returns)
   int take_free_slot();  // -1: none (drop)
   void start_open();     // the message in open_slot_: its header, then its sends
