@@ -524,9 +524,16 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
     }
   }
 
+  // A row-strided operand (a block of a wider matrix) runs the runtime-dimension primitive, decided
+  // on the operands as the caller stores them, before any bf16 copy: a 16-bit operand read in
+  // place and the same values held in fp32 and copied to contiguous bf16 then run the same kernel
+  // and give the same bits (tests/comm/collective_matmul_test.cpp, SixteenBitOperandsGiveThe
+  // Fp32BuffersBits). oneDNN 2.6 takes gemm:jit on a row-strided operand even when fixed, so no
+  // speed is lost.
+  const bool row_strided = call.lda != a_cols || call.ldb != b_cols;
   bool fixed = false;
   Primitive& p = primitive_for(state, key, FixedShape{call.m, call.k, lda, ldb, call.ldc},
-                               call.rows_vary, fixed);
+                               call.rows_vary || row_strided, fixed);
   const DataType operand = bf16 ? DataType::bf16 : DataType::f32;
   const CallMemory a_memory(state, call.m, call.k, op_strides(lda, call.transpose_a), operand, a);
   const CallMemory b_memory(state, call.k, call.n, op_strides(ldb, call.transpose_b), operand, b);
