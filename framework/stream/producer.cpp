@@ -466,16 +466,16 @@ void StreamProducer::start_open() {
   header.kind = sp::kRows;
   header.rows = open_rows_;
   header.first_row = open_first_row_;
+  const int64_t rows_bytes = open_rows_ * (x_row + y_row);
+  const bool split = rows_bytes >= split_bytes_;
+  header.split = split ? 1 : 0;
   std::memcpy(bytes, &header, sizeof header);
   unsigned char* payload = bytes + sizeof header;
   const int64_t group = sp::group_of_message(producer_index_, messages_, producers_, groups_);
   MPI_Request* requests = &requests_[static_cast<size_t>(open_slot_) * slot_width_];
-  const int64_t rows_bytes = open_rows_ * (x_row + y_row);
-  if (rows_bytes >= split_bytes_) {
+  if (split) {
     // The header alone, then x and y as they lie in the slot (a shared message's y rows where
     // they were written: no move).
-    header.split = 1;
-    std::memcpy(bytes, &header, sizeof header);
     const unsigned char* y_rows =
         share_messages_ ? payload + message_rows_ * x_row : payload + open_rows_ * x_row;
     for (int trainer : group_ranks_[static_cast<size_t>(group)]) {

@@ -465,8 +465,7 @@ void dlrm_data_footprint(const RunConfig& config, int64_t rows, DataFootprint& f
         capacity(dlrm_bags(file(config.data.test_path), names, config.data.sparse_key));
     f.source_bytes += rows * scratch_row + SparseHdf5Reader::buffer_bytes(tables, rows, test_ids);
   }
-  const int64_t slot =
-      rows * (8 + 4 * features + 4) + tables * 8 * (rows + 1) + tables * 8 * train_ids;
+  const int64_t slot = rows * scratch_row + tables * 8 * (rows + 1) + tables * 8 * train_ids;
   f.staging_bytes = std::max<int64_t>(config.data.prefetch, 0) * slot;
   const DlrmDataCaches train =
       dlrm_data_cache_bytes(file(config.data.path), names, config.data.sparse_key,
