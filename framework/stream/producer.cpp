@@ -243,15 +243,18 @@ void StreamProducer::test_ring() {
 
 // A slot whose sends have all completed, in ring order; with backpressure drop, -1 when the
 // next slot's sends are still in flight (as the send's test_ring left them).
+void StreamProducer::wait_slot(size_t slot, const char* what) {
+  MPI_Request* requests = &requests_[slot * slot_width_];
+  in_flight_ -= std::count_if(requests, requests + slot_width_,
+                              [](MPI_Request r) { return r != MPI_REQUEST_NULL; });
+  check_mpi(MPI_Waitall(static_cast<int>(slot_width_), requests, MPI_STATUSES_IGNORE), what);
+}
+
 int StreamProducer::take_free_slot() {
   const size_t slot = static_cast<size_t>(next_slot_);
   if (in_flight_ > 0 && !slot_free(slot)) {
     if (backpressure_ != StreamBackpressure::block) return -1;
-    MPI_Request* requests = &requests_[slot * slot_width_];
-    in_flight_ -= std::count_if(requests, requests + slot_width_,
-                                [](MPI_Request r) { return r != MPI_REQUEST_NULL; });
-    check_mpi(MPI_Waitall(static_cast<int>(slot_width_), requests, MPI_STATUSES_IGNORE),
-              "MPI_Waitall (a stream's ring)");
+    wait_slot(slot, "MPI_Waitall (a stream's ring)");
   }
   next_slot_ = (next_slot_ + 1) % static_cast<int64_t>(slots_.size());
   return static_cast<int>(slot);
@@ -310,32 +313,9 @@ void StreamProducer::send_direct(const unsigned char* x, const unsigned char* y,
           std::chrono::duration<double>(std::chrono::steady_clock::now() - pack_start).count();
       start_open();
     } else {  // the header from the ring, the rows from the caller's arrays
-      sp::Header header;
-      header.kind = sp::kRows;
-      header.rows = count;
-      header.first_row = next_row_;
-      header.split = 1;
-      std::memcpy(bytes, &header, sizeof header);
-      const int64_t group = sp::group_of_message(producer_index_, messages_, producers_, groups_);
-      MPI_Request* requests = &requests_[static_cast<size_t>(slot) * slot_width_];
-      for (int trainer : group_ranks_[static_cast<size_t>(group)]) {
-        check_mpi(MPI_Isend(bytes, static_cast<int>(sizeof header), MPI_BYTE, trainer, sp::kTag,
-                            stream_comm_, requests++),
-                  "MPI_Isend (a stream's rows header)");
-        check_mpi(MPI_Isend(x + done * x_row, static_cast<int>(count * x_row), MPI_BYTE, trainer,
-                            sp::kPayloadTag, stream_comm_, requests++),
-                  "MPI_Isend (a stream's x rows)");
-        check_mpi(MPI_Isend(y + done * y_row, static_cast<int>(count * y_row), MPI_BYTE, trainer,
-                            sp::kPayloadTag, stream_comm_, requests++),
-                  "MPI_Isend (a stream's y rows)");
-        in_flight_ += 3;
-      }
+      start_open(x + done * x_row, y + done * y_row);
       direct_slot_[static_cast<size_t>(slot)] = 1;
       direct = true;
-      ++messages_;
-      rows_sent_ += count;
-      open_slot_ = -1;
-      open_rows_ = 0;
     }
     next_row_ += count;
     done += count;
@@ -345,11 +325,7 @@ void StreamProducer::send_direct(const unsigned char* x, const unsigned char* y,
   for (size_t slot = 0; slot < direct_slot_.size(); ++slot) {
     if (!direct_slot_[slot]) continue;
     direct_slot_[slot] = 0;
-    MPI_Request* requests = &requests_[slot * slot_width_];
-    in_flight_ -= std::count_if(requests, requests + slot_width_,
-                                [](MPI_Request r) { return r != MPI_REQUEST_NULL; });
-    check_mpi(MPI_Waitall(static_cast<int>(slot_width_), requests, MPI_STATUSES_IGNORE),
-              "MPI_Waitall (a stream's direct sends)");
+    wait_slot(slot, "MPI_Waitall (a stream's direct sends)");
   }
 }
 
@@ -459,7 +435,7 @@ void StreamProducer::send_packed(int64_t rows, PackRows pack, void* context) {
   }
 }
 
-void StreamProducer::start_open() {
+void StreamProducer::start_open(const unsigned char* caller_x, const unsigned char* caller_y) {
   const int64_t x_row = inputs_ * element_bytes_, y_row = outputs_ * element_bytes_;
   unsigned char* bytes = slots_[static_cast<size_t>(open_slot_)].data();
   sp::Header header;
@@ -467,7 +443,7 @@ void StreamProducer::start_open() {
   header.rows = open_rows_;
   header.first_row = open_first_row_;
   const int64_t rows_bytes = open_rows_ * (x_row + y_row);
-  const bool split = rows_bytes >= split_bytes_;
+  const bool split = caller_x != nullptr || rows_bytes >= split_bytes_;
   header.split = split ? 1 : 0;
   std::memcpy(bytes, &header, sizeof header);
   unsigned char* payload = bytes + sizeof header;
@@ -476,13 +452,15 @@ void StreamProducer::start_open() {
   if (split) {
     // The header alone, then x and y as they lie in the slot (a shared message's y rows where
     // they were written: no move).
-    const unsigned char* y_rows =
-        share_messages_ ? payload + message_rows_ * x_row : payload + open_rows_ * x_row;
+    const unsigned char* x_rows = caller_x ? caller_x : payload;
+    const unsigned char* y_rows = caller_y          ? caller_y
+                                  : share_messages_ ? payload + message_rows_ * x_row
+                                                    : payload + open_rows_ * x_row;
     for (int trainer : group_ranks_[static_cast<size_t>(group)]) {
       check_mpi(MPI_Isend(bytes, static_cast<int>(sizeof header), MPI_BYTE, trainer, sp::kTag,
                           stream_comm_, requests++),
                 "MPI_Isend (a stream's rows header)");
-      check_mpi(MPI_Isend(payload, static_cast<int>(open_rows_ * x_row), MPI_BYTE, trainer,
+      check_mpi(MPI_Isend(x_rows, static_cast<int>(open_rows_ * x_row), MPI_BYTE, trainer,
                           sp::kPayloadTag, stream_comm_, requests++),
                 "MPI_Isend (a stream's x rows)");
       check_mpi(MPI_Isend(y_rows, static_cast<int>(open_rows_ * y_row), MPI_BYTE, trainer,

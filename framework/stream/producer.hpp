@@ -256,8 +256,11 @@ class StreamProducer {
   bool begin_send(int64_t rows);
   void test_ring();      // one MPI_Testsome over every send in flight (none: returns)
   int take_free_slot();  // -1: none (drop)
-  void start_open();     // the message in open_slot_: its header, then its sends
+  // The message in open_slot_: its header, then its sends. With caller_x and caller_y, its rows
+  // are sent split from those arrays (send_direct) rather than from the slot.
+  void start_open(const unsigned char* caller_x = nullptr, const unsigned char* caller_y = nullptr);
   bool slot_free(size_t slot) const;
+  void wait_slot(size_t slot, const char* what);  // completes the slot's sends in flight
 
   void receive_publish();  // one message into incoming_, the newest kept
   // Takes the trainer's last word when it has come (never waits); true once stopped.
