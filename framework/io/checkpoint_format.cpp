@@ -233,6 +233,14 @@ void collect_datasets(hid_t file, const std::string& group_path, const std::stri
   }
 }
 
+bool stored_as_bf16(hid_t dataset, hid_t type, const std::string& what) {
+  const ErrorKind bad = ErrorKind::bad_input;
+  return H5Tget_class(type) == H5T_INTEGER && H5Tget_size(type) == 2 &&
+         H5Tget_sign(type) == H5T_SGN_NONE &&
+         hdf5::has_attribute(dataset, kDtypeAttribute, bad, what) &&
+         hdf5::read_string_attribute(dataset, kDtypeAttribute, bad, what) == kBf16Dtype;
+}
+
 std::vector<int64_t> logical_shape(hid_t dataset, const std::string& what) {
   std::vector<int64_t> shape = hdf5::dataset_shape(dataset, ErrorKind::bad_input, what);
   if (hdf5::has_attribute(dataset, "scalar", ErrorKind::bad_input, what) &&

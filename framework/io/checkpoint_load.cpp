@@ -145,10 +145,7 @@ Handle open_dataset(hid_t file, const DatasetEntry& entry, const std::string& pa
     stored = Dtype::fp32;
     return dataset;
   }
-  if (H5Tget_class(type) == H5T_INTEGER && H5Tget_size(type) == 2 &&
-      H5Tget_sign(type) == H5T_SGN_NONE &&
-      hdf5::has_attribute(dataset, kDtypeAttribute, bad, what) &&
-      hdf5::read_string_attribute(dataset, kDtypeAttribute, bad, what) == kBf16Dtype) {
+  if (stored_as_bf16(dataset, type, what)) {
     stored = Dtype::bf16;
     return dataset;
   }

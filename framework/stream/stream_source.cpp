@@ -510,20 +510,21 @@ void StreamSource::take_split(size_t p, unsigned char* message, MPI_Message* pay
   const int64_t rows = header.rows;
   const int64_t first =
       dtype_ == sp::kFloat32 && section_.test_fraction <= 0.0 ? buffer_.run_slot(rows) : -1;
-  const auto wire_start = std::chrono::steady_clock::now();
-  const auto wired = [&] {
+  // The x rows' and the y rows' payloads into x_to and y_to, timed as the wire's.
+  const auto receive = [&](void* x_to, void* y_to) {
+    const auto wire_start = std::chrono::steady_clock::now();
+    check_mpi(MPI_Mrecv(x_to, static_cast<int>(rows * f * element), MPI_BYTE, &payloads[0],
+                        MPI_STATUS_IGNORE),
+              "MPI_Mrecv (a stream's x rows)");
+    check_mpi(MPI_Mrecv(y_to, static_cast<int>(rows * w * element), MPI_BYTE, &payloads[1],
+                        MPI_STATUS_IGNORE),
+              "MPI_Mrecv (a stream's y rows)");
     copy_times_.wire_s +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - wire_start).count();
   };
   if (first >= 0) {
     // Straight into the slots the rows would be copied to one by one: the same bits.
-    check_mpi(MPI_Mrecv(buffer_.x_data() + first * f, static_cast<int>(rows * f * element),
-                        MPI_BYTE, &payloads[0], MPI_STATUS_IGNORE),
-              "MPI_Mrecv (a stream's x rows)");
-    check_mpi(MPI_Mrecv(buffer_.y_data() + first * w, static_cast<int>(rows * w * element),
-                        MPI_BYTE, &payloads[1], MPI_STATUS_IGNORE),
-              "MPI_Mrecv (a stream's y rows)");
-    wired();
+    receive(buffer_.x_data() + first * f, buffer_.y_data() + first * w);
     buffer_.add_run(rows);
     for (int64_t r = 0; r < rows && first_kept_ < first_wanted_; ++r) {
       const float* x = buffer_.x(first + r);
@@ -538,13 +539,7 @@ void StreamSource::take_split(size_t p, unsigned char* message, MPI_Message* pay
   }
   // As a whole message: x then y after the header, in the slot sized for one.
   unsigned char* payload = message + sizeof header;
-  check_mpi(MPI_Mrecv(payload, static_cast<int>(rows * f * element), MPI_BYTE, &payloads[0],
-                      MPI_STATUS_IGNORE),
-            "MPI_Mrecv (a stream's x rows)");
-  check_mpi(MPI_Mrecv(payload + rows * f * element, static_cast<int>(rows * w * element), MPI_BYTE,
-                      &payloads[1], MPI_STATUS_IGNORE),
-            "MPI_Mrecv (a stream's y rows)");
-  wired();
+  receive(payload, payload + rows * f * element);
   take(static_cast<int64_t>(p), message);
 }
 
