@@ -114,9 +114,8 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
     spec.check_axes(mesh, p.name);
     check_divisible(p.shape, spec, mesh, p.name);
     const bool bf16_table = shape.table_dtype == Dtype::bf16 && is_embedding_weight_name(p.name);
-    params_.push_back(
-        bf16_table ? ShardedTensor::allocate_bf16(p.name, p.shape, spec, mesh, context.rank())
-                   : ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank()));
+    params_.push_back(ShardedTensor::allocate(p.name, p.shape, spec, mesh, context.rank(),
+                                              bf16_table ? Dtype::bf16 : Dtype::fp32));
     if (table_gradients != TableGradients::dense && is_embedding_weight_name(p.name)) {
       // Sparse updates: a table's backward leaves the gradients of the rows it touched
       // (EmbeddingBag::use_sparse_gradient) and never its dense gradient, so none is allocated;

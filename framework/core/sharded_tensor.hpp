@@ -49,44 +49,40 @@ struct ShardedTensor {
   // Bytes of one stored element (4, or 2 for a 16-bit storage).
   int64_t element_bytes() const { return stored_16bit() ? 2 : 4; }
 
-  // Allocates the local block of `rank` (zero-filled); the label is the name.
+  // Allocates the local block of `rank` (zero-filled); the label is the name. storage bf16: the
+  // block as bf16 bits (`bits`; `local` empty).
   static ShardedTensor allocate(const std::string& name, const std::vector<int64_t>& global_shape,
-                                const PartitionSpec& spec, const Mesh& mesh, int rank) {
+                                const PartitionSpec& spec, const Mesh& mesh, int rank,
+                                Dtype storage = Dtype::fp32) {
     ShardedTensor t;
     t.name = name;
     t.global_shape = global_shape;
     t.spec = spec;
     t.box = shard_box(global_shape, spec, mesh, rank);
-    t.local = Vector(name, static_cast<size_t>(t.box.elements()));
-    return t;
-  }
-
-  // allocate() with the block stored as bf16 bits (`bits`, zero-filled; `local` empty).
-  static ShardedTensor allocate_bf16(const std::string& name,
-                                     const std::vector<int64_t>& global_shape,
-                                     const PartitionSpec& spec, const Mesh& mesh, int rank) {
-    ShardedTensor t;
-    t.name = name;
-    t.global_shape = global_shape;
-    t.spec = spec;
-    t.box = shard_box(global_shape, spec, mesh, rank);
-    t.storage = Dtype::bf16;
-    t.bits = HalfBits(name, static_cast<size_t>(t.box.elements()));
+    t.storage = storage;
+    const size_t elements = static_cast<size_t>(t.box.elements());
+    if (storage == Dtype::fp32) {
+      t.local = Vector(name, elements);
+    } else {
+      t.bits = HalfBits(name, elements);
+    }
     return t;
   }
 
   // The bf16 block as a matrix (storage bf16; as matrix()'s shape).
   HalfMatrixView bits_matrix() const {
-    const size_t rows = box.extent.size() == 2 ? static_cast<size_t>(box.extent[0]) : 1;
-    const size_t cols = box.extent.empty() ? 1 : static_cast<size_t>(box.extent.back());
-    return HalfMatrixView(bits.data(), rows, cols);
+    return HalfMatrixView(bits.data(), matrix_rows(), matrix_columns());
   }
 
   // The local block as a matrix (2-D tensors; a 1-D tensor is one row).
-  MatrixView matrix() const {
-    const size_t rows = box.extent.size() == 2 ? static_cast<size_t>(box.extent[0]) : 1;
-    const size_t cols = box.extent.empty() ? 1 : static_cast<size_t>(box.extent.back());
-    return MatrixView(local.data(), rows, cols);
+  MatrixView matrix() const { return MatrixView(local.data(), matrix_rows(), matrix_columns()); }
+
+ private:
+  size_t matrix_rows() const {
+    return box.extent.size() == 2 ? static_cast<size_t>(box.extent[0]) : 1;
+  }
+  size_t matrix_columns() const {
+    return box.extent.empty() ? 1 : static_cast<size_t>(box.extent.back());
   }
 };
 

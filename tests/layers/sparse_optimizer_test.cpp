@@ -496,11 +496,11 @@ TEST(SparseTableOptimizer, Bf16TablesRoundLikeTheReferenceOnEverySharding) {
   EXPECT_GE(static_cast<double>(bf16_exact), 0.99 * static_cast<double>(bf16_compared));
 }
 
-// A bf16 table stored as 2 bytes an element (ShardedTensor::allocate_bf16, model.table_dtype =
-// "bf16"): kSteps of `kind` from the initial table rounded to the nearest bf16. Returns this
-// rank's block as bf16 bits (2-byte storage: the bits as stored; else the fp32 values' bits)
-// and appends every step's pooled rows to `pooled`. `two_bytes` false: the same with the table
-// held in fp32 and keep_tables_in_bf16 (the fp32 storage holding bf16 values).
+// A bf16 table stored as 2 bytes an element (ShardedTensor::allocate with Dtype::bf16,
+// model.table_dtype = "bf16"): kSteps of `kind` from the initial table rounded to the nearest bf16.
+// Returns this rank's block as bf16 bits (2-byte storage: the bits as stored; else the fp32 values'
+// bits) and appends every step's pooled rows to `pooled`. `two_bytes` false: the same with the
+// table held in fp32 and keep_tables_in_bf16 (the fp32 storage holding bf16 values).
 std::vector<uint16_t> bf16_run(MeshCommunicators& comms, const PartitionSpec& spec, Ids which,
                                EmbeddingPooling pooling, Kind kind, bool two_bytes,
                                std::vector<float>& pooled) {
@@ -513,8 +513,9 @@ std::vector<uint16_t> bf16_run(MeshCommunicators& comms, const PartitionSpec& sp
   }
   const std::string name = embedding_weight_name(kTable);
   ShardedTensor weight =
-      two_bytes ? ShardedTensor::allocate_bf16(name, {kRows, kDim}, spec, mesh, comms.rank())
-                : ShardedTensor::allocate(name, {kRows, kDim}, spec, mesh, comms.rank());
+      two_bytes
+          ? ShardedTensor::allocate(name, {kRows, kDim}, spec, mesh, comms.rank(), Dtype::bf16)
+          : ShardedTensor::allocate(name, {kRows, kDim}, spec, mesh, comms.rank());
   ShardedTensor grad = ShardedTensor::allocate("grad", {kRows, kDim}, spec, mesh, comms.rank());
   const int64_t first_row = weight.box.offset[0], block_rows = weight.box.extent[0];
   const int64_t first_col = weight.box.offset[1], cols = weight.box.extent[1];
