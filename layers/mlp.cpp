@@ -95,12 +95,13 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
   // its weight gradient and then writes its input gradient there, which the layer below reads
   // as its dY from the other buffer. The last layer's output (the logits) stays its own.
   // Under a feature axis whose layers are all row-parallel (tp, dp_tp, fsdp_tp) the same, with
-  // the widths local: the first layer keeps its slice of the input itself (16 bits where gemm()'s
-  // kernel reads them, layers/linear.cpp), the model casts its input into work_[0] and keeps no
-  // copy, and the layers pack their dY's 16 bits for their all-gather-matmuls into one shared
-  // buffer. Where it does not apply (fp32, MoE, dropout, a feature axis with a layer that is not
-  // row-parallel), the simulated path: fp32 buffers holding 16-bit values.
-  // framework/train/memory_plan.cpp counts the same buffers under the same condition.
+  // the widths local (the buffers as wide as the widest layer's local input or output): the
+  // model hands the raw batch to the first layer, which keeps its slice of it itself, rounded (16
+  // bits where gemm()'s kernel reads them, layers/linear.cpp), and keeps no copy; and the layers
+  // pack their dY's 16 bits for their all-gather-matmuls into one shared buffer. Where it does not
+  // apply (fp32, MoE, dropout, a feature axis with a layer that is not row-parallel), the simulated
+  // path: fp32 buffers holding 16-bit values. framework/train/memory_plan.cpp counts the same
+  // buffers under the same condition.
   ActivationStorageQuery storage_query;  // the plan asks partition/sixteen_bit_storage.hpp too
   storage_query.sixteen_bit_compute =
       compute_dtype_ != Dtype::fp32 && context.stores_16bit_activations();
@@ -119,9 +120,13 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
   storage_query.row_parallel_layers = row_parallel_only(layouts);
   keeps_16bit_ = sixteen_bit_activation_storage(storage_query).plain;
   if (keeps_16bit_) {
+    // What the layers read and write there (below): each one's input as it computes, and each
+    // output but the last (without a feature axis the first layer's input is the model's input).
     int64_t widest = 0, widest_split = 0;
-    for (const LinearLayout& l : layouts) {
-      widest = std::max(widest, l.input_width());
+    for (size_t i = 0; i < layouts.size(); ++i) {
+      const LinearLayout& l = layouts[i];
+      widest = std::max(widest, l.in_compute);
+      if (i + 1 < layouts.size()) widest = std::max(widest, l.out_local);
       if (l.split_output) widest_split = std::max(widest_split, l.out_local);
     }
     work_[0] = Matrix("model/work_0", rows_, widest);
@@ -552,16 +557,16 @@ MatrixView Mlp::forward_for_derivatives(MatrixView x) {
 
 MatrixView Mlp::forward_pass(MatrixView x, const TrainingPass* training, bool for_derivatives) {
   MatrixView input = x;
-  if (keeps_16bit_) {  // cast into the first working buffer, and kept as 16 bits, in one pass
+  if (keeps_16bit_) {
     MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
                           static_cast<int64_t>(x.extent(1)) == sizes_.front(),
                       "model input is [", x.extent(0), ", ", x.extent(1), "], expected [", rows_,
                       ", ", sizes_.front(), "]");
-    input = work_view(0, sizes_.front());
+    // Cast into the first working buffer, and kept as 16 bits, in one pass; under a feature axis
+    // the raw batch, of which the first layer keeps its slice, rounded, itself.
     if (input_16bit_.data() != nullptr) {
+      input = work_view(0, sizes_.front());
       round_copy_keeping_16bit(x, input, input_16bit_, compute_dtype_);
-    } else {  // the first layer keeps its slice (a feature axis)
-      round_copy(x, input, compute_dtype_);
     }
   } else if (compute_dtype_ != Dtype::fp32) {  // the model input cast to the compute dtype
     MESHTRAIN_REQUIRE(x.extent(0) == input_.extent(0) && x.extent(1) == input_.extent(1),

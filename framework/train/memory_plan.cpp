@@ -204,10 +204,15 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   // all-gather-matmuls share one buffer [rows, widest split output] where gemm() reads 16 bits.
   const bool tp_storage = keeps_16bit && storage_query.feature_parallel > 1;
   if (keeps_16bit) {
+    // The working buffers as wide as the widest local input or output (the last layer's
+    // excepted) that a layer computes in them: under a feature axis the first layer is handed the
+    // raw batch and slices it itself.
     int64_t widest = 0, widest_split = 0;
-    for (const LayerPlan& layer : plan.layers) {
-      widest = std::max(widest, layer.layout.input_width());
-      if (layer.layout.split_output) widest_split = std::max(widest_split, layer.layout.out_local);
+    for (size_t i = 0; i < n; ++i) {
+      const LinearLayout& l = plan.layers[i].layout;
+      widest = std::max(widest, l.in_compute);
+      if (i + 1 < n) widest = std::max(widest, l.out_local);
+      if (l.split_output) widest_split = std::max(widest_split, l.out_local);
     }
     activation_floats += 2 * rows * widest;  // model/work_0, work_1
     if (!plan.layers.front().layout.slices_input()) {
