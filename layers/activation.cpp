@@ -4,6 +4,7 @@
 
 #include "base/error.hpp"
 #include "framework/core/activation_math.hpp"
+#include "framework/core/activation_storage.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/fast_math.hpp"
 #include "framework/core/host_clones.hpp"
@@ -905,6 +906,18 @@ void forward_keeping(float* values, uint16_t* kept_z, uint16_t* kept_out, int64_
       });
 }
 
+// The same without z (activation_keeps_16bit_input false: relu, the identity).
+template <class Op>
+void forward_keeping_output(float* values, uint16_t* kept_out, int64_t n, Dtype dtype) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::activation_forward_keeping_16bit"),
+      Kokkos::RangePolicy<>(device_space(), 0, n), KOKKOS_LAMBDA(const int64_t k) {
+        const uint16_t out = to_16bit(Op::value(values[k]), dtype);
+        kept_out[k] = out;
+        values[k] = from_16bit(out, dtype);
+      });
+}
+
 template <class Op>
 void backward_from(const uint16_t* kept_z, float* grads, int64_t n, Dtype dtype) {
   Kokkos::parallel_for(
@@ -919,14 +932,23 @@ void backward_from(const uint16_t* kept_z, float* grads, int64_t n, Dtype dtype)
 void activation_forward_keeping_16bit(Activation activation, MatrixView z, HalfMatrixView kept_z,
                                       HalfMatrixView kept_out, Dtype dtype) {
   const auto n = static_cast<int64_t>(z.extent(0) * z.extent(1));
-  MESHTRAIN_REQUIRE(dtype != Dtype::fp32 && z.span_is_contiguous() &&
-                        kept_z.extent(0) == z.extent(0) && kept_z.extent(1) == z.extent(1) &&
-                        kept_out.extent(0) == z.extent(0) && kept_out.extent(1) == z.extent(1),
-                    "activation_forward_keeping_16bit: a 16-bit dtype and contiguous views of "
-                    "the same extents are needed");
+  const bool keeps_z = activation_keeps_16bit_input(activation);
+  MESHTRAIN_REQUIRE(
+      dtype != Dtype::fp32 && z.span_is_contiguous() &&
+          (!keeps_z || (kept_z.extent(0) == z.extent(0) && kept_z.extent(1) == z.extent(1))) &&
+          kept_out.extent(0) == z.extent(0) && kept_out.extent(1) == z.extent(1),
+      "activation_forward_keeping_16bit: a 16-bit dtype and contiguous views of "
+      "the same extents are needed");
   float* v = z.data();
   uint16_t* kz = kept_z.data();
   uint16_t* ko = kept_out.data();
+  if (!keeps_z) {  // relu, the identity: backward reads f(z)
+                   // (framework/core/activation_storage.hpp)
+    if (activation == Activation::relu) {
+      return forward_keeping_output<activation_math::Relu>(v, ko, n, dtype);
+    }
+    return forward_keeping_output<Identity>(v, ko, n, dtype);
+  }
   switch (activation) {
     case Activation::relu:
       return forward_keeping<activation_math::Relu>(v, kz, ko, n, dtype);
@@ -1020,7 +1042,11 @@ ActivationLayer::ActivationLayer(Activation activation, const std::string& name,
   MESHTRAIN_REQUIRE(!keeps_16bit || dtype != Dtype::fp32, "activation '", name,
                     "': 16-bit storage needs a 16-bit compute dtype");
   if (keeps_16bit) {
-    kept_input_ = HalfMatrix(name + "/input_16bit", rows, width);
+    // z only where the derivative needs it (framework/core/activation_storage.hpp; the memory
+    // plan counts the same): relu's and the identity's backward read f(z).
+    if (activation_keeps_16bit_input(activation)) {
+      kept_input_ = HalfMatrix(name + "/input_16bit", rows, width);
+    }
     kept_output_ = HalfMatrix(name + "/output_16bit", rows, width);
   } else {
     out_ = Matrix(name, rows, width);
@@ -1029,8 +1055,9 @@ ActivationLayer::ActivationLayer(Activation activation, const std::string& name,
 }
 
 MatrixView ActivationLayer::forward(MatrixView x, const LayerPass& pass) {
-  if (kept_input_.data() != nullptr) {
-    // In place in the model's working buffer; z and f(z) kept as 16-bit copies, one pass.
+  if (kept_output_.data() != nullptr) {
+    // In place in the model's working buffer; z (where backward needs it) and f(z) kept as
+    // 16-bit copies, one pass.
     activation_forward_keeping_16bit(activation_, x, kept_input_, kept_output_, dtype_);
     slopes_kept_ = false;
     output_ = x;
@@ -1048,8 +1075,12 @@ MatrixView ActivationLayer::forward(MatrixView x, const LayerPass& pass) {
 
 MatrixView ActivationLayer::backward(MatrixView dy, bool need_input_grad, const LayerPass&) {
   if (!need_input_grad) return MatrixView();
-  if (kept_input_.data() != nullptr) {
-    activation_backward_from_16bit(activation_, kept_input_, dy, dtype_);
+  if (kept_output_.data() != nullptr) {
+    // From z, or from f(z) where that gives the same bits (relu, the identity). Under tensor
+    // parallelism the next Linear below may write its dY's 16 bits over f(z) after this
+    // (layers/mlp.cpp): f(z) is read here for the last time.
+    activation_backward_from_16bit(
+        activation_, kept_input_.data() != nullptr ? kept_input_ : kept_output_, dy, dtype_);
   } else {
     activation_backward(activation_, z_, dy, dtype_);
   }
@@ -1125,8 +1156,8 @@ MatrixView ActivationLayer::backward_cotangents(MatrixView dy, const LayerPass& 
 
 void ActivationLayer::reserve_derivative_forward(bool /*for_cotangents*/) {
   // Both passes read the slopes.
-  // The slopes' host kernels: fp32 on host kernels (kept_input_: 16-bit storage has no fp32 z).
-  if (slopes_.extent(0) != 0 || dtype_ != Dtype::fp32 || kept_input_.data() != nullptr ||
+  // The slopes' host kernels: fp32 on host kernels (kept_output_: 16-bit storage has no fp32 z).
+  if (slopes_.extent(0) != 0 || dtype_ != Dtype::fp32 || kept_output_.data() != nullptr ||
       !inference::layers_run_host_kernels()) {
     return;
   }

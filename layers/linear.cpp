@@ -25,8 +25,20 @@ void copy_columns(MatrixView src, int64_t offset, MatrixView dst) {
       KOKKOS_LAMBDA(const int64_t i, const int64_t j) { dst(i, j) = src(i, offset + j); });
 }
 
-// dst = the 16 bits of src[:, offset : offset + dst.cols], whose elements hold `dtype` values (a
-// sliced input kept as 16 bits: exact).
+// dst = src[:, offset : offset + dst.cols] rounded to `dtype` (a sliced input under 16-bit
+// storage, where the model hands over its raw batch).
+void copy_columns_rounded(MatrixView src, int64_t offset, MatrixView dst, Dtype dtype) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::linear_take_columns_rounded"),
+      Range2(device_space(), {0, 0},
+             {static_cast<int64_t>(dst.extent(0)), static_cast<int64_t>(dst.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        dst(i, j) = round_to(src(i, offset + j), dtype);
+      });
+}
+
+// dst = the 16 bits of src[:, offset : offset + dst.cols] rounded to `dtype` (a sliced input kept
+// as 16 bits: the model's raw batch under 16-bit storage).
 void copy_columns_to_16bit(MatrixView src, int64_t offset, HalfMatrixView dst, Dtype dtype) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::linear_take_columns_16bit"),
@@ -217,6 +229,7 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
   }
   // Under 16-bit storage a sliced input is kept as 16 bits where gemm()'s kernel reads them
   // (partition/sixteen_bit_storage.hpp; framework/train/memory_plan.cpp sizes it alike).
+  rounds_sliced_input_ = shared && l.slices_input();
   if (keeps_16bit_sliced_input(shared != nullptr, l.slices_input(),
                                gemm_kernel_reads_16bit(compute_dtype_))) {
     x_c_16bit_ = HalfMatrix(name + "/input_16bit", rows_, in_c);
@@ -283,6 +296,9 @@ MatrixView Linear::forward(MatrixView x, const LayerPass& pass) {
     // 16-bit storage: the slice kept as 16 bits only, which the product reads (kept_input_).
     copy_columns_to_16bit(x, tp_index_ * layout_.in_compute, x_c_16bit_, compute_dtype_);
     x_used_ = MatrixView();
+  } else if (rounds_sliced_input_) {  // 16-bit storage, an fp32 slice: of the raw batch
+    copy_columns_rounded(x, tp_index_ * layout_.in_compute, x_c_, compute_dtype_);
+    x_used_ = x_c_;
   } else if (layout_.slices_input()) {
     copy_columns(x, tp_index_ * layout_.in_compute, x_c_);
     x_used_ = x_c_;

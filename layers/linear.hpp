@@ -238,6 +238,9 @@ class Linear final : public Layer {
   LayerMatmulAlgorithms matmuls_;
 
   Matrix x_c_;  // the input as used, when it is not the caller's view
+  // Under 16-bit storage a sliced input is the model's raw batch (layers/mlp.cpp): forward rounds
+  // its slice to the compute dtype as it takes it (into x_c_16bit_ or x_c_).
+  bool rounds_sliced_input_ = false;
   MatrixView x_used_;
   Matrix output_;  // [rows, out_local] (empty when shared)
   Matrix dx_c_;    // [rows, in_c] (empty when shared)

@@ -90,17 +90,21 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
   // 16-bit storage (docs/mixed_precision.md, "Compute and memory on this build"): the layers
   // compute in two fp32 working buffers of the model, [rows, widest input], in turn (layer i
   // reads work_[i % 2] and writes work_[(i + 1) % 2], its activation works in place there), and
-  // keep for backward only 16-bit copies: the model's input, each activation's input and output.
+  // keep for backward only 16-bit copies: the model's input, each activation's output and, where
+  // its derivative reads it (not relu's nor the identity's: framework/core/activation_storage.hpp),
+  // its input.
   // Backward runs on the same two buffers: layer i widens its kept input into work_[i % 2] for
   // its weight gradient and then writes its input gradient there, which the layer below reads
   // as its dY from the other buffer. The last layer's output (the logits) stays its own.
   // Under a feature axis whose layers are all row-parallel (tp, dp_tp, fsdp_tp) the same, with
-  // the widths local: the first layer keeps its slice of the input itself (16 bits where gemm()'s
-  // kernel reads them, layers/linear.cpp), the model casts its input into work_[0] and keeps no
-  // copy, and the layers pack their dY's 16 bits for their all-gather-matmuls into one shared
-  // buffer. Where it does not apply (fp32, MoE, dropout, a feature axis with a layer that is not
-  // row-parallel), the simulated path: fp32 buffers holding 16-bit values.
-  // framework/train/memory_plan.cpp counts the same buffers under the same condition.
+  // the widths local (the buffers as wide as the widest layer's local input or output): the
+  // model hands the raw batch to the first layer, which keeps its slice of it itself, rounded (16
+  // bits where gemm()'s kernel reads them, layers/linear.cpp), and keeps no copy; and each hidden
+  // layer packs its dY's 16 bits for its all-gather-matmuls over its activation's kept output,
+  // dead by then (the last layer into a small buffer of the model). Where it does not
+  // apply (fp32, MoE, dropout, a feature axis with a layer that is not row-parallel), the simulated
+  // path: fp32 buffers holding 16-bit values. framework/train/memory_plan.cpp counts the same
+  // buffers under the same condition.
   ActivationStorageQuery storage_query;  // the plan asks partition/sixteen_bit_storage.hpp too
   storage_query.sixteen_bit_compute =
       compute_dtype_ != Dtype::fp32 && context.stores_16bit_activations();
@@ -119,19 +123,24 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
   storage_query.row_parallel_layers = row_parallel_only(layouts);
   keeps_16bit_ = sixteen_bit_activation_storage(storage_query).plain;
   if (keeps_16bit_) {
-    int64_t widest = 0, widest_split = 0;
-    for (const LinearLayout& l : layouts) {
-      widest = std::max(widest, l.input_width());
-      if (l.split_output) widest_split = std::max(widest_split, l.out_local);
+    // What the layers read and write there (below): each one's input as it computes, and each
+    // output but the last (without a feature axis the first layer's input is the model's input).
+    int64_t widest = 0;
+    for (size_t i = 0; i < layouts.size(); ++i) {
+      const LinearLayout& l = layouts[i];
+      widest = std::max(widest, l.in_compute);
+      if (i + 1 < layouts.size()) widest = std::max(widest, l.out_local);
     }
     work_[0] = Matrix("model/work_0", rows_, widest);
     work_[1] = Matrix("model/work_1", rows_, widest);
     if (!layouts.front().slices_input()) {
       input_16bit_ = HalfMatrix("model/input_16bit", rows_, sizes.front());
     }
+    // A hidden layer's dY as 16 bits goes over its activation's kept 16-bit output (below); only
+    // the last layer, which has no activation, needs a buffer of the model for it.
     if (storage_query.feature_parallel > 1 && gemm_reads_16bit(compute_dtype_) &&
-        widest_split > 0) {
-      output_grad_16bit_ = HalfMatrix("model/output_grad_16bit", rows_, widest_split);
+        layouts.back().split_output) {
+      output_grad_16bit_ = HalfMatrix("model/output_grad_16bit", rows_, layouts.back().out_local);
     }
   }
   FeatureLayout layout = FeatureLayout::replicated;  // x arrives with all features
@@ -161,8 +170,25 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
       if (i + 1 < n) shared.output = work_view((i + 1) % 2, l.out_local);
       shared.work = work_view(i % 2, l.in_compute);
       shared.kept_input =
-          i == 0 ? ConstHalfMatrixView(input_16bit_) : activations_.back().kept_output();
+          i == 0 ? ConstHalfMatrixView(input_16bit_) : activations_[i - 1].kept_output();
       shared.output_grad_16bit = output_grad_16bit_;
+      if (i + 1 < n) {
+        // The activation that follows is made first: under tensor parallelism this layer's
+        // backward packs its dY's 16 bits over the activation's kept 16-bit output f(z), read for
+        // the last time by the activation's backward just before (and by the next layer's
+        // weight gradient before that), so no buffer of the model holds them. The activation's
+        // width and offset are this layer's output's (checked below once the layer is made).
+        const int64_t offset = l.split_output ? context.feature_index() * l.out_local : 0;
+        activations_.emplace_back(activation, "layers/" + std::to_string(i) + "/activation", rows_,
+                                  l.out_local, l.output_layout(), offset, compute_dtype_, true);
+        if (storage_query.feature_parallel > 1 && gemm_reads_16bit(compute_dtype_)) {
+          // kept_output() is const for the layers that read it; its buffer is the activation's
+          // own, writable 16-bit View.
+          const ConstHalfMatrixView kept = activations_.back().kept_output();
+          shared.output_grad_16bit =
+              HalfMatrixView(const_cast<uint16_t*>(kept.data()), kept.extent(0), kept.extent(1));
+        }
+      }
       shared.input_grad = i > 0 || !l.slices_input();  // the first layer is asked for none
       linear_.emplace_back(ref(param), ref(param + 1), layout, rows_, context, false, &shared);
       layer = &linear_.back();
@@ -182,7 +208,14 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
     sequence_.push_back(layer);
     param += layer->parameter_count();
     layout = layer->output_layout();
-    if (i + 1 < n) {
+    if (i + 1 < n && keeps_16bit_) {  // made above, before the layer
+      const ActivationLayer& made = activations_.back();
+      MESHTRAIN_REQUIRE(made.output_width() == layer->output_width() &&
+                            made.output_offset() == layer->output_offset() &&
+                            made.output_layout() == layout,
+                        "layer ", i, "'s activation was made for another output");
+      sequence_.push_back(&activations_.back());
+    } else if (i + 1 < n) {
       activations_.emplace_back(activation, "layers/" + std::to_string(i) + "/activation", rows_,
                                 layer->output_width(), layout, layer->output_offset(),
                                 compute_dtype_, keeps_16bit_);
@@ -552,16 +585,16 @@ MatrixView Mlp::forward_for_derivatives(MatrixView x) {
 
 MatrixView Mlp::forward_pass(MatrixView x, const TrainingPass* training, bool for_derivatives) {
   MatrixView input = x;
-  if (keeps_16bit_) {  // cast into the first working buffer, and kept as 16 bits, in one pass
+  if (keeps_16bit_) {
     MESHTRAIN_REQUIRE(static_cast<int64_t>(x.extent(0)) == rows_ &&
                           static_cast<int64_t>(x.extent(1)) == sizes_.front(),
                       "model input is [", x.extent(0), ", ", x.extent(1), "], expected [", rows_,
                       ", ", sizes_.front(), "]");
-    input = work_view(0, sizes_.front());
+    // Cast into the first working buffer, and kept as 16 bits, in one pass; under a feature axis
+    // the raw batch, of which the first layer keeps its slice, rounded, itself.
     if (input_16bit_.data() != nullptr) {
+      input = work_view(0, sizes_.front());
       round_copy_keeping_16bit(x, input, input_16bit_, compute_dtype_);
-    } else {  // the first layer keeps its slice (a feature axis)
-      round_copy(x, input, compute_dtype_);
     }
   } else if (compute_dtype_ != Dtype::fp32) {  // the model input cast to the compute dtype
     MESHTRAIN_REQUIRE(x.extent(0) == input_.extent(0) && x.extent(1) == input_.extent(1),

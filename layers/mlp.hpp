@@ -308,8 +308,8 @@ class Mlp {
   Dtype compute_dtype_ = Dtype::fp32;  // context.precision().param
   Matrix input_;  // the input cast to the compute dtype (empty in fp32 and with 16-bit storage)
   // 16-bit storage (the plain constructor explains it): the two fp32 working buffers
-  // [rows, widest input], and the input kept for the first layer's backward (empty under a
-  // feature axis: the first layer keeps its slice); under a feature axis, the row-parallel
+  // [rows, widest local input or output], and the input kept for the first layer's backward
+  // (empty under a feature axis: the first layer keeps its slice of the raw batch); under a feature axis, the row-parallel
   // layers' dY as 16 bits [rows, widest split output], one backward at a time.
   bool keeps_16bit_ = false;
   Matrix work_[2];

@@ -11,6 +11,7 @@
 #include "base/text.hpp"
 #include "framework/comm/backend.hpp"
 #include "framework/comm/reduction_choice.hpp"
+#include "framework/core/activation_storage.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/views.hpp"
@@ -163,8 +164,9 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   // no MoE, no dropout, no feature axis or a feature axis whose layers are all row-parallel
   // (row_parallel_only)): its Linears write to and compute their input gradients in two shared
   // fp32 working buffers [rows, widest local input or output] (the last layer's output
-  // excepted), its activations work in place there and keep their input and output as 16 bits,
-  // and the model keeps its input as 16 bits (instead of an fp32 copy).
+  // excepted), its activations work in place there and keep their output (and, but for relu and
+  // the identity, their input) as 16 bits, and the model keeps its input as 16 bits (instead of
+  // an fp32 copy).
   // Decided as the model decides it (partition/sixteen_bit_storage.hpp), on the mesh's feature
   // axis as the run's context finds it.
   const PlanOptions options = plan_options(config);
@@ -200,20 +202,28 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   const bool stream_16bit = storage.residual_stream;
   int64_t activation_halves = 0;  // 16-bit elements
   // Under a feature axis (every layer row-parallel), the first layer keeps its slice of the
-  // input (below) instead of the model's 16-bit copy, and the layers' dY as 16 bits for their
-  // all-gather-matmuls share one buffer [rows, widest split output] where gemm() reads 16 bits.
+  // input (below) instead of the model's 16-bit copy, and where gemm() reads 16 bits a hidden
+  // layer packs its dY as 16 bits for its all-gather-matmuls over its activation's kept output
+  // (free by then), the last layer into a buffer of the model [rows, its split output].
   const bool tp_storage = keeps_16bit && storage_query.feature_parallel > 1;
   if (keeps_16bit) {
-    int64_t widest = 0, widest_split = 0;
-    for (const LayerPlan& layer : plan.layers) {
-      widest = std::max(widest, layer.layout.input_width());
-      if (layer.layout.split_output) widest_split = std::max(widest_split, layer.layout.out_local);
+    // The working buffers as wide as the widest local input or output (the last layer's
+    // excepted) that a layer computes in them: under a feature axis the first layer is handed the
+    // raw batch and slices it itself.
+    int64_t widest = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const LinearLayout& l = plan.layers[i].layout;
+      widest = std::max(widest, l.in_compute);
+      if (i + 1 < n) widest = std::max(widest, l.out_local);
     }
     activation_floats += 2 * rows * widest;  // model/work_0, work_1
     if (!plan.layers.front().layout.slices_input()) {
       activation_halves += rows * config.model.input_width();  // model/input_16bit
     }
-    if (tp_storage && reads_16bit) activation_halves += rows * widest_split;
+    // A hidden layer's 16-bit dY goes over its activation's kept output: only the last layer's
+    // has a buffer (model/output_grad_16bit).
+    const LinearLayout& last = plan.layers.back().layout;
+    if (tp_storage && reads_16bit && last.split_output) activation_halves += rows * last.out_local;
   }
   int64_t activation_bytes = 0;  // buffers counted in bytes (a layer's sliced or gathered input)
   // model/hidden_work, and model/gate_work for SwiGLU blocks.
@@ -262,8 +272,13 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     // block, the up projection's activation or the gate's SwiGLU (layers/swiglu.cpp).
     const bool hidden = residual ? up : i + 1 < n;
     if (hidden && (keeps_16bit || hidden_16bit)) {
-      // input_16bit, output_16bit; a SwiGLU's gate_16bit, value_16bit, output_16bit
-      activation_halves += (gated ? 3 : 2) * rows * l.out_local;
+      // output_16bit, and input_16bit where the derivative reads z (not relu's nor the
+      // identity's: framework/core/activation_storage.hpp); a SwiGLU's gate_16bit, value_16bit,
+      // output_16bit
+      const int64_t kept = gated                                                   ? 3
+                           : activation_keeps_16bit_input(config.model.activation) ? 2
+                                                                                   : 1;
+      activation_halves += kept * rows * l.out_local;
     } else if (hidden && !(residual && gated)) {
       activation_floats += rows * l.out_local;
       if (config.model.dropout > 0.0) activation_floats += rows * l.out_local;

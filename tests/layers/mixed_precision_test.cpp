@@ -255,6 +255,10 @@ struct LayoutCase {
   std::string preset;  // planner preset, or "" for the specs below
   int64_t min_sharding_size;
   std::string weight_spec, bias_spec;
+  // Whether a plain MLP computing in 16 bits keeps its activations in 16-bit storage here
+  // (docs/mixed_precision.md): without a feature axis, or under one where every layer is
+  // row-parallel; not where a layer is column-parallel or replicated over tp.
+  bool stores;
   CollectiveMatmulAlgorithm algorithm = CollectiveMatmulAlgorithm::automatic;
 };
 
@@ -262,40 +266,43 @@ std::vector<LayoutCase> layouts_for(int n) {
   using A = CollectiveMatmulAlgorithm;
   std::vector<LayoutCase> c;
   if (n == 1) {
-    c.push_back({"single", {{"dp", 1}}, "dp", 0, "", ""});
-    c.push_back({"single_fsdp_tp_specs", {{"fsdp", 1}, {"tp", 1}}, "fsdp_tp", 0, "", ""});
+    c.push_back({"single", {{"dp", 1}}, "dp", 0, "", "", true});
+    c.push_back({"single_fsdp_tp_specs", {{"fsdp", 1}, {"tp", 1}}, "fsdp_tp", 0, "", "", true});
   } else if (n == 2) {
-    c.push_back({"dp2", {{"dp", 2}}, "dp", 0, "", ""});
-    c.push_back({"fsdp2", {{"fsdp", 2}}, "fsdp", 0, "", ""});
-    c.push_back({"tp2", {{"tp", 2}}, "tp", 0, "", "", A::naive});
-    c.push_back({"tp2_ring", {{"tp", 2}}, "tp", 0, "", "", A::ring});
+    c.push_back({"dp2", {{"dp", 2}}, "dp", 0, "", "", true});
+    c.push_back({"fsdp2", {{"fsdp", 2}}, "fsdp", 0, "", "", true});
+    c.push_back({"tp2", {{"tp", 2}}, "tp", 0, "", "", true, A::naive});
+    c.push_back({"tp2_ring", {{"tp", 2}}, "tp", 0, "", "", true, A::ring});
   } else if (n == 4) {
-    c.push_back({"dp4", {{"dp", 4}}, "dp", 0, "", ""});
-    c.push_back({"fsdp4", {{"fsdp", 4}}, "fsdp", 0, "", ""});
-    c.push_back({"tp4", {{"tp", 4}}, "tp", 0, "", "", A::bidirectional});
-    c.push_back({"tp4_planner_default", {{"tp", 4}}, "tp", 16384, "", ""});
-    c.push_back({"fsdp2_tp2", {{"fsdp", 2}, {"tp", 2}}, "fsdp_tp", 0, "", "", A::ring});
-    c.push_back({"dp2_tp2", {{"dp", 2}, {"tp", 2}}, "dp_tp", 0, "", ""});
-    c.push_back({"dp2_fsdp2", {{"dp", 2}, {"fsdp", 2}}, "dp_fsdp", 0, "", ""});
+    c.push_back({"dp4", {{"dp", 4}}, "dp", 0, "", "", true});
+    c.push_back({"fsdp4", {{"fsdp", 4}}, "fsdp", 0, "", "", true});
+    c.push_back({"tp4", {{"tp", 4}}, "tp", 0, "", "", true, A::bidirectional});
+    // The planner's default minimum size leaves the small layers replicated over tp.
+    c.push_back({"tp4_planner_default", {{"tp", 4}}, "tp", 16384, "", "", false});
+    c.push_back({"fsdp2_tp2", {{"fsdp", 2}, {"tp", 2}}, "fsdp_tp", 0, "", "", true, A::ring});
+    c.push_back({"dp2_tp2", {{"dp", 2}, {"tp", 2}}, "dp_tp", 0, "", "", true});
+    c.push_back({"dp2_fsdp2", {{"dp", 2}, {"fsdp", 2}}, "dp_fsdp", 0, "", "", true});
+    // Columns split over tp: column-parallel.
     c.push_back(
-        {"fsdp2_tp2_storage_2d", {{"fsdp", 2}, {"tp", 2}}, "", 0, "P(fsdp, tp)", "P(fsdp)"});
+        {"fsdp2_tp2_storage_2d", {{"fsdp", 2}, {"tp", 2}}, "", 0, "P(fsdp, tp)", "P(fsdp)", false});
     c.push_back({"fsdp2_tp2_tuple",
                  {{"fsdp", 2}, {"tp", 2}},
                  "",
                  0,
                  "P((tp, fsdp), None)",
-                 "P((fsdp, tp))"});
+                 "P((fsdp, tp))",
+                 true});
     c.push_back(
-        {"dp2_fsdp2_tuple", {{"dp", 2}, {"fsdp", 2}}, "", 0, "P((fsdp, dp), None)", "P(dp)"});
+        {"dp2_fsdp2_tuple", {{"dp", 2}, {"fsdp", 2}}, "", 0, "P((fsdp, dp), None)", "P(dp)", true});
     // A weight gathered over two groups (fsdp on dim 0, dp on dim 1) and no feature axis.
     c.push_back(
-        {"dp2_fsdp2_storage_2d", {{"dp", 2}, {"fsdp", 2}}, "", 0, "P(fsdp, dp)", "P(fsdp)"});
-    c.push_back({"dp2_tp2_dp_storage", {{"dp", 2}, {"tp", 2}}, "", 0, "P(tp, dp)", "P(tp)"});
+        {"dp2_fsdp2_storage_2d", {{"dp", 2}, {"fsdp", 2}}, "", 0, "P(fsdp, dp)", "P(fsdp)", true});
+    c.push_back({"dp2_tp2_dp_storage", {{"dp", 2}, {"tp", 2}}, "", 0, "P(tp, dp)", "P(tp)", true});
   } else if (n == 8) {
-    c.push_back({"fsdp2_tp4", {{"fsdp", 2}, {"tp", 4}}, "fsdp_tp", 0, "", ""});
-    c.push_back({"dp2_tp4", {{"dp", 2}, {"tp", 4}}, "dp_tp", 0, "", "", A::bidirectional});
-    c.push_back({"dp2_fsdp4", {{"dp", 2}, {"fsdp", 4}}, "dp_fsdp", 0, "", ""});
-    c.push_back({"dp2_fsdp2_tp2", {{"dp", 2}, {"fsdp", 2}, {"tp", 2}}, "fsdp_tp", 0, "", ""});
+    c.push_back({"fsdp2_tp4", {{"fsdp", 2}, {"tp", 4}}, "fsdp_tp", 0, "", "", true});
+    c.push_back({"dp2_tp4", {{"dp", 2}, {"tp", 4}}, "dp_tp", 0, "", "", true, A::bidirectional});
+    c.push_back({"dp2_fsdp4", {{"dp", 2}, {"fsdp", 4}}, "dp_fsdp", 0, "", "", true});
+    c.push_back({"dp2_fsdp2_tp2", {{"dp", 2}, {"fsdp", 2}, {"tp", 2}}, "fsdp_tp", 0, "", "", true});
   }
   return c;
 }
@@ -327,7 +334,6 @@ struct RunResult {
   bool tensor_parallel = false;            // some layer is TP (else the forward is row-local)
   bool keeps_16bit = false;                // Mlp::keeps_16bit_activations()
   bool keeps_16bit_stream = false;         // Mlp::keeps_16bit_residual_stream()
-  bool row_parallel = false;               // every Linear tensor-parallel, none column-parallel
   // The labels of the allocations live once the model is built (only while the memory tracker
   // is installed): which buffers the storage made.
   std::vector<std::string> live_labels;
@@ -413,10 +419,6 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
 
   run.keeps_16bit = model.keeps_16bit_activations();
   run.keeps_16bit_stream = model.keeps_16bit_residual_stream();
-  run.row_parallel = !model.layers().empty();
-  for (const Linear& l : model.layers()) {
-    run.row_parallel = run.row_parallel && l.tensor_parallel() && !l.layout().column_parallel;
-  }
   if (memory_tracker_installed()) {
     for (const TrackedAllocation& a : kokkos_memory(1 << 20).largest) {
       run.live_labels.push_back(a.label);
@@ -694,15 +696,7 @@ TEST(MixedPrecision, SixteenBitStorageIsBitIdenticalToTheSimulatedPath) {
                        (overlap ? " with overlap" : ""));
           const RunResult stored = run_model(m, layout, &policy.mp, 1.0f, overlap, 3, true);
           const RunResult simulated = run_model(m, layout, &policy.mp, 1.0f, overlap, 3, false);
-          bool feature_axis = false;
-          for (const auto& [axis, size] : layout.mesh) feature_axis |= axis == "tp" && size > 1;
-          EXPECT_EQ(stored.keeps_16bit, !feature_axis || stored.row_parallel);
-          // The presets that split a plain MLP's weights by rows over tp (every weight: no
-          // minimum size) store under it.
-          if (feature_axis && layout.min_sharding_size == 0 &&
-              (layout.preset == "tp" || layout.preset == "dp_tp" || layout.preset == "fsdp_tp")) {
-            EXPECT_TRUE(stored.keeps_16bit);
-          }
+          EXPECT_EQ(stored.keeps_16bit, layout.stores);
           EXPECT_FALSE(simulated.keeps_16bit);
           EXPECT_EQ(stored.loss, simulated.loss);
           ASSERT_EQ(stored.logits.size(), simulated.logits.size());

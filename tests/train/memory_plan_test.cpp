@@ -253,7 +253,8 @@ constexpr double kBandLow = 0.98, kBandHigh = 1.02;
 RunConfig preset_config(const std::string& preset, int tp) {
   RunConfig config = config_for(preset, run_dir("band_" + preset));
   const int n = world_size();
-  if (tp > 1) config.mesh.axes = {{"fsdp", n / tp}, {"tp", tp}};
+  // dp_tp: dp x tp; fsdp_tp (and the others): fsdp x tp.
+  if (tp > 1) config.mesh.axes = {{preset == "dp_tp" ? "dp" : "fsdp", n / tp}, {"tp", tp}};
   return config;
 }
 
@@ -322,10 +323,11 @@ TEST(MemoryPlan, EveryRanksPeakAtTheEndIsWithinTheBandOfItsPlan) {
 
 // Each workspace item of the plan equals, to the byte (the scratch: but for empty Views'
 // headers), the sum of this rank's live allocations the run matches to it (every live allocation,
-// not only the largest): the plan counts what the code allocates. On dp, fsdp, tp (and fsdp x tp at
-// np 4), in fp32, in bf16 with overlap, for a residual model with norms (and with SwiGLU blocks
-// and dropout), and an MLP with dropout; with an evaluation batch of other rows (larger and
-// smaller) for both kinds, whose forward-only model's buffers are the plan's evaluation batch.
+// not only the largest): the plan counts what the code allocates. On dp, fsdp, tp (and fsdp x tp
+// and dp x tp at np 4), in fp32, in bf16 with overlap, for a residual model with norms (and with
+// SwiGLU blocks and dropout), and an MLP with dropout; with an evaluation batch of other rows
+// (larger and smaller) for both kinds, whose forward-only model's buffers are the plan's evaluation
+// batch.
 struct WorkspaceCase {
   std::string name, preset;
   int tp = 1;
@@ -343,6 +345,9 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
       // (bf16 under tp: where gemm() reads 16 bits, oneDNN (the default) on a CPU
       // with AVX512_BF16, the weights' 16-bit copies and the layers' 16-bit dY.)
       {"tp_bf16_overlap", "tp", 1, true},
+      // 16-bit storage under tp with a forward-only evaluation model of other rows (its own
+      // sliced input and work buffers, sized by its rows).
+      {"tp_bf16_eval_batch", "tp", 1, true, false, false, kOtherEvalBatch},
       {"fsdp_bf16_overlap", "fsdp", 1, true},
       {"dp_residual_bf16_overlap", "dp", 1, true, true},
       {"fsdp_residual_bf16_overlap_eval_batch", "fsdp", 1, true, true, false, kOtherEvalBatch},
@@ -358,6 +363,8 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
     // 16-bit storage under fsdp x tp: the weights' copies gathered over fsdp, the layers
     // row-parallel over tp.
     cases.push_back({"fsdp_tp_bf16_overlap", "fsdp_tp", 2, true});
+    // ... and under dp x tp: the weights stored whole, their copies not gathered.
+    cases.push_back({"dp_tp_bf16_overlap", "dp_tp", 2, true});
   }
   for (const WorkspaceCase& c : cases) {
     SCOPED_TRACE(c.name);
