@@ -452,10 +452,11 @@ void Dlrm::backward_tables(const LayerPass& pass) {
       continue;
     }
     SparseBucket& b = sparse_buckets_[static_cast<size_t>(table_bucket_[t])];
-    table.backward_sparse_finish(b.grads.data() + b.used);
-    b.used += table.touched_count() * table.local_dim();
-    MESHTRAIN_REQUIRE(b.used <= static_cast<int64_t>(b.grads.extent(0)), "dlrm: table '",
+    const int64_t floats = table.touched_count() * table.local_dim();
+    MESHTRAIN_REQUIRE(b.used + floats <= static_cast<int64_t>(b.grads.extent(0)), "dlrm: table '",
                       table.table(), "' touched more rows than its bucket holds");
+    table.backward_sparse_finish(b.grads.data() + b.used);
+    b.used += floats;
   }
   // ... then summed, one all-reduce per group.
   for (SparseBucket& b : sparse_buckets_) {
