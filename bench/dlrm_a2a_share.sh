@@ -66,6 +66,7 @@ for r in range(np_):
                      "all_to_alls_per_step": len(a2a) / len(steps),
                      "all_to_all_bytes_per_step": sum(e["args"]["bytes"] for e in a2a) / len(steps),
                      "other_collectives_ms": sum(e["dur"] for e in other) / len(steps) / 1e3,
+                     "other_collectives_per_step": len(other) / len(steps),
                      "phases_ms": {k: round(v, 3) for k, v in phases.items()}})
 for p in per_rank:
     p["all_to_all_share"] = p["all_to_all_ms"] / p["step_ms"]

@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <set>
 
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
+#include "framework/core/view_ops.hpp"
 #include "framework/observe/trace.hpp"
 #include "partition/embedding_layout.hpp"
 #include "partition/partition_spec.hpp"
@@ -15,6 +17,9 @@
 namespace meshtrain {
 
 namespace {
+
+// The linear layers' gradient buckets' size cap (MiB): the MLPs of DLRM's sizes fit one.
+constexpr double kDenseBucketMb = 64.0;
 
 // The kernels are free functions: nvcc rejects a device lambda inside a private member.
 
@@ -164,11 +169,61 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
   tables_.reserve(shape.tables.size());
   for (const DlrmTable& t : shape.tables) {
     tables_.emplace_back(t.name, next(), t.pooling, rows_, max_ids, context);
-    if (table_gradients == TableGradients::sparse) tables_.back().use_sparse_gradient(context);
+    if (table_gradients == TableGradients::sparse) {
+      tables_.back().use_sparse_gradient(context, /*bucketed=*/true);
+    }
   }
   build_mlp("top", shape.top, /*activate_last=*/false, top_, top_act_);
   MESHTRAIN_REQUIRE(param == params_.size(), "dlrm took ", param, " of ", params_.size(),
                     " parameters");
+  if (table_gradients != TableGradients::none) {
+    std::vector<Layer*> sequence;
+    for (Linear& l : bottom_) sequence.push_back(&l);
+    for (Linear& l : top_) sequence.push_back(&l);
+    dense_plan_ = GradientReductionPlan(sequence);
+    dense_buckets_ = GradientBuckets(dense_plan_.bucket_gradients(), kDenseBucketMb);
+  }
+  table_bucket_.assign(tables_.size(), -1);
+  for (size_t t = 0; t < tables_.size(); ++t) {
+    const EmbeddingBag& table = tables_[t];
+    if (!table.bucketed()) continue;
+    auto same =
+        std::find_if(sparse_buckets_.begin(), sparse_buckets_.end(),
+                     [&](const SparseBucket& b) { return b.axes == table.gradient_axes(); });
+    if (same == sparse_buckets_.end()) {
+      sparse_buckets_.emplace_back();
+      same = sparse_buckets_.end() - 1;
+      same->axes = table.gradient_axes();
+      same->comm = table.gradient_comm();
+    }
+    table_bucket_[t] = static_cast<int>(same - sparse_buckets_.begin());
+    same->tables.push_back(t);
+    same->at.push_back(same->rank_rows);
+    same->rank_rows += table.touched_message_rows();
+  }
+  for (SparseBucket& b : sparse_buckets_) {
+    int64_t floats = 0;
+    for (size_t t : b.tables) floats += tables_[t].gradient_capacity();
+    const std::string axes = b.axes.empty() ? std::string() : b.axes.front();
+    const std::string prefix = "dlrm/sparse_bucket_" + axes + "_";
+    const int64_t n = b.comm->size();
+    // Every count below becomes an int in the communicator: checked here, once, for the
+    // largest a step can send.
+    MESHTRAIN_REQUIRE(n * b.rank_rows * 2 <= std::numeric_limits<int>::max() &&
+                          floats <= std::numeric_limits<int>::max(),
+                      "dlrm: the tables' touched rows (", n * b.rank_rows, " rows) or their ",
+                      "compact gradients (", floats, " floats) exceed an MPI count");
+    b.send = Matrix(prefix + "touched_send", static_cast<size_t>(b.rank_rows), 2);
+    b.recv = Matrix(prefix + "touched_recv", static_cast<size_t>(n * b.rank_rows), 2);
+    b.send_host = host_mirror(b.send);
+    b.recv_host = host_mirror(b.recv);
+    b.grads = Vector(prefix + "grads", static_cast<size_t>(floats));
+    const size_t gathered = b.recv.size() * sizeof(float);
+    b.comm->reserve_staging(gathered, gathered);
+    const size_t grads = static_cast<size_t>(floats) * sizeof(float);
+    b.comm->reserve_staging(grads, grads);
+    b.comm->reserve_reductions(static_cast<size_t>(floats));
+  }
 
   LayerScratchNeeds needs;
   for (const Linear& l : bottom_) needs.merge(l.scratch_needs());
@@ -324,16 +379,26 @@ void Dlrm::backward(MatrixView output_grad) {
       static_cast<int64_t>(output_grad.extent(0)) == rows_ && output_grad.extent(1) == 1,
       "dlrm output gradient is [", output_grad.extent(0), ", ", output_grad.extent(1),
       "], expected [", rows_, ", 1]");
-  // Every gradient is reduced by its layer (DeferredReduction::now, no buckets).
+  // The linear layers the plan defers report to the buckets (one all-reduce, waited for at the
+  // end); the others, and the tables, reduce their own.
   LayerPass pass;
   pass.scratch = &scratch_;
+  const bool buckets = !dense_buckets_.empty();
+  LayerPass linear_pass = pass;
+  if (buckets) linear_pass.buckets = &dense_buckets_;
+  const auto linear = [&](size_t k) {
+    linear_pass.index = k;
+    linear_pass.deferred =
+        buckets ? dense_plan_.for_layer(k, DeferredReduction::in_buckets) : DeferredReduction::now;
+    return linear_pass;
+  };
   MatrixView g = output_grad;
   {
     TraceSpan span("top mlp", TraceKind::layer);
     span.detail("backward");
     for (size_t i = top_.size(); i-- > 0;) {
       if (i < top_act_.size()) g = top_act_[i].backward(g, true, pass);
-      g = top_[i].backward(g, /*need_input_grad=*/true, pass);
+      g = top_[i].backward(g, /*need_input_grad=*/true, linear(bottom_.size() + i));
     }
   }
   {
@@ -345,15 +410,65 @@ void Dlrm::backward(MatrixView output_grad) {
     // The dy all-to-alls and the gradient scatter (or the touched rows' gradient).
     TraceSpan span("embeddings", TraceKind::layer);
     span.detail("backward");
-    for (size_t t = 0; t < tables_.size(); ++t) tables_[t].backward(table_grads_[t], pass);
+    backward_tables(pass);
   }
   g = dz_;
   TraceSpan span("bottom mlp", TraceKind::layer);
   span.detail("backward");
   for (size_t i = bottom_.size(); i-- > 0;) {
     g = bottom_act_[i].backward(g, true, pass);
-    g = bottom_[i].backward(g, /*need_input_grad=*/i > 0, pass);
+    g = bottom_[i].backward(g, /*need_input_grad=*/i > 0, linear(i));
   }
+  if (buckets) dense_buckets_.wait_all();
+}
+
+void Dlrm::backward_tables(const LayerPass& pass) {
+  if (sparse_buckets_.empty()) {
+    for (size_t t = 0; t < tables_.size(); ++t) tables_[t].backward(table_grads_[t], pass);
+    return;
+  }
+  // The bucketed tables' touched rows, one all-gather per group (local work first) ...
+  for (SparseBucket& b : sparse_buckets_) {
+    for (size_t k = 0; k < b.tables.size(); ++k) {
+      const size_t t = b.tables[k];
+      tables_[t].backward_sparse_touch(table_grads_[t], b.send_host, b.at[k]);
+    }
+    copy_view(b.send, b.send_host);
+    b.comm->all_gather(b.send, b.recv, 0);
+    copy_view(b.recv_host, b.recv);
+    // ... and their union.
+    for (size_t k = 0; k < b.tables.size(); ++k) {
+      tables_[b.tables[k]].backward_sparse_union(b.recv_host, b.rank_rows, b.at[k]);
+    }
+  }
+  // Every table in table order (the row-wise ones' all-to-alls come in the same order on every
+  // rank), the bucketed ones' compact gradients side by side in their group's buffer ...
+  for (SparseBucket& b : sparse_buckets_) b.used = 0;
+  for (size_t t = 0; t < tables_.size(); ++t) {
+    EmbeddingBag& table = tables_[t];
+    if (!table.bucketed()) {
+      table.backward(table_grads_[t], pass);
+      continue;
+    }
+    SparseBucket& b = sparse_buckets_[static_cast<size_t>(table_bucket_[t])];
+    const int64_t floats = table.touched_count() * table.local_dim();
+    MESHTRAIN_REQUIRE(b.used + floats <= static_cast<int64_t>(b.grads.extent(0)), "dlrm: table '",
+                      table.table(), "' touched more rows than its bucket holds");
+    table.backward_sparse_finish(b.grads.data() + b.used);
+    b.used += floats;
+  }
+  // ... then summed, one all-reduce per group.
+  for (SparseBucket& b : sparse_buckets_) {
+    if (b.used > 0) b.comm->all_reduce(VectorView(b.grads.data(), static_cast<size_t>(b.used)));
+  }
+}
+
+int64_t Dlrm::reduction_buffer_bytes() const {
+  int64_t bytes = static_cast<int64_t>(dense_buckets_.buffer_bytes());
+  for (const SparseBucket& b : sparse_buckets_) {
+    bytes += static_cast<int64_t>((b.send.size() + b.recv.size() + b.grads.size()) * sizeof(float));
+  }
+  return bytes;
 }
 
 std::vector<std::string> Dlrm::describe() const {

@@ -22,7 +22,19 @@
 // (a tensor-parallel split of a layer's output is refused, bad_input naming the layer). The
 // tables are EmbeddingBags (replicated, row-wise over batch axes or column-wise over tp:
 // layers/embedding_bag.hpp).
-// Every gradient is reduced in backward (no deferral, no buckets, no FSDP prefetch yet).
+// Every gradient is reduced in backward (no FSDP prefetch yet), with as few collectives as the
+// layout allows (docs/recsys.md, "Collectives per step"):
+//   the linear layers   those whose gradients are only all-reduced over the batch axes (DP or
+//                       replicated storage; GradientReductionPlan decides) go into
+//                       GradientBuckets of up to kDenseBucketMb: one all-reduce, started when
+//                       the bottom's first layer is done, for the MLPs of this model's sizes;
+//                       the others (FSDP) reduce their own, as an mlp's do;
+//   sparse table grads  the tables summed over the same batch axes (replicated ones, the
+//                       row-wise ones on a mesh with more batch axes than they split) exchange
+//                       their touched rows in one all-gather and sum their compact gradients,
+//                       packed side by side, in one all-reduce per step and group (the
+//                       EmbeddingBag's backward_sparse_* calls), in table order on every rank.
+// Both sums are elementwise: the same values as each gradient's own all-reduce.
 //
 // Everything (activations, the interaction's buffers, every table's pooled rows and their
 // gradients) is allocated at construction for `local_rows` rows and `max_ids` ids per table per
@@ -41,6 +53,8 @@
 #include "layers/activation.hpp"
 #include "layers/context.hpp"
 #include "layers/embedding_bag.hpp"
+#include "layers/gradient_buckets.hpp"
+#include "layers/gradient_reduction.hpp"
 #include "layers/linear.hpp"
 #include "layers/mlp.hpp"  // SpecLookup
 #include "partition/dlrm_shape.hpp"
@@ -99,6 +113,9 @@ class Dlrm {
   std::vector<ShardedTensor> dense_gradients() const;
   // The interaction's output of the last forward [local_rows, top[0]] (the top MLP's input).
   MatrixView interaction_output() const { return top_input_; }
+  // Bytes of the buffers the bucketed reductions own (the linear layers' gradient buckets, the
+  // tables' touched-row messages and packed compact gradients); 0 for a prediction model.
+  int64_t reduction_buffer_bytes() const;
   // One line per layer with parameters.
   std::vector<std::string> describe() const;
 
@@ -128,6 +145,28 @@ class Dlrm {
   // Per feature block (z, then each table): its first column in features_.
   std::vector<int64_t> block_first_;
   MatrixView logits_;
+  // The linear layers' gradient reduction (sequence: the bottom's, then the top's) and its
+  // buckets (empty: every layer reduces its own).
+  GradientReductionPlan dense_plan_;
+  GradientBuckets dense_buckets_;
+  // Sparse table gradients summed over one group of batch axes, exchanged together: the tables
+  // (in table order), where each one's list starts in a rank's message, the message [rank_rows,
+  // 2] and the gathered messages [group x rank_rows, 2] (device, host), and the compact
+  // gradients side by side (up to every table's capacity), all made at construction.
+  struct SparseBucket {
+    std::vector<std::string> axes;
+    Communicator* comm = nullptr;
+    std::vector<size_t> tables;
+    std::vector<int64_t> at;
+    int64_t rank_rows = 0;
+    Matrix send, recv;
+    Matrix::HostMirror send_host, recv_host;
+    Vector grads;
+    int64_t used = 0;  // floats of grads this step
+  };
+  std::vector<SparseBucket> sparse_buckets_;
+  std::vector<int> table_bucket_;  // per table: its bucket's index, -1 when not bucketed
+  void backward_tables(const LayerPass& pass);
 };
 
 }  // namespace meshtrain

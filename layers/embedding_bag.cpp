@@ -530,14 +530,20 @@ void EmbeddingBag::forward_row_wise(const SparseBags& bags) {
                 pooling_ == EmbeddingPooling::mean, col_comm_ ? out_slice_ : out_);
 }
 
-void EmbeddingBag::backward(ConstMatrixView whole_dy, const LayerPass& pass) {
+ConstMatrixView EmbeddingBag::sparse_dy(ConstMatrixView whole_dy) {
   MESHTRAIN_REQUIRE(static_cast<int64_t>(whole_dy.extent(0)) == batch_rows_ &&
                         static_cast<int64_t>(whole_dy.extent(1)) == dim_,
                     "embedding table '", table_, "': dy is [", whole_dy.extent(0), ", ",
                     whole_dy.extent(1), "], not [", batch_rows_, ", ", dim_, "]");
   // Column-wise: this slice's columns of dy (every rank of the axis has the same dy).
   if (col_comm_) take_dy_columns(whole_dy, first_col_, dy_slice_);
-  const ConstMatrixView dy = col_comm_ ? ConstMatrixView(dy_slice_) : whole_dy;
+  return col_comm_ ? ConstMatrixView(dy_slice_) : whole_dy;
+}
+
+void EmbeddingBag::backward(ConstMatrixView whole_dy, const LayerPass& pass) {
+  MESHTRAIN_REQUIRE(!bucketed_, "embedding table '", table_,
+                    "': its sparse gradient is bucketed; the backward_sparse_* calls make it");
+  const ConstMatrixView dy = sparse_dy(whole_dy);
   MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now || can_leave_gradients_partial(),
                     "embedding table '", table_, "': its gradient reduction cannot be deferred");
   if (sparse_) {
@@ -571,10 +577,11 @@ void EmbeddingBag::backward_row_wise(ConstMatrixView dy) {
                 weight_.grad().matrix());
 }
 
-void EmbeddingBag::use_sparse_gradient(ParallelContext& context) {
+void EmbeddingBag::use_sparse_gradient(ParallelContext& context, bool bucketed) {
   if (sparse_) return;
   sparse_ = true;
   gradient_comm_ = context.comm(layout_.gradient_allreduce);  // nullptr: nothing to sum over
+  bucketed_ = bucketed && gradient_comm_ != nullptr;
   const int64_t arriving = row_comm_ ? group_ * max_ids_ : max_ids_;
   local_touch_capacity_ = std::min(local_rows_, arriving);
   const int64_t holders = gradient_comm_ ? gradient_comm_->size() : 1;
@@ -593,8 +600,12 @@ void EmbeddingBag::use_sparse_gradient(ParallelContext& context) {
   id_slot_ = Kokkos::View<int64_t*>(prefix + "id_slot",
                                     static_cast<size_t>(std::max<int64_t>(arriving, 1)));
   id_slot_host_ = host_mirror(id_slot_);
-  row_grads_ = Matrix(prefix + "grads", capacity, static_cast<size_t>(local_dim_));
   if (row_comm_) recv_requests_host_ = host_mirror(recv_requests_);
+  // Bucketed: the model holds the messages and the compact gradient (its buffers, reserved on
+  // the communicator by the model).
+  if (bucketed_) return;
+  row_grads_ = Matrix(prefix + "grads", capacity, static_cast<size_t>(local_dim_));
+  row_grads_data_ = row_grads_.data();
   if (gradient_comm_) {
     const size_t per_rank = static_cast<size_t>(local_touch_capacity_ + 1);
     touched_send_ = Matrix(prefix + "touched_send", per_rank, 2);
@@ -619,7 +630,7 @@ void EmbeddingBag::touch(int64_t row) {
   touched_host_rows_[static_cast<size_t>(touched_++)] = row;
 }
 
-void EmbeddingBag::backward_sparse(ConstMatrixView dy) {
+void EmbeddingBag::touch_local() {
   // The rows this rank's ids touch (the owner: the ids it received from its group).
   touched_ = 0;
   if (!row_comm_) {
@@ -632,29 +643,38 @@ void EmbeddingBag::backward_sparse(ConstMatrixView dy) {
       touch(decode_row(recv_requests_host_(i, 0), recv_requests_host_(i, 1)));
     }
   }
+}
+
+void EmbeddingBag::write_touched(Matrix::HostMirror& message, int64_t at) const {
+  MESHTRAIN_REQUIRE(
+      at >= 0 && at + local_touch_capacity_ + 1 <= static_cast<int64_t>(message.extent(0)),
+      "embedding table '", table_, "': its touched rows do not fit the message");
+  const auto put = [&message](int64_t r, int64_t value) {
+    message(static_cast<size_t>(r), 0) = static_cast<float>(value / kExactInFloat);
+    message(static_cast<size_t>(r), 1) = static_cast<float>(value % kExactInFloat);
+  };
+  put(at, touched_);
+  for (int64_t i = 0; i < touched_; ++i)
+    put(at + 1 + i, touched_host_rows_[static_cast<size_t>(i)]);
+}
+
+void EmbeddingBag::union_touched(const Matrix::HostMirror& gathered, int64_t rank_rows,
+                                 int64_t at) {
   // Their union over the ranks that hold the same block with other bags: every one of them
   // updates the same rows, so the compact gradients line up for the all-reduce.
-  if (gradient_comm_) {
-    const int64_t per_rank = local_touch_capacity_ + 1;
-    const auto put = [](Matrix::HostMirror& m, int64_t r, int64_t value) {
-      m(static_cast<size_t>(r), 0) = static_cast<float>(value / kExactInFloat);
-      m(static_cast<size_t>(r), 1) = static_cast<float>(value % kExactInFloat);
-    };
-    put(touched_send_host_, 0, touched_);
-    for (int64_t i = 0; i < touched_; ++i) {
-      put(touched_send_host_, i + 1, touched_host_rows_[static_cast<size_t>(i)]);
-    }
-    copy_view(touched_send_, touched_send_host_);
-    gradient_comm_->all_gather(touched_send_, touched_recv_, 0);
-    copy_view(touched_recv_host_, touched_recv_);
-    for (int j = 0; j < gradient_comm_->size(); ++j) {
-      const int64_t base = j * per_rank;
-      const int64_t count = decode_row(touched_recv_host_(base, 0), touched_recv_host_(base, 1));
-      for (int64_t i = 1; i <= count; ++i) {
-        touch(decode_row(touched_recv_host_(base + i, 0), touched_recv_host_(base + i, 1)));
-      }
+  for (int j = 0; j < gradient_comm_->size(); ++j) {
+    const int64_t base = j * rank_rows + at;
+    const int64_t count = decode_row(gathered(base, 0), gathered(base, 1));
+    MESHTRAIN_REQUIRE(count >= 0 && count <= local_touch_capacity_, "embedding table '", table_,
+                      "': rank ", j, " of its gradient group sent ", count,
+                      " touched rows, more than it may touch (", local_touch_capacity_, ")");
+    for (int64_t i = 1; i <= count; ++i) {
+      touch(decode_row(gathered(base + i, 0), gathered(base + i, 1)));
     }
   }
+}
+
+void EmbeddingBag::compact_gradient(ConstMatrixView dy) {
   // In row order, the same on every holder; each row's slot is its index.
   std::sort(touched_host_rows_.begin(), touched_host_rows_.begin() + touched_);
   for (int64_t i = 0; i < touched_; ++i) {
@@ -686,7 +706,39 @@ void EmbeddingBag::backward_sparse(ConstMatrixView dy) {
     row_comm_->all_to_all_v(requester_parts_, send_parts_, owner_parts_, recv_parts_);
     scatter_parts_compact(owner_parts_, id_slot_, part_start_, received_parts_, grads);
   }
-  if (gradient_comm_ && touched_ > 0) gradient_comm_->all_reduce(grads);
+}
+
+void EmbeddingBag::backward_sparse(ConstMatrixView dy) {
+  touch_local();
+  if (gradient_comm_) {
+    write_touched(touched_send_host_, 0);
+    copy_view(touched_send_, touched_send_host_);
+    gradient_comm_->all_gather(touched_send_, touched_recv_, 0);
+    copy_view(touched_recv_host_, touched_recv_);
+    union_touched(touched_recv_host_, local_touch_capacity_ + 1, 0);
+  }
+  compact_gradient(dy);
+  if (gradient_comm_ && touched_ > 0) gradient_comm_->all_reduce(row_gradients());
+}
+
+void EmbeddingBag::backward_sparse_touch(ConstMatrixView whole_dy, Matrix::HostMirror& message,
+                                         int64_t at) {
+  MESHTRAIN_REQUIRE(bucketed_, "embedding table '", table_,
+                    "': backward_sparse_touch needs use_sparse_gradient(context, true)");
+  sparse_dy_ = sparse_dy(whole_dy);
+  touch_local();
+  write_touched(message, at);
+}
+
+int64_t EmbeddingBag::backward_sparse_union(const Matrix::HostMirror& gathered, int64_t rank_rows,
+                                            int64_t at) {
+  union_touched(gathered, rank_rows, at);
+  return touched_;
+}
+
+void EmbeddingBag::backward_sparse_finish(float* grads) {
+  row_grads_data_ = grads;
+  compact_gradient(sparse_dy_);
 }
 
 }  // namespace meshtrain

@@ -67,6 +67,7 @@
 // ids a step can bring (max_ids per rank of the group, capped at the local rows).
 
 #include <Kokkos_Core.hpp>
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -107,9 +108,36 @@ class EmbeddingBag {
   void backward(ConstMatrixView dy, const LayerPass& pass);
 
   // Switches backward to sparse gradients (above) and allocates their buffers. Collective (asks
-  // the context for the gradient's communicator); call before the first step.
-  void use_sparse_gradient(ParallelContext& context);
+  // the context for the gradient's communicator); call before the first step. bucketed: the
+  // model exchanges this table's touched rows and sums its compact gradient together with other
+  // tables' (one all-gather and one all-reduce per gradient group and step: Dlrm), through the
+  // three backward_sparse_* calls below instead of backward(); ignored for a table with no
+  // gradient group (nothing to exchange), which stays on backward().
+  void use_sparse_gradient(ParallelContext& context, bool bucketed = false);
   bool sparse_gradient() const { return sparse_; }
+  bool bucketed() const { return bucketed_; }
+  // The batch axes the gradient is summed over (the spec's, before size-1 axes are dropped) and
+  // their communicator (nullptr: nothing to sum over).
+  const std::vector<std::string>& gradient_axes() const { return layout_.gradient_allreduce; }
+  Communicator* gradient_comm() const { return gradient_comm_; }
+  // Bucketed: the rows [., 2] this table takes in a rank's touched-row message (a count, then
+  // up to that many rows), and the most floats its compact gradient may need.
+  int64_t touched_message_rows() const { return local_touch_capacity_ + 1; }
+  int64_t gradient_capacity() const { return std::max<int64_t>(touch_capacity_, 1) * local_dim_; }
+  // A bucketed backward, in three calls that every rank of the gradient group makes for its
+  // tables in the same order (the model does the collectives between them):
+  //   backward_sparse_touch   checks dy as backward() does and writes this rank's touched rows
+  //                           into `message` rows [at, at + touched_message_rows()): local, no
+  //                           communication;
+  //   backward_sparse_union   after the message of every rank was gathered (rank j's at rows
+  //                           [j * rank_rows, (j + 1) * rank_rows) of `gathered`): the union of
+  //                           the touched rows; returns their count;
+  //   backward_sparse_finish  the compact gradient (this rank's partial sum; the row-wise
+  //                           all-to-all included) into `grads` [count, local_dim], contiguous,
+  //                           which row_gradients() then views; the model all-reduces it.
+  void backward_sparse_touch(ConstMatrixView dy, Matrix::HostMirror& message, int64_t at);
+  int64_t backward_sparse_union(const Matrix::HostMirror& gathered, int64_t rank_rows, int64_t at);
+  void backward_sparse_finish(float* grads);
   // After a sparse backward: the touched local rows (device, [touched_count()]) and their
   // gradients [touched_count(), dim] (owned by the layer, valid until the next backward).
   int64_t touched_count() const { return touched_; }
@@ -118,11 +146,11 @@ class EmbeddingBag {
   }
   // Of this rank's columns: [touched_count(), local_dim()].
   MatrixView row_gradients() const {
-    return MatrixView(row_grads_.data(), static_cast<size_t>(touched_),
+    return MatrixView(row_grads_data_, static_cast<size_t>(touched_),
                       static_cast<size_t>(local_dim_));
   }
   // The most rows a sparse backward may touch here (the sparse buffers' rows).
-  int64_t touch_capacity() const { return static_cast<int64_t>(row_grads_.extent(0)); }
+  int64_t touch_capacity() const { return std::max<int64_t>(touch_capacity_, 1); }
   ShardedTensor& weight() const { return weight_.value(); }
 
   size_t parameter_count() const { return 1; }
@@ -165,6 +193,14 @@ class EmbeddingBag {
   void backward_sparse(ConstMatrixView dy);
   // Adds local row `row` to the touched set (once).
   void touch(int64_t row);
+  // The sparse backward's parts: dy checked (and its columns taken, column-wise); the rows this
+  // rank's ids touch; this rank's list into rows [at, ...) of a touched-row message; the union
+  // of the gathered lists; the compact gradient into row_grads_data_.
+  ConstMatrixView sparse_dy(ConstMatrixView whole_dy);
+  void touch_local();
+  void write_touched(Matrix::HostMirror& message, int64_t at) const;
+  void union_touched(const Matrix::HostMirror& gathered, int64_t rank_rows, int64_t at);
+  void compact_gradient(ConstMatrixView dy);
 
   std::string table_;
   EmbeddingPooling pooling_ = EmbeddingPooling::sum;
@@ -221,14 +257,16 @@ class EmbeddingBag {
   // Sparse gradients (use_sparse_gradient). slot_of_row_ [local rows] is -1 except, inside a
   // backward, for the touched rows (reset after: no pass over the table); id_slot_ maps each id
   // of the step (replicated: of the bags; row-wise: received at the owner) to its touched row.
-  bool sparse_ = false;
+  bool sparse_ = false, bucketed_ = false;
+  ConstMatrixView sparse_dy_;              // bucketed: the dy of backward_sparse_touch, for _finish
   Communicator* gradient_comm_ = nullptr;  // the batch axes the gradient is summed over
   int64_t touched_ = 0, local_touch_capacity_ = 0, touch_capacity_ = 0;
   std::vector<int32_t> slot_of_row_;
   std::vector<int64_t> touched_host_rows_;
   Kokkos::View<int64_t*> touched_rows_, id_slot_;
   Kokkos::View<int64_t*>::HostMirror touched_rows_host_, id_slot_host_;
-  Matrix row_grads_;  // [touch capacity, dim]
+  Matrix row_grads_;  // [touch capacity, dim] (bucketed: empty, the model's buffer is used)
+  float* row_grads_data_ = nullptr;  // where row_gradients() starts
   // The owner's received requests on the host (row-wise), and the touched-row lists gathered
   // over gradient_comm_: [local capacity + 1, 2] per rank (a count, then rows as 24-bit halves).
   Matrix::HostMirror recv_requests_host_;

@@ -67,6 +67,12 @@ std::vector<std::size_t> GradientBuckets::bucket_floats() const {
   return out;
 }
 
+std::size_t GradientBuckets::buffer_bytes() const {
+  std::size_t bytes = 0;
+  for (const Bucket& b : buckets_) bytes += b.buffer.extent(0) * sizeof(float);
+  return bytes;
+}
+
 void GradientBuckets::layer_ready(std::size_t layer) {
   MESHTRAIN_REQUIRE(layer < buckets_of_layer_.size(), "gradient buckets: no layer ", layer);
   for (std::size_t index : buckets_of_layer_[layer]) {

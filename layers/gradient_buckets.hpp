@@ -52,6 +52,8 @@ class GradientBuckets {
   Dtype wire() const { return wire_; }
   // Floats in each bucket, in the order they start.
   std::vector<std::size_t> bucket_floats() const;
+  // Bytes of the contiguous buffers the buckets own (those of several pieces).
+  std::size_t buffer_bytes() const;
 
   // Layer `layer`'s gradients are final: starts every bucket this completes (in order).
   void layer_ready(std::size_t layer);

@@ -866,23 +866,32 @@ void add_table_collectives(const std::vector<TablePlan>& tables, const Mesh& mes
     std::string text = axes.size() == 1 ? axes[0] : axes_list(axes);
     return text + "=" + std::to_string(mesh.size_of(axes));
   };
+  struct SparseBucketCost {
+    std::vector<std::string> axes;
+    int64_t touched_rows = 0, gradients = 0, tables = 0;
+  };
+  std::vector<SparseBucketCost> buckets;
+  const auto add_on = [&](const std::string& layer, const char* phase, CollectiveKind kind,
+                          const std::string& what, const std::vector<std::string>& axes,
+                          int64_t leaving) {
+    const int n = axes.empty() ? 1 : static_cast<int>(mesh.size_of(axes));
+    if (leaving <= 0 || n <= 1) return;
+    const double share =
+        static_cast<double>(n - 1) / n * (kind == CollectiveKind::all_reduce ? 2 : 1);
+    const double seconds =
+        collective_seconds(kind, static_cast<double>(leaving) / share, n, hw.group_link(axes));
+    cost.items.push_back({layer, phase, "collective", what, group_text(axes), seconds});
+    cost.collective_s += seconds;
+    cost.total_s += seconds;
+    cost.serial_s += seconds;
+    cost.full_overlap_s += seconds;
+  };
   for (const TablePlan& t : tables) {
     const EmbeddingLayout& l = t.layout;
     const std::string layer = "embeddings/" + l.table;
     const auto add = [&](const char* phase, CollectiveKind kind, const char* what,
-                         const std::vector<std::string>& axes, int64_t leaving) {
-      const int n = axes.empty() ? 1 : static_cast<int>(mesh.size_of(axes));
-      if (leaving <= 0 || n <= 1) return;
-      const double share =
-          static_cast<double>(n - 1) / n * (kind == CollectiveKind::all_reduce ? 2 : 1);
-      const double seconds =
-          collective_seconds(kind, static_cast<double>(leaving) / share, n, hw.group_link(axes));
-      cost.items.push_back({layer, phase, "collective", what, group_text(axes), seconds});
-      cost.collective_s += seconds;
-      cost.total_s += seconds;
-      cost.serial_s += seconds;
-      cost.full_overlap_s += seconds;
-    };
+                         const std::vector<std::string>& axes,
+                         int64_t leaving) { add_on(layer, phase, kind, what, axes, leaving); };
     const EmbeddingStepBytes& b = t.step;
     add("forward", CollectiveKind::all_to_all, "all-to-all id counts", l.row_axes,
         b.counts_all_to_all);
@@ -893,10 +902,28 @@ void add_table_collectives(const std::vector<TablePlan>& tables, const Mesh& mes
         b.column_all_gather);
     add("backward", CollectiveKind::all_to_all, "all-to-all dy of the parts", l.row_axes,
         b.backward_all_to_all);
-    add("backward", CollectiveKind::all_gather, "all-gather touched rows", l.gradient_allreduce,
-        b.touched_rows_all_gather);
-    add("backward", CollectiveKind::all_reduce, "all-reduce table gradient", l.gradient_allreduce,
-        b.gradient_all_reduce);
+    if (sparse) {
+      // Sparse updates: the tables summed over the same batch axes exchange their touched rows
+      // in one all-gather and their compact gradients in one all-reduce per step (layers/
+      // dlrm.cpp): charged once per group below, at the group's bytes.
+      if (t.step.touched_rows_all_gather > 0 || t.step.gradient_all_reduce > 0) {
+        auto same = std::find_if(buckets.begin(), buckets.end(), [&](const SparseBucketCost& c) {
+          return c.axes == l.gradient_allreduce;
+        });
+        if (same == buckets.end()) {
+          buckets.push_back({l.gradient_allreduce, 0, 0, 0});
+          same = buckets.end() - 1;
+        }
+        same->touched_rows += b.touched_rows_all_gather;
+        same->gradients += b.gradient_all_reduce;
+        ++same->tables;
+      }
+    } else {
+      add("backward", CollectiveKind::all_gather, "all-gather touched rows", l.gradient_allreduce,
+          b.touched_rows_all_gather);
+      add("backward", CollectiveKind::all_reduce, "all-reduce table gradient", l.gradient_allreduce,
+          b.gradient_all_reduce);
+    }
     // The table's memory passes (layers/embedding_bag.cpp), bytes at memory_bandwidth: the
     // lookups and pooling (each id's row slice read, its id, and each bag's or part's sum
     // written; row-wise, the owner sums its parts and the requester the parts it gets back),
@@ -921,6 +948,13 @@ void add_table_collectives(const std::vector<TablePlan>& tables, const Mesh& mes
     // The weight read and written (table_row each), the gradient and the state read and the
     // state written (fp32).
     if (sparse) pass("update", "sparse optimizer rows", ids * (2.0 * table_row + 3.0 * row + 8.0));
+  }
+  for (const SparseBucketCost& c : buckets) {
+    const std::string tables_text = " (" + std::to_string(c.tables) + " tables)";
+    add_on("embeddings", "backward", CollectiveKind::all_gather,
+           "all-gather touched rows" + tables_text, c.axes, c.touched_rows);
+    add_on("embeddings", "backward", CollectiveKind::all_reduce,
+           "all-reduce table gradients" + tables_text, c.axes, c.gradients);
   }
 }
 

@@ -35,15 +35,19 @@
 
 #include <gtest/gtest.h>
 #include <mpi.h>
+#include <unistd.h>
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "framework/comm/mesh_communicators.hpp"
+#include "framework/observe/flight_recorder.hpp"
 #include "framework/observe/memory_tracker.hpp"
 #include "layers/context.hpp"
 #include "layers/dlrm.hpp"
@@ -580,11 +584,128 @@ TEST(Dlrm, SparseTableGradientsAreNeverAllocated) {
   EXPECT_EQ(compared, static_cast<int>(model.gradients().size() - shape.tables.size()));
 }
 
+// Sparse table gradients on dp n, tables a and c replicated and b row-wise over dp (a and c
+// the same at n = 1): one step's collectives, counted by the flight recorder, are b's four
+// all-to-alls (counts, ids and partial sums forward; dy backward), one all-gather of a's and
+// c's touched rows together, one all-reduce of their compact gradients together and one of the
+// linear layers' gradients (bucketed): seven at n > 1, whatever the number of replicated tables
+// and linear layers (unbucketed: an all-gather and an all-reduce per replicated table and the
+// linear layers' own all-reduces). Their values: each table's touched rows are the rows its
+// dense gradient (a TableGradients::dense model built the same way, each table all-reduced on
+// its own) has non-zero, and the compact gradients equal those rows bit for bit (the same
+// elementwise sums over the same ranks: packing a table's rows beside the others' changes no
+// element's addends), as do the linear layers' gradients.
+TEST(Dlrm, SparseGradientsAreExchangedInOneCollectiveEach) {
+  const int n = world_size();
+  const Mesh mesh = Mesh::create({{"dp", n}}, n);
+  MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+  ParallelContext context(comms, {"fsdp", "dp"}, "tp");
+  const DlrmShape shape = make_shape(DlrmInteraction::dot);
+  const Data d = make_data(shape);
+  auto spec_of = [](const std::string& name) {
+    if (name == "embeddings/b/weight") return PartitionSpec::parse("P(dp, None)");
+    return PartitionSpec::parse("P()");
+  };
+  const int64_t rows = kBatch / n;
+  const int64_t first_row = context.batch_index() * rows;
+  Dlrm dense(shape, Activation::tanh, spec_of, context, rows, most_ids(d, n));
+  Dlrm sparse(shape, Activation::tanh, spec_of, context, rows, most_ids(d, n),
+              TableGradients::sparse);
+  dense.initialize(InitScheme::he_normal, kSeed);
+  sparse.initialize(InitScheme::he_normal, kSeed);
+  const Matrix dense_in =
+      testing::block_matrix("dense", rows, kDense, first_row, 0,
+                            [&](int64_t i, int64_t j) { return d.dense[i * kDense + j]; });
+  const Matrix dy = testing::block_matrix("dy", rows, 1, first_row, 0,
+                                          [&](int64_t i, int64_t) { return d.dy[i]; });
+  std::vector<LocalBags> local;
+  std::vector<SparseBags> bags;
+  for (size_t t = 0; t < shape.tables.size(); ++t) {
+    local.push_back(local_bags(d.offsets[t], d.ids[t], first_row, rows));
+  }
+  for (const LocalBags& l : local) bags.push_back({l.offsets, l.ids});
+  dense.forward(dense_in, bags);
+  dense.backward(dy);
+  sparse.forward(dense_in, bags);
+  sparse.backward(dy);  // a first step: whatever a first use sets up is not counted
+
+  const std::string dir = std::filesystem::temp_directory_path().string() +
+                          "/meshtrain_dlrm_collectives_" + std::to_string(getppid());
+  flight_recorder().configure(1024, dir, world_rank(), world_size());
+  MPI_Barrier(MPI_COMM_WORLD);
+  sparse.forward(dense_in, bags);
+  sparse.backward(dy);
+  std::map<std::string, int> ops;
+  for (const FlightEntry& e : flight_recorder().entries()) ++ops[e.op];
+  flight_recorder().configure(0, "", world_rank(), world_size());
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() == 0) {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
+  }
+  int total = 0;
+  std::string seen;
+  for (const auto& [op, count] : ops) {
+    total += count;
+    seen += " " + op + " x" + std::to_string(count);
+  }
+  SCOPED_TRACE("collectives:" + seen);
+  if (n == 1) {
+    EXPECT_EQ(total, 0);
+  } else {
+    EXPECT_EQ(ops["all_to_all"], 1) << "b's counts";
+    EXPECT_EQ(ops["all_to_all_v"], 3) << "b's ids, partial sums and dy";
+    EXPECT_EQ(ops["all_gather"], 1) << "a's and c's touched rows";
+    EXPECT_EQ(ops["all_reduce"], 2) << "a's and c's compact gradients; the linear layers'";
+    EXPECT_EQ(total, 7);
+  }
+
+  for (size_t t = 0; t < shape.tables.size(); ++t) {
+    const EmbeddingBag& table = sparse.tables()[t];
+    SCOPED_TRACE("table " + table.table());
+    EXPECT_EQ(table.bucketed(), n > 1 && table.table() != "b");
+    const size_t p = static_cast<size_t>(
+        std::find_if(dense.parameters().begin(), dense.parameters().end(),
+                     [&](const ShardedTensor& x) {
+                       return x.name == "embeddings/" + table.table() + "/weight";
+                     }) -
+        dense.parameters().begin());
+    ASSERT_LT(p, dense.parameters().size());
+    const testing::Tensor grad = testing::to_host(dense.gradients()[p]);
+    const int64_t dim = table.local_dim();
+    std::vector<int64_t> want;
+    for (int64_t r = 0; r < table.local_rows(); ++r) {
+      bool nonzero = false;
+      for (int64_t c = 0; c < dim; ++c) nonzero = nonzero || grad[r * dim + c] != 0.0f;
+      if (nonzero) want.push_back(r);
+    }
+    // Every nonzero row is touched (a touched row may sum to zero: none does with these data).
+    ASSERT_EQ(table.touched_count(), static_cast<int64_t>(want.size()));
+    auto touched = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), table.touched_rows());
+    const testing::Tensor got = testing::host_matrix(table.row_gradients());
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_EQ(touched(i), want[i]) << "touched row " << i;
+      for (int64_t c = 0; c < dim; ++c) {
+        ASSERT_EQ(got[i * dim + c], grad[want[i] * dim + c]) << "row " << want[i] << " col " << c;
+      }
+    }
+  }
+  int compared = 0;
+  for (size_t p = 0; p < dense.parameters().size(); ++p) {
+    if (dense.parameters()[p].name.rfind("embeddings/", 0) == 0) continue;
+    EXPECT_EQ(testing::to_host(sparse.gradients()[p]), testing::to_host(dense.gradients()[p]))
+        << dense.parameters()[p].name;
+    ++compared;
+  }
+  EXPECT_EQ(compared, static_cast<int>(dense.parameters().size() - shape.tables.size()));
+}
+
 // A model built to predict only (TableGradients::none, what DlrmPredictor builds), dp n with
 // row-wise tables: the tracker's live bytes while it lives are the dense model's less exactly its
 // table gradient blocks and the interaction's gradient buffers (feature gradients [rows, d + sum
 // of dims], the bottom output's [rows, d], each table's pooled rows' [rows, dim]); every table
-// gradient tensor is empty; its logits are the one-rank dense model's (within kMeshTolerance: DP
+// gradient tensor is empty (the buffers of the dense model's bucketed reductions are counted out
+// too); its logits are the one-rank dense model's (within kMeshTolerance: DP
 // sums reorder); backward is refused.
 TEST(Dlrm, PredictOnlyModelAllocatesNoTableOrInteractionGradient) {
   const int n = world_size();
@@ -605,10 +726,17 @@ TEST(Dlrm, PredictOnlyModelAllocatesNoTableOrInteractionGradient) {
   // and keeps is live before both measurements below.
   { Dlrm warm_up(shape, Activation::tanh, spec_of, context, rows, most_ids(d, n)); }
   const int64_t before = kokkos_memory(0).live_bytes;
-  int64_t dense_bytes = 0, gradient_blocks = 0;
+  int64_t dense_bytes = 0, gradient_blocks = 0, reduction_buffers = 0;
   {
     Dlrm dense(shape, Activation::tanh, spec_of, context, rows, most_ids(d, n));
     dense_bytes = kokkos_memory(0).live_bytes - before;
+    // The buffers of its bucketed reductions (as the tracker counts them, alignment included).
+    for (const TrackedAllocation& a : kokkos_memory(1 << 20).largest) {
+      if (a.label == "meshtrain::grad_bucket" || a.label.rfind("dlrm/sparse_bucket", 0) == 0) {
+        reduction_buffers += a.bytes;
+      }
+    }
+    EXPECT_GE(reduction_buffers, dense.reduction_buffer_bytes());
     for (const ShardedTensor& g : dense.gradients()) {
       if (g.name.rfind("embeddings/", 0) == 0) {
         gradient_blocks += static_cast<int64_t>(g.local.extent(0) * sizeof(float));
@@ -625,8 +753,11 @@ TEST(Dlrm, PredictOnlyModelAllocatesNoTableOrInteractionGradient) {
   Dlrm model(shape, Activation::tanh, spec_of, context, rows, most_ids(d, n), TableGradients::none);
   EXPECT_EQ(model.table_gradients(), TableGradients::none);
   EXPECT_TRUE(kokkos_memory(0).complete) << "the tracker missed allocations";
-  EXPECT_EQ(kokkos_memory(0).live_bytes - before, dense_bytes - gradient_blocks - interaction_grads)
-      << "live bytes: the dense model's less its table gradients and interaction gradients";
+  EXPECT_EQ(model.reduction_buffer_bytes(), 0);
+  EXPECT_EQ(kokkos_memory(0).live_bytes - before,
+            dense_bytes - gradient_blocks - interaction_grads - reduction_buffers)
+      << "live bytes: the dense model's less its table gradients, interaction gradients and "
+         "gradient buckets";
   for (const ShardedTensor& g : model.gradients()) {
     if (g.name.rfind("embeddings/", 0) == 0) EXPECT_EQ(g.local.extent(0), 0u) << g.name;
   }
