@@ -459,18 +459,6 @@ struct Derives3FromValue<TanhDerivatives3> {
   static constexpr bool value = true;
 };
 
-// f', f'' and f''' at element (i, j): from the forward's output where the functor can and the
-// output is given (the same float f(z), so the same results), else from z.
-template <class Derivatives>
-KOKKOS_INLINE_FUNCTION Derivatives3 derivatives_at(const Derivatives& derivatives,
-                                                   const MatrixView& z, const MatrixView& value,
-                                                   bool use_value, int64_t i, int64_t j) {
-  if constexpr (Derives3FromValue<Derivatives>::value) {
-    if (use_value) return derivatives.of_value(value(i, j));
-  }
-  return derivatives(z(i, j));
-}
-
 // Runs body(functor) with the activation's Derivatives3 functor.
 template <class Body>
 void with_derivatives3(Activation activation, Body body) {
@@ -498,16 +486,103 @@ void with_derivatives3(Activation activation, Body body) {
 // element's arithmetic, and the order of its sums over the streams, are those of one loop.
 constexpr int64_t kSecondOrderChunk = 64;
 
-// The second-order streams' forward through an activation with derivatives f (Derivatives3):
-// per row i, k tangents t then k second derivatives s; t' = f' t, s' = f' s + f'' t^2. A
-// function of its own (not a lambda inside with_derivatives3's generic lambda): nvcc cannot
-// define a device lambda there.
+// f', f'' and f''' of element c of a row: from the forward's output row vi where the functor
+// can and the output is given (the same float f(z), so the same results), else from zi.
+template <class Derivatives>
+KOKKOS_FORCEINLINE_FUNCTION Derivatives3 row_derivatives(const Derivatives& derivatives,
+                                                         const float* zi, const float* vi,
+                                                         int64_t c) {
+  if constexpr (Derives3FromValue<Derivatives>::value) {
+    if (vi != nullptr) return derivatives.of_value(vi[c]);
+  }
+  return derivatives(zi[c]);
+}
+
+// One value row i of the second-order streams' forward through an activation with derivatives
+// f (Derivatives3): its k tangents t then k second derivatives s; t' = f' t, s' = f' s + f'' t^2.
+// zi, vi: row i of z and of f(z) (vi null: from z).
+template <class Derivatives>
+KOKKOS_FORCEINLINE_FUNCTION void second_order_row(const float* zi, const float* vi,
+                                                  const float* in_data, int64_t in_stride,
+                                                  float* out_data, int64_t out_stride, int64_t i,
+                                                  int64_t k, int64_t cols,
+                                                  const Derivatives& derivatives) {
+  const int64_t t0 = i * 2 * k, s0 = t0 + k;
+  float d1[kSecondOrderChunk], d2[kSecondOrderChunk];
+  for (int64_t j0 = 0; j0 < cols; j0 += kSecondOrderChunk) {
+    const int64_t n = cols - j0 < kSecondOrderChunk ? cols - j0 : kSecondOrderChunk;
+    for (int64_t c = 0; c < n; ++c) {
+      const Derivatives3 f = row_derivatives(derivatives, zi, vi, j0 + c);
+      d1[c] = f.d1;
+      d2[c] = f.d2;
+    }
+    for (int64_t d = 0; d < k; ++d) {
+      const float* KOKKOS_RESTRICT t = in_data + (t0 + d) * in_stride + j0;
+      const float* KOKKOS_RESTRICT s = in_data + (s0 + d) * in_stride + j0;
+      float* KOKKOS_RESTRICT ot = out_data + (t0 + d) * out_stride + j0;
+      float* KOKKOS_RESTRICT os = out_data + (s0 + d) * out_stride + j0;
+      for (int64_t c = 0; c < n; ++c) {
+        ot[c] = d1[c] * t[c];
+        os[c] = d1[c] * s[c] + d2[c] * t[c] * t[c];
+      }
+    }
+  }
+}
+
+// One value row of its exact backward (the same layout), f''' included: gi, row i of the
+// value's gradient, updated in place.
+template <class Derivatives>
+KOKKOS_FORCEINLINE_FUNCTION void second_order_backward_row(
+    const float* zi, const float* vi, const float* s_data, int64_t s_stride, const float* g_data,
+    int64_t g_stride, float* o_data, int64_t o_stride, float* gi, int64_t i, int64_t k,
+    int64_t cols, const Derivatives& derivatives) {
+  const int64_t t0 = i * 2 * k, s0 = t0 + k;
+  float d1[kSecondOrderChunk], d2[kSecondOrderChunk], d3[kSecondOrderChunk];
+  float curvature[kSecondOrderChunk], third[kSecondOrderChunk];
+  for (int64_t j0 = 0; j0 < cols; j0 += kSecondOrderChunk) {
+    const int64_t n = cols - j0 < kSecondOrderChunk ? cols - j0 : kSecondOrderChunk;
+    for (int64_t c = 0; c < n; ++c) {
+      const Derivatives3 f = row_derivatives(derivatives, zi, vi, j0 + c);
+      d1[c] = f.d1;
+      d2[c] = f.d2;
+      d3[c] = f.d3;
+      curvature[c] = 0.0f;
+      third[c] = 0.0f;
+    }
+    // Forward: t' = f' t, s' = f' s + f'' t^2 per direction d.
+    for (int64_t d = 0; d < k; ++d) {
+      const float* KOKKOS_RESTRICT t = s_data + (t0 + d) * s_stride + j0;
+      const float* KOKKOS_RESTRICT s = s_data + (s0 + d) * s_stride + j0;
+      const float* KOKKOS_RESTRICT gt = g_data + (t0 + d) * g_stride + j0;
+      const float* KOKKOS_RESTRICT gs = g_data + (s0 + d) * g_stride + j0;
+      float* KOKKOS_RESTRICT ot = o_data + (t0 + d) * o_stride + j0;
+      float* KOKKOS_RESTRICT os = o_data + (s0 + d) * o_stride + j0;
+      for (int64_t c = 0; c < n; ++c) {
+        curvature[c] += t[c] * gt[c] + s[c] * gs[c];
+        third[c] += t[c] * t[c] * gs[c];
+        ot[c] = d1[c] * gt[c] + 2.0f * d2[c] * t[c] * gs[c];
+        os[c] = d1[c] * gs[c];
+      }
+    }
+    float* KOKKOS_RESTRICT g = gi + j0;
+    for (int64_t c = 0; c < n; ++c) {
+      g[c] = d1[c] * g[c] + d2[c] * curvature[c] + d3[c] * third[c];
+    }
+  }
+}
+
+// The second-order streams' forward over all rows, on the default execution space. A function
+// of its own (not a lambda inside with_derivatives3's generic lambda): nvcc cannot define a
+// device lambda there.
 template <class Derivatives>
 void second_order_streams(const MatrixView& z, const MatrixView& value, const MatrixView& streams,
                           const MatrixView& out, int64_t k, Derivatives derivatives) {
   const int64_t rows = static_cast<int64_t>(z.extent(0));
   const int64_t cols = static_cast<int64_t>(z.extent(1));
-  const bool use_value = value.data() != nullptr;
+  const float* z_data = z.data();
+  const float* v_data = value.data();
+  const int64_t z_stride = static_cast<int64_t>(z.stride(0));
+  const int64_t v_stride = v_data != nullptr ? static_cast<int64_t>(value.stride(0)) : 0;
   const int64_t in_stride = static_cast<int64_t>(streams.stride(0));
   const int64_t out_stride = static_cast<int64_t>(out.stride(0));
   const float* in_data = streams.data();
@@ -515,26 +590,8 @@ void second_order_streams(const MatrixView& z, const MatrixView& value, const Ma
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::activation_second_order"),
       Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
-        const int64_t t0 = i * 2 * k, s0 = t0 + k;
-        float d1[kSecondOrderChunk], d2[kSecondOrderChunk];
-        for (int64_t j0 = 0; j0 < cols; j0 += kSecondOrderChunk) {
-          const int64_t n = cols - j0 < kSecondOrderChunk ? cols - j0 : kSecondOrderChunk;
-          for (int64_t c = 0; c < n; ++c) {
-            const Derivatives3 f = derivatives_at(derivatives, z, value, use_value, i, j0 + c);
-            d1[c] = f.d1;
-            d2[c] = f.d2;
-          }
-          for (int64_t d = 0; d < k; ++d) {
-            const float* KOKKOS_RESTRICT t = in_data + (t0 + d) * in_stride + j0;
-            const float* KOKKOS_RESTRICT s = in_data + (s0 + d) * in_stride + j0;
-            float* KOKKOS_RESTRICT ot = out_data + (t0 + d) * out_stride + j0;
-            float* KOKKOS_RESTRICT os = out_data + (s0 + d) * out_stride + j0;
-            for (int64_t c = 0; c < n; ++c) {
-              ot[c] = d1[c] * t[c];
-              os[c] = d1[c] * s[c] + d2[c] * t[c] * t[c];
-            }
-          }
-        }
+        second_order_row(z_data + i * z_stride, v_data ? v_data + i * v_stride : nullptr, in_data,
+                         in_stride, out_data, out_stride, i, k, cols, derivatives);
       });
 }
 
@@ -546,50 +603,88 @@ void second_order_streams_backward(const MatrixView& z, const MatrixView& value,
                                    int64_t k, Derivatives derivatives) {
   const int64_t rows = static_cast<int64_t>(z.extent(0));
   const int64_t cols = static_cast<int64_t>(z.extent(1));
-  const bool use_value = value.data() != nullptr;
+  const float* z_data = z.data();
+  const float* v_data = value.data();
+  const int64_t z_stride = static_cast<int64_t>(z.stride(0));
+  const int64_t v_stride = v_data != nullptr ? static_cast<int64_t>(value.stride(0)) : 0;
+  const int64_t grad_stride = static_cast<int64_t>(grad.stride(0));
   const int64_t s_stride = static_cast<int64_t>(streams.stride(0));
   const int64_t g_stride = static_cast<int64_t>(stream_grad.stride(0));
   const int64_t o_stride = static_cast<int64_t>(stream_grad_in.stride(0));
   const float* s_data = streams.data();
   const float* g_data = stream_grad.data();
   float* o_data = stream_grad_in.data();
+  float* grad_data = grad.data();
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::activation_second_order_backward"),
       Kokkos::RangePolicy<>(device_space(), 0, rows), KOKKOS_LAMBDA(const int64_t i) {
-        const int64_t t0 = i * 2 * k, s0 = t0 + k;
-        float d1[kSecondOrderChunk], d2[kSecondOrderChunk], d3[kSecondOrderChunk];
-        float curvature[kSecondOrderChunk], third[kSecondOrderChunk];
-        for (int64_t j0 = 0; j0 < cols; j0 += kSecondOrderChunk) {
-          const int64_t n = cols - j0 < kSecondOrderChunk ? cols - j0 : kSecondOrderChunk;
-          for (int64_t c = 0; c < n; ++c) {
-            const Derivatives3 f = derivatives_at(derivatives, z, value, use_value, i, j0 + c);
-            d1[c] = f.d1;
-            d2[c] = f.d2;
-            d3[c] = f.d3;
-            curvature[c] = 0.0f;
-            third[c] = 0.0f;
-          }
-          // Forward: t' = f' t, s' = f' s + f'' t^2 per direction d.
-          for (int64_t d = 0; d < k; ++d) {
-            const float* KOKKOS_RESTRICT t = s_data + (t0 + d) * s_stride + j0;
-            const float* KOKKOS_RESTRICT s = s_data + (s0 + d) * s_stride + j0;
-            const float* KOKKOS_RESTRICT gt = g_data + (t0 + d) * g_stride + j0;
-            const float* KOKKOS_RESTRICT gs = g_data + (s0 + d) * g_stride + j0;
-            float* KOKKOS_RESTRICT ot = o_data + (t0 + d) * o_stride + j0;
-            float* KOKKOS_RESTRICT os = o_data + (s0 + d) * o_stride + j0;
-            for (int64_t c = 0; c < n; ++c) {
-              curvature[c] += t[c] * gt[c] + s[c] * gs[c];
-              third[c] += t[c] * t[c] * gs[c];
-              ot[c] = d1[c] * gt[c] + 2.0f * d2[c] * t[c] * gs[c];
-              os[c] = d1[c] * gs[c];
-            }
-          }
-          for (int64_t c = 0; c < n; ++c) {
-            const int64_t j = j0 + c;
-            grad(i, j) = d1[c] * grad(i, j) + d2[c] * curvature[c] + d3[c] * third[c];
-          }
-        }
+        second_order_backward_row(z_data + i * z_stride, v_data ? v_data + i * v_stride : nullptr,
+                                  s_data, s_stride, g_data, g_stride, o_data, o_stride,
+                                  grad_data + i * grad_stride, i, k, cols, derivatives);
       });
+}
+
+// The same rows on host memory (inference::layers_run_host_kernels()), compiled per instruction
+// set without FMA contraction (framework/core/host_clones.hpp): each element is the same IEEE
+// operations in the same order as the kernels above (sums over the streams included), so the
+// same bits, 16 lanes wide on AVX-512 where the build's SSE2 runs 4. The bodies given to
+// with_derivatives3_inline: functors whose calls are forced inline (as ScaleBlock).
+struct SecondOrderRow {
+  const float* zi;
+  const float* vi;
+  const float* in_data;
+  int64_t in_stride;
+  float* out_data;
+  int64_t out_stride, i, k, cols;
+  template <class Derivatives>
+  MESHTRAIN_INLINE void operator()(Derivatives derivatives) const {
+    second_order_row(zi, vi, in_data, in_stride, out_data, out_stride, i, k, cols, derivatives);
+  }
+};
+struct SecondOrderBackwardRow {
+  const float* zi;
+  const float* vi;
+  const float* s_data;
+  int64_t s_stride;
+  const float* g_data;
+  int64_t g_stride;
+  float* o_data;
+  int64_t o_stride;
+  float* gi;
+  int64_t i, k, cols;
+  template <class Derivatives>
+  MESHTRAIN_INLINE void operator()(Derivatives derivatives) const {
+    second_order_backward_row(zi, vi, s_data, s_stride, g_data, g_stride, o_data, o_stride, gi, i,
+                              k, cols, derivatives);
+  }
+};
+// with_derivatives3 with the body's call inlined into the clone that calls it.
+template <class Body>
+MESHTRAIN_INLINE void with_derivatives3_inline(Activation activation, const Body& body) {
+  switch (activation) {
+    case Activation::relu:
+      return body(ReluDerivatives3{});
+    case Activation::tanh:
+      return body(TanhDerivatives3{});
+    case Activation::gelu:
+      return body(GeluDerivatives3{});
+    case Activation::gelu_erf:
+      return body(GeluErfDerivatives3{});
+    case Activation::silu:
+      return body(SiluDerivatives3{});
+    case Activation::sigmoid:
+      return body(SigmoidDerivatives3{});
+    case Activation::none:
+      return body(IdentityDerivatives3{});
+  }
+}
+MESHTRAIN_HOST_CLONES_EXACT
+void second_order_row_host(Activation activation, const SecondOrderRow& row) {
+  with_derivatives3_inline(activation, row);
+}
+MESHTRAIN_HOST_CLONES_EXACT
+void second_order_backward_row_host(Activation activation, const SecondOrderBackwardRow& row) {
+  with_derivatives3_inline(activation, row);
 }
 
 void check_tangent_shapes(const char* who, const MatrixView& z, const MatrixView& dz,
@@ -689,6 +784,28 @@ void activation_second_order(Activation activation, MatrixView z, MatrixView str
   MESHTRAIN_REQUIRE(per_row % 2 == 0, "activation_second_order: ", per_row,
                     " streams per row, expected 2k (k tangents, k second derivatives)");
   const int64_t k = per_row / 2;
+  if (inference::layers_run_host_kernels()) {
+    const std::string& label = MESHTRAIN_LABEL("meshtrain::activation_second_order");
+    const int64_t cols = static_cast<int64_t>(z.extent(1));
+    const float* z_data = z.data();
+    const float* v_data = value.data();
+    const int64_t z_stride = static_cast<int64_t>(z.stride(0));
+    const int64_t v_stride = v_data != nullptr ? static_cast<int64_t>(value.stride(0)) : 0;
+    const float* in_data = streams.data();
+    float* out_data = out.data();
+    const int64_t in_stride = static_cast<int64_t>(streams.stride(0));
+    const int64_t out_stride = static_cast<int64_t>(out.stride(0));
+    Kokkos::parallel_for(
+        label, Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0, rows),
+        [=](const int64_t i) {
+          second_order_row_host(
+              activation,
+              SecondOrderRow{z_data + i * z_stride, v_data ? v_data + i * v_stride : nullptr,
+                             in_data, in_stride, out_data, out_stride, i, k, cols});
+        });
+    inference::fence_after_host_kernel(label);
+    return;
+  }
   with_derivatives3(activation, [&](auto derivatives) {
     second_order_streams(z, value, streams, out, k, derivatives);
   });
@@ -711,6 +828,33 @@ void activation_second_order_backward(Activation activation, MatrixView z, Matri
   MESHTRAIN_REQUIRE(per_row % 2 == 0, "activation_second_order_backward: ", per_row,
                     " streams per row, expected 2k");
   const int64_t k = per_row / 2;
+  if (inference::layers_run_host_kernels()) {
+    const std::string& label = MESHTRAIN_LABEL("meshtrain::activation_second_order_backward");
+    const int64_t cols = static_cast<int64_t>(z.extent(1));
+    const float* z_data = z.data();
+    const float* v_data = value.data();
+    const int64_t z_stride = static_cast<int64_t>(z.stride(0));
+    const int64_t v_stride = v_data != nullptr ? static_cast<int64_t>(value.stride(0)) : 0;
+    const float* s_data = streams.data();
+    const float* g_data = stream_grad.data();
+    float* o_data = stream_grad_in.data();
+    float* grad_data = grad.data();
+    const int64_t s_stride = static_cast<int64_t>(streams.stride(0));
+    const int64_t g_stride = static_cast<int64_t>(stream_grad.stride(0));
+    const int64_t o_stride = static_cast<int64_t>(stream_grad_in.stride(0));
+    const int64_t grad_stride = static_cast<int64_t>(grad.stride(0));
+    Kokkos::parallel_for(
+        label, Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0, rows),
+        [=](const int64_t i) {
+          second_order_backward_row_host(
+              activation, SecondOrderBackwardRow{z_data + i * z_stride,
+                                                 v_data ? v_data + i * v_stride : nullptr, s_data,
+                                                 s_stride, g_data, g_stride, o_data, o_stride,
+                                                 grad_data + i * grad_stride, i, k, cols});
+        });
+    inference::fence_after_host_kernel(label);
+    return;
+  }
   with_derivatives3(activation, [&](auto derivatives) {
     second_order_streams_backward(z, value, streams, grad, stream_grad, stream_grad_in, k,
                                   derivatives);
