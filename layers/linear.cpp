@@ -5,6 +5,7 @@
 
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
+#include "framework/core/host_clones.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
 #include "layers/gradient_reduction.hpp"
@@ -51,9 +52,51 @@ void copy_columns_to_16bit(MatrixView src, int64_t offset, HalfMatrixView dst, D
 
 // full[j] = sum over rows of dy(:, j - offset) for the columns dy covers, 0 elsewhere,
 // rounded to `dtype` (the bias gradient as a 16-bit autograd leaves it).
+// The host kernel's columns per iteration (a row's run of them is 4 AVX-512 vectors).
+constexpr int64_t kColumnSumChunk = 64;
+
+// out[c] = sum over rows of dy[i * stride + c] for the n columns from dy's first, added row
+// after row: each column's sum is the same additions in the same order as the kernel below
+// (0, then rows 0, 1, ...), so the same bits, but a row's columns are read together and added
+// 16 lanes wide (compiled per instruction set without FMA contraction) where the kernel walks
+// each column down the rows.
+MESHTRAIN_HOST_CLONES_EXACT
+void column_sums_host(const float* dy, int64_t stride, int64_t rows, int64_t n, float* out) {
+  float sums[kColumnSumChunk];
+  for (int64_t c = 0; c < n; ++c) sums[c] = 0.0f;
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* __restrict row = dy + i * stride;
+    for (int64_t c = 0; c < n; ++c) sums[c] += row[c];
+  }
+  for (int64_t c = 0; c < n; ++c) out[c] = sums[c];
+}
+
 void sum_columns_into(MatrixView dy, int64_t offset, VectorView full, Dtype dtype) {
   const int64_t rows = static_cast<int64_t>(dy.extent(0));
   const int64_t cols = static_cast<int64_t>(dy.extent(1));
+  if (dtype == Dtype::fp32 && inference::layers_run_host_kernels()) {
+    const std::string& label = MESHTRAIN_LABEL("meshtrain::linear_bias_grad");
+    const int64_t width = static_cast<int64_t>(full.extent(0));
+    const int64_t chunks = (width + kColumnSumChunk - 1) / kColumnSumChunk;
+    const float* d_data = dy.data();
+    const int64_t d_stride = static_cast<int64_t>(dy.stride(0));
+    float* f_data = full.data();
+    Kokkos::parallel_for(
+        label, Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0, chunks),
+        [=](const int64_t chunk) {
+          // Columns [j0, j1) of full; those dy covers are [lo, hi), the others 0.
+          const int64_t j0 = chunk * kColumnSumChunk;
+          const int64_t j1 = std::min(width, j0 + kColumnSumChunk);
+          const int64_t lo = std::max(j0, offset), hi = std::min(j1, offset + cols);
+          for (int64_t j = j0; j < j1; ++j) {
+            if (j < lo || j >= hi) f_data[j] = 0.0f;
+          }
+          if (lo < hi)
+            column_sums_host(d_data + (lo - offset), d_stride, rows, hi - lo, f_data + lo);
+        });
+    inference::fence_after_host_kernel(label);
+    return;
+  }
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::linear_bias_grad"),
       Kokkos::RangePolicy<>(device_space(), 0, static_cast<int64_t>(full.extent(0))),

@@ -563,6 +563,96 @@ void norm_cotangent_block_host(const float* xi, const float* kept_x_hat, float m
   }
 }
 
+// norm_cotangent_block_host's directions e0 .. e0 + G - 1 of value row i with x_hat kept, in one
+// sweep: the 2 G row sums (each in the same 16 partial sums, lane l adding columns l, l + 16,
+// ... in order, then the lanes 0 to 15 in order) read x_hat and the scale once for the G
+// directions, the accumulators held in registers (G a constant), then the G outputs.
+template <int G>
+MESHTRAIN_INLINE void norm_cotangent_group(const float* __restrict x_hat, float rstd,
+                                           const float* d_data, int64_t d_stride,
+                                           const float* __restrict pre, const float* add_data,
+                                           int64_t a_stride, float* o_data, int64_t o_stride,
+                                           int64_t t0, int64_t cols, bool layernorm, float n) {
+  constexpr int kLanes = 16;
+  const float* g[G];
+  for (int e = 0; e < G; ++e) g[e] = d_data + (t0 + e) * d_stride;
+  float lanes_s[G][kLanes] = {}, lanes_x[G][kLanes] = {};
+  const int64_t full = cols - cols % kLanes;
+  for (int64_t j = 0; j < full; j += kLanes) {
+    for (int e = 0; e < G; ++e) {
+      for (int l = 0; l < kLanes; ++l) {
+        const float gj = g[e][j + l] * pre[j + l];
+        lanes_s[e][l] += gj;
+        lanes_x[e][l] += gj * x_hat[j + l];
+      }
+    }
+  }
+  if (full <
+      cols) {  // the last columns into lanes 0 .. cols - full - 1, the others left as they are
+    for (int e = 0; e < G; ++e) {
+      for (int l = 0; l < kLanes; ++l) {
+        if (full + l < cols) {
+          const float gj = g[e][full + l] * pre[full + l];
+          lanes_s[e][l] += gj;
+          lanes_x[e][l] += gj * x_hat[full + l];
+        }
+      }
+    }
+  }
+  float mean[G], mean_x[G];
+  for (int e = 0; e < G; ++e) {
+    float s = 0.0f, sx = 0.0f;
+    for (int l = 0; l < kLanes; ++l) {
+      s += lanes_s[e][l];
+      sx += lanes_x[e][l];
+    }
+    mean[e] = layernorm ? s / n : 0.0f;
+    mean_x[e] = sx / n;
+  }
+  for (int e = 0; e < G; ++e) {
+    const float* __restrict ge = g[e];
+    float* __restrict o = o_data + (t0 + e) * o_stride;
+    const float m = mean[e], mx = mean_x[e];
+    if (add_data != nullptr) {
+      const float* __restrict a = add_data + (t0 + e) * a_stride;
+      for (int64_t c = 0; c < cols; ++c) o[c] = a[c] + rstd * (ge[c] * pre[c] - m - x_hat[c] * mx);
+    } else {
+      for (int64_t c = 0; c < cols; ++c) o[c] = rstd * (ge[c] * pre[c] - m - x_hat[c] * mx);
+    }
+  }
+}
+
+// One value row of the cotangents with x_hat kept (the derivative forward's): its k directions
+// in groups of up to 4 (norm_cotangent_group), the same sums and outputs as
+// norm_cotangent_block_host's per-direction loop.
+MESHTRAIN_HOST_CLONES
+void norm_cotangent_kept_host(const float* x_hat, float rstd, const float* d_data, int64_t d_stride,
+                              const float* pre, const float* add_data, int64_t a_stride,
+                              float* o_data, int64_t o_stride, int64_t i, int64_t k, int64_t cols,
+                              bool layernorm, float n) {
+  for (int64_t e0 = 0; e0 < k; e0 += 4) {
+    const int64_t t0 = i * k + e0;
+    switch (k - e0 < 4 ? k - e0 : 4) {
+      case 1:
+        norm_cotangent_group<1>(x_hat, rstd, d_data, d_stride, pre, add_data, a_stride, o_data,
+                                o_stride, t0, cols, layernorm, n);
+        break;
+      case 2:
+        norm_cotangent_group<2>(x_hat, rstd, d_data, d_stride, pre, add_data, a_stride, o_data,
+                                o_stride, t0, cols, layernorm, n);
+        break;
+      case 3:
+        norm_cotangent_group<3>(x_hat, rstd, d_data, d_stride, pre, add_data, a_stride, o_data,
+                                o_stride, t0, cols, layernorm, n);
+        break;
+      default:
+        norm_cotangent_group<4>(x_hat, rstd, d_data, d_stride, pre, add_data, a_stride, o_data,
+                                o_stride, t0, cols, layernorm, n);
+        break;
+    }
+  }
+}
+
 }  // namespace
 
 MatrixView FeatureNorm::forward_tangents(MatrixView dx, const LayerPass& pass) {
@@ -659,6 +749,11 @@ void FeatureNorm::cotangents_adding(MatrixView dy, MatrixView add, MatrixView ou
       label, Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(host_space(), 0, block),
       [=](const int64_t i) {
         const int64_t v = first + i;  // the value row
+        if (h_data != nullptr) {
+          norm_cotangent_kept_host(h_data + v * h_stride, stats(v, 2), d_data, d_stride, pre,
+                                   a_data, a_stride, o_data, o_stride, i, k, cols, layernorm, n);
+          return;
+        }
         norm_cotangent_block_host(x_data + v * x_stride,
                                   h_data != nullptr ? h_data + v * h_stride : nullptr, stats(v, 0),
                                   stats(v, 1), stats(v, 2), d_data, d_stride, pre, a_data, a_stride,
