@@ -6,9 +6,12 @@
 # the other round by round so that other processes' load slows them alike; with BEFORE (a
 # directory holding another build's bench_train_step), that build runs each variant too, right
 # before this one. A line per round with /proc/loadavg. Compare step_cpu_time_median_s (the
-# slowest rank's thread CPU time: the neighbours' load moves it less than wall time).
+# slowest rank's thread CPU time: the neighbours' load moves it less than wall time). OVERLAP=1
+# runs every step with [runtime] overlap (DP's gradient buckets, FSDP's prefetch; default off: the
+# blocking reductions).
 #
-#   [ROUNDS=2] [STEPS=5] [MODES="dp fsdp tp"] [BEFORE=/tmp/before/bin] bench/bf16_step.sh [BIN]
+#   [ROUNDS=2] [STEPS=5] [MODES="dp fsdp tp"] [OVERLAP=0|1] [BEFORE=/tmp/before/bin]
+#   bench/bf16_step.sh [BIN]
 #   (BIN: this build's bin directory, default build/bin)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +31,8 @@ for round in $(seq 1 "$rounds"); do
         name=${build%%=*} bin=${build#*=}
         line=$(MESHTRAIN_CPU_GEMM=$library $mpirun -np 2 "$bin/bench_train_step" \
           --sizes 784,4096,4096,10 --batch 256 --mode "$mode" --steps "$steps" --warmup 1 \
-          --sgemm-size 512 --param-dtype "$dtype" --reduce-dtype "$dtype" | tail -1)
+          --sgemm-size 512 --param-dtype "$dtype" --reduce-dtype "$dtype" \
+          --overlap "${OVERLAP:-0}" | tail -1)
         echo "{\"build\": \"$name\", \"gemm\": \"$library\", \"round\": $round, \"result\": $line}"
       done
     done

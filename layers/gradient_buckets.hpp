@@ -16,6 +16,16 @@
 // sums are elementwise, so they equal the per-tensor all-reduce of the same gradients
 // (bit for bit with Open MPI, as tests/layers/mlp_test.cpp checks).
 //
+// With a 16-bit wire (the reduce dtype bf16 or fp16) the buckets own one 16-bit buffer for all
+// their gradients instead, laid out in bucket order (each bucket a contiguous range of it, so each
+// gradient's pieces follow each other): the all-reduces sum its ranges in place as 16 bits
+// (Communicator::start_all_reduce_16bit), and wait_all() widens the sums into the fp32 gradients.
+// A layer whose weight-gradient GEMM writes 16 bits (gemm_to_16bit: the compute dtype is the
+// wire's) writes that gradient straight into its place there (wire_home) and says so to
+// layer_ready, so that its fp32 gradient is neither written in backward nor packed; the others
+// are packed (rounded to nearest even, the same bits) at layer_ready. No fp32 bucket buffer, no
+// wire slot per bucket.
+//
 // Ownership: the buckets borrow the gradient buffers and the communicators (both owned by
 // the model and its MeshCommunicators, which outlive them).
 
@@ -23,6 +33,7 @@
 #include <vector>
 
 #include "framework/comm/communicator.hpp"
+#include "framework/core/precision.hpp"
 #include "framework/core/views.hpp"
 
 namespace meshtrain {
@@ -52,11 +63,18 @@ class GradientBuckets {
   Dtype wire() const { return wire_; }
   // Floats in each bucket, in the order they start.
   std::vector<std::size_t> bucket_floats() const;
-  // Bytes of the contiguous buffers the buckets own (those of several pieces).
+  // Bytes of the buffers the buckets own: the fp32 ones of several pieces, the 16-bit wire.
   std::size_t buffer_bytes() const;
 
-  // Layer `layer`'s gradients are final: starts every bucket this completes (in order).
-  void layer_ready(std::size_t layer);
+  // With a 16-bit wire, where gradient `index` of layer `layer` (LayerGradients order), which is
+  // `gradient` [elements], lives as wire() bits until wait_all(), contiguous. Null with an fp32
+  // wire, or where that gradient is not `gradient` (a layer outside the buckets).
+  uint16_t* wire_home(std::size_t layer, std::size_t index, const float* gradient,
+                      std::size_t elements) const;
+  // Layer `layer`'s gradients are final: starts every bucket this completes (in order). Bit i of
+  // written_16bit set: the layer wrote gradient i's values rounded to wire() into wire_home
+  // itself (its fp32 gradient is stale until wait_all()); the others are packed here.
+  void layer_ready(std::size_t layer, unsigned written_16bit = 0);
   // Lets started all-reduces progress (MPI moves data only inside MPI calls).
   void poll();
   // Completes every started bucket and unpacks it into the gradients; readies the buckets
@@ -75,12 +93,20 @@ class GradientBuckets {
     std::size_t floats = 0;
     std::size_t layers = 0;     // distinct layers with a piece here
     std::size_t remaining = 0;  // of those, not yet ready in this backward
-    Vector buffer;              // contiguous sum buffer (only with several pieces)
+    Vector buffer;              // contiguous sum buffer (only with several pieces, fp32 wire)
+    std::size_t start = 0;      // where its range of wire16_ begins (16-bit wire)
     Request request;            // a poll may have emptied it: next_start_ says what was started
   };
 
   std::vector<Bucket> buckets_;
   std::vector<std::vector<std::size_t>> buckets_of_layer_;  // per layer, ascending
+  // Per layer, its gradients and where each begins in wire16_ (16-bit wire).
+  struct Home {
+    VectorView grad;
+    std::size_t at = 0;
+  };
+  std::vector<std::vector<Home>> homes_of_layer_;
+  HalfBits wire16_;             // every bucket's 16-bit range, in bucket order (16-bit wire only)
   std::size_t next_start_ = 0;  // buckets before it are started in this backward
   Dtype wire_ = Dtype::fp32;
 };

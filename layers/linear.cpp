@@ -521,16 +521,37 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
   }
   // Weight gradient, compute block: X_cᵀ @ dY (dY all-gathered over features when split).
   MatrixView g = weight_.gradient_matrix(scratch);
+  const bool bucketed = pass.deferred == DeferredReduction::in_buckets;
+  // DP buckets whose 16-bit wire is the compute dtype, where gemm()'s kernel writes 16 bits: the
+  // GEMM writes the gradient as wire bits straight into its place in the buckets' 16-bit buffer
+  // (gemm_to_16bit: the fp32 result rounded to nearest even, the bits the buckets' packing gives),
+  // so the fp32 gradient is neither written here nor packed (it gets the sum in wait_all()). A
+  // gradient that another product writes (tensor parallelism's all-gather-matmuls) stays fp32.
+  uint16_t* wire_home = nullptr;
+  if (bucketed && compute_dtype_ != Dtype::fp32 && pass.buckets->wire() == compute_dtype_ &&
+      dt.data() == nullptr && !layout_.column_gathers_input() && !layout_.split_output &&
+      gemm_kernel_writes_16bit(compute_dtype_)) {
+    MESHTRAIN_REQUIRE(g.span_is_contiguous(), "linear layer '", layout_.layer,
+                      "': the weight gradient must be contiguous");
+    wire_home = pass.buckets->wire_home(pass.index, 0, g.data(), g.span());
+  }
+  GemmOperand x_t;
   if (reads_kept_input()) {
     // 16-bit storage where gemm() reads 16 bits: the kept input as it is.
-    weight_gradient_product(transposed(kept_input_), dy, g, scratch, dy_16bit);
+    x_t = transposed(kept_input_);
   } else if (kept_input_.data() != nullptr) {
     // 16-bit storage: the input widened (exactly) into the working buffer that dX then
     // overwrites; the GEMM sees forward's values.
     widen_16bit(kept_input_, dx_c_view_, compute_dtype_);
-    weight_gradient_product(transposed(dx_c_view_), dy, g, scratch, dy_16bit);
+    x_t = transposed(dx_c_view_);
   } else {
-    weight_gradient_product(transposed(x_used_), dy, g, scratch, dy_16bit);
+    x_t = transposed(x_used_);
+  }
+  if (wire_home != nullptr) {
+    gemm_to_16bit(x_t, plain(dy), HalfMatrixView(wire_home, g.extent(0), g.extent(1)),
+                  compute_dtype_);
+  } else {
+    weight_gradient_product(x_t, dy, g, scratch, dy_16bit);
   }
   if (dt.data() != nullptr) {
     // The tangents' term: dt_out = dt_in W, so dW += dt_inᵀ g_t, through the same product and
@@ -542,7 +563,6 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
   MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now || defers_reduction(), "linear layer '",
                     layout_.layer,
                     "': asked to leave gradients partial that it must reduce itself");
-  const bool bucketed = pass.deferred == DeferredReduction::in_buckets;
   // The weight's gradient in its compute dtype. Where the reduction that follows packs it to
   // 16 bits of that dtype (the buckets' all-reduce, or the parameter's own reduction), the
   // packing rounds each element as this pass would (the same bits), so the pass is left out.
@@ -556,7 +576,7 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
   // buckets, whose all-reduce runs while dX is computed.
   if (bucketed) {
     bias_gradient(dy, scratch, /*all_reduce=*/false);
-    pass.buckets->layer_ready(pass.index);
+    pass.buckets->layer_ready(pass.index, wire_home != nullptr ? 1u : 0u);
   }
 
   // Input gradient: dY @ W_cᵀ, then back to the input's layout.

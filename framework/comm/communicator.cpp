@@ -421,6 +421,13 @@ void Communicator::reserve_started_16bit_all_gathers(std::size_t count, std::siz
   raw_reserve_requests(count, send_elements * bytes_of(dtype), total * bytes_of(dtype));
 }
 
+void Communicator::reserve_started_16bit_all_reduces(std::size_t count, std::size_t elements,
+                                                     Dtype dtype) {
+  MESHTRAIN_REQUIRE(is_16bit(dtype), "started all_reduce of 16-bit elements on ", description_,
+                    " given fp32");
+  raw_reserve_started_all_reduces(count, elements, dtype);
+}
+
 uint16_t* Communicator::wire_send(std::size_t count) {
   return grown(wire_send_, count);
 }
@@ -623,6 +630,21 @@ Request Communicator::start_all_reduce(VectorView data, Dtype wire) {
                                                              return raw_start_all_reduce_sum(
                                                                  slot.recv.data(), count, wire, op);
                                                            })),
+                          timeout_seconds_);
+  } catch (...) {
+    rethrow_recorded(flight.serial(), timeout_seconds_);
+  }
+}
+
+Request Communicator::start_all_reduce_16bit(uint16_t* data, std::size_t count, Dtype dtype) {
+  const char* op = "all_reduce";
+  MESHTRAIN_REQUIRE(is_16bit(dtype), op, " of 16-bit elements on ", description_, " given fp32");
+  checked_int(count, "started all_reduce count");
+  TraceSpan span("all-reduce", TraceKind::collective);
+  describe_collective(span, CollectiveKind::all_reduce, description_, size_, count, dtype);
+  FlightScope flight(flight_group_, op, count * bytes_of(dtype), dtype, /*started=*/true);
+  try {
+    return flight.started(traced_start(span, raw_start_all_reduce_sum(data, count, dtype, op)),
                           timeout_seconds_);
   } catch (...) {
     rethrow_recorded(flight.serial(), timeout_seconds_);

@@ -213,6 +213,11 @@ class Communicator {
   // communicator in the same order; others may run meanwhile. One MPI/NCCL call: the
   // count must fit an int (split larger buffers).
   Request start_all_reduce(VectorView data, Dtype wire = Dtype::fp32);
+  // The same sum on `count` 16-bit elements of `dtype` (bf16 or fp16) as they are, in place: the
+  // 16-bit sum start_all_reduce(data, dtype) runs on its packed copy, without the packing, the
+  // wire slot and the widening (DP gradient buckets whose gradients are written as 16 bits,
+  // layers/gradient_buckets.hpp). `data` in the default memory space, untouched until complete.
+  Request start_all_reduce_16bit(uint16_t* data, std::size_t count, Dtype dtype);
   // Equal blocks along dim 0: send [n*b, c] block j goes to rank j; recv [n*b, c] block j
   // comes from rank j.
   void all_to_all(ConstMatrixView send, MatrixView recv);
@@ -260,6 +265,9 @@ class Communicator {
                                    Dtype wire = Dtype::fp32);
   // The same for start_all_gather_16bit (the backend's request slots only: no wire slots).
   void reserve_started_16bit_all_gathers(std::size_t count, std::size_t send_elements, Dtype dtype);
+  // The same for start_all_reduce_16bit (the backend's request slots, or its started ring's
+  // buffers: no wire slots).
+  void reserve_started_16bit_all_reduces(std::size_t count, std::size_t elements, Dtype dtype);
 
  protected:
   Communicator(int size, int rank, std::string description);

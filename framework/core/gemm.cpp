@@ -196,11 +196,22 @@ void check_epilogue(const GemmEpilogue& e, std::size_t m, std::size_t n) {
   }
 }
 
+// C = 0 (16 bits: +0 in both formats).
+void fill_16bit_zero(HalfMatrixView c16) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::gemm_zero_c_16bit"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          device_space(), {0, 0},
+          {static_cast<int64_t>(c16.extent(0)), static_cast<int64_t>(c16.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t r, const int64_t col) { c16(r, col) = 0; });
+}
+
 // The fp32 scratch gemm() widens 16-bit operands into where the kernel reads fp32 (gemm.hpp):
 // one per operand, made at the first such call and grown when a larger one comes, kept until
 // Kokkos::finalize.
 struct WideningScratch {
   Matrix a, b;
+  Matrix c;  // gemm_to_16bit()'s fp32 C where the kernel writes fp32
 };
 WideningScratch* the_widening_scratch = nullptr;
 
@@ -321,7 +332,8 @@ gemm_backend::HostLibrary inference_host_library() {
 }
 
 void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, float beta,
-             MatrixView c, Dtype inputs, const GemmEpilogue& epilogue, bool rows_vary = false);
+             MatrixView c, Dtype inputs, const GemmEpilogue& epilogue, bool rows_vary = false,
+             HalfMatrixView c16 = {}, bool sixteen_bit_c = false);
 
 // gemm_reads_16bit() for `library` (host memory) or CUDA, asked of the library.
 bool library_reads_16bit(gemm_backend::HostLibrary library, Dtype inputs) {
@@ -378,6 +390,21 @@ void gemm_varying_rows(GemmOperand a, GemmOperand b, float beta, MatrixView c, D
   gemm_on(host_library(), a, b, beta, c, inputs, epilogue, /*rows_vary=*/true);
 }
 
+void gemm_to_16bit(GemmOperand a, GemmOperand b, HalfMatrixView c, Dtype inputs) {
+  if (inputs == Dtype::fp32) {
+    MESHTRAIN_BAD_INPUT(
+        "gemm_to_16bit: C's 16 bits need inputs bf16 or fp16 (which its bits are), ", "got fp32");
+  }
+  gemm_on(host_library(), a, b, 0.0f, MatrixView(), inputs, GemmEpilogue{}, /*rows_vary=*/false, c,
+          /*sixteen_bit_c=*/true);
+}
+
+bool gemm_kernel_writes_16bit(Dtype inputs) {
+  // The kernels that read 16-bit operands as stored write a 16-bit C as well (oneDNN's bf16
+  // matmul, cuBLAS).
+  return reads_16bit(host_library(), inputs);
+}
+
 void inference_gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c,
                     const GemmEpilogue& epilogue) {
   gemm_on(inference_host_library(), a, b, beta, c, Dtype::fp32, epilogue);
@@ -390,12 +417,27 @@ bool inference_gemm_fuses_forward_epilogues() {
 
 namespace {
 
+// The rounding pass of gemm_to_16bit() where the kernel wrote fp32 scratch: c16 = RNE(wide).
+void round_into_16bit(ConstMatrixView wide, HalfMatrixView c16, Dtype dtype) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::gemm_round_c_16bit"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
+          device_space(), {0, 0},
+          {static_cast<int64_t>(c16.extent(0)), static_cast<int64_t>(c16.extent(1))}),
+      KOKKOS_LAMBDA(const int64_t r, const int64_t col) {
+        c16(r, col) = to_16bit(wide(r, col), dtype);
+      });
+}
+
 void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, float beta,
-             MatrixView c, Dtype inputs, const GemmEpilogue& epilogue, bool rows_vary) {
+             MatrixView c, Dtype inputs, const GemmEpilogue& epilogue, bool rows_vary,
+             HalfMatrixView c16, bool sixteen_bit_c) {
+  const std::size_t c_rows = sixteen_bit_c ? c16.extent(0) : c.extent(0),
+                    c_cols = sixteen_bit_c ? c16.extent(1) : c.extent(1);
   const std::size_t m = op_rows(a), k = op_cols(a), n = op_cols(b);
-  if (op_rows(b) != k || c.extent(0) != m || c.extent(1) != n) {
+  if (op_rows(b) != k || c_rows != m || c_cols != n) {
     MESHTRAIN_BAD_INPUT("gemm: op(A) is [", m, ", ", k, "], op(B) is [", op_rows(b), ", ", n,
-                        "] and C is [", c.extent(0), ", ", c.extent(1),
+                        "] and C is [", c_rows, ", ", c_cols,
                         "]; expected op(A) [M, K] @ op(B) [K, N] = C [M, N]");
   }
   check_epilogue(epilogue, m, n);
@@ -425,7 +467,8 @@ void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, fl
   call.ldb = leading_dimension(b.row_stride(), b.extent(1), "the leading dimension of B");
   call.beta = beta;
   call.c = c.data();
-  call.ldc = leading_dimension(c.stride(0), c.extent(1), "the leading dimension of C");
+  call.ldc = sixteen_bit_c ? leading_dimension(c16.stride(0), n, "the leading dimension of C")
+                           : leading_dimension(c.stride(0), n, "the leading dimension of C");
   call.precision = g_matmul_precision;
   call.inputs = inputs;
   call.rows_vary = rows_vary;
@@ -438,6 +481,10 @@ void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, fl
         leading_dimension(epilogue.activation_input.stride(0), n, "the activation input's rows");
   }
   call.bias_gradient = epilogue.bias_gradient.data();
+  if (sixteen_bit_c && k == 0) {  // an empty sum: C = 0
+    fill_16bit_zero(c16);
+    return;
+  }
   if (k == 0) {  // an empty sum: C = beta * C, then the epilogue
     scale(c, beta);
     apply_epilogue_left(call, gemm_backend::whole_epilogue(call));
@@ -457,9 +504,29 @@ void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, fl
       call.ldb = leading_dimension(b.extent(1), b.extent(1), "the leading dimension of B");
     }
   }
+  // gemm_to_16bit(): the kernel writes C's 16 bits, or the fp32 kernel writes scratch and one
+  // pass rounds it into C (gemm.hpp).
+  MatrixView wide_c;
+  if (sixteen_bit_c) {
+    if (reads_16bit(library, inputs)) {
+      call.c16 = c16.data();
+    } else {
+      Matrix& buffer = widening_scratch().c;
+      if (buffer.span() < m * n) {
+        buffer = Matrix();
+        buffer = Matrix(
+            Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("meshtrain::gemm_wide_c")),
+            m, n);
+      }
+      wide_c = MatrixView(buffer.data(), m, n);
+      call.c = wide_c.data();
+      call.ldc = leading_dimension(n, n, "the leading dimension of C");
+    }
+  }
 #if defined(KOKKOS_ENABLE_CUDA)
   if constexpr (std::is_same_v<MatrixView::memory_space, Kokkos::CudaSpace>) {
     apply_epilogue_left(call, gemm_backend::cuda_gemm(call));
+    if (wide_c.data() != nullptr) round_into_16bit(wide_c, c16, inputs);
     return;
   }
 #endif
@@ -475,10 +542,12 @@ void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, fl
 #if defined(MESHTRAIN_GEMM_ONEDNN)
   if (library == gemm_backend::HostLibrary::onednn) {
     apply_epilogue_left(call, gemm_backend::onednn_gemm(call, g_bf16_kernel));
+    if (wide_c.data() != nullptr) round_into_16bit(wide_c, c16, inputs);
     return;
   }
 #endif
   apply_epilogue_left(call, gemm_backend::cblas_gemm(call));
+  if (wide_c.data() != nullptr) round_into_16bit(wide_c, c16, inputs);
 }
 
 }  // namespace

@@ -870,5 +870,109 @@ TEST(Gemm, RepeatedCallsAllocateNothing) {
   }
 }
 
+// gemm_to_16bit(): C's 16 bits are gemm()'s fp32 C of the same call rounded to nearest even by
+// precision.hpp's to_16bit, bit for bit, on every path and 16-bit dtype: small shapes with every
+// transpose, fp32 and 16-bit operands and a row-strided C (whose padding must stay untouched), and
+// on the default path the weight-gradient shapes of the 784-4096-4096-10 step (Xᵀ @ dY, K the
+// rows of a rank's batch: 128 at batch 256 over 2 ranks, 256 on one), where oneDNN's bf16 matmul
+// writes the bf16 dst itself (its conversion rounds to nearest even; a kernel that accumulated
+// differently for a bf16 dst would show here). No tolerance: equality is the claim. Then the
+// fp32 kernel's fallback allocates nothing when repeated.
+TEST(Gemm, SixteenBitCIsTheFp32CRounded) {
+  struct Case {
+    std::size_t m, k, n;
+    bool big;  // the step's shapes: the default path only
+  };
+  const Case cases[] = {{5, 7, 9, false},        {33, 70, 17, false},     {784, 128, 4096, true},
+                        {4096, 128, 4096, true}, {4096, 256, 4096, true}, {4096, 128, 10, true}};
+  for (Dtype dtype : {Dtype::bf16, Dtype::fp16}) {
+    for (const Path& path : paths_for(dtype)) {
+      const SelectedPath selected(path);
+      const bool default_path = path.library == gemm_backend::default_host_library() &&
+                                path.bf16_kernel == Bf16Kernel::automatic;
+      std::mt19937 rng(21);
+      for (const Case& c : cases) {
+        // The step's shapes where the bf16 kernel writes the dst itself (fp16, and the fp32
+        // kernel's fallback, are the small shapes' case).
+        if (c.big && (!default_path || dtype != Dtype::bf16)) continue;
+        for (int flags = 0; flags < (c.big ? 1 : 4); ++flags) {
+          // The step's Xᵀ @ dY: A transposed, a 16-bit A (the kept input) and an fp32 B.
+          const bool ta = c.big || (flags & 1) != 0, tb = !c.big && (flags & 2) != 0;
+          const TestMatrix a = make_matrix(ta ? c.k : c.m, ta ? c.m : c.k, 0, dtype, rng);
+          const TestMatrix b =
+              make_matrix(tb ? c.n : c.k, tb ? c.k : c.n, c.big ? 0 : 3, dtype, rng);
+          TestMatrix want = make_matrix(c.m, c.n, 0, Dtype::fp32, rng);
+          GemmOperand op_a = plain(a.view()), op_b = plain(b.view());
+          op_a.transpose = ta;
+          op_b.transpose = tb;
+          gemm(op_a, op_b, 0.0f, want.view(), dtype);
+          const std::vector<float> wide = read_store(want);
+          // The 16-bit A as stored (exact: its values are 16-bit ones).
+          HalfMatrix a16("a16", a.rows, a.cols);
+          {
+            auto host = Kokkos::create_mirror_view(a16);
+            for (std::size_t i = 0; i < a.rows; ++i)
+              for (std::size_t j = 0; j < a.cols; ++j)
+                host(i, j) = to_16bit(static_cast<float>(a.at(i, j)), dtype);
+            Kokkos::deep_copy(a16, host);
+          }
+          const std::size_t pad = c.big ? 0 : 2;
+          for (bool sixteen_bit_a : {false, true}) {
+            HalfMatrix store("c16", c.m, c.n + pad);
+            Kokkos::deep_copy(store, uint16_t{0x7777});
+            const HalfMatrixView c16 =
+                Kokkos::subview(store, Kokkos::ALL, std::make_pair(pad / 2, pad / 2 + c.n));
+            GemmOperand x = sixteen_bit_a ? plain(ConstHalfMatrixView(a16)) : op_a;
+            x.transpose = ta;
+            gemm_to_16bit(x, op_b, c16, dtype);
+            auto host = Kokkos::create_mirror_view(store);
+            Kokkos::deep_copy(host, store);
+            std::size_t wrong = 0;
+            for (std::size_t i = 0; i < c.m; ++i) {
+              for (std::size_t j = 0; j < c.n + pad; ++j) {
+                const bool inside = j >= pad / 2 && j < pad / 2 + c.n;
+                const uint16_t expected =
+                    inside ? to_16bit(wide[i * c.n + j - pad / 2], dtype) : uint16_t{0x7777};
+                if (host(i, j) != expected && wrong++ < 3) {
+                  ADD_FAILURE() << path.name << " " << to_string(dtype) << " [" << c.m << ", "
+                                << c.k << ", " << c.n << "] ta " << ta << " tb " << tb
+                                << " 16-bit A " << sixteen_bit_a << ": C(" << i << ", "
+                                << j - pad / 2 << ") bits " << host(i, j) << ", want " << expected;
+                }
+              }
+            }
+            EXPECT_EQ(wrong, 0u);
+          }
+        }
+      }
+      if (path.library == HostLibrary::openblas && !kDeviceMemoryIsHostInaccessible) {
+        EXPECT_FALSE(gemm_kernel_writes_16bit(dtype)) << path.name;
+      }
+      if (path.library == HostLibrary::onednn && path.bf16_kernel == Bf16Kernel::bf16) {
+        EXPECT_TRUE(gemm_kernel_writes_16bit(dtype)) << path.name;
+      }
+      // Repeated calls allocate nothing (the fallback's fp32 scratch is kept).
+      const TestMatrix a = make_matrix(40, 24, 0, dtype, rng),
+                       b = make_matrix(40, 30, 0, dtype, rng);
+      HalfMatrix c16("c16", 24, 30);
+      const auto call = [&] { gemm_to_16bit(transposed(a.view()), plain(b.view()), c16, dtype); };
+      call();
+      Kokkos::fence();
+      AllocationWindow window(AllocationWindow::Threads::all, AllocationWindow::OneDnn::left_out);
+      call();
+      call();
+      Kokkos::fence();
+      EXPECT_EQ(window.close(), 0) << path.name << " " << to_string(dtype);
+      EXPECT_EQ(window.kokkos_allocations(), 0) << path.name << " " << to_string(dtype);
+    }
+  }
+  Matrix a("a", 3, 4), b("b", 4, 5);
+  HalfMatrix c16("c16", 3, 6);
+  expect_bad_input([&] { gemm_to_16bit(plain(a), plain(b), c16, Dtype::bf16); },
+                   {"gemm: op(A) is [3, 4], op(B) is [4, 5] and C is [3, 6]"});
+  expect_bad_input([&] { gemm_to_16bit(plain(a), plain(b), HalfMatrix("c", 3, 5), Dtype::fp32); },
+                   {"C's 16 bits need inputs bf16 or fp16"});
+}
+
 }  // namespace
 }  // namespace meshtrain::testing

@@ -12,12 +12,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "framework/comm/mesh_communicators.hpp"
+#include "framework/core/gemm.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/train/adamw_math.hpp"
 #include "framework/train/init.hpp"
@@ -573,6 +575,96 @@ TEST(WireRounding, BucketsRoundOnTheirSixteenBitWire) {
       }
     }
   }
+}
+
+// A layer whose weight-gradient GEMM writes its gradient as 16 bits straight into the buckets'
+// 16-bit buffer (gemm_to_16bit into GradientBuckets::wire_home, layer_ready's written_16bit:
+// layers/linear.cpp under DP overlap with reduce_dtype = param_dtype) gives, after the sum, the
+// bits of the fp32 GEMM's gradient packed by the buckets (the path before): both layers' gradients
+// in one bucket, a bucket per gradient, and the GEMM's gradient split over several buckets (as the
+// 784-4096-4096-10 model's [4096, 4096] weight is at 25 MiB), bf16 and fp16 (fp16's C goes through
+// gemm()'s fp32 scratch on oneDNN: the same bits). Its fp32 gradient is overwritten with NaN
+// first: wait_all() alone fills it. No tolerance: equality is the claim.
+TEST(WireRounding, BucketsTakeAGradientItsGemmWroteAs16Bits) {
+  const int n = world_size(), rank = world_rank();
+  if (n == 1) GTEST_SKIP() << "no bucket without a second rank (nothing is reduced)";
+  MeshCommunicators comms(Mesh::create({{"dp", n}}, n), MPI_COMM_WORLD,
+                          testing::test_communicator_factory());
+  ParallelContext context(comms, {"dp"}, "");
+  const std::size_t rows = 24, inner = 16, cols = 20, count = rows * cols;
+  const std::size_t small = static_cast<std::size_t>(kWireRows * kWireCols);
+  for (Dtype param : {Dtype::bf16, Dtype::fp16}) {
+    // X [inner, rows] and dY [inner, cols]: this rank's 16-bit values.
+    std::mt19937 rng(static_cast<unsigned>(11 + rank));
+    std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+    Matrix x("x", inner, rows), dy("dy", inner, cols);
+    for (Matrix* m : {&x, &dy}) {
+      auto h = Kokkos::create_mirror_view(*m);
+      for (std::size_t i = 0; i < h.extent(0); ++i)
+        for (std::size_t j = 0; j < h.extent(1); ++j) h(i, j) = round_to(uniform(rng), param);
+      Kokkos::deep_copy(*m, h);
+    }
+    for (double bucket_floats : {1.0e6, static_cast<double>(count), 100.0}) {
+      const double bucket_mb = bucket_floats * sizeof(float) / (1024.0 * 1024.0);
+      SCOPED_TRACE(std::string(dtype_name(param)) + " buckets of " + std::to_string(bucket_floats) +
+                   " floats");
+      Vector w("w", count), bias("bias", small), other("other", small);
+      GradientBuckets buckets(
+          {LayerGradients{{VectorView(other.data(), small)}, context.comm({"dp"})},
+           LayerGradients{{VectorView(w.data(), count), VectorView(bias.data(), small)},
+                          context.comm({"dp"})}},
+          bucket_mb, param);
+      EXPECT_EQ(buckets.size(), bucket_floats == 1.0e6 ? 1u : bucket_floats == count ? 2u : 7u);
+      // Only the gradient itself has a home: not another buffer, nor another size.
+      EXPECT_EQ(buckets.wire_home(1, 0, bias.data(), small), nullptr);
+      EXPECT_EQ(buckets.wire_home(1, 0, w.data(), count - 1), nullptr);
+      auto reduced = [&](bool sixteen_bit) {
+        const MatrixView g(w.data(), rows, cols);
+        if (sixteen_bit) {
+          uint16_t* home = buckets.wire_home(1, 0, w.data(), count);
+          EXPECT_NE(home, nullptr);
+          Kokkos::deep_copy(w, std::numeric_limits<float>::quiet_NaN());
+          gemm_to_16bit(transposed(ConstMatrixView(x)), plain(ConstMatrixView(dy)),
+                        HalfMatrixView(home, rows, cols), param);
+        } else {
+          gemm(transposed(ConstMatrixView(x)), plain(ConstMatrixView(dy)), 0.0f, g, param);
+        }
+        write_gradient(VectorView(bias.data(), small), raw_gradient(rank, 0), false, param);
+        write_gradient(VectorView(other.data(), small), raw_gradient(rank, 1), false, param);
+        buckets.layer_ready(1, sixteen_bit ? 1u : 0u);
+        buckets.layer_ready(0);
+        buckets.wait_all();
+        Kokkos::fence();
+        std::vector<uint32_t> out = bits_of(w), more = bits_of(bias), rest = bits_of(other);
+        out.insert(out.end(), more.begin(), more.end());
+        out.insert(out.end(), rest.begin(), rest.end());
+        return out;
+      };
+      const std::vector<uint32_t> before = reduced(false), written = reduced(true);
+      EXPECT_EQ(written, before);
+      // The sums are 16-bit values and not this rank's product alone.
+      const std::vector<uint32_t> mine = [&] {
+        Vector local("local", count);
+        gemm(transposed(ConstMatrixView(x)), plain(ConstMatrixView(dy)), 0.0f,
+             MatrixView(local.data(), rows, cols), param);
+        round_in_place(VectorView(local.data(), count), param);
+        Kokkos::fence();
+        return bits_of(local);
+      }();
+      std::size_t differ = 0;
+      for (std::size_t k = 0; k < count; ++k) {
+        float v;
+        std::memcpy(&v, &written[k], sizeof v);
+        ASSERT_EQ(round_to(v, param), v) << "element " << k;
+        differ += written[k] != mine[k];
+      }
+      EXPECT_GT(differ, count / 2);
+    }
+  }
+  Vector a("a", 8);
+  GradientBuckets fp32_wire({LayerGradients{{VectorView(a.data(), 8)}, context.comm({"dp"})}},
+                            25.0);
+  EXPECT_EQ(fp32_wire.wire_home(0, 0, a.data(), 8), nullptr);
 }
 
 TEST(Mlp, TrainingStepsAllocateNothing) {

@@ -37,6 +37,10 @@ struct RowMajorGemm {
   float beta = 0.0f;
   float* c = nullptr;
   int ldc = 0;
+  // C as 16-bit elements of `inputs`' dtype (row stride ldc), instead of c: gemm_to_16bit(), beta
+  // 0 and no epilogue. A backend gets it only where gemm_kernel_writes_16bit(inputs); gemm() runs
+  // the fp32 kernel into fp32 scratch and rounds elsewhere.
+  uint16_t* c16 = nullptr;
   MatmulPrecision precision = MatmulPrecision::fp32;
   Dtype inputs = Dtype::fp32;  // what A's and B's values hold
   bool rows_vary = false;      // gemm_varying_rows(): M or K change from call to call

@@ -427,6 +427,8 @@ bool run_cublaslt(const RowMajorGemm& call, const Operands& operands, EpilogueLe
 EpilogueLeft cuda_gemm(const RowMajorGemm& call) {
   const Operands operands = operands_of(call);
   const EpilogueLeft whole = whole_epilogue(call);
+  // A 16-bit C (gemm_to_16bit(): 16-bit inputs, beta 0, no epilogue) is cublasGemmEx's C in the
+  // inputs' type (CUDA_R_16BF / CUDA_R_16F), accumulated in fp32 (operands.compute).
   if (!whole.nothing()) {
     EpilogueLeft left;
     if (run_cublaslt(call, operands, left)) return left;
@@ -439,7 +441,9 @@ EpilogueLeft cuda_gemm(const RowMajorGemm& call) {
       cublasGemmEx(handle(), call.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                    call.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N, call.n, call.m, call.k, &alpha,
                    operands.b, operands.type, operands.ldb, operands.a, operands.type, operands.lda,
-                   &call.beta, call.c, CUDA_R_32F, call.ldc, operands.compute, CUBLAS_GEMM_DEFAULT),
+                   &call.beta, call.c16 != nullptr ? static_cast<void*>(call.c16) : call.c,
+                   call.c16 != nullptr ? operands.type : CUDA_R_32F, call.ldc, operands.compute,
+                   CUBLAS_GEMM_DEFAULT),
       call.inputs == Dtype::fp32 ? "cublasGemmEx" : "cublasGemmEx (16-bit inputs)");
   return whole;
 }

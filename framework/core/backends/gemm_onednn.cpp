@@ -36,6 +36,10 @@
 // (gemm() widens 16-bit operands into fp32 scratch first): bf16 products are exact in fp32,
 // the results differ only in the order of the fp32 additions. fp16 always takes the fp32
 // matmul (oneDNN 2.6 has no fp16 matmul on CPUs); its products are exact in fp32 as well.
+// A 16-bit C (gemm_to_16bit(), RowMajorGemm::c16) comes here only on the bf16 matmul: its dst is
+// then bf16, which oneDNN converts from its fp32 accumulators rounding to nearest even, the same
+// primitive choice as an fp32 dst (the key differs in c16 alone), so the bits are those of the
+// fp32 C rounded (tests/core/gemm_test.cpp, SixteenBitCIsTheFp32CRounded).
 
 #include <dlfcn.h>
 #include <dnnl.hpp>
@@ -81,6 +85,7 @@ struct PrimitiveKey {
   int n = 0;
   bool transpose_a = false, transpose_b = false;
   bool bf16 = false;  // the bf16 matmul on bf16 copies (else fp32)
+  bool c16 = false;   // a bf16 dst (gemm_to_16bit(); bf16 matmul only), else fp32
   bool bias = false;
   Activation activation = Activation::none;
   uint32_t beta_bits = 0;  // beta, bit for bit (0: no sum post-op)
@@ -89,7 +94,7 @@ struct PrimitiveKey {
 
   bool operator==(const PrimitiveKey& o) const {
     return n == o.n && transpose_a == o.transpose_a && transpose_b == o.transpose_b &&
-           bf16 == o.bf16 && bias == o.bias && activation == o.activation &&
+           bf16 == o.bf16 && c16 == o.c16 && bias == o.bias && activation == o.activation &&
            beta_bits == o.beta_bits && fixed == o.fixed && shape == o.shape;
   }
 };
@@ -102,7 +107,8 @@ struct PrimitiveKeyHash {
         (static_cast<std::size_t>(key.transpose_b) << 1) |
         (static_cast<std::size_t>(key.bf16) << 2) | (static_cast<std::size_t>(key.bias) << 3) |
         (static_cast<std::size_t>(key.fixed) << 4) |
-        (static_cast<std::size_t>(key.activation) << 5));
+        (static_cast<std::size_t>(key.activation) << 5) |
+        (static_cast<std::size_t>(key.c16) << 13));
     mix(key.beta_bits);
     for (int v : {key.shape.m, key.shape.k, key.shape.lda, key.shape.ldb, key.shape.ldc}) {
       mix(static_cast<std::size_t>(v));
@@ -235,7 +241,8 @@ std::unique_ptr<Primitive> make_primitive(OneDnn& state, const PrimitiveKey& key
                                 dims_of(op_strides(fixed ? shape.lda : kRuntime, key.transpose_a)));
   const dnnl::memory::desc b_md({k, key.n}, operand,
                                 dims_of(op_strides(fixed ? shape.ldb : kRuntime, key.transpose_b)));
-  const dnnl::memory::desc c_md({m, key.n}, DataType::f32, Dims{fixed ? shape.ldc : kRuntime, 1});
+  const dnnl::memory::desc c_md({m, key.n}, key.c16 ? DataType::bf16 : DataType::f32,
+                                Dims{fixed ? shape.ldc : kRuntime, 1});
   const dnnl::memory::desc bias_md({1, key.n}, DataType::f32, Dims{key.n, 1});
   dnnl::post_ops post_ops;
   float beta = 0.0f;
@@ -490,12 +497,17 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
   const bool bf16 = runs_bf16(state, call.inputs, bf16_kernel);
   MESHTRAIN_REQUIRE(bf16 || (call.a16 == nullptr && call.b16 == nullptr),
                     "gemm (oneDNN): 16-bit operands reach the fp32 matmul (gemm() widens them)");
+  MESHTRAIN_REQUIRE(
+      call.c16 == nullptr || (bf16 && call.beta == 0.0f && !call.backward && call.bias == nullptr &&
+                              call.activation == Activation::none),
+      "gemm (oneDNN): a 16-bit C reaches the fp32 matmul or carries an epilogue");
 
   PrimitiveKey key;
   key.n = call.n;
   key.transpose_a = call.transpose_a;
   key.transpose_b = call.transpose_b;
   key.bf16 = bf16;
+  key.c16 = call.c16 != nullptr;
   const bool forward_epilogue = !call.backward;
   key.bias = forward_epilogue && call.bias != nullptr;
   key.activation = forward_epilogue ? call.activation : Activation::none;
@@ -537,7 +549,9 @@ EpilogueLeft onednn_gemm(const RowMajorGemm& call, Bf16Kernel bf16_kernel) {
   const DataType operand = bf16 ? DataType::bf16 : DataType::f32;
   const CallMemory a_memory(state, call.m, call.k, op_strides(lda, call.transpose_a), operand, a);
   const CallMemory b_memory(state, call.k, call.n, op_strides(ldb, call.transpose_b), operand, b);
-  const CallMemory c_memory(state, call.m, call.n, Strides{call.ldc, 1}, DataType::f32, call.c);
+  const CallMemory c_memory(state, call.m, call.n, Strides{call.ldc, 1},
+                            key.c16 ? DataType::bf16 : DataType::f32,
+                            key.c16 ? static_cast<const void*>(call.c16) : call.c);
   // The scratchpad goes only to a primitive that uses one (its gemm kernel does not).
   dnnl_exec_arg_t args[5] = {{DNNL_ARG_SRC, a_memory.get()},
                              {DNNL_ARG_WEIGHTS, b_memory.get()},
