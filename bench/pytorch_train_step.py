@@ -13,6 +13,19 @@ device, so there is no reduction for reduce_dtype); fp16 with a GradScaler.
 --compile runs the model through torch.compile (PyTorch 2; the first warm-up step compiles).
 Also reports the GEMM rate of torch.mm on the widest layer's shape at the batch
 (gemm_tflops), the rate the step's GEMM FLOPs are compared with.
+
+--ranks R (CPU) runs R processes instead, DistributedDataParallel over gloo on localhost, each
+with --threads intra-op threads (default 1: one core per rank, as meshtrain's Serial backend)
+and batch / R rows (as meshtrain's dp splits the global batch); bf16 is torch.autocast("cpu",
+dtype=torch.bfloat16) around forward, the gradients all-reduced in fp32 (DDP's default; PyTorch
+1.13 has no bf16 reduction over gloo). Each timed step is timed as bench_train_step times its
+steps: a barrier, the step, a barrier; wall time of the whole, and the CPU time of the step in
+each process (all its threads: gloo's too), the largest over ranks. Prints ONE JSON line with the
+medians over the timed steps (step_time_median_s, step_cpu_time_median_s) and the dtype the first
+Linear's output had under autocast (first_linear_output_dtype: torch.bfloat16 when it is real):
+
+    python3 bench/pytorch_train_step.py --ranks 2 --sizes 784,4096,4096,10 --batch 256 \
+        --param-dtype bf16 --steps 5 --warmup 1
 """
 import argparse
 import contextlib
@@ -47,7 +60,20 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--param-dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--ranks", type=int, default=0,
+                        help="CPU: R processes under DistributedDataParallel over gloo (0: one "
+                        "process, no DDP)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="with --ranks: torch.set_num_threads in every process")
     args = parser.parse_args()
+    if args.ranks:
+        if args.ranks < 1 or args.batch % args.ranks:
+            sys.exit(f"pytorch_train_step.py: --ranks {args.ranks} must be positive and divide "
+                     f"--batch {args.batch}")
+        if args.device != "cpu" or args.param_dtype == "fp16" or args.compile:
+            sys.exit("pytorch_train_step.py: --ranks runs on the CPU, in fp32 or bf16, eager only")
+        run_ddp(args)
+        return
 
     sizes = [int(s) for s in args.sizes.split(",")]
     device = torch.device(args.device)
@@ -133,6 +159,108 @@ def main():
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
     print(json.dumps(line), flush=True)
+
+
+def ddp_rank(rank, args, port):
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    torch.set_num_interop_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    torch.manual_seed(0)  # the same initial weights on every rank (DDP broadcasts rank 0's too)
+    layers = []
+    for i in range(len(sizes) - 1):
+        layers.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
+        if i + 2 < len(sizes):
+            layers.append(torch.nn.ReLU())
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999),
+                                  eps=1e-8, weight_decay=0.0)
+    rows = args.batch // args.ranks
+    generator = torch.Generator().manual_seed(1 + rank)  # each rank its own rows
+    x = torch.randn(rows, sizes[0], generator=generator)
+    labels = (torch.arange(rows) + rank * rows) % sizes[-1]
+    loss_fn = torch.nn.CrossEntropyLoss()
+    bf16 = args.param_dtype == "bf16"
+    seen = {}
+
+    def note_dtype(module, inputs, output):  # returns None: the output is left as it is
+        seen.setdefault("dtype", str(output.dtype))
+
+    hook = layers[0].register_forward_hook(note_dtype)
+
+    def step():
+        optimizer.zero_grad(set_to_none=False)
+        if bf16:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(x)
+        else:
+            logits = model(x)
+        loss = loss_fn(logits.float(), labels)
+        loss.backward()
+        optimizer.step()
+        return float(loss)
+
+    losses = [step() for _ in range(args.warmup)]
+    hook.remove()
+    walls, cpus = [], []
+    for _ in range(args.steps):
+        dist.barrier()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        losses.append(step())
+        cpu = time.process_time() - cpu_start
+        dist.barrier()
+        walls.append(time.perf_counter() - start)
+        cpus.append(cpu)
+    # The largest rank's figures per step, as bench_train_step's MPI_MAX.
+    per_step = torch.tensor([walls, cpus], dtype=torch.float64)
+    dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        walls, cpus = per_step.tolist()
+        multiply_adds = sum(sizes[i] * sizes[i + 1] for i in range(len(sizes) - 1))
+        line = {
+            "bench": "pytorch_train_step",
+            "torch": torch.__version__,
+            "device": "cpu",
+            "ddp": True,
+            "backend": "gloo",
+            "ranks": args.ranks,
+            "threads_per_rank": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "sizes": sizes,
+            "batch": args.batch,
+            "rows_per_rank": rows,
+            "param_dtype": args.param_dtype,
+            "autocast": "torch.autocast('cpu', dtype=torch.bfloat16)" if bf16 else None,
+            "first_linear_output_dtype": seen.get("dtype"),
+            "gradient_allreduce_dtype": "fp32",
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "step_time_median_s": statistics.median(walls),
+            "step_cpu_time_median_s": statistics.median(cpus),
+            "step_times_s": walls,
+            "step_cpu_times_s": cpus,
+            "samples_per_s": args.batch / statistics.median(walls),
+            "flops_per_step": 6.0 * args.batch * multiply_adds,
+            "first_loss": losses[0],
+            "last_loss": losses[-1],
+        }
+        print(json.dumps(line), flush=True)
+    dist.destroy_process_group()
+
+
+def run_ddp(args):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(ddp_rank, args=(args, port), nprocs=args.ranks)
 
 
 if __name__ == "__main__":
