@@ -6,6 +6,7 @@
 #include <set>
 
 #include "base/error.hpp"
+#include "base/text.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
@@ -17,9 +18,6 @@
 namespace meshtrain {
 
 namespace {
-
-// The linear layers' gradient buckets' size cap (MiB): the MLPs of DLRM's sizes fit one.
-constexpr double kDenseBucketMb = 64.0;
 
 // The kernels are free functions: nvcc rejects a device lambda inside a private member.
 
@@ -106,6 +104,13 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
                         to_string(context.precision().param),
                         " (mixed_precision.param_dtype = \"fp32\")");
   }
+  if (context.precision().reduce != Dtype::fp32) {
+    // The linear layers' buckets and the tables' packed sums add in fp32: a 16-bit reduce
+    // dtype would sum the layers that reduce their own (FSDP) differently from the bucketed ones.
+    MESHTRAIN_BAD_INPUT("dlrm sums its gradients in fp32 only; this run asks for ",
+                        to_string(context.precision().reduce),
+                        " (mixed_precision.reduce_dtype = \"fp32\")");
+  }
   const Mesh& mesh = context.mesh();
   size_t table_index = 0;
   for (const ParameterShape& p : dlrm_parameter_shapes(shape)) {
@@ -181,15 +186,18 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
     for (Linear& l : bottom_) sequence.push_back(&l);
     for (Linear& l : top_) sequence.push_back(&l);
     dense_plan_ = GradientReductionPlan(sequence);
-    dense_buckets_ = GradientBuckets(dense_plan_.bucket_gradients(), kDenseBucketMb);
+    // Bucketed whatever runtime.overlap says (one all-reduce waited for at the end of backward
+    // is fewer collectives either way), cut at runtime.bucket_mb.
+    dense_buckets_ = GradientBuckets(dense_plan_.bucket_gradients(), context.bucket_mb());
   }
   table_bucket_.assign(tables_.size(), -1);
   for (size_t t = 0; t < tables_.size(); ++t) {
     const EmbeddingBag& table = tables_[t];
     if (!table.bucketed()) continue;
+    // One group per communicator (two axes lists of the same ranks share it).
     auto same =
         std::find_if(sparse_buckets_.begin(), sparse_buckets_.end(),
-                     [&](const SparseBucket& b) { return b.axes == table.gradient_axes(); });
+                     [&](const SparseBucket& b) { return b.comm == table.gradient_comm(); });
     if (same == sparse_buckets_.end()) {
       sparse_buckets_.emplace_back();
       same = sparse_buckets_.end() - 1;
@@ -204,15 +212,19 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
   for (SparseBucket& b : sparse_buckets_) {
     int64_t floats = 0;
     for (size_t t : b.tables) floats += tables_[t].gradient_capacity();
-    const std::string axes = b.axes.empty() ? std::string() : b.axes.front();
+    const std::string axes = join(b.axes, "_");
     const std::string prefix = "dlrm/sparse_bucket_" + axes + "_";
     const int64_t n = b.comm->size();
     // Every count below becomes an int in the communicator: checked here, once, for the
-    // largest a step can send.
-    MESHTRAIN_REQUIRE(n * b.rank_rows * 2 <= std::numeric_limits<int>::max() &&
-                          floats <= std::numeric_limits<int>::max(),
-                      "dlrm: the tables' touched rows (", n * b.rank_rows, " rows) or their ",
-                      "compact gradients (", floats, " floats) exceed an MPI count");
+    // largest a step can send. The batch size and the tables' ids and dims set them: bad input.
+    if (n * b.rank_rows * 2 > std::numeric_limits<int>::max() ||
+        floats > std::numeric_limits<int>::max()) {
+      MESHTRAIN_BAD_INPUT("dlrm: the tables summed over (", join(b.axes), ") exchange ",
+                          n * b.rank_rows * 2, " values of touched rows and ", floats,
+                          " floats of compact gradients a step, more than an MPI count holds (",
+                          std::numeric_limits<int>::max(),
+                          "); lower data.batch_size or shard more of model.tables row-wise");
+    }
     b.send = Matrix(prefix + "touched_send", static_cast<size_t>(b.rank_rows), 2);
     b.recv = Matrix(prefix + "touched_recv", static_cast<size_t>(n * b.rank_rows), 2);
     b.send_host = host_mirror(b.send);

@@ -26,15 +26,20 @@
 // layout allows (docs/recsys.md, "Collectives per step"):
 //   the linear layers   those whose gradients are only all-reduced over the batch axes (DP or
 //                       replicated storage; GradientReductionPlan decides) go into
-//                       GradientBuckets of up to kDenseBucketMb: one all-reduce, started when
-//                       the bottom's first layer is done, for the MLPs of this model's sizes;
+//                       GradientBuckets of up to runtime.bucket_mb (the context's; bucketed
+//                       whatever runtime.overlap says): one all-reduce, started when the
+//                       bottom's first layer is done, for the MLPs of this model's sizes;
 //                       the others (FSDP) reduce their own, as an mlp's do;
 //   sparse table grads  the tables summed over the same batch axes (replicated ones, the
 //                       row-wise ones on a mesh with more batch axes than they split) exchange
 //                       their touched rows in one all-gather and sum their compact gradients,
 //                       packed side by side, in one all-reduce per step and group (the
 //                       EmbeddingBag's backward_sparse_* calls), in table order on every rank.
-// Both sums are elementwise: the same values as each gradient's own all-reduce.
+// Both sums are elementwise: each element has the addends it had in its own all-reduce, the
+// same values bit for bit at np <= 2 and with Open MPI's elementwise sums at np 4 (an MPI
+// library that chose another summation order for the longer message could change last bits at
+// more than 2 ranks: docs/recsys.md, "Collectives per step"). The reduce dtype must be fp32
+// (bad_input otherwise): both sums add in fp32.
 //
 // Everything (activations, the interaction's buffers, every table's pooled rows and their
 // gradients) is allocated at construction for `local_rows` rows and `max_ids` ids per table per

@@ -583,7 +583,9 @@ const std::vector<ConfigKey>& config_keys() {
     k.push_back(make_key("runtime", "overlap", FIELD(runtime.overlap), any_value(), kEveryCommand,
                          "start communication early, under computation"));
     k.push_back(make_key("runtime", "bucket_mb", FIELD(runtime.bucket_mb), positive("MiB"),
-                         kEveryCommand, "overlap: the cap of a DP gradient bucket"));
+                         kEveryCommand,
+                         "overlap: the cap of a DP gradient bucket (DLRM's linear layers are "
+                         "bucketed with or without overlap)"));
     k.push_back(shaped("runtime", "comm_thread", any_value(), kEveryCommand,
                        "a thread that progresses started communication (auto: with overlap "
                        "where a core is free)")

@@ -24,14 +24,14 @@
 // no kink for a float64 reference to land on the other side of). Parameters from
 // Dlrm::initialize (the same global values on every mesh), dy random in [-1, 1).
 // A second forward and backward allocate nothing. Sparse table gradients (TableGradients::sparse,
-// dp n with row-wise tables): no table gradient is allocated (each tensor empty; the memory
-// tracker's live allocations under a table's name are its weights only, the dense model's
-// gradient blocks fewer bytes), and the logits and linear layers' gradients still equal the
-// one-rank dense model's. A model built to predict only (TableGradients::none, DlrmPredictor's):
-// the tracker's live bytes are the dense model's less its table and interaction gradients, the
-// logits the one-rank model's, backward refused. Refusals: the shape checks (one sentence
-// each), 16-bit precision, a tp split of a linear layer's output, a column split of a table's dim
-// that tp does not divide.
+// dp n with row-wise tables; and bucketed, dp n and at np 4 fsdp 2 x dp 2): no table gradient is
+// allocated (each tensor empty; the memory tracker's live allocations under a table's name are its
+// weights only, the dense model's gradient blocks fewer bytes), and the logits and linear layers'
+// gradients still equal the one-rank dense model's. A model built to predict only
+// (TableGradients::none, DlrmPredictor's): the tracker's live bytes are the dense model's less its
+// table and interaction gradients, the logits the one-rank model's, backward refused. Refusals: the
+// shape checks (one sentence each), 16-bit precision, a tp split of a linear layer's output, a
+// column split of a table's dim that tp does not divide, a 16-bit reduce dtype.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -585,119 +585,150 @@ TEST(Dlrm, SparseTableGradientsAreNeverAllocated) {
 }
 
 // Sparse table gradients on dp n, tables a and c replicated and b row-wise over dp (a and c
-// the same at n = 1): one step's collectives, counted by the flight recorder, are b's four
-// all-to-alls (counts, ids and partial sums forward; dy backward), one all-gather of a's and
-// c's touched rows together, one all-reduce of their compact gradients together and one of the
-// linear layers' gradients (bucketed): seven at n > 1, whatever the number of replicated tables
-// and linear layers (unbucketed: an all-gather and an all-reduce per replicated table and the
-// linear layers' own all-reduces). Their values: each table's touched rows are the rows its
-// dense gradient (a TableGradients::dense model built the same way, each table all-reduced on
-// its own) has non-zero, and the compact gradients equal those rows bit for bit (the same
-// elementwise sums over the same ranks: packing a table's rows beside the others' changes no
-// element's addends), as do the linear layers' gradients.
+// the same at n = 1), and at np 4 also on fsdp 2 x dp 2 with b row-wise over fsdp (two groups:
+// b summed over dp, a and c over (fsdp, dp)). One step's collectives, counted by the flight
+// recorder, are b's four all-to-alls (counts, ids and partial sums forward; dy backward), one
+// all-gather of the touched rows per group, one all-reduce of the compact gradients per group
+// and one of the linear layers' gradients (bucketed): seven on dp n > 1, nine on fsdp 2 x dp 2,
+// whatever the number of replicated tables and linear layers (unbucketed: an all-gather and an
+// all-reduce per table and the linear layers' own all-reduces). Their values: each table's
+// touched rows are the rows its dense gradient (a TableGradients::dense model built the same way,
+// each table all-reduced on its own) has non-zero, and the compact gradients equal those rows bit
+// for bit: the sums are elementwise, so packing a table's rows beside the others' changes no
+// element's addends, which holds bit for bit at np <= 2 and with Open MPI's elementwise sums at
+// np 4 (an MPI library that chose another summation order for the longer message could change
+// last bits at more than 2 ranks: docs/recsys.md, "Collectives per step"). The linear layers'
+// gradients equal the one-rank model's within kMeshTolerance (DP sums reorder). A further step
+// allocates nothing.
 TEST(Dlrm, SparseGradientsAreExchangedInOneCollectiveEach) {
   const int n = world_size();
-  const Mesh mesh = Mesh::create({{"dp", n}}, n);
-  MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
-  ParallelContext context(comms, {"fsdp", "dp"}, "tp");
   const DlrmShape shape = make_shape(DlrmInteraction::dot);
   const Data d = make_data(shape);
-  auto spec_of = [](const std::string& name) {
-    if (name == "embeddings/b/weight") return PartitionSpec::parse("P(dp, None)");
-    return PartitionSpec::parse("P()");
-  };
-  const int64_t rows = kBatch / n;
-  const int64_t first_row = context.batch_index() * rows;
-  Dlrm dense(shape, Activation::tanh, spec_of, context, rows, most_ids(d, n));
-  Dlrm sparse(shape, Activation::tanh, spec_of, context, rows, most_ids(d, n),
-              TableGradients::sparse);
-  dense.initialize(InitScheme::he_normal, kSeed);
-  sparse.initialize(InitScheme::he_normal, kSeed);
-  const Matrix dense_in =
-      testing::block_matrix("dense", rows, kDense, first_row, 0,
-                            [&](int64_t i, int64_t j) { return d.dense[i * kDense + j]; });
-  const Matrix dy = testing::block_matrix("dy", rows, 1, first_row, 0,
-                                          [&](int64_t i, int64_t) { return d.dy[i]; });
-  std::vector<LocalBags> local;
-  std::vector<SparseBags> bags;
-  for (size_t t = 0; t < shape.tables.size(); ++t) {
-    local.push_back(local_bags(d.offsets[t], d.ids[t], first_row, rows));
-  }
-  for (const LocalBags& l : local) bags.push_back({l.offsets, l.ids});
-  dense.forward(dense_in, bags);
-  dense.backward(dy);
-  sparse.forward(dense_in, bags);
-  sparse.backward(dy);  // a first step: whatever a first use sets up is not counted
-
-  const std::string dir = std::filesystem::temp_directory_path().string() +
-                          "/meshtrain_dlrm_collectives_" + std::to_string(getppid());
-  flight_recorder().configure(1024, dir, world_rank(), world_size());
-  MPI_Barrier(MPI_COMM_WORLD);
-  sparse.forward(dense_in, bags);
-  sparse.backward(dy);
-  std::map<std::string, int> ops;
-  for (const FlightEntry& e : flight_recorder().entries()) ++ops[e.op];
-  flight_recorder().configure(0, "", world_rank(), world_size());
-  MPI_Barrier(MPI_COMM_WORLD);
-  if (world_rank() == 0) {
-    std::error_code ignored;
-    std::filesystem::remove_all(dir, ignored);
-  }
-  int total = 0;
-  std::string seen;
-  for (const auto& [op, count] : ops) {
-    total += count;
-    seen += " " + op + " x" + std::to_string(count);
-  }
-  SCOPED_TRACE("collectives:" + seen);
-  if (n == 1) {
-    EXPECT_EQ(total, 0);
-  } else {
-    EXPECT_EQ(ops["all_to_all"], 1) << "b's counts";
-    EXPECT_EQ(ops["all_to_all_v"], 3) << "b's ids, partial sums and dy";
-    EXPECT_EQ(ops["all_gather"], 1) << "a's and c's touched rows";
-    EXPECT_EQ(ops["all_reduce"], 2) << "a's and c's compact gradients; the linear layers'";
-    EXPECT_EQ(total, 7);
-  }
-
-  for (size_t t = 0; t < shape.tables.size(); ++t) {
-    const EmbeddingBag& table = sparse.tables()[t];
-    SCOPED_TRACE("table " + table.table());
-    EXPECT_EQ(table.bucketed(), n > 1 && table.table() != "b");
-    const size_t p = static_cast<size_t>(
-        std::find_if(dense.parameters().begin(), dense.parameters().end(),
-                     [&](const ShardedTensor& x) {
-                       return x.name == "embeddings/" + table.table() + "/weight";
-                     }) -
-        dense.parameters().begin());
-    ASSERT_LT(p, dense.parameters().size());
-    const testing::Tensor grad = testing::to_host(dense.gradients()[p]);
-    const int64_t dim = table.local_dim();
-    std::vector<int64_t> want;
-    for (int64_t r = 0; r < table.local_rows(); ++r) {
-      bool nonzero = false;
-      for (int64_t c = 0; c < dim; ++c) nonzero = nonzero || grad[r * dim + c] != 0.0f;
-      if (nonzero) want.push_back(r);
+  const Result one = one_rank(shape, d);
+  std::vector<testing::Axes> meshes = {{{"dp", n}}};
+  if (n == 4) meshes.push_back({{"fsdp", 2}, {"dp", 2}});
+  for (const testing::Axes& axes : meshes) {
+    const Mesh mesh = Mesh::create(axes, n);
+    SCOPED_TRACE(mesh.describe());
+    const bool two_groups = mesh.has_axis("fsdp");
+    MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+    ParallelContext context(comms, {"fsdp", "dp"}, "tp");
+    auto spec_of = [&](const std::string& name) {
+      if (name == "embeddings/b/weight") {
+        return PartitionSpec::parse(two_groups ? "P(fsdp, None)" : "P(dp, None)");
+      }
+      return PartitionSpec::parse("P()");
+    };
+    const int64_t rows = kBatch / n;
+    const int64_t first_row = context.batch_index() * rows;
+    Dlrm dense(shape, Activation::tanh, spec_of, context, rows, most_ids(d, n));
+    Dlrm sparse(shape, Activation::tanh, spec_of, context, rows, most_ids(d, n),
+                TableGradients::sparse);
+    dense.initialize(InitScheme::he_normal, kSeed);
+    sparse.initialize(InitScheme::he_normal, kSeed);
+    const Matrix dense_in =
+        testing::block_matrix("dense", rows, kDense, first_row, 0,
+                              [&](int64_t i, int64_t j) { return d.dense[i * kDense + j]; });
+    const Matrix dy = testing::block_matrix("dy", rows, 1, first_row, 0,
+                                            [&](int64_t i, int64_t) { return d.dy[i]; });
+    std::vector<LocalBags> local;
+    std::vector<SparseBags> bags;
+    for (size_t t = 0; t < shape.tables.size(); ++t) {
+      local.push_back(local_bags(d.offsets[t], d.ids[t], first_row, rows));
     }
-    // Every nonzero row is touched (a touched row may sum to zero: none does with these data).
-    ASSERT_EQ(table.touched_count(), static_cast<int64_t>(want.size()));
-    auto touched = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), table.touched_rows());
-    const testing::Tensor got = testing::host_matrix(table.row_gradients());
-    for (size_t i = 0; i < want.size(); ++i) {
-      ASSERT_EQ(touched(i), want[i]) << "touched row " << i;
-      for (int64_t c = 0; c < dim; ++c) {
-        ASSERT_EQ(got[i * dim + c], grad[want[i] * dim + c]) << "row " << want[i] << " col " << c;
+    for (const LocalBags& l : local) bags.push_back({l.offsets, l.ids});
+    dense.forward(dense_in, bags);
+    dense.backward(dy);
+    sparse.forward(dense_in, bags);
+    sparse.backward(dy);  // a first step: whatever a first use sets up is not counted
+
+    const std::string dir = std::filesystem::temp_directory_path().string() +
+                            "/meshtrain_dlrm_collectives_" + std::to_string(getppid());
+    flight_recorder().configure(1024, dir, world_rank(), world_size());
+    MPI_Barrier(MPI_COMM_WORLD);
+    sparse.forward(dense_in, bags);
+    sparse.backward(dy);
+    std::map<std::string, int> ops;
+    for (const FlightEntry& e : flight_recorder().entries()) ++ops[e.op];
+    flight_recorder().configure(0, "", world_rank(), world_size());
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (world_rank() == 0) {
+      std::error_code ignored;
+      std::filesystem::remove_all(dir, ignored);
+    }
+    int total = 0;
+    std::string seen;
+    for (const auto& [op, count] : ops) {
+      total += count;
+      seen += " " + op + " x" + std::to_string(count);
+    }
+    SCOPED_TRACE("collectives:" + seen);
+    const int groups = two_groups ? 2 : 1;
+    if (n == 1) {
+      EXPECT_EQ(total, 0);
+    } else {
+      EXPECT_EQ(ops["all_to_all"], 1) << "b's counts";
+      EXPECT_EQ(ops["all_to_all_v"], 3) << "b's ids, partial sums and dy";
+      EXPECT_EQ(ops["all_gather"], groups) << "the touched rows, one per group";
+      EXPECT_EQ(ops["all_reduce"], groups + 1)
+          << "the compact gradients, one per group; the linear layers'";
+      EXPECT_EQ(total, 5 + 2 * groups);
+    }
+
+    for (size_t t = 0; t < shape.tables.size(); ++t) {
+      const EmbeddingBag& table = sparse.tables()[t];
+      SCOPED_TRACE("table " + table.table());
+      EXPECT_EQ(table.bucketed(), n > 1 && (two_groups || table.table() != "b"));
+      const size_t p = static_cast<size_t>(
+          std::find_if(dense.parameters().begin(), dense.parameters().end(),
+                       [&](const ShardedTensor& x) {
+                         return x.name == "embeddings/" + table.table() + "/weight";
+                       }) -
+          dense.parameters().begin());
+      ASSERT_LT(p, dense.parameters().size());
+      const testing::Tensor grad = testing::to_host(dense.gradients()[p]);
+      const int64_t dim = table.local_dim();
+      std::vector<int64_t> want;
+      for (int64_t r = 0; r < table.local_rows(); ++r) {
+        bool nonzero = false;
+        for (int64_t c = 0; c < dim; ++c) nonzero = nonzero || grad[r * dim + c] != 0.0f;
+        if (nonzero) want.push_back(r);
+      }
+      // Every nonzero row is touched (a touched row may sum to zero: none does with these data).
+      ASSERT_EQ(table.touched_count(), static_cast<int64_t>(want.size()));
+      auto touched = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), table.touched_rows());
+      const testing::Tensor got = testing::host_matrix(table.row_gradients());
+      for (size_t i = 0; i < want.size(); ++i) {
+        ASSERT_EQ(touched(i), want[i]) << "touched row " << i;
+        for (int64_t c = 0; c < dim; ++c) {
+          ASSERT_EQ(got[i * dim + c], grad[want[i] * dim + c]) << "row " << want[i] << " col " << c;
+        }
       }
     }
+    int compared = 0;
+    for (size_t p = 0; p < sparse.gradients().size(); ++p) {
+      const ShardedTensor& g = sparse.gradients()[p];
+      if (g.name.rfind("embeddings/", 0) == 0) continue;
+      ASSERT_EQ(g.name, one.names[p]);
+      const Tensor got = testing::to_host(g);
+      const std::vector<int64_t> index = testing::global_indices(g);
+      ASSERT_FALSE(got.empty()) << g.name;
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_NEAR(got[i], one.grads[p][static_cast<size_t>(index[i])], kMeshTolerance)
+            << g.name << " element " << index[i];
+      }
+      ++compared;
+    }
+    EXPECT_EQ(compared, static_cast<int>(sparse.gradients().size() - shape.tables.size()));
+
+    // A further sparse step allocates nothing (oneDNN's own blocks counted apart, as in run()).
+    testing::AllocationWindow window(testing::AllocationWindow::Threads::all,
+                                     testing::AllocationWindow::OneDnn::left_out);
+    sparse.forward(dense_in, bags);
+    sparse.backward(dy);
+    const long heap = window.close();
+    EXPECT_EQ(heap + window.kokkos_allocations(), 0) << "allocations in a further sparse step";
   }
-  int compared = 0;
-  for (size_t p = 0; p < dense.parameters().size(); ++p) {
-    if (dense.parameters()[p].name.rfind("embeddings/", 0) == 0) continue;
-    EXPECT_EQ(testing::to_host(sparse.gradients()[p]), testing::to_host(dense.gradients()[p]))
-        << dense.parameters()[p].name;
-    ++compared;
-  }
-  EXPECT_EQ(compared, static_cast<int>(dense.parameters().size() - shape.tables.size()));
 }
 
 // A model built to predict only (TableGradients::none, what DlrmPredictor builds), dp n with
@@ -828,6 +859,16 @@ TEST(Dlrm, SixteenBitAndTensorParallelOutputsAreRefused) {
               kBatch, 4);
         },
         {"dlrm computes in fp32 only", "bf16"});
+    // fp32 parameters with a 16-bit reduce dtype: the buckets and the tables' packed sums add in
+    // fp32, so the model refuses it rather than sum some gradients in 16 bits and others not.
+    context.set_precision({Dtype::fp32, Dtype::bf16});
+    testing::expect_bad_input(
+        [&] {
+          Dlrm model(
+              shape, Activation::tanh, [](const std::string&) { return PartitionSpec(); }, context,
+              kBatch, 4);
+        },
+        {"dlrm sums its gradients in fp32 only", "bf16", "mixed_precision.reduce_dtype"});
   }
   {
     // bf16 tables with dense table gradients: the dense optimizer would size the table's state
