@@ -511,23 +511,23 @@ void norm_jacobian(MatrixView x, MatrixView stats, MatrixView d, ConstVectorView
 // visit of the row (in cache), plus `add` (the residual stream's cotangents, or null). The
 // sums run in 16 partial sums (a fixed order that vectorizes, as the inference LayerNorm's),
 // so they differ from norm_jacobian's by float rounding; compiled per instruction set.
-// kept_x_hat: the row's x_hat as the derivative forward kept it (the same floats), or null:
-// computed here from xi and the statistics.
+// Without x_hat kept (norm_cotangent_kept_host takes the kept case): x_hat is computed here
+// from xi and the statistics into the row's first output row, overwritten last. This is why
+// this path keeps its own per-direction loop instead of norm_cotangent_group: there x_hat and
+// the outputs are __restrict, and x_hat here is output row 0 itself, which the group with e0 = 0
+// writes while still reading x_hat for its other directions.
 MESHTRAIN_HOST_CLONES
-void norm_cotangent_block_host(const float* xi, const float* kept_x_hat, float m0, float delta,
-                               float rstd, const float* d_data, int64_t d_stride, const float* pre,
+void norm_cotangent_block_host(const float* xi, float m0, float delta, float rstd,
+                               const float* d_data, int64_t d_stride, const float* pre,
                                const float* add_data, int64_t a_stride, float* o_data,
                                int64_t o_stride, int64_t i, int64_t k, int64_t cols, bool layernorm,
                                float n) {
   constexpr int kLanes = 16;
-  const float* x_hat = kept_x_hat;
-  if (x_hat == nullptr) {
-    float* first = o_data + i * k * o_stride;  // the first row: written last, in place
-    for (int64_t j = 0; j < cols; ++j) {
-      first[j] = layernorm ? ((xi[j] - m0) - delta) * rstd : xi[j] * rstd;
-    }
-    x_hat = first;
+  float* first = o_data + i * k * o_stride;  // the first row: written last, in place
+  for (int64_t j = 0; j < cols; ++j) {
+    first[j] = layernorm ? ((xi[j] - m0) - delta) * rstd : xi[j] * rstd;
   }
+  const float* x_hat = first;
   for (int64_t e = k; e-- > 0;) {
     const int64_t t = i * k + e;
     const float* __restrict g = d_data + t * d_stride;
@@ -566,7 +566,10 @@ void norm_cotangent_block_host(const float* xi, const float* kept_x_hat, float m
 // norm_cotangent_block_host's directions e0 .. e0 + G - 1 of value row i with x_hat kept, in one
 // sweep: the 2 G row sums (each in the same 16 partial sums, lane l adding columns l, l + 16,
 // ... in order, then the lanes 0 to 15 in order) read x_hat and the scale once for the G
-// directions, the accumulators held in registers (G a constant), then the G outputs.
+// directions (G a constant), then the G outputs. On the AVX-512 clone a lane group is one vector,
+// so the 2 G accumulators can fit in its registers (8 of 32 at G = 4; GCC 12's v4 code keeps
+// G = 1's there, its loops for larger G also touch the stack); the AVX2 and baseline clones take
+// 2 and 4 registers a lane group. Spilled or not, the sums are the same.
 template <int G>
 MESHTRAIN_INLINE void norm_cotangent_group(const float* __restrict x_hat, float rstd,
                                            const float* d_data, int64_t d_stride,
@@ -754,10 +757,9 @@ void FeatureNorm::cotangents_adding(MatrixView dy, MatrixView add, MatrixView ou
                                    a_data, a_stride, o_data, o_stride, i, k, cols, layernorm, n);
           return;
         }
-        norm_cotangent_block_host(x_data + v * x_stride,
-                                  h_data != nullptr ? h_data + v * h_stride : nullptr, stats(v, 0),
-                                  stats(v, 1), stats(v, 2), d_data, d_stride, pre, a_data, a_stride,
-                                  o_data, o_stride, i, k, cols, layernorm, n);
+        norm_cotangent_block_host(x_data + v * x_stride, stats(v, 0), stats(v, 1), stats(v, 2),
+                                  d_data, d_stride, pre, a_data, a_stride, o_data, o_stride, i, k,
+                                  cols, layernorm, n);
       });
   inference::fence_after_host_kernel(label);
 }

@@ -12,7 +12,9 @@ meshtrain_add_test(NAME predict_inference_test SOURCES predict/inference_test.cp
                    LIBS meshtrain_run NP 1 2 4 TIMEOUT 180 EMULATED)
 # Predictor::jacobian (issue 40, docs/derivatives.md): forward against reverse mode, every mesh
 # (dp, fsdp, tp, fsdp x tp, ep) against one rank, central differences of predict(), several
-# passes of each mode against one, reverse mode blocked over rows against one block, no
+# passes of each mode against one (also the norm cotangents' groups of 1 to 4 directions: a
+# width-40 LayerNorm model with 5 outputs on dp), reverse mode blocked over rows against one
+# block, no
 # allocation per call, the refusals; MLP, residual_mlp
 # (LayerNorm + SiLU, RMSNorm + SwiGLU, RMSNorm + SiLU + dropout) and MoE models.
 meshtrain_add_test(NAME predict_jacobian_test SOURCES predict/jacobian_test.cpp

@@ -10,7 +10,8 @@ the built library's clones (objdump -d) and fails if any of them holds a vfmadd,
 vfnmadd or vfnmsub instruction, naming the function and the instruction.
 
 The members checked hold only EXACT clones (the optimizer's, precision's, the MPI ring's, the
-activations' training kernels): see MEMBERS in tests/core.cmake's registration. Both the v4 and
+activations' training kernels (activation.cpp.o), the Linear's bias gradient (linear.cpp.o)):
+see MEMBERS in tests/core.cmake's registration. Both the v4 and
 the v3 clones are checked (both ISAs have FMA).
 
 Exit status 77 (skipped, with a line saying why) when objdump is not found or when the library

@@ -11,7 +11,8 @@
 //   3. the dense models equal central differences of predict() (float32: step 1e-2 input
 //      standard deviations, 2e-3 of the largest normalized |J|; the float64 comparisons are
 //      tests/predict/jacobian_test.py's);
-//   4. several passes of each mode (limit_jacobian_directions) equal one;
+//   4. several passes of each mode (limit_jacobian_directions) equal one (also a width-40
+//      LayerNorm model with 5 outputs on dp, the norm cotangents' groups of 1 to 4 directions);
 //   5. no allocation in jacobian() after the first call of each mode;
 //   6. the automatic mode's choice, J in host LayoutLeft double and in device memory, a
 //      partial batch, and the refusals (J's shape, mixed precision, the mode's name).
@@ -391,6 +392,37 @@ TEST_F(JacobianTest, SeveralPassesEqualOne) {
       testing::expect_bad_input([&] { p.limit_jacobian_directions(3); },
                                 {"limit_jacobian_directions", "after the first"});
     }
+  }
+}
+
+// The one-pass norm cotangents with x_hat kept (layers/norm.cpp, norm_cotangent_kept_host: on
+// host kernels, fp32, whole rows, so dp) take a row's directions in groups of up to 4
+// (norm_cotangent_group<G>). A width-40 LayerNorm residual_mlp (the 16-lane loop twice and an
+// 8-column tail) with 5 outputs: one reverse pass runs groups of 4 then 1,
+// limit_jacobian_directions(1) groups of 1, (3) groups of 3 then 2. Each direction's norm sums
+// are the same 16 partial sums in the same order whatever G, but the GEMMs' kernels for another
+// row count (local rows x directions) may sum in another order: measured here equal bit for bit
+// at np 1, and up to 2.1e-7 of the largest |J'| at np 2 and 4. So in normalized units within
+// 1e-5 of the largest |J'|, the tolerance of forward against reverse mode.
+TEST_F(JacobianTest, GroupsOfDirectionsEqualOnePass) {
+  ModelCase m = model_cases()[5];  // residual_layernorm_silu_wide: width 40
+  ASSERT_EQ(m.model.width, 40);
+  m.name = "residual_layernorm_silu_wide_5_outputs";
+  m.model.outputs = 5;
+  const std::string checkpoint = train_checkpoint(dir_->path(), m);
+  const std::vector<float> x = inputs(kRows, m.model.input_width());
+  Predictor whole(checkpoint, kBatch);
+  ASSERT_EQ(whole.jacobian_directions(JacobianMode::reverse), 5);
+  const std::vector<double> once =
+      normalized(whole, jacobian_all(whole, x, JacobianMode::reverse).jacobian);
+  for (int64_t k : {1, 3}) {
+    SCOPED_TRACE(std::to_string(k) + " directions a pass");
+    Predictor p(checkpoint, kBatch);
+    p.limit_jacobian_directions(k);
+    EXPECT_EQ(p.jacobian_directions(JacobianMode::reverse), k);
+    const std::vector<double> passes =
+        normalized(p, jacobian_all(p, x, JacobianMode::reverse).jacobian);
+    expect_close(passes, once, 1e-5, "several passes against one");
   }
 }
 
