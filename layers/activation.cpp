@@ -939,19 +939,26 @@ void activation_forward_keeping_16bit(Activation activation, MatrixView z, HalfM
           kept_out.extent(0) == z.extent(0) && kept_out.extent(1) == z.extent(1),
       "activation_forward_keeping_16bit: a 16-bit dtype and contiguous views of "
       "the same extents are needed");
+  // relu's and the identity's backward read f(z) (framework/core/activation_storage.hpp): a
+  // kept_z would be left unwritten.
+  MESHTRAIN_REQUIRE(keeps_z || kept_z.size() == 0,
+                    "activation_forward_keeping_16bit: ", to_string(activation),
+                    " keeps no z (its backward reads the kept output): "
+                    "kept_z must be empty");
   float* v = z.data();
   uint16_t* kz = kept_z.data();
   uint16_t* ko = kept_out.data();
-  if (!keeps_z) {  // relu, the identity: backward reads f(z)
-                   // (framework/core/activation_storage.hpp)
+  if (!keeps_z) {
     if (activation == Activation::relu) {
       return forward_keeping_output<activation_math::Relu>(v, ko, n, dtype);
     }
     return forward_keeping_output<Identity>(v, ko, n, dtype);
   }
   switch (activation) {
-    case Activation::relu:
-      return forward_keeping<activation_math::Relu>(v, kz, ko, n, dtype);
+    case Activation::relu:  // handled above (no z kept)
+    case Activation::none:
+      MESHTRAIN_FAIL("activation_forward_keeping_16bit: ", to_string(activation),
+                     " keeps no z, handled before the switch");
     case Activation::tanh:
       return forward_keeping<activation_math::Tanh>(v, kz, ko, n, dtype);
     case Activation::gelu:
@@ -962,19 +969,20 @@ void activation_forward_keeping_16bit(Activation activation, MatrixView z, HalfM
       return forward_keeping<activation_math::Silu>(v, kz, ko, n, dtype);
     case Activation::sigmoid:
       return forward_keeping<activation_math::Sigmoid>(v, kz, ko, n, dtype);
-    case Activation::none:
-      return forward_keeping<Identity>(v, kz, ko, n, dtype);
   }
 }
 
-void activation_backward_from_16bit(Activation activation, ConstHalfMatrixView kept_z,
+void activation_backward_from_16bit(Activation activation, ConstHalfMatrixView kept,
                                     MatrixView grad, Dtype dtype) {
   const auto n = static_cast<int64_t>(grad.extent(0) * grad.extent(1));
   MESHTRAIN_REQUIRE(dtype != Dtype::fp32 && grad.span_is_contiguous() &&
-                        kept_z.extent(0) == grad.extent(0) && kept_z.extent(1) == grad.extent(1),
+                        kept.extent(0) == grad.extent(0) && kept.extent(1) == grad.extent(1),
                     "activation_backward_from_16bit: a 16-bit dtype and contiguous views of "
                     "the same extents are needed");
-  const uint16_t* kz = kept_z.data();
+  // z, or f(z) for relu and the identity (activation_keeps_16bit_input false): relu's gradient
+  // reads only the sign of its argument, which f(z) = max(z, 0) gives exactly (f(z) > 0 exactly
+  // where z > 0); the identity's reads nothing.
+  const uint16_t* kz = kept.data();
   float* g = grad.data();
   switch (activation) {
     case Activation::relu:

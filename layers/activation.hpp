@@ -33,13 +33,16 @@ void activation_backward(Activation activation, MatrixView z, MatrixView grad,
 
 // Mixed precision's 16-bit storage (docs/mixed_precision.md, "Compute and memory on this
 // build"): z's elements hold `dtype` values (16-bit). Forward, in one pass: z = f(z) rounded to
-// `dtype` in place, kept_z = z's 16-bit bits and kept_out = f(z)'s. Backward: grad = grad * f'(z)
-// rounded to `dtype`, in place, z read from kept_z. The formulas and roundings of
-// activation_forward / activation_backward (so the values are bit for bit theirs); views
-// contiguous.
+// `dtype` in place, kept_out = f(z)'s 16-bit bits and, where the derivative reads z
+// (activation_keeps_16bit_input, framework/core/activation_storage.hpp: not relu, not the
+// identity), kept_z = z's; for relu and the identity kept_z must be empty (checked). Backward:
+// grad = grad * f'(z) rounded to `dtype`, in place, reading `kept`: forward's kept_z where
+// activation_keeps_16bit_input, else forward's kept_out (relu's f'(z) read from f(z), the
+// identity's reading nothing: the same bits). The formulas and roundings of activation_forward /
+// activation_backward (so the values are bit for bit theirs); views contiguous.
 void activation_forward_keeping_16bit(Activation activation, MatrixView z, HalfMatrixView kept_z,
                                       HalfMatrixView kept_out, Dtype dtype);
-void activation_backward_from_16bit(Activation activation, ConstHalfMatrixView kept_z,
+void activation_backward_from_16bit(Activation activation, ConstHalfMatrixView kept,
                                     MatrixView grad, Dtype dtype);
 
 // SwiGLU on two inputs (Shazeer 2020), elementwise: out = silu(gate) * value, rounded once to
@@ -91,9 +94,11 @@ class ActivationLayer : public Layer {
  public:
   // `name` labels the output buffer [rows, width]; `dtype`: the compute dtype the output and
   // the gradient are rounded to. keeps_16bit (a 16-bit dtype; Mlp's 16-bit storage): the layer
-  // computes in place in its input (the model's working buffer) and keeps its input and output
-  // as 16-bit copies ("<name>/input_16bit", "<name>/output_16bit"), which backward and the next
-  // layer's backward (kept_output()) read; it has no fp32 buffer of its own.
+  // computes in place in its input (the model's working buffer) and keeps its output as a 16-bit
+  // copy ("<name>/output_16bit"), which backward and the next layer's backward (kept_output())
+  // read, and, where the derivative reads z (not relu's nor the identity's:
+  // activation_keeps_16bit_input), its input ("<name>/input_16bit"), which backward reads; it has
+  // no fp32 buffer of its own.
   ActivationLayer(Activation activation, const std::string& name, int64_t rows, int64_t width,
                   FeatureLayout layout, int64_t offset, Dtype dtype, bool keeps_16bit = false);
 
@@ -128,8 +133,15 @@ class ActivationLayer : public Layer {
   Activation activation() const { return activation_; }
   Dtype dtype() const { return dtype_; }
   // keeps_16bit: the last forward's output as 16-bit bits of dtype() (what the next Linear
-  // keeps of its input); else empty.
+  // keeps of its input), until the model's backward overwrites it (dy_16bit_over_output());
+  // else empty.
   ConstHalfMatrixView kept_output() const { return kept_output_; }
+  // keeps_16bit: the same buffer, writable, for the Linear before this activation to pack its
+  // dY's 16 bits into under tensor parallelism (layers/mlp.cpp, LinearSharedBuffers::
+  // output_grad_16bit). It does so in its backward, after this layer's backward has read f(z) for
+  // the last time (and the next Linear's weight gradient before that): after the model's
+  // backward the kept output holds those dY bits, not f(z), until the next forward.
+  HalfMatrixView dy_16bit_over_output() { return kept_output_; }
 
  private:
   Activation activation_;

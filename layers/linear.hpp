@@ -88,8 +88,9 @@ struct LinearSharedBuffers {
   // gradient read it as it is, not the fp32 input.
   ConstHalfMatrixView kept_input;
   // [rows, >= out_local] (tensor parallelism with a split output): where backward packs dY's 16
-  // bits for its all-gather-matmuls, shared by the model's layers (one backward at a time; empty:
-  // the layer's own where it needs one).
+  // bits for its all-gather-matmuls, free by then (empty: the layer's own where it needs one).
+  // Mlp's 16-bit storage hands a hidden layer the following activation's kept output
+  // (ActivationLayer::dy_16bit_over_output()), the last layer a buffer of the model's.
   HalfMatrixView output_grad_16bit;
   // false: backward is never asked for dX (the model's first layer), and a sliced input has no
   // buffer for dX in the input's layout.

@@ -182,11 +182,7 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, Activation activation, const SpecLoo
         activations_.emplace_back(activation, "layers/" + std::to_string(i) + "/activation", rows_,
                                   l.out_local, l.output_layout(), offset, compute_dtype_, true);
         if (storage_query.feature_parallel > 1 && gemm_reads_16bit(compute_dtype_)) {
-          // kept_output() is const for the layers that read it; its buffer is the activation's
-          // own, writable 16-bit View.
-          const ConstHalfMatrixView kept = activations_.back().kept_output();
-          shared.output_grad_16bit =
-              HalfMatrixView(const_cast<uint16_t*>(kept.data()), kept.extent(0), kept.extent(1));
+          shared.output_grad_16bit = activations_.back().dy_16bit_over_output();
         }
       }
       shared.input_grad = i > 0 || !l.slices_input();  // the first layer is asked for none
@@ -288,11 +284,12 @@ Mlp::Mlp(const ResidualMlpShape& shape, Activation activation, const SpecLookup&
   // mesh without a feature axis (SwiGLU blocks alike: see the gated branch below, gate's output
   // in a second shared buffer `model/gate_work`): the up projection writes its output
   // into one fp32 working buffer [rows, hidden] that every block shares, the activation works in
-  // place there and keeps its input and output as 16 bits (in the same pass), and the down
-  // projection keeps nothing of its input but that 16-bit output: in backward it widens it into
-  // the shared buffer for its weight gradient and writes its input gradient over it, through which
-  // the activation's backward runs in place and which the up projection reads as its dY. The
-  // values are those of the simulated path (fp32 buffers holding 16-bit values), bit for bit.
+  // place there and keeps its output (and, but for relu and the identity, its input) as 16 bits
+  // (in the same pass), and the down projection keeps nothing of its input but that 16-bit
+  // output: in backward it widens it into the shared buffer for its weight gradient and writes its
+  // input gradient over it, through which the activation's backward runs in place and which the
+  // up projection reads as its dY. The values are those of the simulated path (fp32 buffers
+  // holding 16-bit values), bit for bit.
   // With norms, the residual stream too: the input projection writes the stream into one fp32
   // buffer [rows, width] (`model/stream`), each block's norm keeps its input (the stream) and its
   // output as 16 bits in the passes that read and write them, writes its fp32 output into a

@@ -309,8 +309,9 @@ class Mlp {
   Matrix input_;  // the input cast to the compute dtype (empty in fp32 and with 16-bit storage)
   // 16-bit storage (the plain constructor explains it): the two fp32 working buffers
   // [rows, widest local input or output], and the input kept for the first layer's backward
-  // (empty under a feature axis: the first layer keeps its slice of the raw batch); under a feature axis, the row-parallel
-  // layers' dY as 16 bits [rows, widest split output], one backward at a time.
+  // (empty under a feature axis: the first layer keeps its slice of the raw batch); under a
+  // feature axis where gemm() reads 16 bits, the last layer's dY as 16 bits [rows, out_local]
+  // (the hidden layers pack theirs over their activation's kept output).
   bool keeps_16bit_ = false;
   Matrix work_[2];
   HalfMatrix input_16bit_;

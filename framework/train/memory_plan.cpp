@@ -187,12 +187,12 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   const bool keeps_16bit = storage.plain;
   // A residual_mlp's 16-bit storage of its blocks' hidden activations (layers/mlp.cpp, the
   // residual constructor: no MoE or dropout, no feature axis): the up projections write into one
-  // shared fp32 working buffer [rows, hidden], the activations keep their input and output as 16
-  // bits, the down projections compute their input gradient in that buffer. SwiGLU blocks: the
-  // gate projections write into a second shared buffer [rows, hidden], the SwiGLU keeps gate, up
-  // and its output as 16 bits and has no fp32 buffer (layers/swiglu.hpp); without the stream's
-  // storage gate and up keep their own input gradients, with it they compute them in the norms'
-  // buffer (up) and the stream (gate).
+  // shared fp32 working buffer [rows, hidden], the activations keep their output (and, but for
+  // relu and the identity, their input) as 16 bits, the down projections compute their input
+  // gradient in that buffer. SwiGLU blocks: the gate projections write into a second shared buffer
+  // [rows, hidden], the SwiGLU keeps gate, up and its output as 16 bits and has no fp32 buffer
+  // (layers/swiglu.hpp); without the stream's storage gate and up keep their own input gradients,
+  // with it they compute them in the norms' buffer (up) and the stream (gate).
   const bool hidden_16bit = storage.residual_hidden;
   // With norms, its residual stream: three shared fp32 buffers [rows, width] (the stream, the
   // norms' and down projections' outputs, the gradient stream) instead of each block's output

@@ -55,18 +55,22 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "base/error.hpp"
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/observe/memory_tracker.hpp"
 #include "framework/train/init.hpp"
 #include "framework/train/optimizer.hpp"
+#include "layers/activation.hpp"
 #include "layers/context.hpp"
 #include "layers/loss.hpp"
 #include "layers/mlp.hpp"
@@ -681,13 +685,16 @@ TEST(MixedPrecision, Fp16LossScaleScalesTheGradients) {
 // value: three training steps give bit for bit the loss, logits, gradients and parameters of the
 // simulated path (fp32 buffers holding the same 16-bit values), on every layout (storage where
 // there is no feature axis, and under one where every layer is row-parallel: the tp, dp_tp and
-// fsdp_tp presets; the simulated path on both sides elsewhere) with overlap off and on.
+// fsdp_tp presets; the simulated path on both sides elsewhere) with overlap off and on. tanh and
+// gelu keep z and f(z); relu and the identity only f(z), which their backward reads (and over
+// which, under tp, the layer before packs its 16-bit dY).
 TEST(MixedPrecision, SixteenBitStorageIsBitIdenticalToTheSimulatedPath) {
   const std::vector<Policy> sixteen = {{"bf16/bf16", {Dtype::bf16, Dtype::bf16}},
                                        {"fp16/fp16", {Dtype::fp16, Dtype::fp16}},
                                        {"bf16/fp32", {Dtype::bf16, Dtype::fp32}}};
   std::vector<ModelCase> cases = models();
   cases.push_back({"gelu_ce_one_hidden", {32, 24, 6}, Activation::gelu, LossKind::cross_entropy});
+  cases.push_back({"identity_mse", {32, 16, 16, 8}, Activation::none, LossKind::mse});
   for (const auto& m : cases) {
     for (const auto& policy : sixteen) {
       for (const auto& layout : layouts_for(world_size())) {
@@ -718,12 +725,12 @@ TEST(MixedPrecision, SixteenBitStorageIsBitIdenticalToTheSimulatedPath) {
 
 // A residual_mlp's 16-bit storage (docs/mixed_precision.md, "Compute and memory on this build":
 // the blocks' hidden activations, the up projections' outputs in one shared fp32 working buffer,
-// the activations' input and output kept as 16 bits, the down projections' input gradients in
-// that buffer; the residual stream, the norms keeping their input and output as 16 bits, the
-// stream, the norms' outputs and the gradient stream in three shared fp32 buffers, the norms'
-// input gradients in place) changes no value: three training steps give bit for bit the loss,
-// logits, gradients and parameters of the simulated path, LayerNorm with gelu and RMSNorm with
-// relu, RMSNorm and LayerNorm with SwiGLU blocks (gate and up outputs and the SwiGLU's output
+// the activations' output (and, but for relu's, input) kept as 16 bits, the down projections'
+// input gradients in that buffer; the residual stream, the norms keeping their input and output as
+// 16 bits, the stream, the norms' outputs and the gradient stream in three shared fp32 buffers, the
+// norms' input gradients in place) changes no value: three training steps give bit for bit the
+// loss, logits, gradients and parameters of the simulated path, LayerNorm with gelu and RMSNorm
+// with relu, RMSNorm and LayerNorm with SwiGLU blocks (gate and up outputs and the SwiGLU's output
 // kept as 16 bits, gate's output in a second shared buffer: the SwiGLU has no fp32 buffer of its
 // own, checked by the allocations' labels), on every preset layout and the 2-D storage splits
 // without a feature axis (storage where there is none; the simulated path on both sides
@@ -1003,6 +1010,81 @@ TEST(MixedPrecision, TheOptimizerWritesTheSixteenBitCopyInItsUpdate) {
         moved += master(i) != p(i);
       }
       EXPECT_GT(moved, n / 2);  // the update did move the masters
+    }
+  }
+}
+
+// relu's and the identity's 16-bit storage keeps only f(z) (framework/core/activation_storage.hpp):
+// activation_backward_from_16bit reads f(z)'s 16 bits where activation_backward reads z. On
+// hand-picked z (+-0, NaN, +-inf, bf16 and fp16 subnormals, values that round to +-0, fp16's
+// overflow, ordinary values), rounded to the dtype first as a Linear's output is (the functions'
+// contract: z holds dtype values), and gradients that are not dtype values (the backward's
+// rounding is in the comparison), forward and backward are bit for bit the fp32 functions' with
+// the same dtype; and a kept z for them is refused (it would be left unwritten).
+TEST(MixedPrecision, SixteenBitReluAndIdentityBackwardFromTheOutputIsBitForBitFromZ) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const auto bits_of = [](float f) {  // compared as bits: -0 is not +0, NaN equals itself
+    uint32_t u = 0;
+    std::memcpy(&u, &f, sizeof u);
+    return u;
+  };
+  std::vector<float> raw = {0.0f, -0.0f, nan, -nan, inf, -inf};
+  // bf16's smallest and largest subnormals (+-2^-133, +-0x007f), then fp16's (+-2^-24, +-0x03ff)
+  for (const uint16_t h : {0x0001, 0x8001, 0x007f, 0x807f}) raw.push_back(bf16_to_float(h));
+  for (const uint16_t h : {0x0001, 0x8001, 0x03ff, 0x83ff}) raw.push_back(fp16_to_float(h));
+  // fp32's smallest subnormal (0 in bf16 and fp16); 1e-9 (0 in fp16, a bf16 normal); 1e30 (inf
+  // in fp16); ordinary values, fp16's largest, near fp32's largest
+  for (const float v : {1e-45f, -1e-45f, 1e-9f, -1e-9f, 1e30f, -1e30f, 1.5f, -2.25f, 0.3f, -0.7f,
+                        65504.0f, 3.0e38f}) {
+    raw.push_back(v);
+  }
+  const int64_t n = static_cast<int64_t>(raw.size());
+  for (const Dtype dtype : {Dtype::bf16, Dtype::fp16}) {
+    for (const Activation act : {Activation::relu, Activation::none}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + ", " + to_string(act));
+      Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::HostSpace> z_host("z", 1, n),
+          g_host("g", 1, n);
+      for (int64_t k = 0; k < n; ++k) {
+        z_host(0, k) = round_to(raw[k], dtype);
+        // Gradients of both signs that are not 16-bit values (1/3-like mantissas).
+        g_host(0, k) = (k % 2 == 0 ? 1.0f : -1.0f) * (1.0f + static_cast<float>(k)) / 3.0f;
+      }
+      Matrix z("z", 1, n), z_stored("z_stored", 1, n), out("out", 1, n);
+      Matrix g_fp32("g_fp32", 1, n), g_16bit("g_16bit", 1, n);
+      Kokkos::deep_copy(z, z_host);
+      Kokkos::deep_copy(z_stored, z_host);
+      Kokkos::deep_copy(g_fp32, g_host);
+      Kokkos::deep_copy(g_16bit, g_host);
+      HalfMatrix kept_out("kept_out", 1, n);
+      activation_forward(act, z, out, dtype);
+      activation_forward_keeping_16bit(act, z_stored, HalfMatrixView(), kept_out, dtype);
+      activation_backward(act, z, g_fp32, dtype);
+      activation_backward_from_16bit(act, kept_out, g_16bit, dtype);
+      auto out_h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), out);
+      auto stored_h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), z_stored);
+      auto kept_h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), kept_out);
+      auto fp32_h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), g_fp32);
+      auto from16_h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), g_16bit);
+      int64_t zero_grads = 0;
+      for (int64_t k = 0; k < n; ++k) {
+        SCOPED_TRACE("z = " + std::to_string(z_host(0, k)) + " (element " + std::to_string(k) +
+                     ")");
+        EXPECT_EQ(bits_of(stored_h(0, k)), bits_of(out_h(0, k)));
+        EXPECT_EQ(kept_h(0, k), to_16bit(out_h(0, k), dtype));
+        EXPECT_EQ(bits_of(from16_h(0, k)), bits_of(fp32_h(0, k)));
+        zero_grads += fp32_h(0, k) == 0.0f;
+      }
+      // relu's gradient is 0 where z <= 0 or NaN (not 0 everywhere: +inf, the positive
+      // subnormals, normals pass); the identity's never.
+      if (act == Activation::relu) {
+        EXPECT_GT(zero_grads, n / 3);
+        EXPECT_LT(zero_grads, n);
+      } else {
+        EXPECT_EQ(zero_grads, 0);
+      }
+      HalfMatrix kept_z("kept_z", 1, n);
+      EXPECT_THROW(activation_forward_keeping_16bit(act, z_stored, kept_z, kept_out, dtype), Error);
     }
   }
 }

@@ -334,6 +334,10 @@ struct WorkspaceCase {
   bool bf16_overlap = false, residual = false;
   bool swiglu_dropout = false;  // residual: SwiGLU blocks; both kinds: dropout 0.1
   int64_t eval_batch = 0;       // data.eval_batch_size (0: unset, the training batch)
+  // A plain MLP with tanh instead of the presets' relu: under 16-bit storage its activations
+  // keep their input z beside their output (framework/core/activation_storage.hpp), relu's only
+  // their output.
+  bool tanh = false;
 };
 
 TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
@@ -348,6 +352,9 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
       // 16-bit storage under tp with a forward-only evaluation model of other rows (its own
       // sliced input and work buffers, sized by its rows).
       {"tp_bf16_eval_batch", "tp", 1, true, false, false, kOtherEvalBatch},
+      // 16-bit storage keeping z as well as f(z) (tanh), under tp and without it.
+      {"tp_bf16_overlap_tanh", "tp", 1, true, false, false, 0, true},
+      {"dp_bf16_overlap_tanh", "dp", 1, true, false, false, 0, true},
       {"fsdp_bf16_overlap", "fsdp", 1, true},
       {"dp_residual_bf16_overlap", "dp", 1, true, true},
       {"fsdp_residual_bf16_overlap_eval_batch", "fsdp", 1, true, true, false, kOtherEvalBatch},
@@ -378,6 +385,7 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
                                 /*depth=*/2, /*outputs=*/8, ModelNorm::layernorm, c.swiglu_dropout);
     }
     if (c.swiglu_dropout) config.model.dropout = 0.1;
+    if (c.tanh) config.model.activation = Activation::tanh;
     if (c.eval_batch > 0) config.data.eval_batch_size = c.eval_batch;
     if (world_rank() == 0) std::filesystem::remove_all(config.run.output_dir);
     MPI_Barrier(MPI_COMM_WORLD);
@@ -385,8 +393,14 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
       TrainingRun run(config);
       run.train();
       std::map<std::string, int64_t> measured;
+      int64_t kept_z_buffers = 0;  // "layers/i/activation/input_16bit"
       for (const TrackedAllocation& a : kokkos_memory(1 << 20).largest) {
         measured[run.plan_item_of(a)] += a.bytes;
+        if (a.label.find("/activation/input_16bit") != std::string::npos) ++kept_z_buffers;
+      }
+      if (c.tanh) {  // the storage applies, and keeps z for each of the 3 hidden layers
+        EXPECT_TRUE(run.model().keeps_16bit_activations());
+        EXPECT_EQ(kept_z_buffers, 3);
       }
       const TrainingWorkspace& w = run.planned_memory().workspace;
       const PlanTotals& totals = run.planned_memory().totals;
@@ -419,11 +433,12 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
 
 // 16-bit storage (docs/mixed_precision.md, "Compute and memory on this build"): a plain MLP
 // computing in bf16 or fp16 keeps its activations for backward in 2-byte buffers and computes in
-// two shared fp32 working buffers, so its activations (64-256-256-256-8, 16 rows a rank) take at
-// most 0.6 of fp32's (0.56 by the count; the simulated path took 1.03), measured by the tracker
-// and planned alike, on dp and fsdp; and on tp, whose layers are all row-parallel (the first
-// keeping its slice of the input as 16 bits where gemm()'s kernel reads them, the layers' 16-bit
-// dY in one shared buffer; the simulated path took more than fp32's there).
+// two shared fp32 working buffers, so its activations (64-256-256-256-8, relu, 16 rows a rank)
+// take at most 0.6 of fp32's (relu, like the identity, keeps only its output; the simulated path
+// took 1.03), measured by the tracker and planned alike, on dp and fsdp; and on tp, whose layers
+// are all row-parallel (the first keeping its slice of the input as 16 bits where gemm()'s
+// kernel reads them, a hidden layer's 16-bit dY packed over its activation's kept output; the
+// simulated path took more than fp32's there).
 TEST(MemoryPlan, SixteenBitActivationsOfAPlainMlpTakeLittleMoreThanHalfOfFp32s) {
   for (const std::string preset : {"dp", "fsdp", "tp"}) {
     std::map<Dtype, int64_t> measured, planned;
