@@ -109,7 +109,10 @@ void GradientBuckets::layer_ready(std::size_t layer, unsigned written_16bit) {
     // The gradients the layer left in fp32, rounded into their 16-bit places.
     const std::vector<Home>& homes = homes_of_layer_[layer];
     for (std::size_t i = 0; i < homes.size(); ++i) {
-      if (i < 32 && (written_16bit >> i & 1u) != 0) continue;
+      if (i < 32 && (written_16bit >> i & 1u) != 0) {
+        ++gradients_written_16bit_;
+        continue;
+      }
       pack_16bit(homes[i].grad.data(), wire16_.data() + homes[i].at, homes[i].grad.extent(0),
                  wire_);
     }

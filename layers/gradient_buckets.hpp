@@ -73,8 +73,12 @@ class GradientBuckets {
                       std::size_t elements) const;
   // Layer `layer`'s gradients are final: starts every bucket this completes (in order). Bit i of
   // written_16bit set: the layer wrote gradient i's values rounded to wire() into wire_home
-  // itself (its fp32 gradient is stale until wait_all()); the others are packed here.
+  // itself (its fp32 gradient is stale until wait_all()); the others are packed here. The mask
+  // has 32 bits: a layer's gradients from index 32 on are always packed (it cannot mark them).
   void layer_ready(std::size_t layer, unsigned written_16bit = 0);
+  // How many gradients layers have reported written as 16 bits (written_16bit's bits) since the
+  // buckets were made: what tests check to know the layers took that path.
+  std::size_t gradients_written_16bit() const { return gradients_written_16bit_; }
   // Lets started all-reduces progress (MPI moves data only inside MPI calls).
   void poll();
   // Completes every started bucket and unpacks it into the gradients; readies the buckets
@@ -108,6 +112,7 @@ class GradientBuckets {
   std::vector<std::vector<Home>> homes_of_layer_;
   HalfBits wire16_;             // every bucket's 16-bit range, in bucket order (16-bit wire only)
   std::size_t next_start_ = 0;  // buckets before it are started in this backward
+  std::size_t gradients_written_16bit_ = 0;
   Dtype wire_ = Dtype::fp32;
 };
 

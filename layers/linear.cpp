@@ -531,9 +531,10 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
   if (bucketed && compute_dtype_ != Dtype::fp32 && pass.buckets->wire() == compute_dtype_ &&
       dt.data() == nullptr && !layout_.column_gathers_input() && !layout_.split_output &&
       gemm_kernel_writes_16bit(compute_dtype_)) {
-    MESHTRAIN_REQUIRE(g.span_is_contiguous(), "linear layer '", layout_.layer,
-                      "': the weight gradient must be contiguous");
-    wire_home = pass.buckets->wire_home(pass.index, 0, g.data(), g.span());
+    // Contiguity matters only where the buckets hold this gradient (they hold it as a vector).
+    wire_home = pass.buckets->wire_home(pass.index, 0, g.data(), g.size());
+    MESHTRAIN_REQUIRE(wire_home == nullptr || g.span_is_contiguous(), "linear layer '",
+                      layout_.layer, "': the weight gradient must be contiguous");
   }
   GemmOperand x_t;
   if (reads_kept_input()) {

@@ -400,9 +400,12 @@ void gemm_to_16bit(GemmOperand a, GemmOperand b, HalfMatrixView c, Dtype inputs)
 }
 
 bool gemm_kernel_writes_16bit(Dtype inputs) {
-  // The kernels that read 16-bit operands as stored write a 16-bit C as well (oneDNN's bf16
-  // matmul, cuBLAS).
-  return reads_16bit(host_library(), inputs);
+  // The kernel that reads 16-bit operands as stored writes a 16-bit C as well (oneDNN's bf16
+  // matmul), so the answer is gemm_kernel_reads_16bit()'s, but for CUDA builds: cuBLAS's
+  // algorithm with a 16-bit C, its fp32 -> 16-bit rounding and its overflow to inf are not yet
+  // compared with gemm()'s fp32 C rounded on a GPU, so there gemm_to_16bit() takes the fp32
+  // kernel and the rounding pass (gemm_on), and the layers keep the fp32 gradient and its packing.
+  return !kDeviceMemoryIsHostInaccessible && gemm_kernel_reads_16bit(inputs);
 }
 
 void inference_gemm(GemmOperand a, GemmOperand b, float beta, MatrixView c,
@@ -508,7 +511,8 @@ void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, fl
   // pass rounds it into C (gemm.hpp).
   MatrixView wide_c;
   if (sixteen_bit_c) {
-    if (reads_16bit(library, inputs)) {
+    if (!kDeviceMemoryIsHostInaccessible &&
+        reads_16bit(library, inputs)) {  // gemm_kernel_writes_16bit()
       call.c16 = c16.data();
     } else {
       Matrix& buffer = widening_scratch().c;

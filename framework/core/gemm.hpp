@@ -169,17 +169,20 @@ void gemm_varying_rows(GemmOperand a, GemmOperand b, float beta, MatrixView c,
 // into `inputs`' 16-bit format (bf16 or fp16; C holds its bits), as gemm() into an fp32 C followed
 // by round_to() would give, without that fp32 C (a weight gradient written straight into what its
 // 16-bit reduction sends: layers/gradient_buckets.hpp). No beta (C is overwritten), no epilogue.
-//   oneDNN      bf16 where gemm_kernel_reads_16bit(bf16): the bf16 matmul with a bf16 dst (its
+//   oneDNN      bf16 where gemm_kernel_writes_16bit(bf16): the bf16 matmul with a bf16 dst (its
 //               f32 -> bf16 conversion rounds to nearest even; the same primitive choice as
-//               gemm(), and the bits of gemm()'s fp32 C rounded: tests/core/gemm_test.cpp checks
-//               them on the 784-4096-4096-10 step's weight-gradient shapes).
-//   CUDA        cublasGemmEx with C in CUDA_R_16BF / CUDA_R_16F, fp32 accumulation.
+//               gemm(), and the bits of gemm()'s fp32 C rounded, bit for bit but for fp32 sums
+//               below 2^-126, which become zeros of their sign: tests/core/gemm_test.cpp checks
+//               them on the 784-4096-4096-10 step's weight-gradient shapes and on tiny products).
+//   CUDA        for now the fp32 path below (cublasGemmEx with C in CUDA_R_16BF / CUDA_R_16F is
+//               written but not taken until a GPU test compares its rounding and overflow).
 //   elsewhere   (OpenBLAS; oneDNN's fp32 kernel: fp16, or bf16 without AVX512_BF16) the fp32 GEMM
 //               into fp32 scratch that gemm() keeps between calls (made at the first such call,
 //               grown when a larger one comes), then one rounding pass into C: no memory saved
 //               there, the same bits. gemm_kernel_writes_16bit() says which.
 void gemm_to_16bit(GemmOperand a, GemmOperand b, HalfMatrixView c, Dtype inputs);
-// Whether gemm_to_16bit() with `inputs` has its kernel write the 16-bit C (no fp32 scratch).
+// Whether gemm_to_16bit() with `inputs` has its kernel write the 16-bit C (no fp32 scratch):
+// gemm_kernel_reads_16bit(inputs) on host builds, false on CUDA builds (above).
 bool gemm_kernel_writes_16bit(Dtype inputs);
 // Whether gemm() with `inputs` reads 16-bit operands as stored (oneDNN's bf16 matmul on a CPU
 // with AVX512_BF16 or AMX, unless a test forces the fp32 kernel; cuBLAS), rather than widening

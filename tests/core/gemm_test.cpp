@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <iomanip>
+#include <iostream>
 #include <limits>
 #include <new>
 #include <random>
@@ -944,6 +945,60 @@ TEST(Gemm, SixteenBitCIsTheFp32CRounded) {
             EXPECT_EQ(wrong, 0u);
           }
         }
+      }
+      if (dtype == Dtype::bf16) {
+        // Tiny products (A's and B's values +-2^-64 times 1 or 1.5, so fp32 sums of three
+        // products near 2^-128, below and above 2^-126): where the bf16 kernel writes the dst,
+        // its f32 -> bf16 conversion (VCVTNEPS2BF16) flushes sums below 2^-126 to zeros of their
+        // sign, which to_16bit() keeps as subnormal bf16 (gemm.hpp). Each element is the fp32 C
+        // rounded or, below 2^-126 only, the zero of its sign; every other element the rounded C.
+        const float tiny = std::ldexp(1.0f, -64);
+        const std::size_t m = 6, k = 3, n = 8;
+        TestMatrix a = make_matrix(k, m, 0, dtype, rng), b = make_matrix(k, n, 0, dtype, rng);
+        for (TestMatrix* t : {&a, &b}) {
+          for (float& v : t->values)
+            v = (v < 0 ? -tiny : tiny) * (std::abs(v) < 0.5f ? 1.0f : 1.5f);
+          auto host = host_mirror(t->store);
+          for (std::size_t i = 0; i < t->rows; ++i)
+            for (std::size_t j = 0; j < t->cols; ++j) host(i, j) = t->values[i * t->cols + j];
+          Kokkos::deep_copy(t->store, host);
+        }
+        TestMatrix want = make_matrix(m, n, 0, Dtype::fp32, rng);
+        gemm(transposed(a.view()), plain(b.view()), 0.0f, want.view(), dtype);
+        const std::vector<float> wide = read_store(want);
+        HalfMatrix c16("c16", m, n);
+        gemm_to_16bit(transposed(a.view()), plain(b.view()), c16, dtype);
+        auto host = Kokkos::create_mirror_view(c16);
+        Kokkos::deep_copy(host, c16);
+        std::size_t below = 0, flushed = 0, wide_subnormal = 0, wrong = 0;
+        for (std::size_t i = 0; i < m; ++i) {
+          for (std::size_t j = 0; j < n; ++j) {
+            double exact = 0.0;
+            for (std::size_t p = 0; p < k; ++p) exact += a.at(p, i) * b.at(p, j);
+            const float w = wide[i * n + j];
+            const bool small = std::abs(w) < std::ldexp(1.0f, -126);
+            below += std::abs(exact) < std::ldexp(1.0, -126);
+            wide_subnormal += small && w != 0.0f;
+            const uint16_t rounded = to_16bit(w, dtype);
+            const uint16_t zero = std::signbit(w) ? uint16_t{0x8000} : uint16_t{0};
+            if (host(i, j) == rounded) continue;
+            if (small && host(i, j) == zero) {
+              ++flushed;
+              continue;
+            }
+            if (wrong++ < 3) {
+              ADD_FAILURE() << path.name << " tiny products: C(" << i << ", " << j << ") bits "
+                            << host(i, j) << ", want " << rounded << " (fp32 C " << w << ", exact "
+                            << exact << ")";
+            }
+          }
+        }
+        EXPECT_EQ(wrong, 0u) << path.name;
+        // What this CPU does (not asserted: it depends on the ISA the kernel runs).
+        std::cout << path.name << " tiny products: " << below << " of " << m * n
+                  << " exact sums below 2^-126, " << wide_subnormal
+                  << " subnormal in gemm()'s fp32 C, " << flushed
+                  << " of those written as zeros by gemm_to_16bit\n";
       }
       if (path.library == HostLibrary::openblas && !kDeviceMemoryIsHostInaccessible) {
         EXPECT_FALSE(gemm_kernel_writes_16bit(dtype)) << path.name;

@@ -351,6 +351,8 @@ struct RunResult {
   // (With an optimizer) the last update left each copy current: the last forward computed from
   // the optimizer's copies, with no cast pass.
   bool copies_current = true;
+  // The gradients the layers wrote as 16 bits into the DP buckets (over every backward).
+  std::size_t gradients_written_16bit = 0;
 };
 
 // policy nullptr: the context's precision is never set. steps > 1: that many training steps,
@@ -479,6 +481,7 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
     run.grads.push_back(gather_full(g, mesh, context.rank()));
     run.names.push_back(g.name + " " + g.spec.to_string());
   }
+  run.gradients_written_16bit = model.gradient_buckets().gradients_written_16bit();
   return run;
 }
 
@@ -718,6 +721,44 @@ TEST(MixedPrecision, SixteenBitStorageIsBitIdenticalToTheSimulatedPath) {
             }
           }
         }
+      }
+    }
+  }
+}
+
+// DP with overlap and a bf16 wire (reduce_dtype = param_dtype = bf16): where gemm()'s kernel writes
+// 16 bits (gemm_kernel_writes_16bit: oneDNN's bf16 matmul on AVX512_BF16 or AMX) every Linear's
+// weight-gradient GEMM writes its gradient as bf16 straight into the buckets' 16-bit buffer
+// (docs/mixed_precision.md, cast point 8: counted by the buckets), and three training steps give
+// bit for bit the loss, logits, gradients and parameters of the same run with overlap off (the
+// blocking all-reduce of the fp32 gradient packed to bf16), on dp over every rank.
+TEST(MixedPrecision, BucketsGivenTheWeightGradientAs16BitsMatchTheBlockingReduction) {
+  const MixedPrecision bf16{Dtype::bf16, Dtype::bf16};
+  const int n = world_size();
+  const LayoutCase dp{"dp" + std::to_string(n), {{"dp", n}}, "dp", 0, "", "", true};
+  const int steps = 3;
+  const bool writes = gemm_kernel_writes_16bit(Dtype::bf16);
+  for (const auto& m : models()) {
+    SCOPED_TRACE(m.name + " on " + dp.name);
+    const RunResult on = run_model(m, dp, &bf16, 1.0f, /*overlap=*/true, steps);
+    const RunResult off = run_model(m, dp, &bf16, 1.0f, /*overlap=*/false, steps);
+    // Three Linear layers, one weight gradient each, in each of the `steps` backward passes (one
+    // rank: no DP group, so no buckets and nothing to compare but the runs).
+    const std::size_t linears = m.sizes.size() - 1;
+    EXPECT_EQ(on.gradients_written_16bit, writes && n > 1 ? linears * steps : 0u);
+    EXPECT_EQ(off.gradients_written_16bit, 0u);
+    EXPECT_EQ(on.loss, off.loss);
+    ASSERT_EQ(on.logits.size(), off.logits.size());
+    for (size_t i = 0; i < on.logits.size(); ++i)
+      ASSERT_EQ(float(on.logits[i]), float(off.logits[i])) << "logit " << i;
+    ASSERT_EQ(on.params.size(), off.params.size());
+    for (size_t k = 0; k < on.params.size(); ++k) {
+      ASSERT_EQ(on.params[k].size(), off.params[k].size());
+      for (size_t i = 0; i < on.params[k].size(); ++i) {
+        ASSERT_EQ(float(on.grads[k][i]), float(off.grads[k][i]))
+            << on.names[k] << " gradient element " << i;
+        ASSERT_EQ(float(on.params[k][i]), float(off.params[k][i]))
+            << on.names[k] << " element " << i;
       }
     }
   }

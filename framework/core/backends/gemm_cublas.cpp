@@ -428,7 +428,9 @@ EpilogueLeft cuda_gemm(const RowMajorGemm& call) {
   const Operands operands = operands_of(call);
   const EpilogueLeft whole = whole_epilogue(call);
   // A 16-bit C (gemm_to_16bit(): 16-bit inputs, beta 0, no epilogue) is cublasGemmEx's C in the
-  // inputs' type (CUDA_R_16BF / CUDA_R_16F), accumulated in fp32 (operands.compute).
+  // inputs' type (CUDA_R_16BF / CUDA_R_16F), accumulated in fp32 (operands.compute). Not reached
+  // yet: gemm() sends no c16 on CUDA builds (gemm_kernel_writes_16bit() is false there) until a GPU
+  // test compares this C's rounding and overflow with the fp32 C rounded.
   if (!whole.nothing()) {
     EpilogueLeft left;
     if (run_cublaslt(call, operands, left)) return left;
