@@ -141,6 +141,26 @@ LocalBags local_bags(const std::vector<int64_t>& all_offsets, const std::vector<
   return l;
 }
 
+// One rank's batch of the data: its dense rows, its dy rows and each table's bags, rows
+// [first_row, first_row + rows) of the global batch.
+struct RankBatch {
+  Matrix dense, dy;
+  std::vector<LocalBags> local;
+  std::vector<SparseBags> bags;  // views of `local`
+};
+RankBatch rank_batch(const Data& d, int64_t first_row, int64_t rows) {
+  RankBatch b;
+  b.dense = testing::block_matrix("dense", rows, kDense, first_row, 0,
+                                  [&](int64_t i, int64_t j) { return d.dense[i * kDense + j]; });
+  b.dy = testing::block_matrix("dy", rows, 1, first_row, 0,
+                               [&](int64_t i, int64_t) { return d.dy[i]; });
+  for (size_t t = 0; t < d.offsets.size(); ++t) {
+    b.local.push_back(local_bags(d.offsets[t], d.ids[t], first_row, rows));
+  }
+  for (const LocalBags& l : b.local) b.bags.push_back({l.offsets, l.ids});
+  return b;
+}
+
 // What one rank computed: its logits (rows from first_row), and each parameter's value and
 // gradient block with the global flat index of every element.
 struct Result {
@@ -233,17 +253,10 @@ Result run(MeshCommunicators& comms, const DlrmShape& shape, const Data& d, Tabl
   r.first_row = context.batch_index() * rows;
   Dlrm model(shape, Activation::tanh, spec_of, context, rows, most_ids(d, parts));
   model.initialize(InitScheme::he_normal, kSeed);
-  const Matrix dense =
-      testing::block_matrix("dense", rows, kDense, r.first_row, 0,
-                            [&](int64_t i, int64_t j) { return d.dense[i * kDense + j]; });
-  const Matrix dy = testing::block_matrix("dy", rows, 1, r.first_row, 0,
-                                          [&](int64_t i, int64_t) { return d.dy[i]; });
-  std::vector<LocalBags> local;
-  std::vector<SparseBags> bags;
-  for (size_t t = 0; t < shape.tables.size(); ++t) {
-    local.push_back(local_bags(d.offsets[t], d.ids[t], r.first_row, rows));
-  }
-  for (const LocalBags& l : local) bags.push_back({l.offsets, l.ids});
+  const RankBatch local_batch = rank_batch(d, r.first_row, rows);
+  const Matrix& dense = local_batch.dense;
+  const Matrix& dy = local_batch.dy;
+  const std::vector<SparseBags>& bags = local_batch.bags;
   auto step = [&] {
     model.forward(dense, bags);
     model.backward(dy);
@@ -549,17 +562,10 @@ TEST(Dlrm, SparseTableGradientsAreNeverAllocated) {
   // It still computes: the logits and the linear layers' gradients are the one-rank dense
   // model's (the same parameters; within kMeshTolerance: DP sums reorder).
   model.initialize(InitScheme::he_normal, kSeed);
-  const Matrix dense_in =
-      testing::block_matrix("dense", rows, kDense, first_row, 0,
-                            [&](int64_t i, int64_t j) { return d.dense[i * kDense + j]; });
-  const Matrix dy = testing::block_matrix("dy", rows, 1, first_row, 0,
-                                          [&](int64_t i, int64_t) { return d.dy[i]; });
-  std::vector<LocalBags> local;
-  std::vector<SparseBags> bags;
-  for (size_t t = 0; t < shape.tables.size(); ++t) {
-    local.push_back(local_bags(d.offsets[t], d.ids[t], first_row, rows));
-  }
-  for (const LocalBags& l : local) bags.push_back({l.offsets, l.ids});
+  const RankBatch local_batch = rank_batch(d, first_row, rows);
+  const Matrix& dense_in = local_batch.dense;
+  const Matrix& dy = local_batch.dy;
+  const std::vector<SparseBags>& bags = local_batch.bags;
   const std::vector<double> logits = testing::host_matrix(model.forward(dense_in, bags));
   model.backward(dy);
   ASSERT_EQ(static_cast<int64_t>(logits.size()), rows);
@@ -626,17 +632,10 @@ TEST(Dlrm, SparseGradientsAreExchangedInOneCollectiveEach) {
                 TableGradients::sparse);
     dense.initialize(InitScheme::he_normal, kSeed);
     sparse.initialize(InitScheme::he_normal, kSeed);
-    const Matrix dense_in =
-        testing::block_matrix("dense", rows, kDense, first_row, 0,
-                              [&](int64_t i, int64_t j) { return d.dense[i * kDense + j]; });
-    const Matrix dy = testing::block_matrix("dy", rows, 1, first_row, 0,
-                                            [&](int64_t i, int64_t) { return d.dy[i]; });
-    std::vector<LocalBags> local;
-    std::vector<SparseBags> bags;
-    for (size_t t = 0; t < shape.tables.size(); ++t) {
-      local.push_back(local_bags(d.offsets[t], d.ids[t], first_row, rows));
-    }
-    for (const LocalBags& l : local) bags.push_back({l.offsets, l.ids});
+    const RankBatch local_batch = rank_batch(d, first_row, rows);
+    const Matrix& dense_in = local_batch.dense;
+    const Matrix& dy = local_batch.dy;
+    const std::vector<SparseBags>& bags = local_batch.bags;
     dense.forward(dense_in, bags);
     dense.backward(dy);
     sparse.forward(dense_in, bags);
@@ -793,15 +792,9 @@ TEST(Dlrm, PredictOnlyModelAllocatesNoTableOrInteractionGradient) {
     if (g.name.rfind("embeddings/", 0) == 0) EXPECT_EQ(g.local.extent(0), 0u) << g.name;
   }
   model.initialize(InitScheme::he_normal, kSeed);
-  const Matrix dense_in =
-      testing::block_matrix("dense", rows, kDense, first_row, 0,
-                            [&](int64_t i, int64_t j) { return d.dense[i * kDense + j]; });
-  std::vector<LocalBags> local;
-  std::vector<SparseBags> bags;
-  for (size_t t = 0; t < shape.tables.size(); ++t) {
-    local.push_back(local_bags(d.offsets[t], d.ids[t], first_row, rows));
-  }
-  for (const LocalBags& l : local) bags.push_back({l.offsets, l.ids});
+  const RankBatch local_batch = rank_batch(d, first_row, rows);
+  const Matrix& dense_in = local_batch.dense;
+  const std::vector<SparseBags>& bags = local_batch.bags;
   const std::vector<double> logits = testing::host_matrix(model.forward(dense_in, bags));
   ASSERT_EQ(static_cast<int64_t>(logits.size()), rows);
   for (int64_t r = 0; r < rows; ++r) {
