@@ -11,7 +11,8 @@
 # Cases (name: ranks, config, --set overrides):
 #   plain_dp, plain_fsdp, plain_tp (np 2), plain_fsdp_tp (np 4, oversubscribed): the configs as
 #   they are; residual_dp, residual_fsdp, residual_tp (np 2): configs/fashion_mnist_residual.toml
-#   with its mesh and preset overridden; residual_fsdp_tp (np 4): the config as it is.
+#   with its mesh and preset overridden; residual_fsdp_tp (np 4): the config as it is (not in
+#   the default CASES: name it to run it).
 #
 #   [CASES="plain_dp ..."] [SEED=0] [EXTRA_SEEDS="1 2"] [THRESHOLD=0.005] [OUT=/tmp/bf16_accuracy]
 #   [EXTRA_SET="--set train.epochs=2"] bench/bf16_accuracy.sh [BIN]

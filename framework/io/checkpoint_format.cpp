@@ -236,7 +236,7 @@ void collect_datasets(hid_t file, const std::string& group_path, const std::stri
 bool stored_as_bf16(hid_t dataset, hid_t type, const std::string& what) {
   const ErrorKind bad = ErrorKind::bad_input;
   return H5Tget_class(type) == H5T_INTEGER && H5Tget_size(type) == 2 &&
-         H5Tget_sign(type) == H5T_SGN_NONE &&
+         H5Tget_sign(type) == H5T_SGN_NONE && H5Tget_order(type) == H5T_ORDER_LE &&
          hdf5::has_attribute(dataset, kDtypeAttribute, bad, what) &&
          hdf5::read_string_attribute(dataset, kDtypeAttribute, bad, what) == kBf16Dtype;
 }

@@ -80,8 +80,9 @@ void collect_datasets(hid_t file, const std::string& group_path, const std::stri
 // The shape a dataset stands for (a stored [1] with attribute scalar = 1 is rank 0).
 std::vector<int64_t> logical_shape(hid_t dataset, const std::string& what);
 
-// Whether a dataset of type `type` holds a bf16 tensor: unsigned 16-bit integers (the bits) with
-// attribute dtype = "bf16" (kDtypeAttribute, kBf16Dtype).
+// Whether a dataset of type `type` holds a bf16 tensor: unsigned little-endian 16-bit integers
+// (the bits, as the format-2 reads take them raw) with attribute dtype = "bf16" (kDtypeAttribute,
+// kBf16Dtype).
 bool stored_as_bf16(hid_t dataset, hid_t type, const std::string& what);
 
 // A failed H5Dread of `dataset`: bad_input, "corrupt" when HDF5 says a checksum failed.

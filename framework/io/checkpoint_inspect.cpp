@@ -169,9 +169,8 @@ std::vector<CheckpointArray> read_checkpoint_arrays(const std::string& path,
     array.name = name;
     array.shape = logical_shape(dataset, what);
     // A bf16 tensor (uint16 bits with dtype = "bf16", checkpoint_format.hpp): its values
-    // widened to float32 (exact). Little-endian: the buffer holds the stored bytes (a big-endian
-    // or signed 16-bit dataset is refused below).
-    if (H5Tget_order(type) == H5T_ORDER_LE && stored_as_bf16(dataset, type, what)) {
+    // widened to float32 (exact); a big-endian or signed 16-bit dataset is refused below.
+    if (stored_as_bf16(dataset, type, what)) {
       array.values.resize(buffer.size() / sizeof(uint16_t));
       for (size_t i = 0; i < array.values.size(); ++i) {
         uint16_t bits = 0;

@@ -141,7 +141,11 @@ Handle open_dataset(hid_t file, const DatasetEntry& entry, const std::string& pa
                         "' but ", format_shape(t.global_shape), " in the model");
   }
   Handle type = hdf5::make(H5Dget_type(dataset), H5Tclose, bad, what);
-  if (H5Tget_class(type) == H5T_FLOAT && H5Tget_size(type) == 4) {
+  // Little-endian IEEE only: format 2 reads the stored bytes raw, so another float would load
+  // as wrong values rather than be converted.
+  const htri_t ieee_f32le = H5Tequal(type, H5T_IEEE_F32LE);
+  hdf5::check(ieee_f32le < 0 ? -1 : 0, bad, what);  // names HDF5's own error
+  if (ieee_f32le > 0) {
     stored = Dtype::fp32;
     return dataset;
   }
@@ -150,8 +154,9 @@ Handle open_dataset(hid_t file, const DatasetEntry& entry, const std::string& pa
     return dataset;
   }
   MESHTRAIN_BAD_INPUT("dataset '", entry.path, "' in checkpoint '", path,
-                      "' is neither float32 nor bf16 (uint16 with attribute ", kDtypeAttribute,
-                      " = \"", kBf16Dtype, "\")");
+                      "' is neither little-endian float32 nor bf16 (little-endian uint16 with "
+                      "attribute ",
+                      kDtypeAttribute, " = \"", kBf16Dtype, "\")");
 }
 
 // Format 1: HDF5 reads the box (Fletcher32 checked by its filter).

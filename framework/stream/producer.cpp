@@ -241,8 +241,6 @@ void StreamProducer::test_ring() {
   if (completed != MPI_UNDEFINED) in_flight_ -= completed;
 }
 
-// A slot whose sends have all completed, in ring order; with backpressure drop, -1 when the
-// next slot's sends are still in flight (as the send's test_ring left them).
 void StreamProducer::wait_slot(size_t slot, const char* what) {
   MPI_Request* requests = &requests_[slot * slot_width_];
   in_flight_ -= std::count_if(requests, requests + slot_width_,
@@ -250,6 +248,8 @@ void StreamProducer::wait_slot(size_t slot, const char* what) {
   check_mpi(MPI_Waitall(static_cast<int>(slot_width_), requests, MPI_STATUSES_IGNORE), what);
 }
 
+// A slot whose sends have all completed, in ring order; with backpressure drop, -1 when the
+// next slot's sends are still in flight (as the send's test_ring left them).
 int StreamProducer::take_free_slot() {
   const size_t slot = static_cast<size_t>(next_slot_);
   if (in_flight_ > 0 && !slot_free(slot)) {

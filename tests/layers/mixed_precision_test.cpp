@@ -752,8 +752,12 @@ TEST(MixedPrecision, BucketsGivenTheWeightGradientAs16BitsMatchTheBlockingReduct
     for (size_t i = 0; i < on.logits.size(); ++i)
       ASSERT_EQ(float(on.logits[i]), float(off.logits[i])) << "logit " << i;
     ASSERT_EQ(on.params.size(), off.params.size());
+    ASSERT_EQ(on.grads.size(), on.params.size());
+    ASSERT_EQ(off.grads.size(), off.params.size());
     for (size_t k = 0; k < on.params.size(); ++k) {
       ASSERT_EQ(on.params[k].size(), off.params[k].size());
+      ASSERT_EQ(on.grads[k].size(), on.params[k].size());
+      ASSERT_EQ(off.grads[k].size(), off.params[k].size());
       for (size_t i = 0; i < on.params[k].size(); ++i) {
         ASSERT_EQ(float(on.grads[k][i]), float(off.grads[k][i]))
             << on.names[k] << " gradient element " << i;
