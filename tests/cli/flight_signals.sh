@@ -9,6 +9,10 @@ meshtrain=$1
 shift
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
+# When the first rank ends on SIGTERM, Open MPI SIGKILLs the others 1 s after signalling them
+# (odls_base_sigkill_timeout); on a loaded machine that can cut a record short. (mpirun waits
+# out the whole delay before it returns: 3 s, not more.)
+export OMPI_MCA_odls_base_sigkill_timeout=3
 fail() {
   echo "FAIL: $*" >&2
   # What the run said, so that a failure under load can be told from a wrong recorder.
