@@ -205,7 +205,6 @@ def ddp_rank(rank, args, port):
         return float(loss)
 
     losses = [step() for _ in range(args.warmup)]
-    hook.remove()
     walls, cpus = [], []
     for _ in range(args.steps):
         dist.barrier()
@@ -215,6 +214,9 @@ def ddp_rank(rank, args, port):
         dist.barrier()
         walls.append(time.perf_counter() - start)
         cpus.append(cpu)
+        # Off after the first step that ran, timed or not (with --warmup 0 the dtype is still
+        # seen; the hook's call is microseconds of a step's milliseconds).
+        hook.remove()
     # The largest rank's figures per step, as bench_train_step's MPI_MAX.
     per_step = torch.tensor([walls, cpus], dtype=torch.float64)
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
