@@ -31,7 +31,9 @@
 // (TableGradients::none, DlrmPredictor's): the tracker's live bytes are the dense model's less its
 // table and interaction gradients, the logits the one-rank model's, backward refused. Refusals: the
 // shape checks (one sentence each), 16-bit precision, a tp split of a linear layer's output, a
-// column split of a table's dim that tp does not divide, a 16-bit reduce dtype.
+// column split of a table's dim that tp does not divide, a 16-bit reduce dtype. Tables that
+// exchange rows over one communicator share their all-to-alls: 4 a step per group, counted
+// (RowExchangingTablesShareFourAllToAllsAStep says how).
 
 #include <gtest/gtest.h>
 #include <mpi.h>
