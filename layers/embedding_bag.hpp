@@ -51,7 +51,10 @@
 // the rank whose batch is wrong throws there.
 //
 // Buffers: everything is allocated at construction for `max_ids` ids per rank per step (an owner
-// may receive the whole group's: n x max_ids), so forward() and backward() allocate nothing.
+// may receive the whole group's: n x max_ids), so forward() and backward() allocate nothing; the
+// all-to-alls' messages belong to the table's EmbeddingExchange (below), its own (allocated with
+// the table) or one shared with the other tables of its owners' group (allocated when that is
+// built), so that the group's tables exchange in 4 all-to-alls a step together.
 // Mixed precision is a later slice: the context must be fp32 (bad_input otherwise). The table
 // itself may be stored as bf16 (ShardedTensor::storage, model.table_dtype = "bf16"): the
 // pooling kernels then read its bf16 bits, widen them (exact) and sum in fp32; the pooled rows,
