@@ -8,8 +8,9 @@
 # configs/dlrm_synthetic.toml on scripts/make_recsys_data's default set (t17, t18 and t25
 # row-wise over fsdp on 2 ranks), optimizer.embeddings = "rowwise_adagrad", STEPS steps with the
 # last TRACED traced ([runtime] trace_steps). Measured, per rank, over the traced steps: the
-# step spans' time, the `all-to-all` collective spans' time (every table's counts, ids, partial
-# sums and dy exchanges; blocking, so a span includes waiting for the slower rank), the other
+# step spans' time, the `all-to-all` collective spans' time (the row-wise tables' counts, ids,
+# partial sums and dy exchanges, one of each per group of tables over the same axes: 4 a step
+# here; blocking, so a span includes waiting for the slower rank), the other
 # collectives' and each phase's (data read, forward, loss, backward, optimizer). Predicted, with
 # the default hardware profile (or MESHTRAIN_HARDWARE=FILE, `meshtrain plan --hardware`): the
 # cost items whose `what` starts with "all-to-all" and the step. One JSON line: both, per step,

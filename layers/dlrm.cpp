@@ -173,7 +173,7 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
   build_mlp("bottom", shape.bottom, /*activate_last=*/true, bottom_, bottom_act_);
   tables_.reserve(shape.tables.size());
   for (const DlrmTable& t : shape.tables) {
-    tables_.emplace_back(t.name, next(), t.pooling, rows_, max_ids, context);
+    tables_.emplace_back(t.name, next(), t.pooling, rows_, max_ids, context, RowExchange::shared);
     if (table_gradients == TableGradients::sparse) {
       tables_.back().use_sparse_gradient(context, /*bucketed=*/true);
     }
@@ -189,6 +189,25 @@ Dlrm::Dlrm(const DlrmShape& shape, Activation activation, const SpecLookup& spec
     // Bucketed whatever runtime.overlap says (one all-reduce waited for at the end of backward
     // is fewer collectives either way), cut at runtime.bucket_mb.
     dense_buckets_ = GradientBuckets(dense_plan_.bucket_gradients(), context.bucket_mb());
+  }
+  // The tables that exchange rows, one exchange per communicator (in table order, the same on
+  // every rank), its buffers made now for every table's capacity.
+  for (size_t t = 0; t < tables_.size(); ++t) {
+    EmbeddingBag& table = tables_[t];
+    if (!table.exchanges_rows()) continue;
+    auto same = std::find_if(row_groups_.begin(), row_groups_.end(), [&](const RowGroup& g) {
+      return g.members.front()->row_comm() == table.row_comm();
+    });
+    if (same == row_groups_.end()) {
+      row_groups_.emplace_back();
+      same = row_groups_.end() - 1;
+    }
+    same->tables.push_back(t);
+    same->members.push_back(&table);
+  }
+  for (RowGroup& g : row_groups_) {
+    g.exchange = std::make_unique<EmbeddingExchange>(g.members);
+    g.bags.assign(g.members.size(), SparseBags{});
   }
   table_bucket_.assign(tables_.size(), -1);
   for (size_t t = 0; t < tables_.size(); ++t) {
@@ -363,7 +382,15 @@ MatrixView Dlrm::forward(MatrixView dense, const std::vector<SparseBags>& bags) 
   {
     TraceSpan span("embeddings", TraceKind::layer);
     span.detail("forward");
-    for (size_t t = 0; t < tables_.size(); ++t) tables_[t].forward(bags[t], pass);
+    // The tables that exchange no rows (replicated, column-wise) in table order, then each
+    // group of those that do: its 3 all-to-alls for all its tables.
+    for (size_t t = 0; t < tables_.size(); ++t) {
+      if (!tables_[t].exchanges_rows()) tables_[t].forward(bags[t], pass);
+    }
+    for (RowGroup& g : row_groups_) {
+      for (size_t k = 0; k < g.tables.size(); ++k) g.bags[k] = bags[g.tables[k]];
+      g.exchange->forward(g.members.data(), g.bags.data());
+    }
   }
   {
     TraceSpan span("interaction", TraceKind::layer);
@@ -435,15 +462,18 @@ void Dlrm::backward(MatrixView output_grad) {
 }
 
 void Dlrm::backward_tables(const LayerPass& pass) {
+  // Every table's dy checked (its columns taken) and the dy of the parts the row-exchanging
+  // tables sent into their exchange's message; one all-to-all-v per row group.
+  for (size_t t = 0; t < tables_.size(); ++t) tables_[t].backward_begin(table_grads_[t]);
+  for (RowGroup& g : row_groups_) g.exchange->exchange_dy();
   if (sparse_buckets_.empty()) {
-    for (size_t t = 0; t < tables_.size(); ++t) tables_[t].backward(table_grads_[t], pass);
+    for (size_t t = 0; t < tables_.size(); ++t) tables_[t].backward_end(pass);
     return;
   }
   // The bucketed tables' touched rows, one all-gather per group (local work first) ...
   for (SparseBucket& b : sparse_buckets_) {
     for (size_t k = 0; k < b.tables.size(); ++k) {
-      const size_t t = b.tables[k];
-      tables_[t].backward_sparse_touch(table_grads_[t], b.send_host, b.at[k]);
+      tables_[b.tables[k]].backward_sparse_touch(b.send_host, b.at[k]);
     }
     copy_view(b.send, b.send_host);
     b.comm->all_gather(b.send, b.recv, 0);
@@ -453,13 +483,13 @@ void Dlrm::backward_tables(const LayerPass& pass) {
       tables_[b.tables[k]].backward_sparse_union(b.recv_host, b.rank_rows, b.at[k]);
     }
   }
-  // Every table in table order (the row-wise ones' all-to-alls come in the same order on every
-  // rank), the bucketed ones' compact gradients side by side in their group's buffer ...
+  // Every table in table order (the others' collectives come in the same order on every rank),
+  // the bucketed ones' compact gradients side by side in their group's buffer ...
   for (SparseBucket& b : sparse_buckets_) b.used = 0;
   for (size_t t = 0; t < tables_.size(); ++t) {
     EmbeddingBag& table = tables_[t];
     if (!table.bucketed()) {
-      table.backward(table_grads_[t], pass);
+      table.backward_end(pass);
       continue;
     }
     SparseBucket& b = sparse_buckets_[static_cast<size_t>(table_bucket_[t])];

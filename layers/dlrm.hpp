@@ -30,6 +30,11 @@
 //                       whatever runtime.overlap says): one all-reduce, started when the
 //                       bottom's first layer is done, for the MLPs of this model's sizes;
 //                       the others (FSDP) reduce their own, as an mlp's do;
+//   row exchanges       the tables that exchange rows (row-wise, table-wise) over the same
+//                       communicator share one EmbeddingExchange: one all-to-all of the
+//                       counts, one of the ids and one of the partial sums in forward, one of
+//                       the parts' dy in backward, per group and step, whatever the number of
+//                       tables (the exchange moves what each table's own would, packed);
 //   sparse table grads  the tables summed over the same batch axes (replicated ones, the
 //                       row-wise ones on a mesh with more batch axes than they split) exchange
 //                       their touched rows in one all-gather and sum their compact gradients,
@@ -171,6 +176,16 @@ class Dlrm {
   };
   std::vector<SparseBucket> sparse_buckets_;
   std::vector<int> table_bucket_;  // per table: its bucket's index, -1 when not bucketed
+  // The tables that exchange rows (row-wise, table-wise) over one communicator, in table order,
+  // and their shared exchange (4 all-to-alls a step for all of them): the tables' indices, the
+  // tables themselves (tables_ never moves) and this step's bags of each.
+  struct RowGroup {
+    std::unique_ptr<EmbeddingExchange> exchange;
+    std::vector<size_t> tables;
+    std::vector<EmbeddingBag*> members;
+    std::vector<SparseBags> bags;
+  };
+  std::vector<RowGroup> row_groups_;
   void backward_tables(const LayerPass& pass);
 };
 

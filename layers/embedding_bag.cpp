@@ -86,11 +86,29 @@ void scatter_bags(ConstMatrixView dy, IdView offsets, IdView values, bool mean, 
       });
 }
 
+// Owner: this table's received ids out of the exchange's ids message, source by source: the
+// ids from source j are rows [id_base(j), id_base(j + 1)) here and start at row id_from(j) of
+// the message.
+void take_received_ids(ConstMatrixView message, int64_t received,
+                       Kokkos::View<const int64_t*> id_base, Kokkos::View<const int64_t*> id_from,
+                       MatrixView requests) {
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::embedding_bag_take_ids"), range2(received, 3),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t c) {
+        int j = 0;
+        while (id_base(j + 1) <= i) ++j;
+        requests(i, c) = message(id_from(j) + i - id_base(j), c);
+      });
+}
+
 // Owner: part_start[s] = the first received id of part s (a part's ids are consecutive and
-// carry its index among its source's parts), part_start[parts] = received.
+// carry its index among its source's parts), part_start[parts] = received; sums_at[s] = where
+// part s's sum goes in the exchange's sums message (its source's block starts at sums_from(j),
+// `dim` floats a part, in part order).
 void find_part_starts(ConstMatrixView requests, int64_t received, int64_t parts,
                       Kokkos::View<const int64_t*> id_base, Kokkos::View<const int64_t*> part_base,
-                      Kokkos::View<int64_t*> part_start) {
+                      Kokkos::View<const int64_t*> sums_from, int64_t dim,
+                      Kokkos::View<int64_t*> part_start, Kokkos::View<int64_t*> sums_at) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::embedding_bag_part_starts"), device_range(0, received + 1),
       KOKKOS_LAMBDA(const int64_t i) {
@@ -103,23 +121,26 @@ void find_part_starts(ConstMatrixView requests, int64_t received, int64_t parts,
         const int64_t part = static_cast<int64_t>(requests(i, 2));
         if (i == id_base(j) || static_cast<int64_t>(requests(i - 1, 2)) != part) {
           part_start(part_base(j) + part) = i;
+          sums_at(part_base(j) + part) = sums_from(j) + part * dim;
         }
       });
 }
 
-// Owner: the partial sum of each part's rows, in the order of its ids.
+// The exchange's sums and dy messages are flat floats ([floats, 1]): a part's `dim` values
+// start at the float its table's plan gives (sums_at, bag_parts, dy_at below).
+
+// Owner: the partial sum of each part's rows, in the order of its ids, into the sums message.
 template <class Table>
 void pool_parts(Table table, ConstMatrixView requests, Kokkos::View<const int64_t*> part_start,
-                int64_t parts, MatrixView sums) {
+                Kokkos::View<const int64_t*> sums_at, int64_t parts, int64_t dim, MatrixView sums) {
   Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::embedding_bag_pool_parts"),
-      range2(parts, static_cast<int64_t>(sums.extent(1))),
+      MESHTRAIN_LABEL("meshtrain::embedding_bag_pool_parts"), range2(parts, dim),
       KOKKOS_LAMBDA(const int64_t s, const int64_t c) {
         float sum = 0.0f;
         for (int64_t i = part_start(s); i < part_start(s + 1); ++i) {
           sum += table(decode_row(requests(i, 0), requests(i, 1)), c);
         }
-        sums(s, c) = sum;
+        sums(sums_at(s) + c, 0) = sum;
       });
 }
 
@@ -133,35 +154,38 @@ void combine_parts(ConstMatrixView returned, Kokkos::View<const int64_t*> bag_pa
       KOKKOS_LAMBDA(const int64_t b, const int64_t c) {
         float sum = 0.0f;
         for (int64_t p = bag_part_offsets(b); p < bag_part_offsets(b + 1); ++p) {
-          sum += returned(bag_parts(p), c);
+          sum += returned(bag_parts(p) + c, 0);
         }
         const int64_t count = offsets(b + 1) - offsets(b);
         out(b, c) = mean && count > 0 ? sum / static_cast<float>(count) : sum;
       });
 }
 
-// Requester: the gradient of each part, its bag's dy (mean: / the bag's count, never 0 here).
-void part_gradients(ConstMatrixView dy, Kokkos::View<const int64_t*> part_bag, int64_t parts,
-                    IdView offsets, bool mean, MatrixView outgoing) {
+// Requester: the gradient of each part, its bag's dy (mean: / the bag's count, never 0 here),
+// into the dy message.
+void part_gradients(ConstMatrixView dy, Kokkos::View<const int64_t*> part_bag,
+                    Kokkos::View<const int64_t*> dy_at, int64_t parts, IdView offsets, bool mean,
+                    MatrixView outgoing) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::embedding_bag_part_grads"),
       range2(parts, static_cast<int64_t>(dy.extent(1))),
       KOKKOS_LAMBDA(const int64_t p, const int64_t c) {
         const int64_t b = part_bag(p);
         const int64_t count = offsets(b + 1) - offsets(b);
-        outgoing(p, c) = mean ? dy(b, c) / static_cast<float>(count) : dy(b, c);
+        outgoing(dy_at(p) + c, 0) = mean ? dy(b, c) / static_cast<float>(count) : dy(b, c);
       });
 }
 
-// Owner: each part's gradient into the rows of its ids; one column per thread, parts in
-// arrival order (source rank, then bag), ids in order.
+// Owner: each part's gradient (at sums_at in the dy message) into the rows of its ids; one
+// column per thread, parts in arrival order (source rank, then bag), ids in order.
 void scatter_parts(ConstMatrixView incoming, ConstMatrixView requests,
-                   Kokkos::View<const int64_t*> part_start, int64_t parts, MatrixView grad) {
+                   Kokkos::View<const int64_t*> part_start, Kokkos::View<const int64_t*> sums_at,
+                   int64_t parts, MatrixView grad) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::embedding_bag_scatter_parts"),
       device_range(0, static_cast<int64_t>(grad.extent(1))), KOKKOS_LAMBDA(const int64_t c) {
         for (int64_t s = 0; s < parts; ++s) {
-          const float g = incoming(s, c);
+          const float g = incoming(sums_at(s) + c, 0);
           for (int64_t i = part_start(s); i < part_start(s + 1); ++i) {
             grad(decode_row(requests(i, 0), requests(i, 1)), c) += g;
           }
@@ -186,13 +210,13 @@ void scatter_bags_compact(ConstMatrixView dy, IdView offsets, Kokkos::View<const
 
 // Sparse, owner: each part's gradient into the slots of its ids, in the order of scatter_parts.
 void scatter_parts_compact(ConstMatrixView incoming, Kokkos::View<const int64_t*> id_slot,
-                           Kokkos::View<const int64_t*> part_start, int64_t parts,
-                           MatrixView grad) {
+                           Kokkos::View<const int64_t*> part_start,
+                           Kokkos::View<const int64_t*> sums_at, int64_t parts, MatrixView grad) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::embedding_bag_scatter_parts_sparse"),
       device_range(0, static_cast<int64_t>(grad.extent(1))), KOKKOS_LAMBDA(const int64_t c) {
         for (int64_t s = 0; s < parts; ++s) {
-          const float g = incoming(s, c);
+          const float g = incoming(sums_at(s) + c, 0);
           for (int64_t i = part_start(s); i < part_start(s + 1); ++i) grad(id_slot(i), c) += g;
         }
       });
@@ -209,7 +233,8 @@ void take_dy_columns(ConstMatrixView dy, int64_t first, MatrixView slice) {
 }  // namespace
 
 EmbeddingBag::EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPooling pooling,
-                           int64_t batch_rows, int64_t max_ids, ParallelContext& context)
+                           int64_t batch_rows, int64_t max_ids, ParallelContext& context,
+                           RowExchange exchange)
     : table_(std::move(table)), pooling_(pooling), batch_rows_(batch_rows), max_ids_(max_ids) {
   MESHTRAIN_REQUIRE(weight.value && weight.grad, "embedding table '", table_,
                     "': no weight or gradient tensor");
@@ -297,34 +322,34 @@ EmbeddingBag::EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPool
                                   &part_cursor_, &last_bag_}) {
     v->assign(n, 0);
   }
-  send_id_base_.assign(n + 1, 0);
   send_part_base_.assign(n + 1, 0);
   const std::string prefix = "embeddings/" + table_ + "/";
-  counts_send_ = Matrix(prefix + "counts_send", n, 4);
-  counts_recv_ = Matrix(prefix + "counts_recv", n, 4);
-  counts_send_host_ = host_mirror(counts_send_);
-  counts_recv_host_ = host_mirror(counts_recv_);
-  send_requests_ = Matrix(prefix + "send_requests", ids, 3);
-  send_requests_host_ = host_mirror(send_requests_);
   recv_requests_ = Matrix(prefix + "recv_requests", received, 3);
-  source_id_base_ = Kokkos::View<int64_t*>(prefix + "source_id_base", n + 1);
-  source_part_base_ = Kokkos::View<int64_t*>(prefix + "source_part_base", n + 1);
+  const auto index = [&prefix](const char* name, size_t size) {
+    return Kokkos::View<int64_t*>(prefix + name, size);
+  };
+  source_id_base_ = index("source_id_base", n + 1);
+  source_id_from_ = index("source_id_from", n);
+  source_part_base_ = index("source_part_base", n + 1);
+  source_sums_from_ = index("source_sums_from", n);
   source_id_base_host_ = host_mirror(source_id_base_);
+  source_id_from_host_ = host_mirror(source_id_from_);
   source_part_base_host_ = host_mirror(source_part_base_);
-  part_start_ = Kokkos::View<int64_t*>(prefix + "part_start", received + 1);
-  owner_parts_ = Matrix(prefix + "owner_parts", received, static_cast<size_t>(local_dim_));
-  requester_parts_ = Matrix(prefix + "requester_parts", ids, static_cast<size_t>(local_dim_));
-  bag_part_offsets_ =
-      Kokkos::View<int64_t*>(prefix + "bag_part_offsets", static_cast<size_t>(batch_rows_ + 1));
-  bag_parts_ = Kokkos::View<int64_t*>(prefix + "bag_parts", ids);
-  part_bag_ = Kokkos::View<int64_t*>(prefix + "part_bag", ids);
+  source_sums_from_host_ = host_mirror(source_sums_from_);
+  part_start_ = index("part_start", received + 1);
+  part_sums_at_ = index("part_sums_at", received);
+  bag_part_offsets_ = index("bag_part_offsets", static_cast<size_t>(batch_rows_ + 1));
+  bag_parts_ = index("bag_parts", ids);
+  part_bag_ = index("part_bag", ids);
+  part_dy_at_ = index("part_dy_at", ids);
   bag_part_offsets_host_ = host_mirror(bag_part_offsets_);
   bag_parts_host_ = host_mirror(bag_parts_);
   part_bag_host_ = host_mirror(part_bag_);
-  // What a backend stages the largest all-to-all through (device memory): now, not in a step.
-  const size_t largest =
-      received * static_cast<size_t>(std::max<int64_t>(local_dim_, 3)) * sizeof(float);
-  row_comm_->reserve_staging(largest, largest);
+  part_dy_at_host_ = host_mirror(part_dy_at_);
+  // The messages: this table's own exchange, or a shared one the caller builds.
+  if (exchange == RowExchange::own) {
+    own_exchange_ = std::make_unique<EmbeddingExchange>(std::vector<EmbeddingBag*>{this});
+  }
 }
 
 std::string EmbeddingBag::describe() const {
@@ -390,16 +415,19 @@ std::string EmbeddingBag::read_bags(const SparseBags& bags) {
 }
 
 MatrixView EmbeddingBag::forward(const SparseBags& bags, const LayerPass& /*pass*/) {
-  const std::string problem = read_bags(bags);
-  if (!row_comm_) {
-    if (!problem.empty()) MESHTRAIN_BAD_INPUT(problem);
-    bags_ = bags;
-    forward_replicated(bags);
-  } else {
-    plan_row_wise(problem);  // every rank of the group throws when one has a problem
-    bags_ = bags;
-    forward_row_wise(bags);
+  if (row_comm_) {
+    // Its own exchange (a group of one table): every rank of the group throws when one has a
+    // problem; the slices are all-gathered there too.
+    MESHTRAIN_REQUIRE(own_exchange_ != nullptr, "embedding table '", table_,
+                      "' exchanges its rows through a shared exchange, which forwards it");
+    EmbeddingBag* self = this;
+    own_exchange_->forward(&self, &bags);
+    return out_;
   }
+  const std::string problem = read_bags(bags);
+  if (!problem.empty()) MESHTRAIN_BAD_INPUT(problem);
+  bags_ = bags;
+  forward_replicated(bags);
   // Column-wise: the slices side by side, rank k's at columns [k local_dim, (k + 1) local_dim).
   if (col_comm_) col_comm_->all_gather(out_slice_, out_, 1);
   return out_;
@@ -421,7 +449,9 @@ int64_t EmbeddingBag::owner_of(int64_t id) const {
   return row_blocks_ ? id / layout_.rows_per_owner : layout_.holder;
 }
 
-void EmbeddingBag::plan_row_wise(const std::string& problem) {
+std::string EmbeddingBag::count_requests(const SparseBags& bags, Matrix::HostMirror& counts,
+                                         size_t k, size_t tables) {
+  std::string problem = read_bags(bags);
   const int n = group_;
   std::fill(send_ids_.begin(), send_ids_.end(), 0);
   std::fill(send_parts_.begin(), send_parts_.end(), 0);
@@ -429,10 +459,11 @@ void EmbeddingBag::plan_row_wise(const std::string& problem) {
   const auto& off = offsets_host_;
   const auto& ids = values_host_;
   if (problem.empty()) {
+    bags_ = bags;
     // Per owner: its ids, and its parts (the bags with at least one id there).
     for (int64_t b = 0; b < batch_rows_; ++b) {
-      for (int64_t k = off(b); k < off(b + 1); ++k) {
-        const size_t j = static_cast<size_t>(owner_of(ids(k)));
+      for (int64_t k2 = off(b); k2 < off(b + 1); ++k2) {
+        const size_t j = static_cast<size_t>(owner_of(ids(k2)));
         ++send_ids_[j];
         if (last_bag_[j] != b) {
           ++send_parts_[j];
@@ -441,33 +472,39 @@ void EmbeddingBag::plan_row_wise(const std::string& problem) {
       }
     }
   }
+  send_part_base_[0] = 0;
   for (int j = 0; j < n; ++j) {
     const size_t u = static_cast<size_t>(j);
-    send_id_base_[u + 1] = send_id_base_[u] + send_ids_[u];
+    const size_t row = u * tables + k;  // rank j's block, this table's row
     send_part_base_[u + 1] = send_part_base_[u] + send_parts_[u];
-    counts_send_host_(u, 0) = static_cast<float>(send_ids_[u]);
-    counts_send_host_(u, 1) = static_cast<float>(send_parts_[u]);
-    counts_send_host_(u, 2) = problem.empty() ? 0.0f : 1.0f;
-    counts_send_host_(u, 3) = 0.0f;
+    counts(row, 0) = static_cast<float>(send_ids_[u]);
+    counts(row, 1) = static_cast<float>(send_parts_[u]);
+    counts(row, 2) = problem.empty() ? 0.0f : 1.0f;
+    counts(row, 3) = 0.0f;
   }
   sent_parts_ = send_part_base_[static_cast<size_t>(n)];
-  copy_view(counts_send_, counts_send_host_);
-  row_comm_->all_to_all(counts_send_, counts_recv_);
-  copy_view(counts_recv_host_, counts_recv_);
+  return problem;
+}
+
+void EmbeddingBag::check_counts(const std::string& problem, const Matrix::HostMirror& counts,
+                                size_t k, size_t tables) const {
   if (!problem.empty()) MESHTRAIN_BAD_INPUT(problem);
-  for (int j = 0; j < n; ++j) {
-    if (counts_recv_host_(static_cast<size_t>(j), 2) != 0.0f) {
+  for (int j = 0; j < group_; ++j) {
+    if (counts(static_cast<size_t>(j) * tables + k, 2) != 0.0f) {
       MESHTRAIN_BAD_INPUT("embedding table '", table_, "': rank ", j, " of the ",
                           to_string(layout_.sharding), " group ", axes_text(layout_.row_axes),
                           " was given bad bags in this step (its own error names them)");
     }
   }
+}
+
+void EmbeddingBag::receive_counts(const Matrix::HostMirror& counts, size_t k, size_t tables) {
   received_ids_ = received_parts_ = 0;
   source_id_base_host_(0) = source_part_base_host_(0) = 0;
-  for (int j = 0; j < n; ++j) {
-    const size_t u = static_cast<size_t>(j);
-    recv_ids_[u] = static_cast<int64_t>(counts_recv_host_(u, 0));
-    recv_parts_[u] = static_cast<int64_t>(counts_recv_host_(u, 1));
+  for (int j = 0; j < group_; ++j) {
+    const size_t u = static_cast<size_t>(j), row = u * tables + k;
+    recv_ids_[u] = static_cast<int64_t>(counts(row, 0));
+    recv_parts_[u] = static_cast<int64_t>(counts(row, 1));
     received_ids_ += recv_ids_[u];
     received_parts_ += recv_parts_[u];
     source_id_base_host_(u + 1) = received_ids_;
@@ -476,9 +513,17 @@ void EmbeddingBag::plan_row_wise(const std::string& problem) {
   MESHTRAIN_REQUIRE(received_ids_ <= static_cast<int64_t>(recv_requests_.extent(0)),
                     "embedding table '", table_, "': ", received_ids_,
                     " ids arrived, more than the buffers hold");
+}
 
-  // The requests, per owner in bag order; each bag's parts (rows of requester_parts_, which
-  // come back per owner in part order) listed in owner order.
+void EmbeddingBag::plan_requests(EmbeddingExchange& exchange, size_t k) {
+  // The requests, per owner in bag order, into owner j's block of the ids message (this
+  // table's rows there start at ids_out_at_); each bag's parts listed in owner order, as where
+  // their sums come back (owner j's block of the returned sums, this table's floats there
+  // starting at requester_at_, local_dim_ a part in part order), which is also where each
+  // part's dy goes in backward.
+  const auto& off = offsets_host_;
+  const auto& ids = values_host_;
+  Matrix::HostMirror& message = exchange.ids_send_host_;
   std::fill(id_cursor_.begin(), id_cursor_.end(), 0);
   std::fill(part_cursor_.begin(), part_cursor_.end(), 0);
   std::fill(last_bag_.begin(), last_bag_.end(), -1);
@@ -486,48 +531,68 @@ void EmbeddingBag::plan_row_wise(const std::string& problem) {
   bag_part_offsets_host_(0) = 0;
   for (int64_t b = 0; b < batch_rows_; ++b) {
     const int64_t first_part = listed;
-    for (int64_t k = off(b); k < off(b + 1); ++k) {
-      const int64_t id = ids(k);
+    for (int64_t i = off(b); i < off(b + 1); ++i) {
+      const int64_t id = ids(i);
       const size_t j = static_cast<size_t>(owner_of(id));
+      const size_t at = exchange.at(static_cast<int>(j), k);
       const int64_t local = id - static_cast<int64_t>(j) * layout_.rows_per_owner * row_blocks_;
       if (last_bag_[j] != b) {
         last_bag_[j] = b;
-        const int64_t returned = send_part_base_[j] + part_cursor_[j]++;
-        bag_parts_host_(listed++) = returned;
-        part_bag_host_(returned) = b;
+        const int64_t part = send_part_base_[j] + part_cursor_[j];
+        const int64_t sums_at = exchange.requester_at_[at] + part_cursor_[j] * local_dim_;
+        ++part_cursor_[j];
+        bag_parts_host_(listed++) = sums_at;
+        part_bag_host_(part) = b;
+        part_dy_at_host_(part) = sums_at;
       }
-      const size_t row = static_cast<size_t>(send_id_base_[j] + id_cursor_[j]++);
-      send_requests_host_(row, 0) = static_cast<float>(local / kExactInFloat);
-      send_requests_host_(row, 1) = static_cast<float>(local % kExactInFloat);
-      send_requests_host_(row, 2) = static_cast<float>(part_cursor_[j] - 1);
+      const size_t row = static_cast<size_t>(exchange.ids_out_at_[at] + id_cursor_[j]++);
+      message(row, 0) = static_cast<float>(local / kExactInFloat);
+      message(row, 1) = static_cast<float>(local % kExactInFloat);
+      message(row, 2) = static_cast<float>(part_cursor_[j] - 1);
     }
-    // Owner order: the returned rows of owner j precede those of owner j + 1.
+    // Owner order: the sums of owner j come back before those of owner j + 1.
     std::sort(bag_parts_host_.data() + first_part, bag_parts_host_.data() + listed);
     bag_part_offsets_host_(b + 1) = listed;
   }
-  copy_view(send_requests_, send_requests_host_);
+  // The owner's side: where each source's ids and sums lie in the messages it receives.
+  for (int j = 0; j < group_; ++j) {
+    const size_t at = exchange.at(j, k);
+    source_id_from_host_(j) = exchange.ids_in_at_[at];
+    source_sums_from_host_(j) = exchange.owner_at_[at];
+  }
   copy_view(bag_part_offsets_, bag_part_offsets_host_);
   copy_view(bag_parts_, bag_parts_host_);
   copy_view(part_bag_, part_bag_host_);
+  copy_view(part_dy_at_, part_dy_at_host_);
   copy_view(source_id_base_, source_id_base_host_);
+  copy_view(source_id_from_, source_id_from_host_);
   copy_view(source_part_base_, source_part_base_host_);
+  copy_view(source_sums_from_, source_sums_from_host_);
 }
 
-void EmbeddingBag::forward_row_wise(const SparseBags& bags) {
-  row_comm_->all_to_all_v(send_requests_, send_ids_, recv_requests_, recv_ids_);
-  // Owner: the parts' partial sums, back to their requesters, who add them up per bag.
+void EmbeddingBag::pool_received(EmbeddingExchange& exchange) {
+  // Owner: this table's ids out of the message, then the parts' partial sums into the sums
+  // message, back to their requesters, who add them up per bag.
+  take_received_ids(exchange.ids_recv_, received_ids_, source_id_base_, source_id_from_,
+                    recv_requests_);
   find_part_starts(recv_requests_, received_ids_, received_parts_, source_id_base_,
-                   source_part_base_, part_start_);
+                   source_part_base_, source_sums_from_, local_dim_, part_start_, part_sums_at_);
   const ShardedTensor& w = weight_.value();
   if (w.stored_16bit()) {
-    pool_parts(Bf16Table{w.bits_matrix()}, recv_requests_, part_start_, received_parts_,
-               owner_parts_);
+    pool_parts(Bf16Table{w.bits_matrix()}, recv_requests_, part_start_, part_sums_at_,
+               received_parts_, local_dim_, exchange.owner_);
   } else {
-    pool_parts(Fp32Table{w.matrix()}, recv_requests_, part_start_, received_parts_, owner_parts_);
+    pool_parts(Fp32Table{w.matrix()}, recv_requests_, part_start_, part_sums_at_, received_parts_,
+               local_dim_, exchange.owner_);
   }
-  row_comm_->all_to_all_v(owner_parts_, recv_parts_, requester_parts_, send_parts_);
-  combine_parts(requester_parts_, bag_part_offsets_, bag_parts_, bags.offsets,
+}
+
+void EmbeddingBag::combine_received(EmbeddingExchange& exchange) {
+  combine_parts(exchange.requester_, bag_part_offsets_, bag_parts_, bags_.offsets,
                 pooling_ == EmbeddingPooling::mean, col_comm_ ? out_slice_ : out_);
+  // Column-wise too: the slices side by side, rank k's at columns [k local_dim, (k + 1)
+  // local_dim).
+  if (col_comm_) col_comm_->all_gather(out_slice_, out_, 1);
 }
 
 ConstMatrixView EmbeddingBag::sparse_dy(ConstMatrixView whole_dy) {
@@ -543,20 +608,42 @@ ConstMatrixView EmbeddingBag::sparse_dy(ConstMatrixView whole_dy) {
 void EmbeddingBag::backward(ConstMatrixView whole_dy, const LayerPass& pass) {
   MESHTRAIN_REQUIRE(!bucketed_, "embedding table '", table_,
                     "': its sparse gradient is bucketed; the backward_sparse_* calls make it");
-  const ConstMatrixView dy = sparse_dy(whole_dy);
+  MESHTRAIN_REQUIRE(!row_comm_ || own_exchange_ != nullptr, "embedding table '", table_,
+                    "' exchanges its rows through a shared exchange: backward_begin, the "
+                    "exchange's exchange_dy and backward_end make its backward");
+  MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now || can_leave_gradients_partial(),
+                    "embedding table '", table_, "': its gradient reduction cannot be deferred");
+  backward_begin(whole_dy);
+  if (own_exchange_) own_exchange_->exchange_dy();
+  backward_end(pass);
+}
+
+void EmbeddingBag::backward_begin(ConstMatrixView whole_dy) {
+  dy_ = sparse_dy(whole_dy);
+  // Row-wise: dy of each part this rank sent, into the exchange's dy message (to the part's
+  // owner, who adds it into the rows of the part's ids).
+  if (row_comm_) {
+    part_gradients(dy_, part_bag_, part_dy_at_, sent_parts_, bags_.offsets,
+                   pooling_ == EmbeddingPooling::mean, exchange_->requester_);
+  }
+}
+
+void EmbeddingBag::backward_end(const LayerPass& pass) {
+  MESHTRAIN_REQUIRE(!bucketed_, "embedding table '", table_,
+                    "': its sparse gradient is bucketed; the backward_sparse_* calls make it");
   MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now || can_leave_gradients_partial(),
                     "embedding table '", table_, "': its gradient reduction cannot be deferred");
   if (sparse_) {
     MESHTRAIN_REQUIRE(pass.deferred == DeferredReduction::now, "embedding table '", table_,
                       "': a sparse gradient is reduced in backward, never deferred");
-    backward_sparse(dy);
+    backward_sparse(dy_);
     return;
   }
   fill_view(weight_.grad().local, 0.0f);
   if (!row_comm_) {
-    backward_replicated(dy);
+    backward_replicated(dy_);
   } else {
-    backward_row_wise(dy);
+    backward_row_wise();
   }
   const bool now = pass.deferred == DeferredReduction::now;
   weight_.reduce(no_scratch_, now);
@@ -568,12 +655,9 @@ void EmbeddingBag::backward_replicated(ConstMatrixView dy) {
                weight_.grad().matrix());
 }
 
-void EmbeddingBag::backward_row_wise(ConstMatrixView dy) {
-  // dy of each part to the part's owner, who adds it into the rows of the part's ids.
-  part_gradients(dy, part_bag_, sent_parts_, bags_.offsets, pooling_ == EmbeddingPooling::mean,
-                 requester_parts_);
-  row_comm_->all_to_all_v(requester_parts_, send_parts_, owner_parts_, recv_parts_);
-  scatter_parts(owner_parts_, recv_requests_, part_start_, received_parts_,
+void EmbeddingBag::backward_row_wise() {
+  // Owner: each part's dy (arrived in the exchange's dy message) into the rows of its ids.
+  scatter_parts(exchange_->owner_, recv_requests_, part_start_, part_sums_at_, received_parts_,
                 weight_.grad().matrix());
 }
 
@@ -702,9 +786,9 @@ void EmbeddingBag::compact_gradient(ConstMatrixView dy) {
   if (!row_comm_) {
     scatter_bags_compact(dy, bags_.offsets, id_slot_, mean, grads);
   } else {
-    part_gradients(dy, part_bag_, sent_parts_, bags_.offsets, mean, requester_parts_);
-    row_comm_->all_to_all_v(requester_parts_, send_parts_, owner_parts_, recv_parts_);
-    scatter_parts_compact(owner_parts_, id_slot_, part_start_, received_parts_, grads);
+    // The parts' dy arrived in the exchange's dy message (backward_begin, exchange_dy).
+    scatter_parts_compact(exchange_->owner_, id_slot_, part_start_, part_sums_at_, received_parts_,
+                          grads);
   }
 }
 
@@ -721,11 +805,9 @@ void EmbeddingBag::backward_sparse(ConstMatrixView dy) {
   if (gradient_comm_ && touched_ > 0) gradient_comm_->all_reduce(row_gradients());
 }
 
-void EmbeddingBag::backward_sparse_touch(ConstMatrixView whole_dy, Matrix::HostMirror& message,
-                                         int64_t at) {
+void EmbeddingBag::backward_sparse_touch(Matrix::HostMirror& message, int64_t at) {
   MESHTRAIN_REQUIRE(bucketed_, "embedding table '", table_,
                     "': backward_sparse_touch needs use_sparse_gradient(context, true)");
-  sparse_dy_ = sparse_dy(whole_dy);
   touch_local();
   write_touched(message, at);
 }
@@ -738,7 +820,137 @@ int64_t EmbeddingBag::backward_sparse_union(const Matrix::HostMirror& gathered, 
 
 void EmbeddingBag::backward_sparse_finish(float* grads) {
   row_grads_data_ = grads;
-  compact_gradient(sparse_dy_);
+  compact_gradient(dy_);
+}
+
+EmbeddingExchange::EmbeddingExchange(const std::vector<EmbeddingBag*>& tables) {
+  MESHTRAIN_REQUIRE(!tables.empty(), "an embedding exchange needs at least one table");
+  comm_ = tables.front()->row_comm_;
+  std::string names;
+  for (size_t k = 0; k < tables.size(); ++k) {
+    EmbeddingBag& t = *tables[k];
+    MESHTRAIN_REQUIRE(t.row_comm_ != nullptr && t.row_comm_ == comm_, "embedding table '", t.table_,
+                      "' does not exchange rows over the group of table '", tables.front()->table_,
+                      "'");
+    MESHTRAIN_REQUIRE(t.exchange_ == nullptr, "embedding table '", t.table_,
+                      "' already has an exchange");
+    t.exchange_ = this;
+    t.slot_ = k;
+    dims_.push_back(t.local_dim_);
+    capacities_.push_back(t.max_ids_);
+    names += (k ? ", '" : "'") + t.table_ + "'";
+  }
+  n_ = comm_->size();
+  const size_t n = static_cast<size_t>(n_), count = tables.size();
+  // The largest messages a step can send or receive: every table's capacity of ids (3 floats
+  // each) and of parts (a part per id at most, local_dim floats each), an owner receiving the
+  // whole group's. Each all-to-all's counts and displacements become ints in MPI: checked here,
+  // once, for the largest; a step sends at most these.
+  int64_t ids = 0, floats = 0;
+  for (size_t k = 0; k < count; ++k) {
+    ids += capacities_[k];
+    floats += capacities_[k] * dims_[k];
+  }
+  const int64_t most = std::numeric_limits<int>::max();
+  if (static_cast<int64_t>(n) * ids * 3 > most || static_cast<int64_t>(n) * floats > most) {
+    MESHTRAIN_BAD_INPUT("the embedding tables ", names, " exchange up to ",
+                        static_cast<int64_t>(n) * ids * 3, " floats of ids and ",
+                        static_cast<int64_t>(n) * floats,
+                        " floats of partial sums a step at an owner, more than an MPI count "
+                        "holds (",
+                        most, "); lower data.batch_size or shard fewer of model.tables this way");
+  }
+  const std::string prefix = "embeddings/exchange_" + tables.front()->table_ + "/";
+  counts_send_ = Matrix(prefix + "counts_send", n * count, 4);
+  counts_recv_ = Matrix(prefix + "counts_recv", n * count, 4);
+  counts_send_host_ = host_mirror(counts_send_);
+  counts_recv_host_ = host_mirror(counts_recv_);
+  ids_send_ = Matrix(prefix + "ids_send", static_cast<size_t>(ids), 3);
+  ids_send_host_ = host_mirror(ids_send_);
+  ids_recv_ = Matrix(prefix + "ids_recv", n * static_cast<size_t>(ids), 3);
+  requester_ = Matrix(prefix + "requester", static_cast<size_t>(floats), 1);
+  owner_ = Matrix(prefix + "owner", n * static_cast<size_t>(floats), 1);
+  for (std::vector<int64_t>* v : {&ids_out_, &ids_in_, &owner_floats_, &requester_floats_}) {
+    v->assign(n, 0);
+  }
+  for (std::vector<int64_t>* v : {&ids_out_at_, &ids_in_at_, &requester_at_, &owner_at_}) {
+    v->assign(n * count, 0);
+  }
+  problems_.assign(count, std::string());
+  // What a backend stages the largest all-to-all through (device memory): now, not in a step.
+  const size_t largest = n * static_cast<size_t>(std::max(ids * 3, floats)) * sizeof(float);
+  comm_->reserve_staging(largest, largest);
+}
+
+int64_t EmbeddingExchange::buffer_bytes() const {
+  const size_t floats = counts_send_.size() + counts_recv_.size() + ids_send_.size() +
+                        ids_recv_.size() + requester_.size() + owner_.size();
+  return static_cast<int64_t>(floats * sizeof(float));
+}
+
+void EmbeddingExchange::lay_out() {
+  // Rank j's block of each message holds the tables in slot order; the blocks in rank order.
+  const size_t count = dims_.size();
+  int64_t ids_out = 0, ids_in = 0, owner = 0, requester = 0;
+  for (int j = 0; j < n_; ++j) {
+    const size_t u = static_cast<size_t>(j);
+    ids_out_[u] = ids_in_[u] = owner_floats_[u] = requester_floats_[u] = 0;
+    for (size_t k = 0; k < count; ++k) {
+      const size_t row = at(j, k);
+      ids_out_at_[row] = ids_out + ids_out_[u];
+      ids_in_at_[row] = ids_in + ids_in_[u];
+      requester_at_[row] = requester + requester_floats_[u];
+      owner_at_[row] = owner + owner_floats_[u];
+      // What this rank sends rank j (ids, parts) and receives from it, for table k.
+      ids_out_[u] += static_cast<int64_t>(counts_send_host_(row, 0));
+      ids_in_[u] += static_cast<int64_t>(counts_recv_host_(row, 0));
+      requester_floats_[u] += static_cast<int64_t>(counts_send_host_(row, 1)) * dims_[k];
+      owner_floats_[u] += static_cast<int64_t>(counts_recv_host_(row, 1)) * dims_[k];
+    }
+    ids_out += ids_out_[u];
+    ids_in += ids_in_[u];
+    requester += requester_floats_[u];
+    owner += owner_floats_[u];
+  }
+}
+
+void EmbeddingExchange::forward(EmbeddingBag* const* tables, const SparseBags* bags) {
+  const size_t count = dims_.size();
+  for (size_t k = 0; k < count; ++k) {
+    MESHTRAIN_REQUIRE(tables[k]->exchange_ == this && tables[k]->slot_ == k, "embedding table '",
+                      tables[k]->table_, "' is not slot ", k, " of this exchange");
+  }
+  // Each table's bags read and checked, its ids and parts counted per owner: one all-to-all of
+  // every table's counts (with its error flag), so that every rank of the group knows what it
+  // will receive and throws at the same call when one rank's bags are bad.
+  for (size_t k = 0; k < count; ++k) {
+    problems_[k] = tables[k]->count_requests(bags[k], counts_send_host_, k, count);
+  }
+  copy_view(counts_send_, counts_send_host_);
+  comm_->all_to_all(counts_send_, counts_recv_);
+  copy_view(counts_recv_host_, counts_recv_);
+  for (size_t k = 0; k < count; ++k) {
+    tables[k]->check_counts(problems_[k], counts_recv_host_, k, count);
+  }
+  for (size_t k = 0; k < count; ++k) tables[k]->receive_counts(counts_recv_host_, k, count);
+  lay_out();
+  // The ids: every table's requests for rank j side by side, one all-to-all-v.
+  for (size_t k = 0; k < count; ++k) tables[k]->plan_requests(*this, k);
+  int64_t sent = 0;
+  for (int64_t rows : ids_out_) sent += rows;
+  const std::pair<int64_t, int64_t> used(0, sent);
+  copy_view(Kokkos::subview(ids_send_, used, Kokkos::ALL),
+            Kokkos::subview(ids_send_host_, used, Kokkos::ALL));
+  comm_->all_to_all_v(ids_send_, ids_out_, ids_recv_, ids_in_);
+  // The owners' partial sums, one all-to-all-v back; the requesters add up each bag's parts.
+  for (size_t k = 0; k < count; ++k) tables[k]->pool_received(*this);
+  comm_->all_to_all_v(owner_, owner_floats_, requester_, requester_floats_);
+  for (size_t k = 0; k < count; ++k) tables[k]->combine_received(*this);
+}
+
+void EmbeddingExchange::exchange_dy() {
+  // The sums' layout reversed: each part's dy from its requester to its owner.
+  comm_->all_to_all_v(requester_, requester_floats_, owner_, owner_floats_);
 }
 
 }  // namespace meshtrain

@@ -51,7 +51,10 @@
 // the rank whose batch is wrong throws there.
 //
 // Buffers: everything is allocated at construction for `max_ids` ids per rank per step (an owner
-// may receive the whole group's: n x max_ids), so forward() and backward() allocate nothing.
+// may receive the whole group's: n x max_ids), so forward() and backward() allocate nothing; the
+// all-to-alls' messages belong to the table's EmbeddingExchange (below), its own (allocated with
+// the table) or one shared with the other tables of its owners' group (allocated when that is
+// built), so that the group's tables exchange in 4 all-to-alls a step together.
 // Mixed precision is a later slice: the context must be fp32 (bad_input otherwise). The table
 // itself may be stored as bf16 (ShardedTensor::storage, model.table_dtype = "bf16"): the
 // pooling kernels then read its bf16 bits, widen them (exact) and sum in fp32; the pooled rows,
@@ -69,6 +72,7 @@
 #include <Kokkos_Core.hpp>
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -90,22 +94,46 @@ struct SparseBags {
   IdView values;   // at least offsets[rows] ids
 };
 
+class EmbeddingExchange;
+
+// Whose all-to-all buffers a table that exchanges rows (row-wise, table-wise) uses: its own
+// EmbeddingExchange (a group of one table), or one the caller builds over several tables of the
+// same owners' group (Dlrm), which then drives their forward and dy exchange.
+enum class RowExchange { own, shared };
+
 class EmbeddingBag {
  public:
   // weight: `embeddings/<table>/weight` [rows, dim] with its gradient, allocated under its spec;
   // batch_rows: the bags of this rank per step; max_ids: the most ids any rank's bags hold in a
   // step (the same on every rank). Asks the context for its communicators (collective, see
-  // context.hpp). bad_input for an unsupported spec or precision.
+  // context.hpp). bad_input for an unsupported spec or precision. exchange: RowExchange above
+  // (ignored for a table that exchanges no rows).
   EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPooling pooling, int64_t batch_rows,
-               int64_t max_ids, ParallelContext& context);
+               int64_t max_ids, ParallelContext& context, RowExchange exchange = RowExchange::own);
   EmbeddingBag(EmbeddingBag&&) = default;
 
   // The pooled rows [batch_rows, dim], owned by the layer (valid until the next forward).
-  // Collective over the row-wise axis.
+  // Collective over the row-wise axis. A table on a shared exchange is forwarded by it
+  // (EmbeddingExchange::forward), not here.
   MatrixView forward(const SparseBags& bags, const LayerPass& pass);
   // dy [batch_rows, dim] (times pass.loss_scale) -> the table gradient (overwritten), reduced as
   // pass.deferred says. Collective over the row-wise axis (and the batch axes when reduced).
+  // It is backward_begin, the exchange's dy all-to-all (own exchange) and backward_end; a table
+  // on a shared exchange makes those calls in that order, the exchange_dy between them once for
+  // all its tables.
   void backward(ConstMatrixView dy, const LayerPass& pass);
+  // backward_begin: checks dy (and takes its columns, column-wise) and, exchanging rows, writes
+  // the dy of each part this rank sent into its place of the exchange's dy message (local, no
+  // communication). backward_end: the rest of backward() (or of the sparse backward), after the
+  // exchange's exchange_dy. A bucketed sparse table (below) calls backward_begin, then the three
+  // backward_sparse_* calls instead of backward_end.
+  void backward_begin(ConstMatrixView dy);
+  void backward_end(const LayerPass& pass);
+  // Whether the table exchanges rows over an owners' group (row-wise or table-wise), that
+  // group's communicator, and the exchange it uses (nullptr: none).
+  bool exchanges_rows() const { return row_comm_ != nullptr; }
+  Communicator* row_comm() const { return row_comm_; }
+  EmbeddingExchange* exchange() const { return exchange_; }
 
   // Switches backward to sparse gradients (above) and allocates their buffers. Collective (asks
   // the context for the gradient's communicator); call before the first step. bucketed: the
@@ -126,16 +154,17 @@ class EmbeddingBag {
   int64_t gradient_capacity() const { return std::max<int64_t>(touch_capacity_, 1) * local_dim_; }
   // A bucketed backward, in three calls that every rank of the gradient group makes for its
   // tables in the same order (the model does the collectives between them):
-  //   backward_sparse_touch   checks dy as backward() does and writes this rank's touched rows
-  //                           into `message` rows [at, at + touched_message_rows()): local, no
-  //                           communication;
+  //   backward_sparse_touch   after backward_begin (and the exchange's exchange_dy): writes
+  //                           this rank's touched rows into `message` rows [at, at +
+  //                           touched_message_rows()): local, no communication;
   //   backward_sparse_union   after the message of every rank was gathered (rank j's at rows
   //                           [j * rank_rows, (j + 1) * rank_rows) of `gathered`): the union of
   //                           the touched rows; returns their count;
-  //   backward_sparse_finish  the compact gradient (this rank's partial sum; the row-wise
-  //                           all-to-all included) into `grads` [count, local_dim], contiguous,
-  //                           which row_gradients() then views; the model all-reduces it.
-  void backward_sparse_touch(ConstMatrixView dy, Matrix::HostMirror& message, int64_t at);
+  //   backward_sparse_finish  the compact gradient (this rank's partial sum, from the parts'
+  //                           dy the exchange brought) into `grads` [count, local_dim],
+  //                           contiguous, which row_gradients() then views; the model
+  //                           all-reduces it.
+  void backward_sparse_touch(Matrix::HostMirror& message, int64_t at);
   int64_t backward_sparse_union(const Matrix::HostMirror& gathered, int64_t rank_rows, int64_t at);
   void backward_sparse_finish(float* grads);
   // After a sparse backward: the touched local rows (device, [touched_count()]) and their
@@ -179,15 +208,33 @@ class EmbeddingBag {
  private:
   // Copies the bags to the host and checks them; "" or what is wrong.
   std::string read_bags(const SparseBags& bags);
-  // Row-wise: buckets the ids by owner, exchanges the counts (with the error flag) and builds
-  // the plan of the step (host, then device).
-  void plan_row_wise(const std::string& problem);
+  friend class EmbeddingExchange;
+  // Row-wise forward, in the steps EmbeddingExchange::forward runs for each of its tables
+  // (slot k of the exchange) around its collectives:
+  //   count_requests   reads and checks the bags, buckets the ids by owner and writes this
+  //                    table's counts row (ids, parts, error flag) for each owner; returns
+  //                    what is wrong with the bags ("" when nothing);
+  //   check_counts     after the counts' exchange: throws (bad_input) when this rank's bags or
+  //                    another rank's were bad, the same call on every rank of the group;
+  //   receive_counts   what each member will send this table;
+  //   plan_requests    with the exchange's layout: the requests into the ids message and the
+  //                    step's plan (host, then device);
+  //   pool_received    after the ids' exchange: the parts' partial sums into the sums message;
+  //   combine_received after the sums' exchange: each bag's parts added up (then, column-wise,
+  //                    the slices all-gathered).
+  std::string count_requests(const SparseBags& bags, Matrix::HostMirror& counts, size_t k,
+                             size_t tables);
+  void check_counts(const std::string& problem, const Matrix::HostMirror& counts, size_t k,
+                    size_t tables) const;
+  void receive_counts(const Matrix::HostMirror& counts, size_t k, size_t tables);
+  void plan_requests(EmbeddingExchange& exchange, size_t k);
+  void pool_received(EmbeddingExchange& exchange);
+  void combine_received(EmbeddingExchange& exchange);
   // The member of the owners' group that holds global row `id`.
   int64_t owner_of(int64_t id) const;
   void forward_replicated(const SparseBags& bags);
-  void forward_row_wise(const SparseBags& bags);
   void backward_replicated(ConstMatrixView dy);
-  void backward_row_wise(ConstMatrixView dy);
+  void backward_row_wise();
   // Sparse backward: the touched rows (deduplicated, unioned over the gradient's group), then
   // the compact gradient, all-reduced over that group.
   void backward_sparse(ConstMatrixView dy);
@@ -228,37 +275,42 @@ class EmbeddingBag {
   // of this slice in backward (the same shape). Else empty: out_ and dy are used directly.
   Matrix out_slice_, dy_slice_;
 
+  // Row-wise: the exchange this table uses (its own, owned here, or a shared one, owned by the
+  // caller) and this table's slot in it.
+  std::unique_ptr<EmbeddingExchange> own_exchange_;
+  EmbeddingExchange* exchange_ = nullptr;
+  size_t slot_ = 0;
   // Row-wise, per owner j (host): ids and parts ((bag, owner) pairs) sent to and received from
-  // j, where j's ids and parts start in the send buffers, cursors, the last bag seen per owner.
+  // j, where j's parts start among this table's parts sent, cursors, the last bag seen per
+  // owner.
   std::vector<int64_t> send_ids_, send_parts_, recv_ids_, recv_parts_;
-  std::vector<int64_t> send_id_base_, send_part_base_, id_cursor_, part_cursor_, last_bag_;
+  std::vector<int64_t> send_part_base_, id_cursor_, part_cursor_, last_bag_;
   int64_t received_ids_ = 0, received_parts_ = 0, sent_parts_ = 0;
-  // The count exchange: [group, 4] rows (ids, parts, error flag, 0) sent to and received from
-  // each member.
-  Matrix counts_send_, counts_recv_;
-  Matrix::HostMirror counts_send_host_, counts_recv_host_;
-  // Requests [max_ids, 3] (local row / 2^24, local row mod 2^24, part index at the owner: floats
-  // hold integers below 2^24 exactly) and what arrives at the owner [group x max_ids, 3].
-  Matrix send_requests_, recv_requests_;
-  Matrix::HostMirror send_requests_host_;
-  // Owner: where the received ids of each source start, [group + 1], and of each part,
-  // [group x max_ids + 1] (computed on the device from the part indices).
-  Kokkos::View<int64_t*> source_id_base_, source_part_base_, part_start_;
-  Kokkos::View<int64_t*>::HostMirror source_id_base_host_, source_part_base_host_;
-  // Owner: partial sums of the parts [group x max_ids, dim] (forward) and the parts' gradients
-  // (backward, the same buffer). Requester: the parts returned [max_ids, dim], and dy of each
-  // part on its way out (backward, the same buffer).
-  Matrix owner_parts_, requester_parts_;
-  // Requester: a bag's parts in owner order (rows of requester_parts_), [batch_rows + 1] and
-  // [max_ids]; the bag of each part [max_ids].
-  Kokkos::View<int64_t*> bag_part_offsets_, bag_parts_, part_bag_;
+  // What arrives at the owner [group x max_ids, 3] (local row / 2^24, local row mod 2^24, part
+  // index at the owner: floats hold integers below 2^24 exactly), taken out of the exchange's
+  // ids message, source by source.
+  Matrix recv_requests_;
+  // Owner: where the received ids of each source start here, [group + 1], and in the exchange's
+  // ids message (its row), [group]; where the parts of each source start here [group + 1] and
+  // their sums in the exchange's sums message (its float), [group]; where each part's ids start,
+  // [group x max_ids + 1], and its sum (and in backward its dy) in the message, [group x
+  // max_ids] (both computed on the device from the part indices).
+  Kokkos::View<int64_t*> source_id_base_, source_id_from_, source_part_base_, source_sums_from_;
+  Kokkos::View<int64_t*> part_start_, part_sums_at_;
+  Kokkos::View<int64_t*>::HostMirror source_id_base_host_, source_id_from_host_;
+  Kokkos::View<int64_t*>::HostMirror source_part_base_host_, source_sums_from_host_;
+  // Requester: a bag's parts in owner order, as where each part's sum comes back in the
+  // exchange's returned sums (a float), [batch_rows + 1] and [max_ids]; per part sent (in owner
+  // order), its bag and where its dy goes in the exchange's dy message, [max_ids] each.
+  Kokkos::View<int64_t*> bag_part_offsets_, bag_parts_, part_bag_, part_dy_at_;
   Kokkos::View<int64_t*>::HostMirror bag_part_offsets_host_, bag_parts_host_, part_bag_host_;
+  Kokkos::View<int64_t*>::HostMirror part_dy_at_host_;
 
   // Sparse gradients (use_sparse_gradient). slot_of_row_ [local rows] is -1 except, inside a
   // backward, for the touched rows (reset after: no pass over the table); id_slot_ maps each id
   // of the step (replicated: of the bags; row-wise: received at the owner) to its touched row.
   bool sparse_ = false, bucketed_ = false;
-  ConstMatrixView sparse_dy_;              // bucketed: the dy of backward_sparse_touch, for _finish
+  ConstMatrixView dy_;  // backward_begin's dy (this rank's columns), for the calls after it
   Communicator* gradient_comm_ = nullptr;  // the batch axes the gradient is summed over
   int64_t touched_ = 0, local_touch_capacity_ = 0, touch_capacity_ = 0;
   std::vector<int32_t> slot_of_row_;
@@ -272,6 +324,75 @@ class EmbeddingBag {
   Matrix::HostMirror recv_requests_host_;
   Matrix touched_send_, touched_recv_;
   Matrix::HostMirror touched_send_host_, touched_recv_host_;
+};
+
+// The row-wise all-to-alls of the tables that exchange rows over one owners' group (row-wise
+// and table-wise tables whose communicator is the same), run together (docs/recsys.md,
+// "Collectives per step"): a step has one all_to_all of the counts (a row [ids, parts, error
+// flag, 0] per table and destination rank), one all_to_all_v of the ids (to each destination,
+// every table's requests side by side in table order), one all_to_all_v of the partial sums back
+// (to each requester, every table's parts side by side in table order, as flat floats, so
+// tables of different widths share a message) and, in backward, one all_to_all_v of the parts'
+// dy (the sums' layout, reversed): 4 a step for any number of tables, moving the same floats as 4
+// per table. Each table keeps its own sums and their order, so the results are those of
+// tables that exchange alone, bit for bit. A table built with RowExchange::own has an exchange of
+// its own (a group of one: the same code); Dlrm builds one per communicator over its tables.
+//
+// Every buffer is allocated at construction for the tables' capacities (max_ids ids a rank, as
+// many parts, group x that at an owner), so a step allocates nothing and every count it sends
+// is bounded by them; those bounds are checked against an MPI count (int) there (bad_input
+// naming the tables and data.batch_size).
+class EmbeddingExchange {
+ public:
+  // tables: each exchanges rows over the same communicator and has no exchange yet (built with
+  // RowExchange::shared, or its own being made), in the order every rank of the group lists
+  // them: slot k is tables[k]. Each table then exchanges through this object, which must
+  // outlive that use; the tables' addresses are not kept.
+  explicit EmbeddingExchange(const std::vector<EmbeddingBag*>& tables);
+  EmbeddingExchange(const EmbeddingExchange&) = delete;
+  EmbeddingExchange& operator=(const EmbeddingExchange&) = delete;
+
+  // The forward of every table (as EmbeddingBag::forward each): tables[k] is slot k's table
+  // (table_count() of them) and bags[k] its bags, valid until backward. Collective over the
+  // group. When a rank's bags of any table are bad, every rank of the group throws at the same
+  // call: the first table in slot order with a problem is named (this rank's own sentence
+  // naming the table and the id, or that another rank of the group was given bad bags).
+  void forward(EmbeddingBag* const* tables, const SparseBags* bags);
+  // After every table's backward_begin: the parts' dy to their owners, one all_to_all_v; then
+  // each table's backward_end (or its bucketed sparse calls).
+  void exchange_dy();
+
+  Communicator* comm() const { return comm_; }
+  size_t table_count() const { return dims_.size(); }
+  // The bytes of the messages (device, and their host copies where they are not the same).
+  int64_t buffer_bytes() const;
+
+ private:
+  friend class EmbeddingBag;
+  // From the counts exchanged: where each table's ids and floats go in each rank's block of
+  // the four messages (at_[(j, k)], j the rank, k the slot) and each rank's block sizes.
+  void lay_out();
+  size_t at(int j, size_t k) const { return static_cast<size_t>(j) * dims_.size() + k; }
+
+  Communicator* comm_ = nullptr;
+  int n_ = 1;
+  std::vector<int64_t> dims_, capacities_;  // per slot: its columns here, its max_ids
+  // Counts [group x tables, 4]: rank j's block holds a row per table.
+  Matrix counts_send_, counts_recv_;
+  Matrix::HostMirror counts_send_host_, counts_recv_host_;
+  // Ids [sum of capacities, 3] out (written on the host, copied) and [group x that, 3] in.
+  Matrix ids_send_, ids_recv_;
+  Matrix::HostMirror ids_send_host_;
+  // The requester's side of the sums and dy, [sum of capacity x dim, 1] (the sums back in
+  // forward, the parts' dy out in backward), and the owner's, [group x that, 1].
+  Matrix requester_, owner_;
+  // Per rank: ids sent and received, floats of sums the owner sends (dy it receives) and the
+  // requester receives (dy it sends).
+  std::vector<int64_t> ids_out_, ids_in_, owner_floats_, requester_floats_;
+  // Per (rank, slot): the first row of the table's ids in rank j's block of the message sent and
+  // received; the first float of its parts in the requester's and the owner's message.
+  std::vector<int64_t> ids_out_at_, ids_in_at_, requester_at_, owner_at_;
+  std::vector<std::string> problems_;  // per slot, this step's (empty when none)
 };
 
 }  // namespace meshtrain

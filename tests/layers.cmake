@@ -91,7 +91,8 @@ meshtrain_add_test(NAME layers_embedding_bag_test SOURCES layers/embedding_bag_t
                    BACKENDS mpi nccl EMULATED)
 # DLRM (layers/dlrm.hpp, issue 39): one rank against a float64 reference, and dp, fsdp and
 # fsdp x dp with replicated and row-wise tables against one rank; dot and cat; sparse and
-# predict-only (TableGradients::none) models' memory by the tracker; the refusals.
+# predict-only (TableGradients::none) models' memory by the tracker; the refusals; row-wise and
+# table-wise tables of one communicator in 4 all-to-alls a step (counted), equal to one rank.
 meshtrain_add_test(NAME layers_dlrm_test SOURCES layers/dlrm_test.cpp
                    LIBS meshtrain_layers meshtrain_test_counting_allocator NP 1 2 4 TIMEOUT 120)
 # Sparse table updates (layers/sparse_optimizer.hpp, issue 39 item 4): row-wise Adagrad of the

@@ -850,10 +850,13 @@ nlohmann::ordered_json tables_json(const std::vector<TablePlan>& tables, int64_t
 
 // A run's plan on `world_size` ranks, what it reads, and its predicted step (none when the
 // global batch does not divide by the batch shards).
-// A DLRM's tables' collectives in the step's cost, one item per table and collective at the
-// plan's bytes (one id per bag: embedding_step_bytes): the forward's counts, ids and partial-sum
-// all-to-alls and column all-gather, the backward's dy all-to-all, the touched rows' all-gather
-// and the gradient's all-reduce. The plan's figures are the bytes that leave a rank (an
+// A DLRM's tables' collectives in the step's cost at the plan's bytes (one id per bag:
+// embedding_step_bytes): the forward's counts, ids and partial-sum all-to-alls and column
+// all-gather, the backward's dy all-to-all, the touched rows' all-gather and the gradient's
+// all-reduce. The tables that exchange rows over the same group share their all-to-alls (one
+// EmbeddingExchange per communicator in layers/dlrm.cpp): 4 items per group (layer
+// "embeddings", "all-to-all id counts (T tables)", ...), each at its tables' bytes summed; the
+// column all-gather is one item per table. The plan's figures are the bytes that leave a rank (an
 // all-to-all or all-gather of S: S (n - 1) / n; an all-reduce twice that): the operand given to
 // collective_seconds is S. Then the table's memory passes: its lookups and pooling, its gradient
 // scatter and, under sparse updates (`sparse`), the optimizer's touched rows, at `bags` bags of
@@ -871,6 +874,13 @@ void add_table_collectives(const std::vector<TablePlan>& tables, const Mesh& mes
     int64_t touched_rows = 0, gradients = 0, tables = 0;
   };
   std::vector<SparseBucketCost> buckets;
+  // The row-exchanging tables' groups: their axes of size > 1 (the communicator's ranks) and
+  // the bytes of each all-to-all, summed over the group's tables.
+  struct RowExchangeCost {
+    std::vector<std::string> axes;
+    int64_t counts = 0, ids = 0, sums = 0, dy = 0, tables = 0;
+  };
+  std::vector<RowExchangeCost> exchanges;
   const auto add_on = [&](const std::string& layer, const char* phase, CollectiveKind kind,
                           const std::string& what, const std::vector<std::string>& axes,
                           int64_t leaving) {
@@ -893,15 +903,27 @@ void add_table_collectives(const std::vector<TablePlan>& tables, const Mesh& mes
                          const std::vector<std::string>& axes,
                          int64_t leaving) { add_on(layer, phase, kind, what, axes, leaving); };
     const EmbeddingStepBytes& b = t.step;
-    add("forward", CollectiveKind::all_to_all, "all-to-all id counts", l.row_axes,
-        b.counts_all_to_all);
-    add("forward", CollectiveKind::all_to_all, "all-to-all ids", l.row_axes, b.ids_all_to_all);
-    add("forward", CollectiveKind::all_to_all, "all-to-all partial sums", l.row_axes,
-        b.partial_sums_all_to_all);
+    std::vector<std::string> row_group;
+    for (const std::string& axis : l.row_axes) {
+      if (mesh.size_of({axis}) > 1) row_group.push_back(axis);
+    }
+    if (!row_group.empty() &&
+        b.counts_all_to_all + b.ids_all_to_all + b.partial_sums_all_to_all + b.backward_all_to_all >
+            0) {
+      auto same = std::find_if(exchanges.begin(), exchanges.end(),
+                               [&](const RowExchangeCost& c) { return c.axes == row_group; });
+      if (same == exchanges.end()) {
+        exchanges.push_back({row_group});
+        same = exchanges.end() - 1;
+      }
+      same->counts += b.counts_all_to_all;
+      same->ids += b.ids_all_to_all;
+      same->sums += b.partial_sums_all_to_all;
+      same->dy += b.backward_all_to_all;
+      ++same->tables;
+    }
     add("forward", CollectiveKind::all_gather, "all-gather pooled columns", l.column_axes,
         b.column_all_gather);
-    add("backward", CollectiveKind::all_to_all, "all-to-all dy of the parts", l.row_axes,
-        b.backward_all_to_all);
     if (sparse) {
       // Sparse updates: the tables summed over the same batch axes exchange their touched rows
       // in one all-gather and their compact gradients in one all-reduce per step (layers/
@@ -948,6 +970,18 @@ void add_table_collectives(const std::vector<TablePlan>& tables, const Mesh& mes
     // The weight read and written (table_row each), the gradient and the state read and the
     // state written (fp32).
     if (sparse) pass("update", "sparse optimizer rows", ids * (2.0 * table_row + 3.0 * row + 8.0));
+  }
+  for (const RowExchangeCost& c : exchanges) {
+    const std::string tables_text =
+        " (" + std::to_string(c.tables) + (c.tables == 1 ? " table)" : " tables)");
+    add_on("embeddings", "forward", CollectiveKind::all_to_all,
+           "all-to-all id counts" + tables_text, c.axes, c.counts);
+    add_on("embeddings", "forward", CollectiveKind::all_to_all, "all-to-all ids" + tables_text,
+           c.axes, c.ids);
+    add_on("embeddings", "forward", CollectiveKind::all_to_all,
+           "all-to-all partial sums" + tables_text, c.axes, c.sums);
+    add_on("embeddings", "backward", CollectiveKind::all_to_all,
+           "all-to-all dy of the parts" + tables_text, c.axes, c.dy);
   }
   for (const SparseBucketCost& c : buckets) {
     const std::string tables_text = " (" + std::to_string(c.tables) + " tables)";

@@ -31,7 +31,9 @@
 // (TableGradients::none, DlrmPredictor's): the tracker's live bytes are the dense model's less its
 // table and interaction gradients, the logits the one-rank model's, backward refused. Refusals: the
 // shape checks (one sentence each), 16-bit precision, a tp split of a linear layer's output, a
-// column split of a table's dim that tp does not divide, a 16-bit reduce dtype.
+// column split of a table's dim that tp does not divide, a 16-bit reduce dtype. Tables that
+// exchange rows over one communicator share their all-to-alls: 4 a step per group, counted
+// (RowExchangingTablesShareFourAllToAllsAStep says how).
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -728,6 +730,170 @@ TEST(Dlrm, SparseGradientsAreExchangedInOneCollectiveEach) {
     const long heap = window.close();
     EXPECT_EQ(heap + window.kokkos_allocations(), 0) << "allocations in a further sparse step";
   }
+}
+
+// The tables that exchange rows over the same communicator share one EmbeddingExchange (layers/
+// embedding_bag.hpp): a step has 4 all-to-alls per group (one all_to_all of the counts, one
+// all_to_all_v each of the ids and the partial sums forward, one of the parts' dy backward)
+// whatever the number of its tables. All three tables exchange rows here: on dp n "a" and "c"
+// row-wise P(dp, None) and "b" table-wise on the last member P(dp@n-1) (one group; 12
+// all-to-alls if each table exchanged alone), and at np 4 also on fsdp 2 x dp 2 with "a" and
+// "c" row-wise over fsdp and "b" over dp (two groups: 8). dot (every dim 4) and cat (dims 4, 2
+// and 6: tables of different widths side by side in one message). Counted by the flight
+// recorder in a step after a first one: n = 1 has none. With dense table gradients the logits
+// and every gradient equal the one-rank model's within kMeshTolerance (sums reorder across
+// ranks); with sparse ones (bucketed where a group sums them) each table's touched rows and
+// compact gradients equal the dense model's rows bit for bit (the same sums, as in
+// SparseGradientsAreExchangedInOneCollectiveEach). A further step allocates nothing.
+TEST(Dlrm, RowExchangingTablesShareFourAllToAllsAStep) {
+  const int n = world_size();
+  std::vector<testing::Axes> meshes = {{{"dp", n}}};
+  if (n == 4) meshes.push_back({{"fsdp", 2}, {"dp", 2}});
+  int compared_tables = 0;
+  for (const testing::Axes& axes : meshes) {
+    const Mesh mesh = Mesh::create(axes, n);
+    const bool two_groups = mesh.has_axis("fsdp");
+    MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+    ParallelContext context(comms, {"fsdp", "dp"}, "tp");
+    auto spec_of = [&](const std::string& name) {
+      if (name == "embeddings/b/weight") {
+        return PartitionSpec::parse(two_groups ? "P(dp, None)"
+                                               : "P(dp@" + std::to_string(n - 1) + ")");
+      }
+      if (name.rfind("embeddings/", 0) == 0) {
+        return PartitionSpec::parse(two_groups ? "P(fsdp, None)" : "P(dp, None)");
+      }
+      return PartitionSpec::parse("P()");
+    };
+    const int64_t rows = kBatch / n;
+    const int64_t first_row = context.batch_index() * rows;
+    for (DlrmInteraction interaction : {DlrmInteraction::dot, DlrmInteraction::cat}) {
+      SCOPED_TRACE(mesh.describe() + " " + to_string(interaction));
+      const DlrmShape shape = make_shape(interaction);
+      const Data d = make_data(shape);
+      const Result one = one_rank(shape, d);
+      const RankBatch local_batch = rank_batch(d, first_row, rows);
+      const std::vector<SparseBags>& bags = local_batch.bags;
+      Dlrm dense(shape, Activation::tanh, spec_of, context, rows, most_ids(d, n));
+      Dlrm sparse(shape, Activation::tanh, spec_of, context, rows, most_ids(d, n),
+                  TableGradients::sparse);
+      for (const EmbeddingBag& t : dense.tables()) {
+        ASSERT_EQ(t.exchanges_rows(), n > 1) << t.table();
+      }
+      // One step, then a counted one: the all-to-alls of each kind on each communicator.
+      const auto all_to_alls = [&](Dlrm& model) {
+        model.forward(local_batch.dense, bags);
+        model.backward(local_batch.dy);
+        const std::string dir = std::filesystem::temp_directory_path().string() +
+                                "/meshtrain_dlrm_exchange_" + std::to_string(getppid());
+        flight_recorder().configure(1024, dir, world_rank(), world_size());
+        MPI_Barrier(MPI_COMM_WORLD);
+        model.forward(local_batch.dense, bags);
+        model.backward(local_batch.dy);
+        std::map<std::string, int> ops;
+        for (const FlightEntry& e : flight_recorder().entries()) {
+          const std::string op = e.op;
+          if (op.rfind("all_to_all", 0) == 0) ++ops[op + " on group " + std::to_string(e.group)];
+        }
+        flight_recorder().configure(0, "", world_rank(), world_size());
+        MPI_Barrier(MPI_COMM_WORLD);
+        if (world_rank() == 0) {
+          std::error_code ignored;
+          std::filesystem::remove_all(dir, ignored);
+        }
+        return ops;
+      };
+      dense.initialize(InitScheme::he_normal, kSeed);
+      sparse.initialize(InitScheme::he_normal, kSeed);
+      for (Dlrm* model : {&dense, &sparse}) {
+        const std::map<std::string, int> ops = all_to_alls(*model);
+        std::string seen;
+        int total = 0, counts = 0, variable = 0;
+        for (const auto& [op, count] : ops) {
+          seen += " " + op + " x" + std::to_string(count);
+          total += count;
+          (op.rfind("all_to_all_v", 0) == 0 ? variable : counts) += count;
+        }
+        SCOPED_TRACE(std::string(model == &dense ? "dense" : "sparse") + " table gradients," +
+                     " all-to-alls:" + seen);
+        const int groups = n == 1 ? 0 : two_groups ? 2 : 1;
+        EXPECT_EQ(total, 4 * groups);
+        EXPECT_EQ(counts, groups) << "the counts, one all_to_all per group";
+        EXPECT_EQ(variable, 3 * groups) << "the ids, the partial sums and the dy, per group";
+        EXPECT_EQ(static_cast<int>(ops.size()), 2 * groups) << "two kinds on each group";
+      }
+
+      // Dense: the logits and every gradient against the one-rank model (the second step's, on
+      // the same parameters: no update between).
+      const std::vector<double> logits =
+          testing::host_matrix(dense.forward(local_batch.dense, bags));
+      dense.backward(local_batch.dy);
+      ASSERT_EQ(static_cast<int64_t>(logits.size()), rows);
+      for (int64_t r = 0; r < rows; ++r) {
+        ASSERT_NEAR(logits[static_cast<size_t>(r)], one.logits[static_cast<size_t>(first_row + r)],
+                    kMeshTolerance)
+            << "logit " << first_row + r;
+      }
+      ASSERT_EQ(dense.gradients().size(), one.grads.size());
+      for (size_t p = 0; p < dense.gradients().size(); ++p) {
+        const ShardedTensor& g = dense.gradients()[p];
+        ASSERT_EQ(g.name, one.names[p]);
+        const Tensor got = testing::to_host(g);
+        const std::vector<int64_t> index = testing::global_indices(g);
+        for (size_t i = 0; i < got.size(); ++i) {
+          ASSERT_NEAR(got[i], one.grads[p][static_cast<size_t>(index[i])], kMeshTolerance)
+              << g.name << " element " << index[i];
+        }
+      }
+
+      // Sparse: each table's touched rows are the dense gradient's non-zero rows, their compact
+      // gradients those rows bit for bit.
+      sparse.forward(local_batch.dense, bags);
+      sparse.backward(local_batch.dy);
+      for (size_t t = 0; t < shape.tables.size(); ++t) {
+        const EmbeddingBag& table = sparse.tables()[t];
+        SCOPED_TRACE("sparse table " + table.table());
+        const size_t p = static_cast<size_t>(
+            std::find_if(dense.parameters().begin(), dense.parameters().end(),
+                         [&](const ShardedTensor& x) {
+                           return x.name == "embeddings/" + table.table() + "/weight";
+                         }) -
+            dense.parameters().begin());
+        ASSERT_LT(p, dense.parameters().size());
+        const testing::Tensor grad = testing::to_host(dense.gradients()[p]);
+        const int64_t dim = table.local_dim();
+        std::vector<int64_t> want;
+        for (int64_t r = 0; r < table.local_rows(); ++r) {
+          bool nonzero = false;
+          for (int64_t c = 0; c < dim; ++c) nonzero = nonzero || grad[r * dim + c] != 0.0f;
+          if (nonzero) want.push_back(r);
+        }
+        ASSERT_EQ(table.touched_count(), static_cast<int64_t>(want.size()));
+        auto touched =
+            Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), table.touched_rows());
+        const testing::Tensor got = testing::host_matrix(table.row_gradients());
+        for (size_t i = 0; i < want.size(); ++i) {
+          ASSERT_EQ(touched(i), want[i]) << "touched row " << i;
+          for (int64_t c = 0; c < dim; ++c) {
+            ASSERT_EQ(got[i * dim + c], grad[want[i] * dim + c])
+                << "row " << want[i] << " col " << c;
+          }
+        }
+        compared_tables += want.empty() ? 0 : 1;
+      }
+
+      // A further step of each allocates nothing (oneDNN's own blocks counted apart, as in run()).
+      testing::AllocationWindow window(testing::AllocationWindow::Threads::all,
+                                       testing::AllocationWindow::OneDnn::left_out);
+      for (Dlrm* model : {&dense, &sparse}) {
+        model->forward(local_batch.dense, bags);
+        model->backward(local_batch.dy);
+      }
+      const long heap = window.close();
+      EXPECT_EQ(heap + window.kokkos_allocations(), 0) << "allocations in a further step";
+    }
+  }
+  EXPECT_GT(compared_tables, 0);
 }
 
 // A model built to predict only (TableGradients::none, what DlrmPredictor builds), dp n with

@@ -509,6 +509,124 @@ TEST(EmbeddingBag, IdOutsideTheTableIsBadInputOnTheWholeGroup) {
   }
 }
 
+// Tables that exchange rows over the same group through one shared EmbeddingExchange (as Dlrm
+// builds them: 4 all-to-alls a step for all of them) compute what each computes through its
+// own, bit for bit: the pooled rows and the table gradient of three tables on dp n (row-wise
+// P(dp, None) sum with spread ids, table-wise P(dp@n-1, None) mean, row-wise with one-shard
+// ids), and at np 4 on dp 2 x tp 2 (P(dp, None), P(dp, tp): 6 of the 12 columns, a narrower
+// table in the same message, and P(dp@1, None)) and fsdp 2 x dp 2 (P((fsdp, dp), None),
+// P((fsdp, dp)@2, None), P((fsdp, dp), None)); two steps, the second allocating nothing. An id
+// outside the second table on batch rank 0: every rank throws at the same call naming that
+// table (rank 0 the id, the others rank 0's bad bags), and good bags afterwards still match.
+// np 1 has no group (the tables are replicated): skipped.
+TEST(EmbeddingBag, SharedExchangeEqualsOwnExchanges) {
+  const int n = world_size();
+  if (n == 1) GTEST_SKIP() << "no row exchange on one rank";
+  auto P = [](const std::string& text) { return PartitionSpec::parse(text); };
+  std::vector<TableMeshCase> cases = {
+      {{{"dp", n}},
+       {P("P(dp, None)"), P("P(dp@" + std::to_string(n - 1) + ", None)"), P("P(dp, None)")}}};
+  if (n == 4) {
+    cases.push_back(
+        {{{"dp", 2}, {"tp", 2}}, {P("P(dp, None)"), P("P(dp, tp)"), P("P(dp@1, None)")}});
+    cases.push_back(
+        {{{"fsdp", 2}, {"dp", 2}},
+         {P("P((fsdp, dp), None)"), P("P((fsdp, dp)@2, None)"), P("P((fsdp, dp), None)")}});
+  }
+  const std::vector<EmbeddingPooling> poolings = {EmbeddingPooling::sum, EmbeddingPooling::mean,
+                                                  EmbeddingPooling::sum};
+  const std::vector<Data> data = {make_data(Ids::spread, Values::random, 11),
+                                  make_data(Ids::spread, Values::random, 12),
+                                  make_data(Ids::one_shard, Values::random, 13)};
+  for (const TableMeshCase& c : cases) {
+    SCOPED_TRACE(describe(c.axes));
+    const Mesh mesh = Mesh::create(c.axes, n);
+    MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
+    ParallelContext context(comms, {"fsdp", "dp"}, "tp");
+    const int parts = context.batch_parallel();
+    const int64_t bags = kBatch / parts;
+    const int64_t first_bag = context.batch_index() * bags;
+    std::vector<Built> own_tables, shared_tables;
+    std::vector<EmbeddingBag> own, shared;
+    std::vector<LocalBags> local;
+    std::vector<SparseBags> in;
+    std::vector<Matrix> dy;
+    own.reserve(3);
+    shared.reserve(3);
+    for (size_t k = 0; k < 3; ++k) {
+      own_tables.push_back(make_table(data[k], c.specs[k], mesh, comms.rank()));
+      shared_tables.push_back(make_table(data[k], c.specs[k], mesh, comms.rank()));
+      local.push_back(local_bags(data[k], first_bag, bags));
+      dy.push_back(dy_block(data[k], first_bag, bags));
+    }
+    int64_t capacity = 0;
+    for (const Data& d : data) capacity = std::max(capacity, most_ids(d, parts));
+    for (size_t k = 0; k < 3; ++k) {
+      const std::string name = "t" + std::to_string(k);
+      own.emplace_back(name, ParameterRef{&own_tables[k].weight, &own_tables[k].grad}, poolings[k],
+                       bags, capacity, context);
+      shared.emplace_back(name, ParameterRef{&shared_tables[k].weight, &shared_tables[k].grad},
+                          poolings[k], bags, capacity, context, RowExchange::shared);
+      ASSERT_TRUE(shared.back().exchanges_rows()) << name;
+      in.push_back({local[k].offsets, local[k].ids});
+    }
+    std::vector<EmbeddingBag*> members = {&shared[0], &shared[1], &shared[2]};
+    EmbeddingExchange exchange(members);
+    ASSERT_EQ(exchange.table_count(), 3u);
+    const LayerPass pass;
+    auto shared_step = [&](const SparseBags* bags_in) {
+      exchange.forward(members.data(), bags_in);
+      for (EmbeddingBag& t : shared) t.backward_begin(dy[&t - shared.data()]);
+      exchange.exchange_dy();
+      for (EmbeddingBag& t : shared) t.backward_end(pass);
+    };
+    auto compare = [&](const char* when) {
+      for (size_t k = 0; k < 3; ++k) {
+        SCOPED_TRACE(std::string(when) + " table t" + std::to_string(k) + " " +
+                     c.specs[k].to_string());
+        own[k].forward(in[k], pass);
+        own[k].backward(dy[k], pass);
+        const Tensor got_out = testing::host_matrix(shared[k].output());
+        const Tensor want_out = testing::host_matrix(own[k].output());
+        ASSERT_EQ(got_out.size(), want_out.size());
+        for (size_t i = 0; i < got_out.size(); ++i) {
+          ASSERT_EQ(got_out[i], want_out[i]) << "pooled element " << i;
+        }
+        const Tensor got_grad = testing::to_host(shared_tables[k].grad);
+        const Tensor want_grad = testing::to_host(own_tables[k].grad);
+        ASSERT_EQ(got_grad.size(), want_grad.size());
+        for (size_t i = 0; i < got_grad.size(); ++i) {
+          ASSERT_EQ(got_grad[i], want_grad[i]) << "gradient element " << i;
+        }
+      }
+    };
+    shared_step(in.data());
+    compare("first step");
+    {
+      testing::AllocationWindow window;
+      shared_step(in.data());
+      const long heap = window.close();
+      EXPECT_EQ(heap + window.kokkos_allocations(), 0) << "allocations in a second shared step";
+    }
+    compare("second step");
+
+    // A bad id in t1's bag 1 (batch rank 0's): every rank of the group throws naming t1.
+    Data wrong = data[1];
+    wrong.ids[static_cast<size_t>(wrong.offsets[1])] = kRows;
+    const LocalBags local_wrong = local_bags(wrong, first_bag, bags);
+    std::vector<SparseBags> in_wrong = in;
+    in_wrong[1] = {local_wrong.offsets, local_wrong.ids};
+    const auto bad_forward = [&] { exchange.forward(members.data(), in_wrong.data()); };
+    if (context.batch_index() == 0) {
+      testing::expect_bad_input(bad_forward, {"table 't1'", "id 48"});
+    } else {
+      testing::expect_bad_input(bad_forward, {"table 't1'", "rank 0 of the", "bad bags"});
+    }
+    shared_step(in.data());
+    compare("after the bad id");
+  }
+}
+
 TEST(EmbeddingBag, BadBagsAndSpecsAreBadInput) {
   const int n = world_size();
   const Mesh mesh = Mesh::create({{"fsdp", n}}, n);

@@ -74,9 +74,10 @@ where their rows divide, the rest replicated). Modes:
           train 6 steps with rowwise_adagrad tracing steps 3 to 5: <run.output_dir>/trace/
           holds rank-<k>.json for every rank, all-ranks.json and config.toml; every rank has the
           3 step spans (numbered 3, 4, 5), each holding the phases data read, forward, loss,
-          backward and optimizer; the all-to-all spans per step are 4 per table `meshtrain plan
-          --json` places row-wise (the counts, the ids, the partial sums, the dy; none at np 1)
-          and each table's first (the counts) moves the plan's counts_all_to_all_bytes; the
+          backward and optimizer; the all-to-all spans per step are 4 per group of tables
+          `meshtrain plan --json` places row-wise over the same axes (the counts, the ids, the
+          partial sums, the dy, each for the group's tables together; none at np 1), and each
+          group's first (the counts) moves the sum of its tables' counts_all_to_all_bytes; the
           traced run's losses equal an untraced run's bit for bit. And np 2 tracing steps 5 to 9
           of 6: the trace is written at the end of the run (steps 5 and 6).
 
@@ -652,6 +653,14 @@ def mode_trace(launcher, config, work):
                     if t["step"]["counts_all_to_all_bytes"] > 0]
         if np_ > 1 and not row_wise:
             fail(f"np {np_}: the plan places no table row-wise; the test needs one")
+        # One exchange per communicator (EmbeddingExchange), in the order of its first table.
+        groups = {}
+        for t in row_wise:
+            groups.setdefault(tuple(t["row_axes"]), []).append(t)
+        groups = list(groups.values())
+        if np_ == 2 and len(row_wise) < 2:
+            fail(f"np 2: the plan places {len(row_wise)} table row-wise; the test needs two in "
+                 "one group")
         with open(os.path.join(folder, "all-ranks.json")) as f:
             trace = json.load(f)
         events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -671,16 +680,18 @@ def mode_trace(launcher, config, work):
                     fail(f"np {np_}, rank {rank}, step {step['args']['step']}: phases {phases}")
                 a2a = sorted((e for e in inside if e["cat"] == "collective" and
                               e["name"] == "all-to-all"), key=lambda e: e["ts"])
-                if len(a2a) != 4 * len(row_wise):
+                if len(a2a) != 4 * len(groups):
                     fail(f"np {np_}, rank {rank}: {len(a2a)} all-to-all spans in a step, "
-                         f"expected 4 for each of the {len(row_wise)} row-wise tables")
-                # Forward: counts, ids, sums per table in the tables' order; backward: the dy.
-                for k, table in enumerate(row_wise):
+                         f"expected 4 for each of the {len(groups)} groups of the "
+                         f"{len(row_wise)} row-wise tables")
+                # Forward: counts, ids, sums per group in the groups' order; backward: the dy.
+                for k, group in enumerate(groups):
                     got = a2a[3 * k]["args"]["bytes"]
-                    want = table["step"]["counts_all_to_all_bytes"]
+                    want = sum(t["step"]["counts_all_to_all_bytes"] for t in group)
                     if got != want:
-                        fail(f"np {np_}, rank {rank}: table {table['table']}'s counts "
-                             f"all-to-all moved {got} bytes, the plan says {want}")
+                        fail(f"np {np_}, rank {rank}: the counts all-to-all of tables "
+                             f"{[t['table'] for t in group]} moved {got} bytes, the plan "
+                             f"says {want}")
     # A run that ends inside its trace window (6 steps, steps 5 to 9 traced) still writes what
     # it recorded: steps 5 and 6.
     train(launcher, 2, config, work, "traced_past_end", *sets, "--set",
