@@ -322,7 +322,8 @@ LinkMeasurement measure_link(const Mesh& mesh, MeshCommunicators& comms, const s
     link.latency = std::max(link.latency, m.compute_hop_s - m.compute_s);
   }
   // What a small collective costs a step (collective_overhead): every rank runs a GEMM of
-  // about a DLRM step's compute between two collectives (x [64 x 512] @ W [512 x 512]), then
+  // about the compute between two of a loaded DLRM step's collectives (x [128 x 512] @ W [512 x
+  // 512], 67 MFLOP: 0.45-0.7 ms at load 11-16 here), then
   // enters a small collective, and again, with no barrier between tries: each rank arrives
   // after its own compute, and a rank the scheduler delayed makes the others wait, as in a
   // step. Only the call is timed (what a trace's collective span holds), alternating an
@@ -332,9 +333,9 @@ LinkMeasurement measure_link(const Mesh& mesh, MeshCommunicators& comms, const s
   {
     constexpr int kOverheadTries = 200;
     constexpr int64_t kFloatsPerRank = 256;
-    Matrix x("meshtrain::calibrate_overhead_x", 64, 512),
+    Matrix x("meshtrain::calibrate_overhead_x", 128, 512),
         w("meshtrain::calibrate_overhead_w", 512, 512),
-        y("meshtrain::calibrate_overhead_y", 64, 512);
+        y("meshtrain::calibrate_overhead_y", 128, 512);
     Kokkos::deep_copy(x, 0.5f);
     Kokkos::deep_copy(w, 0.25f);
     Matrix send("meshtrain::calibrate_overhead_send", p * kFloatsPerRank, 1),
