@@ -253,6 +253,10 @@ struct LinkMeasurement {
   // What the latency came from: the ping-pong, an 8-byte hop alone, a GEMM, the GEMM then
   // the hop.
   double ping_pong_latency = 0.0, small_hop_s = 0.0, compute_s = 0.0, compute_hop_s = 0.0;
+  // What collective_overhead came from: the mean call of a small all-to-all and of an 8-byte
+  // all-reduce entered after each rank's own compute (overhead_compute_s, one GEMM).
+  double overhead_all_to_all_s = 0.0, overhead_all_reduce_s = 0.0, overhead_compute_s = 0.0;
+  int overhead_tries = 0;
   double hop_s = 0.0, gemms_s = 0.0, both_s = 0.0, all_gather_s = 0.0, reduce_scatter_s = 0.0,
          all_reduce_s = 0.0, bidirectional_s = 0.0, small_all_reduce_s = 0.0;
   int gemms = 0;
@@ -316,6 +320,65 @@ LinkMeasurement measure_link(const Mesh& mesh, MeshCommunicators& comms, const s
       comm.shift(ConstVectorView(token.data(), 2), VectorView(token_in.data(), 2), +1).wait();
     });
     link.latency = std::max(link.latency, m.compute_hop_s - m.compute_s);
+  }
+  // What a small collective costs a step (collective_overhead): every rank runs a GEMM of
+  // about the compute between two of a loaded DLRM step's collectives (x [128 x 512] @ W [512 x
+  // 512], 67 MFLOP: 0.45-0.7 ms at load 11-16 here), then
+  // enters a small collective, and again, with no barrier between tries: each rank arrives
+  // after its own compute, and a rank the scheduler delayed makes the others wait, as in a
+  // step. Only the call is timed (what a trace's collective span holds), alternating an
+  // all-to-all of 256 floats to each rank (all_to_all_v, as a DLRM's row-wise tables run it)
+  // and an 8-byte all-reduce, kOverheadTries of each. The key: the mean over both kinds, the
+  // tries and the ranks (a step pays the mean, spikes included), at least the latency.
+  {
+    constexpr int kOverheadTries = 200;
+    constexpr int64_t kFloatsPerRank = 256;
+    Matrix x("meshtrain::calibrate_overhead_x", 128, 512),
+        w("meshtrain::calibrate_overhead_w", 512, 512),
+        y("meshtrain::calibrate_overhead_y", 128, 512);
+    Kokkos::deep_copy(x, 0.5f);
+    Kokkos::deep_copy(w, 0.25f);
+    Matrix send("meshtrain::calibrate_overhead_send", p * kFloatsPerRank, 1),
+        recv("meshtrain::calibrate_overhead_recv", p * kFloatsPerRank, 1);
+    Kokkos::deep_copy(send, 1.0f);
+    Vector token("meshtrain::calibrate_overhead_token", 2);
+    Kokkos::deep_copy(token, 1.0f);
+    const std::vector<int64_t> rows(static_cast<size_t>(p), kFloatsPerRank);
+    auto compute = [&] {
+      gemm(plain(x), plain(w), 0.0f, y);
+      Kokkos::fence();
+    };
+    compute();
+    comm.all_to_all_v(send, rows, recv, rows);  // warm-up
+    comm.barrier();
+    double a2a = 0.0, ar = 0.0, busy = 0.0;
+    for (int t = 0; t < kOverheadTries; ++t) {
+      double start = now();
+      compute();
+      double end = now();
+      busy += end - start;
+      comm.all_to_all_v(send, rows, recv, rows);
+      start = now();
+      a2a += start - end;
+      compute();
+      end = now();
+      busy += end - start;
+      comm.all_reduce(VectorView(token.data(), 2));
+      ar += now() - end;
+    }
+    // Every group of the axis measured at once: the mean over all ranks.
+    double sums[3] = {a2a, ar, busy};
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, sums, 3, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD),
+              "MPI_Allreduce");
+    int world = 1;
+    check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world), "MPI_Comm_size");
+    const double calls = static_cast<double>(kOverheadTries) * world;
+    m.overhead_tries = kOverheadTries;
+    m.overhead_all_to_all_s = sums[0] / calls;
+    m.overhead_all_reduce_s = sums[1] / calls;
+    m.overhead_compute_s = sums[2] / (2 * calls);
+    link.collective_overhead =
+        std::max(link.latency, 0.5 * (m.overhead_all_to_all_s + m.overhead_all_reduce_s));
   }
   // A ring hop: every rank sends 8 MiB to its next neighbour and receives 8 MiB from its
   // previous one at once (Communicator::shift, as the ring collective matmuls do).
@@ -479,6 +542,13 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
       profile.overlap = measured_axes.empty() ? m.overlap : std::min(profile.overlap, m.overlap);
       measured_axes.push_back(a.name);
       char line[1024];
+      std::snprintf(line, sizeof line,
+                    "%s_collective_overhead = \"after a %.4g s GEMM on every rank (%d tries "
+                    "each): all-to-all of 1 KiB per rank %.4g s, 8-byte all-reduce %.4g s "
+                    "(means)\"\n",
+                    a.name.c_str(), m.overhead_compute_s, m.overhead_tries, m.overhead_all_to_all_s,
+                    m.overhead_all_reduce_s);
+      measured << line;
       std::snprintf(line, sizeof line,
                     "%s_latency = \"ping-pong %.4g s; 8-byte hop %.4g s; GEMM %.4g s, GEMM then "
                     "8-byte hop %.4g s\"\n"

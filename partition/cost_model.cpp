@@ -43,12 +43,20 @@ double collective_seconds(CollectiveKind kind, double bytes, int ranks, const Li
                                ? link.collective_bandwidth
                            : kind == CollectiveKind::reduce_scatter ? link.reduce_scatter_bandwidth
                                                                     : link.all_reduce_bandwidth;
-  const double one = (p - 1) / p * bytes / bandwidth + (p - 1) * link.latency;
-  if (kind != CollectiveKind::all_reduce) return one;
+  // What a call costs beyond its bytes: its `latencies` latencies, or the overhead a step pays
+  // per call (the wait for the last rank to arrive after its own compute: calibrate's
+  // collective_overhead), whichever is more. A wait happens once per call, whatever its size,
+  // so it adds to the bytes' time rather than hiding under it.
+  const auto fixed = [&](double latencies) {
+    return std::max(latencies * link.latency, link.collective_overhead);
+  };
+  const double moved = (p - 1) / p * bytes / bandwidth;
+  if (kind != CollectiveKind::all_reduce) return moved + fixed(p - 1);
   // All-reduce: the cheaper of a ring (reduce-scatter then all-gather) and recursive
   // doubling (log2 p exchanges of the whole operand), as MPI picks for small operands.
-  const double doubling = std::ceil(std::log2(p)) * (link.latency + bytes / bandwidth);
-  return std::min(2 * one, doubling);
+  const double exchanges = std::ceil(std::log2(p));
+  const double doubling = exchanges * bytes / bandwidth + fixed(exchanges);
+  return std::min(2 * moved + fixed(2 * (p - 1)), doubling);
 }
 
 double overlapped_seconds(double a, double c, double overlap) {
@@ -72,8 +80,11 @@ double collective_matmul_seconds(const CollectiveMatmulShape& s,
   }
   const bool ring = algorithm == CollectiveMatmulAlgorithm::ring;
   const double g = ring ? hw.gemm_seconds(s.block) : 2 * hw.gemm_seconds(s.half);
-  const double hop = link.latency + s.block_bytes / (ring ? link.exchange_bandwidth
-                                                          : link.bidirectional_bandwidth);
+  // Each hop is a call entered after the step's GEMM: its latency, or the overhead such a call
+  // costs a step when that is more (collective_seconds).
+  const double hop =
+      std::max(link.latency, link.collective_overhead) +
+      s.block_bytes / (ring ? link.exchange_bandwidth : link.bidirectional_bandwidth);
   const double step = overlapped_seconds(g, hop, hw.overlap);
   if (s.kind == CollectiveMatmulKind::all_gather) return (n - 1) * step + g;
   const double add = 3 * s.block_bytes / hw.memory_bandwidth;
@@ -321,6 +332,29 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
   std::vector<size_t> forward_start(count, 0), backward_start(count, 0);
   // Gradient all-reduces ZeRO-1 does once per step instead (deferred by the layer).
   std::vector<std::pair<std::string, LayerCollective>> deferred_reductions;
+  // Gradient all-reduces run in buckets (options.gradient_bucket_mb), per group in the order
+  // backward finishes them.
+  struct GradientBucketCost {
+    std::vector<std::string> axes;
+    int ranks = 1;
+    double bytes = 0.0;
+    int gradients = 0;
+    std::vector<std::string> layers;
+  };
+  std::vector<GradientBucketCost> gradient_buckets;
+  auto add_to_bucket = [&](const std::string& layer, const LayerCollective& c) {
+    auto same = std::find_if(gradient_buckets.begin(), gradient_buckets.end(),
+                             [&](const GradientBucketCost& b) { return b.axes == c.axes; });
+    if (same == gradient_buckets.end()) {
+      gradient_buckets.push_back({c.axes, c.ranks, 0.0, 0, {}});
+      same = gradient_buckets.end() - 1;
+    }
+    double elements = 1.0;
+    for (int64_t d : c.shape) elements *= static_cast<double>(d);
+    same->bytes += elements * static_cast<double>(c.element_bytes);
+    ++same->gradients;
+    if (same->layers.empty() || same->layers.back() != layer) same->layers.push_back(layer);
+  };
   // An MoE parameter gathered over its group arrives as the members' blocks in rank order and
   // is placed into [d0, d1, d2]; its gradient is cut into blocks before the reduce-scatter
   // (ShardedParameter, as_blocks, in layers/sharded_parameter.cpp): one pass over the compute
@@ -724,6 +758,11 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
         deferred_reductions.push_back({lp.name, c});
         continue;
       }
+      if (options.gradient_bucket_mb > 0 && l.defers_reduction() && gradient &&
+          c.kind == CollectiveKind::all_reduce) {
+        add_to_bucket(lp.name, c);
+        continue;
+      }
       collective(lp.name, c);
     }
     if (l.nonbatch_replication > 1) {
@@ -737,6 +776,24 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
       memory(lp.name, "backward", "SwiGLU input gradients summed (read 2, write 1)",
              3 * kFloat * r * l.input_width());
     }
+  }
+  // Bucketed gradients (options.gradient_bucket_mb: a DLRM's linear layers, layers/dlrm.cpp):
+  // waited for at the end of backward, one all-reduce per bucket of each group, the group's
+  // bytes cut at the cap (layers/gradient_buckets.cpp fills each bucket to the cap before it
+  // opens the next).
+  for (const GradientBucketCost& b : gradient_buckets) {
+    const double cap = options.gradient_bucket_mb * 1024.0 * 1024.0;
+    const double calls = std::max(1.0, std::ceil(b.bytes / cap));
+    std::ostringstream what;
+    what << "all-reduce gradients in " << calls << " bucket" << (calls > 1 ? "s" : "") << " ("
+         << b.gradients << " gradients of " << b.layers.size() << " layers: " << join(b.layers)
+         << ")";
+    const double full = calls > 1 ? cap : b.bytes;
+    const double last = b.bytes - (calls - 1) * cap;
+    add("gradient buckets", "backward", "collective", what.str(), group_text(b.axes, mesh),
+        (calls - 1) * collective_seconds(CollectiveKind::all_reduce, full, b.ranks,
+                                         hw.group_link(b.axes)) +
+            collective_seconds(CollectiveKind::all_reduce, last, b.ranks, hw.group_link(b.axes)));
   }
   // The prefetched gathers: the part the compute between start and wait hides (the other
   // communication in between runs on the same links and hides nothing).

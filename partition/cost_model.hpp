@@ -15,7 +15,10 @@
 //                                              all-gather) and recursive doubling,
 //                                              ceil(log2 p) * (alpha + S / B)
 //               B = the link's bandwidth of that collective (collective_bandwidth for the
-//               all-gather, reduce_scatter_bandwidth, all_reduce_bandwidth), alpha = latency. Run
+//               all-gather, reduce_scatter_bandwidth, all_reduce_bandwidth), alpha = latency;
+//               each call's latency terms ((p-1) alpha, 2 (p-1) alpha, ceil(log2 p) alpha) are
+//               raised to the link's collective_overhead when that is more (what a small call
+//               costs a step: the wait for the last rank to arrive, once per call). Run
 //               one after the other with the GEMMs, except the FSDP weight prefetch below.
 //   overlap     two parts a and c that run together (a transfer started before a GEMM and
 //               waited for after it) take a + c - e * min(a, c), e = the profile's overlap
@@ -25,7 +28,8 @@
 //               matmul_reduce_scatter / all_gather_matmul (framework/comm/
 //               collective_matmul.hpp). b = the travelling block's bytes, n = tp, g = one
 //               step's GEMM time (ring: the block's GEMM; bidirectional: two GEMMs of half
-//               a block), one hop h = latency + b / exchange_bandwidth (ring: every rank
+//               a block), one hop h = latency (or collective_overhead when more) +
+//               b / exchange_bandwidth (ring: every rank
 //               sends and receives a block at once) or latency + b / bidirectional_bandwidth
 //               (both halves at once, one each way), each step the hop beside the step's
 //               GEMMs, s = g + h - e * min(g, h):
@@ -134,7 +138,8 @@ namespace meshtrain {
 double overlapped_seconds(double a, double c, double overlap);
 
 // Seconds of a ring collective of `kind` on a full operand of `bytes` over `ranks` on `link`
-// (0 for one rank); an all-to-all's `bytes` are what this rank sends.
+// (0 for one rank); an all-to-all's `bytes` are what this rank sends. Its bytes at the link's
+// bandwidth plus max(its latency terms, link.collective_overhead).
 double collective_seconds(CollectiveKind kind, double bytes, int ranks, const LinkProfile& link);
 
 // One collective matmul on this rank: the GEMMs each algorithm runs, the travelling

@@ -77,6 +77,7 @@ LinkProfile HardwareProfile::group_link(const std::vector<std::string>& axes) co
         std::max(slowest.ring_reduce_scatter_from, l.ring_reduce_scatter_from);
     slowest.ring_all_reduce_from = std::max(slowest.ring_all_reduce_from, l.ring_all_reduce_from);
     slowest.latency = std::max(slowest.latency, l.latency);
+    slowest.collective_overhead = std::max(slowest.collective_overhead, l.collective_overhead);
   }
   return slowest;
 }
@@ -98,8 +99,10 @@ HardwareProfile default_hardware_profile() {
   p.gemm_flops = 100e9;
   p.memory_bandwidth = 10e9;
   p.overlap = 0.0;
-  for (const auto& axis : hardware_axes())
+  for (const auto& axis : hardware_axes()) {
     p.links[axis] = LinkProfile{5e9, 2e-6, 2.5e9, 2.5e9, 2.5e9, 2.5e9, 2.5e9};
+    p.links[axis].collective_overhead = 2e-6;  // an idle node's: the latency
+  }
   p.source = "defaults";
   return p;
 }
@@ -158,6 +161,7 @@ void check_hardware_profile(const HardwareProfile& p) {
     const std::string key = "links." + axis + ".";
     check_value(p, key + "bandwidth", it->second.bandwidth, false);
     check_value(p, key + "latency", it->second.latency, true);
+    check_value(p, key + "collective_overhead", it->second.collective_overhead, true);
     check_value(p, key + "collective_bandwidth", it->second.collective_bandwidth, false);
     check_value(p, key + "exchange_bandwidth", it->second.exchange_bandwidth, false);
     check_value(p, key + "bidirectional_bandwidth", it->second.bidirectional_bandwidth, false);

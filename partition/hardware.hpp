@@ -17,6 +17,12 @@
 //   per mesh axis (dp, fsdp, ep, tp, sp), the link between neighbours on that axis:
 //     bandwidth        B/s of one point-to-point message (ping-pong, one direction)
 //     latency          s of an empty message (half a round trip)
+//     collective_overhead  s one small collective costs a step: the mean time of a call
+//                      entered right after each rank's own compute (unsynchronised, as in a
+//                      step), which holds the wait for the last rank to arrive. The cost model
+//                      charges a collective max(its latency terms, this) + its bytes at the
+//                      bandwidth (collective_seconds). 0 or the latency: no more than the
+//                      latency terms (an idle node's).
 //     collective_bandwidth  B/s an all-gather achieves per rank ((p-1)/p * bytes / time of
 //                      a 16 MiB one). Defaults to `bandwidth`.
 //     reduce_scatter_bandwidth  the same for a reduce-scatter (MPI libraries often run it
@@ -69,28 +75,29 @@ struct GemmRate {
 };
 
 struct LinkProfile {
-  double bandwidth = 0.0;                 // B/s
-  double latency = 0.0;                   // s
-  double collective_bandwidth = 0.0;      // B/s
-  double exchange_bandwidth = 0.0;        // B/s
-  double bidirectional_bandwidth = 0.0;   // B/s
-  double reduce_scatter_bandwidth = 0.0;  // B/s
-  double all_reduce_bandwidth = 0.0;      // B/s
+  double bandwidth = 0.0;                      // B/s
+  double latency = 0.0;                        // s
+  double collective_bandwidth = 0.0;           // B/s
+  double exchange_bandwidth = 0.0;             // B/s
+  double bidirectional_bandwidth = 0.0;        // B/s
+  double reduce_scatter_bandwidth = 0.0;       // B/s
+  double all_reduce_bandwidth = 0.0;           // B/s
   double ring_reduce_scatter_bandwidth = 0.0;  // B/s; 0: not measured
   double ring_all_reduce_bandwidth = 0.0;      // B/s; 0: not measured
   double ring_reduce_scatter_from = std::numeric_limits<double>::infinity();  // bytes per rank
   double ring_all_reduce_from = std::numeric_limits<double>::infinity();      // bytes per rank
+  double collective_overhead = 0.0;  // s; 0: the latency terms alone
   bool ring_measured() const {
     return ring_reduce_scatter_bandwidth > 0.0 && ring_all_reduce_bandwidth > 0.0;
   }
 };
 
 struct HardwareProfile {
-  double gemm_flops = 0.0;           // FLOP/s per rank
-  std::vector<GemmRate> gemm_rates;  // measured shapes, any order
-  double memory_bandwidth = 0.0;     // B/s per rank
+  double gemm_flops = 0.0;                          // FLOP/s per rank
+  std::vector<GemmRate> gemm_rates;                 // measured shapes, any order
+  double memory_bandwidth = 0.0;                    // B/s per rank
   std::map<std::string, double> elementwise_rates;  // kernel name -> elements/s, measured
-  double overlap = 0.0;              // 0..1
+  double overlap = 0.0;                             // 0..1
   // The storage data files are read from: sequential read rate (B/s per rank) and the
   // latency of one random read (s); a local NVMe SSD unless set. Not measured by calibrate
   // (set them from fio or dd).

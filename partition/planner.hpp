@@ -131,6 +131,10 @@ struct PlanOptions {
   // runtime.overlap: a layer's FSDP weight gather starts under the layer before it (the
   // cost model hides it under that compute, partition/cost_model.hpp).
   bool overlap = false;
+  // MiB cap of a gradient bucket when the layers that defer their gradient all-reduce run it in
+  // buckets, one all-reduce per bucket of each group (a DLRM's linear layers: runtime.bucket_mb);
+  // 0: each layer reduces its own (the cost model charges one all-reduce per gradient).
+  double gradient_bucket_mb = 0.0;
   // Global rows of an evaluation batch; 0 or global_batch: evaluation uses the training
   // buffers. Otherwise its own buffers are counted (PlanTotals::evaluation_bytes).
   int64_t eval_global_batch = 0;

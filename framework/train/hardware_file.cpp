@@ -45,7 +45,9 @@ void reject_unknown(const toml::table& table, std::initializer_list<const char*>
       MESHTRAIN_BAD_INPUT(
           at(source, &node), ": unknown hardware profile key ", prefix, std::string(key.str()),
           " (keys: gemm_flops, memory_bandwidth, overlap, [[gemm]] shape, transpose, flops, ",
-          "[links.<axis>] ", "bandwidth, latency, collective_bandwidth, reduce_scatter_bandwidth, ",
+          "[links.<axis>] ",
+          "bandwidth, latency, collective_overhead, collective_bandwidth, "
+          "reduce_scatter_bandwidth, ",
           "all_reduce_bandwidth, exchange_bandwidth, bidirectional_bandwidth, ",
           "ring_reduce_scatter_bandwidth, ring_all_reduce_bandwidth, ring_reduce_scatter_from, ",
           "ring_all_reduce_from, [measured])");
@@ -158,15 +160,19 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
     const toml::table* t = node->as_table();
     if (!t)
       MESHTRAIN_BAD_INPUT(at(source, node), ": hardware profile key ", prefix, " must be a table");
-    reject_unknown(*t,
-                   {"bandwidth", "latency", "collective_bandwidth", "reduce_scatter_bandwidth",
-                    "all_reduce_bandwidth", "exchange_bandwidth", "bidirectional_bandwidth",
-                    "ring_reduce_scatter_bandwidth", "ring_all_reduce_bandwidth",
-                    "ring_reduce_scatter_from", "ring_all_reduce_from"},
-                   prefix + ".", source);
+    reject_unknown(
+        *t,
+        {"bandwidth", "latency", "collective_overhead", "collective_bandwidth",
+         "reduce_scatter_bandwidth", "all_reduce_bandwidth", "exchange_bandwidth",
+         "bidirectional_bandwidth", "ring_reduce_scatter_bandwidth", "ring_all_reduce_bandwidth",
+         "ring_reduce_scatter_from", "ring_all_reduce_from"},
+        prefix + ".", source);
     LinkProfile l;
     l.bandwidth = number(*t, "bandwidth", prefix + ".bandwidth", source, true, 0);
     l.latency = number(*t, "latency", prefix + ".latency", source, true, 0);
+    // Files written before calibrate measured it: the latency (an idle node's).
+    l.collective_overhead = number(*t, "collective_overhead", prefix + ".collective_overhead",
+                                   source, false, l.latency);
     l.collective_bandwidth = number(*t, "collective_bandwidth", prefix + ".collective_bandwidth",
                                     source, false, l.bandwidth);
     l.reduce_scatter_bandwidth =
@@ -232,6 +238,8 @@ std::string hardware_profile_to_toml(const HardwareProfile& p, const std::string
     out << "\n[links." << axis << "]\n"
         << "bandwidth = " << number_text(l.bandwidth) << "  # B/s point to point\n"
         << "latency = " << number_text(l.latency) << "  # s\n"
+        << "collective_overhead = " << number_text(l.collective_overhead)
+        << "  # s a small collective costs a step (entered after each rank's own compute)\n"
         << "collective_bandwidth = " << number_text(l.collective_bandwidth)
         << "  # B/s per rank in an all-gather\n"
         << "reduce_scatter_bandwidth = " << number_text(l.reduce_scatter_bandwidth)

@@ -8,6 +8,7 @@
 //   [links.tp]                   # one table per mesh axis: dp, fsdp, ep, tp, sp
 //   bandwidth = 4.1e9            # B/s point to point
 //   latency = 1.9e-6             # s
+//   collective_overhead = 1.5e-4 # s a small collective costs a step (optional: = latency)
 //   collective_bandwidth = 2.2e9 # B/s per rank in an all-gather (optional: = bandwidth)
 //   reduce_scatter_bandwidth = 1e9  # B/s per rank in a reduce-scatter
 //                                   # (optional: = collective_bandwidth)
@@ -29,7 +30,8 @@
 //                                # silu_backward, swiglu_forward, ...)
 //   [measured]                   # optional, free-form: how it was measured (not read back)
 //
-// Every key is required except overlap, [[gemm]], [elementwise], collective_bandwidth,
+// Every key is required except overlap, [[gemm]], [elementwise], collective_overhead,
+// collective_bandwidth,
 // reduce_scatter_bandwidth,
 // all_reduce_bandwidth, exchange_bandwidth, bidirectional_bandwidth and [measured]; unknown keys
 // are rejected. Kokkos-free (compiled by the host compiler alone in CUDA builds).

@@ -78,6 +78,8 @@ PlanOptions plan_options(const RunConfig& config) {
   options.global_batch = config.data.batch_size;
   options.accumulation_steps = config.train.accumulation_steps;
   options.overlap = config.runtime.overlap;
+  // A DLRM buckets its linear layers' gradients whatever runtime.overlap says (layers/dlrm.cpp).
+  if (config.model.kind == ModelKind::dlrm) options.gradient_bucket_mb = config.runtime.bucket_mb;
   options.eval_global_batch = config.data.eval_batch_size.value_or(0);
   options.precision = config.mixed_precision.policy();
   options.activation = config.model.activation_name();

@@ -22,6 +22,7 @@ HardwareProfile measured_profile() {
   p.links["fsdp"] =
       LinkProfile{3.75e7, 2.5e-4, 3.5e7, 1.9e7, 2.1e7, 1.2e7, 1.7e7};  // a 300 Mbit/s link
   p.links["tp"] = LinkProfile{4.1e9, 1.9e-6, 2.2e9, 1.5e9, 1.25e9, 6.5e8, 9e8};
+  p.links["fsdp"].collective_overhead = 1.25e-3;  // calibrate's, after compute on every rank
   p.gemm_rates = {{{128, 2048, 1024, false, false}, 8.125e10},
                   {{2048, 128, 10, true, false}, 1.5e10}};
   p.elementwise_rates = {{"swiglu_forward", 3.125e8}, {"swiglu_backward", 2.5e8}};
@@ -41,6 +42,7 @@ TEST(HardwareFile, RoundTrips) {
   for (const auto& axis : hardware_axes()) {
     EXPECT_DOUBLE_EQ(back.link(axis).bandwidth, p.link(axis).bandwidth) << axis;
     EXPECT_DOUBLE_EQ(back.link(axis).latency, p.link(axis).latency) << axis;
+    EXPECT_DOUBLE_EQ(back.link(axis).collective_overhead, p.link(axis).collective_overhead) << axis;
     EXPECT_DOUBLE_EQ(back.link(axis).collective_bandwidth, p.link(axis).collective_bandwidth)
         << axis;
     EXPECT_DOUBLE_EQ(back.link(axis).exchange_bandwidth, p.link(axis).exchange_bandwidth) << axis;
@@ -69,9 +71,13 @@ TEST(HardwareFile, RoundTrips) {
 TEST(HardwareFile, CollectiveBandwidthDefaultsToBandwidth) {
   std::string text = "gemm_flops = 1e11\nmemory_bandwidth = 1e10\n";
   for (const auto& axis : hardware_axes()) {
-    text += "[links." + axis + "]\nbandwidth = 5e9\nlatency = 0\n";
+    text += "[links." + axis +
+            "]\nbandwidth = 5e9\nlatency = " + std::string(axis == "dp" ? "3e-6" : "0") + "\n";
   }
   const HardwareProfile p = parse_hardware_profile(text, "hand.toml");
+  // Written before calibrate measured collective_overhead: the latency (an idle node's).
+  EXPECT_DOUBLE_EQ(p.link("dp").collective_overhead, 3e-6);
+  EXPECT_DOUBLE_EQ(p.link("sp").collective_overhead, 0.0);
   EXPECT_DOUBLE_EQ(p.link("sp").collective_bandwidth, 5e9);
   EXPECT_DOUBLE_EQ(p.link("sp").exchange_bandwidth, 5e9);
   EXPECT_DOUBLE_EQ(p.link("sp").reduce_scatter_bandwidth, 5e9);
@@ -163,6 +169,14 @@ TEST(HardwareFile, BadFilesNameFileAndKey) {
                   "storage_read_bandwidth");
   expect_rejected(replaced("storage_read_latency = 0.0025", "storage_read_latency = -1"),
                   "storage_read_latency");
+  expect_rejected(replaced("collective_overhead = 0.00125", "collective_overhead = -0.001"),
+                  "links.fsdp.collective_overhead");
+  expect_rejected(replaced("collective_overhead = 0.00125", "collective_overhead = \"slow\""),
+                  "links.fsdp.collective_overhead");
+  expect_rejected(replaced("collective_overhead = 0.00125", "collective_overhead = nan"),
+                  "links.fsdp.collective_overhead");
+  expect_rejected(replaced("collective_overhead = 0.00125", "colective_overhead = 0.00125"),
+                  "links.fsdp.colective_overhead");
   expect_rejected(replaced("exchange_bandwidth = 1.9e+07", "exchange_bandwidth = 0"),
                   "links.fsdp.exchange_bandwidth");
   expect_rejected(replaced("shape = [128, 2048, 1024]", "shape = [128, 2048]"), "gemm.shape");

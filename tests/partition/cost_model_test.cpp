@@ -202,6 +202,58 @@ TEST(CostModel, DataParallelStepByHand) {
   EXPECT_NEAR(cost.total_s, 448e-9 + 2248e-9 + 0.005 + 5.12e-6, kTolerance);
 }
 
+// calibrate's collective_overhead (what a small call costs a step) replaces a call's latency
+// terms when it is more, once per call, and adds to the bytes' time.
+TEST(CostModel, CollectiveOverheadRaisesEachCallsLatencyTerms) {
+  LinkProfile link = slow_machine().link("dp");
+  link.collective_overhead = 5e-3;
+  // All-gather / all-to-all of 1 MB over 4 ranks: 3/4 * 1e6 / 5e7 + max(3 * 1e-3, 5e-3).
+  EXPECT_NEAR(collective_seconds(CollectiveKind::all_gather, 1e6, 4, link), 0.020, kTolerance);
+  EXPECT_NEAR(collective_seconds(CollectiveKind::all_to_all, 1e6, 4, link), 0.020, kTolerance);
+  // All-reduce: the ring 2 * 0.015 + max(6e-3, 5e-3) = 0.036 beats doubling 2 * 1e6 / 5e7 +
+  // max(2e-3, 5e-3) = 0.045; for 1 KB doubling 2 * 1e3 / 5e7 + 5e-3 beats the ring's
+  // 2 * 3/4 * 1e3 / 5e7 + 6e-3.
+  EXPECT_NEAR(collective_seconds(CollectiveKind::all_reduce, 1e6, 4, link), 0.036, kTolerance);
+  EXPECT_NEAR(collective_seconds(CollectiveKind::all_reduce, 1e3, 4, link), 0.00504, kTolerance);
+  // Two ranks: one latency (1e-3) raised to the overhead: 1/2 * 1e6 / 5e7 + 5e-3.
+  EXPECT_NEAR(collective_seconds(CollectiveKind::all_to_all, 1e6, 2, link), 0.015, kTolerance);
+  EXPECT_EQ(collective_seconds(CollectiveKind::all_to_all, 1e6, 1, link), 0.0);
+  // Below the latency terms (or 0, a profile's default: the latency) it changes nothing.
+  for (const double overhead : {0.0, 1e-3, 2e-3}) {
+    link.collective_overhead = overhead;
+    EXPECT_NEAR(collective_seconds(CollectiveKind::all_gather, 1e6, 4, link), 0.018, kTolerance);
+    EXPECT_NEAR(collective_seconds(CollectiveKind::all_reduce, 1e3, 4, link), 0.00204, kTolerance);
+  }
+  // A ring collective matmul's hops are calls entered after a GEMM too: each hop's latency
+  // (1e-3) is raised to the overhead (5e-3), (n - 1) hops on 4 ranks (no overlap: each step
+  // is its GEMM then its hop).
+  HardwareProfile hw = slow_machine();
+  hw.overlap = 0.0;
+  const CollectiveMatmulShape shape =
+      matmul_of(CollectiveMatmulKind::all_gather, 4e6, 1e5, /*ranks=*/4);
+  LinkProfile plain = hw.link("dp"), slow = plain;
+  slow.collective_overhead = 5e-3;
+  EXPECT_NEAR(collective_matmul_seconds(shape, CollectiveMatmulAlgorithm::ring, slow, hw) -
+                  collective_matmul_seconds(shape, CollectiveMatmulAlgorithm::ring, plain, hw),
+              3 * (5e-3 - 1e-3), kTolerance);
+  // A group runs at its slowest axis' overhead.
+  hw = slow_machine();
+  hw.links["tp"].collective_overhead = 4e-3;
+  EXPECT_DOUBLE_EQ(hw.group_link({"dp", "tp"}).collective_overhead, 4e-3);
+  EXPECT_DOUBLE_EQ(hw.group_link({"dp"}).collective_overhead, 0.0);
+  // A step: DataParallelStepByHand's 5 all-reduces over dp = 2 (the loss's and 4 gradients'),
+  // each one exchange: 5 * max(1e-3, 3e-3) + 256 / 5e7.
+  hw = slow_machine();
+  hw.links["dp"].collective_overhead = 3e-3;
+  const Mesh mesh = Mesh::create({{"dp", 2}}, 2, "test");
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.global_batch = 4;
+  const ShardingPlan plan = small_plan(mesh, {{".*", PartitionSpec(), false}}, options, {4, 8, 2});
+  EXPECT_NEAR(predict_step(plan, options, hw, CollectiveMatmulAlgorithm::automatic).collective_s,
+              5 * 3e-3 + 256 / 5e7, kTolerance);
+}
+
 // With 4 accumulated micro-batches the layers with DP storage all-reduce their gradients
 // once per step (issue 20, bug 3); the loss's all-reduce still runs every micro-batch.
 TEST(CostModel, AccumulationReducesDeferredGradientsOncePerStep) {
@@ -217,6 +269,52 @@ TEST(CostModel, AccumulationReducesDeferredGradientsOncePerStep) {
   // As DataParallelStepByHand: the loss's 24 B four times, the gradients' 232 B once.
   EXPECT_NEAR(cost.collective_s, 4 * (1e-3 + 24 / 5e7) + 4 * 1e-3 + 232 / 5e7, kTolerance);
   EXPECT_NEAR(cost.gemm_s, 4 * 448e-9, kTolerance);
+}
+
+// A DLRM's linear layers (options.gradient_bucket_mb, layers/dlrm.cpp) all-reduce their
+// gradients in buckets at the end of backward: one call per bucket of each group.
+TEST(CostModel, BucketedGradientsAreOneAllReducePerBucket) {
+  const Mesh mesh = Mesh::create({{"dp", 2}}, 2, "test");
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.global_batch = 4;
+  options.gradient_bucket_mb = 25;
+  const ShardingPlan plan = small_plan(mesh, {{".*", PartitionSpec(), false}}, options, {4, 8, 2});
+  const StepCost cost =
+      predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::automatic);
+  // DataParallelStepByHand's 4 gradient all-reduces (232 B) become one: the loss's 24 B and
+  // the bucket's 232 B, one exchange each: 2 * 1e-3 + 256 / 5e7.
+  EXPECT_NEAR(cost.collective_s, 2e-3 + 256 / 5e7, kTolerance);
+  int buckets = 0, gradient_items = 0;
+  for (const CostItem& item : cost.items) {
+    if (item.category != std::string("collective")) continue;
+    if (item.what.find("gradient") != std::string::npos && item.layer != "gradient buckets") {
+      ++gradient_items;
+    }
+    if (item.layer == "gradient buckets") {
+      ++buckets;
+      EXPECT_EQ(item.phase, "backward");
+      EXPECT_EQ(item.group, "dp=2");
+      EXPECT_NE(item.what.find("1 bucket (4 gradients of 2 layers"), std::string::npos)
+          << item.what;
+    }
+  }
+  EXPECT_EQ(buckets, 1);
+  EXPECT_EQ(gradient_items, 0);
+  // A cap below the bytes cuts them: 100 B buckets (1e-4 MiB = 104.9 B) hold 232 B in 3
+  // calls, 2 full and one of the rest, each 1e-3 + S / 5e7.
+  options.gradient_bucket_mb = 1e-4;
+  const double cap = 1e-4 * 1024 * 1024;
+  EXPECT_NEAR(predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::automatic)
+                  .collective_s,
+              4e-3 + (24 + 232) / 5e7, 1e-9);
+  EXPECT_GT(232 - 2 * cap, 0.0);  // the third bucket is not empty
+  // ZeRO-1 and accumulation keep their own once-per-step reductions.
+  options.accumulation_steps = 4;
+  options.gradient_bucket_mb = 25;
+  EXPECT_NEAR(predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::automatic)
+                  .collective_s,
+              4 * (1e-3 + 24 / 5e7) + 4 * 1e-3 + 232 / 5e7, kTolerance);
 }
 
 TEST(CostModel, FsdpStepGathersTheWeightTwiceAndReduceScattersItsGradient) {
