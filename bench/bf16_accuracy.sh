@@ -47,6 +47,10 @@ case_args() {  # prints: ranks config overrides...
   esac
 }
 
+# Every case named before any runs (case_args runs in a subshell below, where its exit would
+# not stop the script).
+for name in $cases; do case_args "$name" >/dev/null || exit 2; done
+
 # Trains one (case, dtype, seed); prints its JSON line and leaves the accuracy in $accuracy.
 train() {
   local name=$1 dtype=$2 seed=$3
