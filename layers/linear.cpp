@@ -310,8 +310,13 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
   // gathered gradient as the 16 bits its reduce-scatter sends (gemm_to_16bit, where its kernel
   // writes them), in half the gradient scratch (partition/sixteen_bit_storage.hpp; the memory
   // plan counts it alike).
-  if (writes_16bit_gathered_gradient(l, context.precision().reduce == compute_dtype_,
-                                     gemm_kernel_writes_16bit(compute_dtype_)) &&
+  // DP (a weight stored whole) likewise into its blocking all-reduce's 16-bit buffer, whenever
+  // backward all-reduces it there (not in buckets, not left partial for later).
+  const bool wire_is_compute = context.precision().reduce == compute_dtype_;
+  const bool one_gemm = !l.runs_collective_matmuls();
+  if ((writes_16bit_gathered_gradient(l, wire_is_compute,
+                                      gemm_kernel_writes_16bit(compute_dtype_)) ||
+       (!l.gathers_weight() && one_gemm)) &&
       weight_.can_take_16bit_gradient()) {
     weight_.take_16bit_gradient();
   }

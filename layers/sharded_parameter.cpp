@@ -421,7 +421,9 @@ bool ShardedParameter::can_take_16bit_gradient() const {
       reduce_ != compute_ || !gemm_kernel_writes_16bit(compute_)) {
     return false;
   }
-  return gathered();
+  // Gathered: the reduce-scatter sends it first. Stored whole: the blocking all-reduce sends it
+  // first where nothing scales it (DP; not a weight replicated over a non-batch axis).
+  return gathered() || (allreduce_ != nullptr && scale_ == 1.0f);
 }
 
 void ShardedParameter::take_16bit_gradient() {

@@ -856,6 +856,52 @@ TEST(MixedPrecision, FsdpGradientsWrittenAs16BitsMatchTheFp32Scratch) {
   }
 }
 
+// DP's blocking all-reduce (overlap off) with a bf16 wire (reduce_dtype = param_dtype = bf16):
+// where gemm_to_16bit's kernel writes 16 bits every Linear whose weight is stored whole and whose
+// one GEMM writes its gradient writes it as bf16 into the all-reduce's 16-bit buffer
+// (Communicator::all_reduce_wire), summed there as it is (cast point 8; counted by the parameters),
+// and three training steps give bit for bit the loss, logits, gradients and parameters of the
+// fp32 gradient packed by the all-reduce (set_write_16bit_weight_gradients(false)), on dp over
+// every rank and, at np 4, dp x tp (the dp_tp preset: its row-parallel layers' products are
+// all-gather-matmuls, which keep the fp32 path; the runs stay bit for bit all the same). With
+// overlap on the buckets take the gradients (their own test above) and no reduction here does.
+TEST(MixedPrecision, DpBlockingGradientsWrittenAs16BitsMatchTheFp32Path) {
+  const MixedPrecision bf16{Dtype::bf16, Dtype::bf16};
+  const int n = world_size();
+  std::vector<LayoutCase> layouts = {
+      {"dp" + std::to_string(n), {{"dp", n}}, "dp", 0, "", "", true}};
+  if (n == 4) {
+    layouts.push_back({"dp2_tp2", {{"dp", 2}, {"tp", 2}}, "dp_tp", 0, "", "", true});
+  }
+  const int steps = 3;
+  const bool writes = gemm_kernel_writes_16bit(Dtype::bf16);
+  std::size_t taken = 0;
+  for (const auto& m : models()) {
+    for (const auto& layout : layouts) {
+      for (bool overlap : {false, true}) {
+        SCOPED_TRACE(m.name + " on " + layout.name + (overlap ? " with overlap" : ""));
+        const RunResult on = run_model(m, layout, &bf16, 1.0f, overlap, steps, true, nullptr, true);
+        const RunResult off =
+            run_model(m, layout, &bf16, 1.0f, overlap, steps, true, nullptr, false);
+        const std::size_t linears = m.sizes.size() - 1;
+        if (layout.preset == "dp") {
+          EXPECT_EQ(on.weights_writing_16bit_gradients,
+                    writes && n > 1 ? static_cast<int>(linears) : 0);
+          EXPECT_EQ(on.gradients_reduced_from_16bit,
+                    writes && n > 1 && !overlap ? linears * steps : 0u);
+        }
+        EXPECT_EQ(off.gradients_reduced_from_16bit, 0u);
+        taken += on.gradients_reduced_from_16bit;
+        expect_bit_identical(on, off);
+      }
+    }
+  }
+  if (world_rank() == 0) {
+    std::cout << "gradients written as 16 bits into the blocking all-reduce: " << taken
+              << (writes ? "" : " (gemm_to_16bit's kernel writes no 16 bits here)") << "\n";
+  }
+}
+
 // A residual_mlp's 16-bit storage (docs/mixed_precision.md, "Compute and memory on this build":
 // the blocks' hidden activations, the up projections' outputs in one shared fp32 working buffer,
 // the activations' output (and, but for relu's, input) kept as 16 bits, the down projections'
