@@ -59,6 +59,12 @@ class ParallelContext {
   // changes no value (the simulated path: fp32 buffers holding the same 16-bit values).
   bool stores_16bit_activations() const { return store_16bit_activations_; }
   void set_store_16bit_activations(bool store) { store_16bit_activations_ = store; }
+  // Whether a weight gradient whose reduction sends it as 16 bits of the compute dtype is written
+  // as 16 bits by its GEMM, where gemm_to_16bit's kernel writes them (FSDP's reduce-scatter, DP's
+  // blocking all-reduce: ShardedParameter::writes_16bit_gradient). On by default; off only to
+  // test that it changes no value (the fp32 gradient, packed by the reduction).
+  bool writes_16bit_weight_gradients() const { return write_16bit_weight_gradients_; }
+  void set_write_16bit_weight_gradients(bool write) { write_16bit_weight_gradients_ = write; }
 
   // Size of the feature axis (1 when there is none) and this rank's index on it.
   int feature_parallel() const;
@@ -91,6 +97,7 @@ class ParallelContext {
   double bucket_mb_ = 25.0;
   MixedPrecision precision_;
   bool store_16bit_activations_ = true;
+  bool write_16bit_weight_gradients_ = true;
 };
 
 }  // namespace meshtrain

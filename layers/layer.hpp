@@ -58,7 +58,7 @@ struct ParameterRef {
 // Floats of shared scratch a layer needs; a model allocates the maximum over its layers.
 struct LayerScratchNeeds {
   size_t weight = 0;  // compute block, floats; half d1*d2 where the GEMMs read it as 16 bits
-  size_t grad = 0;    // compute block of a weight gradient
+  size_t grad = 0;    // compute block of a weight gradient (written as 16 bits: half d1*d2)
   size_t stage = 0;   // between the two gathers / reduce-scatters of a 2-D storage split
   size_t bias = 0;    // gathered bias / full-width bias gradient
   size_t matmul = 0;  // collective matmul workspace (bytes)

@@ -306,6 +306,20 @@ Linear::Linear(ParameterRef weight_ref, ParameterRef bias_ref, FeatureLayout inp
     dy_16bit_view_ = HalfMatrixView();
   }
 
+  // FSDP with a 16-bit wire of the compute dtype: backward's one weight-gradient GEMM writes the
+  // gathered gradient as the 16 bits its reduce-scatter sends (gemm_to_16bit, where its kernel
+  // writes them), in half the gradient scratch (partition/sixteen_bit_storage.hpp; the memory
+  // plan counts it alike).
+  // DP (a weight stored whole) likewise into its blocking all-reduce's 16-bit buffer, whenever
+  // backward all-reduces it there (not in buckets, not left partial for later).
+  const bool wire_is_compute = context.precision().reduce == compute_dtype_;
+  const bool one_gemm = !l.runs_collective_matmuls();
+  if ((writes_16bit_gathered_gradient(l, wire_is_compute,
+                                      gemm_kernel_writes_16bit(compute_dtype_)) ||
+       (!l.gathers_weight() && one_gemm)) &&
+      weight_.can_take_16bit_gradient()) {
+    weight_.take_16bit_gradient();
+  }
   needs_ = weight_.scratch_needs();
   needs_.merge(bias_.scratch_needs());
   if (l.tensor_parallel) needs_.matmul = static_cast<size_t>(3 * rows_ * out) * sizeof(float);
@@ -520,8 +534,16 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
     dy_16bit = dy_16bit_view_;
   }
   // Weight gradient, compute block: X_cᵀ @ dY (dY all-gathered over features when split).
-  MatrixView g = weight_.gradient_matrix(scratch);
   const bool bucketed = pass.deferred == DeferredReduction::in_buckets;
+  // The parameter's reduction sends it as 16 bits of the compute dtype, as it is (FSDP's
+  // reduce-scatter: take_16bit_gradient above): the GEMM writes those bits (gemm_to_16bit: the
+  // fp32 result rounded to nearest even, the bits the wire's packing gives), so no fp32 gradient
+  // is written nor packed.
+  const bool written_16bit =
+      !bucketed && weight_.writes_16bit_gradient(pass.deferred != DeferredReduction::later);
+  MESHTRAIN_REQUIRE(!written_16bit || dt.data() == nullptr, "linear layer '", layout_.layer,
+                    "': a tangent term with a 16-bit weight gradient");
+  const MatrixView g = written_16bit ? MatrixView() : weight_.gradient_matrix(scratch);
   // DP buckets whose 16-bit wire is the compute dtype, where gemm()'s kernel writes 16 bits: the
   // GEMM writes the gradient as wire bits straight into its place in the buckets' 16-bit buffer
   // (gemm_to_16bit: the fp32 result rounded to nearest even, the bits the buckets' packing gives),
@@ -548,7 +570,9 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
   } else {
     x_t = transposed(x_used_);
   }
-  if (wire_home != nullptr) {
+  if (written_16bit) {
+    gemm_to_16bit(x_t, plain(dy), weight_.gradient_matrix_16bit(scratch), compute_dtype_);
+  } else if (wire_home != nullptr) {
     gemm_to_16bit(x_t, plain(dy), HalfMatrixView(wire_home, g.extent(0), g.extent(1)),
                   compute_dtype_);
   } else {
@@ -571,7 +595,7 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
       bucketed
           ? pass.buckets->wire() == compute_dtype_
           : weight_.reduce_rounds_to(compute_dtype_, pass.deferred != DeferredReduction::later);
-  if (!wire_rounds) round_in_place(g, compute_dtype_);
+  if (!wire_rounds && !written_16bit) round_in_place(g, compute_dtype_);
   if (next) next->poll_weight_prefetch();
   // DP overlap: both gradients are final here (no gathers, no scale); hand them to the
   // buckets, whose all-reduce runs while dX is computed.

@@ -174,6 +174,8 @@ class Linear final : public Layer {
   int64_t output_offset() const override;  // first global output column held here
   bool tensor_parallel() const { return layout_.tensor_parallel; }
   const LinearLayout& layout() const { return layout_; }
+  // The weight as the layer holds it (tests: whether its gradient is written as 16 bits).
+  const ShardedParameter& weight_parameter() const { return weight_; }
   // The output of the last forward (the pre-activation, kept for backward).
   MatrixView output() const override { return output_view_; }
   LayerScratchNeeds scratch_needs() const override { return needs_; }

@@ -88,6 +88,7 @@ ShardedParameter::ShardedParameter(ParameterRef ref, const ParameterGathers& gat
   }
   allreduce_ = context.comm(g_.allreduce);
   scale_ = 1.0f / static_cast<float>(g_.nonbatch_replication);
+  may_write_16bit_ = context.writes_16bit_weight_gradients();
 
   if (method == GatherMethod::by_dims) {
     const std::shared_ptr<SixteenBitCopy>& copy = value().copy_16bit;
@@ -162,7 +163,8 @@ LayerScratchNeeds ShardedParameter::scratch_needs() const {
   needs.weight = static_cast<size_t>(
       weight_scratch_floats(d1, d2, gathered(), compute_ != Dtype::fp32, copy_ != nullptr,
                             gemm_kernel_reads_16bit(compute_)));
-  if (gathered()) needs.grad = static_cast<size_t>(d1 * d2);
+  // The gathered gradient's compute block: fp32, or 16-bit elements (take_16bit_gradient).
+  needs.grad = static_cast<size_t>(gradient_scratch_floats(d1, d2, gathered(), grad_16bit_));
   if (copy_) {
     // Widened into scratch.weight (or put there as 16 bits); a prefetch lands in the 16-bit
     // landing (a blocking gather in scratch.grad's bytes).
@@ -264,7 +266,7 @@ ConstHalfMatrixView ShardedParameter::compute_matrix_16bit(LayerScratch& scratch
     prefetch_started_ = false;
     return placed;
   }
-  MESHTRAIN_REQUIRE(scratch.grad.extent(0) >= static_cast<size_t>(d1 * d2), "parameter '",
+  MESHTRAIN_REQUIRE(scratch.grad.span() * 2 >= static_cast<size_t>(d1 * d2), "parameter '",
                     value().name, "': no gradient scratch to land its gather in");
   Communicator& group = gather1_ ? *gather1_ : *gather2_;
   group.all_gather_16bit(current_copy(), blocking_landing(scratch), value().local.extent(0),
@@ -297,7 +299,7 @@ MatrixView ShardedParameter::compute_matrix(LayerScratch& scratch) {
       prefetch_started_ = false;
       return widened;
     }
-    MESHTRAIN_REQUIRE(scratch.grad.extent(0) >= static_cast<size_t>(d1 * d2), "parameter '",
+    MESHTRAIN_REQUIRE(scratch.grad.span() * 2 >= static_cast<size_t>(d1 * d2), "parameter '",
                       value().name, "': no gradient scratch to land its gather in");
     Communicator& group = gather1_ ? *gather1_ : *gather2_;
     group.all_gather_16bit(current_copy(), blocking_landing(scratch), value().local.extent(0),
@@ -409,7 +411,37 @@ ConstVectorView ShardedParameter::compute(LayerScratch& scratch) {
 
 MatrixView ShardedParameter::gradient_matrix(LayerScratch& scratch) {
   if (!gathered()) return grad().matrix();
+  MESHTRAIN_REQUIRE(!grad_16bit_, "parameter '", value().name,
+                    "': its gathered gradient is written as 16 bits (gradient_matrix_16bit)");
   return MatrixView(scratch.grad.data(), g_.compute[1], g_.compute[2]);
+}
+
+bool ShardedParameter::can_take_16bit_gradient() const {
+  if (method_ != GatherMethod::by_dims || !may_write_16bit_ || compute_ == Dtype::fp32 ||
+      reduce_ != compute_ || !gemm_kernel_writes_16bit(compute_)) {
+    return false;
+  }
+  // Gathered: the reduce-scatter sends it first. Stored whole: the blocking all-reduce sends it
+  // first where nothing scales it (DP; not a weight replicated over a non-batch axis).
+  return gathered() || (allreduce_ != nullptr && scale_ == 1.0f);
+}
+
+void ShardedParameter::take_16bit_gradient() {
+  MESHTRAIN_REQUIRE(can_take_16bit_gradient(), "parameter '", value().name,
+                    "': its gradient cannot be written as 16 bits (see can_take_16bit_gradient)");
+  grad_16bit_ = true;
+}
+
+HalfMatrixView ShardedParameter::gradient_matrix_16bit(LayerScratch& scratch) {
+  const int64_t d1 = g_.compute[1], d2 = g_.compute[2];
+  MESHTRAIN_REQUIRE(grad_16bit_, "parameter '", value().name,
+                    "': its gradient is not written as 16 bits");
+  if (gathered()) {
+    MESHTRAIN_REQUIRE(scratch.grad.span() * 2 >= static_cast<size_t>(d1 * d2), "parameter '",
+                      value().name, "': no gradient scratch for its 16-bit gradient");
+    return HalfMatrixView(reinterpret_cast<uint16_t*>(scratch.grad.data()), d1, d2);
+  }
+  return HalfMatrixView(allreduce_->all_reduce_wire(static_cast<size_t>(d1 * d2)), d1, d2);
 }
 
 VectorView ShardedParameter::gradient(LayerScratch& scratch) {
@@ -438,6 +470,28 @@ bool ShardedParameter::reduce_rounds_to(Dtype dtype, bool all_reduce) const {
 
 void ShardedParameter::reduce(LayerScratch& scratch, bool all_reduce) {
   const Dtype wire = reduce_;
+  if (method_ == GatherMethod::by_dims && writes_16bit_gradient(all_reduce)) {
+    // Written as 16 bits of the wire's dtype: sent as they are.
+    const HalfMatrixView g = gradient_matrix_16bit(scratch);
+    MatrixView dst = grad().matrix();
+    if (gather1_ && gather2_) {
+      MatrixView stage(scratch.stage.data(), g_.stored[1], g_.compute[2]);
+      gather1_->reduce_scatter_16bit(g, stage, 0, wire);
+      gather2_->reduce_scatter(stage, dst, 1, wire);  // 16-bit sums: packed exactly
+    } else if (gather1_) {
+      gather1_->reduce_scatter_16bit(g, dst, 0, wire);
+    } else if (gather2_) {
+      gather2_->reduce_scatter_16bit(g, dst, 1, wire);
+    } else {
+      allreduce_->all_reduce_from_wire(dst, wire);  // (unscaled, all_reduce: writes_16bit)
+    }
+    if (gathered()) {
+      if (scale_ != 1.0f) scale_matrix(dst, scale_);
+      if (allreduce_ && all_reduce) allreduce_->all_reduce(dst, ReduceOp::sum, wire);
+    }
+    ++reduced_from_16bit_;
+    return;
+  }
   if (method_ == GatherMethod::by_dims) {
     MatrixView g = gradient_matrix(scratch);
     MatrixView dst = grad().matrix();

@@ -132,8 +132,30 @@ class ShardedParameter {
   VectorView gradient(LayerScratch& scratch);
   MatrixView gradient_matrix(LayerScratch& scratch);  // by_dims
   // The gradient written at gradient() back to storage; all_reduce = false leaves out the
-  // final all-reduce (for all_reduce_deferred()).
+  // final all-reduce (for all_reduce_deferred()). Where the producer wrote it as 16 bits
+  // (writes_16bit_gradient(all_reduce)), from gradient_matrix_16bit() instead.
   void reduce(LayerScratch& scratch, bool all_reduce = true);
+  // A gradient written as 16 bits (docs/mixed_precision.md, cast point 8): a by_dims gradient
+  // whose reduction sends it first, as it is, in a 16-bit wire of the compute dtype (gathered:
+  // the reduce-scatter; else the blocking all-reduce of an unscaled gradient) can be written by
+  // its producer as those 16 bits (gemm_to_16bit: the fp32 result rounded to nearest even, the
+  // bits the packing gives), so that no fp32 gradient is written nor packed. Where gemm_to_16bit's
+  // kernel writes 16 bits (gemm_kernel_writes_16bit) and the context lets it
+  // (ParallelContext::writes_16bit_weight_gradients), the layer whose one GEMM writes the gradient
+  // asks for it when it is built (take_16bit_gradient(), before scratch_needs()); then a gathered
+  // gradient is written as 16 bits into the bytes of scratch.grad (2 bytes an element:
+  // scratch_needs), an ungathered one into its all-reduce's 16-bit buffer, whenever
+  // writes_16bit_gradient(all_reduce) (a gathered one always; an ungathered one when reduce()
+  // all-reduces it: not left partial for later, not in DP buckets, which have their own).
+  bool can_take_16bit_gradient() const;
+  void take_16bit_gradient();
+  bool writes_16bit_gradient(bool all_reduce) const {
+    return grad_16bit_ && (gathered() || all_reduce);
+  }
+  // Where the producer writes it then (valid until reduce()).
+  HalfMatrixView gradient_matrix_16bit(LayerScratch& scratch);
+  // How many reduce() calls took the gradient as 16 bits (tests: the path is taken).
+  std::size_t gradients_reduced_from_16bit() const { return reduced_from_16bit_; }
   // True when reduce(scratch, all_reduce) moves the gradient at gradient_matrix() through a
   // 16-bit wire of `dtype` before anything else reads it (a reduce-scatter, or the all-reduce
   // of an ungathered, unscaled gradient): packing rounds every element to `dtype`, as
@@ -188,6 +210,11 @@ class ShardedParameter {
   Vector block_, grad_, stage_;
   // by_dims: the tensor's 16-bit compute copy when the parameter computes from it (see above).
   std::shared_ptr<SixteenBitCopy> copy_;
+  // by_dims: the gradient written as 16 bits (take_16bit_gradient), whether the context lets it,
+  // and the count of reductions that took it so.
+  bool grad_16bit_ = false;
+  bool may_write_16bit_ = false;
+  std::size_t reduced_from_16bit_ = 0;
 };
 
 }  // namespace meshtrain

@@ -101,6 +101,29 @@ inline int64_t weight_scratch_floats(int64_t d1, int64_t d2, bool gathered,
   return gathered || sixteen_bit_compute ? d1 * d2 : 0;
 }
 
+// Whether a Linear's gathered weight gradient (FSDP: `layout` gathers its weight) is written as
+// 16 bits by its GEMM (ShardedParameter::take_16bit_gradient; docs/mixed_precision.md, cast
+// point 8): its reduce-scatter sends it first, in a wire of the 16-bit compute dtype
+// (`wire_is_16bit_compute`: a 16-bit param_dtype and reduce_dtype = param_dtype), one GEMM writes
+// it (not tensor parallelism's all-gather-matmuls: runs_collective_matmuls), and
+// gemm_to_16bit's kernel writes 16 bits (`kernel_writes_16bit`: gemm_kernel_writes_16bit() of the
+// compute dtype, passed in). The layer (layers/linear.cpp) and the memory plan
+// (framework/train/memory_plan.cpp) both ask it.
+inline bool writes_16bit_gathered_gradient(const LinearLayout& layout, bool wire_is_16bit_compute,
+                                           bool kernel_writes_16bit) {
+  return layout.gathers_weight() && wire_is_16bit_compute && kernel_writes_16bit &&
+         !layout.runs_collective_matmuls();
+}
+
+// Floats of the shared gradient scratch (scratch.grad) a weight's d1 x d2 compute block needs:
+// none stored whole (its gradient is the stored one), d1 d2 gathered, or, written as 16 bits
+// (above), 2 bytes an element (d1 d2 / 2 floats, rounded up; also where a blocking gather of a
+// 16-bit copy lands). ShardedParameter::scratch_needs and the memory plan size it by this.
+inline int64_t gradient_scratch_floats(int64_t d1, int64_t d2, bool gathered, bool written_16bit) {
+  if (!gathered) return 0;
+  return written_16bit ? (d1 * d2 + 1) / 2 : d1 * d2;
+}
+
 // A Linear's copy of its input (its block of a replicated input, `slices_input`: the first layer
 // of a row-parallel MLP; or its gathered input): under a plain MLP's 16-bit storage (`storage`)
 // a sliced input is kept as 16 bits where gemm()'s kernel reads them as stored

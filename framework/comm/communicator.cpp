@@ -748,6 +748,88 @@ void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim
   reduce_scatter_flat(staging, recv.data(), r * c, wire, op);
 }
 
+void Communicator::reduce_scatter_16bit(ConstHalfMatrixView send, MatrixView recv, int dim,
+                                        Dtype dtype) {
+  const char* op = "reduce_scatter";
+  MESHTRAIN_REQUIRE(is_16bit(dtype), op, " of 16-bit elements on ", description_, " given fp32");
+  require_dim(dim, description_, op);
+  const std::size_t n = static_cast<std::size_t>(size_);
+  const std::size_t r = recv.extent(0), c = recv.extent(1);
+  const bool ok = dim == 0 ? (send.extent(0) == n * r && send.extent(1) == c)
+                           : (send.extent(0) == r && send.extent(1) == n * c);
+  if (!ok) {
+    MESHTRAIN_BAD_INPUT(op, " on ", description_, " along dim ", dim, ": send shape [",
+                        send.extent(0), ", ", send.extent(1), "] does not match receive shape [", r,
+                        ", ", c, "] scattered over ", n, " ranks");
+  }
+  require_contiguous(send, description_, op, "send");
+  require_contiguous(recv, description_, op, "receive");
+  const std::size_t count = r * c, total = count * n;
+  require_disjoint(send.data(), total * sizeof(uint16_t), recv.data(), count * sizeof(float),
+                   description_, op);
+  TraceSpan span("reduce-scatter", TraceKind::collective);
+  describe_collective(span, CollectiveKind::reduce_scatter, description_, size_, total, dtype);
+  FlightScope flight(flight_group_, op, total * bytes_of(dtype), dtype);
+  const uint16_t* sent = send.data();
+  if (dim == 1 && n > 1 && r > 1) {
+    // Column block j of send into block j of [n][r][c], as reduce_scatter's dim-1 staging, in
+    // 16-bit elements on the blocking send buffer (what packing would have filled).
+    uint16_t* staged = wire_send(total);
+    const uint16_t* from = send.data();
+    const int64_t rows = static_cast<int64_t>(r), cols = static_cast<int64_t>(c);
+    const int64_t width = cols * static_cast<int64_t>(n);
+    Kokkos::parallel_for(
+        MESHTRAIN_LABEL("meshtrain::reduce_scatter_16bit_stage_dim1"),
+        Kokkos::MDRangePolicy<Kokkos::Rank<3>>(device_space(), {0, 0, 0},
+                                               {static_cast<int64_t>(n), rows, cols}),
+        KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
+          staged[(j * rows + row) * cols + cc] = from[row * width + j * cols + cc];
+        });
+    sent = staged;
+  }
+  // The producer's (or the staging's) 16-bit elements are in place.
+  fence_device(MESHTRAIN_LABEL("meshtrain::Communicator::reduce_scatter_16bit: written"));
+  uint16_t* arrived = wire_recv(count);
+  try {
+    raw_reduce_scatter_sum(sent, arrived, count, dtype, op);
+  } catch (...) {
+    retire_buffers(*wire_pool_, {&wire_send_, &wire_recv_});
+    rethrow_recorded(flight.serial(), timeout_seconds_);
+  }
+  unpack_16bit(arrived, recv.data(), count, dtype);
+  fence_after_unpacking();
+  flight.completed();
+}
+
+uint16_t* Communicator::all_reduce_wire(std::size_t count) {
+  return wire_recv(count);
+}
+
+void Communicator::all_reduce_from_wire(MatrixView data, Dtype dtype) {
+  const char* op = "all_reduce";
+  MESHTRAIN_REQUIRE(is_16bit(dtype), op, " of 16-bit elements on ", description_, " given fp32");
+  require_contiguous(data, description_, op, "data");
+  const std::size_t count = data.span();
+  MESHTRAIN_REQUIRE(wire_recv_.extent(0) >= count, op, " on ", description_, ": ", count,
+                    " elements written as 16 bits, but its 16-bit buffer holds ",
+                    wire_recv_.extent(0), " (all_reduce_wire first)");
+  TraceSpan span("all-reduce", TraceKind::collective);
+  describe_collective(span, CollectiveKind::all_reduce, description_, size_, count, dtype);
+  FlightScope flight(flight_group_, op, count * bytes_of(dtype), dtype);
+  uint16_t* bits = wire_recv_.data();
+  // The producer's 16-bit elements are in place.
+  fence_device(MESHTRAIN_LABEL("meshtrain::Communicator::all_reduce_from_wire: written"));
+  try {
+    raw_all_reduce_sum(bits, count, dtype, op);
+  } catch (...) {
+    retire_buffers(*wire_pool_, {&wire_send_, &wire_recv_});
+    rethrow_recorded(flight.serial(), timeout_seconds_);
+  }
+  unpack_16bit(bits, data.data(), count, dtype);
+  fence_after_unpacking();
+  flight.completed();
+}
+
 void Communicator::all_reduce(VectorView data, ReduceOp reduce, Dtype wire) {
   const char* op = "all_reduce";
   const std::size_t count = data.extent(0);

@@ -177,9 +177,23 @@ class Communicator {
   // Tiled reduce-scatter with sum.
   void reduce_scatter(ConstVectorView send, VectorView recv, Dtype wire = Dtype::fp32);
   void reduce_scatter(ConstMatrixView send, MatrixView recv, int dim, Dtype wire = Dtype::fp32);
+  // The same of a matrix given as 16-bit elements of `dtype` (bf16 or fp16; a weight gradient
+  // written as 16 bits, layers/sharded_parameter.hpp): the 16-bit sum reduce_scatter(send, recv,
+  // dim, dtype) runs on its packed copy, on `send` as it is (no packing pass), widened into recv.
+  // dim 1 puts the column blocks in rank order on the blocking 16-bit send buffer first (16-bit
+  // elements; no fp32 staging). send contiguous.
+  void reduce_scatter_16bit(ConstHalfMatrixView send, MatrixView recv, int dim, Dtype dtype);
   // In place; mean divides the sum by size(). data must be contiguous.
   void all_reduce(VectorView data, ReduceOp op = ReduceOp::sum, Dtype wire = Dtype::fp32);
   void all_reduce(MatrixView data, ReduceOp op = ReduceOp::sum, Dtype wire = Dtype::fp32);
+  // all_reduce(data, sum, dtype) of values a producer has written as 16 bits of `dtype` (bf16 or
+  // fp16) into all_reduce_wire(data.extent(0)): that buffer summed as the blocking all-reduce
+  // sums its packed copy, without the packing pass, and the sum widened into `data` (contiguous).
+  // all_reduce_wire(count) is the blocking 16-bit buffer (grown to `count` elements, kept; valid
+  // until the next blocking 16-bit operation on this communicator), where a weight-gradient GEMM
+  // writes its 16-bit C (layers/sharded_parameter.hpp).
+  uint16_t* all_reduce_wire(std::size_t count);
+  void all_reduce_from_wire(MatrixView data, Dtype dtype);
   // The same in double precision (sums of many scalars stay exact to 2^53).
   void all_reduce(DoubleVectorView data, ReduceOp op = ReduceOp::sum);
   void broadcast(VectorView data, int root);

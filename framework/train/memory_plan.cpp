@@ -147,6 +147,12 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
   const bool reads_16bit = gemm_reads_16bit(precision.param);  // (layers/linear.hpp's GEMMs)
   // Whether gemm()'s kernel reads them as stored (not widened into gemm()'s own scratch).
   const bool kernel_reads_16bit = gemm_kernel_reads_16bit(precision.param);
+  // Whether a gathered weight gradient is written as 16 bits (layers/linear.cpp).
+  const bool wire_is_16bit_compute = !fp32 && precision.reduce == precision.param;
+  const bool kernel_writes_16bit = gemm_kernel_writes_16bit(precision.param);
+  const auto writes_16bit_gradient = [&](const LinearLayout& l) {
+    return writes_16bit_gathered_gradient(l, wire_is_16bit_compute, kernel_writes_16bit);
+  };
   const bool residual = config.model.kind == ModelKind::residual_mlp;
   const bool gated = residual && config.model.residual().gated;
   // The shared scratch's needs in floats (LayerScratchNeeds, merged by maximum over the layers)
@@ -298,7 +304,9 @@ TrainingWorkspace workspace_for_rows(const RunConfig& config, const ShardingPlan
     // Its parameters' needs of the shared scratch (ShardedParameter::scratch_needs).
     const int64_t d1 = l.in_compute, d2 = l.compute_cols(), s1 = l.stored_rows, s2 = l.stored_cols;
     const bool gathered = l.gathers_weight();
-    if (gathered) grad = std::max(grad, d1 * d2);
+    // The gathered gradient's scratch: 2 bytes an element where backward's GEMM writes it as the
+    // 16 bits its reduce-scatter sends (partition/sixteen_bit_storage.hpp, as layers/linear.cpp).
+    grad = std::max(grad, gradient_scratch_floats(d1, d2, gathered, writes_16bit_gradient(l)));
     const bool two_gathers = !l.weight_gather_dim0.empty() && !l.weight_gather_dim1.empty();
     if (two_gathers) stage = std::max(stage, std::max(d1 * s2, s1 * d2));
     // 16-bit storage: a weight gathered over one group has a 16-bit compute copy of its stored

@@ -353,6 +353,11 @@ struct RunResult {
   bool copies_current = true;
   // The gradients the layers wrote as 16 bits into the DP buckets (over every backward).
   std::size_t gradients_written_16bit = 0;
+  // The Linear weights whose gradient their GEMM writes as 16 bits for their own reduction
+  // (ShardedParameter::writes_16bit_gradient; a gathered one always), and the reductions that
+  // took it so (over every backward).
+  int weights_writing_16bit_gradients = 0;
+  std::size_t gradients_reduced_from_16bit = 0;
 };
 
 // policy nullptr: the context's precision is never set. steps > 1: that many training steps,
@@ -360,15 +365,18 @@ struct RunResult {
 // logits reported are the last step's, the parameters those it started from). store_16bit:
 // ParallelContext::set_store_16bit_activations.
 // optimizer: the updates are that optimizer's steps (lr 0.01) instead of w -= 0.1 * grad.
+// write_16bit_gradients: ParallelContext::set_write_16bit_weight_gradients.
 RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPrecision* policy,
                     float loss_scale, bool overlap = false, int steps = 1, bool store_16bit = true,
-                    const OptimizerSettings* optimizer = nullptr) {
+                    const OptimizerSettings* optimizer = nullptr,
+                    bool write_16bit_gradients = true) {
   const Mesh mesh = Mesh::create(layout.mesh, world_size());
   MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
   const double bucket_mb = 200.0 * sizeof(float) / (1024 * 1024);  // several buckets
   ParallelContext context(comms, {"fsdp", "dp"}, "tp", layout.algorithm, overlap, bucket_mb);
   if (policy) context.set_precision(*policy);
   context.set_store_16bit_activations(store_16bit);
+  context.set_write_16bit_weight_gradients(write_16bit_gradients);
 
   ShardingPlan plan;
   SpecLookup spec_of;
@@ -482,6 +490,10 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
     run.names.push_back(g.name + " " + g.spec.to_string());
   }
   run.gradients_written_16bit = model.gradient_buckets().gradients_written_16bit();
+  for (const Linear& l : read.layers()) {
+    run.weights_writing_16bit_gradients += l.weight_parameter().writes_16bit_gradient(true);
+    run.gradients_reduced_from_16bit += l.weight_parameter().gradients_reduced_from_16bit();
+  }
   return run;
 }
 
@@ -765,6 +777,128 @@ TEST(MixedPrecision, BucketsGivenTheWeightGradientAs16BitsMatchTheBlockingReduct
             << on.names[k] << " element " << i;
       }
     }
+  }
+}
+
+// Two runs' loss, logits, gradients and parameters, bit for bit.
+void expect_bit_identical(const RunResult& a, const RunResult& b) {
+  EXPECT_EQ(a.loss, b.loss);
+  ASSERT_EQ(a.logits.size(), b.logits.size());
+  for (size_t i = 0; i < a.logits.size(); ++i)
+    ASSERT_EQ(float(a.logits[i]), float(b.logits[i])) << "logit " << i;
+  ASSERT_EQ(a.params.size(), b.params.size());
+  ASSERT_EQ(a.grads.size(), a.params.size());
+  ASSERT_EQ(b.grads.size(), b.params.size());
+  for (size_t k = 0; k < a.params.size(); ++k) {
+    ASSERT_EQ(a.params[k].size(), b.params[k].size());
+    ASSERT_EQ(a.grads[k].size(), a.params[k].size());
+    ASSERT_EQ(b.grads[k].size(), b.params[k].size());
+    for (size_t i = 0; i < a.params[k].size(); ++i) {
+      ASSERT_EQ(float(a.grads[k][i]), float(b.grads[k][i]))
+          << a.names[k] << " gradient element " << i;
+      ASSERT_EQ(float(a.params[k][i]), float(b.params[k][i])) << a.names[k] << " element " << i;
+    }
+  }
+}
+
+// FSDP with a bf16 wire (reduce_dtype = param_dtype = bf16): where gemm_to_16bit's kernel writes
+// 16 bits (gemm_kernel_writes_16bit: oneDNN's bf16 matmul on AVX512_BF16 or AMX) every Linear
+// whose weight is gathered and whose one GEMM writes its gradient (not the all-gather-matmuls of
+// tensor parallelism) writes it as bf16 into the gradient scratch, which its reduce-scatter sends
+// as it is (docs/mixed_precision.md, cast point 8; counted by the parameters), and three training
+// steps give bit for bit the loss, logits, gradients and parameters of the same run with the fp32
+// gradient packed by the reduce-scatter (ParallelContext::set_write_16bit_weight_gradients(false)),
+// with overlap off and on: on fsdp over every rank and, at np 4, fsdp x dp, fsdp x tp with the
+// columns split (column-parallel: the first layer's one GEMM) and a weight gathered over two
+// groups (fsdp on dim 0, dp on dim 1: the first reduce-scatter from the 16 bits).
+TEST(MixedPrecision, FsdpGradientsWrittenAs16BitsMatchTheFp32Scratch) {
+  const MixedPrecision bf16{Dtype::bf16, Dtype::bf16};
+  const int n = world_size();
+  std::vector<LayoutCase> layouts = {
+      {"fsdp" + std::to_string(n), {{"fsdp", n}}, "fsdp", 0, "", "", true}};
+  if (n == 4) {
+    layouts.push_back({"dp2_fsdp2", {{"dp", 2}, {"fsdp", 2}}, "dp_fsdp", 0, "", "", true});
+    layouts.push_back(
+        {"fsdp2_tp2_storage_2d", {{"fsdp", 2}, {"tp", 2}}, "", 0, "P(fsdp, tp)", "P(fsdp)", false});
+    layouts.push_back(
+        {"dp2_fsdp2_storage_2d", {{"dp", 2}, {"fsdp", 2}}, "", 0, "P(fsdp, dp)", "P(fsdp)", true});
+  }
+  const int steps = 3;
+  const bool writes = gemm_kernel_writes_16bit(Dtype::bf16);
+  std::size_t taken = 0;
+  for (const auto& m : models()) {
+    for (const auto& layout : layouts) {
+      for (bool overlap : {false, true}) {
+        SCOPED_TRACE(m.name + " on " + layout.name + (overlap ? " with overlap" : ""));
+        const RunResult on = run_model(m, layout, &bf16, 1.0f, overlap, steps, true, nullptr, true);
+        const RunResult off =
+            run_model(m, layout, &bf16, 1.0f, overlap, steps, true, nullptr, false);
+        // Plain fsdp over n > 1 ranks gathers every weight (three Linears); the others gather
+        // some. Every weight that writes 16 bits does in each of the `steps` backward passes.
+        if (layout.preset == "fsdp") {
+          EXPECT_EQ(on.weights_writing_16bit_gradients,
+                    writes && n > 1 ? static_cast<int>(m.sizes.size()) - 1 : 0);
+        } else {
+          EXPECT_EQ(on.weights_writing_16bit_gradients > 0, writes);
+        }
+        EXPECT_EQ(on.gradients_reduced_from_16bit,
+                  static_cast<std::size_t>(on.weights_writing_16bit_gradients) * steps);
+        EXPECT_EQ(off.weights_writing_16bit_gradients, 0);
+        EXPECT_EQ(off.gradients_reduced_from_16bit, 0u);
+        taken += on.gradients_reduced_from_16bit;
+        expect_bit_identical(on, off);
+      }
+    }
+  }
+  if (world_rank() == 0) {
+    std::cout << "gradients written as 16 bits and reduced from them: " << taken
+              << (writes ? "" : " (gemm_to_16bit's kernel writes no 16 bits here)") << "\n";
+  }
+}
+
+// DP's blocking all-reduce (overlap off) with a bf16 wire (reduce_dtype = param_dtype = bf16):
+// where gemm_to_16bit's kernel writes 16 bits every Linear whose weight is stored whole and whose
+// one GEMM writes its gradient writes it as bf16 into the all-reduce's 16-bit buffer
+// (Communicator::all_reduce_wire), summed there as it is (cast point 8; counted by the parameters),
+// and three training steps give bit for bit the loss, logits, gradients and parameters of the
+// fp32 gradient packed by the all-reduce (set_write_16bit_weight_gradients(false)), on dp over
+// every rank and, at np 4, dp x tp (the dp_tp preset: its row-parallel layers' products are
+// all-gather-matmuls, which keep the fp32 path; the runs stay bit for bit all the same). With
+// overlap on the buckets take the gradients (their own test above) and no reduction here does.
+TEST(MixedPrecision, DpBlockingGradientsWrittenAs16BitsMatchTheFp32Path) {
+  const MixedPrecision bf16{Dtype::bf16, Dtype::bf16};
+  const int n = world_size();
+  std::vector<LayoutCase> layouts = {
+      {"dp" + std::to_string(n), {{"dp", n}}, "dp", 0, "", "", true}};
+  if (n == 4) {
+    layouts.push_back({"dp2_tp2", {{"dp", 2}, {"tp", 2}}, "dp_tp", 0, "", "", true});
+  }
+  const int steps = 3;
+  const bool writes = gemm_kernel_writes_16bit(Dtype::bf16);
+  std::size_t taken = 0;
+  for (const auto& m : models()) {
+    for (const auto& layout : layouts) {
+      for (bool overlap : {false, true}) {
+        SCOPED_TRACE(m.name + " on " + layout.name + (overlap ? " with overlap" : ""));
+        const RunResult on = run_model(m, layout, &bf16, 1.0f, overlap, steps, true, nullptr, true);
+        const RunResult off =
+            run_model(m, layout, &bf16, 1.0f, overlap, steps, true, nullptr, false);
+        const std::size_t linears = m.sizes.size() - 1;
+        if (layout.preset == "dp") {
+          EXPECT_EQ(on.weights_writing_16bit_gradients,
+                    writes && n > 1 ? static_cast<int>(linears) : 0);
+          EXPECT_EQ(on.gradients_reduced_from_16bit,
+                    writes && n > 1 && !overlap ? linears * steps : 0u);
+        }
+        EXPECT_EQ(off.gradients_reduced_from_16bit, 0u);
+        taken += on.gradients_reduced_from_16bit;
+        expect_bit_identical(on, off);
+      }
+    }
+  }
+  if (world_rank() == 0) {
+    std::cout << "gradients written as 16 bits into the blocking all-reduce: " << taken
+              << (writes ? "" : " (gemm_to_16bit's kernel writes no 16 bits here)") << "\n";
   }
 }
 
