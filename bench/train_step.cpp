@@ -49,12 +49,13 @@
 #include <vector>
 
 #include "framework/comm/exit_policy.hpp"
+#include "framework/comm/progress_thread.hpp"
 #include "framework/comm/runtime.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
+#include "framework/core/tensor_values.hpp"
 #include "framework/train/hardware_file.hpp"
 #include "partition/cost_model.hpp"
-#include "framework/comm/progress_thread.hpp"
 #include "run/training_run.hpp"
 
 // --- Heap allocation counter: counts operator new while `g_count_heap` is set, and prints
@@ -173,7 +174,9 @@ meshtrain::Dataset one_batch(int64_t batch, int64_t features, int64_t classes, u
 
 int64_t local_bytes(const std::vector<meshtrain::ShardedTensor>& tensors) {
   int64_t bytes = 0;
-  for (const auto& t : tensors) bytes += static_cast<int64_t>(t.local.extent(0) * sizeof(float));
+  // As stored (2 bytes an element for a 16-bit storage: a gradient Mlp::store_gradients_16bit
+  // keeps in 16 bits).
+  for (const auto& t : tensors) bytes += meshtrain::held_elements(t) * t.element_bytes();
   return bytes;
 }
 
@@ -454,7 +457,7 @@ int main(int argc, char** argv) {
 
     if (rank == 0) {
       nlohmann::json line_residual;  // the residual_mlp's shape (--residual)
-      double multiply_adds = 0.0;  // per row: what the row's forward multiplies
+      double multiply_adds = 0.0;    // per row: what the row's forward multiplies
       const meshtrain::MoeSettings moe = config.model.moe();
       for (size_t i = 0; i + 1 < sizes.size() && residual.empty(); ++i) {
         const double layer = double(sizes[i]) * sizes[i + 1];

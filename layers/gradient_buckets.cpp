@@ -46,7 +46,9 @@ GradientBuckets::GradientBuckets(const std::vector<LayerGradients>& layers, doub
         }
         Bucket& b = buckets_.back();
         const std::size_t n = std::min(cap - b.floats, grad.extent(0) - offset);
-        b.pieces.push_back({VectorView(grad.data() + offset, n), b.floats});
+        // A gradient without data (stored as 16 bits in wire16_ itself): pieces without data.
+        b.pieces.push_back(
+            {VectorView(grad.data() == nullptr ? nullptr : grad.data() + offset, n), b.floats});
         b.floats += n;
         offset += n;
         std::vector<std::size_t>& mine = buckets_of_layer_[k];
@@ -101,6 +103,26 @@ uint16_t* GradientBuckets::wire_home(std::size_t layer, std::size_t index, const
   return wire16_.data() + home.at;
 }
 
+uint16_t* GradientBuckets::keep_in_wire(std::size_t layer, std::size_t index) {
+  MESHTRAIN_REQUIRE(wire16_.data() != nullptr && layer < homes_of_layer_.size() &&
+                        index < homes_of_layer_[layer].size(),
+                    "gradient buckets: no gradient ", index, " of layer ", layer,
+                    " in a 16-bit buffer");
+  Home& home = homes_of_layer_[layer][index];
+  const float* begin = home.grad.data();
+  const std::size_t elements = home.grad.extent(0);
+  // Its pieces (a gradient larger than a bucket has several) become views without data.
+  for (Bucket& b : buckets_) {
+    for (Piece& p : b.pieces) {
+      if (begin != nullptr && p.grad.data() >= begin && p.grad.data() < begin + elements) {
+        p.grad = VectorView(nullptr, p.grad.extent(0));
+      }
+    }
+  }
+  home.grad = VectorView(nullptr, elements);
+  return wire16_.data() + home.at;
+}
+
 void GradientBuckets::layer_ready(std::size_t layer, unsigned written_16bit) {
   MESHTRAIN_REQUIRE(layer < buckets_of_layer_.size(), "gradient buckets: no layer ", layer);
   MESHTRAIN_REQUIRE(written_16bit == 0 || wire16_.data() != nullptr, "gradient buckets: layer ",
@@ -113,6 +135,8 @@ void GradientBuckets::layer_ready(std::size_t layer, unsigned written_16bit) {
         ++gradients_written_16bit_;
         continue;
       }
+      MESHTRAIN_REQUIRE(homes[i].grad.data() != nullptr, "gradient buckets: layer ", layer,
+                        " did not write its gradient ", i, ", which is stored as 16 bits here");
       pack_16bit(homes[i].grad.data(), wire16_.data() + homes[i].at, homes[i].grad.extent(0),
                  wire_);
     }
@@ -156,6 +180,7 @@ void GradientBuckets::wait_all() {
     b.request.wait();
     if (wire16_.data() != nullptr) {  // the 16-bit sums widened into the gradients
       for (const Piece& p : b.pieces) {
+        if (p.grad.data() == nullptr) continue;  // stored as 16 bits here: the sum is the gradient
         unpack_16bit(wire16_.data() + b.start + p.at, p.grad.data(), p.grad.extent(0), wire_);
       }
     } else if (b.pieces.size() > 1) {

@@ -71,6 +71,12 @@ class GradientBuckets {
   // wire, or where that gradient is not `gradient` (a layer outside the buckets).
   uint16_t* wire_home(std::size_t layer, std::size_t index, const float* gradient,
                       std::size_t elements) const;
+  // From now on gradient `index` of layer `layer` lives in the 16-bit buffer only (a gradient
+  // stored as 16 bits, Mlp::store_gradients_16bit, whose fp32 buffer is gone): its layer must
+  // write it there (written_16bit, through wire_home(layer, index, nullptr, elements)), and
+  // wait_all() leaves the sum there. Returns where it lives (elements of it). 16-bit wire only;
+  // at construction, not in a step.
+  uint16_t* keep_in_wire(std::size_t layer, std::size_t index);
   // Layer `layer`'s gradients are final: starts every bucket this completes (in order). Bit i of
   // written_16bit set: the layer wrote gradient i's values rounded to wire() into wire_home
   // itself (its fp32 gradient is stale until wait_all()); the others are packed here. The mask

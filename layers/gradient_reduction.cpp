@@ -36,8 +36,12 @@ std::vector<LayerGradients> GradientReductionPlan::bucket_gradients() const {
     if (layer_groups_[k] == nullptr) continue;
     layers[k].group = layer_groups_[k];
     for (const ShardedParameter* p : parameters_[k]) {
-      const Vector& grad = p->grad().local;
-      layers[k].gradients.push_back(VectorView(grad.data(), grad.extent(0)));
+      const ShardedTensor& g = p->grad();
+      // A gradient stored as 16 bits (Mlp::store_gradients_16bit) lives in the buckets' 16-bit
+      // buffer only: a view without data, of its elements.
+      layers[k].gradients.push_back(g.stored_16bit()
+                                        ? VectorView(nullptr, static_cast<size_t>(g.box.elements()))
+                                        : VectorView(g.local.data(), g.local.extent(0)));
     }
   }
   return layers;

@@ -539,6 +539,7 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
   // reduce-scatter: take_16bit_gradient above): the GEMM writes those bits (gemm_to_16bit: the
   // fp32 result rounded to nearest even, the bits the wire's packing gives), so no fp32 gradient
   // is written nor packed.
+  // (Never for a gradient stored as 16 bits, below: writes_16bit_gradient.)
   const bool written_16bit =
       !bucketed && weight_.writes_16bit_gradient(pass.deferred != DeferredReduction::later);
   MESHTRAIN_REQUIRE(!written_16bit || dt.data() == nullptr, "linear layer '", layout_.layer,
@@ -570,8 +571,24 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
   } else {
     x_t = transposed(x_used_);
   }
+  // A weight gradient stored as 16 bits (layers/gradient_storage.hpp: DP storage, a 16-bit wire
+  // of the compute dtype, reduced in backward): the GEMM writes its C rounded to nearest even
+  // into that storage, the bits the wire's packing of the fp32 gradient gives; the all-reduce
+  // then sums it in place (ShardedParameter::reduce).
+  // Under overlap that storage is its range of the buckets' 16-bit buffer (wire_home), the path
+  // above.
+  const bool stored_16bit = weight_.grad().stored_16bit();
+  MESHTRAIN_REQUIRE(!stored_16bit || (dt.data() == nullptr && !weight_.gathered() &&
+                                      !layout_.column_gathers_input() && !layout_.split_output &&
+                                      weight_.grad().storage == compute_dtype_ &&
+                                      (!bucketed || wire_home == weight_.grad().bits.data())),
+                    "linear layer '", layout_.layer,
+                    "': its weight gradient is stored as 16 bits, which only the DP reduction of "
+                    "an ungathered weight over a wire of the compute dtype supports");
   if (written_16bit) {
     gemm_to_16bit(x_t, plain(dy), weight_.gradient_matrix_16bit(scratch), compute_dtype_);
+  } else if (stored_16bit && !bucketed) {
+    gemm_to_16bit(x_t, plain(dy), weight_.grad().bits_matrix(), compute_dtype_);
   } else if (wire_home != nullptr) {
     gemm_to_16bit(x_t, plain(dy), HalfMatrixView(wire_home, g.extent(0), g.extent(1)),
                   compute_dtype_);
@@ -595,7 +612,7 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
       bucketed
           ? pass.buckets->wire() == compute_dtype_
           : weight_.reduce_rounds_to(compute_dtype_, pass.deferred != DeferredReduction::later);
-  if (!wire_rounds && !written_16bit) round_in_place(g, compute_dtype_);
+  if (!wire_rounds && !written_16bit && !stored_16bit) round_in_place(g, compute_dtype_);
   if (next) next->poll_weight_prefetch();
   // DP overlap: both gradients are final here (no gathers, no scale); hand them to the
   // buckets, whose all-reduce runs while dX is computed.

@@ -12,6 +12,7 @@
 #include "framework/train/config.hpp"
 #include "layers/residual_block.hpp"
 #include "layers/swiglu.hpp"
+#include "partition/gradient_storage.hpp"
 #include "partition/sixteen_bit_storage.hpp"
 
 namespace meshtrain {
@@ -558,6 +559,56 @@ void Mlp::reserve_reductions(GradientReduction reduction) const {
       p->reserve_reductions(elsewhere);
     }
   }
+}
+
+std::size_t Mlp::store_gradients_16bit(const ParallelContext& context) {
+  const MixedPrecision& precision = context.precision();
+  GradientStorageQuery query;
+  query.precision = precision;
+  query.kernel_writes_16bit = gemm_kernel_writes_16bit(precision.param);
+  query.reduced_in_backward = true;  // the caller's promise (see mlp.hpp)
+  const Dtype dtype = weight_gradient_storage(query);
+  if (dtype == Dtype::fp32) return 0;
+  // The plain MLP's Linear layers, by their index in the sequence (the buckets' layer index).
+  std::vector<std::pair<size_t, ShardedParameter*>> weights;
+  for (size_t k = 0; k < sequence_.size(); ++k) {
+    Linear* linear = nullptr;
+    for (Linear& l : linear_) {
+      if (&l == sequence_[k]) linear = &l;
+    }
+    if (linear == nullptr || reductions_.layer_group(k) == nullptr) continue;
+    ShardedParameter* w = linear->sharded_parameters().front();
+    Communicator* group = w->deferrable_group();
+    if (group == nullptr || w->grad().stored_16bit() ||
+        !stores_weight_gradient_16bit(!w->gathered(), linear->tensor_parallel(), group->size())) {
+      continue;
+    }
+    weights.emplace_back(k, w);
+  }
+  if (weights.empty()) return 0;
+  // The fp32 gradients freed, each replaced by its 16 bits (at construction, not in a step):
+  // without buckets a buffer of its own; under overlap its range of the buckets' 16-bit buffer,
+  // which backward's GEMM writes and the bucket's all-reduce sums in place (nothing allocated).
+  std::map<Communicator*, size_t> largest;  // per group, without buckets
+  for (auto& [k, w] : weights) {
+    ShardedTensor& g = w->grad();
+    const size_t elements = g.local.extent(0);
+    uint16_t* home = buckets_.empty() ? nullptr : buckets_.keep_in_wire(k, 0);
+    g.local = Vector();
+    g.storage = dtype;
+    // Under overlap unmanaged: the buckets own the memory (the model owns both).
+    g.bits = home != nullptr ? HalfBits(home, elements) : HalfBits(g.name, elements);
+    size_t& most = largest[w->allreduce_group()];
+    most = std::max(most, elements);
+  }
+  if (buckets_.empty()) {
+    // Each summed in place by a started 16-bit all-reduce, one at a time: one request slot per
+    // group, for its largest (ShardedParameter::reserve_reductions leaves these out).
+    for (auto& [group, elements] : largest) {
+      group->reserve_started_16bit_all_reduces(1, elements, dtype);
+    }
+  }
+  return weights.size();
 }
 
 double Mlp::aux_loss() const {

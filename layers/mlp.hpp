@@ -219,6 +219,18 @@ class Mlp {
   // neither in DP buckets (in_backward under overlap: they reserve their own) nor left to
   // ZeRO-1. Called once by the driver after it chose `reduction`.
   void reserve_reductions(GradientReduction reduction) const;
+  // Stores as 16 bits (ShardedTensor::storage, 2 bytes an element, no fp32 buffer) the weight
+  // gradients that would hold only 16-bit values: those of a plain MLP's Linear layers with DP
+  // storage (not gathered, not tensor-parallel, all-reduced over the batch axes) when the model
+  // computes in bf16 and reduces over a bf16 wire, where gemm()'s kernel writes 16 bits
+  // (layers/gradient_storage.hpp has the rule). Their backward then writes the GEMM's C rounded
+  // to nearest even there, the all-reduce sums it in place (under overlap: the stored gradient
+  // is its range of the DP buckets' 16-bit buffer) and the optimizer and the clipper's norm
+  // widen it as they read it. Only for a driver that reduces the gradients in backward
+  // (GradientReduction::in_backward) and neither scales nor accumulates them (no clipping, no
+  // loss scaling, no micro-batches); call once, before reserve_reductions(). Returns how many
+  // gradients it stored so.
+  std::size_t store_gradients_16bit(const ParallelContext& context);
 
   // weight, bias of layer 0, then of layer 1, ... (an MoE layer: router, experts weight,
   // experts bias; names as in the class comment). The layers hold pointers to these

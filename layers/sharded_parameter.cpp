@@ -25,6 +25,15 @@ void copy_block(VectorView full, int64_t offset, VectorView block) {
       KOKKOS_LAMBDA(const int64_t j) { block(j) = full(offset + j); });
 }
 
+// A gradient stored as 16 bits (layers/gradient_storage.hpp) summed in place over `group` as
+// the 16 bits they are: the 16-bit sum the fp32 gradient's all-reduce runs on its packed copy,
+// without the packing and the widening (its request slot reserved when the storage was made:
+// nothing allocated here).
+void all_reduce_stored_16bit(Communicator& group, ShardedTensor& g) {
+  Request sum = group.start_all_reduce_16bit(g.bits.data(), g.bits.extent(0), g.storage);
+  sum.wait();
+}
+
 void scale_matrix(MatrixView m, float factor) {
   Kokkos::parallel_for(
       MESHTRAIN_LABEL("meshtrain::linear_scale_grad"),
@@ -137,7 +146,9 @@ void ShardedParameter::reserve_reductions(bool all_reduce_in_buckets) const {
     if (gather1_) gather1_->reserve_reductions(compute, reduce_);
     if (gather2_) gather2_->reserve_reductions(compute, reduce_);
   }
-  if (!allreduce_ || all_reduce_in_buckets) return;
+  // A gradient stored as 16 bits is summed by a started 16-bit all-reduce, whose request slot
+  // Mlp::store_gradients_16bit reserves.
+  if (!allreduce_ || all_reduce_in_buckets || grad().stored_16bit()) return;
   const bool full_width = method_ == GatherMethod::full_width_sum && !g_.direct;
   allreduce_->reserve_reductions(full_width ? static_cast<std::size_t>(g_.width) : local, reduce_);
 }
@@ -470,6 +481,17 @@ bool ShardedParameter::reduce_rounds_to(Dtype dtype, bool all_reduce) const {
 
 void ShardedParameter::reduce(LayerScratch& scratch, bool all_reduce) {
   const Dtype wire = reduce_;
+  if (grad().stored_16bit()) {
+    // A gradient stored as 16 bits of the wire's dtype (layers/gradient_storage.hpp: an
+    // ungathered, unscaled by_dims weight whose backward wrote it as 16 bits): summed in place.
+    MESHTRAIN_REQUIRE(
+        method_ == GatherMethod::by_dims && !gathered() && scale_ == 1.0f && grad().storage == wire,
+        "parameter '", value().name,
+        "': its gradient is stored as 16 bits but it is not an ungathered weight "
+        "reduced over a wire of that format");
+    if (allreduce_ && all_reduce) all_reduce_stored_16bit(*allreduce_, grad());
+    return;
+  }
   if (method_ == GatherMethod::by_dims && writes_16bit_gradient(all_reduce)) {
     // Written as 16 bits of the wire's dtype: sent as they are.
     const HalfMatrixView g = gradient_matrix_16bit(scratch);
@@ -566,6 +588,10 @@ void ShardedParameter::reduce_side_by_side(const std::vector<ShardedParameter*>&
 
 void ShardedParameter::all_reduce_deferred() {
   if (!allreduce_) return;
+  if (grad().stored_16bit()) {
+    all_reduce_stored_16bit(*allreduce_, grad());
+    return;
+  }
   if (method_ == GatherMethod::by_dims) {
     allreduce_->all_reduce(grad().matrix(), ReduceOp::sum, reduce_);
   } else {

@@ -149,8 +149,10 @@ class ShardedParameter {
   // all-reduces it: not left partial for later, not in DP buckets, which have their own).
   bool can_take_16bit_gradient() const;
   void take_16bit_gradient();
+  // Never for a gradient stored as 16 bits (layers/gradient_storage.hpp): backward writes
+  // that storage and reduce() sums it in place.
   bool writes_16bit_gradient(bool all_reduce) const {
-    return grad_16bit_ && (gathered() || all_reduce);
+    return grad_16bit_ && !grad().stored_16bit() && (gathered() || all_reduce);
   }
   // Where the producer writes it then (valid until reduce()).
   HalfMatrixView gradient_matrix_16bit(LayerScratch& scratch);

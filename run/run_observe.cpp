@@ -99,9 +99,11 @@ std::string TrainingRun::plan_item_of(const TrackedAllocation& a) const {
   // Kokkos reports the start of an allocation: the View's data, or the header before it.
   const auto holds = [&](const std::vector<ShardedTensor>& tensors) {
     for (const ShardedTensor& t : tensors) {
-      const auto offset =
-          reinterpret_cast<const char*>(t.local.data()) - static_cast<const char*>(a.data);
-      if (t.local.data() != nullptr &&
+      // Its block as stored: `local`, or the 16 bits of a 16-bit storage.
+      const void* data = t.stored_16bit() ? static_cast<const void*>(t.bits.data())
+                                          : static_cast<const void*>(t.local.data());
+      const auto offset = static_cast<const char*>(data) - static_cast<const char*>(a.data);
+      if (data != nullptr &&
           (offset == 0 || offset == sizeof(Kokkos::Impl::SharedAllocationHeader))) {
         return true;
       }
@@ -111,6 +113,13 @@ std::string TrainingRun::plan_item_of(const TrackedAllocation& a) const {
   const auto starts = [&](const char* prefix) { return a.label.rfind(prefix, 0) == 0; };
   if (holds(std::as_const(*model_).parameters())) return "parameters";  // read: copies stay current
   if (holds(model_->gradients())) return "gradients";
+  // Under overlap a gradient stored as 16 bits is its range of the DP buckets' 16-bit buffer
+  // (Mlp::store_gradients_16bit): that buffer is the gradients' storage.
+  if (starts("meshtrain::grad_bucket_16bit")) {
+    for (const ShardedTensor& g : model_->gradients()) {
+      if (g.stored_16bit()) return "gradients";
+    }
+  }
   for (const std::string& slot : optimizer_->slot_names()) {
     if (holds(optimizer_->slot(slot))) return "optimizer state";
   }

@@ -341,6 +341,12 @@ void TrainingRun::build_model() {
   gradient_reduction_ = zero1_              ? GradientReduction::zero1
                         : accumulation_ > 1 ? GradientReduction::per_step
                                             : GradientReduction::in_backward;
+  // The weight gradients that hold only 16-bit values stored as 16 bits (partition/
+  // gradient_storage.hpp): reduced in backward, neither clipped nor loss-scaled (fp16) nor
+  // accumulated (accumulation reduces per_step).
+  if (gradient_reduction_ == GradientReduction::in_backward && !(config_.optimizer.clip_norm > 0)) {
+    model_->store_gradients_16bit(*context_);
+  }
   model_->reserve_reductions(gradient_reduction_);
   if (precision.needs_loss_scaling()) scaler_ = std::make_unique<LossScaler>(*world_);
   optimizer_ =

@@ -459,10 +459,13 @@ void TrainingRun::fill_graph_buffers() {
   region[1] = labels_.data();
   region[2] = loss_->gradient().data();
   for (size_t i = 0; i < params.size(); ++i) {
+    // A gradient stored as 16 bits (Mlp::store_gradients_16bit) is its bits.
+    const void* grad = grads[i].stored_16bit() ? static_cast<const void*>(grads[i].bits.data())
+                                               : static_cast<const void*>(grads[i].local.data());
     region[3 + 2 * i] = params[i].local.data();
-    region[4 + 2 * i] = grads[i].local.data();
+    region[4 + 2 * i] = grad;
     update[2 * i] = params[i].local.data();
-    update[2 * i + 1] = grads[i].local.data();
+    update[2 * i + 1] = grad;
   }
   size_t next = 2 * params.size();
   for (const std::string& name : optimizer_->slot_names()) {

@@ -20,8 +20,10 @@
 #include "framework/io/sparse_hdf5.hpp"
 #include "framework/train/config.hpp"
 #include "partition/embedding_layout.hpp"
+#include "partition/gradient_storage.hpp"
 #include "partition/sharding_picture.hpp"
 #include "partition/sixteen_bit_storage.hpp"
+#include "partition/zero1_layout.hpp"
 
 namespace meshtrain {
 
@@ -512,10 +514,40 @@ void dlrm_data_footprint(const RunConfig& config, int64_t rows, DataFootprint& f
 
 }  // namespace
 
+// Bytes per rank the weight gradients stored as 16 bits save against fp32 ones (2 an element),
+// decided as the run decides it (partition/gradient_storage.hpp; Mlp::store_gradients_16bit in
+// run/run_setup.cpp): a plain MLP's Linear weights with DP storage over 2 or more ranks, in a
+// bf16 run that reduces in backward and does not clip. Under overlap the stored gradient is its
+// range of the DP buckets' 16-bit buffer; it is counted here as a gradient all the same.
+static int64_t sixteen_bit_gradient_savings(const RunConfig& config, const ShardingPlan& plan) {
+  if (config.model.kind != ModelKind::mlp) return 0;
+  const bool zero1 = config.optimizer.zero_stage == 1 && plan.mesh.has_axis(kZeroAxis) &&
+                     plan.mesh.size_of({kZeroAxis}) > 1;
+  GradientStorageQuery query;
+  query.precision = config.mixed_precision.policy();
+  query.kernel_writes_16bit = gemm_kernel_writes_16bit(query.precision.param);
+  query.reduced_in_backward = !zero1 && config.train.accumulation_steps == 1;
+  query.clipped = config.optimizer.clip_norm > 0;
+  if (weight_gradient_storage(query) == Dtype::fp32) return 0;
+  int64_t saved = 0;
+  for (const LayerPlan& layer : plan.layers) {
+    const LinearLayout& l = layer.layout;
+    if (layer.moe || !l.defers_reduction()) continue;
+    const int dp = plan.mesh.size_of(l.weight_allreduce);
+    if (!stores_weight_gradient_16bit(!l.gathers_weight(), l.tensor_parallel || l.column_parallel,
+                                      dp)) {
+      continue;
+    }
+    saved += plan.find(layer.name + "/weight").bytes_per_rank / 2;
+  }
+  return saved;
+}
+
 PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan,
                              const HardwareProfile& hardware) {
   PlannedMemory memory;
   memory.totals = plan.totals;
+  memory.totals.gradient_bytes -= sixteen_bit_gradient_savings(config, plan);
   memory.workspace = training_workspace(config, plan);
   // The evaluation model's buffers as the memory model counts them (the planner's estimate,
   // its inputs and each layer's output, misses a residual model's norms and sums and every

@@ -40,6 +40,41 @@ struct CopyOut {
   }
 };
 
+// The gradient an update reads: fp32 floats, or the 16 bits of a gradient stored in 16 bits
+// (ShardedTensor::stored_16bit: a DP weight gradient reduced over a 16-bit wire,
+// layers/gradient_storage.hpp) widened as each element is read (exact), in the update's own pass.
+struct GradIn {
+  const float* f = nullptr;
+  const uint16_t* h = nullptr;
+  Dtype dtype = Dtype::fp32;
+  KOKKOS_INLINE_FUNCTION float operator()(int64_t i) const {
+    return h != nullptr ? from_16bit(h[i], dtype) : f[i];
+  }
+};
+
+GradIn grad_in(const ShardedTensor& g) {
+  if (g.stored_16bit()) return GradIn{nullptr, g.bits.data(), g.storage};
+  return GradIn{g.local.data(), nullptr, Dtype::fp32};
+}
+
+// body(gp, b, n) over [begin, end) with gp the floats of gradient elements [b, b + n): the
+// gradient itself when fp32, else blocks of it widened into a stack buffer (the host loops'
+// clones keep reading a float array; widening is exact, so the same floats).
+template <class Body>
+void with_float_gradient(const GradIn& g, int64_t begin, int64_t end, Body&& body) {
+  if (g.h == nullptr) {
+    body(g.f + begin, begin, end - begin);
+    return;
+  }
+  constexpr int64_t kBlock = 512;
+  float widened[kBlock];
+  for (int64_t b = begin; b < end; b += kBlock) {
+    const int64_t n = end - b < kBlock ? end - b : kBlock;
+    for (int64_t j = 0; j < n; ++j) widened[j] = from_16bit(g.h[b + j], g.dtype);
+    body(widened, b, n);
+  }
+}
+
 // f(CopyOut<D>{...}) for the copy `t` has (CopyOut<fp32> without one).
 template <class F>
 void with_copy(const ShardedTensor& t, F&& f) {
@@ -170,19 +205,20 @@ template <class Scalars>
 constexpr bool kHostLoop = kDefaultSpaceIsHost&& std::is_same_v<Scalars, ByValue>;
 
 template <class Copy, class Scalars>
-void sgd_update(Vector p, Vector g, Vector buf, Scalars scalars, float momentum, float wd,
+void sgd_update(Vector p, GradIn g, Vector buf, Scalars scalars, float momentum, float wd,
                 Copy copy) {
   const std::string& label = MESHTRAIN_LABEL("meshtrain::sgd_step");
   if constexpr (kHostLoop<Scalars>) {
     float* pp = p.data();
-    const float* gp = g.data();
     float* bp = buf.data();
     uint16_t* bits = copy.bits;
     const float lr = scalars[0];
     const bool first = scalars[3] != 0.0f;
     for_host_chunks(label, static_cast<int64_t>(p.extent(0)), [=](int64_t begin, int64_t end) {
-      sgd_host(pp + begin, gp + begin, bp + begin, bits == nullptr ? nullptr : bits + begin,
-               Copy::kDtype, end - begin, lr, momentum, wd, first);
+      with_float_gradient(g, begin, end, [&](const float* gp, int64_t b, int64_t n) {
+        sgd_host(pp + b, gp, bp + b, bits == nullptr ? nullptr : bits + b, Copy::kDtype, n, lr,
+                 momentum, wd, first);
+      });
     });
   } else {
     Kokkos::parallel_for(
@@ -200,16 +236,16 @@ void sgd_update(Vector p, Vector g, Vector buf, Scalars scalars, float momentum,
 
 // Plain SGD (momentum 0): no state, so no slot is allocated (the plan counts none).
 template <class Copy, class Scalars>
-void sgd_plain_update(Vector p, Vector g, Scalars scalars, float wd, Copy copy) {
+void sgd_plain_update(Vector p, GradIn g, Scalars scalars, float wd, Copy copy) {
   const std::string& label = MESHTRAIN_LABEL("meshtrain::sgd_plain_step");
   if constexpr (kHostLoop<Scalars>) {
     float* pp = p.data();
-    const float* gp = g.data();
     uint16_t* bits = copy.bits;
     const float lr = scalars[0];
     for_host_chunks(label, static_cast<int64_t>(p.extent(0)), [=](int64_t begin, int64_t end) {
-      sgd_plain_host(pp + begin, gp + begin, bits == nullptr ? nullptr : bits + begin, Copy::kDtype,
-                     end - begin, lr, wd);
+      with_float_gradient(g, begin, end, [&](const float* gp, int64_t b, int64_t n) {
+        sgd_plain_host(pp + b, gp, bits == nullptr ? nullptr : bits + b, Copy::kDtype, n, lr, wd);
+      });
     });
   } else {
     Kokkos::parallel_for(
@@ -223,10 +259,9 @@ void sgd_plain_update(Vector p, Vector g, Scalars scalars, float wd, Copy copy) 
 }
 
 template <class Copy, class Scalars>
-void adamw_update(Vector p, Vector g, Vector m, Vector v, Scalars scalars, float beta1, float beta2,
+void adamw_update(Vector p, GradIn g, Vector m, Vector v, Scalars scalars, float beta1, float beta2,
                   float eps, Copy copy) {
   float* pp = p.data();
-  const float* gp = g.data();
   float* mp = m.data();
   float* vp = v.data();
   const std::string& label = MESHTRAIN_LABEL("meshtrain::adamw_step");
@@ -234,14 +269,16 @@ void adamw_update(Vector p, Vector g, Vector m, Vector v, Scalars scalars, float
     const AdamwScalars s{beta1, beta2, scalars[2], scalars[0], scalars[1], eps};
     uint16_t* bits = copy.bits;
     for_host_chunks(label, static_cast<int64_t>(p.extent(0)), [=](int64_t begin, int64_t end) {
-      adamw_host(pp + begin, gp + begin, mp + begin, vp + begin,
-                 bits == nullptr ? nullptr : bits + begin, Copy::kDtype, end - begin, s);
+      with_float_gradient(g, begin, end, [&](const float* gp, int64_t b, int64_t n) {
+        adamw_host(pp + b, gp, mp + b, vp + b, bits == nullptr ? nullptr : bits + b, Copy::kDtype,
+                   n, s);
+      });
     });
   } else {
     Kokkos::parallel_for(
         label, Kokkos::RangePolicy<>(device_space(), 0, p.extent(0)),
         KOKKOS_LAMBDA(const int64_t i) {
-          const float updated = adamw_element(pp[i], gp[i], mp[i], vp[i], beta1, beta2, scalars[2],
+          const float updated = adamw_element(pp[i], g(i), mp[i], vp[i], beta1, beta2, scalars[2],
                                               scalars[0], scalars[1], eps);
           pp[i] = updated;
           copy.write(i, updated);
@@ -250,13 +287,15 @@ void adamw_update(Vector p, Vector g, Vector m, Vector v, Scalars scalars, float
 }
 
 // The sum over g[0, count) of g^2 into the device scalar `total` (reduce_into,
-// exec_space.hpp: no fence, no allocation). An empty range writes 0.
+// exec_space.hpp: no fence, no allocation). An empty range writes 0. A 16-bit gradient is
+// widened as it is read.
 template <class Total>
-void sum_of_squares(const Vector& g, int64_t count, const Total& total) {
+void sum_of_squares(const GradIn& g, int64_t count, const Total& total) {
   reduce_into(
       MESHTRAIN_LABEL("meshtrain::grad_sum_of_squares"), device_range(0, count),
       KOKKOS_LAMBDA(const int64_t i, double& acc) {
-        acc += static_cast<double>(g(i)) * static_cast<double>(g(i));
+        const double x = static_cast<double>(g(i));
+        acc += x * x;
       },
       total);
 }
@@ -303,10 +342,12 @@ Optimizer::Optimizer(const OptimizerSettings& settings, const std::vector<Sharde
 
 void Optimizer::check_same_layout(size_t i, const ShardedTensor& b, const char* what) const {
   const ShardedTensor& a = layout_[i];
-  MESHTRAIN_REQUIRE(local_sizes_[i] == static_cast<int64_t>(b.local.extent(0)) &&
-                        a.global_shape == b.global_shape,
+  // A gradient stored as 16 bits holds its elements in `bits`.
+  const int64_t held =
+      static_cast<int64_t>(b.stored_16bit() ? b.bits.extent(0) : b.local.extent(0));
+  MESHTRAIN_REQUIRE(local_sizes_[i] == held && a.global_shape == b.global_shape,
                     "optimizer: ", what, " '", b.name, "' does not match parameter '", a.name,
-                    "' (", b.local.extent(0), " local elements, expected ", local_sizes_[i], ")");
+                    "' (", held, " local elements, expected ", local_sizes_[i], ")");
 }
 
 std::vector<ShardedTensor>& Optimizer::slot(const std::string& name) {
@@ -393,12 +434,12 @@ void Optimizer::launch(std::vector<ShardedTensor>& params, const std::vector<Sha
   for (size_t i = 0; i < layout_.size(); ++i) {
     with_copy(params[i], [&](auto copy) {
       if (s.kind == OptimizerKind::adamw) {
-        adamw_update(params[i].local, grads[i].local, slots_[0][i].local, slots_[1][i].local,
+        adamw_update(params[i].local, grad_in(grads[i]), slots_[0][i].local, slots_[1][i].local,
                      scalars, s.beta1, s.beta2, s.eps, copy);
       } else if (slots_.empty()) {
-        sgd_plain_update(params[i].local, grads[i].local, scalars, s.weight_decay, copy);
+        sgd_plain_update(params[i].local, grad_in(grads[i]), scalars, s.weight_decay, copy);
       } else {
-        sgd_update(params[i].local, grads[i].local, slots_[0][i].local, scalars, s.momentum,
+        sgd_update(params[i].local, grad_in(grads[i]), slots_[0][i].local, scalars, s.momentum,
                    s.weight_decay, copy);
       }
     });
@@ -439,9 +480,10 @@ double GradientClipper::global_norm(const std::vector<ShardedTensor>& grads, Com
   MESHTRAIN_REQUIRE(grads.size() == counted_.size(), "gradient clipping: got ", grads.size(),
                     " gradients, expected ", counted_.size());
   for (size_t i = 0; i < grads.size(); ++i) {
-    const Vector g = grads[i].local;
-    sum_of_squares(g, counted_[i] ? static_cast<int64_t>(g.extent(0)) : 0,
-                   Kokkos::subview(buffer_, i));
+    const ShardedTensor& g = grads[i];
+    const int64_t held =
+        static_cast<int64_t>(g.stored_16bit() ? g.bits.extent(0) : g.local.extent(0));
+    sum_of_squares(grad_in(g), counted_[i] ? held : 0, Kokkos::subview(buffer_, i));
   }
   fence_all(MESHTRAIN_LABEL("meshtrain::grad_norm_before_sum"));
   world.all_reduce(DoubleVectorView(buffer_.data(), buffer_.extent(0)), ReduceOp::sum);
@@ -467,7 +509,13 @@ double GradientClipper::clip(std::vector<ShardedTensor>& grads, double max_norm,
   if (!std::isfinite(norm)) return norm;  // scaling would turn an infinity into NaN
   if (max_norm > 0.0 && norm > max_norm) {
     const float factor = static_cast<float>(max_norm / (norm + 1e-6));
-    for (auto& g : grads) scale(g.local, factor);
+    for (auto& g : grads) {
+      // Scaling would leave values a 16-bit storage cannot hold: such gradients are made only
+      // where the run does not clip (layers/gradient_storage.hpp).
+      MESHTRAIN_REQUIRE(!g.stored_16bit(), "gradient clipping: the gradient of '", g.name,
+                        "' is stored as 16 bits and cannot be scaled exactly");
+      scale(g.local, factor);
+    }
   }
   return norm;
 }

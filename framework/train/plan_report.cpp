@@ -1035,6 +1035,8 @@ PlannedStep plan_step(const RunConfig& config, int world_size, const HardwarePro
   PlannedMemory memory = planned_memory(config, plan, hw);
   // The plan's table shows the memory model's evaluation buffers.
   plan.totals.evaluation_bytes = memory.totals.evaluation_bytes;
+  // And its gradients at their stored size (2 bytes an element where stored as 16 bits).
+  plan.totals.gradient_bytes = memory.totals.gradient_bytes;
   const DataFootprint& data = memory.data;
   std::optional<StepCost> cost;
   if (plan.local_batch_rows > 0) {

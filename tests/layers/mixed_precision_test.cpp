@@ -61,12 +61,14 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "base/error.hpp"
 #include "framework/comm/mesh_communicators.hpp"
 #include "framework/core/gemm.hpp"
 #include "framework/core/precision.hpp"
+#include "framework/core/tensor_values.hpp"
 #include "framework/observe/memory_tracker.hpp"
 #include "framework/train/init.hpp"
 #include "framework/train/optimizer.hpp"
@@ -358,7 +360,50 @@ struct RunResult {
   // took it so (over every backward).
   int weights_writing_16bit_gradients = 0;
   std::size_t gradients_reduced_from_16bit = 0;
+  // Mlp::store_gradients_16bit's count (grads16 runs), and, while the memory tracker is installed,
+  // the live bytes of the allocations that hold the gradients (matched by their data, as a run's
+  // report matches them) and of the DP buckets' 16-bit buffer.
+  std::size_t gradients_stored_16bit = 0;
+  int64_t gradient_allocation_bytes = 0, bucket_16bit_bytes = 0;
+  int64_t stored_16bit_elements = 0;  // of the gradients stored as 16 bits
 };
+
+// A gradient as fp32 values whatever its storage (values_fp32), for the readers below.
+ShardedTensor fp32_values_of(const ShardedTensor& g) {
+  ShardedTensor t = g;
+  t.local = values_fp32(g);
+  t.storage = Dtype::fp32;
+  t.bits = HalfBits();
+  return t;
+}
+
+// The tracker's live bytes of the allocations holding `tensors` (their data at the allocation's
+// start or just after Kokkos' header), and of those labelled `label`.
+int64_t tracked_bytes_holding(const std::vector<ShardedTensor>& tensors) {
+  int64_t bytes = 0;
+  for (const TrackedAllocation& a : kokkos_memory(1 << 20).largest) {
+    // A gradient stored in the DP buckets' buffer has no allocation of its own.
+    if (a.label == "meshtrain::grad_bucket_16bit") continue;
+    for (const ShardedTensor& t : tensors) {
+      const void* data = t.stored_16bit() ? static_cast<const void*>(t.bits.data())
+                                          : static_cast<const void*>(t.local.data());
+      const auto offset = static_cast<const char*>(data) - static_cast<const char*>(a.data);
+      if (data != nullptr &&
+          (offset == 0 || offset == sizeof(Kokkos::Impl::SharedAllocationHeader))) {
+        bytes += a.bytes;
+        break;
+      }
+    }
+  }
+  return bytes;
+}
+int64_t tracked_bytes_labelled(const std::string& label) {
+  int64_t bytes = 0;
+  for (const TrackedAllocation& a : kokkos_memory(1 << 20).largest) {
+    if (a.label == label) bytes += a.bytes;
+  }
+  return bytes;
+}
 
 // policy nullptr: the context's precision is never set. steps > 1: that many training steps,
 // each but the first after the update w -= 0.1 * grad of the previous one (the gradients and
@@ -368,8 +413,8 @@ struct RunResult {
 // write_16bit_gradients: ParallelContext::set_write_16bit_weight_gradients.
 RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPrecision* policy,
                     float loss_scale, bool overlap = false, int steps = 1, bool store_16bit = true,
-                    const OptimizerSettings* optimizer = nullptr,
-                    bool write_16bit_gradients = true) {
+                    const OptimizerSettings* optimizer = nullptr, bool write_16bit_gradients = true,
+                    bool grads16 = false) {
   const Mesh mesh = Mesh::create(layout.mesh, world_size());
   MeshCommunicators comms(mesh, MPI_COMM_WORLD, testing::test_communicator_factory());
   const double bucket_mb = 200.0 * sizeof(float) / (1024 * 1024);  // several buckets
@@ -407,6 +452,16 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
                  : std::make_unique<Mlp>(m.sizes, m.activation, spec_of, context, run.rows);
   Mlp& model = *built;
   model.initialize(InitScheme::normal, kSeed);
+  if (grads16) {
+    run.gradients_stored_16bit = model.store_gradients_16bit(context);
+    for (const ShardedTensor& g : std::as_const(model).gradients()) {
+      if (g.stored_16bit()) run.stored_16bit_elements += held_elements(g);
+    }
+  }
+  if (memory_tracker_installed()) {
+    run.gradient_allocation_bytes = tracked_bytes_holding(std::as_const(model).gradients());
+    run.bucket_16bit_bytes = tracked_bytes_labelled("meshtrain::grad_bucket_16bit");
+  }
   Loss loss(m.loss, context, run.rows, m.sizes.back(), model.output_layout());
   run.batch_ranks = context.batch_parallel();
   run.feature_ranks = context.feature_parallel();
@@ -454,7 +509,7 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
     }
     for (size_t k = 0; k < model.parameters().size(); ++k) {
       const Vector p = model.parameters()[k].local;
-      const Vector g = model.gradients()[k].local;
+      const Vector g = values_fp32(model.gradients()[k]);
       Kokkos::parallel_for(
           "sgd", p.extent(0), KOKKOS_LAMBDA(const int64_t e) { p(e) -= 0.1f * g(e); });
     }
@@ -486,7 +541,7 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
   run.loss = r.loss;
   model.backward(loss.gradient(), true, loss_scale);
   for (const auto& g : model.gradients()) {
-    run.grads.push_back(gather_full(g, mesh, context.rank()));
+    run.grads.push_back(gather_full(fp32_values_of(g), mesh, context.rank()));
     run.names.push_back(g.name + " " + g.spec.to_string());
   }
   run.gradients_written_16bit = model.gradient_buckets().gradients_written_16bit();
@@ -899,6 +954,74 @@ TEST(MixedPrecision, DpBlockingGradientsWrittenAs16BitsMatchTheFp32Path) {
   if (world_rank() == 0) {
     std::cout << "gradients written as 16 bits into the blocking all-reduce: " << taken
               << (writes ? "" : " (gemm_to_16bit's kernel writes no 16 bits here)") << "\n";
+  }
+}
+
+// The weight gradients stored as 16 bits (Mlp::store_gradients_16bit, partition/
+// gradient_storage.hpp: DP storage over 2 or more ranks, bf16 compute and wire, where gemm()'s
+// kernel writes 16 bits): three training steps under AdamW (which reads the 16-bit gradient,
+// widening it) give bit for bit the loss, logits, parameters and gradients (widened) of the same
+// run with fp32 gradients, which hold the same bf16 sums widened; blocking and with overlap (the
+// stored gradient then its range of the DP buckets' 16-bit buffer). The tracker sees the
+// gradients' allocations shrink by 2 bytes per 16-bit element (blocking: their own 16-bit
+// buffers; overlap: none of their own, the buckets' 16-bit buffer unchanged). At one rank
+// nothing is stored as 16 bits (no reduction: the rule keeps fp32), and the runs agree.
+TEST(MixedPrecision, WeightGradientsStoredAs16BitsMatchTheFp32StoredGradients) {
+  if (!gemm_kernel_writes_16bit(Dtype::bf16)) {
+    GTEST_SKIP() << "gemm()'s kernel does not write bf16 here (" << gemm_kernels() << ")";
+  }
+  install_memory_tracker();
+  const MixedPrecision bf16{Dtype::bf16, Dtype::bf16};
+  const int n = world_size();
+  const LayoutCase dp{"dp" + std::to_string(n), {{"dp", n}}, "dp", 0, "", "", true};
+  const int steps = 3;
+  OptimizerSettings adamw, sgd;
+  adamw.kind = OptimizerKind::adamw;
+  sgd.kind = OptimizerKind::sgd;  // momentum 0.9
+  for (const auto& m : models()) {
+    for (bool overlap : {false, true}) {
+      // AdamW for the first model, SGD with momentum for the second: both updates read the
+      // 16-bit gradient.
+      const OptimizerSettings& opt = m.name == models().front().name ? adamw : sgd;
+      SCOPED_TRACE(m.name + " on " + dp.name + (overlap ? " with overlap" : "") +
+                   (&opt == &adamw ? ", adamw" : ", sgd"));
+      const RunResult fp32 = run_model(m, dp, &bf16, 1.0f, overlap, steps, true, &opt,
+                                       /*write_16bit_gradients=*/true, /*grads16=*/false);
+      const RunResult sixteen = run_model(m, dp, &bf16, 1.0f, overlap, steps, true, &opt,
+                                          /*write_16bit_gradients=*/true, /*grads16=*/true);
+      const std::size_t linears = m.sizes.size() - 1;
+      EXPECT_EQ(fp32.gradients_stored_16bit, 0u);
+      EXPECT_EQ(sixteen.gradients_stored_16bit, n > 1 ? linears : 0u);
+      int64_t weight_elements = 0;
+      for (size_t k = 0; k + 1 < m.sizes.size(); ++k)
+        weight_elements += m.sizes[k] * m.sizes[k + 1];
+      EXPECT_EQ(sixteen.stored_16bit_elements, n > 1 ? weight_elements : 0);
+      // The tracker: 2 bytes less per 16-bit element (blocking), or all 4 (overlap: the bytes
+      // live in the buckets' buffer, as large as before).
+      const int64_t saved = sixteen.stored_16bit_elements * (overlap ? 4 : 2);
+      EXPECT_EQ(sixteen.gradient_allocation_bytes, fp32.gradient_allocation_bytes - saved);
+      EXPECT_EQ(sixteen.bucket_16bit_bytes, fp32.bucket_16bit_bytes);
+      if (overlap && n > 1) {
+        // The GEMMs wrote every weight gradient as 16 bits, in every backward.
+        EXPECT_EQ(sixteen.gradients_written_16bit, linears * steps);
+      }
+      EXPECT_EQ(sixteen.loss, fp32.loss);
+      ASSERT_EQ(sixteen.logits.size(), fp32.logits.size());
+      for (size_t i = 0; i < fp32.logits.size(); ++i)
+        ASSERT_EQ(float(sixteen.logits[i]), float(fp32.logits[i])) << "logit " << i;
+      ASSERT_EQ(sixteen.params.size(), fp32.params.size());
+      ASSERT_EQ(sixteen.grads.size(), fp32.grads.size());
+      for (size_t k = 0; k < fp32.params.size(); ++k) {
+        ASSERT_EQ(sixteen.params[k].size(), fp32.params[k].size());
+        ASSERT_EQ(sixteen.grads[k].size(), fp32.grads[k].size());
+        for (size_t i = 0; i < fp32.params[k].size(); ++i) {
+          ASSERT_EQ(float(sixteen.grads[k][i]), float(fp32.grads[k][i]))
+              << fp32.names[k] << " gradient element " << i;
+          ASSERT_EQ(float(sixteen.params[k][i]), float(fp32.params[k][i]))
+              << fp32.names[k] << " element " << i;
+        }
+      }
+    }
   }
 }
 

@@ -13,8 +13,10 @@
 #include <string>
 #include <vector>
 
+#include "base/error.hpp"
 #include "framework/comm/backends/mpi_communicator.hpp"
 #include "framework/comm/runtime.hpp"
+#include "framework/core/precision.hpp"
 #include "framework/train/optimizer.hpp"
 #include "layers/mlp.hpp"
 #include "partition/logical_axes.hpp"
@@ -82,6 +84,31 @@ TEST_P(ClipperTest, NonFiniteNormIsReturnedNamedAndNotScaled) {
   fill(grads, 1.0f);
   EXPECT_TRUE(std::isfinite(clipper.clip(grads, 1e9, world)));
   EXPECT_EQ(clipper.non_finite_gradient(), "");
+}
+
+// A gradient stored as 16 bits (Mlp::store_gradients_16bit): the norm reads it widened, the same
+// double sum as of an fp32 gradient holding the same (bf16) values, on every rank; scaling it
+// would leave values bf16 does not hold, so clip() refuses (runs that clip keep fp32 gradients).
+TEST(Clipper, ReadsA16BitStoredGradientWidenedAndRefusesToScaleIt) {
+  const Mesh mesh = Mesh::create({{"dp", world_size()}}, world_size());
+  const int64_t rows = 7, cols = 5;
+  std::vector<ShardedTensor> fp32 = {
+      ShardedTensor::allocate("w", {rows, cols}, PartitionSpec(), mesh, world_rank())};
+  std::vector<ShardedTensor> sixteen = {
+      ShardedTensor::allocate("w", {rows, cols}, PartitionSpec(), mesh, world_rank(), Dtype::bf16)};
+  // Multiples of 1/8 in [-2, 2]: bf16 values, so packing is exact.
+  auto host = Kokkos::create_mirror_view(fp32[0].local);
+  for (int64_t i = 0; i < rows * cols; ++i) host(i) = static_cast<float>(i % 33 - 16) / 8.0f;
+  Kokkos::deep_copy(fp32[0].local, host);
+  pack_16bit(fp32[0].local.data(), sixteen[0].bits.data(), rows * cols, Dtype::bf16);
+  Kokkos::fence();
+  MpiCommunicator world = MpiCommunicator::duplicate(MPI_COMM_WORLD, "world");
+  GradientClipper clip_fp32(mesh, world_rank(), fp32), clip_16(mesh, world_rank(), sixteen);
+  const double expected = clip_fp32.global_norm(fp32, world);
+  EXPECT_GT(expected, 0.0);
+  EXPECT_EQ(clip_16.global_norm(sixteen, world), expected);
+  EXPECT_EQ(clip_16.clip(sixteen, 2.0 * expected, world), expected);  // below: nothing scaled
+  EXPECT_THROW(clip_16.clip(sixteen, 0.5 * expected, world), Error);
 }
 
 INSTANTIATE_TEST_SUITE_P(Poison, ClipperTest,

@@ -1,0 +1,19 @@
+#include "framework/core/tensor_values.hpp"
+
+#include "framework/core/precision.hpp"
+
+namespace meshtrain {
+
+int64_t held_elements(const ShardedTensor& t) {
+  return static_cast<int64_t>(t.stored_16bit() ? t.bits.extent(0) : t.local.extent(0));
+}
+
+Vector values_fp32(const ShardedTensor& t) {
+  if (!t.stored_16bit()) return t.local;
+  Vector out(Kokkos::view_alloc(Kokkos::WithoutInitializing, t.name + ":fp32_values"),
+             t.bits.extent(0));
+  unpack_16bit(t.bits.data(), out.data(), t.bits.extent(0), t.storage);
+  return out;
+}
+
+}  // namespace meshtrain
