@@ -2,6 +2,7 @@
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <utility>
 
@@ -498,11 +499,34 @@ void EmbeddingBag::check_counts(const std::string& problem, const Matrix::HostMi
   }
 }
 
+void check_received_counts(const std::string& table, int source, float ids, float parts,
+                           int64_t capacity) {
+  // Every comparison is false for NaN, so a NaN fails the first test.
+  const bool whole = std::isfinite(ids) && std::isfinite(parts) && std::floor(ids) == ids &&
+                     std::floor(parts) == parts;
+  const bool bounded = whole && 0.0f <= parts && parts <= ids &&
+                       static_cast<double>(ids) <= static_cast<double>(capacity) &&
+                       (ids == 0.0f) == (parts == 0.0f);
+  MESHTRAIN_REQUIRE(bounded, "embedding table '", table, "': rank ", source, " of the group sent ",
+                    ids, " ids in ", parts,
+                    " parts, not whole counts with 0 < parts <= ids <= its capacity of ", capacity,
+                    " (or none)");
+}
+
 void EmbeddingBag::receive_counts(const Matrix::HostMirror& counts, size_t k, size_t tables) {
+  // Each source's counts checked before they size anything: its ids at most max_ids (every
+  // rank's capacity of this table; the sender checked its bags against it), its parts at most
+  // its ids, so received_parts_ <= received_ids_ <= group x max_ids, the extent of
+  // recv_requests_, part_start_ (+ 1) and part_sums_at_, which the kernels index up to them.
+  // A violation is an internal error (a sender's bug, or a corrupted message), seen by the
+  // receiving rank only: it throws alone and the others wait in the ids' all-to-all-v. That is
+  // acceptable: the meshtrain command runs in run_or_abort, which ends every rank when one
+  // throws (framework/comm/exit_policy.hpp); agreeing would cost a collective every step.
   received_ids_ = received_parts_ = 0;
   source_id_base_host_(0) = source_part_base_host_(0) = 0;
   for (int j = 0; j < group_; ++j) {
     const size_t u = static_cast<size_t>(j), row = u * tables + k;
+    check_received_counts(table_, j, counts(row, 0), counts(row, 1), max_ids_);
     recv_ids_[u] = static_cast<int64_t>(counts(row, 0));
     recv_parts_[u] = static_cast<int64_t>(counts(row, 1));
     received_ids_ += recv_ids_[u];
@@ -510,9 +534,6 @@ void EmbeddingBag::receive_counts(const Matrix::HostMirror& counts, size_t k, si
     source_id_base_host_(u + 1) = received_ids_;
     source_part_base_host_(u + 1) = received_parts_;
   }
-  MESHTRAIN_REQUIRE(received_ids_ <= static_cast<int64_t>(recv_requests_.extent(0)),
-                    "embedding table '", table_, "': ", received_ids_,
-                    " ids arrived, more than the buffers hold");
 }
 
 void EmbeddingBag::plan_requests(EmbeddingExchange& exchange, size_t k) {
@@ -623,6 +644,8 @@ void EmbeddingBag::backward_begin(ConstMatrixView whole_dy) {
   // Row-wise: dy of each part this rank sent, into the exchange's dy message (to the part's
   // owner, who adds it into the rows of the part's ids).
   if (row_comm_) {
+    MESHTRAIN_REQUIRE(exchange_ != nullptr, "embedding table '", table_,
+                      "' exchanges its rows through a shared exchange, and none was built over it");
     part_gradients(dy_, part_bag_, part_dy_at_, sent_parts_, bags_.offsets,
                    pooling_ == EmbeddingPooling::mean, exchange_->requester_);
   }
@@ -878,14 +901,11 @@ EmbeddingExchange::EmbeddingExchange(const std::vector<EmbeddingBag*>& tables) {
   }
   problems_.assign(count, std::string());
   // What a backend stages the largest all-to-all through (device memory): now, not in a step.
-  const size_t largest = n * static_cast<size_t>(std::max(ids * 3, floats)) * sizeof(float);
+  // The counts' message (4 floats a table and rank) is the largest when the capacities are tiny.
+  const int64_t counts_floats = static_cast<int64_t>(count) * 4;
+  const size_t largest =
+      n * static_cast<size_t>(std::max({ids * 3, floats, counts_floats})) * sizeof(float);
   comm_->reserve_staging(largest, largest);
-}
-
-int64_t EmbeddingExchange::buffer_bytes() const {
-  const size_t floats = counts_send_.size() + counts_recv_.size() + ids_send_.size() +
-                        ids_recv_.size() + requester_.size() + owner_.size();
-  return static_cast<int64_t>(floats * sizeof(float));
 }
 
 void EmbeddingExchange::lay_out() {

@@ -326,6 +326,14 @@ class EmbeddingBag {
   Matrix::HostMirror touched_send_host_, touched_recv_host_;
 };
 
+// The counts a rank received from rank `source` of the group for table `table` (its ids and
+// parts, as floats): throws Error{runtime} unless both are whole and finite with 0 < parts <=
+// ids <= capacity (the table's max_ids, the same on every rank), or both 0. Checked before the
+// counts size the step's kernels, so that a bad message cannot index past their buffers; an
+// internal error (the sender checked its bags). Public for its test.
+void check_received_counts(const std::string& table, int source, float ids, float parts,
+                           int64_t capacity);
+
 // The row-wise all-to-alls of the tables that exchange rows over one owners' group (row-wise
 // and table-wise tables whose communicator is the same), run together (docs/recsys.md,
 // "Collectives per step"): a step has one all_to_all of the counts (a row [ids, parts, error
@@ -364,8 +372,6 @@ class EmbeddingExchange {
 
   Communicator* comm() const { return comm_; }
   size_t table_count() const { return dims_.size(); }
-  // The bytes of the messages (device, and their host copies where they are not the same).
-  int64_t buffer_bytes() const;
 
  private:
   friend class EmbeddingBag;

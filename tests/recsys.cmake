@@ -30,7 +30,8 @@ endforeach()
 # `meshtrain plan` of a DLRM (docs/recsys.md, "The plan"): each table's placement, rows and
 # columns per rank, bytes per rank and communication per step against hand-computed figures at
 # world 1, 2 and 4 (a row-wise, a column-wise and a replicated table; tests/recsys/
-# check_dlrm_plan.py says how), and the --json keys. No MPI, no data.
+# check_dlrm_plan.py says how), the --json keys, and the step cost's 4 all-to-all items per group
+# of tables exchanging rows over the same axes (one and two groups). No MPI, no data.
 meshtrain_add_command_test(NAME recsys_dlrm_plan TIMEOUT 60
   COMMAND ${MESHTRAIN_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/recsys/check_dlrm_plan.py
           $<TARGET_FILE:meshtrain> ${CMAKE_CURRENT_SOURCE_DIR}/recsys/dlrm_plan.toml)

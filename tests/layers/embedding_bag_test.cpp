@@ -517,7 +517,9 @@ TEST(EmbeddingBag, IdOutsideTheTableIsBadInputOnTheWholeGroup) {
 // table in the same message, and P(dp@1, None)) and fsdp 2 x dp 2 (P((fsdp, dp), None),
 // P((fsdp, dp)@2, None), P((fsdp, dp), None)); two steps, the second allocating nothing. An id
 // outside the second table on batch rank 0: every rank throws at the same call naming that
-// table (rank 0 the id, the others rank 0's bad bags), and good bags afterwards still match.
+// table (rank 0 the id, the others rank 0's bad bags), and good bags afterwards still match;
+// then rank 0 bad in the second table and the last batch rank in the first: every rank names
+// the first (the first slot in order with a problem).
 // np 1 has no group (the tables are replicated): skipped.
 TEST(EmbeddingBag, SharedExchangeEqualsOwnExchanges) {
   const int n = world_size();
@@ -624,6 +626,64 @@ TEST(EmbeddingBag, SharedExchangeEqualsOwnExchanges) {
     }
     shared_step(in.data());
     compare("after the bad id");
+
+    // Rank 0's bags bad in t1 (as above) and the last batch rank's in t0: every rank names t0,
+    // the first table in slot order with a problem (the last rank its own id, the others its
+    // bad bags), whatever came first on each rank.
+    const int last = parts - 1;
+    Data wrong_first = data[0];
+    int64_t b = last * bags;
+    while (b < (last + 1) * bags && wrong_first.offsets[static_cast<size_t>(b)] ==
+                                        wrong_first.offsets[static_cast<size_t>(b + 1)]) {
+      ++b;
+    }
+    ASSERT_LT(b, (last + 1) * bags) << "the last batch rank's bags of t0 are all empty";
+    wrong_first.ids[static_cast<size_t>(wrong_first.offsets[static_cast<size_t>(b)])] = kRows;
+    const LocalBags local_first = local_bags(wrong_first, first_bag, bags);
+    std::vector<SparseBags> in_both = in_wrong;
+    in_both[0] = {local_first.offsets, local_first.ids};
+    const auto both_forward = [&] { exchange.forward(members.data(), in_both.data()); };
+    if (context.batch_index() == last) {
+      testing::expect_bad_input(both_forward, {"table 't0'", "id 48"});
+    } else {
+      testing::expect_bad_input(
+          both_forward, {"table 't0'", "rank " + std::to_string(last) + " of the", "bad bags"});
+    }
+    shared_step(in.data());
+    compare("after the bad ids in two tables");
+  }
+}
+
+// The counts a rank receives are checked before they size its kernels (check_received_counts,
+// called on every source's row of the counts' message): whole, finite, 0 < parts <= ids <= the
+// capacity, or both 0; anything else is an internal error naming the table and the source,
+// never an index past the buffers. The exchange itself sends only good counts (its senders
+// check their bags), so the check is tested here directly, with the values a corrupted message
+// could hold; on every rank alike (no communication).
+TEST(EmbeddingBag, ReceivedCountsOutsideTheCapacityAreInternalErrors) {
+  const int64_t capacity = 10;
+  for (const auto& [ids, parts] : std::vector<std::pair<float, float>>{
+           {0.0f, 0.0f}, {1.0f, 1.0f}, {10.0f, 1.0f}, {10.0f, 10.0f}}) {
+    EXPECT_NO_THROW(check_received_counts("t", 1, ids, parts, capacity)) << ids << ", " << parts;
+  }
+  const float nan = std::nanf(""), inf = INFINITY;
+  for (const auto& [ids, parts] : std::vector<std::pair<float, float>>{{11.0f, 1.0f},
+                                                                       {1e30f, 1.0f},
+                                                                       {3.0f, 4.0f},
+                                                                       {-1.0f, -1.0f},
+                                                                       {2.0f, -1.0f},
+                                                                       {2.0f, 0.0f},
+                                                                       {0.0f, 1.0f},
+                                                                       {2.5f, 1.0f},
+                                                                       {2.0f, 1.5f},
+                                                                       {nan, 1.0f},
+                                                                       {2.0f, nan},
+                                                                       {inf, 1.0f},
+                                                                       {2.0f, -inf}}) {
+    SCOPED_TRACE(std::to_string(ids) + " ids, " + std::to_string(parts) + " parts");
+    testing::expect_error([&] { check_received_counts("t", 1, ids, parts, capacity); },
+                          ErrorKind::runtime,
+                          {"table 't'", "rank 1 of the group", "capacity of 10"});
   }
 }
 

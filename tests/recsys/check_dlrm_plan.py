@@ -10,7 +10,9 @@ them against literal values; the text output's section is checked for its rows a
 Also big and small table-wise (P(fsdp@table)) on world 2: their members, blocks, exchange and
 the most loaded rank's totals (check_table_wise), and two table-wise tables of different dims
 (interaction "cat") whose busiest weights and busiest optimizer state lie on different members
-(check_table_wise_mixed).
+(check_table_wise_mixed). And the step cost's all-to-all items: 4 per group of tables that
+exchange rows over the same axes, in layer "embeddings", on world 1, 2 and 4, with one group of
+one table, one of two, and two groups on fsdp 2 x dp 2 (check_exchange_cost).
 
   check_dlrm_plan.py MESHTRAIN CONFIG
 """
@@ -278,6 +280,51 @@ def check_table_wise_mixed(meshtrain, config):
         fail(f"mixed table-wise: the text plan's total line is {line!r}, expected 4800 bytes")
 
 
+TWO_GROUP_RULES = ('partition.rules=[["embeddings/(big|small)/weight", "P(fsdp, None)"], '
+                   '["embeddings/wide/weight", "P(dp, None)"], [".*", "P()"]]')
+
+
+def check_exchange_cost(meshtrain, config):
+    """The step cost charges the row-wise (and table-wise) tables' all-to-alls as the run makes
+    them, one EmbeddingExchange per communicator of row axes of size > 1: exactly 4 items whose
+    `what` starts with "all-to-all" per group (id counts, ids and partial sums in forward, the
+    parts' dy in backward), all in layer "embeddings", named "(N tables)" with N the group's
+    tables, and none in a table's own layer. World 1: no group; world 2 and 4 (fsdp 2, and x tp
+    2): big alone over fsdp; world 2 with big and small table-wise over fsdp: one group of 2;
+    world 4 as fsdp 2 x dp 2 with big and small over fsdp and wide over dp: two groups."""
+    cases = [(1, ["--set", "mesh.tp=1"], {}),
+             (2, ["--set", "mesh.tp=1"], {"fsdp=2": 1}),
+             (4, ["--set", "mesh.tp=2"], {"fsdp=2": 1}),
+             (2, ["--set", TABLE_RULES], {"fsdp=2": 2}),
+             (4, ["--set", "mesh.dp=2", "--set", TWO_GROUP_RULES], {"fsdp=2": 2, "dp=2": 1})]
+    for world, sets, want in cases:
+        argv = [meshtrain, "plan", config, "--world", str(world), *sets, "--json"]
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode != 0:
+            fail(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}")
+        what = " ".join(argv[3:])
+        items = [i for i in json.loads(done.stdout)["cost"]["items"]
+                 if i["what"].startswith("all-to-all")]
+        stray = [i for i in items if i["layer"] != "embeddings"]
+        if stray:
+            fail(f"{what}: all-to-all cost items outside layer \"embeddings\": {stray}")
+        groups = {}
+        for i in items:
+            groups.setdefault(i["group"], []).append(i)
+        if sorted(groups) != sorted(want):
+            fail(f"{what}: all-to-all items in groups {sorted(groups)}, expected {sorted(want)}: "
+                 f"{items}")
+        for group, tables in want.items():
+            named = f"({tables} table{'s' if tables > 1 else ''})"
+            got = [(i["phase"], i["what"]) for i in groups[group]]
+            expect = [("forward", f"all-to-all id counts {named}"),
+                      ("forward", f"all-to-all ids {named}"),
+                      ("forward", f"all-to-all partial sums {named}"),
+                      ("backward", f"all-to-all dy of the parts {named}")]
+            if got != expect:
+                fail(f"{what}: group {group}'s all-to-all items are {got}, expected {expect}")
+
+
 def main():
     if len(sys.argv) != 3:
         fail("usage: check_dlrm_plan.py MESHTRAIN CONFIG")
@@ -318,6 +365,7 @@ def main():
             fail(f"the text plan's embedding tables section lacks {needle!r}:\n{body}")
     check_table_wise(meshtrain, config)
     check_table_wise_mixed(meshtrain, config)
+    check_exchange_cost(meshtrain, config)
     print("PASS")
 
 

@@ -649,14 +649,19 @@ def mode_trace(launcher, config, work):
         done = subprocess.run(argv, cwd=work, capture_output=True, text=True)
         if done.returncode != 0:
             fail(f"{' '.join(argv)} exited {done.returncode}: {done.stderr}")
-        row_wise = [t for t in json.loads(done.stdout)["embedding_tables"]["tables"]
+        doc = json.loads(done.stdout)
+        row_wise = [t for t in doc["embedding_tables"]["tables"]
                     if t["step"]["counts_all_to_all_bytes"] > 0]
         if np_ > 1 and not row_wise:
             fail(f"np {np_}: the plan places no table row-wise; the test needs one")
         # One exchange per communicator (EmbeddingExchange), in the order of its first table.
+        # The communicator is that of the row axes of size > 1 (as ParallelContext::comm and the
+        # plan make it): tables over (fsdp, dp) and (fsdp) share one when dp is 1.
+        sizes = doc["mesh"]["axes"]
         groups = {}
         for t in row_wise:
-            groups.setdefault(tuple(t["row_axes"]), []).append(t)
+            axes = tuple(a for a in t["row_axes"] if sizes[a] > 1)
+            groups.setdefault(axes, []).append(t)
         groups = list(groups.values())
         if np_ == 2 and len(row_wise) < 2:
             fail(f"np 2: the plan places {len(row_wise)} table row-wise; the test needs two in "
