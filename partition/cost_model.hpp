@@ -144,6 +144,19 @@ double overlapped_seconds(double a, double c, double overlap);
 // bandwidth plus max(its latency terms, link.collective_overhead).
 double collective_seconds(CollectiveKind kind, double bytes, int ranks, const LinkProfile& link);
 
+// The buckets layers/gradient_buckets.cpp cuts a DLRM's (options.gradient_bucket_mb) bucketed
+// gradients into: `gradients` in the order backward finishes them, each its group (any key
+// that is equal for the same communicator, e.g. its axes) and elements; the cap bucket_mb MiB
+// in floats, floored, at least 1 and at most INT_MAX (one MPI count); a new bucket when the
+// last is full or the group changes. Returns the buckets, each its group and elements, in
+// the order they start.
+struct GradientBucketRun {
+  std::vector<std::string> group;
+  int64_t elements = 0;
+};
+std::vector<GradientBucketRun> gradient_bucket_elements(
+    const std::vector<GradientBucketRun>& gradients, double bucket_mb);
+
 // One collective matmul on this rank: the GEMMs each algorithm runs, the travelling
 // block, the ranks (framework/comm/collective_matmul.cpp builds it from its operands,
 // layer_matmul_shapes for a TP layer).
