@@ -34,6 +34,11 @@
 //                          through the group's Communicator (the one the layers use):
 //                          (p-1)/p * 16 MiB / (their mean time - (p-1) latency); an
 //                          all-reduce of 16 MiB is reported in [measured]
+//     collective_overhead  what a small collective costs a step: every rank runs a GEMM
+//                          [128 x 512 x 512] then enters the call, no barrier between
+//                          tries, 200 each of an all-to-all of 256 floats per rank and an
+//                          8-byte all-reduce, alternating; the mean call over both kinds,
+//                          the tries and the ranks (spikes included), at least the latency
 //   overlap              per axis: the 8 MiB hop alone (h), k forward GEMMs [256 x 2048 x
 //                        2048] of about its length alone (c), and the hop started before
 //                        the GEMMs and waited for after them (b): (c + h - b) / min(c, h),

@@ -1,6 +1,7 @@
 #include "partition/cost_model.hpp"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <sstream>
 
@@ -89,6 +90,28 @@ double collective_matmul_seconds(const CollectiveMatmulShape& s,
   if (s.kind == CollectiveMatmulKind::all_gather) return (n - 1) * step + g;
   const double add = 3 * s.block_bytes / hw.memory_bandwidth;
   return g + (n - 1) * (step + add);
+}
+
+std::vector<GradientBucketRun> gradient_bucket_elements(
+    const std::vector<GradientBucketRun>& gradients, double bucket_mb) {
+  MESHTRAIN_REQUIRE(bucket_mb > 0 && std::isfinite(bucket_mb),
+                    "gradient buckets: bucket_mb must be positive, got ", bucket_mb);
+  // As GradientBuckets: the cap in floats, at least one, at most what one MPI call takes.
+  const double cap_floats = std::floor(bucket_mb * 1024.0 * 1024.0 / 4.0);
+  const int64_t cap =
+      static_cast<int64_t>(std::max(1.0, std::min(cap_floats, static_cast<double>(INT_MAX))));
+  std::vector<GradientBucketRun> buckets;
+  for (const GradientBucketRun& g : gradients) {
+    for (int64_t offset = 0; offset < g.elements;) {
+      if (buckets.empty() || buckets.back().group != g.group || buckets.back().elements == cap) {
+        buckets.push_back({g.group, 0});
+      }
+      const int64_t n = std::min(cap - buckets.back().elements, g.elements - offset);
+      buckets.back().elements += n;
+      offset += n;
+    }
+  }
+  return buckets;
 }
 
 CollectiveMatmulAlgorithm choose_collective_matmul(const CollectiveMatmulShape& s,
@@ -332,28 +355,20 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
   std::vector<size_t> forward_start(count, 0), backward_start(count, 0);
   // Gradient all-reduces ZeRO-1 does once per step instead (deferred by the layer).
   std::vector<std::pair<std::string, LayerCollective>> deferred_reductions;
-  // Gradient all-reduces run in buckets (options.gradient_bucket_mb), per group in the order
-  // backward finishes them.
-  struct GradientBucketCost {
+  // Gradient all-reduces run in buckets (options.gradient_bucket_mb), in the order backward
+  // finishes them: each gradient's group, elements, bytes per element and layer.
+  struct BucketedGradient {
+    std::string layer;
     std::vector<std::string> axes;
     int ranks = 1;
-    double bytes = 0.0;
-    int gradients = 0;
-    std::vector<std::string> layers;
+    int64_t elements = 0;
+    double element_bytes = 0.0;
   };
-  std::vector<GradientBucketCost> gradient_buckets;
+  std::vector<BucketedGradient> bucketed;
   auto add_to_bucket = [&](const std::string& layer, const LayerCollective& c) {
-    auto same = std::find_if(gradient_buckets.begin(), gradient_buckets.end(),
-                             [&](const GradientBucketCost& b) { return b.axes == c.axes; });
-    if (same == gradient_buckets.end()) {
-      gradient_buckets.push_back({c.axes, c.ranks, 0.0, 0, {}});
-      same = gradient_buckets.end() - 1;
-    }
-    double elements = 1.0;
-    for (int64_t d : c.shape) elements *= static_cast<double>(d);
-    same->bytes += elements * static_cast<double>(c.element_bytes);
-    ++same->gradients;
-    if (same->layers.empty() || same->layers.back() != layer) same->layers.push_back(layer);
+    int64_t elements = 1;
+    for (int64_t d : c.shape) elements *= d;
+    bucketed.push_back({layer, c.axes, c.ranks, elements, static_cast<double>(c.element_bytes)});
   };
   // An MoE parameter gathered over its group arrives as the members' blocks in rank order and
   // is placed into [d0, d1, d2]; its gradient is cut into blocks before the reduce-scatter
@@ -778,22 +793,37 @@ StepCost predict_step(const ShardingPlan& plan, const PlanOptions& options,
     }
   }
   // Bucketed gradients (options.gradient_bucket_mb: a DLRM's linear layers, layers/dlrm.cpp):
-  // waited for at the end of backward, one all-reduce per bucket of each group, the group's
-  // bytes cut at the cap (layers/gradient_buckets.cpp fills each bucket to the cap before it
-  // opens the next).
-  for (const GradientBucketCost& b : gradient_buckets) {
-    const double cap = options.gradient_bucket_mb * 1024.0 * 1024.0;
-    const double calls = std::max(1.0, std::ceil(b.bytes / cap));
+  // waited for at the end of backward, one all-reduce per bucket, cut as
+  // layers/gradient_buckets.cpp cuts them (gradient_bucket_elements): one item per run of
+  // gradients over the same group, its buckets full but the last.
+  for (size_t first = 0; first < bucketed.size();) {
+    size_t end = first + 1;
+    while (end < bucketed.size() && bucketed[end].axes == bucketed[first].axes) ++end;
+    std::vector<GradientBucketRun> run;
+    std::vector<std::string> layers;
+    for (size_t g = first; g < end; ++g) {
+      run.push_back({bucketed[g].axes, bucketed[g].elements});
+      if (layers.empty() || layers.back() != bucketed[g].layer) layers.push_back(bucketed[g].layer);
+    }
+    const BucketedGradient& b = bucketed[first];
+    const LinkProfile link = hw.group_link(b.axes);
+    double seconds = 0.0;
+    const std::vector<GradientBucketRun> buckets =
+        gradient_bucket_elements(run, options.gradient_bucket_mb);
+    for (const GradientBucketRun& bucket : buckets) {
+      seconds +=
+          collective_seconds(CollectiveKind::all_reduce,
+                             static_cast<double>(bucket.elements) * b.element_bytes, b.ranks, link);
+    }
     std::ostringstream what;
-    what << "all-reduce gradients in " << calls << " bucket" << (calls > 1 ? "s" : "") << " ("
-         << b.gradients << " gradients of " << b.layers.size() << " layers: " << join(b.layers)
-         << ")";
-    const double full = calls > 1 ? cap : b.bytes;
-    const double last = b.bytes - (calls - 1) * cap;
-    add("gradient buckets", "backward", "collective", what.str(), group_text(b.axes, mesh),
-        (calls - 1) * collective_seconds(CollectiveKind::all_reduce, full, b.ranks,
-                                         hw.group_link(b.axes)) +
-            collective_seconds(CollectiveKind::all_reduce, last, b.ranks, hw.group_link(b.axes)));
+    what << "all-reduce gradients in " << buckets.size() << " bucket"
+         << (buckets.size() == 1 ? "" : "s") << " (" << end - first << " gradients of "
+         << layers.size() << " layers: " << join(layers) << ")";
+    if (!buckets.empty()) {
+      add("gradient buckets", "backward", "collective", what.str(), group_text(b.axes, mesh),
+          seconds);
+    }
+    first = end;
   }
   // The prefetched gathers: the part the compute between start and wait hides (the other
   // communication in between runs on the same links and hides nothing).

@@ -28,11 +28,12 @@
 //               matmul_reduce_scatter / all_gather_matmul (framework/comm/
 //               collective_matmul.hpp). b = the travelling block's bytes, n = tp, g = one
 //               step's GEMM time (ring: the block's GEMM; bidirectional: two GEMMs of half
-//               a block), one hop h = latency (or collective_overhead when more) +
-//               b / exchange_bandwidth (ring: every rank
-//               sends and receives a block at once) or latency + b / bidirectional_bandwidth
-//               (both halves at once, one each way), each step the hop beside the step's
-//               GEMMs, s = g + h - e * min(g, h):
+//               a block), one hop h = max(latency, collective_overhead) +
+//               b / exchange_bandwidth (ring: every rank sends and receives a block at once)
+//               or max(latency, collective_overhead) + b / bidirectional_bandwidth (both
+//               halves at once, one each way), each step the hop beside the step's GEMMs,
+//               s = g + h - e * min(g, h) (ring and bidirectional pay the overhead per hop,
+//               naive once per collective: a larger overhead moves `automatic` to naive):
 //                 naive          its GEMMs + the all-gather / reduce-scatter above
 //                 ring, bidirectional  all-gather: (n-1) * s + g
 //                                reduce-scatter: g + (n-1) * (s + 3b / memory_bandwidth)
@@ -117,7 +118,8 @@
 //               An MoE layer reduces its gradients in its own backward (never deferred to the
 //               step's end: also with accumulation or ZeRO-1), is never prefetched and starts
 //               no FSDP prefetch of a neighbouring layer's weight (layers/mlp.cpp).
-//   scalars     the loss's all-reduce of 3 numbers over every axis: latency only.
+//   scalars     the loss's all-reduce of 3 numbers over every axis: its latency terms (or
+//               the collective_overhead when more), no bandwidth to speak of.
 // With accumulation_steps > 1 every part but the optimizer runs once per micro-batch, and
 // the gradient sum adds 3 passes of the gradient per micro-batch.
 // Not modelled: gradient clipping (one pass and a scalar all-reduce), kernel launches,
@@ -141,6 +143,19 @@ double overlapped_seconds(double a, double c, double overlap);
 // (0 for one rank); an all-to-all's `bytes` are what this rank sends. Its bytes at the link's
 // bandwidth plus max(its latency terms, link.collective_overhead).
 double collective_seconds(CollectiveKind kind, double bytes, int ranks, const LinkProfile& link);
+
+// The buckets layers/gradient_buckets.cpp cuts a DLRM's (options.gradient_bucket_mb) bucketed
+// gradients into: `gradients` in the order backward finishes them, each its group (any key
+// that is equal for the same communicator, e.g. its axes) and elements; the cap bucket_mb MiB
+// in floats, floored, at least 1 and at most INT_MAX (one MPI count); a new bucket when the
+// last is full or the group changes. Returns the buckets, each its group and elements, in
+// the order they start.
+struct GradientBucketRun {
+  std::vector<std::string> group;
+  int64_t elements = 0;
+};
+std::vector<GradientBucketRun> gradient_bucket_elements(
+    const std::vector<GradientBucketRun>& gradients, double bucket_mb);
 
 // One collective matmul on this rank: the GEMMs each algorithm runs, the travelling
 // block, the ranks (framework/comm/collective_matmul.cpp builds it from its operands,

@@ -19,9 +19,14 @@ if [ "$np" -ge 2 ]; then
   for key in ring_reduce_scatter_bandwidth ring_all_reduce_bandwidth; do
     grep -q "^$key = " "$dir/hw.toml" || { echo "FAIL: no $key in:"; cat "$dir/hw.toml"; exit 1; }
   done
-  # What a small collective costs after compute on every rank: on every axis, positive.
-  awk '/^collective_overhead = / { n++; if (!($3 + 0 > 0)) bad = 1 } END { exit !(n == 5 && !bad) }' \
-      "$dir/hw.toml" || { echo "FAIL: collective_overhead missing or not positive in:"; cat "$dir/hw.toml"; exit 1; }
+  # What a small collective costs after compute on every rank: in every [links.*] table,
+  # positive and at least that table's latency (calibrate raises it to the latency).
+  awk '/^\[/ { links = ($0 ~ /^\[links\./); latency = ""; next }
+       links && /^latency = / { latency = $3 + 0 }
+       links && /^collective_overhead = / {
+         n++; if (!($3 + 0 > 0) || latency == "" || $3 + 0 < latency) bad = 1 }
+       END { exit !(n == 5 && !bad) }' "$dir/hw.toml" ||
+    { echo "FAIL: collective_overhead missing, not positive or below its latency in:"; cat "$dir/hw.toml"; exit 1; }
   grep -q '_collective_overhead = "after a ' "$dir/hw.toml" ||
     { echo "FAIL: no collective_overhead figures in [measured]:"; cat "$dir/hw.toml"; exit 1; }
   grep -q '_reductions_1048576_bytes = "reduce-scatter library' "$dir/hw.toml" ||

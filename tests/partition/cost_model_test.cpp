@@ -301,20 +301,85 @@ TEST(CostModel, BucketedGradientsAreOneAllReducePerBucket) {
   }
   EXPECT_EQ(buckets, 1);
   EXPECT_EQ(gradient_items, 0);
-  // A cap below the bytes cuts them: 100 B buckets (1e-4 MiB = 104.9 B) hold 232 B in 3
-  // calls, 2 full and one of the rest, each 1e-3 + S / 5e7.
+  // A cap below the bytes cuts them: 1e-4 MiB = 104.9 B, floored to 26 floats: the 58
+  // floats in 3 calls (26, 26, 6), each 1e-3 + S / 5e7.
   options.gradient_bucket_mb = 1e-4;
-  const double cap = 1e-4 * 1024 * 1024;
   EXPECT_NEAR(predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::automatic)
                   .collective_s,
               4e-3 + (24 + 232) / 5e7, 1e-9);
-  EXPECT_GT(232 - 2 * cap, 0.0);  // the third bucket is not empty
-  // ZeRO-1 and accumulation keep their own once-per-step reductions.
-  options.accumulation_steps = 4;
-  options.gradient_bucket_mb = 25;
-  EXPECT_NEAR(predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::automatic)
-                  .collective_s,
-              4 * (1e-3 + 24 / 5e7) + 4 * 1e-3 + 232 / 5e7, kTolerance);
+  // ZeRO-1 defers the gradients to its reduce-scatters at the update (a DLRM never runs it:
+  // run/dlrm_run.cpp): with buckets asked for, the plan keeps ZeRO-1's own items.
+  options.zero_stage = 1;
+  const StepCost zero1 =
+      predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::automatic);
+  options.gradient_bucket_mb = 0;
+  const StepCost zero1_unbucketed =
+      predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::automatic);
+  ASSERT_EQ(zero1.items.size(), zero1_unbucketed.items.size());
+  for (size_t i = 0; i < zero1.items.size(); ++i) {
+    EXPECT_EQ(zero1.items[i].layer, zero1_unbucketed.items[i].layer);
+    EXPECT_EQ(zero1.items[i].what, zero1_unbucketed.items[i].what);
+    EXPECT_EQ(zero1.items[i].seconds, zero1_unbucketed.items[i].seconds);
+    EXPECT_NE(zero1.items[i].layer, "gradient buckets");
+  }
+  EXPECT_EQ(zero1.total_s, zero1_unbucketed.total_s);
+}
+
+// The buckets are cut as layers/gradient_buckets.cpp cuts them: the cap in floats, floored
+// (here 35 B: 8 floats), a new bucket when the group changes, so a group that comes back
+// after another opens its own.
+TEST(CostModel, GradientBucketsAreCutAsGradientBucketsCutsThem) {
+  const double cap_35_bytes = 35.0 / (1024.0 * 1024.0);
+  const std::vector<std::string> dp = {"dp"}, tp = {"tp"};
+  auto elements_of = [](const std::vector<GradientBucketRun>& buckets) {
+    std::vector<int64_t> out;
+    for (const GradientBucketRun& b : buckets) out.push_back(b.elements);
+    return out;
+  };
+  // dp 30 + 4 floats (136 B: 4 buckets of 35 B would hold them, 8 floats need 5), tp 5, dp 3.
+  const std::vector<GradientBucketRun> buckets =
+      gradient_bucket_elements({{dp, 30}, {dp, 4}, {tp, 5}, {dp, 3}}, cap_35_bytes);
+  EXPECT_EQ(elements_of(buckets), (std::vector<int64_t>{8, 8, 8, 8, 2, 5, 3}));
+  ASSERT_EQ(buckets.size(), 7u);
+  EXPECT_EQ(buckets[4].group, dp);
+  EXPECT_EQ(buckets[5].group, tp);
+  EXPECT_EQ(buckets[6].group, dp);
+  // At least one float; at most INT_MAX (one MPI count); empty gradients open none.
+  EXPECT_EQ(elements_of(gradient_bucket_elements({{dp, 3}, {dp, 0}}, 1e-9)),
+            (std::vector<int64_t>{1, 1, 1}));
+  EXPECT_EQ(elements_of(gradient_bucket_elements({{dp, 3000000000}}, 1e6)),
+            (std::vector<int64_t>{2147483647, 3000000000 - 2147483647}));
+  EXPECT_TRUE(gradient_bucket_elements({{dp, 0}}, 25).empty());
+  EXPECT_THROW(gradient_bucket_elements({{dp, 3}}, 0), Error);
+
+  // In a step: MLP [4, 8, 8, 2] on dp = 2 x tp = 2, replicated; the middle layer's gradients
+  // moved onto tp (as a layer over another communicator between two over dp). Backward
+  // finishes layer 2 (16 + 2 floats, dp: 8, 8, 2), layer 1 (64 + 8, tp: 9 x 8), layer 0
+  // (32 + 8, dp: 5 x 8): three items, 17 calls over 2 ranks, each 1e-3 + S / 5e7.
+  const Mesh mesh = Mesh::create({{"dp", 2}, {"tp", 2}}, 4, "test");
+  PlanOptions options;
+  options.min_sharding_size = 0;
+  options.global_batch = 4;
+  options.gradient_bucket_mb = cap_35_bytes;
+  ShardingPlan plan = small_plan(mesh, {{".*", PartitionSpec(), false}}, options, {4, 8, 8, 2});
+  for (LayerCollective& c : plan.layers[1].collectives) {
+    if (c.operand == "weight gradient" || c.operand == "bias gradient") c.axes = tp;
+  }
+  const StepCost cost =
+      predict_step(plan, options, slow_machine(), CollectiveMatmulAlgorithm::automatic);
+  std::vector<std::string> groups, whats;
+  double seconds = 0.0;
+  for (const CostItem& item : cost.items) {
+    if (item.layer != "gradient buckets") continue;
+    groups.push_back(item.group);
+    whats.push_back(item.what.substr(0, item.what.find(" (")));
+    seconds += item.seconds;
+  }
+  EXPECT_EQ(groups, (std::vector<std::string>{"dp=2", "tp=2", "dp=2"}));
+  EXPECT_EQ(whats, (std::vector<std::string>{"all-reduce gradients in 3 buckets",
+                                             "all-reduce gradients in 9 buckets",
+                                             "all-reduce gradients in 5 buckets"}));
+  EXPECT_NEAR(seconds, 17e-3 + 4 * (18 + 72 + 40) / 5e7, kTolerance);
 }
 
 TEST(CostModel, FsdpStepGathersTheWeightTwiceAndReduceScattersItsGradient) {

@@ -161,6 +161,42 @@ def check_json(meshtrain, config, world, tp, optimizer):
     return section
 
 
+def check_gradient_buckets(meshtrain):
+    """The DLRM's linear layers all-reduce their gradients in buckets (layers/dlrm.cpp, runtime.
+    bucket_mb; plan_options switches the plan to them for model.kind = "dlrm"): the step cost of
+    configs/dlrm_synthetic.toml holds one "gradient buckets" item for its one group (the MLPs
+    are replicated, their gradients summed over fsdp: fsdp=2 on world 2, fsdp=4 on world 4) and
+    no per-layer gradient all-reduce of a linear layer. Its 8 gradients (top/1, top/0, bottom/1,
+    bottom/0, weight and bias each) are 25,553 floats: one bucket at the default 25 MiB, two at
+    runtime.bucket_mb = 0.05 (13,107 floats, as layers/gradient_buckets.cpp floors it)."""
+    config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs",
+                          "dlrm_synthetic.toml")
+    layers = ["top/1", "top/0", "bottom/1", "bottom/0"]
+    cases = [(2, [], 1), (4, [], 1), (2, ["--set", "runtime.bucket_mb=0.05"], 2)]
+    for world, sets, buckets in cases:
+        argv = [meshtrain, "plan", config, "--world", str(world), *sets, "--json"]
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode != 0:
+            fail(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}")
+        what = " ".join(argv[2:])
+        doc = json.loads(done.stdout)
+        floats = sum(p["shape"][0] * (p["shape"][1] if len(p["shape"]) > 1 else 1)
+                     for p in doc["parameters"] if not p["name"].startswith("embeddings/"))
+        if floats != 25553:
+            fail(f"{what}: the linear layers hold {floats} floats, not 25553")
+        items = doc["cost"]["items"]
+        bucketed = [i for i in items if i["layer"] == "gradient buckets"]
+        want = [{"phase": "backward", "category": "collective", "group": f"fsdp={world}",
+                 "what": f"all-reduce gradients in {buckets} bucket{'s' if buckets > 1 else ''} "
+                         f"(8 gradients of 4 layers: {', '.join(layers)})"}]
+        got = [{k: i[k] for k in want[0]} for i in bucketed]
+        if got != want or not bucketed[0]["seconds"] > 0:
+            fail(f"{what}: the gradient buckets items are {bucketed}, expected {want}")
+        own = [i for i in items if i["layer"] in layers and i["category"] == "collective"]
+        if own:
+            fail(f"{what}: linear layers with their own collectives besides the buckets: {own}")
+
+
 TABLE_RULES = ('partition.rules=[["embeddings/(big|small)/weight", "P(fsdp@table)"], '
                '["embeddings/wide/weight", "P(None, tp)"], [".*", "P()"]]')
 
@@ -348,6 +384,7 @@ def main():
                 for got, want in literal:
                     if got != want:
                         fail(f"world 4: a literal figure is {got}, not {want}: {section}")
+    check_gradient_buckets(meshtrain)
     # The text: the section's header, a row per table with its placement and block, the totals.
     text = plan(meshtrain, config, 4, 2, "dense", False)
     lines = text.splitlines()
