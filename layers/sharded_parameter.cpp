@@ -452,7 +452,8 @@ HalfMatrixView ShardedParameter::gradient_matrix_16bit(LayerScratch& scratch) {
                       value().name, "': no gradient scratch for its 16-bit gradient");
     return HalfMatrixView(reinterpret_cast<uint16_t*>(scratch.grad.data()), d1, d2);
   }
-  return HalfMatrixView(allreduce_->all_reduce_wire(static_cast<size_t>(d1 * d2)), d1, d2);
+  wire_written_ = HalfMatrixView(allreduce_->all_reduce_wire(static_cast<size_t>(d1 * d2)), d1, d2);
+  return wire_written_;
 }
 
 VectorView ShardedParameter::gradient(LayerScratch& scratch) {
@@ -494,23 +495,31 @@ void ShardedParameter::reduce(LayerScratch& scratch, bool all_reduce) {
   }
   if (method_ == GatherMethod::by_dims && writes_16bit_gradient(all_reduce)) {
     // Written as 16 bits of the wire's dtype: sent as they are.
-    const HalfMatrixView g = gradient_matrix_16bit(scratch);
     MatrixView dst = grad().matrix();
+    if (!gathered()) {
+      // Where the producer wrote it: the buffer all_reduce_wire handed out in backward, checked
+      // there (the same buffer, no blocking 16-bit operation since).
+      MESHTRAIN_REQUIRE(wire_written_.data() != nullptr, "parameter '", value().name,
+                        "': its gradient was not written as 16 bits (gradient_matrix_16bit) "
+                        "before reduce()");
+      const HalfMatrixView written = wire_written_;
+      wire_written_ = HalfMatrixView();
+      allreduce_->all_reduce_from_wire(written, dst, wire);  // (unscaled, all_reduce: writes_16bit)
+      ++reduced_from_16bit_;
+      return;
+    }
+    const HalfMatrixView g = gradient_matrix_16bit(scratch);
     if (gather1_ && gather2_) {
       MatrixView stage(scratch.stage.data(), g_.stored[1], g_.compute[2]);
       gather1_->reduce_scatter_16bit(g, stage, 0, wire);
       gather2_->reduce_scatter(stage, dst, 1, wire);  // 16-bit sums: packed exactly
     } else if (gather1_) {
       gather1_->reduce_scatter_16bit(g, dst, 0, wire);
-    } else if (gather2_) {
-      gather2_->reduce_scatter_16bit(g, dst, 1, wire);
     } else {
-      allreduce_->all_reduce_from_wire(dst, wire);  // (unscaled, all_reduce: writes_16bit)
+      gather2_->reduce_scatter_16bit(g, dst, 1, wire);
     }
-    if (gathered()) {
-      if (scale_ != 1.0f) scale_matrix(dst, scale_);
-      if (allreduce_ && all_reduce) allreduce_->all_reduce(dst, ReduceOp::sum, wire);
-    }
+    if (scale_ != 1.0f) scale_matrix(dst, scale_);
+    if (allreduce_ && all_reduce) allreduce_->all_reduce(dst, ReduceOp::sum, wire);
     ++reduced_from_16bit_;
     return;
   }

@@ -154,7 +154,8 @@ class ShardedParameter {
   bool writes_16bit_gradient(bool all_reduce) const {
     return grad_16bit_ && !grad().stored_16bit() && (gathered() || all_reduce);
   }
-  // Where the producer writes it then (valid until reduce()).
+  // Where the producer writes it then (valid until reduce()); once a reduction (ungathered: the
+  // all-reduce's 16-bit buffer is handed out once, reduce() sums it from there).
   HalfMatrixView gradient_matrix_16bit(LayerScratch& scratch);
   // How many reduce() calls took the gradient as 16 bits (tests: the path is taken).
   std::size_t gradients_reduced_from_16bit() const { return reduced_from_16bit_; }
@@ -216,6 +217,9 @@ class ShardedParameter {
   // and the count of reductions that took it so.
   bool grad_16bit_ = false;
   bool may_write_16bit_ = false;
+  // An ungathered one: its all-reduce's 16-bit buffer as gradient_matrix_16bit handed it to the
+  // producer, summed from there by reduce() (all_reduce_from_wire checks it is still valid).
+  HalfMatrixView wire_written_;
   std::size_t reduced_from_16bit_ = 0;
 };
 

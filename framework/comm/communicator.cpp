@@ -389,6 +389,7 @@ void retire_buffers(Request::WirePool& pool, std::initializer_list<HalfBits*> bu
 }  // namespace
 
 void Communicator::reserve_wire(std::size_t send_elements, std::size_t recv_elements) {
+  ++wire_uses_;  // may move the buffers
   grown(wire_send_, send_elements);
   grown(wire_recv_, recv_elements);
 }
@@ -429,10 +430,12 @@ void Communicator::reserve_started_16bit_all_reduces(std::size_t count, std::siz
 }
 
 uint16_t* Communicator::wire_send(std::size_t count) {
+  ++wire_uses_;
   return grown(wire_send_, count);
 }
 
 uint16_t* Communicator::wire_recv(std::size_t count) {
+  ++wire_uses_;
   return grown(wire_recv_, count);
 }
 
@@ -802,17 +805,32 @@ void Communicator::reduce_scatter_16bit(ConstHalfMatrixView send, MatrixView rec
 }
 
 uint16_t* Communicator::all_reduce_wire(std::size_t count) {
-  return wire_recv(count);
+  MESHTRAIN_REQUIRE(wire_handed_out_at_ != wire_uses_, "all_reduce_wire on ", description_,
+                    ": its 16-bit buffer is already handed out and not yet summed "
+                    "(all_reduce_from_wire)");
+  uint16_t* bits = wire_recv(count);
+  wire_handed_out_at_ = wire_uses_;
+  return bits;
 }
 
-void Communicator::all_reduce_from_wire(MatrixView data, Dtype dtype) {
+void Communicator::all_reduce_from_wire(ConstHalfMatrixView written, MatrixView data, Dtype dtype) {
   const char* op = "all_reduce";
   MESHTRAIN_REQUIRE(is_16bit(dtype), op, " of 16-bit elements on ", description_, " given fp32");
   require_contiguous(data, description_, op, "data");
   const std::size_t count = data.span();
-  MESHTRAIN_REQUIRE(wire_recv_.extent(0) >= count, op, " on ", description_, ": ", count,
-                    " elements written as 16 bits, but its 16-bit buffer holds ",
-                    wire_recv_.extent(0), " (all_reduce_wire first)");
+  MESHTRAIN_REQUIRE(written.extent(0) == data.extent(0) && written.extent(1) == data.extent(1), op,
+                    " on ", description_, ": ", written.extent(0), " x ", written.extent(1),
+                    " elements written as 16 bits, summed into ", data.extent(0), " x ",
+                    data.extent(1));
+  MESHTRAIN_REQUIRE(written.data() != nullptr && written.data() == wire_recv_.data() &&
+                        wire_recv_.extent(0) >= count,
+                    op, " on ", description_,
+                    ": the 16-bit elements given are not its 16-bit buffer (all_reduce_wire)");
+  MESHTRAIN_REQUIRE(wire_handed_out_at_ == wire_uses_, op, " on ", description_,
+                    ": a blocking 16-bit operation ran since all_reduce_wire handed out its "
+                    "16-bit buffer (or it was summed already), so the elements written there "
+                    "are gone");
+  ++wire_uses_;  // this sum is itself one: the buffer is summed once
   TraceSpan span("all-reduce", TraceKind::collective);
   describe_collective(span, CollectiveKind::all_reduce, description_, size_, count, dtype);
   FlightScope flight(flight_group_, op, count * bytes_of(dtype), dtype);

@@ -187,13 +187,16 @@ class Communicator {
   void all_reduce(VectorView data, ReduceOp op = ReduceOp::sum, Dtype wire = Dtype::fp32);
   void all_reduce(MatrixView data, ReduceOp op = ReduceOp::sum, Dtype wire = Dtype::fp32);
   // all_reduce(data, sum, dtype) of values a producer has written as 16 bits of `dtype` (bf16 or
-  // fp16) into all_reduce_wire(data.extent(0)): that buffer summed as the blocking all-reduce
-  // sums its packed copy, without the packing pass, and the sum widened into `data` (contiguous).
-  // all_reduce_wire(count) is the blocking 16-bit buffer (grown to `count` elements, kept; valid
-  // until the next blocking 16-bit operation on this communicator), where a weight-gradient GEMM
-  // writes its 16-bit C (layers/sharded_parameter.hpp).
+  // fp16) into `written`, the buffer all_reduce_wire(data.span()) returned: that buffer summed as
+  // the blocking all-reduce sums its packed copy, without the packing pass, and the sum widened
+  // into `data` (contiguous, the shape of `written`).
+  // all_reduce_wire(count) is the blocking 16-bit buffer (grown to `count` elements, kept), where
+  // a weight-gradient GEMM writes its 16-bit C (layers/sharded_parameter.hpp). It is valid until
+  // the next blocking 16-bit operation on this communicator: all_reduce_from_wire requires that
+  // `written` is that buffer and that no blocking 16-bit operation (another all_reduce_wire
+  // included) ran since it was handed out (a count of them, recorded then), and is itself one.
   uint16_t* all_reduce_wire(std::size_t count);
-  void all_reduce_from_wire(MatrixView data, Dtype dtype);
+  void all_reduce_from_wire(ConstHalfMatrixView written, MatrixView data, Dtype dtype);
   // The same in double precision (sums of many scalars stay exact to 2^53).
   void all_reduce(DoubleVectorView data, ReduceOp op = ReduceOp::sum);
   void broadcast(VectorView data, int root);
@@ -361,6 +364,9 @@ class Communicator {
   ReductionChoice reduction_choice_;
   Kokkos::View<float*, Kokkos::LayoutRight> scratch_;  // dim-1 staging, grown on demand
   HalfBits wire_send_, wire_recv_;                     // blocking 16-bit operations
+  // How many blocking 16-bit operations have used (or grown) wire_send_/wire_recv_, and that
+  // count when all_reduce_wire last handed out wire_recv_ (all_reduce_from_wire checks it).
+  std::uint64_t wire_uses_ = 0, wire_handed_out_at_ = ~std::uint64_t{0};
   // all_to_all_v's element counts and offsets: send counts, send offsets, recv counts, recv
   // offsets, size_ entries each (sized at construction: calls allocate nothing).
   std::vector<std::size_t> v_layout_;

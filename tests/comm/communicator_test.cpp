@@ -410,6 +410,58 @@ TEST(Communicator, WireReductionsSumIn16Bits) {
   }
 }
 
+// all_reduce_from_wire sums the 16-bit elements a producer wrote into the buffer all_reduce_wire
+// handed out (each element a 16-bit sum of the ranks' rounded contributions, is_wire_sum), and
+// refuses what would sum anything else: elements elsewhere, a buffer a blocking 16-bit operation
+// has used since, one summed already, and a second hand-out while the first is unsummed.
+TEST(Communicator, AllReduceFromWireSumsOnlyTheBufferHandedOut) {
+  TestGroups tg;
+  for (const Group& g : tg.groups()) {
+    Communicator& comm = *g.comm;
+    const int n = comm.size();
+    const std::size_t r = 3, c = 7;
+    for (const Wire& wire : kWires) {
+      const std::string where = std::string(wire.name) + " on " + g.name;
+      SCOPED_TRACE(where);
+      const DeviceMatrix mine = rank_block(g, comm.rank(), r, c, 25);
+      DeviceMatrix out("out", r, c);
+      uint16_t* bits = comm.all_reduce_wire(r * c);
+      pack_16bit(mine.data(), bits, r * c, wire.dtype);  // the producer
+      const ConstHalfMatrixView written(bits, r, c);
+      comm.all_reduce_from_wire(written, out, wire.dtype);
+      const HostMatrix got = to_host(out);
+      std::vector<float> terms(static_cast<std::size_t>(n));
+      for (std::size_t k = 0; k < r * c; ++k) {
+        for (int j = 0; j < n; ++j)
+          terms[j] = rounded_host_block(g, j, r, c, 25, wire.dtype).data()[k];
+        ASSERT_TRUE(is_wire_sum(got.data()[k], terms, wire)) << "element " << k;
+      }
+      // Summed already.
+      expect_error([&] { comm.all_reduce_from_wire(written, out, wire.dtype); }, ErrorKind::runtime,
+                   {"all_reduce on", "ran since all_reduce_wire"});
+      // Not the buffer handed out (nor its shape).
+      const ConstHalfMatrixView fresh(comm.all_reduce_wire(r * c), r, c);
+      HalfMatrix elsewhere("elsewhere", r, c);
+      expect_error([&] { comm.all_reduce_from_wire(elsewhere, out, wire.dtype); },
+                   ErrorKind::runtime, {"not its 16-bit buffer"});
+      expect_error(
+          [&] {
+            comm.all_reduce_from_wire(ConstHalfMatrixView(fresh.data(), c, r),
+                                      MatrixView(out.data(), r, c), wire.dtype);
+          },
+          ErrorKind::runtime, {"7 x 3 elements written as 16 bits, summed into 3 x 7"});
+      // Handed out twice before it is summed.
+      expect_error([&] { comm.all_reduce_wire(r * c); }, ErrorKind::runtime,
+                   {"already handed out"});
+      // A blocking 16-bit operation on the same communicator in between.
+      DeviceMatrix other = rank_block(g, comm.rank(), 2, 5, 26);
+      comm.all_reduce(MatrixView(other), ReduceOp::sum, wire.dtype);
+      expect_error([&] { comm.all_reduce_from_wire(fresh, out, wire.dtype); }, ErrorKind::runtime,
+                   {"a blocking 16-bit operation ran since all_reduce_wire"});
+    }
+  }
+}
+
 // A 16-bit sum beyond the dtype's largest value is inf (fp16 overflows at 65520, bf16 near
 // 3.4e38); a contribution beyond it is inf already on the wire.
 TEST(Communicator, WireSumsOverflowToInf) {

@@ -78,6 +78,7 @@
 #include "layers/mlp.hpp"
 #include "partition/planner.hpp"
 #include "partition/rules.hpp"
+#include "partition/sixteen_bit_storage.hpp"
 #include "tests/support/backend.hpp"
 #include "tests/support/full_tensor.hpp"
 #include "tests/support/reference_activations.hpp"
@@ -360,6 +361,7 @@ struct RunResult {
   // took it so (over every backward).
   int weights_writing_16bit_gradients = 0;
   std::size_t gradients_reduced_from_16bit = 0;
+  std::vector<LinearLayout> linear_layouts;  // every Linear's, in order
   // Mlp::store_gradients_16bit's count (grads16 runs), and, while the memory tracker is installed,
   // the live bytes of the allocations that hold the gradients (matched by their data, as a run's
   // report matches them) and of the DP buckets' 16-bit buffer.
@@ -548,6 +550,7 @@ RunResult run_model(const ModelCase& m, const LayoutCase& layout, const MixedPre
   for (const Linear& l : read.layers()) {
     run.weights_writing_16bit_gradients += l.weight_parameter().writes_16bit_gradient(true);
     run.gradients_reduced_from_16bit += l.weight_parameter().gradients_reduced_from_16bit();
+    run.linear_layouts.push_back(l.layout());
   }
   return run;
 }
@@ -864,11 +867,15 @@ void expect_bit_identical(const RunResult& a, const RunResult& b) {
 // steps give bit for bit the loss, logits, gradients and parameters of the same run with the fp32
 // gradient packed by the reduce-scatter (ParallelContext::set_write_16bit_weight_gradients(false)),
 // with overlap off and on: on fsdp over every rank and, at np 4, fsdp x dp, fsdp x tp with the
-// columns split (column-parallel: the first layer's one GEMM) and a weight gathered over two
-// groups (fsdp on dim 0, dp on dim 1: the first reduce-scatter from the 16 bits).
+// columns split (column-parallel: the first layer's one GEMM), a weight gathered over two
+// groups (fsdp on dim 0, dp on dim 1: the first reduce-scatter from the 16 bits), one gathered on
+// dim 1 alone (dp: reduce_scatter_16bit's column reorder) and the two tuple layouts (dim 0 split
+// over two axes). Each Linear that writes_16bit_gathered_gradient names writes 16 bits. One rank
+// gathers nothing, so takes no 16-bit path: skipped there.
 TEST(MixedPrecision, FsdpGradientsWrittenAs16BitsMatchTheFp32Scratch) {
-  const MixedPrecision bf16{Dtype::bf16, Dtype::bf16};
   const int n = world_size();
+  if (n == 1) GTEST_SKIP() << "one rank gathers no weight, so no gradient is written as 16 bits";
+  const MixedPrecision bf16{Dtype::bf16, Dtype::bf16};
   std::vector<LayoutCase> layouts = {
       {"fsdp" + std::to_string(n), {{"fsdp", n}}, "fsdp", 0, "", "", true}};
   if (n == 4) {
@@ -877,6 +884,17 @@ TEST(MixedPrecision, FsdpGradientsWrittenAs16BitsMatchTheFp32Scratch) {
         {"fsdp2_tp2_storage_2d", {{"fsdp", 2}, {"tp", 2}}, "", 0, "P(fsdp, tp)", "P(fsdp)", false});
     layouts.push_back(
         {"dp2_fsdp2_storage_2d", {{"dp", 2}, {"fsdp", 2}}, "", 0, "P(fsdp, dp)", "P(fsdp)", true});
+    layouts.push_back(
+        {"dp2_tp2_dp_storage", {{"dp", 2}, {"tp", 2}}, "", 0, "P(tp, dp)", "P(tp)", true});
+    layouts.push_back({"fsdp2_tp2_tuple",
+                       {{"fsdp", 2}, {"tp", 2}},
+                       "",
+                       0,
+                       "P((tp, fsdp), None)",
+                       "P((fsdp, tp))",
+                       true});
+    layouts.push_back(
+        {"dp2_fsdp2_tuple", {{"dp", 2}, {"fsdp", 2}}, "", 0, "P((fsdp, dp), None)", "P(dp)", true});
   }
   const int steps = 3;
   const bool writes = gemm_kernel_writes_16bit(Dtype::bf16);
@@ -889,12 +907,15 @@ TEST(MixedPrecision, FsdpGradientsWrittenAs16BitsMatchTheFp32Scratch) {
         const RunResult off =
             run_model(m, layout, &bf16, 1.0f, overlap, steps, true, nullptr, false);
         // Plain fsdp over n > 1 ranks gathers every weight (three Linears); the others gather
-        // some. Every weight that writes 16 bits does in each of the `steps` backward passes.
+        // some, and of those the Linears whose one GEMM writes the gradient write 16 bits. Every
+        // weight that writes 16 bits does in each of the `steps` backward passes.
+        int expected = 0;
+        for (const LinearLayout& l : on.linear_layouts)
+          expected += writes_16bit_gathered_gradient(l, true, writes);
+        EXPECT_EQ(on.weights_writing_16bit_gradients, expected);
         if (layout.preset == "fsdp") {
           EXPECT_EQ(on.weights_writing_16bit_gradients,
-                    writes && n > 1 ? static_cast<int>(m.sizes.size()) - 1 : 0);
-        } else {
-          EXPECT_EQ(on.weights_writing_16bit_gradients > 0, writes);
+                    writes ? static_cast<int>(m.sizes.size()) - 1 : 0);
         }
         EXPECT_EQ(on.gradients_reduced_from_16bit,
                   static_cast<std::size_t>(on.weights_writing_16bit_gradients) * steps);
@@ -917,16 +938,20 @@ TEST(MixedPrecision, FsdpGradientsWrittenAs16BitsMatchTheFp32Scratch) {
 // (Communicator::all_reduce_wire), summed there as it is (cast point 8; counted by the parameters),
 // and three training steps give bit for bit the loss, logits, gradients and parameters of the
 // fp32 gradient packed by the all-reduce (set_write_16bit_weight_gradients(false)), on dp over
-// every rank and, at np 4, dp x tp (the dp_tp preset: its row-parallel layers' products are
-// all-gather-matmuls, which keep the fp32 path; the runs stay bit for bit all the same). With
-// overlap on the buckets take the gradients (their own test above) and no reduction here does.
+// every rank and, at np 4, dp x tp with every weight's columns split over tp (P(None, tp):
+// column-parallel, stored whole over dp; the Linears whose one GEMM writes the gradient write 16
+// bits, those whose products are collective matmuls keep the fp32 path). With overlap on the
+// buckets take the gradients (their own test above) and no reduction here does. One rank has no
+// DP all-reduce, so takes no 16-bit path: skipped there.
 TEST(MixedPrecision, DpBlockingGradientsWrittenAs16BitsMatchTheFp32Path) {
-  const MixedPrecision bf16{Dtype::bf16, Dtype::bf16};
   const int n = world_size();
+  if (n == 1) GTEST_SKIP() << "one rank has no DP all-reduce, so no gradient written as 16 bits";
+  const MixedPrecision bf16{Dtype::bf16, Dtype::bf16};
   std::vector<LayoutCase> layouts = {
       {"dp" + std::to_string(n), {{"dp", n}}, "dp", 0, "", "", true}};
   if (n == 4) {
-    layouts.push_back({"dp2_tp2", {{"dp", 2}, {"tp", 2}}, "dp_tp", 0, "", "", true});
+    layouts.push_back(
+        {"dp2_tp2_columns", {{"dp", 2}, {"tp", 2}}, "", 0, "P(None, tp)", "P(tp)", false});
   }
   const int steps = 3;
   const bool writes = gemm_kernel_writes_16bit(Dtype::bf16);
@@ -938,13 +963,15 @@ TEST(MixedPrecision, DpBlockingGradientsWrittenAs16BitsMatchTheFp32Path) {
         const RunResult on = run_model(m, layout, &bf16, 1.0f, overlap, steps, true, nullptr, true);
         const RunResult off =
             run_model(m, layout, &bf16, 1.0f, overlap, steps, true, nullptr, false);
-        const std::size_t linears = m.sizes.size() - 1;
-        if (layout.preset == "dp") {
-          EXPECT_EQ(on.weights_writing_16bit_gradients,
-                    writes && n > 1 ? static_cast<int>(linears) : 0);
-          EXPECT_EQ(on.gradients_reduced_from_16bit,
-                    writes && n > 1 && !overlap ? linears * steps : 0u);
-        }
+        // The Linears whose weight is stored whole and whose one GEMM writes its gradient
+        // (plain dp: all of them).
+        std::size_t linears = 0;
+        for (const LinearLayout& l : on.linear_layouts)
+          linears += !l.gathers_weight() && !l.runs_collective_matmuls();
+        if (layout.preset == "dp") EXPECT_EQ(linears, m.sizes.size() - 1);
+        EXPECT_GT(linears, 0u) << "no Linear of this layout may take the 16-bit path";
+        EXPECT_EQ(on.weights_writing_16bit_gradients, writes ? static_cast<int>(linears) : 0);
+        EXPECT_EQ(on.gradients_reduced_from_16bit, writes && !overlap ? linears * steps : 0u);
         EXPECT_EQ(off.gradients_reduced_from_16bit, 0u);
         taken += on.gradients_reduced_from_16bit;
         expect_bit_identical(on, off);
