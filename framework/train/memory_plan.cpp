@@ -534,10 +534,7 @@ static int64_t sixteen_bit_gradient_savings(const RunConfig& config, const Shard
     const LinearLayout& l = layer.layout;
     if (layer.moe || !l.defers_reduction()) continue;
     const int dp = plan.mesh.size_of(l.weight_allreduce);
-    if (!stores_weight_gradient_16bit(!l.gathers_weight(), l.tensor_parallel || l.column_parallel,
-                                      dp)) {
-      continue;
-    }
+    if (!stores_weight_gradient_16bit(l, dp)) continue;
     saved += plan.find(layer.name + "/weight").bytes_per_rank / 2;
   }
   return saved;

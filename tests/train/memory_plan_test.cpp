@@ -13,6 +13,7 @@
 #include <Kokkos_Core.hpp>
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -338,6 +339,13 @@ struct WorkspaceCase {
   // keep their input z beside their output (framework/core/activation_storage.hpp), relu's only
   // their output.
   bool tanh = false;
+  // bf16 compute over a bf16 wire (reduce_dtype bf16): DP weight gradients stored as 16 bits
+  // (partition/gradient_storage.hpp) where gemm()'s kernel writes them.
+  bool bf16_wire = false;
+  // dp x tp (np 4): layers/0 column-parallel over tp (its weight P(None, tp), its bias P(tp)),
+  // the other layers replicated (the dp preset): its gradient stays fp32 in model and plan alike
+  // (it used to be stored as 16 bits by the model alone, and its first backward threw).
+  bool column_first = false;
 };
 
 TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
@@ -372,13 +380,22 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
     cases.push_back({"fsdp_tp_bf16_overlap", "fsdp_tp", 2, true});
     // ... and under dp x tp: the weights stored whole, their copies not gathered.
     cases.push_back({"dp_tp_bf16_overlap", "dp_tp", 2, true});
+    // A column-parallel first layer in a bf16-wire run.
+    WorkspaceCase column{"dp_tp_column_bf16_wire", "dp"};
+    column.bf16_wire = column.column_first = true;
+    cases.push_back(column);
   }
   for (const WorkspaceCase& c : cases) {
     SCOPED_TRACE(c.name);
     RunConfig config = preset_config(c.preset, c.tp);
-    if (c.bf16_overlap) {
-      config.mixed_precision.param_dtype = Dtype::bf16;
-      config.runtime.overlap = true;
+    if (c.bf16_overlap || c.bf16_wire) config.mixed_precision.param_dtype = Dtype::bf16;
+    if (c.bf16_overlap) config.runtime.overlap = true;
+    if (c.bf16_wire) config.mixed_precision.reduce_dtype = Dtype::bf16;
+    if (c.column_first) {
+      // The dp preset on a dp x tp mesh: the other layers replicated over tp.
+      config.mesh.axes = {{"dp", n / 2}, {"tp", 2}};
+      config.partition.rules = {{"layers/0/weight$", PartitionSpec::parse("P(None, tp)")},
+                                {"layers/0/bias$", PartitionSpec::parse("P(tp)")}};
     }
     if (c.residual) {
       testing::use_residual_mlp(config, /*inputs=*/64, /*width=*/128, /*hidden=*/256,
@@ -391,7 +408,22 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
     MPI_Barrier(MPI_COMM_WORLD);
     {
       TrainingRun run(config);
-      run.train();
+      const RunSummary summary = run.train();
+      EXPECT_EQ(summary.steps_run, config.train.steps);
+      if (summary.last_eval) EXPECT_TRUE(std::isfinite(summary.last_eval->test_loss));
+      if (c.column_first) {
+        const LayerPlan* first = nullptr;
+        for (const LayerPlan& l : run.plan().layers) {
+          if (l.name == "layers/0") first = &l;
+        }
+        ASSERT_NE(first, nullptr);
+        EXPECT_TRUE(first->layout.column_parallel);
+      }
+      if (c.bf16_wire && n >= 2 && gemm_kernel_writes_16bit(Dtype::bf16)) {
+        // The feature is on: some weight gradient (the replicated layers') is stored as 16 bits,
+        // so the plan's gradients are below the sharding plan's fp32 gradients.
+        EXPECT_LT(run.planned_memory().totals.gradient_bytes, run.plan().totals.gradient_bytes);
+      }
       std::map<std::string, int64_t> measured;
       int64_t kept_z_buffers = 0;  // "layers/i/activation/input_16bit"
       for (const TrackedAllocation& a : kokkos_memory(1 << 20).largest) {
