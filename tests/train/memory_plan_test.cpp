@@ -373,6 +373,17 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
       {"tp_residual_eval_batch", "tp", 1, false, true, false, kOtherEvalBatch},
       {"fsdp_swiglu_dropout_small_eval_batch", "fsdp", 1, false, true, true, 8},
       {"dp_eval_batch", "dp", 1, false, false, false, kOtherEvalBatch}};
+  // bf16 over a bf16 wire: at np 2 and 4 the weight gradients are stored as 16 bits, without
+  // overlap each in a buffer of its own, with overlap in the DP buckets' 16-bit buffer (with the
+  // biases' 16-bit copies); at np 1 (no reduction) they stay fp32.
+  {
+    WorkspaceCase wire{"dp_bf16_wire", "dp"};
+    wire.bf16_wire = true;
+    cases.push_back(wire);
+    wire.name += "_overlap";
+    wire.bf16_overlap = true;
+    cases.push_back(wire);
+  }
   if (n == 4) {
     cases.push_back({"fsdp_tp", "fsdp_tp", 2});
     // 16-bit storage under fsdp x tp: the weights' copies gathered over fsdp, the layers
@@ -380,9 +391,12 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
     cases.push_back({"fsdp_tp_bf16_overlap", "fsdp_tp", 2, true});
     // ... and under dp x tp: the weights stored whole, their copies not gathered.
     cases.push_back({"dp_tp_bf16_overlap", "dp_tp", 2, true});
-    // A column-parallel first layer in a bf16-wire run.
+    // A column-parallel first layer in a bf16-wire run, without and with overlap.
     WorkspaceCase column{"dp_tp_column_bf16_wire", "dp"};
     column.bf16_wire = column.column_first = true;
+    cases.push_back(column);
+    column.name += "_overlap";
+    column.bf16_overlap = true;
     cases.push_back(column);
   }
   for (const WorkspaceCase& c : cases) {
