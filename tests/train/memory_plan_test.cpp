@@ -328,7 +328,10 @@ TEST(MemoryPlan, EveryRanksPeakAtTheEndIsWithinTheBandOfItsPlan) {
 // and dp x tp at np 4), in fp32, in bf16 with overlap, for a residual model with norms (and with
 // SwiGLU blocks and dropout), and an MLP with dropout; with an evaluation batch of other rows
 // (larger and smaller) for both kinds, whose forward-only model's buffers are the plan's evaluation
-// batch.
+// batch. And over a bf16 wire (weight gradients stored as 16 bits at np 2 and 4), overlap off and
+// on: "gradients" is the stored weights, each in a buffer of its own or, under overlap, the
+// training model's 16-bit bucket buffer whole; at np 4 with a column-parallel first layer, which
+// trains (its gradient fp32 in model and plan).
 struct WorkspaceCase {
   std::string name, preset;
   int tp = 1;
