@@ -571,7 +571,7 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
   } else {
     x_t = transposed(x_used_);
   }
-  // A weight gradient stored as 16 bits (layers/gradient_storage.hpp: DP storage, a 16-bit wire
+  // A weight gradient stored as 16 bits (partition/gradient_storage.hpp: DP storage, a 16-bit wire
   // of the compute dtype, reduced in backward): the GEMM writes its C rounded to nearest even
   // into that storage, the bits the wire's packing of the fp32 gradient gives; the all-reduce
   // then sums it in place (ShardedParameter::reduce).

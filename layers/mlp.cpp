@@ -580,7 +580,7 @@ std::size_t Mlp::store_gradients_16bit(const ParallelContext& context) {
     ShardedParameter* w = linear->sharded_parameters().front();
     Communicator* group = w->deferrable_group();
     if (group == nullptr || w->grad().stored_16bit() ||
-        !stores_weight_gradient_16bit(!w->gathered(), linear->tensor_parallel(), group->size())) {
+        !stores_weight_gradient_16bit(linear->layout(), group->size())) {
       continue;
     }
     weights.emplace_back(k, w);

@@ -223,7 +223,7 @@ class Mlp {
   // gradients that would hold only 16-bit values: those of a plain MLP's Linear layers with DP
   // storage (not gathered, not tensor-parallel, all-reduced over the batch axes) when the model
   // computes in bf16 and reduces over a bf16 wire, where gemm()'s kernel writes 16 bits
-  // (layers/gradient_storage.hpp has the rule). Their backward then writes the GEMM's C rounded
+  // (partition/gradient_storage.hpp has the rule). Their backward then writes the GEMM's C rounded
   // to nearest even there, the all-reduce sums it in place (under overlap: the stored gradient
   // is its range of the DP buckets' 16-bit buffer) and the optimizer and the clipper's norm
   // widen it as they read it. Only for a driver that reduces the gradients in backward

@@ -25,7 +25,7 @@ void copy_block(VectorView full, int64_t offset, VectorView block) {
       KOKKOS_LAMBDA(const int64_t j) { block(j) = full(offset + j); });
 }
 
-// A gradient stored as 16 bits (layers/gradient_storage.hpp) summed in place over `group` as
+// A gradient stored as 16 bits (partition/gradient_storage.hpp) summed in place over `group` as
 // the 16 bits they are: the 16-bit sum the fp32 gradient's all-reduce runs on its packed copy,
 // without the packing and the widening (its request slot reserved when the storage was made:
 // nothing allocated here).
@@ -483,7 +483,7 @@ bool ShardedParameter::reduce_rounds_to(Dtype dtype, bool all_reduce) const {
 void ShardedParameter::reduce(LayerScratch& scratch, bool all_reduce) {
   const Dtype wire = reduce_;
   if (grad().stored_16bit()) {
-    // A gradient stored as 16 bits of the wire's dtype (layers/gradient_storage.hpp: an
+    // A gradient stored as 16 bits of the wire's dtype (partition/gradient_storage.hpp: an
     // ungathered, unscaled by_dims weight whose backward wrote it as 16 bits): summed in place.
     MESHTRAIN_REQUIRE(
         method_ == GatherMethod::by_dims && !gathered() && scale_ == 1.0f && grad().storage == wire,

@@ -149,7 +149,7 @@ class ShardedParameter {
   // all-reduces it: not left partial for later, not in DP buckets, which have their own).
   bool can_take_16bit_gradient() const;
   void take_16bit_gradient();
-  // Never for a gradient stored as 16 bits (layers/gradient_storage.hpp): backward writes
+  // Never for a gradient stored as 16 bits (partition/gradient_storage.hpp): backward writes
   // that storage and reduce() sums it in place.
   bool writes_16bit_gradient(bool all_reduce) const {
     return grad_16bit_ && !grad().stored_16bit() && (gathered() || all_reduce);

@@ -16,6 +16,7 @@
 // in a residual MLP's blocks, for every bias and norm parameter (small).
 
 #include "base/dtype.hpp"
+#include "partition/linear_layout.hpp"
 
 namespace meshtrain {
 
@@ -35,9 +36,13 @@ inline Dtype weight_gradient_storage(const GradientStorageQuery& q) {
 }
 
 // The per-weight part: a plain MLP's dense layer whose weight is stored whole on every rank of
-// its DP group (not gathered, not tensor-parallel) and all-reduced over `dp_ranks` >= 2.
-inline bool stores_weight_gradient_16bit(bool stored_whole, bool tensor_parallel, int dp_ranks) {
-  return stored_whole && !tensor_parallel && dp_ranks >= 2;
+// its DP group (not gathered, neither row- nor column-parallel: Linear's backward writes a 16-bit
+// gradient only for a whole, unsplit compute block) and all-reduced over `dp_ranks` >= 2. The
+// model (Mlp::store_gradients_16bit) and the plan (memory_plan.cpp) both pass the layer's
+// LinearLayout, so they cannot disagree on which flags count.
+inline bool stores_weight_gradient_16bit(const LinearLayout& layout, int dp_ranks) {
+  return !layout.gathers_weight() && !layout.tensor_parallel && !layout.column_parallel &&
+         dp_ranks >= 2;
 }
 
 }  // namespace meshtrain

@@ -18,6 +18,7 @@
 #include "framework/comm/mpi_util.hpp"
 #include "framework/core/choices.hpp"
 #include "framework/core/gemm.hpp"
+#include "framework/core/tensor_values.hpp"
 #include "framework/observe/memory_tracker.hpp"
 #include "framework/observe/trace.hpp"
 #include "run/run_common.hpp"
@@ -100,8 +101,7 @@ std::string TrainingRun::plan_item_of(const TrackedAllocation& a) const {
   const auto holds = [&](const std::vector<ShardedTensor>& tensors) {
     for (const ShardedTensor& t : tensors) {
       // Its block as stored: `local`, or the 16 bits of a 16-bit storage.
-      const void* data = t.stored_16bit() ? static_cast<const void*>(t.bits.data())
-                                          : static_cast<const void*>(t.local.data());
+      const void* data = data_pointer(t);
       const auto offset = static_cast<const char*>(data) - static_cast<const char*>(a.data);
       if (data != nullptr &&
           (offset == 0 || offset == sizeof(Kokkos::Impl::SharedAllocationHeader))) {
@@ -114,10 +114,15 @@ std::string TrainingRun::plan_item_of(const TrackedAllocation& a) const {
   if (holds(std::as_const(*model_).parameters())) return "parameters";  // read: copies stay current
   if (holds(model_->gradients())) return "gradients";
   // Under overlap a gradient stored as 16 bits is its range of the DP buckets' 16-bit buffer
-  // (Mlp::store_gradients_16bit): that buffer is the gradients' storage.
+  // (Mlp::store_gradients_16bit): the training model's buffer, the one that holds such a
+  // gradient's bits, is the gradients' storage (the plan counts all of it: the stored weights'
+  // ranges and the other gradients' 16-bit copies). Another model's (the evaluation model's)
+  // is not.
   if (starts("meshtrain::grad_bucket_16bit")) {
+    const char* begin = static_cast<const char*>(a.data);
     for (const ShardedTensor& g : model_->gradients()) {
-      if (g.stored_16bit()) return "gradients";
+      const char* bits = reinterpret_cast<const char*>(g.bits.data());
+      if (g.stored_16bit() && bits >= begin && bits < begin + a.bytes) return "gradients";
     }
   }
   for (const std::string& slot : optimizer_->slot_names()) {

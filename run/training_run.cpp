@@ -25,6 +25,7 @@
 #include "framework/comm/mpi_util.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
+#include "framework/core/tensor_values.hpp"
 #include "framework/observe/trace.hpp"
 #include "run/run_common.hpp"
 
@@ -460,8 +461,7 @@ void TrainingRun::fill_graph_buffers() {
   region[2] = loss_->gradient().data();
   for (size_t i = 0; i < params.size(); ++i) {
     // A gradient stored as 16 bits (Mlp::store_gradients_16bit) is its bits.
-    const void* grad = grads[i].stored_16bit() ? static_cast<const void*>(grads[i].bits.data())
-                                               : static_cast<const void*>(grads[i].local.data());
+    const void* grad = data_pointer(grads[i]);
     region[3 + 2 * i] = params[i].local.data();
     region[4 + 2 * i] = grad;
     update[2 * i] = params[i].local.data();

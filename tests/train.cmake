@@ -47,8 +47,10 @@ meshtrain_add_test(NAME train_save_events_test SOURCES train/save_events_test.cp
 # known sizes and beside another tool's callback; train()'s memory records after the first step
 # and at the end for every rank, against the plan and metrics.jsonl, fsdp below dp per rank;
 # every rank's end peak within 0.98-1.02 of its own planned bytes (dp, fsdp, tp, fsdp x tp at
-# np 4), each workspace item of the plan equal to the live allocations matched to it; an
-# allocation the plan does not know is named in the warning, a normal run has none.
+# np 4), each workspace item of the plan equal to the live allocations matched to it (among the
+# cases dp over a bf16 wire, whose weight gradients are stored as 16 bits, overlap off and on, and
+# at np 4 a column-parallel first layer, whose gradient stays fp32); an allocation the plan does
+# not know is named in the warning, a normal run has none.
 meshtrain_add_test(NAME train_memory_plan_test SOURCES train/memory_plan_test.cpp
                    LIBS meshtrain_run NP 1 2 4 TIMEOUT 60 EMULATED)
 # ... and the plan's terms that exist only where gemm() reads 16 bits (tp's 16-bit weight copies,

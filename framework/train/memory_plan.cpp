@@ -518,7 +518,8 @@ void dlrm_data_footprint(const RunConfig& config, int64_t rows, DataFootprint& f
 // decided as the run decides it (partition/gradient_storage.hpp; Mlp::store_gradients_16bit in
 // run/run_setup.cpp): a plain MLP's Linear weights with DP storage over 2 or more ranks, in a
 // bf16 run that reduces in backward and does not clip. Under overlap the stored gradient is its
-// range of the DP buckets' 16-bit buffer; it is counted here as a gradient all the same.
+// range of the DP buckets' 16-bit buffer; that whole buffer (the other bucketed gradients' 16-bit
+// copies too) is counted here as the gradients'.
 static int64_t sixteen_bit_gradient_savings(const RunConfig& config, const ShardingPlan& plan) {
   if (config.model.kind != ModelKind::mlp) return 0;
   const bool zero1 = config.optimizer.zero_stage == 1 && plan.mesh.has_axis(kZeroAxis) &&
@@ -530,16 +531,23 @@ static int64_t sixteen_bit_gradient_savings(const RunConfig& config, const Shard
   query.clipped = config.optimizer.clip_norm > 0;
   if (weight_gradient_storage(query) == Dtype::fp32) return 0;
   int64_t saved = 0;
+  int64_t others = 0;  // fp32 bytes of the bucketed gradients kept in fp32
   for (const LayerPlan& layer : plan.layers) {
     const LinearLayout& l = layer.layout;
     if (layer.moe || !l.defers_reduction()) continue;
+    const int64_t weight = plan.find(layer.name + "/weight").bytes_per_rank;
+    others += plan.find(layer.name + "/bias").bytes_per_rank;
     const int dp = plan.mesh.size_of(l.weight_allreduce);
-    if (!stores_weight_gradient_16bit(!l.gathers_weight(), l.tensor_parallel || l.column_parallel,
-                                      dp)) {
+    if (!stores_weight_gradient_16bit(l, dp)) {
+      others += weight;
       continue;
     }
-    saved += plan.find(layer.name + "/weight").bytes_per_rank / 2;
+    saved += weight / 2;
   }
+  // Under overlap the stored weights live in the DP buckets' 16-bit buffer, which also holds a
+  // 16-bit copy of every other bucketed gradient (biases, weights kept in fp32): the run counts
+  // that buffer as the gradients' (TrainingRun::plan_item_of), and so does the plan.
+  if (saved > 0 && config.runtime.overlap) saved -= others / 2;
   return saved;
 }
 

@@ -12,6 +12,7 @@
 #include "framework/core/kokkos_math.hpp"
 #include "framework/core/precision.hpp"
 #include "framework/core/step_graph.hpp"
+#include "framework/core/tensor_values.hpp"
 #include "framework/core/view_ops.hpp"
 #include "framework/train/adamw_math.hpp"
 
@@ -42,7 +43,8 @@ struct CopyOut {
 
 // The gradient an update reads: fp32 floats, or the 16 bits of a gradient stored in 16 bits
 // (ShardedTensor::stored_16bit: a DP weight gradient reduced over a 16-bit wire,
-// layers/gradient_storage.hpp) widened as each element is read (exact), in the update's own pass.
+// partition/gradient_storage.hpp) widened as each element is read (exact), in the update's own
+// pass.
 struct GradIn {
   const float* f = nullptr;
   const uint16_t* h = nullptr;
@@ -343,8 +345,7 @@ Optimizer::Optimizer(const OptimizerSettings& settings, const std::vector<Sharde
 void Optimizer::check_same_layout(size_t i, const ShardedTensor& b, const char* what) const {
   const ShardedTensor& a = layout_[i];
   // A gradient stored as 16 bits holds its elements in `bits`.
-  const int64_t held =
-      static_cast<int64_t>(b.stored_16bit() ? b.bits.extent(0) : b.local.extent(0));
+  const int64_t held = held_elements(b);
   MESHTRAIN_REQUIRE(local_sizes_[i] == held && a.global_shape == b.global_shape,
                     "optimizer: ", what, " '", b.name, "' does not match parameter '", a.name,
                     "' (", held, " local elements, expected ", local_sizes_[i], ")");
@@ -481,9 +482,7 @@ double GradientClipper::global_norm(const std::vector<ShardedTensor>& grads, Com
                     " gradients, expected ", counted_.size());
   for (size_t i = 0; i < grads.size(); ++i) {
     const ShardedTensor& g = grads[i];
-    const int64_t held =
-        static_cast<int64_t>(g.stored_16bit() ? g.bits.extent(0) : g.local.extent(0));
-    sum_of_squares(grad_in(g), counted_[i] ? held : 0, Kokkos::subview(buffer_, i));
+    sum_of_squares(grad_in(g), counted_[i] ? held_elements(g) : 0, Kokkos::subview(buffer_, i));
   }
   fence_all(MESHTRAIN_LABEL("meshtrain::grad_norm_before_sum"));
   world.all_reduce(DoubleVectorView(buffer_.data(), buffer_.extent(0)), ReduceOp::sum);
@@ -509,13 +508,14 @@ double GradientClipper::clip(std::vector<ShardedTensor>& grads, double max_norm,
   if (!std::isfinite(norm)) return norm;  // scaling would turn an infinity into NaN
   if (max_norm > 0.0 && norm > max_norm) {
     const float factor = static_cast<float>(max_norm / (norm + 1e-6));
-    for (auto& g : grads) {
-      // Scaling would leave values a 16-bit storage cannot hold: such gradients are made only
-      // where the run does not clip (layers/gradient_storage.hpp).
+    // Scaling would leave values a 16-bit storage cannot hold: such gradients are made only
+    // where the run does not clip (partition/gradient_storage.hpp). Checked for every gradient
+    // before any is scaled, so a refusal leaves them all as they were.
+    for (const auto& g : grads) {
       MESHTRAIN_REQUIRE(!g.stored_16bit(), "gradient clipping: the gradient of '", g.name,
                         "' is stored as 16 bits and cannot be scaled exactly");
-      scale(g.local, factor);
     }
+    for (auto& g : grads) scale(g.local, factor);
   }
   return norm;
 }

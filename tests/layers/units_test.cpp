@@ -450,6 +450,80 @@ struct WireCase {
 
 }  // namespace
 
+// A weight gradient stored as bf16 (partition/gradient_storage.hpp) read by the prepared
+// update's Kokkos kernels (enable_prepared_steps, prepare_step, launch_prepared: the CUDA-graph
+// path, the only one whose kernels widen a 16-bit gradient; step() loops on the host): AdamW and
+// SGD with momentum, two steps, move the masters bit for bit as step() does with an fp32 gradient
+// holding the same values (bf16 values, exact in fp32), and as the prepared update with that fp32
+// gradient.
+TEST(Optimizer, PreparedStepsReadABf16GradientAsItsFp32Values) {
+  const Mesh mesh = Mesh::create({{"dp", world_size()}}, world_size());
+  const int64_t n = 4099;
+  std::mt19937 random(31);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> p0(n);
+  std::vector<std::vector<float>> g(2, std::vector<float>(n));
+  std::vector<std::vector<uint16_t>> g16(2, std::vector<uint16_t>(n));
+  for (float& x : p0) x = uniform(random);
+  for (int step = 0; step < 2; ++step) {
+    for (int64_t i = 0; i < n; ++i) {
+      g16[step][i] = float_to_bf16(std::ldexp(uniform(random), -(i % 20)));
+      g[step][i] = bf16_to_float(g16[step][i]);
+    }
+  }
+  OptimizerSettings adamw, sgd;
+  adamw.kind = OptimizerKind::adamw;
+  sgd.kind = OptimizerKind::sgd;
+  sgd.momentum = 0.9f;
+  for (OptimizerSettings* settings : {&adamw, &sgd}) {
+    settings->weight_decay = 0.01f;
+    SCOPED_TRACE(to_string(settings->kind));
+    // 0: step() with the fp32 gradient (the reference); 1: prepared, fp32; 2: prepared, bf16.
+    std::vector<std::vector<float>> after;
+    for (int run = 0; run < 3; ++run) {
+      const PartitionSpec spec = PartitionSpec::parse("P()");
+      std::vector<ShardedTensor> params = {
+          ShardedTensor::allocate("w", {n}, spec, mesh, world_rank())};
+      std::vector<ShardedTensor> grads = {ShardedTensor::allocate(
+          "w", {n}, spec, mesh, world_rank(), run == 2 ? Dtype::bf16 : Dtype::fp32)};
+      ASSERT_EQ(grads[0].stored_16bit(), run == 2);
+      Kokkos::deep_copy(params[0].local,
+                        Kokkos::View<const float*, Kokkos::HostSpace>(p0.data(), n));
+      Optimizer optimizer(*settings, params);
+      if (run > 0) optimizer.enable_prepared_steps();
+      for (int step = 0; step < 2; ++step) {
+        if (run == 2) {
+          Kokkos::deep_copy(grads[0].bits,
+                            Kokkos::View<const uint16_t*, Kokkos::HostSpace>(g16[step].data(), n));
+        } else {
+          Kokkos::deep_copy(grads[0].local,
+                            Kokkos::View<const float*, Kokkos::HostSpace>(g[step].data(), n));
+        }
+        const float lr = 0.05f;
+        if (run == 0) {
+          optimizer.step(params, grads, lr);
+        } else {
+          optimizer.prepare_step(lr);
+          optimizer.launch_prepared(params, grads);
+          Kokkos::fence();
+        }
+      }
+      const auto master = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), params[0].local);
+      after.emplace_back(master.data(), master.data() + n);
+    }
+    int64_t moved = 0;
+    for (int64_t i = 0; i < n; ++i) moved += after[0][i] != p0[i];
+    EXPECT_GT(moved, n / 2);  // the updates did move the masters
+    for (int run = 1; run < 3; ++run) {
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(std::memcmp(&after[run][i], &after[0][i], sizeof(float)), 0)
+            << (run == 1 ? "fp32" : "bf16") << " gradient, prepared: element " << i << ": "
+            << after[run][i] << " vs " << after[0][i];
+      }
+    }
+  }
+}
+
 TEST(WireRounding, SkippedRoundingIsBitIdenticalWhereTheWireRounds) {
   const int n = world_size(), rank = world_rank();
   for (Dtype param : {Dtype::bf16, Dtype::fp16}) {

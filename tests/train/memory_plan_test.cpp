@@ -13,6 +13,7 @@
 #include <Kokkos_Core.hpp>
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -327,7 +328,10 @@ TEST(MemoryPlan, EveryRanksPeakAtTheEndIsWithinTheBandOfItsPlan) {
 // and dp x tp at np 4), in fp32, in bf16 with overlap, for a residual model with norms (and with
 // SwiGLU blocks and dropout), and an MLP with dropout; with an evaluation batch of other rows
 // (larger and smaller) for both kinds, whose forward-only model's buffers are the plan's evaluation
-// batch.
+// batch. And over a bf16 wire (weight gradients stored as 16 bits at np 2 and 4), overlap off and
+// on: "gradients" is the stored weights, each in a buffer of its own or, under overlap, the
+// training model's 16-bit bucket buffer whole; at np 4 with a column-parallel first layer, which
+// trains (its gradient fp32 in model and plan).
 struct WorkspaceCase {
   std::string name, preset;
   int tp = 1;
@@ -338,6 +342,13 @@ struct WorkspaceCase {
   // keep their input z beside their output (framework/core/activation_storage.hpp), relu's only
   // their output.
   bool tanh = false;
+  // bf16 compute over a bf16 wire (reduce_dtype bf16): DP weight gradients stored as 16 bits
+  // (partition/gradient_storage.hpp) where gemm()'s kernel writes them.
+  bool bf16_wire = false;
+  // dp x tp (np 4): layers/0 column-parallel over tp (its weight P(None, tp), its bias P(tp)),
+  // the other layers replicated (the dp preset): its gradient stays fp32 in model and plan alike
+  // (it used to be stored as 16 bits by the model alone, and its first backward threw).
+  bool column_first = false;
 };
 
 TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
@@ -365,6 +376,17 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
       {"tp_residual_eval_batch", "tp", 1, false, true, false, kOtherEvalBatch},
       {"fsdp_swiglu_dropout_small_eval_batch", "fsdp", 1, false, true, true, 8},
       {"dp_eval_batch", "dp", 1, false, false, false, kOtherEvalBatch}};
+  // bf16 over a bf16 wire: at np 2 and 4 the weight gradients are stored as 16 bits, without
+  // overlap each in a buffer of its own, with overlap in the DP buckets' 16-bit buffer (with the
+  // biases' 16-bit copies); at np 1 (no reduction) they stay fp32.
+  {
+    WorkspaceCase wire{"dp_bf16_wire", "dp"};
+    wire.bf16_wire = true;
+    cases.push_back(wire);
+    wire.name += "_overlap";
+    wire.bf16_overlap = true;
+    cases.push_back(wire);
+  }
   if (n == 4) {
     cases.push_back({"fsdp_tp", "fsdp_tp", 2});
     // 16-bit storage under fsdp x tp: the weights' copies gathered over fsdp, the layers
@@ -372,13 +394,25 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
     cases.push_back({"fsdp_tp_bf16_overlap", "fsdp_tp", 2, true});
     // ... and under dp x tp: the weights stored whole, their copies not gathered.
     cases.push_back({"dp_tp_bf16_overlap", "dp_tp", 2, true});
+    // A column-parallel first layer in a bf16-wire run, without and with overlap.
+    WorkspaceCase column{"dp_tp_column_bf16_wire", "dp"};
+    column.bf16_wire = column.column_first = true;
+    cases.push_back(column);
+    column.name += "_overlap";
+    column.bf16_overlap = true;
+    cases.push_back(column);
   }
   for (const WorkspaceCase& c : cases) {
     SCOPED_TRACE(c.name);
     RunConfig config = preset_config(c.preset, c.tp);
-    if (c.bf16_overlap) {
-      config.mixed_precision.param_dtype = Dtype::bf16;
-      config.runtime.overlap = true;
+    if (c.bf16_overlap || c.bf16_wire) config.mixed_precision.param_dtype = Dtype::bf16;
+    if (c.bf16_overlap) config.runtime.overlap = true;
+    if (c.bf16_wire) config.mixed_precision.reduce_dtype = Dtype::bf16;
+    if (c.column_first) {
+      // The dp preset on a dp x tp mesh: the other layers replicated over tp.
+      config.mesh.axes = {{"dp", n / 2}, {"tp", 2}};
+      config.partition.rules = {{"layers/0/weight$", PartitionSpec::parse("P(None, tp)")},
+                                {"layers/0/bias$", PartitionSpec::parse("P(tp)")}};
     }
     if (c.residual) {
       testing::use_residual_mlp(config, /*inputs=*/64, /*width=*/128, /*hidden=*/256,
@@ -391,7 +425,22 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
     MPI_Barrier(MPI_COMM_WORLD);
     {
       TrainingRun run(config);
-      run.train();
+      const RunSummary summary = run.train();
+      EXPECT_EQ(summary.steps_run, config.train.steps);
+      if (summary.last_eval) EXPECT_TRUE(std::isfinite(summary.last_eval->test_loss));
+      if (c.column_first) {
+        const LayerPlan* first = nullptr;
+        for (const LayerPlan& l : run.plan().layers) {
+          if (l.name == "layers/0") first = &l;
+        }
+        ASSERT_NE(first, nullptr);
+        EXPECT_TRUE(first->layout.column_parallel);
+      }
+      if (c.bf16_wire && n >= 2 && gemm_kernel_writes_16bit(Dtype::bf16)) {
+        // The feature is on: some weight gradient (the replicated layers') is stored as 16 bits,
+        // so the plan's gradients are below the sharding plan's fp32 gradients.
+        EXPECT_LT(run.planned_memory().totals.gradient_bytes, run.plan().totals.gradient_bytes);
+      }
       std::map<std::string, int64_t> measured;
       int64_t kept_z_buffers = 0;  // "layers/i/activation/input_16bit"
       for (const TrackedAllocation& a : kokkos_memory(1 << 20).largest) {
