@@ -387,8 +387,7 @@ int64_t tracked_bytes_holding(const std::vector<ShardedTensor>& tensors) {
     // A gradient stored in the DP buckets' buffer has no allocation of its own.
     if (a.label == "meshtrain::grad_bucket_16bit") continue;
     for (const ShardedTensor& t : tensors) {
-      const void* data = t.stored_16bit() ? static_cast<const void*>(t.bits.data())
-                                          : static_cast<const void*>(t.local.data());
+      const void* data = data_pointer(t);
       const auto offset = static_cast<const char*>(data) - static_cast<const char*>(a.data);
       if (data != nullptr &&
           (offset == 0 || offset == sizeof(Kokkos::Impl::SharedAllocationHeader))) {
