@@ -319,8 +319,8 @@ EmbeddingBag::EmbeddingBag(std::string table, ParameterRef weight, EmbeddingPool
 
   const size_t n = static_cast<size_t>(group_), ids = static_cast<size_t>(max_ids_);
   const size_t received = n * ids;
-  for (std::vector<int64_t>* v : {&send_ids_, &send_parts_, &recv_ids_, &recv_parts_, &id_cursor_,
-                                  &part_cursor_, &last_bag_}) {
+  for (std::vector<int64_t>* v :
+       {&send_ids_, &send_parts_, &id_cursor_, &part_cursor_, &last_bag_}) {
     v->assign(n, 0);
   }
   send_part_base_.assign(n + 1, 0);
@@ -473,7 +473,6 @@ std::string EmbeddingBag::count_requests(const SparseBags& bags, Matrix::HostMir
       }
     }
   }
-  send_part_base_[0] = 0;
   for (int j = 0; j < n; ++j) {
     const size_t u = static_cast<size_t>(j);
     const size_t row = u * tables + k;  // rank j's block, this table's row
@@ -527,10 +526,8 @@ void EmbeddingBag::receive_counts(const Matrix::HostMirror& counts, size_t k, si
   for (int j = 0; j < group_; ++j) {
     const size_t u = static_cast<size_t>(j), row = u * tables + k;
     check_received_counts(table_, j, counts(row, 0), counts(row, 1), max_ids_);
-    recv_ids_[u] = static_cast<int64_t>(counts(row, 0));
-    recv_parts_[u] = static_cast<int64_t>(counts(row, 1));
-    received_ids_ += recv_ids_[u];
-    received_parts_ += recv_parts_[u];
+    received_ids_ += static_cast<int64_t>(counts(row, 0));
+    received_parts_ += static_cast<int64_t>(counts(row, 1));
     source_id_base_host_(u + 1) = received_ids_;
     source_part_base_host_(u + 1) = received_parts_;
   }
@@ -850,6 +847,7 @@ EmbeddingExchange::EmbeddingExchange(const std::vector<EmbeddingBag*>& tables) {
   MESHTRAIN_REQUIRE(!tables.empty(), "an embedding exchange needs at least one table");
   comm_ = tables.front()->row_comm_;
   std::string names;
+  int64_t ids = 0, floats = 0;  // the tables' capacities of ids and of part floats (below)
   for (size_t k = 0; k < tables.size(); ++k) {
     EmbeddingBag& t = *tables[k];
     MESHTRAIN_REQUIRE(t.row_comm_ != nullptr && t.row_comm_ == comm_, "embedding table '", t.table_,
@@ -860,7 +858,8 @@ EmbeddingExchange::EmbeddingExchange(const std::vector<EmbeddingBag*>& tables) {
     t.exchange_ = this;
     t.slot_ = k;
     dims_.push_back(t.local_dim_);
-    capacities_.push_back(t.max_ids_);
+    ids += t.max_ids_;
+    floats += t.max_ids_ * t.local_dim_;
     names += (k ? ", '" : "'") + t.table_ + "'";
   }
   n_ = comm_->size();
@@ -869,11 +868,6 @@ EmbeddingExchange::EmbeddingExchange(const std::vector<EmbeddingBag*>& tables) {
   // each) and of parts (a part per id at most, local_dim floats each), an owner receiving the
   // whole group's. Each all-to-all's counts and displacements become ints in MPI: checked here,
   // once, for the largest; a step sends at most these.
-  int64_t ids = 0, floats = 0;
-  for (size_t k = 0; k < count; ++k) {
-    ids += capacities_[k];
-    floats += capacities_[k] * dims_[k];
-  }
   const int64_t most = std::numeric_limits<int>::max();
   if (static_cast<int64_t>(n) * ids * 3 > most || static_cast<int64_t>(n) * floats > most) {
     MESHTRAIN_BAD_INPUT("the embedding tables ", names, " exchange up to ",

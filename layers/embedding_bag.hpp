@@ -283,7 +283,7 @@ class EmbeddingBag {
   // Row-wise, per owner j (host): ids and parts ((bag, owner) pairs) sent to and received from
   // j, where j's parts start among this table's parts sent, cursors, the last bag seen per
   // owner.
-  std::vector<int64_t> send_ids_, send_parts_, recv_ids_, recv_parts_;
+  std::vector<int64_t> send_ids_, send_parts_;
   std::vector<int64_t> send_part_base_, id_cursor_, part_cursor_, last_bag_;
   int64_t received_ids_ = 0, received_parts_ = 0, sent_parts_ = 0;
   // What arrives at the owner [group x max_ids, 3] (local row / 2^24, local row mod 2^24, part
@@ -382,7 +382,7 @@ class EmbeddingExchange {
 
   Communicator* comm_ = nullptr;
   int n_ = 1;
-  std::vector<int64_t> dims_, capacities_;  // per slot: its columns here, its max_ids
+  std::vector<int64_t> dims_;  // per slot: its columns here
   // Counts [group x tables, 4]: rank j's block holds a row per table.
   Matrix counts_send_, counts_recv_;
   Matrix::HostMirror counts_send_host_, counts_recv_host_;

@@ -33,6 +33,12 @@ bool can_prefetch(const LinearLayout& l) {
   return l.weight_gather_dim0.empty() != l.weight_gather_dim1.empty();
 }
 
+// What a call costs beyond its bytes: its `latencies` latencies, or the overhead a step pays per
+// call (calibrate's collective_overhead), whichever is more (collective_seconds says why).
+double call_overhead_seconds(const LinkProfile& link, double latencies) {
+  return std::max(latencies * link.latency, link.collective_overhead);
+}
+
 }  // namespace
 
 double collective_seconds(CollectiveKind kind, double bytes, int ranks, const LinkProfile& link) {
@@ -48,9 +54,7 @@ double collective_seconds(CollectiveKind kind, double bytes, int ranks, const Li
   // per call (the wait for the last rank to arrive after its own compute: calibrate's
   // collective_overhead), whichever is more. A wait happens once per call, whatever its size,
   // so it adds to the bytes' time rather than hiding under it.
-  const auto fixed = [&](double latencies) {
-    return std::max(latencies * link.latency, link.collective_overhead);
-  };
+  const auto fixed = [&](double latencies) { return call_overhead_seconds(link, latencies); };
   const double moved = (p - 1) / p * bytes / bandwidth;
   if (kind != CollectiveKind::all_reduce) return moved + fixed(p - 1);
   // All-reduce: the cheaper of a ring (reduce-scatter then all-gather) and recursive
@@ -84,7 +88,7 @@ double collective_matmul_seconds(const CollectiveMatmulShape& s,
   // Each hop is a call entered after the step's GEMM: its latency, or the overhead such a call
   // costs a step when that is more (collective_seconds).
   const double hop =
-      std::max(link.latency, link.collective_overhead) +
+      call_overhead_seconds(link, 1) +
       s.block_bytes / (ring ? link.exchange_bandwidth : link.bidirectional_bandwidth);
   const double step = overlapped_seconds(g, hop, hw.overlap);
   if (s.kind == CollectiveMatmulKind::all_gather) return (n - 1) * step + g;

@@ -196,16 +196,6 @@ void check_epilogue(const GemmEpilogue& e, std::size_t m, std::size_t n) {
   }
 }
 
-// C = 0 (16 bits: +0 in both formats).
-void fill_16bit_zero(HalfMatrixView c16) {
-  Kokkos::parallel_for(
-      MESHTRAIN_LABEL("meshtrain::gemm_zero_c_16bit"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(
-          device_space(), {0, 0},
-          {static_cast<int64_t>(c16.extent(0)), static_cast<int64_t>(c16.extent(1))}),
-      KOKKOS_LAMBDA(const int64_t r, const int64_t col) { c16(r, col) = 0; });
-}
-
 // The fp32 scratch gemm() widens 16-bit operands into where the kernel reads fp32 (gemm.hpp):
 // one per operand, made at the first such call and grown when a larger one comes, kept until
 // Kokkos::finalize.
@@ -484,8 +474,8 @@ void gemm_on(gemm_backend::HostLibrary library, GemmOperand a, GemmOperand b, fl
         leading_dimension(epilogue.activation_input.stride(0), n, "the activation input's rows");
   }
   call.bias_gradient = epilogue.bias_gradient.data();
-  if (sixteen_bit_c && k == 0) {  // an empty sum: C = 0
-    fill_16bit_zero(c16);
+  if (sixteen_bit_c && k == 0) {          // an empty sum: C = 0
+    Kokkos::deep_copy(c16, uint16_t{0});  // +0 in both 16-bit formats
     return;
   }
   if (k == 0) {  // an empty sum: C = beta * C, then the epilogue

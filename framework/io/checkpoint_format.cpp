@@ -5,6 +5,7 @@
 #include <set>
 
 #include "base/error.hpp"
+#include "framework/core/tensor_values.hpp"
 #include "framework/core/version.hpp"
 #include "framework/io/checkpoint_checksums.hpp"
 #include "partition/planner.hpp"
@@ -37,9 +38,9 @@ void check_tensor(const ShardedTensor& t, const std::string& label) {
                       format_shape(t.global_shape));
   }
   // A tensor stored as bf16 holds its block in `bits` (checkpoint_format.hpp, kBf16Dtype).
-  const size_t held = t.stored_16bit() ? t.bits.extent(0) : t.local.extent(0);
-  MESHTRAIN_REQUIRE(static_cast<int64_t>(held) == t.box.elements(), "checkpoint: ", label,
-                    " holds ", held, " values but its box has ", t.box.elements());
+  const int64_t held = held_elements(t);
+  MESHTRAIN_REQUIRE(held == t.box.elements(), "checkpoint: ", label, " holds ", held,
+                    " values but its box has ", t.box.elements());
 }
 
 }  // namespace

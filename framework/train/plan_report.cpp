@@ -903,10 +903,7 @@ void add_table_collectives(const std::vector<TablePlan>& tables, const Mesh& mes
                          const std::vector<std::string>& axes,
                          int64_t leaving) { add_on(layer, phase, kind, what, axes, leaving); };
     const EmbeddingStepBytes& b = t.step;
-    std::vector<std::string> row_group;
-    for (const std::string& axis : l.row_axes) {
-      if (mesh.size_of({axis}) > 1) row_group.push_back(axis);
-    }
+    const std::vector<std::string> row_group = mesh.active_axes(l.row_axes);
     if (!row_group.empty() &&
         b.counts_all_to_all + b.ids_all_to_all + b.partial_sums_all_to_all + b.backward_all_to_all >
             0) {
