@@ -2,26 +2,20 @@
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
-#include <climits>
-#include <cmath>
 #include <string>
 
 #include "base/error.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
+#include "partition/gradient_bucket_cap.hpp"
 
 namespace meshtrain {
 
 GradientBuckets::GradientBuckets(const std::vector<LayerGradients>& layers, double bucket_mb,
                                  Dtype wire)
     : wire_(wire) {
-  MESHTRAIN_REQUIRE(bucket_mb > 0 && std::isfinite(bucket_mb),
-                    "gradient buckets: bucket_mb must be positive, got ", bucket_mb);
-  // The cap in floats: at least one, at most what one MPI call takes.
-  const double cap_floats = std::floor(bucket_mb * 1024.0 * 1024.0 / sizeof(float));
-  const std::size_t cap =
-      static_cast<std::size_t>(std::max(1.0, std::min(cap_floats, static_cast<double>(INT_MAX))));
+  const auto cap = static_cast<std::size_t>(gradient_bucket_cap_elements(bucket_mb));
   buckets_of_layer_.resize(layers.size());
   homes_of_layer_.resize(layers.size());
   const bool sixteen_bit = wire_ != Dtype::fp32;

@@ -277,11 +277,20 @@ ConstHalfMatrixView ShardedParameter::compute_matrix_16bit(LayerScratch& scratch
     prefetch_started_ = false;
     return placed;
   }
+  if (gather1_) {
+    // Dim 0 blocks in rank order are the matrix itself: they land where the GEMMs read them,
+    // with no pass to put them there (the place backward's weight gradient, written into
+    // scratch.grad before dX reads the weight, cannot reach).
+    MESHTRAIN_REQUIRE(scratch.weight.span() * 2 >= static_cast<size_t>(d1 * d2), "parameter '",
+                      value().name, "': no weight scratch to land its 16-bit gather in");
+    uint16_t* full = reinterpret_cast<uint16_t*>(scratch.weight.data());
+    gather1_->all_gather_16bit(current_copy(), full, value().local.extent(0), compute_);
+    return ConstHalfMatrixView(full, d1, d2);
+  }
   MESHTRAIN_REQUIRE(scratch.grad.span() * 2 >= static_cast<size_t>(d1 * d2), "parameter '",
                     value().name, "': no gradient scratch to land its gather in");
-  Communicator& group = gather1_ ? *gather1_ : *gather2_;
-  group.all_gather_16bit(current_copy(), blocking_landing(scratch), value().local.extent(0),
-                         compute_);
+  gather2_->all_gather_16bit(current_copy(), blocking_landing(scratch), value().local.extent(0),
+                             compute_);
   return place_landed(scratch);
 }
 

@@ -1,13 +1,13 @@
 #include "partition/cost_model.hpp"
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
 #include <sstream>
 
 #include "base/error.hpp"
 #include "base/text.hpp"
 #include "partition/embedding_layout.hpp"
+#include "partition/gradient_bucket_cap.hpp"
 #include "partition/zero1_layout.hpp"
 
 namespace meshtrain {
@@ -98,12 +98,7 @@ double collective_matmul_seconds(const CollectiveMatmulShape& s,
 
 std::vector<GradientBucketRun> gradient_bucket_elements(
     const std::vector<GradientBucketRun>& gradients, double bucket_mb) {
-  MESHTRAIN_REQUIRE(bucket_mb > 0 && std::isfinite(bucket_mb),
-                    "gradient buckets: bucket_mb must be positive, got ", bucket_mb);
-  // As GradientBuckets: the cap in floats, at least one, at most what one MPI call takes.
-  const double cap_floats = std::floor(bucket_mb * 1024.0 * 1024.0 / 4.0);
-  const int64_t cap =
-      static_cast<int64_t>(std::max(1.0, std::min(cap_floats, static_cast<double>(INT_MAX))));
+  const int64_t cap = gradient_bucket_cap_elements(bucket_mb);  // as GradientBuckets cuts them
   std::vector<GradientBucketRun> buckets;
   for (const GradientBucketRun& g : gradients) {
     for (int64_t offset = 0; offset < g.elements;) {

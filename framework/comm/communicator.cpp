@@ -716,6 +716,23 @@ void Communicator::reduce_scatter(ConstVectorView send, VectorView recv, Dtype w
   reduce_scatter_flat(send.data(), recv.data(), count, wire, op);
 }
 
+namespace {
+
+// Column block j of `from` ([rows, n * cols], rows `row_stride` elements apart) into block j of
+// the [n][rows][cols] staging `to`: a dim-1 reduce-scatter's blocks made contiguous, so that the
+// flat reduce-scatter hands rank j its block. Elements of any type: floats, or 16-bit bits.
+template <class T>
+void stage_column_blocks(const T* from, int64_t row_stride, T* to, int64_t n, int64_t rows,
+                         int64_t cols, const std::string& label) {
+  Kokkos::parallel_for(
+      label, Kokkos::MDRangePolicy<Kokkos::Rank<3>>(device_space(), {0, 0, 0}, {n, rows, cols}),
+      KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
+        to[(j * rows + row) * cols + cc] = from[row * row_stride + j * cols + cc];
+      });
+}
+
+}  // namespace
+
 void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim, Dtype wire) {
   const char* op = "reduce_scatter";
   require_dim(dim, description_, op);
@@ -738,15 +755,9 @@ void Communicator::reduce_scatter(ConstMatrixView send, MatrixView recv, int dim
   }
   // Pack column block j of send into block j of [n][r][c] staging, then scatter flat.
   float* staging = scratch(n * r * c);
-  const VectorView stage(staging, n * r * c);
-  const int64_t rows = static_cast<int64_t>(r), cols = static_cast<int64_t>(c);
-  Kokkos::parallel_for(  // over (block, row, column in block), as the unpack above
-      MESHTRAIN_LABEL("meshtrain::reduce_scatter_pack_dim1"),
-      Kokkos::MDRangePolicy<Kokkos::Rank<3>>(device_space(), {0, 0, 0},
-                                             {static_cast<int64_t>(n), rows, cols}),
-      KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
-        stage((j * rows + row) * cols + cc) = send(row, j * cols + cc);
-      });
+  stage_column_blocks(send.data(), static_cast<int64_t>(send.stride(0)), staging,
+                      static_cast<int64_t>(n), static_cast<int64_t>(r), static_cast<int64_t>(c),
+                      MESHTRAIN_LABEL("meshtrain::reduce_scatter_pack_dim1"));
   fence_device(MESHTRAIN_LABEL("meshtrain::Communicator::reduce_scatter"));
   reduce_scatter_flat(staging, recv.data(), r * c, wire, op);
 }
@@ -778,16 +789,9 @@ void Communicator::reduce_scatter_16bit(ConstHalfMatrixView send, MatrixView rec
     // Column block j of send into block j of [n][r][c], as reduce_scatter's dim-1 staging, in
     // 16-bit elements on the blocking send buffer (what packing would have filled).
     uint16_t* staged = wire_send(total);
-    const uint16_t* from = send.data();
-    const int64_t rows = static_cast<int64_t>(r), cols = static_cast<int64_t>(c);
-    const int64_t width = cols * static_cast<int64_t>(n);
-    Kokkos::parallel_for(
-        MESHTRAIN_LABEL("meshtrain::reduce_scatter_16bit_stage_dim1"),
-        Kokkos::MDRangePolicy<Kokkos::Rank<3>>(device_space(), {0, 0, 0},
-                                               {static_cast<int64_t>(n), rows, cols}),
-        KOKKOS_LAMBDA(const int64_t j, const int64_t row, const int64_t cc) {
-          staged[(j * rows + row) * cols + cc] = from[row * width + j * cols + cc];
-        });
+    stage_column_blocks(send.data(), static_cast<int64_t>(n * c), staged, static_cast<int64_t>(n),
+                        static_cast<int64_t>(r), static_cast<int64_t>(c),
+                        MESHTRAIN_LABEL("meshtrain::reduce_scatter_16bit_stage_dim1"));
     sent = staged;
   }
   // The producer's (or the staging's) 16-bit elements are in place.
