@@ -3,19 +3,28 @@
 // cast points"): the one rule that the model (Mlp::store_gradients_16bit, layers/mlp.hpp), the
 // driver (run/run_setup.cpp) and the memory plan (framework/train/memory_plan.cpp) share.
 //
-// A dense layer's weight gradient holds only 16-bit values when it is written by one GEMM whose
-// result the reduction rounds to the wire's 16 bits before anything reads it, and nothing later
-// adds to it or scales it. That is a plain MLP's Linear weight with DP storage (not gathered by
-// FSDP, not split by tensor parallelism, all-reduced over batch axes of 2 or more ranks) when the
-// model computes in bf16 and reduces over a bf16 wire (fp16 needs loss scaling, which scales the
-// gradient), the gradients are reduced in backward (no ZeRO-1, no gradient accumulation) and not
-// clipped (clipping scales them), where gemm()'s kernel writes 16 bits (gemm_to_16bit without an
-// fp32 scratch: the CPU build with AVX512_BF16 or AMX; not the CUDA build yet). Everywhere else
-// the gradient stays fp32: at one rank (no reduction: its gradient is rounded to bf16 all the
-// same, but this first cut keeps fp32 there), under FSDP (its reduce-scatter's shard), under TP,
-// in a residual MLP's blocks, for every bias and norm parameter (small).
+// A dense layer's weight gradient holds only 16-bit values when every element is written by one
+// GEMM (its fp32 sum rounded to nearest even), nothing later adds to it or scales it, and a
+// reduction, where there is one, sums it over a wire of those 16 bits. In a run that computes in
+// bf16 and reduces over a bf16 wire (fp16 needs loss scaling, which scales the gradient), reduces
+// in backward (no ZeRO-1, no gradient accumulation) and does not clip (clipping scales), where
+// gemm()'s kernel writes 16 bits (gemm_to_16bit without an fp32 scratch: the CPU build with
+// AVX512_BF16 or AMX; not the CUDA build yet), that is a plain MLP's Linear weight
+//   - stored whole on every rank of its DP group (not gathered by FSDP, not replicated over a
+//     non-batch axis, which scales it), all-reduced over the batch axes, or over none (one rank,
+//     tensor parallelism without a DP axis: backward rounds it and nothing reduces it);
+//   - row- or column-parallel alike: a column-parallel layer fed a replicated input and a
+//     row-parallel one whose output is all-reduced write it with one GEMM; a split-output
+//     row-parallel layer (dW = X_cᵀ @ all_gather(dY)) and a column-parallel one that gathers its
+//     input (dW_t = all_gather(X)ᵀ @ dY_t) with an all-gather-matmul whose naive and ring
+//     algorithms write each block of it with one GEMM (all_gather_matmul_to_16bit).
+// Everywhere else the gradient stays fp32: the bidirectional all-gather-matmul (its halves split
+// K: each block is the sum of two GEMMs, accumulated in fp32 in the gradient itself, and no other
+// fp32 buffer of that size exists), FSDP (its reduce-scatter's shard), a residual MLP's blocks,
+// every bias and norm parameter (small).
 
 #include "base/dtype.hpp"
+#include "partition/collective_matmul_algorithm.hpp"
 #include "partition/linear_layout.hpp"
 
 namespace meshtrain {
@@ -35,14 +44,17 @@ inline Dtype weight_gradient_storage(const GradientStorageQuery& q) {
   return sixteen ? Dtype::bf16 : Dtype::fp32;
 }
 
-// The per-weight part: a plain MLP's dense layer whose weight is stored whole on every rank of
-// its DP group (not gathered, neither row- nor column-parallel: Linear's backward writes a 16-bit
-// gradient only for a whole, unsplit compute block) and all-reduced over `dp_ranks` >= 2. The
-// model (Mlp::store_gradients_16bit) and the plan (memory_plan.cpp) both pass the layer's
-// LinearLayout, so they cannot disagree on which flags count.
-inline bool stores_weight_gradient_16bit(const LinearLayout& layout, int dp_ranks) {
-  return !layout.gathers_weight() && !layout.tensor_parallel && !layout.column_parallel &&
-         dp_ranks >= 2;
+// The per-weight part: a plain MLP's dense layer whose weight is not gathered nor replicated over
+// a non-batch axis, and whose weight-gradient product (`weight_grad`: the resolved algorithm of
+// its all-gather-matmul, layer_matmul_algorithms; unused where the product is one GEMM) writes
+// each element with one GEMM. The model (Mlp::store_gradients_16bit) and the plan
+// (memory_plan.cpp) both pass the layer's LinearLayout and its algorithm, so they cannot disagree
+// on which flags count.
+inline bool stores_weight_gradient_16bit(const LinearLayout& layout,
+                                         CollectiveMatmulAlgorithm weight_grad) {
+  if (layout.gathers_weight() || layout.nonbatch_replication != 1) return false;
+  return !layout.runs_collective_matmuls() || weight_grad == CollectiveMatmulAlgorithm::naive ||
+         weight_grad == CollectiveMatmulAlgorithm::ring;
 }
 
 }  // namespace meshtrain

@@ -5,6 +5,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "framework/comm/collective_matmul_16bit.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/view_ops.hpp"
@@ -151,6 +152,7 @@ struct GatherPlan {
   std::size_t block_rows = 0, block_cols = 0;  // stored block extents
   std::size_t k = 0;                           // contraction length of the full product
   MatrixView c;
+  HalfMatrixView c16;  // all_gather_matmul_to_16bit: C as 16 bits of `wire` (c then has no data)
 
   // GEMM of one piece of the full gathered operand: stored rows [row0, row0+rows) and
   // cols [col0, col0+cols) of it, held contiguously in `piece`. beta 0 when the piece
@@ -170,6 +172,16 @@ struct GatherPlan {
     // op(piece) covers op rows/cols of the full operand:
     const Range op_r = gathered.transpose ? stored_cols : stored_rows;
     const Range op_c = gathered.transpose ? stored_rows : stored_cols;
+    if (c16.data() != nullptr) {  // each block of C by one GEMM (checked by the caller)
+      MESHTRAIN_REQUIRE(length(side == GatherSide::left ? op_c : op_r) == k, op,
+                        ": a 16-bit C with a piece that splits K");
+      if (side == GatherSide::left) {
+        gemm_to_16bit(p, op_row_block(other, op_c), Kokkos::subview(c16, op_r, Kokkos::ALL), wire);
+      } else {
+        gemm_to_16bit(op_col_block(other, op_r), p, Kokkos::subview(c16, Kokkos::ALL, op_c), wire);
+      }
+      return;
+    }
     if (side == GatherSide::left) {  // op_r in M, op_c in K
       const float beta = length(op_c) == k ? 0.0f : 1.0f;
       gemm(p, op_row_block(other, op_c), beta, Kokkos::subview(c, op_r, Kokkos::ALL), wire);
@@ -390,6 +402,39 @@ void all_gather_matmul(Communicator& comm, GatherSide side, int gather_dim, Gemm
     run(plan.gathered.matrix.data());
   }
   fence_all(MESHTRAIN_LABEL("meshtrain::all_gather_matmul"));
+}
+
+void all_gather_matmul_to_16bit(Communicator& comm, GatherSide side, int gather_dim, GemmOperand a,
+                                GemmOperand b, HalfMatrixView c,
+                                CollectiveMatmulAlgorithm algorithm,
+                                CollectiveMatmulWorkspace& workspace, Dtype wire) {
+  MESHTRAIN_REQUIRE(wire != Dtype::fp32, "all_gather_matmul_to_16bit on ", comm.description(),
+                    ": a 16-bit C needs a 16-bit wire dtype (the format of its bits)");
+  // The fp32 plan's checks on C's extents, with a C of no data.
+  GatherPlan plan = plan_gather(comm, side, gather_dim, a, b,
+                                MatrixView(nullptr, c.extent(0), c.extent(1)), wire);
+  plan.op = "all_gather_matmul_to_16bit";
+  plan.c16 = c;
+  MESHTRAIN_REQUIRE((algorithm == CollectiveMatmulAlgorithm::naive ||
+                     algorithm == CollectiveMatmulAlgorithm::ring) &&
+                        !plan.splits_k(gather_dim),
+                    "all_gather_matmul_to_16bit on ", comm.description(), ": algorithm ",
+                    to_string(algorithm),
+                    " or a gathered K would accumulate blocks of C (naive or ring, gathered dim "
+                    "not K only)");
+  const auto run = [&](const auto* mine) {
+    if (algorithm == CollectiveMatmulAlgorithm::ring) {
+      gather_ring(plan, mine, comm, workspace);
+    } else {
+      gather_naive(plan, mine, comm, workspace);
+    }
+  };
+  if (plan.gathered.sixteen_bit) {
+    run(plan.gathered.half.data());
+  } else {
+    run(plan.gathered.matrix.data());
+  }
+  fence_all(MESHTRAIN_LABEL("meshtrain::all_gather_matmul_to_16bit"));
 }
 
 // ----------------------------------------------------------- matmul reduce-scatter
