@@ -11,6 +11,7 @@
 #include "framework/core/precision.hpp"
 #include "layers/gradient_reduction.hpp"
 #include "layers/inference.hpp"
+#include "partition/gradient_storage.hpp"
 #include "partition/sixteen_bit_storage.hpp"
 
 namespace meshtrain {
@@ -549,15 +550,12 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
   // DP buckets whose 16-bit wire is the compute dtype, where gemm()'s kernel writes 16 bits: the
   // GEMM writes the gradient as wire bits straight into its place in the buckets' 16-bit buffer
   // (gemm_to_16bit: the fp32 result rounded to nearest even, the bits the buckets' packing gives),
-  // so the fp32 gradient is neither written here nor packed (it gets the sum in wait_all()). A
-  // gradient that another product writes (tensor parallelism's all-gather-matmuls) stays fp32.
-  // Under tensor parallelism the product writes 16 bits where each element is one GEMM's: one GEMM
-  // (column-parallel fed a replicated input), or an all-gather-matmul whose algorithm writes each
-  // block of the gradient once (naive, ring: all_gather_matmul_to_16bit; not bidirectional, whose
-  // halves split K), as partition/gradient_storage.hpp's rule says.
-  const bool product_writes_16bit = !layout_.runs_collective_matmuls() ||
-                                    matmuls_.weight_grad == CollectiveMatmulAlgorithm::naive ||
-                                    matmuls_.weight_grad == CollectiveMatmulAlgorithm::ring;
+  // so the fp32 gradient is neither written here nor packed (it gets the sum in wait_all()), where
+  // the product writes 16 bits, each element one GEMM's into a dense gradient: one GEMM, or an
+  // all-gather-matmul whose algorithm does so (all_gather_matmul_to_16bit), as
+  // partition/gradient_storage.hpp's rule says; another product's gradient stays fp32.
+  const bool product_writes_16bit =
+      weight_gradient_product_writes_16bit(layout_, matmuls_.weight_grad);
   uint16_t* wire_home = nullptr;
   if (bucketed && compute_dtype_ != Dtype::fp32 && pass.buckets->wire() == compute_dtype_ &&
       dt.data() == nullptr && product_writes_16bit && gemm_kernel_writes_16bit(compute_dtype_)) {
