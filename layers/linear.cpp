@@ -4,12 +4,14 @@
 #include <algorithm>
 
 #include "base/error.hpp"
+#include "framework/comm/collective_matmul_16bit.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/host_clones.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/precision.hpp"
 #include "layers/gradient_reduction.hpp"
 #include "layers/inference.hpp"
+#include "partition/gradient_storage.hpp"
 #include "partition/sixteen_bit_storage.hpp"
 
 namespace meshtrain {
@@ -548,12 +550,15 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
   // DP buckets whose 16-bit wire is the compute dtype, where gemm()'s kernel writes 16 bits: the
   // GEMM writes the gradient as wire bits straight into its place in the buckets' 16-bit buffer
   // (gemm_to_16bit: the fp32 result rounded to nearest even, the bits the buckets' packing gives),
-  // so the fp32 gradient is neither written here nor packed (it gets the sum in wait_all()). A
-  // gradient that another product writes (tensor parallelism's all-gather-matmuls) stays fp32.
+  // so the fp32 gradient is neither written here nor packed (it gets the sum in wait_all()), where
+  // the product writes 16 bits, each element one GEMM's into a dense gradient: one GEMM, or an
+  // all-gather-matmul whose algorithm does so (all_gather_matmul_to_16bit), as
+  // partition/gradient_storage.hpp's rule says; another product's gradient stays fp32.
+  const bool product_writes_16bit =
+      weight_gradient_product_writes_16bit(layout_, matmuls_.weight_grad);
   uint16_t* wire_home = nullptr;
   if (bucketed && compute_dtype_ != Dtype::fp32 && pass.buckets->wire() == compute_dtype_ &&
-      dt.data() == nullptr && !layout_.column_gathers_input() && !layout_.split_output &&
-      gemm_kernel_writes_16bit(compute_dtype_)) {
+      dt.data() == nullptr && product_writes_16bit && gemm_kernel_writes_16bit(compute_dtype_)) {
     // Contiguity matters only where the buckets hold this gradient (they hold it as a vector).
     wire_home = pass.buckets->wire_home(pass.index, 0, g.data(), g.size());
     MESHTRAIN_REQUIRE(wire_home == nullptr || g.span_is_contiguous(), "linear layer '",
@@ -578,20 +583,33 @@ MatrixView Linear::backward_pass(MatrixView dy, MatrixView dt, bool need_input_g
   // Under overlap that storage is its range of the buckets' 16-bit buffer (wire_home), the path
   // above.
   const bool stored_16bit = weight_.grad().stored_16bit();
-  MESHTRAIN_REQUIRE(!stored_16bit || (dt.data() == nullptr && !weight_.gathered() &&
-                                      !layout_.column_gathers_input() && !layout_.split_output &&
-                                      weight_.grad().storage == compute_dtype_ &&
-                                      (!bucketed || wire_home == weight_.grad().bits.data())),
-                    "linear layer '", layout_.layer,
-                    "': its weight gradient is stored as 16 bits, which only the DP reduction of "
-                    "an ungathered weight over a wire of the compute dtype supports");
+  MESHTRAIN_REQUIRE(
+      !stored_16bit || (dt.data() == nullptr && !weight_.gathered() && product_writes_16bit &&
+                        weight_.grad().storage == compute_dtype_ &&
+                        (!bucketed || wire_home == weight_.grad().bits.data())),
+      "linear layer '", layout_.layer,
+      "': its weight gradient is stored as 16 bits, which only an ungathered weight "
+      "written by one GEMM per element, reduced (if at all) over a wire of the "
+      "compute dtype supports");
+  // The product of weight_gradient_product written as 16 bits into `c` (product_writes_16bit).
+  const auto product_to_16bit = [&](HalfMatrixView c) {
+    if (layout_.column_gathers_input()) {
+      all_gather_matmul_to_16bit(*tp_comm_, GatherSide::left, 1, x_t, plain(dy), c,
+                                 matmuls_.weight_grad, scratch.matmul, compute_dtype_);
+    } else if (layout_.split_output && !layout_.column_parallel) {
+      const GemmOperand gathered = dy_16bit.data() != nullptr ? plain(dy_16bit) : plain(dy);
+      all_gather_matmul_to_16bit(*tp_comm_, GatherSide::right, 1, x_t, gathered, c,
+                                 matmuls_.weight_grad, scratch.matmul, compute_dtype_);
+    } else {
+      gemm_to_16bit(x_t, plain(dy), c, compute_dtype_);
+    }
+  };
   if (written_16bit) {
     gemm_to_16bit(x_t, plain(dy), weight_.gradient_matrix_16bit(scratch), compute_dtype_);
   } else if (stored_16bit && !bucketed) {
-    gemm_to_16bit(x_t, plain(dy), weight_.grad().bits_matrix(), compute_dtype_);
+    product_to_16bit(weight_.grad().bits_matrix());
   } else if (wire_home != nullptr) {
-    gemm_to_16bit(x_t, plain(dy), HalfMatrixView(wire_home, g.extent(0), g.extent(1)),
-                  compute_dtype_);
+    product_to_16bit(HalfMatrixView(wire_home, g.extent(0), g.extent(1)));
   } else {
     weight_gradient_product(x_t, dy, g, scratch, dy_16bit);
   }

@@ -12,6 +12,7 @@
 #include "framework/train/config.hpp"
 #include "layers/residual_block.hpp"
 #include "layers/swiglu.hpp"
+#include "partition/cost_model.hpp"
 #include "partition/gradient_storage.hpp"
 #include "partition/sixteen_bit_storage.hpp"
 
@@ -569,44 +570,51 @@ std::size_t Mlp::store_gradients_16bit(const ParallelContext& context) {
   query.reduced_in_backward = true;  // the caller's promise (see mlp.hpp)
   const Dtype dtype = weight_gradient_storage(query);
   if (dtype == Dtype::fp32) return 0;
-  // The plain MLP's Linear layers, by their index in the sequence (the buckets' layer index).
+  // The plain MLP's Linear layers, by their index in the sequence (the buckets' layer index):
+  // those reduced in a DP group (a layer group: blocking or in buckets), a tensor-parallel layer's
+  // all-reduced by itself over the batch axes, and those reduced by no one (one rank, TP alone).
   std::vector<std::pair<size_t, ShardedParameter*>> weights;
   for (size_t k = 0; k < sequence_.size(); ++k) {
     Linear* linear = nullptr;
     for (Linear& l : linear_) {
       if (&l == sequence_[k]) linear = &l;
     }
-    if (linear == nullptr || reductions_.layer_group(k) == nullptr) continue;
+    if (linear == nullptr) continue;
     ShardedParameter* w = linear->sharded_parameters().front();
-    Communicator* group = w->deferrable_group();
-    if (group == nullptr || w->grad().stored_16bit() ||
-        !stores_weight_gradient_16bit(linear->layout(), group->size())) {
+    // The weight-gradient product's algorithm, as the Linear chose it at construction.
+    const CollectiveMatmulAlgorithm weight_grad =
+        layer_matmul_algorithms(linear->layout(), rows_, context.matmul_algorithm(),
+                                collective_matmul_hardware(), precision.param)
+            .weight_grad;
+    if (w->gathered() || w->grad().stored_16bit() ||
+        !stores_weight_gradient_16bit(linear->layout(), weight_grad)) {
       continue;
     }
     weights.emplace_back(k, w);
   }
   if (weights.empty()) return 0;
   // The fp32 gradients freed, each replaced by its 16 bits (at construction, not in a step):
-  // without buckets a buffer of its own; under overlap its range of the buckets' 16-bit buffer,
-  // which backward's GEMM writes and the bucket's all-reduce sums in place (nothing allocated).
-  std::map<Communicator*, size_t> largest;  // per group, without buckets
+  // under overlap a DP layer group's range of the buckets' 16-bit buffer, which backward's GEMM
+  // writes and the bucket's all-reduce sums in place (nothing allocated); else a buffer of its own.
+  std::map<Communicator*, size_t> largest;  // per group, the blocking ones
   for (auto& [k, w] : weights) {
     ShardedTensor& g = w->grad();
     const size_t elements = g.local.extent(0);
-    uint16_t* home = buckets_.empty() ? nullptr : buckets_.keep_in_wire(k, 0);
+    const bool bucketed = !buckets_.empty() && reductions_.layer_group(k) != nullptr;
+    uint16_t* home = bucketed ? buckets_.keep_in_wire(k, 0) : nullptr;
     g.local = Vector();
     g.storage = dtype;
     // Under overlap unmanaged: the buckets own the memory (the model owns both).
     g.bits = home != nullptr ? HalfBits(home, elements) : HalfBits(g.name, elements);
-    size_t& most = largest[w->allreduce_group()];
-    most = std::max(most, elements);
-  }
-  if (buckets_.empty()) {
-    // Each summed in place by a started 16-bit all-reduce, one at a time: one request slot per
-    // group, for its largest (ShardedParameter::reserve_reductions leaves these out).
-    for (auto& [group, elements] : largest) {
-      group->reserve_started_16bit_all_reduces(1, elements, dtype);
+    if (home == nullptr && w->allreduce_group() != nullptr) {
+      size_t& most = largest[w->allreduce_group()];
+      most = std::max(most, elements);
     }
+  }
+  // Each blocking one summed in place by a started 16-bit all-reduce, one at a time: one request
+  // slot per group, for its largest (ShardedParameter::reserve_reductions leaves these out).
+  for (auto& [group, elements] : largest) {
+    group->reserve_started_16bit_all_reduces(1, elements, dtype);
   }
   return weights.size();
 }

@@ -3,19 +3,31 @@
 // cast points"): the one rule that the model (Mlp::store_gradients_16bit, layers/mlp.hpp), the
 // driver (run/run_setup.cpp) and the memory plan (framework/train/memory_plan.cpp) share.
 //
-// A dense layer's weight gradient holds only 16-bit values when it is written by one GEMM whose
-// result the reduction rounds to the wire's 16 bits before anything reads it, and nothing later
-// adds to it or scales it. That is a plain MLP's Linear weight with DP storage (not gathered by
-// FSDP, not split by tensor parallelism, all-reduced over batch axes of 2 or more ranks) when the
-// model computes in bf16 and reduces over a bf16 wire (fp16 needs loss scaling, which scales the
-// gradient), the gradients are reduced in backward (no ZeRO-1, no gradient accumulation) and not
-// clipped (clipping scales them), where gemm()'s kernel writes 16 bits (gemm_to_16bit without an
-// fp32 scratch: the CPU build with AVX512_BF16 or AMX; not the CUDA build yet). Everywhere else
-// the gradient stays fp32: at one rank (no reduction: its gradient is rounded to bf16 all the
-// same, but this first cut keeps fp32 there), under FSDP (its reduce-scatter's shard), under TP,
-// in a residual MLP's blocks, for every bias and norm parameter (small).
+// A dense layer's weight gradient holds only 16-bit values when every element is written by one
+// GEMM (its fp32 sum rounded to nearest even), nothing later adds to it or scales it, and a
+// reduction, where there is one, sums it over a wire of those 16 bits. In a run that computes in
+// bf16 and reduces over a bf16 wire (fp16 needs loss scaling, which scales the gradient), reduces
+// in backward (no ZeRO-1, no gradient accumulation) and does not clip (clipping scales), where
+// gemm()'s kernel writes 16 bits (gemm_to_16bit without an fp32 scratch: the CPU build with
+// AVX512_BF16 or AMX; not the CUDA build yet), that is a plain MLP's Linear weight
+//   - stored whole on every rank of its DP group (not gathered by FSDP, not replicated over a
+//     non-batch axis, which scales it), all-reduced over the batch axes, or over none (one rank,
+//     tensor parallelism without a DP axis: backward rounds it and nothing reduces it);
+//   - row- or column-parallel alike: a column-parallel layer fed a replicated input and a
+//     row-parallel one whose output is all-reduced write it with one GEMM; a column-parallel one
+//     that gathers its input (dW_t = all_gather(X)ᵀ @ dY_t) with an all-gather-matmul whose naive
+//     and ring algorithms write each row block of it with one GEMM, and a split-output
+//     row-parallel layer (dW = X_cᵀ @ all_gather(dY)) with the naive one, as one GEMM on the
+//     gathered dY (all_gather_matmul_to_16bit; weight_gradient_product_writes_16bit below).
+// Everywhere else the gradient stays fp32: the bidirectional all-gather-matmul (its halves split
+// K: each block is the sum of two GEMMs, accumulated in fp32 in the gradient itself, and no other
+// fp32 buffer of that size exists), the ring one of a split-output layer (its GEMMs' 16-bit dsts
+// would be row-strided column blocks, which oneDNN 2.6 writes through an fp32 accumulator of the
+// block in its scratchpad: as large as what the 16 bits save), FSDP (its reduce-scatter's shard),
+// a residual MLP's blocks, every bias and norm parameter (small).
 
 #include "base/dtype.hpp"
+#include "partition/collective_matmul_algorithm.hpp"
 #include "partition/linear_layout.hpp"
 
 namespace meshtrain {
@@ -35,14 +47,33 @@ inline Dtype weight_gradient_storage(const GradientStorageQuery& q) {
   return sixteen ? Dtype::bf16 : Dtype::fp32;
 }
 
-// The per-weight part: a plain MLP's dense layer whose weight is stored whole on every rank of
-// its DP group (not gathered, neither row- nor column-parallel: Linear's backward writes a 16-bit
-// gradient only for a whole, unsplit compute block) and all-reduced over `dp_ranks` >= 2. The
-// model (Mlp::store_gradients_16bit) and the plan (memory_plan.cpp) both pass the layer's
-// LinearLayout, so they cannot disagree on which flags count.
-inline bool stores_weight_gradient_16bit(const LinearLayout& layout, int dp_ranks) {
-  return !layout.gathers_weight() && !layout.tensor_parallel && !layout.column_parallel &&
-         dp_ranks >= 2;
+// Whether a Linear's weight-gradient product writes each element with one GEMM into a dense
+// 16-bit gradient, with no fp32 scratch of the gradient's size (`weight_grad`: the resolved
+// algorithm of its all-gather-matmul, layer_matmul_algorithms; unused where the product is one
+// GEMM). One GEMM: yes. A column-parallel layer gathering its input, dW_t = all_gather(X)ᵀ @ dY_t
+// (row blocks of dW): naive and ring. A split-output row-parallel one, dW = X_cᵀ @ all_gather(dY)
+// (column blocks of dW): naive alone, as one GEMM on the gathered dY laid out dense (ring's
+// column blocks are row-strided, which oneDNN's 16-bit dst serves with an fp32 accumulator of the
+// block). Bidirectional splits K. all_gather_matmul_writes_16bit (framework/comm/
+// collective_matmul_16bit.hpp) says the same of the collective matmul; layers/linear.cpp asks this.
+inline bool weight_gradient_product_writes_16bit(const LinearLayout& layout,
+                                                 CollectiveMatmulAlgorithm weight_grad) {
+  if (!layout.runs_collective_matmuls()) return true;
+  if (layout.column_gathers_input()) {
+    return weight_grad == CollectiveMatmulAlgorithm::naive ||
+           weight_grad == CollectiveMatmulAlgorithm::ring;
+  }
+  return weight_grad == CollectiveMatmulAlgorithm::naive;
+}
+
+// The per-weight part: a plain MLP's dense layer whose weight is not gathered nor replicated over
+// a non-batch axis, and whose weight-gradient product writes it as 16 bits (above). The model
+// (Mlp::store_gradients_16bit) and the plan (memory_plan.cpp) both pass the layer's LinearLayout
+// and its algorithm, so they cannot disagree on which flags count.
+inline bool stores_weight_gradient_16bit(const LinearLayout& layout,
+                                         CollectiveMatmulAlgorithm weight_grad) {
+  if (layout.gathers_weight() || layout.nonbatch_replication != 1) return false;
+  return weight_gradient_product_writes_16bit(layout, weight_grad);
 }
 
 }  // namespace meshtrain

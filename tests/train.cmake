@@ -48,8 +48,8 @@ meshtrain_add_test(NAME train_save_events_test SOURCES train/save_events_test.cp
 # and at the end for every rank, against the plan and metrics.jsonl, fsdp below dp per rank;
 # every rank's end peak within 0.98-1.02 of its own planned bytes (dp, fsdp, tp, fsdp x tp at
 # np 4), each workspace item of the plan equal to the live allocations matched to it (among the
-# cases dp over a bf16 wire, whose weight gradients are stored as 16 bits, overlap off and on, and
-# at np 4 a column-parallel first layer, whose gradient stays fp32); an allocation the plan does
+# cases dp and tp over a bf16 wire, whose weight gradients are stored as 16 bits, overlap off and
+# on, and at np 4 dp x tp and a column-parallel first layer, stored so too); an allocation the plan does
 # not know is named in the warning, a normal run has none.
 meshtrain_add_test(NAME train_memory_plan_test SOURCES train/memory_plan_test.cpp
                    LIBS meshtrain_run NP 1 2 4 TIMEOUT 60 EMULATED)

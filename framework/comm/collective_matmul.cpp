@@ -5,6 +5,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "framework/comm/collective_matmul_16bit.hpp"
 #include "framework/core/exec_space.hpp"
 #include "framework/core/kernel_label.hpp"
 #include "framework/core/view_ops.hpp"
@@ -151,6 +152,7 @@ struct GatherPlan {
   std::size_t block_rows = 0, block_cols = 0;  // stored block extents
   std::size_t k = 0;                           // contraction length of the full product
   MatrixView c;
+  HalfMatrixView c16;  // all_gather_matmul_to_16bit: C as 16 bits of `wire` (c then has no data)
 
   // GEMM of one piece of the full gathered operand: stored rows [row0, row0+rows) and
   // cols [col0, col0+cols) of it, held contiguously in `piece`. beta 0 when the piece
@@ -170,6 +172,16 @@ struct GatherPlan {
     // op(piece) covers op rows/cols of the full operand:
     const Range op_r = gathered.transpose ? stored_cols : stored_rows;
     const Range op_c = gathered.transpose ? stored_rows : stored_cols;
+    if (c16.data() != nullptr) {  // each block of C by one GEMM (checked by the caller)
+      MESHTRAIN_REQUIRE(length(side == GatherSide::left ? op_c : op_r) == k, op,
+                        ": a 16-bit C with a piece that splits K");
+      if (side == GatherSide::left) {
+        gemm_to_16bit(p, op_row_block(other, op_c), Kokkos::subview(c16, op_r, Kokkos::ALL), wire);
+      } else {
+        gemm_to_16bit(op_col_block(other, op_r), p, Kokkos::subview(c16, Kokkos::ALL, op_c), wire);
+      }
+      return;
+    }
     if (side == GatherSide::left) {  // op_r in M, op_c in K
       const float beta = length(op_c) == k ? 0.0f : 1.0f;
       gemm(p, op_row_block(other, op_c), beta, Kokkos::subview(c, op_r, Kokkos::ALL), wire);
@@ -390,6 +402,85 @@ void all_gather_matmul(Communicator& comm, GatherSide side, int gather_dim, Gemm
     run(plan.gathered.matrix.data());
   }
   fence_all(MESHTRAIN_LABEL("meshtrain::all_gather_matmul"));
+}
+
+namespace {
+
+// all_gather_matmul_to_16bit's naive algorithm where the gathered blocks are column blocks of the
+// full operand (stored gather_dim 1, not transposed): the blocks gathered into the workspace, laid
+// side by side into one dense [block_rows, n * block_cols] operand after them, and one GEMM into
+// the whole (dense) C. Per block, each GEMM would write a column block of C, a row-strided 16-bit
+// dst, for which oneDNN 2.6 takes its gemm:jit kernel with an fp32 accumulator of C's block in its
+// scratchpad (16 MiB for the 784-4096-4096-10 step's second layer at tp 2): the dense product
+// takes the bf16 matmul that writes the 16 bits itself, and the workspace holds 2n blocks.
+template <class T>
+void gather_unpacked_naive(const GatherPlan& plan, const T* mine, Communicator& comm,
+                           CollectiveMatmulWorkspace& ws) {
+  const std::size_t block = block_floats(plan.block_rows, plan.block_cols);
+  const std::size_t n = static_cast<std::size_t>(plan.n);
+  T* blocks = acquire_elements<T>(ws, 2 * n * block);
+  T* dense = blocks + n * block;
+  gather_blocks(comm, mine, blocks, block, plan.wire);
+  const int64_t rows = static_cast<int64_t>(plan.block_rows);
+  const int64_t cols = static_cast<int64_t>(plan.block_cols);
+  const int64_t width = static_cast<int64_t>(n) * cols;
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::all_gather_matmul_unpack"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>(device_space(), {0, 0}, {rows, width}),
+      KOKKOS_LAMBDA(const int64_t r, const int64_t col) {
+        const int64_t j = col / cols;
+        dense[r * width + col] = blocks[(j * rows + r) * cols + (col - j * cols)];
+      });
+  fence_all(MESHTRAIN_LABEL("meshtrain::all_gather_matmul_unpack"));
+  plan.multiply_piece(static_cast<const T*>(dense), 0, plan.block_rows, 0, n * plan.block_cols);
+}
+
+}  // namespace
+
+bool all_gather_matmul_writes_16bit(GatherSide side, int gather_dim, bool gathered_transposed,
+                                    CollectiveMatmulAlgorithm algorithm) {
+  const int op_dim = gathered_transposed ? 1 - gather_dim : gather_dim;
+  const bool gathers_k = side == GatherSide::left ? op_dim == 1 : op_dim == 0;
+  if (gathers_k) return false;
+  // Column blocks of C (the gathered operand is op(B)'s N): naive alone (one dense GEMM).
+  if (side == GatherSide::right) return algorithm == CollectiveMatmulAlgorithm::naive;
+  return algorithm == CollectiveMatmulAlgorithm::naive ||
+         algorithm == CollectiveMatmulAlgorithm::ring;
+}
+
+void all_gather_matmul_to_16bit(Communicator& comm, GatherSide side, int gather_dim, GemmOperand a,
+                                GemmOperand b, HalfMatrixView c,
+                                CollectiveMatmulAlgorithm algorithm,
+                                CollectiveMatmulWorkspace& workspace, Dtype wire) {
+  MESHTRAIN_REQUIRE(wire != Dtype::fp32, "all_gather_matmul_to_16bit on ", comm.description(),
+                    ": a 16-bit C needs a 16-bit wire dtype (the format of its bits)");
+  MESHTRAIN_REQUIRE(c.span_is_contiguous(), "all_gather_matmul_to_16bit on ", comm.description(),
+                    ": C must be contiguous");
+  // The fp32 plan's checks on C's extents, with a C of no data.
+  GatherPlan plan = plan_gather(comm, side, gather_dim, a, b,
+                                MatrixView(nullptr, c.extent(0), c.extent(1)), wire);
+  plan.op = "all_gather_matmul_to_16bit";
+  plan.c16 = c;
+  MESHTRAIN_REQUIRE(
+      all_gather_matmul_writes_16bit(side, gather_dim, plan.gathered.transpose, algorithm),
+      "all_gather_matmul_to_16bit on ", comm.description(), ": algorithm ", to_string(algorithm),
+      " would accumulate blocks of C or write row-strided blocks of it (see "
+      "all_gather_matmul_writes_16bit)");
+  const auto run = [&](const auto* mine) {
+    if (algorithm == CollectiveMatmulAlgorithm::ring) {
+      gather_ring(plan, mine, comm, workspace);
+    } else if (gather_dim == 1 && !plan.gathered.transpose) {
+      gather_unpacked_naive(plan, mine, comm, workspace);
+    } else {
+      gather_naive(plan, mine, comm, workspace);
+    }
+  };
+  if (plan.gathered.sixteen_bit) {
+    run(plan.gathered.half.data());
+  } else {
+    run(plan.gathered.matrix.data());
+  }
+  fence_all(MESHTRAIN_LABEL("meshtrain::all_gather_matmul_to_16bit"));
 }
 
 // ----------------------------------------------------------- matmul reduce-scatter

@@ -19,6 +19,7 @@
 #include "framework/io/data.hpp"
 #include "framework/io/sparse_hdf5.hpp"
 #include "framework/train/config.hpp"
+#include "partition/cost_model.hpp"
 #include "partition/embedding_layout.hpp"
 #include "partition/gradient_storage.hpp"
 #include "partition/sharding_picture.hpp"
@@ -516,11 +517,15 @@ void dlrm_data_footprint(const RunConfig& config, int64_t rows, DataFootprint& f
 
 // Bytes per rank the weight gradients stored as 16 bits save against fp32 ones (2 an element),
 // decided as the run decides it (partition/gradient_storage.hpp; Mlp::store_gradients_16bit in
-// run/run_setup.cpp): a plain MLP's Linear weights with DP storage over 2 or more ranks, in a
-// bf16 run that reduces in backward and does not clip. Under overlap the stored gradient is its
-// range of the DP buckets' 16-bit buffer; that whole buffer (the other bucketed gradients' 16-bit
-// copies too) is counted here as the gradients'.
-static int64_t sixteen_bit_gradient_savings(const RunConfig& config, const ShardingPlan& plan) {
+// run/run_setup.cpp): a plain MLP's Linear weights neither gathered nor replicated over a
+// non-batch axis whose weight-gradient product writes each element once (one GEMM, or a naive or
+// ring all-gather-matmul: the algorithm the layer chooses, layer_matmul_algorithms on `hardware`),
+// in a bf16 run that reduces in backward and does not clip. Under overlap a DP layer group's
+// stored gradient is its range of the DP buckets' 16-bit buffer; that whole buffer (the other
+// bucketed gradients' 16-bit copies too) is counted here as the gradients'. The others (TP's own
+// all-reduce, no reduction) have a 16-bit buffer of their own.
+static int64_t sixteen_bit_gradient_savings(const RunConfig& config, const ShardingPlan& plan,
+                                            const HardwareProfile& hardware) {
   if (config.model.kind != ModelKind::mlp) return 0;
   const bool zero1 = config.optimizer.zero_stage == 1 && plan.mesh.has_axis(kZeroAxis) &&
                      plan.mesh.size_of({kZeroAxis}) > 1;
@@ -530,32 +535,38 @@ static int64_t sixteen_bit_gradient_savings(const RunConfig& config, const Shard
   query.reduced_in_backward = !zero1 && config.train.accumulation_steps == 1;
   query.clipped = config.optimizer.clip_norm > 0;
   if (weight_gradient_storage(query) == Dtype::fp32) return 0;
-  int64_t saved = 0;
+  int64_t bucketed_saved = 0, own_saved = 0;
   int64_t others = 0;  // fp32 bytes of the bucketed gradients kept in fp32
+  const bool buckets = config.runtime.overlap;
   for (const LayerPlan& layer : plan.layers) {
+    if (layer.moe) continue;
     const LinearLayout& l = layer.layout;
-    if (layer.moe || !l.defers_reduction()) continue;
     const int64_t weight = plan.find(layer.name + "/weight").bytes_per_rank;
-    others += plan.find(layer.name + "/bias").bytes_per_rank;
-    const int dp = plan.mesh.size_of(l.weight_allreduce);
-    if (!stores_weight_gradient_16bit(l, dp)) {
-      others += weight;
+    const bool bucketed = buckets && l.defers_reduction();
+    if (bucketed) others += plan.find(layer.name + "/bias").bytes_per_rank;
+    const CollectiveMatmulAlgorithm weight_grad =
+        layer_matmul_algorithms(l, plan.local_batch_rows, config.partition.collective_matmul,
+                                hardware, query.precision.param)
+            .weight_grad;
+    if (!stores_weight_gradient_16bit(l, weight_grad)) {
+      if (bucketed) others += weight;
       continue;
     }
-    saved += weight / 2;
+    (bucketed ? bucketed_saved : own_saved) += weight / 2;
   }
-  // Under overlap the stored weights live in the DP buckets' 16-bit buffer, which also holds a
-  // 16-bit copy of every other bucketed gradient (biases, weights kept in fp32): the run counts
-  // that buffer as the gradients' (TrainingRun::plan_item_of), and so does the plan.
-  if (saved > 0 && config.runtime.overlap) saved -= others / 2;
-  return saved;
+  // Under overlap the stored weights of the DP layer groups live in the DP buckets' 16-bit
+  // buffer, which also holds a 16-bit copy of every other bucketed gradient (biases, weights
+  // kept in fp32): the run counts that buffer as the gradients' (TrainingRun::plan_item_of), and
+  // so does the plan.
+  if (bucketed_saved > 0) bucketed_saved -= others / 2;
+  return bucketed_saved + own_saved;
 }
 
 PlannedMemory planned_memory(const RunConfig& config, const ShardingPlan& plan,
                              const HardwareProfile& hardware) {
   PlannedMemory memory;
   memory.totals = plan.totals;
-  memory.totals.gradient_bytes -= sixteen_bit_gradient_savings(config, plan);
+  memory.totals.gradient_bytes -= sixteen_bit_gradient_savings(config, plan, hardware);
   memory.workspace = training_workspace(config, plan);
   // The evaluation model's buffers as the memory model counts them (the planner's estimate,
   // its inputs and each layer's output, misses a residual model's norms and sums and every

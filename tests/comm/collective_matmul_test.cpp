@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "framework/comm/collective_matmul_16bit.hpp"
 #include "tests/support/communicator_cases.hpp"
 #include "tests/support/expect_error.hpp"
 #include "tests/support/world.hpp"
@@ -322,6 +323,115 @@ TEST(CollectiveMatmul, SixteenBitOperandsGiveTheFp32BuffersBits) {
       }
     }
   }
+}
+
+// all_gather_matmul_to_16bit (framework/comm/collective_matmul_16bit.hpp: a layer's weight
+// gradient stored as 16 bits) writes the bits of all_gather_matmul's fp32 C rounded to nearest
+// even (pack_16bit), bit for bit (gemm_to_16bit's bits; oneDNN's differ only for sums below
+// 2^-126, which these products of values near 1 do not reach): the gathered dim not K, either
+// side (right: naive alone, one GEMM on the gathered blocks laid out dense; left: naive and
+// ring), transposed operands, the gathered operand fp32 or 16-bit, odd blocks. Where the blocks of
+// C would accumulate (a gathered K, bidirectional), be row-strided column blocks (ring on the
+// right) or automatic's choice: refused, as all_gather_matmul_writes_16bit says; a strided C too.
+TEST(CollectiveMatmul, AllGatherMatmulTo16BitGivesTheFp32ProductsRoundedBits) {
+  using A = CollectiveMatmulAlgorithm;
+  TestGroups tg;
+  std::size_t cases = 0;
+  for (const Group& g : tg.groups()) {
+    Communicator& comm = *g.comm;
+    const std::size_t n = static_cast<std::size_t>(comm.size());
+    const std::size_t i = static_cast<std::size_t>(comm.rank());
+    for (Dtype dtype : {Dtype::bf16, Dtype::fp16}) {
+      for (A alg : {A::naive, A::ring}) {
+        CollectiveMatmulWorkspace ws;
+        for (bool odd : {false, true})
+          for (GatherSide side : {GatherSide::left, GatherSide::right})
+            for (int dim = 0; dim < 2; ++dim)
+              for (bool ta : {false, true})
+                for (bool tb : {false, true})
+                  for (bool gathered_16bit : {false, true}) {
+                    const bool g_trans = side == GatherSide::left ? ta : tb;
+                    const int op_dim = g_trans ? 1 - dim : dim;
+                    // The gathered dim must be M (left) or N (right), not K.
+                    if ((side == GatherSide::left) != (op_dim == 0)) continue;
+                    EXPECT_EQ(all_gather_matmul_writes_16bit(side, dim, g_trans, alg),
+                              side == GatherSide::left || alg == A::naive);
+                    if (side == GatherSide::right && alg == A::ring) continue;
+                    std::size_t m = odd ? 5 : 6, k = odd ? 7 : 16, cols = odd ? 5 : 10;
+                    (side == GatherSide::left ? m : cols) = (odd ? 3 : 8) * n;
+                    const auto [ar, ac] = stored(m, k, ta);
+                    const auto [br, bc] = stored(k, cols, tb);
+                    const uint64_t seed = g.seed * 31 + 11 + 100 * i;
+                    DeviceMatrix a = make_matrix("a", ar, ac, seed),
+                                 b = make_matrix("b", br, bc, seed + 1);
+                    DeviceMatrix& gm = side == GatherSide::left ? a : b;
+                    const std::size_t gr = dim == 0 ? gm.extent(0) / n : gm.extent(0);
+                    const std::size_t gc = dim == 1 ? gm.extent(1) / n : gm.extent(1);
+                    gm = copy_block(gm, 0, gr, 0, gc);
+                    const HalfMatrix a16 = round_and_pack(a, dtype), b16 = round_and_pack(b, dtype);
+                    DeviceMatrix wide("wide", m, cols);
+                    all_gather_matmul(comm, side, dim, {a, ta}, {b, tb}, wide, alg, ws, dtype);
+                    HalfMatrix want("want", m, cols), got("got", m, cols);
+                    pack_16bit(wide.data(), want.data(), wide.span(), dtype);
+                    Kokkos::deep_copy(got, uint16_t{0x7777});
+                    const bool a_16 = side == GatherSide::left && gathered_16bit;
+                    const bool b_16 = side == GatherSide::right && gathered_16bit;
+                    all_gather_matmul_to_16bit(comm, side, dim, operand(a, a16, a_16, ta),
+                                               operand(b, b16, b_16, tb), got, alg, ws, dtype);
+                    Kokkos::fence();
+                    const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), got);
+                    const auto host_want =
+                        Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), want);
+                    const std::string what =
+                        describe(g, alg,
+                                 std::string("all_gather_matmul_to_16bit ") + to_string(dtype) +
+                                     " side " + (side == GatherSide::left ? "left" : "right") +
+                                     " dim " + std::to_string(dim) + " ta " + std::to_string(ta) +
+                                     " tb " + std::to_string(tb) + " gathered 16-bit " +
+                                     std::to_string(gathered_16bit) + (odd ? " odd blocks" : ""));
+                    ++cases;
+                    for (std::size_t r = 0; r < m; ++r)
+                      for (std::size_t c = 0; c < cols; ++c)
+                        ASSERT_EQ(host(r, c), host_want(r, c))
+                            << what << " at (" << r << ", " << c << ")";
+                  }
+      }
+    }
+  }
+  EXPECT_GT(cases, 0u);
+  // Refused where blocks of C would accumulate, be row-strided, or C is strided.
+  MeshCommunicators comms(Mesh::create({{"tp", -1}}, world_size()));
+  Communicator& tp = comms.get({"tp"});
+  const std::size_t n = static_cast<std::size_t>(tp.size());
+  DeviceMatrix x = make_matrix("x", 4, 3, 1), dy = make_matrix("dy", 4, 5, 2);
+  DeviceMatrix xk = make_matrix("xk", 4, 3, 3);  // K gathered: [4, 3n] @ [3n, 5]
+  DeviceMatrix w = make_matrix("w", 3 * n, 5, 4);
+  HalfMatrix dw("dw", 3, 5 * n), y("y", 4, 5), wider("wider", 3, 5 * n + 1);
+  CollectiveMatmulWorkspace ws;
+  for (A alg : {A::ring, A::bidirectional, A::automatic}) {
+    EXPECT_FALSE(all_gather_matmul_writes_16bit(GatherSide::right, 1, false, alg));
+    expect_error(
+        [&] {
+          all_gather_matmul_to_16bit(tp, GatherSide::right, 1, transposed(x), plain(dy), dw, alg,
+                                     ws, Dtype::bf16);
+        },
+        ErrorKind::runtime, {"all_gather_matmul_to_16bit on", to_string(alg), "accumulate"});
+  }
+  EXPECT_FALSE(all_gather_matmul_writes_16bit(GatherSide::left, 1, false, A::naive));
+  expect_error(
+      [&] {
+        all_gather_matmul_to_16bit(tp, GatherSide::left, 1, plain(xk), plain(w), y, A::naive, ws,
+                                   Dtype::bf16);
+      },
+      ErrorKind::runtime, {"all_gather_matmul_to_16bit on", "accumulate"});
+  expect_error(
+      [&] {
+        const HalfMatrixView strided(
+            Kokkos::subview(wider, Kokkos::ALL, std::make_pair(std::size_t{1}, 5 * n + 1)));
+        all_gather_matmul_to_16bit(tp, GatherSide::right, 1, transposed(x), plain(dy), strided,
+                                   A::naive, ws, Dtype::bf16);
+      },
+      ErrorKind::runtime, {"all_gather_matmul_to_16bit on", "C must be contiguous"});
 }
 
 TEST(CollectiveMatmul, SixteenBitGatheredOperandNeedsASixteenBitWire) {

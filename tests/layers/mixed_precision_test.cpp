@@ -984,71 +984,117 @@ TEST(MixedPrecision, DpBlockingGradientsWrittenAs16BitsMatchTheFp32Path) {
 }
 
 // The weight gradients stored as 16 bits (Mlp::store_gradients_16bit, partition/
-// gradient_storage.hpp: DP storage over 2 or more ranks, bf16 compute and wire, where gemm()'s
-// kernel writes 16 bits): three training steps under AdamW (which reads the 16-bit gradient,
+// gradient_storage.hpp: a weight neither gathered nor replicated over a non-batch axis whose
+// product writes each element with one GEMM, bf16 compute and wire, where gemm()'s kernel writes 16
+// bits): three training steps under AdamW or SGD with momentum (both read the 16-bit gradient,
 // widening it) give bit for bit the loss, logits, parameters and gradients (widened) of the same
-// run with fp32 gradients, which hold the same bf16 sums widened; blocking and with overlap (the
-// stored gradient then its range of the DP buckets' 16-bit buffer). The tracker sees the
-// gradients' allocations shrink by 2 bytes per 16-bit element (blocking: their own 16-bit
-// buffers; overlap: none of their own, the buckets' 16-bit buffer unchanged). At one rank
-// nothing is stored as 16 bits (no reduction: the rule keeps fp32), and the runs agree.
+// run with fp32 gradients, which hold the same bf16 values widened; blocking and with overlap (a
+// DP layer group's stored gradient then its range of the DP buckets' 16-bit buffer). Layouts: one
+// rank (no reduction), dp over every rank, and under tensor parallelism tp alone and dp x tp,
+// row-parallel (split output: an all-gather-matmul, naive; at tp 4 the 6-wide output of tanh_ce
+// all-reduced: one GEMM) and column-parallel (P(None, tp), ring: the first layer's one GEMM, the
+// next ones gathering their input in an all-gather-matmul); the rule's exceptions keep their
+// split-output layers in fp32: ring at tp 2 (row-strided column blocks) and bidirectional at tp 4
+// (its halves split K), the other layers stored as 16 bits. The tracker
+// sees the gradients' allocations shrink by 2 bytes per 16-bit element (own 16-bit buffers), or 4
+// for those in the DP buckets' 16-bit buffer (overlap), whose size does not change.
 TEST(MixedPrecision, WeightGradientsStoredAs16BitsMatchTheFp32StoredGradients) {
   if (!gemm_kernel_writes_16bit(Dtype::bf16)) {
     GTEST_SKIP() << "gemm()'s kernel does not write bf16 here (" << gemm_kernels() << ")";
   }
   install_memory_tracker();
+  using A = CollectiveMatmulAlgorithm;
   const MixedPrecision bf16{Dtype::bf16, Dtype::bf16};
   const int n = world_size();
-  const LayoutCase dp{"dp" + std::to_string(n), {{"dp", n}}, "dp", 0, "", "", true};
+  std::vector<LayoutCase> layouts = {
+      {"dp" + std::to_string(n), {{"dp", n}}, "dp", 0, "", "", true}};
+  if (n == 2) {
+    layouts.push_back({"tp2", {{"tp", 2}}, "tp", 0, "", "", true, A::naive});
+    layouts.push_back({"tp2_ring", {{"tp", 2}}, "tp", 0, "", "", true, A::ring});
+    layouts.push_back({"tp2_columns", {{"tp", 2}}, "", 0, "P(None, tp)", "P(tp)", false, A::ring});
+  } else if (n == 4) {
+    layouts.push_back({"dp2_tp2", {{"dp", 2}, {"tp", 2}}, "dp_tp", 0, "", "", true, A::naive});
+    layouts.push_back({"dp2_tp2_columns",
+                       {{"dp", 2}, {"tp", 2}},
+                       "",
+                       0,
+                       "P(None, tp)",
+                       "P(tp)",
+                       false,
+                       A::naive});
+    layouts.push_back({"tp4", {{"tp", 4}}, "tp", 0, "", "", true, A::bidirectional});
+  }
   const int steps = 3;
   OptimizerSettings adamw, sgd;
   adamw.kind = OptimizerKind::adamw;
   sgd.kind = OptimizerKind::sgd;  // momentum 0.9
+  std::size_t stored_anywhere = 0;
   for (const auto& m : models()) {
-    for (bool overlap : {false, true}) {
-      // AdamW for the first model, SGD with momentum for the second: both updates read the
-      // 16-bit gradient.
-      const OptimizerSettings& opt = m.name == models().front().name ? adamw : sgd;
-      SCOPED_TRACE(m.name + " on " + dp.name + (overlap ? " with overlap" : "") +
-                   (&opt == &adamw ? ", adamw" : ", sgd"));
-      const RunResult fp32 = run_model(m, dp, &bf16, 1.0f, overlap, steps, true, &opt,
-                                       /*write_16bit_gradients=*/true, /*grads16=*/false);
-      const RunResult sixteen = run_model(m, dp, &bf16, 1.0f, overlap, steps, true, &opt,
-                                          /*write_16bit_gradients=*/true, /*grads16=*/true);
-      const std::size_t linears = m.sizes.size() - 1;
-      EXPECT_EQ(fp32.gradients_stored_16bit, 0u);
-      EXPECT_EQ(sixteen.gradients_stored_16bit, n > 1 ? linears : 0u);
-      int64_t weight_elements = 0;
-      for (size_t k = 0; k + 1 < m.sizes.size(); ++k)
-        weight_elements += m.sizes[k] * m.sizes[k + 1];
-      EXPECT_EQ(sixteen.stored_16bit_elements, n > 1 ? weight_elements : 0);
-      // The tracker: 2 bytes less per 16-bit element (blocking), or all 4 (overlap: the bytes
-      // live in the buckets' buffer, as large as before).
-      const int64_t saved = sixteen.stored_16bit_elements * (overlap ? 4 : 2);
-      EXPECT_EQ(sixteen.gradient_allocation_bytes, fp32.gradient_allocation_bytes - saved);
-      EXPECT_EQ(sixteen.bucket_16bit_bytes, fp32.bucket_16bit_bytes);
-      if (overlap && n > 1) {
-        // The GEMMs wrote every weight gradient as 16 bits, in every backward.
-        EXPECT_EQ(sixteen.gradients_written_16bit, linears * steps);
-      }
-      EXPECT_EQ(sixteen.loss, fp32.loss);
-      ASSERT_EQ(sixteen.logits.size(), fp32.logits.size());
-      for (size_t i = 0; i < fp32.logits.size(); ++i)
-        ASSERT_EQ(float(sixteen.logits[i]), float(fp32.logits[i])) << "logit " << i;
-      ASSERT_EQ(sixteen.params.size(), fp32.params.size());
-      ASSERT_EQ(sixteen.grads.size(), fp32.grads.size());
-      for (size_t k = 0; k < fp32.params.size(); ++k) {
-        ASSERT_EQ(sixteen.params[k].size(), fp32.params[k].size());
-        ASSERT_EQ(sixteen.grads[k].size(), fp32.grads[k].size());
-        for (size_t i = 0; i < fp32.params[k].size(); ++i) {
-          ASSERT_EQ(float(sixteen.grads[k][i]), float(fp32.grads[k][i]))
-              << fp32.names[k] << " gradient element " << i;
-          ASSERT_EQ(float(sixteen.params[k][i]), float(fp32.params[k][i]))
-              << fp32.names[k] << " element " << i;
+    for (const auto& layout : layouts) {
+      for (bool overlap : {false, true}) {
+        // AdamW for the first model, SGD with momentum for the second.
+        const OptimizerSettings& opt = m.name == models().front().name ? adamw : sgd;
+        SCOPED_TRACE(m.name + " on " + layout.name + (overlap ? " with overlap" : "") +
+                     (&opt == &adamw ? ", adamw" : ", sgd"));
+        const RunResult fp32 = run_model(m, layout, &bf16, 1.0f, overlap, steps, true, &opt,
+                                         /*write_16bit_gradients=*/true, /*grads16=*/false);
+        const RunResult sixteen = run_model(m, layout, &bf16, 1.0f, overlap, steps, true, &opt,
+                                            /*write_16bit_gradients=*/true, /*grads16=*/true);
+        // Which weights the rule stores as 16 bits, from the layouts: every one but the
+        // split-output and input-gathering products of the bidirectional algorithm (none is
+        // gathered here); those of a DP layer group live in the buckets under overlap.
+        std::size_t expected = 0, bucketed = 0;
+        int64_t elements = 0, bucketed_elements = 0;
+        for (const LinearLayout& l : sixteen.linear_layouts) {
+          ASSERT_FALSE(l.gathers_weight());
+          // (bidirectional splits K; ring writes a split-output layer's gradient as row-strided
+          // column blocks: both stay fp32.)
+          if (l.runs_collective_matmuls() &&
+              (layout.algorithm == A::bidirectional ||
+               (layout.algorithm == A::ring && !l.column_gathers_input()))) {
+            continue;
+          }
+          const int64_t e = l.stored_rows * l.stored_cols;
+          const bool in_buckets = overlap && l.defers_reduction();
+          ++expected;
+          elements += e;
+          bucketed += in_buckets;
+          bucketed_elements += in_buckets ? e : 0;
+        }
+        const bool all = layout.algorithm == A::naive || layout.algorithm == A::automatic ||
+                         layout.name == "tp2_columns";
+        if (all) EXPECT_EQ(expected, m.sizes.size() - 1);
+        EXPECT_EQ(fp32.gradients_stored_16bit, 0u);
+        EXPECT_EQ(sixteen.gradients_stored_16bit, expected);
+        EXPECT_EQ(sixteen.stored_16bit_elements, elements);
+        stored_anywhere += sixteen.gradients_stored_16bit;
+        // The tracker: 2 bytes less per 16-bit element in a buffer of its own, all 4 for those
+        // in the buckets' buffer, as large as before.
+        const int64_t saved = (elements - bucketed_elements) * 2 + bucketed_elements * 4;
+        EXPECT_EQ(sixteen.gradient_allocation_bytes, fp32.gradient_allocation_bytes - saved);
+        EXPECT_EQ(sixteen.bucket_16bit_bytes, fp32.bucket_16bit_bytes);
+        // The GEMMs wrote every bucketed weight gradient as 16 bits, in every backward.
+        if (overlap) EXPECT_EQ(sixteen.gradients_written_16bit, bucketed * steps);
+        EXPECT_EQ(sixteen.loss, fp32.loss);
+        ASSERT_EQ(sixteen.logits.size(), fp32.logits.size());
+        for (size_t i = 0; i < fp32.logits.size(); ++i)
+          ASSERT_EQ(float(sixteen.logits[i]), float(fp32.logits[i])) << "logit " << i;
+        ASSERT_EQ(sixteen.params.size(), fp32.params.size());
+        ASSERT_EQ(sixteen.grads.size(), fp32.grads.size());
+        for (size_t k = 0; k < fp32.params.size(); ++k) {
+          ASSERT_EQ(sixteen.params[k].size(), fp32.params[k].size());
+          ASSERT_EQ(sixteen.grads[k].size(), fp32.grads[k].size());
+          for (size_t i = 0; i < fp32.params[k].size(); ++i) {
+            ASSERT_EQ(float(sixteen.grads[k][i]), float(fp32.grads[k][i]))
+                << fp32.names[k] << " gradient element " << i;
+            ASSERT_EQ(float(sixteen.params[k][i]), float(fp32.params[k][i]))
+                << fp32.names[k] << " element " << i;
+          }
         }
       }
     }
   }
+  EXPECT_GT(stored_anywhere, 0u);
 }
 
 // A residual_mlp's 16-bit storage (docs/mixed_precision.md, "Compute and memory on this build":

@@ -328,10 +328,9 @@ TEST(MemoryPlan, EveryRanksPeakAtTheEndIsWithinTheBandOfItsPlan) {
 // and dp x tp at np 4), in fp32, in bf16 with overlap, for a residual model with norms (and with
 // SwiGLU blocks and dropout), and an MLP with dropout; with an evaluation batch of other rows
 // (larger and smaller) for both kinds, whose forward-only model's buffers are the plan's evaluation
-// batch. And over a bf16 wire (weight gradients stored as 16 bits at np 2 and 4), overlap off and
+// batch. And over a bf16 wire (weight gradients stored as 16 bits), dp and tp, overlap off and
 // on: "gradients" is the stored weights, each in a buffer of its own or, under overlap, the
-// training model's 16-bit bucket buffer whole; at np 4 with a column-parallel first layer, which
-// trains (its gradient fp32 in model and plan).
+// training model's 16-bit bucket buffer whole; at np 4 dp x tp and a column-parallel first layer.
 struct WorkspaceCase {
   std::string name, preset;
   int tp = 1;
@@ -346,8 +345,8 @@ struct WorkspaceCase {
   // (partition/gradient_storage.hpp) where gemm()'s kernel writes them.
   bool bf16_wire = false;
   // dp x tp (np 4): layers/0 column-parallel over tp (its weight P(None, tp), its bias P(tp)),
-  // the other layers replicated (the dp preset): its gradient stays fp32 in model and plan alike
-  // (it used to be stored as 16 bits by the model alone, and its first backward threw).
+  // the other layers replicated (the dp preset): its gradient, written by one GEMM, is stored as
+  // 16 bits in model and plan alike (in the buckets under overlap).
   bool column_first = false;
 };
 
@@ -376,11 +375,13 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
       {"tp_residual_eval_batch", "tp", 1, false, true, false, kOtherEvalBatch},
       {"fsdp_swiglu_dropout_small_eval_batch", "fsdp", 1, false, true, true, 8},
       {"dp_eval_batch", "dp", 1, false, false, false, kOtherEvalBatch}};
-  // bf16 over a bf16 wire: at np 2 and 4 the weight gradients are stored as 16 bits, without
-  // overlap each in a buffer of its own, with overlap in the DP buckets' 16-bit buffer (with the
-  // biases' 16-bit copies); at np 1 (no reduction) they stay fp32.
-  {
-    WorkspaceCase wire{"dp_bf16_wire", "dp"};
+  // bf16 over a bf16 wire: the weight gradients are stored as 16 bits, without overlap each in a
+  // buffer of its own, with overlap in the DP buckets' 16-bit buffer (with the biases' 16-bit
+  // copies); at np 1 (no reduction) each in a buffer of its own. Under tp (every rank; np 1: one)
+  // the row-parallel layers' too, written by their all-gather-matmul, each in a buffer of its own
+  // (nothing reduces them).
+  for (const char* preset : {"dp", "tp"}) {
+    WorkspaceCase wire{std::string(preset) + "_bf16_wire", preset};
     wire.bf16_wire = true;
     cases.push_back(wire);
     wire.name += "_overlap";
@@ -394,6 +395,11 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
     cases.push_back({"fsdp_tp_bf16_overlap", "fsdp_tp", 2, true});
     // ... and under dp x tp: the weights stored whole, their copies not gathered.
     cases.push_back({"dp_tp_bf16_overlap", "dp_tp", 2, true});
+    // dp x tp over a bf16 wire: the row-parallel layers' gradients all-reduced over dp by the
+    // layers themselves, as 16 bits in buffers of their own.
+    WorkspaceCase dp_tp{"dp_tp_bf16_wire_overlap", "dp_tp", 2, true};
+    dp_tp.bf16_wire = true;
+    cases.push_back(dp_tp);
     // A column-parallel first layer in a bf16-wire run, without and with overlap.
     WorkspaceCase column{"dp_tp_column_bf16_wire", "dp"};
     column.bf16_wire = column.column_first = true;
@@ -436,9 +442,9 @@ TEST(MemoryPlan, EachWorkspaceItemIsWhatTheRunAllocates) {
         ASSERT_NE(first, nullptr);
         EXPECT_TRUE(first->layout.column_parallel);
       }
-      if (c.bf16_wire && n >= 2 && gemm_kernel_writes_16bit(Dtype::bf16)) {
-        // The feature is on: some weight gradient (the replicated layers') is stored as 16 bits,
-        // so the plan's gradients are below the sharding plan's fp32 gradients.
+      if (c.bf16_wire && gemm_kernel_writes_16bit(Dtype::bf16)) {
+        // The feature is on: some weight gradient is stored as 16 bits, so the plan's gradients
+        // are below the sharding plan's fp32 gradients.
         EXPECT_LT(run.planned_memory().totals.gradient_bytes, run.plan().totals.gradient_bytes);
       }
       std::map<std::string, int64_t> measured;
