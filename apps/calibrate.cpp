@@ -29,7 +29,7 @@
 #include "framework/train/hardware_file.hpp"
 #include "layers/activation.hpp"
 #include "partition/cost_model.hpp"
-#include "run/dlrm_run.hpp"  // require_command_builds
+#include "run/dlrm_read_timing.hpp"
 
 namespace meshtrain {
 namespace {
@@ -458,6 +458,46 @@ LinkMeasurement measure_link(const Mesh& mesh, MeshCommunicators& comms, const s
   return m;
 }
 
+// A DLRM config's data read (run/dlrm_read_timing.hpp) on its own training file at this
+// rank's rows of a batch: every rank measures at once (as the step's ranks read), the slowest
+// rank's time of each part is kept (the step's ids' agreement waits for it).
+void measure_data_read(const RunConfig& config, int64_t rows, int world, HardwareProfile& profile,
+                       std::ostringstream& measured) {
+  if (rows <= 0) rows = std::max<int64_t>(config.data.batch_size / std::max(world, 1), 1);
+  DlrmReadTiming t;
+  if (auto error = run_agreed(
+          MPI_COMM_WORLD, [&] { t = measure_dlrm_read(config, rows, MPI_COMM_WORLD, 20, &now); })) {
+    throw *error;
+  }
+  std::vector<double> times = {t.dense_s, t.sparse_s};
+  times.insert(times.end(), t.table_s.begin(), t.table_s.end());
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, times.data(), static_cast<int>(times.size()), MPI_DOUBLE,
+                          MPI_MAX, MPI_COMM_WORLD),
+            "MPI_Allreduce");
+  t.dense_s = times[0];
+  t.sparse_s = times[1];
+  std::copy(times.begin() + 2, times.end(), t.table_s.begin());
+  derive_dlrm_read_figures(t);
+  profile.hdf5_row_seconds = t.hdf5_row_seconds;
+  profile.sparse_row_seconds = t.sparse_row_seconds;
+  profile.sparse_id_seconds = t.sparse_id_seconds;
+  double fewest = t.table_ids.front(), most = fewest;
+  for (const double ids : t.table_ids) {
+    fewest = std::min(fewest, ids);
+    most = std::max(most, ids);
+  }
+  char line[1024];
+  std::snprintf(line, sizeof line,
+                "data_read = \"%s: %lld rows a batch (random, in file order), %d batches, "
+                "slowest rank's medians: dense rows %.4g s, sparse reader %.4g s (%lld tables, "
+                "%.0f ids), each table alone %.4g to %.4g s (%.0f to %.0f ids)\"\n",
+                t.file.c_str(), static_cast<long long>(t.rows), t.batches, t.dense_s, t.sparse_s,
+                static_cast<long long>(t.tables), t.ids_per_batch,
+                *std::min_element(t.table_s.begin(), t.table_s.end()),
+                *std::max_element(t.table_s.begin(), t.table_s.end()), fewest, most);
+  measured << line;
+}
+
 std::string host_name() {
   char name[256] = {};
   gethostname(name, sizeof name - 1);
@@ -489,12 +529,13 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
   CommThreadChoice thread_choice = CommThreadChoice::off;
   bool overlap = false;
   std::optional<ModelSection> model;
+  std::optional<RunConfig> dlrm;  // CONFIG when kind = "dlrm" (its data read is measured)
   if (auto error = run_agreed(MPI_COMM_WORLD, [&] {
         if (config_path.empty()) {
           mesh = Mesh::create({{"dp", -1}}, world, "calibrate (dp = the world)");
         } else {
           const RunConfig config = load_config(config_path, overrides);
-          require_command_builds(config.model, "meshtrain calibrate");
+          if (config.model.kind == ModelKind::dlrm) dlrm = config;
           mesh = config.mesh.resolve(world);
           plan = make_plan(model_parameter_shapes(config.model), *mesh, partition_rules(config),
                            plan_options(config), model_linear_layers(config.model));
@@ -525,6 +566,7 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
   if (plan) profile.elementwise_rates = measure_elementwise_rates(*plan, *model);
   profile.memory_bandwidth = measure_memory_bandwidth();
   std::ostringstream measured;
+  if (dlrm) measure_data_read(*dlrm, plan ? plan->local_batch_rows : 0, world, profile, measured);
   measured
       << "clock = \"" << clock << "\"\nranks = " << world << "\nmesh = \""
       << mesh->short_description() << "\"\nhost = \"" << host_name() << "\"\n"

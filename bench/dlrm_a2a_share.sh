@@ -43,8 +43,9 @@ build/bin/meshtrain plan configs/dlrm_synthetic.toml --world "$np" --json "${har
   "${sets[@]}" > "$work/plan.json"
 $mpirun -np "$np" build/bin/meshtrain train configs/dlrm_synthetic.toml "${sets[@]}" \
   > "$work/train.log" 2>&1 || { cat "$work/train.log" >&2; exit 1; }
-/usr/bin/python3 - "$work/plan.json" "$work/run/trace/all-ranks.json" "$np" "$traced" <<'PY'
-import json, sys
+/usr/bin/python3 - "$work/plan.json" "$work/run/trace/all-ranks.json" "$np" "$traced" \
+  "${MESHTRAIN_HARDWARE:-}" <<'PY'
+import json, re, sys
 from collections import defaultdict
 plan = json.load(open(sys.argv[1]))
 trace = json.load(open(sys.argv[2]))
@@ -59,16 +60,21 @@ for r in range(np_):
     a2a = [e for e in mine if e["cat"] == "collective" and e["name"] == "all-to-all"]
     other = [e for e in mine if e["cat"] == "collective" and e["name"] != "all-to-all"]
     phases = defaultdict(float)
+    layers = defaultdict(float)  # the model's parts (`layer` spans), "name detail"
     for e in mine:
         if e["cat"] == "phase":
             phases[e["name"]] += e["dur"] / len(steps) / 1e3
+        elif e["cat"] == "layer":
+            key = e["name"] + " " + str(e.get("args", {}).get("pass", ""))
+            layers[key.strip()] += e["dur"] / len(steps) / 1e3
     per_rank.append({"rank": r, "steps": len(steps), "step_ms": step_us / len(steps) / 1e3,
                      "all_to_all_ms": sum(e["dur"] for e in a2a) / len(steps) / 1e3,
                      "all_to_alls_per_step": len(a2a) / len(steps),
                      "all_to_all_bytes_per_step": sum(e["args"]["bytes"] for e in a2a) / len(steps),
                      "other_collectives_ms": sum(e["dur"] for e in other) / len(steps) / 1e3,
                      "other_collectives_per_step": len(other) / len(steps),
-                     "phases_ms": {k: round(v, 3) for k, v in phases.items()}})
+                     "phases_ms": {k: round(v, 3) for k, v in phases.items()},
+                     "layers_ms": {k: round(v, 3) for k, v in layers.items()}})
 for p in per_rank:
     p["all_to_all_share"] = p["all_to_all_ms"] / p["step_ms"]
 cost = plan["cost"]
@@ -76,17 +82,59 @@ items = cost["items"]
 a2a_items = [i for i in items if i["what"].startswith("all-to-all")]
 pred_a2a = sum(i["seconds"] for i in a2a_items)
 pred_step = cost["step_s"]
+# The plan's prediction per traced phase (the cost items by their layer and phase): data read
+# (what the step waits for: data_exposed_s, the ids' agreement included), forward (every forward
+# item but the loss's), loss (layer "loss": its pass and all-reduce), backward, optimizer (the
+# update items: the dense optimizer and the tables' sparse rows). Measured: each phase span's
+# mean over the ranks; the difference of the step and its phases is "other" (clip, gaps).
+def phase_of(i):
+    if i["layer"] == "loss":
+        return "loss"
+    return {"forward": "forward", "backward": "backward", "update": "optimizer"}.get(i["phase"], "other")
+pred_phases = defaultdict(float)
+for i in items:
+    pred_phases[phase_of(i)] += i["seconds"] * 1e3
+pred_phases["data read"] = cost.get("data_exposed_s", 0) * 1e3
+pred_a2a_phases = defaultdict(float)
+for i in a2a_items:
+    pred_a2a_phases[phase_of(i)] += i["seconds"] * 1e3
+phase_rows = {}
+for name in ["data read", "forward", "loss", "backward", "optimizer"]:
+    meas = sum(p["phases_ms"].get(name, 0.0) for p in per_rank) / np_
+    pred = pred_phases.get(name, 0.0)
+    phase_rows[name] = {"measured_ms": round(meas, 3),
+                        "measured_per_rank_ms": [p["phases_ms"].get(name, 0.0) for p in per_rank],
+                        "predicted_ms": round(pred, 3),
+                        "predicted_over_measured": round(pred / meas, 3) if meas > 0 else None}
 measured_a2a = sum(p["all_to_all_ms"] for p in per_rank) / np_ / 1e3
 measured_step = sum(p["step_ms"] for p in per_rank) / np_ / 1e3
+# The profile's data-read figures (calibrate CONFIG measures them; absent: the defaults).
+profile = {}
+if len(sys.argv) > 5 and sys.argv[5]:
+    for line in open(sys.argv[5]):
+        m = re.match(r"^(hdf5_row_seconds|sparse_row_seconds|sparse_id_seconds|memory_bandwidth) = ([0-9.eE+-]+)", line)
+        if m:
+            profile[m.group(1)] = float(m.group(2))
+        m = re.match(r"^collective_overhead = ([0-9.eE+-]+)", line)
+        if m and "collective_overhead" not in profile:
+            profile["collective_overhead"] = float(m.group(1))
+print("phase        measured ms (per rank)        predicted ms  pred/meas", file=sys.stderr)
+for name, row in phase_rows.items():
+    print(f"{name:12s} {row['measured_ms']:8.3f} ({', '.join(f'{v:.3f}' for v in row['measured_per_rank_ms'])})"
+          f"  {row['predicted_ms']:10.3f}  {row['predicted_over_measured']}", file=sys.stderr)
 print(json.dumps({
     "bench": "dlrm_a2a_share", "ranks": np_, "traced_steps": traced,
-    "hardware": cost.get("hardware"),
+    "hardware": cost.get("hardware"), "profile": profile,
     "measured": {"step_ms": measured_step * 1e3, "all_to_all_ms": measured_a2a * 1e3,
                  "all_to_all_share": measured_a2a / measured_step, "per_rank": per_rank},
     "predicted": {"step_ms": pred_step * 1e3, "all_to_all_ms": pred_a2a * 1e3,
                   "all_to_all_items": len(a2a_items),
                   "all_to_all_share": pred_a2a / pred_step if pred_step > 0 else None,
-                  "data_read_ms": cost.get("data_read_s", 0) * 1e3},
+                  "data_read_ms": cost.get("data_read_s", 0) * 1e3,
+                  "data_exposed_ms": cost.get("data_exposed_s", 0) * 1e3,
+                  "data_agree_ms": cost.get("data_agree_s", 0) * 1e3,
+                  "all_to_all_ms_by_phase": {k: round(v, 4) for k, v in pred_a2a_phases.items()}},
+    "phases": phase_rows,
     "all_to_all_predicted_over_measured": pred_a2a / measured_a2a if measured_a2a > 0 else None,
     "share_predicted_over_measured":
         (pred_a2a / pred_step) / (measured_a2a / measured_step) if measured_a2a > 0 else None}))

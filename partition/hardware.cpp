@@ -149,6 +149,9 @@ void check_hardware_profile(const HardwareProfile& p) {
   check_value(p, "overlap", p.overlap, true);
   check_value(p, "storage_read_bandwidth", p.storage_read_bandwidth, false);
   check_value(p, "storage_read_latency", p.storage_read_latency, true);
+  check_value(p, "hdf5_row_seconds", p.hdf5_row_seconds, false);
+  check_value(p, "sparse_row_seconds", p.sparse_row_seconds, true);
+  check_value(p, "sparse_id_seconds", p.sparse_id_seconds, true);
   if (p.overlap > 1.0) {
     MESHTRAIN_BAD_INPUT(p.source, ": overlap = ", p.overlap, " must be between 0 and 1");
   }

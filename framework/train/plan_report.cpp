@@ -375,6 +375,7 @@ nlohmann::ordered_json cost_json(const StepCost& cost, const HardwareProfile& hw
           {"full_overlap_s", cost.full_overlap_s},
           {"data_read_s", cost.data_read_s},
           {"data_exposed_s", cost.data_exposed_s},
+          {"data_agree_s", cost.data_agree_s},
           {"items", items},
           {"collective_matmuls", matmuls}};
 }
@@ -1040,7 +1041,13 @@ PlannedStep plan_step(const RunConfig& config, int world_size, const HardwarePro
     cost = predict_step(plan, options, hw, config.partition.collective_matmul);
     add_table_collectives(table_plans(config, plan, options), mesh, hw, plan.local_batch_rows,
                           options.sparse_tables, options.table_bytes_per_element, *cost);
-    add_data_read(*cost, data.read, hw);
+    // A DLRM's readers agree on the ids' checks over the run's communicator (the world).
+    DataRead read = data.read;
+    if (read.tables > 0) {
+      read.agree_ranks = mesh.world_size();
+      read.agree_axes = mesh.active_axes();
+    }
+    add_data_read(*cost, read, hw);
   }
   return {std::move(rules), std::move(options), std::move(shapes), std::move(layers),
           std::move(plan),  std::move(memory),  std::move(cost)};
