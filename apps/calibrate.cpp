@@ -28,6 +28,7 @@
 #include "framework/train/config.hpp"
 #include "framework/train/hardware_file.hpp"
 #include "layers/activation.hpp"
+#include "layers/dlrm.hpp"  // dlrm_dot_interaction
 #include "partition/cost_model.hpp"
 #include "run/dlrm_read_timing.hpp"
 
@@ -192,6 +193,46 @@ std::map<std::string, double> measure_elementwise_rates(const ShardingPlan& plan
     rates.erase("copy");
     rates[name + "_backward"] = elements / std::max(both - copy, 0.1 * both);
   }
+  return rates;
+}
+
+// A DLRM's dot interaction (layers/dlrm.hpp) at the config's shape and this rank's rows:
+// dlrm_dot_forward and dlrm_dot_backward in multiply-adds per second (rows x pairs x d; twice
+// that backward), every rank at once, the slowest rank's median of 5 timings of about 20 ms.
+std::map<std::string, double> measure_dlrm_dot_rates(const DlrmShape& shape, int64_t rows) {
+  std::map<std::string, double> rates;
+  if (shape.interaction != DlrmInteraction::dot || rows <= 0) return rates;
+  const int64_t d = shape.bottom.back();
+  const auto blocks = static_cast<int64_t>(shape.tables.size()) + 1;
+  const int64_t pairs = blocks * (blocks - 1) / 2;
+  Matrix features("meshtrain::calibrate_dlrm_features", rows, blocks * d);
+  Matrix out("meshtrain::calibrate_dlrm_out", rows, d + pairs);
+  Matrix grads("meshtrain::calibrate_dlrm_grads", rows, blocks * d);
+  Kokkos::parallel_for(
+      MESHTRAIN_LABEL("meshtrain::calibrate_dlrm_fill"),
+      Kokkos::MDRangePolicy<Kokkos::Rank<2>>({0, 0}, {rows, blocks * d}),
+      KOKKOS_LAMBDA(const int64_t i, const int64_t j) {
+        features(i, j) = 0.01f * static_cast<float>((i * 131 + j * 7) % 401 - 200);
+      });
+  Kokkos::deep_copy(out, 0.5f);
+  const double multiply_adds = static_cast<double>(rows * pairs * d);
+  auto measure = [&](const std::string& kernel, double elements, auto&& once) {
+    int calls = 1;  // as measure_elementwise_rates: about 20 ms a timing, rank 0's count
+    auto run = [&] {
+      for (int k = 0; k < calls; ++k) once();
+      Kokkos::fence();
+    };
+    const double first = timed(1, run, Until::all_ends);
+    calls = static_cast<int>(std::clamp(0.02 / std::max(first, 1e-9), 1.0, 1000.0));
+    check_mpi(MPI_Bcast(&calls, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
+    rates[kernel] = calls * elements / slowest_timed(5, run, Until::all_ends);
+  };
+  // The forward writes `out`; the backward reads it as the gradient (values near 0.5) and
+  // writes `grads` whole, so every call is the same work.
+  measure("dlrm_dot_backward", 2.0 * multiply_adds,
+          [&] { dlrm_dot_interaction_backward(features, out, grads, d, blocks); });
+  measure("dlrm_dot_forward", multiply_adds,
+          [&] { dlrm_dot_interaction(features, out, d, blocks); });
   return rates;
 }
 
@@ -564,6 +605,12 @@ int calibrate_command(const std::string& config_path, const std::vector<std::str
   profile.gemm_flops = measure_gemm_flops();
   if (plan) profile.gemm_rates = measure_gemm_rates(step_gemm_shapes(*plan));
   if (plan) profile.elementwise_rates = measure_elementwise_rates(*plan, *model);
+  if (plan && dlrm) {
+    for (const auto& [kernel, rate] :
+         measure_dlrm_dot_rates(dlrm->model.dlrm(), plan->local_batch_rows)) {
+      profile.elementwise_rates[kernel] = rate;
+    }
+  }
   profile.memory_bandwidth = measure_memory_bandwidth();
   std::ostringstream measured;
   if (dlrm) measure_data_read(*dlrm, plan ? plan->local_batch_rows : 0, world, profile, measured);

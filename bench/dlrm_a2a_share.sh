@@ -106,6 +106,33 @@ for name in ["data read", "forward", "loss", "backward", "optimizer"]:
                         "measured_per_rank_ms": [p["phases_ms"].get(name, 0.0) for p in per_rank],
                         "predicted_ms": round(pred, 3),
                         "predicted_over_measured": round(pred / meas, 3) if meas > 0 else None}
+# The model's parts (the trace's `layer` spans, by pass) against the items of the same layers:
+# "bottom mlp" bottom/*, "top mlp" top/*, "embeddings" embeddings* (lookups, pooling, their
+# collectives; backward: scatter, dy all-to-all, touched rows, gradient all-reduce), "interaction"
+# its items, "sparse optimizer" the tables' update items. The loss's and the gradient buckets'
+# items are in no part (the trace's parts do not hold them either).
+def part_of(i):
+    layer = i["layer"]
+    if layer.startswith("bottom/"):
+        return "bottom mlp " + i["phase"]
+    if layer.startswith("top/"):
+        return "top mlp " + i["phase"]
+    if layer == "interaction":
+        return "interaction " + i["phase"]
+    if layer.startswith("embeddings"):
+        return "sparse optimizer" if i["phase"] == "update" else "embeddings " + i["phase"]
+    return None
+pred_parts = defaultdict(float)
+for i in items:
+    part = part_of(i)
+    if part:
+        pred_parts[part] += i["seconds"] * 1e3
+part_rows = {}
+for name in sorted(set(pred_parts) | {k for p in per_rank for k in p["layers_ms"]}):
+    meas = sum(p["layers_ms"].get(name, 0.0) for p in per_rank) / np_
+    pred = pred_parts.get(name, 0.0)
+    part_rows[name] = {"measured_ms": round(meas, 3), "predicted_ms": round(pred, 3),
+                       "predicted_over_measured": round(pred / meas, 3) if meas > 0 else None}
 measured_a2a = sum(p["all_to_all_ms"] for p in per_rank) / np_ / 1e3
 measured_step = sum(p["step_ms"] for p in per_rank) / np_ / 1e3
 # The profile's data-read figures (calibrate CONFIG measures them; absent: the defaults).
@@ -122,6 +149,9 @@ print("phase        measured ms (per rank)        predicted ms  pred/meas", file
 for name, row in phase_rows.items():
     print(f"{name:12s} {row['measured_ms']:8.3f} ({', '.join(f'{v:.3f}' for v in row['measured_per_rank_ms'])})"
           f"  {row['predicted_ms']:10.3f}  {row['predicted_over_measured']}", file=sys.stderr)
+for name, row in part_rows.items():
+    print(f"  {name:24s} {row['measured_ms']:8.3f}  {row['predicted_ms']:10.3f}  {row['predicted_over_measured']}",
+          file=sys.stderr)
 print(json.dumps({
     "bench": "dlrm_a2a_share", "ranks": np_, "traced_steps": traced,
     "hardware": cost.get("hardware"), "profile": profile,
@@ -134,7 +164,7 @@ print(json.dumps({
                   "data_exposed_ms": cost.get("data_exposed_s", 0) * 1e3,
                   "data_agree_ms": cost.get("data_agree_s", 0) * 1e3,
                   "all_to_all_ms_by_phase": {k: round(v, 4) for k, v in pred_a2a_phases.items()}},
-    "phases": phase_rows,
+    "phases": phase_rows, "parts": part_rows,
     "all_to_all_predicted_over_measured": pred_a2a / measured_a2a if measured_a2a > 0 else None,
     "share_predicted_over_measured":
         (pred_a2a / pred_step) / (measured_a2a / measured_step) if measured_a2a > 0 else None}))

@@ -123,6 +123,8 @@ const std::vector<std::string>& elementwise_kernel_names() {
       all.push_back(std::string(f) + "_forward");
       all.push_back(std::string(f) + "_backward");
     }
+    all.push_back("dlrm_dot_forward");  // a DLRM's dot interaction (layers/dlrm.hpp)
+    all.push_back("dlrm_dot_backward");
     return all;
   }();
   return names;

@@ -141,7 +141,9 @@ struct HardwareProfile {
 
 // The elementwise kernels a profile may hold a rate for: "<activation>_forward" and
 // "<activation>_backward" for relu, tanh, gelu, gelu_erf, silu and sigmoid (layers/
-// activation.hpp), and swiglu_forward, swiglu_backward.
+// activation.hpp), swiglu_forward, swiglu_backward, and a DLRM's dot interaction,
+// dlrm_dot_forward and dlrm_dot_backward (layers/dlrm.hpp; their elements are multiply-adds,
+// rows x pairs x d forward, twice that backward).
 const std::vector<std::string>& elementwise_kernel_names();
 
 // The reduce-scatter and all-reduce rates (reduce_scatter_bandwidth, all_reduce_bandwidth) of
