@@ -59,6 +59,14 @@ for r in range(np_):
     step_us = sum(e["dur"] for e in steps)
     a2a = [e for e in mine if e["cat"] == "collective" and e["name"] == "all-to-all"]
     other = [e for e in mine if e["cat"] == "collective" and e["name"] != "all-to-all"]
+    # Each all-to-all of a step in order (counts, ids, partial sums, dy: the k-th of every
+    # step), its mean ms: the first after the data read also holds the wait for the other rank.
+    per_call = defaultdict(list)
+    for st in steps:
+        inside = sorted((e for e in a2a if st["ts"] <= e["ts"] <= st["ts"] + st["dur"]),
+                        key=lambda e: e["ts"])
+        for k, e in enumerate(inside):
+            per_call[k].append(e["dur"] / 1e3)
     phases = defaultdict(float)
     layers = defaultdict(float)  # the model's parts (`layer` spans), "name detail"
     for e in mine:
@@ -70,6 +78,7 @@ for r in range(np_):
     per_rank.append({"rank": r, "steps": len(steps), "step_ms": step_us / len(steps) / 1e3,
                      "all_to_all_ms": sum(e["dur"] for e in a2a) / len(steps) / 1e3,
                      "all_to_alls_per_step": len(a2a) / len(steps),
+                     "all_to_all_each_ms": [round(sum(v) / len(v), 4) for _, v in sorted(per_call.items())],
                      "all_to_all_bytes_per_step": sum(e["args"]["bytes"] for e in a2a) / len(steps),
                      "other_collectives_ms": sum(e["dur"] for e in other) / len(steps) / 1e3,
                      "other_collectives_per_step": len(other) / len(steps),
