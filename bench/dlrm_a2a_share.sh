@@ -14,7 +14,13 @@
 # collectives' and each phase's (data read, forward, loss, backward, optimizer). Predicted, with
 # the default hardware profile (or MESHTRAIN_HARDWARE=FILE, `meshtrain plan --hardware`): the
 # cost items whose `what` starts with "all-to-all" and the step. One JSON line: both, per step,
-# and the shares.
+# and the shares; `phases`: each traced phase (data read, forward, loss, backward, optimizer)
+# measured (mean over the ranks, and per rank) against the plan's items of that phase (data read:
+# its exposed read with the ids' agreement); `parts`: the model's parts (the trace's `layer`
+# spans: bottom mlp, embeddings, interaction, top mlp by pass, sparse optimizer) against their
+# items; per rank `all_to_all_each_ms`, each all-to-all of a step in order; `profile`: the
+# hardware file's data-read figures. The phases and parts are also printed as a table on stderr.
+# Extra settings go after `--` (e.g. `-- --set data.prefetch=0`: the read in the step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
