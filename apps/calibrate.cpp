@@ -515,6 +515,20 @@ void measure_data_read(const RunConfig& config, int64_t rows, int world, Hardwar
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, times.data(), static_cast<int>(times.size()), MPI_DOUBLE,
                           MPI_MAX, MPI_COMM_WORLD),
             "MPI_Allreduce");
+  // How far the slowest rank's dense read of a batch runs past the ranks' mean (every rank reads
+  // at once, as in the step, where the first collective after the read waits for the slowest):
+  // the mean over the batches. Recorded, not charged (docs/recsys.md, the share's section).
+  std::vector<double> slowest = t.dense_batches, sum = t.dense_batches;
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, slowest.data(), static_cast<int>(slowest.size()),
+                          MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD),
+            "MPI_Allreduce");
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, sum.data(), static_cast<int>(sum.size()), MPI_DOUBLE,
+                          MPI_SUM, MPI_COMM_WORLD),
+            "MPI_Allreduce");
+  double spread = 0.0;
+  for (size_t b = 0; b < slowest.size(); ++b) {
+    spread += (slowest[b] - sum[b] / world) / static_cast<double>(slowest.size());
+  }
   t.dense_s = times[0];
   t.sparse_s = times[1];
   std::copy(times.begin() + 2, times.end(), t.table_s.begin());
@@ -536,6 +550,11 @@ void measure_data_read(const RunConfig& config, int64_t rows, int world, Hardwar
                 static_cast<long long>(t.tables), t.ids_per_batch,
                 *std::min_element(t.table_s.begin(), t.table_s.end()),
                 *std::max_element(t.table_s.begin(), t.table_s.end()), fewest, most);
+  measured << line;
+  std::snprintf(line, sizeof line,
+                "data_read_spread = %.4g  # s the slowest rank's dense read of a batch ran past "
+                "the ranks' mean (mean over the batches; not charged)\n",
+                spread);
   measured << line;
 }
 

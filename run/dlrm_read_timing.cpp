@@ -95,6 +95,7 @@ DlrmReadTiming measure_dlrm_read(const RunConfig& config, int64_t rows, MPI_Comm
       dense_s.push_back(t2 - t1);
       for (size_t k = 0; k < tables.size(); ++k) ids += static_cast<double>(reader.batch(k).ids());
     }
+    t.dense_batches = dense_s;
     t.dense_s = median(dense_s);
     t.sparse_s = median(sparse_s);
     t.ids_per_batch = ids / batches;

@@ -31,14 +31,15 @@ namespace meshtrain {
 
 struct DlrmReadTiming {
   std::string file;
-  int64_t rows = 0;               // per batch, this rank's
-  int64_t tables = 0;             // the config's
-  int batches = 0;                // timed (after the warm-up)
-  double ids_per_batch = 0.0;     // all tables, the mean over the batches timed
-  double dense_s = 0.0;           // RowSource::read of a batch, median
-  double sparse_s = 0.0;          // read_unagreed of a batch, all tables, median
-  std::vector<double> table_s;    // read_unagreed of a batch, each table alone, median
-  std::vector<double> table_ids;  // each table's ids per batch, mean
+  int64_t rows = 0;                   // per batch, this rank's
+  int64_t tables = 0;                 // the config's
+  int batches = 0;                    // timed (after the warm-up)
+  double ids_per_batch = 0.0;         // all tables, the mean over the batches timed
+  double dense_s = 0.0;               // RowSource::read of a batch, median
+  std::vector<double> dense_batches;  // RowSource::read of each timed batch, in order
+  double sparse_s = 0.0;              // read_unagreed of a batch, all tables, median
+  std::vector<double> table_s;        // read_unagreed of a batch, each table alone, median
+  std::vector<double> table_ids;      // each table's ids per batch, mean
   double hdf5_row_seconds = 0.0, sparse_row_seconds = 0.0, sparse_id_seconds = 0.0;
 };
 
